@@ -1,0 +1,155 @@
+/*
+ * core/alloc.c - see alloc.h.  With KVR_HAVE_JEMALLOC the library uses jemalloc's non-standard
+ * API (mallocx/sdallocx) on an arena of its own, created once; otherwise the C library.
+ */
+#include "core/alloc.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef KVR_HAVE_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
+
+static uint64_t fail_countdown; /* 0 = never fail */
+static int64_t live_bytes;
+
+#ifdef KVR_HAVE_JEMALLOC
+static unsigned arena_ind;
+static int arena_flags; /* 0 until the arena exists: then MALLOCX_ARENA(arena_ind) */
+static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+
+static void make_arena(void)
+{
+	size_t sz = sizeof(arena_ind);
+	if (mallctl("arenas.create", &arena_ind, &sz, NULL, 0) == 0)
+		arena_flags = MALLOCX_ARENA(arena_ind);
+}
+
+static inline int flags(void)
+{
+	pthread_once(&arena_once, make_arena);
+	return arena_flags;
+}
+#endif
+
+static inline int should_fail(void)
+{
+	uint64_t c = __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
+	if (__builtin_expect(c == 0, 1))
+		return 0;
+	return __atomic_sub_fetch(&fail_countdown, 1, __ATOMIC_RELAXED) == 0;
+}
+
+static inline void count(int64_t delta)
+{
+	__atomic_add_fetch(&live_bytes, delta, __ATOMIC_RELAXED);
+}
+
+void *kvr_alloc(size_t size)
+{
+	if (size == 0)
+		size = 1;
+	if (should_fail())
+		return NULL;
+#ifdef KVR_HAVE_JEMALLOC
+	void *p = mallocx(size, flags());
+#else
+	void *p = malloc(size);
+#endif
+	if (p)
+		count((int64_t)size);
+	return p;
+}
+
+void *kvr_calloc(size_t n, size_t size)
+{
+	if (size && n > SIZE_MAX / size)
+		return NULL;
+	size_t total = n * size;
+	if (total == 0)
+		total = 1;
+	if (should_fail())
+		return NULL;
+#ifdef KVR_HAVE_JEMALLOC
+	void *p = mallocx(total, flags() | MALLOCX_ZERO);
+#else
+	void *p = calloc(1, total);
+#endif
+	if (p)
+		count((int64_t)total);
+	return p;
+}
+
+void *kvr_alloc_aligned(size_t size)
+{
+	size_t rounded = (size + 63) & ~(size_t)63;
+	if (rounded == 0)
+		rounded = 64;
+	if (should_fail())
+		return NULL;
+#ifdef KVR_HAVE_JEMALLOC
+	void *p = mallocx(rounded, flags() | MALLOCX_ALIGN(64) | MALLOCX_ZERO);
+#else
+	void *p = aligned_alloc(64, rounded);
+	if (p)
+		memset(p, 0, rounded);
+#endif
+	if (p)
+		count((int64_t)size);
+	return p;
+}
+
+void *kvr_realloc(void *mem, size_t old_size, size_t new_size)
+{
+	if (!mem)
+		return kvr_alloc(new_size);
+	if (new_size == 0)
+		new_size = 1;
+	if (should_fail())
+		return NULL;
+#ifdef KVR_HAVE_JEMALLOC
+	void *p = rallocx(mem, new_size, flags());
+#else
+	void *p = realloc(mem, new_size);
+#endif
+	if (p)
+		count((int64_t)new_size - (int64_t)(old_size ? old_size : 1));
+	return p;
+}
+
+void kvr_free(void *mem, size_t size)
+{
+	if (!mem)
+		return;
+	count(-(int64_t)(size ? size : 1));
+#ifdef KVR_HAVE_JEMALLOC
+	sdallocx(mem, size ? size : 1, flags());
+#else
+	free(mem);
+#endif
+}
+
+void kvr_free_aligned(void *mem, size_t size)
+{
+	if (!mem)
+		return;
+	count(-(int64_t)size);
+#ifdef KVR_HAVE_JEMALLOC
+	size_t rounded = (size + 63) & ~(size_t)63;
+	sdallocx(mem, rounded ? rounded : 64, flags() | MALLOCX_ALIGN(64));
+#else
+	free(mem);
+#endif
+}
+
+void kvr_alloc_fail_after(uint64_t nth)
+{
+	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELAXED);
+}
+
+int64_t kvr_alloc_live_bytes(void)
+{
+	return __atomic_load_n(&live_bytes, __ATOMIC_RELAXED);
+}

@@ -1,0 +1,33 @@
+/*
+ * core/alloc.h - kvrouter's allocator seam.
+ *
+ * Every allocation the library makes goes through these three functions so that
+ *  - with jemalloc (meson feature, on by default) the library's long-lived structures live in a
+ *    private jemalloc arena, away from the embedder's heap, and frees are sized (sdallocx);
+ *  - tests can fail the Nth allocation (SQLite-style out-of-memory loops) and count live bytes.
+ * Sizes must be passed back to kvr_free() exactly as allocated.
+ */
+#ifndef KVR_CORE_ALLOC_H
+#define KVR_CORE_ALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Returns size bytes aligned to 16 (or NULL).  Context: any thread. */
+void *kvr_alloc(size_t size);
+/* Zeroed. */
+void *kvr_calloc(size_t n, size_t size);
+/* Cache-line (64-byte) aligned, for structures written by different threads. */
+void *kvr_alloc_aligned(size_t size);
+/* Resizes; on failure returns NULL and leaves mem untouched. */
+void *kvr_realloc(void *mem, size_t old_size, size_t new_size);
+/* Frees what kvr_alloc*() returned; size is the size asked for.  NULL is a no-op. */
+void kvr_free(void *mem, size_t size);
+void kvr_free_aligned(void *mem, size_t size);
+
+/* Test hooks: fail the nth allocation from now (1 = the next one); 0 disables.
+ * Counts live bytes allocated through this seam.  Context: tests, single-threaded setup. */
+void kvr_alloc_fail_after(uint64_t nth);
+int64_t kvr_alloc_live_bytes(void);
+
+#endif /* KVR_CORE_ALLOC_H */

@@ -1,0 +1,37 @@
+/* core/error.c - messages for KVR_* codes. */
+#include "kvrouter.h"
+
+const char *kvr_strerror(int code)
+{
+	switch (code) {
+	case KVR_OK:
+		return "success";
+	case KVR_EINVAL:
+		return "invalid argument";
+	case KVR_ENOMEM:
+		return "out of memory";
+	case KVR_ENOENT:
+		return "no such rank, attempt, block or object";
+	case KVR_ESTALE:
+		return "stale incarnation or attempt already ended";
+	case KVR_EAGAIN:
+		return "queue full, try again";
+	case KVR_EEXIST:
+		return "already exists";
+	case KVR_EBUSY:
+		return "busy";
+	case KVR_ERANGE:
+		return "value out of range";
+	case KVR_ETIMEDOUT:
+		return "deadline passed";
+	case KVR_ESHUTDOWN:
+		return "router is shutting down";
+	default:
+		return "unknown error";
+	}
+}
+
+const char *kvr_version(void)
+{
+	return KVR_VERSION_STRING;
+}

@@ -1,0 +1,331 @@
+/* tools/trace.c - see trace.h.  JSON is parsed with jansson (a well-kept library). */
+#include "tools/trace.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void seterr(char *err, size_t len, const char *fmt, ...)
+{
+	if (!err || !len)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(err, len, fmt, ap);
+	va_end(ap);
+}
+
+static int push_ids(struct trace *t, json_t *arr, size_t *off, uint32_t *n, uint32_t session)
+{
+	size_t k = json_array_size(arr);
+	if (t->id_len + k > t->id_cap) {
+		size_t nc = t->id_cap ? t->id_cap * 2 : 1 << 16;
+		while (nc < t->id_len + k)
+			nc *= 2;
+		uint64_t *p = realloc(t->id_pool, nc * sizeof(*p));
+		if (!p)
+			return -2;
+		t->id_pool = p;
+		t->id_cap = nc;
+	}
+	*off = t->id_len;
+	for (size_t i = 0; i < k; i++) {
+		json_t *v = json_array_get(arr, i);
+		if (!json_is_integer(v) || json_integer_value(v) < 0)
+			return -1;
+		/* Namespaced: the session index in the top 16 bits. */
+		t->id_pool[t->id_len + i] = ((uint64_t)session << 48) |
+		                            ((uint64_t)json_integer_value(v) & ((1ull << 48) - 1));
+	}
+	t->id_len += k;
+	*n = (uint32_t)k;
+	return 0;
+}
+
+static struct trace_req *new_req(struct trace *t)
+{
+	if (t->n == t->cap) {
+		size_t nc = t->cap ? t->cap * 2 : 1024;
+		struct trace_req *p = realloc(t->reqs, nc * sizeof(*p));
+		if (!p)
+			return NULL;
+		t->reqs = p;
+		t->cap = nc;
+	}
+	struct trace_req *r = &t->reqs[t->n];
+	memset(r, 0, sizeof(*r));
+	return r;
+}
+
+static int get_uint(json_t *o, const char *key, uint64_t max, uint64_t *out)
+{
+	json_t *v = json_object_get(o, key);
+	if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+	    (uint64_t)json_integer_value(v) > max)
+		return -1;
+	*out = (uint64_t)json_integer_value(v);
+	return 0;
+}
+
+static int get_num(json_t *o, const char *key, double *out)
+{
+	json_t *v = json_object_get(o, key);
+	if (!json_is_number(v))
+		return -1;
+	*out = json_number_value(v);
+	return *out >= 0 ? 0 : -1;
+}
+
+/* One Mooncake line.  Returns 0, -1 malformed (why set), -2 out of memory. */
+static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const char **why)
+{
+	uint64_t ts, in, out;
+	json_t *ids = json_object_get(o, "hash_ids");
+	if (!json_is_object(o))
+		return *why = "not a JSON object", -1;
+	if (get_uint(o, "timestamp", UINT64_MAX >> 1, &ts))
+		return *why = "missing or bad \"timestamp\"", -1;
+	if (get_uint(o, "input_length", 1u << 30, &in) || in == 0)
+		return *why = "missing or bad \"input_length\"", -1;
+	if (get_uint(o, "output_length", 1u << 30, &out))
+		return *why = "missing or bad \"output_length\"", -1;
+	if (!json_is_array(ids))
+		return *why = "missing or bad \"hash_ids\"", -1;
+	if (json_array_size(ids) != (in + t->block_size - 1) / t->block_size)
+		return *why = "len(hash_ids) != ceil(input_length / 512)", -1;
+	struct trace_req *r = new_req(t);
+	if (!r)
+		return -2;
+	size_t off;
+	int rc = push_ids(t, ids, &off, &r->n_ids, session);
+	if (rc)
+		return rc == -1 ? (*why = "hash_ids must be non-negative integers", -1) : rc;
+	r->arrival_s = (double)ts / 1000.0;
+	r->input_len = (uint32_t)in;
+	r->output_len = (uint32_t)out;
+	r->session = session;
+	r->ids = (const uint64_t *)(uintptr_t)off; /* resolved in trace_finish */
+	r->uid = t->n;
+	t->n++;
+	return 0;
+}
+
+static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t session, int depth,
+                        const char **why)
+{
+	if (!json_is_array(reqs))
+		return *why = "\"requests\" is not an array", -1;
+	if (depth > 8)
+		return *why = "subagents nested too deep", -1;
+	size_t i;
+	json_t *q;
+	json_array_foreach(reqs, i, q)
+	{
+		double ts;
+		uint64_t in, out;
+		if (!json_is_object(q))
+			return *why = "request is not an object", -1;
+		if (get_num(q, "t", &ts))
+			return *why = "missing or bad \"t\"", -1;
+		json_t *type = json_object_get(q, "type");
+		if (json_is_string(type) && strcmp(json_string_value(type), "subagent") == 0 &&
+		    json_object_get(q, "requests")) {
+			int rc = session_reqs(t, json_object_get(q, "requests"), base + ts, session,
+			                      depth + 1, why);
+			if (rc)
+				return rc;
+			continue;
+		}
+		if (get_uint(q, "in", 1u << 30, &in) || in == 0)
+			return *why = "missing or bad \"in\"", -1;
+		if (get_uint(q, "out", 1u << 30, &out))
+			return *why = "missing or bad \"out\"", -1;
+		json_t *ids = json_object_get(q, "hash_ids");
+		if (!json_is_array(ids))
+			return *why = "missing or bad \"hash_ids\"", -1;
+		if (json_array_size(ids) != in / t->block_size)
+			return *why = "len(hash_ids) != floor(in / block_size)", -1;
+		struct trace_req *r = new_req(t);
+		if (!r)
+			return -2;
+		size_t off;
+		int rc = push_ids(t, ids, &off, &r->n_ids, session);
+		if (rc)
+			return rc == -1 ? (*why = "hash_ids must be non-negative integers", -1)
+			                : rc;
+		r->arrival_s = base + ts;
+		r->input_len = (uint32_t)in;
+		r->output_len = (uint32_t)out;
+		r->session = session;
+		r->ids = (const uint64_t *)(uintptr_t)off;
+		r->uid = t->n;
+		t->n++;
+	}
+	return 0;
+}
+
+static uint32_t next_session;
+
+int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,
+               size_t errlen)
+{
+	FILE *f = fopen(path, "r");
+	if (!f) {
+		seterr(err, errlen, "%s: %s", path, strerror(errno));
+		return -1;
+	}
+	int c;
+	while ((c = fgetc(f)) == ' ' || c == '\n' || c == '\r' || c == '\t')
+		;
+	uint32_t session = next_session++;
+	if (c == EOF) {
+		fclose(f);
+		seterr(err, errlen, "%s:1: empty file", path);
+		return -1;
+	}
+	rewind(f);
+	/* A session file is one object with "requests"; JSON lines have one object a line. */
+	json_error_t je;
+	json_t *whole = json_loadf(f, JSON_DISABLE_EOF_CHECK, &je);
+	int is_session = whole && json_is_object(whole) && json_object_get(whole, "requests");
+	if (is_session) {
+		fclose(f);
+		uint64_t bs;
+		const char *why = NULL;
+		if (get_uint(whole, "block_size", 1u << 20, &bs) || bs == 0) {
+			json_decref(whole);
+			seterr(err, errlen, "%s:1: missing or bad \"block_size\"", path);
+			return -1;
+		}
+		if (t->block_size && t->block_size != bs) {
+			json_decref(whole);
+			seterr(err, errlen, "%s:1: block size %llu differs from the trace's %u",
+			       path, (unsigned long long)bs, t->block_size);
+			return -1;
+		}
+		t->block_size = (uint32_t)bs;
+		size_t before = t->n, ids_before = t->id_len;
+		int rc = session_reqs(t, json_object_get(whole, "requests"), 0.0, session, 0, &why);
+		json_decref(whole);
+		if (rc == -2) {
+			seterr(err, errlen, "%s: out of memory", path);
+			return -1;
+		}
+		if (rc) {
+			if (!skip_bad) {
+				seterr(err, errlen, "%s:1: %s", path, why);
+				return -1;
+			}
+			/* A broken session is skipped whole: its requests depend on each other. */
+			t->n = before;
+			t->id_len = ids_before;
+			t->n_bad++;
+		}
+		if (max_reqs && t->n > max_reqs)
+			t->n = max_reqs;
+		return 0;
+	}
+	json_decref(whole);
+	rewind(f);
+	if (t->block_size && t->block_size != 512) {
+		fclose(f);
+		seterr(err, errlen, "%s:1: Mooncake block size 512 differs from the trace's %u",
+		       path, t->block_size);
+		return -1;
+	}
+	t->block_size = 512;
+	char *line = NULL;
+	size_t cap = 0;
+	ssize_t len;
+	size_t lineno = 0;
+	int ret = 0;
+	while ((len = getline(&line, &cap, f)) >= 0) {
+		lineno++;
+		if (max_reqs && t->n >= max_reqs)
+			break;
+		size_t k = 0;
+		while (k < (size_t)len &&
+		       (line[k] == ' ' || line[k] == '\n' || line[k] == '\r' || line[k] == '\t'))
+			k++;
+		if (k == (size_t)len)
+			continue;
+		const char *why = NULL;
+		json_t *o = json_loadb(line, (size_t)len, 0, &je);
+		int rc;
+		if (!o) {
+			why = je.text;
+			rc = -1;
+		} else {
+			rc = mooncake_line(t, o, session, &why);
+		}
+		if (rc == -2) {
+			seterr(err, errlen, "%s:%zu: out of memory", path, lineno);
+			json_decref(o);
+			ret = -1;
+			break;
+		}
+		if (rc == -1) {
+			if (!skip_bad) {
+				seterr(err, errlen, "%s:%zu: %s", path, lineno, why);
+				json_decref(o);
+				ret = -1;
+				break;
+			}
+			t->n_bad++;
+		}
+		json_decref(o);
+	}
+	free(line);
+	fclose(f);
+	return ret;
+}
+
+static int by_arrival(const void *a, const void *b)
+{
+	const struct trace_req *x = a, *y = b;
+	if (x->arrival_s != y->arrival_s)
+		return x->arrival_s < y->arrival_s ? -1 : 1;
+	return x->uid < y->uid ? -1 : x->uid > y->uid;
+}
+
+void trace_finish(struct trace *t)
+{
+	for (size_t i = 0; i < t->n; i++)
+		t->reqs[i].ids = t->id_pool + (size_t)(uintptr_t)t->reqs[i].ids;
+	qsort(t->reqs, t->n, sizeof(*t->reqs), by_arrival);
+}
+
+void trace_free(struct trace *t)
+{
+	free(t->reqs);
+	free(t->id_pool);
+	memset(t, 0, sizeof(*t));
+}
+
+static inline uint64_t mix64(uint64_t x)
+{
+	x ^= x >> 30;
+	x *= 0xbf58476d1ce4e5b9ull;
+	x ^= x >> 27;
+	x *= 0x94d049bb133111ebull;
+	x ^= x >> 31;
+	return x;
+}
+
+void trace_tokens(const struct trace *t, const struct trace_req *r, uint32_t *out)
+{
+	uint32_t bs = t->block_size;
+	for (uint32_t i = 0; i < r->input_len; i++) {
+		uint32_t b = i / bs;
+		uint64_t key = b < r->n_ids ? r->ids[b] : (1ull << 63) | (r->uid << 20) | b;
+		out[i] = (uint32_t)(mix64(key * 0x9e3779b97f4a7c15ull + (i % bs)) & 0x7fffffff);
+	}
+}
+
+uint32_t trace_output_token(const struct trace_req *r, uint32_t i)
+{
+	return (uint32_t)(mix64(((1ull << 62) | r->uid) * 0x9e3779b97f4a7c15ull + i) & 0x7fffffff);
+}
