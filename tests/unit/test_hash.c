@@ -138,7 +138,7 @@ Test(hash, prefix_sharing_and_long_input)
 Test(hash, extend_continues_chain)
 {
 	uint32_t tok[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
-	uint64_t full[3], ext[2], loc[2];
+	uint64_t full[3], ext[3], loc[3];
 	size_t nb = 99;
 	kvr_hash_blocks(tok, 12, 4, NULL, NULL, full);
 	cr_assert_eq(kvr_hash_extend(&full[0], tok + 4, 8, 4, NULL, loc, ext, &nb), 0);
