@@ -99,6 +99,8 @@ KVR_API uint64_t kvr_hash_lora_seed(const char *lora_name);
 
 /* ---------------------------------------------------------------- configuration */
 
+struct kvr_decision;
+
 /* How the index learns what each rank caches. */
 enum kvr_mode {
 	KVR_MODE_APPROX_LRU = 0, /* predict: capacity-bounded LRU mirroring vLLM (default) */
@@ -159,6 +161,14 @@ struct kvr_config {
 	 * (default 200 us, >= 1). */
 	uint32_t maint_every_tasks;
 	uint64_t maint_every_ns;
+	/* Called (on a router thread, never under a router lock) when a queued request is
+	 * admitted; d is borrowed for the call.  Default NULL. */
+	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
+	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
+	 * embedder can ask the worker to replay.  Default NULL. */
+	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
+	                     uint64_t got);
+	void *callback_ctx;
 };
 
 /* Fills *cfg with the documented defaults.  NULL is a no-op. */
@@ -187,6 +197,199 @@ KVR_API uint64_t kvr_router_now(const struct kvr_router *router);
 
 /* Copies the router's effective configuration (defaults resolved) into *out. */
 KVR_API int kvr_router_get_config(const struct kvr_router *router, struct kvr_config *out);
+
+/* ---------------------------------------------------------------- ranks */
+
+/* A worker rank: a worker and one of its data-parallel ranks. */
+struct kvr_rank_id {
+	uint64_t worker_id;
+	uint32_t dp_rank;
+};
+
+/* KVR_CAPACITY_NONE: no known capacity; the rank's blocks are kept by TTL retention. */
+#define KVR_CAPACITY_NONE UINT64_MAX
+
+/*
+ * Adds a rank.  incarnation names this life of the rank (e.g. the engine's start time): a later
+ * command carrying another incarnation is stale, or (set_capacity/reset) starts a new life.
+ * max_batched_tokens: the engine's token budget per step (queue threshold; 0 = unknown).
+ * capacity_blocks: its KV cache size in blocks for approx_lru, or KVR_CAPACITY_NONE.
+ * Returns 0, KVR_EEXIST, KVR_ERANGE (max_ranks reached), KVR_ENOMEM, KVR_EINVAL.
+ * Context: any thread.
+ */
+KVR_API int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
+                         uint64_t capacity_blocks, uint32_t max_batched_tokens);
+
+/* Sets the capacity (blocks; KVR_CAPACITY_NONE or 0 = TTL retention).  A different incarnation
+ * clears the rank and starts a new life; an older one is KVR_ESTALE.  Shrinking evicts.
+ * Returns 0, KVR_ENOENT, KVR_ESTALE, KVR_ENOMEM. */
+KVR_API int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank,
+                                  uint64_t incarnation, uint64_t capacity_blocks);
+
+/* Forgets everything known about the rank's cache and requests (its attempts become stale) and
+ * continues with new_incarnation.  Returns 0, KVR_ENOENT, KVR_ESTALE (new_incarnation older). */
+KVR_API int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation);
+
+/* Removes the rank; its attempts become stale.  Returns 0 or KVR_ENOENT. */
+KVR_API int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank);
+
+struct kvr_rank_stats {
+	uint64_t incarnation;
+	uint64_t capacity_blocks; /* KVR_CAPACITY_NONE for TTL retention */
+	uint64_t resident_blocks; /* predicted (approx_lru) or indexed blocks */
+	uint64_t indexed_blocks;  /* blocks the index holds for the rank */
+	uint64_t active_blocks;   /* distinct blocks pinned by in-flight requests */
+	uint64_t active_prefill_tokens;
+	uint64_t active_requests; /* live attempts */
+	uint64_t evictions;
+	uint64_t event_id; /* last applied KV event id (events mode) */
+	uint64_t event_gaps;
+};
+
+/* A snapshot of one rank's state.  Returns 0 or KVR_ENOENT. */
+KVR_API int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank,
+                               struct kvr_rank_stats *out);
+
+/* ---------------------------------------------------------------- routing */
+
+enum kvr_route_flags {
+	KVR_ROUTE_QUERY_ONLY = 1u << 0, /* decide, book nothing (no attempt, no index change) */
+	KVR_ROUTE_WAIT = 1u << 1,       /* if queued, block until admitted or deadline_ns */
+};
+
+struct kvr_request {
+	/* The prompt: tokens (borrowed), or precomputed local block hashes (borrowed) with
+	 * n_tokens still giving the prompt length.  Exactly one of tokens / local_hashes. */
+	const uint32_t *tokens;
+	size_t n_tokens;
+	const uint64_t *local_hashes;
+	size_t n_hashes;
+	const char *lora_name; /* borrowed; NULL = none */
+	uint64_t request_id;   /* the frontend's id, for probes and logs */
+	uint32_t expected_output_tokens;
+	uint32_t flags;                   /* enum kvr_route_flags */
+	const struct kvr_rank_id *pinned; /* route here (must be in allow if both are set) */
+	const struct kvr_rank_id *allow;  /* candidates restricted to these */
+	size_t n_allow;
+	/* Per-request overrides; a negative value means "the router's". */
+	double overlap_credit;
+	double prefill_load_scale;
+	double temperature;
+	/* KVR_ROUTE_WAIT deadline on the router clock (ns); 0 = wait forever. */
+	uint64_t deadline_ns;
+	/* Expected prefill duration, ns (0 = unknown): the oldest in-prefill request's load then
+	 * decays linearly over it. */
+	uint64_t expected_prefill_ns;
+};
+
+/* Fills *req with "no prompt, no options, router's parameters". */
+KVR_API void kvr_request_init(struct kvr_request *req);
+
+enum kvr_decision_status {
+	KVR_DECIDED = 0, /* admitted: rank and attempt are valid */
+	KVR_QUEUED = 1,  /* waiting: ticket is valid; on_admit or KVR_ROUTE_WAIT tells the rest */
+};
+
+struct kvr_decision {
+	int status; /* enum kvr_decision_status */
+	struct kvr_rank_id rank;
+	uint32_t overlap_blocks;  /* predicted cached prefix on the rank, blocks */
+	uint32_t required_blocks; /* complete blocks of the prompt */
+	uint64_t cached_tokens;   /* overlap_blocks * block_size */
+	uint64_t attempt;         /* the attempt id (lease); 0 for query-only */
+	uint64_t ticket;          /* queue ticket when status == KVR_QUEUED */
+	double cost;              /* the chosen rank's cost */
+};
+
+/*
+ * Routes one request: hashes it, finds which ranks hold its prefix, scores every candidate by
+ * overlap and load, picks one and admits the request there (lease, LRU, load, index).
+ * Returns 0 (see d->status), KVR_EINVAL (bad request), KVR_ENOENT (no eligible rank: none
+ * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full), KVR_ETIMEDOUT (KVR_ROUTE_WAIT
+ * deadline), KVR_ENOMEM, KVR_ESHUTDOWN.
+ * Context: any thread, concurrently.  Lock-free until admission, which is one round trip to the
+ * chosen rank's shard.
+ */
+KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d);
+
+/* Waits for a queued request (ticket from a KVR_QUEUED decision) until deadline_ns (router
+ * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued),
+ * KVR_ENOENT (unknown ticket or already collected). */
+KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
+                           struct kvr_decision *d);
+
+/* Cancels a queued request.  Returns 0 or KVR_ENOENT (not queued any more). */
+KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
+
+/* ---------------------------------------------------------------- request lifecycle */
+/* All are idempotent on the request's end: after finish, abort or lease expiry, every call on
+ * the attempt returns KVR_ESTALE and changes nothing.  Context: any thread. */
+
+/* The prompt is prefilled: its prefill tokens leave the rank's load. */
+KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
+
+/* New output tokens (borrowed): each block they complete is materialized in the rank's cache
+ * prediction, chained after the prompt. */
+KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
+                               size_t n_tokens);
+
+/* The request ended normally / was aborted: its blocks are released, its load returned. */
+KVR_API int kvr_request_finish(struct kvr_router *r, uint64_t attempt);
+KVR_API int kvr_request_abort(struct kvr_router *r, uint64_t attempt);
+
+/* ---------------------------------------------------------------- KV events */
+
+enum kvr_event_type {
+	KVR_EVENT_STORED = 0,
+	KVR_EVENT_REMOVED = 1,
+	KVR_EVENT_CLEARED = 2,
+};
+
+struct kvr_event_block {
+	uint64_t ext_hash;      /* the engine's hash of the block */
+	const uint32_t *tokens; /* borrowed: the block's block_size token ids, or NULL */
+	uint64_t local_hash;    /* used when tokens is NULL */
+	uint32_t n_tokens;      /* must equal the router's block_size when tokens is set */
+};
+
+struct kvr_event {
+	int type;          /* enum kvr_event_type */
+	uint64_t event_id; /* per (worker, dp rank), increasing; 0 = unnumbered */
+	bool has_parent;   /* stored: blocks follow parent_ext_hash */
+	uint64_t parent_ext_hash;
+	const struct kvr_event_block *blocks; /* stored (borrowed) */
+	size_t n_blocks;
+	const uint64_t *removed; /* removed: external hashes (borrowed) */
+	size_t n_removed;
+	const char *lora_name; /* stored with tokens: the adapter (borrowed) */
+};
+
+/*
+ * Applies one KV event of a rank on the rank's shard.  Event ids: an id at or below the last
+ * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
+ * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
+ * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays),
+ * KVR_ENOMEM.  Removed hashes the rank does not hold are counted and skipped.
+ * Context: any thread.  Meant for KVR_MODE_EVENTS; in other modes it is KVR_EINVAL.
+ */
+KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
+                             const struct kvr_event *ev);
+
+/* ---------------------------------------------------------------- metrics */
+
+/*
+ * Writes every metric in Prometheus text exposition format into buf (cap bytes, always
+ * NUL-terminated when cap > 0).  *len_out (may be NULL) gets the full length; when it does not
+ * fit, returns KVR_ERANGE and *len_out tells the size needed.  Context: any thread.
+ */
+KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out);
+
+/*
+ * Makes the shards re-read the clock and waits until each has run every message posted before
+ * the call and every timer due by now (TTL expiry, lease reaper).  For virtual-time simulation
+ * and tests; never needed with the real clock.  Returns 0 or KVR_ETIMEDOUT (timeout_ms).
+ */
+KVR_API int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,206 @@
+/* core/metrics.c - per-thread metric blocks, merged on read; see metrics.h. */
+#include "core/metrics.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+
+struct kvr_metrics {
+	uint64_t id;                      /* unique for the process: addresses get reused */
+	pthread_mutex_t lock;             /* registration and free list only */
+	struct kvr_metrics_block *blocks; /* head; published with release */
+	struct kvr_metrics_block *free;
+	struct kvr_metrics *live_next; /* the live registries (under live_lock) */
+};
+
+/* Live registries, so a thread exiting after a router was destroyed never touches it. */
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct kvr_metrics *live;
+static uint64_t next_id = 1;
+
+/* One-entry cache: the last registry this thread recorded into (by id) and its block there. */
+static _Thread_local uint64_t tls_id;
+static _Thread_local struct kvr_metrics_block *tls_block;
+
+/* The blocks this thread took, to hand back at thread exit. */
+struct owned_ref {
+	struct kvr_metrics *m;
+	uint64_t id;
+	struct kvr_metrics_block *b;
+};
+static _Thread_local struct owned {
+	struct owned_ref r[8];
+	int n;
+} tls_owned;
+static pthread_key_t exit_key;
+static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
+
+static void on_thread_exit(void *unused)
+{
+	(void)unused;
+	pthread_mutex_lock(&live_lock);
+	for (int i = 0; i < tls_owned.n; i++) {
+		struct owned_ref *o = &tls_owned.r[i];
+		for (struct kvr_metrics *m = live; m; m = m->live_next) {
+			if (m != o->m || m->id != o->id)
+				continue;
+			pthread_mutex_lock(&m->lock);
+			o->b->next_free = m->free;
+			m->free = o->b;
+			pthread_mutex_unlock(&m->lock);
+			break;
+		}
+	}
+	pthread_mutex_unlock(&live_lock);
+	tls_owned.n = 0;
+	tls_id = 0;
+	tls_block = NULL;
+}
+
+static void make_key(void)
+{
+	pthread_key_create(&exit_key, on_thread_exit);
+}
+
+int kvr_metrics_create(struct kvr_metrics **out)
+{
+	struct kvr_metrics *m = kvr_calloc(1, sizeof(*m));
+	if (!m)
+		return KVR_ENOMEM;
+	pthread_once(&exit_once, make_key);
+	pthread_mutex_init(&m->lock, NULL);
+	pthread_mutex_lock(&live_lock);
+	m->id = next_id++;
+	m->live_next = live;
+	live = m;
+	pthread_mutex_unlock(&live_lock);
+	*out = m;
+	return 0;
+}
+
+void kvr_metrics_destroy(struct kvr_metrics *m)
+{
+	if (!m)
+		return;
+	pthread_mutex_lock(&live_lock);
+	for (struct kvr_metrics **pp = &live; *pp; pp = &(*pp)->live_next) {
+		if (*pp == m) {
+			*pp = m->live_next;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&live_lock);
+	struct kvr_metrics_block *b = m->blocks;
+	while (b) {
+		struct kvr_metrics_block *next = b->next;
+		kvr_free_aligned(b, sizeof(*b));
+		b = next;
+	}
+	pthread_mutex_destroy(&m->lock);
+	kvr_free(m, sizeof(*m));
+}
+
+struct kvr_metrics_block *kvr_metrics_local(struct kvr_metrics *m)
+{
+	if (__builtin_expect(tls_id == m->id, 1))
+		return tls_block;
+	/* Slow path: this thread's block for m, or a new one.  Forget refs to dead registries. */
+	for (int i = 0; i < tls_owned.n; i++) {
+		struct owned_ref *o = &tls_owned.r[i];
+		if (o->m == m && o->id == m->id) {
+			tls_id = m->id;
+			tls_block = o->b;
+			return o->b;
+		}
+	}
+	if (tls_owned.n == (int)(sizeof(tls_owned.r) / sizeof(tls_owned.r[0]))) {
+		/* Drop refs whose registry is gone (destroyed routers). */
+		pthread_mutex_lock(&live_lock);
+		int k = 0;
+		for (int i = 0; i < tls_owned.n; i++) {
+			for (struct kvr_metrics *l = live; l; l = l->live_next) {
+				if (l == tls_owned.r[i].m && l->id == tls_owned.r[i].id) {
+					tls_owned.r[k++] = tls_owned.r[i];
+					break;
+				}
+			}
+		}
+		tls_owned.n = k;
+		pthread_mutex_unlock(&live_lock);
+		if (k == (int)(sizeof(tls_owned.r) / sizeof(tls_owned.r[0])))
+			return NULL; /* recording into more than 8 live routers: not counted */
+	}
+	pthread_mutex_lock(&m->lock);
+	struct kvr_metrics_block *b = m->free;
+	if (b) {
+		m->free = b->next_free;
+	} else {
+		b = kvr_alloc_aligned(sizeof(*b));
+		if (b) {
+			b->next = m->blocks;
+			__atomic_store_n(&m->blocks, b, __ATOMIC_RELEASE);
+		}
+	}
+	pthread_mutex_unlock(&m->lock);
+	if (!b)
+		return NULL;
+	tls_owned.r[tls_owned.n++] = (struct owned_ref){m, m->id, b};
+	pthread_setspecific(exit_key, &tls_owned);
+	tls_id = m->id;
+	tls_block = b;
+	return b;
+}
+
+uint64_t kvr_metrics_counter(struct kvr_metrics *m, enum kvr_counter c)
+{
+	uint64_t s = 0;
+	for (struct kvr_metrics_block *b = __atomic_load_n(&m->blocks, __ATOMIC_ACQUIRE); b;
+	     b = b->next)
+		s += __atomic_load_n(&b->counter[c], __ATOMIC_RELAXED);
+	return s;
+}
+
+void kvr_metrics_hist(struct kvr_metrics *m, enum kvr_hist h, uint64_t out[KVR_HIST_BUCKETS],
+                      uint64_t *sum)
+{
+	memset(out, 0, sizeof(uint64_t) * KVR_HIST_BUCKETS);
+	uint64_t s = 0;
+	for (struct kvr_metrics_block *b = __atomic_load_n(&m->blocks, __ATOMIC_ACQUIRE); b;
+	     b = b->next) {
+		for (unsigned i = 0; i < KVR_HIST_BUCKETS; i++)
+			out[i] += __atomic_load_n(&b->hist[h][i], __ATOMIC_RELAXED);
+		s += __atomic_load_n(&b->hist_sum[h], __ATOMIC_RELAXED);
+	}
+	if (sum)
+		*sum = s;
+}
+
+uint64_t kvr_hist_bucket_low(unsigned i)
+{
+	if (i < 4)
+		return i;
+	unsigned e = i / 4 + 1, sub = i % 4;
+	return (1ull << e) + ((uint64_t)sub << (e - 2));
+}
+
+uint64_t kvr_hist_quantile(const uint64_t hist[KVR_HIST_BUCKETS], double q)
+{
+	uint64_t total = 0;
+	for (unsigned i = 0; i < KVR_HIST_BUCKETS; i++)
+		total += hist[i];
+	if (total == 0)
+		return 0;
+	uint64_t rank = (uint64_t)(q * (double)total);
+	if (rank >= total)
+		rank = total - 1;
+	uint64_t acc = 0;
+	for (unsigned i = 0; i < KVR_HIST_BUCKETS; i++) {
+		acc += hist[i];
+		if (acc > rank)
+			return i + 1 < KVR_HIST_BUCKETS ? kvr_hist_bucket_low(i + 1) - 1
+			                                : UINT64_MAX;
+	}
+	return UINT64_MAX;
+}
