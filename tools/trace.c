@@ -167,20 +167,14 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 	return 0;
 }
 
-static uint32_t next_session;
-
-int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,
-               size_t errlen)
+/* Parses one file's content from f (closed here); path names it in messages. */
+static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad, size_t max_reqs,
+                       char *err, size_t errlen)
 {
-	FILE *f = fopen(path, "r");
-	if (!f) {
-		seterr(err, errlen, "%s: %s", path, strerror(errno));
-		return -1;
-	}
 	int c;
 	while ((c = fgetc(f)) == ' ' || c == '\n' || c == '\r' || c == '\t')
 		;
-	uint32_t session = next_session++;
+	uint32_t session = t->n_sessions++;
 	if (c == EOF) {
 		fclose(f);
 		seterr(err, errlen, "%s:1: empty file", path);
@@ -281,6 +275,32 @@ int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs
 	free(line);
 	fclose(f);
 	return ret;
+}
+
+int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,
+               size_t errlen)
+{
+	FILE *f = fopen(path, "r");
+	if (!f) {
+		seterr(err, errlen, "%s: %s", path, strerror(errno));
+		return -1;
+	}
+	return load_stream(t, f, path, skip_bad, max_reqs, err, errlen);
+}
+
+int trace_load_mem(struct trace *t, const char *name, const void *data, size_t len, bool skip_bad,
+                   size_t max_reqs, char *err, size_t errlen)
+{
+	if (len == 0) {
+		seterr(err, errlen, "%s:1: empty file", name);
+		return -1;
+	}
+	FILE *f = fmemopen((void *)(uintptr_t)data, len, "r");
+	if (!f) {
+		seterr(err, errlen, "%s: %s", name, strerror(errno));
+		return -1;
+	}
+	return load_stream(t, f, name, skip_bad, max_reqs, err, errlen);
 }
 
 static int by_arrival(const void *a, const void *b)

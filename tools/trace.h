@@ -31,6 +31,7 @@ struct trace {
 	size_t n;
 	uint32_t block_size; /* the trace's block size (tokens per id) */
 	size_t n_bad;        /* malformed entries skipped (skip_bad) */
+	uint32_t n_sessions; /* files loaded: each is an id namespace */
 	/* owned storage */
 	uint64_t *id_pool;
 	size_t id_len, id_cap;
@@ -42,6 +43,9 @@ struct trace {
  * counted in t->n_bad and skipped instead.  max_reqs > 0 stops after that many requests. */
 int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,
                size_t errlen);
+/* The same from memory (data borrowed); name is used in messages.  For the fuzzer and tests. */
+int trace_load_mem(struct trace *t, const char *name, const void *data, size_t len, bool skip_bad,
+                   size_t max_reqs, char *err, size_t errlen);
 /* Sorts by arrival (stable) and resolves id pointers; call once after the last load. */
 void trace_finish(struct trace *t);
 void trace_free(struct trace *t);

@@ -1,0 +1,90 @@
+/* The trace reader: both formats, errors with file and line, --skip-bad, deterministic tokens. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "tools/trace.h"
+
+static int load(struct trace *t, const char *s, bool skip, char *err)
+{
+	return trace_load_mem(t, "mem", s, strlen(s), skip, 0, err, 256);
+}
+
+Test(trace, mooncake_lines)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *s = "{\"timestamp\": 1000, \"input_length\": 600, \"output_length\": 5, "
+	                "\"hash_ids\": [7, 8]}\n"
+	                "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, "
+	                "\"hash_ids\": [7]}\n";
+	cr_assert_eq(load(&t, s, false, err), 0, "%s", err);
+	trace_finish(&t);
+	cr_assert_eq(t.n, 2);
+	cr_assert_eq(t.block_size, 512);
+	cr_assert_float_eq(t.reqs[0].arrival_s, 0.0, 1e-9); /* sorted by arrival */
+	cr_assert_eq(t.reqs[1].n_ids, 2);
+	uint32_t a[600], b[512];
+	trace_tokens(&t, &t.reqs[1], a);
+	trace_tokens(&t, &t.reqs[0], b);
+	cr_assert_eq(memcmp(a, b, sizeof(b)), 0, "equal ids give equal tokens");
+	trace_free(&t);
+}
+
+Test(trace, errors_name_the_line)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *s = "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, "
+	                "\"hash_ids\": [7]}\n"
+	                "{\"timestamp\": 0, \"input_length\": 5000, \"output_length\": 1, "
+	                "\"hash_ids\": [7]}\n"
+	                "not json\n";
+	cr_assert_eq(load(&t, s, false, err), -1);
+	cr_assert(strstr(err, "mem:2:") != NULL, "%s", err);
+	trace_free(&t);
+	struct trace u = {0};
+	cr_assert_eq(load(&u, s, true, err), 0);
+	cr_assert_eq(u.n, 1);
+	cr_assert_eq(u.n_bad, 2);
+	trace_free(&u);
+}
+
+Test(trace, session_with_subagent)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *s =
+	    "{\"block_size\": 64, \"requests\": ["
+	    "{\"t\": 2.0, \"type\": \"n\", \"in\": 130, \"out\": 3, \"hash_ids\": [1, 2]},"
+	    "{\"t\": 1.0, \"type\": \"subagent\", \"requests\": ["
+	    "{\"t\": 0.5, \"in\": 64, \"out\": 2, \"hash_ids\": [1]}]}]}";
+	cr_assert_eq(load(&t, s, false, err), 0, "%s", err);
+	trace_finish(&t);
+	cr_assert_eq(t.n, 2);
+	cr_assert_eq(t.block_size, 64);
+	cr_assert_float_eq(t.reqs[0].arrival_s, 1.5, 1e-9);
+	cr_assert_float_eq(t.reqs[1].arrival_s, 2.0, 1e-9);
+	trace_free(&t);
+}
+
+Test(trace, session_namespaces_and_block_size_mismatch)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *s = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out\": 1, "
+	                "\"hash_ids\": [1]}]}";
+	cr_assert_eq(load(&t, s, false, err), 0);
+	cr_assert_eq(load(&t, s, false, err), 0);
+	trace_finish(&t);
+	cr_assert_neq(t.reqs[0].ids[0], t.reqs[1].ids[0], "sessions do not share ids");
+	const char *m = "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, "
+	                "\"hash_ids\": [7]}\n";
+	cr_assert_eq(load(&t, m, false, err), -1);
+	cr_assert(strstr(err, "block size") != NULL, "%s", err);
+	trace_free(&t);
+	struct trace e = {0};
+	cr_assert_eq(trace_load_mem(&e, "empty", "", 0, false, 0, err, 256), -1);
+	cr_assert_eq(trace_load(&e, "/nonexistent/x.jsonl", false, 0, err, 256), -1);
+	cr_assert(strstr(err, "/nonexistent/x.jsonl") != NULL);
+	trace_free(&e);
+}
