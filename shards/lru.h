@@ -1,0 +1,114 @@
+/*
+ * shards/lru.h - capacity-bounded approximate LRU of one rank's KV cache (issue 5, part A).
+ *
+ * The router predicts what a rank's engine (vLLM) holds from its own routing decisions: copies
+ * of blocks are reference counted by leases (one per request attempt); a released copy becomes
+ * evictable; eviction takes the least recently released first and, within one release, the
+ * deepest position first.  See lru.c for the algorithm and data structures.
+ *
+ * Outputs: every command RESETS *out first, then fills it with what the index must do:
+ * stored_* = hashes now present on the rank that were absent before the command (their first
+ * copy), evicted_seq = hashes whose last copy went (remove them from the index).  Within one
+ * command the two sets are disjoint, so the router may apply them in any order.  cleared is used
+ * by shards/rank_state.h (the whole rank must be cleared from the index before the rest).
+ * On any error *out is empty and the state is unchanged.
+ *
+ * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
+ */
+#ifndef KVR_SHARDS_LRU_H
+#define KVR_SHARDS_LRU_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvr_lru;
+
+/* One block of a request: its own (local) hash and its chained sequence hash. */
+struct kvr_lru_block {
+	uint64_t local;
+	uint64_t seq;
+};
+
+/* Output buffers, owned by the caller's struct but grown by the library (kvr_alloc).
+ * Initialise with kvr_lru_out_init, free with kvr_lru_out_fini. */
+struct kvr_lru_out {
+	uint64_t *stored_seq;
+	uint64_t *stored_local;
+	size_t n_stored, cap_stored;
+	uint64_t *evicted_seq;
+	size_t n_evicted, cap_evicted;
+	bool cleared; /* the whole rank must be cleared from the index first */
+};
+
+struct kvr_lru_stats {
+	uint64_t capacity; /* blocks */
+	uint64_t resident; /* copies + private blocks */
+	uint64_t copies;   /* physical hashed blocks */
+	uint64_t hashes;   /* distinct sequence hashes present */
+	uint64_t private_blocks;
+	uint64_t inactive;  /* copies with no holder (evictable) */
+	uint64_t leases;    /* live attempts */
+	uint64_t evictions; /* copies evicted since create */
+	uint64_t epoch;     /* releases since create */
+};
+
+void kvr_lru_out_init(struct kvr_lru_out *out);
+void kvr_lru_out_fini(struct kvr_lru_out *out);
+/* Empties *out (keeps its memory). */
+void kvr_lru_out_reset(struct kvr_lru_out *out);
+/* Makes room for `stored` more stored and `evicted` more evicted entries.  0 or KVR_ENOMEM. */
+int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored, size_t evicted);
+
+/* Creates an empty LRU of capacity_blocks (0 is allowed: nothing inactive is ever kept).
+ * Returns 0, KVR_EINVAL (out NULL) or KVR_ENOMEM. */
+int kvr_lru_create(uint64_t capacity_blocks, struct kvr_lru **out);
+/* Frees everything.  NULL is a no-op. */
+void kvr_lru_destroy(struct kvr_lru *lru);
+
+/*
+ * A request attempt is admitted with prompt blocks b[0..n) (borrowed) and private_blocks
+ * partial/unhashed blocks.  Leading blocks whose hash is present reuse the oldest copy of the
+ * hash (taking it out of the inactive set), refs + 1, position = i; from the first miss on every
+ * block gets a NEW copy (even if its hash exists elsewhere on the rank).  Then reconcile.
+ * Returns 0, KVR_EINVAL (b NULL with n > 0, lru/out NULL), KVR_EEXIST (attempt live),
+ * KVR_ERANGE (more than 2^32-2 copies), KVR_ENOMEM.
+ */
+int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_block *b, size_t n,
+                    uint32_t private_blocks, struct kvr_lru_out *out);
+
+/*
+ * Output blocks b[0..n) of a live attempt completed: each gets a new copy at position
+ * start_pos + i, appended to the lease; the lease's private count is REPLACED by private_blocks.
+ * parent_seq: if the lease holds blocks, it must be the seq of the last one appended (the chain
+ * the new blocks continue), else KVR_ENOENT; ignored for a lease without blocks.
+ * Returns 0, KVR_EINVAL, KVR_ENOENT (attempt not live, parent mismatch), KVR_ERANGE, KVR_ENOMEM.
+ */
+int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_seq,
+                        const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
+                        uint32_t private_blocks, struct kvr_lru_out *out);
+
+/*
+ * Ends an attempt: one new release epoch; its private blocks go; each copy refs - 1, and the
+ * copies reaching 0 become inactive stamped with this epoch (ordered deepest first); reconcile.
+ * Returns 0, KVR_EINVAL, KVR_ENOENT (unknown or already released attempt: the LRU keeps no
+ * memory of finished attempts; shards/lease.h tells stale from unknown), KVR_ENOMEM.
+ */
+int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *out);
+
+/* Sets the capacity (blocks) and evicts inactive copies down to it.  0, KVR_EINVAL, KVR_ENOMEM. */
+int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_out *out);
+
+/* How many leading hashes of seq[0..n) are present on the rank (any copy). */
+size_t kvr_lru_overlap(const struct kvr_lru *lru, const uint64_t *seq, size_t n);
+
+/* Whether the attempt holds a live lease. */
+bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt);
+
+/* Fills *st.  Cheap (counters). */
+void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st);
+
+/* Bytes of memory held per live copy (slab + hash table + lease entry), for the benchmark. */
+double kvr_lru_bytes_per_copy(const struct kvr_lru *lru);
+
+#endif /* KVR_SHARDS_LRU_H */

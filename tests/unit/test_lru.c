@@ -1,0 +1,302 @@
+/* Approximate LRU (shards/lru): the issue's reference lifecycle, then each command, including
+ * every duplicate, unknown and out-of-memory case. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+#include "shards/lru.h"
+
+static void blocks(struct kvr_lru_block *b, const uint64_t *v, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		b[i].seq = v[i];
+		b[i].local = v[i] + 1000;
+	}
+}
+
+static uint64_t resident(struct kvr_lru *lru)
+{
+	struct kvr_lru_stats st;
+	kvr_lru_stats(lru, &st);
+	return st.resident;
+}
+
+Test(lru, reference_lifecycle)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[9];
+	struct kvr_lru_stats st;
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_lru_create(10, &lru), 0);
+
+	blocks(b, (uint64_t[]){10, 11, 12}, 3);
+	cr_assert_eq(kvr_lru_acquire(lru, 1 /* A */, b, 3, 1, &out), 0);
+	cr_assert_eq(resident(lru), 4);
+	cr_assert_eq(out.n_stored, 3);
+	cr_assert_eq(out.stored_seq[0], 10);
+	cr_assert_eq(out.stored_local[2], 1012);
+	cr_assert_eq(out.n_evicted, 0);
+
+	blocks(b, (uint64_t[]){13}, 1);
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 12, b, 1, 3, 1, &out), 0);
+	cr_assert_eq(resident(lru), 5);
+	cr_assert_eq(out.n_stored, 1);
+	cr_assert_eq(out.stored_seq[0], 13);
+
+	blocks(b, (uint64_t[]){10, 11, 20}, 3);
+	cr_assert_eq(kvr_lru_acquire(lru, 2 /* B */, b, 3, 1, &out), 0);
+	cr_assert_eq(resident(lru), 7, "10 and 11 are shared");
+	cr_assert_eq(out.n_stored, 1);
+	cr_assert_eq(out.stored_seq[0], 20);
+
+	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.resident, 6);
+	cr_assert_eq(st.inactive, 2, "12 and 13");
+	cr_assert_eq(out.n_evicted, 0);
+
+	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.resident, 5);
+	cr_assert_eq(st.inactive, 5, "all inactive");
+
+	blocks(b, (uint64_t[]){100, 101, 102, 103, 104, 105, 106, 107, 108}, 9);
+	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 9, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 9);
+	cr_assert_eq(out.n_evicted, 4);
+	cr_assert_eq(out.evicted_seq[0], 13, "A's release, deepest first");
+	cr_assert_eq(out.evicted_seq[1], 12);
+	cr_assert_eq(out.evicted_seq[2], 20, "then B's");
+	cr_assert_eq(out.evicted_seq[3], 11);
+	cr_assert_eq(resident(lru), 10);
+	uint64_t q[2] = {10, 11};
+	cr_assert_eq(kvr_lru_overlap(lru, q, 2), 1);
+
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, acquire_duplicate_attempt_refused)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[2];
+	kvr_lru_out_init(&out);
+	kvr_lru_create(100, &lru);
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 7, b, 2, 0, &out), 0);
+	blocks(b, (uint64_t[]){3, 4}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 7, b, 2, 5, &out), KVR_EEXIST);
+	cr_assert_eq(out.n_stored, 0);
+	cr_assert_eq(resident(lru), 2, "a refused command changes nothing");
+	cr_assert_eq(kvr_lru_acquire(lru, 8, NULL, 1, 0, &out), KVR_EINVAL);
+	cr_assert_eq(kvr_lru_acquire(lru, 8, NULL, 0, 0, &out), 0, "empty prompt is fine");
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, miss_then_new_copies_even_if_hash_exists)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[3];
+	struct kvr_lru_stats st;
+	kvr_lru_out_init(&out);
+	kvr_lru_create(100, &lru);
+	blocks(b, (uint64_t[]){1, 2, 3}, 3);
+	kvr_lru_acquire(lru, 1, b, 3, 0, &out);
+	blocks(b, (uint64_t[]){9, 2, 3}, 3); /* first block misses: 2 and 3 become new copies */
+	cr_assert_eq(kvr_lru_acquire(lru, 2, b, 3, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 1, "only 9 is new to the index");
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.copies, 6);
+	cr_assert_eq(st.hashes, 4);
+	/* Release both, shrink: the last copy of a hash reports it evicted, not the first. */
+	kvr_lru_release(lru, 1, &out);
+	kvr_lru_release(lru, 2, &out);
+	cr_assert_eq(kvr_lru_set_capacity(lru, 3, &out), 0);
+	/* Order: release 1 (3, 2, 1), then release 2 (3', 2', 9). Evict 3 copies: 3, 2, 1 -> only
+	 * 1 is a last copy. */
+	cr_assert_eq(out.n_evicted, 1);
+	cr_assert_eq(out.evicted_seq[0], 1);
+	cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
+	cr_assert_eq(out.n_evicted, 3);
+	cr_assert_eq(out.evicted_seq[0], 3);
+	cr_assert_eq(out.evicted_seq[1], 2);
+	cr_assert_eq(out.evicted_seq[2], 9);
+	cr_assert_eq(resident(lru), 0);
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, hit_takes_copy_out_of_inactive)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[3];
+	kvr_lru_out_init(&out);
+	kvr_lru_create(3, &lru);
+	blocks(b, (uint64_t[]){1, 2, 3}, 3);
+	kvr_lru_acquire(lru, 1, b, 3, 0, &out);
+	kvr_lru_release(lru, 1, &out);
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	kvr_lru_acquire(lru, 2, b, 2, 0, &out); /* 1, 2 active again */
+	blocks(b, (uint64_t[]){7, 8}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 2, 0, &out), 0);
+	cr_assert_eq(out.n_evicted, 1, "only 3 is evictable");
+	cr_assert_eq(out.evicted_seq[0], 3);
+	cr_assert_eq(resident(lru), 4, "over capacity with active blocks is tolerated");
+	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);
+	cr_assert_eq(out.n_evicted, 1);
+	cr_assert_eq(out.evicted_seq[0], 2, "deepest of the release goes first");
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, shared_copy_epoch_from_last_holder)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[2];
+	kvr_lru_out_init(&out);
+	kvr_lru_create(10, &lru);
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	kvr_lru_acquire(lru, 1, b, 2, 0, &out);
+	blocks(b, (uint64_t[]){1}, 1);
+	kvr_lru_acquire(lru, 2, b, 1, 0, &out); /* shares 1 */
+	blocks(b, (uint64_t[]){5}, 1);
+	kvr_lru_acquire(lru, 3, b, 1, 0, &out);
+	kvr_lru_release(lru, 1, &out); /* 2 inactive (epoch 1); 1 still held */
+	kvr_lru_release(lru, 3, &out); /* 5 inactive (epoch 2) */
+	kvr_lru_release(lru, 2, &out); /* 1 inactive (epoch 3) */
+	cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
+	cr_assert_eq(out.n_evicted, 3);
+	cr_assert_eq(out.evicted_seq[0], 2);
+	cr_assert_eq(out.evicted_seq[1], 5);
+	cr_assert_eq(out.evicted_seq[2], 1);
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, materialize_rules)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[2];
+	struct kvr_lru_stats st;
+	kvr_lru_out_init(&out);
+	kvr_lru_create(10, &lru);
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 0, b, 1, 0, 0, &out), KVR_ENOENT, "no lease");
+	kvr_lru_acquire(lru, 1, b, 2, 2, &out);
+	blocks(b, (uint64_t[]){3}, 1);
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 1, b, 1, 2, 0, &out), KVR_ENOENT,
+	             "parent must be the lease's last block");
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 2, b, 1, 2, 1, &out), 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.private_blocks, 1, "private count is replaced, not added");
+	cr_assert_eq(st.resident, 4);
+	blocks(b, (uint64_t[]){1}, 1); /* a hash already present: new copy, not stored */
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 3, b, 1, 3, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.copies, 4);
+	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0);
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 1, b, 1, 4, 0, &out), KVR_ENOENT, "released");
+	/* A lease without blocks accepts any parent. */
+	kvr_lru_acquire(lru, 2, NULL, 0, 1, &out);
+	cr_assert_eq(kvr_lru_materialize(lru, 2, 12345, b, 1, 0, 0, &out), 0);
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, release_unknown_and_twice)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[1];
+	kvr_lru_out_init(&out);
+	kvr_lru_create(10, &lru);
+	cr_assert_eq(kvr_lru_release(lru, 5, &out), KVR_ENOENT);
+	blocks(b, (uint64_t[]){1}, 1);
+	kvr_lru_acquire(lru, 5, b, 1, 3, &out);
+	cr_assert_eq(kvr_lru_release(lru, 5, &out), 0);
+	cr_assert_eq(kvr_lru_release(lru, 5, &out), KVR_ENOENT);
+	cr_assert_eq(resident(lru), 1);
+	cr_assert_eq(kvr_lru_release(NULL, 5, &out), KVR_EINVAL);
+	kvr_lru_destroy(lru);
+	kvr_lru_destroy(NULL);
+	kvr_lru_out_fini(&out);
+}
+
+Test(lru, many_leases_swap_remove)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[4];
+	kvr_lru_out_init(&out);
+	kvr_lru_create(1000, &lru);
+	for (uint64_t a = 1; a <= 200; a++) {
+		blocks(b, (uint64_t[]){1, a * 10, a * 10 + 1, a * 10 + 2}, 4);
+		cr_assert_eq(kvr_lru_acquire(lru, a, b, 4, 0, &out), 0);
+	}
+	for (uint64_t a = 1; a <= 200; a += 2)
+		cr_assert_eq(kvr_lru_release(lru, a, &out), 0);
+	for (uint64_t a = 2; a <= 200; a += 2)
+		cr_assert(kvr_lru_has_lease(lru, a));
+	for (uint64_t a = 1; a <= 200; a += 2)
+		cr_assert_not(kvr_lru_has_lease(lru, a));
+	struct kvr_lru_stats st;
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.leases, 100);
+	cr_assert_eq(st.copies, 601);
+	cr_assert_eq(st.inactive, 300);
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+/* SQLite-style: fail the Nth allocation for N = 1, 2, ...; a failed command changes nothing. */
+Test(lru, out_of_memory_changes_nothing)
+{
+	struct kvr_lru_block b[40];
+	for (uint64_t nth = 1; nth < 200; nth++) {
+		struct kvr_lru *lru;
+		struct kvr_lru_out out;
+		kvr_lru_out_init(&out);
+		cr_assert_eq(kvr_lru_create(30, &lru), 0);
+		kvr_alloc_fail_after(nth);
+		int failures = 0;
+		for (uint64_t a = 1; a <= 6; a++) {
+			for (size_t i = 0; i < 40; i++) {
+				b[i].seq = (i < 10) ? i : a * 100 + i;
+				b[i].local = b[i].seq;
+			}
+			struct kvr_lru_stats before, after;
+			kvr_lru_stats(lru, &before);
+			int rc = kvr_lru_acquire(lru, a, b, 40, 1, &out);
+			kvr_lru_stats(lru, &after);
+			if (rc) {
+				cr_assert_eq(rc, KVR_ENOMEM);
+				cr_assert_eq(memcmp(&before, &after, sizeof(before)), 0);
+				failures++;
+				continue;
+			}
+			kvr_lru_stats(lru, &before);
+			rc = kvr_lru_release(lru, a, &out);
+			kvr_lru_stats(lru, &after);
+			if (rc) {
+				cr_assert_eq(rc, KVR_ENOMEM);
+				cr_assert_eq(memcmp(&before, &after, sizeof(before)), 0);
+				failures++;
+			}
+		}
+		kvr_alloc_fail_after(0);
+		kvr_lru_destroy(lru);
+		kvr_lru_out_fini(&out);
+		if (failures == 0 && nth > 20)
+			break;
+	}
+}
