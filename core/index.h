@@ -1,0 +1,151 @@
+/*
+ * core/index.h - the RCU radix index: which ranks hold how long a prefix of a prompt.
+ *
+ * Internal to kvrouter (not in kvrouter.h).  The router and the shard threads call it:
+ *  - readers (any registered thread, inside kvr_rcu_read_lock()) call kvr_index_find_matches();
+ *    it takes no lock, allocates nothing and never waits for a writer;
+ *  - writers are shard threads, several at once, each writing only for its own rank slots.
+ *    Every writer call takes the RCU read lock itself and queues frees through call_rcu, so a
+ *    writer thread must be registered (kvr_rcu_thread_online()) and must NOT hold a read-side
+ *    section when it calls a writer function (deferred frees may have to wait for a grace
+ *    period when memory is short).
+ * Semantics follow NVIDIA Dynamo's KV router; see core/index.c for the design essay.
+ */
+#ifndef KVR_CORE_INDEX_H
+#define KVR_CORE_INDEX_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvr_index;
+
+/* One stored block: the engine's external hash and the router's local block hash. */
+struct kvr_index_block {
+	uint64_t ext_hash;
+	uint64_t local_hash;
+};
+
+/* Counters since creation (monotonic unless said otherwise); a relaxed snapshot. */
+struct kvr_index_stats {
+	uint64_t parent_not_found; /* stored events rejected: the rank does not hold the parent */
+	uint64_t block_not_found;  /* removed hashes the rank did not hold (skipped) */
+	uint64_t invalid;          /* blocks rejected: self-parent, ext hash naming another block */
+	uint64_t stored_blocks;    /* (block, rank) copies added */
+	uint64_t removed_blocks;   /* (block, rank) copies dropped (remove, clear, remove rank) */
+	uint64_t nodes;            /* distinct blocks (tree nodes) now, gauge */
+	uint64_t copies;           /* (block, rank) copies now, gauge */
+	uint64_t ranks;            /* active rank slots now, gauge */
+	uint64_t bytes_shared;     /* bytes of nodes + the node hash table, gauge */
+	uint64_t bytes_per_rank;   /* bytes of rank sets + per-rank ext maps, gauge */
+};
+
+/* Per-rank answer of find_matches. */
+struct kvr_index_match {
+	uint32_t slot;      /* the rank's slot */
+	uint32_t score;     /* longest contiguous prefix of the query the rank holds, in blocks */
+	uint64_t tree_size; /* blocks indexed for the rank (tie-breaking) */
+};
+
+struct kvr_index_match_opts {
+	bool early_exit; /* stop the walk as soon as one rank remains (its score is then a floor) */
+};
+
+/* Most rank slots one index supports. */
+#define KVR_INDEX_MAX_RANKS (1u << 20)
+
+/*
+ * Creates an empty index with slots 0..max_ranks-1 (1..KVR_INDEX_MAX_RANKS).
+ * Returns 0 and *out, KVR_EINVAL (out NULL), KVR_ERANGE (max_ranks), KVR_ENOMEM.
+ * Context: any thread.
+ */
+int kvr_index_create(uint32_t max_ranks, struct kvr_index **out);
+
+/*
+ * Frees everything; waits for the index's pending deferred frees (rcu_barrier).  NULL is a no-op.
+ * Context: after every reader and writer of this index has stopped; outside a read section.
+ */
+void kvr_index_destroy(struct kvr_index *idx);
+
+/*
+ * Gives rank (worker_id, dp_rank) a slot.  Slots are dense; a removed slot is reused only after
+ * an RCU grace period, so a reader never credits a removed rank's blocks to a new one.
+ * Returns 0 and *slot, KVR_EINVAL, KVR_EEXIST (already added; *slot is set to it), KVR_ERANGE
+ * (no free slot).  Context: a writer (shard) thread, outside a read section.
+ */
+int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank,
+                       uint32_t *slot);
+
+/*
+ * Finds the slot of (worker_id, dp_rank).  Lock-free.  Returns 0, KVR_EINVAL or KVR_ENOENT.
+ * Context: any thread registered with kvr_rcu_thread_online() (it takes a nested read lock).
+ */
+int kvr_index_rank_find(const struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank,
+                        uint32_t *slot);
+
+/*
+ * The (worker_id, dp_rank) of an active slot.  Returns 0, KVR_EINVAL or KVR_ENOENT.
+ * Context: any thread; a relaxed read (call inside a read section to pin the slot's identity).
+ */
+int kvr_index_rank_get(const struct kvr_index *idx, uint32_t slot, uint64_t *worker_id,
+                       uint32_t *dp_rank);
+
+/*
+ * Drops every block of the slot, then frees the slot (reusable after a grace period).
+ * Returns 0, KVR_EINVAL or KVR_ENOENT.  Context: the slot's writer thread, outside a read section.
+ */
+int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot);
+
+/*
+ * Stored event for a rank: blocks[0..n) hang below the parent (the block with external hash
+ * *parent_ext the rank holds; NULL = the root), each block below the previous one.
+ * Rules: parent not held -> KVR_ENOENT, nothing applied (counted parent_not_found).  A block
+ * whose ext hash equals its parent's, or whose ext hash the rank already uses for another block,
+ * or that the rank already holds under another ext hash -> KVR_EINVAL (counted invalid); the
+ * blocks before it stay applied, the rest is dropped.  Re-storing what the rank holds is a no-op.
+ * n == 0 is a no-op (0).  KVR_ENOMEM: the blocks before the failing one stay applied.
+ * Context: the slot's writer thread, outside a read section.
+ */
+int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
+                    const struct kvr_index_block *blocks, size_t n);
+
+/*
+ * Removed event: drops ext[0..n) from the rank.  Unknown hashes are skipped and counted
+ * (block_not_found; *n_not_found if non-NULL).  No cascade to descendants.  Never fails for
+ * memory.  Returns 0, KVR_EINVAL (idx NULL, ext NULL with n > 0) or KVR_ENOENT (bad slot).
+ * Context: the slot's writer thread, outside a read section.
+ */
+int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
+                     size_t *n_not_found);
+
+/* Drops every block of one rank, keeps the slot.  Returns 0, KVR_EINVAL, KVR_ENOENT.
+ * Context: the slot's writer thread, outside a read section. */
+int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot);
+
+/* Cleared event: every block of every dp rank of worker_id.  Returns 0 or KVR_ENOENT (no rank of
+ * that worker).  Context: the writer thread of all those slots, outside a read section. */
+int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id);
+
+/*
+ * For each rank holding local[0]: its score (longest contiguous prefix of local[0..n) it holds)
+ * and tree size, into out[0..*n_out), ranks still matching at the end first.  The rank set is
+ * intersected exactly at every hop.  opts may be NULL (no early exit).
+ * Returns 0; KVR_EINVAL (idx/n_out NULL, local NULL with n > 0, out NULL with cap > 0);
+ * KVR_ERANGE when more ranks hold local[0] than cap (then *n_out = how many; out is garbage).
+ * Context: any registered thread, INSIDE kvr_rcu_read_lock(); no lock, no allocation.
+ */
+int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, size_t n,
+                           const struct kvr_index_match_opts *opts, struct kvr_index_match *out,
+                           size_t cap, size_t *n_out);
+
+/* Blocks indexed for a slot (0 for a free slot).  Context: any thread, relaxed read. */
+uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot);
+
+/* A snapshot of the counters.  Context: any thread. */
+void kvr_index_stats_get(const struct kvr_index *idx, struct kvr_index_stats *st);
+
+/* Bytes the index holds now (nodes, tables, rank sets, ext maps, slot table).
+ * Context: any thread; memory retired but not yet past its grace period is still counted. */
+uint64_t kvr_index_memory_bytes(const struct kvr_index *idx);
+
+#endif /* KVR_CORE_INDEX_H */
