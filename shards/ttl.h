@@ -1,0 +1,54 @@
+/*
+ * shards/ttl.h - TTL retention of one rank (issue 5, part B): the baseline predictor, and the
+ * fallback for a rank whose capacity is unknown.  A routed block is remembered for ttl_ns;
+ * routing it again refreshes it; expiry removes it from the index.  See ttl.c.
+ *
+ * Outputs use struct kvr_lru_out (shards/lru.h): each command resets it, then stored_* lists
+ * hashes that became present, evicted_seq the hashes that expired.
+ * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
+ */
+#ifndef KVR_SHARDS_TTL_H
+#define KVR_SHARDS_TTL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shards/lru.h"
+
+/* Default expiry bucket: expiries are rounded up to a multiple of it. */
+#define KVR_TTL_BUCKET_NS (100ull * 1000 * 1000)
+
+struct kvr_ttl;
+
+/* Creates an empty store.  ttl_ns > 0; bucket_ns 0 = exact expiries (no rounding).
+ * Returns 0, KVR_EINVAL or KVR_ENOMEM. */
+int kvr_ttl_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_ttl **out);
+/* NULL is a no-op. */
+void kvr_ttl_destroy(struct kvr_ttl *ttl);
+
+/*
+ * Records blocks b[0..n) (borrowed) routed at time now, at positions start_pos + i: each expires
+ * at round_up(now + ttl, bucket) (never earlier than an expiry already recorded, so a clock that
+ * steps back cannot reorder the queue); a block already present is refreshed.
+ * Returns 0, KVR_EINVAL, KVR_ERANGE (2^32-2 entries), KVR_ENOMEM (nothing changed).
+ */
+int kvr_ttl_record(struct kvr_ttl *ttl, const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
+                   uint64_t now, struct kvr_lru_out *out);
+
+/* Removes every entry whose expiry is <= now, reporting them in out->evicted_seq (oldest
+ * first).  Returns 0, KVR_EINVAL, KVR_ENOMEM (nothing changed). */
+int kvr_ttl_expire(struct kvr_ttl *ttl, uint64_t now, struct kvr_lru_out *out);
+
+/* The earliest expiry in the store (when to run kvr_ttl_expire next), UINT64_MAX if empty. */
+uint64_t kvr_ttl_next_expiry(const struct kvr_ttl *ttl);
+
+/* How many leading hashes of seq[0..n) are present. */
+size_t kvr_ttl_overlap(const struct kvr_ttl *ttl, const uint64_t *seq, size_t n);
+
+/* Entries present. */
+size_t kvr_ttl_count(const struct kvr_ttl *ttl);
+
+/* The expiry and position of a present hash: 0, or KVR_ENOENT. */
+int kvr_ttl_lookup(const struct kvr_ttl *ttl, uint64_t seq, uint64_t *expiry, uint32_t *pos);
+
+#endif /* KVR_SHARDS_TTL_H */
