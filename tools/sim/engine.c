@@ -518,6 +518,9 @@ int sim_engine_submit(struct sim_engine *e, const struct sim_request *q, uint64_
 	uint32_t cap_blocks = cdiv(max_tok - 1, bs);
 	if (cap_blocks > e->cfg.n_blocks)
 		return KVR_ERANGE;
+	/* Without chunked prefill a (re)computation must fit one step's budget. */
+	if (!e->cfg.chunked_prefill && max_tok - 1 > e->cfg.max_batched_tokens)
+		return KVR_ERANGE;
 	uint32_t cap_hashes = (uint32_t)(max_tok / bs);
 	if (e->w_len + 1 >= e->w_cap && waiting_grow(e) != 0)
 		return KVR_ENOMEM;

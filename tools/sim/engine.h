@@ -152,7 +152,8 @@ void sim_engine_destroy(struct sim_engine *e);
  * Queues a request at now_ns (>= the engine's last event time).  If the engine is idle, a step
  * is due at now_ns (scheduled by the next sim_engine_advance, so that requests submitted at the
  * same instant share the step).  Returns 0, KVR_EINVAL (bad request, time going backwards),
- * KVR_ERANGE (prompt + output needs more blocks than the pool has: it could never run),
+ * KVR_ERANGE (prompt + output needs more blocks than the pool has, or, without chunked
+ * prefill, more tokens than one step's budget: it could never run),
  * KVR_ENOMEM.
  */
 int sim_engine_submit(struct sim_engine *e, const struct sim_request *req, uint64_t now_ns);
