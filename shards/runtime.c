@@ -1,0 +1,733 @@
+/*
+ * shards/runtime.c - shard threads, placement, the shard loop, calls and shutdown.
+ *
+ * The loop of one shard thread:
+ *     g = kick generation; now = router clock; fire timers due at now; publish "seen g";
+ *     run up to BATCH tasks by the biased policy (sync/lane.c);
+ *     if nothing ran and no timer is due: announce PARKED, re-check lanes / kick / stop,
+ *     then sleep on the futex until a producer wakes it or the next timer deadline.
+ * Producers enqueue into the lane ring and then wake the parker (no syscall when the shard is
+ * running).  Invariants:
+ *  - only the shard thread dequeues its lanes, fires its timers and touches its userdata;
+ *  - a shard never parks with a due timer, a queued message, an unseen kick or a stop request
+ *    (sync/park.h explains why no wake-up is lost);
+ *  - shutdown: `closed` is set, then an RCU grace period passes, so no producer is still inside
+ *    a post (every post runs in an RCU read section that checks `closed` first); after that
+ *    the rings only shrink, each thread drains them and exits, and the memory can go.
+ *
+ * Placement: an open-addressing table (linear probing, backward-shift deletion, load <= 1/2)
+ * written under a mutex and read without locks under a sequence counter (a seqlock whose
+ * readers use acquire loads only, so it is well defined in C11 and visible to TSan).
+ */
+#include "shards/runtime.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/alloc.h"
+#include "core/clock.h"
+#include "sync/park.h"
+#include "sync/rcu.h"
+
+#define MAX_SHARDS   256
+#define BATCH        64
+#define TIMER_BATCH  4096
+#define PARK_MAX_NS  1000000000ull
+#define DEF_CAPACITY 4096
+#define DEF_EVERY    64
+#define DEF_EVERY_NS 200000ull
+#define DEF_WORKERS  4096
+#define DEF_SPIN_NS  20000ull
+#define SLOT_USED    (1ull << 63)
+
+struct kvr_shard {
+	/* read by producers on every post; written once at shutdown */
+	_Alignas(64) struct kvr_shards *rt;
+	uint32_t index;
+	uint32_t closed;
+	struct kvr_lanes lanes;
+	struct kvr_parker park;
+	/* shard-thread state */
+	_Alignas(64) struct kvr_timers timers;
+	void *userdata;
+	uint64_t seen_kick; /* atomic: last kick generation whose clock reading was processed */
+	uint32_t stopping;  /* atomic: set by shutdown after the grace period */
+	uint64_t calls_inline;
+	uint64_t timers_fired; /* atomic copies of the timer set's counters, for stats */
+	uint32_t timers_pending;
+	pthread_t thread;
+	int cpu;
+	bool pinned;
+	bool started;
+};
+
+struct place_slot {
+	uint64_t key;
+	uint64_t val; /* 0 = empty; else SLOT_USED | ranks << 32 | shard */
+};
+
+struct kvr_shards {
+	uint32_t n;
+	struct kvr_shard **shard;
+	struct kvr_clock clock;
+	uint64_t spin_ns;
+	void (*on_start)(struct kvr_shard *, void *);
+	void (*on_stop)(struct kvr_shard *, void *);
+	void *ctx;
+	_Alignas(64) uint64_t kick_gen;
+	uint32_t closed;
+	uint32_t shut_done;
+	pthread_mutex_t shut_mu;
+	/* start-up handshake */
+	pthread_mutex_t start_mu;
+	pthread_cond_t start_cv;
+	uint32_t n_started;
+	/* placement */
+	_Alignas(64) uint64_t place_seq;
+	struct place_slot *slots;
+	uint32_t place_mask;
+	uint32_t n_workers;
+	uint32_t max_workers;
+	uint32_t *ranks;   /* per shard, atomic */
+	uint32_t *workers; /* per shard, atomic */
+	pthread_mutex_t place_mu;
+};
+
+static _Thread_local struct kvr_shard *tls_shard;
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------ the shard loop */
+
+static void run_msg(struct kvr_shard *sh, struct kvr_msg *m)
+{
+	kvr_task_fn fn = (kvr_task_fn)m->fn; /* posted as kvr_task_fn, cast back */
+	fn(sh, m->payload);
+}
+
+static void publish_timers(struct kvr_shard *sh)
+{
+	__atomic_store_n(&sh->timers_fired, sh->timers.fired, __ATOMIC_RELAXED);
+	__atomic_store_n(&sh->timers_pending, sh->timers.n_heap, __ATOMIC_RELAXED);
+}
+
+static bool may_park(struct kvr_shard *sh, uint64_t g)
+{
+	return kvr_lanes_empty(&sh->lanes) &&
+	       __atomic_load_n(&sh->rt->kick_gen, __ATOMIC_ACQUIRE) == g &&
+	       !__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE);
+}
+
+static void shard_loop(struct kvr_shard *sh)
+{
+	struct kvr_shards *rt = sh->rt;
+	struct kvr_msg m;
+	for (;;) {
+		uint64_t g = __atomic_load_n(&rt->kick_gen, __ATOMIC_ACQUIRE);
+		uint64_t now = kvr_clock_now(&rt->clock);
+		uint32_t fired = kvr_timers_run(&sh->timers, now, sh, TIMER_BATCH);
+		if (fired)
+			publish_timers(sh);
+		__atomic_store_n(&sh->seen_kick, g, __ATOMIC_RELEASE);
+		uint32_t n = 0;
+		while (n < BATCH && kvr_lanes_pop(&sh->lanes, &m) >= 0) {
+			run_msg(sh, &m);
+			n++;
+		}
+		if (__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE))
+			return;
+		if (n || fired)
+			continue;
+		uint64_t next = kvr_timers_next(&sh->timers);
+		if (next <= now)
+			continue;
+		kvr_parker_prepare(&sh->park);
+		if (!may_park(sh, g)) {
+			kvr_parker_cancel(&sh->park);
+			continue;
+		}
+		uint64_t timeout = UINT64_MAX;
+		if (next != UINT64_MAX)
+			timeout = next - now < PARK_MAX_NS ? next - now : PARK_MAX_NS;
+		kvr_parker_wait(&sh->park, timeout);
+	}
+}
+
+static void *shard_main(void *arg)
+{
+	struct kvr_shard *sh = arg;
+	struct kvr_shards *rt = sh->rt;
+	tls_shard = sh;
+	(void)kvr_rcu_thread_online(); /* on failure urcu is unusable anyway; run on */
+	if (sh->cpu >= 0) {
+		cpu_set_t set;
+		CPU_ZERO(&set);
+		CPU_SET(sh->cpu, &set);
+		sh->pinned = pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
+	}
+	if (rt->on_start)
+		rt->on_start(sh, rt->ctx);
+	pthread_mutex_lock(&rt->start_mu);
+	rt->n_started++;
+	pthread_cond_broadcast(&rt->start_cv);
+	pthread_mutex_unlock(&rt->start_mu);
+
+	shard_loop(sh);
+
+	/* Drain: every post after `closed` fails, so the rings only shrink. */
+	struct kvr_msg m;
+	while (kvr_lanes_pop(&sh->lanes, &m) >= 0)
+		run_msg(sh, &m);
+	if (rt->on_stop)
+		rt->on_stop(sh, rt->ctx);
+	kvr_timers_fini(&sh->timers); /* pending timers are dropped unfired */
+	tls_shard = NULL;
+	kvr_rcu_thread_offline();
+	return NULL;
+}
+
+/* ------------------------------------------------------------------ create / destroy */
+
+static uint32_t default_cpus(int *cpus, uint32_t max)
+{
+	cpu_set_t set;
+	uint32_t n = 0;
+	if (sched_getaffinity(0, sizeof(set), &set) != 0)
+		return 0;
+	for (int c = 0; c < CPU_SETSIZE && n < max; c++)
+		if (CPU_ISSET(c, &set))
+			cpus[n++] = c;
+	return n;
+}
+
+static void free_all(struct kvr_shards *s)
+{
+	for (uint32_t i = 0; s->shard && i < s->n; i++) {
+		struct kvr_shard *sh = s->shard[i];
+		if (!sh)
+			continue;
+		kvr_lanes_fini(&sh->lanes);
+		kvr_timers_fini(&sh->timers);
+		kvr_free_aligned(sh, sizeof(*sh));
+	}
+	kvr_free(s->shard, (size_t)s->n * sizeof(*s->shard));
+	kvr_free(s->slots, ((size_t)s->place_mask + 1) * sizeof(*s->slots));
+	kvr_free(s->ranks, (size_t)s->n * sizeof(*s->ranks));
+	kvr_free(s->workers, (size_t)s->n * sizeof(*s->workers));
+	pthread_mutex_destroy(&s->place_mu);
+	pthread_mutex_destroy(&s->start_mu);
+	pthread_mutex_destroy(&s->shut_mu);
+	pthread_cond_destroy(&s->start_cv);
+	kvr_free_aligned(s, sizeof(*s));
+}
+
+int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **out)
+{
+	if (out)
+		*out = NULL;
+	if (!cfg || !out || (cfg->n_cpus && !cfg->cpus))
+		return KVR_EINVAL;
+	if (cfg->n_shards > MAX_SHARDS || cfg->lane_capacity > (1u << 22) ||
+	    cfg->max_workers > (1u << 20))
+		return KVR_ERANGE;
+	int dcpus[CPU_SETSIZE];
+	uint32_t n_dcpus = 0;
+	const int *cpus = cfg->cpus;
+	size_t n_cpus = cfg->n_cpus;
+	if (!cpus) {
+		n_dcpus = default_cpus(dcpus, CPU_SETSIZE);
+		cpus = dcpus;
+		n_cpus = n_dcpus;
+	}
+	uint32_t n = cfg->n_shards;
+	if (!n)
+		n = n_dcpus ? (n_dcpus > MAX_SHARDS ? MAX_SHARDS : n_dcpus) : 1;
+
+	struct kvr_shards *s = kvr_alloc_aligned(sizeof(*s));
+	if (!s)
+		return KVR_ENOMEM;
+	memset(s, 0, sizeof(*s));
+	pthread_mutex_init(&s->place_mu, NULL);
+	pthread_mutex_init(&s->start_mu, NULL);
+	pthread_mutex_init(&s->shut_mu, NULL);
+	pthread_cond_init(&s->start_cv, NULL);
+	s->n = n;
+	s->clock.fn = cfg->now_ns ? cfg->now_ns : kvr_clock_monotonic;
+	s->clock.ctx = cfg->clock_ctx;
+	s->spin_ns = cfg->call_spin_ns ? cfg->call_spin_ns : DEF_SPIN_NS;
+	s->on_start = cfg->on_thread_start;
+	s->on_stop = cfg->on_thread_stop;
+	s->ctx = cfg->ctx;
+	s->max_workers = cfg->max_workers ? cfg->max_workers : DEF_WORKERS;
+	uint32_t tsize = 4;
+	while (tsize < 2 * s->max_workers)
+		tsize <<= 1;
+	s->place_mask = tsize - 1;
+	s->slots = kvr_calloc(tsize, sizeof(*s->slots));
+	s->shard = kvr_calloc(n, sizeof(*s->shard));
+	s->ranks = kvr_calloc(n, sizeof(*s->ranks));
+	s->workers = kvr_calloc(n, sizeof(*s->workers));
+	if (!s->slots || !s->shard || !s->ranks || !s->workers) {
+		free_all(s);
+		return KVR_ENOMEM;
+	}
+	uint32_t cap = cfg->lane_capacity ? cfg->lane_capacity : DEF_CAPACITY;
+	uint32_t every = cfg->maint_every_tasks ? cfg->maint_every_tasks : DEF_EVERY;
+	uint64_t every_ns = cfg->maint_every_ns ? cfg->maint_every_ns : DEF_EVERY_NS;
+	for (uint32_t i = 0; i < n; i++) {
+		struct kvr_shard *sh = kvr_alloc_aligned(sizeof(*sh));
+		if (!sh) {
+			free_all(s);
+			return KVR_ENOMEM;
+		}
+		memset(sh, 0, sizeof(*sh));
+		s->shard[i] = sh;
+		sh->rt = s;
+		sh->index = i;
+		sh->cpu = n_cpus ? cpus[i % n_cpus] : -1;
+		kvr_parker_init(&sh->park);
+		kvr_timers_init(&sh->timers);
+		int rc = kvr_lanes_init(&sh->lanes, cap, every, every_ns, NULL, NULL);
+		if (rc) {
+			free_all(s);
+			return rc;
+		}
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		if (pthread_create(&s->shard[i]->thread, NULL, shard_main, s->shard[i]) != 0) {
+			kvr_shards_destroy(s);
+			return KVR_EBUSY;
+		}
+		s->shard[i]->started = true;
+	}
+	pthread_mutex_lock(&s->start_mu);
+	while (s->n_started < n)
+		pthread_cond_wait(&s->start_cv, &s->start_mu);
+	pthread_mutex_unlock(&s->start_mu);
+	*out = s;
+	return 0;
+}
+
+void kvr_shards_shutdown(struct kvr_shards *s)
+{
+	if (!s)
+		return;
+	pthread_mutex_lock(&s->shut_mu);
+	if (s->shut_done) {
+		pthread_mutex_unlock(&s->shut_mu);
+		return;
+	}
+	__atomic_store_n(&s->closed, 1, __ATOMIC_SEQ_CST);
+	for (uint32_t i = 0; i < s->n; i++)
+		__atomic_store_n(&s->shard[i]->closed, 1, __ATOMIC_SEQ_CST);
+	/* Every post checks `closed` inside a read section: after this, none is in flight. */
+	kvr_rcu_synchronize();
+	KVR_TSAN_ACQUIRE(&kvr_rcu_tsan_token);
+	for (uint32_t i = 0; i < s->n; i++) {
+		struct kvr_shard *sh = s->shard[i];
+		__atomic_store_n(&sh->stopping, 1, __ATOMIC_SEQ_CST);
+		kvr_parker_wake(&sh->park);
+	}
+	for (uint32_t i = 0; i < s->n; i++)
+		if (s->shard[i]->started)
+			pthread_join(s->shard[i]->thread, NULL);
+	s->shut_done = 1;
+	pthread_mutex_unlock(&s->shut_mu);
+}
+
+void kvr_shards_destroy(struct kvr_shards *s)
+{
+	if (!s)
+		return;
+	kvr_shards_shutdown(s);
+	free_all(s);
+}
+
+uint32_t kvr_shards_count(const struct kvr_shards *s)
+{
+	return s ? s->n : 0;
+}
+
+struct kvr_shard *kvr_shards_get(struct kvr_shards *s, uint32_t i)
+{
+	return s && i < s->n ? s->shard[i] : NULL;
+}
+
+uint32_t kvr_shard_index(const struct kvr_shard *sh)
+{
+	return sh->index;
+}
+
+struct kvr_shards *kvr_shard_runtime(struct kvr_shard *sh)
+{
+	return sh->rt;
+}
+
+struct kvr_shard *kvr_shard_current(void)
+{
+	return tls_shard;
+}
+
+void *kvr_shard_userdata(struct kvr_shard *sh)
+{
+	return sh->userdata;
+}
+
+void kvr_shard_set_userdata(struct kvr_shard *sh, void *data)
+{
+	sh->userdata = data;
+}
+
+uint64_t kvr_shards_now(const struct kvr_shards *s)
+{
+	return kvr_clock_now(&s->clock);
+}
+
+/* ------------------------------------------------------------------ placement */
+
+static uint32_t slot_of(const struct kvr_shards *s, uint64_t key)
+{
+	return (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 32) & s->place_mask;
+}
+
+int kvr_shards_lookup(const struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_out)
+{
+	if (!s || !shard_out)
+		return KVR_EINVAL;
+	for (;;) {
+		uint64_t s1 = __atomic_load_n(&s->place_seq, __ATOMIC_ACQUIRE);
+		if (s1 & 1) {
+			kvr_cpu_relax();
+			continue;
+		}
+		int rc = KVR_ENOENT;
+		uint32_t shard = 0;
+		uint32_t i = slot_of(s, worker_id);
+		for (uint32_t probes = 0; probes <= s->place_mask; probes++) {
+			uint64_t v = __atomic_load_n(&s->slots[i].val, __ATOMIC_ACQUIRE);
+			if (!v)
+				break;
+			if (__atomic_load_n(&s->slots[i].key, __ATOMIC_ACQUIRE) == worker_id) {
+				shard = (uint32_t)v;
+				rc = 0;
+				break;
+			}
+			i = (i + 1) & s->place_mask;
+		}
+		if (__atomic_load_n(&s->place_seq, __ATOMIC_ACQUIRE) == s1) {
+			if (rc == 0)
+				*shard_out = shard;
+			return rc;
+		}
+	}
+}
+
+/* Index of worker_id's slot or of the empty slot ending its probe.  Writer side (mutex). */
+static uint32_t find_slot(const struct kvr_shards *s, uint64_t key)
+{
+	uint32_t i = slot_of(s, key);
+	while (s->slots[i].val && s->slots[i].key != key)
+		i = (i + 1) & s->place_mask;
+	return i;
+}
+
+static void add_u32(uint32_t *p, int32_t d)
+{
+	__atomic_store_n(p, __atomic_load_n(p, __ATOMIC_RELAXED) + (uint32_t)d, __ATOMIC_RELAXED);
+}
+
+int kvr_shards_place(struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_out)
+{
+	if (!s || !shard_out)
+		return KVR_EINVAL;
+	if (__atomic_load_n(&s->closed, __ATOMIC_ACQUIRE))
+		return KVR_ESHUTDOWN;
+	pthread_mutex_lock(&s->place_mu);
+	int rc = 0;
+	uint32_t i = find_slot(s, worker_id);
+	struct place_slot *sl = &s->slots[i];
+	uint32_t shard;
+	if (sl->val) {
+		/* Another rank of a placed worker: same shard, one more rank (the shard bits do
+		 * not change, so readers need no sequence bump). */
+		shard = (uint32_t)sl->val;
+		if (((sl->val >> 32) & 0x7fffffffu) == 0x7fffffffu) {
+			rc = KVR_ERANGE;
+			goto out;
+		}
+		__atomic_store_n(&sl->val, sl->val + (1ull << 32), __ATOMIC_RELEASE);
+	} else {
+		if (s->n_workers >= s->max_workers) {
+			rc = KVR_ERANGE;
+			goto out;
+		}
+		shard = 0;
+		for (uint32_t k = 1; k < s->n; k++)
+			if (s->ranks[k] < s->ranks[shard])
+				shard = k;
+		/* Filling an empty slot cannot confuse a reader (key is stored before val). */
+		__atomic_store_n(&sl->key, worker_id, __ATOMIC_RELEASE);
+		__atomic_store_n(&sl->val, SLOT_USED | (1ull << 32) | shard, __ATOMIC_RELEASE);
+		s->n_workers++;
+		add_u32(&s->workers[shard], 1);
+	}
+	add_u32(&s->ranks[shard], 1);
+	*shard_out = shard;
+out:
+	pthread_mutex_unlock(&s->place_mu);
+	return rc;
+}
+
+int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id)
+{
+	if (!s)
+		return KVR_EINVAL;
+	pthread_mutex_lock(&s->place_mu);
+	uint32_t i = find_slot(s, worker_id);
+	struct place_slot *sl = &s->slots[i];
+	if (!sl->val) {
+		pthread_mutex_unlock(&s->place_mu);
+		return KVR_ENOENT;
+	}
+	uint32_t shard = (uint32_t)sl->val;
+	add_u32(&s->ranks[shard], -1);
+	if (((sl->val >> 32) & 0x7fffffffu) > 1) {
+		__atomic_store_n(&sl->val, sl->val - (1ull << 32), __ATOMIC_RELEASE);
+		pthread_mutex_unlock(&s->place_mu);
+		return 0;
+	}
+	/* Last rank: backward-shift deletion moves entries, so readers must retry: odd sequence.
+	 * Ordering: the RMW is sequenced before the slot stores; a reader that sees any of them
+	 * (acquire) then reads a sequence >= this one and retries. */
+	__atomic_fetch_add(&s->place_seq, 1, __ATOMIC_ACQ_REL);
+	uint32_t hole = i, j = i;
+	for (;;) {
+		j = (j + 1) & s->place_mask;
+		uint64_t v = s->slots[j].val;
+		if (!v)
+			break;
+		uint32_t home = slot_of(s, s->slots[j].key);
+		/* Move j into the hole if its home is not cyclically in (hole, j]. */
+		bool in_range = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+		if (!in_range) {
+			__atomic_store_n(&s->slots[hole].key, s->slots[j].key, __ATOMIC_RELEASE);
+			__atomic_store_n(&s->slots[hole].val, v, __ATOMIC_RELEASE);
+			hole = j;
+		}
+	}
+	__atomic_store_n(&s->slots[hole].val, 0, __ATOMIC_RELEASE);
+	__atomic_fetch_add(&s->place_seq, 1, __ATOMIC_RELEASE);
+	s->n_workers--;
+	add_u32(&s->workers[shard], -1);
+	pthread_mutex_unlock(&s->place_mu);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ posting and calls */
+
+static int check_post(struct kvr_shard *sh, enum kvr_lane lane, const void *fn, const void *payload,
+                      size_t len)
+{
+	if (!sh || !fn || (unsigned)lane >= KVR_LANE_COUNT || len > KVR_SHARD_PAYLOAD ||
+	    (len && !payload))
+		return KVR_EINVAL;
+	return kvr_rcu_thread_online();
+}
+
+/* Post with an optional bounded wait.  Inside an RCU read section for the whole call, so
+ * shutdown's grace period waits for it.  timeout_ns 0 = try once. */
+static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
+                size_t len, uint64_t timeout_ns)
+{
+	int rc;
+	kvr_rcu_read_lock();
+	if (__atomic_load_n(&sh->closed, __ATOMIC_ACQUIRE)) {
+		rc = KVR_ESHUTDOWN;
+		goto out;
+	}
+	rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload, (uint32_t)len, 0,
+	                    timeout_ns == 0 || tls_shard == sh);
+	if (rc == KVR_EAGAIN && timeout_ns && tls_shard != sh) {
+		kvr_lanes_count_stall(&sh->lanes, lane);
+		uint64_t start = mono_ns();
+		uint64_t sleep_ns = 1000;
+		for (uint32_t k = 0;; k++) {
+			if (k < 64) {
+				kvr_cpu_relax();
+			} else if (k < 96) {
+				sched_yield();
+			} else {
+				struct timespec ts = {0, (long)sleep_ns};
+				nanosleep(&ts, NULL);
+				if (sleep_ns < 100000)
+					sleep_ns *= 2;
+			}
+			if (__atomic_load_n(&sh->closed, __ATOMIC_ACQUIRE)) {
+				rc = KVR_ESHUTDOWN;
+				goto out;
+			}
+			rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload,
+			                    (uint32_t)len, 0, 0);
+			if (rc != KVR_EAGAIN)
+				break;
+			if (timeout_ns != UINT64_MAX && mono_ns() - start >= timeout_ns) {
+				rc = KVR_ETIMEDOUT;
+				goto out;
+			}
+		}
+	}
+	if (rc == 0)
+		kvr_parker_wake(&sh->park);
+out:
+	kvr_rcu_read_unlock();
+	return rc;
+}
+
+int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
+                   size_t len)
+{
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	return rc ? rc : post(sh, lane, fn, payload, len, 0);
+}
+
+int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                        const void *payload, size_t len, uint64_t timeout_ns)
+{
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	if (rc)
+		return rc;
+	rc = post(sh, lane, fn, payload, len, timeout_ns ? timeout_ns : 1);
+	return rc;
+}
+
+struct call_rec {
+	kvr_call_fn fn;
+	void *arg;
+	struct kvr_reply reply;
+};
+
+static void call_task(struct kvr_shard *sh, void *payload)
+{
+	struct call_rec *c;
+	memcpy(&c, payload, sizeof(c));
+	kvr_reply_post(&c->reply, c->fn(sh, c->arg));
+}
+
+int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
+{
+	int rc = check_post(sh, lane, (const void *)fn, NULL, 0);
+	if (rc)
+		return rc;
+	if (tls_shard == sh) {
+		/* Inline: queueing behind ourselves would deadlock. */
+		__atomic_store_n(&sh->calls_inline, sh->calls_inline + 1, __ATOMIC_RELAXED);
+		return fn(sh, arg);
+	}
+	struct call_rec c = {.fn = fn, .arg = arg};
+	struct call_rec *cp = &c;
+	kvr_reply_init(&c.reply);
+	rc = post(sh, lane, call_task, &cp, sizeof(cp), UINT64_MAX);
+	if (rc)
+		return rc;
+	return kvr_reply_wait(&c.reply, sh->rt->spin_ns, NULL);
+}
+
+/* ------------------------------------------------------------------ timers, time, stats */
+
+int kvr_shard_timer_add(struct kvr_shard *sh, uint64_t deadline_ns, kvr_shard_timer_fn fn,
+                        void *arg, uint64_t *timer_id)
+{
+	if (!sh || !fn || tls_shard != sh)
+		return KVR_EINVAL;
+	int rc = kvr_timers_add(&sh->timers, deadline_ns, fn, arg, timer_id);
+	publish_timers(sh);
+	return rc;
+}
+
+int kvr_shard_timer_cancel(struct kvr_shard *sh, uint64_t timer_id)
+{
+	if (!sh || tls_shard != sh)
+		return KVR_EINVAL;
+	int rc = kvr_timers_cancel(&sh->timers, timer_id);
+	publish_timers(sh);
+	return rc;
+}
+
+void kvr_shards_kick(struct kvr_shards *s)
+{
+	if (!s)
+		return;
+	__atomic_fetch_add(&s->kick_gen, 1, __ATOMIC_SEQ_CST);
+	for (uint32_t i = 0; i < s->n; i++)
+		kvr_parker_wake(&s->shard[i]->park);
+}
+
+/* True if shard i looks idle after kick g; adds its work counter to *sum. */
+static bool idle_after(struct kvr_shard *sh, uint64_t g, uint64_t *sum)
+{
+	bool parked = __atomic_load_n(&sh->park.state, __ATOMIC_ACQUIRE) == KVR_PARK_PARKED;
+	bool seen = __atomic_load_n(&sh->seen_kick, __ATOMIC_ACQUIRE) >= g;
+	*sum += __atomic_load_n(&sh->lanes.run[0], __ATOMIC_RELAXED) +
+	        __atomic_load_n(&sh->lanes.run[1], __ATOMIC_RELAXED);
+	return parked && seen && kvr_lanes_empty(&sh->lanes);
+}
+
+int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns)
+{
+	if (!s || tls_shard)
+		return KVR_EINVAL;
+	if (__atomic_load_n(&s->closed, __ATOMIC_ACQUIRE))
+		return KVR_ESHUTDOWN;
+	kvr_shards_kick(s);
+	uint64_t g = __atomic_load_n(&s->kick_gen, __ATOMIC_ACQUIRE);
+	uint64_t start = mono_ns();
+	for (;;) {
+		uint64_t sum1 = 0, sum2 = 0;
+		bool idle = true;
+		for (uint32_t i = 0; i < s->n; i++)
+			idle = idle_after(s->shard[i], g, &sum1) && idle;
+		if (idle) {
+			for (uint32_t i = 0; i < s->n; i++)
+				idle = idle_after(s->shard[i], g, &sum2) && idle;
+			if (idle && sum1 == sum2)
+				return 0;
+		}
+		if (mono_ns() - start >= timeout_ns)
+			return KVR_ETIMEDOUT;
+		struct timespec ts = {0, 20000};
+		nanosleep(&ts, NULL);
+	}
+}
+
+void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *o)
+{
+	if (!sh || !o)
+		return;
+	memset(o, 0, sizeof(*o));
+	struct kvr_lanes *l = &sh->lanes;
+	o->index = sh->index;
+	o->cpu = sh->cpu;
+	o->pinned = sh->pinned;
+	for (int k = 0; k < KVR_LANE_COUNT; k++) {
+		o->depth[k] = kvr_lanes_depth(l, (enum kvr_lane)k);
+		o->tasks[k] = __atomic_load_n(&l->run[k], __ATOMIC_RELAXED);
+		o->stalls[k] = __atomic_load_n(&l->stalls[k], __ATOMIC_RELAXED);
+	}
+	o->maint_wait_max_ns = __atomic_load_n(&l->maint_wait_max_ns, __ATOMIC_RELAXED);
+	o->routing_between_maint_max = __atomic_load_n(&l->routing_between_max, __ATOMIC_RELAXED);
+	o->calls_inline = __atomic_load_n(&sh->calls_inline, __ATOMIC_RELAXED);
+	o->parks = __atomic_load_n(&sh->park.parks, __ATOMIC_RELAXED);
+	o->wakes = __atomic_load_n(&sh->park.wakes, __ATOMIC_RELAXED);
+	o->timers_fired = __atomic_load_n(&sh->timers_fired, __ATOMIC_RELAXED);
+	o->timers_pending = __atomic_load_n(&sh->timers_pending, __ATOMIC_RELAXED);
+	o->workers = __atomic_load_n(&sh->rt->workers[sh->index], __ATOMIC_RELAXED);
+	o->ranks = __atomic_load_n(&sh->rt->ranks[sh->index], __ATOMIC_RELAXED);
+}

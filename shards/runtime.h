@@ -1,0 +1,203 @@
+/*
+ * shards/runtime.h - shard threads: pinned, RCU-registered, fed by two biased lanes.
+ *
+ * A shard is one OS thread pinned to one CPU that alone owns some state (the router puts a
+ * worker's ranks there).  Other threads talk to it only through messages: fire-and-forget
+ * tasks (kvr_shard_post*) and synchronous calls (kvr_shard_call).  Each shard also runs its own
+ * timers on the router's clock, which may be virtual (kvr_shards_kick / kvr_shards_quiesce).
+ * Nothing here knows about routing; see sync/lane.h for the scheduling policy and
+ * sync/park.h for idle parking and reply slots.
+ *
+ * Lifetime contract: kvr_shards_destroy() may run while other threads are inside any call on
+ * these shards; those calls return KVR_ESHUTDOWN (or complete).  A call that *starts* after
+ * destroy returned is a use-after-free, as for any destroyed object: to stop producers that
+ * loop, call kvr_shards_shutdown() first (every later call returns KVR_ESHUTDOWN, the memory
+ * stays valid), join them, then destroy.
+ */
+#ifndef KVR_SHARDS_RUNTIME_H
+#define KVR_SHARDS_RUNTIME_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvrouter.h"
+#include "shards/timer.h"
+#include "sync/lane.h"
+
+struct kvr_shards;
+struct kvr_shard;
+
+/* Inline payload of a posted task, bytes. */
+#define KVR_SHARD_PAYLOAD KVR_MSG_PAYLOAD
+
+struct kvr_shards_config {
+	/* Shard threads.  0 = one per CPU in the process affinity mask.  Max 256. */
+	uint32_t n_shards;
+	/* Shard i is pinned to cpus[i % n_cpus]; borrowed, copied.  NULL = the CPUs of the
+	 * process affinity mask in order.  A CPU that cannot be used leaves the shard unpinned. */
+	const int *cpus;
+	size_t n_cpus;
+	/* Capacity of each lane, messages.  0 = 4096.  Max 1 << 22. */
+	uint32_t lane_capacity;
+	/* Biased scheduler bound: a maintenance task at least every maint_every_tasks routing tasks
+	 * (0 = 64) or maint_every_ns of continuous routing work (0 = 200 us). */
+	uint32_t maint_every_tasks;
+	uint64_t maint_every_ns;
+	/* Clock for timers.  NULL = CLOCK_MONOTONIC.  clock_ctx passed unchanged. */
+	kvr_clock_fn now_ns;
+	void *clock_ctx;
+	/* Most distinct workers placed at once.  0 = 4096.  Max 1 << 20. */
+	uint32_t max_workers;
+	/* Synchronous calls spin this long on the reply before sleeping.  0 = 20 us. */
+	uint64_t call_spin_ns;
+	/* Run on each shard thread at start (after pinning and RCU registration) and at stop
+	 * (after the lanes are drained).  Either may be NULL.  ctx passed unchanged. */
+	void (*on_thread_start)(struct kvr_shard *shard, void *ctx);
+	void (*on_thread_stop)(struct kvr_shard *shard, void *ctx);
+	void *ctx;
+};
+
+struct kvr_shard_stats {
+	uint32_t index;
+	int cpu;                            /* CPU asked for, -1 = none */
+	bool pinned;                        /* pthread_setaffinity_np succeeded */
+	uint32_t depth[KVR_LANE_COUNT];     /* messages queued now */
+	uint64_t tasks[KVR_LANE_COUNT];     /* tasks run */
+	uint64_t stalls[KVR_LANE_COUNT];    /* posts that found the lane full */
+	uint64_t maint_wait_max_ns;         /* longest time maintenance waited behind routing */
+	uint32_t routing_between_maint_max; /* most routing tasks run while maintenance waited */
+	uint64_t calls_inline;              /* kvr_shard_call run inline (caller was the shard) */
+	uint64_t parks;                     /* times the shard thread slept */
+	uint64_t wakes;                     /* times a producer woke it */
+	uint64_t timers_fired;
+	uint32_t timers_pending;
+	uint32_t workers; /* workers placed here */
+	uint32_t ranks;   /* ranks (placements) here */
+};
+
+typedef void (*kvr_task_fn)(struct kvr_shard *shard, void *payload);
+typedef int (*kvr_call_fn)(struct kvr_shard *shard, void *arg);
+typedef kvr_timer_fn kvr_shard_timer_fn; /* void (*)(struct kvr_shard *, void *arg) */
+
+/*
+ * Starts the shard threads.  cfg is borrowed.  Returns 0 and *out, or KVR_EINVAL (NULL args),
+ * KVR_ERANGE (too many shards, bad capacity), KVR_ENOMEM, or KVR_EBUSY (a thread could not be
+ * created).  Context: any thread.  The threads have called on_thread_start when it returns.
+ */
+int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **out);
+
+/*
+ * Makes every later call fail with KVR_ESHUTDOWN, waits for calls in flight (an RCU grace
+ * period), then stops the threads: each drains both lanes (runs every queued task; their own
+ * posts fail with KVR_ESHUTDOWN), drops its pending timers unfired, runs on_thread_stop and
+ * exits.  Idempotent.  Memory stays valid until kvr_shards_destroy().
+ * Context: any thread except a shard thread, outside an RCU read section.
+ */
+void kvr_shards_shutdown(struct kvr_shards *s);
+
+/* kvr_shards_shutdown() then frees everything.  NULL is a no-op.  Context: as shutdown. */
+void kvr_shards_destroy(struct kvr_shards *s);
+
+/* Number of shards.  Context: any thread. */
+uint32_t kvr_shards_count(const struct kvr_shards *s);
+
+/* Shard i, or NULL if i is out of range.  Context: any thread. */
+struct kvr_shard *kvr_shards_get(struct kvr_shards *s, uint32_t i);
+
+/* The shard's index, its runtime, and the shard whose thread is calling (NULL elsewhere). */
+uint32_t kvr_shard_index(const struct kvr_shard *sh);
+struct kvr_shards *kvr_shard_runtime(struct kvr_shard *sh);
+struct kvr_shard *kvr_shard_current(void);
+
+/* Owner state pointer (the router's per-shard state).  Set it from on_thread_start or a task;
+ * read it on the shard thread.  Context: the shard thread (or before/after it runs). */
+void *kvr_shard_userdata(struct kvr_shard *sh);
+void kvr_shard_set_userdata(struct kvr_shard *sh, void *data);
+
+/*
+ * Placement: a worker id -> a shard.  The first placement of a worker chooses the shard with the
+ * fewest ranks (lowest index on ties); later placements of the same worker (its other dp ranks)
+ * return the same shard and count one more rank.  Stable until the worker's last rank is
+ * unplaced.  Returns 0 and *shard_out, KVR_EINVAL, KVR_ERANGE (max_workers reached),
+ * KVR_ESHUTDOWN.  Context: any thread (writers serialize on a mutex).
+ */
+int kvr_shards_place(struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_out);
+
+/* Removes one rank of the worker; the worker is forgotten at its last.  Returns 0,
+ * KVR_ENOENT (not placed), KVR_EINVAL.  Context: any thread. */
+int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id);
+
+/*
+ * The worker's shard.  O(1): one probe sequence in an open-addressing table under a sequence
+ * counter; takes no lock and writes nothing, retrying only if a place/unplace ran concurrently.
+ * Returns 0 and *shard_out, KVR_ENOENT, KVR_EINVAL.  Context: any thread.
+ * Ordering: acquire loads of the table's sequence; pairs with the writer's RMW/release stores.
+ */
+int kvr_shards_lookup(const struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_out);
+
+/*
+ * Posts fn(shard, copy of payload) on a lane; payload (len <= KVR_SHARD_PAYLOAD bytes) is
+ * copied, so it may be a struct or a pointer.  Returns 0, KVR_EAGAIN (lane full, counted as a
+ * stall), KVR_EINVAL (fn NULL, len too big), KVR_ESHUTDOWN.  Tasks posted by one thread on one
+ * lane run in the order posted.
+ * Context: any thread, including shard threads (also to themselves); the caller is made an RCU
+ * reader if it is not one yet (kvr_rcu_thread_online) and must not be in a read section that
+ * spans kvr_shards_shutdown().
+ */
+int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
+                   size_t len);
+
+/*
+ * Like kvr_shard_post, but if the lane is full waits (spin, yield, then short sleeps) up to
+ * timeout_ns for room: KVR_ETIMEDOUT then.  A wait counts one stall.  From the shard's own thread
+ * it does not wait (it would wait for itself): KVR_EAGAIN.  Context: as kvr_shard_post; while
+ * waiting the caller is in an RCU read section, delaying grace periods by at most timeout_ns.
+ */
+int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                        const void *payload, size_t len, uint64_t timeout_ns);
+
+/*
+ * Runs fn(shard, arg) on the shard thread and returns its result; arg is borrowed for the call.
+ * From the shard's own thread it runs inline.  Otherwise it posts (waiting for room like
+ * kvr_shard_post_wait with no timeout, unless shutdown), then spins call_spin_ns on a reply
+ * slot (no syscall on a busy shard) and then sleeps on a futex.  Returns fn's result, or
+ * KVR_EINVAL / KVR_ESHUTDOWN (not run).  Calls queued when shutdown begins still run.
+ * Context: any thread.  Shard-to-shard calls must not form a cycle (A waits for B waits for A);
+ * use posts for that.
+ */
+int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
+
+/*
+ * Schedules fn(shard, arg) on the shard at deadline_ns of the router clock.  Returns 0 and
+ * *timer_id (may be NULL), KVR_EINVAL (fn NULL, or not called from this shard's thread),
+ * KVR_ENOMEM.  Context: the shard's own thread only (use a posted task from elsewhere).
+ */
+int kvr_shard_timer_add(struct kvr_shard *sh, uint64_t deadline_ns, kvr_shard_timer_fn fn,
+                        void *arg, uint64_t *timer_id);
+
+/* Cancels a pending timer: 0, KVR_ENOENT (fired, cancelled, unknown), KVR_EINVAL (wrong
+ * thread).  Context: the shard's own thread. */
+int kvr_shard_timer_cancel(struct kvr_shard *sh, uint64_t timer_id);
+
+/* The router clock's time now.  Context: any thread. */
+uint64_t kvr_shards_now(const struct kvr_shards *s);
+
+/*
+ * Virtual time: wakes every shard so it re-reads the clock and fires exactly the timers due.
+ * Context: any thread.
+ */
+void kvr_shards_kick(struct kvr_shards *s);
+
+/*
+ * Kicks, then waits until every shard has re-read the clock since the kick, fired its due
+ * timers, emptied both lanes and parked, with no task run in between (so work that shards post
+ * to each other is finished too).  For tests and the simulator: the caller must have stopped
+ * producing.  Returns 0, KVR_ETIMEDOUT, KVR_ESHUTDOWN.  Context: any thread but a shard's.
+ */
+int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns);
+
+/* A snapshot of a shard's counters.  Context: any thread. */
+void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *out);
+
+#endif /* KVR_SHARDS_RUNTIME_H */

@@ -1,0 +1,126 @@
+/*
+ * sync/lane.c - the biased two-lane scheduler (policy and invariants in lane.h).
+ *
+ * The clock is read only while a starvation window is open (the maintenance lane is non-empty
+ * while routing work keeps coming), so a routing-only flood pays no clock reads.
+ */
+#include "sync/lane.h"
+
+#include <time.h>
+
+static uint64_t mono_now(void *ctx)
+{
+	(void)ctx;
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int kvr_lanes_init(struct kvr_lanes *l, uint32_t capacity, uint32_t every_tasks, uint64_t every_ns,
+                   uint64_t (*now)(void *), void *now_ctx)
+{
+	if (!l || every_tasks == 0 || every_ns == 0)
+		return KVR_EINVAL;
+	memset(l, 0, sizeof(*l));
+	int rc = kvr_ring_init(&l->ring[0], capacity);
+	if (rc)
+		return rc;
+	rc = kvr_ring_init(&l->ring[1], capacity);
+	if (rc) {
+		kvr_ring_fini(&l->ring[0]);
+		return rc;
+	}
+	l->every_tasks = every_tasks;
+	l->every_ns = every_ns;
+	l->now = now ? now : mono_now;
+	l->now_ctx = now_ctx;
+	return 0;
+}
+
+void kvr_lanes_fini(struct kvr_lanes *l)
+{
+	if (!l)
+		return;
+	kvr_ring_fini(&l->ring[0]);
+	kvr_ring_fini(&l->ring[1]);
+}
+
+void kvr_lanes_count_stall(struct kvr_lanes *l, enum kvr_lane lane)
+{
+	__atomic_fetch_add(&l->stalls[lane], 1, __ATOMIC_RELAXED);
+}
+
+int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), const void *payload,
+                   uint32_t len, uint32_t aux, int count_stall)
+{
+	if ((unsigned)lane >= KVR_LANE_COUNT || len > KVR_MSG_PAYLOAD || (len && !payload))
+		return KVR_EINVAL;
+	if (__builtin_expect(kvr_ring_enqueue(&l->ring[lane], fn, payload, len, aux), 1))
+		return 0;
+	if (count_stall)
+		kvr_lanes_count_stall(l, lane);
+	return KVR_EAGAIN;
+}
+
+static void bump(uint64_t *c)
+{
+	__atomic_store_n(c, __atomic_load_n(c, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+}
+
+/* Runs when a maintenance message was taken: closes the window, opens the next one if the lane
+ * is still non-empty. */
+static void took_maint(struct kvr_lanes *l, uint64_t now)
+{
+	if (l->window_from) {
+		uint64_t wait = now > l->window_from ? now - l->window_from : 0;
+		if (wait > l->maint_wait_max_ns)
+			__atomic_store_n(&l->maint_wait_max_ns, wait, __ATOMIC_RELAXED);
+	}
+	if (l->streak > l->routing_between_max)
+		__atomic_store_n(&l->routing_between_max, l->streak, __ATOMIC_RELAXED);
+	l->streak = 0;
+	l->window_from = kvr_ring_depth(&l->ring[KVR_LANE_MAINT]) ? now : 0;
+	bump(&l->run[KVR_LANE_MAINT]);
+}
+
+int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
+{
+	struct kvr_ring *maint = &l->ring[KVR_LANE_MAINT];
+	if (l->window_from || kvr_ring_depth(maint)) {
+		uint64_t now = l->now(l->now_ctx);
+		if (!l->window_from) {
+			l->window_from = now ? now : 1;
+			l->streak = 0;
+		}
+		uint64_t open_ns = now > l->window_from ? now - l->window_from : 0;
+		if (l->streak >= l->every_tasks || open_ns >= l->every_ns) {
+			if (kvr_ring_dequeue(maint, out)) {
+				took_maint(l, now);
+				return KVR_LANE_MAINT;
+			}
+		}
+	}
+	if (kvr_ring_dequeue(&l->ring[KVR_LANE_ROUTING], out)) {
+		if (l->window_from)
+			l->streak++;
+		bump(&l->run[KVR_LANE_ROUTING]);
+		return KVR_LANE_ROUTING;
+	}
+	if (kvr_ring_dequeue(maint, out)) {
+		took_maint(l, l->window_from ? l->now(l->now_ctx) : 0);
+		return KVR_LANE_MAINT;
+	}
+	return -1;
+}
+
+int kvr_lanes_empty(const struct kvr_lanes *l)
+{
+	return kvr_ring_depth(&l->ring[0]) == 0 && kvr_ring_depth(&l->ring[1]) == 0;
+}
+
+uint32_t kvr_lanes_depth(const struct kvr_lanes *l, enum kvr_lane lane)
+{
+	if ((unsigned)lane >= KVR_LANE_COUNT)
+		return 0;
+	return kvr_ring_depth(&l->ring[lane]);
+}

@@ -1,0 +1,120 @@
+/*
+ * sync/park.c - futex parking and reply slots (see park.h for the protocol and its proof).
+ *
+ * Full barriers: outside TSan a seq_cst fence; under TSan (which does not model fences, and
+ * GCC warns about them with -Wtsan) a seq_cst read-modify-write on the state word instead,
+ * which is equally strong for this pattern (RMWs on one word are totally ordered and each
+ * synchronizes with the previous one).
+ */
+#include "sync/park.h"
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static long futex(uint32_t *uaddr, int op, uint32_t val, const struct timespec *ts)
+{
+	return syscall(SYS_futex, uaddr, op, val, ts, NULL, 0);
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void kvr_parker_init(struct kvr_parker *p)
+{
+	p->state = KVR_PARK_RUNNING;
+	p->parks = 0;
+	p->wakes = 0;
+}
+
+void kvr_parker_prepare(struct kvr_parker *p)
+{
+	/* An RMW: under TSan the barrier itself; elsewhere followed by the fence below. */
+	__atomic_exchange_n(&p->state, KVR_PARK_PARKED, __ATOMIC_SEQ_CST);
+#ifndef KVR_TSAN
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+void kvr_parker_cancel(struct kvr_parker *p)
+{
+	__atomic_store_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_RELAXED);
+}
+
+void kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns)
+{
+	struct timespec ts, *tsp = NULL;
+	if (timeout_ns != UINT64_MAX) {
+		ts.tv_sec = (time_t)(timeout_ns / 1000000000ull);
+		ts.tv_nsec = (long)(timeout_ns % 1000000000ull);
+		tsp = &ts;
+	}
+	__atomic_store_n(&p->parks, __atomic_load_n(&p->parks, __ATOMIC_RELAXED) + 1,
+	                 __ATOMIC_RELAXED);
+	/* Sleeps only if state is still PARKED: a waker that flipped it first makes this return
+	 * at once (EAGAIN). */
+	futex(&p->state, FUTEX_WAIT_PRIVATE, KVR_PARK_PARKED, tsp);
+	/* Acquire: pairs with the waker's exchange, so its published work is visible. */
+	__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL);
+}
+
+void kvr_parker_wake(struct kvr_parker *p)
+{
+	uint32_t s;
+#ifdef KVR_TSAN
+	s = __atomic_fetch_add(&p->state, 0, __ATOMIC_SEQ_CST);
+#else
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	s = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+#endif
+	if (__builtin_expect(s == KVR_PARK_RUNNING, 1))
+		return;
+	if (__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL) == KVR_PARK_PARKED) {
+		__atomic_fetch_add(&p->wakes, 1, __ATOMIC_RELAXED);
+		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
+	}
+}
+
+void kvr_reply_post(struct kvr_reply *r, int result)
+{
+	__atomic_store_n(&r->result, result, __ATOMIC_RELAXED);
+	uint32_t old = __atomic_exchange_n(&r->state, KVR_REPLY_DONE, __ATOMIC_ACQ_REL);
+	if (old == KVR_REPLY_WAITING)
+		futex(&r->state, FUTEX_WAKE_PRIVATE, INT_MAX, NULL);
+}
+
+int kvr_reply_wait(struct kvr_reply *r, uint64_t spin_ns, int *parked)
+{
+	if (parked)
+		*parked = 0;
+	/* Spin: check the clock only every 64 rounds. */
+	uint64_t start = 0;
+	for (uint32_t i = 0;; i++) {
+		if (__atomic_load_n(&r->state, __ATOMIC_ACQUIRE) == KVR_REPLY_DONE)
+			return __atomic_load_n(&r->result, __ATOMIC_RELAXED);
+		kvr_cpu_relax();
+		if ((i & 63) == 63) {
+			uint64_t now = mono_ns();
+			if (!start)
+				start = now;
+			else if (now - start >= spin_ns)
+				break;
+		}
+	}
+	uint32_t expect = KVR_REPLY_PENDING;
+	if (__atomic_compare_exchange_n(&r->state, &expect, KVR_REPLY_WAITING, false,
+	                                __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		if (parked)
+			*parked = 1;
+		while (__atomic_load_n(&r->state, __ATOMIC_ACQUIRE) != KVR_REPLY_DONE)
+			futex(&r->state, FUTEX_WAIT_PRIVATE, KVR_REPLY_WAITING, NULL);
+	}
+	/* expect == DONE, or we waited for DONE. */
+	return __atomic_load_n(&r->result, __ATOMIC_RELAXED);
+}

@@ -1,0 +1,695 @@
+/* The shard runtime: timers, the biased lane scheduler, placement, calls, backpressure,
+ * virtual time, and shutdown with producers still running. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "shards/runtime.h"
+#include "shards/timer.h"
+#include "sync/lane.h"
+
+/* ------------------------------------------------------------------ timers alone */
+
+struct fire_log {
+	int n;
+	int order[64];
+};
+
+struct targ {
+	struct fire_log *log;
+	int tag;
+};
+
+static void log_fire2(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	struct targ *t = arg;
+	t->log->order[t->log->n++] = t->tag;
+}
+
+Test(timers, fire_in_deadline_then_add_order)
+{
+	struct kvr_timers t;
+	kvr_timers_init(&t);
+	struct fire_log log = {0};
+	struct targ a[6];
+	uint64_t dl[6] = {30, 10, 20, 10, 50, 20};
+	uint64_t id[6];
+	for (int i = 0; i < 6; i++) {
+		a[i] = (struct targ){&log, i};
+		cr_assert_eq(kvr_timers_add(&t, dl[i], log_fire2, &a[i], &id[i]), 0);
+		cr_assert_neq(id[i], 0);
+	}
+	cr_assert_eq(kvr_timers_next(&t), 10);
+	cr_assert_eq(kvr_timers_cancel(&t, id[5]), 0);
+	cr_assert_eq(kvr_timers_cancel(&t, id[5]), KVR_ENOENT, "double cancel");
+	cr_assert_eq(kvr_timers_run(&t, 9, NULL, 100), 0);
+	cr_assert_eq(kvr_timers_run(&t, 20, NULL, 100), 3);
+	cr_assert_eq(log.n, 3);
+	cr_assert_eq(log.order[0], 1);
+	cr_assert_eq(log.order[1], 3);
+	cr_assert_eq(log.order[2], 2);
+	cr_assert_eq(kvr_timers_cancel(&t, id[1]), KVR_ENOENT, "fired timer");
+	cr_assert_eq(kvr_timers_pending(&t), 2);
+	cr_assert_eq(kvr_timers_run(&t, 100, NULL, 1), 1, "max_fire respected");
+	cr_assert_eq(kvr_timers_run(&t, 100, NULL, 100), 1);
+	cr_assert_eq(log.order[3], 0);
+	cr_assert_eq(log.order[4], 4);
+	cr_assert_eq(kvr_timers_next(&t), UINT64_MAX);
+	cr_assert_eq(kvr_timers_cancel(&t, 0), KVR_ENOENT);
+	cr_assert_eq(kvr_timers_cancel(&t, 12345ull << 32 | 999), KVR_ENOENT);
+	kvr_timers_fini(&t);
+}
+
+/* Differential: random adds/cancels/runs against a sorted-array reference. */
+struct ref_timer {
+	uint64_t deadline, seq, id;
+	int live;
+};
+
+static int fired_tags[100000];
+static int n_fired;
+static void rec_fire(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	fired_tags[n_fired++] = (int)(intptr_t)arg;
+}
+
+Test(timers, differential_against_reference)
+{
+	unsigned seed = (unsigned)time(NULL);
+	srand(seed);
+	struct kvr_timers t;
+	kvr_timers_init(&t);
+	static struct ref_timer ref[4000];
+	int n_ref = 0;
+	uint64_t now = 0;
+	n_fired = 0;
+	int expect_fired = 0;
+	static int expect_tags[100000];
+	for (int step = 0; step < 4000; step++) {
+		int op = rand() % 10;
+		if (op < 6 && n_ref < 4000) {
+			uint64_t d = now + (uint64_t)(rand() % 100);
+			cr_assert_eq(kvr_timers_add(&t, d, rec_fire, (void *)(intptr_t)n_ref,
+			                            &ref[n_ref].id),
+			             0);
+			ref[n_ref].deadline = d;
+			ref[n_ref].seq = (uint64_t)n_ref;
+			ref[n_ref].live = 1;
+			n_ref++;
+		} else if (op < 8 && n_ref) {
+			int k = rand() % n_ref;
+			int rc = kvr_timers_cancel(&t, ref[k].id);
+			cr_assert_eq(rc, ref[k].live ? 0 : KVR_ENOENT, "seed %u", seed);
+			ref[k].live = 0;
+		} else {
+			now += (uint64_t)(rand() % 50);
+			/* reference: live timers with deadline <= now, by (deadline, seq) */
+			for (;;) {
+				int best = -1;
+				for (int k = 0; k < n_ref; k++)
+					if (ref[k].live && ref[k].deadline <= now &&
+					    (best < 0 || ref[k].deadline < ref[best].deadline ||
+					     (ref[k].deadline == ref[best].deadline &&
+					      ref[k].seq < ref[best].seq)))
+						best = k;
+				if (best < 0)
+					break;
+				ref[best].live = 0;
+				expect_tags[expect_fired++] = best;
+			}
+			kvr_timers_run(&t, now, NULL, UINT32_MAX);
+			cr_assert_eq(n_fired, expect_fired, "seed %u", seed);
+		}
+	}
+	for (int k = 0; k < n_fired; k++)
+		cr_assert_eq(fired_tags[k], expect_tags[k], "seed %u at %d", seed, k);
+	kvr_timers_fini(&t);
+}
+
+/* ------------------------------------------------------------------ the lane scheduler alone */
+
+static uint64_t fake_ns = 1000;
+static uint64_t fake_clock(void *ctx)
+{
+	(void)ctx;
+	return fake_ns;
+}
+static void nop_fn(void)
+{
+}
+
+Test(lanes, maintenance_bound_by_count_under_flood)
+{
+	struct kvr_lanes l;
+	cr_assert_eq(kvr_lanes_init(&l, 4096, 8, 1000000000ull, fake_clock, NULL), 0);
+	for (int i = 0; i < 3000; i++)
+		cr_assert_eq(kvr_lanes_push(&l, KVR_LANE_ROUTING, nop_fn, NULL, 0, 0, 1), 0);
+	for (int i = 0; i < 100; i++)
+		cr_assert_eq(kvr_lanes_push(&l, KVR_LANE_MAINT, nop_fn, NULL, 0, 0, 1), 0);
+	struct kvr_msg m;
+	int since = 0, maints = 0, worst = 0, lane;
+	while ((lane = kvr_lanes_pop(&l, &m)) >= 0) {
+		if (lane == KVR_LANE_MAINT) {
+			if (maints < 100 && since > worst)
+				worst = since;
+			since = 0;
+			maints++;
+		} else {
+			since++;
+		}
+	}
+	cr_assert_eq(maints, 100);
+	cr_assert_eq(worst, 8, "routing tasks between maintenance: %d", worst);
+	cr_assert_eq(l.routing_between_max, 8);
+	cr_assert_eq(l.run[0], 3000);
+	cr_assert_eq(l.run[1], 100);
+	kvr_lanes_fini(&l);
+}
+
+Test(lanes, maintenance_bound_by_time_and_routing_first)
+{
+	struct kvr_lanes l;
+	cr_assert_eq(kvr_lanes_init(&l, 1024, 1000000, 500, fake_clock, NULL), 0);
+	struct kvr_msg m;
+	/* routing first when the window is young */
+	kvr_lanes_push(&l, KVR_LANE_MAINT, nop_fn, NULL, 0, 1, 1);
+	for (int i = 0; i < 100; i++)
+		kvr_lanes_push(&l, KVR_LANE_ROUTING, nop_fn, NULL, 0, 0, 1);
+	fake_ns = 10000;
+	int routed = 0;
+	for (;;) {
+		int lane = kvr_lanes_pop(&l, &m);
+		cr_assert_geq(lane, 0);
+		if (lane == KVR_LANE_MAINT)
+			break;
+		routed++;
+		fake_ns += 100; /* each routing task takes 100 ns */
+	}
+	/* window opened at the first pop (10000); due once 500 ns passed: after 5 tasks */
+	cr_assert_eq(routed, 5);
+	cr_assert_eq(l.maint_wait_max_ns, 500);
+	/* maintenance alone runs at once */
+	while (kvr_lanes_pop(&l, &m) >= 0)
+		;
+	kvr_lanes_push(&l, KVR_LANE_MAINT, nop_fn, NULL, 0, 0, 1);
+	cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_MAINT);
+	cr_assert_eq(kvr_lanes_pop(&l, &m), -1);
+	cr_assert(kvr_lanes_empty(&l));
+	kvr_lanes_fini(&l);
+}
+
+Test(lanes, full_ring_and_bad_args)
+{
+	struct kvr_lanes l;
+	cr_assert_eq(kvr_lanes_init(&l, 0, 1, 1, NULL, NULL), KVR_ERANGE);
+	cr_assert_eq(kvr_lanes_init(&l, 4, 0, 1, NULL, NULL), KVR_EINVAL);
+	cr_assert_eq(kvr_lanes_init(&l, 5, 1, 1, NULL, NULL), 0);
+	char big[KVR_MSG_PAYLOAD + 1] = {0};
+	cr_assert_eq(kvr_lanes_push(&l, KVR_LANE_ROUTING, nop_fn, big, sizeof(big), 0, 1),
+	             KVR_EINVAL);
+	cr_assert_eq(kvr_lanes_push(&l, (enum kvr_lane)7, nop_fn, NULL, 0, 0, 1), KVR_EINVAL);
+	uint32_t cap = kvr_ring_capacity(&l.ring[0]);
+	cr_assert_geq(cap, 5);
+	for (uint32_t i = 0; i < cap; i++) {
+		uint32_t v = i;
+		cr_assert_eq(kvr_lanes_push(&l, KVR_LANE_ROUTING, nop_fn, &v, 4, i, 1), 0);
+	}
+	cr_assert_eq(kvr_lanes_push(&l, KVR_LANE_ROUTING, nop_fn, NULL, 0, 0, 1), KVR_EAGAIN);
+	cr_assert_eq(l.stalls[0], 1);
+	cr_assert_eq(kvr_lanes_depth(&l, KVR_LANE_ROUTING), cap);
+	struct kvr_msg m;
+	for (uint32_t i = 0; i < cap; i++) {
+		cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
+		uint32_t v;
+		memcpy(&v, m.payload, 4);
+		cr_assert_eq(v, i, "FIFO");
+		cr_assert_eq(m.aux, i);
+		cr_assert_eq(m.len, 4);
+	}
+	kvr_lanes_fini(&l);
+}
+
+/* ------------------------------------------------------------------ runtime helpers */
+
+static struct kvr_shards *make(uint32_t n, uint32_t cap, kvr_clock_fn clk, void *cctx)
+{
+	struct kvr_shards_config c = {0};
+	c.n_shards = n;
+	c.lane_capacity = cap;
+	c.now_ns = clk;
+	c.clock_ctx = cctx;
+	c.maint_every_tasks = 4;
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	cr_assert_not_null(s);
+	return s;
+}
+
+static void add_one(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	uint64_t *ctr;
+	memcpy(&ctr, p, sizeof(ctr));
+	__atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED);
+}
+
+static int whoami(struct kvr_shard *sh, void *arg)
+{
+	int *out = arg;
+	*out = kvr_shard_current() == sh;
+	return (int)kvr_shard_index(sh) + 100;
+}
+
+static int call_self(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	int x = 0;
+	/* a shard calling itself runs inline: no deadlock */
+	return kvr_shard_call(sh, KVR_LANE_ROUTING, whoami, &x) + x * 1000;
+}
+
+Test(runtime, create_call_post_stats)
+{
+	struct kvr_shards *bad = (struct kvr_shards *)1;
+	struct kvr_shards_config c = {.n_shards = 1000};
+	cr_assert_eq(kvr_shards_create(&c, &bad), KVR_ERANGE);
+	cr_assert_null(bad);
+	cr_assert_eq(kvr_shards_create(NULL, &bad), KVR_EINVAL);
+
+	struct kvr_shards *s = make(3, 64, NULL, NULL);
+	cr_assert_eq(kvr_shards_count(s), 3);
+	cr_assert_null(kvr_shards_get(s, 3));
+	for (uint32_t i = 0; i < 3; i++) {
+		struct kvr_shard *sh = kvr_shards_get(s, i);
+		int on = 0;
+		cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, whoami, &on), 100 + (int)i);
+		cr_assert_eq(on, 1, "ran on the shard thread");
+		cr_assert_eq(kvr_shard_call(sh, KVR_LANE_MAINT, call_self, NULL),
+		             100 + (int)i + 1000);
+	}
+	uint64_t ctr = 0, *p = &ctr;
+	struct kvr_shard *sh0 = kvr_shards_get(s, 0);
+	for (int i = 0; i < 40; i++)
+		cr_assert_eq(kvr_shard_post_wait(sh0, i % 2 ? KVR_LANE_MAINT : KVR_LANE_ROUTING,
+		                                 add_one, &p, sizeof(p), 1000000000ull),
+		             0);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(__atomic_load_n(&ctr, __ATOMIC_RELAXED), 40);
+	struct kvr_shard_stats st;
+	kvr_shard_get_stats(sh0, &st);
+	cr_assert_eq(st.index, 0);
+	cr_assert_eq(st.tasks[0] + st.tasks[1], 40 + 2);
+	cr_assert_eq(st.calls_inline, 1);
+	cr_assert_eq(st.depth[0] + st.depth[1], 0);
+	cr_assert_eq(kvr_shard_post(sh0, KVR_LANE_ROUTING, NULL, NULL, 0), KVR_EINVAL);
+	char big[KVR_SHARD_PAYLOAD + 1] = {0};
+	cr_assert_eq(kvr_shard_post(sh0, KVR_LANE_ROUTING, add_one, big, sizeof(big)), KVR_EINVAL);
+	cr_assert_eq(kvr_shard_timer_add(sh0, 1, (kvr_shard_timer_fn)add_one, NULL, NULL),
+	             KVR_EINVAL, "timers only from the shard thread");
+	kvr_shards_destroy(s);
+	kvr_shards_destroy(NULL);
+}
+
+/* ------------------------------------------------------------------ placement */
+
+Test(placement, balanced_stable_and_dp_ranks_together)
+{
+	struct kvr_shards_config c = {.n_shards = 4, .max_workers = 64};
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	uint32_t sh, sh2;
+	cr_assert_eq(kvr_shards_lookup(s, 7, &sh), KVR_ENOENT);
+	/* 8 workers with 1 rank each: 2 per shard */
+	for (uint64_t w = 0; w < 8; w++)
+		cr_assert_eq(kvr_shards_place(s, w * 1000003, &sh), 0);
+	for (uint32_t i = 0; i < 4; i++) {
+		struct kvr_shard_stats st;
+		kvr_shard_get_stats(kvr_shards_get(s, i), &st);
+		cr_assert_eq(st.ranks, 2);
+		cr_assert_eq(st.workers, 2);
+	}
+	/* a worker with 4 dp ranks: all on one shard */
+	cr_assert_eq(kvr_shards_place(s, 42, &sh), 0);
+	for (int r = 1; r < 4; r++) {
+		cr_assert_eq(kvr_shards_place(s, 42, &sh2), 0);
+		cr_assert_eq(sh2, sh);
+	}
+	cr_assert_eq(kvr_shards_lookup(s, 42, &sh2), 0);
+	cr_assert_eq(sh2, sh);
+	/* the next new worker avoids that shard (it has the most ranks) */
+	uint32_t sh3;
+	cr_assert_eq(kvr_shards_place(s, 43, &sh3), 0);
+	cr_assert_neq(sh3, sh);
+	/* unplace rank by rank: stays until the last */
+	for (int r = 0; r < 3; r++) {
+		cr_assert_eq(kvr_shards_unplace(s, 42), 0);
+		cr_assert_eq(kvr_shards_lookup(s, 42, &sh2), 0);
+		cr_assert_eq(sh2, sh);
+	}
+	cr_assert_eq(kvr_shards_unplace(s, 42), 0);
+	cr_assert_eq(kvr_shards_lookup(s, 42, &sh2), KVR_ENOENT);
+	cr_assert_eq(kvr_shards_unplace(s, 42), KVR_ENOENT);
+	kvr_shards_destroy(s);
+}
+
+Test(placement, differential_with_deletions_and_capacity)
+{
+	unsigned seed = (unsigned)time(NULL);
+	srand(seed);
+	struct kvr_shards_config c = {.n_shards = 3, .max_workers = 100};
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	/* keys collide a lot: a small key space mapped to a 256-slot table */
+	enum { KEYS = 300 };
+	static int count[KEYS];
+	static int32_t where[KEYS];
+	memset(count, 0, sizeof(count));
+	int live = 0;
+	for (int step = 0; step < 20000; step++) {
+		int k = rand() % KEYS;
+		uint64_t key = (uint64_t)k * 256; /* same low bits: long probe chains */
+		uint32_t sh;
+		if (rand() % 2) {
+			int rc = kvr_shards_place(s, key, &sh);
+			if (count[k] == 0 && live == 100) {
+				cr_assert_eq(rc, KVR_ERANGE, "seed %u", seed);
+				continue;
+			}
+			cr_assert_eq(rc, 0, "seed %u", seed);
+			if (count[k])
+				cr_assert_eq((int32_t)sh, where[k], "seed %u", seed);
+			else
+				live++;
+			where[k] = (int32_t)sh;
+			count[k]++;
+		} else {
+			int rc = kvr_shards_unplace(s, key);
+			cr_assert_eq(rc, count[k] ? 0 : KVR_ENOENT, "seed %u", seed);
+			if (count[k] && --count[k] == 0)
+				live--;
+		}
+		if (step % 97 == 0) {
+			for (int j = 0; j < KEYS; j++) {
+				int rc = kvr_shards_lookup(s, (uint64_t)j * 256, &sh);
+				cr_assert_eq(rc, count[j] ? 0 : KVR_ENOENT, "seed %u key %d", seed,
+				             j);
+				if (count[j])
+					cr_assert_eq((int32_t)sh, where[j]);
+			}
+		}
+	}
+	kvr_shards_destroy(s);
+}
+
+struct lookup_arg {
+	struct kvr_shards *s;
+	int stop;
+	int bad;
+};
+
+static void *lookup_reader(void *p)
+{
+	struct lookup_arg *a = p;
+	while (!__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE)) {
+		for (uint64_t w = 0; w < 16; w++) {
+			uint32_t sh;
+			/* workers 0..15 stay placed on shard (w % 4) forever */
+			if (kvr_shards_lookup(a->s, w * 64, &sh) != 0 || sh != w % 4)
+				__atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
+		}
+	}
+	return NULL;
+}
+
+Test(placement, lockfree_lookup_during_churn)
+{
+	struct kvr_shards_config c = {.n_shards = 4, .max_workers = 64};
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	uint32_t sh;
+	for (uint64_t w = 0; w < 16; w++) {
+		cr_assert_eq(kvr_shards_place(s, w * 64, &sh), 0);
+		cr_assert_eq(sh, w % 4);
+	}
+	struct lookup_arg a = {.s = s};
+	pthread_t t;
+	pthread_create(&t, NULL, lookup_reader, &a);
+	for (int i = 0; i < 20000; i++) {
+		uint64_t k = 1000000 + (uint64_t)(i % 40) * 64;
+		kvr_shards_place(s, k, &sh);
+		kvr_shards_unplace(s, k);
+	}
+	__atomic_store_n(&a.stop, 1, __ATOMIC_RELEASE);
+	pthread_join(t, NULL);
+	cr_assert_eq(a.bad, 0, "a reader saw a wrong or missing placement during churn");
+	kvr_shards_destroy(s);
+}
+
+/* ------------------------------------------------------------------ backpressure */
+
+static void gate_task(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	int *gate;
+	memcpy(&gate, p, sizeof(gate));
+	while (!__atomic_load_n(gate, __ATOMIC_ACQUIRE))
+		sched_yield();
+}
+
+Test(runtime, backpressure_eagain_timeout_stalls_nothing_dropped)
+{
+	struct kvr_shards *s = make(1, 8, NULL, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	int gate = 0, *gp = &gate;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, gate_task, &gp, sizeof(gp)), 0);
+	/* wait until the shard is inside gate_task (ring empty again) */
+	struct kvr_shard_stats st;
+	do {
+		kvr_shard_get_stats(sh, &st);
+	} while (st.depth[0] != 0);
+	uint64_t ctr = 0, *cp = &ctr;
+	int accepted = 0, rc;
+	while ((rc = kvr_shard_post(sh, KVR_LANE_ROUTING, add_one, &cp, sizeof(cp))) == 0)
+		accepted++;
+	cr_assert_eq(rc, KVR_EAGAIN);
+	cr_assert_geq(accepted, 8);
+	cr_assert_eq(kvr_shard_post_wait(sh, KVR_LANE_ROUTING, add_one, &cp, sizeof(cp), 2000000),
+	             KVR_ETIMEDOUT);
+	kvr_shard_get_stats(sh, &st);
+	cr_assert_eq(st.stalls[0], 2);
+	cr_assert_eq(st.depth[0], (uint32_t)accepted);
+	/* the other lane is independent */
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_MAINT, add_one, &cp, sizeof(cp)), 0);
+	__atomic_store_n(&gate, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(
+	    kvr_shard_post_wait(sh, KVR_LANE_ROUTING, add_one, &cp, sizeof(cp), 5000000000ull), 0);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(__atomic_load_n(&ctr, __ATOMIC_RELAXED), (uint64_t)accepted + 2);
+	kvr_shards_destroy(s);
+}
+
+/* ------------------------------------------------------------------ virtual time */
+
+static uint64_t vclock_ns;
+static uint64_t vclock(void *ctx)
+{
+	(void)ctx;
+	return __atomic_load_n(&vclock_ns, __ATOMIC_ACQUIRE);
+}
+
+static int fired_at[16];
+static int n_vfired;
+static void vfire(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	fired_at[__atomic_fetch_add(&n_vfired, 1, __ATOMIC_RELAXED)] = (int)(intptr_t)arg;
+}
+
+static uint64_t cancel_id;
+static int arm_timers(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	uint64_t base = kvr_shards_now(kvr_shard_runtime(sh));
+	int rc = 0;
+	for (int i = 1; i <= 5; i++)
+		rc |= kvr_shard_timer_add(sh, base + (uint64_t)i * 1000, vfire, (void *)(intptr_t)i,
+		                          i == 4 ? &cancel_id : NULL);
+	return rc;
+}
+
+static int cancel_four(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	return kvr_shard_timer_cancel(sh, cancel_id);
+}
+
+Test(runtime, virtual_time_fires_exactly_due_timers)
+{
+	vclock_ns = 1000000;
+	n_vfired = 0;
+	struct kvr_shards *s = make(2, 64, vclock, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 1);
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_MAINT, arm_timers, NULL), 0);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(n_vfired, 0);
+	__atomic_store_n(&vclock_ns, 1002000, __ATOMIC_RELEASE); /* timers 1 and 2 due */
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(__atomic_load_n(&n_vfired, __ATOMIC_ACQUIRE), 2);
+	cr_assert_eq(fired_at[0], 1);
+	cr_assert_eq(fired_at[1], 2);
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, cancel_four, NULL), 0);
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, cancel_four, NULL), KVR_ENOENT);
+	__atomic_store_n(&vclock_ns, 1004500, __ATOMIC_RELEASE); /* 3 due; 4 cancelled */
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(__atomic_load_n(&n_vfired, __ATOMIC_ACQUIRE), 3);
+	cr_assert_eq(fired_at[2], 3);
+	struct kvr_shard_stats st;
+	kvr_shard_get_stats(sh, &st);
+	cr_assert_eq(st.timers_fired, 3);
+	cr_assert_eq(st.timers_pending, 1);
+	kvr_shards_destroy(s); /* timer 5 dropped unfired */
+	cr_assert_eq(n_vfired, 3);
+}
+
+/* ------------------------------------------------------------------ maintenance bound */
+
+struct flood_arg {
+	struct kvr_shard *sh;
+	int stop;
+	uint64_t *ctr;
+};
+
+static void *flooder(void *p)
+{
+	struct flood_arg *a = p;
+	while (!__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE))
+		if (kvr_shard_post(a->sh, KVR_LANE_ROUTING, add_one, &a->ctr, sizeof(a->ctr)) != 0)
+			sched_yield();
+	return NULL;
+}
+
+Test(runtime, maintenance_not_starved_by_routing_flood)
+{
+	struct kvr_shards *s = make(1, 1024, NULL, NULL); /* maint_every_tasks = 4 */
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	uint64_t ctr = 0, mctr = 0, *mp = &mctr;
+	struct flood_arg a = {.sh = sh, .ctr = &ctr};
+	pthread_t t[2];
+	for (int i = 0; i < 2; i++)
+		pthread_create(&t[i], NULL, flooder, &a);
+	for (int i = 0; i < 500; i++)
+		cr_assert_eq(kvr_shard_post_wait(sh, KVR_LANE_MAINT, add_one, &mp, sizeof(mp),
+		                                 5000000000ull),
+		             0);
+	__atomic_store_n(&a.stop, 1, __ATOMIC_RELEASE);
+	for (int i = 0; i < 2; i++)
+		pthread_join(t[i], NULL);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	struct kvr_shard_stats st;
+	kvr_shard_get_stats(sh, &st);
+	cr_assert_eq(mctr, 500);
+	cr_assert_leq(st.routing_between_maint_max, 4, "bound K=4 broken: %u",
+	              st.routing_between_maint_max);
+	cr_log_info("routing tasks %llu, max between maint %u, max maint wait %llu ns",
+	            (unsigned long long)st.tasks[0], st.routing_between_maint_max,
+	            (unsigned long long)st.maint_wait_max_ns);
+	kvr_shards_destroy(s);
+}
+
+/* ------------------------------------------------------------------ shutdown */
+
+struct prod_arg {
+	struct kvr_shards *s;
+	uint64_t *ran;
+	uint64_t accepted;
+	int last_rc;
+	int calls;
+};
+
+static int call_count(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	__atomic_fetch_add((uint64_t *)arg, 1, __ATOMIC_RELAXED);
+	return 7;
+}
+
+static void *producer(void *p)
+{
+	struct prod_arg *a = p;
+	for (uint32_t i = 0;; i++) {
+		struct kvr_shard *sh = kvr_shards_get(a->s, i % kvr_shards_count(a->s));
+		int rc;
+		if (a->calls && i % 16 == 0) {
+			rc = kvr_shard_call(sh, KVR_LANE_ROUTING, call_count, a->ran);
+			if (rc == 7)
+				rc = 0;
+		} else {
+			rc = kvr_shard_post_wait(sh, (enum kvr_lane)(i % 2), add_one, &a->ran,
+			                         sizeof(a->ran), 1000000000ull);
+		}
+		if (rc == 0)
+			a->accepted++;
+		else if (rc != KVR_EAGAIN && rc != KVR_ETIMEDOUT) {
+			a->last_rc = rc;
+			return NULL;
+		}
+	}
+}
+
+Test(runtime, shutdown_with_producers_running_exactly_once)
+{
+	for (int round = 0; round < 3; round++) {
+		struct kvr_shards *s = make(2, 16, NULL, NULL);
+		uint64_t ran = 0;
+		struct prod_arg a[3];
+		pthread_t t[3];
+		for (int i = 0; i < 3; i++) {
+			a[i] = (struct prod_arg){.s = s, .ran = &ran, .calls = i == 0};
+			pthread_create(&t[i], NULL, producer, &a[i]);
+		}
+		struct timespec ts = {0, 20000000};
+		nanosleep(&ts, NULL);
+		kvr_shards_shutdown(s); /* producers still running */
+		uint64_t accepted = 0;
+		for (int i = 0; i < 3; i++) {
+			pthread_join(t[i], NULL);
+			cr_assert_eq(a[i].last_rc, KVR_ESHUTDOWN);
+			accepted += a[i].accepted;
+		}
+		/* every accepted message ran exactly once (drained), nothing after */
+		cr_assert_eq(__atomic_load_n(&ran, __ATOMIC_RELAXED), accepted);
+		cr_assert_gt(accepted, 0);
+		uint32_t sh;
+		cr_assert_eq(kvr_shards_place(s, 1, &sh), KVR_ESHUTDOWN);
+		kvr_shards_destroy(s);
+	}
+}
+
+/* destroy (not shutdown) while producers are inside post_wait on a full lane */
+Test(runtime, destroy_while_producers_blocked)
+{
+	struct kvr_shards *s = make(1, 4, NULL, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	int gate = 0, *gp = &gate;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, gate_task, &gp, sizeof(gp)), 0);
+	uint64_t ran = 0, *rp = &ran;
+	int accepted = 0;
+	while (kvr_shard_post(sh, KVR_LANE_ROUTING, add_one, &rp, sizeof(rp)) == 0)
+		accepted++;
+	/* release the gate from a helper after a moment; meanwhile shutdown must not hang */
+	struct prod_arg a = {.s = s, .ran = &ran};
+	pthread_t t;
+	pthread_create(&t, NULL, producer, &a);
+	struct timespec ts = {0, 5000000};
+	nanosleep(&ts, NULL);
+	__atomic_store_n(&gate, 1, __ATOMIC_RELEASE);
+	kvr_shards_shutdown(s);
+	pthread_join(t, NULL);
+	cr_assert_eq(a.last_rc, KVR_ESHUTDOWN);
+	cr_assert_eq(ran, (uint64_t)accepted + a.accepted);
+	kvr_shards_destroy(s);
+}
