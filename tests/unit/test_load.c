@@ -1,0 +1,216 @@
+/* Active load (shards/load): dedup of pinned blocks, prefill tokens with linear decay of the
+ * oldest in-prefill request, potential load, every unknown/duplicate case, and a differential
+ * test against a brute-force model (seed printed on failure; LOAD_DIFF_SEED=<seed>). */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrouter.h"
+#include "shards/load.h"
+
+Test(load, dedup_and_potential)
+{
+	struct kvr_load *l;
+	struct kvr_load_potential p;
+	struct kvr_load_stats st;
+	cr_assert_eq(kvr_load_create(0, &l), 0);
+	cr_assert_eq(kvr_load_add(l, 1, (uint64_t[]){10, 11, 12}, 3, 100, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){10, 11, 20}, 3, 40, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){1}, 1, 1, 0), KVR_EEXIST);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 4, "10 and 11 pinned twice count once");
+	cr_assert_eq(st.active_requests, 2);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 5), 140);
+	cr_assert_eq(kvr_load_potential(l, (uint64_t[]){10, 11, 30, 31}, 4, 64, 5, &p), 0);
+	cr_assert_eq(p.decode_blocks, 6, "4 active + 30, 31");
+	cr_assert_eq(p.prefill_tokens, 204);
+	cr_assert_eq(kvr_load_prefill_done(l, 1), 0);
+	cr_assert_eq(kvr_load_prefill_done(l, 1), 0, "idempotent");
+	cr_assert_eq(kvr_load_prefill_tokens(l, 5), 40);
+	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){13}, 1), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 5);
+	cr_assert_eq(kvr_load_finish(l, 1), 0);
+	cr_assert_eq(kvr_load_finish(l, 1), KVR_ENOENT, "already finished");
+	cr_assert_eq(kvr_load_prefill_done(l, 1), KVR_ENOENT);
+	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){14}, 1), KVR_ENOENT);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 3, "10, 11 still pinned by 2");
+	cr_assert_eq(kvr_load_finish(l, 2), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 0);
+	cr_assert_eq(st.prefill_tokens, 0);
+	cr_assert_eq(kvr_load_potential(l, NULL, 0, 7, 0, &p), 0);
+	cr_assert_eq(p.decode_blocks, 0);
+	cr_assert_eq(p.prefill_tokens, 7);
+	cr_assert_eq(kvr_load_potential(l, NULL, 1, 7, 0, &p), KVR_EINVAL);
+	cr_assert_eq(kvr_load_add(l, 3, NULL, 2, 0, 0), KVR_EINVAL);
+	kvr_load_destroy(l);
+	kvr_load_destroy(NULL);
+}
+
+Test(load, oldest_prefill_decays_linearly)
+{
+	struct kvr_load *l;
+	cr_assert_eq(kvr_load_create(1000, &l), 0);
+	kvr_load_add(l, 1, NULL, 0, 100, 0);
+	kvr_load_add(l, 2, NULL, 0, 50, 200);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 0), 150);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 250), 75 + 50, "only the oldest decays");
+	cr_assert_eq(kvr_load_prefill_tokens(l, 1000), 50);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 5000), 50, "never negative");
+	kvr_load_prefill_done(l, 1); /* 2 becomes the oldest: decays from its own start */
+	cr_assert_eq(kvr_load_prefill_tokens(l, 700), 25);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 100), 50, "clock before start: no decay");
+	kvr_load_finish(l, 2);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 700), 0);
+	kvr_load_add(l, 3, NULL, 0, 10, 800);
+	cr_assert_eq(kvr_load_prefill_tokens(l, 900), 9);
+	kvr_load_destroy(l);
+}
+
+/* ---------------------------------------------------------------- differential */
+
+#define MAXR 64
+struct mreq {
+	bool live, in_prefill;
+	uint64_t attempt, tokens, start, order;
+	uint64_t seq[64];
+	int n;
+};
+
+static uint64_t rng(uint64_t *s)
+{
+	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+	return x ^ (x >> 31);
+}
+
+static bool m_pinned(struct mreq *m, uint64_t s)
+{
+	for (int i = 0; i < MAXR; i++)
+		if (m[i].live)
+			for (int k = 0; k < m[i].n; k++)
+				if (m[i].seq[k] == s)
+					return true;
+	return false;
+}
+
+static uint64_t m_blocks(struct mreq *m)
+{
+	uint64_t n = 0;
+	for (uint64_t s = 0; s < 48; s++)
+		n += m_pinned(m, s);
+	return n;
+}
+
+static uint64_t m_prefill(struct mreq *m, uint64_t d, uint64_t now)
+{
+	uint64_t sum = 0;
+	struct mreq *old = NULL;
+	for (int i = 0; i < MAXR; i++)
+		if (m[i].live && m[i].in_prefill) {
+			sum += m[i].tokens;
+			if (!old || m[i].order < old->order)
+				old = &m[i];
+		}
+	if (d && old) {
+		uint64_t el = now > old->start ? now - old->start : 0;
+		uint64_t kept = el >= d ? 0 : old->tokens * (d - el) / d;
+		sum = sum - old->tokens + kept;
+	}
+	return sum;
+}
+
+static void run_seed(uint64_t seed, int steps)
+{
+	uint64_t r = seed, d = rng(&r) % 2 ? 1 + rng(&r) % 1000 : 0, now = 0, order = 0;
+	static struct mreq m[MAXR];
+	memset(m, 0, sizeof(m));
+	struct kvr_load *l;
+	cr_assert_eq(kvr_load_create(d, &l), 0);
+	uint64_t seq[16];
+	for (int step = 0; step < steps; step++) {
+		uint64_t op = rng(&r) % 10, a = 1 + rng(&r) % MAXR;
+		struct mreq *q = &m[a - 1];
+		int rc, want;
+		if (op < 3) {
+			size_t n = rng(&r) % 8;
+			for (size_t i = 0; i < n; i++)
+				seq[i] = rng(&r) % 48;
+			uint64_t tok = rng(&r) % 1000;
+			rc = kvr_load_add(l, a, seq, n, tok, now);
+			want = q->live ? KVR_EEXIST : 0;
+			if (!q->live) {
+				*q = (struct mreq){.live = 1,
+				                   .in_prefill = 1,
+				                   .attempt = a,
+				                   .tokens = tok,
+				                   .start = now,
+				                   .order = order++,
+				                   .n = (int)n};
+				memcpy(q->seq, seq, n * sizeof(uint64_t));
+			}
+		} else if (op < 5) {
+			rc = kvr_load_prefill_done(l, a);
+			want = q->live ? 0 : KVR_ENOENT;
+			q->in_prefill = false;
+		} else if (op < 6) {
+			size_t n = rng(&r) % 3;
+			for (size_t i = 0; i < n; i++)
+				seq[i] = rng(&r) % 48;
+			if (q->live && q->n + (int)n > 64)
+				n = 0;
+			rc = kvr_load_add_output(l, a, seq, n);
+			want = q->live ? 0 : KVR_ENOENT;
+			if (q->live)
+				for (size_t i = 0; i < n; i++)
+					q->seq[q->n++] = seq[i];
+		} else if (op < 8) {
+			rc = kvr_load_finish(l, a);
+			want = q->live ? 0 : KVR_ENOENT;
+			q->live = false;
+		} else {
+			now += rng(&r) % 300;
+			rc = want = 0;
+		}
+		cr_assert_eq(rc, want, "seed %llu step %d", (unsigned long long)seed, step);
+		struct kvr_load_stats st;
+		kvr_load_stats(l, &st);
+		cr_assert_eq(st.active_blocks, m_blocks(m), "seed %llu step %d",
+		             (unsigned long long)seed, step);
+		cr_assert_eq(kvr_load_prefill_tokens(l, now), m_prefill(m, d, now),
+		             "seed %llu step %d", (unsigned long long)seed, step);
+		size_t n = rng(&r) % 8;
+		uint64_t fresh = 0;
+		for (size_t i = 0; i < n; i++) {
+			seq[i] = 100 + i; /* distinct from each other; some pinned below */
+			if (rng(&r) % 2)
+				seq[i] = rng(&r) % 48;
+			bool dup = false;
+			for (size_t k = 0; k < i; k++)
+				dup |= seq[k] == seq[i];
+			if (dup)
+				seq[i] = 200 + i;
+			fresh += !m_pinned(m, seq[i]);
+		}
+		struct kvr_load_potential p;
+		kvr_load_potential(l, seq, n, 5, now, &p);
+		cr_assert(p.decode_blocks == m_blocks(m) + fresh &&
+		              p.prefill_tokens == m_prefill(m, d, now) + 5,
+		          "seed %llu step %d: potential", (unsigned long long)seed, step);
+	}
+	kvr_load_destroy(l);
+}
+
+Test(load, differential_against_model)
+{
+	const char *env = getenv("LOAD_DIFF_SEED");
+	if (env) {
+		run_seed(strtoull(env, NULL, 0), 5000);
+		return;
+	}
+	for (uint64_t seed = 1; seed <= 200; seed++)
+		run_seed(seed, 300);
+}
