@@ -10,7 +10,7 @@
  *
  * Data structures (all owned by one shard thread):
  *  - copies: a slab (array of struct copy, indices stable, free slots on a free list); a copy
- *    is 56 bytes.  Copy ids come from a 64-bit counter and break ties in the eviction order.
+ *    is 48 bytes.  Copy ids come from a 64-bit counter and break ties in the eviction order.
  *  - copies by hash: shards/u64map.h, seq -> first copy; the copies of one hash form a singly
  *    linked chain in creation order (chains are almost always length 1, so walking is cheap).
  *  - the inactive set ordered by (release epoch asc, position desc, copy id asc).  We do NOT need
@@ -18,7 +18,9 @@
  *    epoch, which is larger than every epoch already in the set.  So the set is a doubly linked
  *    list in exact order: a release sorts just the copies it frees by (position desc, id asc)
  *    and appends them at the tail; a cache hit unlinks in O(1); eviction pops the head.
- *    Cost: O(k log k) per release of k copies, O(1) per hit and per eviction.
+ *    Cost: O(k log k) per release of k copies (O(k) in the usual, already ordered case), O(1)
+ *    per hit and per eviction.  The epoch itself therefore need not be stored in a copy: its
+ *    place in the list is its epoch (the rank keeps only the epoch counter, for stats).
  *  - leases: a dense array (swap-remove) indexed through a u64map attempt -> index; each lease
  *    holds the slab indices of its copies (a hit on the same copy twice appears twice).
  *
@@ -43,13 +45,11 @@
 struct copy {
 	uint64_t seq;
 	uint64_t local;
-	uint64_t id;    /* creation order, unique per rank */
-	uint64_t epoch; /* release epoch when it became inactive */
+	uint64_t id; /* creation order, unique per rank */
 	uint32_t refs;
 	uint32_t pos;        /* position in the sequence of its latest holder */
 	uint32_t hnext;      /* next copy of the same hash, or the free list */
 	uint32_t prev, next; /* inactive list */
-	uint32_t pad;
 };
 
 struct lease {
@@ -180,7 +180,9 @@ static int reserve_copies(struct kvr_lru *lru, size_t n)
 		return KVR_ERANGE;
 	if ((size_t)lru->c_live + n <= lru->c_cap)
 		return 0;
-	size_t nc = (size_t)lru->c_cap * 2;
+	/* 1.5x: the slab dominates memory per copy, and a full LRU needs capacity + one
+	 * request, so doubling would leave half of it idle. */
+	size_t nc = (size_t)lru->c_cap + lru->c_cap / 2;
 	if (nc < (size_t)lru->c_live + n)
 		nc = (size_t)lru->c_live + n;
 	if (nc < 64)
@@ -285,7 +287,6 @@ static uint32_t new_copy(struct kvr_lru *lru, const struct kvr_lru_block *b, uin
 	c->seq = b->seq;
 	c->local = b->local;
 	c->id = lru->next_id++;
-	c->epoch = 0;
 	c->refs = 1;
 	c->pos = pos;
 	c->hnext = NIL;
@@ -456,7 +457,7 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 	int rc = kvr_lru_out_reserve(out, 0, bound);
 	if (rc)
 		return rc;
-	uint64_t epoch = ++lru->epoch;
+	lru->epoch++;
 	lru->priv -= l->priv;
 	/* Walk the lease backwards: prompt and output blocks were appended in position order, so
 	 * the freed copies usually come out already sorted deepest first. */
@@ -465,7 +466,6 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 	for (uint32_t j = l->n; j-- > 0;) {
 		struct copy *c = &lru->c[l->copies[j]];
 		if (--c->refs == 0) {
-			c->epoch = epoch;
 			if (k > 0 && !release_before(&lru->c[lru->scratch[k - 1]], c))
 				sorted = false;
 			lru->scratch[k++] = l->copies[j];
