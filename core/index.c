@@ -177,7 +177,12 @@ void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct id
 		}
 	}
 	/* Give memory back after mass removal; keep the old array if the new one fails. */
-	if (t->mask + 1 > TAB_MIN && (uint64_t)s->count * 8 < t->mask + 1)
+	if (s->count == 0) {
+		kvr_rcu_publish(&s->tab, (struct idx_tab *)NULL);
+		s->tombs = 0;
+		t->next_free = rt->tabs;
+		rt->tabs = t;
+	} else if (t->mask + 1 > TAB_MIN && (uint64_t)s->count * 8 < t->mask + 1)
 		(void)seg_rebuild(idx, s, cap_for(s->count), rt);
 	idx_unlock(&s->lock);
 }
@@ -307,9 +312,9 @@ void kvr_index_destroy(struct kvr_index *idx)
 		kvr_free(t, idx_bytes_tab(t->mask));
 	}
 	for (uint32_t i = 0; i < idx->max_ranks; i++)
-		kvr_free(idx->rank[i].map.e, idx->rank[i].map.e ? (idx->rank[i].map.mask + 1) *
-		                                                      sizeof(struct idx_xent)
-		                                                : 0);
+		kvr_free(idx->rank[i].map.e,
+		         idx->rank[i].map.e ? (idx->rank[i].map.mask + 1) * sizeof(struct idx_xent)
+		                            : 0);
 	kvr_free(idx->rtab, rtab_bytes(idx->rtab->mask));
 	kvr_free_aligned(idx->rank, sizeof(struct idx_rank) * idx->max_ranks);
 	kvr_free_aligned(idx, sizeof(*idx));
@@ -335,8 +340,8 @@ static bool rank_is(const struct idx_rank *r, uint64_t worker_id, uint32_t dp_ra
 
 /* Probe for (worker, dp); returns the entry index or UINT32_MAX.  Context: any, with the table
  * pinned (read section or rank_lock). */
-static uint32_t rtab_find(const struct kvr_index *idx, const struct idx_rtab *t,
-                          uint64_t worker_id, uint32_t dp_rank)
+static uint32_t rtab_find(const struct kvr_index *idx, const struct idx_rtab *t, uint64_t worker_id,
+                          uint32_t dp_rank)
 {
 	for (uint32_t i = (uint32_t)rank_hash(worker_id, dp_rank) & t->mask;;
 	     i = (i + 1) & t->mask) {
@@ -378,8 +383,7 @@ static void rtab_purge(struct kvr_index *idx)
 	kvr_rcu_defer_free(ot, rtab_free);
 }
 
-int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank,
-                       uint32_t *slot)
+int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank, uint32_t *slot)
 {
 	if (!idx || !slot)
 		return KVR_EINVAL;

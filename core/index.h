@@ -73,8 +73,7 @@ void kvr_index_destroy(struct kvr_index *idx);
  * Returns 0 and *slot, KVR_EINVAL, KVR_EEXIST (already added; *slot is set to it), KVR_ERANGE
  * (no free slot).  Context: a writer (shard) thread, outside a read section.
  */
-int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank,
-                       uint32_t *slot);
+int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank, uint32_t *slot);
 
 /*
  * Finds the slot of (worker_id, dp_rank).  Lock-free.  Returns 0, KVR_EINVAL or KVR_ENOENT.

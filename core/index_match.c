@@ -61,8 +61,10 @@ static size_t intersect(struct kvr_index_match *out, size_t a, uintptr_t v, uint
 		uint32_t j = 0, n = r->n;
 		for (size_t k = 0; k < a && j < n; k++) {
 			uint32_t want = out[k].slot, have;
-			/* Relaxed: an entry may be rewritten in place by rank_del's no-memory path. */
-			while (j < n && (have = __atomic_load_n(&r->slot[j], __ATOMIC_RELAXED)) < want)
+			/* Relaxed: an entry may be rewritten in place by rank_del's no-memory path.
+			 */
+			while (j < n &&
+			       (have = __atomic_load_n(&r->slot[j], __ATOMIC_RELAXED)) < want)
 				j++;
 			if (j < n && have == want) {
 				struct kvr_index_match t = out[keep];
@@ -160,6 +162,7 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 		memmove(&out[a], &out[cap - f], f * sizeof(*out));
 	*n_out = a + f;
 	for (size_t k = 0; k < a + f; k++)
-		out[k].tree_size = __atomic_load_n(&idx->rank[out[k].slot].tree_size, __ATOMIC_RELAXED);
+		out[k].tree_size =
+		    __atomic_load_n(&idx->rank[out[k].slot].tree_size, __ATOMIC_RELAXED);
 	return 0;
 }

@@ -241,7 +241,8 @@ static void rank_del(struct kvr_index *idx, struct idx_node *x, uint32_t s, stru
 			struct idx_rset *r = rset_new(idx, distinct);
 			if (!r) {
 				uint32_t fill = pos > 0 ? o->slot[pos - 1] : other;
-				if (pos == 0) /* first entries equal s: copy the first other value */
+				if (pos ==
+				    0) /* first entries equal s: copy the first other value */
 					for (uint32_t i = 0; i < o->n; i++)
 						if (o->slot[i] != s) {
 							fill = o->slot[i];
@@ -249,7 +250,8 @@ static void rank_del(struct kvr_index *idx, struct idx_node *x, uint32_t s, stru
 						}
 				for (uint32_t i = 0; i < o->n; i++)
 					if (o->slot[i] == s)
-						__atomic_store_n(&o->slot[i], fill, __ATOMIC_RELAXED);
+						__atomic_store_n(&o->slot[i], fill,
+						                 __ATOMIC_RELAXED);
 				return;
 			}
 			uint32_t k = 0;

@@ -1,0 +1,430 @@
+/* The RCU radix index (core/index): every rule of stored/removed/cleared/remove-rank, error
+ * paths, dp ranks, LoRA chains, 8k-block events and queries, memory given back. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/index.h"
+#include "kvrouter.h"
+#include "sync/rcu.h"
+
+static struct kvr_index *idx;
+
+static void setup(void)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	cr_assert_eq(kvr_index_create(64, &idx), 0);
+}
+
+static void teardown(void)
+{
+	kvr_index_destroy(idx);
+	idx = NULL;
+}
+
+TestSuite(index, .init = setup, .fini = teardown);
+
+/* Blocks ext = base + i, local = local0 + i (a chain). */
+static void chain(struct kvr_index_block *b, size_t n, uint64_t ext0, uint64_t local0)
+{
+	for (size_t i = 0; i < n; i++) {
+		b[i].ext_hash = ext0 + i;
+		b[i].local_hash = local0 + i;
+	}
+}
+
+static int match(const uint64_t *local, size_t n, bool early, struct kvr_index_match *out,
+                 size_t cap, size_t *n_out)
+{
+	struct kvr_index_match_opts o = {.early_exit = early};
+	kvr_rcu_read_lock();
+	int rc = kvr_index_find_matches(idx, local, n, &o, out, cap, n_out);
+	kvr_rcu_read_unlock();
+	return rc;
+}
+
+/* Score of slot in a query, -1 if absent. */
+static int score_of(const uint64_t *local, size_t n, uint32_t slot)
+{
+	struct kvr_index_match out[64];
+	size_t k;
+	cr_assert_eq(match(local, n, false, out, 64, &k), 0);
+	for (size_t i = 0; i < k; i++)
+		if (out[i].slot == slot)
+			return (int)out[i].score;
+	return -1;
+}
+
+Test(index, create_errors)
+{
+	struct kvr_index *x = (void *)1;
+	cr_assert_eq(kvr_index_create(0, &x), KVR_ERANGE);
+	cr_assert_null(x);
+	cr_assert_eq(kvr_index_create(KVR_INDEX_MAX_RANKS + 1, &x), KVR_ERANGE);
+	cr_assert_eq(kvr_index_create(4, NULL), KVR_EINVAL);
+	kvr_index_destroy(NULL);
+	kvr_alloc_fail_after(1);
+	cr_assert_eq(kvr_index_create(4, &x), KVR_ENOMEM);
+	kvr_alloc_fail_after(2);
+	cr_assert_eq(kvr_index_create(4, &x), KVR_ENOMEM);
+	kvr_alloc_fail_after(0);
+}
+
+Test(index, rank_slots)
+{
+	uint32_t a, b, c, s;
+	uint64_t w;
+	uint32_t dp;
+	cr_assert_eq(kvr_index_rank_add(idx, 7, 0, &a), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 7, 1, &b), 0);
+	cr_assert_neq(a, b);
+	cr_assert_eq(kvr_index_rank_add(idx, 7, 0, &c), KVR_EEXIST);
+	cr_assert_eq(c, a);
+	cr_assert_eq(kvr_index_rank_find(idx, 7, 1, &s), 0);
+	cr_assert_eq(s, b);
+	cr_assert_eq(kvr_index_rank_find(idx, 7, 2, &s), KVR_ENOENT);
+	cr_assert_eq(kvr_index_rank_get(idx, b, &w, &dp), 0);
+	cr_assert(w == 7 && dp == 1);
+	cr_assert_eq(kvr_index_rank_get(idx, 63, &w, &dp), KVR_ENOENT);
+	cr_assert_eq(kvr_index_rank_get(idx, 64, &w, &dp), KVR_EINVAL);
+	cr_assert_eq(kvr_index_rank_add(NULL, 1, 0, &s), KVR_EINVAL);
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, NULL), KVR_EINVAL);
+	cr_assert_eq(kvr_index_rank_find(NULL, 1, 0, &s), KVR_EINVAL);
+	cr_assert_eq(kvr_index_rank_remove(idx, a), 0);
+	cr_assert_eq(kvr_index_rank_remove(idx, a), KVR_ENOENT);
+	cr_assert_eq(kvr_index_rank_remove(idx, 9999), KVR_ENOENT);
+	cr_assert_eq(kvr_index_rank_find(idx, 7, 0, &s), KVR_ENOENT);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.ranks, 1);
+}
+
+Test(index, slots_full_and_reused_after_grace_period)
+{
+	uint32_t s[64], extra;
+	for (uint32_t i = 0; i < 64; i++)
+		cr_assert_eq(kvr_index_rank_add(idx, 100 + i, 0, &s[i]), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 999, 0, &extra), KVR_ERANGE);
+	struct kvr_index_block b[3];
+	chain(b, 3, 10, 500);
+	cr_assert_eq(kvr_index_store(idx, s[5], NULL, b, 3), 0);
+	cr_assert_eq(kvr_index_rank_remove(idx, s[5]), 0);
+	/* Until a grace period passes the slot is not reused. */
+	kvr_rcu_barrier();
+	cr_assert_eq(kvr_index_rank_add(idx, 999, 0, &extra), 0);
+	cr_assert_eq(extra, s[5]);
+	uint64_t q[3] = {500, 501, 502};
+	cr_assert_eq(score_of(q, 3, extra), -1, "a new rank must not inherit the old blocks");
+	cr_assert_eq(kvr_index_tree_size(idx, extra), 0);
+	/* Many add/remove cycles: tombstones in the lookup table are purged. */
+	for (int k = 0; k < 300; k++) {
+		uint32_t t;
+		cr_assert_eq(kvr_index_rank_remove(idx, extra), 0);
+		kvr_rcu_barrier();
+		cr_assert_eq(kvr_index_rank_add(idx, 5000 + (uint64_t)k, 3, &t), 0);
+		extra = t;
+		cr_assert_eq(kvr_index_rank_find(idx, 5000 + (uint64_t)k, 3, &t), 0);
+		cr_assert_eq(t, extra);
+	}
+}
+
+Test(index, store_and_match_scores)
+{
+	uint32_t r0, r1;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	kvr_index_rank_add(idx, 2, 0, &r1);
+	struct kvr_index_block b[5];
+	chain(b, 5, 100, 1);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 5), 0);
+	chain(b, 3, 900, 1); /* same tokens, another engine's ext hashes */
+	cr_assert_eq(kvr_index_store(idx, r1, NULL, b, 3), 0);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 5, "same local path shares nodes across ext hashes");
+	cr_assert_eq(st.copies, 8);
+	cr_assert_eq(st.stored_blocks, 8);
+	uint64_t q[6] = {1, 2, 3, 4, 5, 6};
+	struct kvr_index_match out[8];
+	size_t n;
+	cr_assert_eq(match(q, 6, false, out, 8, &n), 0);
+	cr_assert_eq(n, 2);
+	cr_assert_eq(out[0].slot, r0);
+	cr_assert_eq(out[0].score, 5);
+	cr_assert_eq(out[0].tree_size, 5);
+	cr_assert_eq(out[1].slot, r1);
+	cr_assert_eq(out[1].score, 3);
+	cr_assert_eq(out[1].tree_size, 3);
+	/* Early exit: stops when r0 is alone, after block 3. */
+	cr_assert_eq(match(q, 6, true, out, 8, &n), 0);
+	cr_assert_eq(n, 2);
+	cr_assert_eq(out[0].score, 4);
+	/* Not holding block 0 -> nothing. */
+	uint64_t q2[2] = {2, 3};
+	cr_assert_eq(match(q2, 2, false, out, 8, &n), 0);
+	cr_assert_eq(n, 0);
+	/* cap too small. */
+	cr_assert_eq(match(q, 6, false, out, 1, &n), KVR_ERANGE);
+	cr_assert_eq(n, 2);
+	cr_assert_eq(match(NULL, 1, false, out, 8, &n), KVR_EINVAL);
+	cr_assert_eq(match(q, 1, false, NULL, 8, &n), KVR_EINVAL);
+	cr_assert_eq(match(q, 0, false, out, 8, &n), 0);
+	cr_assert_eq(n, 0);
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_index_find_matches(idx, q, 6, NULL, out, 8, NULL), KVR_EINVAL);
+	cr_assert_eq(kvr_index_find_matches(NULL, q, 6, NULL, out, 8, &n), KVR_EINVAL);
+	kvr_rcu_read_unlock();
+}
+
+Test(index, parent_rules)
+{
+	uint32_t r;
+	kvr_index_rank_add(idx, 1, 0, &r);
+	struct kvr_index_block b[4];
+	chain(b, 2, 100, 1);
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, 2), 0);
+	/* Continue from parent 101. */
+	chain(b, 2, 102, 3);
+	uint64_t parent = 101;
+	cr_assert_eq(kvr_index_store(idx, r, &parent, b, 2), 0);
+	uint64_t q[4] = {1, 2, 3, 4};
+	cr_assert_eq(score_of(q, 4, r), 4);
+	/* Unknown parent: the whole event rejected and counted. */
+	uint64_t bad = 555;
+	chain(b, 2, 200, 50);
+	cr_assert_eq(kvr_index_store(idx, r, &bad, b, 2), KVR_ENOENT);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.parent_not_found, 1);
+	cr_assert_eq(st.nodes, 4);
+	/* Self-parent: first block's ext equals the parent's -> invalid, nothing after it. */
+	b[0].ext_hash = 103;
+	parent = 103;
+	cr_assert_eq(kvr_index_store(idx, r, &parent, b, 2), KVR_EINVAL);
+	/* Self-parent in the middle: the prefix stays applied. */
+	chain(b, 3, 300, 70);
+	b[2].ext_hash = 301;
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, 3), KVR_EINVAL);
+	uint64_t q2[3] = {70, 71, 72};
+	cr_assert_eq(score_of(q2, 3, r), 2);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.invalid, 2);
+	/* Bad arguments. */
+	cr_assert_eq(kvr_index_store(idx, r, NULL, NULL, 1), KVR_EINVAL);
+	cr_assert_eq(kvr_index_store(NULL, r, NULL, b, 1), KVR_EINVAL);
+	cr_assert_eq(kvr_index_store(idx, 40, NULL, b, 1), KVR_ENOENT);
+	cr_assert_eq(kvr_index_store(idx, 4000, NULL, b, 1), KVR_ENOENT);
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, 0), 0);
+	cr_assert_eq(kvr_index_store(idx, r, NULL, NULL, 0), 0);
+}
+
+Test(index, idempotent_and_conflicts)
+{
+	uint32_t r;
+	kvr_index_rank_add(idx, 1, 0, &r);
+	struct kvr_index_block b[3];
+	chain(b, 3, 100, 1);
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, 3), 0);
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, 3), 0);
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, 2), 0);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 3);
+	cr_assert_eq(kvr_index_tree_size(idx, r), 3);
+	/* Same ext hash for another block -> invalid. */
+	struct kvr_index_block c[1] = {{.ext_hash = 100, .local_hash = 42}};
+	cr_assert_eq(kvr_index_store(idx, r, NULL, c, 1), KVR_EINVAL);
+	/* Same block under another ext hash -> invalid. */
+	c[0] = (struct kvr_index_block){.ext_hash = 777, .local_hash = 1};
+	cr_assert_eq(kvr_index_store(idx, r, NULL, c, 1), KVR_EINVAL);
+	/* Duplicate hashes inside one event: [a, b, a]. */
+	struct kvr_index_block d[3] = {{500, 9}, {501, 10}, {500, 11}};
+	cr_assert_eq(kvr_index_store(idx, r, NULL, d, 3), KVR_EINVAL);
+	uint64_t q[3] = {9, 10, 11};
+	cr_assert_eq(score_of(q, 3, r), 2);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.invalid, 3);
+	cr_assert_eq(st.copies, 5);
+}
+
+Test(index, remove_no_cascade)
+{
+	uint32_t r;
+	kvr_index_rank_add(idx, 1, 0, &r);
+	struct kvr_index_block b[4];
+	chain(b, 4, 100, 1);
+	kvr_index_store(idx, r, NULL, b, 4);
+	uint64_t rm[3] = {101, 999, 101};
+	size_t nf = 0;
+	cr_assert_eq(kvr_index_remove(idx, r, rm, 3, &nf), 0);
+	cr_assert_eq(nf, 2);
+	uint64_t q[4] = {1, 2, 3, 4};
+	cr_assert_eq(score_of(q, 4, r), 1);
+	cr_assert_eq(kvr_index_tree_size(idx, r), 3);
+	/* The descendants are still held: continuing from 102 works. */
+	struct kvr_index_block c[1] = {{104, 5}};
+	uint64_t parent = 103;
+	cr_assert_eq(kvr_index_store(idx, r, &parent, c, 1), 0);
+	/* Re-store block 1: the path is whole again. */
+	parent = 100;
+	struct kvr_index_block e[1] = {{101, 2}};
+	cr_assert_eq(kvr_index_store(idx, r, &parent, e, 1), 0);
+	uint64_t q2[5] = {1, 2, 3, 4, 5};
+	cr_assert_eq(score_of(q2, 5, r), 5);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.block_not_found, 2);
+	cr_assert_eq(st.removed_blocks, 1);
+	cr_assert_eq(kvr_index_remove(idx, r, NULL, 1, &nf), KVR_EINVAL);
+	cr_assert_eq(kvr_index_remove(idx, r, NULL, 0, &nf), 0);
+	cr_assert_eq(kvr_index_remove(idx, 33, rm, 1, &nf), KVR_ENOENT);
+	cr_assert_eq(kvr_index_remove(NULL, r, rm, 1, NULL), KVR_EINVAL);
+}
+
+Test(index, dp_ranks_and_cleared)
+{
+	uint32_t a0, a1, b0;
+	kvr_index_rank_add(idx, 10, 0, &a0);
+	kvr_index_rank_add(idx, 10, 1, &a1);
+	kvr_index_rank_add(idx, 11, 0, &b0);
+	struct kvr_index_block b[3];
+	chain(b, 3, 100, 1);
+	kvr_index_store(idx, a0, NULL, b, 3);
+	kvr_index_store(idx, b0, NULL, b, 3);
+	chain(b, 2, 200, 1);
+	kvr_index_store(idx, a1, NULL, b, 2);
+	uint64_t q[3] = {1, 2, 3};
+	cr_assert_eq(score_of(q, 3, a0), 3);
+	cr_assert_eq(score_of(q, 3, a1), 2, "dp ranks are distinct ranks");
+	cr_assert_eq(kvr_index_clear_worker(idx, 10), 0);
+	cr_assert_eq(score_of(q, 3, a0), -1);
+	cr_assert_eq(score_of(q, 3, a1), -1);
+	cr_assert_eq(score_of(q, 3, b0), 3);
+	cr_assert_eq(kvr_index_tree_size(idx, a0), 0);
+	cr_assert_eq(kvr_index_clear_worker(idx, 12345), KVR_ENOENT);
+	/* The slots stay: storing again works. */
+	cr_assert_eq(kvr_index_store(idx, a0, NULL, b, 2), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, a0), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, a0), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, 50), KVR_ENOENT);
+	cr_assert_eq(kvr_index_clear_rank(NULL, 0), KVR_EINVAL);
+	/* Remove rank drops its blocks. */
+	cr_assert_eq(kvr_index_rank_remove(idx, b0), 0);
+	cr_assert_eq(score_of(q, 3, b0), -1);
+	kvr_rcu_barrier();
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 0);
+	cr_assert_eq(st.copies, 0);
+}
+
+Test(index, lora_chains_do_not_mix)
+{
+	uint32_t base, lora;
+	kvr_index_rank_add(idx, 1, 0, &base);
+	kvr_index_rank_add(idx, 2, 0, &lora);
+	uint32_t tok[64];
+	for (int i = 0; i < 64; i++)
+		tok[i] = (uint32_t)i * 7;
+	uint64_t lb[4], sb[4], ll[4], sl[4];
+	kvr_hash_blocks(tok, 64, 16, NULL, lb, sb);
+	kvr_hash_blocks(tok, 64, 16, "adapter-a", ll, sl);
+	struct kvr_index_block b[4];
+	for (int i = 0; i < 4; i++)
+		b[i] = (struct kvr_index_block){sb[i], lb[i]};
+	kvr_index_store(idx, base, NULL, b, 4);
+	for (int i = 0; i < 4; i++)
+		b[i] = (struct kvr_index_block){sl[i], ll[i]};
+	kvr_index_store(idx, lora, NULL, b, 4);
+	cr_assert_eq(score_of(lb, 4, base), 4);
+	cr_assert_eq(score_of(lb, 4, lora), -1);
+	cr_assert_eq(score_of(ll, 4, lora), 4);
+	cr_assert_eq(score_of(ll, 4, base), -1);
+}
+
+Test(index, long_events_and_queries)
+{
+	enum { N = 8192 };
+	uint32_t r0, r1;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	kvr_index_rank_add(idx, 2, 0, &r1);
+	struct kvr_index_block *b = malloc(sizeof(*b) * N);
+	uint64_t *q = malloc(sizeof(*q) * (N + 1));
+	chain(b, N, 1000000, 77);
+	for (size_t i = 0; i < N; i++)
+		q[i] = 77 + i;
+	q[N] = 5;
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, N), 0);
+	cr_assert_eq(kvr_index_store(idx, r1, NULL, b, N / 2), 0);
+	cr_assert_eq(score_of(q, N + 1, r0), N);
+	cr_assert_eq(score_of(q, N + 1, r1), N / 2);
+	/* Remove every other block of r0 from the back half. */
+	uint64_t *rm = malloc(sizeof(*rm) * N);
+	size_t k = 0;
+	for (size_t i = N / 2 + 100; i < N; i += 2)
+		rm[k++] = 1000000 + i;
+	size_t nf;
+	cr_assert_eq(kvr_index_remove(idx, r0, rm, k, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(score_of(q, N + 1, r0), N / 2 + 100);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), N - k);
+	free(b);
+	free(q);
+	free(rm);
+}
+
+Test(index, memory_goes_back)
+{
+	int64_t live0 = kvr_alloc_live_bytes();
+	uint64_t mem0 = kvr_index_memory_bytes(idx);
+	uint32_t r[8];
+	for (int i = 0; i < 8; i++)
+		kvr_index_rank_add(idx, (uint64_t)i, 0, &r[i]);
+	struct kvr_index_block b[256];
+	for (int k = 0; k < 200; k++) {
+		chain(b, 256, (uint64_t)k << 20, (uint64_t)k * 100000);
+		for (int i = 0; i < 8; i++)
+			if ((k + i) % 3 == 0)
+				cr_assert_eq(kvr_index_store(idx, r[i], NULL, b, 256), 0);
+	}
+	uint64_t mem1 = kvr_index_memory_bytes(idx);
+	cr_assert_gt(mem1, mem0 + 1000000);
+	for (int i = 0; i < 8; i++)
+		cr_assert_eq(kvr_index_clear_rank(idx, r[i]), 0);
+	kvr_rcu_barrier();
+	uint64_t mem2 = kvr_index_memory_bytes(idx);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 0);
+	cr_assert_lt(mem2, mem0 + 64 * 1024, "mem0=%lu mem1=%lu mem2=%lu", (unsigned long)mem0,
+	             (unsigned long)mem1, (unsigned long)mem2);
+	cr_assert_lt(kvr_alloc_live_bytes(), live0 + 64 * 1024);
+}
+
+Test(index, out_of_memory_loop)
+{
+	uint32_t r0, r1;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	kvr_index_rank_add(idx, 2, 0, &r1);
+	struct kvr_index_block b[40];
+	chain(b, 40, 100, 1);
+	kvr_index_store(idx, r1, NULL, b, 20);
+	/* Fail the nth allocation for n = 1, 2, ...: a clean error, the prefix applied, and the
+	 * index still consistent (a full retry succeeds, removal never fails). */
+	for (uint64_t nth = 1; nth < 200; nth++) {
+		kvr_alloc_fail_after(nth);
+		int rc = kvr_index_store(idx, r0, NULL, b, 40);
+		kvr_alloc_fail_after(0);
+		cr_assert(rc == 0 || rc == KVR_ENOMEM, "nth=%lu rc=%d", (unsigned long)nth, rc);
+		cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 40), 0);
+		uint64_t q[40];
+		for (int i = 0; i < 40; i++)
+			q[i] = 1 + (uint64_t)i;
+		cr_assert_eq(score_of(q, 40, r0), 40);
+		kvr_alloc_fail_after(nth);
+		cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+		kvr_alloc_fail_after(0);
+		cr_assert_eq(score_of(q, 40, r0), -1);
+		cr_assert_eq(score_of(q, 40, r1), 20);
+	}
+}

@@ -1,0 +1,251 @@
+/*
+ * Differential test of core/index against an obviously-correct reference model.
+ *
+ * The model interns every block path as (parent id, local hash) -> id in a flat array and keeps,
+ * per rank, a plain list of (ext hash, id).  It implements the index's documented rules
+ * literally (core/index.h).  Random stored / removed / cleared / clear-rank / remove-rank
+ * operations over a tiny universe of hashes (so conflicts, duplicates, self-parents and missing
+ * parents are frequent) run against both; after every step, random queries must get the same
+ * (rank, score, tree size) sets.  The seed is printed on failure.
+ */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/index.h"
+#include "kvrouter.h"
+#include "sync/rcu.h"
+
+enum { NR = 4, MAXP = 4096, MAXX = 256 };
+
+struct path {
+	int parent; /* -1 = root */
+	uint64_t local;
+};
+static struct path paths[MAXP];
+static int npaths;
+
+struct mrank {
+	uint64_t worker;
+	uint32_t dp;
+	uint32_t slot;
+	int nx;
+	uint64_t ext[MAXX];
+	int node[MAXX];
+};
+static struct mrank mr[NR];
+
+static uint64_t rng;
+static uint32_t rnd(uint32_t n)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return (uint32_t)(rng % n);
+}
+
+static int intern(int parent, uint64_t local, bool create)
+{
+	for (int i = 0; i < npaths; i++)
+		if (paths[i].parent == parent && paths[i].local == local)
+			return i;
+	if (!create)
+		return -2;
+	cr_assert_lt(npaths, MAXP);
+	paths[npaths] = (struct path){parent, local};
+	return npaths++;
+}
+
+static int mfind(const struct mrank *r, uint64_t ext)
+{
+	for (int i = 0; i < r->nx; i++)
+		if (r->ext[i] == ext)
+			return i;
+	return -1;
+}
+
+static bool mholds(const struct mrank *r, int node)
+{
+	for (int i = 0; i < r->nx; i++)
+		if (r->node[i] == node)
+			return true;
+	return false;
+}
+
+static int mstore(struct mrank *r, const uint64_t *parent, const struct kvr_index_block *b,
+                  size_t n)
+{
+	int p = -1;
+	if (n == 0)
+		return 0;
+	if (parent) {
+		int k = mfind(r, *parent);
+		if (k < 0)
+			return KVR_ENOENT;
+		p = r->node[k];
+	}
+	bool has_prev = parent != NULL;
+	uint64_t prev = parent ? *parent : 0;
+	for (size_t i = 0; i < n; i++) {
+		if (has_prev && b[i].ext_hash == prev)
+			return KVR_EINVAL;
+		int c = intern(p, b[i].local_hash, true);
+		int k = mfind(r, b[i].ext_hash);
+		if (k >= 0) {
+			if (r->node[k] != c)
+				return KVR_EINVAL;
+		} else {
+			if (mholds(r, c))
+				return KVR_EINVAL;
+			cr_assert_lt(r->nx, MAXX);
+			r->ext[r->nx] = b[i].ext_hash;
+			r->node[r->nx++] = c;
+		}
+		p = c;
+		prev = b[i].ext_hash;
+		has_prev = true;
+	}
+	return 0;
+}
+
+static size_t mremove(struct mrank *r, const uint64_t *ext, size_t n)
+{
+	size_t nf = 0;
+	for (size_t i = 0; i < n; i++) {
+		int k = mfind(r, ext[i]);
+		if (k < 0) {
+			nf++;
+			continue;
+		}
+		r->ext[k] = r->ext[r->nx - 1];
+		r->node[k] = r->node[r->nx - 1];
+		r->nx--;
+	}
+	return nf;
+}
+
+/* Model score of rank r for a query: -1 if it does not hold block 0. */
+static int mscore(const struct mrank *r, const uint64_t *q, size_t n)
+{
+	int p = -1, s = 0;
+	for (size_t i = 0; i < n; i++) {
+		int c = intern(p, q[i], false);
+		if (c < 0 || !mholds(r, c))
+			break;
+		s++;
+		p = c;
+	}
+	return s ? s : -1;
+}
+
+static void check(struct kvr_index *idx, unsigned seed, int step)
+{
+	for (int t = 0; t < 4; t++) {
+		uint64_t q[8];
+		size_t n = 1 + rnd(7);
+		for (size_t i = 0; i < n; i++)
+			q[i] = 1 + rnd(4);
+		struct kvr_index_match out[NR];
+		size_t k;
+		kvr_rcu_read_lock();
+		int rc = kvr_index_find_matches(idx, q, n, NULL, out, NR, &k);
+		kvr_rcu_read_unlock();
+		cr_assert_eq(rc, 0, "seed=%u step=%d", seed, step);
+		int seen = 0;
+		for (int i = 0; i < NR; i++) {
+			int want = mscore(&mr[i], q, n);
+			int got = -1;
+			uint64_t ts = 0;
+			for (size_t j = 0; j < k; j++)
+				if (out[j].slot == mr[i].slot) {
+					got = (int)out[j].score;
+					ts = out[j].tree_size;
+				}
+			cr_assert_eq(got, want, "seed=%u step=%d rank=%d", seed, step, i);
+			if (got >= 0) {
+				seen++;
+				cr_assert_eq(ts, (uint64_t)mr[i].nx, "seed=%u step=%d", seed, step);
+			}
+		}
+		cr_assert_eq((int)k, seen, "seed=%u step=%d", seed, step);
+	}
+}
+
+static void run(unsigned seed, int steps)
+{
+	struct kvr_index *idx;
+	cr_assert_eq(kvr_index_create(NR * 2, &idx), 0);
+	rng = seed * 2654435761u + 1;
+	npaths = 0;
+	for (int i = 0; i < NR; i++) {
+		mr[i] = (struct mrank){.worker = (uint64_t)i / 2, .dp = (uint32_t)i % 2};
+		cr_assert_eq(kvr_index_rank_add(idx, mr[i].worker, mr[i].dp, &mr[i].slot), 0);
+	}
+	for (int step = 0; step < steps; step++) {
+		struct mrank *r = &mr[rnd(NR)];
+		uint32_t op = rnd(100);
+		if (op < 55) {
+			struct kvr_index_block b[6];
+			size_t n = rnd(6);
+			for (size_t i = 0; i < n; i++)
+				b[i] = (struct kvr_index_block){1 + rnd(40), 1 + rnd(4)};
+			uint64_t pext = 1 + rnd(40);
+			bool root = rnd(3) == 0 || r->nx == 0;
+			if (!root && rnd(4) != 0)
+				pext = r->ext[rnd((uint32_t)r->nx)];
+			int want = mstore(r, root ? NULL : &pext, b, n);
+			int got = kvr_index_store(idx, r->slot, root ? NULL : &pext, b, n);
+			cr_assert_eq(got, want, "seed=%u step=%d store", seed, step);
+		} else if (op < 90) {
+			uint64_t e[5];
+			size_t n = rnd(5);
+			for (size_t i = 0; i < n; i++)
+				e[i] =
+				    (r->nx && rnd(3)) ? r->ext[rnd((uint32_t)r->nx)] : 1 + rnd(40);
+			size_t nf_m = mremove(r, e, n), nf;
+			cr_assert_eq(kvr_index_remove(idx, r->slot, e, n, &nf), 0);
+			cr_assert_eq(nf, nf_m, "seed=%u step=%d remove", seed, step);
+		} else if (op < 94) {
+			cr_assert_eq(kvr_index_clear_rank(idx, r->slot), 0);
+			r->nx = 0;
+		} else if (op < 97) {
+			cr_assert_eq(kvr_index_clear_worker(idx, r->worker), 0);
+			for (int i = 0; i < NR; i++)
+				if (mr[i].worker == r->worker)
+					mr[i].nx = 0;
+		} else {
+			cr_assert_eq(kvr_index_rank_remove(idx, r->slot), 0);
+			r->nx = 0;
+			int rc = kvr_index_rank_add(idx, r->worker, r->dp, &r->slot);
+			if (rc == KVR_ERANGE) { /* every spare slot waits for its grace period */
+				kvr_rcu_barrier();
+				rc = kvr_index_rank_add(idx, r->worker, r->dp, &r->slot);
+			}
+			cr_assert_eq(rc, 0, "seed=%u step=%d", seed, step);
+		}
+		check(idx, seed, step);
+	}
+	/* Everything dropped -> no node left, memory back. */
+	for (int i = 0; i < NR; i++)
+		kvr_index_rank_remove(idx, mr[i].slot);
+	kvr_rcu_barrier();
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 0, "seed=%u", seed);
+	cr_assert_eq(st.copies, 0, "seed=%u", seed);
+	cr_assert_eq(st.bytes_shared, 0, "seed=%u", seed);
+	cr_assert_eq(st.bytes_per_rank, 0, "seed=%u", seed);
+	kvr_index_destroy(idx);
+}
+
+Test(index_diff, random_sequences)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	const char *env = getenv("KVR_SEED");
+	if (env) {
+		run((unsigned)strtoul(env, NULL, 10), 20000);
+		return;
+	}
+	for (unsigned seed = 1; seed <= 20; seed++)
+		run(seed, 3000);
+}
