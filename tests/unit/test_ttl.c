@@ -155,7 +155,8 @@ static void run_seed(uint64_t seed, int steps)
 			for (size_t i = 1; i < ne; i++) /* oldest first */
 				cr_assert_leq(m[out.evicted_seq[i - 1]].expiry,
 				              m[out.evicted_seq[i]].expiry);
-			qsort(out.evicted_seq, ne, sizeof(uint64_t), cmp_u64);
+			if (ne)
+				qsort(out.evicted_seq, ne, sizeof(uint64_t), cmp_u64);
 			for (size_t i = 0; i < ne; i++)
 				cr_assert_eq(out.evicted_seq[i], ev[i], "seed %llu step %d",
 				             (unsigned long long)seed, step);
