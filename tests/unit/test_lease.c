@@ -2,6 +2,8 @@
  * unknown handles, slot reuse. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvrouter.h"
 #include "shards/lease.h"
@@ -169,4 +171,130 @@ Test(lease, threads_claim_exactly_once)
 	for (int i = 0; i < N_LEASES; i++)
 		cr_assert_eq(r.wins[i], 1, "attempt %d won %d times", i + 1, r.wins[i]);
 	kvr_lease_table_destroy(r.t);
+}
+
+/* Differential: random begin / touch / claim (finish, abort) / scan / end / clock ticks
+ * against an array model; seed printed on failure (LEASE_DIFF_SEED=<seed> reruns one). */
+#define U 48
+struct mlease {
+	int state; /* 0 = not live */
+	uint32_t slot;
+	bool ever;
+};
+
+static uint64_t rng(uint64_t *s)
+{
+	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+	return x ^ (x >> 31);
+}
+
+static void lease_seed(uint64_t seed, int steps)
+{
+	uint64_t r = seed, next = 1, now = 0, next_scan = 10;
+	static struct mlease m[4096];
+	memset(m, 0, sizeof(m));
+	struct kvr_lease_table *t;
+	cr_assert_eq(kvr_lease_table_create(10, 0, &t), 0);
+	struct kvr_lease_expired exp[U];
+	for (int step = 0; step < steps && next < 4000; step++) {
+		uint64_t op = rng(&r) % 12;
+		uint64_t a = next > 1 ? 1 + rng(&r) % (next - 1) : 1;
+		struct mlease *q = &m[a];
+		int rc, want;
+		if (op < 3) {
+			uint32_t s;
+			bool dup = rng(&r) % 8 == 0 && q->state;
+			uint64_t id = dup ? a : next++;
+			rc = kvr_lease_begin(t, id, &s);
+			want = dup ? KVR_EEXIST : 0;
+			if (!dup)
+				m[id] = (struct mlease){
+				    .state = KVR_LEASE_TOUCHED, .slot = s, .ever = 1};
+		} else if (op < 5) {
+			rc = q->ever ? kvr_lease_touch(t, q->slot, a) : 0;
+			want = (!q->ever)                                         ? 0
+			       : (q->state == 0 || q->state == KVR_LEASE_CLAIMED) ? KVR_ESTALE
+			                                                          : 0;
+			if (q->state == KVR_LEASE_QUIET)
+				q->state = KVR_LEASE_TOUCHED;
+		} else if (op < 7) {
+			rc = q->ever ? kvr_lease_claim(t, q->slot, a) : 0;
+			want = (!q->ever)                                         ? 0
+			       : (q->state == 0 || q->state == KVR_LEASE_CLAIMED) ? KVR_ESTALE
+			                                                          : 0;
+			if (q->state && q->state != KVR_LEASE_CLAIMED)
+				q->state = KVR_LEASE_CLAIMED;
+		} else if (op < 9) {
+			rc = kvr_lease_end(t, a);
+			want = q->state == 0                   ? KVR_ENOENT
+			       : q->state != KVR_LEASE_CLAIMED ? KVR_EBUSY
+			                                       : 0;
+			if (want == 0)
+				q->state = 0;
+		} else if (op < 10) {
+			uint32_t s;
+			rc = kvr_lease_find(t, a, &s);
+			want = q->state ? 0 : q->ever ? KVR_ESTALE : KVR_ENOENT;
+			if (rc == 0)
+				cr_assert_eq(s, q->slot);
+		} else {
+			now += rng(&r) % 15;
+			size_t n;
+			size_t max = 1 + rng(&r) % 6;
+			cr_assert_eq(kvr_lease_tick(t, now, exp, max, &n), 0);
+			rc = want = 0;
+			if (now >= next_scan) {
+				/* Model scan: slots in ascending order, TOUCHED -> QUIET, QUIET ->
+				 * CLAIMED while fewer than U were claimed. */
+				next_scan = now + 10;
+				size_t k = 0;
+				for (uint32_t slot = 0; slot < (uint32_t)next; slot++)
+					for (uint64_t i = 1; i < next; i++) {
+						if (!m[i].state || m[i].slot != slot)
+							continue;
+						if (m[i].state == KVR_LEASE_TOUCHED) {
+							m[i].state = KVR_LEASE_QUIET;
+						} else if (m[i].state == KVR_LEASE_QUIET &&
+						           k < max) {
+							m[i].state = KVR_LEASE_CLAIMED;
+							cr_assert(k < n && exp[k].attempt == i &&
+							              exp[k].slot == slot,
+							          "seed %llu step %d: expired[%zu]",
+							          (unsigned long long)seed, step,
+							          k);
+							k++;
+						}
+					}
+				cr_assert_eq(n, k, "seed %llu step %d", (unsigned long long)seed,
+				             step);
+			} else {
+				cr_assert_eq(n, 0);
+			}
+		}
+		cr_assert_eq(rc, want, "seed %llu step %d op %llu: rc %d want %d",
+		             (unsigned long long)seed, step, (unsigned long long)op, rc, want);
+		size_t live = 0;
+		for (uint64_t i = 1; i < next; i++)
+			if (m[i].state) {
+				live++;
+				cr_assert_eq(kvr_lease_state(t, m[i].slot, i), m[i].state,
+				             "seed %llu step %d attempt %llu",
+				             (unsigned long long)seed, step, (unsigned long long)i);
+			}
+		cr_assert_eq(kvr_lease_count(t), live);
+	}
+	kvr_lease_table_destroy(t);
+}
+
+Test(lease, differential_against_model)
+{
+	const char *env = getenv("LEASE_DIFF_SEED");
+	if (env) {
+		lease_seed(strtoull(env, NULL, 0), 3000);
+		return;
+	}
+	for (uint64_t seed = 1; seed <= 200; seed++)
+		lease_seed(seed, 400);
 }
