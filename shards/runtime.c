@@ -4,7 +4,8 @@
  * The loop of one shard thread:
  *     g = kick generation; now = router clock; fire timers due at now; publish "seen g";
  *     run up to BATCH tasks by the biased policy (sync/lane.c);
- *     if nothing ran and no timer is due: announce PARKED, re-check lanes / kick / stop,
+ *     if nothing ran and no timer is due: poll briefly (idle_spin_ns), announce PARKED,
+ *     re-check lanes / kick / stop,
  *     then sleep on the futex until a producer wakes it or the next timer deadline.
  * Producers enqueue into the lane ring and then wake the parker (no syscall when the shard is
  * running).  Invariants:
@@ -32,16 +33,17 @@
 #include "sync/park.h"
 #include "sync/rcu.h"
 
-#define MAX_SHARDS   256
-#define BATCH        64
-#define TIMER_BATCH  4096
-#define PARK_MAX_NS  1000000000ull
-#define DEF_CAPACITY 4096
-#define DEF_EVERY    64
-#define DEF_EVERY_NS 200000ull
-#define DEF_WORKERS  4096
-#define DEF_SPIN_NS  20000ull
-#define SLOT_USED    (1ull << 63)
+#define MAX_SHARDS    256
+#define BATCH         64
+#define TIMER_BATCH   4096
+#define PARK_MAX_NS   1000000000ull
+#define DEF_CAPACITY  4096
+#define DEF_EVERY     64
+#define DEF_EVERY_NS  200000ull
+#define DEF_WORKERS   4096
+#define DEF_SPIN_NS   20000ull
+#define DEF_IDLE_SPIN 5000ull
+#define SLOT_USED     (1ull << 63)
 
 struct kvr_shard {
 	/* read by producers on every post; written once at shutdown */
@@ -74,6 +76,7 @@ struct kvr_shards {
 	struct kvr_shard **shard;
 	struct kvr_clock clock;
 	uint64_t spin_ns;
+	uint64_t idle_spin_ns;
 	void (*on_start)(struct kvr_shard *, void *);
 	void (*on_stop)(struct kvr_shard *, void *);
 	void *ctx;
@@ -126,6 +129,19 @@ static bool may_park(struct kvr_shard *sh, uint64_t g)
 	       !__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE);
 }
 
+/* Polls for work for idle_spin_ns.  Returns true if still idle (go park). */
+static bool idle_spin(struct kvr_shard *sh, uint64_t g)
+{
+	uint64_t t0 = mono_ns();
+	while (may_park(sh, g)) {
+		for (int i = 0; i < 16; i++)
+			kvr_cpu_relax();
+		if (mono_ns() - t0 >= sh->rt->idle_spin_ns)
+			return true;
+	}
+	return false;
+}
+
 static void shard_loop(struct kvr_shard *sh)
 {
 	struct kvr_shards *rt = sh->rt;
@@ -148,6 +164,8 @@ static void shard_loop(struct kvr_shard *sh)
 			continue;
 		uint64_t next = kvr_timers_next(&sh->timers);
 		if (next <= now)
+			continue;
+		if (rt->idle_spin_ns && !idle_spin(sh, g))
 			continue;
 		kvr_parker_prepare(&sh->park);
 		if (!may_park(sh, g)) {
@@ -263,6 +281,9 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	s->clock.fn = cfg->now_ns ? cfg->now_ns : kvr_clock_monotonic;
 	s->clock.ctx = cfg->clock_ctx;
 	s->spin_ns = cfg->call_spin_ns ? cfg->call_spin_ns : DEF_SPIN_NS;
+	s->idle_spin_ns = cfg->idle_spin_ns == KVR_SHARDS_NO_SPIN ? 0
+	                  : cfg->idle_spin_ns                     ? cfg->idle_spin_ns
+	                                                          : DEF_IDLE_SPIN;
 	s->on_start = cfg->on_thread_start;
 	s->on_stop = cfg->on_thread_stop;
 	s->ctx = cfg->ctx;

@@ -28,6 +28,8 @@
 struct kvr_shards;
 struct kvr_shard;
 
+#define KVR_SHARDS_NO_SPIN UINT64_MAX
+
 /* Inline payload of a posted task, bytes. */
 #define KVR_SHARD_PAYLOAD KVR_MSG_PAYLOAD
 
@@ -51,6 +53,9 @@ struct kvr_shards_config {
 	uint32_t max_workers;
 	/* Synchronous calls spin this long on the reply before sleeping.  0 = 20 us. */
 	uint64_t call_spin_ns;
+	/* An idle shard polls its lanes this long before parking, so back-to-back work (a
+	 * caller's next call) finds it awake.  0 = 5 us; KVR_SHARDS_NO_SPIN = park at once. */
+	uint64_t idle_spin_ns;
 	/* Run on each shard thread at start (after pinning and RCU registration) and at stop
 	 * (after the lanes are drained).  Either may be NULL.  ctx passed unchanged. */
 	void (*on_thread_start)(struct kvr_shard *shard, void *ctx);

@@ -1,0 +1,431 @@
+/*
+ * bench_lanes - the shard runtime's message path against a mutex + condition-variable queue
+ * compiled into the same binary and run in the same process on the same workloads:
+ *  1. throughput: P producers post small fire-and-forget tasks round-robin to S shards;
+ *  2. synchronous round trip, hot: one caller, back-to-back calls to shard 0 (p50/p99);
+ *  3. synchronous round trip from idle: the caller sleeps between calls, the shard parks;
+ *  4. maintenance delay: P producers saturate shard 0's routing lane while one thread posts a
+ *     stamped maintenance task every 200 us; delay = enqueue -> run (the baseline has one
+ *     FIFO, so its "maintenance" task waits behind the whole queue).
+ * Prints one SUMMARY line; never asserts timings.
+ *
+ * usage: bench_lanes [--producers P] [--shards S] [--ms N per phase] [--cap N]
+ *                    [--cpus 0,1,...]   (shards, then producers, are pinned in this order)
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "shards/runtime.h"
+#include "sync/park.h"
+
+#define MAX_T       64
+#define MAX_SAMPLES 400000
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int cpus[MAX_T], n_cpus;
+static uint32_t P = 2, S = 1, CAP = 4096;
+static double MS = 1000;
+
+static void pin_self(int slot)
+{
+	if (!n_cpus)
+		return;
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	CPU_SET(cpus[slot % n_cpus], &set);
+	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+static uint64_t pct(uint64_t *v, size_t n, double p)
+{
+	if (!n)
+		return 0;
+	size_t i = (size_t)(p * (double)(n - 1) + 0.5);
+	return v[i];
+}
+
+/* ------------------------------------------------------------------ the two queues */
+
+struct padded {
+	_Alignas(64) uint64_t v;
+};
+static struct padded delivered[MAX_T];
+
+typedef void (*task_fn)(void *payload);
+
+struct bmsg {
+	task_fn fn;
+	unsigned char payload[48];
+};
+
+/* Baseline: a bounded FIFO under one mutex, consumers wait on a condvar. */
+struct bq {
+	pthread_mutex_t mu;
+	pthread_cond_t nonempty;
+	struct bmsg *buf;
+	uint32_t cap, head, count;
+	int stop;
+	pthread_t thr;
+	int idx;
+};
+static struct bq bqs[MAX_T];
+
+static void *bq_consumer(void *p)
+{
+	struct bq *q = p;
+	pin_self(q->idx);
+	for (;;) {
+		pthread_mutex_lock(&q->mu);
+		while (!q->count && !q->stop)
+			pthread_cond_wait(&q->nonempty, &q->mu);
+		if (!q->count) {
+			pthread_mutex_unlock(&q->mu);
+			return NULL;
+		}
+		struct bmsg m = q->buf[q->head];
+		q->head = (q->head + 1) % q->cap;
+		q->count--;
+		pthread_mutex_unlock(&q->mu);
+		m.fn(m.payload);
+	}
+}
+
+static int bq_post(struct bq *q, task_fn fn, const void *payload, size_t len)
+{
+	pthread_mutex_lock(&q->mu);
+	if (q->count == q->cap) {
+		pthread_mutex_unlock(&q->mu);
+		return KVR_EAGAIN;
+	}
+	struct bmsg *m = &q->buf[(q->head + q->count) % q->cap];
+	m->fn = fn;
+	memcpy(m->payload, payload, len);
+	q->count++;
+	pthread_cond_signal(&q->nonempty);
+	pthread_mutex_unlock(&q->mu);
+	return 0;
+}
+
+struct breply {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	int done;
+};
+
+static void bq_call_task(void *payload)
+{
+	struct breply *r;
+	memcpy(&r, payload, sizeof(r));
+	pthread_mutex_lock(&r->mu);
+	r->done = 1;
+	pthread_cond_signal(&r->cv);
+	pthread_mutex_unlock(&r->mu);
+}
+
+static void bq_call(struct bq *q)
+{
+	struct breply r = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0}, *rp = &r;
+	while (bq_post(q, bq_call_task, &rp, sizeof(rp)) != 0)
+		sched_yield();
+	pthread_mutex_lock(&r.mu);
+	while (!r.done)
+		pthread_cond_wait(&r.cv, &r.mu);
+	pthread_mutex_unlock(&r.mu);
+}
+
+static void bq_start(void)
+{
+	for (uint32_t i = 0; i < S; i++) {
+		struct bq *q = &bqs[i];
+		memset(q, 0, sizeof(*q));
+		pthread_mutex_init(&q->mu, NULL);
+		pthread_cond_init(&q->nonempty, NULL);
+		q->cap = CAP;
+		q->buf = calloc(CAP, sizeof(*q->buf));
+		q->idx = (int)i;
+		pthread_create(&q->thr, NULL, bq_consumer, q);
+	}
+}
+
+static void bq_stop(void)
+{
+	for (uint32_t i = 0; i < S; i++) {
+		struct bq *q = &bqs[i];
+		pthread_mutex_lock(&q->mu);
+		q->stop = 1;
+		pthread_cond_signal(&q->nonempty);
+		pthread_mutex_unlock(&q->mu);
+		pthread_join(q->thr, NULL);
+		free(q->buf);
+	}
+}
+
+/* The runtime under test. */
+static struct kvr_shards *rt;
+
+static void count_task(struct kvr_shard *sh, void *payload)
+{
+	(void)payload;
+	uint64_t *c = &delivered[kvr_shard_index(sh)].v;
+	__atomic_store_n(c, *c + 1, __ATOMIC_RELAXED);
+}
+
+static void bcount_task(void *payload)
+{
+	uint32_t i;
+	memcpy(&i, payload, sizeof(i));
+	__atomic_store_n(&delivered[i].v, delivered[i].v + 1, __ATOMIC_RELAXED);
+}
+
+static int nop_call(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	(void)arg;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ workloads */
+
+static int go, stop_flag, baseline;
+static uint64_t stalls_seen;
+
+struct prod {
+	pthread_t thr;
+	uint32_t id;
+	uint32_t only_shard; /* UINT32_MAX = round robin */
+};
+
+static void *producer(void *p)
+{
+	struct prod *pr = p;
+	pin_self((int)(S + pr->id));
+	while (!__atomic_load_n(&go, __ATOMIC_ACQUIRE))
+		kvr_cpu_relax();
+	uint32_t k = pr->id;
+	uint64_t stalls = 0;
+	while (!__atomic_load_n(&stop_flag, __ATOMIC_RELAXED)) {
+		uint32_t s = pr->only_shard != UINT32_MAX ? pr->only_shard : k++ % S;
+		int rc;
+		for (int tries = 0;; tries++) {
+			if (baseline)
+				rc = bq_post(&bqs[s], bcount_task, &s, sizeof(s));
+			else
+				rc = kvr_shard_post(kvr_shards_get(rt, s), KVR_LANE_ROUTING,
+				                    count_task, NULL, 0);
+			if (rc == 0 || __atomic_load_n(&stop_flag, __ATOMIC_RELAXED))
+				break;
+			stalls++;
+			if (tries > 16)
+				sched_yield();
+			else
+				kvr_cpu_relax();
+		}
+	}
+	__atomic_fetch_add(&stalls_seen, stalls, __ATOMIC_RELAXED);
+	return NULL;
+}
+
+static struct prod prods[MAX_T];
+
+static void start_producers(uint32_t only_shard)
+{
+	go = 0;
+	stop_flag = 0;
+	for (uint32_t i = 0; i < P; i++) {
+		prods[i].id = i;
+		prods[i].only_shard = only_shard;
+		pthread_create(&prods[i].thr, NULL, producer, &prods[i]);
+	}
+}
+
+static void stop_producers(void)
+{
+	__atomic_store_n(&stop_flag, 1, __ATOMIC_RELEASE);
+	for (uint32_t i = 0; i < P; i++)
+		pthread_join(prods[i].thr, NULL);
+}
+
+static uint64_t total_delivered(void)
+{
+	uint64_t t = 0;
+	for (uint32_t i = 0; i < S; i++)
+		t += __atomic_load_n(&delivered[i].v, __ATOMIC_RELAXED);
+	return t;
+}
+
+static double throughput(void)
+{
+	memset(delivered, 0, sizeof(delivered));
+	start_producers(UINT32_MAX);
+	uint64_t t0 = now_ns();
+	__atomic_store_n(&go, 1, __ATOMIC_RELEASE);
+	struct timespec w = {(time_t)(MS / 1000), (long)((uint64_t)MS % 1000) * 1000000};
+	nanosleep(&w, NULL);
+	uint64_t got = total_delivered();
+	uint64_t t1 = now_ns();
+	stop_producers();
+	return (double)got * 1e9 / (double)(t1 - t0);
+}
+
+static uint64_t samples[MAX_SAMPLES];
+
+/* Round trips; gap_ns > 0 sleeps between calls (idle).  Fills samples, returns the count. */
+static size_t round_trips(uint64_t gap_ns, double ms)
+{
+	pin_self((int)S);
+	size_t n = 0;
+	uint64_t end = now_ns() + (uint64_t)(ms * 1e6);
+	struct kvr_shard *sh = kvr_shards_get(rt, 0);
+	while (n < MAX_SAMPLES && now_ns() < end) {
+		if (gap_ns) {
+			struct timespec ts = {0, (long)gap_ns};
+			nanosleep(&ts, NULL);
+		}
+		uint64_t t0 = now_ns();
+		if (baseline)
+			bq_call(&bqs[0]);
+		else
+			kvr_shard_call(sh, KVR_LANE_ROUTING, nop_call, NULL);
+		samples[n++] = now_ns() - t0;
+	}
+	qsort(samples, n, sizeof(samples[0]), cmp_u64);
+	return n;
+}
+
+/* Maintenance delay: stamped tasks through the maintenance lane (or the one baseline FIFO). */
+static uint64_t maint_max_ns, maint_n;
+static void maint_task(struct kvr_shard *sh, void *payload)
+{
+	(void)sh;
+	uint64_t t0;
+	memcpy(&t0, payload, sizeof(t0));
+	uint64_t d = now_ns() - t0;
+	if (d > maint_max_ns)
+		__atomic_store_n(&maint_max_ns, d, __ATOMIC_RELAXED);
+	__atomic_store_n(&maint_n, maint_n + 1, __ATOMIC_RELAXED);
+}
+static void bmaint_task(void *payload)
+{
+	maint_task(NULL, payload);
+}
+
+static double maint_delay_us(void)
+{
+	maint_max_ns = 0;
+	maint_n = 0;
+	start_producers(0);
+	__atomic_store_n(&go, 1, __ATOMIC_RELEASE);
+	/* let the flood fill the lane */
+	struct timespec warm = {0, 20000000};
+	nanosleep(&warm, NULL);
+	uint64_t end = now_ns() + (uint64_t)(MS * 1e6), sent = 0;
+	while (now_ns() < end) {
+		uint64_t t0 = now_ns();
+		int rc = baseline ? bq_post(&bqs[0], bmaint_task, &t0, sizeof(t0))
+		                  : kvr_shard_post(kvr_shards_get(rt, 0), KVR_LANE_MAINT,
+		                                   maint_task, &t0, sizeof(t0));
+		if (rc == 0)
+			sent++;
+		struct timespec gap = {0, 200000};
+		nanosleep(&gap, NULL);
+	}
+	stop_producers();
+	(void)sent;
+	return (double)__atomic_load_n(&maint_max_ns, __ATOMIC_RELAXED) / 1e3;
+}
+
+int main(int argc, char **argv)
+{
+	for (int i = 1; i + 1 < argc; i += 2) {
+		if (!strcmp(argv[i], "--producers"))
+			P = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--shards"))
+			S = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--ms"))
+			MS = atof(argv[i + 1]);
+		else if (!strcmp(argv[i], "--cap"))
+			CAP = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--cpus")) {
+			char *save = NULL, *list = strdup(argv[i + 1]);
+			for (char *t = strtok_r(list, ",", &save); t && n_cpus < MAX_T;
+			     t = strtok_r(NULL, ",", &save))
+				cpus[n_cpus++] = atoi(t);
+			free(list);
+		}
+	}
+	if (P < 1 || P > MAX_T / 2 || S < 1 || S > MAX_T / 2) {
+		fprintf(stderr, "bad --producers/--shards\n");
+		return 2;
+	}
+	struct kvr_shards_config c = {0};
+	c.n_shards = S;
+	c.lane_capacity = CAP;
+	c.cpus = n_cpus ? cpus : NULL;
+	c.n_cpus = (size_t)n_cpus;
+	if (kvr_shards_create(&c, &rt) != 0) {
+		fprintf(stderr, "kvr_shards_create failed\n");
+		return 1;
+	}
+	/* runtime */
+	baseline = 0;
+	double msgs_s = throughput();
+	size_t n = round_trips(0, MS);
+	uint64_t hot50 = pct(samples, n, 0.5), hot99 = pct(samples, n, 0.99);
+	n = round_trips(300000, MS);
+	uint64_t idle50 = pct(samples, n, 0.5), idle99 = pct(samples, n, 0.99);
+	double maint_us = maint_delay_us();
+	struct kvr_shard_stats st;
+	kvr_shard_get_stats(kvr_shards_get(rt, 0), &st);
+	uint64_t stalls_rt = stalls_seen;
+	kvr_shards_destroy(rt);
+
+	/* baseline */
+	baseline = 1;
+	stalls_seen = 0;
+	bq_start();
+	double b_msgs_s = throughput();
+	n = round_trips(0, MS);
+	uint64_t b50 = pct(samples, n, 0.5), b99 = pct(samples, n, 0.99);
+	n = round_trips(300000, MS);
+	uint64_t bidle99 = pct(samples, n, 0.99);
+	double b_maint_us = maint_delay_us();
+	bq_stop();
+
+	printf("runtime: msgs_s=%.0f stalls=%llu rtt_hot p50=%llu p99=%llu rtt_idle p50=%llu "
+	       "p99=%llu maint_wait_max_us=%.1f (scheduler stat %.1f us, max routing between "
+	       "maint %u) parks=%llu wakes=%llu pinned=%d\n",
+	       msgs_s, (unsigned long long)stalls_rt, (unsigned long long)hot50,
+	       (unsigned long long)hot99, (unsigned long long)idle50, (unsigned long long)idle99,
+	       maint_us, st.maint_wait_max_ns / 1e3, st.routing_between_maint_max,
+	       (unsigned long long)st.parks, (unsigned long long)st.wakes, st.pinned);
+	printf("baseline (mutex+condvar): msgs_s=%.0f rtt_hot p50=%llu p99=%llu rtt_idle p99=%llu "
+	       "maint_wait_max_us=%.1f\n",
+	       b_msgs_s, (unsigned long long)b50, (unsigned long long)b99,
+	       (unsigned long long)bidle99, b_maint_us);
+	printf(
+	    "SUMMARY bench=lanes producers=%u shards=%u msgs_s=%.0f rtt_hot_p50_ns=%llu "
+	    "rtt_hot_p99_ns=%llu rtt_idle_p99_ns=%llu maint_wait_max_us=%.1f baseline_msgs_s=%.0f "
+	    "baseline_rtt_p99_ns=%llu baseline_rtt_p50_ns=%llu baseline_maint_wait_max_us=%.1f "
+	    "tput_ratio=%.2f rtt_p99_ratio=%.3f\n",
+	    P, S, msgs_s, (unsigned long long)hot50, (unsigned long long)hot99,
+	    (unsigned long long)idle99, maint_us, b_msgs_s, (unsigned long long)b99,
+	    (unsigned long long)b50, b_maint_us, b_msgs_s > 0 ? msgs_s / b_msgs_s : 0.0,
+	    b99 ? (double)hot99 / (double)b99 : 0.0);
+	return 0;
+}
