@@ -2,6 +2,8 @@
  * reset, and every refusal (stale incarnation, unknown rank, released attempt) changing nothing
  * and emitting nothing. */
 #include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvrouter.h"
 #include "shards/rank_state.h"
@@ -126,4 +128,173 @@ Test(rank_state, lru_to_capacity_zero_clears_to_ttl)
 	cr_assert_eq(kvr_rank_state_next_deadline(rs), UINT64_MAX);
 	cr_assert_eq(kvr_rank_state_set_capacity(NULL, 1, 0, &out), KVR_EINVAL);
 	kvr_rank_state_destroy(NULL);
+}
+
+/* Differential: random set_capacity / reset / acquire / materialize / release / clock ticks
+ * against a model of the fencing layer (capacities large enough that the LRU never evicts, so
+ * presence is a plain set; eviction order is test_lru_diff's job).  Seed printed on failure;
+ * RANK_DIFF_SEED=<seed> reruns one. */
+#define H 32
+#define A 16
+struct rmodel {
+	enum kvr_rank_mode mode;
+	uint64_t inc;
+	bool present[H];
+	uint64_t expiry[H];
+	bool live[A];
+	bool has_last[A];
+	uint64_t last[A];
+};
+
+static uint64_t rng(uint64_t *s)
+{
+	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+	return x ^ (x >> 31);
+}
+
+static void m_clear(struct rmodel *m)
+{
+	memset(m->present, 0, sizeof(m->present));
+	memset(m->live, 0, sizeof(m->live));
+	memset(m->has_last, 0, sizeof(m->has_last));
+}
+
+/* Records blocks in the model; returns the expected stored list. */
+static size_t m_add(struct rmodel *m, const struct kvr_lru_block *b, size_t n, uint64_t now,
+                    uint64_t *stored)
+{
+	size_t ns = 0;
+	for (size_t i = 0; i < n; i++) {
+		if (!m->present[b[i].seq])
+			stored[ns++] = b[i].seq;
+		m->present[b[i].seq] = true;
+		m->expiry[b[i].seq] = now + TTL;
+	}
+	return ns;
+}
+
+static void rank_seed(uint64_t seed, int steps)
+{
+	uint64_t r = seed, now = 0;
+	struct rmodel m;
+	memset(&m, 0, sizeof(m));
+	struct kvr_lru_block b[8];
+	uint64_t stored[8];
+	for (int step = 0; step < steps; step++) {
+		uint64_t op = rng(&r) % 14, inc = 1 + rng(&r) % 3, a = rng(&r) % A;
+		/* Mostly the current incarnation, so commands get through. */
+		if (rng(&r) % 4 && m.mode != KVR_RANK_ABSENT)
+			inc = m.inc;
+		size_t n = rng(&r) % 8, ns = 0;
+		for (size_t i = 0; i < n; i++)
+			b[i] = (struct kvr_lru_block){.local = 0, .seq = rng(&r) % H};
+		int rc, want = 0;
+		bool cleared = false;
+		bool fenced = m.mode == KVR_RANK_ABSENT || inc != m.inc;
+		int fence_rc = m.mode == KVR_RANK_ABSENT ? KVR_ENOENT : KVR_ESTALE;
+		if (op < 2) {
+			uint64_t cap = (rng(&r) % 3) * 1000;
+			rc = kvr_rank_state_set_capacity(rs, inc, cap, &out);
+			if (m.mode == KVR_RANK_ABSENT || inc != m.inc ||
+			    (m.mode == KVR_RANK_LRU && cap == 0)) {
+				cleared = m.mode != KVR_RANK_ABSENT;
+				m_clear(&m);
+				m.mode = cap ? KVR_RANK_LRU : KVR_RANK_TTL;
+				m.inc = inc;
+			} else if (m.mode == KVR_RANK_TTL && cap) {
+				want = KVR_EBUSY;
+			}
+		} else if (op < 3) {
+			rc = kvr_rank_state_reset(rs, &out);
+			if (m.mode == KVR_RANK_ABSENT) {
+				want = KVR_ENOENT;
+			} else {
+				cleared = true;
+				m_clear(&m);
+				m.mode = KVR_RANK_ABSENT;
+			}
+		} else if (op < 7) {
+			rc = kvr_rank_state_acquire(rs, inc, a, b, n, 1, now, &out);
+			if (fenced)
+				want = fence_rc;
+			else if (m.live[a])
+				want = KVR_EEXIST;
+			else {
+				ns = m_add(&m, b, n, now, stored);
+				m.live[a] = true;
+				m.has_last[a] = n > 0;
+				if (n)
+					m.last[a] = b[n - 1].seq;
+			}
+		} else if (op < 9) {
+			uint64_t parent = m.has_last[a] ? m.last[a] : 99;
+			if (rng(&r) % 6 == 0)
+				parent = 98;
+			rc = kvr_rank_state_materialize(rs, inc, a, parent, b, n, 3, 0, now, &out);
+			if (fenced)
+				want = fence_rc;
+			else if (!m.live[a] ||
+			         (m.mode == KVR_RANK_LRU && m.has_last[a] && m.last[a] != parent))
+				want = KVR_ENOENT;
+			else {
+				ns = m_add(&m, b, n, now, stored);
+				if (n) {
+					m.has_last[a] = true;
+					m.last[a] = b[n - 1].seq;
+				}
+			}
+		} else if (op < 12) {
+			rc = kvr_rank_state_release(rs, inc, a, &out);
+			if (fenced)
+				want = fence_rc;
+			else if (!m.live[a])
+				want = KVR_ENOENT;
+			else
+				m.live[a] = m.has_last[a] = false;
+		} else {
+			now += rng(&r) % 400;
+			rc = kvr_rank_state_tick(rs, now, &out);
+			size_t ne = 0;
+			if (m.mode == KVR_RANK_TTL)
+				for (int h = 0; h < H; h++)
+					if (m.present[h] && m.expiry[h] <= now) {
+						m.present[h] = false;
+						ne++;
+					}
+			cr_assert_eq(out.n_evicted, ne, "seed %llu step %d: expired",
+			             (unsigned long long)seed, step);
+			for (size_t i = 0; i < out.n_evicted; i++)
+				cr_assert_not(m.present[out.evicted_seq[i]]);
+		}
+		cr_assert_eq(rc, want, "seed %llu step %d op %llu: rc %d want %d",
+		             (unsigned long long)seed, step, (unsigned long long)op, rc, want);
+		cr_assert_eq(out.cleared, cleared, "seed %llu step %d", (unsigned long long)seed,
+		             step);
+		cr_assert_eq(out.n_stored, ns, "seed %llu step %d: n_stored",
+		             (unsigned long long)seed, step);
+		for (size_t i = 0; i < ns; i++)
+			cr_assert_eq(out.stored_seq[i], stored[i]);
+		if (op < 12)
+			cr_assert_eq(out.n_evicted, 0, "seed %llu step %d",
+			             (unsigned long long)seed, step);
+		cr_assert_eq(kvr_rank_state_mode(rs), m.mode);
+		for (uint64_t h = 0; h < H; h++)
+			cr_assert_eq(kvr_rank_state_overlap(rs, &h, 1), (size_t)m.present[h],
+			             "seed %llu step %d: hash %llu", (unsigned long long)seed, step,
+			             (unsigned long long)h);
+	}
+}
+
+Test(rank_state, differential_against_model)
+{
+	const char *env = getenv("RANK_DIFF_SEED");
+	uint64_t first = env ? strtoull(env, NULL, 0) : 1, last = env ? first : 200;
+	for (uint64_t seed = first; seed <= last; seed++) {
+		kvr_rank_state_destroy(rs);
+		kvr_lru_out_fini(&out);
+		setup();
+		rank_seed(seed, env ? 5000 : 300);
+	}
 }
