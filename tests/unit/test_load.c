@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kvrouter.h"
+#include "core/alloc.h"
 #include "shards/load.h"
 
 Test(load, dedup_and_potential)
@@ -213,4 +214,42 @@ Test(load, differential_against_model)
 	}
 	for (uint64_t seed = 1; seed <= 200; seed++)
 		run_seed(seed, 300);
+}
+
+/* Fail the Nth allocation for N = 1, 2, ...: a failed command changes nothing. */
+Test(load, out_of_memory_changes_nothing)
+{
+	uint64_t seq[40];
+	for (uint64_t nth = 1; nth < 80; nth++) {
+		struct kvr_load *l;
+		cr_assert_eq(kvr_load_create(100, &l), 0);
+		kvr_alloc_fail_after(nth);
+		for (uint64_t a = 1; a <= 30; a++) {
+			for (size_t i = 0; i < 40; i++)
+				seq[i] = a * 7 + i;
+			struct kvr_load_stats before, after;
+			kvr_load_stats(l, &before);
+			int rc = kvr_load_add(l, a, seq, 40, 10, a);
+			kvr_load_stats(l, &after);
+			if (rc) {
+				cr_assert_eq(rc, KVR_ENOMEM);
+				cr_assert_eq(memcmp(&before, &after, sizeof(before)), 0);
+				cr_assert_eq(kvr_load_finish(l, a), KVR_ENOENT);
+				continue;
+			}
+			for (size_t i = 0; i < 40; i++)
+				seq[i] = 100000 + a * 40 + i;
+			kvr_load_stats(l, &before);
+			rc = kvr_load_add_output(l, a, seq, 40);
+			kvr_load_stats(l, &after);
+			if (rc) {
+				cr_assert_eq(rc, KVR_ENOMEM);
+				cr_assert_eq(memcmp(&before, &after, sizeof(before)), 0);
+			}
+			if (a % 3 == 0)
+				cr_assert_eq(kvr_load_finish(l, a), 0);
+		}
+		kvr_alloc_fail_after(0);
+		kvr_load_destroy(l);
+	}
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "kvrouter.h"
+#include "core/alloc.h"
 #include "shards/ttl.h"
 
 #define MS 1000000ull
@@ -197,4 +198,36 @@ Test(ttl, differential_against_model)
 	}
 	for (uint64_t seed = 1; seed <= 300; seed++)
 		run_seed(seed, 300);
+}
+
+/* Fail the Nth allocation for N = 1, 2, ...: a failed command changes nothing. */
+Test(ttl, out_of_memory_changes_nothing)
+{
+	struct kvr_lru_block b[100];
+	for (uint64_t nth = 1; nth < 60; nth++) {
+		struct kvr_ttl *t;
+		struct kvr_lru_out out;
+		kvr_lru_out_init(&out);
+		cr_assert_eq(kvr_ttl_create(100, 10, &t), 0);
+		kvr_alloc_fail_after(nth);
+		for (uint64_t round = 0; round < 5; round++) {
+			for (size_t i = 0; i < 100; i++)
+				b[i] = (struct kvr_lru_block){.seq = round * 50 + i, .local = 0};
+			size_t before = kvr_ttl_count(t);
+			uint64_t next = kvr_ttl_next_expiry(t);
+			int rc = kvr_ttl_record(t, b, 100, 0, round * 60, &out);
+			if (rc) {
+				cr_assert_eq(rc, KVR_ENOMEM);
+				cr_assert_eq(kvr_ttl_count(t), before);
+				cr_assert_eq(kvr_ttl_next_expiry(t), next);
+			}
+			before = kvr_ttl_count(t);
+			rc = kvr_ttl_expire(t, round * 60, &out);
+			if (rc)
+				cr_assert_eq(kvr_ttl_count(t), before);
+		}
+		kvr_alloc_fail_after(0);
+		kvr_ttl_destroy(t);
+		kvr_lru_out_fini(&out);
+	}
 }
