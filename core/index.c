@@ -46,6 +46,7 @@
 #include "core/index_internal.h"
 
 #include <string.h>
+#include <time.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
@@ -189,9 +190,21 @@ void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct id
 
 /* ---------------------------------------------------------------- deferred free */
 
-struct retire_rec {
+/*
+ * Every call_rcu the index makes goes through one record type and one counter, `pending`, so
+ * that kvr_index_quiesce() and destroy can wait for exactly this index's callbacks without
+ * rcu_barrier(): liburcu is uninstrumented, and counting with C11 atomics lets
+ * ThreadSanitizer see the order (submit: TSan release on the RCU token after the record is
+ * filled; callback: acquire on entry, release-decrement of pending as its last access).
+ */
+enum cb_kind { CB_BATCH, CB_SLOT, CB_RTAB };
+
+struct idx_cb {
 	struct rcu_head head;
 	struct kvr_index *idx;
+	enum cb_kind kind;
+	uint32_t slot;
+	struct idx_rtab *rtab;
 	struct idx_retire rt;
 };
 
@@ -217,30 +230,74 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 	idx_count(&idx->bytes_rank, -ranks);
 }
 
-static void retire_cb(struct rcu_head *head)
+static void release_slot(struct kvr_index *idx, uint32_t slot);
+static size_t rtab_bytes(uint32_t mask);
+
+static void run_cb(struct idx_cb *cb)
+{
+	struct kvr_index *idx = cb->idx;
+	switch (cb->kind) {
+	case CB_BATCH:
+		free_batch(idx, &cb->rt);
+		break;
+	case CB_SLOT:
+		release_slot(idx, cb->slot);
+		break;
+	case CB_RTAB:
+		kvr_free(cb->rtab, rtab_bytes(cb->rtab->mask));
+		break;
+	}
+}
+
+static void idx_cb_fn(struct rcu_head *head)
 {
 	KVR_RCU_CALLBACK_ENTER();
-	struct retire_rec *r = caa_container_of(head, struct retire_rec, head);
-	free_batch(r->idx, &r->rt);
-	kvr_free(r, sizeof(*r));
+	struct idx_cb *cb = caa_container_of(head, struct idx_cb, head);
+	struct kvr_index *idx = cb->idx;
+	run_cb(cb);
+	kvr_free(cb, sizeof(*cb));
+	/* Ordering: release, the callback's last access to idx; pairs with the acquire in
+	 * kvr_index_quiesce(). */
+	__atomic_sub_fetch(&idx->pending, 1, __ATOMIC_RELEASE);
+}
+
+/* Runs cb's work after a grace period.  cb is a filled stack template; a heap copy is queued,
+ * or, without memory, the grace period is waited for here.  Context: a writer, outside a read
+ * section. */
+static void idx_defer(struct idx_cb *tmpl)
+{
+	struct idx_cb *cb = kvr_alloc(sizeof(*cb));
+	if (!cb) {
+		kvr_rcu_synchronize();
+		KVR_RCU_CALLBACK_ENTER();
+		run_cb(tmpl);
+		return;
+	}
+	*cb = *tmpl;
+	__atomic_add_fetch(&cb->idx->pending, 1, __ATOMIC_RELAXED);
+	kvr_rcu_thread_online();
+	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
+	kvr_rcu_call(&cb->head, idx_cb_fn);
 }
 
 void kvr_index_retire_flush(struct kvr_index *idx, struct idx_retire *rt)
 {
 	if (!rt->nodes && !rt->sets && !rt->tabs)
 		return;
-	struct retire_rec *r = kvr_alloc(sizeof(*r));
-	if (!r) {
-		/* No memory for the record: wait for the grace period here instead. */
-		kvr_rcu_synchronize();
-		KVR_RCU_CALLBACK_ENTER();
-		free_batch(idx, rt);
-	} else {
-		r->idx = idx;
-		r->rt = *rt;
-		kvr_rcu_call(&r->head, retire_cb);
-	}
+	struct idx_cb t = {.idx = idx, .kind = CB_BATCH, .rt = *rt};
+	idx_defer(&t);
 	memset(rt, 0, sizeof(*rt));
+}
+
+void kvr_index_quiesce(struct kvr_index *idx)
+{
+	if (!idx)
+		return;
+	/* Ordering: acquire; pairs with the release decrement in idx_cb_fn(). */
+	while (__atomic_load_n(&idx->pending, __ATOMIC_ACQUIRE) != 0) {
+		struct timespec ts = {0, 100000};
+		nanosleep(&ts, NULL);
+	}
 }
 
 /* ---------------------------------------------------------------- create / destroy */
@@ -294,7 +351,7 @@ void kvr_index_destroy(struct kvr_index *idx)
 	if (!idx)
 		return;
 	/* Pending callbacks (retired batches, slot releases) point at idx. */
-	kvr_rcu_barrier();
+	kvr_index_quiesce(idx);
 	for (uint32_t i = 0; i < IDX_SEGS; i++) {
 		struct idx_tab *t = idx->seg[i].tab;
 		if (!t)
@@ -354,12 +411,6 @@ static uint32_t rtab_find(const struct kvr_index *idx, const struct idx_rtab *t,
 	}
 }
 
-static void rtab_free(void *mem)
-{
-	struct idx_rtab *t = mem;
-	kvr_free(t, rtab_bytes(t->mask));
-}
-
 /* Rebuilds the slot lookup table without tombstones.  Context: rank_lock held. */
 static void rtab_purge(struct kvr_index *idx)
 {
@@ -380,7 +431,8 @@ static void rtab_purge(struct kvr_index *idx)
 		nt->used++;
 	}
 	kvr_rcu_publish(&idx->rtab, nt);
-	kvr_rcu_defer_free(ot, rtab_free);
+	struct idx_cb cb = {.idx = idx, .kind = CB_RTAB, .rtab = ot};
+	idx_defer(&cb);
 }
 
 int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank, uint32_t *slot)
@@ -466,12 +518,6 @@ struct idx_rank *kvr_index_rank_get_active(struct kvr_index *idx, uint32_t slot)
 	return __atomic_load_n(&r->state, __ATOMIC_RELAXED) == SLOT_ACTIVE ? r : NULL;
 }
 
-struct slot_release {
-	struct rcu_head head;
-	struct kvr_index *idx;
-	uint32_t slot;
-};
-
 static void release_slot(struct kvr_index *idx, uint32_t slot)
 {
 	idx_lock(&idx->rank_lock);
@@ -480,14 +526,6 @@ static void release_slot(struct kvr_index *idx, uint32_t slot)
 	r->next_free = idx->free_head;
 	idx->free_head = slot;
 	idx_unlock(&idx->rank_lock);
-}
-
-static void release_cb(struct rcu_head *head)
-{
-	KVR_RCU_CALLBACK_ENTER();
-	struct slot_release *sr = caa_container_of(head, struct slot_release, head);
-	release_slot(sr->idx, sr->slot);
-	kvr_free(sr, sizeof(*sr));
 }
 
 int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot)
@@ -508,15 +546,8 @@ int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot)
 	__atomic_store_n(&r->state, SLOT_RETIRING, __ATOMIC_RELAXED);
 	idx_count(&idx->active_ranks, -1);
 	idx_unlock(&idx->rank_lock);
-	struct slot_release *sr = kvr_alloc(sizeof(*sr));
-	if (!sr) {
-		kvr_rcu_synchronize();
-		release_slot(idx, slot);
-		return 0;
-	}
-	sr->idx = idx;
-	sr->slot = slot;
-	kvr_rcu_call(&sr->head, release_cb);
+	struct idx_cb cb = {.idx = idx, .kind = CB_SLOT, .slot = slot};
+	idx_defer(&cb);
 	return 0;
 }
 

@@ -137,6 +137,13 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
                            const struct kvr_index_match_opts *opts, struct kvr_index_match *out,
                            size_t cap, size_t *n_out);
 
+/*
+ * Waits until every deferred free and slot release this index queued so far has run (memory
+ * counters are then exact, released slots reusable).  Polls; no rcu_barrier().
+ * Context: any registered thread outside a read section, no writer of this index concurrently.
+ */
+void kvr_index_quiesce(struct kvr_index *idx);
+
 /* Blocks indexed for a slot (0 for a free slot).  Context: any thread, relaxed read. */
 uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot);
 

@@ -130,6 +130,7 @@ struct kvr_index {
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;
 	uint64_t bytes_shared, bytes_rank;
+	uint64_t pending; /* queued call_rcu callbacks (atomic) */
 };
 
 /* Node-table key of the child with local hash `local` below a node with key `pseq`.  Bijective in

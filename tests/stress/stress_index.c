@@ -200,7 +200,7 @@ int main(int argc, char **argv)
 	for (int w = 0; w < NR; w++)
 		if (kvr_index_rank_remove(idx, slot_of[w]) != 0)
 			fail("final remove", 0, slot_of[w], 0);
-	kvr_rcu_barrier();
+	kvr_index_quiesce(idx);
 	struct kvr_index_stats st;
 	kvr_index_stats_get(idx, &st);
 	if (st.nodes || st.copies || st.bytes_shared || st.bytes_per_rank)

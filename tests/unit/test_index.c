@@ -111,7 +111,7 @@ Test(index, slots_full_and_reused_after_grace_period)
 	cr_assert_eq(kvr_index_store(idx, s[5], NULL, b, 3), 0);
 	cr_assert_eq(kvr_index_rank_remove(idx, s[5]), 0);
 	/* Until a grace period passes the slot is not reused. */
-	kvr_rcu_barrier();
+	kvr_index_quiesce(idx);
 	cr_assert_eq(kvr_index_rank_add(idx, 999, 0, &extra), 0);
 	cr_assert_eq(extra, s[5]);
 	uint64_t q[3] = {500, 501, 502};
@@ -121,7 +121,7 @@ Test(index, slots_full_and_reused_after_grace_period)
 	for (int k = 0; k < 300; k++) {
 		uint32_t t;
 		cr_assert_eq(kvr_index_rank_remove(idx, extra), 0);
-		kvr_rcu_barrier();
+		kvr_index_quiesce(idx);
 		cr_assert_eq(kvr_index_rank_add(idx, 5000 + (uint64_t)k, 3, &t), 0);
 		extra = t;
 		cr_assert_eq(kvr_index_rank_find(idx, 5000 + (uint64_t)k, 3, &t), 0);
@@ -311,7 +311,7 @@ Test(index, dp_ranks_and_cleared)
 	/* Remove rank drops its blocks. */
 	cr_assert_eq(kvr_index_rank_remove(idx, b0), 0);
 	cr_assert_eq(score_of(q, 3, b0), -1);
-	kvr_rcu_barrier();
+	kvr_index_quiesce(idx);
 	struct kvr_index_stats st;
 	kvr_index_stats_get(idx, &st);
 	cr_assert_eq(st.nodes, 0);
@@ -391,7 +391,7 @@ Test(index, memory_goes_back)
 	cr_assert_gt(mem1, mem0 + 1000000);
 	for (int i = 0; i < 8; i++)
 		cr_assert_eq(kvr_index_clear_rank(idx, r[i]), 0);
-	kvr_rcu_barrier();
+	kvr_index_quiesce(idx);
 	uint64_t mem2 = kvr_index_memory_bytes(idx);
 	struct kvr_index_stats st;
 	kvr_index_stats_get(idx, &st);

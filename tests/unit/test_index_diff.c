@@ -218,7 +218,7 @@ static void run(unsigned seed, int steps)
 			r->nx = 0;
 			int rc = kvr_index_rank_add(idx, r->worker, r->dp, &r->slot);
 			if (rc == KVR_ERANGE) { /* every spare slot waits for its grace period */
-				kvr_rcu_barrier();
+				kvr_index_quiesce(idx);
 				rc = kvr_index_rank_add(idx, r->worker, r->dp, &r->slot);
 			}
 			cr_assert_eq(rc, 0, "seed=%u step=%d", seed, step);
@@ -228,7 +228,7 @@ static void run(unsigned seed, int steps)
 	/* Everything dropped -> no node left, memory back. */
 	for (int i = 0; i < NR; i++)
 		kvr_index_rank_remove(idx, mr[i].slot);
-	kvr_rcu_barrier();
+	kvr_index_quiesce(idx);
 	struct kvr_index_stats st;
 	kvr_index_stats_get(idx, &st);
 	cr_assert_eq(st.nodes, 0, "seed=%u", seed);
