@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/alloc.h"
 #include "shards/runtime.h"
 #include "shards/timer.h"
 #include "sync/lane.h"
@@ -721,4 +722,28 @@ Test(runtime, destroy_while_producers_blocked)
 	cr_assert_eq(a.last_rc, KVR_ESHUTDOWN);
 	cr_assert_eq(ran, (uint64_t)accepted + a.accepted);
 	kvr_shards_destroy(s);
+}
+
+/* SQLite-style: fail the Nth allocation of create for every N; no leak, no crash. */
+Test(runtime, create_out_of_memory_loop)
+{
+	int64_t base = kvr_alloc_live_bytes();
+	int ok = 0;
+	for (uint64_t nth = 1; nth < 200 && !ok; nth++) {
+		struct kvr_shards_config c = {.n_shards = 3, .lane_capacity = 16};
+		struct kvr_shards *s = NULL;
+		kvr_alloc_fail_after(nth);
+		int rc = kvr_shards_create(&c, &s);
+		kvr_alloc_fail_after(0);
+		if (rc == 0) {
+			ok = 1;
+			kvr_shards_destroy(s);
+		} else {
+			cr_assert_eq(rc, KVR_ENOMEM, "nth %llu: %d", (unsigned long long)nth, rc);
+			cr_assert_null(s);
+		}
+		cr_assert_eq(kvr_alloc_live_bytes(), base, "leak after failing allocation %llu",
+		             (unsigned long long)nth);
+	}
+	cr_assert(ok, "create never succeeded");
 }
