@@ -1,0 +1,202 @@
+/*
+ * kvr-replay's engine (tools/replay): the accounting of a replay, the baselines, determinism,
+ * and, with requests run one at a time, that approx_lru's prediction equals the simulator's
+ * cached set block for block after every request (the strongest check that the router's LRU
+ * mirrors vLLM's block pool).
+ *
+ * The trace is synthetic (built in memory, Mooncake format): multi-turn conversations whose
+ * turns extend the previous turn's prompt, so prefixes repeat and a small pool evicts.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "tools/replay/policy.h"
+#include "tools/replay/replay.h"
+#include "tools/replay/report.h"
+#include "tools/trace.h"
+
+/* sessions x turns requests; turn k of session s holds 2 + k ids (s's own), arrival gap_ms
+ * apart, sessions interleaved. */
+static void make_trace(struct trace *t, int sessions, int turns, int gap_ms)
+{
+	size_t cap = 1 << 20, len = 0;
+	char *buf = malloc(cap);
+	cr_assert_not_null(buf);
+	int n = 0;
+	for (int k = 0; k < turns; k++) {
+		for (int s = 0; s < sessions; s++, n++) {
+			int ids = 2 + k;
+			len += (size_t)snprintf(buf + len, cap - len,
+			                        "{\"timestamp\": %d, \"input_length\": %d, "
+			                        "\"output_length\": %d, \"hash_ids\": [",
+			                        n * gap_ms, ids * 512 - 100 + 7 * s,
+			                        20 + 13 * (n % 5));
+			for (int i = 0; i < ids; i++)
+				len += (size_t)snprintf(buf + len, cap - len, "%s%d", i ? ", " : "",
+				                        s * 1000 + i);
+			len += (size_t)snprintf(buf + len, cap - len, "]}\n");
+		}
+	}
+	char err[256];
+	cr_assert_eq(trace_load_mem(t, "synthetic", buf, len, false, 0, err, sizeof(err)), 0, "%s",
+	             err);
+	trace_finish(t);
+	free(buf);
+}
+
+static struct replay_config base_cfg(void)
+{
+	struct replay_config c;
+	replay_config_init(&c);
+	c.n_ranks = 4;
+	c.blocks_per_rank = 1024;
+	return c;
+}
+
+static void run(const struct trace *t, const struct replay_policy_ops *ops,
+                const struct replay_config *c, struct replay_result *res)
+{
+	char err[256];
+	int rc = replay_run(t, ops, c, res, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s: %s", ops->name, err);
+}
+
+Test(replay, baselines_account_every_request)
+{
+	struct trace t = {0};
+	make_trace(&t, 6, 8, 200);
+	struct replay_config c = base_cfg();
+	const struct replay_policy_ops *ops[] = {&replay_policy_round_robin, &replay_policy_random,
+	                                         &replay_policy_least_loaded};
+	for (size_t i = 0; i < 3; i++) {
+		struct replay_result r;
+		run(&t, ops[i], &c, &r);
+		cr_assert_eq(r.n_requests, t.n);
+		cr_assert_eq(r.n_refused, 0);
+		cr_assert_eq(r.policy_errors, 0);
+		cr_assert_eq(r.n_ttft, t.n, "%s: every request finished", ops[i]->name);
+		cr_assert(r.hit_blocks <= r.prompt_blocks);
+		cr_assert(r.prompt_blocks > 0);
+		cr_assert(r.ttft_p50_ms > 0 && r.ttft_p50_ms <= r.ttft_p99_ms);
+		cr_assert(r.e2e_p50_ms >= r.ttft_p50_ms);
+		cr_assert(r.imbalance_busy >= 1.0);
+		cr_assert_eq(r.n_pred, 0, "baselines do not predict");
+		uint64_t hb = 0, pb = 0;
+		for (uint32_t b = 0; b < r.n_buckets; b++) {
+			hb += r.bucket_hit[b];
+			pb += r.bucket_prompt[b];
+		}
+		cr_assert_eq(hb, r.hit_blocks, "buckets sum to the totals");
+		cr_assert_eq(pb, r.prompt_blocks);
+		replay_result_free(&r);
+	}
+	trace_free(&t);
+}
+
+/* Round robin over 4 ranks with sessions = 4: every session always lands on the same rank,
+ * so a pool big enough for everything hits every repeated prefix block. */
+Test(replay, sticky_round_robin_hits_repeats)
+{
+	struct trace t = {0};
+	make_trace(&t, 4, 5, 2000);
+	struct replay_config c = base_cfg();
+	c.blocks_per_rank = 8192;
+	struct replay_result r;
+	run(&t, &replay_policy_round_robin, &c, &r);
+	/* Turn k (k >= 1) of session s repeats turn k - 1's prompt: its k full ids (32 blocks
+	 * each) and the full blocks of the partial last id (412 + 7 s tokens). */
+	uint64_t want = 0;
+	for (int k = 1; k < 5; k++)
+		for (int s = 0; s < 4; s++)
+			want += (uint64_t)k * 32 + (uint64_t)(412 + 7 * s) / 16;
+	cr_assert_eq(r.hit_blocks, want, "hits %llu want %llu", (unsigned long long)r.hit_blocks,
+	             (unsigned long long)want);
+	replay_result_free(&r);
+	trace_free(&t);
+}
+
+static char *slurp(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	cr_assert_not_null(f);
+	fseek(f, 0, SEEK_END);
+	long n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	char *s = calloc(1, (size_t)n + 1);
+	cr_assert_eq(fread(s, 1, (size_t)n, f), (size_t)n);
+	fclose(f);
+	return s;
+}
+
+static char *json_of(const struct trace *t, const struct replay_policy_ops *ops, uint64_t seed)
+{
+	struct replay_config c = base_cfg();
+	c.seed = seed;
+	struct replay_result r;
+	run(t, ops, &c, &r);
+	char path[] = "/tmp/test_replay_XXXXXX";
+	int fd = mkstemp(path);
+	cr_assert(fd >= 0);
+	close(fd);
+	const char *names[] = {"synthetic"};
+	struct replay_meta meta = {.traces = names, .n_traces = 1, .n_requests = t->n, .cfg = &c};
+	char err[256];
+	cr_assert_eq(replay_report_json(path, &meta, &r, 1, false, err, sizeof(err)), 0, "%s", err);
+	replay_result_free(&r);
+	char *s = slurp(path);
+	unlink(path);
+	return s;
+}
+
+Test(replay, same_seed_same_json)
+{
+	struct trace t = {0};
+	make_trace(&t, 6, 8, 150);
+	char *a = json_of(&t, &replay_policy_random, 7);
+	char *b = json_of(&t, &replay_policy_random, 7);
+	char *d = json_of(&t, &replay_policy_random, 8);
+	cr_assert_str_eq(a, b);
+	cr_assert(strcmp(a, d) != 0, "another seed routes differently");
+	free(a);
+	free(b);
+	free(d);
+	trace_free(&t);
+}
+
+Test(replay, rejects_bad_config)
+{
+	struct trace t = {0};
+	make_trace(&t, 1, 1, 1);
+	struct replay_config c = base_cfg();
+	c.blocks_per_rank = 0;
+	struct replay_result r;
+	char err[256];
+	cr_assert_lt(replay_run(&t, &replay_policy_round_robin, &c, &r, err, sizeof(err)), 0);
+	/* A pool too small for a request: the simulator refuses it, the replay counts it. */
+	c.blocks_per_rank = 16;
+	cr_assert_eq(replay_run(&t, &replay_policy_least_loaded, &c, &r, err, sizeof(err)), 0, "%s",
+	             err);
+	cr_assert_eq(r.n_refused, 1);
+	replay_result_free(&r);
+	trace_free(&t);
+}
+
+Test(replay, default_blocks_fit_the_longest_request)
+{
+	struct trace t = {0};
+	make_trace(&t, 3, 4, 100);
+	struct replay_config c = base_cfg();
+	char why[256];
+	uint32_t b = replay_default_blocks(&t, &c, why, sizeof(why));
+	uint32_t longest = 0;
+	for (size_t i = 0; i < t.n; i++) {
+		uint32_t need = (t.reqs[i].input_len + t.reqs[i].output_len + 15) / 16;
+		longest = need > longest ? need : longest;
+	}
+	cr_assert_geq(b, 2 * longest, "%u: %s", b, why);
+	cr_assert(strstr(why, "blocks per rank") != NULL);
+	trace_free(&t);
+}

@@ -1,0 +1,346 @@
+/*
+ * kvr-replay - replays real request traces over a simulated vLLM cluster (tools/sim) once per
+ * routing policy, on the same arrivals, and reports what each achieved: prefix-cache hit rate,
+ * how exactly the router predicted the cached prefix, TTFT, latency, throughput, load
+ * imbalance and router CPU time per decision.  See tools/replay/replay.h for the loop.
+ *
+ * usage: kvr-replay [--policies a,b,..] [--ranks N] [--blocks-per-rank N] [--block-size 16]
+ *                   [--max-requests N] [--time-scale X] [--seed S] [--skip-bad]
+ *                   [--out FILE.json] [--csv FILE.csv] [--plot DIR] [--quiet] TRACE...
+ * Exit: 0 done, 1 a trace or a replay failed, 2 usage.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+#include "tools/replay/policy.h"
+#include "tools/replay/replay.h"
+#include "tools/replay/report.h"
+#include "tools/trace.h"
+
+static const struct replay_policy_ops *const all_policies[] = {
+    &replay_policy_events,      &replay_policy_approx_lru, &replay_policy_approx_ttl,
+    &replay_policy_round_robin, &replay_policy_random,     &replay_policy_least_loaded,
+};
+#define N_ALL (sizeof(all_policies) / sizeof(all_policies[0]))
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+	        "usage: kvr-replay [options] TRACE...\n"
+	        "  --policies LIST        comma-separated, default all: events,approx_lru,"
+	        "approx_ttl,round_robin,random,least_loaded\n"
+	        "  --ranks N              simulated ranks (default 8)\n"
+	        "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
+	        "pressure, printed)\n"
+	        "  --block-size N         router and engine block size, tokens (default 16)\n"
+	        "  --max-requests N       replay only the first N requests\n"
+	        "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
+	        "default 1)\n"
+	        "  --seed S               seed of random choices (default 1)\n"
+	        "  --max-batched-tokens N engine token budget per step (default 8192)\n"
+	        "  --step-base-ms X       engine step time a (default 5 ms)\n"
+	        "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
+	        "  --sample-every N       approx_lru agreement sample every N requests (default "
+	        "500, 0 = off)\n"
+	        "  --serial               one request at a time (agreement after every request)\n"
+	        "  --skip-bad             skip malformed trace entries (counted)\n"
+	        "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
+	        "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
+	        "files)\n"
+	        "  --quiet                no table, no progress bar\n");
+}
+
+struct progress {
+	const char *name;
+	size_t last;
+};
+
+static void progress_cb(void *ctx, size_t done, size_t total)
+{
+	struct progress *p = ctx;
+	size_t pct = total ? done * 100 / total : 100;
+	if (pct == p->last && done != total)
+		return;
+	p->last = pct;
+	int w = 40, fill = (int)(pct * (size_t)w / 100);
+	fprintf(stderr, "\r%-13s [%.*s%*s] %3zu%%", p->name, fill,
+	        "########################################", w - fill, "", pct);
+	if (done == total)
+		fprintf(stderr, "\r%*s\r", 70, "");
+}
+
+static int parse_u64(const char *s, uint64_t *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 0);
+	if (errno || end == s || *end || s[0] == '-')
+		return -1;
+	*out = v;
+	return 0;
+}
+
+static int parse_u32(const char *s, uint32_t *out)
+{
+	uint64_t v;
+	if (parse_u64(s, &v) || v > UINT32_MAX)
+		return -1;
+	*out = (uint32_t)v;
+	return 0;
+}
+
+static int parse_double(const char *s, double *out)
+{
+	char *end;
+	double v = strtod(s, &end);
+	if (end == s || *end || !(v >= 0))
+		return -1;
+	*out = v;
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct replay_config cfg;
+	replay_config_init(&cfg);
+	cfg.sample_every = 500;
+	const char *policies = NULL, *out = NULL, *csv = NULL, *plot = NULL;
+	bool skip_bad = false, quiet = false, timing = true;
+	uint64_t max_req = 0;
+	enum { O_BATCH = 256, O_BASE, O_PER_TOK, O_SAMPLE, O_SERIAL, O_NOTIME };
+	static const struct option opts[] = {{"policies", required_argument, 0, 'p'},
+	                                     {"ranks", required_argument, 0, 'r'},
+	                                     {"blocks-per-rank", required_argument, 0, 'B'},
+	                                     {"block-size", required_argument, 0, 'b'},
+	                                     {"max-requests", required_argument, 0, 'n'},
+	                                     {"time-scale", required_argument, 0, 't'},
+	                                     {"seed", required_argument, 0, 's'},
+	                                     {"skip-bad", no_argument, 0, 'k'},
+	                                     {"out", required_argument, 0, 'o'},
+	                                     {"csv", required_argument, 0, 'c'},
+	                                     {"plot", required_argument, 0, 'P'},
+	                                     {"quiet", no_argument, 0, 'q'},
+	                                     {"max-batched-tokens", required_argument, 0, O_BATCH},
+	                                     {"step-base-ms", required_argument, 0, O_BASE},
+	                                     {"step-per-token-us", required_argument, 0, O_PER_TOK},
+	                                     {"sample-every", required_argument, 0, O_SAMPLE},
+	                                     {"serial", no_argument, 0, O_SERIAL},
+	                                     {"no-timing", no_argument, 0, O_NOTIME},
+	                                     {"help", no_argument, 0, 'h'},
+	                                     {0, 0, 0, 0}};
+	int c;
+	double d;
+	while ((c = getopt_long(argc, argv, "p:r:B:b:n:t:s:ko:c:P:qh", opts, NULL)) != -1) {
+		int bad = 0;
+		switch (c) {
+		case 'p':
+			policies = optarg;
+			break;
+		case 'r':
+			bad = parse_u32(optarg, &cfg.n_ranks) || cfg.n_ranks == 0;
+			break;
+		case 'B':
+			bad = parse_u32(optarg, &cfg.blocks_per_rank) || cfg.blocks_per_rank == 0;
+			break;
+		case 'b':
+			bad = parse_u32(optarg, &cfg.block_size) || cfg.block_size == 0;
+			break;
+		case 'n':
+			bad = parse_u64(optarg, &max_req);
+			break;
+		case 't':
+			bad = parse_double(optarg, &cfg.time_scale) || cfg.time_scale == 0;
+			break;
+		case 's':
+			bad = parse_u64(optarg, &cfg.seed);
+			break;
+		case 'k':
+			skip_bad = true;
+			break;
+		case 'o':
+			out = optarg;
+			break;
+		case 'c':
+			csv = optarg;
+			break;
+		case 'P':
+			plot = optarg;
+			break;
+		case 'q':
+			quiet = true;
+			break;
+		case O_BATCH:
+			bad = parse_u32(optarg, &cfg.max_batched_tokens) ||
+			      cfg.max_batched_tokens == 0;
+			break;
+		case O_BASE:
+			bad = parse_double(optarg, &d);
+			cfg.step_base_ns = d * 1e6;
+			break;
+		case O_PER_TOK:
+			bad = parse_double(optarg, &d);
+			cfg.step_per_token_ns = d * 1e3;
+			break;
+		case O_SAMPLE:
+			bad = parse_u32(optarg, &cfg.sample_every);
+			break;
+		case O_SERIAL:
+			cfg.serial = true;
+			break;
+		case O_NOTIME:
+			timing = false;
+			break;
+		case 'h':
+			usage(stdout);
+			return 0;
+		default:
+			usage(stderr);
+			return 2;
+		}
+		if (bad) {
+			const struct option *o = opts;
+			while (o->name && o->val != c)
+				o++;
+			fprintf(stderr, "kvr-replay: bad value for --%s: '%s'\n",
+			        o->name ? o->name : "?", optarg);
+			return 2;
+		}
+	}
+	if (optind >= argc) {
+		usage(stderr);
+		return 2;
+	}
+
+	/* Policies. */
+	const struct replay_policy_ops *sel[N_ALL];
+	size_t n_sel = 0;
+	if (!policies) {
+		for (size_t i = 0; i < N_ALL; i++)
+			sel[n_sel++] = all_policies[i];
+	} else {
+		char *list = strdup(policies), *save = NULL;
+		for (char *tok = strtok_r(list, ",", &save); tok;
+		     tok = strtok_r(NULL, ",", &save)) {
+			size_t i = 0;
+			while (i < N_ALL && strcmp(all_policies[i]->name, tok))
+				i++;
+			if (i == N_ALL) {
+				fprintf(stderr, "kvr-replay: unknown policy '%s'\n", tok);
+				free(list);
+				return 2;
+			}
+			if (n_sel < N_ALL)
+				sel[n_sel++] = all_policies[i];
+		}
+		free(list);
+		if (!n_sel) {
+			fprintf(stderr, "kvr-replay: --policies is empty\n");
+			return 2;
+		}
+	}
+
+	/* Traces. */
+	struct trace t = {0};
+	char err[1024];
+	for (int i = optind; i < argc; i++) {
+		if (trace_load(&t, argv[i], skip_bad, (size_t)max_req, err, sizeof(err))) {
+			fprintf(stderr, "kvr-replay: %s\n", err);
+			trace_free(&t);
+			return 1;
+		}
+	}
+	trace_finish(&t);
+	if (max_req && t.n > max_req)
+		t.n = (size_t)max_req;
+	if (t.block_size % cfg.block_size) {
+		fprintf(stderr,
+		        "kvr-replay: --block-size %u must divide the trace's block size %u\n",
+		        cfg.block_size, t.block_size);
+		trace_free(&t);
+		return 2;
+	}
+	char why[512] = "";
+	bool chosen = cfg.blocks_per_rank == 0;
+	if (chosen)
+		cfg.blocks_per_rank = replay_default_blocks(&t, &cfg, why, sizeof(why));
+	if (!quiet) {
+		printf("kvr-replay: %zu requests (%zu malformed skipped), trace block size %u, "
+		       "%u ranks, block size %u\n",
+		       t.n, t.n_bad, t.block_size, cfg.n_ranks, cfg.block_size);
+		if (chosen)
+			printf("  GPU blocks per rank: %s\n", why);
+		else
+			printf("  GPU blocks per rank: %u (given)\n", cfg.blocks_per_rank);
+		printf("  engine: %u tokens/step, step = %.2f ms + %.1f us/token; time scale %g; "
+		       "seed %llu\n",
+		       cfg.max_batched_tokens, cfg.step_base_ns / 1e6, cfg.step_per_token_ns / 1e3,
+		       cfg.time_scale, (unsigned long long)cfg.seed);
+		fflush(stdout);
+	}
+
+	struct replay_result *res = calloc(n_sel, sizeof(*res));
+	if (!res) {
+		fprintf(stderr, "kvr-replay: out of memory\n");
+		trace_free(&t);
+		return 1;
+	}
+	int status = 0;
+	size_t done = 0;
+	bool bar = !quiet && isatty(2);
+	for (size_t i = 0; i < n_sel; i++) {
+		struct progress pr = {.name = sel[i]->name, .last = (size_t)-1};
+		struct replay_config pc = cfg;
+		if (bar) {
+			pc.progress = progress_cb;
+			pc.progress_ctx = &pr;
+		}
+		/* Agreement sampling is for approx_lru (the question the tool answers). */
+		if (sel[i] != &replay_policy_approx_lru && !cfg.serial)
+			pc.sample_every = 0;
+		if (replay_run(&t, sel[i], &pc, &res[i], err, sizeof(err))) {
+			fprintf(stderr, "kvr-replay: %s\n", err);
+			status = 1;
+			break;
+		}
+		done++;
+	}
+	if (!quiet && done)
+		replay_report_table(stdout, res, done);
+	const char *names[64];
+	size_t nn = 0;
+	for (int i = optind; i < argc && nn < 64; i++)
+		names[nn++] = argv[i];
+	struct replay_meta meta = {.traces = names,
+	                           .n_traces = nn,
+	                           .n_requests = t.n,
+	                           .n_bad = t.n_bad,
+	                           .trace_block_size = t.block_size,
+	                           .blocks_why = chosen ? why : NULL,
+	                           .cfg = &cfg};
+	if (done && out && replay_report_json(out, &meta, res, done, timing, err, sizeof(err))) {
+		fprintf(stderr, "kvr-replay: %s\n", err);
+		status = 1;
+	}
+	if (done && csv && replay_report_csv(csv, res, done, timing, err, sizeof(err))) {
+		fprintf(stderr, "kvr-replay: %s\n", err);
+		status = 1;
+	}
+	if (done && plot) {
+		if (replay_report_plot(plot, res, done, err, sizeof(err))) {
+			fprintf(stderr, "kvr-replay: %s\n", err);
+			status = 1;
+		} else if (!quiet) {
+			printf("charts: %s/hit_rate.png %s/ttft_cdf.png\n", plot, plot);
+		}
+	}
+	for (size_t i = 0; i < done; i++)
+		replay_result_free(&res[i]);
+	free(res);
+	trace_free(&t);
+	return status;
+}

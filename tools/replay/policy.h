@@ -1,0 +1,98 @@
+/*
+ * tools/replay/policy.h - the routing policies kvr-replay compares, behind one vtable.
+ *
+ * A policy is told everything a real frontend would see and nothing more: the prompt tokens
+ * when it routes (route), and then what the engines report about the request it placed
+ * (admitted, first token, output tokens, finished, aborted).  A policy that listens to KV
+ * events (the events oracle) also gets every event of the simulated cluster (kv_event).
+ * Nothing else of the simulator is visible to it, so its prediction is honest: predicted
+ * overlap is what it believed at routing time, compared by the replay with the cached prefix
+ * the simulator actually found at admission.
+ *
+ * Policies:
+ *  - round_robin, random (seeded), least_loaded (fewest outstanding prompt + decode tokens as
+ *    the policy itself counts them from the happenings): tools/replay/policy_basic.c; they do
+ *    not predict overlap (predicts = false).
+ *  - events, approx_lru, approx_ttl: the kvrouter router (tools/replay/policy_router.c).
+ *
+ * Handles: route() returns a 64-bit handle (the router's attempt id, or the request id); the
+ * replay passes it back with every happening of that request.
+ *
+ * Context: single-threaded (the replay's thread); happenings arrive in virtual-time order,
+ * from inside sim_cluster_run_until/drain.
+ */
+#ifndef KVR_TOOLS_REPLAY_POLICY_H
+#define KVR_TOOLS_REPLAY_POLICY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tools/sim/engine.h"
+
+/* What a policy is created with. */
+struct replay_env {
+	uint32_t n_ranks;
+	uint32_t block_size;         /* router = simulator block size, tokens */
+	uint32_t blocks_per_rank;    /* each rank's GPU KV blocks */
+	uint32_t max_batched_tokens; /* each rank's token budget per step */
+	uint64_t seed;
+	/* The simulator's virtual clock, ns. */
+	uint64_t (*now_ns)(void *ctx);
+	void *clock_ctx;
+};
+
+struct replay_route_req {
+	uint64_t id;            /* request index in the trace */
+	const uint32_t *tokens; /* prompt, borrowed */
+	uint32_t n_tokens;
+	uint32_t output_len; /* expected output tokens */
+	uint64_t now_ns;     /* arrival (virtual) */
+};
+
+struct replay_route_out {
+	uint32_t rank;
+	uint32_t predicted_blocks; /* predicted cached prefix on rank, blocks (0 if !predicts) */
+	uint64_t handle;           /* passed back with every happening of this request */
+};
+
+/*
+ * The vtable.  Every function returns 0 or a negative KVR_E* code; the replay counts errors
+ * of happenings (policy_errors) and stops on a route() error.  Optional entries may be NULL.
+ */
+struct replay_policy_ops {
+	const char *name;
+	bool predicts;     /* predicted_blocks is meaningful */
+	bool wants_events; /* kv_event is used: the simulator runs with dedup_events = true */
+	int (*create)(const struct replay_env *env, void **state);
+	void (*destroy)(void *state);
+	int (*route)(void *state, const struct replay_route_req *q, struct replay_route_out *out);
+	/* Happenings (optional). */
+	int (*kv_event)(void *state, const struct sim_kv_event *ev);
+	int (*admitted)(void *state, uint64_t handle, const struct sim_admit_info *info);
+	int (*first_token)(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns);
+	/* Output tokens whose KV the engine computes (the final sampled token is not sent: its
+	 * KV is never computed, so it never completes a cached block). */
+	int (*output)(void *state, uint64_t handle, const uint32_t *tokens, size_t n);
+	int (*finished)(void *state, uint64_t handle, const struct sim_finish_info *info);
+	/* The simulator refused the request (it can never fit a rank). */
+	int (*aborted)(void *state, uint64_t handle);
+	/* Virtual time moved to now_ns: fire due timers (TTL expiry, lease reaper). */
+	int (*sync)(void *state, uint64_t now_ns);
+	/* Introspection for the agreement check (optional): blocks the policy believes resident
+	 * on rank, and the predicted cached prefix of a chain of local block hashes on rank. */
+	int (*resident)(void *state, uint32_t rank, uint64_t *blocks);
+	int (*predict)(void *state, uint32_t rank, const uint64_t *local, size_t n,
+	               uint32_t *overlap);
+};
+
+/* Baselines (policy_basic.c). */
+extern const struct replay_policy_ops replay_policy_round_robin;
+extern const struct replay_policy_ops replay_policy_random;
+extern const struct replay_policy_ops replay_policy_least_loaded;
+/* The router (policy_router.c). */
+extern const struct replay_policy_ops replay_policy_events;
+extern const struct replay_policy_ops replay_policy_approx_lru;
+extern const struct replay_policy_ops replay_policy_approx_ttl;
+
+#endif /* KVR_TOOLS_REPLAY_POLICY_H */

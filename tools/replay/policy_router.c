@@ -1,0 +1,232 @@
+/*
+ * tools/replay/policy_router.c - the kvrouter router as a replay policy, in its three modes:
+ *
+ *  - events: KVR_MODE_EVENTS, fed every KV event of the simulated cluster (kvr_events_apply;
+ *    the simulator runs with dedup_events = true so the router's set semantics stay exact:
+ *    one stored event per hash's first copy, one removed when its last copy goes).  External
+ *    hash = the simulator's sequence hash; local hashes are passed, tokens are not.  The oracle.
+ *  - approx_lru: KVR_MODE_APPROX_LRU, no events; each rank's capacity = its GPU blocks, so the
+ *    router's LRU mirrors the engine's pool from the request lifecycle alone.
+ *  - approx_ttl: KVR_MODE_APPROX_TTL, no events, no capacity; a routed block is forgotten
+ *    ttl_ns (router default, 120 s) after its last use.
+ *
+ * Rank i of the simulator is worker i, dp rank 0, incarnation 1.  One shard (n_shards = 1) for
+ * determinism.  The router's clock is the simulator's virtual clock; sync() runs
+ * kvr_router_sync() so TTL expiry and the lease reaper fire as virtual time advances.
+ * Happenings map to the request lifecycle: first token -> kvr_request_prefill_done, output
+ * tokens -> kvr_request_output, finished -> kvr_request_finish, refused -> kvr_request_abort.
+ *
+ * Context: single-threaded (the replay's thread); the router's shard thread runs beside it.
+ */
+#include <stdlib.h>
+
+#include "kvrouter.h"
+#include "tools/replay/policy.h"
+
+struct rp {
+	struct replay_env env;
+	struct kvr_router *r;
+	struct kvr_event_block *blk; /* events: scratch for one stored event */
+	size_t blk_cap;
+};
+
+static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **state)
+{
+	if (!env || !state || env->n_ranks == 0)
+		return KVR_EINVAL;
+	struct rp *p = calloc(1, sizeof(*p));
+	if (!p)
+		return KVR_ENOMEM;
+	p->env = *env;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.block_size = env->block_size;
+	c.n_shards = 1;
+	c.mode = mode;
+	c.seed = env->seed;
+	c.now_ns = env->now_ns;
+	c.clock_ctx = env->clock_ctx;
+	if (env->n_ranks > c.max_ranks)
+		c.max_ranks = env->n_ranks;
+	int rc = kvr_router_create(&c, &p->r);
+	if (rc) {
+		free(p);
+		return rc;
+	}
+	uint64_t cap = mode == KVR_MODE_APPROX_TTL ? KVR_CAPACITY_NONE : env->blocks_per_rank;
+	for (uint32_t i = 0; i < env->n_ranks; i++) {
+		struct kvr_rank_id id = {.worker_id = i, .dp_rank = 0};
+		rc = kvr_rank_add(p->r, id, 1, cap, env->max_batched_tokens);
+		if (rc) {
+			kvr_router_destroy(p->r);
+			free(p);
+			return rc;
+		}
+	}
+	*state = p;
+	return 0;
+}
+
+static int events_create(const struct replay_env *env, void **state)
+{
+	return rp_create(env, KVR_MODE_EVENTS, state);
+}
+
+static int lru_create(const struct replay_env *env, void **state)
+{
+	return rp_create(env, KVR_MODE_APPROX_LRU, state);
+}
+
+static int ttl_create(const struct replay_env *env, void **state)
+{
+	return rp_create(env, KVR_MODE_APPROX_TTL, state);
+}
+
+static void rp_destroy(void *state)
+{
+	struct rp *p = state;
+	if (!p)
+		return;
+	kvr_router_destroy(p->r);
+	free(p->blk);
+	free(p);
+}
+
+static int rp_route(void *state, const struct replay_route_req *q, struct replay_route_out *out)
+{
+	struct rp *p = state;
+	struct kvr_request req;
+	kvr_request_init(&req);
+	req.tokens = q->tokens;
+	req.n_tokens = q->n_tokens;
+	req.request_id = q->id;
+	req.expected_output_tokens = q->output_len;
+	struct kvr_decision d;
+	int rc = kvr_route(p->r, &req, &d);
+	if (rc)
+		return rc;
+	if (d.status != KVR_DECIDED)
+		return KVR_EAGAIN; /* queue_threshold is 0: the router never queues */
+	out->rank = (uint32_t)d.rank.worker_id;
+	out->predicted_blocks = d.overlap_blocks;
+	out->handle = d.attempt;
+	return 0;
+}
+
+static int rp_kv_event(void *state, const struct sim_kv_event *ev)
+{
+	struct rp *p = state;
+	struct kvr_event e = {.event_id = ev->event_id + 1}; /* the router's ids start at 1 */
+	switch (ev->kind) {
+	case SIM_EV_STORED:
+		if (ev->n > p->blk_cap) {
+			size_t nc = ev->n < 64 ? 64 : ev->n;
+			struct kvr_event_block *nb = realloc(p->blk, nc * sizeof(*nb));
+			if (!nb)
+				return KVR_ENOMEM;
+			p->blk = nb;
+			p->blk_cap = nc;
+		}
+		for (size_t i = 0; i < ev->n; i++)
+			p->blk[i] = (struct kvr_event_block){.ext_hash = ev->seq[i],
+			                                     .local_hash = ev->local[i],
+			                                     .n_tokens = ev->block_size};
+		e.type = KVR_EVENT_STORED;
+		e.has_parent = ev->has_parent;
+		e.parent_ext_hash = ev->parent_seq;
+		e.blocks = p->blk;
+		e.n_blocks = ev->n;
+		break;
+	case SIM_EV_REMOVED:
+		e.type = KVR_EVENT_REMOVED;
+		e.removed = ev->seq;
+		e.n_removed = ev->n;
+		break;
+	case SIM_EV_CLEARED:
+		e.type = KVR_EVENT_CLEARED;
+		break;
+	}
+	struct kvr_rank_id id = {.worker_id = ev->rank, .dp_rank = 0};
+	return kvr_events_apply(p->r, id, &e);
+}
+
+static int rp_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns)
+{
+	(void)rank;
+	(void)time_ns;
+	struct rp *p = state;
+	return kvr_request_prefill_done(p->r, handle);
+}
+
+static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
+{
+	struct rp *p = state;
+	return kvr_request_output(p->r, handle, tokens, n);
+}
+
+static int rp_finished(void *state, uint64_t handle, const struct sim_finish_info *info)
+{
+	(void)info;
+	struct rp *p = state;
+	return kvr_request_finish(p->r, handle);
+}
+
+static int rp_aborted(void *state, uint64_t handle)
+{
+	struct rp *p = state;
+	return kvr_request_abort(p->r, handle);
+}
+
+static int rp_sync(void *state, uint64_t now_ns)
+{
+	(void)now_ns; /* the router reads the virtual clock itself */
+	struct rp *p = state;
+	return kvr_router_sync(p->r, 60000);
+}
+
+static int rp_resident(void *state, uint32_t rank, uint64_t *blocks)
+{
+	struct rp *p = state;
+	struct kvr_rank_stats st;
+	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
+	int rc = kvr_rank_get_stats(p->r, id, &st);
+	if (rc)
+		return rc;
+	*blocks = st.resident_blocks;
+	return 0;
+}
+
+static int rp_predict(void *state, uint32_t rank, const uint64_t *local, size_t n,
+                      uint32_t *overlap)
+{
+	struct rp *p = state;
+	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
+	struct kvr_request req;
+	kvr_request_init(&req);
+	req.local_hashes = local;
+	req.n_hashes = n;
+	req.n_tokens = n * p->env.block_size;
+	req.flags = KVR_ROUTE_QUERY_ONLY;
+	req.pinned = &id;
+	struct kvr_decision d;
+	int rc = kvr_route(p->r, &req, &d);
+	if (rc)
+		return rc;
+	*overlap = d.overlap_blocks;
+	return 0;
+}
+
+#define ROUTER_POLICY(NAME, CREATE, EVENTS)                                                        \
+	{                                                                                          \
+		.name = NAME, .predicts = true, .wants_events = EVENTS, .create = CREATE,          \
+		.destroy = rp_destroy, .route = rp_route, .kv_event = rp_kv_event,                 \
+		.first_token = rp_first_token, .output = rp_output, .finished = rp_finished,       \
+		.aborted = rp_aborted, .sync = rp_sync, .resident = rp_resident,                   \
+		.predict = rp_predict,                                                             \
+	}
+
+const struct replay_policy_ops replay_policy_events = ROUTER_POLICY("events", events_create, true);
+const struct replay_policy_ops replay_policy_approx_lru =
+    ROUTER_POLICY("approx_lru", lru_create, false);
+const struct replay_policy_ops replay_policy_approx_ttl =
+    ROUTER_POLICY("approx_ttl", ttl_create, false);

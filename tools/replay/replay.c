@@ -1,0 +1,676 @@
+/*
+ * tools/replay/replay.c - one policy, one trace, one fresh simulated cluster (see replay.h).
+ *
+ * Output tokens: the simulator asks for each output token through output_token(user, id, i);
+ * the replay answers with trace_output_token() and buffers the token for the policy, which
+ * gets them a block at a time (one router call per completed block, not per token), after
+ * the first token, and the rest at finish.  The final sampled token is never sent: vLLM never
+ * computes its KV, so it completes no cached block (sending it would make the router predict
+ * a block the engine does not hold whenever prompt + output is a multiple of the block size).
+ *
+ * Chains for the agreement check: every block hash the replay sees (prompt blocks at routing,
+ * output blocks as they complete) is recorded as seq -> (parent seq, local hash), so a chain
+ * of the simulator's cached set can be handed back to the policy as local hashes.
+ */
+#include "tools/replay/replay.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrouter.h"
+#include "tools/sim/cluster.h"
+
+/* ---------------------------------------------------------------- chain map */
+
+struct chain_ent {
+	uint64_t seq, parent, local; /* seq 0 = empty slot (seq 0 is remapped to 1) */
+};
+
+struct chain_map {
+	struct chain_ent *e;
+	size_t cap, n;
+};
+
+static uint64_t key_of(uint64_t h)
+{
+	return h ? h : 1;
+}
+
+static size_t slot_of(uint64_t k, size_t cap)
+{
+	return (size_t)((k * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1);
+}
+
+static int chain_put(struct chain_map *m, uint64_t seq, uint64_t parent, uint64_t local)
+{
+	if ((m->n + 1) * 2 > m->cap) {
+		size_t nc = m->cap ? m->cap * 2 : 1 << 14;
+		struct chain_ent *ne = calloc(nc, sizeof(*ne));
+		if (!ne)
+			return KVR_ENOMEM;
+		for (size_t i = 0; i < m->cap; i++) {
+			if (!m->e[i].seq)
+				continue;
+			size_t j = slot_of(m->e[i].seq, nc);
+			while (ne[j].seq)
+				j = (j + 1) & (nc - 1);
+			ne[j] = m->e[i];
+		}
+		free(m->e);
+		m->e = ne;
+		m->cap = nc;
+	}
+	uint64_t k = key_of(seq);
+	size_t j = slot_of(k, m->cap);
+	while (m->e[j].seq) {
+		if (m->e[j].seq == k)
+			return 0;
+		j = (j + 1) & (m->cap - 1);
+	}
+	m->e[j] = (struct chain_ent){k, parent, local};
+	m->n++;
+	return 0;
+}
+
+static const struct chain_ent *chain_get(const struct chain_map *m, uint64_t seq)
+{
+	if (!m->cap)
+		return NULL;
+	uint64_t k = key_of(seq);
+	size_t j = slot_of(k, m->cap);
+	while (m->e[j].seq) {
+		if (m->e[j].seq == k)
+			return &m->e[j];
+		j = (j + 1) & (m->cap - 1);
+	}
+	return NULL;
+}
+
+/* ---------------------------------------------------------------- the run */
+
+struct rq {
+	struct run *run;
+	const struct trace_req *tr;
+	uint64_t handle;
+	uint64_t last_seq; /* last block hash of the sequence so far (chains) */
+	uint32_t rank, predicted, n_blocks;
+	uint32_t out_len, nbuf, nctail;
+	bool routed, first_seen, admitted_once;
+	uint32_t *buf;   /* block_size output tokens not yet sent */
+	uint32_t *ctail; /* chains: tokens after the last complete block */
+};
+
+struct run {
+	const struct replay_config *cfg;
+	const struct replay_policy_ops *ops;
+	void *ps;
+	struct sim_cluster *sim;
+	struct replay_result *res;
+	struct rq *rq;
+	uint32_t *bufs;
+	bool chains;
+	struct chain_map map;
+	double *e2e_ms;
+	size_t n_e2e;
+	uint64_t tokens_done, first_arrival, last_finish;
+	int oom;
+};
+
+static void perr(struct run *run, int rc)
+{
+	if (rc == 0)
+		return;
+	if (run->res->policy_errors++ == 0)
+		run->res->first_policy_error = rc;
+}
+
+static uint64_t sim_clock(void *ctx)
+{
+	return sim_cluster_now(ctx);
+}
+
+/* Records n blocks of tokens continuing q's chain. */
+static void record_blocks(struct run *run, struct rq *q, const uint32_t *tokens, size_t n_tokens)
+{
+	uint32_t bs = run->cfg->block_size;
+	size_t nb = n_tokens / bs;
+	uint64_t local[64], seq[64];
+	for (size_t b = 0; b < nb; b += 64) {
+		size_t k = nb - b < 64 ? nb - b : 64, got = 0;
+		const uint64_t *parent = q->n_blocks ? &q->last_seq : NULL;
+		kvr_hash_extend(parent, tokens + b * bs, k * bs, bs, NULL, local, seq, &got);
+		for (size_t i = 0; i < got; i++) {
+			uint64_t p = q->n_blocks ? q->last_seq : 0;
+			if (chain_put(&run->map, seq[i], p, local[i]))
+				run->oom = 1;
+			q->last_seq = seq[i];
+			q->n_blocks++;
+		}
+	}
+}
+
+static void flush(struct run *run, struct rq *q)
+{
+	if (!q->nbuf)
+		return;
+	if (run->ops->output)
+		perr(run, run->ops->output(run->ps, q->handle, q->buf, q->nbuf));
+	q->nbuf = 0;
+}
+
+static uint32_t on_output_token(void *user, uint64_t id, uint32_t i)
+{
+	(void)id;
+	struct rq *q = user;
+	uint32_t tok = trace_output_token(q->tr, i);
+	if (q->run->chains) {
+		q->ctail[q->nctail++] = tok;
+		if (q->nctail == q->run->cfg->block_size) {
+			record_blocks(q->run, q, q->ctail, q->nctail);
+			q->nctail = 0;
+		}
+	}
+	if (i + 1 < q->out_len) { /* the final token's KV is never computed */
+		q->buf[q->nbuf++] = tok;
+		if (q->nbuf == q->run->cfg->block_size && q->first_seen)
+			flush(q->run, q);
+	}
+	return tok;
+}
+
+static void on_kv_event(void *ctx, const struct sim_kv_event *ev)
+{
+	struct run *run = ctx;
+	if (run->ops->wants_events && run->ops->kv_event)
+		perr(run, run->ops->kv_event(run->ps, ev));
+}
+
+static void on_admitted(void *ctx, const struct sim_admit_info *info)
+{
+	struct run *run = ctx;
+	struct rq *q = info->user;
+	struct replay_result *res = run->res;
+	if (!q->admitted_once) {
+		q->admitted_once = true;
+		if (run->ops->predicts) {
+			int64_t d = (int64_t)q->predicted - (int64_t)info->cached_blocks;
+			res->n_pred++;
+			res->n_exact += d == 0;
+			res->n_over += d > 0;
+			res->n_under += d < 0;
+			res->mae_blocks += (double)(d < 0 ? -d : d);
+		}
+		uint32_t b = (uint32_t)((double)info->time_ns / 1e9 / res->bucket_s);
+		if (b >= res->n_buckets)
+			b = res->n_buckets - 1;
+		res->bucket_prompt[b] += info->prompt_blocks;
+		res->bucket_hit[b] += info->hit_blocks;
+	}
+	if (run->ops->admitted)
+		perr(run, run->ops->admitted(run->ps, q->handle, info));
+}
+
+static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, uint64_t t)
+{
+	(void)id;
+	struct run *run = ctx;
+	struct rq *q = user;
+	q->first_seen = true;
+	if (run->ops->first_token)
+		perr(run, run->ops->first_token(run->ps, q->handle, rank, t));
+	if (q->nbuf == run->cfg->block_size)
+		flush(run, q);
+}
+
+static void on_finished(void *ctx, const struct sim_finish_info *info)
+{
+	struct run *run = ctx;
+	struct rq *q = info->user;
+	struct replay_result *res = run->res;
+	flush(run, q);
+	if (run->ops->finished)
+		perr(run, run->ops->finished(run->ps, q->handle, info));
+	res->ttft_ms[res->n_ttft++] = (double)(info->first_token_ns - info->arrival_ns) / 1e6;
+	run->e2e_ms[run->n_e2e++] = (double)(info->finish_ns - info->arrival_ns) / 1e6;
+	run->tokens_done += (uint64_t)info->prompt_len + info->output_len;
+	if (info->finish_ns > run->last_finish)
+		run->last_finish = info->finish_ns;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+static double pct(const double *sorted, size_t n, double p)
+{
+	if (!n)
+		return 0;
+	size_t i = (size_t)ceil(p * (double)n) - 1;
+	if (i >= n)
+		i = n - 1;
+	return sorted[i];
+}
+
+/* ---------------------------------------------------------------- agreement */
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return (x > y) - (x < y);
+}
+
+static bool in_sorted(const uint64_t *s, size_t n, uint64_t h)
+{
+	return bsearch(&h, s, n, sizeof(*s), cmp_u64) != NULL;
+}
+
+/* One agreement sample of one rank; returns 0 or an error. */
+static int agree_rank(struct run *run, uint32_t rank)
+{
+	struct replay_result *res = run->res;
+	size_t n = sim_cluster_cached_hashes(run->sim, rank, NULL, 0);
+	uint64_t *s = malloc((n + 1) * sizeof(*s)), *par = malloc((n + 1) * sizeof(*par));
+	uint8_t *held = calloc(n + 1, 1);
+	uint64_t *chain = NULL, *local = NULL;
+	size_t ccap = 0;
+	int rc = KVR_ENOMEM;
+	if (!s || !par || !held)
+		goto out;
+	n = sim_cluster_cached_hashes(run->sim, rank, s, n);
+	qsort(s, n, sizeof(*s), cmp_u64);
+	size_t np = 0;
+	for (size_t i = 0; i < n; i++) {
+		const struct chain_ent *e = chain_get(&run->map, s[i]);
+		if (e && e->parent)
+			par[np++] = e->parent;
+	}
+	qsort(par, np, sizeof(*par), cmp_u64);
+	for (size_t i = 0; i < n; i++) {
+		if (in_sorted(par, np, s[i]))
+			continue; /* not a leaf */
+		size_t d = 0;
+		for (const struct chain_ent *e = chain_get(&run->map, s[i]); e;
+		     e = e->parent ? chain_get(&run->map, e->parent) : NULL) {
+			if (d == ccap) {
+				ccap = ccap ? ccap * 2 : 256;
+				uint64_t *nc = realloc(chain, ccap * sizeof(*nc));
+				uint64_t *nl = realloc(local, ccap * sizeof(*nl));
+				if (nc)
+					chain = nc;
+				if (nl)
+					local = nl;
+				if (!nc || !nl)
+					goto out;
+			}
+			chain[d] = e->seq;
+			local[d] = e->local;
+			d++;
+		}
+		/* Reverse to root-first. */
+		for (size_t a = 0, b = d; a + 1 < b; a++, b--) {
+			uint64_t t = chain[a];
+			chain[a] = chain[b - 1];
+			chain[b - 1] = t;
+			t = local[a];
+			local[a] = local[b - 1];
+			local[b - 1] = t;
+		}
+		uint32_t o = 0;
+		if (d) {
+			rc = run->ops->predict(run->ps, rank, local, d, &o);
+			if (rc)
+				goto out;
+		}
+		for (size_t j = 0; j < o && j < d; j++) {
+			uint64_t *hit = bsearch(&chain[j], s, n, sizeof(*s), cmp_u64);
+			if (hit)
+				held[hit - s] = 1;
+		}
+	}
+	uint64_t inter = 0, pred = 0;
+	for (size_t i = 0; i < n; i++)
+		inter += held[i];
+	rc = run->ops->resident(run->ps, rank, &pred);
+	if (rc)
+		goto out;
+	uint64_t uni = (uint64_t)n + pred - (inter < pred ? inter : pred);
+	double j = uni ? (double)inter / (double)uni : 1.0;
+	res->agree_samples++;
+	res->agree_exact += inter == n && pred == n;
+	res->jaccard_mean += j;
+	if (j < res->jaccard_min)
+		res->jaccard_min = j;
+	res->sim_cached_sum += n;
+	res->pred_resident_sum += pred;
+	rc = 0;
+out:
+	free(s);
+	free(par);
+	free(held);
+	free(chain);
+	free(local);
+	return rc;
+}
+
+static int agree(struct run *run)
+{
+	if (!run->chains)
+		return 0;
+	if (run->ops->sync) {
+		int rc = run->ops->sync(run->ps, sim_cluster_now(run->sim));
+		if (rc)
+			return rc;
+	}
+	for (uint32_t r = 0; r < run->cfg->n_ranks; r++) {
+		int rc = agree_rank(run, r);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+/* ---------------------------------------------------------------- public */
+
+void replay_config_init(struct replay_config *cfg)
+{
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->n_ranks = 8;
+	cfg->block_size = 16;
+	cfg->max_batched_tokens = 8192;
+	cfg->step_base_ns = 5e6;
+	cfg->step_per_token_ns = 5e4;
+	cfg->time_scale = 1.0;
+	cfg->seed = 1;
+	cfg->n_buckets = 40;
+}
+
+uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
+                               size_t whylen)
+{
+	uint32_t bs = cfg->block_size ? cfg->block_size : 16, tbs = t->block_size;
+	struct chain_map seen = {0};
+	uint64_t longest = 0;
+	for (size_t i = 0; i < t->n; i++) {
+		const struct trace_req *r = &t->reqs[i];
+		uint64_t need = ((uint64_t)r->input_len + r->output_len + bs - 1) / bs;
+		if (need > longest)
+			longest = need;
+		/* Distinct prompt blocks: trace ids (each tbs / bs router blocks) by prefix. */
+		uint64_t h = 0x243f6a8885a308d3ull;
+		for (uint32_t k = 0; k < r->n_ids; k++) {
+			h = (h ^ r->ids[k]) * 0x100000001b3ull;
+			h ^= h >> 29;
+			if (chain_put(&seen, h, 0, 0))
+				break;
+		}
+	}
+	uint64_t distinct = (uint64_t)seen.n * (tbs / bs ? tbs / bs : 1);
+	free(seen.e);
+	uint32_t nr = cfg->n_ranks ? cfg->n_ranks : 1;
+	uint64_t half = distinct / 2 / nr, floor = 2 * longest, b = half > floor ? half : floor;
+	if (b < 64)
+		b = 64;
+	if (b > UINT32_MAX)
+		b = UINT32_MAX;
+	if (why)
+		snprintf(why, whylen,
+		         "%llu blocks per rank: the %u ranks hold %s of the trace's %llu distinct "
+		         "prompt blocks (half: capacity pressure), and at least 2x the longest "
+		         "request (%llu blocks)",
+		         (unsigned long long)b, nr, b == half ? "half" : "more than half",
+		         (unsigned long long)distinct, (unsigned long long)longest);
+	return (uint32_t)b;
+}
+
+static double now_s(clockid_t id)
+{
+	struct timespec ts;
+	clock_gettime(id, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
+               const struct replay_config *cfg, struct replay_result *res, char *err, size_t errlen)
+{
+	memset(res, 0, sizeof(*res));
+	if (!t || !ops || !cfg || cfg->n_ranks == 0 || cfg->block_size == 0 ||
+	    cfg->blocks_per_rank == 0 || !(cfg->time_scale > 0) || cfg->n_buckets == 0) {
+		snprintf(err, errlen, "bad replay configuration");
+		return KVR_EINVAL;
+	}
+	double wall0 = now_s(CLOCK_MONOTONIC);
+	snprintf(res->policy, sizeof(res->policy), "%s", ops->name);
+	res->predicts = ops->predicts;
+	res->n_requests = t->n;
+	res->jaccard_min = 1.0;
+	res->n_buckets = cfg->n_buckets;
+	double last_arr = t->n ? t->reqs[t->n - 1].arrival_s * cfg->time_scale : 0;
+	res->bucket_s = last_arr > 0 ? last_arr / (double)cfg->n_buckets * 1.0001 : 1.0;
+	res->bucket_prompt = calloc(cfg->n_buckets, sizeof(uint64_t));
+	res->bucket_hit = calloc(cfg->n_buckets, sizeof(uint64_t));
+	res->ttft_ms = calloc(t->n + 1, sizeof(double));
+
+	struct run run = {.cfg = cfg, .ops = ops, .res = res};
+	run.e2e_ms = calloc(t->n + 1, sizeof(double));
+	run.rq = calloc(t->n + 1, sizeof(*run.rq));
+	run.bufs = calloc((t->n + 1) * 2 * (size_t)cfg->block_size, sizeof(uint32_t));
+	double *cpu_ns = calloc(t->n + 1, sizeof(double));
+	uint32_t *tok = NULL;
+	size_t tok_cap = 0;
+	int rc = KVR_ENOMEM;
+	if (!res->bucket_prompt || !res->bucket_hit || !res->ttft_ms || !run.e2e_ms || !run.rq ||
+	    !run.bufs || !cpu_ns) {
+		snprintf(err, errlen, "out of memory");
+		goto out;
+	}
+	run.chains = (cfg->sample_every > 0 || cfg->serial) && ops->predict && ops->resident;
+
+	struct sim_cluster_config scfg;
+	sim_cluster_config_init(&scfg);
+	scfg.n_ranks = cfg->n_ranks;
+	scfg.engine.n_blocks = cfg->blocks_per_rank;
+	scfg.engine.block_size = cfg->block_size;
+	scfg.engine.max_batched_tokens = cfg->max_batched_tokens;
+	scfg.engine.step_base_ns = cfg->step_base_ns;
+	scfg.engine.step_per_token_ns = cfg->step_per_token_ns;
+	scfg.engine.dedup_events = ops->wants_events;
+	scfg.engine.seed = cfg->seed;
+	struct sim_callbacks cb = {.ctx = &run,
+	                           .kv_event = on_kv_event,
+	                           .admitted = on_admitted,
+	                           .first_token = on_first_token,
+	                           .finished = on_finished,
+	                           .output_token = on_output_token};
+	rc = sim_cluster_create(&scfg, &cb, &run.sim);
+	if (rc) {
+		snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+		goto out;
+	}
+	struct replay_env env = {.n_ranks = cfg->n_ranks,
+	                         .block_size = cfg->block_size,
+	                         .blocks_per_rank = cfg->blocks_per_rank,
+	                         .max_batched_tokens = cfg->max_batched_tokens,
+	                         .seed = cfg->seed,
+	                         .now_ns = sim_clock,
+	                         .clock_ctx = run.sim};
+	rc = ops->create(&env, &run.ps);
+	if (rc) {
+		snprintf(err, errlen, "policy %s: create: %s", ops->name, kvr_strerror(rc));
+		goto out;
+	}
+
+	for (size_t i = 0; i < t->n; i++) {
+		const struct trace_req *tr = &t->reqs[i];
+		struct rq *q = &run.rq[i];
+		*q = (struct rq){.run = &run,
+		                 .tr = tr,
+		                 .buf = run.bufs + i * 2 * cfg->block_size,
+		                 .ctail = run.bufs + (i * 2 + 1) * cfg->block_size};
+		q->out_len = tr->output_len ? tr->output_len : 1;
+		uint64_t at = (uint64_t)llround(tr->arrival_s * cfg->time_scale * 1e9);
+		if (cfg->serial) {
+			rc = sim_cluster_drain(run.sim);
+			if (rc)
+				goto sim_err;
+		}
+		if (at < sim_cluster_now(run.sim))
+			at = sim_cluster_now(run.sim);
+		if (i == 0)
+			run.first_arrival = at;
+		rc = sim_cluster_run_until(run.sim, at);
+		if (rc)
+			goto sim_err;
+		if (ops->sync) {
+			rc = ops->sync(run.ps, at);
+			if (rc) {
+				snprintf(err, errlen, "policy %s: sync: %s", ops->name,
+				         kvr_strerror(rc));
+				goto out;
+			}
+		}
+		if (tr->input_len > tok_cap) {
+			size_t nc = tr->input_len;
+			uint32_t *nt = realloc(tok, nc * sizeof(*nt));
+			if (!nt) {
+				rc = KVR_ENOMEM;
+				snprintf(err, errlen, "out of memory");
+				goto out;
+			}
+			tok = nt;
+			tok_cap = nc;
+		}
+		trace_tokens(t, tr, tok);
+		if (run.chains) {
+			record_blocks(&run, q, tok, tr->input_len);
+			q->nctail = tr->input_len % cfg->block_size;
+			memcpy(q->ctail, tok + tr->input_len - q->nctail, q->nctail * sizeof(*tok));
+		}
+		struct replay_route_req rq = {.id = i,
+		                              .tokens = tok,
+		                              .n_tokens = tr->input_len,
+		                              .output_len = tr->output_len,
+		                              .now_ns = at};
+		struct replay_route_out ro = {0};
+		double c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
+		rc = ops->route(run.ps, &rq, &ro);
+		cpu_ns[i] = (now_s(CLOCK_THREAD_CPUTIME_ID) - c0) * 1e9;
+		if (rc || ro.rank >= cfg->n_ranks) {
+			snprintf(err, errlen, "policy %s: route request %zu: %s", ops->name, i,
+			         rc ? kvr_strerror(rc) : "rank out of range");
+			rc = rc ? rc : KVR_ERANGE;
+			goto out;
+		}
+		q->rank = ro.rank;
+		q->predicted = ro.predicted_blocks;
+		q->handle = ro.handle;
+		q->routed = true;
+		struct sim_request sr = {.id = i,
+		                         .user = q,
+		                         .prompt = tok,
+		                         .prompt_len = tr->input_len,
+		                         .output_len = tr->output_len};
+		rc = sim_cluster_submit(run.sim, ro.rank, &sr);
+		if (rc == KVR_ERANGE || rc == KVR_EINVAL) {
+			res->n_refused++;
+			if (ops->aborted)
+				perr(&run, ops->aborted(run.ps, q->handle));
+		} else if (rc) {
+			goto sim_err;
+		}
+		if (cfg->serial) {
+			rc = sim_cluster_drain(run.sim);
+			if (rc)
+				goto sim_err;
+		}
+		if (run.chains && (cfg->serial || (i + 1) % cfg->sample_every == 0)) {
+			rc = agree(&run);
+			if (rc) {
+				snprintf(err, errlen, "policy %s: agreement: %s", ops->name,
+				         kvr_strerror(rc));
+				goto out;
+			}
+		}
+		if (cfg->progress)
+			cfg->progress(cfg->progress_ctx, i + 1, t->n);
+	}
+	rc = sim_cluster_drain(run.sim);
+	if (rc)
+		goto sim_err;
+	if (run.oom) {
+		rc = KVR_ENOMEM;
+		snprintf(err, errlen, "out of memory (chains)");
+		goto out;
+	}
+
+	/* Totals. */
+	double busy_max = 0, busy_sum = 0, tok_max = 0, tok_sum = 0;
+	for (uint32_t r = 0; r < cfg->n_ranks; r++) {
+		struct sim_engine_stats st;
+		sim_cluster_stats(run.sim, r, &st);
+		res->prompt_blocks += st.prompt_blocks;
+		res->hit_blocks += st.hit_blocks;
+		res->preemptions += st.preemptions;
+		busy_sum += (double)st.busy_ns;
+		tok_sum += (double)st.tokens;
+		if ((double)st.busy_ns > busy_max)
+			busy_max = (double)st.busy_ns;
+		if ((double)st.tokens > tok_max)
+			tok_max = (double)st.tokens;
+	}
+	res->hit_rate =
+	    res->prompt_blocks ? (double)res->hit_blocks / (double)res->prompt_blocks : 0;
+	res->imbalance_busy = busy_sum > 0 ? busy_max * cfg->n_ranks / busy_sum : 0;
+	res->imbalance_tokens = tok_sum > 0 ? tok_max * cfg->n_ranks / tok_sum : 0;
+	if (res->n_pred)
+		res->mae_blocks /= (double)res->n_pred;
+	if (res->agree_samples)
+		res->jaccard_mean /= (double)res->agree_samples;
+	qsort(res->ttft_ms, res->n_ttft, sizeof(double), cmp_double);
+	qsort(run.e2e_ms, run.n_e2e, sizeof(double), cmp_double);
+	res->ttft_p50_ms = pct(res->ttft_ms, res->n_ttft, 0.50);
+	res->ttft_p99_ms = pct(res->ttft_ms, res->n_ttft, 0.99);
+	res->e2e_p50_ms = pct(run.e2e_ms, run.n_e2e, 0.50);
+	res->e2e_p99_ms = pct(run.e2e_ms, run.n_e2e, 0.99);
+	res->makespan_s = (double)(run.last_finish - run.first_arrival) / 1e9;
+	res->throughput_tok_s = res->makespan_s > 0 ? (double)run.tokens_done / res->makespan_s : 0;
+	double cpu_sum = 0;
+	for (size_t i = 0; i < t->n; i++)
+		cpu_sum += cpu_ns[i];
+	res->route_cpu_ns_mean = t->n ? cpu_sum / (double)t->n : 0;
+	qsort(cpu_ns, t->n, sizeof(double), cmp_double);
+	res->route_cpu_ns_p99 = pct(cpu_ns, t->n, 0.99);
+	rc = 0;
+	goto out;
+sim_err:
+	snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+out:
+	if (run.ps)
+		ops->destroy(run.ps);
+	sim_cluster_destroy(run.sim);
+	free(run.map.e);
+	free(run.e2e_ms);
+	free(run.rq);
+	free(run.bufs);
+	free(cpu_ns);
+	free(tok);
+	res->wall_s = now_s(CLOCK_MONOTONIC) - wall0;
+	if (rc)
+		replay_result_free(res);
+	return rc;
+}
+
+void replay_result_free(struct replay_result *res)
+{
+	if (!res)
+		return;
+	free(res->bucket_prompt);
+	free(res->bucket_hit);
+	free(res->ttft_ms);
+	res->bucket_prompt = res->bucket_hit = NULL;
+	res->ttft_ms = NULL;
+}

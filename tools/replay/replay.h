@@ -1,0 +1,94 @@
+/*
+ * tools/replay/replay.h - replays one trace with one policy over a fresh simulated cluster
+ * (tools/sim/cluster.h) and measures what the policy achieved and how well it predicted.
+ *
+ * The loop, per request in arrival order: run the cluster up to the arrival (its KV events,
+ * admissions, first tokens, outputs and completions reach the policy as they happen), let the
+ * policy's timers catch up (sync), ask it for a rank (timed with CLOCK_THREAD_CPUTIME_ID),
+ * submit there.  Then drain.  Everything is a function of (trace, config, policy): the same
+ * inputs give the same numbers, except the CPU/wall times.
+ *
+ * Agreement (sample_every > 0, policies with resident+predict): every sample_every requests,
+ * per rank, the simulator's cached set S against the policy's predicted set R: Jaccard
+ * |S n R| / |S u R| with |R| from resident() and |S n R| = blocks of S whose whole prefix the
+ * policy predicts (one predict() per chain leaf of S; a block the policy holds without its
+ * parent is not counted, so this is a lower bound).  With serial = true each request is
+ * submitted only when the cluster is idle, and the sample is taken after every request: the
+ * sets must be equal (exact_samples == samples) if the policy mirrors vLLM.
+ */
+#ifndef KVR_TOOLS_REPLAY_REPLAY_H
+#define KVR_TOOLS_REPLAY_REPLAY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tools/replay/policy.h"
+#include "tools/trace.h"
+
+struct replay_config {
+	uint32_t n_ranks;            /* default 8 */
+	uint32_t block_size;         /* router and simulator, tokens; default 16 */
+	uint32_t blocks_per_rank;    /* GPU blocks per rank; 0 = replay_default_blocks() */
+	uint32_t max_batched_tokens; /* default 8192 */
+	double step_base_ns;         /* default 5e6 */
+	double step_per_token_ns;    /* default 5e4 */
+	double time_scale;           /* arrival times are multiplied by it; default 1 */
+	uint64_t seed;               /* policies and simulator; default 1 */
+	uint32_t sample_every;       /* agreement sample interval, requests; 0 = off */
+	bool serial;                 /* one request at a time, agreement after each */
+	uint32_t n_buckets;          /* hit rate over time; default 40 */
+	/* Called after each routed request (progress bar); may be NULL. */
+	void (*progress)(void *ctx, size_t done, size_t total);
+	void *progress_ctx;
+};
+
+struct replay_result {
+	char policy[32];
+	bool predicts;
+	size_t n_requests, n_refused; /* refused: the simulator can never fit it */
+	uint64_t policy_errors;       /* happenings the policy answered with an error */
+	int first_policy_error;
+	uint64_t prompt_blocks, hit_blocks; /* first admissions (simulator) */
+	double hit_rate;
+	/* Prediction vs the simulator's cached prefix at first admission. */
+	uint64_t n_pred, n_exact, n_over, n_under;
+	double mae_blocks;
+	double ttft_p50_ms, ttft_p99_ms, e2e_p50_ms, e2e_p99_ms;
+	double throughput_tok_s, makespan_s;
+	double imbalance_busy, imbalance_tokens; /* max / mean over ranks */
+	uint64_t preemptions;
+	double route_cpu_ns_mean, route_cpu_ns_p99;
+	/* Agreement (see above). */
+	uint64_t agree_samples, agree_exact;
+	double jaccard_mean, jaccard_min;
+	uint64_t sim_cached_sum, pred_resident_sum;
+	/* Series: hit rate per bucket of first-admission time; sorted TTFTs. */
+	uint32_t n_buckets;
+	double bucket_s;
+	uint64_t *bucket_prompt, *bucket_hit;
+	double *ttft_ms;
+	size_t n_ttft;
+	double wall_s;
+};
+
+void replay_config_init(struct replay_config *cfg);
+
+/* A GPU block budget per rank that puts the trace under capacity pressure: the cluster holds
+ * half the trace's distinct prompt blocks (at cfg's block size), but at least twice the
+ * longest request (prompt + output), so every request fits.  why (may be NULL) gets a
+ * one-line explanation. */
+uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
+                               size_t whylen);
+
+/*
+ * Replays t (finished, borrowed) with ops.  Returns 0 and fills *res (free with
+ * replay_result_free), or a negative KVR_E* code (bad config, out of memory, a route() error)
+ * with err set.
+ */
+int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
+               const struct replay_config *cfg, struct replay_result *res, char *err,
+               size_t errlen);
+void replay_result_free(struct replay_result *res);
+
+#endif /* KVR_TOOLS_REPLAY_REPLAY_H */
