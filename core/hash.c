@@ -18,6 +18,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "core/hash.h"
 #include "kvrouter.h"
 
 static inline uint64_t lora_seed(const char *lora_name)
@@ -107,4 +108,21 @@ int kvr_hash_extend(const uint64_t *parent_seq, const uint32_t *tokens, size_t n
 	*n_blocks_out = hash_chain(parent_seq, tokens, n_tokens / block_size, block_size,
 	                           lora_seed(lora_name), local_out, seq_out);
 	return 0;
+}
+
+void kvr_hash_chain_tokens(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
+                           uint32_t block_size, uint64_t seed, uint64_t *local_out,
+                           uint64_t *seq_out)
+{
+	hash_chain(parent, tokens, n_blocks, block_size, seed, local_out, seq_out);
+}
+
+void kvr_hash_chain_locals(const uint64_t *parent, const uint64_t *local, size_t n,
+                           uint64_t *seq_out)
+{
+	uint64_t prev = parent ? *parent : 0;
+	for (size_t i = 0; i < n; i++) {
+		prev = (i == 0 && !parent) ? local[0] : chain(prev, local[i]);
+		seq_out[i] = prev;
+	}
 }

@@ -1,17 +1,47 @@
 /*
- * core/router.c - the router object: configuration, clock and (as the other modules land) the
- * index, the shard runtime and per-rank state behind the public API.
+ * core/router.c - the router object: configuration, clock, and the parts every call uses (the
+ * index, the shard runtime, the metrics registry, the rank table and the RCU-published list of
+ * routable ranks).  See core/router_internal.h for who owns what.
  */
 #include <string.h>
 
 #include "core/alloc.h"
-#include "core/clock.h"
-#include "kvrouter.h"
+#include "core/router_internal.h"
+#include "sync/rcu.h"
 
-struct kvr_router {
-	struct kvr_config cfg;
-	struct kvr_clock clock;
-};
+static void live_free(void *p)
+{
+	struct kvr_live *l = p;
+	kvr_free(l, sizeof(*l) + (size_t)l->n * sizeof(uint32_t));
+}
+
+static struct kvr_live *live_alloc(uint32_t n)
+{
+	struct kvr_live *l = kvr_alloc(sizeof(*l) + (size_t)n * sizeof(uint32_t));
+	if (l)
+		l->n = n;
+	return l;
+}
+
+/* Replaces the live list with one that has slot added (add) or removed (!add).
+ * Context: under admin_lock.  Ordering: release publish; pairs with kvr_rcu_deref in route. */
+int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
+{
+	struct kvr_live *old = r->live;
+	struct kvr_live *nl = live_alloc(add ? old->n + 1 : old->n);
+	if (!nl)
+		return KVR_ENOMEM;
+	uint32_t k = 0;
+	for (uint32_t i = 0; i < old->n; i++)
+		if (old->slot[i] != slot)
+			nl->slot[k++] = old->slot[i];
+	if (add)
+		nl->slot[k++] = slot;
+	nl->n = k;
+	kvr_rcu_publish(&r->live, nl);
+	kvr_rcu_defer_free(old, live_free);
+	return 0;
+}
 
 int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 {
@@ -26,22 +56,75 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	int rc = kvr_config_validate(cfg);
 	if (rc)
 		return rc;
+	if ((rc = kvr_rcu_thread_online()))
+		return rc;
 	struct kvr_router *r = kvr_calloc(1, sizeof(*r));
 	if (!r)
 		return KVR_ENOMEM;
 	r->cfg = *cfg;
-	r->cfg.cpu_list = NULL; /* borrowed by create only; the shard runtime keeps its copy */
+	r->cfg.cpu_list = NULL; /* borrowed for create only: the shard runtime copies it */
 	r->cfg.n_cpus = 0;
 	r->clock.fn = cfg->now_ns ? cfg->now_ns : kvr_clock_monotonic;
 	r->clock.ctx = cfg->now_ns ? cfg->clock_ctx : NULL;
+	kvr_attempt_ids_init(&r->ids);
+	pthread_mutex_init(&r->admin_lock, NULL);
+	rc = KVR_ENOMEM;
+	r->ranks = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->ranks));
+	r->live = live_alloc(0);
+	if (!r->ranks || !r->live)
+		goto fail;
+	if ((rc = kvr_metrics_create(&r->metrics)))
+		goto fail;
+	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
+		goto fail;
+	if (cfg->queue_threshold > 0 && (rc = kvr_queue_create(r, &r->queue)))
+		goto fail;
+	struct kvr_shards_config sc = {
+	    .n_shards = cfg->n_shards,
+	    .cpus = cfg->cpu_list,
+	    .n_cpus = cfg->n_cpus,
+	    .lane_capacity = cfg->lane_capacity,
+	    .maint_every_tasks = cfg->maint_every_tasks,
+	    .maint_every_ns = cfg->maint_every_ns,
+	    .now_ns = r->clock.fn,
+	    .clock_ctx = r->clock.ctx,
+	    .max_workers = cfg->max_ranks,
+	    .on_thread_start = kvr_owner_shard_start,
+	    .on_thread_stop = kvr_owner_shard_stop,
+	    .ctx = r,
+	};
+	if ((rc = kvr_shards_create(&sc, &r->shards)))
+		goto fail;
+	for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
+		if (!kvr_shard_userdata(kvr_shards_get(r->shards, i))) {
+			rc = KVR_ENOMEM; /* a shard could not set up its state */
+			goto fail;
+		}
+	}
+	r->cfg.n_shards = kvr_shards_count(r->shards);
 	*out = r;
 	return 0;
+fail:
+	kvr_router_destroy(r);
+	return rc;
 }
 
 void kvr_router_destroy(struct kvr_router *r)
 {
 	if (!r)
 		return;
+	__atomic_store_n(&r->shutting_down, 1, __ATOMIC_RELEASE);
+	if (r->queue)
+		kvr_queue_destroy(r->queue); /* wakes waiters with KVR_ESHUTDOWN */
+	/* Stops the shards; each frees the ranks it owns (their index entries, attempts). */
+	kvr_shards_destroy(r->shards);
+	kvr_rcu_barrier();
+	kvr_index_destroy(r->index);
+	kvr_metrics_destroy(r->metrics);
+	if (r->live)
+		live_free(r->live);
+	kvr_free_aligned(r->ranks, (size_t)r->cfg.max_ranks * sizeof(*r->ranks));
+	pthread_mutex_destroy(&r->admin_lock);
 	kvr_free(r, sizeof(*r));
 }
 
@@ -55,5 +138,30 @@ int kvr_router_get_config(const struct kvr_router *r, struct kvr_config *out)
 	if (!r || !out)
 		return KVR_EINVAL;
 	*out = r->cfg;
+	return 0;
+}
+
+int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
+{
+	if (!r)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	int rc = kvr_shards_quiesce(r->shards, (uint64_t)timeout_ms * 1000000ull);
+	if (rc == 0 && r->queue)
+		kvr_queue_pump(r);
+	return rc;
+}
+
+int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot)
+{
+	uint32_t s;
+	if (kvr_rcu_thread_online())
+		return KVR_ENOMEM;
+	if (kvr_index_rank_find(r->index, id.worker_id, id.dp_rank, &s) != 0)
+		return KVR_ENOENT;
+	if (s >= r->cfg.max_ranks || !__atomic_load_n(&r->ranks[s].live, __ATOMIC_ACQUIRE))
+		return KVR_ENOENT;
+	*slot = s;
 	return 0;
 }

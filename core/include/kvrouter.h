@@ -161,6 +161,9 @@ struct kvr_config {
 	 * (default 200 us, >= 1). */
 	uint32_t maint_every_tasks;
 	uint64_t maint_every_ns;
+	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
+	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
+	uint64_t expected_prefill_ns;
 	/* Called (on a router thread, never under a router lock) when a queued request is
 	 * admitted; d is borrowed for the call.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
@@ -277,9 +280,6 @@ struct kvr_request {
 	double temperature;
 	/* KVR_ROUTE_WAIT deadline on the router clock (ns); 0 = wait forever. */
 	uint64_t deadline_ns;
-	/* Expected prefill duration, ns (0 = unknown): the oldest in-prefill request's load then
-	 * decays linearly over it. */
-	uint64_t expected_prefill_ns;
 };
 
 /* Fills *req with "no prompt, no options, router's parameters". */

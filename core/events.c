@@ -1,0 +1,104 @@
+/*
+ * core/events.c - KV events from the engines (events mode).
+ *
+ * The caller's thread validates the event and computes local block hashes from token ids when
+ * the event carries tokens (so the shard does no hashing); the rank's shard then checks the
+ * event id cursor and applies the event to the index (shards/rank_owner.c).  Validation is
+ * complete before anything is applied, so a malformed event changes nothing.
+ */
+#include <pthread.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/hash.h"
+#include "core/router_internal.h"
+
+static _Thread_local uint64_t *ev_local;
+static _Thread_local size_t ev_cap;
+static pthread_key_t ev_key;
+static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+
+static void ev_free(void *p)
+{
+	(void)p;
+	kvr_free(ev_local, ev_cap * sizeof(uint64_t));
+	ev_local = NULL;
+	ev_cap = 0;
+}
+
+static void ev_key_make(void)
+{
+	pthread_key_create(&ev_key, ev_free);
+}
+
+static int validate(const struct kvr_router *r, const struct kvr_event *ev)
+{
+	switch (ev->type) {
+	case KVR_EVENT_STORED:
+		if (ev->n_blocks == 0 || !ev->blocks)
+			return KVR_EINVAL;
+		for (size_t i = 0; i < ev->n_blocks; i++) {
+			const struct kvr_event_block *b = &ev->blocks[i];
+			if (b->tokens && b->n_tokens != r->cfg.block_size)
+				return KVR_EINVAL; /* block size mismatch */
+			uint64_t parent = i ? ev->blocks[i - 1].ext_hash : ev->parent_ext_hash;
+			if ((i || ev->has_parent) && b->ext_hash == parent)
+				return KVR_EINVAL; /* a block cannot be its own parent */
+		}
+		return 0;
+	case KVR_EVENT_REMOVED:
+		return ev->n_removed == 0 || !ev->removed ? KVR_EINVAL : 0;
+	case KVR_EVENT_CLEARED:
+		return 0;
+	default:
+		return KVR_EINVAL;
+	}
+}
+
+int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct kvr_event *ev)
+{
+	if (!r || !ev)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	if (r->cfg.mode != KVR_MODE_EVENTS)
+		return KVR_EINVAL;
+	int rc = validate(r, ev);
+	if (rc)
+		return rc;
+	uint32_t slot;
+	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+		return rc;
+	if (ev->type == KVR_EVENT_STORED) {
+		if (ev->n_blocks > ev_cap) {
+			size_t nc = ev_cap ? ev_cap : 64;
+			while (nc < ev->n_blocks)
+				nc *= 2;
+			uint64_t *p = kvr_alloc(nc * sizeof(uint64_t));
+			if (!p)
+				return KVR_ENOMEM;
+			kvr_free(ev_local, ev_cap * sizeof(uint64_t));
+			ev_local = p;
+			ev_cap = nc;
+			pthread_once(&ev_once, ev_key_make);
+			pthread_setspecific(ev_key, ev_local);
+		}
+		uint64_t seed = kvr_hash_lora_seed(ev->lora_name);
+		for (size_t i = 0; i < ev->n_blocks; i++) {
+			const struct kvr_event_block *b = &ev->blocks[i];
+			if (b->tokens)
+				kvr_hash_chain_tokens(NULL, b->tokens, 1, r->cfg.block_size, seed,
+				                      &ev_local[i], NULL);
+			else
+				ev_local[i] = b->local_hash;
+		}
+	}
+	struct kvr_rank_pub *pub = &r->ranks[slot];
+	struct kvr_event_args a = {.r = r,
+	                           .slot = slot,
+	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
+	                           .ev = ev,
+	                           .local = ev_local};
+	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
+	                      kvr_owner_event, &a);
+}

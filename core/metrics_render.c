@@ -1,0 +1,153 @@
+/*
+ * core/metrics_render.c - kvr_metrics_render: every counter, histogram and per-rank gauge in
+ * Prometheus text exposition format (version 0.0.4).  Histograms are emitted with power-of-two
+ * `le` bounds (the fine log-linear buckets merged), which keeps the text short and stable.
+ */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/router_internal.h"
+#include "sync/rcu.h"
+
+struct out {
+	char *buf;
+	size_t cap, len;
+};
+
+static void put(struct out *o, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	size_t room = o->len < o->cap ? o->cap - o->len : 0;
+	int n = vsnprintf(room ? o->buf + o->len : NULL, room, fmt, ap);
+	va_end(ap);
+	if (n > 0)
+		o->len += (size_t)n;
+}
+
+static const struct {
+	enum kvr_counter c;
+	const char *name, *help, *labels;
+} counters[] = {
+    {KVR_C_ROUTES, "kvr_routes_total", "Requests routed and admitted", ""},
+    {KVR_C_ROUTE_ERRORS, "kvr_route_errors_total", "Route calls that failed", ""},
+    {KVR_C_ROUTES_QUERY_ONLY, "kvr_routes_query_only_total", "Query-only decisions", ""},
+    {KVR_C_ROUTED_BLOCKS, "kvr_routed_blocks_total", "Prompt blocks of admitted requests", ""},
+    {KVR_C_PREDICTED_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks_total",
+     "Predicted cached prefix blocks on the chosen ranks", ""},
+    {KVR_C_EV_STORED_OK, "kvr_events_total", "KV events applied", "type=\"stored\",status=\"ok\""},
+    {KVR_C_EV_STORED_ERR, "kvr_events_total", NULL, "type=\"stored\",status=\"error\""},
+    {KVR_C_EV_REMOVED_OK, "kvr_events_total", NULL, "type=\"removed\",status=\"ok\""},
+    {KVR_C_EV_REMOVED_ERR, "kvr_events_total", NULL, "type=\"removed\",status=\"error\""},
+    {KVR_C_EV_CLEARED_OK, "kvr_events_total", NULL, "type=\"cleared\",status=\"ok\""},
+    {KVR_C_EV_CLEARED_ERR, "kvr_events_total", NULL, "type=\"cleared\",status=\"error\""},
+    {KVR_C_EV_STALE, "kvr_events_total", NULL, "type=\"any\",status=\"stale\""},
+    {KVR_C_EV_GAPS, "kvr_event_gaps_total", "Jumps in a rank's KV event ids", ""},
+    {KVR_C_EV_BLOCK_NOT_FOUND, "kvr_event_block_not_found_total",
+     "Removed hashes the rank did not hold", ""},
+    {KVR_C_EV_PARENT_NOT_FOUND, "kvr_event_parent_not_found_total",
+     "Stored events whose parent the rank did not hold", ""},
+    {KVR_C_EVICTIONS, "kvr_evictions_total", "Blocks evicted from the predicted caches", ""},
+    {KVR_C_TTL_EXPIRIES, "kvr_ttl_expiries_total", "Blocks forgotten by TTL retention", ""},
+    {KVR_C_LEASE_EXPIRIES, "kvr_lease_expiries_total", "Attempts expired by the reaper", ""},
+    {KVR_C_FINISHED, "kvr_requests_ended_total", "Attempts ended", "how=\"finish\""},
+    {KVR_C_ABORTED, "kvr_requests_ended_total", NULL, "how=\"abort\""},
+    {KVR_C_STALE_CALLS, "kvr_stale_calls_total", "Calls on ended attempts (KVR_ESTALE)", ""},
+    {KVR_C_QUEUED, "kvr_queue_enqueued_total", "Requests that waited in the queue", ""},
+    {KVR_C_QUEUE_ADMITTED, "kvr_queue_admitted_total", "Queued requests admitted", ""},
+    {KVR_C_QUEUE_REJECTED, "kvr_queue_rejected_total", "Requests refused by a full queue", ""},
+    {KVR_C_QUEUE_TIMEOUTS, "kvr_queue_timeouts_total", "Waits that passed their deadline", ""},
+};
+
+static const struct {
+	enum kvr_hist h;
+	const char *name, *help;
+	double scale; /* value units -> exposed units */
+} hists[] = {
+    {KVR_H_ROUTE_NS, "kvr_route_seconds", "Whole route decision", 1e-9},
+    {KVR_H_HASH_NS, "kvr_route_hash_seconds", "Route stage: block hashing", 1e-9},
+    {KVR_H_MATCH_NS, "kvr_route_match_seconds", "Route stage: index lookup and candidates", 1e-9},
+    {KVR_H_SELECT_NS, "kvr_route_select_seconds", "Route stage: scoring and choice", 1e-9},
+    {KVR_H_ADMIT_NS, "kvr_route_admit_seconds", "Route stage: admission on the shard", 1e-9},
+    {KVR_H_QUEUE_WAIT_NS, "kvr_queue_wait_seconds", "Time queued before admission", 1e-9},
+    {KVR_H_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks", "Predicted overlap per decision", 1},
+};
+
+int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
+{
+	if (!r || (!buf && cap))
+		return KVR_EINVAL;
+	struct out o = {.buf = buf, .cap = cap};
+	const char *last = "";
+	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+		if (strcmp(last, counters[i].name) != 0) {
+			put(&o, "# HELP %s %s\n# TYPE %s counter\n", counters[i].name,
+			    counters[i].help, counters[i].name);
+			last = counters[i].name;
+		}
+		uint64_t v = kvr_metrics_counter(r->metrics, counters[i].c);
+		if (counters[i].labels[0])
+			put(&o, "%s{%s} %" PRIu64 "\n", counters[i].name, counters[i].labels, v);
+		else
+			put(&o, "%s %" PRIu64 "\n", counters[i].name, v);
+	}
+	uint64_t h[KVR_HIST_BUCKETS], sum;
+	for (size_t i = 0; i < sizeof(hists) / sizeof(hists[0]); i++) {
+		kvr_metrics_hist(r->metrics, hists[i].h, h, &sum);
+		put(&o, "# HELP %s %s\n# TYPE %s histogram\n", hists[i].name, hists[i].help,
+		    hists[i].name);
+		uint64_t acc = 0, total = 0;
+		for (unsigned b = 0; b < KVR_HIST_BUCKETS; b++)
+			total += h[b];
+		/* power-of-two bounds: bucket b holds values < low(b+1); emit at each 2^k */
+		unsigned b = 0;
+		for (unsigned k = 0; k < 40; k++) {
+			uint64_t bound = 1ull << k;
+			while (b < KVR_HIST_BUCKETS && kvr_hist_bucket_low(b + 1) <= bound) {
+				acc += h[b];
+				b++;
+			}
+			if (hists[i].scale == 1)
+				put(&o, "%s_bucket{le=\"%" PRIu64 "\"} %" PRIu64 "\n",
+				    hists[i].name, bound, acc);
+			else
+				put(&o, "%s_bucket{le=\"%.9g\"} %" PRIu64 "\n", hists[i].name,
+				    (double)bound * hists[i].scale, acc);
+		}
+		put(&o, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", hists[i].name, total);
+		put(&o, "%s_sum %.9g\n%s_count %" PRIu64 "\n", hists[i].name,
+		    (double)sum * hists[i].scale, hists[i].name, total);
+	}
+	put(&o, "# HELP kvr_queue_depth Requests waiting\n# TYPE kvr_queue_depth gauge\n");
+	put(&o, "kvr_queue_depth %zu\n", kvr_queue_depth(r));
+	static const char *gauges[][2] = {
+	    {"kvr_rank_active_blocks", "Distinct blocks pinned by in-flight requests"},
+	    {"kvr_rank_active_prefill_tokens", "Prefill tokens in flight"},
+	    {"kvr_rank_active_requests", "Live attempts"},
+	    {"kvr_rank_resident_blocks", "Blocks the rank is predicted (or known) to cache"},
+	};
+	if (kvr_rcu_thread_online())
+		return KVR_ENOMEM;
+	for (int g = 0; g < 4; g++) {
+		put(&o, "# HELP %s %s\n# TYPE %s gauge\n", gauges[g][0], gauges[g][1],
+		    gauges[g][0]);
+		kvr_rcu_read_lock();
+		const struct kvr_live *live = kvr_rcu_deref(&r->live);
+		for (uint32_t i = 0; i < live->n; i++) {
+			const struct kvr_rank_pub *p = &r->ranks[live->slot[i]];
+			const uint64_t *f[] = {&p->active_blocks, &p->prefill_tokens,
+			                       &p->active_requests, &p->resident_blocks};
+			put(&o, "%s{worker=\"%" PRIu64 "\",dp_rank=\"%u\"} %" PRIu64 "\n",
+			    gauges[g][0], p->worker_id, p->dp_rank,
+			    __atomic_load_n(f[g], __ATOMIC_RELAXED));
+		}
+		kvr_rcu_read_unlock();
+	}
+	if (len_out)
+		*len_out = o.len + 1;
+	if (cap)
+		buf[o.len < cap ? o.len : cap - 1] = '\0';
+	return o.len < cap ? 0 : KVR_ERANGE;
+}

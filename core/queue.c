@@ -1,0 +1,326 @@
+/*
+ * core/queue.c - the admission queue: when every eligible rank is saturated (active prefill
+ * tokens above queue_threshold x its max batched tokens), a request waits instead of piling
+ * more prefill onto a rank that cannot start it.
+ *
+ * It is a bounded list under one mutex: it is only touched when the cluster is saturated, never
+ * on the unsaturated routing path.  Order: FCFS (ticket order) or WSPT (weighted shortest
+ * processing time: fewest predicted uncached prompt tokens first, all weights 1; ties by ticket).
+ * The head of the order is admitted as soon as its own candidates are no longer saturated; a
+ * later request never overtakes it, so the order is the policy's order exactly.
+ *
+ * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
+ * (prefill done, finish, abort, a rank added or resized, kvr_router_sync): never on a shard
+ * thread, so a shard never waits for this mutex.  One thread pumps at a time; the others return.
+ * The frontend learns the outcome through on_admit (called without any router lock held) or by
+ * collecting the ticket with kvr_route_wait.  Requests are copied in (tokens, allow list, LoRA
+ * name) since the caller's buffers are borrowed for the kvr_route call only.
+ */
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/alloc.h"
+#include "core/router_internal.h"
+
+enum { Q_WAITING, Q_ADMITTED };
+
+struct qentry {
+	uint64_t ticket;
+	uint64_t key; /* WSPT: predicted uncached tokens */
+	uint64_t enq_ns;
+	int state;
+	int rc;
+	bool waited; /* a kvr_route_wait caller will collect it */
+	struct kvr_decision d;
+	struct kvr_request req;
+	struct kvr_rank_id pinned;
+	size_t tok_bytes, hash_bytes, allow_bytes, lora_bytes;
+	struct qentry *next;
+};
+
+struct kvr_queue {
+	struct kvr_router *r;
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	struct qentry *head; /* every entry, in ticket order */
+	size_t waiting;
+	uint64_t next_ticket;
+	uint32_t waiters; /* threads inside kvr_route_wait */
+	bool pumping;
+	bool closing;
+};
+
+int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out)
+{
+	struct kvr_queue *q = kvr_calloc(1, sizeof(*q));
+	if (!q)
+		return KVR_ENOMEM;
+	q->r = r;
+	q->next_ticket = 1;
+	pthread_mutex_init(&q->lock, NULL);
+	pthread_cond_init(&q->cond, NULL);
+	*out = q;
+	return 0;
+}
+
+static void entry_free(struct qentry *e)
+{
+	kvr_free((void *)e->req.tokens, e->tok_bytes);
+	kvr_free((void *)e->req.local_hashes, e->hash_bytes);
+	kvr_free((void *)e->req.allow, e->allow_bytes);
+	kvr_free((void *)e->req.lora_name, e->lora_bytes);
+	kvr_free(e, sizeof(*e));
+}
+
+void kvr_queue_destroy(struct kvr_queue *q)
+{
+	if (!q)
+		return;
+	pthread_mutex_lock(&q->lock);
+	q->closing = true;
+	pthread_cond_broadcast(&q->cond);
+	while (q->waiters || q->pumping)
+		pthread_cond_wait(&q->cond, &q->lock);
+	pthread_mutex_unlock(&q->lock);
+	while (q->head) {
+		struct qentry *e = q->head;
+		q->head = e->next;
+		entry_free(e);
+	}
+	pthread_cond_destroy(&q->cond);
+	pthread_mutex_destroy(&q->lock);
+	kvr_free(q, sizeof(*q));
+}
+
+bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		const struct kvr_rank_pub *p = &r->ranks[slots[i]];
+		uint32_t mbt = p->max_batched_tokens;
+		if (mbt == 0)
+			return false; /* unknown budget: never saturated */
+		double load = (double)__atomic_load_n(&p->prefill_tokens, __ATOMIC_RELAXED);
+		if (load <= r->cfg.queue_threshold * (double)mbt)
+			return false;
+	}
+	return true;
+}
+
+static void *dup_bytes(const void *src, size_t bytes)
+{
+	if (!src || !bytes)
+		return NULL;
+	void *p = kvr_alloc(bytes);
+	if (p)
+		memcpy(p, src, bytes);
+	return p;
+}
+
+int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
+                   struct kvr_decision *d)
+{
+	struct kvr_queue *q = r->queue;
+	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
+	struct qentry *e = kvr_calloc(1, sizeof(*e));
+	if (!e)
+		return KVR_ENOMEM;
+	e->req = *req;
+	e->req.flags &= ~(uint32_t)KVR_ROUTE_WAIT;
+	e->tok_bytes = req->tokens ? req->n_tokens * sizeof(uint32_t) : 0;
+	e->hash_bytes = req->local_hashes ? req->n_hashes * sizeof(uint64_t) : 0;
+	e->allow_bytes = req->n_allow * sizeof(struct kvr_rank_id);
+	e->lora_bytes = req->lora_name ? strlen(req->lora_name) + 1 : 0;
+	e->req.tokens = dup_bytes(req->tokens, e->tok_bytes);
+	e->req.local_hashes = dup_bytes(req->local_hashes, e->hash_bytes);
+	e->req.allow = dup_bytes(req->allow, e->allow_bytes);
+	e->req.lora_name = dup_bytes(req->lora_name, e->lora_bytes);
+	if (req->pinned) {
+		e->pinned = *req->pinned;
+		e->req.pinned = &e->pinned;
+	}
+	if ((e->tok_bytes && !e->req.tokens) || (e->hash_bytes && !e->req.local_hashes) ||
+	    (e->allow_bytes && !e->req.allow) || (e->lora_bytes && !e->req.lora_name)) {
+		entry_free(e);
+		return KVR_ENOMEM;
+	}
+	e->key = key;
+	e->enq_ns = kvr_clock_now(&r->clock);
+	e->state = Q_WAITING;
+	pthread_mutex_lock(&q->lock);
+	if (q->closing || q->waiting >= r->cfg.queue_capacity) {
+		int rc = q->closing ? KVR_ESHUTDOWN : KVR_EAGAIN;
+		pthread_mutex_unlock(&q->lock);
+		entry_free(e);
+		kvr_metrics_add(mb, KVR_C_QUEUE_REJECTED, 1);
+		return rc;
+	}
+	e->ticket = q->next_ticket++;
+	e->waited = (req->flags & KVR_ROUTE_WAIT) != 0;
+	struct qentry **pp = &q->head;
+	while (*pp)
+		pp = &(*pp)->next;
+	*pp = e;
+	q->waiting++;
+	pthread_mutex_unlock(&q->lock);
+	memset(d, 0, sizeof(*d));
+	d->status = KVR_QUEUED;
+	d->ticket = e->ticket;
+	kvr_metrics_add(mb, KVR_C_QUEUED, 1);
+	return 0;
+}
+
+/* The next waiting entry in policy order.  Context: under q->lock. */
+static struct qentry *next_waiting(struct kvr_queue *q)
+{
+	struct qentry *best = NULL;
+	for (struct qentry *e = q->head; e; e = e->next) {
+		if (e->state != Q_WAITING)
+			continue;
+		if (q->r->cfg.queue_policy == KVR_QUEUE_FCFS)
+			return e;
+		if (!best || e->key < best->key)
+			best = e;
+	}
+	return best;
+}
+
+static void unlink_entry(struct kvr_queue *q, struct qentry *e)
+{
+	for (struct qentry **pp = &q->head; *pp; pp = &(*pp)->next) {
+		if (*pp == e) {
+			*pp = e->next;
+			return;
+		}
+	}
+}
+
+void kvr_queue_pump(struct kvr_router *r)
+{
+	struct kvr_queue *q = r->queue;
+	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
+	pthread_mutex_lock(&q->lock);
+	if (q->pumping || q->closing || q->waiting == 0) {
+		pthread_mutex_unlock(&q->lock);
+		return;
+	}
+	q->pumping = true;
+	for (;;) {
+		struct qentry *e = next_waiting(q);
+		if (!e)
+			break;
+		pthread_mutex_unlock(&q->lock);
+		struct kvr_decision d;
+		int rc = kvr_route_internal(r, &e->req, &d, KVR_QUEUE_FROM_PUMP);
+		pthread_mutex_lock(&q->lock);
+		if (rc == KVR_EAGAIN)
+			break; /* the head is still saturated: nobody overtakes it */
+		e->state = Q_ADMITTED;
+		e->rc = rc;
+		e->d = d;
+		e->d.ticket = e->ticket;
+		q->waiting--;
+		uint64_t now = kvr_clock_now(&r->clock);
+		kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS, now > e->enq_ns ? now - e->enq_ns : 0);
+		kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
+		if (!e->waited && r->cfg.on_admit) {
+			unlink_entry(q, e);
+			pthread_mutex_unlock(&q->lock);
+			if (rc == 0)
+				r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
+			entry_free(e);
+			pthread_mutex_lock(&q->lock);
+		}
+		pthread_cond_broadcast(&q->cond);
+	}
+	q->pumping = false;
+	pthread_cond_broadcast(&q->cond);
+	pthread_mutex_unlock(&q->lock);
+}
+
+size_t kvr_queue_depth(struct kvr_router *r)
+{
+	if (!r->queue)
+		return 0;
+	pthread_mutex_lock(&r->queue->lock);
+	size_t n = r->queue->waiting;
+	pthread_mutex_unlock(&r->queue->lock);
+	return n;
+}
+
+static struct qentry *find(struct kvr_queue *q, uint64_t ticket)
+{
+	for (struct qentry *e = q->head; e; e = e->next)
+		if (e->ticket == ticket)
+			return e;
+	return NULL;
+}
+
+int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
+                   struct kvr_decision *d)
+{
+	if (!r || !d || ticket == 0)
+		return KVR_EINVAL;
+	struct kvr_queue *q = r->queue;
+	if (!q)
+		return KVR_ENOENT;
+	pthread_mutex_lock(&q->lock);
+	struct qentry *e = find(q, ticket);
+	if (!e) {
+		pthread_mutex_unlock(&q->lock);
+		return KVR_ENOENT;
+	}
+	e->waited = true;
+	q->waiters++;
+	int rc = 0;
+	while (e->state == Q_WAITING) {
+		if (q->closing) {
+			rc = KVR_ESHUTDOWN;
+			break;
+		}
+		if (deadline_ns && kvr_clock_now(&r->clock) >= deadline_ns) {
+			rc = KVR_ETIMEDOUT;
+			kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_QUEUE_TIMEOUTS, 1);
+			break;
+		}
+		/* The router clock may be virtual: wake every millisecond to re-read it. */
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		ts.tv_nsec += 1000000;
+		if (ts.tv_nsec >= 1000000000) {
+			ts.tv_sec++;
+			ts.tv_nsec -= 1000000000;
+		}
+		pthread_cond_timedwait(&q->cond, &q->lock, &ts);
+	}
+	if (rc == 0) {
+		*d = e->d;
+		rc = e->rc;
+		unlink_entry(q, e);
+		entry_free(e);
+	}
+	q->waiters--;
+	pthread_cond_broadcast(&q->cond);
+	pthread_mutex_unlock(&q->lock);
+	return rc;
+}
+
+int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
+{
+	if (!r || ticket == 0)
+		return KVR_EINVAL;
+	struct kvr_queue *q = r->queue;
+	if (!q)
+		return KVR_ENOENT;
+	pthread_mutex_lock(&q->lock);
+	struct qentry *e = find(q, ticket);
+	int rc = KVR_ENOENT;
+	if (e && e->state == Q_WAITING && !q->closing) {
+		unlink_entry(q, e);
+		q->waiting--;
+		entry_free(e);
+		rc = 0;
+	}
+	pthread_mutex_unlock(&q->lock);
+	return rc;
+}

@@ -1,0 +1,137 @@
+/*
+ * core/ranks.c - rank administration: add, set capacity, reset, remove, stats.
+ *
+ * Admin calls are rare, so they serialize on admin_lock (never taken on the routing path).  The
+ * rank's state itself is created and changed on its shard (placement by worker id, so all dp
+ * ranks of a worker share one shard and a Cleared event can clear them together); this thread
+ * waits for that synchronously.  A slot becomes routable only after its shard has built its
+ * state (gen bumped, live set, then published in the live list), and stops being routable
+ * before its state is torn down, so a decision on a vanishing rank is refused at admission
+ * (generation mismatch) instead of touching freed state.
+ */
+#include "core/router_internal.h"
+
+static int check(struct kvr_router *r)
+{
+	if (!r)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	return 0;
+}
+
+int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
+                 uint64_t capacity_blocks, uint32_t max_batched_tokens)
+{
+	int rc = check(r);
+	if (rc)
+		return rc;
+	uint32_t slot, shard;
+	pthread_mutex_lock(&r->admin_lock);
+	if (kvr_router_find_rank(r, rank, &slot) == 0) {
+		rc = KVR_EEXIST;
+		goto out;
+	}
+	if (r->live->n >= r->cfg.max_ranks) {
+		rc = KVR_ERANGE;
+		goto out;
+	}
+	if ((rc = kvr_shards_place(r->shards, rank.worker_id, &shard)))
+		goto out;
+	struct kvr_rank_args a = {.r = r,
+	                          .worker_id = rank.worker_id,
+	                          .dp_rank = rank.dp_rank,
+	                          .max_batched_tokens = max_batched_tokens,
+	                          .incarnation = incarnation,
+	                          .capacity = capacity_blocks};
+	rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
+	                    kvr_owner_rank_create, &a);
+	if (rc) {
+		kvr_shards_unplace(r->shards, rank.worker_id);
+		goto out;
+	}
+	struct kvr_rank_pub *pub = &r->ranks[a.slot];
+	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
+	__atomic_store_n(&pub->live, 1, __ATOMIC_RELEASE);
+	if ((rc = kvr_router_live_update(r, a.slot, true))) {
+		__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
+		__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
+		kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
+		               kvr_owner_rank_destroy, &a);
+		kvr_shards_unplace(r->shards, rank.worker_id);
+	}
+out:
+	pthread_mutex_unlock(&r->admin_lock);
+	if (rc == 0 && r->queue)
+		kvr_queue_pump(r); /* a new rank may take queued requests */
+	return rc;
+}
+
+int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
+{
+	int rc = check(r);
+	if (rc)
+		return rc;
+	uint32_t slot;
+	pthread_mutex_lock(&r->admin_lock);
+	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+		goto out;
+	struct kvr_rank_pub *pub = &r->ranks[slot];
+	/* Unroutable first, so no new admission lands while the state goes. */
+	rc = kvr_router_live_update(r, slot, false);
+	if (rc)
+		goto out;
+	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
+	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
+	struct kvr_rank_args a = {.r = r, .slot = slot};
+	kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
+	               kvr_owner_rank_destroy, &a);
+	kvr_shards_unplace(r->shards, rank.worker_id);
+out:
+	pthread_mutex_unlock(&r->admin_lock);
+	return rc;
+}
+
+/* Runs fn on the rank's shard with the rank's current generation. */
+static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn fn,
+                     struct kvr_rank_args *a)
+{
+	int rc = check(r);
+	if (rc)
+		return rc;
+	uint32_t slot;
+	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+		return rc;
+	struct kvr_rank_pub *pub = &r->ranks[slot];
+	a->r = r;
+	a->slot = slot;
+	a->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING, fn, a);
+}
+
+int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
+                          uint64_t capacity_blocks)
+{
+	struct kvr_rank_args a = {.incarnation = incarnation, .capacity = capacity_blocks};
+	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a);
+	if (rc == 0 && r->queue)
+		kvr_queue_pump(r);
+	return rc;
+}
+
+int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation)
+{
+	struct kvr_rank_args a = {.incarnation = new_incarnation};
+	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a);
+	if (rc == 0 && r->queue)
+		kvr_queue_pump(r);
+	return rc;
+}
+
+int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank, struct kvr_rank_stats *out)
+{
+	if (!out)
+		return KVR_EINVAL;
+	struct kvr_rank_args a = {.stats = out};
+	return rank_call(r, rank, kvr_owner_rank_stats, &a);
+}
