@@ -747,3 +747,26 @@ Test(runtime, create_out_of_memory_loop)
 	}
 	cr_assert(ok, "create never succeeded");
 }
+
+/* An idle shard sleeps: no wake-ups, no re-parks while nothing is posted and no timer is
+ * pending; a post wakes it. */
+Test(runtime, idle_shard_stays_parked_until_posted)
+{
+	struct kvr_shards *s = make(2, 16, NULL, NULL);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	struct kvr_shard_stats a, b;
+	kvr_shard_get_stats(kvr_shards_get(s, 1), &a);
+	struct timespec ts = {0, 100000000};
+	nanosleep(&ts, NULL);
+	kvr_shard_get_stats(kvr_shards_get(s, 1), &b);
+	cr_assert_eq(b.parks, a.parks, "an idle shard woke up by itself");
+	cr_assert_eq(b.tasks[0] + b.tasks[1], a.tasks[0] + a.tasks[1]);
+	uint64_t ctr = 0, *p = &ctr;
+	cr_assert_eq(kvr_shard_post(kvr_shards_get(s, 1), KVR_LANE_MAINT, add_one, &p, sizeof(p)),
+	             0);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(ctr, 1);
+	kvr_shard_get_stats(kvr_shards_get(s, 1), &b);
+	cr_assert_geq(b.wakes, a.wakes + 1, "the post woke the parked shard");
+	kvr_shards_destroy(s);
+}
