@@ -55,31 +55,12 @@
 
 /* ---------------------------------------------------------------- node table */
 
-struct idx_node *kvr_index_lookup(const struct kvr_index *idx, const struct idx_node *parent,
-                                  uint64_t seq)
-{
-	const struct idx_seg *s = idx_seg_of(idx, seq);
-	struct idx_tab *t = kvr_rcu_deref((struct idx_tab **)&s->tab);
-	if (!t)
-		return NULL;
-	for (uint64_t i = idx_home(t, seq);; i = (i + 1) & t->mask) {
-		/* Ordering: acquire; pairs with the release store of node in insert. */
-		struct idx_node *n = __atomic_load_n(&t->e[i].node, __ATOMIC_ACQUIRE);
-		if (!n)
-			return NULL;
-		if (n == IDX_TOMB || __atomic_load_n(&t->e[i].seq, __ATOMIC_RELAXED) != seq)
-			continue;
-		if (n->seq == seq && __atomic_load_n(&n->parent, __ATOMIC_RELAXED) == parent)
-			return n;
-	}
-}
-
 /* Copies the live entries of s->tab into a new array of cap entries and publishes it.
  * Context: writer holding s->lock.  Returns 0 or KVR_ENOMEM (nothing changed). */
 static int seg_rebuild(struct kvr_index *idx, struct idx_seg *s, uint64_t cap,
                        struct idx_retire *rt)
 {
-	struct idx_tab *nt = kvr_calloc(1, idx_bytes_tab(cap - 1));
+	struct idx_tab *nt = kvr_alloc_aligned(idx_bytes_tab(cap - 1)); /* zeroed */
 	if (!nt)
 		return KVR_ENOMEM;
 	nt->mask = cap - 1;
@@ -99,8 +80,9 @@ static int seg_rebuild(struct kvr_index *idx, struct idx_seg *s, uint64_t cap,
 	}
 	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_tab(nt->mask));
 	s->tombs = 0;
-	/* Ordering: release; pairs with kvr_rcu_deref() in kvr_index_lookup(). */
-	kvr_rcu_publish(&s->tab, nt);
+	s->tab = nt;
+	/* Ordering: release; pairs with the acquire load of view[] in idx_lookup(). */
+	kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)nt | (uintptr_t)__builtin_ctzll(cap));
 	return 0;
 }
 
@@ -179,7 +161,8 @@ void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct id
 	}
 	/* Give memory back after mass removal; keep the old array if the new one fails. */
 	if (s->count == 0) {
-		kvr_rcu_publish(&s->tab, (struct idx_tab *)NULL);
+		s->tab = NULL;
+		kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)0);
 		s->tombs = 0;
 		t->next_free = rt->tabs;
 		rt->tabs = t;
@@ -224,7 +207,7 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 	for (struct idx_tab *t = rt->tabs, *next; t; t = next) {
 		next = t->next_free;
 		shared += (int64_t)idx_bytes_tab(t->mask);
-		kvr_free(t, idx_bytes_tab(t->mask));
+		kvr_free_aligned(t, idx_bytes_tab(t->mask));
 	}
 	idx_count(&idx->bytes_shared, -shared);
 	idx_count(&idx->bytes_rank, -ranks);
@@ -366,7 +349,7 @@ void kvr_index_destroy(struct kvr_index *idx)
 			}
 			kvr_free(n, sizeof(*n));
 		}
-		kvr_free(t, idx_bytes_tab(t->mask));
+		kvr_free_aligned(t, idx_bytes_tab(t->mask));
 	}
 	for (uint32_t i = 0; i < idx->max_ranks; i++)
 		kvr_free(idx->rank[i].map.e,

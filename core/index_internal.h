@@ -77,9 +77,11 @@ struct idx_tab {
 	struct idx_ent e[];
 };
 
-/* One of IDX_SEGS independently locked open-addressing tables; the segment is seq's top bits. */
+/* One of IDX_SEGS independently locked open-addressing tables; the segment is seq's top bits.
+ * Writers use tab under the lock; readers use kvr_index.view[], kept apart so that writer
+ * traffic on this line never invalidates what readers read. */
 struct idx_seg {
-	struct idx_tab *tab; /* RCU-published */
+	struct idx_tab *tab; /* the writers' copy of view[] (64-byte aligned) */
 	uint32_t lock;
 	uint32_t count;
 	uint32_t tombs;
@@ -119,6 +121,8 @@ struct idx_rtab {
 };
 
 struct kvr_index {
+	/* Readers' view of the segments: (table | log2(capacity)), 0 = empty; RCU-published. */
+	uintptr_t view[IDX_SEGS] __attribute__((aligned(IDX_CACHELINE)));
 	struct idx_seg seg[IDX_SEGS];
 	struct idx_node root;
 	uint32_t max_ranks;
@@ -175,10 +179,37 @@ struct idx_retire {
 };
 
 /* Finds the live-or-dying node (parent, seq) in the node table.  Context: inside a read section
- * (readers and writers).  Ordering: acquire load of the table and of each entry's node; pairs
- * with the release stores in idx_table_insert(). */
-struct idx_node *kvr_index_lookup(const struct kvr_index *idx, const struct idx_node *parent,
-                                  uint64_t seq);
+ * (readers and writers).  Ordering: acquire load of the view and of each entry's node; pairs
+ * with the release stores in seg_rebuild() and kvr_index_table_insert(). */
+static inline struct idx_node *idx_lookup(const struct kvr_index *idx,
+                                          const struct idx_node *parent, uint64_t seq)
+{
+	uintptr_t v = __atomic_load_n(&idx->view[seq >> (64 - IDX_SEGS_BITS)], __ATOMIC_ACQUIRE);
+	if (!v)
+		return NULL;
+	const struct idx_tab *t = (const struct idx_tab *)(v & ~(uintptr_t)63);
+	uint64_t mask = ((uint64_t)1 << (v & 63)) - 1;
+	for (uint64_t i = seq & mask;; i = (i + 1) & mask) {
+		struct idx_node *n = __atomic_load_n(&t->e[i].node, __ATOMIC_ACQUIRE);
+		if (!n)
+			return NULL;
+		if (n == IDX_TOMB || __atomic_load_n(&t->e[i].seq, __ATOMIC_RELAXED) != seq)
+			continue;
+		if (n->seq == seq && __atomic_load_n(&n->parent, __ATOMIC_RELAXED) == parent)
+			return n;
+	}
+}
+
+/* The home entry of seq in the readers' view, or NULL (prefetch hints only). */
+static inline const struct idx_ent *idx_home_entry(const struct kvr_index *idx, uint64_t seq)
+{
+	uintptr_t v = __atomic_load_n(&idx->view[seq >> (64 - IDX_SEGS_BITS)], __ATOMIC_ACQUIRE);
+	if (!v)
+		return NULL;
+	const struct idx_tab *t = (const struct idx_tab *)(v & ~(uintptr_t)63);
+	return &t->e[seq & (((uint64_t)1 << (v & 63)) - 1)];
+}
+
 /* Inserts n (seq set) into its segment; Context: writer inside a read section, holding no
  * segment lock.  If a live node with the same (parent, seq) is there, returns it instead and
  * inserts nothing; returns n when inserted; NULL on ENOMEM. */

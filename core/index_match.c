@@ -20,21 +20,20 @@
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-#define PF_ENT  12
+#ifndef PF_ENT
+#define PF_ENT 12
+#endif
+#ifndef PF_NODE
 #define PF_NODE 6
-#define PF_SET  2
-#define RING    16 /* > PF_ENT, power of two */
-
-static inline const struct idx_ent *home_entry(const struct kvr_index *idx, uint64_t seq)
-{
-	const struct idx_seg *s = idx_seg_of(idx, seq);
-	const struct idx_tab *t = kvr_rcu_deref((struct idx_tab **)&s->tab);
-	return t ? &t->e[idx_home(t, seq)] : NULL;
-}
+#endif
+#ifndef PF_SET
+#define PF_SET 0 /* 0 = off */
+#endif
+#define RING 32 /* > PF_ENT + 1, power of two */
 
 static inline const struct idx_node *peek_node(const struct kvr_index *idx, uint64_t seq)
 {
-	const struct idx_ent *e = home_entry(idx, seq);
+	const struct idx_ent *e = idx_home_entry(idx, seq);
 	if (!e)
 		return NULL;
 	const struct idx_node *n = __atomic_load_n(&e->node, __ATOMIC_ACQUIRE);
@@ -99,9 +98,9 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 	for (size_t i = 1; i < ahead; i++)
 		seq[i] = idx_seq(seq[i - 1], local[i]);
 	for (size_t i = 1; i < ahead; i++)
-		__builtin_prefetch(home_entry(idx, seq[i]));
+		__builtin_prefetch(idx_home_entry(idx, seq[i]));
 
-	const struct idx_node *x = kvr_index_lookup(idx, &idx->root, seq[0]);
+	const struct idx_node *x = idx_lookup(idx, &idx->root, seq[0]);
 	if (!x)
 		return 0;
 	/* Ordering: acquire; pairs with the release publish in rank_add/rank_del. */
@@ -134,12 +133,12 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 		/* Keep the pipeline full: keys ahead, then entries, nodes and rank sets. */
 		if (ahead < n) {
 			seq[ahead % RING] = idx_seq(seq[(ahead - 1) % RING], local[ahead]);
-			__builtin_prefetch(home_entry(idx, seq[ahead % RING]));
+			__builtin_prefetch(idx_home_entry(idx, seq[ahead % RING]));
 			ahead++;
 		}
 		if (i + PF_NODE < ahead)
 			__builtin_prefetch(peek_node(idx, seq[(i + PF_NODE) % RING]));
-		if (i + PF_SET < ahead) {
+		if (PF_SET && i + PF_SET < ahead) {
 			const struct idx_node *pn = peek_node(idx, seq[(i + PF_SET) % RING]);
 			if (pn) {
 				uintptr_t pv = __atomic_load_n(&pn->ranks, __ATOMIC_RELAXED);
@@ -147,7 +146,7 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 					__builtin_prefetch((const void *)pv);
 			}
 		}
-		const struct idx_node *c = kvr_index_lookup(idx, x, seq[i % RING]);
+		const struct idx_node *c = idx_lookup(idx, x, seq[i % RING]);
 		if (!c)
 			break;
 		v = __atomic_load_n(&c->ranks, __ATOMIC_ACQUIRE);

@@ -321,7 +321,7 @@ static int child_add(struct kvr_index *idx, struct idx_node *p, uint64_t seq, ui
                      struct idx_retire *rt, struct idx_node **out)
 {
 	for (;;) {
-		struct idx_node *x = kvr_index_lookup(idx, p, seq);
+		struct idx_node *x = idx_lookup(idx, p, seq);
 		if (!x) {
 			struct idx_node *n = kvr_alloc(sizeof(*n));
 			if (!n)
