@@ -77,6 +77,7 @@ static int seg_rebuild(struct kvr_index *idx, struct idx_seg *s, uint64_t cap,
 		}
 		ot->next_free = rt->tabs;
 		rt->tabs = ot;
+		rt->n++;
 	}
 	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_tab(nt->mask));
 	s->tombs = 0;
@@ -166,6 +167,7 @@ void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct id
 		s->tombs = 0;
 		t->next_free = rt->tabs;
 		rt->tabs = t;
+		rt->n++;
 	} else if (t->mask + 1 > TAB_MIN && (uint64_t)s->count * 8 < t->mask + 1)
 		(void)seg_rebuild(idx, s, cap_for(s->count), rt);
 	idx_unlock(&s->lock);
@@ -351,6 +353,8 @@ void kvr_index_destroy(struct kvr_index *idx)
 		}
 		kvr_free_aligned(t, idx_bytes_tab(t->mask));
 	}
+	for (uint32_t i = 0; i < idx->max_ranks; i++)
+		free_batch(idx, &idx->rank[i].pend); /* nobody reads them any more */
 	for (uint32_t i = 0; i < idx->max_ranks; i++)
 		kvr_free(idx->rank[i].map.e,
 		         idx->rank[i].map.e ? (idx->rank[i].map.mask + 1) * sizeof(struct idx_xent)

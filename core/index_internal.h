@@ -100,6 +100,14 @@ struct idx_xmap {
 	uint64_t count;
 };
 
+/* Objects retired by writer calls; freed together after one grace period. */
+struct idx_retire {
+	struct idx_node *nodes;
+	struct idx_rset *sets;
+	struct idx_tab *tabs;
+	uint32_t n; /* objects on the lists */
+};
+
 enum { SLOT_FREE = 0, SLOT_ACTIVE = 1, SLOT_RETIRING = 2 };
 
 struct idx_rank {
@@ -108,7 +116,8 @@ struct idx_rank {
 	uint32_t state;
 	uint64_t tree_size; /* atomic relaxed: blocks held; read by find_matches */
 	struct idx_xmap map;
-	uint32_t next_free; /* free-slot list link */
+	struct idx_retire pend; /* retired by this slot's writer, not yet handed to call_rcu */
+	uint32_t next_free;     /* free-slot list link */
 } __attribute__((aligned(IDX_CACHELINE)));
 
 /* Lookup (worker, dp) -> slot: open addressing of slot+1 (0 empty, UINT32_MAX deleted). */
@@ -171,13 +180,6 @@ static inline uint64_t idx_bytes_rset(uint32_t cap)
 	return sizeof(struct idx_rset) + (uint64_t)cap * sizeof(uint32_t);
 }
 
-/* Objects retired by one writer call; freed together after one grace period. */
-struct idx_retire {
-	struct idx_node *nodes;
-	struct idx_rset *sets;
-	struct idx_tab *tabs;
-};
-
 /* Finds the live-or-dying node (parent, seq) in the node table.  Context: inside a read section
  * (readers and writers).  Ordering: acquire load of the view and of each entry's node; pairs
  * with the release stores in seg_rebuild() and kvr_index_table_insert(). */
@@ -218,6 +220,9 @@ struct idx_node *kvr_index_table_insert(struct kvr_index *idx, struct idx_node *
 /* Deletes n from its segment.  Context: writer in a read section, holding n's lock. */
 void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct idx_retire *rt);
 /* Hands the batch to call_rcu.  Context: writer, OUTSIDE the read section. */
+#define IDX_RETIRE_BATCH                                                                           \
+	256 /* objects a slot's writer gathers per call_rcu (fewer grace periods,                  \
+	     * so fewer membarrier IPIs on the readers' CPUs) */
 void kvr_index_retire_flush(struct kvr_index *idx, struct idx_retire *rt);
 /* Slot of an active rank, or NULL.  Context: writer thread of the slot. */
 struct idx_rank *kvr_index_rank_get_active(struct kvr_index *idx, uint32_t slot);

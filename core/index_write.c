@@ -154,6 +154,7 @@ static void retire_ranks(uintptr_t v, struct idx_retire *rt)
 		struct idx_rset *r = rset_of(v);
 		r->next_free = rt->sets;
 		rt->sets = r;
+		rt->n++;
 	}
 }
 
@@ -291,6 +292,7 @@ static void cascade(struct kvr_index *idx, struct idx_node *x, struct idx_retire
 		struct idx_node *p = x->parent;
 		__atomic_store_n(&x->parent, rt->nodes, __ATOMIC_RELAXED);
 		rt->nodes = x;
+		rt->n++;
 		if (p == &idx->root)
 			return;
 		if (__atomic_sub_fetch(&p->nchildren, 1, __ATOMIC_ACQ_REL) != 0)
@@ -359,6 +361,14 @@ static int child_add(struct kvr_index *idx, struct idx_node *p, uint64_t seq, ui
 
 /* ---------------------------------------------------------------- events */
 
+/* Hands the slot's retired objects to call_rcu once there are enough of them, or at once when
+ * a whole table is among them.  Context: the slot's writer, outside the read section. */
+static void maybe_flush(struct kvr_index *idx, struct idx_retire *rt)
+{
+	if (rt->n >= IDX_RETIRE_BATCH || rt->tabs)
+		kvr_index_retire_flush(idx, rt);
+}
+
 int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
                     const struct kvr_index_block *blocks, size_t n)
 {
@@ -371,7 +381,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		return 0;
 	if (kvr_rcu_thread_online() != 0)
 		return KVR_ENOMEM;
-	struct idx_retire rt = {0};
+	struct idx_retire *rt = &r->pend;
 	int rc = 0;
 	uint64_t added = 0;
 	kvr_rcu_read_lock();
@@ -405,7 +415,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				rc = KVR_ENOMEM;
 				break;
 			}
-			int a = child_add(idx, p, seq, slot, &rt, &x);
+			int a = child_add(idx, p, seq, slot, rt, &x);
 			if (a == 1) {
 				rc = KVR_EINVAL; /* the rank holds it under another ext hash */
 				break;
@@ -422,7 +432,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		has_prev = true;
 	}
 	kvr_rcu_read_unlock();
-	kvr_index_retire_flush(idx, &rt);
+	maybe_flush(idx, rt);
 	if (rc == KVR_EINVAL)
 		idx_count(&idx->c_invalid, 1);
 	if (added) {
@@ -446,7 +456,7 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 	if (n == 0)
 		return 0;
 	kvr_rcu_thread_online();
-	struct idx_retire rt = {0};
+	struct idx_retire *rt = &r->pend;
 	size_t nf = 0, removed = 0;
 	kvr_rcu_read_lock();
 	for (size_t i = 0; i < n; i++) {
@@ -455,11 +465,11 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 			nf++;
 			continue;
 		}
-		drop_rank(idx, x, slot, &rt);
+		drop_rank(idx, x, slot, rt);
 		removed++;
 	}
 	kvr_rcu_read_unlock();
-	kvr_index_retire_flush(idx, &rt);
+	maybe_flush(idx, rt);
 	xmap_shrink(idx, &r->map);
 	__atomic_store_n(&r->tree_size, r->map.count, __ATOMIC_RELAXED);
 	if (nf)
@@ -480,9 +490,10 @@ int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot)
 	struct idx_rank *r = kvr_index_rank_get_active(idx, slot);
 	if (!r)
 		return KVR_ENOENT;
+	kvr_rcu_thread_online();
+	kvr_index_retire_flush(idx, &r->pend);
 	if (!r->map.e)
 		return 0;
-	kvr_rcu_thread_online();
 	struct idx_retire rt = {0};
 	uint64_t removed = 0;
 	/* Batches of 4096 keep each read section (and so each grace period) short. */
