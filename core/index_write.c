@@ -395,13 +395,28 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_ENOENT;
 		}
 	}
+	/* The table keys of all blocks follow from the parent's key: prefetch PF blocks ahead
+	 * (the table entry and the rank's ext-map entry), as find_matches does. */
+	enum { PF = 8, RING = 16 };
+	uint64_t ring[RING];
+	size_t ahead = 0;
+	uint64_t last = rc == 0 ? p->seq : 0;
 	for (size_t i = 0; rc == 0 && i < n; i++) {
+		while (ahead < n && ahead <= i + PF) {
+			last = idx_seq(last, blocks[ahead].local_hash);
+			ring[ahead % RING] = last;
+			__builtin_prefetch(idx_home_entry(idx, last));
+			if (r->map.e)
+				__builtin_prefetch(
+				    &r->map.e[xhome(&r->map, blocks[ahead].ext_hash)]);
+			ahead++;
+		}
 		const struct kvr_index_block b = blocks[i];
 		if (has_prev && b.ext_hash == prev) {
 			rc = KVR_EINVAL;
 			break;
 		}
-		uint64_t seq = idx_seq(p->seq, b.local_hash);
+		uint64_t seq = ring[i % RING];
 		struct idx_node *e = xmap_find(&r->map, b.ext_hash);
 		if (e) {
 			if (e->seq != seq || e->parent != p) {
@@ -459,7 +474,10 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 	struct idx_retire *rt = &r->pend;
 	size_t nf = 0, removed = 0;
 	kvr_rcu_read_lock();
+	enum { PF = 8 };
 	for (size_t i = 0; i < n; i++) {
+		if (i + PF < n && r->map.e)
+			__builtin_prefetch(&r->map.e[xhome(&r->map, ext[i + PF])]);
 		struct idx_node *x = xmap_del(&r->map, ext[i]);
 		if (!x) {
 			nf++;

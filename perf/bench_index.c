@@ -446,6 +446,10 @@ int main(int argc, char **argv)
 	floor_build();
 	double fp99 = floor_p99();
 
+	/* Steady-state apply rate: one writer alone (removed + stored events). */
+	double d1, d2, d3, solo_rate;
+	run(0, 1, 0, &d1, &d2, &d3, &solo_rate);
+	printf("# writer alone: apply_block_ops_s=%.0f (cold load: %.0f)\n", solo_rate, load_rate);
 	for (int nw = 0; nw <= 1; nw++)
 		for (int nr = 1; nr <= 2; nr++) {
 			double p50, p99, p999, wr, bp50, bp99, bp999, bwr;
@@ -454,7 +458,7 @@ int main(int argc, char **argv)
 			printf("SUMMARY bench=index readers=%d writers=%d p50_ns=%.0f p99_ns=%.0f "
 			       "p999_ns=%.0f ops_s=%.0f floor_p99_ns=%.0f baseline_ops_s=%.0f "
 			       "apply_block_ops_s=%.0f bytes_per_block=%.1f bytes_per_copy=%.1f\n",
-			       nr, nw, p50, p99, p999, ops, fp99, bops, nw ? wr : load_rate, bpb,
+			       nr, nw, p50, p99, p999, ops, fp99, bops, nw ? wr : solo_rate, bpb,
 			       bpc);
 			fflush(stdout);
 		}
