@@ -1,0 +1,569 @@
+/* The router end to end: affinity, load, pinning, query-only, lifecycle, stale attempts, rank
+ * reset, events vs approx_lru agreement, the queue, TTL and lease expiry on virtual time, and
+ * every bad input the API can be given. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <string.h>
+
+#include "kvrouter.h"
+
+static uint64_t vnow = 1000;
+static uint64_t vclock(void *ctx)
+{
+	(void)ctx;
+	return __atomic_load_n(&vnow, __ATOMIC_RELAXED);
+}
+
+static struct kvr_router *make(enum kvr_mode mode, int n_ranks, uint64_t cap, double qthr)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.mode = mode;
+	c.now_ns = vclock;
+	c.queue_threshold = qthr;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	for (int w = 0; w < n_ranks; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, cap, 1024), 0);
+	return r;
+}
+
+static void prompt(uint32_t *t, size_t n, uint32_t salt)
+{
+	for (size_t i = 0; i < n; i++)
+		t[i] = (uint32_t)(i * 7 + salt * 1000003u);
+}
+
+static struct kvr_decision route(struct kvr_router *r, const uint32_t *t, size_t n, uint32_t flags)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.flags = flags;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	return d;
+}
+
+static struct kvr_rank_stats stats(struct kvr_router *r, uint64_t w)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
+	return s;
+}
+
+Test(router, prefix_affinity_when_loads_equal)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 4, 100000, 0);
+	uint32_t t[512];
+	prompt(t, 512, 1);
+	struct kvr_decision first = route(r, t, 512, 0);
+	cr_assert_eq(first.overlap_blocks, 0);
+	cr_assert_eq(first.required_blocks, 32);
+	cr_assert_eq(kvr_request_finish(r, first.attempt), 0);
+	for (int i = 0; i < 20; i++) {
+		struct kvr_decision d = route(r, t, 512, 0);
+		cr_assert_eq(d.rank.worker_id, first.rank.worker_id);
+		cr_assert_eq(d.overlap_blocks, 32);
+		cr_assert_eq(d.cached_tokens, 512);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	}
+	kvr_router_destroy(r);
+}
+
+Test(router, load_wins_when_one_rank_overloaded)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
+	uint32_t t[256], big[16000];
+	prompt(t, 256, 2);
+	struct kvr_decision a = route(r, t, 256, 0);
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	/* Overload a's rank with in-flight prefill pinned there. */
+	struct kvr_request q;
+	kvr_request_init(&q);
+	prompt(big, 16000, 3);
+	q.tokens = big;
+	q.n_tokens = 16000;
+	q.pinned = &a.rank;
+	struct kvr_decision hog;
+	cr_assert_eq(kvr_route(r, &q, &hog), 0);
+	cr_assert_eq(hog.rank.worker_id, a.rank.worker_id);
+	struct kvr_decision d = route(r, t, 256, 0);
+	cr_assert_neq(d.rank.worker_id, a.rank.worker_id, "16 cached blocks must not beat 1000");
+	kvr_router_destroy(r);
+}
+
+Test(router, pinned_and_allow_list)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 4, 100000, 0);
+	uint32_t t[64];
+	prompt(t, 64, 4);
+	struct kvr_rank_id allow[2] = {{2, 0}, {3, 0}};
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 64;
+	q.allow = allow;
+	q.n_allow = 2;
+	for (int i = 0; i < 30; i++) {
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		cr_assert(d.rank.worker_id == 2 || d.rank.worker_id == 3);
+		kvr_request_finish(r, d.attempt);
+	}
+	q.pinned = &allow[0];
+	for (int i = 0; i < 5; i++) {
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		cr_assert_eq(d.rank.worker_id, 2);
+		kvr_request_finish(r, d.attempt);
+	}
+	struct kvr_rank_id outside = {0, 0}, unknown = {99, 0};
+	q.pinned = &outside;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "pinned outside the allow-list");
+	q.allow = NULL;
+	q.n_allow = 0;
+	q.pinned = &unknown;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_ENOENT);
+	q.pinned = NULL;
+	q.allow = &unknown;
+	q.n_allow = 1;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_ENOENT, "no known rank in the allow-list");
+	kvr_router_destroy(r);
+}
+
+Test(router, query_only_changes_nothing)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
+	uint32_t t[320];
+	prompt(t, 320, 5);
+	struct kvr_decision d = route(r, t, 320, KVR_ROUTE_QUERY_ONLY);
+	cr_assert_eq(d.attempt, 0);
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats s = stats(r, w);
+		cr_assert_eq(s.indexed_blocks, 0);
+		cr_assert_eq(s.active_requests, 0);
+	}
+	d = route(r, t, 320, 0);
+	cr_assert_eq(d.overlap_blocks, 0, "the query-only call stored nothing");
+	kvr_router_destroy(r);
+}
+
+Test(router, finish_and_abort_return_load_to_zero)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 100000, 0);
+	uint32_t t[333];
+	prompt(t, 333, 6);
+	struct kvr_decision a = route(r, t, 333, 0), b = route(r, t, 333, 0);
+	struct kvr_rank_stats s = stats(r, 0);
+	cr_assert_eq(s.active_requests, 2);
+	cr_assert_eq(s.active_blocks, 20, "shared blocks count once");
+	cr_assert_eq(s.active_prefill_tokens, 333 + (333 - 320));
+	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
+	cr_assert_eq(stats(r, 0).active_prefill_tokens, 333 - 320);
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_abort(r, b.attempt), 0);
+	s = stats(r, 0);
+	cr_assert_eq(s.active_requests, 0);
+	cr_assert_eq(s.active_blocks, 0);
+	cr_assert_eq(s.active_prefill_tokens, 0);
+	cr_assert_eq(s.indexed_blocks, 20, "released blocks stay cached");
+	kvr_router_destroy(r);
+}
+
+Test(router, stale_attempts)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 100000, 0);
+	uint32_t t[64];
+	prompt(t, 64, 7);
+	struct kvr_decision d = route(r, t, 64, 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE);
+	cr_assert_eq(kvr_request_abort(r, d.attempt), KVR_ESTALE);
+	cr_assert_eq(kvr_request_prefill_done(r, d.attempt), KVR_ESTALE);
+	cr_assert_eq(kvr_request_output(r, d.attempt, t, 16), KVR_ESTALE);
+	cr_assert_eq(kvr_request_finish(r, 0), KVR_EINVAL);
+	cr_assert_eq(kvr_request_finish(r, (12345ull << 16) | 0), KVR_ESTALE, "never issued");
+	cr_assert_eq(kvr_request_output(r, d.attempt, NULL, 3), KVR_EINVAL);
+	kvr_router_destroy(r);
+}
+
+Test(router, output_blocks_extend_the_prefix)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 3, 100000, 0);
+	uint32_t full[200];
+	prompt(full, 200, 8);
+	/* prompt = first 40 tokens (2 blocks + 8), output = the next 120 tokens */
+	struct kvr_decision d = route(r, full, 40, 0);
+	cr_assert_eq(kvr_request_output(r, d.attempt, full + 40, 50), 0);
+	cr_assert_eq(kvr_request_output(r, d.attempt, full + 90, 70), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	struct kvr_decision e = route(r, full, 200, 0);
+	cr_assert_eq(e.rank.worker_id, d.rank.worker_id);
+	cr_assert_eq(e.overlap_blocks, 10, "2 prompt + 8 output blocks are predicted cached");
+	kvr_router_destroy(r);
+}
+
+Test(router, rank_reset_mid_request)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 100000, 0);
+	uint32_t t[160];
+	prompt(t, 160, 9);
+	struct kvr_decision d = route(r, t, 160, 0);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_reset(r, id, 0), KVR_ESTALE, "older incarnation");
+	cr_assert_eq(kvr_rank_reset(r, id, 2), 0);
+	struct kvr_rank_stats s = stats(r, 0);
+	cr_assert_eq(s.incarnation, 2);
+	cr_assert_eq(s.indexed_blocks, 0);
+	cr_assert_eq(s.active_requests, 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE, "attempt of the old life");
+	cr_assert_eq(route(r, t, 160, 0).overlap_blocks, 0);
+	cr_assert_eq(kvr_rank_set_capacity(r, id, 1, 50), KVR_ESTALE);
+	cr_assert_eq(kvr_rank_set_capacity(r, id, 3, 50), 0, "new incarnation: fresh life");
+	cr_assert_eq(stats(r, 0).indexed_blocks, 0);
+	kvr_router_destroy(r);
+}
+
+Test(router, capacity_bounds_the_prediction)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 30, 0);
+	uint32_t a[320], b[320];
+	prompt(a, 320, 10);
+	prompt(b, 320, 11);
+	struct kvr_decision d = route(r, a, 320, 0); /* 20 blocks */
+	kvr_request_finish(r, d.attempt);
+	d = route(r, b, 320, 0); /* 20 more: 10 of a's evicted, deepest first */
+	kvr_request_finish(r, d.attempt);
+	struct kvr_rank_stats s = stats(r, 0);
+	cr_assert_eq(s.resident_blocks, 30);
+	cr_assert_eq(s.evictions, 10);
+	cr_assert_eq(route(r, a, 320, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 10);
+	cr_assert_eq(kvr_rank_set_capacity(r, (struct kvr_rank_id){0, 0}, 1, 20), 0);
+	cr_assert_eq(stats(r, 0).resident_blocks, 20);
+	kvr_router_destroy(r);
+}
+
+Test(router, ttl_mode_forgets_on_virtual_time)
+{
+	vnow = 1000;
+	struct kvr_router *r = make(KVR_MODE_APPROX_TTL, 1, 100000, 0);
+	uint32_t t[64];
+	prompt(t, 64, 12);
+	struct kvr_decision d = route(r, t, 64, 0);
+	kvr_request_finish(r, d.attempt);
+	cr_assert_eq(route(r, t, 64, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 4);
+	__atomic_store_n(&vnow, vnow + 60ull * 1000000000ull, __ATOMIC_RELAXED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(route(r, t, 64, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 4, "not yet expired");
+	__atomic_store_n(&vnow, vnow + 61ull * 1000000000ull, __ATOMIC_RELAXED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(route(r, t, 64, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 0,
+	             "expired after 120 s");
+	kvr_router_destroy(r);
+}
+
+Test(router, lease_expires_idle_attempts)
+{
+	vnow = 1000;
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 100000, 0);
+	uint32_t t[64];
+	prompt(t, 64, 13);
+	struct kvr_decision idle = route(r, t, 64, 0), busy = route(r, t, 64, 0);
+	for (int k = 1; k <= 3; k++) {
+		__atomic_store_n(&vnow, 1000 + k * 121ull * 1000000000ull, __ATOMIC_RELAXED);
+		cr_assert_eq(kvr_request_output(r, busy.attempt, t, 1), 0, "scan %d", k);
+		cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	}
+	cr_assert_eq(kvr_request_finish(r, idle.attempt), KVR_ESTALE, "reaped");
+	cr_assert_eq(stats(r, 0).active_requests, 1);
+	cr_assert_eq(kvr_request_finish(r, busy.attempt), 0);
+	cr_assert_eq(stats(r, 0).active_requests, 0);
+	kvr_router_destroy(r);
+}
+
+/* Events mode fed the same blocks the approx_lru router predicts gives the same overlaps. */
+Test(router, events_and_approx_agree_without_eviction)
+{
+	struct kvr_router *ev = make(KVR_MODE_EVENTS, 3, 100000, 0);
+	struct kvr_router *ap = make(KVR_MODE_APPROX_LRU, 3, 100000, 0);
+	uint32_t t[6][256];
+	for (int p = 0; p < 6; p++) {
+		prompt(t[p], 256, 20 + (uint32_t)(p % 3));
+		t[p][200] += (uint32_t)p; /* share 12 blocks in pairs, differ after */
+	}
+	for (int p = 0; p < 6; p++) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t[p];
+		q.n_tokens = 256;
+		struct kvr_decision da;
+		cr_assert_eq(kvr_route(ap, &q, &da), 0);
+		kvr_request_finish(ap, da.attempt);
+		/* the engine of da.rank stores the prompt's blocks: tell the events router */
+		q.pinned = &da.rank;
+		struct kvr_decision de;
+		cr_assert_eq(kvr_route(ev, &q, &de), 0);
+		cr_assert_eq(de.overlap_blocks, da.overlap_blocks, "prompt %d", p);
+		kvr_request_finish(ev, de.attempt);
+		uint64_t local[16], seq[16];
+		kvr_hash_blocks(t[p], 256, 16, NULL, local, seq);
+		struct kvr_event_block blocks[16];
+		for (int i = 0; i < 16; i++)
+			blocks[i] =
+			    (struct kvr_event_block){.ext_hash = seq[i], .local_hash = local[i]};
+		struct kvr_event e = {.type = KVR_EVENT_STORED, .blocks = blocks, .n_blocks = 16};
+		cr_assert_eq(kvr_events_apply(ev, da.rank, &e), 0);
+	}
+	for (int p = 0; p < 6; p++) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t[p];
+		q.n_tokens = 256;
+		q.flags = KVR_ROUTE_QUERY_ONLY;
+		for (uint64_t w = 0; w < 3; w++) {
+			struct kvr_rank_id id = {w, 0};
+			q.pinned = &id;
+			struct kvr_decision a, b;
+			cr_assert_eq(kvr_route(ap, &q, &a), 0);
+			cr_assert_eq(kvr_route(ev, &q, &b), 0);
+			cr_assert_eq(a.overlap_blocks, b.overlap_blocks, "prompt %d rank %lu", p,
+			             (unsigned long)w);
+		}
+	}
+	kvr_router_destroy(ev);
+	kvr_router_destroy(ap);
+}
+
+Test(router, events_cursor_gaps_and_errors)
+{
+	struct kvr_router *r = make(KVR_MODE_EVENTS, 2, 100000, 0);
+	struct kvr_rank_id id = {0, 0};
+	uint32_t tok[32];
+	prompt(tok, 32, 30);
+	struct kvr_event_block b[2] = {{.ext_hash = 111, .tokens = tok, .n_tokens = 16},
+	                               {.ext_hash = 222, .tokens = tok + 16, .n_tokens = 16}};
+	struct kvr_event e = {.type = KVR_EVENT_STORED, .event_id = 5, .blocks = b, .n_blocks = 2};
+	cr_assert_eq(kvr_events_apply(r, id, &e), 0);
+	cr_assert_eq(kvr_events_apply(r, id, &e), KVR_ESTALE, "same id again");
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 32;
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	q.pinned = &id;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, 2, "token ids hashed like a prompt");
+	uint64_t rm[2] = {222, 999};
+	struct kvr_event x = {
+	    .type = KVR_EVENT_REMOVED, .event_id = 9, .removed = rm, .n_removed = 2};
+	cr_assert_eq(kvr_events_apply(r, id, &x), 0, "unknown hashes are skipped");
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+	cr_assert_eq(s.event_gaps, 1);
+	cr_assert_eq(s.event_id, 9);
+	cr_assert_eq(s.indexed_blocks, 1);
+	/* bad input */
+	b[1].n_tokens = 15;
+	e.event_id = 10;
+	cr_assert_eq(kvr_events_apply(r, id, &e), KVR_EINVAL, "block size mismatch");
+	b[1].n_tokens = 16;
+	b[1].ext_hash = 111;
+	cr_assert_eq(kvr_events_apply(r, id, &e), KVR_EINVAL, "self-parent");
+	e.n_blocks = 0;
+	cr_assert_eq(kvr_events_apply(r, id, &e), KVR_EINVAL, "zero-length");
+	struct kvr_event_block c = {.ext_hash = 5, .local_hash = 6};
+	struct kvr_event orphan = {.type = KVR_EVENT_STORED,
+	                           .event_id = 11,
+	                           .has_parent = true,
+	                           .parent_ext_hash = 777,
+	                           .blocks = &c,
+	                           .n_blocks = 1};
+	cr_assert_eq(kvr_events_apply(r, id, &orphan), KVR_ENOENT, "parent not held");
+	struct kvr_event clr = {.type = KVR_EVENT_CLEARED, .event_id = 12};
+	cr_assert_eq(kvr_events_apply(r, id, &clr), 0);
+	cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+	cr_assert_eq(s.indexed_blocks, 0);
+	cr_assert_eq(kvr_rank_remove(r, id), 0);
+	clr.event_id = 13;
+	cr_assert_eq(kvr_events_apply(r, id, &clr), KVR_ENOENT, "removed rank");
+	cr_assert_eq(kvr_events_apply(r, (struct kvr_rank_id){1, 0}, NULL), KVR_EINVAL);
+	kvr_router_destroy(r);
+	struct kvr_router *ap = make(KVR_MODE_APPROX_LRU, 1, 10, 0);
+	cr_assert_eq(kvr_events_apply(ap, (struct kvr_rank_id){0, 0}, &clr), KVR_EINVAL,
+	             "events need events mode");
+	kvr_router_destroy(ap);
+}
+
+static uint64_t admitted[16], admitted_attempt[16];
+static int n_admitted;
+static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	admitted_attempt[n_admitted] = d->attempt;
+	admitted[n_admitted++] = ticket;
+}
+
+/* One rank with a 1000-token budget and threshold 1.0: it is saturated while more than 1000
+ * prefill tokens are in flight.  A hog saturates it, three requests queue, and each prefill_done
+ * lets the queue admit in policy order until the rank is saturated again. */
+static void queue_order(enum kvr_queue_policy pol, const uint64_t *expect)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.queue_policy = pol;
+	c.on_admit = on_admit;
+	n_admitted = 0;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	static uint32_t hog[2000], p[3][1600];
+	prompt(hog, 2000, 40);
+	struct kvr_decision h = route(r, hog, 2000, 0);
+	cr_assert_eq(h.status, KVR_DECIDED);
+	size_t len[3] = {1600, 400, 900};
+	uint64_t tickets[3];
+	for (int i = 0; i < 3; i++) {
+		prompt(p[i], len[i], 41 + (uint32_t)i);
+		struct kvr_decision d = route(r, p[i], len[i], 0);
+		cr_assert_eq(d.status, KVR_QUEUED);
+		tickets[i] = d.ticket;
+	}
+	cr_assert_eq(n_admitted, 0, "nothing admitted while saturated");
+	cr_assert_eq(kvr_request_prefill_done(r, h.attempt), 0);
+	int done = 0;
+	while (n_admitted < 3 && done < n_admitted) {
+		/* end the prefill of the oldest admitted request to make room */
+		cr_assert_eq(kvr_request_prefill_done(r, admitted_attempt[done++]), 0);
+	}
+	cr_assert_eq(n_admitted, 3);
+	for (int k = 0; k < 3; k++)
+		cr_assert_eq(admitted[k], tickets[expect[k]], "policy %d position %d", pol, k);
+	kvr_router_destroy(r);
+}
+
+Test(router, queue_fcfs_order)
+{
+	static const uint64_t order[3] = {0, 1, 2};
+	queue_order(KVR_QUEUE_FCFS, order);
+}
+
+Test(router, queue_wspt_order)
+{
+	static const uint64_t order[3] = {1, 2, 0}; /* fewest uncached tokens first */
+	queue_order(KVR_QUEUE_WSPT, order);
+}
+
+Test(router, queue_wait_deadline_cancel_and_full)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 0.5;
+	c.queue_capacity = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 100), 0);
+	uint32_t t[200];
+	prompt(t, 200, 50);
+	route(r, t, 200, 0);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 200;
+	q.flags = KVR_ROUTE_WAIT;
+	q.deadline_ns = vnow; /* already passed */
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_ETIMEDOUT);
+	cr_assert_eq(kvr_route_cancel(r, d.ticket), 0, "a timed-out request stays queued");
+	q.flags = 0;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	struct kvr_decision d2;
+	cr_assert_eq(kvr_route(r, &q, &d2), KVR_EAGAIN, "queue full");
+	cr_assert_eq(kvr_route_cancel(r, d.ticket), 0);
+	cr_assert_eq(kvr_route_cancel(r, d.ticket), KVR_ENOENT);
+	cr_assert_eq(kvr_route_wait(r, d.ticket, 0, &d2), KVR_ENOENT);
+	kvr_router_destroy(r);
+}
+
+Test(router, bad_input)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+	uint32_t t[40];
+	prompt(t, 40, 60);
+	struct kvr_request q;
+	struct kvr_decision d;
+	kvr_request_init(&q);
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "no prompt");
+	q.tokens = t;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "empty prompt");
+	q.tokens = NULL;
+	q.n_tokens = 40;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "tokens NULL with a length");
+	uint64_t h[4] = {1, 2, 3, 4};
+	q.local_hashes = h;
+	q.n_hashes = 4;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "more hashes than the prompt has blocks");
+	q.n_hashes = 2;
+	cr_assert_eq(kvr_route(r, &q, &d), 0, "precomputed hashes");
+	q.local_hashes = NULL;
+	q.tokens = t;
+	q.n_tokens = 5; /* shorter than a block: routed on load alone */
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.required_blocks, 0);
+	cr_assert_eq(d.overlap_blocks, 0);
+	q.n_tokens = 40;
+	q.temperature = NAN;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL);
+	q.temperature = -1;
+	q.flags = 1u << 7;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "unknown flag");
+	q.flags = 0;
+	cr_assert_eq(kvr_route(NULL, &q, &d), KVR_EINVAL);
+	cr_assert_eq(kvr_route(r, &q, NULL), KVR_EINVAL);
+	struct kvr_rank_id id = {0, 0}, unk = {7, 7};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 10, 0), KVR_EEXIST);
+	cr_assert_eq(kvr_rank_remove(r, unk), KVR_ENOENT);
+	cr_assert_eq(kvr_rank_set_capacity(r, unk, 1, 10), KVR_ENOENT);
+	cr_assert_eq(kvr_rank_reset(r, unk, 1), KVR_ENOENT);
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, unk, &s), KVR_ENOENT);
+	cr_assert_eq(kvr_rank_get_stats(r, id, NULL), KVR_EINVAL);
+	cr_assert_eq(kvr_rank_remove(r, id), 0);
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_ENOENT, "no rank left");
+	char small[16];
+	size_t need = 0;
+	cr_assert_eq(kvr_metrics_render(r, small, sizeof(small), &need), KVR_ERANGE);
+	cr_assert_gt(need, sizeof(small));
+	cr_assert_eq(strlen(small), sizeof(small) - 1);
+	kvr_router_destroy(r);
+}
+
+Test(router, metrics_render_prometheus)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 2, 1000, 0);
+	uint32_t t[64];
+	prompt(t, 64, 70);
+	struct kvr_decision d = route(r, t, 64, 0);
+	kvr_request_finish(r, d.attempt);
+	static char buf[1 << 16];
+	size_t len;
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), &len), 0);
+	cr_assert_eq(strlen(buf) + 1, len);
+	cr_assert(strstr(buf, "kvr_routes_total 1\n"));
+	cr_assert(strstr(buf, "kvr_requests_ended_total{how=\"finish\"} 1\n"));
+	cr_assert(strstr(buf, "# TYPE kvr_route_seconds histogram\n"));
+	cr_assert(strstr(buf, "kvr_route_seconds_count 1\n"));
+	cr_assert(strstr(buf, "kvr_rank_resident_blocks{worker=\"0\",dp_rank=\"0\"}") ||
+	          strstr(buf, "kvr_rank_resident_blocks{worker=\"1\",dp_rank=\"0\"} 4"));
+	kvr_router_destroy(r);
+}
