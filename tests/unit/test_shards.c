@@ -770,3 +770,25 @@ Test(runtime, idle_shard_stays_parked_until_posted)
 	cr_assert_geq(b.wakes, a.wakes + 1, "the post woke the parked shard");
 	kvr_shards_destroy(s);
 }
+
+/* Pinning to a CPU that does not exist is not an error: the shard runs unpinned and says so. */
+Test(runtime, unusable_cpu_runs_unpinned)
+{
+	static const int cpus[] = {1023};
+	struct kvr_shards_config c = {.n_shards = 1, .cpus = cpus, .n_cpus = 1};
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	struct kvr_shard_stats st;
+	kvr_shard_get_stats(kvr_shards_get(s, 0), &st);
+	cr_assert_eq(st.cpu, 1023);
+	cr_assert_not(st.pinned);
+	int on = 0;
+	cr_assert_eq(kvr_shard_call(kvr_shards_get(s, 0), KVR_LANE_ROUTING, whoami, &on), 100);
+	kvr_shards_destroy(s);
+	struct kvr_shards_config d = {.n_shards = 0}; /* default: one per CPU, pinned */
+	cr_assert_eq(kvr_shards_create(&d, &s), 0);
+	cr_assert_geq(kvr_shards_count(s), 1);
+	kvr_shard_get_stats(kvr_shards_get(s, 0), &st);
+	cr_assert(st.pinned);
+	kvr_shards_destroy(s);
+}
