@@ -125,6 +125,10 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 			out[a++].slot = s;
 		}
 	}
+	/* Hop 0 waited for its entry and node; meanwhile the next entries arrived: start the
+	 * node prefetches of the hops the loop's own node stage will not cover. */
+	for (size_t j = 1; j <= PF_NODE && j < ahead; j++)
+		__builtin_prefetch(peek_node(idx, seq[j]));
 	size_t f = 0;
 	uint32_t matched = a ? 1 : 0;
 	for (size_t i = 1; i < n && a > 0; i++) {
