@@ -75,7 +75,7 @@ static int chain_put(struct chain_map *m, uint64_t seq, uint64_t parent, uint64_
 	return 0;
 }
 
-static const struct chain_ent *chain_get(const struct chain_map *m, uint64_t seq)
+static struct chain_ent *chain_get(struct chain_map *m, uint64_t seq)
 {
 	if (!m->cap)
 		return NULL;
@@ -342,6 +342,7 @@ static int agree_rank(struct run *run, uint32_t rank)
 	double j = uni ? (double)inter / (double)uni : 1.0;
 	res->agree_samples++;
 	res->agree_exact += inter == n && pred == n;
+	res->agree_subset += inter == n;
 	res->jaccard_mean += j;
 	if (j < res->jaccard_min)
 		res->jaccard_min = j;
@@ -392,38 +393,53 @@ void replay_config_init(struct replay_config *cfg)
 uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
                                size_t whylen)
 {
+	const double window_s = 300;
 	uint32_t bs = cfg->block_size ? cfg->block_size : 16, tbs = t->block_size;
+	double scale = cfg->time_scale > 0 ? cfg->time_scale : 1;
+	/* seq = prefix hash of trace ids, parent = the window it was last counted in + 1. */
 	struct chain_map seen = {0};
-	uint64_t longest = 0;
+	uint64_t longest = 0, cur = 0, busiest = 0, win = 0;
 	for (size_t i = 0; i < t->n; i++) {
 		const struct trace_req *r = &t->reqs[i];
 		uint64_t need = ((uint64_t)r->input_len + r->output_len + bs - 1) / bs;
 		if (need > longest)
 			longest = need;
-		/* Distinct prompt blocks: trace ids (each tbs / bs router blocks) by prefix. */
+		uint64_t w = (uint64_t)(r->arrival_s * scale / window_s) + 1;
+		if (w != win) {
+			busiest = cur > busiest ? cur : busiest;
+			cur = 0;
+			win = w;
+		}
 		uint64_t h = 0x243f6a8885a308d3ull;
 		for (uint32_t k = 0; k < r->n_ids; k++) {
 			h = (h ^ r->ids[k]) * 0x100000001b3ull;
 			h ^= h >> 29;
-			if (chain_put(&seen, h, 0, 0))
+			struct chain_ent *e = chain_get(&seen, h);
+			if (e && e->parent == w)
+				continue;
+			cur++;
+			if (e)
+				e->parent = w;
+			else if (chain_put(&seen, h, w, 0))
 				break;
 		}
 	}
-	uint64_t distinct = (uint64_t)seen.n * (tbs / bs ? tbs / bs : 1);
+	busiest = cur > busiest ? cur : busiest;
 	free(seen.e);
+	uint64_t ws = busiest * (tbs / bs ? tbs / bs : 1);
 	uint32_t nr = cfg->n_ranks ? cfg->n_ranks : 1;
-	uint64_t half = distinct / 2 / nr, floor = 2 * longest, b = half > floor ? half : floor;
+	uint64_t quarter = ws / 4 / nr, floor = 2 * longest, b = quarter > floor ? quarter : floor;
 	if (b < 64)
 		b = 64;
 	if (b > UINT32_MAX)
 		b = UINT32_MAX;
 	if (why)
 		snprintf(why, whylen,
-		         "%llu blocks per rank: the %u ranks hold %s of the trace's %llu distinct "
-		         "prompt blocks (half: capacity pressure), and at least 2x the longest "
-		         "request (%llu blocks)",
-		         (unsigned long long)b, nr, b == half ? "half" : "more than half",
-		         (unsigned long long)distinct, (unsigned long long)longest);
+		         "%llu = max(a quarter of the working set over %u ranks = %llu, twice the "
+		         "longest request = %llu); working set = %llu distinct prompt blocks asked "
+		         "for in the busiest %.0f s of the trace",
+		         (unsigned long long)b, nr, (unsigned long long)quarter,
+		         (unsigned long long)floor, (unsigned long long)ws, window_s);
 	return (uint32_t)b;
 }
 
@@ -615,6 +631,7 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		res->prompt_blocks += st.prompt_blocks;
 		res->hit_blocks += st.hit_blocks;
 		res->preemptions += st.preemptions;
+		res->evicted_blocks += st.evicted_blocks;
 		busy_sum += (double)st.busy_ns;
 		tok_sum += (double)st.tokens;
 		if ((double)st.busy_ns > busy_max)

@@ -58,9 +58,12 @@ struct replay_result {
 	double throughput_tok_s, makespan_s;
 	double imbalance_busy, imbalance_tokens; /* max / mean over ranks */
 	uint64_t preemptions;
+	uint64_t evicted_blocks; /* simulator, copies included */
 	double route_cpu_ns_mean, route_cpu_ns_p99;
 	/* Agreement (see above). */
 	uint64_t agree_samples, agree_exact;
+	uint64_t
+	    agree_subset; /* samples where S is inside R (the policy holds every cached block) */
 	double jaccard_mean, jaccard_min;
 	uint64_t sim_cached_sum, pred_resident_sum;
 	/* Series: hit rate per bucket of first-admission time; sorted TTFTs. */
@@ -74,10 +77,11 @@ struct replay_result {
 
 void replay_config_init(struct replay_config *cfg);
 
-/* A GPU block budget per rank that puts the trace under capacity pressure: the cluster holds
- * half the trace's distinct prompt blocks (at cfg's block size), but at least twice the
- * longest request (prompt + output), so every request fits.  why (may be NULL) gets a
- * one-line explanation. */
+/* A GPU block budget per rank that puts the trace under capacity pressure and still fits every
+ * request: a quarter of the working set (the distinct prompt blocks asked for in the busiest
+ * 5 minutes of trace time, at cfg's block size and time scale) spread over the ranks, but at
+ * least twice the longest request (prompt + output).  why (may be NULL) gets a one-line
+ * explanation. */
 uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
                                size_t whylen);
 

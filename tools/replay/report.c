@@ -51,10 +51,12 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 		if (r->agree_samples)
 			fprintf(f,
 			        "agreement %s: %llu samples (rank x time), Jaccard mean %.3f min "
-			        "%.3f, %llu exact; mean cached blocks per rank sim %.1f vs "
+			        "%.3f, %llu exact, %llu with every cached block predicted; mean "
+			        "cached blocks per rank sim %.1f vs "
 			        "predicted %.1f\n",
 			        r->policy, (unsigned long long)r->agree_samples, r->jaccard_mean,
 			        r->jaccard_min, (unsigned long long)r->agree_exact,
+			        (unsigned long long)r->agree_subset,
 			        share(r->sim_cached_sum, r->agree_samples),
 			        share(r->pred_resident_sum, r->agree_samples));
 	}
@@ -88,10 +90,13 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	json_object_set_new(o, "imbalance_busy", json_real(r->imbalance_busy));
 	json_object_set_new(o, "imbalance_tokens", json_real(r->imbalance_tokens));
 	json_object_set_new(o, "preemptions", json_integer((json_int_t)r->preemptions));
+	json_object_set_new(o, "evicted_blocks", json_integer((json_int_t)r->evicted_blocks));
 	if (r->agree_samples) {
 		json_t *a = json_object();
 		json_object_set_new(a, "samples", json_integer((json_int_t)r->agree_samples));
 		json_object_set_new(a, "exact", json_integer((json_int_t)r->agree_exact));
+		json_object_set_new(a, "sim_inside_predicted",
+		                    json_integer((json_int_t)r->agree_subset));
 		json_object_set_new(a, "jaccard_mean", json_real(r->jaccard_mean));
 		json_object_set_new(a, "jaccard_min", json_real(r->jaccard_min));
 		json_object_set_new(a, "sim_cached_mean",
