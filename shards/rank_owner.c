@@ -60,6 +60,7 @@ struct kvr_rank_owned {
 	uint64_t ttl_timer;
 	uint64_t ttl_deadline; /* UINT64_MAX: no timer armed */
 	uint32_t slot;
+	struct kvr_rank_owned *prev, *next; /* the shard's ranks */
 };
 
 struct kvr_shard_state {
@@ -75,6 +76,7 @@ struct kvr_shard_state {
 	size_t lb_cap;
 	uint64_t *seq;
 	size_t seq_cap;
+	struct kvr_rank_owned *ranks; /* every rank this shard owns */
 };
 
 #define REC_SIZE(r) (sizeof(struct attempt_rec) + (size_t)(r)->cfg.block_size * sizeof(uint32_t))
@@ -289,14 +291,10 @@ void kvr_owner_shard_stop(struct kvr_shard *sh, void *router)
 	struct kvr_shard_state *ss = state_of(sh);
 	if (!ss)
 		return;
-	/* Ranks still placed here are torn down by the router before shutdown; any left (a
-	 * failed create) are freed with their attempts. */
-	for (uint32_t s = 0; s < r->cfg.max_ranks; s++) {
-		struct kvr_rank_pub *pub = &r->ranks[s];
-		if (pub->own && pub->shard == kvr_shard_index(sh)) {
-			struct kvr_rank_args a = {.r = r, .slot = s, .gen = pub->gen};
-			kvr_owner_rank_destroy(sh, &a);
-		}
+	/* The ranks still here at shutdown go with their attempts and index entries. */
+	while (ss->ranks) {
+		struct kvr_rank_args a = {.r = r, .slot = ss->ranks->slot};
+		kvr_owner_rank_destroy(sh, &a);
 	}
 	kvr_lease_table_destroy(ss->leases);
 	kvr_lru_out_fini(&ss->out);
@@ -357,6 +355,11 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 	pub->shard = kvr_shard_index(sh);
 	pub->max_batched_tokens = a->max_batched_tokens;
 	pub->own = own;
+	struct kvr_shard_state *ss = state_of(sh);
+	own->next = ss->ranks;
+	if (ss->ranks)
+		ss->ranks->prev = own;
+	ss->ranks = own;
 	publish(r, pub, own);
 	a->slot = slot;
 	return 0;
@@ -393,6 +396,13 @@ int kvr_owner_rank_destroy(struct kvr_shard *sh, void *arg)
 	kvr_rank_state_destroy(own->rs);
 	kvr_load_destroy(own->load);
 	kvr_index_rank_remove(r->index, a->slot);
+	struct kvr_shard_state *ss = state_of(sh);
+	if (own->prev)
+		own->prev->next = own->next;
+	else
+		ss->ranks = own->next;
+	if (own->next)
+		own->next->prev = own->prev;
 	pub->own = NULL;
 	__atomic_store_n(&pub->active_blocks, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->prefill_tokens, 0, __ATOMIC_RELAXED);

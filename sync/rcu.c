@@ -88,6 +88,7 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 	int was_online = thread_online;
 	if (!was_online)
 		kvr_rcu_thread_online();
+	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 	urcu_memb_call_rcu(&d->head, run_deferred);
 }
 

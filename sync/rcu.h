@@ -15,8 +15,9 @@
  * ThreadSanitizer: TSan cannot see the ordering that membarrier(2) and liburcu's inline
  * assembly provide.  So (1) kvrouter publishes and reads RCU pointers with C11-style atomics
  * (kvr_rcu_publish / kvr_rcu_deref: release store / acquire load, which compile to plain moves
- * on x86), and (2) every read-side unlock is a TSan release on one token and every deferred
- * free is an acquire on it, which is exactly the grace-period guarantee.  Without TSan the
+ * on x86), and (2) every read-side unlock and every call_rcu hand-off is a TSan release on one
+ * token and every deferred callback starts with an acquire on it, which is exactly the
+ * grace-period guarantee (and the queue hand-off to liburcu's callback thread).  Without TSan the
  * annotations compile to nothing.
  *
  * Licence note: liburcu's static-inline fast paths (_LGPL_SOURCE) are not used by default, so
@@ -96,6 +97,8 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *));
  */
 static inline void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
 {
+	/* The hand-off to liburcu's call_rcu thread is invisible to TSan: publish our writes. */
+	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 	urcu_memb_call_rcu(head, fn);
 }
 #define KVR_RCU_CALLBACK_ENTER() KVR_TSAN_ACQUIRE(&kvr_rcu_tsan_token)

@@ -1,0 +1,222 @@
+/*
+ * stress_router - many frontend threads routing, streaming output and finishing or aborting,
+ * while an admin thread resets and resizes ranks and an engine thread feeds KV events to an
+ * events-mode router.  Bounded in time.  At the end every rank's load must be back to zero and
+ * no attempt may be live; every attempt must end exactly once (finish/abort returns 0 exactly
+ * once, or KVR_ESTALE when a reset ended it first).
+ *
+ * usage: stress_router [duration_ms]   exit 0 pass, 1 fail
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrouter.h"
+
+#define RANKS     6
+#define FRONTENDS 3
+
+static struct kvr_router *approx, *events;
+static atomic_int stop;
+static atomic_long routed, ended, stale_ends, failures, events_applied;
+
+static void fail(const char *what, int rc)
+{
+	fprintf(stderr, "stress_router: %s: %s (%d)\n", what, kvr_strerror(rc), rc);
+	atomic_fetch_add(&failures, 1);
+}
+
+static uint64_t rnd(uint64_t *s)
+{
+	*s ^= *s << 13;
+	*s ^= *s >> 7;
+	*s ^= *s << 17;
+	return *s;
+}
+
+static void make_prompt(uint32_t *t, size_t n, uint64_t family, uint64_t variant)
+{
+	for (size_t i = 0; i < n; i++)
+		t[i] = (uint32_t)(family * 100003u + i + (i >= n / 2 ? variant * 7919u : 0));
+}
+
+static void *frontend(void *arg)
+{
+	uint64_t s = (uint64_t)(uintptr_t)arg * 0x9e3779b97f4a7c15ull + 1;
+	uint32_t t[640], out[40];
+	while (!atomic_load(&stop)) {
+		struct kvr_router *r = (rnd(&s) & 3) == 0 ? events : approx;
+		size_t n = 16 + rnd(&s) % 600;
+		make_prompt(t, n, rnd(&s) % 8, rnd(&s) % 4);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = n;
+		q.request_id = rnd(&s);
+		struct kvr_decision d;
+		int rc = kvr_route(r, &q, &d);
+		if (rc == KVR_ENOENT)
+			continue; /* every candidate was being reset at that instant */
+		if (rc) {
+			fail("route", rc);
+			continue;
+		}
+		atomic_fetch_add(&routed, 1);
+		rc = kvr_request_prefill_done(r, d.attempt);
+		if (rc && rc != KVR_ESTALE)
+			fail("prefill_done", rc);
+		int outs = (int)(rnd(&s) % 3);
+		for (int k = 0; k < outs; k++) {
+			for (int i = 0; i < 40; i++)
+				out[i] = (uint32_t)rnd(&s);
+			rc = kvr_request_output(r, d.attempt, out, 1 + rnd(&s) % 40);
+			if (rc && rc != KVR_ESTALE)
+				fail("output", rc);
+		}
+		rc = (rnd(&s) & 1) ? kvr_request_finish(r, d.attempt)
+		                   : kvr_request_abort(r, d.attempt);
+		if (rc == 0)
+			atomic_fetch_add(&ended, 1);
+		else if (rc == KVR_ESTALE)
+			atomic_fetch_add(&stale_ends, 1);
+		else
+			fail("finish", rc);
+		rc = kvr_request_finish(r, d.attempt);
+		if (rc != KVR_ESTALE)
+			fail("second finish must be stale", rc);
+	}
+	return NULL;
+}
+
+static void *admin(void *arg)
+{
+	(void)arg;
+	uint64_t s = 77, inc = 2;
+	while (!atomic_load(&stop)) {
+		struct kvr_rank_id id = {rnd(&s) % RANKS, 0};
+		int rc;
+		switch (rnd(&s) % 3) {
+		case 0:
+			rc = kvr_rank_reset(approx, id, inc++);
+			break;
+		case 1:
+			rc = kvr_rank_set_capacity(approx, id, inc++, 50 + rnd(&s) % 200);
+			break;
+		default:
+			rc = kvr_rank_reset(events, id, inc++);
+			break;
+		}
+		if (rc && rc != KVR_ESTALE)
+			fail("admin", rc);
+		struct timespec ts = {0, 2000000};
+		nanosleep(&ts, NULL);
+	}
+	return NULL;
+}
+
+static void *engine(void *arg)
+{
+	(void)arg;
+	uint64_t s = 99;
+	uint64_t ids[RANKS] = {0};
+	uint32_t t[64];
+	while (!atomic_load(&stop)) {
+		int w = (int)(rnd(&s) % RANKS);
+		struct kvr_rank_id id = {(uint64_t)w, 0};
+		make_prompt(t, 64, rnd(&s) % 8, rnd(&s) % 4);
+		uint64_t local[4], seq[4];
+		kvr_hash_blocks(t, 64, 16, NULL, local, seq);
+		struct kvr_event_block b[4];
+		for (int i = 0; i < 4; i++)
+			b[i] = (struct kvr_event_block){.ext_hash = seq[i], .local_hash = local[i]};
+		struct kvr_event e = {.event_id = ++ids[w]};
+		if (rnd(&s) % 4) {
+			e.type = KVR_EVENT_STORED;
+			e.blocks = b;
+			e.n_blocks = 4;
+		} else {
+			e.type = KVR_EVENT_REMOVED;
+			e.removed = seq + 2;
+			e.n_removed = 2;
+		}
+		int rc = kvr_events_apply(events, id, &e);
+		if (rc == 0)
+			atomic_fetch_add(&events_applied, 1);
+		else if (rc != KVR_ESTALE && rc != KVR_ENOENT)
+			fail("events_apply", rc);
+	}
+	return NULL;
+}
+
+static struct kvr_router *make(enum kvr_mode mode)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.mode = mode;
+	struct kvr_router *r;
+	if (kvr_router_create(&c, &r))
+		return NULL;
+	for (int w = 0; w < RANKS; w++)
+		if (kvr_rank_add(r, (struct kvr_rank_id){(uint64_t)w, 0}, 1, 100 + 50 * (uint64_t)w,
+		                 4096))
+			return NULL;
+	return r;
+}
+
+static int check_idle(struct kvr_router *r, const char *name)
+{
+	int bad = 0;
+	for (int w = 0; w < RANKS; w++) {
+		struct kvr_rank_stats st;
+		if (kvr_rank_get_stats(r, (struct kvr_rank_id){(uint64_t)w, 0}, &st)) {
+			bad++;
+			continue;
+		}
+		if (st.active_requests || st.active_blocks || st.active_prefill_tokens) {
+			fprintf(stderr,
+			        "stress_router: %s rank %d not idle: %lu req %lu blk %lu tok\n",
+			        name, w, (unsigned long)st.active_requests,
+			        (unsigned long)st.active_blocks,
+			        (unsigned long)st.active_prefill_tokens);
+			bad++;
+		}
+	}
+	return bad;
+}
+
+int main(int argc, char **argv)
+{
+	long ms = argc > 1 ? atol(argv[1]) : 2000;
+	approx = make(KVR_MODE_APPROX_LRU);
+	events = make(KVR_MODE_EVENTS);
+	if (!approx || !events) {
+		fprintf(stderr, "stress_router: setup failed\n");
+		return 1;
+	}
+	pthread_t th[FRONTENDS + 2];
+	for (int i = 0; i < FRONTENDS; i++)
+		pthread_create(&th[i], NULL, frontend, (void *)(uintptr_t)(i + 1));
+	pthread_create(&th[FRONTENDS], NULL, admin, NULL);
+	pthread_create(&th[FRONTENDS + 1], NULL, engine, NULL);
+	struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
+	nanosleep(&ts, NULL);
+	atomic_store(&stop, 1);
+	for (int i = 0; i < FRONTENDS + 2; i++)
+		pthread_join(th[i], NULL);
+	int bad = check_idle(approx, "approx_lru") + check_idle(events, "events");
+	long r = atomic_load(&routed), e = atomic_load(&ended), st = atomic_load(&stale_ends);
+	if (e + st != r) {
+		fprintf(stderr, "stress_router: %ld routed but %ld ended + %ld stale\n", r, e, st);
+		bad++;
+	}
+	printf(
+	    "stress_router: %ld routed, %ld ended, %ld ended by reset, %ld events, %ld failures\n",
+	    r, e, st, atomic_load(&events_applied), atomic_load(&failures));
+	kvr_router_destroy(approx);
+	kvr_router_destroy(events);
+	return (bad || atomic_load(&failures) || r == 0) ? 1 : 0;
+}
