@@ -83,6 +83,22 @@ static void took_maint(struct kvr_lanes *l, uint64_t now)
 	bump(&l->run[KVR_LANE_MAINT]);
 }
 
+/* Next routing message, refilling the burst buffer from the ring when it is empty. */
+static bool take_routing(struct kvr_lanes *l, struct kvr_msg *out)
+{
+	if (!l->burst_n) {
+		uint32_t n =
+		    kvr_ring_dequeue_burst(&l->ring[KVR_LANE_ROUTING], l->burst, KVR_LANE_BURST);
+		if (!n)
+			return false;
+		l->burst_head = 0;
+		__atomic_store_n(&l->burst_n, n, __ATOMIC_RELAXED);
+	}
+	*out = l->burst[l->burst_head++];
+	__atomic_store_n(&l->burst_n, l->burst_n - 1, __ATOMIC_RELAXED);
+	return true;
+}
+
 int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
 {
 	struct kvr_ring *maint = &l->ring[KVR_LANE_MAINT];
@@ -100,7 +116,7 @@ int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
 			}
 		}
 	}
-	if (kvr_ring_dequeue(&l->ring[KVR_LANE_ROUTING], out)) {
+	if (take_routing(l, out)) {
 		if (l->window_from)
 			l->streak++;
 		bump(&l->run[KVR_LANE_ROUTING]);
@@ -115,12 +131,16 @@ int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
 
 int kvr_lanes_empty(const struct kvr_lanes *l)
 {
-	return kvr_ring_depth(&l->ring[0]) == 0 && kvr_ring_depth(&l->ring[1]) == 0;
+	return __atomic_load_n(&l->burst_n, __ATOMIC_RELAXED) == 0 &&
+	       kvr_ring_depth(&l->ring[0]) == 0 && kvr_ring_depth(&l->ring[1]) == 0;
 }
 
 uint32_t kvr_lanes_depth(const struct kvr_lanes *l, enum kvr_lane lane)
 {
 	if ((unsigned)lane >= KVR_LANE_COUNT)
 		return 0;
-	return kvr_ring_depth(&l->ring[lane]);
+	uint32_t d = kvr_ring_depth(&l->ring[lane]);
+	if (lane == KVR_LANE_ROUTING)
+		d += __atomic_load_n(&l->burst_n, __ATOMIC_RELAXED);
+	return d;
 }

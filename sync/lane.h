@@ -14,7 +14,8 @@
  *    at most every_tasks routing tasks run;
  *  - a window lasts at most every_ns plus the duration of one routing task;
  *  - when the routing lane is empty, a pending maintenance task runs at once;
- *  - each lane is FIFO per producer.
+ *  - each lane is FIFO per producer (routing messages are taken from the ring in bursts of up to
+ *    KVR_LANE_BURST, then handed out one by one in order; they count as queued until then).
  *
  * Stats are written by the consumer only (relaxed atomic stores) and may be read anywhere.
  */
@@ -27,6 +28,8 @@
 
 enum kvr_lane { KVR_LANE_ROUTING = 0, KVR_LANE_MAINT = 1 };
 #define KVR_LANE_COUNT 2
+/* Routing messages the consumer takes from its ring at once. */
+#define KVR_LANE_BURST 16
 
 struct kvr_lanes {
 	struct kvr_ring ring[KVR_LANE_COUNT];
@@ -36,8 +39,13 @@ struct kvr_lanes {
 	uint64_t (*now)(void *ctx);
 	void *now_ctx;
 	/* consumer state */
+	uint32_t burst_head;  /* next routing message in burst[] */
+	uint32_t burst_n;     /* routing messages left in burst[] (atomic: read by depth) */
 	uint32_t streak;      /* routing tasks run in the current starvation window */
 	uint64_t window_from; /* start of the window (now()), 0 = no window */
+	/* Routing messages taken from the ring in one burst (kvr_ring_dequeue_burst), still
+	 * counted as queued.  Consumer-only. */
+	struct kvr_msg burst[KVR_LANE_BURST];
 	/* stats: consumer-written */
 	_Alignas(64) uint64_t run[KVR_LANE_COUNT];
 	uint64_t maint_wait_max_ns;   /* longest starvation window closed by a maint task */
@@ -47,9 +55,10 @@ struct kvr_lanes {
 };
 
 /*
- * Initializes both rings (capacity messages each) and the policy.  now = NULL uses
- * CLOCK_MONOTONIC.  Returns 0, KVR_EINVAL (every_tasks or every_ns 0), KVR_ERANGE, KVR_ENOMEM.
- * Context: before sharing.
+ * Initializes both rings (capacity messages each; the routing lane can hold up to
+ * KVR_LANE_BURST more, taken out of its ring into the consumer's burst buffer) and the policy.  now
+ * = NULL uses CLOCK_MONOTONIC.  Returns 0, KVR_EINVAL (every_tasks or every_ns 0), KVR_ERANGE,
+ * KVR_ENOMEM. Context: before sharing.
  */
 int kvr_lanes_init(struct kvr_lanes *l, uint32_t capacity, uint32_t every_tasks, uint64_t every_ns,
                    uint64_t (*now)(void *), void *now_ctx);

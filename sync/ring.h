@@ -155,6 +155,35 @@ static inline bool kvr_ring_dequeue(struct kvr_ring *r, struct kvr_msg *out)
 	return ok;
 }
 
+/*
+ * Dequeues up to max of the oldest messages into out[0..n) and returns n (0 if empty).
+ * ck_ring has no burst dequeue; this is _ck_ring_dequeue_sc for n slots at once, on ck's public
+ * ring fields and ck_pr fences: one read of p_tail and one store of c_head per burst instead of
+ * per message, so the lines producers write (p_tail) and read (c_head) move between cores once
+ * per burst.  Context: the ring's single consumer.  Ordering: as kvr_ring_dequeue(); the
+ * release fence keeps the slot reads before the c_head store that lets producers reuse them.
+ */
+static inline uint32_t kvr_ring_dequeue_burst(struct kvr_ring *r, struct kvr_msg *out, uint32_t max)
+{
+	KVR_RING_IGNORE_BEGIN();
+	unsigned int consumer = r->ck.c_head; /* only we write it */
+	unsigned int producer = ck_pr_load_uint(&r->ck.p_tail);
+	uint32_t n = producer - consumer;
+	if (n > max)
+		n = max;
+	if (n) {
+		ck_pr_fence_load();
+		for (uint32_t i = 0; i < n; i++)
+			memcpy(&out[i], &r->buf[(consumer + i) & r->ck.mask], sizeof(*out));
+		ck_pr_fence_release();
+		ck_pr_store_uint(&r->ck.c_head, consumer + n);
+	}
+	KVR_RING_IGNORE_END();
+	if (n)
+		KVR_TSAN_ACQUIRE(r);
+	return n;
+}
+
 /* Messages queued now (a snapshot).  Context: any thread. */
 static inline uint32_t kvr_ring_depth(const struct kvr_ring *r)
 {
