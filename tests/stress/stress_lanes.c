@@ -3,10 +3,12 @@
  * Checks: every accepted message delivered exactly once; per-producer, per-rank, per-lane order
  * kept (each message carries a sequence number that must be the previous one + 1); the biased
  * scheduler's bound (at most K routing tasks while maintenance waits) under a routing flood.
- * Also mixes synchronous calls in.  argv[1] = duration in ms (default 1500).
+ * Also mixes synchronous calls in, churns the placement table under lock-free lookups, and
+ * finally shuts down while producers are still posting.  argv[1] = duration in ms (default 1500).
  * Exit 0 pass, 1 fail.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +104,24 @@ static void *producer(void *p)
 	return NULL;
 }
 
+/* Places and unplaces short-lived workers while producers look up the stable ones, so the
+ * placement table's lock-free readers race its writers (backward-shift deletion moves slots). */
+static void *churner(void *unused)
+{
+	(void)unused;
+	uint32_t sh;
+	for (uint64_t i = 0; !__atomic_load_n(&stop, __ATOMIC_ACQUIRE); i++) {
+		uint64_t w = 1000 + (i % 24) * 64;
+		if (kvr_shards_place(rt, w, &sh) != 0 || kvr_shards_unplace(rt, w) != 0) {
+			__atomic_fetch_add(&order_errors, 1, __ATOMIC_RELAXED);
+			break;
+		}
+		if (i % 64 == 0)
+			sched_yield();
+	}
+	return NULL;
+}
+
 int main(int argc, char **argv)
 {
 	long ms = argc > 1 ? atol(argv[1]) : 1500;
@@ -119,14 +139,16 @@ int main(int argc, char **argv)
 	for (uint32_t r = 0; r < RANKS; r++)
 		if (kvr_shards_place(rt, r, &shard_of[r]) != 0)
 			return 1;
-	pthread_t t[P];
+	pthread_t t[P], ch;
 	for (uintptr_t i = 0; i < P; i++)
 		pthread_create(&t[i], NULL, producer, (void *)i);
+	pthread_create(&ch, NULL, churner, NULL);
 	struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
 	nanosleep(&ts, NULL);
 	__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
 	for (int i = 0; i < P; i++)
 		pthread_join(t[i], NULL);
+	pthread_join(ch, NULL);
 	int fail = 0;
 	if (kvr_shards_quiesce(rt, 10000000000ull) != 0) {
 		fprintf(stderr, "quiesce timed out\n");
