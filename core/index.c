@@ -8,8 +8,8 @@
  * pointer stored in the node: a child lookup is "entry with this seq whose node's parent is the
  * node I came from", which is exact (no reliance on 64-bit hashes not colliding) and - the point
  * of it - lets a reader compute the keys of ALL its hops up front from the query's local hashes.
- * find_matches therefore prefetches the table entry of hop i+12, the node of hop i+6 and the
- * rank set of hop i+2 while it intersects hop i, so a long lookup is bound by memory-level
+ * find_matches therefore prefetches the table entry of hop i+20 and the node of hop i+8
+ * while it intersects hop i, so a long lookup is bound by memory-level
  * parallelism instead of one dependent cache miss per block (core/index_match.c).
  *
  * Memory.  A node is 32 bytes (seq, parent, tagged rank set, lock word, child count); a node

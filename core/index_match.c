@@ -8,10 +8,11 @@
  * left.
  *
  * Prefetch pipeline.  All node-table keys are known up front (seq[i] = H(seq[i-1], local[i]),
- * core/index.c), so while hop i is intersected, the table entry of hop i+PF_ENT, the node of hop
- * i+PF_NODE (read from its entry, prefetched earlier) and the rank array of hop i+PF_SET are
- * already on their way.  A guess that misses (a probe collision, a node replaced meanwhile)
- * costs only a wasted prefetch: correctness comes from the exact lookup at hop i.
+ * core/index.c), so while hop i is intersected, the table entry of hop i+PF_ENT and the node
+ * of hop i+PF_NODE (read from its entry, prefetched earlier) are already on their way.  A third
+ * stage for multi-rank arrays (PF_SET) measured no better: it stalls on the node.  A guess that
+ * misses (a probe collision, a node replaced meanwhile) costs only a wasted prefetch:
+ * correctness comes from the exact lookup at hop i.
  *
  * Context: any registered thread inside kvr_rcu_read_lock(); no lock, no allocation, no wait.
  */
@@ -21,10 +22,10 @@
 #include "kvrouter.h"
 
 #ifndef PF_ENT
-#define PF_ENT 12
+#define PF_ENT 20
 #endif
 #ifndef PF_NODE
-#define PF_NODE 6
+#define PF_NODE 8
 #endif
 #ifndef PF_SET
 #define PF_SET 0 /* 0 = off */
