@@ -46,7 +46,9 @@ struct kvr_shards_config {
 	 * (0 = 64) or maint_every_ns of continuous routing work (0 = 200 us). */
 	uint32_t maint_every_tasks;
 	uint64_t maint_every_ns;
-	/* Clock for timers.  NULL = CLOCK_MONOTONIC.  clock_ctx passed unchanged. */
+	/* Clock for timers.  NULL = CLOCK_MONOTONIC.  clock_ctx passed unchanged.  Called from
+	 * every shard thread concurrently: it must be thread-safe.  For virtual time, advance it
+	 * and then call kvr_shards_kick() (or kvr_shards_quiesce()). */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Most distinct workers placed at once.  0 = 4096.  Max 1 << 20. */
