@@ -3,6 +3,7 @@
  * Checks: every accepted message delivered exactly once; per-producer, per-rank, per-lane order
  * kept (each message carries a sequence number that must be the previous one + 1); the biased
  * scheduler's bound (at most K routing tasks while maintenance waits) under a routing flood.
+ * First, timers on a virtual clock: each advance fires exactly the due timers on every shard.
  * Also mixes synchronous calls in, churns the placement table under lock-free lookups, and
  * finally shuts down while producers are still posting.  argv[1] = duration in ms (default 1500).
  * Exit 0 pass, 1 fail.
@@ -104,6 +105,54 @@ static void *producer(void *p)
 	return NULL;
 }
 
+/* Virtual clock: the shards' timers run on it; main advances it. */
+static uint64_t vnow = 1000000;
+static uint64_t vclock(void *ctx)
+{
+	(void)ctx;
+	return __atomic_load_n(&vnow, __ATOMIC_ACQUIRE);
+}
+
+static uint64_t timers_fired_total;
+static void on_timer(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	(void)arg;
+	__atomic_fetch_add(&timers_fired_total, 1, __ATOMIC_RELAXED);
+}
+
+/* Arms 100 timers at base + 1..100 us on the calling shard. */
+static int arm_timers(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	uint64_t base = kvr_shards_now(kvr_shard_runtime(sh));
+	for (uint64_t i = 1; i <= 100; i++)
+		if (kvr_shard_timer_add(sh, base + i * 1000, on_timer, NULL, NULL) != 0)
+			return -1;
+	return 0;
+}
+
+/* Virtual time: each step fires exactly the timers due, on every shard. */
+static int timer_phase(void)
+{
+	for (uint32_t i = 0; i < S; i++)
+		if (kvr_shard_call(kvr_shards_get(rt, i), KVR_LANE_MAINT, arm_timers, NULL) != 0)
+			return 1;
+	for (uint64_t step = 1; step <= 10; step++) {
+		__atomic_store_n(&vnow, 1000000 + step * 10000 + 500, __ATOMIC_RELEASE);
+		if (kvr_shards_quiesce(rt, 10000000000ull) != 0)
+			return 1;
+		uint64_t got = __atomic_load_n(&timers_fired_total, __ATOMIC_RELAXED);
+		if (got != step * 10 * S) {
+			fprintf(stderr, "virtual time step %llu: %llu timers fired, want %llu\n",
+			        (unsigned long long)step, (unsigned long long)got,
+			        (unsigned long long)(step * 10 * S));
+			return 1;
+		}
+	}
+	return 0;
+}
+
 /* Places and unplaces short-lived workers while producers look up the stable ones, so the
  * placement table's lock-free readers race its writers (backward-shift deletion moves slots). */
 static void *churner(void *unused)
@@ -132,6 +181,7 @@ int main(int argc, char **argv)
 	c.maint_every_tasks = K;
 	c.maint_every_ns = SPIN_T;
 	c.max_workers = 64;
+	c.now_ns = vclock;
 	if (kvr_shards_create(&c, &rt) != 0) {
 		fprintf(stderr, "create failed\n");
 		return 1;
@@ -139,6 +189,10 @@ int main(int argc, char **argv)
 	for (uint32_t r = 0; r < RANKS; r++)
 		if (kvr_shards_place(rt, r, &shard_of[r]) != 0)
 			return 1;
+	if (timer_phase() != 0) {
+		fprintf(stderr, "virtual-time timers: FAIL\n");
+		return 1;
+	}
 	pthread_t t[P], ch;
 	for (uintptr_t i = 0; i < P; i++)
 		pthread_create(&t[i], NULL, producer, (void *)i);
