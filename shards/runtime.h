@@ -200,7 +200,8 @@ void kvr_shards_kick(struct kvr_shards *s);
  * Kicks, then waits until every shard has re-read the clock since the kick, fired its due
  * timers, emptied both lanes and parked, with no task run in between (so work that shards post
  * to each other is finished too).  For tests and the simulator: the caller must have stopped
- * producing.  Returns 0, KVR_ETIMEDOUT, KVR_ESHUTDOWN.  Context: any thread but a shard's.
+ * producing.  Returns 0, KVR_ETIMEDOUT, KVR_ESHUTDOWN, or KVR_EINVAL (s NULL, or called from
+ * a shard thread).  Context: any thread but a shard's.
  */
 int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns);
 
