@@ -30,29 +30,30 @@ static const struct replay_policy_ops *const all_policies[] = {
 
 static void usage(FILE *f)
 {
-	fprintf(f,
-	        "usage: kvr-replay [options] TRACE...\n"
-	        "  --policies LIST        comma-separated, default all: events,approx_lru,"
-	        "approx_ttl,round_robin,random,least_loaded\n"
-	        "  --ranks N              simulated ranks (default 8)\n"
-	        "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
-	        "pressure, printed)\n"
-	        "  --block-size N         router and engine block size, tokens (default 16)\n"
-	        "  --max-requests N       replay only the first N requests\n"
-	        "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
-	        "default 1)\n"
-	        "  --seed S               seed of random choices (default 1)\n"
-	        "  --max-batched-tokens N engine token budget per step (default 8192)\n"
-	        "  --step-base-ms X       engine step time a (default 5 ms)\n"
-	        "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
-	        "  --sample-every N       approx_lru agreement sample every N requests (default "
-	        "500, 0 = off)\n"
-	        "  --serial               one request at a time (agreement after every request)\n"
-	        "  --skip-bad             skip malformed trace entries (counted)\n"
-	        "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
-	        "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
-	        "files)\n"
-	        "  --quiet                no table, no progress bar\n");
+	fprintf(
+	    f, "usage: kvr-replay [options] TRACE...\n"
+	       "  --policies LIST        comma-separated, default all: events,approx_lru,"
+	       "approx_ttl,round_robin,random,least_loaded\n"
+	       "  --ranks N              simulated ranks (default 8)\n"
+	       "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
+	       "pressure, printed)\n"
+	       "  --block-size N         router and engine block size, tokens (default 16)\n"
+	       "  --max-requests N       replay only the first N requests\n"
+	       "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
+	       "default 1)\n"
+	       "  --seed S               seed of random choices (default 1)\n"
+	       "  --max-batched-tokens N engine token budget per step (default 8192)\n"
+	       "  --step-base-ms X       engine step time a (default 5 ms)\n"
+	       "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
+	       "  --sample-every N       approx_lru agreement sample every N requests (default "
+	       "500, 0 = off)\n"
+	       "  --serial               one request at a time (agreement after every request)\n"
+	       "  --output-every N       tell the router output tokens every N blocks (default 1)\n"
+	       "  --skip-bad             skip malformed trace entries (counted)\n"
+	       "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
+	       "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
+	       "files)\n"
+	       "  --quiet                no table, no progress bar\n");
 }
 
 struct progress {
@@ -112,7 +113,7 @@ int main(int argc, char **argv)
 	const char *policies = NULL, *out = NULL, *csv = NULL, *plot = NULL;
 	bool skip_bad = false, quiet = false, timing = true;
 	uint64_t max_req = 0;
-	enum { O_BATCH = 256, O_BASE, O_PER_TOK, O_SAMPLE, O_SERIAL, O_NOTIME };
+	enum { O_BATCH = 256, O_BASE, O_PER_TOK, O_SAMPLE, O_SERIAL, O_NOTIME, O_OUTEVERY };
 	static const struct option opts[] = {{"policies", required_argument, 0, 'p'},
 	                                     {"ranks", required_argument, 0, 'r'},
 	                                     {"blocks-per-rank", required_argument, 0, 'B'},
@@ -131,6 +132,7 @@ int main(int argc, char **argv)
 	                                     {"sample-every", required_argument, 0, O_SAMPLE},
 	                                     {"serial", no_argument, 0, O_SERIAL},
 	                                     {"no-timing", no_argument, 0, O_NOTIME},
+	                                     {"output-every", required_argument, 0, O_OUTEVERY},
 	                                     {"help", no_argument, 0, 'h'},
 	                                     {0, 0, 0, 0}};
 	int c;
@@ -194,6 +196,9 @@ int main(int argc, char **argv)
 			break;
 		case O_NOTIME:
 			timing = false;
+			break;
+		case O_OUTEVERY:
+			bad = parse_u32(optarg, &cfg.output_every) || cfg.output_every == 0;
 			break;
 		case 'h':
 			usage(stdout);

@@ -3,10 +3,11 @@
  *
  * Output tokens: the simulator asks for each output token through output_token(user, id, i);
  * the replay answers with trace_output_token() and buffers the token for the policy, which
- * gets them a block at a time (one router call per completed block, not per token), after
- * the first token, and the rest at finish.  The final sampled token is never sent: vLLM never
- * computes its KV, so it completes no cached block (sending it would make the router predict
- * a block the engine does not hold whenever prompt + output is a multiple of the block size).
+ * gets them output_every blocks at a time (one router call per output_every * block_size
+ * tokens, not per token), after the first token, and the rest at finish.  The final sampled token
+ * is never sent: vLLM never computes its KV, so it completes no cached block (sending it would make
+ * the router predict a block the engine does not hold whenever prompt + output is a multiple of the
+ * block size).
  *
  * Chains for the agreement check: every block hash the replay sees (prompt blocks at routing,
  * output blocks as they complete) is recorded as seq -> (parent seq, local hash), so a chain
@@ -99,7 +100,7 @@ struct rq {
 	uint32_t rank, predicted, n_blocks;
 	uint32_t out_len, nbuf, nctail;
 	bool routed, first_seen, admitted_once;
-	uint32_t *buf;   /* block_size output tokens not yet sent */
+	uint32_t *buf;   /* output tokens not yet sent (run->out_chunk at most) */
 	uint32_t *ctail; /* chains: tokens after the last complete block */
 };
 
@@ -116,6 +117,7 @@ struct run {
 	double *e2e_ms;
 	size_t n_e2e;
 	uint64_t tokens_done, first_arrival, last_finish;
+	uint32_t out_chunk; /* output tokens per policy output() call */
 	int oom;
 };
 
@@ -175,7 +177,7 @@ static uint32_t on_output_token(void *user, uint64_t id, uint32_t i)
 	}
 	if (i + 1 < q->out_len) { /* the final token's KV is never computed */
 		q->buf[q->nbuf++] = tok;
-		if (q->nbuf == q->run->cfg->block_size && q->first_seen)
+		if (q->nbuf == q->run->out_chunk && q->first_seen)
 			flush(q->run, q);
 	}
 	return tok;
@@ -221,7 +223,7 @@ static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, ui
 	q->first_seen = true;
 	if (run->ops->first_token)
 		perr(run, run->ops->first_token(run->ps, q->handle, rank, t));
-	if (q->nbuf == run->cfg->block_size)
+	if (q->nbuf == run->out_chunk)
 		flush(run, q);
 }
 
@@ -388,6 +390,7 @@ void replay_config_init(struct replay_config *cfg)
 	cfg->time_scale = 1.0;
 	cfg->seed = 1;
 	cfg->n_buckets = 40;
+	cfg->output_every = 1;
 }
 
 uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
@@ -474,7 +477,9 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	struct run run = {.cfg = cfg, .ops = ops, .res = res};
 	run.e2e_ms = calloc(t->n + 1, sizeof(double));
 	run.rq = calloc(t->n + 1, sizeof(*run.rq));
-	run.bufs = calloc((t->n + 1) * 2 * (size_t)cfg->block_size, sizeof(uint32_t));
+	run.out_chunk = cfg->block_size * (cfg->output_every ? cfg->output_every : 1);
+	size_t per = (size_t)run.out_chunk + cfg->block_size;
+	run.bufs = calloc((t->n + 1) * per, sizeof(uint32_t));
 	double *cpu_ns = calloc(t->n + 1, sizeof(double));
 	uint32_t *tok = NULL;
 	size_t tok_cap = 0;
@@ -525,8 +530,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		struct rq *q = &run.rq[i];
 		*q = (struct rq){.run = &run,
 		                 .tr = tr,
-		                 .buf = run.bufs + i * 2 * cfg->block_size,
-		                 .ctail = run.bufs + (i * 2 + 1) * cfg->block_size};
+		                 .buf = run.bufs + i * per,
+		                 .ctail = run.bufs + i * per + run.out_chunk};
 		q->out_len = tr->output_len ? tr->output_len : 1;
 		uint64_t at = (uint64_t)llround(tr->arrival_s * cfg->time_scale * 1e9);
 		if (cfg->serial) {

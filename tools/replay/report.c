@@ -143,6 +143,7 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_object_set_new(cfg, "time_scale", json_real(c->time_scale));
 	json_object_set_new(cfg, "seed", json_integer((json_int_t)c->seed));
 	json_object_set_new(cfg, "sample_every", json_integer(c->sample_every));
+	json_object_set_new(cfg, "output_every", json_integer(c->output_every));
 	json_object_set_new(root, "config", cfg);
 	json_t *pol = json_array();
 	for (size_t i = 0; i < n; i++)
