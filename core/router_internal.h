@@ -99,9 +99,6 @@ struct kvr_admit_args {
 	bool chain_known; /* the tail tokens are known, so output blocks can be hashed */
 	uint64_t lora_seed;
 	uint32_t overlap;
-	uint64_t expected_prefill_ns;
-	/* out */
-	uint32_t overlap_at_admit; /* the prediction re-read on the shard */
 };
 
 struct kvr_progress_args {

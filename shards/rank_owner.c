@@ -39,7 +39,11 @@ struct attempt_rec {
 	uint32_t slot;
 	uint32_t lease_slot;
 	uint32_t n_blocks; /* complete blocks so far */
+	uint32_t n_prompt; /* complete blocks of the prompt (copied after tail[]) */
 	uint32_t tail_n;   /* tokens of the partial block */
+	uint32_t overlap;  /* predicted cached prefix at the decision */
+	uint64_t prompt_tokens;
+	size_t size; /* bytes allocated for this record */
 	bool has_last;
 	bool chain_known;
 	bool in_prefill;
@@ -78,8 +82,6 @@ struct kvr_shard_state {
 	size_t seq_cap;
 	struct kvr_rank_owned *ranks; /* every rank this shard owns */
 };
-
-#define REC_SIZE(r) (sizeof(struct attempt_rec) + (size_t)(r)->cfg.block_size * sizeof(uint32_t))
 
 static inline uint64_t now_ns(struct kvr_router *r)
 {
@@ -227,7 +229,7 @@ static void end_attempt(struct kvr_shard *sh, struct attempt_rec *rec, bool rele
 	}
 	ss->by_lease[rec->lease_slot] = NULL;
 	kvr_lease_end(ss->leases, rec->attempt);
-	kvr_free(rec, REC_SIZE(r));
+	kvr_free(rec, rec->size);
 }
 
 /* Claims and ends every live attempt of the rank (reset, new incarnation, removal). */
@@ -520,6 +522,75 @@ static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const u
 	return 0;
 }
 
+/*
+ * Admission in two steps.  The synchronous call (kvr_owner_admit) only books what the decision
+ * needs to be final: the lease, the attempt record with a copy of the prompt's block hashes, and
+ * a provisional bump of the published load, then replies.  The expensive part, the LRU acquire
+ * (hits, new copies, evictions) with its index writes and the exact load booking, runs right
+ * after in a task the shard posts to its own routing lane (admit_book).  The caller's next call
+ * on this attempt (output, finish) was necessarily sent after the reply, so it lands behind that
+ * task in the same FIFO lane; an admin call (reset) that overtakes it ends the lease, and the
+ * task then finds the lease gone and does nothing.  If the lane is full, the booking runs inline
+ * before the reply instead.  Effect: the frontend waits for microseconds of bookkeeping, not for
+ * hundreds of block copies and index writes (see perf/bench_route).
+ */
+struct admit_book_msg {
+	uint64_t attempt;
+};
+
+/* The prompt's blocks are stored after the tail tokens, 16-byte aligned. */
+static inline size_t rec_blocks_off(uint32_t bs)
+{
+	return sizeof(struct attempt_rec) + (((size_t)bs * sizeof(uint32_t) + 15) & ~(size_t)15);
+}
+
+static inline struct kvr_lru_block *rec_blocks(struct attempt_rec *rec, uint32_t bs)
+{
+	return (struct kvr_lru_block *)(void *)((char *)rec + rec_blocks_off(bs));
+}
+
+static void admit_book(struct kvr_shard *sh, void *payload)
+{
+	struct admit_book_msg m;
+	memcpy(&m, payload, sizeof(m));
+	struct kvr_shard_state *ss = state_of(sh);
+	struct kvr_router *r = ss->r;
+	uint32_t lslot;
+	if (kvr_lease_find(ss->leases, m.attempt, &lslot) != 0)
+		return; /* ended (rank reset or removed) before it was booked */
+	struct attempt_rec *rec = ss->by_lease[lslot];
+	struct kvr_rank_pub *pub = &r->ranks[rec->slot];
+	struct kvr_rank_owned *own = pub->own;
+	if (!own || rec->incarnation != own->incarnation)
+		return;
+	uint32_t bs = r->cfg.block_size;
+	struct kvr_lru_block *b = rec_blocks(rec, bs);
+	size_t n = rec->n_prompt;
+	uint64_t now = now_ns(r);
+	if (grow((void **)&ss->seq, &ss->seq_cap, 2 * (n ? n : 1), sizeof(*ss->seq)) == 0) {
+		uint64_t *local = ss->seq, *seq = ss->seq + n;
+		for (size_t i = 0; i < n; i++) {
+			local[i] = b[i].local;
+			seq[i] = b[i].seq;
+		}
+		if (own->rs) {
+			size_t overlap = kvr_rank_state_overlap(own->rs, seq, n);
+			uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
+			if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n,
+			                           priv, now, &ss->out) == 0) {
+				apply_removals(r, own, &ss->out);
+				store_run(ss, own, NULL, local, seq, overlap, n);
+				arm_ttl(sh, own);
+			}
+		}
+		uint64_t cached = (uint64_t)rec->overlap * bs;
+		kvr_load_add(own->load, rec->attempt, seq, n,
+		             rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now);
+	}
+	publish(r, pub, own);
+	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);
+}
+
 int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 {
 	struct kvr_admit_args *a = arg;
@@ -530,59 +601,39 @@ int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 		return KVR_ENOMEM;
 	if (!own)
 		return KVR_ENOENT;
-	uint64_t now = now_ns(r);
 	uint32_t bs = r->cfg.block_size;
-	size_t overlap = own->rs ? kvr_rank_state_overlap(own->rs, a->seq, a->n) : a->overlap;
-	struct attempt_rec *rec = kvr_alloc(REC_SIZE(r));
+	size_t size = rec_blocks_off(bs) + a->n * sizeof(struct kvr_lru_block);
+	struct attempt_rec *rec = kvr_alloc(size);
 	if (!rec)
 		return KVR_ENOMEM;
 	uint32_t lslot;
 	int rc = kvr_lease_begin(ss->leases, a->attempt, &lslot);
-	if (rc) {
-		kvr_free(rec, REC_SIZE(r));
-		return rc;
-	}
-	if (lslot >= ss->by_lease_cap) {
+	if (rc == 0 && lslot >= ss->by_lease_cap) {
 		size_t cap = ss->by_lease_cap;
 		rc = grow((void **)&ss->by_lease, &cap, (size_t)lslot + 1, sizeof(*ss->by_lease));
 		if (rc == 0) {
 			memset(ss->by_lease + ss->by_lease_cap, 0,
 			       (cap - ss->by_lease_cap) * sizeof(*ss->by_lease));
 			ss->by_lease_cap = (uint32_t)cap;
-		}
-	}
-	uint32_t priv = a->tail_n > 0 ? 1 : 0;
-	if (rc == 0 && own->rs) {
-		rc = lru_blocks(ss, a->local, a->seq, a->n);
-		if (rc == 0)
-			rc = kvr_rank_state_acquire(own->rs, own->incarnation, a->attempt, ss->lb,
-			                            a->n, priv, now, &ss->out);
-	}
-	if (rc == 0) {
-		uint64_t cached = (uint64_t)a->overlap * bs;
-		uint64_t prefill = a->prompt_tokens > cached ? a->prompt_tokens - cached : 0;
-		rc = kvr_load_add(own->load, a->attempt, a->seq, a->n, prefill, now);
-		if (rc && own->rs &&
-		    kvr_rank_state_release(own->rs, own->incarnation, a->attempt, &ss->out) == 0)
-			apply_removals(r, own, &ss->out);
-		else if (rc == 0 && own->rs) {
-			apply_removals(r, own, &ss->out);
-			store_run(ss, own, NULL, a->local, a->seq, overlap, a->n);
-			arm_ttl(sh, own);
+		} else {
+			kvr_lease_claim(ss->leases, lslot, a->attempt);
+			kvr_lease_end(ss->leases, a->attempt);
 		}
 	}
 	if (rc) {
-		kvr_lease_claim(ss->leases, lslot, a->attempt);
-		kvr_lease_end(ss->leases, a->attempt);
-		kvr_free(rec, REC_SIZE(r));
+		kvr_free(rec, size);
 		return rc;
 	}
 	memset(rec, 0, sizeof(*rec));
+	rec->size = size;
 	rec->attempt = a->attempt;
 	rec->incarnation = own->incarnation;
 	rec->slot = a->slot;
 	rec->lease_slot = lslot;
 	rec->n_blocks = (uint32_t)a->n;
+	rec->n_prompt = (uint32_t)a->n;
+	rec->prompt_tokens = a->prompt_tokens;
+	rec->overlap = a->overlap;
 	rec->has_last = a->n > 0;
 	rec->last_seq = a->n > 0 ? a->seq[a->n - 1] : 0;
 	rec->lora_seed = a->lora_seed;
@@ -591,15 +642,27 @@ int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 	rec->tail_n = a->chain_known ? a->tail_n : 0;
 	if (rec->tail_n)
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
+	struct kvr_lru_block *b = rec_blocks(rec, bs);
+	for (size_t i = 0; i < a->n; i++)
+		b[i] = (struct kvr_lru_block){.local = a->local[i], .seq = a->seq[i]};
 	rec->next = own->attempts;
 	if (own->attempts)
 		own->attempts->prev = rec;
 	own->attempts = rec;
 	ss->by_lease[lslot] = rec;
-	publish(r, &r->ranks[a->slot], own);
-	a->overlap_at_admit = (uint32_t)overlap;
-	KVR_PROBE4(admit, a->slot, a->attempt, a->n - (overlap < a->n ? overlap : a->n),
-	           ss->out.n_evicted);
+	/* Provisional load, so decisions taken before the booking see this request. */
+	struct kvr_rank_pub *pub = &r->ranks[a->slot];
+	uint64_t cached = (uint64_t)a->overlap * bs;
+	uint64_t uncached = a->prompt_tokens > cached ? a->prompt_tokens - cached : 0;
+	__atomic_store_n(&pub->prefill_tokens,
+	                 __atomic_load_n(&pub->prefill_tokens, __ATOMIC_RELAXED) + uncached,
+	                 __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->active_requests,
+	                 __atomic_load_n(&pub->active_requests, __ATOMIC_RELAXED) + 1,
+	                 __ATOMIC_RELAXED);
+	struct admit_book_msg m = {.attempt = a->attempt};
+	if (r->cfg.sync_booking || kvr_shard_post(sh, KVR_LANE_ROUTING, admit_book, &m, sizeof(m)))
+		admit_book(sh, &m); /* asked for, or the lane is full or shutting down: book now */
 	return 0;
 }
 

@@ -161,6 +161,12 @@ struct kvr_config {
 	 * (default 200 us, >= 1). */
 	uint32_t maint_every_tasks;
 	uint64_t maint_every_ns;
+	/* Admission booking.  false (default): kvr_route returns once the chosen rank has booked
+	 * the attempt's lease and load; the rank's shard writes the prompt's blocks into its
+	 * predicted cache and the index right after, so a decision taken microseconds later may
+	 * not see them yet (as with engine KV events).  true: kvr_route returns only after that
+	 * booking, so back-to-back decisions are exact and deterministic (simulation, tests). */
+	bool sync_booking;
 	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
 	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
 	uint64_t expected_prefill_ns;

@@ -32,7 +32,31 @@ int main()
 	CHECK(kvr_router_create(&cfg, &r) == KVR_ERANGE);
 	CHECK(std::strcmp(kvr_strerror(KVR_ERANGE), "value out of range") == 0);
 	kvr_config_init(&cfg);
+	cfg.n_shards = 2;
 	CHECK(kvr_router_create(&cfg, &r) == KVR_OK && r != nullptr);
+	// Embed a router and route: the second request for the same prompt goes to the same rank
+	// and sees its whole prefix cached.
+	for (uint64_t w = 0; w < 4; w++)
+		CHECK(kvr_rank_add(r, kvr_rank_id{w, 0}, 1, 10000, 8192) == KVR_OK);
+	std::vector<uint32_t> prompt(1000);
+	for (size_t i = 0; i < prompt.size(); i++)
+		prompt[i] = static_cast<uint32_t>(i * 31);
+	kvr_request req;
+	kvr_request_init(&req);
+	req.tokens = prompt.data();
+	req.n_tokens = prompt.size();
+	kvr_decision a{}, b{};
+	CHECK(kvr_route(r, &req, &a) == KVR_OK && a.status == KVR_DECIDED && a.attempt != 0);
+	CHECK(kvr_request_finish(r, a.attempt) == KVR_OK);
+	CHECK(kvr_route(r, &req, &b) == KVR_OK);
+	CHECK(b.rank.worker_id == a.rank.worker_id && b.overlap_blocks == 62);
+	CHECK(kvr_request_output(r, b.attempt, prompt.data(), 40) == KVR_OK);
+	CHECK(kvr_request_abort(r, b.attempt) == KVR_OK);
+	CHECK(kvr_request_abort(r, b.attempt) == KVR_ESTALE);
+	std::vector<char> text(1 << 16);
+	size_t len = 0;
+	CHECK(kvr_metrics_render(r, text.data(), text.size(), &len) == KVR_OK);
+	CHECK(std::strstr(text.data(), "kvr_routes_total 2") != nullptr);
 	kvr_router_destroy(r);
 	std::printf("cxx_api: %d failures\n", failures);
 	return failures ? 1 : 0;

@@ -22,6 +22,7 @@ static struct kvr_router *make(enum kvr_mode mode, int n_ranks, uint64_t cap, do
 	c.mode = mode;
 	c.now_ns = vclock;
 	c.queue_threshold = qthr;
+	c.sync_booking = true; /* back-to-back decisions see each other's blocks */
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	for (int w = 0; w < n_ranks; w++)
@@ -273,10 +274,13 @@ Test(router, lease_expires_idle_attempts)
 	uint32_t t[64];
 	prompt(t, 64, 13);
 	struct kvr_decision idle = route(r, t, 64, 0), busy = route(r, t, 64, 0);
+	/* Each interval: the scan runs (sync fires due timers), then the busy attempt progresses,
+	 * so it is TOUCHED at every scan while the idle one goes QUIET, then expires. */
 	for (int k = 1; k <= 3; k++) {
 		__atomic_store_n(&vnow, 1000 + k * 121ull * 1000000000ull, __ATOMIC_RELAXED);
-		cr_assert_eq(kvr_request_output(r, busy.attempt, t, 1), 0, "scan %d", k);
 		cr_assert_eq(kvr_router_sync(r, 5000), 0);
+		int orc = kvr_request_output(r, busy.attempt, t, 1);
+		cr_assert_eq(orc, 0, "scan %d rc %d", k, orc);
 	}
 	cr_assert_eq(kvr_request_finish(r, idle.attempt), KVR_ESTALE, "reaped");
 	cr_assert_eq(stats(r, 0).active_requests, 1);
@@ -420,6 +424,7 @@ static void queue_order(enum kvr_queue_policy pol, const uint64_t *expect)
 	c.queue_threshold = 1.0;
 	c.queue_policy = pol;
 	c.on_admit = on_admit;
+	c.sync_booking = true;
 	n_admitted = 0;
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
@@ -565,5 +570,26 @@ Test(router, metrics_render_prometheus)
 	cr_assert(strstr(buf, "kvr_route_seconds_count 1\n"));
 	cr_assert(strstr(buf, "kvr_rank_resident_blocks{worker=\"0\",dp_rank=\"0\"}") ||
 	          strstr(buf, "kvr_rank_resident_blocks{worker=\"1\",dp_rank=\"0\"} 4"));
+	kvr_router_destroy(r);
+}
+
+Test(router, async_booking_becomes_visible)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 1000, 0), 0);
+	uint32_t t[160];
+	prompt(t, 160, 80);
+	struct kvr_decision d = route(r, t, 160, 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	struct kvr_rank_stats s = stats(r, 0);
+	cr_assert_eq(s.active_blocks, 10);
+	cr_assert_eq(s.indexed_blocks, 10);
+	cr_assert_eq(route(r, t, 160, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 10);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(stats(r, 0).active_blocks, 0);
 	kvr_router_destroy(r);
 }
