@@ -34,7 +34,9 @@ ninja -C "$build" >/dev/null
 
 case "$mode" in
 run)
-	exec "$build/tools/kvr-demo" data/traces/mooncake/conversation_sample.jsonl
+	# Six routing policies over a simulated 8-rank vLLM cluster, on the same arrivals.
+	exec "$build/tools/replay/kvr-replay" --plot "$build/replay-plots" \
+		data/traces/mooncake/conversation_sample.jsonl
 	;;
 test)
 	exec meson test -C "$build" --print-errorlogs --num-processes 2
