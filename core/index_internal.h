@@ -146,17 +146,14 @@ struct kvr_index {
 	uint64_t pending; /* queued call_rcu callbacks (atomic) */
 };
 
-/* Node-table key of the child with local hash `local` below a node with key `pseq`.  Bijective in
- * local for a fixed pseq (so (parent, seq) names the local hash).  Context: any. */
+/* Node-table key of the child with local hash `local` below a node with key `pseq`.  Bijective
+ * in local for a fixed pseq (xor, odd multiply and xorshift each are), so (parent, seq) names
+ * the local hash.  Kept short (one multiply): readers compute it once per hop in a chain.
+ * Context: any. */
 static inline uint64_t idx_seq(uint64_t pseq, uint64_t local)
 {
-	uint64_t x = pseq * 0x9e3779b97f4a7c15ull + local;
-	x ^= x >> 33;
-	x *= 0xff51afd7ed558ccdull;
-	x ^= x >> 33;
-	x *= 0xc4ceb9fe1a85ec53ull;
-	x ^= x >> 33;
-	return x;
+	uint64_t x = (pseq ^ local) * 0x9e3779b97f4a7c15ull;
+	return x ^ (x >> 29);
 }
 
 static inline struct idx_seg *idx_seg_of(const struct kvr_index *idx, uint64_t seq)

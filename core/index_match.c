@@ -100,6 +100,7 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 		seq[i] = idx_seq(seq[i - 1], local[i]);
 	for (size_t i = 1; i < ahead; i++)
 		__builtin_prefetch(idx_home_entry(idx, seq[i]));
+	uint64_t last = seq[ahead - 1];
 
 	const struct idx_node *x = idx_lookup(idx, &idx->root, seq[0]);
 	if (!x)
@@ -137,8 +138,9 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 			break;
 		/* Keep the pipeline full: keys ahead, then entries, nodes and rank sets. */
 		if (ahead < n) {
-			seq[ahead % RING] = idx_seq(seq[(ahead - 1) % RING], local[ahead]);
-			__builtin_prefetch(idx_home_entry(idx, seq[ahead % RING]));
+			last = idx_seq(last, local[ahead]);
+			seq[ahead % RING] = last;
+			__builtin_prefetch(idx_home_entry(idx, last));
 			ahead++;
 		}
 		if (i + PF_NODE < ahead)
@@ -155,7 +157,10 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 		if (!c)
 			break;
 		v = __atomic_load_n(&c->ranks, __ATOMIC_ACQUIRE);
-		a = intersect(out, a, v, (uint32_t)i, cap, &f);
+		if (a == 1 && (v & 1) && (uint32_t)(v >> 1) == out[0].slot)
+			; /* the common case: one rank, still there */
+		else
+			a = intersect(out, a, v, (uint32_t)i, cap, &f);
 		if (a)
 			matched = (uint32_t)(i + 1);
 		x = c;
