@@ -115,7 +115,7 @@ struct idx_node *kvr_index_table_insert(struct kvr_index *idx, struct idx_node *
 					slot = i;
 				continue;
 			}
-			if (m->seq == n->seq &&
+			if (t->e[i].seq == n->seq && m->seq == n->seq &&
 			    __atomic_load_n(&m->parent, __ATOMIC_RELAXED) == n->parent) {
 				idx_unlock(&s->lock);
 				return m;
