@@ -53,8 +53,7 @@ static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 static void scratch_free(void *p)
 {
 	struct scratch *s = p;
-	kvr_free(s->local, s->hash_cap * sizeof(uint64_t));
-	kvr_free(s->seq, s->hash_cap * sizeof(uint64_t));
+	kvr_free(s->local, 2 * s->hash_cap * sizeof(uint64_t));
 	kvr_free(s->score, s->score_cap * sizeof(uint32_t));
 	kvr_free(s->match, s->match_cap * sizeof(*s->match));
 	kvr_free(s->cand, s->cand_cap * sizeof(*s->cand));
@@ -88,24 +87,23 @@ static int grow_arr(void **p, size_t *cap, size_t need, size_t elem, bool zero)
 	return 0;
 }
 
+/* local and seq live in one allocation of 2 x hash_cap, so they always grow together. */
 static int scratch_hashes(size_t n)
 {
 	if (n <= tls.hash_cap)
 		return 0;
-	size_t cap = tls.hash_cap;
-	int rc = grow_arr((void **)&tls.local, &cap, n, sizeof(uint64_t), false);
-	if (rc)
-		return rc;
-	size_t cap2 = tls.hash_cap;
-	rc = grow_arr((void **)&tls.seq, &cap2, n, sizeof(uint64_t), false);
-	if (rc) {
-		/* keep both arrays the same capacity */
-		uint64_t *l = kvr_alloc(tls.hash_cap ? tls.hash_cap * sizeof(uint64_t) : 8);
-		(void)l;
-		kvr_free(l, tls.hash_cap ? tls.hash_cap * sizeof(uint64_t) : 8);
-		return rc;
-	}
+	size_t cap = tls.hash_cap ? tls.hash_cap : 256;
+	while (cap < n)
+		cap *= 2;
+	uint64_t *p = kvr_alloc(2 * cap * sizeof(uint64_t));
+	if (!p)
+		return KVR_ENOMEM;
+	kvr_free(tls.local, 2 * tls.hash_cap * sizeof(uint64_t));
+	tls.local = p;
+	tls.seq = p + cap;
 	tls.hash_cap = cap;
+	pthread_once(&scratch_once, scratch_key_make);
+	pthread_setspecific(scratch_key, &tls);
 	return 0;
 }
 
@@ -176,9 +174,8 @@ static void add_candidate(struct kvr_router *r, uint32_t slot, size_t n_blocks, 
 /* Fills tls.cand with the eligible ranks and their overlap and load.  Returns the count, or a
  * negative error.  Context: inside the read section. */
 static long candidates(struct kvr_router *r, const struct kvr_request *q, size_t n_blocks,
-                       const struct kvr_live *live, uint64_t *gens)
+                       const struct kvr_live *live)
 {
-	(void)gens;
 	size_t n = 0;
 	if (q->pinned) {
 		uint32_t s;
@@ -253,9 +250,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			if (tls.match[i].score > best)
 				best = tls.match[i].score;
 		}
-		long nc = candidates(r, q, nb, live, NULL);
-		uint64_t gen = 0;
-		long pick = -1;
+		long nc = candidates(r, q, nb, live);
 		kvr_rcu_read_unlock();
 		for (size_t i = 0; i < nm; i++)
 			tls.score[tls.match[i].slot] = 0;
@@ -268,10 +263,10 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		uint64_t rng =
 		    cfg->seed ^ (__atomic_fetch_add(&r->rng_counter, 1, __ATOMIC_RELAXED) *
 		                 0x9e3779b97f4a7c15ull);
-		pick = kvr_select(&sp, tls.cand, (size_t)nc, &rng);
+		long pick = kvr_select(&sp, tls.cand, (size_t)nc, &rng);
 		struct kvr_candidate chosen = tls.cand[pick];
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
-		gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+		uint64_t gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
 		uint64_t t3 = mono_ns();
 
 		if (r->queue && !(q->flags & KVR_ROUTE_QUERY_ONLY)) {
