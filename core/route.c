@@ -163,6 +163,7 @@ static void add_candidate(struct kvr_router *r, uint32_t slot, size_t n_blocks, 
 	if (!__atomic_load_n(&pub->live, __ATOMIC_ACQUIRE))
 		return;
 	struct kvr_candidate *c = &tls.cand[(*n)++];
+	c->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
 	c->slot = slot;
 	c->overlap_blocks = tls.score[slot];
 	c->active_prefill_tokens = __atomic_load_n(&pub->prefill_tokens, __ATOMIC_RELAXED);
@@ -266,7 +267,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		long pick = kvr_select(&sp, tls.cand, (size_t)nc, &rng);
 		struct kvr_candidate chosen = tls.cand[pick];
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
-		uint64_t gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+		uint64_t gen = chosen.gen;
 		uint64_t t3 = mono_ns();
 
 		if (r->queue && !(q->flags & KVR_ROUTE_QUERY_ONLY)) {

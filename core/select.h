@@ -28,6 +28,7 @@ struct kvr_candidate {
 	uint64_t
 	    potential_decode_blocks; /* active blocks + this request's blocks not pinned there */
 	double cost;                 /* out: filled by kvr_select */
+	uint64_t gen;                /* the slot generation when read (not used by the selector) */
 };
 
 struct kvr_select_params {
