@@ -149,6 +149,11 @@ void kvr_alloc_fail_after(uint64_t nth)
 	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELAXED);
 }
 
+uint64_t kvr_alloc_fail_pending(void)
+{
+	return __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
+}
+
 int64_t kvr_alloc_live_bytes(void)
 {
 	return __atomic_load_n(&live_bytes, __ATOMIC_RELAXED);

@@ -28,6 +28,8 @@ void kvr_free_aligned(void *mem, size_t size);
 /* Test hooks: fail the nth allocation from now (1 = the next one); 0 disables.
  * Counts live bytes allocated through this seam.  Context: tests, single-threaded setup. */
 void kvr_alloc_fail_after(uint64_t nth);
+/* Allocations left before the armed failure (0: it fired, or none is armed). */
+uint64_t kvr_alloc_fail_pending(void);
 int64_t kvr_alloc_live_bytes(void);
 
 #endif /* KVR_CORE_ALLOC_H */

@@ -45,6 +45,7 @@ struct attempt_rec {
 	uint64_t prompt_tokens;
 	size_t size; /* bytes allocated for this record */
 	bool has_last;
+	bool booked; /* the predicted cache holds a lease for it (booking did not fail) */
 	bool chain_known;
 	bool in_prefill;
 	struct attempt_rec *prev, *next; /* the rank's live attempts */
@@ -578,6 +579,7 @@ static void admit_book(struct kvr_shard *sh, void *payload)
 			uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
 			if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n,
 			                           priv, now, &ss->out) == 0) {
+				rec->booked = true;
 				apply_removals(r, own, &ss->out);
 				store_run(ss, own, NULL, local, seq, overlap, n);
 				arm_ttl(sh, own);
@@ -674,7 +676,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 	struct kvr_shard_state *ss = state_of(sh);
 	struct kvr_router *r = ss->r;
 	uint32_t bs = r->cfg.block_size;
-	if (!rec->chain_known || !own->rs || rec->incarnation != own->incarnation)
+	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation)
 		return 0; /* tracked for liveness only */
 	size_t max_blocks = (rec->tail_n + n) / bs;
 	if (grow((void **)&ss->seq, &ss->seq_cap, 2 * (max_blocks ? max_blocks : 1),

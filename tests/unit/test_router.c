@@ -593,3 +593,63 @@ Test(router, async_booking_becomes_visible)
 	cr_assert_eq(stats(r, 0).active_blocks, 0);
 	kvr_router_destroy(r);
 }
+
+/* SQLite-style: fail the Nth allocation for N = 1, 2, ... through create, add, route, output,
+ * finish and destroy.  Every call must either succeed or say KVR_ENOMEM (or an error that
+ * follows from an earlier refusal), and nothing may crash or leak (ASan checks leaks). */
+#include "core/alloc.h"
+
+Test(router, out_of_memory_loop)
+{
+	uint32_t t[100];
+	prompt(t, 100, 90);
+	int completed = 0;
+	uint64_t nth;
+	for (nth = 1; nth < 400 && !completed; nth++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_shards = 1;
+		c.sync_booking = true;
+		kvr_alloc_fail_after(nth);
+		struct kvr_router *r = NULL;
+		int rc = kvr_router_create(&c, &r);
+		if (rc) {
+			cr_assert_eq(rc, KVR_ENOMEM, "create at %lu: %d", (unsigned long)nth, rc);
+			cr_assert_null(r);
+			continue;
+		}
+		int ok = 1;
+		rc = kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100, 0);
+		cr_assert(rc == 0 || rc == KVR_ENOMEM, "add: %d", rc);
+		ok &= rc == 0;
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 100;
+		struct kvr_decision d;
+		rc = kvr_route(r, &q, &d);
+		cr_assert(rc == 0 || rc == KVR_ENOMEM || (!ok && rc == KVR_ENOENT), "route: %d",
+		          rc);
+		if (rc == 0) {
+			rc = kvr_request_output(r, d.attempt, t, 40);
+			cr_assert(rc == 0 || rc == KVR_ENOMEM, "output: %d", rc);
+			rc = kvr_request_finish(r, d.attempt);
+			cr_assert_eq(rc, 0, "finish never needs memory: %d", rc);
+		} else {
+			ok = 0;
+		}
+		int fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		if (ok) {
+			struct kvr_rank_stats s;
+			cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){0, 0}, &s), 0);
+			cr_assert_eq(s.active_requests, 0);
+			cr_assert_eq(s.active_blocks, 0);
+			completed = !fired; /* a run in which no allocation failed: the end */
+		}
+		kvr_router_destroy(r);
+	}
+	kvr_alloc_fail_after(0);
+	cr_assert(completed, "the loop reached a run with enough memory");
+	cr_assert_gt(nth, 20, "failures were injected along the way (%lu)", (unsigned long)nth);
+}
