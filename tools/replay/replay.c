@@ -554,6 +554,16 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 				goto out;
 			}
 		}
+		/* Concurrent sample: before routing, when router and engines have seen the same
+		 * arrivals (after it, the router would be one admission ahead of the engine). */
+		if (run.chains && !cfg->serial && i > 0 && i % cfg->sample_every == 0) {
+			rc = agree(&run);
+			if (rc) {
+				snprintf(err, errlen, "policy %s: agreement: %s", ops->name,
+				         kvr_strerror(rc));
+				goto out;
+			}
+		}
 		if (tr->input_len > tok_cap) {
 			size_t nc = tr->input_len;
 			uint32_t *nt = realloc(tok, nc * sizeof(*nt));
@@ -608,7 +618,7 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 			if (rc)
 				goto sim_err;
 		}
-		if (run.chains && (cfg->serial || (i + 1) % cfg->sample_every == 0)) {
+		if (run.chains && cfg->serial) {
 			rc = agree(&run);
 			if (rc) {
 				snprintf(err, errlen, "policy %s: agreement: %s", ops->name,

@@ -8,13 +8,16 @@
  * submit there.  Then drain.  Everything is a function of (trace, config, policy): the same
  * inputs give the same numbers, except the CPU/wall times.
  *
- * Agreement (sample_every > 0, policies with resident+predict): every sample_every requests,
+ * Agreement (sample_every > 0, policies with resident+predict): every sample_every requests
+ * (just before routing the next one, when router and engines have seen the same arrivals),
  * per rank, the simulator's cached set S against the policy's predicted set R: Jaccard
  * |S n R| / |S u R| with |R| from resident() and |S n R| = blocks of S whose whole prefix the
  * policy predicts (one predict() per chain leaf of S; a block the policy holds without its
  * parent is not counted, so this is a lower bound).  With serial = true each request is
  * submitted only when the cluster is idle, and the sample is taken after every request: the
- * sets must be equal (exact_samples == samples) if the policy mirrors vLLM.
+ * sets must be equal (exact_samples == samples) if the policy mirrors vLLM.  Note: predict()
+ * is a query-only route, which advances the router's tie-break random stream, so sampling
+ * changes which of several equal-cost ranks later requests get (not the distribution).
  */
 #ifndef KVR_TOOLS_REPLAY_REPLAY_H
 #define KVR_TOOLS_REPLAY_REPLAY_H
