@@ -28,8 +28,20 @@
  * resident = copies + private; after every command, resident > capacity implies the inactive
  * list is empty (over-capacity made of active blocks is tolerated until releases).
  *
+ * Released private blocks (kvr_lru_set_keep_private).  A request's partial, unhashed tail
+ * block occupies a pool slot too.  In the issue's reference model it simply disappears at
+ * release, so its slot is free at once.  vLLM does not free it that way: the block goes to the
+ * free queue with the request's other blocks (tail first, so ahead of them), and a new
+ * allocation pops the queue head, which evicts older cached blocks before it ever reaches that
+ * unhashed one.  With keep_private on, a release turns each private block into a "phantom"
+ * copy: unhashed, inactive, deepest of its release; evicting it emits nothing.  The router runs
+ * in this mode (measured: it makes the serial replay exact under eviction with partial blocks);
+ * the reference lifecycle test runs in the default mode, as the issue writes it.
+ *
  * Failure model: each command first reserves everything it may need (slab slots, map room,
- * lease arrays, output room, sort scratch), then mutates without failing.
+ * lease arrays, output room, sort scratch), then mutates without failing.  In keep_private mode
+ * the slab always has room for every live private block to become a phantom, so a release never
+ * allocates.
  */
 #include "shards/lru.h"
 
@@ -48,6 +60,7 @@ struct copy {
 	uint64_t id; /* creation order, unique per rank */
 	uint32_t refs;
 	uint32_t pos;        /* position in the sequence of its latest holder */
+	uint32_t phantom;    /* 1: a released private block (unhashed, never hit) */
 	uint32_t hnext;      /* next copy of the same hash, or the free list */
 	uint32_t prev, next; /* inactive list */
 };
@@ -65,6 +78,8 @@ struct kvr_lru {
 	uint32_t c_cap, c_live, free_head;
 	uint32_t inact_head, inact_tail;
 	uint64_t n_inactive, priv, evictions, epoch, next_id;
+	uint64_t n_phantom;
+	bool keep_private;
 	struct kvr_u64map by_hash;
 	struct lease *leases;
 	uint32_t n_leases, leases_cap;
@@ -289,6 +304,7 @@ static uint32_t new_copy(struct kvr_lru *lru, const struct kvr_lru_block *b, uin
 	c->id = lru->next_id++;
 	c->refs = 1;
 	c->pos = pos;
+	c->phantom = 0;
 	c->hnext = NIL;
 	c->prev = c->next = NIL;
 	uint32_t *head = kvr_u64map_find(&lru->by_hash, b->seq);
@@ -310,6 +326,13 @@ static void evict_one(struct kvr_lru *lru, struct kvr_lru_out *out)
 	uint32_t i = lru->inact_head;
 	struct copy *c = &lru->c[i];
 	inactive_unlink(lru, i);
+	if (c->phantom) { /* an unhashed block reused: nothing to tell the index */
+		c->hnext = lru->free_head;
+		lru->free_head = i;
+		lru->c_live--;
+		lru->n_phantom--;
+		return;
+	}
 	uint32_t *head = kvr_u64map_find(&lru->by_hash, c->seq);
 	if (*head == i) {
 		if (c->hnext == NIL) {
@@ -355,7 +378,9 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	if (n >= NIL)
 		return KVR_ERANGE;
 	int rc;
-	if ((rc = reserve_copies(lru, n)) || (rc = reserve_scratch(lru, n)) ||
+	size_t keep = lru->keep_private ? (size_t)lru->priv + private_blocks : 0;
+	if ((rc = reserve_copies(lru, n + keep)) ||
+	    (rc = reserve_scratch(lru, n + private_blocks)) ||
 	    (rc = kvr_u64map_reserve(&lru->by_hash, n)) ||
 	    (rc = kvr_u64map_reserve(&lru->by_attempt, 1)) ||
 	    (rc = kvr_lru_out_reserve(out, n, eviction_bound(lru, n + private_blocks))))
@@ -412,7 +437,9 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 		return KVR_ERANGE;
 	uint64_t added = n + (private_blocks > l->priv ? private_blocks - l->priv : 0);
 	int rc;
-	if ((rc = reserve_copies(lru, n)) || (rc = reserve_scratch(lru, (size_t)l->n + n)) ||
+	size_t keep = lru->keep_private ? (size_t)(lru->priv - l->priv) + private_blocks : 0;
+	if ((rc = reserve_copies(lru, n + keep)) ||
+	    (rc = reserve_scratch(lru, (size_t)l->n + n + private_blocks)) ||
 	    (rc = kvr_u64map_reserve(&lru->by_hash, n)) || (rc = reserve_lease_copies(l, n)) ||
 	    (rc = kvr_lru_out_reserve(out, n, eviction_bound(lru, added))))
 		return rc;
@@ -459,10 +486,25 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 		return rc;
 	lru->epoch++;
 	lru->priv -= l->priv;
-	/* Walk the lease backwards: prompt and output blocks were appended in position order, so
-	 * the freed copies usually come out already sorted deepest first. */
 	size_t k = 0;
 	bool sorted = true;
+	/* keep_private: the private blocks stay as phantoms, deepest of this release (room in the
+	 * slab and the scratch was reserved when they were taken). */
+	for (uint32_t p = 0; lru->keep_private && p < l->priv; p++) {
+		uint32_t i = lru->free_head;
+		struct copy *c = &lru->c[i];
+		lru->free_head = c->hnext;
+		lru->c_live++;
+		lru->n_phantom++;
+		memset(c, 0, sizeof(*c));
+		c->phantom = 1;
+		c->id = lru->next_id++;
+		c->pos = UINT32_MAX - p;
+		c->hnext = NIL;
+		lru->scratch[k++] = i;
+	}
+	/* Walk the lease backwards: prompt and output blocks were appended in position order, so
+	 * the freed copies usually come out already sorted deepest first. */
 	for (uint32_t j = l->n; j-- > 0;) {
 		struct copy *c = &lru->c[l->copies[j]];
 		if (--c->refs == 0) {
@@ -513,6 +555,12 @@ size_t kvr_lru_overlap(const struct kvr_lru *lru, const uint64_t *seq, size_t n)
 	return i;
 }
 
+void kvr_lru_set_keep_private(struct kvr_lru *lru, bool on)
+{
+	if (lru && lru->c_live == 0 && lru->priv == 0)
+		lru->keep_private = on;
+}
+
 bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt)
 {
 	return lru && kvr_u64map_find(&lru->by_attempt, attempt) != NULL;
@@ -524,7 +572,8 @@ void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st)
 	if (!lru)
 		return;
 	st->capacity = lru->capacity;
-	st->copies = lru->c_live;
+	st->copies = lru->c_live - lru->n_phantom;
+	st->phantoms = lru->n_phantom;
 	st->private_blocks = lru->priv;
 	st->resident = lru->c_live + lru->priv;
 	st->hashes = lru->by_hash.count;

@@ -47,6 +47,7 @@ struct kvr_lru_stats {
 	uint64_t copies;   /* physical hashed blocks */
 	uint64_t hashes;   /* distinct sequence hashes present */
 	uint64_t private_blocks;
+	uint64_t phantoms;  /* released private blocks still holding a slot (keep_private mode) */
 	uint64_t inactive;  /* copies with no holder (evictable) */
 	uint64_t leases;    /* live attempts */
 	uint64_t evictions; /* copies evicted since create */
@@ -101,6 +102,11 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 
 /* How many leading hashes of seq[0..n) are present on the rank (any copy). */
 size_t kvr_lru_overlap(const struct kvr_lru *lru, const uint64_t *seq, size_t n);
+
+/* keep_private mode (see lru.c): a released private block keeps its slot as an unhashed
+ * inactive block, evicted first of its release, as vLLM's free queue does.  Default off (the
+ * issue's reference model).  Only takes effect on an empty LRU. */
+void kvr_lru_set_keep_private(struct kvr_lru *lru, bool on);
 
 /* Whether the attempt holds a live lease. */
 bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt);

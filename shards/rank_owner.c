@@ -120,7 +120,7 @@ static void publish(struct kvr_router *r, struct kvr_rank_pub *pub, struct kvr_r
 		if (lru) {
 			struct kvr_lru_stats ls;
 			kvr_lru_stats(lru, &ls);
-			resident = ls.resident;
+			resident = ls.hashes;
 		} else {
 			resident = kvr_index_tree_size(r->index, own->slot);
 		}
@@ -334,6 +334,7 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 		rc = kvr_rank_state_create(r->cfg.ttl_ns, KVR_TTL_BUCKET_NS, &own->rs);
 		if (rc)
 			goto fail;
+		kvr_rank_state_set_keep_private(own->rs, true); /* as vLLM's free queue */
 		rc = kvr_rank_state_set_capacity(
 		    own->rs, a->incarnation, initial_capacity(r, a->capacity), &state_of(sh)->out);
 		if (rc)
@@ -500,7 +501,7 @@ int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 	if (own->rs && kvr_rank_state_lru(own->rs)) {
 		struct kvr_lru_stats lst;
 		kvr_lru_stats(kvr_rank_state_lru(own->rs), &lst);
-		st->resident_blocks = lst.resident;
+		st->resident_blocks = lst.hashes;
 	}
 	st->active_blocks = ls.active_blocks;
 	st->active_prefill_tokens = kvr_load_prefill_tokens(own->load, now_ns(r));

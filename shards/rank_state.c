@@ -23,6 +23,7 @@
 #include "shards/u64map.h"
 
 struct kvr_rank_state {
+	bool keep_private; /* LRUs created keep released private blocks (lru.c) */
 	enum kvr_rank_mode mode;
 	uint64_t incarnation;
 	uint64_t ttl_ns, bucket_ns;
@@ -72,6 +73,8 @@ static int fresh(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t capac
 	                      : kvr_ttl_create(rs->ttl_ns, rs->bucket_ns, &ttl);
 	if (rc)
 		return rc;
+	if (lru)
+		kvr_lru_set_keep_private(lru, rs->keep_private);
 	drop_store(rs);
 	rs->lru = lru;
 	rs->ttl = ttl;
@@ -216,4 +219,10 @@ uint64_t kvr_rank_state_incarnation(const struct kvr_rank_state *rs)
 const struct kvr_lru *kvr_rank_state_lru(const struct kvr_rank_state *rs)
 {
 	return rs ? rs->lru : NULL;
+}
+
+void kvr_rank_state_set_keep_private(struct kvr_rank_state *rs, bool on)
+{
+	if (rs)
+		rs->keep_private = on;
 }

@@ -34,6 +34,10 @@ struct kvr_rank_state;
 /* Creates an ABSENT rank slot.  ttl_ns (> 0) and bucket_ns configure TTL mode (see
  * shards/ttl.h).  Returns 0, KVR_EINVAL or KVR_ENOMEM. */
 int kvr_rank_state_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_rank_state **out);
+/* LRUs this rank creates from now on run in keep_private mode (see shards/lru.c): how vLLM
+ * treats a request's partial block at release.  The router turns it on. */
+void kvr_rank_state_set_keep_private(struct kvr_rank_state *rs, bool on);
+
 /* NULL is a no-op. */
 void kvr_rank_state_destroy(struct kvr_rank_state *rs);
 

@@ -300,3 +300,61 @@ Test(lru, out_of_memory_changes_nothing)
 			break;
 	}
 }
+
+/* keep_private (vLLM's free queue): a released partial block keeps its pool slot, queued
+ * deepest of its release, so a later allocation evicts OLDER cached blocks before it reuses
+ * that unhashed slot.  In the default (reference) mode the slot is free at once. */
+static void keep_private_case(bool keep, const uint64_t *want, size_t n_want)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_lru_create(5, &lru), 0);
+	kvr_lru_set_keep_private(lru, keep);
+	struct kvr_lru_block b[2];
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 1, b, 2, 0, &out), 0);
+	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0); /* inactive: 2, 1 */
+	blocks(b, (uint64_t[]){3}, 1);
+	cr_assert_eq(kvr_lru_acquire(lru, 2, b, 1, 1, &out), 0); /* + one partial block */
+	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);          /* inactive: 2, 1, (partial), 3 */
+	cr_assert_eq(resident(lru), keep ? 4 : 3);
+	blocks(b, (uint64_t[]){7, 8}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 2, 0, &out), 0);
+	cr_assert_eq(out.n_evicted, n_want);
+	for (size_t i = 0; i < n_want; i++)
+		cr_assert_eq(out.evicted_seq[i], want[i]);
+	cr_assert_eq(resident(lru), 5);
+	struct kvr_lru_stats st;
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.phantoms, keep ? 1 : 0);
+	cr_assert_eq(st.hashes, keep ? 4 : 5);
+	kvr_lru_out_fini(&out);
+	kvr_lru_destroy(lru);
+}
+
+Test(lru, keep_private_evicts_older_blocks_first)
+{
+	keep_private_case(true, (uint64_t[]){2}, 1);
+	keep_private_case(false, NULL, 0);
+}
+
+Test(lru, keep_private_phantom_evicted_silently)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_lru_create(3, &lru), 0);
+	kvr_lru_set_keep_private(lru, true);
+	struct kvr_lru_block b[3];
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 1, b, 2, 1, &out), 0);
+	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0); /* inactive: (partial), 2, 1 */
+	blocks(b, (uint64_t[]){5}, 1);
+	cr_assert_eq(kvr_lru_acquire(lru, 2, b, 1, 0, &out), 0);
+	cr_assert_eq(out.n_evicted, 0, "the partial block's slot is reused first, silently");
+	cr_assert_eq(kvr_lru_overlap(lru, (uint64_t[]){1, 2}, 2), 2);
+	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);
+	kvr_lru_out_fini(&out);
+	kvr_lru_destroy(lru);
+}

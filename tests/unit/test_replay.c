@@ -274,7 +274,7 @@ Test(replay, serial_lru_partial_blocks_under_eviction)
 	serial_check(&replay_policy_approx_lru, 700, false, false);
 }
 
-Test(replay, serial_lru_exact_partial_blocks_under_eviction, .disabled = true)
+Test(replay, serial_lru_exact_partial_blocks_under_eviction)
 {
 	serial_check(&replay_policy_approx_lru, 700, false, true);
 }
