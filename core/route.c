@@ -261,9 +261,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return (int)nc;
 		}
-		uint64_t rng =
-		    cfg->seed ^ (__atomic_fetch_add(&r->rng_counter, 1, __ATOMIC_RELAXED) *
-		                 0x9e3779b97f4a7c15ull);
+		/* One random stream per decision; query-only decisions read the counter without
+		 * advancing it, so asking "where would it go?" never changes later decisions. */
+		uint64_t k = (q->flags & KVR_ROUTE_QUERY_ONLY)
+		                 ? __atomic_load_n(&r->rng_counter, __ATOMIC_RELAXED) ^ (1ull << 63)
+		                 : __atomic_fetch_add(&r->rng_counter, 1, __ATOMIC_RELAXED);
+		uint64_t rng = cfg->seed ^ (k * 0x9e3779b97f4a7c15ull);
 		long pick = kvr_select(&sp, tls.cand, (size_t)nc, &rng);
 		struct kvr_candidate chosen = tls.cand[pick];
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
