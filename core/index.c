@@ -547,6 +547,22 @@ uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot)
 	return __atomic_load_n(&idx->rank[slot].tree_size, __ATOMIC_RELAXED);
 }
 
+size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap)
+{
+	struct idx_rank *rk = idx ? kvr_index_rank_get_active(idx, slot) : NULL;
+	if (!rk || !rk->map.e)
+		return 0;
+	size_t n = 0;
+	for (uint64_t i = 0; i <= rk->map.mask; i++) {
+		if (!rk->map.e[i].node)
+			continue;
+		if (n < cap && out)
+			out[n] = rk->map.e[i].ext;
+		n++;
+	}
+	return n;
+}
+
 static uint64_t ld(const uint64_t *p)
 {
 	return __atomic_load_n(p, __ATOMIC_RELAXED);

@@ -147,6 +147,10 @@ void kvr_index_quiesce(struct kvr_index *idx);
 /* Blocks indexed for a slot (0 for a free slot).  Context: any thread, relaxed read. */
 uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot);
 
+/* The external hashes the slot holds: up to cap written to out (may be NULL), the total count
+ * returned (0 for a free slot).  Context: the slot's writer thread. */
+size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap);
+
 /* A snapshot of the counters.  Context: any thread. */
 void kvr_index_stats_get(const struct kvr_index *idx, struct kvr_index_stats *st);
 

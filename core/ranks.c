@@ -135,3 +135,16 @@ int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank, struct kvr
 	struct kvr_rank_args a = {.stats = out};
 	return rank_call(r, rank, kvr_owner_rank_stats, &a);
 }
+
+int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out, size_t cap,
+                    size_t *n_out)
+{
+	if (!n_out || (!out && cap))
+		return KVR_EINVAL;
+	*n_out = 0;
+	struct kvr_rank_args a = {.blocks = out, .cap = cap};
+	int rc = rank_call(r, rank, kvr_owner_rank_blocks, &a);
+	if (rc == 0 || rc == KVR_ERANGE)
+		*n_out = a.n;
+	return rc;
+}

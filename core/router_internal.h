@@ -134,6 +134,8 @@ struct kvr_rank_args {
 	uint64_t incarnation;
 	uint64_t capacity;
 	struct kvr_rank_stats *stats;
+	uint64_t *blocks; /* kvr_owner_rank_blocks: out, cap in / count out */
+	size_t cap, n;
 };
 
 /* shards/rank_owner.c: shard-thread side.  All run on the slot's shard thread via
@@ -143,6 +145,7 @@ int kvr_owner_rank_destroy(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_rank_capacity(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_rank_reset(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_rank_stats(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_rank_blocks(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_admit(struct kvr_shard *sh, void *admit_args);
 int kvr_owner_progress(struct kvr_shard *sh, void *progress_args);
 int kvr_owner_event(struct kvr_shard *sh, void *event_args);

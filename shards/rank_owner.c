@@ -512,6 +512,16 @@ int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 	return 0;
 }
 
+int kvr_owner_rank_blocks(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	struct kvr_rank_args *a = arg;
+	if (!owned(a->r, a->slot, a->gen))
+		return KVR_ENOENT;
+	a->n = kvr_index_rank_blocks(a->r->index, a->slot, a->blocks, a->cap);
+	return a->n > a->cap ? KVR_ERANGE : 0;
+}
+
 /* ---------------------------------------------------------------- requests */
 
 static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const uint64_t *seq,

@@ -259,6 +259,16 @@ struct kvr_rank_stats {
 KVR_API int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank,
                                struct kvr_rank_stats *out);
 
+/*
+ * The blocks the router believes the rank caches (approx modes: predicted; events mode: as the
+ * engine reported), as external hashes (the sequence hashes of kvr_hash_blocks in approx
+ * modes).  Writes up to cap hashes to out (any order); *n_out (required) gets the total.
+ * Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT, KVR_EINVAL.
+ * Context: any thread; one round trip to the rank's shard.  For observability and tests.
+ */
+KVR_API int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out,
+                            size_t cap, size_t *n_out);
+
 /* ---------------------------------------------------------------- routing */
 
 enum kvr_route_flags {

@@ -243,6 +243,26 @@ Test(router, capacity_bounds_the_prediction)
 	cr_assert_eq(s.resident_blocks, 30);
 	cr_assert_eq(s.evictions, 10);
 	cr_assert_eq(route(r, a, 320, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 10);
+	/* the predicted set itself: b's 20 blocks and a's first 10 */
+	uint64_t got[64], sa[20], sb[20];
+	size_t n = 0;
+	kvr_hash_blocks(a, 320, 16, NULL, NULL, sa);
+	kvr_hash_blocks(b, 320, 16, NULL, NULL, sb);
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){0, 0}, got, 4, &n), KVR_ERANGE);
+	cr_assert_eq(n, 30);
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){0, 0}, got, 64, &n), 0);
+	cr_assert_eq(n, 30);
+	for (int i = 0; i < 20; i++) {
+		int in_a = 0, in_b = 0;
+		for (size_t k = 0; k < n; k++) {
+			in_a |= got[k] == sa[i];
+			in_b |= got[k] == sb[i];
+		}
+		cr_assert_eq(in_a, i < 10, "a block %d", i);
+		cr_assert(in_b, "b block %d", i);
+	}
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){5, 0}, got, 64, &n), KVR_ENOENT);
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){0, 0}, NULL, 64, &n), KVR_EINVAL);
 	cr_assert_eq(kvr_rank_set_capacity(r, (struct kvr_rank_id){0, 0}, 1, 20), 0);
 	cr_assert_eq(stats(r, 0).resident_blocks, 20);
 	kvr_router_destroy(r);

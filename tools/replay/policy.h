@@ -84,6 +84,9 @@ struct replay_policy_ops {
 	int (*resident)(void *state, uint32_t rank, uint64_t *blocks);
 	int (*predict)(void *state, uint32_t rank, const uint64_t *local, size_t n,
 	               uint32_t *overlap);
+	/* The exact predicted set (optional; preferred when present): writes the rank's block
+	 * hashes into a malloc'ed *out (the caller frees it) and their count into *n. */
+	int (*blocks)(void *state, uint32_t rank, uint64_t **out, size_t *n);
 };
 
 /* Baselines (policy_basic.c). */

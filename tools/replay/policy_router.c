@@ -216,13 +216,37 @@ static int rp_predict(void *state, uint32_t rank, const uint64_t *local, size_t 
 	return 0;
 }
 
+static int rp_blocks(void *state, uint32_t rank, uint64_t **out, size_t *n)
+{
+	struct rp *p = state;
+	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
+	size_t cap = 0;
+	uint64_t *buf = NULL;
+	int rc;
+	*out = NULL;
+	*n = 0;
+	while ((rc = kvr_rank_blocks(p->r, id, buf, cap, n)) == KVR_ERANGE) {
+		free(buf);
+		cap = *n + 64;
+		buf = malloc(cap * sizeof(*buf));
+		if (!buf)
+			return KVR_ENOMEM;
+	}
+	if (rc) {
+		free(buf);
+		return rc;
+	}
+	*out = buf;
+	return 0;
+}
+
 #define ROUTER_POLICY(NAME, CREATE, EVENTS)                                                        \
 	{                                                                                          \
 		.name = NAME, .predicts = true, .wants_events = EVENTS, .create = CREATE,          \
 		.destroy = rp_destroy, .route = rp_route, .kv_event = rp_kv_event,                 \
 		.first_token = rp_first_token, .output = rp_output, .finished = rp_finished,       \
 		.aborted = rp_aborted, .sync = rp_sync, .resident = rp_resident,                   \
-		.predict = rp_predict,                                                             \
+		.predict = rp_predict, .blocks = rp_blocks,                                        \
 	}
 
 const struct replay_policy_ops replay_policy_events = ROUTER_POLICY("events", events_create, true);

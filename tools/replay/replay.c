@@ -271,9 +271,58 @@ static bool in_sorted(const uint64_t *s, size_t n, uint64_t h)
 	return bsearch(&h, s, n, sizeof(*s), cmp_u64) != NULL;
 }
 
+static void agree_record(struct replay_result *res, uint64_t n, uint64_t pred, uint64_t inter)
+{
+	uint64_t uni = n + pred - (inter < pred ? inter : pred);
+	double j = uni ? (double)inter / (double)uni : 1.0;
+	res->agree_samples++;
+	res->agree_exact += inter == n && pred == n;
+	res->agree_subset += inter == n;
+	res->jaccard_mean += j;
+	if (j < res->jaccard_min)
+		res->jaccard_min = j;
+	res->sim_cached_sum += n;
+	res->pred_resident_sum += pred;
+}
+
+/* Exact agreement from the policy's predicted set: |sim|, |pred| and |sim & pred|. */
+static int agree_rank_exact(struct run *run, uint32_t rank)
+{
+	size_t n = sim_cluster_cached_hashes(run->sim, rank, NULL, 0), np = 0;
+	uint64_t *s = malloc((n + 1) * sizeof(*s)), *pred = NULL;
+	if (!s)
+		return KVR_ENOMEM;
+	n = sim_cluster_cached_hashes(run->sim, rank, s, n);
+	int rc = run->ops->blocks(run->ps, rank, &pred, &np);
+	if (rc) {
+		free(s);
+		return rc;
+	}
+	qsort(s, n, sizeof(*s), cmp_u64);
+	qsort(pred, np, sizeof(*pred), cmp_u64);
+	uint64_t inter = 0;
+	for (size_t i = 0, k = 0; i < n && k < np;) {
+		if (s[i] == pred[k]) {
+			inter++;
+			i++;
+			k++;
+		} else if (s[i] < pred[k]) {
+			i++;
+		} else {
+			k++;
+		}
+	}
+	agree_record(run->res, n, np, inter);
+	free(s);
+	free(pred);
+	return 0;
+}
+
 /* One agreement sample of one rank; returns 0 or an error. */
 static int agree_rank(struct run *run, uint32_t rank)
 {
+	if (run->ops->blocks)
+		return agree_rank_exact(run, rank);
 	struct replay_result *res = run->res;
 	size_t n = sim_cluster_cached_hashes(run->sim, rank, NULL, 0);
 	uint64_t *s = malloc((n + 1) * sizeof(*s)), *par = malloc((n + 1) * sizeof(*par));
@@ -340,16 +389,7 @@ static int agree_rank(struct run *run, uint32_t rank)
 	rc = run->ops->resident(run->ps, rank, &pred);
 	if (rc)
 		goto out;
-	uint64_t uni = (uint64_t)n + pred - (inter < pred ? inter : pred);
-	double j = uni ? (double)inter / (double)uni : 1.0;
-	res->agree_samples++;
-	res->agree_exact += inter == n && pred == n;
-	res->agree_subset += inter == n;
-	res->jaccard_mean += j;
-	if (j < res->jaccard_min)
-		res->jaccard_min = j;
-	res->sim_cached_sum += n;
-	res->pred_resident_sum += pred;
+	agree_record(res, n, pred, inter);
 	rc = 0;
 out:
 	free(s);
