@@ -354,10 +354,12 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 	own->ttl_deadline = UINT64_MAX;
 	own->slot = slot;
 	struct kvr_rank_pub *pub = &r->ranks[slot];
-	pub->worker_id = a->worker_id;
-	pub->dp_rank = a->dp_rank;
-	pub->shard = kvr_shard_index(sh);
-	pub->max_batched_tokens = a->max_batched_tokens;
+	/* Identity: atomic stores, since a stale attempt id may still lead a caller to read this
+	 * slot's shard while the slot is being reused (it then gets KVR_ESTALE from that shard). */
+	__atomic_store_n(&pub->worker_id, a->worker_id, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->dp_rank, a->dp_rank, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->shard, kvr_shard_index(sh), __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->max_batched_tokens, a->max_batched_tokens, __ATOMIC_RELAXED);
 	pub->own = own;
 	struct kvr_shard_state *ss = state_of(sh);
 	own->next = ss->ranks;
