@@ -14,9 +14,10 @@
  *
  * Memory.  A node is 32 bytes (seq, parent, tagged rank set, lock word, child count); a node
  * with exactly one rank stores it inline in the tagged word, so the common chain costs no rank
- * array.  Table entries are 16 bytes at load <= 3/4.  Each rank keeps a private ext hash -> node
- * map (linear probing, backward-shift deletion, load <= 0.8), 16 bytes per entry: that map plus
- * rank-set entries is the per-copy cost.
+ * array.  Table entries are 16 bytes at load <= 1/2 (tombstones included: short probes for
+ * the writers' unsuccessful lookups and inserts, 10% more apply rate than 3/4).  Each rank keeps a
+ * private ext hash -> node map (linear probing, backward-shift deletion, load <= 0.8), 16 bytes per
+ * entry: that map plus rank-set entries is the per-copy cost.
  *
  * Why not liburcu's rculfhash or ck_hs.  rculfhash would give a lock-free resizable node table,
  * but its split-ordered lists make a lookup a chain walk whose addresses cannot be computed
@@ -123,7 +124,7 @@ struct idx_node *kvr_index_table_insert(struct kvr_index *idx, struct idx_node *
 		}
 	}
 	uint64_t used = (uint64_t)s->count + s->tombs + 1;
-	if (!t || (slot != UINT64_MAX && t->e[slot].node == NULL && used * 4 > (t->mask + 1) * 3)) {
+	if (!t || (slot != UINT64_MAX && t->e[slot].node == NULL && used * 2 > t->mask + 1)) {
 		if (seg_rebuild(idx, s, cap_for(s->count + 1), rt) != 0) {
 			idx_unlock(&s->lock);
 			return NULL;

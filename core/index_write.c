@@ -474,10 +474,35 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 	struct idx_retire *rt = &r->pend;
 	size_t nf = 0, removed = 0;
 	kvr_rcu_read_lock();
-	enum { PF = 8 };
+	/* Three-stage prefetch, as find_matches does: the ext-map entry PF_X blocks ahead, then
+	 * the node it names PF_N ahead (for writing: its lock is taken), then the node's table
+	 * entry PF_T ahead (for the delete when it dies).  The map entries and nodes are this
+	 * rank's (only this thread removes them), so peeking them ahead is safe; a peek that
+	 * misses (a duplicate hash) only wastes a prefetch. */
+	enum { PF_X = 16, PF_N = 8, PF_T = 4, RING = 8 };
+	struct idx_node *ring[RING];
+	for (size_t j = 0; j < n && j < PF_X; j++)
+		if (r->map.e)
+			__builtin_prefetch(&r->map.e[xhome(&r->map, ext[j])]);
+	for (size_t j = 0; j < n && j < PF_N; j++) {
+		ring[j % RING] = xmap_find(&r->map, ext[j]);
+		if (ring[j % RING])
+			__builtin_prefetch(ring[j % RING], 1);
+	}
+	for (size_t j = 0; j < n && j < PF_T; j++)
+		if (ring[j % RING])
+			__builtin_prefetch(idx_home_entry(idx, ring[j % RING]->seq));
 	for (size_t i = 0; i < n; i++) {
-		if (i + PF < n && r->map.e)
-			__builtin_prefetch(&r->map.e[xhome(&r->map, ext[i + PF])]);
+		if (i + PF_X < n && r->map.e)
+			__builtin_prefetch(&r->map.e[xhome(&r->map, ext[i + PF_X])]);
+		if (i + PF_N < n) {
+			struct idx_node *pn = xmap_find(&r->map, ext[i + PF_N]);
+			ring[(i + PF_N) % RING] = pn;
+			if (pn)
+				__builtin_prefetch(pn, 1);
+		}
+		if (i + PF_T < n && ring[(i + PF_T) % RING])
+			__builtin_prefetch(idx_home_entry(idx, ring[(i + PF_T) % RING]->seq));
 		struct idx_node *x = xmap_del(&r->map, ext[i]);
 		if (!x) {
 			nf++;

@@ -11,7 +11,10 @@
  *    under one mutex, same readers and writer.
  * Prints one SUMMARY line per (readers, writers); never asserts timings.
  *
- * usage: bench_index [trace.jsonl] [--ms N] [--max-requests N]
+ * usage: bench_index [trace.jsonl] [--ms N] [--max-requests N] [--writer-iters N]
+ *   --writer-iters N: after the load, run N writer iterations (removed + stored events) on this
+ *   thread in writer_iters() and exit: a deterministic workload for
+ *   valgrind --tool=callgrind --toggle-collect=writer_iters (instructions per block op).
  *   trace default /work/shared/traces/mooncake/conversation_trace.jsonl, falling back to
  *   data/traces/mooncake/conversation_sample.jsonl.
  */
@@ -353,6 +356,25 @@ static void *writer(void *a)
 	return NULL;
 }
 
+/* The writer loop without threads or clocks, a fixed number of iterations; returns block ops. */
+static __attribute__((noinline)) uint64_t writer_iters(uint64_t iters)
+{
+	uint64_t rng = 12345, ops = 0;
+	uint64_t *ext = malloc(65536 * sizeof(uint64_t));
+	for (uint64_t it = 0; it < iters; it++) {
+		rng = rng * 6364136223846793005ull + 1;
+		const struct req *r = &reqs[(rng >> 33) % nreq];
+		size_t from = r->n / 2;
+		for (size_t i = from; i < r->n; i++)
+			ext[i - from] = r->b[i].ext_hash;
+		kvr_index_remove(idx, slots[r->rank], ext, r->n - from, NULL);
+		kvr_index_store(idx, slots[r->rank], NULL, r->b, r->n);
+		ops += 2 * (r->n - from);
+	}
+	free(ext);
+	return ops;
+}
+
 /* Runs R readers and W writers for ms; returns reader ops/s, fills percentiles. */
 static double run(int nr, int nw, int baseline, double *p50, double *p99, double *p999,
                   double *wrate)
@@ -395,11 +417,14 @@ int main(int argc, char **argv)
 {
 	const char *path = NULL;
 	size_t max_req = SIZE_MAX;
+	uint64_t witers = 0;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--ms") && i + 1 < argc)
 			ms = atof(argv[++i]);
 		else if (!strcmp(argv[i], "--max-requests") && i + 1 < argc)
 			max_req = (size_t)atoll(argv[++i]);
+		else if (!strcmp(argv[i], "--writer-iters") && i + 1 < argc)
+			witers = (uint64_t)atoll(argv[++i]);
 		else
 			path = argv[i];
 	}
@@ -436,6 +461,24 @@ int main(int argc, char **argv)
 	       (unsigned long)kvr_index_memory_bytes(idx), (unsigned long)st.bytes_shared,
 	       (unsigned long)st.bytes_per_rank);
 
+	if (witers) {
+		uint64_t t1 = now_ns();
+		uint64_t ops = writer_iters(witers);
+		double s = (double)(now_ns() - t1) * 1e-9;
+		printf("# writer_iters=%lu block_ops=%lu apply_block_ops_s=%.0f\n",
+		       (unsigned long)witers, (unsigned long)ops, (double)ops / s);
+		kvr_index_destroy(idx);
+		return 0;
+	}
+	if (witers) {
+		uint64_t t1 = now_ns();
+		uint64_t ops = writer_iters(witers);
+		double s = (double)(now_ns() - t1) * 1e-9;
+		printf("# writer_iters=%lu block_ops=%lu apply_block_ops_s=%.0f\n",
+		       (unsigned long)witers, (unsigned long)ops, (double)ops / s);
+		kvr_index_destroy(idx);
+		return 0;
+	}
 	uint64_t cap = 1;
 	while (cap < total_blocks * 2)
 		cap <<= 1;
