@@ -177,6 +177,8 @@ static void add_candidate(struct kvr_router *r, uint32_t slot, size_t n_blocks, 
 static long candidates(struct kvr_router *r, const struct kvr_request *q, size_t n_blocks,
                        const struct kvr_live *live)
 {
+	/* The request's decode footprint: its prompt blocks plus the output it expects. */
+	n_blocks += q->expected_output_tokens / r->cfg.block_size;
 	size_t n = 0;
 	if (q->pinned) {
 		uint32_t s;

@@ -283,9 +283,9 @@ struct kvr_request {
 	size_t n_tokens;
 	const uint64_t *local_hashes;
 	size_t n_hashes;
-	const char *lora_name; /* borrowed; NULL = none */
-	uint64_t request_id;   /* the frontend's id, for probes and logs */
-	uint32_t expected_output_tokens;
+	const char *lora_name;            /* borrowed; NULL = none */
+	uint64_t request_id;              /* the frontend's id, for probes and logs */
+	uint32_t expected_output_tokens;  /* adds to the request's potential decode blocks */
 	uint32_t flags;                   /* enum kvr_route_flags */
 	const struct kvr_rank_id *pinned; /* route here (must be in allow if both are set) */
 	const struct kvr_rank_id *allow;  /* candidates restricted to these */
