@@ -197,8 +197,9 @@ struct kvr_router;
  */
 KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out);
 
-/* Stops the shard threads, frees everything.  NULL is a no-op.  No other call on this router
- * may start after destroy begins; calls already in flight get KVR_ESHUTDOWN. */
+/* Stops the shard threads, frees everything.  NULL is a no-op.  Like any destroy, it must not
+ * race with other calls on the router: stop (join) the threads that use it first.  Threads
+ * blocked in kvr_route_wait are woken with KVR_ESHUTDOWN before anything is freed. */
 KVR_API void kvr_router_destroy(struct kvr_router *router);
 
 /* The router's current time on its clock, ns. */
