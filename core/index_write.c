@@ -29,16 +29,27 @@ static size_t xbytes(uint64_t mask)
 	return (size_t)(mask + 1) * sizeof(struct idx_xent);
 }
 
-static struct idx_node *xmap_find(const struct idx_xmap *m, uint64_t ext)
+/* Returns ext's node, or NULL with *hole = the empty entry that ended the probe (where
+ * xmap_put() would put ext; UINT64_MAX without an array). */
+static struct idx_node *xmap_find_hole(const struct idx_xmap *m, uint64_t ext, uint64_t *hole)
 {
+	*hole = UINT64_MAX;
 	if (!m->e)
 		return NULL;
 	for (uint64_t i = xhome(m, ext);; i = (i + 1) & m->mask) {
-		if (!m->e[i].node)
+		if (!m->e[i].node) {
+			*hole = i;
 			return NULL;
+		}
 		if (m->e[i].ext == ext)
 			return m->e[i].node;
 	}
+}
+
+static struct idx_node *xmap_find(const struct idx_xmap *m, uint64_t ext)
+{
+	uint64_t hole;
+	return xmap_find_hole(m, ext, &hole);
 }
 
 static void xmap_put(struct idx_xmap *m, uint64_t ext, struct idx_node *n)
@@ -99,9 +110,9 @@ static struct idx_node *xmap_del(struct idx_xmap *m, uint64_t ext)
 	m->count--;
 	for (uint64_t j = (i + 1) & m->mask; m->e[j].node; j = (j + 1) & m->mask) {
 		uint64_t k = xhome(m, m->e[j].ext);
-		/* Move e[j] into the hole at i unless its home lies cyclically in (i, j]. */
-		bool stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
-		if (!stays) {
+		/* Move e[j] into the hole at i unless its home lies cyclically in (i, j], i.e.
+		 * when it sits at least as far from its home as from the hole. */
+		if (((j - k) & m->mask) >= ((j - i) & m->mask)) {
 			m->e[i] = m->e[j];
 			m->e[j].node = NULL;
 			i = j;
@@ -417,7 +428,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			break;
 		}
 		uint64_t seq = ring[i % RING];
-		struct idx_node *e = xmap_find(&r->map, b.ext_hash);
+		uint64_t hole;
+		struct idx_node *e = xmap_find_hole(&r->map, b.ext_hash, &hole);
 		if (e) {
 			if (e->seq != seq || e->parent != p) {
 				rc = KVR_EINVAL; /* this ext hash names another block of the rank */
@@ -426,6 +438,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			p = e; /* already held: idempotent */
 		} else {
 			struct idx_node *x;
+			const struct idx_xent *before = r->map.e;
 			if (xmap_reserve(idx, &r->map, 1) != 0) {
 				rc = KVR_ENOMEM;
 				break;
@@ -439,7 +452,15 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				rc = a;
 				break;
 			}
-			xmap_put(&r->map, b.ext_hash, x);
+			if (r->map.e == before && hole != UINT64_MAX) {
+				/* Not resized: the miss above ended at ext's place (saves a probe).
+				 */
+				r->map.e[hole].ext = b.ext_hash;
+				r->map.e[hole].node = x;
+				r->map.count++;
+			} else {
+				xmap_put(&r->map, b.ext_hash, x);
+			}
 			added++;
 			p = x;
 		}

@@ -15,6 +15,7 @@
  *   --writer-iters N: after the load, run N writer iterations (removed + stored events) on this
  *   thread in writer_iters() and exit: a deterministic workload for
  *   valgrind --tool=callgrind --toggle-collect=writer_iters (instructions per block op).
+ *   --reader-iters N: likewise N find_matches queries in reader_iters().
  *   trace default /work/shared/traces/mooncake/conversation_trace.jsonl, falling back to
  *   data/traces/mooncake/conversation_sample.jsonl.
  */
@@ -375,6 +376,24 @@ static __attribute__((noinline)) uint64_t writer_iters(uint64_t iters)
 	return ops;
 }
 
+/* N find_matches queries without threads or clocks; returns the query blocks walked. */
+static __attribute__((noinline)) uint64_t reader_iters(uint64_t iters)
+{
+	struct kvr_index_match out[RANKS];
+	uint64_t rng = 0x9e3779b97f4a7c15ull, blocks = 0;
+	kvr_rcu_read_lock();
+	for (uint64_t it = 0; it < iters; it++) {
+		rng = rng * 6364136223846793005ull + 1;
+		const struct req *r = &reqs[(rng >> 33) % nreq];
+		size_t n = 0;
+		kvr_index_find_matches(idx, r->local, r->n, NULL, out, RANKS, &n);
+		sink += n;
+		blocks += r->n;
+	}
+	kvr_rcu_read_unlock();
+	return blocks;
+}
+
 /* Runs R readers and W writers for ms; returns reader ops/s, fills percentiles. */
 static double run(int nr, int nw, int baseline, double *p50, double *p99, double *p999,
                   double *wrate)
@@ -417,7 +436,7 @@ int main(int argc, char **argv)
 {
 	const char *path = NULL;
 	size_t max_req = SIZE_MAX;
-	uint64_t witers = 0;
+	uint64_t witers = 0, riters = 0;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--ms") && i + 1 < argc)
 			ms = atof(argv[++i]);
@@ -425,6 +444,8 @@ int main(int argc, char **argv)
 			max_req = (size_t)atoll(argv[++i]);
 		else if (!strcmp(argv[i], "--writer-iters") && i + 1 < argc)
 			witers = (uint64_t)atoll(argv[++i]);
+		else if (!strcmp(argv[i], "--reader-iters") && i + 1 < argc)
+			riters = (uint64_t)atoll(argv[++i]);
 		else
 			path = argv[i];
 	}
@@ -461,12 +482,70 @@ int main(int argc, char **argv)
 	       (unsigned long)kvr_index_memory_bytes(idx), (unsigned long)st.bytes_shared,
 	       (unsigned long)st.bytes_per_rank);
 
+	if (riters) {
+		uint64_t t1 = now_ns();
+		uint64_t nb = reader_iters(riters);
+		double s = (double)(now_ns() - t1) * 1e-9;
+		floor_build();
+		struct lat l = {.ns = malloc(MAXS * sizeof(uint32_t))};
+		struct kvr_index_match out[RANKS];
+		uint64_t rng = 7;
+		kvr_rcu_read_lock();
+		for (uint64_t it = 0; it < riters && l.n < MAXS; it++) {
+			rng = rng * 6364136223846793005ull + 1;
+			const struct req *r = &reqs[(rng >> 33) % nreq];
+			size_t n = 0;
+			uint64_t q0 = now_ns();
+			kvr_index_find_matches(idx, r->local, r->n, NULL, out, RANKS, &n);
+			l.ns[l.n++] = (uint32_t)(now_ns() - q0);
+		}
+		kvr_rcu_read_unlock();
+		double p50, p99, p999;
+		pct(&l, 1, &p50, &p99, &p999);
+		free(l.ns);
+		double fp99 = floor_p99();
+		printf("# reader_iters=%lu blocks=%lu ns_per_query=%.0f p50_ns=%.0f p99_ns=%.0f "
+		       "floor_p99_ns=%.0f ratio=%.2f\n",
+		       (unsigned long)riters, (unsigned long)nb, s * 1e9 / (double)riters, p50, p99,
+		       fp99, p99 / fp99);
+		kvr_index_destroy(idx);
+		return 0;
+	}
 	if (witers) {
 		uint64_t t1 = now_ns();
 		uint64_t ops = writer_iters(witers);
 		double s = (double)(now_ns() - t1) * 1e-9;
 		printf("# writer_iters=%lu block_ops=%lu apply_block_ops_s=%.0f\n",
 		       (unsigned long)witers, (unsigned long)ops, (double)ops / s);
+		kvr_index_destroy(idx);
+		return 0;
+	}
+	if (riters) {
+		uint64_t t1 = now_ns();
+		uint64_t nb = reader_iters(riters);
+		double s = (double)(now_ns() - t1) * 1e-9;
+		floor_build();
+		struct lat l = {.ns = malloc(MAXS * sizeof(uint32_t))};
+		struct kvr_index_match out[RANKS];
+		uint64_t rng = 7;
+		kvr_rcu_read_lock();
+		for (uint64_t it = 0; it < riters && l.n < MAXS; it++) {
+			rng = rng * 6364136223846793005ull + 1;
+			const struct req *r = &reqs[(rng >> 33) % nreq];
+			size_t n = 0;
+			uint64_t q0 = now_ns();
+			kvr_index_find_matches(idx, r->local, r->n, NULL, out, RANKS, &n);
+			l.ns[l.n++] = (uint32_t)(now_ns() - q0);
+		}
+		kvr_rcu_read_unlock();
+		double p50, p99, p999;
+		pct(&l, 1, &p50, &p99, &p999);
+		free(l.ns);
+		double fp99 = floor_p99();
+		printf("# reader_iters=%lu blocks=%lu ns_per_query=%.0f p50_ns=%.0f p99_ns=%.0f "
+		       "floor_p99_ns=%.0f ratio=%.2f\n",
+		       (unsigned long)riters, (unsigned long)nb, s * 1e9 / (double)riters, p50, p99,
+		       fp99, p99 / fp99);
 		kvr_index_destroy(idx);
 		return 0;
 	}
