@@ -98,12 +98,18 @@ static void *admin(void *arg)
 	while (!atomic_load(&stop)) {
 		struct kvr_rank_id id = {rnd(&s) % RANKS, 0};
 		int rc;
-		switch (rnd(&s) % 3) {
+		switch (rnd(&s) % 4) {
 		case 0:
 			rc = kvr_rank_reset(approx, id, inc++);
 			break;
 		case 1:
 			rc = kvr_rank_set_capacity(approx, id, inc++, 50 + rnd(&s) % 200);
+			break;
+		case 2:
+			/* removal and re-addition: the slot is reused under routing traffic */
+			rc = kvr_rank_remove(approx, id);
+			if (rc == 0)
+				rc = kvr_rank_add(approx, id, inc++, 100 + rnd(&s) % 200, 4096);
 			break;
 		default:
 			rc = kvr_rank_reset(events, id, inc++);
