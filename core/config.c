@@ -27,6 +27,7 @@ void kvr_config_init(struct kvr_config *cfg)
 	cfg->lane_capacity = 4096;
 	cfg->maint_every_tasks = 64;
 	cfg->maint_every_ns = 200000;
+	cfg->shard_idle_spin_ns = 50000;
 }
 
 static int finite_nonneg(double v)

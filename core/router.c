@@ -89,6 +89,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .now_ns = r->clock.fn,
 	    .clock_ctx = r->clock.ctx,
 	    .max_workers = cfg->max_ranks,
+	    .idle_spin_ns = cfg->shard_idle_spin_ns ? cfg->shard_idle_spin_ns : KVR_SHARDS_NO_SPIN,
 	    .on_thread_start = kvr_owner_shard_start,
 	    .on_thread_stop = kvr_owner_shard_stop,
 	    .ctx = r,

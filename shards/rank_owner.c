@@ -45,7 +45,8 @@ struct attempt_rec {
 	uint64_t prompt_tokens;
 	size_t size; /* bytes allocated for this record */
 	bool has_last;
-	bool booked; /* the predicted cache holds a lease for it (booking did not fail) */
+	bool booked;       /* the predicted cache holds a lease for it (booking did not fail) */
+	bool book_pending; /* admitted, booking not done yet (see kvr_owner_admit) */
 	bool chain_known;
 	bool in_prefill;
 	struct attempt_rec *prev, *next; /* the rank's live attempts */
@@ -74,7 +75,7 @@ struct kvr_shard_state {
 	struct attempt_rec **by_lease;
 	uint32_t by_lease_cap;
 	struct kvr_lru_out out;
-	struct kvr_lease_expired exp[256];
+	struct kvr_lease_expired exp[1024];
 	struct kvr_index_block *blk;
 	size_t blk_cap;
 	struct kvr_lru_block *lb;
@@ -244,6 +245,8 @@ static void end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
 	}
 }
 
+static void book(struct kvr_shard *sh, struct attempt_rec *rec);
+
 static void reaper_fire(struct kvr_shard *sh, void *arg)
 {
 	(void)arg;
@@ -260,11 +263,10 @@ static void reaper_fire(struct kvr_shard *sh, void *arg)
 				continue;
 			KVR_PROBE2(lease_expire, rec->slot, rec->attempt);
 			kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_LEASE_EXPIRIES, 1);
+			book(sh, rec);
 			end_attempt(sh, rec, true);
 		}
-		/* A full batch: scan again right away (tick only scans when due, so force it). */
-		if (n == sizeof(ss->exp) / sizeof(ss->exp[0]))
-			kvr_lease_scan(ss->leases, ss->exp, 0, &n);
+		/* More than a batch stays QUIET and expires on the next scan (lease.h). */
 	} while (0);
 	kvr_shard_timer_add(sh, now + r->cfg.lease_scan_interval_ns, reaper_fire, NULL, NULL);
 }
@@ -540,13 +542,15 @@ static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const u
  * Admission in two steps.  The synchronous call (kvr_owner_admit) only books what the decision
  * needs to be final: the lease, the attempt record with a copy of the prompt's block hashes, and
  * a provisional bump of the published load, then replies.  The expensive part, the LRU acquire
- * (hits, new copies, evictions) with its index writes and the exact load booking, runs right
- * after in a task the shard posts to its own routing lane (admit_book).  The caller's next call
- * on this attempt (output, finish) was necessarily sent after the reply, so it lands behind that
- * task in the same FIFO lane; an admin call (reset) that overtakes it ends the lease, and the
- * task then finds the lease gone and does nothing.  If the lane is full, the booking runs inline
- * before the reply instead.  Effect: the frontend waits for microseconds of bookkeeping, not for
- * hundreds of block copies and index writes (see perf/bench_route).
+ * (hits, new copies, evictions) with its index writes and the exact load booking (book()), is
+ * a maintenance-lane task: routing work (other admissions) runs ahead of it, as the biased
+ * scheduler intends, and it still runs within the scheduler's bound.  Anything that later
+ * happens to the attempt on this shard (prefill done, output, finish, abort, expiry) books it
+ * first if the task has not run yet, so no command ever sees an unbooked attempt; a reset or
+ * removal ends it unbooked, and the task then finds the lease gone.  With sync_booking, or
+ * if the lane is full, the booking runs inline before the reply.  Effect: the frontend waits
+ * for microseconds of bookkeeping, not for hundreds of block copies and index writes queued
+ * behind earlier bookings (see perf/bench_route).
  */
 struct admit_book_msg {
 	uint64_t attempt;
@@ -563,16 +567,14 @@ static inline struct kvr_lru_block *rec_blocks(struct attempt_rec *rec, uint32_t
 	return (struct kvr_lru_block *)(void *)((char *)rec + rec_blocks_off(bs));
 }
 
-static void admit_book(struct kvr_shard *sh, void *payload)
+/* Books an admitted attempt's prompt in the predicted cache, the index and the load, once. */
+static void book(struct kvr_shard *sh, struct attempt_rec *rec)
 {
-	struct admit_book_msg m;
-	memcpy(&m, payload, sizeof(m));
+	if (!rec->book_pending)
+		return;
+	rec->book_pending = false;
 	struct kvr_shard_state *ss = state_of(sh);
 	struct kvr_router *r = ss->r;
-	uint32_t lslot;
-	if (kvr_lease_find(ss->leases, m.attempt, &lslot) != 0)
-		return; /* ended (rank reset or removed) before it was booked */
-	struct attempt_rec *rec = ss->by_lease[lslot];
 	struct kvr_rank_pub *pub = &r->ranks[rec->slot];
 	struct kvr_rank_owned *own = pub->own;
 	if (!own || rec->incarnation != own->incarnation)
@@ -604,6 +606,18 @@ static void admit_book(struct kvr_shard *sh, void *payload)
 	}
 	publish(r, pub, own);
 	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);
+}
+
+/* The maintenance-lane task that books an attempt, unless something booked or ended it first. */
+static void admit_book(struct kvr_shard *sh, void *payload)
+{
+	struct admit_book_msg m;
+	memcpy(&m, payload, sizeof(m));
+	struct kvr_shard_state *ss = state_of(sh);
+	uint32_t lslot;
+	if (kvr_lease_find(ss->leases, m.attempt, &lslot) != 0)
+		return; /* ended (rank reset or removed) before it was booked */
+	book(sh, ss->by_lease[lslot]);
 }
 
 int kvr_owner_admit(struct kvr_shard *sh, void *arg)
@@ -654,6 +668,7 @@ int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 	rec->lora_seed = a->lora_seed;
 	rec->chain_known = a->chain_known;
 	rec->in_prefill = true;
+	rec->book_pending = true;
 	rec->tail_n = a->chain_known ? a->tail_n : 0;
 	if (rec->tail_n)
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
@@ -676,8 +691,8 @@ int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 	                 __atomic_load_n(&pub->active_requests, __ATOMIC_RELAXED) + 1,
 	                 __ATOMIC_RELAXED);
 	struct admit_book_msg m = {.attempt = a->attempt};
-	if (r->cfg.sync_booking || kvr_shard_post(sh, KVR_LANE_ROUTING, admit_book, &m, sizeof(m)))
-		admit_book(sh, &m); /* asked for, or the lane is full or shutting down: book now */
+	if (r->cfg.sync_booking || kvr_shard_post(sh, KVR_LANE_MAINT, admit_book, &m, sizeof(m)))
+		book(sh, rec); /* asked for, or the lane is full or shutting down: book now */
 	return 0;
 }
 
@@ -746,6 +761,7 @@ int kvr_owner_progress(struct kvr_shard *sh, void *arg)
 	if (kvr_lease_find(ss->leases, a->attempt, &lslot) != 0)
 		return KVR_ESTALE; /* ended, expired, or its rank reset or removed */
 	struct attempt_rec *rec = ss->by_lease[lslot];
+	book(sh, rec); /* anything the attempt does comes after its booking */
 	struct kvr_rank_pub *pub = &r->ranks[rec->slot];
 	struct kvr_rank_owned *own = pub->own;
 	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);

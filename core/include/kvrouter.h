@@ -161,6 +161,10 @@ struct kvr_config {
 	 * (default 200 us, >= 1). */
 	uint32_t maint_every_tasks;
 	uint64_t maint_every_ns;
+	/* A shard that runs out of work polls this long before it parks on a futex: the next
+	 * message then costs no wake-up (tens of microseconds on a loaded machine), at the price
+	 * of up to this much CPU per idle period.  Default 50 us; 0 = park at once. */
+	uint64_t shard_idle_spin_ns;
 	/* Admission booking.  false (default): kvr_route returns once the chosen rank has booked
 	 * the attempt's lease and load; the rank's shard writes the prompt's blocks into its
 	 * predicted cache and the index right after, so a decision taken microseconds later may
