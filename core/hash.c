@@ -67,23 +67,67 @@ static inline uint64_t block_hash(const uint32_t *tok, uint32_t block_size, uint
 
 /*
  * One pass: block i's local hash is independent of the chain, so the CPU overlaps it with the
- * latency-bound chain step of block i-1 (measured: a two-pass split was 20% slower).  The chain
- * is a second XXH3 per block, which is why this runs at ~0.55x of bare per-block XXH3.
+ * latency-bound chain step of block i-1 (measured: a two-pass split was 20% slower).
+ *
+ * The common block sizes get a flattened copy of the loop in which XXH3's length dispatch is
+ * folded away and nothing is called, so the chain value stays in a register: with a call per
+ * block it was spilled to the stack and every chain step paid a store-to-load round trip.
  */
+#define HASH_CHAIN_BODY(BLOCK_BYTES)                                                               \
+	do {                                                                                       \
+		size_t i = 0;                                                                      \
+		uint64_t prev = parent ? *parent : 0;                                              \
+		if (n_blocks && !parent) { /* the chain starts with the first local hash */        \
+			prev = block_hash_bytes(tokens, (BLOCK_BYTES), seed);                      \
+			if (local_out)                                                             \
+				local_out[0] = prev;                                               \
+			if (seq_out)                                                               \
+				seq_out[0] = prev;                                                 \
+			i = 1;                                                                     \
+		}                                                                                  \
+		for (; i < n_blocks; i++) {                                                        \
+			uint64_t local = block_hash_bytes(tokens + i * (size_t)block_size,         \
+			                                  (BLOCK_BYTES), seed);                    \
+			if (local_out)                                                             \
+				local_out[i] = local;                                              \
+			prev = chain(prev, local);                                                 \
+			if (seq_out)                                                               \
+				seq_out[i] = prev;                                                 \
+		}                                                                                  \
+	} while (0)
+
+static inline uint64_t block_hash_bytes(const uint32_t *tok, size_t bytes, uint64_t seed)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	return XXH3_64bits_withSeed(tok, bytes, seed);
+#else
+	return block_hash(tok, (uint32_t)(bytes / 4), seed);
+#endif
+}
+
+__attribute__((flatten)) static void chain_64(const uint64_t *parent, const uint32_t *tokens,
+                                              size_t n_blocks, uint32_t block_size, uint64_t seed,
+                                              uint64_t *local_out, uint64_t *seq_out)
+{
+	HASH_CHAIN_BODY(64);
+}
+
+__attribute__((flatten)) static void chain_128(const uint64_t *parent, const uint32_t *tokens,
+                                               size_t n_blocks, uint32_t block_size, uint64_t seed,
+                                               uint64_t *local_out, uint64_t *seq_out)
+{
+	HASH_CHAIN_BODY(128);
+}
+
 static size_t hash_chain(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
                          uint32_t block_size, uint64_t seed, uint64_t *local_out, uint64_t *seq_out)
 {
-	uint64_t prev = parent ? *parent : 0;
-	for (size_t i = 0; i < n_blocks; i++) {
-		uint64_t local = block_hash(tokens + i * (size_t)block_size, block_size, seed);
-		if (local_out)
-			local_out[i] = local;
-		if (seq_out) {
-			uint64_t seq = (i == 0 && !parent) ? local : chain(prev, local);
-			seq_out[i] = seq;
-			prev = seq;
-		}
-	}
+	if (block_size == 16)
+		chain_64(parent, tokens, n_blocks, block_size, seed, local_out, seq_out);
+	else if (block_size == 32)
+		chain_128(parent, tokens, n_blocks, block_size, seed, local_out, seq_out);
+	else
+		HASH_CHAIN_BODY((size_t)block_size * sizeof(uint32_t));
 	return n_blocks;
 }
 
