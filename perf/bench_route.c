@@ -7,7 +7,8 @@
  * stays steady and the predicted caches keep evicting at capacity.  Prints one SUMMARY line per
  * configuration; never asserts timings.
  *
- * usage: bench_route [--ms N] [--trace FILE] [--prompts N] [--shards N]
+ * usage: bench_route [--ms N] [--trace FILE] [--prompts N] [--shards N] [--capacity BLOCKS]
+ *                    [--sync-booking 0|1]
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -75,12 +76,8 @@ static void *run(void *arg)
 	return NULL;
 }
 
-static uint64_t stage_p50(struct kvr_router *r, enum kvr_hist h)
-{
-	uint64_t hist[KVR_HIST_BUCKETS], sum;
-	kvr_metrics_hist(r->metrics, h, hist, &sum);
-	return kvr_hist_quantile(hist, 0.5);
-}
+static bool sync_booking;
+static uint64_t capacity = 4 * PROMPT_TOKENS / 16; /* blocks per rank: a few prompts */
 
 static void bench(uint32_t ranks, int threads, uint32_t shards, double ms)
 {
@@ -88,7 +85,7 @@ static void bench(uint32_t ranks, int threads, uint32_t shards, double ms)
 	kvr_config_init(&c);
 	c.n_shards = shards;
 	c.max_ranks = ranks > 4096 ? ranks : 4096;
-	c.sync_booking = getenv("SYNC_BOOKING") != NULL;
+	c.sync_booking = sync_booking;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
@@ -145,7 +142,6 @@ static void bench(uint32_t ranks, int threads, uint32_t shards, double ms)
 			h[b] -= warm[stages[s]][b];
 		sp[s] = kvr_hist_quantile(h, 0.5);
 	}
-	(void)stage_p50;
 	printf(
 	    "SUMMARY bench=route booking=%s ranks=%u threads=%d shards=%u p50_ns=%llu p99_ns=%llu "
 	    "p999_ns=%llu hash_p50_ns=%llu match_p50_ns=%llu select_p50_ns=%llu "
@@ -176,6 +172,10 @@ int main(int argc, char **argv)
 			want = (size_t)atol(argv[i + 1]);
 		else if (!strcmp(argv[i], "--shards"))
 			shards = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--capacity"))
+			capacity = strtoull(argv[i + 1], NULL, 10);
+		else if (!strcmp(argv[i], "--sync-booking"))
+			sync_booking = atoi(argv[i + 1]) != 0;
 	}
 	static const char *defaults[] = {"/work/shared/traces/mooncake/conversation_trace.jsonl",
 	                                 "../shared/traces/mooncake/conversation_trace.jsonl",
