@@ -93,9 +93,7 @@ static void bench(uint32_t ranks, int threads, uint32_t shards, double ms)
 	}
 	/* Capacity per rank: enough for a few prompts, so admissions evict as in production. */
 	for (uint32_t k = 0; k < ranks; k++)
-		kvr_rank_add(
-		    r, (struct kvr_rank_id){k, 0}, 1,
-		    getenv("CAP") ? strtoull(getenv("CAP"), 0, 10) : 4 * PROMPT_TOKENS / 16, 16384);
+		kvr_rank_add(r, (struct kvr_rank_id){k, 0}, 1, capacity, 16384);
 	/* Warm-up: every prompt routed once, so lookups find real prefixes. */
 	struct kvr_request q;
 	kvr_request_init(&q);
