@@ -3,6 +3,8 @@
  * every bad input the API can be given. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
+#include <time.h>
 #include <string.h>
 
 #include "kvrouter.h"
@@ -672,4 +674,92 @@ Test(router, out_of_memory_loop)
 	kvr_alloc_fail_after(0);
 	cr_assert(completed, "the loop reached a run with enough memory");
 	cr_assert_gt(nth, 20, "failures were injected along the way (%lu)", (unsigned long)nth);
+}
+
+static struct kvr_router *wait_router;
+static uint32_t wait_prompt[300];
+static struct kvr_decision wait_decision;
+static int wait_rc = 99;
+static void *waiter(void *arg)
+{
+	(void)arg;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = wait_prompt;
+	q.n_tokens = 300;
+	q.flags = KVR_ROUTE_WAIT; /* no deadline */
+	wait_rc = kvr_route(wait_router, &q, &wait_decision);
+	return NULL;
+}
+
+Test(router, queue_blocking_wait_is_admitted)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	cr_assert_eq(kvr_router_create(&c, &wait_router), 0);
+	cr_assert_eq(kvr_rank_add(wait_router, (struct kvr_rank_id){0, 0}, 1, 10000, 100), 0);
+	uint32_t hog[400];
+	prompt(hog, 400, 100);
+	prompt(wait_prompt, 300, 101);
+	struct kvr_decision h = route(wait_router, hog, 400, 0); /* 400 > 1.0 x 100 */
+	pthread_t th;
+	pthread_create(&th, NULL, waiter, NULL);
+	/* wait until it is queued, then let it in */
+	for (int i = 0; i < 5000; i++) {
+		static char text[1 << 16];
+		kvr_metrics_render(wait_router, text, sizeof(text), NULL);
+		if (strstr(text, "kvr_queue_depth 1\n"))
+			break;
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_eq(wait_rc, 99, "still waiting");
+	cr_assert_eq(kvr_request_prefill_done(wait_router, h.attempt), 0);
+	pthread_join(th, NULL);
+	cr_assert_eq(wait_rc, 0);
+	cr_assert_eq(wait_decision.status, KVR_DECIDED);
+	cr_assert_neq(wait_decision.attempt, 0);
+	cr_assert_eq(kvr_request_finish(wait_router, wait_decision.attempt), 0);
+	static char text[1 << 16];
+	cr_assert_eq(kvr_metrics_render(wait_router, text, sizeof(text), NULL), 0);
+	cr_assert(strstr(text, "kvr_queue_enqueued_total 1\n"));
+	cr_assert(strstr(text, "kvr_queue_admitted_total 1\n"));
+	cr_assert(strstr(text, "kvr_queue_wait_seconds_count 1\n"));
+	kvr_router_destroy(wait_router);
+}
+
+static uint64_t gap_expected, gap_got;
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, uint64_t got)
+{
+	(void)ctx;
+	(void)worker;
+	(void)dp;
+	gap_expected = expected;
+	gap_got = got;
+}
+
+Test(router, event_gap_callback)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.mode = KVR_MODE_EVENTS;
+	c.on_event_gap = on_gap;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {3, 1};
+	cr_assert_eq(kvr_rank_add(r, id, 1, KVR_CAPACITY_NONE, 0), 0);
+	struct kvr_event e = {.type = KVR_EVENT_CLEARED, .event_id = 1};
+	cr_assert_eq(kvr_events_apply(r, id, &e), 0);
+	e.event_id = 2;
+	cr_assert_eq(kvr_events_apply(r, id, &e), 0);
+	cr_assert_eq(gap_got, 0, "no gap yet");
+	e.event_id = 7;
+	cr_assert_eq(kvr_events_apply(r, id, &e), 0);
+	cr_assert_eq(gap_expected, 3);
+	cr_assert_eq(gap_got, 7);
+	kvr_router_destroy(r);
 }
