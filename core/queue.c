@@ -44,7 +44,7 @@ struct kvr_queue {
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
 	struct qentry *head; /* every entry, in ticket order */
-	size_t waiting;
+	size_t waiting;      /* written under lock (atomic store), read anywhere (atomic load) */
 	uint64_t next_ticket;
 	uint32_t waiters; /* threads inside kvr_route_wait */
 	bool pumping;
@@ -161,7 +161,7 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	while (*pp)
 		pp = &(*pp)->next;
 	*pp = e;
-	q->waiting++;
+	__atomic_store_n(&q->waiting, q->waiting + 1, __ATOMIC_RELAXED);
 	pthread_mutex_unlock(&q->lock);
 	memset(d, 0, sizeof(*d));
 	d->status = KVR_QUEUED;
@@ -219,7 +219,7 @@ void kvr_queue_pump(struct kvr_router *r)
 		e->rc = rc;
 		e->d = d;
 		e->d.ticket = e->ticket;
-		q->waiting--;
+		__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
 		uint64_t now = kvr_clock_now(&r->clock);
 		kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS, now > e->enq_ns ? now - e->enq_ns : 0);
 		kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
@@ -240,12 +240,8 @@ void kvr_queue_pump(struct kvr_router *r)
 
 size_t kvr_queue_depth(struct kvr_router *r)
 {
-	if (!r->queue)
-		return 0;
-	pthread_mutex_lock(&r->queue->lock);
-	size_t n = r->queue->waiting;
-	pthread_mutex_unlock(&r->queue->lock);
-	return n;
+	/* No lock: kvr_route asks on every call whether anyone is waiting. */
+	return r->queue ? __atomic_load_n(&r->queue->waiting, __ATOMIC_RELAXED) : 0;
 }
 
 static struct qentry *find(struct kvr_queue *q, uint64_t ticket)
@@ -317,7 +313,7 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 	int rc = KVR_ENOENT;
 	if (e && e->state == Q_WAITING && !q->closing) {
 		unlink_entry(q, e);
-		q->waiting--;
+		__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
 		entry_free(e);
 		rc = 0;
 	}
