@@ -106,10 +106,18 @@ int main(int argc, char **argv)
 		const struct trace_req *r = &t.reqs[i];
 		if (r->input_len > cap) {
 			cap = r->input_len;
-			tok = realloc(tok, cap * sizeof(*tok));
-			seq = realloc(seq, (cap / bs + 1) * sizeof(*seq));
-			if (!tok || !seq) {
+			uint32_t *nt = realloc(tok, cap * sizeof(*tok));
+			if (nt)
+				tok = nt;
+			uint64_t *ns = realloc(seq, (cap / bs + 1) * sizeof(*seq));
+			if (ns)
+				seq = ns;
+			if (!nt || !ns) {
 				fprintf(stderr, "kvr-demo: out of memory\n");
+				free(tok);
+				free(seq);
+				free(seen.slot);
+				trace_free(&t);
 				return 1;
 			}
 		}
