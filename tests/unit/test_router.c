@@ -763,3 +763,28 @@ Test(router, event_gap_callback)
 	cr_assert_eq(gap_got, 7);
 	kvr_router_destroy(r);
 }
+
+Test(router, lora_prompts_do_not_share_blocks)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 100000, 0);
+	uint32_t t[160];
+	prompt(t, 160, 110);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 160;
+	q.lora_name = "adapter-a";
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, 10, "same adapter: whole prefix");
+	q.lora_name = NULL;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, 0, "base model: nothing shared");
+	q.lora_name = "adapter-b";
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, 0, "another adapter: nothing shared");
+	kvr_router_destroy(r);
+}
