@@ -520,44 +520,6 @@ int main(int argc, char **argv)
 		kvr_index_destroy(idx);
 		return 0;
 	}
-	if (riters) {
-		uint64_t t1 = now_ns();
-		uint64_t nb = reader_iters(riters);
-		double s = (double)(now_ns() - t1) * 1e-9;
-		floor_build();
-		struct lat l = {.ns = malloc(MAXS * sizeof(uint32_t))};
-		struct kvr_index_match out[RANKS];
-		uint64_t rng = 7;
-		kvr_rcu_read_lock();
-		for (uint64_t it = 0; it < riters && l.n < MAXS; it++) {
-			rng = rng * 6364136223846793005ull + 1;
-			const struct req *r = &reqs[(rng >> 33) % nreq];
-			size_t n = 0;
-			uint64_t q0 = now_ns();
-			kvr_index_find_matches(idx, r->local, r->n, NULL, out, RANKS, &n);
-			l.ns[l.n++] = (uint32_t)(now_ns() - q0);
-		}
-		kvr_rcu_read_unlock();
-		double p50, p99, p999;
-		pct(&l, 1, &p50, &p99, &p999);
-		free(l.ns);
-		double fp99 = floor_p99();
-		printf("# reader_iters=%lu blocks=%lu ns_per_query=%.0f p50_ns=%.0f p99_ns=%.0f "
-		       "floor_p99_ns=%.0f ratio=%.2f\n",
-		       (unsigned long)riters, (unsigned long)nb, s * 1e9 / (double)riters, p50, p99,
-		       fp99, p99 / fp99);
-		kvr_index_destroy(idx);
-		return 0;
-	}
-	if (witers) {
-		uint64_t t1 = now_ns();
-		uint64_t ops = writer_iters(witers);
-		double s = (double)(now_ns() - t1) * 1e-9;
-		printf("# writer_iters=%lu block_ops=%lu apply_block_ops_s=%.0f\n",
-		       (unsigned long)witers, (unsigned long)ops, (double)ops / s);
-		kvr_index_destroy(idx);
-		return 0;
-	}
 	uint64_t cap = 1;
 	while (cap < total_blocks * 2)
 		cap <<= 1;
