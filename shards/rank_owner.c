@@ -40,11 +40,13 @@ struct attempt_rec {
 	uint32_t lease_slot;
 	uint32_t n_blocks; /* complete blocks so far */
 	uint32_t n_prompt; /* complete blocks of the prompt (copied after tail[]) */
-	uint32_t tail_n;   /* tokens of the partial block */
+	uint32_t tail_n;   /* tokens of the partial block (KV computed) */
+	uint32_t pending;  /* the last output token reported: no KV until a later one comes */
 	uint32_t overlap;  /* predicted cached prefix at the decision */
 	uint64_t prompt_tokens;
 	size_t size; /* bytes allocated for this record */
 	bool has_last;
+	bool has_pending;
 	bool booked;       /* the predicted cache holds a lease for it (booking did not fail) */
 	bool book_pending; /* admitted, booking not done yet (see kvr_owner_admit) */
 	bool chain_known;
@@ -697,7 +699,13 @@ int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 }
 
 /* Output tokens: complete blocks are hashed (chained after the last one), materialized in the
- * predicted cache and stored in the index. */
+ * predicted cache and stored in the index.  vLLM computes a token's KV only when it feeds the
+ * token back to sample the next one, so the last token reported so far has no KV yet: it is held
+ * back (rec->pending) and joins the tail when a later token arrives.  A block therefore counts
+ * as cached once a token after it has been reported; at finish or abort the held token is
+ * dropped, so a block only the final token would complete is never predicted, and the tail
+ * (computed tokens only) keeps the private block vLLM holds for it: after P prompt and O output
+ * tokens the rank holds ceil((P+O-1)/B) blocks and caches floor((P+O-1)/B), as vLLM does. */
 static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attempt_rec *rec,
                   const uint32_t *tok, size_t n)
 {
@@ -706,7 +714,12 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 	uint32_t bs = r->cfg.block_size;
 	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation)
 		return 0; /* tracked for liveness only */
-	size_t max_blocks = (rec->tail_n + n) / bs;
+	/* Computed now: the held-back token, then all new tokens but the last, which is held. */
+	bool held = n > 0 && rec->has_pending;
+	bool hold = n > 0;
+	uint32_t next_pending = hold ? tok[n - 1] : 0;
+	n -= hold ? 1 : 0;
+	size_t max_blocks = (rec->tail_n + n + (held ? 1 : 0)) / bs;
 	if (grow((void **)&ss->seq, &ss->seq_cap, 2 * (max_blocks ? max_blocks : 1),
 	         sizeof(*ss->seq)))
 		return KVR_ENOMEM;
@@ -714,14 +727,19 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 	size_t nb = 0;
 	uint64_t parent = rec->last_seq;
 	bool has_parent = rec->has_last;
-	while (n > 0) {
-		uint32_t take = bs - rec->tail_n;
-		if (take > n)
-			take = (uint32_t)n;
-		memcpy(rec->tail + rec->tail_n, tok, take * sizeof(uint32_t));
-		rec->tail_n += take;
-		tok += take;
-		n -= take;
+	while (held || n > 0) {
+		if (held) {
+			rec->tail[rec->tail_n++] = rec->pending;
+			held = false;
+		} else {
+			uint32_t take = bs - rec->tail_n;
+			if (take > n)
+				take = (uint32_t)n;
+			memcpy(rec->tail + rec->tail_n, tok, take * sizeof(uint32_t));
+			rec->tail_n += take;
+			tok += take;
+			n -= take;
+		}
 		if (rec->tail_n == bs) {
 			const uint64_t *par = nb ? &seq[nb - 1] : (has_parent ? &parent : NULL);
 			kvr_hash_chain_tokens(par, rec->tail, 1, bs, rec->lora_seed, &local[nb],
@@ -729,6 +747,10 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 			nb++;
 			rec->tail_n = 0;
 		}
+	}
+	if (hold) {
+		rec->pending = next_pending;
+		rec->has_pending = true;
 	}
 	uint32_t priv = rec->tail_n > 0 ? 1 : 0;
 	int rc = lru_blocks(ss, local, seq, nb);

@@ -349,8 +349,17 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
 
-/* New output tokens (borrowed): each block they complete is materialized in the rank's cache
- * prediction, chained after the prompt. */
+/* New output tokens (borrowed), in order; pass every sampled token, as a streaming frontend sees
+ * them.  Blocks are chained after the prompt and materialized in the rank's cache prediction the
+ * way vLLM computes them: a token's KV exists only once the engine has fed it back to sample the
+ * next one, so a block counts as cached only after a token AFTER it has been reported.  At
+ * finish or abort the last reported token never got KV: a block that only it completes is not
+ * predicted, and the partial block of computed tokens is held (not cached) until the end, as in
+ * vLLM.  After P prompt and O output tokens with block size B the rank holds ceil((P+O-1)/B)
+ * blocks and caches floor((P+O-1)/B) (B = 16: prompt 10 + 6 output caches nothing, 10 + 7
+ * caches one block).  Not mirrored: with vLLM's async scheduling a request that stops on a stop
+ * token has already been given one more slot, which can allocate (and evict) one extra block
+ * at the very end; the prediction follows the synchronous scheduler. */
 KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
                                size_t n_tokens);
 

@@ -206,8 +206,74 @@ Test(router, output_blocks_extend_the_prefix)
 	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
 	struct kvr_decision e = route(r, full, 200, 0);
 	cr_assert_eq(e.rank.worker_id, d.rank.worker_id);
-	cr_assert_eq(e.overlap_blocks, 10, "2 prompt + 8 output blocks are predicted cached");
+	cr_assert_eq(e.overlap_blocks, 9,
+	             "2 prompt + 7 output blocks cached: the final token never gets KV, so the "
+	             "block it completes (160 = 10 blocks) is not, as in vLLM: floor(159 / 16)");
 	kvr_router_destroy(r);
+}
+
+static size_t rank_blocks(struct kvr_router *r, uint64_t w)
+{
+	uint64_t h[64];
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){w, 0}, h, 64, &n), 0);
+	return n;
+}
+
+/* vLLM computes a token's KV when it feeds the token back, so after P prompt and O output tokens
+ * it caches floor((P + O - 1) / B) blocks.  Hand-worked at B = 16, tokens reported one at a time
+ * as a streaming frontend does; `end` finishes (0) or aborts (1). */
+static void vllm_rule(uint32_t p, uint32_t o, size_t want, int end)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+	uint32_t full[128];
+	prompt(full, 128, 17);
+	struct kvr_decision d = route(r, full, p, 0);
+	for (uint32_t i = 0; i < o; i++) {
+		cr_assert_eq(kvr_request_output(r, d.attempt, full + p + i, 1), 0);
+		/* after output i + 1: p + i tokens have KV */
+		cr_assert_eq(rank_blocks(r, 0), (p + i) / 16, "P %u, after output %u", p, i + 1);
+	}
+	cr_assert_eq(end ? kvr_request_abort(r, d.attempt) : kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(rank_blocks(r, 0), want, "P %u + O %u: floor((P+O-1)/16) = %zu blocks", p, o,
+	             want);
+	struct kvr_decision e = route(r, full, p + o, 0);
+	cr_assert_eq(e.overlap_blocks, want);
+	cr_assert_eq(kvr_request_finish(r, e.attempt), 0);
+	kvr_router_destroy(r);
+}
+
+Test(router, vllm_final_token_has_no_kv)
+{
+	vllm_rule(10, 6, 0, 0);  /* P + O = 16: the only block is completed by the final token */
+	vllm_rule(10, 7, 1, 0);  /* 16 tokens have KV: one block */
+	vllm_rule(10, 6, 0, 1);  /* abort drops the final token the same way */
+	vllm_rule(32, 1, 2, 0);  /* prompt blocks are computed by the prefill */
+	vllm_rule(32, 16, 2, 0); /* 47 tokens with KV */
+	vllm_rule(32, 17, 3, 0); /* 48 */
+	vllm_rule(5, 60, 4, 0);  /* 64 */
+}
+
+Test(router, output_chunking_does_not_change_the_prediction)
+{
+	/* 10 + 23 output tokens (32 with KV: 2 blocks) in chunks of 1, 7, 16 and 23 tokens */
+	const uint32_t chunks[] = {1, 7, 16, 23};
+	for (size_t c = 0; c < 4; c++) {
+		struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+		uint32_t full[64];
+		prompt(full, 64, 18);
+		struct kvr_decision d = route(r, full, 10, 0);
+		for (uint32_t i = 0; i < 23; i += chunks[c]) {
+			uint32_t k = 23 - i < chunks[c] ? 23 - i : chunks[c];
+			cr_assert_eq(kvr_request_output(r, d.attempt, full + 10 + i, k), 0);
+		}
+		cr_assert_eq(kvr_request_output(r, d.attempt, full, 0), 0, "an empty report");
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		cr_assert_eq(rank_blocks(r, 0), 2, "chunk %u", chunks[c]);
+		struct kvr_decision e = route(r, full, 33, 0);
+		cr_assert_eq(e.overlap_blocks, 2, "chunk %u", chunks[c]);
+		kvr_router_destroy(r);
+	}
 }
 
 Test(router, rank_reset_mid_request)

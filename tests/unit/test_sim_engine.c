@@ -394,6 +394,36 @@ Test(sim_engine, output_tokens_complete_hashed_blocks)
 	sim_cluster_destroy(c);
 }
 
+/* vLLM's rule worked by hand at B = 16: the final sampled token is never fed back, so it has no
+ * KV; after P prompt + O output tokens floor((P + O - 1) / 16) blocks are cached. */
+static size_t sim_cached_after(uint32_t p, uint32_t o)
+{
+	static struct rec r;
+	memset(&r, 0, sizeof(r));
+	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
+	struct sim_callbacks cb = cbs(&r);
+	struct sim_cluster *c;
+	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	uint32_t prompt[64];
+	fill(prompt, p, 500);
+	struct sim_request q = req(3, prompt, p, o);
+	cr_assert_eq(sim_cluster_submit(c, 0, &q), 0);
+	cr_assert_eq(sim_cluster_drain(c), 0);
+	uint64_t got[8];
+	size_t n = sim_cluster_cached_hashes(c, 0, got, 8);
+	sim_cluster_destroy(c);
+	return n;
+}
+
+Test(sim_engine, final_token_has_no_kv)
+{
+	cr_assert_eq(sim_cached_after(10, 6), 0, "P + O = 16: the only block waits for the final");
+	cr_assert_eq(sim_cached_after(10, 7), 1);
+	cr_assert_eq(sim_cached_after(32, 1), 2);
+	cr_assert_eq(sim_cached_after(32, 17), 3);
+	cr_assert_eq(sim_cached_after(5, 60), 4);
+}
+
 /* Blocks run out: the newest running request is preempted, its blocks freed tail first (so
  * its last block is the first evicted), and it recomputes later; the oldest is never hit. */
 Test(sim_engine, preemption_newest_first)

@@ -4,10 +4,10 @@
  * Output tokens: the simulator asks for each output token through output_token(user, id, i);
  * the replay answers with trace_output_token() and buffers the token for the policy, which
  * gets them output_every blocks at a time (one router call per output_every * block_size
- * tokens, not per token), after the first token, and the rest at finish.  The final sampled token
- * is never sent: vLLM never computes its KV, so it completes no cached block (sending it would make
- * the router predict a block the engine does not hold whenever prompt + output is a multiple of the
- * block size).
+ * tokens, not per token), after the first token, and the rest at finish.  Every sampled token is
+ * sent, the final one included, as a streaming frontend does: the router itself knows that the
+ * final token never gets KV in vLLM (kvr_request_output in kvrouter.h), and the simulator caches
+ * floor((prompt + output - 1) / block size) blocks the same way.
  *
  * Chains for the agreement check: every block hash the replay sees (prompt blocks at routing,
  * output blocks as they complete) is recorded as seq -> (parent seq, local hash), so a chain
@@ -175,11 +175,10 @@ static uint32_t on_output_token(void *user, uint64_t id, uint32_t i)
 			q->nctail = 0;
 		}
 	}
-	if (i + 1 < q->out_len) { /* the final token's KV is never computed */
-		q->buf[q->nbuf++] = tok;
-		if (q->nbuf == q->run->out_chunk && q->first_seen)
-			flush(q->run, q);
-	}
+	(void)i;
+	q->buf[q->nbuf++] = tok;
+	if (q->nbuf == q->run->out_chunk && q->first_seen)
+		flush(q->run, q);
 	return tok;
 }
 
