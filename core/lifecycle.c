@@ -5,6 +5,7 @@
  * reaper's expiry race through one claim, and every call on an attempt that has ended returns
  * KVR_ESTALE and changes nothing.  Calls that lower a rank's load let queued requests in.
  */
+#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
 
@@ -23,6 +24,8 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	uint32_t shard = __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED);
 	int rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
 	                        kvr_owner_progress, &a);
+	if (rc == 0)
+		kvr_repl_note_progress(r, attempt, op, tokens, n); /* replica sync */
 	if (rc == KVR_ESTALE)
 		kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_STALE_CALLS, 1);
 	if (rc == 0 && op != KVR_OP_OUTPUT && r->queue)

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
 
@@ -145,6 +146,9 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 		}
 		kvr_rcu_read_unlock();
 	}
+	/* Replica sync (issue 14): its counters, when a layer is attached. */
+	o.len += kvr_repl_render(r, o.len < o.cap ? o.buf + o.len : NULL,
+	                         o.len < o.cap ? o.cap - o.len : 0);
 	if (len_out)
 		*len_out = o.len + 1;
 	if (cap)

@@ -9,6 +9,7 @@
  * before its state is torn down, so a decision on a vanishing rank is refused at admission
  * (generation mismatch) instead of touching freed state.
  */
+#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 
 static int check(struct kvr_router *r)
@@ -62,6 +63,9 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	}
 out:
 	pthread_mutex_unlock(&r->admin_lock);
+	if (rc == 0)
+		kvr_repl_note_rank(r, KVR_REPL_RANK_ADD, rank, incarnation, capacity_blocks,
+		                   max_batched_tokens);
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r); /* a new rank may take queued requests */
 	return rc;
@@ -89,6 +93,8 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	kvr_shards_unplace(r->shards, rank.worker_id);
 out:
 	pthread_mutex_unlock(&r->admin_lock);
+	if (rc == 0)
+		kvr_repl_note_rank(r, KVR_REPL_RANK_REMOVE, rank, 0, 0, 0);
 	return rc;
 }
 
@@ -114,6 +120,9 @@ int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_
 {
 	struct kvr_rank_args a = {.incarnation = incarnation, .capacity = capacity_blocks};
 	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a);
+	if (rc == 0)
+		kvr_repl_note_rank(r, KVR_REPL_RANK_CAPACITY, rank, incarnation, capacity_blocks,
+		                   0);
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r);
 	return rc;
@@ -123,6 +132,8 @@ int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_i
 {
 	struct kvr_rank_args a = {.incarnation = new_incarnation};
 	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a);
+	if (rc == 0)
+		kvr_repl_note_rank(r, KVR_REPL_RANK_RESET, rank, new_incarnation, 0, 0);
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r);
 	return rc;

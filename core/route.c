@@ -29,6 +29,7 @@
 #include "core/alloc.h"
 #include "core/hash.h"
 #include "core/probes.h"
+#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "core/select.h"
 #include "sync/rcu.h"
@@ -334,6 +335,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			return rc;
 		}
 		d->attempt = a.attempt;
+		kvr_repl_note_route(r, &a, d, q->expected_output_tokens); /* replica sync */
 		kvr_metrics_add(mb, KVR_C_ROUTES, 1);
 		kvr_metrics_add(mb, KVR_C_ROUTED_BLOCKS, nb);
 		kvr_metrics_add(mb, KVR_C_PREDICTED_OVERLAP_BLOCKS, chosen.overlap_blocks);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
 
@@ -114,6 +115,7 @@ void kvr_router_destroy(struct kvr_router *r)
 {
 	if (!r)
 		return;
+	kvr_repl_router_destroy(r); /* an attached replica layer lets go first */
 	__atomic_store_n(&r->shutting_down, 1, __ATOMIC_RELEASE);
 	if (r->queue)
 		kvr_queue_destroy(r->queue); /* wakes waiters with KVR_ESHUTDOWN */

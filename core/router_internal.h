@@ -68,7 +68,8 @@ struct kvr_live {
 	uint32_t slot[];
 };
 
-struct kvr_queue; /* core/queue.c */
+struct kvr_queue;      /* core/queue.c */
+struct kvr_repl_hooks; /* core/replica_hooks.h */
 
 struct kvr_router {
 	struct kvr_config cfg;
@@ -77,12 +78,13 @@ struct kvr_router {
 	struct kvr_shards *shards;
 	struct kvr_metrics *metrics;
 	struct kvr_attempt_ids ids;
-	struct kvr_rank_pub *ranks; /* [cfg.max_ranks], indexed by index slot */
-	struct kvr_live *live;      /* RCU */
-	pthread_mutex_t admin_lock; /* rank add / remove / reset, live list writers */
-	uint64_t rng_counter;       /* per-decision random stream (atomic) */
-	struct kvr_queue *queue;    /* NULL unless queue_threshold > 0 */
-	uint32_t shutting_down;     /* atomic */
+	struct kvr_rank_pub *ranks;  /* [cfg.max_ranks], indexed by index slot */
+	struct kvr_live *live;       /* RCU */
+	pthread_mutex_t admin_lock;  /* rank add / remove / reset, live list writers */
+	uint64_t rng_counter;        /* per-decision random stream (atomic) */
+	struct kvr_queue *queue;     /* NULL unless queue_threshold > 0 */
+	uint32_t shutting_down;      /* atomic */
+	struct kvr_repl_hooks *repl; /* replica sync hooks, NULL = none (RCU, acquire) */
 };
 
 /* Arguments of the shard-side operations (borrowed for a synchronous call). */

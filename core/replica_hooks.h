@@ -1,0 +1,124 @@
+/*
+ * core/replica_hooks.h - the router's side of replica sync (issue 14): where a replica layer
+ * (sync/replica.c) hears about what this router did, and how it applies what peers did.
+ *
+ * Two directions, both narrow on purpose so that core/ does not depend on sync/:
+ *  - out: after a successful admission, lifecycle call or rank change, the router calls the
+ *    attached hooks (struct kvr_repl_hooks) with what happened.  Unattached, a note costs one
+ *    acquire load of r->repl.  The hooks run on the caller's thread, inside an RCU read section,
+ *    after the router's own work: a detach unpublishes r->repl, waits one grace period, and only
+ *    then frees what the hooks use.
+ *  - in: kvr_repl_admit books a peer's admission on a given rank with given block hashes,
+ *    through the same shard path as kvr_route's admission (kvr_owner_admit), without selection.
+ *    Peers' lifecycle calls and rank changes go through the public calls while
+ *    kvr_repl_applying is set on the thread, so they are applied exactly as local ones are but
+ *    are not republished.
+ */
+#ifndef KVR_CORE_REPLICA_HOOKS_H
+#define KVR_CORE_REPLICA_HOOKS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/router_internal.h"
+#include "kvrouter.h"
+
+/* One admission, as kvr_route booked it or as a peer reports it.  Arrays are borrowed. */
+struct kvr_repl_admission {
+	struct kvr_rank_id rank;
+	uint64_t incarnation;  /* the rank's incarnation the decision saw */
+	uint64_t attempt;      /* out: the local attempt id (in: for notes, the admitted id) */
+	const uint64_t *local; /* the prompt's complete blocks' local hashes */
+	uint32_t n;
+	uint64_t prompt_tokens;
+	uint32_t overlap;         /* predicted cached prefix at the decision, blocks */
+	uint32_t expected_output; /* tokens */
+	uint64_t lora_seed;
+	const uint32_t *tail; /* the prompt's partial block (tokens) when chain_known */
+	uint32_t tail_n;
+	bool chain_known;
+};
+
+enum kvr_repl_rank_op {
+	KVR_REPL_RANK_ADD = 1,
+	KVR_REPL_RANK_REMOVE = 2,
+	KVR_REPL_RANK_CAPACITY = 3,
+	KVR_REPL_RANK_RESET = 4,
+};
+
+/* Progress ops are enum kvr_progress_op (core/router_internal.h). */
+struct kvr_repl_hooks {
+	void *ctx;
+	void (*admitted)(void *ctx, const struct kvr_repl_admission *a);
+	void (*progressed)(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n);
+	void (*rank_changed)(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
+	                     uint64_t capacity, uint32_t max_batched_tokens);
+	/* Appends Prometheus text at buf (room bytes, snprintf semantics); returns the length it
+	 * needs.  May be NULL. */
+	size_t (*render)(void *ctx, char *buf, size_t room);
+	/* The router is being destroyed: the layer must stop using it.  May be NULL. */
+	void (*router_destroyed)(void *ctx);
+};
+
+/* Set while the replica layer applies a peer's message on this thread: notes are skipped. */
+extern _Thread_local bool kvr_repl_applying;
+
+/*
+ * Installs (hooks non-NULL) or removes (NULL) the hooks.  Removing waits one RCU grace period,
+ * so when it returns no thread is inside a hook any more.  hooks is borrowed until removed.
+ * Returns 0, KVR_EBUSY (installing over other hooks), KVR_EINVAL.
+ * Context: any thread outside an RCU read section; not inside a hook.
+ */
+int kvr_repl_set_hooks(struct kvr_router *r, struct kvr_repl_hooks *hooks);
+
+/*
+ * Books a peer's admission on a->rank with a->local hashes, exactly as kvr_route's admission
+ * books a chosen rank (lease, predicted cache, load, index), with no selection and no note.
+ * Sets a->attempt to the new local attempt id.
+ * Returns 0, KVR_ENOENT (rank unknown or going), KVR_ESTALE (the rank's incarnation differs),
+ * KVR_EINVAL, KVR_ERANGE, KVR_ENOMEM, KVR_ESHUTDOWN.
+ * Context: any thread, outside an RCU read section.
+ */
+int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *a);
+
+/* The notes: called by route.c, lifecycle.c and ranks.c after a successful call. */
+void kvr_repl_note_admit_slow(struct kvr_router *r, const struct kvr_repl_admission *a);
+void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
+                                 const uint32_t *tokens, size_t n);
+void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,
+                             uint64_t incarnation, uint64_t capacity, uint32_t mbt);
+/* Whether a note would reach anyone.  Ordering: acquire; pairs with kvr_repl_set_hooks. */
+static inline bool kvr_repl_attached(const struct kvr_router *r)
+{
+	return __atomic_load_n(&r->repl, __ATOMIC_ACQUIRE) != NULL && !kvr_repl_applying;
+}
+
+/* Inline wrappers for the call sites: one acquire load when nothing is attached. */
+void kvr_repl_note_route_slow(struct kvr_router *r, const struct kvr_admit_args *a,
+                              const struct kvr_decision *d, uint32_t expected_output);
+static inline void kvr_repl_note_route(struct kvr_router *r, const struct kvr_admit_args *a,
+                                       const struct kvr_decision *d, uint32_t expected_output)
+{
+	if (kvr_repl_attached(r))
+		kvr_repl_note_route_slow(r, a, d, expected_output);
+}
+static inline void kvr_repl_note_progress(struct kvr_router *r, uint64_t attempt, int op,
+                                          const uint32_t *tokens, size_t n)
+{
+	if (kvr_repl_attached(r))
+		kvr_repl_note_progress_slow(r, attempt, op, tokens, n);
+}
+static inline void kvr_repl_note_rank(struct kvr_router *r, int op, struct kvr_rank_id rank,
+                                      uint64_t incarnation, uint64_t capacity, uint32_t mbt)
+{
+	if (kvr_repl_attached(r))
+		kvr_repl_note_rank_slow(r, op, rank, incarnation, capacity, mbt);
+}
+
+/* Prometheus text of the attached layer (0 bytes when none); snprintf semantics. */
+size_t kvr_repl_render(struct kvr_router *r, char *buf, size_t room);
+/* Called first thing by kvr_router_destroy. */
+void kvr_repl_router_destroy(struct kvr_router *r);
+
+#endif
