@@ -5,6 +5,7 @@
 #ifndef KVR_CORE_INDEX_INTERNAL_H
 #define KVR_CORE_INDEX_INTERNAL_H
 
+#include <ck_pr.h>
 #include <stdint.h>
 
 #include "core/index.h"
@@ -28,7 +29,7 @@ static inline void idx_lock(uint32_t *w)
 		    __atomic_compare_exchange_n(w, &v, v | IDX_LOCKED, true, __ATOMIC_ACQUIRE,
 		                                __ATOMIC_RELAXED))
 			return;
-		__builtin_ia32_pause();
+		ck_pr_stall(); /* portable relax: pause on x86, yield on aarch64 */
 	}
 }
 
