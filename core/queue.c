@@ -22,8 +22,12 @@
 
 #include "core/alloc.h"
 #include "core/router_internal.h"
+#include "sync/rcu.h"
 
-enum { Q_WAITING, Q_ADMITTED };
+/* Q_WAITING -> Q_ADMITTING (the pump routes it with the lock dropped) -> Q_ADMITTED, or back to
+ * Q_WAITING when its candidates are still saturated.  An entry in Q_ADMITTING belongs to the
+ * pump: kvr_route_cancel waits for the outcome instead of freeing it under the pump's feet. */
+enum { Q_WAITING, Q_ADMITTING, Q_ADMITTED };
 
 struct qentry {
 	uint64_t ticket;
@@ -44,7 +48,9 @@ struct kvr_queue {
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
 	struct qentry *head; /* every entry, in ticket order */
-	size_t waiting;      /* written under lock (atomic store), read anywhere (atomic load) */
+	/* Entries in Q_WAITING or Q_ADMITTING.  Written under lock (atomic store), read anywhere
+	 * (atomic load). */
+	size_t waiting;
 	uint64_t next_ticket;
 	uint32_t waiters; /* threads inside kvr_route_wait */
 	bool pumping;
@@ -97,7 +103,8 @@ bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
 		const struct kvr_rank_pub *p = &r->ranks[slots[i]];
-		uint32_t mbt = p->max_batched_tokens;
+		/* Atomic: a re-add stores it on the rank's shard while routers read it here. */
+		uint32_t mbt = __atomic_load_n(&p->max_batched_tokens, __ATOMIC_RELAXED);
 		if (mbt == 0)
 			return false; /* unknown budget: never saturated */
 		double load = (double)__atomic_load_n(&p->prefill_tokens, __ATOMIC_RELAXED);
@@ -128,11 +135,19 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->req = *req;
 	e->req.flags &= ~(uint32_t)KVR_ROUTE_WAIT;
 	e->tok_bytes = req->tokens ? req->n_tokens * sizeof(uint32_t) : 0;
-	e->hash_bytes = req->local_hashes ? req->n_hashes * sizeof(uint64_t) : 0;
+	/* A hash-given prompt with n_hashes = 0 (shorter than one block) keeps a non-NULL (one
+	 * element) copy: the request must still name local_hashes, and no memcpy sees NULL. */
+	e->hash_bytes =
+	    req->local_hashes ? (req->n_hashes ? req->n_hashes : 1) * sizeof(uint64_t) : 0;
 	e->allow_bytes = req->n_allow * sizeof(struct kvr_rank_id);
 	e->lora_bytes = req->lora_name ? strlen(req->lora_name) + 1 : 0;
 	e->req.tokens = dup_bytes(req->tokens, e->tok_bytes);
-	e->req.local_hashes = dup_bytes(req->local_hashes, e->hash_bytes);
+	if (e->hash_bytes) {
+		uint64_t *h = kvr_calloc(1, e->hash_bytes);
+		if (h && req->n_hashes)
+			memcpy(h, req->local_hashes, req->n_hashes * sizeof(uint64_t));
+		e->req.local_hashes = h;
+	}
 	e->req.allow = dup_bytes(req->allow, e->allow_bytes);
 	e->req.lora_name = dup_bytes(req->lora_name, e->lora_bytes);
 	if (req->pinned) {
@@ -199,6 +214,11 @@ void kvr_queue_pump(struct kvr_router *r)
 {
 	struct kvr_queue *q = r->queue;
 	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
+	/* The pump routes on this thread, inside RCU read sections: the thread must be a reader
+	 * even when it never called the library before (kvr_router_sync, an admin call).  Without
+	 * memory to register it, leave the queue to the next pump. */
+	if (kvr_rcu_thread_online())
+		return;
 	pthread_mutex_lock(&q->lock);
 	if (q->pumping || q->closing || q->waiting == 0) {
 		pthread_mutex_unlock(&q->lock);
@@ -209,25 +229,41 @@ void kvr_queue_pump(struct kvr_router *r)
 		struct qentry *e = next_waiting(q);
 		if (!e)
 			break;
+		/* Ours while the lock is dropped: cancel waits for the outcome (see Q_ADMITTING).
+		 */
+		e->state = Q_ADMITTING;
 		pthread_mutex_unlock(&q->lock);
 		struct kvr_decision d;
 		int rc = kvr_route_internal(r, &e->req, &d, KVR_QUEUE_FROM_PUMP);
 		pthread_mutex_lock(&q->lock);
-		if (rc == KVR_EAGAIN)
+		if (rc == KVR_EAGAIN) {
+			e->state = Q_WAITING;
+			pthread_cond_broadcast(&q->cond);
 			break; /* the head is still saturated: nobody overtakes it */
+		}
 		e->state = Q_ADMITTED;
 		e->rc = rc;
-		e->d = d;
+		if (rc == 0) {
+			e->d = d;
+		} else {
+			/* Not admitted (its pinned or allowed ranks went away, no memory): the
+			 * outcome is still delivered, through on_admit or kvr_route_wait. */
+			memset(&e->d, 0, sizeof(e->d));
+			e->d.status = KVR_FAILED;
+			e->d.error = rc;
+		}
 		e->d.ticket = e->ticket;
 		__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
-		uint64_t now = kvr_clock_now(&r->clock);
-		kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS, now > e->enq_ns ? now - e->enq_ns : 0);
-		kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
+		if (rc == 0) {
+			uint64_t now = kvr_clock_now(&r->clock);
+			kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS,
+			                    now > e->enq_ns ? now - e->enq_ns : 0);
+			kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
+		}
 		if (!e->waited && r->cfg.on_admit) {
 			unlink_entry(q, e);
 			pthread_mutex_unlock(&q->lock);
-			if (rc == 0)
-				r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
+			r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
 			entry_free(e);
 			pthread_mutex_lock(&q->lock);
 		}
@@ -268,8 +304,21 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 	}
 	e->waited = true;
 	q->waiters++;
-	int rc = 0;
-	while (e->state == Q_WAITING) {
+	int rc;
+	for (;;) {
+		/* Found again after every sleep: another waiter may have collected the ticket or a
+		 * cancel freed it meanwhile. */
+		if (!(e = find(q, ticket))) {
+			rc = KVR_ENOENT;
+			break;
+		}
+		if (e->state == Q_ADMITTED) {
+			*d = e->d;
+			rc = e->rc;
+			unlink_entry(q, e);
+			entry_free(e);
+			break;
+		}
 		if (q->closing) {
 			rc = KVR_ESHUTDOWN;
 			break;
@@ -289,12 +338,6 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		}
 		pthread_cond_timedwait(&q->cond, &q->lock, &ts);
 	}
-	if (rc == 0) {
-		*d = e->d;
-		rc = e->rc;
-		unlink_entry(q, e);
-		entry_free(e);
-	}
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
@@ -309,7 +352,12 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 	if (!q)
 		return KVR_ENOENT;
 	pthread_mutex_lock(&q->lock);
-	struct qentry *e = find(q, ticket);
+	q->waiters++;
+	struct qentry *e;
+	/* The pump is routing it right now: wait for the outcome (one routing decision).  Admitted,
+	 * it is not queued any more (KVR_ENOENT); still saturated, it is waiting again. */
+	while ((e = find(q, ticket)) && e->state == Q_ADMITTING && !q->closing)
+		pthread_cond_wait(&q->cond, &q->lock);
 	int rc = KVR_ENOENT;
 	if (e && e->state == Q_WAITING && !q->closing) {
 		unlink_entry(q, e);
@@ -317,6 +365,8 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 		entry_free(e);
 		rc = 0;
 	}
+	q->waiters--;
+	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
 	return rc;
 }

@@ -175,7 +175,8 @@ struct kvr_config {
 	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
 	uint64_t expected_prefill_ns;
 	/* Called (on a router thread, never under a router lock) when a queued request is
-	 * admitted; d is borrowed for the call.  Default NULL. */
+	 * admitted, or could not be (d->status KVR_FAILED, d->error why), unless a
+	 * kvr_route_wait caller collects it; d is borrowed for the call.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
 	 * embedder can ask the worker to replay.  Default NULL. */
@@ -309,6 +310,9 @@ KVR_API void kvr_request_init(struct kvr_request *req);
 enum kvr_decision_status {
 	KVR_DECIDED = 0, /* admitted: rank and attempt are valid */
 	KVR_QUEUED = 1,  /* waiting: ticket is valid; on_admit or KVR_ROUTE_WAIT tells the rest */
+	KVR_FAILED = 2,  /* a queued request could not be admitted (its pinned or allowed ranks
+	                  * went away, no memory): error says why; given to on_admit and by
+	                  * kvr_route_wait, which then also returns error */
 };
 
 struct kvr_decision {
@@ -320,6 +324,7 @@ struct kvr_decision {
 	uint64_t attempt;         /* the attempt id (lease); 0 for query-only */
 	uint64_t ticket;          /* queue ticket when status == KVR_QUEUED */
 	double cost;              /* the chosen rank's cost */
+	int error;                /* KVR_FAILED: the KVR_E* code of the failed admission; else 0 */
 };
 
 /*
@@ -335,11 +340,18 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
 
 /* Waits for a queued request (ticket from a KVR_QUEUED decision) until deadline_ns (router
  * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued),
- * KVR_ENOENT (unknown ticket or already collected). */
+ * KVR_ENOENT (unknown ticket, already collected, or cancelled meanwhile), KVR_ESHUTDOWN, or
+ * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
+ * when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL,
+ * ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody waits) by
+ * on_admit, which also receives failed admissions (status KVR_FAILED). */
 KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
                            struct kvr_decision *d);
 
-/* Cancels a queued request.  Returns 0 or KVR_ENOENT (not queued any more). */
+/* Cancels a queued request.  Returns 0 or KVR_ENOENT (not queued any more: admitted, failed,
+ * cancelled, or unknown); KVR_EINVAL for r NULL or ticket 0.  If the request is being admitted
+ * at that moment, it waits for the outcome (one routing decision): a cancel that returns 0
+ * guarantees the request is never admitted. */
 KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 
 /* ---------------------------------------------------------------- request lifecycle */
