@@ -9,8 +9,14 @@
  * before its state is torn down, so a decision on a vanishing rank is refused at admission
  * (generation mismatch) instead of touching freed state.
  */
+#include "core/limits.h"
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
+#include "sync/rcu.h"
+
+/* Attempt ids carry the slot in KVR_SLOT_BITS bits: every slot max_ranks allows must fit. */
+_Static_assert(KVR_LIMIT_MAX_RANKS_MAX <= (1u << KVR_SLOT_BITS),
+               "max_ranks limit does not fit the attempt id's slot bits");
 
 static int check(struct kvr_router *r)
 {
@@ -47,6 +53,14 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	                          .capacity = capacity_blocks};
 	rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
 	                    kvr_owner_rank_create, &a);
+	if (rc == KVR_ERANGE) {
+		/* Fewer than max_ranks ranks are present (checked above), so every free slot is
+		 * one a remove released and the index hands back only after a grace period.  Wait
+		 * for the deferred releases queued so far, then try once more. */
+		kvr_rcu_barrier();
+		rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
+		                    kvr_owner_rank_create, &a);
+	}
 	if (rc) {
 		kvr_shards_unplace(r->shards, rank.worker_id);
 		goto out;
