@@ -1,33 +1,32 @@
-/* core/config.c - configuration defaults and validation. */
+/* core/config.c - configuration defaults and validation (numbers from core/limits.h). */
 #include <math.h>
 #include <string.h>
 
+#include "core/limits.h"
 #include "kvrouter.h"
-
-#define NS_PER_S 1000000000ull
 
 void kvr_config_init(struct kvr_config *cfg)
 {
 	if (!cfg)
 		return;
 	memset(cfg, 0, sizeof(*cfg));
-	cfg->block_size = 16;
+	cfg->block_size = KVR_DEFAULT_BLOCK_SIZE;
 	cfg->n_shards = 0;
 	cfg->mode = KVR_MODE_APPROX_LRU;
 	cfg->overlap_credit = 1.0;
 	cfg->prefill_load_scale = 1.0;
 	cfg->temperature = 0.0;
-	cfg->ttl_ns = 120 * NS_PER_S;
-	cfg->lease_scan_interval_ns = 120 * NS_PER_S;
+	cfg->ttl_ns = KVR_DEFAULT_TTL_NS;
+	cfg->lease_scan_interval_ns = KVR_DEFAULT_LEASE_SCAN_INTERVAL_NS;
 	cfg->queue_threshold = 0.0;
 	cfg->queue_policy = KVR_QUEUE_FCFS;
-	cfg->queue_capacity = 4096;
-	cfg->max_ranks = 4096;
-	cfg->seed = 0x6b76726f75746572ull;
-	cfg->lane_capacity = 4096;
-	cfg->maint_every_tasks = 64;
-	cfg->maint_every_ns = 200000;
-	cfg->shard_idle_spin_ns = 50000;
+	cfg->queue_capacity = KVR_DEFAULT_QUEUE_CAPACITY;
+	cfg->max_ranks = KVR_DEFAULT_MAX_RANKS;
+	cfg->seed = KVR_DEFAULT_SEED;
+	cfg->lane_capacity = KVR_DEFAULT_LANE_CAPACITY;
+	cfg->maint_every_tasks = KVR_DEFAULT_MAINT_EVERY_TASKS;
+	cfg->maint_every_ns = KVR_DEFAULT_MAINT_EVERY_NS;
+	cfg->shard_idle_spin_ns = KVR_DEFAULT_SHARD_IDLE_SPIN_NS;
 }
 
 static int finite_nonneg(double v)
@@ -39,14 +38,14 @@ int kvr_config_validate(const struct kvr_config *cfg)
 {
 	if (!cfg)
 		return KVR_EINVAL;
-	if (cfg->block_size == 0 || cfg->block_size > 65536)
+	if (cfg->block_size == 0 || cfg->block_size > KVR_LIMIT_BLOCK_SIZE_MAX)
 		return KVR_ERANGE;
-	if (cfg->n_shards > 256)
+	if (cfg->n_shards > KVR_LIMIT_SHARDS_MAX)
 		return KVR_ERANGE;
 	if (cfg->n_cpus > 0 && !cfg->cpu_list)
 		return KVR_EINVAL;
 	for (size_t i = 0; i < cfg->n_cpus; i++)
-		if (cfg->cpu_list[i] < 0 || cfg->cpu_list[i] >= 4096)
+		if (cfg->cpu_list[i] < 0 || cfg->cpu_list[i] > KVR_LIMIT_CPU_ID_MAX)
 			return KVR_ERANGE;
 	if (cfg->mode != KVR_MODE_APPROX_LRU && cfg->mode != KVR_MODE_APPROX_TTL &&
 	    cfg->mode != KVR_MODE_EVENTS)
@@ -60,9 +59,10 @@ int kvr_config_validate(const struct kvr_config *cfg)
 		return KVR_EINVAL;
 	if (cfg->queue_capacity == 0)
 		return KVR_ERANGE;
-	if (cfg->max_ranks == 0 || cfg->max_ranks > 65536)
+	if (cfg->max_ranks == 0 || cfg->max_ranks > KVR_LIMIT_MAX_RANKS_MAX)
 		return KVR_ERANGE;
-	if (cfg->lane_capacity < 2 || cfg->lane_capacity > (1u << 22))
+	if (cfg->lane_capacity < KVR_LIMIT_LANE_CAPACITY_MIN ||
+	    cfg->lane_capacity > KVR_LIMIT_LANE_CAPACITY_MAX)
 		return KVR_ERANGE;
 	if (cfg->maint_every_tasks == 0 || cfg->maint_every_ns == 0)
 		return KVR_EINVAL;

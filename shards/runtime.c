@@ -30,19 +30,20 @@
 
 #include "core/alloc.h"
 #include "core/clock.h"
+#include "core/limits.h"
 #include "sync/park.h"
 #include "sync/rcu.h"
 
-#define MAX_SHARDS    256
+#define MAX_SHARDS    KVR_LIMIT_SHARDS_MAX
 #define BATCH         64
 #define TIMER_BATCH   4096
 #define PARK_MAX_NS   1000000000ull
-#define DEF_CAPACITY  4096
-#define DEF_EVERY     64
-#define DEF_EVERY_NS  200000ull
-#define DEF_WORKERS   4096
+#define DEF_CAPACITY  KVR_DEFAULT_LANE_CAPACITY
+#define DEF_EVERY     KVR_DEFAULT_MAINT_EVERY_TASKS
+#define DEF_EVERY_NS  KVR_DEFAULT_MAINT_EVERY_NS
+#define DEF_WORKERS   KVR_DEFAULT_MAX_WORKERS
 #define DEF_SPIN_NS   20000ull
-#define DEF_IDLE_SPIN 5000ull
+#define DEF_IDLE_SPIN KVR_DEFAULT_SHARD_IDLE_SPIN_NS
 #define SLOT_USED     (1ull << 63)
 
 struct kvr_shard {
@@ -253,8 +254,8 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		*out = NULL;
 	if (!cfg || !out || (cfg->n_cpus && !cfg->cpus))
 		return KVR_EINVAL;
-	if (cfg->n_shards > MAX_SHARDS || cfg->lane_capacity > (1u << 22) ||
-	    cfg->max_workers > (1u << 20))
+	if (cfg->n_shards > MAX_SHARDS || cfg->lane_capacity > KVR_LIMIT_LANE_CAPACITY_MAX ||
+	    cfg->max_workers > KVR_LIMIT_WORKERS_MAX)
 		return KVR_ERANGE;
 	int dcpus[CPU_SETSIZE];
 	uint32_t n_dcpus = 0;

@@ -56,7 +56,8 @@ struct kvr_shards_config {
 	/* Synchronous calls spin this long on the reply before sleeping.  0 = 20 us. */
 	uint64_t call_spin_ns;
 	/* An idle shard polls its lanes this long before parking, so back-to-back work (a
-	 * caller's next call) finds it awake.  0 = 5 us; KVR_SHARDS_NO_SPIN = park at once. */
+	 * caller's next call) finds it awake.  0 = 50 us (KVR_DEFAULT_SHARD_IDLE_SPIN_NS, as the
+	 * router's default); KVR_SHARDS_NO_SPIN = park at once. */
 	uint64_t idle_spin_ns;
 	/* Run on each shard thread at start (after pinning and RCU registration) and at stop
 	 * (after the lanes are drained).  Either may be NULL.  ctx passed unchanged. */

@@ -1,0 +1,39 @@
+/*
+ * core/limits.h - the one source of kvrouter's configuration limits and defaults.
+ *
+ * kvr_config_init() (core/config.c), kvr_config_validate() and the shard runtime
+ * (shards/runtime.c, for its own zero-means-default fields) all read these, so a default or a
+ * bound is typed out once.  The public header documents the same numbers for users; the unit
+ * test tests/unit/test_config.c checks that every documented default is what kvr_config_init()
+ * gives.  Base layer: no includes beyond <stdint.h>, usable from core/ and shards/.
+ */
+#ifndef KVR_CORE_LIMITS_H
+#define KVR_CORE_LIMITS_H
+
+#include <stdint.h>
+
+#define KVR_NS_PER_S UINT64_C(1000000000)
+
+/* Limits (inclusive). */
+#define KVR_LIMIT_BLOCK_SIZE_MAX    65536u
+#define KVR_LIMIT_SHARDS_MAX        256u
+#define KVR_LIMIT_CPU_ID_MAX        4095 /* cpu_list entries: 0..4095 */
+#define KVR_LIMIT_MAX_RANKS_MAX     65536u
+#define KVR_LIMIT_LANE_CAPACITY_MIN 2u
+#define KVR_LIMIT_LANE_CAPACITY_MAX (1u << 22)
+#define KVR_LIMIT_WORKERS_MAX       (1u << 20) /* shard runtime: distinct workers placed */
+
+/* Defaults (kvr_config_init, and the runtime's 0 = default fields). */
+#define KVR_DEFAULT_BLOCK_SIZE             16u
+#define KVR_DEFAULT_TTL_NS                 (120 * KVR_NS_PER_S)
+#define KVR_DEFAULT_LEASE_SCAN_INTERVAL_NS (120 * KVR_NS_PER_S)
+#define KVR_DEFAULT_QUEUE_CAPACITY         4096u
+#define KVR_DEFAULT_MAX_RANKS              4096u
+#define KVR_DEFAULT_SEED                   UINT64_C(0x6b76726f75746572) /* "kvrouter" */
+#define KVR_DEFAULT_LANE_CAPACITY          4096u
+#define KVR_DEFAULT_MAINT_EVERY_TASKS      64u
+#define KVR_DEFAULT_MAINT_EVERY_NS         UINT64_C(200000)
+#define KVR_DEFAULT_SHARD_IDLE_SPIN_NS     UINT64_C(50000)
+#define KVR_DEFAULT_MAX_WORKERS            KVR_DEFAULT_MAX_RANKS
+
+#endif /* KVR_CORE_LIMITS_H */
