@@ -21,9 +21,32 @@ Test(config, defaults_documented)
 	cr_assert_eq(c.lease_scan_interval_ns, 120000000000ull);
 	cr_assert_float_eq(c.queue_threshold, 0.0, 1e-12);
 	cr_assert_eq(c.queue_policy, KVR_QUEUE_FCFS);
+	cr_assert_eq(c.queue_capacity, 4096);
 	cr_assert_eq(c.max_ranks, 4096);
+	cr_assert_eq(c.n_cpus, 0);
+	cr_assert_eq(c.seed, 0x6b76726f75746572ull);
 	cr_assert_null(c.now_ns);
+	cr_assert_null(c.clock_ctx);
+	cr_assert_eq(c.lane_capacity, 4096);
+	cr_assert_eq(c.maint_every_tasks, 64);
+	cr_assert_eq(c.maint_every_ns, 200000);
+	cr_assert_eq(c.shard_idle_spin_ns, 50000, "50 us, as documented (the runtime agrees)");
+	cr_assert_eq(c.sync_booking, false);
+	cr_assert_eq(c.expected_prefill_ns, 0);
+	cr_assert_null(c.on_admit);
+	cr_assert_null(c.on_event_gap);
+	cr_assert_null(c.callback_ctx);
 	cr_assert_eq(kvr_config_validate(&c), 0);
+	/* The router keeps them (n_shards resolved to the shards it started). */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_config g;
+	cr_assert_eq(kvr_router_get_config(r, &g), 0);
+	cr_assert_gt(g.n_shards, 0);
+	cr_assert_eq(g.shard_idle_spin_ns, 50000);
+	cr_assert_eq(g.lane_capacity, 4096);
+	cr_assert_eq(g.seed, c.seed);
+	kvr_router_destroy(r);
 	kvr_config_init(NULL); /* no-op, no crash */
 }
 
@@ -54,7 +77,9 @@ Test(config, impossible_values_rejected)
 	BAD(max_ranks, 0, KVR_ERANGE);
 	BAD(max_ranks, 70000, KVR_ERANGE);
 	BAD(lane_capacity, 1, KVR_ERANGE);
+	BAD(lane_capacity, (1u << 22) + 1, KVR_ERANGE);
 	BAD(maint_every_tasks, 0, KVR_EINVAL);
+	BAD(maint_every_ns, 0, KVR_EINVAL);
 	cr_assert_eq(kvr_config_validate(NULL), KVR_EINVAL);
 }
 
@@ -66,6 +91,10 @@ Test(config, bad_cpu_list)
 	c.cpu_list = cpus;
 	c.n_cpus = 2;
 	cr_assert_eq(kvr_config_validate(&c), KVR_ERANGE);
+	cpus[1] = 4096;
+	cr_assert_eq(kvr_config_validate(&c), KVR_ERANGE, "cpu ids are 0..4095");
+	cpus[1] = 4095;
+	cr_assert_eq(kvr_config_validate(&c), 0);
 }
 
 static uint64_t fake_now;

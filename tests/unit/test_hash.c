@@ -8,6 +8,13 @@
 
 #include "kvrouter.h"
 
+/* Source of the vectors: NVIDIA Dynamo's own tests, so kvrouter's hashes are checked against the
+ * implementation it claims compatibility with (not against itself):
+ *  - ai-dynamo/dynamo lib/tokens/src/lib.rs, the TokenBlockSequence tests with salt 1337:
+ *    HASH_1_4 = 14643705804678351452 (hash([1,2,3,4], 1337)), HASH_5_8, SEQ_HASH_5_8 =
+ *    4945711292740353085, HASH_9_12 = 483935686894639516, SEQ_HASH_9_12 = 12583592247330656132;
+ *  - ai-dynamo/dynamo lib/llm/src/kv_router/indexer.rs, test_router_event_new:
+ *    LocalBlockHash(13226331709069118873), XXH3-64 of "test data" with seed 1337. */
 Test(hash, known_vectors_block4)
 {
 	uint32_t tok[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};

@@ -1,0 +1,333 @@
+/* Regression tests for the defects of issue 12 (found by API fuzzing and the TSan torture), one
+ * per defect, each failing on the code before its fix:
+ *   1. kvr_route_cancel racing the queue's admission pass (use-after-free, depth underflow);
+ *   2. kvr_router_sync from a thread that never called the library, with a queued pinned request;
+ *   3. a queued request whose admission fails is reported (on_admit / kvr_route_wait);
+ *   6. kvr_rank_add at max_ranks right after a remove (slot awaiting its grace period);
+ *   8. a queued hash-given prompt with n_hashes = 0 (memcpy from NULL under UBSan).
+ * Defect 7 (a data race) is covered by tests/stress/stress_torture.c under TSan. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrouter.h"
+
+static uint64_t vnow = 1000;
+static uint64_t vclock(void *ctx)
+{
+	(void)ctx;
+	return __atomic_load_n(&vnow, __ATOMIC_RELAXED);
+}
+
+static void prompt(uint32_t *t, size_t n, uint32_t salt)
+{
+	for (size_t i = 0; i < n; i++)
+		t[i] = (uint32_t)(i * 7 + salt * 1000003u);
+}
+
+/* What on_admit saw, for the test's router (callbacks run on whichever thread pumped). */
+struct seen {
+	pthread_mutex_t mu;
+	uint64_t ticket[64];
+	struct kvr_decision d[64];
+	int n;
+};
+
+static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	struct seen *s = ctx;
+	pthread_mutex_lock(&s->mu);
+	if (s->n < 64) {
+		s->ticket[s->n] = ticket;
+		s->d[s->n] = *d;
+		s->n++;
+	}
+	pthread_mutex_unlock(&s->mu);
+}
+
+static int seen_find(struct seen *s, uint64_t ticket, struct kvr_decision *out)
+{
+	int found = 0;
+	pthread_mutex_lock(&s->mu);
+	for (int i = 0; i < s->n; i++)
+		if (s->ticket[i] == ticket) {
+			found++;
+			if (out)
+				*out = s->d[i];
+		}
+	pthread_mutex_unlock(&s->mu);
+	return found;
+}
+
+static struct kvr_router *make_queue_router(struct seen *s, uint32_t max_ranks)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.max_ranks = max_ranks;
+	if (s) {
+		memset(s, 0, sizeof(*s));
+		pthread_mutex_init(&s->mu, NULL);
+		c.on_admit = on_admit;
+		c.callback_ctx = s;
+	}
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	return r;
+}
+
+static int route_tokens(struct kvr_router *r, const uint32_t *t, size_t n,
+                        const struct kvr_rank_id *pinned, struct kvr_decision *d)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.pinned = pinned;
+	return kvr_route(r, &q, d);
+}
+
+/* ---------------------------------------------------------------- defect 1 */
+
+struct pump_arg {
+	struct kvr_router *r;
+	uint64_t attempt;
+	int go;
+	int rc;
+};
+
+static void *prefill_done_thread(void *p)
+{
+	struct pump_arg *a = p;
+	while (!__atomic_load_n(&a->go, __ATOMIC_ACQUIRE))
+		;
+	a->rc = kvr_request_prefill_done(a->r, a->attempt); /* pumps the queue */
+	return NULL;
+}
+
+static void spin_ns(uint64_t ns)
+{
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	do
+		clock_gettime(CLOCK_MONOTONIC, &t);
+	while ((uint64_t)(t.tv_sec - t0.tv_sec) * 1000000000ull +
+	           (uint64_t)(t.tv_nsec - t0.tv_nsec) <
+	       ns);
+}
+
+/* A long queued prompt keeps the pump inside its (unlocked) routing call for a millisecond or
+ * so while another thread cancels the ticket at a varying moment.  A cancel that returns 0 must
+ * mean the request is never admitted; one that returns KVR_ENOENT must mean it was.  Before the
+ * fix the cancel freed the entry under the pump (ASan: heap-use-after-free), on_admit then
+ * reported a cancelled ticket and the depth underflowed, so the queue answered KVR_EAGAIN for
+ * good. */
+Test(regress, cancel_racing_the_pump)
+{
+	struct seen s;
+	struct kvr_router *r = make_queue_router(&s, 16);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, KVR_CAPACITY_NONE, 100), 0);
+	enum { LONG = 1 << 18 };
+	static uint32_t hog[200], big[LONG];
+	prompt(big, LONG, 100);
+	int cancelled = 0, admitted = 0;
+	for (int it = 0; it < 60; it++) {
+		prompt(hog, 200, 1000 + (uint32_t)it); /* uncached: its prefill saturates */
+		struct kvr_decision h, q;
+		cr_assert_eq(route_tokens(r, hog, 200, NULL, &h), 0);
+		cr_assert_eq(h.status, KVR_DECIDED, "it %d", it);
+		cr_assert_eq(route_tokens(r, big, LONG, NULL, &q), 0);
+		cr_assert_eq(q.status, KVR_QUEUED, "it %d: saturated by the hog", it);
+		struct pump_arg a = {.r = r, .attempt = h.attempt};
+		pthread_t th;
+		cr_assert_eq(pthread_create(&th, NULL, prefill_done_thread, &a), 0);
+		__atomic_store_n(&a.go, 1, __ATOMIC_RELEASE);
+		spin_ns((uint64_t)(it % 20) * 100000); /* 0 .. 1.9 ms */
+		int rc = kvr_route_cancel(r, q.ticket);
+		pthread_join(th, NULL);
+		cr_assert_eq(a.rc, 0);
+		cr_assert(rc == 0 || rc == KVR_ENOENT, "cancel: %d", rc);
+		struct kvr_decision got;
+		int n = seen_find(&s, q.ticket, &got);
+		struct kvr_rank_stats st;
+		cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+		if (rc == 0) {
+			cancelled++;
+			cr_assert_eq(n, 0, "it %d: a cancelled ticket was admitted", it);
+			cr_assert_eq(st.active_requests, 1, "it %d: only the hog is active", it);
+		} else {
+			admitted++;
+			cr_assert_eq(n, 1, "it %d: cancel said not queued, so it was admitted", it);
+			cr_assert_eq(got.status, KVR_DECIDED);
+			cr_assert_eq(st.active_requests, 2);
+			cr_assert_eq(kvr_request_finish(r, got.attempt), 0);
+		}
+		cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+		cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &got), KVR_ENOENT);
+	}
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+	cr_assert_eq(st.active_requests, 0);
+	cr_assert_eq(st.active_prefill_tokens, 0);
+	/* The depth is exact: saturated again, a request queues (not KVR_EAGAIN). */
+	prompt(hog, 200, 999);
+	struct kvr_decision h, q;
+	cr_assert_eq(route_tokens(r, hog, 200, NULL, &h), 0);
+	cr_assert_eq(route_tokens(r, hog, 200, NULL, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_route_cancel(r, q.ticket), 0);
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+	cr_log_info("cancel vs pump: %d cancelled, %d admitted", cancelled, admitted);
+	kvr_router_destroy(r);
+}
+
+/* ---------------------------------------------------------------- defects 2 and 3 */
+
+/* A rank saturated by a hog, a request pinned to it queued, then the rank removed: the next pump
+ * must resolve the request as failed (its pinned rank is gone). */
+static uint64_t queue_pinned_then_remove(struct kvr_router *r, struct kvr_rank_id id)
+{
+	static uint32_t hog[200], t[64];
+	prompt(hog, 200, 7);
+	prompt(t, 64, 8);
+	struct kvr_decision h, q;
+	cr_assert_eq(route_tokens(r, hog, 200, &id, &h), 0);
+	cr_assert_eq(h.status, KVR_DECIDED);
+	cr_assert_eq(route_tokens(r, t, 64, &id, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_rank_remove(r, id), 0);
+	return q.ticket;
+}
+
+struct sync_arg {
+	struct kvr_router *r;
+	int rc;
+};
+
+static void *sync_thread(void *p)
+{
+	struct sync_arg *a = p;
+	a->rc = kvr_router_sync(a->r, 10000); /* this thread's first library call */
+	return NULL;
+}
+
+/* Before the fix the pump ran the pinned request's decision on a thread liburcu had never seen,
+ * and liburcu aborted the process. */
+Test(regress, sync_from_a_fresh_thread_with_a_queued_pinned_request)
+{
+	struct seen s;
+	struct kvr_router *r = make_queue_router(&s, 16);
+	struct kvr_rank_id id = {5, 1};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 100), 0);
+	uint64_t ticket = queue_pinned_then_remove(r, id);
+	struct sync_arg a = {.r = r};
+	pthread_t th;
+	cr_assert_eq(pthread_create(&th, NULL, sync_thread, &a), 0);
+	pthread_join(th, NULL);
+	cr_assert_eq(a.rc, 0);
+	struct kvr_decision d;
+	cr_assert_eq(seen_find(&s, ticket, &d), 1, "the sync's pump resolved the request");
+	kvr_router_destroy(r);
+}
+
+/* Before the fix a failed admission with on_admit set freed the entry silently: no callback, and
+ * kvr_route_wait / kvr_route_cancel both said KVR_ENOENT. */
+Test(regress, failed_admission_reaches_on_admit)
+{
+	struct seen s;
+	struct kvr_router *r = make_queue_router(&s, 16);
+	struct kvr_rank_id id = {3, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 100), 0);
+	uint64_t ticket = queue_pinned_then_remove(r, id);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	struct kvr_decision d;
+	cr_assert_eq(seen_find(&s, ticket, &d), 1, "on_admit told the outcome");
+	cr_assert_eq(d.status, KVR_FAILED);
+	cr_assert_eq(d.error, KVR_ENOENT, "its pinned rank is gone");
+	cr_assert_eq(d.ticket, ticket);
+	cr_assert_eq(d.attempt, 0);
+	cr_assert_eq(kvr_route_cancel(r, ticket), KVR_ENOENT, "not queued any more");
+	kvr_router_destroy(r);
+}
+
+Test(regress, failed_admission_reaches_route_wait)
+{
+	struct kvr_router *r = make_queue_router(NULL, 16);
+	struct kvr_rank_id id = {3, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 100), 0);
+	uint64_t ticket = queue_pinned_then_remove(r, id);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	struct kvr_decision d;
+	memset(&d, 0x5a, sizeof(d));
+	cr_assert_eq(kvr_route_wait(r, ticket, 0, &d), KVR_ENOENT, "the admission's error");
+	cr_assert_eq(d.status, KVR_FAILED);
+	cr_assert_eq(d.error, KVR_ENOENT);
+	cr_assert_eq(d.ticket, ticket);
+	cr_assert_eq(kvr_route_wait(r, ticket, 0, &d), KVR_ENOENT, "collected once");
+	kvr_router_destroy(r);
+}
+
+/* ---------------------------------------------------------------- defect 6 */
+
+/* Before the fix the re-add was refused with KVR_ERANGE for the removed slot's grace period
+ * (~200 ms), although only one of two ranks was present. */
+Test(regress, add_at_max_ranks_right_after_a_remove)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.max_ranks = 2;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	for (int round = 0; round < 20; round++) {
+		struct kvr_rank_id a = {100 + (uint64_t)round, 0}, b = {200 + (uint64_t)round, 0};
+		cr_assert_eq(kvr_rank_add(r, a, 1, 100, 0), 0, "round %d", round);
+		cr_assert_eq(kvr_rank_add(r, b, 1, 100, 0), 0, "round %d", round);
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){999, 0}, 1, 100, 0), KVR_ERANGE,
+		             "three present ranks exceed max_ranks 2");
+		cr_assert_eq(kvr_rank_remove(r, a), 0);
+		cr_assert_eq(kvr_rank_add(r, a, 2, 100, 0), 0, "round %d: re-add the same id",
+		             round);
+		cr_assert_eq(kvr_rank_remove(r, a), 0);
+		cr_assert_eq(kvr_rank_remove(r, b), 0);
+	}
+	kvr_router_destroy(r);
+}
+
+/* ---------------------------------------------------------------- defect 8 */
+
+/* A hash-given prompt shorter than one block (n_hashes = 0) that waits in the queue.  Before the
+ * fix the queue's copy had neither tokens nor hashes and admission memcpy'd from NULL (UBSan:
+ * "null pointer passed as argument 2"). */
+Test(regress, queued_prompt_without_complete_blocks)
+{
+	struct kvr_router *r = make_queue_router(NULL, 16);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 100), 0);
+	static uint32_t hog[200];
+	prompt(hog, 200, 9);
+	struct kvr_decision h, d;
+	cr_assert_eq(route_tokens(r, hog, 200, NULL, &h), 0);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	uint64_t none = 0;
+	q.local_hashes = &none;
+	q.n_hashes = 0;
+	q.n_tokens = 5;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	uint64_t ticket = d.ticket;
+	cr_assert_eq(kvr_request_prefill_done(r, h.attempt), 0); /* admits it */
+	cr_assert_eq(kvr_route_wait(r, ticket, 0, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	cr_assert_eq(d.required_blocks, 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+	kvr_router_destroy(r);
+}
