@@ -60,6 +60,17 @@ static const struct {
     {KVR_C_QUEUE_ADMITTED, "kvr_queue_admitted_total", "Queued requests admitted", ""},
     {KVR_C_QUEUE_REJECTED, "kvr_queue_rejected_total", "Requests refused by a full queue", ""},
     {KVR_C_QUEUE_TIMEOUTS, "kvr_queue_timeouts_total", "Waits that passed their deadline", ""},
+    {KVR_C_SHARD_INDEX_WRITE_ERRORS, "kvr_shard_errors_total",
+     "Shard work that failed and was counted, not lost", "what=\"index_write\""},
+    {KVR_C_SHARD_TIMER_ERRORS, "kvr_shard_errors_total", NULL, "what=\"timer_arm\""},
+    {KVR_C_LANE_FULL_WAITS, "kvr_lane_full_waits_total",
+     "Posts to a shard lane that found it full and waited (bounded)", ""},
+    {KVR_C_LANE_FULL_DROPS, "kvr_lane_full_drops_total",
+     "Posts given up after the bounded wait (admission refused with KVR_EAGAIN, or lifecycle work "
+     "left to the lease reaper)",
+     ""},
+    {KVR_C_STALE_BOOKINGS, "kvr_stale_bookings_total",
+     "Admissions whose rank was removed or reset before the booking (the attempt is stale)", ""},
 };
 
 static const struct {

@@ -122,14 +122,13 @@ static int validate(const struct kvr_router *r, const struct kvr_request *q)
 		return KVR_EINVAL;
 	if ((q->tokens != NULL) == (q->local_hashes != NULL))
 		return KVR_EINVAL; /* exactly one of them */
-	if (q->n_tokens == 0)
-		return KVR_EINVAL; /* an empty prompt */
+	if (q->n_tokens == 0 || q->n_tokens > KVR_MAX_PROMPT_TOKENS)
+		return KVR_EINVAL; /* an empty prompt, or a length no engine serves (and whose sum
+		                    * over a rank's requests could wrap its prefill load) */
 	if (q->local_hashes && q->n_hashes > q->n_tokens / r->cfg.block_size)
 		return KVR_EINVAL; /* more blocks than the prompt has */
 	if (q->n_allow > 0 && !q->allow)
 		return KVR_EINVAL;
-	if (q->n_allow > r->cfg.max_ranks)
-		return KVR_ERANGE;
 	if (isnan(q->overlap_credit) || isnan(q->prefill_load_scale) || isnan(q->temperature) ||
 	    isinf(q->overlap_credit) || isinf(q->prefill_load_scale) || isinf(q->temperature))
 		return KVR_EINVAL;
@@ -307,8 +306,10 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			return 0;
 		}
 		uint64_t seqno = kvr_attempt_id_next(&r->ids);
-		if (seqno == 0 || seqno >= KVR_ATTEMPT_SEQ_MAX)
+		if (seqno == 0 || seqno >= KVR_ATTEMPT_SEQ_MAX) {
+			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return KVR_ERANGE;
+		}
 		size_t tail_n = q->tokens ? q->n_tokens % bs : 0;
 		struct kvr_admit_args a = {
 		    .r = r,

@@ -85,6 +85,8 @@ struct kvr_shard_state {
 	uint64_t *seq;
 	size_t seq_cap;
 	struct kvr_rank_owned *ranks; /* every rank this shard owns */
+	bool reaper_armed;            /* the lease reaper's timer is pending */
+	bool timers_broken;           /* a timer could not be armed: retry on the next call */
 };
 
 static inline uint64_t now_ns(struct kvr_router *r)
@@ -153,21 +155,29 @@ static void apply_removals(struct kvr_router *r, struct kvr_rank_owned *own,
 	}
 }
 
-/* Stores seq/local[p0..n) as one chain below seq[p0-1] (root when p0 == 0 and no parent). */
-static void store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
-                      const uint64_t *parent, const uint64_t *local, const uint64_t *seq, size_t p0,
-                      size_t n)
+/* Stores seq/local[p0..n) as one chain below seq[p0-1] (root when p0 == 0 and no parent).
+ * A write that fails (out of memory) leaves the index without blocks the predicted cache holds:
+ * routing then under-estimates that rank's overlap, which is safe, and it is counted
+ * (kvr_shard_errors_total{what="index_write"}), never silent. */
+static int store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own, const uint64_t *parent,
+                     const uint64_t *local, const uint64_t *seq, size_t p0, size_t n)
 {
 	if (p0 >= n)
-		return;
-	if (grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk)))
-		return; /* out of memory: the prediction stays without these blocks */
-	for (size_t i = p0; i < n; i++)
-		ss->blk[i] = (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
-	const uint64_t *par = p0 > 0 ? &seq[p0 - 1] : parent;
-	int rc = kvr_index_store(ss->r->index, own->slot, par, ss->blk + p0, n - p0);
-	if (rc == KVR_ENOENT && p0 > 0 && !parent)
-		kvr_index_store(ss->r->index, own->slot, NULL, ss->blk, n);
+		return 0;
+	int rc = grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
+	if (rc == 0) {
+		for (size_t i = p0; i < n; i++)
+			ss->blk[i] =
+			    (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
+		const uint64_t *par = p0 > 0 ? &seq[p0 - 1] : parent;
+		rc = kvr_index_store(ss->r->index, own->slot, par, ss->blk + p0, n - p0);
+		if (rc == KVR_ENOENT && p0 > 0 && !parent)
+			rc = kvr_index_store(ss->r->index, own->slot, NULL, ss->blk, n);
+	}
+	if (rc)
+		kvr_metrics_add(kvr_metrics_local(ss->r->metrics), KVR_C_SHARD_INDEX_WRITE_ERRORS,
+		                1);
+	return rc;
 }
 
 static void ttl_fire(struct kvr_shard *sh, void *arg);
@@ -182,10 +192,15 @@ static void arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own)
 		return;
 	if (own->ttl_deadline != UINT64_MAX)
 		kvr_shard_timer_cancel(sh, own->ttl_timer);
-	if (kvr_shard_timer_add(sh, d, ttl_fire, own, &own->ttl_timer) == 0)
+	if (kvr_shard_timer_add(sh, d, ttl_fire, own, &own->ttl_timer) == 0) {
 		own->ttl_deadline = d;
-	else
+	} else {
+		/* Out of memory: counted, and retried on the shard's next call (retry_timers). */
 		own->ttl_deadline = UINT64_MAX;
+		state_of(sh)->timers_broken = true;
+		kvr_metrics_add(kvr_metrics_local(state_of(sh)->r->metrics),
+		                KVR_C_SHARD_TIMER_ERRORS, 1);
+	}
 }
 
 static void ttl_fire(struct kvr_shard *sh, void *arg)
@@ -248,6 +263,7 @@ static void end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
 }
 
 static void book(struct kvr_shard *sh, struct attempt_rec *rec);
+static void arm_reaper(struct kvr_shard *sh, uint64_t when);
 
 static void reaper_fire(struct kvr_shard *sh, void *arg)
 {
@@ -270,7 +286,35 @@ static void reaper_fire(struct kvr_shard *sh, void *arg)
 		}
 		/* More than a batch stays QUIET and expires on the next scan (lease.h). */
 	} while (0);
-	kvr_shard_timer_add(sh, now + r->cfg.lease_scan_interval_ns, reaper_fire, NULL, NULL);
+	ss->reaper_armed = false;
+	arm_reaper(sh, now + r->cfg.lease_scan_interval_ns);
+}
+
+/* Arms the lease reaper at `when`.  A failure (out of memory in the timer heap) is counted and
+ * retried on the shard's next call, so one failed allocation never stops lease expiry. */
+static void arm_reaper(struct kvr_shard *sh, uint64_t when)
+{
+	struct kvr_shard_state *ss = state_of(sh);
+	if (kvr_shard_timer_add(sh, when, reaper_fire, NULL, NULL) == 0) {
+		ss->reaper_armed = true;
+		return;
+	}
+	ss->timers_broken = true;
+	kvr_metrics_add(kvr_metrics_local(ss->r->metrics), KVR_C_SHARD_TIMER_ERRORS, 1);
+}
+
+/* Re-arms what a failed timer allocation left unarmed.  Called at the top of every shard-side
+ * entry point; costs one branch when nothing failed. */
+static void retry_timers(struct kvr_shard *sh)
+{
+	struct kvr_shard_state *ss = state_of(sh);
+	if (!ss || !ss->timers_broken)
+		return;
+	ss->timers_broken = false;
+	if (!ss->reaper_armed)
+		arm_reaper(sh, now_ns(ss->r));
+	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next)
+		arm_ttl(sh, own);
 }
 
 /* ---------------------------------------------------------------- shard life */
@@ -289,7 +333,7 @@ void kvr_owner_shard_start(struct kvr_shard *sh, void *router)
 		return;
 	}
 	kvr_shard_set_userdata(sh, ss);
-	kvr_shard_timer_add(sh, now + r->cfg.lease_scan_interval_ns, reaper_fire, NULL, NULL);
+	arm_reaper(sh, now + r->cfg.lease_scan_interval_ns);
 }
 
 void kvr_owner_shard_stop(struct kvr_shard *sh, void *router)
@@ -447,8 +491,17 @@ static int new_life(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t i
 	return 0;
 }
 
+/* The predicted cache was rebuilt in another mode: it holds no lease of the live attempts any
+ * more, so their later output is tracked for load only (see output()). */
+static void forget_bookings(struct kvr_rank_owned *own)
+{
+	for (struct attempt_rec *rec = own->attempts; rec; rec = rec->next)
+		rec->booked = false;
+}
+
 int kvr_owner_rank_capacity(struct kvr_shard *sh, void *arg)
 {
+	retry_timers(sh);
 	struct kvr_rank_args *a = arg;
 	struct kvr_router *r = a->r;
 	struct kvr_rank_owned *own = owned(r, a->slot, a->gen);
@@ -461,11 +514,23 @@ int kvr_owner_rank_capacity(struct kvr_shard *sh, void *arg)
 	if (a->incarnation != own->incarnation) {
 		rc = new_life(sh, own, a->incarnation, a->capacity);
 	} else if (own->rs) {
-		rc = kvr_rank_state_set_capacity(own->rs, own->incarnation,
-		                                 initial_capacity(r, a->capacity), &ss->out);
+		enum kvr_rank_mode before = kvr_rank_state_mode(own->rs);
+		uint64_t cap = initial_capacity(r, a->capacity);
+		rc = kvr_rank_state_set_capacity(own->rs, own->incarnation, cap, &ss->out);
+		if (rc == KVR_EBUSY && before == KVR_RANK_TTL && cap > 0) {
+			/* TTL retention -> a finite capacity, same life: the predicted cache starts
+			 * over as an LRU (the TTL state cannot be turned into one). */
+			if ((rc = kvr_rank_state_reset(own->rs, &ss->out)) == 0) {
+				apply_removals(r, own, &ss->out);
+				rc = kvr_rank_state_set_capacity(own->rs, own->incarnation, cap,
+				                                 &ss->out);
+			}
+		}
 		if (rc == 0) {
 			apply_removals(r, own, &ss->out);
 			own->capacity = a->capacity;
+			if (kvr_rank_state_mode(own->rs) != before)
+				forget_bookings(own);
 		}
 	} else {
 		own->capacity = a->capacity;
@@ -476,6 +541,7 @@ int kvr_owner_rank_capacity(struct kvr_shard *sh, void *arg)
 
 int kvr_owner_rank_reset(struct kvr_shard *sh, void *arg)
 {
+	retry_timers(sh);
 	struct kvr_rank_args *a = arg;
 	struct kvr_router *r = a->r;
 	struct kvr_rank_owned *own = owned(r, a->slot, a->gen);
@@ -624,6 +690,7 @@ static void admit_book(struct kvr_shard *sh, void *payload)
 
 int kvr_owner_admit(struct kvr_shard *sh, void *arg)
 {
+	retry_timers(sh);
 	struct kvr_admit_args *a = arg;
 	struct kvr_router *r = a->r;
 	struct kvr_shard_state *ss = state_of(sh);
@@ -758,6 +825,10 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 		rc = kvr_rank_state_materialize(own->rs, own->incarnation, rec->attempt, parent,
 		                                ss->lb, nb, rec->n_blocks, priv,
 		                                kvr_clock_now(&r->clock), &ss->out);
+	if (rc == KVR_ENOENT) {
+		rec->booked = false; /* the predicted cache no longer knows it: load only */
+		return 0;
+	}
 	if (rc)
 		return rc;
 	apply_removals(r, own, &ss->out);
@@ -774,6 +845,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 
 int kvr_owner_progress(struct kvr_shard *sh, void *arg)
 {
+	retry_timers(sh);
 	struct kvr_progress_args *a = arg;
 	struct kvr_router *r = a->r;
 	struct kvr_shard_state *ss = state_of(sh);
@@ -822,6 +894,7 @@ int kvr_owner_progress(struct kvr_shard *sh, void *arg)
 
 int kvr_owner_event(struct kvr_shard *sh, void *arg)
 {
+	retry_timers(sh);
 	struct kvr_event_args *a = arg;
 	struct kvr_router *r = a->r;
 	struct kvr_shard_state *ss = state_of(sh);

@@ -236,7 +236,10 @@ KVR_API int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t
                          uint64_t capacity_blocks, uint32_t max_batched_tokens);
 
 /* Sets the capacity (blocks; KVR_CAPACITY_NONE or 0 = TTL retention).  A different incarnation
- * clears the rank and starts a new life; an older one is KVR_ESTALE.  Shrinking evicts.
+ * clears the rank and starts a new life; an older one is KVR_ESTALE.  Shrinking evicts.  With
+ * the same incarnation, a switch between TTL retention and a finite capacity (either way)
+ * forgets the rank's predicted cache; its live attempts stay live (their later output is
+ * tracked for load only).
  * Returns 0, KVR_ENOENT, KVR_ESTALE, KVR_ENOMEM. */
 KVR_API int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank,
                                   uint64_t incarnation, uint64_t capacity_blocks);
@@ -282,9 +285,13 @@ enum kvr_route_flags {
 	KVR_ROUTE_WAIT = 1u << 1,       /* if queued, block until admitted or deadline_ns */
 };
 
+/* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL). */
+#define KVR_MAX_PROMPT_TOKENS (UINT64_C(1) << 32)
+
 struct kvr_request {
 	/* The prompt: tokens (borrowed), or precomputed local block hashes (borrowed) with
-	 * n_tokens still giving the prompt length.  Exactly one of tokens / local_hashes. */
+	 * n_tokens still giving the prompt length (n_hashes <= n_tokens / block_size).  Exactly
+	 * one of tokens / local_hashes.  1 <= n_tokens <= KVR_MAX_PROMPT_TOKENS. */
 	const uint32_t *tokens;
 	size_t n_tokens;
 	const uint64_t *local_hashes;
@@ -294,7 +301,8 @@ struct kvr_request {
 	uint32_t expected_output_tokens;  /* adds to the request's potential decode blocks */
 	uint32_t flags;                   /* enum kvr_route_flags */
 	const struct kvr_rank_id *pinned; /* route here (must be in allow if both are set) */
-	const struct kvr_rank_id *allow;  /* candidates restricted to these */
+	const struct kvr_rank_id *allow;  /* candidates restricted to these (duplicates and
+	                                   * unknown ranks are ignored; any length) */
 	size_t n_allow;
 	/* Per-request overrides; a negative value means "the router's". */
 	double overlap_credit;
@@ -332,7 +340,8 @@ struct kvr_decision {
  * overlap and load, picks one and admits the request there (lease, LRU, load, index).
  * Returns 0 (see d->status), KVR_EINVAL (bad request), KVR_ENOENT (no eligible rank: none
  * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full), KVR_ETIMEDOUT (KVR_ROUTE_WAIT
- * deadline), KVR_ENOMEM, KVR_ESHUTDOWN.
+ * deadline), KVR_ENOMEM, KVR_ERANGE (the router's 2^46 attempt ids are used up),
+ * KVR_ESHUTDOWN.
  * Context: any thread, concurrently.  Lock-free until admission, which is one round trip to the
  * chosen rank's shard.
  */

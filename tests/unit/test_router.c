@@ -854,3 +854,104 @@ Test(router, lora_prompts_do_not_share_blocks)
 	cr_assert_eq(d.overlap_blocks, 0, "another adapter: nothing shared");
 	kvr_router_destroy(r);
 }
+
+/* Issue 12 item 4: a rank added without a capacity (TTL retention) learns its capacity later,
+ * same incarnation: that must take effect (it was KVR_EBUSY and the capacity stayed unset). */
+Test(router, capacity_none_or_zero_to_finite_same_incarnation)
+{
+	uint64_t start[2] = {KVR_CAPACITY_NONE, 0};
+	for (int k = 0; k < 2; k++) {
+		struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, start[k], 0);
+		struct kvr_rank_id id = {0, 0};
+		uint32_t t[160];
+		prompt(t, 160, 100 + k);
+		struct kvr_decision d = route(r, t, 160, 0);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		cr_assert_eq(kvr_rank_set_capacity(r, id, 1, 4), 0, "start %d", k);
+		struct kvr_rank_stats s = stats(r, 0);
+		cr_assert_eq(s.capacity_blocks, 4);
+		cr_assert_leq(s.resident_blocks, 4);
+		d = route(r, t, 160, 0); /* 10 blocks into a 4-block cache */
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		s = stats(r, 0);
+		cr_assert_leq(s.resident_blocks, 4, "the capacity bounds the prediction now");
+		cr_assert_eq(s.indexed_blocks, s.resident_blocks);
+		kvr_router_destroy(r);
+	}
+}
+
+/* Issue 12 item 5: set_capacity (same incarnation) moving an LRU rank to TTL retention keeps its
+ * live attempts live: output must not say KVR_ENOENT. */
+Test(router, output_after_capacity_moved_to_ttl)
+{
+	uint64_t to[2] = {KVR_CAPACITY_NONE, 0};
+	for (int k = 0; k < 2; k++) {
+		struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+		struct kvr_rank_id id = {0, 0};
+		uint32_t t[200];
+		prompt(t, 200, 110 + k);
+		struct kvr_decision d = route(r, t, 40, 0);
+		cr_assert_eq(kvr_rank_set_capacity(r, id, 1, to[k]), 0);
+		cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
+		cr_assert_eq(kvr_request_output(r, d.attempt, t + 40, 50), 0, "to %d", k);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		struct kvr_rank_stats s = stats(r, 0);
+		cr_assert_eq(s.active_requests, 0);
+		cr_assert_eq(s.active_blocks, 0);
+		/* and back to a capacity, same incarnation */
+		cr_assert_eq(kvr_rank_set_capacity(r, id, 1, 1000), 0);
+		d = route(r, t, 40, 0);
+		cr_assert_eq(kvr_request_output(r, d.attempt, t + 40, 50), 0);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		cr_assert_eq(route(r, t, 80, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 5);
+		kvr_router_destroy(r);
+	}
+}
+
+/* Issue 12 item 9: an allow-list longer than max_ranks made of duplicates is valid (it was
+ * KVR_ERANGE, undocumented); a hash-given prompt cannot claim more than KVR_MAX_PROMPT_TOKENS
+ * (two such requests wrapped the rank's prefill load to 0). */
+Test(router, allow_duplicates_and_prompt_length_bound)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.max_ranks = 2;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id a = {5, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 1000, 0), 0);
+	uint32_t t[64];
+	prompt(t, 64, 120);
+	struct kvr_rank_id allow[5] = {a, a, a, {9, 9}, a};
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 64;
+	q.allow = allow;
+	q.n_allow = 5;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.rank.worker_id, 5);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+
+	uint64_t h[2] = {1, 2};
+	kvr_request_init(&q);
+	q.local_hashes = h;
+	q.n_hashes = 2;
+	q.n_tokens = (size_t)(UINT64_C(1) << 63) + 8;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL);
+	q.n_tokens = (size_t)KVR_MAX_PROMPT_TOKENS + 1;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL);
+	q.n_tokens = (size_t)KVR_MAX_PROMPT_TOKENS;
+	struct kvr_decision d1, d2;
+	cr_assert_eq(kvr_route(r, &q, &d1), 0);
+	cr_assert_eq(kvr_route(r, &q, &d2), 0);
+	struct kvr_rank_stats s = stats(r, 5);
+	cr_assert_eq(s.active_requests, 2);
+	cr_assert_geq(s.active_prefill_tokens, KVR_MAX_PROMPT_TOKENS, "no wrap");
+	cr_assert_eq(kvr_request_finish(r, d1.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, d2.attempt), 0);
+	kvr_router_destroy(r);
+}
