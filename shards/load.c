@@ -44,6 +44,10 @@ struct kvr_load {
 	/* Oldest in-prefill request, cached: the attempt (valid while oldest_valid). */
 	uint64_t oldest_attempt;
 	int oldest_valid;
+	/* The last command's pinned-set change (kvr_load_last_delta). */
+	size_t d_first, d_n;
+	uint64_t *unpinned; /* scratch: the last finish's 1 -> 0 blocks */
+	size_t n_unpinned, cap_unpinned;
 };
 
 int kvr_load_create(uint64_t expected_prefill_ns, struct kvr_load **out)
@@ -69,6 +73,7 @@ void kvr_load_destroy(struct kvr_load *l)
 	kvr_free(l->r, (size_t)l->cap_req * sizeof(struct req));
 	kvr_u64map_fini(&l->by_attempt);
 	kvr_u64map_fini(&l->pins);
+	kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
 	kvr_free(l, sizeof(*l));
 }
 
@@ -91,16 +96,28 @@ static int reserve_seq(struct req *q, size_t n)
 	return 0;
 }
 
+static void clear_delta(struct kvr_load *l)
+{
+	l->d_first = l->d_n = 0;
+	l->n_unpinned = 0;
+}
+
 static void pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 {
+	size_t first = n;
 	for (size_t i = 0; i < n; i++) {
 		uint32_t *c = kvr_u64map_find(&l->pins, seq[i]);
-		if (c)
+		if (c) {
 			(*c)++;
-		else
+		} else {
 			kvr_u64map_insert(&l->pins, seq[i], 1);
+			if (first == n)
+				first = i;
+		}
 		q->seq[q->n++] = seq[i];
 	}
+	l->d_first = first;
+	l->d_n = n - first;
 }
 
 int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size_t n,
@@ -108,6 +125,7 @@ int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size
 {
 	if (!l || (n > 0 && !seq))
 		return KVR_EINVAL;
+	clear_delta(l);
 	if (find(l, attempt))
 		return KVR_EEXIST;
 	if (l->n_req == l->cap_req) {
@@ -167,6 +185,7 @@ int kvr_load_prefill_done(struct kvr_load *l, uint64_t attempt)
 {
 	if (!l)
 		return KVR_EINVAL;
+	clear_delta(l);
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
@@ -178,6 +197,7 @@ int kvr_load_add_output(struct kvr_load *l, uint64_t attempt, const uint64_t *se
 {
 	if (!l || (n > 0 && !seq))
 		return KVR_EINVAL;
+	clear_delta(l);
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
@@ -192,16 +212,46 @@ int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
 {
 	if (!l)
 		return KVR_EINVAL;
+	clear_delta(l);
 	uint32_t *ix = kvr_u64map_find(&l->by_attempt, attempt);
 	if (!ix)
 		return KVR_ENOENT;
 	uint32_t i = *ix;
 	struct req *q = &l->r[i];
+	/* The unpinned tail is reported in the request's own array (chain order) when the scratch
+	 * cannot grow: compacted in place, it stays valid until the array is freed below, so the
+	 * array is then kept as the scratch instead. */
+	uint64_t *un = l->unpinned;
+	if (q->n > l->cap_unpinned) {
+		uint64_t *p = kvr_realloc(l->unpinned, l->cap_unpinned * sizeof(uint64_t),
+		                          q->n * sizeof(uint64_t));
+		if (p) {
+			l->unpinned = p;
+			l->cap_unpinned = q->n;
+		}
+		un = p ? p : NULL;
+	}
+	size_t nu = 0;
 	for (size_t k = 0; k < q->n; k++) {
 		uint32_t *c = kvr_u64map_find(&l->pins, q->seq[k]);
-		if (--(*c) == 0)
+		if (--(*c) == 0) {
 			kvr_u64map_remove(&l->pins, q->seq[k]);
+			if (un)
+				un[nu] = q->seq[k];
+			else
+				q->seq[nu] = q->seq[k];
+			nu++;
+		}
 	}
+	if (!un) { /* adopt the request's array as the scratch */
+		kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
+		l->unpinned = q->seq;
+		l->cap_unpinned = q->cap;
+		q->seq = NULL;
+		q->cap = 0;
+	}
+	l->d_first = l->d_n = 0;
+	l->n_unpinned = nu;
 	kvr_u64map_remove(&l->by_attempt, attempt);
 	/* Swap the last request into slot i before recomputing the oldest. */
 	uint64_t *seq = q->seq;
@@ -248,6 +298,17 @@ int kvr_load_potential(const struct kvr_load *l, const uint64_t *seq, size_t n,
 	out->decode_blocks = l->pins.count + fresh;
 	out->prefill_tokens = kvr_load_prefill_tokens(l, now) + uncached_tokens;
 	return 0;
+}
+
+void kvr_load_last_delta(const struct kvr_load *l, struct kvr_load_delta *d)
+{
+	memset(d, 0, sizeof(*d));
+	if (!l)
+		return;
+	d->pinned_first = l->d_first;
+	d->n_pinned = l->d_n;
+	d->unpinned = l->unpinned;
+	d->n_unpinned = l->n_unpinned;
 }
 
 void kvr_load_stats(const struct kvr_load *l, struct kvr_load_stats *st)

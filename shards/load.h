@@ -26,6 +26,26 @@ struct kvr_load_stats {
 	uint64_t in_prefill;      /* of which still in prefill */
 };
 
+/*
+ * What the last command changed in the pinned set, for a second index of pinned blocks (issue 11
+ * item 4: the deduplicated decode load from a per-rank pinned depth).  A request pins its whole
+ * chain from the root, so the pinned set is prefix-closed along each request's chain and a
+ * block's pin count never exceeds its parent's.  Hence, with chained sequence hashes:
+ *  - kvr_load_add / kvr_load_add_output: the blocks that went 0 -> 1 are a SUFFIX of the input,
+ *    seq[pinned_first .. pinned_first + n_pinned) with pinned_first + n_pinned == n; they hang
+ *    below seq[pinned_first - 1], or, at 0, below the attempt's previous last block (add_output)
+ *    or the root (add).
+ *  - kvr_load_finish: the blocks that went 1 -> 0 are a TAIL of the attempt's chain, reported in
+ *    chain order (parent first) in unpinned[0..n_unpinned) (borrowed: valid until the next call
+ *    on this load), so an index can trim them as one tail.
+ * Every other command (and a failed one) leaves an empty delta.
+ */
+struct kvr_load_delta {
+	size_t pinned_first, n_pinned;
+	const uint64_t *unpinned;
+	size_t n_unpinned;
+};
+
 /* Creates an empty load tracker.  expected_prefill_ns: if > 0, the OLDEST request still in
  * prefill counts its tokens * max(0, 1 - elapsed / expected_prefill_ns) (linear decay: it is
  * being processed); 0 = no decay.  Returns 0, KVR_EINVAL or KVR_ENOMEM. */
@@ -63,6 +83,9 @@ uint64_t kvr_load_prefill_tokens(const struct kvr_load *load, uint64_t now);
  */
 int kvr_load_potential(const struct kvr_load *load, const uint64_t *seq, size_t n,
                        uint64_t uncached_tokens, uint64_t now, struct kvr_load_potential *out);
+
+/* The pinned-set change made by the last command (see struct kvr_load_delta). */
+void kvr_load_last_delta(const struct kvr_load *load, struct kvr_load_delta *d);
 
 void kvr_load_stats(const struct kvr_load *load, struct kvr_load_stats *st);
 

@@ -99,59 +99,73 @@ void kvr_lru_out_fini(struct kvr_lru_out *out)
 {
 	if (!out)
 		return;
-	kvr_free(out->stored_seq, out->cap_stored * sizeof(uint64_t));
-	kvr_free(out->stored_local, out->cap_stored * sizeof(uint64_t));
+	kvr_free(out->stored, out->cap_stored_runs * sizeof(*out->stored));
 	kvr_free(out->evicted_seq, out->cap_evicted * sizeof(uint64_t));
+	kvr_free(out->evicted_run_len, out->cap_evicted_runs * sizeof(uint32_t));
 	kvr_lru_out_init(out);
 }
 
 void kvr_lru_out_reset(struct kvr_lru_out *out)
 {
+	out->n_stored_runs = 0;
 	out->n_stored = 0;
 	out->n_evicted = 0;
+	out->n_evicted_runs = 0;
 	out->cleared = false;
 }
 
-static int grow_u64(uint64_t **p, size_t cap, size_t ncap)
+/* Grows *p (elements of size elem, capacity *cap) to hold `need`; 0 or KVR_ENOMEM. */
+static int grow_buf(void **p, size_t *cap, size_t need, size_t elem)
 {
-	uint64_t *q = kvr_realloc(*p, cap * sizeof(uint64_t), ncap * sizeof(uint64_t));
+	if (need <= *cap)
+		return 0;
+	size_t nc = *cap * 2;
+	if (nc < need)
+		nc = need;
+	if (nc < 16)
+		nc = 16;
+	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
 	if (!q)
 		return KVR_ENOMEM;
 	*p = q;
+	*cap = nc;
 	return 0;
 }
 
-int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored, size_t evicted)
+int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored_runs, size_t evicted)
 {
-	if (out->n_stored + stored > out->cap_stored) {
-		size_t nc = out->cap_stored * 2;
-		if (nc < out->n_stored + stored)
-			nc = out->n_stored + stored;
-		if (nc < 16)
-			nc = 16;
-		if (grow_u64(&out->stored_seq, out->cap_stored, nc))
-			return KVR_ENOMEM;
-		if (grow_u64(&out->stored_local, out->cap_stored, nc)) {
-			/* Shrink seq back so the two arrays keep one capacity. */
-			uint64_t *q = kvr_realloc(out->stored_seq, nc * sizeof(uint64_t),
-			                          out->cap_stored * sizeof(uint64_t));
-			if (q || out->cap_stored == 0)
-				out->stored_seq = q;
-			return KVR_ENOMEM;
-		}
-		out->cap_stored = nc;
-	}
-	if (out->n_evicted + evicted > out->cap_evicted) {
-		size_t nc = out->cap_evicted * 2;
-		if (nc < out->n_evicted + evicted)
-			nc = out->n_evicted + evicted;
-		if (nc < 16)
-			nc = 16;
-		if (grow_u64(&out->evicted_seq, out->cap_evicted, nc))
-			return KVR_ENOMEM;
-		out->cap_evicted = nc;
-	}
+	if (grow_buf((void **)&out->stored, &out->cap_stored_runs, out->n_stored_runs + stored_runs,
+	             sizeof(*out->stored)) ||
+	    grow_buf((void **)&out->evicted_seq, &out->cap_evicted, out->n_evicted + evicted,
+	             sizeof(uint64_t)) ||
+	    grow_buf((void **)&out->evicted_run_len, &out->cap_evicted_runs,
+	             out->n_evicted_runs + evicted, sizeof(uint32_t)))
+		return KVR_ENOMEM;
 	return 0;
+}
+
+void kvr_lru_out_stored(struct kvr_lru_out *out, uint32_t first, uint32_t n)
+{
+	if (n == 0)
+		return;
+	out->n_stored += n;
+	if (out->n_stored_runs > 0) {
+		struct kvr_lru_range *last = &out->stored[out->n_stored_runs - 1];
+		if (last->first + last->n == first) {
+			last->n += n;
+			return;
+		}
+	}
+	out->stored[out->n_stored_runs++] = (struct kvr_lru_range){.first = first, .n = n};
+}
+
+void kvr_lru_out_evicted_run(struct kvr_lru_out *out, const uint64_t *seq, size_t n)
+{
+	if (n == 0)
+		return;
+	memcpy(out->evicted_seq + out->n_evicted, seq, n * sizeof(uint64_t));
+	out->n_evicted += n;
+	out->evicted_run_len[out->n_evicted_runs++] = (uint32_t)n;
 }
 
 /* ------------------------------------------------------------------ create / destroy */
@@ -293,7 +307,7 @@ static void inactive_append(struct kvr_lru *lru, uint32_t i)
 /* A new copy (refs 1) of b at pos; reports the hash as stored if it was absent.
  * Room in the slab, the map and out must be reserved. */
 static uint32_t new_copy(struct kvr_lru *lru, const struct kvr_lru_block *b, uint32_t pos,
-                         struct kvr_lru_out *out)
+                         uint32_t input, struct kvr_lru_out *out)
 {
 	uint32_t i = lru->free_head;
 	struct copy *c = &lru->c[i];
@@ -310,8 +324,7 @@ static uint32_t new_copy(struct kvr_lru *lru, const struct kvr_lru_block *b, uin
 	uint32_t *head = kvr_u64map_find(&lru->by_hash, b->seq);
 	if (!head) {
 		kvr_u64map_insert(&lru->by_hash, b->seq, i);
-		out->stored_seq[out->n_stored] = b->seq;
-		out->stored_local[out->n_stored++] = b->local;
+		kvr_lru_out_stored(out, input, 1);
 	} else {
 		uint32_t t = *head;
 		while (lru->c[t].hnext != NIL)
@@ -337,7 +350,7 @@ static void evict_one(struct kvr_lru *lru, struct kvr_lru_out *out)
 	if (*head == i) {
 		if (c->hnext == NIL) {
 			kvr_u64map_remove(&lru->by_hash, c->seq);
-			out->evicted_seq[out->n_evicted++] = c->seq;
+			kvr_lru_out_evicted_run(out, &c->seq, 1);
 		} else {
 			*head = c->hnext;
 		}
@@ -415,7 +428,7 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 		l->copies[l->n++] = *head;
 	}
 	for (; i < n; i++)
-		l->copies[l->n++] = new_copy(lru, &b[i], (uint32_t)i, out);
+		l->copies[l->n++] = new_copy(lru, &b[i], (uint32_t)i, (uint32_t)i, out);
 	lru->priv += private_blocks;
 	reconcile(lru, out);
 	return 0;
@@ -444,7 +457,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	    (rc = kvr_lru_out_reserve(out, n, eviction_bound(lru, added))))
 		return rc;
 	for (size_t i = 0; i < n; i++)
-		l->copies[l->n++] = new_copy(lru, &b[i], start_pos + (uint32_t)i, out);
+		l->copies[l->n++] = new_copy(lru, &b[i], start_pos + (uint32_t)i, (uint32_t)i, out);
 	lru->priv = lru->priv - l->priv + private_blocks;
 	l->priv = private_blocks;
 	reconcile(lru, out);

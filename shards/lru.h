@@ -6,12 +6,28 @@
  * evictable; eviction takes the least recently released first and, within one release, the
  * deepest position first.  See lru.c for the algorithm and data structures.
  *
- * Outputs: every command RESETS *out first, then fills it with what the index must do:
- * stored_* = hashes now present on the rank that were absent before the command (their first
- * copy), evicted_seq = hashes whose last copy went (remove them from the index).  Within one
- * command the two sets are disjoint, so the router may apply them in any order.  cleared is used
- * by shards/rank_state.h (the whole rank must be cleared from the index before the rest).
- * On any error *out is empty and the state is unchanged.
+ * Outputs are RUN-SHAPED (issue 11 item 3), so the index is written in O(runs), not O(blocks).
+ * Every command RESETS *out first, then fills it with what the index must do:
+ *  - stored runs: ranges [first, first + n) of the command's INPUT blocks b[] whose hashes became
+ *    present on the rank (absent before the command, first copy now).  The index stores each
+ *    range as one chain run below b[first - 1], or, when first == 0, below the command's parent
+ *    (the root for acquire and for a TTL record at position 0; parent_seq for materialize; the
+ *    block before start_pos for a TTL record).  The local hashes come from b[] too.  With
+ *    chained sequence hashes (core/hash; a seq hash names its whole prefix) an acquire or a
+ *    materialize stores at most one range, a suffix of b[].
+ *  - evicted runs: hashes whose LAST copy went, as runs of consecutive chain blocks:
+ *    evicted_seq[0..n_evicted) is the concatenation of n_evicted_runs runs, run i being the next
+ *    evicted_run_len[i] hashes, each run in chain order (parent before child), runs listed in
+ *    the order they were evicted.  Every run is a tail at the moment it goes: no child of its
+ *    last block is present any more (eviction is deepest first within a release and releases go
+ *    oldest first, so a block's last copy never goes before its children's), so the index may
+ *    trim each run as a tail, in order.  Reading each run backwards, run after run, gives the
+ *    exact per-block eviction order (deepest first).
+ *  - cleared: used by shards/rank_state.h (the whole rank must be cleared from the index before
+ *    the rest).
+ * Within one command the stored and evicted sets are disjoint, so the router may apply them in
+ * any order (it applies cleared, then evicted, then stored).  On any error *out is empty and
+ * the state is unchanged.
  *
  * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
  */
@@ -30,14 +46,22 @@ struct kvr_lru_block {
 	uint64_t seq;
 };
 
+/* A range [first, first + n) of a command's input blocks (see "Outputs" above). */
+struct kvr_lru_range {
+	uint32_t first;
+	uint32_t n;
+};
+
 /* Output buffers, owned by the caller's struct but grown by the library (kvr_alloc).
  * Initialise with kvr_lru_out_init, free with kvr_lru_out_fini. */
 struct kvr_lru_out {
-	uint64_t *stored_seq;
-	uint64_t *stored_local;
-	size_t n_stored, cap_stored;
-	uint64_t *evicted_seq;
+	struct kvr_lru_range *stored; /* stored runs (ranges of the input b[]) */
+	size_t n_stored_runs, cap_stored_runs;
+	size_t n_stored;       /* blocks in all stored runs */
+	uint64_t *evicted_seq; /* all evicted hashes, run after run, each run parent first */
 	size_t n_evicted, cap_evicted;
+	uint32_t *evicted_run_len; /* length of each evicted run */
+	size_t n_evicted_runs, cap_evicted_runs;
 	bool cleared; /* the whole rank must be cleared from the index first */
 };
 
@@ -58,8 +82,15 @@ void kvr_lru_out_init(struct kvr_lru_out *out);
 void kvr_lru_out_fini(struct kvr_lru_out *out);
 /* Empties *out (keeps its memory). */
 void kvr_lru_out_reset(struct kvr_lru_out *out);
-/* Makes room for `stored` more stored and `evicted` more evicted entries.  0 or KVR_ENOMEM. */
-int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored, size_t evicted);
+/* Makes room for `stored_runs` more stored runs and `evicted` more evicted hashes (in up to
+ * `evicted` more runs).  0 or KVR_ENOMEM (nothing emitted is lost). */
+int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored_runs, size_t evicted);
+/* Appends b-range [first, first + n) to the stored runs, merging with the last run when it
+ * ends at first.  Room must be reserved. */
+void kvr_lru_out_stored(struct kvr_lru_out *out, uint32_t first, uint32_t n);
+/* Appends evicted hashes seq[0..n) (chain order, parent first) as one NEW run.  Room must be
+ * reserved.  n == 0 is a no-op. */
+void kvr_lru_out_evicted_run(struct kvr_lru_out *out, const uint64_t *seq, size_t n);
 
 /* Creates an empty LRU of capacity_blocks (0 is allowed: nothing inactive is ever kept).
  * Returns 0, KVR_EINVAL (out NULL) or KVR_ENOMEM. */

@@ -11,9 +11,9 @@
  * record.
  *
  * Index writes: the rank's shard is the only writer of the rank's index entries.  The LRU and
- * TTL report what became present (stored) and what went (evicted); the index gets the evictions
- * first, then the stored blocks as one chain run starting at the first position the rank did
- * not hold before (its parent is held, so the index accepts the run; re-storing held blocks is a
+ * TTL report what became present (stored runs: ranges of the command's input blocks) and what
+ * went (evicted runs); the index gets the evictions first, then each stored range as one chain
+ * run below the block before it (held, so the index accepts the run; re-storing held blocks is a
  * no-op).  If the parent was evicted by an unusual copy order, the whole prompt chain is stored
  * from the root instead, which is always valid because every block of the prompt is resident.
  *
@@ -178,6 +178,18 @@ static int store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own, con
 		kvr_metrics_add(kvr_metrics_local(ss->r->metrics), KVR_C_SHARD_INDEX_WRITE_ERRORS,
 		                1);
 	return rc;
+}
+
+/* Stores what the predicted cache reported as stored: ranges of the command's input blocks
+ * (local/seq), each one run below the block before it (or *parent / the root at 0). */
+static void store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                       const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                       const struct kvr_lru_out *out)
+{
+	for (size_t k = 0; k < out->n_stored_runs; k++) {
+		const struct kvr_lru_range *g = &out->stored[k];
+		store_run(ss, own, parent, local, seq, g->first, (size_t)g->first + g->n);
+	}
 }
 
 static void ttl_fire(struct kvr_shard *sh, void *arg);
@@ -658,13 +670,12 @@ static void book(struct kvr_shard *sh, struct attempt_rec *rec)
 			seq[i] = b[i].seq;
 		}
 		if (own->rs) {
-			size_t overlap = kvr_rank_state_overlap(own->rs, seq, n);
 			uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
 			if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n,
 			                           priv, now, &ss->out) == 0) {
 				rec->booked = true;
 				apply_removals(r, own, &ss->out);
-				store_run(ss, own, NULL, local, seq, overlap, n);
+				store_runs(ss, own, NULL, local, seq, &ss->out);
 				arm_ttl(sh, own);
 			}
 		}
@@ -833,7 +844,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct attem
 		return rc;
 	apply_removals(r, own, &ss->out);
 	if (nb) {
-		store_run(ss, own, has_parent ? &parent : NULL, local, seq, 0, nb);
+		store_runs(ss, own, has_parent ? &parent : NULL, local, seq, &ss->out);
 		kvr_load_add_output(own->load, rec->attempt, seq, nb);
 		rec->last_seq = seq[nb - 1];
 		rec->has_last = true;

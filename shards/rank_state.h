@@ -5,7 +5,8 @@
  * A rank slot is ABSENT until the first set_capacity; then it runs either the capacity-bounded
  * LRU (capacity > 0) or TTL retention (capacity none/0) for that incarnation.  Every command
  * returns, in struct kvr_lru_out, what the index must do; the router applies it in this order:
- * cleared (drop everything of the rank), then evicted_seq (remove), then stored_* (add).
+ * cleared (drop everything of the rank), then the evicted runs (remove), then the stored runs
+ * (add; ranges of the command's input blocks, see shards/lru.h).
  *
  * Refusals never change state and never emit anything: a command on an ABSENT rank gets
  * KVR_ENOENT; a command carrying an incarnation other than the current one gets KVR_ESTALE
@@ -75,7 +76,7 @@ int kvr_rank_state_materialize(struct kvr_rank_state *rs, uint64_t incarnation, 
 int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
                            struct kvr_lru_out *out);
 
-/* Maintenance: TTL expiry at now (evicted_seq); nothing in LRU mode or when absent.
+/* Maintenance: TTL expiry at now (evicted runs); nothing in LRU mode or when absent.
  * Returns 0, KVR_EINVAL, KVR_ENOMEM. */
 int kvr_rank_state_tick(struct kvr_rank_state *rs, uint64_t now, struct kvr_lru_out *out);
 

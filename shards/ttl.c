@@ -157,8 +157,7 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 			t->e[i].seq = b[k].seq;
 			t->e[i].pos = start_pos + (uint32_t)k;
 			kvr_u64map_insert(&t->by_seq, b[k].seq, i);
-			out->stored_seq[out->n_stored] = b[k].seq;
-			out->stored_local[out->n_stored++] = b[k].local;
+			kvr_lru_out_stored(out, (uint32_t)k, 1);
 		}
 		t->e[i].expiry = x;
 		append_entry(t, i);
@@ -181,7 +180,7 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 		uint32_t i = t->head;
 		unlink_entry(t, i);
 		kvr_u64map_remove(&t->by_seq, t->e[i].seq);
-		out->evicted_seq[out->n_evicted++] = t->e[i].seq;
+		kvr_lru_out_evicted_run(out, &t->e[i].seq, 1);
 		t->e[i].next = t->free_head;
 		t->free_head = i;
 		t->live--;

@@ -3,8 +3,11 @@
  * fallback for a rank whose capacity is unknown.  A routed block is remembered for ttl_ns;
  * routing it again refreshes it; expiry removes it from the index.  See ttl.c.
  *
- * Outputs use struct kvr_lru_out (shards/lru.h): each command resets it, then stored_* lists
- * hashes that became present, evicted_seq the hashes that expired.
+ * Outputs use struct kvr_lru_out (shards/lru.h): each command resets it, then the stored runs
+ * are the ranges of the input b[] whose hashes became present (a range with first == 0 hangs
+ * below the block before start_pos, or the root at position 0), the evicted runs the hashes
+ * that expired.  Unlike the LRU's, TTL evicted runs need not be tails: a block refreshed by
+ * output can outlive its parent, as it always could under TTL.
  * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
  */
 #ifndef KVR_SHARDS_TTL_H
@@ -35,8 +38,8 @@ void kvr_ttl_destroy(struct kvr_ttl *ttl);
 int kvr_ttl_record(struct kvr_ttl *ttl, const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
                    uint64_t now, struct kvr_lru_out *out);
 
-/* Removes every entry whose expiry is <= now, reporting them in out->evicted_seq (oldest
- * first).  Returns 0, KVR_EINVAL, KVR_ENOMEM (nothing changed). */
+/* Removes every entry whose expiry is <= now, reporting them as evicted runs (oldest first).
+ * Returns 0, KVR_EINVAL, KVR_ENOMEM (nothing changed). */
 int kvr_ttl_expire(struct kvr_ttl *ttl, uint64_t now, struct kvr_lru_out *out);
 
 /* The earliest expiry in the store (when to run kvr_ttl_expire next), UINT64_MAX if empty. */

@@ -253,3 +253,35 @@ Test(load, out_of_memory_changes_nothing)
 		kvr_load_destroy(l);
 	}
 }
+
+/* The pinned-set delta (kvr_load_last_delta) a pinned-block index consumes: 0 -> 1 is a suffix of
+ * the input, 1 -> 0 a tail of the finished request's chain, parent first. */
+Test(load, pinned_delta_suffix_and_tail)
+{
+	struct kvr_load *l;
+	struct kvr_load_delta d;
+	cr_assert_eq(kvr_load_create(0, &l), 0);
+	uint64_t a[4] = {1, 2, 3, 4}, b[3] = {1, 2, 9};
+	cr_assert_eq(kvr_load_add(l, 1, a, 4, 0, 0), 0);
+	kvr_load_last_delta(l, &d);
+	cr_assert(d.pinned_first == 0 && d.n_pinned == 4 && d.n_unpinned == 0);
+	cr_assert_eq(kvr_load_add(l, 2, b, 3, 0, 0), 0);
+	kvr_load_last_delta(l, &d);
+	cr_assert(d.pinned_first == 2 && d.n_pinned == 1, "only 9 is newly pinned");
+	uint64_t o[2] = {10, 11};
+	cr_assert_eq(kvr_load_add_output(l, 2, o, 2), 0);
+	kvr_load_last_delta(l, &d);
+	cr_assert(d.pinned_first == 0 && d.n_pinned == 2);
+	cr_assert_eq(kvr_load_finish(l, 1), 0);
+	kvr_load_last_delta(l, &d);
+	cr_assert_eq(d.n_unpinned, 2, "3 and 4 went 1 -> 0");
+	cr_assert(d.unpinned[0] == 3 && d.unpinned[1] == 4, "parent first");
+	cr_assert_eq(kvr_load_finish(l, 1), KVR_ENOENT);
+	kvr_load_last_delta(l, &d);
+	cr_assert(d.n_pinned == 0 && d.n_unpinned == 0, "a failed command leaves no delta");
+	cr_assert_eq(kvr_load_finish(l, 2), 0);
+	kvr_load_last_delta(l, &d);
+	cr_assert_eq(d.n_unpinned, 5);
+	cr_assert(d.unpinned[0] == 1 && d.unpinned[2] == 9 && d.unpinned[4] == 11);
+	kvr_load_destroy(l);
+}

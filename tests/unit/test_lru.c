@@ -7,6 +7,7 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "shards/lru.h"
+#include "lru_out_util.h"
 
 static void blocks(struct kvr_lru_block *b, const uint64_t *v, size_t n)
 {
@@ -36,21 +37,21 @@ Test(lru, reference_lifecycle)
 	cr_assert_eq(kvr_lru_acquire(lru, 1 /* A */, b, 3, 1, &out), 0);
 	cr_assert_eq(resident(lru), 4);
 	cr_assert_eq(out.n_stored, 3);
-	cr_assert_eq(out.stored_seq[0], 10);
-	cr_assert_eq(out.stored_local[2], 1012);
+	cr_assert_eq(out_stored(&out, b, 0)->seq, 10);
+	cr_assert_eq(out_stored(&out, b, 2)->local, 1012);
 	cr_assert_eq(out.n_evicted, 0);
 
 	blocks(b, (uint64_t[]){13}, 1);
 	cr_assert_eq(kvr_lru_materialize(lru, 1, 12, b, 1, 3, 1, &out), 0);
 	cr_assert_eq(resident(lru), 5);
 	cr_assert_eq(out.n_stored, 1);
-	cr_assert_eq(out.stored_seq[0], 13);
+	cr_assert_eq(out_stored(&out, b, 0)->seq, 13);
 
 	blocks(b, (uint64_t[]){10, 11, 20}, 3);
 	cr_assert_eq(kvr_lru_acquire(lru, 2 /* B */, b, 3, 1, &out), 0);
 	cr_assert_eq(resident(lru), 7, "10 and 11 are shared");
 	cr_assert_eq(out.n_stored, 1);
-	cr_assert_eq(out.stored_seq[0], 20);
+	cr_assert_eq(out_stored(&out, b, 0)->seq, 20);
 
 	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0);
 	kvr_lru_stats(lru, &st);
@@ -67,10 +68,10 @@ Test(lru, reference_lifecycle)
 	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 9, 0, &out), 0);
 	cr_assert_eq(out.n_stored, 9);
 	cr_assert_eq(out.n_evicted, 4);
-	cr_assert_eq(out.evicted_seq[0], 13, "A's release, deepest first");
-	cr_assert_eq(out.evicted_seq[1], 12);
-	cr_assert_eq(out.evicted_seq[2], 20, "then B's");
-	cr_assert_eq(out.evicted_seq[3], 11);
+	cr_assert_eq(out_evicted(&out, 0), 13, "A's release, deepest first");
+	cr_assert_eq(out_evicted(&out, 1), 12);
+	cr_assert_eq(out_evicted(&out, 2), 20, "then B's");
+	cr_assert_eq(out_evicted(&out, 3), 11);
 	cr_assert_eq(resident(lru), 10);
 	uint64_t q[2] = {10, 11};
 	cr_assert_eq(kvr_lru_overlap(lru, q, 2), 1);
@@ -121,12 +122,12 @@ Test(lru, miss_then_new_copies_even_if_hash_exists)
 	/* Order: release 1 (3, 2, 1), then release 2 (3', 2', 9). Evict 3 copies: 3, 2, 1 -> only
 	 * 1 is a last copy. */
 	cr_assert_eq(out.n_evicted, 1);
-	cr_assert_eq(out.evicted_seq[0], 1);
+	cr_assert_eq(out_evicted(&out, 0), 1);
 	cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
 	cr_assert_eq(out.n_evicted, 3);
-	cr_assert_eq(out.evicted_seq[0], 3);
-	cr_assert_eq(out.evicted_seq[1], 2);
-	cr_assert_eq(out.evicted_seq[2], 9);
+	cr_assert_eq(out_evicted(&out, 0), 3);
+	cr_assert_eq(out_evicted(&out, 1), 2);
+	cr_assert_eq(out_evicted(&out, 2), 9);
 	cr_assert_eq(resident(lru), 0);
 	kvr_lru_destroy(lru);
 	kvr_lru_out_fini(&out);
@@ -147,11 +148,11 @@ Test(lru, hit_takes_copy_out_of_inactive)
 	blocks(b, (uint64_t[]){7, 8}, 2);
 	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 2, 0, &out), 0);
 	cr_assert_eq(out.n_evicted, 1, "only 3 is evictable");
-	cr_assert_eq(out.evicted_seq[0], 3);
+	cr_assert_eq(out_evicted(&out, 0), 3);
 	cr_assert_eq(resident(lru), 4, "over capacity with active blocks is tolerated");
 	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);
 	cr_assert_eq(out.n_evicted, 1);
-	cr_assert_eq(out.evicted_seq[0], 2, "deepest of the release goes first");
+	cr_assert_eq(out_evicted(&out, 0), 2, "deepest of the release goes first");
 	kvr_lru_destroy(lru);
 	kvr_lru_out_fini(&out);
 }
@@ -174,9 +175,9 @@ Test(lru, shared_copy_epoch_from_last_holder)
 	kvr_lru_release(lru, 2, &out); /* 1 inactive (epoch 3) */
 	cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
 	cr_assert_eq(out.n_evicted, 3);
-	cr_assert_eq(out.evicted_seq[0], 2);
-	cr_assert_eq(out.evicted_seq[1], 5);
-	cr_assert_eq(out.evicted_seq[2], 1);
+	cr_assert_eq(out_evicted(&out, 0), 2);
+	cr_assert_eq(out_evicted(&out, 1), 5);
+	cr_assert_eq(out_evicted(&out, 2), 1);
 	kvr_lru_destroy(lru);
 	kvr_lru_out_fini(&out);
 }
@@ -323,7 +324,7 @@ static void keep_private_case(bool keep, const uint64_t *want, size_t n_want)
 	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 2, 0, &out), 0);
 	cr_assert_eq(out.n_evicted, n_want);
 	for (size_t i = 0; i < n_want; i++)
-		cr_assert_eq(out.evicted_seq[i], want[i]);
+		cr_assert_eq(out_evicted(&out, i), want[i]);
 	cr_assert_eq(resident(lru), 5);
 	struct kvr_lru_stats st;
 	kvr_lru_stats(lru, &st);

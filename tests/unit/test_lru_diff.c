@@ -10,6 +10,7 @@
 
 #include "kvrouter.h"
 #include "shards/lru.h"
+#include "lru_out_util.h"
 
 #define MAXC   4096
 #define MAXL   64
@@ -163,17 +164,18 @@ static int m_release(struct model *m, uint64_t attempt)
 	return 0;
 }
 
-static void check_out(uint64_t seed, int step, struct model *m, struct kvr_lru_out *o)
+static void check_out(uint64_t seed, int step, struct model *m, struct kvr_lru_out *o,
+                      const struct kvr_lru_block *b)
 {
 	cr_assert_eq(o->n_stored, (size_t)m->ns, "seed %llu step %d: n_stored %zu vs %d",
 	             (unsigned long long)seed, step, o->n_stored, m->ns);
 	for (int i = 0; i < m->ns; i++)
-		cr_assert_eq(o->stored_seq[i], m->stored[i], "seed %llu step %d stored[%d]",
+		cr_assert_eq(out_stored(o, b, i)->seq, m->stored[i], "seed %llu step %d stored[%d]",
 		             (unsigned long long)seed, step, i);
 	cr_assert_eq(o->n_evicted, (size_t)m->ne, "seed %llu step %d: n_evicted %zu vs %d",
 	             (unsigned long long)seed, step, o->n_evicted, m->ne);
 	for (int i = 0; i < m->ne; i++)
-		cr_assert_eq(o->evicted_seq[i], m->evicted[i], "seed %llu step %d evicted[%d]",
+		cr_assert_eq(out_evicted(o, i), m->evicted[i], "seed %llu step %d evicted[%d]",
 		             (unsigned long long)seed, step, i);
 }
 
@@ -285,7 +287,7 @@ static void run_seed(uint64_t seed, int steps)
 		}
 		cr_assert_eq(rc, mrc, "seed %llu step %d: rc %d vs model %d",
 		             (unsigned long long)seed, step, rc, mrc);
-		check_out(seed, step, &m, &out);
+		check_out(seed, step, &m, &out, b);
 		check_stats(seed, step, &m, lru);
 		int n = gen_prompt(&r, seq);
 		size_t ov = 0;

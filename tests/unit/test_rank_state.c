@@ -7,6 +7,7 @@
 
 #include "kvrouter.h"
 #include "shards/rank_state.h"
+#include "lru_out_util.h"
 
 #define TTL 1000
 
@@ -63,7 +64,7 @@ Test(rank_state, lru_lifecycle_and_stale_incarnation)
 	assert_empty_out();
 	cr_assert_eq(kvr_rank_state_release(rs, 7, 1, &out), 0);
 	cr_assert_eq(out.n_evicted, 1, "4 blocks over capacity 3: the deepest goes");
-	cr_assert_eq(out.evicted_seq[0], 13);
+	cr_assert_eq(out_evicted(&out, 0), 13);
 	cr_assert_eq(kvr_rank_state_release(rs, 7, 1, &out), KVR_ENOENT, "released attempt");
 	cr_assert_eq(kvr_rank_state_set_capacity(rs, 7, 1, &out), 0, "shrinking evicts");
 	cr_assert_eq(out.n_evicted, 2);
@@ -104,7 +105,7 @@ Test(rank_state, capacity_none_runs_ttl_until_reset)
 	cr_assert_eq(out.n_evicted, 2);
 	cr_assert_eq(kvr_rank_state_tick(rs, 200 + TTL, &out), 0);
 	cr_assert_eq(out.n_evicted, 1);
-	cr_assert_eq(out.evicted_seq[0], 12);
+	cr_assert_eq(out_evicted(&out, 0), 12);
 	cr_assert_eq(kvr_rank_state_release(rs, 1, 1, &out), 0);
 	cr_assert_eq(kvr_rank_state_release(rs, 1, 1, &out), KVR_ENOENT);
 	cr_assert_eq(kvr_rank_state_release(rs, 2, 1, &out), KVR_ESTALE);
@@ -266,7 +267,7 @@ static void rank_seed(uint64_t seed, int steps)
 			cr_assert_eq(out.n_evicted, ne, "seed %llu step %d: expired",
 			             (unsigned long long)seed, step);
 			for (size_t i = 0; i < out.n_evicted; i++)
-				cr_assert_not(m.present[out.evicted_seq[i]]);
+				cr_assert_not(m.present[out_evicted(&out, i)]);
 		}
 		cr_assert_eq(rc, want, "seed %llu step %d op %llu: rc %d want %d",
 		             (unsigned long long)seed, step, (unsigned long long)op, rc, want);
@@ -275,7 +276,7 @@ static void rank_seed(uint64_t seed, int steps)
 		cr_assert_eq(out.n_stored, ns, "seed %llu step %d: n_stored",
 		             (unsigned long long)seed, step);
 		for (size_t i = 0; i < ns; i++)
-			cr_assert_eq(out.stored_seq[i], stored[i]);
+			cr_assert_eq(out_stored(&out, b, i)->seq, stored[i]);
 		if (op < 12)
 			cr_assert_eq(out.n_evicted, 0, "seed %llu step %d",
 			             (unsigned long long)seed, step);

@@ -7,6 +7,7 @@
 #include "kvrouter.h"
 #include "core/alloc.h"
 #include "shards/ttl.h"
+#include "lru_out_util.h"
 
 #define MS 1000000ull
 
@@ -30,7 +31,7 @@ Test(ttl, record_refresh_expire)
 	blk(b, (uint64_t[]){1, 2, 3}, 3);
 	cr_assert_eq(kvr_ttl_record(t, b, 3, 0, 50 * MS, &out), 0);
 	cr_assert_eq(out.n_stored, 3);
-	cr_assert_eq(out.stored_local[1], 3);
+	cr_assert_eq(out_stored(&out, b, 1)->local, 3);
 	cr_assert_eq(kvr_ttl_next_expiry(t), 1100 * MS, "1050 ms rounded up to the bucket");
 	/* Same bucket: refresh is free and stores nothing. */
 	cr_assert_eq(kvr_ttl_record(t, b, 2, 0, 90 * MS, &out), 0);
@@ -45,13 +46,13 @@ Test(ttl, record_refresh_expire)
 	cr_assert_eq(out.n_evicted, 0);
 	cr_assert_eq(kvr_ttl_expire(t, 1100 * MS, &out), 0);
 	cr_assert_eq(out.n_evicted, 1);
-	cr_assert_eq(out.evicted_seq[0], 3);
+	cr_assert_eq(out_evicted(&out, 0), 3);
 	uint64_t q[3] = {1, 2, 3};
 	cr_assert_eq(kvr_ttl_overlap(t, q, 3), 2);
 	cr_assert_eq(kvr_ttl_expire(t, 5000 * MS, &out), 0);
 	cr_assert_eq(out.n_evicted, 2);
-	cr_assert_eq(out.evicted_seq[0], 1);
-	cr_assert_eq(out.evicted_seq[1], 2);
+	cr_assert_eq(out_evicted(&out, 0), 1);
+	cr_assert_eq(out_evicted(&out, 1), 2);
 	cr_assert_eq(kvr_ttl_count(t), 0);
 	cr_assert_eq(kvr_ttl_record(t, NULL, 1, 0, 0, &out), KVR_EINVAL);
 	kvr_ttl_destroy(t);
@@ -140,8 +141,8 @@ static void run_seed(uint64_t seed, int steps)
 			cr_assert_eq(out.n_stored, ns, "seed %llu step %d",
 			             (unsigned long long)seed, step);
 			for (size_t i = 0; i < ns; i++)
-				cr_assert_eq(out.stored_seq[i], stored[i], "seed %llu step %d",
-				             (unsigned long long)seed, step);
+				cr_assert_eq(out_stored(&out, b, i)->seq, stored[i],
+				             "seed %llu step %d", (unsigned long long)seed, step);
 		} else if (op < 8) {
 			cr_assert_eq(kvr_ttl_expire(t, now, &out), 0);
 			uint64_t ev[U];
@@ -154,12 +155,12 @@ static void run_seed(uint64_t seed, int steps)
 			cr_assert_eq(out.n_evicted, ne, "seed %llu step %d",
 			             (unsigned long long)seed, step);
 			for (size_t i = 1; i < ne; i++) /* oldest first */
-				cr_assert_leq(m[out.evicted_seq[i - 1]].expiry,
-				              m[out.evicted_seq[i]].expiry);
+				cr_assert_leq(m[out_evicted(&out, i - 1)].expiry,
+				              m[out_evicted(&out, i)].expiry);
 			if (ne)
 				qsort(out.evicted_seq, ne, sizeof(uint64_t), cmp_u64);
 			for (size_t i = 0; i < ne; i++)
-				cr_assert_eq(out.evicted_seq[i], ev[i], "seed %llu step %d",
+				cr_assert_eq(out_evicted(&out, i), ev[i], "seed %llu step %d",
 				             (unsigned long long)seed, step);
 		} else {
 			/* clock advance, rarely backwards */
