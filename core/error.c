@@ -26,6 +26,8 @@ const char *kvr_strerror(int code)
 		return "deadline passed";
 	case KVR_ESHUTDOWN:
 		return "router is shutting down";
+	case KVR_ENOTSUP:
+		return "not supported by this build";
 	default:
 		return "unknown error";
 	}

@@ -9,6 +9,8 @@
 #include <pthread.h>
 #include <string.h>
 
+#include "core/events.h"
+
 #include "core/alloc.h"
 #include "core/hash.h"
 #include "core/router_internal.h"
@@ -99,6 +101,29 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
 	                           .ev = ev,
 	                           .local = ev_local};
+	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
+	                      kvr_owner_event, &a);
+}
+
+int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)
+{
+	if (!r)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	if (r->cfg.mode != KVR_MODE_EVENTS)
+		return KVR_EINVAL;
+	uint32_t slot;
+	int rc = kvr_router_find_rank(r, rank, &slot);
+	if (rc)
+		return rc;
+	struct kvr_event ev = {.type = KVR_EVENT_CLEARED};
+	struct kvr_rank_pub *pub = &r->ranks[slot];
+	struct kvr_event_args a = {.r = r,
+	                           .slot = slot,
+	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
+	                           .ev = &ev,
+	                           .rank_only = true};
 	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
 	                      kvr_owner_event, &a);
 }

@@ -48,6 +48,20 @@ enum kvr_counter {
 	KVR_C_LANE_FULL_WAITS,          /* posts that found a shard lane full and waited */
 	KVR_C_LANE_FULL_DROPS,          /* posts given up after the bounded wait */
 	KVR_C_STALE_BOOKINGS,           /* admissions whose rank went away before the booking */
+	KVR_C_FEED_MESSAGES, /* sync/feed.c: vLLM KV event feeds */
+	KVR_C_FEED_BATCHES,
+	KVR_C_FEED_EVENTS,
+	KVR_C_FEED_BLOCKS_STORED,
+	KVR_C_FEED_BLOCKS_REMOVED,
+	KVR_C_FEED_OTHER_MEDIUM,
+	KVR_C_FEED_MALFORMED,
+	KVR_C_FEED_REFUSED,
+	KVR_C_FEED_UNKNOWN_RANK,
+	KVR_C_FEED_DUPLICATES,
+	KVR_C_FEED_GAPS,
+	KVR_C_FEED_REPLAYS,
+	KVR_C_FEED_REPLAYED_BATCHES,
+	KVR_C_FEED_RESTARTS,
 	KVR_C__COUNT
 };
 
@@ -59,6 +73,7 @@ enum kvr_hist {
 	KVR_H_ADMIT_NS,
 	KVR_H_QUEUE_WAIT_NS,
 	KVR_H_OVERLAP_BLOCKS,
+	KVR_H_FEED_LAG_NS, /* batch ts (publisher wall clock) to applied */
 	KVR_H__COUNT
 };
 

@@ -71,6 +71,25 @@ static const struct {
      ""},
     {KVR_C_STALE_BOOKINGS, "kvr_stale_bookings_total",
      "Admissions whose rank was removed or reset before the booking (the attempt is stale)", ""},
+    {KVR_C_FEED_MESSAGES, "kvr_feed_messages_total", "KV event feed: messages received live", ""},
+    {KVR_C_FEED_BATCHES, "kvr_feed_batches_total", "KV event feed: batches applied", ""},
+    {KVR_C_FEED_EVENTS, "kvr_feed_events_total", "KV event feed: events applied", ""},
+    {KVR_C_FEED_BLOCKS_STORED, "kvr_feed_blocks_total", "KV event feed: block copies",
+     "op=\"stored\",medium=\"gpu\""},
+    {KVR_C_FEED_BLOCKS_REMOVED, "kvr_feed_blocks_total", NULL, "op=\"removed\",medium=\"gpu\""},
+    {KVR_C_FEED_OTHER_MEDIUM, "kvr_feed_blocks_total", NULL, "op=\"stored\",medium=\"other\""},
+    {KVR_C_FEED_MALFORMED, "kvr_feed_dropped_total", "KV event feed: input not applied",
+     "why=\"malformed\""},
+    {KVR_C_FEED_REFUSED, "kvr_feed_dropped_total", NULL, "why=\"refused_event\""},
+    {KVR_C_FEED_UNKNOWN_RANK, "kvr_feed_dropped_total", NULL, "why=\"unknown_rank\""},
+    {KVR_C_FEED_DUPLICATES, "kvr_feed_dropped_total", NULL, "why=\"duplicate\""},
+    {KVR_C_FEED_GAPS, "kvr_feed_gaps_total", "KV event feed: seq gaps not healed (rank cleared)",
+     ""},
+    {KVR_C_FEED_REPLAYS, "kvr_feed_replays_total", "KV event feed: replays served", ""},
+    {KVR_C_FEED_REPLAYED_BATCHES, "kvr_feed_replayed_batches_total",
+     "KV event feed: batches applied from replays", ""},
+    {KVR_C_FEED_RESTARTS, "kvr_feed_restarts_total",
+     "KV event feed: publisher restarts (rank cleared)", ""},
 };
 
 static const struct {
@@ -85,6 +104,7 @@ static const struct {
     {KVR_H_ADMIT_NS, "kvr_route_admit_seconds", "Route stage: admission on the shard", 1e-9},
     {KVR_H_QUEUE_WAIT_NS, "kvr_queue_wait_seconds", "Time queued before admission", 1e-9},
     {KVR_H_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks", "Predicted overlap per decision", 1},
+    {KVR_H_FEED_LAG_NS, "kvr_feed_lag_seconds", "KV event feed: publish to applied", 1e-9},
 };
 
 int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)

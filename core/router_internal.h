@@ -124,6 +124,7 @@ struct kvr_event_args {
 	uint64_t gen;
 	const struct kvr_event *ev;
 	const uint64_t *local; /* stored: local hash per block (computed by the caller) */
+	bool rank_only;        /* cleared: this rank only, not every dp rank of its worker */
 };
 
 struct kvr_rank_args {

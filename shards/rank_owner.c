@@ -957,7 +957,8 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		break;
 	}
 	case KVR_EVENT_CLEARED:
-		rc = kvr_index_clear_worker(r->index, r->ranks[a->slot].worker_id);
+		rc = a->rank_only ? kvr_index_clear_rank(r->index, a->slot)
+		                  : kvr_index_clear_worker(r->index, r->ranks[a->slot].worker_id);
 		kvr_metrics_add(mb, rc ? KVR_C_EV_CLEARED_ERR : KVR_C_EV_CLEARED_OK, 1);
 		break;
 	default:

@@ -56,6 +56,7 @@ enum kvr_error {
 	KVR_ERANGE = -8,     /* a value is outside its allowed range (too many ranks, too long) */
 	KVR_ETIMEDOUT = -9,  /* a deadline passed before the operation could complete */
 	KVR_ESHUTDOWN = -10, /* the router or shard runtime is being destroyed */
+	KVR_ENOTSUP = -11,   /* not built in (e.g. the KV event feed without -Dzmq) */
 };
 
 /* A static, human-readable message for a KVR_* code (or "unknown error"). Never NULL. */
@@ -425,6 +426,129 @@ struct kvr_event {
  */
 KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
                              const struct kvr_event *ev);
+
+/* ---------------------------------------------------------------- vLLM KV event feed */
+/*
+ * A feed subscribes to vLLM's KV event publishers (vllm/distributed/kv_events.py, ZeroMQ PUB
+ * with an optional ROUTER for replay) and applies their events to the router through the same
+ * path as kvr_events_apply.  One background thread per feed polls every endpoint's socket.
+ * Built with the meson feature `zmq` (on by default); without it kvr_feed_create returns
+ * KVR_ENOTSUP.  Wire rules, as the feed applies them:
+ *  - messages are 3 frames: topic, seq (8-byte big-endian, from 0 at publisher start), msgpack
+ *    payload [ts, events, dp_rank] or {ts, events, data_parallel_rank}; events as tagged maps
+ *    (current vLLM) or tagged arrays (legacy).  Anything else is counted as malformed and
+ *    skipped; a malformed batch applies nothing.
+ *  - hashes: msgpack ints (uint64, including >= 2^63) are the external hashes; a bin digest
+ *    (sha256, xxh3_128) is folded to its last 8 bytes big-endian, which is the int vLLM sends
+ *    for the same block with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1.
+ *  - BlockStored: block_size must equal the router's and token_ids must hold block_size tokens
+ *    per block, else the event is refused (counted, logged); lora_name seeds the local hashes
+ *    like kvr_request.lora_name; an event with a lora_id but no lora_name is refused (its
+ *    adapter cannot be named, and crediting its blocks to base-model prompts would be wrong).
+ *  - medium other than "GPU" (nil = GPU): counted and kept in a separate per-rank set, not in
+ *    the GPU index.
+ *  - copies: vLLM may hold two physical copies of one hash and sends one BlockRemoved per copy;
+ *    the feed counts stores per (rank, hash) and a block leaves the index with its last copy.
+ *  - AllBlocksCleared clears that rank only (each vLLM dp rank has its own publisher).
+ *  - seq jump: the feed asks the replay endpoint (DEALER, ["", start_seq]) and applies the
+ *    missing batches in order, dropping what already arrived; if there is no replay endpoint
+ *    or it cannot cover the jump (buffer too short, replay_timeout_ms), the gap is reported
+ *    through kvr_config.on_event_gap (expected/got are seqs) and the rank is cleared.  The first
+ *    message of a stream with seq > 0 (router started after the publisher) is a gap from 0.
+ *  - seq not above the last one received live: the publisher restarted; the rank is cleared.
+ */
+
+struct kvr_feed;
+
+/* kvr_feed_endpoint.dp_rank: take the rank from each batch's data_parallel_rank (nil: 0). */
+#define KVR_FEED_DP_FROM_BATCH UINT32_MAX
+
+/* Log levels of kvr_feed_config.log. */
+enum kvr_log_level {
+	KVR_LOG_ERROR = 0,
+	KVR_LOG_WARN = 1,
+	KVR_LOG_INFO = 2,
+};
+
+struct kvr_feed_config {
+	/* Longest wait for one replay, ms; the feed thread serves nothing else meanwhile.
+	 * Default 1000; >= 1. */
+	uint32_t replay_timeout_ms;
+	/* Largest message accepted, bytes (ZMQ_MAXMSGSIZE).  Default 64 MiB; >= 1024. */
+	uint64_t max_msg_bytes;
+	/* Messages queued per endpoint before ZeroMQ drops (ZMQ_RCVHWM).  Default 100000. */
+	uint32_t rcv_hwm;
+	/* One-line messages (refused events, gaps, restarts, malformed input), called on the feed
+	 * thread; msg is borrowed for the call.  Repeats of one kind are thinned out (logged at
+	 * counts 1, 2, 4, 8, ...).  Default NULL = silent. */
+	void (*log)(void *ctx, int level, const char *msg);
+	void *log_ctx;
+};
+
+/* Fills *cfg with the documented defaults.  NULL is a no-op. */
+KVR_API void kvr_feed_config_init(struct kvr_feed_config *cfg);
+
+struct kvr_feed_endpoint {
+	const char *endpoint; /* the PUB socket to connect: "tcp://host:port", "ipc://path" */
+	const char *topic;    /* subscription prefix; NULL or "" = every topic */
+	const char *replay_endpoint; /* the publisher's ROUTER socket for replay; NULL = none */
+	uint64_t worker_id;          /* the rank it feeds: (worker_id, dp_rank) */
+	uint32_t dp_rank;            /* or KVR_FEED_DP_FROM_BATCH */
+};
+
+/* Counters of one endpoint (or a whole feed).  Monotonic unless said otherwise. */
+struct kvr_feed_stats {
+	uint64_t messages;            /* messages received live (any shape) */
+	uint64_t batches;             /* batches applied, live or replayed */
+	uint64_t events;              /* events applied */
+	uint64_t blocks_stored;       /* GPU blocks of applied BlockStored events */
+	uint64_t blocks_removed;      /* GPU block removals (copies) applied */
+	uint64_t malformed;           /* messages skipped: frames, seq or msgpack payload */
+	uint64_t refused;             /* events refused: block size, token count, lora, index */
+	uint64_t unknown_rank;        /* batches for a rank the router does not have */
+	uint64_t unknown_events;      /* events of an unknown type (skipped) */
+	uint64_t duplicates;          /* batches dropped as already applied */
+	uint64_t gaps;                /* seq jumps not healed (on_event_gap called, rank cleared) */
+	uint64_t replays;             /* replay requests answered (up to their end marker) */
+	uint64_t replayed_batches;    /* batches applied from replays */
+	uint64_t restarts;            /* publisher restarts (seq went backwards) */
+	uint64_t other_medium_blocks; /* gauge: non-GPU blocks held now */
+	uint64_t last_lag_ns;         /* gauge: publish (batch ts) to applied, wall clock */
+	uint64_t next_seq;            /* gauge: the next seq expected (0 before the first) */
+};
+
+/*
+ * Creates a feed on r (an events-mode router) and starts its thread.  cfg is copied; NULL =
+ * defaults.  The feed must be destroyed before the router.
+ * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg),
+ * KVR_ENOMEM, KVR_ENOTSUP (built without zmq).  Context: any thread.
+ */
+KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg,
+                            struct kvr_feed **out);
+
+/*
+ * Subscribes to one publisher (its strings are copied).  *id_out (may be NULL) names it for
+ * kvr_feed_remove / kvr_feed_get_stats.  The socket connects in the background and reconnects
+ * by itself; the publisher may start before or after.
+ * Returns 0, KVR_EINVAL (NULL endpoint, an endpoint ZeroMQ refuses), KVR_ENOMEM.
+ * Context: any thread; one round trip to the feed thread.
+ */
+KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
+
+/* Unsubscribes (closes its sockets).  What it applied stays in the index.  Returns 0 or
+ * KVR_ENOENT.  Context: any thread; one round trip to the feed thread. */
+KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
+
+/* KVR_FEED_ALL: kvr_feed_get_stats over every endpoint (gauges summed, next_seq 0). */
+#define KVR_FEED_ALL UINT32_MAX
+
+/* A snapshot of one endpoint's counters (or KVR_FEED_ALL).  Returns 0, KVR_ENOENT, KVR_EINVAL.
+ * Context: any thread; one round trip to the feed thread (waits while it serves a replay). */
+KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out);
+
+/* Stops the thread, closes every socket, frees everything.  NULL is a no-op.  Must not race
+ * with other calls on the feed. */
+KVR_API void kvr_feed_destroy(struct kvr_feed *f);
 
 /* ---------------------------------------------------------------- metrics */
 

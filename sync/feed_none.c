@@ -1,0 +1,49 @@
+/*
+ * sync/feed_none.c - the KV event feed API in a build without ZeroMQ (-Dzmq=disabled): every
+ * call says so with KVR_ENOTSUP, so embedders link the same symbols either way.
+ */
+#include "kvrouter.h"
+
+void kvr_feed_config_init(struct kvr_feed_config *cfg)
+{
+	if (cfg)
+		*cfg = (struct kvr_feed_config){
+		    .replay_timeout_ms = 1000, .max_msg_bytes = 64u << 20, .rcv_hwm = 100000};
+}
+
+int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
+{
+	(void)r;
+	(void)cfg;
+	if (out)
+		*out = NULL;
+	return KVR_ENOTSUP;
+}
+
+int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out)
+{
+	(void)f;
+	(void)ep;
+	(void)id_out;
+	return KVR_ENOTSUP;
+}
+
+int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
+{
+	(void)f;
+	(void)id;
+	return KVR_ENOTSUP;
+}
+
+int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out)
+{
+	(void)f;
+	(void)id;
+	(void)out;
+	return KVR_ENOTSUP;
+}
+
+void kvr_feed_destroy(struct kvr_feed *f)
+{
+	(void)f;
+}
