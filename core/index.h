@@ -101,7 +101,11 @@ int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot);
  * Rules: parent not held -> KVR_ENOENT, nothing applied (counted parent_not_found).  A block
  * whose ext hash equals its parent's, or whose ext hash the rank already uses for another block,
  * or that the rank already holds under another ext hash -> KVR_EINVAL (counted invalid); the
- * blocks before it stay applied, the rest is dropped.  Re-storing what the rank holds is a no-op.
+ * blocks before it stay applied, the rest is dropped.  Re-storing what the rank holds is a no-op,
+ * or with kvr_index_set_count_copies() on, adds one copy of the block.
+ * The index keys a block by the router's sequence hash (core/hash.c: seq = local for a block
+ * below the root, else XXH3(parent seq, local)), computed here from local_hash; find_matches is
+ * given the same sequence hashes.
  * n == 0 is a no-op (0).  KVR_ENOMEM: the blocks before the failing one stay applied.
  * Context: the slot's writer thread, outside a read section.
  */
@@ -109,7 +113,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
                     const struct kvr_index_block *blocks, size_t n);
 
 /*
- * Removed event: drops ext[0..n) from the rank.  Unknown hashes are skipped and counted
+ * Removed event: drops ext[0..n) from the rank (with count_copies on: drops one copy each; the
+ * block leaves the rank with its last copy).  Unknown hashes are skipped and counted
  * (block_not_found; *n_not_found if non-NULL).  No cascade to descendants.  Never fails for
  * memory.  Returns 0, KVR_EINVAL (idx NULL, ext NULL with n > 0) or KVR_ENOENT (bad slot).
  * Context: the slot's writer thread, outside a read section.
@@ -126,14 +131,25 @@ int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot);
 int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id);
 
 /*
- * For each rank holding local[0]: its score (longest contiguous prefix of local[0..n) it holds)
- * and tree size, into out[0..*n_out), ranks still matching at the end first.  The rank set is
- * intersected exactly at every hop.  opts may be NULL (no early exit).
- * Returns 0; KVR_EINVAL (idx/n_out NULL, local NULL with n > 0, out NULL with cap > 0);
- * KVR_ERANGE when more ranks hold local[0] than cap (then *n_out = how many; out is garbage).
+ * Copy counting (events mode: vLLM can hold two physical copies of one block hash and sends one
+ * BlockRemoved per copy).  When on, a store of an ext hash the rank already holds (same block)
+ * adds a copy, a remove drops one copy, and the block leaves the rank when its last copy goes;
+ * stored_blocks / removed_blocks / copies count copies, tree_size counts distinct blocks.
+ * Off (the default, approximate modes): re-storing is a no-op and one remove drops the block.
+ * Context: before the index is shared (right after create), or by the only writer.
+ */
+void kvr_index_set_count_copies(struct kvr_index *idx, bool on);
+
+/*
+ * For each rank holding seq[0]: its score (longest contiguous prefix of seq[0..n) it holds)
+ * and tree size, into out[0..*n_out), ranks still matching at the end first.  seq[] are the
+ * query's SEQUENCE hashes (kvr_hash_blocks' seq_out; a sequence hash names its whole prefix
+ * and is trusted to, as Dynamo does).  opts may be NULL (no early exit).
+ * Returns 0; KVR_EINVAL (idx/n_out NULL, seq NULL with n > 0, out NULL with cap > 0);
+ * KVR_ERANGE when more ranks hold seq[0] than cap (then *n_out = how many; out is garbage).
  * Context: any registered thread, INSIDE kvr_rcu_read_lock(); no lock, no allocation.
  */
-int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, size_t n,
+int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, size_t n,
                            const struct kvr_index_match_opts *opts, struct kvr_index_match *out,
                            size_t cap, size_t *n_out);
 

@@ -93,6 +93,7 @@ struct idx_seg {
 struct idx_xent {
 	uint64_t ext;
 	struct idx_node *node;
+	uint64_t extra; /* copies beyond the first (count_copies mode) */
 };
 
 struct idx_xmap {
@@ -144,7 +145,8 @@ struct kvr_index {
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;
 	uint64_t bytes_shared, bytes_rank;
-	uint64_t pending; /* queued call_rcu callbacks (atomic) */
+	uint64_t pending;  /* queued call_rcu callbacks (atomic) */
+	bool count_copies; /* kvr_index_set_count_copies() */
 };
 
 /* Node-table key of the child with local hash `local` below a node with key `pseq`.  Bijective

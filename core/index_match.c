@@ -7,7 +7,7 @@
  * stops when the set is empty, a node is missing, the query ends, or (early exit) one rank is
  * left.
  *
- * Prefetch pipeline.  All node-table keys are known up front (seq[i] = H(seq[i-1], local[i]),
+ * Prefetch pipeline.  All node-table keys are known up front (seq[i] = H(seq[i-1], qseq[i]),
  * core/index.c), so while hop i is intersected, the table entry of hop i+PF_ENT and the node
  * of hop i+PF_NODE (read from its entry, prefetched earlier) are already on their way.  A third
  * stage for multi-rank arrays (PF_SET) measured no better: it stalls on the node.  A guess that
@@ -83,11 +83,11 @@ static size_t intersect(struct kvr_index_match *out, size_t a, uintptr_t v, uint
 	return keep;
 }
 
-int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, size_t n,
+int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *qseq, size_t n,
                            const struct kvr_index_match_opts *opts, struct kvr_index_match *out,
                            size_t cap, size_t *n_out)
 {
-	if (!idx || !n_out || (!local && n > 0) || (!out && cap > 0))
+	if (!idx || !n_out || (!qseq && n > 0) || (!out && cap > 0))
 		return KVR_EINVAL;
 	*n_out = 0;
 	if (n == 0)
@@ -95,9 +95,8 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 	const bool early = opts && opts->early_exit;
 	uint64_t seq[RING];
 	size_t ahead = n < PF_ENT + 1 ? n : PF_ENT + 1; /* seq[0..ahead) computed */
-	seq[0] = idx_seq(IDX_ROOT_SEQ, local[0]);
-	for (size_t i = 1; i < ahead; i++)
-		seq[i] = idx_seq(seq[i - 1], local[i]);
+	for (size_t i = 0; i < ahead; i++)
+		seq[i] = qseq[i];
 	for (size_t i = 1; i < ahead; i++)
 		__builtin_prefetch(idx_home_entry(idx, seq[i]));
 	uint64_t last = seq[ahead - 1];
@@ -138,7 +137,7 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *local, s
 			break;
 		/* Keep the pipeline full: keys ahead, then entries, nodes and rank sets. */
 		if (ahead < n) {
-			last = idx_seq(last, local[ahead]);
+			last = qseq[ahead];
 			seq[ahead % RING] = last;
 			__builtin_prefetch(idx_home_entry(idx, last));
 			ahead++;

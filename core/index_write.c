@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/hash.h"
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
@@ -46,6 +47,18 @@ static struct idx_node *xmap_find_hole(const struct idx_xmap *m, uint64_t ext, u
 	}
 }
 
+static struct idx_xent *xmap_entry(const struct idx_xmap *m, uint64_t ext)
+{
+	if (!m->e)
+		return NULL;
+	for (uint64_t i = xhome(m, ext);; i = (i + 1) & m->mask) {
+		if (!m->e[i].node)
+			return NULL;
+		if (m->e[i].ext == ext)
+			return &m->e[i];
+	}
+}
+
 static struct idx_node *xmap_find(const struct idx_xmap *m, uint64_t ext)
 {
 	uint64_t hole;
@@ -59,6 +72,7 @@ static void xmap_put(struct idx_xmap *m, uint64_t ext, struct idx_node *n)
 		i = (i + 1) & m->mask;
 	m->e[i].ext = ext;
 	m->e[i].node = n;
+	m->e[i].extra = 0;
 	m->count++;
 }
 
@@ -70,8 +84,10 @@ static int xmap_resize(struct kvr_index *idx, struct idx_xmap *m, uint64_t cap)
 		return KVR_ENOMEM;
 	if (m->e) {
 		for (uint64_t i = 0; i <= m->mask; i++)
-			if (m->e[i].node)
+			if (m->e[i].node) {
 				xmap_put(&nm, m->e[i].ext, m->e[i].node);
+				xmap_entry(&nm, m->e[i].ext)->extra = m->e[i].extra;
+			}
 		kvr_free(m->e, xbytes(m->mask));
 		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
 	}
@@ -394,7 +410,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		return KVR_ENOMEM;
 	struct idx_retire *rt = &r->pend;
 	int rc = 0;
-	uint64_t added = 0;
+	uint64_t added = 0, copies = 0;
 	kvr_rcu_read_lock();
 	struct idx_node *p = &idx->root;
 	bool has_prev = parent_ext != NULL;
@@ -412,9 +428,12 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	uint64_t ring[RING];
 	size_t ahead = 0;
 	uint64_t last = rc == 0 ? p->seq : 0;
+	bool at_root = p == &idx->root;
 	for (size_t i = 0; rc == 0 && i < n; i++) {
 		while (ahead < n && ahead <= i + PF) {
-			last = idx_seq(last, blocks[ahead].local_hash);
+			/* The router's sequence hash (core/hash.c): the query passes the same. */
+			kvr_hash_chain_locals(at_root && ahead == 0 ? NULL : &last,
+			                      &blocks[ahead].local_hash, 1, &last);
 			ring[ahead % RING] = last;
 			__builtin_prefetch(idx_home_entry(idx, last));
 			if (r->map.e)
@@ -435,7 +454,11 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				rc = KVR_EINVAL; /* this ext hash names another block of the rank */
 				break;
 			}
-			p = e; /* already held: idempotent */
+			if (idx->count_copies) {
+				xmap_entry(&r->map, b.ext_hash)->extra++;
+				copies++;
+			}
+			p = e; /* already held: idempotent, or one more copy */
 		} else {
 			struct idx_node *x;
 			const struct idx_xent *before = r->map.e;
@@ -457,6 +480,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				 */
 				r->map.e[hole].ext = b.ext_hash;
 				r->map.e[hole].node = x;
+				r->map.e[hole].extra = 0;
 				r->map.count++;
 			} else {
 				xmap_put(&r->map, b.ext_hash, x);
@@ -471,10 +495,11 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	maybe_flush(idx, rt);
 	if (rc == KVR_EINVAL)
 		idx_count(&idx->c_invalid, 1);
-	if (added) {
+	if (added)
 		__atomic_store_n(&r->tree_size, r->map.count, __ATOMIC_RELAXED);
-		idx_count(&idx->c_stored, (int64_t)added);
-		idx_count(&idx->c_copies, (int64_t)added);
+	if (added + copies) {
+		idx_count(&idx->c_stored, (int64_t)(added + copies));
+		idx_count(&idx->c_copies, (int64_t)(added + copies));
 	}
 	return rc;
 }
@@ -524,6 +549,14 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 		}
 		if (i + PF_T < n && ring[(i + PF_T) % RING])
 			__builtin_prefetch(idx_home_entry(idx, ring[(i + PF_T) % RING]->seq));
+		if (idx->count_copies) {
+			struct idx_xent *xe = xmap_entry(&r->map, ext[i]);
+			if (xe && xe->extra) {
+				xe->extra--; /* one copy of several goes: the block stays */
+				removed++;
+				continue;
+			}
+		}
 		struct idx_node *x = xmap_del(&r->map, ext[i]);
 		if (!x) {
 			nf++;
@@ -568,6 +601,7 @@ int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot)
 			continue;
 		drop_rank(idx, x, slot, &rt);
 		r->map.e[i].node = NULL;
+		removed += r->map.e[i].extra;
 		if (++removed % 4096 == 0) {
 			kvr_rcu_read_unlock();
 			kvr_index_retire_flush(idx, &rt);
@@ -582,6 +616,12 @@ int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot)
 	idx_count(&idx->c_removed, (int64_t)removed);
 	idx_count(&idx->c_copies, -(int64_t)removed);
 	return 0;
+}
+
+void kvr_index_set_count_copies(struct kvr_index *idx, bool on)
+{
+	if (idx)
+		idx->count_copies = on;
 }
 
 int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)

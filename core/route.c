@@ -245,7 +245,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		kvr_rcu_read_lock();
 		const struct kvr_live *live = kvr_rcu_deref(&r->live);
 		if (nb)
-			kvr_index_find_matches(r->index, tls.local, nb, NULL, tls.match,
+			kvr_index_find_matches(r->index, tls.seq, nb, NULL, tls.match,
 			                       tls.match_cap, &nm);
 		uint32_t best = 0;
 		for (size_t i = 0; i < nm; i++) {

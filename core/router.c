@@ -78,6 +78,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 		goto fail;
 	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
 		goto fail;
+	kvr_index_set_count_copies(r->index, cfg->mode == KVR_MODE_EVENTS);
 	if (cfg->queue_threshold > 0 && (rc = kvr_queue_create(r, &r->queue)))
 		goto fail;
 	struct kvr_shards_config sc = {

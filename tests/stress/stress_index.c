@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/hash.h"
 #include "core/index.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
@@ -144,7 +145,9 @@ static void *reader(void *arg)
 		q[L] = xs(&rng);
 		size_t n;
 		kvr_rcu_read_lock();
-		int rc = kvr_index_find_matches(idx, q, L + 1, NULL, out, NR * 2, &n);
+		uint64_t qs[L + 1];
+		kvr_hash_chain_locals(NULL, q, L + 1, qs);
+		int rc = kvr_index_find_matches(idx, qs, L + 1, NULL, out, NR * 2, &n);
 		if (rc)
 			fail("find_matches failed", k, 0, (uint32_t)-rc);
 		bool seen_pinned = false;

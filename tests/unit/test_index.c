@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/hash.h"
 #include "core/index.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
@@ -39,7 +40,12 @@ static int match(const uint64_t *local, size_t n, bool early, struct kvr_index_m
 {
 	struct kvr_index_match_opts o = {.early_exit = early};
 	kvr_rcu_read_lock();
-	int rc = kvr_index_find_matches(idx, local, n, &o, out, cap, n_out);
+	/* The index matches sequence hashes: chain the test's local hashes as the router does. */
+	uint64_t *seq = local ? malloc((n ? n : 1) * sizeof(*seq)) : NULL;
+	if (local)
+		kvr_hash_chain_locals(NULL, local, n, seq);
+	int rc = kvr_index_find_matches(idx, seq, n, &o, out, cap, n_out);
+	free(seq);
 	kvr_rcu_read_unlock();
 	return rc;
 }
@@ -340,6 +346,51 @@ Test(index, lora_chains_do_not_mix)
 	cr_assert_eq(score_of(lb, 4, lora), -1);
 	cr_assert_eq(score_of(ll, 4, lora), 4);
 	cr_assert_eq(score_of(ll, 4, base), -1);
+}
+
+Test(index, count_copies)
+{
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	uint64_t q[3] = {1, 2, 3};
+	struct kvr_index_block b[3];
+	chain(b, 3, 100, 1);
+	/* Off (approximate modes): a re-store is a no-op, one remove drops the block. */
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 3), 0);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 2), 0);
+	uint64_t e1 = 101;
+	cr_assert_eq(kvr_index_remove(idx, r0, &e1, 1, NULL), 0);
+	cr_assert_eq(score_of(q, 3, r0), 1);
+	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+	/* On (events mode): two copies of blocks 0 and 1; a block goes with its last copy. */
+	kvr_index_set_count_copies(idx, true);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 3), 0);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 2), 0);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 5);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), 3, "tree size counts distinct blocks");
+	size_t nf;
+	cr_assert_eq(kvr_index_remove(idx, r0, &e1, 1, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(score_of(q, 3, r0), 3, "one copy of block 1 is left");
+	cr_assert_eq(kvr_index_remove(idx, r0, &e1, 1, &nf), 0);
+	cr_assert_eq(score_of(q, 3, r0), 1, "the last copy went");
+	cr_assert_eq(kvr_index_remove(idx, r0, &e1, 1, &nf), 0);
+	cr_assert_eq(nf, 1);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 3);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), 2);
+	/* A copy re-stored below a held parent. */
+	uint64_t e0 = 100;
+	struct kvr_index_block c = {.ext_hash = 101, .local_hash = 2};
+	cr_assert_eq(kvr_index_store(idx, r0, &e0, &c, 1), 0);
+	cr_assert_eq(kvr_index_store(idx, r0, &e0, &c, 1), 0);
+	cr_assert_eq(kvr_index_remove(idx, r0, &e1, 1, &nf), 0);
+	cr_assert_eq(score_of(q, 3, r0), 3);
+	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 0, "clear drops every copy");
 }
 
 Test(index, long_events_and_queries)
