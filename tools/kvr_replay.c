@@ -6,11 +6,16 @@
  *
  * usage: kvr-replay [--policies a,b,..] [--ranks N] [--blocks-per-rank N] [--block-size 16]
  *                   [--max-requests N] [--time-scale X] [--seed S] [--skip-bad]
+ *                   [router settings] [--sweep NAME=v1,v2,...]... [--jobs N]
  *                   [--out FILE.json] [--csv FILE.csv] [--plot DIR] [--quiet] TRACE...
+ * With --sweep, every policy is replayed at every point of the grid (tools/replay/sweep.h) and
+ * the outputs describe the sweep.  Without it, the table is followed by a plain-words verdict
+ * (lines starting "verdict [LABEL]:").
  * Exit: 0 done, 1 a trace or a replay failed, 2 usage.
  */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +25,7 @@
 #include "tools/replay/policy.h"
 #include "tools/replay/replay.h"
 #include "tools/replay/report.h"
+#include "tools/replay/sweep.h"
 #include "tools/trace.h"
 
 static const struct replay_policy_ops *const all_policies[] = {
@@ -50,6 +56,19 @@ static void usage(FILE *f)
 	       "  --serial               one request at a time (agreement after every request)\n"
 	       "  --output-every N       tell the router output tokens every N blocks (default 1)\n"
 	       "  --skip-bad             skip malformed trace entries (counted)\n"
+	       "router settings (router-backed policies; default: the router's own):\n"
+	       "  --overlap-credit X     weight of a cached block against a prefill block (1)\n"
+	       "  --temperature X        softmax selection temperature (0 = argmin)\n"
+	       "  --ttl S                approx_ttl retention, seconds (120)\n"
+	       "  --queue-threshold X    hold requests while every rank's prefill exceeds X x its "
+	       "token budget (0 = never)\n"
+	       "  --capacity-factor X    approx_lru registers X x the engine's blocks (1)\n"
+	       "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
+	       "                         NAME: blocks, capacity_factor, overlap_credit, "
+	       "temperature, ttl,\n"
+	       "                         queue_threshold, time_scale\n"
+	       "  --jobs N               replays run at once, each on its own thread (default 1)\n"
+	       "  --label TEXT           name of the trace in the verdict and chart titles\n"
 	       "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
 	       "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
 	       "files)\n"
@@ -113,7 +132,27 @@ int main(int argc, char **argv)
 	const char *policies = NULL, *out = NULL, *csv = NULL, *plot = NULL;
 	bool skip_bad = false, quiet = false, timing = true;
 	uint64_t max_req = 0;
-	enum { O_BATCH = 256, O_BASE, O_PER_TOK, O_SAMPLE, O_SERIAL, O_NOTIME, O_OUTEVERY };
+	enum {
+		O_BATCH = 256,
+		O_BASE,
+		O_PER_TOK,
+		O_SAMPLE,
+		O_SERIAL,
+		O_NOTIME,
+		O_OUTEVERY,
+		O_CREDIT,
+		O_TEMP,
+		O_TTL,
+		O_QTHR,
+		O_CAPF,
+		O_SWEEP,
+		O_JOBS,
+		O_LABEL
+	};
+	struct sweep sw = {0};
+	uint32_t jobs = 1;
+	const char *label = NULL;
+	char serr[512];
 	static const struct option opts[] = {{"policies", required_argument, 0, 'p'},
 	                                     {"ranks", required_argument, 0, 'r'},
 	                                     {"blocks-per-rank", required_argument, 0, 'B'},
@@ -133,6 +172,14 @@ int main(int argc, char **argv)
 	                                     {"serial", no_argument, 0, O_SERIAL},
 	                                     {"no-timing", no_argument, 0, O_NOTIME},
 	                                     {"output-every", required_argument, 0, O_OUTEVERY},
+	                                     {"overlap-credit", required_argument, 0, O_CREDIT},
+	                                     {"temperature", required_argument, 0, O_TEMP},
+	                                     {"ttl", required_argument, 0, O_TTL},
+	                                     {"queue-threshold", required_argument, 0, O_QTHR},
+	                                     {"capacity-factor", required_argument, 0, O_CAPF},
+	                                     {"sweep", required_argument, 0, O_SWEEP},
+	                                     {"jobs", required_argument, 0, O_JOBS},
+	                                     {"label", required_argument, 0, O_LABEL},
 	                                     {"help", no_argument, 0, 'h'},
 	                                     {0, 0, 0, 0}};
 	int c;
@@ -199,6 +246,34 @@ int main(int argc, char **argv)
 			break;
 		case O_OUTEVERY:
 			bad = parse_u32(optarg, &cfg.output_every) || cfg.output_every == 0;
+			break;
+		case O_CREDIT:
+			bad = parse_double(optarg, &cfg.overlap_credit);
+			break;
+		case O_TEMP:
+			bad = parse_double(optarg, &cfg.temperature);
+			break;
+		case O_TTL:
+			bad = parse_double(optarg, &cfg.ttl_s) || cfg.ttl_s == 0;
+			break;
+		case O_QTHR:
+			bad = parse_double(optarg, &cfg.queue_threshold);
+			break;
+		case O_CAPF:
+			bad =
+			    parse_double(optarg, &cfg.capacity_factor) || cfg.capacity_factor == 0;
+			break;
+		case O_SWEEP:
+			if (sweep_parse(&sw, optarg, serr, sizeof(serr))) {
+				fprintf(stderr, "kvr-replay: %s\n", serr);
+				return 2;
+			}
+			break;
+		case O_JOBS:
+			bad = parse_u32(optarg, &jobs) || jobs == 0 || jobs > 64;
+			break;
+		case O_LABEL:
+			label = optarg;
 			break;
 		case 'h':
 			usage(stdout);
@@ -273,6 +348,22 @@ int main(int argc, char **argv)
 	bool chosen = cfg.blocks_per_rank == 0;
 	if (chosen)
 		cfg.blocks_per_rank = replay_default_blocks(&t, &cfg, why, sizeof(why));
+	char lab[256];
+	if (!label) { /* the trace's directory when several files, else its file name */
+		const char *a = argv[optind];
+		const char *slash = strrchr(a, '/');
+		if (argc - optind > 1 && slash) {
+			size_t dl = (size_t)(slash - a);
+			const char *d0 = a;
+			for (const char *q = a; q < slash; q++)
+				if (*q == '/')
+					d0 = q + 1;
+			snprintf(lab, sizeof(lab), "%.*s", (int)(dl - (size_t)(d0 - a)), d0);
+		} else {
+			snprintf(lab, sizeof(lab), "%s", slash ? slash + 1 : a);
+		}
+		label = lab;
+	}
 	if (!quiet) {
 		printf("kvr-replay: %zu requests (%zu malformed skipped), trace block size %u, "
 		       "%u ranks, block size %u\n",
@@ -285,7 +376,62 @@ int main(int argc, char **argv)
 		       "seed %llu\n",
 		       cfg.max_batched_tokens, cfg.step_base_ns / 1e6, cfg.step_per_token_ns / 1e3,
 		       cfg.time_scale, (unsigned long long)cfg.seed);
+		if (!isnan(cfg.overlap_credit) || !isnan(cfg.temperature) || !isnan(cfg.ttl_s) ||
+		    !isnan(cfg.queue_threshold) || cfg.capacity_factor != 1)
+			printf("  router: overlap_credit %g, temperature %g, ttl %g s, "
+			       "queue_threshold "
+			       "%g, capacity_factor %g (nan = the router's default)\n",
+			       cfg.overlap_credit, cfg.temperature, cfg.ttl_s, cfg.queue_threshold,
+			       cfg.capacity_factor);
 		fflush(stdout);
+	}
+
+	bool bar = !quiet && isatty(2);
+	if (sw.n_axes) {
+		struct progress pr = {.name = "sweep", .last = (size_t)-1};
+		struct sweep_cell *cells = NULL;
+		size_t np = sweep_points(&sw), nc = np * n_sel;
+		if (!quiet)
+			printf("  sweep: %zu points x %zu policies = %zu replays, %u at a time\n",
+			       np, n_sel, nc, jobs);
+		if (sweep_run(&sw, &t, &cfg, sel, n_sel, jobs, false, bar ? progress_cb : NULL, &pr,
+		              &cells)) {
+			fprintf(stderr, "kvr-replay: out of memory\n");
+			trace_free(&t);
+			return 1;
+		}
+		int st = 0;
+		for (size_t i = 0; i < nc; i++) {
+			if (cells[i].rc) {
+				fprintf(stderr, "kvr-replay: %s: %s\n", cells[i].ops->name,
+				        cells[i].err);
+				st = 1;
+			}
+		}
+		if (!quiet)
+			sweep_report_table(stdout, &sw, cells, nc);
+		if (out && sweep_report_json(out, &sw, cells, nc, label, err, sizeof(err))) {
+			fprintf(stderr, "kvr-replay: %s\n", err);
+			st = 1;
+		}
+		if (csv && sweep_report_csv(csv, &sw, cells, nc, err, sizeof(err))) {
+			fprintf(stderr, "kvr-replay: %s\n", err);
+			st = 1;
+		}
+		if (plot) {
+			if (sweep_report_plot(plot, &sw, cells, nc, n_sel, label, err,
+			                      sizeof(err))) {
+				fprintf(stderr, "kvr-replay: %s\n", err);
+				st = 1;
+			} else if (!quiet) {
+				for (size_t a = 0; a < sw.n_axes; a++)
+					printf("chart: %s/sweep_%s.png\n", plot,
+					       sweep_param_name(sw.ax[a].param));
+			}
+		}
+		free(cells);
+		trace_free(&t);
+		return st;
 	}
 
 	struct replay_result *res = calloc(n_sel, sizeof(*res));
@@ -296,26 +442,51 @@ int main(int argc, char **argv)
 	}
 	int status = 0;
 	size_t done = 0;
-	bool bar = !quiet && isatty(2);
-	for (size_t i = 0; i < n_sel; i++) {
-		struct progress pr = {.name = sel[i]->name, .last = (size_t)-1};
-		struct replay_config pc = cfg;
-		if (bar) {
-			pc.progress = progress_cb;
-			pc.progress_ctx = &pr;
+	if (jobs > 1) { /* the policies side by side: a one-point sweep that keeps the series */
+		struct sweep none = {0};
+		struct sweep_cell *cells = NULL;
+		struct progress pr = {.name = "replays", .last = (size_t)-1};
+		if (sweep_run(&none, &t, &cfg, sel, n_sel, jobs, true, bar ? progress_cb : NULL,
+		              &pr, &cells)) {
+			fprintf(stderr, "kvr-replay: out of memory\n");
+			free(res);
+			trace_free(&t);
+			return 1;
 		}
-		/* Agreement sampling is for approx_lru (the question the tool answers). */
-		if (sel[i] != &replay_policy_approx_lru && !cfg.serial)
-			pc.sample_every = 0;
-		if (replay_run(&t, sel[i], &pc, &res[i], err, sizeof(err))) {
-			fprintf(stderr, "kvr-replay: %s\n", err);
-			status = 1;
-			break;
+		for (size_t i = 0; i < n_sel; i++) {
+			if (cells[i].rc) {
+				fprintf(stderr, "kvr-replay: %s\n", cells[i].err);
+				status = 1;
+				break;
+			}
+			res[done++] = cells[i].res;
 		}
-		done++;
+		for (size_t i = done; i < n_sel; i++)
+			replay_result_free(&cells[i].res);
+		free(cells);
+	} else {
+		for (size_t i = 0; i < n_sel; i++) {
+			struct progress pr = {.name = sel[i]->name, .last = (size_t)-1};
+			struct replay_config pc = cfg;
+			if (bar) {
+				pc.progress = progress_cb;
+				pc.progress_ctx = &pr;
+			}
+			/* Agreement sampling is for approx_lru (the question the tool answers). */
+			if (sel[i] != &replay_policy_approx_lru && !cfg.serial)
+				pc.sample_every = 0;
+			if (replay_run(&t, sel[i], &pc, &res[i], err, sizeof(err))) {
+				fprintf(stderr, "kvr-replay: %s\n", err);
+				status = 1;
+				break;
+			}
+			done++;
+		}
 	}
-	if (!quiet && done)
+	if (!quiet && done) {
 		replay_report_table(stdout, res, done);
+		replay_report_verdict(stdout, res, done, label);
+	}
 	const char *names[64];
 	size_t nn = 0;
 	for (int i = optind; i < argc && nn < 64; i++)
@@ -336,11 +507,12 @@ int main(int argc, char **argv)
 		status = 1;
 	}
 	if (done && plot) {
-		if (replay_report_plot(plot, res, done, err, sizeof(err))) {
+		if (replay_report_plot(plot, res, done, label, err, sizeof(err))) {
 			fprintf(stderr, "kvr-replay: %s\n", err);
 			status = 1;
 		} else if (!quiet) {
-			printf("charts: %s/hit_rate.png %s/ttft_cdf.png\n", plot, plot);
+			printf("charts: %s/summary.png %s/hit_rate.png %s/ttft_cdf.png\n", plot,
+			       plot, plot);
 		}
 	}
 	for (size_t i = 0; i < done; i++)

@@ -35,9 +35,51 @@ ninja -C "$build" >/dev/null
 
 case "$mode" in
 run)
-	# Six routing policies over a simulated 8-rank vLLM cluster, on the same arrivals.
-	exec "$build/tools/replay/kvr-replay" --plot "$build/replay-plots" \
-		data/traces/mooncake/conversation_sample.jsonl
+	# The main job: both shipped traces replayed over the same simulated cluster under six
+	# routing policies (same arrivals for each), a capacity sweep, charts, and a verdict.
+	#
+	# Capacity, stated: each of the 8 ranks is one vLLM engine serving a Llama-3.1-8B-sized
+	# model (32 layers x 8 KV heads x 128 dims x K+V x bf16 = 128 KiB of KV per token) on one
+	# 80 GB GPU at gpu_memory_utilization 0.9: about 72 GiB, less 15 GiB of weights and a few
+	# GiB of activations, leaves ~50 GiB of KV = 409,600 tokens = 25,600 blocks of 16 tokens.
+	blocks=25600
+	out="$build/replay"
+	rm -rf "$out"
+	mkdir -p "$out"
+	replay="$build/tools/replay/kvr-replay"
+	common=(--ranks 8 --blocks-per-rank "$blocks" --jobs 2)
+	mooncake=(data/traces/mooncake/conversation_sample.jsonl)
+	sessions=(data/traces/claude-code-sessions/*.json)
+	echo "== Mooncake chat sample (1,200 requests): 8 ranks x $blocks blocks"
+	"$replay" "${common[@]}" --label "Mooncake chat" --plot "$out/mooncake" \
+		--out "$out/mooncake.json" "${mooncake[@]}" | tee "$out/mooncake.txt"
+	echo
+	echo "== Coding-agent sessions (${#sessions[@]} sessions): 8 ranks x $blocks blocks"
+	"$replay" "${common[@]}" --label "coding-agent sessions" --plot "$out/sessions" \
+		--out "$out/sessions.json" "${sessions[@]}" | tee "$out/sessions.txt"
+	echo
+	echo "== Capacity sweep: hit rate vs GPU blocks per rank (0.5x to 4x the stated capacity)"
+	caps=12800,25600,51200,102400
+	for t in mooncake sessions; do
+		if [ "$t" = mooncake ]; then files=("${mooncake[@]}"); else files=("${sessions[@]}"); fi
+		"$replay" --quiet --ranks 8 --jobs 2 --policies events,approx_lru,approx_ttl \
+			--sweep "blocks=$caps" --label "$t" --plot "$out/capacity-$t" \
+			--csv "$out/capacity-$t.csv" "${files[@]}"
+	done
+	echo
+	echo "== Verdict"
+	grep -h '^verdict' "$out/mooncake.txt" "$out/sessions.txt"
+	for t in mooncake sessions; do
+		# approx_lru minus approx_ttl hit rate at each capacity (CSV: blocks,policy,...,hit_rate)
+		awk -F, -v t="$t" 'NR > 1 && !($1 in seen) { seen[$1] = 1; cap[++n] = $1 }
+			NR > 1 { hit[$1, $2] = 100 * $5 }
+			END { printf "verdict [%s, capacity sweep]: hit rate approx_lru / approx_ttl / events:", t
+				for (i = 1; i <= n; i++) printf "%s %s blocks %.1f / %.1f / %.1f %%", (i > 1 ? ";" : ""), cap[i], hit[cap[i], "approx_lru"], hit[cap[i], "approx_ttl"], hit[cap[i], "events"]
+				printf "\n" }' "$out/capacity-$t.csv"
+	done
+	echo
+	echo "Charts (PNG): $out/mooncake/ and $out/sessions/ (summary, hit_rate, ttft_cdf),"
+	echo "  $out/capacity-mooncake/sweep_blocks.png, $out/capacity-sessions/sweep_blocks.png"
 	;;
 test)
 	exec meson test -C "$build" --print-errorlogs --num-processes 2

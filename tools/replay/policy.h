@@ -37,6 +37,8 @@ struct replay_env {
 	uint32_t blocks_per_rank;    /* each rank's GPU KV blocks */
 	uint32_t max_batched_tokens; /* each rank's token budget per step */
 	uint64_t seed;
+	/* Router settings (replay_config's; NAN = the router's default). */
+	double overlap_credit, temperature, ttl_s, queue_threshold, capacity_factor;
 	/* The simulator's virtual clock, ns. */
 	uint64_t (*now_ns)(void *ctx);
 	void *clock_ctx;
@@ -51,6 +53,7 @@ struct replay_route_req {
 };
 
 struct replay_route_out {
+	bool queued; /* held back: the request goes out later, through dequeue() */
 	uint32_t rank;
 	uint32_t predicted_blocks; /* predicted cached prefix on rank, blocks (0 if !predicts) */
 	uint64_t handle;           /* passed back with every happening of this request */
@@ -71,10 +74,12 @@ struct replay_policy_ops {
 	int (*kv_event)(void *state, const struct sim_kv_event *ev);
 	int (*admitted)(void *state, uint64_t handle, const struct sim_admit_info *info);
 	int (*first_token)(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns);
-	/* Output tokens whose KV the engine computes (the final sampled token is not sent: its
-	 * KV is never computed, so it never completes a cached block). */
+	/* Output tokens as sampled, the final one included (a streaming frontend's view). */
 	int (*output)(void *state, uint64_t handle, const uint32_t *tokens, size_t n);
 	int (*finished)(void *state, uint64_t handle, const struct sim_finish_info *info);
+	/* A request route() held back (queued) was admitted: returns 1 with its id (the route
+	 * request's id) and *out filled, 0 when none is ready, or an error.  Optional. */
+	int (*dequeue)(void *state, uint64_t *id, struct replay_route_out *out);
 	/* The simulator refused the request (it can never fit a rank). */
 	int (*aborted)(void *state, uint64_t handle);
 	/* Virtual time moved to now_ns: fire due timers (TTL expiry, lease reaper). */

@@ -6,7 +6,8 @@
  *    one stored event per hash's first copy, one removed when its last copy goes).  External
  *    hash = the simulator's sequence hash; local hashes are passed, tokens are not.  The oracle.
  *  - approx_lru: KVR_MODE_APPROX_LRU, no events; each rank's capacity = its GPU blocks, so the
- *    router's LRU mirrors the engine's pool from the request lifecycle alone.
+ *    router's LRU mirrors the engine's pool from the request lifecycle alone (capacity_factor
+ *    != 1 registers a wrong capacity on purpose, to measure what mis-registration costs).
  *  - approx_ttl: KVR_MODE_APPROX_TTL, no events, no capacity; a routed block is forgotten
  *    ttl_ns (router default, 120 s) after its last use.
  *
@@ -15,20 +16,75 @@
  * kvr_router_sync() so TTL expiry and the lease reaper fire as virtual time advances.
  * Happenings map to the request lifecycle: first token -> kvr_request_prefill_done, output
  * tokens -> kvr_request_output, finished -> kvr_request_finish, refused -> kvr_request_abort.
+ * Router settings from the environment (overlap_credit, temperature, ttl, queue_threshold)
+ * override the router's defaults.  With queue_threshold > 0 a decision may be KVR_QUEUED: the
+ * request is parked with its ticket, on_admit (run by the router on the thread that pumps the
+ * queue, here always the replay's) moves it to a ready list, and dequeue() hands it to the
+ * replay, which submits it to the engine at that instant.
  *
  * Context: single-threaded (the replay's thread); the router's shard thread runs beside it.
  */
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kvrouter.h"
 #include "tools/replay/policy.h"
+
+/* A queued request: its ticket and trace id; once admitted, the decision too. */
+struct rp_queued {
+	uint64_t ticket, id;
+	struct kvr_decision d;
+};
 
 struct rp {
 	struct replay_env env;
 	struct kvr_router *r;
 	struct kvr_event_block *blk; /* events: scratch for one stored event */
 	size_t blk_cap;
+	/* Queue (queue_threshold > 0): waiting[] in ticket order, ready[] admitted, FIFO. */
+	struct rp_queued *waiting, *ready;
+	size_t n_waiting, cap_waiting, n_ready, head_ready, cap_ready;
+	int queue_err;
 };
+
+static int push(struct rp_queued **a, size_t *n, size_t *cap, const struct rp_queued *e)
+{
+	if (*n == *cap) {
+		size_t nc = *cap ? *cap * 2 : 64;
+		struct rp_queued *na = realloc(*a, nc * sizeof(*na));
+		if (!na)
+			return KVR_ENOMEM;
+		*a = na;
+		*cap = nc;
+	}
+	(*a)[(*n)++] = *e;
+	return 0;
+}
+
+/* on_admit: the router runs it on the thread that pumps the queue, which in the replay is the
+ * replay's own thread (inside route, finish, prefill_done or sync). */
+static void rp_on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	struct rp *p = ctx;
+	for (size_t i = 0; i < p->n_waiting; i++) {
+		if (p->waiting[i].ticket != ticket)
+			continue;
+		struct rp_queued e = p->waiting[i];
+		e.d = *d;
+		memmove(p->waiting + i, p->waiting + i + 1,
+		        (p->n_waiting - i - 1) * sizeof(*p->waiting));
+		p->n_waiting--;
+		if (p->head_ready == p->n_ready)
+			p->head_ready = p->n_ready = 0;
+		int rc = push(&p->ready, &p->n_ready, &p->cap_ready, &e);
+		if (rc && !p->queue_err)
+			p->queue_err = rc;
+		return;
+	}
+	if (!p->queue_err)
+		p->queue_err = KVR_ENOENT;
+}
 
 static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **state)
 {
@@ -48,12 +104,27 @@ static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **st
 	c.clock_ctx = env->clock_ctx;
 	if (env->n_ranks > c.max_ranks)
 		c.max_ranks = env->n_ranks;
+	if (!isnan(env->overlap_credit))
+		c.overlap_credit = env->overlap_credit;
+	if (!isnan(env->temperature))
+		c.temperature = env->temperature;
+	if (!isnan(env->ttl_s))
+		c.ttl_ns = (uint64_t)llround(env->ttl_s * 1e9);
+	if (!isnan(env->queue_threshold))
+		c.queue_threshold = env->queue_threshold;
+	c.on_admit = rp_on_admit;
+	c.callback_ctx = p;
 	int rc = kvr_router_create(&c, &p->r);
 	if (rc) {
 		free(p);
 		return rc;
 	}
-	uint64_t cap = mode == KVR_MODE_APPROX_TTL ? KVR_CAPACITY_NONE : env->blocks_per_rank;
+	double f = isnan(env->capacity_factor) ? 1.0 : env->capacity_factor;
+	uint64_t cap = mode == KVR_MODE_APPROX_TTL
+	                   ? KVR_CAPACITY_NONE
+	                   : (uint64_t)llround((double)env->blocks_per_rank * f);
+	if (cap == 0)
+		cap = 1;
 	for (uint32_t i = 0; i < env->n_ranks; i++) {
 		struct kvr_rank_id id = {.worker_id = i, .dp_rank = 0};
 		rc = kvr_rank_add(p->r, id, 1, cap, env->max_batched_tokens);
@@ -89,6 +160,8 @@ static void rp_destroy(void *state)
 		return;
 	kvr_router_destroy(p->r);
 	free(p->blk);
+	free(p->waiting);
+	free(p->ready);
 	free(p);
 }
 
@@ -105,12 +178,35 @@ static int rp_route(void *state, const struct replay_route_req *q, struct replay
 	int rc = kvr_route(p->r, &req, &d);
 	if (rc)
 		return rc;
+	if (d.status == KVR_QUEUED) {
+		struct rp_queued e = {.ticket = d.ticket, .id = q->id};
+		out->queued = true;
+		return push(&p->waiting, &p->n_waiting, &p->cap_waiting, &e);
+	}
 	if (d.status != KVR_DECIDED)
-		return KVR_EAGAIN; /* queue_threshold is 0: the router never queues */
+		return KVR_EAGAIN;
 	out->rank = (uint32_t)d.rank.worker_id;
 	out->predicted_blocks = d.overlap_blocks;
 	out->handle = d.attempt;
 	return 0;
+}
+
+static int rp_dequeue(void *state, uint64_t *id, struct replay_route_out *out)
+{
+	struct rp *p = state;
+	if (p->queue_err) {
+		int rc = p->queue_err;
+		p->queue_err = 0;
+		return rc;
+	}
+	if (p->head_ready == p->n_ready)
+		return 0;
+	const struct rp_queued *e = &p->ready[p->head_ready++];
+	*id = e->id;
+	*out = (struct replay_route_out){.rank = (uint32_t)e->d.rank.worker_id,
+	                                 .predicted_blocks = e->d.overlap_blocks,
+	                                 .handle = e->d.attempt};
+	return 1;
 }
 
 static int rp_kv_event(void *state, const struct sim_kv_event *ev)
@@ -245,8 +341,8 @@ static int rp_blocks(void *state, uint32_t rank, uint64_t **out, size_t *n)
 		.name = NAME, .predicts = true, .wants_events = EVENTS, .create = CREATE,          \
 		.destroy = rp_destroy, .route = rp_route, .kv_event = rp_kv_event,                 \
 		.first_token = rp_first_token, .output = rp_output, .finished = rp_finished,       \
-		.aborted = rp_aborted, .sync = rp_sync, .resident = rp_resident,                   \
-		.predict = rp_predict, .blocks = rp_blocks,                                        \
+		.aborted = rp_aborted, .sync = rp_sync, .dequeue = rp_dequeue,                     \
+		.resident = rp_resident, .predict = rp_predict, .blocks = rp_blocks,               \
 	}
 
 const struct replay_policy_ops replay_policy_events = ROUTER_POLICY("events", events_create, true);

@@ -99,6 +99,7 @@ struct rq {
 	uint64_t last_seq; /* last block hash of the sequence so far (chains) */
 	uint32_t rank, predicted, n_blocks;
 	uint32_t out_len, nbuf, nctail;
+	uint64_t arrival_ns; /* trace arrival (a queued request is submitted later) */
 	bool routed, first_seen, admitted_once;
 	uint32_t *buf;   /* output tokens not yet sent (run->out_chunk at most) */
 	uint32_t *ctail; /* chains: tokens after the last complete block */
@@ -119,6 +120,11 @@ struct run {
 	uint64_t tokens_done, first_arrival, last_finish;
 	uint32_t out_chunk; /* output tokens per policy output() call */
 	int oom;
+	const struct trace *t;
+	uint32_t *tok; /* prompt tokens of the request being submitted */
+	size_t tok_cap;
+	size_t n_held; /* queued by the policy, not admitted yet */
+	double *cpu_ns;
 };
 
 static void perr(struct run *run, int rc)
@@ -196,6 +202,13 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 	struct replay_result *res = run->res;
 	if (!q->admitted_once) {
 		q->admitted_once = true;
+		res->prompt_tokens += q->tr->input_len;
+		res->hit_tokens += (uint64_t)info->hit_blocks * run->cfg->block_size;
+		if (res->n_adm < res->n_requests) {
+			res->adm_s[res->n_adm] = (double)info->time_ns / 1e9;
+			res->adm_prompt[res->n_adm] = info->prompt_blocks;
+			res->adm_hit[res->n_adm++] = info->hit_blocks;
+		}
 		if (run->ops->predicts) {
 			int64_t d = (int64_t)q->predicted - (int64_t)info->cached_blocks;
 			res->n_pred++;
@@ -234,8 +247,9 @@ static void on_finished(void *ctx, const struct sim_finish_info *info)
 	flush(run, q);
 	if (run->ops->finished)
 		perr(run, run->ops->finished(run->ps, q->handle, info));
-	res->ttft_ms[res->n_ttft++] = (double)(info->first_token_ns - info->arrival_ns) / 1e6;
-	run->e2e_ms[run->n_e2e++] = (double)(info->finish_ns - info->arrival_ns) / 1e6;
+	/* From the trace arrival: time spent in the router's queue counts. */
+	res->ttft_ms[res->n_ttft++] = (double)(info->first_token_ns - q->arrival_ns) / 1e6;
+	run->e2e_ms[run->n_e2e++] = (double)(info->finish_ns - q->arrival_ns) / 1e6;
 	run->tokens_done += (uint64_t)info->prompt_len + info->output_len;
 	if (info->finish_ns > run->last_finish)
 		run->last_finish = info->finish_ns;
@@ -418,6 +432,133 @@ static int agree(struct run *run)
 
 /* ---------------------------------------------------------------- public */
 
+/* ---------------------------------------------------------------- submission */
+
+static int want_tokens(struct run *run, size_t n)
+{
+	if (n <= run->tok_cap)
+		return 0;
+	uint32_t *nt = realloc(run->tok, n * sizeof(*nt));
+	if (!nt)
+		return KVR_ENOMEM;
+	run->tok = nt;
+	run->tok_cap = n;
+	return 0;
+}
+
+/* Submits routed request i to its rank at the simulator's current time (prompt in run->tok). */
+static int submit(struct run *run, size_t i)
+{
+	struct rq *q = &run->rq[i];
+	struct sim_request sr = {.id = i,
+	                         .user = q,
+	                         .prompt = run->tok,
+	                         .prompt_len = q->tr->input_len,
+	                         .output_len = q->tr->output_len};
+	int rc = sim_cluster_submit(run->sim, q->rank, &sr);
+	if (rc == KVR_ERANGE || rc == KVR_EINVAL) {
+		run->res->n_refused++;
+		if (run->ops->aborted)
+			perr(run, run->ops->aborted(run->ps, q->handle));
+		return 0;
+	}
+	return rc;
+}
+
+/* Submits every held request the policy's queue admitted since the last call, now. */
+static int release_held(struct run *run, char *err, size_t errlen)
+{
+	while (run->n_held) {
+		uint64_t id = 0;
+		struct replay_route_out ro = {0};
+		int rc = run->ops->dequeue(run->ps, &id, &ro);
+		if (rc == 0)
+			return 0;
+		if (rc > 0 && (id >= run->t->n || run->rq[id].routed || !run->rq[id].tr ||
+		               ro.rank >= run->cfg->n_ranks))
+			rc = KVR_ERANGE;
+		if (rc < 0) {
+			snprintf(err, errlen, "policy %s: dequeue: %s", run->ops->name,
+			         kvr_strerror(rc));
+			return rc;
+		}
+		struct rq *q = &run->rq[id];
+		q->rank = ro.rank;
+		q->predicted = ro.predicted_blocks;
+		q->handle = ro.handle;
+		q->routed = true;
+		run->n_held--;
+		if ((rc = want_tokens(run, q->tr->input_len))) {
+			snprintf(err, errlen, "out of memory");
+			return rc;
+		}
+		trace_tokens(run->t, q->tr, run->tok);
+		if ((rc = submit(run, (size_t)id))) {
+			snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+			return rc;
+		}
+	}
+	return 0;
+}
+
+/* Runs the cluster up to t_ns.  While the policy holds requests in its queue, one step boundary
+ * at a time, so that each is submitted at the instant the router admits it. */
+static int advance(struct run *run, uint64_t t_ns, char *err, size_t errlen)
+{
+	int rc;
+	while (run->n_held && sim_cluster_next_time(run->sim) < t_ns) {
+		if ((rc = sim_cluster_step(run->sim))) {
+			snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+			return rc;
+		}
+		if ((rc = release_held(run, err, errlen)))
+			return rc;
+	}
+	if ((rc = sim_cluster_run_until(run->sim, t_ns))) {
+		snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+		return rc;
+	}
+	return 0;
+}
+
+/* Runs until every request, held ones included, has finished. */
+static int drain_all(struct run *run, char *err, size_t errlen)
+{
+	int rc;
+	while (run->n_held) {
+		rc = sim_cluster_step(run->sim);
+		if (rc == KVR_ENOENT) { /* every rank idle: the router must admit now */
+			size_t before = run->n_held;
+			if (run->ops->sync &&
+			    (rc = run->ops->sync(run->ps, sim_cluster_now(run->sim)))) {
+				snprintf(err, errlen, "policy %s: sync: %s", run->ops->name,
+				         kvr_strerror(rc));
+				return rc;
+			}
+			if ((rc = release_held(run, err, errlen)))
+				return rc;
+			if (run->n_held == before) {
+				snprintf(err, errlen,
+				         "policy %s: %zu requests stay queued with every rank idle",
+				         run->ops->name, run->n_held);
+				return KVR_EAGAIN;
+			}
+			continue;
+		}
+		if (rc) {
+			snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+			return rc;
+		}
+		if ((rc = release_held(run, err, errlen)))
+			return rc;
+	}
+	if ((rc = sim_cluster_drain(run->sim))) {
+		snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));
+		return rc;
+	}
+	return 0;
+}
+
 void replay_config_init(struct replay_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
@@ -430,6 +571,8 @@ void replay_config_init(struct replay_config *cfg)
 	cfg->seed = 1;
 	cfg->n_buckets = 40;
 	cfg->output_every = 1;
+	cfg->overlap_credit = cfg->temperature = cfg->ttl_s = cfg->queue_threshold = NAN;
+	cfg->capacity_factor = 1.0;
 }
 
 uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
@@ -497,7 +640,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 {
 	memset(res, 0, sizeof(*res));
 	if (!t || !ops || !cfg || cfg->n_ranks == 0 || cfg->block_size == 0 ||
-	    cfg->blocks_per_rank == 0 || !(cfg->time_scale > 0) || cfg->n_buckets == 0) {
+	    cfg->blocks_per_rank == 0 || !(cfg->time_scale > 0) || cfg->n_buckets == 0 ||
+	    !(cfg->capacity_factor > 0)) {
 		snprintf(err, errlen, "bad replay configuration");
 		return KVR_EINVAL;
 	}
@@ -512,6 +656,9 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	res->bucket_prompt = calloc(cfg->n_buckets, sizeof(uint64_t));
 	res->bucket_hit = calloc(cfg->n_buckets, sizeof(uint64_t));
 	res->ttft_ms = calloc(t->n + 1, sizeof(double));
+	res->adm_s = calloc(t->n + 1, sizeof(double));
+	res->adm_prompt = calloc(t->n + 1, sizeof(uint32_t));
+	res->adm_hit = calloc(t->n + 1, sizeof(uint32_t));
 
 	struct run run = {.cfg = cfg, .ops = ops, .res = res};
 	run.e2e_ms = calloc(t->n + 1, sizeof(double));
@@ -520,11 +667,9 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	size_t per = (size_t)run.out_chunk + cfg->block_size;
 	run.bufs = calloc((t->n + 1) * per, sizeof(uint32_t));
 	double *cpu_ns = calloc(t->n + 1, sizeof(double));
-	uint32_t *tok = NULL;
-	size_t tok_cap = 0;
 	int rc = KVR_ENOMEM;
-	if (!res->bucket_prompt || !res->bucket_hit || !res->ttft_ms || !run.e2e_ms || !run.rq ||
-	    !run.bufs || !cpu_ns) {
+	if (!res->bucket_prompt || !res->bucket_hit || !res->ttft_ms || !res->adm_s ||
+	    !res->adm_prompt || !res->adm_hit || !run.e2e_ms || !run.rq || !run.bufs || !cpu_ns) {
 		snprintf(err, errlen, "out of memory");
 		goto out;
 	}
@@ -557,7 +702,14 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	                         .max_batched_tokens = cfg->max_batched_tokens,
 	                         .seed = cfg->seed,
 	                         .now_ns = sim_clock,
-	                         .clock_ctx = run.sim};
+	                         .clock_ctx = run.sim,
+	                         .overlap_credit = cfg->overlap_credit,
+	                         .temperature = cfg->temperature,
+	                         .ttl_s = cfg->ttl_s,
+	                         .queue_threshold = cfg->queue_threshold,
+	                         .capacity_factor = cfg->capacity_factor};
+	run.t = t;
+	run.cpu_ns = cpu_ns;
 	rc = ops->create(&env, &run.ps);
 	if (rc) {
 		snprintf(err, errlen, "policy %s: create: %s", ops->name, kvr_strerror(rc));
@@ -573,18 +725,15 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		                 .ctail = run.bufs + i * per + run.out_chunk};
 		q->out_len = tr->output_len ? tr->output_len : 1;
 		uint64_t at = (uint64_t)llround(tr->arrival_s * cfg->time_scale * 1e9);
-		if (cfg->serial) {
-			rc = sim_cluster_drain(run.sim);
-			if (rc)
-				goto sim_err;
-		}
+		if (cfg->serial && (rc = drain_all(&run, err, errlen)))
+			goto out;
 		if (at < sim_cluster_now(run.sim))
 			at = sim_cluster_now(run.sim);
 		if (i == 0)
 			run.first_arrival = at;
-		rc = sim_cluster_run_until(run.sim, at);
-		if (rc)
-			goto sim_err;
+		q->arrival_ns = at;
+		if ((rc = advance(&run, at, err, errlen)))
+			goto out;
 		if (ops->sync) {
 			rc = ops->sync(run.ps, at);
 			if (rc) {
@@ -592,6 +741,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 				         kvr_strerror(rc));
 				goto out;
 			}
+			if ((rc = release_held(&run, err, errlen)))
+				goto out;
 		}
 		/* Concurrent sample: before routing, when router and engines have seen the same
 		 * arrivals (after it, the router would be one admission ahead of the engine). */
@@ -603,17 +754,11 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 				goto out;
 			}
 		}
-		if (tr->input_len > tok_cap) {
-			size_t nc = tr->input_len;
-			uint32_t *nt = realloc(tok, nc * sizeof(*nt));
-			if (!nt) {
-				rc = KVR_ENOMEM;
-				snprintf(err, errlen, "out of memory");
-				goto out;
-			}
-			tok = nt;
-			tok_cap = nc;
+		if ((rc = want_tokens(&run, tr->input_len))) {
+			snprintf(err, errlen, "out of memory");
+			goto out;
 		}
+		uint32_t *tok = run.tok;
 		trace_tokens(t, tr, tok);
 		if (run.chains) {
 			record_blocks(&run, q, tok, tr->input_len);
@@ -629,34 +774,29 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		double c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
 		rc = ops->route(run.ps, &rq, &ro);
 		cpu_ns[i] = (now_s(CLOCK_THREAD_CPUTIME_ID) - c0) * 1e9;
-		if (rc || ro.rank >= cfg->n_ranks) {
+		if (rc || (ro.queued && !ops->dequeue) || (!ro.queued && ro.rank >= cfg->n_ranks)) {
 			snprintf(err, errlen, "policy %s: route request %zu: %s", ops->name, i,
 			         rc ? kvr_strerror(rc) : "rank out of range");
 			rc = rc ? rc : KVR_ERANGE;
 			goto out;
 		}
-		q->rank = ro.rank;
-		q->predicted = ro.predicted_blocks;
-		q->handle = ro.handle;
-		q->routed = true;
-		struct sim_request sr = {.id = i,
-		                         .user = q,
-		                         .prompt = tok,
-		                         .prompt_len = tr->input_len,
-		                         .output_len = tr->output_len};
-		rc = sim_cluster_submit(run.sim, ro.rank, &sr);
-		if (rc == KVR_ERANGE || rc == KVR_EINVAL) {
-			res->n_refused++;
-			if (ops->aborted)
-				perr(&run, ops->aborted(run.ps, q->handle));
-		} else if (rc) {
-			goto sim_err;
-		}
-		if (cfg->serial) {
-			rc = sim_cluster_drain(run.sim);
+		if (ro.queued) {
+			res->n_queued++;
+			run.n_held++;
+		} else {
+			q->rank = ro.rank;
+			q->predicted = ro.predicted_blocks;
+			q->handle = ro.handle;
+			q->routed = true;
+			rc = submit(&run, i);
 			if (rc)
 				goto sim_err;
 		}
+		/* Routing pumps the router's queue first: those it admitted go now too. */
+		if ((rc = release_held(&run, err, errlen)))
+			goto out;
+		if (cfg->serial && (rc = drain_all(&run, err, errlen)))
+			goto out;
 		if (run.chains && cfg->serial) {
 			rc = agree(&run);
 			if (rc) {
@@ -668,9 +808,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		if (cfg->progress)
 			cfg->progress(cfg->progress_ctx, i + 1, t->n);
 	}
-	rc = sim_cluster_drain(run.sim);
-	if (rc)
-		goto sim_err;
+	if ((rc = drain_all(&run, err, errlen)))
+		goto out;
 	if (run.oom) {
 		rc = KVR_ENOMEM;
 		snprintf(err, errlen, "out of memory (chains)");
@@ -728,7 +867,7 @@ out:
 	free(run.rq);
 	free(run.bufs);
 	free(cpu_ns);
-	free(tok);
+	free(run.tok);
 	res->wall_s = now_s(CLOCK_MONOTONIC) - wall0;
 	if (rc)
 		replay_result_free(res);
@@ -742,6 +881,11 @@ void replay_result_free(struct replay_result *res)
 	free(res->bucket_prompt);
 	free(res->bucket_hit);
 	free(res->ttft_ms);
+	free(res->adm_s);
+	free(res->adm_prompt);
+	free(res->adm_hit);
 	res->bucket_prompt = res->bucket_hit = NULL;
 	res->ttft_ms = NULL;
+	res->adm_s = NULL;
+	res->adm_prompt = res->adm_hit = NULL;
 }

@@ -45,6 +45,14 @@ struct replay_config {
 	 * 1 (default) tells the router each block as it completes, like a frontend streaming
 	 * tokens; larger values save router calls (each is a synchronous shard round trip). */
 	uint32_t output_every;
+	/* Router settings for the router-backed policies (see struct kvr_config); NAN (the
+	 * default) leaves the router's own default.  ttl_s: approx_ttl retention, seconds.
+	 * queue_threshold > 0 lets the router hold requests back while every rank is saturated:
+	 * the replay submits a queued request when the router admits it (on_admit). */
+	double overlap_credit, temperature, ttl_s, queue_threshold;
+	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
+	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
+	double capacity_factor;
 	/* Called after each routed request (progress bar); may be NULL. */
 	void (*progress)(void *ctx, size_t done, size_t total);
 	void *progress_ctx;
@@ -53,8 +61,10 @@ struct replay_config {
 struct replay_result {
 	char policy[32];
 	bool predicts;
-	size_t n_requests, n_refused; /* refused: the simulator can never fit it */
-	uint64_t policy_errors;       /* happenings the policy answered with an error */
+	size_t n_requests, n_refused;       /* refused: the simulator can never fit it */
+	size_t n_queued;                    /* held back by the router's queue (queue_threshold) */
+	uint64_t prompt_tokens, hit_tokens; /* first admissions, tokens (hit: whole blocks) */
+	uint64_t policy_errors;             /* happenings the policy answered with an error */
 	int first_policy_error;
 	uint64_t prompt_blocks, hit_blocks; /* first admissions (simulator) */
 	double hit_rate;
@@ -79,6 +89,10 @@ struct replay_result {
 	uint64_t *bucket_prompt, *bucket_hit;
 	double *ttft_ms;
 	size_t n_ttft;
+	/* First admissions in time order: time (s), prompt blocks, hit blocks (moving average). */
+	double *adm_s;
+	uint32_t *adm_prompt, *adm_hit;
+	size_t n_adm;
 	double wall_s;
 };
 

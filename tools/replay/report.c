@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -72,6 +73,11 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	json_object_set_new(o, "prompt_blocks", json_integer((json_int_t)r->prompt_blocks));
 	json_object_set_new(o, "hit_blocks", json_integer((json_int_t)r->hit_blocks));
 	json_object_set_new(o, "hit_rate", json_real(r->hit_rate));
+	json_object_set_new(o, "prompt_tokens", json_integer((json_int_t)r->prompt_tokens));
+	json_object_set_new(o, "cached_tokens", json_integer((json_int_t)r->hit_tokens));
+	json_object_set_new(o, "cached_token_share",
+	                    json_real(share(r->hit_tokens, r->prompt_tokens)));
+	json_object_set_new(o, "queued", json_integer((json_int_t)r->n_queued));
 	if (r->predicts) {
 		json_t *p = json_object();
 		json_object_set_new(p, "requests", json_integer((json_int_t)r->n_pred));
@@ -144,6 +150,17 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_object_set_new(cfg, "seed", json_integer((json_int_t)c->seed));
 	json_object_set_new(cfg, "sample_every", json_integer(c->sample_every));
 	json_object_set_new(cfg, "output_every", json_integer(c->output_every));
+	json_object_set_new(cfg, "capacity_factor", json_real(c->capacity_factor));
+	const struct {
+		const char *k;
+		double v;
+	} knobs[] = {{"overlap_credit", c->overlap_credit},
+	             {"temperature", c->temperature},
+	             {"ttl_s", c->ttl_s},
+	             {"queue_threshold", c->queue_threshold}};
+	for (size_t i = 0; i < sizeof(knobs) / sizeof(knobs[0]); i++)
+		if (!isnan(knobs[i].v)) /* else the router's default */
+			json_object_set_new(cfg, knobs[i].k, json_real(knobs[i].v));
 	json_object_set_new(root, "config", cfg);
 	json_t *pol = json_array();
 	for (size_t i = 0; i < n; i++)
@@ -203,34 +220,156 @@ int replay_report_csv(const char *path, const struct replay_result *res, size_t 
 	return 0;
 }
 
-int replay_report_plot(const char *dir, const struct replay_result *res, size_t n, char *err,
-                       size_t errlen)
+/* Index of the policy named name in res, or -1. */
+static int find_policy(const struct replay_result *res, size_t n, const char *name)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(res[i].policy, name))
+			return (int)i;
+	return -1;
+}
+
+/* "2.35x faster" / "1.10x slower" / "the same": how x compares with base (lower is better). */
+static const char *compare(double base, double x, char *buf, size_t len)
+{
+	if (!(x > 0) || !(base > 0))
+		snprintf(buf, len, "n/a");
+	else if (base / x >= 1.005)
+		snprintf(buf, len, "%.2fx faster", base / x);
+	else if (x / base >= 1.005)
+		snprintf(buf, len, "%.2fx slower", x / base);
+	else
+		snprintf(buf, len, "the same");
+	return buf;
+}
+
+void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label)
+{
+	if (!n)
+		return;
+	/* The router as deployed without events is approx_lru; else the first predicting policy. */
+	int rt = find_policy(res, n, "approx_lru");
+	for (size_t i = 0; rt < 0 && i < n; i++)
+		if (res[i].predicts)
+			rt = (int)i;
+	int rr = find_policy(res, n, "round_robin"), ll = find_policy(res, n, "least_loaded");
+	fprintf(f, "verdict [%s]: share of prompt tokens served from cache:", label);
+	size_t order[64];
+	size_t m = n < 64 ? n : 64;
+	for (size_t i = 0; i < m; i++)
+		order[i] = i;
+	for (size_t i = 1; i < m; i++) /* by share, highest first (stable) */
+		for (size_t j = i;
+		     j > 0 &&
+		     share(res[order[j]].hit_tokens, res[order[j]].prompt_tokens) >
+		         share(res[order[j - 1]].hit_tokens, res[order[j - 1]].prompt_tokens);
+		     j--) {
+			size_t t = order[j];
+			order[j] = order[j - 1];
+			order[j - 1] = t;
+		}
+	for (size_t i = 0; i < m; i++)
+		fprintf(f, "%s %s %.1f %%", i ? "," : "", res[order[i]].policy,
+		        100 * share(res[order[i]].hit_tokens, res[order[i]].prompt_tokens));
+	fprintf(f, "\n");
+	if (rt < 0)
+		return;
+	const struct replay_result *r = &res[rt];
+	for (int b = 0; b < 2; b++) {
+		int k = b ? ll : rr;
+		if (k < 0)
+			continue;
+		const struct replay_result *o = &res[k];
+		char c50[32], c99[32];
+		fprintf(
+		    f,
+		    "verdict [%s]: TTFT with %s vs %s: p50 %.1f ms vs %.1f ms (%s), p99 %.1f ms "
+		    "vs %.1f ms (%s)\n",
+		    label, r->policy, o->policy, r->ttft_p50_ms, o->ttft_p50_ms,
+		    compare(o->ttft_p50_ms, r->ttft_p50_ms, c50, sizeof(c50)), r->ttft_p99_ms,
+		    o->ttft_p99_ms, compare(o->ttft_p99_ms, r->ttft_p99_ms, c99, sizeof(c99)));
+	}
+	if (r->n_pred)
+		fprintf(
+		    f,
+		    "verdict [%s]: %s predicted the cached prefix exactly for %.1f %% of requests "
+		    "(mean error %.2f blocks; over %.1f %%, under %.1f %%)\n",
+		    label, r->policy, 100 * share(r->n_exact, r->n_pred), r->mae_blocks,
+		    100 * share(r->n_over, r->n_pred), 100 * share(r->n_under, r->n_pred));
+	/* The plain-words line: the router's gain over the best cache-blind policy. */
+	double best_blind = -1;
+	const char *blind = NULL;
+	for (size_t i = 0; i < n; i++) {
+		double x = share(res[i].hit_tokens, res[i].prompt_tokens);
+		if (!res[i].predicts && x > best_blind) {
+			best_blind = x;
+			blind = res[i].policy;
+		}
+	}
+	double mine = share(r->hit_tokens, r->prompt_tokens);
+	if (!blind)
+		return;
+	double gain = 100 * (mine - best_blind);
+	if (gain >= 5)
+		fprintf(
+		    f,
+		    "verdict [%s]: cache-aware routing pays off here: %s serves %.1f points more "
+		    "of the prompt from cache than the best cache-blind policy (%s).\n",
+		    label, r->policy, gain, blind);
+	else
+		fprintf(
+		    f,
+		    "verdict [%s]: cache-aware routing buys little here (%+.1f points over %s): "
+		    "this traffic shares few prefixes, so even %s finds only %.1f %% of prompt "
+		    "tokens cached.\n",
+		    label, gain, blind, r->policy, 100 * mine);
+}
+
+int replay_report_plot(const char *dir, const struct replay_result *res, size_t n,
+                       const char *title, char *err, size_t errlen)
 {
 	char p[4096];
+	const char *tt = title ? title : "";
+	const char *sep = title ? ": " : "";
 	if (mkdir(dir, 0777) && errno != EEXIST) {
 		snprintf(err, errlen, "%s: %s", dir, strerror(errno));
 		return -1;
 	}
-	/* hit_rate.dat: time, then one column per policy (NaN where a bucket is empty). */
+	/* hit_rate.dat: per policy (gnuplot index), the hit rate of the last W first admissions'
+	 * prompt blocks, at each admission time (sampled to ~400 points). */
 	snprintf(p, sizeof(p), "%s/hit_rate.dat", dir);
 	FILE *f = fopen(p, "w");
 	if (!f)
 		goto ioerr;
-	fprintf(f, "# t_s");
+	size_t w = 0;
 	for (size_t i = 0; i < n; i++)
-		fprintf(f, " %s", res[i].policy);
-	fprintf(f, "\n");
-	uint32_t nb = n ? res[0].n_buckets : 0;
-	for (uint32_t b = 0; b < nb; b++) {
-		fprintf(f, "%.3f", (b + 0.5) * res[0].bucket_s);
-		for (size_t i = 0; i < n; i++) {
-			if (res[i].bucket_prompt[b])
-				fprintf(f, " %.5f",
-				        100 * share(res[i].bucket_hit[b], res[i].bucket_prompt[b]));
-			else
-				fprintf(f, " NaN");
+		w = res[i].n_adm > w ? res[i].n_adm : w;
+	w = w / 20 < 25 ? 25 : w / 20;
+	/* Log time axis when half the requests come in the first tenth of the span (coding
+	 * sessions that resume hours later), so the busy start is not squeezed to the left. */
+	bool logx = false;
+	if (n && res[0].n_adm > 1) {
+		double med = res[0].adm_s[res[0].n_adm / 2], last = res[0].adm_s[res[0].n_adm - 1];
+		logx = med > 0 && med < last / 10;
+	}
+	for (size_t i = 0; i < n; i++) {
+		const struct replay_result *r = &res[i];
+		fprintf(f, "# %s\n", r->policy);
+		uint64_t sp = 0, sh = 0;
+		size_t step = r->n_adm > 400 ? r->n_adm / 400 : 1;
+		for (size_t k = 0; k < r->n_adm; k++) {
+			sp += r->adm_prompt[k];
+			sh += r->adm_hit[k];
+			if (k >= w) {
+				sp -= r->adm_prompt[k - w];
+				sh -= r->adm_hit[k - w];
+			}
+			if (k + 1 >= (w < r->n_adm ? w : r->n_adm) &&
+			    (k % step == 0 || k + 1 == r->n_adm))
+				fprintf(f, "%.3f %.4f\n", r->adm_s[k],
+				        sp ? 100.0 * (double)sh / (double)sp : 0);
 		}
-		fprintf(f, "\n");
+		fprintf(f, "\n\n");
 	}
 	fclose(f);
 	/* ttft_cdf.dat: one block per policy (gnuplot index), at most ~1000 points each. */
@@ -243,36 +382,75 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 		fprintf(f, "# %s\n", r->policy);
 		size_t step = r->n_ttft > 1000 ? r->n_ttft / 1000 : 1;
 		for (size_t k = 0; k < r->n_ttft; k += step)
-			fprintf(f, "%.4f %.5f\n", r->ttft_ms[k],
+			fprintf(f, "%.4f %.5f\n", r->ttft_ms[k] / 1e3,
 			        (double)(k + 1) / (double)r->n_ttft);
 		if (r->n_ttft)
-			fprintf(f, "%.4f 1\n", r->ttft_ms[r->n_ttft - 1]);
+			fprintf(f, "%.4f 1\n", r->ttft_ms[r->n_ttft - 1] / 1e3);
 		fprintf(f, "\n\n");
 	}
+	fclose(f);
+	/* summary.dat: policy, cached token share %, block hit rate %, TTFT p50 s, TTFT p99 s. */
+	snprintf(p, sizeof(p), "%s/summary.dat", dir);
+	f = fopen(p, "w");
+	if (!f)
+		goto ioerr;
+	fprintf(f, "# policy cached_token_pct hit_block_pct ttft_p50_s ttft_p99_s\n");
+	for (size_t i = 0; i < n; i++)
+		fprintf(f, "%s %.3f %.3f %.4f %.4f\n", res[i].policy,
+		        100 * share(res[i].hit_tokens, res[i].prompt_tokens), 100 * res[i].hit_rate,
+		        res[i].ttft_p50_ms / 1e3, res[i].ttft_p99_ms / 1e3);
 	fclose(f);
 	snprintf(p, sizeof(p), "%s/plots.gp", dir);
 	f = fopen(p, "w");
 	if (!f)
 		goto ioerr;
-	fprintf(f, "set terminal pngcairo size 1000,600 noenhanced\n"
-	           "set datafile missing 'NaN'\n"
-	           "set key outside right\nset grid\n"
-	           "set output 'hit_rate.png'\n"
-	           "set title 'Prefix-cache hit rate over time (prompt blocks served from cache)'\n"
-	           "set xlabel 'virtual time (s)'\nset ylabel 'hit rate (%%)'\nset yrange [0:100]\n"
-	           "plot ");
-	for (size_t i = 0; i < n; i++)
-		fprintf(f, "%s'hit_rate.dat' using 1:%zu with linespoints title '%s'",
-		        i ? ", " : "", i + 2, res[i].policy);
 	fprintf(f,
-	        "\nset output 'ttft_cdf.png'\n"
-	        "set title 'TTFT CDF'\nset logscale x\nset xlabel 'TTFT (ms, log)'\n"
-	        "set ylabel 'fraction of requests'\nset yrange [0:1]\nset key bottom right inside\n"
-	        "plot ");
+	        "set terminal pngcairo size 1100,600 noenhanced font ',11'\n"
+	        "set datafile missing 'NaN'\n"
+	        "set key outside right top\nset grid\n"
+	        "set output 'hit_rate.png'\n"
+	        "set title '%s%sprefix-cache hit rate over time (moving average over the last %zu "
+	        "requests)'\n"
+	        "set xlabel 'virtual time (s%s)'\n%s\n"
+	        "set ylabel 'prompt blocks served from cache (%%)'\nset yrange [0:*]\n"
+	        "plot ",
+	        tt, sep, w, logx ? ", log scale" : "",
+	        logx ? "set logscale x" : "unset logscale x");
+	/* events first and wide: approx_lru often lies exactly on it */
 	for (size_t i = 0; i < n; i++)
-		fprintf(f, "%s'ttft_cdf.dat' index %zu using 1:2 with lines lw 2 title '%s'",
-		        i ? ", " : "", i, res[i].policy);
-	fprintf(f, "\n");
+		fprintf(f, "%s'hit_rate.dat' index %zu using 1:2 with lines lw %d title '%s'",
+		        i ? ", " : "", i, i == 0 && n > 1 ? 5 : 2, res[i].policy);
+	fprintf(
+	    f,
+	    "\nset output 'ttft_cdf.png'\nset xrange [*:*]\n"
+	    "set title '%s%sTTFT distribution'\nset logscale x\nset xlabel 'TTFT (s, log scale)'\n"
+	    "set ylabel 'fraction of requests'\nset yrange [0:1]\n"
+	    "plot ",
+	    tt, sep);
+	for (size_t i = 0; i < n; i++)
+		fprintf(f, "%s'ttft_cdf.dat' index %zu using 1:2 with lines lw %d title '%s'",
+		        i ? ", " : "", i, i == 0 && n > 1 ? 5 : 2, res[i].policy);
+	/* Grouped bars: left, cached share per policy; right, TTFT p50 and p99 per policy. */
+	fprintf(
+	    f,
+	    "\nunset logscale\nset terminal pngcairo size 1300,560 noenhanced font ',11'\n"
+	    "set output 'summary.png'\n"
+	    "set multiplot layout 1,2 title '%s%sper routing policy, same arrivals' font ',13'\n"
+	    "set style data histograms\nset style histogram clustered gap 1\n"
+	    "set style fill solid 0.85 border -1\nset boxwidth 0.9\nset xtics rotate by -30\n"
+	    "set grid ytics\nunset grid\nset grid ytics\n"
+	    "set key outside top center horizontal\n"
+	    "set title 'share of prompt served from cache'\nset xlabel ''\n"
+	    "set ylabel 'percent'\nset yrange [0:105]\n"
+	    "plot 'summary.dat' using 2:xtic(1) title 'prompt tokens (%%)' lc rgb '#1f77b4', "
+	    "'' using 3 title 'full prompt blocks (%%)' lc rgb '#aec7e8', "
+	    "'' using 0:($2+4):(sprintf('%%.1f',$2)) with labels offset -1.2,0 notitle\n"
+	    "set title 'time to first token'\nset ylabel 'seconds (log scale)'\n"
+	    "set logscale y\nset yrange [*:*]\n"
+	    "plot 'summary.dat' using 4:xtic(1) title 'p50' lc rgb '#2ca02c', "
+	    "'' using 5 title 'p99' lc rgb '#d62728'\n"
+	    "unset multiplot\n",
+	    tt, sep);
 	fclose(f);
 	char cmd[4200];
 	snprintf(cmd, sizeof(cmd), "cd '%s' && gnuplot plots.gp", dir);

@@ -30,8 +30,15 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
                        size_t errlen);
 int replay_report_csv(const char *path, const struct replay_result *res, size_t n, bool timing,
                       char *err, size_t errlen);
-/* Writes DIR/hit_rate.png and DIR/ttft_cdf.png (plus their .dat and plots.gp) with gnuplot. */
-int replay_report_plot(const char *dir, const struct replay_result *res, size_t n, char *err,
-                       size_t errlen);
+/* Writes DIR/hit_rate.png (moving average over time), DIR/ttft_cdf.png and DIR/summary.png
+ * (grouped bars per policy: cached share, TTFT p50/p99), plus their .dat and plots.gp, with
+ * gnuplot.  title (may be NULL) prefixes each chart's title (the trace's name). */
+int replay_report_plot(const char *dir, const struct replay_result *res, size_t n,
+                       const char *title, char *err, size_t errlen);
+/* The plain-words verdict, lines starting "verdict [label]: ": the share of prompt tokens
+ * served from cache per policy (highest first), TTFT p50/p99 of approx_lru (else the first
+ * predicting policy) against round_robin and least_loaded, its prediction exactness, and
+ * whether cache-aware routing pays off (>= 5 points over the best cache-blind policy). */
+void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label);
 
 #endif /* KVR_TOOLS_REPLAY_REPORT_H */

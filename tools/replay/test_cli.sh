@@ -1,7 +1,9 @@
 #!/bin/sh
 # kvr-replay end to end (meson test, suite 'replay'): a short replay of the shipped Mooncake
 # sample with every policy; the same seed gives byte-identical JSON and CSV (timings left
-# out); a malformed line is reported with file and line, and --skip-bad counts and skips it;
+# out), with --jobs 2 too; the verdict lines are there and agree with the JSON; a malformed
+# line is reported with file and line, and --skip-bad counts and skips it; --sweep rejects bad
+# input with a clear message and runs a short grid (CSV/JSON rows per point and policy);
 # --plot writes PNGs when gnuplot is installed.
 #   usage: test_cli.sh KVR_REPLAY SOURCE_ROOT
 set -eu
@@ -26,6 +28,65 @@ done
 	--csv "$tmp/b.csv" "$sample" || fail "second replay"
 cmp "$tmp/a.json" "$tmp/b.json" || fail "same seed, different JSON"
 cmp "$tmp/a.csv" "$tmp/b.csv" || fail "same seed, different CSV"
+"$bin" --max-requests 300 --no-timing --sample-every 100 --quiet --jobs 2 --out "$tmp/c.json" \
+	"$sample" || fail "replay with --jobs 2"
+cmp "$tmp/a.json" "$tmp/c.json" || fail "--jobs 2 gives different JSON"
+
+# The verdict: present, and every figure it prints is the JSON's.
+[ "$(grep -c '^verdict \[conversation_sample.jsonl\]: ' "$tmp/a.txt")" -eq 5 ] ||
+	fail "expected 5 verdict lines"
+python3 - "$tmp/a.json" "$tmp/a.txt" <<'PY' || fail "verdict and JSON disagree"
+import json, re, sys
+pol = {p["policy"]: p for p in json.load(open(sys.argv[1]))["policies"]}
+v = [l for l in open(sys.argv[2]) if l.startswith("verdict [")]
+share = dict(re.findall(r"(\w+) ([0-9.]+) %", v[0].split(":", 1)[1]))
+assert set(share) == set(pol), share
+vals = [float(x) for x in share.values()]
+assert vals == sorted(vals, reverse=True), "not highest first"
+for name, x in share.items():
+    want = "%.1f" % (100 * pol[name]["cached_token_share"])
+    assert x == want, (name, x, want)
+for line, other in ((v[1], "round_robin"), (v[2], "least_loaded")):
+    m = re.search(r"with approx_lru vs (\w+): p50 ([0-9.]+) ms vs ([0-9.]+) ms .*p99 ([0-9.]+) ms "
+                  r"vs ([0-9.]+) ms", line)
+    assert m and m.group(1) == other, line
+    lru, o = pol["approx_lru"], pol[other]
+    got = [m.group(i) for i in range(2, 6)]
+    want = ["%.1f" % x for x in (lru["ttft_p50_ms"], o["ttft_p50_ms"], lru["ttft_p99_ms"],
+                                 o["ttft_p99_ms"])]
+    assert got == want, (got, want)
+m = re.search(r"exactly for ([0-9.]+) % of requests \(mean error ([0-9.]+) blocks", v[3])
+p = pol["approx_lru"]["prediction"]
+assert m and m.group(1) == "%.1f" % (100 * p["exact_share"]), v[3]
+assert m.group(2) == "%.2f" % p["mae_blocks"], v[3]
+gain = 100 * (pol["approx_lru"]["cached_token_share"] -
+              max(pol[n]["cached_token_share"] for n in ("round_robin", "random", "least_loaded")))
+assert ("pays off" in v[4]) == (gain >= 5), (v[4], gain)
+PY
+
+# --sweep: bad input is refused with a message naming the problem, exit 2.
+bad_sweep() {
+	if "$bin" --quiet --sweep "$1" "$sample" 2>"$tmp/serr"; then
+		fail "--sweep '$1' was accepted"
+	fi
+	grep -q "$2" "$tmp/serr" || fail "--sweep '$1': message '$(cat "$tmp/serr")' lacks '$2'"
+}
+bad_sweep "colour=1,2" "unknown parameter 'colour'"
+bad_sweep "ttl=" "empty list"
+bad_sweep "ttl=5,,6" "empty value"
+bad_sweep "overlap_credit=1,abc" "'abc' is not a number"
+bad_sweep "blocks=100.5" "out of range"
+bad_sweep "time_scale=0" "out of range"
+bad_sweep "temperature" "expected NAME=v1,v2"
+# A short grid: 2 x 2 points x 2 policies.
+"$bin" --max-requests 120 --policies approx_lru,round_robin --jobs 2 --blocks-per-rank 4000 \
+	--sweep overlap_credit=0,1 --sweep time_scale=0.5,1 --csv "$tmp/s.csv" --out "$tmp/s.json" \
+	"$sample" >"$tmp/s.txt" || fail "short sweep"
+cat "$tmp/s.txt"
+[ "$(wc -l <"$tmp/s.csv")" -eq 9 ] || fail "sweep CSV: expected 8 rows + header"
+[ "$(grep -c ',ok,' "$tmp/s.csv")" -eq 8 ] || fail "a sweep replay failed"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['runs']) == 8 and [a['name'] for a in d['axes']] == ['overlap_credit', 'time_scale']" "$tmp/s.json" ||
+	fail "sweep JSON"
 
 if "$bin" --quiet "$bad" 2>"$tmp/err"; then
 	fail "a malformed trace was accepted"
@@ -37,8 +98,11 @@ grep -q "(1 malformed skipped)" "$tmp/skip.txt" || fail "--skip-bad did not coun
 if command -v gnuplot >/dev/null 2>&1; then
 	"$bin" --quiet --max-requests 100 --policies round_robin,least_loaded --plot "$tmp/plots" \
 		"$sample" || fail "--plot"
-	for f in hit_rate.png ttft_cdf.png; do
+	for f in hit_rate.png ttft_cdf.png summary.png; do
 		[ -s "$tmp/plots/$f" ] || fail "missing $f"
 	done
+	"$bin" --quiet --max-requests 60 --policies approx_lru --blocks-per-rank 4000 \
+		--sweep queue_threshold=0,1 --plot "$tmp/splots" "$sample" || fail "--sweep --plot"
+	[ -s "$tmp/splots/sweep_queue_threshold.png" ] || fail "missing sweep_queue_threshold.png"
 fi
 echo "ok"
