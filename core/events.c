@@ -105,6 +105,120 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	                      kvr_owner_event, &a);
 }
 
+/* Thread-local scratch of kvr_events_apply_many: shard call arguments, local hashes. */
+static _Thread_local struct kvr_event_args *many_args;
+static _Thread_local size_t many_cap;
+static _Thread_local uint64_t *many_local;
+static _Thread_local size_t many_local_cap;
+static pthread_key_t many_key;
+static pthread_once_t many_once = PTHREAD_ONCE_INIT;
+
+static void many_free(void *p)
+{
+	(void)p;
+	kvr_free(many_args, many_cap * sizeof(*many_args));
+	kvr_free(many_local, many_local_cap * sizeof(uint64_t));
+	many_args = NULL;
+	many_local = NULL;
+	many_cap = many_local_cap = 0;
+}
+
+static void many_key_make(void)
+{
+	pthread_key_create(&many_key, many_free);
+}
+
+static int many_grow(void **p, size_t *cap, size_t need, size_t item)
+{
+	if (need <= *cap)
+		return 0;
+	size_t nc = *cap ? *cap : 64;
+	while (nc < need)
+		nc *= 2;
+	void *q = kvr_alloc(nc * item);
+	if (!q)
+		return KVR_ENOMEM;
+	kvr_free(*p, *cap * item);
+	*p = q;
+	*cap = nc;
+	pthread_once(&many_once, many_key_make);
+	pthread_setspecific(many_key, (void *)1);
+	return 0;
+}
+
+struct many {
+	struct kvr_event_args *args;
+	size_t n;
+	int *rcs;
+};
+
+/* On the rank's shard: each event through the same owner function kvr_events_apply uses. */
+static int apply_many(struct kvr_shard *sh, void *arg)
+{
+	struct many *m = arg;
+	for (size_t i = 0; i < m->n; i++)
+		if (m->args[i].ev) {
+			int rc = kvr_owner_event(sh, &m->args[i]);
+			if (m->rcs)
+				m->rcs[i] = rc;
+		}
+	return 0;
+}
+
+int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
+                          const struct kvr_event *evs, size_t n, int *rcs)
+{
+	if (!r || (!evs && n))
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	if (r->cfg.mode != KVR_MODE_EVENTS)
+		return KVR_EINVAL;
+	if (n == 0)
+		return 0;
+	uint32_t slot;
+	int rc = kvr_router_find_rank(r, rank, &slot);
+	if (rc)
+		return rc;
+	size_t nblk = 0;
+	for (size_t i = 0; i < n; i++)
+		if (evs[i].type == KVR_EVENT_STORED)
+			nblk += evs[i].n_blocks;
+	if (many_grow((void **)&many_args, &many_cap, n, sizeof(*many_args)) ||
+	    many_grow((void **)&many_local, &many_local_cap, nblk ? nblk : 1, sizeof(uint64_t)))
+		return KVR_ENOMEM;
+	struct kvr_rank_pub *pub = &r->ranks[slot];
+	uint64_t gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+	size_t off = 0;
+	for (size_t i = 0; i < n; i++) {
+		const struct kvr_event *ev = &evs[i];
+		int v = validate(r, ev);
+		if (rcs)
+			rcs[i] = v;
+		many_args[i] = (struct kvr_event_args){.r = r,
+		                                       .slot = slot,
+		                                       .gen = gen,
+		                                       .ev = v ? NULL : ev,
+		                                       .local = many_local + off,
+		                                       .rank_only = true};
+		if (v || ev->type != KVR_EVENT_STORED)
+			continue;
+		uint64_t seed = kvr_hash_lora_seed(ev->lora_name);
+		for (size_t k = 0; k < ev->n_blocks; k++) {
+			const struct kvr_event_block *b = &ev->blocks[k];
+			if (b->tokens)
+				kvr_hash_chain_tokens(NULL, b->tokens, 1, r->cfg.block_size, seed,
+				                      &many_local[off + k], NULL);
+			else
+				many_local[off + k] = b->local_hash;
+		}
+		off += ev->n_blocks;
+	}
+	struct many m = {.args = many_args, .n = n, .rcs = rcs};
+	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING, apply_many,
+	                      &m);
+}
+
 int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)
 {
 	if (!r)

@@ -75,6 +75,37 @@ struct ep {
 	uint64_t logged[8]; /* per log kind: last count logged (powers of two) */
 };
 
+/* Events accepted for one rank and not yet applied: everything one drain of the sockets
+ * brings goes to the rank's shard in one kvr_events_apply_many call (a round trip per event
+ * would cap the feed at the shard's wake-up rate).  Stored blocks carry their local hashes,
+ * computed when accepted (the decode buffers are reused by the next message). */
+struct pev {
+	int type; /* enum kvr_event_type */
+	bool has_parent;
+	uint64_t parent;
+	uint32_t off, n; /* blocks (stored) or removed hashes */
+};
+
+struct pending {
+	struct ep *ep;
+	uint32_t dp;
+	struct pev *ev;
+	uint32_t n_ev, cap_ev;
+	struct kvr_event_block *blk;
+	uint32_t n_blk, cap_blk;
+	uint64_t *rm;
+	uint32_t n_rm, cap_rm;
+	uint64_t *local; /* scratch of kvr_hash_blocks */
+	uint32_t cap_local;
+	struct kvr_event *out; /* built at flush */
+	uint32_t cap_out;
+	int *rcs;
+	uint32_t cap_rcs;
+};
+
+/* Blocks pending before a flush is forced (bounds the batch a shard applies in one go). */
+#define PENDING_MAX_BLOCKS 16384
+
 enum cmd_op { CMD_ADD, CMD_REMOVE, CMD_STATS, CMD_STOP };
 
 struct cmd {
@@ -100,10 +131,7 @@ struct kvr_feed {
 	zmq_pollitem_t *items;
 	uint32_t cap_items;
 	struct kvr_feed_batch live, rep; /* decode scratch: live messages, replayed ones */
-	struct kvr_event_block *blk;
-	uint32_t cap_blk;
-	uint64_t *rm;
-	uint32_t cap_rm;
+	struct pending pend;
 	struct kvr_metrics_block *mb;
 	bool stop;
 };
@@ -193,11 +221,88 @@ static uint64_t other_blocks(const struct ep *e)
 	return n;
 }
 
-/* Forgets the rank: the index's blocks for it, the feed's copies. */
+static int grow(void **arr, uint32_t *cap, uint64_t need, size_t item);
+static void refuse(struct kvr_feed *f, struct ep *e);
+
+/* Applies the pending events (one shard round trip). */
+static void flush(struct kvr_feed *f)
+{
+	struct pending *p = &f->pend;
+	if (!p->n_ev)
+		return;
+	struct ep *e = p->ep;
+	if (grow((void **)&p->out, &p->cap_out, p->n_ev, sizeof(*p->out)) ||
+	    grow((void **)&p->rcs, &p->cap_rcs, p->n_ev, sizeof(*p->rcs))) {
+		for (uint32_t i = 0; i < p->n_ev; i++)
+			refuse(f, e);
+		p->n_ev = p->n_blk = p->n_rm = 0;
+		return;
+	}
+	for (uint32_t i = 0; i < p->n_ev; i++) {
+		const struct pev *v = &p->ev[i];
+		struct kvr_event *o = &p->out[i];
+		*o = (struct kvr_event){.type = v->type};
+		if (v->type == KVR_EVENT_STORED) {
+			o->has_parent = v->has_parent;
+			o->parent_ext_hash = v->parent;
+			o->blocks = p->blk + v->off;
+			o->n_blocks = v->n;
+		} else if (v->type == KVR_EVENT_REMOVED) {
+			o->removed = p->rm + v->off;
+			o->n_removed = v->n;
+		}
+	}
+	int rc = kvr_events_apply_many(f->r, (struct kvr_rank_id){e->worker_id, p->dp}, p->out,
+	                               p->n_ev, p->rcs);
+	for (uint32_t i = 0; i < p->n_ev; i++) {
+		int r = rc ? rc : p->rcs[i];
+		if (!r)
+			continue;
+		refuse(f, e);
+		flog(f, e, LK_INDEX, KVR_LOG_WARN, "%s for rank (%" PRIu64 ", %u) not applied: %s",
+		     p->ev[i].type == KVR_EVENT_STORED    ? "BlockStored"
+		     : p->ev[i].type == KVR_EVENT_REMOVED ? "BlockRemoved"
+		                                          : "clear",
+		     e->worker_id, p->dp, kvr_strerror(r));
+	}
+	p->n_ev = p->n_blk = p->n_rm = 0;
+}
+
+/* Room for one more event of (e, dp) with nblk blocks (stored) or hashes (removed); flushes
+ * first when another rank's events are pending or the batch is full.  NULL without memory. */
+static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uint32_t nblk,
+                              bool removed)
+{
+	struct pending *p = &f->pend;
+	if (p->n_ev &&
+	    (p->ep != e || p->dp != dp || p->n_blk + p->n_rm + nblk > PENDING_MAX_BLOCKS))
+		flush(f);
+	p->ep = e;
+	p->dp = dp;
+	if (grow((void **)&p->ev, &p->cap_ev, (uint64_t)p->n_ev + 1, sizeof(*p->ev)) ||
+	    (!removed &&
+	     grow((void **)&p->blk, &p->cap_blk, (uint64_t)p->n_blk + nblk, sizeof(*p->blk))) ||
+	    (removed &&
+	     grow((void **)&p->rm, &p->cap_rm, (uint64_t)p->n_rm + nblk, sizeof(*p->rm))))
+		return NULL;
+	struct pev *v = &p->ev[p->n_ev];
+	*v = (struct pev){.off = removed ? p->n_rm : p->n_blk};
+	return v;
+}
+
+/* Forgets the rank: the index's blocks for it (after what is pending), the feed's copies. */
 static void clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
 {
 	kvr_u64map_clear(&s->copies);
 	kvr_u64map_clear(&s->other);
+	struct pev *v = pend_event(f, e, s->dp, 0, false);
+	if (v) {
+		v->type = KVR_EVENT_CLEARED;
+		f->pend.n_ev++;
+		return;
+	}
+	/* No memory to queue it: apply what is pending, then clear directly. */
+	flush(f);
 	int rc = kvr_events_clear_rank(f->r, (struct kvr_rank_id){e->worker_id, s->dp});
 	if (rc && rc != KVR_ENOENT)
 		flog(f, e, LK_INDEX, KVR_LOG_ERROR, "clearing rank (%" PRIu64 ", %u) failed: %s",
@@ -238,7 +343,6 @@ static void refuse(struct kvr_feed *f, struct ep *e)
 static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
                          const struct kvr_feed_batch *b, const struct kvr_fev *v)
 {
-	struct kvr_rank_id rank = {e->worker_id, s->dp};
 	uint32_t bs = f->r->cfg.block_size;
 	const uint64_t *h = b->hashes + v->hash_off;
 	if (v->has_block_size && v->block_size != bs) {
@@ -279,36 +383,33 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 		     "BlockStored refused: lora_id %" PRIu64 " without lora_name", v->lora_id);
 		return;
 	}
-	if (grow((void **)&f->blk, &f->cap_blk, v->n_hashes, sizeof(*f->blk)) ||
-	    kvr_u64map_reserve(&s->copies, v->n_hashes)) {
+	struct pending *p = &f->pend;
+	struct pev *pv = pend_event(f, e, s->dp, v->n_hashes, false);
+	if (!pv || kvr_u64map_reserve(&s->copies, v->n_hashes) ||
+	    grow((void **)&p->local, &p->cap_local, v->n_hashes, sizeof(*p->local))) {
 		refuse(f, e);
 		return;
 	}
-	const uint32_t *tok = b->tokens + v->tok_off;
+	/* Local hashes now, as kvr_events_apply would on this thread: the token buffer is the
+	 * decoder's, and the next message reuses it. */
+	kvr_hash_blocks(b->tokens + v->tok_off, (size_t)v->n_hashes * bs, bs, lora, p->local, NULL);
 	for (uint32_t i = 0; i < v->n_hashes; i++)
-		f->blk[i] = (struct kvr_event_block){
-		    .ext_hash = h[i], .tokens = tok + (size_t)i * bs, .n_tokens = bs};
-	struct kvr_event ev = {.type = KVR_EVENT_STORED,
-	                       .has_parent = v->has_parent,
-	                       .parent_ext_hash = v->parent,
-	                       .blocks = f->blk,
-	                       .n_blocks = v->n_hashes,
-	                       .lora_name = lora};
-	int rc = kvr_events_apply(f->r, rank, &ev);
-	/* Copies follow the engine, whatever the index made of it (a store below a parent the
-	 * index lacks is refused there, and a later removal of it is then a counted no-op). */
+		p->blk[p->n_blk + i] =
+		    (struct kvr_event_block){.ext_hash = h[i], .local_hash = p->local[i]};
+	pv->type = KVR_EVENT_STORED;
+	pv->has_parent = v->has_parent;
+	pv->parent = v->parent;
+	pv->n = v->n_hashes;
+	p->n_blk += v->n_hashes;
+	p->n_ev++;
+	/* Copies follow the engine, whatever the index makes of the event (a store below a parent
+	 * the index lacks is refused there, and a later removal of it is then a counted no-op). */
 	for (uint32_t i = 0; i < v->n_hashes; i++) {
 		uint32_t *c = kvr_u64map_find(&s->copies, h[i]);
 		if (c)
 			++*c;
 		else
 			kvr_u64map_insert(&s->copies, h[i], 1);
-	}
-	if (rc) {
-		refuse(f, e);
-		flog(f, e, LK_INDEX, KVR_LOG_WARN, "BlockStored of %u blocks not indexed: %s",
-		     v->n_hashes, kvr_strerror(rc));
-		return;
 	}
 	e->st.events++;
 	e->st.blocks_stored += v->n_hashes;
@@ -322,7 +423,8 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	const uint64_t *h = b->hashes + v->hash_off;
 	struct kvr_u64map *m = v->gpu ? &s->copies : &s->other;
 	uint32_t n = 0;
-	if (v->gpu && grow((void **)&f->rm, &f->cap_rm, v->n_hashes, sizeof(*f->rm))) {
+	struct pev *pv = NULL;
+	if (v->gpu && !(pv = pend_event(f, e, s->dp, v->n_hashes, true))) {
 		refuse(f, e);
 		return;
 	}
@@ -335,7 +437,7 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
 		if (c)
 			kvr_u64map_remove(m, h[i]);
 		if (v->gpu)
-			f->rm[n++] = h[i]; /* last copy, or unknown: the index counts those */
+			f->pend.rm[f->pend.n_rm + n++] = h[i]; /* last copy, or unknown */
 	}
 	e->st.events++;
 	count(f, KVR_C_FEED_EVENTS, 1);
@@ -345,13 +447,10 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	count(f, KVR_C_FEED_BLOCKS_REMOVED, v->n_hashes);
 	if (!n)
 		return;
-	struct kvr_event ev = {.type = KVR_EVENT_REMOVED, .removed = f->rm, .n_removed = n};
-	int rc = kvr_events_apply(f->r, (struct kvr_rank_id){e->worker_id, s->dp}, &ev);
-	if (rc) {
-		refuse(f, e);
-		flog(f, e, LK_INDEX, KVR_LOG_WARN, "BlockRemoved not applied: %s",
-		     kvr_strerror(rc));
-	}
+	pv->type = KVR_EVENT_REMOVED;
+	pv->n = n;
+	f->pend.n_rm += n;
+	f->pend.n_ev++;
 }
 
 static void apply_batch(struct kvr_feed *f, struct ep *e, const struct kvr_feed_batch *b)
@@ -528,6 +627,7 @@ static const struct kvr_feed_batch *decode(struct kvr_feed *f, struct ep *e,
 /* Asks the replay endpoint for every batch from start on and applies them in order. */
 static void replay(struct kvr_feed *f, struct ep *e, uint64_t start)
 {
+	flush(f); /* what arrived before the gap is not held back by the wait */
 	if (!e->dealer) {
 		e->dealer = zmq_socket(f->zctx, ZMQ_DEALER);
 		int zero = 0;
@@ -567,8 +667,7 @@ static void replay(struct kvr_feed *f, struct ep *e, uint64_t start)
 		/* ["", seq, payload] or ["", topic, seq, payload] */
 		int si = n == 3 ? 1 : 2;
 		if ((n != 3 && n != 4) || zmq_msg_size(&fr[0]) != 0 || !read_seq(&fr[si], &seq)) {
-			if (n > 0 && n <= 4)
-				close_frames(fr, n);
+			close_frames(fr, n > 4 ? 4 : n); /* n > 4: the first 4 are held */
 			malformed(f, e, "bad replay reply");
 			continue;
 		}
@@ -597,7 +696,7 @@ fail:
 
 /* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve
  * the others or the control socket). */
-static void drain(struct kvr_feed *f, struct ep *e)
+static void drain_some(struct kvr_feed *f, struct ep *e)
 {
 	for (int k = 0; k < 256; k++) {
 		zmq_msg_t fr[3];
@@ -612,8 +711,7 @@ static void drain(struct kvr_feed *f, struct ep *e)
 		}
 		uint64_t seq;
 		if (n != 3 || !read_seq(&fr[1], &seq)) {
-			if (n <= 3)
-				close_frames(fr, n);
+			close_frames(fr, n > 3 ? 3 : n); /* n > 3: the first 3 are held */
 			malformed(f, e, n != 3 ? "not 3 frames" : "seq frame is not 8 bytes");
 			continue;
 		}
@@ -621,6 +719,12 @@ static void drain(struct kvr_feed *f, struct ep *e)
 		on_batch(f, e, seq, b, false);
 		close_frames(fr, 3);
 	}
+}
+
+static void drain(struct kvr_feed *f, struct ep *e)
+{
+	drain_some(f, e);
+	flush(f); /* everything this drain accepted, in one round trip */
 }
 
 /* ---------------------------------------------------------------- endpoints */
@@ -905,8 +1009,13 @@ void kvr_feed_destroy(struct kvr_feed *f)
 	kvr_feed_batch_fini(&f->rep);
 	kvr_free(f->eps, (size_t)f->cap_eps * sizeof(*f->eps));
 	kvr_free(f->items, (size_t)f->cap_items * sizeof(*f->items));
-	kvr_free(f->blk, (size_t)f->cap_blk * sizeof(*f->blk));
-	kvr_free(f->rm, (size_t)f->cap_rm * sizeof(*f->rm));
+	struct pending *p = &f->pend;
+	kvr_free(p->ev, (size_t)p->cap_ev * sizeof(*p->ev));
+	kvr_free(p->blk, (size_t)p->cap_blk * sizeof(*p->blk));
+	kvr_free(p->rm, (size_t)p->cap_rm * sizeof(*p->rm));
+	kvr_free(p->local, (size_t)p->cap_local * sizeof(*p->local));
+	kvr_free(p->out, (size_t)p->cap_out * sizeof(*p->out));
+	kvr_free(p->rcs, (size_t)p->cap_rcs * sizeof(*p->rcs));
 	pthread_mutex_destroy(&f->ctl_lock);
 	kvr_free(f, sizeof(*f));
 }

@@ -36,11 +36,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		abort();
 	if (rc1 == 0) {
 		check(&fresh);
-		if (rc2 == 0 &&
-		    (fresh.n_ev != reused.n_ev || fresh.n_hashes != reused.n_hashes ||
-		     memcmp(fresh.hashes, reused.hashes, fresh.n_hashes * sizeof(uint64_t)) ||
-		     fresh.n_tokens != reused.n_tokens ||
-		     memcmp(fresh.tokens, reused.tokens, fresh.n_tokens * sizeof(uint32_t))))
+		if (rc2 == 0 && (fresh.n_ev != reused.n_ev || fresh.n_hashes != reused.n_hashes ||
+		                 (fresh.n_hashes && memcmp(fresh.hashes, reused.hashes,
+		                                           fresh.n_hashes * sizeof(uint64_t))) ||
+		                 fresh.n_tokens != reused.n_tokens ||
+		                 (fresh.n_tokens && memcmp(fresh.tokens, reused.tokens,
+		                                           fresh.n_tokens * sizeof(uint32_t)))))
 			abort();
 	} else if (fresh.n_ev) {
 		abort(); /* all or nothing */
