@@ -24,9 +24,10 @@
  *
  * Copies.  vLLM can hold two physical copies of one hash (the same prefix computed twice before
  * the first copy was cached, or one per KV cache group of a hybrid model) and sends a
- * BlockRemoved per copy.  The index holds a (block, rank) once, so the feed counts copies per
- * (rank, hash) and forwards a removal only when the last copy goes.  Blocks on another medium
- * (the offloading connector's "CPU") are counted in a separate per-rank map, never in the GPU
+ * BlockRemoved per copy.  The router's index counts copies per (rank, block) in events mode
+ * (kvr_index_set_count_copies, core/index.h), so the feed forwards every store and every
+ * removal as it comes; a block leaves the index with its last copy.  Blocks on another medium
+ * (the offloading connector's "CPU") are counted here, per rank and hash, never in the GPU
  * index.
  *
  * Threading.  Only the feed thread touches the sockets and the endpoint state.  The API calls
@@ -57,8 +58,7 @@
 /* What the feed knows of one rank fed by an endpoint. */
 struct rstate {
 	uint32_t dp;
-	struct kvr_u64map copies; /* GPU hash -> copies held */
-	struct kvr_u64map other;  /* other-medium hash -> copies held */
+	struct kvr_u64map other; /* other-medium hash -> copies held */
 };
 
 struct ep {
@@ -208,7 +208,6 @@ static struct rstate *rstate_get(struct ep *e, uint32_t dp)
 		return NULL;
 	struct rstate *s = &e->rs[e->n_rs++];
 	s->dp = dp;
-	kvr_u64map_init(&s->copies);
 	kvr_u64map_init(&s->other);
 	return s;
 }
@@ -290,10 +289,9 @@ static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uin
 	return v;
 }
 
-/* Forgets the rank: the index's blocks for it (after what is pending), the feed's copies. */
+/* Forgets the rank: the index's blocks for it (after what is pending), its other medium. */
 static void clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
 {
-	kvr_u64map_clear(&s->copies);
 	kvr_u64map_clear(&s->other);
 	struct pev *v = pend_event(f, e, s->dp, 0, false);
 	if (v) {
@@ -385,8 +383,7 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	}
 	struct pending *p = &f->pend;
 	struct pev *pv = pend_event(f, e, s->dp, v->n_hashes, false);
-	if (!pv || kvr_u64map_reserve(&s->copies, v->n_hashes) ||
-	    grow((void **)&p->local, &p->cap_local, v->n_hashes, sizeof(*p->local))) {
+	if (!pv || grow((void **)&p->local, &p->cap_local, v->n_hashes, sizeof(*p->local))) {
 		refuse(f, e);
 		return;
 	}
@@ -402,15 +399,6 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	pv->n = v->n_hashes;
 	p->n_blk += v->n_hashes;
 	p->n_ev++;
-	/* Copies follow the engine, whatever the index makes of the event (a store below a parent
-	 * the index lacks is refused there, and a later removal of it is then a counted no-op). */
-	for (uint32_t i = 0; i < v->n_hashes; i++) {
-		uint32_t *c = kvr_u64map_find(&s->copies, h[i]);
-		if (c)
-			++*c;
-		else
-			kvr_u64map_insert(&s->copies, h[i], 1);
-	}
 	e->st.events++;
 	e->st.blocks_stored += v->n_hashes;
 	count(f, KVR_C_FEED_EVENTS, 1);
@@ -421,30 +409,28 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
                           const struct kvr_feed_batch *b, const struct kvr_fev *v)
 {
 	const uint64_t *h = b->hashes + v->hash_off;
-	struct kvr_u64map *m = v->gpu ? &s->copies : &s->other;
-	uint32_t n = 0;
-	struct pev *pv = NULL;
-	if (v->gpu && !(pv = pend_event(f, e, s->dp, v->n_hashes, true))) {
+	e->st.events++;
+	count(f, KVR_C_FEED_EVENTS, 1);
+	if (!v->gpu) {
+		for (uint32_t i = 0; i < v->n_hashes; i++) {
+			uint32_t *c = kvr_u64map_find(&s->other, h[i]);
+			if (c && *c > 1)
+				--*c; /* another copy stays */
+			else if (c)
+				kvr_u64map_remove(&s->other, h[i]);
+		}
+		return;
+	}
+	/* Every copy's removal goes to the index, which counts copies (events mode). */
+	uint32_t n = v->n_hashes;
+	struct pev *pv = pend_event(f, e, s->dp, n, true);
+	if (!pv) {
 		refuse(f, e);
 		return;
 	}
-	for (uint32_t i = 0; i < v->n_hashes; i++) {
-		uint32_t *c = kvr_u64map_find(m, h[i]);
-		if (c && *c > 1) {
-			--*c; /* another copy stays */
-			continue;
-		}
-		if (c)
-			kvr_u64map_remove(m, h[i]);
-		if (v->gpu)
-			f->pend.rm[f->pend.n_rm + n++] = h[i]; /* last copy, or unknown */
-	}
-	e->st.events++;
-	count(f, KVR_C_FEED_EVENTS, 1);
-	if (!v->gpu)
-		return;
-	e->st.blocks_removed += v->n_hashes;
-	count(f, KVR_C_FEED_BLOCKS_REMOVED, v->n_hashes);
+	memcpy(f->pend.rm + f->pend.n_rm, h, (size_t)n * sizeof(*h));
+	e->st.blocks_removed += n;
+	count(f, KVR_C_FEED_BLOCKS_REMOVED, n);
 	if (!n)
 		return;
 	pv->type = KVR_EVENT_REMOVED;
@@ -741,7 +727,6 @@ static void ep_free(struct ep *e)
 	freestr(e->topic);
 	freestr(e->replay);
 	for (uint32_t i = 0; i < e->n_rs; i++) {
-		kvr_u64map_fini(&e->rs[i].copies);
 		kvr_u64map_fini(&e->rs[i].other);
 	}
 	kvr_free(e->rs, (size_t)e->cap_rs * sizeof(*e->rs));

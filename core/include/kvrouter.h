@@ -448,7 +448,8 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  *  - medium other than "GPU" (nil = GPU): counted and kept in a separate per-rank set, not in
  *    the GPU index.
  *  - copies: vLLM may hold two physical copies of one hash and sends one BlockRemoved per copy;
- *    the feed counts stores per (rank, hash) and a block leaves the index with its last copy.
+ *    in events mode the index counts copies per (rank, block), and a block leaves the index
+ *    with its last copy.
  *  - AllBlocksCleared clears that rank only (each vLLM dp rank has its own publisher).
  *  - seq jump: the feed asks the replay endpoint (DEALER, ["", start_seq]) and applies the
  *    missing batches in order, dropping what already arrived; if there is no replay endpoint
