@@ -1,14 +1,20 @@
 /*
- * bench_lru - the per-rank approximate LRU at capacity pressure: acquire + release of 64-block
+ * bench_lru - the per-rank approximate LRU at capacity pressure: acquire + release of N-block
  * requests with a few requests in flight, so every acquire evicts, with and without prefix
  * sharing (shared: the first half of each request is one of 256 common prefixes).
- * Single-threaded by design (one shard thread owns a rank).  The floor, measured in the same
- * run: a bare hash probe of the request's 64 hashes in a table of the same size
- * (shards/u64map.h); acquire_ratio = acquire p50 / floor p50.
+ * Single-threaded by design (one shard thread owns a rank).
+ * Two implementations run the SAME request stream in the same process: shards/lru.c (segments
+ * of consecutive copies) and the per-block LRU it replaced (tests/ref/lru_ref.c, the baseline).
+ * Each SUMMARY line gives both, and the ratios seg/ref for acquire and release p50 and for
+ * bytes per held block (live copies; the memory the instance holds divided by them).  The
+ * floor, measured in the same run: a bare hash probe of the request's hashes in a table of the
+ * same size (shards/u64map.h); acquire_ratio = segment acquire p50 / floor p50.  The two
+ * implementations must evict the same number of copies (same_evictions=yes).
  * Prints one SUMMARY line per mode; never asserts timings.
  *
- * usage: bench_lru [--ms N per mode (default 1500)] [--capacity BLOCKS (65536)]
- *                  [--blocks N (64)] [--inflight N (8)] [--cpu N (pin; default none)]
+ * usage: bench_lru [--ms N per mode and implementation (default 1500)]
+ *                  [--capacity BLOCKS (65536)] [--blocks N (64)] [--inflight N (8)]
+ *                  [--cpu N (pin; default none)]
  */
 #include <pthread.h>
 #include <sched.h>
@@ -18,6 +24,7 @@
 #include <time.h>
 
 #include "kvrouter.h"
+#include "../tests/ref/lru_ref.h"
 #include "shards/lru.h"
 #include "shards/u64map.h"
 
@@ -54,12 +61,89 @@ static uint32_t pct(uint32_t *v, size_t n, double p)
 
 static volatile uint64_t sink;
 
-static void run(int shared, double ms, uint64_t capacity, size_t nb, size_t inflight)
+/* One implementation under test. */
+struct impl {
+	const char *name;
+	void *(*create)(uint64_t capacity);
+	void (*destroy)(void *);
+	int (*acquire)(void *, uint64_t, const struct kvr_lru_block *, size_t, uint32_t,
+	               struct kvr_lru_out *);
+	int (*release)(void *, uint64_t, struct kvr_lru_out *);
+	void (*stats)(const void *, struct kvr_lru_stats *);
+	double (*bytes_per_copy)(const void *);
+};
+
+static void *seg_create(uint64_t cap)
 {
-	struct kvr_lru *lru;
+	struct kvr_lru *l = NULL;
+	return kvr_lru_create(cap, &l) ? NULL : l;
+}
+static void seg_destroy(void *l)
+{
+	kvr_lru_destroy(l);
+}
+static int seg_acquire(void *l, uint64_t a, const struct kvr_lru_block *b, size_t n, uint32_t p,
+                       struct kvr_lru_out *o)
+{
+	return kvr_lru_acquire(l, a, b, n, p, o);
+}
+static int seg_release(void *l, uint64_t a, struct kvr_lru_out *o)
+{
+	return kvr_lru_release(l, a, o);
+}
+static void seg_stats(const void *l, struct kvr_lru_stats *st)
+{
+	kvr_lru_stats(l, st);
+}
+static double seg_bpc(const void *l)
+{
+	return kvr_lru_bytes_per_copy(l);
+}
+static void *ref_create(uint64_t cap)
+{
+	struct ref_lru *l = NULL;
+	return ref_lru_create(cap, &l) ? NULL : l;
+}
+static void ref_destroy(void *l)
+{
+	ref_lru_destroy(l);
+}
+static int ref_acquire(void *l, uint64_t a, const struct kvr_lru_block *b, size_t n, uint32_t p,
+                       struct kvr_lru_out *o)
+{
+	return ref_lru_acquire(l, a, b, n, p, o);
+}
+static int ref_release(void *l, uint64_t a, struct kvr_lru_out *o)
+{
+	return ref_lru_release(l, a, o);
+}
+static void ref_stats(const void *l, struct kvr_lru_stats *st)
+{
+	ref_lru_stats(l, st);
+}
+static double ref_bpc(const void *l)
+{
+	return ref_lru_bytes_per_copy(l);
+}
+
+static const struct impl SEG = {"segments",  seg_create, seg_destroy, seg_acquire,
+                                seg_release, seg_stats,  seg_bpc};
+static const struct impl REF = {"per_block", ref_create, ref_destroy, ref_acquire,
+                                ref_release, ref_stats,  ref_bpc};
+
+struct result {
+	double ops_s, evictions_per_acquire, bytes_per_block;
+	uint32_t acq50, acq99, acq999, rel50, rel99, rel999, floor50;
+	uint64_t evictions;
+};
+
+static void run(const struct impl *im, int shared, double ms, uint64_t capacity, size_t nb,
+                size_t inflight, struct result *res)
+{
 	struct kvr_lru_out out;
 	kvr_lru_out_init(&out);
-	if (kvr_lru_create(capacity, &lru))
+	void *lru = im->create(capacity);
+	if (!lru)
 		return;
 	struct kvr_lru_block *b = malloc(nb * sizeof(*b));
 	uint64_t *ring = calloc(inflight, sizeof(uint64_t));
@@ -72,11 +156,12 @@ static void run(int shared, double ms, uint64_t capacity, size_t nb, size_t infl
 	uint64_t r = 42, attempt = 0, uniq = 1ull << 40;
 	for (uint64_t i = 0; i < capacity; i++)
 		kvr_u64map_insert(&floor_map, rng(&r), 1);
+	r = 7; /* the same request stream for every implementation */
 	size_t na = 0, nr = 0, nf = 0;
-	uint64_t evicted = 0, warm = capacity / nb * 2, done = 0;
+	uint64_t warm = capacity / nb * 2, done = 0;
 	uint64_t t_start = 0, t_end_target = 0;
 	for (;;) {
-		/* Build the next request. */
+		/* Build the next request (chained: a shared prefix, then unique blocks). */
 		uint64_t prefix = rng(&r) % 256;
 		for (size_t i = 0; i < nb; i++) {
 			uint64_t s = (shared && i < nb / 2) ? (prefix << 20) + i + 1 : uniq++;
@@ -87,17 +172,15 @@ static void run(int shared, double ms, uint64_t capacity, size_t nb, size_t infl
 		uint64_t t0, t1;
 		if (ring[slot]) {
 			t0 = now_ns();
-			kvr_lru_release(lru, ring[slot], &out);
+			im->release(lru, ring[slot], &out);
 			t1 = now_ns();
-			evicted += out.n_evicted;
 			if (done > warm && nr < MAX_SAMPLES)
 				rel[nr++] = (uint32_t)(t1 - t0);
 		}
 		attempt++;
 		t0 = now_ns();
-		kvr_lru_acquire(lru, attempt, b, nb, 1, &out);
+		im->acquire(lru, attempt, b, nb, 1, &out);
 		t1 = now_ns();
-		evicted += out.n_evicted;
 		ring[slot] = attempt;
 		if (done > warm && na < MAX_SAMPLES)
 			acq[na++] = (uint32_t)(t1 - t0);
@@ -114,7 +197,6 @@ static void run(int shared, double ms, uint64_t capacity, size_t nb, size_t infl
 		if (done == warm) {
 			t_start = now_ns();
 			t_end_target = t_start + (uint64_t)(ms * 1e6);
-			evicted = 0;
 		}
 		if (done > warm && (done & 63) == 0 && now_ns() >= t_end_target)
 			break;
@@ -125,26 +207,83 @@ static void run(int shared, double ms, uint64_t capacity, size_t nb, size_t infl
 	qsort(rel, nr, sizeof(uint32_t), cmp_u32);
 	qsort(flo, nf, sizeof(uint32_t), cmp_u32);
 	struct kvr_lru_stats st;
-	kvr_lru_stats(lru, &st);
-	printf("SUMMARY bench=lru sharing=%s blocks=%zu capacity=%llu inflight=%zu ops_s=%.0f "
-	       "acquire_p50_ns=%u acquire_p99_ns=%u acquire_p999_ns=%u release_p50_ns=%u "
-	       "release_p99_ns=%u release_p999_ns=%u evictions_per_acquire=%.1f "
-	       "floor_probe_p50_ns=%u acquire_ratio=%.2f bytes_per_copy=%.1f\n",
-	       shared ? "yes" : "no", nb, (unsigned long long)capacity, inflight,
-	       (double)ops / secs, pct(acq, na, 0.5), pct(acq, na, 0.99), pct(acq, na, 0.999),
-	       pct(rel, nr, 0.5), pct(rel, nr, 0.99), pct(rel, nr, 0.999),
-	       (double)st.evictions / (double)attempt, pct(flo, nf, 0.5),
-	       (double)pct(acq, na, 0.5) / (double)(pct(flo, nf, 0.5) ? pct(flo, nf, 0.5) : 1),
-	       kvr_lru_bytes_per_copy(lru));
-	(void)evicted;
+	im->stats(lru, &st);
+	res->ops_s = (double)ops / secs;
+	res->acq50 = pct(acq, na, 0.5);
+	res->acq99 = pct(acq, na, 0.99);
+	res->acq999 = pct(acq, na, 0.999);
+	res->rel50 = pct(rel, nr, 0.5);
+	res->rel99 = pct(rel, nr, 0.99);
+	res->rel999 = pct(rel, nr, 0.999);
+	res->floor50 = pct(flo, nf, 0.5);
+	res->evictions_per_acquire = (double)st.evictions / (double)attempt;
+	res->evictions = st.evictions;
+	res->bytes_per_block = im->bytes_per_copy(lru);
 	kvr_u64map_fini(&floor_map);
 	free(acq);
 	free(rel);
 	free(flo);
 	free(ring);
 	free(b);
-	kvr_lru_destroy(lru);
+	im->destroy(lru);
 	kvr_lru_out_fini(&out);
+}
+
+/* Evictions after the same number of requests, to check the two agree. */
+static uint64_t evictions_after(const struct impl *im, int shared, uint64_t capacity, size_t nb,
+                                size_t inflight, uint64_t requests)
+{
+	struct kvr_lru_out out;
+	kvr_lru_out_init(&out);
+	void *lru = im->create(capacity);
+	struct kvr_lru_block *b = malloc(nb * sizeof(*b));
+	uint64_t *ring = calloc(inflight, sizeof(uint64_t));
+	uint64_t r = 7, uniq = 1ull << 40;
+	for (uint64_t attempt = 1; attempt <= requests; attempt++) {
+		uint64_t prefix = rng(&r) % 256;
+		for (size_t i = 0; i < nb; i++) {
+			uint64_t s = (shared && i < nb / 2) ? (prefix << 20) + i + 1 : uniq++;
+			b[i].seq = s * 0x9E3779B97F4A7C15ull;
+			b[i].local = s;
+		}
+		size_t slot = attempt % inflight;
+		if (ring[slot])
+			im->release(lru, ring[slot], &out);
+		im->acquire(lru, attempt, b, nb, 1, &out);
+		ring[slot] = attempt;
+	}
+	struct kvr_lru_stats st;
+	im->stats(lru, &st);
+	free(ring);
+	free(b);
+	im->destroy(lru);
+	kvr_lru_out_fini(&out);
+	return st.evictions;
+}
+
+static void mode(int shared, double ms, uint64_t capacity, size_t nb, size_t inflight)
+{
+	struct result s = {0}, x = {0};
+	run(&SEG, shared, ms, capacity, nb, inflight, &s);
+	run(&REF, shared, ms, capacity, nb, inflight, &x);
+	uint64_t req = capacity / nb * 4;
+	int same = evictions_after(&SEG, shared, capacity, nb, inflight, req) ==
+	           evictions_after(&REF, shared, capacity, nb, inflight, req);
+	printf("SUMMARY bench=lru sharing=%s blocks=%zu capacity=%llu inflight=%zu "
+	       "seg_ops_s=%.0f ref_ops_s=%.0f seg_acquire_p50_ns=%u seg_acquire_p99_ns=%u "
+	       "seg_acquire_p999_ns=%u ref_acquire_p50_ns=%u ref_acquire_p99_ns=%u "
+	       "seg_release_p50_ns=%u seg_release_p99_ns=%u ref_release_p50_ns=%u "
+	       "ref_release_p99_ns=%u evictions_per_acquire=%.1f same_evictions=%s "
+	       "floor_probe_p50_ns=%u acquire_ratio=%.2f seg_bytes_per_block=%.1f "
+	       "ref_bytes_per_block=%.1f acquire_p50_seg_over_ref=%.3f "
+	       "release_p50_seg_over_ref=%.3f bytes_seg_over_ref=%.3f\n",
+	       shared ? "yes" : "no", nb, (unsigned long long)capacity, inflight, s.ops_s, x.ops_s,
+	       s.acq50, s.acq99, s.acq999, x.acq50, x.acq99, s.rel50, s.rel99, x.rel50, x.rel99,
+	       s.evictions_per_acquire, same ? "yes" : "NO", s.floor50,
+	       (double)s.acq50 / (double)(s.floor50 ? s.floor50 : 1), s.bytes_per_block,
+	       x.bytes_per_block, (double)s.acq50 / (double)(x.acq50 ? x.acq50 : 1),
+	       (double)s.rel50 / (double)(x.rel50 ? x.rel50 : 1),
+	       s.bytes_per_block / (x.bytes_per_block > 0 ? x.bytes_per_block : 1));
 }
 
 int main(int argc, char **argv)
@@ -175,7 +314,7 @@ int main(int argc, char **argv)
 		CPU_SET(cpu, &set);
 		pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 	}
-	run(0, ms, capacity, nb, inflight);
-	run(1, ms, capacity, nb, inflight);
+	mode(0, ms, capacity, nb, inflight);
+	mode(1, ms, capacity, nb, inflight);
 	return 0;
 }

@@ -1,47 +1,77 @@
 /*
- * shards/lru.c - capacity-bounded approximate LRU of one rank (issue 5, part A).
+ * shards/lru.c - capacity-bounded approximate LRU of one rank, kept in RUNS of blocks (issue 5
+ * part A; rebuilt for issue 11 item 3).
  *
- * The idea.  vLLM's block pool reference-counts physical blocks.  A finished request frees its
- * blocks tail first into a free queue; a prefix-cache hit pulls a block back out; allocation
- * evicts from the queue's head.  So the eviction order is: least recently released first, and
- * within one release the deepest block first.  One hash can live in several physical copies
- * (two requests computed the same block at once, or a request diverged and re-computed).  We
- * mirror that per rank, from routing decisions alone.
+ * The policy (unchanged).  vLLM's block pool reference-counts physical blocks.  A finished
+ * request frees its blocks tail first into a free queue; a prefix-cache hit pulls a block back
+ * out; allocation evicts from the queue's head.  So the eviction order is: least recently
+ * released first, and within one release the deepest block first (then the lowest copy id).
+ * One hash can live in several physical copies (two requests computed the same output block at
+ * once).  A hit reuses the OLDEST copy of each hash.  We mirror that per rank, from routing
+ * decisions alone.  tests/ref/lru_ref.c is the per-block implementation of exactly this policy,
+ * the oracle of tests/unit/test_lru_diff.c (both keep_private settings).
  *
- * Data structures (all owned by one shard thread):
- *  - copies: a slab (array of struct copy, indices stable, free slots on a free list); a copy
- *    is 48 bytes.  Copy ids come from a 64-bit counter and break ties in the eviction order.
- *  - copies by hash: shards/u64map.h, seq -> first copy; the copies of one hash form a singly
- *    linked chain in creation order (chains are almost always length 1, so walking is cheap).
- *  - the inactive set ordered by (release epoch asc, position desc, copy id asc).  We do NOT need
- *    a general ordered tree: a copy enters the set only at a release, stamped with that release's
- *    epoch, which is larger than every epoch already in the set.  So the set is a doubly linked
- *    list in exact order: a release sorts just the copies it frees by (position desc, id asc)
- *    and appends them at the tail; a cache hit unlinks in O(1); eviction pops the head.
- *    Cost: O(k log k) per release of k copies (O(k) in the usual, already ordered case), O(1)
- *    per hit and per eviction.  The epoch itself therefore need not be stored in a copy: its
- *    place in the list is its epoch (the rank keeps only the epoch counter, for stats).
- *  - leases: a dense array (swap-remove) indexed through a u64map attempt -> index; each lease
- *    holds the slab indices of its copies (a hit on the same copy twice appears twice).
+ * Why runs.  The per-block version paid a hash-map probe, a 48-byte copy record and a list
+ * link per block, ~100+ ns per block on every admission, release and eviction, and a lease
+ * array entry per block: a 2,000-block booking held the shard for hundreds of microseconds.
+ * But the copies a request takes are consecutive blocks of one chain, and they are taken,
+ * released and (deepest first) evicted together.  So the unit here is a SEGMENT: consecutive
+ * copies of one chain with ONE refcount, ONE place in the inactive order, one creation stamp,
+ * and an array of their sequence hashes (8 bytes a block, the only per-block memory).
+ *  - A hit on part of a segment SPLITS it (the hit part changes refcount, the rest does not).
+ *  - A release appends the lease's segments that reach refcount 0 to the inactive list, deepest
+ *    first; eviction TRIMS the list head's segment from its tail, m blocks at a time, and
+ *    reports them as one run.  Within one release all positions are distinct (a lease holds one
+ *    copy per position), so the copy-id tie-break never decides, and "release epoch ascending,
+ *    deepest first" is exactly "list order, each segment tail first".  A split of an inactive
+ *    segment puts the deeper part just before the shallower one, at the same place.
+ *  - A lease keeps (first segment, length) per piece.  A later split of a held segment keeps
+ *    the first part in the same slot and links the rest behind it (the split chain, in chain
+ *    order), so a lease still finds all its segments without being told of the split.
+ *  - Lookups walk the prompt from the root.  A segment head is found by its hash (the head map,
+ *    a multimap: copies of one hash are separate segments); inside a segment the next copy is
+ *    found by comparing the next hash.  The copies of hash b[k] are exactly: the in-segment
+ *    successors of the copies of b[k-1], plus heads with hash b[k], and the walk follows all
+ *    of them.  The head map is probed only below segment TAILS, because of this invariant:
+ *    while a head with hash h is present, some copy of h's parent that is a segment tail is
+ *    present too.  A head is created below a tail (a new segment continues a lease's last piece;
+ *    a split makes its left part end there), nothing ever merges (a tail stays a tail until it
+ *    is evicted), and whoever holds the head holds a copy of the parent whose piece ends there
+ *    (a tail), released in the same release and shallower, so evicted after the head.  The diff
+ *    test checks it on workloads full of duplicate copies.  With one copy per hash (the usual
+ *    case) the walk is a sequential compare of the prompt against segment arrays, plus one
+ *    probe per segment boundary; the writes (refcounts, list links, lease pieces) are O(runs).
+ *  - Several copies of a hash: `dups` counts the extra copies of such hashes, so that an
+ *    eviction reports a hash only when its last copy goes; the walk follows every copy and
+ *    takes the one with the smallest creation stamp (the oldest, as vLLM's cache does).
  *
- * Invariants: a copy is in the inactive list iff refs == 0; sum of refs == total lease entries;
- * resident = copies + private; after every command, resident > capacity implies the inactive
- * list is empty (over-capacity made of active blocks is tolerated until releases).
+ * Requirement: sequence hashes are CHAINED (a hash names its whole prefix: core/hash), so the
+ * hashes present form a prefix-closed set along every chain.  Then an acquire's blocks after its
+ * first miss are all absent (they get new copies and are stored as one range), and a block's
+ * last copy is never evicted before its children's last copies (the eviction order guarantees
+ * it), so every evicted run is a tail.  The router always chains; tests use chains too.
  *
- * Released private blocks (kvr_lru_set_keep_private).  A request's partial, unhashed tail
- * block occupies a pool slot too.  In the issue's reference model it simply disappears at
- * release, so its slot is free at once.  vLLM does not free it that way: the block goes to the
- * free queue with the request's other blocks (tail first, so ahead of them), and a new
- * allocation pops the queue head, which evicts older cached blocks before it ever reaches that
- * unhashed one.  With keep_private on, a release turns each private block into a "phantom"
- * copy: unhashed, inactive, deepest of its release; evicting it emits nothing.  The router runs
- * in this mode (measured: it makes the serial replay exact under eviction with partial blocks);
- * the reference lifecycle test runs in the default mode, as the issue writes it.
+ * Memory: per held block the 8-byte hash (arrays are compacted when a trim or split leaves them
+ * less than half used); per segment a 56-byte record and a head-map slot; per lease piece 8
+ * bytes.  Long runs therefore cost ~8-9 bytes a block (perf/bench_lru prints it).
  *
- * Failure model: each command first reserves everything it may need (slab slots, map room,
- * lease arrays, output room, sort scratch), then mutates without failing.  In keep_private mode
- * the slab always has room for every live private block to become a phantom, so a release never
- * allocates.
+ * Released private blocks (kvr_lru_set_keep_private).  A request's partial, unhashed tail block
+ * occupies a pool slot too.  In the issue's reference model it simply disappears at release, so
+ * its slot is free at once.  vLLM does not free it that way: the block goes to the free queue
+ * with the request's other blocks (tail first, so ahead of them), and a new allocation pops the
+ * queue head, which evicts older cached blocks before it ever reaches that unhashed one.  With
+ * keep_private on, a release turns its private blocks into a PHANTOM segment: unhashed,
+ * inactive, deepest of its release; evicting it emits nothing.  The router runs in this mode
+ * (measured: it makes the serial replay exact under eviction with partial blocks).
+ *
+ * Invariants: a segment is on the inactive list iff refs == 0; copies == sum of hashed segment
+ * lengths; dup_extra == sum of dups; resident = copies + phantoms + private; after every
+ * command, resident > capacity implies the inactive list is empty.
+ *
+ * Failure model: a command first does its splits (each either happens or fails cleanly, and a
+ * split changes no observable state), then reserves everything it may need (segment slots, map
+ * room, lease arrays, hash arrays, output room), then mutates without failing.  The slab always
+ * keeps one free slot per live lease, so a keep_private release never allocates.
  */
 #include "shards/lru.h"
 
@@ -54,39 +84,68 @@
 
 #define NIL UINT32_MAX
 
-struct copy {
-	uint64_t seq;
-	uint64_t local;
-	uint64_t id; /* creation order, unique per rank */
-	uint32_t refs;
-	uint32_t pos;        /* position in the sequence of its latest holder */
-	uint32_t phantom;    /* 1: a released private block (unhashed, never hit) */
-	uint32_t hnext;      /* next copy of the same hash, or the free list */
-	uint32_t prev, next; /* inactive list */
+struct seg {
+	uint64_t *mem;         /* hash array allocation (NULL for a phantom) */
+	uint64_t stamp;        /* the command that created these copies: smaller = older */
+	uint32_t start;        /* the first hash is mem[start] */
+	uint32_t len;          /* copies (or phantom blocks) */
+	uint32_t cap;          /* mem's size in hashes */
+	uint32_t refs;         /* leases holding every copy of the segment */
+	uint32_t prev, next;   /* inactive list; next doubles as the free list */
+	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
+	uint32_t hnext;        /* next segment with the same head hash */
+	uint8_t phantom;       /* released private blocks (keep_private) */
+	uint8_t inactive;      /* on the inactive list */
+};
+
+struct piece {
+	uint32_t seg; /* first segment (its split chain continues the piece) */
+	uint32_t len; /* blocks */
 };
 
 struct lease {
 	uint64_t attempt;
-	uint32_t *copies;
+	uint64_t last_seq; /* hash of the last block (valid when nblocks > 0) */
+	struct piece *p;
 	uint32_t n, cap;
 	uint32_t priv;
+	uint32_t nblocks;
+};
+
+struct cursor {
+	uint32_t seg, off;
+};
+
+struct hit {
+	uint32_t seg, off, len;
 };
 
 struct kvr_lru {
 	uint64_t capacity;
-	struct copy *c;
-	uint32_t c_cap, c_live, free_head;
+	struct seg *s;
+	uint32_t s_cap, s_live, free_head;
 	uint32_t inact_head, inact_tail;
-	uint64_t n_inactive, priv, evictions, epoch, next_id;
-	uint64_t n_phantom;
+	uint64_t copies, n_inactive, priv, n_phantom, evictions, epoch, stamp, dup_extra;
 	bool keep_private;
-	struct kvr_u64map by_hash;
+	struct kvr_u64map heads; /* head hash -> first segment of its multimap chain */
+	struct kvr_u64map dups;  /* hash -> extra copies, for hashes with several copies */
 	struct lease *leases;
 	uint32_t n_leases, leases_cap;
 	struct kvr_u64map by_attempt;
-	uint32_t *scratch; /* release sort buffer, >= the longest lease */
-	size_t scratch_cap;
+	struct cursor *cur, *nxt; /* walk sets, cur_cap each */
+	size_t cur_cap;
+	struct hit *hits;
+	size_t hits_cap;
+	uint32_t *rel; /* release: segments of one piece */
+	size_t rel_cap;
+	uint64_t *chain; /* materialize's slow path: the lease's hashes + the new ones */
+	size_t chain_cap;
 };
+
+static inline uint64_t *seq_of(const struct seg *g)
+{
+	return g->mem + g->start;
+}
 
 /* ------------------------------------------------------------------ output buffers */
 
@@ -180,8 +239,8 @@ int kvr_lru_create(uint64_t capacity_blocks, struct kvr_lru **out)
 	lru->capacity = capacity_blocks;
 	lru->free_head = NIL;
 	lru->inact_head = lru->inact_tail = NIL;
-	lru->next_id = 1;
-	kvr_u64map_init(&lru->by_hash);
+	kvr_u64map_init(&lru->heads);
+	kvr_u64map_init(&lru->dups);
 	kvr_u64map_init(&lru->by_attempt);
 	*out = lru;
 	return 0;
@@ -191,75 +250,110 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 {
 	if (!lru)
 		return;
+	for (uint32_t i = 0; i < lru->s_cap; i++)
+		kvr_free(lru->s[i].mem, (size_t)lru->s[i].cap * sizeof(uint64_t));
 	for (uint32_t i = 0; i < lru->n_leases; i++)
-		kvr_free(lru->leases[i].copies, lru->leases[i].cap * sizeof(uint32_t));
+		kvr_free(lru->leases[i].p, lru->leases[i].cap * sizeof(struct piece));
 	kvr_free(lru->leases, lru->leases_cap * sizeof(struct lease));
-	kvr_free(lru->c, (size_t)lru->c_cap * sizeof(struct copy));
-	kvr_free(lru->scratch, lru->scratch_cap * sizeof(uint32_t));
-	kvr_u64map_fini(&lru->by_hash);
+	kvr_free(lru->s, (size_t)lru->s_cap * sizeof(struct seg));
+	kvr_free(lru->cur, lru->cur_cap * sizeof(struct cursor));
+	kvr_free(lru->nxt, lru->cur_cap * sizeof(struct cursor));
+	kvr_free(lru->hits, lru->hits_cap * sizeof(struct hit));
+	kvr_free(lru->rel, lru->rel_cap * sizeof(uint32_t));
+	kvr_free(lru->chain, lru->chain_cap * sizeof(uint64_t));
+	kvr_u64map_fini(&lru->heads);
+	kvr_u64map_fini(&lru->dups);
 	kvr_u64map_fini(&lru->by_attempt);
 	kvr_free(lru, sizeof(*lru));
 }
 
 /* ------------------------------------------------------------------ reservations */
 
-static int reserve_copies(struct kvr_lru *lru, size_t n)
+/* Makes room for n new segments, plus one per live lease and one more (a keep_private
+ * release's phantom, and the lease an acquire is adding). */
+static int reserve_segs(struct kvr_lru *lru, size_t n)
 {
-	if ((size_t)lru->c_live + n >= NIL)
+	size_t need = (size_t)lru->s_live + n + lru->n_leases + 1;
+	if (need >= NIL)
 		return KVR_ERANGE;
-	if ((size_t)lru->c_live + n <= lru->c_cap)
+	if (need <= lru->s_cap)
 		return 0;
-	/* 1.5x: the slab dominates memory per copy, and a full LRU needs capacity + one
-	 * request, so doubling would leave half of it idle. */
-	size_t nc = (size_t)lru->c_cap + lru->c_cap / 2;
-	if (nc < (size_t)lru->c_live + n)
-		nc = (size_t)lru->c_live + n;
-	if (nc < 64)
-		nc = 64;
+	size_t nc = (size_t)lru->s_cap * 2;
+	if (nc < need)
+		nc = need;
+	if (nc < 16)
+		nc = 16;
 	if (nc >= NIL)
 		nc = NIL - 1;
-	struct copy *c = kvr_realloc(lru->c, (size_t)lru->c_cap * sizeof(*c), nc * sizeof(*c));
-	if (!c)
-		return KVR_ENOMEM;
-	/* New slots go on the free list, lowest index first. */
-	for (size_t i = nc; i-- > lru->c_cap;) {
-		c[i].hnext = lru->free_head;
-		lru->free_head = (uint32_t)i;
-	}
-	lru->c = c;
-	lru->c_cap = (uint32_t)nc;
-	return 0;
-}
-
-static int reserve_scratch(struct kvr_lru *lru, size_t n)
-{
-	if (n <= lru->scratch_cap)
-		return 0;
-	size_t nc = lru->scratch_cap * 2 > n ? lru->scratch_cap * 2 : n;
-	uint32_t *s =
-	    kvr_realloc(lru->scratch, lru->scratch_cap * sizeof(uint32_t), nc * sizeof(uint32_t));
+	struct seg *s = kvr_realloc(lru->s, (size_t)lru->s_cap * sizeof(*s), nc * sizeof(*s));
 	if (!s)
 		return KVR_ENOMEM;
-	lru->scratch = s;
-	lru->scratch_cap = nc;
+	for (size_t i = nc; i-- > lru->s_cap;) {
+		s[i].mem = NULL;
+		s[i].cap = 0;
+		s[i].next = lru->free_head;
+		lru->free_head = (uint32_t)i;
+	}
+	lru->s = s;
+	lru->s_cap = (uint32_t)nc;
 	return 0;
 }
 
-static int reserve_lease_copies(struct lease *l, size_t n)
+static int grow_scratch(void **p, size_t *cap, size_t need, size_t elem)
+{
+	if (need <= *cap)
+		return 0;
+	size_t nc = *cap * 2 > need ? *cap * 2 : need;
+	if (nc < 16)
+		nc = 16;
+	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
+	if (!q)
+		return KVR_ENOMEM;
+	*p = q;
+	*cap = nc;
+	return 0;
+}
+
+/* Walk sets: the copies of one hash, at most 1 + dup_extra (+ room for the dups a
+ * materialize is about to add). */
+static int reserve_cursors(struct kvr_lru *lru, size_t extra)
+{
+	size_t need = (size_t)lru->dup_extra + extra + 2;
+	if (need <= lru->cur_cap)
+		return 0;
+	size_t nc = need * 2;
+	struct cursor *c = kvr_realloc(lru->cur, lru->cur_cap * sizeof(*c), nc * sizeof(*c));
+	if (!c)
+		return KVR_ENOMEM;
+	lru->cur = c;
+	struct cursor *x = kvr_realloc(lru->nxt, lru->cur_cap * sizeof(*x), nc * sizeof(*x));
+	if (!x) {
+		/* Keep both arrays at one capacity. */
+		c = kvr_realloc(lru->cur, nc * sizeof(*c), lru->cur_cap * sizeof(*c));
+		if (c || lru->cur_cap == 0)
+			lru->cur = c;
+		return KVR_ENOMEM;
+	}
+	lru->nxt = x;
+	lru->cur_cap = nc;
+	return 0;
+}
+
+static int reserve_pieces(struct lease *l, size_t n)
 {
 	if ((size_t)l->n + n <= l->cap)
 		return 0;
-	if ((size_t)l->n + n >= NIL)
-		return KVR_ERANGE;
 	size_t nc = (size_t)l->cap * 2;
 	if (nc < (size_t)l->n + n)
 		nc = (size_t)l->n + n;
-	if (nc < 8)
-		nc = 8;
-	uint32_t *p = kvr_realloc(l->copies, l->cap * sizeof(uint32_t), nc * sizeof(uint32_t));
+	if (nc < 4)
+		nc = 4;
+	if (nc >= NIL)
+		return KVR_ERANGE;
+	struct piece *p = kvr_realloc(l->p, l->cap * sizeof(*p), nc * sizeof(*p));
 	if (!p)
 		return KVR_ENOMEM;
-	l->copies = p;
+	l->p = p;
 	l->cap = (uint32_t)nc;
 	return 0;
 }
@@ -267,7 +361,7 @@ static int reserve_lease_copies(struct lease *l, size_t n)
 /* Upper bound on evictions a command can cause when it adds `added` resident blocks. */
 static size_t eviction_bound(const struct kvr_lru *lru, uint64_t added)
 {
-	uint64_t resident = lru->c_live + lru->priv + added;
+	uint64_t resident = lru->copies + lru->n_phantom + lru->priv + added;
 	if (resident <= lru->capacity)
 		return 0;
 	uint64_t over = resident - lru->capacity;
@@ -275,107 +369,378 @@ static size_t eviction_bound(const struct kvr_lru *lru, uint64_t added)
 	return (size_t)(over < inact ? over : inact);
 }
 
-/* ------------------------------------------------------------------ core moves */
+/* ------------------------------------------------------------------ segments */
 
-static void inactive_unlink(struct kvr_lru *lru, uint32_t i)
-{
-	struct copy *c = &lru->c[i];
-	if (c->prev != NIL)
-		lru->c[c->prev].next = c->next;
-	else
-		lru->inact_head = c->next;
-	if (c->next != NIL)
-		lru->c[c->next].prev = c->prev;
-	else
-		lru->inact_tail = c->prev;
-	lru->n_inactive--;
-}
-
-static void inactive_append(struct kvr_lru *lru, uint32_t i)
-{
-	struct copy *c = &lru->c[i];
-	c->next = NIL;
-	c->prev = lru->inact_tail;
-	if (lru->inact_tail != NIL)
-		lru->c[lru->inact_tail].next = i;
-	else
-		lru->inact_head = i;
-	lru->inact_tail = i;
-	lru->n_inactive++;
-}
-
-/* A new copy (refs 1) of b at pos; reports the hash as stored if it was absent.
- * Room in the slab, the map and out must be reserved. */
-static uint32_t new_copy(struct kvr_lru *lru, const struct kvr_lru_block *b, uint32_t pos,
-                         uint32_t input, struct kvr_lru_out *out)
+static uint32_t seg_new(struct kvr_lru *lru)
 {
 	uint32_t i = lru->free_head;
-	struct copy *c = &lru->c[i];
-	lru->free_head = c->hnext;
-	lru->c_live++;
-	c->seq = b->seq;
-	c->local = b->local;
-	c->id = lru->next_id++;
-	c->refs = 1;
-	c->pos = pos;
-	c->phantom = 0;
-	c->hnext = NIL;
-	c->prev = c->next = NIL;
-	uint32_t *head = kvr_u64map_find(&lru->by_hash, b->seq);
-	if (!head) {
-		kvr_u64map_insert(&lru->by_hash, b->seq, i);
-		kvr_lru_out_stored(out, input, 1);
-	} else {
-		uint32_t t = *head;
-		while (lru->c[t].hnext != NIL)
-			t = lru->c[t].hnext;
-		lru->c[t].hnext = i;
-	}
+	struct seg *g = &lru->s[i];
+	lru->free_head = g->next;
+	lru->s_live++;
+	memset(g, 0, sizeof(*g));
+	g->prev = g->next = g->sprev = g->snext = g->hnext = NIL;
 	return i;
 }
 
-static void evict_one(struct kvr_lru *lru, struct kvr_lru_out *out)
+static void seg_free(struct kvr_lru *lru, uint32_t i)
 {
-	uint32_t i = lru->inact_head;
-	struct copy *c = &lru->c[i];
-	inactive_unlink(lru, i);
-	if (c->phantom) { /* an unhashed block reused: nothing to tell the index */
-		c->hnext = lru->free_head;
-		lru->free_head = i;
-		lru->c_live--;
-		lru->n_phantom--;
+	struct seg *g = &lru->s[i];
+	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	g->mem = NULL;
+	g->cap = 0;
+	g->next = lru->free_head;
+	lru->free_head = i;
+	lru->s_live--;
+}
+
+/* Head multimap.  Room in lru->heads must be reserved for an add. */
+static void head_add(struct kvr_lru *lru, uint32_t i)
+{
+	uint64_t h = seq_of(&lru->s[i])[0];
+	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	if (v) {
+		lru->s[i].hnext = *v;
+		*v = i;
+	} else {
+		lru->s[i].hnext = NIL;
+		kvr_u64map_insert(&lru->heads, h, i);
+	}
+}
+
+static void head_del(struct kvr_lru *lru, uint32_t i)
+{
+	uint64_t h = seq_of(&lru->s[i])[0];
+	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	if (*v == i) {
+		if (lru->s[i].hnext == NIL)
+			kvr_u64map_remove(&lru->heads, h);
+		else
+			*v = lru->s[i].hnext;
 		return;
 	}
-	uint32_t *head = kvr_u64map_find(&lru->by_hash, c->seq);
-	if (*head == i) {
-		if (c->hnext == NIL) {
-			kvr_u64map_remove(&lru->by_hash, c->seq);
-			kvr_lru_out_evicted_run(out, &c->seq, 1);
-		} else {
-			*head = c->hnext;
-		}
+	uint32_t t = *v;
+	while (lru->s[t].hnext != i)
+		t = lru->s[t].hnext;
+	lru->s[t].hnext = lru->s[i].hnext;
+}
+
+static void inact_unlink(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	if (g->prev != NIL)
+		lru->s[g->prev].next = g->next;
+	else
+		lru->inact_head = g->next;
+	if (g->next != NIL)
+		lru->s[g->next].prev = g->prev;
+	else
+		lru->inact_tail = g->prev;
+	g->inactive = 0;
+	lru->n_inactive -= g->len;
+}
+
+static void inact_append(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	g->next = NIL;
+	g->prev = lru->inact_tail;
+	if (lru->inact_tail != NIL)
+		lru->s[lru->inact_tail].next = i;
+	else
+		lru->inact_head = i;
+	lru->inact_tail = i;
+	g->inactive = 1;
+	lru->n_inactive += g->len;
+}
+
+/* Moves a segment's hashes to a tight array when less than half of its array is used.  Best
+ * effort: on failure the array just stays larger. */
+static void compact(struct seg *g)
+{
+	if (!g->mem || (size_t)g->len * 2 + 8 > g->cap)
+		return;
+	uint64_t *m = kvr_alloc((size_t)g->len * sizeof(uint64_t));
+	if (!m)
+		return;
+	memcpy(m, seq_of(g), (size_t)g->len * sizeof(uint64_t));
+	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	g->mem = m;
+	g->start = 0;
+	g->cap = g->len;
+}
+
+/*
+ * Splits segment i before offset off (0 < off < len): i keeps [0, off); a new segment gets
+ * [off, len) with the same refcount and stamp, joins the split chain right after i and, if i is
+ * inactive, takes the place just before i in the inactive list (it is deeper: it goes first).
+ * The smaller side's hashes are copied.  No observable change.  0, KVR_ERANGE or KVR_ENOMEM
+ * (nothing changed).
+ */
+static int split(struct kvr_lru *lru, uint32_t i, uint32_t off)
+{
+	int rc;
+	if ((rc = reserve_segs(lru, 1)) || (rc = kvr_u64map_reserve(&lru->heads, 1)))
+		return rc;
+	struct seg *a = &lru->s[i];
+	uint32_t len = a->len, rest = len - off;
+	bool copy_right = rest <= off;
+	uint32_t ncopy = copy_right ? rest : off;
+	uint64_t *m = kvr_alloc((size_t)ncopy * sizeof(uint64_t));
+	if (!m)
+		return KVR_ENOMEM;
+	uint32_t j = seg_new(lru);
+	a = &lru->s[i];
+	struct seg *b = &lru->s[j];
+	if (copy_right) {
+		memcpy(m, seq_of(a) + off, (size_t)rest * sizeof(uint64_t));
+		b->mem = m;
+		b->start = 0;
+		b->cap = rest;
 	} else {
-		uint32_t t = *head;
-		while (lru->c[t].hnext != i)
-			t = lru->c[t].hnext;
-		lru->c[t].hnext = c->hnext;
+		memcpy(m, seq_of(a), (size_t)off * sizeof(uint64_t));
+		b->mem = a->mem;
+		b->start = a->start + off;
+		b->cap = a->cap;
+		a->mem = m;
+		a->start = 0;
+		a->cap = off;
 	}
-	c->hnext = lru->free_head;
-	lru->free_head = i;
-	lru->c_live--;
-	lru->evictions++;
+	a->len = off;
+	b->len = rest;
+	b->refs = a->refs;
+	b->stamp = a->stamp;
+	b->sprev = i;
+	b->snext = a->snext;
+	if (a->snext != NIL)
+		lru->s[a->snext].sprev = j;
+	a->snext = j;
+	if (a->inactive) {
+		b->inactive = 1;
+		b->next = i;
+		b->prev = a->prev;
+		if (a->prev != NIL)
+			lru->s[a->prev].next = j;
+		else
+			lru->inact_head = j;
+		a->prev = j;
+	}
+	head_add(lru, j);
+	if (copy_right)
+		compact(a);
+	return 0;
+}
+
+/* Drops an emptied inactive segment from every structure. */
+static void seg_drop(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	inact_unlink(lru, i);
+	if (!g->phantom) {
+		head_del(lru, i);
+		if (g->sprev != NIL)
+			lru->s[g->sprev].snext = g->snext;
+		if (g->snext != NIL)
+			lru->s[g->snext].sprev = g->sprev;
+	}
+	seg_free(lru, i);
+}
+
+/* ------------------------------------------------------------------ eviction */
+
+/* Evicts the m deepest copies of inactive segment i (its tail).  Hashes whose last copy goes
+ * are emitted as runs, deeper runs first, each in chain order.  Room in out (m hashes and
+ * runs) must be reserved. */
+static void trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out)
+{
+	struct seg *g = &lru->s[i];
+	uint64_t *q = seq_of(g);
+	uint32_t len = g->len, lo = len - m;
+	if (lru->dups.count == 0) {
+		kvr_lru_out_evicted_run(out, q + lo, m);
+	} else {
+		uint32_t end = len;
+		for (uint32_t j = len; j-- > lo;) {
+			uint32_t *d = kvr_u64map_find(&lru->dups, q[j]);
+			if (!d)
+				continue;
+			/* Not the last copy: the deeper group goes out first. */
+			kvr_lru_out_evicted_run(out, q + j + 1, end - j - 1);
+			end = j;
+			if (--*d == 0)
+				kvr_u64map_remove(&lru->dups, q[j]);
+			lru->dup_extra--;
+		}
+		kvr_lru_out_evicted_run(out, q + lo, end - lo);
+	}
+	lru->copies -= m;
+	lru->evictions += m;
+	if (m == len) {
+		seg_drop(lru, i);
+		return;
+	}
+	g->len -= m;
+	lru->n_inactive -= m;
+	compact(g);
 }
 
 static void reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
 {
-	while (lru->c_live + lru->priv > lru->capacity && lru->inact_head != NIL)
-		evict_one(lru, out);
+	for (;;) {
+		uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
+		if (resident <= lru->capacity || lru->inact_head == NIL)
+			return;
+		uint64_t over = resident - lru->capacity;
+		uint32_t i = lru->inact_head;
+		struct seg *g = &lru->s[i];
+		uint32_t m = over < g->len ? (uint32_t)over : g->len;
+		if (!g->phantom) {
+			trim(lru, i, m, out);
+			continue;
+		}
+		/* An unhashed block reused: nothing to tell the index. */
+		lru->n_phantom -= m;
+		if (m == g->len) {
+			seg_drop(lru, i);
+		} else {
+			g->len -= m;
+			lru->n_inactive -= m;
+		}
+	}
+}
+
+/* ------------------------------------------------------------------ walks */
+
+/* The copies of hash h, given cur[0..nc), all the copies of the hash before it, or the root
+ * (nc == 0, root).  Writes them to nxt; returns how many. */
+static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t nc, bool root,
+                   uint64_t h, struct cursor *nxt)
+{
+	size_t nn = 0;
+	bool probe = root;
+	for (size_t k = 0; k < nc; k++) {
+		const struct seg *g = &lru->s[cur[k].seg];
+		uint32_t o = cur[k].off + 1;
+		if (o < g->len) {
+			if (seq_of(g)[o] == h)
+				nxt[nn++] = (struct cursor){cur[k].seg, o};
+		} else {
+			probe = true;
+		}
+	}
+	if (probe) {
+		uint32_t *v = kvr_u64map_find(&lru->heads, h);
+		for (uint32_t j = v ? *v : NIL; j != NIL; j = lru->s[j].hnext)
+			nxt[nn++] = (struct cursor){j, 0};
+	}
+	return nn;
+}
+
+/*
+ * Walks seq[0], seq[stride], ... (n hashes) from the copies in lru->cur[0..nc) of the hash
+ * before them, or from the root (root: nc must be 0).  Returns how many leading hashes
+ * are present.  With hits: records, per depth, the oldest copy, as pieces of consecutive copies
+ * of one segment (*nh of them; room for n).  lru->cur_cap must cover every copy of one hash.
+ */
+static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride, size_t n,
+                   bool root, size_t nc, struct hit *hits, size_t *nh)
+{
+	struct cursor *cur = lru->cur, *nxt = lru->nxt;
+	size_t k = 0;
+	while (k < n) {
+		uint64_t h = seq[k * stride];
+		size_t nn = step(lru, cur, nc, root && k == 0, h, nxt);
+		if (nn == 0)
+			break;
+		struct cursor *t = cur;
+		cur = nxt;
+		nxt = t;
+		nc = nn;
+		k++;
+		size_t best = 0;
+		for (size_t j = 1; j < nc; j++)
+			if (lru->s[cur[j].seg].stamp < lru->s[cur[best].seg].stamp)
+				best = j;
+		uint32_t run = 1;
+		if (nc == 1) {
+			/* One copy: follow its segment while it matches. */
+			const struct seg *g = &lru->s[cur[0].seg];
+			const uint64_t *q = seq_of(g);
+			uint32_t o = cur[0].off;
+			while (k < n && o + 1 < g->len && q[o + 1] == seq[k * stride]) {
+				o++;
+				k++;
+				run++;
+			}
+			if (hits) {
+				struct hit *last = *nh ? &hits[*nh - 1] : NULL;
+				if (last && last->seg == cur[0].seg &&
+				    last->off + last->len == cur[0].off)
+					last->len += run;
+				else
+					hits[(*nh)++] = (struct hit){cur[0].seg, cur[0].off, run};
+			}
+			cur[0].off = o;
+			continue;
+		}
+		if (hits) {
+			struct hit *last = *nh ? &hits[*nh - 1] : NULL;
+			if (last && last->seg == cur[best].seg &&
+			    last->off + last->len == cur[best].off)
+				last->len++;
+			else
+				hits[(*nh)++] = (struct hit){cur[best].seg, cur[best].off, 1};
+		}
+	}
+	return k;
 }
 
 static struct lease *find_lease(const struct kvr_lru *lru, uint64_t attempt)
 {
 	uint32_t *ix = kvr_u64map_find(&lru->by_attempt, attempt);
 	return ix ? &lru->leases[*ix] : NULL;
+}
+
+/* The last segment of a lease's piece (its split chain walked for the piece's length). */
+static uint32_t piece_last(const struct kvr_lru *lru, const struct piece *p)
+{
+	uint32_t i = p->seg, left = p->len;
+	while (left > lru->s[i].len) {
+		left -= lru->s[i].len;
+		i = lru->s[i].snext;
+	}
+	return i;
+}
+
+/* A new active segment (refs 1) holding hashes seq[0], seq[stride], ... (n > 0) in m (room
+ * for n, transferred).  Slot and head-map room must be reserved. */
+static uint32_t seg_make(struct kvr_lru *lru, const uint64_t *seq, size_t stride, uint32_t n,
+                         uint64_t *m)
+{
+	for (uint32_t k = 0; k < n; k++)
+		m[k] = seq[(size_t)k * stride];
+	uint32_t i = seg_new(lru);
+	struct seg *g = &lru->s[i];
+	g->mem = m;
+	g->cap = n;
+	g->len = n;
+	g->refs = 1;
+	g->stamp = ++lru->stamp;
+	head_add(lru, i);
+	lru->copies += n;
+	return i;
+}
+
+static int lease_slot(struct kvr_lru *lru)
+{
+	if (lru->n_leases < lru->leases_cap)
+		return 0;
+	size_t nc = lru->leases_cap ? (size_t)lru->leases_cap * 2 : 16;
+	struct lease *l = kvr_realloc(lru->leases, lru->leases_cap * sizeof(*l), nc * sizeof(*l));
+	if (!l)
+		return KVR_ENOMEM;
+	lru->leases = l;
+	lru->leases_cap = (uint32_t)nc;
+	return 0;
 }
 
 /* ------------------------------------------------------------------ commands */
@@ -391,46 +756,90 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	if (n >= NIL)
 		return KVR_ERANGE;
 	int rc;
-	size_t keep = lru->keep_private ? (size_t)lru->priv + private_blocks : 0;
-	if ((rc = reserve_copies(lru, n + keep)) ||
-	    (rc = reserve_scratch(lru, n + private_blocks)) ||
-	    (rc = kvr_u64map_reserve(&lru->by_hash, n)) ||
-	    (rc = kvr_u64map_reserve(&lru->by_attempt, 1)) ||
-	    (rc = kvr_lru_out_reserve(out, n, eviction_bound(lru, n + private_blocks))))
+	if ((rc = reserve_cursors(lru, 0)) ||
+	    (rc = grow_scratch((void **)&lru->hits, &lru->hits_cap, n ? n : 1, sizeof(struct hit))))
 		return rc;
-	if (lru->n_leases == lru->leases_cap) {
-		size_t nc = lru->leases_cap ? (size_t)lru->leases_cap * 2 : 16;
-		struct lease *l =
-		    kvr_realloc(lru->leases, lru->leases_cap * sizeof(*l), nc * sizeof(*l));
-		if (!l)
-			return KVR_ENOMEM;
-		lru->leases = l;
-		lru->leases_cap = (uint32_t)nc;
+	size_t nh = 0;
+	size_t hit = n ? walk(lru, &b[0].seq, 2, n, true, 0, lru->hits, &nh) : 0;
+	/* Make every hit piece a whole segment (splits change nothing observable).  A piece
+	 * found before an earlier piece's split may now lie further down the split chain. */
+	for (size_t k = 0; k < nh; k++) {
+		struct hit *p = &lru->hits[k];
+		while (p->off >= lru->s[p->seg].len) {
+			p->off -= lru->s[p->seg].len;
+			p->seg = lru->s[p->seg].snext;
+		}
+		if (p->off > 0) {
+			if ((rc = split(lru, p->seg, p->off)))
+				return rc;
+			p->seg = lru->s[p->seg].snext;
+			p->off = 0;
+		}
+		if (p->len < lru->s[p->seg].len && (rc = split(lru, p->seg, p->len)))
+			return rc;
 	}
+	uint32_t nnew = (uint32_t)(n - hit);
+	uint64_t *m = NULL;
+	if ((rc = reserve_segs(lru, 2)) || (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
+	    (rc = kvr_u64map_reserve(&lru->by_attempt, 1)) || (rc = lease_slot(lru)) ||
+	    (rc =
+	         kvr_lru_out_reserve(out, 1, eviction_bound(lru, nnew + (uint64_t)private_blocks))))
+		return rc;
 	struct lease *l = &lru->leases[lru->n_leases];
 	memset(l, 0, sizeof(*l));
-	if ((rc = reserve_lease_copies(l, n)))
+	if ((rc = reserve_pieces(l, nh + 1)))
 		return rc;
+	if (nnew && !(m = kvr_alloc((size_t)nnew * sizeof(uint64_t)))) {
+		kvr_free(l->p, l->cap * sizeof(struct piece));
+		return KVR_ENOMEM;
+	}
 	/* From here on nothing fails. */
 	l->attempt = attempt;
 	l->priv = private_blocks;
+	l->nblocks = (uint32_t)n;
+	l->last_seq = n ? b[n - 1].seq : 0;
 	kvr_u64map_insert(&lru->by_attempt, attempt, lru->n_leases++);
-	size_t i = 0;
-	for (; i < n; i++) {
-		uint32_t *head = kvr_u64map_find(&lru->by_hash, b[i].seq);
-		if (!head)
-			break;
-		struct copy *c = &lru->c[*head];
-		if (c->refs == 0)
-			inactive_unlink(lru, *head);
-		c->refs++;
-		c->pos = (uint32_t)i;
-		l->copies[l->n++] = *head;
+	for (size_t k = 0; k < nh; k++) {
+		struct seg *g = &lru->s[lru->hits[k].seg];
+		if (g->refs++ == 0)
+			inact_unlink(lru, lru->hits[k].seg);
+		l->p[l->n++] = (struct piece){lru->hits[k].seg, lru->hits[k].len};
 	}
-	for (; i < n; i++)
-		l->copies[l->n++] = new_copy(lru, &b[i], (uint32_t)i, (uint32_t)i, out);
+	if (nnew) {
+		uint32_t i = seg_make(lru, &b[hit].seq, 2, nnew, m);
+		l->p[l->n++] = (struct piece){i, nnew};
+		kvr_lru_out_stored(out, (uint32_t)hit, nnew);
+	}
 	lru->priv += private_blocks;
 	reconcile(lru, out);
+	return 0;
+}
+
+/* Materialize's slow path (the parent hash has several copies): the lease's chain, then the
+ * new hashes, in lru->chain; walked from the root.  Returns how many new hashes are present. */
+static int present_slow(struct kvr_lru *lru, const struct lease *l, const struct kvr_lru_block *b,
+                        size_t n, size_t *present)
+{
+	size_t total = (size_t)l->nblocks + n;
+	int rc = grow_scratch((void **)&lru->chain, &lru->chain_cap, total, sizeof(uint64_t));
+	if (rc)
+		return rc;
+	size_t k = 0;
+	for (uint32_t p = 0; p < l->n; p++) {
+		uint32_t i = l->p[p].seg, left = l->p[p].len;
+		while (left) {
+			const struct seg *g = &lru->s[i];
+			uint32_t take = left < g->len ? left : g->len;
+			memcpy(lru->chain + k, seq_of(g), take * sizeof(uint64_t));
+			k += take;
+			left -= take;
+			i = g->snext;
+		}
+	}
+	for (size_t j = 0; j < n; j++)
+		lru->chain[k++] = b[j].seq;
+	size_t w = walk(lru, lru->chain, 1, total, true, 0, NULL, NULL);
+	*present = w > l->nblocks ? w - l->nblocks : 0;
 	return 0;
 }
 
@@ -438,43 +847,64 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
                         const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
                         uint32_t private_blocks, struct kvr_lru_out *out)
 {
+	(void)start_pos; /* positions are implied by the chain */
 	if (!lru || !out || (n > 0 && !b))
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
 	struct lease *l = find_lease(lru, attempt);
 	if (!l)
 		return KVR_ENOENT;
-	if (l->n > 0 && lru->c[l->copies[l->n - 1]].seq != parent_seq)
+	if (l->nblocks > 0 && l->last_seq != parent_seq)
 		return KVR_ENOENT;
-	if (n >= NIL)
+	if (n >= NIL || (size_t)l->nblocks + n >= NIL)
 		return KVR_ERANGE;
 	uint64_t added = n + (private_blocks > l->priv ? private_blocks - l->priv : 0);
 	int rc;
-	size_t keep = lru->keep_private ? (size_t)(lru->priv - l->priv) + private_blocks : 0;
-	if ((rc = reserve_copies(lru, n + keep)) ||
-	    (rc = reserve_scratch(lru, (size_t)l->n + n + private_blocks)) ||
-	    (rc = kvr_u64map_reserve(&lru->by_hash, n)) || (rc = reserve_lease_copies(l, n)) ||
-	    (rc = kvr_lru_out_reserve(out, n, eviction_bound(lru, added))))
+	size_t present = 0;
+	if ((rc = reserve_cursors(lru, 0)))
 		return rc;
-	for (size_t i = 0; i < n; i++)
-		l->copies[l->n++] = new_copy(lru, &b[i], start_pos + (uint32_t)i, (uint32_t)i, out);
+	if (n > 0) {
+		if (l->nblocks == 0) {
+			present = walk(lru, &b[0].seq, 2, n, true, 0, NULL, NULL);
+		} else if (kvr_u64map_find(&lru->dups, l->last_seq)) {
+			if ((rc = present_slow(lru, l, b, n, &present)))
+				return rc;
+		} else {
+			/* The lease's last copy is the only copy of the parent hash, a segment
+			 * tail. */
+			uint32_t t = piece_last(lru, &l->p[l->n - 1]);
+			lru->cur[0] = (struct cursor){t, lru->s[t].len - 1};
+			present = walk(lru, &b[0].seq, 2, n, false, 1, NULL, NULL);
+		}
+	}
+	uint64_t *m = NULL;
+	if ((rc = reserve_cursors(lru, present)) || (rc = reserve_segs(lru, 1)) ||
+	    (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
+	    (rc = kvr_u64map_reserve(&lru->dups, present)) || (rc = reserve_pieces(l, 1)) ||
+	    (rc = kvr_lru_out_reserve(out, 1, eviction_bound(lru, added))))
+		return rc;
+	if (n && !(m = kvr_alloc(n * sizeof(uint64_t))))
+		return KVR_ENOMEM;
+	/* From here on nothing fails. */
+	for (size_t j = 0; j < present; j++) {
+		uint32_t *d = kvr_u64map_find(&lru->dups, b[j].seq);
+		if (d)
+			(*d)++;
+		else
+			kvr_u64map_insert(&lru->dups, b[j].seq, 1);
+	}
+	lru->dup_extra += present;
+	if (n) {
+		uint32_t i = seg_make(lru, &b[0].seq, 2, (uint32_t)n, m);
+		l->p[l->n++] = (struct piece){i, (uint32_t)n};
+		l->nblocks += (uint32_t)n;
+		l->last_seq = b[n - 1].seq;
+		kvr_lru_out_stored(out, (uint32_t)present, (uint32_t)(n - present));
+	}
 	lru->priv = lru->priv - l->priv + private_blocks;
 	l->priv = private_blocks;
 	reconcile(lru, out);
 	return 0;
-}
-
-/* Release order within one epoch: deepest position first, then lowest copy id. */
-static bool release_before(const struct copy *x, const struct copy *y)
-{
-	return x->pos > y->pos || (x->pos == y->pos && x->id < y->id);
-}
-
-static int cmp_release(const void *a, const void *b, void *ctx)
-{
-	const struct copy *base = ctx;
-	const struct copy *x = &base[*(const uint32_t *)a], *y = &base[*(const uint32_t *)b];
-	return release_before(x, y) ? -1 : (release_before(y, x) ? 1 : 0);
 }
 
 int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *out)
@@ -488,50 +918,52 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 	uint32_t li = *ix;
 	struct lease *l = &lru->leases[li];
 	/* Releasing adds no block; evictions happen only if we were over capacity. */
-	uint64_t resident = lru->c_live + lru->priv - l->priv;
+	uint64_t resident = lru->copies + lru->n_phantom + lru->priv - l->priv;
 	size_t bound = 0;
 	if (resident > lru->capacity) {
-		uint64_t over = resident - lru->capacity, inact = lru->n_inactive + l->n;
+		uint64_t over = resident - lru->capacity, inact = lru->n_inactive + l->nblocks;
 		bound = (size_t)(over < inact ? over : inact);
 	}
-	int rc = kvr_lru_out_reserve(out, 0, bound);
-	if (rc)
+	size_t most = 1; /* segments in the longest piece */
+	for (uint32_t p = 0; p < l->n; p++) {
+		size_t c = 0;
+		for (uint32_t i = l->p[p].seg, left = l->p[p].len; left; i = lru->s[i].snext) {
+			left -= lru->s[i].len;
+			c++;
+		}
+		if (c > most)
+			most = c;
+	}
+	int rc;
+	if ((rc = kvr_lru_out_reserve(out, 0, bound)) ||
+	    (rc = grow_scratch((void **)&lru->rel, &lru->rel_cap, most, sizeof(uint32_t))))
 		return rc;
 	lru->epoch++;
 	lru->priv -= l->priv;
-	size_t k = 0;
-	bool sorted = true;
-	/* keep_private: the private blocks stay as phantoms, deepest of this release (room in the
-	 * slab and the scratch was reserved when they were taken). */
-	for (uint32_t p = 0; lru->keep_private && p < l->priv; p++) {
-		uint32_t i = lru->free_head;
-		struct copy *c = &lru->c[i];
-		lru->free_head = c->hnext;
-		lru->c_live++;
-		lru->n_phantom++;
-		memset(c, 0, sizeof(*c));
-		c->phantom = 1;
-		c->id = lru->next_id++;
-		c->pos = UINT32_MAX - p;
-		c->hnext = NIL;
-		lru->scratch[k++] = i;
+	/* keep_private: the private blocks stay as a phantom segment, deepest of this release (its
+	 * slot was kept free for this lease, see reserve_segs). */
+	if (lru->keep_private && l->priv) {
+		uint32_t i = seg_new(lru);
+		lru->s[i].phantom = 1;
+		lru->s[i].len = l->priv;
+		lru->n_phantom += l->priv;
+		inact_append(lru, i);
 	}
-	/* Walk the lease backwards: prompt and output blocks were appended in position order, so
-	 * the freed copies usually come out already sorted deepest first. */
-	for (uint32_t j = l->n; j-- > 0;) {
-		struct copy *c = &lru->c[l->copies[j]];
-		if (--c->refs == 0) {
-			if (k > 0 && !release_before(&lru->c[lru->scratch[k - 1]], c))
-				sorted = false;
-			lru->scratch[k++] = l->copies[j];
+	/* Deepest first: pieces backwards, each piece's segments backwards. */
+	for (uint32_t p = l->n; p-- > 0;) {
+		size_t c = 0;
+		for (uint32_t i = l->p[p].seg, left = l->p[p].len; left; i = lru->s[i].snext) {
+			left -= lru->s[i].len;
+			lru->rel[c++] = i;
+		}
+		while (c--) {
+			uint32_t i = lru->rel[c];
+			if (--lru->s[i].refs == 0)
+				inact_append(lru, i);
 		}
 	}
-	if (!sorted)
-		qsort_r(lru->scratch, k, sizeof(uint32_t), cmp_release, lru->c);
-	for (size_t a = 0; a < k; a++)
-		inactive_append(lru, lru->scratch[a]);
 	/* Remove the lease: swap the last one into its slot. */
-	kvr_free(l->copies, l->cap * sizeof(uint32_t));
+	kvr_free(l->p, l->cap * sizeof(struct piece));
 	kvr_u64map_remove(&lru->by_attempt, attempt);
 	uint32_t last = --lru->n_leases;
 	if (li != last) {
@@ -549,8 +981,8 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 	kvr_lru_out_reset(out);
 	uint64_t old = lru->capacity;
 	lru->capacity = capacity;
-	int rc = kvr_lru_out_reserve(out, 0, eviction_bound(lru, 0));
-	if (rc) {
+	int rc;
+	if ((rc = kvr_lru_out_reserve(out, 0, eviction_bound(lru, 0)))) {
 		lru->capacity = old;
 		return rc;
 	}
@@ -560,17 +992,14 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 
 size_t kvr_lru_overlap(const struct kvr_lru *lru, const uint64_t *seq, size_t n)
 {
-	if (!lru || !seq)
+	if (!lru || !seq || n == 0 || lru->heads.count == 0)
 		return 0;
-	size_t i = 0;
-	while (i < n && kvr_u64map_find(&lru->by_hash, seq[i]))
-		i++;
-	return i;
+	return walk(lru, seq, 1, n, true, 0, NULL, NULL);
 }
 
 void kvr_lru_set_keep_private(struct kvr_lru *lru, bool on)
 {
-	if (lru && lru->c_live == 0 && lru->priv == 0)
+	if (lru && lru->copies == 0 && lru->n_phantom == 0 && lru->priv == 0)
 		lru->keep_private = on;
 }
 
@@ -585,25 +1014,35 @@ void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st)
 	if (!lru)
 		return;
 	st->capacity = lru->capacity;
-	st->copies = lru->c_live - lru->n_phantom;
+	st->copies = lru->copies;
 	st->phantoms = lru->n_phantom;
 	st->private_blocks = lru->priv;
-	st->resident = lru->c_live + lru->priv;
-	st->hashes = lru->by_hash.count;
+	st->resident = lru->copies + lru->n_phantom + lru->priv;
+	st->hashes = lru->copies - lru->dup_extra;
 	st->inactive = lru->n_inactive;
 	st->leases = lru->n_leases;
 	st->evictions = lru->evictions;
 	st->epoch = lru->epoch;
 }
 
+size_t kvr_lru_bytes(const struct kvr_lru *lru)
+{
+	if (!lru)
+		return 0;
+	size_t bytes = sizeof(*lru) + (size_t)lru->s_cap * sizeof(struct seg) +
+	               (lru->heads.cap + lru->dups.cap + lru->by_attempt.cap) *
+	                   sizeof(struct kvr_u64map_slot) +
+	               lru->leases_cap * sizeof(struct lease);
+	for (uint32_t i = 0; i < lru->s_cap; i++)
+		bytes += (size_t)lru->s[i].cap * sizeof(uint64_t);
+	for (uint32_t i = 0; i < lru->n_leases; i++)
+		bytes += lru->leases[i].cap * sizeof(struct piece);
+	return bytes;
+}
+
 double kvr_lru_bytes_per_copy(const struct kvr_lru *lru)
 {
-	if (!lru || lru->c_live == 0)
+	if (!lru || lru->copies == 0)
 		return 0;
-	/* Slab slot + this copy's share of the hash table + one lease entry if held. */
-	double bytes = (double)lru->c_cap * sizeof(struct copy) +
-	               (double)lru->by_hash.cap * sizeof(struct kvr_u64map_slot);
-	for (uint32_t i = 0; i < lru->n_leases; i++)
-		bytes += (double)lru->leases[i].cap * sizeof(uint32_t);
-	return bytes / (double)lru->c_live;
+	return (double)kvr_lru_bytes(lru) / (double)lru->copies;
 }

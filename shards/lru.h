@@ -1,10 +1,16 @@
 /*
- * shards/lru.h - capacity-bounded approximate LRU of one rank's KV cache (issue 5, part A).
+ * shards/lru.h - capacity-bounded approximate LRU of one rank's KV cache (issue 5, part A),
+ * kept in runs of blocks (issue 11 item 3).
  *
  * The router predicts what a rank's engine (vLLM) holds from its own routing decisions: copies
  * of blocks are reference counted by leases (one per request attempt); a released copy becomes
  * evictable; eviction takes the least recently released first and, within one release, the
- * deepest position first.  See lru.c for the algorithm and data structures.
+ * deepest position first.  See lru.c for the algorithm (segments of consecutive copies) and
+ * tests/ref/lru_ref.c for the per-block oracle it is tested against.
+ *
+ * Input requirement: sequence hashes are CHAINED (a seq hash names its whole prefix, as
+ * core/hash makes them), and a materialize continues its lease's chain.  Work per command is
+ * O(runs) writes plus one sequential compare per prompt block.
  *
  * Outputs are RUN-SHAPED (issue 11 item 3), so the index is written in O(runs), not O(blocks).
  * Every command RESETS *out first, then fills it with what the index must do:
@@ -104,14 +110,15 @@ void kvr_lru_destroy(struct kvr_lru *lru);
  * hash (taking it out of the inactive set), refs + 1, position = i; from the first miss on every
  * block gets a NEW copy (even if its hash exists elsewhere on the rank).  Then reconcile.
  * Returns 0, KVR_EINVAL (b NULL with n > 0, lru/out NULL), KVR_EEXIST (attempt live),
- * KVR_ERANGE (more than 2^32-2 copies), KVR_ENOMEM.
+ * KVR_ERANGE (more than 2^32-2 blocks or segments), KVR_ENOMEM.
  */
 int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_block *b, size_t n,
                     uint32_t private_blocks, struct kvr_lru_out *out);
 
 /*
  * Output blocks b[0..n) of a live attempt completed: each gets a new copy at position
- * start_pos + i, appended to the lease; the lease's private count is REPLACED by private_blocks.
+ * start_pos + i (implied by the chain; the argument is not needed), appended to the lease; the
+ * lease's private count is REPLACED by private_blocks.
  * parent_seq: if the lease holds blocks, it must be the seq of the last one appended (the chain
  * the new blocks continue), else KVR_ENOENT; ignored for a lease without blocks.
  * Returns 0, KVR_EINVAL, KVR_ENOENT (attempt not live, parent mismatch), KVR_ERANGE, KVR_ENOMEM.
@@ -145,7 +152,10 @@ bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt);
 /* Fills *st.  Cheap (counters). */
 void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st);
 
-/* Bytes of memory held per live copy (slab + hash table + lease entry), for the benchmark. */
+/* Bytes of memory the instance holds (segments, hash arrays, maps, leases; not scratch).
+ * O(segments): for benchmarks and tests. */
+size_t kvr_lru_bytes(const struct kvr_lru *lru);
+/* kvr_lru_bytes / live copies (0 when empty). */
 double kvr_lru_bytes_per_copy(const struct kvr_lru *lru);
 
 #endif /* KVR_SHARDS_LRU_H */

@@ -99,7 +99,10 @@ Test(lru, acquire_duplicate_attempt_refused)
 	kvr_lru_out_fini(&out);
 }
 
-Test(lru, miss_then_new_copies_even_if_hash_exists)
+/* Two leases on one prompt both complete the same output block: two copies of one hash (the
+ * second is not new to the index); a hit takes the oldest copy; the hash is reported evicted
+ * when its LAST copy goes; evictions come out in runs, parent first. */
+Test(lru, copies_of_one_hash)
 {
 	struct kvr_lru *lru;
 	struct kvr_lru_out out;
@@ -107,27 +110,32 @@ Test(lru, miss_then_new_copies_even_if_hash_exists)
 	struct kvr_lru_stats st;
 	kvr_lru_out_init(&out);
 	kvr_lru_create(100, &lru);
-	blocks(b, (uint64_t[]){1, 2, 3}, 3);
-	kvr_lru_acquire(lru, 1, b, 3, 0, &out);
-	blocks(b, (uint64_t[]){9, 2, 3}, 3); /* first block misses: 2 and 3 become new copies */
-	cr_assert_eq(kvr_lru_acquire(lru, 2, b, 3, 0, &out), 0);
-	cr_assert_eq(out.n_stored, 1, "only 9 is new to the index");
+	blocks(b, (uint64_t[]){1, 2}, 2);
+	cr_assert_eq(kvr_lru_acquire(lru, 1, b, 2, 0, &out), 0);
+	cr_assert_eq(kvr_lru_acquire(lru, 2, b, 2, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 0, "a full hit stores nothing");
+	blocks(b, (uint64_t[]){3}, 1);
+	cr_assert_eq(kvr_lru_materialize(lru, 1, 2, b, 1, 2, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 1);
+	cr_assert_eq(kvr_lru_materialize(lru, 2, 2, b, 1, 2, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 0, "a second copy of 3 is not new to the index");
 	kvr_lru_stats(lru, &st);
-	cr_assert_eq(st.copies, 6);
-	cr_assert_eq(st.hashes, 4);
-	/* Release both, shrink: the last copy of a hash reports it evicted, not the first. */
-	kvr_lru_release(lru, 1, &out);
-	kvr_lru_release(lru, 2, &out);
+	cr_assert(st.copies == 4 && st.hashes == 3);
+	kvr_lru_release(lru, 1, &out); /* inactive: 3 (lease 1's) */
+	kvr_lru_release(lru, 2, &out); /* inactive: 3, 3', 2, 1 */
+	blocks(b, (uint64_t[]){1, 2, 3}, 3);
+	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 3, 0, &out), 0); /* hits 1, 2 and the older 3 */
 	cr_assert_eq(kvr_lru_set_capacity(lru, 3, &out), 0);
-	/* Order: release 1 (3, 2, 1), then release 2 (3', 2', 9). Evict 3 copies: 3, 2, 1 -> only
-	 * 1 is a last copy. */
-	cr_assert_eq(out.n_evicted, 1);
-	cr_assert_eq(out_evicted(&out, 0), 1);
+	cr_assert_eq(out.n_evicted, 0, "3' went, but 3 still has a copy");
+	kvr_lru_stats(lru, &st);
+	cr_assert(st.copies == 3 && st.hashes == 3 && st.evictions == 1);
+	kvr_lru_release(lru, 3, &out);
 	cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
 	cr_assert_eq(out.n_evicted, 3);
-	cr_assert_eq(out_evicted(&out, 0), 3);
-	cr_assert_eq(out_evicted(&out, 1), 2);
-	cr_assert_eq(out_evicted(&out, 2), 9);
+	cr_assert_eq(out.n_evicted_runs, 2, "a run per segment: [3], then [1 2]");
+	cr_assert(out.evicted_seq[0] == 3 && out.evicted_seq[1] == 1 && out.evicted_seq[2] == 2,
+	          "deeper run first, each parent first");
+	cr_assert_eq(out_evicted(&out, 0), 3, "deepest evicted first");
 	cr_assert_eq(resident(lru), 0);
 	kvr_lru_destroy(lru);
 	kvr_lru_out_fini(&out);

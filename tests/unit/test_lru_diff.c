@@ -1,14 +1,25 @@
-/* Differential test of shards/lru against an obviously-correct reference model: plain arrays,
- * linear scans, eviction by searching the minimum of (epoch asc, position desc, copy id asc).
- * Random sequences of acquire / materialize / release / set_capacity / reset; every command's
+/* Two differential tests.
+ * 1. segments_against_ref: shards/lru (segments) against tests/ref/lru_ref.c (the per-block
+ *    LRU it replaced, the oracle), in BOTH keep_private modes (the router runs it on), on
+ *    chained hashes as the router produces them: prompts from a few documents with divergence,
+ *    duplicate attempts, output blocks from a 2-token alphabet so that several leases make
+ *    several copies of one hash.  Every command's return code, stored blocks, evicted hashes in
+ *    exact per-block eviction order, stats and overlap must agree, and every evicted run must be
+ *    a chain (parent first).  Rerun one seed with LRU_SEG_SEED=<seed> LRU_SEG_KEEP=0|1.
+ * 2. ref_against_model: the oracle itself against an obviously-correct reference model: plain
+ * arrays, linear scans, eviction by searching the minimum of (epoch asc, position desc, copy id
+ * asc). Random sequences of acquire / materialize / release / set_capacity / reset; every command's
  * outputs (stored and evicted, in order), return code, stats and overlap must agree.
  * The seed and step are printed on failure; rerun one seed with LRU_DIFF_SEED=<seed>. */
 #include <criterion/criterion.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
+#include "../ref/lru_ref.h"
 #include "shards/lru.h"
 #include "lru_out_util.h"
 
@@ -179,10 +190,10 @@ static void check_out(uint64_t seed, int step, struct model *m, struct kvr_lru_o
 		             (unsigned long long)seed, step, i);
 }
 
-static void check_stats(uint64_t seed, int step, struct model *m, struct kvr_lru *lru)
+static void check_stats(uint64_t seed, int step, struct model *m, struct ref_lru *lru)
 {
 	struct kvr_lru_stats st;
-	kvr_lru_stats(lru, &st);
+	ref_lru_stats(lru, &st);
 	uint64_t inactive = 0, live = 0;
 	for (int i = 0; i < m->nc; i++)
 		inactive += m->c[i].alive && m->c[i].refs == 0;
@@ -223,10 +234,10 @@ static void run_seed(uint64_t seed, int steps)
 	uint64_t r = seed;
 	uint64_t cap = rng_next(&r) % 48;
 	m_reset(&m, cap);
-	struct kvr_lru *lru;
+	struct ref_lru *lru;
 	struct kvr_lru_out out;
 	kvr_lru_out_init(&out);
-	cr_assert_eq(kvr_lru_create(cap, &lru), 0);
+	cr_assert_eq(ref_lru_create(cap, &lru), 0);
 	uint64_t next_attempt = 1;
 	uint64_t seq[MAXLEN];
 	struct kvr_lru_block b[MAXLEN];
@@ -245,7 +256,7 @@ static void run_seed(uint64_t seed, int steps)
 			    (rng_next(&r) % 10 == 0 && next_attempt > 1)
 			        ? 1 + rng_next(&r) % (next_attempt - 1) /* maybe duplicate */
 			        : next_attempt++;
-			rc = kvr_lru_acquire(lru, a, b, (size_t)n, pb, &out);
+			rc = ref_lru_acquire(lru, a, b, (size_t)n, pb, &out);
 			mrc = m_acquire(&m, a, seq, n, pb);
 		} else if (op < 55) {
 			uint64_t a = 1 + rng_next(&r) % next_attempt;
@@ -265,23 +276,23 @@ static void run_seed(uint64_t seed, int steps)
 			}
 			uint32_t start = l ? (uint32_t)l->n : 0;
 			uint32_t pb = (uint32_t)(rng_next(&r) % 2);
-			rc = kvr_lru_materialize(lru, a, parent, b, (size_t)n, start, pb, &out);
+			rc = ref_lru_materialize(lru, a, parent, b, (size_t)n, start, pb, &out);
 			mrc = m_materialize(&m, a, parent, seq, n, start, pb);
 		} else if (op < 90) {
 			uint64_t a = 1 + rng_next(&r) % next_attempt;
-			rc = kvr_lru_release(lru, a, &out);
+			rc = ref_lru_release(lru, a, &out);
 			mrc = m_release(&m, a);
 		} else if (op < 97) {
 			uint64_t c = rng_next(&r) % 48;
-			rc = kvr_lru_set_capacity(lru, c, &out);
+			rc = ref_lru_set_capacity(lru, c, &out);
 			m.ns = m.ne = 0;
 			m.cap = c;
 			m_reconcile(&m);
 		} else {
 			/* reset: a fresh instance (what rank_state does on a new incarnation) */
-			kvr_lru_destroy(lru);
+			ref_lru_destroy(lru);
 			cap = rng_next(&r) % 48;
-			cr_assert_eq(kvr_lru_create(cap, &lru), 0);
+			cr_assert_eq(ref_lru_create(cap, &lru), 0);
 			m_reset(&m, cap);
 			kvr_lru_out_reset(&out);
 		}
@@ -293,14 +304,14 @@ static void run_seed(uint64_t seed, int steps)
 		size_t ov = 0;
 		while ((int)ov < n && m_first_copy(&m, seq[ov]) >= 0)
 			ov++;
-		cr_assert_eq(kvr_lru_overlap(lru, seq, (size_t)n), ov, "seed %llu step %d: overlap",
+		cr_assert_eq(ref_lru_overlap(lru, seq, (size_t)n), ov, "seed %llu step %d: overlap",
 		             (unsigned long long)seed, step);
 	}
-	kvr_lru_destroy(lru);
+	ref_lru_destroy(lru);
 	kvr_lru_out_fini(&out);
 }
 
-Test(lru_diff, random_against_model, .timeout = 60)
+Test(lru_diff, ref_against_model, .timeout = 60)
 {
 	const char *env = getenv("LRU_DIFF_SEED");
 	if (env) {
@@ -309,4 +320,295 @@ Test(lru_diff, random_against_model, .timeout = 60)
 	}
 	for (uint64_t seed = 1; seed <= 1000; seed++)
 		run_seed(seed, 400);
+}
+
+/* ------------------------------------------------------------------ segments vs per-block */
+
+/* Coverage counters, printed with LRU_SEG_COV=1 (so a weakened generator shows). */
+static uint64_t cov_enomem, cov_dup_steps, cov_evicted, cov_phantoms, cov_multi_runs, cov_steps,
+    cov_stored;
+
+#define PTAB (1u << 16)
+static uint64_t ptab_key[PTAB], ptab_par[PTAB];
+static bool ptab_used[PTAB];
+
+static void parent_put(uint64_t seq, uint64_t par)
+{
+	uint32_t i = (uint32_t)(seq * 0x9E3779B97F4A7C15ull >> 48);
+	while (ptab_used[i] && ptab_key[i] != seq)
+		i = (i + 1) & (PTAB - 1);
+	ptab_used[i] = true;
+	ptab_key[i] = seq;
+	ptab_par[i] = par;
+}
+
+static bool parent_get(uint64_t seq, uint64_t *par)
+{
+	uint32_t i = (uint32_t)(seq * 0x9E3779B97F4A7C15ull >> 48);
+	while (ptab_used[i]) {
+		if (ptab_key[i] == seq) {
+			*par = ptab_par[i];
+			return true;
+		}
+		i = (i + 1) & (PTAB - 1);
+	}
+	return false;
+}
+
+#define ROOT 0x5EEDull
+
+static uint64_t chain(uint64_t parent, uint64_t token)
+{
+	uint64_t x = parent ^ (token * 0xD6E8FEB86659FD93ull);
+	x = (x ^ (x >> 32)) * 0xD6E8FEB86659FD93ull;
+	x ^= x >> 29;
+	parent_put(x, parent);
+	return x;
+}
+
+/* A prompt: document doc's tokens, sometimes diverging into another document or random
+ * tokens; chained from the root. */
+static int gen_chain(uint64_t *r, struct kvr_lru_block *b)
+{
+	/* Few lengths, so that leases often end on the same block (then their output blocks
+	 * are copies of one hash). */
+	int n = rng_next(r) % 4 ? (int)(rng_next(r) % 5) * 4 : (int)(rng_next(r) % 17);
+	uint64_t doc = rng_next(r) % 6;
+	int div = (rng_next(r) % 3 == 0) ? (int)(rng_next(r) % 17) : 99;
+	uint64_t alt = rng_next(r) % 8;
+	uint64_t p = ROOT;
+	for (int i = 0; i < n; i++) {
+		uint64_t tok =
+		    i < div ? doc * 1000 + (uint64_t)i : 100000 + alt * 1000 + (uint64_t)i;
+		p = chain(p, tok);
+		b[i] = (struct kvr_lru_block){.local = tok, .seq = p};
+	}
+	return n;
+}
+
+#define MAXA 4096
+#define HIST 64
+
+/* Every attempt's chain (prompt, then output blocks), for multi-turn prompts. */
+static struct kvr_lru_block hist[MAXA][HIST];
+
+static void seg_check_out(uint64_t seed, int step, const struct kvr_lru_out *o,
+                          const struct kvr_lru_out *x, const struct kvr_lru_block *b)
+{
+	cr_assert_eq(o->n_stored, x->n_stored, "seed %llu step %d: n_stored %zu vs ref %zu",
+	             (unsigned long long)seed, step, o->n_stored, x->n_stored);
+	for (size_t i = 0; i < o->n_stored; i++)
+		cr_assert_eq(out_stored(o, b, i)->seq, out_stored(x, b, i)->seq,
+		             "seed %llu step %d: stored[%zu]", (unsigned long long)seed, step, i);
+	cr_assert_eq(o->n_evicted, x->n_evicted, "seed %llu step %d: n_evicted %zu vs ref %zu",
+	             (unsigned long long)seed, step, o->n_evicted, x->n_evicted);
+	for (size_t i = 0; i < o->n_evicted; i++)
+		cr_assert_eq(out_evicted(o, i), out_evicted(x, i),
+		             "seed %llu step %d: evicted[%zu]", (unsigned long long)seed, step, i);
+	/* Each run is a chain, parent first. */
+	size_t base = 0;
+	for (size_t k = 0; k < o->n_evicted_runs; k++) {
+		for (size_t j = base + 1; j < base + o->evicted_run_len[k]; j++) {
+			uint64_t par = 0;
+			cr_assert(parent_get(o->evicted_seq[j], &par) &&
+			              par == o->evicted_seq[j - 1],
+			          "seed %llu step %d: evicted run %zu is not a chain",
+			          (unsigned long long)seed, step, k);
+		}
+		base += o->evicted_run_len[k];
+	}
+	cr_assert_eq(o->cleared, x->cleared);
+	cov_evicted += o->n_evicted;
+	cov_stored += o->n_stored;
+	for (size_t k = 0; k < o->n_evicted_runs; k++)
+		cov_multi_runs += o->evicted_run_len[k] > 1;
+}
+
+static void seg_check_stats(uint64_t seed, int step, struct kvr_lru *lru, struct ref_lru *ref)
+{
+	struct kvr_lru_stats a, e;
+	kvr_lru_stats(lru, &a);
+	ref_lru_stats(ref, &e);
+	cov_steps++;
+	cov_dup_steps += a.copies > a.hashes;
+	cov_phantoms += a.phantoms > 0;
+	cr_assert(a.capacity == e.capacity && a.resident == e.resident && a.copies == e.copies &&
+	              a.hashes == e.hashes && a.private_blocks == e.private_blocks &&
+	              a.phantoms == e.phantoms && a.inactive == e.inactive &&
+	              a.leases == e.leases && a.evictions == e.evictions && a.epoch == e.epoch,
+	          "seed %llu step %d: stats differ (resident %llu/%llu copies %llu/%llu hashes "
+	          "%llu/%llu inactive %llu/%llu evictions %llu/%llu)",
+	          (unsigned long long)seed, step, (unsigned long long)a.resident,
+	          (unsigned long long)e.resident, (unsigned long long)a.copies,
+	          (unsigned long long)e.copies, (unsigned long long)a.hashes,
+	          (unsigned long long)e.hashes, (unsigned long long)a.inactive,
+	          (unsigned long long)e.inactive, (unsigned long long)a.evictions,
+	          (unsigned long long)e.evictions);
+}
+
+/* With oom: each command first runs with one of its first allocations failing; a KVR_ENOMEM
+ * must change nothing observable (stats, outputs), then the command is retried. */
+#define SEG_CALL(call)                                                                             \
+	do {                                                                                       \
+		if (oom) {                                                                         \
+			struct kvr_lru_stats s0, s1;                                               \
+			kvr_lru_stats(lru, &s0);                                                   \
+			kvr_alloc_fail_after(1 + rng_next(&r) % 5);                                \
+			rc = (call);                                                               \
+			kvr_alloc_fail_after(0);                                                   \
+			if (rc == KVR_ENOMEM) {                                                    \
+				cov_enomem++;                                                      \
+				kvr_lru_stats(lru, &s1);                                           \
+				cr_assert(!memcmp(&s0, &s1, sizeof(s0)) && out.n_stored == 0 &&    \
+				              out.n_evicted == 0,                                  \
+				          "seed %llu step %d: ENOMEM changed something",           \
+				          (unsigned long long)seed, step);                         \
+				rc = (call);                                                       \
+			}                                                                          \
+		} else {                                                                           \
+			rc = (call);                                                               \
+		}                                                                                  \
+	} while (0)
+
+static void seg_run(uint64_t seed, int steps, bool keep, bool oom)
+{
+	static uint64_t last[MAXA];
+	static uint32_t nblk[MAXA];
+	memset(last, 0, sizeof(last));
+	memset(nblk, 0, sizeof(nblk));
+	uint64_t r = seed * 7919 + keep;
+	uint64_t cap = rng_next(&r) % 64;
+	struct kvr_lru *lru;
+	struct ref_lru *ref;
+	struct kvr_lru_out out, xo;
+	kvr_lru_out_init(&out);
+	kvr_lru_out_init(&xo);
+	cr_assert_eq(kvr_lru_create(cap, &lru), 0);
+	cr_assert_eq(ref_lru_create(cap, &ref), 0);
+	kvr_lru_set_keep_private(lru, keep);
+	ref_lru_set_keep_private(ref, keep);
+	uint64_t next_attempt = 1;
+	struct kvr_lru_block b[MAXLEN];
+	for (int step = 0; step < steps && next_attempt < MAXA - 1; step++) {
+		uint64_t op = rng_next(&r) % 100;
+		int rc = 0, xrc = 0;
+		int n = 0;
+		if (op < 35) {
+			n = gen_chain(&r, b);
+			uint64_t from = 1 + rng_next(&r) % next_attempt;
+			if (rng_next(&r) % 5 < 2 && from < next_attempt && nblk[from]) {
+				/* A follow-up: a prefix of an earlier chain (output blocks
+				 * included, so hits meet several copies of one hash), then maybe
+				 * new blocks. */
+				n = 1 + (int)(rng_next(&r) % nblk[from]);
+				if (n > MAXLEN - 2)
+					n = MAXLEN - 2;
+				memcpy(b, hist[from], (size_t)n * sizeof(b[0]));
+				for (int extra = (int)(rng_next(&r) % 3); extra > 0; extra--, n++) {
+					uint64_t tok = 7000000 + rng_next(&r) % 2;
+					b[n] = (struct kvr_lru_block){
+					    .local = tok, .seq = chain(b[n - 1].seq, tok)};
+				}
+			}
+			uint32_t pb = (uint32_t)(rng_next(&r) % 3);
+			uint64_t a = (rng_next(&r) % 10 == 0 && next_attempt > 1)
+			                 ? 1 + rng_next(&r) % (next_attempt - 1)
+			                 : next_attempt++;
+			SEG_CALL(kvr_lru_acquire(lru, a, b, (size_t)n, pb, &out));
+			xrc = ref_lru_acquire(ref, a, b, (size_t)n, pb, &xo);
+			if (xrc == 0) {
+				last[a] = n ? b[n - 1].seq : 0;
+				nblk[a] = (uint32_t)n;
+				memcpy(hist[a], b, (size_t)n * sizeof(b[0]));
+			}
+		} else if (op < 58) {
+			/* Mostly recent (live) attempts. */
+			uint64_t back = 1 + rng_next(&r) % (rng_next(&r) % 2 ? 6 : next_attempt);
+			uint64_t a = back < next_attempt ? next_attempt - back : 1;
+			uint64_t parent = nblk[a] ? last[a] : ROOT;
+			if (rng_next(&r) % 10 == 0)
+				parent ^= 1; /* wrong parent */
+			n = (int)(rng_next(&r) % 3);
+			uint64_t p = nblk[a] ? parent : ROOT;
+			for (int i = 0; i < n; i++) {
+				uint64_t tok = 7000000 + rng_next(&r) % 2;
+				p = chain(p, tok);
+				b[i] = (struct kvr_lru_block){.local = tok, .seq = p};
+			}
+			uint32_t pb = (uint32_t)(rng_next(&r) % 2);
+			SEG_CALL(
+			    kvr_lru_materialize(lru, a, parent, b, (size_t)n, nblk[a], pb, &out));
+			xrc = ref_lru_materialize(ref, a, parent, b, (size_t)n, nblk[a], pb, &xo);
+			if (xrc == 0 && n) {
+				last[a] = b[n - 1].seq;
+				for (int i = 0; i < n && nblk[a] + (uint32_t)i < HIST; i++)
+					hist[a][nblk[a] + (uint32_t)i] = b[i];
+				nblk[a] += (uint32_t)n;
+			}
+		} else if (op < 91) {
+			uint64_t a = 1 + rng_next(&r) % next_attempt;
+			SEG_CALL(kvr_lru_release(lru, a, &out));
+			xrc = ref_lru_release(ref, a, &xo);
+		} else if (op < 98) {
+			uint64_t c = rng_next(&r) % 64;
+			SEG_CALL(kvr_lru_set_capacity(lru, c, &out));
+			xrc = ref_lru_set_capacity(ref, c, &xo);
+		} else {
+			kvr_lru_destroy(lru);
+			ref_lru_destroy(ref);
+			cap = rng_next(&r) % 64;
+			cr_assert_eq(kvr_lru_create(cap, &lru), 0);
+			cr_assert_eq(ref_lru_create(cap, &ref), 0);
+			kvr_lru_set_keep_private(lru, keep);
+			ref_lru_set_keep_private(ref, keep);
+			kvr_lru_out_reset(&out);
+			kvr_lru_out_reset(&xo);
+			memset(nblk, 0, sizeof(nblk));
+		}
+		cr_assert_eq(rc, xrc, "seed %llu keep %d step %d: rc %d vs ref %d",
+		             (unsigned long long)seed, keep, step, rc, xrc);
+		seg_check_out(seed, step, &out, &xo, b);
+		seg_check_stats(seed, step, lru, ref);
+		uint64_t q[MAXLEN];
+		int qn = gen_chain(&r, b);
+		for (int i = 0; i < qn; i++)
+			q[i] = b[i].seq;
+		cr_assert_eq(
+		    kvr_lru_overlap(lru, q, (size_t)qn), ref_lru_overlap(ref, q, (size_t)qn),
+		    "seed %llu keep %d step %d: overlap", (unsigned long long)seed, keep, step);
+	}
+	kvr_lru_destroy(lru);
+	ref_lru_destroy(ref);
+	kvr_lru_out_fini(&out);
+	kvr_lru_out_fini(&xo);
+}
+
+Test(lru_diff, segments_against_ref, .timeout = 120)
+{
+	const char *env = getenv("LRU_SEG_SEED");
+	if (env) {
+		const char *k = getenv("LRU_SEG_KEEP"), *o = getenv("LRU_SEG_OOM");
+		seg_run(strtoull(env, NULL, 0), 3000, k && *k == '1', o && *o == '1');
+		return;
+	}
+	for (uint64_t seed = 1; seed <= 600; seed++) {
+		seg_run(seed, 500, true, false);
+		seg_run(seed, 500, false, false);
+	}
+	if (getenv("LRU_SEG_COV"))
+		fprintf(stderr,
+		        "steps %llu dup_steps %llu phantom_steps %llu evicted %llu multi_runs %llu "
+		        "stored %llu\n",
+		        (unsigned long long)cov_steps, (unsigned long long)cov_dup_steps,
+		        (unsigned long long)cov_phantoms, (unsigned long long)cov_evicted,
+		        (unsigned long long)cov_multi_runs, (unsigned long long)cov_stored);
+}
+
+/* The same sequences with allocation failures injected into the segment LRU. */
+Test(lru_diff, segments_against_ref_oom, .timeout = 120)
+{
+	for (uint64_t seed = 1; seed <= 150; seed++)
+		seg_run(seed, 400, true, true);
+	cr_assert_gt(cov_enomem, 1000, "the injected failures must hit commands (%llu did)",
+	             (unsigned long long)cov_enomem);
 }

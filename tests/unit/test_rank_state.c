@@ -188,9 +188,20 @@ static void rank_seed(uint64_t seed, int steps)
 		/* Mostly the current incarnation, so commands get through. */
 		if (rng(&r) % 4 && m.mode != KVR_RANK_ABSENT)
 			inc = m.inc;
-		size_t n = rng(&r) % 8, ns = 0;
-		for (size_t i = 0; i < n; i++)
-			b[i] = (struct kvr_lru_block){.local = 0, .seq = rng(&r) % H};
+		/* Chained hashes, as the router makes them (the LRU relies on it): hash h's parent
+		 * is h / 2, hash 1 hangs below the root; a materialize continues the lease. */
+		size_t n = rng(&r) % 6, ns = 0;
+		uint64_t h0 = 1;
+		if (op >= 7 && op < 9 && m.has_last[a])
+			h0 = 2 * m.last[a] + rng(&r) % 2;
+		for (size_t i = 0; i < n; i++) {
+			uint64_t h = i == 0 ? h0 : 2 * b[i - 1].seq + rng(&r) % 2;
+			if (h >= H) {
+				n = i;
+				break;
+			}
+			b[i] = (struct kvr_lru_block){.local = 0, .seq = h};
+		}
 		int rc, want = 0;
 		bool cleared = false;
 		bool fenced = m.mode == KVR_RANK_ABSENT || inc != m.inc;
@@ -281,10 +292,20 @@ static void rank_seed(uint64_t seed, int steps)
 			cr_assert_eq(out.n_evicted, 0, "seed %llu step %d",
 			             (unsigned long long)seed, step);
 		cr_assert_eq(kvr_rank_state_mode(rs), m.mode);
-		for (uint64_t h = 0; h < H; h++)
-			cr_assert_eq(kvr_rank_state_overlap(rs, &h, 1), (size_t)m.present[h],
+		for (uint64_t h = 1; h < H; h++) {
+			/* LRU: presence of h = its whole path from the root is present. */
+			uint64_t path[8];
+			size_t np = 0;
+			for (uint64_t x = h; x; x /= 2)
+				np++;
+			for (uint64_t x = h, k = np; x; x /= 2)
+				path[--k] = x;
+			bool lru = m.mode == KVR_RANK_LRU;
+			size_t ov = kvr_rank_state_overlap(rs, lru ? path : &h, lru ? np : 1);
+			cr_assert_eq(ov == (lru ? np : 1), m.present[h],
 			             "seed %llu step %d: hash %llu", (unsigned long long)seed, step,
 			             (unsigned long long)h);
+		}
 	}
 }
 
