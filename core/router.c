@@ -29,7 +29,11 @@ static struct kvr_live *live_alloc(uint32_t n)
 int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
 {
 	struct kvr_live *old = r->live;
-	struct kvr_live *nl = live_alloc(add ? old->n + 1 : old->n);
+	/* Sized exactly: live_free() frees by n (a sized free must name the size allocated). */
+	uint32_t keep = 0;
+	for (uint32_t i = 0; i < old->n; i++)
+		keep += old->slot[i] != slot;
+	struct kvr_live *nl = live_alloc(keep + (add ? 1 : 0));
 	if (!nl)
 		return KVR_ENOMEM;
 	uint32_t k = 0;

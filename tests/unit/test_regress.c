@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
 
 static uint64_t vnow = 1000;
@@ -330,4 +331,28 @@ Test(regress, queued_prompt_without_complete_blocks)
 	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
 	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
 	kvr_router_destroy(r);
+}
+
+/* ---------------------------------------------------------------- found by fuzz_api */
+
+/* kvr_router_live_update allocated a removal's new live list one slot too big and freed it by its
+ * count: every rank remove left 4 bytes in the allocation counter, and a sized free (jemalloc's
+ * sdallocx) was given a size it was not allocated with.  fuzz_api's leak check found it. */
+Test(regress, rank_churn_frees_exactly_what_it_allocates)
+{
+	int64_t before = kvr_alloc_live_bytes();
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	for (int round = 0; round < 3; round++) {
+		for (uint64_t w = 0; w < 4; w++)
+			cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, 100, 0), 0);
+		for (uint64_t w = 0; w < 4; w++)
+			cr_assert_eq(kvr_rank_remove(r, (struct kvr_rank_id){3 - w, 0}), 0);
+	}
+	kvr_router_destroy(r);
+	cr_assert_eq(kvr_alloc_live_bytes(), before, "%lld bytes unaccounted",
+	             (long long)(kvr_alloc_live_bytes() - before));
 }
