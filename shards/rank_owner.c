@@ -566,14 +566,24 @@ int kvr_owner_rank_reset(struct kvr_shard *sh, void *arg)
 	return rc;
 }
 
+static void book(struct kvr_shard *sh, struct attempt_rec *rec);
+
+/* Books the rank's admitted-but-unbooked attempts, so a snapshot counts every attempt kvr_route
+ * has returned (found by fuzz_api: active_requests 0 right after a decision). */
+static void book_pending(struct kvr_shard *sh, struct kvr_rank_owned *own)
+{
+	for (struct attempt_rec *rec = own->attempts; rec; rec = rec->next)
+		book(sh, rec);
+}
+
 int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 {
-	(void)sh;
 	struct kvr_rank_args *a = arg;
 	struct kvr_router *r = a->r;
 	struct kvr_rank_owned *own = owned(r, a->slot, a->gen);
 	if (!own)
 		return KVR_ENOENT;
+	book_pending(sh, own);
 	struct kvr_rank_stats *st = a->stats;
 	struct kvr_load_stats ls;
 	kvr_load_stats(own->load, &ls);
@@ -598,10 +608,11 @@ int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 
 int kvr_owner_rank_blocks(struct kvr_shard *sh, void *arg)
 {
-	(void)sh;
 	struct kvr_rank_args *a = arg;
-	if (!owned(a->r, a->slot, a->gen))
+	struct kvr_rank_owned *own = owned(a->r, a->slot, a->gen);
+	if (!own)
 		return KVR_ENOENT;
+	book_pending(sh, own);
 	a->n = kvr_index_rank_blocks(a->r->index, a->slot, a->blocks, a->cap);
 	return a->n > a->cap ? KVR_ERANGE : 0;
 }

@@ -356,3 +356,31 @@ Test(regress, rank_churn_frees_exactly_what_it_allocates)
 	cr_assert_eq(kvr_alloc_live_bytes(), before, "%lld bytes unaccounted",
 	             (long long)(kvr_alloc_live_bytes() - before));
 }
+
+/* With sync_booking off, admission books the attempt on the maintenance lane after kvr_route
+ * returns, and a stats call (routing lane, served first) read the load without it: a rank said
+ * active_requests 0 right after a decision on it.  Snapshots now book pending attempts first.
+ * Found by fuzz_api. */
+Test(regress, stats_count_an_attempt_right_after_its_decision)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = false;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 0), 0);
+	static uint32_t t[4096];
+	for (int it = 0; it < 200; it++) {
+		prompt(t, 4096, 5000 + (uint32_t)it);
+		struct kvr_decision d;
+		cr_assert_eq(route_tokens(r, t, 4096, NULL, &d), 0);
+		struct kvr_rank_stats st;
+		cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+		cr_assert_eq(st.active_requests, 1, "it %d", it);
+		cr_assert_gt(st.active_prefill_tokens, 0, "it %d", it);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	}
+	kvr_router_destroy(r);
+}
