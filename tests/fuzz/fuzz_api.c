@@ -1,0 +1,1800 @@
+/*
+ * tests/fuzz/fuzz_api.c - the public API as a whole, fuzzed against a reference model of what
+ * kvrouter.h promises.
+ *
+ * One input is one program: its first bytes choose a configuration (every mode, block size,
+ * shards, max_ranks, queue on or off, policy, on_admit or not, booking, lease interval), the rest
+ * is a sequence of API calls, each decoded from a few bytes: rank add / remove / set_capacity /
+ * reset / stats / blocks, routes (tokens or hashes, LoRA, pinned, allow lists, query-only,
+ * KVR_ROUTE_WAIT, overrides, and malformed requests), queue waits and cancels, prefill done /
+ * output / finish / abort on live, ended, stale and made-up attempt ids, KV events (well formed
+ * and malformed, in every mode), metrics, syncs, virtual clock steps, the hash functions, config
+ * validation, and NULL arguments.  Every call is executed on a real router (virtual time) and its
+ * return code is checked against the set the header documents for that call, and where the
+ * model knows the answer exactly (rank membership, incarnations, attempt state, queue tickets,
+ * events-mode block sets), against that answer.  At the end every attempt is finished, every
+ * ticket cancelled or collected, the router synced, and then: all load is zero on every rank,
+ * resident <= capacity on every capacity-bounded LRU rank, every ended attempt is still stale,
+ * and after destroy the library's allocation counter is back where it started (no leak).
+ *
+ * What the model does not predict, it bounds: which rank a decision picks (it must be eligible),
+ * whether a request queues (only when the queue is on), when a lease expires (never before one
+ * scan interval without progress), and when the queue admits (a ticket has one outcome, reported
+ * once).
+ *
+ * Built two ways (tests/meson.build, tests/fuzz/meson.build): as a libFuzzer target
+ * (-Dfuzz=true, clang), and linked with fuzz_api_main.c as a seeded driver
+ * (fuzz_api_seeds --seeds N --first S; a failing seed is printed and replays alone with
+ * --first S --seeds 1).
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "fuzz_api.h"
+#include "kvrouter.h"
+
+/* ---------------------------------------------------------------- failure report */
+
+static _Thread_local const char *cur_call = "";
+static _Thread_local size_t cur_op;
+static _Thread_local char cur_detail[256];
+uint64_t fuzz_api_current_seed; /* set by the seeded driver, printed on failure */
+
+#define FAIL(...)                                                                                  \
+	do {                                                                                       \
+		fprintf(stderr, "fuzz_api: seed %" PRIu64 " op %zu (%s): ", fuzz_api_current_seed, \
+		        cur_op, cur_call);                                                         \
+		fprintf(stderr, __VA_ARGS__);                                                      \
+		fprintf(stderr, "\nfuzz_api: model: %s\n", cur_detail);                            \
+		abort();                                                                           \
+	} while (0)
+#define CHECK(c, ...)                                                                              \
+	do {                                                                                       \
+		if (!(c))                                                                          \
+			FAIL(__VA_ARGS__);                                                         \
+	} while (0)
+
+struct fuzz_api_stats fuzz_api_totals;
+
+/* ---------------------------------------------------------------- input */
+
+struct src {
+	const uint8_t *p;
+	size_t n, i;
+};
+
+static bool src_done(const struct src *s)
+{
+	return s->i >= s->n;
+}
+
+static uint32_t u8(struct src *s)
+{
+	return s->i < s->n ? s->p[s->i++] : 0;
+}
+
+static uint32_t u16(struct src *s)
+{
+	return u8(s) | u8(s) << 8;
+}
+
+static uint64_t u64(struct src *s)
+{
+	uint64_t v = 0;
+	for (int k = 0; k < 8; k++)
+		v |= (uint64_t)u8(s) << (8 * k);
+	return v;
+}
+
+/* ---------------------------------------------------------------- model */
+
+#define N_IDS   8 /* rank ids: workers 0..3 x dp 0..1 */
+#define MAX_ATT 1024
+#define MAX_END 64
+#define MAX_TIX 64
+#define MAX_BLK 64
+#define MAX_TOK 2048
+#define NO_IDX  (-1)
+#define BAD_PIN (-2) /* pinned to a rank id outside the model's: never eligible */
+
+enum { A_LIVE, A_ENDED };
+enum { T_QUEUED, T_ADMITTED_UNCOLLECTED, T_DONE };
+
+struct mblk {
+	uint64_t ext, node;
+};
+
+struct mrank {
+	bool present;
+	uint64_t inc;
+	uint64_t cap; /* as given */
+	uint32_t mbt;
+	uint64_t life; /* bumped whenever its attempts become stale */
+	bool cap_finite_lru;
+	/* events mode */
+	bool have_ev, ev_unknown;
+	uint64_t last_ev;
+	struct mblk blk[MAX_BLK];
+	int nblk;
+	bool blk_unknown; /* overflowed the model: stop comparing */
+};
+
+struct matt {
+	uint64_t id;
+	int rank;
+	uint64_t life;
+	uint64_t touch;   /* virtual time of the last progress */
+	bool maybe_stale; /* admitted from the queue around a rank change: 0 or KVR_ESTALE */
+};
+
+struct mtick {
+	uint64_t t;
+	int state;
+	bool waited;
+	int pinned;           /* rank index or NO_IDX */
+	uint8_t allow;        /* bit set of rank indexes, 0 = any */
+	bool allow_some;      /* an allow list was given */
+	uint64_t enq;         /* virtual time it was queued: the earliest its admission can be */
+	uint64_t life[N_IDS]; /* each rank's life when it was queued */
+};
+
+struct prog {
+	struct kvr_router *r;
+	struct kvr_config cfg;
+	uint64_t now;
+	struct src in;
+	struct mrank rk[N_IDS];
+	struct matt att[MAX_ATT];
+	int n_att;
+	uint64_t ended[MAX_END]; /* recently ended attempt ids: must stay stale */
+	int n_ended, ended_pos;
+	struct mtick tix[MAX_TIX];
+	int n_tix;
+	uint64_t max_ticket, max_attempt_seen;
+	/* on_admit reports, drained after every call */
+	pthread_mutex_t mu;
+	uint64_t adm_ticket[MAX_TIX];
+	struct kvr_decision adm_d[MAX_TIX];
+	int n_adm;
+	uint64_t gaps_reported;
+	uint32_t toks[MAX_TOK];
+	uint64_t hashes[MAX_TOK];
+	uint64_t calls;
+	uint64_t routes; /* kvr_route calls so far */
+};
+
+static struct kvr_rank_id rid(int i)
+{
+	return (struct kvr_rank_id){.worker_id = (uint64_t)(i / 2), .dp_rank = (uint32_t)(i % 2)};
+}
+
+static int rindex_of(struct kvr_rank_id id)
+{
+	if (id.worker_id >= N_IDS / 2 || id.dp_rank > 1)
+		return NO_IDX;
+	return (int)(id.worker_id * 2 + id.dp_rank);
+}
+
+static int n_present(const struct prog *p)
+{
+	int n = 0;
+	for (int i = 0; i < N_IDS; i++)
+		n += p->rk[i].present;
+	return n;
+}
+
+static uint64_t vclock(void *ctx)
+{
+	return __atomic_load_n((uint64_t *)ctx, __ATOMIC_RELAXED);
+}
+
+static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	struct prog *p = ctx;
+	pthread_mutex_lock(&p->mu);
+	CHECK(p->n_adm < MAX_TIX, "on_admit: more reports than tickets");
+	p->adm_ticket[p->n_adm] = ticket;
+	p->adm_d[p->n_adm++] = *d;
+	pthread_mutex_unlock(&p->mu);
+}
+
+static void on_gap(void *ctx, uint64_t w, uint32_t dp, uint64_t expected, uint64_t got)
+{
+	struct prog *p = ctx;
+	(void)w;
+	(void)dp;
+	CHECK(got > expected, "on_event_gap: got %" PRIu64 " <= expected %" PRIu64, got, expected);
+	__atomic_add_fetch(&p->gaps_reported, 1, __ATOMIC_RELAXED);
+}
+
+static void end_attempt(struct prog *p, int k)
+{
+	p->ended[p->ended_pos] = p->att[k].id;
+	p->ended_pos = (p->ended_pos + 1) % MAX_END;
+	if (p->n_ended < MAX_END)
+		p->n_ended++;
+	p->att[k] = p->att[--p->n_att];
+}
+
+/* A rank's attempts become stale (remove, reset, new incarnation). */
+static void rank_new_life(struct prog *p, int i)
+{
+	p->rk[i].life++;
+	for (int k = 0; k < p->n_att;)
+		if (p->att[k].rank == i)
+			end_attempt(p, k);
+		else
+			k++;
+}
+
+static void rank_forget_blocks(struct mrank *m)
+{
+	m->nblk = 0;
+	m->blk_unknown = false;
+}
+
+static bool eligible(const struct prog *p, int ri, int pinned, uint8_t allow, bool allow_some)
+{
+	if (ri == NO_IDX || pinned == BAD_PIN || !p->rk[ri].present)
+		return false;
+	if (pinned != NO_IDX && ri != pinned)
+		return false;
+	if (allow_some && !(allow & (1u << ri)))
+		return false;
+	return true;
+}
+
+static bool any_eligible(const struct prog *p, int pinned, uint8_t allow, bool allow_some)
+{
+	for (int i = 0; i < N_IDS; i++)
+		if (eligible(p, i, pinned, allow, allow_some))
+			return true;
+	return false;
+}
+
+static void add_attempt_at(struct prog *p, const struct kvr_decision *d, uint64_t touch)
+{
+	CHECK(d->attempt != 0, "admitted decision without an attempt");
+	int ri = rindex_of(d->rank);
+	CHECK(ri != NO_IDX && p->rk[ri].present, "admitted on an absent rank");
+	for (int k = 0; k < p->n_att; k++)
+		CHECK(p->att[k].id != d->attempt, "attempt id %" PRIu64 " issued twice",
+		      d->attempt);
+	for (int k = 0; k < p->n_ended; k++)
+		CHECK(p->ended[k] != d->attempt, "ended attempt id %" PRIu64 " reissued",
+		      d->attempt);
+	if (p->n_att == MAX_ATT) {
+		/* the model is full: finish the oldest for real */
+		cur_call = "finish (model full)";
+		int rc = kvr_request_finish(p->r, p->att[0].id);
+		CHECK(rc == 0 || rc == KVR_ESTALE, "rc %d", rc);
+		end_attempt(p, 0);
+	}
+	p->att[p->n_att++] =
+	    (struct matt){.id = d->attempt, .rank = ri, .life = p->rk[ri].life, .touch = touch};
+}
+
+static void add_attempt(struct prog *p, const struct kvr_decision *d)
+{
+	add_attempt_at(p, d, p->now);
+}
+
+static struct mtick *ticket_find(struct prog *p, uint64_t t)
+{
+	for (int k = 0; k < p->n_tix; k++)
+		if (p->tix[k].t == t)
+			return &p->tix[k];
+	return NULL;
+}
+
+static void ticket_drop(struct prog *p, struct mtick *m)
+{
+	*m = p->tix[--p->n_tix];
+}
+
+static bool admission_error_ok(int rc)
+{
+	return rc == KVR_ENOENT || rc == KVR_ENOMEM || rc == KVR_ERANGE;
+}
+
+/* A queued request's outcome (from on_admit, at once, or kvr_route_wait: then the admission may
+ * have happened any time since it was queued, and its lease has been running since). */
+static void ticket_outcome(struct prog *p, struct mtick *m, int rc, const struct kvr_decision *d,
+                           bool now)
+{
+	CHECK(d->ticket == m->t, "outcome for ticket %" PRIu64 " names %" PRIu64, m->t, d->ticket);
+	if (rc == 0 && d->status == KVR_DECIDED) {
+		int ri = rindex_of(d->rank);
+		if (now) {
+			CHECK(eligible(p, ri, m->pinned, m->allow, m->allow_some),
+			      "queued request admitted on an ineligible rank");
+			add_attempt(p, d);
+		} else {
+			/* Admitted some time since it was queued, on a rank eligible then. */
+			CHECK(ri != NO_IDX && (m->pinned == NO_IDX || ri == m->pinned) &&
+			          (!m->allow_some || (m->allow & (1u << ri))),
+			      "queued request admitted on an ineligible rank");
+			if (!p->rk[ri].present) {
+				/* removed since: stale either way */
+				p->ended[p->ended_pos] = d->attempt;
+				p->ended_pos = (p->ended_pos + 1) % MAX_END;
+				if (p->n_ended < MAX_END)
+					p->n_ended++;
+			} else {
+				add_attempt_at(p, d, m->enq);
+				if (p->rk[ri].life != m->life[ri])
+					p->att[p->n_att - 1].maybe_stale = true;
+			}
+		}
+	} else {
+		CHECK(d->status == KVR_FAILED, "outcome status %d rc %d", d->status, rc);
+		CHECK(admission_error_ok(d->error), "failed admission error %d", d->error);
+		CHECK(d->attempt == 0, "failed admission with an attempt");
+	}
+	ticket_drop(p, m);
+}
+
+/* Drains on_admit reports: each names a ticket that was queued, nobody waits on, and that has
+ * not been reported before. */
+static void drain_admits(struct prog *p)
+{
+	pthread_mutex_lock(&p->mu);
+	int n = p->n_adm;
+	p->n_adm = 0;
+	pthread_mutex_unlock(&p->mu);
+	for (int k = 0; k < n; k++) {
+		struct mtick *m = ticket_find(p, p->adm_ticket[k]);
+		CHECK(m, "on_admit for ticket %" PRIu64 " that is not queued", p->adm_ticket[k]);
+		CHECK(m->state == T_QUEUED && !m->waited,
+		      "on_admit for ticket %" PRIu64 " in state %d waited %d", m->t, m->state,
+		      m->waited);
+		ticket_outcome(p, m, p->adm_d[k].status == KVR_FAILED ? p->adm_d[k].error : 0,
+		               &p->adm_d[k], true);
+	}
+}
+
+/* Can the admission of queued requests be unknown to the model right now?  (Then per-rank
+ * active counts cannot be compared.) */
+static bool admissions_unknown(const struct prog *p)
+{
+	for (int k = 0; k < p->n_tix; k++)
+		if (p->tix[k].waited || !p->cfg.on_admit || p->tix[k].state != T_QUEUED)
+			return true;
+	return false;
+}
+
+static bool expiry_possible(const struct prog *p, const struct matt *a)
+{
+	return a->maybe_stale || p->now - a->touch >= p->cfg.lease_scan_interval_ns;
+}
+
+/* ---------------------------------------------------------------- generators */
+
+/* A prompt from a small family of shared prefixes, so decisions see overlap. */
+static size_t gen_tokens(struct prog *p, uint32_t *t, size_t cap)
+{
+	uint32_t bs = p->cfg.block_size;
+	uint32_t fam = u8(&p->in) % 6;
+	uint32_t kind = u8(&p->in);
+	size_t n;
+	if (kind < 8)
+		n = 1 + u8(&p->in) % (bs > 1 ? bs - 1 : 1); /* shorter than a block */
+	else if (kind < 16)
+		n = cap < 2000 ? cap : 2000;
+	else
+		n = (size_t)(u8(&p->in) % 16) * bs + u8(&p->in) % (bs + 1);
+	if (n == 0)
+		n = 1;
+	if (n > cap)
+		n = cap;
+	size_t shared = (size_t)(u8(&p->in) % 17) * bs;
+	uint32_t salt = u16(&p->in);
+	for (size_t i = 0; i < n; i++)
+		t[i] =
+		    i < shared ? fam * 100003u + (uint32_t)i : salt * 7919u + (uint32_t)i * 13u + 1;
+	return n;
+}
+
+static const char *gen_lora(struct prog *p)
+{
+	static const char *names[] = {NULL, NULL, NULL, NULL, "", "lora-a", "b"};
+	return names[u8(&p->in) % 7];
+}
+
+static int gen_rank_index(struct prog *p)
+{
+	return (int)(u8(&p->in) % N_IDS);
+}
+
+/* ---------------------------------------------------------------- checks of one call */
+
+static _Thread_local int last_rc;
+static void expect(int rc, int want, const char *what)
+{
+	last_rc = rc;
+	CHECK(rc == want, "%s: returned %d (%s), expected %d (%s)", what, rc, kvr_strerror(rc),
+	      want, kvr_strerror(want));
+}
+
+static void check_stats(struct prog *p, int i, const struct kvr_rank_stats *s)
+{
+	struct mrank *m = &p->rk[i];
+	CHECK(s->incarnation == m->inc, "stats incarnation %" PRIu64 " model %" PRIu64,
+	      s->incarnation, m->inc);
+	if (p->cfg.mode == KVR_MODE_EVENTS) {
+		if (!m->blk_unknown)
+			CHECK(s->indexed_blocks == (uint64_t)m->nblk,
+			      "events: indexed %" PRIu64 " model %d", s->indexed_blocks, m->nblk);
+	}
+	bool ambiguous = admissions_unknown(p);
+	uint64_t live = 0;
+	for (int k = 0; k < p->n_att; k++)
+		if (p->att[k].rank == i) {
+			live++;
+			ambiguous |= expiry_possible(p, &p->att[k]);
+		}
+	if (!ambiguous)
+		CHECK(s->active_requests == live,
+		      "rank %d active_requests %" PRIu64 " model %" PRIu64, i, s->active_requests,
+		      live);
+	else
+		CHECK(s->active_requests <= live + (uint64_t)p->n_tix,
+		      "rank %d active_requests %" PRIu64 " > model bound", i, s->active_requests);
+	if (s->active_requests == 0) {
+		CHECK(s->active_prefill_tokens == 0, "no request but %" PRIu64 " prefill tokens",
+		      s->active_prefill_tokens);
+		CHECK(s->active_blocks == 0, "no request but %" PRIu64 " active blocks",
+		      s->active_blocks);
+	}
+}
+
+static void check_blocks(struct prog *p, int i)
+{
+	struct mrank *m = &p->rk[i];
+	uint64_t out[MAX_BLK * 2 + 8];
+	size_t n = 0;
+	size_t cap = u8(&p->in) % 8 == 0 ? u8(&p->in) % 4 : sizeof(out) / sizeof(out[0]);
+	cur_call = "kvr_rank_blocks";
+	int rc = kvr_rank_blocks(p->r, rid(i), cap ? out : NULL, cap, &n);
+	if (!m->present) {
+		expect(rc, KVR_ENOENT, "blocks of an absent rank");
+		return;
+	}
+	CHECK(rc == 0 || rc == KVR_ERANGE, "rc %d", rc);
+	CHECK(rc == 0 ? n <= cap : n > cap, "rc %d n %zu cap %zu", rc, n, cap);
+	if (p->cfg.mode != KVR_MODE_EVENTS || m->blk_unknown || rc)
+		return;
+	CHECK(n == (size_t)m->nblk, "events: rank %d holds %zu blocks, model %d", i, n, m->nblk);
+	for (int k = 0; k < m->nblk; k++) {
+		bool f = false;
+		for (size_t j = 0; j < n && !f; j++)
+			f = out[j] == m->blk[k].ext;
+		CHECK(f, "events: block %" PRIx64 " missing", m->blk[k].ext);
+	}
+}
+
+/* ---------------------------------------------------------------- operations */
+
+static void op_rank_add(struct prog *p)
+{
+	int i = gen_rank_index(p);
+	static const uint64_t caps[] = {KVR_CAPACITY_NONE, 0, 1, 4, 16, 64, 1024, 100000};
+	static const uint32_t mbts[] = {0, 16, 64, 1000};
+	uint64_t cap = caps[u8(&p->in) % 8];
+	uint32_t mbt = mbts[u8(&p->in) % 4];
+	uint64_t inc = u8(&p->in) % 4;
+	cur_call = "kvr_rank_add";
+	snprintf(cur_detail, sizeof(cur_detail),
+	         "rank %d inc %" PRIu64 " cap %" PRIu64 " mbt %u mode %d max_ranks %u", i, inc, cap,
+	         mbt, (int)p->cfg.mode, p->cfg.max_ranks);
+	int rc = kvr_rank_add(p->r, rid(i), inc, cap, mbt);
+	struct mrank *m = &p->rk[i];
+	if (m->present)
+		expect(rc, KVR_EEXIST, "add of a present rank");
+	else if (n_present(p) >= (int)p->cfg.max_ranks)
+		expect(rc, KVR_ERANGE, "add beyond max_ranks");
+	else {
+		expect(rc, 0, "add");
+		uint64_t life = m->life;
+		memset(m, 0, sizeof(*m));
+		m->life = life + 1;
+		m->present = true;
+		m->inc = inc;
+		m->cap = cap;
+		m->mbt = mbt;
+		m->cap_finite_lru =
+		    p->cfg.mode == KVR_MODE_APPROX_LRU && cap != 0 && cap != KVR_CAPACITY_NONE;
+	}
+}
+
+static void op_rank_remove(struct prog *p)
+{
+	int i = gen_rank_index(p);
+	cur_call = "kvr_rank_remove";
+	snprintf(cur_detail, sizeof(cur_detail), "rank %d", i);
+	int rc = kvr_rank_remove(p->r, rid(i));
+	if (!p->rk[i].present) {
+		expect(rc, KVR_ENOENT, "remove of an absent rank");
+		return;
+	}
+	expect(rc, 0, "remove");
+	rank_new_life(p, i);
+	p->rk[i].present = false;
+	rank_forget_blocks(&p->rk[i]);
+}
+
+static void op_set_capacity(struct prog *p)
+{
+	int i = gen_rank_index(p);
+	struct mrank *m = &p->rk[i];
+	static const uint64_t caps[] = {KVR_CAPACITY_NONE, 0, 1, 4, 16, 64, 1024};
+	uint64_t cap = caps[u8(&p->in) % 7];
+	uint32_t k = u8(&p->in) % 4;
+	uint64_t inc = k == 0 && m->inc ? m->inc - 1 : k == 3 ? m->inc + 1 : m->inc;
+	cur_call = "kvr_rank_set_capacity";
+	snprintf(cur_detail, sizeof(cur_detail),
+	         "rank %d inc %" PRIu64 " -> %" PRIu64 " cap %" PRIu64 " -> %" PRIu64 " mode %d", i,
+	         m->inc, inc, m->cap, cap, (int)p->cfg.mode);
+	int rc = kvr_rank_set_capacity(p->r, rid(i), inc, cap);
+	if (!m->present) {
+		expect(rc, KVR_ENOENT, "set_capacity of an absent rank");
+		return;
+	}
+	if (inc < m->inc) {
+		expect(rc, KVR_ESTALE, "set_capacity with an older incarnation");
+		return;
+	}
+	bool finite_now = cap != 0 && cap != KVR_CAPACITY_NONE;
+	expect(rc, 0, "set_capacity");
+	if (inc != m->inc) {
+		rank_new_life(p, i);
+		rank_forget_blocks(m);
+		m->ev_unknown = true;
+	}
+	m->inc = inc;
+	m->cap = cap;
+	m->cap_finite_lru = p->cfg.mode == KVR_MODE_APPROX_LRU && finite_now;
+}
+
+static void op_rank_reset(struct prog *p)
+{
+	int i = gen_rank_index(p);
+	struct mrank *m = &p->rk[i];
+	uint32_t k = u8(&p->in) % 3;
+	uint64_t inc = k == 0 && m->inc ? m->inc - 1 : k == 1 ? m->inc : m->inc + 1;
+	cur_call = "kvr_rank_reset";
+	snprintf(cur_detail, sizeof(cur_detail), "rank %d inc %" PRIu64 " -> %" PRIu64, i, m->inc,
+	         inc);
+	int rc = kvr_rank_reset(p->r, rid(i), inc);
+	if (!m->present) {
+		expect(rc, KVR_ENOENT, "reset of an absent rank");
+		return;
+	}
+	if (inc < m->inc) {
+		expect(rc, KVR_ESTALE, "reset to an older incarnation");
+		return;
+	}
+	expect(rc, 0, "reset");
+	rank_new_life(p, i);
+	rank_forget_blocks(m);
+	m->ev_unknown = true;
+	m->inc = inc;
+}
+
+static void op_stats(struct prog *p)
+{
+	int i = gen_rank_index(p);
+	struct kvr_rank_stats s;
+	cur_call = "kvr_rank_get_stats";
+	int rc = kvr_rank_get_stats(p->r, rid(i), &s);
+	if (!p->rk[i].present) {
+		expect(rc, KVR_ENOENT, "stats of an absent rank");
+		return;
+	}
+	expect(rc, 0, "stats");
+	check_stats(p, i, &s);
+}
+
+/* Builds a request; *defect says which documented error it must get (0: none). */
+static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_id *pin,
+                        struct kvr_rank_id *allow, int *pinned, uint8_t *allow_set,
+                        bool *allow_some, int *defect, bool *erange9)
+{
+	kvr_request_init(q);
+	uint32_t bs = p->cfg.block_size;
+	*defect = 0;
+	*erange9 = false;
+	*pinned = NO_IDX;
+	*allow_set = 0;
+	*allow_some = false;
+	size_t n = gen_tokens(p, p->toks, MAX_TOK);
+	q->lora_name = gen_lora(p);
+	if (u8(&p->in) % 4 == 0) {
+		/* precomputed local hashes of the same prompt */
+		size_t nb = kvr_hash_blocks(p->toks, n, bs, q->lora_name, p->hashes, NULL);
+		q->local_hashes = p->hashes;
+		q->n_hashes = nb ? nb - u8(&p->in) % (nb + 1) % 2 : 0;
+		q->n_tokens = n;
+		if (u8(&p->in) % 16 == 0) /* huge, hash-given: at the limit or past it */
+			q->n_tokens = KVR_MAX_PROMPT_TOKENS + (u8(&p->in) % 2 ? 0 : 1 + u8(&p->in));
+	} else {
+		q->tokens = p->toks;
+		q->n_tokens = n;
+	}
+	q->request_id = u16(&p->in);
+	q->expected_output_tokens = u8(&p->in) % 4 == 0 ? u16(&p->in) : 0;
+	uint32_t pk = u8(&p->in);
+	if (pk % 5 == 0) {
+		*pin = rid(gen_rank_index(p));
+		if (u8(&p->in) % 8 == 0)
+			pin->worker_id += 1000; /* unknown rank */
+		q->pinned = pin;
+		*pinned = rindex_of(*pin);
+		if (*pinned == NO_IDX)
+			*pinned = BAD_PIN;
+	}
+	if (pk % 7 == 1) {
+		size_t na = 1 + u8(&p->in) % 4;
+		for (size_t k = 0; k < na; k++) {
+			allow[k] = rid(gen_rank_index(p));
+			if (u8(&p->in) % 8 == 0)
+				allow[k].dp_rank = 7; /* unknown */
+			int ri = rindex_of(allow[k]);
+			if (ri != NO_IDX)
+				*allow_set |= (uint8_t)(1u << ri);
+		}
+		if (q->pinned && u8(&p->in) % 2)
+			allow[0] = *pin;
+		if (q->pinned) {
+			int ri = rindex_of(allow[0]);
+			if (ri != NO_IDX)
+				*allow_set |= (uint8_t)(1u << ri);
+		}
+		q->allow = allow;
+		q->n_allow = na;
+		*allow_some = true;
+		if (na > p->cfg.max_ranks)
+			*erange9 = true;
+		if (q->pinned) {
+			bool in = false;
+			for (size_t k = 0; k < na; k++)
+				in |= allow[k].worker_id == pin->worker_id &&
+				      allow[k].dp_rank == pin->dp_rank;
+			if (!in)
+				*defect = KVR_EINVAL;
+		}
+	}
+	uint32_t fl = u8(&p->in);
+	if (fl % 6 == 0)
+		q->flags |= KVR_ROUTE_QUERY_ONLY;
+	if (fl % 5 == 1) {
+		q->flags |= KVR_ROUTE_WAIT;
+		q->deadline_ns = p->now - (fl & 1); /* never in the future: time is virtual */
+	}
+	uint32_t ov = u8(&p->in);
+	if (ov % 8 == 0)
+		q->temperature = (double)(ov % 5) * 0.5;
+	if (ov % 8 == 1)
+		q->overlap_credit = (double)(ov % 3);
+	if (ov % 8 == 2)
+		q->prefill_load_scale = 0.25 * (double)(ov % 9);
+	/* At most one malformation, so the expected code is clear. */
+	switch (u8(&p->in) % 24) {
+	case 0:
+		q->tokens = p->toks;
+		q->local_hashes = p->hashes; /* both */
+		*defect = KVR_EINVAL;
+		break;
+	case 1:
+		q->tokens = NULL;
+		q->local_hashes = NULL; /* neither */
+		*defect = KVR_EINVAL;
+		break;
+	case 2:
+		q->n_tokens = 0;
+		*defect = KVR_EINVAL;
+		break;
+	case 3:
+		if (q->local_hashes) {
+			q->n_hashes = q->n_tokens / bs + 1;
+			*defect = KVR_EINVAL;
+		}
+		break;
+	case 4:
+		q->allow = NULL;
+		q->n_allow = 1 + u8(&p->in) % 3;
+		*defect = KVR_EINVAL;
+		break;
+	case 5:
+		q->temperature = NAN;
+		*defect = KVR_EINVAL;
+		break;
+	case 6:
+		q->overlap_credit = INFINITY;
+		*defect = KVR_EINVAL;
+		break;
+	case 7:
+		q->flags |= 1u << (2 + u8(&p->in) % 30);
+		*defect = KVR_EINVAL;
+		break;
+	case 8: {
+		/* a long allow list repeating one rank: more entries than max_ranks */
+		int ri = gen_rank_index(p);
+		size_t na = p->cfg.max_ranks + 1 + u8(&p->in) % 3;
+		if (na > 16)
+			na = 16;
+		for (size_t k = 0; k < na; k++)
+			allow[k] = rid(ri);
+		q->allow = allow;
+		q->n_allow = na;
+		q->pinned = NULL;
+		*pinned = NO_IDX;
+		*allow_set = (uint8_t)(1u << ri);
+		*allow_some = true;
+		*erange9 = na > p->cfg.max_ranks;
+		break;
+	}
+	default:
+		break;
+	}
+}
+
+static void ticket_new(struct prog *p, uint64_t t, bool waited, int pinned, uint8_t aset,
+                       bool asome)
+{
+	struct mtick *m = &p->tix[p->n_tix++];
+	*m = (struct mtick){.t = t,
+	                    .state = T_QUEUED,
+	                    .waited = waited,
+	                    .pinned = pinned,
+	                    .allow = aset,
+	                    .allow_some = asome,
+	                    .enq = p->now};
+	for (int i = 0; i < N_IDS; i++)
+		m->life[i] = p->rk[i].life;
+}
+
+static void op_route(struct prog *p)
+{
+	struct kvr_request q;
+	struct kvr_rank_id pin, allow[16];
+	int pinned, defect;
+	uint8_t aset;
+	bool asome, erange9;
+	gen_request(p, &q, &pin, allow, &pinned, &aset, &asome, &defect, &erange9);
+	/* Recompute malformations from the request itself (the generator may combine them). */
+	uint32_t bs = p->cfg.block_size;
+	bool bad = (q.tokens != NULL) == (q.local_hashes != NULL) || q.n_tokens == 0 ||
+	           q.n_tokens > KVR_MAX_PROMPT_TOKENS ||
+	           (q.local_hashes && q.n_hashes > q.n_tokens / bs) || (q.n_allow && !q.allow) ||
+	           isnan(q.temperature) || isinf(q.overlap_credit) ||
+	           (q.flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT));
+	if (q.pinned && q.n_allow && q.allow) {
+		bool in = false;
+		for (size_t k = 0; k < q.n_allow; k++)
+			in |= q.allow[k].worker_id == q.pinned->worker_id &&
+			      q.allow[k].dp_rank == q.pinned->dp_rank;
+		bad |= !in;
+	}
+	struct kvr_decision d;
+	memset(&d, 0xa5, sizeof(d));
+	cur_call = "kvr_route";
+	p->routes++;
+	unsigned present = 0;
+	for (int i = 0; i < N_IDS; i++)
+		present |= (unsigned)p->rk[i].present << i;
+	snprintf(
+	    cur_detail, sizeof(cur_detail),
+	    "present %02x pinned %d allow %02x/%d n_allow %zu flags %x ntok %zu nh %zu hashes %d",
+	    present, pinned, aset, asome, q.n_allow, q.flags, q.n_tokens, q.n_hashes,
+	    q.local_hashes != NULL);
+	int rc = kvr_route(p->r, &q, &d);
+	drain_admits(p);
+	(void)erange9; /* allow lists of any length are fine (issue 12 item 9) */
+	if (bad) {
+		expect(rc, KVR_EINVAL, "malformed request");
+		return;
+	}
+	if (!any_eligible(p, pinned, aset, asome)) {
+		expect(rc, KVR_ENOENT, "no eligible rank");
+		return;
+	}
+	bool queue_on = p->cfg.queue_threshold > 0;
+	bool qo = q.flags & KVR_ROUTE_QUERY_ONLY;
+	if (rc == KVR_EAGAIN) {
+		int open = 0;
+		for (int k = 0; k < p->n_tix; k++)
+			open += p->tix[k].state != T_DONE;
+		CHECK(queue_on && !qo, "KVR_EAGAIN without a queue");
+		CHECK(open >= (int)p->cfg.queue_capacity, "KVR_EAGAIN with at most %d of %u queued",
+		      open, p->cfg.queue_capacity);
+		return;
+	}
+	if (rc == KVR_ETIMEDOUT) {
+		CHECK(queue_on && !qo && (q.flags & KVR_ROUTE_WAIT),
+		      "KVR_ETIMEDOUT without waiting");
+		CHECK(d.status == KVR_QUEUED && d.ticket != 0, "timed out without a ticket");
+		CHECK(p->n_tix < MAX_TIX, "model tickets full");
+		CHECK(!ticket_find(p, d.ticket), "ticket %" PRIu64 " reissued", d.ticket);
+		ticket_new(p, d.ticket, true, pinned, aset, asome);
+		return;
+	}
+	if (rc != 0) {
+		char *o = cur_detail + strlen(cur_detail);
+		for (int i = 0; i < N_IDS; i++) {
+			struct kvr_rank_stats st;
+			int src = kvr_rank_get_stats(p->r, rid(i), &st);
+			o += snprintf(o, 8, " %d:%d", i, src);
+		}
+	}
+	expect(rc, 0, "route");
+	size_t nb = q.tokens ? q.n_tokens / bs : q.n_hashes;
+	if (d.status == KVR_QUEUED) {
+		CHECK(queue_on && !qo, "queued without a queue (or query-only)");
+		CHECK(!(q.flags & KVR_ROUTE_WAIT), "KVR_ROUTE_WAIT returned a queued decision");
+		CHECK(d.ticket != 0 && d.ticket > p->max_ticket, "ticket %" PRIu64 " not new",
+		      d.ticket);
+		p->max_ticket = d.ticket;
+		CHECK(p->n_tix < MAX_TIX, "model tickets full");
+		ticket_new(p, d.ticket, false, pinned, aset, asome);
+		return;
+	}
+	CHECK(d.status == KVR_DECIDED, "status %d", d.status);
+	CHECK(eligible(p, rindex_of(d.rank), pinned, aset, asome), "decided on an ineligible rank");
+	CHECK(d.required_blocks == nb, "required_blocks %u expected %zu", d.required_blocks, nb);
+	CHECK(d.overlap_blocks <= d.required_blocks, "overlap %u > required %u", d.overlap_blocks,
+	      d.required_blocks);
+	CHECK(d.cached_tokens == (uint64_t)d.overlap_blocks * bs, "cached_tokens");
+	if (qo) {
+		CHECK(d.attempt == 0, "query-only decision with an attempt");
+		return;
+	}
+	if (d.ticket && (q.flags & KVR_ROUTE_WAIT)) {
+		/* queued, then admitted within the wait */
+		CHECK(!ticket_find(p, d.ticket), "ticket reissued");
+	}
+	add_attempt(p, &d);
+}
+
+static void op_wait(struct prog *p)
+{
+	uint64_t t;
+	uint32_t k = u8(&p->in);
+	if (p->n_tix && k % 4)
+		t = p->tix[k % (uint32_t)p->n_tix].t;
+	else
+		t = k % 8 == 0 ? 0 : p->max_ticket + 1 + k;
+	struct kvr_decision d;
+	memset(&d, 0xa5, sizeof(d));
+	cur_call = "kvr_route_wait";
+	int rc = kvr_route_wait(p->r, t, p->now ? p->now : 1, &d);
+	drain_admits(p);
+	if (t == 0) {
+		expect(rc, KVR_EINVAL, "wait on ticket 0");
+		return;
+	}
+	struct mtick *m = ticket_find(p, t);
+	if (!m) {
+		expect(rc, KVR_ENOENT, "wait on an unknown or collected ticket");
+		return;
+	}
+	m->waited = true;
+	if (rc == KVR_ETIMEDOUT) {
+		CHECK(m->state == T_QUEUED, "timed out on an admitted ticket");
+		return;
+	}
+	if (rc == 0) {
+		CHECK(d.status == KVR_DECIDED, "wait: status %d", d.status);
+		ticket_outcome(p, m, 0, &d, false);
+		return;
+	}
+	CHECK(admission_error_ok(rc) && d.status == KVR_FAILED && d.error == rc,
+	      "wait: rc %d status %d error %d", rc, d.status, d.error);
+	ticket_outcome(p, m, rc, &d, false);
+}
+
+static void op_cancel(struct prog *p)
+{
+	uint64_t t;
+	uint32_t k = u8(&p->in);
+	if (p->n_tix && k % 4)
+		t = p->tix[k % (uint32_t)p->n_tix].t;
+	else
+		t = k % 8 == 0 ? 0 : p->max_ticket + 1 + k;
+	cur_call = "kvr_route_cancel";
+	int rc = kvr_route_cancel(p->r, t);
+	drain_admits(p);
+	if (t == 0) {
+		expect(rc, KVR_EINVAL, "cancel of ticket 0");
+		return;
+	}
+	struct mtick *m = ticket_find(p, t);
+	if (!m) {
+		expect(rc, KVR_ENOENT, "cancel of an unknown or collected ticket");
+		return;
+	}
+	if (rc == 0) {
+		CHECK(m->state == T_QUEUED, "cancelled an admitted ticket");
+		ticket_drop(p, m);
+		return;
+	}
+	expect(rc, KVR_ENOENT, "cancel");
+	/* Not queued any more: admitted or failed, to be collected by kvr_route_wait (an on_admit
+	 * report would have come already: every pump finishes within the call that ran it). */
+	CHECK(m->waited || !p->cfg.on_admit,
+	      "cancel says not queued but on_admit never told ticket %" PRIu64, t);
+	m->state = T_ADMITTED_UNCOLLECTED;
+}
+
+static uint64_t pick_attempt(struct prog *p, int *k_out)
+{
+	uint32_t k = u8(&p->in);
+	*k_out = -1;
+	if (p->n_att && k % 8 < 5) {
+		*k_out = (int)(k % (uint32_t)p->n_att);
+		return p->att[*k_out].id;
+	}
+	if (p->n_ended && k % 8 < 7)
+		return p->ended[k % (uint32_t)p->n_ended];
+	switch (k % 4) {
+	case 0:
+		return 0;
+	case 1:
+		return u64(&p->in); /* made up */
+	case 2:
+		return (u64(&p->in) << 16) | (k % p->cfg.max_ranks); /* a plausible slot */
+	default:
+		/* an id of a later decision: every route mints at most one sequence number */
+		return ((p->routes + 4096) << 16) | (k % p->cfg.max_ranks);
+	}
+}
+
+static void op_lifecycle(struct prog *p, int op)
+{
+	int k;
+	uint64_t a = pick_attempt(p, &k);
+	int rc;
+	size_t n = 0;
+	bool null_tokens = false;
+	switch (op) {
+	case 0:
+		cur_call = "kvr_request_prefill_done";
+		rc = kvr_request_prefill_done(p->r, a);
+		break;
+	case 1:
+		cur_call = "kvr_request_output";
+		n = u8(&p->in) % 40;
+		null_tokens = n && u8(&p->in) % 16 == 0;
+		for (size_t i = 0; i < n; i++)
+			p->toks[i] = u16(&p->in);
+		rc = kvr_request_output(p->r, a, null_tokens ? NULL : p->toks, n);
+		break;
+	case 2:
+		cur_call = "kvr_request_finish";
+		rc = kvr_request_finish(p->r, a);
+		break;
+	default:
+		cur_call = "kvr_request_abort";
+		rc = kvr_request_abort(p->r, a);
+		break;
+	}
+	drain_admits(p);
+	if (a == 0 || null_tokens) {
+		expect(rc, KVR_EINVAL, "attempt 0 or NULL tokens");
+		return;
+	}
+	if (k < 0) {
+		/* ended (must stay stale) or never issued */
+		bool ended = false;
+		for (int j = 0; j < p->n_ended; j++)
+			ended |= p->ended[j] == a;
+		if (ended)
+			expect(rc, KVR_ESTALE, "call on an ended attempt");
+		else
+			CHECK(rc == KVR_ESTALE || rc == KVR_ENOENT, "made-up attempt: rc %d", rc);
+		return;
+	}
+	/* k may have moved if drain_admits added attempts (appends only): find it again */
+	for (k = 0; k < p->n_att && p->att[k].id != a; k++)
+		;
+	if (k == p->n_att)
+		return; /* finished by add_attempt to make room in the model */
+	snprintf(cur_detail, sizeof(cur_detail),
+	         "attempt %" PRIx64 " rank %d life %" PRIu64 "/%" PRIu64 " touch %" PRIu64
+	         " now %" PRIu64 " scan %" PRIu64,
+	         a, p->att[k].rank, p->att[k].life, p->rk[p->att[k].rank].life, p->att[k].touch,
+	         p->now, p->cfg.lease_scan_interval_ns);
+	if (rc == KVR_ESTALE && expiry_possible(p, &p->att[k])) {
+		end_attempt(p, k); /* the lease expired */
+		return;
+	}
+	expect(rc, 0, "call on a live attempt");
+	if (op >= 2)
+		end_attempt(p, k);
+	else
+		p->att[k].touch = p->now;
+}
+
+/* Events: well-formed ones follow the model's chains; malformed ones are each one defect. */
+static uint64_t node_of(uint64_t parent_node, uint64_t local)
+{
+	uint64_t h = parent_node ^ (local + 0x9e3779b97f4a7c15ull + (parent_node << 6));
+	h ^= h >> 31;
+	h *= 0xbf58476d1ce4e5b9ull;
+	return h ^ (h >> 29) ^ 1;
+}
+
+static int blk_find_ext(const struct mrank *m, uint64_t ext)
+{
+	for (int k = 0; k < m->nblk; k++)
+		if (m->blk[k].ext == ext)
+			return k;
+	return -1;
+}
+
+static int blk_find_node(const struct mrank *m, uint64_t node)
+{
+	for (int k = 0; k < m->nblk; k++)
+		if (m->blk[k].node == node)
+			return k;
+	return -1;
+}
+
+static void op_event(struct prog *p)
+{
+	int i = gen_rank_index(p);
+	struct kvr_rank_id id = rid(i);
+	struct mrank *m = &p->rk[i];
+	uint32_t bs = p->cfg.block_size;
+	struct kvr_event ev;
+	memset(&ev, 0, sizeof(ev));
+	struct kvr_event_block b[8];
+	uint64_t rm[8];
+	uint32_t kind = u8(&p->in);
+	ev.type = kind % 16 < 10   ? KVR_EVENT_STORED
+	          : kind % 16 < 14 ? KVR_EVENT_REMOVED
+	                           : KVR_EVENT_CLEARED;
+	uint32_t idk = u8(&p->in) % 8;
+	ev.event_id = idk == 0   ? 0
+	              : idk < 6  ? m->last_ev + 1
+	              : idk == 6 ? m->last_ev + 3
+	                         : m->last_ev;
+	if (idk == 7 && m->last_ev == 0)
+		ev.event_id = 0;
+	int defect = 0;
+	size_t nb = 1 + u8(&p->in) % 6;
+	uint64_t ext_base = (u8(&p->in) % 32) << 8;
+	if (ev.type == KVR_EVENT_STORED) {
+		if (m->nblk && u8(&p->in) % 3) {
+			ev.has_parent = true;
+			ev.parent_ext_hash = m->blk[u8(&p->in) % (uint32_t)m->nblk].ext;
+		} else if (u8(&p->in) % 8 == 0) {
+			ev.has_parent = true;
+			ev.parent_ext_hash = 0xdead0000 + u8(&p->in); /* not held */
+		}
+		ev.lora_name = gen_lora(p);
+		for (size_t k = 0; k < nb; k++) {
+			b[k].ext_hash = ext_base + k + 1 + (u8(&p->in) % 4 == 0 ? 7 : 0);
+			if (u8(&p->in) % 2) {
+				for (uint32_t t = 0; t < bs && t < 64; t++)
+					p->toks[k * 64 + t] = (uint32_t)(b[k].ext_hash * 31 + t);
+				b[k].tokens = bs <= 64 ? &p->toks[k * 64] : NULL;
+				b[k].n_tokens = bs;
+				b[k].local_hash = 0;
+			} else {
+				b[k].tokens = NULL;
+				b[k].local_hash = b[k].ext_hash * 0x100000001b3ull;
+				b[k].n_tokens = 0;
+			}
+		}
+		ev.blocks = b;
+		ev.n_blocks = nb;
+		if (ev.has_parent && b[0].ext_hash == ev.parent_ext_hash)
+			defect = KVR_EINVAL; /* drawn as its own parent */
+		switch (u8(&p->in) % 12) {
+		case 0:
+			ev.n_blocks = 0;
+			defect = KVR_EINVAL;
+			break;
+		case 1:
+			ev.blocks = NULL;
+			defect = KVR_EINVAL;
+			break;
+		case 2:
+			if (b[0].tokens) {
+				b[0].n_tokens = bs + 1;
+				defect = KVR_EINVAL;
+			}
+			break;
+		case 3:
+			if (nb > 1) {
+				b[1].ext_hash = b[0].ext_hash; /* self-parent */
+				defect = KVR_EINVAL;
+			} else if (ev.has_parent) {
+				b[0].ext_hash = ev.parent_ext_hash;
+				defect = KVR_EINVAL;
+			}
+			break;
+		default:
+			break;
+		}
+	} else if (ev.type == KVR_EVENT_REMOVED) {
+		size_t nr = 1 + u8(&p->in) % 4;
+		for (size_t k = 0; k < nr; k++)
+			rm[k] = m->nblk && u8(&p->in) % 4
+			            ? m->blk[u8(&p->in) % (uint32_t)m->nblk].ext
+			            : 0xbeef0000 + u8(&p->in);
+		ev.removed = rm;
+		ev.n_removed = nr;
+		if (u8(&p->in) % 10 == 0) {
+			ev.removed = NULL;
+			defect = KVR_EINVAL;
+		} else if (u8(&p->in) % 10 == 0) {
+			ev.n_removed = 0;
+			defect = KVR_EINVAL;
+		}
+	}
+	if (u8(&p->in) % 40 == 0) {
+		ev.type = 3 + u8(&p->in) % 5; /* unknown type */
+		defect = KVR_EINVAL;
+	}
+	cur_call = "kvr_events_apply";
+	int rc = kvr_events_apply(p->r, id, &ev);
+	if (p->cfg.mode != KVR_MODE_EVENTS) {
+		expect(rc, KVR_EINVAL, "event outside events mode");
+		return;
+	}
+	if (defect) {
+		expect(rc, defect, "malformed event");
+		return;
+	}
+	if (!m->present) {
+		expect(rc, KVR_ENOENT, "event for an absent rank");
+		return;
+	}
+	/* Event ids: after a reset or new incarnation the model does not assume the cursor. */
+	if (ev.event_id) {
+		if (m->ev_unknown) {
+			if (rc == KVR_ESTALE)
+				return;
+		} else if (m->have_ev && ev.event_id <= m->last_ev) {
+			expect(rc, KVR_ESTALE, "event id at or below the last applied");
+			return;
+		}
+		m->have_ev = true;
+		m->ev_unknown = false;
+		m->last_ev = ev.event_id;
+	}
+	if (ev.type == KVR_EVENT_CLEARED) {
+		expect(rc, 0, "cleared");
+		for (int j = 0; j < N_IDS; j++)
+			if (rid(j).worker_id == id.worker_id && p->rk[j].present)
+				rank_forget_blocks(&p->rk[j]);
+		return;
+	}
+	if (ev.type == KVR_EVENT_REMOVED) {
+		expect(rc, 0, "removed");
+		for (size_t k = 0; k < ev.n_removed; k++) {
+			int f = blk_find_ext(m, ev.removed[k]);
+			if (f >= 0)
+				m->blk[f] = m->blk[--m->nblk];
+		}
+		return;
+	}
+	/* stored */
+	uint64_t parent_node = 0;
+	if (ev.has_parent) {
+		int f = blk_find_ext(m, ev.parent_ext_hash);
+		if (f < 0) {
+			if (!m->blk_unknown)
+				expect(rc, KVR_ENOENT,
+				       "stored below a parent the rank does not hold");
+			return;
+		}
+		parent_node = m->blk[f].node;
+	}
+	int want = 0;
+	for (size_t k = 0; k < ev.n_blocks; k++) {
+		uint64_t local;
+		if (b[k].tokens)
+			kvr_hash_blocks(b[k].tokens, bs, bs, ev.lora_name, &local, NULL);
+		else
+			local = b[k].local_hash;
+		uint64_t node = node_of(parent_node, local);
+		int fe = blk_find_ext(m, b[k].ext_hash), fn = blk_find_node(m, node);
+		if (fe >= 0 || fn >= 0) {
+			if (fe >= 0 && fe == fn) {
+				parent_node = node; /* re-storing what it holds: no-op */
+				continue;
+			}
+			want = KVR_EINVAL; /* ext reused for another block, or block under another
+			                      ext */
+			break;
+		}
+		if (m->nblk == MAX_BLK) {
+			m->blk_unknown = true;
+			break;
+		}
+		m->blk[m->nblk++] = (struct mblk){.ext = b[k].ext_hash, .node = node};
+		parent_node = node;
+	}
+	if (m->blk_unknown) {
+		CHECK(rc == 0 || rc == KVR_EINVAL || rc == KVR_ENOENT, "stored: rc %d", rc);
+		return;
+	}
+	expect(rc, want, "stored");
+}
+
+static void op_metrics(struct prog *p)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	size_t cap = u8(&p->in) % 4 == 0 ? u8(&p->in) : sizeof(buf);
+	cur_call = "kvr_metrics_render";
+	int rc = kvr_metrics_render(p->r, cap ? buf : NULL, cap, &len);
+	/* *len_out is the size the text needs, its NUL included. */
+	if (rc == 0) {
+		CHECK(len >= 1 && len <= cap && buf[len - 1] == 0 && strlen(buf) == len - 1,
+		      "metrics: size %zu cap %zu strlen %zu", len, cap, strlen(buf));
+	} else {
+		expect(rc, KVR_ERANGE, "metrics");
+		CHECK(len > cap, "metrics: ERANGE with size %zu <= cap %zu", len, cap);
+		if (cap)
+			CHECK(memchr(buf, 0, cap) != NULL, "metrics: not NUL-terminated");
+	}
+}
+
+static void op_clock(struct prog *p)
+{
+	uint32_t k = u8(&p->in) % 8;
+	uint64_t step = k < 4   ? (uint64_t)(k + 1) * 1000000ull
+	                : k < 6 ? p->cfg.lease_scan_interval_ns / 2 + 1
+	                : k < 7 ? p->cfg.lease_scan_interval_ns + 1
+	                        : p->cfg.ttl_ns + 1;
+	__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
+	if (u8(&p->in) % 2) {
+		cur_call = "kvr_router_sync";
+		int rc = kvr_router_sync(p->r, 10000);
+		drain_admits(p);
+		expect(rc, 0, "sync");
+	}
+}
+
+static void op_sync(struct prog *p)
+{
+	cur_call = "kvr_router_sync";
+	int rc = kvr_router_sync(p->r, 10000);
+	drain_admits(p);
+	expect(rc, 0, "sync");
+}
+
+static void op_hash(struct prog *p)
+{
+	uint32_t bs = u8(&p->in) % 3 == 0 ? 0 : 1 + u8(&p->in) % 32;
+	size_t n = u8(&p->in);
+	for (size_t i = 0; i < n; i++)
+		p->toks[i] = u16(&p->in);
+	const char *lora = gen_lora(p);
+	uint64_t l1[256], s1[256], l2[256], s2[256];
+	bool null_tok = n && u8(&p->in) % 8 == 0;
+	cur_call = "kvr_hash_blocks";
+	size_t nb = kvr_hash_blocks(null_tok ? NULL : p->toks, n, bs, lora, l1, s1);
+	if (bs == 0 || null_tok) {
+		CHECK(nb == 0, "hash_blocks on bad arguments wrote %zu", nb);
+	} else {
+		CHECK(nb == n / bs, "hash_blocks %zu blocks of %zu tokens / %u", nb, n, bs);
+	}
+	size_t nb2 = 99;
+	cur_call = "kvr_hash_extend";
+	int rc = kvr_hash_extend(NULL, null_tok ? NULL : p->toks, n, bs, lora, l2, s2, &nb2);
+	if (bs == 0 || null_tok) {
+		expect(rc, KVR_EINVAL, "hash_extend bad arguments");
+	} else {
+		expect(rc, 0, "hash_extend");
+		CHECK(nb2 == nb && !memcmp(l1, l2, nb * 8) && !memcmp(s1, s2, nb * 8),
+		      "hash_extend(NULL parent) differs from hash_blocks");
+		/* chaining: hashing a prefix then extending equals hashing the whole */
+		if (nb >= 2) {
+			size_t cut = (nb / 2) * bs;
+			size_t nb3;
+			uint64_t l3[256], s3[256];
+			CHECK(kvr_hash_extend(&s1[nb / 2 - 1], p->toks + cut, n - cut, bs, lora, l3,
+			                      s3, &nb3) == 0,
+			      "extend");
+			CHECK(nb3 == nb - nb / 2 && !memcmp(s3, s1 + nb / 2, nb3 * 8),
+			      "extend does not continue the chain");
+		}
+	}
+	CHECK(kvr_hash_extend(NULL, p->toks, n, bs ? bs : 1, lora, NULL, NULL, NULL) == KVR_EINVAL,
+	      "hash_extend without n_blocks_out");
+	uint64_t seed = kvr_hash_lora_seed(lora);
+	if (!lora || !*lora)
+		CHECK(seed == KVR_HASH_SEED, "lora seed of no adapter");
+}
+
+static void op_config(struct prog *p)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	int want = 0;
+	switch (u8(&p->in) % 14) {
+	case 0:
+		c.block_size = u8(&p->in) % 2 ? 0 : 65537;
+		want = KVR_ERANGE;
+		break;
+	case 1:
+		c.n_shards = 257 + u8(&p->in);
+		want = KVR_ERANGE;
+		break;
+	case 2:
+		c.n_cpus = 1;
+		want = KVR_EINVAL;
+		break;
+	case 3:
+		c.mode = (enum kvr_mode)(3 + u8(&p->in) % 9);
+		want = KVR_EINVAL;
+		break;
+	case 4:
+		c.overlap_credit = -0.5;
+		want = KVR_EINVAL;
+		break;
+	case 5:
+		c.queue_threshold = NAN;
+		want = KVR_EINVAL;
+		break;
+	case 6:
+		c.ttl_ns = 0;
+		want = KVR_EINVAL;
+		break;
+	case 7:
+		c.queue_policy = (enum kvr_queue_policy)(2 + u8(&p->in) % 5);
+		want = KVR_EINVAL;
+		break;
+	case 8:
+		c.queue_capacity = 0;
+		want = KVR_ERANGE;
+		break;
+	case 9:
+		c.max_ranks = u8(&p->in) % 2 ? 0 : 65537;
+		want = KVR_ERANGE;
+		break;
+	case 10:
+		c.lane_capacity = u8(&p->in) % 2 ? 1 : (1u << 22) + 1;
+		want = KVR_ERANGE;
+		break;
+	case 11:
+		c.maint_every_ns = 0;
+		want = KVR_EINVAL;
+		break;
+	case 12:
+		c.block_size = 1 + u16(&p->in);
+		c.max_ranks = 1 + u16(&p->in);
+		c.temperature = u8(&p->in);
+		break;
+	default:
+		break;
+	}
+	cur_call = "kvr_config_validate";
+	expect(kvr_config_validate(&c), want, "config_validate");
+	if (want) {
+		struct kvr_router *r = (struct kvr_router *)&c;
+		cur_call = "kvr_router_create (bad config)";
+		expect(kvr_router_create(&c, &r), want, "create with a bad config");
+		CHECK(r == NULL, "create failed but *out was not cleared");
+	}
+	expect(kvr_config_validate(NULL), KVR_EINVAL, "validate NULL");
+	kvr_config_init(NULL);
+	CHECK(kvr_strerror((int)u8(&p->in) - 200) != NULL, "strerror NULL");
+	CHECK(kvr_version() && !strcmp(kvr_version(), KVR_VERSION_STRING), "version");
+}
+
+static void op_null_args(struct prog *p)
+{
+	struct kvr_decision d;
+	struct kvr_rank_stats s;
+	struct kvr_config c;
+	size_t n;
+	uint32_t k = u8(&p->in) % 14;
+	cur_call = "NULL arguments";
+	switch (k) {
+	case 0:
+		expect(kvr_route(NULL, NULL, &d), KVR_EINVAL, "route(NULL)");
+		break;
+	case 1:
+		expect(kvr_route(p->r, NULL, &d), KVR_EINVAL, "route(req NULL)");
+		break;
+	case 2: {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = p->toks;
+		q.n_tokens = 1;
+		expect(kvr_route(p->r, &q, NULL), KVR_EINVAL, "route(d NULL)");
+		break;
+	}
+	case 3:
+		expect(kvr_rank_get_stats(p->r, rid(0), NULL), KVR_EINVAL, "stats(out NULL)");
+		break;
+	case 4:
+		expect(kvr_rank_blocks(p->r, rid(0), NULL, 0, NULL), KVR_EINVAL, "blocks(n NULL)");
+		expect(kvr_rank_blocks(p->r, rid(0), NULL, 4, &n), KVR_EINVAL, "blocks(out NULL)");
+		break;
+	case 5:
+		expect(kvr_router_get_config(NULL, &c), KVR_EINVAL, "get_config(NULL)");
+		expect(kvr_router_get_config(p->r, NULL), KVR_EINVAL, "get_config(out NULL)");
+		break;
+	case 6:
+		CHECK(kvr_router_now(NULL) == 0, "now(NULL)");
+		CHECK(kvr_router_now(p->r) == p->now, "now");
+		break;
+	case 7:
+		expect(kvr_router_get_config(p->r, &c), 0, "get_config");
+		CHECK(c.block_size == p->cfg.block_size && c.mode == p->cfg.mode &&
+		          c.max_ranks == p->cfg.max_ranks &&
+		          c.queue_capacity == p->cfg.queue_capacity &&
+		          c.n_shards == p->cfg.n_shards && c.cpu_list == NULL,
+		      "get_config differs");
+		break;
+	case 8:
+		expect(kvr_route_wait(NULL, 1, 0, &d), KVR_EINVAL, "wait(NULL)");
+		expect(kvr_route_wait(p->r, 1, 0, NULL), KVR_EINVAL, "wait(d NULL)");
+		expect(kvr_route_cancel(NULL, 1), KVR_EINVAL, "cancel(NULL)");
+		break;
+	case 9:
+		expect(kvr_request_finish(NULL, 1), KVR_EINVAL, "finish(NULL)");
+		expect(kvr_request_prefill_done(NULL, 1), KVR_EINVAL, "prefill_done(NULL)");
+		expect(kvr_request_abort(NULL, 1), KVR_EINVAL, "abort(NULL)");
+		expect(kvr_request_output(NULL, 1, p->toks, 1), KVR_EINVAL, "output(NULL)");
+		break;
+	case 10:
+		expect(kvr_events_apply(p->r, rid(0), NULL), KVR_EINVAL, "events(NULL)");
+		expect(kvr_events_apply(NULL, rid(0), NULL), KVR_EINVAL, "events(r NULL)");
+		break;
+	case 11:
+		expect(kvr_rank_add(NULL, rid(0), 1, 1, 1), KVR_EINVAL, "add(NULL)");
+		expect(kvr_rank_remove(NULL, rid(0)), KVR_EINVAL, "remove(NULL)");
+		expect(kvr_rank_reset(NULL, rid(0), 1), KVR_EINVAL, "reset(NULL)");
+		expect(kvr_rank_set_capacity(NULL, rid(0), 1, 1), KVR_EINVAL, "set_capacity(NULL)");
+		expect(kvr_rank_get_stats(NULL, rid(0), &s), KVR_EINVAL, "stats(NULL)");
+		expect(kvr_router_sync(NULL, 1), KVR_EINVAL, "sync(NULL)");
+		break;
+	case 12:
+		expect(kvr_metrics_render(NULL, NULL, 0, NULL), KVR_EINVAL, "metrics(NULL)");
+		kvr_router_destroy(NULL);
+		kvr_request_init(NULL);
+		break;
+	default: {
+		/* unknown rank ids everywhere */
+		struct kvr_rank_id bad = {.worker_id = 1000 + u8(&p->in), .dp_rank = u8(&p->in)};
+		expect(kvr_rank_remove(p->r, bad), KVR_ENOENT, "remove(unknown)");
+		expect(kvr_rank_reset(p->r, bad, 5), KVR_ENOENT, "reset(unknown)");
+		expect(kvr_rank_set_capacity(p->r, bad, 5, 5), KVR_ENOENT, "set_capacity(unknown)");
+		expect(kvr_rank_get_stats(p->r, bad, &s), KVR_ENOENT, "stats(unknown)");
+		expect(kvr_rank_blocks(p->r, bad, NULL, 0, &n), KVR_ENOENT, "blocks(unknown)");
+		break;
+	}
+	}
+}
+
+/* The KV event feed (kvr_feed_*): every call with good and bad arguments.  No publisher runs, so
+ * an endpoint only connects in the background; what the model checks is the return codes. */
+static void op_feed(struct prog *p)
+{
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(NULL);
+	kvr_feed_config_init(&fc);
+	uint32_t k = u8(&p->in);
+	int want = p->cfg.mode == KVR_MODE_EVENTS ? 0 : KVR_EINVAL;
+	if (k % 5 == 0) {
+		fc.replay_timeout_ms = 0;
+		want = KVR_EINVAL;
+	} else if (k % 5 == 1) {
+		fc.max_msg_bytes = 1023;
+		want = KVR_EINVAL;
+	}
+	struct kvr_feed *f = (struct kvr_feed *)p;
+	if (k % 7 == 3) /* NULL: the defaults */
+		want = p->cfg.mode == KVR_MODE_EVENTS ? 0 : KVR_EINVAL;
+	cur_call = "kvr_feed_create";
+	int rc = kvr_feed_create(p->r, k % 7 == 3 ? NULL : &fc, &f);
+	expect(kvr_feed_create(NULL, &fc, &f), KVR_EINVAL, "feed_create(NULL)");
+	if (rc == KVR_ENOTSUP) /* built without zmq */
+		return;
+	expect(rc, want, "feed_create");
+	if (rc) {
+		kvr_feed_destroy(NULL);
+		return;
+	}
+	cur_call = "kvr_feed_add";
+	struct kvr_feed_endpoint ep = {.endpoint = "ipc:///nonexistent/kvr-fuzz-api",
+	                               .topic = k % 2 ? "" : NULL,
+	                               .worker_id = (uint64_t)(k % 4),
+	                               .dp_rank = k % 3 == 0 ? KVR_FEED_DP_FROM_BATCH : 0};
+	uint32_t id = 77;
+	expect(kvr_feed_add(f, &ep, &id), 0, "feed_add");
+	expect(kvr_feed_add(f, NULL, NULL), KVR_EINVAL, "feed_add(NULL)");
+	struct kvr_feed_endpoint bad = {.endpoint = NULL};
+	expect(kvr_feed_add(f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint NULL)");
+	bad.endpoint = "";
+	expect(kvr_feed_add(f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint empty)");
+	bad.endpoint = "nonsense://x";
+	expect(kvr_feed_add(f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint refused)");
+	struct kvr_feed_stats st;
+	cur_call = "kvr_feed_get_stats";
+	expect(kvr_feed_get_stats(f, id, &st), 0, "feed_get_stats");
+	CHECK(st.batches == 0 && st.events == 0, "feed: events applied without a publisher");
+	expect(kvr_feed_get_stats(f, KVR_FEED_ALL, &st), 0, "feed_get_stats(all)");
+	expect(kvr_feed_get_stats(f, id + 1000, &st), KVR_ENOENT, "feed_get_stats(unknown)");
+	expect(kvr_feed_get_stats(f, id, NULL), KVR_EINVAL, "feed_get_stats(NULL)");
+	expect(kvr_feed_get_stats(NULL, id, &st), KVR_EINVAL, "feed_get_stats(feed NULL)");
+	cur_call = "kvr_feed_remove";
+	expect(kvr_feed_remove(f, id + 1000), KVR_ENOENT, "feed_remove(unknown)");
+	if (k % 3)
+		expect(kvr_feed_remove(f, id), 0, "feed_remove");
+	if (k % 3 == 1)
+		expect(kvr_feed_remove(f, id), KVR_ENOENT, "feed_remove twice");
+	expect(kvr_feed_remove(NULL, id), KVR_EINVAL, "feed_remove(NULL)");
+	cur_call = "kvr_feed_destroy";
+	kvr_feed_destroy(f);
+}
+
+/* ---------------------------------------------------------------- program */
+
+static bool make_router(struct prog *p)
+{
+	struct kvr_config *c = &p->cfg;
+	kvr_config_init(c);
+	struct src *in = &p->in;
+	static const uint32_t bss[] = {1, 2, 4, 16};
+	c->mode = (enum kvr_mode)(u8(in) % 3);
+	c->block_size = bss[u8(in) % 4];
+	c->n_shards = 1 + u8(in) % 2;
+	c->max_ranks = 1 + u8(in) % 6;
+	uint32_t qk = u8(in) % 4;
+	c->queue_threshold = qk == 0 ? 0 : qk == 1 ? 0.5 : qk == 2 ? 1.0 : 4.0;
+	c->queue_policy = (enum kvr_queue_policy)(u8(in) % 2);
+	c->queue_capacity = 1 + u8(in) % 6;
+	c->sync_booking = u8(in) % 2;
+	c->lease_scan_interval_ns = (uint64_t)(1 + u8(in) % 4) * 1000000000ull;
+	c->ttl_ns = (uint64_t)(1 + u8(in) % 8) * 500000000ull;
+	c->expected_prefill_ns = u8(in) % 3 == 0 ? 50000000ull : 0;
+	c->temperature = u8(in) % 4 == 0 ? 0.5 : 0;
+	c->seed = u64(in);
+	c->shard_idle_spin_ns = 0; /* park at once: the fuzzer runs many routers */
+	c->now_ns = vclock;
+	c->clock_ctx = &p->now;
+	c->callback_ctx = p;
+	c->on_event_gap = on_gap;
+	if (u8(in) % 3)
+		c->on_admit = on_admit;
+	cur_call = "kvr_router_create";
+	int rc = kvr_router_create(c, &p->r);
+	expect(rc, 0, "create");
+	struct kvr_config got;
+	kvr_router_get_config(p->r, &got);
+	c->n_shards = got.n_shards;
+	return true;
+}
+
+/* Finish everything, empty the queue, sync; then every invariant of an idle router. */
+static void quiesce_and_check(struct prog *p)
+{
+	for (int round = 0; round < 64; round++) {
+		while (p->n_att) {
+			cur_call = "finish (end of program)";
+			int rc = kvr_request_finish(p->r, p->att[0].id);
+			CHECK(rc == 0 || (rc == KVR_ESTALE && expiry_possible(p, &p->att[0])),
+			      "finish of a live attempt at the end: rc %d", rc);
+			end_attempt(p, 0);
+			drain_admits(p);
+		}
+		while (p->n_tix) {
+			uint64_t t = p->tix[0].t;
+			cur_call = "cancel (end of program)";
+			int rc =
+			    p->tix[0].state == T_QUEUED ? kvr_route_cancel(p->r, t) : KVR_ENOENT;
+			drain_admits(p);
+			struct mtick *m = ticket_find(p, t);
+			if (!m)
+				continue; /* reported by on_admit during the cancel's pump */
+			if (rc == 0) {
+				ticket_drop(p, m);
+				continue;
+			}
+			CHECK(rc == KVR_ENOENT, "cancel rc %d", rc);
+			struct kvr_decision d;
+			cur_call = "wait (end of program)";
+			rc = kvr_route_wait(p->r, m->t, p->now ? p->now : 1, &d);
+			CHECK(rc != KVR_ETIMEDOUT, "not queued, yet the wait timed out");
+			if (rc == 0)
+				ticket_outcome(p, m, 0, &d, false);
+			else {
+				CHECK(admission_error_ok(rc) && d.status == KVR_FAILED,
+				      "collect: rc %d", rc);
+				ticket_outcome(p, m, rc, &d, false);
+			}
+		}
+		cur_call = "sync (end of program)";
+		expect(kvr_router_sync(p->r, 10000), 0, "sync");
+		drain_admits(p);
+		if (!p->n_att && !p->n_tix)
+			break;
+	}
+	CHECK(!p->n_att && !p->n_tix, "could not drain the router");
+	for (int i = 0; i < N_IDS; i++) {
+		if (!p->rk[i].present)
+			continue;
+		struct kvr_rank_stats s;
+		cur_call = "stats (idle)";
+		expect(kvr_rank_get_stats(p->r, rid(i), &s), 0, "stats");
+		CHECK(s.active_requests == 0 && s.active_prefill_tokens == 0 &&
+		          s.active_blocks == 0,
+		      "idle rank %d: requests %" PRIu64 " prefill %" PRIu64 " blocks %" PRIu64, i,
+		      s.active_requests, s.active_prefill_tokens, s.active_blocks);
+		if (p->rk[i].cap_finite_lru)
+			CHECK(s.resident_blocks <= p->rk[i].cap,
+			      "idle rank %d: resident %" PRIu64 " > capacity %" PRIu64, i,
+			      s.resident_blocks, p->rk[i].cap);
+		check_stats(p, i, &s);
+		check_blocks(p, i);
+	}
+	/* stale stays stale */
+	for (int k = 0; k < p->n_ended; k++) {
+		cur_call = "finish of an ended attempt (end)";
+		expect(kvr_request_finish(p->r, p->ended[k]), KVR_ESTALE, "ended attempt");
+	}
+}
+
+struct run_arg {
+	const uint8_t *data;
+	size_t size;
+	uint64_t calls;
+	uint64_t routes; /* kvr_route calls so far */
+};
+
+static void *run_program(void *arg)
+{
+	struct run_arg *ra = arg;
+	struct prog *p = calloc(1, sizeof(*p));
+	if (!p)
+		abort();
+	p->in = (struct src){.p = ra->data, .n = ra->size};
+	p->now = 1000;
+	pthread_mutex_init(&p->mu, NULL);
+	make_router(p);
+	/* FUZZ_API_MAX_OPS cuts a program short (to bisect a failure); FUZZ_API_TRACE prints the
+	 * operation codes. */
+	const char *mo = getenv("FUZZ_API_MAX_OPS");
+	size_t max_ops = mo ? (size_t)strtoull(mo, NULL, 0) : 4096;
+	bool trace = getenv("FUZZ_API_TRACE") != NULL;
+	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
+		uint32_t op = u8(&p->in) % 32;
+		if (trace)
+			fprintf(stderr, "fuzz_api: op %zu code %u", cur_op, op);
+		last_rc = 1;
+		switch (op) {
+		case 0:
+		case 1:
+		case 2:
+			op_rank_add(p);
+			break;
+		case 3:
+			op_rank_remove(p);
+			break;
+		case 4:
+			op_set_capacity(p);
+			break;
+		case 5:
+			op_rank_reset(p);
+			break;
+		case 6:
+			op_stats(p);
+			break;
+		case 7: {
+			int i = gen_rank_index(p);
+			check_blocks(p, i);
+			break;
+		}
+		case 8:
+		case 9:
+		case 10:
+		case 11:
+		case 12:
+			op_route(p);
+			break;
+		case 13:
+			op_wait(p);
+			break;
+		case 14:
+			op_cancel(p);
+			break;
+		case 15:
+		case 16:
+			op_lifecycle(p, 0);
+			break;
+		case 17:
+		case 18:
+			op_lifecycle(p, 1);
+			break;
+		case 19:
+		case 20:
+			op_lifecycle(p, 2);
+			break;
+		case 21:
+			op_lifecycle(p, 3);
+			break;
+		case 22:
+		case 23:
+		case 24:
+			op_event(p);
+			break;
+		case 25:
+			op_metrics(p);
+			break;
+		case 26:
+			op_clock(p);
+			break;
+		case 27:
+			op_sync(p);
+			break;
+		case 28:
+			op_hash(p);
+			break;
+		case 29:
+			if (u8(&p->in) % 8 == 0)
+				op_feed(p);
+			else
+				op_config(p);
+			break;
+		default:
+			op_null_args(p);
+			break;
+		}
+		p->calls++;
+		if (trace)
+			fprintf(stderr, " %s rc %d [%s]\n", cur_call, last_rc, cur_detail);
+		for (int k = 0; k < p->n_att; k++)
+			if (p->att[k].id > p->max_attempt_seen)
+				p->max_attempt_seen = p->att[k].id;
+	}
+	quiesce_and_check(p);
+	cur_call = "kvr_router_destroy";
+	kvr_router_destroy(p->r);
+	ra->calls = p->calls;
+	pthread_mutex_destroy(&p->mu);
+	free(p);
+	return NULL;
+}
+
+void fuzz_api_run(const uint8_t *data, size_t size, uint64_t *calls)
+{
+	/* A fresh thread per program: its thread-local scratch and RCU registration go with it,
+	 * so the allocation counter must be back to its start once it is joined. */
+	int64_t before = kvr_alloc_live_bytes();
+	struct run_arg ra = {.data = data, .size = size};
+	pthread_t th;
+	if (pthread_create(&th, NULL, run_program, &ra) != 0)
+		abort();
+	pthread_join(th, NULL);
+	int64_t after = kvr_alloc_live_bytes();
+	if (after != before) {
+		fprintf(stderr,
+		        "fuzz_api: seed %" PRIu64 ": leak: %" PRId64 " bytes still allocated\n",
+		        fuzz_api_current_seed, after - before);
+		if (!getenv("FUZZ_API_LEAK_REPORT"))
+			abort(); /* else let LeakSanitizer name the allocation at exit */
+	}
+	if (calls)
+		*calls += ra.calls;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	fuzz_api_run(data, size, &fuzz_api_totals.calls);
+	return 0;
+}

@@ -1,0 +1,22 @@
+/* tests/fuzz/fuzz_api.h - the API fuzzer's entry points, shared by the libFuzzer target and the
+ * seeded driver (fuzz_api_main.c). */
+#ifndef KVR_TESTS_FUZZ_API_H
+#define KVR_TESTS_FUZZ_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct fuzz_api_stats {
+	uint64_t calls;
+};
+
+extern struct fuzz_api_stats fuzz_api_totals;
+extern uint64_t fuzz_api_current_seed;
+
+/* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
+ * NULL) is increased by the number of API operations it ran. */
+void fuzz_api_run(const uint8_t *data, size_t size, uint64_t *calls);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+#endif
