@@ -1,48 +1,58 @@
 /*
- * core/index.c - the RCU radix index: node table, deferred reclamation, rank slots.
+ * core/index.c - the run-compressed RCU index: block table, deferred reclamation, rank slots.
  *
- * The idea.  The index is a radix tree over block paths (Dynamo's RadixTree): a node is one
- * distinct prefix, reached from its parent by the block's local hash, and carries the set of
- * ranks that cache that prefix.  Instead of a children map in every node we keep ONE node table
- * keyed by a prefix key seq = H(parent.seq, local) (H bijective in local), with the parent
- * pointer stored in the node: a child lookup is "entry with this seq whose node's parent is the
- * node I came from", which is exact (no reliance on 64-bit hashes not colliding) and - the point
- * of it - lets a reader compute the keys of ALL its hops up front from the query's local hashes.
- * find_matches therefore prefetches the table entry of hop i+20 and the node of hop i+8
- * while it intersects hop i, so a long lookup is bound by memory-level
- * parallelism instead of one dependent cache miss per block (core/index_match.c).
+ * The idea.  A prompt is a chain of blocks; a block is named by its sequence hash (core/hash.c),
+ * which names its whole prefix (a 64-bit chain, trusted the way Dynamo and smg trust it).  The
+ * index stores the union of the chains ranks hold as a tree of RUNS: a run is a stretch of
+ * consecutive blocks of one chain (their sequence hashes in an array); a child run hangs off any
+ * position of its parent and is found by the sequence hash of its first block.  A query of L
+ * blocks, given its sequence hashes, is matched run by run: ONE comparison at the far end of the
+ * overlap (the hash there equal => the whole stretch equal), and a binary search inside the run
+ * where it differs; then one table probe for the child at the divergence point.  So a lookup
+ * costs O(runs on the path + log L) probes, not one per block (core/index_match.c), which is the
+ * Waldvogel et al. idea (binary search on prefix lengths, SIGCOMM 1997) applied per run.
  *
- * Memory.  A node is 32 bytes (seq, parent, tagged rank set, lock word, child count); a node
- * with exactly one rank stores it inline in the tagged word, so the common chain costs no rank
- * array.  Table entries are 16 bytes at load <= 1/2 (tombstones included: short probes for
- * the writers' unsuccessful lookups and inserts, 10% more apply rate than 3/4).  Each rank keeps a
- * private ext hash -> node map (linear probing, backward-shift deletion, load <= 0.8), 16 bytes per
- * entry: that map plus rank-set entries is the per-copy cost.
+ * Holders.  Every run carries the ranks that hold some of it, each with a CUT: the rank holds
+ * positions [0, cut) of the run without a gap.  That is all a reader needs: a rank's score along
+ * the path is decided by the first run where its cut falls short of the match.  Holes (events
+ * mode removes an interior block; copies evicted out of order) therefore just lower one cut: the
+ * run is not split, and a pattern with 2 % holes matches as fast as one without.  What a rank
+ * holds beyond its cut lives in a writer-only bitmap per (rank, run), so a hole that is filled
+ * again raises the cut back over the blocks held after it, and a removal never needs memory.
+ * Storing along a held chain appends to the run (amortised O(1) per run plus the hashes),
+ * evicting a chain's tail lowers a cut and trims the run's length when nobody holds its end.
  *
- * Why not liburcu's rculfhash or ck_hs.  rculfhash would give a lock-free resizable node table,
- * but its split-ordered lists make a lookup a chain walk whose addresses cannot be computed
- * before the previous load returns (no prefetch ahead), it adds 16 bytes per node, and it is
- * uninstrumented inline code (ThreadSanitizer reports every reader).  ck_hs stores bare pointers
- * and would need an allocation per (ext, node) pair for the private ext maps, which no other
- * thread reads anyway.  So: IDX_SEGS segments, each an open-addressing table with a spinlock for
- * writers and an RCU-published array for readers (insert writes key then releases the node
- * pointer; delete leaves a tombstone; growth and tombstone purges copy to a new array and retire
- * the old one), and plain private linear-probing maps per rank.
+ * Memory.  Per distinct block: its sequence hash in the run (8 bytes) and one 8-byte block-table
+ * entry (load 0.4-0.8) which lets writers find any block by hash (parents, removals).  Per
+ * (rank, run): an 8-byte holder word, a 64-byte record and a bitmap (1 bit per position), so the
+ * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's ext
+ * hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
+ *
+ * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and
+ * seqs (acquire), compare, and read holder words.  Positions are write-once (index_internal.h),
+ * cuts are published after the blocks they cover, so a reader never credits a rank with a block
+ * it did not store, and a reader that raced with a trim compares permanent content.  Writers
+ * (shard threads, several at once) serialise on one mutex per index: every structure they change
+ * (table, runs, holder sets, per-rank records) is then theirs alone; a single writer core applies
+ * >10M block ops/s, more than the event feeds deliver.  Everything unlinked (runs, sequence
+ * arrays, holder sets, table arrays) is retired into one batch and freed by one call_rcu callback
+ * (kvr_index_retire_flush) - writer-only records are freed at once.
+ *
+ * Why not liburcu's rculfhash or ck_hs.  rculfhash's split-ordered lists make a lookup a chain
+ * walk and add 16 bytes per entry; ck_hs stores bare pointers.  The block table is
+ * IDX_SEGS open-addressing segments of one-word entries (pointer, position and 6 tag bits of the
+ * hash packed), RCU-published arrays for readers (insert releases the entry; delete leaves a
+ * tombstone; growth and purges copy to a new array and retire the old one).
  *
  * Invariants.
- *  - A node is live while it has a rank or a live child; the writer that leaves it with neither
- *    (holding its lock) marks it dead and deletes it from the table, then decrements the parent's
- *    child count; whoever takes a count to zero locks the parent and re-checks: the cascade.
- *  - A node a rank holds cannot die (only the rank's own writer removes the rank), so a writer
- *    walking down its own chain needs no lock on the parent; a child found in the table is
- *    locked and checked not dead before a rank is added to it.
- *  - Lock order: node lock, then segment lock.  Readers never lock.
- *  - Everything unlinked (nodes, rank sets, tables) is retired into a per-call batch and freed by
- *    one call_rcu callback after the writer leaves its read section, so no reader (nor another
- *    writer, who also works inside a read section) ever touches freed memory.
+ *  - Every block in the tree (positions [0, len) of every live run) has exactly one table entry.
+ *  - A run lives while a rank holds a position of it or it has a child; len >= max(top of every
+ *    holder, largest child offset); a run whose need drops to 0 dies and its parent is re-checked.
+ *  - For every (rank, run) record, cut = the gap-free prefix of its bitmap, mirrored in the hset.
  *  - Rank slots are reused only after a grace period (rank_remove queues the slot's release).
- * Reference: Dynamo lib/kv-router/src/radix_tree.rs (semantics); McKenney, "Is Parallel
- * Programming Hard" ch. 9 (RCU); liburcu call_rcu(3).
+ * Reference: Dynamo lib/kv-router (semantics, ConcurrentRadixTreeCompressed); smg ChainIndex
+ * (run-length chains, compare at the window's end, bisect); Waldvogel, Varghese, Turner,
+ * Plattner, SIGCOMM 1997; McKenney, "Is Parallel Programming Hard" ch. 9 (RCU).
  */
 #include "core/index_internal.h"
 
@@ -54,124 +64,164 @@
 
 #define TAB_MIN 16
 
-/* ---------------------------------------------------------------- node table */
+static inline void idx_lock(uint32_t *w)
+{
+	for (;;) {
+		uint32_t v = 0;
+		/* Ordering: acquire; pairs with the release in idx_unlock(). */
+		if (__atomic_compare_exchange_n(w, &v, 1, true, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+			return;
+		__builtin_ia32_pause();
+	}
+}
+
+static inline void idx_unlock(uint32_t *w)
+{
+	__atomic_store_n(w, 0, __ATOMIC_RELEASE);
+}
+
+/* ---------------------------------------------------------------- block table */
+
+static inline struct idx_seg *seg_of(struct kvr_index *idx, uint64_t seq)
+{
+	return &idx->seg[seq >> (64 - IDX_SEGS_BITS)];
+}
+
+static inline uint64_t ent_seq(uint64_t e)
+{
+	const struct idx_run *r = idx_ent_run(e);
+	return r->seqs->s[idx_ent_pos(e)];
+}
 
 /* Copies the live entries of s->tab into a new array of cap entries and publishes it.
- * Context: writer holding s->lock.  Returns 0 or KVR_ENOMEM (nothing changed). */
-static int seg_rebuild(struct kvr_index *idx, struct idx_seg *s, uint64_t cap,
-                       struct idx_retire *rt)
+ * Context: writer (wlock).  Returns 0 or KVR_ENOMEM (nothing changed). */
+static int seg_rebuild(struct kvr_index *idx, struct idx_seg *s, uint64_t cap)
 {
-	struct idx_tab *nt = kvr_alloc_aligned(idx_bytes_tab(cap - 1)); /* zeroed */
+	struct idx_tab *nt = kvr_alloc_aligned(idx_bytes_tab(cap - 1));
 	if (!nt)
 		return KVR_ENOMEM;
+	memset(nt, 0, idx_bytes_tab(cap - 1));
 	nt->mask = cap - 1;
 	struct idx_tab *ot = s->tab;
 	if (ot) {
 		for (uint64_t i = 0; i <= ot->mask; i++) {
-			struct idx_node *n = ot->e[i].node;
-			if (!n || n == IDX_TOMB)
+			uint64_t e = ot->e[i];
+			if (e <= IDX_TOMB)
 				continue;
-			uint64_t j = idx_home(nt, ot->e[i].seq);
-			while (nt->e[j].node)
+			uint64_t j = ent_seq(e) & nt->mask;
+			while (nt->e[j])
 				j = (j + 1) & nt->mask;
-			nt->e[j] = ot->e[i];
+			nt->e[j] = e;
 		}
-		ot->next_free = rt->tabs;
-		rt->tabs = ot;
-		rt->n++;
+		ot->next_free = idx->rt.tabs;
+		idx->rt.tabs = ot;
+		idx->rt.n++;
 	}
 	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_tab(nt->mask));
 	s->tombs = 0;
 	s->tab = nt;
-	/* Ordering: release; pairs with the acquire load of view[] in idx_lookup(). */
+	/* Ordering: release; pairs with the acquire load of view[] in idx_find_run(). */
 	kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)nt | (uintptr_t)__builtin_ctzll(cap));
 	return 0;
 }
 
+/* Smallest capacity with load <= 0.6. */
 static uint64_t cap_for(uint64_t count)
 {
 	uint64_t cap = TAB_MIN;
-	while (cap < count * 2 + 2)
+	while (count * 5 > cap * 3)
 		cap <<= 1;
 	return cap;
 }
 
-struct idx_node *kvr_index_table_insert(struct kvr_index *idx, struct idx_node *n,
-                                        struct idx_retire *rt)
+uint64_t kvr_index_tab_find(const struct kvr_index *idx, uint64_t seq)
 {
-	struct idx_seg *s = idx_seg_of(idx, n->seq);
-	idx_lock(&s->lock);
-	struct idx_tab *t = s->tab;
-	uint64_t slot = UINT64_MAX;
-	if (t) {
-		for (uint64_t i = idx_home(t, n->seq);; i = (i + 1) & t->mask) {
-			struct idx_node *m = t->e[i].node;
-			if (!m) {
-				if (slot == UINT64_MAX)
-					slot = i;
-				break;
-			}
-			if (m == IDX_TOMB) {
-				if (slot == UINT64_MAX)
-					slot = i;
-				continue;
-			}
-			if (t->e[i].seq == n->seq && m->seq == n->seq &&
-			    __atomic_load_n(&m->parent, __ATOMIC_RELAXED) == n->parent) {
-				idx_unlock(&s->lock);
-				return m;
-			}
-		}
+	const struct idx_seg *s = &idx->seg[seq >> (64 - IDX_SEGS_BITS)];
+	const struct idx_tab *t = s->tab;
+	if (!t)
+		return 0;
+	uint64_t want = idx_tag(seq);
+	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
+		uint64_t e = t->e[i];
+		if (!e)
+			return 0;
+		if ((e & 63) == want && e != IDX_TOMB && ent_seq(e) == seq)
+			return e;
 	}
-	uint64_t used = (uint64_t)s->count + s->tombs + 1;
-	if (!t || (slot != UINT64_MAX && t->e[slot].node == NULL && used * 2 > t->mask + 1)) {
-		if (seg_rebuild(idx, s, cap_for(s->count + 1), rt) != 0) {
-			idx_unlock(&s->lock);
-			return NULL;
-		}
-		t = s->tab;
-		slot = idx_home(t, n->seq);
-		while (t->e[slot].node)
-			slot = (slot + 1) & t->mask;
-	}
-	if (t->e[slot].node == IDX_TOMB)
-		s->tombs--;
-	__atomic_store_n(&t->e[slot].seq, n->seq, __ATOMIC_RELAXED);
-	/* Ordering: release; pairs with the acquire load in kvr_index_lookup(): a reader that sees
-	 * the node sees its fields and the entry's seq. */
-	__atomic_store_n(&t->e[slot].node, n, __ATOMIC_RELEASE);
-	s->count++;
-	idx_unlock(&s->lock);
-	return n;
 }
 
-void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct idx_retire *rt)
+int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq)
 {
-	struct idx_seg *s = idx_seg_of(idx, n->seq);
-	idx_lock(&s->lock);
+	struct idx_seg *s = seg_of(idx, seq);
+	/* Grow at load 0.8 (tombstones count: they lengthen probes). */
+	if (s->tab && ((uint64_t)s->count + s->tombs + 1) * 5 <= (s->tab->mask + 1) * 4)
+		return 0;
+	return seg_rebuild(idx, s, cap_for((uint64_t)s->count + 1));
+}
+
+void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r, uint32_t pos)
+{
+	struct idx_seg *s = seg_of(idx, seq);
 	struct idx_tab *t = s->tab;
-	for (uint64_t i = idx_home(t, n->seq);; i = (i + 1) & t->mask) {
-		struct idx_node *m = t->e[i].node;
-		if (!m)
-			break; /* NEVER: a live node is in its segment */
-		if (m == n) {
-			__atomic_store_n(&t->e[i].node, IDX_TOMB, __ATOMIC_RELAXED);
+	uint64_t i = seq & t->mask;
+	while (t->e[i] > IDX_TOMB)
+		i = (i + 1) & t->mask;
+	if (t->e[i] == IDX_TOMB)
+		s->tombs--;
+	/* Ordering: release; pairs with the acquire in idx_find_run(): a reader that sees the
+	 * entry sees the run's first, parent, off, len and seqs. */
+	__atomic_store_n(&t->e[i], ((uint64_t)pos << 49) | (uintptr_t)r | idx_tag(seq),
+	                 __ATOMIC_RELEASE);
+	s->count++;
+	idx_count(&idx->c_nodes, 1);
+}
+
+void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq)
+{
+	struct idx_seg *s = seg_of(idx, seq);
+	struct idx_tab *t = s->tab;
+	if (!t || s->count != 0)
+		return;
+	s->tab = NULL;
+	kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)0);
+	s->tombs = 0;
+	t->next_free = idx->rt.tabs;
+	idx->rt.tabs = t;
+	idx->rt.n++;
+}
+
+void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq)
+{
+	struct idx_seg *s = seg_of(idx, seq);
+	struct idx_tab *t = s->tab;
+	if (!t)
+		return; /* NEVER */
+	uint64_t want = idx_tag(seq);
+	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
+		uint64_t e = t->e[i];
+		if (!e)
+			return; /* NEVER: a block in the tree is in its segment */
+		if ((e & 63) == want && e != IDX_TOMB && ent_seq(e) == seq) {
+			__atomic_store_n(&t->e[i], IDX_TOMB, __ATOMIC_RELAXED);
 			s->count--;
 			s->tombs++;
 			break;
 		}
 	}
+	idx_count(&idx->c_nodes, -1);
 	/* Give memory back after mass removal; keep the old array if the new one fails. */
 	if (s->count == 0) {
 		s->tab = NULL;
 		kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)0);
 		s->tombs = 0;
-		t->next_free = rt->tabs;
-		rt->tabs = t;
-		rt->n++;
-	} else if (t->mask + 1 > TAB_MIN && (uint64_t)s->count * 8 < t->mask + 1)
-		(void)seg_rebuild(idx, s, cap_for(s->count), rt);
-	idx_unlock(&s->lock);
+		t->next_free = idx->rt.tabs;
+		idx->rt.tabs = t;
+		idx->rt.n++;
+	} else if (t->mask + 1 > TAB_MIN && (uint64_t)s->count * 8 < t->mask + 1) {
+		(void)seg_rebuild(idx, s, cap_for(s->count));
+	} else if ((uint64_t)s->tombs * 4 > t->mask + 1) {
+		(void)seg_rebuild(idx, s, t->mask + 1); /* purge tombstones */
+	}
 }
 
 /* ---------------------------------------------------------------- deferred free */
@@ -197,15 +247,20 @@ struct idx_cb {
 static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 {
 	int64_t shared = 0, ranks = 0;
-	for (struct idx_node *n = rt->nodes, *next; n; n = next) {
-		next = __atomic_load_n(&n->parent, __ATOMIC_RELAXED);
-		kvr_free(n, sizeof(*n));
-		shared += (int64_t)sizeof(*n);
-	}
-	for (struct idx_rset *r = rt->sets, *next; r; r = next) {
+	for (struct idx_run *r = rt->runs, *next; r; r = next) {
 		next = r->next_free;
-		ranks += (int64_t)idx_bytes_rset(r->cap);
-		kvr_free(r, idx_bytes_rset(r->cap));
+		kvr_free_aligned(r, sizeof(*r));
+		shared += (int64_t)sizeof(*r);
+	}
+	for (struct idx_seqs *q = rt->seqs, *next; q; q = next) {
+		next = q->next_free;
+		shared += (int64_t)idx_bytes_seqs(q->cap);
+		kvr_free(q, idx_bytes_seqs(q->cap));
+	}
+	for (struct idx_hset *h = rt->sets, *next; h; h = next) {
+		next = h->next_free;
+		ranks += (int64_t)idx_bytes_hset(h->cap);
+		kvr_free(h, idx_bytes_hset(h->cap));
 	}
 	for (struct idx_tab *t = rt->tabs, *next; t; t = next) {
 		next = t->next_free;
@@ -249,7 +304,7 @@ static void idx_cb_fn(struct rcu_head *head)
 
 /* Runs cb's work after a grace period.  cb is a filled stack template; a heap copy is queued,
  * or, without memory, the grace period is waited for here.  Context: a writer, outside a read
- * section. */
+ * section (it may hold wlock: readers never take it). */
 static void idx_defer(struct idx_cb *tmpl)
 {
 	struct idx_cb *cb = kvr_alloc(sizeof(*cb));
@@ -268,7 +323,7 @@ static void idx_defer(struct idx_cb *tmpl)
 
 void kvr_index_retire_flush(struct kvr_index *idx, struct idx_retire *rt)
 {
-	if (!rt->nodes && !rt->sets && !rt->tabs)
+	if (!rt->runs && !rt->seqs && !rt->sets && !rt->tabs)
 		return;
 	struct idx_cb t = {.idx = idx, .kind = CB_BATCH, .rt = *rt};
 	idx_defer(&t);
@@ -313,11 +368,10 @@ int kvr_index_create(uint32_t max_ranks, struct kvr_index **out)
 		return KVR_ENOMEM;
 	memset(idx, 0, sizeof(*idx));
 	idx->max_ranks = max_ranks;
-	idx->root.seq = IDX_ROOT_SEQ;
 	idx->rank = kvr_alloc_aligned(sizeof(struct idx_rank) * max_ranks);
 	uint32_t cap = rtab_cap(max_ranks);
 	idx->rtab = kvr_calloc(1, rtab_bytes(cap - 1));
-	if (!idx->rank || !idx->rtab) {
+	if (!idx->rank || !idx->rtab || pthread_mutex_init(&idx->wlock, NULL) != 0) {
 		kvr_free_aligned(idx->rank, sizeof(struct idx_rank) * max_ranks);
 		kvr_free(idx->rtab, idx->rtab ? rtab_bytes(cap - 1) : 0);
 		kvr_free_aligned(idx, sizeof(*idx));
@@ -338,28 +392,29 @@ void kvr_index_destroy(struct kvr_index *idx)
 		return;
 	/* Pending callbacks (retired batches, slot releases) point at idx. */
 	kvr_index_quiesce(idx);
+	free_batch(idx, &idx->rt); /* nobody reads them any more */
 	for (uint32_t i = 0; i < IDX_SEGS; i++) {
 		struct idx_tab *t = idx->seg[i].tab;
 		if (!t)
 			continue;
 		for (uint64_t j = 0; j <= t->mask; j++) {
-			struct idx_node *n = t->e[j].node;
-			if (!n || n == IDX_TOMB)
-				continue;
-			if (!(n->ranks & 1) && n->ranks) {
-				struct idx_rset *r = (struct idx_rset *)n->ranks;
-				kvr_free(r, idx_bytes_rset(r->cap));
-			}
-			kvr_free(n, sizeof(*n));
+			uint64_t e = t->e[j];
+			if (e > IDX_TOMB && idx_ent_pos(e) == 0)
+				kvr_index_free_run_now(idx, idx_ent_run(e)); /* each run once */
 		}
-		kvr_free_aligned(t, idx_bytes_tab(t->mask));
 	}
-	for (uint32_t i = 0; i < idx->max_ranks; i++)
-		free_batch(idx, &idx->rank[i].pend); /* nobody reads them any more */
-	for (uint32_t i = 0; i < idx->max_ranks; i++)
-		kvr_free(idx->rank[i].map.e,
-		         idx->rank[i].map.e ? (idx->rank[i].map.mask + 1) * sizeof(struct idx_xent)
-		                            : 0);
+	for (uint32_t i = 0; i < IDX_SEGS; i++)
+		if (idx->seg[i].tab)
+			kvr_free_aligned(idx->seg[i].tab, idx_bytes_tab(idx->seg[i].tab->mask));
+	for (uint32_t i = 0; i < idx->max_ranks; i++) {
+		struct idx_rank *r = &idx->rank[i];
+		if (r->xmap.e)
+			kvr_free(r->xmap.e, (r->xmap.mask + 1) * sizeof(struct idx_xent));
+		if (r->rmap.e)
+			kvr_free(r->rmap.e, (r->rmap.mask + 1) * sizeof(struct idx_xent));
+	}
+	kvr_free(idx->scratch, idx->scratch_cap * sizeof(uint64_t));
+	pthread_mutex_destroy(&idx->wlock);
 	kvr_free(idx->rtab, rtab_bytes(idx->rtab->mask));
 	kvr_free_aligned(idx->rank, sizeof(struct idx_rank) * idx->max_ranks);
 	kvr_free_aligned(idx, sizeof(*idx));
@@ -445,7 +500,9 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		__atomic_store_n(&r->dp_rank, dp_rank, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->tree_size, 0, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->state, SLOT_ACTIVE, __ATOMIC_RELAXED);
-		memset(&r->map, 0, sizeof(r->map));
+		r->holds = NULL;
+		memset(&r->xmap, 0, sizeof(r->xmap));
+		memset(&r->rmap, 0, sizeof(r->rmap));
 		if (t->used + 1 > (t->mask + 1) / 4 * 3) {
 			rtab_purge(idx);
 			t = idx->rtab;
@@ -546,22 +603,6 @@ uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot)
 	if (!idx || slot >= idx->max_ranks)
 		return 0;
 	return __atomic_load_n(&idx->rank[slot].tree_size, __ATOMIC_RELAXED);
-}
-
-size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap)
-{
-	struct idx_rank *rk = idx ? kvr_index_rank_get_active(idx, slot) : NULL;
-	if (!rk || !rk->map.e)
-		return 0;
-	size_t n = 0;
-	for (uint64_t i = 0; i <= rk->map.mask; i++) {
-		if (!rk->map.e[i].node)
-			continue;
-		if (n < cap && out)
-			out[n] = rk->map.e[i].ext;
-		n++;
-	}
-	return n;
 }
 
 static uint64_t ld(const uint64_t *p)

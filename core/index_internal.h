@@ -1,11 +1,11 @@
 /*
- * core/index_internal.h - the index's data structures, shared by core/index*.c only.
+ * core/index_internal.h - the run-compressed index's data structures, for core/index*.c only.
  * The design essay is at the top of core/index.c.
  */
 #ifndef KVR_CORE_INDEX_INTERNAL_H
 #define KVR_CORE_INDEX_INTERNAL_H
 
-#include <ck_pr.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #include "core/index.h"
@@ -14,86 +14,99 @@
 #define IDX_CACHELINE 64
 #define IDX_SEGS_BITS 8
 #define IDX_SEGS      (1u << IDX_SEGS_BITS)
-#define IDX_ROOT_SEQ  0x6a09e667f3bcc909ull
+#define IDX_RUN_MAX                                                                                \
+	32767u /* blocks in one run (15 bits of a table entry); longer chains chain runs */
 
-/* ---- spinlock (writers only; readers never touch it).  Bit 0 = locked, bit 1 = node dead. */
-#define IDX_LOCKED 1u
-#define IDX_DEAD   2u
+/*
+ * A run's sequence hashes.  Positions are WRITE-ONCE: s[p] never changes after it was written
+ * into this array (a trim lowers the run's len but keeps s[], and a different block at a
+ * trimmed position forks a child run instead of overwriting), so a reader holding a stale len
+ * still compares permanent content.  Growing copies s[0..hw) into a new array and publishes it.
+ */
+struct idx_seqs {
+	uint32_t cap;
+	uint32_t pad;
+	struct idx_seqs *next_free; /* retire-list link */
+	uint64_t s[];
+};
 
-static inline void idx_lock(uint32_t *w)
+/*
+ * A run's holders, sorted by slot: e[i] = (slot << 32 | cut), one atomic word each, where the
+ * rank holds positions [0, cut) of the run without a gap (what readers use).  Copy-on-write when
+ * a rank joins or leaves; cut changes are in-place atomic stores.  Without memory for a smaller
+ * copy, a leaving rank's word is overwritten with a neighbour's (readers skip adjacent
+ * duplicates; writers keep duplicates equal).  hold[] (writer-only, after e[cap]) is parallel.
+ */
+struct idx_hset {
+	uint32_t n;
+	uint32_t cap;
+	struct idx_hset *next_free;
+	uint64_t e[];
+	/* struct idx_hold *hold[cap] follows e[cap] */
+};
+
+static inline struct idx_hold **idx_hset_holds(const struct idx_hset *h)
 {
-	for (;;) {
-		uint32_t v = __atomic_load_n(w, __ATOMIC_RELAXED);
-		/* Ordering: acquire; pairs with the release in idx_unlock(). */
-		if (!(v & IDX_LOCKED) &&
-		    __atomic_compare_exchange_n(w, &v, v | IDX_LOCKED, true, __ATOMIC_ACQUIRE,
-		                                __ATOMIC_RELAXED))
-			return;
-		ck_pr_stall(); /* portable relax: pause on x86, yield on aarch64 */
-	}
+	return (struct idx_hold **)(uintptr_t)&h->e[h->cap];
 }
 
-static inline void idx_unlock(uint32_t *w)
+static inline uint64_t idx_bytes_hset(uint32_t cap)
 {
-	__atomic_fetch_and(w, ~IDX_LOCKED, __ATOMIC_RELEASE);
+	return sizeof(struct idx_hset) + (uint64_t)cap * (sizeof(uint64_t) + sizeof(void *));
 }
 
 /*
- * A tree node = one distinct prefix (block path from the root).  32 bytes.
- * seq:      H(parent->seq, local hash); the node-table key.  Immutable.
- * parent:   immutable while live; reused as the retire-list link once dead (readers compare it,
- *           never dereference it, so they access it atomically).
- * ranks:    tagged: 0 = none, (slot << 1 | 1) = exactly one rank, else a struct idx_rset *
- *           (copy on write, RCU-published).
- * lock:     IDX_LOCKED | IDX_DEAD; guards ranks and death.
- * nchildren: live children (atomic); a node with no rank and no child is reclaimed.
+ * A run: consecutive blocks of one chain.  Its first block hangs below block off-1 of parent
+ * (parent NULL: below the root, off 0).  64-byte aligned (table entries pack the pointer).
+ * Reader fields: first, parent, off (immutable), len (atomic), seqs and hs (RCU-published).
+ * The rest is the writers' (under kvr_index.wlock).
  */
-struct idx_node {
-	uint64_t seq;
-	struct idx_node *parent;
-	uintptr_t ranks;
-	uint32_t lock;
+struct idx_run {
+	uint64_t first; /* s[0]: the table key readers check */
+	struct idx_run *parent;
+	uint32_t off;
+	uint32_t len; /* positions [0, len) are in the tree (and the block table) */
+	struct idx_seqs *seqs;
+	struct idx_hset *hs; /* NULL = no holder */
+	/* writer only */
+	uint32_t hw;            /* positions ever written into seqs (write-once) */
+	uint32_t max_child_off; /* largest off of a child (0 = none) */
 	uint32_t nchildren;
-};
-
-/* A sorted rank-slot array, n >= 2 entries (may hold adjacent duplicates after an in-place
- * removal done without memory).  Immutable once published, except that fallback. */
-struct idx_rset {
-	uint32_t n;   /* entries in use */
-	uint32_t cap; /* entries allocated (the size to free) */
-	struct idx_rset *next_free;
-	uint32_t slot[];
-};
-
-/* Node-table entry.  node: NULL = never used (ends a probe), IDX_TOMB = deleted. */
-struct idx_ent {
-	uint64_t seq;
-	struct idx_node *node;
-};
-#define IDX_TOMB ((struct idx_node *)(uintptr_t)1)
-
-struct idx_tab {
-	uint64_t mask;
-	struct idx_tab *next_free;
-	struct idx_ent e[];
-};
-
-/* One of IDX_SEGS independently locked open-addressing tables; the segment is seq's top bits.
- * Writers use tab under the lock; readers use kvr_index.view[], kept apart so that writer
- * traffic on this line never invalidates what readers read. */
-struct idx_seg {
-	struct idx_tab *tab; /* the writers' copy of view[] (64-byte aligned) */
-	uint32_t lock;
-	uint32_t count;
-	uint32_t tombs;
+	uint32_t pad;
+	struct idx_run *child; /* children list */
+	struct idx_run *sib_prev, *sib_next;
+	struct idx_run *next_free; /* retire-list link */
 } __attribute__((aligned(IDX_CACHELINE)));
 
-/* Per-rank map ext hash -> node: linear probing, backward-shift deletion, node NULL = empty.
- * Private to the slot's writer thread. */
+/*
+ * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
+ * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix
+ * cut (mirrored into the run's hset), top (highest held position + 1) and held (popcount).
+ * ex[] (count_copies only): positions with copies beyond the first, unsorted.
+ */
+struct idx_xcopy {
+	uint32_t pos;
+	uint32_t extra;
+};
+
+struct idx_hold {
+	struct idx_run *run;
+	struct idx_hold *prev, *next; /* the rank's list */
+	uint64_t *bm;
+	uint32_t nwords; /* bitmap words allocated */
+	uint32_t slot;
+	uint32_t cut, top, held;
+	uint32_t nex, capex;
+	struct idx_xcopy *ex;
+};
+
+/* Per-rank map key -> val for the blocks stored with ext != seq (events mode): linear probing,
+ * backward-shift deletion, used = occupied.  Writers only (under wlock). */
 struct idx_xent {
-	uint64_t ext;
-	struct idx_node *node;
-	uint64_t extra; /* copies beyond the first (count_copies mode) */
+	uint64_t key;
+	uint64_t val;
+	uint32_t used;
+	uint32_t pad;
 };
 
 struct idx_xmap {
@@ -102,12 +115,50 @@ struct idx_xmap {
 	uint64_t count;
 };
 
-/* Objects retired by writer calls; freed together after one grace period. */
+/* Objects retired by writers; freed together after one grace period. */
 struct idx_retire {
-	struct idx_node *nodes;
-	struct idx_rset *sets;
+	struct idx_run *runs;
+	struct idx_seqs *seqs;
+	struct idx_hset *sets;
 	struct idx_tab *tabs;
 	uint32_t n; /* objects on the lists */
+};
+
+/*
+ * Block table: every block in the tree, keyed by its sequence hash.  An entry is one word:
+ * pos << 49 | run pointer (64-byte aligned, below 2^49) | 6 tag bits of the seq.  0 = empty,
+ * IDX_TOMB = deleted.  The key itself is run->seqs->s[pos] (readers check run->first, pos 0).
+ */
+#define IDX_TOMB     1ull
+#define IDX_PTR_MASK (((1ull << 49) - 1) & ~63ull)
+
+static inline uint64_t idx_tag(uint64_t seq)
+{
+	return (seq >> 32) & 63;
+}
+
+static inline struct idx_run *idx_ent_run(uint64_t e)
+{
+	return (struct idx_run *)(uintptr_t)(e & IDX_PTR_MASK);
+}
+
+static inline uint32_t idx_ent_pos(uint64_t e)
+{
+	return (uint32_t)(e >> 49);
+}
+
+struct idx_tab {
+	uint64_t mask;
+	struct idx_tab *next_free;
+	uint64_t e[];
+};
+
+/* One of IDX_SEGS open-addressing tables; the segment is seq's top bits.  Writers use tab (under
+ * wlock); readers use kvr_index.view[], kept apart from the writers' counters. */
+struct idx_seg {
+	struct idx_tab *tab;
+	uint32_t count;
+	uint32_t tombs;
 };
 
 enum { SLOT_FREE = 0, SLOT_ACTIVE = 1, SLOT_RETIRING = 2 };
@@ -116,9 +167,10 @@ struct idx_rank {
 	uint64_t worker_id; /* atomic relaxed: read by lock-free rank_find */
 	uint32_t dp_rank;
 	uint32_t state;
-	uint64_t tree_size; /* atomic relaxed: blocks held; read by find_matches */
-	struct idx_xmap map;
-	struct idx_retire pend; /* retired by this slot's writer, not yet handed to call_rcu */
+	uint64_t tree_size;     /* atomic relaxed: distinct blocks held; read by find_matches */
+	struct idx_hold *holds; /* the rank's (run) records */
+	struct idx_xmap xmap;   /* ext -> seq for blocks stored with ext != seq */
+	struct idx_xmap rmap;   /* seq -> ext, the same blocks */
 	uint32_t next_free;     /* free-slot list link */
 } __attribute__((aligned(IDX_CACHELINE)));
 
@@ -135,97 +187,84 @@ struct kvr_index {
 	/* Readers' view of the segments: (table | log2(capacity)), 0 = empty; RCU-published. */
 	uintptr_t view[IDX_SEGS] __attribute__((aligned(IDX_CACHELINE)));
 	struct idx_seg seg[IDX_SEGS];
-	struct idx_node root;
+	pthread_mutex_t wlock; /* every writer call (stored, removed, cleared, ranks) */
 	uint32_t max_ranks;
+	bool count_copies;
 	struct idx_rank *rank;
 	struct idx_rtab *rtab; /* RCU-published */
-	uint32_t rank_lock;
-	uint32_t free_head; /* UINT32_MAX = none */
+	uint32_t rank_lock;    /* spinlock: free-slot list and rtab */
+	uint32_t free_head;    /* UINT32_MAX = none */
 	uint64_t active_ranks;
+	struct idx_retire rt; /* retired under wlock, not yet handed to call_rcu */
+	uint64_t *scratch;    /* store's sequence hashes (wlock) */
+	size_t scratch_cap;
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;
 	uint64_t bytes_shared, bytes_rank;
-	uint64_t pending;  /* queued call_rcu callbacks (atomic) */
-	bool count_copies; /* kvr_index_set_count_copies() */
+	uint64_t pending; /* queued call_rcu callbacks (atomic) */
 };
-
-/* Node-table key of the child with local hash `local` below a node with key `pseq`.  Bijective
- * in local for a fixed pseq (xor, odd multiply and xorshift each are), so (parent, seq) names
- * the local hash.  Kept short (one multiply): readers compute it once per hop in a chain.
- * Context: any. */
-static inline uint64_t idx_seq(uint64_t pseq, uint64_t local)
-{
-	uint64_t x = (pseq ^ local) * 0x9e3779b97f4a7c15ull;
-	return x ^ (x >> 29);
-}
-
-static inline struct idx_seg *idx_seg_of(const struct kvr_index *idx, uint64_t seq)
-{
-	return (struct idx_seg *)&idx->seg[seq >> (64 - IDX_SEGS_BITS)];
-}
-
-/* Entry index of seq in a table (segment bits excluded). */
-static inline uint64_t idx_home(const struct idx_tab *t, uint64_t seq)
-{
-	return seq & t->mask; /* seq is already a mixed hash; the segment used its top bits */
-}
 
 static inline uint64_t idx_bytes_tab(uint64_t mask)
 {
-	return sizeof(struct idx_tab) + (mask + 1) * sizeof(struct idx_ent);
+	return sizeof(struct idx_tab) + (mask + 1) * sizeof(uint64_t);
 }
 
-static inline uint64_t idx_bytes_rset(uint32_t cap)
+static inline uint64_t idx_bytes_seqs(uint32_t cap)
 {
-	return sizeof(struct idx_rset) + (uint64_t)cap * sizeof(uint32_t);
+	return sizeof(struct idx_seqs) + (uint64_t)cap * sizeof(uint64_t);
 }
 
-/* Finds the live-or-dying node (parent, seq) in the node table.  Context: inside a read section
- * (readers and writers).  Ordering: acquire load of the view and of each entry's node; pairs
- * with the release stores in seg_rebuild() and kvr_index_table_insert(). */
-static inline struct idx_node *idx_lookup(const struct kvr_index *idx,
-                                          const struct idx_node *parent, uint64_t seq)
+/*
+ * Finds the run whose FIRST block has sequence hash seq and that hangs at (parent, off).
+ * Context: inside a read section (readers), or a writer under wlock.
+ * Ordering: acquire load of the view and of each entry; pairs with the release stores in
+ * seg_rebuild() and kvr_index_tab_insert(): a reader that sees an entry sees the run's fields.
+ */
+static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, uint64_t seq,
+                                                 const struct idx_run *parent, uint32_t off)
 {
 	uintptr_t v = __atomic_load_n(&idx->view[seq >> (64 - IDX_SEGS_BITS)], __ATOMIC_ACQUIRE);
 	if (!v)
 		return NULL;
 	const struct idx_tab *t = (const struct idx_tab *)(v & ~(uintptr_t)63);
 	uint64_t mask = ((uint64_t)1 << (v & 63)) - 1;
+	uint64_t want = idx_tag(seq);
 	for (uint64_t i = seq & mask;; i = (i + 1) & mask) {
-		struct idx_node *n = __atomic_load_n(&t->e[i].node, __ATOMIC_ACQUIRE);
-		if (!n)
+		uint64_t e = __atomic_load_n(&t->e[i], __ATOMIC_ACQUIRE);
+		if (!e)
 			return NULL;
-		if (n == IDX_TOMB || __atomic_load_n(&t->e[i].seq, __ATOMIC_RELAXED) != seq)
+		if ((e & 63) != want || idx_ent_pos(e) != 0 || e == IDX_TOMB)
 			continue;
-		if (n->seq == seq && __atomic_load_n(&n->parent, __ATOMIC_RELAXED) == parent)
-			return n;
+		const struct idx_run *r = idx_ent_run(e);
+		if (r->first == seq && r->parent == parent && r->off == off)
+			return r;
 	}
 }
 
-/* The home entry of seq in the readers' view, or NULL (prefetch hints only). */
-static inline const struct idx_ent *idx_home_entry(const struct kvr_index *idx, uint64_t seq)
-{
-	uintptr_t v = __atomic_load_n(&idx->view[seq >> (64 - IDX_SEGS_BITS)], __ATOMIC_ACQUIRE);
-	if (!v)
-		return NULL;
-	const struct idx_tab *t = (const struct idx_tab *)(v & ~(uintptr_t)63);
-	return &t->e[seq & (((uint64_t)1 << (v & 63)) - 1)];
-}
+/* Block table, writer side (under wlock). */
+/* The entry of seq (any position), or 0. */
+uint64_t kvr_index_tab_find(const struct kvr_index *idx, uint64_t seq);
+/* Makes room for one more entry in seq's segment.  Returns 0 or KVR_ENOMEM (nothing changed). */
+int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq);
+/* Gives back seq's segment array if it holds nothing (after a reserve whose insert failed). */
+void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq);
+/* Inserts (seq -> run, pos); room must have been reserved. */
+void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r, uint32_t pos);
+/* Deletes seq's entry (never fails; may shrink the segment when memory allows). */
+void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq);
 
-/* Inserts n (seq set) into its segment; Context: writer inside a read section, holding no
- * segment lock.  If a live node with the same (parent, seq) is there, returns it instead and
- * inserts nothing; returns n when inserted; NULL on ENOMEM. */
-struct idx_node *kvr_index_table_insert(struct kvr_index *idx, struct idx_node *n,
-                                        struct idx_retire *rt);
-/* Deletes n from its segment.  Context: writer in a read section, holding n's lock. */
-void kvr_index_table_delete(struct kvr_index *idx, struct idx_node *n, struct idx_retire *rt);
-/* Hands the batch to call_rcu.  Context: writer, OUTSIDE the read section. */
 #define IDX_RETIRE_BATCH                                                                           \
-	256 /* objects a slot's writer gathers per call_rcu (fewer grace periods,                  \
-	     * so fewer membarrier IPIs on the readers' CPUs) */
+	256 /* objects gathered per call_rcu (fewer grace periods, so fewer membarrier IPIs on     \
+	     * the readers' CPUs) */
+/* Hands the batch to call_rcu.  Context: writer, outside any read section. */
 void kvr_index_retire_flush(struct kvr_index *idx, struct idx_retire *rt);
-/* Slot of an active rank, or NULL.  Context: writer thread of the slot. */
+/* Slot of an active rank, or NULL.  Context: writer (wlock). */
 struct idx_rank *kvr_index_rank_get_active(struct kvr_index *idx, uint32_t slot);
+/* Drops every block of the slot.  Context: writer holding wlock.  Returns blocks dropped. */
+uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot);
+/* Frees a run's writer-only records (holds, bitmaps) and the run itself, with no deferral.
+ * Context: destroy. */
+void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r);
 
 static inline void idx_count(uint64_t *c, int64_t d)
 {

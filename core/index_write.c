@@ -1,12 +1,16 @@
 /*
- * core/index_write.c - the index's writer side: stored, removed, cleared events.
+ * core/index_write.c - the run index's writer side: stored, removed, cleared events.
  *
- * Every call runs inside the RCU read lock it takes itself (so nodes other writers unlink stay
- * valid while this one looks at them) and ends with one deferred free for what it unlinked.
- * Per node, the spinlock in the node's lock word serialises rank-set changes and death; rank
- * sets are copy-on-write so readers see either the old or the new set, never a half-edited one.
- * The per-rank ext map is touched only by the slot's writer thread, so it has no lock at all.
- * Design essay and invariants: core/index.c.
+ * Every call takes the index's writer mutex (readers never do), so the table, the runs, the
+ * holder sets and the per-rank records below change under one owner at a time.  What a reader
+ * may be looking at is changed only by release stores of whole words (a run's len, a holder's
+ * cut, a table entry) or by publishing a new copy (holder sets, sequence arrays, table arrays);
+ * the old copy goes to the retire batch.  Design essay and invariants: core/index.c.
+ *
+ * A store applies block by block, each block atomically: first everything that needs memory is
+ * obtained (table room, a grown sequence array, a new run, a holder record and set, map room),
+ * then it is committed with no failure possible, so KVR_ENOMEM leaves the failing block (and
+ * the ones after it) unapplied and the index consistent.  Removals never need memory.
  */
 #include <string.h>
 
@@ -15,13 +19,13 @@
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-/* ---------------------------------------------------------------- per-rank ext map */
+/* ---------------------------------------------------------------- per-rank maps */
 
 #define XMAP_MIN 16
 
-static inline uint64_t xhome(const struct idx_xmap *m, uint64_t ext)
+static inline uint64_t xhome(const struct idx_xmap *m, uint64_t key)
 {
-	uint64_t h = ext * 0x9e3779b97f4a7c15ull;
+	uint64_t h = key * 0x9e3779b97f4a7c15ull;
 	return (h ^ (h >> 32)) & m->mask;
 }
 
@@ -30,49 +34,27 @@ static size_t xbytes(uint64_t mask)
 	return (size_t)(mask + 1) * sizeof(struct idx_xent);
 }
 
-/* Returns ext's node, or NULL with *hole = the empty entry that ended the probe (where
- * xmap_put() would put ext; UINT64_MAX without an array). */
-static struct idx_node *xmap_find_hole(const struct idx_xmap *m, uint64_t ext, uint64_t *hole)
+static bool xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t *val)
 {
-	*hole = UINT64_MAX;
 	if (!m->e)
-		return NULL;
-	for (uint64_t i = xhome(m, ext);; i = (i + 1) & m->mask) {
-		if (!m->e[i].node) {
-			*hole = i;
-			return NULL;
+		return false;
+	for (uint64_t i = xhome(m, key);; i = (i + 1) & m->mask) {
+		if (!m->e[i].used)
+			return false;
+		if (m->e[i].key == key) {
+			if (val)
+				*val = m->e[i].val;
+			return true;
 		}
-		if (m->e[i].ext == ext)
-			return m->e[i].node;
 	}
 }
 
-static struct idx_xent *xmap_entry(const struct idx_xmap *m, uint64_t ext)
+static void xmap_put(struct idx_xmap *m, uint64_t key, uint64_t val)
 {
-	if (!m->e)
-		return NULL;
-	for (uint64_t i = xhome(m, ext);; i = (i + 1) & m->mask) {
-		if (!m->e[i].node)
-			return NULL;
-		if (m->e[i].ext == ext)
-			return &m->e[i];
-	}
-}
-
-static struct idx_node *xmap_find(const struct idx_xmap *m, uint64_t ext)
-{
-	uint64_t hole;
-	return xmap_find_hole(m, ext, &hole);
-}
-
-static void xmap_put(struct idx_xmap *m, uint64_t ext, struct idx_node *n)
-{
-	uint64_t i = xhome(m, ext);
-	while (m->e[i].node)
+	uint64_t i = xhome(m, key);
+	while (m->e[i].used)
 		i = (i + 1) & m->mask;
-	m->e[i].ext = ext;
-	m->e[i].node = n;
-	m->e[i].extra = 0;
+	m->e[i] = (struct idx_xent){.key = key, .val = val, .used = 1};
 	m->count++;
 }
 
@@ -84,10 +66,8 @@ static int xmap_resize(struct kvr_index *idx, struct idx_xmap *m, uint64_t cap)
 		return KVR_ENOMEM;
 	if (m->e) {
 		for (uint64_t i = 0; i <= m->mask; i++)
-			if (m->e[i].node) {
-				xmap_put(&nm, m->e[i].ext, m->e[i].node);
-				xmap_entry(&nm, m->e[i].ext)->extra = m->e[i].extra;
-			}
+			if (m->e[i].used)
+				xmap_put(&nm, m->e[i].key, m->e[i].val);
 		kvr_free(m->e, xbytes(m->mask));
 		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
 	}
@@ -96,10 +76,10 @@ static int xmap_resize(struct kvr_index *idx, struct idx_xmap *m, uint64_t cap)
 	return 0;
 }
 
-/* Makes room for `extra` more entries at load <= 0.8.  Returns 0 or KVR_ENOMEM. */
-static int xmap_reserve(struct kvr_index *idx, struct idx_xmap *m, uint64_t extra)
+/* Makes room for one more entry at load <= 0.8.  Returns 0 or KVR_ENOMEM. */
+static int xmap_reserve(struct kvr_index *idx, struct idx_xmap *m)
 {
-	uint64_t need = m->count + extra;
+	uint64_t need = m->count + 1;
 	uint64_t cap = m->e ? m->mask + 1 : 0;
 	if (need * 5 <= cap * 4)
 		return 0;
@@ -109,32 +89,29 @@ static int xmap_reserve(struct kvr_index *idx, struct idx_xmap *m, uint64_t extr
 	return xmap_resize(idx, m, ncap);
 }
 
-/* Removes ext; returns its node or NULL.  Backward-shift deletion keeps probes short. */
-static struct idx_node *xmap_del(struct idx_xmap *m, uint64_t ext)
+/* Removes key (backward-shift deletion keeps probes short). */
+static void xmap_del(struct idx_xmap *m, uint64_t key)
 {
 	if (!m->e)
-		return NULL;
-	uint64_t i = xhome(m, ext);
+		return;
+	uint64_t i = xhome(m, key);
 	for (;; i = (i + 1) & m->mask) {
-		if (!m->e[i].node)
-			return NULL;
-		if (m->e[i].ext == ext)
+		if (!m->e[i].used)
+			return;
+		if (m->e[i].key == key)
 			break;
 	}
-	struct idx_node *n = m->e[i].node;
-	m->e[i].node = NULL;
+	m->e[i].used = 0;
 	m->count--;
-	for (uint64_t j = (i + 1) & m->mask; m->e[j].node; j = (j + 1) & m->mask) {
-		uint64_t k = xhome(m, m->e[j].ext);
-		/* Move e[j] into the hole at i unless its home lies cyclically in (i, j], i.e.
-		 * when it sits at least as far from its home as from the hole. */
+	for (uint64_t j = (i + 1) & m->mask; m->e[j].used; j = (j + 1) & m->mask) {
+		uint64_t k = xhome(m, m->e[j].key);
+		/* Move e[j] into the hole at i unless its home lies cyclically in (i, j]. */
 		if (((j - k) & m->mask) >= ((j - i) & m->mask)) {
 			m->e[i] = m->e[j];
-			m->e[j].node = NULL;
+			m->e[j].used = 0;
 			i = j;
 		}
 	}
-	return n;
 }
 
 static void xmap_shrink(struct kvr_index *idx, struct idx_xmap *m)
@@ -156,352 +133,829 @@ static void xmap_shrink(struct kvr_index *idx, struct idx_xmap *m)
 	(void)xmap_resize(idx, m, ncap); /* on failure keep the big one */
 }
 
-/* ---------------------------------------------------------------- rank sets */
+/* ---------------------------------------------------------------- holder records */
 
-static inline struct idx_rset *rset_of(uintptr_t v)
+static inline bool bit(const struct idx_hold *h, uint32_t pos)
 {
-	return (struct idx_rset *)v;
+	return pos / 64 < h->nwords && (h->bm[pos / 64] >> (pos % 64) & 1);
 }
 
-static struct idx_rset *rset_new(struct kvr_index *idx, uint32_t cap)
+static uint64_t hold_bytes(const struct idx_hold *h)
 {
-	struct idx_rset *r = kvr_alloc(idx_bytes_rset(cap));
-	if (r) {
-		r->cap = cap;
-		r->n = 0;
-		r->next_free = NULL;
-		idx_count(&idx->bytes_rank, (int64_t)idx_bytes_rset(cap));
-	}
-	return r;
+	return sizeof(*h) + (uint64_t)h->nwords * 8 + (uint64_t)h->capex * sizeof(struct idx_xcopy);
 }
 
-static void retire_ranks(uintptr_t v, struct idx_retire *rt)
+static struct idx_hold *hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
+                                 uint32_t pos)
 {
-	if (v && !(v & 1)) {
-		struct idx_rset *r = rset_of(v);
-		r->next_free = rt->sets;
-		rt->sets = r;
-		rt->n++;
+	struct idx_hold *h = kvr_alloc(sizeof(*h));
+	if (!h)
+		return NULL;
+	memset(h, 0, sizeof(*h));
+	h->nwords = pos / 64 + 1;
+	h->bm = kvr_calloc(h->nwords, 8);
+	if (!h->bm) {
+		kvr_free(h, sizeof(*h));
+		return NULL;
 	}
+	h->run = run;
+	h->slot = slot;
+	idx_count(&idx->bytes_rank, (int64_t)hold_bytes(h));
+	return h;
 }
 
-/* Adds slot s to node x.  Returns 0, 1 (already there) or KVR_ENOMEM.
- * Context: writer in a read section, holding x's lock.
- * Ordering: release publish of x->ranks; pairs with the acquire load in find_matches. */
-static int rank_add(struct kvr_index *idx, struct idx_node *x, uint32_t s, struct idx_retire *rt)
+static void hold_free(struct kvr_index *idx, struct idx_hold *h)
 {
-	uintptr_t v = x->ranks, nv;
-	if (v == 0) {
-		nv = ((uintptr_t)s << 1) | 1;
-	} else if (v & 1) {
-		uint32_t t = (uint32_t)(v >> 1);
-		if (t == s)
-			return 1;
-		struct idx_rset *r = rset_new(idx, 2);
-		if (!r)
-			return KVR_ENOMEM;
-		r->slot[0] = t < s ? t : s;
-		r->slot[1] = t < s ? s : t;
-		r->n = 2;
-		nv = (uintptr_t)r;
-	} else {
-		const struct idx_rset *o = rset_of(v);
-		for (uint32_t i = 0; i < o->n; i++)
-			if (o->slot[i] == s)
-				return 1;
-		struct idx_rset *r = rset_new(idx, o->n + 1);
-		if (!r)
-			return KVR_ENOMEM;
-		uint32_t k = 0;
-		bool put = false;
-		for (uint32_t i = 0; i < o->n; i++) {
-			uint32_t t = __atomic_load_n(&o->slot[i], __ATOMIC_RELAXED);
-			if (!put && s < t) {
-				r->slot[k++] = s;
-				put = true;
-			}
-			if (k == 0 || r->slot[k - 1] != t) /* drop duplicates left by rank_del */
-				r->slot[k++] = t;
-		}
-		if (!put)
-			r->slot[k++] = s;
-		r->n = k;
-		nv = (uintptr_t)r;
-	}
-	__atomic_store_n(&x->ranks, nv, __ATOMIC_RELEASE);
-	retire_ranks(v, rt);
+	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
+	kvr_free(h->bm, (size_t)h->nwords * 8);
+	kvr_free(h->ex, (size_t)h->capex * sizeof(struct idx_xcopy));
+	kvr_free(h, sizeof(*h));
+}
+
+/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
+static int hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
+{
+	if (pos / 64 < h->nwords)
+		return 0;
+	uint32_t nw = h->nwords * 2 > pos / 64 + 1 ? h->nwords * 2 : pos / 64 + 1;
+	uint64_t *bm = kvr_realloc(h->bm, (size_t)h->nwords * 8, (size_t)nw * 8);
+	if (!bm)
+		return KVR_ENOMEM;
+	memset(bm + h->nwords, 0, (size_t)(nw - h->nwords) * 8);
+	idx_count(&idx->bytes_rank, (int64_t)(nw - h->nwords) * 8);
+	h->bm = bm;
+	h->nwords = nw;
 	return 0;
 }
 
-/* Removes slot s from node x (no-op if absent).  Never fails: without memory for the smaller
- * copy it overwrites s in place with a neighbour's value (readers tolerate duplicates).
- * Context: writer in a read section, holding x's lock.  Ordering: as rank_add. */
-static void rank_del(struct kvr_index *idx, struct idx_node *x, uint32_t s, struct idx_retire *rt)
+/* Sets pos (the bitmap covers it); advances the gap-free cut over what follows. */
+static void hold_set(struct idx_hold *h, uint32_t pos)
 {
-	uintptr_t v = x->ranks, nv;
-	if (v == 0)
+	h->bm[pos / 64] |= 1ull << (pos % 64);
+	h->held++;
+	if (pos + 1 > h->top)
+		h->top = pos + 1;
+	if (pos != h->cut)
 		return;
-	if (v & 1) {
-		if ((uint32_t)(v >> 1) != s)
-			return;
-		nv = 0;
-	} else {
-		struct idx_rset *o = rset_of(v);
-		uint32_t distinct = 0, other = 0, pos = UINT32_MAX;
-		for (uint32_t i = 0; i < o->n; i++) {
-			uint32_t t = o->slot[i];
-			if (t == s) {
-				if (pos == UINT32_MAX)
-					pos = i;
-				continue;
-			}
-			if (distinct == 0 || other != t)
-				distinct++;
-			other = t;
+	uint32_t c = h->cut;
+	while (c / 64 < h->nwords) {
+		uint64_t w = ~(h->bm[c / 64] >> (c % 64));
+		if (w) {
+			c += (uint32_t)__builtin_ctzll(w);
+			break;
 		}
-		if (pos == UINT32_MAX)
-			return;
-		if (distinct == 0) {
-			nv = 0;
-		} else if (distinct == 1) {
-			nv = ((uintptr_t)other << 1) | 1;
-		} else {
-			struct idx_rset *r = rset_new(idx, distinct);
-			if (!r) {
-				uint32_t fill = pos > 0 ? o->slot[pos - 1] : other;
-				if (pos ==
-				    0) /* first entries equal s: copy the first other value */
-					for (uint32_t i = 0; i < o->n; i++)
-						if (o->slot[i] != s) {
-							fill = o->slot[i];
-							break;
-						}
-				for (uint32_t i = 0; i < o->n; i++)
-					if (o->slot[i] == s)
-						__atomic_store_n(&o->slot[i], fill,
-						                 __ATOMIC_RELAXED);
-				return;
-			}
-			uint32_t k = 0;
-			for (uint32_t i = 0; i < o->n; i++) {
-				uint32_t t = o->slot[i];
-				if (t != s && (k == 0 || r->slot[k - 1] != t))
-					r->slot[k++] = t;
-			}
-			r->n = k;
-			nv = (uintptr_t)r;
-		}
+		c += 64 - c % 64;
 	}
-	__atomic_store_n(&x->ranks, nv, __ATOMIC_RELEASE);
-	retire_ranks(v, rt);
+	h->cut = c < h->top ? c : h->top;
 }
 
-/* ---------------------------------------------------------------- node life */
-
-/* Marks x dead and unlinks it if it has no rank and no child.  Context: holding x's lock. */
-static bool try_kill(struct kvr_index *idx, struct idx_node *x, struct idx_retire *rt)
+static void hold_clear(struct idx_hold *h, uint32_t pos)
 {
-	if (x->ranks != 0 || __atomic_load_n(&x->nchildren, __ATOMIC_ACQUIRE) != 0 ||
-	    (__atomic_load_n(&x->lock, __ATOMIC_RELAXED) & IDX_DEAD))
+	h->bm[pos / 64] &= ~(1ull << (pos % 64));
+	h->held--;
+	if (pos < h->cut)
+		h->cut = pos;
+	if (pos + 1 != h->top)
+		return;
+	uint32_t t = 0;
+	for (uint32_t w = pos / 64 + 1; w-- > 0;)
+		if (h->bm[w]) {
+			t = w * 64 + 64 - (uint32_t)__builtin_clzll(h->bm[w]);
+			break;
+		}
+	h->top = t;
+}
+
+/* Copy counts (count_copies): extra copies of a held position. */
+static struct idx_xcopy *ex_find(const struct idx_hold *h, uint32_t pos)
+{
+	for (uint32_t i = 0; i < h->nex; i++)
+		if (h->ex[i].pos == pos)
+			return &h->ex[i];
+	return NULL;
+}
+
+static int ex_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
+{
+	if (ex_find(h, pos) || h->nex < h->capex)
+		return 0;
+	uint32_t nc = h->capex ? h->capex * 2 : 2;
+	struct idx_xcopy *e =
+	    kvr_realloc(h->ex, (size_t)h->capex * sizeof(*e), (size_t)nc * sizeof(*e));
+	if (!e)
+		return KVR_ENOMEM;
+	idx_count(&idx->bytes_rank, (int64_t)(nc - h->capex) * (int64_t)sizeof(*e));
+	h->ex = e;
+	h->capex = nc;
+	return 0;
+}
+
+static void ex_inc(struct idx_hold *h, uint32_t pos)
+{
+	struct idx_xcopy *e = ex_find(h, pos);
+	if (e)
+		e->extra++;
+	else
+		h->ex[h->nex++] = (struct idx_xcopy){pos, 1};
+}
+
+/* Drops one extra copy of pos; false when pos has none. */
+static bool ex_dec(struct idx_hold *h, uint32_t pos)
+{
+	struct idx_xcopy *e = ex_find(h, pos);
+	if (!e)
 		return false;
-	__atomic_fetch_or(&x->lock, IDX_DEAD, __ATOMIC_RELAXED);
-	kvr_index_table_delete(idx, x, rt);
-	idx_count(&idx->c_nodes, -1);
+	if (--e->extra == 0)
+		*e = h->ex[--h->nex];
 	return true;
 }
 
-/* x just died (unlocked): retire it and walk up while parents become empty.
- * Ordering: the child count decrement is acq_rel; whoever takes it to zero re-checks the parent
- * under the parent's lock, which pairs with try_kill()'s check by a concurrent remover. */
-static void cascade(struct kvr_index *idx, struct idx_node *x, struct idx_retire *rt)
+/* ---------------------------------------------------------------- holder sets */
+
+static inline uint32_t hslot(uint64_t w)
 {
-	for (;;) {
-		struct idx_node *p = x->parent;
-		__atomic_store_n(&x->parent, rt->nodes, __ATOMIC_RELAXED);
-		rt->nodes = x;
-		rt->n++;
-		if (p == &idx->root)
-			return;
-		if (__atomic_sub_fetch(&p->nchildren, 1, __ATOMIC_ACQ_REL) != 0)
-			return;
-		idx_lock(&p->lock);
-		bool died = try_kill(idx, p, rt);
-		idx_unlock(&p->lock);
-		if (!died)
-			return;
-		x = p;
+	return (uint32_t)(w >> 32);
+}
+
+/* Index of the first entry of slot in hs, or -1. */
+static int64_t hs_find(const struct idx_hset *hs, uint32_t slot)
+{
+	if (!hs)
+		return -1;
+	uint32_t lo = 0, hi = hs->n;
+	while (lo < hi) {
+		uint32_t mid = (lo + hi) / 2;
+		if (hslot(hs->e[mid]) < slot)
+			lo = mid + 1;
+		else
+			hi = mid;
 	}
+	return lo < hs->n && hslot(hs->e[lo]) == slot ? (int64_t)lo : -1;
 }
 
-/* Drops slot s from x, reclaiming what becomes empty.  Context: writer in a read section. */
-static void drop_rank(struct kvr_index *idx, struct idx_node *x, uint32_t s, struct idx_retire *rt)
+static struct idx_hold *hold_of(const struct idx_run *r, uint32_t slot)
 {
-	idx_lock(&x->lock);
-	rank_del(idx, x, s, rt);
-	bool died = try_kill(idx, x, rt);
-	idx_unlock(&x->lock);
-	if (died)
-		cascade(idx, x, rt);
+	int64_t i = hs_find(r->hs, slot);
+	return i < 0 ? NULL : idx_hset_holds(r->hs)[i];
 }
 
-/* Adds slot s to the child (p, seq), creating it.  *out = the child.  Returns 0, 1 (s already
- * held it) or KVR_ENOMEM.  Context: writer in a read section; p is live (held by s, or root). */
-static int child_add(struct kvr_index *idx, struct idx_node *p, uint64_t seq, uint32_t s,
-                     struct idx_retire *rt, struct idx_node **out)
+/* Mirrors h->cut into the run's holder words (every duplicate).
+ * Ordering: relaxed; a cut covers positions whose content is permanent and whose len was
+ * released before (index_match.c credits min(cut, matched)). */
+static void publish_cut(struct idx_hold *h)
 {
-	for (;;) {
-		struct idx_node *x = idx_lookup(idx, p, seq);
-		if (!x) {
-			struct idx_node *n = kvr_alloc(sizeof(*n));
-			if (!n)
-				return KVR_ENOMEM;
-			n->seq = seq;
-			n->parent = p;
-			n->ranks = ((uintptr_t)s << 1) | 1;
-			n->lock = 0;
-			n->nchildren = 0;
-			__atomic_add_fetch(&p->nchildren, 1, __ATOMIC_RELAXED);
-			x = kvr_index_table_insert(idx, n, rt);
-			if (x == n) {
-				idx_count(&idx->c_nodes, 1);
-				idx_count(&idx->bytes_shared, (int64_t)sizeof(*n));
-				*out = n;
-				return 0;
+	struct idx_hset *hs = h->run->hs;
+	int64_t i = hs_find(hs, h->slot);
+	if (i < 0)
+		return; /* NEVER */
+	uint64_t w = ((uint64_t)h->slot << 32) | h->cut;
+	for (uint32_t k = (uint32_t)i; k < hs->n && hslot(hs->e[k]) == h->slot; k++)
+		__atomic_store_n(&hs->e[k], w, __ATOMIC_RELAXED);
+}
+
+static struct idx_hset *hs_alloc(struct kvr_index *idx, uint32_t cap)
+{
+	struct idx_hset *hs = kvr_alloc(idx_bytes_hset(cap));
+	if (hs) {
+		hs->cap = cap;
+		hs->n = 0;
+		hs->next_free = NULL;
+		idx_count(&idx->bytes_rank, (int64_t)idx_bytes_hset(cap));
+	}
+	return hs;
+}
+
+static void hs_retire(struct kvr_index *idx, struct idx_hset *hs)
+{
+	if (!hs)
+		return;
+	hs->next_free = idx->rt.sets;
+	idx->rt.sets = hs;
+	idx->rt.n++;
+}
+
+/* Publishes r's holder set plus h (cut 0).  Returns 0 or KVR_ENOMEM (unchanged). */
+static int hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
+{
+	const struct idx_hset *o = r->hs;
+	uint32_t n = o ? o->n : 0;
+	struct idx_hset *hs = hs_alloc(idx, n + 1);
+	if (!hs)
+		return KVR_ENOMEM;
+	struct idx_hold **oh = o ? idx_hset_holds(o) : NULL, **nh = idx_hset_holds(hs);
+	uint32_t k = 0;
+	bool put = false;
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t w = __atomic_load_n(&o->e[i], __ATOMIC_RELAXED);
+		if (!put && h->slot < hslot(w)) {
+			hs->e[k] = (uint64_t)h->slot << 32;
+			nh[k++] = h;
+			put = true;
+		}
+		if (k > 0 && hslot(hs->e[k - 1]) == hslot(w))
+			continue; /* a duplicate left by hs_del without memory */
+		hs->e[k] = w;
+		nh[k++] = oh[i];
+	}
+	if (!put) {
+		hs->e[k] = (uint64_t)h->slot << 32;
+		nh[k++] = h;
+	}
+	hs->n = k;
+	/* Ordering: release; pairs with the acquire load of r->hs in find_matches. */
+	kvr_rcu_publish(&r->hs, hs);
+	hs_retire(idx, (struct idx_hset *)o);
+	return 0;
+}
+
+/* Removes slot from r's holder set.  Never fails: without memory for the smaller copy, the
+ * slot's words are overwritten in place with a neighbour's (one atomic word each). */
+static void hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
+{
+	struct idx_hset *o = r->hs;
+	int64_t at = hs_find(o, slot);
+	if (at < 0)
+		return;
+	uint32_t distinct = 0;
+	for (uint32_t i = 0; i < o->n; i++)
+		if (hslot(o->e[i]) != slot && (i == 0 || hslot(o->e[i - 1]) != hslot(o->e[i])))
+			distinct++;
+	struct idx_hset *hs = NULL;
+	if (distinct > 0) {
+		hs = hs_alloc(idx, distinct);
+		if (!hs) {
+			uint32_t nb = at > 0 ? (uint32_t)at - 1 : UINT32_MAX;
+			if (nb == UINT32_MAX)
+				for (uint32_t i = 0; i < o->n; i++)
+					if (hslot(o->e[i]) != slot) {
+						nb = i;
+						break;
+					}
+			struct idx_hold **oh = idx_hset_holds(o);
+			for (uint32_t i = (uint32_t)at; i < o->n && hslot(o->e[i]) == slot; i++) {
+				oh[i] = oh[nb];
+				__atomic_store_n(&o->e[i], o->e[nb], __ATOMIC_RELAXED);
 			}
-			/* p holds s (or is root): the count cannot have gone to zero meanwhile. */
-			__atomic_sub_fetch(&p->nchildren, 1, __ATOMIC_RELAXED);
-			kvr_free(n, sizeof(*n));
-			if (!x)
-				return KVR_ENOMEM;
+			return;
 		}
-		idx_lock(&x->lock);
-		if (__atomic_load_n(&x->lock, __ATOMIC_RELAXED) & IDX_DEAD) {
-			idx_unlock(&x->lock); /* being unlinked: look again */
-			continue;
+		struct idx_hold **oh = idx_hset_holds(o), **nh = idx_hset_holds(hs);
+		uint32_t k = 0;
+		for (uint32_t i = 0; i < o->n; i++) {
+			if (hslot(o->e[i]) == slot ||
+			    (k > 0 && hslot(hs->e[k - 1]) == hslot(o->e[i])))
+				continue;
+			hs->e[k] = o->e[i];
+			nh[k++] = oh[i];
 		}
-		int rc = rank_add(idx, x, s, rt);
-		idx_unlock(&x->lock);
-		*out = x;
-		return rc;
+		hs->n = k;
 	}
+	kvr_rcu_publish(&r->hs, hs);
+	hs_retire(idx, o);
+}
+
+/* ---------------------------------------------------------------- runs */
+
+static void seqs_retire(struct kvr_index *idx, struct idx_seqs *q)
+{
+	q->next_free = idx->rt.seqs;
+	idx->rt.seqs = q;
+	idx->rt.n++;
+}
+
+static struct idx_run *run_new(struct kvr_index *idx, struct idx_run *parent, uint32_t off,
+                               uint32_t cap, uint64_t first)
+{
+	struct idx_run *r = kvr_alloc_aligned(sizeof(*r));
+	if (!r)
+		return NULL;
+	struct idx_seqs *q = kvr_alloc(idx_bytes_seqs(cap));
+	if (!q || ((uintptr_t)r & ~IDX_PTR_MASK)) { /* NEVER: user space is below 2^49 */
+		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
+		kvr_free_aligned(r, sizeof(*r));
+		return NULL;
+	}
+	memset(r, 0, sizeof(*r));
+	q->cap = cap;
+	q->next_free = NULL;
+	q->s[0] = first;
+	r->first = first;
+	r->parent = parent;
+	r->off = off;
+	r->seqs = q;
+	r->hw = 1;
+	idx_count(&idx->bytes_shared, (int64_t)(sizeof(*r) + idx_bytes_seqs(cap)));
+	return r;
+}
+
+/* Frees a run never published. */
+static void run_free_unpublished(struct kvr_index *idx, struct idx_run *r)
+{
+	idx_count(&idx->bytes_shared, -(int64_t)(sizeof(*r) + idx_bytes_seqs(r->seqs->cap)));
+	kvr_free(r->seqs, idx_bytes_seqs(r->seqs->cap));
+	kvr_free_aligned(r, sizeof(*r));
+}
+
+/* Makes room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
+static int run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
+{
+	struct idx_seqs *o = r->seqs;
+	if (r->hw < o->cap)
+		return 0;
+	uint64_t cap = (uint64_t)r->hw + (more > 1 ? more : 1);
+	if (cap < (uint64_t)r->hw + r->hw / 4 + 1) /* geometric: amortised O(1) per block */
+		cap = (uint64_t)r->hw + r->hw / 4 + 1;
+	if (cap > IDX_RUN_MAX)
+		cap = IDX_RUN_MAX;
+	struct idx_seqs *q = kvr_alloc(idx_bytes_seqs((uint32_t)cap));
+	if (!q)
+		return KVR_ENOMEM;
+	q->cap = (uint32_t)cap;
+	q->next_free = NULL;
+	memcpy(q->s, o->s, (size_t)r->hw * sizeof(uint64_t));
+	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_seqs(q->cap));
+	/* Ordering: release; pairs with the acquire load of seqs in find_matches (which loads
+	 * len first: a len covering new positions was stored after this publish). */
+	kvr_rcu_publish(&r->seqs, q);
+	seqs_retire(idx, o);
+	return 0;
+}
+
+static void link_child(struct idx_run *p, struct idx_run *c)
+{
+	if (!p)
+		return;
+	c->sib_prev = NULL;
+	c->sib_next = p->child;
+	if (p->child)
+		p->child->sib_prev = c;
+	p->child = c;
+	p->nchildren++;
+	if (c->off > p->max_child_off)
+		p->max_child_off = c->off;
+}
+
+static void unlink_child(struct idx_run *p, struct idx_run *c)
+{
+	if (!p)
+		return;
+	if (c->sib_prev)
+		c->sib_prev->sib_next = c->sib_next;
+	else
+		p->child = c->sib_next;
+	if (c->sib_next)
+		c->sib_next->sib_prev = c->sib_prev;
+	p->nchildren--;
+	p->max_child_off = 0;
+	for (const struct idx_run *k = p->child; k; k = k->sib_next)
+		if (k->off > p->max_child_off)
+			p->max_child_off = k->off;
+}
+
+static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
+{
+	struct idx_rank *rk = &idx->rank[h->slot];
+	if (h->prev)
+		h->prev->next = h->next;
+	else
+		rk->holds = h->next;
+	if (h->next)
+		h->next->prev = h->prev;
+}
+
+static void rank_link_hold(struct kvr_index *idx, struct idx_hold *h)
+{
+	struct idx_rank *rk = &idx->rank[h->slot];
+	h->prev = NULL;
+	h->next = rk->holds;
+	if (rk->holds)
+		rk->holds->prev = h;
+	rk->holds = h;
+}
+
+/* Removes an empty holder record from its run and its rank. */
+static void drop_hold(struct kvr_index *idx, struct idx_hold *h)
+{
+	rank_unlink_hold(idx, h);
+	hs_del(idx, h->run, h->slot);
+	hold_free(idx, h);
+}
+
+/* Trims r to what its holders and children need, killing it (and re-checking its parent)
+ * when that is nothing.  Never fails. */
+static void run_check(struct kvr_index *idx, struct idx_run *r)
+{
+	while (r) {
+		uint32_t need = r->max_child_off;
+		const struct idx_hset *hs = r->hs;
+		if (hs) {
+			struct idx_hold **hh = idx_hset_holds(hs);
+			for (uint32_t i = 0; i < hs->n; i++)
+				if (hh[i]->top > need)
+					need = hh[i]->top;
+		}
+		if (need >= r->len)
+			return;
+		for (uint32_t q = need; q < r->len; q++)
+			kvr_index_tab_delete(idx, r->seqs->s[q]);
+		/* Ordering: release; readers that still see the old len compare permanent content.
+		 */
+		__atomic_store_n(&r->len, need, __ATOMIC_RELEASE);
+		if (need > 0)
+			return;
+		/* Dead: nobody holds a position and no child hangs below. */
+		while (r->hs) {
+			struct idx_hold *h = idx_hset_holds(r->hs)[0];
+			drop_hold(idx, h); /* NEVER reached with a non-empty record */
+		}
+		struct idx_run *p = r->parent;
+		unlink_child(p, r);
+		seqs_retire(idx, r->seqs);
+		r->next_free = idx->rt.runs;
+		idx->rt.runs = r;
+		idx->rt.n++;
+		r = p;
+	}
+}
+
+void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
+{
+	struct idx_hset *hs = r->hs;
+	if (hs) {
+		struct idx_hold **hh = idx_hset_holds(hs);
+		for (uint32_t i = 0; i < hs->n; i++)
+			if (i == 0 || hh[i] != hh[i - 1])
+				hold_free(idx, hh[i]);
+		idx_count(&idx->bytes_rank, -(int64_t)idx_bytes_hset(hs->cap));
+		kvr_free(hs, idx_bytes_hset(hs->cap));
+	}
+	idx_count(&idx->bytes_shared, -(int64_t)(sizeof(*r) + idx_bytes_seqs(r->seqs->cap)));
+	kvr_free(r->seqs, idx_bytes_seqs(r->seqs->cap));
+	kvr_free_aligned(r, sizeof(*r));
 }
 
 /* ---------------------------------------------------------------- events */
 
-/* Hands the slot's retired objects to call_rcu once there are enough of them, or at once when
- * a whole table is among them.  Context: the slot's writer, outside the read section. */
-static void maybe_flush(struct kvr_index *idx, struct idx_retire *rt)
+/* After removals from (r, h): drops the record when empty, trims / kills the run. */
+static void settle(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
 {
-	if (rt->n >= IDX_RETIRE_BATCH || rt->tabs)
-		kvr_index_retire_flush(idx, rt);
+	if (h->held == 0)
+		drop_hold(idx, h);
+	run_check(idx, r);
 }
+
+static void flush_if_due(struct kvr_index *idx)
+{
+	if (idx->rt.n >= IDX_RETIRE_BATCH || idx->rt.tabs)
+		kvr_index_retire_flush(idx, &idx->rt);
+}
+
+/* The sequence hash an ext hash names for the rank, or false (the rank uses ext for nothing:
+ * unknown, or ext is the sequence hash of a block the rank holds under another ext). */
+static bool ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
+{
+	if (xmap_get(&rk->xmap, ext, seq))
+		return true;
+	if (xmap_get(&rk->rmap, ext, NULL))
+		return false;
+	*seq = ext;
+	return true;
+}
+
+/* Where block seq sits in the tree: *r, *pos, or false. */
+static bool locate(const struct kvr_index *idx, uint64_t seq, struct idx_run **r, uint32_t *pos)
+{
+	uint64_t e = kvr_index_tab_find(idx, seq);
+	if (!e)
+		return false;
+	*r = idx_ent_run(e);
+	*pos = idx_ent_pos(e);
+	return true;
+}
+
+static bool ensure_scratch(struct kvr_index *idx, size_t n)
+{
+	if (idx->scratch_cap >= n)
+		return true;
+	size_t cap = idx->scratch_cap ? idx->scratch_cap : 256;
+	while (cap < n)
+		cap *= 2;
+	uint64_t *p = kvr_alloc(cap * sizeof(uint64_t));
+	if (!p)
+		return false;
+	kvr_free(idx->scratch, idx->scratch_cap * sizeof(uint64_t));
+	idx->scratch = p;
+	idx->scratch_cap = cap;
+	return true;
+}
+
+/* Whether the slot holds the block with sequence hash s under ext hash s. */
+static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, uint32_t slot,
+                        uint64_t s)
+{
+	struct idx_run *r;
+	uint32_t pos;
+	if (xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, &r, &pos))
+		return false;
+	const struct idx_hold *h = hold_of(r, slot);
+	return h && bit(h, pos);
+}
+
+static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
+                            const uint64_t *ext, size_t n, size_t *removed, size_t *dropped);
+
+enum place { P_HELD, P_EXISTS, P_REEXTEND, P_APPEND, P_FORK };
 
 int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
                     const struct kvr_index_block *blocks, size_t n)
 {
 	if (!idx || (!blocks && n > 0))
 		return KVR_EINVAL;
-	struct idx_rank *r = kvr_index_rank_get_active(idx, slot);
-	if (!r)
+	struct idx_rank *rk = kvr_index_rank_get_active(idx, slot);
+	if (!rk)
 		return KVR_ENOENT;
 	if (n == 0)
 		return 0;
 	if (kvr_rcu_thread_online() != 0)
 		return KVR_ENOMEM;
-	struct idx_retire *rt = &r->pend;
+	pthread_mutex_lock(&idx->wlock);
 	int rc = 0;
 	uint64_t added = 0, copies = 0;
-	kvr_rcu_read_lock();
-	struct idx_node *p = &idx->root;
+	uint64_t *applied = NULL; /* ext hashes added or copied, for a rollback */
+	size_t napplied = 0;
+	struct idx_run *R = NULL; /* where the previous block sits; NULL = the root */
+	uint32_t p = 0;
+	struct idx_hold *h = NULL; /* slot's record of R (cached) */
+	uint64_t pseq = 0, prev = 0;
 	bool has_prev = parent_ext != NULL;
-	uint64_t prev = has_prev ? *parent_ext : 0;
 	if (has_prev) {
-		p = xmap_find(&r->map, prev);
-		if (!p) {
+		prev = *parent_ext;
+		if (!ext_to_seq(rk, prev, &pseq) || !locate(idx, pseq, &R, &p) ||
+		    !(h = hold_of(R, slot)) || !bit(h, p)) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
+			goto out;
 		}
 	}
-	/* The table keys of all blocks follow from the parent's key: prefetch PF blocks ahead
-	 * (the table entry and the rank's ext-map entry), as find_matches does. */
-	enum { PF = 8, RING = 16 };
-	uint64_t ring[RING];
-	size_t ahead = 0;
-	uint64_t last = rc == 0 ? p->seq : 0;
-	bool at_root = p == &idx->root;
-	for (size_t i = 0; rc == 0 && i < n; i++) {
-		while (ahead < n && ahead <= i + PF) {
-			/* The router's sequence hash (core/hash.c): the query passes the same. */
-			kvr_hash_chain_locals(at_root && ahead == 0 ? NULL : &last,
-			                      &blocks[ahead].local_hash, 1, &last);
-			ring[ahead % RING] = last;
-			__builtin_prefetch(idx_home_entry(idx, last));
-			if (r->map.e)
+	if (!ensure_scratch(idx, 2 * n)) {
+		rc = KVR_ENOMEM;
+		goto out;
+	}
+	uint64_t *seq = idx->scratch;
+	applied = idx->scratch + n;
+	for (size_t i = 0; i < n; i++) /* the router's chain (core/hash.c) */
+		kvr_hash_chain_locals(i == 0 && !has_prev ? NULL : (i ? &seq[i - 1] : &pseq),
+		                      &blocks[i].local_hash, 1, &seq[i]);
+	for (size_t i = 0; i < n; i++) {
+		const uint64_t e = blocks[i].ext_hash, s = seq[i];
+		if (i + 8 < n) {
+			uintptr_t v = idx->view[seq[i + 8] >> (64 - IDX_SEGS_BITS)];
+			if (v)
 				__builtin_prefetch(
-				    &r->map.e[xhome(&r->map, blocks[ahead].ext_hash)]);
-			ahead++;
+				    &((const struct idx_tab *)(v & ~(uintptr_t)63))
+				         ->e[seq[i + 8] & (((uint64_t)1 << (v & 63)) - 1)]);
 		}
-		const struct kvr_index_block b = blocks[i];
-		if (has_prev && b.ext_hash == prev) {
-			rc = KVR_EINVAL;
+		if (has_prev && e == prev) {
+			rc = KVR_EINVAL; /* self-parent */
 			break;
 		}
-		uint64_t seq = ring[i % RING];
-		uint64_t hole;
-		struct idx_node *e = xmap_find_hole(&r->map, b.ext_hash, &hole);
-		if (e) {
-			if (e->seq != seq || e->parent != p) {
-				rc = KVR_EINVAL; /* this ext hash names another block of the rank */
+		const bool alias = e != s;
+		uint64_t mapped;
+		bool via_e = xmap_get(&rk->xmap, e, &mapped);
+		if (via_e && (!alias || mapped != s)) {
+			rc = KVR_EINVAL; /* e names another block of the rank */
+			break;
+		}
+		if (alias && !via_e && holds_plain(idx, rk, slot, e)) {
+			rc =
+			    KVR_EINVAL; /* e is the sequence hash (and ext) of another held block */
+			break;
+		}
+		/* Where does s go? */
+		struct idx_run *C = NULL;
+		uint32_t q = 0;
+		enum place pl;
+		if (R && p + 1 < R->len && R->seqs->s[p + 1] == s) {
+			C = R;
+			q = p + 1;
+			pl = P_EXISTS;
+		} else if (locate(idx, s, &C, &q)) {
+			bool ok = q > 0 ? (C == R && q == p + 1)
+			                : (C->parent == R && C->off == (R ? p + 1 : 0));
+			if (!ok) {
+				rc = KVR_EINVAL; /* a 64-bit sequence hash collision */
+				break;
+			}
+			pl = P_EXISTS;
+		} else if (R && p + 1 == R->len && p + 1 < R->hw && R->seqs->s[p + 1] == s) {
+			pl = P_REEXTEND;
+		} else if (R && p + 1 == R->len && R->hw == R->len && R->hw < IDX_RUN_MAX) {
+			pl = P_APPEND;
+		} else {
+			pl = P_FORK;
+		}
+		struct idx_hold *ch = NULL; /* slot's record of the block's run */
+		if (pl == P_EXISTS) {
+			ch = C == R ? h : hold_of(C, slot);
+			if (ch && bit(ch, q))
+				pl = P_HELD;
+		}
+		if (pl == P_HELD) {
+			if (!via_e && (alias || xmap_get(&rk->rmap, s, NULL))) {
+				rc = KVR_EINVAL; /* held under another ext hash */
 				break;
 			}
 			if (idx->count_copies) {
-				xmap_entry(&r->map, b.ext_hash)->extra++;
+				if (ex_reserve(idx, ch, q) != 0) {
+					rc = KVR_ENOMEM;
+					break;
+				}
+				ex_inc(ch, q);
 				copies++;
+				applied[napplied++] = e;
 			}
-			p = e; /* already held: idempotent, or one more copy */
-		} else {
-			struct idx_node *x;
-			const struct idx_xent *before = r->map.e;
-			if (xmap_reserve(idx, &r->map, 1) != 0) {
+			R = C;
+			p = q;
+			h = ch;
+			prev = e;
+			has_prev = true;
+			continue;
+		}
+		if (via_e) { /* NEVER: e maps to s, so the rank holds s */
+			rc = KVR_EINVAL;
+			break;
+		}
+		/* Obtain everything that needs memory; nothing visible changes before commit. */
+		if (alias && (xmap_reserve(idx, &rk->xmap) || xmap_reserve(idx, &rk->rmap))) {
+			rc = KVR_ENOMEM;
+			break;
+		}
+		if (pl != P_EXISTS && kvr_index_tab_reserve(idx, s) != 0) {
+			rc = KVR_ENOMEM;
+			break;
+		}
+		if (pl == P_APPEND && run_grow(idx, R, n - i) != 0) {
+			kvr_index_tab_unreserve(idx, s);
+			rc = KVR_ENOMEM;
+			break;
+		}
+		struct idx_run *nr = NULL;
+		if (pl == P_FORK) {
+			size_t cap = n - i < IDX_RUN_MAX ? n - i : IDX_RUN_MAX;
+			nr = run_new(idx, R, R ? p + 1 : 0, (uint32_t)cap, s);
+			if (!nr) {
+				kvr_index_tab_unreserve(idx, s);
 				rc = KVR_ENOMEM;
 				break;
 			}
-			int a = child_add(idx, p, seq, slot, rt, &x);
-			if (a == 1) {
-				rc = KVR_EINVAL; /* the rank holds it under another ext hash */
-				break;
-			}
-			if (a < 0) {
-				rc = a;
-				break;
-			}
-			if (r->map.e == before && hole != UINT64_MAX) {
-				/* Not resized: the miss above ended at ext's place (saves a probe).
-				 */
-				r->map.e[hole].ext = b.ext_hash;
-				r->map.e[hole].node = x;
-				r->map.e[hole].extra = 0;
-				r->map.count++;
-			} else {
-				xmap_put(&r->map, b.ext_hash, x);
-			}
-			added++;
-			p = x;
+			C = nr;
+			q = 0;
+		} else if (pl != P_EXISTS) {
+			C = R;
+			q = p + 1;
+			ch = h;
 		}
-		prev = b.ext_hash;
+		bool new_hold = false;
+		if (ch) {
+			if (hold_reserve(idx, ch, q) != 0) {
+				rc = KVR_ENOMEM;
+			}
+		} else {
+			ch = hold_new(idx, C, slot, q);
+			if (!ch || hs_add(idx, C, ch) != 0) {
+				if (ch)
+					hold_free(idx, ch);
+				rc = KVR_ENOMEM;
+			}
+			new_hold = true;
+		}
+		if (rc) {
+			kvr_index_tab_unreserve(idx, s);
+			if (nr) {
+				/* hs_add may have published a set on the unpublished run */
+				if (nr->hs) {
+					idx_count(&idx->bytes_rank,
+					          -(int64_t)idx_bytes_hset(nr->hs->cap));
+					kvr_free(nr->hs, idx_bytes_hset(nr->hs->cap));
+				}
+				run_free_unpublished(idx, nr);
+			}
+			break;
+		}
+		/* Commit: no failure from here. */
+		switch (pl) {
+		case P_FORK:
+			nr->len = 1;
+			link_child(R, nr);
+			kvr_index_tab_insert(idx, s, nr, 0);
+			break;
+		case P_APPEND:
+			R->seqs->s[R->hw++] = s;
+			/* Ordering: release; pairs with the acquire load of len in find_matches. */
+			__atomic_store_n(&R->len, R->len + 1, __ATOMIC_RELEASE);
+			kvr_index_tab_insert(idx, s, R, q);
+			break;
+		case P_REEXTEND:
+			__atomic_store_n(&R->len, R->len + 1, __ATOMIC_RELEASE);
+			kvr_index_tab_insert(idx, s, R, q);
+			break;
+		default:
+			break;
+		}
+		if (new_hold)
+			rank_link_hold(idx, ch);
+		uint32_t cut0 = ch->cut;
+		hold_set(ch, q);
+		if (ch->cut != cut0 || new_hold)
+			publish_cut(ch);
+		if (alias) {
+			xmap_put(&rk->xmap, e, s);
+			xmap_put(&rk->rmap, s, e);
+		}
+		added++;
+		__atomic_store_n(&rk->tree_size, rk->tree_size + 1, __ATOMIC_RELAXED);
+		applied[napplied++] = e;
+		R = C;
+		p = q;
+		h = ch;
+		prev = e;
 		has_prev = true;
 	}
-	kvr_rcu_read_unlock();
-	maybe_flush(idx, rt);
+out:
+	if (rc == KVR_ENOMEM && napplied) {
+		/* A failed write changes nothing: take back what this call applied, newest
+		 * first (a removal never needs memory). */
+		size_t removed = 0, dropped = 0;
+		for (size_t i = napplied; i-- > 0;)
+			remove_locked(idx, rk, slot, &applied[i], 1, &removed, &dropped);
+		xmap_shrink(idx, &rk->xmap);
+		xmap_shrink(idx, &rk->rmap);
+		added = copies = 0;
+	}
 	if (rc == KVR_EINVAL)
 		idx_count(&idx->c_invalid, 1);
-	if (added)
-		__atomic_store_n(&r->tree_size, r->map.count, __ATOMIC_RELAXED);
 	if (added + copies) {
 		idx_count(&idx->c_stored, (int64_t)(added + copies));
 		idx_count(&idx->c_copies, (int64_t)(added + copies));
 	}
+	flush_if_due(idx);
+	pthread_mutex_unlock(&idx->wlock);
 	return rc;
+}
+
+/* Removes ext[0..n) from the slot (one copy each with count_copies).  Adds to *removed the
+ * copies removed and to *dropped the blocks that left the rank; returns the hashes not found.
+ * Never fails.  Context: wlock held. */
+static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
+                            const uint64_t *ext, size_t n, size_t *removed, size_t *dropped)
+{
+	size_t nf = 0;
+	struct idx_run *R = NULL; /* the run being removed from, its record, the last position */
+	struct idx_hold *h = NULL;
+	uint32_t p = 0;
+	for (size_t i = 0; i < n; i++) {
+		uint64_t s = ext[i];
+		if (rk->xmap.count && !ext_to_seq(rk, ext[i], &s)) {
+			nf++;
+			continue;
+		}
+		struct idx_run *C;
+		uint32_t q;
+		if (R && p + 1 < R->len && R->seqs->s[p + 1] == s) { /* a chain's tail: no probe */
+			C = R;
+			q = p + 1;
+		} else if (!locate(idx, s, &C, &q)) {
+			nf++;
+			continue;
+		}
+		struct idx_hold *ch = C == R ? h : hold_of(C, slot);
+		if (!ch || !bit(ch, q)) {
+			nf++;
+			continue;
+		}
+		if (C != R) {
+			if (R)
+				settle(idx, R, h);
+			R = C;
+			h = ch;
+		}
+		p = q;
+		(*removed)++;
+		if (idx->count_copies && ex_dec(h, q))
+			continue; /* one copy of several goes: the block stays */
+		uint32_t cut0 = h->cut;
+		hold_clear(h, q);
+		if (h->cut != cut0)
+			publish_cut(h);
+		(*dropped)++;
+		__atomic_store_n(&rk->tree_size, rk->tree_size - 1, __ATOMIC_RELAXED);
+		if (s != ext[i]) {
+			xmap_del(&rk->xmap, ext[i]);
+			xmap_del(&rk->rmap, s);
+		}
+	}
+	if (R)
+		settle(idx, R, h);
+	return nf;
 }
 
 int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
@@ -511,117 +965,71 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 		*n_not_found = 0;
 	if (!idx || (!ext && n > 0))
 		return KVR_EINVAL;
-	struct idx_rank *r = kvr_index_rank_get_active(idx, slot);
-	if (!r)
+	struct idx_rank *rk = kvr_index_rank_get_active(idx, slot);
+	if (!rk)
 		return KVR_ENOENT;
 	if (n == 0)
 		return 0;
 	kvr_rcu_thread_online();
-	struct idx_retire *rt = &r->pend;
-	size_t nf = 0, removed = 0;
-	kvr_rcu_read_lock();
-	/* Three-stage prefetch, as find_matches does: the ext-map entry PF_X blocks ahead, then
-	 * the node it names PF_N ahead (for writing: its lock is taken), then the node's table
-	 * entry PF_T ahead (for the delete when it dies).  The map entries and nodes are this
-	 * rank's (only this thread removes them), so peeking them ahead is safe; a peek that
-	 * misses (a duplicate hash) only wastes a prefetch. */
-	enum { PF_X = 16, PF_N = 8, PF_T = 4, RING = 8 };
-	struct idx_node *ring[RING];
-	for (size_t j = 0; j < n && j < PF_X; j++)
-		if (r->map.e)
-			__builtin_prefetch(&r->map.e[xhome(&r->map, ext[j])]);
-	for (size_t j = 0; j < n && j < PF_N; j++) {
-		ring[j % RING] = xmap_find(&r->map, ext[j]);
-		if (ring[j % RING])
-			__builtin_prefetch(ring[j % RING], 1);
+	pthread_mutex_lock(&idx->wlock);
+	size_t removed = 0, dropped = 0;
+	size_t nf = remove_locked(idx, rk, slot, ext, n, &removed, &dropped);
+	if (dropped) {
+		xmap_shrink(idx, &rk->xmap);
+		xmap_shrink(idx, &rk->rmap);
 	}
-	for (size_t j = 0; j < n && j < PF_T; j++)
-		if (ring[j % RING])
-			__builtin_prefetch(idx_home_entry(idx, ring[j % RING]->seq));
-	for (size_t i = 0; i < n; i++) {
-		if (i + PF_X < n && r->map.e)
-			__builtin_prefetch(&r->map.e[xhome(&r->map, ext[i + PF_X])]);
-		if (i + PF_N < n) {
-			struct idx_node *pn = xmap_find(&r->map, ext[i + PF_N]);
-			ring[(i + PF_N) % RING] = pn;
-			if (pn)
-				__builtin_prefetch(pn, 1);
-		}
-		if (i + PF_T < n && ring[(i + PF_T) % RING])
-			__builtin_prefetch(idx_home_entry(idx, ring[(i + PF_T) % RING]->seq));
-		if (idx->count_copies) {
-			struct idx_xent *xe = xmap_entry(&r->map, ext[i]);
-			if (xe && xe->extra) {
-				xe->extra--; /* one copy of several goes: the block stays */
-				removed++;
-				continue;
-			}
-		}
-		struct idx_node *x = xmap_del(&r->map, ext[i]);
-		if (!x) {
-			nf++;
-			continue;
-		}
-		drop_rank(idx, x, slot, rt);
-		removed++;
-	}
-	kvr_rcu_read_unlock();
-	maybe_flush(idx, rt);
-	xmap_shrink(idx, &r->map);
-	__atomic_store_n(&r->tree_size, r->map.count, __ATOMIC_RELAXED);
 	if (nf)
 		idx_count(&idx->c_block_nf, (int64_t)nf);
 	if (removed) {
 		idx_count(&idx->c_removed, (int64_t)removed);
 		idx_count(&idx->c_copies, -(int64_t)removed);
 	}
+	flush_if_due(idx);
+	pthread_mutex_unlock(&idx->wlock);
 	if (n_not_found)
 		*n_not_found = nf;
 	return 0;
+}
+
+uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
+{
+	struct idx_rank *rk = &idx->rank[slot];
+	uint64_t removed = 0;
+	while (rk->holds) {
+		struct idx_hold *h = rk->holds;
+		struct idx_run *r = h->run;
+		removed += h->held;
+		for (uint32_t i = 0; i < h->nex; i++)
+			removed += h->ex[i].extra;
+		memset(h->bm, 0, (size_t)h->nwords * 8);
+		h->held = h->cut = h->top = h->nex = 0;
+		publish_cut(h);
+		drop_hold(idx, h);
+		run_check(idx, r);
+		if (idx->rt.n >= IDX_RETIRE_BATCH * 16)
+			kvr_index_retire_flush(idx, &idx->rt);
+	}
+	rk->xmap.count = rk->rmap.count = 0;
+	xmap_shrink(idx, &rk->xmap);
+	xmap_shrink(idx, &rk->rmap);
+	__atomic_store_n(&rk->tree_size, 0, __ATOMIC_RELAXED);
+	idx_count(&idx->c_removed, (int64_t)removed);
+	idx_count(&idx->c_copies, -(int64_t)removed);
+	return removed;
 }
 
 int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot)
 {
 	if (!idx)
 		return KVR_EINVAL;
-	struct idx_rank *r = kvr_index_rank_get_active(idx, slot);
-	if (!r)
+	if (!kvr_index_rank_get_active(idx, slot))
 		return KVR_ENOENT;
 	kvr_rcu_thread_online();
-	kvr_index_retire_flush(idx, &r->pend);
-	if (!r->map.e)
-		return 0;
-	struct idx_retire rt = {0};
-	uint64_t removed = 0;
-	/* Batches of 4096 keep each read section (and so each grace period) short. */
-	kvr_rcu_read_lock();
-	for (uint64_t i = 0; i <= r->map.mask; i++) {
-		struct idx_node *x = r->map.e[i].node;
-		if (!x)
-			continue;
-		drop_rank(idx, x, slot, &rt);
-		r->map.e[i].node = NULL;
-		removed += r->map.e[i].extra;
-		if (++removed % 4096 == 0) {
-			kvr_rcu_read_unlock();
-			kvr_index_retire_flush(idx, &rt);
-			kvr_rcu_read_lock();
-		}
-	}
-	kvr_rcu_read_unlock();
-	kvr_index_retire_flush(idx, &rt);
-	r->map.count = 0;
-	xmap_shrink(idx, &r->map);
-	__atomic_store_n(&r->tree_size, 0, __ATOMIC_RELAXED);
-	idx_count(&idx->c_removed, (int64_t)removed);
-	idx_count(&idx->c_copies, -(int64_t)removed);
+	pthread_mutex_lock(&idx->wlock);
+	kvr_index_clear_locked(idx, slot);
+	kvr_index_retire_flush(idx, &idx->rt);
+	pthread_mutex_unlock(&idx->wlock);
 	return 0;
-}
-
-void kvr_index_set_count_copies(struct kvr_index *idx, bool on)
-{
-	if (idx)
-		idx->count_copies = on;
 }
 
 int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)
@@ -638,4 +1046,33 @@ int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)
 		}
 	}
 	return found ? 0 : KVR_ENOENT;
+}
+
+void kvr_index_set_count_copies(struct kvr_index *idx, bool on)
+{
+	if (idx)
+		idx->count_copies = on;
+}
+
+size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap)
+{
+	struct idx_rank *rk = idx ? kvr_index_rank_get_active(idx, slot) : NULL;
+	if (!rk)
+		return 0;
+	pthread_mutex_lock(&idx->wlock);
+	size_t n = 0;
+	for (const struct idx_hold *h = rk->holds; h; h = h->next) {
+		for (uint32_t w = 0; w < h->nwords; w++) {
+			for (uint64_t b = h->bm[w]; b; b &= b - 1) {
+				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
+				uint64_t s = h->run->seqs->s[pos], e = s;
+				xmap_get(&rk->rmap, s, &e);
+				if (out && n < cap)
+					out[n] = e;
+				n++;
+			}
+		}
+	}
+	pthread_mutex_unlock(&idx->wlock);
+	return n;
 }

@@ -51,9 +51,17 @@ static uint64_t local_of(int k, int i)
 	return mix(((uint64_t)(i < 2 ? k % 4 : k) << 8 | (uint64_t)i) + 12345);
 }
 
-/* Ext hash of block i of family k on rank w: a hash of the path, salted per rank. */
+/* Ext hash of block i of family k on rank w: odd ranks use the router's sequence hash (as the
+ * approximate modes store), even ranks a hash of the path salted per rank (an engine's). */
 static uint64_t ext_of(int w, int k, int i)
 {
+	if (w % 2) {
+		uint64_t loc[L], seq[L];
+		for (int j = 0; j <= i; j++)
+			loc[j] = local_of(k, j);
+		kvr_hash_chain_locals(NULL, loc, (size_t)i + 1, seq);
+		return seq[i];
+	}
 	uint64_t h = 0;
 	for (int j = 0; j <= i; j++)
 		h = mix(h ^ local_of(k, j));

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "core/hash.h"
 #include "core/index.h"
 #include "kvrouter.h"
@@ -147,17 +148,43 @@ static int mscore(const struct mrank *r, const uint64_t *q, size_t n)
 	return s ? s : -1;
 }
 
+/* The router's sequence hash of path id. */
+static uint64_t mseq(int id)
+{
+	if (paths[id].parent < 0)
+		return paths[id].local;
+	uint64_t ps = mseq(paths[id].parent), out;
+	kvr_hash_chain_locals(&ps, &paths[id].local, 1, &out);
+	return out;
+}
+
+enum { QMAX = 40 };
+
 static void check(struct kvr_index *idx, unsigned seed, int step)
 {
 	for (int t = 0; t < 4; t++) {
-		uint64_t q[8];
-		size_t n = 1 + rnd(7);
-		for (size_t i = 0; i < n; i++)
-			q[i] = 1 + rnd(4);
+		uint64_t q[QMAX];
+		size_t n = 0;
+		const struct mrank *hr = &mr[rnd(NR)];
+		if (t % 2 == 0 && hr->nx > 0) { /* a held path, then a random tail */
+			int stack[QMAX], d = 0;
+			for (int id = hr->node[rnd((uint32_t)hr->nx)]; id >= 0 && d < QMAX - 4;
+			     id = paths[id].parent)
+				stack[d++] = id;
+			while (d > 0)
+				q[n++] = paths[stack[--d]].local;
+			for (uint32_t x = rnd(4); x > 0; x--)
+				q[n++] = 1 + rnd(4);
+		}
+		if (n == 0) {
+			n = 1 + rnd(12);
+			for (size_t i = 0; i < n; i++)
+				q[i] = 1 + rnd(4);
+		}
 		struct kvr_index_match out[NR];
 		size_t k;
 		kvr_rcu_read_lock();
-		uint64_t qs[8];
+		uint64_t qs[QMAX];
 		kvr_hash_chain_locals(NULL, q, n, qs);
 		int rc = kvr_index_find_matches(idx, qs, n, NULL, out, NR, &k);
 		kvr_rcu_read_unlock();
@@ -187,6 +214,7 @@ static void run(unsigned seed, int steps)
 	struct kvr_index *idx;
 	cr_assert_eq(kvr_index_create(NR * 2, &idx), 0);
 	count_copies = seed % 2 == 0; /* events mode on even seeds */
+	bool plain = seed % 4 >= 2;   /* ext = the sequence hash, as approximate modes store */
 	kvr_index_set_count_copies(idx, count_copies);
 	rng = seed * 2654435761u + 1;
 	npaths = 0;
@@ -198,17 +226,36 @@ static void run(unsigned seed, int steps)
 		struct mrank *r = &mr[rnd(NR)];
 		uint32_t op = rnd(100);
 		if (op < 55) {
-			struct kvr_index_block b[6];
-			size_t n = rnd(6);
-			for (size_t i = 0; i < n; i++)
-				b[i] = (struct kvr_index_block){1 + rnd(40), 1 + rnd(4)};
+			struct kvr_index_block b[24];
+			size_t n = rnd(8) == 0 ? rnd(24) : rnd(6);
 			uint64_t pext = 1 + rnd(40);
 			bool root = rnd(3) == 0 || r->nx == 0;
-			if (!root && rnd(4) != 0)
-				pext = r->ext[rnd((uint32_t)r->nx)];
-			int want = mstore(r, root ? NULL : &pext, b, n);
+			int pn = -1;
+			if (!root && rnd(4) != 0) {
+				int k = (int)rnd((uint32_t)r->nx);
+				pext = r->ext[k];
+				pn = r->node[k];
+			}
+			for (size_t i = 0; i < n; i++) {
+				b[i] = (struct kvr_index_block){1 + rnd(40), 1 + rnd(4)};
+				if (plain && (root || pn >= 0)) {
+					pn = intern(pn, b[i].local_hash, true);
+					if (rnd(10) != 0)
+						b[i].ext_hash = mseq(pn);
+				}
+			}
+			/* Sometimes fail the k-th allocation: a failed store changes nothing. */
+			bool oom = rnd(6) == 0;
+			if (oom)
+				kvr_alloc_fail_after(1 + rnd(8));
 			int got = kvr_index_store(idx, r->slot, root ? NULL : &pext, b, n);
-			cr_assert_eq(got, want, "seed=%u step=%d store", seed, step);
+			kvr_alloc_fail_after(0);
+			if (got == KVR_ENOMEM) {
+				cr_assert(oom, "seed=%u step=%d", seed, step);
+			} else {
+				int want = mstore(r, root ? NULL : &pext, b, n);
+				cr_assert_eq(got, want, "seed=%u step=%d store", seed, step);
+			}
 		} else if (op < 90) {
 			uint64_t e[5];
 			size_t n = rnd(5);
@@ -216,7 +263,9 @@ static void run(unsigned seed, int steps)
 				e[i] =
 				    (r->nx && rnd(3)) ? r->ext[rnd((uint32_t)r->nx)] : 1 + rnd(40);
 			size_t nf_m = mremove(r, e, n), nf;
+			kvr_alloc_fail_after(rnd(4)); /* a removal never needs memory */
 			cr_assert_eq(kvr_index_remove(idx, r->slot, e, n, &nf), 0);
+			kvr_alloc_fail_after(0);
 			cr_assert_eq(nf, nf_m, "seed=%u step=%d remove", seed, step);
 		} else if (op < 94) {
 			cr_assert_eq(kvr_index_clear_rank(idx, r->slot), 0);
