@@ -864,7 +864,15 @@ static void *feed_main(void *arg)
 			f->items[i + 1] =
 			    (zmq_pollitem_t){.socket = f->eps[i]->sub, .events = ZMQ_POLLIN};
 		uint32_t n = f->n_eps + 1;
-		if (zmq_poll(f->items, (int)n, -1) < 0) {
+		/* Poll without blocking for idle_spin_ns first: the next batch then costs no
+		 * wake-up of this thread (the shards do the same, shard_idle_spin_ns). */
+		int ready = 0;
+		if (f->cfg.idle_spin_ns) {
+			uint64_t end = wall_ns() + f->cfg.idle_spin_ns;
+			while ((ready = zmq_poll(f->items, (int)n, 0)) == 0 && wall_ns() < end)
+				;
+		}
+		if (ready == 0 && zmq_poll(f->items, (int)n, -1) < 0) {
 			if (zmq_errno() == ETERM)
 				break;
 			continue;
@@ -903,8 +911,10 @@ void kvr_feed_config_init(struct kvr_feed_config *cfg)
 {
 	if (!cfg)
 		return;
-	*cfg = (struct kvr_feed_config){
-	    .replay_timeout_ms = 1000, .max_msg_bytes = 64u << 20, .rcv_hwm = 100000};
+	*cfg = (struct kvr_feed_config){.replay_timeout_ms = 1000,
+	                                .max_msg_bytes = 64u << 20,
+	                                .rcv_hwm = 100000,
+	                                .idle_spin_ns = 0};
 }
 
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)

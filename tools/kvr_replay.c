@@ -39,7 +39,11 @@ static void usage(FILE *f)
 	fprintf(
 	    f, "usage: kvr-replay [options] TRACE...\n"
 	       "  --policies LIST        comma-separated, default all: events,approx_lru,"
-	       "approx_ttl,round_robin,random,least_loaded\n"
+	       "approx_ttl,round_robin,random,least_loaded;\n"
+	       "                         also events_feed: events through the real KV event "
+	       "feed\n"
+	       "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
+	       "builds)\n"
 	       "  --ranks N              simulated ranks (default 8)\n"
 	       "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
 	       "pressure, printed)\n"
@@ -297,7 +301,7 @@ int main(int argc, char **argv)
 	}
 
 	/* Policies. */
-	const struct replay_policy_ops *sel[N_ALL];
+	const struct replay_policy_ops *sel[N_ALL + 1]; /* + events_feed */
 	size_t n_sel = 0;
 	if (!policies) {
 		for (size_t i = 0; i < N_ALL; i++)
@@ -309,6 +313,13 @@ int main(int argc, char **argv)
 			size_t i = 0;
 			while (i < N_ALL && strcmp(all_policies[i]->name, tok))
 				i++;
+#ifdef KVR_REPLAY_FEED
+			if (i == N_ALL && !strcmp(tok, replay_policy_events_feed.name)) {
+				if (n_sel < N_ALL + 1)
+					sel[n_sel++] = &replay_policy_events_feed;
+				continue;
+			}
+#endif
 			if (i == N_ALL) {
 				fprintf(stderr, "kvr-replay: unknown policy '%s'\n", tok);
 				free(list);

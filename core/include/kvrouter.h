@@ -479,6 +479,12 @@ struct kvr_feed_config {
 	uint64_t max_msg_bytes;
 	/* Messages queued per endpoint before ZeroMQ drops (ZMQ_RCVHWM).  Default 100000. */
 	uint32_t rcv_hwm;
+	/* After its sockets run dry the feed thread polls this long before it blocks, so the next
+	 * batch costs no thread wake-up (lag), at the price of up to this much CPU per idle
+	 * period.  Default 0 = block at once: on a machine with no core to spare, spinning delays
+	 * the very threads (shards, ZeroMQ's I/O thread) the feed waits for.  50 us suits a
+	 * machine with a core to spare (like kvr_config.shard_idle_spin_ns). */
+	uint64_t idle_spin_ns;
 	/* One-line messages (refused events, gaps, restarts, malformed input), called on the feed
 	 * thread; msg is borrowed for the call.  Repeats of one kind are thinned out (logged at
 	 * counts 1, 2, 4, 8, ...).  Default NULL = silent. */

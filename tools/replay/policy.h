@@ -102,5 +102,10 @@ extern const struct replay_policy_ops replay_policy_least_loaded;
 extern const struct replay_policy_ops replay_policy_events;
 extern const struct replay_policy_ops replay_policy_approx_lru;
 extern const struct replay_policy_ops replay_policy_approx_ttl;
+/* The events policy with its events through the real KV event feed (ZeroMQ + vLLM msgpack on
+ * loopback; tools/replay/policy_feed.c, built with -Dzmq).  Not in the default list. */
+extern const struct replay_policy_ops replay_policy_events_feed;
+/* The router behind a router-backed policy's state (policy_router.c). */
+struct kvr_router *replay_policy_router(void *state);
 
 #endif /* KVR_TOOLS_REPLAY_POLICY_H */

@@ -336,6 +336,11 @@ static int rp_blocks(void *state, uint32_t rank, uint64_t **out, size_t *n)
 	return 0;
 }
 
+struct kvr_router *replay_policy_router(void *state)
+{
+	return ((struct rp *)state)->r;
+}
+
 #define ROUTER_POLICY(NAME, CREATE, EVENTS)                                                        \
 	{                                                                                          \
 		.name = NAME, .predicts = true, .wants_events = EVENTS, .create = CREATE,          \

@@ -1,0 +1,449 @@
+/*
+ * tools/replay/policy_feed.c - the events policy through the real KV event feed
+ * (kvr-replay --policies events_feed).
+ *
+ * Same router, same decisions as the `events` policy (tools/replay/policy_router.c, whose
+ * operations this one calls), but the simulated engines' KV events do not reach the router by
+ * a function call: each simulated rank publishes them the way vLLM does (a PUB socket - XPUB,
+ * the same wire - on tcp://127.0.0.1, frames [topic, seq, msgpack batch] in vLLM's current map
+ * form, encoded with msgpack-c) and a kvr_feed subscribed to every rank decodes and applies
+ * them on its own thread.  Event lag is therefore real: a decision taken right after an event
+ * was published may not see it yet, and the replay (which runs virtual time much faster than
+ * wall time) keeps routing while the feed catches up.  Comparing its hit rate with `events`
+ * measures what that lag costs.  sync() (before every agreement sample and when the cluster
+ * idles) waits until the feed has applied everything published, so the agreement samples
+ * check the whole wire path for exactness, lag aside.
+ *
+ * vLLM sends token ids, not the router's local hashes, so the publisher needs each stored
+ * block's tokens: it learns them from what the router sees (every routed prompt's complete
+ * blocks, then each request's output tokens completing blocks after its prompt tail), in a
+ * map local hash -> block tokens.  A stored block whose tokens it never saw ends the event
+ * there (counted as token_misses; the rest of the chain is dropped, as the feed would refuse
+ * an event with missing tokens).
+ */
+#include <inttypes.h>
+#include <msgpack.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "kvrouter.h"
+#include "shards/u64map.h"
+#include "tools/replay/policy.h"
+
+struct tail {
+	uint64_t handle;
+	uint32_t n;    /* tokens in tok (< block size) */
+	uint32_t *tok; /* the request's partial last block */
+	bool used;
+};
+
+struct pf {
+	void *inner; /* the events policy's state */
+	struct kvr_router *r;
+	struct kvr_feed *feed;
+	void *zctx;
+	uint32_t n_ranks, bs;
+	void **pub;
+	uint32_t *ep_id;
+	uint64_t *seq;
+	struct kvr_u64map tokmap; /* local hash -> index of its block in pool */
+	uint32_t *pool;
+	size_t n_pool, cap_pool;   /* blocks */
+	struct kvr_u64map handles; /* attempt handle -> index in tails */
+	struct tail *tails;
+	size_t n_tails, cap_tails;
+	msgpack_sbuffer sb;
+	uint64_t token_misses, batches, blocks;
+};
+
+static double wall_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Remembers the tokens of one complete block. */
+static int learn(struct pf *p, const uint32_t *tok)
+{
+	uint64_t local;
+	kvr_hash_blocks(tok, p->bs, p->bs, NULL, &local, NULL);
+	if (kvr_u64map_find(&p->tokmap, local))
+		return 0;
+	if (p->n_pool == p->cap_pool) {
+		size_t nc = p->cap_pool ? p->cap_pool * 2 : 4096;
+		uint32_t *np = realloc(p->pool, nc * p->bs * sizeof(uint32_t));
+		if (!np)
+			return KVR_ENOMEM;
+		p->pool = np;
+		p->cap_pool = nc;
+	}
+	if (kvr_u64map_reserve(&p->tokmap, 1))
+		return KVR_ENOMEM;
+	memcpy(p->pool + p->n_pool * p->bs, tok, p->bs * sizeof(uint32_t));
+	kvr_u64map_insert(&p->tokmap, local, (uint32_t)p->n_pool++);
+	return 0;
+}
+
+static void pf_destroy(void *state);
+static int pf_setup(struct pf *p, const struct replay_env *env);
+
+static int pf_create(const struct replay_env *env, void **state)
+{
+	struct pf *p = calloc(1, sizeof(*p));
+	if (!p)
+		return KVR_ENOMEM;
+	int rc = pf_setup(p, env);
+	if (rc) {
+		pf_destroy(p);
+		return rc;
+	}
+	*state = p;
+	return 0;
+}
+
+static int pf_setup(struct pf *p, const struct replay_env *env)
+{
+	kvr_u64map_init(&p->tokmap);
+	kvr_u64map_init(&p->handles);
+	msgpack_sbuffer_init(&p->sb);
+	int rc = replay_policy_events.create(env, &p->inner);
+	if (rc)
+		return rc;
+	p->r = replay_policy_router(p->inner);
+	p->n_ranks = env->n_ranks;
+	p->bs = env->block_size;
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.rcv_hwm = 1u << 30; /* the replay publishes in bursts: never drop */
+	p->pub = calloc(env->n_ranks, sizeof(*p->pub));
+	p->ep_id = calloc(env->n_ranks, sizeof(*p->ep_id));
+	p->seq = calloc(env->n_ranks, sizeof(*p->seq));
+	p->zctx = zmq_ctx_new();
+	if (!p->pub || !p->ep_id || !p->seq || !p->zctx)
+		return KVR_ENOMEM;
+	if ((rc = kvr_feed_create(p->r, &fc, &p->feed)))
+		return rc;
+	for (uint32_t i = 0; i < env->n_ranks; i++) {
+		void *s = zmq_socket(p->zctx, ZMQ_XPUB);
+		int zero = 0;
+		if (!s)
+			return KVR_ENOMEM;
+		p->pub[i] = s;
+		zmq_setsockopt(s, ZMQ_SNDHWM, &zero, sizeof(zero));
+		zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+		if (zmq_bind(s, "tcp://127.0.0.1:*"))
+			return KVR_EINVAL;
+		char ep[256];
+		size_t len = sizeof(ep);
+		zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len);
+		struct kvr_feed_endpoint e = {.endpoint = ep, .worker_id = i, .dp_rank = 0};
+		if ((rc = kvr_feed_add(p->feed, &e, &p->ep_id[i])))
+			return rc;
+		char sub[64];
+		if (zmq_recv(s, sub, sizeof(sub), 0) <
+		    1) /* subscribed: nothing published is lost */
+			return KVR_EINVAL;
+	}
+	return 0;
+}
+
+static void pf_destroy(void *state)
+{
+	struct pf *p = state;
+	if (!p)
+		return;
+	if (p->feed) {
+		struct kvr_feed_stats st;
+		if (kvr_feed_get_stats(p->feed, KVR_FEED_ALL, &st) == 0)
+			fprintf(stderr,
+			        "events_feed: published %" PRIu64 " batches, %" PRIu64
+			        " blocks; feed applied %" PRIu64 " batches, malformed %" PRIu64
+			        ", refused %" PRIu64 ", gaps %" PRIu64 "; token misses %" PRIu64
+			        "\n",
+			        p->batches, p->blocks, st.batches, st.malformed, st.refused,
+			        st.gaps, p->token_misses);
+	}
+	kvr_feed_destroy(p->feed); /* before the router the events policy destroys */
+	for (uint32_t i = 0; p->pub && i < p->n_ranks; i++)
+		if (p->pub[i])
+			zmq_close(p->pub[i]);
+	if (p->zctx)
+		zmq_ctx_term(p->zctx);
+	if (p->inner)
+		replay_policy_events.destroy(p->inner);
+	for (size_t i = 0; i < p->n_tails; i++)
+		free(p->tails[i].tok);
+	free(p->tails);
+	kvr_u64map_fini(&p->tokmap);
+	kvr_u64map_fini(&p->handles);
+	free(p->pool);
+	free(p->pub);
+	free(p->ep_id);
+	free(p->seq);
+	msgpack_sbuffer_destroy(&p->sb);
+	free(p);
+}
+
+static struct tail *tail_of(struct pf *p, uint64_t handle, bool create)
+{
+	uint32_t *ix = kvr_u64map_find(&p->handles, handle);
+	if (ix)
+		return &p->tails[*ix];
+	if (!create)
+		return NULL;
+	size_t i = 0;
+	while (i < p->n_tails && p->tails[i].used)
+		i++;
+	if (i == p->n_tails) {
+		if (p->n_tails == p->cap_tails) {
+			size_t nc = p->cap_tails ? p->cap_tails * 2 : 256;
+			struct tail *nt = realloc(p->tails, nc * sizeof(*nt));
+			if (!nt)
+				return NULL;
+			p->tails = nt;
+			p->cap_tails = nc;
+		}
+		p->tails[p->n_tails] = (struct tail){.tok = malloc(p->bs * sizeof(uint32_t))};
+		if (!p->tails[p->n_tails].tok)
+			return NULL;
+		p->n_tails++;
+	}
+	if (kvr_u64map_reserve(&p->handles, 1))
+		return NULL;
+	struct tail *t = &p->tails[i];
+	t->used = true;
+	t->handle = handle;
+	t->n = 0;
+	kvr_u64map_insert(&p->handles, handle, (uint32_t)i);
+	return t;
+}
+
+static void tail_drop(struct pf *p, uint64_t handle)
+{
+	uint32_t *ix = kvr_u64map_find(&p->handles, handle);
+	if (!ix)
+		return;
+	p->tails[*ix].used = false;
+	kvr_u64map_remove(&p->handles, handle);
+}
+
+static int pf_route(void *state, const struct replay_route_req *q, struct replay_route_out *out)
+{
+	struct pf *p = state;
+	size_t nb = q->n_tokens / p->bs;
+	for (size_t i = 0; i < nb; i++) {
+		int rc = learn(p, q->tokens + i * p->bs);
+		if (rc)
+			return rc;
+	}
+	int rc = replay_policy_events.route(p->inner, q, out);
+	if (rc || out->queued)
+		return rc; /* a queued request's tail is not followed (its outputs may miss) */
+	struct tail *t = tail_of(p, out->handle, true);
+	if (!t)
+		return KVR_ENOMEM;
+	t->n = (uint32_t)(q->n_tokens % p->bs);
+	memcpy(t->tok, q->tokens + nb * p->bs, t->n * sizeof(uint32_t));
+	return 0;
+}
+
+static int pf_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
+{
+	struct pf *p = state;
+	struct tail *t = tail_of(p, handle, false);
+	for (size_t i = 0; t && i < n; i++) {
+		t->tok[t->n++] = tokens[i];
+		if (t->n == p->bs) {
+			int rc = learn(p, t->tok);
+			if (rc)
+				return rc;
+			t->n = 0;
+		}
+	}
+	return replay_policy_events.output(p->inner, handle, tokens, n);
+}
+
+static int pf_finished(void *state, uint64_t handle, const struct sim_finish_info *info)
+{
+	struct pf *p = state;
+	tail_drop(p, handle);
+	return replay_policy_events.finished(p->inner, handle, info);
+}
+
+static int pf_aborted(void *state, uint64_t handle)
+{
+	struct pf *p = state;
+	tail_drop(p, handle);
+	return replay_policy_events.aborted(p->inner, handle);
+}
+
+static void pstr(msgpack_packer *pk, const char *s)
+{
+	msgpack_pack_str(pk, strlen(s));
+	msgpack_pack_str_body(pk, s, strlen(s));
+}
+
+/* Publishes one simulated event as one vLLM batch (map form) on the rank's socket. */
+static int pf_kv_event(void *state, const struct sim_kv_event *ev)
+{
+	struct pf *p = state;
+	if (ev->rank >= p->n_ranks)
+		return KVR_EINVAL;
+	size_t n = ev->n;
+	if (ev->kind == SIM_EV_STORED) {
+		for (size_t i = 0; i < ev->n; i++)
+			if (!kvr_u64map_find(&p->tokmap, ev->local[i])) {
+				p->token_misses += ev->n - i;
+				n = i;
+				break;
+			}
+		if (n == 0)
+			return 0;
+	}
+	msgpack_packer pk;
+	msgpack_sbuffer_clear(&p->sb);
+	msgpack_packer_init(&pk, &p->sb, msgpack_sbuffer_write);
+	msgpack_pack_map(&pk, 3);
+	pstr(&pk, "ts");
+	msgpack_pack_double(&pk, wall_s());
+	pstr(&pk, "events");
+	msgpack_pack_array(&pk, 1);
+	switch (ev->kind) {
+	case SIM_EV_STORED:
+		msgpack_pack_map(&pk, 8);
+		pstr(&pk, "type");
+		pstr(&pk, "BlockStored");
+		pstr(&pk, "block_hashes");
+		msgpack_pack_array(&pk, n);
+		for (size_t i = 0; i < n; i++)
+			msgpack_pack_uint64(&pk, ev->seq[i]);
+		pstr(&pk, "parent_block_hash");
+		if (ev->has_parent)
+			msgpack_pack_uint64(&pk, ev->parent_seq);
+		else
+			msgpack_pack_nil(&pk);
+		pstr(&pk, "token_ids");
+		msgpack_pack_array(&pk, n * p->bs);
+		for (size_t i = 0; i < n; i++) {
+			const uint32_t *tok =
+			    p->pool + (size_t)*kvr_u64map_find(&p->tokmap, ev->local[i]) * p->bs;
+			for (uint32_t j = 0; j < p->bs; j++)
+				msgpack_pack_uint32(&pk, tok[j]);
+		}
+		pstr(&pk, "block_size");
+		msgpack_pack_uint32(&pk, p->bs);
+		pstr(&pk, "lora_id");
+		msgpack_pack_nil(&pk);
+		pstr(&pk, "medium");
+		pstr(&pk, "GPU");
+		pstr(&pk, "lora_name");
+		msgpack_pack_nil(&pk);
+		break;
+	case SIM_EV_REMOVED:
+		msgpack_pack_map(&pk, 3);
+		pstr(&pk, "type");
+		pstr(&pk, "BlockRemoved");
+		pstr(&pk, "block_hashes");
+		msgpack_pack_array(&pk, n);
+		for (size_t i = 0; i < n; i++)
+			msgpack_pack_uint64(&pk, ev->seq[i]);
+		pstr(&pk, "medium");
+		pstr(&pk, "GPU");
+		break;
+	case SIM_EV_CLEARED:
+		msgpack_pack_map(&pk, 1);
+		pstr(&pk, "type");
+		pstr(&pk, "AllBlocksCleared");
+		break;
+	}
+	pstr(&pk, "data_parallel_rank");
+	msgpack_pack_int(&pk, 0);
+	uint8_t s[8];
+	uint64_t seq = p->seq[ev->rank]++;
+	for (int i = 0; i < 8; i++)
+		s[i] = (uint8_t)(seq >> (56 - 8 * i));
+	void *sock = p->pub[ev->rank];
+	if (zmq_send(sock, "", 0, ZMQ_SNDMORE) < 0 || zmq_send(sock, s, 8, ZMQ_SNDMORE) < 0 ||
+	    zmq_send(sock, p->sb.data, p->sb.size, 0) < 0)
+		return KVR_EAGAIN;
+	p->batches++;
+	if (ev->kind == SIM_EV_STORED)
+		p->blocks += n;
+	return 0;
+}
+
+/* Waits until the feed has applied everything published, then the router's own sync. */
+static int pf_sync(void *state, uint64_t now_ns)
+{
+	struct pf *p = state;
+	for (uint32_t i = 0; i < p->n_ranks; i++) {
+		struct kvr_feed_stats st;
+		int tries = 0;
+		for (;;) {
+			int rc = kvr_feed_get_stats(p->feed, p->ep_id[i], &st);
+			if (rc)
+				return rc;
+			if (st.next_seq >= p->seq[i])
+				break;
+			if (++tries > 600000) /* 60 s */
+				return KVR_ETIMEDOUT;
+			usleep(100);
+		}
+	}
+	return replay_policy_events.sync(p->inner, now_ns);
+}
+
+static int pf_dequeue(void *state, uint64_t *id, struct replay_route_out *out)
+{
+	struct pf *p = state;
+	return replay_policy_events.dequeue(p->inner, id, out);
+}
+
+static int pf_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns)
+{
+	struct pf *p = state;
+	return replay_policy_events.first_token(p->inner, handle, rank, time_ns);
+}
+
+static int pf_resident(void *state, uint32_t rank, uint64_t *blocks)
+{
+	struct pf *p = state;
+	return replay_policy_events.resident(p->inner, rank, blocks);
+}
+
+static int pf_predict(void *state, uint32_t rank, const uint64_t *local, size_t n,
+                      uint32_t *overlap)
+{
+	struct pf *p = state;
+	return replay_policy_events.predict(p->inner, rank, local, n, overlap);
+}
+
+static int pf_blocks(void *state, uint32_t rank, uint64_t **out, size_t *n)
+{
+	struct pf *p = state;
+	return replay_policy_events.blocks(p->inner, rank, out, n);
+}
+
+const struct replay_policy_ops replay_policy_events_feed = {
+    .name = "events_feed",
+    .predicts = true,
+    .wants_events = true,
+    .create = pf_create,
+    .destroy = pf_destroy,
+    .route = pf_route,
+    .kv_event = pf_kv_event,
+    .first_token = pf_first_token,
+    .output = pf_output,
+    .finished = pf_finished,
+    .aborted = pf_aborted,
+    .sync = pf_sync,
+    .dequeue = pf_dequeue,
+    .resident = pf_resident,
+    .predict = pf_predict,
+    .blocks = pf_blocks,
+};
