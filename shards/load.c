@@ -1,18 +1,34 @@
 /*
- * shards/load.c - active load of one rank (issue 5, part D).
+ * shards/load.c - active load of one rank (issue 5, part D), the pinned set kept in RUNS
+ * (issue 11 item 3).
  *
  * The idea (after Dynamo's ActiveSequences).  Decode load is the KV blocks the running requests
  * hold; two requests sharing a prefix hold its blocks once, so blocks are deduplicated with a
- * reference count per sequence hash (shards/u64map.h: seq -> pins).  The number of distinct
- * pinned hashes is the map's size.  Prefill load is the tokens still to be prefilled; requests
- * in prefill form a FIFO in admission order, and when an expected prefill duration is known the
+ * pin count per sequence hash.  Prefill load is the tokens still to be prefilled; requests in
+ * prefill form a FIFO in admission order, and when an expected prefill duration is known the
  * head (the oldest, the one the engine is working on) decays linearly to zero over it, so a rank
  * deep into a long prefill does not look as busy as one that has just started it.
  *
- * Invariants: active_blocks == number of keys in `pins`; sum of pins == total pinned entries
- * over active requests; prefill_sum == sum of tokens of requests on the prefill list.
- * Storage: requests in a dense array (swap-remove) indexed by attempt through a u64map; each
- * keeps a copy of the hashes it pinned (to unpin them at finish).
+ * Runs.  A request pins its whole chain from the root, so the pinned set is prefix-closed along
+ * every request's chain and a block's pin count never exceeds its parent's.  The set is kept as
+ * RUNS of consecutive chain blocks with one pin count each (an 8-byte hash per block, no map
+ * entry per block): pinning walks the request's chain along the runs (a sequential compare,
+ * probing a head map only at run tails), splits the run where the request leaves it, bumps one
+ * count per run and makes one new run of the blocks nobody pinned; unpinning drops one count per
+ * run and frees the runs reaching zero, which form a tail of the chain.  A request keeps its
+ * pieces as (first run, length); a later split keeps the first part in place and links the rest
+ * behind it (the split chain), as shards/lru.c does.  Why the head map need only be probed at
+ * tails: a run's head is created below a tail (a new run continues the hit prefix or the
+ * request's last piece; a split ends its left part there), runs never merge, and a parent stays
+ * pinned while its child is, so that tail stays.  Each hash is pinned at most once, so there is
+ * one run per head hash.
+ *
+ * Invariants: active_blocks == sum of run lengths; a run's pins == requests whose pieces cover
+ * it; prefill_sum == sum of tokens of requests on the prefill list.
+ * Requirement: chained sequence hashes (a seq hash names its whole prefix: core/hash), and
+ * add_output continues the request's chain.  tests/ref/load_ref.c is the per-block version, the
+ * oracle of tests/unit/test_load.c.
+ * Failure model: splits first (no observable change), then every reservation, then mutation.
  */
 #include "shards/load.h"
 
@@ -24,14 +40,32 @@
 
 #define NIL UINT32_MAX
 
+struct run {
+	uint64_t *mem;
+	uint32_t start, len, cap;
+	uint32_t pins;
+	uint32_t sprev, snext; /* split chain */
+	uint32_t next;         /* free list */
+};
+
+struct piece {
+	uint32_t run, len;
+};
+
 struct req {
 	uint64_t attempt;
-	uint64_t *seq; /* pinned hashes (owned) */
-	size_t n, cap;
-	uint64_t tokens; /* prefill tokens, 0 once done */
-	uint64_t start;  /* admission time */
-	uint64_t order;  /* admission counter: the prefill FIFO order */
+	struct piece *p;
+	uint32_t n, cap;
+	uint32_t nblocks;
 	uint32_t in_prefill;
+	uint64_t last_seq; /* valid when nblocks > 0 */
+	uint64_t tokens;   /* prefill tokens, 0 once done */
+	uint64_t start;    /* admission time */
+	uint64_t order;    /* admission counter: the prefill FIFO order */
+};
+
+struct hit {
+	uint32_t run, off, len;
 };
 
 struct kvr_load {
@@ -39,16 +73,26 @@ struct kvr_load {
 	struct req *r;
 	uint32_t n_req, cap_req;
 	struct kvr_u64map by_attempt;
-	struct kvr_u64map pins; /* seq -> pin count */
+	struct run *runs;
+	uint32_t runs_cap, runs_live, free_head;
+	struct kvr_u64map heads; /* head hash -> run */
+	uint64_t pinned;         /* distinct pinned hashes */
 	uint64_t prefill_sum, n_prefill, next_order;
 	/* Oldest in-prefill request, cached: the attempt (valid while oldest_valid). */
 	uint64_t oldest_attempt;
 	int oldest_valid;
+	struct hit *hits;
+	size_t hits_cap;
 	/* The last command's pinned-set change (kvr_load_last_delta). */
 	size_t d_first, d_n;
-	uint64_t *unpinned; /* scratch: the last finish's 1 -> 0 blocks */
+	uint64_t *unpinned;
 	size_t n_unpinned, cap_unpinned;
 };
+
+static inline uint64_t *seq_of(const struct run *g)
+{
+	return g->mem + g->start;
+}
 
 int kvr_load_create(uint64_t expected_prefill_ns, struct kvr_load **out)
 {
@@ -58,8 +102,9 @@ int kvr_load_create(uint64_t expected_prefill_ns, struct kvr_load **out)
 	if (!l)
 		return KVR_ENOMEM;
 	l->expected_prefill = expected_prefill_ns;
+	l->free_head = NIL;
 	kvr_u64map_init(&l->by_attempt);
-	kvr_u64map_init(&l->pins);
+	kvr_u64map_init(&l->heads);
 	*out = l;
 	return 0;
 }
@@ -69,11 +114,15 @@ void kvr_load_destroy(struct kvr_load *l)
 	if (!l)
 		return;
 	for (uint32_t i = 0; i < l->n_req; i++)
-		kvr_free(l->r[i].seq, l->r[i].cap * sizeof(uint64_t));
+		kvr_free(l->r[i].p, l->r[i].cap * sizeof(struct piece));
+	for (uint32_t i = 0; i < l->runs_cap; i++)
+		kvr_free(l->runs[i].mem, (size_t)l->runs[i].cap * sizeof(uint64_t));
+	kvr_free(l->runs, (size_t)l->runs_cap * sizeof(struct run));
 	kvr_free(l->r, (size_t)l->cap_req * sizeof(struct req));
-	kvr_u64map_fini(&l->by_attempt);
-	kvr_u64map_fini(&l->pins);
+	kvr_free(l->hits, l->hits_cap * sizeof(struct hit));
 	kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
+	kvr_u64map_fini(&l->by_attempt);
+	kvr_u64map_fini(&l->heads);
 	kvr_free(l, sizeof(*l));
 }
 
@@ -83,42 +132,258 @@ static struct req *find(const struct kvr_load *l, uint64_t attempt)
 	return ix ? &l->r[*ix] : NULL;
 }
 
-static int reserve_seq(struct req *q, size_t n)
-{
-	if (q->n + n <= q->cap)
-		return 0;
-	size_t nc = q->cap * 2 > q->n + n ? q->cap * 2 : q->n + n;
-	uint64_t *p = kvr_realloc(q->seq, q->cap * sizeof(uint64_t), nc * sizeof(uint64_t));
-	if (!p)
-		return KVR_ENOMEM;
-	q->seq = p;
-	q->cap = nc;
-	return 0;
-}
-
 static void clear_delta(struct kvr_load *l)
 {
 	l->d_first = l->d_n = 0;
 	l->n_unpinned = 0;
 }
 
-static void pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
+/* ---------------------------------------------------------------- runs */
+
+static int reserve_runs(struct kvr_load *l, size_t n)
 {
-	size_t first = n;
-	for (size_t i = 0; i < n; i++) {
-		uint32_t *c = kvr_u64map_find(&l->pins, seq[i]);
-		if (c) {
-			(*c)++;
-		} else {
-			kvr_u64map_insert(&l->pins, seq[i], 1);
-			if (first == n)
-				first = i;
-		}
-		q->seq[q->n++] = seq[i];
+	size_t need = (size_t)l->runs_live + n;
+	if (need >= NIL)
+		return KVR_ERANGE;
+	if (need <= l->runs_cap)
+		return 0;
+	size_t nc = (size_t)l->runs_cap * 2 > need ? (size_t)l->runs_cap * 2 : need;
+	if (nc < 16)
+		nc = 16;
+	if (nc >= NIL)
+		nc = NIL - 1;
+	struct run *g = kvr_realloc(l->runs, (size_t)l->runs_cap * sizeof(*g), nc * sizeof(*g));
+	if (!g)
+		return KVR_ENOMEM;
+	for (size_t i = nc; i-- > l->runs_cap;) {
+		g[i].mem = NULL;
+		g[i].cap = 0;
+		g[i].next = l->free_head;
+		l->free_head = (uint32_t)i;
 	}
-	l->d_first = first;
-	l->d_n = n - first;
+	l->runs = g;
+	l->runs_cap = (uint32_t)nc;
+	return 0;
 }
+
+static uint32_t run_new(struct kvr_load *l)
+{
+	uint32_t i = l->free_head;
+	struct run *g = &l->runs[i];
+	l->free_head = g->next;
+	l->runs_live++;
+	memset(g, 0, sizeof(*g));
+	g->sprev = g->snext = g->next = NIL;
+	return i;
+}
+
+static void run_free(struct kvr_load *l, uint32_t i)
+{
+	struct run *g = &l->runs[i];
+	kvr_u64map_remove(&l->heads, seq_of(g)[0]);
+	if (g->sprev != NIL)
+		l->runs[g->sprev].snext = g->snext;
+	if (g->snext != NIL)
+		l->runs[g->snext].sprev = g->sprev;
+	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	g->mem = NULL;
+	g->cap = 0;
+	g->next = l->free_head;
+	l->free_head = i;
+	l->runs_live--;
+}
+
+/* Splits run i before off (0 < off < len), as shards/lru.c's split: the smaller side is
+ * copied, the new right part joins the split chain after i.  0 or KVR_ENOMEM/ERANGE (no
+ * change). */
+static int split(struct kvr_load *l, uint32_t i, uint32_t off)
+{
+	int rc;
+	if ((rc = reserve_runs(l, 1)) || (rc = kvr_u64map_reserve(&l->heads, 1)))
+		return rc;
+	struct run *a = &l->runs[i];
+	uint32_t len = a->len, rest = len - off;
+	bool copy_right = rest <= off;
+	uint64_t *m = kvr_alloc((size_t)(copy_right ? rest : off) * sizeof(uint64_t));
+	if (!m)
+		return KVR_ENOMEM;
+	uint32_t j = run_new(l);
+	a = &l->runs[i];
+	struct run *b = &l->runs[j];
+	if (copy_right) {
+		memcpy(m, seq_of(a) + off, (size_t)rest * sizeof(uint64_t));
+		b->mem = m;
+		b->cap = rest;
+	} else {
+		memcpy(m, seq_of(a), (size_t)off * sizeof(uint64_t));
+		b->mem = a->mem;
+		b->start = a->start + off;
+		b->cap = a->cap;
+		a->mem = m;
+		a->start = 0;
+		a->cap = off;
+	}
+	a->len = off;
+	b->len = rest;
+	b->pins = a->pins;
+	b->sprev = i;
+	b->snext = a->snext;
+	if (a->snext != NIL)
+		l->runs[a->snext].sprev = j;
+	a->snext = j;
+	kvr_u64map_insert(&l->heads, seq_of(b)[0], j);
+	return 0;
+}
+
+/*
+ * Walks seq[0..n) from the root (tail == NIL) or from the tail of run `tail`: returns how many
+ * leading hashes are pinned; records the runs they lie in as hits (room for n).
+ */
+static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t n, uint32_t tail,
+                   struct hit *hits, size_t *nh)
+{
+	size_t k = 0;
+	uint32_t i = tail;
+	uint32_t o = tail == NIL ? 0 : l->runs[tail].len - 1;
+	while (k < n) {
+		if (i == NIL || o + 1 >= l->runs[i].len) { /* root or a tail: the head map */
+			uint32_t *v = kvr_u64map_find(&l->heads, seq[k]);
+			if (!v)
+				break;
+			i = *v;
+			o = 0;
+		} else if (seq_of(&l->runs[i])[o + 1] == seq[k]) {
+			o++;
+		} else {
+			break; /* nothing hangs below an interior block */
+		}
+		const struct run *g = &l->runs[i];
+		const uint64_t *q = seq_of(g);
+		uint32_t take = 1;
+		while (k + take < n && o + 1 < g->len && q[o + 1] == seq[k + take]) {
+			o++;
+			take++;
+		}
+		if (hits) {
+			struct hit *last = *nh ? &hits[*nh - 1] : NULL;
+			if (last && last->run == i && last->off + last->len == o + 1 - take)
+				last->len += take;
+			else
+				hits[(*nh)++] = (struct hit){i, o + 1 - take, take};
+		}
+		k += take;
+	}
+	return k;
+}
+
+/* The last run of a request's last piece (its split chain walked for the piece's length). */
+static uint32_t piece_last(const struct kvr_load *l, const struct piece *p)
+{
+	uint32_t i = p->run, left = p->len;
+	while (left > l->runs[i].len) {
+		left -= l->runs[i].len;
+		i = l->runs[i].snext;
+	}
+	return i;
+}
+
+static int reserve_pieces(struct req *q, size_t n)
+{
+	if ((size_t)q->n + n <= q->cap)
+		return 0;
+	size_t nc = (size_t)q->cap * 2 > (size_t)q->n + n ? (size_t)q->cap * 2 : (size_t)q->n + n;
+	if (nc < 4)
+		nc = 4;
+	if (nc >= NIL)
+		return KVR_ERANGE;
+	struct piece *p = kvr_realloc(q->p, q->cap * sizeof(*p), nc * sizeof(*p));
+	if (!p)
+		return KVR_ENOMEM;
+	q->p = p;
+	q->cap = (uint32_t)nc;
+	return 0;
+}
+
+/*
+ * Pins seq[0..n) for request q, continuing its chain (from the root if it has no blocks):
+ * splits, reserves, then pins.  On success the delta says what went 0 -> 1.  0, KVR_ERANGE or
+ * KVR_ENOMEM (nothing observable changed).
+ */
+static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
+{
+	if (n == 0)
+		return 0;
+	if ((size_t)q->nblocks + n >= NIL)
+		return KVR_ERANGE;
+	size_t hcap = l->hits_cap;
+	if (n > hcap) {
+		size_t nc = n > 2 * hcap ? n : 2 * hcap;
+		struct hit *h = kvr_realloc(l->hits, hcap * sizeof(*h), nc * sizeof(*h));
+		if (!h)
+			return KVR_ENOMEM;
+		l->hits = h;
+		l->hits_cap = nc;
+	}
+	uint32_t tail = q->nblocks ? piece_last(l, &q->p[q->n - 1]) : NIL;
+	size_t nh = 0;
+	size_t hit = walk(l, seq, n, tail, l->hits, &nh);
+	int rc;
+	for (size_t k = 0; k < nh; k++) {
+		struct hit *p = &l->hits[k];
+		while (p->off >= l->runs[p->run].len) {
+			p->off -= l->runs[p->run].len;
+			p->run = l->runs[p->run].snext;
+		}
+		if (p->off > 0) {
+			if ((rc = split(l, p->run, p->off)))
+				return rc;
+			p->run = l->runs[p->run].snext;
+			p->off = 0;
+		}
+		if (p->len < l->runs[p->run].len && (rc = split(l, p->run, p->len)))
+			return rc;
+	}
+	uint32_t nnew = (uint32_t)(n - hit);
+	uint64_t *m = NULL;
+	if ((rc = reserve_runs(l, 1)) || (rc = kvr_u64map_reserve(&l->heads, 1)) ||
+	    (rc = reserve_pieces(q, nh + 1)))
+		return rc;
+	/* The finish report needs room for the whole chain: kept for the longest request. */
+	size_t total = (size_t)q->nblocks + n;
+	if (total > l->cap_unpinned) {
+		uint64_t *p = kvr_realloc(l->unpinned, l->cap_unpinned * sizeof(uint64_t),
+		                          total * sizeof(uint64_t));
+		if (!p)
+			return KVR_ENOMEM;
+		l->unpinned = p;
+		l->cap_unpinned = total;
+	}
+	if (nnew && !(m = kvr_alloc((size_t)nnew * sizeof(uint64_t))))
+		return KVR_ENOMEM;
+	/* From here on nothing fails. */
+	for (size_t k = 0; k < nh; k++) {
+		l->runs[l->hits[k].run].pins++;
+		q->p[q->n++] = (struct piece){l->hits[k].run, l->hits[k].len};
+	}
+	if (nnew) {
+		memcpy(m, seq + hit, (size_t)nnew * sizeof(uint64_t));
+		uint32_t i = run_new(l);
+		struct run *g = &l->runs[i];
+		g->mem = m;
+		g->cap = g->len = nnew;
+		g->pins = 1;
+		kvr_u64map_insert(&l->heads, m[0], i);
+		q->p[q->n++] = (struct piece){i, nnew};
+		l->pinned += nnew;
+	}
+	q->nblocks += (uint32_t)n;
+	q->last_seq = seq[n - 1];
+	l->d_first = hit;
+	l->d_n = nnew;
+	return 0;
+}
+
+/* ---------------------------------------------------------------- commands */
 
 int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size_t n,
                  uint64_t prefill_tokens, uint64_t now)
@@ -139,16 +404,17 @@ int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size
 	struct req *q = &l->r[l->n_req];
 	memset(q, 0, sizeof(*q));
 	int rc;
-	if ((rc = kvr_u64map_reserve(&l->by_attempt, 1)) ||
-	    (rc = kvr_u64map_reserve(&l->pins, n)) || (rc = reserve_seq(q, n)))
-		return rc; /* reserve_seq is last: on any failure q owns no memory */
+	if ((rc = kvr_u64map_reserve(&l->by_attempt, 1)) || (rc = pin(l, q, seq, n))) {
+		kvr_free(q->p, q->cap * sizeof(struct piece));
+		clear_delta(l);
+		return rc;
+	}
 	q->attempt = attempt;
 	q->tokens = prefill_tokens;
 	q->start = now;
 	q->order = l->next_order++;
 	q->in_prefill = 1;
 	kvr_u64map_insert(&l->by_attempt, attempt, l->n_req++);
-	pin(l, q, seq, n);
 	l->prefill_sum += prefill_tokens;
 	l->n_prefill++;
 	if (!l->oldest_valid) { /* nobody else is in prefill */
@@ -201,11 +467,10 @@ int kvr_load_add_output(struct kvr_load *l, uint64_t attempt, const uint64_t *se
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
-	int rc;
-	if ((rc = kvr_u64map_reserve(&l->pins, n)) || (rc = reserve_seq(q, n)))
-		return rc;
-	pin(l, q, seq, n);
-	return 0;
+	int rc = pin(l, q, seq, n);
+	if (rc)
+		clear_delta(l);
+	return rc;
 }
 
 int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
@@ -218,44 +483,27 @@ int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
 		return KVR_ENOENT;
 	uint32_t i = *ix;
 	struct req *q = &l->r[i];
-	/* The unpinned tail is reported in the request's own array (chain order) when the scratch
-	 * cannot grow: compacted in place, it stays valid until the array is freed below, so the
-	 * array is then kept as the scratch instead. */
-	uint64_t *un = l->unpinned;
-	if (q->n > l->cap_unpinned) {
-		uint64_t *p = kvr_realloc(l->unpinned, l->cap_unpinned * sizeof(uint64_t),
-		                          q->n * sizeof(uint64_t));
-		if (p) {
-			l->unpinned = p;
-			l->cap_unpinned = q->n;
-		}
-		un = p ? p : NULL;
-	}
+	/* The unpinned blocks are a tail of the chain, copied to the scratch (room for every
+	 * request's chain was made when it was pinned: finish never allocates). */
 	size_t nu = 0;
-	for (size_t k = 0; k < q->n; k++) {
-		uint32_t *c = kvr_u64map_find(&l->pins, q->seq[k]);
-		if (--(*c) == 0) {
-			kvr_u64map_remove(&l->pins, q->seq[k]);
-			if (un)
-				un[nu] = q->seq[k];
-			else
-				q->seq[nu] = q->seq[k];
-			nu++;
+	for (uint32_t k = 0; k < q->n; k++) {
+		uint32_t g = q->p[k].run, left = q->p[k].len;
+		while (left) {
+			struct run *x = &l->runs[g];
+			uint32_t next = x->snext, len = x->len;
+			left -= len;
+			if (--x->pins == 0) {
+				memcpy(l->unpinned + nu, seq_of(x), (size_t)len * sizeof(uint64_t));
+				nu += len;
+				l->pinned -= len;
+				run_free(l, g);
+			}
+			g = next;
 		}
 	}
-	if (!un) { /* adopt the request's array as the scratch */
-		kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
-		l->unpinned = q->seq;
-		l->cap_unpinned = q->cap;
-		q->seq = NULL;
-		q->cap = 0;
-	}
-	l->d_first = l->d_n = 0;
 	l->n_unpinned = nu;
 	kvr_u64map_remove(&l->by_attempt, attempt);
-	/* Swap the last request into slot i before recomputing the oldest. */
-	uint64_t *seq = q->seq;
-	size_t cap = q->cap;
+	kvr_free(q->p, q->cap * sizeof(struct piece));
 	int was_prefill = q->in_prefill;
 	uint64_t tokens = q->tokens;
 	uint32_t last = --l->n_req;
@@ -263,7 +511,6 @@ int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
 		l->r[i] = l->r[last];
 		*kvr_u64map_find(&l->by_attempt, l->r[i].attempt) = i;
 	}
-	kvr_free(seq, cap * sizeof(uint64_t));
 	if (was_prefill) {
 		l->prefill_sum -= tokens;
 		l->n_prefill--;
@@ -287,15 +534,19 @@ uint64_t kvr_load_prefill_tokens(const struct kvr_load *l, uint64_t now)
 	return sum - q->tokens + kept;
 }
 
+size_t kvr_load_pinned_depth(const struct kvr_load *l, const uint64_t *seq, size_t n)
+{
+	if (!l || !seq)
+		return 0;
+	return walk(l, seq, n, NIL, NULL, NULL);
+}
+
 int kvr_load_potential(const struct kvr_load *l, const uint64_t *seq, size_t n,
                        uint64_t uncached_tokens, uint64_t now, struct kvr_load_potential *out)
 {
 	if (!l || !out || (n > 0 && !seq))
 		return KVR_EINVAL;
-	uint64_t fresh = 0;
-	for (size_t i = 0; i < n; i++)
-		fresh += kvr_u64map_find(&l->pins, seq[i]) == NULL;
-	out->decode_blocks = l->pins.count + fresh;
+	out->decode_blocks = l->pinned + (n - kvr_load_pinned_depth(l, seq, n));
 	out->prefill_tokens = kvr_load_prefill_tokens(l, now) + uncached_tokens;
 	return 0;
 }
@@ -316,8 +567,22 @@ void kvr_load_stats(const struct kvr_load *l, struct kvr_load_stats *st)
 	memset(st, 0, sizeof(*st));
 	if (!l)
 		return;
-	st->active_blocks = l->pins.count;
+	st->active_blocks = l->pinned;
 	st->prefill_tokens = l->prefill_sum;
 	st->active_requests = l->n_req;
 	st->in_prefill = l->n_prefill;
+}
+
+size_t kvr_load_bytes(const struct kvr_load *l)
+{
+	if (!l)
+		return 0;
+	size_t b = sizeof(*l) + (size_t)l->runs_cap * sizeof(struct run) +
+	           (l->heads.cap + l->by_attempt.cap) * sizeof(struct kvr_u64map_slot) +
+	           (size_t)l->cap_req * sizeof(struct req);
+	for (uint32_t i = 0; i < l->runs_cap; i++)
+		b += (size_t)l->runs[i].cap * sizeof(uint64_t);
+	for (uint32_t i = 0; i < l->n_req; i++)
+		b += l->r[i].cap * sizeof(struct piece);
+	return b;
 }

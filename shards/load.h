@@ -4,6 +4,9 @@
  *
  * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
  * (The router publishes the numbers to other threads as snapshots; that is not done here.)
+ * Input requirement: chained sequence hashes (core/hash), add_output continuing the request's
+ * chain.  The pinned set is kept in runs: pinning/unpinning costs O(runs) writes plus one
+ * sequential compare per block (see load.c).
  */
 #ifndef KVR_SHARDS_LOAD_H
 #define KVR_SHARDS_LOAD_H
@@ -83,6 +86,14 @@ uint64_t kvr_load_prefill_tokens(const struct kvr_load *load, uint64_t now);
  */
 int kvr_load_potential(const struct kvr_load *load, const uint64_t *seq, size_t n,
                        uint64_t uncached_tokens, uint64_t now, struct kvr_load_potential *out);
+
+/* How many leading blocks of seq[0..n) (a chain from the root, borrowed) are pinned: the
+ * request's blocks already pinned on this rank form this prefix.  O(runs) probes plus a
+ * sequential compare. */
+size_t kvr_load_pinned_depth(const struct kvr_load *load, const uint64_t *seq, size_t n);
+
+/* Bytes the tracker holds (runs, hash arrays, maps, requests), for benchmarks.  O(runs). */
+size_t kvr_load_bytes(const struct kvr_load *load);
 
 /* The pinned-set change made by the last command (see struct kvr_load_delta). */
 void kvr_load_last_delta(const struct kvr_load *load, struct kvr_load_delta *d);

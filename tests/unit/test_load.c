@@ -1,12 +1,14 @@
 /* Active load (shards/load): dedup of pinned blocks, prefill tokens with linear decay of the
  * oldest in-prefill request, potential load, every unknown/duplicate case, and a differential
- * test against a brute-force model (seed printed on failure; LOAD_DIFF_SEED=<seed>). */
+ * test against a brute-force model AND the per-block tracker it replaced (tests/ref/load_ref.c:
+ * same pinned-set deltas), on chained hashes (seed printed on failure; LOAD_DIFF_SEED=<seed>). */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvrouter.h"
 #include "core/alloc.h"
+#include "../ref/load_ref.h"
 #include "shards/load.h"
 
 Test(load, dedup_and_potential)
@@ -73,6 +75,7 @@ Test(load, oldest_prefill_decays_linearly)
 /* ---------------------------------------------------------------- differential */
 
 #define MAXR 64
+#define HMAX 64 /* hashes 1..63: h's parent is h / 2, 1 hangs below the root */
 struct mreq {
 	bool live, in_prefill;
 	uint64_t attempt, tokens, start, order;
@@ -101,7 +104,7 @@ static bool m_pinned(struct mreq *m, uint64_t s)
 static uint64_t m_blocks(struct mreq *m)
 {
 	uint64_t n = 0;
-	for (uint64_t s = 0; s < 48; s++)
+	for (uint64_t s = 1; s < HMAX; s++)
 		n += m_pinned(m, s);
 	return n;
 }
@@ -130,18 +133,26 @@ static void run_seed(uint64_t seed, int steps)
 	static struct mreq m[MAXR];
 	memset(m, 0, sizeof(m));
 	struct kvr_load *l;
+	struct ref_load *x;
 	cr_assert_eq(kvr_load_create(d, &l), 0);
+	cr_assert_eq(ref_load_create(d, &x), 0);
 	uint64_t seq[16];
 	for (int step = 0; step < steps; step++) {
 		uint64_t op = rng(&r) % 10, a = 1 + rng(&r) % MAXR;
 		struct mreq *q = &m[a - 1];
-		int rc, want;
+		int rc, want, xrc;
 		if (op < 3) {
-			size_t n = rng(&r) % 8;
-			for (size_t i = 0; i < n; i++)
-				seq[i] = rng(&r) % 48;
+			size_t n = rng(&r) % 7;
+			for (size_t i = 0; i < n; i++) {
+				seq[i] = i ? 2 * seq[i - 1] + rng(&r) % 2 : 1;
+				if (seq[i] >= HMAX) {
+					n = i;
+					break;
+				}
+			}
 			uint64_t tok = rng(&r) % 1000;
 			rc = kvr_load_add(l, a, seq, n, tok, now);
+			xrc = ref_load_add(x, a, seq, n, tok, now);
 			want = q->live ? KVR_EEXIST : 0;
 			if (!q->live) {
 				*q = (struct mreq){.live = 1,
@@ -155,54 +166,74 @@ static void run_seed(uint64_t seed, int steps)
 			}
 		} else if (op < 5) {
 			rc = kvr_load_prefill_done(l, a);
+			xrc = ref_load_prefill_done(x, a);
 			want = q->live ? 0 : KVR_ENOENT;
 			q->in_prefill = false;
 		} else if (op < 6) {
 			size_t n = rng(&r) % 3;
-			for (size_t i = 0; i < n; i++)
-				seq[i] = rng(&r) % 48;
+			uint64_t par = q->live && q->n ? q->seq[q->n - 1] : 0;
+			for (size_t i = 0; i < n; i++) {
+				uint64_t p = i ? seq[i - 1] : par;
+				seq[i] = p ? 2 * p + rng(&r) % 2 : 1;
+				if (seq[i] >= HMAX) {
+					n = i;
+					break;
+				}
+			}
 			if (q->live && q->n + (int)n > 64)
 				n = 0;
 			rc = kvr_load_add_output(l, a, seq, n);
+			xrc = ref_load_add_output(x, a, seq, n);
 			want = q->live ? 0 : KVR_ENOENT;
 			if (q->live)
 				for (size_t i = 0; i < n; i++)
 					q->seq[q->n++] = seq[i];
 		} else if (op < 8) {
 			rc = kvr_load_finish(l, a);
+			xrc = ref_load_finish(x, a);
 			want = q->live ? 0 : KVR_ENOENT;
 			q->live = false;
 		} else {
 			now += rng(&r) % 300;
-			rc = want = 0;
+			rc = want = xrc = 0;
 		}
 		cr_assert_eq(rc, want, "seed %llu step %d", (unsigned long long)seed, step);
+		cr_assert_eq(rc, xrc, "seed %llu step %d", (unsigned long long)seed, step);
+		struct kvr_load_delta dd, xd;
+		kvr_load_last_delta(l, &dd);
+		ref_load_last_delta(x, &xd);
+		cr_assert(dd.n_pinned == xd.n_pinned && dd.n_unpinned == xd.n_unpinned &&
+		              (dd.n_pinned == 0 || dd.pinned_first == xd.pinned_first),
+		          "seed %llu step %d: delta", (unsigned long long)seed, step);
+		for (size_t i = 0; i < dd.n_unpinned; i++)
+			cr_assert_eq(dd.unpinned[i], xd.unpinned[i], "seed %llu step %d: unpinned",
+			             (unsigned long long)seed, step);
 		struct kvr_load_stats st;
 		kvr_load_stats(l, &st);
 		cr_assert_eq(st.active_blocks, m_blocks(m), "seed %llu step %d",
 		             (unsigned long long)seed, step);
 		cr_assert_eq(kvr_load_prefill_tokens(l, now), m_prefill(m, d, now),
 		             "seed %llu step %d", (unsigned long long)seed, step);
-		size_t n = rng(&r) % 8;
+		size_t n = rng(&r) % 7;
 		uint64_t fresh = 0;
 		for (size_t i = 0; i < n; i++) {
-			seq[i] = 100 + i; /* distinct from each other; some pinned below */
-			if (rng(&r) % 2)
-				seq[i] = rng(&r) % 48;
-			bool dup = false;
-			for (size_t k = 0; k < i; k++)
-				dup |= seq[k] == seq[i];
-			if (dup)
-				seq[i] = 200 + i;
+			seq[i] = i ? 2 * seq[i - 1] + rng(&r) % 2 : 1;
+			if (seq[i] >= HMAX) {
+				n = i;
+				break;
+			}
 			fresh += !m_pinned(m, seq[i]);
 		}
 		struct kvr_load_potential p;
 		kvr_load_potential(l, seq, n, 5, now, &p);
+		cr_assert_eq(kvr_load_pinned_depth(l, seq, n) + fresh, n, "seed %llu step %d",
+		             (unsigned long long)seed, step);
 		cr_assert(p.decode_blocks == m_blocks(m) + fresh &&
 		              p.prefill_tokens == m_prefill(m, d, now) + 5,
 		          "seed %llu step %d: potential", (unsigned long long)seed, step);
 	}
 	kvr_load_destroy(l);
+	ref_load_destroy(x);
 }
 
 Test(load, differential_against_model)
@@ -225,8 +256,8 @@ Test(load, out_of_memory_changes_nothing)
 		cr_assert_eq(kvr_load_create(100, &l), 0);
 		kvr_alloc_fail_after(nth);
 		for (uint64_t a = 1; a <= 30; a++) {
-			for (size_t i = 0; i < 40; i++)
-				seq[i] = a * 7 + i;
+			for (size_t i = 0; i < 40; i++) /* chained: a shared prefix, then a's own */
+				seq[i] = i < 10 ? i + 1 : a * 1000 + i;
 			struct kvr_load_stats before, after;
 			kvr_load_stats(l, &before);
 			int rc = kvr_load_add(l, a, seq, 40, 10, a);
