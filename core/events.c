@@ -96,8 +96,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 		}
 	}
 	struct kvr_rank_pub *pub = &r->ranks[slot];
-	struct kvr_event_args a = {.r = r,
-	                           .slot = slot,
+	struct kvr_event_args a = {.slot = slot,
 	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
 	                           .ev = ev,
 	                           .local = ev_local};
@@ -195,8 +194,7 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
 		int v = validate(r, ev);
 		if (rcs)
 			rcs[i] = v;
-		many_args[i] = (struct kvr_event_args){.r = r,
-		                                       .slot = slot,
+		many_args[i] = (struct kvr_event_args){.slot = slot,
 		                                       .gen = gen,
 		                                       .ev = v ? NULL : ev,
 		                                       .local = many_local + off,
@@ -233,8 +231,7 @@ int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)
 		return rc;
 	struct kvr_event ev = {.type = KVR_EVENT_CLEARED};
 	struct kvr_rank_pub *pub = &r->ranks[slot];
-	struct kvr_event_args a = {.r = r,
-	                           .slot = slot,
+	struct kvr_event_args a = {.slot = slot,
 	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
 	                           .ev = &ev,
 	                           .rank_only = true};

@@ -1,10 +1,26 @@
 /*
  * core/lifecycle.c - a request attempt's life after admission: prefill done, output progress,
- * finish, abort.  Each is one synchronous routing-lane call to the shard that owns the
- * attempt's rank (the slot is in the attempt id), where the lease decides: finish, abort and the
- * reaper's expiry race through one claim, and every call on an attempt that has ended returns
- * KVR_ESTALE and changes nothing.  Calls that lower a rank's load let queued requests in.
+ * finish, abort.  None of them waits for a shard.
+ *
+ * The decision is made on the caller's thread, on the attempt's lease word (shards/lease.h):
+ * finish and abort CLAIM it (one CAS; finish, abort, lease expiry and the rank's end race
+ * through it and exactly one wins), prefill done and output TOUCH it.  So the return code, 0 or
+ * KVR_ESTALE, is known at once; the work itself (release blocks, return load, materialize output
+ * blocks) is posted to the shard that owns the attempt's rank (the slot is in the attempt id),
+ * on the routing lane, behind the attempt's booking (lanes are FIFO across producers).
+ *
+ * Waits, only where they buy something: with sync_booking the work runs before the call returns
+ * (exact back-to-back state for simulation and tests), and so it does while requests are queued,
+ * so the load it lowers is seen by the queue's admission pass that follows.  A full lane (the
+ * shards are overloaded) is waited on, counted: a finish or abort, already claimed, waits for
+ * room (dropping it would leave its load behind until the lease reaper's next pass); prefill
+ * done and output wait at most KVR_LANE_FULL_WAIT_NS, then return KVR_EAGAIN (counted in
+ * kvr_lane_full_drops_total).  Should a claimed end still never reach its shard, the shard's
+ * reaper ends the attempt on its next pass (it cleans up claimed leases it still holds).
  */
+#include <string.h>
+
+#include "core/alloc.h"
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
@@ -19,16 +35,61 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	uint32_t slot = kvr_attempt_slot(attempt);
 	if (slot >= r->cfg.max_ranks)
 		return KVR_ENOENT; /* not an id this router issued */
-	struct kvr_progress_args a = {
-	    .r = r, .attempt = attempt, .op = op, .tokens = tokens, .n_tokens = n};
-	uint32_t shard = __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED);
-	int rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
-	                        kvr_owner_progress, &a);
+	if (n > UINT32_MAX)
+		return KVR_EINVAL;
+	int rc = kvr_rcu_thread_online();
+	if (rc)
+		return rc;
+	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
+	bool ends = op == KVR_OP_FINISH || op == KVR_OP_ABORT;
+	rc = ends ? kvr_lease_claim(r->leases, attempt) : kvr_lease_touch(r->leases, attempt);
+	if (rc) { /* claimed, ended, never issued */
+		kvr_metrics_add(mb, KVR_C_STALE_CALLS, 1);
+		return KVR_ESTALE;
+	}
+	if (ends)
+		kvr_metrics_add(mb, op == KVR_OP_FINISH ? KVR_C_FINISHED : KVR_C_ABORTED, 1);
+	struct kvr_progress_msg m = {.attempt = attempt, .op = op, .n_tokens = (uint32_t)n};
+	struct kvr_shard *sh =
+	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
+	/* Requests waiting for load to drop: apply before the admission pass below. */
+	bool sync =
+	    r->cfg.sync_booking || (op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0);
+	if (sync) {
+		m.tok.borrowed = tokens;
+		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_progress_call, &m);
+		if (ends || rc == KVR_ESTALE)
+			rc = 0; /* the claim (touch) decided; the shard had nothing more to do */
+	} else {
+		if (op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE) {
+			m.tok.heap = kvr_alloc(n * sizeof(uint32_t));
+			if (!m.tok.heap)
+				return KVR_ENOMEM;
+			memcpy(m.tok.heap, tokens, n * sizeof(uint32_t));
+		} else if (n) {
+			memcpy(m.tok.inl, tokens, n * sizeof(uint32_t));
+		}
+		rc = kvr_shard_post(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, &m, sizeof(m));
+		if (rc == KVR_EAGAIN) {
+			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
+			/* An end is claimed already: it waits for room (never dropped); progress
+			 * waits a bounded time. */
+			rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, &m,
+			                         sizeof(m),
+			                         ends ? UINT64_MAX : KVR_LANE_FULL_WAIT_NS);
+			if (rc)
+				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
+		}
+		if (rc && op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE)
+			kvr_free(m.tok.heap, n * sizeof(uint32_t));
+		if (rc == KVR_ETIMEDOUT)
+			rc = KVR_EAGAIN;
+		if (rc == KVR_ESHUTDOWN && ends)
+			rc = 0; /* claimed; the router is going away with everything it holds */
+	}
 	if (rc == 0)
 		kvr_repl_note_progress(r, attempt, op, tokens, n); /* replica sync */
-	if (rc == KVR_ESTALE)
-		kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_STALE_CALLS, 1);
-	if (rc == 0 && op != KVR_OP_OUTPUT && r->queue)
+	if (rc == 0 && op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0)
 		kvr_queue_pump(r);
 	return rc;
 }

@@ -106,8 +106,8 @@ bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n)
 		/* Atomic: a re-add stores it on the rank's shard while routers read it here. */
 		uint32_t mbt = __atomic_load_n(&p->max_batched_tokens, __ATOMIC_RELAXED);
 		if (mbt == 0)
-			return false; /* unknown budget: never saturated */
-		double load = (double)__atomic_load_n(&p->prefill_tokens, __ATOMIC_RELAXED);
+			return false;                          /* unknown budget: never saturated */
+		double load = (double)kvr_rank_pub_prefill(p); /* booked + provisional */
 		if (load <= r->cfg.queue_threshold * (double)mbt)
 			return false;
 	}

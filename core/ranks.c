@@ -45,8 +45,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	}
 	if ((rc = kvr_shards_place(r->shards, rank.worker_id, &shard)))
 		goto out;
-	struct kvr_rank_args a = {.r = r,
-	                          .worker_id = rank.worker_id,
+	struct kvr_rank_args a = {.worker_id = rank.worker_id,
 	                          .dp_rank = rank.dp_rank,
 	                          .max_batched_tokens = max_batched_tokens,
 	                          .incarnation = incarnation,
@@ -101,7 +100,7 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 		goto out;
 	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
-	struct kvr_rank_args a = {.r = r, .slot = slot};
+	struct kvr_rank_args a = {.slot = slot};
 	kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
 	               kvr_owner_rank_destroy, &a);
 	kvr_shards_unplace(r->shards, rank.worker_id);
@@ -123,7 +122,6 @@ static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn 
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
 		return rc;
 	struct kvr_rank_pub *pub = &r->ranks[slot];
-	a->r = r;
 	a->slot = slot;
 	a->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
 	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING, fn, a);

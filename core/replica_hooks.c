@@ -6,7 +6,7 @@
  * chose the rank, and every replica must book the SAME rank with the SAME hashes, or the
  * predicted caches diverge.  So this skips hashing of tokens (the peer sends local hashes),
  * the index lookup and selection, and does exactly what kvr_route's step 5 does: mint an
- * attempt id, then one routing-lane call to the rank's shard running kvr_owner_admit.  The
+ * attempt id and book it on the rank's shard (kvr_admit, synchronously).  The
  * queue is bypassed: the peer's router already admitted the request.
  */
 #include <string.h>
@@ -56,16 +56,9 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	if (!seq)
 		return KVR_ENOMEM;
 	kvr_hash_chain_locals(NULL, m->local, n, seq);
-	uint64_t seqno = kvr_attempt_id_next(&r->ids);
-	if (seqno == 0 || seqno >= KVR_ATTEMPT_SEQ_MAX) {
-		kvr_free(seq, (n ? n : 1) * sizeof(uint64_t));
-		return KVR_ERANGE;
-	}
 	struct kvr_admit_args a = {
-	    .r = r,
 	    .slot = slot,
 	    .gen = gen,
-	    .attempt = (seqno << KVR_SLOT_BITS) | slot,
 	    .local = m->local,
 	    .seq = seq,
 	    .n = n,
@@ -75,10 +68,9 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	    .chain_known = m->chain_known,
 	    .lora_seed = m->lora_seed,
 	    .overlap = m->overlap,
+	    .pend_blocks = n,
 	};
-	rc = kvr_shard_call(
-	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
-	    KVR_LANE_ROUTING, kvr_owner_admit, &a);
+	rc = kvr_admit(r, &a, true); /* booked before the peer's next note is applied */
 	kvr_free(seq, (n ? n : 1) * sizeof(uint64_t));
 	if (rc == 0)
 		m->attempt = a.attempt;

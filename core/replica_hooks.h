@@ -9,7 +9,7 @@
  *    after the router's own work: a detach unpublishes r->repl, waits one grace period, and only
  *    then frees what the hooks use.
  *  - in: kvr_repl_admit books a peer's admission on a given rank with given block hashes,
- *    through the same shard path as kvr_route's admission (kvr_owner_admit), without selection.
+ *    through the same shard path as kvr_route's admission (kvr_admit), without selection.
  *    Peers' lifecycle calls and rank changes go through the public calls while
  *    kvr_repl_applying is set on the thread, so they are applied exactly as local ones are but
  *    are not republished.

@@ -6,8 +6,13 @@
  *   2. find_matches in the RCU index (lock-free read side) -> per-rank cached prefix depth;
  *   3. read every candidate rank's load snapshot, published by its shard (relaxed atomics);
  *   4. score and select (core/select.c);
- *   5. admit on the chosen rank's shard: one synchronous routing-lane call books the lease, the
- *      predicted cache (LRU/TTL), the load, and writes the index.
+ *   5. admit without a round trip (kvr_admit): the attempt id and its lease word are minted
+ *      lock-free (shards/lease.h), the request is added to the rank's provisional load (atomic
+ *      adds, so the very next decision on any thread sees it), and the booking (predicted cache,
+ *      load, index writes) is POSTED to the rank's shard on the routing lane.  The caller never
+ *      waits for a shard, except on a full lane (a bounded wait, KVR_LANE_FULL_WAIT_NS, counted
+ *      in kvr_lane_full_waits_total) and with sync_booking, where it waits for the booking so
+ *      back-to-back decisions are exact.
  *
  * Why snapshots for load (step 3) and not a routing-lane call per candidate: a call is one round
  * trip to a shard thread (microseconds: see perf/bench_lanes), and with 64 or 1024 candidates
@@ -18,8 +23,9 @@
  * the range-normalised softmax are unaffected; the exact, deduplicated booking happens at
  * admission (shards/load.c).
  *
- * A rank removed between selection and admission is refused by its shard (generation check);
- * the decision is then retried from step 2, at most a few times.
+ * A rank removed between selection and booking makes the booking stale (generation check on the
+ * shard): nothing is booked and the attempt's later calls return KVR_ESTALE.  With sync_booking
+ * the caller learns it at once and decides again from step 2, at most a few times.
  */
 #include <math.h>
 #include <pthread.h>
@@ -166,9 +172,8 @@ static void add_candidate(struct kvr_router *r, uint32_t slot, size_t n_blocks, 
 	c->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
 	c->slot = slot;
 	c->overlap_blocks = tls.score[slot];
-	c->active_prefill_tokens = __atomic_load_n(&pub->prefill_tokens, __ATOMIC_RELAXED);
-	c->potential_decode_blocks =
-	    __atomic_load_n(&pub->active_blocks, __ATOMIC_RELAXED) + n_blocks;
+	c->active_prefill_tokens = kvr_rank_pub_prefill(pub);
+	c->potential_decode_blocks = kvr_rank_pub_blocks(pub) + n_blocks;
 	c->cost = 0;
 }
 
@@ -305,17 +310,10 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			KVR_PROBE4(route_end, q->request_id, chosen.slot, chosen.overlap_blocks, 0);
 			return 0;
 		}
-		uint64_t seqno = kvr_attempt_id_next(&r->ids);
-		if (seqno == 0 || seqno >= KVR_ATTEMPT_SEQ_MAX) {
-			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
-			return KVR_ERANGE;
-		}
 		size_t tail_n = q->tokens ? q->n_tokens % bs : 0;
 		struct kvr_admit_args a = {
-		    .r = r,
 		    .slot = chosen.slot,
 		    .gen = gen,
-		    .attempt = (seqno << KVR_SLOT_BITS) | chosen.slot,
 		    .local = tls.local,
 		    .seq = tls.seq,
 		    .n = nb,
@@ -325,12 +323,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .chain_known = q->tokens != NULL || q->n_tokens == nb * bs,
 		    .lora_seed = seed,
 		    .overlap = chosen.overlap_blocks,
+		    .pend_blocks = nb,
 		};
-		rc = kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
-		                    kvr_owner_admit, &a);
+		rc = kvr_admit(r, &a, cfg->sync_booking);
 		uint64_t t4 = mono_ns();
 		if (rc == KVR_ENOENT)
-			continue; /* the rank went away after selection: decide again */
+			continue; /* sync: the rank went away after selection: decide again */
 		if (rc) {
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return rc;
@@ -348,6 +346,52 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	}
 	kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 	return KVR_ENOENT;
+}
+
+int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
+{
+	struct kvr_rank_pub *pub = &r->ranks[a->slot];
+	int rc = kvr_lease_mint(r->leases, a->slot, &a->attempt);
+	if (rc)
+		return rc;
+	uint64_t cached = (uint64_t)a->overlap * r->cfg.block_size;
+	a->pend_prefill_tokens = a->prompt_tokens > cached ? a->prompt_tokens - cached : 0;
+	struct kvr_attempt *rec = kvr_owner_attempt_new(&r->owner, a);
+	if (!rec) {
+		kvr_lease_unmint(r->leases, a->attempt);
+		return KVR_ENOMEM;
+	}
+	/* Provisional load: the very next decision, on any thread, sees this request. */
+	__atomic_fetch_add(&pub->pend_prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&pub->pend_requests, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&pub->pend_blocks, a->pend_blocks, __ATOMIC_RELAXED);
+	struct kvr_shard *sh =
+	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED));
+	if (sync) {
+		/* The booking consumes the record whatever it returns, once it runs. */
+		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_book_call, rec);
+		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL)
+			return rc;
+	} else {
+		rc = kvr_shard_post(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec, sizeof(rec));
+		if (rc == KVR_EAGAIN) {
+			struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
+			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
+			rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec,
+			                         sizeof(rec), KVR_LANE_FULL_WAIT_NS);
+			if (rc)
+				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
+		}
+		if (rc == 0)
+			return 0;
+	}
+	/* Not posted (full lane, shutdown): nobody has seen the id, take everything back. */
+	__atomic_fetch_sub(&pub->pend_prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
+	__atomic_fetch_sub(&pub->pend_requests, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_sub(&pub->pend_blocks, a->pend_blocks, __ATOMIC_RELAXED);
+	kvr_lease_unmint(r->leases, a->attempt);
+	kvr_owner_attempt_free(rec);
+	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;
 }
 
 int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d)

@@ -71,7 +71,6 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	r->cfg.n_cpus = 0;
 	r->clock.fn = cfg->now_ns ? cfg->now_ns : kvr_clock_monotonic;
 	r->clock.ctx = cfg->now_ns ? cfg->clock_ctx : NULL;
-	kvr_attempt_ids_init(&r->ids);
 	pthread_mutex_init(&r->admin_lock, NULL);
 	rc = KVR_ENOMEM;
 	r->ranks = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->ranks));
@@ -83,6 +82,23 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
 		goto fail;
 	kvr_index_set_count_copies(r->index, cfg->mode == KVR_MODE_EVENTS);
+	if ((rc = kvr_leases_create(&r->leases)))
+		goto fail;
+	r->owner = (struct kvr_owner_ctx){
+	    .block_size = cfg->block_size,
+	    .max_ranks = cfg->max_ranks,
+	    .mode = cfg->mode,
+	    .ttl_ns = cfg->ttl_ns,
+	    .lease_scan_interval_ns = cfg->lease_scan_interval_ns,
+	    .expected_prefill_ns = cfg->expected_prefill_ns,
+	    .on_event_gap = cfg->on_event_gap,
+	    .callback_ctx = cfg->callback_ctx,
+	    .clock = r->clock,
+	    .index = r->index,
+	    .metrics = r->metrics,
+	    .ranks = r->ranks,
+	    .leases = r->leases,
+	};
 	if (cfg->queue_threshold > 0 && (rc = kvr_queue_create(r, &r->queue)))
 		goto fail;
 	struct kvr_shards_config sc = {
@@ -98,7 +114,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .idle_spin_ns = cfg->shard_idle_spin_ns ? cfg->shard_idle_spin_ns : KVR_SHARDS_NO_SPIN,
 	    .on_thread_start = kvr_owner_shard_start,
 	    .on_thread_stop = kvr_owner_shard_stop,
-	    .ctx = r,
+	    .ctx = &r->owner,
 	};
 	if ((rc = kvr_shards_create(&sc, &r->shards)))
 		goto fail;
@@ -128,6 +144,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_shards_destroy(r->shards);
 	kvr_rcu_barrier();
 	kvr_index_destroy(r->index);
+	kvr_leases_destroy(r->leases);
 	kvr_metrics_destroy(r->metrics);
 	if (r->live)
 		live_free(r->live);

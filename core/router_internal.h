@@ -1,6 +1,6 @@
 /*
- * core/router_internal.h - the router's shape, shared by core/ (the caller side: route,
- * lifecycle, events, ranks, queue, metrics) and shards/rank_owner.c (the shard side).
+ * core/router_internal.h - the router's shape, shared by core/'s caller side (route, lifecycle,
+ * events, ranks, queue, metrics).  The shards see only struct kvr_owner_ctx (shards/owner.h).
  *
  * Who owns what (ARCHITECTURE.md):
  *  - struct kvr_rank_pub, one per index slot: identity fields are written by the admin path
@@ -9,15 +9,19 @@
  *    not a consistent set).  Any thread reads them.
  *  - struct kvr_rank_owned (pub->own): the rank's predicted cache (rank_state: LRU or TTL), its
  *    load, its event cursor and its live attempts.  Only the rank's shard thread touches it.
- *  - struct kvr_shard_state (shard userdata): the shard's lease table and attempt records,
- *    scratch buffers, timers.  Only that shard thread touches it.
+ *  - struct kvr_shard_state (shard userdata): the shard's attempt records, scratch buffers,
+ *    timers.  Only that shard thread touches it.
+ *  - the lease table: one word per live attempt, claimed by CAS from any thread.
  *  - `live`: the array of routable slots, RCU-published copy-on-write by the admin path;
  *    routers read it inside a read section.
- * Attempt ids: (sequence << 16) | slot, so any thread finds an attempt's rank (and shard) with
- * no lookup; the sequence part is never reused, so an id is never reused either.
+ * Attempt ids: (sequence << 16) | slot, so any thread finds an attempt's rank, shard and lease
+ * word with no lookup; the sequence part is never reused, so an id is never reused either.
  */
 #ifndef KVR_CORE_ROUTER_INTERNAL_H
 #define KVR_CORE_ROUTER_INTERNAL_H
+
+/* The bounded wait for room in a full shard lane (kvr_route's booking, lifecycle work). */
+#define KVR_LANE_FULL_WAIT_NS UINT64_C(10000000) /* 10 ms */
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -28,39 +32,8 @@
 #include "core/metrics.h"
 #include "kvrouter.h"
 #include "shards/lease.h"
+#include "shards/owner.h"
 #include "shards/runtime.h"
-
-#define KVR_SLOT_BITS       16u
-#define KVR_SLOT_MASK       ((1u << KVR_SLOT_BITS) - 1u)
-#define KVR_ATTEMPT_SEQ_MAX (UINT64_C(1) << (62 - KVR_SLOT_BITS))
-
-static inline uint32_t kvr_attempt_slot(uint64_t attempt)
-{
-	return (uint32_t)(attempt & KVR_SLOT_MASK);
-}
-
-struct kvr_rank_owned;
-
-struct kvr_rank_pub {
-	/* Identity: written under admin_lock while the slot is not live. */
-	uint64_t worker_id;
-	uint32_t dp_rank;
-	uint32_t shard;
-	uint32_t max_batched_tokens;
-	/* Bumped (release) when the slot is added and when it is removed: a decision taken on an
-	 * older generation is refused at admission.  Ordering: acquire in route. */
-	uint64_t gen;
-	uint32_t live; /* 1 while added (atomic) */
-	/* Load snapshot: written by the owner shard, read anywhere (relaxed). */
-	uint64_t incarnation;
-	uint64_t active_blocks;
-	uint64_t prefill_tokens;
-	uint64_t active_requests;
-	uint64_t resident_blocks;
-	uint64_t capacity;
-	/* Shard-thread only. */
-	struct kvr_rank_owned *own;
-} __attribute__((aligned(64)));
 
 struct kvr_live {
 	struct rcu_head rcu;
@@ -77,7 +50,8 @@ struct kvr_router {
 	struct kvr_index *index;
 	struct kvr_shards *shards;
 	struct kvr_metrics *metrics;
-	struct kvr_attempt_ids ids;
+	struct kvr_leases *leases;   /* attempt ids and their lease words */
+	struct kvr_owner_ctx owner;  /* what the shards see of the router */
 	struct kvr_rank_pub *ranks;  /* [cfg.max_ranks], indexed by index slot */
 	struct kvr_live *live;       /* RCU */
 	pthread_mutex_t admin_lock;  /* rank add / remove / reset, live list writers */
@@ -87,73 +61,18 @@ struct kvr_router {
 	struct kvr_repl_hooks *repl; /* replica sync hooks, NULL = none (RCU, acquire) */
 };
 
-/* Arguments of the shard-side operations (borrowed for a synchronous call). */
-struct kvr_admit_args {
-	struct kvr_router *r;
-	uint32_t slot;
-	uint64_t gen;
-	uint64_t attempt;
-	const uint64_t *local, *seq; /* the prompt's complete blocks */
-	size_t n;
-	uint64_t prompt_tokens;
-	const uint32_t *tail; /* the prompt's partial last block (tokens), may be NULL */
-	uint32_t tail_n;
-	bool chain_known; /* the tail tokens are known, so output blocks can be hashed */
-	uint64_t lora_seed;
-	uint32_t overlap;
-};
-
-struct kvr_progress_args {
-	struct kvr_router *r;
-	uint64_t attempt;
-	int op; /* enum kvr_progress_op */
-	const uint32_t *tokens;
-	size_t n_tokens;
-};
-
-enum kvr_progress_op {
-	KVR_OP_PREFILL_DONE,
-	KVR_OP_OUTPUT,
-	KVR_OP_FINISH,
-	KVR_OP_ABORT,
-};
-
-struct kvr_event_args {
-	struct kvr_router *r;
-	uint32_t slot;
-	uint64_t gen;
-	const struct kvr_event *ev;
-	const uint64_t *local; /* stored: local hash per block (computed by the caller) */
-	bool rank_only;        /* cleared: this rank only, not every dp rank of its worker */
-};
-
-struct kvr_rank_args {
-	struct kvr_router *r;
-	uint64_t worker_id; /* create */
-	uint32_t dp_rank;
-	uint32_t max_batched_tokens;
-	uint32_t slot; /* create: out; others: in */
-	uint64_t gen;
-	uint64_t incarnation;
-	uint64_t capacity;
-	struct kvr_rank_stats *stats;
-	uint64_t *blocks; /* kvr_owner_rank_blocks: out, cap in / count out */
-	size_t cap, n;
-};
-
-/* shards/rank_owner.c: shard-thread side.  All run on the slot's shard thread via
- * kvr_shard_call (Context: that shard thread, outside any RCU read section). */
-int kvr_owner_rank_create(struct kvr_shard *sh, void *rank_args);
-int kvr_owner_rank_destroy(struct kvr_shard *sh, void *rank_args);
-int kvr_owner_rank_capacity(struct kvr_shard *sh, void *rank_args);
-int kvr_owner_rank_reset(struct kvr_shard *sh, void *rank_args);
-int kvr_owner_rank_stats(struct kvr_shard *sh, void *rank_args);
-int kvr_owner_rank_blocks(struct kvr_shard *sh, void *rank_args);
-int kvr_owner_admit(struct kvr_shard *sh, void *admit_args);
-int kvr_owner_progress(struct kvr_shard *sh, void *progress_args);
-int kvr_owner_event(struct kvr_shard *sh, void *event_args);
-void kvr_owner_shard_start(struct kvr_shard *sh, void *router);
-void kvr_owner_shard_stop(struct kvr_shard *sh, void *router);
+/*
+ * core/route.c: admits an attempt on a chosen rank without selection (kvr_route after its
+ * decision; the replica layer for a peer's admission).  Mints the attempt id lock-free into
+ * a->attempt, adds the request to the rank's provisional load (a->pend_blocks set by the
+ * caller; a->pend_prefill_tokens filled here), and posts the booking to the rank's shard
+ * (routing lane); with sync, waits for the booking instead.
+ * Returns 0; KVR_ENOENT (sync: the rank went away since the decision; nothing booked);
+ * KVR_EAGAIN (the lane stayed full for KVR_LANE_FULL_WAIT_NS, or too many live attempts);
+ * KVR_ERANGE (attempt ids used up); KVR_ENOMEM; KVR_ESHUTDOWN.
+ * Context: any thread but a shard's, outside a read section.
+ */
+int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync);
 
 /* core/queue.c */
 int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out);

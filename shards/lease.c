@@ -1,151 +1,136 @@
 /*
- * shards/lease.c - request leases (issue 5, part C).
+ * shards/lease.c - request leases.
  *
  * The idea.  An attempt that goes silent (a client vanished, a finish message lost) must not pin
  * blocks and load forever.  A CLOCK-style reaper, as in page replacement: each live lease has a
- * state QUIET, TOUCHED or CLAIMED.  Progress sets TOUCHED; the reaper scan, every interval,
- * turns TOUCHED into QUIET and QUIET into CLAIMED (= expired).  So an idle attempt is reclaimed
- * after one to two intervals, with no per-request timer and no timestamp writes on the hot path.
+ * state QUIET, TOUCHED or CLAIMED.  Progress sets TOUCHED; the reaper, every interval, turns
+ * TOUCHED into QUIET and QUIET into CLAIMED (= expired).  So an idle attempt is reclaimed after
+ * one to two intervals, with no per-request timer and no timestamp writes on the hot path.
  *
- * Exactly once.  finish and abort arrive from frontend threads, expiry from the owner's scan;
- * they can race.  Each lease's state lives in one 64-bit word: (attempt << 2) | state.  A
- * claimer CASes it from (attempt, QUIET|TOUCHED) to (attempt, CLAIMED): one CAS succeeds, every
- * other sees CLAIMED (or a different attempt) and gets KVR_ESTALE.  Putting the attempt id into
- * the word makes slot reuse safe against ABA: attempt ids are never reused, so a stale handle
- * (slot, old attempt) can never match a recycled slot.
+ * Exactly once, on the caller's thread.  finish and abort arrive on frontend threads, expiry and
+ * a rank's end on its shard; they race.  Each lease is one 64-bit word: (attempt << 2) | state.
+ * A claimer CASes it from (attempt, QUIET|TOUCHED) to (attempt, CLAIMED): one CAS succeeds,
+ * every other sees CLAIMED (or another attempt) and gets KVR_ESTALE.  The return code of a
+ * lifecycle call is therefore known at once, on the calling thread; the cleanup is posted to
+ * the shard.  Attempt ids are never reused, so a stale id can never match a recycled word (no
+ * ABA).
  *
- * Memory safety for other threads: slot words live in fixed 4096-slot chunks that are never
- * moved or freed before the table is destroyed; the chunk directory is a fixed array whose
- * entries are published once (release) and read with acquire.  So touch/claim/state from any
- * thread only ever read valid memory, without RCU or reference counts.
+ * No lookup.  The word of attempt (seq << 16 | tag) is words[seq mod 2^20]: minting takes the
+ * next sequence number and CASes that word from free (0) to (attempt, TOUCHED); if a long-lived
+ * attempt still holds it, the minter takes the next number (so up to 2^20 attempts can be live;
+ * at 50 % occupancy a mint probes twice on average).  Anyone holding an id finds its word in
+ * O(1) with no table of attempts, which is what lets kvr_route mint on the caller's thread and
+ * post the booking without waiting for the shard.
  *
- * Owner-only parts: the attempt -> slot map (shards/u64map.h), the free-slot stack, the scan.
+ * Memory safety for other threads: words live in fixed 4096-word chunks that are never moved or
+ * freed before the table is destroyed; a chunk is allocated by the first minter that reaches it
+ * and published with a CAS (a loser frees its copy); readers load the directory entry with
+ * acquire.  An id whose chunk does not exist was never issued: KVR_ESTALE.
  */
 #include "shards/lease.h"
 
+#include <stdbool.h>
 #include <string.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
-#include "shards/u64map.h"
 
 #define CHUNK_SHIFT 12u
-#define CHUNK_SLOTS (1u << CHUNK_SHIFT)
-#define MAX_CHUNKS  (KVR_LEASE_MAX_SLOTS / CHUNK_SLOTS)
+#define CHUNK_WORDS (1u << CHUNK_SHIFT)
+#define N_CHUNKS    (KVR_LEASE_WORDS / CHUNK_WORDS)
 #define STATE_MASK  UINT64_C(3)
+#define MINT_PROBES 64
 
-struct kvr_lease_table {
-	uint64_t *dir[MAX_CHUNKS]; /* published once each; words accessed atomically */
-	uint32_t n_chunks;
-	uint32_t high; /* slots ever handed out: [0, high) */
-	uint32_t *free_slots;
-	uint32_t n_free, free_cap;
-	struct kvr_u64map live; /* attempt -> slot */
-	uint64_t max_attempt;   /* largest attempt ever begun here */
-	uint64_t interval, next_scan;
+struct kvr_leases {
+	_Alignas(64) uint64_t next_seq;       /* atomic; its own cache line (every mint adds) */
+	_Alignas(64) uint64_t *dir[N_CHUNKS]; /* published once each (CAS), read with acquire */
 };
 
-void kvr_attempt_ids_init(struct kvr_attempt_ids *ids)
+int kvr_leases_create(struct kvr_leases **out)
 {
-	ids->next = 1;
-}
-
-uint64_t kvr_attempt_id_next(struct kvr_attempt_ids *ids)
-{
-	uint64_t id = __atomic_fetch_add(&ids->next, 1, __ATOMIC_RELAXED);
-	return id < KVR_ATTEMPT_MAX ? id : 0;
-}
-
-int kvr_lease_table_create(uint64_t scan_interval_ns, uint64_t now, struct kvr_lease_table **out)
-{
-	if (!out || scan_interval_ns == 0)
+	if (!out)
 		return KVR_EINVAL;
-	struct kvr_lease_table *t = kvr_calloc(1, sizeof(*t));
+	struct kvr_leases *t = kvr_alloc_aligned(sizeof(*t));
 	if (!t)
 		return KVR_ENOMEM;
-	kvr_u64map_init(&t->live);
-	t->interval = scan_interval_ns;
-	t->next_scan = now + scan_interval_ns;
+	memset(t, 0, sizeof(*t));
+	t->next_seq = 1;
 	*out = t;
 	return 0;
 }
 
-void kvr_lease_table_destroy(struct kvr_lease_table *t)
+void kvr_leases_destroy(struct kvr_leases *t)
 {
 	if (!t)
 		return;
-	for (uint32_t i = 0; i < t->n_chunks; i++)
-		kvr_free(t->dir[i], CHUNK_SLOTS * sizeof(uint64_t));
-	kvr_free(t->free_slots, t->free_cap * sizeof(uint32_t));
-	kvr_u64map_fini(&t->live);
-	kvr_free(t, sizeof(*t));
+	for (uint32_t i = 0; i < N_CHUNKS; i++)
+		kvr_free(t->dir[i], CHUNK_WORDS * sizeof(uint64_t));
+	kvr_free_aligned(t, sizeof(*t));
 }
 
-/* The word of a slot, or NULL if its chunk does not exist.  Context: any thread.
- * Ordering: acquire load of the directory entry; pairs with the release store in new_slot(). */
-static uint64_t *word_of(struct kvr_lease_table *t, uint32_t slot)
+static inline bool valid(uint64_t attempt)
 {
-	if (slot >= KVR_LEASE_MAX_SLOTS)
+	return attempt >= (UINT64_C(1) << KVR_LEASE_TAG_BITS) && attempt < KVR_ATTEMPT_MAX;
+}
+
+/* The word of an attempt id, or NULL if its chunk does not exist (never issued).
+ * Ordering: acquire load of the directory entry; pairs with the CAS in chunk_of(). */
+static uint64_t *word_of(struct kvr_leases *t, uint64_t attempt)
+{
+	uint64_t i = (attempt >> KVR_LEASE_TAG_BITS) & (KVR_LEASE_WORDS - 1);
+	uint64_t *chunk = __atomic_load_n(&t->dir[i >> CHUNK_SHIFT], __ATOMIC_ACQUIRE);
+	return chunk ? &chunk[i & (CHUNK_WORDS - 1)] : NULL;
+}
+
+/* The chunk of word i, allocated and published if it is the first use. */
+static uint64_t *chunk_of(struct kvr_leases *t, uint64_t i)
+{
+	uint64_t **slot = &t->dir[i >> CHUNK_SHIFT];
+	uint64_t *chunk = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+	if (chunk)
+		return chunk;
+	uint64_t *fresh = kvr_calloc(CHUNK_WORDS, sizeof(uint64_t));
+	if (!fresh)
 		return NULL;
-	uint64_t *chunk = __atomic_load_n(&t->dir[slot >> CHUNK_SHIFT], __ATOMIC_ACQUIRE);
-	return chunk ? &chunk[slot & (CHUNK_SLOTS - 1)] : NULL;
+	if (__atomic_compare_exchange_n(slot, &chunk, fresh, false, __ATOMIC_ACQ_REL,
+	                                __ATOMIC_ACQUIRE))
+		return fresh;
+	kvr_free(fresh, CHUNK_WORDS * sizeof(uint64_t)); /* another minter published first */
+	return chunk;
 }
 
-static int new_slot(struct kvr_lease_table *t, uint32_t *slot)
+int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt)
 {
-	if (t->n_free > 0) {
-		*slot = t->free_slots[--t->n_free];
-		return 0;
-	}
-	if (t->high == KVR_LEASE_MAX_SLOTS)
-		return KVR_ERANGE;
-	if ((t->high >> CHUNK_SHIFT) == t->n_chunks) {
-		uint64_t *chunk = kvr_calloc(CHUNK_SLOTS, sizeof(uint64_t));
+	if (!t || !attempt || tag > KVR_LEASE_TAG_MASK)
+		return KVR_EINVAL;
+	for (int probe = 0; probe < MINT_PROBES; probe++) {
+		uint64_t seq = __atomic_fetch_add(&t->next_seq, 1, __ATOMIC_RELAXED);
+		if (seq >= KVR_LEASE_SEQ_MAX) {
+			__atomic_store_n(&t->next_seq, KVR_LEASE_SEQ_MAX, __ATOMIC_RELAXED);
+			return KVR_ERANGE;
+		}
+		uint64_t i = seq & (KVR_LEASE_WORDS - 1);
+		uint64_t *chunk = chunk_of(t, i);
 		if (!chunk)
 			return KVR_ENOMEM;
-		__atomic_store_n(&t->dir[t->n_chunks++], chunk, __ATOMIC_RELEASE);
+		uint64_t id = (seq << KVR_LEASE_TAG_BITS) | tag, free_word = 0;
+		if (__atomic_compare_exchange_n(&chunk[i & (CHUNK_WORDS - 1)], &free_word,
+		                                (id << 2) | KVR_LEASE_TOUCHED, false,
+		                                __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+			*attempt = id;
+			return 0;
+		}
 	}
-	*slot = t->high++;
-	return 0;
+	return KVR_EAGAIN;
 }
 
-int kvr_lease_begin(struct kvr_lease_table *t, uint64_t attempt, uint32_t *slot)
+int kvr_lease_touch(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !slot || attempt == 0 || attempt >= KVR_ATTEMPT_MAX)
+	if (!t || !valid(attempt))
 		return KVR_EINVAL;
-	if (kvr_u64map_find(&t->live, attempt))
-		return KVR_EEXIST;
-	/* The free stack must be able to take this slot back at end() without allocating. */
-	if (t->free_cap < t->high + 1) {
-		size_t nc = t->free_cap ? (size_t)t->free_cap * 2 : 256;
-		uint32_t *p = kvr_realloc(t->free_slots, t->free_cap * sizeof(uint32_t),
-		                          nc * sizeof(uint32_t));
-		if (!p)
-			return KVR_ENOMEM;
-		t->free_slots = p;
-		t->free_cap = (uint32_t)nc;
-	}
-	int rc = kvr_u64map_reserve(&t->live, 1);
-	if (rc)
-		return rc;
-	uint32_t s;
-	if ((rc = new_slot(t, &s)))
-		return rc;
-	kvr_u64map_insert(&t->live, attempt, s);
-	if (attempt > t->max_attempt)
-		t->max_attempt = attempt;
-	__atomic_store_n(word_of(t, s), (attempt << 2) | KVR_LEASE_TOUCHED, __ATOMIC_RELEASE);
-	*slot = s;
-	return 0;
-}
-
-int kvr_lease_touch(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt)
-{
-	if (!t || attempt == 0 || attempt >= KVR_ATTEMPT_MAX)
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, slot);
+	uint64_t *w = word_of(t, attempt);
 	if (!w)
-		return KVR_ENOENT;
+		return KVR_ESTALE;
 	uint64_t cur = __atomic_load_n(w, __ATOMIC_RELAXED);
 	for (;;) {
 		if ((cur >> 2) != attempt || (cur & STATE_MASK) == KVR_LEASE_CLAIMED)
@@ -158,115 +143,98 @@ int kvr_lease_touch(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt)
 	}
 }
 
-/* CAS (attempt, QUIET|TOUCHED) -> (attempt, CLAIMED).  Only from `only` if nonzero. */
-static int claim_word(uint64_t *w, uint64_t attempt, uint64_t only)
+/* CAS (attempt, QUIET|TOUCHED) -> (attempt, to).  Only from state `only` if nonzero. */
+static int cas_live(uint64_t *w, uint64_t attempt, uint64_t only, uint64_t to)
 {
 	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
 	for (;;) {
-		if ((cur >> 2) != attempt || (cur & STATE_MASK) == KVR_LEASE_CLAIMED ||
-		    (cur & STATE_MASK) == 0)
+		if ((cur >> 2) != attempt || (cur & STATE_MASK) == 0)
 			return KVR_ESTALE;
+		if ((cur & STATE_MASK) == KVR_LEASE_CLAIMED)
+			return KVR_EBUSY;
 		if (only && (cur & STATE_MASK) != only)
 			return KVR_EAGAIN;
-		if (__atomic_compare_exchange_n(w, &cur, (attempt << 2) | KVR_LEASE_CLAIMED, false,
-		                                __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+		if (__atomic_compare_exchange_n(w, &cur, to, false, __ATOMIC_ACQ_REL,
+		                                __ATOMIC_ACQUIRE))
 			return 0;
 	}
 }
 
-int kvr_lease_claim(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt)
+int kvr_lease_claim(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || attempt == 0 || attempt >= KVR_ATTEMPT_MAX)
+	if (!t || !valid(attempt))
 		return KVR_EINVAL;
-	uint64_t *w = word_of(t, slot);
+	uint64_t *w = word_of(t, attempt);
 	if (!w)
-		return KVR_ENOENT;
-	return claim_word(w, attempt, 0);
+		return KVR_ESTALE;
+	int rc = cas_live(w, attempt, 0, (attempt << 2) | KVR_LEASE_CLAIMED);
+	return rc == 0 ? 0 : KVR_ESTALE;
 }
 
-int kvr_lease_state(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt)
+int kvr_lease_unmint(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || attempt == 0 || attempt >= KVR_ATTEMPT_MAX)
+	if (!t || !valid(attempt))
 		return KVR_EINVAL;
-	uint64_t *w = word_of(t, slot);
+	uint64_t *w = word_of(t, attempt);
 	if (!w)
-		return KVR_ENOENT;
+		return KVR_ESTALE;
+	return cas_live(w, attempt, 0, 0) == 0 ? 0 : KVR_ESTALE;
+}
+
+int kvr_lease_state(struct kvr_leases *t, uint64_t attempt)
+{
+	if (!t || !valid(attempt))
+		return KVR_EINVAL;
+	uint64_t *w = word_of(t, attempt);
+	if (!w)
+		return KVR_ESTALE;
 	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
 	if ((cur >> 2) != attempt || (cur & STATE_MASK) == 0)
 		return KVR_ESTALE;
 	return (int)(cur & STATE_MASK);
 }
 
-int kvr_lease_end(struct kvr_lease_table *t, uint64_t attempt)
+int kvr_lease_age(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t)
+	if (!t || !valid(attempt))
 		return KVR_EINVAL;
-	uint32_t *s = kvr_u64map_find(&t->live, attempt);
-	if (!s)
-		return KVR_ENOENT;
-	uint32_t slot = *s;
-	uint64_t *w = word_of(t, slot);
+	uint64_t *w = word_of(t, attempt);
+	if (!w)
+		return KVR_ESTALE;
+	for (;;) {
+		int rc = cas_live(w, attempt, KVR_LEASE_TOUCHED, (attempt << 2) | KVR_LEASE_QUIET);
+		if (rc == 0)
+			return KVR_LEASE_QUIET;
+		if (rc == KVR_EBUSY)
+			return 0; /* claimed by someone else */
+		if (rc == KVR_ESTALE)
+			return rc;
+		/* QUIET since the last step: expired, if no claimer or toucher wins first */
+		rc = cas_live(w, attempt, KVR_LEASE_QUIET, (attempt << 2) | KVR_LEASE_CLAIMED);
+		if (rc == 0)
+			return KVR_LEASE_CLAIMED;
+		if (rc == KVR_EBUSY)
+			return 0;
+		if (rc == KVR_ESTALE)
+			return rc;
+		/* touched meanwhile: go round (it becomes QUIET) */
+	}
+}
+
+int kvr_lease_release(struct kvr_leases *t, uint64_t attempt)
+{
+	if (!t || !valid(attempt))
+		return KVR_EINVAL;
+	uint64_t *w = word_of(t, attempt);
+	if (!w)
+		return KVR_ESTALE;
 	/* Ordering: acquire; pairs with the claimer's acq_rel CAS. */
-	if ((__atomic_load_n(w, __ATOMIC_ACQUIRE) & STATE_MASK) != KVR_LEASE_CLAIMED)
+	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+	if ((cur >> 2) != attempt || (cur & STATE_MASK) == 0)
+		return KVR_ESTALE;
+	if ((cur & STATE_MASK) != KVR_LEASE_CLAIMED)
 		return KVR_EBUSY;
 	/* Once CLAIMED nobody else writes the word, so a plain release store frees it. */
 	__atomic_store_n(w, 0, __ATOMIC_RELEASE);
-	kvr_u64map_remove(&t->live, attempt);
-	t->free_slots[t->n_free++] = slot;
 	return 0;
-}
-
-int kvr_lease_find(const struct kvr_lease_table *t, uint64_t attempt, uint32_t *slot)
-{
-	if (!t || !slot)
-		return KVR_EINVAL;
-	uint32_t *s = kvr_u64map_find(&t->live, attempt);
-	if (s) {
-		*slot = *s;
-		return 0;
-	}
-	return (attempt != 0 && attempt <= t->max_attempt) ? KVR_ESTALE : KVR_ENOENT;
-}
-
-int kvr_lease_scan(struct kvr_lease_table *t, struct kvr_lease_expired *exp, size_t max,
-                   size_t *n_out)
-{
-	if (!t || !n_out || (max > 0 && !exp))
-		return KVR_EINVAL;
-	size_t n = 0;
-	for (uint32_t s = 0; s < t->high; s++) {
-		uint64_t *w = word_of(t, s);
-		uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-		uint64_t st = cur & STATE_MASK, attempt = cur >> 2;
-		if (st == KVR_LEASE_TOUCHED) {
-			/* A failed CAS means a claimer won meanwhile: nothing to do. */
-			__atomic_compare_exchange_n(w, &cur, (attempt << 2) | KVR_LEASE_QUIET,
-			                            false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-		} else if (st == KVR_LEASE_QUIET && n < max) {
-			if (claim_word(w, attempt, KVR_LEASE_QUIET) == 0) {
-				exp[n].attempt = attempt;
-				exp[n].slot = s;
-				n++;
-			}
-		}
-	}
-	*n_out = n;
-	return 0;
-}
-
-int kvr_lease_tick(struct kvr_lease_table *t, uint64_t now, struct kvr_lease_expired *exp,
-                   size_t max, size_t *n_out)
-{
-	if (!t || !n_out)
-		return KVR_EINVAL;
-	*n_out = 0;
-	if (now < t->next_scan)
-		return 0;
-	t->next_scan = now + t->interval;
-	return kvr_lease_scan(t, exp, max, n_out);
-}
-
-size_t kvr_lease_count(const struct kvr_lease_table *t)
-{
-	return t ? t->live.count : 0;
 }

@@ -1,10 +1,11 @@
 /*
- * shards/lease.h - request leases: attempt ids, the CLOCK reaper, exactly-once claim (issue 5,
- * part C).  See lease.c for the algorithm.
+ * shards/lease.h - request leases: attempt ids minted on any thread, the exactly-once claim, and
+ * the CLOCK states the reaper walks.  See lease.c for the algorithm.
  *
- * A lease table belongs to one shard thread (the owner): begin, end, find and scan run there.
- * touch, claim and state may run on ANY thread, given the handle (slot, attempt) that begin
- * returned: finish, abort and expiry race through claim, and exactly one of them wins.
+ * One table per router.  An attempt id names its lease word (the word's index is the id's
+ * sequence number modulo the table size), so every call (mint, touch, claim, state, release)
+ * works on ANY thread with no lookup and no lock: finish, abort and expiry race through claim,
+ * and exactly one of them wins.
  */
 #ifndef KVR_SHARDS_LEASE_H
 #define KVR_SHARDS_LEASE_H
@@ -12,101 +13,77 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Clock states of a live lease (0 is a free slot). */
+/* Clock states of a live lease (0 is a free word). */
 enum kvr_lease_state {
 	KVR_LEASE_QUIET = 1,   /* no progress since the last scan */
 	KVR_LEASE_TOUCHED = 2, /* progress since the last scan (new leases start here) */
 	KVR_LEASE_CLAIMED = 3, /* finished, aborted or expired: one claimer cleans up */
 };
 
-/* Attempt ids are below this bound (two bits of the slot word hold the state). */
-#define KVR_ATTEMPT_MAX (UINT64_C(1) << 62)
-/* Most live leases per table (1024 chunks of 4096 slots). */
-#define KVR_LEASE_MAX_SLOTS (1024u * 4096u)
+/* Attempt ids: (sequence << KVR_LEASE_TAG_BITS) | tag, below 2^62 (two bits of the word hold
+ * the state).  The router's tag is the rank slot. */
+#define KVR_LEASE_TAG_BITS 16u
+#define KVR_LEASE_TAG_MASK ((1u << KVR_LEASE_TAG_BITS) - 1u)
+#define KVR_ATTEMPT_MAX    (UINT64_C(1) << 62)
+#define KVR_LEASE_SEQ_MAX  (KVR_ATTEMPT_MAX >> KVR_LEASE_TAG_BITS)
+/* Lease words per table: the most attempts live at once (a little less: see mint). */
+#define KVR_LEASE_WORDS (1u << 20)
 
-/* The router-wide attempt id source: ids 1, 2, 3, ... never reused for the router's life. */
-struct kvr_attempt_ids {
-	uint64_t next;
-};
+struct kvr_leases;
 
-/* Context: single-threaded setup. */
-void kvr_attempt_ids_init(struct kvr_attempt_ids *ids);
-/* A fresh attempt id, or 0 once 2^62 - 1 ids have been issued.
- * Context: any thread.  Ordering: relaxed fetch-add (ids need uniqueness, not order). */
-uint64_t kvr_attempt_id_next(struct kvr_attempt_ids *ids);
-
-struct kvr_lease_table;
-
-/* One expired attempt reported by a scan (the scan claimed it: the owner must clean up). */
-struct kvr_lease_expired {
-	uint64_t attempt;
-	uint32_t slot;
-};
-
-/* Creates a table whose reaper scans every scan_interval_ns (> 0; the first scan is due at
- * now + interval).  Returns 0, KVR_EINVAL or KVR_ENOMEM.  Context: any thread (setup). */
-int kvr_lease_table_create(uint64_t scan_interval_ns, uint64_t now, struct kvr_lease_table **out);
-/* Frees the table.  No other thread may use a handle after this.  NULL is a no-op. */
-void kvr_lease_table_destroy(struct kvr_lease_table *t);
+/* Creates an empty table (words are allocated in 4096-word chunks as sequence numbers reach
+ * them: 32 KiB each, 8 MiB at most).  Returns 0, KVR_EINVAL or KVR_ENOMEM.  Context: setup. */
+int kvr_leases_create(struct kvr_leases **out);
+/* Frees the table; no thread may use it after.  NULL is a no-op. */
+void kvr_leases_destroy(struct kvr_leases *t);
 
 /*
- * Starts a lease for attempt (1 <= attempt < KVR_ATTEMPT_MAX) in state TOUCHED; *slot receives
- * the handle's slot, which other threads pass to touch/claim with the attempt.
- * Returns 0, KVR_EINVAL, KVR_EEXIST (attempt live here), KVR_ERANGE (table full), KVR_ENOMEM.
- * Context: owner thread.  Ordering: release store of the slot word; pairs with the acquire
- * loads in kvr_lease_claim() / kvr_lease_touch().
+ * Mints a fresh attempt id with the given tag (< 2^KVR_LEASE_TAG_BITS) and starts its lease in
+ * state TOUCHED.  Ids are never reused.  Returns 0 and *attempt, KVR_ERANGE (the 2^46 sequence
+ * numbers are used up), KVR_EAGAIN (64 consecutive words still held by live attempts: about
+ * KVR_LEASE_WORDS attempts are live), KVR_ENOMEM (a chunk could not be allocated), KVR_EINVAL.
+ * Context: any thread.  Ordering: relaxed fetch-add of the sequence; acq_rel CAS of the word
+ * from free (0), pairing with the release store in kvr_lease_release()/kvr_lease_unmint().
  */
-int kvr_lease_begin(struct kvr_lease_table *t, uint64_t attempt, uint32_t *slot);
+int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt);
+
+/* Takes back a lease nobody was told about (the minter's admission failed): its word becomes
+ * free and the id stale.  Returns 0 or KVR_ESTALE (claimed meanwhile: the claimer owns it).
+ * Context: any thread.  Ordering: acq_rel CAS. */
+int kvr_lease_unmint(struct kvr_leases *t, uint64_t attempt);
 
 /*
  * Progress on the attempt (prefill done, output): QUIET -> TOUCHED; TOUCHED stays.
- * Returns 0, KVR_ESTALE (claimed, ended, or the slot now holds another attempt), KVR_ENOENT
- * (slot never allocated), KVR_EINVAL.
+ * Returns 0, KVR_ESTALE (claimed, ended, never issued), KVR_EINVAL.
  * Context: any thread.  Ordering: relaxed (a touch publishes no data); does not write when
  * already TOUCHED, so frequent touches cost one shared load.
  */
-int kvr_lease_touch(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt);
+int kvr_lease_touch(struct kvr_leases *t, uint64_t attempt);
 
 /*
- * Claims the attempt for cleanup: finish, abort and expiry all call this (expiry through
- * scan); exactly one caller gets 0, every other (and every later call) gets KVR_ESTALE and must
- * change nothing.  KVR_ENOENT for a slot never allocated, KVR_EINVAL for bad arguments.
- * Context: any thread.  Ordering: acq_rel CAS on the slot word; pairs with the release store
- * in kvr_lease_begin() and with the other claimers' CAS.
+ * Claims the attempt for cleanup: finish, abort, expiry and a rank's end all call this; exactly
+ * one caller gets 0, every other (and every later call) gets KVR_ESTALE and must change
+ * nothing.  KVR_EINVAL for a bad id.
+ * Context: any thread.  Ordering: acq_rel CAS on the word; pairs with mint and other claimers.
  */
-int kvr_lease_claim(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt);
+int kvr_lease_claim(struct kvr_leases *t, uint64_t attempt);
 
-/* The clock state of (slot, attempt) (enum kvr_lease_state), or KVR_ESTALE / KVR_ENOENT /
- * KVR_EINVAL.  Context: any thread.  Ordering: acquire load. */
-int kvr_lease_state(struct kvr_lease_table *t, uint32_t slot, uint64_t attempt);
+/* The CLOCK state of the attempt (enum kvr_lease_state), or KVR_ESTALE / KVR_EINVAL.
+ * Context: any thread.  Ordering: acquire load. */
+int kvr_lease_state(struct kvr_leases *t, uint64_t attempt);
 
 /*
- * Frees the slot of a CLAIMED attempt once its cleanup is done; the attempt's handle becomes
- * stale forever.  Returns 0, KVR_ENOENT (not live here), KVR_EBUSY (not claimed yet).
- * Context: owner thread.
+ * One reaper step for a live attempt (the CLOCK hand): TOUCHED -> QUIET (returns
+ * KVR_LEASE_QUIET), QUIET -> CLAIMED (returns KVR_LEASE_CLAIMED: expired, this caller won the
+ * claim and cleans up), already CLAIMED by someone else (returns 0: a claimer's cleanup is on
+ * its way, or lost: the caller may clean up), KVR_ESTALE if the word holds another attempt.
+ * Context: the thread that owns the attempt's cleanup.  Ordering: acq_rel CAS.
  */
-int kvr_lease_end(struct kvr_lease_table *t, uint64_t attempt);
+int kvr_lease_age(struct kvr_leases *t, uint64_t attempt);
 
-/* The slot of a live attempt.  Returns 0, KVR_ESTALE (an attempt this table began and has
- * ended), KVR_ENOENT (never begun here).  Context: owner thread. */
-int kvr_lease_find(const struct kvr_lease_table *t, uint64_t attempt, uint32_t *slot);
-
-/*
- * One reaper pass (the CLOCK hand): TOUCHED -> QUIET, QUIET -> CLAIMED.  Every lease it claims
- * (expired: idle for a whole interval) is written to exp[] and counted in *n_out; the owner then
- * cleans up and calls kvr_lease_end.  At most max are claimed per pass; the rest stay QUIET and
- * expire on a later pass.  Returns 0 or KVR_EINVAL.
- * Context: owner thread.  Ordering: acq_rel CAS, like kvr_lease_claim().
- */
-int kvr_lease_scan(struct kvr_lease_table *t, struct kvr_lease_expired *exp, size_t max,
-                   size_t *n_out);
-
-/* Runs kvr_lease_scan if a scan is due at now (and schedules the next one at now + interval);
- * else *n_out = 0.  Context: owner thread. */
-int kvr_lease_tick(struct kvr_lease_table *t, uint64_t now, struct kvr_lease_expired *exp,
-                   size_t max, size_t *n_out);
-
-/* Live leases (begun, not ended).  Context: owner thread. */
-size_t kvr_lease_count(const struct kvr_lease_table *t);
+/* Frees the word of a CLAIMED attempt once its cleanup is done; the id is stale forever.
+ * Returns 0, KVR_EBUSY (not claimed), KVR_ESTALE (not this attempt's word any more).
+ * Context: the thread that owns the cleanup.  Ordering: release store. */
+int kvr_lease_release(struct kvr_leases *t, uint64_t attempt);
 
 #endif /* KVR_SHARDS_LEASE_H */

@@ -166,11 +166,11 @@ struct kvr_config {
 	 * message then costs no wake-up (tens of microseconds on a loaded machine), at the price
 	 * of up to this much CPU per idle period.  Default 50 us; 0 = park at once. */
 	uint64_t shard_idle_spin_ns;
-	/* Admission booking.  false (default): kvr_route returns once the chosen rank has booked
-	 * the attempt's lease and load; the rank's shard writes the prompt's blocks into its
-	 * predicted cache and the index right after, so a decision taken microseconds later may
-	 * not see them yet (as with engine KV events).  true: kvr_route returns only after that
-	 * booking, so back-to-back decisions are exact and deterministic (simulation, tests). */
+	/* Admission booking.  false (default): kvr_route and the lifecycle calls post their work to
+	 * the rank's shard and return without waiting; the request's load is visible at once, its
+	 * blocks in the predicted cache and the index microseconds later (as with engine KV
+	 * events).  true: every call returns only after its shard applied it, so back-to-back
+	 * decisions are exact and deterministic (simulation, tests). */
 	bool sync_booking;
 	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
 	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
@@ -340,11 +340,20 @@ struct kvr_decision {
  * Routes one request: hashes it, finds which ranks hold its prefix, scores every candidate by
  * overlap and load, picks one and admits the request there (lease, LRU, load, index).
  * Returns 0 (see d->status), KVR_EINVAL (bad request), KVR_ENOENT (no eligible rank: none
- * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full), KVR_ETIMEDOUT (KVR_ROUTE_WAIT
- * deadline), KVR_ENOMEM, KVR_ERANGE (the router's 2^46 attempt ids are used up),
- * KVR_ESHUTDOWN.
- * Context: any thread, concurrently.  Lock-free until admission, which is one round trip to the
- * chosen rank's shard.
+ * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full; or the chosen rank's shard lane
+ * stayed full for 10 ms: the router is overloaded, nothing was admitted; or over 2^20 attempts
+ * are live), KVR_ETIMEDOUT (KVR_ROUTE_WAIT deadline), KVR_ENOMEM, KVR_ERANGE (the router's
+ * 2^46 attempt ids are used up), KVR_ESHUTDOWN.
+ * Context: any thread, concurrently.  The whole call runs on the caller's thread and never
+ * waits for a shard (unless sync_booking): the attempt id is minted lock-free, the request's
+ * load is added to the rank's published load at once (the very next decision on any thread
+ * sees it), and the booking (predicted cache, index writes, exact load) is posted to the rank's
+ * shard.  A full lane is waited on for at most 10 ms (kvr_lane_full_waits_total counts the
+ * waits, kvr_lane_full_drops_total the give-ups).  Because the booking is posted, a decision
+ * taken microseconds later may not see this prompt's blocks yet (it does see its load).  If the
+ * rank is removed between the decision and the booking, the attempt is stale: nothing is
+ * booked and its lifecycle calls return KVR_ESTALE once the rank's shard has seen the booking
+ * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead.
  */
 KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d);
 
@@ -366,7 +375,17 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 
 /* ---------------------------------------------------------------- request lifecycle */
 /* All are idempotent on the request's end: after finish, abort or lease expiry, every call on
- * the attempt returns KVR_ESTALE and changes nothing.  Context: any thread. */
+ * the attempt returns KVR_ESTALE and changes nothing.  Context: any thread, not only the one
+ * that routed.  None waits for a shard: finish and abort claim the attempt (one atomic
+ * compare-and-swap; finish, abort, lease expiry and a rank's reset or removal race through it and
+ * exactly one wins), prefill_done and output mark it alive, so 0 or KVR_ESTALE is known at once;
+ * the work (blocks released, load returned, output blocks predicted) is posted to the rank's
+ * shard and applied after the attempt's booking, even when another thread calls right after
+ * kvr_route returned.  Exceptions that wait: sync_booking (applied before return), and while
+ * requests are queued (finish/abort/prefill_done apply before the queue's admission pass).
+ * A full lane (overload): finish/abort wait for room (they are claimed already);
+ * prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed).  Output may
+ * also return KVR_ENOMEM (copying more than 8 tokens). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);

@@ -48,6 +48,8 @@ int main()
 	kvr_decision a{}, b{};
 	CHECK(kvr_route(r, &req, &a) == KVR_OK && a.status == KVR_DECIDED && a.attempt != 0);
 	CHECK(kvr_request_finish(r, a.attempt) == KVR_OK);
+	// Bookings are posted to the shards (sync_booking off): let them land first.
+	CHECK(kvr_router_sync(r, 5000) == KVR_OK);
 	CHECK(kvr_route(r, &req, &b) == KVR_OK);
 	CHECK(b.rank.worker_id == a.rank.worker_id && b.overlap_blocks == 62);
 	CHECK(kvr_request_output(r, b.attempt, prompt.data(), 40) == KVR_OK);

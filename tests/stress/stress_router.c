@@ -1,7 +1,9 @@
 /*
- * stress_router - many frontend threads routing, streaming output and finishing or aborting,
- * while an admin thread resets and resizes ranks and an engine thread feeds KV events to an
- * events-mode router.  Bounded in time.  At the end every rank's load must be back to zero and
+ * stress_router - many frontend threads routing and streaming output, half of the attempts
+ * finished or aborted by other threads (finishers) right after kvr_route returned, while an
+ * admin thread resets, resizes, removes and re-adds ranks and an engine thread feeds KV events
+ * to an events-mode router.  Routing and lifecycle calls do not wait for the shards
+ * (sync_booking off).  Bounded in time.  At the end every rank's load must be back to zero and
  * no attempt may be live; every attempt must end exactly once (finish/abort returns 0 exactly
  * once, or KVR_ESTALE when a reset ended it first).
  *
@@ -18,12 +20,50 @@
 
 #define RANKS     6
 #define FRONTENDS 3
+#define FINISHERS 2
+
+/* Attempts handed from the frontend that routed them to a finisher thread (a mutex-protected
+ * ring: the test's plumbing, not under test). */
+struct handoff {
+	struct kvr_router *r;
+	uint64_t attempt;
+};
+#define HANDOFF_CAP 1024
+static struct handoff ring[HANDOFF_CAP];
+static size_t ring_head, ring_n;
+static pthread_mutex_t ring_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int frontends_done;
 
 static struct kvr_router *approx, *events;
 static atomic_int stop;
-static atomic_long routed, ended, stale_ends, failures, events_applied;
+static atomic_long routed, ended, stale_ends, failures, events_applied, lane_full;
 /* Per router (0 approx, 1 events): what the frontends saw, to check against its metrics. */
 static atomic_long routed_by[2], ended_by[2];
+
+static int handoff_push(struct kvr_router *r, uint64_t attempt)
+{
+	pthread_mutex_lock(&ring_lock);
+	int ok = ring_n < HANDOFF_CAP;
+	if (ok)
+		ring[(ring_head + ring_n++) % HANDOFF_CAP] = (struct handoff){r, attempt};
+	pthread_mutex_unlock(&ring_lock);
+	return ok;
+}
+
+static int handoff_pop(struct handoff *h)
+{
+	pthread_mutex_lock(&ring_lock);
+	int ok = ring_n > 0;
+	if (ok) {
+		*h = ring[ring_head];
+		ring_head = (ring_head + 1) % HANDOFF_CAP;
+		ring_n--;
+	}
+	pthread_mutex_unlock(&ring_lock);
+	return ok;
+}
+
+static void end_attempt(struct kvr_router *r, uint64_t attempt, uint64_t coin);
 
 static void fail(const char *what, int rc)
 {
@@ -61,7 +101,11 @@ static void *frontend(void *arg)
 		struct kvr_decision d;
 		int rc = kvr_route(r, &q, &d);
 		if (rc == KVR_ENOENT)
-			continue; /* every candidate was being reset at that instant */
+			continue;       /* every candidate was being reset at that instant */
+		if (rc == KVR_EAGAIN) { /* the shard's lane stayed full (overload): documented */
+			atomic_fetch_add(&lane_full, 1);
+			continue;
+		}
 		if (rc) {
 			fail("route", rc);
 			continue;
@@ -69,30 +113,57 @@ static void *frontend(void *arg)
 		atomic_fetch_add(&routed, 1);
 		atomic_fetch_add(&routed_by[r == events], 1);
 		rc = kvr_request_prefill_done(r, d.attempt);
-		if (rc && rc != KVR_ESTALE)
+		if (rc == KVR_EAGAIN)
+			atomic_fetch_add(&lane_full, 1);
+		else if (rc && rc != KVR_ESTALE)
 			fail("prefill_done", rc);
 		int outs = (int)(rnd(&s) % 3);
 		for (int k = 0; k < outs; k++) {
 			for (int i = 0; i < 40; i++)
 				out[i] = (uint32_t)rnd(&s);
 			rc = kvr_request_output(r, d.attempt, out, 1 + rnd(&s) % 40);
-			if (rc && rc != KVR_ESTALE)
+			if (rc == KVR_EAGAIN)
+				atomic_fetch_add(&lane_full, 1);
+			else if (rc && rc != KVR_ESTALE)
 				fail("output", rc);
 		}
-		rc = (rnd(&s) & 1) ? kvr_request_finish(r, d.attempt)
-		                   : kvr_request_abort(r, d.attempt);
-		if (rc == 0) {
-			atomic_fetch_add(&ended, 1);
-			atomic_fetch_add(&ended_by[r == events], 1);
-		} else if (rc == KVR_ESTALE)
-			atomic_fetch_add(&stale_ends, 1);
-		else
-			fail("finish", rc);
-		rc = kvr_request_finish(r, d.attempt);
-		if (rc != KVR_ESTALE)
-			fail("second finish must be stale", rc);
+		/* Half the attempts end on another thread, right after kvr_route returned here. */
+		if ((rnd(&s) & 1) && handoff_push(r, d.attempt))
+			continue;
+		end_attempt(r, d.attempt, rnd(&s));
 	}
 	return NULL;
+}
+
+static void end_attempt(struct kvr_router *r, uint64_t attempt, uint64_t coin)
+{
+	int rc = (coin & 1) ? kvr_request_finish(r, attempt) : kvr_request_abort(r, attempt);
+	if (rc == 0) {
+		atomic_fetch_add(&ended, 1);
+		atomic_fetch_add(&ended_by[r == events], 1);
+	} else if (rc == KVR_ESTALE)
+		atomic_fetch_add(&stale_ends, 1);
+	else
+		fail("finish", rc);
+	rc = kvr_request_finish(r, attempt);
+	if (rc != KVR_ESTALE)
+		fail("second finish must be stale", rc);
+}
+
+static void *finisher(void *arg)
+{
+	uint64_t s = (uint64_t)(uintptr_t)arg * 0x2545f4914f6cdd1dull + 7;
+	struct handoff h;
+	for (;;) {
+		if (handoff_pop(&h)) {
+			end_attempt(h.r, h.attempt, rnd(&s));
+			continue;
+		}
+		if (atomic_load(&frontends_done))
+			return NULL; /* drained after every producer stopped */
+		struct timespec ts = {0, 20000};
+		nanosleep(&ts, NULL);
+	}
 }
 
 static void *admin(void *arg)
@@ -269,23 +340,29 @@ int main(int argc, char **argv)
 		fprintf(stderr, "stress_router: setup failed\n");
 		return 1;
 	}
-	pthread_t th[FRONTENDS + 2];
+	pthread_t th[FRONTENDS + 2], fin[FINISHERS];
 	for (int i = 0; i < FRONTENDS; i++)
 		pthread_create(&th[i], NULL, frontend, (void *)(uintptr_t)(i + 1));
 	pthread_create(&th[FRONTENDS], NULL, admin, NULL);
 	pthread_create(&th[FRONTENDS + 1], NULL, engine, NULL);
+	for (int i = 0; i < FINISHERS; i++)
+		pthread_create(&fin[i], NULL, finisher, (void *)(uintptr_t)(i + 1));
 	struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
 	nanosleep(&ts, NULL);
 	atomic_store(&stop, 1);
 	for (int i = 0; i < FRONTENDS + 2; i++)
 		pthread_join(th[i], NULL);
+	atomic_store(&frontends_done, 1);
+	for (int i = 0; i < FINISHERS; i++)
+		pthread_join(fin[i], NULL);
 	int bad = check_idle(approx, "approx_lru") + check_idle(events, "events");
 	bad += check_counts(approx, 0, "approx_lru") + check_counts(events, 1, "events");
 	bad += check_cache(approx, "approx_lru");
 	long r = atomic_load(&routed), e = atomic_load(&ended), st = atomic_load(&stale_ends);
-	printf(
-	    "stress_router: %ld routed, %ld ended, %ld ended by reset, %ld events, %ld failures\n",
-	    r, e, st, atomic_load(&events_applied), atomic_load(&failures));
+	printf("stress_router: %ld routed, %ld ended, %ld ended by reset, %ld events, %ld calls "
+	       "refused on a full lane, %ld failures\n",
+	       r, e, st, atomic_load(&events_applied), atomic_load(&lane_full),
+	       atomic_load(&failures));
 	kvr_router_destroy(approx);
 	kvr_router_destroy(events);
 	return (bad || atomic_load(&failures) || r == 0) ? 1 : 0;

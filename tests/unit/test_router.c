@@ -955,3 +955,159 @@ Test(router, allow_duplicates_and_prompt_length_bound)
 	cr_assert_eq(kvr_request_finish(r, d2.attempt), 0);
 	kvr_router_destroy(r);
 }
+
+/* ---- issue 11: routing and lifecycle calls that do not wait for the shard ---- */
+#include "core/router_internal.h"
+
+static struct kvr_router *async_router(int n_ranks, uint64_t cap)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = false;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	for (int w = 0; w < n_ranks; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, cap, 0), 0);
+	return r;
+}
+
+static int gate_open;
+static void gate_task(struct kvr_shard *sh, void *payload)
+{
+	(void)sh;
+	(void)payload;
+	while (!__atomic_load_n(&gate_open, __ATOMIC_ACQUIRE)) {
+		struct timespec ts = {0, 100000};
+		nanosleep(&ts, NULL);
+	}
+}
+
+/* Holds the rank's shard busy until gate_open is set. */
+static void close_gate(struct kvr_router *r, uint64_t w)
+{
+	uint32_t slot;
+	cr_assert_eq(kvr_router_find_rank(r, (struct kvr_rank_id){w, 0}, &slot), 0);
+	__atomic_store_n(&gate_open, 0, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_shard_post(kvr_shards_get(r->shards, r->ranks[slot].shard),
+	                            KVR_LANE_ROUTING, gate_task, NULL, 0),
+	             0);
+}
+
+/* The decision, its attempt id, its return code and its load are all there while the shard has
+ * not run anything yet; the next decision sees that load. */
+Test(router, route_and_lifecycle_complete_while_the_shard_is_busy)
+{
+	struct kvr_router *r = async_router(2, 1000);
+	uint32_t t[320];
+	prompt(t, 320, 130);
+	close_gate(r, 0);
+	close_gate(r, 1);
+	struct kvr_decision a = route(r, t, 320, 0);
+	cr_assert_neq(a.attempt, 0);
+	/* rank a is now 320 prefill tokens and 20 blocks busier: an unrelated prompt goes to the
+	 * other rank, decided on the provisional load alone */
+	uint32_t u[320];
+	prompt(u, 320, 131);
+	struct kvr_decision b = route(r, u, 320, 0);
+	cr_assert_neq(b.rank.worker_id, a.rank.worker_id, "the provisional load was seen");
+	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_output(r, a.attempt, t, 20), 0, "heap-copied tokens");
+	cr_assert_eq(kvr_request_output(r, a.attempt, t, 3), 0, "inline tokens");
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, a.attempt), KVR_ESTALE,
+	             "decided on the caller's thread");
+	cr_assert_eq(kvr_request_abort(r, b.attempt), 0);
+	cr_assert_eq(kvr_request_output(r, b.attempt, t, 3), KVR_ESTALE);
+	__atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	for (int w = 0; w < 2; w++) {
+		struct kvr_rank_stats s = stats(r, w);
+		cr_assert_eq(s.active_requests, 0);
+		cr_assert_eq(s.active_blocks, 0);
+		cr_assert_eq(s.active_prefill_tokens, 0);
+		/* booked, then released: cached; a's output (23 tokens, the last without KV)
+		 * completed one more block */
+		cr_assert_eq(s.indexed_blocks, (uint64_t)w == a.rank.worker_id ? 21 : 20);
+	}
+	kvr_router_destroy(r);
+}
+
+/* A finish posted by another thread right after kvr_route returned is applied after the
+ * booking: nothing is left behind, every time. */
+static struct kvr_router *xr;
+static uint64_t handed[256];
+static int n_handed;
+static void *finish_elsewhere(void *arg)
+{
+	(void)arg;
+	for (int i = 0; i < 256; i++) {
+		uint64_t at;
+		while (!(at = __atomic_load_n(&handed[i], __ATOMIC_ACQUIRE)))
+			;
+		cr_assert_eq(kvr_request_finish(xr, at), 0);
+	}
+	return NULL;
+}
+Test(router, finish_from_another_thread_comes_after_the_booking)
+{
+	xr = async_router(3, 100000);
+	pthread_t th;
+	pthread_create(&th, NULL, finish_elsewhere, NULL);
+	uint32_t t[200];
+	for (n_handed = 0; n_handed < 256; n_handed++) {
+		prompt(t, 200, 140 + (uint32_t)n_handed % 5);
+		struct kvr_decision d = route(xr, t, 200, 0);
+		__atomic_store_n(&handed[n_handed], d.attempt, __ATOMIC_RELEASE);
+	}
+	pthread_join(th, NULL);
+	cr_assert_eq(kvr_router_sync(xr, 5000), 0);
+	for (int w = 0; w < 3; w++) {
+		struct kvr_rank_stats s = stats(xr, w);
+		cr_assert_eq(s.active_requests, 0);
+		cr_assert_eq(s.active_blocks, 0);
+		cr_assert_eq(s.active_prefill_tokens, 0);
+		cr_assert_eq(s.indexed_blocks, s.resident_blocks);
+	}
+	kvr_router_destroy(xr);
+}
+
+/* A rank removed between the decision and the booking: the attempt is stale, nothing is left
+ * behind, and the provisional load is taken back. */
+static struct kvr_router *rr;
+static void *remove_rank0(void *arg)
+{
+	(void)arg;
+	cr_assert_eq(kvr_rank_remove(rr, (struct kvr_rank_id){0, 0}), 0);
+	return NULL;
+}
+Test(router, rank_removed_before_the_booking_makes_the_attempt_stale)
+{
+	rr = async_router(1, 1000);
+	uint32_t t[160];
+	prompt(t, 160, 150);
+	uint32_t slot;
+	cr_assert_eq(kvr_router_find_rank(rr, (struct kvr_rank_id){0, 0}, &slot), 0);
+	uint64_t gen = __atomic_load_n(&rr->ranks[slot].gen, __ATOMIC_ACQUIRE);
+	close_gate(rr, 0);
+	struct kvr_decision d = route(rr, t, 160, 0);
+	pthread_t th;
+	pthread_create(&th, NULL, remove_rank0, NULL);
+	while (__atomic_load_n(&rr->ranks[slot].gen, __ATOMIC_ACQUIRE) == gen)
+		; /* the removal has made the slot unroutable and waits for the busy shard */
+	__atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
+	pthread_join(th, NULL);
+	cr_assert_eq(kvr_router_sync(rr, 5000), 0);
+	cr_assert_eq(kvr_request_finish(rr, d.attempt), KVR_ESTALE);
+	cr_assert_eq(kvr_request_output(rr, d.attempt, t, 3), KVR_ESTALE);
+	cr_assert_eq(__atomic_load_n(&rr->ranks[slot].pend_requests, __ATOMIC_RELAXED), 0);
+	cr_assert_eq(__atomic_load_n(&rr->ranks[slot].pend_prefill_tokens, __ATOMIC_RELAXED), 0);
+	cr_assert_eq(kvr_rank_add(rr, (struct kvr_rank_id){0, 0}, 2, 1000, 0), 0);
+	cr_assert_eq(stats(rr, 0).active_requests, 0);
+	cr_assert_eq(route(rr, t, 160, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 0);
+	char buf[1 << 15];
+	size_t len;
+	cr_assert_eq(kvr_metrics_render(rr, buf, sizeof(buf), &len), 0);
+	cr_assert(strstr(buf, "kvr_stale_bookings_total 1"), "counted");
+	kvr_router_destroy(rr);
+}

@@ -1,0 +1,216 @@
+/*
+ * shards/owner.h - the shard side of the router, as core/ sees it: the narrow context shard code
+ * runs with, the per-rank table both sides share, and the operations a rank's shard runs.
+ *
+ * Shard code is handed struct kvr_owner_ctx (index, pinned-block index, metrics, clock, rank
+ * table, lease table and the config values it uses), never the router: shards/ depends on core/'s
+ * lower layer (clock, index, metrics) and on nothing above it.  The files:
+ *   shards/owner_ranks.c     rank lifecycle: create, capacity, reset, destroy, stats; the shard's
+ *                            own start/stop and timers; the load snapshot (publish)
+ *   shards/owner_attempts.c  attempts: booking an admission, prefill/output/finish/abort, the
+ *                            lease reaper
+ *   shards/owner_events.c    KV events (events mode)
+ *
+ * Who owns what (ARCHITECTURE.md):
+ *  - struct kvr_rank_pub, one per index slot: identity fields are written by the admin path
+ *    (under the router's admin lock) before the slot is published live; the load snapshot is
+ *    written only by the rank's shard (relaxed atomics: single writer); the provisional load is
+ *    added by routing threads and taken back by the shard when it books (atomic RMW).  Any
+ *    thread reads them.
+ *  - struct kvr_rank_owned (pub->own) and the shard's attempt records: only the rank's shard.
+ * Attempt ids: (lease sequence << 16) | slot (shards/lease.h), so any thread finds an attempt's
+ * rank, shard and lease word with no lookup; ids are never reused.
+ */
+#ifndef KVR_SHARDS_OWNER_H
+#define KVR_SHARDS_OWNER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/clock.h"
+#include "core/index.h"
+#include "core/metrics.h"
+#include "kvrouter.h"
+#include "shards/lease.h"
+#include "shards/runtime.h"
+
+#define KVR_SLOT_BITS KVR_LEASE_TAG_BITS
+#define KVR_SLOT_MASK KVR_LEASE_TAG_MASK
+
+static inline uint32_t kvr_attempt_slot(uint64_t attempt)
+{
+	return (uint32_t)(attempt & KVR_SLOT_MASK);
+}
+
+struct kvr_rank_owned;
+
+struct kvr_rank_pub {
+	/* Identity: written by the admin path while the slot is not live. */
+	uint64_t worker_id;
+	uint32_t dp_rank;
+	uint32_t shard;
+	uint32_t max_batched_tokens;
+	/* Bumped (release) when the slot is added and when it is removed: a booking taken on an
+	 * older generation is stale.  Ordering: acquire in route and in the booking. */
+	uint64_t gen;
+	uint32_t live; /* 1 while added (atomic) */
+	/* Load snapshot: written by the owner shard, read anywhere (relaxed). */
+	uint64_t incarnation;
+	uint64_t active_blocks;
+	uint64_t prefill_tokens;
+	uint64_t active_requests;
+	uint64_t resident_blocks;
+	uint64_t capacity;
+	/* Shard-thread only. */
+	struct kvr_rank_owned *own;
+	/* Provisional load of admissions posted but not booked yet: a routing thread adds its
+	 * request here (atomic add) before it posts the booking, the shard subtracts the same
+	 * amounts after it has published the booked snapshot, so a reader summing snapshot +
+	 * provisional may count a request twice for an instant, never miss it.  Own cache line:
+	 * routing threads write it.  Ordering: relaxed RMW (one location each; coherence gives
+	 * "the very next decision sees it"). */
+	_Alignas(64) uint64_t pend_prefill_tokens;
+	uint64_t pend_requests;
+	uint64_t pend_blocks;
+} __attribute__((aligned(64)));
+
+/* Prefill tokens, active requests and decode blocks of a rank: snapshot + provisional.
+ * Context: any thread. */
+static inline uint64_t kvr_rank_pub_prefill(const struct kvr_rank_pub *p)
+{
+	return __atomic_load_n(&p->prefill_tokens, __ATOMIC_RELAXED) +
+	       __atomic_load_n(&p->pend_prefill_tokens, __ATOMIC_RELAXED);
+}
+static inline uint64_t kvr_rank_pub_blocks(const struct kvr_rank_pub *p)
+{
+	return __atomic_load_n(&p->active_blocks, __ATOMIC_RELAXED) +
+	       __atomic_load_n(&p->pend_blocks, __ATOMIC_RELAXED);
+}
+
+/* What shard code may use.  Filled once at router creation; read-only afterwards. */
+struct kvr_owner_ctx {
+	/* configuration values */
+	uint32_t block_size;
+	uint32_t max_ranks;
+	enum kvr_mode mode;
+	uint64_t ttl_ns;
+	uint64_t lease_scan_interval_ns;
+	uint64_t expected_prefill_ns;
+	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
+	                     uint64_t got);
+	void *callback_ctx;
+	/* shared objects */
+	struct kvr_clock clock;
+	struct kvr_index *index;     /* cached blocks per rank */
+	struct kvr_index *pinned;    /* blocks pinned by live attempts per rank (approx modes) */
+	struct kvr_metrics *metrics; /* per-thread blocks */
+	struct kvr_rank_pub *ranks;  /* [max_ranks] */
+	struct kvr_leases *leases;   /* the router's attempt leases */
+};
+
+/* An admission, as the caller describes it (borrowed for kvr_owner_attempt_new). */
+struct kvr_admit_args {
+	uint32_t slot;
+	uint64_t gen;
+	uint64_t attempt;            /* minted by the caller (kvr_lease_mint) */
+	const uint64_t *local, *seq; /* the prompt's complete blocks */
+	size_t n;
+	uint64_t prompt_tokens;
+	const uint32_t *tail; /* the prompt's partial last block (tokens), may be NULL */
+	uint32_t tail_n;
+	bool chain_known; /* the tail tokens are known, so output blocks can be hashed */
+	uint64_t lora_seed;
+	uint32_t overlap;
+	/* provisional load the caller added to the rank (taken back at the booking) */
+	uint64_t pend_prefill_tokens;
+	uint64_t pend_blocks;
+};
+
+struct kvr_attempt; /* the shard's record of an attempt (shards/owner_attempts.c) */
+
+/*
+ * Builds the record of an admission (copies the prompt's hashes and tail).  Returns NULL when
+ * out of memory.  Context: any thread (touches no shard state).  The record goes to the rank's
+ * shard with kvr_owner_book_task / kvr_owner_book_call, or back with kvr_owner_attempt_free.
+ */
+struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
+                                          const struct kvr_admit_args *a);
+void kvr_owner_attempt_free(struct kvr_attempt *rec);
+
+/*
+ * Books an admission on its rank's shard: the attempt's record, the predicted cache (acquire),
+ * the index writes, the load; then publishes the snapshot and takes back the provisional load.
+ * A rank removed (generation changed) since the decision makes the attempt stale: its lease is
+ * claimed and released, nothing is booked.  The task takes a struct kvr_attempt * payload and
+ * owns the record from then on; the call takes the record as arg and returns 0, KVR_ENOENT
+ * (stale), KVR_ENOMEM.  Context: the rank's shard thread (routing lane).
+ */
+void kvr_owner_book_task(struct kvr_shard *sh, void *payload);
+int kvr_owner_book_call(struct kvr_shard *sh, void *rec);
+
+enum kvr_progress_op {
+	KVR_OP_PREFILL_DONE,
+	KVR_OP_OUTPUT,
+	KVR_OP_FINISH, /* the caller claimed the lease */
+	KVR_OP_ABORT,  /* the caller claimed the lease */
+};
+
+/* Inline output tokens in a posted message; more go through a heap copy. */
+#define KVR_PROGRESS_INLINE 8
+
+/* A lifecycle message (exactly one lane payload). */
+struct kvr_progress_msg {
+	uint64_t attempt;
+	int32_t op; /* enum kvr_progress_op */
+	uint32_t n_tokens;
+	union {
+		uint32_t inl[KVR_PROGRESS_INLINE];
+		uint32_t *heap; /* kvr_alloc'd copy, freed by the shard (task form only) */
+		const uint32_t *borrowed; /* call form */
+	} tok;
+};
+_Static_assert(sizeof(struct kvr_progress_msg) <= KVR_SHARD_PAYLOAD, "one lane payload");
+
+/* Applies a lifecycle message on the attempt's shard.  An attempt the shard does not hold (it
+ * ended, or its booking was stale) is a no-op.  The task form frees a heap token copy; the call
+ * form (msg borrowed, tokens in tok.borrowed) returns 0, KVR_ESTALE (not held here) or
+ * KVR_ENOMEM (output).  Context: the attempt's shard thread (routing lane). */
+void kvr_owner_progress_task(struct kvr_shard *sh, void *payload);
+int kvr_owner_progress_call(struct kvr_shard *sh, void *msg);
+
+/* Arguments of the synchronous rank operations. */
+struct kvr_rank_args {
+	uint64_t worker_id; /* create */
+	uint32_t dp_rank;
+	uint32_t max_batched_tokens;
+	uint32_t slot; /* create: out; others: in */
+	uint64_t gen;
+	uint64_t incarnation;
+	uint64_t capacity;
+	struct kvr_rank_stats *stats;
+	uint64_t *blocks; /* kvr_owner_rank_blocks: out, cap in / count out */
+	size_t cap, n;
+};
+
+struct kvr_event_args {
+	uint32_t slot;
+	uint64_t gen;
+	const struct kvr_event *ev;
+	const uint64_t *local; /* stored: local hash per block (computed by the caller) */
+	bool rank_only;        /* cleared: this rank only, not every dp rank of its worker */
+};
+
+/* Synchronous calls on the slot's shard (Context: that shard thread, outside any RCU read
+ * section), reached with kvr_shard_call. */
+int kvr_owner_rank_create(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_rank_destroy(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_rank_capacity(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_rank_reset(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_rank_stats(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_rank_blocks(struct kvr_shard *sh, void *rank_args);
+int kvr_owner_event(struct kvr_shard *sh, void *event_args);
+/* Shard thread start/stop hooks (ctx: struct kvr_owner_ctx *). */
+void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx);
+void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx);
+
+#endif /* KVR_SHARDS_OWNER_H */

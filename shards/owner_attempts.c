@@ -1,0 +1,408 @@
+/*
+ * shards/owner_attempts.c - request attempts on their rank's shard: the booking of an admission,
+ * prefill done, output, finish and abort, and the lease reaper.
+ *
+ * Nobody waits for this file.  kvr_route mints the attempt's lease on the caller's thread
+ * (shards/lease.h), adds the request to the rank's provisional load (struct kvr_rank_pub), builds
+ * the record (kvr_owner_attempt_new) and POSTS it to the rank's shard on the routing lane; the
+ * lifecycle calls claim or touch the lease on the caller's thread and post the rest.  Here, in
+ * lane order, the shard:
+ *  - books: record -> the shard's map, the predicted cache acquire (hits, new copies,
+ *    evictions) with its index writes, the exact load; then publishes the snapshot and takes the
+ *    provisional load back (in that order, so a reader may count the request twice for an
+ *    instant, never zero times);
+ *  - applies prefill done / output / finish / abort to a booked attempt; a message for an
+ *    attempt this shard does not hold (ended, stale, or sent to a slot's new shard) is a no-op;
+ *  - ends every attempt of a rank that is reset or removed (claiming each lease if nobody has),
+ *  - runs the CLOCK reaper over its booked attempts every lease_scan_interval_ns: TOUCHED ->
+ *    QUIET, QUIET -> expired; a lease some caller claimed but whose message never came (a full
+ *    lane) is cleaned up by the same pass, so no claim is ever lost.
+ * Ordering: a lane is FIFO across producers (sync/ring.h: a post that completed before another
+ * began is consumed first), so a finish posted by any thread after kvr_route returned is applied
+ * after that attempt's booking.
+ * A rank removed between the decision and the booking makes the booking stale (generation
+ * check): the lease is claimed (if nobody has) and released, nothing is booked, and the
+ * attempt's later calls return KVR_ESTALE.
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/hash.h"
+#include "core/probes.h"
+#include "shards/load.h"
+#include "shards/owner_internal.h"
+#include "shards/rank_state.h"
+
+/* ---------------------------------------------------------------- records */
+
+struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
+                                          const struct kvr_admit_args *a)
+{
+	uint32_t bs = c->block_size;
+	size_t size = kvr_attempt_blocks_off(bs) + a->n * sizeof(struct kvr_lru_block);
+	struct kvr_attempt *rec = kvr_alloc(size);
+	if (!rec)
+		return NULL;
+	memset(rec, 0, sizeof(*rec));
+	rec->size = size;
+	rec->attempt = a->attempt;
+	rec->gen = a->gen;
+	rec->slot = a->slot;
+	rec->n_blocks = (uint32_t)a->n;
+	rec->n_prompt = (uint32_t)a->n;
+	rec->prompt_tokens = a->prompt_tokens;
+	rec->overlap = a->overlap;
+	rec->has_last = a->n > 0;
+	rec->last_seq = a->n > 0 ? a->seq[a->n - 1] : 0;
+	rec->lora_seed = a->lora_seed;
+	rec->chain_known = a->chain_known;
+	rec->in_prefill = true;
+	rec->pend_prefill_tokens = a->pend_prefill_tokens;
+	rec->pend_blocks = a->pend_blocks;
+	rec->tail_n = a->chain_known ? a->tail_n : 0;
+	if (rec->tail_n)
+		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
+	struct kvr_lru_block *b = kvr_attempt_blocks(rec, bs);
+	for (size_t i = 0; i < a->n; i++)
+		b[i] = (struct kvr_lru_block){.local = a->local[i], .seq = a->seq[i]};
+	return rec;
+}
+
+void kvr_owner_attempt_free(struct kvr_attempt *rec)
+{
+	if (rec)
+		kvr_free(rec, rec->size);
+}
+
+/* Takes the attempt's provisional load back from its rank (after the booked snapshot is out).
+ * Ordering: relaxed RMW, like the caller's add (core/route.c). */
+static void unprovision(const struct kvr_owner_ctx *c, struct kvr_attempt *rec)
+{
+	struct kvr_rank_pub *pub = &c->ranks[rec->slot];
+	__atomic_fetch_sub(&pub->pend_prefill_tokens, rec->pend_prefill_tokens, __ATOMIC_RELAXED);
+	__atomic_fetch_sub(&pub->pend_requests, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_sub(&pub->pend_blocks, rec->pend_blocks, __ATOMIC_RELAXED);
+	rec->pend_prefill_tokens = rec->pend_blocks = 0;
+}
+
+static int track(struct kvr_shard_state *ss, struct kvr_attempt *rec)
+{
+	if (kvr_u64map_reserve(&ss->by_id, 1) ||
+	    kvr_owner_grow((void **)&ss->recs, &ss->recs_cap, ss->n_recs + 1, sizeof(*ss->recs)))
+		return KVR_ENOMEM;
+	rec->idx = (uint32_t)ss->n_recs;
+	ss->recs[ss->n_recs++] = rec;
+	kvr_u64map_insert(&ss->by_id, rec->attempt, rec->idx);
+	return 0;
+}
+
+static void untrack(struct kvr_shard_state *ss, struct kvr_attempt *rec)
+{
+	kvr_u64map_remove(&ss->by_id, rec->attempt);
+	struct kvr_attempt *last = ss->recs[--ss->n_recs];
+	if (last != rec) {
+		last->idx = rec->idx;
+		ss->recs[rec->idx] = last;
+		*kvr_u64map_find(&ss->by_id, last->attempt) = last->idx;
+	}
+}
+
+static struct kvr_attempt *find(struct kvr_shard_state *ss, uint64_t attempt)
+{
+	uint32_t *i = kvr_u64map_find(&ss->by_id, attempt);
+	return i ? ss->recs[*i] : NULL;
+}
+
+void kvr_owner_attempts_fini(struct kvr_shard_state *ss)
+{
+	kvr_u64map_fini(&ss->by_id);
+	kvr_free(ss->recs, ss->recs_cap * sizeof(*ss->recs));
+	ss->recs = NULL;
+	ss->n_recs = ss->recs_cap = 0;
+}
+
+static void unlink_rec(struct kvr_rank_owned *own, struct kvr_attempt *rec)
+{
+	if (rec->prev)
+		rec->prev->next = rec->next;
+	else
+		own->attempts = rec->next;
+	if (rec->next)
+		rec->next->prev = rec->prev;
+}
+
+/* Ends a claimed attempt: releases its blocks (unless the rank's state is being dropped), its
+ * load, its record and, last, its lease word (so the id is stale from then on). */
+static void end_attempt(struct kvr_shard *sh, struct kvr_attempt *rec, bool release_blocks)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_owned *own = c->ranks[rec->slot].own;
+	if (release_blocks && own->rs && rec->booked && rec->incarnation == own->incarnation &&
+	    kvr_rank_state_release(own->rs, own->incarnation, rec->attempt, &ss->out) == 0)
+		kvr_owner_apply_removals(ss, own, &ss->out);
+	kvr_load_finish(own->load, rec->attempt);
+	unlink_rec(own, rec);
+	kvr_owner_publish(ss, own);
+	untrack(ss, rec);
+	kvr_lease_release(c->leases, rec->attempt);
+	kvr_owner_attempt_free(rec);
+}
+
+void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
+{
+	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
+	while (own->attempts) {
+		struct kvr_attempt *rec = own->attempts;
+		kvr_lease_claim(c->leases, rec->attempt); /* lost if a caller claimed first: fine */
+		end_attempt(sh, rec, false);
+	}
+}
+
+/* ---------------------------------------------------------------- booking */
+
+/* A booking that cannot be made: the attempt is stale (its lease claimed if nobody has, then
+ * released) and its provisional load goes back. */
+static void drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
+{
+	const struct kvr_owner_ctx *c = ss->c;
+	kvr_lease_claim(c->leases, rec->attempt);
+	kvr_lease_release(c->leases, rec->attempt);
+	unprovision(c, rec);
+	kvr_owner_attempt_free(rec);
+}
+
+static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
+{
+	kvr_owner_retry_timers(sh);
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_owned *own = kvr_owner_rank(c, rec->slot, rec->gen);
+	if (!own) {
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_STALE_BOOKINGS, 1);
+		drop_booking(ss, rec);
+		return KVR_ENOENT;
+	}
+	uint32_t bs = c->block_size;
+	size_t n = rec->n_prompt;
+	if (track(ss, rec) ||
+	    kvr_owner_grow((void **)&ss->seq, &ss->seq_cap, 2 * (n ? n : 1), sizeof(*ss->seq))) {
+		if (ss->n_recs && ss->recs[ss->n_recs - 1] == rec)
+			untrack(ss, rec);
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
+		drop_booking(ss, rec);
+		return KVR_ENOMEM;
+	}
+	rec->incarnation = own->incarnation;
+	rec->next = own->attempts;
+	if (own->attempts)
+		own->attempts->prev = rec;
+	own->attempts = rec;
+	struct kvr_lru_block *b = kvr_attempt_blocks(rec, bs);
+	uint64_t now = kvr_owner_now(c);
+	uint64_t *local = ss->seq, *seq = ss->seq + n;
+	for (size_t i = 0; i < n; i++) {
+		local[i] = b[i].local;
+		seq[i] = b[i].seq;
+	}
+	if (own->rs) {
+		uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
+		if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n, priv, now,
+		                           &ss->out) == 0) {
+			rec->booked = true;
+			kvr_owner_apply_removals(ss, own, &ss->out);
+			kvr_owner_store_runs(ss, own, NULL, local, seq, &ss->out);
+			kvr_owner_arm_ttl(sh, own);
+		}
+	}
+	uint64_t cached = (uint64_t)rec->overlap * bs;
+	kvr_load_add(own->load, rec->attempt, seq, n,
+	             rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now);
+	kvr_owner_publish(ss, own);
+	unprovision(c, rec);
+	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);
+	return 0;
+}
+
+void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
+{
+	struct kvr_attempt *rec;
+	memcpy(&rec, payload, sizeof(rec));
+	book(sh, rec);
+}
+
+int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
+{
+	return book(sh, rec);
+}
+
+/* ---------------------------------------------------------------- lifecycle */
+
+static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const uint64_t *seq,
+                      size_t n)
+{
+	if (kvr_owner_grow((void **)&ss->lb, &ss->lb_cap, n ? n : 1, sizeof(*ss->lb)))
+		return KVR_ENOMEM;
+	for (size_t i = 0; i < n; i++)
+		ss->lb[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
+	return 0;
+}
+
+/* Output tokens: complete blocks are hashed (chained after the last one), materialized in the
+ * predicted cache and stored in the index.  vLLM computes a token's KV only when it feeds the
+ * token back to sample the next one, so the last token reported so far has no KV yet: it is held
+ * back (rec->pending) and joins the tail when a later token arrives.  A block therefore counts
+ * as cached once a token after it has been reported; at finish or abort the held token is
+ * dropped, so a block only the final token would complete is never predicted, and the tail
+ * (computed tokens only) keeps the private block vLLM holds for it: after P prompt and O output
+ * tokens the rank holds ceil((P+O-1)/B) blocks and caches floor((P+O-1)/B), as vLLM does. */
+static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_attempt *rec,
+                  const uint32_t *tok, size_t n)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	uint32_t bs = c->block_size;
+	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation)
+		return 0; /* tracked for liveness only */
+	/* Computed now: the held-back token, then all new tokens but the last, which is held. */
+	bool held = n > 0 && rec->has_pending;
+	bool hold = n > 0;
+	uint32_t next_pending = hold ? tok[n - 1] : 0;
+	n -= hold ? 1 : 0;
+	size_t max_blocks = (rec->tail_n + n + (held ? 1 : 0)) / bs;
+	if (kvr_owner_grow((void **)&ss->seq, &ss->seq_cap, 2 * (max_blocks ? max_blocks : 1),
+	                   sizeof(*ss->seq)))
+		return KVR_ENOMEM;
+	uint64_t *local = ss->seq, *seq = ss->seq + max_blocks;
+	size_t nb = 0;
+	uint64_t parent = rec->last_seq;
+	bool has_parent = rec->has_last;
+	while (held || n > 0) {
+		if (held) {
+			rec->tail[rec->tail_n++] = rec->pending;
+			held = false;
+		} else {
+			uint32_t take = bs - rec->tail_n;
+			if (take > n)
+				take = (uint32_t)n;
+			memcpy(rec->tail + rec->tail_n, tok, take * sizeof(uint32_t));
+			rec->tail_n += take;
+			tok += take;
+			n -= take;
+		}
+		if (rec->tail_n == bs) {
+			const uint64_t *par = nb ? &seq[nb - 1] : (has_parent ? &parent : NULL);
+			kvr_hash_chain_tokens(par, rec->tail, 1, bs, rec->lora_seed, &local[nb],
+			                      &seq[nb]);
+			nb++;
+			rec->tail_n = 0;
+		}
+	}
+	if (hold) {
+		rec->pending = next_pending;
+		rec->has_pending = true;
+	}
+	uint32_t priv = rec->tail_n > 0 ? 1 : 0;
+	int rc = lru_blocks(ss, local, seq, nb);
+	if (rc == 0)
+		rc = kvr_rank_state_materialize(own->rs, own->incarnation, rec->attempt, parent,
+		                                ss->lb, nb, rec->n_blocks, priv, kvr_owner_now(c),
+		                                &ss->out);
+	if (rc == KVR_ENOENT) {
+		rec->booked = false; /* the predicted cache no longer knows it: load only */
+		return 0;
+	}
+	if (rc)
+		return rc;
+	kvr_owner_apply_removals(ss, own, &ss->out);
+	if (nb) {
+		kvr_owner_store_runs(ss, own, has_parent ? &parent : NULL, local, seq, &ss->out);
+		kvr_load_add_output(own->load, rec->attempt, seq, nb);
+		rec->last_seq = seq[nb - 1];
+		rec->has_last = true;
+		rec->n_blocks += (uint32_t)nb;
+	}
+	kvr_owner_arm_ttl(sh, own);
+	return 0;
+}
+
+static int progress(struct kvr_shard *sh, const struct kvr_progress_msg *m, const uint32_t *tok)
+{
+	kvr_owner_retry_timers(sh);
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_attempt *rec = find(ss, m->attempt);
+	if (!rec)
+		return KVR_ESTALE; /* ended, expired, stale booking, or not this shard's */
+	struct kvr_rank_owned *own = c->ranks[rec->slot].own;
+	int rc = 0;
+	switch (m->op) {
+	case KVR_OP_PREFILL_DONE:
+		if (rec->in_prefill) {
+			rec->in_prefill = false;
+			kvr_load_prefill_done(own->load, m->attempt);
+			kvr_owner_publish(ss, own);
+		}
+		return 0;
+	case KVR_OP_OUTPUT:
+		if (rec->in_prefill) { /* output implies the prefill is done */
+			rec->in_prefill = false;
+			kvr_load_prefill_done(own->load, m->attempt);
+		}
+		rc = output(sh, own, rec, tok, m->n_tokens);
+		kvr_owner_publish(ss, own);
+		if (rc)
+			kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
+		return rc;
+	case KVR_OP_FINISH:
+	case KVR_OP_ABORT:
+		end_attempt(sh, rec, true); /* the caller claimed the lease */
+		return 0;
+	default:
+		return KVR_EINVAL;
+	}
+}
+
+void kvr_owner_progress_task(struct kvr_shard *sh, void *payload)
+{
+	struct kvr_progress_msg m;
+	memcpy(&m, payload, sizeof(m));
+	bool heap = m.op == KVR_OP_OUTPUT && m.n_tokens > KVR_PROGRESS_INLINE;
+	progress(sh, &m, heap ? m.tok.heap : m.tok.inl);
+	if (heap)
+		kvr_free(m.tok.heap, m.n_tokens * sizeof(uint32_t));
+}
+
+int kvr_owner_progress_call(struct kvr_shard *sh, void *msg)
+{
+	const struct kvr_progress_msg *m = msg;
+	return progress(sh, m, m->tok.borrowed);
+}
+
+/* ---------------------------------------------------------------- reaper */
+
+/* One CLOCK step over the shard's booked attempts (walked from the end: ending one moves the
+ * last into its place). */
+void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	for (size_t i = ss->n_recs; i-- > 0;) {
+		if (i >= ss->n_recs)
+			continue;
+		struct kvr_attempt *rec = ss->recs[i];
+		int st = kvr_lease_age(c->leases, rec->attempt);
+		if (st == KVR_LEASE_CLAIMED) {
+			KVR_PROBE2(lease_expire, rec->slot, rec->attempt);
+			kvr_metrics_add(kvr_owner_mb(c), KVR_C_LEASE_EXPIRIES, 1);
+			end_attempt(sh, rec, true);
+		} else if (st == 0) {
+			/* A caller claimed it and its finish/abort message has not come (still
+			 * queued, or given up on a full lane): end it now; the message, if it
+			 * comes, finds nothing. */
+			end_attempt(sh, rec, true);
+		}
+	}
+	kvr_owner_rearm_reaper(sh);
+}

@@ -1,0 +1,125 @@
+/*
+ * shards/owner_internal.h - what the three owner files (ranks, attempts, events) share: the
+ * per-rank and per-shard state and the helpers that keep the index and the load snapshot in step
+ * with them.  Context (everything here): the shard thread that owns the state.
+ */
+#ifndef KVR_SHARDS_OWNER_INTERNAL_H
+#define KVR_SHARDS_OWNER_INTERNAL_H
+
+#include "shards/lru.h"
+#include "shards/owner.h"
+#include "shards/u64map.h"
+
+struct kvr_attempt {
+	uint64_t attempt;
+	uint64_t gen;         /* the rank generation the decision saw */
+	uint64_t incarnation; /* the rank's incarnation at the booking */
+	uint64_t last_seq;    /* sequence hash of the last complete block (prompt, then output) */
+	uint64_t lora_seed;
+	uint64_t pend_prefill_tokens, pend_blocks; /* provisional load to take back at booking */
+	uint32_t slot;
+	uint32_t idx;      /* position in the shard's attempt array */
+	uint32_t n_blocks; /* complete blocks so far */
+	uint32_t n_prompt; /* complete blocks of the prompt (after tail[]) */
+	uint32_t tail_n;   /* tokens of the partial block (KV computed) */
+	uint32_t pending;  /* the last output token reported: no KV until a later one comes */
+	uint32_t overlap;  /* predicted cached prefix at the decision */
+	uint32_t pinned_n; /* leading prompt blocks stored in the pinned index for it */
+	uint64_t prompt_tokens;
+	size_t size; /* bytes allocated for this record */
+	bool has_last;
+	bool has_pending;
+	bool booked; /* the predicted cache holds a lease for it (booking did not fail) */
+	bool chain_known;
+	bool in_prefill;
+	struct kvr_attempt *prev, *next; /* the rank's live attempts */
+	uint32_t tail[];                 /* block_size tokens, then the prompt's blocks */
+};
+
+struct kvr_rank_owned {
+	struct kvr_rank_state *rs; /* NULL in events mode */
+	struct kvr_load *load;
+	uint64_t incarnation;
+	uint64_t capacity;
+	uint64_t last_event_id;
+	bool have_event;
+	uint64_t gaps;
+	uint64_t evictions;
+	struct kvr_attempt *attempts;
+	uint64_t ttl_timer;
+	uint64_t ttl_deadline; /* UINT64_MAX: no timer armed */
+	uint32_t slot;
+	struct kvr_rank_owned *prev, *next; /* the shard's ranks */
+};
+
+struct kvr_shard_state {
+	const struct kvr_owner_ctx *c;
+	/* live attempts booked here: attempt id -> index in recs[] (dense, swap-removed) */
+	struct kvr_u64map by_id;
+	struct kvr_attempt **recs;
+	size_t n_recs, recs_cap;
+	struct kvr_lru_out out;
+	struct kvr_index_block *blk;
+	size_t blk_cap;
+	struct kvr_lru_block *lb;
+	size_t lb_cap;
+	uint64_t *seq;
+	size_t seq_cap;
+	struct kvr_rank_owned *ranks; /* every rank this shard owns */
+	bool reaper_armed;            /* the lease reaper's timer is pending */
+	bool timers_broken;           /* a timer could not be armed: retry on the next call */
+};
+
+static inline struct kvr_shard_state *kvr_owner_state(struct kvr_shard *sh)
+{
+	return kvr_shard_userdata(sh);
+}
+
+static inline uint64_t kvr_owner_now(const struct kvr_owner_ctx *c)
+{
+	return kvr_clock_now(&c->clock);
+}
+
+static inline struct kvr_metrics_block *kvr_owner_mb(const struct kvr_owner_ctx *c)
+{
+	return kvr_metrics_local(c->metrics);
+}
+
+/* The prompt's blocks are stored after the tail tokens, 16-byte aligned. */
+static inline size_t kvr_attempt_blocks_off(uint32_t bs)
+{
+	return sizeof(struct kvr_attempt) + (((size_t)bs * sizeof(uint32_t) + 15) & ~(size_t)15);
+}
+
+static inline struct kvr_lru_block *kvr_attempt_blocks(struct kvr_attempt *rec, uint32_t bs)
+{
+	return (struct kvr_lru_block *)(void *)((char *)rec + kvr_attempt_blocks_off(bs));
+}
+
+/* shards/owner_ranks.c */
+int kvr_owner_grow(void **buf, size_t *cap, size_t need, size_t elem);
+void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own);
+void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                              const struct kvr_lru_out *out);
+int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                        const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                        size_t p0, size_t n);
+void kvr_owner_store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                          const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                          const struct kvr_lru_out *out);
+void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own);
+void kvr_owner_retry_timers(struct kvr_shard *sh);
+/* The lease reaper has run: its next scan one interval from now. */
+void kvr_owner_rearm_reaper(struct kvr_shard *sh);
+/* The rank's owned state if the slot still holds generation gen, else NULL. */
+struct kvr_rank_owned *kvr_owner_rank(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t gen);
+
+/* shards/owner_attempts.c */
+/* Claims (if nobody has) and ends every live attempt of the rank, blocks not released. */
+void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own);
+/* The reaper's timer callback: one CLOCK step over the shard's attempts. */
+void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg);
+/* Frees the shard's attempt map (shard stop; the ranks are gone). */
+void kvr_owner_attempts_fini(struct kvr_shard_state *ss);
+
+#endif /* KVR_SHARDS_OWNER_INTERNAL_H */

@@ -1,0 +1,466 @@
+/*
+ * shards/owner_ranks.c - a rank's life on its shard: create, capacity, reset, destroy, stats; the
+ * shard's own start and stop; the helpers that keep the index and the load snapshot in step with
+ * the rank's state (publish, apply_removals, store_run) and its timers (TTL expiry, the lease
+ * reaper).
+ *
+ * Per rank (struct kvr_rank_owned): the predicted cache (shards/rank_state: the capacity-bounded
+ * LRU, or TTL retention), the active load (shards/load), the KV event cursor and the rank's live
+ * attempts.  Per shard (struct kvr_shard_state): the attempts booked here, scratch buffers.
+ *
+ * Index writes: the rank's shard is the only writer of the rank's index entries.  The LRU and
+ * TTL report what became present (stored runs: ranges of the command's input blocks) and what
+ * went (evicted runs); the index gets the evictions first, then each stored range as one chain
+ * run below the block before it (held, so the index accepts the run; re-storing held blocks is a
+ * no-op).  If the parent was evicted by an unusual copy order, the whole prompt chain is stored
+ * from the root instead, which is always valid because every block of the prompt is resident.
+ *
+ * After every change the rank's load snapshot (struct kvr_rank_pub) is republished with relaxed
+ * stores, which is what routing threads read.
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/probes.h"
+#include "shards/load.h"
+#include "shards/owner_internal.h"
+#include "shards/rank_state.h"
+#include "shards/ttl.h"
+
+int kvr_owner_grow(void **buf, size_t *cap, size_t need, size_t elem)
+{
+	if (need <= *cap)
+		return 0;
+	size_t nc = *cap ? *cap : 64;
+	while (nc < need)
+		nc *= 2;
+	void *p = kvr_realloc(*buf, *cap * elem, nc * elem);
+	if (!p)
+		return KVR_ENOMEM;
+	*buf = p;
+	*cap = nc;
+	return 0;
+}
+
+/* Republishes the rank's load snapshot.  Ordering: relaxed stores; single writer. */
+void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own)
+{
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_pub *pub = &c->ranks[own->slot];
+	struct kvr_load_stats st;
+	kvr_load_stats(own->load, &st);
+	uint64_t resident = 0;
+	const struct kvr_lru *lru = own->rs ? kvr_rank_state_lru(own->rs) : NULL;
+	if (lru) {
+		struct kvr_lru_stats ls;
+		kvr_lru_stats(lru, &ls);
+		resident = ls.hashes;
+	} else {
+		resident = kvr_index_tree_size(c->index, own->slot);
+	}
+	__atomic_store_n(&pub->active_blocks, st.active_blocks, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->prefill_tokens, kvr_load_prefill_tokens(own->load, kvr_owner_now(c)),
+	                 __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->active_requests, st.active_requests, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->resident_blocks, resident, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->incarnation, own->incarnation, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->capacity, own->capacity, __ATOMIC_RELAXED);
+}
+
+/* Applies what the predicted cache reported, except stored blocks (the caller knows the chain). */
+void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                              const struct kvr_lru_out *out)
+{
+	const struct kvr_owner_ctx *c = ss->c;
+	if (out->cleared)
+		kvr_index_clear_rank(c->index, own->slot);
+	if (out->n_evicted) {
+		kvr_index_remove(c->index, own->slot, out->evicted_seq, out->n_evicted, NULL);
+		own->evictions += out->n_evicted;
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_EVICTIONS, out->n_evicted);
+		KVR_PROBE2(evict, own->slot, out->n_evicted);
+	}
+}
+
+/* Stores seq/local[p0..n) as one chain below seq[p0-1] (root when p0 == 0 and no parent).
+ * A write that fails (out of memory) leaves the index without blocks the predicted cache holds:
+ * routing then under-estimates that rank's overlap, which is safe, and it is counted
+ * (kvr_shard_errors_total{what="index_write"}), never silent. */
+int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                        const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                        size_t p0, size_t n)
+{
+	if (p0 >= n)
+		return 0;
+	const struct kvr_owner_ctx *c = ss->c;
+	int rc = kvr_owner_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
+	if (rc == 0) {
+		for (size_t i = p0; i < n; i++)
+			ss->blk[i] =
+			    (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
+		const uint64_t *par = p0 > 0 ? &seq[p0 - 1] : parent;
+		rc = kvr_index_store(c->index, own->slot, par, ss->blk + p0, n - p0);
+		if (rc == KVR_ENOENT && p0 > 0 && !parent)
+			rc = kvr_index_store(c->index, own->slot, NULL, ss->blk, n);
+	}
+	if (rc)
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
+	return rc;
+}
+
+/* Stores what the predicted cache reported as stored: ranges of the command's input blocks
+ * (local/seq), each one run below the block before it (or *parent / the root at 0). */
+void kvr_owner_store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
+                          const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                          const struct kvr_lru_out *out)
+{
+	for (size_t k = 0; k < out->n_stored_runs; k++) {
+		const struct kvr_lru_range *g = &out->stored[k];
+		kvr_owner_store_run(ss, own, parent, local, seq, g->first, (size_t)g->first + g->n);
+	}
+}
+
+static void ttl_fire(struct kvr_shard *sh, void *arg);
+
+/* TTL retention: keeps one timer armed at the earliest expiry.  A failed arm (out of memory) is
+ * counted and retried on the shard's next call (kvr_owner_retry_timers). */
+void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own)
+{
+	if (!own->rs || kvr_rank_state_mode(own->rs) != KVR_RANK_TTL)
+		return;
+	uint64_t d = kvr_rank_state_next_deadline(own->rs);
+	if (d == UINT64_MAX || d >= own->ttl_deadline)
+		return;
+	if (own->ttl_deadline != UINT64_MAX)
+		kvr_shard_timer_cancel(sh, own->ttl_timer);
+	if (kvr_shard_timer_add(sh, d, ttl_fire, own, &own->ttl_timer) == 0) {
+		own->ttl_deadline = d;
+	} else {
+		struct kvr_shard_state *ss = kvr_owner_state(sh);
+		own->ttl_deadline = UINT64_MAX;
+		ss->timers_broken = true;
+		kvr_metrics_add(kvr_owner_mb(ss->c), KVR_C_SHARD_TIMER_ERRORS, 1);
+	}
+}
+
+static void ttl_fire(struct kvr_shard *sh, void *arg)
+{
+	struct kvr_rank_owned *own = arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	own->ttl_deadline = UINT64_MAX;
+	if (kvr_rank_state_tick(own->rs, kvr_owner_now(c), &ss->out) == 0) {
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_TTL_EXPIRIES, ss->out.n_evicted);
+		kvr_owner_apply_removals(ss, own, &ss->out);
+	}
+	kvr_owner_publish(ss, own);
+	kvr_owner_arm_ttl(sh, own);
+}
+
+/* Arms the lease reaper at `when`.  A failure (out of memory in the timer heap) is counted and
+ * retried on the shard's next call, so one failed allocation never stops lease expiry. */
+static void arm_reaper(struct kvr_shard *sh, uint64_t when)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (kvr_shard_timer_add(sh, when, kvr_owner_reaper_fire, NULL, NULL) == 0) {
+		ss->reaper_armed = true;
+		return;
+	}
+	ss->reaper_armed = false;
+	ss->timers_broken = true;
+	kvr_metrics_add(kvr_owner_mb(ss->c), KVR_C_SHARD_TIMER_ERRORS, 1);
+}
+
+/* Called by the reaper when it has run: the next scan one interval later. */
+void kvr_owner_rearm_reaper(struct kvr_shard *sh)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	ss->reaper_armed = false;
+	arm_reaper(sh, kvr_owner_now(ss->c) + ss->c->lease_scan_interval_ns);
+}
+
+/* Re-arms what a failed timer allocation left unarmed.  Called at the top of every shard-side
+ * entry point; costs one branch when nothing failed. */
+void kvr_owner_retry_timers(struct kvr_shard *sh)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (!ss || !ss->timers_broken)
+		return;
+	ss->timers_broken = false;
+	if (!ss->reaper_armed)
+		arm_reaper(sh, kvr_owner_now(ss->c));
+	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next)
+		kvr_owner_arm_ttl(sh, own);
+}
+
+/* ---------------------------------------------------------------- shard life */
+
+void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx)
+{
+	const struct kvr_owner_ctx *c = ctx;
+	struct kvr_shard_state *ss = kvr_calloc(1, sizeof(*ss));
+	if (!ss)
+		return; /* every call on this shard then fails with KVR_ENOMEM */
+	ss->c = c;
+	kvr_lru_out_init(&ss->out);
+	kvr_u64map_init(&ss->by_id);
+	kvr_shard_set_userdata(sh, ss);
+	arm_reaper(sh, kvr_owner_now(c) + c->lease_scan_interval_ns);
+}
+
+void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx)
+{
+	(void)ctx;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (!ss)
+		return;
+	/* The ranks still here at shutdown go with their attempts and index entries. */
+	while (ss->ranks) {
+		struct kvr_rank_args a = {.slot = ss->ranks->slot};
+		kvr_owner_rank_destroy(sh, &a);
+	}
+	kvr_owner_attempts_fini(ss);
+	kvr_lru_out_fini(&ss->out);
+	kvr_free(ss->blk, ss->blk_cap * sizeof(*ss->blk));
+	kvr_free(ss->lb, ss->lb_cap * sizeof(*ss->lb));
+	kvr_free(ss->seq, ss->seq_cap * sizeof(*ss->seq));
+	kvr_free(ss, sizeof(*ss));
+	kvr_shard_set_userdata(sh, NULL);
+}
+
+/* ---------------------------------------------------------------- ranks */
+
+static uint64_t initial_capacity(const struct kvr_owner_ctx *c, uint64_t capacity)
+{
+	if (c->mode == KVR_MODE_APPROX_TTL || capacity == KVR_CAPACITY_NONE)
+		return 0;
+	return capacity;
+}
+
+int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
+{
+	struct kvr_rank_args *a = arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (!ss)
+		return KVR_ENOMEM;
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_owned *own = kvr_calloc(1, sizeof(*own));
+	if (!own)
+		return KVR_ENOMEM;
+	int rc = kvr_load_create(c->expected_prefill_ns, &own->load);
+	if (rc)
+		goto fail;
+	if (c->mode != KVR_MODE_EVENTS) {
+		rc = kvr_rank_state_create(c->ttl_ns, KVR_TTL_BUCKET_NS, &own->rs);
+		if (rc)
+			goto fail;
+		kvr_rank_state_set_keep_private(own->rs, true); /* as vLLM's free queue */
+		rc = kvr_rank_state_set_capacity(own->rs, a->incarnation,
+		                                 initial_capacity(c, a->capacity), &ss->out);
+		if (rc)
+			goto fail;
+	}
+	uint32_t slot;
+	rc = kvr_index_rank_add(c->index, a->worker_id, a->dp_rank, &slot);
+	if (rc)
+		goto fail;
+	if (slot >= c->max_ranks) {
+		kvr_index_rank_remove(c->index, slot);
+		rc = KVR_ERANGE;
+		goto fail;
+	}
+	own->incarnation = a->incarnation;
+	own->capacity = a->capacity;
+	own->ttl_deadline = UINT64_MAX;
+	own->slot = slot;
+	struct kvr_rank_pub *pub = &c->ranks[slot];
+	/* Identity: atomic stores, since a stale attempt id may still lead a caller to read this
+	 * slot's shard while the slot is being reused (it then gets KVR_ESTALE from that shard). */
+	__atomic_store_n(&pub->worker_id, a->worker_id, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->dp_rank, a->dp_rank, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->shard, kvr_shard_index(sh), __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->max_batched_tokens, a->max_batched_tokens, __ATOMIC_RELAXED);
+	pub->own = own;
+	own->next = ss->ranks;
+	if (ss->ranks)
+		ss->ranks->prev = own;
+	ss->ranks = own;
+	kvr_owner_publish(ss, own);
+	a->slot = slot;
+	return 0;
+fail:
+	kvr_rank_state_destroy(own->rs);
+	kvr_load_destroy(own->load);
+	kvr_free(own, sizeof(*own));
+	return rc;
+}
+
+struct kvr_rank_owned *kvr_owner_rank(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t gen)
+{
+	if (slot >= c->max_ranks)
+		return NULL;
+	struct kvr_rank_pub *pub = &c->ranks[slot];
+	if (!__atomic_load_n(&pub->live, __ATOMIC_ACQUIRE) ||
+	    __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE) != gen)
+		return NULL;
+	return pub->own;
+}
+
+int kvr_owner_rank_destroy(struct kvr_shard *sh, void *arg)
+{
+	struct kvr_rank_args *a = arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_pub *pub = &c->ranks[a->slot];
+	struct kvr_rank_owned *own = pub->own;
+	if (!own)
+		return KVR_ENOENT;
+	kvr_owner_end_all_attempts(sh, own);
+	if (own->ttl_deadline != UINT64_MAX)
+		kvr_shard_timer_cancel(sh, own->ttl_timer);
+	kvr_rank_state_destroy(own->rs);
+	kvr_load_destroy(own->load);
+	kvr_index_rank_remove(c->index, a->slot);
+	if (own->prev)
+		own->prev->next = own->next;
+	else
+		ss->ranks = own->next;
+	if (own->next)
+		own->next->prev = own->prev;
+	pub->own = NULL;
+	__atomic_store_n(&pub->active_blocks, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->prefill_tokens, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->active_requests, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->resident_blocks, 0, __ATOMIC_RELAXED);
+	kvr_free(own, sizeof(*own));
+	return 0;
+}
+
+/* A new life of the rank: its attempts end, its predicted cache and index entries go. */
+static int new_life(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t incarnation,
+                    uint64_t capacity)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	kvr_owner_end_all_attempts(sh, own);
+	if (own->rs) {
+		if (kvr_rank_state_mode(own->rs) != KVR_RANK_ABSENT &&
+		    kvr_rank_state_reset(own->rs, &ss->out) == 0)
+			kvr_owner_apply_removals(ss, own, &ss->out);
+		int rc = kvr_rank_state_set_capacity(own->rs, incarnation,
+		                                     initial_capacity(c, capacity), &ss->out);
+		if (rc)
+			return rc;
+		kvr_owner_apply_removals(ss, own, &ss->out);
+	} else {
+		kvr_index_clear_rank(c->index, own->slot);
+	}
+	own->incarnation = incarnation;
+	own->capacity = capacity;
+	own->have_event = false;
+	return 0;
+}
+
+/* The predicted cache was rebuilt in another mode: it holds no lease of the live attempts any
+ * more, so their later output is tracked for load only (see output()). */
+static void forget_bookings(struct kvr_rank_owned *own)
+{
+	for (struct kvr_attempt *rec = own->attempts; rec; rec = rec->next)
+		rec->booked = false;
+}
+
+int kvr_owner_rank_capacity(struct kvr_shard *sh, void *arg)
+{
+	kvr_owner_retry_timers(sh);
+	struct kvr_rank_args *a = arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
+	if (!own)
+		return KVR_ENOENT;
+	if (a->incarnation < own->incarnation)
+		return KVR_ESTALE;
+	int rc = 0;
+	if (a->incarnation != own->incarnation) {
+		rc = new_life(sh, own, a->incarnation, a->capacity);
+	} else if (own->rs) {
+		enum kvr_rank_mode before = kvr_rank_state_mode(own->rs);
+		uint64_t cap = initial_capacity(c, a->capacity);
+		rc = kvr_rank_state_set_capacity(own->rs, own->incarnation, cap, &ss->out);
+		if (rc == KVR_EBUSY && before == KVR_RANK_TTL && cap > 0) {
+			/* TTL retention -> a finite capacity, same life: the predicted cache starts
+			 * over as an LRU (the TTL state cannot be turned into one). */
+			if ((rc = kvr_rank_state_reset(own->rs, &ss->out)) == 0) {
+				kvr_owner_apply_removals(ss, own, &ss->out);
+				rc = kvr_rank_state_set_capacity(own->rs, own->incarnation, cap,
+				                                 &ss->out);
+			}
+		}
+		if (rc == 0) {
+			kvr_owner_apply_removals(ss, own, &ss->out);
+			own->capacity = a->capacity;
+			if (kvr_rank_state_mode(own->rs) != before)
+				forget_bookings(own);
+		}
+	} else {
+		own->capacity = a->capacity;
+	}
+	kvr_owner_publish(ss, own);
+	return rc;
+}
+
+int kvr_owner_rank_reset(struct kvr_shard *sh, void *arg)
+{
+	kvr_owner_retry_timers(sh);
+	struct kvr_rank_args *a = arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
+	if (!own)
+		return KVR_ENOENT;
+	if (a->incarnation < own->incarnation)
+		return KVR_ESTALE;
+	int rc = new_life(sh, own, a->incarnation, own->capacity);
+	kvr_owner_publish(ss, own);
+	return rc;
+}
+
+int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
+{
+	struct kvr_rank_args *a = arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	const struct kvr_owner_ctx *c = ss->c;
+	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
+	if (!own)
+		return KVR_ENOENT;
+	struct kvr_rank_stats *st = a->stats;
+	struct kvr_load_stats ls;
+	kvr_load_stats(own->load, &ls);
+	memset(st, 0, sizeof(*st));
+	st->incarnation = own->incarnation;
+	st->capacity_blocks = own->capacity;
+	st->indexed_blocks = kvr_index_tree_size(c->index, a->slot);
+	st->resident_blocks = st->indexed_blocks;
+	if (own->rs && kvr_rank_state_lru(own->rs)) {
+		struct kvr_lru_stats lst;
+		kvr_lru_stats(kvr_rank_state_lru(own->rs), &lst);
+		st->resident_blocks = lst.hashes;
+	}
+	st->active_blocks = ls.active_blocks;
+	st->active_prefill_tokens = kvr_load_prefill_tokens(own->load, kvr_owner_now(c));
+	st->active_requests = ls.active_requests;
+	st->evictions = own->evictions;
+	st->event_id = own->last_event_id;
+	st->event_gaps = own->gaps;
+	return 0;
+}
+
+int kvr_owner_rank_blocks(struct kvr_shard *sh, void *arg)
+{
+	struct kvr_rank_args *a = arg;
+	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
+	if (!kvr_owner_rank(c, a->slot, a->gen))
+		return KVR_ENOENT;
+	a->n = kvr_index_rank_blocks(c->index, a->slot, a->blocks, a->cap);
+	return a->n > a->cap ? KVR_ERANGE : 0;
+}
