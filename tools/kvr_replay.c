@@ -374,7 +374,13 @@ int main(int argc, char **argv)
 			snprintf(lab, sizeof(lab), "%s", slash ? slash + 1 : a);
 		}
 		label = lab;
+	} else {
+		snprintf(lab, sizeof(lab), "%s", label);
+		label = lab;
 	}
+	for (char *q = lab; *q; q++) /* it goes into gnuplot's single-quoted strings */
+		if (*q == '\'' || *q == '\\')
+			*q = '`';
 	if (!quiet) {
 		printf("kvr-replay: %zu requests (%zu malformed skipped), trace block size %u, "
 		       "%u ranks, block size %u\n",

@@ -212,6 +212,7 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 		if (run->ops->predicts) {
 			int64_t d = (int64_t)q->predicted - (int64_t)info->cached_blocks;
 			res->n_pred++;
+			res->predicted_blocks += q->predicted;
 			res->n_exact += d == 0;
 			res->n_over += d > 0;
 			res->n_under += d < 0;

@@ -70,6 +70,7 @@ struct replay_result {
 	double hit_rate;
 	/* Prediction vs the simulator's cached prefix at first admission. */
 	uint64_t n_pred, n_exact, n_over, n_under;
+	uint64_t predicted_blocks; /* sum of predicted overlaps: the router's own hit estimate */
 	double mae_blocks;
 	double ttft_p50_ms, ttft_p99_ms, e2e_p50_ms, e2e_p99_ms;
 	double throughput_tok_s, makespan_s;

@@ -85,6 +85,8 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 		json_object_set_new(p, "mae_blocks", json_real(r->mae_blocks));
 		json_object_set_new(p, "over_share", json_real(share(r->n_over, r->n_pred)));
 		json_object_set_new(p, "under_share", json_real(share(r->n_under, r->n_pred)));
+		json_object_set_new(p, "predicted_hit_rate",
+		                    json_real(share(r->predicted_blocks, r->prompt_blocks)));
 		json_object_set_new(o, "prediction", p);
 	}
 	json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
@@ -316,13 +318,20 @@ void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, c
 		    "verdict [%s]: cache-aware routing pays off here: %s serves %.1f points more "
 		    "of the prompt from cache than the best cache-blind policy (%s).\n",
 		    label, r->policy, gain, blind);
-	else
+	else if (mine < 0.5)
 		fprintf(
 		    f,
 		    "verdict [%s]: cache-aware routing buys little here (%+.1f points over %s): "
 		    "this traffic shares few prefixes, so even %s finds only %.1f %% of prompt "
 		    "tokens cached.\n",
 		    label, gain, blind, r->policy, 100 * mine);
+	else
+		fprintf(
+		    f,
+		    "verdict [%s]: cache-aware routing buys little here (%+.1f points over %s): "
+		    "the shared prefixes stay cached on every rank, so cache-blind routing "
+		    "already finds %.1f %% of prompt tokens cached.\n",
+		    label, gain, blind, 100 * best_blind);
 }
 
 int replay_report_plot(const char *dir, const struct replay_result *res, size_t n,

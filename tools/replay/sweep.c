@@ -27,7 +27,7 @@ static const struct {
 	bool integer;
 } params[SWEEP_N_PARAMS] = {
     [SWEEP_BLOCKS] = {"blocks", "GPU KV blocks per rank", 1, 4294967295.0, false, true},
-    [SWEEP_CAPACITY_FACTOR] = {"capacity_factor", "x the engine's blocks", 0, 1e6, true, false},
+    [SWEEP_CAPACITY_FACTOR] = {"capacity_factor", "x the engine blocks", 0, 1e6, true, false},
     [SWEEP_OVERLAP_CREDIT] = {"overlap_credit", "", 0, 1e6, false, false},
     [SWEEP_TEMPERATURE] = {"temperature", "", 0, 1e6, false, false},
     [SWEEP_TTL] = {"ttl", "s", 0, 1e9, true, false},
@@ -282,12 +282,19 @@ static double exact_share(const struct replay_result *r)
 	return r->n_pred ? (double)r->n_exact / (double)r->n_pred : NAN;
 }
 
+/* The router's own hit estimate: predicted overlap over prompt blocks (what
+ * kvr_predicted_overlap_blocks_total / kvr_routed_blocks_total says in production). */
+static double pred_rate(const struct replay_result *r)
+{
+	return r->prompt_blocks ? (double)r->predicted_blocks / (double)r->prompt_blocks : NAN;
+}
+
 void sweep_report_table(FILE *f, const struct sweep *s, const struct sweep_cell *c, size_t n)
 {
 	for (size_t a = 0; a < s->n_axes; a++)
 		fprintf(f, "%-16s ", params[s->ax[a].param].name);
-	fprintf(f, "%-13s %7s %8s %7s %10s %10s %6s %7s\n", "policy", "hit%", "cached%", "exact%",
-	        "TTFTp50ms", "TTFTp99ms", "queued", "refused");
+	fprintf(f, "%-13s %7s %7s %8s %7s %10s %10s %6s %7s\n", "policy", "hit%", "pred%",
+	        "cached%", "exact%", "TTFTp50ms", "TTFTp99ms", "queued", "refused");
 	for (size_t i = 0; i < n; i++) {
 		for (size_t a = 0; a < s->n_axes; a++)
 			fprintf(f, "%-16g ", c[i].v[a]);
@@ -296,12 +303,14 @@ void sweep_report_table(FILE *f, const struct sweep *s, const struct sweep_cell 
 			continue;
 		}
 		const struct replay_result *r = &c[i].res;
-		char ex[16] = "-";
-		if (r->predicts && r->n_pred)
+		char ex[16] = "-", pr[16] = "-";
+		if (r->predicts && r->n_pred) {
 			snprintf(ex, sizeof(ex), "%.1f", 100 * exact_share(r));
-		fprintf(f, "%-13s %7.2f %8.2f %7s %10.1f %10.1f %6zu %7zu\n", r->policy,
-		        100 * r->hit_rate, 100 * token_share(r), ex, r->ttft_p50_ms, r->ttft_p99_ms,
-		        r->n_queued, r->n_refused);
+			snprintf(pr, sizeof(pr), "%.2f", 100 * pred_rate(r));
+		}
+		fprintf(f, "%-13s %7.2f %7s %8.2f %7s %10.1f %10.1f %6zu %7zu\n", r->policy,
+		        100 * r->hit_rate, pr, 100 * token_share(r), ex, r->ttft_p50_ms,
+		        r->ttft_p99_ms, r->n_queued, r->n_refused);
 	}
 }
 
@@ -316,23 +325,24 @@ int sweep_report_csv(const char *path, const struct sweep *s, const struct sweep
 	for (size_t a = 0; a < s->n_axes; a++)
 		fprintf(f, "%s,", params[s->ax[a].param].name);
 	fprintf(f, "policy,status,blocks_per_rank,hit_rate,cached_token_share,exact_share,"
-	           "mae_blocks,ttft_p50_ms,ttft_p99_ms,e2e_p50_ms,e2e_p99_ms,throughput_tok_s,"
+	           "mae_blocks,predicted_hit_rate,ttft_p50_ms,ttft_p99_ms,e2e_p50_ms,e2e_p99_ms,"
+	           "throughput_tok_s,"
 	           "preemptions,queued,refused\n");
 	for (size_t i = 0; i < n; i++) {
 		for (size_t a = 0; a < s->n_axes; a++)
 			fprintf(f, "%g,", c[i].v[a]);
 		const struct replay_result *r = &c[i].res;
 		if (c[i].rc) {
-			fprintf(f, "%s,error,%u,,,,,,,,,,,,\n", c[i].ops->name,
+			fprintf(f, "%s,error,%u,,,,,,,,,,,,,\n", c[i].ops->name,
 			        c[i].cfg.blocks_per_rank);
 			continue;
 		}
 		fprintf(f, "%s,ok,%u,%.6f,%.6f,", r->policy, c[i].cfg.blocks_per_rank, r->hit_rate,
 		        token_share(r));
 		if (r->predicts && r->n_pred)
-			fprintf(f, "%.6f,%.4f,", exact_share(r), r->mae_blocks);
+			fprintf(f, "%.6f,%.4f,%.6f,", exact_share(r), r->mae_blocks, pred_rate(r));
 		else
-			fprintf(f, ",,");
+			fprintf(f, ",,,");
 		fprintf(f, "%.3f,%.3f,%.3f,%.3f,%.1f,%llu,%zu,%zu\n", r->ttft_p50_ms,
 		        r->ttft_p99_ms, r->e2e_p50_ms, r->e2e_p99_ms, r->throughput_tok_s,
 		        (unsigned long long)r->preemptions, r->n_queued, r->n_refused);
@@ -381,6 +391,7 @@ int sweep_report_json(const char *path, const struct sweep *s, const struct swee
 		if (r->predicts && r->n_pred) {
 			json_object_set_new(o, "exact_share", json_real(exact_share(r)));
 			json_object_set_new(o, "mae_blocks", json_real(r->mae_blocks));
+			json_object_set_new(o, "predicted_hit_rate", json_real(pred_rate(r)));
 		}
 		json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));
 		json_object_set_new(o, "ttft_p99_ms", json_real(r->ttft_p99_ms));
@@ -415,8 +426,7 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 	FILE *gp = fopen(p, "w");
 	if (!gp)
 		goto ioerr;
-	fprintf(gp, "set terminal pngcairo size 1400,620 noenhanced font ',11'\n"
-	            "set datafile missing 'NaN'\nset grid\n");
+	fprintf(gp, "set datafile missing 'NaN'\nset grid\n");
 	size_t np = sweep_points(s);
 	for (size_t a = 0; a < s->n_axes; a++) {
 		const struct sweep_axis *ax = &s->ax[a];
@@ -492,19 +502,21 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 		char xl[160];
 		snprintf(xl, sizeof(xl), "%s%s%s%s", name, *unit ? " (" : "", unit,
 		         *unit ? ")" : "");
+		/* The legend goes below both panels, in rows of 3, with room kept for it. */
+		size_t ns = n_series < 256 ? n_series : 256, rows = (ns + 2) / 3;
 		fprintf(
 		    gp,
+		    "set terminal pngcairo size 1400,%zu noenhanced font ',11'\n"
 		    "set output 'sweep_%s.png'\n"
 		    "set multiplot layout 1,2 title '%s%s%s' font ',13'\n"
-		    "%s\n"
+		    "%s\nset bmargin %zu\n"
 		    "set xlabel '%s'\nset ylabel 'prefix-cache hit rate (%% of prompt blocks)'\n"
 		    "set yrange [0:*]\nunset logscale y\n"
-		    "set key outside bottom center horizontal maxrows 3\n"
+		    "set key at screen 0.5, screen 0.01 center bottom horizontal maxrows %zu\n"
 		    "set title 'hit rate'\n"
 		    "plot ",
-		    name, title ? title : "", title ? ": " : "", xl,
-		    logx ? "set logscale x" : "unset logscale x", xl);
-		size_t ns = n_series < 256 ? n_series : 256;
+		    (size_t)580 + 20 * rows, name, title ? title : "", title ? ": " : "", xl,
+		    logx ? "set logscale x" : "unset logscale x", 4 + rows, xl, rows);
 		for (size_t i = 0; i < ns; i++)
 			fprintf(gp,
 			        "%s'sweep_%s.dat' index %zu using 1:2 with linespoints lw 2 pt 7 "
@@ -521,7 +533,7 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 			        "dt 2 "
 			        "pt 6 lc %zu notitle",
 			        i ? ", " : "", name, i, i + 1, name, i, i + 1);
-		fprintf(gp, "\nunset multiplot\nunset logscale\n");
+		fprintf(gp, "\nunset multiplot\nunset logscale\nset bmargin\n");
 	}
 	fclose(gp);
 	char cmd[4200];
