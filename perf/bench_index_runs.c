@@ -1,0 +1,385 @@
+/*
+ * bench_index_runs - the run-compressed index (core/index) on the workloads of issue 10.
+ *
+ * Prompts of L = 32, 512, 8192 blocks (16 random tokens each, hashed by kvr_hash_blocks; ext
+ * hash = the sequence hash, as the approximate modes store), P such prompts per index so the
+ * tables are not all in L1, 64 ranks, three holder patterns per prompt:
+ *   a  one rank holds the whole path;
+ *   b  the 64 ranks each hold a random depth of the path (one store each);
+ *   c  b, then every rank removes 2 % of its blocks at random interior positions (holes).
+ * For each (L, pattern), in one run:
+ *   match_p50/p99_ns  find_matches on a random one of the P prompts (inside a read section);
+ *   hash_p50_ns       kvr_hash_blocks on the same prompt (tokens -> local + sequence hashes);
+ *   ratio             match_p99 / hash_p50 (issue 10 target: <= 0.25 for L >= 512);
+ *   bytes_per_held_block  (index bytes - empty index bytes) / held (block, rank) pairs.
+ * Memory by shape: runs of 16 / 512 blocks with 1, 2, 4 holders, and the worst case (every run
+ * one block long, one holder).
+ * Apply: one writer stores 1024-block chains in calls of 16 (or 1) blocks below the previous
+ * call's last block and removes them again tail first in chain order; block ops per second.
+ * Reader under a writer: 1 reader (L = 512, pattern b) alone, then with 1 writer flat out
+ * (removes and re-stores the tails of random ranks' paths in the same index); p99 ratio.
+ * Timings are wall clock on a shared machine: compare the ratios, which come from one run.
+ *
+ * usage: bench_index_runs [--ms N] [--quick]
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/index.h"
+#include "kvrouter.h"
+#include "sync/rcu.h"
+
+enum { RANKS = 64, BS = 16 };
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void pin(int cpu)
+{
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	long n = sysconf(_SC_NPROCESSORS_ONLN);
+	CPU_SET(cpu % (n > 0 ? (int)n : 1), &set);
+	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return rng;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+static uint64_t pctl(uint64_t *v, size_t n, int per_mille)
+{
+	qsort(v, n, sizeof(*v), cmp_u64);
+	return n ? v[n * (size_t)per_mille / 1000] : 0;
+}
+
+struct path {
+	size_t L;
+	uint32_t *tok;
+	uint64_t *local, *seq;
+	struct kvr_index_block *b;
+	size_t depth[RANKS]; /* per rank, patterns b and c */
+};
+
+static void make_path(struct path *p, size_t L)
+{
+	p->L = L;
+	p->tok = malloc(L * BS * sizeof(uint32_t));
+	p->local = malloc(L * sizeof(uint64_t));
+	p->seq = malloc(L * sizeof(uint64_t));
+	p->b = malloc(L * sizeof(*p->b));
+	for (size_t i = 0; i < L * BS; i++)
+		p->tok[i] = (uint32_t)(rnd() % 128000);
+	kvr_hash_blocks(p->tok, L * BS, BS, NULL, p->local, p->seq);
+	for (size_t i = 0; i < L; i++)
+		p->b[i] =
+		    (struct kvr_index_block){.ext_hash = p->seq[i], .local_hash = p->local[i]};
+}
+
+static void free_path(struct path *p)
+{
+	free(p->tok);
+	free(p->local);
+	free(p->seq);
+	free(p->b);
+}
+
+/* Applies pattern (0 = a, 1 = b, 2 = c) for one path; returns the (block, rank) pairs held. */
+static uint64_t apply_pattern(struct kvr_index *idx, const uint32_t *slot, struct path *p, int pat)
+{
+	if (pat == 0) {
+		if (kvr_index_store(idx, slot[0], NULL, p->b, p->L) != 0)
+			abort();
+		return p->L;
+	}
+	uint64_t held = 0;
+	for (int r = 0; r < RANKS; r++) {
+		size_t d = 1 + rnd() % p->L;
+		p->depth[r] = d;
+		if (kvr_index_store(idx, slot[r], NULL, p->b, d) != 0)
+			abort();
+		held += d;
+	}
+	if (pat == 2) {
+		for (int r = 0; r < RANKS; r++) {
+			size_t d = p->depth[r], k = d * 2 / 100;
+			for (size_t j = 0; j < k && d > 2; j++) {
+				uint64_t e = p->b[1 + rnd() % (d - 2)].ext_hash;
+				size_t nf = 0;
+				kvr_index_remove(idx, slot[r], &e, 1, &nf);
+				held -= 1 - nf;
+			}
+		}
+	}
+	return held;
+}
+
+static uint64_t hash_p50(const struct path *p, int reps)
+{
+	uint64_t *lat = malloc((size_t)reps * sizeof(uint64_t));
+	uint64_t *l = malloc(p->L * sizeof(uint64_t)), *s = malloc(p->L * sizeof(uint64_t));
+	for (int i = 0; i < reps; i++) {
+		uint64_t t0 = now_ns();
+		kvr_hash_blocks(p->tok, p->L * BS, BS, NULL, l, s);
+		lat[i] = now_ns() - t0;
+	}
+	uint64_t r = pctl(lat, (size_t)reps, 500);
+	free(lat);
+	free(l);
+	free(s);
+	return r;
+}
+
+static void match_lat(struct kvr_index *idx, struct path *ps, int np, int reps, uint64_t *p50,
+                      uint64_t *p99)
+{
+	uint64_t *lat = malloc((size_t)reps * sizeof(uint64_t));
+	struct kvr_index_match out[RANKS];
+	for (int i = 0; i < reps; i++) {
+		const struct path *p = &ps[rnd() % (uint64_t)np];
+		size_t n = 0;
+		uint64_t t0 = now_ns();
+		kvr_rcu_read_lock();
+		kvr_index_find_matches(idx, p->seq, p->L, NULL, out, RANKS, &n);
+		kvr_rcu_read_unlock();
+		lat[i] = now_ns() - t0;
+	}
+	*p50 = pctl(lat, (size_t)reps, 500);
+	*p99 = pctl(lat, (size_t)reps, 990);
+	free(lat);
+}
+
+static struct kvr_index *new_index(uint32_t *slot)
+{
+	struct kvr_index *idx;
+	if (kvr_index_create(RANKS, &idx) != 0)
+		abort();
+	for (uint32_t r = 0; r < RANKS; r++)
+		if (kvr_index_rank_add(idx, r, 0, &slot[r]) != 0)
+			abort();
+	return idx;
+}
+
+static void bench_match(bool quick)
+{
+	static const size_t Ls[] = {32, 512, 8192};
+	for (int li = 0; li < 3; li++) {
+		size_t L = Ls[li];
+		int np = L == 32 ? 1024 : L == 512 ? 64 : 8;
+		int reps = quick ? 200 : (L == 8192 ? 1000 : 5000);
+		struct path *ps = calloc((size_t)np, sizeof(*ps));
+		for (int i = 0; i < np; i++)
+			make_path(&ps[i], L);
+		uint64_t h50 = hash_p50(&ps[0], reps);
+		for (int pat = 0; pat < 3; pat++) {
+			uint32_t slot[RANKS];
+			struct kvr_index *idx = new_index(slot);
+			uint64_t mem0 = kvr_index_memory_bytes(idx), held = 0;
+			for (int i = 0; i < np; i++)
+				held += apply_pattern(idx, slot, &ps[i], pat);
+			kvr_index_quiesce(idx);
+			uint64_t mem1 = kvr_index_memory_bytes(idx);
+			struct kvr_index_stats st;
+			kvr_index_stats_get(idx, &st);
+			uint64_t m50, m99;
+			match_lat(idx, ps, np, reps, &m50, &m99);
+			printf("SUMMARY bench=index_match L=%zu pattern=%c prompts=%d held=%lu "
+			       "blocks=%lu match_p50_ns=%lu match_p99_ns=%lu hash_p50_ns=%lu "
+			       "ratio=%.3f bytes_per_held_block=%.1f\n",
+			       L, "abc"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
+			       (unsigned long)m50, (unsigned long)m99, (unsigned long)h50,
+			       h50 ? (double)m99 / (double)h50 : 0.0,
+			       (double)(mem1 - mem0) / (double)held);
+			fflush(stdout);
+			kvr_index_destroy(idx);
+		}
+		for (int i = 0; i < np; i++)
+			free_path(&ps[i]);
+		free(ps);
+	}
+}
+
+/* Memory per held (block, rank) by run shape: np distinct paths of `len` blocks (each one run),
+ * each stored whole by `holders` ranks. */
+static void bench_memory(size_t len, int holders, int np)
+{
+	uint32_t slot[RANKS];
+	struct kvr_index *idx = new_index(slot);
+	uint64_t mem0 = kvr_index_memory_bytes(idx), held = 0;
+	struct path p;
+	for (int i = 0; i < np; i++) {
+		make_path(&p, len);
+		for (int h = 0; h < holders; h++) {
+			if (kvr_index_store(idx, slot[(i + h) % RANKS], NULL, p.b, len) != 0)
+				abort();
+			held += len;
+		}
+		free_path(&p);
+	}
+	kvr_index_quiesce(idx);
+	uint64_t mem1 = kvr_index_memory_bytes(idx);
+	printf("SUMMARY bench=index_memory run_blocks=%zu holders=%d held=%lu "
+	       "bytes_per_held_block=%.1f\n",
+	       len, holders, (unsigned long)held, (double)(mem1 - mem0) / (double)held);
+	fflush(stdout);
+	kvr_index_destroy(idx);
+}
+
+/* One writer: store CH-block chains in calls of `per` blocks, then remove them tail first in
+ * chain order, `per` blocks a call.  Returns block ops per second. */
+static double bench_apply(size_t per, int ms)
+{
+	enum { CH = 1024, NP = 16 };
+	uint32_t slot[RANKS];
+	struct kvr_index *idx = new_index(slot);
+	struct path ps[NP];
+	for (int i = 0; i < NP; i++)
+		make_path(&ps[i], CH);
+	uint64_t ops = 0, t0 = now_ns(), end = t0 + (uint64_t)ms * 1000000ull;
+	for (int it = 0; now_ns() < end; it++) {
+		const struct path *p = &ps[it % NP];
+		uint32_t s = slot[it % 4];
+		for (size_t i = 0; i < CH; i += per) {
+			size_t n = CH - i < per ? CH - i : per;
+			if (kvr_index_store(idx, s, i ? &p->b[i - 1].ext_hash : NULL, p->b + i, n))
+				abort();
+		}
+		uint64_t ext[CH];
+		for (size_t i = CH; i > 0;) {
+			size_t n = i < per ? i : per;
+			i -= n;
+			for (size_t j = 0; j < n; j++)
+				ext[j] = p->b[i + j].ext_hash;
+			kvr_index_remove(idx, s, ext, n, NULL);
+		}
+		ops += 2 * CH;
+	}
+	double secs = (double)(now_ns() - t0) / 1e9;
+	kvr_index_destroy(idx);
+	for (int i = 0; i < NP; i++)
+		free_path(&ps[i]);
+	return (double)ops / secs;
+}
+
+/* ---------------------------------------------------------------- reader under a writer */
+
+static struct kvr_index *rw_idx;
+static struct path *rw_ps;
+static int rw_np;
+static uint32_t rw_slot[RANKS];
+static int rw_stop;
+
+static void *rw_writer(void *arg)
+{
+	(void)arg;
+	pin(1);
+	kvr_rcu_thread_online();
+	uint64_t r = 0x1234567ull;
+	while (!__atomic_load_n(&rw_stop, __ATOMIC_RELAXED)) {
+		r ^= r << 13;
+		r ^= r >> 7;
+		r ^= r << 17;
+		struct path *p = &rw_ps[r % (uint64_t)rw_np];
+		int k = (int)((r >> 20) % RANKS);
+		size_t d = p->depth[k], t = d < 16 ? d : 16;
+		uint64_t ext[16];
+		for (size_t j = 0; j < t; j++)
+			ext[j] = p->b[d - t + j].ext_hash;
+		kvr_index_remove(rw_idx, rw_slot[k], ext, t, NULL);
+		kvr_index_store(rw_idx, rw_slot[k], d > t ? &p->b[d - t - 1].ext_hash : NULL,
+		                p->b + d - t, t);
+	}
+	kvr_rcu_thread_offline();
+	return NULL;
+}
+
+static uint64_t reader_p99(int ms)
+{
+	size_t cap = 1 << 20, n = 0;
+	uint64_t *lat = malloc(cap * sizeof(uint64_t));
+	struct kvr_index_match out[RANKS];
+	uint64_t end = now_ns() + (uint64_t)ms * 1000000ull;
+	while (n < cap && now_ns() < end) {
+		const struct path *p = &rw_ps[rnd() % (uint64_t)rw_np];
+		size_t k = 0;
+		uint64_t t0 = now_ns();
+		kvr_rcu_read_lock();
+		kvr_index_find_matches(rw_idx, p->seq, p->L, NULL, out, RANKS, &k);
+		kvr_rcu_read_unlock();
+		lat[n++] = now_ns() - t0;
+	}
+	uint64_t p99 = pctl(lat, n, 990);
+	free(lat);
+	return p99;
+}
+
+static void bench_reader_writer(int ms)
+{
+	pin(0);
+	rw_np = 64;
+	rw_ps = calloc((size_t)rw_np, sizeof(*rw_ps));
+	rw_idx = new_index(rw_slot);
+	for (int i = 0; i < rw_np; i++) {
+		make_path(&rw_ps[i], 512);
+		apply_pattern(rw_idx, rw_slot, &rw_ps[i], 1);
+	}
+	uint64_t alone = reader_p99(ms);
+	pthread_t th;
+	pthread_create(&th, NULL, rw_writer, NULL);
+	uint64_t with = reader_p99(ms);
+	__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
+	pthread_join(th, NULL);
+	printf("SUMMARY bench=index_rw L=512 pattern=b reader_p99_alone_ns=%lu "
+	       "reader_p99_with_writer_ns=%lu ratio=%.2f\n",
+	       (unsigned long)alone, (unsigned long)with, alone ? (double)with / (double)alone : 0);
+	kvr_index_destroy(rw_idx);
+	for (int i = 0; i < rw_np; i++)
+		free_path(&rw_ps[i]);
+	free(rw_ps);
+}
+
+int main(int argc, char **argv)
+{
+	int ms = 400;
+	bool quick = false;
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--ms") && i + 1 < argc)
+			ms = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--quick"))
+			quick = true;
+	}
+	if (kvr_rcu_thread_online() != 0)
+		return 1;
+	bench_match(quick);
+	static const size_t lens[] = {16, 512};
+	for (int li = 0; li < 2; li++)
+		for (int h = 1; h <= 4; h *= 2)
+			bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256);
+	bench_memory(1, 1, 65536); /* worst case: every run one block long */
+	double a16 = bench_apply(16, ms), a1 = bench_apply(1, ms);
+	printf("SUMMARY bench=index_apply blocks_per_call=16 block_ops_per_s=%.0f\n", a16);
+	printf("SUMMARY bench=index_apply blocks_per_call=1 block_ops_per_s=%.0f\n", a1);
+	fflush(stdout);
+	bench_reader_writer(ms);
+	return 0;
+}
