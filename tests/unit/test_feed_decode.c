@@ -5,6 +5,7 @@
 #include <msgpack.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
 #include "sync/feed_decode.h"
 
@@ -299,4 +300,45 @@ Test(feed_decode, malformed_is_all_or_nothing)
 	toks(0, 16);
 	cr_assert_eq(decode(), KVR_EINVAL);
 	cr_assert_eq(b.n_ev, 0);
+}
+
+/* SQLite-style: fail the Nth allocation for N = 1, 2, ...: each decode either succeeds whole or
+ * fails with KVR_ENOMEM holding nothing, and nothing leaks. */
+Test(feed_decode, out_of_memory_loop)
+{
+	begin();
+	msgpack_pack_array(&pk, 3);
+	msgpack_pack_double(&pk, 1.0);
+	msgpack_pack_array(&pk, 2);
+	msgpack_pack_array(&pk, 8);
+	str("BlockStored");
+	u64s(H, 3);
+	msgpack_pack_nil(&pk);
+	toks(7, 48);
+	msgpack_pack_int(&pk, 16);
+	msgpack_pack_nil(&pk);
+	str("GPU");
+	str("lora");
+	msgpack_pack_array(&pk, 2);
+	str("BlockRemoved");
+	u64s(H, 2);
+	msgpack_pack_int(&pk, 1);
+	int64_t live0 = kvr_alloc_live_bytes();
+	bool ok = false;
+	for (uint64_t n = 1; n < 64 && !ok; n++) {
+		struct kvr_feed_batch fresh = {0};
+		kvr_alloc_fail_after(n);
+		int rc = kvr_feed_decode(&fresh, sb.data, sb.size);
+		kvr_alloc_fail_after(0);
+		if (rc == 0) {
+			cr_assert_eq(fresh.n_ev, 2);
+			ok = true;
+		} else {
+			cr_assert_eq(rc, KVR_ENOMEM, "n=%lu rc=%d", (unsigned long)n, rc);
+			cr_assert_eq(fresh.n_ev, 0);
+		}
+		kvr_feed_batch_fini(&fresh);
+		cr_assert_eq(kvr_alloc_live_bytes(), live0, "n=%lu leaked", (unsigned long)n);
+	}
+	cr_assert(ok);
 }

@@ -17,9 +17,12 @@
  * vLLM sends token ids, not the router's local hashes, so the publisher needs each stored
  * block's tokens: it learns them from what the router sees (every routed prompt's complete
  * blocks, then each request's output tokens completing blocks after its prompt tail), in a
- * map local hash -> block tokens.  A stored block whose tokens it never saw ends the event
- * there (counted as token_misses; the rest of the chain is dropped, as the feed would refuse
- * an event with missing tokens).
+ * map local hash -> block tokens.  An output block's last tokens reach the policy after the
+ * engine caches it, so a stored event with unknown tokens waits (with every later event of its
+ * rank, order kept) until output() brings them (at the request's finish at the latest: the
+ * wait is the few decode steps between the block's caching and the policy's next output
+ * chunk).  Only at the end is what still waits published short, a chain stopping at its first
+ * block of unknown tokens (counted as token misses).
  */
 #include <inttypes.h>
 #include <msgpack.h>
@@ -41,6 +44,18 @@ struct tail {
 	bool used;
 };
 
+/* A stored event whose blocks' tokens the policy has not seen yet (an output block's last
+ * tokens reach the policy after the engine caches it), and every later event of its rank,
+ * wait here in order until the tokens are known, or until sync() (then published short). */
+struct dev {
+	struct sim_kv_event ev; /* seq and local point to owned copies */
+};
+
+struct dq {
+	struct dev *q;
+	size_t head, n, cap;
+};
+
 struct pf {
 	void *inner; /* the events policy's state */
 	struct kvr_router *r;
@@ -57,7 +72,8 @@ struct pf {
 	struct tail *tails;
 	size_t n_tails, cap_tails;
 	msgpack_sbuffer sb;
-	uint64_t token_misses, batches, blocks;
+	struct dq *defer; /* per rank */
+	uint64_t token_misses, batches, blocks, deferred;
 };
 
 static double wall_s(void)
@@ -89,7 +105,15 @@ static int learn(struct pf *p, const uint32_t *tok)
 	return 0;
 }
 
+static void feed_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx;
+	fprintf(stderr, "events_feed [%d]: %s\n", level, msg);
+}
+
 static void pf_destroy(void *state);
+static int undefer(struct pf *p, bool force);
+static void dev_free(struct dev *d);
 static int pf_setup(struct pf *p, const struct replay_env *env);
 
 static int pf_create(const struct replay_env *env, void **state)
@@ -120,11 +144,14 @@ static int pf_setup(struct pf *p, const struct replay_env *env)
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.rcv_hwm = 1u << 30; /* the replay publishes in bursts: never drop */
+	if (getenv("KVR_FEED_LOG"))
+		fc.log = feed_log;
 	p->pub = calloc(env->n_ranks, sizeof(*p->pub));
 	p->ep_id = calloc(env->n_ranks, sizeof(*p->ep_id));
 	p->seq = calloc(env->n_ranks, sizeof(*p->seq));
+	p->defer = calloc(env->n_ranks, sizeof(*p->defer));
 	p->zctx = zmq_ctx_new();
-	if (!p->pub || !p->ep_id || !p->seq || !p->zctx)
+	if (!p->pub || !p->ep_id || !p->seq || !p->defer || !p->zctx)
 		return KVR_ENOMEM;
 	if ((rc = kvr_feed_create(p->r, &fc, &p->feed)))
 		return rc;
@@ -157,6 +184,14 @@ static void pf_destroy(void *state)
 	struct pf *p = state;
 	if (!p)
 		return;
+	if (p->feed && p->defer)
+		undefer(p, true);
+	for (uint32_t r = 0; p->defer && r < p->n_ranks; r++) {
+		for (size_t i = p->defer[r].head; i < p->defer[r].n; i++)
+			dev_free(&p->defer[r].q[i]);
+		free(p->defer[r].q);
+	}
+	free(p->defer);
 	if (p->feed) {
 		struct kvr_feed_stats st;
 		if (kvr_feed_get_stats(p->feed, KVR_FEED_ALL, &st) == 0)
@@ -265,6 +300,9 @@ static int pf_output(void *state, uint64_t handle, const uint32_t *tokens, size_
 			t->n = 0;
 		}
 	}
+	int rc = undefer(p, false);
+	if (rc)
+		return rc;
 	return replay_policy_events.output(p->inner, handle, tokens, n);
 }
 
@@ -288,12 +326,10 @@ static void pstr(msgpack_packer *pk, const char *s)
 	msgpack_pack_str_body(pk, s, strlen(s));
 }
 
-/* Publishes one simulated event as one vLLM batch (map form) on the rank's socket. */
-static int pf_kv_event(void *state, const struct sim_kv_event *ev)
+/* Publishes one simulated event as one vLLM batch (map form) on the rank's socket; a stored
+ * chain stops at its first block of unknown tokens (the rest counted as token misses). */
+static int publish(struct pf *p, const struct sim_kv_event *ev)
 {
-	struct pf *p = state;
-	if (ev->rank >= p->n_ranks)
-		return KVR_EINVAL;
 	size_t n = ev->n;
 	if (ev->kind == SIM_EV_STORED) {
 		for (size_t i = 0; i < ev->n; i++)
@@ -377,15 +413,93 @@ static int pf_kv_event(void *state, const struct sim_kv_event *ev)
 	return 0;
 }
 
-/* Waits until the feed has applied everything published, then the router's own sync. */
+static bool publishable(struct pf *p, const struct sim_kv_event *ev)
+{
+	if (ev->kind != SIM_EV_STORED)
+		return true;
+	for (size_t i = 0; i < ev->n; i++)
+		if (!kvr_u64map_find(&p->tokmap, ev->local[i]))
+			return false;
+	return true;
+}
+
+static void dev_free(struct dev *d)
+{
+	free((void *)d->ev.seq);
+	free((void *)d->ev.local);
+}
+
+/* Publishes what waits on each rank, in order: while the head's tokens are known, or all of it
+ * (short where tokens are missing) when force is set. */
+static int undefer(struct pf *p, bool force)
+{
+	for (uint32_t r = 0; r < p->n_ranks; r++) {
+		struct dq *d = &p->defer[r];
+		while (d->head < d->n && (force || publishable(p, &d->q[d->head].ev))) {
+			int rc = publish(p, &d->q[d->head].ev);
+			dev_free(&d->q[d->head]);
+			d->head++;
+			if (rc)
+				return rc;
+		}
+		if (d->head == d->n)
+			d->head = d->n = 0;
+	}
+	return 0;
+}
+
+static int pf_kv_event(void *state, const struct sim_kv_event *ev)
+{
+	struct pf *p = state;
+	if (ev->rank >= p->n_ranks)
+		return KVR_EINVAL;
+	struct dq *d = &p->defer[ev->rank];
+	if (d->head == d->n && publishable(p, ev))
+		return publish(p, ev);
+	if (d->n == d->cap) {
+		size_t nc = d->cap ? d->cap * 2 : 64;
+		struct dev *nq = realloc(d->q, nc * sizeof(*nq));
+		if (!nq)
+			return KVR_ENOMEM;
+		d->q = nq;
+		d->cap = nc;
+	}
+	struct dev *e = &d->q[d->n];
+	e->ev = *ev;
+	uint64_t *seq = malloc((ev->n + 1) * sizeof(uint64_t));
+	uint64_t *local = malloc((ev->n + 1) * sizeof(uint64_t));
+	if (!seq || !local) {
+		free(seq);
+		free(local);
+		return KVR_ENOMEM;
+	}
+	if (ev->n) {
+		memcpy(seq, ev->seq, ev->n * sizeof(uint64_t));
+		if (ev->local)
+			memcpy(local, ev->local, ev->n * sizeof(uint64_t));
+	}
+	e->ev.seq = seq;
+	e->ev.local = ev->local ? local : NULL;
+	if (!ev->local)
+		free(local);
+	d->n++;
+	p->deferred++;
+	return 0;
+}
+
+/* Waits until the feed has applied everything published (events waiting for their tokens
+ * excepted), then the router's own sync. */
 static int pf_sync(void *state, uint64_t now_ns)
 {
 	struct pf *p = state;
+	int rc = undefer(p, false); /* what waits for tokens keeps waiting: no chain cut short */
+	if (rc)
+		return rc;
 	for (uint32_t i = 0; i < p->n_ranks; i++) {
 		struct kvr_feed_stats st;
 		int tries = 0;
 		for (;;) {
-			int rc = kvr_feed_get_stats(p->feed, p->ep_id[i], &st);
+			rc = kvr_feed_get_stats(p->feed, p->ep_id[i], &st);
 			if (rc)
 				return rc;
 			if (st.next_seq >= p->seq[i])
