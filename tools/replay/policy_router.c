@@ -46,7 +46,24 @@ struct rp {
 	struct rp_queued *waiting, *ready;
 	size_t n_waiting, cap_waiting, n_ready, head_ready, cap_ready;
 	int queue_err;
+	/* The router's clock: the simulator's virtual time as of the replay's latest call into
+	 * the policy.  The replay thread stores it (tick) before each router call; shard threads
+	 * read it whenever they look at the clock, so they never read the simulator itself while
+	 * the replay thread advances it.  Ordering: release store in tick, acquire load in
+	 * rp_clock. */
+	uint64_t vnow;
 };
+
+static uint64_t rp_clock(void *ctx)
+{
+	struct rp *p = ctx;
+	return __atomic_load_n(&p->vnow, __ATOMIC_ACQUIRE);
+}
+
+static void tick(struct rp *p)
+{
+	__atomic_store_n(&p->vnow, p->env.now_ns(p->env.clock_ctx), __ATOMIC_RELEASE);
+}
 
 static int push(struct rp_queued **a, size_t *n, size_t *cap, const struct rp_queued *e)
 {
@@ -100,8 +117,13 @@ static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **st
 	c.n_shards = 1;
 	c.mode = mode;
 	c.seed = env->seed;
-	c.now_ns = env->now_ns;
-	c.clock_ctx = env->clock_ctx;
+	p->vnow = env->now_ns(env->clock_ctx);
+	c.now_ns = rp_clock;
+	c.clock_ctx = p;
+	/* Every call returns after its shard applied it: the replay is deterministic and each
+	 * happening takes effect at its own virtual instant (lifecycle calls are otherwise
+	 * posted, and would run whenever the shard gets to them). */
+	c.sync_booking = true;
 	if (env->n_ranks > c.max_ranks)
 		c.max_ranks = env->n_ranks;
 	if (!isnan(env->overlap_credit))
@@ -168,6 +190,7 @@ static void rp_destroy(void *state)
 static int rp_route(void *state, const struct replay_route_req *q, struct replay_route_out *out)
 {
 	struct rp *p = state;
+	tick(p);
 	struct kvr_request req;
 	kvr_request_init(&req);
 	req.tokens = q->tokens;
@@ -212,6 +235,7 @@ static int rp_dequeue(void *state, uint64_t *id, struct replay_route_out *out)
 static int rp_kv_event(void *state, const struct sim_kv_event *ev)
 {
 	struct rp *p = state;
+	tick(p);
 	struct kvr_event e = {.event_id = ev->event_id + 1}; /* the router's ids start at 1 */
 	switch (ev->kind) {
 	case SIM_EV_STORED:
@@ -251,12 +275,14 @@ static int rp_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t 
 	(void)rank;
 	(void)time_ns;
 	struct rp *p = state;
+	tick(p);
 	return kvr_request_prefill_done(p->r, handle);
 }
 
 static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
 {
 	struct rp *p = state;
+	tick(p);
 	return kvr_request_output(p->r, handle, tokens, n);
 }
 
@@ -264,12 +290,14 @@ static int rp_finished(void *state, uint64_t handle, const struct sim_finish_inf
 {
 	(void)info;
 	struct rp *p = state;
+	tick(p);
 	return kvr_request_finish(p->r, handle);
 }
 
 static int rp_aborted(void *state, uint64_t handle)
 {
 	struct rp *p = state;
+	tick(p);
 	return kvr_request_abort(p->r, handle);
 }
 
@@ -277,12 +305,14 @@ static int rp_sync(void *state, uint64_t now_ns)
 {
 	(void)now_ns; /* the router reads the virtual clock itself */
 	struct rp *p = state;
+	tick(p);
 	return kvr_router_sync(p->r, 60000);
 }
 
 static int rp_resident(void *state, uint32_t rank, uint64_t *blocks)
 {
 	struct rp *p = state;
+	tick(p);
 	struct kvr_rank_stats st;
 	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
 	int rc = kvr_rank_get_stats(p->r, id, &st);
@@ -296,6 +326,7 @@ static int rp_predict(void *state, uint32_t rank, const uint64_t *local, size_t 
                       uint32_t *overlap)
 {
 	struct rp *p = state;
+	tick(p);
 	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
 	struct kvr_request req;
 	kvr_request_init(&req);
@@ -315,6 +346,7 @@ static int rp_predict(void *state, uint32_t rank, const uint64_t *local, size_t 
 static int rp_blocks(void *state, uint32_t rank, uint64_t **out, size_t *n)
 {
 	struct rp *p = state;
+	tick(p);
 	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
 	size_t cap = 0;
 	uint64_t *buf = NULL;
