@@ -94,6 +94,8 @@ struct seg {
 	uint32_t prev, next;   /* inactive list; next doubles as the free list */
 	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
 	uint32_t hnext;        /* next segment with the same head hash */
+	uint32_t depth;        /* chain position of the first copy (UINT32_MAX: phantom) */
+	uint64_t order;        /* inactive: the list is sorted by (order asc, depth desc) */
 	uint8_t phantom;       /* released private blocks (keep_private) */
 	uint8_t inactive;      /* on the inactive list */
 };
@@ -101,6 +103,7 @@ struct seg {
 struct piece {
 	uint32_t seg; /* first segment (its split chain continues the piece) */
 	uint32_t len; /* blocks */
+	uint64_t ord; /* a hit on inactive copies: their order then (0: they were held) */
 };
 
 struct lease {
@@ -110,6 +113,7 @@ struct lease {
 	uint32_t n, cap;
 	uint32_t priv;
 	uint32_t nblocks;
+	uint32_t hit; /* blocks the acquire found present (the predicted depth) */
 };
 
 struct cursor {
@@ -126,6 +130,7 @@ struct kvr_lru {
 	uint32_t s_cap, s_live, free_head;
 	uint32_t inact_head, inact_tail;
 	uint64_t copies, n_inactive, priv, n_phantom, evictions, epoch, stamp, dup_extra;
+	uint64_t order_seq; /* last order given to a segment entering the inactive list */
 	bool keep_private;
 	struct kvr_u64map heads; /* head hash -> first segment of its multimap chain */
 	struct kvr_u64map dups;  /* hash -> extra copies, for hashes with several copies */
@@ -450,6 +455,7 @@ static void inact_append(struct kvr_lru *lru, uint32_t i)
 		lru->inact_head = i;
 	lru->inact_tail = i;
 	g->inactive = 1;
+	g->order = ++lru->order_seq;
 	lru->n_inactive += g->len;
 }
 
@@ -509,6 +515,8 @@ static int split(struct kvr_lru *lru, uint32_t i, uint32_t off)
 	b->len = rest;
 	b->refs = a->refs;
 	b->stamp = a->stamp;
+	b->depth = a->depth + off;
+	b->order = a->order;
 	b->sprev = i;
 	b->snext = a->snext;
 	if (a->snext != NIL)
@@ -583,13 +591,14 @@ static void trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out
 	compact(g);
 }
 
-static void reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
+/* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
+static void evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out)
 {
 	for (;;) {
 		uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
-		if (resident <= lru->capacity || lru->inact_head == NIL)
+		if (resident <= limit || lru->inact_head == NIL)
 			return;
-		uint64_t over = resident - lru->capacity;
+		uint64_t over = resident - limit;
 		uint32_t i = lru->inact_head;
 		struct seg *g = &lru->s[i];
 		uint32_t m = over < g->len ? (uint32_t)over : g->len;
@@ -606,6 +615,11 @@ static void reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
 			lru->n_inactive -= m;
 		}
 	}
+}
+
+static void reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
+{
+	evict_to(lru, lru->capacity, out);
 }
 
 /* ------------------------------------------------------------------ walks */
@@ -714,7 +728,7 @@ static uint32_t piece_last(const struct kvr_lru *lru, const struct piece *p)
 /* A new active segment (refs 1) holding hashes seq[0], seq[stride], ... (n > 0) in m (room
  * for n, transferred).  Slot and head-map room must be reserved. */
 static uint32_t seg_make(struct kvr_lru *lru, const uint64_t *seq, size_t stride, uint32_t n,
-                         uint64_t *m)
+                         uint32_t depth, uint64_t *m)
 {
 	for (uint32_t k = 0; k < n; k++)
 		m[k] = seq[(size_t)k * stride];
@@ -724,6 +738,7 @@ static uint32_t seg_make(struct kvr_lru *lru, const uint64_t *seq, size_t stride
 	g->cap = n;
 	g->len = n;
 	g->refs = 1;
+	g->depth = depth;
 	g->stamp = ++lru->stamp;
 	head_add(lru, i);
 	lru->copies += n;
@@ -799,15 +814,19 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	l->nblocks = (uint32_t)n;
 	l->last_seq = n ? b[n - 1].seq : 0;
 	kvr_u64map_insert(&lru->by_attempt, attempt, lru->n_leases++);
+	l->hit = (uint32_t)hit;
 	for (size_t k = 0; k < nh; k++) {
 		struct seg *g = &lru->s[lru->hits[k].seg];
-		if (g->refs++ == 0)
+		uint64_t ord = 0;
+		if (g->refs++ == 0) {
+			ord = g->order;
 			inact_unlink(lru, lru->hits[k].seg);
-		l->p[l->n++] = (struct piece){lru->hits[k].seg, lru->hits[k].len};
+		}
+		l->p[l->n++] = (struct piece){lru->hits[k].seg, lru->hits[k].len, ord};
 	}
 	if (nnew) {
-		uint32_t i = seg_make(lru, &b[hit].seq, 2, nnew, m);
-		l->p[l->n++] = (struct piece){i, nnew};
+		uint32_t i = seg_make(lru, &b[hit].seq, 2, nnew, (uint32_t)hit, m);
+		l->p[l->n++] = (struct piece){i, nnew, 0};
 		kvr_lru_out_stored(out, (uint32_t)hit, nnew);
 	}
 	lru->priv += private_blocks;
@@ -895,8 +914,8 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	}
 	lru->dup_extra += present;
 	if (n) {
-		uint32_t i = seg_make(lru, &b[0].seq, 2, (uint32_t)n, m);
-		l->p[l->n++] = (struct piece){i, (uint32_t)n};
+		uint32_t i = seg_make(lru, &b[0].seq, 2, (uint32_t)n, l->nblocks, m);
+		l->p[l->n++] = (struct piece){i, (uint32_t)n, 0};
 		l->nblocks += (uint32_t)n;
 		l->last_seq = b[n - 1].seq;
 		kvr_lru_out_stored(out, (uint32_t)present, (uint32_t)(n - present));
@@ -945,6 +964,7 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 	if (lru->keep_private && l->priv) {
 		uint32_t i = seg_new(lru);
 		lru->s[i].phantom = 1;
+		lru->s[i].depth = UINT32_MAX;
 		lru->s[i].len = l->priv;
 		lru->n_phantom += l->priv;
 		inact_append(lru, i);
@@ -987,6 +1007,178 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 		return rc;
 	}
 	reconcile(lru, out);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ healing (issue 15)
+ *
+ * Ground truth from the engine corrects the prediction, using the one thing that makes a single
+ * fact informative: eviction is ORDERED.  If the engine no longer held a block that we had on
+ * the inactive list at key K (order, depth), it evicted everything ordered before K too (vLLM
+ * pops its free queue from the head), so all of that goes from the prediction at once.
+ * The inactive list is sorted by key, so each rule is a walk from the head.  None of these
+ * allocates beyond the output buffer. */
+
+/* Evicts, from the head, every inactive copy whose key is at most (ord, depth) in eviction
+ * order: an older order, or the same order (split siblings of one released segment) at that
+ * depth or deeper.  Returns the copies (and phantom blocks) evicted. */
+static uint64_t evict_through(struct kvr_lru *lru, uint64_t ord, uint32_t depth,
+                              struct kvr_lru_out *out)
+{
+	uint64_t n = 0;
+	while (lru->inact_head != NIL) {
+		uint32_t i = lru->inact_head;
+		struct seg *g = &lru->s[i];
+		if (g->order > ord)
+			break;
+		if (g->order == ord && g->depth < depth) {
+			/* Only its blocks at depth and deeper (its tail) are ordered first. */
+			uint64_t end = (uint64_t)g->depth + g->len;
+			if (end > depth) {
+				uint32_t m = (uint32_t)(end - depth);
+				n += m;
+				trim(lru, i, m, out);
+			}
+			break;
+		}
+		n += g->len;
+		if (g->phantom) {
+			lru->n_phantom -= g->len;
+			seg_drop(lru, i);
+		} else {
+			trim(lru, i, g->len, out);
+		}
+	}
+	return n;
+}
+
+/* The hash of the lease's block at depth d (< nblocks). */
+static uint64_t lease_hash_at(const struct kvr_lru *lru, const struct lease *l, uint32_t d)
+{
+	uint32_t at = 0;
+	for (uint32_t k = 0;; k++) {
+		if (d < at + l->p[k].len) {
+			uint32_t i = l->p[k].seg, off = d - at;
+			while (off >= lru->s[i].len) {
+				off -= lru->s[i].len;
+				i = lru->s[i].snext;
+			}
+			return seq_of(&lru->s[i])[off];
+		}
+		at += l->p[k].len;
+	}
+}
+
+int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_depth,
+                        struct kvr_lru_heal *res, struct kvr_lru_out *out)
+{
+	if (!lru || !out || !res)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	memset(res, 0, sizeof(*res));
+	struct lease *l = find_lease(lru, attempt);
+	if (!l)
+		return KVR_ENOENT;
+	if (true_depth > l->nblocks)
+		return KVR_EINVAL;
+	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
+	if (rc)
+		return rc;
+	res->predicted = l->hit;
+	res->actual = true_depth;
+	if (true_depth >= l->hit)
+		return 0; /* as or more than predicted: the lease holds them already (see lru.h) */
+	/* The copy the acquire hit at depth true_depth: the engine had evicted it. */
+	uint64_t ord = 0;
+	for (uint32_t k = 0, at = 0; k < l->n; at += l->p[k].len, k++)
+		if (true_depth < at + l->p[k].len) {
+			ord = l->p[k].ord;
+			break;
+		}
+	if (ord == 0) {
+		res->unprovable = true; /* it was held by another request then */
+		return 0;
+	}
+	uint32_t depth = true_depth;
+	/* The engine had no copy of that hash at all: if we still keep others, the newest of them
+	 * bounds what went (rare: only hashes with several copies). */
+	uint64_t h = lease_hash_at(lru, l, true_depth);
+	if (kvr_u64map_find(&lru->dups, h)) {
+		for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
+			const struct seg *g = &lru->s[i];
+			if (g->phantom)
+				continue;
+			const uint64_t *q = seq_of(g);
+			for (uint32_t j = 0; j < g->len; j++)
+				if (q[j] == h &&
+				    (g->order > ord || (g->order == ord && g->depth + j < depth))) {
+					ord = g->order;
+					depth = g->depth + j;
+				}
+		}
+	}
+	res->evicted = evict_through(lru, ord, depth, out);
+	return 0;
+}
+
+int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted,
+                          struct kvr_lru_out *out)
+{
+	if (!lru || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
+	if (rc)
+		return rc;
+	uint64_t before = lru->copies + lru->n_phantom;
+	evict_to(lru, resident, out);
+	if (evicted)
+		*evicted = before - (lru->copies + lru->n_phantom);
+	return 0;
+}
+
+int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
+                           struct kvr_lru_out *out)
+{
+	if (!lru || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	/* Find the inactive copy of seq nearest the head (the engine's oldest block is near the
+	 * head of our list when the prediction is close; the scan stops there). */
+	uint32_t found = NIL, off = 0;
+	for (uint32_t i = lru->inact_head; i != NIL && found == NIL; i = lru->s[i].next) {
+		const struct seg *g = &lru->s[i];
+		if (g->phantom)
+			continue;
+		const uint64_t *q = seq_of(g);
+		for (uint32_t j = g->len; j-- > 0;) /* deepest first: the eviction order */
+			if (q[j] == seq) {
+				found = i;
+				off = j;
+				break;
+			}
+	}
+	if (found == NIL)
+		return KVR_ENOENT;
+	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
+	if (rc)
+		return rc;
+	uint64_t before = lru->copies + lru->n_phantom;
+	while (lru->inact_head != found) {
+		uint32_t i = lru->inact_head;
+		struct seg *g = &lru->s[i];
+		if (g->phantom) {
+			lru->n_phantom -= g->len;
+			seg_drop(lru, i);
+		} else {
+			trim(lru, i, g->len, out);
+		}
+	}
+	/* The blocks of its segment deeper than the watermark went before it. */
+	if (lru->s[found].len - 1 - off > 0)
+		trim(lru, found, lru->s[found].len - 1 - off, out);
+	if (evicted)
+		*evicted = before - (lru->copies + lru->n_phantom);
 	return 0;
 }
 

@@ -138,6 +138,46 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 /* Sets the capacity (blocks) and evicts inactive copies down to it.  0, KVR_EINVAL, KVR_ENOMEM. */
 int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_out *out);
 
+/*
+ * Healing from engine ground truth (issue 15).  Eviction is ordered, so one fact about what the
+ * engine no longer holds says that everything ordered before it went too.  Each rule evicts only
+ * INACTIVE copies (what no live request holds), reports them like any eviction in *out, and
+ * never allocates beyond *out.
+ */
+struct kvr_lru_heal {
+	uint32_t predicted; /* blocks the acquire found present (the predicted cached depth) */
+	uint32_t actual;    /* the engine's cached depth, as given */
+	uint64_t evicted;   /* copies (and released private blocks) the rule evicted */
+	bool unprovable;    /* the first missing block was held by another live request: the
+	                     * engine diverged in a way the order cannot explain; nothing evicted */
+};
+
+/*
+ * The engine found true_depth leading blocks of the attempt's prompt cached at admission.
+ * Less than predicted: the copy the acquire hit at depth true_depth had been evicted by the
+ * engine, so every inactive copy ordered before it (older releases; the same release and
+ * deeper) is evicted now.  The attempt's own copies stay: the engine recomputed them for it.
+ * More than or as predicted: nothing to evict; the blocks the engine proved present are held by
+ * the attempt already (an acquire takes a copy of every prompt block), so nothing needs
+ * re-admitting.  Returns 0, KVR_EINVAL (true_depth > the attempt's blocks), KVR_ENOENT (no
+ * live lease), KVR_ENOMEM (nothing changed).
+ */
+int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_depth,
+                        struct kvr_lru_heal *res, struct kvr_lru_out *out);
+
+/* The engine holds `resident` blocks: the oldest inactive copies go until the prediction holds
+ * no more (it may hold fewer: the engine's other blocks are unknown).  *evicted (may be NULL)
+ * counts them.  0, KVR_EINVAL, KVR_ENOMEM. */
+int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted,
+                          struct kvr_lru_out *out);
+
+/* The engine's oldest resident block is seq: every inactive copy ordered before its inactive
+ * copy nearest the head (including the deeper blocks of its segment) is evicted.  O(blocks
+ * scanned up to it).  0, KVR_EINVAL, KVR_ENOENT (no inactive copy of seq: nothing provable,
+ * nothing changed), KVR_ENOMEM. */
+int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
+                           struct kvr_lru_out *out);
+
 /* How many leading hashes of seq[0..n) are present on the rank (any copy). */
 size_t kvr_lru_overlap(const struct kvr_lru *lru, const uint64_t *seq, size_t n);
 
