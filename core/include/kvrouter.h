@@ -342,8 +342,8 @@ struct kvr_decision {
  * Returns 0 (see d->status), KVR_EINVAL (bad request), KVR_ENOENT (no eligible rank: none
  * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full; or the chosen rank's shard lane
  * stayed full for 10 ms: the router is overloaded, nothing was admitted; or over 2^20 attempts
- * are live), KVR_ETIMEDOUT (KVR_ROUTE_WAIT deadline), KVR_ENOMEM, KVR_ERANGE (the router's
- * 2^46 attempt ids are used up), KVR_ESHUTDOWN.
+ * are live), KVR_ETIMEDOUT (KVR_ROUTE_WAIT deadline; d->ticket names the request, which stays
+ * queued), KVR_ENOMEM, KVR_ERANGE (the router's 2^46 attempt ids are used up), KVR_ESHUTDOWN.
  * Context: any thread, concurrently.  The whole call runs on the caller's thread and never
  * waits for a shard (unless sync_booking): the attempt id is minted lock-free, the request's
  * load is added to the rank's published load at once (the very next decision on any thread
@@ -385,7 +385,8 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * requests are queued (finish/abort/prefill_done apply before the queue's admission pass).
  * A full lane (overload): finish/abort wait for room (they are claimed already);
  * prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed).  Output may
- * also return KVR_ENOMEM (copying more than 8 tokens). */
+ * also return KVR_ENOMEM (copying more than 8 tokens).  An attempt id this router never issued:
+ * KVR_ENOENT or KVR_ESTALE; r NULL or attempt 0: KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
