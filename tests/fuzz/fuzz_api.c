@@ -44,6 +44,7 @@
 static _Thread_local const char *cur_call = "";
 static _Thread_local size_t cur_op;
 static _Thread_local char cur_detail[256];
+static bool trace_on;           /* FUZZ_API_TRACE */
 uint64_t fuzz_api_current_seed; /* set by the seeded driver, printed on failure */
 
 #define FAIL(...)                                                                                  \
@@ -278,6 +279,9 @@ static void add_attempt_at(struct prog *p, const struct kvr_decision *d, uint64_
 	}
 	p->att[p->n_att++] =
 	    (struct matt){.id = d->attempt, .rank = ri, .life = p->rk[ri].life, .touch = touch};
+	if (trace_on)
+		fprintf(stderr, " [+attempt %" PRIx64 " rank %d ticket %" PRIu64 "]", d->attempt,
+		        ri, d->ticket);
 }
 
 static void add_attempt(struct prog *p, const struct kvr_decision *d)
@@ -511,6 +515,7 @@ static void op_rank_add(struct prog *p)
 		m->cap_finite_lru =
 		    p->cfg.mode == KVR_MODE_APPROX_LRU && cap != 0 && cap != KVR_CAPACITY_NONE;
 	}
+	drain_admits(p); /* it pumped the queue: admissions come after the model's change */
 }
 
 static void op_rank_remove(struct prog *p)
@@ -560,6 +565,7 @@ static void op_set_capacity(struct prog *p)
 	m->inc = inc;
 	m->cap = cap;
 	m->cap_finite_lru = p->cfg.mode == KVR_MODE_APPROX_LRU && finite_now;
+	drain_admits(p); /* it pumped the queue: admissions come after the model's change */
 }
 
 static void op_rank_reset(struct prog *p)
@@ -585,6 +591,7 @@ static void op_rank_reset(struct prog *p)
 	rank_forget_blocks(m);
 	m->ev_unknown = true;
 	m->inc = inc;
+	drain_admits(p); /* it pumped the queue: admissions come after the model's change */
 }
 
 static void op_stats(struct prog *p)
@@ -1672,6 +1679,7 @@ static void *run_program(void *arg)
 	const char *mo = getenv("FUZZ_API_MAX_OPS");
 	size_t max_ops = mo ? (size_t)strtoull(mo, NULL, 0) : 4096;
 	bool trace = getenv("FUZZ_API_TRACE") != NULL;
+	trace_on = trace;
 	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
 		uint32_t op = u8(&p->in) % 32;
 		if (trace)
@@ -1755,6 +1763,7 @@ static void *run_program(void *arg)
 			op_null_args(p);
 			break;
 		}
+		drain_admits(p); /* any call may have pumped the queue */
 		p->calls++;
 		if (trace)
 			fprintf(stderr, " %s rc %d [%s]\n", cur_call, last_rc, cur_detail);
