@@ -190,18 +190,20 @@ void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq)
 	idx->rt.n++;
 }
 
-void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq)
+void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq, const struct idx_run *r,
+                          uint32_t pos)
 {
 	struct idx_seg *s = seg_of(idx, seq);
 	struct idx_tab *t = s->tab;
 	if (!t)
 		return; /* NEVER */
-	uint64_t want = idx_tag(seq);
+	/* The entry is known exactly: compare words, no key dereference. */
+	const uint64_t want = ((uint64_t)pos << 49) | (uintptr_t)r | idx_tag(seq);
 	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
 		uint64_t e = t->e[i];
 		if (!e)
 			return; /* NEVER: a block in the tree is in its segment */
-		if ((e & 63) == want && e != IDX_TOMB && ent_seq(e) == seq) {
+		if (e == want) {
 			__atomic_store_n(&t->e[i], IDX_TOMB, __ATOMIC_RELAXED);
 			s->count--;
 			s->tombs++;

@@ -250,8 +250,10 @@ int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq);
 void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq);
 /* Inserts (seq -> run, pos); room must have been reserved. */
 void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r, uint32_t pos);
-/* Deletes seq's entry (never fails; may shrink the segment when memory allows). */
-void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq);
+/* Deletes the entry of seq at (r, pos) (never fails; may shrink the segment when memory
+ * allows). */
+void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq, const struct idx_run *r,
+                          uint32_t pos);
 
 #define IDX_RETIRE_BATCH                                                                           \
 	256 /* objects gathered per call_rcu (fewer grace periods, so fewer membarrier IPIs on     \

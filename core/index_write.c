@@ -556,7 +556,7 @@ static void run_check(struct kvr_index *idx, struct idx_run *r)
 		if (need >= r->len)
 			return;
 		for (uint32_t q = need; q < r->len; q++)
-			kvr_index_tab_delete(idx, r->seqs->s[q]);
+			kvr_index_tab_delete(idx, r->seqs->s[q], r, q);
 		/* Ordering: release; readers that still see the old len compare permanent content.
 		 */
 		__atomic_store_n(&r->len, need, __ATOMIC_RELEASE);
@@ -682,7 +682,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	uint64_t added = 0, copies = 0;
 	uint64_t *applied = NULL; /* ext hashes added or copied, for a rollback */
 	size_t napplied = 0;
-	struct idx_run *R = NULL; /* where the previous block sits; NULL = the root */
+	struct idx_hold *pub = NULL; /* a record whose cut is not yet mirrored into its hset */
+	struct idx_run *R = NULL;    /* where the previous block sits; NULL = the root */
 	uint32_t p = 0;
 	struct idx_hold *h = NULL; /* slot's record of R (cached) */
 	uint64_t pseq = 0, prev = 0;
@@ -738,6 +739,11 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			C = R;
 			q = p + 1;
 			pl = P_EXISTS;
+		} else if (R && p + 1 == R->len && R->hw == R->len && R->max_child_off <= p &&
+		           R->hw < IDX_RUN_MAX) {
+			/* Extending a run at its end with no child there: s, which names its
+			 * prefix, cannot be in the tree (no probe). */
+			pl = P_APPEND;
 		} else if (locate(idx, s, &C, &q)) {
 			bool ok = q > 0 ? (C == R && q == p + 1)
 			                : (C->parent == R && C->off == (R ? p + 1 : 0));
@@ -863,10 +869,12 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		}
 		if (new_hold)
 			rank_link_hold(idx, ch);
-		uint32_t cut0 = ch->cut;
 		hold_set(ch, q);
-		if (ch->cut != cut0 || new_hold)
-			publish_cut(ch);
+		if (pub != ch) { /* cuts are published once per run and call */
+			if (pub)
+				publish_cut(pub);
+			pub = ch;
+		}
 		if (alias) {
 			xmap_put(&rk->xmap, e, s);
 			xmap_put(&rk->rmap, s, e);
@@ -881,6 +889,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		has_prev = true;
 	}
 out:
+	if (pub)
+		publish_cut(pub);
 	if (rc == KVR_ENOMEM && napplied) {
 		/* A failed write changes nothing: take back what this call applied, newest
 		 * first (a removal never needs memory). */
