@@ -90,7 +90,7 @@ static inline struct idx_seg *seg_of(struct kvr_index *idx, uint64_t seq)
 static inline uint64_t ent_seq(uint64_t e)
 {
 	const struct idx_run *r = idx_ent_run(e);
-	return r->seqs->s[idx_ent_pos(e)];
+	return r->seqs[idx_ent_pos(e)];
 }
 
 /* Copies the live entries of s->tab into a new array of cap entries and publishes it.
@@ -250,7 +250,7 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 {
 	int64_t shared = 0, ranks = 0;
 	for (struct idx_run *r = rt->runs, *next; r; r = next) {
-		next = r->next_free;
+		next = r->child;
 		kvr_free_aligned(r, sizeof(*r));
 		shared += (int64_t)sizeof(*r);
 	}

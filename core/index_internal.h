@@ -6,6 +6,8 @@
 #define KVR_CORE_INDEX_INTERNAL_H
 
 #include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "core/index.h"
@@ -62,21 +64,33 @@ static inline uint64_t idx_bytes_hset(uint32_t cap)
  * The rest is the writers' (under kvr_index.wlock).
  */
 struct idx_run {
-	uint64_t first; /* s[0]: the table key readers check */
+	uint64_t first; /* seqs[0]: the table key readers check */
 	struct idx_run *parent;
+	uint64_t *seqs;      /* &first (a one-block run, no allocation) or idx_seqs.s */
+	struct idx_hset *hs; /* NULL = no holder */
 	uint32_t off;
 	uint32_t len; /* positions [0, len) are in the tree (and the block table) */
-	struct idx_seqs *seqs;
-	struct idx_hset *hs; /* NULL = no holder */
 	/* writer only */
 	uint32_t hw;            /* positions ever written into seqs (write-once) */
 	uint32_t max_child_off; /* largest off of a child (0 = none) */
-	uint32_t nchildren;
-	uint32_t pad;
-	struct idx_run *child; /* children list */
-	struct idx_run *sib_prev, *sib_next;
-	struct idx_run *next_free; /* retire-list link */
+	struct idx_run *child;  /* children list; the retire-list link once dead */
+	struct idx_run *sib;
 } __attribute__((aligned(IDX_CACHELINE)));
+
+static inline bool idx_seqs_inline(const struct idx_run *r)
+{
+	return r->seqs == &r->first;
+}
+
+static inline struct idx_seqs *idx_seqs_hdr(uint64_t *s)
+{
+	return (struct idx_seqs *)(void *)((char *)s - offsetof(struct idx_seqs, s));
+}
+
+static inline uint32_t idx_run_cap(const struct idx_run *r)
+{
+	return idx_seqs_inline(r) ? 1 : idx_seqs_hdr(r->seqs)->cap;
+}
 
 /*
  * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
@@ -89,16 +103,28 @@ struct idx_xcopy {
 	uint32_t extra;
 };
 
+struct idx_xcopies {
+	uint32_t n, cap;
+	struct idx_xcopy e[];
+};
+
 struct idx_hold {
 	struct idx_run *run;
 	struct idx_hold *prev, *next; /* the rank's list */
-	uint64_t *bm;
-	uint32_t nwords; /* bitmap words allocated */
+	union {
+		uint64_t *bm; /* nwords > 1 */
+		uint64_t bm0; /* nwords == 1: inline */
+	};
+	uint32_t nwords; /* bitmap words */
 	uint32_t slot;
-	uint32_t cut, top, held;
-	uint32_t nex, capex;
-	struct idx_xcopy *ex;
+	uint32_t cut, top, held, pad;
+	struct idx_xcopies *ex; /* NULL = no extra copies */
 };
+
+static inline uint64_t *idx_hold_bm(struct idx_hold *h)
+{
+	return h->nwords == 1 ? &h->bm0 : h->bm;
+}
 
 /* Per-rank map key -> val for the blocks stored with ext != seq (events mode): linear probing,
  * backward-shift deletion, used = occupied.  Writers only (under wlock). */

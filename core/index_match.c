@@ -81,21 +81,21 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		/* Ordering: acquire (len before seqs: a len covering new positions was released
 		 * after the array holding them was published). */
 		uint32_t len = __atomic_load_n(&R->len, __ATOMIC_ACQUIRE);
-		const struct idx_seqs *sq = __atomic_load_n(&R->seqs, __ATOMIC_ACQUIRE);
+		const uint64_t *sq = __atomic_load_n(&R->seqs, __ATOMIC_ACQUIRE);
 		const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
 		if (hs)
 			__builtin_prefetch(hs);
 		size_t m = len < n - q ? len : n - q, k;
 		if (m == 0) {
 			k = 0;
-		} else if (sq->s[m - 1] == seq[q + m - 1]) {
+		} else if (sq[m - 1] == seq[q + m - 1]) {
 			k = m; /* one comparison at the far end */
 		} else {
 			size_t lo = 1,
 			       hi = m - 1; /* s[0] matched (R was found by it), s[m-1] did not */
 			while (lo < hi) {
 				size_t mid = (lo + hi + 1) / 2;
-				if (sq->s[mid - 1] == seq[q + mid - 1])
+				if (sq[mid - 1] == seq[q + mid - 1])
 					lo = mid;
 				else
 					hi = mid - 1;

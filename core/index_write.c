@@ -137,12 +137,20 @@ static void xmap_shrink(struct kvr_index *idx, struct idx_xmap *m)
 
 static inline bool bit(const struct idx_hold *h, uint32_t pos)
 {
-	return pos / 64 < h->nwords && (h->bm[pos / 64] >> (pos % 64) & 1);
+	if (pos / 64 >= h->nwords)
+		return false;
+	return ((h->nwords == 1 ? h->bm0 : h->bm[pos / 64]) >> (pos % 64)) & 1;
+}
+
+static uint64_t ex_bytes(uint32_t cap)
+{
+	return cap ? sizeof(struct idx_xcopies) + (uint64_t)cap * sizeof(struct idx_xcopy) : 0;
 }
 
 static uint64_t hold_bytes(const struct idx_hold *h)
 {
-	return sizeof(*h) + (uint64_t)h->nwords * 8 + (uint64_t)h->capex * sizeof(struct idx_xcopy);
+	return sizeof(*h) + (h->nwords > 1 ? (uint64_t)h->nwords * 8 : 0) +
+	       ex_bytes(h->ex ? h->ex->cap : 0);
 }
 
 static struct idx_hold *hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
@@ -153,8 +161,7 @@ static struct idx_hold *hold_new(struct kvr_index *idx, struct idx_run *run, uin
 		return NULL;
 	memset(h, 0, sizeof(*h));
 	h->nwords = pos / 64 + 1;
-	h->bm = kvr_calloc(h->nwords, 8);
-	if (!h->bm) {
+	if (h->nwords > 1 && !(h->bm = kvr_calloc(h->nwords, 8))) {
 		kvr_free(h, sizeof(*h));
 		return NULL;
 	}
@@ -167,8 +174,10 @@ static struct idx_hold *hold_new(struct kvr_index *idx, struct idx_run *run, uin
 static void hold_free(struct kvr_index *idx, struct idx_hold *h)
 {
 	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
-	kvr_free(h->bm, (size_t)h->nwords * 8);
-	kvr_free(h->ex, (size_t)h->capex * sizeof(struct idx_xcopy));
+	if (h->nwords > 1)
+		kvr_free(h->bm, (size_t)h->nwords * 8);
+	if (h->ex)
+		kvr_free(h->ex, ex_bytes(h->ex->cap));
 	kvr_free(h, sizeof(*h));
 }
 
@@ -178,11 +187,13 @@ static int hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 	if (pos / 64 < h->nwords)
 		return 0;
 	uint32_t nw = h->nwords * 2 > pos / 64 + 1 ? h->nwords * 2 : pos / 64 + 1;
-	uint64_t *bm = kvr_realloc(h->bm, (size_t)h->nwords * 8, (size_t)nw * 8);
+	uint64_t *bm = kvr_calloc(nw, 8);
 	if (!bm)
 		return KVR_ENOMEM;
-	memset(bm + h->nwords, 0, (size_t)(nw - h->nwords) * 8);
-	idx_count(&idx->bytes_rank, (int64_t)(nw - h->nwords) * 8);
+	memcpy(bm, idx_hold_bm(h), (size_t)h->nwords * 8);
+	idx_count(&idx->bytes_rank, (int64_t)(nw - (h->nwords > 1 ? h->nwords : 0)) * 8);
+	if (h->nwords > 1)
+		kvr_free(h->bm, (size_t)h->nwords * 8);
 	h->bm = bm;
 	h->nwords = nw;
 	return 0;
@@ -191,7 +202,8 @@ static int hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 /* Sets pos (the bitmap covers it); advances the gap-free cut over what follows. */
 static void hold_set(struct idx_hold *h, uint32_t pos)
 {
-	h->bm[pos / 64] |= 1ull << (pos % 64);
+	uint64_t *bm = idx_hold_bm(h);
+	bm[pos / 64] |= 1ull << (pos % 64);
 	h->held++;
 	if (pos + 1 > h->top)
 		h->top = pos + 1;
@@ -199,7 +211,7 @@ static void hold_set(struct idx_hold *h, uint32_t pos)
 		return;
 	uint32_t c = h->cut;
 	while (c / 64 < h->nwords) {
-		uint64_t w = ~(h->bm[c / 64] >> (c % 64));
+		uint64_t w = ~(bm[c / 64] >> (c % 64));
 		if (w) {
 			c += (uint32_t)__builtin_ctzll(w);
 			break;
@@ -211,7 +223,8 @@ static void hold_set(struct idx_hold *h, uint32_t pos)
 
 static void hold_clear(struct idx_hold *h, uint32_t pos)
 {
-	h->bm[pos / 64] &= ~(1ull << (pos % 64));
+	uint64_t *bm = idx_hold_bm(h);
+	bm[pos / 64] &= ~(1ull << (pos % 64));
 	h->held--;
 	if (pos < h->cut)
 		h->cut = pos;
@@ -219,8 +232,8 @@ static void hold_clear(struct idx_hold *h, uint32_t pos)
 		return;
 	uint32_t t = 0;
 	for (uint32_t w = pos / 64 + 1; w-- > 0;)
-		if (h->bm[w]) {
-			t = w * 64 + 64 - (uint32_t)__builtin_clzll(h->bm[w]);
+		if (bm[w]) {
+			t = w * 64 + 64 - (uint32_t)__builtin_clzll(bm[w]);
 			break;
 		}
 	h->top = t;
@@ -229,24 +242,31 @@ static void hold_clear(struct idx_hold *h, uint32_t pos)
 /* Copy counts (count_copies): extra copies of a held position. */
 static struct idx_xcopy *ex_find(const struct idx_hold *h, uint32_t pos)
 {
-	for (uint32_t i = 0; i < h->nex; i++)
-		if (h->ex[i].pos == pos)
-			return &h->ex[i];
+	if (!h->ex)
+		return NULL;
+	for (uint32_t i = 0; i < h->ex->n; i++)
+		if (h->ex->e[i].pos == pos)
+			return &h->ex->e[i];
 	return NULL;
 }
 
 static int ex_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	if (ex_find(h, pos) || h->nex < h->capex)
+	uint32_t cap = h->ex ? h->ex->cap : 0, n = h->ex ? h->ex->n : 0;
+	if (ex_find(h, pos) || n < cap)
 		return 0;
-	uint32_t nc = h->capex ? h->capex * 2 : 2;
-	struct idx_xcopy *e =
-	    kvr_realloc(h->ex, (size_t)h->capex * sizeof(*e), (size_t)nc * sizeof(*e));
+	uint32_t nc = cap ? cap * 2 : 2;
+	struct idx_xcopies *e = kvr_alloc(ex_bytes(nc));
 	if (!e)
 		return KVR_ENOMEM;
-	idx_count(&idx->bytes_rank, (int64_t)(nc - h->capex) * (int64_t)sizeof(*e));
+	e->n = n;
+	e->cap = nc;
+	if (h->ex) {
+		memcpy(e->e, h->ex->e, (size_t)n * sizeof(struct idx_xcopy));
+		kvr_free(h->ex, ex_bytes(cap));
+	}
+	idx_count(&idx->bytes_rank, (int64_t)(ex_bytes(nc) - ex_bytes(cap)));
 	h->ex = e;
-	h->capex = nc;
 	return 0;
 }
 
@@ -256,7 +276,7 @@ static void ex_inc(struct idx_hold *h, uint32_t pos)
 	if (e)
 		e->extra++;
 	else
-		h->ex[h->nex++] = (struct idx_xcopy){pos, 1};
+		h->ex->e[h->ex->n++] = (struct idx_xcopy){pos, 1};
 }
 
 /* Drops one extra copy of pos; false when pos has none. */
@@ -266,7 +286,7 @@ static bool ex_dec(struct idx_hold *h, uint32_t pos)
 	if (!e)
 		return false;
 	if (--e->extra == 0)
-		*e = h->ex[--h->nex];
+		*e = h->ex->e[--h->ex->n];
 	return true;
 }
 
@@ -415,51 +435,71 @@ static void hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
 
 /* ---------------------------------------------------------------- runs */
 
-static void seqs_retire(struct kvr_index *idx, struct idx_seqs *q)
+/* Retires r's sequence array if it has its own allocation. */
+static void seqs_retire(struct kvr_index *idx, struct idx_run *r)
 {
+	if (idx_seqs_inline(r))
+		return;
+	struct idx_seqs *q = idx_seqs_hdr(r->seqs);
 	q->next_free = idx->rt.seqs;
 	idx->rt.seqs = q;
 	idx->rt.n++;
 }
 
+static uint64_t run_bytes(const struct idx_run *r)
+{
+	return sizeof(*r) + (idx_seqs_inline(r) ? 0 : idx_bytes_seqs(idx_run_cap(r)));
+}
+
+/* A new run below (parent, off) with room for cap blocks (one-block runs keep their hash in
+ * the header: no second allocation). */
 static struct idx_run *run_new(struct kvr_index *idx, struct idx_run *parent, uint32_t off,
                                uint32_t cap, uint64_t first)
 {
 	struct idx_run *r = kvr_alloc_aligned(sizeof(*r));
 	if (!r)
 		return NULL;
-	struct idx_seqs *q = kvr_alloc(idx_bytes_seqs(cap));
-	if (!q || ((uintptr_t)r & ~IDX_PTR_MASK)) { /* NEVER: user space is below 2^49 */
+	struct idx_seqs *q = NULL;
+	if (cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) {
+		kvr_free_aligned(r, sizeof(*r));
+		return NULL;
+	}
+	if ((uintptr_t)r & ~IDX_PTR_MASK) { /* NEVER: user space is below 2^49 */
 		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
 		kvr_free_aligned(r, sizeof(*r));
 		return NULL;
 	}
 	memset(r, 0, sizeof(*r));
-	q->cap = cap;
-	q->next_free = NULL;
-	q->s[0] = first;
 	r->first = first;
+	if (q) {
+		q->cap = cap;
+		q->next_free = NULL;
+		q->s[0] = first;
+		r->seqs = q->s;
+	} else {
+		r->seqs = &r->first;
+	}
 	r->parent = parent;
 	r->off = off;
-	r->seqs = q;
 	r->hw = 1;
-	idx_count(&idx->bytes_shared, (int64_t)(sizeof(*r) + idx_bytes_seqs(cap)));
+	idx_count(&idx->bytes_shared, (int64_t)run_bytes(r));
 	return r;
 }
 
-/* Frees a run never published. */
-static void run_free_unpublished(struct kvr_index *idx, struct idx_run *r)
+/* Frees a run never published, or (destroy) one nobody can read any more. */
+static void run_free(struct kvr_index *idx, struct idx_run *r)
 {
-	idx_count(&idx->bytes_shared, -(int64_t)(sizeof(*r) + idx_bytes_seqs(r->seqs->cap)));
-	kvr_free(r->seqs, idx_bytes_seqs(r->seqs->cap));
+	idx_count(&idx->bytes_shared, -(int64_t)run_bytes(r));
+	if (!idx_seqs_inline(r))
+		kvr_free(idx_seqs_hdr(r->seqs), idx_bytes_seqs(idx_run_cap(r)));
 	kvr_free_aligned(r, sizeof(*r));
 }
 
 /* Makes room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
 static int run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
 {
-	struct idx_seqs *o = r->seqs;
-	if (r->hw < o->cap)
+	uint32_t ocap = idx_run_cap(r);
+	if (r->hw < ocap)
 		return 0;
 	uint64_t cap = (uint64_t)r->hw + (more > 1 ? more : 1);
 	if (cap < (uint64_t)r->hw + r->hw / 4 + 1) /* geometric: amortised O(1) per block */
@@ -471,12 +511,12 @@ static int run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
 		return KVR_ENOMEM;
 	q->cap = (uint32_t)cap;
 	q->next_free = NULL;
-	memcpy(q->s, o->s, (size_t)r->hw * sizeof(uint64_t));
+	memcpy(q->s, r->seqs, (size_t)r->hw * sizeof(uint64_t));
 	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_seqs(q->cap));
+	seqs_retire(idx, r);
 	/* Ordering: release; pairs with the acquire load of seqs in find_matches (which loads
 	 * len first: a len covering new positions was stored after this publish). */
-	kvr_rcu_publish(&r->seqs, q);
-	seqs_retire(idx, o);
+	kvr_rcu_publish(&r->seqs, q->s);
 	return 0;
 }
 
@@ -484,31 +524,28 @@ static void link_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
-	c->sib_prev = NULL;
-	c->sib_next = p->child;
-	if (p->child)
-		p->child->sib_prev = c;
+	c->sib = p->child;
 	p->child = c;
-	p->nchildren++;
 	if (c->off > p->max_child_off)
 		p->max_child_off = c->off;
 }
 
+/* O(children): the parent's largest child offset is recomputed on the same walk. */
 static void unlink_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
-	if (c->sib_prev)
-		c->sib_prev->sib_next = c->sib_next;
-	else
-		p->child = c->sib_next;
-	if (c->sib_next)
-		c->sib_next->sib_prev = c->sib_prev;
-	p->nchildren--;
+	struct idx_run **at = &p->child;
 	p->max_child_off = 0;
-	for (const struct idx_run *k = p->child; k; k = k->sib_next)
-		if (k->off > p->max_child_off)
-			p->max_child_off = k->off;
+	while (*at) {
+		if (*at == c)
+			*at = c->sib;
+		else {
+			if ((*at)->off > p->max_child_off)
+				p->max_child_off = (*at)->off;
+			at = &(*at)->sib;
+		}
+	}
 }
 
 static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
@@ -556,7 +593,7 @@ static void run_check(struct kvr_index *idx, struct idx_run *r)
 		if (need >= r->len)
 			return;
 		for (uint32_t q = need; q < r->len; q++)
-			kvr_index_tab_delete(idx, r->seqs->s[q], r, q);
+			kvr_index_tab_delete(idx, r->seqs[q], r, q);
 		/* Ordering: release; readers that still see the old len compare permanent content.
 		 */
 		__atomic_store_n(&r->len, need, __ATOMIC_RELEASE);
@@ -569,8 +606,8 @@ static void run_check(struct kvr_index *idx, struct idx_run *r)
 		}
 		struct idx_run *p = r->parent;
 		unlink_child(p, r);
-		seqs_retire(idx, r->seqs);
-		r->next_free = idx->rt.runs;
+		seqs_retire(idx, r);
+		r->child = idx->rt.runs;
 		idx->rt.runs = r;
 		idx->rt.n++;
 		r = p;
@@ -588,9 +625,7 @@ void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
 		idx_count(&idx->bytes_rank, -(int64_t)idx_bytes_hset(hs->cap));
 		kvr_free(hs, idx_bytes_hset(hs->cap));
 	}
-	idx_count(&idx->bytes_shared, -(int64_t)(sizeof(*r) + idx_bytes_seqs(r->seqs->cap)));
-	kvr_free(r->seqs, idx_bytes_seqs(r->seqs->cap));
-	kvr_free_aligned(r, sizeof(*r));
+	run_free(idx, r);
 }
 
 /* ---------------------------------------------------------------- events */
@@ -735,7 +770,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		struct idx_run *C = NULL;
 		uint32_t q = 0;
 		enum place pl;
-		if (R && p + 1 < R->len && R->seqs->s[p + 1] == s) {
+		if (R && p + 1 < R->len && R->seqs[p + 1] == s) {
 			C = R;
 			q = p + 1;
 			pl = P_EXISTS;
@@ -752,7 +787,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				break;
 			}
 			pl = P_EXISTS;
-		} else if (R && p + 1 == R->len && p + 1 < R->hw && R->seqs->s[p + 1] == s) {
+		} else if (R && p + 1 == R->len && p + 1 < R->hw && R->seqs[p + 1] == s) {
 			pl = P_REEXTEND;
 		} else if (R && p + 1 == R->len && R->hw == R->len && R->hw < IDX_RUN_MAX) {
 			pl = P_APPEND;
@@ -843,7 +878,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 					          -(int64_t)idx_bytes_hset(nr->hs->cap));
 					kvr_free(nr->hs, idx_bytes_hset(nr->hs->cap));
 				}
-				run_free_unpublished(idx, nr);
+				run_free(idx, nr);
 			}
 			break;
 		}
@@ -855,7 +890,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			kvr_index_tab_insert(idx, s, nr, 0);
 			break;
 		case P_APPEND:
-			R->seqs->s[R->hw++] = s;
+			R->seqs[R->hw++] = s;
 			/* Ordering: release; pairs with the acquire load of len in find_matches. */
 			__atomic_store_n(&R->len, R->len + 1, __ATOMIC_RELEASE);
 			kvr_index_tab_insert(idx, s, R, q);
@@ -930,7 +965,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		}
 		struct idx_run *C;
 		uint32_t q;
-		if (R && p + 1 < R->len && R->seqs->s[p + 1] == s) { /* a chain's tail: no probe */
+		if (R && p + 1 < R->len && R->seqs[p + 1] == s) { /* a chain's tail: no probe */
 			C = R;
 			q = p + 1;
 		} else if (!locate(idx, s, &C, &q)) {
@@ -1009,10 +1044,10 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 		struct idx_hold *h = rk->holds;
 		struct idx_run *r = h->run;
 		removed += h->held;
-		for (uint32_t i = 0; i < h->nex; i++)
-			removed += h->ex[i].extra;
-		memset(h->bm, 0, (size_t)h->nwords * 8);
-		h->held = h->cut = h->top = h->nex = 0;
+		for (uint32_t i = 0; h->ex && i < h->ex->n; i++)
+			removed += h->ex->e[i].extra;
+		memset(idx_hold_bm(h), 0, (size_t)h->nwords * 8);
+		h->held = h->cut = h->top = 0;
 		publish_cut(h);
 		drop_hold(idx, h);
 		run_check(idx, r);
@@ -1071,11 +1106,11 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 		return 0;
 	pthread_mutex_lock(&idx->wlock);
 	size_t n = 0;
-	for (const struct idx_hold *h = rk->holds; h; h = h->next) {
+	for (struct idx_hold *h = rk->holds; h; h = h->next) {
 		for (uint32_t w = 0; w < h->nwords; w++) {
-			for (uint64_t b = h->bm[w]; b; b &= b - 1) {
+			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
-				uint64_t s = h->run->seqs->s[pos], e = s;
+				uint64_t s = h->run->seqs[pos], e = s;
 				xmap_get(&rk->rmap, s, &e);
 				if (out && n < cap)
 					out[n] = e;
