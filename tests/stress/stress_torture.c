@@ -104,7 +104,29 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 	outcome(ticket, d, d->status == KVR_FAILED ? d->error : 0);
 }
 
-/* Tickets whose wait timed out: cancelled or collected later by their router thread. */
+/* A ticket nobody waits on: cancelled now, or else on_admit delivers (or is delivering) it. */
+static void cancel_now(uint64_t t)
+{
+	int rc = kvr_route_cancel(R, t);
+	if (rc == 0) {
+		if (atomic_exchange(&ticket_state[t], 1) != 0)
+			FAIL("ticket %" PRIu64 " cancelled after an outcome", t);
+		atomic_fetch_add(&n_cancelled, 1);
+		return;
+	}
+	if (rc != KVR_ENOENT)
+		FAIL("cancel: %d", rc);
+	/* Admitted or failed: the pump calls on_admit right after it unlinks the entry. */
+	for (int i = 0; i < 20000 && atomic_load(&ticket_state[t]) != 2; i++) {
+		struct timespec ts = {0, 100000};
+		nanosleep(&ts, NULL);
+	}
+	if (atomic_load(&ticket_state[t]) != 2)
+		FAIL("ticket %" PRIu64 ": cancel said not queued, on_admit never told", t);
+}
+
+/* Tickets whose wait timed out (so on_admit will not report them): cancelled or collected
+ * later by their router thread. */
 struct pending {
 	uint64_t t[64];
 	int n;
@@ -131,6 +153,14 @@ static void resolve(struct pending *p, int k, bool block)
 		FAIL("cancel: %d", rc);
 	}
 	p->t[k] = p->t[--p->n];
+}
+
+/* Keeps a timed-out ticket to resolve later; when the list is full the oldest goes first. */
+static void pend_add(struct pending *p, uint64_t t)
+{
+	if (p->n == 64)
+		resolve(p, 0, false);
+	p->t[p->n++] = t;
 }
 
 /* ---------------------------------------------------------------- threads */
@@ -177,25 +207,21 @@ static void *router_thread(void *arg)
 				push_attempt(d.attempt);
 		} else if (rc == 0 && d.status == KVR_QUEUED) {
 			atomic_fetch_add(&n_queued, 1);
-			if (how == 1 && pend.n < 64) {
-				pend.t[pend.n++] = d.ticket;
-				resolve(&pend, pend.n - 1, false); /* cancel at once */
-			} else if (how == 2 && pend.n < 64) {
+			if (how == 1) {
+				cancel_now(d.ticket);
+			} else if (how == 2) {
 				struct kvr_decision w;
 				int wrc =
 				    kvr_route_wait(R, d.ticket, kvr_router_now(R) + 1000000, &w);
 				if (wrc == KVR_ETIMEDOUT)
-					pend.t[pend.n++] = d.ticket;
+					pend_add(&pend, d.ticket);
 				else
 					outcome(d.ticket, &w, wrc);
 			}
 			/* else: on_admit tells the outcome */
 		} else if (rc == KVR_ETIMEDOUT) {
 			atomic_fetch_add(&n_queued, 1);
-			if (pend.n < 64)
-				pend.t[pend.n++] = d.ticket;
-			else
-				FAIL("pending tickets full");
+			pend_add(&pend, d.ticket);
 		} else if (rc == KVR_EAGAIN) {
 			atomic_fetch_add(&n_full, 1);
 		} else if (rc == KVR_ENOENT) {
