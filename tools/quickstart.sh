@@ -62,7 +62,7 @@ run)
 	caps=12800,25600,51200,102400
 	for t in mooncake sessions; do
 		if [ "$t" = mooncake ]; then files=("${mooncake[@]}"); else files=("${sessions[@]}"); fi
-		"$replay" --quiet --ranks 8 --jobs 2 --policies events,approx_lru,approx_ttl \
+		"$replay" --ranks 8 --jobs 2 --policies events,approx_lru,approx_ttl \
 			--sweep "blocks=$caps" --label "$t" --plot "$out/capacity-$t" \
 			--csv "$out/capacity-$t.csv" "${files[@]}"
 	done
