@@ -17,11 +17,17 @@
  * Why snapshots for load (step 3) and not a routing-lane call per candidate: a call is one round
  * trip to a shard thread (microseconds: see perf/bench_lanes), and with 64 or 1024 candidates
  * that would be the whole latency budget many times over, while the snapshot is one cache line
- * per rank.  The price: the snapshot cannot tell which of this request's blocks are already
- * pinned by in-flight requests on each rank, so the potential decode load counts all of the
- * request's blocks as new on every rank.  That is the same constant on every rank, so argmin and
- * the range-normalised softmax are unaffected; the exact, deduplicated booking happens at
- * admission (shards/load.c).
+ * per rank.  The snapshot alone cannot tell which of this request's blocks are already pinned
+ * by in-flight requests on each rank, and that is not a constant: on a rank where a sibling is
+ * decoding the same long prefix, Dynamo's decode cost (active blocks + the request's blocks NOT
+ * already pinned there) is much smaller, and counting every block as new sent follow-ups to an
+ * idle rank to recompute the whole prefix.  So each rank's shard also keeps a second index, of
+ * the blocks its live attempts pin (stored when a block's pin count goes 0 -> 1, its tail
+ * trimmed when it drops to 0: shards/load.c reports both as runs).  Pinned blocks are
+ * prefix-closed along each request's chain, so the request's blocks pinned on a rank are a
+ * PREFIX of its chain there, and find_matches on that index gives its length, the pinned depth,
+ * with no round trip: decode blocks = active + (request blocks - pinned depth).
+ *
  *
  * A rank removed between selection and booking makes the booking stale (generation check on the
  * shard): nothing is booked and the attempt's later calls return KVR_ESTALE.  With sync_booking
@@ -51,6 +57,14 @@ struct scratch {
 	size_t match_cap;
 	struct kvr_candidate *cand;
 	size_t cand_cap;
+	uint32_t *pin; /* by slot: pinned depth (blocks of the prompt already pinned there) */
+	size_t pin_cap;
+	struct kvr_index_match *pmatch; /* pinned-index matches (pinned-index slots) */
+	size_t pmatch_cap;
+	uint32_t *pmain; /* main slot of each pinned match */
+	size_t pmain_cap;
+	uint32_t *cand_pin; /* pinned depth of each candidate */
+	size_t cand_pin_cap;
 };
 
 static _Thread_local struct scratch tls;
@@ -64,6 +78,10 @@ static void scratch_free(void *p)
 	kvr_free(s->score, s->score_cap * sizeof(uint32_t));
 	kvr_free(s->match, s->match_cap * sizeof(*s->match));
 	kvr_free(s->cand, s->cand_cap * sizeof(*s->cand));
+	kvr_free(s->pin, s->pin_cap * sizeof(uint32_t));
+	kvr_free(s->pmatch, s->pmatch_cap * sizeof(*s->pmatch));
+	kvr_free(s->pmain, s->pmain_cap * sizeof(uint32_t));
+	kvr_free(s->cand_pin, s->cand_pin_cap * sizeof(uint32_t));
 	memset(s, 0, sizeof(*s));
 }
 
@@ -168,12 +186,16 @@ static void add_candidate(struct kvr_router *r, uint32_t slot, size_t n_blocks, 
 	struct kvr_rank_pub *pub = &r->ranks[slot];
 	if (!__atomic_load_n(&pub->live, __ATOMIC_ACQUIRE))
 		return;
+	uint32_t pinned = tls.pin[slot];
+	tls.cand_pin[*n] = pinned;
 	struct kvr_candidate *c = &tls.cand[(*n)++];
 	c->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
 	c->slot = slot;
 	c->overlap_blocks = tls.score[slot];
 	c->active_prefill_tokens = kvr_rank_pub_prefill(pub);
-	c->potential_decode_blocks = kvr_rank_pub_blocks(pub) + n_blocks;
+	/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT already
+	 * pinned there (its pinned depth: pinned blocks are prefix-closed along the chain). */
+	c->potential_decode_blocks = kvr_rank_pub_blocks(pub) + n_blocks - pinned;
 	c->cost = 0;
 }
 
@@ -225,7 +247,15 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	    (rc = grow_arr((void **)&tls.match, &tls.match_cap, cfg->max_ranks, sizeof(*tls.match),
 	                   false)) ||
 	    (rc = grow_arr((void **)&tls.cand, &tls.cand_cap, cfg->max_ranks, sizeof(*tls.cand),
-	                   false)))
+	                   false)) ||
+	    (rc = grow_arr((void **)&tls.pin, &tls.pin_cap, cfg->max_ranks, sizeof(uint32_t),
+	                   true)) ||
+	    (rc = grow_arr((void **)&tls.pmatch, &tls.pmatch_cap, cfg->max_ranks,
+	                   sizeof(*tls.pmatch), false)) ||
+	    (rc = grow_arr((void **)&tls.pmain, &tls.pmain_cap, cfg->max_ranks, sizeof(uint32_t),
+	                   false)) ||
+	    (rc = grow_arr((void **)&tls.cand_pin, &tls.cand_pin_cap, cfg->max_ranks,
+	                   sizeof(uint32_t), false)))
 		return rc;
 	if (q->tokens)
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
@@ -258,10 +288,29 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			if (tls.match[i].score > best)
 				best = tls.match[i].score;
 		}
+		/* Pinned depth per rank, found the way the cached depth is (a second index). */
+		size_t np = 0;
+		if (nb && r->pinned)
+			kvr_index_find_matches(r->pinned, tls.seq, nb, NULL, tls.pmatch,
+			                       tls.pmatch_cap, &np);
+		for (size_t i = 0; i < np; i++) {
+			uint64_t main_slot;
+			uint32_t dp;
+			tls.pmain[i] = UINT32_MAX;
+			if (kvr_index_rank_get(r->pinned, tls.pmatch[i].slot, &main_slot, &dp) ==
+			        0 &&
+			    main_slot < cfg->max_ranks) {
+				tls.pmain[i] = (uint32_t)main_slot;
+				tls.pin[main_slot] = tls.pmatch[i].score;
+			}
+		}
 		long nc = candidates(r, q, nb, live);
 		kvr_rcu_read_unlock();
 		for (size_t i = 0; i < nm; i++)
 			tls.score[tls.match[i].slot] = 0;
+		for (size_t i = 0; i < np; i++)
+			if (tls.pmain[i] != UINT32_MAX)
+				tls.pin[tls.pmain[i]] = 0;
 		KVR_PROBE3(match, nb, nm, best);
 		uint64_t t2 = mono_ns();
 		if (nc < 0) {
@@ -276,6 +325,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		uint64_t rng = cfg->seed ^ (k * 0x9e3779b97f4a7c15ull);
 		long pick = kvr_select(&sp, tls.cand, (size_t)nc, &rng);
 		struct kvr_candidate chosen = tls.cand[pick];
+		uint32_t chosen_pinned = tls.cand_pin[pick];
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
 		uint64_t gen = chosen.gen;
 		uint64_t t3 = mono_ns();
@@ -323,7 +373,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .chain_known = q->tokens != NULL || q->n_tokens == nb * bs,
 		    .lora_seed = seed,
 		    .overlap = chosen.overlap_blocks,
-		    .pend_blocks = nb,
+		    .pend_blocks = nb - chosen_pinned, /* the request's new decode blocks there */
 		};
 		rc = kvr_admit(r, &a, cfg->sync_booking);
 		uint64_t t4 = mono_ns();

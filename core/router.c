@@ -82,6 +82,8 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
 		goto fail;
 	kvr_index_set_count_copies(r->index, cfg->mode == KVR_MODE_EVENTS);
+	if ((rc = kvr_index_create(cfg->max_ranks, &r->pinned)))
+		goto fail;
 	if ((rc = kvr_leases_create(&r->leases)))
 		goto fail;
 	r->owner = (struct kvr_owner_ctx){
@@ -95,6 +97,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .callback_ctx = cfg->callback_ctx,
 	    .clock = r->clock,
 	    .index = r->index,
+	    .pinned = r->pinned,
 	    .metrics = r->metrics,
 	    .ranks = r->ranks,
 	    .leases = r->leases,
@@ -144,6 +147,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_shards_destroy(r->shards);
 	kvr_rcu_barrier();
 	kvr_index_destroy(r->index);
+	kvr_index_destroy(r->pinned);
 	kvr_leases_destroy(r->leases);
 	kvr_metrics_destroy(r->metrics);
 	if (r->live)

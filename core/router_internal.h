@@ -48,6 +48,7 @@ struct kvr_router {
 	struct kvr_config cfg;
 	struct kvr_clock clock;
 	struct kvr_index *index;
+	struct kvr_index *pinned; /* blocks pinned by live attempts, per rank (see route.c) */
 	struct kvr_shards *shards;
 	struct kvr_metrics *metrics;
 	struct kvr_leases *leases;   /* attempt ids and their lease words */

@@ -24,7 +24,6 @@ struct kvr_attempt {
 	uint32_t tail_n;   /* tokens of the partial block (KV computed) */
 	uint32_t pending;  /* the last output token reported: no KV until a later one comes */
 	uint32_t overlap;  /* predicted cached prefix at the decision */
-	uint32_t pinned_n; /* leading prompt blocks stored in the pinned index for it */
 	uint64_t prompt_tokens;
 	size_t size; /* bytes allocated for this record */
 	bool has_last;
@@ -49,6 +48,7 @@ struct kvr_rank_owned {
 	uint64_t ttl_timer;
 	uint64_t ttl_deadline; /* UINT64_MAX: no timer armed */
 	uint32_t slot;
+	uint32_t pslot;                     /* the rank's slot in the pinned-block index */
 	struct kvr_rank_owned *prev, *next; /* the shard's ranks */
 };
 

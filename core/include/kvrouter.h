@@ -338,7 +338,10 @@ struct kvr_decision {
 
 /*
  * Routes one request: hashes it, finds which ranks hold its prefix, scores every candidate by
- * overlap and load, picks one and admits the request there (lease, LRU, load, index).
+ * overlap and load, picks one and admits the request there (lease, LRU, load, index).  The cost
+ * is Dynamo's: prefill_load_scale * (prefill tokens / block_size - overlap_credit * cached
+ * blocks) + decode blocks, where decode blocks = the rank's active blocks + the request's blocks
+ * NOT already pinned there by in-flight requests (a sibling decoding the same prefix).
  * Returns 0 (see d->status), KVR_EINVAL (bad request), KVR_ENOENT (no eligible rank: none
  * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full; or the chosen rank's shard lane
  * stayed full for 10 ms: the router is overloaded, nothing was admitted; or over 2^20 attempts

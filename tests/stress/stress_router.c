@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/router_internal.h" /* the pinned-block index, to check it empties */
 #include "kvrouter.h"
 
 #define RANKS     6
@@ -327,6 +328,14 @@ static int check_idle(struct kvr_router *r, const char *name)
 			        (unsigned long)st.active_prefill_tokens);
 			bad++;
 		}
+	}
+	/* Every pin went with its attempt: the pinned-block index holds nothing. */
+	struct kvr_index_stats is;
+	kvr_index_stats_get(r->pinned, &is);
+	if (is.copies) {
+		fprintf(stderr, "stress_router: %s: %lu pinned blocks left in the pinned index\n",
+		        name, (unsigned long)is.copies);
+		bad++;
 	}
 	return bad;
 }

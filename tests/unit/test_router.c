@@ -1111,3 +1111,76 @@ Test(router, rank_removed_before_the_booking_makes_the_attempt_stale)
 	cr_assert(strstr(buf, "kvr_stale_bookings_total 1"), "counted");
 	kvr_router_destroy(rr);
 }
+
+/* ---- issue 11 item 4: Dynamo's deduplicated decode load (pinned depth) ---- */
+
+/* A follow-up that shares a long prefix with a request still decoding on rank X goes to X: X's
+ * decode cost counts only the follow-up's blocks not already pinned there.  (Counting every
+ * block as new, X looked 135 blocks busier than an idle rank and the follow-up went there to
+ * recompute the whole prefix.) */
+Test(router, follow_up_sibling_joins_the_decoding_prefix)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
+	static uint32_t t[2000 + 161], b[2000 + 80];
+	prompt(t, 2000 + 161, 160);
+	struct kvr_decision a = route(r, t, 2000, 0); /* 125 blocks */
+	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
+	/* decoding: 161 output tokens, 160 with KV: 10 more blocks pinned on X */
+	cr_assert_eq(kvr_request_output(r, a.attempt, t + 2000, 161), 0);
+	cr_assert_eq(stats(r, a.rank.worker_id).active_blocks, 135);
+	memcpy(b, t, 2000 * sizeof(uint32_t));
+	for (int i = 0; i < 80; i++)
+		b[2000 + i] = 900000 + (uint32_t)i; /* its own question, not A's answer */
+	struct kvr_decision f = route(r, b, 2080, 0);
+	cr_assert_eq(f.rank.worker_id, a.rank.worker_id, "the follow-up joins its sibling");
+	cr_assert_eq(f.overlap_blocks, 125);
+	/* X's load counts the shared 125 blocks once */
+	cr_assert_eq(stats(r, a.rank.worker_id).active_blocks, 135 + 5);
+	struct kvr_index_stats is;
+	kvr_index_stats_get(r->pinned, &is);
+	cr_assert_eq(is.copies, 140, "the pinned-block index mirrors the pins");
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	kvr_index_stats_get(r->pinned, &is);
+	cr_assert_eq(is.copies, 130, "A's own 10 output blocks went; the shared prefix stays");
+	cr_assert_eq(kvr_request_finish(r, f.attempt), 0);
+	kvr_index_stats_get(r->pinned, &is);
+	cr_assert_eq(is.copies, 0);
+	kvr_router_destroy(r);
+}
+
+/* Many agents on one system prompt (125 blocks), each with a 2-block question, all decoding:
+ * the prefix stays on its rank while the rank's extra decode load (2 blocks per agent) is below
+ * what recomputing the prefix elsewhere costs (125 blocks of prefill and decode), then spills.
+ * cost(X) = 2 + (125 + 2k) + 2 against cost(idle) = 127 + 127: the k-th agent (k from 0) stays
+ * while 2k <= 123, so 62 stay and the 63rd spills. */
+Test(router, hot_prefix_burst_stays_until_its_load_outweighs_the_recompute)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 2, 1000000, 0);
+	static uint32_t q[2000 + 32];
+	prompt(q, 2000, 170);
+	uint64_t home = UINT64_MAX;
+	int spilled_at = -1;
+	uint64_t attempts[80];
+	for (int k = 0; k < 80; k++) {
+		for (int i = 0; i < 32; i++)
+			q[2000 + i] = 500000 + (uint32_t)k * 64 + (uint32_t)i;
+		struct kvr_decision d = route(r, q, 2032, 0);
+		attempts[k] = d.attempt;
+		cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
+		if (home == UINT64_MAX)
+			home = d.rank.worker_id;
+		else if (d.rank.worker_id != home && spilled_at < 0)
+			spilled_at = k;
+		if (spilled_at < 0)
+			cr_assert_eq(d.overlap_blocks, k ? 125 : 0);
+	}
+	cr_assert_geq(spilled_at, 60, "stayed while the shared prefix was cheaper (%d)",
+	              spilled_at);
+	cr_assert_leq(spilled_at, 64, "spilled once the load outweighed the recompute (%d)",
+	              spilled_at);
+	for (int k = 0; k < 80; k++)
+		cr_assert_eq(kvr_request_finish(r, attempts[k]), 0);
+	for (int w = 0; w < 2; w++)
+		cr_assert_eq(stats(r, w).active_blocks, 0);
+	kvr_router_destroy(r);
+}
