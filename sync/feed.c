@@ -106,7 +106,7 @@ struct pending {
 /* Blocks pending before a flush is forced (bounds the batch a shard applies in one go). */
 #define PENDING_MAX_BLOCKS 16384
 
-enum cmd_op { CMD_ADD, CMD_REMOVE, CMD_STATS, CMD_STOP };
+enum cmd_op { CMD_ADD, CMD_REMOVE, CMD_STATS, CMD_OTHER, CMD_STOP };
 
 struct cmd {
 	/* Ordering: ZeroMQ's inproc pipe orders the hand-over both ways; these two flags make it
@@ -117,6 +117,9 @@ struct cmd {
 	const struct kvr_feed_endpoint *ep;
 	uint32_t id;
 	struct kvr_feed_stats *stats;
+	uint32_t dp;   /* CMD_OTHER */
+	uint64_t *out; /* CMD_OTHER: up to cap hashes */
+	size_t cap, n;
 	int rc;
 };
 
@@ -849,6 +852,27 @@ static void run_cmd(struct kvr_feed *f, struct cmd *c)
 			c->rc = KVR_ENOENT;
 		}
 		break;
+	case CMD_OTHER:
+		if (!(e = ep_find(f, c->id, NULL))) {
+			c->rc = KVR_ENOENT;
+			break;
+		}
+		c->n = 0;
+		c->rc = 0;
+		for (uint32_t i = 0; i < e->n_rs; i++) {
+			const struct kvr_u64map *m = &e->rs[i].other;
+			if (e->rs[i].dp != c->dp)
+				continue;
+			for (size_t k = 0; k < m->cap; k++)
+				if (m->slots[k].val != KVR_U64MAP_EMPTY) {
+					if (c->n < c->cap)
+						c->out[c->n] = m->slots[k].key;
+					c->n++;
+				}
+		}
+		if (c->n > c->cap)
+			c->rc = KVR_ERANGE;
+		break;
 	case CMD_STOP:
 		f->stop = true;
 		c->rc = 0;
@@ -988,6 +1012,18 @@ int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *o
 		return KVR_EINVAL;
 	struct cmd c = {.op = CMD_STATS, .id = id, .stats = out};
 	return call(f, &c);
+}
+
+int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank, uint64_t *out,
+                                 size_t cap, size_t *n_out)
+{
+	if (!f || !n_out || (!out && cap))
+		return KVR_EINVAL;
+	struct cmd c = {.op = CMD_OTHER, .id = id, .dp = dp_rank, .out = out, .cap = cap};
+	int rc = call(f, &c);
+	if (rc == 0 || rc == KVR_ERANGE)
+		*n_out = c.n;
+	return rc;
 }
 
 void kvr_feed_destroy(struct kvr_feed *f)

@@ -45,6 +45,19 @@ int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *o
 	return KVR_ENOTSUP;
 }
 
+int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank, uint64_t *out,
+                                 size_t cap, size_t *n_out)
+{
+	(void)f;
+	(void)id;
+	(void)dp_rank;
+	(void)out;
+	(void)cap;
+	if (n_out)
+		*n_out = 0;
+	return KVR_ENOTSUP;
+}
+
 void kvr_feed_destroy(struct kvr_feed *f)
 {
 	(void)f;

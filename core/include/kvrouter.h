@@ -576,6 +576,16 @@ KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
  * Context: any thread; one round trip to the feed thread (waits while it serves a replay). */
 KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out);
 
+/*
+ * The blocks an endpoint reported on a medium other than GPU (e.g. vLLM's CPU offloading
+ * connector) for dp rank dp_rank, as engine hashes: up to cap written to out (any order), the
+ * total in *n_out (required).  Kept apart from the GPU index; each hash once, however many
+ * copies.  Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT (no such
+ * endpoint), KVR_EINVAL.  Context: any thread; one round trip to the feed thread.
+ */
+KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank,
+                                         uint64_t *out, size_t cap, size_t *n_out);
+
 /* Stops the thread, closes every socket, frees everything.  NULL is a no-op.  Must not race
  * with other calls on the feed. */
 KVR_API void kvr_feed_destroy(struct kvr_feed *f);

@@ -59,6 +59,39 @@ int main()
 	size_t len = 0;
 	CHECK(kvr_metrics_render(r, text.data(), text.size(), &len) == KVR_OK);
 	CHECK(std::strstr(text.data(), "kvr_routes_total 2") != nullptr);
+	// The KV event feed: only on an events-mode router; an endpoint nobody serves yet is fine
+	// (ZeroMQ connects in the background).  KVR_ENOTSUP in a build without zmq.
+	kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	kvr_feed *feed = nullptr;
+	int frc = kvr_feed_create(r, &fc, &feed);
+	CHECK(frc == KVR_EINVAL || frc == KVR_ENOTSUP);
+	kvr_router_destroy(r);
+	kvr_config_init(&cfg);
+	cfg.mode = KVR_MODE_EVENTS;
+	cfg.n_shards = 1;
+	CHECK(kvr_router_create(&cfg, &r) == KVR_OK);
+	frc = kvr_feed_create(r, &fc, &feed);
+	CHECK(frc == KVR_OK || frc == KVR_ENOTSUP);
+	if (frc == KVR_OK) {
+		kvr_feed_endpoint ep{};
+		ep.endpoint = "tcp://127.0.0.1:9";
+		ep.worker_id = 1;
+		ep.dp_rank = KVR_FEED_DP_FROM_BATCH;
+		uint32_t id = 0;
+		CHECK(kvr_feed_add(feed, &ep, &id) == KVR_OK);
+		kvr_feed_stats st{};
+		CHECK(kvr_feed_get_stats(feed, id, &st) == KVR_OK && st.batches == 0);
+		CHECK(kvr_feed_get_stats(feed, KVR_FEED_ALL, &st) == KVR_OK);
+		size_t n = 1;
+		CHECK(kvr_feed_other_medium_blocks(feed, id, 0, nullptr, 0, &n) == KVR_OK &&
+		      n == 0);
+		ep.endpoint = "bogus://x";
+		CHECK(kvr_feed_add(feed, &ep, nullptr) == KVR_EINVAL);
+		CHECK(kvr_feed_remove(feed, id) == KVR_OK);
+		CHECK(kvr_feed_remove(feed, id) == KVR_ENOENT);
+	}
+	kvr_feed_destroy(feed);
 	kvr_router_destroy(r);
 	std::printf("cxx_api: %d failures\n", failures);
 	return failures ? 1 : 0;

@@ -410,6 +410,23 @@ static void scenario_forms(struct pubproc *p, const char *bind, const char *form
 	check_equal(rank, &m, "cpu medium, refused block size, lora");
 	struct kvr_feed_stats st = stats(id);
 	CHECK(st.other_medium_blocks == 4, "other medium %" PRIu64, st.other_medium_blocks);
+	uint64_t cpu[8];
+	size_t ncpu = 0;
+	CHECK(kvr_feed_other_medium_blocks(F, id, 0, cpu, 2, &ncpu) == KVR_ERANGE && ncpu == 4,
+	      "other medium list: %zu", ncpu);
+	CHECK(kvr_feed_other_medium_blocks(F, id, 0, cpu, 8, &ncpu) == 0 && ncpu == 4, "list");
+	qsort(cpu, ncpu, sizeof(*cpu), cmp_u64);
+	CHECK(ncpu == 4 && !memcmp(cpu, c, sizeof(c)), "other medium hashes differ");
+	/* CPU removals touch only the other medium */
+	e.len = 0;
+	first = true;
+	ev_removed(&e, &first, c, 2, ",\"medium\":\"CPU\"");
+	s = publish(p, form, 0, false, e.s);
+	wait_seq(id, s, form);
+	check_equal(rank, &m, "cpu medium removal");
+	CHECK(kvr_feed_other_medium_blocks(F, id, 0, cpu, 8, &ncpu) == 0 && ncpu == 2 &&
+	          (cpu[0] == c[2] || cpu[0] == c[3]),
+	      "after CPU removal: %zu", ncpu);
 	CHECK(st.refused == st0.refused + 1, "refused %" PRIu64, st.refused);
 	CHECK(__atomic_load_n(&logs_block_size, __ATOMIC_RELAXED) > logs0, "no block_size log");
 	/* the lora blocks match a prompt with the adapter's name, not one without */
