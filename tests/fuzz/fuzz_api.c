@@ -109,6 +109,7 @@ enum { T_QUEUED, T_ADMITTED_UNCOLLECTED, T_DONE };
 
 struct mblk {
 	uint64_t ext, node;
+	uint32_t copies; /* events mode counts copies: vLLM may hold two of one hash */
 };
 
 struct mrank {
@@ -474,6 +475,16 @@ static void check_blocks(struct prog *p, int i)
 	CHECK(rc == 0 ? n <= cap : n > cap, "rc %d n %zu cap %zu", rc, n, cap);
 	if (p->cfg.mode != KVR_MODE_EVENTS || m->blk_unknown || rc)
 		return;
+	if (n != (size_t)m->nblk) {
+		int o = snprintf(cur_detail, sizeof(cur_detail), "real:");
+		for (size_t j = 0; j < n && o < 120; j++)
+			o += snprintf(cur_detail + o, sizeof(cur_detail) - (size_t)o, " %" PRIx64,
+			              out[j]);
+		o += snprintf(cur_detail + o, sizeof(cur_detail) - (size_t)o, " model:");
+		for (int j = 0; j < m->nblk && o < 240; j++)
+			o += snprintf(cur_detail + o, sizeof(cur_detail) - (size_t)o, " %" PRIx64,
+			              m->blk[j].ext);
+	}
 	CHECK(n == (size_t)m->nblk, "events: rank %d holds %zu blocks, model %d", i, n, m->nblk);
 	for (int k = 0; k < m->nblk; k++) {
 		bool f = false;
@@ -1152,6 +1163,20 @@ static void op_event(struct prog *p)
 		defect = KVR_EINVAL;
 	}
 	cur_call = "kvr_events_apply";
+	{
+		int o = snprintf(cur_detail, sizeof(cur_detail),
+		                 "rank %d type %d id %" PRIu64 " parent %d:%" PRIx64 " n %zu:", i,
+		                 ev.type, ev.event_id, ev.has_parent, ev.parent_ext_hash,
+		                 ev.type == KVR_EVENT_STORED ? ev.n_blocks : ev.n_removed);
+		for (size_t k = 0; k < 6 && o < 200; k++) {
+			if (ev.type == KVR_EVENT_STORED && ev.blocks && k < ev.n_blocks)
+				o += snprintf(cur_detail + o, sizeof(cur_detail) - (size_t)o,
+				              " %" PRIx64, ev.blocks[k].ext_hash);
+			if (ev.type == KVR_EVENT_REMOVED && ev.removed && k < ev.n_removed)
+				o += snprintf(cur_detail + o, sizeof(cur_detail) - (size_t)o,
+				              " -%" PRIx64, ev.removed[k]);
+		}
+	}
 	int rc = kvr_events_apply(p->r, id, &ev);
 	if (p->cfg.mode != KVR_MODE_EVENTS) {
 		expect(rc, KVR_EINVAL, "event outside events mode");
@@ -1189,7 +1214,7 @@ static void op_event(struct prog *p)
 		expect(rc, 0, "removed");
 		for (size_t k = 0; k < ev.n_removed; k++) {
 			int f = blk_find_ext(m, ev.removed[k]);
-			if (f >= 0)
+			if (f >= 0 && --m->blk[f].copies == 0) /* leaves with its last copy */
 				m->blk[f] = m->blk[--m->nblk];
 		}
 		return;
@@ -1217,7 +1242,8 @@ static void op_event(struct prog *p)
 		int fe = blk_find_ext(m, b[k].ext_hash), fn = blk_find_node(m, node);
 		if (fe >= 0 || fn >= 0) {
 			if (fe >= 0 && fe == fn) {
-				parent_node = node; /* re-storing what it holds: no-op */
+				m->blk[fe].copies++; /* re-storing what it holds: one more copy */
+				parent_node = node;
 				continue;
 			}
 			want = KVR_EINVAL; /* ext reused for another block, or block under another
@@ -1228,7 +1254,7 @@ static void op_event(struct prog *p)
 			m->blk_unknown = true;
 			break;
 		}
-		m->blk[m->nblk++] = (struct mblk){.ext = b[k].ext_hash, .node = node};
+		m->blk[m->nblk++] = (struct mblk){.ext = b[k].ext_hash, .node = node, .copies = 1};
 		parent_node = node;
 	}
 	if (m->blk_unknown) {

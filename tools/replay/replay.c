@@ -313,7 +313,8 @@ static int agree_rank_exact(struct run *run, uint32_t rank)
 		return rc;
 	}
 	qsort(s, n, sizeof(*s), cmp_u64);
-	qsort(pred, np, sizeof(*pred), cmp_u64);
+	if (np) /* pred may be NULL when empty: qsort's pointer must not be (UBSan) */
+		qsort(pred, np, sizeof(*pred), cmp_u64);
 	uint64_t inter = 0;
 	for (size_t i = 0, k = 0; i < n && k < np;) {
 		if (s[i] == pred[k]) {
