@@ -62,6 +62,13 @@ enum kvr_counter {
 	KVR_C_FEED_REPLAYS,
 	KVR_C_FEED_REPLAYED_BATCHES,
 	KVR_C_FEED_RESTARTS,
+	KVR_C_HEAL_FEEDBACK,   /* core/heal.c: kvr_request_cached calls applied */
+	KVR_C_HEAL_OVER,       /* ... whose prediction was above the engine's cached depth */
+	KVR_C_HEAL_UNDER,      /* ... below it */
+	KVR_C_HEAL_UNPROVABLE, /* over-predictions the release order could not explain */
+	KVR_C_HEAL_OBSERVE,    /* kvr_rank_observe calls applied */
+	KVR_C_HEAL_WM_UNKNOWN, /* watermarks with no inactive predicted copy */
+	KVR_C_HEAL_EVICTED,    /* predicted blocks evicted by healing */
 	KVR_C__COUNT
 };
 

@@ -90,6 +90,20 @@ static const struct {
      "KV event feed: batches applied from replays", ""},
     {KVR_C_FEED_RESTARTS, "kvr_feed_restarts_total",
      "KV event feed: publisher restarts (rank cleared)", ""},
+    {KVR_C_HEAL_FEEDBACK, "kvr_heal_feedback_total",
+     "Engine cached-token reports applied (kvr_request_cached)", ""},
+    {KVR_C_HEAL_OVER, "kvr_heal_over_predictions_total",
+     "Cached-token reports below the predicted cached prefix", ""},
+    {KVR_C_HEAL_UNDER, "kvr_heal_under_predictions_total",
+     "Cached-token reports above the predicted cached prefix", ""},
+    {KVR_C_HEAL_UNPROVABLE, "kvr_heal_unprovable_total",
+     "Over-predictions whose first missing block was held by a live request (nothing evicted)", ""},
+    {KVR_C_HEAL_OBSERVE, "kvr_heal_observations_total",
+     "Rank observations applied (kvr_rank_observe)", ""},
+    {KVR_C_HEAL_WM_UNKNOWN, "kvr_heal_watermark_unknown_total",
+     "Watermarks with no inactive predicted copy (nothing provable)", ""},
+    {KVR_C_HEAL_EVICTED, "kvr_heal_evicted_blocks_total",
+     "Predicted blocks evicted by healing from engine ground truth", ""},
 };
 
 static const struct {

@@ -200,6 +200,19 @@ struct kvr_event_args {
 	bool rank_only;        /* cleared: this rank only, not every dp rank of its worker */
 };
 
+/* Engine ground truth (issue 15; shards/owner_heal.c).  Context: the rank's shard thread. */
+struct kvr_heal_args {
+	uint64_t attempt;       /* kvr_owner_cached_call */
+	uint64_t cached_tokens; /* kvr_owner_cached_call */
+	uint32_t slot;          /* kvr_owner_observe_call */
+	uint64_t gen;           /* kvr_owner_observe_call */
+	const struct kvr_rank_observation *obs;
+};
+/* The attempt's cached-token report: KVR_ESTALE if the shard has no live record of it. */
+int kvr_owner_cached_call(struct kvr_shard *sh, void *arg);
+/* A rank observation: KVR_ENOENT if the slot's generation changed. */
+int kvr_owner_observe_call(struct kvr_shard *sh, void *arg);
+
 /* Synchronous calls on the slot's shard (Context: that shard thread, outside any RCU read
  * section), reached with kvr_shard_call. */
 int kvr_owner_rank_create(struct kvr_shard *sh, void *rank_args);

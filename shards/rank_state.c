@@ -17,6 +17,8 @@
  */
 #include "shards/rank_state.h"
 
+#include <string.h>
+
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "shards/ttl.h"
@@ -178,6 +180,51 @@ int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint
 	if (rs->mode == KVR_RANK_LRU)
 		return kvr_lru_release(rs->lru, attempt, out);
 	return kvr_u64map_remove(&rs->ttl_attempts, attempt) ? 0 : KVR_ENOENT;
+}
+
+int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
+                               uint32_t true_depth, struct kvr_lru_heal *res,
+                               struct kvr_lru_out *out)
+{
+	if (!rs || !out || !res)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	memset(res, 0, sizeof(*res));
+	int rc = fence(rs, incarnation);
+	if (rc)
+		return rc;
+	if (rs->mode == KVR_RANK_LRU)
+		return kvr_lru_heal_cached(rs->lru, attempt, true_depth, res, out);
+	return kvr_u64map_find(&rs->ttl_attempts, attempt) ? 0 : KVR_ENOENT;
+}
+
+int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t resident,
+                                 uint64_t *evicted, struct kvr_lru_out *out)
+{
+	if (!rs || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	if (evicted)
+		*evicted = 0;
+	int rc = fence(rs, incarnation);
+	if (rc)
+		return rc;
+	return rs->mode == KVR_RANK_LRU ? kvr_lru_heal_resident(rs->lru, resident, evicted, out)
+	                                : 0;
+}
+
+int kvr_rank_state_heal_watermark(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t seq,
+                                  uint64_t *evicted, struct kvr_lru_out *out)
+{
+	if (!rs || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	if (evicted)
+		*evicted = 0;
+	int rc = fence(rs, incarnation);
+	if (rc)
+		return rc;
+	return rs->mode == KVR_RANK_LRU ? kvr_lru_heal_watermark(rs->lru, seq, evicted, out) : 0;
 }
 
 int kvr_rank_state_tick(struct kvr_rank_state *rs, uint64_t now, struct kvr_lru_out *out)

@@ -76,6 +76,21 @@ int kvr_rank_state_materialize(struct kvr_rank_state *rs, uint64_t incarnation, 
 int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
                            struct kvr_lru_out *out);
 
+/*
+ * Healing from engine ground truth (issue 15), fenced like every command.  LRU mode: the rules
+ * of shards/lru.h (kvr_lru_heal_cached / _resident / _watermark).  TTL mode keeps no order, so
+ * nothing is provable: 0 with an empty result (the attempt must still be live for
+ * heal_cached).  Absent: KVR_ENOENT; other incarnation: KVR_ESTALE.
+ */
+int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
+                               uint32_t true_depth, struct kvr_lru_heal *res,
+                               struct kvr_lru_out *out);
+int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t resident,
+                                 uint64_t *evicted, struct kvr_lru_out *out);
+/* KVR_ENOENT also when no inactive copy of seq is predicted (nothing changed). */
+int kvr_rank_state_heal_watermark(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t seq,
+                                  uint64_t *evicted, struct kvr_lru_out *out);
+
 /* Maintenance: TTL expiry at now (evicted runs); nothing in LRU mode or when absent.
  * Returns 0, KVR_EINVAL, KVR_ENOMEM. */
 int kvr_rank_state_tick(struct kvr_rank_state *rs, uint64_t now, struct kvr_lru_out *out);

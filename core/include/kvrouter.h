@@ -412,6 +412,59 @@ KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uin
 KVR_API int kvr_request_finish(struct kvr_router *r, uint64_t attempt);
 KVR_API int kvr_request_abort(struct kvr_router *r, uint64_t attempt);
 
+/* ---------------------------------------------------------------- engine ground truth
+ *
+ * The approximate modes predict each rank's cache from this router's own decisions; traffic the
+ * router never saw (other routers, direct clients), preemption, or a capacity registered wrong
+ * make the prediction drift.  The engine's own numbers correct it.  Eviction is ORDERED (least
+ * recently released first, deepest block first), so one fact about a block the engine no longer
+ * holds proves that everything released before it went too, and all of it leaves the
+ * prediction (and the index) at once.  Only blocks no live request holds are ever evicted this
+ * way.  Events mode has nothing to heal (its index is the engine's report): these calls return
+ * 0 and change nothing.  Both calls wait for the rank's shard (feedback, not the routing path).
+ */
+
+/*
+ * The engine's answer for this attempt: how many of its prompt tokens it found cached (vLLM:
+ * usage.prompt_tokens_details.cached_tokens; SGLang: meta_info.cached_tokens), counted in whole
+ * blocks (cached_tokens / block_size).  Call it once the engine has admitted the request (at
+ * the first token), before finish or abort.
+ * Below the predicted cached prefix: the first block the engine missed had been evicted, and so
+ * had every block released before it; they are evicted from the prediction now.  At or above it:
+ * nothing to evict (the blocks the engine proved cached are held by the attempt already).
+ * Counted in kvr_heal_* metrics (over / under predictions, blocks evicted).
+ * Returns 0; KVR_EINVAL (r NULL, attempt 0, cached_tokens above the prompt's token count);
+ * KVR_ENOENT (not an id this router issued); KVR_ESTALE (the attempt ended, expired, or its rank
+ * was reset or removed); KVR_ESHUTDOWN; KVR_ENOMEM.  Nothing changes on error.
+ */
+KVR_API int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_tokens);
+
+#define KVR_OBSERVE_RESIDENT  1u /* resident_blocks is given */
+#define KVR_OBSERVE_WATERMARK 2u /* watermark_hash is given */
+
+/* What a rank's engine reports about its cache (a Prometheus scrape, a stats endpoint). */
+struct kvr_rank_observation {
+	uint32_t flags;           /* KVR_OBSERVE_*: at least one */
+	uint64_t incarnation;     /* the rank incarnation the numbers are from */
+	uint64_t resident_blocks; /* cached blocks the engine holds (vLLM: kv_cache_usage_perc x
+	                           * num_gpu_blocks); the oldest predicted blocks that no live
+	                           * request holds are evicted until the prediction holds no more */
+	uint64_t watermark_hash;  /* the engine's oldest resident block, as kvrouter's sequence
+	                           * hash of its prefix: every predicted block released before it
+	                           * is evicted */
+};
+
+/*
+ * Reconciles one rank's prediction with its engine's numbers (see struct kvr_rank_observation).
+ * A watermark the prediction does not hold on its evictable list proves nothing (counted in
+ * kvr_heal_watermark_unknown_total; 0).  Returns 0; KVR_EINVAL (NULL, no or unknown flags);
+ * KVR_ENOENT (no such rank); KVR_ESTALE (obs->incarnation is not the rank's current one);
+ * KVR_ESHUTDOWN; KVR_ENOMEM.
+ * Nothing changes on error.
+ */
+KVR_API int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
+                             const struct kvr_rank_observation *obs);
+
 /* ---------------------------------------------------------------- KV events */
 
 enum kvr_event_type {

@@ -533,3 +533,15 @@ double ref_lru_bytes_per_copy(const struct ref_lru *lru)
 		bytes += (double)lru->leases[i].cap * sizeof(uint32_t);
 	return bytes / (double)lru->c_live;
 }
+
+size_t ref_lru_hashes(const struct ref_lru *lru, uint64_t *out, size_t cap)
+{
+	size_t n = 0;
+	for (size_t i = 0; i < lru->by_hash.cap; i++)
+		if (lru->by_hash.slots[i].val != KVR_U64MAP_EMPTY) {
+			if (n < cap)
+				out[n] = lru->by_hash.slots[i].key;
+			n++;
+		}
+	return n;
+}

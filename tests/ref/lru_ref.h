@@ -72,4 +72,7 @@ void ref_lru_stats(const struct ref_lru *lru, struct kvr_lru_stats *st);
 /* Bytes of memory held per live copy (slab + hash table + lease entry), for the benchmark. */
 double ref_lru_bytes_per_copy(const struct ref_lru *lru);
 
+/* The distinct hashes present (up to cap written to out); returns how many there are. */
+size_t ref_lru_hashes(const struct ref_lru *lru, uint64_t *out, size_t cap);
+
 #endif /* KVR_TESTS_REF_LRU_REF_H */

@@ -1,0 +1,55 @@
+/*
+ * core/heal.c - the public calls that feed engine ground truth back into the prediction
+ * (issue 15): kvr_request_cached (per request) and kvr_rank_observe (per rank).  The caller's
+ * side only validates, checks the attempt's lease word (stale stays stale, as for the other
+ * lifecycle calls) and finds the rank; the reconciliation runs on the rank's shard
+ * (shards/owner_heal.c), with a synchronous call: this is the feedback path, not the routing
+ * path, and the return code must say whether the report was applied.
+ */
+#include "core/router_internal.h"
+#include "sync/rcu.h"
+
+int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_tokens)
+{
+	if (!r || attempt == 0)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	uint32_t slot = kvr_attempt_slot(attempt);
+	if (slot >= r->cfg.max_ranks)
+		return KVR_ENOENT; /* not an id this router issued */
+	int rc = kvr_rcu_thread_online();
+	if (rc)
+		return rc;
+	if (kvr_lease_touch(r->leases, attempt)) { /* claimed, ended, never issued */
+		kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_STALE_CALLS, 1);
+		return KVR_ESTALE;
+	}
+	struct kvr_heal_args a = {.attempt = attempt, .cached_tokens = cached_tokens};
+	struct kvr_shard *sh =
+	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
+	return kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_cached_call, &a);
+}
+
+int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
+                     const struct kvr_rank_observation *obs)
+{
+	if (!r || !obs)
+		return KVR_EINVAL;
+	const uint32_t known = KVR_OBSERVE_RESIDENT | KVR_OBSERVE_WATERMARK;
+	if ((obs->flags & known) == 0 || (obs->flags & ~known))
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	int rc = kvr_rcu_thread_online();
+	if (rc)
+		return rc;
+	uint32_t slot;
+	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+		return rc;
+	struct kvr_rank_pub *pub = &r->ranks[slot];
+	struct kvr_heal_args a = {
+	    .slot = slot, .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE), .obs = obs};
+	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
+	                      kvr_owner_observe_call, &a);
+}

@@ -1,0 +1,299 @@
+/* Self-healing predictions through the public API (kvr_request_cached, kvr_rank_observe; issue
+ * 15).  A hidden engine - the per-block reference LRU (tests/ref/lru_ref.c), the policy the
+ * router mirrors - diverges from the router's prediction: its real capacity is smaller than the
+ * one registered, or it serves traffic the router never sees.  Fed the engine's cached tokens
+ * and resident count, the prediction becomes exact again (Jaccard of the two block sets = 1);
+ * without feedback it stays wrong.  Also: every documented error, and an out-of-memory loop. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ref/lru_ref.h"
+#include "core/alloc.h"
+#include "kvrouter.h"
+
+#define BS   16
+#define MAXB 64
+
+static uint64_t rng(uint64_t *s)
+{
+	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+	return x ^ (x >> 31);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Jaccard of the router's predicted blocks of rank 0 and the engine's. */
+static double jaccard(struct kvr_router *r, struct ref_lru *eng)
+{
+	static uint64_t a[4096], b[4096];
+	size_t na = 0, nb = ref_lru_hashes(eng, b, 4096);
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){0, 0}, a, 4096, &na), 0);
+	qsort(a, na, sizeof(uint64_t), cmp_u64);
+	qsort(b, nb, sizeof(uint64_t), cmp_u64);
+	size_t i = 0, j = 0, both = 0;
+	while (i < na && j < nb) {
+		if (a[i] == b[j]) {
+			both++;
+			i++;
+			j++;
+		} else if (a[i] < b[j]) {
+			i++;
+		} else {
+			j++;
+		}
+	}
+	size_t uni = na + nb - both;
+	return uni ? (double)both / (double)uni : 1.0;
+}
+
+static struct kvr_router *make(uint64_t capacity)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, capacity, 0), 0);
+	return r;
+}
+
+/* A prompt of whole blocks: a prefix of one of 12 documents, sometimes diverging. */
+static size_t gen(uint64_t *s, uint32_t *t, uint32_t salt)
+{
+	size_t nb = 1 + rng(s) % 12;
+	uint32_t doc = (uint32_t)(rng(s) % 12);
+	size_t div = rng(s) % 3 == 0 ? rng(s) % nb : nb;
+	for (size_t i = 0; i < nb * BS; i++)
+		t[i] = i / BS < div ? doc * 100000u + (uint32_t)i : salt * 7919u + (uint32_t)i;
+	return nb * BS;
+}
+
+struct engine_req {
+	uint64_t attempt, eng_id;
+};
+
+/*
+ * Runs `steps` requests, two in flight, through the router and the hidden engine (capacity
+ * eng_cap; `foreign` percent of extra requests only the engine sees, during the first
+ * foreign_steps).  feedback: report each request's cached tokens and, after it, the engine's
+ * resident count.  Returns the Jaccard after the last step; *min_after (if given) gets the
+ * lowest Jaccard measured after `from` steps.
+ */
+static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign, int foreign_steps,
+                  int steps, bool feedback, int from, double *min_after)
+{
+	struct kvr_router *r = make(reg_cap);
+	struct ref_lru *eng;
+	struct kvr_lru_out eo;
+	kvr_lru_out_init(&eo);
+	cr_assert_eq(ref_lru_create(eng_cap, &eng), 0);
+	ref_lru_set_keep_private(eng, true);
+	uint64_t s = seed, eng_id = 1;
+	uint32_t t[MAXB * BS];
+	uint64_t local[MAXB], seq[MAXB];
+	struct kvr_lru_block b[MAXB];
+	struct engine_req fly[2] = {{0, 0}, {0, 0}};
+	double j = 1.0, lo = 1.0;
+	for (int step = 0; step < steps; step++) {
+		if (step < foreign_steps && (int)(rng(&s) % 100) < foreign) {
+			size_t n = gen(&s, t, 900000 + (uint32_t)step) / BS;
+			kvr_hash_blocks(t, n * BS, BS, NULL, local, seq);
+			for (size_t i = 0; i < n; i++)
+				b[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
+			cr_assert_eq(ref_lru_acquire(eng, eng_id, b, n, 0, &eo), 0);
+			cr_assert_eq(ref_lru_release(eng, eng_id++, &eo), 0);
+		}
+		size_t nt = gen(&s, t, (uint32_t)step);
+		size_t n = nt / BS;
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = nt;
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		kvr_hash_blocks(t, nt, BS, NULL, local, seq);
+		for (size_t i = 0; i < n; i++)
+			b[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
+		size_t cached = ref_lru_overlap(eng, seq, n);
+		cr_assert_eq(ref_lru_acquire(eng, eng_id, b, n, 0, &eo), 0);
+		if (feedback) {
+			cr_assert_eq(kvr_request_cached(r, d.attempt, cached * BS), 0);
+		}
+		struct engine_req *old = &fly[step % 2];
+		if (old->attempt) {
+			cr_assert_eq(kvr_request_finish(r, old->attempt), 0);
+			cr_assert_eq(ref_lru_release(eng, old->eng_id, &eo), 0);
+		}
+		*old = (struct engine_req){d.attempt, eng_id++};
+		if (feedback) {
+			struct kvr_lru_stats es;
+			ref_lru_stats(eng, &es);
+			struct kvr_rank_observation ob = {.flags = KVR_OBSERVE_RESIDENT,
+			                                  .incarnation = 1,
+			                                  .resident_blocks = es.resident};
+			cr_assert_eq(kvr_rank_observe(r, (struct kvr_rank_id){0, 0}, &ob), 0);
+		}
+		j = jaccard(r, eng);
+		if (step >= from && j < lo)
+			lo = j;
+	}
+	if (min_after)
+		*min_after = lo;
+	ref_lru_destroy(eng);
+	kvr_lru_out_fini(&eo);
+	kvr_router_destroy(r);
+	return j;
+}
+
+Test(heal, capacity_error_exact_with_feedback)
+{
+	/* Registered 64 blocks, the engine really has 48. */
+	double lo = 0;
+	double with = run(1, 64, 48, 0, 0, 400, true, 0, &lo);
+	cr_assert_eq(with, 1.0);
+	cr_assert_eq(lo, 1.0, "exact after every request (lowest %.3f)", lo);
+	double without = run(1, 64, 48, 0, 0, 400, false, 0, NULL);
+	cr_log_info("capacity error: Jaccard with feedback %.3f (lowest %.3f), without %.3f", with,
+	            lo, without);
+	cr_assert_lt(without, 0.9, "without feedback the prediction stays wrong (%.3f)", without);
+}
+
+Test(heal, foreign_traffic_heals_back_to_exact)
+{
+	/* 50 % extra requests the router never sees, for 150 steps; then only the router's. */
+	double lo = 0;
+	double with = run(2, 64, 64, 50, 150, 400, true, 300, &lo);
+	cr_assert_eq(with, 1.0, "feedback brings the Jaccard back to 1");
+	cr_assert_eq(lo, 1.0, "and it stays there (lowest %.3f)", lo);
+	double lo_without = 0;
+	double without = run(2, 64, 64, 50, 150, 400, false, 150, &lo_without);
+	cr_log_info("foreign traffic: Jaccard at the end with feedback %.3f (lowest after step 300 "
+	            "%.3f), without %.3f (lowest after step 150 %.3f)",
+	            with, lo, without, lo_without);
+	cr_assert_lt(lo_without, 1.0,
+	             "without feedback the divergence outlives the foreign traffic");
+}
+
+Test(heal, errors_change_nothing)
+{
+	struct kvr_router *r = make(64);
+	uint32_t t[4 * BS];
+	for (size_t i = 0; i < 4 * BS; i++)
+		t[i] = (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 4 * BS;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_request_cached(NULL, d.attempt, 0), KVR_EINVAL);
+	cr_assert_eq(kvr_request_cached(r, 0, 0), KVR_EINVAL);
+	cr_assert_eq(kvr_request_cached(r, d.attempt, 4 * BS + 1), KVR_EINVAL, "above the prompt");
+	cr_assert_eq(kvr_request_cached(r, (d.attempt & ~0xffffull) | 0xfff0, 0), KVR_ENOENT);
+	cr_assert_eq(kvr_request_cached(r, d.attempt, 4 * BS), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_request_cached(r, d.attempt, 0), KVR_ESTALE, "stale stays stale");
+	struct kvr_rank_observation ob = {
+	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = 0};
+	cr_assert_eq(kvr_rank_observe(NULL, id, &ob), KVR_EINVAL);
+	cr_assert_eq(kvr_rank_observe(r, id, NULL), KVR_EINVAL);
+	ob.flags = 0;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), KVR_EINVAL, "nothing observed");
+	ob.flags = 8;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), KVR_EINVAL, "unknown flag");
+	ob.flags = KVR_OBSERVE_RESIDENT;
+	cr_assert_eq(kvr_rank_observe(r, (struct kvr_rank_id){7, 0}, &ob), KVR_ENOENT);
+	ob.incarnation = 2;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), KVR_ESTALE, "another life of the rank");
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(r, id, NULL, 0, &n), KVR_ERANGE);
+	cr_assert_eq(n, 4, "errors changed nothing");
+	ob.incarnation = 1;
+	ob.flags = KVR_OBSERVE_WATERMARK;
+	ob.watermark_hash = 12345;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0, "an unknown watermark proves nothing");
+	uint64_t seq[4];
+	kvr_hash_blocks(t, 4 * BS, BS, NULL, NULL, seq);
+	ob.watermark_hash = seq[1]; /* eviction order 4 3 2 1: blocks 3 and 4 are older */
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(kvr_rank_blocks(r, id, NULL, 0, &n), KVR_ERANGE);
+	cr_assert_eq(n, 2);
+	ob.flags = KVR_OBSERVE_RESIDENT;
+	ob.resident_blocks = 0;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(kvr_rank_blocks(r, id, NULL, 0, &n), 0);
+	cr_assert_eq(n, 0);
+	kvr_router_destroy(r);
+}
+
+/* Fail the Nth allocation for N = 1, 2, ...: the new calls return 0 or KVR_ENOMEM, never
+ * anything else, and the load still returns to zero. */
+Test(heal, out_of_memory_loop)
+{
+	uint32_t t[6 * BS];
+	for (size_t i = 0; i < 6 * BS; i++)
+		t[i] = (uint32_t)(i * 3);
+	int completed = 0;
+	uint64_t nth;
+	for (nth = 1; nth < 400 && !completed; nth++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_shards = 1;
+		c.sync_booking = true;
+		struct kvr_router *r = NULL;
+		kvr_alloc_fail_after(nth);
+		int rc = kvr_router_create(&c, &r);
+		if (rc) {
+			cr_assert_eq(rc, KVR_ENOMEM);
+			continue;
+		}
+		struct kvr_rank_id id = {0, 0};
+		int ok = kvr_rank_add(r, id, 1, 8, 0) == 0;
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 6 * BS;
+		struct kvr_decision d, d2;
+		if (ok && kvr_route(r, &q, &d) == 0) {
+			rc = kvr_request_finish(r, d.attempt);
+			cr_assert_eq(rc, 0);
+			if (kvr_route(r, &q, &d2) == 0) {
+				rc = kvr_request_cached(r, d2.attempt, BS);
+				cr_assert(rc == 0 || rc == KVR_ENOMEM, "cached: %d", rc);
+				struct kvr_rank_observation ob = {.flags = KVR_OBSERVE_RESIDENT |
+				                                           KVR_OBSERVE_WATERMARK,
+				                                  .incarnation = 1,
+				                                  .resident_blocks = 3,
+				                                  .watermark_hash = 1};
+				rc = kvr_rank_observe(r, id, &ob);
+				cr_assert(rc == 0 || rc == KVR_ENOMEM, "observe: %d", rc);
+				cr_assert_eq(kvr_request_finish(r, d2.attempt), 0);
+			} else {
+				ok = 0;
+			}
+		} else {
+			ok = 0;
+		}
+		int fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		if (ok) {
+			struct kvr_rank_stats st;
+			cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+			cr_assert(st.active_requests == 0 && st.active_blocks == 0);
+			completed = !fired;
+		}
+		kvr_router_destroy(r);
+	}
+	kvr_alloc_fail_after(0);
+	cr_assert(completed, "the loop reached a run with enough memory");
+	cr_assert_gt(nth, 10);
+}
