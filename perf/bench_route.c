@@ -1,14 +1,24 @@
 /*
- * bench_route - the whole route decision (hash, index match, load snapshot, select, admission on
- * the shard) on 8k-token prompts from the shared traces, for 64 and 1024 ranks and 1 and 2
- * frontend threads, with the per-stage breakdown from the router's own histograms.
+ * bench_route - the whole route decision against its floor, on session-like prompts.
  *
- * Each measured iteration is kvr_route (timed) then kvr_request_finish (not timed), so the load
- * stays steady and the predicted caches keep evicting at capacity.  Prints one SUMMARY line per
- * configuration; never asserts timings.
+ * Workload (issue 11, Targets): 64 ranks; prompts of 2k, 8k, 32k and 128k tokens from a
+ * session-like mix: every prompt after the first of its length keeps a 50-100 % prefix of an
+ * earlier prompt (a conversation or agent growing its context) and fills the rest with fresh
+ * tokens.  Each iteration, on each frontend thread (1 and 2 threads):
+ *     floor:   kvr_hash_blocks on the prompt (the hashing kvr_route must do anyway),
+ *     route:   kvr_route on the same prompt,
+ *     finish:  kvr_request_finish on its attempt (a lifecycle call),
+ * each timed on its own.  The shards run (they book what the frontends post); sync_booking is
+ * off unless --sync-booking 1.  A sampler thread reads every shard's routing-lane depth every
+ * 100 us.  After the run the router is synced and the routing-lane tasks the shards ran
+ * (bookings and finishes) are divided by the time until the lanes were empty.
  *
- * usage: bench_route [--ms N] [--trace FILE] [--prompts N] [--shards N] [--capacity BLOCKS]
- *                    [--sync-booking 0|1]
+ * SUMMARY per (length, threads): route p50/p99 and their ratios to the floor's p50/p99 (same
+ * thread, same prompts, same run), finish p99, shard tasks/s per shard, lane depth max and
+ * mean, and how many routes found the lane full (KVR_EAGAIN after the bounded wait).
+ *
+ * usage: bench_route [--ms N per config] [--lengths 2048,8192,...] [--ranks N] [--shards N]
+ *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N]
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -20,12 +30,11 @@
 #include "core/metrics.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
-#include "tools/trace.h"
 
-#define PROMPT_TOKENS 8192
+#define MAX_THREADS 8
 
 static uint32_t **prompts;
-static size_t n_prompts;
+static size_t n_prompts, prompt_len;
 static atomic_int go, stop;
 
 static uint64_t mono_ns(void)
@@ -35,121 +44,198 @@ static uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static uint64_t rnd(uint64_t *s)
+{
+	*s ^= *s << 13;
+	*s ^= *s >> 7;
+	*s ^= *s << 17;
+	return *s;
+}
+
+/* Session-like prompts of len tokens: each keeps a 50-100 % prefix of one of the previous 16. */
+static void make_prompts(size_t len, size_t n)
+{
+	prompts = calloc(n, sizeof(*prompts));
+	uint64_t s = 0x9e3779b97f4a7c15ull ^ len;
+	uint32_t fresh = 1u << 30;
+	for (size_t i = 0; i < n; i++) {
+		uint32_t *p = malloc(len * sizeof(uint32_t));
+		size_t keep = 0;
+		if (i > 0) {
+			size_t from = i - 1 - (size_t)(rnd(&s) % (i < 16 ? i : 16));
+			keep = len / 2 + (size_t)(rnd(&s) % (len / 2 + 1));
+			if (keep > len)
+				keep = len;
+			memcpy(p, prompts[from], keep * sizeof(uint32_t));
+		}
+		for (size_t k = keep; k < len; k++)
+			p[k] = fresh++;
+		prompts[i] = p;
+	}
+	n_prompts = n;
+	prompt_len = len;
+}
+
+static void free_prompts(void)
+{
+	for (size_t i = 0; i < n_prompts; i++)
+		free(prompts[i]);
+	free(prompts);
+	prompts = NULL;
+	n_prompts = 0;
+}
+
 struct worker {
 	pthread_t th;
 	struct kvr_router *r;
 	int id;
-	uint64_t hist[KVR_HIST_BUCKETS];
-	uint64_t n;
-	int cpu;
+	uint64_t floor[KVR_HIST_BUCKETS], route[KVR_HIST_BUCKETS], fin[KVR_HIST_BUCKETS];
+	uint64_t n, full, errors;
+	uint64_t *local, *seq;
 };
 
 static void *run(void *arg)
 {
 	struct worker *w = arg;
-	if (w->cpu >= 0) {
-		cpu_set_t set;
-		CPU_ZERO(&set);
-		CPU_SET(w->cpu, &set);
-		pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-	}
 	struct kvr_request q;
 	kvr_request_init(&q);
-	q.n_tokens = PROMPT_TOKENS;
+	q.n_tokens = prompt_len;
 	size_t i = (size_t)w->id * 7919;
 	while (!atomic_load(&go))
 		;
 	while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
-		q.tokens = prompts[i++ % n_prompts];
+		const uint32_t *p = prompts[i++ % n_prompts];
+		q.tokens = p;
 		struct kvr_decision d;
 		uint64_t t0 = mono_ns();
-		int rc = kvr_route(w->r, &q, &d);
+		kvr_hash_blocks(p, prompt_len, 16, NULL, w->local, w->seq);
 		uint64_t t1 = mono_ns();
-		if (rc) {
-			fprintf(stderr, "bench_route: route: %s\n", kvr_strerror(rc));
-			exit(1);
+		int rc = kvr_route(w->r, &q, &d);
+		uint64_t t2 = mono_ns();
+		w->floor[kvr_hist_bucket(t1 - t0)]++;
+		if (rc == KVR_EAGAIN) {
+			w->full++;
+			continue;
 		}
-		w->hist[kvr_hist_bucket(t1 - t0)]++;
-		w->n++;
+		if (rc) {
+			w->errors++;
+			continue;
+		}
+		w->route[kvr_hist_bucket(t2 - t1)]++;
 		kvr_request_finish(w->r, d.attempt);
+		uint64_t t3 = mono_ns();
+		w->fin[kvr_hist_bucket(t3 - t2)]++;
+		w->n++;
 	}
 	return NULL;
 }
 
 static bool sync_booking;
-static uint64_t capacity = 4 * PROMPT_TOKENS / 16; /* blocks per rank: a few prompts */
+static uint64_t capacity; /* 0: 8 prompts' worth of blocks per rank */
+static uint32_t n_ranks = 64, n_shards = 2;
+static int threads_max = 2;
 
-static void bench(uint32_t ranks, int threads, uint32_t shards, double ms)
+static uint64_t routing_tasks(struct kvr_router *r)
+{
+	uint64_t t = 0;
+	for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
+		struct kvr_shard_stats st;
+		kvr_shard_get_stats(kvr_shards_get(r->shards, i), &st);
+		t += st.tasks[KVR_LANE_ROUTING];
+	}
+	return t;
+}
+
+static void bench(int threads, double ms)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
-	c.n_shards = shards;
-	c.max_ranks = ranks > 4096 ? ranks : 4096;
+	c.n_shards = n_shards;
 	c.sync_booking = sync_booking;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
 		exit(1);
 	}
-	/* Capacity per rank: enough for a few prompts, so admissions evict as in production. */
-	for (uint32_t k = 0; k < ranks; k++)
-		kvr_rank_add(r, (struct kvr_rank_id){k, 0}, 1, capacity, 16384);
-	/* Warm-up: every prompt routed once, so lookups find real prefixes. */
+	uint64_t cap = capacity ? capacity : 8 * prompt_len / 16;
+	for (uint32_t k = 0; k < n_ranks; k++)
+		kvr_rank_add(r, (struct kvr_rank_id){k, 0}, 1, cap, 16384);
+	/* Warm-up: every prompt routed once (synchronously drained), so lookups find prefixes. */
 	struct kvr_request q;
 	kvr_request_init(&q);
-	q.n_tokens = PROMPT_TOKENS;
+	q.n_tokens = prompt_len;
 	for (size_t i = 0; i < n_prompts; i++) {
 		q.tokens = prompts[i];
 		struct kvr_decision d;
 		if (kvr_route(r, &q, &d) == 0)
 			kvr_request_finish(r, d.attempt);
+		if (i % 16 == 15)
+			kvr_router_sync(r, 60000);
 	}
-	/* Reset the router's histograms by measuring deltas: simplest is a fresh metrics view, so
-	 * we subtract the warm-up counts. */
-	uint64_t warm[KVR_H__COUNT][KVR_HIST_BUCKETS];
-	for (int h = 0; h < KVR_H__COUNT; h++)
-		kvr_metrics_hist(r->metrics, (enum kvr_hist)h, warm[h], NULL);
+	kvr_router_sync(r, 60000);
 	struct worker *w = calloc((size_t)threads, sizeof(*w));
 	atomic_store(&go, 0);
 	atomic_store(&stop, 0);
+	size_t nb = prompt_len / 16;
 	for (int t = 0; t < threads; t++) {
 		w[t].r = r;
 		w[t].id = t;
-		w[t].cpu = -1;
+		w[t].local = malloc(nb * sizeof(uint64_t));
+		w[t].seq = malloc(nb * sizeof(uint64_t));
 		pthread_create(&w[t].th, NULL, run, &w[t]);
 	}
-	uint64_t t0 = mono_ns();
+	uint64_t tasks0 = routing_tasks(r);
+	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
 	atomic_store(&go, 1);
-	struct timespec ts = {(time_t)(ms / 1000), (long)((long)ms % 1000) * 1000000};
-	nanosleep(&ts, NULL);
+	uint64_t depth_max = 0, depth_sum = 0, samples = 0;
+	while (mono_ns() < end) {
+		struct timespec ts = {0, 100000};
+		nanosleep(&ts, NULL);
+		for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
+			struct kvr_shard_stats st;
+			kvr_shard_get_stats(kvr_shards_get(r->shards, i), &st);
+			uint64_t dep = st.depth[KVR_LANE_ROUTING];
+			depth_sum += dep;
+			depth_max = dep > depth_max ? dep : depth_max;
+			samples++;
+		}
+	}
 	atomic_store(&stop, 1);
-	uint64_t elapsed = mono_ns() - t0;
-	uint64_t hist[KVR_HIST_BUCKETS] = {0}, n = 0;
+	uint64_t floor[KVR_HIST_BUCKETS] = {0}, route[KVR_HIST_BUCKETS] = {0},
+	         fin[KVR_HIST_BUCKETS] = {0}, n = 0, full = 0, errors = 0;
 	for (int t = 0; t < threads; t++) {
 		pthread_join(w[t].th, NULL);
-		for (int b = 0; b < KVR_HIST_BUCKETS; b++)
-			hist[b] += w[t].hist[b];
+		for (int b = 0; b < KVR_HIST_BUCKETS; b++) {
+			floor[b] += w[t].floor[b];
+			route[b] += w[t].route[b];
+			fin[b] += w[t].fin[b];
+		}
 		n += w[t].n;
+		full += w[t].full;
+		errors += w[t].errors;
+		free(w[t].local);
+		free(w[t].seq);
 	}
-	uint64_t sp[4];
-	enum kvr_hist stages[4] = {KVR_H_HASH_NS, KVR_H_MATCH_NS, KVR_H_SELECT_NS, KVR_H_ADMIT_NS};
-	for (int s = 0; s < 4; s++) {
-		uint64_t h[KVR_HIST_BUCKETS];
-		kvr_metrics_hist(r->metrics, stages[s], h, NULL);
-		for (int b = 0; b < KVR_HIST_BUCKETS; b++)
-			h[b] -= warm[stages[s]][b];
-		sp[s] = kvr_hist_quantile(h, 0.5);
-	}
-	printf(
-	    "SUMMARY bench=route booking=%s ranks=%u threads=%d shards=%u p50_ns=%llu p99_ns=%llu "
-	    "p999_ns=%llu hash_p50_ns=%llu match_p50_ns=%llu select_p50_ns=%llu "
-	    "admit_p50_ns=%llu routes_s=%.0f\n",
-	    c.sync_booking ? "sync" : "async", ranks, threads, kvr_shards_count(r->shards),
-	    (unsigned long long)kvr_hist_quantile(hist, 0.5),
-	    (unsigned long long)kvr_hist_quantile(hist, 0.99),
-	    (unsigned long long)kvr_hist_quantile(hist, 0.999), (unsigned long long)sp[0],
-	    (unsigned long long)sp[1], (unsigned long long)sp[2], (unsigned long long)sp[3],
-	    (double)n / ((double)elapsed * 1e-9));
+	kvr_router_sync(r, 600000); /* the backlog drains: part of the shards' time */
+	uint64_t drained = mono_ns() - t0;
+	uint64_t tasks = routing_tasks(r) - tasks0;
+	uint32_t ns = kvr_shards_count(r->shards);
+	uint64_t f50 = kvr_hist_quantile(floor, 0.5), f99 = kvr_hist_quantile(floor, 0.99);
+	uint64_t r50 = kvr_hist_quantile(route, 0.5), r99 = kvr_hist_quantile(route, 0.99);
+	printf("SUMMARY bench=route booking=%s tokens=%zu ranks=%u threads=%d shards=%u "
+	       "route_p50_ns=%llu route_p99_ns=%llu floor_p50_ns=%llu floor_p99_ns=%llu "
+	       "p50_ratio=%.2f p99_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
+	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f lane_depth_max=%llu "
+	       "lane_depth_mean=%.1f lane_full=%llu errors=%llu\n",
+	       c.sync_booking ? "sync" : "async", prompt_len, n_ranks, threads, ns,
+	       (unsigned long long)r50, (unsigned long long)r99, (unsigned long long)f50,
+	       (unsigned long long)f99, f50 ? (double)r50 / (double)f50 : 0.0,
+	       f99 ? (double)r99 / (double)f99 : 0.0,
+	       (unsigned long long)kvr_hist_quantile(fin, 0.5),
+	       (unsigned long long)kvr_hist_quantile(fin, 0.99), (double)n / (ms * 1e-3),
+	       (double)tasks / ((double)drained * 1e-9) / ns, (unsigned long long)depth_max,
+	       samples ? (double)depth_sum / (double)samples : 0.0, (unsigned long long)full,
+	       (unsigned long long)errors);
 	fflush(stdout);
 	free(w);
 	kvr_router_destroy(r);
@@ -158,63 +244,35 @@ static void bench(uint32_t ranks, int threads, uint32_t shards, double ms)
 int main(int argc, char **argv)
 {
 	double ms = 1000;
-	const char *path = NULL;
-	size_t want = 1000;
-	uint32_t shards = 1;
+	char lengths[256] = "2048,8192,32768,131072";
 	for (int i = 1; i + 1 < argc; i += 2) {
 		if (!strcmp(argv[i], "--ms"))
 			ms = atof(argv[i + 1]);
-		else if (!strcmp(argv[i], "--trace"))
-			path = argv[i + 1];
-		else if (!strcmp(argv[i], "--prompts"))
-			want = (size_t)atol(argv[i + 1]);
+		else if (!strcmp(argv[i], "--lengths"))
+			snprintf(lengths, sizeof(lengths), "%s", argv[i + 1]);
+		else if (!strcmp(argv[i], "--ranks"))
+			n_ranks = (uint32_t)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--shards"))
-			shards = (uint32_t)atoi(argv[i + 1]);
+			n_shards = (uint32_t)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--capacity"))
 			capacity = strtoull(argv[i + 1], NULL, 10);
 		else if (!strcmp(argv[i], "--sync-booking"))
 			sync_booking = atoi(argv[i + 1]) != 0;
+		else if (!strcmp(argv[i], "--threads-max"))
+			threads_max = atoi(argv[i + 1]);
 	}
-	static const char *defaults[] = {"/work/shared/traces/mooncake/conversation_trace.jsonl",
-	                                 "../shared/traces/mooncake/conversation_trace.jsonl",
-	                                 "data/traces/mooncake/conversation_sample.jsonl"};
-	struct trace t = {0};
-	char err[512];
-	int loaded = -1;
-	if (path)
-		loaded = trace_load(&t, path, true, 0, err, sizeof(err));
-	for (int i = 0; loaded && !path && i < 3; i++)
-		loaded = trace_load(&t, defaults[i], true, 0, err, sizeof(err));
-	if (loaded) {
-		fprintf(stderr, "bench_route: no trace: %s\n", err);
-		return 1;
-	}
-	trace_finish(&t);
-	/* 8k-token prompts: the first 8192 tokens of requests at least that long. */
-	prompts = calloc(want, sizeof(*prompts));
-	uint32_t *buf = NULL;
-	size_t cap = 0;
-	for (size_t i = 0; i < t.n && n_prompts < want; i++) {
-		const struct trace_req *q = &t.reqs[i];
-		if (q->input_len < PROMPT_TOKENS)
+	if (threads_max < 1 || threads_max > MAX_THREADS)
+		threads_max = 2;
+	for (char *tok = strtok(lengths, ","); tok; tok = strtok(NULL, ",")) {
+		size_t len = (size_t)atol(tok);
+		if (len < 32)
 			continue;
-		if (q->input_len > cap) {
-			cap = q->input_len;
-			buf = realloc(buf, cap * sizeof(*buf));
-		}
-		trace_tokens(&t, q, buf);
-		prompts[n_prompts] = malloc(PROMPT_TOKENS * sizeof(uint32_t));
-		memcpy(prompts[n_prompts++], buf, PROMPT_TOKENS * sizeof(uint32_t));
+		/* about 64 MiB of prompts at most */
+		size_t n = (64u << 20) / (len * sizeof(uint32_t));
+		make_prompts(len, n > 512 ? 512 : n);
+		for (int th = 1; th <= threads_max; th++)
+			bench(th, ms);
+		free_prompts();
 	}
-	free(buf);
-	trace_free(&t);
-	fprintf(stderr, "bench_route: %zu prompts of %d tokens\n", n_prompts, PROMPT_TOKENS);
-	static const uint32_t rank_counts[2] = {64, 1024};
-	for (int a = 0; a < 2; a++)
-		for (int th = 1; th <= 2; th++)
-			bench(rank_counts[a], th, shards, ms);
-	for (size_t i = 0; i < n_prompts; i++)
-		free(prompts[i]);
-	free(prompts);
 	return 0;
 }
