@@ -5,7 +5,7 @@
  *   3. a queued request whose admission fails is reported (on_admit / kvr_route_wait);
  *   6. kvr_rank_add at max_ranks right after a remove (slot awaiting its grace period);
  *   8. a queued hash-given prompt with n_hashes = 0 (memcpy from NULL under UBSan).
- * Defect 7 (a data race) is covered by tests/stress/stress_torture.c under TSan. */
+ * Defect 7 (a data race) has its regression test under TSan: tests/stress/stress_queue.c. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <string.h>
