@@ -9,7 +9,8 @@
  * removal per copy; AllBlocksCleared; CPU-medium blocks kept apart; block size mismatch refused
  * and logged; a gap healed by replay; a gap without replay (reported, rank cleared); a
  * publisher restart; a router (feed) started after the publisher; garbage messages between
- * good ones; dp rank taken from the batch.
+ * good ones; dp rank taken from the batch; a replay shorter than the gap; a replay that never
+ * answers.
  * Plain program: exit 0 pass, 1 fail, 77 skip (no python3 with zmq and msgpack).
  * usage: test_feed PYTHON PUBLISHER_SCRIPT
  */
@@ -628,6 +629,73 @@ static void scenario_late(struct pubproc *p, uint64_t worker)
 	unlink(ipcr + 6);
 }
 
+/* Replays that cannot cover the gap: the publisher's buffer starts after it (the rest of the
+ * replay is applied after the rank is cleared), then a replay endpoint that never answers
+ * (replay_timeout_ms, then the gap is reported). */
+static void scenario_short_replay(struct pubproc *p, uint64_t worker)
+{
+	char ep[256], rep[256];
+	struct kvr_rank_id rank = {worker, 0};
+	struct engine m = {0};
+	kvr_u64map_init(&m.gpu);
+	const char *r = pub_cmd(p, "{\"op\":\"start\",\"endpoint\":\"tcp://127.0.0.1:*\","
+	                           "\"replay\":\"tcp://127.0.0.1:*\",\"topic\":\"kv\","
+	                           "\"buffer\":2}");
+	json_str(r, "endpoint", ep, sizeof(ep));
+	json_str(r, "replay", rep, sizeof(rep));
+	uint32_t id = add_ep(ep, rep, worker, 0);
+	wait_sub(p);
+	uint64_t a[5];
+	chain(a, 5, 0xD000000000000000ull + worker * 0x100000000ull);
+	struct sb e = {0};
+	bool first;
+	/* seq 0 arrives; 1, 2, 3 are lost; the buffer keeps only 3 and 4 */
+	for (int i = 0; i < 5; i++) {
+		e.len = 0;
+		first = true;
+		ev_stored(&e, &first, a + i, 1, NULL, NULL); /* each a root */
+		uint64_t s = publish(p, "map", 0, i >= 1 && i <= 3, e.s);
+		if (i == 0)
+			wait_seq(id, s, "short replay: first");
+	}
+	wait_seq(id, 4, "short replay");
+	/* the gap [1, 3) is reported and the rank cleared; 3 (replayed) and 4 are applied */
+	model_store(&m, a + 3, 2);
+	struct kvr_feed_stats st = stats(id);
+	CHECK(st.gaps == 1 && st.replays == 1 && st.replayed_batches == 2,
+	      "gaps %" PRIu64 " replays %" PRIu64 " replayed %" PRIu64, st.gaps, st.replays,
+	      st.replayed_batches);
+	CHECK(gap_expected == 1 && gap_got == 3, "gap %" PRIu64 "..%" PRIu64, gap_expected,
+	      gap_got);
+	check_equal(rank, &m, "replay shorter than the gap");
+	CHECK(kvr_feed_remove(F, id) == 0, "remove");
+	pub_cmd(p, "{\"op\":\"stop\"}");
+	/* a replay endpoint nobody serves: the feed waits replay_timeout_ms, then reports */
+	start(p, "tcp://127.0.0.1:*", NULL, ep, NULL);
+	id = add_ep(ep, "tcp://127.0.0.1:9", worker, 0);
+	wait_sub(p);
+	e.len = 0;
+	first = true;
+	ev_stored(&e, &first, a, 1, NULL, NULL);
+	publish(p, "map", 0, false, e.s);
+	publish(p, "map", 0, true, e.s);
+	e.len = 0;
+	first = true;
+	ev_stored(&e, &first, a + 1, 1, NULL, NULL);
+	uint64_t s = publish(p, "array", 0, false, e.s);
+	wait_seq(id, s, "replay timeout");
+	kvr_u64map_clear(&m.gpu);
+	model_store(&m, a + 1, 1);
+	st = stats(id);
+	CHECK(st.gaps == 1 && st.replays == 0, "gaps %" PRIu64 " replays %" PRIu64, st.gaps,
+	      st.replays);
+	check_equal(rank, &m, "replay timed out");
+	CHECK(kvr_feed_remove(F, id) == 0, "remove");
+	pub_cmd(p, "{\"op\":\"stop\"}");
+	free(e.s);
+	kvr_u64map_fini(&m.gpu);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 3) {
@@ -680,13 +748,15 @@ int main(int argc, char **argv)
 		scenario_gaps(&p, 4, false);
 	if (!only || only == 5)
 		scenario_late(&p, 5);
+	if (!only || only == 6)
+		scenario_short_replay(&p, 6);
 	pub_exit(&p);
 	char text[1 << 16];
 	size_t len;
 	CHECK(kvr_metrics_render(R, text, sizeof(text), &len) == 0, "render");
 	CHECK(only || (strstr(text, "kvr_feed_batches_total ") &&
-	               strstr(text, "kvr_feed_replays_total 2") &&
-	               strstr(text, "kvr_feed_gaps_total 1") &&
+	               strstr(text, "kvr_feed_replays_total 3") &&
+	               strstr(text, "kvr_feed_gaps_total 3") &&
 	               strstr(text, "kvr_feed_lag_seconds_count")),
 	      "feed metrics missing");
 	kvr_feed_destroy(F);
