@@ -73,8 +73,11 @@ run)
 		# approx_lru minus approx_ttl hit rate at each capacity (CSV: blocks,policy,...,hit_rate)
 		awk -F, -v t="$t" 'NR > 1 && !($1 in seen) { seen[$1] = 1; cap[++n] = $1 }
 			NR > 1 { hit[$1, $2] = 100 * $5 }
-			END { printf "verdict [%s, capacity sweep]: hit rate approx_lru / approx_ttl / events:", t
-				for (i = 1; i <= n; i++) printf "%s %s blocks %.1f / %.1f / %.1f %%", (i > 1 ? ";" : ""), cap[i], hit[cap[i], "approx_lru"], hit[cap[i], "approx_ttl"], hit[cap[i], "events"]
+			END { printf "verdict [%s, capacity sweep]: hit rate approx_lru vs approx_ttl (events):", t
+				for (i = 1; i <= n; i++) {
+					c = cap[i]; d = hit[c, "approx_lru"] - hit[c, "approx_ttl"]
+					printf "%s %s blocks %.1f vs %.1f %% (%.1f), LRU %s%.1f points", (i > 1 ? ";" : ""), c, hit[c, "approx_lru"], hit[c, "approx_ttl"], hit[c, "events"], (d >= 0 ? "+" : ""), d
+				}
 				printf "\n" }' "$out/capacity-$t.csv"
 	done
 	echo

@@ -517,22 +517,26 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 		    "plot ",
 		    (size_t)580 + 20 * rows, name, title ? title : "", title ? ": " : "", xl,
 		    logx ? "set logscale x" : "unset logscale x", 4 + rows, xl, rows);
+		/* The first series wide, so one that coincides with it (events and approx_lru
+		 * often do) still shows. */
 		for (size_t i = 0; i < ns; i++)
 			fprintf(gp,
-			        "%s'sweep_%s.dat' index %zu using 1:2 with linespoints lw 2 pt 7 "
-			        "lc %zu title '%s'",
-			        i ? ", " : "", name, i, i + 1, labels[i]);
+			        "%s'sweep_%s.dat' index %zu using 1:2 with linespoints lw %d pt 7 "
+			        "ps %.1f lc %zu title '%s'",
+			        i ? ", " : "", name, i, i == 0 && ns > 1 ? 6 : 2,
+			        i == 0 && ns > 1 ? 1.6 : 1.0, i + 1, labels[i]);
 		fprintf(gp, "\nset ylabel 'TTFT (s, log)'\nset logscale y\nset yrange [*:*]\n"
 		            "set title 'TTFT p99 (solid) and p50 (dashed)'\nset key off\n"
 		            "plot ");
-		for (size_t i = 0; i < ns; i++)
-			fprintf(gp,
-			        "%s'sweep_%s.dat' index %zu using 1:4 with linespoints lw 2 pt 7 "
-			        "lc %zu "
-			        "notitle, 'sweep_%s.dat' index %zu using 1:3 with linespoints lw 2 "
-			        "dt 2 "
-			        "pt 6 lc %zu notitle",
-			        i ? ", " : "", name, i, i + 1, name, i, i + 1);
+		for (size_t i = 0; i < ns; i++) {
+			int lw = i == 0 && ns > 1 ? 6 : 2;
+			fprintf(
+			    gp,
+			    "%s'sweep_%s.dat' index %zu using 1:4 with linespoints lw %d pt 7 "
+			    "lc %zu notitle, 'sweep_%s.dat' index %zu using 1:3 with linespoints "
+			    "lw %d dt 2 pt 6 lc %zu notitle",
+			    i ? ", " : "", name, i, lw, i + 1, name, i, lw, i + 1);
+		}
 		fprintf(gp, "\nunset multiplot\nunset logscale\nset bmargin\n");
 	}
 	fclose(gp);
