@@ -367,6 +367,27 @@ static void bench_reader_writer(int ms)
 	free(rw_ps);
 }
 
+/* --cg L PAT: build one (L, pattern) index and run 1000 queries and 1000 hashes, for
+ * valgrind --tool=callgrind (instructions per call of kvr_index_find_matches and
+ * kvr_hash_blocks, the noise-free form of the match/hash ratio). */
+static void cg_mode(size_t L, int pat)
+{
+	int np = L == 32 ? 1024 : L == 512 ? 64 : 8;
+	struct path *ps = calloc((size_t)np, sizeof(*ps));
+	for (int i = 0; i < np; i++)
+		make_path(&ps[i], L);
+	uint32_t slot[RANKS];
+	struct kvr_index *idx = new_index(slot);
+	for (int i = 0; i < np; i++)
+		apply_pattern(idx, slot, &ps[i], pat);
+	uint64_t m50, m99;
+	match_lat(idx, ps, np, 1000, &m50, &m99);
+	uint64_t h = hash_p50(&ps[0], 1000);
+	printf("cg L=%zu pattern=%c (timings under valgrind are meaningless: %lu %lu)\n", L,
+	       "abc"[pat], (unsigned long)m99, (unsigned long)h);
+	kvr_index_destroy(idx);
+}
+
 int main(int argc, char **argv)
 {
 	int ms = 400;
@@ -376,7 +397,12 @@ int main(int argc, char **argv)
 			ms = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--quick"))
 			quick = true;
-		else if (!strcmp(argv[i], "--apply-only"))
+		else if (!strcmp(argv[i], "--cg") && i + 2 < argc) {
+			if (kvr_rcu_thread_online() != 0)
+				return 1;
+			cg_mode((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a');
+			return 0;
+		} else if (!strcmp(argv[i], "--apply-only"))
 			apply_only = true; /* for valgrind --tool=callgrind */
 	}
 	if (kvr_rcu_thread_online() != 0)
