@@ -68,13 +68,13 @@ struct idx_run {
 	struct idx_run *parent;
 	uint64_t *seqs;      /* &first (a one-block run, no allocation) or idx_seqs.s */
 	struct idx_hset *hs; /* NULL = no holder */
-	uint32_t off;
-	uint32_t len; /* positions [0, len) are in the tree (and the block table) */
+	uint16_t off;        /* <= IDX_RUN_MAX */
+	uint16_t len;        /* positions [0, len) are in the tree (and the block table) */
 	/* writer only */
-	uint32_t hw;            /* positions ever written into seqs (write-once) */
-	uint32_t max_child_off; /* largest off of a child (0 = none) */
+	uint16_t hw;            /* positions ever written into seqs (write-once) */
+	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
 	struct idx_run *child;  /* children list; the retire-list link once dead */
-	struct idx_run *sib;
+	struct idx_run *sib, *sib_prev;
 } __attribute__((aligned(IDX_CACHELINE)));
 
 static inline bool idx_seqs_inline(const struct idx_run *r)
@@ -127,12 +127,11 @@ static inline uint64_t *idx_hold_bm(struct idx_hold *h)
 }
 
 /* Per-rank map key -> val for the blocks stored with ext != seq (events mode): linear probing,
- * backward-shift deletion, used = occupied.  Writers only (under wlock). */
+ * backward-shift deletion; an entry is empty iff key == val (the maps only hold ext != seq).
+ * Writers only (under wlock). */
 struct idx_xent {
 	uint64_t key;
 	uint64_t val;
-	uint32_t used;
-	uint32_t pad;
 };
 
 struct idx_xmap {

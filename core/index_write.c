@@ -34,12 +34,18 @@ static size_t xbytes(uint64_t mask)
 	return (size_t)(mask + 1) * sizeof(struct idx_xent);
 }
 
+/* An entry is in use iff key != val: both maps only hold pairs with ext != seq. */
+static inline bool xused(const struct idx_xent *e)
+{
+	return e->key != e->val;
+}
+
 static bool xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t *val)
 {
 	if (!m->e)
 		return false;
 	for (uint64_t i = xhome(m, key);; i = (i + 1) & m->mask) {
-		if (!m->e[i].used)
+		if (!xused(&m->e[i]))
 			return false;
 		if (m->e[i].key == key) {
 			if (val)
@@ -52,9 +58,9 @@ static bool xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t *val)
 static void xmap_put(struct idx_xmap *m, uint64_t key, uint64_t val)
 {
 	uint64_t i = xhome(m, key);
-	while (m->e[i].used)
+	while (xused(&m->e[i]))
 		i = (i + 1) & m->mask;
-	m->e[i] = (struct idx_xent){.key = key, .val = val, .used = 1};
+	m->e[i] = (struct idx_xent){.key = key, .val = val};
 	m->count++;
 }
 
@@ -66,7 +72,7 @@ static int xmap_resize(struct kvr_index *idx, struct idx_xmap *m, uint64_t cap)
 		return KVR_ENOMEM;
 	if (m->e) {
 		for (uint64_t i = 0; i <= m->mask; i++)
-			if (m->e[i].used)
+			if (xused(&m->e[i]))
 				xmap_put(&nm, m->e[i].key, m->e[i].val);
 		kvr_free(m->e, xbytes(m->mask));
 		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
@@ -96,19 +102,19 @@ static void xmap_del(struct idx_xmap *m, uint64_t key)
 		return;
 	uint64_t i = xhome(m, key);
 	for (;; i = (i + 1) & m->mask) {
-		if (!m->e[i].used)
+		if (!xused(&m->e[i]))
 			return;
 		if (m->e[i].key == key)
 			break;
 	}
-	m->e[i].used = 0;
+	m->e[i] = (struct idx_xent){0, 0};
 	m->count--;
-	for (uint64_t j = (i + 1) & m->mask; m->e[j].used; j = (j + 1) & m->mask) {
+	for (uint64_t j = (i + 1) & m->mask; xused(&m->e[j]); j = (j + 1) & m->mask) {
 		uint64_t k = xhome(m, m->e[j].key);
 		/* Move e[j] into the hole at i unless its home lies cyclically in (i, j]. */
 		if (((j - k) & m->mask) >= ((j - i) & m->mask)) {
 			m->e[i] = m->e[j];
-			m->e[j].used = 0;
+			m->e[j] = (struct idx_xent){0, 0};
 			i = j;
 		}
 	}
@@ -524,28 +530,26 @@ static void link_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
+	c->sib_prev = NULL;
 	c->sib = p->child;
+	if (p->child)
+		p->child->sib_prev = c;
 	p->child = c;
 	if (c->off > p->max_child_off)
 		p->max_child_off = c->off;
 }
 
-/* O(children): the parent's largest child offset is recomputed on the same walk. */
+/* O(1); p->max_child_off stays an upper bound until run_check() needs it exact. */
 static void unlink_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
-	struct idx_run **at = &p->child;
-	p->max_child_off = 0;
-	while (*at) {
-		if (*at == c)
-			*at = c->sib;
-		else {
-			if ((*at)->off > p->max_child_off)
-				p->max_child_off = (*at)->off;
-			at = &(*at)->sib;
-		}
-	}
+	if (c->sib_prev)
+		c->sib_prev->sib = c->sib;
+	else
+		p->child = c->sib;
+	if (c->sib)
+		c->sib->sib_prev = c->sib_prev;
 }
 
 static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
@@ -582,7 +586,7 @@ static void drop_hold(struct kvr_index *idx, struct idx_hold *h)
 static void run_check(struct kvr_index *idx, struct idx_run *r)
 {
 	while (r) {
-		uint32_t need = r->max_child_off;
+		uint32_t need = 0;
 		const struct idx_hset *hs = r->hs;
 		if (hs) {
 			struct idx_hold **hh = idx_hset_holds(hs);
@@ -592,11 +596,21 @@ static void run_check(struct kvr_index *idx, struct idx_run *r)
 		}
 		if (need >= r->len)
 			return;
+		if (r->max_child_off > need) { /* the bound may be stale: make it exact */
+			r->max_child_off = 0;
+			for (const struct idx_run *k = r->child; k; k = k->sib)
+				if (k->off > r->max_child_off)
+					r->max_child_off = k->off;
+		}
+		if (r->max_child_off > need)
+			need = r->max_child_off;
+		if (need >= r->len)
+			return;
 		for (uint32_t q = need; q < r->len; q++)
 			kvr_index_tab_delete(idx, r->seqs[q], r, q);
 		/* Ordering: release; readers that still see the old len compare permanent content.
 		 */
-		__atomic_store_n(&r->len, need, __ATOMIC_RELEASE);
+		__atomic_store_n(&r->len, (uint16_t)need, __ATOMIC_RELEASE);
 		if (need > 0)
 			return;
 		/* Dead: nobody holds a position and no child hangs below. */
@@ -689,6 +703,8 @@ static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, 
 {
 	struct idx_run *r;
 	uint32_t pos;
+	if (rk->tree_size == rk->xmap.count) /* every held block is aliased: nothing plain */
+		return false;
 	if (xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, &r, &pos))
 		return false;
 	const struct idx_hold *h = hold_of(r, slot);
@@ -892,11 +908,11 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		case P_APPEND:
 			R->seqs[R->hw++] = s;
 			/* Ordering: release; pairs with the acquire load of len in find_matches. */
-			__atomic_store_n(&R->len, R->len + 1, __ATOMIC_RELEASE);
+			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
 			kvr_index_tab_insert(idx, s, R, q);
 			break;
 		case P_REEXTEND:
-			__atomic_store_n(&R->len, R->len + 1, __ATOMIC_RELEASE);
+			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
 			kvr_index_tab_insert(idx, s, R, q);
 			break;
 		default:
