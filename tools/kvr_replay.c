@@ -29,8 +29,13 @@
 #include "tools/trace.h"
 
 static const struct replay_policy_ops *const all_policies[] = {
-    &replay_policy_events,      &replay_policy_approx_lru, &replay_policy_approx_ttl,
-    &replay_policy_round_robin, &replay_policy_random,     &replay_policy_least_loaded,
+    &replay_policy_events,
+    &replay_policy_approx_lru,
+    &replay_policy_approx_ttl,
+    &replay_policy_round_robin,
+    &replay_policy_random,
+    &replay_policy_least_loaded,
+    &replay_policy_approx_lru_feedback,
 };
 #define N_ALL (sizeof(all_policies) / sizeof(all_policies[0]))
 
@@ -40,6 +45,8 @@ static void usage(FILE *f)
 	    f, "usage: kvr-replay [options] TRACE...\n"
 	       "  --policies LIST        comma-separated, default all: events,approx_lru,"
 	       "approx_ttl,round_robin,random,least_loaded;\n"
+	       "                         also approx_lru+feedback: approx_lru told each request's\n"
+	       "                         cached tokens at admission (kvr_request_cached);\n"
 	       "                         also events_feed: events through the real KV event "
 	       "feed\n"
 	       "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
@@ -303,8 +310,8 @@ int main(int argc, char **argv)
 	/* Policies. */
 	const struct replay_policy_ops *sel[N_ALL + 1]; /* + events_feed */
 	size_t n_sel = 0;
-	if (!policies) {
-		for (size_t i = 0; i < N_ALL; i++)
+	if (!policies) { /* the feedback variant (last) only when asked for */
+		for (size_t i = 0; i + 1 < N_ALL; i++)
 			sel[n_sel++] = all_policies[i];
 	} else {
 		char *list = strdup(policies), *save = NULL;

@@ -102,6 +102,7 @@ extern const struct replay_policy_ops replay_policy_least_loaded;
 extern const struct replay_policy_ops replay_policy_events;
 extern const struct replay_policy_ops replay_policy_approx_lru;
 extern const struct replay_policy_ops replay_policy_approx_ttl;
+extern const struct replay_policy_ops replay_policy_approx_lru_feedback;
 /* The events policy with its events through the real KV event feed (ZeroMQ + vLLM msgpack on
  * loopback; tools/replay/policy_feed.c, built with -Dzmq).  Not in the default list. */
 extern const struct replay_policy_ops replay_policy_events_feed;

@@ -10,6 +10,8 @@
  *    != 1 registers a wrong capacity on purpose, to measure what mis-registration costs).
  *  - approx_ttl: KVR_MODE_APPROX_TTL, no events, no capacity; a routed block is forgotten
  *    ttl_ns (router default, 120 s) after its last use.
+ *  - approx_lru+feedback: approx_lru, and each request's cached prefix at its first admission
+ *    is reported back (kvr_request_cached), so engine ground truth heals the prediction.
  *
  * Rank i of the simulator is worker i, dp rank 0, incarnation 1.  One shard (n_shards = 1) for
  * determinism.  The router's clock is the simulator's virtual clock; sync() runs
@@ -279,6 +281,20 @@ static int rp_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t 
 	return kvr_request_prefill_done(p->r, handle);
 }
 
+/* approx_lru+feedback: the engine's cached prefix at the request's first admission goes back
+ * to the router (kvr_request_cached), as a frontend would report vLLM's
+ * usage.prompt_tokens_details.cached_tokens (issue 15). */
+static int rp_admitted(void *state, uint64_t handle, const struct sim_admit_info *info)
+{
+	struct rp *p = state;
+	if (info->preemptions > 0)
+		return 0; /* a re-admission: the report is about the first one */
+	tick(p);
+	int rc =
+	    kvr_request_cached(p->r, handle, (uint64_t)info->cached_blocks * p->env.block_size);
+	return rc == KVR_ESTALE ? 0 : rc; /* ended already (the lease reaper): nothing to heal */
+}
+
 static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
 {
 	struct rp *p = state;
@@ -387,3 +403,22 @@ const struct replay_policy_ops replay_policy_approx_lru =
     ROUTER_POLICY("approx_lru", lru_create, false);
 const struct replay_policy_ops replay_policy_approx_ttl =
     ROUTER_POLICY("approx_ttl", ttl_create, false);
+const struct replay_policy_ops replay_policy_approx_lru_feedback = {
+    .name = "approx_lru+feedback",
+    .predicts = true,
+    .wants_events = false,
+    .create = lru_create,
+    .destroy = rp_destroy,
+    .route = rp_route,
+    .kv_event = rp_kv_event,
+    .admitted = rp_admitted,
+    .first_token = rp_first_token,
+    .output = rp_output,
+    .finished = rp_finished,
+    .aborted = rp_aborted,
+    .sync = rp_sync,
+    .dequeue = rp_dequeue,
+    .resident = rp_resident,
+    .predict = rp_predict,
+    .blocks = rp_blocks,
+};
