@@ -146,3 +146,20 @@ void kvr_repl_router_destroy(struct kvr_router *r)
 		h->router_destroyed(h->ctx); /* the layer detaches itself */
 	__atomic_store_n(&r->repl, NULL, __ATOMIC_RELEASE);
 }
+
+size_t kvr_repl_list_ranks(struct kvr_router *r, struct kvr_rank_id *ids, uint32_t *mbt, size_t cap)
+{
+	if (kvr_rcu_thread_online())
+		return 0;
+	kvr_rcu_read_lock();
+	const struct kvr_live *live = kvr_rcu_deref(&r->live);
+	size_t n = live->n;
+	for (size_t i = 0; i < n && i < cap; i++) {
+		const struct kvr_rank_pub *p = &r->ranks[live->slot[i]];
+		ids[i].worker_id = __atomic_load_n(&p->worker_id, __ATOMIC_RELAXED);
+		ids[i].dp_rank = __atomic_load_n(&p->dp_rank, __ATOMIC_RELAXED);
+		mbt[i] = __atomic_load_n(&p->max_batched_tokens, __ATOMIC_RELAXED);
+	}
+	kvr_rcu_read_unlock();
+	return n;
+}

@@ -116,6 +116,11 @@ static inline void kvr_repl_note_rank(struct kvr_router *r, int op, struct kvr_r
 		kvr_repl_note_rank_slow(r, op, rank, incarnation, capacity, mbt);
 }
 
+/* Lists up to cap routable ranks (ids and max batched tokens); returns how many there are.
+ * Context: any thread. */
+size_t kvr_repl_list_ranks(struct kvr_router *r, struct kvr_rank_id *ids, uint32_t *mbt,
+                           size_t cap);
+
 /* Prometheus text of the attached layer (0 bytes when none); snprintf semantics. */
 size_t kvr_repl_render(struct kvr_router *r, char *buf, size_t room);
 /* Called first thing by kvr_router_destroy. */

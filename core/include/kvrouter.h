@@ -645,6 +645,101 @@ KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32
 /* Stops the thread, closes every socket, frees everything.  NULL is a no-op.  Must not race
  * with other calls on the feed. */
 KVR_API void kvr_feed_destroy(struct kvr_feed *f);
+/* ---------------------------------------------------------------- replica sync (NATS) */
+/*
+ * Several routers (replicas, e.g. one per frontend) in front of the same workers share what
+ * each routes: admissions (rank, block hashes, prompt tokens, predicted cached prefix, expected
+ * output), output, prefill done, finish/abort and rank changes go out on NATS, and every replica
+ * applies its peers' to its OWN predicted caches and load exactly as if it had routed them, so
+ * with the same traffic their predictions converge.  Replicas heartbeat; a peer that stops (or
+ * says goodbye) has its attempts released everywhere.  A new replica, or one that lost messages
+ * (NATS outage, gap), asks a live peer for a snapshot (NATS request-reply, chunked: ranks,
+ * recently finished chains, live attempts, per-peer stream positions), then applies the stream
+ * from there.  During an outage routing continues on local knowledge.  Wire format:
+ * sync/replica_msg.h.  Built with the meson feature `nats` (libnats, nats.c 3.x).
+ */
+struct kvr_sync;
+
+struct kvr_sync_config {
+	/* NATS server URLs, comma separated ("nats://host:4222,nats://other:4222"); borrowed
+	 * for the call.  Default "nats://127.0.0.1:4222". */
+	const char *servers;
+	/* Subject prefix shared by the replicas of one cluster: [A-Za-z0-9_-], 1..64 chars.
+	 * Default "kvr". */
+	const char *cluster;
+	/* This replica's id: nonzero, unique in the cluster.  No default (0 is KVR_EINVAL). */
+	uint64_t replica_id;
+	/* Credentials and TLS, passed to nats.c unchanged; NULL = not used. */
+	const char *user, *password, *token;
+	const char *creds_file; /* NATS chained credentials (JWT + seed) */
+	bool tls;               /* require TLS */
+	const char *tls_ca_file, *tls_cert_file, *tls_key_file;
+	/* Heartbeat period, ms.  Default 100; 1..60000. */
+	uint32_t heartbeat_ms;
+	/* A peer silent for this many heartbeat periods is gone.  Default 5; >= 2. */
+	uint32_t dead_after;
+	/* Snapshot request deadline, ms.  Default 2000. */
+	uint32_t snapshot_timeout_ms;
+	/* Blocks of recently finished attempts remembered per rank for snapshots.  Default 0 =
+	 * twice the rank's capacity (65536 without capacity). */
+	uint64_t journal_blocks;
+};
+
+struct kvr_sync_stats {
+	uint64_t published;   /* messages sent */
+	uint64_t unpublished; /* messages not sent (disconnected, or the send failed) */
+	uint64_t received;    /* messages delivered by the transport */
+	uint64_t applied;     /* peers' stream messages applied */
+	uint64_t dropped;     /* malformed, unknown version, truncated or forged: not applied */
+	uint64_t forged;      /* of those: carrying this replica's id */
+	uint64_t duplicates;  /* stream messages at or below a peer's position (not applied) */
+	uint64_t refused;     /* peer admissions the router refused (unknown rank, stale) */
+	uint64_t orphans;     /* lifecycle messages for attempts this replica does not mirror */
+	uint64_t gaps;        /* a peer's stream skipped ahead (messages lost) */
+	uint64_t resyncs;     /* snapshots requested */
+	uint64_t snapshots_applied;
+	uint64_t snapshots_served;
+	uint64_t disconnects, reconnects;
+	uint64_t peers_lost;   /* peers released after silence or goodbye */
+	uint64_t released;     /* mirrored attempts released because their replica went */
+	uint64_t lag_messages; /* stream messages peers announced that are not applied yet */
+	uint32_t peers_alive;
+	uint32_t mirrored; /* peers' live attempts mirrored on this router */
+	bool connected;
+	bool ready; /* the first snapshot (or its absence) is settled */
+};
+
+/* Fills *c with the defaults.  NULL is a no-op. */
+KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
+
+/*
+ * Connects router r to NATS as replica c->replica_id and starts sharing.  The ranks already
+ * added are announced; a live peer's snapshot is asked for in the background
+ * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
+ * Returns 0 and *out, KVR_EINVAL (bad config), KVR_EBUSY (already attached), KVR_ENOMEM,
+ * KVR_ETIMEDOUT (no server reachable), KVR_ENOTSUP (built without the `nats` feature).
+ * Context: any thread.
+ */
+KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c,
+                            struct kvr_sync **out);
+
+/* Says goodbye (peers release this replica's attempts at once), stops, releases the peers'
+ * attempts mirrored on the router, disconnects, frees.  NULL is a no-op.  The router may be
+ * destroyed first: kvr_router_destroy stops the replica's use of it (goodbye included), and
+ * kvr_sync_detach then only disconnects and frees.
+ * Context: any thread; not concurrently with other calls on s. */
+KVR_API void kvr_sync_detach(struct kvr_sync *s);
+
+/* Waits until the replica has applied its first snapshot (or found no peer).  0,
+ * KVR_ETIMEDOUT, KVR_EINVAL. */
+KVR_API int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms);
+
+/* Waits until every message received so far is applied.  0, KVR_ETIMEDOUT, KVR_EINVAL.
+ * For tests and quiet points. */
+KVR_API int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms);
+
+/* Counters and state; also rendered by kvr_metrics_render (kvr_sync_*).  0 or KVR_EINVAL. */
+KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
 
 /* ---------------------------------------------------------------- metrics */
 

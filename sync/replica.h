@@ -1,0 +1,83 @@
+/*
+ * sync/replica.h - router replica sync, transport-agnostic core (issue 14).  The NATS transport
+ * (sync/replica_nats.c) and the in-process bus used by kvr-replay and tests (sync/replica_bus.c)
+ * plug in through struct kvr_replica_transport.  See sync/replica.c for the protocol.
+ */
+#ifndef KVR_SYNC_REPLICA_H
+#define KVR_SYNC_REPLICA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvrouter.h"
+
+struct kvr_replica;
+
+/* What the core needs from a transport.  Every function may be called from the core's apply
+ * thread; publish also from any frontend thread (under the core's lock). */
+struct kvr_replica_transport {
+	void *ctx;
+	/* Sends one message on the cluster's stream subject.  0 or a negative error. */
+	int (*publish)(void *ctx, const void *buf, size_t len);
+	/* Sends one message to a reply subject (a snapshot chunk). */
+	int (*reply)(void *ctx, const char *to, const void *buf, size_t len);
+	/* Asks any ready peer for a snapshot (req is a SNAP_REQ) and passes each reply message to
+	 * on_chunk until it returns 1 (last chunk) or an error, or timeout_ns passes; poll is
+	 * called between waits (the core serves its own pending snapshot requests there).  Returns
+	 * 0, KVR_ENOENT (no peer answered: nobody ready), KVR_ETIMEDOUT, or on_chunk's error.  NULL
+	 * = no snapshots (in-process bus: every replica starts together). */
+	int (*request)(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+	               int (*on_chunk)(void *cb, const void *buf, size_t len),
+	               void (*poll)(void *cb), void *cb);
+	/* This replica is ready: start answering snapshot requests.  May be NULL. */
+	void (*ready)(void *ctx);
+};
+
+struct kvr_replica_config {
+	uint64_t replica_id; /* nonzero */
+	uint32_t heartbeat_ms;
+	uint32_t dead_after;
+	uint32_t snapshot_timeout_ms;
+	uint64_t journal_blocks; /* 0 = 2 x capacity per rank (65536 without capacity) */
+};
+
+/* Creates the core for router r; nothing is sent or attached yet, but deliveries are queued.
+ * t is copied.  Returns 0, KVR_EINVAL, KVR_ENOMEM.  Context: any thread. */
+int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
+                       const struct kvr_replica_transport *t, struct kvr_replica **out);
+
+/* Attaches to the router (notes), announces its ranks, starts the apply thread, which first
+ * asks for a snapshot.  The transport must already deliver the stream (subscribe first, so
+ * nothing after the snapshot's fences is missed).  Returns 0, KVR_EBUSY (router already
+ * attached, or no thread).  Context: any thread. */
+int kvr_replica_start(struct kvr_replica *rep);
+
+/* Says goodbye, stops the thread, detaches, releases the peers' attempts mirrored on the
+ * router.  Idempotent.  Deliveries after it are queued and freed by destroy.
+ * Context: any thread but the apply thread. */
+void kvr_replica_stop(struct kvr_replica *rep);
+
+/* kvr_replica_stop, then frees.  The transport must deliver nothing once this starts.
+ * NULL is a no-op. */
+void kvr_replica_destroy(struct kvr_replica *rep);
+
+/* A message from the transport (copied).  reply_to (may be NULL, copied) is where a SNAP_REQ
+ * wants its chunks.  Context: transport threads. */
+void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len,
+                         const char *reply_to);
+
+/* Connection state changes seen by the transport.  Context: transport threads. */
+void kvr_replica_disconnected(struct kvr_replica *rep);
+void kvr_replica_reconnected(struct kvr_replica *rep);
+
+/* Waits until the first snapshot (or the decision that there is none) is applied.
+ * 0 or KVR_ETIMEDOUT. */
+int kvr_replica_wait_ready(struct kvr_replica *rep, uint32_t timeout_ms);
+
+/* Waits until every message delivered so far has been handled.  0 or KVR_ETIMEDOUT. */
+int kvr_replica_drain(struct kvr_replica *rep, uint32_t timeout_ms);
+
+void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out);
+
+#endif

@@ -1,0 +1,336 @@
+/*
+ * sync/replica_nats.c - the NATS transport of replica sync and the public kvr_sync_* API
+ * (issue 14), on nats.c (libnats 3.x).
+ *
+ * Subjects, for cluster C:
+ *   C.stream   every replica's stream (admissions, lifecycle, ranks), heartbeats, goodbyes.
+ *              One subject, so NATS's per-publisher order covers everything one replica sends.
+ *   C.snap     snapshot requests, a queue group ("kvr-snap") of the replicas that are ready:
+ *              exactly one of them answers, with chunks sent to the requester's inbox.
+ * The connection uses no echo (a replica never hears itself: a message with our id is forged),
+ * unlimited reconnects every 100 ms, and a 1 s ping so a dead server is noticed quickly.  nats.c
+ * buffers publishes made while reconnecting; the core does not rely on that (it stops publishing
+ * when told of the disconnect and resends its state after the reconnect).
+ */
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include <nats/nats.h>
+
+#include "core/alloc.h"
+#include "sync/replica.h"
+#include "sync/replica_msg.h"
+
+struct kvr_sync {
+	struct kvr_replica *rep;
+	natsConnection *nc;
+	natsSubscription *stream_sub, *snap_sub;
+	char subj_stream[96], subj_snap[96];
+};
+
+static void on_stream(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
+{
+	(void)nc;
+	(void)sub;
+	struct kvr_sync *s = closure;
+	kvr_replica_deliver(s->rep, natsMsg_GetData(msg), (size_t)natsMsg_GetDataLength(msg), NULL);
+	natsMsg_Destroy(msg);
+}
+
+static void on_snapreq(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
+{
+	(void)nc;
+	(void)sub;
+	struct kvr_sync *s = closure;
+	const char *reply = natsMsg_GetReply(msg);
+	if (reply)
+		kvr_replica_deliver(s->rep, natsMsg_GetData(msg),
+		                    (size_t)natsMsg_GetDataLength(msg), reply);
+	natsMsg_Destroy(msg);
+}
+
+static void on_disconnected(natsConnection *nc, void *closure)
+{
+	(void)nc;
+	struct kvr_sync *s = closure;
+	if (s->rep)
+		kvr_replica_disconnected(s->rep);
+}
+
+static void on_reconnected(natsConnection *nc, void *closure)
+{
+	(void)nc;
+	struct kvr_sync *s = closure;
+	if (s->rep)
+		kvr_replica_reconnected(s->rep);
+}
+
+static int t_publish(void *ctx, const void *buf, size_t len)
+{
+	struct kvr_sync *s = ctx;
+	if (natsConnection_Status(s->nc) != NATS_CONN_STATUS_CONNECTED)
+		return KVR_EAGAIN;
+	return natsConnection_Publish(s->nc, s->subj_stream, buf, (int)len) == NATS_OK ? 0
+	                                                                               : KVR_EAGAIN;
+}
+
+static int t_reply(void *ctx, const char *to, const void *buf, size_t len)
+{
+	struct kvr_sync *s = ctx;
+	return natsConnection_Publish(s->nc, to, buf, (int)len) == NATS_OK ? 0 : KVR_EAGAIN;
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+                     int (*on_chunk)(void *cb, const void *buf, size_t len), void (*poll)(void *cb),
+                     void *cb)
+{
+	struct kvr_sync *s = ctx;
+	natsInbox *inbox = NULL;
+	natsSubscription *sub = NULL;
+	int rc = KVR_EAGAIN;
+	if (natsInbox_Create(&inbox) != NATS_OK)
+		return KVR_ENOMEM;
+	if (natsConnection_SubscribeSync(&sub, s->nc, inbox) != NATS_OK)
+		goto out;
+	natsSubscription_SetPendingLimits(sub, 1 << 20, 1 << 30);
+	if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req, (int)len) != NATS_OK)
+		goto out;
+	natsConnection_Flush(s->nc);
+	uint64_t deadline = mono_ns() + timeout_ns;
+	for (;;) {
+		natsMsg *msg = NULL;
+		natsStatus st = natsSubscription_NextMsg(&msg, sub, 20);
+		if (st == NATS_TIMEOUT) {
+			if (poll)
+				poll(cb);
+			if (mono_ns() >= deadline) {
+				rc = KVR_ETIMEDOUT;
+				break;
+			}
+			continue;
+		}
+		if (st != NATS_OK) {
+			rc = KVR_EAGAIN;
+			break;
+		}
+		if (natsMsg_IsNoResponders(msg)) {
+			natsMsg_Destroy(msg);
+			rc = KVR_ENOENT;
+			break;
+		}
+		int r = on_chunk(cb, natsMsg_GetData(msg), (size_t)natsMsg_GetDataLength(msg));
+		natsMsg_Destroy(msg);
+		if (r != 0) {
+			rc = r == 1 ? 0 : r;
+			break;
+		}
+		deadline = mono_ns() + timeout_ns; /* progress: the deadline is per chunk */
+	}
+out:
+	if (sub) {
+		natsSubscription_Unsubscribe(sub);
+		natsSubscription_Destroy(sub);
+	}
+	natsInbox_Destroy(inbox);
+	return rc;
+}
+
+static void t_ready(void *ctx)
+{
+	struct kvr_sync *s = ctx;
+	if (natsConnection_QueueSubscribe(&s->snap_sub, s->nc, s->subj_snap, "kvr-snap", on_snapreq,
+	                                  s) == NATS_OK)
+		natsConnection_Flush(s->nc);
+}
+
+void kvr_sync_config_init(struct kvr_sync_config *c)
+{
+	if (!c)
+		return;
+	memset(c, 0, sizeof(*c));
+	c->servers = "nats://127.0.0.1:4222";
+	c->cluster = "kvr";
+	c->heartbeat_ms = 100;
+	c->dead_after = 5;
+	c->snapshot_timeout_ms = 2000;
+}
+
+static bool cluster_ok(const char *c)
+{
+	size_t n = c ? strlen(c) : 0;
+	if (n < 1 || n > 64)
+		return false;
+	for (size_t i = 0; i < n; i++) {
+		char ch = c[i];
+		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+		      (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
+			return false;
+	}
+	return true;
+}
+
+/* Splits the comma-separated server list into natsOptions_SetServers. */
+static natsStatus set_servers(natsOptions *o, const char *list)
+{
+	char buf[2048];
+	const char *v[32];
+	int n = 0;
+	if (strlen(list) >= sizeof(buf))
+		return NATS_INVALID_ARG;
+	strcpy(buf, list);
+	for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && n < 32;
+	     t = strtok_r(NULL, ",", &save)) {
+		while (*t == ' ')
+			t++;
+		if (*t)
+			v[n++] = t;
+	}
+	if (!n)
+		return NATS_INVALID_ARG;
+	return natsOptions_SetServers(o, v, n);
+}
+
+static void sync_free(struct kvr_sync *s)
+{
+	if (!s)
+		return;
+	kvr_replica_stop(s->rep);
+	if (s->nc)
+		natsConnection_FlushTimeout(s->nc, 500);
+	if (s->snap_sub)
+		natsSubscription_Destroy(s->snap_sub);
+	if (s->stream_sub)
+		natsSubscription_Destroy(s->stream_sub);
+	if (s->nc) {
+		natsConnection_Close(s->nc);
+		natsConnection_Destroy(s->nc);
+	}
+	kvr_replica_destroy(s->rep);
+	kvr_free(s, sizeof(*s));
+}
+
+int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struct kvr_sync **out)
+{
+	if (!r || !c || !out || !c->replica_id || !c->servers || !cluster_ok(c->cluster) ||
+	    !c->heartbeat_ms || c->heartbeat_ms > 60000 || c->dead_after < 2)
+		return KVR_EINVAL;
+	*out = NULL;
+	struct kvr_sync *s = kvr_calloc(1, sizeof(*s));
+	if (!s)
+		return KVR_ENOMEM;
+	snprintf(s->subj_stream, sizeof(s->subj_stream), "%s.stream", c->cluster);
+	snprintf(s->subj_snap, sizeof(s->subj_snap), "%s.snap", c->cluster);
+	struct kvr_replica_config rc = {
+	    .replica_id = c->replica_id,
+	    .heartbeat_ms = c->heartbeat_ms,
+	    .dead_after = c->dead_after,
+	    .snapshot_timeout_ms = c->snapshot_timeout_ms ? c->snapshot_timeout_ms : 2000,
+	    .journal_blocks = c->journal_blocks,
+	};
+	struct kvr_replica_transport t = {
+	    .ctx = s,
+	    .publish = t_publish,
+	    .reply = t_reply,
+	    .request = t_request,
+	    .ready = t_ready,
+	};
+	int ret = kvr_replica_create(r, &rc, &t, &s->rep);
+	if (ret) {
+		kvr_free(s, sizeof(*s));
+		return ret;
+	}
+	natsOptions *o = NULL;
+	char name[64];
+	snprintf(name, sizeof(name), "kvr-%s-%llu", c->cluster, (unsigned long long)c->replica_id);
+	natsStatus st = natsOptions_Create(&o);
+	if (st == NATS_OK)
+		st = set_servers(o, c->servers);
+	if (st == NATS_OK)
+		st = natsOptions_SetName(o, name);
+	if (st == NATS_OK)
+		st = natsOptions_SetNoEcho(o, true);
+	if (st == NATS_OK)
+		st = natsOptions_SetMaxReconnect(o, -1);
+	if (st == NATS_OK)
+		st = natsOptions_SetReconnectWait(o, 100);
+	if (st == NATS_OK)
+		st = natsOptions_SetPingInterval(o, 1000);
+	if (st == NATS_OK)
+		st = natsOptions_SetMaxPingsOut(o, 2);
+	if (st == NATS_OK)
+		st = natsOptions_SetTimeout(o, 2000);
+	if (st == NATS_OK)
+		st = natsOptions_SetDisconnectedCB(o, on_disconnected, s);
+	if (st == NATS_OK)
+		st = natsOptions_SetReconnectedCB(o, on_reconnected, s);
+	if (st == NATS_OK && (c->user || c->password))
+		st = natsOptions_SetUserInfo(o, c->user, c->password);
+	if (st == NATS_OK && c->token)
+		st = natsOptions_SetToken(o, c->token);
+	if (st == NATS_OK && c->creds_file)
+		st = natsOptions_SetUserCredentialsFromFiles(o, c->creds_file, NULL);
+	if (st == NATS_OK && c->tls)
+		st = natsOptions_SetSecure(o, true);
+	if (st == NATS_OK && c->tls_ca_file)
+		st = natsOptions_LoadCATrustedCertificates(o, c->tls_ca_file);
+	if (st == NATS_OK && (c->tls_cert_file || c->tls_key_file))
+		st = natsOptions_LoadCertificatesChain(o, c->tls_cert_file, c->tls_key_file);
+	if (st != NATS_OK) {
+		natsOptions_Destroy(o);
+		sync_free(s);
+		return st == NATS_NO_MEMORY ? KVR_ENOMEM : KVR_EINVAL;
+	}
+	st = natsConnection_Connect(&s->nc, o);
+	natsOptions_Destroy(o);
+	if (st != NATS_OK) {
+		s->nc = NULL;
+		sync_free(s);
+		return st == NATS_NO_MEMORY ? KVR_ENOMEM : KVR_ETIMEDOUT;
+	}
+	st = natsConnection_Subscribe(&s->stream_sub, s->nc, s->subj_stream, on_stream, s);
+	if (st == NATS_OK)
+		natsSubscription_SetPendingLimits(s->stream_sub, 1 << 22, 1 << 30);
+	if (st == NATS_OK)
+		st = natsConnection_FlushTimeout(s->nc, 2000); /* the server has our subscription */
+	if (st != NATS_OK) {
+		sync_free(s);
+		return KVR_ETIMEDOUT;
+	}
+	if ((ret = kvr_replica_start(s->rep))) {
+		sync_free(s);
+		return ret;
+	}
+	*out = s;
+	return 0;
+}
+
+void kvr_sync_detach(struct kvr_sync *s)
+{
+	sync_free(s);
+}
+
+int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
+{
+	return s ? kvr_replica_wait_ready(s->rep, timeout_ms) : KVR_EINVAL;
+}
+
+int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
+{
+	return s ? kvr_replica_drain(s->rep, timeout_ms) : KVR_EINVAL;
+}
+
+int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
+{
+	if (!s || !out)
+		return KVR_EINVAL;
+	kvr_replica_get_stats(s->rep, out);
+	return 0;
+}

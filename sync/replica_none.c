@@ -1,0 +1,54 @@
+/*
+ * sync/replica_none.c - the kvr_sync_* API in a build without the `nats` feature: attach says
+ * KVR_ENOTSUP, everything else KVR_EINVAL (no handle can exist).
+ */
+#include <string.h>
+
+#include "kvrouter.h"
+
+void kvr_sync_config_init(struct kvr_sync_config *c)
+{
+	if (!c)
+		return;
+	memset(c, 0, sizeof(*c));
+	c->servers = "nats://127.0.0.1:4222";
+	c->cluster = "kvr";
+	c->heartbeat_ms = 100;
+	c->dead_after = 5;
+	c->snapshot_timeout_ms = 2000;
+}
+
+int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struct kvr_sync **out)
+{
+	(void)r;
+	(void)c;
+	if (out)
+		*out = NULL;
+	return KVR_ENOTSUP;
+}
+
+void kvr_sync_detach(struct kvr_sync *s)
+{
+	(void)s;
+}
+
+int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
+{
+	(void)s;
+	(void)timeout_ms;
+	return KVR_EINVAL;
+}
+
+int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
+{
+	(void)s;
+	(void)timeout_ms;
+	return KVR_EINVAL;
+}
+
+int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
+{
+	(void)s;
+	(void)out;
+	return KVR_EINVAL;
+}

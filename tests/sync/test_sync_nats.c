@@ -1,0 +1,534 @@
+/*
+ * Replica sync over a real nats-server (issue 14).  A plain program (exit 0 pass, 1 fail, 77 skip
+ * when nats-server is not installed): it starts nats-server on a free 127.0.0.1 port and stops it.
+ *
+ *  1. three replicas in this process route an interleaved share of one request stream; at every
+ *     quiet point each rank's load is the same on every replica and the predicted caches agree
+ *     (Jaccard >= 0.99); once drained every load is zero.
+ *  2. a replica in a child process admits requests and is killed with SIGKILL: every other
+ *     replica releases its attempts within the liveness bound; a replica attached afterwards
+ *     agrees with the others after its snapshot.
+ *  3. nats-server is stopped and restarted mid-stream: no crash, the counters show the outage
+ *     (disconnects, reconnects, unpublished), and the replicas converge again.
+ * usage: test_sync_nats [seed [pace_us]]
+ */
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+
+#define N_RANKS 8
+#define CAP     400
+#define HB_MS   100
+#define DEAD    5
+
+static int fails;
+#define CHECK(c, ...)                                                                              \
+	do {                                                                                       \
+		if (!(c)) {                                                                        \
+			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                       \
+			fprintf(stderr, __VA_ARGS__);                                              \
+			fprintf(stderr, "\n");                                                     \
+			fails++;                                                                   \
+		}                                                                                  \
+	} while (0)
+
+static pid_t server_pid;
+static int port;
+static char url[64];
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(unsigned ms)
+{
+	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+	nanosleep(&ts, NULL);
+}
+
+static int free_port(void)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	socklen_t l = sizeof(a);
+	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) ||
+	    getsockname(fd, (struct sockaddr *)&a, &l))
+		return -1;
+	int p = ntohs(a.sin_port);
+	close(fd);
+	return p;
+}
+
+static bool server_up(void)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = {.sin_family = AF_INET,
+	                        .sin_port = htons((uint16_t)port),
+	                        .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+	if (fd >= 0)
+		close(fd);
+	return ok;
+}
+
+static int server_start(void)
+{
+	char ps[16];
+	snprintf(ps, sizeof(ps), "%d", port);
+	server_pid = fork();
+	if (server_pid == 0) {
+		int dn = open("/dev/null", 1);
+		dup2(dn, 1);
+		dup2(dn, 2);
+		execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, (char *)NULL);
+		_exit(127);
+	}
+	for (int i = 0; i < 200; i++) {
+		if (server_up())
+			return 0;
+		sleep_ms(20);
+	}
+	return -1;
+}
+
+static void server_stop(void)
+{
+	if (server_pid > 0) {
+		kill(server_pid, SIGKILL);
+		waitpid(server_pid, NULL, 0);
+		server_pid = 0;
+	}
+}
+
+/* ---------------------------------------------------------------- replicas */
+
+struct replica {
+	struct kvr_router *r;
+	struct kvr_sync *s;
+	uint64_t live[256];
+	size_t n_live;
+};
+
+static struct kvr_router *make_router(void)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.shard_idle_spin_ns = 1000;
+	struct kvr_router *r;
+	if (kvr_router_create(&c, &r))
+		return NULL;
+	for (uint64_t w = 0; w < N_RANKS; w++)
+		kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, CAP, 8192);
+	return r;
+}
+
+static int attach(struct replica *x, uint64_t id)
+{
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = url;
+	c.cluster = "t";
+	c.replica_id = id;
+	c.heartbeat_ms = HB_MS;
+	c.dead_after = DEAD;
+	int rc = kvr_sync_attach(x->r, &c, &x->s);
+	if (rc == 0)
+		rc = kvr_sync_wait_ready(x->s, 5000);
+	return rc;
+}
+
+static uint64_t rng = 88172645463325252ull;
+static uint64_t next(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return rng;
+}
+
+/* One step on replica x: finish an old request, or route a new one from a family of shared
+ * prefixes, or send output. */
+static void step(struct replica *x)
+{
+	uint32_t t[1200];
+	int what = (int)(next() % 10);
+	if (x->n_live >= 24 || (x->n_live && what < 3)) {
+		size_t k = next() % x->n_live;
+		uint64_t a = x->live[k];
+		x->live[k] = x->live[--x->n_live];
+		if (what == 0)
+			kvr_request_abort(x->r, a);
+		else
+			kvr_request_finish(x->r, a);
+		return;
+	}
+	if (x->n_live && what < 5) {
+		uint32_t out[40];
+		for (int i = 0; i < 40; i++)
+			out[i] = (uint32_t)next();
+		kvr_request_output(x->r, x->live[next() % x->n_live], out, 1 + next() % 40);
+		return;
+	}
+	size_t n = 100 + next() % 1000;
+	uint32_t fam = (uint32_t)(next() % 40);
+	for (size_t i = 0; i < n; i++)
+		t[i] = i < 600 ? fam * 1000003u + (uint32_t)i : (uint32_t)next();
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.expected_output_tokens = 100;
+	struct kvr_decision d;
+	if (kvr_route(x->r, &q, &d) == 0 && d.status == KVR_DECIDED)
+		x->live[x->n_live++] = d.attempt;
+}
+
+static int cmpu(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+static double jaccard(struct kvr_router *a, struct kvr_router *b, uint64_t w)
+{
+	static uint64_t x[1 << 16], y[1 << 16];
+	size_t nx = 0, ny = 0;
+	struct kvr_rank_id id = {w, 0};
+	if (kvr_rank_blocks(a, id, x, 1 << 16, &nx) || kvr_rank_blocks(b, id, y, 1 << 16, &ny))
+		return -1;
+	qsort(x, nx, 8, cmpu);
+	qsort(y, ny, 8, cmpu);
+	size_t i = 0, j = 0, both = 0;
+	while (i < nx && j < ny) {
+		if (x[i] == y[j]) {
+			both++;
+			i++;
+			j++;
+		} else if (x[i] < y[j]) {
+			i++;
+		} else {
+			j++;
+		}
+	}
+	size_t uni = nx + ny - both;
+	return uni ? (double)both / (double)uni : 1.0;
+}
+
+/* Waits until every replica has applied everything its peers announced: after two heartbeat
+ * periods every peer has sent a heartbeat after its last stream message, and a heartbeat is
+ * handled after everything its sender sent before it (one subject, per-publisher order), so an
+ * empty queue with no lag means all is applied. */
+static int quiet(struct replica *xs, size_t n)
+{
+	sleep_ms(3 * HB_MS);
+	uint64_t t0 = now_ms();
+	for (;;) {
+		bool done = true;
+		for (size_t i = 0; i < n; i++) {
+			struct kvr_sync_stats s;
+			done &= kvr_sync_drain(xs[i].s, 2000) == 0;
+			kvr_sync_get_stats(xs[i].s, &s);
+			done &= s.lag_messages == 0 && s.ready && s.connected;
+		}
+		if (done)
+			break;
+		if (now_ms() - t0 > 30000)
+			return -1;
+		sleep_ms(HB_MS);
+	}
+	for (size_t i = 0; i < n; i++)
+		kvr_router_sync(xs[i].r, 5000);
+	return 0;
+}
+
+/* Every pair agrees: load per rank equal, Jaccard >= 0.99.  Returns the worst Jaccard. */
+static double agree_min(struct replica *xs, size_t n, const char *when, double min)
+{
+	double worst = 1.0;
+	for (uint64_t w = 0; w < N_RANKS; w++) {
+		struct kvr_rank_stats s0;
+		kvr_rank_get_stats(xs[0].r, (struct kvr_rank_id){w, 0}, &s0);
+		for (size_t i = 1; i < n; i++) {
+			struct kvr_rank_stats si;
+			kvr_rank_get_stats(xs[i].r, (struct kvr_rank_id){w, 0}, &si);
+			CHECK(si.active_requests == s0.active_requests &&
+			          si.active_prefill_tokens == s0.active_prefill_tokens &&
+			          si.active_blocks == s0.active_blocks,
+			      "%s: rank %lu load differs on replica %zu: requests %lu/%lu prefill "
+			      "%lu/%lu blocks %lu/%lu",
+			      when, (unsigned long)w, i, (unsigned long)s0.active_requests,
+			      (unsigned long)si.active_requests,
+			      (unsigned long)s0.active_prefill_tokens,
+			      (unsigned long)si.active_prefill_tokens,
+			      (unsigned long)s0.active_blocks, (unsigned long)si.active_blocks);
+			double j = jaccard(xs[0].r, xs[i].r, w);
+			if (j < worst)
+				worst = j;
+		}
+	}
+	CHECK(worst >= min, "%s: predicted-cache Jaccard %.4f < %.2f", when, worst, min);
+	if (worst < min || fails)
+		for (size_t i = 0; i < n; i++) {
+			struct kvr_sync_stats s;
+			kvr_sync_get_stats(xs[i].s, &s);
+			fprintf(
+			    stderr,
+			    "  replica %zu: pub %lu unpub %lu recv %lu applied %lu dropped %lu dup "
+			    "%lu "
+			    "refused %lu orphans %lu gaps %lu resyncs %lu snaps %lu/%lu lost %lu "
+			    "released %lu mirrored %u lag %lu\n",
+			    i, (unsigned long)s.published, (unsigned long)s.unpublished,
+			    (unsigned long)s.received, (unsigned long)s.applied,
+			    (unsigned long)s.dropped, (unsigned long)s.duplicates,
+			    (unsigned long)s.refused, (unsigned long)s.orphans,
+			    (unsigned long)s.gaps, (unsigned long)s.resyncs,
+			    (unsigned long)s.snapshots_applied, (unsigned long)s.snapshots_served,
+			    (unsigned long)s.peers_lost, (unsigned long)s.released, s.mirrored,
+			    (unsigned long)s.lag_messages);
+		}
+	return worst;
+}
+
+static double agree(struct replica *xs, size_t n, const char *when)
+{
+	return agree_min(xs, n, when, 0.99);
+}
+
+/* Requests arrive every PACE_US: replicas apply each other's messages within about a
+ * millisecond, so two arrivals closer than that may be applied in different orders on different
+ * replicas, which under eviction pressure makes their LRU predictions differ (measured by the
+ * Jaccard lines: 1.0 without eviction). */
+static unsigned pace_us = 2000;
+
+static void stream(struct replica *xs, size_t n, int steps)
+{
+	for (int i = 0; i < steps; i++) {
+		step(&xs[i % n]);
+		if (pace_us) {
+			struct timespec ts = {0, (long)pace_us * 1000L};
+			nanosleep(&ts, NULL);
+		}
+	}
+}
+
+static void drain_all(struct replica *xs, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		while (xs[i].n_live)
+			kvr_request_finish(xs[i].r, xs[i].live[--xs[i].n_live]);
+	}
+}
+
+/* ---------------------------------------------------------------- 1 */
+
+static void test_three(void)
+{
+	struct replica xs[3] = {0};
+	for (int i = 0; i < 3; i++) {
+		xs[i].r = make_router();
+		CHECK(attach(&xs[i], (uint64_t)i + 1) == 0, "attach %d", i);
+	}
+	for (int round = 0; round < 4; round++) {
+		stream(xs, 3, 600);
+		CHECK(quiet(xs, 3) == 0, "quiet point %d not reached", round);
+		double j = agree(xs, 3, "three replicas");
+		printf("test_three: quiet point %d: worst Jaccard %.4f\n", round, j);
+	}
+	drain_all(xs, 3);
+	CHECK(quiet(xs, 3) == 0, "final quiet point");
+	agree(xs, 3, "drained");
+	for (int i = 0; i < 3; i++)
+		for (uint64_t w = 0; w < N_RANKS; w++) {
+			struct kvr_rank_stats s;
+			kvr_rank_get_stats(xs[i].r, (struct kvr_rank_id){w, 0}, &s);
+			CHECK(s.active_requests == 0 && s.active_prefill_tokens == 0 &&
+			          s.active_blocks == 0,
+			      "drained: replica %d rank %lu still loaded", i, (unsigned long)w);
+		}
+	struct kvr_sync_stats st;
+	kvr_sync_get_stats(xs[0].s, &st);
+	printf("test_three: replica 1 published %lu applied %lu dropped %lu gaps %lu resyncs %lu "
+	       "peers lost %lu\n",
+	       (unsigned long)st.published, (unsigned long)st.applied, (unsigned long)st.dropped,
+	       (unsigned long)st.gaps, (unsigned long)st.resyncs, (unsigned long)st.peers_lost);
+	CHECK(st.gaps == 0 && st.dropped == 0, "no gap and nothing dropped on a healthy cluster");
+	char buf[1 << 16];
+	size_t len;
+	CHECK(kvr_metrics_render(xs[0].r, buf, sizeof(buf), &len) == 0 &&
+	          strstr(buf, "kvr_sync_messages_total{what=\"published\"}"),
+	      "metrics show sync counters");
+	for (int i = 0; i < 3; i++) {
+		kvr_sync_detach(xs[i].s);
+		kvr_router_destroy(xs[i].r);
+	}
+}
+
+/* ---------------------------------------------------------------- 2 */
+
+static void test_kill(void)
+{
+	struct replica xs[3] = {0};
+	for (int i = 0; i < 2; i++) {
+		xs[i].r = make_router();
+		CHECK(attach(&xs[i], (uint64_t)i + 11) == 0, "attach %d", i);
+	}
+	stream(xs, 2, 300);
+	int pfd[2];
+	if (pipe(pfd))
+		return;
+	pid_t child = fork();
+	if (child == 0) { /* replica 19: admits requests and waits to be killed */
+		struct replica c = {0};
+		c.r = make_router();
+		if (!c.r || attach(&c, 19))
+			_exit(3);
+		stream(&c, 1, 200);
+		if (write(pfd[1], "x", 1) != 1)
+			_exit(4);
+		for (;;)
+			pause();
+	}
+	char b;
+	CHECK(read(pfd[0], &b, 1) == 1, "child replica started");
+	stream(xs, 2, 100);
+	CHECK(quiet(xs, 2) == 0, "quiet before the kill");
+	struct kvr_sync_stats s0;
+	kvr_sync_get_stats(xs[0].s, &s0);
+	CHECK(s0.mirrored > 0, "the child's attempts are mirrored");
+	uint64_t t0 = now_ms();
+	kill(child, SIGKILL);
+	waitpid(child, NULL, 0);
+	uint64_t released_at = 0;
+	while (now_ms() - t0 < 5000) {
+		bool all = true;
+		for (int i = 0; i < 2; i++) {
+			struct kvr_sync_stats s;
+			kvr_sync_get_stats(xs[i].s, &s);
+			all &= s.peers_lost >= 1;
+		}
+		if (all) {
+			released_at = now_ms();
+			break;
+		}
+		sleep_ms(5);
+	}
+	uint64_t bound = (uint64_t)(DEAD + 2) * HB_MS;
+	CHECK(released_at && released_at - t0 <= bound,
+	      "killed replica's attempts released in %lu ms (bound %lu ms)",
+	      (unsigned long)(released_at - t0), (unsigned long)bound);
+	printf("test_kill: released everywhere %lu ms after SIGKILL (bound %lu ms)\n",
+	       (unsigned long)(released_at - t0), (unsigned long)bound);
+	CHECK(quiet(xs, 2) == 0, "quiet after the kill");
+	agree(xs, 2, "after kill");
+	/* A new replica joins: after its snapshot it agrees. */
+	xs[2].r = make_router();
+	CHECK(attach(&xs[2], 20) == 0, "attach the new replica");
+	struct kvr_sync_stats sn;
+	kvr_sync_get_stats(xs[2].s, &sn);
+	CHECK(sn.snapshots_applied == 1, "the new replica applied a snapshot (%lu)",
+	      (unsigned long)sn.snapshots_applied);
+	CHECK(quiet(xs, 3) == 0, "quiet after the join");
+	double j = agree(xs, 3, "after join");
+	printf("test_kill: joiner's worst Jaccard after its snapshot %.4f\n", j);
+	stream(xs, 3, 600);
+	CHECK(quiet(xs, 3) == 0, "quiet after more traffic");
+	agree(xs, 3, "joined + traffic");
+	drain_all(xs, 3);
+	for (int i = 0; i < 3; i++) {
+		kvr_sync_detach(xs[i].s);
+		kvr_router_destroy(xs[i].r);
+	}
+}
+
+/* ---------------------------------------------------------------- 3 */
+
+static void test_outage(void)
+{
+	struct replica xs[3] = {0};
+	for (int i = 0; i < 3; i++) {
+		xs[i].r = make_router();
+		CHECK(attach(&xs[i], (uint64_t)i + 21) == 0, "attach %d", i);
+	}
+	stream(xs, 3, 300);
+	server_stop();
+	sleep_ms(100);
+	stream(xs, 3, 600); /* routing goes on, on local knowledge */
+	CHECK(server_start() == 0, "nats-server restarted");
+	uint64_t t0 = now_ms();
+	while (now_ms() - t0 < 10000) {
+		bool all = true;
+		for (int i = 0; i < 3; i++) {
+			struct kvr_sync_stats s;
+			kvr_sync_get_stats(xs[i].s, &s);
+			all &= s.reconnects >= 1 && s.connected;
+		}
+		if (all)
+			break;
+		sleep_ms(20);
+	}
+	stream(xs, 3, 300);
+	CHECK(quiet(xs, 3) == 0, "quiet after the outage");
+	for (int i = 0; i < 3; i++) {
+		struct kvr_sync_stats s;
+		kvr_sync_get_stats(xs[i].s, &s);
+		printf("test_outage: replica %d disconnects %lu reconnects %lu unpublished %lu "
+		       "resyncs %lu\n",
+		       i, (unsigned long)s.disconnects, (unsigned long)s.reconnects,
+		       (unsigned long)s.unpublished, (unsigned long)s.resyncs);
+		CHECK(s.disconnects >= 1 && s.reconnects >= 1 && s.unpublished > 0,
+		      "counters show the outage on replica %d", i);
+	}
+	/* During the outage each replica predicted from its own traffic only; after the
+	 * reconnect the re-announced attempts and the snapshot replay what was missed, but not
+	 * in the order it happened, so under eviction pressure a few blocks may differ. */
+	double j = agree_min(xs, 3, "after the outage", 0.95);
+	printf("test_outage: worst Jaccard after reconnect %.4f\n", j);
+	drain_all(xs, 3);
+	CHECK(quiet(xs, 3) == 0, "drained after the outage");
+	agree_min(xs, 3, "drained after the outage", 0.95);
+	for (int i = 0; i < 3; i++) {
+		kvr_sync_detach(xs[i].s);
+		kvr_router_destroy(xs[i].r);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	if (argc > 1)
+		rng = strtoull(argv[1], NULL, 0) | 1;
+	if (argc > 2)
+		pace_us = (unsigned)atoi(argv[2]);
+	if (system("command -v nats-server >/dev/null 2>&1") != 0) {
+		printf("nats-server not installed: skipped\n");
+		return 77;
+	}
+	signal(SIGPIPE, SIG_IGN);
+	port = free_port();
+	snprintf(url, sizeof(url), "nats://127.0.0.1:%d", port);
+	if (port < 0 || server_start()) {
+		fprintf(stderr, "could not start nats-server\n");
+		server_stop();
+		return 1;
+	}
+	printf("seed %lu, nats-server on %s\n", (unsigned long)rng, url);
+	test_three();
+	test_kill();
+	test_outage();
+	server_stop();
+	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
+	return fails ? 1 : 0;
+}
