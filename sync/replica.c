@@ -16,8 +16,9 @@
  * Streams and positions.  Each replica numbers its stream messages 1, 2, ... within an epoch
  * (its start time: a restart with the same id is a new epoch).  A peer applies an origin's
  * message only if it is the next one; an old one is a duplicate (dropped), a jump ahead is a gap
- * (messages were lost): applied, counted, and a resync follows.  NATS keeps one publisher's order
- * on one subject, so in a healthy cluster there are no gaps.
+ * (messages were lost): applied, counted, and the origin is asked (SNAP_REQ on the stream) to
+ * send RESET and its live attempts again, plus what it finished during its last outage.  NATS keeps
+ * one publisher's order on one subject, so in a healthy cluster there are no gaps.
  *
  * Snapshots.  A new replica subscribes to the stream first, then asks any ready peer (a NATS
  * queue group) for a snapshot: FENCE records (each origin's stream position the snapshot
@@ -126,6 +127,8 @@ struct kvr_replica {
 	struct item *qhead, *qtail;
 	uint64_t q_in, q_done;
 	bool stop, want_reconnect, want_resync, ready;
+	bool want_reannounce;  /* under mu: a peer asked (SNAP_REQ on the stream) */
+	uint64_t reconnect_ns; /* apply thread: when the last outage ended */
 	pthread_t thread;
 	bool thread_started;
 };
@@ -947,14 +950,28 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 }
 
 static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply);
+static void ask_reannounce(struct kvr_replica *rep, uint64_t id);
 static void poll_requests(void *cb);
 
 /* Applies a complete snapshot: ranks; ghosts (only on a fresh replica: one that has routed or
  * applied anything already holds that history, and replaying it again would only reorder its
  * LRU); live attempts reconciled with the mirrors held (kept if named, caught up on output,
  * booked if missing, released if the snapshot does not name them); then the fences. */
+static bool taken(const uint64_t *t, size_t n, uint64_t id)
+{
+	for (size_t i = 0; i < n; i++)
+		if (t[i] == id)
+			return true;
+	return false;
+}
+
 static void apply_snapshot(struct kvr_replica *rep, struct item *chunks)
 {
+	/* Origins whose part of the snapshot is taken: those where the snapshot is not behind
+	 * what we applied already (a fence never moves back: the messages between would be lost),
+	 * or that we had given up (we released what we held of them).  FENCE records come first. */
+	uint64_t take[MAX_PEERS];
+	size_t n_take = 0;
 	pthread_mutex_lock(&rep->mu);
 	bool fresh =
 	    rep->st.applied == 0 && rep->st.snapshots_applied == 0 && rep->seq <= rep->n_ranks;
@@ -975,24 +992,34 @@ static void apply_snapshot(struct kvr_replica *rep, struct item *chunks)
 				apply_rank(rep, &m);
 			} else if (m.h.type == KVR_MSG_ATTEMPT) {
 				bool ghost = m.flags & KVR_MSG_F_FINISHED;
-				if (ghost ? !fresh : m.h.replica == rep->c.replica_id)
-					continue; /* history we hold; our own live attempts */
+				if (ghost ? !fresh : !taken(take, n_take, m.h.replica))
+					continue; /* history we hold; origins we are ahead on; us */
 				apply_attempt(rep, &m);
 			} else if (m.h.type == KVR_MSG_FENCE &&
-			           m.fence_replica != rep->c.replica_id) {
+			           m.fence_replica != rep->c.replica_id && n_take < MAX_PEERS) {
 				pthread_mutex_lock(&rep->mu);
-				struct peer *p = peer_get(rep, m.fence_replica);
-				if (p) {
+				struct peer *p = peer_find(rep, m.fence_replica);
+				bool ok = !p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||
+				          (p->epoch == m.fence_epoch && p->last_seq <= m.fence_seq);
+				if (ok && (p || (p = peer_get(rep, m.fence_replica)))) {
 					p->epoch = m.fence_epoch;
 					p->last_seq = m.fence_seq;
+					if (p->hb_seq < p->last_seq)
+						p->hb_seq = p->last_seq;
 					p->alive = true;
 					p->lost = false;
 					p->last_seen = mono_ns();
+					take[n_take++] = m.fence_replica;
 				}
 				pthread_mutex_unlock(&rep->mu);
 			}
 		}
 	}
+	pthread_mutex_lock(&rep->mu);
+	for (struct rec *x = rep->live_head; x; x = x->next)
+		if (!taken(take, n_take, x->origin))
+			x->seen = true; /* not this snapshot's to judge */
+	pthread_mutex_unlock(&rep->mu);
 	uint64_t n = release_mirrors_if(rep, 0, true);
 	pthread_mutex_lock(&rep->mu);
 	rep->st.released += n;
@@ -1054,6 +1081,12 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 		pthread_mutex_unlock(&rep->mu);
 		return;
 	}
+	if (m.h.type == KVR_MSG_SNAP_REQ && !reply) { /* on the stream: a peer asks us */
+		if (m.target == rep->c.replica_id)
+			rep->want_reannounce = true;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
 	if (m.h.type == KVR_MSG_SNAP_REQ) {
 		pthread_mutex_unlock(&rep->mu);
 		serve_snapshot(rep, reply);
@@ -1085,9 +1118,9 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 	if (m.h.type == KVR_MSG_HEARTBEAT) {
 		p->hb_seq = m.h.seq;
 		p->live = m.live;
-		if (revived && m.h.seq > 0) { /* we released its attempts: learn them again */
-			rep->want_resync = true;
+		if (revived) { /* we released its attempts: ask it to announce them again */
 			p->lost = false;
+			ask_reannounce(rep, p->id);
 		}
 		pthread_mutex_unlock(&rep->mu);
 		return;
@@ -1105,9 +1138,11 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 	}
 	if (m.h.seq != p->last_seq + 1 && m.h.type != KVR_MSG_RESET) {
 		rep->st.gaps++;
-		rep->want_resync = true;
+		/* Messages of this origin were lost (e.g. sent while we were reconnecting): only
+		 * it knows for sure what they said, so ask it to announce its state again. */
+		ask_reannounce(rep, p->id);
 	} else if (revived && m.h.type != KVR_MSG_RESET) {
-		rep->want_resync = true;
+		ask_reannounce(rep, p->id);
 	}
 	p->lost = false;
 	p->last_seq = m.h.seq;
@@ -1135,6 +1170,22 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 	default:
 		break;
 	}
+}
+
+/* Asks peer `id` (on the stream) to send RESET and its live attempts again: we released them
+ * when it fell silent, and only it knows them for sure (the others may have released them too).
+ * Context: mu held. */
+static void ask_reannounce(struct kvr_replica *rep, uint64_t id)
+{
+	if (!rep->connected)
+		return;
+	rep->obuf.len = 0;
+	rep->obuf.oom = false;
+	size_t off = kvr_msg_begin(&rep->obuf, KVR_MSG_SNAP_REQ, rep->c.replica_id, rep->epoch, 0);
+	kvr_msg_put_u64(&rep->obuf, id);
+	kvr_msg_end(&rep->obuf, off);
+	if (!rep->obuf.oom)
+		rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 }
 
 /* Serves the snapshot requests waiting in the queue (while this replica waits for its own). */
@@ -1201,9 +1252,10 @@ static void heartbeat(struct kvr_replica *rep, uint64_t now)
 
 /* After a reconnect: RESET, then every own live attempt and every own attempt finished since
  * the outage began, so peers rebuild what they hold of us. */
-static void reannounce(struct kvr_replica *rep)
+static void reannounce(struct kvr_replica *rep, bool ghosts)
 {
 	pthread_mutex_lock(&rep->mu);
+	rep->want_reannounce = false;
 	rep->connected = true;
 	rep->obuf.len = 0;
 	rep->obuf.oom = false;
@@ -1214,7 +1266,8 @@ static void reannounce(struct kvr_replica *rep)
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		send_rank(rep, KVR_REPL_RANK_ADD, &rep->ranks[i]);
 		for (struct rec *x = rep->ranks[i].jhead; x; x = x->next) {
-			if (x->origin != rep->c.replica_id || x->fin_no <= rep->outage_mark)
+			if (!ghosts || x->origin != rep->c.replica_id ||
+			    x->fin_no <= rep->outage_mark)
 				continue;
 			rep->obuf.len = 0;
 			rep->obuf.oom = false;
@@ -1287,14 +1340,24 @@ static void *apply_main(void *arg)
 			it = NULL;
 		}
 		pthread_mutex_unlock(&rep->qmu);
-		if (rec)
-			reannounce(rep);
+		if (rec) {
+			rep->reconnect_ns = mono_ns();
+			reannounce(rep, true);
+		}
 		if (rec || rsy) {
 			resync(rep);
 			continue;
 		}
 		if (it) {
 			handle(rep, it->data, it->len, it->reply);
+			pthread_mutex_lock(&rep->mu);
+			bool again = rep->want_reannounce && rep->connected;
+			pthread_mutex_unlock(&rep->mu);
+			/* A peer that missed our re-announce after an outage (it reconnected after
+			 * we sent it) needs the attempts we finished during the outage as well. */
+			if (again)
+				reannounce(rep, rep->reconnect_ns &&
+				                    mono_ns() - rep->reconnect_ns < 10000000000ull);
 			kvr_free(it->reply, it->reply ? strlen(it->reply) + 1 : 0);
 			kvr_free(it, sizeof(*it) + it->len);
 			pthread_mutex_lock(&rep->qmu);
@@ -1399,6 +1462,7 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 {
 	pthread_mutex_lock(&rep->mu);
 	*out = rep->st;
+	out->seq = rep->seq;
 	out->connected = rep->connected;
 	out->peers_alive = 0;
 	out->lag_messages = 0;
@@ -1414,6 +1478,17 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	pthread_mutex_lock(&rep->qmu);
 	out->ready = rep->ready;
 	pthread_mutex_unlock(&rep->qmu);
+}
+
+int kvr_replica_peer_seq(struct kvr_replica *rep, uint64_t id, uint64_t *seq)
+{
+	pthread_mutex_lock(&rep->mu);
+	struct peer *p = peer_find(rep, id);
+	int rc = p && p->alive ? 0 : KVR_ENOENT;
+	if (p)
+		*seq = p->last_seq;
+	pthread_mutex_unlock(&rep->mu);
+	return rc;
 }
 
 static size_t render(void *ctx, char *buf, size_t room)

@@ -79,5 +79,6 @@ int kvr_replica_wait_ready(struct kvr_replica *rep, uint32_t timeout_ms);
 int kvr_replica_drain(struct kvr_replica *rep, uint32_t timeout_ms);
 
 void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out);
+int kvr_replica_peer_seq(struct kvr_replica *rep, uint64_t id, uint64_t *seq);
 
 #endif

@@ -334,3 +334,10 @@ int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 	kvr_replica_get_stats(s->rep, out);
 	return 0;
 }
+
+int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq)
+{
+	if (!s || !seq)
+		return KVR_EINVAL;
+	return kvr_replica_peer_seq(s->rep, replica_id, seq);
+}

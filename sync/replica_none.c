@@ -52,3 +52,11 @@ int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 	(void)out;
 	return KVR_EINVAL;
 }
+
+int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq)
+{
+	(void)s;
+	(void)replica_id;
+	(void)seq;
+	return KVR_EINVAL;
+}

@@ -703,6 +703,7 @@ struct kvr_sync_stats {
 	uint64_t peers_lost;   /* peers released after silence or goodbye */
 	uint64_t released;     /* mirrored attempts released because their replica went */
 	uint64_t lag_messages; /* stream messages peers announced that are not applied yet */
+	uint64_t seq;          /* this replica's stream position (its last message's number) */
 	uint32_t peers_alive;
 	uint32_t mirrored; /* peers' live attempts mirrored on this router */
 	bool connected;
@@ -737,6 +738,11 @@ KVR_API int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms);
 /* Waits until every message received so far is applied.  0, KVR_ETIMEDOUT, KVR_EINVAL.
  * For tests and quiet points. */
 KVR_API int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms);
+
+/* How far this replica has applied peer replica_id's stream: *seq gets the number of the last
+ * message applied (compare with that peer's kvr_sync_stats.seq).  0, KVR_ENOENT (peer not
+ * known or not alive), KVR_EINVAL. */
+KVR_API int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq);
 
 /* Counters and state; also rendered by kvr_metrics_render (kvr_sync_*).  0 or KVR_EINVAL. */
 KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
