@@ -90,7 +90,6 @@ struct kvr_shards {
 	pthread_cond_t start_cv;
 	uint32_t n_started;
 	/* placement */
-	_Alignas(64) uint64_t place_seq;
 	struct place_slot *slots;
 	uint32_t place_mask;
 	uint32_t n_workers;
@@ -420,38 +419,6 @@ static uint32_t slot_of(const struct kvr_shards *s, uint64_t key)
 	return (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 32) & s->place_mask;
 }
 
-int kvr_shards_lookup(const struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_out)
-{
-	if (!s || !shard_out)
-		return KVR_EINVAL;
-	for (;;) {
-		uint64_t s1 = __atomic_load_n(&s->place_seq, __ATOMIC_ACQUIRE);
-		if (s1 & 1) {
-			kvr_cpu_relax();
-			continue;
-		}
-		int rc = KVR_ENOENT;
-		uint32_t shard = 0;
-		uint32_t i = slot_of(s, worker_id);
-		for (uint32_t probes = 0; probes <= s->place_mask; probes++) {
-			uint64_t v = __atomic_load_n(&s->slots[i].val, __ATOMIC_ACQUIRE);
-			if (!v)
-				break;
-			if (__atomic_load_n(&s->slots[i].key, __ATOMIC_ACQUIRE) == worker_id) {
-				shard = (uint32_t)v;
-				rc = 0;
-				break;
-			}
-			i = (i + 1) & s->place_mask;
-		}
-		if (__atomic_load_n(&s->place_seq, __ATOMIC_ACQUIRE) == s1) {
-			if (rc == 0)
-				*shard_out = shard;
-			return rc;
-		}
-	}
-}
-
 /* Index of worker_id's slot or of the empty slot ending its probe.  Writer side (mutex). */
 static uint32_t find_slot(const struct kvr_shards *s, uint64_t key)
 {
@@ -526,10 +493,8 @@ int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id)
 		pthread_mutex_unlock(&s->place_mu);
 		return 0;
 	}
-	/* Last rank: backward-shift deletion moves entries, so readers must retry: odd sequence.
-	 * Ordering: the RMW is sequenced before the slot stores; a reader that sees any of them
-	 * (acquire) then reads a sequence >= this one and retries. */
-	__atomic_fetch_add(&s->place_seq, 1, __ATOMIC_ACQ_REL);
+	/* Last rank: backward-shift deletion (the table is read and written under place_mu only:
+	 * the router keeps each rank's shard in its rank table, so nobody looks a worker up). */
 	uint32_t hole = i, j = i;
 	for (;;) {
 		j = (j + 1) & s->place_mask;
@@ -546,7 +511,6 @@ int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id)
 		}
 	}
 	__atomic_store_n(&s->slots[hole].val, 0, __ATOMIC_RELEASE);
-	__atomic_fetch_add(&s->place_seq, 1, __ATOMIC_RELEASE);
 	s->n_workers--;
 	add_u32(&s->workers[shard], -1);
 	pthread_mutex_unlock(&s->place_mu);

@@ -137,14 +137,6 @@ int kvr_shards_place(struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_o
 int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id);
 
 /*
- * The worker's shard.  O(1): one probe sequence in an open-addressing table under a sequence
- * counter; takes no lock and writes nothing, retrying only if a place/unplace ran concurrently.
- * Returns 0 and *shard_out, KVR_ENOENT, KVR_EINVAL.  Context: any thread.
- * Ordering: acquire loads of the table's sequence; pairs with the writer's RMW/release stores.
- */
-int kvr_shards_lookup(const struct kvr_shards *s, uint64_t worker_id, uint32_t *shard_out);
-
-/*
  * Posts fn(shard, copy of payload) on a lane; payload (len <= KVR_SHARD_PAYLOAD bytes) is
  * copied, so it may be a struct or a pointer.  Returns 0, KVR_EAGAIN (lane full, counted as a
  * stall), KVR_EINVAL (fn NULL, len too big), KVR_ESHUTDOWN.  Tasks posted by one thread on one

@@ -4,7 +4,7 @@
  * kept (each message carries a sequence number that must be the previous one + 1); the biased
  * scheduler's bound (at most K routing tasks while maintenance waits) under a routing flood.
  * First, timers on a virtual clock: each advance fires exactly the due timers on every shard.
- * Also mixes synchronous calls in, churns the placement table under lock-free lookups, and
+ * Also mixes synchronous calls in, churns the placement table (under its mutex), and
  * finally shuts down while producers are still posting.  argv[1] = duration in ms (default 1500).
  * Exit 0 pass, 1 fail.
  */
@@ -74,11 +74,7 @@ static void *producer(void *p)
 		uint16_t rank = (uint16_t)(rand_r(&seed) % RANKS);
 		uint8_t lane = rand_r(&seed) % 8 == 0 ? KVR_LANE_MAINT : KVR_LANE_ROUTING;
 		struct msg m = {id, rank, lane, seq[rank][lane]};
-		uint32_t sh_i;
-		if (kvr_shards_lookup(rt, rank, &sh_i) != 0 || sh_i != shard_of[rank]) {
-			__atomic_fetch_add(&order_errors, 1, __ATOMIC_RELAXED);
-			continue;
-		}
+		uint32_t sh_i = shard_of[rank];
 		struct kvr_shard *sh = kvr_shards_get(rt, sh_i);
 		int rc;
 		if (rand_r(&seed) % 64 == 0) {
@@ -153,8 +149,8 @@ static int timer_phase(void)
 	return 0;
 }
 
-/* Places and unplaces short-lived workers while producers look up the stable ones, so the
- * placement table's lock-free readers race its writers (backward-shift deletion moves slots). */
+/* Places and unplaces short-lived workers while producers post to the stable ones' shards: the
+ * placement of the stable workers must never change (checked at the end). */
 static void *churner(void *unused)
 {
 	(void)unused;
