@@ -20,7 +20,7 @@
  * (removes and re-stores the tails of random ranks' paths in the same index); p99 ratio.
  * Timings are wall clock on a shared machine: compare the ratios, which come from one run.
  *
- * usage: bench_index_runs [--ms N] [--quick]
+ * usage: bench_index_runs [--ms N] [--quick] [--apply-only | --rw-only | --cg L PAT]
  */
 #include <pthread.h>
 #include <sched.h>
@@ -352,12 +352,20 @@ static void bench_reader_writer(int ms)
 		make_path(&rw_ps[i], 512);
 		apply_pattern(rw_idx, rw_slot, &rw_ps[i], 1);
 	}
-	uint64_t alone = reader_p99(ms);
-	pthread_t th;
-	pthread_create(&th, NULL, rw_writer, NULL);
-	uint64_t with = reader_p99(ms);
-	__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
-	pthread_join(th, NULL);
+	/* Alternate alone / with a writer, R rounds each, and take the median round: the
+	 * machine's load drifts, so back-to-back phases compare like with like. */
+	enum { R = 5 };
+	uint64_t al[R], wi[R];
+	for (int round = 0; round < R; round++) {
+		al[round] = reader_p99(ms / R);
+		__atomic_store_n(&rw_stop, 0, __ATOMIC_RELAXED);
+		pthread_t th;
+		pthread_create(&th, NULL, rw_writer, NULL);
+		wi[round] = reader_p99(ms / R);
+		__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
+		pthread_join(th, NULL);
+	}
+	uint64_t alone = pctl(al, R, 500), with = pctl(wi, R, 500);
 	printf("SUMMARY bench=index_rw L=512 pattern=b reader_p99_alone_ns=%lu "
 	       "reader_p99_with_writer_ns=%lu ratio=%.2f\n",
 	       (unsigned long)alone, (unsigned long)with, alone ? (double)with / (double)alone : 0);
@@ -401,6 +409,11 @@ int main(int argc, char **argv)
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
 			cg_mode((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a');
+			return 0;
+		} else if (!strcmp(argv[i], "--rw-only")) {
+			if (kvr_rcu_thread_online() != 0)
+				return 1;
+			bench_reader_writer(ms);
 			return 0;
 		} else if (!strcmp(argv[i], "--apply-only"))
 			apply_only = true; /* for valgrind --tool=callgrind */
