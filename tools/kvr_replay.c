@@ -74,6 +74,7 @@ static void usage(FILE *f)
 	       "  --queue-threshold X    hold requests while every rank's prefill exceeds X x its "
 	       "token budget (0 = never)\n"
 	       "  --capacity-factor X    approx_lru registers X x the engine's blocks (1)\n"
+	       "  --foreign-traffic F    a share F (0..1) of arrivals bypasses the policy (0)\n"
 	       "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
 	       "                         NAME: blocks, capacity_factor, overlap_credit, "
 	       "temperature, ttl,\n"
@@ -156,6 +157,7 @@ int main(int argc, char **argv)
 		O_TTL,
 		O_QTHR,
 		O_CAPF,
+		O_FOREIGN,
 		O_SWEEP,
 		O_JOBS,
 		O_LABEL
@@ -188,6 +190,7 @@ int main(int argc, char **argv)
 	                                     {"ttl", required_argument, 0, O_TTL},
 	                                     {"queue-threshold", required_argument, 0, O_QTHR},
 	                                     {"capacity-factor", required_argument, 0, O_CAPF},
+	                                     {"foreign-traffic", required_argument, 0, O_FOREIGN},
 	                                     {"sweep", required_argument, 0, O_SWEEP},
 	                                     {"jobs", required_argument, 0, O_JOBS},
 	                                     {"label", required_argument, 0, O_LABEL},
@@ -269,6 +272,10 @@ int main(int argc, char **argv)
 			break;
 		case O_QTHR:
 			bad = parse_double(optarg, &cfg.queue_threshold);
+			break;
+		case O_FOREIGN:
+			bad = parse_double(optarg, &cfg.foreign_share) || cfg.foreign_share < 0 ||
+			      cfg.foreign_share >= 1;
 			break;
 		case O_CAPF:
 			bad =
@@ -407,6 +414,11 @@ int main(int argc, char **argv)
 			       "%g, capacity_factor %g (nan = the router's default)\n",
 			       cfg.overlap_credit, cfg.temperature, cfg.ttl_s, cfg.queue_threshold,
 			       cfg.capacity_factor);
+		if (cfg.foreign_share > 0)
+			printf("  foreign traffic: %.0f %% of the arrivals reach a random rank "
+			       "without "
+			       "passing the policy (not counted in its results)\n",
+			       cfg.foreign_share * 100);
 		fflush(stdout);
 	}
 

@@ -101,6 +101,7 @@ struct rq {
 	uint32_t out_len, nbuf, nctail;
 	uint64_t arrival_ns; /* trace arrival (a queued request is submitted later) */
 	bool routed, first_seen, admitted_once;
+	bool foreign;    /* sent around the policy (foreign_share): the policy never hears of it */
 	uint32_t *buf;   /* output tokens not yet sent (run->out_chunk at most) */
 	uint32_t *ctail; /* chains: tokens after the last complete block */
 };
@@ -164,7 +165,7 @@ static void flush(struct run *run, struct rq *q)
 {
 	if (!q->nbuf)
 		return;
-	if (run->ops->output)
+	if (run->ops->output && !q->foreign)
 		perr(run, run->ops->output(run->ps, q->handle, q->buf, q->nbuf));
 	q->nbuf = 0;
 }
@@ -200,6 +201,8 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 	struct run *run = ctx;
 	struct rq *q = info->user;
 	struct replay_result *res = run->res;
+	if (q->foreign)
+		return;
 	if (!q->admitted_once) {
 		q->admitted_once = true;
 		res->prompt_tokens += q->tr->input_len;
@@ -234,7 +237,7 @@ static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, ui
 	struct run *run = ctx;
 	struct rq *q = user;
 	q->first_seen = true;
-	if (run->ops->first_token)
+	if (run->ops->first_token && !q->foreign)
 		perr(run, run->ops->first_token(run->ps, q->handle, rank, t));
 	if (q->nbuf == run->out_chunk)
 		flush(run, q);
@@ -246,14 +249,16 @@ static void on_finished(void *ctx, const struct sim_finish_info *info)
 	struct rq *q = info->user;
 	struct replay_result *res = run->res;
 	flush(run, q);
+	run->tokens_done += (uint64_t)info->prompt_len + info->output_len;
+	if (info->finish_ns > run->last_finish)
+		run->last_finish = info->finish_ns;
+	if (q->foreign)
+		return;
 	if (run->ops->finished)
 		perr(run, run->ops->finished(run->ps, q->handle, info));
 	/* From the trace arrival: time spent in the router's queue counts. */
 	res->ttft_ms[res->n_ttft++] = (double)(info->first_token_ns - q->arrival_ns) / 1e6;
 	run->e2e_ms[run->n_e2e++] = (double)(info->finish_ns - q->arrival_ns) / 1e6;
-	run->tokens_done += (uint64_t)info->prompt_len + info->output_len;
-	if (info->finish_ns > run->last_finish)
-		run->last_finish = info->finish_ns;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -460,7 +465,7 @@ static int submit(struct run *run, size_t i)
 	int rc = sim_cluster_submit(run->sim, q->rank, &sr);
 	if (rc == KVR_ERANGE || rc == KVR_EINVAL) {
 		run->res->n_refused++;
-		if (run->ops->aborted)
+		if (run->ops->aborted && !q->foreign)
 			perr(run, run->ops->aborted(run->ps, q->handle));
 		return 0;
 	}
@@ -766,6 +771,26 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 			record_blocks(&run, q, tok, tr->input_len);
 			q->nctail = tr->input_len % cfg->block_size;
 			memcpy(q->ctail, tok + tr->input_len - q->nctail, q->nctail * sizeof(*tok));
+		}
+		/* Foreign traffic: this arrival goes around the policy, to a random rank. */
+		if (cfg->foreign_share > 0) {
+			uint64_t x =
+			    (cfg->seed ^ 0xF0F0F0F0ull) + (uint64_t)i * 0x9E3779B97F4A7C15ull;
+			x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+			x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+			x ^= x >> 31;
+			if ((double)(x >> 11) / 9007199254740992.0 < cfg->foreign_share) {
+				q->foreign = true;
+				q->rank = (uint32_t)((x >> 7) % cfg->n_ranks);
+				q->routed = true;
+				res->n_foreign++;
+				rc = submit(&run, i);
+				if (rc)
+					goto sim_err;
+				if (cfg->progress)
+					cfg->progress(cfg->progress_ctx, i + 1, t->n);
+				continue;
+			}
 		}
 		struct replay_route_req rq = {.id = i,
 		                              .tokens = tok,

@@ -53,6 +53,10 @@ struct replay_config {
 	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
 	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
 	double capacity_factor;
+	/* A share (0..1) of the arrivals reaches the engines without passing the policy (other
+	 * routers, direct clients; issue 15): each goes to a uniformly random rank and the policy
+	 * never hears of it.  The results count the policy's requests only.  Default 0. */
+	double foreign_share;
 	/* Called after each routed request (progress bar); may be NULL. */
 	void (*progress)(void *ctx, size_t done, size_t total);
 	void *progress_ctx;
@@ -79,6 +83,7 @@ struct replay_result {
 	uint64_t evicted_blocks; /* simulator, copies included */
 	double route_cpu_ns_mean, route_cpu_ns_p99;
 	/* Agreement (see above). */
+	uint64_t n_foreign; /* arrivals sent around the policy (foreign_share) */
 	uint64_t agree_samples, agree_exact;
 	uint64_t
 	    agree_subset; /* samples where S is inside R (the policy holds every cached block) */
