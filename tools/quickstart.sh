@@ -16,7 +16,8 @@ sudo=""
 packages=(build-essential pkg-config meson ninja-build
 	liburcu-dev libck-dev libjemalloc-dev libxxhash-dev libcriterion-dev
 	libjansson-dev systemtap-sdt-dev gnuplot-nox
-	libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack)
+	libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack
+	libnats-dev nats-server)
 missing=()
 for p in "${packages[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
