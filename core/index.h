@@ -1,14 +1,18 @@
 /*
- * core/index.h - the RCU radix index: which ranks hold how long a prefix of a prompt.
+ * core/index.h - the run-compressed RCU index: which ranks hold how long a prefix of a prompt.
  *
  * Internal to kvrouter (not in kvrouter.h).  The router and the shard threads call it:
  *  - readers (any registered thread, inside kvr_rcu_read_lock()) call kvr_index_find_matches();
- *    it takes no lock, allocates nothing and never waits for a writer;
+ *    it takes no lock, allocates nothing, never waits for a writer and never retries;
  *  - writers are shard threads, several at once, each writing only for its own rank slots.
- *    Every writer call takes the RCU read lock itself and queues frees through call_rcu, so a
- *    writer thread must be registered (kvr_rcu_thread_online()) and must NOT hold a read-side
- *    section when it calls a writer function (deferred frees may have to wait for a grace
- *    period when memory is short).
+ *    Writer calls serialise on the index's writer mutex (readers never take it) and queue
+ *    frees through call_rcu, so a writer thread must be registered (kvr_rcu_thread_online())
+ *    and must NOT hold a read-side section when it calls a writer function (deferred frees may
+ *    have to wait for a grace period when memory is short).
+ * Several indexes coexist independently (the router's cache index, a pinned-blocks index).
+ * Costs: find_matches O(runs on the query's path + log L) table probes and comparisons plus
+ * the per-rank intersection; store O(1) amortised per run plus hashing its blocks; removing a
+ * tail of a chain in chain order one table probe plus O(blocks) word operations.
  * Semantics follow NVIDIA Dynamo's KV router; see core/index.c for the design essay.
  */
 #ifndef KVR_CORE_INDEX_H
@@ -33,11 +37,11 @@ struct kvr_index_stats {
 	uint64_t invalid;          /* blocks rejected: self-parent, ext hash naming another block */
 	uint64_t stored_blocks;    /* (block, rank) copies added */
 	uint64_t removed_blocks;   /* (block, rank) copies dropped (remove, clear, remove rank) */
-	uint64_t nodes;            /* distinct blocks (tree nodes) now, gauge */
+	uint64_t nodes;            /* distinct blocks in the tree (positions of runs) now, gauge */
 	uint64_t copies;           /* (block, rank) copies now, gauge */
 	uint64_t ranks;            /* active rank slots now, gauge */
-	uint64_t bytes_shared;     /* bytes of nodes + the node hash table, gauge */
-	uint64_t bytes_per_rank;   /* bytes of rank sets + per-rank ext maps, gauge */
+	uint64_t bytes_shared;     /* bytes of runs, their hash arrays and the block table, gauge */
+	uint64_t bytes_per_rank;   /* bytes of holder sets and records, per-rank ext maps, gauge */
 };
 
 /* Per-rank answer of find_matches. */
@@ -106,7 +110,8 @@ int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot);
  * The index keys a block by the router's sequence hash (core/hash.c: seq = local for a block
  * below the root, else XXH3(parent seq, local)), computed here from local_hash; find_matches is
  * given the same sequence hashes.
- * n == 0 is a no-op (0).  KVR_ENOMEM: the blocks before the failing one stay applied.
+ * n == 0 is a no-op (0).  KVR_ENOMEM: nothing of this call is applied (a failed write
+ * changes nothing: what the call applied before the failure is taken back).
  * Context: the slot's writer thread, outside a read section.
  */
 int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
@@ -164,7 +169,7 @@ void kvr_index_quiesce(struct kvr_index *idx);
 uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot);
 
 /* The external hashes the slot holds: up to cap written to out (may be NULL), the total count
- * returned (0 for a free slot).  Context: the slot's writer thread. */
+ * returned (0 for a free slot).  Context: the slot's writer thread (takes the writer mutex). */
 size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap);
 
 /* A snapshot of the counters.  Context: any thread. */
