@@ -550,3 +550,75 @@ Test(index, out_of_memory_changes_nothing)
 	cr_assert_eq(after.n, 10 + 35);
 	cr_assert_eq(after.st.copies, 20 + 10 + 5 + 35);
 }
+
+/* Chains longer than one run (IDX_RUN_MAX blocks) continue in a child run: matched, trimmed
+ * and removed across the boundary like any other. */
+Test(index, chains_longer_than_a_run)
+{
+	enum { N = 70000 };
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	struct kvr_index_block *b = malloc(sizeof(*b) * N);
+	uint64_t *q = malloc(sizeof(*q) * N);
+	chain(b, N, 1u << 30, 5);
+	for (size_t i = 0; i < N; i++)
+		q[i] = 5 + i;
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, N), 0);
+	cr_assert_eq(score_of(q, N, r0), N);
+	/* Drop the tail back to 30000 (across two run boundaries), then store it again. */
+	uint64_t *rm = malloc(sizeof(*rm) * N);
+	for (size_t i = 30000; i < N; i++)
+		rm[i - 30000] = b[i].ext_hash;
+	size_t nf;
+	cr_assert_eq(kvr_index_remove(idx, r0, rm, N - 30000, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(score_of(q, N, r0), 30000);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 30000, "the trimmed blocks left the tree");
+	cr_assert_eq(kvr_index_store(idx, r0, &b[29999].ext_hash, b + 30000, N - 30000), 0);
+	cr_assert_eq(score_of(q, N, r0), N);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), N);
+	free(b);
+	free(q);
+	free(rm);
+}
+
+/* Positions of a run are write-once: after a trim, a different block at a trimmed position
+ * forks a child run, and the old block stored again re-extends the run in place. */
+Test(index, trim_then_fork_then_reextend)
+{
+	uint32_t a, bb;
+	kvr_index_rank_add(idx, 1, 0, &a);
+	kvr_index_rank_add(idx, 2, 0, &bb);
+	struct kvr_index_block x[10], y[3];
+	chain(x, 10, 100, 1); /* X: locals 1..10 */
+	chain(y, 3, 900, 50); /* Y: locals 50..52, below X[4] */
+	cr_assert_eq(kvr_index_store(idx, a, NULL, x, 10), 0);
+	uint64_t rm[5] = {105, 106, 107, 108, 109};
+	cr_assert_eq(kvr_index_remove(idx, a, rm, 5, NULL), 0);
+	uint64_t p4 = 104;
+	cr_assert_eq(kvr_index_store(idx, a, &p4, y, 3), 0);
+	cr_assert_eq(kvr_index_store(idx, bb, NULL, x, 10), 0);
+	uint64_t qx[10], qy[8];
+	for (int i = 0; i < 10; i++)
+		qx[i] = 1 + (uint64_t)i;
+	for (int i = 0; i < 5; i++)
+		qy[i] = 1 + (uint64_t)i;
+	for (int i = 0; i < 3; i++)
+		qy[5 + i] = 50 + (uint64_t)i;
+	cr_assert_eq(score_of(qx, 10, a), 5);
+	cr_assert_eq(score_of(qx, 10, bb), 10);
+	cr_assert_eq(score_of(qy, 8, a), 8);
+	cr_assert_eq(score_of(qy, 8, bb), 5);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 13);
+	/* A hole in the middle cuts a's match there; filling it raises it back. */
+	uint64_t h = 102;
+	cr_assert_eq(kvr_index_remove(idx, bb, &h, 1, NULL), 0);
+	cr_assert_eq(score_of(qx, 10, bb), 2);
+	uint64_t p1 = 101;
+	cr_assert_eq(kvr_index_store(idx, bb, &p1, &x[2], 1), 0);
+	cr_assert_eq(score_of(qx, 10, bb), 10);
+}
