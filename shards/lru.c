@@ -80,157 +80,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
-#include "shards/u64map.h"
-
-#define NIL UINT32_MAX
-
-struct seg {
-	uint64_t *mem;         /* hash array allocation (NULL for a phantom) */
-	uint64_t stamp;        /* the command that created these copies: smaller = older */
-	uint32_t start;        /* the first hash is mem[start] */
-	uint32_t len;          /* copies (or phantom blocks) */
-	uint32_t cap;          /* mem's size in hashes */
-	uint32_t refs;         /* leases holding every copy of the segment */
-	uint32_t prev, next;   /* inactive list; next doubles as the free list */
-	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
-	uint32_t hnext;        /* next segment with the same head hash */
-	uint32_t depth;        /* chain position of the first copy (UINT32_MAX: phantom) */
-	uint64_t order;        /* inactive: the list is sorted by (order asc, depth desc) */
-	uint8_t phantom;       /* released private blocks (keep_private) */
-	uint8_t inactive;      /* on the inactive list */
-};
-
-struct piece {
-	uint32_t seg; /* first segment (its split chain continues the piece) */
-	uint32_t len; /* blocks */
-	uint64_t ord; /* a hit on inactive copies: their order then (0: they were held) */
-};
-
-struct lease {
-	uint64_t attempt;
-	uint64_t last_seq; /* hash of the last block (valid when nblocks > 0) */
-	struct piece *p;
-	uint32_t n, cap;
-	uint32_t priv;
-	uint32_t nblocks;
-	uint32_t hit; /* blocks the acquire found present (the predicted depth) */
-};
-
-struct cursor {
-	uint32_t seg, off;
-};
-
-struct hit {
-	uint32_t seg, off, len;
-};
-
-struct kvr_lru {
-	uint64_t capacity;
-	struct seg *s;
-	uint32_t s_cap, s_live, free_head;
-	uint32_t inact_head, inact_tail;
-	uint64_t copies, n_inactive, priv, n_phantom, evictions, epoch, stamp, dup_extra;
-	uint64_t order_seq; /* last order given to a segment entering the inactive list */
-	bool keep_private;
-	struct kvr_u64map heads; /* head hash -> first segment of its multimap chain */
-	struct kvr_u64map dups;  /* hash -> extra copies, for hashes with several copies */
-	struct lease *leases;
-	uint32_t n_leases, leases_cap;
-	struct kvr_u64map by_attempt;
-	struct cursor *cur, *nxt; /* walk sets, cur_cap each */
-	size_t cur_cap;
-	struct hit *hits;
-	size_t hits_cap;
-	uint32_t *rel; /* release: segments of one piece */
-	size_t rel_cap;
-	uint64_t *chain; /* materialize's slow path: the lease's hashes + the new ones */
-	size_t chain_cap;
-};
-
-static inline uint64_t *seq_of(const struct seg *g)
-{
-	return g->mem + g->start;
-}
-
-/* ------------------------------------------------------------------ output buffers */
-
-void kvr_lru_out_init(struct kvr_lru_out *out)
-{
-	memset(out, 0, sizeof(*out));
-}
-
-void kvr_lru_out_fini(struct kvr_lru_out *out)
-{
-	if (!out)
-		return;
-	kvr_free(out->stored, out->cap_stored_runs * sizeof(*out->stored));
-	kvr_free(out->evicted_seq, out->cap_evicted * sizeof(uint64_t));
-	kvr_free(out->evicted_run_len, out->cap_evicted_runs * sizeof(uint32_t));
-	kvr_lru_out_init(out);
-}
-
-void kvr_lru_out_reset(struct kvr_lru_out *out)
-{
-	out->n_stored_runs = 0;
-	out->n_stored = 0;
-	out->n_evicted = 0;
-	out->n_evicted_runs = 0;
-	out->cleared = false;
-}
-
-/* Grows *p (elements of size elem, capacity *cap) to hold `need`; 0 or KVR_ENOMEM. */
-static int grow_buf(void **p, size_t *cap, size_t need, size_t elem)
-{
-	if (need <= *cap)
-		return 0;
-	size_t nc = *cap * 2;
-	if (nc < need)
-		nc = need;
-	if (nc < 16)
-		nc = 16;
-	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
-	if (!q)
-		return KVR_ENOMEM;
-	*p = q;
-	*cap = nc;
-	return 0;
-}
-
-int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored_runs, size_t evicted)
-{
-	if (grow_buf((void **)&out->stored, &out->cap_stored_runs, out->n_stored_runs + stored_runs,
-	             sizeof(*out->stored)) ||
-	    grow_buf((void **)&out->evicted_seq, &out->cap_evicted, out->n_evicted + evicted,
-	             sizeof(uint64_t)) ||
-	    grow_buf((void **)&out->evicted_run_len, &out->cap_evicted_runs,
-	             out->n_evicted_runs + evicted, sizeof(uint32_t)))
-		return KVR_ENOMEM;
-	return 0;
-}
-
-void kvr_lru_out_stored(struct kvr_lru_out *out, uint32_t first, uint32_t n)
-{
-	if (n == 0)
-		return;
-	out->n_stored += n;
-	if (out->n_stored_runs > 0) {
-		struct kvr_lru_range *last = &out->stored[out->n_stored_runs - 1];
-		if (last->first + last->n == first) {
-			last->n += n;
-			return;
-		}
-	}
-	out->stored[out->n_stored_runs++] = (struct kvr_lru_range){.first = first, .n = n};
-}
-
-void kvr_lru_out_evicted_run(struct kvr_lru_out *out, const uint64_t *seq, size_t n)
-{
-	if (n == 0)
-		return;
-	memcpy(out->evicted_seq + out->n_evicted, seq, n * sizeof(uint64_t));
-	out->n_evicted += n;
-	out->evicted_run_len[out->n_evicted_runs++] = (uint32_t)n;
-}
+#include "shards/lru_internal.h"
 
 /* ------------------------------------------------------------------ create / destroy */
 
@@ -539,7 +389,7 @@ static int split(struct kvr_lru *lru, uint32_t i, uint32_t off)
 }
 
 /* Drops an emptied inactive segment from every structure. */
-static void seg_drop(struct kvr_lru *lru, uint32_t i)
+void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i)
 {
 	struct seg *g = &lru->s[i];
 	inact_unlink(lru, i);
@@ -558,7 +408,7 @@ static void seg_drop(struct kvr_lru *lru, uint32_t i)
 /* Evicts the m deepest copies of inactive segment i (its tail).  Hashes whose last copy goes
  * are emitted as runs, deeper runs first, each in chain order.  Room in out (m hashes and
  * runs) must be reserved. */
-static void trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out)
+void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out)
 {
 	struct seg *g = &lru->s[i];
 	uint64_t *q = seq_of(g);
@@ -583,7 +433,7 @@ static void trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out
 	lru->copies -= m;
 	lru->evictions += m;
 	if (m == len) {
-		seg_drop(lru, i);
+		kvr_lru_seg_drop(lru, i);
 		return;
 	}
 	g->len -= m;
@@ -592,7 +442,7 @@ static void trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out
 }
 
 /* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
-static void evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out)
+void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out)
 {
 	for (;;) {
 		uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
@@ -603,13 +453,13 @@ static void evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *ou
 		struct seg *g = &lru->s[i];
 		uint32_t m = over < g->len ? (uint32_t)over : g->len;
 		if (!g->phantom) {
-			trim(lru, i, m, out);
+			kvr_lru_trim(lru, i, m, out);
 			continue;
 		}
 		/* An unhashed block reused: nothing to tell the index. */
 		lru->n_phantom -= m;
 		if (m == g->len) {
-			seg_drop(lru, i);
+			kvr_lru_seg_drop(lru, i);
 		} else {
 			g->len -= m;
 			lru->n_inactive -= m;
@@ -619,7 +469,7 @@ static void evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *ou
 
 static void reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
 {
-	evict_to(lru, lru->capacity, out);
+	kvr_lru_evict_to(lru, lru->capacity, out);
 }
 
 /* ------------------------------------------------------------------ walks */
@@ -708,7 +558,7 @@ static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride
 	return k;
 }
 
-static struct lease *find_lease(const struct kvr_lru *lru, uint64_t attempt)
+struct lease *kvr_lru_find_lease(const struct kvr_lru *lru, uint64_t attempt)
 {
 	uint32_t *ix = kvr_u64map_find(&lru->by_attempt, attempt);
 	return ix ? &lru->leases[*ix] : NULL;
@@ -870,7 +720,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	if (!lru || !out || (n > 0 && !b))
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
-	struct lease *l = find_lease(lru, attempt);
+	struct lease *l = kvr_lru_find_lease(lru, attempt);
 	if (!l)
 		return KVR_ENOENT;
 	if (l->nblocks > 0 && l->last_seq != parent_seq)
@@ -1007,178 +857,6 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 		return rc;
 	}
 	reconcile(lru, out);
-	return 0;
-}
-
-/* ------------------------------------------------------------------ healing (issue 15)
- *
- * Ground truth from the engine corrects the prediction, using the one thing that makes a single
- * fact informative: eviction is ORDERED.  If the engine no longer held a block that we had on
- * the inactive list at key K (order, depth), it evicted everything ordered before K too (vLLM
- * pops its free queue from the head), so all of that goes from the prediction at once.
- * The inactive list is sorted by key, so each rule is a walk from the head.  None of these
- * allocates beyond the output buffer. */
-
-/* Evicts, from the head, every inactive copy whose key is at most (ord, depth) in eviction
- * order: an older order, or the same order (split siblings of one released segment) at that
- * depth or deeper.  Returns the copies (and phantom blocks) evicted. */
-static uint64_t evict_through(struct kvr_lru *lru, uint64_t ord, uint32_t depth,
-                              struct kvr_lru_out *out)
-{
-	uint64_t n = 0;
-	while (lru->inact_head != NIL) {
-		uint32_t i = lru->inact_head;
-		struct seg *g = &lru->s[i];
-		if (g->order > ord)
-			break;
-		if (g->order == ord && g->depth < depth) {
-			/* Only its blocks at depth and deeper (its tail) are ordered first. */
-			uint64_t end = (uint64_t)g->depth + g->len;
-			if (end > depth) {
-				uint32_t m = (uint32_t)(end - depth);
-				n += m;
-				trim(lru, i, m, out);
-			}
-			break;
-		}
-		n += g->len;
-		if (g->phantom) {
-			lru->n_phantom -= g->len;
-			seg_drop(lru, i);
-		} else {
-			trim(lru, i, g->len, out);
-		}
-	}
-	return n;
-}
-
-/* The hash of the lease's block at depth d (< nblocks). */
-static uint64_t lease_hash_at(const struct kvr_lru *lru, const struct lease *l, uint32_t d)
-{
-	uint32_t at = 0;
-	for (uint32_t k = 0;; k++) {
-		if (d < at + l->p[k].len) {
-			uint32_t i = l->p[k].seg, off = d - at;
-			while (off >= lru->s[i].len) {
-				off -= lru->s[i].len;
-				i = lru->s[i].snext;
-			}
-			return seq_of(&lru->s[i])[off];
-		}
-		at += l->p[k].len;
-	}
-}
-
-int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_depth,
-                        struct kvr_lru_heal *res, struct kvr_lru_out *out)
-{
-	if (!lru || !out || !res)
-		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
-	memset(res, 0, sizeof(*res));
-	struct lease *l = find_lease(lru, attempt);
-	if (!l)
-		return KVR_ENOENT;
-	if (true_depth > l->nblocks)
-		return KVR_EINVAL;
-	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
-	if (rc)
-		return rc;
-	res->predicted = l->hit;
-	res->actual = true_depth;
-	if (true_depth >= l->hit)
-		return 0; /* as or more than predicted: the lease holds them already (see lru.h) */
-	/* The copy the acquire hit at depth true_depth: the engine had evicted it. */
-	uint64_t ord = 0;
-	for (uint32_t k = 0, at = 0; k < l->n; at += l->p[k].len, k++)
-		if (true_depth < at + l->p[k].len) {
-			ord = l->p[k].ord;
-			break;
-		}
-	if (ord == 0) {
-		res->unprovable = true; /* it was held by another request then */
-		return 0;
-	}
-	uint32_t depth = true_depth;
-	/* The engine had no copy of that hash at all: if we still keep others, the newest of them
-	 * bounds what went (rare: only hashes with several copies). */
-	uint64_t h = lease_hash_at(lru, l, true_depth);
-	if (kvr_u64map_find(&lru->dups, h)) {
-		for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
-			const struct seg *g = &lru->s[i];
-			if (g->phantom)
-				continue;
-			const uint64_t *q = seq_of(g);
-			for (uint32_t j = 0; j < g->len; j++)
-				if (q[j] == h &&
-				    (g->order > ord || (g->order == ord && g->depth + j < depth))) {
-					ord = g->order;
-					depth = g->depth + j;
-				}
-		}
-	}
-	res->evicted = evict_through(lru, ord, depth, out);
-	return 0;
-}
-
-int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted,
-                          struct kvr_lru_out *out)
-{
-	if (!lru || !out)
-		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
-	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
-	if (rc)
-		return rc;
-	uint64_t before = lru->copies + lru->n_phantom;
-	evict_to(lru, resident, out);
-	if (evicted)
-		*evicted = before - (lru->copies + lru->n_phantom);
-	return 0;
-}
-
-int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
-                           struct kvr_lru_out *out)
-{
-	if (!lru || !out)
-		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
-	/* Find the inactive copy of seq nearest the head (the engine's oldest block is near the
-	 * head of our list when the prediction is close; the scan stops there). */
-	uint32_t found = NIL, off = 0;
-	for (uint32_t i = lru->inact_head; i != NIL && found == NIL; i = lru->s[i].next) {
-		const struct seg *g = &lru->s[i];
-		if (g->phantom)
-			continue;
-		const uint64_t *q = seq_of(g);
-		for (uint32_t j = g->len; j-- > 0;) /* deepest first: the eviction order */
-			if (q[j] == seq) {
-				found = i;
-				off = j;
-				break;
-			}
-	}
-	if (found == NIL)
-		return KVR_ENOENT;
-	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
-	if (rc)
-		return rc;
-	uint64_t before = lru->copies + lru->n_phantom;
-	while (lru->inact_head != found) {
-		uint32_t i = lru->inact_head;
-		struct seg *g = &lru->s[i];
-		if (g->phantom) {
-			lru->n_phantom -= g->len;
-			seg_drop(lru, i);
-		} else {
-			trim(lru, i, g->len, out);
-		}
-	}
-	/* The blocks of its segment deeper than the watermark went before it. */
-	if (lru->s[found].len - 1 - off > 0)
-		trim(lru, found, lru->s[found].len - 1 - off, out);
-	if (evicted)
-		*evicted = before - (lru->copies + lru->n_phantom);
 	return 0;
 }
 

@@ -1,0 +1,177 @@
+/*
+ * shards/lru_heal.c - healing the predicted cache from engine ground truth (issue 15).
+ *
+ * Ground truth from the engine corrects the prediction, using the one thing that makes a single
+ * fact informative: eviction is ORDERED.  If the engine no longer held a block that we had on
+ * the inactive list at key K (order, depth), it evicted everything ordered before K too (vLLM
+ * pops its free queue from the head), so all of that goes from the prediction at once.
+ * The inactive list is sorted by key, so each rule is a walk from the head.  None of these
+ * allocates beyond the output buffer.
+ */
+#include <string.h>
+
+#include "kvrouter.h"
+#include "shards/lru_internal.h"
+
+/* Evicts, from the head, every inactive copy whose key is at most (ord, depth) in eviction
+ * order: an older order, or the same order (split siblings of one released segment) at that
+ * depth or deeper.  Returns the copies (and phantom blocks) evicted. */
+static uint64_t evict_through(struct kvr_lru *lru, uint64_t ord, uint32_t depth,
+                              struct kvr_lru_out *out)
+{
+	uint64_t n = 0;
+	while (lru->inact_head != NIL) {
+		uint32_t i = lru->inact_head;
+		struct seg *g = &lru->s[i];
+		if (g->order > ord)
+			break;
+		if (g->order == ord && g->depth < depth) {
+			/* Only its blocks at depth and deeper (its tail) are ordered first. */
+			uint64_t end = (uint64_t)g->depth + g->len;
+			if (end > depth) {
+				uint32_t m = (uint32_t)(end - depth);
+				n += m;
+				kvr_lru_trim(lru, i, m, out);
+			}
+			break;
+		}
+		n += g->len;
+		if (g->phantom) {
+			lru->n_phantom -= g->len;
+			kvr_lru_seg_drop(lru, i);
+		} else {
+			kvr_lru_trim(lru, i, g->len, out);
+		}
+	}
+	return n;
+}
+
+/* The hash of the lease's block at depth d (< nblocks). */
+static uint64_t lease_hash_at(const struct kvr_lru *lru, const struct lease *l, uint32_t d)
+{
+	uint32_t at = 0;
+	for (uint32_t k = 0;; k++) {
+		if (d < at + l->p[k].len) {
+			uint32_t i = l->p[k].seg, off = d - at;
+			while (off >= lru->s[i].len) {
+				off -= lru->s[i].len;
+				i = lru->s[i].snext;
+			}
+			return seq_of(&lru->s[i])[off];
+		}
+		at += l->p[k].len;
+	}
+}
+
+int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_depth,
+                        struct kvr_lru_heal *res, struct kvr_lru_out *out)
+{
+	if (!lru || !out || !res)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	memset(res, 0, sizeof(*res));
+	struct lease *l = kvr_lru_find_lease(lru, attempt);
+	if (!l)
+		return KVR_ENOENT;
+	if (true_depth > l->nblocks)
+		return KVR_EINVAL;
+	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
+	if (rc)
+		return rc;
+	res->predicted = l->hit;
+	res->actual = true_depth;
+	if (true_depth >= l->hit)
+		return 0; /* as or more than predicted: the lease holds them already (see lru.h) */
+	/* The copy the acquire hit at depth true_depth: the engine had evicted it. */
+	uint64_t ord = 0;
+	for (uint32_t k = 0, at = 0; k < l->n; at += l->p[k].len, k++)
+		if (true_depth < at + l->p[k].len) {
+			ord = l->p[k].ord;
+			break;
+		}
+	if (ord == 0) {
+		res->unprovable = true; /* it was held by another request then */
+		return 0;
+	}
+	uint32_t depth = true_depth;
+	/* The engine had no copy of that hash at all: if we still keep others, the newest of them
+	 * bounds what went (rare: only hashes with several copies). */
+	uint64_t h = lease_hash_at(lru, l, true_depth);
+	if (kvr_u64map_find(&lru->dups, h)) {
+		for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
+			const struct seg *g = &lru->s[i];
+			if (g->phantom)
+				continue;
+			const uint64_t *q = seq_of(g);
+			for (uint32_t j = 0; j < g->len; j++)
+				if (q[j] == h &&
+				    (g->order > ord || (g->order == ord && g->depth + j < depth))) {
+					ord = g->order;
+					depth = g->depth + j;
+				}
+		}
+	}
+	res->evicted = evict_through(lru, ord, depth, out);
+	return 0;
+}
+
+int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted,
+                          struct kvr_lru_out *out)
+{
+	if (!lru || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
+	if (rc)
+		return rc;
+	uint64_t before = lru->copies + lru->n_phantom;
+	kvr_lru_evict_to(lru, resident, out);
+	if (evicted)
+		*evicted = before - (lru->copies + lru->n_phantom);
+	return 0;
+}
+
+int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
+                           struct kvr_lru_out *out)
+{
+	if (!lru || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	/* Find the inactive copy of seq nearest the head (the engine's oldest block is near the
+	 * head of our list when the prediction is close; the scan stops there). */
+	uint32_t found = NIL, off = 0;
+	for (uint32_t i = lru->inact_head; i != NIL && found == NIL; i = lru->s[i].next) {
+		const struct seg *g = &lru->s[i];
+		if (g->phantom)
+			continue;
+		const uint64_t *q = seq_of(g);
+		for (uint32_t j = g->len; j-- > 0;) /* deepest first: the eviction order */
+			if (q[j] == seq) {
+				found = i;
+				off = j;
+				break;
+			}
+	}
+	if (found == NIL)
+		return KVR_ENOENT;
+	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
+	if (rc)
+		return rc;
+	uint64_t before = lru->copies + lru->n_phantom;
+	while (lru->inact_head != found) {
+		uint32_t i = lru->inact_head;
+		struct seg *g = &lru->s[i];
+		if (g->phantom) {
+			lru->n_phantom -= g->len;
+			kvr_lru_seg_drop(lru, i);
+		} else {
+			kvr_lru_trim(lru, i, g->len, out);
+		}
+	}
+	/* The blocks of its segment deeper than the watermark went before it. */
+	if (lru->s[found].len - 1 - off > 0)
+		kvr_lru_trim(lru, found, lru->s[found].len - 1 - off, out);
+	if (evicted)
+		*evicted = before - (lru->copies + lru->n_phantom);
+	return 0;
+}

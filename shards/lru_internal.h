@@ -1,0 +1,95 @@
+/*
+ * shards/lru_internal.h - what the files of the segment LRU share (lru.c: segments, walks,
+ * commands; lru_heal.c: healing from engine ground truth; lru_out.c: output buffers).  See
+ * lru.c for the algorithm and the invariants.
+ * Context (everything here): the shard thread that owns the instance.
+ */
+#ifndef KVR_SHARDS_LRU_INTERNAL_H
+#define KVR_SHARDS_LRU_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "shards/lru.h"
+#include "shards/u64map.h"
+
+#define NIL UINT32_MAX
+
+struct seg {
+	uint64_t *mem;         /* hash array allocation (NULL for a phantom) */
+	uint64_t stamp;        /* the command that created these copies: smaller = older */
+	uint32_t start;        /* the first hash is mem[start] */
+	uint32_t len;          /* copies (or phantom blocks) */
+	uint32_t cap;          /* mem's size in hashes */
+	uint32_t refs;         /* leases holding every copy of the segment */
+	uint32_t prev, next;   /* inactive list; next doubles as the free list */
+	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
+	uint32_t hnext;        /* next segment with the same head hash */
+	uint32_t depth;        /* chain position of the first copy (UINT32_MAX: phantom) */
+	uint64_t order;        /* inactive: the list is sorted by (order asc, depth desc) */
+	uint8_t phantom;       /* released private blocks (keep_private) */
+	uint8_t inactive;      /* on the inactive list */
+};
+
+struct piece {
+	uint32_t seg; /* first segment (its split chain continues the piece) */
+	uint32_t len; /* blocks */
+	uint64_t ord; /* a hit on inactive copies: their order then (0: they were held) */
+};
+
+struct lease {
+	uint64_t attempt;
+	uint64_t last_seq; /* hash of the last block (valid when nblocks > 0) */
+	struct piece *p;
+	uint32_t n, cap;
+	uint32_t priv;
+	uint32_t nblocks;
+	uint32_t hit; /* blocks the acquire found present (the predicted depth) */
+};
+
+struct cursor {
+	uint32_t seg, off;
+};
+
+struct hit {
+	uint32_t seg, off, len;
+};
+
+struct kvr_lru {
+	uint64_t capacity;
+	struct seg *s;
+	uint32_t s_cap, s_live, free_head;
+	uint32_t inact_head, inact_tail;
+	uint64_t copies, n_inactive, priv, n_phantom, evictions, epoch, stamp, dup_extra;
+	uint64_t order_seq; /* last order given to a segment entering the inactive list */
+	bool keep_private;
+	struct kvr_u64map heads; /* head hash -> first segment of its multimap chain */
+	struct kvr_u64map dups;  /* hash -> extra copies, for hashes with several copies */
+	struct lease *leases;
+	uint32_t n_leases, leases_cap;
+	struct kvr_u64map by_attempt;
+	struct cursor *cur, *nxt; /* walk sets, cur_cap each */
+	size_t cur_cap;
+	struct hit *hits;
+	size_t hits_cap;
+	uint32_t *rel; /* release: segments of one piece */
+	size_t rel_cap;
+	uint64_t *chain; /* materialize's slow path: the lease's hashes + the new ones */
+	size_t chain_cap;
+};
+
+static inline uint64_t *seq_of(const struct seg *g)
+{
+	return g->mem + g->start;
+}
+
+/* lru.c */
+struct lease *kvr_lru_find_lease(const struct kvr_lru *lru, uint64_t attempt);
+/* Evicts the m deepest copies of inactive segment i; room in the output must be reserved. */
+void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out);
+/* Drops an emptied (or phantom) inactive segment from every structure. */
+void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i);
+/* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
+void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out);
+
+#endif /* KVR_SHARDS_LRU_INTERNAL_H */
