@@ -233,9 +233,10 @@ static void rec_free(struct rec *x)
 static struct rec *rec_new(uint32_t n, uint32_t tail_n)
 {
 	size_t size = sizeof(struct rec) + (size_t)n * 8 + (size_t)tail_n * 4;
-	struct rec *x = kvr_calloc(1, size);
+	struct rec *x = kvr_alloc(size); /* the arrays are filled by the caller */
 	if (!x)
 		return NULL;
+	memset(x, 0, sizeof(*x));
 	x->size = size;
 	x->n_blocks = n;
 	x->tail_n = tail_n;

@@ -267,6 +267,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsOptions_SetMaxPingsOut(o, 2);
 	if (st == NATS_OK)
 		st = natsOptions_SetTimeout(o, 2000);
+	/* A 1 MiB write buffer: an 8k-token admission is ~4 KiB, and with the default 32 KiB every
+	 * eighth publish would flush (a write syscall) on the routing thread; with this one the
+	 * library's flusher thread does the writes. */
+	if (st == NATS_OK)
+		st = natsOptions_SetIOBufSize(o, 1 << 20);
 	if (st == NATS_OK)
 		st = natsOptions_SetDisconnectedCB(o, on_disconnected, s);
 	if (st == NATS_OK)
