@@ -10,7 +10,8 @@
  * floor, measured in the same run: a bare hash probe of the request's hashes in a table of the
  * same size (shards/u64map.h); acquire_ratio = segment acquire p50 / floor p50.  The two
  * implementations must evict the same number of copies (same_evictions=yes).
- * Prints one SUMMARY line per mode; never asserts timings.
+ * Prints one SUMMARY line per mode; never asserts timings.  A third line (bench=load) does the
+ * same for the pinned set of the active load (shards/load.c vs tests/ref/load_ref.c).
  *
  * usage: bench_lru [--ms N per mode and implementation (default 1500)]
  *                  [--capacity BLOCKS (65536)] [--blocks N (64)] [--inflight N (8)]
@@ -24,7 +25,9 @@
 #include <time.h>
 
 #include "kvrouter.h"
+#include "../tests/ref/load_ref.h"
 #include "../tests/ref/lru_ref.h"
+#include "shards/load.h"
 #include "shards/lru.h"
 #include "shards/u64map.h"
 
@@ -286,6 +289,132 @@ static void mode(int shared, double ms, uint64_t capacity, size_t nb, size_t inf
 	       s.bytes_per_block / (x.bytes_per_block > 0 ? x.bytes_per_block : 1));
 }
 
+/*
+ * The pinned set (shards/load.c, runs) against the per-block tracker it replaced
+ * (tests/ref/load_ref.c) on the same stream: add (pin the prompt) + finish (unpin) of N-block
+ * requests, `inflight` at once, half of each request one of 256 shared prefixes.  Prints one
+ * SUMMARY line: add/finish p50 of both, their ratios, bytes per pinned block.
+ */
+struct load_impl {
+	void *(*create)(void);
+	void (*destroy)(void *);
+	int (*add)(void *, uint64_t, const uint64_t *, size_t);
+	int (*finish)(void *, uint64_t);
+	uint64_t (*pinned)(const void *);
+};
+static void *ld_create(void)
+{
+	struct kvr_load *l = NULL;
+	return kvr_load_create(0, &l) ? NULL : l;
+}
+static void ld_destroy(void *l)
+{
+	kvr_load_destroy(l);
+}
+static int ld_add(void *l, uint64_t a, const uint64_t *s, size_t n)
+{
+	return kvr_load_add(l, a, s, n, 100, 0);
+}
+static int ld_finish(void *l, uint64_t a)
+{
+	return kvr_load_finish(l, a);
+}
+static uint64_t ld_pinned(const void *l)
+{
+	struct kvr_load_stats st;
+	kvr_load_stats(l, &st);
+	return st.active_blocks;
+}
+static void *lr_create(void)
+{
+	struct ref_load *l = NULL;
+	return ref_load_create(0, &l) ? NULL : l;
+}
+static void lr_destroy(void *l)
+{
+	ref_load_destroy(l);
+}
+static int lr_add(void *l, uint64_t a, const uint64_t *s, size_t n)
+{
+	return ref_load_add(l, a, s, n, 100, 0);
+}
+static int lr_finish(void *l, uint64_t a)
+{
+	return ref_load_finish(l, a);
+}
+static uint64_t lr_pinned(const void *l)
+{
+	struct kvr_load_stats st;
+	ref_load_stats(l, &st);
+	return st.active_blocks;
+}
+static const struct load_impl LD = {ld_create, ld_destroy, ld_add, ld_finish, ld_pinned};
+static const struct load_impl LR = {lr_create, lr_destroy, lr_add, lr_finish, lr_pinned};
+
+static void load_run(const struct load_impl *im, size_t nb, size_t inflight, uint64_t ops,
+                     uint32_t *add50, uint32_t *fin50, uint64_t *pinned, void **keep)
+{
+	void *l = im->create();
+	uint64_t *seq = malloc(nb * sizeof(uint64_t));
+	uint64_t *ring = calloc(inflight, sizeof(uint64_t));
+	uint32_t *ad = malloc(ops * sizeof(uint32_t)), *fi = malloc(ops * sizeof(uint32_t));
+	size_t na = 0, nf = 0;
+	uint64_t r = 11, uniq = 1ull << 40;
+	for (uint64_t a = 1; a <= ops; a++) {
+		uint64_t prefix = rng(&r) % 256;
+		for (size_t i = 0; i < nb; i++)
+			seq[i] = ((i < nb / 2) ? (prefix << 20) + i + 1 : uniq++) *
+			         0x9E3779B97F4A7C15ull;
+		size_t slot = a % inflight;
+		uint64_t t0, t1;
+		if (ring[slot]) {
+			t0 = now_ns();
+			im->finish(l, ring[slot]);
+			t1 = now_ns();
+			fi[nf++] = (uint32_t)(t1 - t0);
+		}
+		t0 = now_ns();
+		im->add(l, a, seq, nb);
+		t1 = now_ns();
+		ad[na++] = (uint32_t)(t1 - t0);
+		ring[slot] = a;
+	}
+	qsort(ad, na, sizeof(uint32_t), cmp_u32);
+	qsort(fi, nf, sizeof(uint32_t), cmp_u32);
+	*add50 = pct(ad, na, 0.5);
+	*fin50 = pct(fi, nf, 0.5);
+	*pinned = im->pinned(l);
+	*keep = l; /* measured by the caller, then destroyed */
+	free(ad);
+	free(fi);
+	free(ring);
+	free(seq);
+}
+
+static void load_mode(size_t nb, size_t inflight)
+{
+	uint64_t ops = 20000000 / (nb + 1);
+	if (ops > 200000)
+		ops = 200000;
+	if (ops < 200)
+		ops = 200;
+	uint32_t sa, sf, xa, xf;
+	uint64_t sp, xp;
+	void *sl, *xl;
+	load_run(&LD, nb, inflight, ops, &sa, &sf, &sp, &sl);
+	load_run(&LR, nb, inflight, ops, &xa, &xf, &xp, &xl);
+	/* Bytes: the run tracker reports its own; the per-block one holds a map slot (16 bytes,
+	 * load <= 0.7) per pinned hash plus an 8-byte copy per request block. */
+	double sb = (double)kvr_load_bytes(sl) / (double)(sp ? sp : 1);
+	printf("SUMMARY bench=load blocks=%zu inflight=%zu seg_add_p50_ns=%u ref_add_p50_ns=%u "
+	       "seg_finish_p50_ns=%u ref_finish_p50_ns=%u add_p50_seg_over_ref=%.3f "
+	       "finish_p50_seg_over_ref=%.3f same_pinned=%s seg_bytes_per_pinned_block=%.1f\n",
+	       nb, inflight, sa, xa, sf, xf, (double)sa / (double)(xa ? xa : 1),
+	       (double)sf / (double)(xf ? xf : 1), sp == xp ? "yes" : "NO", sb);
+	LD.destroy(sl);
+	LR.destroy(xl);
+}
+
 int main(int argc, char **argv)
 {
 	double ms = 1500;
@@ -316,5 +445,6 @@ int main(int argc, char **argv)
 	}
 	mode(0, ms, capacity, nb, inflight);
 	mode(1, ms, capacity, nb, inflight);
+	load_mode(nb, inflight);
 	return 0;
 }
