@@ -461,8 +461,9 @@ int main(int argc, char **argv)
 				st = 1;
 			} else if (!quiet) {
 				for (size_t a = 0; a < sw.n_axes; a++)
-					printf("chart: %s/sweep_%s.png\n", plot,
-					       sweep_param_name(sw.ax[a].param));
+					if (sw.ax[a].n > 1)
+						printf("chart: %s/sweep_%s.png\n", plot,
+						       sweep_param_name(sw.ax[a].param));
 			}
 		}
 		free(cells);

@@ -429,6 +429,8 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 	fprintf(gp, "set datafile missing 'NaN'\nset grid\n");
 	size_t np = sweep_points(s);
 	for (size_t a = 0; a < s->n_axes; a++) {
+		if (s->ax[a].n < 2)
+			continue; /* one value: nothing to draw against */
 		const struct sweep_axis *ax = &s->ax[a];
 		const char *name = params[ax->param].name, *unit = params[ax->param].unit;
 		/* Series: policy x combination of the other axes' values (points with the same
@@ -441,6 +443,10 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 		}
 		size_t others = np / ax->n, n_series = 0;
 		char labels[256][96];
+		/* Whether a later series lies exactly on the first (events and approx_lru often
+		 * do): then the first is drawn wide, so that it still shows. */
+		double first[SWEEP_MAX_VALUES], cur[SWEEP_MAX_VALUES];
+		bool covered = false;
 		double lo = INFINITY, hi = -INFINITY;
 		for (size_t k = 0; k < ax->n; k++) {
 			lo = fmin(lo, ax->v[k]);
@@ -451,6 +457,8 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 				char lab[96] = "";
 				size_t off = 0;
 				bool any = false;
+				for (size_t k = 0; k < ax->n; k++)
+					cur[k] = NAN;
 				for (size_t k = 0; k < ax->n; k++) {
 					/* point index with axis a = k and the others from o */
 					size_t rest = o, pt = 0, mul = 1;
@@ -486,11 +494,19 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 						continue;
 					}
 					any = true;
+					cur[k] = cl->res.hit_rate;
 					fprintf(f, "%g %.4f %.3f %.3f\n", ax->v[k],
 					        100 * cl->res.hit_rate, cl->res.ttft_p50_ms / 1e3,
 					        cl->res.ttft_p99_ms / 1e3);
 				}
 				fprintf(f, "\n\n");
+				if (n_series == 0) {
+					memcpy(first, cur, ax->n * sizeof(*cur));
+				} else if (!covered) {
+					covered = true;
+					for (size_t k = 0; k < ax->n; k++)
+						covered &= cur[k] == first[k];
+				}
 				if (n_series < 256)
 					snprintf(labels[n_series], sizeof(labels[0]), "%s%s", lab,
 					         any ? "" : " (failed)");
@@ -502,8 +518,8 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 		char xl[160];
 		snprintf(xl, sizeof(xl), "%s%s%s%s", name, *unit ? " (" : "", unit,
 		         *unit ? ")" : "");
-		/* The legend goes below both panels, in rows of 3, with room kept for it. */
-		size_t ns = n_series < 256 ? n_series : 256, rows = (ns + 2) / 3;
+		/* The legend goes below both panels, two entries a row, with room kept for it. */
+		size_t ns = n_series < 256 ? n_series : 256, rows = (ns + 1) / 2;
 		fprintf(
 		    gp,
 		    "set terminal pngcairo size 1400,%zu noenhanced font ',11'\n"
@@ -515,21 +531,21 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 		    "set key at screen 0.5, screen 0.01 center bottom horizontal maxrows %zu\n"
 		    "set title 'hit rate'\n"
 		    "plot ",
-		    (size_t)580 + 20 * rows, name, title ? title : "", title ? ": " : "", xl,
-		    logx ? "set logscale x" : "unset logscale x", 4 + rows, xl, rows);
+		    (size_t)580 + 22 * rows, name, title ? title : "", title ? ": " : "", xl,
+		    logx ? "set logscale x" : "unset logscale x", 5 + rows, xl, rows);
 		/* The first series wide, so one that coincides with it (events and approx_lru
 		 * often do) still shows. */
 		for (size_t i = 0; i < ns; i++)
 			fprintf(gp,
 			        "%s'sweep_%s.dat' index %zu using 1:2 with linespoints lw %d pt 7 "
 			        "ps %.1f lc %zu title '%s'",
-			        i ? ", " : "", name, i, i == 0 && ns > 1 ? 6 : 2,
-			        i == 0 && ns > 1 ? 1.6 : 1.0, i + 1, labels[i]);
+			        i ? ", " : "", name, i, i == 0 && covered ? 6 : 2,
+			        i == 0 && covered ? 1.6 : 1.0, i + 1, labels[i]);
 		fprintf(gp, "\nset ylabel 'TTFT (s, log)'\nset logscale y\nset yrange [*:*]\n"
 		            "set title 'TTFT p99 (solid) and p50 (dashed)'\nset key off\n"
 		            "plot ");
 		for (size_t i = 0; i < ns; i++) {
-			int lw = i == 0 && ns > 1 ? 6 : 2;
+			int lw = i == 0 && covered ? 6 : 2;
 			fprintf(
 			    gp,
 			    "%s'sweep_%s.dat' index %zu using 1:4 with linespoints lw %d pt 7 "

@@ -100,8 +100,8 @@ int sweep_report_csv(const char *path, const struct sweep *s, const struct sweep
                      char *err, size_t errlen);
 int sweep_report_json(const char *path, const struct sweep *s, const struct sweep_cell *c, size_t n,
                       const char *trace_names, char *err, size_t errlen);
-/* DIR/sweep_NAME.png per axis (hit rate and TTFT p50/p99 against NAME; one line per policy
- * and combination of the other axes), with its .dat and sweep.gp. */
+/* DIR/sweep_NAME.png per axis of two values or more (hit rate and TTFT p50/p99 against NAME;
+ * one line per policy and combination of the other axes), with its .dat and sweep.gp. */
 int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep_cell *c, size_t n,
                       size_t n_ops, const char *title, char *err, size_t errlen);
 
