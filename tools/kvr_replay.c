@@ -42,49 +42,53 @@ static const struct replay_policy_ops *const all_policies[] = {
 static void usage(FILE *f)
 {
 	fprintf(
-	    f, "usage: kvr-replay [options] TRACE...\n"
-	       "  --policies LIST        comma-separated, default all: events,approx_lru,"
-	       "approx_ttl,round_robin,random,least_loaded;\n"
-	       "                         also approx_lru+feedback: approx_lru told each request's\n"
-	       "                         cached tokens at admission (kvr_request_cached);\n"
-	       "                         also events_feed: events through the real KV event "
-	       "feed\n"
-	       "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
-	       "builds)\n"
-	       "  --ranks N              simulated ranks (default 8)\n"
-	       "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
-	       "pressure, printed)\n"
-	       "  --block-size N         router and engine block size, tokens (default 16)\n"
-	       "  --max-requests N       replay only the first N requests\n"
-	       "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
-	       "default 1)\n"
-	       "  --seed S               seed of random choices (default 1)\n"
-	       "  --max-batched-tokens N engine token budget per step (default 8192)\n"
-	       "  --step-base-ms X       engine step time a (default 5 ms)\n"
-	       "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
-	       "  --sample-every N       approx_lru agreement sample every N requests (default "
-	       "500, 0 = off)\n"
-	       "  --serial               one request at a time (agreement after every request)\n"
-	       "  --output-every N       tell the router output tokens every N blocks (default 1)\n"
-	       "  --skip-bad             skip malformed trace entries (counted)\n"
-	       "router settings (router-backed policies; default: the router's own):\n"
-	       "  --overlap-credit X     weight of a cached block against a prefill block (1)\n"
-	       "  --temperature X        softmax selection temperature (0 = argmin)\n"
-	       "  --ttl S                approx_ttl retention, seconds (120)\n"
-	       "  --queue-threshold X    hold requests while every rank's prefill exceeds X x its "
-	       "token budget (0 = never)\n"
-	       "  --capacity-factor X    approx_lru registers X x the engine's blocks (1)\n"
-	       "  --foreign-traffic F    a share F (0..1) of arrivals bypasses the policy (0)\n"
-	       "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
-	       "                         NAME: blocks, capacity_factor, overlap_credit, "
-	       "temperature, ttl,\n"
-	       "                         queue_threshold, time_scale\n"
-	       "  --jobs N               replays run at once, each on its own thread (default 1)\n"
-	       "  --label TEXT           name of the trace in the verdict and chart titles\n"
-	       "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
-	       "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
-	       "files)\n"
-	       "  --quiet                no table, no progress bar\n");
+	    f,
+	    "usage: kvr-replay [options] TRACE...\n"
+	    "  --policies LIST        comma-separated, default all: events,approx_lru,"
+	    "approx_ttl,round_robin,random,least_loaded;\n"
+	    "                         also approx_lru+feedback: approx_lru told each request's\n"
+	    "                         cached tokens at admission (kvr_request_cached);\n"
+	    "                         also events_feed: events through the real KV event "
+	    "feed\n"
+	    "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
+	    "builds)\n"
+	    "  --ranks N              simulated ranks (default 8)\n"
+	    "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
+	    "pressure, printed)\n"
+	    "  --block-size N         router and engine block size, tokens (default 16)\n"
+	    "  --max-requests N       replay only the first N requests\n"
+	    "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
+	    "default 1)\n"
+	    "  --seed S               seed of random choices (default 1)\n"
+	    "  --max-batched-tokens N engine token budget per step (default 8192)\n"
+	    "  --step-base-ms X       engine step time a (default 5 ms)\n"
+	    "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
+	    "  --sample-every N       approx_lru agreement sample every N requests (default "
+	    "500, 0 = off)\n"
+	    "  --serial               one request at a time (agreement after every request)\n"
+	    "  --output-every N       tell the router output tokens every N blocks (default 1)\n"
+	    "  --skip-bad             skip malformed trace entries (counted)\n"
+	    "router settings (router-backed policies; default: the router's own):\n"
+	    "  --overlap-credit X     weight of a cached block against a prefill block (1)\n"
+	    "  --temperature X        softmax selection temperature (0 = argmin)\n"
+	    "  --ttl S                approx_ttl retention, seconds (120)\n"
+	    "  --queue-threshold X    hold requests while every rank's prefill exceeds X x its "
+	    "token budget (0 = never)\n"
+	    "  --capacity-factor X    approx_lru registers X x the engine's blocks (1)\n"
+	    "  --foreign-traffic F    a share F (0..1) of arrivals bypasses the policy (0)\n"
+	    "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
+	    "                         NAME: blocks, capacity_factor, overlap_credit, "
+	    "temperature, ttl,\n"
+	    "                         queue_threshold, time_scale\n"
+	    "  --jobs N               replays run at once, each on its own thread (default 1)\n"
+	    "  --label TEXT           name of the trace in the verdict and chart titles\n"
+	    "  --routers N            N router replicas (arrivals round-robin): approx_lru (one\n"
+	    "                         router) vs replicas_sync (replica sync, in-process) vs\n"
+	    "                         replicas_nosync; --no-sync leaves replicas_sync out\n"
+	    "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
+	    "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
+	    "files)\n"
+	    "  --quiet                no table, no progress bar\n");
 }
 
 struct progress {
@@ -160,8 +164,12 @@ int main(int argc, char **argv)
 		O_FOREIGN,
 		O_SWEEP,
 		O_JOBS,
-		O_LABEL
+		O_LABEL,
+		O_ROUTERS,
+		O_NOSYNC
 	};
+	uint32_t routers = 1;
+	bool nosync = false;
 	struct sweep sw = {0};
 	uint32_t jobs = 1;
 	const char *label = NULL;
@@ -194,6 +202,8 @@ int main(int argc, char **argv)
 	                                     {"sweep", required_argument, 0, O_SWEEP},
 	                                     {"jobs", required_argument, 0, O_JOBS},
 	                                     {"label", required_argument, 0, O_LABEL},
+	                                     {"routers", required_argument, 0, O_ROUTERS},
+	                                     {"no-sync", no_argument, 0, O_NOSYNC},
 	                                     {"help", no_argument, 0, 'h'},
 	                                     {0, 0, 0, 0}};
 	int c;
@@ -293,6 +303,12 @@ int main(int argc, char **argv)
 		case O_LABEL:
 			label = optarg;
 			break;
+		case O_ROUTERS:
+			bad = parse_u32(optarg, &routers) || routers == 0 || routers > 16;
+			break;
+		case O_NOSYNC:
+			nosync = true;
+			break;
 		case 'h':
 			usage(stdout);
 			return 0;
@@ -315,9 +331,15 @@ int main(int argc, char **argv)
 	}
 
 	/* Policies. */
-	const struct replay_policy_ops *sel[N_ALL + 1]; /* + events_feed */
+	const struct replay_policy_ops *sel[N_ALL + 3]; /* + events_feed, replicas */
 	size_t n_sel = 0;
-	if (!policies) { /* the feedback variant (last) only when asked for */
+	if (routers > 1) { /* one router vs N replicas synced (unless --no-sync) vs unsynced */
+		replay_n_routers = routers;
+		sel[n_sel++] = &replay_policy_approx_lru;
+		if (!nosync)
+			sel[n_sel++] = &replay_policy_replicas_sync;
+		sel[n_sel++] = &replay_policy_replicas_nosync;
+	} else if (!policies) { /* the feedback variant (last) only when asked for */
 		for (size_t i = 0; i + 1 < N_ALL; i++)
 			sel[n_sel++] = all_policies[i];
 	} else {

@@ -106,6 +106,10 @@ extern const struct replay_policy_ops replay_policy_approx_lru_feedback;
 /* The events policy with its events through the real KV event feed (ZeroMQ + vLLM msgpack on
  * loopback; tools/replay/policy_feed.c, built with -Dzmq).  Not in the default list. */
 extern const struct replay_policy_ops replay_policy_events_feed;
+/* N approx_lru replicas, synced or not (policy_replicas.c, kvr-replay --routers N). */
+extern const struct replay_policy_ops replay_policy_replicas_sync;
+extern const struct replay_policy_ops replay_policy_replicas_nosync;
+extern uint32_t replay_n_routers;
 /* The router behind a router-backed policy's state (policy_router.c). */
 struct kvr_router *replay_policy_router(void *state);
 
