@@ -12,6 +12,8 @@
  * buffers publishes made while reconnecting; the core does not rely on that (it stops publishing
  * when told of the disconnect and resends its state after the reconnect).
  */
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -27,6 +29,12 @@ struct kvr_sync {
 	natsConnection *nc;
 	natsSubscription *stream_sub, *snap_sub;
 	char subj_stream[96], subj_snap[96];
+	/* nats.c delivers connection callbacks on its own thread, in order, the closed callback
+	 * last, and natsConnection_Destroy does not wait for them: detach waits for `closed` before
+	 * it frees what the callbacks touch (ASan found on_disconnected reading freed memory). */
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool closed;
 };
 
 static void on_stream(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
@@ -56,6 +64,16 @@ static void on_disconnected(natsConnection *nc, void *closure)
 	struct kvr_sync *s = closure;
 	if (s->rep)
 		kvr_replica_disconnected(s->rep);
+}
+
+static void on_closed(natsConnection *nc, void *closure)
+{
+	(void)nc;
+	struct kvr_sync *s = closure;
+	pthread_mutex_lock(&s->mu);
+	s->closed = true;
+	pthread_cond_broadcast(&s->cv);
+	pthread_mutex_unlock(&s->mu);
 }
 
 static void on_reconnected(natsConnection *nc, void *closure)
@@ -211,9 +229,19 @@ static void sync_free(struct kvr_sync *s)
 		natsSubscription_Destroy(s->stream_sub);
 	if (s->nc) {
 		natsConnection_Close(s->nc);
+		/* Bounded: a closed callback that never comes must not hang the caller. */
+		struct timespec dl;
+		clock_gettime(CLOCK_REALTIME, &dl);
+		dl.tv_sec += 5;
+		pthread_mutex_lock(&s->mu);
+		while (!s->closed && pthread_cond_timedwait(&s->cv, &s->mu, &dl) == 0)
+			;
+		pthread_mutex_unlock(&s->mu);
 		natsConnection_Destroy(s->nc);
 	}
 	kvr_replica_destroy(s->rep);
+	pthread_cond_destroy(&s->cv);
+	pthread_mutex_destroy(&s->mu);
 	kvr_free(s, sizeof(*s));
 }
 
@@ -226,6 +254,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	struct kvr_sync *s = kvr_calloc(1, sizeof(*s));
 	if (!s)
 		return KVR_ENOMEM;
+	pthread_mutex_init(&s->mu, NULL);
+	pthread_cond_init(&s->cv, NULL);
 	snprintf(s->subj_stream, sizeof(s->subj_stream), "%s.stream", c->cluster);
 	snprintf(s->subj_snap, sizeof(s->subj_snap), "%s.snap", c->cluster);
 	struct kvr_replica_config rc = {
@@ -244,6 +274,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	};
 	int ret = kvr_replica_create(r, &rc, &t, &s->rep);
 	if (ret) {
+		pthread_cond_destroy(&s->cv);
+		pthread_mutex_destroy(&s->mu);
 		kvr_free(s, sizeof(*s));
 		return ret;
 	}
@@ -276,6 +308,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsOptions_SetDisconnectedCB(o, on_disconnected, s);
 	if (st == NATS_OK)
 		st = natsOptions_SetReconnectedCB(o, on_reconnected, s);
+	if (st == NATS_OK)
+		st = natsOptions_SetClosedCB(o, on_closed, s);
 	if (st == NATS_OK && (c->user || c->password))
 		st = natsOptions_SetUserInfo(o, c->user, c->password);
 	if (st == NATS_OK && c->token)
