@@ -440,7 +440,7 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 	__atomic_fetch_sub(&pub->pend_requests, 1, __ATOMIC_RELAXED);
 	__atomic_fetch_sub(&pub->pend_blocks, a->pend_blocks, __ATOMIC_RELAXED);
 	kvr_lease_unmint(r->leases, a->attempt);
-	kvr_owner_attempt_free(rec);
+	kvr_owner_attempt_free(&r->owner, rec);
 	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;
 }
 

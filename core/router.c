@@ -86,6 +86,8 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 		goto fail;
 	if ((rc = kvr_leases_create(&r->leases)))
 		goto fail;
+	if ((rc = kvr_attempt_pool_create(&r->pool)))
+		goto fail;
 	r->owner = (struct kvr_owner_ctx){
 	    .block_size = cfg->block_size,
 	    .max_ranks = cfg->max_ranks,
@@ -101,6 +103,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .metrics = r->metrics,
 	    .ranks = r->ranks,
 	    .leases = r->leases,
+	    .pool = r->pool,
 	};
 	if (cfg->queue_threshold > 0 && (rc = kvr_queue_create(r, &r->queue)))
 		goto fail;
@@ -149,6 +152,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_index_destroy(r->index);
 	kvr_index_destroy(r->pinned);
 	kvr_leases_destroy(r->leases);
+	kvr_attempt_pool_destroy(r->pool); /* after the shards: they return records to it */
 	kvr_metrics_destroy(r->metrics);
 	if (r->live)
 		live_free(r->live);

@@ -51,15 +51,16 @@ struct kvr_router {
 	struct kvr_index *pinned; /* blocks pinned by live attempts, per rank (see route.c) */
 	struct kvr_shards *shards;
 	struct kvr_metrics *metrics;
-	struct kvr_leases *leases;   /* attempt ids and their lease words */
-	struct kvr_owner_ctx owner;  /* what the shards see of the router */
-	struct kvr_rank_pub *ranks;  /* [cfg.max_ranks], indexed by index slot */
-	struct kvr_live *live;       /* RCU */
-	pthread_mutex_t admin_lock;  /* rank add / remove / reset, live list writers */
-	uint64_t rng_counter;        /* per-decision random stream (atomic) */
-	struct kvr_queue *queue;     /* NULL unless queue_threshold > 0 */
-	uint32_t shutting_down;      /* atomic */
-	struct kvr_repl_hooks *repl; /* replica sync hooks, NULL = none (RCU, acquire) */
+	struct kvr_leases *leases;     /* attempt ids and their lease words */
+	struct kvr_attempt_pool *pool; /* recycled attempt records (shards/owner.h) */
+	struct kvr_owner_ctx owner;    /* what the shards see of the router */
+	struct kvr_rank_pub *ranks;    /* [cfg.max_ranks], indexed by index slot */
+	struct kvr_live *live;         /* RCU */
+	pthread_mutex_t admin_lock;    /* rank add / remove / reset, live list writers */
+	uint64_t rng_counter;          /* per-decision random stream (atomic) */
+	struct kvr_queue *queue;       /* NULL unless queue_threshold > 0 */
+	uint32_t shutting_down;        /* atomic */
+	struct kvr_repl_hooks *repl;   /* replica sync hooks, NULL = none (RCU, acquire) */
 };
 
 /*

@@ -17,8 +17,11 @@
  * thread, same prompts, same run), finish p99, shard tasks/s per shard, lane depth max and
  * mean, and how many routes found the lane full (KVR_EAGAIN after the bounded wait).
  *
+ * --rate R paces each frontend thread at R routes/s (open loop), below what the shards can book,
+ * so the latencies are those of a router that keeps up rather than of full lanes.
+ *
  * usage: bench_route [--ms N per config] [--lengths 2048,8192,...] [--ranks N] [--shards N]
- *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N]
+ *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N] [--rate R]
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -36,6 +39,7 @@
 static uint32_t **prompts;
 static size_t n_prompts, prompt_len;
 static atomic_int go, stop;
+static uint64_t pace_ns; /* --rate: ns between one thread's routes; 0 = as fast as possible */
 
 static uint64_t mono_ns(void)
 {
@@ -103,7 +107,17 @@ static void *run(void *arg)
 	size_t i = (size_t)w->id * 7919;
 	while (!atomic_load(&go))
 		;
+	uint64_t next = mono_ns();
 	while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
+		if (pace_ns) { /* open loop at --rate: sleep to the next arrival */
+			next += pace_ns;
+			uint64_t now = mono_ns();
+			if (next > now) {
+				struct timespec ts = {(time_t)((next - now) / 1000000000u),
+				                      (long)((next - now) % 1000000000u)};
+				nanosleep(&ts, NULL);
+			}
+		}
 		const uint32_t *p = prompts[i++ % n_prompts];
 		q.tokens = p;
 		struct kvr_decision d;
@@ -173,6 +187,11 @@ static void bench(int threads, double ms)
 			kvr_router_sync(r, 60000);
 	}
 	kvr_router_sync(r, 60000);
+	/* The router's own stage histograms, minus the warm-up. */
+	enum kvr_hist stages[4] = {KVR_H_HASH_NS, KVR_H_MATCH_NS, KVR_H_SELECT_NS, KVR_H_ADMIT_NS};
+	uint64_t warm[4][KVR_HIST_BUCKETS];
+	for (int k = 0; k < 4; k++)
+		kvr_metrics_hist(r->metrics, stages[k], warm[k], NULL);
 	struct worker *w = calloc((size_t)threads, sizeof(*w));
 	atomic_store(&go, 0);
 	atomic_store(&stop, 0);
@@ -220,22 +239,32 @@ static void bench(int threads, double ms)
 	uint64_t drained = mono_ns() - t0;
 	uint64_t tasks = routing_tasks(r) - tasks0;
 	uint32_t ns = kvr_shards_count(r->shards);
+	uint64_t sp[4];
+	for (int k = 0; k < 4; k++) {
+		uint64_t h[KVR_HIST_BUCKETS];
+		kvr_metrics_hist(r->metrics, stages[k], h, NULL);
+		for (int b = 0; b < KVR_HIST_BUCKETS; b++)
+			h[b] -= warm[k][b];
+		sp[k] = kvr_hist_quantile(h, 0.5);
+	}
 	uint64_t f50 = kvr_hist_quantile(floor, 0.5), f99 = kvr_hist_quantile(floor, 0.99);
 	uint64_t r50 = kvr_hist_quantile(route, 0.5), r99 = kvr_hist_quantile(route, 0.99);
-	printf("SUMMARY bench=route booking=%s tokens=%zu ranks=%u threads=%d shards=%u "
+	printf("SUMMARY bench=route booking=%s rate=%.0f tokens=%zu ranks=%u threads=%d shards=%u "
 	       "route_p50_ns=%llu route_p99_ns=%llu floor_p50_ns=%llu floor_p99_ns=%llu "
 	       "p50_ratio=%.2f p99_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
 	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f lane_depth_max=%llu "
-	       "lane_depth_mean=%.1f lane_full=%llu errors=%llu\n",
-	       c.sync_booking ? "sync" : "async", prompt_len, n_ranks, threads, ns,
-	       (unsigned long long)r50, (unsigned long long)r99, (unsigned long long)f50,
-	       (unsigned long long)f99, f50 ? (double)r50 / (double)f50 : 0.0,
-	       f99 ? (double)r99 / (double)f99 : 0.0,
+	       "lane_depth_mean=%.1f lane_full=%llu errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
+	       "select_p50_ns=%llu admit_p50_ns=%llu\n",
+	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
+	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
+	       (unsigned long long)f50, (unsigned long long)f99,
+	       f50 ? (double)r50 / (double)f50 : 0.0, f99 ? (double)r99 / (double)f99 : 0.0,
 	       (unsigned long long)kvr_hist_quantile(fin, 0.5),
 	       (unsigned long long)kvr_hist_quantile(fin, 0.99), (double)n / (ms * 1e-3),
 	       (double)tasks / ((double)drained * 1e-9) / ns, (unsigned long long)depth_max,
 	       samples ? (double)depth_sum / (double)samples : 0.0, (unsigned long long)full,
-	       (unsigned long long)errors);
+	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
+	       (unsigned long long)sp[2], (unsigned long long)sp[3]);
 	fflush(stdout);
 	free(w);
 	kvr_router_destroy(r);
@@ -260,6 +289,8 @@ int main(int argc, char **argv)
 			sync_booking = atoi(argv[i + 1]) != 0;
 		else if (!strcmp(argv[i], "--threads-max"))
 			threads_max = atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--rate"))
+			pace_ns = (uint64_t)(1e9 / atof(argv[i + 1]));
 	}
 	if (threads_max < 1 || threads_max > MAX_THREADS)
 		threads_max = 2;

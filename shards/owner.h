@@ -101,11 +101,12 @@ struct kvr_owner_ctx {
 	void *callback_ctx;
 	/* shared objects */
 	struct kvr_clock clock;
-	struct kvr_index *index;     /* cached blocks per rank */
-	struct kvr_index *pinned;    /* blocks pinned by live attempts per rank (approx modes) */
-	struct kvr_metrics *metrics; /* per-thread blocks */
-	struct kvr_rank_pub *ranks;  /* [max_ranks] */
-	struct kvr_leases *leases;   /* the router's attempt leases */
+	struct kvr_index *index;       /* cached blocks per rank */
+	struct kvr_index *pinned;      /* blocks pinned by live attempts per rank (approx modes) */
+	struct kvr_metrics *metrics;   /* per-thread blocks */
+	struct kvr_rank_pub *ranks;    /* [max_ranks] */
+	struct kvr_leases *leases;     /* the router's attempt leases */
+	struct kvr_attempt_pool *pool; /* recycled attempt records */
 };
 
 /* An admission, as the caller describes it (borrowed for kvr_owner_attempt_new). */
@@ -135,7 +136,20 @@ struct kvr_attempt; /* the shard's record of an attempt (shards/owner_attempts.c
  */
 struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
                                           const struct kvr_admit_args *a);
-void kvr_owner_attempt_free(struct kvr_attempt *rec);
+void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *rec);
+
+/*
+ * Records of long prompts are recycled: an admission of a 32k-token prompt needs a 32 KiB record,
+ * and a fresh large allocation per admission (page faults, the allocator's large-size path) cost
+ * more than the rest of the admission (perf/bench_route).  Freed records of 64..16384 blocks wait
+ * in a per-size-class stack (16 deep) for the next admission of that class.  Each stack has a
+ * mutex taken only with trylock: a busy stack means "allocate / free normally", so nobody waits.
+ * Create returns 0, KVR_ENOMEM; destroy frees what is pooled (NULL is a no-op).
+ * Context: create/destroy at router setup/teardown; new/free any thread.
+ */
+struct kvr_attempt_pool;
+int kvr_attempt_pool_create(struct kvr_attempt_pool **out);
+void kvr_attempt_pool_destroy(struct kvr_attempt_pool *pool);
 
 /*
  * Books an admission on its rank's shard: the attempt's record, the predicted cache (acquire),

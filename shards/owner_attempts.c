@@ -24,6 +24,7 @@
  * check): the lease is claimed (if nobody has) and released, nothing is booked, and the
  * attempt's later calls return KVR_ESTALE.
  */
+#include <pthread.h>
 #include <string.h>
 
 #include "core/alloc.h"
@@ -35,16 +36,70 @@
 
 /* ---------------------------------------------------------------- records */
 
+#define POOL_MIN_CLASS 6  /* 64 blocks */
+#define POOL_MAX_CLASS 14 /* 16384 blocks */
+#define POOL_DEPTH     16
+
+struct kvr_attempt_pool {
+	struct {
+		pthread_mutex_t mu;
+		uint32_t n;
+		struct kvr_attempt *rec[POOL_DEPTH];
+	} cls[POOL_MAX_CLASS + 1];
+};
+
+int kvr_attempt_pool_create(struct kvr_attempt_pool **out)
+{
+	struct kvr_attempt_pool *p = kvr_calloc(1, sizeof(*p));
+	if (!p)
+		return KVR_ENOMEM;
+	for (int k = 0; k <= POOL_MAX_CLASS; k++)
+		pthread_mutex_init(&p->cls[k].mu, NULL);
+	*out = p;
+	return 0;
+}
+
+void kvr_attempt_pool_destroy(struct kvr_attempt_pool *p)
+{
+	if (!p)
+		return;
+	for (int k = 0; k <= POOL_MAX_CLASS; k++) {
+		for (uint32_t i = 0; i < p->cls[k].n; i++)
+			kvr_free(p->cls[k].rec[i], p->cls[k].rec[i]->size);
+		pthread_mutex_destroy(&p->cls[k].mu);
+	}
+	kvr_free(p, sizeof(*p));
+}
+
+/* The pool class of n blocks (capacity 2^class >= n), or -1 when not pooled. */
+static int pool_class(size_t n)
+{
+	if (n < (1u << POOL_MIN_CLASS) || n > (1u << POOL_MAX_CLASS))
+		return -1;
+	int k = POOL_MIN_CLASS;
+	while (((size_t)1 << k) < n)
+		k++;
+	return k;
+}
+
 struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
                                           const struct kvr_admit_args *a)
 {
 	uint32_t bs = c->block_size;
-	size_t size = kvr_attempt_blocks_off(bs) + a->n * sizeof(struct kvr_lru_block);
-	struct kvr_attempt *rec = kvr_alloc(size);
-	if (!rec)
+	int k = c->pool ? pool_class(a->n) : -1;
+	struct kvr_attempt *rec = NULL;
+	size_t size = kvr_attempt_blocks_off(bs) +
+	              (k < 0 ? a->n : (size_t)1 << k) * sizeof(struct kvr_lru_block);
+	if (k >= 0 && pthread_mutex_trylock(&c->pool->cls[k].mu) == 0) {
+		if (c->pool->cls[k].n)
+			rec = c->pool->cls[k].rec[--c->pool->cls[k].n];
+		pthread_mutex_unlock(&c->pool->cls[k].mu);
+	}
+	if (!rec && !(rec = kvr_alloc(size)))
 		return NULL;
 	memset(rec, 0, sizeof(*rec));
 	rec->size = size;
+	rec->pool_class = (int8_t)k;
 	rec->attempt = a->attempt;
 	rec->gen = a->gen;
 	rec->slot = a->slot;
@@ -68,10 +123,20 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
 	return rec;
 }
 
-void kvr_owner_attempt_free(struct kvr_attempt *rec)
+void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *rec)
 {
-	if (rec)
-		kvr_free(rec, rec->size);
+	if (!rec)
+		return;
+	int k = rec->pool_class;
+	if (k >= 0 && c->pool && pthread_mutex_trylock(&c->pool->cls[k].mu) == 0) {
+		bool kept = c->pool->cls[k].n < POOL_DEPTH;
+		if (kept)
+			c->pool->cls[k].rec[c->pool->cls[k].n++] = rec;
+		pthread_mutex_unlock(&c->pool->cls[k].mu);
+		if (kept)
+			return;
+	}
+	kvr_free(rec, rec->size);
 }
 
 /* Takes the attempt's provisional load back from its rank (after the booked snapshot is out).
@@ -175,7 +240,7 @@ static void end_attempt(struct kvr_shard *sh, struct kvr_attempt *rec, bool rele
 	kvr_owner_publish(ss, own);
 	untrack(ss, rec);
 	kvr_lease_release(c->leases, rec->attempt);
-	kvr_owner_attempt_free(rec);
+	kvr_owner_attempt_free(c, rec);
 }
 
 void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
@@ -198,7 +263,7 @@ static void drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 	kvr_lease_claim(c->leases, rec->attempt);
 	kvr_lease_release(c->leases, rec->attempt);
 	unprovision(c, rec);
-	kvr_owner_attempt_free(rec);
+	kvr_owner_attempt_free(c, rec);
 }
 
 static int book(struct kvr_shard *sh, struct kvr_attempt *rec)

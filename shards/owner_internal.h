@@ -31,6 +31,7 @@ struct kvr_attempt {
 	bool booked; /* the predicted cache holds a lease for it (booking did not fail) */
 	bool chain_known;
 	bool in_prefill;
+	int8_t pool_class; /* capacity 2^pool_class blocks, recycled; -1: exact size, freed */
 	struct kvr_attempt *prev, *next; /* the rank's live attempts */
 	uint32_t tail[];                 /* block_size tokens, then the prompt's blocks */
 };

@@ -89,10 +89,11 @@ static void make_prompt(uint32_t *t, size_t n, uint64_t family, uint64_t variant
 static void *frontend(void *arg)
 {
 	uint64_t s = (uint64_t)(uintptr_t)arg * 0x9e3779b97f4a7c15ull + 1;
-	uint32_t t[640], out[40];
+	uint32_t t[2400], out[40];
 	while (!atomic_load(&stop)) {
 		struct kvr_router *r = (rnd(&s) & 3) == 0 ? events : approx;
-		size_t n = 16 + rnd(&s) % 600;
+		/* one in eight long enough for recycled attempt records (>= 64 blocks) */
+		size_t n = (rnd(&s) & 7) ? 16 + rnd(&s) % 600 : 1024 + rnd(&s) % 1300;
 		make_prompt(t, n, rnd(&s) % 8, rnd(&s) % 4);
 		struct kvr_request q;
 		kvr_request_init(&q);
