@@ -173,7 +173,6 @@ void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r
 	__atomic_store_n(&t->e[i], ((uint64_t)pos << 49) | (uintptr_t)r | idx_tag(seq),
 	                 __ATOMIC_RELEASE);
 	s->count++;
-	idx_count(&idx->c_nodes, 1);
 }
 
 void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq)
@@ -210,7 +209,6 @@ void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq, const struct idx_
 			break;
 		}
 	}
-	idx_count(&idx->c_nodes, -1);
 	/* Give memory back after mass removal; keep the old array if the new one fails. */
 	if (s->count == 0) {
 		s->tab = NULL;

@@ -606,13 +606,16 @@ static void run_check(struct kvr_index *idx, struct idx_run *r)
 			need = r->max_child_off;
 		if (need >= r->len)
 			return;
-		for (uint32_t q = need; q < r->len; q++)
-			kvr_index_tab_delete(idx, r->seqs[q], r, q);
-		/* Ordering: release; readers that still see the old len compare permanent content.
+		/* Trim in O(1): the trimmed positions keep their table entries (a re-store finds
+		 * them, removals find no holder there) until the run dies.
+		 * Ordering: release; readers that still see the old len compare permanent content.
 		 */
+		idx_count(&idx->c_nodes, -(int64_t)(r->len - need));
 		__atomic_store_n(&r->len, (uint16_t)need, __ATOMIC_RELEASE);
 		if (need > 0)
 			return;
+		for (uint32_t q = 0; q < r->hw; q++)
+			kvr_index_tab_delete(idx, r->seqs[q], r, q);
 		/* Dead: nobody holds a position and no child hangs below. */
 		while (r->hs) {
 			struct idx_hold *h = idx_hset_holds(r->hs)[0];
@@ -796,15 +799,19 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			 * prefix, cannot be in the tree (no probe). */
 			pl = P_APPEND;
 		} else if (locate(idx, s, &C, &q)) {
-			bool ok = q > 0 ? (C == R && q == p + 1)
-			                : (C->parent == R && C->off == (R ? p + 1 : 0));
+			bool ok;
+			if (q >= C->len) { /* trimmed off R's end, its entry kept: re-extend */
+				ok = C == R && q == p + 1;
+				pl = P_REEXTEND;
+			} else {
+				ok = q > 0 ? (C == R && q == p + 1)
+				           : (C->parent == R && C->off == (R ? p + 1 : 0));
+				pl = P_EXISTS;
+			}
 			if (!ok) {
 				rc = KVR_EINVAL; /* a 64-bit sequence hash collision */
 				break;
 			}
-			pl = P_EXISTS;
-		} else if (R && p + 1 == R->len && p + 1 < R->hw && R->seqs[p + 1] == s) {
-			pl = P_REEXTEND;
 		} else if (R && p + 1 == R->len && R->hw == R->len && R->hw < IDX_RUN_MAX) {
 			pl = P_APPEND;
 		} else {
@@ -846,7 +853,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_ENOMEM;
 			break;
 		}
-		if (pl != P_EXISTS && kvr_index_tab_reserve(idx, s) != 0) {
+		if ((pl == P_APPEND || pl == P_FORK) && kvr_index_tab_reserve(idx, s) != 0) {
 			rc = KVR_ENOMEM;
 			break;
 		}
@@ -911,13 +918,14 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
 			kvr_index_tab_insert(idx, s, R, q);
 			break;
-		case P_REEXTEND:
+		case P_REEXTEND: /* the table entry was kept by the trim */
 			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
-			kvr_index_tab_insert(idx, s, R, q);
 			break;
 		default:
 			break;
 		}
+		if (pl != P_EXISTS)
+			idx_count(&idx->c_nodes, 1);
 		if (new_hold)
 			rank_link_hold(idx, ch);
 		hold_set(ch, q);
