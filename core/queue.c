@@ -177,10 +177,13 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 		pp = &(*pp)->next;
 	*pp = e;
 	__atomic_store_n(&q->waiting, q->waiting + 1, __ATOMIC_RELAXED);
+	/* Read under the lock: once it is dropped, a concurrent pump may admit the entry and, with
+	 * on_admit set, free it. */
+	uint64_t ticket = e->ticket;
 	pthread_mutex_unlock(&q->lock);
 	memset(d, 0, sizeof(*d));
 	d->status = KVR_QUEUED;
-	d->ticket = e->ticket;
+	d->ticket = ticket;
 	kvr_metrics_add(mb, KVR_C_QUEUED, 1);
 	return 0;
 }
