@@ -36,6 +36,7 @@ static const struct replay_policy_ops *const all_policies[] = {
     &replay_policy_random,
     &replay_policy_least_loaded,
     &replay_policy_approx_lru_feedback,
+    &replay_policy_approx_lru_watermark,
 };
 #define N_ALL (sizeof(all_policies) / sizeof(all_policies[0]))
 
@@ -48,6 +49,8 @@ static void usage(FILE *f)
 	    "approx_ttl,round_robin,random,least_loaded;\n"
 	    "                         also approx_lru+feedback: approx_lru told each request's\n"
 	    "                         cached tokens at admission (kvr_request_cached);\n"
+	    "                         also approx_lru+watermark: that, and each rank's oldest\n"
+	    "                         cached block at admission (kvr_rank_observe);\n"
 	    "                         also events_feed: events through the real KV event "
 	    "feed\n"
 	    "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
@@ -339,8 +342,8 @@ int main(int argc, char **argv)
 		if (!nosync)
 			sel[n_sel++] = &replay_policy_replicas_sync;
 		sel[n_sel++] = &replay_policy_replicas_nosync;
-	} else if (!policies) { /* the feedback variant (last) only when asked for */
-		for (size_t i = 0; i + 1 < N_ALL; i++)
+	} else if (!policies) { /* the feedback variants (last two) only when asked for */
+		for (size_t i = 0; i + 2 < N_ALL; i++)
 			sel[n_sel++] = all_policies[i];
 	} else {
 		char *list = strdup(policies), *save = NULL;

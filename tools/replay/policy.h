@@ -74,6 +74,10 @@ struct replay_policy_ops {
 	int (*kv_event)(void *state, const struct sim_kv_event *ev);
 	int (*admitted)(void *state, uint64_t handle, const struct sim_admit_info *info);
 	int (*first_token)(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns);
+	/* A rank's engine metrics, as a frontend scraping them would see (optional): its oldest
+	 * cached evictable block (has_watermark; kvrouter's sequence hash).  Reported at each first
+	 * admission on the rank. */
+	int (*observe)(void *state, uint32_t rank, bool has_watermark, uint64_t watermark);
 	/* Output tokens as sampled, the final one included (a streaming frontend's view). */
 	int (*output)(void *state, uint64_t handle, const uint32_t *tokens, size_t n);
 	int (*finished)(void *state, uint64_t handle, const struct sim_finish_info *info);
@@ -103,6 +107,7 @@ extern const struct replay_policy_ops replay_policy_events;
 extern const struct replay_policy_ops replay_policy_approx_lru;
 extern const struct replay_policy_ops replay_policy_approx_ttl;
 extern const struct replay_policy_ops replay_policy_approx_lru_feedback;
+extern const struct replay_policy_ops replay_policy_approx_lru_watermark;
 /* The events policy with its events through the real KV event feed (ZeroMQ + vLLM msgpack on
  * loopback; tools/replay/policy_feed.c, built with -Dzmq).  Not in the default list. */
 extern const struct replay_policy_ops replay_policy_events_feed;

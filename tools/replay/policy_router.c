@@ -12,6 +12,8 @@
  *    ttl_ns (router default, 120 s) after its last use.
  *  - approx_lru+feedback: approx_lru, and each request's cached prefix at its first admission
  *    is reported back (kvr_request_cached), so engine ground truth heals the prediction.
+ *  - approx_lru+watermark: approx_lru+feedback, and at each admission the rank's oldest cached
+ *    evictable block (kvr_rank_observe, KVR_OBSERVE_WATERMARK).
  *
  * Rank i of the simulator is worker i, dp rank 0, incarnation 1.  One shard (n_shards = 1) for
  * determinism.  The router's clock is the simulator's virtual clock; sync() runs
@@ -295,6 +297,19 @@ static int rp_admitted(void *state, uint64_t handle, const struct sim_admit_info
 	return rc == KVR_ESTALE ? 0 : rc; /* ended already (the lease reaper): nothing to heal */
 }
 
+/* approx_lru+watermark: also each rank's oldest cached evictable block, as a frontend scraping
+ * the engine would report it (kvr_rank_observe with KVR_OBSERVE_WATERMARK). */
+static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t watermark)
+{
+	struct rp *p = state;
+	if (!has_watermark)
+		return 0;
+	tick(p);
+	struct kvr_rank_observation ob = {
+	    .flags = KVR_OBSERVE_WATERMARK, .incarnation = 1, .watermark_hash = watermark};
+	return kvr_rank_observe(p->r, (struct kvr_rank_id){.worker_id = rank, .dp_rank = 0}, &ob);
+}
+
 static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
 {
 	struct rp *p = state;
@@ -412,6 +427,26 @@ const struct replay_policy_ops replay_policy_approx_lru_feedback = {
     .route = rp_route,
     .kv_event = rp_kv_event,
     .admitted = rp_admitted,
+    .first_token = rp_first_token,
+    .output = rp_output,
+    .finished = rp_finished,
+    .aborted = rp_aborted,
+    .sync = rp_sync,
+    .dequeue = rp_dequeue,
+    .resident = rp_resident,
+    .predict = rp_predict,
+    .blocks = rp_blocks,
+};
+const struct replay_policy_ops replay_policy_approx_lru_watermark = {
+    .name = "approx_lru+watermark",
+    .predicts = true,
+    .wants_events = false,
+    .create = lru_create,
+    .destroy = rp_destroy,
+    .route = rp_route,
+    .kv_event = rp_kv_event,
+    .admitted = rp_admitted,
+    .observe = rp_observe,
     .first_token = rp_first_token,
     .output = rp_output,
     .finished = rp_finished,

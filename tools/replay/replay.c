@@ -14,6 +14,7 @@
  * of the simulator's cached set can be handed back to the policy as local hashes.
  */
 #include "tools/replay/replay.h"
+#include "tools/sim/block_pool.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -229,6 +230,13 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 	}
 	if (run->ops->admitted)
 		perr(run, run->ops->admitted(run->ps, q->handle, info));
+	if (run->ops->observe && info->preemptions == 0) {
+		uint64_t wm = 0;
+		const struct sim_pool *pool =
+		    sim_engine_pool(sim_cluster_engine(run->sim, info->rank));
+		bool has = sim_pool_oldest_cached(pool, &wm);
+		perr(run, run->ops->observe(run->ps, info->rank, has, wm));
+	}
 }
 
 static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, uint64_t t)

@@ -341,3 +341,13 @@ size_t sim_pool_free_order(const struct sim_pool *p, uint32_t *out, size_t cap)
 	}
 	return k;
 }
+
+bool sim_pool_oldest_cached(const struct sim_pool *p, uint64_t *seq)
+{
+	for (uint32_t i = p->q_head; i != SIM_NO_BLOCK; i = p->blocks[i].next)
+		if (p->blocks[i].hashed) {
+			*seq = p->blocks[i].seq;
+			return true;
+		}
+	return false;
+}

@@ -57,6 +57,10 @@ uint32_t sim_pool_size(const struct sim_pool *p);
 uint32_t sim_pool_num_free(const struct sim_pool *p);
 /* Distinct hashes currently cached (resident, any ref count). */
 size_t sim_pool_num_cached(const struct sim_pool *p);
+/* The oldest cached block still evictable: the first hashed block from the free queue's head
+ * (what vLLM evicts next among cached blocks).  Writes its sequence hash to *seq and returns
+ * true, or false when no free block holds a hash.  O(unhashed blocks ahead of it). */
+bool sim_pool_oldest_cached(const struct sim_pool *p, uint64_t *seq);
 /* Block id's state; NULL for an id out of range.  Borrowed until the next mutating call. */
 const struct sim_block *sim_pool_block(const struct sim_pool *p, uint32_t id);
 
