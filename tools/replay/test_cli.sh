@@ -87,6 +87,10 @@ cat "$tmp/s.txt"
 [ "$(grep -c ',ok,' "$tmp/s.csv")" -eq 8 ] || fail "a sweep replay failed"
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['runs']) == 8 and [a['name'] for a in d['axes']] == ['overlap_credit', 'time_scale']" "$tmp/s.json" ||
 	fail "sweep JSON"
+# The grid in order (first axis slowest), each point once per policy.
+[ "$(cut -d, -f1-3 "$tmp/s.csv" | tail -n +2 | tr '\n' ' ')" = \
+	"0,0.5,approx_lru 0,0.5,round_robin 0,1,approx_lru 0,1,round_robin 1,0.5,approx_lru 1,0.5,round_robin 1,1,approx_lru 1,1,round_robin " ] ||
+	fail "sweep grid order: $(cut -d, -f1-3 "$tmp/s.csv" | tr '\n' ' ')"
 
 if "$bin" --quiet "$bad" 2>"$tmp/err"; then
 	fail "a malformed trace was accepted"
