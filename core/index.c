@@ -369,10 +369,12 @@ int kvr_index_create(uint32_t max_ranks, struct kvr_index **out)
 	memset(idx, 0, sizeof(*idx));
 	idx->max_ranks = max_ranks;
 	idx->rank = kvr_alloc_aligned(sizeof(struct idx_rank) * max_ranks);
+	idx->tsize = kvr_calloc(max_ranks, sizeof(uint64_t));
 	uint32_t cap = rtab_cap(max_ranks);
 	idx->rtab = kvr_calloc(1, rtab_bytes(cap - 1));
-	if (!idx->rank || !idx->rtab || pthread_mutex_init(&idx->wlock, NULL) != 0) {
+	if (!idx->rank || !idx->tsize || !idx->rtab || pthread_mutex_init(&idx->wlock, NULL) != 0) {
 		kvr_free_aligned(idx->rank, sizeof(struct idx_rank) * max_ranks);
+		kvr_free(idx->tsize, idx->tsize ? max_ranks * sizeof(uint64_t) : 0);
 		kvr_free(idx->rtab, idx->rtab ? rtab_bytes(cap - 1) : 0);
 		kvr_free_aligned(idx, sizeof(*idx));
 		return KVR_ENOMEM;
@@ -417,6 +419,7 @@ void kvr_index_destroy(struct kvr_index *idx)
 	pthread_mutex_destroy(&idx->wlock);
 	kvr_free(idx->rtab, rtab_bytes(idx->rtab->mask));
 	kvr_free_aligned(idx->rank, sizeof(struct idx_rank) * idx->max_ranks);
+	kvr_free(idx->tsize, idx->max_ranks * sizeof(uint64_t));
 	kvr_free_aligned(idx, sizeof(*idx));
 }
 
@@ -498,7 +501,7 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		idx->free_head = r->next_free;
 		__atomic_store_n(&r->worker_id, worker_id, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->dp_rank, dp_rank, __ATOMIC_RELAXED);
-		__atomic_store_n(&r->tree_size, 0, __ATOMIC_RELAXED);
+		__atomic_store_n(&idx->tsize[s], 0, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->state, SLOT_ACTIVE, __ATOMIC_RELAXED);
 		r->holds = NULL;
 		memset(&r->xmap, 0, sizeof(r->xmap));
@@ -602,7 +605,7 @@ uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot)
 {
 	if (!idx || slot >= idx->max_ranks)
 		return 0;
-	return __atomic_load_n(&idx->rank[slot].tree_size, __ATOMIC_RELAXED);
+	return __atomic_load_n(&idx->tsize[slot], __ATOMIC_RELAXED);
 }
 
 static uint64_t ld(const uint64_t *p)
@@ -634,6 +637,6 @@ uint64_t kvr_index_memory_bytes(const struct kvr_index *idx)
 	if (!idx)
 		return 0;
 	return ld(&idx->bytes_shared) + ld(&idx->bytes_rank) + sizeof(*idx) +
-	       sizeof(struct idx_rank) * idx->max_ranks +
+	       (sizeof(struct idx_rank) + sizeof(uint64_t)) * idx->max_ranks +
 	       rtab_bytes(rtab_cap(idx->max_ranks) - 1); /* purges keep the size */
 }

@@ -192,7 +192,6 @@ struct idx_rank {
 	uint64_t worker_id; /* atomic relaxed: read by lock-free rank_find */
 	uint32_t dp_rank;
 	uint32_t state;
-	uint64_t tree_size;     /* atomic relaxed: distinct blocks held; read by find_matches */
 	struct idx_hold *holds; /* the rank's (run) records */
 	struct idx_xmap xmap;   /* ext -> seq for blocks stored with ext != seq */
 	struct idx_xmap rmap;   /* seq -> ext, the same blocks */
@@ -216,6 +215,8 @@ struct kvr_index {
 	uint32_t max_ranks;
 	bool count_copies;
 	struct idx_rank *rank;
+	uint64_t *tsize;       /* per slot: distinct blocks held (atomic relaxed), dense so that
+	                        * find_matches reads 8 ranks' sizes per cache line */
 	struct idx_rtab *rtab; /* RCU-published */
 	uint32_t rank_lock;    /* spinlock: free-slot list and rtab */
 	uint32_t free_head;    /* UINT32_MAX = none */

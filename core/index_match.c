@@ -150,7 +150,6 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		memmove(&out[a], &out[cap - f], f * sizeof(*out));
 	*n_out = a + f;
 	for (size_t i = 0; i < a + f; i++)
-		out[i].tree_size =
-		    __atomic_load_n(&idx->rank[out[i].slot].tree_size, __ATOMIC_RELAXED);
+		out[i].tree_size = __atomic_load_n(&idx->tsize[out[i].slot], __ATOMIC_RELAXED);
 	return 0;
 }

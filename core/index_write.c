@@ -706,7 +706,7 @@ static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, 
 {
 	struct idx_run *r;
 	uint32_t pos;
-	if (rk->tree_size == rk->xmap.count) /* every held block is aliased: nothing plain */
+	if (idx->tsize[slot] == rk->xmap.count) /* every held block is aliased: nothing plain */
 		return false;
 	if (xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, &r, &pos))
 		return false;
@@ -939,7 +939,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			xmap_put(&rk->rmap, s, e);
 		}
 		added++;
-		__atomic_store_n(&rk->tree_size, rk->tree_size + 1, __ATOMIC_RELAXED);
+		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] + 1, __ATOMIC_RELAXED);
 		applied[napplied++] = e;
 		R = C;
 		p = q;
@@ -1016,7 +1016,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		if (h->cut != cut0)
 			publish_cut(h);
 		(*dropped)++;
-		__atomic_store_n(&rk->tree_size, rk->tree_size - 1, __ATOMIC_RELAXED);
+		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - 1, __ATOMIC_RELAXED);
 		if (s != ext[i]) {
 			xmap_del(&rk->xmap, ext[i]);
 			xmap_del(&rk->rmap, s);
@@ -1081,7 +1081,7 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 	rk->xmap.count = rk->rmap.count = 0;
 	xmap_shrink(idx, &rk->xmap);
 	xmap_shrink(idx, &rk->rmap);
-	__atomic_store_n(&rk->tree_size, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&idx->tsize[slot], 0, __ATOMIC_RELAXED);
 	idx_count(&idx->c_removed, (int64_t)removed);
 	idx_count(&idx->c_copies, -(int64_t)removed);
 	return removed;
