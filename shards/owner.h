@@ -25,6 +25,7 @@
 #define KVR_SHARDS_OWNER_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "core/clock.h"
@@ -45,34 +46,37 @@ static inline uint32_t kvr_attempt_slot(uint64_t attempt)
 struct kvr_rank_owned;
 
 struct kvr_rank_pub {
-	/* Identity: written by the admin path while the slot is not live. */
-	uint64_t worker_id;
-	uint32_t dp_rank;
-	uint32_t shard;
+	/* First cache line: everything a routing decision reads per candidate (one line per rank
+	 * for 64 or 1024 candidates), and what admissions add to it. */
+	uint32_t live; /* 1 while added (atomic) */
 	uint32_t max_batched_tokens;
 	/* Bumped (release) when the slot is added and when it is removed: a booking taken on an
 	 * older generation is stale.  Ordering: acquire in route and in the booking. */
 	uint64_t gen;
-	uint32_t live; /* 1 while added (atomic) */
 	/* Load snapshot: written by the owner shard, read anywhere (relaxed). */
-	uint64_t incarnation;
 	uint64_t active_blocks;
 	uint64_t prefill_tokens;
 	uint64_t active_requests;
+	/* Provisional load of admissions posted but not booked yet: a routing thread adds its
+	 * request here (atomic add) before it posts the booking, the shard subtracts the same
+	 * amounts after it has published the booked snapshot, so a reader summing snapshot +
+	 * provisional may count a request twice for an instant, never miss it.  Ordering: relaxed
+	 * RMW (one location each; coherence gives "the very next decision sees it"). */
+	uint64_t pend_prefill_tokens;
+	uint64_t pend_requests;
+	uint64_t pend_blocks;
+	/* Identity: written by the admin path while the slot is not live. */
+	uint64_t worker_id;
+	uint32_t dp_rank;
+	uint32_t shard;
+	/* Snapshot read by stats and the replica layer (relaxed). */
+	uint64_t incarnation;
 	uint64_t resident_blocks;
 	uint64_t capacity;
 	/* Shard-thread only. */
 	struct kvr_rank_owned *own;
-	/* Provisional load of admissions posted but not booked yet: a routing thread adds its
-	 * request here (atomic add) before it posts the booking, the shard subtracts the same
-	 * amounts after it has published the booked snapshot, so a reader summing snapshot +
-	 * provisional may count a request twice for an instant, never miss it.  Own cache line:
-	 * routing threads write it.  Ordering: relaxed RMW (one location each; coherence gives
-	 * "the very next decision sees it"). */
-	_Alignas(64) uint64_t pend_prefill_tokens;
-	uint64_t pend_requests;
-	uint64_t pend_blocks;
 } __attribute__((aligned(64)));
+_Static_assert(offsetof(struct kvr_rank_pub, pend_blocks) < 64, "routing reads one line");
 
 /* Prefill tokens, active requests and decode blocks of a rank: snapshot + provisional.
  * Context: any thread. */
