@@ -62,6 +62,14 @@
 
 #define MAX_PEERS   256
 #define CHUNK_BYTES (256u * 1024u)
+/* After an outage a replica re-announces the attempts it finished since this long before the
+ * disconnect was noticed: messages written to the socket just before the server went may never
+ * have reached it, and replaying a finished attempt twice only refreshes its blocks. */
+#define OUTAGE_MARGIN_NS 2000000000ull
+/* A re-announce asked for after a gap covers attempts finished this long ago; one asked for by a
+ * peer that had given us up covers the time since, plus this margin. */
+#define GAP_WINDOW_MS      10000u
+#define GIVEN_UP_MARGIN_MS 2000u
 
 struct item {
 	struct item *next;
@@ -76,7 +84,7 @@ struct rec {
 	struct rec *prev, *next; /* the live list, or its rank's journal once finished */
 	uint64_t origin, oepoch, oattempt, local;
 	struct kvr_rank_id rank;
-	uint64_t incarnation, prompt_tokens, lora_seed, fin_no;
+	uint64_t incarnation, prompt_tokens, lora_seed, fin_no, fin_ns;
 	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
 	bool chain_known, prefilled;
 	bool seen; /* resync: named by the snapshot */
@@ -97,6 +105,7 @@ struct rank_ent {
 struct peer {
 	uint64_t id, epoch, last_seq, hb_seq, last_seen;
 	bool alive, lost;
+	uint64_t lost_ns; /* when it was given up */
 	uint64_t live;
 };
 
@@ -119,7 +128,7 @@ struct kvr_replica {
 	size_t n_ranks, ranks_cap;
 	struct peer peers[MAX_PEERS];
 	size_t n_peers;
-	uint64_t fin_no, outage_mark;
+	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
 	struct kvr_sync_stats st;
 
 	pthread_mutex_t qmu;
@@ -127,8 +136,9 @@ struct kvr_replica {
 	struct item *qhead, *qtail;
 	uint64_t q_in, q_done;
 	bool stop, want_reconnect, want_resync, ready;
-	bool want_reannounce;  /* under mu: a peer asked (SNAP_REQ on the stream) */
-	uint64_t reconnect_ns; /* apply thread: when the last outage ended */
+	bool want_reannounce;   /* under mu: a peer asked (SNAP_REQ on the stream) */
+	uint64_t reannounce_ms; /* under mu: how far back the askers need finished attempts */
+	uint64_t reconnect_ns;  /* apply thread: when the last outage ended */
 	pthread_t thread;
 	bool thread_started;
 };
@@ -330,6 +340,7 @@ static void journal_add(struct kvr_replica *rep, struct rec *x)
 		return;
 	}
 	x->fin_no = ++rep->fin_no;
+	x->fin_ns = mono_ns();
 	x->next = NULL;
 	x->prev = e->jtail;
 	if (e->jtail)
@@ -822,6 +833,7 @@ static void peer_gone(struct kvr_replica *rep, struct peer *p)
 	pthread_mutex_lock(&rep->mu);
 	p->alive = false;
 	p->lost = true;
+	p->lost_ns = mono_ns();
 	uint64_t id = p->id;
 	pthread_mutex_unlock(&rep->mu);
 	uint64_t n = release_mirrors(rep, id);
@@ -951,7 +963,7 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 }
 
 static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply);
-static void ask_reannounce(struct kvr_replica *rep, uint64_t id);
+static void ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms);
 static void poll_requests(void *cb);
 
 /* Applies a complete snapshot: ranks; ghosts (only on a fresh replica: one that has routed or
@@ -971,8 +983,8 @@ static void apply_snapshot(struct kvr_replica *rep, struct item *chunks)
 	/* Origins whose part of the snapshot is taken: those where the snapshot is not behind
 	 * what we applied already (a fence never moves back: the messages between would be lost),
 	 * or that we had given up (we released what we held of them).  FENCE records come first. */
-	uint64_t take[MAX_PEERS];
-	size_t n_take = 0;
+	uint64_t take[MAX_PEERS], jump[MAX_PEERS];
+	size_t n_take = 0, n_jump = 0;
 	pthread_mutex_lock(&rep->mu);
 	bool fresh =
 	    rep->st.applied == 0 && rep->st.snapshots_applied == 0 && rep->seq <= rep->n_ranks;
@@ -992,8 +1004,13 @@ static void apply_snapshot(struct kvr_replica *rep, struct item *chunks)
 			if (m.h.type == KVR_MSG_RANK) {
 				apply_rank(rep, &m);
 			} else if (m.h.type == KVR_MSG_ATTEMPT) {
+				/* History: all of it on a fresh replica; else only that of origins
+				 * whose fence skips messages we never applied (their finished
+				 * attempts are not in the live part, and their messages up to the
+				 * fence are gone). */
 				bool ghost = m.flags & KVR_MSG_F_FINISHED;
-				if (ghost ? !fresh : !taken(take, n_take, m.h.replica))
+				if (ghost ? !fresh && !taken(jump, n_jump, m.h.replica)
+				          : !taken(take, n_take, m.h.replica))
 					continue; /* history we hold; origins we are ahead on; us */
 				apply_attempt(rep, &m);
 			} else if (m.h.type == KVR_MSG_FENCE &&
@@ -1003,6 +1020,8 @@ static void apply_snapshot(struct kvr_replica *rep, struct item *chunks)
 				bool ok = !p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||
 				          (p->epoch == m.fence_epoch && p->last_seq <= m.fence_seq);
 				if (ok && (p || (p = peer_get(rep, m.fence_replica)))) {
+					if (p->epoch != m.fence_epoch || p->last_seq < m.fence_seq)
+						jump[n_jump++] = m.fence_replica;
 					p->epoch = m.fence_epoch;
 					p->last_seq = m.fence_seq;
 					if (p->hb_seq < p->last_seq)
@@ -1083,8 +1102,11 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 		return;
 	}
 	if (m.h.type == KVR_MSG_SNAP_REQ && !reply) { /* on the stream: a peer asks us */
-		if (m.target == rep->c.replica_id)
+		if (m.target == rep->c.replica_id) {
 			rep->want_reannounce = true;
+			if (m.h.seq > rep->reannounce_ms)
+				rep->reannounce_ms = m.h.seq < 3600000 ? m.h.seq : 3600000;
+		}
 		pthread_mutex_unlock(&rep->mu);
 		return;
 	}
@@ -1121,7 +1143,8 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 		p->live = m.live;
 		if (revived) { /* we released its attempts: ask it to announce them again */
 			p->lost = false;
-			ask_reannounce(rep, p->id);
+			ask_reannounce(rep, p->id,
+			               (mono_ns() - p->lost_ns) / 1000000 + GIVEN_UP_MARGIN_MS);
 		}
 		pthread_mutex_unlock(&rep->mu);
 		return;
@@ -1141,9 +1164,9 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 		rep->st.gaps++;
 		/* Messages of this origin were lost (e.g. sent while we were reconnecting): only
 		 * it knows for sure what they said, so ask it to announce its state again. */
-		ask_reannounce(rep, p->id);
+		ask_reannounce(rep, p->id, GAP_WINDOW_MS);
 	} else if (revived && m.h.type != KVR_MSG_RESET) {
-		ask_reannounce(rep, p->id);
+		ask_reannounce(rep, p->id, (mono_ns() - p->lost_ns) / 1000000 + GIVEN_UP_MARGIN_MS);
 	}
 	p->lost = false;
 	p->last_seq = m.h.seq;
@@ -1176,13 +1199,14 @@ static void handle(struct kvr_replica *rep, const uint8_t *data, size_t len, con
 /* Asks peer `id` (on the stream) to send RESET and its live attempts again: we released them
  * when it fell silent, and only it knows them for sure (the others may have released them too).
  * Context: mu held. */
-static void ask_reannounce(struct kvr_replica *rep, uint64_t id)
+static void ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms)
 {
 	if (!rep->connected)
 		return;
 	rep->obuf.len = 0;
 	rep->obuf.oom = false;
-	size_t off = kvr_msg_begin(&rep->obuf, KVR_MSG_SNAP_REQ, rep->c.replica_id, rep->epoch, 0);
+	size_t off =
+	    kvr_msg_begin(&rep->obuf, KVR_MSG_SNAP_REQ, rep->c.replica_id, rep->epoch, window_ms);
 	kvr_msg_put_u64(&rep->obuf, id);
 	kvr_msg_end(&rep->obuf, off);
 	if (!rep->obuf.oom)
@@ -1253,10 +1277,11 @@ static void heartbeat(struct kvr_replica *rep, uint64_t now)
 
 /* After a reconnect: RESET, then every own live attempt and every own attempt finished since
  * the outage began, so peers rebuild what they hold of us. */
-static void reannounce(struct kvr_replica *rep, bool ghosts)
+static void reannounce(struct kvr_replica *rep, uint64_t since_ns)
 {
 	pthread_mutex_lock(&rep->mu);
 	rep->want_reannounce = false;
+	rep->reannounce_ms = 0;
 	rep->connected = true;
 	rep->obuf.len = 0;
 	rep->obuf.oom = false;
@@ -1267,8 +1292,7 @@ static void reannounce(struct kvr_replica *rep, bool ghosts)
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		send_rank(rep, KVR_REPL_RANK_ADD, &rep->ranks[i]);
 		for (struct rec *x = rep->ranks[i].jhead; x; x = x->next) {
-			if (!ghosts || x->origin != rep->c.replica_id ||
-			    x->fin_no <= rep->outage_mark)
+			if (!since_ns || x->origin != rep->c.replica_id || x->fin_ns < since_ns)
 				continue;
 			rep->obuf.len = 0;
 			rep->obuf.oom = false;
@@ -1343,7 +1367,12 @@ static void *apply_main(void *arg)
 		pthread_mutex_unlock(&rep->qmu);
 		if (rec) {
 			rep->reconnect_ns = mono_ns();
-			reannounce(rep, true);
+			pthread_mutex_lock(&rep->mu);
+			uint64_t since = rep->outage_ns > OUTAGE_MARGIN_NS
+			                     ? rep->outage_ns - OUTAGE_MARGIN_NS
+			                     : 1;
+			pthread_mutex_unlock(&rep->mu);
+			reannounce(rep, since);
 		}
 		if (rec || rsy) {
 			resync(rep);
@@ -1353,12 +1382,13 @@ static void *apply_main(void *arg)
 			handle(rep, it->data, it->len, it->reply);
 			pthread_mutex_lock(&rep->mu);
 			bool again = rep->want_reannounce && rep->connected;
+			uint64_t back = rep->reannounce_ms * 1000000ull, now = mono_ns();
 			pthread_mutex_unlock(&rep->mu);
-			/* A peer that missed our re-announce after an outage (it reconnected after
-			 * we sent it) needs the attempts we finished during the outage as well. */
+			/* The asker missed our messages for a while (it gave us up, or lost some):
+			 * it needs the attempts we finished in that window as well as the live
+			 * ones. */
 			if (again)
-				reannounce(rep, rep->reconnect_ns &&
-				                    mono_ns() - rep->reconnect_ns < 10000000000ull);
+				reannounce(rep, back ? (now > back ? now - back : 1) : 0);
 			kvr_free(it->reply, it->reply ? strlen(it->reply) + 1 : 0);
 			kvr_free(it, sizeof(*it) + it->len);
 			pthread_mutex_lock(&rep->qmu);
@@ -1408,7 +1438,7 @@ void kvr_replica_disconnected(struct kvr_replica *rep)
 	pthread_mutex_lock(&rep->mu);
 	if (rep->connected) {
 		rep->connected = false;
-		rep->outage_mark = rep->fin_no;
+		rep->outage_ns = mono_ns();
 		rep->st.disconnects++;
 	}
 	pthread_mutex_unlock(&rep->mu);

@@ -32,7 +32,8 @@
  *   GOODBYE, RESET (the sender forgets everything peers hold from it; ATTEMPTs follow):  empty
  *   SNAP_REQ:    0 8 target replica.  Sent to the snapshot subject (a queue group, with a reply
  *                inbox): asks for a snapshot, target 0.  Sent on the stream: asks replica
- *                `target` to send RESET and its live attempts again (it was thought gone).
+ *                `target` to send RESET and its live attempts again (it was thought gone, or
+ *                messages were lost), plus the attempts it finished in the last `seq` ms.
  *   SNAP_CHUNK:  0 4 chunk index  4 4 flags (bit0 last)  8 4 n_records  12 4 reserved
  *                16 then n_records x { 4 len, len bytes: one whole message of type ADMIT,
  *                ATTEMPT, RANK or FENCE }

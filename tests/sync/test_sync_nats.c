@@ -10,8 +10,7 @@
  *     replica releases its attempts within the liveness bound; a replica attached afterwards
  *     agrees with the others after its snapshot.
  *  3. nats-server is stopped and restarted mid-stream: no crash, the counters show the outage
- *     (disconnects, reconnects, unpublished), and the loads agree again exactly (the predicted
- *     caches' agreement is printed: not yet converged, see the comment there).
+ *     (disconnects, reconnects, unpublished), and loads and predictions agree again.
  * usage: test_sync_nats [seed [pace_us]]
  */
 #include <arpa/inet.h>
@@ -515,7 +514,9 @@ static void test_kill(void)
 		}
 		sleep_ms(5);
 	}
-	uint64_t bound = (uint64_t)(DEAD + 2) * HB_MS;
+	/* dead_after heartbeats, one more for the check's period, and 1 s for scheduling delays
+	 * on a loaded CI machine (the figure printed below is what was measured). */
+	uint64_t bound = (uint64_t)(DEAD + 1) * HB_MS + 1000;
 	CHECK(released_at && released_at - t0 <= bound,
 	      "killed replica's attempts released in %lu ms (bound %lu ms)",
 	      (unsigned long)(released_at - t0), (unsigned long)bound);
@@ -581,19 +582,18 @@ static void test_outage(void)
 		CHECK(s.disconnects >= 1 && s.reconnects >= 1 && s.unpublished > 0,
 		      "counters show the outage on replica %d", i);
 	}
-	/* Loads agree exactly once the replicas have re-announced their attempts.  The predicted
-	 * caches do not fully converge yet: blocks of requests that finished during the outage
-	 * reach the others only as re-announced history, and some of it is still lost (measured
-	 * 0.72-0.89 Jaccard with no eviction on a loaded 2-core machine; issue 14 follow-up). */
-	double j = agree_min(xs, 3, "right after the outage", 0.5);
+	/* After the reconnect every replica re-announced its live attempts and the ones it finished
+	 * since shortly before the outage (and again, on request, to a peer that missed that);
+	 * loads agree exactly and the predictions converge. */
+	double j = agree(xs, 3, "right after the outage");
 	printf("test_outage: worst Jaccard right after reconnect %.4f\n", j);
 	stream(xs, 3, 900);
 	CHECK(quiet(xs, 3) == 0, "quiet after more traffic");
-	j = agree_min(xs, 3, "after the outage and more traffic", 0.5);
+	j = agree(xs, 3, "after the outage and more traffic");
 	printf("test_outage: worst Jaccard after 900 more requests %.4f\n", j);
 	drain_all(xs, 3);
 	CHECK(quiet(xs, 3) == 0, "drained after the outage");
-	agree_min(xs, 3, "drained after the outage", 0.5);
+	agree(xs, 3, "drained after the outage");
 	for (int i = 0; i < 3; i++) {
 		kvr_sync_detach(xs[i].s);
 		kvr_router_destroy(xs[i].r);
