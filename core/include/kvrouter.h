@@ -362,7 +362,8 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
 
 /* Waits for a queued request (ticket from a KVR_QUEUED decision) until deadline_ns (router
  * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued),
- * KVR_ENOENT (unknown ticket, already collected, or cancelled meanwhile), KVR_ESHUTDOWN, or
+ * KVR_ENOENT (unknown ticket, already collected - by on_admit too - or cancelled meanwhile; d
+ * is then not written), KVR_ESHUTDOWN, or
  * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
  * when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL,
  * ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody waits) by

@@ -104,6 +104,19 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 	outcome(ticket, d, d->status == KVR_FAILED ? d->error : 0);
 }
 
+/* A ticket nobody waited on when the pump admitted it is collected by on_admit, which the pump
+ * calls right after it unlinks the entry: a cancel or a wait in that window says KVR_ENOENT
+ * (kvrouter.h: collected once, by kvr_route_wait or by on_admit), and on_admit must follow. */
+static void await_on_admit(uint64_t t, const char *who)
+{
+	for (int i = 0; i < 20000 && atomic_load(&ticket_state[t]) != 2; i++) {
+		struct timespec ts = {0, 100000};
+		nanosleep(&ts, NULL);
+	}
+	if (atomic_load(&ticket_state[t]) != 2)
+		FAIL("ticket %" PRIu64 ": %s said not queued, on_admit never told", t, who);
+}
+
 /* A ticket nobody waits on: cancelled now, or else on_admit delivers (or is delivering) it. */
 static void cancel_now(uint64_t t)
 {
@@ -116,13 +129,7 @@ static void cancel_now(uint64_t t)
 	}
 	if (rc != KVR_ENOENT)
 		FAIL("cancel: %d", rc);
-	/* Admitted or failed: the pump calls on_admit right after it unlinks the entry. */
-	for (int i = 0; i < 20000 && atomic_load(&ticket_state[t]) != 2; i++) {
-		struct timespec ts = {0, 100000};
-		nanosleep(&ts, NULL);
-	}
-	if (atomic_load(&ticket_state[t]) != 2)
-		FAIL("ticket %" PRIu64 ": cancel said not queued, on_admit never told", t);
+	await_on_admit(t, "cancel");
 }
 
 /* Tickets whose wait timed out (so on_admit will not report them): cancelled or collected
@@ -210,11 +217,16 @@ static void *router_thread(void *arg)
 			if (how == 1) {
 				cancel_now(d.ticket);
 			} else if (how == 2) {
-				struct kvr_decision w;
+				/* d is written only when the wait collects the ticket: a KVR_ENOENT
+				 * with d untouched is a ticket on_admit collected, one with status
+				 * KVR_FAILED a failed admission (its ranks went away). */
+				struct kvr_decision w = {.status = KVR_QUEUED};
 				int wrc =
 				    kvr_route_wait(R, d.ticket, kvr_router_now(R) + 1000000, &w);
 				if (wrc == KVR_ETIMEDOUT)
 					pend_add(&pend, d.ticket);
+				else if (wrc == KVR_ENOENT && w.status == KVR_QUEUED)
+					await_on_admit(d.ticket, "wait");
 				else
 					outcome(d.ticket, &w, wrc);
 			}
