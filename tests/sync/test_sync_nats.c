@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -90,6 +91,7 @@ static int server_start(void)
 	snprintf(ps, sizeof(ps), "%d", port);
 	server_pid = fork();
 	if (server_pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL); /* the server goes with us, even on a crash */
 		int dn = open("/dev/null", 1);
 		dup2(dn, 1);
 		dup2(dn, 2);
