@@ -75,9 +75,11 @@ struct replay_policy_ops {
 	int (*admitted)(void *state, uint64_t handle, const struct sim_admit_info *info);
 	int (*first_token)(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns);
 	/* A rank's engine metrics, as a frontend scraping them would see (optional): its oldest
-	 * cached evictable block (has_watermark; kvrouter's sequence hash).  Reported at each first
-	 * admission on the rank. */
-	int (*observe)(void *state, uint32_t rank, bool has_watermark, uint64_t watermark);
+	 * cached evictable block (has_watermark; kvrouter's sequence hash) and how many blocks
+	 * hold something (resident: in use or cached).  Reported at each first admission on the
+	 * rank. */
+	int (*observe)(void *state, uint32_t rank, bool has_watermark, uint64_t watermark,
+	               uint64_t resident);
 	/* Output tokens as sampled, the final one included (a streaming frontend's view). */
 	int (*output)(void *state, uint64_t handle, const uint32_t *tokens, size_t n);
 	int (*finished)(void *state, uint64_t handle, const struct sim_finish_info *info);

@@ -13,7 +13,8 @@
  *  - approx_lru+feedback: approx_lru, and each request's cached prefix at its first admission
  *    is reported back (kvr_request_cached), so engine ground truth heals the prediction.
  *  - approx_lru+watermark: approx_lru+feedback, and at each admission the rank's oldest cached
- *    evictable block (kvr_rank_observe, KVR_OBSERVE_WATERMARK).
+ *    evictable block and resident block count (kvr_rank_observe, KVR_OBSERVE_WATERMARK |
+ *    KVR_OBSERVE_RESIDENT).
  *
  * Rank i of the simulator is worker i, dp rank 0, incarnation 1.  One shard (n_shards = 1) for
  * determinism.  The router's clock is the simulator's virtual clock; sync() runs
@@ -297,16 +298,20 @@ static int rp_admitted(void *state, uint64_t handle, const struct sim_admit_info
 	return rc == KVR_ESTALE ? 0 : rc; /* ended already (the lease reaper): nothing to heal */
 }
 
-/* approx_lru+watermark: also each rank's oldest cached evictable block, as a frontend scraping
- * the engine would report it (kvr_rank_observe with KVR_OBSERVE_WATERMARK). */
-static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t watermark)
+/* approx_lru+watermark: also each rank's oldest cached evictable block and its resident block
+ * count, as a frontend scraping the engine would report them (kvr_rank_observe with
+ * KVR_OBSERVE_WATERMARK | KVR_OBSERVE_RESIDENT). */
+static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t watermark,
+                      uint64_t resident)
 {
 	struct rp *p = state;
-	if (!has_watermark)
-		return 0;
 	tick(p);
-	struct kvr_rank_observation ob = {
-	    .flags = KVR_OBSERVE_WATERMARK, .incarnation = 1, .watermark_hash = watermark};
+	struct kvr_rank_observation ob = {.flags = KVR_OBSERVE_RESIDENT,
+	                                  .incarnation = 1,
+	                                  .resident_blocks = resident,
+	                                  .watermark_hash = watermark};
+	if (has_watermark)
+		ob.flags |= KVR_OBSERVE_WATERMARK;
 	return kvr_rank_observe(p->r, (struct kvr_rank_id){.worker_id = rank, .dp_rank = 0}, &ob);
 }
 

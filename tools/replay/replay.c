@@ -235,7 +235,13 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 		const struct sim_pool *pool =
 		    sim_engine_pool(sim_cluster_engine(run->sim, info->rank));
 		bool has = sim_pool_oldest_cached(pool, &wm);
-		perr(run, run->ops->observe(run->ps, info->rank, has, wm));
+		/* Blocks in use or cached (vLLM: num_gpu_blocks less the free, unhashed ones). */
+		uint64_t resident = 0;
+		for (uint32_t b = 0, n = sim_pool_size(pool); b < n; b++) {
+			const struct sim_block *blk = sim_pool_block(pool, b);
+			resident += blk->ref > 0 || blk->hashed;
+		}
+		perr(run, run->ops->observe(run->ps, info->rank, has, wm, resident));
 	}
 }
 
