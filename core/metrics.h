@@ -69,6 +69,7 @@ enum kvr_counter {
 	KVR_C_HEAL_OBSERVE,    /* kvr_rank_observe calls applied */
 	KVR_C_HEAL_WM_UNKNOWN, /* watermarks with no inactive predicted copy */
 	KVR_C_HEAL_EVICTED,    /* predicted blocks evicted by healing */
+	KVR_C_HEAL_CAP_RAISED, /* observations that raised an under-registered capacity */
 	KVR_C__COUNT
 };
 

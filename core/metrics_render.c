@@ -104,6 +104,8 @@ static const struct {
      "Watermarks with no inactive predicted copy (nothing provable)", ""},
     {KVR_C_HEAL_EVICTED, "kvr_heal_evicted_blocks_total",
      "Predicted blocks evicted by healing from engine ground truth", ""},
+    {KVR_C_HEAL_CAP_RAISED, "kvr_heal_capacity_raised_total",
+     "Rank observations whose resident blocks exceeded the capacity (capacity raised to them)", ""},
 };
 
 static const struct {

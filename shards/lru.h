@@ -167,8 +167,10 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 
 /* The engine holds `resident` blocks: the oldest inactive copies go until the prediction holds
  * no more (it may hold fewer: the engine's other blocks are unknown).  *evicted (may be NULL)
- * counts them.  0, KVR_EINVAL, KVR_ENOMEM. */
-int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted,
+ * counts them.  resident above the capacity proves the capacity under-registered: the capacity
+ * becomes resident (nothing is evicted; *raised, may be NULL, says so).  0, KVR_EINVAL,
+ * KVR_ENOMEM (nothing changed). */
+int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted, bool *raised,
                           struct kvr_lru_out *out);
 
 /* The engine's oldest resident block is seq: every inactive copy ordered before its inactive

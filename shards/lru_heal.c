@@ -7,6 +7,12 @@
  * pops its free queue from the head), so all of that goes from the prediction at once.
  * The inactive list is sorted by key, so each rule is a walk from the head.  None of these
  * allocates beyond the output buffer.
+ *
+ * The one rule that does not evict: an engine that holds MORE blocks than the registered
+ * capacity proves the capacity too small (an under-registered rank evicts in the prediction
+ * what the engine still holds, so it under-predicts hits and routes them away).  The resident
+ * count is a lower bound on the true capacity, so the capacity is raised to it; it only ever
+ * grows this way, and a later registration (kvr_rank_set_capacity) replaces it.
  */
 #include <string.h>
 
@@ -115,12 +121,28 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 	return 0;
 }
 
-int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted,
+int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted, bool *raised,
                           struct kvr_lru_out *out)
 {
 	if (!lru || !out)
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
+	if (raised)
+		*raised = false;
+	if (resident > lru->capacity) {
+		/* The engine holds more than the registered capacity: it can, so the capacity was
+		 * under-registered.  Adopt the observed count; growing evicts nothing, and the
+		 * prediction (at most the old capacity with an inactive copy left) needs no trim.
+		 */
+		int rc = kvr_lru_set_capacity(lru, resident, out);
+		if (rc)
+			return rc;
+		if (raised)
+			*raised = true;
+		if (evicted)
+			*evicted = 0;
+		return 0;
+	}
 	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
 	if (rc)
 		return rc;

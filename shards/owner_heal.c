@@ -96,10 +96,13 @@ int kvr_owner_observe_call(struct kvr_shard *sh, void *arg)
 		}
 	}
 	if (obs->flags & KVR_OBSERVE_RESIDENT) {
+		bool raised = false;
 		rc = kvr_rank_state_heal_resident(own->rs, own->incarnation, obs->resident_blocks,
-		                                  &ev, &ss->out);
+		                                  &ev, &raised, &ss->out);
 		if (rc)
 			return rc; /* the watermark part stays applied: it was true on its own */
+		if (raised)
+			kvr_metrics_add(mb, KVR_C_HEAL_CAP_RAISED, 1);
 		evicted += ss->out.n_evicted;
 		kvr_owner_apply_removals(ss, own, &ss->out);
 	}

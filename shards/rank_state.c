@@ -199,18 +199,21 @@ int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, 
 }
 
 int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t resident,
-                                 uint64_t *evicted, struct kvr_lru_out *out)
+                                 uint64_t *evicted, bool *raised, struct kvr_lru_out *out)
 {
 	if (!rs || !out)
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
 	if (evicted)
 		*evicted = 0;
+	if (raised)
+		*raised = false;
 	int rc = fence(rs, incarnation);
 	if (rc)
 		return rc;
-	return rs->mode == KVR_RANK_LRU ? kvr_lru_heal_resident(rs->lru, resident, evicted, out)
-	                                : 0;
+	return rs->mode == KVR_RANK_LRU
+	           ? kvr_lru_heal_resident(rs->lru, resident, evicted, raised, out)
+	           : 0;
 }
 
 int kvr_rank_state_heal_watermark(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t seq,

@@ -449,7 +449,10 @@ struct kvr_rank_observation {
 	uint64_t incarnation;     /* the rank incarnation the numbers are from */
 	uint64_t resident_blocks; /* cached blocks the engine holds (vLLM: kv_cache_usage_perc x
 	                           * num_gpu_blocks); the oldest predicted blocks that no live
-	                           * request holds are evicted until the prediction holds no more */
+	                           * request holds are evicted until the prediction holds no more.
+	                           * Above the rank's capacity it proves the capacity
+	                           * under-registered: the prediction's capacity is raised to it
+	                           * (never lowered this way; kvr_rank_set_capacity replaces it) */
 	uint64_t watermark_hash;  /* the engine's oldest resident block, as kvrouter's sequence
 	                           * hash of its prefix: every predicted block released before it
 	                           * is evicted */
@@ -458,10 +461,11 @@ struct kvr_rank_observation {
 /*
  * Reconciles one rank's prediction with its engine's numbers (see struct kvr_rank_observation).
  * A watermark the prediction does not hold on its evictable list proves nothing (counted in
- * kvr_heal_watermark_unknown_total; 0).  Returns 0; KVR_EINVAL (NULL, no or unknown flags);
- * KVR_ENOENT (no such rank); KVR_ESTALE (obs->incarnation is not the rank's current one);
- * KVR_ESHUTDOWN; KVR_ENOMEM.
- * Nothing changes on error.
+ * kvr_heal_watermark_unknown_total; 0).  A resident count above the registered capacity raises
+ * the capacity the prediction evicts at to that count (counted in
+ * kvr_heal_capacity_raised_total): the engine holding it proves it fits.  Returns 0; KVR_EINVAL
+ * (NULL, no or unknown flags); KVR_ENOENT (no such rank); KVR_ESTALE (obs->incarnation is not the
+ * rank's current one); KVR_ESHUTDOWN; KVR_ENOMEM. Nothing changes on error.
  */
 KVR_API int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
                              const struct kvr_rank_observation *obs);

@@ -156,12 +156,12 @@ Test(lru_heal, resident_count_trims_the_oldest)
 	rel(2);
 	acq(3, (uint64_t[]){20}, 1, 0); /* live */
 	uint64_t ev = 0;
-	cr_assert_eq(kvr_lru_heal_resident(lru, 100, &ev, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 100, &ev, NULL, &out), 0);
 	cr_assert(ev == 0 && out.n_evicted == 0, "the engine holds at least as much");
-	cr_assert_eq(kvr_lru_heal_resident(lru, 3, &ev, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 3, &ev, NULL, &out), 0);
 	cr_assert_eq(ev, 3, "6 predicted, 3 resident: the 3 oldest go");
 	cr_assert(out_evicted(&out, 0) == 3 && out_evicted(&out, 2) == 1);
-	cr_assert_eq(kvr_lru_heal_resident(lru, 0, &ev, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 0, &ev, NULL, &out), 0);
 	cr_assert_eq(ev, 2, "never a held block");
 	cr_assert_eq(stat_copies(), 1);
 }
@@ -179,4 +179,38 @@ Test(lru_heal, watermark_evicts_what_is_older)
 	cr_assert_eq(ev, 4, "3 2 1 12 went before 11");
 	cr_assert_eq(ov((uint64_t[]){10, 11, 12}, 3), 2);
 	cr_assert_eq(ov((uint64_t[]){1}, 1), 0);
+}
+
+Test(lru_heal, resident_above_capacity_raises_it)
+{
+	cr_assert_eq(kvr_lru_set_capacity(lru, 4, &out),
+	             0); /* under-registered: the engine has 6 */
+	acq(1, (uint64_t[]){1, 2, 3}, 3, 0);
+	rel(1);
+	acq(2, (uint64_t[]){10, 11}, 2, 0);
+	rel(2); /* 5 resident, capacity 4: 3 (the deepest of the oldest release) goes */
+	cr_assert_eq(ov((uint64_t[]){1, 2, 3}, 3), 2);
+	cr_assert_eq(stat_copies(), 4);
+	uint64_t ev = 9;
+	bool raised = false;
+	cr_assert_eq(kvr_lru_heal_resident(lru, 6, &ev, &raised, &out), 0);
+	cr_assert(raised && ev == 0 && out.n_evicted == 0,
+	          "6 held > 4 registered: raised, no eviction");
+	struct kvr_lru_stats st;
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.capacity, 6);
+	acq(3, (uint64_t[]){20, 21}, 2, 0);
+	rel(3); /* 6 resident, capacity 6: nothing goes (at 4, 2 and 1 would have) */
+	cr_assert_eq(out.n_evicted, 0);
+	cr_assert_eq(ov((uint64_t[]){1, 2}, 2), 2);
+	cr_assert_eq(ov((uint64_t[]){10, 11}, 2), 2);
+	cr_assert_eq(ov((uint64_t[]){20, 21}, 2), 2);
+	/* At or below the capacity the count only evicts, and the capacity is never lowered. */
+	cr_assert_eq(kvr_lru_heal_resident(lru, 6, &ev, &raised, &out), 0);
+	cr_assert(!raised && ev == 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 5, &ev, &raised, &out), 0);
+	cr_assert(!raised && ev == 1, "the oldest, 2, goes");
+	cr_assert_eq(ov((uint64_t[]){1, 2}, 2), 1);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.capacity, 6);
 }
