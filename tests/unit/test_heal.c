@@ -5,6 +5,7 @@
  * and resident count, the prediction becomes exact again (Jaccard of the two block sets = 1);
  * without feedback it stays wrong.  Also: every documented error, and an out-of-memory loop. */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -296,4 +297,45 @@ Test(heal, out_of_memory_loop)
 	kvr_alloc_fail_after(0);
 	cr_assert(completed, "the loop reached a run with enough memory");
 	cr_assert_gt(nth, 10);
+}
+
+static uint64_t metric(struct kvr_router *r, const char *name)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), &len), 0);
+	char key[128];
+	snprintf(key, sizeof(key), "\n%s ", name);
+	const char *p = strstr(buf, key);
+	cr_assert(p, "%s rendered", name);
+	return strtoull(p + strlen(key), NULL, 10);
+}
+
+Test(heal, under_registered_capacity_is_raised)
+{
+	/* Registered 48 blocks, the engine really has 64: the resident count above 48 raises the
+	 * prediction's capacity, and the prediction converges to the engine's. */
+	double lo = 0;
+	double with = run(3, 48, 64, 0, 0, 400, true, 300, &lo);
+	double without = run(3, 48, 64, 0, 0, 400, false, 0, NULL);
+	cr_log_info("under-registered: Jaccard with feedback %.3f (lowest after step 300 %.3f), "
+	            "without %.3f",
+	            with, lo, without);
+	cr_assert_eq(with, 1.0);
+	cr_assert_eq(lo, 1.0, "exact after every request from step 300 (lowest %.3f)", lo);
+	cr_assert_lt(without, 0.9, "without feedback the prediction stays short (%.3f)", without);
+
+	struct kvr_router *r = make(8);
+	struct kvr_rank_id id = {0, 0};
+	struct kvr_rank_observation ob = {
+	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = 8};
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 0, "at the capacity: no raise");
+	ob.resident_blocks = 12;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 1);
+	ob.resident_blocks = 10;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 1, "12 is the capacity now");
+	kvr_router_destroy(r);
 }
