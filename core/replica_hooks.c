@@ -116,6 +116,11 @@ void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
 	kvr_rcu_read_unlock();
 }
 
+void kvr_repl_note_expire(void *ctx, uint64_t attempt)
+{
+	kvr_repl_note_progress(ctx, attempt, KVR_OP_ABORT, NULL, 0);
+}
+
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,
                              uint64_t incarnation, uint64_t capacity, uint32_t mbt)
 {

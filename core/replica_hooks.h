@@ -86,6 +86,10 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *a);
 void kvr_repl_note_admit_slow(struct kvr_router *r, const struct kvr_repl_admission *a);
 void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
                                  const uint32_t *tokens, size_t n);
+/* The lease reaper expired one of this router's attempts (shard thread; ctx is the router): told
+ * as an abort, so peers release their mirror at once instead of on their own reaper, and the
+ * layer drops its record of the attempt. */
+void kvr_repl_note_expire(void *ctx, uint64_t attempt);
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,
                              uint64_t incarnation, uint64_t capacity, uint32_t mbt);
 /* Whether a note would reach anyone.  Ordering: acquire; pairs with kvr_repl_set_hooks. */

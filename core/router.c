@@ -97,6 +97,8 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .expected_prefill_ns = cfg->expected_prefill_ns,
 	    .on_event_gap = cfg->on_event_gap,
 	    .callback_ctx = cfg->callback_ctx,
+	    .on_expire = kvr_repl_note_expire,
+	    .expire_ctx = r,
 	    .clock = r->clock,
 	    .index = r->index,
 	    .pinned = r->pinned,

@@ -490,9 +490,12 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 		struct kvr_attempt *rec = ss->recs[i];
 		int st = kvr_lease_age(c->leases, rec->attempt);
 		if (st == KVR_LEASE_CLAIMED) {
-			KVR_PROBE2(lease_expire, rec->slot, rec->attempt);
+			uint64_t attempt = rec->attempt; /* rec is recycled by end_attempt */
+			KVR_PROBE2(lease_expire, rec->slot, attempt);
 			kvr_metrics_add(kvr_owner_mb(c), KVR_C_LEASE_EXPIRIES, 1);
 			end_attempt(sh, rec, true);
+			if (c->on_expire)
+				c->on_expire(c->expire_ctx, attempt);
 		} else if (st == 0) {
 			/* A caller claimed it and its finish/abort message has not come (still
 			 * queued, or given up on a full lane): end it now; the message, if it

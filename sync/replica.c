@@ -523,7 +523,7 @@ static void note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *t
 		kvr_msg_end(&rep->obuf, off);
 		send_stream(rep);
 		break;
-	default: /* finish, abort */
+	default: /* finish, abort (a lease expiry comes as an abort: kvr_repl_note_expire) */
 		send_simple(rep, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT, attempt);
 		map_remove(rep, x);
 		live_unlink(rep, x);

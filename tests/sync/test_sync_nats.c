@@ -9,6 +9,8 @@
  *  2. three replica processes route; one is killed with SIGKILL while it sends: the other two
  *     release its attempts within the liveness bound and agree on every rank's load; a replica
  *     attached afterwards agrees with the others after its snapshot.
+ *  2b. a replica's lease reaper expires its idle attempts: its peers release their mirrors at
+ *     once (told, as for an abort), and a replica attached afterwards does not mirror them.
  *  3. nats-server is stopped and restarted mid-stream: no crash, the counters show the outage
  *     (disconnects, reconnects, unpublished), and loads and predictions agree again.
  * usage: test_sync_nats [seed [pace_us]]
@@ -130,6 +132,7 @@ struct replica {
  * depend on the ORDER in which each replica applied concurrent requests (its own at once, the
  * others' a delivery later), so they may differ; test_pressure measures by how much. */
 static uint64_t cap = 100000;
+static uint64_t lease_ns; /* 0: the default lease scan interval (120 s) */
 
 static struct kvr_router *make_router(void)
 {
@@ -137,6 +140,8 @@ static struct kvr_router *make_router(void)
 	kvr_config_init(&c);
 	c.n_shards = 1;
 	c.shard_idle_spin_ns = 1000;
+	if (lease_ns)
+		c.lease_scan_interval_ns = lease_ns;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r))
 		return NULL;
@@ -704,6 +709,64 @@ static void test_kill(void)
 	}
 }
 
+/* ---------------------------------------------------------------- 2b */
+
+static uint64_t active_requests(struct kvr_router *r)
+{
+	uint64_t n = 0;
+	for (uint64_t w = 0; w < N_RANKS; w++) {
+		struct kvr_rank_stats s;
+		kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s);
+		n += s.active_requests;
+	}
+	return n;
+}
+
+/* A's lease reaper (1 s scan) expires its idle attempts; B's (the default 120 s) would not for
+ * minutes: B releases its mirrors at once because A tells it, and a replica attached afterwards
+ * mirrors none of them (A dropped its records: its snapshot does not name them). */
+static void test_expire(void)
+{
+	struct replica xs[3] = {0};
+	lease_ns = 1000000000;
+	xs[0].r = make_router();
+	lease_ns = 0;
+	xs[1].r = make_router();
+	CHECK(attach(&xs[0], 71) == 0 && attach(&xs[1], 72) == 0, "attach");
+	for (int k = 0; k < 200 && xs[0].n_live < 8; k++)
+		step(&xs[0]);
+	size_t n = xs[0].n_live;
+	CHECK(n > 0 && wait_mirrored(xs[1].s, n, 10000), "B mirrors A's %zu attempts", n);
+	uint64_t t0 = now_ms(), gone = 0;
+	while (now_ms() - t0 < 10000 && !gone) {
+		if (active_requests(xs[0].r) == 0)
+			gone = now_ms();
+		else
+			sleep_ms(5);
+	}
+	CHECK(gone, "A's reaper expired its idle attempts");
+	uint64_t at = wait_mirrored(xs[1].s, 0, 5000);
+	CHECK(at, "B released the mirrors of A's expired attempts");
+	CHECK(kvr_router_sync(xs[1].r, 5000) == 0 && active_requests(xs[1].r) == 0,
+	      "B's ranks carry no load of A's expired attempts");
+	printf("test_expire: %zu attempts expired on A %lu ms after admission; B released them "
+	       "%ld ms later (its own lease: 120 s)\n",
+	       n, (unsigned long)(gone - t0), at ? (long)(at - gone) : -1L);
+	xs[2].r = make_router();
+	CHECK(attach(&xs[2], 73) == 0, "attach the joiner");
+	struct kvr_sync_stats sj;
+	kvr_sync_get_stats(xs[2].s, &sj);
+	CHECK(sj.snapshots_applied == 1 && sj.mirrored == 0,
+	      "the joiner's snapshot names none of A's expired attempts (snapshots %lu, mirrored "
+	      "%u)",
+	      (unsigned long)sj.snapshots_applied, sj.mirrored);
+	xs[0].n_live = 0; /* expired: finishing them now is a no-op */
+	for (int i = 0; i < 3; i++) {
+		kvr_sync_detach(xs[i].s);
+		kvr_router_destroy(xs[i].r);
+	}
+}
+
 /* ---------------------------------------------------------------- 3 */
 
 static void test_outage(void)
@@ -787,6 +850,7 @@ int main(int argc, char **argv)
 	test_three();
 	test_pressure();
 	test_kill();
+	test_expire();
 	test_outage();
 	server_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
