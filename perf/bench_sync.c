@@ -13,21 +13,16 @@
  * A nats-server is started on a free 127.0.0.1 port and stopped at the end (exit 77 without).
  * usage: bench_sync [--tokens N] [--rate R] [--seconds S] [--ranks K] [--capacity BLOCKS]
  */
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "tests/common/nats_server.h"
 
 static size_t tokens = 8192;
 static double rate = 5000;
@@ -57,51 +52,6 @@ static uint64_t pct(uint64_t *v, size_t n, double q)
 	return v[i];
 }
 
-/* ---------------------------------------------------------------- nats-server */
-
-static pid_t server_pid;
-static int port;
-
-static int free_port(void)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-	socklen_t l = sizeof(a);
-	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) ||
-	    getsockname(fd, (struct sockaddr *)&a, &l))
-		return -1;
-	int p = ntohs(a.sin_port);
-	close(fd);
-	return p;
-}
-
-static int server_start(void)
-{
-	char ps[16];
-	snprintf(ps, sizeof(ps), "%d", port);
-	server_pid = fork();
-	if (server_pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL); /* the server goes with us, even on a crash */
-		int dn = open("/dev/null", O_WRONLY);
-		dup2(dn, 1);
-		dup2(dn, 2);
-		execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, (char *)NULL);
-		_exit(127);
-	}
-	for (int i = 0; i < 300; i++) {
-		int fd = socket(AF_INET, SOCK_STREAM, 0);
-		struct sockaddr_in a = {.sin_family = AF_INET,
-		                        .sin_port = htons((uint16_t)port),
-		                        .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-		int ok = connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
-		close(fd);
-		if (ok)
-			return 0;
-		usleep(20000);
-	}
-	return -1;
-}
-
 /* ---------------------------------------------------------------- routers */
 
 static struct kvr_router *make_router(void)
@@ -119,11 +69,9 @@ static struct kvr_router *make_router(void)
 
 static struct kvr_sync *attach(struct kvr_router *r, uint64_t id)
 {
-	char url[64];
-	snprintf(url, sizeof(url), "nats://127.0.0.1:%d", port);
 	struct kvr_sync_config c;
 	kvr_sync_config_init(&c);
-	c.servers = url;
+	c.servers = kvr_test_nats_url();
 	c.cluster = "bench";
 	c.replica_id = id;
 	c.heartbeat_ms = 200;
@@ -221,13 +169,12 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (system("command -v nats-server >/dev/null 2>&1") != 0) {
+	if (!kvr_test_nats_installed()) {
 		printf("bench_sync: nats-server not installed: skipped\n");
 		return 77;
 	}
 	signal(SIGPIPE, SIG_IGN);
-	port = free_port();
-	if (port < 0 || server_start()) {
+	if (kvr_test_nats_start()) {
 		fprintf(stderr, "bench_sync: could not start nats-server\n");
 		return 1;
 	}
@@ -236,7 +183,7 @@ int main(int argc, char **argv)
 	struct kvr_sync *sa = attach(ra, 1), *sb = NULL;
 	if (!ra || !rb || !plain || !sa) {
 		fprintf(stderr, "bench_sync: setup failed\n");
-		kill(server_pid, SIGKILL);
+		kvr_test_nats_stop();
 		return 1;
 	}
 	uint32_t *t = malloc(tokens * sizeof(uint32_t));
@@ -249,7 +196,7 @@ int main(int argc, char **argv)
 	for (int phase = 0; phase < 2; phase++) {
 		if (phase == 1 && !(sb = attach(rb, 2))) {
 			fprintf(stderr, "bench_sync: setup failed\n");
-			kill(server_pid, SIGKILL);
+			kvr_test_nats_stop();
 			return 1;
 		}
 		for (size_t i = 0; i < n1 + warmup; i++) {
@@ -363,8 +310,7 @@ int main(int argc, char **argv)
 	kvr_router_destroy(ra);
 	kvr_router_destroy(rb);
 	kvr_router_destroy(plain);
-	kill(server_pid, SIGKILL);
-	waitpid(server_pid, NULL, 0);
+	kvr_test_nats_stop();
 	free(t);
 	free(with);
 	free(without);

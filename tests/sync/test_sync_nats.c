@@ -15,20 +15,18 @@
  *     (disconnects, reconnects, unpublished), and loads and predictions agree again.
  * usage: test_sync_nats [seed [pace_us]]
  */
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "tests/common/nats_server.h"
 
 #define N_RANKS 8
 #define HB_MS   100
@@ -45,10 +43,6 @@ static int fails;
 		}                                                                                  \
 	} while (0)
 
-static pid_t server_pid;
-static int port;
-static char url[64];
-
 static uint64_t now_ms(void)
 {
 	struct timespec ts;
@@ -60,61 +54,6 @@ static void sleep_ms(unsigned ms)
 {
 	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
 	nanosleep(&ts, NULL);
-}
-
-static int free_port(void)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-	socklen_t l = sizeof(a);
-	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) ||
-	    getsockname(fd, (struct sockaddr *)&a, &l))
-		return -1;
-	int p = ntohs(a.sin_port);
-	close(fd);
-	return p;
-}
-
-static bool server_up(void)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in a = {.sin_family = AF_INET,
-	                        .sin_port = htons((uint16_t)port),
-	                        .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-	bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
-	if (fd >= 0)
-		close(fd);
-	return ok;
-}
-
-static int server_start(void)
-{
-	char ps[16];
-	snprintf(ps, sizeof(ps), "%d", port);
-	server_pid = fork();
-	if (server_pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL); /* the server goes with us, even on a crash */
-		int dn = open("/dev/null", 1);
-		dup2(dn, 1);
-		dup2(dn, 2);
-		execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, (char *)NULL);
-		_exit(127);
-	}
-	for (int i = 0; i < 200; i++) {
-		if (server_up())
-			return 0;
-		sleep_ms(20);
-	}
-	return -1;
-}
-
-static void server_stop(void)
-{
-	if (server_pid > 0) {
-		kill(server_pid, SIGKILL);
-		waitpid(server_pid, NULL, 0);
-		server_pid = 0;
-	}
 }
 
 /* ---------------------------------------------------------------- replicas */
@@ -154,7 +93,7 @@ static int attach(struct replica *x, uint64_t id)
 {
 	struct kvr_sync_config c;
 	kvr_sync_config_init(&c);
-	c.servers = url;
+	c.servers = kvr_test_nats_url();
 	c.cluster = "t";
 	c.replica_id = id;
 	c.heartbeat_ms = HB_MS;
@@ -777,10 +716,10 @@ static void test_outage(void)
 		CHECK(attach(&xs[i], (uint64_t)i + 21) == 0, "attach %d", i);
 	}
 	stream(xs, 3, 300);
-	server_stop();
+	kvr_test_nats_stop();
 	sleep_ms(100);
 	stream(xs, 3, 600); /* routing goes on, on local knowledge */
-	CHECK(server_start() == 0, "nats-server restarted");
+	CHECK(kvr_test_nats_start() == 0, "nats-server restarted");
 	uint64_t t0 = now_ms();
 	while (now_ms() - t0 < 10000) {
 		bool all = true;
@@ -829,22 +768,20 @@ int main(int argc, char **argv)
 		rng = strtoull(argv[1], NULL, 0) | 1;
 	if (argc > 2)
 		pace_us = (unsigned)atoi(argv[2]);
-	if (system("command -v nats-server >/dev/null 2>&1") != 0) {
+	if (!kvr_test_nats_installed()) {
 		printf("nats-server not installed: skipped\n");
 		return 77;
 	}
 	signal(SIGPIPE, SIG_IGN);
-	port = free_port();
-	snprintf(url, sizeof(url), "nats://127.0.0.1:%d", port);
-	if (port < 0 || server_start()) {
+	if (kvr_test_nats_start()) {
 		fprintf(stderr, "could not start nats-server\n");
-		server_stop();
+		kvr_test_nats_stop();
 		return 1;
 	}
-	printf("seed %lu, nats-server on %s\n", (unsigned long)rng, url);
+	printf("seed %lu, nats-server on %s\n", (unsigned long)rng, kvr_test_nats_url());
 	if (kill_fork()) {
 		fprintf(stderr, "fork failed\n");
-		server_stop();
+		kvr_test_nats_stop();
 		return 1;
 	}
 	test_three();
@@ -852,7 +789,7 @@ int main(int argc, char **argv)
 	test_kill();
 	test_expire();
 	test_outage();
-	server_stop();
+	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
 	return fails ? 1 : 0;
 }
