@@ -15,6 +15,8 @@
  */
 #include "tools/replay/replay.h"
 #include "tools/sim/block_pool.h"
+#include "tools/replay/agree.h"
+#include "tools/replay/chains.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -24,72 +26,6 @@
 
 #include "kvrouter.h"
 #include "tools/sim/cluster.h"
-
-/* ---------------------------------------------------------------- chain map */
-
-struct chain_ent {
-	uint64_t seq, parent, local; /* seq 0 = empty slot (seq 0 is remapped to 1) */
-};
-
-struct chain_map {
-	struct chain_ent *e;
-	size_t cap, n;
-};
-
-static uint64_t key_of(uint64_t h)
-{
-	return h ? h : 1;
-}
-
-static size_t slot_of(uint64_t k, size_t cap)
-{
-	return (size_t)((k * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1);
-}
-
-static int chain_put(struct chain_map *m, uint64_t seq, uint64_t parent, uint64_t local)
-{
-	if ((m->n + 1) * 2 > m->cap) {
-		size_t nc = m->cap ? m->cap * 2 : 1 << 14;
-		struct chain_ent *ne = calloc(nc, sizeof(*ne));
-		if (!ne)
-			return KVR_ENOMEM;
-		for (size_t i = 0; i < m->cap; i++) {
-			if (!m->e[i].seq)
-				continue;
-			size_t j = slot_of(m->e[i].seq, nc);
-			while (ne[j].seq)
-				j = (j + 1) & (nc - 1);
-			ne[j] = m->e[i];
-		}
-		free(m->e);
-		m->e = ne;
-		m->cap = nc;
-	}
-	uint64_t k = key_of(seq);
-	size_t j = slot_of(k, m->cap);
-	while (m->e[j].seq) {
-		if (m->e[j].seq == k)
-			return 0;
-		j = (j + 1) & (m->cap - 1);
-	}
-	m->e[j] = (struct chain_ent){k, parent, local};
-	m->n++;
-	return 0;
-}
-
-static struct chain_ent *chain_get(struct chain_map *m, uint64_t seq)
-{
-	if (!m->cap)
-		return NULL;
-	uint64_t k = key_of(seq);
-	size_t j = slot_of(k, m->cap);
-	while (m->e[j].seq) {
-		if (m->e[j].seq == k)
-			return &m->e[j];
-		j = (j + 1) & (m->cap - 1);
-	}
-	return NULL;
-}
 
 /* ---------------------------------------------------------------- the run */
 
@@ -116,7 +52,7 @@ struct run {
 	struct rq *rq;
 	uint32_t *bufs;
 	bool chains;
-	struct chain_map map;
+	struct replay_chains map;
 	double *e2e_ms;
 	size_t n_e2e;
 	uint64_t tokens_done, first_arrival, last_finish;
@@ -154,7 +90,7 @@ static void record_blocks(struct run *run, struct rq *q, const uint32_t *tokens,
 		kvr_hash_extend(parent, tokens + b * bs, k * bs, bs, NULL, local, seq, &got);
 		for (size_t i = 0; i < got; i++) {
 			uint64_t p = q->n_blocks ? q->last_seq : 0;
-			if (chain_put(&run->map, seq[i], p, local[i]))
+			if (replay_chains_put(&run->map, seq[i], p, local[i]))
 				run->oom = 1;
 			q->last_seq = seq[i];
 			q->n_blocks++;
@@ -291,167 +227,12 @@ static double pct(const double *sorted, size_t n, double p)
 	return sorted[i];
 }
 
-/* ---------------------------------------------------------------- agreement */
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return (x > y) - (x < y);
-}
-
-static bool in_sorted(const uint64_t *s, size_t n, uint64_t h)
-{
-	return bsearch(&h, s, n, sizeof(*s), cmp_u64) != NULL;
-}
-
-static void agree_record(struct replay_result *res, uint64_t n, uint64_t pred, uint64_t inter)
-{
-	uint64_t uni = n + pred - (inter < pred ? inter : pred);
-	double j = uni ? (double)inter / (double)uni : 1.0;
-	res->agree_samples++;
-	res->agree_exact += inter == n && pred == n;
-	res->agree_subset += inter == n;
-	res->jaccard_mean += j;
-	if (j < res->jaccard_min)
-		res->jaccard_min = j;
-	res->sim_cached_sum += n;
-	res->pred_resident_sum += pred;
-}
-
-/* Exact agreement from the policy's predicted set: |sim|, |pred| and |sim & pred|. */
-static int agree_rank_exact(struct run *run, uint32_t rank)
-{
-	size_t n = sim_cluster_cached_hashes(run->sim, rank, NULL, 0), np = 0;
-	uint64_t *s = malloc((n + 1) * sizeof(*s)), *pred = NULL;
-	if (!s)
-		return KVR_ENOMEM;
-	n = sim_cluster_cached_hashes(run->sim, rank, s, n);
-	int rc = run->ops->blocks(run->ps, rank, &pred, &np);
-	if (rc) {
-		free(s);
-		return rc;
-	}
-	qsort(s, n, sizeof(*s), cmp_u64);
-	if (np) /* pred may be NULL when empty: qsort's pointer must not be (UBSan) */
-		qsort(pred, np, sizeof(*pred), cmp_u64);
-	uint64_t inter = 0;
-	for (size_t i = 0, k = 0; i < n && k < np;) {
-		if (s[i] == pred[k]) {
-			inter++;
-			i++;
-			k++;
-		} else if (s[i] < pred[k]) {
-			i++;
-		} else {
-			k++;
-		}
-	}
-	agree_record(run->res, n, np, inter);
-	free(s);
-	free(pred);
-	return 0;
-}
-
-/* One agreement sample of one rank; returns 0 or an error. */
-static int agree_rank(struct run *run, uint32_t rank)
-{
-	if (run->ops->blocks)
-		return agree_rank_exact(run, rank);
-	struct replay_result *res = run->res;
-	size_t n = sim_cluster_cached_hashes(run->sim, rank, NULL, 0);
-	uint64_t *s = malloc((n + 1) * sizeof(*s)), *par = malloc((n + 1) * sizeof(*par));
-	uint8_t *held = calloc(n + 1, 1);
-	uint64_t *chain = NULL, *local = NULL;
-	size_t ccap = 0;
-	int rc = KVR_ENOMEM;
-	if (!s || !par || !held)
-		goto out;
-	n = sim_cluster_cached_hashes(run->sim, rank, s, n);
-	qsort(s, n, sizeof(*s), cmp_u64);
-	size_t np = 0;
-	for (size_t i = 0; i < n; i++) {
-		const struct chain_ent *e = chain_get(&run->map, s[i]);
-		if (e && e->parent)
-			par[np++] = e->parent;
-	}
-	qsort(par, np, sizeof(*par), cmp_u64);
-	for (size_t i = 0; i < n; i++) {
-		if (in_sorted(par, np, s[i]))
-			continue; /* not a leaf */
-		size_t d = 0;
-		for (const struct chain_ent *e = chain_get(&run->map, s[i]); e;
-		     e = e->parent ? chain_get(&run->map, e->parent) : NULL) {
-			if (d == ccap) {
-				ccap = ccap ? ccap * 2 : 256;
-				uint64_t *nc = realloc(chain, ccap * sizeof(*nc));
-				uint64_t *nl = realloc(local, ccap * sizeof(*nl));
-				if (nc)
-					chain = nc;
-				if (nl)
-					local = nl;
-				if (!nc || !nl)
-					goto out;
-			}
-			chain[d] = e->seq;
-			local[d] = e->local;
-			d++;
-		}
-		/* Reverse to root-first. */
-		for (size_t a = 0, b = d; a + 1 < b; a++, b--) {
-			uint64_t t = chain[a];
-			chain[a] = chain[b - 1];
-			chain[b - 1] = t;
-			t = local[a];
-			local[a] = local[b - 1];
-			local[b - 1] = t;
-		}
-		uint32_t o = 0;
-		if (d) {
-			rc = run->ops->predict(run->ps, rank, local, d, &o);
-			if (rc)
-				goto out;
-		}
-		for (size_t j = 0; j < o && j < d; j++) {
-			uint64_t *hit = bsearch(&chain[j], s, n, sizeof(*s), cmp_u64);
-			if (hit)
-				held[hit - s] = 1;
-		}
-	}
-	uint64_t inter = 0, pred = 0;
-	for (size_t i = 0; i < n; i++)
-		inter += held[i];
-	rc = run->ops->resident(run->ps, rank, &pred);
-	if (rc)
-		goto out;
-	agree_record(res, n, pred, inter);
-	rc = 0;
-out:
-	free(s);
-	free(par);
-	free(held);
-	free(chain);
-	free(local);
-	return rc;
-}
-
 static int agree(struct run *run)
 {
 	if (!run->chains)
 		return 0;
-	if (run->ops->sync) {
-		int rc = run->ops->sync(run->ps, sim_cluster_now(run->sim));
-		if (rc)
-			return rc;
-	}
-	for (uint32_t r = 0; r < run->cfg->n_ranks; r++) {
-		int rc = agree_rank(run, r);
-		if (rc)
-			return rc;
-	}
-	return 0;
+	return replay_agree(run->sim, run->ops, run->ps, &run->map, run->cfg->n_ranks, run->res);
 }
-
-/* ---------------------------------------------------------------- public */
 
 /* ---------------------------------------------------------------- submission */
 
@@ -603,7 +384,7 @@ uint32_t replay_default_blocks(const struct trace *t, const struct replay_config
 	uint32_t bs = cfg->block_size ? cfg->block_size : 16, tbs = t->block_size;
 	double scale = cfg->time_scale > 0 ? cfg->time_scale : 1;
 	/* seq = prefix hash of trace ids, parent = the window it was last counted in + 1. */
-	struct chain_map seen = {0};
+	struct replay_chains seen = {0};
 	uint64_t longest = 0, cur = 0, busiest = 0, win = 0;
 	for (size_t i = 0; i < t->n; i++) {
 		const struct trace_req *r = &t->reqs[i];
@@ -620,18 +401,18 @@ uint32_t replay_default_blocks(const struct trace *t, const struct replay_config
 		for (uint32_t k = 0; k < r->n_ids; k++) {
 			h = (h ^ r->ids[k]) * 0x100000001b3ull;
 			h ^= h >> 29;
-			struct chain_ent *e = chain_get(&seen, h);
+			struct replay_chain_ent *e = replay_chains_get(&seen, h);
 			if (e && e->parent == w)
 				continue;
 			cur++;
 			if (e)
 				e->parent = w;
-			else if (chain_put(&seen, h, w, 0))
+			else if (replay_chains_put(&seen, h, w, 0))
 				break;
 		}
 	}
 	busiest = cur > busiest ? cur : busiest;
-	free(seen.e);
+	replay_chains_free(&seen);
 	uint64_t ws = busiest * (tbs / bs ? tbs / bs : 1);
 	uint32_t nr = cfg->n_ranks ? cfg->n_ranks : 1;
 	uint64_t quarter = ws / 4 / nr, floor = 2 * longest, b = quarter > floor ? quarter : floor;
@@ -903,7 +684,7 @@ out:
 	if (run.ps)
 		ops->destroy(run.ps);
 	sim_cluster_destroy(run.sim);
-	free(run.map.e);
+	replay_chains_free(&run.map);
 	free(run.e2e_ms);
 	free(run.rq);
 	free(run.bufs);
