@@ -1,6 +1,6 @@
 /*
  * sync/replica.h - router replica sync, transport-agnostic core (issue 14).  The NATS transport
- * (sync/replica_nats.c) and the in-process bus used by kvr-replay and tests (sync/replica_bus.c)
+ * (sync/replica_nats.c) and the in-process bus of kvr-replay (tools/replay/policy_replicas.c)
  * plug in through struct kvr_replica_transport.  See sync/replica.c for the protocol.
  */
 #ifndef KVR_SYNC_REPLICA_H

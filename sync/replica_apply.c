@@ -1,0 +1,421 @@
+/*
+ * sync/replica_apply.c - replica sync, inbound (issue 14): a delivered message is decoded and
+ * checked (forged id, version, an origin's stream position: duplicate, next, or a gap that asks
+ * the origin to re-announce), then applied to this router as if it had routed it; and the
+ * peers' liveness (heartbeats, giving up a silent peer, which releases its attempts here).
+ * Runs on the apply thread; router calls are made without `mu`.
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "sync/replica_internal.h"
+
+/* Builds a record from a decoded ADMIT/ATTEMPT. */
+static struct kvr_rep_rec *rec_from_msg(const struct kvr_wmsg *m)
+{
+	struct kvr_rep_rec *x = kvr_rep_rec_new(m->n_blocks, m->tail_n);
+	if (!x)
+		return NULL;
+	x->origin = m->h.replica;
+	x->oepoch = m->h.epoch;
+	x->oattempt = m->attempt;
+	x->rank = (struct kvr_rank_id){m->worker_id, m->dp_rank};
+	x->incarnation = m->incarnation;
+	x->prompt_tokens = m->prompt_tokens;
+	x->lora_seed = m->lora_seed;
+	x->overlap = m->overlap;
+	x->expected = m->expected_output;
+	x->chain_known = m->flags & KVR_MSG_F_CHAIN_KNOWN;
+	x->prefilled = m->flags & KVR_MSG_F_PREFILLED;
+	for (uint32_t i = 0; i < m->n_blocks; i++)
+		x->blocks[i] = kvr_msg_u64(m->blocks, i);
+	for (uint32_t i = 0; i < m->tail_n; i++)
+		x->tail[i] = kvr_msg_u32(m->tail, i);
+	return x;
+}
+
+/* Books x on the router as a peer's admission; then its prefill state and output so far.
+ * Returns 0 or the router's refusal. */
+static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr_wmsg *m)
+{
+	struct kvr_repl_admission a = {
+	    .rank = x->rank,
+	    .incarnation = x->incarnation,
+	    .local = x->blocks,
+	    .n = x->n_blocks,
+	    .prompt_tokens = x->prompt_tokens,
+	    .overlap = x->overlap,
+	    .expected_output = x->expected,
+	    .lora_seed = x->lora_seed,
+	    .tail = x->tail,
+	    .tail_n = x->tail_n,
+	    .chain_known = x->chain_known,
+	};
+	int rc = APPLYING(kvr_repl_admit(rep->r, &a));
+	if (rc)
+		return rc;
+	x->local = a.attempt;
+	if (x->prefilled)
+		APPLYING(kvr_request_prefill_done(rep->r, x->local));
+	if (m && m->n_out) {
+		uint32_t *t = kvr_alloc((size_t)m->n_out * 4);
+		if (t) {
+			for (uint32_t i = 0; i < m->n_out; i++)
+				t[i] = kvr_msg_u32(m->out, i);
+			APPLYING(kvr_request_output(rep->r, x->local, t, m->n_out));
+			kvr_rep_rec_append_out(x, t, m->n_out);
+			kvr_free(t, (size_t)m->n_out * 4);
+		}
+	}
+	return 0;
+}
+
+/* A peer's admission (live) or a ghost (finished: replay its blocks, then release). */
+void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
+{
+	struct kvr_rep_rec *x = rec_from_msg(m);
+	if (!x) {
+		pthread_mutex_lock(&rep->mu);
+		rep->st.refused++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	bool ghost = m->flags & KVR_MSG_F_FINISHED;
+	pthread_mutex_lock(&rep->mu);
+	struct kvr_rep_rec *old = ghost ? NULL : kvr_rep_map_find(rep, x->origin, x->oattempt);
+	pthread_mutex_unlock(&rep->mu);
+	if (old) { /* known already (resync, re-announce): catch up on what it did since */
+		bool pre = !old->prefilled && x->prefilled;
+		uint32_t have = old->n_out;
+		uint64_t a = old->local;
+		old->seen = true;
+		kvr_rep_rec_free(x);
+		if (pre)
+			APPLYING(kvr_request_prefill_done(rep->r, a));
+		if (m->n_out > have) {
+			size_t k = m->n_out - have;
+			uint32_t *t = kvr_alloc(k * 4);
+			if (t) {
+				for (size_t i = 0; i < k; i++)
+					t[i] = kvr_msg_u32(m->out, have + i);
+				APPLYING(kvr_request_output(rep->r, a, t, k));
+				pthread_mutex_lock(&rep->mu);
+				old->prefilled = true;
+				kvr_rep_rec_append_out(old, t, k);
+				pthread_mutex_unlock(&rep->mu);
+				kvr_free(t, k * 4);
+			}
+		} else if (pre) {
+			pthread_mutex_lock(&rep->mu);
+			old->prefilled = true;
+			pthread_mutex_unlock(&rep->mu);
+		}
+		return;
+	}
+	int rc = book(rep, x, m);
+	if (rc == 0 && ghost)
+		APPLYING(kvr_request_finish(rep->r, x->local));
+	pthread_mutex_lock(&rep->mu);
+	if (rc) {
+		rep->st.refused++;
+		kvr_rep_rec_free(x);
+	} else if (ghost) {
+		kvr_rep_journal_add(rep, x);
+	} else if (kvr_rep_map_insert(rep, x)) {
+		rep->st.refused++;
+		pthread_mutex_unlock(&rep->mu);
+		APPLYING(kvr_request_abort(rep->r, x->local));
+		kvr_rep_rec_free(x);
+		return;
+	} else {
+		x->seen = true;
+		kvr_rep_live_link(rep, x);
+		rep->st.mirrored++;
+	}
+	pthread_mutex_unlock(&rep->mu);
+}
+
+static void apply_progress(struct kvr_replica *rep, const struct kvr_wmsg *m)
+{
+	pthread_mutex_lock(&rep->mu);
+	struct kvr_rep_rec *x = kvr_rep_map_find(rep, m->h.replica, m->attempt);
+	if (!x || x->origin == rep->c.replica_id) {
+		rep->st.orphans++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	bool ends = m->h.type == KVR_MSG_FINISH || m->h.type == KVR_MSG_ABORT;
+	if (ends) {
+		kvr_rep_map_remove(rep, x);
+		kvr_rep_live_unlink(rep, x);
+		rep->st.mirrored--;
+	}
+	pthread_mutex_unlock(&rep->mu);
+	uint64_t a = x->local;
+	switch (m->h.type) {
+	case KVR_MSG_PREFILL_DONE:
+		x->prefilled = true;
+		APPLYING(kvr_request_prefill_done(rep->r, a));
+		return;
+	case KVR_MSG_OUTPUT: {
+		uint32_t *t = kvr_alloc(((size_t)m->n_out ? m->n_out : 1) * 4);
+		if (!t)
+			return;
+		for (uint32_t i = 0; i < m->n_out; i++)
+			t[i] = kvr_msg_u32(m->out, i);
+		APPLYING(kvr_request_output(rep->r, a, t, m->n_out));
+		pthread_mutex_lock(&rep->mu);
+		x->prefilled = true;
+		kvr_rep_rec_append_out(x, t, m->n_out);
+		pthread_mutex_unlock(&rep->mu);
+		kvr_free(t, ((size_t)m->n_out ? m->n_out : 1) * 4);
+		return;
+	}
+	default:
+		APPLYING(m->h.type == KVR_MSG_FINISH ? kvr_request_finish(rep->r, a)
+		                                     : kvr_request_abort(rep->r, a));
+		pthread_mutex_lock(&rep->mu);
+		kvr_rep_journal_add(rep, x);
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+}
+
+void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
+{
+	struct kvr_rank_id id = {m->worker_id, m->dp_rank};
+	struct kvr_router *r = rep->r;
+	switch (m->op) {
+	case KVR_REPL_RANK_ADD: {
+		int rc = APPLYING(
+		    kvr_rank_add(r, id, m->incarnation, m->capacity, m->max_batched_tokens));
+		if (rc == KVR_EEXIST) {
+			struct kvr_rank_stats s;
+			if (kvr_rank_get_stats(r, id, &s) == 0 &&
+			    (s.incarnation != m->incarnation || s.capacity_blocks != m->capacity))
+				APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
+		}
+		break;
+	}
+	case KVR_REPL_RANK_REMOVE:
+		APPLYING(kvr_rank_remove(r, id));
+		break;
+	case KVR_REPL_RANK_CAPACITY:
+		APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
+		break;
+	case KVR_REPL_RANK_RESET:
+		APPLYING(kvr_rank_reset(r, id, m->incarnation));
+		break;
+	}
+	pthread_mutex_lock(&rep->mu);
+	if (m->op == KVR_REPL_RANK_REMOVE) {
+		kvr_rep_rank_drop(rep, id);
+	} else {
+		struct kvr_rep_rank *e = kvr_rep_rank_get(rep, id);
+		if (e) {
+			if (e->incarnation != m->incarnation)
+				kvr_rep_journal_clear(e);
+			e->incarnation = m->incarnation;
+			if (m->op != KVR_REPL_RANK_RESET)
+				e->capacity = m->capacity;
+			if (m->op == KVR_REPL_RANK_ADD)
+				e->mbt = m->max_batched_tokens;
+		}
+	}
+	pthread_mutex_unlock(&rep->mu);
+}
+
+/* Releases the attempts mirrored from origin (every origin but self when origin is 0): their
+ * blocks stay predicted (journal), their load goes.  Returns how many. */
+uint64_t kvr_rep_release_mirrors(struct kvr_replica *rep, uint64_t origin)
+{
+	return kvr_rep_release_mirrors_if(rep, origin, false);
+}
+
+uint64_t kvr_rep_release_mirrors_if(struct kvr_replica *rep, uint64_t origin, bool unseen_only)
+{
+	uint64_t n = 0;
+	for (;;) {
+		struct kvr_rep_rec *batch = NULL;
+		pthread_mutex_lock(&rep->mu);
+		for (struct kvr_rep_rec *x = rep->live_head, *nx; x; x = nx) {
+			nx = x->next;
+			if (x->origin == rep->c.replica_id || (origin && x->origin != origin) ||
+			    (unseen_only && x->seen))
+				continue;
+			kvr_rep_map_remove(rep, x);
+			kvr_rep_live_unlink(rep, x);
+			rep->st.mirrored--;
+			x->next = batch;
+			batch = x;
+		}
+		pthread_mutex_unlock(&rep->mu);
+		if (!batch)
+			return n;
+		while (batch) {
+			struct kvr_rep_rec *x = batch;
+			batch = x->next;
+			APPLYING(kvr_request_abort(rep->r, x->local));
+			pthread_mutex_lock(&rep->mu);
+			kvr_rep_journal_add(rep, x);
+			pthread_mutex_unlock(&rep->mu);
+			n++;
+		}
+	}
+}
+
+static void peer_gone(struct kvr_replica *rep, struct kvr_rep_peer *p)
+{
+	pthread_mutex_lock(&rep->mu);
+	p->alive = false;
+	p->lost = true;
+	p->lost_ns = kvr_rep_mono_ns();
+	uint64_t id = p->id;
+	pthread_mutex_unlock(&rep->mu);
+	uint64_t n = kvr_rep_release_mirrors(rep, id);
+	pthread_mutex_lock(&rep->mu);
+	rep->st.peers_lost++;
+	rep->st.released += n;
+	pthread_mutex_unlock(&rep->mu);
+}
+
+void kvr_rep_handle(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply)
+{
+	struct kvr_wmsg m;
+	pthread_mutex_lock(&rep->mu);
+	rep->st.received++;
+	int rc = kvr_msg_decode(data, len, &m);
+	if (rc == 0 && m.h.replica == rep->c.replica_id) {
+		rep->st.forged++; /* our id, not from us (no echo) */
+		rc = KVR_EINVAL;
+	}
+	if (rc == 0 && (m.h.type == KVR_MSG_SNAP_CHUNK || m.h.type == KVR_MSG_FENCE))
+		rc = KVR_EINVAL; /* not stream messages */
+	if (rc) {
+		rep->st.dropped++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	if (m.h.type == KVR_MSG_SNAP_REQ && !reply) { /* on the stream: a peer asks us */
+		if (m.target == rep->c.replica_id) {
+			rep->want_reannounce = true;
+			if (m.h.seq > rep->reannounce_ms)
+				rep->reannounce_ms = m.h.seq < 3600000 ? m.h.seq : 3600000;
+		}
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	if (m.h.type == KVR_MSG_SNAP_REQ) {
+		pthread_mutex_unlock(&rep->mu);
+		kvr_rep_serve_snapshot(rep, reply);
+		return;
+	}
+	struct kvr_rep_peer *p = kvr_rep_peer_get(rep, m.h.replica);
+	if (!p) {
+		rep->st.dropped++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	if (p->epoch && m.h.epoch < p->epoch) { /* an older life of the peer */
+		rep->st.duplicates++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	bool new_life = p->epoch && m.h.epoch > p->epoch;
+	pthread_mutex_unlock(&rep->mu);
+	if (new_life) /* the peer restarted: what it had is gone */
+		peer_gone(rep, p);
+	pthread_mutex_lock(&rep->mu);
+	if (new_life || !p->epoch) {
+		p->epoch = m.h.epoch;
+		p->last_seq = 0;
+	}
+	bool revived = !p->alive && p->lost;
+	p->alive = true;
+	p->last_seen = kvr_rep_mono_ns();
+	if (m.h.type == KVR_MSG_HEARTBEAT) {
+		p->hb_seq = m.h.seq;
+		p->live = m.live;
+		if (revived) { /* we released its attempts: ask it to announce them again */
+			p->lost = false;
+			kvr_rep_ask_reannounce(rep, p->id,
+			                       (kvr_rep_mono_ns() - p->lost_ns) / 1000000 +
+			                           GIVEN_UP_MARGIN_MS);
+		}
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	if (m.h.type == KVR_MSG_GOODBYE) {
+		pthread_mutex_unlock(&rep->mu);
+		peer_gone(rep, p);
+		return;
+	}
+	/* A stream message. */
+	if (m.h.seq <= p->last_seq) {
+		rep->st.duplicates++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	if (m.h.seq != p->last_seq + 1 && m.h.type != KVR_MSG_RESET) {
+		rep->st.gaps++;
+		/* Messages of this origin were lost (e.g. sent while we were reconnecting): only
+		 * it knows for sure what they said, so ask it to announce its state again. */
+		kvr_rep_ask_reannounce(rep, p->id, GAP_WINDOW_MS);
+	} else if (revived && m.h.type != KVR_MSG_RESET) {
+		kvr_rep_ask_reannounce(
+		    rep, p->id, (kvr_rep_mono_ns() - p->lost_ns) / 1000000 + GIVEN_UP_MARGIN_MS);
+	}
+	p->lost = false;
+	p->last_seq = m.h.seq;
+	if (p->hb_seq < m.h.seq)
+		p->hb_seq = m.h.seq;
+	rep->st.applied++;
+	pthread_mutex_unlock(&rep->mu);
+	switch (m.h.type) {
+	case KVR_MSG_ADMIT:
+	case KVR_MSG_ATTEMPT:
+		kvr_rep_apply_attempt(rep, &m);
+		break;
+	case KVR_MSG_OUTPUT:
+	case KVR_MSG_PREFILL_DONE:
+	case KVR_MSG_FINISH:
+	case KVR_MSG_ABORT:
+		apply_progress(rep, &m);
+		break;
+	case KVR_MSG_RANK:
+		kvr_rep_apply_rank(rep, &m);
+		break;
+	case KVR_MSG_RESET:
+		kvr_rep_release_mirrors(rep, m.h.replica);
+		break;
+	default:
+		break;
+	}
+}
+
+void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now)
+{
+	pthread_mutex_lock(&rep->mu);
+	uint64_t live = 0;
+	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
+		live += x->origin == rep->c.replica_id;
+	if (rep->connected) {
+		rep->obuf.len = 0;
+		rep->obuf.oom = false;
+		size_t off = kvr_msg_begin(&rep->obuf, KVR_MSG_HEARTBEAT, rep->c.replica_id,
+		                           rep->epoch, rep->seq);
+		kvr_msg_put_u64(&rep->obuf, live);
+		kvr_msg_end(&rep->obuf, off);
+		if (!rep->obuf.oom)
+			rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
+	}
+	uint64_t bound = (uint64_t)rep->c.dead_after * rep->c.heartbeat_ms * 1000000ull;
+	struct kvr_rep_peer *dead[MAX_PEERS];
+	size_t nd = 0;
+	for (size_t i = 0; i < rep->n_peers; i++)
+		if (rep->peers[i].alive && now - rep->peers[i].last_seen > bound)
+			dead[nd++] = &rep->peers[i];
+	pthread_mutex_unlock(&rep->mu);
+	for (size_t i = 0; i < nd; i++)
+		peer_gone(rep, dead[i]);
+}

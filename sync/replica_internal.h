@@ -1,0 +1,198 @@
+/*
+ * sync/replica_internal.h - what the files of the replica sync core share (issue 14): the
+ * replica's state, its tables, and the functions each file offers the others.  The protocol is
+ * described in sync/replica.c; the jobs are split by file:
+ *   sync/replica.c        the apply thread, create/start/stop, the public side (deliver, stats)
+ *   sync/replica_table.c  records, the attempt map, the live list, ranks' journals, peers
+ *   sync/replica_out.c    outbound: the router's notes, encoding, the stream, re-announces
+ *   sync/replica_apply.c  inbound: stream positions, applying peers' messages, liveness
+ *   sync/replica_snap.c   snapshots: serving, collecting, applying
+ * Locks: `mu` guards the tables, the stream position and the counters; `qmu` the delivery queue.
+ * Router calls are never made under `mu` (see sync/replica.c, "Threads and locks").
+ */
+#ifndef KVR_SYNC_REPLICA_INTERNAL_H
+#define KVR_SYNC_REPLICA_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "core/replica_hooks.h"
+#include "kvrouter.h"
+#include "sync/replica.h"
+#include "sync/replica_msg.h"
+
+#define MAX_PEERS   256
+#define CHUNK_BYTES (256u * 1024u)
+/* After an outage a replica re-announces the attempts it finished since this long before the
+ * disconnect was noticed: messages written to the socket just before the server went may never
+ * have reached it, and replaying a finished attempt twice only refreshes its blocks. */
+#define OUTAGE_MARGIN_NS 2000000000ull
+/* A re-announce asked for after a gap covers attempts finished this long ago; one asked for by a
+ * peer that had given us up covers the time since, plus this margin. */
+#define GAP_WINDOW_MS      10000u
+#define GIVEN_UP_MARGIN_MS 2000u
+
+struct kvr_rep_item {
+	struct kvr_rep_item *next;
+	size_t len;
+	char *reply;
+	uint8_t data[];
+};
+
+/* One attempt this replica knows: its own (origin = self) or a peer's mirrored here. */
+struct kvr_rep_rec {
+	struct kvr_rep_rec *hnext;       /* map chain */
+	struct kvr_rep_rec *prev, *next; /* the live list, or its rank's journal once finished */
+	uint64_t origin, oepoch, oattempt, local;
+	struct kvr_rank_id rank;
+	uint64_t incarnation, prompt_tokens, lora_seed, fin_no, fin_ns;
+	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
+	bool chain_known, prefilled;
+	bool seen; /* resync: named by the snapshot */
+	uint64_t *blocks;
+	uint32_t *tail;
+	uint32_t *out;
+	size_t size;
+};
+
+struct kvr_rep_rank {
+	struct kvr_rank_id id;
+	uint64_t incarnation, capacity;
+	uint32_t mbt;
+	struct kvr_rep_rec *jhead, *jtail; /* finished attempts, oldest first */
+	uint64_t jblocks;
+};
+
+struct kvr_rep_peer {
+	uint64_t id, epoch, last_seq, hb_seq, last_seen;
+	bool alive, lost;
+	uint64_t lost_ns; /* when it was given up */
+	uint64_t live;
+};
+
+struct kvr_replica {
+	struct kvr_router *r;
+	struct kvr_replica_config c;
+	struct kvr_replica_transport t;
+	struct kvr_repl_hooks hooks;
+	uint64_t epoch;
+	uint32_t bs;
+
+	pthread_mutex_t mu; /* everything below up to the queue */
+	uint64_t seq;       /* own stream position */
+	bool connected;
+	struct kvr_msg_buf obuf;
+	struct kvr_rep_rec **map;
+	size_t map_cap, map_n;
+	struct kvr_rep_rec *live_head, *live_tail;
+	struct kvr_rep_rank *ranks;
+	size_t n_ranks, ranks_cap;
+	struct kvr_rep_peer peers[MAX_PEERS];
+	size_t n_peers;
+	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
+	struct kvr_sync_stats st;
+
+	pthread_mutex_t qmu;
+	pthread_cond_t qcv, donecv;
+	struct kvr_rep_item *qhead, *qtail;
+	uint64_t q_in, q_done;
+	bool stop, want_reconnect, want_resync, ready;
+	bool want_reannounce;   /* under mu: a peer asked (SNAP_REQ on the stream) */
+	uint64_t reannounce_ms; /* under mu: how far back the askers need finished attempts */
+	uint64_t reconnect_ns;  /* apply thread: when the last outage ended */
+	pthread_t thread;
+	bool thread_started;
+};
+
+static inline uint64_t kvr_rep_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Runs a router call as a peer's: no note goes out.  No lock held. */
+#define APPLYING(expr)                                                                             \
+	({                                                                                         \
+		kvr_repl_applying = true;                                                          \
+		int rc_ = (expr);                                                                  \
+		kvr_repl_applying = false;                                                         \
+		rc_;                                                                               \
+	})
+
+/* ---------------------------------------------------------------- sync/replica_table.c
+ * Context for all: mu held (records not yet published to the tables: any thread). */
+
+/* A record with room for n blocks and tail_n tail tokens (the caller fills the arrays), or NULL. */
+struct kvr_rep_rec *kvr_rep_rec_new(uint32_t n, uint32_t tail_n);
+/* Frees x and its output; NULL is a no-op. */
+void kvr_rep_rec_free(struct kvr_rep_rec *x);
+/* Appends n output tokens to x.  0, KVR_ERANGE, KVR_ENOMEM. */
+int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n);
+/* The map (origin, origin attempt) -> record of the live attempts. */
+struct kvr_rep_rec *kvr_rep_map_find(struct kvr_replica *rep, uint64_t origin, uint64_t attempt);
+int kvr_rep_map_insert(struct kvr_replica *rep, struct kvr_rep_rec *x); /* 0 or KVR_ENOMEM */
+void kvr_rep_map_remove(struct kvr_replica *rep, struct kvr_rep_rec *x);
+/* The live list, oldest first (what snapshots and re-announces walk). */
+void kvr_rep_live_link(struct kvr_replica *rep, struct kvr_rep_rec *x);
+void kvr_rep_live_unlink(struct kvr_replica *rep, struct kvr_rep_rec *x);
+/* Ranks known to the cluster and their journals of finished attempts. */
+struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id);
+struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id); /* or NULL */
+void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
+void kvr_rep_journal_clear(struct kvr_rep_rank *e);
+/* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
+void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);
+struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id);
+struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep, uint64_t id); /* NULL when full */
+
+/* ---------------------------------------------------------------- sync/replica_out.c */
+
+/* Appends x as an ADMIT or ATTEMPT message to b (finished: the ATTEMPT's finished flag).
+ * Context: the owner of b (mu held when b is rep->obuf). */
+void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
+                            uint64_t seq, const struct kvr_rep_rec *x, bool finished);
+/* Appends a RANK message (op, e's fields) to b.  Context: as kvr_rep_encode_attempt. */
+void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
+                         unsigned op, const struct kvr_rep_rank *e);
+/* The router's notes (struct kvr_repl_hooks).  Context: frontend or shard threads, inside the
+ * router's RCU read section; take mu. */
+void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a);
+void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n);
+void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
+                       uint64_t capacity, uint32_t mbt);
+/* Asks peer id on the stream to re-announce (RESET + its attempts, finished ones of the last
+ * window_ms too).  Context: mu held. */
+void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms);
+/* Sends RESET, the ranks, own attempts finished since since_ns (0: none) and own live attempts.
+ * Context: the apply thread; takes mu. */
+void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns);
+
+/* ---------------------------------------------------------------- sync/replica_apply.c
+ * Context for all: the apply thread (kvr_rep_release_mirrors: also teardown, once it stopped),
+ * mu not held (they take it around table updates). */
+
+/* Handles one delivered message (reply: where a snapshot request wants its chunks). */
+void kvr_rep_handle(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply);
+/* Books a peer's ADMIT/ATTEMPT (or catches a known one up; a finished one is replayed). */
+void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m);
+void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m);
+/* Releases the attempts mirrored from origin (every origin but self when 0; with unseen_only
+ * only those a snapshot did not name): their blocks stay predicted, their load goes.  Returns
+ * how many. */
+uint64_t kvr_rep_release_mirrors_if(struct kvr_replica *rep, uint64_t origin, bool unseen_only);
+uint64_t kvr_rep_release_mirrors(struct kvr_replica *rep, uint64_t origin);
+/* Sends our heartbeat and gives up the peers silent beyond the liveness bound. */
+void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now);
+
+/* ---------------------------------------------------------------- sync/replica_snap.c
+ * Context: the apply thread, mu not held. */
+
+/* Serves a snapshot to reply subject `to`. */
+void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to);
+/* Asks a peer for a snapshot and applies it.  0 (applied), KVR_ENOENT (no peer), or an error. */
+int kvr_rep_resync(struct kvr_replica *rep);
+
+#endif

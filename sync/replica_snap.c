@@ -1,0 +1,273 @@
+/*
+ * sync/replica_snap.c - replica sync snapshots (issue 14): serving one (FENCEs, RANKs, ghost
+ * and live ATTEMPTs, built under `mu` so it is exactly every origin's stream up to its fence,
+ * sent in chunks to the asker's inbox), and asking for one, collecting every chunk (never
+ * half-applied) and applying it.  See sync/replica.c, "Snapshots".
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "sync/replica_internal.h"
+
+/* Serves a snapshot to `to`: FENCEs, RANKs, ghosts, live attempts, in chunks. */
+void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
+{
+	if (!to || !rep->t.reply)
+		return;
+	struct kvr_msg_buf recs = {0}, rec1 = {0}, chunk = {0};
+	uint32_t n_chunk = 0, n_rec = 0;
+	bool failed = false;
+	pthread_mutex_lock(&rep->mu);
+	/* One record at a time into rec1, appended framed into recs; a full recs is sent. */
+#define FLUSH(last)                                                                                \
+	do {                                                                                       \
+		chunk.len = 0;                                                                     \
+		size_t off_ =                                                                      \
+		    kvr_msg_begin(&chunk, KVR_MSG_SNAP_CHUNK, rep->c.replica_id, rep->epoch, 0);   \
+		kvr_msg_put_u32(&chunk, n_chunk++);                                                \
+		kvr_msg_put_u32(&chunk, (last) ? 1u : 0u);                                         \
+		kvr_msg_put_u32(&chunk, n_rec);                                                    \
+		kvr_msg_put_u32(&chunk, 0);                                                        \
+		kvr_msg_put_bytes(&chunk, recs.p, recs.len);                                       \
+		kvr_msg_end(&chunk, off_);                                                         \
+		if (chunk.oom || recs.oom || rep->t.reply(rep->t.ctx, to, chunk.p, chunk.len))     \
+			failed = true;                                                             \
+		recs.len = 0;                                                                      \
+		n_rec = 0;                                                                         \
+	} while (0)
+#define ADD_REC()                                                                                  \
+	do {                                                                                       \
+		if (recs.len + rec1.len + 4 > CHUNK_BYTES && n_rec)                                \
+			FLUSH(false);                                                              \
+		kvr_msg_put_u32(&recs, (uint32_t)rec1.len);                                        \
+		kvr_msg_put_bytes(&recs, rec1.p, rec1.len);                                        \
+		n_rec++;                                                                           \
+		rec1.len = 0;                                                                      \
+	} while (0)
+	/* Fences: self, then every peer alive. */
+	for (size_t i = 0; i <= rep->n_peers && !failed; i++) {
+		uint64_t id = i == 0 ? rep->c.replica_id : rep->peers[i - 1].id;
+		uint64_t ep = i == 0 ? rep->epoch : rep->peers[i - 1].epoch;
+		uint64_t sq = i == 0 ? rep->seq : rep->peers[i - 1].last_seq;
+		if (i > 0 && (!rep->peers[i - 1].alive || !ep))
+			continue;
+		size_t off = kvr_msg_begin(&rec1, KVR_MSG_FENCE, rep->c.replica_id, rep->epoch, 0);
+		kvr_msg_put_u64(&rec1, id);
+		kvr_msg_put_u64(&rec1, ep);
+		kvr_msg_put_u64(&rec1, sq);
+		kvr_msg_end(&rec1, off);
+		ADD_REC();
+	}
+	for (size_t i = 0; i < rep->n_ranks && !failed; i++) {
+		struct kvr_rep_rank *e = &rep->ranks[i];
+		kvr_rep_encode_rank(&rec1, rep->c.replica_id, rep->epoch, 0, KVR_REPL_RANK_ADD, e);
+		ADD_REC();
+		for (struct kvr_rep_rec *x = e->jhead; x && !failed; x = x->next) {
+			kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0, x,
+			                       true);
+			ADD_REC();
+		}
+	}
+	for (struct kvr_rep_rec *x = rep->live_head; x && !failed; x = x->next) {
+		kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0, x, false);
+		ADD_REC();
+	}
+	if (!failed)
+		FLUSH(true);
+	if (!failed)
+		rep->st.snapshots_served++;
+	pthread_mutex_unlock(&rep->mu);
+#undef FLUSH
+#undef ADD_REC
+	kvr_msg_buf_fini(&recs);
+	kvr_msg_buf_fini(&rec1);
+	kvr_msg_buf_fini(&chunk);
+}
+
+struct snap_rx {
+	struct kvr_replica *rep;
+	struct kvr_rep_item *chunks, *tail;
+	uint32_t next;
+	uint64_t provider;
+};
+
+static int on_chunk(void *cb, const void *buf, size_t len)
+{
+	struct snap_rx *rx = cb;
+	struct kvr_wmsg m;
+	if (kvr_msg_decode(buf, len, &m) || m.h.type != KVR_MSG_SNAP_CHUNK || m.chunk != rx->next ||
+	    (rx->next && m.h.replica != rx->provider) || m.h.replica == rx->rep->c.replica_id) {
+		pthread_mutex_lock(&rx->rep->mu);
+		rx->rep->st.dropped++;
+		pthread_mutex_unlock(&rx->rep->mu);
+		return KVR_EINVAL;
+	}
+	rx->provider = m.h.replica;
+	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
+	if (!it)
+		return KVR_ENOMEM;
+	it->next = NULL;
+	it->len = len;
+	it->reply = NULL;
+	memcpy(it->data, buf, len);
+	if (rx->tail)
+		rx->tail->next = it;
+	else
+		rx->chunks = it;
+	rx->tail = it;
+	rx->next++;
+	return (m.chunk_flags & 1) ? 1 : 0;
+}
+
+/* Applies a complete snapshot: ranks; ghosts (only on a fresh replica: one that has routed or
+ * applied anything already holds that history, and replaying it again would only reorder its
+ * LRU); live attempts reconciled with the mirrors held (kept if named, caught up on output,
+ * booked if missing, released if the snapshot does not name them); then the fences. */
+static bool taken(const uint64_t *t, size_t n, uint64_t id)
+{
+	for (size_t i = 0; i < n; i++)
+		if (t[i] == id)
+			return true;
+	return false;
+}
+
+static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
+{
+	/* Origins whose part of the snapshot is taken: those where the snapshot is not behind
+	 * what we applied already (a fence never moves back: the messages between would be lost),
+	 * or that we had given up (we released what we held of them).  FENCE records come first. */
+	uint64_t take[MAX_PEERS], jump[MAX_PEERS];
+	size_t n_take = 0, n_jump = 0;
+	pthread_mutex_lock(&rep->mu);
+	bool fresh =
+	    rep->st.applied == 0 && rep->st.snapshots_applied == 0 && rep->seq <= rep->n_ranks;
+	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
+		x->seen = false;
+	pthread_mutex_unlock(&rep->mu);
+	for (struct kvr_rep_item *it = chunks; it; it = it->next) {
+		struct kvr_wmsg c;
+		if (kvr_msg_decode(it->data, it->len, &c))
+			continue; /* checked in on_chunk */
+		size_t pos = 0, rl;
+		const uint8_t *rp;
+		while (kvr_msg_next_record(&c, &pos, &rp, &rl)) {
+			struct kvr_wmsg m;
+			if (kvr_msg_decode(rp, rl, &m))
+				continue; /* checked by the chunk's decode */
+			if (m.h.type == KVR_MSG_RANK) {
+				kvr_rep_apply_rank(rep, &m);
+			} else if (m.h.type == KVR_MSG_ATTEMPT) {
+				/* History: all of it on a fresh replica; else only that of origins
+				 * whose fence skips messages we never applied (their finished
+				 * attempts are not in the live part, and their messages up to the
+				 * fence are gone). */
+				bool ghost = m.flags & KVR_MSG_F_FINISHED;
+				if (ghost ? !fresh && !taken(jump, n_jump, m.h.replica)
+				          : !taken(take, n_take, m.h.replica))
+					continue; /* history we hold; origins we are ahead on; us */
+				kvr_rep_apply_attempt(rep, &m);
+			} else if (m.h.type == KVR_MSG_FENCE &&
+			           m.fence_replica != rep->c.replica_id && n_take < MAX_PEERS) {
+				pthread_mutex_lock(&rep->mu);
+				struct kvr_rep_peer *p = kvr_rep_peer_find(rep, m.fence_replica);
+				bool ok = !p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||
+				          (p->epoch == m.fence_epoch && p->last_seq <= m.fence_seq);
+				if (ok && (p || (p = kvr_rep_peer_get(rep, m.fence_replica)))) {
+					if (p->epoch != m.fence_epoch || p->last_seq < m.fence_seq)
+						jump[n_jump++] = m.fence_replica;
+					p->epoch = m.fence_epoch;
+					p->last_seq = m.fence_seq;
+					if (p->hb_seq < p->last_seq)
+						p->hb_seq = p->last_seq;
+					p->alive = true;
+					p->lost = false;
+					p->last_seen = kvr_rep_mono_ns();
+					take[n_take++] = m.fence_replica;
+				}
+				pthread_mutex_unlock(&rep->mu);
+			}
+		}
+	}
+	pthread_mutex_lock(&rep->mu);
+	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
+		if (!taken(take, n_take, x->origin))
+			x->seen = true; /* not this snapshot's to judge */
+	pthread_mutex_unlock(&rep->mu);
+	uint64_t n = kvr_rep_release_mirrors_if(rep, 0, true);
+	pthread_mutex_lock(&rep->mu);
+	rep->st.released += n;
+	pthread_mutex_unlock(&rep->mu);
+}
+
+static void poll_requests(void *cb);
+
+/* Asks a peer for a snapshot and applies it.  Returns 0 (applied), KVR_ENOENT (no peer). */
+int kvr_rep_resync(struct kvr_replica *rep)
+{
+	if (!rep->t.request)
+		return KVR_ENOENT;
+	pthread_mutex_lock(&rep->mu);
+	rep->st.resyncs++;
+	rep->obuf.len = 0;
+	rep->obuf.oom = false;
+	size_t off = kvr_msg_begin(&rep->obuf, KVR_MSG_SNAP_REQ, rep->c.replica_id, rep->epoch, 0);
+	kvr_msg_put_u64(&rep->obuf, 0);
+	kvr_msg_end(&rep->obuf, off);
+	struct kvr_msg_buf req = {0};
+	kvr_msg_put_bytes(&req, rep->obuf.p, rep->obuf.len);
+	pthread_mutex_unlock(&rep->mu);
+	int rc = KVR_ENOMEM;
+	struct snap_rx rx = {.rep = rep};
+	if (!req.oom)
+		rc = rep->t.request(rep->t.ctx, req.p, req.len,
+		                    (uint64_t)rep->c.snapshot_timeout_ms * 1000000ull, on_chunk,
+		                    poll_requests, &rx);
+	kvr_msg_buf_fini(&req);
+	if (rc == 0) {
+		apply_snapshot(rep, rx.chunks);
+		pthread_mutex_lock(&rep->mu);
+		rep->st.snapshots_applied++;
+		pthread_mutex_unlock(&rep->mu);
+	}
+	while (rx.chunks) {
+		struct kvr_rep_item *it = rx.chunks;
+		rx.chunks = it->next;
+		kvr_free(it, sizeof(*it) + it->len);
+	}
+	return rc;
+}
+
+/* Serves the snapshot requests waiting in the queue (while this replica waits for its own). */
+static void poll_requests(void *cb)
+{
+	struct kvr_replica *rep = ((struct snap_rx *)cb)->rep;
+	for (;;) {
+		struct kvr_rep_item *found = NULL;
+		pthread_mutex_lock(&rep->qmu);
+		for (struct kvr_rep_item **pp = &rep->qhead; *pp; pp = &(*pp)->next) {
+			struct kvr_wmsg m;
+			if ((*pp)->reply && (*pp)->len >= KVR_MSG_HEADER &&
+			    (*pp)->data[3] == KVR_MSG_SNAP_REQ &&
+			    kvr_msg_decode((*pp)->data, (*pp)->len, &m) == 0) {
+				found = *pp;
+				*pp = found->next;
+				if (rep->qtail == found) {
+					rep->qtail = NULL;
+					for (struct kvr_rep_item *y = rep->qhead; y; y = y->next)
+						rep->qtail = y;
+				}
+				break;
+			}
+		}
+		pthread_mutex_unlock(&rep->qmu);
+		if (!found)
+			return;
+		kvr_rep_handle(rep, found->data, found->len, found->reply);
+		pthread_mutex_lock(&rep->qmu);
+		rep->q_done++;
+		pthread_cond_broadcast(&rep->donecv);
+		pthread_mutex_unlock(&rep->qmu);
+		kvr_free(found->reply, found->reply ? strlen(found->reply) + 1 : 0);
+		kvr_free(found, sizeof(*found) + found->len);
+	}
+}

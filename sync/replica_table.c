@@ -1,0 +1,238 @@
+/*
+ * sync/replica_table.c - the replica's tables (issue 14): attempt records, the map (origin,
+ * origin attempt) -> record of live attempts, the live list, ranks with their journals of
+ * finished attempts (what a snapshot replays to rebuild the predicted LRU), and the peer table.
+ * Plain single-threaded structures: every function runs with the replica's `mu` held.
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "sync/replica_internal.h"
+
+static size_t hslot(const struct kvr_replica *rep, uint64_t origin, uint64_t attempt)
+{
+	uint64_t h = (origin * 0x9e3779b97f4a7c15ull) ^ (attempt * 0xc2b2ae3d27d4eb4full);
+	h ^= h >> 29;
+	return (size_t)(h & (rep->map_cap - 1));
+}
+
+struct kvr_rep_rec *kvr_rep_map_find(struct kvr_replica *rep, uint64_t origin, uint64_t attempt)
+{
+	if (!rep->map_cap)
+		return NULL;
+	for (struct kvr_rep_rec *x = rep->map[hslot(rep, origin, attempt)]; x; x = x->hnext)
+		if (x->origin == origin && x->oattempt == attempt)
+			return x;
+	return NULL;
+}
+
+int kvr_rep_map_insert(struct kvr_replica *rep, struct kvr_rep_rec *x)
+{
+	if (rep->map_n + 1 > rep->map_cap / 2) {
+		size_t nc = rep->map_cap ? rep->map_cap * 2 : 1024;
+		struct kvr_rep_rec **nm = kvr_calloc(nc, sizeof(*nm));
+		if (!nm)
+			return KVR_ENOMEM;
+		struct kvr_rep_rec **old = rep->map;
+		size_t oc = rep->map_cap;
+		rep->map = nm;
+		rep->map_cap = nc;
+		for (size_t i = 0; i < oc; i++)
+			for (struct kvr_rep_rec *y = old[i], *nx; y; y = nx) {
+				nx = y->hnext;
+				size_t k = hslot(rep, y->origin, y->oattempt);
+				y->hnext = nm[k];
+				nm[k] = y;
+			}
+		kvr_free(old, oc * sizeof(*old));
+	}
+	size_t k = hslot(rep, x->origin, x->oattempt);
+	x->hnext = rep->map[k];
+	rep->map[k] = x;
+	rep->map_n++;
+	return 0;
+}
+
+void kvr_rep_map_remove(struct kvr_replica *rep, struct kvr_rep_rec *x)
+{
+	struct kvr_rep_rec **pp = &rep->map[hslot(rep, x->origin, x->oattempt)];
+	while (*pp && *pp != x)
+		pp = &(*pp)->hnext;
+	if (*pp) {
+		*pp = x->hnext;
+		rep->map_n--;
+	}
+}
+
+void kvr_rep_live_link(struct kvr_replica *rep, struct kvr_rep_rec *x)
+{
+	x->next = NULL;
+	x->prev = rep->live_tail;
+	if (rep->live_tail)
+		rep->live_tail->next = x;
+	else
+		rep->live_head = x;
+	rep->live_tail = x;
+}
+
+void kvr_rep_live_unlink(struct kvr_replica *rep, struct kvr_rep_rec *x)
+{
+	if (x->prev)
+		x->prev->next = x->next;
+	else
+		rep->live_head = x->next;
+	if (x->next)
+		x->next->prev = x->prev;
+	else
+		rep->live_tail = x->prev;
+	x->prev = x->next = NULL;
+}
+
+void kvr_rep_rec_free(struct kvr_rep_rec *x)
+{
+	if (!x)
+		return;
+	kvr_free(x->out, (size_t)x->out_cap * sizeof(uint32_t));
+	kvr_free(x, x->size);
+}
+
+/* A record with room for n blocks and tail_n tail tokens (copied from the arguments). */
+struct kvr_rep_rec *kvr_rep_rec_new(uint32_t n, uint32_t tail_n)
+{
+	size_t size = sizeof(struct kvr_rep_rec) + (size_t)n * 8 + (size_t)tail_n * 4;
+	struct kvr_rep_rec *x = kvr_alloc(size); /* the arrays are filled by the caller */
+	if (!x)
+		return NULL;
+	memset(x, 0, sizeof(*x));
+	x->size = size;
+	x->n_blocks = n;
+	x->tail_n = tail_n;
+	x->blocks = (uint64_t *)(void *)(x + 1);
+	x->tail = (uint32_t *)(void *)(x->blocks + n);
+	return x;
+}
+
+int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n)
+{
+	if (!n)
+		return 0;
+	if (x->n_out + n > KVR_MSG_MAX_BLOCKS)
+		return KVR_ERANGE;
+	if (x->n_out + n > x->out_cap) {
+		size_t nc = x->out_cap ? x->out_cap : 64;
+		while (nc < x->n_out + n)
+			nc *= 2;
+		uint32_t *p = kvr_realloc(x->out, (size_t)x->out_cap * 4, nc * 4);
+		if (!p)
+			return KVR_ENOMEM;
+		x->out = p;
+		x->out_cap = (uint32_t)nc;
+	}
+	memcpy(x->out + x->n_out, t, n * 4);
+	x->n_out += (uint32_t)n;
+	return 0;
+}
+
+struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		if (rep->ranks[i].id.worker_id == id.worker_id &&
+		    rep->ranks[i].id.dp_rank == id.dp_rank)
+			return &rep->ranks[i];
+	return NULL;
+}
+
+struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	if (e)
+		return e;
+	if (rep->n_ranks == rep->ranks_cap) {
+		size_t nc = rep->ranks_cap ? rep->ranks_cap * 2 : 16;
+		struct kvr_rep_rank *p =
+		    kvr_realloc(rep->ranks, rep->ranks_cap * sizeof(*p), nc * sizeof(*p));
+		if (!p)
+			return NULL;
+		rep->ranks = p;
+		rep->ranks_cap = nc;
+	}
+	e = &rep->ranks[rep->n_ranks++];
+	memset(e, 0, sizeof(*e));
+	e->id = id;
+	e->capacity = KVR_CAPACITY_NONE;
+	return e;
+}
+
+void kvr_rep_journal_clear(struct kvr_rep_rank *e)
+{
+	for (struct kvr_rep_rec *x = e->jhead, *nx; x; x = nx) {
+		nx = x->next;
+		kvr_rep_rec_free(x);
+	}
+	e->jhead = e->jtail = NULL;
+	e->jblocks = 0;
+}
+
+void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	if (!e)
+		return;
+	kvr_rep_journal_clear(e);
+	*e = rep->ranks[--rep->n_ranks];
+}
+
+static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_rec *x)
+{
+	return x->n_blocks + (x->tail_n + x->n_out) / rep->bs;
+}
+
+/* A finished attempt joins its rank's journal (the blocks it leaves in the predicted cache);
+ * the oldest go when the journal exceeds its budget.  Takes x (freed if it has no place). */
+void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, x->rank);
+	if (!e) {
+		kvr_rep_rec_free(x);
+		return;
+	}
+	x->fin_no = ++rep->fin_no;
+	x->fin_ns = kvr_rep_mono_ns();
+	x->next = NULL;
+	x->prev = e->jtail;
+	if (e->jtail)
+		e->jtail->next = x;
+	else
+		e->jhead = x;
+	e->jtail = x;
+	e->jblocks += rec_blocks(rep, x);
+	uint64_t budget = rep->c.journal_blocks;
+	if (!budget)
+		budget = e->capacity && e->capacity != KVR_CAPACITY_NONE ? 2 * e->capacity : 65536;
+	while (e->jblocks > budget && e->jhead != e->jtail) {
+		struct kvr_rep_rec *o = e->jhead;
+		e->jhead = o->next;
+		e->jhead->prev = NULL;
+		e->jblocks -= rec_blocks(rep, o);
+		kvr_rep_rec_free(o);
+	}
+}
+
+struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id)
+{
+	for (size_t i = 0; i < rep->n_peers; i++)
+		if (rep->peers[i].id == id)
+			return &rep->peers[i];
+	return NULL;
+}
+
+struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep, uint64_t id)
+{
+	struct kvr_rep_peer *p = kvr_rep_peer_find(rep, id);
+	if (p || rep->n_peers == MAX_PEERS)
+		return p;
+	p = &rep->peers[rep->n_peers++];
+	memset(p, 0, sizeof(*p));
+	p->id = id;
+	return p;
+}
