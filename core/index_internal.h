@@ -281,6 +281,100 @@ void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r
 void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq, const struct idx_run *r,
                           uint32_t pos);
 
+/* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
+static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)
+{
+	uint64_t h = key * 0x9e3779b97f4a7c15ull;
+	return (h ^ (h >> 32)) & m->mask;
+}
+
+/* An entry is in use iff key != val: both maps only hold pairs with ext != seq. */
+static inline bool idx_xused(const struct idx_xent *e)
+{
+	return e->key != e->val;
+}
+
+/* The value of key, or false.  Context: writer (wlock). */
+static inline bool idx_xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t *val)
+{
+	if (!m->e)
+		return false;
+	for (uint64_t i = idx_xhome(m, key);; i = (i + 1) & m->mask) {
+		if (!idx_xused(&m->e[i]))
+			return false;
+		if (m->e[i].key == key) {
+			if (val)
+				*val = m->e[i].val;
+			return true;
+		}
+	}
+}
+
+/* Inserts key -> val; room must have been reserved. */
+void kvr_index_xmap_put(struct idx_xmap *m, uint64_t key, uint64_t val);
+/* Makes room for one more entry at load <= 0.8.  Returns 0 or KVR_ENOMEM (unchanged). */
+int kvr_index_xmap_reserve(struct kvr_index *idx, struct idx_xmap *m);
+/* Removes key if present (never fails). */
+void kvr_index_xmap_del(struct idx_xmap *m, uint64_t key);
+/* Frees an empty map, or shrinks a sparse one when memory allows. */
+void kvr_index_xmap_shrink(struct kvr_index *idx, struct idx_xmap *m);
+
+/* ---- holder records and sets (core/index_hold.c).  Context: writer (wlock). */
+static inline bool idx_hold_bit(const struct idx_hold *h, uint32_t pos)
+{
+	if (pos / 64 >= h->nwords)
+		return false;
+	return ((h->nwords == 1 ? h->bm0 : h->bm[pos / 64]) >> (pos % 64)) & 1;
+}
+
+static inline uint32_t idx_hslot(uint64_t w)
+{
+	return (uint32_t)(w >> 32);
+}
+
+/* A new empty record of (run, slot) whose bitmap covers pos, or NULL (no memory). */
+struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
+                                    uint32_t pos);
+/* Frees a record (unlinked from its run and rank, or never linked). */
+void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h);
+/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
+int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
+/* Sets pos (covered by the bitmap); advances the gap-free cut over what follows. */
+void kvr_index_hold_set(struct idx_hold *h, uint32_t pos);
+/* Clears pos; lowers the cut and the top as needed. */
+void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos);
+/* count_copies: room for one more extra copy of pos (0 or KVR_ENOMEM), one more, one fewer
+ * (false when pos has no extra copy). */
+int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
+void kvr_index_copy_inc(struct idx_hold *h, uint32_t pos);
+bool kvr_index_copy_dec(struct idx_hold *h, uint32_t pos);
+/* The slot's record of r, or NULL. */
+struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot);
+/* Mirrors h->cut into its run's holder words (relaxed stores). */
+void kvr_index_publish_cut(struct idx_hold *h);
+/* Publishes r's holder set plus h (cut 0).  Returns 0 or KVR_ENOMEM (unchanged). */
+int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h);
+/* Removes slot from r's holder set; never fails. */
+void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot);
+
+/* ---- runs (core/index_run.c).  Context: writer (wlock). */
+/* A new unpublished run below (parent, off) with room for cap blocks, or NULL. */
+struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent, uint32_t off,
+                                  uint32_t cap, uint64_t first);
+/* Frees a run never published, or one nobody can read any more. */
+void kvr_index_run_free(struct kvr_index *idx, struct idx_run *r);
+/* Room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
+int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more);
+/* Links c into p's child list (p NULL: the root, nothing to link). */
+void kvr_index_link_child(struct idx_run *p, struct idx_run *c);
+/* Links a new record into its rank's list. */
+void kvr_index_rank_link_hold(struct kvr_index *idx, struct idx_hold *h);
+/* Removes an empty record from its run and its rank and frees it. */
+void kvr_index_drop_hold(struct kvr_index *idx, struct idx_hold *h);
+/* Trims r to what its holders and children need; kills it (and re-checks its parent) when
+ * that is nothing.  Never fails. */
+void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r);
+
 #define IDX_RETIRE_BATCH                                                                           \
 	256 /* objects gathered per call_rcu (fewer grace periods, so fewer membarrier IPIs on     \
 	     * the readers' CPUs) */

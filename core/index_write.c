@@ -1,16 +1,22 @@
 /*
- * core/index_write.c - the run index's writer side: stored, removed, cleared events.
+ * core/index_write.c - the run index's events: stored, removed, cleared.
  *
  * Every call takes the index's writer mutex (readers never do), so the table, the runs, the
  * holder sets and the per-rank records below change under one owner at a time.  What a reader
  * may be looking at is changed only by release stores of whole words (a run's len, a holder's
  * cut, a table entry) or by publishing a new copy (holder sets, sequence arrays, table arrays);
- * the old copy goes to the retire batch.  Design essay and invariants: core/index.c.
+ * the old copy goes to the retire batch.  Design essay and invariants: core/index.c; the parts
+ * this file composes: core/index_run.c (runs), core/index_hold.c (holders), core/index_xmap.c
+ * (ext maps).
  *
- * A store applies block by block, each block atomically: first everything that needs memory is
- * obtained (table room, a grown sequence array, a new run, a holder record and set, map room),
- * then it is committed with no failure possible, so KVR_ENOMEM leaves the failing block (and
- * the ones after it) unapplied and the index consistent.  Removals never need memory.
+ * A store walks the chain block by block keeping (run, position) of the previous block, so a
+ * block that extends it is placed without a probe: already there (P_EXISTS / P_HELD), appended
+ * at a run's end with no child there (P_APPEND), re-extending a trimmed run (P_REEXTEND), or a
+ * new child run (P_FORK).  Each block is applied atomically: first everything that needs memory
+ * is obtained (table room, a grown sequence array, a new run, a holder record and set, map
+ * room), then it is committed with no failure possible; on KVR_ENOMEM what the call applied is
+ * removed again, newest first, so a failed write changes nothing.  Removals never need memory:
+ * they clear bits, lower cuts and let kvr_index_run_check trim or free what nobody needs.
  */
 #include <string.h>
 
@@ -19,640 +25,12 @@
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-/* ---------------------------------------------------------------- per-rank maps */
-
-#define XMAP_MIN 16
-
-static inline uint64_t xhome(const struct idx_xmap *m, uint64_t key)
-{
-	uint64_t h = key * 0x9e3779b97f4a7c15ull;
-	return (h ^ (h >> 32)) & m->mask;
-}
-
-static size_t xbytes(uint64_t mask)
-{
-	return (size_t)(mask + 1) * sizeof(struct idx_xent);
-}
-
-/* An entry is in use iff key != val: both maps only hold pairs with ext != seq. */
-static inline bool xused(const struct idx_xent *e)
-{
-	return e->key != e->val;
-}
-
-static bool xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t *val)
-{
-	if (!m->e)
-		return false;
-	for (uint64_t i = xhome(m, key);; i = (i + 1) & m->mask) {
-		if (!xused(&m->e[i]))
-			return false;
-		if (m->e[i].key == key) {
-			if (val)
-				*val = m->e[i].val;
-			return true;
-		}
-	}
-}
-
-static void xmap_put(struct idx_xmap *m, uint64_t key, uint64_t val)
-{
-	uint64_t i = xhome(m, key);
-	while (xused(&m->e[i]))
-		i = (i + 1) & m->mask;
-	m->e[i] = (struct idx_xent){.key = key, .val = val};
-	m->count++;
-}
-
-static int xmap_resize(struct kvr_index *idx, struct idx_xmap *m, uint64_t cap)
-{
-	struct idx_xmap nm = {.mask = cap - 1};
-	nm.e = kvr_calloc(cap, sizeof(struct idx_xent));
-	if (!nm.e)
-		return KVR_ENOMEM;
-	if (m->e) {
-		for (uint64_t i = 0; i <= m->mask; i++)
-			if (xused(&m->e[i]))
-				xmap_put(&nm, m->e[i].key, m->e[i].val);
-		kvr_free(m->e, xbytes(m->mask));
-		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
-	}
-	idx_count(&idx->bytes_rank, (int64_t)xbytes(nm.mask));
-	*m = nm;
-	return 0;
-}
-
-/* Makes room for one more entry at load <= 0.8.  Returns 0 or KVR_ENOMEM. */
-static int xmap_reserve(struct kvr_index *idx, struct idx_xmap *m)
-{
-	uint64_t need = m->count + 1;
-	uint64_t cap = m->e ? m->mask + 1 : 0;
-	if (need * 5 <= cap * 4)
-		return 0;
-	uint64_t ncap = cap ? cap : XMAP_MIN;
-	while (need * 5 > ncap * 4)
-		ncap <<= 1;
-	return xmap_resize(idx, m, ncap);
-}
-
-/* Removes key (backward-shift deletion keeps probes short). */
-static void xmap_del(struct idx_xmap *m, uint64_t key)
-{
-	if (!m->e)
-		return;
-	uint64_t i = xhome(m, key);
-	for (;; i = (i + 1) & m->mask) {
-		if (!xused(&m->e[i]))
-			return;
-		if (m->e[i].key == key)
-			break;
-	}
-	m->e[i] = (struct idx_xent){0, 0};
-	m->count--;
-	for (uint64_t j = (i + 1) & m->mask; xused(&m->e[j]); j = (j + 1) & m->mask) {
-		uint64_t k = xhome(m, m->e[j].key);
-		/* Move e[j] into the hole at i unless its home lies cyclically in (i, j]. */
-		if (((j - k) & m->mask) >= ((j - i) & m->mask)) {
-			m->e[i] = m->e[j];
-			m->e[j] = (struct idx_xent){0, 0};
-			i = j;
-		}
-	}
-}
-
-static void xmap_shrink(struct kvr_index *idx, struct idx_xmap *m)
-{
-	if (!m->e)
-		return;
-	if (m->count == 0) {
-		kvr_free(m->e, xbytes(m->mask));
-		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
-		memset(m, 0, sizeof(*m));
-		return;
-	}
-	uint64_t cap = m->mask + 1;
-	if (cap <= XMAP_MIN || m->count * 8 >= cap)
-		return;
-	uint64_t ncap = XMAP_MIN;
-	while (m->count * 5 > ncap * 2) /* land at load <= 0.4 */
-		ncap <<= 1;
-	(void)xmap_resize(idx, m, ncap); /* on failure keep the big one */
-}
-
-/* ---------------------------------------------------------------- holder records */
-
-static inline bool bit(const struct idx_hold *h, uint32_t pos)
-{
-	if (pos / 64 >= h->nwords)
-		return false;
-	return ((h->nwords == 1 ? h->bm0 : h->bm[pos / 64]) >> (pos % 64)) & 1;
-}
-
-static uint64_t ex_bytes(uint32_t cap)
-{
-	return cap ? sizeof(struct idx_xcopies) + (uint64_t)cap * sizeof(struct idx_xcopy) : 0;
-}
-
-static uint64_t hold_bytes(const struct idx_hold *h)
-{
-	return sizeof(*h) + (h->nwords > 1 ? (uint64_t)h->nwords * 8 : 0) +
-	       ex_bytes(h->ex ? h->ex->cap : 0);
-}
-
-static struct idx_hold *hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
-                                 uint32_t pos)
-{
-	struct idx_hold *h = kvr_alloc(sizeof(*h));
-	if (!h)
-		return NULL;
-	memset(h, 0, sizeof(*h));
-	h->nwords = pos / 64 + 1;
-	if (h->nwords > 1 && !(h->bm = kvr_calloc(h->nwords, 8))) {
-		kvr_free(h, sizeof(*h));
-		return NULL;
-	}
-	h->run = run;
-	h->slot = slot;
-	idx_count(&idx->bytes_rank, (int64_t)hold_bytes(h));
-	return h;
-}
-
-static void hold_free(struct kvr_index *idx, struct idx_hold *h)
-{
-	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
-	if (h->nwords > 1)
-		kvr_free(h->bm, (size_t)h->nwords * 8);
-	if (h->ex)
-		kvr_free(h->ex, ex_bytes(h->ex->cap));
-	kvr_free(h, sizeof(*h));
-}
-
-/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
-static int hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
-{
-	if (pos / 64 < h->nwords)
-		return 0;
-	uint32_t nw = h->nwords * 2 > pos / 64 + 1 ? h->nwords * 2 : pos / 64 + 1;
-	uint64_t *bm = kvr_calloc(nw, 8);
-	if (!bm)
-		return KVR_ENOMEM;
-	memcpy(bm, idx_hold_bm(h), (size_t)h->nwords * 8);
-	idx_count(&idx->bytes_rank, (int64_t)(nw - (h->nwords > 1 ? h->nwords : 0)) * 8);
-	if (h->nwords > 1)
-		kvr_free(h->bm, (size_t)h->nwords * 8);
-	h->bm = bm;
-	h->nwords = nw;
-	return 0;
-}
-
-/* Sets pos (the bitmap covers it); advances the gap-free cut over what follows. */
-static void hold_set(struct idx_hold *h, uint32_t pos)
-{
-	uint64_t *bm = idx_hold_bm(h);
-	bm[pos / 64] |= 1ull << (pos % 64);
-	h->held++;
-	if (pos + 1 > h->top)
-		h->top = pos + 1;
-	if (pos != h->cut)
-		return;
-	uint32_t c = h->cut;
-	while (c / 64 < h->nwords) {
-		uint64_t w = ~(bm[c / 64] >> (c % 64));
-		if (w) {
-			c += (uint32_t)__builtin_ctzll(w);
-			break;
-		}
-		c += 64 - c % 64;
-	}
-	h->cut = c < h->top ? c : h->top;
-}
-
-static void hold_clear(struct idx_hold *h, uint32_t pos)
-{
-	uint64_t *bm = idx_hold_bm(h);
-	bm[pos / 64] &= ~(1ull << (pos % 64));
-	h->held--;
-	if (pos < h->cut)
-		h->cut = pos;
-	if (pos + 1 != h->top)
-		return;
-	uint32_t t = 0;
-	for (uint32_t w = pos / 64 + 1; w-- > 0;)
-		if (bm[w]) {
-			t = w * 64 + 64 - (uint32_t)__builtin_clzll(bm[w]);
-			break;
-		}
-	h->top = t;
-}
-
-/* Copy counts (count_copies): extra copies of a held position. */
-static struct idx_xcopy *ex_find(const struct idx_hold *h, uint32_t pos)
-{
-	if (!h->ex)
-		return NULL;
-	for (uint32_t i = 0; i < h->ex->n; i++)
-		if (h->ex->e[i].pos == pos)
-			return &h->ex->e[i];
-	return NULL;
-}
-
-static int ex_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
-{
-	uint32_t cap = h->ex ? h->ex->cap : 0, n = h->ex ? h->ex->n : 0;
-	if (ex_find(h, pos) || n < cap)
-		return 0;
-	uint32_t nc = cap ? cap * 2 : 2;
-	struct idx_xcopies *e = kvr_alloc(ex_bytes(nc));
-	if (!e)
-		return KVR_ENOMEM;
-	e->n = n;
-	e->cap = nc;
-	if (h->ex) {
-		memcpy(e->e, h->ex->e, (size_t)n * sizeof(struct idx_xcopy));
-		kvr_free(h->ex, ex_bytes(cap));
-	}
-	idx_count(&idx->bytes_rank, (int64_t)(ex_bytes(nc) - ex_bytes(cap)));
-	h->ex = e;
-	return 0;
-}
-
-static void ex_inc(struct idx_hold *h, uint32_t pos)
-{
-	struct idx_xcopy *e = ex_find(h, pos);
-	if (e)
-		e->extra++;
-	else
-		h->ex->e[h->ex->n++] = (struct idx_xcopy){pos, 1};
-}
-
-/* Drops one extra copy of pos; false when pos has none. */
-static bool ex_dec(struct idx_hold *h, uint32_t pos)
-{
-	struct idx_xcopy *e = ex_find(h, pos);
-	if (!e)
-		return false;
-	if (--e->extra == 0)
-		*e = h->ex->e[--h->ex->n];
-	return true;
-}
-
-/* ---------------------------------------------------------------- holder sets */
-
-static inline uint32_t hslot(uint64_t w)
-{
-	return (uint32_t)(w >> 32);
-}
-
-/* Index of the first entry of slot in hs, or -1. */
-static int64_t hs_find(const struct idx_hset *hs, uint32_t slot)
-{
-	if (!hs)
-		return -1;
-	uint32_t lo = 0, hi = hs->n;
-	while (lo < hi) {
-		uint32_t mid = (lo + hi) / 2;
-		if (hslot(hs->e[mid]) < slot)
-			lo = mid + 1;
-		else
-			hi = mid;
-	}
-	return lo < hs->n && hslot(hs->e[lo]) == slot ? (int64_t)lo : -1;
-}
-
-static struct idx_hold *hold_of(const struct idx_run *r, uint32_t slot)
-{
-	int64_t i = hs_find(r->hs, slot);
-	return i < 0 ? NULL : idx_hset_holds(r->hs)[i];
-}
-
-/* Mirrors h->cut into the run's holder words (every duplicate).
- * Ordering: relaxed; a cut covers positions whose content is permanent and whose len was
- * released before (index_match.c credits min(cut, matched)). */
-static void publish_cut(struct idx_hold *h)
-{
-	struct idx_hset *hs = h->run->hs;
-	int64_t i = hs_find(hs, h->slot);
-	if (i < 0)
-		return; /* NEVER */
-	uint64_t w = ((uint64_t)h->slot << 32) | h->cut;
-	for (uint32_t k = (uint32_t)i; k < hs->n && hslot(hs->e[k]) == h->slot; k++)
-		__atomic_store_n(&hs->e[k], w, __ATOMIC_RELAXED);
-}
-
-static struct idx_hset *hs_alloc(struct kvr_index *idx, uint32_t cap)
-{
-	struct idx_hset *hs = kvr_alloc(idx_bytes_hset(cap));
-	if (hs) {
-		hs->cap = cap;
-		hs->n = 0;
-		hs->next_free = NULL;
-		idx_count(&idx->bytes_rank, (int64_t)idx_bytes_hset(cap));
-	}
-	return hs;
-}
-
-static void hs_retire(struct kvr_index *idx, struct idx_hset *hs)
-{
-	if (!hs)
-		return;
-	hs->next_free = idx->rt.sets;
-	idx->rt.sets = hs;
-	idx->rt.n++;
-}
-
-/* Publishes r's holder set plus h (cut 0).  Returns 0 or KVR_ENOMEM (unchanged). */
-static int hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
-{
-	const struct idx_hset *o = r->hs;
-	uint32_t n = o ? o->n : 0;
-	struct idx_hset *hs = hs_alloc(idx, n + 1);
-	if (!hs)
-		return KVR_ENOMEM;
-	struct idx_hold **oh = o ? idx_hset_holds(o) : NULL, **nh = idx_hset_holds(hs);
-	uint32_t k = 0;
-	bool put = false;
-	for (uint32_t i = 0; i < n; i++) {
-		uint64_t w = __atomic_load_n(&o->e[i], __ATOMIC_RELAXED);
-		if (!put && h->slot < hslot(w)) {
-			hs->e[k] = (uint64_t)h->slot << 32;
-			nh[k++] = h;
-			put = true;
-		}
-		if (k > 0 && hslot(hs->e[k - 1]) == hslot(w))
-			continue; /* a duplicate left by hs_del without memory */
-		hs->e[k] = w;
-		nh[k++] = oh[i];
-	}
-	if (!put) {
-		hs->e[k] = (uint64_t)h->slot << 32;
-		nh[k++] = h;
-	}
-	hs->n = k;
-	/* Ordering: release; pairs with the acquire load of r->hs in find_matches. */
-	kvr_rcu_publish(&r->hs, hs);
-	hs_retire(idx, (struct idx_hset *)o);
-	return 0;
-}
-
-/* Removes slot from r's holder set.  Never fails: without memory for the smaller copy, the
- * slot's words are overwritten in place with a neighbour's (one atomic word each). */
-static void hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
-{
-	struct idx_hset *o = r->hs;
-	int64_t at = hs_find(o, slot);
-	if (at < 0)
-		return;
-	uint32_t distinct = 0;
-	for (uint32_t i = 0; i < o->n; i++)
-		if (hslot(o->e[i]) != slot && (i == 0 || hslot(o->e[i - 1]) != hslot(o->e[i])))
-			distinct++;
-	struct idx_hset *hs = NULL;
-	if (distinct > 0) {
-		hs = hs_alloc(idx, distinct);
-		if (!hs) {
-			uint32_t nb = at > 0 ? (uint32_t)at - 1 : UINT32_MAX;
-			if (nb == UINT32_MAX)
-				for (uint32_t i = 0; i < o->n; i++)
-					if (hslot(o->e[i]) != slot) {
-						nb = i;
-						break;
-					}
-			struct idx_hold **oh = idx_hset_holds(o);
-			for (uint32_t i = (uint32_t)at; i < o->n && hslot(o->e[i]) == slot; i++) {
-				oh[i] = oh[nb];
-				__atomic_store_n(&o->e[i], o->e[nb], __ATOMIC_RELAXED);
-			}
-			return;
-		}
-		struct idx_hold **oh = idx_hset_holds(o), **nh = idx_hset_holds(hs);
-		uint32_t k = 0;
-		for (uint32_t i = 0; i < o->n; i++) {
-			if (hslot(o->e[i]) == slot ||
-			    (k > 0 && hslot(hs->e[k - 1]) == hslot(o->e[i])))
-				continue;
-			hs->e[k] = o->e[i];
-			nh[k++] = oh[i];
-		}
-		hs->n = k;
-	}
-	kvr_rcu_publish(&r->hs, hs);
-	hs_retire(idx, o);
-}
-
-/* ---------------------------------------------------------------- runs */
-
-/* Retires r's sequence array if it has its own allocation. */
-static void seqs_retire(struct kvr_index *idx, struct idx_run *r)
-{
-	if (idx_seqs_inline(r))
-		return;
-	struct idx_seqs *q = idx_seqs_hdr(r->seqs);
-	q->next_free = idx->rt.seqs;
-	idx->rt.seqs = q;
-	idx->rt.n++;
-}
-
-static uint64_t run_bytes(const struct idx_run *r)
-{
-	return sizeof(*r) + (idx_seqs_inline(r) ? 0 : idx_bytes_seqs(idx_run_cap(r)));
-}
-
-/* A new run below (parent, off) with room for cap blocks (one-block runs keep their hash in
- * the header: no second allocation). */
-static struct idx_run *run_new(struct kvr_index *idx, struct idx_run *parent, uint32_t off,
-                               uint32_t cap, uint64_t first)
-{
-	struct idx_run *r = kvr_alloc_aligned(sizeof(*r));
-	if (!r)
-		return NULL;
-	struct idx_seqs *q = NULL;
-	if (cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) {
-		kvr_free_aligned(r, sizeof(*r));
-		return NULL;
-	}
-	if ((uintptr_t)r & ~IDX_PTR_MASK) { /* NEVER: user space is below 2^49 */
-		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
-		kvr_free_aligned(r, sizeof(*r));
-		return NULL;
-	}
-	memset(r, 0, sizeof(*r));
-	r->first = first;
-	if (q) {
-		q->cap = cap;
-		q->next_free = NULL;
-		q->s[0] = first;
-		r->seqs = q->s;
-	} else {
-		r->seqs = &r->first;
-	}
-	r->parent = parent;
-	r->off = off;
-	r->hw = 1;
-	idx_count(&idx->bytes_shared, (int64_t)run_bytes(r));
-	return r;
-}
-
-/* Frees a run never published, or (destroy) one nobody can read any more. */
-static void run_free(struct kvr_index *idx, struct idx_run *r)
-{
-	idx_count(&idx->bytes_shared, -(int64_t)run_bytes(r));
-	if (!idx_seqs_inline(r))
-		kvr_free(idx_seqs_hdr(r->seqs), idx_bytes_seqs(idx_run_cap(r)));
-	kvr_free_aligned(r, sizeof(*r));
-}
-
-/* Makes room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
-static int run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
-{
-	uint32_t ocap = idx_run_cap(r);
-	if (r->hw < ocap)
-		return 0;
-	uint64_t cap = (uint64_t)r->hw + (more > 1 ? more : 1);
-	if (cap < (uint64_t)r->hw + r->hw / 4 + 1) /* geometric: amortised O(1) per block */
-		cap = (uint64_t)r->hw + r->hw / 4 + 1;
-	if (cap > IDX_RUN_MAX)
-		cap = IDX_RUN_MAX;
-	struct idx_seqs *q = kvr_alloc(idx_bytes_seqs((uint32_t)cap));
-	if (!q)
-		return KVR_ENOMEM;
-	q->cap = (uint32_t)cap;
-	q->next_free = NULL;
-	memcpy(q->s, r->seqs, (size_t)r->hw * sizeof(uint64_t));
-	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_seqs(q->cap));
-	seqs_retire(idx, r);
-	/* Ordering: release; pairs with the acquire load of seqs in find_matches (which loads
-	 * len first: a len covering new positions was stored after this publish). */
-	kvr_rcu_publish(&r->seqs, q->s);
-	return 0;
-}
-
-static void link_child(struct idx_run *p, struct idx_run *c)
-{
-	if (!p)
-		return;
-	c->sib_prev = NULL;
-	c->sib = p->child;
-	if (p->child)
-		p->child->sib_prev = c;
-	p->child = c;
-	if (c->off > p->max_child_off)
-		p->max_child_off = c->off;
-}
-
-/* O(1); p->max_child_off stays an upper bound until run_check() needs it exact. */
-static void unlink_child(struct idx_run *p, struct idx_run *c)
-{
-	if (!p)
-		return;
-	if (c->sib_prev)
-		c->sib_prev->sib = c->sib;
-	else
-		p->child = c->sib;
-	if (c->sib)
-		c->sib->sib_prev = c->sib_prev;
-}
-
-static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
-{
-	struct idx_rank *rk = &idx->rank[h->slot];
-	if (h->prev)
-		h->prev->next = h->next;
-	else
-		rk->holds = h->next;
-	if (h->next)
-		h->next->prev = h->prev;
-}
-
-static void rank_link_hold(struct kvr_index *idx, struct idx_hold *h)
-{
-	struct idx_rank *rk = &idx->rank[h->slot];
-	h->prev = NULL;
-	h->next = rk->holds;
-	if (rk->holds)
-		rk->holds->prev = h;
-	rk->holds = h;
-}
-
-/* Removes an empty holder record from its run and its rank. */
-static void drop_hold(struct kvr_index *idx, struct idx_hold *h)
-{
-	rank_unlink_hold(idx, h);
-	hs_del(idx, h->run, h->slot);
-	hold_free(idx, h);
-}
-
-/* Trims r to what its holders and children need, killing it (and re-checking its parent)
- * when that is nothing.  Never fails. */
-static void run_check(struct kvr_index *idx, struct idx_run *r)
-{
-	while (r) {
-		uint32_t need = 0;
-		const struct idx_hset *hs = r->hs;
-		if (hs) {
-			struct idx_hold **hh = idx_hset_holds(hs);
-			for (uint32_t i = 0; i < hs->n; i++)
-				if (hh[i]->top > need)
-					need = hh[i]->top;
-		}
-		if (need >= r->len)
-			return;
-		if (r->max_child_off > need) { /* the bound may be stale: make it exact */
-			r->max_child_off = 0;
-			for (const struct idx_run *k = r->child; k; k = k->sib)
-				if (k->off > r->max_child_off)
-					r->max_child_off = k->off;
-		}
-		if (r->max_child_off > need)
-			need = r->max_child_off;
-		if (need >= r->len)
-			return;
-		/* Trim in O(1): the trimmed positions keep their table entries (a re-store finds
-		 * them, removals find no holder there) until the run dies.
-		 * Ordering: release; readers that still see the old len compare permanent content.
-		 */
-		idx_count(&idx->c_nodes, -(int64_t)(r->len - need));
-		__atomic_store_n(&r->len, (uint16_t)need, __ATOMIC_RELEASE);
-		if (need > 0)
-			return;
-		for (uint32_t q = 0; q < r->hw; q++)
-			kvr_index_tab_delete(idx, r->seqs[q], r, q);
-		/* Dead: nobody holds a position and no child hangs below. */
-		while (r->hs) {
-			struct idx_hold *h = idx_hset_holds(r->hs)[0];
-			drop_hold(idx, h); /* NEVER reached with a non-empty record */
-		}
-		struct idx_run *p = r->parent;
-		unlink_child(p, r);
-		seqs_retire(idx, r);
-		r->child = idx->rt.runs;
-		idx->rt.runs = r;
-		idx->rt.n++;
-		r = p;
-	}
-}
-
-void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
-{
-	struct idx_hset *hs = r->hs;
-	if (hs) {
-		struct idx_hold **hh = idx_hset_holds(hs);
-		for (uint32_t i = 0; i < hs->n; i++)
-			if (i == 0 || hh[i] != hh[i - 1])
-				hold_free(idx, hh[i]);
-		idx_count(&idx->bytes_rank, -(int64_t)idx_bytes_hset(hs->cap));
-		kvr_free(hs, idx_bytes_hset(hs->cap));
-	}
-	run_free(idx, r);
-}
-
-/* ---------------------------------------------------------------- events */
-
 /* After removals from (r, h): drops the record when empty, trims / kills the run. */
 static void settle(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
 {
 	if (h->held == 0)
-		drop_hold(idx, h);
-	run_check(idx, r);
+		kvr_index_drop_hold(idx, h);
+	kvr_index_run_check(idx, r);
 }
 
 static void flush_if_due(struct kvr_index *idx)
@@ -665,9 +43,9 @@ static void flush_if_due(struct kvr_index *idx)
  * unknown, or ext is the sequence hash of a block the rank holds under another ext). */
 static bool ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
 {
-	if (xmap_get(&rk->xmap, ext, seq))
+	if (idx_xmap_get(&rk->xmap, ext, seq))
 		return true;
-	if (xmap_get(&rk->rmap, ext, NULL))
+	if (idx_xmap_get(&rk->rmap, ext, NULL))
 		return false;
 	*seq = ext;
 	return true;
@@ -708,10 +86,10 @@ static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, 
 	uint32_t pos;
 	if (idx->tsize[slot] == rk->xmap.count) /* every held block is aliased: nothing plain */
 		return false;
-	if (xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, &r, &pos))
+	if (idx_xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, &r, &pos))
 		return false;
-	const struct idx_hold *h = hold_of(r, slot);
-	return h && bit(h, pos);
+	const struct idx_hold *h = kvr_index_hold_of(r, slot);
+	return h && idx_hold_bit(h, pos);
 }
 
 static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
@@ -745,7 +123,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	if (has_prev) {
 		prev = *parent_ext;
 		if (!ext_to_seq(rk, prev, &pseq) || !locate(idx, pseq, &R, &p) ||
-		    !(h = hold_of(R, slot)) || !bit(h, p)) {
+		    !(h = kvr_index_hold_of(R, slot)) || !idx_hold_bit(h, p)) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
 			goto out;
@@ -775,7 +153,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		}
 		const bool alias = e != s;
 		uint64_t mapped;
-		bool via_e = xmap_get(&rk->xmap, e, &mapped);
+		bool via_e = idx_xmap_get(&rk->xmap, e, &mapped);
 		if (via_e && (!alias || mapped != s)) {
 			rc = KVR_EINVAL; /* e names another block of the rank */
 			break;
@@ -819,21 +197,21 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		}
 		struct idx_hold *ch = NULL; /* slot's record of the block's run */
 		if (pl == P_EXISTS) {
-			ch = C == R ? h : hold_of(C, slot);
-			if (ch && bit(ch, q))
+			ch = C == R ? h : kvr_index_hold_of(C, slot);
+			if (ch && idx_hold_bit(ch, q))
 				pl = P_HELD;
 		}
 		if (pl == P_HELD) {
-			if (!via_e && (alias || xmap_get(&rk->rmap, s, NULL))) {
+			if (!via_e && (alias || idx_xmap_get(&rk->rmap, s, NULL))) {
 				rc = KVR_EINVAL; /* held under another ext hash */
 				break;
 			}
 			if (idx->count_copies) {
-				if (ex_reserve(idx, ch, q) != 0) {
+				if (kvr_index_copy_reserve(idx, ch, q) != 0) {
 					rc = KVR_ENOMEM;
 					break;
 				}
-				ex_inc(ch, q);
+				kvr_index_copy_inc(ch, q);
 				copies++;
 				applied[napplied++] = e;
 			}
@@ -849,7 +227,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			break;
 		}
 		/* Obtain everything that needs memory; nothing visible changes before commit. */
-		if (alias && (xmap_reserve(idx, &rk->xmap) || xmap_reserve(idx, &rk->rmap))) {
+		if (alias && (kvr_index_xmap_reserve(idx, &rk->xmap) ||
+		              kvr_index_xmap_reserve(idx, &rk->rmap))) {
 			rc = KVR_ENOMEM;
 			break;
 		}
@@ -857,7 +236,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_ENOMEM;
 			break;
 		}
-		if (pl == P_APPEND && run_grow(idx, R, n - i) != 0) {
+		if (pl == P_APPEND && kvr_index_run_grow(idx, R, n - i) != 0) {
 			kvr_index_tab_unreserve(idx, s);
 			rc = KVR_ENOMEM;
 			break;
@@ -865,7 +244,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		struct idx_run *nr = NULL;
 		if (pl == P_FORK) {
 			size_t cap = n - i < IDX_RUN_MAX ? n - i : IDX_RUN_MAX;
-			nr = run_new(idx, R, R ? p + 1 : 0, (uint32_t)cap, s);
+			nr = kvr_index_run_new(idx, R, R ? p + 1 : 0, (uint32_t)cap, s);
 			if (!nr) {
 				kvr_index_tab_unreserve(idx, s);
 				rc = KVR_ENOMEM;
@@ -880,14 +259,14 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		}
 		bool new_hold = false;
 		if (ch) {
-			if (hold_reserve(idx, ch, q) != 0) {
+			if (kvr_index_hold_reserve(idx, ch, q) != 0) {
 				rc = KVR_ENOMEM;
 			}
 		} else {
-			ch = hold_new(idx, C, slot, q);
-			if (!ch || hs_add(idx, C, ch) != 0) {
+			ch = kvr_index_hold_new(idx, C, slot, q);
+			if (!ch || kvr_index_hs_add(idx, C, ch) != 0) {
 				if (ch)
-					hold_free(idx, ch);
+					kvr_index_hold_free(idx, ch);
 				rc = KVR_ENOMEM;
 			}
 			new_hold = true;
@@ -901,7 +280,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 					          -(int64_t)idx_bytes_hset(nr->hs->cap));
 					kvr_free(nr->hs, idx_bytes_hset(nr->hs->cap));
 				}
-				run_free(idx, nr);
+				kvr_index_run_free(idx, nr);
 			}
 			break;
 		}
@@ -909,7 +288,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		switch (pl) {
 		case P_FORK:
 			nr->len = 1;
-			link_child(R, nr);
+			kvr_index_link_child(R, nr);
 			kvr_index_tab_insert(idx, s, nr, 0);
 			break;
 		case P_APPEND:
@@ -927,16 +306,16 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		if (pl != P_EXISTS)
 			idx_count(&idx->c_nodes, 1);
 		if (new_hold)
-			rank_link_hold(idx, ch);
-		hold_set(ch, q);
+			kvr_index_rank_link_hold(idx, ch);
+		kvr_index_hold_set(ch, q);
 		if (pub != ch) { /* cuts are published once per run and call */
 			if (pub)
-				publish_cut(pub);
+				kvr_index_publish_cut(pub);
 			pub = ch;
 		}
 		if (alias) {
-			xmap_put(&rk->xmap, e, s);
-			xmap_put(&rk->rmap, s, e);
+			kvr_index_xmap_put(&rk->xmap, e, s);
+			kvr_index_xmap_put(&rk->rmap, s, e);
 		}
 		added++;
 		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] + 1, __ATOMIC_RELAXED);
@@ -949,15 +328,15 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	}
 out:
 	if (pub)
-		publish_cut(pub);
+		kvr_index_publish_cut(pub);
 	if (rc == KVR_ENOMEM && napplied) {
 		/* A failed write changes nothing: take back what this call applied, newest
 		 * first (a removal never needs memory). */
 		size_t removed = 0, dropped = 0;
 		for (size_t i = napplied; i-- > 0;)
 			remove_locked(idx, rk, slot, &applied[i], 1, &removed, &dropped);
-		xmap_shrink(idx, &rk->xmap);
-		xmap_shrink(idx, &rk->rmap);
+		kvr_index_xmap_shrink(idx, &rk->xmap);
+		kvr_index_xmap_shrink(idx, &rk->rmap);
 		added = copies = 0;
 	}
 	if (rc == KVR_EINVAL)
@@ -996,8 +375,8 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 			nf++;
 			continue;
 		}
-		struct idx_hold *ch = C == R ? h : hold_of(C, slot);
-		if (!ch || !bit(ch, q)) {
+		struct idx_hold *ch = C == R ? h : kvr_index_hold_of(C, slot);
+		if (!ch || !idx_hold_bit(ch, q)) {
 			nf++;
 			continue;
 		}
@@ -1009,17 +388,17 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		}
 		p = q;
 		(*removed)++;
-		if (idx->count_copies && ex_dec(h, q))
+		if (idx->count_copies && kvr_index_copy_dec(h, q))
 			continue; /* one copy of several goes: the block stays */
 		uint32_t cut0 = h->cut;
-		hold_clear(h, q);
+		kvr_index_hold_clear(h, q);
 		if (h->cut != cut0)
-			publish_cut(h);
+			kvr_index_publish_cut(h);
 		(*dropped)++;
 		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - 1, __ATOMIC_RELAXED);
 		if (s != ext[i]) {
-			xmap_del(&rk->xmap, ext[i]);
-			xmap_del(&rk->rmap, s);
+			kvr_index_xmap_del(&rk->xmap, ext[i]);
+			kvr_index_xmap_del(&rk->rmap, s);
 		}
 	}
 	if (R)
@@ -1044,8 +423,8 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 	size_t removed = 0, dropped = 0;
 	size_t nf = remove_locked(idx, rk, slot, ext, n, &removed, &dropped);
 	if (dropped) {
-		xmap_shrink(idx, &rk->xmap);
-		xmap_shrink(idx, &rk->rmap);
+		kvr_index_xmap_shrink(idx, &rk->xmap);
+		kvr_index_xmap_shrink(idx, &rk->rmap);
 	}
 	if (nf)
 		idx_count(&idx->c_block_nf, (int64_t)nf);
@@ -1072,15 +451,15 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 			removed += h->ex->e[i].extra;
 		memset(idx_hold_bm(h), 0, (size_t)h->nwords * 8);
 		h->held = h->cut = h->top = 0;
-		publish_cut(h);
-		drop_hold(idx, h);
-		run_check(idx, r);
+		kvr_index_publish_cut(h);
+		kvr_index_drop_hold(idx, h);
+		kvr_index_run_check(idx, r);
 		if (idx->rt.n >= IDX_RETIRE_BATCH * 16)
 			kvr_index_retire_flush(idx, &idx->rt);
 	}
 	rk->xmap.count = rk->rmap.count = 0;
-	xmap_shrink(idx, &rk->xmap);
-	xmap_shrink(idx, &rk->rmap);
+	kvr_index_xmap_shrink(idx, &rk->xmap);
+	kvr_index_xmap_shrink(idx, &rk->rmap);
 	__atomic_store_n(&idx->tsize[slot], 0, __ATOMIC_RELAXED);
 	idx_count(&idx->c_removed, (int64_t)removed);
 	idx_count(&idx->c_copies, -(int64_t)removed);
@@ -1135,7 +514,7 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
 				uint64_t s = h->run->seqs[pos], e = s;
-				xmap_get(&rk->rmap, s, &e);
+				idx_xmap_get(&rk->rmap, s, &e);
 				if (out && n < cap)
 					out[n] = e;
 				n++;

@@ -1,0 +1,314 @@
+/*
+ * core/index_hold.c - the run index's holders: per-(rank, run) records and per-run holder sets.
+ *
+ * A record (struct idx_hold, writer-only) keeps a bitmap of the positions of one run one rank
+ * holds, so an interior removal (a hole) only clears a bit and never needs memory; from it follow
+ * the gap-free prefix CUT, the top (highest held position + 1) and the count.  With
+ * count_copies, positions held more than once carry an extra-copy count in a small side array.
+ *
+ * A holder set (struct idx_hset) is what readers see of a run's holders: one word per rank,
+ * slot << 32 | cut, sorted by slot, copy-on-write when a rank joins or leaves (the old set goes
+ * to the retire batch), cut changes stored in place.  A leave without memory for the smaller
+ * copy overwrites the rank's word with a neighbour's: readers skip adjacent duplicates and take
+ * the largest cut, writers keep duplicates equal, the next join or leave compacts them.
+ *
+ * Ordering: cuts are relaxed stores; a cut only covers positions whose content is permanent and
+ * whose run len was released before (core/index_match.c credits min(cut, matched)).  Sets are
+ * published with a release (kvr_rcu_publish), paired with the acquire load in find_matches.
+ * Context: every function here runs under the index's writer mutex.
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/index_internal.h"
+#include "kvrouter.h"
+
+/* ---------------------------------------------------------------- holder records */
+
+static uint64_t ex_bytes(uint32_t cap)
+{
+	return cap ? sizeof(struct idx_xcopies) + (uint64_t)cap * sizeof(struct idx_xcopy) : 0;
+}
+
+static uint64_t hold_bytes(const struct idx_hold *h)
+{
+	return sizeof(*h) + (h->nwords > 1 ? (uint64_t)h->nwords * 8 : 0) +
+	       ex_bytes(h->ex ? h->ex->cap : 0);
+}
+
+struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
+                                    uint32_t pos)
+{
+	struct idx_hold *h = kvr_alloc(sizeof(*h));
+	if (!h)
+		return NULL;
+	memset(h, 0, sizeof(*h));
+	h->nwords = pos / 64 + 1;
+	if (h->nwords > 1 && !(h->bm = kvr_calloc(h->nwords, 8))) {
+		kvr_free(h, sizeof(*h));
+		return NULL;
+	}
+	h->run = run;
+	h->slot = slot;
+	idx_count(&idx->bytes_rank, (int64_t)hold_bytes(h));
+	return h;
+}
+
+void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h)
+{
+	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
+	if (h->nwords > 1)
+		kvr_free(h->bm, (size_t)h->nwords * 8);
+	if (h->ex)
+		kvr_free(h->ex, ex_bytes(h->ex->cap));
+	kvr_free(h, sizeof(*h));
+}
+
+/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
+int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
+{
+	if (pos / 64 < h->nwords)
+		return 0;
+	uint32_t nw = h->nwords * 2 > pos / 64 + 1 ? h->nwords * 2 : pos / 64 + 1;
+	uint64_t *bm = kvr_calloc(nw, 8);
+	if (!bm)
+		return KVR_ENOMEM;
+	memcpy(bm, idx_hold_bm(h), (size_t)h->nwords * 8);
+	idx_count(&idx->bytes_rank, (int64_t)(nw - (h->nwords > 1 ? h->nwords : 0)) * 8);
+	if (h->nwords > 1)
+		kvr_free(h->bm, (size_t)h->nwords * 8);
+	h->bm = bm;
+	h->nwords = nw;
+	return 0;
+}
+
+/* Sets pos (the bitmap covers it); advances the gap-free cut over what follows. */
+void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
+{
+	uint64_t *bm = idx_hold_bm(h);
+	bm[pos / 64] |= 1ull << (pos % 64);
+	h->held++;
+	if (pos + 1 > h->top)
+		h->top = pos + 1;
+	if (pos != h->cut)
+		return;
+	uint32_t c = h->cut;
+	while (c / 64 < h->nwords) {
+		uint64_t w = ~(bm[c / 64] >> (c % 64));
+		if (w) {
+			c += (uint32_t)__builtin_ctzll(w);
+			break;
+		}
+		c += 64 - c % 64;
+	}
+	h->cut = c < h->top ? c : h->top;
+}
+
+void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)
+{
+	uint64_t *bm = idx_hold_bm(h);
+	bm[pos / 64] &= ~(1ull << (pos % 64));
+	h->held--;
+	if (pos < h->cut)
+		h->cut = pos;
+	if (pos + 1 != h->top)
+		return;
+	uint32_t t = 0;
+	for (uint32_t w = pos / 64 + 1; w-- > 0;)
+		if (bm[w]) {
+			t = w * 64 + 64 - (uint32_t)__builtin_clzll(bm[w]);
+			break;
+		}
+	h->top = t;
+}
+
+/* Copy counts (count_copies): extra copies of a held position. */
+static struct idx_xcopy *ex_find(const struct idx_hold *h, uint32_t pos)
+{
+	if (!h->ex)
+		return NULL;
+	for (uint32_t i = 0; i < h->ex->n; i++)
+		if (h->ex->e[i].pos == pos)
+			return &h->ex->e[i];
+	return NULL;
+}
+
+int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
+{
+	uint32_t cap = h->ex ? h->ex->cap : 0, n = h->ex ? h->ex->n : 0;
+	if (ex_find(h, pos) || n < cap)
+		return 0;
+	uint32_t nc = cap ? cap * 2 : 2;
+	struct idx_xcopies *e = kvr_alloc(ex_bytes(nc));
+	if (!e)
+		return KVR_ENOMEM;
+	e->n = n;
+	e->cap = nc;
+	if (h->ex) {
+		memcpy(e->e, h->ex->e, (size_t)n * sizeof(struct idx_xcopy));
+		kvr_free(h->ex, ex_bytes(cap));
+	}
+	idx_count(&idx->bytes_rank, (int64_t)(ex_bytes(nc) - ex_bytes(cap)));
+	h->ex = e;
+	return 0;
+}
+
+void kvr_index_copy_inc(struct idx_hold *h, uint32_t pos)
+{
+	struct idx_xcopy *e = ex_find(h, pos);
+	if (e)
+		e->extra++;
+	else
+		h->ex->e[h->ex->n++] = (struct idx_xcopy){pos, 1};
+}
+
+/* Drops one extra copy of pos; false when pos has none. */
+bool kvr_index_copy_dec(struct idx_hold *h, uint32_t pos)
+{
+	struct idx_xcopy *e = ex_find(h, pos);
+	if (!e)
+		return false;
+	if (--e->extra == 0)
+		*e = h->ex->e[--h->ex->n];
+	return true;
+}
+
+/* ---------------------------------------------------------------- holder sets */
+
+/* Index of the first entry of slot in hs, or -1. */
+static int64_t hs_find(const struct idx_hset *hs, uint32_t slot)
+{
+	if (!hs)
+		return -1;
+	uint32_t lo = 0, hi = hs->n;
+	while (lo < hi) {
+		uint32_t mid = (lo + hi) / 2;
+		if (idx_hslot(hs->e[mid]) < slot)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo < hs->n && idx_hslot(hs->e[lo]) == slot ? (int64_t)lo : -1;
+}
+
+struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot)
+{
+	int64_t i = hs_find(r->hs, slot);
+	return i < 0 ? NULL : idx_hset_holds(r->hs)[i];
+}
+
+/* Mirrors h->cut into the run's holder words (every duplicate).
+ * Ordering: relaxed; a cut covers positions whose content is permanent and whose len was
+ * released before (index_match.c credits min(cut, matched)). */
+void kvr_index_publish_cut(struct idx_hold *h)
+{
+	struct idx_hset *hs = h->run->hs;
+	int64_t i = hs_find(hs, h->slot);
+	if (i < 0)
+		return; /* NEVER */
+	uint64_t w = ((uint64_t)h->slot << 32) | h->cut;
+	for (uint32_t k = (uint32_t)i; k < hs->n && idx_hslot(hs->e[k]) == h->slot; k++)
+		__atomic_store_n(&hs->e[k], w, __ATOMIC_RELAXED);
+}
+
+static struct idx_hset *hs_alloc(struct kvr_index *idx, uint32_t cap)
+{
+	struct idx_hset *hs = kvr_alloc(idx_bytes_hset(cap));
+	if (hs) {
+		hs->cap = cap;
+		hs->n = 0;
+		hs->next_free = NULL;
+		idx_count(&idx->bytes_rank, (int64_t)idx_bytes_hset(cap));
+	}
+	return hs;
+}
+
+static void hs_retire(struct kvr_index *idx, struct idx_hset *hs)
+{
+	if (!hs)
+		return;
+	hs->next_free = idx->rt.sets;
+	idx->rt.sets = hs;
+	idx->rt.n++;
+}
+
+/* Publishes r's holder set plus h (cut 0).  Returns 0 or KVR_ENOMEM (unchanged). */
+int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
+{
+	const struct idx_hset *o = r->hs;
+	uint32_t n = o ? o->n : 0;
+	struct idx_hset *hs = hs_alloc(idx, n + 1);
+	if (!hs)
+		return KVR_ENOMEM;
+	struct idx_hold **oh = o ? idx_hset_holds(o) : NULL, **nh = idx_hset_holds(hs);
+	uint32_t k = 0;
+	bool put = false;
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t w = __atomic_load_n(&o->e[i], __ATOMIC_RELAXED);
+		if (!put && h->slot < idx_hslot(w)) {
+			hs->e[k] = (uint64_t)h->slot << 32;
+			nh[k++] = h;
+			put = true;
+		}
+		if (k > 0 && idx_hslot(hs->e[k - 1]) == idx_hslot(w))
+			continue; /* a duplicate left by hs_del without memory */
+		hs->e[k] = w;
+		nh[k++] = oh[i];
+	}
+	if (!put) {
+		hs->e[k] = (uint64_t)h->slot << 32;
+		nh[k++] = h;
+	}
+	hs->n = k;
+	/* Ordering: release; pairs with the acquire load of r->hs in find_matches. */
+	kvr_rcu_publish(&r->hs, hs);
+	hs_retire(idx, (struct idx_hset *)o);
+	return 0;
+}
+
+/* Removes slot from r's holder set.  Never fails: without memory for the smaller copy, the
+ * slot's words are overwritten in place with a neighbour's (one atomic word each). */
+void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
+{
+	struct idx_hset *o = r->hs;
+	int64_t at = hs_find(o, slot);
+	if (at < 0)
+		return;
+	uint32_t distinct = 0;
+	for (uint32_t i = 0; i < o->n; i++)
+		if (idx_hslot(o->e[i]) != slot &&
+		    (i == 0 || idx_hslot(o->e[i - 1]) != idx_hslot(o->e[i])))
+			distinct++;
+	struct idx_hset *hs = NULL;
+	if (distinct > 0) {
+		hs = hs_alloc(idx, distinct);
+		if (!hs) {
+			uint32_t nb = at > 0 ? (uint32_t)at - 1 : UINT32_MAX;
+			if (nb == UINT32_MAX)
+				for (uint32_t i = 0; i < o->n; i++)
+					if (idx_hslot(o->e[i]) != slot) {
+						nb = i;
+						break;
+					}
+			struct idx_hold **oh = idx_hset_holds(o);
+			for (uint32_t i = (uint32_t)at; i < o->n && idx_hslot(o->e[i]) == slot;
+			     i++) {
+				oh[i] = oh[nb];
+				__atomic_store_n(&o->e[i], o->e[nb], __ATOMIC_RELAXED);
+			}
+			return;
+		}
+		struct idx_hold **oh = idx_hset_holds(o), **nh = idx_hset_holds(hs);
+		uint32_t k = 0;
+		for (uint32_t i = 0; i < o->n; i++) {
+			if (idx_hslot(o->e[i]) == slot ||
+			    (k > 0 && idx_hslot(hs->e[k - 1]) == idx_hslot(o->e[i])))
+				continue;
+			hs->e[k] = o->e[i];
+			nh[k++] = oh[i];
+		}
+		hs->n = k;
+	}
+	kvr_rcu_publish(&r->hs, hs);
+	hs_retire(idx, o);
+}
