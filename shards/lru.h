@@ -166,12 +166,21 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
                         struct kvr_lru_heal *res, struct kvr_lru_out *out);
 
 /* The engine holds `resident` blocks: the oldest inactive copies go until the prediction holds
- * no more (it may hold fewer: the engine's other blocks are unknown).  *evicted (may be NULL)
- * counts them.  resident above the capacity proves the capacity under-registered: the capacity
- * becomes resident (nothing is evicted; *raised, may be NULL, says so).  0, KVR_EINVAL,
- * KVR_ENOMEM (nothing changed). */
-int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t *evicted, bool *raised,
-                          struct kvr_lru_out *out);
+ * no more than resident + unallocated (it may hold fewer: the engine's other blocks are
+ * unknown).  unallocated: blocks the prediction holds that the engine cannot have allocated yet
+ * (kvr_lru_lease_unallocated of the leases whose prefill has not finished: a routed request
+ * waiting in the engine's queue, or part way through a chunked prefill); without it a queue
+ * in front of the engine makes the rule evict copies the engine still holds.  *evicted (may be
+ * NULL) counts them.  resident above the capacity proves the capacity under-registered: the
+ * capacity becomes resident (nothing is evicted; *raised, may be NULL, says so).  0,
+ * KVR_EINVAL, KVR_ENOMEM (nothing changed). */
+int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unallocated,
+                          uint64_t *evicted, bool *raised, struct kvr_lru_out *out);
+
+/* The blocks the attempt's acquire added to the prediction (its prompt blocks that were not
+ * present, and its private block): what the engine allocates for it only when it schedules the
+ * prefill.  0 when the attempt holds no lease.  O(1). */
+uint64_t kvr_lru_lease_unallocated(const struct kvr_lru *lru, uint64_t attempt);
 
 /* The engine's oldest resident block is seq: every inactive copy ordered before its inactive
  * copy nearest the head (including the deeper blocks of its segment) is evicted.  O(blocks

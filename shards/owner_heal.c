@@ -64,6 +64,19 @@ int kvr_owner_cached_call(struct kvr_shard *sh, void *arg)
 	return 0;
 }
 
+/* Blocks the prediction holds for the rank's attempts whose prefill has not finished (no first
+ * token or output reported): the engine has not allocated them yet (see kvr_lru_heal_resident).
+ * O(live attempts on the rank). */
+static uint64_t unallocated(const struct kvr_rank_owned *own)
+{
+	uint64_t n = 0;
+	for (const struct kvr_attempt *a = own->attempts; a; a = a->next)
+		if (a->booked && a->in_prefill && a->incarnation == own->incarnation)
+			n +=
+			    kvr_rank_state_lease_unallocated(own->rs, own->incarnation, a->attempt);
+	return n;
+}
+
 int kvr_owner_observe_call(struct kvr_shard *sh, void *arg)
 {
 	struct kvr_heal_args *a = arg;
@@ -98,7 +111,7 @@ int kvr_owner_observe_call(struct kvr_shard *sh, void *arg)
 	if (obs->flags & KVR_OBSERVE_RESIDENT) {
 		bool raised = false;
 		rc = kvr_rank_state_heal_resident(own->rs, own->incarnation, obs->resident_blocks,
-		                                  &ev, &raised, &ss->out);
+		                                  unallocated(own), &ev, &raised, &ss->out);
 		if (rc)
 			return rc; /* the watermark part stays applied: it was true on its own */
 		if (raised)

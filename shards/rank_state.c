@@ -199,7 +199,8 @@ int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, 
 }
 
 int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t resident,
-                                 uint64_t *evicted, bool *raised, struct kvr_lru_out *out)
+                                 uint64_t unallocated, uint64_t *evicted, bool *raised,
+                                 struct kvr_lru_out *out)
 {
 	if (!rs || !out)
 		return KVR_EINVAL;
@@ -212,8 +213,16 @@ int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation
 	if (rc)
 		return rc;
 	return rs->mode == KVR_RANK_LRU
-	           ? kvr_lru_heal_resident(rs->lru, resident, evicted, raised, out)
+	           ? kvr_lru_heal_resident(rs->lru, resident, unallocated, evicted, raised, out)
 	           : 0;
+}
+
+uint64_t kvr_rank_state_lease_unallocated(const struct kvr_rank_state *rs, uint64_t incarnation,
+                                          uint64_t attempt)
+{
+	if (!rs || rs->mode != KVR_RANK_LRU || fence(rs, incarnation))
+		return 0;
+	return kvr_lru_lease_unallocated(rs->lru, attempt);
 }
 
 int kvr_rank_state_heal_watermark(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t seq,

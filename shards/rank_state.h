@@ -86,7 +86,11 @@ int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, 
                                uint32_t true_depth, struct kvr_lru_heal *res,
                                struct kvr_lru_out *out);
 int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t resident,
-                                 uint64_t *evicted, bool *raised, struct kvr_lru_out *out);
+                                 uint64_t unallocated, uint64_t *evicted, bool *raised,
+                                 struct kvr_lru_out *out);
+/* kvr_lru_lease_unallocated in LRU mode; 0 otherwise or when absent / another incarnation. */
+uint64_t kvr_rank_state_lease_unallocated(const struct kvr_rank_state *rs, uint64_t incarnation,
+                                          uint64_t attempt);
 /* KVR_ENOENT also when no inactive copy of seq is predicted (nothing changed). */
 int kvr_rank_state_heal_watermark(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t seq,
                                   uint64_t *evicted, struct kvr_lru_out *out);

@@ -125,6 +125,8 @@ static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign
 			b[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
 		size_t cached = ref_lru_overlap(eng, seq, n);
 		cr_assert_eq(ref_lru_acquire(eng, eng_id, b, n, 0, &eo), 0);
+		/* This engine prefills at admission: the first token is out before the next step. */
+		cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
 		if (feedback) {
 			cr_assert_eq(kvr_request_cached(r, d.attempt, cached * BS), 0);
 		}
@@ -337,5 +339,50 @@ Test(heal, under_registered_capacity_is_raised)
 	ob.resident_blocks = 10;
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
 	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 1, "12 is the capacity now");
+	kvr_router_destroy(r);
+}
+
+/* A routed request the engine has not admitted yet (no first token): its new blocks are in the
+ * prediction, not in the engine's count, so a resident count taken then proves nothing about
+ * them; it must not evict cached blocks the engine still holds.  Once its prefill is done the
+ * same count does prove the older blocks gone. */
+Test(heal, resident_count_waits_for_unadmitted_requests)
+{
+	struct kvr_router *r = make(1000);
+	struct kvr_rank_id id = {0, 0};
+	uint32_t t[8 * BS];
+	for (size_t i = 0; i < 8 * BS; i++)
+		t[i] = 1000u + (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 4 * BS;
+	struct kvr_decision a, b;
+	cr_assert_eq(kvr_route(r, &q, &a), 0);
+	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0); /* 4 blocks cached, inactive */
+	for (size_t i = 0; i < 8 * BS; i++)
+		t[i] = 5000u + (uint32_t)i;
+	q.n_tokens = 6 * BS;
+	cr_assert_eq(kvr_route(r, &q, &b), 0); /* waiting in the engine: 6 new blocks */
+	static uint64_t blk[64];
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
+	cr_assert_eq(n, 10);
+	/* The engine holds the first request's 4 blocks and nothing of the second yet. */
+	struct kvr_rank_observation ob = {
+	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = 4};
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
+	cr_assert_eq(n, 10, "nothing evicted: the 6 are not allocated yet (%zu left)", n);
+	cr_assert_eq(metric(r, "kvr_heal_evicted_blocks_total"), 0);
+	/* Prefilled: the engine holds 6 + 4, but reports 6: the 4 older ones went. */
+	cr_assert_eq(kvr_request_prefill_done(r, b.attempt), 0);
+	ob.resident_blocks = 6;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
+	cr_assert_eq(n, 6);
+	cr_assert_eq(metric(r, "kvr_heal_evicted_blocks_total"), 4);
+	cr_assert_eq(kvr_request_finish(r, b.attempt), 0);
 	kvr_router_destroy(r);
 }

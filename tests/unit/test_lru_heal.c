@@ -156,12 +156,12 @@ Test(lru_heal, resident_count_trims_the_oldest)
 	rel(2);
 	acq(3, (uint64_t[]){20}, 1, 0); /* live */
 	uint64_t ev = 0;
-	cr_assert_eq(kvr_lru_heal_resident(lru, 100, &ev, NULL, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 100, 0, &ev, NULL, &out), 0);
 	cr_assert(ev == 0 && out.n_evicted == 0, "the engine holds at least as much");
-	cr_assert_eq(kvr_lru_heal_resident(lru, 3, &ev, NULL, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 3, 0, &ev, NULL, &out), 0);
 	cr_assert_eq(ev, 3, "6 predicted, 3 resident: the 3 oldest go");
 	cr_assert(out_evicted(&out, 0) == 3 && out_evicted(&out, 2) == 1);
-	cr_assert_eq(kvr_lru_heal_resident(lru, 0, &ev, NULL, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 0, 0, &ev, NULL, &out), 0);
 	cr_assert_eq(ev, 2, "never a held block");
 	cr_assert_eq(stat_copies(), 1);
 }
@@ -193,7 +193,7 @@ Test(lru_heal, resident_above_capacity_raises_it)
 	cr_assert_eq(stat_copies(), 4);
 	uint64_t ev = 9;
 	bool raised = false;
-	cr_assert_eq(kvr_lru_heal_resident(lru, 6, &ev, &raised, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 6, 0, &ev, &raised, &out), 0);
 	cr_assert(raised && ev == 0 && out.n_evicted == 0,
 	          "6 held > 4 registered: raised, no eviction");
 	struct kvr_lru_stats st;
@@ -206,11 +206,35 @@ Test(lru_heal, resident_above_capacity_raises_it)
 	cr_assert_eq(ov((uint64_t[]){10, 11}, 2), 2);
 	cr_assert_eq(ov((uint64_t[]){20, 21}, 2), 2);
 	/* At or below the capacity the count only evicts, and the capacity is never lowered. */
-	cr_assert_eq(kvr_lru_heal_resident(lru, 6, &ev, &raised, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 6, 0, &ev, &raised, &out), 0);
 	cr_assert(!raised && ev == 0);
-	cr_assert_eq(kvr_lru_heal_resident(lru, 5, &ev, &raised, &out), 0);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 5, 0, &ev, &raised, &out), 0);
 	cr_assert(!raised && ev == 1, "the oldest, 2, goes");
 	cr_assert_eq(ov((uint64_t[]){1, 2}, 2), 1);
 	kvr_lru_stats(lru, &st);
 	cr_assert_eq(st.capacity, 6);
+}
+
+Test(lru_heal, resident_count_spares_what_the_engine_has_not_allocated)
+{
+	acq(1, (uint64_t[]){1, 2, 3}, 3, 0);
+	rel(1); /* inactive: 3 2 1 (the engine holds them, cached) */
+	/* Routed, still waiting in the engine's queue: shares 1 2, adds 30 31 and a private
+	 * block.  The prediction holds 3 + 2 + 1 = 6, the engine 3. */
+	acq(2, (uint64_t[]){1, 2, 30, 31}, 4, 1);
+	cr_assert_eq(kvr_lru_lease_unallocated(lru, 2), 3, "30 31 and the private block");
+	cr_assert_eq(kvr_lru_lease_unallocated(lru, 1), 0, "no lease");
+	uint64_t ev = 9;
+	cr_assert_eq(kvr_lru_heal_resident(lru, 3, 3, &ev, NULL, &out), 0);
+	cr_assert(ev == 0 && out.n_evicted == 0, "3 resident + 3 not allocated: all is there");
+	cr_assert_eq(ov((uint64_t[]){1, 2, 3}, 3), 3);
+	/* Without that allowance the count reads as 3 over-predicted and 3 (inactive) goes. */
+	cr_assert_eq(kvr_lru_heal_resident(lru, 3, 0, &ev, NULL, &out), 0);
+	cr_assert(ev == 1 && out_evicted(&out, 0) == 3);
+	/* 40 released, then evicted by the engine: it holds 1 2 (2 resident), the prediction
+	 * 1 2 30 31 40 and the private block (6); 2 + 3 not allocated: 40 goes, nothing held. */
+	acq(3, (uint64_t[]){40}, 1, 0);
+	rel(3);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 2, 3, &ev, NULL, &out), 0);
+	cr_assert(ev == 1 && out_evicted(&out, 0) == 40 && stat_copies() == 4);
 }
