@@ -79,10 +79,15 @@ static void usage(FILE *f)
 	    "token budget (0 = never)\n"
 	    "  --capacity-factor X    approx_lru registers X x the engine's blocks (1)\n"
 	    "  --foreign-traffic F    a share F (0..1) of arrivals bypasses the policy (0)\n"
+	    "  --foreign-as MODE      how that share is sent: clients (cache-unaware, a random\n"
+	    "                         rank; default), router (another approx_lru router this one\n"
+	    "                         cannot see), self (routed by the policy too: the no-error\n"
+	    "                         baseline over the same requests).  hit%% counts this\n"
+	    "                         router's requests, all%% every arrival\n"
 	    "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
 	    "                         NAME: blocks, capacity_factor, overlap_credit, "
 	    "temperature, ttl,\n"
-	    "                         queue_threshold, time_scale\n"
+	    "                         queue_threshold, time_scale, foreign_traffic\n"
 	    "  --jobs N               replays run at once, each on its own thread (default 1)\n"
 	    "  --label TEXT           name of the trace in the verdict and chart titles\n"
 	    "  --routers N            N router replicas (arrivals round-robin): approx_lru (one\n"
@@ -147,6 +152,7 @@ int main(int argc, char **argv)
 {
 	struct replay_config cfg;
 	replay_config_init(&cfg);
+	cfg.foreign_ops = &replay_policy_approx_lru;
 	cfg.sample_every = 500;
 	const char *policies = NULL, *out = NULL, *csv = NULL, *plot = NULL;
 	bool skip_bad = false, quiet = false, timing = true;
@@ -165,6 +171,7 @@ int main(int argc, char **argv)
 		O_QTHR,
 		O_CAPF,
 		O_FOREIGN,
+		O_FOREIGN_AS,
 		O_SWEEP,
 		O_JOBS,
 		O_LABEL,
@@ -202,6 +209,7 @@ int main(int argc, char **argv)
 	                                     {"queue-threshold", required_argument, 0, O_QTHR},
 	                                     {"capacity-factor", required_argument, 0, O_CAPF},
 	                                     {"foreign-traffic", required_argument, 0, O_FOREIGN},
+	                                     {"foreign-as", required_argument, 0, O_FOREIGN_AS},
 	                                     {"sweep", required_argument, 0, O_SWEEP},
 	                                     {"jobs", required_argument, 0, O_JOBS},
 	                                     {"label", required_argument, 0, O_LABEL},
@@ -289,6 +297,16 @@ int main(int argc, char **argv)
 		case O_FOREIGN:
 			bad = parse_double(optarg, &cfg.foreign_share) || cfg.foreign_share < 0 ||
 			      cfg.foreign_share >= 1;
+			break;
+		case O_FOREIGN_AS:
+			if (!strcmp(optarg, "clients"))
+				cfg.foreign_as = REPLAY_FOREIGN_CLIENTS;
+			else if (!strcmp(optarg, "router"))
+				cfg.foreign_as = REPLAY_FOREIGN_ROUTER;
+			else if (!strcmp(optarg, "self"))
+				cfg.foreign_as = REPLAY_FOREIGN_SELF;
+			else
+				bad = 1;
 			break;
 		case O_CAPF:
 			bad =
@@ -440,10 +458,16 @@ int main(int argc, char **argv)
 			       cfg.overlap_credit, cfg.temperature, cfg.ttl_s, cfg.queue_threshold,
 			       cfg.capacity_factor);
 		if (cfg.foreign_share > 0)
-			printf("  foreign traffic: %.0f %% of the arrivals reach a random rank "
-			       "without "
-			       "passing the policy (not counted in its results)\n",
-			       cfg.foreign_share * 100);
+			printf(
+			    "  foreign traffic: %.0f %% of the arrivals (the same ones for every "
+			    "policy) %s; hit%% and the prediction count this router's requests, "
+			    "all%% every arrival\n",
+			    cfg.foreign_share * 100,
+			    cfg.foreign_as == REPLAY_FOREIGN_SELF
+			        ? "routed by the policy itself (no error: the baseline)"
+			    : cfg.foreign_as == REPLAY_FOREIGN_ROUTER
+			        ? "routed by another approx_lru router this one cannot see"
+			        : "sent to a random rank by cache-unaware clients");
 		fflush(stdout);
 	}
 

@@ -38,7 +38,8 @@ struct rq {
 	uint32_t out_len, nbuf, nctail;
 	uint64_t arrival_ns; /* trace arrival (a queued request is submitted later) */
 	bool routed, first_seen, admitted_once;
-	bool foreign;    /* sent around the policy (foreign_share): the policy never hears of it */
+	bool foreign;    /* in the foreign share (foreign_share): not this router's request */
+	bool around;     /* foreign and not routed by the policy under test (foreign_as != SELF) */
 	uint32_t *buf;   /* output tokens not yet sent (run->out_chunk at most) */
 	uint32_t *ctail; /* chains: tokens after the last complete block */
 };
@@ -47,6 +48,8 @@ struct run {
 	const struct replay_config *cfg;
 	const struct replay_policy_ops *ops;
 	void *ps;
+	const struct replay_policy_ops *fops; /* foreign_as == ROUTER: the other router */
+	void *fps;
 	struct sim_cluster *sim;
 	struct replay_result *res;
 	struct rq *rq;
@@ -71,6 +74,14 @@ static void perr(struct run *run, int rc)
 		return;
 	if (run->res->policy_errors++ == 0)
 		run->res->first_policy_error = rc;
+}
+
+/* The policy that routed q and hears of its happenings (NULL: a cache-unaware client). */
+static const struct replay_policy_ops *owner_of(const struct run *run, const struct rq *q,
+                                                void **ps)
+{
+	*ps = q->around ? run->fps : run->ps;
+	return q->around ? run->fops : run->ops;
 }
 
 static uint64_t sim_clock(void *ctx)
@@ -102,8 +113,10 @@ static void flush(struct run *run, struct rq *q)
 {
 	if (!q->nbuf)
 		return;
-	if (run->ops->output && !q->foreign)
-		perr(run, run->ops->output(run->ps, q->handle, q->buf, q->nbuf));
+	void *ps;
+	const struct replay_policy_ops *o = owner_of(run, q, &ps);
+	if (o && o->output)
+		perr(run, o->output(ps, q->handle, q->buf, q->nbuf));
 	q->nbuf = 0;
 }
 
@@ -138,10 +151,17 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 	struct run *run = ctx;
 	struct rq *q = info->user;
 	struct replay_result *res = run->res;
-	if (q->foreign)
+	bool first = !q->admitted_once;
+	q->admitted_once = true;
+	if (first) { /* per share: this router's requests, the foreign ones (all = both) */
+		res->share_prompt_blocks[q->foreign] += info->prompt_blocks;
+		res->share_hit_blocks[q->foreign] += info->hit_blocks;
+	}
+	void *ps;
+	const struct replay_policy_ops *o = owner_of(run, q, &ps);
+	if (!o)
 		return;
-	if (!q->admitted_once) {
-		q->admitted_once = true;
+	if (first && !q->foreign) {
 		res->prompt_tokens += q->tr->input_len;
 		res->hit_tokens += (uint64_t)info->hit_blocks * run->cfg->block_size;
 		if (res->n_adm < res->n_requests) {
@@ -164,9 +184,11 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 		res->bucket_prompt[b] += info->prompt_blocks;
 		res->bucket_hit[b] += info->hit_blocks;
 	}
-	if (run->ops->admitted)
-		perr(run, run->ops->admitted(run->ps, q->handle, info));
-	if (run->ops->observe && info->preemptions == 0) {
+	if (o->admitted)
+		perr(run, o->admitted(ps, q->handle, info));
+	/* The rank's metrics, scraped when the policy under test sees one of its requests admitted.
+	 */
+	if (o == run->ops && run->ops->observe && info->preemptions == 0) {
 		uint64_t wm = 0;
 		const struct sim_pool *pool =
 		    sim_engine_pool(sim_cluster_engine(run->sim, info->rank));
@@ -187,8 +209,10 @@ static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, ui
 	struct run *run = ctx;
 	struct rq *q = user;
 	q->first_seen = true;
-	if (run->ops->first_token && !q->foreign)
-		perr(run, run->ops->first_token(run->ps, q->handle, rank, t));
+	void *ps;
+	const struct replay_policy_ops *o = owner_of(run, q, &ps);
+	if (o && o->first_token)
+		perr(run, o->first_token(ps, q->handle, rank, t));
 	if (q->nbuf == run->out_chunk)
 		flush(run, q);
 }
@@ -202,10 +226,12 @@ static void on_finished(void *ctx, const struct sim_finish_info *info)
 	run->tokens_done += (uint64_t)info->prompt_len + info->output_len;
 	if (info->finish_ns > run->last_finish)
 		run->last_finish = info->finish_ns;
+	void *ps;
+	const struct replay_policy_ops *o = owner_of(run, q, &ps);
+	if (o && o->finished)
+		perr(run, o->finished(ps, q->handle, info));
 	if (q->foreign)
 		return;
-	if (run->ops->finished)
-		perr(run, run->ops->finished(run->ps, q->handle, info));
 	/* From the trace arrival: time spent in the router's queue counts. */
 	res->ttft_ms[res->n_ttft++] = (double)(info->first_token_ns - q->arrival_ns) / 1e6;
 	run->e2e_ms[run->n_e2e++] = (double)(info->finish_ns - q->arrival_ns) / 1e6;
@@ -260,8 +286,10 @@ static int submit(struct run *run, size_t i)
 	int rc = sim_cluster_submit(run->sim, q->rank, &sr);
 	if (rc == KVR_ERANGE || rc == KVR_EINVAL) {
 		run->res->n_refused++;
-		if (run->ops->aborted && !q->foreign)
-			perr(run, run->ops->aborted(run->ps, q->handle));
+		void *ps;
+		const struct replay_policy_ops *o = owner_of(run, q, &ps);
+		if (o && o->aborted)
+			perr(run, o->aborted(ps, q->handle));
 		return 0;
 	}
 	return rc;
@@ -430,6 +458,16 @@ uint32_t replay_default_blocks(const struct trace *t, const struct replay_config
 	return (uint32_t)b;
 }
 
+/* The foreign-share draw of request i: a function of (seed, i) only, so every policy and mode
+ * marks the same arrivals (bits 11.. the share test, bits 7.. a client's rank). */
+static uint64_t foreign_draw(uint64_t seed, size_t i)
+{
+	uint64_t x = (seed ^ 0xF0F0F0F0ull) + (uint64_t)i * 0x9E3779B97F4A7C15ull;
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+	return x ^ (x >> 31);
+}
+
 static double now_s(clockid_t id)
 {
 	struct timespec ts;
@@ -517,6 +555,21 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		snprintf(err, errlen, "policy %s: create: %s", ops->name, kvr_strerror(rc));
 		goto out;
 	}
+	if (cfg->foreign_share > 0 && cfg->foreign_as == REPLAY_FOREIGN_ROUTER) {
+		/* The other router: its own state, the right capacity, no queue, no events. */
+		struct replay_env fenv = env;
+		fenv.seed = cfg->seed + 1;
+		fenv.capacity_factor = 1.0;
+		fenv.queue_threshold = NAN;
+		run.fops = cfg->foreign_ops;
+		rc = run.fops && !run.fops->wants_events ? run.fops->create(&fenv, &run.fps)
+		                                         : KVR_EINVAL;
+		if (rc) {
+			snprintf(err, errlen, "foreign router: create: %s", kvr_strerror(rc));
+			run.fops = NULL;
+			goto out;
+		}
+	}
 
 	for (size_t i = 0; i < t->n; i++) {
 		const struct trace_req *tr = &t->reqs[i];
@@ -536,6 +589,10 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		q->arrival_ns = at;
 		if ((rc = advance(&run, at, err, errlen)))
 			goto out;
+		if (run.fops && run.fops->sync && (rc = run.fops->sync(run.fps, at))) {
+			snprintf(err, errlen, "foreign router: sync: %s", kvr_strerror(rc));
+			goto out;
+		}
 		if (ops->sync) {
 			rc = ops->sync(run.ps, at);
 			if (rc) {
@@ -567,32 +624,42 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 			q->nctail = tr->input_len % cfg->block_size;
 			memcpy(q->ctail, tok + tr->input_len - q->nctail, q->nctail * sizeof(*tok));
 		}
-		/* Foreign traffic: this arrival goes around the policy, to a random rank. */
-		if (cfg->foreign_share > 0) {
-			uint64_t x =
-			    (cfg->seed ^ 0xF0F0F0F0ull) + (uint64_t)i * 0x9E3779B97F4A7C15ull;
-			x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-			x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-			x ^= x >> 31;
-			if ((double)(x >> 11) / 9007199254740992.0 < cfg->foreign_share) {
-				q->foreign = true;
-				q->rank = (uint32_t)((x >> 7) % cfg->n_ranks);
-				q->routed = true;
-				res->n_foreign++;
-				rc = submit(&run, i);
-				if (rc)
-					goto sim_err;
-				if (cfg->progress)
-					cfg->progress(cfg->progress_ctx, i + 1, t->n);
-				continue;
-			}
-		}
 		struct replay_route_req rq = {.id = i,
 		                              .tokens = tok,
 		                              .n_tokens = tr->input_len,
 		                              .output_len = tr->output_len,
 		                              .now_ns = at};
 		struct replay_route_out ro = {0};
+		/* Foreign traffic: this arrival goes around the policy (unless foreign_as is SELF).
+		 */
+		uint64_t x = foreign_draw(cfg->seed, i);
+		if (cfg->foreign_share > 0 &&
+		    (double)(x >> 11) / 9007199254740992.0 < cfg->foreign_share) {
+			q->foreign = true;
+			res->n_foreign++;
+		}
+		if (q->foreign && cfg->foreign_as != REPLAY_FOREIGN_SELF) {
+			q->around = true;
+			q->rank = (uint32_t)((x >> 7) % cfg->n_ranks);
+			if (run.fops) {
+				rc = run.fops->route(run.fps, &rq, &ro);
+				if (rc || ro.queued || ro.rank >= cfg->n_ranks) {
+					snprintf(err, errlen,
+					         "foreign router: route request %zu: %s", i,
+					         rc ? kvr_strerror(rc) : "queued or out of range");
+					rc = rc ? rc : KVR_ERANGE;
+					goto out;
+				}
+				q->rank = ro.rank;
+				q->handle = ro.handle;
+			}
+			q->routed = true;
+			if ((rc = submit(&run, i)))
+				goto sim_err;
+			if (cfg->progress)
+				cfg->progress(cfg->progress_ctx, i + 1, t->n);
+			continue;
+		}
 		double c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
 		rc = ops->route(run.ps, &rq, &ro);
 		cpu_ns[i] = (now_s(CLOCK_THREAD_CPUTIME_ID) - c0) * 1e9;
@@ -656,6 +723,9 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	}
 	res->hit_rate =
 	    res->prompt_blocks ? (double)res->hit_blocks / (double)res->prompt_blocks : 0;
+	res->own_hit_rate = res->share_prompt_blocks[0] ? (double)res->share_hit_blocks[0] /
+	                                                      (double)res->share_prompt_blocks[0]
+	                                                : 0;
 	res->imbalance_busy = busy_sum > 0 ? busy_max * cfg->n_ranks / busy_sum : 0;
 	res->imbalance_tokens = tok_sum > 0 ? tok_max * cfg->n_ranks / tok_sum : 0;
 	if (res->n_pred)
@@ -683,6 +753,8 @@ sim_err:
 out:
 	if (run.ps)
 		ops->destroy(run.ps);
+	if (run.fps)
+		run.fops->destroy(run.fps);
 	sim_cluster_destroy(run.sim);
 	replay_chains_free(&run.map);
 	free(run.e2e_ms);

@@ -53,10 +53,23 @@ struct replay_config {
 	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
 	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
 	double capacity_factor;
-	/* A share (0..1) of the arrivals reaches the engines without passing the policy (other
-	 * routers, direct clients; issue 15): each goes to a uniformly random rank and the policy
-	 * never hears of it.  The results count the policy's requests only.  Default 0. */
+	/* A share (0..1) of the arrivals is foreign: it reaches the engines without passing the
+	 * policy (issue 15), sent as foreign_as says.  Which arrivals are foreign depends only on
+	 * (seed, request index), so every mode and policy measures the same set of "this
+	 * router's requests".  The results (hit_tokens, prediction, TTFT, own hit rate) count this
+	 * router's requests; hit_rate counts all arrivals.  Default 0. */
 	double foreign_share;
+	enum replay_foreign_as {
+		REPLAY_FOREIGN_CLIENTS, /* cache-unaware clients: a uniformly random rank (default)
+		                         */
+		/* another cache-aware router this one cannot see: foreign_ops (a fresh instance,
+		 * its own state, seed + 1, the right capacity), told only its own requests */
+		REPLAY_FOREIGN_ROUTER,
+		/* no error: the policy under test routes the foreign share too (the baseline for
+		 * the same set of this router's requests) */
+		REPLAY_FOREIGN_SELF,
+	} foreign_as;
+	const struct replay_policy_ops *foreign_ops; /* REPLAY_FOREIGN_ROUTER; no queue */
 	/* Called after each routed request (progress bar); may be NULL. */
 	void (*progress)(void *ctx, size_t done, size_t total);
 	void *progress_ctx;
@@ -83,7 +96,11 @@ struct replay_result {
 	uint64_t evicted_blocks; /* simulator, copies included */
 	double route_cpu_ns_mean, route_cpu_ns_p99;
 	/* Agreement (see above). */
-	uint64_t n_foreign; /* arrivals sent around the policy (foreign_share) */
+	uint64_t n_foreign; /* arrivals in the foreign share (foreign_share) */
+	/* First admissions by share, blocks: [0] this router's requests, [1] the foreign ones
+	 * (hit_rate = both together; own_hit_rate = [0]). */
+	uint64_t share_prompt_blocks[2], share_hit_blocks[2];
+	double own_hit_rate;
 	uint64_t agree_samples, agree_exact;
 	uint64_t
 	    agree_subset; /* samples where S is inside R (the policy holds every cached block) */

@@ -18,11 +18,11 @@ static double share(uint64_t a, uint64_t b)
 
 void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 {
-	fprintf(f, "%-13s %7s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "policy", "hit%",
-	        "exact%", "MAE", "over%", "under%", "TTFTp50", "TTFTp99", "E2Ep50", "E2Ep99",
-	        "tok/s", "imbal", "cpu_us", "jaccard");
-	fprintf(f, "%-13s %7s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "", "", "",
-	        "blocks", "", "", "ms", "ms", "ms", "ms", "virtual", "busy", "/route", "mean");
+	fprintf(f, "%-13s %7s %6s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "policy",
+	        "hit%", "all%", "exact%", "MAE", "over%", "under%", "TTFTp50", "TTFTp99", "E2Ep50",
+	        "E2Ep99", "tok/s", "imbal", "cpu_us", "jaccard");
+	fprintf(f, "%-13s %7s %6s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "", "", "",
+	        "", "blocks", "", "", "ms", "ms", "ms", "ms", "virtual", "busy", "/route", "mean");
 	for (size_t i = 0; i < n; i++) {
 		const struct replay_result *r = &res[i];
 		char exact[16] = "-", mae[16] = "-", over[16] = "-", under[16] = "-", jac[16] = "-";
@@ -35,11 +35,11 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 		if (r->agree_samples)
 			snprintf(jac, sizeof(jac), "%.3f", r->jaccard_mean);
 		fprintf(f,
-		        "%-13s %7.2f %7s %6s %6s %6s %9.1f %9.1f %9.1f %9.1f %9.0f %6.2f %8.2f "
-		        "%8s\n",
-		        r->policy, 100 * r->hit_rate, exact, mae, over, under, r->ttft_p50_ms,
-		        r->ttft_p99_ms, r->e2e_p50_ms, r->e2e_p99_ms, r->throughput_tok_s,
-		        r->imbalance_busy, r->route_cpu_ns_mean / 1e3, jac);
+		        "%-13s %7.2f %6.2f %7s %6s %6s %6s %9.1f %9.1f %9.1f %9.1f %9.0f %6.2f "
+		        "%8.2f %8s\n",
+		        r->policy, 100 * r->own_hit_rate, 100 * r->hit_rate, exact, mae, over,
+		        under, r->ttft_p50_ms, r->ttft_p99_ms, r->e2e_p50_ms, r->e2e_p99_ms,
+		        r->throughput_tok_s, r->imbalance_busy, r->route_cpu_ns_mean / 1e3, jac);
 	}
 	for (size_t i = 0; i < n; i++) {
 		const struct replay_result *r = &res[i];
@@ -73,6 +73,8 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	json_object_set_new(o, "prompt_blocks", json_integer((json_int_t)r->prompt_blocks));
 	json_object_set_new(o, "hit_blocks", json_integer((json_int_t)r->hit_blocks));
 	json_object_set_new(o, "hit_rate", json_real(r->hit_rate));
+	json_object_set_new(o, "own_hit_rate", json_real(r->own_hit_rate));
+	json_object_set_new(o, "foreign_requests", json_integer((json_int_t)r->n_foreign));
 	json_object_set_new(o, "prompt_tokens", json_integer((json_int_t)r->prompt_tokens));
 	json_object_set_new(o, "cached_tokens", json_integer((json_int_t)r->hit_tokens));
 	json_object_set_new(o, "cached_token_share",
@@ -190,7 +192,7 @@ int replay_report_csv(const char *path, const struct replay_result *res, size_t 
 	        "policy,requests,refused,policy_errors,prompt_blocks,hit_blocks,hit_rate,"
 	        "exact_share,mae_blocks,over_share,under_share,ttft_p50_ms,ttft_p99_ms,"
 	        "e2e_p50_ms,e2e_p99_ms,throughput_tok_s,makespan_s,imbalance_busy,"
-	        "imbalance_tokens,preemptions,jaccard_mean%s\n",
+	        "imbalance_tokens,preemptions,jaccard_mean,own_hit_rate%s\n",
 	        timing ? ",route_cpu_ns_mean,route_cpu_ns_p99,wall_s" : "");
 	for (size_t i = 0; i < n; i++) {
 		const struct replay_result *r = &res[i];
@@ -210,6 +212,7 @@ int replay_report_csv(const char *path, const struct replay_result *res, size_t 
 		        (unsigned long long)r->preemptions);
 		if (r->agree_samples)
 			fprintf(f, "%.6f", r->jaccard_mean);
+		fprintf(f, ",%.6f", r->own_hit_rate);
 		if (timing)
 			fprintf(f, ",%.1f,%.1f,%.3f", r->route_cpu_ns_mean, r->route_cpu_ns_p99,
 			        r->wall_s);

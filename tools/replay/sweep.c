@@ -33,6 +33,7 @@ static const struct {
     [SWEEP_TTL] = {"ttl", "s", 0, 1e9, true, false},
     [SWEEP_QUEUE_THRESHOLD] = {"queue_threshold", "x max batched tokens", 0, 1e6, false, false},
     [SWEEP_TIME_SCALE] = {"time_scale", "x arrival times", 0, 1e6, true, false},
+    [SWEEP_FOREIGN] = {"foreign_traffic", "share of arrivals", 0, 0.99, false, false},
 };
 
 const char *sweep_param_name(enum sweep_param p)
@@ -168,6 +169,9 @@ void sweep_apply(const struct sweep *s, size_t point, struct replay_config *cfg,
 		case SWEEP_TIME_SCALE:
 			cfg->time_scale = x;
 			break;
+		case SWEEP_FOREIGN:
+			cfg->foreign_share = x;
+			break;
 		default:
 			break;
 		}
@@ -293,8 +297,8 @@ void sweep_report_table(FILE *f, const struct sweep *s, const struct sweep_cell 
 {
 	for (size_t a = 0; a < s->n_axes; a++)
 		fprintf(f, "%-16s ", params[s->ax[a].param].name);
-	fprintf(f, "%-13s %7s %7s %8s %7s %10s %10s %6s %7s\n", "policy", "hit%", "pred%",
-	        "cached%", "exact%", "TTFTp50ms", "TTFTp99ms", "queued", "refused");
+	fprintf(f, "%-13s %7s %6s %7s %8s %7s %10s %10s %6s %7s\n", "policy", "hit%", "all%",
+	        "pred%", "cached%", "exact%", "TTFTp50ms", "TTFTp99ms", "queued", "refused");
 	for (size_t i = 0; i < n; i++) {
 		for (size_t a = 0; a < s->n_axes; a++)
 			fprintf(f, "%-16g ", c[i].v[a]);
@@ -308,9 +312,9 @@ void sweep_report_table(FILE *f, const struct sweep *s, const struct sweep_cell 
 			snprintf(ex, sizeof(ex), "%.1f", 100 * exact_share(r));
 			snprintf(pr, sizeof(pr), "%.2f", 100 * pred_rate(r));
 		}
-		fprintf(f, "%-13s %7.2f %7s %8.2f %7s %10.1f %10.1f %6zu %7zu\n", r->policy,
-		        100 * r->hit_rate, pr, 100 * token_share(r), ex, r->ttft_p50_ms,
-		        r->ttft_p99_ms, r->n_queued, r->n_refused);
+		fprintf(f, "%-13s %7.2f %6.2f %7s %8.2f %7s %10.1f %10.1f %6zu %7zu\n", r->policy,
+		        100 * r->own_hit_rate, 100 * r->hit_rate, pr, 100 * token_share(r), ex,
+		        r->ttft_p50_ms, r->ttft_p99_ms, r->n_queued, r->n_refused);
 	}
 }
 
@@ -327,13 +331,13 @@ int sweep_report_csv(const char *path, const struct sweep *s, const struct sweep
 	fprintf(f, "policy,status,blocks_per_rank,hit_rate,cached_token_share,exact_share,"
 	           "mae_blocks,predicted_hit_rate,ttft_p50_ms,ttft_p99_ms,e2e_p50_ms,e2e_p99_ms,"
 	           "throughput_tok_s,"
-	           "preemptions,queued,refused\n");
+	           "preemptions,queued,refused,own_hit_rate\n");
 	for (size_t i = 0; i < n; i++) {
 		for (size_t a = 0; a < s->n_axes; a++)
 			fprintf(f, "%g,", c[i].v[a]);
 		const struct replay_result *r = &c[i].res;
 		if (c[i].rc) {
-			fprintf(f, "%s,error,%u,,,,,,,,,,,,,\n", c[i].ops->name,
+			fprintf(f, "%s,error,%u,,,,,,,,,,,,,,\n", c[i].ops->name,
 			        c[i].cfg.blocks_per_rank);
 			continue;
 		}
@@ -343,9 +347,10 @@ int sweep_report_csv(const char *path, const struct sweep *s, const struct sweep
 			fprintf(f, "%.6f,%.4f,%.6f,", exact_share(r), r->mae_blocks, pred_rate(r));
 		else
 			fprintf(f, ",,,");
-		fprintf(f, "%.3f,%.3f,%.3f,%.3f,%.1f,%llu,%zu,%zu\n", r->ttft_p50_ms,
+		fprintf(f, "%.3f,%.3f,%.3f,%.3f,%.1f,%llu,%zu,%zu,%.6f\n", r->ttft_p50_ms,
 		        r->ttft_p99_ms, r->e2e_p50_ms, r->e2e_p99_ms, r->throughput_tok_s,
-		        (unsigned long long)r->preemptions, r->n_queued, r->n_refused);
+		        (unsigned long long)r->preemptions, r->n_queued, r->n_refused,
+		        r->own_hit_rate);
 	}
 	if (fclose(f)) {
 		snprintf(err, errlen, "%s: %s", path, strerror(errno));
@@ -387,6 +392,7 @@ int sweep_report_json(const char *path, const struct sweep *s, const struct swee
 		}
 		const struct replay_result *r = &c[i].res;
 		json_object_set_new(o, "hit_rate", json_real(r->hit_rate));
+		json_object_set_new(o, "own_hit_rate", json_real(r->own_hit_rate));
 		json_object_set_new(o, "cached_token_share", json_real(token_share(r)));
 		if (r->predicts && r->n_pred) {
 			json_object_set_new(o, "exact_share", json_real(exact_share(r)));
@@ -494,9 +500,9 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 						continue;
 					}
 					any = true;
-					cur[k] = cl->res.hit_rate;
+					cur[k] = cl->res.own_hit_rate;
 					fprintf(f, "%g %.4f %.3f %.3f\n", ax->v[k],
-					        100 * cl->res.hit_rate, cl->res.ttft_p50_ms / 1e3,
+					        100 * cl->res.own_hit_rate, cl->res.ttft_p50_ms / 1e3,
 					        cl->res.ttft_p99_ms / 1e3);
 				}
 				fprintf(f, "\n\n");

@@ -38,6 +38,7 @@ enum sweep_param {
 	SWEEP_TTL,
 	SWEEP_QUEUE_THRESHOLD,
 	SWEEP_TIME_SCALE,
+	SWEEP_FOREIGN, /* foreign_traffic: replay_config.foreign_share */
 	SWEEP_N_PARAMS
 };
 

@@ -4,7 +4,9 @@
 # out), with --jobs 2 too; the verdict lines are there and agree with the JSON; a malformed
 # line is reported with file and line, and --skip-bad counts and skips it; --sweep rejects bad
 # input with a clear message and runs a short grid (CSV/JSON rows per point and policy);
-# --plot writes PNGs when gnuplot is installed.
+# --plot writes PNGs when gnuplot is installed.  Foreign traffic: the same arrivals are foreign
+# whatever the mode; routed by approx_lru itself (--foreign-as self) nothing is mispredicted and
+# the all-arrivals hit rate is the no-error one; a bad mode is refused.
 #   usage: test_cli.sh KVR_REPLAY SOURCE_ROOT
 set -eu
 bin=$1
@@ -110,3 +112,25 @@ if command -v gnuplot >/dev/null 2>&1; then
 	[ -s "$tmp/splots/sweep_queue_threshold.png" ] || fail "missing sweep_queue_threshold.png"
 fi
 echo "ok"
+
+# Foreign traffic (issue 15): self = the policy routes the foreign share too (no error).
+for m in clients router self; do
+	"$bin" --max-requests 300 --no-timing --quiet --policies approx_lru --foreign-traffic 0.3 \
+		--foreign-as $m --out "$tmp/f_$m.json" "$sample" || fail "--foreign-as $m"
+done
+"$bin" --max-requests 300 --no-timing --quiet --policies approx_lru --out "$tmp/f_none.json" \
+	"$sample" || fail "replay without foreign traffic"
+python3 - "$tmp" <<'PY' || fail "foreign traffic modes"
+import json, sys
+r = {m: json.load(open("%s/f_%s.json" % (sys.argv[1], m)))["policies"][0]
+     for m in ("clients", "router", "self", "none")}
+n = {m: r[m]["foreign_requests"] for m in r}
+assert n["clients"] == n["router"] == n["self"] > 0 and n["none"] == 0, n
+assert r["self"]["hit_rate"] == r["none"]["hit_rate"], "self is the no-error run"
+assert r["self"]["prediction"]["exact_share"] == 1.0, r["self"]["prediction"]
+for m in ("clients", "router", "self"):
+    assert 0 < r[m]["own_hit_rate"] < 1, (m, r[m]["own_hit_rate"])
+PY
+if "$bin" --quiet --foreign-traffic 0.3 --foreign-as nobody "$sample" 2>/dev/null; then
+	fail "--foreign-as nobody was accepted"
+fi
