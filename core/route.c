@@ -21,11 +21,11 @@
  * by in-flight requests on each rank, and that is not a constant: on a rank where a sibling is
  * decoding the same long prefix, Dynamo's decode cost (active blocks + the request's blocks NOT
  * already pinned there) is much smaller, and counting every block as new sent follow-ups to an
- * idle rank to recompute the whole prefix.  So each rank's shard also keeps a second index, of
- * the blocks its live attempts pin (stored when a block's pin count goes 0 -> 1, its tail
- * trimmed when it drops to 0: shards/load.c reports both as runs).  Pinned blocks are
- * prefix-closed along each request's chain, so the request's blocks pinned on a rank are a
- * PREFIX of its chain there, and find_matches on that index gives its length, the pinned depth,
+ * idle rank to recompute the whole prefix.  So each rank's shard also publishes the runs of
+ * blocks its live attempts pin (shards/load.c keeps them, shards/pinmap.c shares them: O(1)
+ * shard work per run, none per block).  Pinned blocks are prefix-closed along each request's
+ * chain, so the request's blocks pinned on a rank are a PREFIX of its chain there, and one walk
+ * of the prompt along the published runs gives every rank's length of it, the pinned depth,
  * with no round trip: decode blocks = active + (request blocks - pinned depth).
  *
  *
@@ -59,10 +59,8 @@ struct scratch {
 	size_t cand_cap;
 	uint32_t *pin; /* by slot: pinned depth (blocks of the prompt already pinned there) */
 	size_t pin_cap;
-	struct kvr_index_match *pmatch; /* pinned-index matches (pinned-index slots) */
-	size_t pmatch_cap;
-	uint32_t *pmain; /* main slot of each pinned match */
-	size_t pmain_cap;
+	uint32_t *pslots; /* the slots kvr_pinmap_depths set in pin[] */
+	size_t pslots_cap;
 	uint32_t *cand_pin; /* pinned depth of each candidate */
 	size_t cand_pin_cap;
 };
@@ -79,8 +77,7 @@ static void scratch_free(void *p)
 	kvr_free(s->match, s->match_cap * sizeof(*s->match));
 	kvr_free(s->cand, s->cand_cap * sizeof(*s->cand));
 	kvr_free(s->pin, s->pin_cap * sizeof(uint32_t));
-	kvr_free(s->pmatch, s->pmatch_cap * sizeof(*s->pmatch));
-	kvr_free(s->pmain, s->pmain_cap * sizeof(uint32_t));
+	kvr_free(s->pslots, s->pslots_cap * sizeof(uint32_t));
 	kvr_free(s->cand_pin, s->cand_pin_cap * sizeof(uint32_t));
 	memset(s, 0, sizeof(*s));
 }
@@ -250,9 +247,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	                   false)) ||
 	    (rc = grow_arr((void **)&tls.pin, &tls.pin_cap, cfg->max_ranks, sizeof(uint32_t),
 	                   true)) ||
-	    (rc = grow_arr((void **)&tls.pmatch, &tls.pmatch_cap, cfg->max_ranks,
-	                   sizeof(*tls.pmatch), false)) ||
-	    (rc = grow_arr((void **)&tls.pmain, &tls.pmain_cap, cfg->max_ranks, sizeof(uint32_t),
+	    (rc = grow_arr((void **)&tls.pslots, &tls.pslots_cap, cfg->max_ranks, sizeof(uint32_t),
 	                   false)) ||
 	    (rc = grow_arr((void **)&tls.cand_pin, &tls.cand_pin_cap, cfg->max_ranks,
 	                   sizeof(uint32_t), false)))
@@ -288,29 +283,14 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			if (tls.match[i].score > best)
 				best = tls.match[i].score;
 		}
-		/* Pinned depth per rank, found the way the cached depth is (a second index). */
-		size_t np = 0;
-		if (nb && r->pinned)
-			kvr_index_find_matches(r->pinned, tls.seq, nb, NULL, tls.pmatch,
-			                       tls.pmatch_cap, &np);
-		for (size_t i = 0; i < np; i++) {
-			uint64_t main_slot;
-			uint32_t dp;
-			tls.pmain[i] = UINT32_MAX;
-			if (kvr_index_rank_get(r->pinned, tls.pmatch[i].slot, &main_slot, &dp) ==
-			        0 &&
-			    main_slot < cfg->max_ranks) {
-				tls.pmain[i] = (uint32_t)main_slot;
-				tls.pin[main_slot] = tls.pmatch[i].score;
-			}
-		}
+		/* Pinned depth per rank: one walk along the published pinned runs. */
+		size_t np = nb ? kvr_pinmap_depths(r->pinmap, tls.seq, nb, tls.pin, tls.pslots) : 0;
 		long nc = candidates(r, q, nb, live);
 		kvr_rcu_read_unlock();
 		for (size_t i = 0; i < nm; i++)
 			tls.score[tls.match[i].slot] = 0;
 		for (size_t i = 0; i < np; i++)
-			if (tls.pmain[i] != UINT32_MAX)
-				tls.pin[tls.pmain[i]] = 0;
+			tls.pin[tls.pslots[i]] = 0;
 		KVR_PROBE3(match, nb, nm, best);
 		uint64_t t2 = mono_ns();
 		if (nc < 0) {

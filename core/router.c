@@ -82,7 +82,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
 		goto fail;
 	kvr_index_set_count_copies(r->index, cfg->mode == KVR_MODE_EVENTS);
-	if ((rc = kvr_index_create(cfg->max_ranks, &r->pinned)))
+	if ((rc = kvr_pinmap_create(&r->pinmap)))
 		goto fail;
 	if ((rc = kvr_leases_create(&r->leases)))
 		goto fail;
@@ -101,7 +101,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .expire_ctx = r,
 	    .clock = r->clock,
 	    .index = r->index,
-	    .pinned = r->pinned,
+	    .pinmap = r->pinmap,
 	    .metrics = r->metrics,
 	    .ranks = r->ranks,
 	    .leases = r->leases,
@@ -152,7 +152,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_shards_destroy(r->shards);
 	kvr_rcu_barrier();
 	kvr_index_destroy(r->index);
-	kvr_index_destroy(r->pinned);
+	kvr_pinmap_destroy(r->pinmap); /* after the barrier: the shards unpublished every run */
 	kvr_leases_destroy(r->leases);
 	kvr_attempt_pool_destroy(r->pool); /* after the shards: they return records to it */
 	kvr_metrics_destroy(r->metrics);

@@ -33,6 +33,7 @@
 #include "kvrouter.h"
 #include "shards/lease.h"
 #include "shards/owner.h"
+#include "shards/pinmap.h"
 #include "shards/runtime.h"
 
 struct kvr_live {
@@ -48,7 +49,7 @@ struct kvr_router {
 	struct kvr_config cfg;
 	struct kvr_clock clock;
 	struct kvr_index *index;
-	struct kvr_index *pinned; /* blocks pinned by live attempts, per rank (see route.c) */
+	struct kvr_pinmap *pinmap; /* every rank's pinned runs (shards/pinmap.h, see route.c) */
 	struct kvr_shards *shards;
 	struct kvr_metrics *metrics;
 	struct kvr_leases *leases;     /* attempt ids and their lease words */

@@ -14,8 +14,11 @@
  * (bookings and finishes) are divided by the time until the lanes were empty.
  *
  * SUMMARY per (length, threads): route p50/p99 and their ratios to the floor's p50/p99 (same
- * thread, same prompts, same run), finish p99, shard tasks/s per shard, lane depth max and
- * mean, and how many routes found the lane full (KVR_EAGAIN after the bounded wait).
+ * thread, same prompts, same run), finish p99, shard tasks/s per shard (wall clock until the
+ * lanes drained: what the frontends offered when the shards keep up) and per second of shard
+ * thread CPU (the shards' capacity, which the wall figure hides once the frontends are the
+ * bottleneck), lane depth max and mean, and how many routes found the lane full (KVR_EAGAIN
+ * after the bounded wait).
  *
  * --rate R paces each frontend thread at R routes/s (open loop), below what the shards can book,
  * so the latencies are those of a router that keeps up rather than of full lanes.
@@ -149,13 +152,16 @@ static uint64_t capacity; /* 0: 8 prompts' worth of blocks per rank */
 static uint32_t n_ranks = 64, n_shards = 2;
 static int threads_max = 2;
 
-static uint64_t routing_tasks(struct kvr_router *r)
+/* Routing-lane tasks run and CPU time used by all shard threads so far. */
+static uint64_t routing_tasks(struct kvr_router *r, uint64_t *cpu_ns)
 {
 	uint64_t t = 0;
+	*cpu_ns = 0;
 	for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
 		struct kvr_shard_stats st;
 		kvr_shard_get_stats(kvr_shards_get(r->shards, i), &st);
 		t += st.tasks[KVR_LANE_ROUTING];
+		*cpu_ns += st.cpu_ns;
 	}
 	return t;
 }
@@ -203,7 +209,8 @@ static void bench(int threads, double ms)
 		w[t].seq = malloc(nb * sizeof(uint64_t));
 		pthread_create(&w[t].th, NULL, run, &w[t]);
 	}
-	uint64_t tasks0 = routing_tasks(r);
+	uint64_t cpu0;
+	uint64_t tasks0 = routing_tasks(r, &cpu0);
 	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
 	atomic_store(&go, 1);
 	uint64_t depth_max = 0, depth_sum = 0, samples = 0;
@@ -237,7 +244,11 @@ static void bench(int threads, double ms)
 	}
 	kvr_router_sync(r, 600000); /* the backlog drains: part of the shards' time */
 	uint64_t drained = mono_ns() - t0;
-	uint64_t tasks = routing_tasks(r) - tasks0;
+	uint64_t cpu1;
+	uint64_t tasks = routing_tasks(r, &cpu1) - tasks0;
+	/* What one shard core books per second of its own CPU (all its work: lanes, maintenance,
+	 * parking): the shards' capacity, whether or not the frontends kept them busy. */
+	double per_cpu_s = cpu1 > cpu0 ? (double)tasks / ((double)(cpu1 - cpu0) * 1e-9) : 0.0;
 	uint32_t ns = kvr_shards_count(r->shards);
 	uint64_t sp[4];
 	for (int k = 0; k < 4; k++) {
@@ -252,7 +263,8 @@ static void bench(int threads, double ms)
 	printf("SUMMARY bench=route booking=%s rate=%.0f tokens=%zu ranks=%u threads=%d shards=%u "
 	       "route_p50_ns=%llu route_p99_ns=%llu floor_p50_ns=%llu floor_p99_ns=%llu "
 	       "p50_ratio=%.2f p99_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
-	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f lane_depth_max=%llu "
+	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f shard_tasks_per_cpu_s=%.0f "
+	       "lane_depth_max=%llu "
 	       "lane_depth_mean=%.1f lane_full=%llu errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
 	       "select_p50_ns=%llu admit_p50_ns=%llu\n",
 	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
@@ -261,10 +273,10 @@ static void bench(int threads, double ms)
 	       f50 ? (double)r50 / (double)f50 : 0.0, f99 ? (double)r99 / (double)f99 : 0.0,
 	       (unsigned long long)kvr_hist_quantile(fin, 0.5),
 	       (unsigned long long)kvr_hist_quantile(fin, 0.99), (double)n / (ms * 1e-3),
-	       (double)tasks / ((double)drained * 1e-9) / ns, (unsigned long long)depth_max,
-	       samples ? (double)depth_sum / (double)samples : 0.0, (unsigned long long)full,
-	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
-	       (unsigned long long)sp[2], (unsigned long long)sp[3]);
+	       (double)tasks / ((double)drained * 1e-9) / ns, per_cpu_s,
+	       (unsigned long long)depth_max, samples ? (double)depth_sum / (double)samples : 0.0,
+	       (unsigned long long)full, (unsigned long long)errors, (unsigned long long)sp[0],
+	       (unsigned long long)sp[1], (unsigned long long)sp[2], (unsigned long long)sp[3]);
 	fflush(stdout);
 	free(w);
 	kvr_router_destroy(r);

@@ -23,6 +23,14 @@
  * pinned while its child is, so that tail stays.  Each hash is pinned at most once, so there is
  * one run per head hash.
  *
+ * Publishing (kvr_load_publish).  Routers need each rank's pinned depth of a prompt without a
+ * round trip (the deduplicated decode load, issue 11 item 4).  Every run then has a copy in the
+ * shared shards/pinmap.h table (head hash, rank, array, length), made when the run is made,
+ * shrunk in place when it is split, unlinked when it is freed and freed with its array after a
+ * grace period (one call_rcu per finish).  The array is shared, not copied: a run's array is
+ * immutable and owned by exactly one run at a time (a split moves it to the side that keeps it).
+ * So publishing costs O(1) per run made, split or freed - no per-block work.
+ *
  * Invariants: active_blocks == sum of run lengths; a run's pins == requests whose pieces cover
  * it; prefill_sum == sum of tokens of requests on the prefill list.
  * Requirement: chained sequence hashes (a seq hash names its whole prefix: core/hash), and
@@ -36,6 +44,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "shards/pinmap.h"
 #include "shards/u64map.h"
 
 #define NIL UINT32_MAX
@@ -44,8 +53,9 @@ struct run {
 	uint64_t *mem;
 	uint32_t start, len, cap;
 	uint32_t pins;
-	uint32_t sprev, snext; /* split chain */
-	uint32_t next;         /* free list */
+	uint32_t sprev, snext;  /* split chain */
+	uint32_t next;          /* free list */
+	struct kvr_pinrun *pub; /* its published copy (when the load publishes), owns mem */
 };
 
 struct piece {
@@ -83,10 +93,12 @@ struct kvr_load {
 	int oldest_valid;
 	struct hit *hits;
 	size_t hits_cap;
-	/* The last command's pinned-set change (kvr_load_last_delta). */
-	size_t d_first, d_n;
-	uint64_t *unpinned;
-	size_t n_unpinned, cap_unpinned;
+	/* Publishing for routers (kvr_load_publish): the map, this rank's slot, the runs freed
+	 * by the current command (freed after a grace period), publish failures. */
+	struct kvr_pinmap *pm;
+	uint32_t pm_slot;
+	struct kvr_pinrun_retire retired;
+	uint64_t publish_errors;
 };
 
 static inline uint64_t *seq_of(const struct run *g)
@@ -115,12 +127,19 @@ void kvr_load_destroy(struct kvr_load *l)
 		return;
 	for (uint32_t i = 0; i < l->n_req; i++)
 		kvr_free(l->r[i].p, l->r[i].cap * sizeof(struct piece));
-	for (uint32_t i = 0; i < l->runs_cap; i++)
-		kvr_free(l->runs[i].mem, (size_t)l->runs[i].cap * sizeof(uint64_t));
+	for (uint32_t i = 0; i < l->runs_cap; i++) {
+		struct run *g = &l->runs[i];
+		if (g->pub) { /* readers may still walk it: it goes after a grace period */
+			kvr_pinmap_del(l->pm, g->pub);
+			kvr_pinrun_retire(&l->retired, g->pub);
+		} else {
+			kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+		}
+	}
+	kvr_pinrun_retire_flush(&l->retired);
 	kvr_free(l->runs, (size_t)l->runs_cap * sizeof(struct run));
 	kvr_free(l->r, (size_t)l->cap_req * sizeof(struct req));
 	kvr_free(l->hits, l->hits_cap * sizeof(struct hit));
-	kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
 	kvr_u64map_fini(&l->by_attempt);
 	kvr_u64map_fini(&l->heads);
 	kvr_free(l, sizeof(*l));
@@ -132,10 +151,37 @@ static struct req *find(const struct kvr_load *l, uint64_t attempt)
 	return ix ? &l->r[*ix] : NULL;
 }
 
-static void clear_delta(struct kvr_load *l)
+int kvr_load_publish(struct kvr_load *l, struct kvr_pinmap *pm, uint32_t slot)
 {
-	l->d_first = l->d_n = 0;
-	l->n_unpinned = 0;
+	if (!l || !pm || l->runs_live)
+		return KVR_EINVAL;
+	l->pm = pm;
+	l->pm_slot = slot;
+	return 0;
+}
+
+/* A published copy for a run about to be made (NULL when the load does not publish).
+ * false: no memory. */
+static bool pub_reserve(const struct kvr_load *l, struct kvr_pinrun **d)
+{
+	*d = NULL;
+	return !l->pm || (*d = kvr_calloc(1, sizeof(**d))) != NULL;
+}
+
+/* Fills d from run g (which owns g->mem) and publishes it. */
+static void pub_make(struct kvr_load *l, struct run *g, struct kvr_pinrun *d)
+{
+	g->pub = d;
+	if (!d)
+		return;
+	d->head = seq_of(g)[0];
+	d->slot = l->pm_slot;
+	d->len = g->len;
+	d->seqs = seq_of(g);
+	d->mem = g->mem;
+	d->mem_cap = g->cap;
+	if (kvr_pinmap_add(l->pm, d))
+		l->publish_errors++;
 }
 
 /* ---------------------------------------------------------------- runs */
@@ -158,6 +204,7 @@ static int reserve_runs(struct kvr_load *l, size_t n)
 	for (size_t i = nc; i-- > l->runs_cap;) {
 		g[i].mem = NULL;
 		g[i].cap = 0;
+		g[i].pub = NULL;
 		g[i].next = l->free_head;
 		l->free_head = (uint32_t)i;
 	}
@@ -185,7 +232,13 @@ static void run_free(struct kvr_load *l, uint32_t i)
 		l->runs[g->sprev].snext = g->snext;
 	if (g->snext != NIL)
 		l->runs[g->snext].sprev = g->sprev;
-	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	if (g->pub) { /* routers may be walking it: freed with its array after a grace period */
+		kvr_pinmap_del(l->pm, g->pub);
+		kvr_pinrun_retire(&l->retired, g->pub);
+		g->pub = NULL;
+	} else {
+		kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	}
 	g->mem = NULL;
 	g->cap = 0;
 	g->next = l->free_head;
@@ -205,8 +258,11 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 	uint32_t len = a->len, rest = len - off;
 	bool copy_right = rest <= off;
 	uint64_t *m = kvr_alloc((size_t)(copy_right ? rest : off) * sizeof(uint64_t));
-	if (!m)
+	struct kvr_pinrun *d;
+	if (!m || !pub_reserve(l, &d)) {
+		kvr_free(m, m ? (size_t)(copy_right ? rest : off) * sizeof(uint64_t) : 0);
 		return KVR_ENOMEM;
+	}
 	uint32_t j = run_new(l);
 	a = &l->runs[i];
 	struct run *b = &l->runs[j];
@@ -232,6 +288,18 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 		l->runs[a->snext].sprev = j;
 	a->snext = j;
 	kvr_u64map_insert(&l->heads, seq_of(b)[0], j);
+	if (a->pub) {
+		/* Readers: len shrinks first, then the array (maybe a copy) is swapped (pinmap.h);
+		 * the array a owned now belongs to b's copy when b kept it. */
+		struct kvr_pinrun *p = a->pub;
+		__atomic_store_n(&p->len, off, __ATOMIC_RELEASE);
+		__atomic_store_n(&p->seqs, (const uint64_t *)seq_of(a), __ATOMIC_RELEASE);
+		p->mem = a->mem;
+		p->mem_cap = a->cap;
+	}
+	pub_make(l, b, a->pub ? d : NULL);
+	if (!a->pub)
+		kvr_free(d, d ? sizeof(*d) : 0);
 	return 0;
 }
 
@@ -306,7 +374,7 @@ static int reserve_pieces(struct req *q, size_t n)
 
 /*
  * Pins seq[0..n) for request q, continuing its chain (from the root if it has no blocks):
- * splits, reserves, then pins.  On success the delta says what went 0 -> 1.  0, KVR_ERANGE or
+ * splits, reserves, then pins (a new run is published).  0, KVR_ERANGE or
  * KVR_ENOMEM (nothing observable changed).
  */
 static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
@@ -348,18 +416,13 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 	if ((rc = reserve_runs(l, 1)) || (rc = kvr_u64map_reserve(&l->heads, 1)) ||
 	    (rc = reserve_pieces(q, nh + 1)))
 		return rc;
-	/* The finish report needs room for the whole chain: kept for the longest request. */
-	size_t total = (size_t)q->nblocks + n;
-	if (total > l->cap_unpinned) {
-		uint64_t *p = kvr_realloc(l->unpinned, l->cap_unpinned * sizeof(uint64_t),
-		                          total * sizeof(uint64_t));
-		if (!p)
-			return KVR_ENOMEM;
-		l->unpinned = p;
-		l->cap_unpinned = total;
-	}
+	struct kvr_pinrun *d = NULL;
 	if (nnew && !(m = kvr_alloc((size_t)nnew * sizeof(uint64_t))))
 		return KVR_ENOMEM;
+	if (nnew && !pub_reserve(l, &d)) {
+		kvr_free(m, (size_t)nnew * sizeof(uint64_t));
+		return KVR_ENOMEM;
+	}
 	/* From here on nothing fails. */
 	for (size_t k = 0; k < nh; k++) {
 		l->runs[l->hits[k].run].pins++;
@@ -375,11 +438,10 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 		kvr_u64map_insert(&l->heads, m[0], i);
 		q->p[q->n++] = (struct piece){i, nnew};
 		l->pinned += nnew;
+		pub_make(l, g, d);
 	}
 	q->nblocks += (uint32_t)n;
 	q->last_seq = seq[n - 1];
-	l->d_first = hit;
-	l->d_n = nnew;
 	return 0;
 }
 
@@ -390,7 +452,6 @@ int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size
 {
 	if (!l || (n > 0 && !seq))
 		return KVR_EINVAL;
-	clear_delta(l);
 	if (find(l, attempt))
 		return KVR_EEXIST;
 	if (l->n_req == l->cap_req) {
@@ -406,7 +467,6 @@ int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size
 	int rc;
 	if ((rc = kvr_u64map_reserve(&l->by_attempt, 1)) || (rc = pin(l, q, seq, n))) {
 		kvr_free(q->p, q->cap * sizeof(struct piece));
-		clear_delta(l);
 		return rc;
 	}
 	q->attempt = attempt;
@@ -451,7 +511,6 @@ int kvr_load_prefill_done(struct kvr_load *l, uint64_t attempt)
 {
 	if (!l)
 		return KVR_EINVAL;
-	clear_delta(l);
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
@@ -463,29 +522,22 @@ int kvr_load_add_output(struct kvr_load *l, uint64_t attempt, const uint64_t *se
 {
 	if (!l || (n > 0 && !seq))
 		return KVR_EINVAL;
-	clear_delta(l);
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
-	int rc = pin(l, q, seq, n);
-	if (rc)
-		clear_delta(l);
-	return rc;
+	return pin(l, q, seq, n);
 }
 
 int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
 {
 	if (!l)
 		return KVR_EINVAL;
-	clear_delta(l);
 	uint32_t *ix = kvr_u64map_find(&l->by_attempt, attempt);
 	if (!ix)
 		return KVR_ENOENT;
 	uint32_t i = *ix;
 	struct req *q = &l->r[i];
-	/* The unpinned blocks are a tail of the chain, copied to the scratch (room for every
-	 * request's chain was made when it was pinned: finish never allocates). */
-	size_t nu = 0;
+	/* The runs reaching 0 pins form a tail of the chain; finish never allocates. */
 	for (uint32_t k = 0; k < q->n; k++) {
 		uint32_t g = q->p[k].run, left = q->p[k].len;
 		while (left) {
@@ -493,15 +545,13 @@ int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
 			uint32_t next = x->snext, len = x->len;
 			left -= len;
 			if (--x->pins == 0) {
-				memcpy(l->unpinned + nu, seq_of(x), (size_t)len * sizeof(uint64_t));
-				nu += len;
 				l->pinned -= len;
 				run_free(l, g);
 			}
 			g = next;
 		}
 	}
-	l->n_unpinned = nu;
+	kvr_pinrun_retire_flush(&l->retired);
 	kvr_u64map_remove(&l->by_attempt, attempt);
 	kvr_free(q->p, q->cap * sizeof(struct piece));
 	int was_prefill = q->in_prefill;
@@ -551,17 +601,6 @@ int kvr_load_potential(const struct kvr_load *l, const uint64_t *seq, size_t n,
 	return 0;
 }
 
-void kvr_load_last_delta(const struct kvr_load *l, struct kvr_load_delta *d)
-{
-	memset(d, 0, sizeof(*d));
-	if (!l)
-		return;
-	d->pinned_first = l->d_first;
-	d->n_pinned = l->d_n;
-	d->unpinned = l->unpinned;
-	d->n_unpinned = l->n_unpinned;
-}
-
 void kvr_load_stats(const struct kvr_load *l, struct kvr_load_stats *st)
 {
 	memset(st, 0, sizeof(*st));
@@ -571,6 +610,7 @@ void kvr_load_stats(const struct kvr_load *l, struct kvr_load_stats *st)
 	st->prefill_tokens = l->prefill_sum;
 	st->active_requests = l->n_req;
 	st->in_prefill = l->n_prefill;
+	st->publish_errors = l->publish_errors;
 }
 
 size_t kvr_load_bytes(const struct kvr_load *l)
@@ -584,5 +624,7 @@ size_t kvr_load_bytes(const struct kvr_load *l)
 		b += (size_t)l->runs[i].cap * sizeof(uint64_t);
 	for (uint32_t i = 0; i < l->n_req; i++)
 		b += l->r[i].cap * sizeof(struct piece);
+	if (l->pm)
+		b += (size_t)l->runs_live * sizeof(struct kvr_pinrun);
 	return b;
 }

@@ -2,8 +2,9 @@
  * shards/load.h - active load of one rank (issue 5, part D): what the rank is busy with now,
  * and what it would be busy with if a candidate request were added.  See load.c.
  *
- * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
- * (The router publishes the numbers to other threads as snapshots; that is not done here.)
+ * Context (all functions): the shard thread that owns the instance; no locks.  (The router
+ * publishes the numbers to other threads as snapshots; the pinned runs are published through
+ * shards/pinmap.h when kvr_load_publish was called.)
  * Input requirement: chained sequence hashes (core/hash), add_output continuing the request's
  * chain.  The pinned set is kept in runs: pinning/unpinning costs O(runs) writes plus one
  * sequential compare per block (see load.c).
@@ -15,6 +16,7 @@
 #include <stdint.h>
 
 struct kvr_load;
+struct kvr_pinmap;
 
 /* Potential load of a rank for a candidate request (cost inputs of core/select). */
 struct kvr_load_potential {
@@ -27,34 +29,21 @@ struct kvr_load_stats {
 	uint64_t prefill_tokens;  /* undecayed sum over requests still in prefill */
 	uint64_t active_requests; /* added, not finished */
 	uint64_t in_prefill;      /* of which still in prefill */
-};
-
-/*
- * What the last command changed in the pinned set, for a second index of pinned blocks (issue 11
- * item 4: the deduplicated decode load from a per-rank pinned depth).  A request pins its whole
- * chain from the root, so the pinned set is prefix-closed along each request's chain and a
- * block's pin count never exceeds its parent's.  Hence, with chained sequence hashes:
- *  - kvr_load_add / kvr_load_add_output: the blocks that went 0 -> 1 are a SUFFIX of the input,
- *    seq[pinned_first .. pinned_first + n_pinned) with pinned_first + n_pinned == n; they hang
- *    below seq[pinned_first - 1], or, at 0, below the attempt's previous last block (add_output)
- *    or the root (add).
- *  - kvr_load_finish: the blocks that went 1 -> 0 are a TAIL of the attempt's chain, reported in
- *    chain order (parent first) in unpinned[0..n_unpinned) (borrowed: valid until the next call
- *    on this load), so an index can trim them as one tail.
- * Every other command (and a failed one) leaves an empty delta.
- */
-struct kvr_load_delta {
-	size_t pinned_first, n_pinned;
-	const uint64_t *unpinned;
-	size_t n_unpinned;
+	uint64_t publish_errors;  /* runs the pinmap could not take (no memory) */
 };
 
 /* Creates an empty load tracker.  expected_prefill_ns: if > 0, the OLDEST request still in
  * prefill counts its tokens * max(0, 1 - elapsed / expected_prefill_ns) (linear decay: it is
  * being processed); 0 = no decay.  Returns 0, KVR_EINVAL or KVR_ENOMEM. */
 int kvr_load_create(uint64_t expected_prefill_ns, struct kvr_load **out);
-/* NULL is a no-op. */
+/* NULL is a no-op.  A publishing load unpublishes its runs and frees them after a grace period
+ * (Context then: an RCU-registered thread, outside a read-side section). */
 void kvr_load_destroy(struct kvr_load *load);
+
+/* From now on every pinned run is published in pm (shards/pinmap.h) for rank `slot`, so
+ * routers read this rank's pinned depth with kvr_pinmap_depths.  Call on an empty load.
+ * Commands that free runs then need an RCU-registered thread.  0 or KVR_EINVAL. */
+int kvr_load_publish(struct kvr_load *load, struct kvr_pinmap *pm, uint32_t slot);
 
 /*
  * A request attempt starts on the rank at time now: pins blocks seq[0..n) (borrowed; a block
@@ -94,9 +83,6 @@ size_t kvr_load_pinned_depth(const struct kvr_load *load, const uint64_t *seq, s
 
 /* Bytes the tracker holds (runs, hash arrays, maps, requests), for benchmarks.  O(runs). */
 size_t kvr_load_bytes(const struct kvr_load *load);
-
-/* The pinned-set change made by the last command (see struct kvr_load_delta). */
-void kvr_load_last_delta(const struct kvr_load *load, struct kvr_load_delta *d);
 
 void kvr_load_stats(const struct kvr_load *load, struct kvr_load_stats *st);
 

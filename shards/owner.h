@@ -2,7 +2,7 @@
  * shards/owner.h - the shard side of the router, as core/ sees it: the narrow context shard code
  * runs with, the per-rank table both sides share, and the operations a rank's shard runs.
  *
- * Shard code is handed struct kvr_owner_ctx (index, pinned-block index, metrics, clock, rank
+ * Shard code is handed struct kvr_owner_ctx (index, pinned-run map, metrics, clock, rank
  * table, lease table and the config values it uses), never the router: shards/ depends on core/'s
  * lower layer (clock, index, metrics) and on nothing above it.  The files:
  *   shards/owner_ranks.c     rank lifecycle: create, capacity, reset, destroy, stats; the shard's
@@ -110,7 +110,7 @@ struct kvr_owner_ctx {
 	/* shared objects */
 	struct kvr_clock clock;
 	struct kvr_index *index;       /* cached blocks per rank */
-	struct kvr_index *pinned;      /* blocks pinned by live attempts per rank (approx modes) */
+	struct kvr_pinmap *pinmap;     /* every rank's pinned runs, for routers (shards/pinmap.h) */
 	struct kvr_metrics *metrics;   /* per-thread blocks */
 	struct kvr_rank_pub *ranks;    /* [max_ranks] */
 	struct kvr_leases *leases;     /* the router's attempt leases */

@@ -186,34 +186,6 @@ void kvr_owner_attempts_fini(struct kvr_shard_state *ss)
 	ss->n_recs = ss->recs_cap = 0;
 }
 
-/* Mirrors the last load command's pinned-set change into the pinned-block index: what went
- * 0 -> 1 (a suffix of seq[0..n), below parent at 0) is stored as one run, what went 1 -> 0 (a
- * tail of the attempt's chain) is removed.  A failed write is counted, never silent: routing
- * then under-counts a pinned depth, as before this index existed. */
-static void pin_delta(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
-                      const uint64_t *parent, const uint64_t *local, const uint64_t *seq)
-{
-	const struct kvr_owner_ctx *c = ss->c;
-	struct kvr_load_delta d;
-	kvr_load_last_delta(own->load, &d);
-	int rc = 0;
-	if (d.n_pinned) {
-		size_t f = d.pinned_first, n = d.n_pinned;
-		rc = kvr_owner_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
-		if (rc == 0) {
-			for (size_t i = 0; i < n; i++)
-				ss->blk[i] = (struct kvr_index_block){.ext_hash = seq[f + i],
-				                                      .local_hash = local[f + i]};
-			rc = kvr_index_store(c->pinned, own->pslot, f ? &seq[f - 1] : parent,
-			                     ss->blk, n);
-		}
-	}
-	if (d.n_unpinned && kvr_index_remove(c->pinned, own->pslot, d.unpinned, d.n_unpinned, NULL))
-		rc = KVR_ENOMEM;
-	if (rc)
-		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
-}
-
 static void unlink_rec(struct kvr_rank_owned *own, struct kvr_attempt *rec)
 {
 	if (rec->prev)
@@ -234,8 +206,7 @@ static void end_attempt(struct kvr_shard *sh, struct kvr_attempt *rec, bool rele
 	if (release_blocks && own->rs && rec->booked && rec->incarnation == own->incarnation &&
 	    kvr_rank_state_release(own->rs, own->incarnation, rec->attempt, &ss->out) == 0)
 		kvr_owner_apply_removals(ss, own, &ss->out);
-	if (kvr_load_finish(own->load, rec->attempt) == 0)
-		pin_delta(ss, own, NULL, NULL, NULL);
+	kvr_load_finish(own->load, rec->attempt);
 	unlink_rec(own, rec);
 	kvr_owner_publish(ss, own);
 	untrack(ss, rec);
@@ -310,9 +281,8 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 		}
 	}
 	uint64_t cached = (uint64_t)rec->overlap * bs;
-	if (kvr_load_add(own->load, rec->attempt, seq, n,
-	                 rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now) == 0)
-		pin_delta(ss, own, NULL, local, seq);
+	kvr_load_add(own->load, rec->attempt, seq, n,
+	             rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now);
 	kvr_owner_publish(ss, own);
 	unprovision(c, rec);
 	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);
@@ -412,8 +382,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	kvr_owner_apply_removals(ss, own, &ss->out);
 	if (nb) {
 		kvr_owner_store_runs(ss, own, has_parent ? &parent : NULL, local, seq, &ss->out);
-		if (kvr_load_add_output(own->load, rec->attempt, seq, nb) == 0)
-			pin_delta(ss, own, has_parent ? &parent : NULL, local, seq);
+		kvr_load_add_output(own->load, rec->attempt, seq, nb);
 		rec->last_seq = seq[nb - 1];
 		rec->has_last = true;
 		rec->n_blocks += (uint32_t)nb;

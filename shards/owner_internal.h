@@ -49,7 +49,6 @@ struct kvr_rank_owned {
 	uint64_t ttl_timer;
 	uint64_t ttl_deadline; /* UINT64_MAX: no timer armed */
 	uint32_t slot;
-	uint32_t pslot;                     /* the rank's slot in the pinned-block index */
 	struct kvr_rank_owned *prev, *next; /* the shard's ranks */
 };
 

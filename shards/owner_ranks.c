@@ -260,7 +260,7 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 		if (rc)
 			goto fail;
 	}
-	uint32_t slot, pslot;
+	uint32_t slot;
 	rc = kvr_index_rank_add(c->index, a->worker_id, a->dp_rank, &slot);
 	if (rc)
 		goto fail;
@@ -269,14 +269,8 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 		rc = KVR_ERANGE;
 		goto fail;
 	}
-	/* The pinned-block index names the rank by its main slot (routers map back with
-	 * kvr_index_rank_get). */
-	rc = kvr_index_rank_add(c->pinned, slot, 0, &pslot);
-	if (rc) {
-		kvr_index_rank_remove(c->index, slot);
-		goto fail;
-	}
-	own->pslot = pslot;
+	if (c->pinmap)
+		(void)kvr_load_publish(own->load, c->pinmap, slot); /* empty load: cannot fail */
 	own->incarnation = a->incarnation;
 	own->capacity = a->capacity;
 	own->ttl_deadline = UINT64_MAX;
@@ -329,7 +323,6 @@ int kvr_owner_rank_destroy(struct kvr_shard *sh, void *arg)
 	kvr_rank_state_destroy(own->rs);
 	kvr_load_destroy(own->load);
 	kvr_index_rank_remove(c->index, a->slot);
-	kvr_index_rank_remove(c->pinned, own->pslot);
 	if (own->prev)
 		own->prev->next = own->next;
 	else
@@ -352,7 +345,6 @@ static int new_life(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t i
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
 	kvr_owner_end_all_attempts(sh, own);
-	kvr_index_clear_rank(c->pinned, own->pslot); /* empty already: every pin went */
 	if (own->rs) {
 		if (kvr_rank_state_mode(own->rs) != KVR_RANK_ABSENT &&
 		    kvr_rank_state_reset(own->rs, &ss->out) == 0)

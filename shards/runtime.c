@@ -716,4 +716,9 @@ void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *o)
 	o->timers_pending = __atomic_load_n(&sh->timers_pending, __ATOMIC_RELAXED);
 	o->workers = __atomic_load_n(&sh->rt->workers[sh->index], __ATOMIC_RELAXED);
 	o->ranks = __atomic_load_n(&sh->rt->ranks[sh->index], __ATOMIC_RELAXED);
+	clockid_t cid;
+	struct timespec ts;
+	if (sh->started && pthread_getcpuclockid(sh->thread, &cid) == 0 &&
+	    clock_gettime(cid, &ts) == 0)
+		o->cpu_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }

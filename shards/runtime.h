@@ -82,6 +82,7 @@ struct kvr_shard_stats {
 	uint32_t timers_pending;
 	uint32_t workers; /* workers placed here */
 	uint32_t ranks;   /* ranks (placements) here */
+	uint64_t cpu_ns;  /* CPU time the shard thread used so far (0 if unknown) */
 };
 
 typedef void (*kvr_task_fn)(struct kvr_shard *shard, void *payload);

@@ -49,10 +49,6 @@ struct ref_load {
 	/* Oldest in-prefill request, cached: the attempt (valid while oldest_valid). */
 	uint64_t oldest_attempt;
 	int oldest_valid;
-	/* The last command's pinned-set change (ref_load_last_delta). */
-	size_t d_first, d_n;
-	uint64_t *unpinned; /* scratch: the last finish's 1 -> 0 blocks */
-	size_t n_unpinned, cap_unpinned;
 };
 
 int ref_load_create(uint64_t expected_prefill_ns, struct ref_load **out)
@@ -78,7 +74,6 @@ void ref_load_destroy(struct ref_load *l)
 	kvr_free(l->r, (size_t)l->cap_req * sizeof(struct req));
 	kvr_u64map_fini(&l->by_attempt);
 	kvr_u64map_fini(&l->pins);
-	kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
 	kvr_free(l, sizeof(*l));
 }
 
@@ -101,28 +96,16 @@ static int reserve_seq(struct req *q, size_t n)
 	return 0;
 }
 
-static void clear_delta(struct ref_load *l)
-{
-	l->d_first = l->d_n = 0;
-	l->n_unpinned = 0;
-}
-
 static void pin(struct ref_load *l, struct req *q, const uint64_t *seq, size_t n)
 {
-	size_t first = n;
 	for (size_t i = 0; i < n; i++) {
 		uint32_t *c = kvr_u64map_find(&l->pins, seq[i]);
-		if (c) {
+		if (c)
 			(*c)++;
-		} else {
+		else
 			kvr_u64map_insert(&l->pins, seq[i], 1);
-			if (first == n)
-				first = i;
-		}
 		q->seq[q->n++] = seq[i];
 	}
-	l->d_first = first;
-	l->d_n = n - first;
 }
 
 int ref_load_add(struct ref_load *l, uint64_t attempt, const uint64_t *seq, size_t n,
@@ -130,7 +113,6 @@ int ref_load_add(struct ref_load *l, uint64_t attempt, const uint64_t *seq, size
 {
 	if (!l || (n > 0 && !seq))
 		return KVR_EINVAL;
-	clear_delta(l);
 	if (find(l, attempt))
 		return KVR_EEXIST;
 	if (l->n_req == l->cap_req) {
@@ -190,7 +172,6 @@ int ref_load_prefill_done(struct ref_load *l, uint64_t attempt)
 {
 	if (!l)
 		return KVR_EINVAL;
-	clear_delta(l);
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
@@ -202,7 +183,6 @@ int ref_load_add_output(struct ref_load *l, uint64_t attempt, const uint64_t *se
 {
 	if (!l || (n > 0 && !seq))
 		return KVR_EINVAL;
-	clear_delta(l);
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
@@ -217,46 +197,16 @@ int ref_load_finish(struct ref_load *l, uint64_t attempt)
 {
 	if (!l)
 		return KVR_EINVAL;
-	clear_delta(l);
 	uint32_t *ix = kvr_u64map_find(&l->by_attempt, attempt);
 	if (!ix)
 		return KVR_ENOENT;
 	uint32_t i = *ix;
 	struct req *q = &l->r[i];
-	/* The unpinned tail is reported in the request's own array (chain order) when the scratch
-	 * cannot grow: compacted in place, it stays valid until the array is freed below, so the
-	 * array is then kept as the scratch instead. */
-	uint64_t *un = l->unpinned;
-	if (q->n > l->cap_unpinned) {
-		uint64_t *p = kvr_realloc(l->unpinned, l->cap_unpinned * sizeof(uint64_t),
-		                          q->n * sizeof(uint64_t));
-		if (p) {
-			l->unpinned = p;
-			l->cap_unpinned = q->n;
-		}
-		un = p ? p : NULL;
-	}
-	size_t nu = 0;
 	for (size_t k = 0; k < q->n; k++) {
 		uint32_t *c = kvr_u64map_find(&l->pins, q->seq[k]);
-		if (--(*c) == 0) {
+		if (--(*c) == 0)
 			kvr_u64map_remove(&l->pins, q->seq[k]);
-			if (un)
-				un[nu] = q->seq[k];
-			else
-				q->seq[nu] = q->seq[k];
-			nu++;
-		}
 	}
-	if (!un) { /* adopt the request's array as the scratch */
-		kvr_free(l->unpinned, l->cap_unpinned * sizeof(uint64_t));
-		l->unpinned = q->seq;
-		l->cap_unpinned = q->cap;
-		q->seq = NULL;
-		q->cap = 0;
-	}
-	l->d_first = l->d_n = 0;
-	l->n_unpinned = nu;
 	kvr_u64map_remove(&l->by_attempt, attempt);
 	/* Swap the last request into slot i before recomputing the oldest. */
 	uint64_t *seq = q->seq;
@@ -303,17 +253,6 @@ int ref_load_potential(const struct ref_load *l, const uint64_t *seq, size_t n,
 	out->decode_blocks = l->pins.count + fresh;
 	out->prefill_tokens = ref_load_prefill_tokens(l, now) + uncached_tokens;
 	return 0;
-}
-
-void ref_load_last_delta(const struct ref_load *l, struct kvr_load_delta *d)
-{
-	memset(d, 0, sizeof(*d));
-	if (!l)
-		return;
-	d->pinned_first = l->d_first;
-	d->n_pinned = l->d_n;
-	d->unpinned = l->unpinned;
-	d->n_unpinned = l->n_unpinned;
 }
 
 void ref_load_stats(const struct ref_load *l, struct kvr_load_stats *st)

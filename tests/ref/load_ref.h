@@ -23,7 +23,6 @@ int ref_load_finish(struct ref_load *load, uint64_t attempt);
 uint64_t ref_load_prefill_tokens(const struct ref_load *load, uint64_t now);
 int ref_load_potential(const struct ref_load *load, const uint64_t *seq, size_t n,
                        uint64_t uncached_tokens, uint64_t now, struct kvr_load_potential *out);
-void ref_load_last_delta(const struct ref_load *load, struct kvr_load_delta *d);
 void ref_load_stats(const struct ref_load *load, struct kvr_load_stats *st);
 
 #endif /* KVR_TESTS_REF_LOAD_REF_H */

@@ -330,12 +330,11 @@ static int check_idle(struct kvr_router *r, const char *name)
 			bad++;
 		}
 	}
-	/* Every pin went with its attempt: the pinned-block index holds nothing. */
-	struct kvr_index_stats is;
-	kvr_index_stats_get(r->pinned, &is);
-	if (is.copies) {
-		fprintf(stderr, "stress_router: %s: %lu pinned blocks left in the pinned index\n",
-		        name, (unsigned long)is.copies);
+	/* Every pin went with its attempt: no pinned run is published any more. */
+	size_t runs = kvr_pinmap_runs(r->pinmap);
+	if (runs) {
+		fprintf(stderr, "stress_router: %s: %zu pinned runs left in the pinmap\n", name,
+		        runs);
 		bad++;
 	}
 	return bad;

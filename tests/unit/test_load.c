@@ -1,7 +1,9 @@
 /* Active load (shards/load): dedup of pinned blocks, prefill tokens with linear decay of the
  * oldest in-prefill request, potential load, every unknown/duplicate case, and a differential
- * test against a brute-force model AND the per-block tracker it replaced (tests/ref/load_ref.c:
- * same pinned-set deltas), on chained hashes (seed printed on failure; LOAD_DIFF_SEED=<seed>). */
+ * test against a brute-force model AND the per-block tracker it replaced (tests/ref/load_ref.c),
+ * on chained hashes (seed printed on failure; LOAD_DIFF_SEED=<seed>), in which two ranks'
+ * loads publish their runs in one shards/pinmap.h table and the routers' reading of it must give
+ * every rank's pinned depth exactly. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +12,8 @@
 #include "core/alloc.h"
 #include "../ref/load_ref.h"
 #include "shards/load.h"
+#include "shards/pinmap.h"
+#include "sync/rcu.h"
 
 Test(load, dedup_and_potential)
 {
@@ -132,9 +136,15 @@ static void run_seed(uint64_t seed, int steps)
 	uint64_t r = seed, d = rng(&r) % 2 ? 1 + rng(&r) % 1000 : 0, now = 0, order = 0;
 	static struct mreq m[MAXR];
 	memset(m, 0, sizeof(m));
-	struct kvr_load *l;
+	struct kvr_load *l, *l2;
 	struct ref_load *x;
+	struct kvr_pinmap *pm;
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	cr_assert_eq(kvr_pinmap_create(&pm), 0);
 	cr_assert_eq(kvr_load_create(d, &l), 0);
+	cr_assert_eq(kvr_load_create(d, &l2), 0);
+	cr_assert_eq(kvr_load_publish(l, pm, 5), 0);
+	cr_assert_eq(kvr_load_publish(l2, pm, 9), 0); /* a second rank: the odd attempts */
 	cr_assert_eq(ref_load_create(d, &x), 0);
 	uint64_t seq[16];
 	for (int step = 0; step < steps; step++) {
@@ -152,6 +162,8 @@ static void run_seed(uint64_t seed, int steps)
 			}
 			uint64_t tok = rng(&r) % 1000;
 			rc = kvr_load_add(l, a, seq, n, tok, now);
+			if (a % 2)
+				kvr_load_add(l2, a, seq, n, tok, now);
 			xrc = ref_load_add(x, a, seq, n, tok, now);
 			want = q->live ? KVR_EEXIST : 0;
 			if (!q->live) {
@@ -183,6 +195,8 @@ static void run_seed(uint64_t seed, int steps)
 			if (q->live && q->n + (int)n > 64)
 				n = 0;
 			rc = kvr_load_add_output(l, a, seq, n);
+			if (a % 2)
+				kvr_load_add_output(l2, a, seq, n);
 			xrc = ref_load_add_output(x, a, seq, n);
 			want = q->live ? 0 : KVR_ENOENT;
 			if (q->live)
@@ -190,6 +204,8 @@ static void run_seed(uint64_t seed, int steps)
 					q->seq[q->n++] = seq[i];
 		} else if (op < 8) {
 			rc = kvr_load_finish(l, a);
+			if (a % 2)
+				kvr_load_finish(l2, a);
 			xrc = ref_load_finish(x, a);
 			want = q->live ? 0 : KVR_ENOENT;
 			q->live = false;
@@ -199,19 +215,15 @@ static void run_seed(uint64_t seed, int steps)
 		}
 		cr_assert_eq(rc, want, "seed %llu step %d", (unsigned long long)seed, step);
 		cr_assert_eq(rc, xrc, "seed %llu step %d", (unsigned long long)seed, step);
-		struct kvr_load_delta dd, xd;
-		kvr_load_last_delta(l, &dd);
-		ref_load_last_delta(x, &xd);
-		cr_assert(dd.n_pinned == xd.n_pinned && dd.n_unpinned == xd.n_unpinned &&
-		              (dd.n_pinned == 0 || dd.pinned_first == xd.pinned_first),
-		          "seed %llu step %d: delta", (unsigned long long)seed, step);
-		for (size_t i = 0; i < dd.n_unpinned; i++)
-			cr_assert_eq(dd.unpinned[i], xd.unpinned[i], "seed %llu step %d: unpinned",
-			             (unsigned long long)seed, step);
+		struct kvr_load_stats xs;
+		ref_load_stats(x, &xs);
 		struct kvr_load_stats st;
 		kvr_load_stats(l, &st);
 		cr_assert_eq(st.active_blocks, m_blocks(m), "seed %llu step %d",
 		             (unsigned long long)seed, step);
+		cr_assert_eq(st.active_blocks, xs.active_blocks, "seed %llu step %d",
+		             (unsigned long long)seed, step);
+		cr_assert_eq(st.publish_errors, 0);
 		cr_assert_eq(kvr_load_prefill_tokens(l, now), m_prefill(m, d, now),
 		             "seed %llu step %d", (unsigned long long)seed, step);
 		size_t n = rng(&r) % 7;
@@ -226,14 +238,31 @@ static void run_seed(uint64_t seed, int steps)
 		}
 		struct kvr_load_potential p;
 		kvr_load_potential(l, seq, n, 5, now, &p);
-		cr_assert_eq(kvr_load_pinned_depth(l, seq, n) + fresh, n, "seed %llu step %d",
+		size_t want_depth = kvr_load_pinned_depth(l, seq, n);
+		cr_assert_eq(want_depth + fresh, n, "seed %llu step %d", (unsigned long long)seed,
+		             step);
+		/* The routers' reading: both ranks' depths in one walk of the table. */
+		static uint32_t depth[16], slots[16];
+		kvr_rcu_read_lock();
+		size_t ns = kvr_pinmap_depths(pm, seq, n, depth, slots);
+		kvr_rcu_read_unlock();
+		cr_assert_eq(depth[5], want_depth, "seed %llu step %d: published depth",
 		             (unsigned long long)seed, step);
+		cr_assert_eq(depth[9], kvr_load_pinned_depth(l2, seq, n),
+		             "seed %llu step %d: rank 2's published depth",
+		             (unsigned long long)seed, step);
+		cr_assert_eq(ns, (size_t)(depth[5] > 0) + (depth[9] > 0));
+		for (size_t i = 0; i < ns; i++)
+			depth[slots[i]] = 0;
 		cr_assert(p.decode_blocks == m_blocks(m) + fresh &&
 		              p.prefill_tokens == m_prefill(m, d, now) + 5,
 		          "seed %llu step %d: potential", (unsigned long long)seed, step);
 	}
 	kvr_load_destroy(l);
+	kvr_load_destroy(l2);
 	ref_load_destroy(x);
+	kvr_rcu_barrier(); /* the runs go after a grace period, then the table */
+	kvr_pinmap_destroy(pm);
 }
 
 Test(load, differential_against_model)
@@ -285,34 +314,49 @@ Test(load, out_of_memory_changes_nothing)
 	}
 }
 
-/* The pinned-set delta (kvr_load_last_delta) a pinned-block index consumes: 0 -> 1 is a suffix of
- * the input, 1 -> 0 a tail of the finished request's chain, parent first. */
-Test(load, pinned_delta_suffix_and_tail)
+/* Two ranks publish into one table: a prompt's pinned depth on each, a run split on one rank
+ * by a request that leaves it (the reader continues through both halves), a finish that frees
+ * runs (the depth drops at once), an output that extends a chain. */
+Test(load, published_pinned_depth)
 {
-	struct kvr_load *l;
-	struct kvr_load_delta d;
-	cr_assert_eq(kvr_load_create(0, &l), 0);
-	uint64_t a[4] = {1, 2, 3, 4}, b[3] = {1, 2, 9};
-	cr_assert_eq(kvr_load_add(l, 1, a, 4, 0, 0), 0);
-	kvr_load_last_delta(l, &d);
-	cr_assert(d.pinned_first == 0 && d.n_pinned == 4 && d.n_unpinned == 0);
-	cr_assert_eq(kvr_load_add(l, 2, b, 3, 0, 0), 0);
-	kvr_load_last_delta(l, &d);
-	cr_assert(d.pinned_first == 2 && d.n_pinned == 1, "only 9 is newly pinned");
-	uint64_t o[2] = {10, 11};
-	cr_assert_eq(kvr_load_add_output(l, 2, o, 2), 0);
-	kvr_load_last_delta(l, &d);
-	cr_assert(d.pinned_first == 0 && d.n_pinned == 2);
-	cr_assert_eq(kvr_load_finish(l, 1), 0);
-	kvr_load_last_delta(l, &d);
-	cr_assert_eq(d.n_unpinned, 2, "3 and 4 went 1 -> 0");
-	cr_assert(d.unpinned[0] == 3 && d.unpinned[1] == 4, "parent first");
-	cr_assert_eq(kvr_load_finish(l, 1), KVR_ENOENT);
-	kvr_load_last_delta(l, &d);
-	cr_assert(d.n_pinned == 0 && d.n_unpinned == 0, "a failed command leaves no delta");
-	cr_assert_eq(kvr_load_finish(l, 2), 0);
-	kvr_load_last_delta(l, &d);
-	cr_assert_eq(d.n_unpinned, 5);
-	cr_assert(d.unpinned[0] == 1 && d.unpinned[2] == 9 && d.unpinned[4] == 11);
-	kvr_load_destroy(l);
+	struct kvr_pinmap *pm;
+	struct kvr_load *a, *b;
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	cr_assert_eq(kvr_pinmap_create(&pm), 0);
+	cr_assert_eq(kvr_load_create(0, &a), 0);
+	cr_assert_eq(kvr_load_create(0, &b), 0);
+	cr_assert_eq(kvr_load_publish(a, pm, 1), 0);
+	cr_assert_eq(kvr_load_publish(b, pm, 2), 0);
+	uint32_t depth[4] = {0}, slots[4];
+	uint64_t p[6] = {1, 2, 3, 4, 5, 6}, q[4] = {1, 2, 30, 40};
+	cr_assert_eq(kvr_load_add(a, 10, p, 4, 0, 0), 0);      /* rank 1 pins 1 2 3 4 */
+	cr_assert_eq(kvr_load_add(b, 11, p, 2, 0, 0), 0);      /* rank 2 pins 1 2 */
+	cr_assert_eq(kvr_load_add(a, 12, q, 4, 0, 0), 0);      /* splits rank 1's run after 2 */
+	cr_assert_eq(kvr_load_add_output(a, 10, p + 4, 2), 0); /* rank 1: ... 4 5 6 */
+	kvr_rcu_read_lock();
+	size_t ns = kvr_pinmap_depths(pm, p, 6, depth, slots);
+	kvr_rcu_read_unlock();
+	cr_assert_eq(ns, 2);
+	cr_assert(depth[1] == 6 && depth[2] == 2, "through the split: %u %u", depth[1], depth[2]);
+	depth[1] = depth[2] = 0;
+	kvr_rcu_read_lock();
+	ns = kvr_pinmap_depths(pm, q, 4, depth, slots);
+	kvr_rcu_read_unlock();
+	cr_assert(ns == 2 && depth[1] == 4 && depth[2] == 2);
+	depth[1] = depth[2] = 0;
+	cr_assert_eq(kvr_load_finish(a, 10), 0); /* 3 4 5 6 go from rank 1 */
+	uint64_t r[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+	kvr_rcu_read_lock();
+	ns = kvr_pinmap_depths(pm, r, 8, depth, slots);
+	kvr_rcu_read_unlock();
+	cr_assert(ns == 2 && depth[1] == 2 && depth[2] == 2, "%u %u", depth[1], depth[2]);
+	depth[1] = depth[2] = 0;
+	uint64_t none[2] = {99, 100};
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_pinmap_depths(pm, none, 2, depth, slots), 0);
+	kvr_rcu_read_unlock();
+	kvr_load_destroy(a);
+	kvr_load_destroy(b);
+	kvr_rcu_barrier();
+	kvr_pinmap_destroy(pm);
 }
