@@ -1,0 +1,340 @@
+/*
+ * sync/feed_apply.c - a decoded vLLM KV event batch into the router's index: validation, local
+ * hashes, the events queued per rank and applied through kvr_events_apply's shard function.
+ *
+ * Applying.  Everything one drain of the sockets accepts for a rank is applied with ONE shard
+ * round trip (kvr_events_apply_many, core/events.c), local hashes computed here on the feed
+ * thread.  A round trip per event capped the feed at the shard's wake-up rate: 87k blocks/s on
+ * a loaded 2-core machine, against 1.26-1.75M blocks/s batched (perf/bench_feed).  At low rates
+ * a drain holds one message, so batching adds no lag.
+ *
+ * Copies.  vLLM can hold two physical copies of one hash (the same prefix computed twice before
+ * the first copy was cached, or one per KV cache group of a hybrid model) and sends a
+ * BlockRemoved per copy.  The router's index counts copies per (rank, block) in events mode
+ * (kvr_index_set_count_copies, core/index.h), so the feed forwards every store and every
+ * removal as it comes; a block leaves the index with its last copy.  Blocks on another medium
+ * (the offloading connector's "CPU") are counted here, per rank and hash, never in the GPU
+ * index.
+ */
+#include <inttypes.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/events.h"
+#include "core/metrics.h"
+#include "core/router_internal.h"
+#include "kvrouter.h"
+#include "shards/u64map.h"
+#include "sync/feed_decode.h"
+#include "sync/feed_internal.h"
+
+/* ---------------------------------------------------------------- per-rank state */
+
+struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp)
+{
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		if (e->rs[i].dp == dp)
+			return &e->rs[i];
+	if (kvr_feed_grow((void **)&e->rs, &e->cap_rs, (uint64_t)e->n_rs + 1, sizeof(*e->rs)))
+		return NULL;
+	struct rstate *s = &e->rs[e->n_rs++];
+	s->dp = dp;
+	kvr_u64map_init(&s->other);
+	return s;
+}
+
+uint64_t kvr_feed_other_blocks(const struct ep *e)
+{
+	uint64_t n = 0;
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		n += e->rs[i].other.count;
+	return n;
+}
+
+static void refuse(struct kvr_feed *f, struct ep *e);
+
+/* Applies the pending events (one shard round trip). */
+static void apply_pending(struct kvr_feed *f)
+{
+	struct pending *p = &f->pend;
+	if (!p->n_ev)
+		return;
+	struct ep *e = p->ep;
+	if (kvr_feed_grow((void **)&p->out, &p->cap_out, p->n_ev, sizeof(*p->out)) ||
+	    kvr_feed_grow((void **)&p->rcs, &p->cap_rcs, p->n_ev, sizeof(*p->rcs))) {
+		for (uint32_t i = 0; i < p->n_ev; i++)
+			refuse(f, e);
+		p->n_ev = p->n_blk = p->n_rm = 0;
+		return;
+	}
+	for (uint32_t i = 0; i < p->n_ev; i++) {
+		const struct pev *v = &p->ev[i];
+		struct kvr_event *o = &p->out[i];
+		*o = (struct kvr_event){.type = v->type};
+		if (v->type == KVR_EVENT_STORED) {
+			o->has_parent = v->has_parent;
+			o->parent_ext_hash = v->parent;
+			o->blocks = p->blk + v->off;
+			o->n_blocks = v->n;
+		} else if (v->type == KVR_EVENT_REMOVED) {
+			o->removed = p->rm + v->off;
+			o->n_removed = v->n;
+		}
+	}
+	int rc = kvr_events_apply_many(f->r, (struct kvr_rank_id){e->worker_id, p->dp}, p->out,
+	                               p->n_ev, p->rcs);
+	for (uint32_t i = 0; i < p->n_ev; i++) {
+		int r = rc ? rc : p->rcs[i];
+		if (!r)
+			continue;
+		refuse(f, e);
+		kvr_feed_log(f, e, LK_INDEX, KVR_LOG_WARN,
+		             "%s for rank (%" PRIu64 ", %u) not applied: %s",
+		             p->ev[i].type == KVR_EVENT_STORED    ? "BlockStored"
+		             : p->ev[i].type == KVR_EVENT_REMOVED ? "BlockRemoved"
+		                                                  : "clear",
+		             e->worker_id, p->dp, kvr_strerror(r));
+	}
+	p->n_ev = p->n_blk = p->n_rm = 0;
+}
+
+/* Room for one more event of (e, dp) with nblk blocks (stored) or hashes (removed); flushes
+ * first when another rank's events are pending or the batch is full.  NULL without memory. */
+static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uint32_t nblk,
+                              bool removed)
+{
+	struct pending *p = &f->pend;
+	if (p->n_ev &&
+	    (p->ep != e || p->dp != dp || p->n_blk + p->n_rm + nblk > PENDING_MAX_BLOCKS))
+		kvr_feed_flush(f);
+	p->ep = e;
+	p->dp = dp;
+	if (kvr_feed_grow((void **)&p->ev, &p->cap_ev, (uint64_t)p->n_ev + 1, sizeof(*p->ev)) ||
+	    (!removed && kvr_feed_grow((void **)&p->blk, &p->cap_blk, (uint64_t)p->n_blk + nblk,
+	                               sizeof(*p->blk))) ||
+	    (removed &&
+	     kvr_feed_grow((void **)&p->rm, &p->cap_rm, (uint64_t)p->n_rm + nblk, sizeof(*p->rm))))
+		return NULL;
+	struct pev *v = &p->ev[p->n_ev];
+	*v = (struct pev){.off = removed ? p->n_rm : p->n_blk};
+	return v;
+}
+
+/* Forgets the rank: the index's blocks for it (after what is pending), its other medium. */
+void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
+{
+	kvr_u64map_clear(&s->other);
+	struct pev *v = pend_event(f, e, s->dp, 0, false);
+	if (v) {
+		v->type = KVR_EVENT_CLEARED;
+		f->pend.n_ev++;
+		return;
+	}
+	/* No memory to queue it: apply what is pending, then clear directly. */
+	kvr_feed_flush(f);
+	int rc = kvr_events_clear_rank(f->r, (struct kvr_rank_id){e->worker_id, s->dp});
+	if (rc && rc != KVR_ENOENT)
+		kvr_feed_log(f, e, LK_INDEX, KVR_LOG_ERROR,
+		             "clearing rank (%" PRIu64 ", %u) failed: %s", e->worker_id, s->dp,
+		             kvr_strerror(rc));
+}
+
+/* The ranks the endpoint feeds now: the fixed one, or every dp rank seen so far. */
+void kvr_feed_clear_all(struct kvr_feed *f, struct ep *e)
+{
+	if (e->dp_rank != KVR_FEED_DP_FROM_BATCH && !kvr_feed_rstate(e, e->dp_rank))
+		return;
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		kvr_feed_clear_rank(f, e, &e->rs[i]);
+}
+
+uint32_t kvr_feed_dp_of(const struct ep *e, const struct kvr_feed_batch *b)
+{
+	if (e->dp_rank != KVR_FEED_DP_FROM_BATCH)
+		return e->dp_rank;
+	return b && b->has_dp ? b->dp : 0;
+}
+
+static void refuse(struct kvr_feed *f, struct ep *e)
+{
+	e->st.refused++;
+	kvr_feed_count(f, KVR_C_FEED_REFUSED, 1);
+}
+
+static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
+                         const struct kvr_feed_batch *b, const struct kvr_fev *v)
+{
+	uint32_t bs = f->r->cfg.block_size;
+	const uint64_t *h = b->hashes + v->hash_off;
+	if (v->has_block_size && v->block_size != bs) {
+		refuse(f, e);
+		kvr_feed_log(f, e, LK_BLOCK_SIZE, KVR_LOG_ERROR,
+		             "BlockStored with block_size %u refused: the router's is %u",
+		             v->block_size, bs);
+		return;
+	}
+	if (!v->gpu) {
+		if (kvr_u64map_reserve(&s->other, v->n_hashes)) {
+			refuse(f, e);
+			return;
+		}
+		for (uint32_t i = 0; i < v->n_hashes; i++) {
+			uint32_t *c = kvr_u64map_find(&s->other, h[i]);
+			if (c)
+				++*c;
+			else
+				kvr_u64map_insert(&s->other, h[i], 1);
+		}
+		kvr_feed_count(f, KVR_C_FEED_OTHER_MEDIUM, v->n_hashes);
+		e->st.events++;
+		kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
+		return;
+	}
+	if (v->n_hashes == 0 || (uint64_t)v->n_tokens != (uint64_t)v->n_hashes * bs) {
+		refuse(f, e);
+		kvr_feed_log(f, e, LK_TOKENS, KVR_LOG_ERROR,
+		             "BlockStored refused: %u token ids for %u blocks of %u", v->n_tokens,
+		             v->n_hashes, bs);
+		return;
+	}
+	const char *lora = v->lora_off >= 0 ? b->strs + v->lora_off : NULL;
+	if (!lora && v->has_lora_id) {
+		refuse(f, e);
+		kvr_feed_log(f, e, LK_LORA, KVR_LOG_WARN,
+		             "BlockStored refused: lora_id %" PRIu64 " without lora_name",
+		             v->lora_id);
+		return;
+	}
+	struct pending *p = &f->pend;
+	struct pev *pv = pend_event(f, e, s->dp, v->n_hashes, false);
+	if (!pv ||
+	    kvr_feed_grow((void **)&p->local, &p->cap_local, v->n_hashes, sizeof(*p->local))) {
+		refuse(f, e);
+		return;
+	}
+	/* Local hashes now, as kvr_events_apply would on this thread: the token buffer is the
+	 * decoder's, and the next message reuses it. */
+	kvr_hash_blocks(b->tokens + v->tok_off, (size_t)v->n_hashes * bs, bs, lora, p->local, NULL);
+	for (uint32_t i = 0; i < v->n_hashes; i++)
+		p->blk[p->n_blk + i] =
+		    (struct kvr_event_block){.ext_hash = h[i], .local_hash = p->local[i]};
+	pv->type = KVR_EVENT_STORED;
+	pv->has_parent = v->has_parent;
+	pv->parent = v->parent;
+	pv->n = v->n_hashes;
+	p->n_blk += v->n_hashes;
+	p->n_ev++;
+	e->st.events++;
+	e->st.blocks_stored += v->n_hashes;
+	kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
+	kvr_feed_count(f, KVR_C_FEED_BLOCKS_STORED, v->n_hashes);
+}
+
+static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
+                          const struct kvr_feed_batch *b, const struct kvr_fev *v)
+{
+	const uint64_t *h = b->hashes + v->hash_off;
+	e->st.events++;
+	kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
+	if (!v->gpu) {
+		for (uint32_t i = 0; i < v->n_hashes; i++) {
+			uint32_t *c = kvr_u64map_find(&s->other, h[i]);
+			if (c && *c > 1)
+				--*c; /* another copy stays */
+			else if (c)
+				kvr_u64map_remove(&s->other, h[i]);
+		}
+		return;
+	}
+	/* Every copy's removal goes to the index, which counts copies (events mode). */
+	uint32_t n = v->n_hashes;
+	struct pev *pv = pend_event(f, e, s->dp, n, true);
+	if (!pv) {
+		refuse(f, e);
+		return;
+	}
+	memcpy(f->pend.rm + f->pend.n_rm, h, (size_t)n * sizeof(*h));
+	e->st.blocks_removed += n;
+	kvr_feed_count(f, KVR_C_FEED_BLOCKS_REMOVED, n);
+	if (!n)
+		return;
+	pv->type = KVR_EVENT_REMOVED;
+	pv->n = n;
+	f->pend.n_rm += n;
+	f->pend.n_ev++;
+}
+
+void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, const struct kvr_feed_batch *b)
+{
+	uint32_t dp = kvr_feed_dp_of(e, b);
+	uint32_t slot;
+	if (kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot)) {
+		e->st.unknown_rank++;
+		kvr_feed_count(f, KVR_C_FEED_UNKNOWN_RANK, 1);
+		kvr_feed_log(f, e, LK_RANK, KVR_LOG_WARN,
+		             "batch for rank (%" PRIu64 ", %u) unknown to the router", e->worker_id,
+		             dp);
+		return;
+	}
+	struct rstate *s = kvr_feed_rstate(e, dp);
+	if (!s) {
+		e->st.malformed++; /* no memory for its state: dropped like bad input */
+		kvr_feed_count(f, KVR_C_FEED_MALFORMED, 1);
+		return;
+	}
+	for (uint32_t i = 0; i < b->n_ev; i++) {
+		const struct kvr_fev *v = &b->ev[i];
+		switch (v->type) {
+		case KVR_FEV_STORED:
+			apply_stored(f, e, s, b, v);
+			break;
+		case KVR_FEV_REMOVED:
+			apply_removed(f, e, s, b, v);
+			break;
+		case KVR_FEV_CLEARED:
+			kvr_feed_clear_rank(f, e, s);
+			e->st.events++;
+			kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
+			break;
+		}
+	}
+	if (b->n_unknown) {
+		e->st.unknown_events += b->n_unknown;
+		kvr_feed_log(f, e, LK_MALFORMED, KVR_LOG_INFO, "%u events of unknown type skipped",
+		             b->n_unknown);
+	}
+	e->st.batches++;
+	kvr_feed_count(f, KVR_C_FEED_BATCHES, 1);
+	/* Its lag is taken when it is visible, at the flush that applies it. */
+	double ts_ns = b->ts * 1e9;
+	struct pending *p = &f->pend;
+	if (ts_ns > 0 && ts_ns < 1.8e19 &&
+	    !kvr_feed_grow((void **)&p->lag, &p->cap_lag, (uint64_t)p->n_lag + 1, sizeof(*p->lag)))
+		p->lag[p->n_lag++] = (struct pending_lag){.ep = e, .ts_ns = (uint64_t)ts_ns};
+}
+
+void kvr_feed_flush(struct kvr_feed *f)
+{
+	struct pending *p = &f->pend;
+	apply_pending(f);
+	if (!p->n_lag)
+		return;
+	uint64_t now = kvr_feed_wall_ns();
+	for (uint32_t i = 0; i < p->n_lag; i++) {
+		uint64_t ts = p->lag[i].ts_ns, lag = now > ts ? now - ts : 0;
+		p->lag[i].ep->st.last_lag_ns = lag;
+		kvr_metrics_observe(f->mb, KVR_H_FEED_LAG_NS, lag);
+	}
+	p->n_lag = 0;
+}
+
+void kvr_feed_pending_fini(struct pending *p)
+{
+	kvr_free(p->ev, (size_t)p->cap_ev * sizeof(*p->ev));
+	kvr_free(p->blk, (size_t)p->cap_blk * sizeof(*p->blk));
+	kvr_free(p->rm, (size_t)p->cap_rm * sizeof(*p->rm));
+	kvr_free(p->local, (size_t)p->cap_local * sizeof(*p->local));
+	kvr_free(p->out, (size_t)p->cap_out * sizeof(*p->out));
+	kvr_free(p->rcs, (size_t)p->cap_rcs * sizeof(*p->rcs));
+	kvr_free(p->lag, (size_t)p->cap_lag * sizeof(*p->lag));
+}

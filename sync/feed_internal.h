@@ -1,0 +1,165 @@
+/*
+ * sync/feed_internal.h - what the files of the vLLM KV event feed share: the feed, its
+ * endpoints and their per-rank state, the events pending for a shard.  sync/feed.c (sockets,
+ * thread, commands, API), sync/feed_seq.c (the stream: sequence rules, gaps, replays,
+ * restarts), sync/feed_apply.c (a decoded batch into the index).
+ *
+ * Context: everything here belongs to the feed thread, except where a field says otherwise.
+ */
+#ifndef KVR_SYNC_FEED_INTERNAL_H
+#define KVR_SYNC_FEED_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "core/metrics.h"
+#include "kvrouter.h"
+#include "shards/u64map.h"
+#include "sync/feed_decode.h"
+
+/* What the feed knows of one rank fed by an endpoint. */
+struct rstate {
+	uint32_t dp;
+	struct kvr_u64map other; /* other-medium hash -> copies held */
+};
+
+struct ep {
+	uint32_t id;
+	char *endpoint, *topic, *replay; /* owned copies */
+	uint64_t worker_id;
+	uint32_t dp_rank;
+	void *sub, *dealer;
+	bool have_seq, have_live;
+	uint64_t next_seq, last_live;
+	struct rstate *rs;
+	uint32_t n_rs, cap_rs;
+	struct kvr_feed_stats st;
+	uint64_t logged[8]; /* per log kind: last count logged (powers of two) */
+};
+
+/* Events accepted for one rank and not yet applied: everything one drain of the sockets
+ * brings goes to the rank's shard in one kvr_events_apply_many call (a round trip per event
+ * would cap the feed at the shard's wake-up rate).  Stored blocks carry their local hashes,
+ * computed when accepted (the decode buffers are reused by the next message). */
+struct pev {
+	int type; /* enum kvr_event_type */
+	bool has_parent;
+	uint64_t parent;
+	uint32_t off, n; /* blocks (stored) or removed hashes */
+};
+
+struct pending {
+	struct ep *ep;
+	uint32_t dp;
+	struct pev *ev;
+	uint32_t n_ev, cap_ev;
+	struct kvr_event_block *blk;
+	uint32_t n_blk, cap_blk;
+	uint64_t *rm;
+	uint32_t n_rm, cap_rm;
+	uint64_t *local; /* scratch of kvr_hash_blocks */
+	uint32_t cap_local;
+	struct kvr_event *out; /* built at flush */
+	uint32_t cap_out;
+	int *rcs;
+	uint32_t cap_rcs;
+	struct pending_lag {
+		struct ep *ep;
+		uint64_t ts_ns; /* the batch's ts */
+	} *lag;             /* batches accepted since the last flush: lag taken at the flush */
+	uint32_t n_lag, cap_lag;
+};
+
+/* Blocks pending before a flush is forced (bounds the batch a shard applies in one go). */
+#define PENDING_MAX_BLOCKS 16384
+
+enum cmd_op { CMD_ADD, CMD_REMOVE, CMD_STATS, CMD_OTHER, CMD_STOP };
+
+struct cmd {
+	/* Ordering: ZeroMQ's inproc pipe orders the hand-over both ways; these two flags make it
+	 * visible to ThreadSanitizer (libzmq is not instrumented).  posted: release in call(),
+	 * acquire on the feed thread; done: release on the feed thread, acquire in call(). */
+	int posted, done;
+	int op;
+	const struct kvr_feed_endpoint *ep;
+	uint32_t id;
+	struct kvr_feed_stats *stats;
+	uint32_t dp;   /* CMD_OTHER */
+	uint64_t *out; /* CMD_OTHER: up to cap hashes */
+	size_t cap, n;
+	int rc;
+};
+
+struct kvr_feed {
+	struct kvr_router *r;
+	struct kvr_feed_config cfg;
+	void *zctx;
+	void *ctl_client, *ctl_server;
+	pthread_mutex_t ctl_lock;
+	pthread_t thread;
+	bool started;
+	/* feed thread only */
+	struct ep **eps;
+	uint32_t n_eps, cap_eps;
+	uint32_t next_id;
+	zmq_pollitem_t *items;
+	uint32_t cap_items;
+	struct kvr_feed_batch live, rep; /* decode scratch: live messages, replayed ones */
+	struct pending pend;
+	struct kvr_metrics_block *mb;
+	bool stop;
+};
+
+enum log_kind { LK_MALFORMED, LK_BLOCK_SIZE, LK_TOKENS, LK_LORA, LK_RANK, LK_INDEX, LK_GAP };
+
+/* Logs through kvr_feed_config.log (fmt as printf), repeats of one kind per endpoint thinned
+ * to counts 1, 2, 4, 8, ...; e NULL: not thinned, no endpoint prefix.  Context: feed thread. */
+void kvr_feed_log(struct kvr_feed *f, struct ep *e, int kind, int level, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+static inline void kvr_feed_count(struct kvr_feed *f, enum kvr_counter c, uint64_t v)
+{
+	kvr_metrics_add(f->mb, c, v);
+}
+
+/* CLOCK_REALTIME, ns: vLLM stamps batches with the publisher's wall clock. */
+static inline uint64_t kvr_feed_wall_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Grows *arr (of *cap items of item bytes) to hold need items (doubling).  Returns 0 or
+ * KVR_ENOMEM (*arr unchanged).  Context: any thread, on its own array. */
+int kvr_feed_grow(void **arr, uint32_t *cap, uint64_t need, size_t item);
+
+/* ---- sync/feed_apply.c.  Context of all: the feed thread. */
+
+/* The state of rank dp fed by e (made on first use), or NULL without memory. */
+struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp);
+/* Blocks e's ranks hold on another medium than GPU. */
+uint64_t kvr_feed_other_blocks(const struct ep *e);
+/* The rank a batch is for: e's fixed rank, or the batch's dp rank (b NULL or none: 0). */
+uint32_t kvr_feed_dp_of(const struct ep *e, const struct kvr_feed_batch *b);
+/* Validates b's events and queues them for their rank's shard (applied at the next flush). */
+void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, const struct kvr_feed_batch *b);
+/* Applies what is queued, one shard round trip; returns when it is visible in the index. */
+void kvr_feed_flush(struct kvr_feed *f);
+/* Forgets rank s of e (queued after what is pending): its blocks in the index, its other
+ * medium. */
+void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s);
+/* Every rank e feeds now: the fixed one, or every dp rank seen so far. */
+void kvr_feed_clear_all(struct kvr_feed *f, struct ep *e);
+/* Frees the pending buffers (kvr_feed_destroy). */
+void kvr_feed_pending_fini(struct pending *p);
+
+/* ---- sync/feed_seq.c.  Context of all: the feed thread. */
+
+/* Receives what e's SUB socket holds (bounded) and applies it by the sequence rules. */
+void kvr_feed_drain(struct kvr_feed *f, struct ep *e);
+
+#endif

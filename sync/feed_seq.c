@@ -1,0 +1,264 @@
+/*
+ * sync/feed_seq.c - the stream of one endpoint: receiving its messages, the sequence rules,
+ * gaps healed by replay, publisher restarts.
+ *
+ * The stream, per endpoint (vllm/distributed/kv_events.py, ZmqEventPublisher):
+ *   PUB:    [topic, seq (8 bytes BE, 0.. from publisher start), payload]
+ *   ROUTER: a DEALER sends ["", start_seq]; the publisher answers one message per buffered batch
+ *           with seq >= start_seq, ["", seq, payload] (or ["", topic, seq, payload]), then the
+ *           end marker ["", seq = -1 (0xFF x 8), ""].  It keeps the last buffer_steps batches.
+ *
+ * Sequence rules.  Two cursors per endpoint: next_seq (the next batch to apply, whatever its
+ * source) and last_live (the last seq the SUB socket delivered).  ZeroMQ delivers one
+ * publisher's messages in order, so a live seq at or below last_live can only mean a new
+ * publisher: the rank is cleared and the stream starts over.  Below next_seq but above
+ * last_live is a batch a replay already applied: dropped.  Above next_seq is a gap: replay from
+ * next_seq (the replay also returns everything after, including this batch, which is then
+ * applied from the replay and the live copies dropped as duplicates).  Whatever a replay
+ * cannot cover - no replay endpoint, the buffer starts later, no answer within
+ * replay_timeout_ms - is reported through on_event_gap and the rank is cleared: a router that
+ * missed removals would credit ranks with blocks they no longer hold, and that is worse than
+ * knowing nothing (the rank refills with the next stores).  A stream first seen at seq > 0 is a
+ * gap from 0 (the router started after the publisher): a replay usually covers it.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "core/alloc.h"
+#include "core/events.h"
+#include "core/metrics.h"
+#include "core/router_internal.h"
+#include "kvrouter.h"
+#include "shards/u64map.h"
+#include "sync/feed_decode.h"
+#include "sync/feed_internal.h"
+
+#define END_SEQ UINT64_MAX
+
+/* ---------------------------------------------------------------- the sequence rules */
+
+static void replay(struct kvr_feed *f, struct ep *e, uint64_t start);
+
+static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint64_t got,
+                       const struct kvr_feed_batch *b)
+{
+	e->st.gaps++;
+	kvr_feed_count(f, KVR_C_FEED_GAPS, 1);
+	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+	             "seq gap: expected %" PRIu64 ", got %" PRIu64 "; rank cleared", expected, got);
+	/* The rank this batch is for (known even on first contact), and any seen before. */
+	if (b || e->dp_rank != KVR_FEED_DP_FROM_BATCH)
+		kvr_feed_rstate(e, kvr_feed_dp_of(e, b));
+	for (uint32_t i = 0; i < e->n_rs; i++) {
+		if (f->r->cfg.on_event_gap)
+			f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, e->rs[i].dp,
+			                       expected, got);
+		kvr_feed_clear_rank(f, e, &e->rs[i]);
+	}
+}
+
+/* One batch (b NULL: its payload was malformed) with sequence number seq, from the live SUB
+ * socket or from a replay. */
+static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struct kvr_feed_batch *b,
+                     bool replayed)
+{
+	if (!replayed) {
+		if (e->have_live && seq <= e->last_live) {
+			e->st.restarts++;
+			kvr_feed_count(f, KVR_C_FEED_RESTARTS, 1);
+			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+			             "publisher restarted (seq %" PRIu64 " after %" PRIu64
+			             "); rank cleared",
+			             seq, e->last_live);
+			kvr_feed_clear_all(f, e);
+			e->have_seq = false;
+		}
+		e->have_live = true;
+		e->last_live = seq;
+	}
+	if (e->have_seq && seq < e->next_seq) {
+		e->st.duplicates++;
+		kvr_feed_count(f, KVR_C_FEED_DUPLICATES, 1);
+		return;
+	}
+	uint64_t expected = e->have_seq ? e->next_seq : 0;
+	if (seq > expected && !replayed && e->replay) {
+		replay(f, e, expected);
+		if (e->have_seq && seq < e->next_seq)
+			return; /* the replay applied it */
+		expected = e->have_seq ? e->next_seq : 0;
+	}
+	if (seq > expected)
+		report_gap(f, e, expected, seq, b);
+	if (b)
+		kvr_feed_apply_batch(f, e, b);
+	e->next_seq = seq + 1;
+	e->have_seq = true;
+}
+
+/* Receives one multipart message into frames[0..max); returns the frame count (more frames
+ * than max are drained and reported as max + 1), 0 when nothing was waiting, -1 on error. */
+static int recv_frames(void *sock, zmq_msg_t *frames, int max)
+{
+	int n = 0;
+	for (;;) {
+		zmq_msg_t tmp, *m = n < max ? &frames[n] : &tmp;
+		zmq_msg_init(m);
+		if (zmq_msg_recv(m, sock, n == 0 ? ZMQ_DONTWAIT : 0) < 0) {
+			zmq_msg_close(m);
+			for (int i = 0; i < n && i < max; i++)
+				zmq_msg_close(&frames[i]);
+			return n == 0 && zmq_errno() == EAGAIN ? 0 : -1;
+		}
+		bool more = zmq_msg_more(m);
+		if (m == &tmp)
+			zmq_msg_close(m);
+		n++;
+		if (!more)
+			return n <= max ? n : max + 1;
+	}
+}
+
+static void close_frames(zmq_msg_t *frames, int n)
+{
+	for (int i = 0; i < n; i++)
+		zmq_msg_close(&frames[i]);
+}
+
+static bool read_seq(zmq_msg_t *m, uint64_t *seq)
+{
+	if (zmq_msg_size(m) != 8)
+		return false;
+	const uint8_t *p = zmq_msg_data(m);
+	uint64_t v = 0;
+	for (int i = 0; i < 8; i++)
+		v = v << 8 | p[i];
+	*seq = v;
+	return true;
+}
+
+static void malformed(struct kvr_feed *f, struct ep *e, const char *why)
+{
+	e->st.malformed++;
+	kvr_feed_count(f, KVR_C_FEED_MALFORMED, 1);
+	kvr_feed_log(f, e, LK_MALFORMED, KVR_LOG_WARN, "malformed message skipped: %s", why);
+}
+
+/* Decodes a payload into b; NULL if malformed (counted). */
+static const struct kvr_feed_batch *decode(struct kvr_feed *f, struct ep *e,
+                                           struct kvr_feed_batch *b, zmq_msg_t *m)
+{
+	int rc = kvr_feed_decode(b, zmq_msg_data(m), zmq_msg_size(m));
+	if (rc == 0)
+		return b;
+	malformed(f, e,
+	          rc == KVR_ENOMEM ? "no memory to decode the payload"
+	                           : "payload is not a vLLM KV event batch");
+	return NULL;
+}
+
+/* Asks the replay endpoint for every batch from start on and applies them in order. */
+static void replay(struct kvr_feed *f, struct ep *e, uint64_t start)
+{
+	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
+	if (!e->dealer) {
+		e->dealer = zmq_socket(f->zctx, ZMQ_DEALER);
+		int zero = 0;
+		if (!e->dealer)
+			return;
+		zmq_setsockopt(e->dealer, ZMQ_LINGER, &zero, sizeof(zero));
+		zmq_setsockopt(e->dealer, ZMQ_MAXMSGSIZE, &f->cfg.max_msg_bytes,
+		               sizeof(f->cfg.max_msg_bytes));
+		if (zmq_connect(e->dealer, e->replay) != 0) {
+			zmq_close(e->dealer);
+			e->dealer = NULL;
+			return;
+		}
+	}
+	uint8_t req[8];
+	for (int i = 0; i < 8; i++)
+		req[i] = (uint8_t)(start >> (56 - 8 * i));
+	if (zmq_send(e->dealer, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+	    zmq_send(e->dealer, req, 8, ZMQ_DONTWAIT) < 0)
+		goto fail;
+	uint64_t deadline = kvr_feed_wall_ns() + (uint64_t)f->cfg.replay_timeout_ms * 1000000u;
+	for (;;) {
+		uint64_t now = kvr_feed_wall_ns();
+		if (now >= deadline)
+			goto fail;
+		zmq_pollitem_t it = {.socket = e->dealer, .events = ZMQ_POLLIN};
+		long ms = (long)((deadline - now + 999999) / 1000000);
+		if (zmq_poll(&it, 1, ms) < 0 && zmq_errno() != EINTR)
+			goto fail;
+		if (!(it.revents & ZMQ_POLLIN))
+			continue;
+		zmq_msg_t fr[4];
+		int n = recv_frames(e->dealer, fr, 4);
+		if (n <= 0)
+			continue;
+		uint64_t seq;
+		/* ["", seq, payload] or ["", topic, seq, payload] */
+		int si = n == 3 ? 1 : 2;
+		if ((n != 3 && n != 4) || zmq_msg_size(&fr[0]) != 0 || !read_seq(&fr[si], &seq)) {
+			close_frames(fr, n > 4 ? 4 : n); /* n > 4: the first 4 are held */
+			malformed(f, e, "bad replay reply");
+			continue;
+		}
+		if (seq == END_SEQ) {
+			close_frames(fr, n);
+			e->st.replays++;
+			kvr_feed_count(f, KVR_C_FEED_REPLAYS, 1);
+			return;
+		}
+		const struct kvr_feed_batch *b = decode(f, e, &f->rep, &fr[si + 1]);
+		bool applies = !(e->have_seq && seq < e->next_seq);
+		on_batch(f, e, seq, b, true);
+		if (applies && b) {
+			e->st.replayed_batches++;
+			kvr_feed_count(f, KVR_C_FEED_REPLAYED_BATCHES, 1);
+		}
+		close_frames(fr, n);
+	}
+fail:
+	/* No answer in time (or the socket failed): drop the socket so a late answer cannot be
+	 * taken for the next request's. */
+	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN, "replay from %" PRIu64 " failed or timed out",
+	             start);
+	zmq_close(e->dealer);
+	e->dealer = NULL;
+}
+
+/* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve
+ * the others or the control socket). */
+static void drain_some(struct kvr_feed *f, struct ep *e)
+{
+	for (int k = 0; k < 256; k++) {
+		zmq_msg_t fr[3];
+		int n = recv_frames(e->sub, fr, 3);
+		if (n == 0)
+			return;
+		e->st.messages++;
+		kvr_feed_count(f, KVR_C_FEED_MESSAGES, 1);
+		if (n < 0) {
+			malformed(f, e, "receive failed");
+			return;
+		}
+		uint64_t seq;
+		if (n != 3 || !read_seq(&fr[1], &seq)) {
+			close_frames(fr, n > 3 ? 3 : n); /* n > 3: the first 3 are held */
+			malformed(f, e, n != 3 ? "not 3 frames" : "seq frame is not 8 bytes");
+			continue;
+		}
+		const struct kvr_feed_batch *b = decode(f, e, &f->live, &fr[2]);
+		on_batch(f, e, seq, b, false);
+		close_frames(fr, 3);
+	}
+}
+
+void kvr_feed_drain(struct kvr_feed *f, struct ep *e)
+{
+	drain_some(f, e);
+	kvr_feed_flush(f); /* everything this drain accepted, in one round trip */
+}
