@@ -86,6 +86,10 @@ static void ep_free(struct ep *e)
 {
 	if (!e)
 		return;
+	if (e->mon) {
+		zmq_socket_monitor(e->sub, NULL, 0);
+		zmq_close(e->mon);
+	}
 	if (e->sub)
 		zmq_close(e->sub);
 	if (e->dealer)
@@ -103,7 +107,7 @@ static void ep_free(struct ep *e)
 static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_t *id)
 {
 	if (kvr_feed_grow((void **)&f->eps, &f->cap_eps, (uint64_t)f->n_eps + 1, sizeof(*f->eps)) ||
-	    kvr_feed_grow((void **)&f->items, &f->cap_items, (uint64_t)f->n_eps + 2,
+	    kvr_feed_grow((void **)&f->items, &f->cap_items, 2 * (uint64_t)f->n_eps + 3,
 	                  sizeof(*f->items)))
 		return KVR_ENOMEM;
 	struct ep *e = kvr_calloc(1, sizeof(*e));
@@ -119,8 +123,13 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		ep_free(e);
 		return KVR_ENOMEM;
 	}
+	/* The SUB socket's disconnections, through a monitor (sync/feed_seq.c: a publisher
+	 * restarted while the connection was down can be told from a gap only this way). */
+	char mon[96];
+	snprintf(mon, sizeof(mon), "inproc://kvr-feed-mon-%p-%" PRIu32, (void *)f, f->next_id);
 	e->sub = zmq_socket(f->zctx, ZMQ_SUB);
-	if (!e->sub) {
+	if (!e->sub || zmq_socket_monitor(e->sub, mon, ZMQ_EVENT_DISCONNECTED) != 0 ||
+	    !(e->mon = zmq_socket(f->zctx, ZMQ_PAIR)) || zmq_connect(e->mon, mon) != 0) {
 		ep_free(e);
 		return KVR_ENOMEM;
 	}
@@ -248,11 +257,15 @@ static void *feed_main(void *arg)
 	struct kvr_feed *f = arg;
 	f->mb = kvr_metrics_local(f->r->metrics);
 	while (!f->stop) {
+		/* [control, every SUB, every SUB's monitor] */
+		uint32_t ne = f->n_eps, n = 2 * ne + 1;
 		f->items[0] = (zmq_pollitem_t){.socket = f->ctl_server, .events = ZMQ_POLLIN};
-		for (uint32_t i = 0; i < f->n_eps; i++)
-			f->items[i + 1] =
+		for (uint32_t i = 0; i < ne; i++) {
+			f->items[1 + i] =
 			    (zmq_pollitem_t){.socket = f->eps[i]->sub, .events = ZMQ_POLLIN};
-		uint32_t n = f->n_eps + 1;
+			f->items[1 + ne + i] =
+			    (zmq_pollitem_t){.socket = f->eps[i]->mon, .events = ZMQ_POLLIN};
+		}
 		/* Poll without blocking for idle_spin_ns first: the next batch then costs no
 		 * wake-up of this thread (the shards do the same, shard_idle_spin_ns). */
 		int ready = 0;
@@ -267,10 +280,15 @@ static void *feed_main(void *arg)
 				break;
 			continue;
 		}
-		/* Endpoints first: a command may remove one and reshuffle the array. */
-		for (uint32_t i = 1; i < n; i++)
-			if (f->items[i].revents & ZMQ_POLLIN)
-				kvr_feed_drain(f, f->eps[i - 1]);
+		/* Endpoints first: a command may remove one and reshuffle the array.  A
+		 * disconnection before the messages (kvr_feed_monitor drains what came before
+		 * it). */
+		for (uint32_t i = 0; i < ne; i++) {
+			if (f->items[1 + ne + i].revents & ZMQ_POLLIN)
+				kvr_feed_monitor(f, f->eps[i]);
+			if (f->items[1 + i].revents & ZMQ_POLLIN)
+				kvr_feed_drain(f, f->eps[i]);
+		}
 		if (f->items[0].revents & ZMQ_POLLIN) {
 			struct cmd *c;
 			if (zmq_recv(f->ctl_server, &c, sizeof(c), 0) == (int)sizeof(c) &&

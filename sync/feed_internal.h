@@ -32,6 +32,8 @@ struct ep {
 	uint64_t worker_id;
 	uint32_t dp_rank;
 	void *sub, *dealer;
+	void *mon;        /* PAIR: sub's monitor events (disconnections) */
+	bool reconnected; /* sub lost its connection since the last live batch */
 	bool have_seq, have_live;
 	uint64_t next_seq, last_live;
 	struct rstate *rs;
@@ -69,7 +71,7 @@ struct pending {
 	struct pending_lag {
 		struct ep *ep;
 		uint64_t ts_ns; /* the batch's ts */
-	} *lag;             /* batches accepted since the last flush: lag taken at the flush */
+	} * lag;                /* batches accepted since the last flush: lag taken at the flush */
 	uint32_t n_lag, cap_lag;
 };
 
@@ -161,5 +163,8 @@ void kvr_feed_pending_fini(struct pending *p);
 
 /* Receives what e's SUB socket holds (bounded) and applies it by the sequence rules. */
 void kvr_feed_drain(struct kvr_feed *f, struct ep *e);
+/* Reads e's monitor events: on a disconnection, drains what the old connection delivered,
+ * then marks e reconnected (its next live batch decides restart or not). */
+void kvr_feed_monitor(struct kvr_feed *f, struct ep *e);
 
 #endif

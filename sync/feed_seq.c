@@ -20,6 +20,19 @@
  * missed removals would credit ranks with blocks they no longer hold, and that is worse than
  * knowing nothing (the rank refills with the next stores).  A stream first seen at seq > 0 is a
  * gap from 0 (the router started after the publisher): a replay usually covers it.
+ *
+ * Restarts across a reconnection.  A restarted vLLM publisher counts from 0 again, but the
+ * subscriber reconnects only after ZMQ_RECONNECT_IVL (100 ms) and a PUB socket drops what it
+ * sends before then: the first seq the feed sees from the new publisher may lie above the old
+ * one's, which the rules above would take for a gap and "heal" by replaying the new stream's
+ * batches on top of the old stream's state.  So a monitor on the SUB socket reports
+ * disconnections (ZMQ_EVENT_DISCONNECTED; what the old connection delivered is applied first),
+ * and the first live batch after one decides: exactly next_seq continues the old stream (the
+ * same publisher, nothing lost); above it is taken for a restart: the ranks are cleared and
+ * the stream starts over from 0 (a replay from 0 then rebuilds the new publisher's state, or
+ * the gap is reported).  The cost of that choice: the same publisher losing messages during a
+ * network outage is also cleared and rebuilt, from 0, if its replay buffer still reaches back
+ * that far, else the ranks refill as events come - never a state mixed from two streams.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -65,13 +78,16 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
                      bool replayed)
 {
 	if (!replayed) {
-		if (e->have_live && seq <= e->last_live) {
+		bool back = e->have_live && seq <= e->last_live;
+		bool ahead = e->reconnected && e->have_seq && seq > e->next_seq;
+		e->reconnected = false;
+		if (back || ahead) {
 			e->st.restarts++;
 			kvr_feed_count(f, KVR_C_FEED_RESTARTS, 1);
 			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
 			             "publisher restarted (seq %" PRIu64 " after %" PRIu64
-			             "); rank cleared",
-			             seq, e->last_live);
+			             "%s); rank cleared",
+			             seq, e->last_live, back ? "" : ", across a reconnection");
 			kvr_feed_clear_all(f, e);
 			e->have_seq = false;
 		}
@@ -160,6 +176,29 @@ static const struct kvr_feed_batch *decode(struct kvr_feed *f, struct ep *e,
 }
 
 /* Asks the replay endpoint for every batch from start on and applies them in order. */
+void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
+{
+	for (;;) {
+		zmq_msg_t fr[2];
+		int n = recv_frames(e->mon, fr, 2);
+		if (n <= 0)
+			return;
+		uint16_t ev = 0;
+		if (n == 2 && zmq_msg_size(&fr[0]) >= sizeof(ev))
+			memcpy(&ev, zmq_msg_data(&fr[0]), sizeof(ev));
+		close_frames(fr, n > 2 ? 2 : n);
+		if (ev != ZMQ_EVENT_DISCONNECTED)
+			continue;
+		/* What the old connection delivered is queued ahead of anything a new one can
+		 * bring (the reconnection waits ZMQ_RECONNECT_IVL, 100 ms): apply it by the old
+		 * rules first. */
+		kvr_feed_drain(f, e);
+		e->reconnected = true;
+		kvr_feed_log(f, e, LK_GAP, KVR_LOG_INFO,
+		             "publisher disconnected after seq %" PRIu64, e->last_live);
+	}
+}
+
 static void replay(struct kvr_feed *f, struct ep *e, uint64_t start)
 {
 	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */

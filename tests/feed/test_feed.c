@@ -696,6 +696,77 @@ static void scenario_short_replay(struct pubproc *p, uint64_t worker)
 	kvr_u64map_fini(&m.gpu);
 }
 
+/* A publisher restarted while the subscriber was disconnected, which sent past the old
+ * stream's last seq before the subscriber reconnected (a PUB drops what it sends before then):
+ * a restart, not a gap - the new stream is rebuilt from 0 by replay, or reported. */
+static void scenario_restart_ahead(struct pubproc *p, uint64_t worker, bool with_replay)
+{
+	char ep[256], rep[256], ep2[256], rep2[256];
+	struct kvr_rank_id rank = {worker, 0};
+	struct engine m = {0};
+	kvr_u64map_init(&m.gpu);
+	start(p, "tcp://127.0.0.1:*", with_replay ? "tcp://127.0.0.1:*" : NULL, ep, rep);
+	uint32_t id = add_ep(ep, with_replay ? rep : NULL, worker, 0);
+	wait_sub(p);
+	uint64_t a[3], b[5];
+	chain(a, 3, 0xE000000000000000ull + worker * 0x100000000ull);
+	chain(b, 5, 0xF000000000000000ull + worker * 0x100000000ull);
+	struct sb e = {0};
+	bool first;
+	for (int i = 0; i < 3; i++) { /* the old stream: seq 0..2 */
+		e.len = 0;
+		first = true;
+		ev_stored(&e, &first, a + i, 1, NULL, NULL);
+		publish(p, "map", 0, false, e.s);
+		model_store(&m, a + i, 1);
+	}
+	wait_seq(id, 2, "restart ahead: old stream");
+	check_equal(rank, &m, "restart ahead: old stream");
+	int gaps0 = __atomic_load_n(&gaps_reported, __ATOMIC_RELAXED);
+	/* restart: an empty engine, whose seq 0..3 go out before the subscriber is back */
+	pub_cmd(p, "{\"op\":\"stop\"}");
+	start(p, ep, with_replay ? rep : NULL, ep2, rep2);
+	kvr_u64map_clear(&m.gpu);
+	for (int i = 0; i < 4; i++) {
+		e.len = 0;
+		first = true;
+		ev_stored(&e, &first, b + i, 1, NULL, NULL);
+		publish(p, "map", 0, true, e.s);
+		model_store(&m, b + i, 1);
+	}
+	wait_sub(p);
+	/* seq 4, the first the feed sees of the new stream: above the old stream's next (3) */
+	e.len = 0;
+	first = true;
+	ev_stored(&e, &first, b + 4, 1, NULL, NULL);
+	uint64_t s = publish(p, "map", 0, false, e.s);
+	CHECK(s == 4, "restarted publisher's seq %" PRIu64, s);
+	model_store(&m, b + 4, 1);
+	wait_seq(id, s, "restart ahead");
+	struct kvr_feed_stats st = stats(id);
+	CHECK(st.restarts == 1, "restarts %" PRIu64, st.restarts);
+	if (with_replay) {
+		/* replayed from 0: exactly the new engine's blocks, none of the old stream's */
+		CHECK(st.gaps == 0 && st.replays == 1, "gaps %" PRIu64 " replays %" PRIu64, st.gaps,
+		      st.replays);
+		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0, "gap reported");
+		check_equal(rank, &m, "restart ahead, replayed from 0");
+	} else {
+		/* seq 0..3 of the new stream are lost: reported as the gap [0, 4) */
+		CHECK(st.gaps == 1, "gaps %" PRIu64, st.gaps);
+		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0 + 1 &&
+		          gap_expected == 0 && gap_got == 4,
+		      "gap callback expected %" PRIu64 " got %" PRIu64, gap_expected, gap_got);
+		kvr_u64map_clear(&m.gpu);
+		model_store(&m, b + 4, 1);
+		check_equal(rank, &m, "restart ahead without replay");
+	}
+	CHECK(kvr_feed_remove(F, id) == 0, "remove");
+	pub_cmd(p, "{\"op\":\"stop\"}");
+	free(e.s);
+	kvr_u64map_fini(&m.gpu);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 3) {
@@ -750,13 +821,17 @@ int main(int argc, char **argv)
 		scenario_late(&p, 5);
 	if (!only || only == 6)
 		scenario_short_replay(&p, 6);
+	if (!only || only == 7)
+		scenario_restart_ahead(&p, 7, true);
+	if (!only || only == 8)
+		scenario_restart_ahead(&p, 8, false);
 	pub_exit(&p);
 	char text[1 << 16];
 	size_t len;
 	CHECK(kvr_metrics_render(R, text, sizeof(text), &len) == 0, "render");
 	CHECK(only || (strstr(text, "kvr_feed_batches_total ") &&
-	               strstr(text, "kvr_feed_replays_total 3") &&
-	               strstr(text, "kvr_feed_gaps_total 3") &&
+	               strstr(text, "kvr_feed_replays_total 4") &&
+	               strstr(text, "kvr_feed_gaps_total 4") &&
 	               strstr(text, "kvr_feed_lag_seconds_count")),
 	      "feed metrics missing");
 	kvr_feed_destroy(F);
