@@ -1,5 +1,5 @@
 /*
- * core/index.c - the run-compressed RCU index: block table, deferred reclamation, rank slots.
+ * core/index.c - the run-compressed RCU index: run table, deferred reclamation, rank slots.
  *
  * The idea.  A prompt is a chain of blocks; a block is named by its sequence hash (core/hash.c),
  * which names its whole prefix (a 64-bit chain, trusted the way Dynamo and smg trust it).  The
@@ -22,11 +22,13 @@
  * Storing along a held chain appends to the run (amortised O(1) per run plus the hashes),
  * evicting a chain's tail lowers a cut and trims the run's length when nobody holds its end.
  *
- * Memory.  Per distinct block: its sequence hash in the run (8 bytes) and one 8-byte block-table
- * entry (load 0.4-0.8) which lets writers find any block by hash (parents, removals).  Per
- * (rank, run): an 8-byte holder word, a 64-byte record and a bitmap (1 bit per position), so the
- * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's ext
- * hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
+ * Memory.  Per distinct block: its sequence hash in the run (8 bytes) and one 4-byte entry in
+ * the writers' block locator (core/index_blocks.c: run id and tag, load 0.57-0.85), which lets
+ * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
+ * block, so the RCU-published run table holds one 8-byte entry per run, not per block.  Per
+ * (rank, run): an 8-byte holder word, a 64-byte record and a bitmap (1 bit per position), so
+ * the per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
+ * ext hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
  *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and
  * seqs (acquire), compare, and read holder words.  Positions are write-once (index_internal.h),
@@ -39,13 +41,14 @@
  * (kvr_index_retire_flush) - writer-only records are freed at once.
  *
  * Why not liburcu's rculfhash or ck_hs.  rculfhash's split-ordered lists make a lookup a chain
- * walk and add 16 bytes per entry; ck_hs stores bare pointers.  The block table is
- * IDX_SEGS open-addressing segments of one-word entries (pointer, position and 6 tag bits of the
+ * walk and add 16 bytes per entry; ck_hs stores bare pointers.  The run table is IDX_SEGS
+ * open-addressing segments of one-word entries (pointer and 16 tag bits of the first block's
  * hash packed), RCU-published arrays for readers (insert releases the entry; delete leaves a
  * tombstone; growth and purges copy to a new array and retire the old one).
  *
  * Invariants.
- *  - Every block in the tree (positions [0, len) of every live run) has exactly one table entry.
+ *  - Every live run has one run-table entry (keyed by its first block); every position [0, hw)
+ *    of every live run has one block-locator entry (trimmed positions stay until it dies).
  *  - A run lives while a rank holds a position of it or it has a child; len >= max(top of every
  *    holder, largest child offset); a run whose need drops to 0 dies and its parent is re-checked.
  *  - For every (rank, run) record, cut = the gap-free prefix of its bitmap, mirrored in the hset.
@@ -80,7 +83,7 @@ static inline void idx_unlock(uint32_t *w)
 	__atomic_store_n(w, 0, __ATOMIC_RELEASE);
 }
 
-/* ---------------------------------------------------------------- block table */
+/* ---------------------------------------------------------------- run table */
 
 static inline struct idx_seg *seg_of(struct kvr_index *idx, uint64_t seq)
 {
@@ -89,8 +92,12 @@ static inline struct idx_seg *seg_of(struct kvr_index *idx, uint64_t seq)
 
 static inline uint64_t ent_seq(uint64_t e)
 {
-	const struct idx_run *r = idx_ent_run(e);
-	return r->seqs[idx_ent_pos(e)];
+	return idx_ent_run(e)->first;
+}
+
+static inline uint64_t ent_of(const struct idx_run *r)
+{
+	return idx_tag(r->first) << 48 | (uintptr_t)r;
 }
 
 /* Copies the live entries of s->tab into a new array of cap entries and publishes it.
@@ -134,22 +141,6 @@ static uint64_t cap_for(uint64_t count)
 	return cap;
 }
 
-uint64_t kvr_index_tab_find(const struct kvr_index *idx, uint64_t seq)
-{
-	const struct idx_seg *s = &idx->seg[seq >> (64 - IDX_SEGS_BITS)];
-	const struct idx_tab *t = s->tab;
-	if (!t)
-		return 0;
-	uint64_t want = idx_tag(seq);
-	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
-		uint64_t e = t->e[i];
-		if (!e)
-			return 0;
-		if ((e & 63) == want && e != IDX_TOMB && ent_seq(e) == seq)
-			return e;
-	}
-}
-
 int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq)
 {
 	struct idx_seg *s = seg_of(idx, seq);
@@ -159,19 +150,18 @@ int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq)
 	return seg_rebuild(idx, s, cap_for((uint64_t)s->count + 1));
 }
 
-void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r, uint32_t pos)
+void kvr_index_tab_insert(struct kvr_index *idx, struct idx_run *r)
 {
-	struct idx_seg *s = seg_of(idx, seq);
+	struct idx_seg *s = seg_of(idx, r->first);
 	struct idx_tab *t = s->tab;
-	uint64_t i = seq & t->mask;
+	uint64_t i = r->first & t->mask;
 	while (t->e[i] > IDX_TOMB)
 		i = (i + 1) & t->mask;
 	if (t->e[i] == IDX_TOMB)
 		s->tombs--;
 	/* Ordering: release; pairs with the acquire in idx_find_run(): a reader that sees the
 	 * entry sees the run's first, parent, off, len and seqs. */
-	__atomic_store_n(&t->e[i], ((uint64_t)pos << 49) | (uintptr_t)r | idx_tag(seq),
-	                 __ATOMIC_RELEASE);
+	__atomic_store_n(&t->e[i], ent_of(r), __ATOMIC_RELEASE);
 	s->count++;
 }
 
@@ -189,15 +179,15 @@ void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq)
 	idx->rt.n++;
 }
 
-void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq, const struct idx_run *r,
-                          uint32_t pos)
+void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r)
 {
+	const uint64_t seq = r->first;
 	struct idx_seg *s = seg_of(idx, seq);
 	struct idx_tab *t = s->tab;
 	if (!t)
 		return; /* NEVER */
 	/* The entry is known exactly: compare words, no key dereference. */
-	const uint64_t want = ((uint64_t)pos << 49) | (uintptr_t)r | idx_tag(seq);
+	const uint64_t want = ent_of(r);
 	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
 		uint64_t e = t->e[i];
 		if (!e)
@@ -249,7 +239,7 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 	int64_t shared = 0, ranks = 0;
 	for (struct idx_run *r = rt->runs, *next; r; r = next) {
 		next = r->child;
-		kvr_free_aligned(r, sizeof(*r));
+		kvr_free(r, sizeof(*r));
 		shared += (int64_t)sizeof(*r);
 	}
 	for (struct idx_seqs *q = rt->seqs, *next; q; q = next) {
@@ -395,16 +385,12 @@ void kvr_index_destroy(struct kvr_index *idx)
 	/* Pending callbacks (retired batches, slot releases) point at idx. */
 	kvr_index_quiesce(idx);
 	free_batch(idx, &idx->rt); /* nobody reads them any more */
-	for (uint32_t i = 0; i < IDX_SEGS; i++) {
-		struct idx_tab *t = idx->seg[i].tab;
-		if (!t)
-			continue;
-		for (uint64_t j = 0; j <= t->mask; j++) {
-			uint64_t e = t->e[j];
-			if (e > IDX_TOMB && idx_ent_pos(e) == 0)
-				kvr_index_free_run_now(idx, idx_ent_run(e)); /* each run once */
-		}
+	for (uint32_t id = 1; id < idx->blk.dir_cap; id++) {
+		struct idx_run *r = idx->blk.dir[id];
+		if (!((uintptr_t)r & 1))
+			kvr_index_free_run_now(idx, r);
 	}
+	kvr_index_blk_fini(idx);
 	for (uint32_t i = 0; i < IDX_SEGS; i++)
 		if (idx->seg[i].tab)
 			kvr_free_aligned(idx->seg[i].tab, idx_bytes_tab(idx->seg[i].tab->mask));

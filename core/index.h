@@ -40,7 +40,7 @@ struct kvr_index_stats {
 	uint64_t nodes;            /* distinct blocks in the tree (positions of runs) now, gauge */
 	uint64_t copies;           /* (block, rank) copies now, gauge */
 	uint64_t ranks;            /* active rank slots now, gauge */
-	uint64_t bytes_shared;     /* bytes of runs, their hash arrays and the block table, gauge */
+	uint64_t bytes_shared;     /* bytes of runs, hash arrays, run table, locator, gauge */
 	uint64_t bytes_per_rank;   /* bytes of holder sets and records, per-rank ext maps, gauge */
 };
 

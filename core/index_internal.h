@@ -17,7 +17,9 @@
 #define IDX_SEGS_BITS 8
 #define IDX_SEGS      (1u << IDX_SEGS_BITS)
 #define IDX_RUN_MAX                                                                                \
-	32767u /* blocks in one run (15 bits of a table entry); longer chains chain runs */
+	2048u /* blocks in one run; longer chains chain runs (a writer looking a block up by hash  \
+	       * scans its run: core/index_blocks.c) */
+#define IDX_RUN_ALIGN 16 /* runs are 16-byte aligned (run-table entries pack the pointer) */
 
 /*
  * A run's sequence hashes.  Positions are WRITE-ONCE: s[p] never changes after it was written
@@ -59,9 +61,8 @@ static inline uint64_t idx_bytes_hset(uint32_t cap)
 
 /*
  * A run: consecutive blocks of one chain.  Its first block hangs below block off-1 of parent
- * (parent NULL: below the root, off 0).  64-byte aligned (table entries pack the pointer).
- * Reader fields: first, parent, off (immutable), len (atomic), seqs and hs (RCU-published).
- * The rest is the writers' (under kvr_index.wlock).
+ * (parent NULL: below the root, off 0).  Reader fields: first, parent, off (immutable), len
+ * (atomic), seqs and hs (RCU-published).  The rest is the writers' (under kvr_index.wlock).
  */
 struct idx_run {
 	uint64_t first; /* seqs[0]: the table key readers check */
@@ -69,13 +70,16 @@ struct idx_run {
 	uint64_t *seqs;      /* &first (a one-block run, no allocation) or idx_seqs.s */
 	struct idx_hset *hs; /* NULL = no holder */
 	uint16_t off;        /* <= IDX_RUN_MAX */
-	uint16_t len;        /* positions [0, len) are in the tree (and the block table) */
+	uint16_t len;        /* positions [0, len) are in the tree */
 	/* writer only */
-	uint16_t hw;            /* positions ever written into seqs (write-once) */
+	uint16_t hw;            /* positions ever written into seqs (write-once; all in the
+	                         * block locator until the run dies) */
 	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
-	struct idx_run *child;  /* children list; the retire-list link once dead */
+	uint32_t id;            /* the run's number in the block locator (core/index_blocks.c) */
+	uint32_t pad;
+	struct idx_run *child; /* children list; the retire-list link once dead */
 	struct idx_run *sib, *sib_prev;
-} __attribute__((aligned(IDX_CACHELINE)));
+} __attribute__((aligned(IDX_RUN_ALIGN)));
 
 static inline bool idx_seqs_inline(const struct idx_run *r)
 {
@@ -150,16 +154,16 @@ struct idx_retire {
 };
 
 /*
- * Block table: every block in the tree, keyed by its sequence hash.  An entry is one word:
- * pos << 49 | run pointer (64-byte aligned, below 2^49) | 6 tag bits of the seq.  0 = empty,
- * IDX_TOMB = deleted.  The key itself is run->seqs->s[pos] (readers check run->first, pos 0).
+ * Run table (readers): every live run, keyed by the sequence hash of its FIRST block, which is
+ * how readers find a child.  An entry is one word: 16 tag bits of the seq << 48 | run pointer
+ * (16-byte aligned, below 2^48).  0 = empty, IDX_TOMB = deleted.  The key is run->first.
  */
 #define IDX_TOMB     1ull
-#define IDX_PTR_MASK (((1ull << 49) - 1) & ~63ull)
+#define IDX_PTR_MASK ((1ull << 48) - 1)
 
 static inline uint64_t idx_tag(uint64_t seq)
 {
-	return (seq >> 32) & 63;
+	return (seq >> 16) & 0xffff;
 }
 
 static inline struct idx_run *idx_ent_run(uint64_t e)
@@ -167,10 +171,28 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 	return (struct idx_run *)(uintptr_t)(e & IDX_PTR_MASK);
 }
 
-static inline uint32_t idx_ent_pos(uint64_t e)
+/*
+ * Block locator (writers only, under wlock; core/index_blocks.c): every position [0, hw) of
+ * every live run, keyed by its sequence hash.  An entry is 32 bits: run id << 6 | 6 tag bits;
+ * 0 = empty, 1 = deleted.  The position is not stored: the writer finds it in the run's hashes
+ * (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is the run.
+ */
+#define IDX_ID_BITS 26
+
+/* The home slot of seq in a locator of cap slots (fastrange of the hash's high half). */
+static inline uint64_t idx_blk_home(uint64_t seq, uint64_t cap)
 {
-	return (uint32_t)(e >> 49);
+	return ((seq >> 32) * cap) >> 32;
 }
+
+struct idx_blocks {
+	uint32_t *e;
+	uint64_t cap, count, tombs;
+	struct idx_run **dir; /* id -> run; a free id holds (next free id << 1 | 1) */
+	uint32_t dir_cap;     /* ids 1..dir_cap-1 exist (0 is never used) */
+	uint32_t dir_free;    /* first free id, 0 = none */
+	uint32_t live;        /* ids in use */
+};
 
 struct idx_tab {
 	uint64_t mask;
@@ -182,7 +204,7 @@ struct idx_tab {
  * wlock); readers use kvr_index.view[], kept apart from the writers' counters. */
 struct idx_seg {
 	struct idx_tab *tab;
-	uint32_t count;
+	uint32_t count; /* runs */
 	uint32_t tombs;
 };
 
@@ -221,8 +243,9 @@ struct kvr_index {
 	uint32_t rank_lock;    /* spinlock: free-slot list and rtab */
 	uint32_t free_head;    /* UINT32_MAX = none */
 	uint64_t active_ranks;
-	struct idx_retire rt; /* retired under wlock, not yet handed to call_rcu */
-	uint64_t *scratch;    /* store's sequence hashes (wlock) */
+	struct idx_retire rt;  /* retired under wlock, not yet handed to call_rcu */
+	struct idx_blocks blk; /* the writers' block locator */
+	uint64_t *scratch;     /* store's sequence hashes (wlock) */
 	size_t scratch_cap;
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;
@@ -259,7 +282,7 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 		uint64_t e = __atomic_load_n(&t->e[i], __ATOMIC_ACQUIRE);
 		if (!e)
 			return NULL;
-		if ((e & 63) != want || idx_ent_pos(e) != 0 || e == IDX_TOMB)
+		if ((e >> 48) != want || e == IDX_TOMB)
 			continue;
 		const struct idx_run *r = idx_ent_run(e);
 		if (r->first == seq && r->parent == parent && r->off == off)
@@ -267,19 +290,36 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 	}
 }
 
-/* Block table, writer side (under wlock). */
-/* The entry of seq (any position), or 0. */
-uint64_t kvr_index_tab_find(const struct kvr_index *idx, uint64_t seq);
-/* Makes room for one more entry in seq's segment.  Returns 0 or KVR_ENOMEM (nothing changed). */
+/* Run table, writer side (under wlock). */
+/* Makes room for one more run in seq's segment.  Returns 0 or KVR_ENOMEM (nothing changed). */
 int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq);
 /* Gives back seq's segment array if it holds nothing (after a reserve whose insert failed). */
 void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq);
-/* Inserts (seq -> run, pos); room must have been reserved. */
-void kvr_index_tab_insert(struct kvr_index *idx, uint64_t seq, struct idx_run *r, uint32_t pos);
-/* Deletes the entry of seq at (r, pos) (never fails; may shrink the segment when memory
- * allows). */
-void kvr_index_tab_delete(struct kvr_index *idx, uint64_t seq, const struct idx_run *r,
-                          uint32_t pos);
+/* Inserts r (keyed by r->first); room must have been reserved. */
+void kvr_index_tab_insert(struct kvr_index *idx, struct idx_run *r);
+/* Deletes r's entry (never fails; may shrink the segment when memory allows). */
+void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r);
+
+/* ---- block locator (core/index_blocks.c).  Context: writer (wlock). */
+/* Where block seq sits (a position < hw of a live run): *r, *pos, or false.  (hr, hp): a
+ * position near which seq probably sits (hr NULL: no hint). */
+bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
+                        uint32_t hp, struct idx_run **r, uint32_t *pos);
+/* Makes room for k more entries.  Returns 0 or KVR_ENOMEM (nothing changed). */
+int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k);
+/* Frees the entry array if it holds nothing (after a reserve whose insert failed). */
+void kvr_index_blk_unreserve(struct kvr_index *idx);
+/* Inserts seq -> r (room reserved). */
+void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_run *r);
+/* Deletes the entries of r's positions [0, hw) and frees its id (never fails; may shrink the
+ * locator when memory allows). */
+void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r);
+/* Gives r an id.  Returns 0 or KVR_ENOMEM. */
+int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r);
+/* Frees r's id (its entries deleted first). */
+void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r);
+/* Frees the locator.  Context: destroy. */
+void kvr_index_blk_fini(struct kvr_index *idx);
 
 /* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)

@@ -41,20 +41,19 @@ static uint64_t run_bytes(const struct idx_run *r)
 struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent, uint32_t off,
                                   uint32_t cap, uint64_t first)
 {
-	struct idx_run *r = kvr_alloc_aligned(sizeof(*r));
+	struct idx_run *r = kvr_alloc(sizeof(*r));
 	if (!r)
 		return NULL;
-	struct idx_seqs *q = NULL;
-	if (cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) {
-		kvr_free_aligned(r, sizeof(*r));
-		return NULL;
-	}
-	if ((uintptr_t)r & ~IDX_PTR_MASK) { /* NEVER: user space is below 2^49 */
-		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
-		kvr_free_aligned(r, sizeof(*r));
-		return NULL;
-	}
 	memset(r, 0, sizeof(*r));
+	struct idx_seqs *q = NULL;
+	if ((cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) ||
+	    ((uintptr_t)r & ~IDX_PTR_MASK) ||            /* NEVER: user space is below 2^48 */
+	    ((uintptr_t)r & (IDX_RUN_ALIGN - 1)) != 0 || /* NEVER: malloc aligns to 16 */
+	    kvr_index_blk_id_new(idx, r) != 0) {
+		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
+		kvr_free(r, sizeof(*r));
+		return NULL;
+	}
 	r->first = first;
 	if (q) {
 		q->cap = cap;
@@ -75,9 +74,10 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
 void kvr_index_run_free(struct kvr_index *idx, struct idx_run *r)
 {
 	idx_count(&idx->bytes_shared, -(int64_t)run_bytes(r));
+	kvr_index_blk_id_free(idx, r);
 	if (!idx_seqs_inline(r))
 		kvr_free(idx_seqs_hdr(r->seqs), idx_bytes_seqs(idx_run_cap(r)));
-	kvr_free_aligned(r, sizeof(*r));
+	kvr_free(r, sizeof(*r));
 }
 
 /* Makes room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
@@ -185,7 +185,7 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 			need = r->max_child_off;
 		if (need >= r->len)
 			return;
-		/* Trim in O(1): the trimmed positions keep their table entries (a re-store finds
+		/* Trim in O(1): the trimmed positions keep their locator entries (a re-store finds
 		 * them, removals find no holder there) until the run dies.
 		 * Ordering: release; readers that still see the old len compare permanent content.
 		 */
@@ -193,8 +193,8 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		__atomic_store_n(&r->len, (uint16_t)need, __ATOMIC_RELEASE);
 		if (need > 0)
 			return;
-		for (uint32_t q = 0; q < r->hw; q++)
-			kvr_index_tab_delete(idx, r->seqs[q], r, q);
+		kvr_index_blk_drop_run(idx, r);
+		kvr_index_tab_delete(idx, r);
 		/* Dead: nobody holds a position and no child hangs below. */
 		while (r->hs) {
 			struct idx_hold *h = idx_hset_holds(r->hs)[0];

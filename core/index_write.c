@@ -51,15 +51,12 @@ static bool ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
 	return true;
 }
 
-/* Where block seq sits in the tree: *r, *pos, or false. */
-static bool locate(const struct kvr_index *idx, uint64_t seq, struct idx_run **r, uint32_t *pos)
+/* Where block seq sits in the tree (a position below hw): *r, *pos, or false.  (hr, hp): the
+ * block touched last, near which seq probably is (hr NULL: none). */
+static bool locate(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr, uint32_t hp,
+                   struct idx_run **r, uint32_t *pos)
 {
-	uint64_t e = kvr_index_tab_find(idx, seq);
-	if (!e)
-		return false;
-	*r = idx_ent_run(e);
-	*pos = idx_ent_pos(e);
-	return true;
+	return kvr_index_blk_find(idx, seq, hr, hp, r, pos);
 }
 
 static bool ensure_scratch(struct kvr_index *idx, size_t n)
@@ -86,7 +83,7 @@ static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, 
 	uint32_t pos;
 	if (idx->tsize[slot] == rk->xmap.count) /* every held block is aliased: nothing plain */
 		return false;
-	if (idx_xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, &r, &pos))
+	if (idx_xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, NULL, 0, &r, &pos))
 		return false;
 	const struct idx_hold *h = kvr_index_hold_of(r, slot);
 	return h && idx_hold_bit(h, pos);
@@ -122,7 +119,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	bool has_prev = parent_ext != NULL;
 	if (has_prev) {
 		prev = *parent_ext;
-		if (!ext_to_seq(rk, prev, &pseq) || !locate(idx, pseq, &R, &p) ||
+		if (!ext_to_seq(rk, prev, &pseq) || !locate(idx, pseq, NULL, 0, &R, &p) ||
 		    !(h = kvr_index_hold_of(R, slot)) || !idx_hold_bit(h, p)) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
@@ -140,13 +137,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		                      &blocks[i].local_hash, 1, &seq[i]);
 	for (size_t i = 0; i < n; i++) {
 		const uint64_t e = blocks[i].ext_hash, s = seq[i];
-		if (i + 8 < n) {
-			uintptr_t v = idx->view[seq[i + 8] >> (64 - IDX_SEGS_BITS)];
-			if (v)
-				__builtin_prefetch(
-				    &((const struct idx_tab *)(v & ~(uintptr_t)63))
-				         ->e[seq[i + 8] & (((uint64_t)1 << (v & 63)) - 1)]);
-		}
+		if (i + 8 < n && idx->blk.e)
+			__builtin_prefetch(&idx->blk.e[idx_blk_home(seq[i + 8], idx->blk.cap)]);
 		if (has_prev && e == prev) {
 			rc = KVR_EINVAL; /* self-parent */
 			break;
@@ -176,7 +168,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			/* Extending a run at its end with no child there: s, which names its
 			 * prefix, cannot be in the tree (no probe). */
 			pl = P_APPEND;
-		} else if (locate(idx, s, &C, &q)) {
+		} else if (locate(idx, s, R, p, &C, &q)) {
 			bool ok;
 			if (q >= C->len) { /* trimmed off R's end, its entry kept: re-extend */
 				ok = C == R && q == p + 1;
@@ -232,12 +224,13 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_ENOMEM;
 			break;
 		}
-		if ((pl == P_APPEND || pl == P_FORK) && kvr_index_tab_reserve(idx, s) != 0) {
+		if ((pl == P_APPEND || pl == P_FORK) && kvr_index_blk_reserve(idx, 1) != 0) {
 			rc = KVR_ENOMEM;
 			break;
 		}
-		if (pl == P_APPEND && kvr_index_run_grow(idx, R, n - i) != 0) {
-			kvr_index_tab_unreserve(idx, s);
+		if ((pl == P_FORK && kvr_index_tab_reserve(idx, s) != 0) ||
+		    (pl == P_APPEND && kvr_index_run_grow(idx, R, n - i) != 0)) {
+			kvr_index_blk_unreserve(idx);
 			rc = KVR_ENOMEM;
 			break;
 		}
@@ -247,6 +240,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			nr = kvr_index_run_new(idx, R, R ? p + 1 : 0, (uint32_t)cap, s);
 			if (!nr) {
 				kvr_index_tab_unreserve(idx, s);
+				kvr_index_blk_unreserve(idx);
 				rc = KVR_ENOMEM;
 				break;
 			}
@@ -272,7 +266,9 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			new_hold = true;
 		}
 		if (rc) {
-			kvr_index_tab_unreserve(idx, s);
+			if (pl == P_FORK)
+				kvr_index_tab_unreserve(idx, s);
+			kvr_index_blk_unreserve(idx);
 			if (nr) {
 				/* hs_add may have published a set on the unpublished run */
 				if (nr->hs) {
@@ -289,15 +285,16 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		case P_FORK:
 			nr->len = 1;
 			kvr_index_link_child(R, nr);
-			kvr_index_tab_insert(idx, s, nr, 0);
+			kvr_index_tab_insert(idx, nr);
+			kvr_index_blk_insert(idx, s, nr);
 			break;
 		case P_APPEND:
 			R->seqs[R->hw++] = s;
 			/* Ordering: release; pairs with the acquire load of len in find_matches. */
 			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
-			kvr_index_tab_insert(idx, s, R, q);
+			kvr_index_blk_insert(idx, s, R);
 			break;
-		case P_REEXTEND: /* the table entry was kept by the trim */
+		case P_REEXTEND: /* the locator entry was kept by the trim */
 			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
 			break;
 		default:
@@ -371,7 +368,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		if (R && p + 1 < R->len && R->seqs[p + 1] == s) { /* a chain's tail: no probe */
 			C = R;
 			q = p + 1;
-		} else if (!locate(idx, s, &C, &q)) {
+		} else if (!locate(idx, s, R, p, &C, &q)) {
 			nf++;
 			continue;
 		}

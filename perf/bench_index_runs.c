@@ -20,7 +20,7 @@
  * (removes and re-stores the tails of random ranks' paths in the same index); p99 ratio.
  * Timings are wall clock on a shared machine: compare the ratios, which come from one run.
  *
- * usage: bench_index_runs [--ms N] [--quick] [--apply-only | --rw-only | --cg L PAT]
+ * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT]
  */
 #include <pthread.h>
 #include <sched.h>
@@ -400,9 +400,12 @@ int main(int argc, char **argv)
 {
 	int ms = 400;
 	bool quick = false, apply_only = false;
+	size_t per = 16;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--ms") && i + 1 < argc)
 			ms = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--per") && i + 1 < argc)
+			per = (size_t)atol(argv[++i]);
 		else if (!strcmp(argv[i], "--quick"))
 			quick = true;
 		else if (!strcmp(argv[i], "--cg") && i + 2 < argc) {
@@ -421,10 +424,10 @@ int main(int argc, char **argv)
 	if (kvr_rcu_thread_online() != 0)
 		return 1;
 	if (apply_only) {
-		double r = bench_apply(16, ms);
+		double r = bench_apply(per ? per : 1, ms);
 		printf(
-		    "SUMMARY bench=index_apply blocks_per_call=16 block_ops_per_s=%.0f ops=%lu\n",
-		    r, (unsigned long)apply_ops);
+		    "SUMMARY bench=index_apply blocks_per_call=%zu block_ops_per_s=%.0f ops=%lu\n",
+		    per ? per : 1, r, (unsigned long)apply_ops);
 		return 0;
 	}
 	bench_match(quick);
