@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "kvrouter.h"
+#include "tools/sim/block_pool.h"
 
 /* What one sample reads. */
 struct agree_src {
@@ -176,5 +177,27 @@ int replay_agree(struct sim_cluster *sim, const struct replay_policy_ops *ops, v
 		if (rc)
 			return rc;
 	}
+	return 0;
+}
+
+int replay_reach(struct sim_cluster *sim, uint32_t n_ranks, const uint32_t *tokens,
+                 uint32_t n_tokens, uint32_t block_size, uint32_t rank, uint64_t *chosen,
+                 uint64_t *best)
+{
+	size_t nb = n_tokens / block_size;
+	uint64_t *h = malloc((2 * nb + 1) * sizeof(*h));
+	if (!h)
+		return KVR_ENOMEM;
+	nb = kvr_hash_blocks(tokens, n_tokens, block_size, NULL, h + nb, h);
+	*chosen = *best = 0;
+	for (uint32_t r = 0; r < n_ranks; r++) {
+		const struct sim_pool *pool = sim_engine_pool(sim_cluster_engine(sim, r));
+		uint64_t m = sim_pool_match_prefix(pool, h, nb, NULL);
+		if (r == rank)
+			*chosen = m;
+		if (m > *best)
+			*best = m;
+	}
+	free(h);
 	return 0;
 }

@@ -25,4 +25,15 @@
 int replay_agree(struct sim_cluster *sim, const struct replay_policy_ops *ops, void *ps,
                  struct replay_chains *map, uint32_t n_ranks, struct replay_result *res);
 
+/*
+ * Reach of one routed request (a diagnostic of what the policy could not know): its prompt's
+ * cached prefix, in blocks, on the rank it was sent to (*chosen) and on the rank holding the
+ * longest one (*best), read from the simulator at routing time.  best > chosen: a longer
+ * prefix was cached elsewhere (e.g. put there by traffic the policy never saw).  Returns 0 or
+ * KVR_ENOMEM.  Context: the replay's thread, between simulator steps.
+ */
+int replay_reach(struct sim_cluster *sim, uint32_t n_ranks, const uint32_t *tokens,
+                 uint32_t n_tokens, uint32_t block_size, uint32_t rank, uint64_t *chosen,
+                 uint64_t *best);
+
 #endif /* KVR_TOOLS_REPLAY_AGREE_H */

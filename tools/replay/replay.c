@@ -677,6 +677,13 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 			q->predicted = ro.predicted_blocks;
 			q->handle = ro.handle;
 			q->routed = true;
+			uint64_t chosen = 0, best = 0;
+			if (!q->foreign &&
+			    (rc = replay_reach(run.sim, cfg->n_ranks, tok, tr->input_len,
+			                       cfg->block_size, q->rank, &chosen, &best)))
+				goto sim_err;
+			res->reach_chosen_blocks += chosen;
+			res->reach_best_blocks += best;
 			rc = submit(&run, i);
 			if (rc)
 				goto sim_err;

@@ -101,6 +101,10 @@ struct replay_result {
 	 * (hit_rate = both together; own_hit_rate = [0]). */
 	uint64_t share_prompt_blocks[2], share_hit_blocks[2];
 	double own_hit_rate;
+	/* This router's requests at routing time (queued ones excluded): their cached prefix on
+	 * the rank chosen and on the best rank, blocks (replay_reach; best > chosen: a longer
+	 * prefix was cached where the policy did not look). */
+	uint64_t reach_chosen_blocks, reach_best_blocks;
 	uint64_t agree_samples, agree_exact;
 	uint64_t
 	    agree_subset; /* samples where S is inside R (the policy holds every cached block) */

@@ -49,6 +49,14 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 			        "errors (first: %d)\n",
 			        r->policy, r->n_refused, (unsigned long long)r->policy_errors,
 			        r->first_policy_error);
+		if (r->n_foreign && r->predicts)
+			fprintf(
+			    f,
+			    "reach %s: at routing, this router's requests found %.2f %% of their "
+			    "prompt blocks cached on the rank chosen, %.2f %% on the best rank\n",
+			    r->policy,
+			    100 * share(r->reach_chosen_blocks, r->share_prompt_blocks[0]),
+			    100 * share(r->reach_best_blocks, r->share_prompt_blocks[0]));
 		if (r->agree_samples)
 			fprintf(f,
 			        "agreement %s: %llu samples (rank x time), Jaccard mean %.3f min "
@@ -75,6 +83,9 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	json_object_set_new(o, "hit_rate", json_real(r->hit_rate));
 	json_object_set_new(o, "own_hit_rate", json_real(r->own_hit_rate));
 	json_object_set_new(o, "foreign_requests", json_integer((json_int_t)r->n_foreign));
+	json_object_set_new(o, "reach_chosen_blocks",
+	                    json_integer((json_int_t)r->reach_chosen_blocks));
+	json_object_set_new(o, "reach_best_blocks", json_integer((json_int_t)r->reach_best_blocks));
 	json_object_set_new(o, "prompt_tokens", json_integer((json_int_t)r->prompt_tokens));
 	json_object_set_new(o, "cached_tokens", json_integer((json_int_t)r->hit_tokens));
 	json_object_set_new(o, "cached_token_share",

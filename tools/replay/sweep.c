@@ -502,7 +502,8 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 					any = true;
 					cur[k] = cl->res.own_hit_rate;
 					fprintf(f, "%g %.4f %.3f %.3f\n", ax->v[k],
-					        100 * cl->res.own_hit_rate, cl->res.ttft_p50_ms / 1e3,
+					        100 * cl->res.own_hit_rate,
+					        cl->res.ttft_p50_ms / 1e3,
 					        cl->res.ttft_p99_ms / 1e3);
 				}
 				fprintf(f, "\n\n");
