@@ -224,7 +224,7 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
 	if (!b->dir_free) {
-		uint32_t ocap = b->dir_cap, ncap = ocap ? ocap * 2 : 64;
+		uint32_t ocap = b->dir_cap, ncap = ocap ? ocap + ocap / 2 : 64;
 		if (ocap > BLK_ID_MAX)
 			return KVR_ENOMEM; /* 2^26 runs: the id space is full */
 		if (ncap > BLK_ID_MAX + 1)

@@ -19,7 +19,6 @@
 #define IDX_RUN_MAX                                                                                \
 	2048u /* blocks in one run; longer chains chain runs (a writer looking a block up by hash  \
 	       * scans its run: core/index_blocks.c) */
-#define IDX_RUN_ALIGN 16 /* runs are 16-byte aligned (run-table entries pack the pointer) */
 
 /*
  * A run's sequence hashes.  Positions are WRITE-ONCE: s[p] never changes after it was written
@@ -79,7 +78,7 @@ struct idx_run {
 	uint32_t pad;
 	struct idx_run *child; /* children list; the retire-list link once dead */
 	struct idx_run *sib, *sib_prev;
-} __attribute__((aligned(IDX_RUN_ALIGN)));
+};
 
 static inline bool idx_seqs_inline(const struct idx_run *r)
 {
@@ -119,10 +118,10 @@ struct idx_hold {
 		uint64_t *bm; /* nwords > 1 */
 		uint64_t bm0; /* nwords == 1: inline */
 	};
-	uint32_t nwords; /* bitmap words */
-	uint32_t slot;
-	uint32_t cut, top, held, pad;
 	struct idx_xcopies *ex; /* NULL = no extra copies */
+	uint32_t slot;
+	uint16_t nwords;         /* bitmap words */
+	uint16_t cut, top, held; /* positions, < IDX_RUN_MAX */
 };
 
 static inline uint64_t *idx_hold_bm(struct idx_hold *h)
@@ -156,7 +155,7 @@ struct idx_retire {
 /*
  * Run table (readers): every live run, keyed by the sequence hash of its FIRST block, which is
  * how readers find a child.  An entry is one word: 16 tag bits of the seq << 48 | run pointer
- * (16-byte aligned, below 2^48).  0 = empty, IDX_TOMB = deleted.  The key is run->first.
+ * (8-byte aligned, below 2^48).  0 = empty, IDX_TOMB = deleted.  The key is run->first.
  */
 #define IDX_TOMB     1ull
 #define IDX_PTR_MASK ((1ull << 48) - 1)

@@ -47,8 +47,8 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
 	memset(r, 0, sizeof(*r));
 	struct idx_seqs *q = NULL;
 	if ((cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) ||
-	    ((uintptr_t)r & ~IDX_PTR_MASK) ||            /* NEVER: user space is below 2^48 */
-	    ((uintptr_t)r & (IDX_RUN_ALIGN - 1)) != 0 || /* NEVER: malloc aligns to 16 */
+	    ((uintptr_t)r & ~IDX_PTR_MASK) || /* NEVER: user space is below 2^48 */
+	    ((uintptr_t)r & 7) != 0 ||        /* NEVER: malloc aligns to 8 */
 	    kvr_index_blk_id_new(idx, r) != 0) {
 		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
 		kvr_free(r, sizeof(*r));
