@@ -175,26 +175,25 @@ bool kvr_index_copy_dec(struct idx_hold *h, uint32_t pos)
 
 /* ---------------------------------------------------------------- holder sets */
 
-/* Index of the first entry of slot in hs, or -1. */
-static int64_t hs_find(const struct idx_hset *hs, uint32_t slot)
+/* Index of the first entry of slot in v, or -1. */
+static int64_t hs_find(struct idx_hview v, uint32_t slot)
 {
-	if (!hs)
-		return -1;
-	uint32_t lo = 0, hi = hs->n;
+	uint32_t lo = 0, hi = v.n;
 	while (lo < hi) {
 		uint32_t mid = (lo + hi) / 2;
-		if (idx_hslot(hs->e[mid]) < slot)
+		if (idx_hslot(v.e[mid]) < slot)
 			lo = mid + 1;
 		else
 			hi = mid;
 	}
-	return lo < hs->n && idx_hslot(hs->e[lo]) == slot ? (int64_t)lo : -1;
+	return lo < v.n && idx_hslot(v.e[lo]) == slot ? (int64_t)lo : -1;
 }
 
 struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot)
 {
-	int64_t i = hs_find(r->hs, slot);
-	return i < 0 ? NULL : idx_hset_holds(r->hs)[i];
+	struct idx_hview v = idx_holders(r);
+	int64_t i = hs_find(v, slot);
+	return i < 0 ? NULL : v.hold[i];
 }
 
 /* Mirrors h->cut into the run's holder words (every duplicate).
@@ -202,13 +201,13 @@ struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot)
  * released before (index_match.c credits min(cut, matched)). */
 void kvr_index_publish_cut(struct idx_hold *h)
 {
-	struct idx_hset *hs = h->run->hs;
-	int64_t i = hs_find(hs, h->slot);
+	struct idx_hview v = idx_holders(h->run);
+	int64_t i = hs_find(v, h->slot);
 	if (i < 0)
 		return; /* NEVER */
 	uint64_t w = ((uint64_t)h->slot << 32) | h->cut;
-	for (uint32_t k = (uint32_t)i; k < hs->n && idx_hslot(hs->e[k]) == h->slot; k++)
-		__atomic_store_n(&hs->e[k], w, __ATOMIC_RELAXED);
+	for (uint32_t k = (uint32_t)i; k < v.n && idx_hslot(v.e[k]) == h->slot; k++)
+		__atomic_store_n(&v.e[k], w, __ATOMIC_RELAXED);
 }
 
 static struct idx_hset *hs_alloc(struct kvr_index *idx, uint32_t cap)
@@ -232,19 +231,26 @@ static void hs_retire(struct kvr_index *idx, struct idx_hset *hs)
 	idx->rt.n++;
 }
 
-/* Publishes r's holder set plus h (cut 0).  Returns 0 or KVR_ENOMEM (unchanged). */
+/* Adds h (cut 0) to r's holders: the inline single holder when r has none (no memory), else
+ * a new published set.  Returns 0 or KVR_ENOMEM (unchanged). */
 int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
 {
-	const struct idx_hset *o = r->hs;
-	uint32_t n = o ? o->n : 0;
-	struct idx_hset *hs = hs_alloc(idx, n + 1);
+	const struct idx_hview o = idx_holders(r);
+	if (o.n == 0) {
+		/* Ordering: relaxed; the cut (0 here) is raised by publish_cut after the blocks. */
+		__atomic_store_n(&r->h1, (uint64_t)h->slot << 32, __ATOMIC_RELAXED);
+		r->h1hold = h;
+		return 0;
+	}
+	struct idx_hset *old = r->hs;
+	struct idx_hset *hs = hs_alloc(idx, o.n + 1);
 	if (!hs)
 		return KVR_ENOMEM;
-	struct idx_hold **oh = o ? idx_hset_holds(o) : NULL, **nh = idx_hset_holds(hs);
+	struct idx_hold **nh = idx_hset_holds(hs);
 	uint32_t k = 0;
 	bool put = false;
-	for (uint32_t i = 0; i < n; i++) {
-		uint64_t w = __atomic_load_n(&o->e[i], __ATOMIC_RELAXED);
+	for (uint32_t i = 0; i < o.n; i++) {
+		uint64_t w = __atomic_load_n(&o.e[i], __ATOMIC_RELAXED);
 		if (!put && h->slot < idx_hslot(w)) {
 			hs->e[k] = (uint64_t)h->slot << 32;
 			nh[k++] = h;
@@ -253,62 +259,81 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 		if (k > 0 && idx_hslot(hs->e[k - 1]) == idx_hslot(w))
 			continue; /* a duplicate left by hs_del without memory */
 		hs->e[k] = w;
-		nh[k++] = oh[i];
+		nh[k++] = o.hold[i];
 	}
 	if (!put) {
 		hs->e[k] = (uint64_t)h->slot << 32;
 		nh[k++] = h;
 	}
 	hs->n = k;
-	/* Ordering: release; pairs with the acquire load of r->hs in find_matches. */
+	/* Ordering: release; pairs with the acquire load of r->hs in find_matches.  h1 stays
+	 * as it was: a reader that loaded hs NULL before this reads a valid word there. */
 	kvr_rcu_publish(&r->hs, hs);
-	hs_retire(idx, (struct idx_hset *)o);
+	r->h1hold = NULL;
+	hs_retire(idx, old);
 	return 0;
 }
 
-/* Removes slot from r's holder set.  Never fails: without memory for the smaller copy, the
- * slot's words are overwritten in place with a neighbour's (one atomic word each). */
+/* Removes slot from r's holders.  Never fails: down to one holder, it goes inline (no memory);
+ * without memory for a smaller set, the slot's words are overwritten in place with a
+ * neighbour's (one atomic word each). */
 void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
 {
-	struct idx_hset *o = r->hs;
-	int64_t at = hs_find(o, slot);
+	const struct idx_hview v = idx_holders(r);
+	int64_t at = hs_find(v, slot);
 	if (at < 0)
 		return;
 	uint32_t distinct = 0;
-	for (uint32_t i = 0; i < o->n; i++)
-		if (idx_hslot(o->e[i]) != slot &&
-		    (i == 0 || idx_hslot(o->e[i - 1]) != idx_hslot(o->e[i])))
+	for (uint32_t i = 0; i < v.n; i++)
+		if (idx_hslot(v.e[i]) != slot &&
+		    (i == 0 || idx_hslot(v.e[i - 1]) != idx_hslot(v.e[i])))
 			distinct++;
-	struct idx_hset *hs = NULL;
-	if (distinct > 0) {
-		hs = hs_alloc(idx, distinct);
-		if (!hs) {
-			uint32_t nb = at > 0 ? (uint32_t)at - 1 : UINT32_MAX;
-			if (nb == UINT32_MAX)
-				for (uint32_t i = 0; i < o->n; i++)
-					if (idx_hslot(o->e[i]) != slot) {
-						nb = i;
-						break;
-					}
-			struct idx_hold **oh = idx_hset_holds(o);
-			for (uint32_t i = (uint32_t)at; i < o->n && idx_hslot(o->e[i]) == slot;
-			     i++) {
-				oh[i] = oh[nb];
-				__atomic_store_n(&o->e[i], o->e[nb], __ATOMIC_RELAXED);
+	struct idx_hset *o = r->hs;
+	if (distinct <= 1) {
+		uint64_t w = 0;
+		struct idx_hold *hh = NULL;
+		for (uint32_t i = 0; i < v.n; i++)
+			if (idx_hslot(v.e[i]) != slot) {
+				w = v.e[i];
+				hh = v.hold[i];
+				break;
 			}
-			return;
+		/* Ordering: relaxed store of the word, then hs NULL with a release (pairs with
+		 * the acquire load of hs in find_matches: a reader that sees NULL sees h1). */
+		__atomic_store_n(&r->h1, w, __ATOMIC_RELAXED);
+		r->h1hold = hh;
+		if (o) {
+			kvr_rcu_publish(&r->hs, (struct idx_hset *)NULL);
+			hs_retire(idx, o);
 		}
-		struct idx_hold **oh = idx_hset_holds(o), **nh = idx_hset_holds(hs);
-		uint32_t k = 0;
-		for (uint32_t i = 0; i < o->n; i++) {
-			if (idx_hslot(o->e[i]) == slot ||
-			    (k > 0 && idx_hslot(hs->e[k - 1]) == idx_hslot(o->e[i])))
-				continue;
-			hs->e[k] = o->e[i];
-			nh[k++] = oh[i];
-		}
-		hs->n = k;
+		return;
 	}
+	struct idx_hset *hs = hs_alloc(idx, distinct);
+	if (!hs) {
+		uint32_t nb = at > 0 ? (uint32_t)at - 1 : UINT32_MAX;
+		if (nb == UINT32_MAX)
+			for (uint32_t i = 0; i < o->n; i++)
+				if (idx_hslot(o->e[i]) != slot) {
+					nb = i;
+					break;
+				}
+		struct idx_hold **oh = idx_hset_holds(o);
+		for (uint32_t i = (uint32_t)at; i < o->n && idx_hslot(o->e[i]) == slot; i++) {
+			oh[i] = oh[nb];
+			__atomic_store_n(&o->e[i], o->e[nb], __ATOMIC_RELAXED);
+		}
+		return;
+	}
+	struct idx_hold **oh = idx_hset_holds(o), **nh = idx_hset_holds(hs);
+	uint32_t k = 0;
+	for (uint32_t i = 0; i < o->n; i++) {
+		if (idx_hslot(o->e[i]) == slot ||
+		    (k > 0 && idx_hslot(hs->e[k - 1]) == idx_hslot(o->e[i])))
+			continue;
+		hs->e[k] = o->e[i];
+		nh[k++] = oh[i];
+	}
+	hs->n = k;
 	kvr_rcu_publish(&r->hs, hs);
 	hs_retire(idx, o);
 }

@@ -53,6 +53,14 @@ static inline struct idx_hold **idx_hset_holds(const struct idx_hset *h)
 	return (struct idx_hold **)(uintptr_t)&h->e[h->cap];
 }
 
+/* A run's holders as writers see them: the set, or the inline single holder as a set of one
+ * (e = &run->h1, hold = &run->h1hold), or none. */
+struct idx_hview {
+	uint32_t n;
+	uint64_t *e;
+	struct idx_hold **hold;
+};
+
 static inline uint64_t idx_bytes_hset(uint32_t cap)
 {
 	return sizeof(struct idx_hset) + (uint64_t)cap * (sizeof(uint64_t) + sizeof(void *));
@@ -67,7 +75,9 @@ struct idx_run {
 	uint64_t first; /* seqs[0]: the table key readers check */
 	struct idx_run *parent;
 	uint64_t *seqs;      /* &first (a one-block run, no allocation) or idx_seqs.s */
-	struct idx_hset *hs; /* NULL = no holder */
+	struct idx_hset *hs; /* holders when two or more, else NULL and: */
+	uint64_t h1;         /* the single holder's word (slot << 32 | cut); 0 when none (slot
+	                      * 0 with cut 0 credits nothing, exactly like no holder) */
 	uint16_t off;        /* <= IDX_RUN_MAX */
 	uint16_t len;        /* positions [0, len) are in the tree */
 	/* writer only */
@@ -76,9 +86,20 @@ struct idx_run {
 	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
 	uint32_t id;            /* the run's number in the block locator (core/index_blocks.c) */
 	uint32_t pad;
-	struct idx_run *child; /* children list; the retire-list link once dead */
+	struct idx_hold *h1hold; /* the single holder's record (hs NULL), or NULL */
+	struct idx_run *child;   /* children list; the retire-list link once dead */
 	struct idx_run *sib, *sib_prev;
 };
+
+static inline struct idx_hview idx_holders(const struct idx_run *cr)
+{
+	struct idx_run *r = (struct idx_run *)(uintptr_t)cr;
+	if (r->hs)
+		return (struct idx_hview){r->hs->n, r->hs->e, idx_hset_holds(r->hs)};
+	if (r->h1hold)
+		return (struct idx_hview){1, &r->h1, &r->h1hold};
+	return (struct idx_hview){0, NULL, NULL};
+}
 
 static inline bool idx_seqs_inline(const struct idx_run *r)
 {

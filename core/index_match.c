@@ -32,15 +32,15 @@ static inline uint32_t wslot(uint64_t w)
 
 /* Keeps in out[0..a) the ranks whose cut in hs is >= k; moves the others to
  * out[cap-*f-d .. cap-*f) with score q + cut (0 when absent).  Returns the new active count. */
-static size_t intersect(struct kvr_index_match *out, size_t a, const struct idx_hset *hs, size_t k,
-                        size_t q, size_t cap, size_t *f)
+static size_t intersect(struct kvr_index_match *out, size_t a, const uint64_t *hw, uint32_t n,
+                        size_t k, size_t q, size_t cap, size_t *f)
 {
 	size_t keep = 0;
-	uint32_t j = 0, n = hs ? hs->n : 0;
+	uint32_t j = 0;
 	for (size_t i = 0; i < a; i++) {
 		uint32_t want = out[i].slot, cut = 0;
 		for (; j < n; j++) {
-			uint64_t w = __atomic_load_n(&hs->e[j], __ATOMIC_RELAXED);
+			uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
 			if (wslot(w) > want)
 				break;
 			if (wslot(w) == want && (uint32_t)w > cut) /* duplicates: the largest */
@@ -83,8 +83,13 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		uint32_t len = __atomic_load_n(&R->len, __ATOMIC_ACQUIRE);
 		const uint64_t *sq = __atomic_load_n(&R->seqs, __ATOMIC_ACQUIRE);
 		const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
-		if (hs)
+		const uint64_t *hw = &R->h1; /* no set: the inline single holder (0: none) */
+		uint32_t hn = 1;
+		if (hs) {
 			__builtin_prefetch(hs);
+			hw = hs->e;
+			hn = hs->n;
+		}
 		size_t m = len < n - q ? len : n - q, k;
 		if (m == 0) {
 			k = 0;
@@ -105,13 +110,12 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		if (first) {
 			/* The ranks holding seq[0]: cut >= 1 (duplicates adjacent: largest cut). */
 			first = false;
-			uint32_t hn = hs ? hs->n : 0;
 			size_t holding = 0;
 			for (uint32_t j = 0; j < hn;) {
-				uint64_t w = __atomic_load_n(&hs->e[j], __ATOMIC_RELAXED);
+				uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
 				uint32_t s = wslot(w), cut = (uint32_t)w;
 				for (j++; j < hn; j++) {
-					uint64_t x = __atomic_load_n(&hs->e[j], __ATOMIC_RELAXED);
+					uint64_t x = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
 					if (wslot(x) != s)
 						break;
 					if ((uint32_t)x > cut)
@@ -134,7 +138,7 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 				return KVR_ERANGE;
 			}
 		} else {
-			a = intersect(out, a, hs, k, q, cap, &f);
+			a = intersect(out, a, hw, hn, k, q, cap, &f);
 		}
 		q += k;
 		if (a == 0 || q == n || k == 0 || (early && a == 1))

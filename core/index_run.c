@@ -166,13 +166,10 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 {
 	while (r) {
 		uint32_t need = 0;
-		const struct idx_hset *hs = r->hs;
-		if (hs) {
-			struct idx_hold **hh = idx_hset_holds(hs);
-			for (uint32_t i = 0; i < hs->n; i++)
-				if (hh[i]->top > need)
-					need = hh[i]->top;
-		}
+		const struct idx_hview v = idx_holders(r);
+		for (uint32_t i = 0; i < v.n; i++)
+			if (v.hold[i]->top > need)
+				need = v.hold[i]->top;
 		if (need >= r->len)
 			return;
 		if (r->max_child_off > need) { /* the bound may be stale: make it exact */
@@ -196,10 +193,8 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		kvr_index_blk_drop_run(idx, r);
 		kvr_index_tab_delete(idx, r);
 		/* Dead: nobody holds a position and no child hangs below. */
-		while (r->hs) {
-			struct idx_hold *h = idx_hset_holds(r->hs)[0];
-			kvr_index_drop_hold(idx, h); /* NEVER reached with a non-empty record */
-		}
+		for (struct idx_hview w; (w = idx_holders(r)).n > 0;)
+			kvr_index_drop_hold(idx, w.hold[0]); /* NEVER reached: no record is left */
 		struct idx_run *p = r->parent;
 		unlink_child(p, r);
 		seqs_retire(idx, r);
@@ -212,12 +207,12 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 
 void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
 {
+	const struct idx_hview v = idx_holders(r);
+	for (uint32_t i = 0; i < v.n; i++)
+		if (i == 0 || v.hold[i] != v.hold[i - 1])
+			kvr_index_hold_free(idx, v.hold[i]);
 	struct idx_hset *hs = r->hs;
 	if (hs) {
-		struct idx_hold **hh = idx_hset_holds(hs);
-		for (uint32_t i = 0; i < hs->n; i++)
-			if (i == 0 || hh[i] != hh[i - 1])
-				kvr_index_hold_free(idx, hh[i]);
 		idx_count(&idx->bytes_rank, -(int64_t)idx_bytes_hset(hs->cap));
 		kvr_free(hs, idx_bytes_hset(hs->cap));
 	}
