@@ -26,8 +26,9 @@
  * the writers' block locator (core/index_blocks.c: run id and tag, load 0.57-0.85), which lets
  * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block.  Per
- * (rank, run): an 8-byte holder word, a 56-byte record and a bitmap (1 bit per position), so
- * the per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
+ * (rank, run): an 8-byte holder word (inline in the run for a single holder, else in a holder
+ * set with a pointer beside it), a 56-byte record and a bitmap (1 bit per position), so the
+ * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
  * ext hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
  *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and

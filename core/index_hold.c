@@ -8,9 +8,12 @@
  *
  * A holder set (struct idx_hset) is what readers see of a run's holders: one word per rank,
  * slot << 32 | cut, sorted by slot, copy-on-write when a rank joins or leaves (the old set goes
- * to the retire batch), cut changes stored in place.  A leave without memory for the smaller
- * copy overwrites the rank's word with a neighbour's: readers skip adjacent duplicates and take
- * the largest cut, writers keep duplicates equal, the next join or leave compacts them.
+ * to the retire batch), cut changes stored in place.  A run with ONE holder has no set: its
+ * word is inline (run->h1) and run->hs holds the record's pointer tagged with bit 0, which
+ * readers treat like NULL (most runs have one holder: this saves the set's 32 bytes and the
+ * reader's miss on it); writers see both shapes through idx_holders().  A leave without memory for
+ * the smaller copy overwrites the rank's word with a neighbour's: readers skip adjacent duplicates
+ * and take the largest cut, writers keep duplicates equal, the next join or leave compacts them.
  *
  * Ordering: cuts are relaxed stores; a cut only covers positions whose content is permanent and
  * whose run len was released before (core/index_match.c credits min(cut, matched)).  Sets are
@@ -193,7 +196,7 @@ struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot)
 {
 	struct idx_hview v = idx_holders(r);
 	int64_t i = hs_find(v, slot);
-	return i < 0 ? NULL : v.hold[i];
+	return i < 0 ? NULL : idx_hv_hold(&v, (uint32_t)i);
 }
 
 /* Mirrors h->cut into the run's holder words (every duplicate).
@@ -237,12 +240,13 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 {
 	const struct idx_hview o = idx_holders(r);
 	if (o.n == 0) {
-		/* Ordering: relaxed; the cut (0 here) is raised by publish_cut after the blocks. */
+		/* Ordering: relaxed; the cut (0 here) is raised by publish_cut after the blocks;
+		 * readers treat a tagged hs like NULL. */
 		__atomic_store_n(&r->h1, (uint64_t)h->slot << 32, __ATOMIC_RELAXED);
-		r->h1hold = h;
+		__atomic_store_n(&r->hs, (struct idx_hset *)((uintptr_t)h | 1), __ATOMIC_RELEASE);
 		return 0;
 	}
-	struct idx_hset *old = r->hs;
+	struct idx_hset *old = idx_run_set(r);
 	struct idx_hset *hs = hs_alloc(idx, o.n + 1);
 	if (!hs)
 		return KVR_ENOMEM;
@@ -259,7 +263,7 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 		if (k > 0 && idx_hslot(hs->e[k - 1]) == idx_hslot(w))
 			continue; /* a duplicate left by hs_del without memory */
 		hs->e[k] = w;
-		nh[k++] = o.hold[i];
+		nh[k++] = idx_hv_hold(&o, i);
 	}
 	if (!put) {
 		hs->e[k] = (uint64_t)h->slot << 32;
@@ -269,7 +273,6 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 	/* Ordering: release; pairs with the acquire load of r->hs in find_matches.  h1 stays
 	 * as it was: a reader that loaded hs NULL before this reads a valid word there. */
 	kvr_rcu_publish(&r->hs, hs);
-	r->h1hold = NULL;
 	hs_retire(idx, old);
 	return 0;
 }
@@ -288,24 +291,22 @@ void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
 		if (idx_hslot(v.e[i]) != slot &&
 		    (i == 0 || idx_hslot(v.e[i - 1]) != idx_hslot(v.e[i])))
 			distinct++;
-	struct idx_hset *o = r->hs;
+	struct idx_hset *o = idx_run_set(r);
 	if (distinct <= 1) {
 		uint64_t w = 0;
 		struct idx_hold *hh = NULL;
 		for (uint32_t i = 0; i < v.n; i++)
 			if (idx_hslot(v.e[i]) != slot) {
 				w = v.e[i];
-				hh = v.hold[i];
+				hh = idx_hv_hold(&v, i);
 				break;
 			}
 		/* Ordering: relaxed store of the word, then hs NULL with a release (pairs with
 		 * the acquire load of hs in find_matches: a reader that sees NULL sees h1). */
 		__atomic_store_n(&r->h1, w, __ATOMIC_RELAXED);
-		r->h1hold = hh;
-		if (o) {
-			kvr_rcu_publish(&r->hs, (struct idx_hset *)NULL);
-			hs_retire(idx, o);
-		}
+		__atomic_store_n(&r->hs, hh ? (struct idx_hset *)((uintptr_t)hh | 1) : NULL,
+		                 __ATOMIC_RELEASE);
+		hs_retire(idx, o);
 		return;
 	}
 	struct idx_hset *hs = hs_alloc(idx, distinct);

@@ -54,12 +54,19 @@ static inline struct idx_hold **idx_hset_holds(const struct idx_hset *h)
 }
 
 /* A run's holders as writers see them: the set, or the inline single holder as a set of one
- * (e = &run->h1, hold = &run->h1hold), or none. */
+ * (e = &run->h1, holds NULL, one = its record), or none.  idx_hv_hold() gives record i. */
 struct idx_hview {
 	uint32_t n;
 	uint64_t *e;
-	struct idx_hold **hold;
+	struct idx_hold **holds;
+	struct idx_hold *one;
 };
+
+static inline struct idx_hold *idx_hv_hold(const struct idx_hview *v, uint32_t i)
+{
+	return v->holds ? v->holds[i] : v->one;
+}
+
 
 static inline uint64_t idx_bytes_hset(uint32_t cap)
 {
@@ -75,7 +82,8 @@ struct idx_run {
 	uint64_t first; /* seqs[0]: the table key readers check */
 	struct idx_run *parent;
 	uint64_t *seqs;      /* &first (a one-block run, no allocation) or idx_seqs.s */
-	struct idx_hset *hs; /* holders when two or more, else NULL and: */
+	struct idx_hset *hs; /* holders when two or more; else the single holder's record | 1
+	                      * (writers' use only), or NULL when none, and readers use: */
 	uint64_t h1;         /* the single holder's word (slot << 32 | cut); 0 when none (slot
 	                      * 0 with cut 0 credits nothing, exactly like no holder) */
 	uint16_t off;        /* <= IDX_RUN_MAX */
@@ -86,19 +94,25 @@ struct idx_run {
 	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
 	uint32_t id;            /* the run's number in the block locator (core/index_blocks.c) */
 	uint32_t pad;
-	struct idx_hold *h1hold; /* the single holder's record (hs NULL), or NULL */
-	struct idx_run *child;   /* children list; the retire-list link once dead */
+	struct idx_run *child; /* children list; the retire-list link once dead */
 	struct idx_run *sib, *sib_prev;
 };
+
+/* r->hs when it is a holder set, else NULL (an inline holder's tagged record, or none). */
+static inline struct idx_hset *idx_run_set(const struct idx_run *r)
+{
+	return ((uintptr_t)r->hs & 1) ? NULL : r->hs;
+}
 
 static inline struct idx_hview idx_holders(const struct idx_run *cr)
 {
 	struct idx_run *r = (struct idx_run *)(uintptr_t)cr;
-	if (r->hs)
-		return (struct idx_hview){r->hs->n, r->hs->e, idx_hset_holds(r->hs)};
-	if (r->h1hold)
-		return (struct idx_hview){1, &r->h1, &r->h1hold};
-	return (struct idx_hview){0, NULL, NULL};
+	uintptr_t v = (uintptr_t)r->hs;
+	if (v & 1)
+		return (struct idx_hview){1, &r->h1, NULL, (struct idx_hold *)(v & ~(uintptr_t)1)};
+	if (v)
+		return (struct idx_hview){r->hs->n, r->hs->e, idx_hset_holds(r->hs), NULL};
+	return (struct idx_hview){0, NULL, NULL, NULL};
 }
 
 static inline bool idx_seqs_inline(const struct idx_run *r)

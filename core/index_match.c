@@ -82,10 +82,11 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		 * after the array holding them was published). */
 		uint32_t len = __atomic_load_n(&R->len, __ATOMIC_ACQUIRE);
 		const uint64_t *sq = __atomic_load_n(&R->seqs, __ATOMIC_ACQUIRE);
+		/* A tagged hs (low bit) or NULL: the single holder's word is inline (0: none). */
 		const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
-		const uint64_t *hw = &R->h1; /* no set: the inline single holder (0: none) */
+		const uint64_t *hw = &R->h1;
 		uint32_t hn = 1;
-		if (hs) {
+		if (hs && !((uintptr_t)hs & 1)) {
 			__builtin_prefetch(hs);
 			hw = hs->e;
 			hn = hs->n;

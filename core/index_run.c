@@ -168,8 +168,8 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		uint32_t need = 0;
 		const struct idx_hview v = idx_holders(r);
 		for (uint32_t i = 0; i < v.n; i++)
-			if (v.hold[i]->top > need)
-				need = v.hold[i]->top;
+			if (idx_hv_hold(&v, i)->top > need)
+				need = idx_hv_hold(&v, i)->top;
 		if (need >= r->len)
 			return;
 		if (r->max_child_off > need) { /* the bound may be stale: make it exact */
@@ -194,7 +194,7 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		kvr_index_tab_delete(idx, r);
 		/* Dead: nobody holds a position and no child hangs below. */
 		for (struct idx_hview w; (w = idx_holders(r)).n > 0;)
-			kvr_index_drop_hold(idx, w.hold[0]); /* NEVER reached: no record is left */
+			kvr_index_drop_hold(idx, idx_hv_hold(&w, 0)); /* NEVER: no record is left */
 		struct idx_run *p = r->parent;
 		unlink_child(p, r);
 		seqs_retire(idx, r);
@@ -209,9 +209,9 @@ void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
 {
 	const struct idx_hview v = idx_holders(r);
 	for (uint32_t i = 0; i < v.n; i++)
-		if (i == 0 || v.hold[i] != v.hold[i - 1])
-			kvr_index_hold_free(idx, v.hold[i]);
-	struct idx_hset *hs = r->hs;
+		if (i == 0 || idx_hv_hold(&v, i) != idx_hv_hold(&v, i - 1))
+			kvr_index_hold_free(idx, idx_hv_hold(&v, i));
+	struct idx_hset *hs = idx_run_set(r);
 	if (hs) {
 		idx_count(&idx->bytes_rank, -(int64_t)idx_bytes_hset(hs->cap));
 		kvr_free(hs, idx_bytes_hset(hs->cap));

@@ -271,10 +271,11 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			kvr_index_blk_unreserve(idx);
 			if (nr) {
 				/* hs_add may have published a set on the unpublished run */
-				if (nr->hs) {
+				struct idx_hset *nhs = idx_run_set(nr);
+				if (nhs) {
 					idx_count(&idx->bytes_rank,
-					          -(int64_t)idx_bytes_hset(nr->hs->cap));
-					kvr_free(nr->hs, idx_bytes_hset(nr->hs->cap));
+					          -(int64_t)idx_bytes_hset(nhs->cap));
+					kvr_free(nhs, idx_bytes_hset(nhs->cap));
 				}
 				kvr_index_run_free(idx, nr);
 			}
