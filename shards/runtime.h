@@ -83,6 +83,7 @@ struct kvr_shard_stats {
 	uint32_t workers; /* workers placed here */
 	uint32_t ranks;   /* ranks (placements) here */
 	uint64_t cpu_ns;  /* CPU time the shard thread used so far (0 if unknown) */
+	uint64_t spin_ns; /* of which polling for work before parking (idle_spin_ns) */
 };
 
 typedef void (*kvr_task_fn)(struct kvr_shard *shard, void *payload);
