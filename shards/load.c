@@ -44,6 +44,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "shards/chain.h"
 #include "shards/pinmap.h"
 #include "shards/u64map.h"
 
@@ -326,12 +327,10 @@ static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t n, uint
 			break; /* nothing hangs below an interior block */
 		}
 		const struct run *g = &l->runs[i];
-		const uint64_t *q = seq_of(g);
-		uint32_t take = 1;
-		while (k + take < n && o + 1 < g->len && q[o + 1] == seq[k + take]) {
-			o++;
-			take++;
-		}
+		uint32_t more =
+		    kvr_chain_agree(seq_of(g) + o, g->len - 1 - o, seq + k, 1, n - k - 1);
+		uint32_t take = 1 + more;
+		o += more;
 		if (hits) {
 			struct hit *last = *nh ? &hits[*nh - 1] : NULL;
 			if (last && last->run == i && last->off + last->len == o + 1 - take)

@@ -80,6 +80,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "shards/chain.h"
 #include "shards/lru_internal.h"
 
 /* ------------------------------------------------------------------ create / destroy */
@@ -526,15 +527,15 @@ static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride
 				best = j;
 		uint32_t run = 1;
 		if (nc == 1) {
-			/* One copy: follow its segment while it matches. */
+			/* One copy: follow its segment while it matches (chained hashes: one
+			 * compare at the far end, a binary search where it differs). */
 			const struct seg *g = &lru->s[cur[0].seg];
-			const uint64_t *q = seq_of(g);
 			uint32_t o = cur[0].off;
-			while (k < n && o + 1 < g->len && q[o + 1] == seq[k * stride]) {
-				o++;
-				k++;
-				run++;
-			}
+			uint32_t more = kvr_chain_agree(seq_of(g) + o, g->len - 1 - o,
+			                                seq + (k - 1) * stride, stride, n - k);
+			o += more;
+			k += more;
+			run += more;
 			if (hits) {
 				struct hit *last = *nh ? &hits[*nh - 1] : NULL;
 				if (last && last->seg == cur[0].seg &&

@@ -37,6 +37,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "shards/chain.h"
 
 #define TAB_MIN 64
 #define TOMB    ((struct kvr_pinrun *)1)
@@ -276,23 +277,11 @@ static uint32_t extent(const struct kvr_pinrun *g, const uint64_t *q, size_t m, 
 	/* Ordering: seqs before len (see the essay). */
 	const uint64_t *a = __atomic_load_n(&g->seqs, __ATOMIC_ACQUIRE);
 	uint32_t len = __atomic_load_n(&g->len, __ATOMIC_ACQUIRE);
-	uint32_t lim = (size_t)len < m ? len : (uint32_t)m;
-	*full = false;
-	if (lim == 0)
-		return 0;
-	if (a[lim - 1] == q[lim - 1]) { /* chained hashes: the whole overlap agrees */
-		*full = lim == len;
-		return lim;
-	}
-	uint32_t lo = 0, hi = lim - 1; /* a[lo] == q[lo], a[hi] != q[hi] */
-	while (hi - lo > 1) {
-		uint32_t mid = lo + (hi - lo) / 2;
-		if (a[mid] == q[mid])
-			lo = mid;
-		else
-			hi = mid;
-	}
-	return lo + 1;
+	if (len == 0)
+		return *full = false;
+	uint32_t e = 1 + kvr_chain_agree(a, len - 1, q, 1, m - 1);
+	*full = e == len;
+	return e;
 }
 
 size_t kvr_pinmap_depths(const struct kvr_pinmap *pm, const uint64_t *seq, size_t n,
