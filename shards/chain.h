@@ -10,8 +10,10 @@
 #ifndef KVR_SHARDS_CHAIN_H
 #define KVR_SHARDS_CHAIN_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* a[0] and q[0] are the same block.  Returns the largest j <= min(avail, m) such that a[1..j]
  * equals q[stride], q[2 * stride], ..., q[j * stride] (a: avail more hashes; q: m more).
@@ -31,6 +33,77 @@ static inline uint32_t kvr_chain_agree(const uint64_t *a, size_t avail, const ui
 			hi = mid;
 	}
 	return (uint32_t)lo;
+}
+
+/* A run's hash array: the hashes are mem[start ..], mem holds cap. */
+struct kvr_hashes {
+	uint64_t *mem;
+	uint32_t start, cap;
+};
+
+/* How many hashes splitting a run of len before off copies: the smaller side. */
+static inline uint32_t kvr_hashes_split_copy(uint32_t len, uint32_t off)
+{
+	return len - off <= off ? len - off : off;
+}
+
+/* Splits run a's hashes (len of them) before off: afterwards a holds the first off and b the
+ * rest.  The smaller side moves into m (room for kvr_hashes_split_copy(len, off), transferred),
+ * the larger side keeps the array, so every array stays owned by exactly one run.  Returns true
+ * if the right side was copied (the left one then keeps a larger array than it needs). */
+static inline bool kvr_hashes_split(struct kvr_hashes *a, struct kvr_hashes *b, uint32_t len,
+                                    uint32_t off, uint64_t *m)
+{
+	uint32_t rest = len - off;
+	if (rest <= off) {
+		memcpy(m, a->mem + a->start + off, (size_t)rest * sizeof(uint64_t));
+		*b = (struct kvr_hashes){m, 0, rest};
+		return true;
+	}
+	memcpy(m, a->mem + a->start, (size_t)off * sizeof(uint64_t));
+	*b = (struct kvr_hashes){a->mem, a->start + off, a->cap};
+	*a = (struct kvr_hashes){m, 0, off};
+	return false;
+}
+
+/* A stretch of a walk that lies in one run: positions [off, off + len) of run `run`. */
+struct kvr_run_hit {
+	uint32_t run, off, len;
+};
+
+/* A run store whose runs split in place: the left part keeps its index, the right part follows
+ * it on the run's split chain (next). */
+struct kvr_run_ops {
+	uint32_t (*len)(const void *store, uint32_t run);
+	uint32_t (*next)(const void *store, uint32_t run);
+	int (*split)(void *store, uint32_t run, uint32_t off); /* 0 < off < len */
+};
+
+/* Makes every hit of a walk a whole run, splitting where a hit starts or ends inside one.  A
+ * hit recorded before an earlier hit's split may now lie further down the split chain: it is
+ * followed there.  Returns 0 or the first split's error (splits change nothing observable, so
+ * the caller may fail without undoing them).  Context: the store's owner. */
+static inline int kvr_hits_whole(void *store, const struct kvr_run_ops *ops,
+                                 struct kvr_run_hit *hits, size_t nh)
+{
+	for (size_t k = 0; k < nh; k++) {
+		struct kvr_run_hit *p = &hits[k];
+		uint32_t len;
+		while (p->off >= (len = ops->len(store, p->run))) {
+			p->off -= len;
+			p->run = ops->next(store, p->run);
+		}
+		int rc;
+		if (p->off > 0) {
+			if ((rc = ops->split(store, p->run, p->off)))
+				return rc;
+			p->run = ops->next(store, p->run);
+			p->off = 0;
+		}
+		if (p->len < ops->len(store, p->run) && (rc = ops->split(store, p->run, p->len)))
+			return rc;
+	}
+	return 0;
 }
 
 #endif /* KVR_SHARDS_CHAIN_H */

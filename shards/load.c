@@ -75,10 +75,6 @@ struct req {
 	uint64_t order;    /* admission counter: the prefill FIFO order */
 };
 
-struct hit {
-	uint32_t run, off, len;
-};
-
 struct kvr_load {
 	uint64_t expected_prefill;
 	struct req *r;
@@ -92,7 +88,7 @@ struct kvr_load {
 	/* Oldest in-prefill request, cached: the attempt (valid while oldest_valid). */
 	uint64_t oldest_attempt;
 	int oldest_valid;
-	struct hit *hits;
+	struct kvr_run_hit *hits;
 	size_t hits_cap;
 	/* Publishing for routers (kvr_load_publish): the map, this rank's slot, the runs freed
 	 * by the current command (freed after a grace period), publish failures. */
@@ -140,7 +136,7 @@ void kvr_load_destroy(struct kvr_load *l)
 	kvr_pinrun_retire_flush(&l->retired);
 	kvr_free(l->runs, (size_t)l->runs_cap * sizeof(struct run));
 	kvr_free(l->r, (size_t)l->cap_req * sizeof(struct req));
-	kvr_free(l->hits, l->hits_cap * sizeof(struct hit));
+	kvr_free(l->hits, l->hits_cap * sizeof(struct kvr_run_hit));
 	kvr_u64map_fini(&l->by_attempt);
 	kvr_u64map_fini(&l->heads);
 	kvr_free(l, sizeof(*l));
@@ -257,29 +253,20 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 		return rc;
 	struct run *a = &l->runs[i];
 	uint32_t len = a->len, rest = len - off;
-	bool copy_right = rest <= off;
-	uint64_t *m = kvr_alloc((size_t)(copy_right ? rest : off) * sizeof(uint64_t));
+	size_t ncopy = kvr_hashes_split_copy(len, off);
+	uint64_t *m = kvr_alloc(ncopy * sizeof(uint64_t));
 	struct kvr_pinrun *d;
 	if (!m || !pub_reserve(l, &d)) {
-		kvr_free(m, m ? (size_t)(copy_right ? rest : off) * sizeof(uint64_t) : 0);
+		kvr_free(m, m ? ncopy * sizeof(uint64_t) : 0);
 		return KVR_ENOMEM;
 	}
 	uint32_t j = run_new(l);
 	a = &l->runs[i];
 	struct run *b = &l->runs[j];
-	if (copy_right) {
-		memcpy(m, seq_of(a) + off, (size_t)rest * sizeof(uint64_t));
-		b->mem = m;
-		b->cap = rest;
-	} else {
-		memcpy(m, seq_of(a), (size_t)off * sizeof(uint64_t));
-		b->mem = a->mem;
-		b->start = a->start + off;
-		b->cap = a->cap;
-		a->mem = m;
-		a->start = 0;
-		a->cap = off;
-	}
+	struct kvr_hashes ha = {a->mem, a->start, a->cap}, hb;
+	kvr_hashes_split(&ha, &hb, len, off, m);
+	a->mem = ha.mem, a->start = ha.start, a->cap = ha.cap;
+	b->mem = hb.mem, b->start = hb.start, b->cap = hb.cap;
 	a->len = off;
 	b->len = rest;
 	b->pins = a->pins;
@@ -309,7 +296,7 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
  * leading hashes are pinned; records the runs they lie in as hits (room for n).
  */
 static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t n, uint32_t tail,
-                   struct hit *hits, size_t *nh)
+                   struct kvr_run_hit *hits, size_t *nh)
 {
 	size_t k = 0;
 	uint32_t i = tail;
@@ -332,11 +319,11 @@ static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t n, uint
 		uint32_t take = 1 + more;
 		o += more;
 		if (hits) {
-			struct hit *last = *nh ? &hits[*nh - 1] : NULL;
+			struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
 			if (last && last->run == i && last->off + last->len == o + 1 - take)
 				last->len += take;
 			else
-				hits[(*nh)++] = (struct hit){i, o + 1 - take, take};
+				hits[(*nh)++] = (struct kvr_run_hit){i, o + 1 - take, take};
 		}
 		k += take;
 	}
@@ -371,6 +358,21 @@ static int reserve_pieces(struct req *q, size_t n)
 	return 0;
 }
 
+/* Runs as a run store, for kvr_hits_whole. */
+static uint32_t run_len(const void *l, uint32_t i)
+{
+	return ((const struct kvr_load *)l)->runs[i].len;
+}
+static uint32_t run_next(const void *l, uint32_t i)
+{
+	return ((const struct kvr_load *)l)->runs[i].snext;
+}
+static int run_split(void *l, uint32_t i, uint32_t off)
+{
+	return split(l, i, off);
+}
+static const struct kvr_run_ops run_ops = {run_len, run_next, run_split};
+
 /*
  * Pins seq[0..n) for request q, continuing its chain (from the root if it has no blocks):
  * splits, reserves, then pins (a new run is published).  0, KVR_ERANGE or
@@ -385,7 +387,7 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 	size_t hcap = l->hits_cap;
 	if (n > hcap) {
 		size_t nc = n > 2 * hcap ? n : 2 * hcap;
-		struct hit *h = kvr_realloc(l->hits, hcap * sizeof(*h), nc * sizeof(*h));
+		struct kvr_run_hit *h = kvr_realloc(l->hits, hcap * sizeof(*h), nc * sizeof(*h));
 		if (!h)
 			return KVR_ENOMEM;
 		l->hits = h;
@@ -395,21 +397,8 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 	size_t nh = 0;
 	size_t hit = walk(l, seq, n, tail, l->hits, &nh);
 	int rc;
-	for (size_t k = 0; k < nh; k++) {
-		struct hit *p = &l->hits[k];
-		while (p->off >= l->runs[p->run].len) {
-			p->off -= l->runs[p->run].len;
-			p->run = l->runs[p->run].snext;
-		}
-		if (p->off > 0) {
-			if ((rc = split(l, p->run, p->off)))
-				return rc;
-			p->run = l->runs[p->run].snext;
-			p->off = 0;
-		}
-		if (p->len < l->runs[p->run].len && (rc = split(l, p->run, p->len)))
-			return rc;
-	}
+	if ((rc = kvr_hits_whole(l, &run_ops, l->hits, nh)))
+		return rc;
 	uint32_t nnew = (uint32_t)(n - hit);
 	uint64_t *m = NULL;
 	if ((rc = reserve_runs(l, 1)) || (rc = kvr_u64map_reserve(&l->heads, 1)) ||

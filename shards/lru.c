@@ -114,7 +114,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 	kvr_free(lru->s, (size_t)lru->s_cap * sizeof(struct seg));
 	kvr_free(lru->cur, lru->cur_cap * sizeof(struct cursor));
 	kvr_free(lru->nxt, lru->cur_cap * sizeof(struct cursor));
-	kvr_free(lru->hits, lru->hits_cap * sizeof(struct hit));
+	kvr_free(lru->hits, lru->hits_cap * sizeof(struct kvr_run_hit));
 	kvr_free(lru->rel, lru->rel_cap * sizeof(uint32_t));
 	kvr_free(lru->chain, lru->chain_cap * sizeof(uint64_t));
 	kvr_u64map_fini(&lru->heads);
@@ -123,37 +123,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 	kvr_free(lru, sizeof(*lru));
 }
 
-/* ------------------------------------------------------------------ reservations */
-
-/* Makes room for n new segments, plus one per live lease and one more (a keep_private
- * release's phantom, and the lease an acquire is adding). */
-static int reserve_segs(struct kvr_lru *lru, size_t n)
-{
-	size_t need = (size_t)lru->s_live + n + lru->n_leases + 1;
-	if (need >= NIL)
-		return KVR_ERANGE;
-	if (need <= lru->s_cap)
-		return 0;
-	size_t nc = (size_t)lru->s_cap * 2;
-	if (nc < need)
-		nc = need;
-	if (nc < 16)
-		nc = 16;
-	if (nc >= NIL)
-		nc = NIL - 1;
-	struct seg *s = kvr_realloc(lru->s, (size_t)lru->s_cap * sizeof(*s), nc * sizeof(*s));
-	if (!s)
-		return KVR_ENOMEM;
-	for (size_t i = nc; i-- > lru->s_cap;) {
-		s[i].mem = NULL;
-		s[i].cap = 0;
-		s[i].next = lru->free_head;
-		lru->free_head = (uint32_t)i;
-	}
-	lru->s = s;
-	lru->s_cap = (uint32_t)nc;
-	return 0;
-}
+/* ------------------------------------------------------------------ scratch */
 
 static int grow_scratch(void **p, size_t *cap, size_t need, size_t elem)
 {
@@ -214,265 +184,6 @@ static int reserve_pieces(struct lease *l, size_t n)
 	return 0;
 }
 
-/* Upper bound on evictions a command can cause when it adds `added` resident blocks. */
-static size_t eviction_bound(const struct kvr_lru *lru, uint64_t added)
-{
-	uint64_t resident = lru->copies + lru->n_phantom + lru->priv + added;
-	if (resident <= lru->capacity)
-		return 0;
-	uint64_t over = resident - lru->capacity;
-	uint64_t inact = lru->n_inactive + added;
-	return (size_t)(over < inact ? over : inact);
-}
-
-/* ------------------------------------------------------------------ segments */
-
-static uint32_t seg_new(struct kvr_lru *lru)
-{
-	uint32_t i = lru->free_head;
-	struct seg *g = &lru->s[i];
-	lru->free_head = g->next;
-	lru->s_live++;
-	memset(g, 0, sizeof(*g));
-	g->prev = g->next = g->sprev = g->snext = g->hnext = NIL;
-	return i;
-}
-
-static void seg_free(struct kvr_lru *lru, uint32_t i)
-{
-	struct seg *g = &lru->s[i];
-	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
-	g->mem = NULL;
-	g->cap = 0;
-	g->next = lru->free_head;
-	lru->free_head = i;
-	lru->s_live--;
-}
-
-/* Head multimap.  Room in lru->heads must be reserved for an add. */
-static void head_add(struct kvr_lru *lru, uint32_t i)
-{
-	uint64_t h = seq_of(&lru->s[i])[0];
-	uint32_t *v = kvr_u64map_find(&lru->heads, h);
-	if (v) {
-		lru->s[i].hnext = *v;
-		*v = i;
-	} else {
-		lru->s[i].hnext = NIL;
-		kvr_u64map_insert(&lru->heads, h, i);
-	}
-}
-
-static void head_del(struct kvr_lru *lru, uint32_t i)
-{
-	uint64_t h = seq_of(&lru->s[i])[0];
-	uint32_t *v = kvr_u64map_find(&lru->heads, h);
-	if (*v == i) {
-		if (lru->s[i].hnext == NIL)
-			kvr_u64map_remove(&lru->heads, h);
-		else
-			*v = lru->s[i].hnext;
-		return;
-	}
-	uint32_t t = *v;
-	while (lru->s[t].hnext != i)
-		t = lru->s[t].hnext;
-	lru->s[t].hnext = lru->s[i].hnext;
-}
-
-static void inact_unlink(struct kvr_lru *lru, uint32_t i)
-{
-	struct seg *g = &lru->s[i];
-	if (g->prev != NIL)
-		lru->s[g->prev].next = g->next;
-	else
-		lru->inact_head = g->next;
-	if (g->next != NIL)
-		lru->s[g->next].prev = g->prev;
-	else
-		lru->inact_tail = g->prev;
-	g->inactive = 0;
-	lru->n_inactive -= g->len;
-}
-
-static void inact_append(struct kvr_lru *lru, uint32_t i)
-{
-	struct seg *g = &lru->s[i];
-	g->next = NIL;
-	g->prev = lru->inact_tail;
-	if (lru->inact_tail != NIL)
-		lru->s[lru->inact_tail].next = i;
-	else
-		lru->inact_head = i;
-	lru->inact_tail = i;
-	g->inactive = 1;
-	g->order = ++lru->order_seq;
-	lru->n_inactive += g->len;
-}
-
-/* Moves a segment's hashes to a tight array when less than half of its array is used.  Best
- * effort: on failure the array just stays larger. */
-static void compact(struct seg *g)
-{
-	if (!g->mem || (size_t)g->len * 2 + 8 > g->cap)
-		return;
-	uint64_t *m = kvr_alloc((size_t)g->len * sizeof(uint64_t));
-	if (!m)
-		return;
-	memcpy(m, seq_of(g), (size_t)g->len * sizeof(uint64_t));
-	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
-	g->mem = m;
-	g->start = 0;
-	g->cap = g->len;
-}
-
-/*
- * Splits segment i before offset off (0 < off < len): i keeps [0, off); a new segment gets
- * [off, len) with the same refcount and stamp, joins the split chain right after i and, if i is
- * inactive, takes the place just before i in the inactive list (it is deeper: it goes first).
- * The smaller side's hashes are copied.  No observable change.  0, KVR_ERANGE or KVR_ENOMEM
- * (nothing changed).
- */
-static int split(struct kvr_lru *lru, uint32_t i, uint32_t off)
-{
-	int rc;
-	if ((rc = reserve_segs(lru, 1)) || (rc = kvr_u64map_reserve(&lru->heads, 1)))
-		return rc;
-	struct seg *a = &lru->s[i];
-	uint32_t len = a->len, rest = len - off;
-	bool copy_right = rest <= off;
-	uint32_t ncopy = copy_right ? rest : off;
-	uint64_t *m = kvr_alloc((size_t)ncopy * sizeof(uint64_t));
-	if (!m)
-		return KVR_ENOMEM;
-	uint32_t j = seg_new(lru);
-	a = &lru->s[i];
-	struct seg *b = &lru->s[j];
-	if (copy_right) {
-		memcpy(m, seq_of(a) + off, (size_t)rest * sizeof(uint64_t));
-		b->mem = m;
-		b->start = 0;
-		b->cap = rest;
-	} else {
-		memcpy(m, seq_of(a), (size_t)off * sizeof(uint64_t));
-		b->mem = a->mem;
-		b->start = a->start + off;
-		b->cap = a->cap;
-		a->mem = m;
-		a->start = 0;
-		a->cap = off;
-	}
-	a->len = off;
-	b->len = rest;
-	b->refs = a->refs;
-	b->stamp = a->stamp;
-	b->depth = a->depth + off;
-	b->order = a->order;
-	b->sprev = i;
-	b->snext = a->snext;
-	if (a->snext != NIL)
-		lru->s[a->snext].sprev = j;
-	a->snext = j;
-	if (a->inactive) {
-		b->inactive = 1;
-		b->next = i;
-		b->prev = a->prev;
-		if (a->prev != NIL)
-			lru->s[a->prev].next = j;
-		else
-			lru->inact_head = j;
-		a->prev = j;
-	}
-	head_add(lru, j);
-	if (copy_right)
-		compact(a);
-	return 0;
-}
-
-/* Drops an emptied inactive segment from every structure. */
-void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i)
-{
-	struct seg *g = &lru->s[i];
-	inact_unlink(lru, i);
-	if (!g->phantom) {
-		head_del(lru, i);
-		if (g->sprev != NIL)
-			lru->s[g->sprev].snext = g->snext;
-		if (g->snext != NIL)
-			lru->s[g->snext].sprev = g->sprev;
-	}
-	seg_free(lru, i);
-}
-
-/* ------------------------------------------------------------------ eviction */
-
-/* Evicts the m deepest copies of inactive segment i (its tail).  Hashes whose last copy goes
- * are emitted as runs, deeper runs first, each in chain order.  Room in out (m hashes and
- * runs) must be reserved. */
-void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out)
-{
-	struct seg *g = &lru->s[i];
-	uint64_t *q = seq_of(g);
-	uint32_t len = g->len, lo = len - m;
-	if (lru->dups.count == 0) {
-		kvr_lru_out_evicted_run(out, q + lo, m);
-	} else {
-		uint32_t end = len;
-		for (uint32_t j = len; j-- > lo;) {
-			uint32_t *d = kvr_u64map_find(&lru->dups, q[j]);
-			if (!d)
-				continue;
-			/* Not the last copy: the deeper group goes out first. */
-			kvr_lru_out_evicted_run(out, q + j + 1, end - j - 1);
-			end = j;
-			if (--*d == 0)
-				kvr_u64map_remove(&lru->dups, q[j]);
-			lru->dup_extra--;
-		}
-		kvr_lru_out_evicted_run(out, q + lo, end - lo);
-	}
-	lru->copies -= m;
-	lru->evictions += m;
-	if (m == len) {
-		kvr_lru_seg_drop(lru, i);
-		return;
-	}
-	g->len -= m;
-	lru->n_inactive -= m;
-	compact(g);
-}
-
-/* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
-void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out)
-{
-	for (;;) {
-		uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
-		if (resident <= limit || lru->inact_head == NIL)
-			return;
-		uint64_t over = resident - limit;
-		uint32_t i = lru->inact_head;
-		struct seg *g = &lru->s[i];
-		uint32_t m = over < g->len ? (uint32_t)over : g->len;
-		if (!g->phantom) {
-			kvr_lru_trim(lru, i, m, out);
-			continue;
-		}
-		/* An unhashed block reused: nothing to tell the index. */
-		lru->n_phantom -= m;
-		if (m == g->len) {
-			kvr_lru_seg_drop(lru, i);
-		} else {
-			g->len -= m;
-			lru->n_inactive -= m;
-		}
-	}
-}
-
-static void reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
-{
-	kvr_lru_evict_to(lru, lru->capacity, out);
-}
-
 /* ------------------------------------------------------------------ walks */
 
 /* The copies of hash h, given cur[0..nc), all the copies of the hash before it, or the root
@@ -507,7 +218,7 @@ static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t n
  * of one segment (*nh of them; room for n).  lru->cur_cap must cover every copy of one hash.
  */
 static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride, size_t n,
-                   bool root, size_t nc, struct hit *hits, size_t *nh)
+                   bool root, size_t nc, struct kvr_run_hit *hits, size_t *nh)
 {
 	struct cursor *cur = lru->cur, *nxt = lru->nxt;
 	size_t k = 0;
@@ -537,23 +248,25 @@ static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride
 			k += more;
 			run += more;
 			if (hits) {
-				struct hit *last = *nh ? &hits[*nh - 1] : NULL;
-				if (last && last->seg == cur[0].seg &&
+				struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
+				if (last && last->run == cur[0].seg &&
 				    last->off + last->len == cur[0].off)
 					last->len += run;
 				else
-					hits[(*nh)++] = (struct hit){cur[0].seg, cur[0].off, run};
+					hits[(*nh)++] =
+					    (struct kvr_run_hit){cur[0].seg, cur[0].off, run};
 			}
 			cur[0].off = o;
 			continue;
 		}
 		if (hits) {
-			struct hit *last = *nh ? &hits[*nh - 1] : NULL;
-			if (last && last->seg == cur[best].seg &&
+			struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
+			if (last && last->run == cur[best].seg &&
 			    last->off + last->len == cur[best].off)
 				last->len++;
 			else
-				hits[(*nh)++] = (struct hit){cur[best].seg, cur[best].off, 1};
+				hits[(*nh)++] =
+				    (struct kvr_run_hit){cur[best].seg, cur[best].off, 1};
 		}
 	}
 	return k;
@@ -583,7 +296,7 @@ static uint32_t seg_make(struct kvr_lru *lru, const uint64_t *seq, size_t stride
 {
 	for (uint32_t k = 0; k < n; k++)
 		m[k] = seq[(size_t)k * stride];
-	uint32_t i = seg_new(lru);
+	uint32_t i = kvr_lru_seg_new(lru);
 	struct seg *g = &lru->s[i];
 	g->mem = m;
 	g->cap = n;
@@ -591,7 +304,7 @@ static uint32_t seg_make(struct kvr_lru *lru, const uint64_t *seq, size_t stride
 	g->refs = 1;
 	g->depth = depth;
 	g->stamp = ++lru->stamp;
-	head_add(lru, i);
+	kvr_lru_head_add(lru, i);
 	lru->copies += n;
 	return i;
 }
@@ -609,6 +322,21 @@ static int lease_slot(struct kvr_lru *lru)
 	return 0;
 }
 
+/* Segments as a run store, for kvr_hits_whole. */
+static uint32_t seg_len(const void *lru, uint32_t i)
+{
+	return ((const struct kvr_lru *)lru)->s[i].len;
+}
+static uint32_t seg_next(const void *lru, uint32_t i)
+{
+	return ((const struct kvr_lru *)lru)->s[i].snext;
+}
+static int seg_split(void *lru, uint32_t i, uint32_t off)
+{
+	return kvr_lru_split(lru, i, off);
+}
+static const struct kvr_run_ops seg_ops = {seg_len, seg_next, seg_split};
+
 /* ------------------------------------------------------------------ commands */
 
 int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_block *b, size_t n,
@@ -623,33 +351,20 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 		return KVR_ERANGE;
 	int rc;
 	if ((rc = reserve_cursors(lru, 0)) ||
-	    (rc = grow_scratch((void **)&lru->hits, &lru->hits_cap, n ? n : 1, sizeof(struct hit))))
+	    (rc = grow_scratch((void **)&lru->hits, &lru->hits_cap, n ? n : 1,
+	                       sizeof(struct kvr_run_hit))))
 		return rc;
 	size_t nh = 0;
 	size_t hit = n ? walk(lru, &b[0].seq, 2, n, true, 0, lru->hits, &nh) : 0;
-	/* Make every hit piece a whole segment (splits change nothing observable).  A piece
-	 * found before an earlier piece's split may now lie further down the split chain. */
-	for (size_t k = 0; k < nh; k++) {
-		struct hit *p = &lru->hits[k];
-		while (p->off >= lru->s[p->seg].len) {
-			p->off -= lru->s[p->seg].len;
-			p->seg = lru->s[p->seg].snext;
-		}
-		if (p->off > 0) {
-			if ((rc = split(lru, p->seg, p->off)))
-				return rc;
-			p->seg = lru->s[p->seg].snext;
-			p->off = 0;
-		}
-		if (p->len < lru->s[p->seg].len && (rc = split(lru, p->seg, p->len)))
-			return rc;
-	}
+	/* Make every hit piece a whole segment (splits change nothing observable). */
+	if ((rc = kvr_hits_whole(lru, &seg_ops, lru->hits, nh)))
+		return rc;
 	uint32_t nnew = (uint32_t)(n - hit);
 	uint64_t *m = NULL;
-	if ((rc = reserve_segs(lru, 2)) || (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
+	if ((rc = kvr_lru_reserve_segs(lru, 2)) || (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
 	    (rc = kvr_u64map_reserve(&lru->by_attempt, 1)) || (rc = lease_slot(lru)) ||
-	    (rc =
-	         kvr_lru_out_reserve(out, 1, eviction_bound(lru, nnew + (uint64_t)private_blocks))))
+	    (rc = kvr_lru_out_reserve(
+	         out, 1, kvr_lru_eviction_bound(lru, nnew + (uint64_t)private_blocks))))
 		return rc;
 	struct lease *l = &lru->leases[lru->n_leases];
 	memset(l, 0, sizeof(*l));
@@ -667,13 +382,13 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	kvr_u64map_insert(&lru->by_attempt, attempt, lru->n_leases++);
 	l->hit = (uint32_t)hit;
 	for (size_t k = 0; k < nh; k++) {
-		struct seg *g = &lru->s[lru->hits[k].seg];
+		struct seg *g = &lru->s[lru->hits[k].run];
 		uint64_t ord = 0;
 		if (g->refs++ == 0) {
 			ord = g->order;
-			inact_unlink(lru, lru->hits[k].seg);
+			kvr_lru_inact_unlink(lru, lru->hits[k].run);
 		}
-		l->p[l->n++] = (struct piece){lru->hits[k].seg, lru->hits[k].len, ord};
+		l->p[l->n++] = (struct piece){lru->hits[k].run, lru->hits[k].len, ord};
 	}
 	if (nnew) {
 		uint32_t i = seg_make(lru, &b[hit].seq, 2, nnew, (uint32_t)hit, m);
@@ -681,7 +396,7 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 		kvr_lru_out_stored(out, (uint32_t)hit, nnew);
 	}
 	lru->priv += private_blocks;
-	reconcile(lru, out);
+	kvr_lru_reconcile(lru, out);
 	return 0;
 }
 
@@ -748,10 +463,10 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 		}
 	}
 	uint64_t *m = NULL;
-	if ((rc = reserve_cursors(lru, present)) || (rc = reserve_segs(lru, 1)) ||
+	if ((rc = reserve_cursors(lru, present)) || (rc = kvr_lru_reserve_segs(lru, 1)) ||
 	    (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
 	    (rc = kvr_u64map_reserve(&lru->dups, present)) || (rc = reserve_pieces(l, 1)) ||
-	    (rc = kvr_lru_out_reserve(out, 1, eviction_bound(lru, added))))
+	    (rc = kvr_lru_out_reserve(out, 1, kvr_lru_eviction_bound(lru, added))))
 		return rc;
 	if (n && !(m = kvr_alloc(n * sizeof(uint64_t))))
 		return KVR_ENOMEM;
@@ -773,7 +488,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	}
 	lru->priv = lru->priv - l->priv + private_blocks;
 	l->priv = private_blocks;
-	reconcile(lru, out);
+	kvr_lru_reconcile(lru, out);
 	return 0;
 }
 
@@ -813,12 +528,12 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 	/* keep_private: the private blocks stay as a phantom segment, deepest of this release (its
 	 * slot was kept free for this lease, see reserve_segs). */
 	if (lru->keep_private && l->priv) {
-		uint32_t i = seg_new(lru);
+		uint32_t i = kvr_lru_seg_new(lru);
 		lru->s[i].phantom = 1;
 		lru->s[i].depth = UINT32_MAX;
 		lru->s[i].len = l->priv;
 		lru->n_phantom += l->priv;
-		inact_append(lru, i);
+		kvr_lru_inact_append(lru, i);
 	}
 	/* Deepest first: pieces backwards, each piece's segments backwards. */
 	for (uint32_t p = l->n; p-- > 0;) {
@@ -830,7 +545,7 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 		while (c--) {
 			uint32_t i = lru->rel[c];
 			if (--lru->s[i].refs == 0)
-				inact_append(lru, i);
+				kvr_lru_inact_append(lru, i);
 		}
 	}
 	/* Remove the lease: swap the last one into its slot. */
@@ -841,7 +556,7 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 		lru->leases[li] = lru->leases[last];
 		*kvr_u64map_find(&lru->by_attempt, lru->leases[li].attempt) = li;
 	}
-	reconcile(lru, out);
+	kvr_lru_reconcile(lru, out);
 	return 0;
 }
 
@@ -853,11 +568,11 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 	uint64_t old = lru->capacity;
 	lru->capacity = capacity;
 	int rc;
-	if ((rc = kvr_lru_out_reserve(out, 0, eviction_bound(lru, 0)))) {
+	if ((rc = kvr_lru_out_reserve(out, 0, kvr_lru_eviction_bound(lru, 0)))) {
 		lru->capacity = old;
 		return rc;
 	}
-	reconcile(lru, out);
+	kvr_lru_reconcile(lru, out);
 	return 0;
 }
 

@@ -1,8 +1,8 @@
 /*
- * shards/lru_internal.h - what the files of the segment LRU share (lru.c: segments, walks,
- * commands; lru_heal.c: healing from engine ground truth; lru_out.c: output buffers).  See
- * lru.c for the algorithm and the invariants.
- * Context (everything here): the shard thread that owns the instance.
+ * shards/lru_internal.h - what the files of the segment LRU share (lru.c: walks and commands;
+ * lru_segs.c: the segment store and eviction; lru_heal.c: healing from engine ground truth;
+ * lru_out.c: output buffers).  See lru.c for the algorithm and the invariants. Context (everything
+ * here): the shard thread that owns the instance.
  */
 #ifndef KVR_SHARDS_LRU_INTERNAL_H
 #define KVR_SHARDS_LRU_INTERNAL_H
@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "shards/chain.h"
 #include "shards/lru.h"
 #include "shards/u64map.h"
 
@@ -51,10 +52,6 @@ struct cursor {
 	uint32_t seg, off;
 };
 
-struct hit {
-	uint32_t seg, off, len;
-};
-
 struct kvr_lru {
 	uint64_t capacity;
 	struct seg *s;
@@ -70,7 +67,7 @@ struct kvr_lru {
 	struct kvr_u64map by_attempt;
 	struct cursor *cur, *nxt; /* walk sets, cur_cap each */
 	size_t cur_cap;
-	struct hit *hits;
+	struct kvr_run_hit *hits;
 	size_t hits_cap;
 	uint32_t *rel; /* release: segments of one piece */
 	size_t rel_cap;
@@ -85,6 +82,26 @@ static inline uint64_t *seq_of(const struct seg *g)
 
 /* lru.c */
 struct lease *kvr_lru_find_lease(const struct kvr_lru *lru, uint64_t attempt);
+
+/* lru_segs.c: the segment store */
+/* Makes room for n new segments, plus one per live lease and one more (a keep_private
+ * release's phantom, and the lease an acquire is adding).  0, KVR_ERANGE or KVR_ENOMEM. */
+int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n);
+/* Upper bound on evictions a command can cause when it adds `added` resident blocks. */
+size_t kvr_lru_eviction_bound(const struct kvr_lru *lru, uint64_t added);
+/* A fresh segment slot (room reserved), zeroed, on no list. */
+uint32_t kvr_lru_seg_new(struct kvr_lru *lru);
+/* Adds segment i to the head multimap under its first hash (room in lru->heads reserved). */
+void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i);
+/* Takes inactive segment i off the inactive list. */
+void kvr_lru_inact_unlink(struct kvr_lru *lru, uint32_t i);
+/* Appends segment i (refs 0) to the inactive list with the next release order. */
+void kvr_lru_inact_append(struct kvr_lru *lru, uint32_t i);
+/* Splits segment i before off (0 < off < len); see lru_segs.c.  0, KVR_ERANGE or KVR_ENOMEM
+ * (nothing changed). */
+int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off);
+/* Evicts down to the capacity. */
+void kvr_lru_reconcile(struct kvr_lru *lru, struct kvr_lru_out *out);
 /* Evicts the m deepest copies of inactive segment i; room in the output must be reserved. */
 void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out);
 /* Drops an emptied (or phantom) inactive segment from every structure. */

@@ -59,7 +59,7 @@ struct kvr_shard {
 	uint64_t seen_kick; /* atomic: last kick generation whose clock reading was processed */
 	uint32_t stopping;  /* atomic: set by shutdown after the grace period */
 	uint64_t calls_inline;
-	uint64_t spin_ns; /* time spent in idle_spin (atomic: stats read it) */
+	uint64_t spin_ns;      /* time spent in idle_spin (atomic: stats read it) */
 	uint64_t timers_fired; /* atomic copies of the timer set's counters, for stats */
 	uint32_t timers_pending;
 	pthread_t thread;

@@ -1,0 +1,293 @@
+/*
+ * shards/lru_segs.c - the segment store of the approximate LRU: segment slots and their
+ * reservations, the head multimap, the inactive list in eviction order, splits, and eviction
+ * (trimming the inactive list's head segment from its tail).  The commands that use it
+ * (acquire, materialize, release: shards/lru.c) and the healing rules (shards/lru_heal.c) never
+ * touch these structures but through the functions here.  See lru.c for the algorithm and its
+ * invariants.
+ * Context: the shard thread that owns the instance.
+ */
+#include <string.h>
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+#include "shards/lru_internal.h"
+
+/* ------------------------------------------------------------------ reservations */
+
+/* Makes room for n new segments, plus one per live lease and one more (a keep_private
+ * release's phantom, and the lease an acquire is adding). */
+int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
+{
+	size_t need = (size_t)lru->s_live + n + lru->n_leases + 1;
+	if (need >= NIL)
+		return KVR_ERANGE;
+	if (need <= lru->s_cap)
+		return 0;
+	size_t nc = (size_t)lru->s_cap * 2;
+	if (nc < need)
+		nc = need;
+	if (nc < 16)
+		nc = 16;
+	if (nc >= NIL)
+		nc = NIL - 1;
+	struct seg *s = kvr_realloc(lru->s, (size_t)lru->s_cap * sizeof(*s), nc * sizeof(*s));
+	if (!s)
+		return KVR_ENOMEM;
+	for (size_t i = nc; i-- > lru->s_cap;) {
+		s[i].mem = NULL;
+		s[i].cap = 0;
+		s[i].next = lru->free_head;
+		lru->free_head = (uint32_t)i;
+	}
+	lru->s = s;
+	lru->s_cap = (uint32_t)nc;
+	return 0;
+}
+
+/* Upper bound on evictions a command can cause when it adds `added` resident blocks. */
+size_t kvr_lru_eviction_bound(const struct kvr_lru *lru, uint64_t added)
+{
+	uint64_t resident = lru->copies + lru->n_phantom + lru->priv + added;
+	if (resident <= lru->capacity)
+		return 0;
+	uint64_t over = resident - lru->capacity;
+	uint64_t inact = lru->n_inactive + added;
+	return (size_t)(over < inact ? over : inact);
+}
+
+/* ------------------------------------------------------------------ segments */
+
+uint32_t kvr_lru_seg_new(struct kvr_lru *lru)
+{
+	uint32_t i = lru->free_head;
+	struct seg *g = &lru->s[i];
+	lru->free_head = g->next;
+	lru->s_live++;
+	memset(g, 0, sizeof(*g));
+	g->prev = g->next = g->sprev = g->snext = g->hnext = NIL;
+	return i;
+}
+
+static void seg_free(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	g->mem = NULL;
+	g->cap = 0;
+	g->next = lru->free_head;
+	lru->free_head = i;
+	lru->s_live--;
+}
+
+/* Head multimap.  Room in lru->heads must be reserved for an add. */
+void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i)
+{
+	uint64_t h = seq_of(&lru->s[i])[0];
+	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	if (v) {
+		lru->s[i].hnext = *v;
+		*v = i;
+	} else {
+		lru->s[i].hnext = NIL;
+		kvr_u64map_insert(&lru->heads, h, i);
+	}
+}
+
+static void head_del(struct kvr_lru *lru, uint32_t i)
+{
+	uint64_t h = seq_of(&lru->s[i])[0];
+	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	if (*v == i) {
+		if (lru->s[i].hnext == NIL)
+			kvr_u64map_remove(&lru->heads, h);
+		else
+			*v = lru->s[i].hnext;
+		return;
+	}
+	uint32_t t = *v;
+	while (lru->s[t].hnext != i)
+		t = lru->s[t].hnext;
+	lru->s[t].hnext = lru->s[i].hnext;
+}
+
+void kvr_lru_inact_unlink(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	if (g->prev != NIL)
+		lru->s[g->prev].next = g->next;
+	else
+		lru->inact_head = g->next;
+	if (g->next != NIL)
+		lru->s[g->next].prev = g->prev;
+	else
+		lru->inact_tail = g->prev;
+	g->inactive = 0;
+	lru->n_inactive -= g->len;
+}
+
+void kvr_lru_inact_append(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	g->next = NIL;
+	g->prev = lru->inact_tail;
+	if (lru->inact_tail != NIL)
+		lru->s[lru->inact_tail].next = i;
+	else
+		lru->inact_head = i;
+	lru->inact_tail = i;
+	g->inactive = 1;
+	g->order = ++lru->order_seq;
+	lru->n_inactive += g->len;
+}
+
+/* Moves a segment's hashes to a tight array when less than half of its array is used.  Best
+ * effort: on failure the array just stays larger. */
+static void compact(struct seg *g)
+{
+	if (!g->mem || (size_t)g->len * 2 + 8 > g->cap)
+		return;
+	uint64_t *m = kvr_alloc((size_t)g->len * sizeof(uint64_t));
+	if (!m)
+		return;
+	memcpy(m, seq_of(g), (size_t)g->len * sizeof(uint64_t));
+	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+	g->mem = m;
+	g->start = 0;
+	g->cap = g->len;
+}
+
+/*
+ * Splits segment i before offset off (0 < off < len): i keeps [0, off); a new segment gets
+ * [off, len) with the same refcount and stamp, joins the split chain right after i and, if i is
+ * inactive, takes the place just before i in the inactive list (it is deeper: it goes first).
+ * The smaller side's hashes are copied.  No observable change.  0, KVR_ERANGE or KVR_ENOMEM
+ * (nothing changed).
+ */
+int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off)
+{
+	int rc;
+	if ((rc = kvr_lru_reserve_segs(lru, 1)) || (rc = kvr_u64map_reserve(&lru->heads, 1)))
+		return rc;
+	struct seg *a = &lru->s[i];
+	uint32_t len = a->len, rest = len - off;
+	uint64_t *m = kvr_alloc((size_t)kvr_hashes_split_copy(len, off) * sizeof(uint64_t));
+	if (!m)
+		return KVR_ENOMEM;
+	uint32_t j = kvr_lru_seg_new(lru);
+	a = &lru->s[i];
+	struct seg *b = &lru->s[j];
+	struct kvr_hashes ha = {a->mem, a->start, a->cap}, hb;
+	bool copy_right = kvr_hashes_split(&ha, &hb, len, off, m);
+	a->mem = ha.mem, a->start = ha.start, a->cap = ha.cap;
+	b->mem = hb.mem, b->start = hb.start, b->cap = hb.cap;
+	a->len = off;
+	b->len = rest;
+	b->refs = a->refs;
+	b->stamp = a->stamp;
+	b->depth = a->depth + off;
+	b->order = a->order;
+	b->sprev = i;
+	b->snext = a->snext;
+	if (a->snext != NIL)
+		lru->s[a->snext].sprev = j;
+	a->snext = j;
+	if (a->inactive) {
+		b->inactive = 1;
+		b->next = i;
+		b->prev = a->prev;
+		if (a->prev != NIL)
+			lru->s[a->prev].next = j;
+		else
+			lru->inact_head = j;
+		a->prev = j;
+	}
+	kvr_lru_head_add(lru, j);
+	if (copy_right)
+		compact(a);
+	return 0;
+}
+
+/* Drops an emptied inactive segment from every structure. */
+void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i)
+{
+	struct seg *g = &lru->s[i];
+	kvr_lru_inact_unlink(lru, i);
+	if (!g->phantom) {
+		head_del(lru, i);
+		if (g->sprev != NIL)
+			lru->s[g->sprev].snext = g->snext;
+		if (g->snext != NIL)
+			lru->s[g->snext].sprev = g->sprev;
+	}
+	seg_free(lru, i);
+}
+
+/* ------------------------------------------------------------------ eviction */
+
+/* Evicts the m deepest copies of inactive segment i (its tail).  Hashes whose last copy goes
+ * are emitted as runs, deeper runs first, each in chain order.  Room in out (m hashes and
+ * runs) must be reserved. */
+void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out)
+{
+	struct seg *g = &lru->s[i];
+	uint64_t *q = seq_of(g);
+	uint32_t len = g->len, lo = len - m;
+	if (lru->dups.count == 0) {
+		kvr_lru_out_evicted_run(out, q + lo, m);
+	} else {
+		uint32_t end = len;
+		for (uint32_t j = len; j-- > lo;) {
+			uint32_t *d = kvr_u64map_find(&lru->dups, q[j]);
+			if (!d)
+				continue;
+			/* Not the last copy: the deeper group goes out first. */
+			kvr_lru_out_evicted_run(out, q + j + 1, end - j - 1);
+			end = j;
+			if (--*d == 0)
+				kvr_u64map_remove(&lru->dups, q[j]);
+			lru->dup_extra--;
+		}
+		kvr_lru_out_evicted_run(out, q + lo, end - lo);
+	}
+	lru->copies -= m;
+	lru->evictions += m;
+	if (m == len) {
+		kvr_lru_seg_drop(lru, i);
+		return;
+	}
+	g->len -= m;
+	lru->n_inactive -= m;
+	compact(g);
+}
+
+/* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
+void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out)
+{
+	for (;;) {
+		uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
+		if (resident <= limit || lru->inact_head == NIL)
+			return;
+		uint64_t over = resident - limit;
+		uint32_t i = lru->inact_head;
+		struct seg *g = &lru->s[i];
+		uint32_t m = over < g->len ? (uint32_t)over : g->len;
+		if (!g->phantom) {
+			kvr_lru_trim(lru, i, m, out);
+			continue;
+		}
+		/* An unhashed block reused: nothing to tell the index. */
+		lru->n_phantom -= m;
+		if (m == g->len) {
+			kvr_lru_seg_drop(lru, i);
+		} else {
+			g->len -= m;
+			lru->n_inactive -= m;
+		}
+	}
+}
+
+void kvr_lru_reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
+{
+	kvr_lru_evict_to(lru, lru->capacity, out);
+}
