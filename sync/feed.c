@@ -194,6 +194,7 @@ static void run_cmd(struct kvr_feed *f, struct cmd *c)
 			c->rc = KVR_ENOENT;
 			break;
 		}
+		f->n_missed -= kvr_feed_missed(e);
 		ep_free(e);
 		memmove(&f->eps[at], &f->eps[at + 1], (f->n_eps - at - 1) * sizeof(*f->eps));
 		f->n_eps--;
@@ -275,7 +276,9 @@ static void *feed_main(void *arg)
 			       kvr_feed_wall_ns() < end)
 				;
 		}
-		if (ready == 0 && zmq_poll(f->items, (int)n, -1) < 0) {
+		/* While ranks wait to be added, look every 10 ms (kvr_rank_add tells the feed
+		 * nothing). */
+		if (ready == 0 && zmq_poll(f->items, (int)n, f->n_missed ? 10 : -1) < 0) {
 			if (zmq_errno() == ETERM)
 				break;
 			continue;
@@ -289,6 +292,8 @@ static void *feed_main(void *arg)
 			if (f->items[1 + i].revents & ZMQ_POLLIN)
 				kvr_feed_drain(f, f->eps[i]);
 		}
+		if (f->n_missed)
+			kvr_feed_resync_added(f);
 		if (f->items[0].revents & ZMQ_POLLIN) {
 			struct cmd *c;
 			if (zmq_recv(f->ctl_server, &c, sizeof(c), 0) == (int)sizeof(c) &&

@@ -38,7 +38,7 @@ struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp)
 	if (kvr_feed_grow((void **)&e->rs, &e->cap_rs, (uint64_t)e->n_rs + 1, sizeof(*e->rs)))
 		return NULL;
 	struct rstate *s = &e->rs[e->n_rs++];
-	s->dp = dp;
+	*s = (struct rstate){.dp = dp};
 	kvr_u64map_init(&s->other);
 	return s;
 }
@@ -124,6 +124,8 @@ static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uin
 void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
 {
 	kvr_u64map_clear(&s->other);
+	if (s->missed)
+		return; /* nothing of it in the index (its resync clears it first) */
 	struct pev *v = pend_event(f, e, s->dp, 0, false);
 	if (v) {
 		v->type = KVR_EVENT_CLEARED;
@@ -264,16 +266,47 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	f->pend.n_ev++;
 }
 
-void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, const struct kvr_feed_batch *b)
+uint32_t kvr_feed_missed(const struct ep *e)
+{
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		n += e->rs[i].missed;
+	return n;
+}
+
+static struct rstate *rstate_find(struct ep *e, uint32_t dp)
+{
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		if (e->rs[i].dp == dp)
+			return &e->rs[i];
+	return NULL;
+}
+
+/* A batch for a rank the router does not know (yet): dropped, and the rank remembered from
+ * this seq on, so that adding it later resyncs it (kvr_feed_resync). */
+static void missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq)
+{
+	e->st.unknown_rank++;
+	kvr_feed_count(f, KVR_C_FEED_UNKNOWN_RANK, 1);
+	kvr_feed_log(f, e, LK_RANK, KVR_LOG_WARN,
+	             "batch for rank (%" PRIu64 ", %u) unknown to the router", e->worker_id, dp);
+	struct rstate *s = rstate_find(e, dp);
+	if (!s && kvr_feed_missed(e) < MISSED_MAX)
+		s = kvr_feed_rstate(e, dp);
+	if (s && !s->missed) {
+		s->missed = true;
+		s->missed_from = seq;
+		f->n_missed++;
+	}
+}
+
+void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
+                          const struct kvr_feed_batch *b)
 {
 	uint32_t dp = kvr_feed_dp_of(e, b);
 	uint32_t slot;
 	if (kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot)) {
-		e->st.unknown_rank++;
-		kvr_feed_count(f, KVR_C_FEED_UNKNOWN_RANK, 1);
-		kvr_feed_log(f, e, LK_RANK, KVR_LOG_WARN,
-		             "batch for rank (%" PRIu64 ", %u) unknown to the router", e->worker_id,
-		             dp);
+		missed(f, e, dp, seq);
 		return;
 	}
 	struct rstate *s = kvr_feed_rstate(e, dp);
@@ -281,6 +314,18 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, const struct kvr_fee
 		e->st.malformed++; /* no memory for its state: dropped like bad input */
 		kvr_feed_count(f, KVR_C_FEED_MALFORMED, 1);
 		return;
+	}
+	if (s->missed) {
+		/* Added since it missed batches: those first (not from inside another replay:
+		 * this batch then counts as missed too, and the feed loop resyncs the rank). */
+		if (f->in_replay) {
+			e->st.unknown_rank++;
+			kvr_feed_count(f, KVR_C_FEED_UNKNOWN_RANK, 1);
+			return;
+		}
+		kvr_feed_resync(f, e, s);
+		if (!(s = kvr_feed_rstate(e, dp)))
+			return;
 	}
 	for (uint32_t i = 0; i < b->n_ev; i++) {
 		const struct kvr_fev *v = &b->ev[i];

@@ -24,7 +24,15 @@
 struct rstate {
 	uint32_t dp;
 	struct kvr_u64map other; /* other-medium hash -> copies held */
+	/* The router did not know the rank when a batch for it came: batches from missed_from
+	 * on were dropped, and the rank is resynced by replay once it is added (feed_seq.c). */
+	bool missed;
+	uint64_t missed_from;
 };
+
+/* Ranks unknown to the router tracked per endpoint (a publisher naming dp ranks the router
+ * never adds cannot grow the feed's state without bound). */
+#define MISSED_MAX 64
 
 struct ep {
 	uint32_t id;
@@ -112,6 +120,8 @@ struct kvr_feed {
 	struct kvr_feed_batch live, rep; /* decode scratch: live messages, replayed ones */
 	struct pending pend;
 	struct kvr_metrics_block *mb;
+	uint32_t n_missed; /* ranks with rstate.missed, all endpoints */
+	bool in_replay;    /* a replay is being read (no other may start) */
 	bool stop;
 };
 
@@ -147,8 +157,13 @@ struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp);
 uint64_t kvr_feed_other_blocks(const struct ep *e);
 /* The rank a batch is for: e's fixed rank, or the batch's dp rank (b NULL or none: 0). */
 uint32_t kvr_feed_dp_of(const struct ep *e, const struct kvr_feed_batch *b);
-/* Validates b's events and queues them for their rank's shard (applied at the next flush). */
-void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, const struct kvr_feed_batch *b);
+/* Validates batch seq's events (b) and queues them for their rank's shard (applied at the
+ * next flush).  A rank the router does not know: dropped, counted, remembered (rstate.missed)
+ * for a resync once it is added. */
+void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
+                          const struct kvr_feed_batch *b);
+/* Ranks of e with rstate.missed. */
+uint32_t kvr_feed_missed(const struct ep *e);
 /* Applies what is queued, one shard round trip; returns when it is visible in the index. */
 void kvr_feed_flush(struct kvr_feed *f);
 /* Forgets rank s of e (queued after what is pending): its blocks in the index, its other
@@ -163,6 +178,12 @@ void kvr_feed_pending_fini(struct pending *p);
 
 /* Receives what e's SUB socket holds (bounded) and applies it by the sequence rules. */
 void kvr_feed_drain(struct kvr_feed *f, struct ep *e);
+/* Rank s of e, missed until now, is known to the router: clears it and replays the batches
+ * it missed (missed_from up to next_seq), applying only its own; what the replay cannot cover
+ * is reported through on_event_gap. */
+void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s);
+/* Resyncs every missed rank the router knows by now. */
+void kvr_feed_resync_added(struct kvr_feed *f);
 /* Reads e's monitor events: on a disconnection, drains what the old connection delivered,
  * then marks e reconnected (its next live batch decides restart or not). */
 void kvr_feed_monitor(struct kvr_feed *f, struct ep *e);

@@ -52,7 +52,8 @@
 
 /* ---------------------------------------------------------------- the sequence rules */
 
-static void replay(struct kvr_feed *f, struct ep *e, uint64_t start);
+static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32_t *only_dp,
+                  uint64_t *first);
 
 static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint64_t got,
                        const struct kvr_feed_batch *b)
@@ -90,6 +91,10 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 			             seq, e->last_live, back ? "" : ", across a reconnection");
 			kvr_feed_clear_all(f, e);
 			e->have_seq = false;
+			for (uint32_t i = 0; i < e->n_rs; i++)
+				if (e->rs[i].missed)
+					e->rs[i].missed_from =
+					    0; /* the new stream's, from its start */
 		}
 		e->have_live = true;
 		e->last_live = seq;
@@ -101,7 +106,7 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 	}
 	uint64_t expected = e->have_seq ? e->next_seq : 0;
 	if (seq > expected && !replayed && e->replay) {
-		replay(f, e, expected);
+		replay(f, e, expected, NULL, NULL);
 		if (e->have_seq && seq < e->next_seq)
 			return; /* the replay applied it */
 		expected = e->have_seq ? e->next_seq : 0;
@@ -109,7 +114,7 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 	if (seq > expected)
 		report_gap(f, e, expected, seq, b);
 	if (b)
-		kvr_feed_apply_batch(f, e, b);
+		kvr_feed_apply_batch(f, e, seq, b);
 	e->next_seq = seq + 1;
 	e->have_seq = true;
 }
@@ -199,23 +204,34 @@ void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
 	}
 }
 
-static void replay(struct kvr_feed *f, struct ep *e, uint64_t start)
+/* Asks e's replay endpoint for every batch from start on and reads the answer.  only_dp NULL:
+ * each batch goes through the sequence rules (a gap being healed).  Else (a resync) only the
+ * batches before next_seq for rank *only_dp are applied, the rest ignored (the live stream
+ * brings them).  *first (if given): the first seq the answer held, END_SEQ if none.  Returns 0
+ * when the end marker came, -1 on no answer within replay_timeout_ms or a socket failure. */
+static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32_t *only_dp,
+                  uint64_t *first)
 {
+	if (first)
+		*first = END_SEQ;
+	if (f->in_replay)
+		return -1; /* one at a time: the DEALER carries one answer */
 	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
 	if (!e->dealer) {
 		e->dealer = zmq_socket(f->zctx, ZMQ_DEALER);
 		int zero = 0;
 		if (!e->dealer)
-			return;
+			return -1;
 		zmq_setsockopt(e->dealer, ZMQ_LINGER, &zero, sizeof(zero));
 		zmq_setsockopt(e->dealer, ZMQ_MAXMSGSIZE, &f->cfg.max_msg_bytes,
 		               sizeof(f->cfg.max_msg_bytes));
 		if (zmq_connect(e->dealer, e->replay) != 0) {
 			zmq_close(e->dealer);
 			e->dealer = NULL;
-			return;
+			return -1;
 		}
 	}
+	f->in_replay = true;
 	uint8_t req[8];
 	for (int i = 0; i < 8; i++)
 		req[i] = (uint8_t)(start >> (56 - 8 * i));
@@ -249,11 +265,20 @@ static void replay(struct kvr_feed *f, struct ep *e, uint64_t start)
 			close_frames(fr, n);
 			e->st.replays++;
 			kvr_feed_count(f, KVR_C_FEED_REPLAYS, 1);
-			return;
+			f->in_replay = false;
+			return 0;
 		}
+		if (first && *first == END_SEQ)
+			*first = seq;
 		const struct kvr_feed_batch *b = decode(f, e, &f->rep, &fr[si + 1]);
-		bool applies = !(e->have_seq && seq < e->next_seq);
-		on_batch(f, e, seq, b, true);
+		bool before = e->have_seq && seq < e->next_seq, applies = !before;
+		if (only_dp) {
+			applies = before && b && kvr_feed_dp_of(e, b) == *only_dp;
+			if (applies)
+				kvr_feed_apply_batch(f, e, seq, b);
+		} else {
+			on_batch(f, e, seq, b, true);
+		}
 		if (applies && b) {
 			e->st.replayed_batches++;
 			kvr_feed_count(f, KVR_C_FEED_REPLAYED_BATCHES, 1);
@@ -267,6 +292,52 @@ fail:
 	             start);
 	zmq_close(e->dealer);
 	e->dealer = NULL;
+	f->in_replay = false;
+	return -1;
+}
+
+void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
+{
+	uint32_t dp = s->dp;
+	uint64_t from = s->missed_from, to = e->have_seq ? e->next_seq : 0, first = END_SEQ;
+	s->missed = false;
+	f->n_missed--;
+	kvr_feed_log(f, e, LK_RANK, KVR_LOG_INFO,
+	             "rank (%" PRIu64 ", %u) added: replaying what it missed from seq %" PRIu64,
+	             e->worker_id, dp, from);
+	kvr_feed_clear_rank(f, e, s); /* anything of an earlier life of the rank */
+	if (from >= to)
+		return;
+	int rc = e->replay ? replay(f, e, from, &dp, &first) : -1;
+	kvr_feed_flush(f);
+	if (rc == 0 && first <= from)
+		return;
+	/* The replay does not reach back to from: the rank holds what came after (a subset of
+	 * the engine's cache: stores and removals alike from `first` on). */
+	uint64_t got = rc == 0 && first < to ? first : to;
+	e->st.gaps++;
+	kvr_feed_count(f, KVR_C_FEED_GAPS, 1);
+	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+	             "rank (%" PRIu64 ", %u) missed seq %" PRIu64 "..%" PRIu64
+	             " before it was added, and no replay has them",
+	             e->worker_id, dp, from, got);
+	if (f->r->cfg.on_event_gap)
+		f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, dp, from, got);
+}
+
+void kvr_feed_resync_added(struct kvr_feed *f)
+{
+	for (uint32_t i = 0; i < f->n_eps && f->n_missed; i++) {
+		struct ep *e = f->eps[i];
+		for (uint32_t k = 0; k < e->n_rs; k++) {
+			uint32_t slot;
+			struct rstate *s = &e->rs[k];
+			if (s->missed &&
+			    !kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, s->dp},
+			                          &slot))
+				kvr_feed_resync(f, e, s);
+		}
+	}
 }
 
 /* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve

@@ -767,6 +767,89 @@ static void scenario_restart_ahead(struct pubproc *p, uint64_t worker, bool with
 	kvr_u64map_fini(&m.gpu);
 }
 
+/* Batches for a rank the router does not know yet are dropped and counted; when the rank is
+ * added, the feed replays what it missed (only that rank's batches), so its index is right.
+ * Without a replay endpoint the missed range is reported and the rank holds what came after. */
+static void scenario_rank_added(struct pubproc *p, uint64_t worker, bool with_replay)
+{
+	char ep[256], rep[256];
+	struct kvr_rank_id rank = {worker, 0};
+	struct engine m = {0};
+	kvr_u64map_init(&m.gpu);
+	start(p, "tcp://127.0.0.1:*", with_replay ? "tcp://127.0.0.1:*" : NULL, ep, rep);
+	uint32_t id = add_ep(ep, with_replay ? rep : NULL, worker, KVR_FEED_DP_FROM_BATCH);
+	wait_sub(p);
+	uint64_t a[3], b[2], c[2];
+	chain(a, 3, 0x9000000000000000ull + worker * 0x100000000ull);
+	chain(b, 2, 0x9800000000000000ull + worker * 0x100000000ull);
+	chain(c, 2, 0x9C00000000000000ull + worker * 0x100000000ull);
+	struct sb e = {0};
+	bool first = true;
+	/* seq 0: a stored; 1: a[2] removed; 2: b stored on dp 1 (another rank, also unknown);
+	 * 3: c[0] stored -- all while the router knows neither (worker, 0) nor (worker, 1) */
+	ev_stored(&e, &first, a, 3, NULL, NULL);
+	publish(p, "map", 0, false, e.s);
+	e.len = 0;
+	first = true;
+	ev_removed(&e, &first, a + 2, 1, NULL);
+	publish(p, "array", 0, false, e.s);
+	e.len = 0;
+	first = true;
+	ev_stored(&e, &first, b, 2, NULL, NULL);
+	publish(p, "map", 1, false, e.s);
+	e.len = 0;
+	first = true;
+	ev_stored(&e, &first, c, 1, NULL, NULL);
+	uint64_t s = publish(p, "map", 0, false, e.s);
+	wait_seq(id, s, "rank added: unknown");
+	struct kvr_feed_stats st = stats(id);
+	CHECK(st.unknown_rank == 4 && st.batches == 0, "unknown %" PRIu64 " batches %" PRIu64,
+	      st.unknown_rank, st.batches);
+	int gaps0 = __atomic_load_n(&gaps_reported, __ATOMIC_RELAXED);
+	CHECK(kvr_rank_add(R, rank, 1, KVR_CAPACITY_NONE, 0) == 0, "rank add");
+	/* at once a live batch for it (whichever comes first, it or the feed's own look at the
+	 * added ranks, resyncs the rank first) */
+	e.len = 0;
+	first = true;
+	ev_stored(&e, &first, c + 1, 1, c, NULL);
+	s = publish(p, "map", 0, false, e.s);
+	wait_seq(id, s, "rank added: live");
+	uint64_t end = now_ms() + 10000;
+	do {
+		st = stats(id);
+		usleep(1000);
+	} while (st.replays + st.gaps == 0 && now_ms() < end);
+	if (with_replay) {
+		model_store(&m, a, 3);
+		model_remove(&m, a + 2, 1);
+		model_store(&m, c, 2);
+		CHECK(st.replays == 1 && st.replayed_batches == 3 && st.gaps == 0,
+		      "replays %" PRIu64 " replayed %" PRIu64 " gaps %" PRIu64, st.replays,
+		      st.replayed_batches, st.gaps);
+		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0, "gap reported");
+		check_equal(rank, &m, "rank added: resynced by replay");
+	} else {
+		/* [0, 4) missed and reported; c[1]'s parent c[0] is unknown to the index: it holds
+		 * nothing */
+		CHECK(st.gaps == 1, "gaps %" PRIu64, st.gaps);
+		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0 + 1 &&
+		          gap_expected == 0 && gap_got == 4,
+		      "gap callback expected %" PRIu64 " got %" PRIu64, gap_expected, gap_got);
+		e.len = 0;
+		first = true;
+		ev_stored(&e, &first, b, 2, NULL, NULL);
+		s = publish(p, "map", 0, false, e.s);
+		wait_seq(id, s, "rank added: after");
+		model_store(&m, b, 2);
+		check_equal(rank, &m, "rank added without replay");
+	}
+	CHECK(kvr_rank_remove(R, rank) == 0, "rank remove");
+	CHECK(kvr_feed_remove(F, id) == 0, "remove");
+	pub_cmd(p, "{\"op\":\"stop\"}");
+	free(e.s);
+	kvr_u64map_fini(&m.gpu);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 3) {
@@ -825,13 +908,17 @@ int main(int argc, char **argv)
 		scenario_restart_ahead(&p, 7, true);
 	if (!only || only == 8)
 		scenario_restart_ahead(&p, 8, false);
+	if (!only || only == 9)
+		scenario_rank_added(&p, 9, true);
+	if (!only || only == 10)
+		scenario_rank_added(&p, 10, false);
 	pub_exit(&p);
 	char text[1 << 16];
 	size_t len;
 	CHECK(kvr_metrics_render(R, text, sizeof(text), &len) == 0, "render");
 	CHECK(only || (strstr(text, "kvr_feed_batches_total ") &&
-	               strstr(text, "kvr_feed_replays_total 4") &&
-	               strstr(text, "kvr_feed_gaps_total 4") &&
+	               strstr(text, "kvr_feed_replays_total 5") &&
+	               strstr(text, "kvr_feed_gaps_total 5") &&
 	               strstr(text, "kvr_feed_lag_seconds_count")),
 	      "feed metrics missing");
 	kvr_feed_destroy(F);
