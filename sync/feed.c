@@ -86,10 +86,10 @@ static void ep_free(struct ep *e)
 {
 	if (!e)
 		return;
-	if (e->mon) {
+	if (e->monitored)
 		zmq_socket_monitor(e->sub, NULL, 0);
+	if (e->mon)
 		zmq_close(e->mon);
-	}
 	if (e->sub)
 		zmq_close(e->sub);
 	if (e->dealer)
@@ -126,10 +126,17 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 	/* The SUB socket's disconnections, through a monitor (sync/feed_seq.c: a publisher
 	 * restarted while the connection was down can be told from a gap only this way). */
 	char mon[96];
-	snprintf(mon, sizeof(mon), "inproc://kvr-feed-mon-%p-%" PRIu32, (void *)f, f->next_id);
+	/* A name never used before, even after a failed add (an address is released only
+	 * when ZeroMQ's reaper gets to the closed socket). */
+	snprintf(mon, sizeof(mon), "inproc://kvr-feed-mon-%p-%" PRIu64, (void *)f, f->n_monitors++);
 	e->sub = zmq_socket(f->zctx, ZMQ_SUB);
-	if (!e->sub || zmq_socket_monitor(e->sub, mon, ZMQ_EVENT_DISCONNECTED) != 0 ||
-	    !(e->mon = zmq_socket(f->zctx, ZMQ_PAIR)) || zmq_connect(e->mon, mon) != 0) {
+	if (!e->sub) {
+		ep_free(e);
+		return KVR_ENOMEM;
+	}
+	e->monitored = zmq_socket_monitor(e->sub, mon, ZMQ_EVENT_DISCONNECTED) == 0;
+	if (!e->monitored || !(e->mon = zmq_socket(f->zctx, ZMQ_PAIR)) ||
+	    zmq_connect(e->mon, mon) != 0) {
 		ep_free(e);
 		return KVR_ENOMEM;
 	}

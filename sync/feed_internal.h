@@ -41,6 +41,7 @@ struct ep {
 	uint32_t dp_rank;
 	void *sub, *dealer;
 	void *mon;        /* PAIR: sub's monitor events (disconnections) */
+	bool monitored;   /* zmq_socket_monitor started on sub */
 	bool reconnected; /* sub lost its connection since the last live batch */
 	bool have_seq, have_live;
 	uint64_t next_seq, last_live;
@@ -115,6 +116,7 @@ struct kvr_feed {
 	struct ep **eps;
 	uint32_t n_eps, cap_eps;
 	uint32_t next_id;
+	uint64_t n_monitors; /* names the SUB sockets' monitors */
 	zmq_pollitem_t *items;
 	uint32_t cap_items;
 	struct kvr_feed_batch live, rep; /* decode scratch: live messages, replayed ones */
