@@ -42,11 +42,13 @@
  * re-announces its live attempts and the attempts it finished during the outage (as ATTEMPTs),
  * then resyncs from a peer's snapshot to learn what it missed.
  *
- * Threads and locks.  Notes run on frontend threads (inside the router's RCU read section) and
- * take `mu` briefly: sequence number, send, table update.  One apply thread per replica handles
- * everything delivered (a queue under `qmu`), heartbeats and snapshots; it calls the router
- * WITHOUT holding `mu` (router calls may wait for grace periods, which a note blocked on `mu`
- * inside its read section would prevent), then updates the tables under `mu`.
+ * Threads and locks.  Notes run on frontend threads (inside the router's RCU read section): they
+ * copy what happened into a record and push it into a lock-free ring, nothing more.  The sender
+ * thread takes `mu` to update the tables, number, encode and publish (sync/replica_out.c).  One
+ * apply thread per replica handles everything delivered (a queue under `qmu`, taken in
+ * batches), heartbeats and snapshots; it calls the router WITHOUT holding `mu` (router calls may
+ * wait for grace periods), then updates the tables under `mu`.  kvr_replica_drain first waits
+ * for the sender to pass every note made before it.
  *
  * Files, one job each (sync/replica_internal.h lists what they share): this one runs the apply
  * thread and the public side; replica_table.c the tables, replica_out.c the outbound stream,
@@ -61,6 +63,11 @@
 #include "core/alloc.h"
 #include "sync/rcu.h"
 #include "sync/replica_internal.h"
+
+/* Delivered messages the apply thread takes per wake-up: one qmu round trip and one wake of the
+ * drain waiters per batch, and the heartbeat is checked between batches. */
+#define APPLY_BATCH 64
+
 static void *apply_main(void *arg)
 {
 	struct kvr_replica *rep = arg;
@@ -91,13 +98,7 @@ static void *apply_main(void *arg)
 			uint64_t t = kvr_rep_mono_ns();
 			if (t >= next_hb)
 				break;
-			uint64_t wait = next_hb - t;
-			struct timespec ts;
-			clock_gettime(CLOCK_REALTIME, &ts);
-			uint64_t ns = (uint64_t)ts.tv_nsec + wait;
-			ts.tv_sec += (time_t)(ns / 1000000000ull);
-			ts.tv_nsec = (long)(ns % 1000000000ull);
-			pthread_cond_timedwait(&rep->qcv, &rep->qmu, &ts);
+			kvr_rep_timedwait(&rep->qcv, &rep->qmu, next_hb - t);
 		}
 		if (rep->stop) {
 			pthread_mutex_unlock(&rep->qmu);
@@ -105,13 +106,17 @@ static void *apply_main(void *arg)
 		}
 		bool rec = rep->want_reconnect, rsy = rep->want_resync;
 		rep->want_reconnect = rep->want_resync = false;
-		struct kvr_rep_item *it = rep->qhead;
-		if (it && !rec && !rsy) {
-			rep->qhead = it->next;
+		struct kvr_rep_item *batch = NULL;
+		uint64_t n_batch = 0;
+		if (!rec && !rsy && rep->qhead) {
+			batch = rep->qhead;
+			struct kvr_rep_item *last = batch;
+			for (n_batch = 1; n_batch < APPLY_BATCH && last->next; n_batch++)
+				last = last->next;
+			rep->qhead = last->next;
+			last->next = NULL;
 			if (!rep->qhead)
 				rep->qtail = NULL;
-		} else {
-			it = NULL;
 		}
 		pthread_mutex_unlock(&rep->qmu);
 		if (rec) {
@@ -127,7 +132,9 @@ static void *apply_main(void *arg)
 			kvr_rep_resync(rep);
 			continue;
 		}
-		if (it) {
+		while (batch) {
+			struct kvr_rep_item *it = batch;
+			batch = it->next;
 			kvr_rep_handle(rep, it->data, it->len, it->reply);
 			pthread_mutex_lock(&rep->mu);
 			bool again = rep->want_reannounce && rep->connected;
@@ -140,8 +147,10 @@ static void *apply_main(void *arg)
 				kvr_rep_reannounce(rep, back ? (now > back ? now - back : 1) : 0);
 			kvr_free(it->reply, it->reply ? strlen(it->reply) + 1 : 0);
 			kvr_free(it, sizeof(*it) + it->len);
+		}
+		if (n_batch) {
 			pthread_mutex_lock(&rep->qmu);
-			rep->q_done++;
+			rep->q_done += n_batch;
 			pthread_cond_broadcast(&rep->donecv);
 			pthread_mutex_unlock(&rep->qmu);
 		}
@@ -207,6 +216,9 @@ void kvr_replica_reconnected(struct kvr_replica *rep)
 static int wait_until(struct kvr_replica *rep, uint32_t timeout_ms, bool ready_only)
 {
 	uint64_t deadline = kvr_rep_mono_ns() + (uint64_t)timeout_ms * 1000000ull;
+	/* Our own notes first: what this router did must be on its way to the peers. */
+	if (!ready_only && kvr_rep_out_flush(rep, deadline))
+		return KVR_ETIMEDOUT;
 	pthread_mutex_lock(&rep->qmu);
 	uint64_t target = rep->q_in;
 	int rc = 0;
@@ -216,13 +228,9 @@ static int wait_until(struct kvr_replica *rep, uint32_t timeout_ms, bool ready_o
 			rc = KVR_ETIMEDOUT;
 			break;
 		}
-		struct timespec ts;
-		clock_gettime(CLOCK_REALTIME, &ts);
-		uint64_t ns = (uint64_t)ts.tv_nsec +
-		              (deadline - t < 10000000ull ? deadline - t : 10000000ull);
-		ts.tv_sec += (time_t)(ns / 1000000000ull);
-		ts.tv_nsec = (long)(ns % 1000000000ull);
-		pthread_cond_timedwait(&rep->donecv, &rep->qmu, &ts);
+		/* at most 10 ms: a wait that misses a broadcast re-checks soon */
+		kvr_rep_timedwait(&rep->donecv, &rep->qmu,
+		                  deadline - t < 10000000ull ? deadline - t : 10000000ull);
 	}
 	pthread_mutex_unlock(&rep->qmu);
 	return rc;
@@ -244,6 +252,7 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	*out = rep->st;
 	out->seq = rep->seq;
 	out->connected = rep->connected;
+	out->unpublished += __atomic_load_n(&rep->out_dropped, __ATOMIC_RELAXED);
 	out->peers_alive = 0;
 	out->lag_messages = 0;
 	for (size_t i = 0; i < rep->n_peers; i++) {
@@ -336,6 +345,12 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 	clock_gettime(CLOCK_REALTIME, &ts);
 	rep->epoch = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 	rep->connected = true;
+	/* 16384 notes queued at most (1 MiB): far more than a sender that keeps up holds. */
+	if (kvr_ring_init(&rep->outq, 16384)) {
+		kvr_free(rep, sizeof(*rep));
+		return KVR_ENOMEM;
+	}
+	kvr_parker_init(&rep->out_park);
 	pthread_mutex_init(&rep->mu, NULL);
 	pthread_mutex_init(&rep->qmu, NULL);
 	pthread_condattr_t ca;
@@ -371,8 +386,13 @@ int kvr_replica_start(struct kvr_replica *rep)
 			kvr_rep_note_rank(rep, KVR_REPL_RANK_ADD, ids[i], s.incarnation,
 			                  s.capacity_blocks, mbt[i]);
 	}
+	if (kvr_rep_out_start(rep)) {
+		kvr_repl_set_hooks(r, NULL);
+		return KVR_EBUSY;
+	}
 	if (pthread_create(&rep->thread, NULL, apply_main, rep)) {
 		kvr_repl_set_hooks(r, NULL);
+		kvr_rep_out_stop(rep);
 		return KVR_EBUSY;
 	}
 	rep->thread_started = true;
@@ -385,6 +405,9 @@ static void teardown(struct kvr_replica *rep, bool router_alive)
 		rep->r = NULL;
 		return;
 	}
+	/* No note after this; what was noted goes out before the goodbye. */
+	kvr_repl_set_hooks(rep->r, NULL);
+	kvr_rep_out_stop(rep);
 	pthread_mutex_lock(&rep->mu);
 	if (rep->connected) {
 		rep->obuf.len = 0;
@@ -402,7 +425,6 @@ static void teardown(struct kvr_replica *rep, bool router_alive)
 	pthread_mutex_unlock(&rep->qmu);
 	if (rep->thread_started)
 		pthread_join(rep->thread, NULL);
-	kvr_repl_set_hooks(rep->r, NULL);
 	if (router_alive)
 		kvr_rep_release_mirrors(rep, 0);
 	rep->r = NULL;
@@ -425,6 +447,7 @@ static void free_all(struct kvr_replica *rep)
 	kvr_free(rep->ranks, rep->ranks_cap * sizeof(*rep->ranks));
 	kvr_free(rep->map, rep->map_cap * sizeof(*rep->map));
 	kvr_msg_buf_fini(&rep->obuf);
+	kvr_rep_out_fini(rep);
 	pthread_mutex_destroy(&rep->mu);
 	pthread_mutex_destroy(&rep->qmu);
 	pthread_cond_destroy(&rep->qcv);

@@ -20,8 +20,10 @@
 
 #include "core/replica_hooks.h"
 #include "kvrouter.h"
+#include "sync/park.h"
 #include "sync/replica.h"
 #include "sync/replica_msg.h"
+#include "sync/ring.h"
 
 #define MAX_PEERS   256
 #define CHUNK_BYTES (256u * 1024u)
@@ -104,6 +106,16 @@ struct kvr_replica {
 	uint64_t reconnect_ns;  /* apply thread: when the last outage ended */
 	pthread_t thread;
 	bool thread_started;
+	uint64_t flush_done; /* under qmu: the highest outbound flush ticket the sender passed */
+
+	/* The outbound queue (sync/replica_out.c): notes from routing threads to the sender. */
+	struct kvr_ring outq;
+	struct kvr_parker out_park;
+	pthread_t out_thread;
+	bool out_started;
+	bool out_stop;        /* atomic: the sender exits once the ring is empty */
+	uint64_t flush_req;   /* atomic: outbound flush tickets handed out */
+	uint64_t out_dropped; /* atomic: notes lost before the queue (no memory, ring full) */
 };
 
 static inline uint64_t kvr_rep_mono_ns(void)
@@ -111,6 +123,18 @@ static inline uint64_t kvr_rep_mono_ns(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Waits on cv (mu held) at most wait_ns; callers loop and re-check.  CLOCK_REALTIME: the
+ * condition variables use the default clock. */
+static inline void kvr_rep_timedwait(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t wait_ns)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns;
+	ts.tv_sec += (time_t)(ns / 1000000000ull);
+	ts.tv_nsec = (long)(ns % 1000000000ull);
+	pthread_cond_timedwait(cv, mu, &ts);
 }
 
 /* Runs a router call as a peer's: no note goes out.  No lock held. */
@@ -157,12 +181,24 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 /* Appends a RANK message (op, e's fields) to b.  Context: as kvr_rep_encode_attempt. */
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e);
-/* The router's notes (struct kvr_repl_hooks).  Context: frontend or shard threads, inside the
- * router's RCU read section; take mu. */
+/* The router's notes (struct kvr_repl_hooks): copied into the outbound queue for the sender
+ * thread.  Context: frontend or shard threads, inside the router's RCU read section; no lock,
+ * no syscall unless the sender is parked (or the queue is full). */
 void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a);
 void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n);
 void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
                        uint64_t capacity, uint32_t mbt);
+/* Starts the sender thread.  0 or KVR_EBUSY.  Context: kvr_replica_start. */
+int kvr_rep_out_start(struct kvr_replica *rep);
+/* Publishes what is queued, then stops the sender.  Context: teardown, after the hooks are gone
+ * (nothing is queued any more). */
+void kvr_rep_out_stop(struct kvr_replica *rep);
+/* Waits until every note queued before the call has been handled (published or counted) or
+ * deadline_ns (CLOCK_MONOTONIC) passes.  0 or KVR_ETIMEDOUT.  Context: any thread but the
+ * sender, not holding mu or qmu. */
+int kvr_rep_out_flush(struct kvr_replica *rep, uint64_t deadline_ns);
+/* Frees what is left in the queue and the queue.  Context: destroy, the sender stopped. */
+void kvr_rep_out_fini(struct kvr_replica *rep);
 /* Asks peer id on the stream to re-announce (RESET + its attempts, finished ones of the last
  * window_ms too).  Context: mu held. */
 void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms);

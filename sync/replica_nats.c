@@ -299,11 +299,15 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsOptions_SetMaxPingsOut(o, 2);
 	if (st == NATS_OK)
 		st = natsOptions_SetTimeout(o, 2000);
-	/* A 1 MiB write buffer: an 8k-token admission is ~4 KiB, and with the default 32 KiB every
-	 * eighth publish would flush (a write syscall) on the routing thread; with this one the
-	 * library's flusher thread does the writes. */
+	/* Send as soon as published: every publish comes from the replica's own threads (the
+	 * sender, the apply thread), never from a routing thread, so the write belongs there.  By
+	 * default nats.c hands writes to its flusher thread, which first waits 1 ms "to accumulate
+	 * more requests" (nats.c conn.c _flusher): 1 ms added to every propagation.  The 1 MiB
+	 * buffer still holds what is published while reconnecting. */
 	if (st == NATS_OK)
 		st = natsOptions_SetIOBufSize(o, 1 << 20);
+	if (st == NATS_OK)
+		st = natsOptions_SetSendAsap(o, true);
 	if (st == NATS_OK)
 		st = natsOptions_SetDisconnectedCB(o, on_disconnected, s);
 	if (st == NATS_OK)

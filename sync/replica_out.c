@@ -5,7 +5,10 @@
  * sequence number and the publish happen under `mu` together, so a snapshot served under `mu`
  * is exactly "this replica's stream up to its fence".
  */
+#include <sched.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
 
 #include "core/alloc.h"
 #include "sync/replica_internal.h"
@@ -85,35 +88,14 @@ static void send_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep
 	send_stream(rep);
 }
 
-/* ---------------------------------------------------------------- notes (frontend threads) */
+/* ---------------------------------------------------------------- the sender (mu held) */
 
-void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
+/* An own admission joins the tables and goes out. */
+static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
-	struct kvr_replica *rep = ctx;
-	struct kvr_rep_rec *x = kvr_rep_rec_new(a->n, a->tail_n);
-	pthread_mutex_lock(&rep->mu);
-	if (!x) {
-		rep->st.unpublished++;
-		pthread_mutex_unlock(&rep->mu);
-		return;
-	}
-	x->origin = rep->c.replica_id;
-	x->oepoch = rep->epoch;
-	x->oattempt = x->local = a->attempt;
-	x->rank = a->rank;
-	x->incarnation = a->incarnation;
-	x->prompt_tokens = a->prompt_tokens;
-	x->lora_seed = a->lora_seed;
-	x->overlap = a->overlap;
-	x->expected = a->expected_output;
-	x->chain_known = a->chain_known;
-	memcpy(x->blocks, a->local, (size_t)a->n * 8);
-	if (a->tail_n)
-		memcpy(x->tail, a->tail, (size_t)a->tail_n * 4);
 	if (kvr_rep_map_insert(rep, x)) {
 		kvr_rep_rec_free(x);
 		rep->st.unpublished++;
-		pthread_mutex_unlock(&rep->mu);
 		return;
 	}
 	kvr_rep_live_link(rep, x);
@@ -122,18 +104,14 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 	kvr_rep_encode_attempt(&rep->obuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
 	                       rep->seq + 1, x, false);
 	send_stream(rep);
-	pthread_mutex_unlock(&rep->mu);
 }
 
-void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n)
+static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, const uint32_t *tokens,
+                         size_t n)
 {
-	struct kvr_replica *rep = ctx;
-	pthread_mutex_lock(&rep->mu);
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
-	if (!x) { /* admitted before attach: peers never saw it */
-		pthread_mutex_unlock(&rep->mu);
+	if (!x) /* admitted before attach: peers never saw it */
 		return;
-	}
 	switch (op) {
 	case KVR_OP_PREFILL_DONE:
 		x->prefilled = true;
@@ -163,35 +141,301 @@ void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *
 		kvr_rep_journal_add(rep, x);
 		break;
 	}
-	pthread_mutex_unlock(&rep->mu);
+}
+
+static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, uint64_t incarnation,
+                     uint64_t capacity, uint32_t mbt)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_get(rep, rank);
+	if (!e)
+		return;
+	if (op == KVR_REPL_RANK_ADD) {
+		e->incarnation = incarnation;
+		e->capacity = capacity;
+		e->mbt = mbt;
+	} else if (op == KVR_REPL_RANK_CAPACITY) {
+		if (incarnation != e->incarnation)
+			kvr_rep_journal_clear(e);
+		e->incarnation = incarnation;
+		e->capacity = capacity;
+	} else if (op == KVR_REPL_RANK_RESET) {
+		kvr_rep_journal_clear(e);
+		e->incarnation = incarnation;
+	}
+	struct kvr_rep_rank copy = *e;
+	if (op == KVR_REPL_RANK_REMOVE)
+		kvr_rep_rank_drop(rep, rank);
+	send_rank(rep, (unsigned)op, &copy);
+}
+
+/* ---------------------------------------------------------------- the outbound queue
+ *
+ * A note must cost the routing path as little as possible: what the router did is copied once
+ * into a record (an admission's hashes into the record that the tables keep) and pushed into an
+ * MPSC ring (sync/ring.h, Concurrency Kit); the sender thread takes the table lock, numbers,
+ * encodes and publishes.  Order: ring tickets are committed in ticket order, so a note made
+ * after another note returned (an attempt's lifecycle after its admission, on any thread) is
+ * dequeued after it, and the sender publishes in dequeue order.  Snapshots stay exact: a
+ * note still in the ring is neither in the tables nor published, so it lands after the fence.
+ *
+ * Waking the sender: a producer's kvr_parker_wake makes no syscall unless the sender is
+ * parked.  After the ring runs dry the sender keeps polling every OUT_POLL_NS for OUT_LINGER_NS
+ * before it parks, so a steady stream of notes never pays a FUTEX_WAKE on the routing path;
+ * an idle router's sender sleeps (a note after a quiet spell pays one wake-up). */
+
+enum { OUT_ADMIT = 1, OUT_PROGRESS = 2, OUT_RANK = 3, OUT_FLUSH = 4 };
+
+#define OUT_INLINE       8 /* output tokens carried in the ring message itself */
+#define OUT_BURST        32
+#define OUT_POLL_NS      100000ull
+#define OUT_LINGER_NS    1000000ull
+#define OUT_FULL_WAIT_NS 100000000ull /* a full ring waits this long, then the note is dropped */
+
+struct out_progress {
+	uint64_t attempt;
+	int32_t op;
+	uint32_t n;
+	union {
+		uint32_t inl[OUT_INLINE];
+		uint32_t *heap; /* n > OUT_INLINE: a kvr_alloc'd copy the sender frees */
+	} t;
+};
+
+struct out_rank {
+	uint64_t worker_id, incarnation, capacity;
+	uint32_t dp_rank, mbt;
+	int32_t op;
+};
+
+_Static_assert(sizeof(struct out_progress) <= KVR_MSG_PAYLOAD, "fits a ring message");
+_Static_assert(sizeof(struct out_rank) <= KVR_MSG_PAYLOAD, "fits a ring message");
+
+/* Frees what a queued message owns (it is not going out). */
+static void out_discard(const struct kvr_msg *m)
+{
+	if (m->aux == OUT_ADMIT) {
+		struct kvr_rep_rec *x;
+		memcpy(&x, m->payload, sizeof(x));
+		kvr_rep_rec_free(x);
+	} else if (m->aux == OUT_PROGRESS) {
+		struct out_progress p;
+		memcpy(&p, m->payload, sizeof(p));
+		if (p.n > OUT_INLINE)
+			kvr_free(p.t.heap, (size_t)p.n * 4);
+	}
+}
+
+static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
+{
+	uint64_t t0 = 0;
+	while (!kvr_ring_enqueue(&rep->outq, NULL, payload, len, kind)) {
+		/* Full: the sender is far behind (a stalled connection).  Wait a while, then drop
+		 * the note (counted as unpublished) rather than stall routing for good. */
+		uint64_t now = kvr_rep_mono_ns();
+		if (!t0) {
+			t0 = now;
+		} else if (now - t0 > OUT_FULL_WAIT_NS) {
+			struct kvr_msg m = {.aux = kind};
+			memcpy(m.payload, payload, len);
+			out_discard(&m);
+			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+			return;
+		}
+		kvr_parker_wake(&rep->out_park);
+		sched_yield();
+	}
+	kvr_parker_wake(&rep->out_park);
+}
+
+void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
+{
+	struct kvr_replica *rep = ctx;
+	struct kvr_rep_rec *x = kvr_rep_rec_new(a->n, a->tail_n);
+	if (!x) {
+		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+		return;
+	}
+	x->origin = rep->c.replica_id;
+	x->oepoch = rep->epoch;
+	x->oattempt = x->local = a->attempt;
+	x->rank = a->rank;
+	x->incarnation = a->incarnation;
+	x->prompt_tokens = a->prompt_tokens;
+	x->lora_seed = a->lora_seed;
+	x->overlap = a->overlap;
+	x->expected = a->expected_output;
+	x->chain_known = a->chain_known;
+	memcpy(x->blocks, a->local, (size_t)a->n * 8);
+	if (a->tail_n)
+		memcpy(x->tail, a->tail, (size_t)a->tail_n * 4);
+	out_push(rep, OUT_ADMIT, &x, sizeof(x));
+}
+
+void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n)
+{
+	struct kvr_replica *rep = ctx;
+	struct out_progress p = {.attempt = attempt, .op = op, .n = (uint32_t)n};
+	if (op != KVR_OP_OUTPUT || n > UINT32_MAX)
+		p.n = 0;
+	if (p.n > OUT_INLINE) {
+		p.t.heap = kvr_alloc((size_t)p.n * 4);
+		if (!p.t.heap) {
+			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+			return;
+		}
+		memcpy(p.t.heap, tokens, (size_t)p.n * 4);
+	} else if (p.n) {
+		memcpy(p.t.inl, tokens, (size_t)p.n * 4);
+	}
+	out_push(rep, OUT_PROGRESS, &p, sizeof(p));
 }
 
 void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
                        uint64_t capacity, uint32_t mbt)
 {
 	struct kvr_replica *rep = ctx;
-	pthread_mutex_lock(&rep->mu);
-	struct kvr_rep_rank *e = kvr_rep_rank_get(rep, rank);
-	if (e) {
-		if (op == KVR_REPL_RANK_ADD) {
-			e->incarnation = incarnation;
-			e->capacity = capacity;
-			e->mbt = mbt;
-		} else if (op == KVR_REPL_RANK_CAPACITY) {
-			if (incarnation != e->incarnation)
-				kvr_rep_journal_clear(e);
-			e->incarnation = incarnation;
-			e->capacity = capacity;
-		} else if (op == KVR_REPL_RANK_RESET) {
-			kvr_rep_journal_clear(e);
-			e->incarnation = incarnation;
-		}
-		struct kvr_rep_rank copy = *e;
-		if (op == KVR_REPL_RANK_REMOVE)
-			kvr_rep_rank_drop(rep, rank);
-		send_rank(rep, (unsigned)op, &copy);
+	struct out_rank k = {
+	    .worker_id = rank.worker_id,
+	    .incarnation = incarnation,
+	    .capacity = capacity,
+	    .dp_rank = rank.dp_rank,
+	    .mbt = mbt,
+	    .op = op,
+	};
+	out_push(rep, OUT_RANK, &k, sizeof(k));
+}
+
+/* Handles one dequeued message; returns a flush ticket it carries (0 if none).  mu held. */
+static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
+{
+	switch (m->aux) {
+	case OUT_ADMIT: {
+		struct kvr_rep_rec *x;
+		memcpy(&x, m->payload, sizeof(x));
+		out_admit(rep, x);
+		return 0;
 	}
-	pthread_mutex_unlock(&rep->mu);
+	case OUT_PROGRESS: {
+		struct out_progress p;
+		memcpy(&p, m->payload, sizeof(p));
+		out_progress(rep, p.attempt, p.op, p.n > OUT_INLINE ? p.t.heap : p.t.inl, p.n);
+		if (p.n > OUT_INLINE)
+			kvr_free(p.t.heap, (size_t)p.n * 4);
+		return 0;
+	}
+	case OUT_RANK: {
+		struct out_rank k;
+		memcpy(&k, m->payload, sizeof(k));
+		out_rank(rep, k.op, (struct kvr_rank_id){k.worker_id, k.dp_rank}, k.incarnation,
+		         k.capacity, k.mbt);
+		return 0;
+	}
+	case OUT_FLUSH: {
+		uint64_t ticket;
+		memcpy(&ticket, m->payload, sizeof(ticket));
+		return ticket;
+	}
+	}
+	return 0;
+}
+
+static void *out_main(void *arg)
+{
+	struct kvr_replica *rep = arg;
+	/* Poll sleeps of OUT_POLL_NS, not the default 50 us of slack on top. */
+	prctl(PR_SET_TIMERSLACK, 1000UL);
+	struct kvr_msg batch[OUT_BURST];
+	uint64_t idle_since = 0;
+	for (;;) {
+		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
+		if (n) {
+			uint64_t ticket = 0;
+			pthread_mutex_lock(&rep->mu);
+			for (uint32_t i = 0; i < n; i++) {
+				uint64_t t = out_one(rep, &batch[i]);
+				if (t > ticket)
+					ticket = t;
+			}
+			pthread_mutex_unlock(&rep->mu);
+			if (ticket) {
+				pthread_mutex_lock(&rep->qmu);
+				if (ticket > rep->flush_done)
+					rep->flush_done = ticket;
+				pthread_cond_broadcast(&rep->donecv);
+				pthread_mutex_unlock(&rep->qmu);
+			}
+			idle_since = 0;
+			continue;
+		}
+		if (__atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE))
+			break; /* the hooks are gone and the ring is empty: nothing more comes */
+		uint64_t now = kvr_rep_mono_ns();
+		if (!idle_since)
+			idle_since = now;
+		if (now - idle_since < OUT_LINGER_NS) {
+			struct timespec ts = {0, (long)OUT_POLL_NS};
+			nanosleep(&ts, NULL);
+			continue;
+		}
+		kvr_parker_prepare(&rep->out_park);
+		if (kvr_ring_depth(&rep->outq) ||
+		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
+			kvr_parker_cancel(&rep->out_park);
+			continue;
+		}
+		kvr_parker_wait(&rep->out_park, UINT64_MAX);
+		idle_since = 0;
+	}
+	return NULL;
+}
+
+int kvr_rep_out_start(struct kvr_replica *rep)
+{
+	if (pthread_create(&rep->out_thread, NULL, out_main, rep))
+		return KVR_EBUSY;
+	rep->out_started = true;
+	return 0;
+}
+
+void kvr_rep_out_stop(struct kvr_replica *rep)
+{
+	if (!rep->out_started)
+		return;
+	__atomic_store_n(&rep->out_stop, true, __ATOMIC_RELEASE);
+	kvr_parker_wake(&rep->out_park);
+	pthread_join(rep->out_thread, NULL);
+	rep->out_started = false;
+}
+
+int kvr_rep_out_flush(struct kvr_replica *rep, uint64_t deadline_ns)
+{
+	if (!rep->out_started || __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE))
+		return 0;
+	uint64_t ticket = __atomic_add_fetch(&rep->flush_req, 1, __ATOMIC_RELAXED);
+	out_push(rep, OUT_FLUSH, &ticket, sizeof(ticket));
+	int rc = 0;
+	pthread_mutex_lock(&rep->qmu);
+	while (rep->flush_done < ticket) {
+		uint64_t t = kvr_rep_mono_ns();
+		if (t >= deadline_ns) {
+			rc = KVR_ETIMEDOUT;
+			break;
+		}
+		kvr_rep_timedwait(&rep->donecv, &rep->qmu,
+		                  deadline_ns - t < 10000000ull ? deadline_ns - t : 10000000ull);
+	}
+	pthread_mutex_unlock(&rep->qmu);
+	return rc;
+}
+
+void kvr_rep_out_fini(struct kvr_replica *rep)
+{
+	struct kvr_msg m;
+	if (!rep->outq.buf)
+		return;
+	while (kvr_ring_dequeue(&rep->outq, &m))
+		out_discard(&m);
+	kvr_ring_fini(&rep->outq);
 }
 
 /* Asks peer `id` (on the stream) to send RESET and its live attempts again: we released them
