@@ -142,6 +142,21 @@ static uint64_t cap_for(uint64_t count)
 	return cap;
 }
 
+struct idx_run *kvr_index_tab_first(const struct kvr_index *idx, uint64_t seq)
+{
+	const struct idx_tab *t = idx->seg[seq >> (64 - IDX_SEGS_BITS)].tab;
+	if (!t)
+		return NULL;
+	const uint64_t want = idx_tag(seq);
+	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
+		uint64_t e = t->e[i];
+		if (!e)
+			return NULL;
+		if ((e >> 48) == want && e != IDX_TOMB && idx_ent_run(e)->first == seq)
+			return idx_ent_run(e);
+	}
+}
+
 int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq)
 {
 	struct idx_seg *s = seg_of(idx, seq);
@@ -385,11 +400,12 @@ void kvr_index_destroy(struct kvr_index *idx)
 		return;
 	/* Pending callbacks (retired batches, slot releases) point at idx. */
 	kvr_index_quiesce(idx);
-	free_batch(idx, &idx->rt); /* nobody reads them any more */
-	for (uint32_t id = 1; id < idx->blk.dir_cap; id++) {
-		struct idx_run *r = idx->blk.dir[id];
-		if (!((uintptr_t)r & 1))
-			kvr_index_free_run_now(idx, r);
+	free_batch(idx, &idx->rt);                /* nobody reads them any more */
+	for (uint32_t i = 0; i < IDX_SEGS; i++) { /* every live run has one entry */
+		struct idx_tab *t = idx->seg[i].tab;
+		for (uint64_t j = 0; t && j <= t->mask; j++)
+			if (t->e[j] > IDX_TOMB)
+				kvr_index_free_run_now(idx, idx_ent_run(t->e[j]));
 	}
 	kvr_index_blk_fini(idx);
 	for (uint32_t i = 0; i < IDX_SEGS; i++)

@@ -4,7 +4,9 @@
  * Why it exists.  Readers never need it: they walk from the root and find each child by the
  * sequence hash of its first block (the run table, core/index.c).  Writers do: a stored event
  * names its parent by hash and a removed event names arbitrary blocks, so every block of every
- * live run must be findable by its sequence hash.  This is most of the index's memory per block
+ * live run must be findable by its sequence hash.  A run's first block already is (the run
+ * table), so the locator holds positions 1 .. hw-1, and a run gets an id only once it grows
+ * past one block: a one-block run costs nothing here.  This is most of the index's memory per block
  * besides the hash itself, so it is kept small.
  *
  * The idea.  An entry is 32 bits: the run's id (IDX_ID_BITS, an index into dir[]) and 6 tag
@@ -21,7 +23,8 @@
  * Growth re-inserts every position [0, hw) of every live run, reading the keys from the runs
  * (entries do not hold them): O(blocks) once per 1.5x, amortised O(1) per insert, under the
  * writer mutex (readers are not involved).  Invariant: the locator holds exactly positions
- * [0, hw) of every live run (trimmed positions stay until the run dies, so a re-store finds them).
+ * [1, hw) of every live run (trimmed positions stay until the run dies, so a re-store finds
+ * them), and a run has an id iff it ever had two positions.
  * Context: every function here runs under the index's writer mutex (or in create / destroy).
  */
 #include <string.h>
@@ -135,9 +138,9 @@ static int rebuild(struct kvr_index *idx, uint64_t cap)
 		const struct idx_run *r = b->dir[id];
 		if (!dir_live(r))
 			continue;
-		for (uint32_t p = 0; p < r->hw; p++)
+		for (uint32_t p = 1; p < r->hw; p++)
 			put(e, cap, r->seqs[p], blk_ent(r->seqs[p], r));
-		count += r->hw;
+		count += r->hw - 1u;
 	}
 	if (b->e) {
 		kvr_free(b->e, b->cap * sizeof(uint32_t));
@@ -194,7 +197,9 @@ void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
-	for (uint32_t p = 0; p < r->hw; p++) {
+	if (r->id == 0)
+		return; /* one position ever: nothing here */
+	for (uint32_t p = 1; p < r->hw; p++) {
 		const uint64_t seq = r->seqs[p];
 		const uint32_t want = blk_ent(seq, r);
 		for (uint64_t i = idx_blk_home(seq, b->cap);; i = i + 1 == b->cap ? 0 : i + 1) {
@@ -260,7 +265,9 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
-	if (r->id == 0 || r->id >= b->dir_cap || b->dir[r->id] != r)
+	if (r->id == 0)
+		return; /* never had one */
+	if (r->id >= b->dir_cap || b->dir[r->id] != r)
 		return; /* NEVER */
 	b->dir[r->id] = (struct idx_run *)(uintptr_t)((uintptr_t)b->dir_free << 1 | 1);
 	b->dir_free = r->id;

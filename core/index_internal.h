@@ -67,7 +67,6 @@ static inline struct idx_hold *idx_hv_hold(const struct idx_hview *v, uint32_t i
 	return v->holds ? v->holds[i] : v->one;
 }
 
-
 static inline uint64_t idx_bytes_hset(uint32_t cap)
 {
 	return sizeof(struct idx_hset) + (uint64_t)cap * (sizeof(uint64_t) + sizeof(void *));
@@ -92,7 +91,8 @@ struct idx_run {
 	uint16_t hw;            /* positions ever written into seqs (write-once; all in the
 	                         * block locator until the run dies) */
 	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
-	uint32_t id;            /* the run's number in the block locator (core/index_blocks.c) */
+	uint32_t id;            /* the run's number in the block locator (core/index_blocks.c),
+	                         * 0 while it has one position */
 	uint32_t pad;
 	struct idx_run *child; /* children list; the retire-list link once dead */
 	struct idx_run *sib, *sib_prev;
@@ -206,10 +206,10 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 }
 
 /*
- * Block locator (writers only, under wlock; core/index_blocks.c): every position [0, hw) of
- * every live run, keyed by its sequence hash.  An entry is 32 bits: run id << 6 | 6 tag bits;
- * 0 = empty, 1 = deleted.  The position is not stored: the writer finds it in the run's hashes
- * (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is the run.
+ * Block locator (writers only, under wlock; core/index_blocks.c): every position [1, hw) of
+ * every live run, keyed by its sequence hash (position 0: the run table).  An entry is 32 bits: run
+ * id << 6 | 6 tag bits; 0 = empty, 1 = deleted.  The position is not stored: the writer finds it in
+ * the run's hashes (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is the run.
  */
 #define IDX_ID_BITS 26
 
@@ -329,14 +329,16 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq);
 /* Gives back seq's segment array if it holds nothing (after a reserve whose insert failed). */
 void kvr_index_tab_unreserve(struct kvr_index *idx, uint64_t seq);
+/* The live run whose first block is seq, or NULL. */
+struct idx_run *kvr_index_tab_first(const struct kvr_index *idx, uint64_t seq);
 /* Inserts r (keyed by r->first); room must have been reserved. */
 void kvr_index_tab_insert(struct kvr_index *idx, struct idx_run *r);
 /* Deletes r's entry (never fails; may shrink the segment when memory allows). */
 void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r);
 
 /* ---- block locator (core/index_blocks.c).  Context: writer (wlock). */
-/* Where block seq sits (a position < hw of a live run): *r, *pos, or false.  (hr, hp): a
- * position near which seq probably sits (hr NULL: no hint). */
+/* Where block seq sits (a position in [1, hw) of a live run, or by chance 0): *r, *pos, or false.
+ * (hr, hp): a position near which seq probably sits (hr NULL: no hint). */
 bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
                         uint32_t hp, struct idx_run **r, uint32_t *pos);
 /* Makes room for k more entries.  Returns 0 or KVR_ENOMEM (nothing changed). */
@@ -345,7 +347,7 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k);
 void kvr_index_blk_unreserve(struct kvr_index *idx);
 /* Inserts seq -> r (room reserved). */
 void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_run *r);
-/* Deletes the entries of r's positions [0, hw) and frees its id (never fails; may shrink the
+/* Deletes the entries of r's positions [1, hw) and frees its id (never fails; may shrink the
  * locator when memory allows). */
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r);
 /* Gives r an id.  Returns 0 or KVR_ENOMEM. */

@@ -48,8 +48,7 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
 	struct idx_seqs *q = NULL;
 	if ((cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) ||
 	    ((uintptr_t)r & ~IDX_PTR_MASK) || /* NEVER: user space is below 2^48 */
-	    ((uintptr_t)r & 7) != 0 ||        /* NEVER: malloc aligns to 8 */
-	    kvr_index_blk_id_new(idx, r) != 0) {
+	    ((uintptr_t)r & 7) != 0) {        /* NEVER: malloc aligns to 8 */
 		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
 		kvr_free(r, sizeof(*r));
 		return NULL;

@@ -56,7 +56,15 @@ static bool ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
 static bool locate(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr, uint32_t hp,
                    struct idx_run **r, uint32_t *pos)
 {
-	return kvr_index_blk_find(idx, seq, hr, hp, r, pos);
+	if (kvr_index_blk_find(idx, seq, hr, hp, r, pos))
+		return true;
+	/* A run's first block is only in the run table. */
+	struct idx_run *f = kvr_index_tab_first(idx, seq);
+	if (!f)
+		return false;
+	*r = f;
+	*pos = 0;
+	return true;
 }
 
 static bool ensure_scratch(struct kvr_index *idx, size_t n)
@@ -224,15 +232,21 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_ENOMEM;
 			break;
 		}
-		if ((pl == P_APPEND || pl == P_FORK) && kvr_index_blk_reserve(idx, 1) != 0) {
+		if (pl == P_FORK && kvr_index_tab_reserve(idx, s) != 0) {
 			rc = KVR_ENOMEM;
 			break;
 		}
-		if ((pl == P_FORK && kvr_index_tab_reserve(idx, s) != 0) ||
-		    (pl == P_APPEND && kvr_index_run_grow(idx, R, n - i) != 0)) {
-			kvr_index_blk_unreserve(idx);
-			rc = KVR_ENOMEM;
-			break;
+		/* Positions past the first are in the block locator; a run gets its id there
+		 * when it grows past one block. */
+		bool new_id = false;
+		if (pl == P_APPEND) {
+			if (kvr_index_blk_reserve(idx, 1) != 0 ||
+			    kvr_index_run_grow(idx, R, n - i) != 0 ||
+			    (R->id == 0 && !(new_id = kvr_index_blk_id_new(idx, R) == 0))) {
+				kvr_index_blk_unreserve(idx);
+				rc = KVR_ENOMEM;
+				break;
+			}
 		}
 		struct idx_run *nr = NULL;
 		if (pl == P_FORK) {
@@ -240,7 +254,6 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			nr = kvr_index_run_new(idx, R, R ? p + 1 : 0, (uint32_t)cap, s);
 			if (!nr) {
 				kvr_index_tab_unreserve(idx, s);
-				kvr_index_blk_unreserve(idx);
 				rc = KVR_ENOMEM;
 				break;
 			}
@@ -268,6 +281,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		if (rc) {
 			if (pl == P_FORK)
 				kvr_index_tab_unreserve(idx, s);
+			if (new_id)
+				kvr_index_blk_id_free(idx, R);
 			kvr_index_blk_unreserve(idx);
 			if (nr) {
 				/* hs_add may have published a set on the unpublished run */
@@ -287,7 +302,6 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			nr->len = 1;
 			kvr_index_link_child(R, nr);
 			kvr_index_tab_insert(idx, nr);
-			kvr_index_blk_insert(idx, s, nr);
 			break;
 		case P_APPEND:
 			R->seqs[R->hw++] = s;
