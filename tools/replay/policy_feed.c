@@ -10,9 +10,12 @@
  * them on its own thread.  Event lag is therefore real: a decision taken right after an event
  * was published may not see it yet, and the replay (which runs virtual time much faster than
  * wall time) keeps routing while the feed catches up.  Comparing its hit rate with `events`
- * measures what that lag costs.  sync() (before every agreement sample and when the cluster
- * idles) waits until the feed has applied everything published, so the agreement samples
- * check the whole wire path for exactness, lag aside.
+ * measures what that lag costs.  As vLLM does, a rank publishes one batch per engine step
+ * with every event of the step (the simulator stamps a step's events with its time): a step's
+ * batch goes out when the rank's next event belongs to a later step, or when the cluster's
+ * time has moved past it (route, first token, sync).  sync() (before every agreement sample and
+ * when the cluster idles) waits until the feed has applied everything published, so the agreement
+ * samples check the whole wire path for exactness, lag aside.
  *
  * vLLM sends token ids, not the router's local hashes, so the publisher needs each stored
  * block's tokens: it learns them from what the router sees (every routed prompt's complete
@@ -35,6 +38,7 @@
 
 #include "kvrouter.h"
 #include "shards/u64map.h"
+#include "sync/feed_encode.h"
 #include "tools/replay/policy.h"
 
 struct tail {
@@ -56,6 +60,14 @@ struct dq {
 	size_t head, n, cap;
 };
 
+/* The events of one engine step of one rank, encoded as they come: vLLM publishes one batch
+ * per scheduler step with everything the step stored and removed. */
+struct step {
+	struct kvr_fenc ev; /* the events, back to back */
+	uint32_t n;
+	uint64_t time_ns; /* the step's (every event of a step carries its time) */
+};
+
 struct pf {
 	void *inner; /* the events policy's state */
 	struct kvr_router *r;
@@ -71,8 +83,9 @@ struct pf {
 	struct kvr_u64map handles; /* attempt handle -> index in tails */
 	struct tail *tails;
 	size_t n_tails, cap_tails;
-	msgpack_sbuffer sb;
-	struct dq *defer; /* per rank */
+	struct kvr_fenc out; /* the batch being sent */
+	struct step *open;   /* per rank: the batch of the engine step being published */
+	struct dq *defer;    /* per rank */
 	uint64_t token_misses, batches, blocks, deferred;
 };
 
@@ -113,6 +126,7 @@ static void feed_log(void *ctx, int level, const char *msg)
 
 static void pf_destroy(void *state);
 static int undefer(struct pf *p, bool force);
+static int close_steps(struct pf *p, uint64_t before_ns);
 static void dev_free(struct dev *d);
 static int pf_setup(struct pf *p, const struct replay_env *env);
 
@@ -134,7 +148,7 @@ static int pf_setup(struct pf *p, const struct replay_env *env)
 {
 	kvr_u64map_init(&p->tokmap);
 	kvr_u64map_init(&p->handles);
-	msgpack_sbuffer_init(&p->sb);
+	kvr_fenc_init(&p->out);
 	int rc = replay_policy_events.create(env, &p->inner);
 	if (rc)
 		return rc;
@@ -150,9 +164,12 @@ static int pf_setup(struct pf *p, const struct replay_env *env)
 	p->ep_id = calloc(env->n_ranks, sizeof(*p->ep_id));
 	p->seq = calloc(env->n_ranks, sizeof(*p->seq));
 	p->defer = calloc(env->n_ranks, sizeof(*p->defer));
+	p->open = calloc(env->n_ranks, sizeof(*p->open));
 	p->zctx = zmq_ctx_new();
-	if (!p->pub || !p->ep_id || !p->seq || !p->defer || !p->zctx)
+	if (!p->pub || !p->ep_id || !p->seq || !p->defer || !p->open || !p->zctx)
 		return KVR_ENOMEM;
+	for (uint32_t i = 0; i < env->n_ranks; i++)
+		kvr_fenc_init(&p->open[i].ev);
 	if ((rc = kvr_feed_create(p->r, &fc, &p->feed)))
 		return rc;
 	for (uint32_t i = 0; i < env->n_ranks; i++) {
@@ -184,8 +201,13 @@ static void pf_destroy(void *state)
 	struct pf *p = state;
 	if (!p)
 		return;
-	if (p->feed && p->defer)
+	if (p->feed && p->defer && p->open)
 		undefer(p, true);
+	if (p->feed && p->open)
+		close_steps(p, UINT64_MAX);
+	for (uint32_t r = 0; p->open && r < p->n_ranks; r++)
+		kvr_fenc_fini(&p->open[r].ev);
+	free(p->open);
 	for (uint32_t r = 0; p->defer && r < p->n_ranks; r++) {
 		for (size_t i = p->defer[r].head; i < p->defer[r].n; i++)
 			dev_free(&p->defer[r].q[i]);
@@ -220,7 +242,7 @@ static void pf_destroy(void *state)
 	free(p->pub);
 	free(p->ep_id);
 	free(p->seq);
-	msgpack_sbuffer_destroy(&p->sb);
+	kvr_fenc_fini(&p->out);
 	free(p);
 }
 
@@ -270,13 +292,14 @@ static void tail_drop(struct pf *p, uint64_t handle)
 static int pf_route(void *state, const struct replay_route_req *q, struct replay_route_out *out)
 {
 	struct pf *p = state;
+	int rc = close_steps(p, q->now_ns);
+	if (rc)
+		return rc;
 	size_t nb = q->n_tokens / p->bs;
-	for (size_t i = 0; i < nb; i++) {
-		int rc = learn(p, q->tokens + i * p->bs);
-		if (rc)
+	for (size_t i = 0; i < nb; i++)
+		if ((rc = learn(p, q->tokens + i * p->bs)))
 			return rc;
-	}
-	int rc = replay_policy_events.route(p->inner, q, out);
+	rc = replay_policy_events.route(p->inner, q, out);
 	if (rc || out->queued)
 		return rc; /* a queued request's tail is not followed (its outputs may miss) */
 	struct tail *t = tail_of(p, out->handle, true);
@@ -320,14 +343,51 @@ static int pf_aborted(void *state, uint64_t handle)
 	return replay_policy_events.aborted(p->inner, handle);
 }
 
-static void pstr(msgpack_packer *pk, const char *s)
+/* Sends rank r's open step as one batch (map form, stamped with the wall clock now). */
+static int close_step(struct pf *p, uint32_t r)
 {
-	msgpack_pack_str(pk, strlen(s));
-	msgpack_pack_str_body(pk, s, strlen(s));
+	struct step *o = &p->open[r];
+	if (!o->n)
+		return 0;
+	kvr_fenc_begin(&p->out, wall_s(), o->n);
+	msgpack_sbuffer_write(&p->out.sb, o->ev.sb.data, o->ev.sb.size);
+	kvr_fenc_end(&p->out, 0);
+	msgpack_sbuffer_clear(&o->ev.sb);
+	o->n = 0;
+	if (kvr_fenc_send(p->pub[r], p->seq[r]++, p->out.sb.data, p->out.sb.size))
+		return KVR_EAGAIN;
+	p->batches++;
+	return 0;
 }
 
-/* Publishes one simulated event as one vLLM batch (map form) on the rank's socket; a stored
- * chain stops at its first block of unknown tokens (the rest counted as token misses). */
+/* Sends every open step older than before_ns: an engine step is over once the cluster's time
+ * has moved past it (a step's events all carry its time and come in one engine call, so
+ * nothing is cut in two). */
+static int close_steps(struct pf *p, uint64_t before_ns)
+{
+	for (uint32_t r = 0; r < p->n_ranks; r++)
+		if (p->open[r].n && p->open[r].time_ns < before_ns) {
+			int rc = close_step(p, r);
+			if (rc)
+				return rc;
+		}
+	return 0;
+}
+
+struct blk_tokens {
+	struct pf *p;
+	const uint64_t *local;
+};
+
+static const uint32_t *pool_tokens(void *ctx, size_t i)
+{
+	struct blk_tokens *c = ctx;
+	return c->p->pool + (size_t)*kvr_u64map_find(&c->p->tokmap, c->local[i]) * c->p->bs;
+}
+
+/* Adds one simulated event to its rank's open step (sending the step before if the event
+ * belongs to a later one); a stored chain stops at its first block of unknown tokens (the rest
+ * counted as token misses). */
 static int publish(struct pf *p, const struct sim_kv_event *ev)
 {
 	size_t n = ev->n;
@@ -341,75 +401,29 @@ static int publish(struct pf *p, const struct sim_kv_event *ev)
 		if (n == 0)
 			return 0;
 	}
-	msgpack_packer pk;
-	msgpack_sbuffer_clear(&p->sb);
-	msgpack_packer_init(&pk, &p->sb, msgpack_sbuffer_write);
-	msgpack_pack_map(&pk, 3);
-	pstr(&pk, "ts");
-	msgpack_pack_double(&pk, wall_s());
-	pstr(&pk, "events");
-	msgpack_pack_array(&pk, 1);
+	struct step *o = &p->open[ev->rank];
+	if (o->n && o->time_ns != ev->time_ns) {
+		int rc = close_step(p, ev->rank);
+		if (rc)
+			return rc;
+	}
+	o->time_ns = ev->time_ns;
 	switch (ev->kind) {
-	case SIM_EV_STORED:
-		msgpack_pack_map(&pk, 8);
-		pstr(&pk, "type");
-		pstr(&pk, "BlockStored");
-		pstr(&pk, "block_hashes");
-		msgpack_pack_array(&pk, n);
-		for (size_t i = 0; i < n; i++)
-			msgpack_pack_uint64(&pk, ev->seq[i]);
-		pstr(&pk, "parent_block_hash");
-		if (ev->has_parent)
-			msgpack_pack_uint64(&pk, ev->parent_seq);
-		else
-			msgpack_pack_nil(&pk);
-		pstr(&pk, "token_ids");
-		msgpack_pack_array(&pk, n * p->bs);
-		for (size_t i = 0; i < n; i++) {
-			const uint32_t *tok =
-			    p->pool + (size_t)*kvr_u64map_find(&p->tokmap, ev->local[i]) * p->bs;
-			for (uint32_t j = 0; j < p->bs; j++)
-				msgpack_pack_uint32(&pk, tok[j]);
-		}
-		pstr(&pk, "block_size");
-		msgpack_pack_uint32(&pk, p->bs);
-		pstr(&pk, "lora_id");
-		msgpack_pack_nil(&pk);
-		pstr(&pk, "medium");
-		pstr(&pk, "GPU");
-		pstr(&pk, "lora_name");
-		msgpack_pack_nil(&pk);
-		break;
-	case SIM_EV_REMOVED:
-		msgpack_pack_map(&pk, 3);
-		pstr(&pk, "type");
-		pstr(&pk, "BlockRemoved");
-		pstr(&pk, "block_hashes");
-		msgpack_pack_array(&pk, n);
-		for (size_t i = 0; i < n; i++)
-			msgpack_pack_uint64(&pk, ev->seq[i]);
-		pstr(&pk, "medium");
-		pstr(&pk, "GPU");
-		break;
-	case SIM_EV_CLEARED:
-		msgpack_pack_map(&pk, 1);
-		pstr(&pk, "type");
-		pstr(&pk, "AllBlocksCleared");
+	case SIM_EV_STORED: {
+		struct blk_tokens c = {.p = p, .local = ev->local};
+		kvr_fenc_stored(&o->ev, ev->seq, n, ev->has_parent ? &ev->parent_seq : NULL, p->bs,
+		                pool_tokens, &c);
+		p->blocks += n;
 		break;
 	}
-	pstr(&pk, "data_parallel_rank");
-	msgpack_pack_int(&pk, 0);
-	uint8_t s[8];
-	uint64_t seq = p->seq[ev->rank]++;
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	void *sock = p->pub[ev->rank];
-	if (zmq_send(sock, "", 0, ZMQ_SNDMORE) < 0 || zmq_send(sock, s, 8, ZMQ_SNDMORE) < 0 ||
-	    zmq_send(sock, p->sb.data, p->sb.size, 0) < 0)
-		return KVR_EAGAIN;
-	p->batches++;
-	if (ev->kind == SIM_EV_STORED)
-		p->blocks += n;
+	case SIM_EV_REMOVED:
+		kvr_fenc_removed(&o->ev, ev->seq, n);
+		break;
+	case SIM_EV_CLEARED:
+		kvr_fenc_cleared(&o->ev);
+		break;
+	}
+	o->n++;
 	return 0;
 }
 
@@ -493,7 +507,7 @@ static int pf_sync(void *state, uint64_t now_ns)
 {
 	struct pf *p = state;
 	int rc = undefer(p, false); /* what waits for tokens keeps waiting: no chain cut short */
-	if (rc)
+	if (rc || (rc = close_steps(p, UINT64_MAX)))
 		return rc;
 	for (uint32_t i = 0; i < p->n_ranks; i++) {
 		struct kvr_feed_stats st;
@@ -521,6 +535,9 @@ static int pf_dequeue(void *state, uint64_t *id, struct replay_route_out *out)
 static int pf_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns)
 {
 	struct pf *p = state;
+	int rc = close_steps(p, time_ns);
+	if (rc)
+		return rc;
 	return replay_policy_events.first_token(p->inner, handle, rank, time_ns);
 }
 
