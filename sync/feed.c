@@ -63,23 +63,6 @@ static void freestr(char *s)
 		kvr_free(s, strlen(s) + 1);
 }
 
-int kvr_feed_grow(void **arr, uint32_t *cap, uint64_t need, size_t item)
-{
-	if (need <= *cap)
-		return 0;
-	if (need > UINT32_MAX / 2)
-		return KVR_ENOMEM;
-	uint32_t nc = *cap ? *cap : 16;
-	while (nc < need)
-		nc *= 2;
-	void *p = kvr_realloc(*arr, (size_t)*cap * item, (size_t)nc * item);
-	if (!p)
-		return KVR_ENOMEM;
-	*arr = p;
-	*cap = nc;
-	return 0;
-}
-
 /* ---------------------------------------------------------------- endpoints */
 
 static void ep_free(struct ep *e)

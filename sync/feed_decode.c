@@ -30,17 +30,14 @@
 #include "kvrouter.h"
 #include "sync/msgpack.h"
 
-/* Grows a flat array to hold need more items.  Sizes are u32: a payload large enough to
- * overflow them is refused (KVR_EINVAL via the caller's length check). */
-static int reserve(void **arr, uint32_t *cap, uint32_t used, uint64_t need, size_t item)
+int kvr_feed_grow(void **arr, uint32_t *cap, uint64_t need, size_t item)
 {
-	uint64_t want = (uint64_t)used + need;
-	if (want <= *cap)
+	if (need <= *cap)
 		return 0;
-	if (want > UINT32_MAX / 2)
-		return KVR_EINVAL;
+	if (need > UINT32_MAX / 2)
+		return KVR_ERANGE;
 	uint32_t nc = *cap ? *cap : 16;
-	while (nc < want)
+	while (nc < need)
 		nc *= 2;
 	void *p = kvr_realloc(*arr, (size_t)*cap * item, (size_t)nc * item);
 	if (!p)
@@ -48,6 +45,14 @@ static int reserve(void **arr, uint32_t *cap, uint32_t used, uint64_t need, size
 	*arr = p;
 	*cap = nc;
 	return 0;
+}
+
+/* Room for need more items after used.  Sizes are u32: a payload large enough to overflow
+ * them is refused (KVR_EINVAL). */
+static int reserve(void **arr, uint32_t *cap, uint32_t used, uint64_t need, size_t item)
+{
+	int rc = kvr_feed_grow(arr, cap, (uint64_t)used + need, item);
+	return rc == KVR_ERANGE ? KVR_EINVAL : rc;
 }
 
 /* One hash: int or bin (digest folded to its last 8 bytes, big-endian). */

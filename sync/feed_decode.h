@@ -69,4 +69,9 @@ int kvr_feed_decode(struct kvr_feed_batch *b, const void *payload, size_t len);
 /* Frees the batch's arrays; the batch can be decoded into again.  Context: its owner. */
 void kvr_feed_batch_fini(struct kvr_feed_batch *b);
 
+/* Grows *arr (of *cap items of item bytes, kvr_alloc'd) to hold need items, doubling.  Returns
+ * 0, KVR_ERANGE (need above UINT32_MAX / 2) or KVR_ENOMEM (*arr unchanged either way).  The
+ * decoder's and the feed's arrays all grow this way.  Context: any thread, on its own array. */
+int kvr_feed_grow(void **arr, uint32_t *cap, uint64_t need, size_t item);
+
 #endif /* KVR_SYNC_FEED_DECODE_H */

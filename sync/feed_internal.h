@@ -147,10 +147,6 @@ static inline uint64_t kvr_feed_wall_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Grows *arr (of *cap items of item bytes) to hold need items (doubling).  Returns 0 or
- * KVR_ENOMEM (*arr unchanged).  Context: any thread, on its own array. */
-int kvr_feed_grow(void **arr, uint32_t *cap, uint64_t need, size_t item);
-
 /* ---- sync/feed_apply.c.  Context of all: the feed thread. */
 
 /* The state of rank dp fed by e (made on first use), or NULL without memory. */
