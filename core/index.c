@@ -27,7 +27,7 @@
  * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block.  Per
  * (rank, run): an 8-byte holder word (inline in the run for a single holder, else in a holder
- * set with a pointer beside it), a 56-byte record and a bitmap (1 bit per position), so the
+ * set with a pointer beside it), a 48-byte record and a bitmap (1 bit per position), so the
  * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
  * ext hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
  *
@@ -417,6 +417,8 @@ void kvr_index_destroy(struct kvr_index *idx)
 			kvr_free(r->xmap.e, (r->xmap.mask + 1) * sizeof(struct idx_xent));
 		if (r->rmap.e)
 			kvr_free(r->rmap.e, (r->rmap.mask + 1) * sizeof(struct idx_xent));
+		if (r->cmap.e)
+			kvr_free(r->cmap.e, (r->cmap.mask + 1) * sizeof(struct idx_xent));
 	}
 	kvr_free(idx->scratch, idx->scratch_cap * sizeof(uint64_t));
 	pthread_mutex_destroy(&idx->wlock);
@@ -509,6 +511,7 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		r->holds = NULL;
 		memset(&r->xmap, 0, sizeof(r->xmap));
 		memset(&r->rmap, 0, sizeof(r->rmap));
+		memset(&r->cmap, 0, sizeof(r->cmap));
 		if (t->used + 1 > (t->mask + 1) / 4 * 3) {
 			rtab_purge(idx);
 			t = idx->rtab;

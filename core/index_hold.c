@@ -28,15 +28,9 @@
 
 /* ---------------------------------------------------------------- holder records */
 
-static uint64_t ex_bytes(uint32_t cap)
-{
-	return cap ? sizeof(struct idx_xcopies) + (uint64_t)cap * sizeof(struct idx_xcopy) : 0;
-}
-
 static uint64_t hold_bytes(const struct idx_hold *h)
 {
-	return sizeof(*h) + (h->nwords > 1 ? (uint64_t)h->nwords * 8 : 0) +
-	       ex_bytes(h->ex ? h->ex->cap : 0);
+	return sizeof(*h) + (h->nwords > 1 ? (uint64_t)h->nwords * 8 : 0);
 }
 
 struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
@@ -62,8 +56,6 @@ void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h)
 	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
 	if (h->nwords > 1)
 		kvr_free(h->bm, (size_t)h->nwords * 8);
-	if (h->ex)
-		kvr_free(h->ex, ex_bytes(h->ex->cap));
 	kvr_free(h, sizeof(*h));
 }
 
@@ -125,54 +117,41 @@ void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)
 	h->top = t;
 }
 
-/* Copy counts (count_copies): extra copies of a held position. */
-static struct idx_xcopy *ex_find(const struct idx_hold *h, uint32_t pos)
+/* Copy counts (count_copies): extra copies of a held position, in the rank's cmap keyed by
+ * the record and the position (a record lives while it holds a position, and a position's
+ * extra copies go before it does, so a key never outlives its record). */
+static inline uint64_t copy_key(const struct idx_hold *h, uint32_t pos)
 {
-	if (!h->ex)
-		return NULL;
-	for (uint32_t i = 0; i < h->ex->n; i++)
-		if (h->ex->e[i].pos == pos)
-			return &h->ex->e[i];
-	return NULL;
+	return (uint64_t)(uintptr_t)h << 16 | pos;
 }
 
 int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	uint32_t cap = h->ex ? h->ex->cap : 0, n = h->ex ? h->ex->n : 0;
-	if (ex_find(h, pos) || n < cap)
+	struct idx_xmap *m = &idx->rank[h->slot].cmap;
+	if (idx_xmap_ref(m, copy_key(h, pos)))
 		return 0;
-	uint32_t nc = cap ? cap * 2 : 2;
-	struct idx_xcopies *e = kvr_alloc(ex_bytes(nc));
-	if (!e)
-		return KVR_ENOMEM;
-	e->n = n;
-	e->cap = nc;
-	if (h->ex) {
-		memcpy(e->e, h->ex->e, (size_t)n * sizeof(struct idx_xcopy));
-		kvr_free(h->ex, ex_bytes(cap));
-	}
-	idx_count(&idx->bytes_rank, (int64_t)(ex_bytes(nc) - ex_bytes(cap)));
-	h->ex = e;
-	return 0;
+	return kvr_index_xmap_reserve(idx, m);
 }
 
-void kvr_index_copy_inc(struct idx_hold *h, uint32_t pos)
+void kvr_index_copy_inc(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	struct idx_xcopy *e = ex_find(h, pos);
+	struct idx_xmap *m = &idx->rank[h->slot].cmap;
+	struct idx_xent *e = idx_xmap_ref(m, copy_key(h, pos));
 	if (e)
-		e->extra++;
+		e->val++;
 	else
-		h->ex->e[h->ex->n++] = (struct idx_xcopy){pos, 1};
+		kvr_index_xmap_put(m, copy_key(h, pos), 1);
 }
 
 /* Drops one extra copy of pos; false when pos has none. */
-bool kvr_index_copy_dec(struct idx_hold *h, uint32_t pos)
+bool kvr_index_copy_dec(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	struct idx_xcopy *e = ex_find(h, pos);
+	struct idx_xmap *m = &idx->rank[h->slot].cmap;
+	struct idx_xent *e = m->count ? idx_xmap_ref(m, copy_key(h, pos)) : NULL;
 	if (!e)
 		return false;
-	if (--e->extra == 0)
-		*e = h->ex->e[--h->ex->n];
+	if (--e->val == 0)
+		kvr_index_xmap_del(m, copy_key(h, pos));
 	return true;
 }
 

@@ -134,18 +134,9 @@ static inline uint32_t idx_run_cap(const struct idx_run *r)
  * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
  * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix
  * cut (mirrored into the run's hset), top (highest held position + 1) and held (popcount).
- * ex[] (count_copies only): positions with copies beyond the first, unsorted.
+ * Copies beyond the first (count_copies) are counted in the rank's cmap, not here: few records
+ * ever have one, so a pointer per record would cost every record 8 bytes.
  */
-struct idx_xcopy {
-	uint32_t pos;
-	uint32_t extra;
-};
-
-struct idx_xcopies {
-	uint32_t n, cap;
-	struct idx_xcopy e[];
-};
-
 struct idx_hold {
 	struct idx_run *run;
 	struct idx_hold *prev, *next; /* the rank's list */
@@ -153,7 +144,6 @@ struct idx_hold {
 		uint64_t *bm; /* nwords > 1 */
 		uint64_t bm0; /* nwords == 1: inline */
 	};
-	struct idx_xcopies *ex; /* NULL = no extra copies */
 	uint32_t slot;
 	uint16_t nwords;         /* bitmap words */
 	uint16_t cut, top, held; /* positions, < IDX_RUN_MAX */
@@ -251,6 +241,8 @@ struct idx_rank {
 	struct idx_hold *holds; /* the rank's (run) records */
 	struct idx_xmap xmap;   /* ext -> seq for blocks stored with ext != seq */
 	struct idx_xmap rmap;   /* seq -> ext, the same blocks */
+	struct idx_xmap cmap;   /* count_copies: (record << 16 | position) -> copies beyond the
+	                         * first, for the positions that have some */
 	uint32_t next_free;     /* free-slot list link */
 } __attribute__((aligned(IDX_CACHELINE)));
 
@@ -386,6 +378,19 @@ static inline bool idx_xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t
 	}
 }
 
+/* The entry of key, or NULL. */
+static inline struct idx_xent *idx_xmap_ref(const struct idx_xmap *m, uint64_t key)
+{
+	if (!m->e)
+		return NULL;
+	for (uint64_t i = idx_xhome(m, key);; i = (i + 1) & m->mask) {
+		if (!idx_xused(&m->e[i]))
+			return NULL;
+		if (m->e[i].key == key)
+			return &m->e[i];
+	}
+}
+
 /* Inserts key -> val; room must have been reserved. */
 void kvr_index_xmap_put(struct idx_xmap *m, uint64_t key, uint64_t val);
 /* Makes room for one more entry at load <= 0.8.  Returns 0 or KVR_ENOMEM (unchanged). */
@@ -422,8 +427,8 @@ void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos);
 /* count_copies: room for one more extra copy of pos (0 or KVR_ENOMEM), one more, one fewer
  * (false when pos has no extra copy). */
 int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
-void kvr_index_copy_inc(struct idx_hold *h, uint32_t pos);
-bool kvr_index_copy_dec(struct idx_hold *h, uint32_t pos);
+void kvr_index_copy_inc(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
+bool kvr_index_copy_dec(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
 /* The slot's record of r, or NULL. */
 struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot);
 /* Mirrors h->cut into its run's holder words (relaxed stores). */

@@ -211,7 +211,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 					rc = KVR_ENOMEM;
 					break;
 				}
-				kvr_index_copy_inc(ch, q);
+				kvr_index_copy_inc(idx, ch, q);
 				copies++;
 				applied[napplied++] = e;
 			}
@@ -349,6 +349,7 @@ out:
 			remove_locked(idx, rk, slot, &applied[i], 1, &removed, &dropped);
 		kvr_index_xmap_shrink(idx, &rk->xmap);
 		kvr_index_xmap_shrink(idx, &rk->rmap);
+		kvr_index_xmap_shrink(idx, &rk->cmap);
 		added = copies = 0;
 	}
 	if (rc == KVR_EINVAL)
@@ -400,7 +401,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		}
 		p = q;
 		(*removed)++;
-		if (idx->count_copies && kvr_index_copy_dec(h, q))
+		if (idx->count_copies && kvr_index_copy_dec(idx, h, q))
 			continue; /* one copy of several goes: the block stays */
 		uint32_t cut0 = h->cut;
 		kvr_index_hold_clear(h, q);
@@ -434,9 +435,10 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
 	pthread_mutex_lock(&idx->wlock);
 	size_t removed = 0, dropped = 0;
 	size_t nf = remove_locked(idx, rk, slot, ext, n, &removed, &dropped);
-	if (dropped) {
+	if (removed) {
 		kvr_index_xmap_shrink(idx, &rk->xmap);
 		kvr_index_xmap_shrink(idx, &rk->rmap);
+		kvr_index_xmap_shrink(idx, &rk->cmap);
 	}
 	if (nf)
 		idx_count(&idx->c_block_nf, (int64_t)nf);
@@ -459,8 +461,6 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 		struct idx_hold *h = rk->holds;
 		struct idx_run *r = h->run;
 		removed += h->held;
-		for (uint32_t i = 0; h->ex && i < h->ex->n; i++)
-			removed += h->ex->e[i].extra;
 		memset(idx_hold_bm(h), 0, (size_t)h->nwords * 8);
 		h->held = h->cut = h->top = 0;
 		kvr_index_publish_cut(h);
@@ -469,9 +469,13 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 		if (idx->rt.n >= IDX_RETIRE_BATCH * 16)
 			kvr_index_retire_flush(idx, &idx->rt);
 	}
-	rk->xmap.count = rk->rmap.count = 0;
+	for (uint64_t i = 0; rk->cmap.e && i <= rk->cmap.mask; i++)
+		if (idx_xused(&rk->cmap.e[i]))
+			removed += rk->cmap.e[i].val; /* extra copies */
+	rk->xmap.count = rk->rmap.count = rk->cmap.count = 0;
 	kvr_index_xmap_shrink(idx, &rk->xmap);
 	kvr_index_xmap_shrink(idx, &rk->rmap);
+	kvr_index_xmap_shrink(idx, &rk->cmap);
 	__atomic_store_n(&idx->tsize[slot], 0, __ATOMIC_RELAXED);
 	idx_count(&idx->c_removed, (int64_t)removed);
 	idx_count(&idx->c_copies, -(int64_t)removed);
