@@ -54,7 +54,8 @@ for f in foreign_clients foreign_router foreign_self capacity; do
 		function seed_of(name) { sub(/.*\.s/, "", name); sub(/\.csv$/, "", name); return name }
 		BEGIN { n = split(pols, p, ",") }
 		FNR == 1 { file++ }
-		file <= nbase { if (FNR > 1 && $3 == "ok" && $2 == "approx_lru")
+		file <= nbase { if (FNR > 1 && $3 == "ok" && $2 == "approx_lru" &&
+				    (cap != "capacity" || $1 == 1))
 				b[seed_of(FILENAME), cap == "capacity" ? 1 : $1] = 100 * $18; next }
 		FNR > 1 && $3 == "ok" {
 			k = $2 SUBSEP $1
