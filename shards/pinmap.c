@@ -199,11 +199,20 @@ void kvr_pinmap_del(struct kvr_pinmap *pm, struct kvr_pinrun *r)
 			continue;
 		struct kvr_pinrun *nx = r->next;
 		if (g == r) {
+			/* Empty, not a tombstone, when no probe passes this entry (the next one is
+			 * empty): a map that fills and empties then never needs a purge. */
+			bool end = !t->e[(i + 1) & t->mask];
 			/* Ordering: release (a reader at r still follows r->next: r lives on). */
-			__atomic_store_n(&t->e[i], nx ? nx : TOMB, __ATOMIC_RELEASE);
+			__atomic_store_n(&t->e[i], nx ? nx : end ? NULL : TOMB, __ATOMIC_RELEASE);
 			if (!nx) {
 				pm->count--;
-				pm->tombs++;
+				pm->tombs += end ? 0 : 1;
+				/* Tombstones just before a now-empty entry end no probe either. */
+				for (uint64_t j = (i - 1) & t->mask; end && t->e[j] == TOMB;
+				     j = (j - 1) & t->mask) {
+					__atomic_store_n(&t->e[j], NULL, __ATOMIC_RELEASE);
+					pm->tombs--;
+				}
 			}
 		} else {
 			while (g->next != r)
