@@ -16,26 +16,30 @@ long kvr_select(const struct kvr_select_params *p, struct kvr_candidate *c, size
 	if (n == 0)
 		return -1;
 	double lo = INFINITY, hi = -INFINITY;
+	size_t first = 0, ties = 0; /* the first minimum and how many candidates tie with it */
 	for (size_t i = 0; i < n; i++) {
-		c[i].cost = kvr_select_cost(p, &c[i]);
-		if (c[i].cost < lo)
-			lo = c[i].cost;
-		if (c[i].cost > hi)
-			hi = c[i].cost;
+		double x = c[i].cost = kvr_select_cost(p, &c[i]);
+		if (x < lo) {
+			lo = x;
+			first = i;
+			ties = 1;
+		} else if (x == lo) {
+			ties++;
+		}
+		if (x > hi)
+			hi = x;
 	}
 	double range = hi - lo;
 	if (p->temperature <= 0.0 || range <= 0.0) {
-		/* argmin; uniform among ties by reservoir sampling (one pass, no allocation). */
-		long pick = -1;
-		uint64_t ties = 0;
-		for (size_t i = 0; i < n; i++) {
-			if (c[i].cost != lo)
-				continue;
-			ties++;
-			if (ties == 1 || kvr_rand64(rng) % ties == 0)
-				pick = (long)i;
-		}
-		return pick;
+		/* argmin; uniform among ties: ONE draw picks the j-th tie (multiply-shift, no
+		 * division; idle ranks all tie, and a division per tie cost more than the rest of
+		 * the selection at 64 candidates). */
+		if (ties <= 1)
+			return (long)first;
+		uint64_t j = (uint64_t)(((unsigned __int128)kvr_rand64(rng) * ties) >> 64);
+		for (size_t i = first;; i++)
+			if (c[i].cost == lo && j-- == 0)
+				return (long)i;
 	}
 	/* softmax over normalised negative cost: weights in (0, 1], the best rank weighs 1. */
 	double inv = 1.0 / (range * p->temperature), total = 0.0;
