@@ -6,8 +6,9 @@
  * chose the rank, and every replica must book the SAME rank with the SAME hashes, or the
  * predicted caches diverge.  So this skips hashing of tokens (the peer sends local hashes),
  * the index lookup and selection, and does exactly what kvr_route's step 5 does: mint an
- * attempt id and book it on the rank's shard (kvr_admit, synchronously).  The
- * queue is bypassed: the peer's router already admitted the request.
+ * attempt id and book it on the rank's shard (kvr_admit: posted, or waited for with
+ * sync_booking, as kvr_route does).  The queue is bypassed: the peer's router already admitted
+ * the request.
  */
 #include <string.h>
 
@@ -70,7 +71,10 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	    .overlap = m->overlap,
 	    .pend_blocks = n,
 	};
-	rc = kvr_admit(r, &a, true); /* booked before the peer's next note is applied */
+	/* Posted like kvr_route's own admissions (waited for only with sync_booking): the lane is
+	 * FIFO, so the peer's later lifecycle calls for this attempt are applied after the
+	 * booking, and the apply thread goes on with the next message while the shard books. */
+	rc = kvr_admit(r, &a, r->cfg.sync_booking);
 	kvr_free(seq, (n ? n : 1) * sizeof(uint64_t));
 	if (rc == 0)
 		m->attempt = a.attempt;

@@ -75,9 +75,11 @@ int kvr_repl_set_hooks(struct kvr_router *r, struct kvr_repl_hooks *hooks);
 /*
  * Books a peer's admission on a->rank with a->local hashes, exactly as kvr_route's admission
  * books a chosen rank (lease, predicted cache, load, index), with no selection and no note.
- * Sets a->attempt to the new local attempt id.
+ * Sets a->attempt to the new local attempt id.  Like kvr_route, the booking is posted to the
+ * rank's shard (the load counts at once, the blocks once the shard ran it; kvr_router_sync
+ * waits for it) unless the router has sync_booking.
  * Returns 0, KVR_ENOENT (rank unknown or going), KVR_ESTALE (the rank's incarnation differs),
- * KVR_EINVAL, KVR_ERANGE, KVR_ENOMEM, KVR_ESHUTDOWN.
+ * KVR_EINVAL, KVR_ERANGE, KVR_ENOMEM, KVR_ESHUTDOWN, KVR_EAGAIN (the lane stayed full).
  * Context: any thread, outside an RCU read section.
  */
 int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *a);

@@ -27,10 +27,17 @@ static struct kvr_rep_rec *rec_from_msg(const struct kvr_wmsg *m)
 	x->expected = m->expected_output;
 	x->chain_known = m->flags & KVR_MSG_F_CHAIN_KNOWN;
 	x->prefilled = m->flags & KVR_MSG_F_PREFILLED;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	if (m->n_blocks) /* the wire is little-endian */
+		memcpy(x->blocks, m->blocks, (size_t)m->n_blocks * 8);
+	if (m->tail_n)
+		memcpy(x->tail, m->tail, (size_t)m->tail_n * 4);
+#else
 	for (uint32_t i = 0; i < m->n_blocks; i++)
 		x->blocks[i] = kvr_msg_u64(m->blocks, i);
 	for (uint32_t i = 0; i < m->tail_n; i++)
 		x->tail[i] = kvr_msg_u32(m->tail, i);
+#endif
 	return x;
 }
 
