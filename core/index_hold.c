@@ -89,12 +89,18 @@ void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
 		return;
 	uint32_t c = h->cut;
 	while (c / 64 < h->nwords) {
+		/* The shift brings in zeros above bit 63 - c % 64, which ~ makes look like a
+		 * gap: only a gap below them ends the cut here, else go on to the next word
+		 * (stopping at the word's end under-credited a refilled hole by up to 63 blocks
+		 * per word boundary). */
+		const uint32_t rest = 64 - c % 64;
 		uint64_t w = ~(bm[c / 64] >> (c % 64));
-		if (w) {
-			c += (uint32_t)__builtin_ctzll(w);
+		uint32_t z = w ? (uint32_t)__builtin_ctzll(w) : 64;
+		if (z < rest) {
+			c += z;
 			break;
 		}
-		c += 64 - c % 64;
+		c += rest;
 	}
 	h->cut = c < h->top ? c : h->top;
 }

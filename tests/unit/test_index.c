@@ -622,3 +622,77 @@ Test(index, trim_then_fork_then_reextend)
 	cr_assert_eq(kvr_index_store(idx, bb, &p1, &x[2], 1), 0);
 	cr_assert_eq(score_of(qx, 10, bb), 10);
 }
+
+/* Blocks removed in random order from chains longer than a run: every removal finds its block
+ * (through the block locator, whose entries do not record positions: the writer finds them in
+ * the run's hashes), scores stop at the first hole, tree sizes count exactly, and the blocks
+ * stored again in chain order bring the score back.  Rank a stores with ext = seq (the
+ * approximate modes), rank b with engine hashes (events mode: ext -> seq first). */
+Test(index, random_removals_in_long_chains)
+{
+	enum { N = 5000, K = 3000 };
+	uint32_t a, bb;
+	kvr_index_rank_add(idx, 1, 0, &a);
+	kvr_index_rank_add(idx, 2, 0, &bb);
+	struct kvr_index_block *ba = malloc(sizeof(*ba) * N), *bx = malloc(sizeof(*bx) * N);
+	uint64_t *q = malloc(sizeof(*q) * N), *seq = malloc(sizeof(*seq) * N);
+	for (size_t i = 0; i < N; i++)
+		q[i] = 7000 + i;
+	kvr_hash_chain_locals(NULL, q, N, seq);
+	chain(bx, N, 1ull << 40, 7000);
+	for (size_t i = 0; i < N; i++)
+		ba[i] = (struct kvr_index_block){.ext_hash = seq[i], .local_hash = q[i]};
+	cr_assert_eq(kvr_index_store(idx, a, NULL, ba, N), 0);
+	cr_assert_eq(kvr_index_store(idx, bb, NULL, bx, N), 0);
+	uint32_t slot[2] = {a, bb};
+	struct kvr_index_block *blk[2] = {ba, bx};
+	uint64_t rng = 12345;
+	for (int r = 0; r < 2; r++) {
+		uint32_t *perm = malloc(sizeof(*perm) * N);
+		bool *gone = calloc(N, sizeof(bool));
+		for (uint32_t i = 0; i < N; i++)
+			perm[i] = i;
+		for (uint32_t i = N - 1; i > 0; i--) {
+			rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+			uint32_t j = (uint32_t)((rng >> 33) % (i + 1)), t = perm[i];
+			perm[i] = perm[j];
+			perm[j] = t;
+		}
+		size_t first_gone = N;
+		for (size_t k = 0; k < K; k++) {
+			size_t nf = 9;
+			cr_assert_eq(
+			    kvr_index_remove(idx, slot[r], &blk[r][perm[k]].ext_hash, 1, &nf), 0);
+			cr_assert_eq(nf, 0, "rank %d removal %zu (position %u)", r, k, perm[k]);
+			gone[perm[k]] = true;
+			if (perm[k] < first_gone)
+				first_gone = perm[k];
+			if (k % 500 == 499) {
+				cr_assert_eq(score_of(q, N, slot[r]),
+				             first_gone ? (int)first_gone : -1);
+				cr_assert_eq(kvr_index_tree_size(idx, slot[r]), N - k - 1);
+			}
+		}
+		size_t nf = 0;
+		kvr_index_remove(idx, slot[r], &blk[r][perm[0]].ext_hash, 1, &nf);
+		cr_assert_eq(nf, 1, "a removed block is not found again");
+		for (size_t i = 0; i < N; i++)
+			if (gone[i])
+				cr_assert_eq(kvr_index_store(idx, slot[r],
+				                             i ? &blk[r][i - 1].ext_hash : NULL,
+				                             &blk[r][i], 1),
+				             0, "rank %d position %zu", r, i);
+		cr_assert_eq(score_of(q, N, slot[r]), N,
+		             "a refilled hole raises the cut back over every word");
+		cr_assert_eq(kvr_index_tree_size(idx, slot[r]), N);
+		free(perm);
+		free(gone);
+	}
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, N);
+	free(ba);
+	free(bx);
+	free(q);
+	free(seq);
+}
