@@ -46,6 +46,7 @@ static void agree_record(struct replay_result *res, uint64_t n, uint64_t pred, u
 		res->jaccard_min = j;
 	res->sim_cached_sum += n;
 	res->pred_resident_sum += pred;
+	res->agree_inter_sum += inter < pred ? inter : pred;
 }
 
 /* Exact agreement from the policy's predicted set: |sim|, |pred| and |sim & pred|. */

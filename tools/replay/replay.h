@@ -110,6 +110,7 @@ struct replay_result {
 	    agree_subset; /* samples where S is inside R (the policy holds every cached block) */
 	double jaccard_mean, jaccard_min;
 	uint64_t sim_cached_sum, pred_resident_sum;
+	uint64_t agree_inter_sum; /* blocks both cached and predicted, summed over samples */
 	/* Series: hit rate per bucket of first-admission time; sorted TTFTs. */
 	uint32_t n_buckets;
 	double bucket_s;

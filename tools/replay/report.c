@@ -58,16 +58,21 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 			    100 * share(r->reach_chosen_blocks, r->share_prompt_blocks[0]),
 			    100 * share(r->reach_best_blocks, r->share_prompt_blocks[0]));
 		if (r->agree_samples)
-			fprintf(f,
-			        "agreement %s: %llu samples (rank x time), Jaccard mean %.3f min "
-			        "%.3f, %llu exact, %llu with every cached block predicted; mean "
-			        "cached blocks per rank sim %.1f vs "
-			        "predicted %.1f\n",
-			        r->policy, (unsigned long long)r->agree_samples, r->jaccard_mean,
-			        r->jaccard_min, (unsigned long long)r->agree_exact,
-			        (unsigned long long)r->agree_subset,
-			        share(r->sim_cached_sum, r->agree_samples),
-			        share(r->pred_resident_sum, r->agree_samples));
+			fprintf(
+			    f,
+			    "agreement %s: %llu samples (rank x time), Jaccard mean %.3f min "
+			    "%.3f, %llu exact, %llu with every cached block predicted; mean "
+			    "cached blocks per rank sim %.1f vs "
+			    "predicted %.1f, both %.1f (cached, not predicted: %.1f; predicted, "
+			    "not cached: %.1f)\n",
+			    r->policy, (unsigned long long)r->agree_samples, r->jaccard_mean,
+			    r->jaccard_min, (unsigned long long)r->agree_exact,
+			    (unsigned long long)r->agree_subset,
+			    share(r->sim_cached_sum, r->agree_samples),
+			    share(r->pred_resident_sum, r->agree_samples),
+			    share(r->agree_inter_sum, r->agree_samples),
+			    share(r->sim_cached_sum - r->agree_inter_sum, r->agree_samples),
+			    share(r->pred_resident_sum - r->agree_inter_sum, r->agree_samples));
 	}
 }
 
