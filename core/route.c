@@ -177,18 +177,23 @@ void kvr_request_init(struct kvr_request *req)
 	req->temperature = -1.0;
 }
 
-/* Adds slot as a candidate if it is routable.  Context: inside the read section. */
-static void add_candidate(struct kvr_router *r, uint32_t slot, size_t n_blocks, size_t *n)
+/* Adds slot as a candidate if it is routable: its overlap (score[]), pinned depth (pin[]) and
+ * load go to cand[*n] and cand_pin[*n].  The scratch arrays are passed in so the loop over every
+ * live rank reads the thread-local scratch once, not per rank.  Context: inside the read
+ * section. */
+static inline void add_candidate(const struct kvr_rank_pub *ranks, const uint32_t *score,
+                                 const uint32_t *pin, struct kvr_candidate *cand,
+                                 uint32_t *cand_pin, uint32_t slot, size_t n_blocks, size_t *n)
 {
-	struct kvr_rank_pub *pub = &r->ranks[slot];
+	const struct kvr_rank_pub *pub = &ranks[slot];
 	if (!__atomic_load_n(&pub->live, __ATOMIC_ACQUIRE))
 		return;
-	uint32_t pinned = tls.pin[slot];
-	tls.cand_pin[*n] = pinned;
-	struct kvr_candidate *c = &tls.cand[(*n)++];
+	uint32_t pinned = pin[slot];
+	cand_pin[*n] = pinned;
+	struct kvr_candidate *c = &cand[(*n)++];
 	c->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
 	c->slot = slot;
-	c->overlap_blocks = tls.score[slot];
+	c->overlap_blocks = score[slot];
 	c->active_prefill_tokens = kvr_rank_pub_prefill(pub);
 	/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT already
 	 * pinned there (its pinned depth: pinned blocks are prefix-closed along the chain). */
@@ -204,25 +209,31 @@ static long candidates(struct kvr_router *r, const struct kvr_request *q, size_t
 	/* The request's decode footprint: its prompt blocks plus the output it expects. */
 	n_blocks += q->expected_output_tokens / r->cfg.block_size;
 	size_t n = 0;
+	const struct kvr_rank_pub *ranks = r->ranks;
+	const uint32_t *score = tls.score, *pin = tls.pin;
+	struct kvr_candidate *cand = tls.cand;
+	uint32_t *cand_pin = tls.cand_pin;
 	if (q->pinned) {
 		uint32_t s;
 		if (kvr_router_find_rank(r, *q->pinned, &s))
 			return KVR_ENOENT;
-		add_candidate(r, s, n_blocks, &n);
+		add_candidate(ranks, score, pin, cand, cand_pin, s, n_blocks, &n);
 	} else if (q->n_allow) {
 		for (size_t i = 0; i < q->n_allow; i++) {
 			uint32_t s;
 			if (kvr_router_find_rank(r, q->allow[i], &s) == 0) {
 				bool dup = false;
 				for (size_t k = 0; k < n; k++)
-					dup |= tls.cand[k].slot == s;
+					dup |= cand[k].slot == s;
 				if (!dup)
-					add_candidate(r, s, n_blocks, &n);
+					add_candidate(ranks, score, pin, cand, cand_pin, s,
+					              n_blocks, &n);
 			}
 		}
 	} else {
 		for (uint32_t i = 0; i < live->n; i++)
-			add_candidate(r, live->slot[i], n_blocks, &n);
+			add_candidate(ranks, score, pin, cand, cand_pin, live->slot[i], n_blocks,
+			              &n);
 	}
 	return n ? (long)n : KVR_ENOENT;
 }
