@@ -25,6 +25,8 @@
  *
  * usage: bench_route [--ms N per config] [--lengths 2048,8192,...] [--ranks N] [--shards N]
  *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N] [--rate R]
+ *                    [--spin-us US] (shard_idle_spin_ns: how long an idle shard polls before it
+ *                    parks; paced runs with a spin longer than the gap never wake a shard)
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -148,6 +150,7 @@ static void *run(void *arg)
 }
 
 static bool sync_booking;
+static long spin_us = -1; /* --spin-us: kvr_config.shard_idle_spin_ns in us; -1 = default */
 static uint64_t capacity; /* 0: 8 prompts' worth of blocks per rank */
 static uint32_t n_ranks = 64, n_shards = 2;
 static int threads_max = 2;
@@ -172,6 +175,8 @@ static void bench(int threads, double ms)
 	kvr_config_init(&c);
 	c.n_shards = n_shards;
 	c.sync_booking = sync_booking;
+	if (spin_us >= 0)
+		c.shard_idle_spin_ns = (uint64_t)spin_us * 1000;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
@@ -302,6 +307,8 @@ int main(int argc, char **argv)
 			sync_booking = atoi(argv[i + 1]) != 0;
 		else if (!strcmp(argv[i], "--threads-max"))
 			threads_max = atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--spin-us"))
+			spin_us = atol(argv[i + 1]);
 		else if (!strcmp(argv[i], "--rate"))
 			pace_ns = (uint64_t)(1e9 / atof(argv[i + 1]));
 	}
