@@ -27,7 +27,7 @@
  * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block.  Per
  * (rank, run): an 8-byte holder word (inline in the run for a single holder, else in a holder
- * set with a pointer beside it), a 48-byte record and a bitmap (1 bit per position), so the
+ * set with a pointer beside it), a 40-byte record and a bitmap (1 bit per position), so the
  * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
  * ext hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
  *

@@ -43,9 +43,9 @@ static inline uint32_t blk_tag(uint64_t seq)
 	return (uint32_t)(seq >> 8) & 63;
 }
 
-static inline uint32_t blk_ent(uint64_t seq, const struct idx_run *r)
+static inline uint32_t blk_ent(uint64_t seq, uint32_t id)
 {
-	return r->id << 6 | blk_tag(seq);
+	return id << 6 | blk_tag(seq);
 }
 
 static inline bool dir_live(const struct idx_run *r)
@@ -83,13 +83,20 @@ static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *
 		*pos = hw - 1;
 		return true;
 	}
-	/* Four words per step: the compiler keeps the loop branch-light. */
-	uint32_t i = 0;
-	for (; i + 4 <= hw; i += 4) {
-		if ((s[i] == seq) | (s[i + 1] == seq) | (s[i + 2] == seq) | (s[i + 3] == seq))
+	/* Backward from the end of the tree's part (positions [0, len)), four words per step
+	 * (branch-light): evictions take a chain's tail and stores extend it, so the block is
+	 * most often near len; then the trimmed positions [len, hw) a re-store looks for. */
+	uint32_t i = len;
+	for (; i >= 4; i -= 4) {
+		if ((s[i - 1] == seq) | (s[i - 2] == seq) | (s[i - 3] == seq) | (s[i - 4] == seq))
 			break;
 	}
-	for (; i < hw; i++)
+	for (uint32_t lo = i >= 4 ? i - 4 : 0; i > lo; i--)
+		if (s[i - 1] == seq) {
+			*pos = i - 1;
+			return true;
+		}
+	for (i = len; i < hw; i++)
 		if (s[i] == seq) {
 			*pos = i;
 			return true;
@@ -139,7 +146,7 @@ static int rebuild(struct kvr_index *idx, uint64_t cap)
 		if (!dir_live(r))
 			continue;
 		for (uint32_t p = 1; p < r->hw; p++)
-			put(e, cap, r->seqs[p], blk_ent(r->seqs[p], r));
+			put(e, cap, r->seqs[p], blk_ent(r->seqs[p], id));
 		count += r->hw - 1u;
 	}
 	if (b->e) {
@@ -190,26 +197,43 @@ void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_
 		i = i + 1 == b->cap ? 0 : i + 1;
 	if (b->e[i] == BLK_TOMB)
 		b->tombs--;
-	b->e[i] = blk_ent(seq, r);
+	b->e[i] = blk_ent(seq, idx_run_id(r));
 	b->count++;
+}
+
+/* Empties slot i: a tombstone, unless the next slot is empty, in which case no probe can
+ * need to pass i (nor the tombstones just before it, which are emptied too). */
+static void kill(struct idx_blocks *b, uint64_t i)
+{
+	uint64_t next = i + 1 == b->cap ? 0 : i + 1;
+	if (b->e[next] != BLK_EMPTY) {
+		b->e[i] = BLK_TOMB;
+		b->tombs++;
+		return;
+	}
+	b->e[i] = BLK_EMPTY;
+	for (uint64_t j = i ? i - 1 : b->cap - 1; b->e[j] == BLK_TOMB; j = j ? j - 1 : b->cap - 1) {
+		b->e[j] = BLK_EMPTY;
+		b->tombs--;
+	}
 }
 
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
-	if (r->id == 0)
+	const uint32_t id = idx_run_id(r);
+	if (id == 0)
 		return; /* one position ever: nothing here */
 	for (uint32_t p = 1; p < r->hw; p++) {
 		const uint64_t seq = r->seqs[p];
-		const uint32_t want = blk_ent(seq, r);
+		const uint32_t want = blk_ent(seq, id);
 		for (uint64_t i = idx_blk_home(seq, b->cap);; i = i + 1 == b->cap ? 0 : i + 1) {
 			uint32_t e = b->e[i];
 			if (e == BLK_EMPTY)
 				break; /* NEVER: the locator holds every position below hw */
 			if (e == want) {
-				b->e[i] = BLK_TOMB;
 				b->count--;
-				b->tombs++;
+				kill(b, i);
 				break;
 			}
 		}
@@ -228,6 +252,8 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
+	if (idx_seqs_inline(r))
+		return KVR_ENOMEM; /* NEVER: a run past one position has its own hash array */
 	if (!b->dir_free) {
 		uint32_t ocap = b->dir_cap, ncap = ocap ? ocap + ocap / 2 : 64;
 		if (ocap > BLK_ID_MAX)
@@ -258,20 +284,21 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 	b->dir_free = (uint32_t)((uintptr_t)b->dir[id] >> 1);
 	b->dir[id] = r;
 	b->live++;
-	r->id = id;
+	idx_seqs_hdr(r->seqs)->id = id;
 	return 0;
 }
 
 void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
-	if (r->id == 0)
+	const uint32_t id = idx_run_id(r);
+	if (id == 0)
 		return; /* never had one */
-	if (r->id >= b->dir_cap || b->dir[r->id] != r)
+	if (id >= b->dir_cap || b->dir[id] != r)
 		return; /* NEVER */
-	b->dir[r->id] = (struct idx_run *)(uintptr_t)((uintptr_t)b->dir_free << 1 | 1);
-	b->dir_free = r->id;
-	r->id = 0;
+	b->dir[id] = (struct idx_run *)(uintptr_t)((uintptr_t)b->dir_free << 1 | 1);
+	b->dir_free = id;
+	idx_seqs_hdr(r->seqs)->id = 0;
 	if (--b->live == 0) { /* no run left: give the directory back */
 		kvr_free(b->dir, (size_t)b->dir_cap * sizeof(*b->dir));
 		idx_count(&idx->bytes_shared, -(int64_t)b->dir_cap * (int64_t)sizeof(*b->dir));

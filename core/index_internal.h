@@ -28,7 +28,7 @@
  */
 struct idx_seqs {
 	uint32_t cap;
-	uint32_t pad;
+	uint32_t id;                /* the run's block-locator id (0: none yet), writers' */
 	struct idx_seqs *next_free; /* retire-list link */
 	uint64_t s[];
 };
@@ -91,10 +91,7 @@ struct idx_run {
 	uint16_t hw;            /* positions ever written into seqs (write-once; all in the
 	                         * block locator until the run dies) */
 	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
-	uint32_t id;            /* the run's number in the block locator (core/index_blocks.c),
-	                         * 0 while it has one position */
-	uint32_t pad;
-	struct idx_run *child; /* children list; the retire-list link once dead */
+	struct idx_run *child;  /* children list; the retire-list link once dead */
 	struct idx_run *sib, *sib_prev;
 };
 
@@ -130,6 +127,14 @@ static inline uint32_t idx_run_cap(const struct idx_run *r)
 	return idx_seqs_inline(r) ? 1 : idx_seqs_hdr(r->seqs)->cap;
 }
 
+/* The run's number in the block locator (core/index_blocks.c), 0 while it has none: a run gets
+ * one when it grows past one position, by then its hashes have their own array, whose header
+ * keeps the id (the run header does not pay 8 bytes for it). */
+static inline uint32_t idx_run_id(const struct idx_run *r)
+{
+	return idx_seqs_inline(r) ? 0 : idx_seqs_hdr(r->seqs)->id;
+}
+
 /*
  * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
  * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix
@@ -144,9 +149,11 @@ struct idx_hold {
 		uint64_t *bm; /* nwords > 1 */
 		uint64_t bm0; /* nwords == 1: inline */
 	};
-	uint32_t slot;
-	uint16_t nwords;         /* bitmap words */
-	uint16_t cut, top, held; /* positions, < IDX_RUN_MAX */
+	uint64_t slot : 20;  /* < KVR_INDEX_MAX_RANKS */
+	uint64_t nwords : 6; /* bitmap words, <= IDX_RUN_MAX / 64 */
+	uint64_t cut : 12;   /* positions, <= IDX_RUN_MAX */
+	uint64_t top : 12;
+	uint64_t held : 12;
 };
 
 static inline uint64_t *idx_hold_bm(struct idx_hold *h)
@@ -342,7 +349,7 @@ void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_
 /* Deletes the entries of r's positions [1, hw) and frees its id (never fails; may shrink the
  * locator when memory allows). */
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r);
-/* Gives r an id.  Returns 0 or KVR_ENOMEM. */
+/* Gives r (whose hashes have their own array) an id.  Returns 0 or KVR_ENOMEM. */
 int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r);
 /* Frees r's id (its entries deleted first). */
 void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r);

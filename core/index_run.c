@@ -56,6 +56,7 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
 	r->first = first;
 	if (q) {
 		q->cap = cap;
+		q->id = 0;
 		q->next_free = NULL;
 		q->s[0] = first;
 		r->seqs = q->s;
@@ -94,6 +95,7 @@ int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
 	if (!q)
 		return KVR_ENOMEM;
 	q->cap = (uint32_t)cap;
+	q->id = idx_run_id(r);
 	q->next_free = NULL;
 	memcpy(q->s, r->seqs, (size_t)r->hw * sizeof(uint64_t));
 	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_seqs(q->cap));

@@ -242,7 +242,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		if (pl == P_APPEND) {
 			if (kvr_index_blk_reserve(idx, 1) != 0 ||
 			    kvr_index_run_grow(idx, R, n - i) != 0 ||
-			    (R->id == 0 && !(new_id = kvr_index_blk_id_new(idx, R) == 0))) {
+			    (idx_run_id(R) == 0 && !(new_id = kvr_index_blk_id_new(idx, R) == 0))) {
 				kvr_index_blk_unreserve(idx);
 				rc = KVR_ENOMEM;
 				break;
