@@ -30,14 +30,22 @@
 
 /* ---------------------------------------------------------------- per-rank state */
 
-struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp)
+static struct rstate *rstate_find(struct ep *e, uint32_t dp)
 {
 	for (uint32_t i = 0; i < e->n_rs; i++)
 		if (e->rs[i].dp == dp)
 			return &e->rs[i];
+	return NULL;
+}
+
+struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp)
+{
+	struct rstate *s = rstate_find(e, dp);
+	if (s)
+		return s;
 	if (kvr_feed_grow((void **)&e->rs, &e->cap_rs, (uint64_t)e->n_rs + 1, sizeof(*e->rs)))
 		return NULL;
-	struct rstate *s = &e->rs[e->n_rs++];
+	s = &e->rs[e->n_rs++];
 	*s = (struct rstate){.dp = dp};
 	kvr_u64map_init(&s->other);
 	return s;
@@ -272,14 +280,6 @@ uint32_t kvr_feed_missed(const struct ep *e)
 	for (uint32_t i = 0; i < e->n_rs; i++)
 		n += e->rs[i].missed;
 	return n;
-}
-
-static struct rstate *rstate_find(struct ep *e, uint32_t dp)
-{
-	for (uint32_t i = 0; i < e->n_rs; i++)
-		if (e->rs[i].dp == dp)
-			return &e->rs[i];
-	return NULL;
 }
 
 /* A batch for a rank the router does not know (yet): dropped, and the rank remembered from

@@ -472,16 +472,65 @@ static void scenario_forms(struct pubproc *p, const char *bind, const char *form
 	kvr_u64map_fini(&m.gpu);
 }
 
+/* A scenario's publisher (started, with a replay endpoint or not), the feed's endpoint for it,
+ * the model of its engine and an event buffer. */
+struct scen {
+	char ep[256], rep[256];
+	struct engine m;
+	uint32_t id;
+	struct sb e;
+};
+
+static void scen_begin(struct pubproc *p, struct scen *s, uint64_t worker, uint32_t dp,
+                       bool with_replay)
+{
+	*s = (struct scen){0};
+	kvr_u64map_init(&s->m.gpu);
+	start(p, "tcp://127.0.0.1:*", with_replay ? "tcp://127.0.0.1:*" : NULL, s->ep, s->rep);
+	s->id = add_ep(s->ep, with_replay ? s->rep : NULL, worker, dp);
+	wait_sub(p);
+}
+
+static void scen_end(struct pubproc *p, struct scen *s)
+{
+	CHECK(kvr_feed_remove(F, s->id) == 0, "remove");
+	pub_cmd(p, "{\"op\":\"stop\"}");
+	free(s->e.s);
+	kvr_u64map_fini(&s->m.gpu);
+}
+
+/* Publishes one batch of one event: stored (n blocks of h under parent) or removed; returns
+ * its seq. */
+static uint64_t pub_one(struct pubproc *p, struct scen *s, bool stored, const uint64_t *h, size_t n,
+                        const uint64_t *parent, uint32_t dp, bool drop)
+{
+	bool first = true;
+	s->e.len = 0;
+	if (stored)
+		ev_stored(&s->e, &first, h, n, parent, NULL);
+	else
+		ev_removed(&s->e, &first, h, n, NULL);
+	return publish(p, "map", dp, drop, s->e.s);
+}
+
+/* Exactly one gap [expected, got) reported through on_event_gap since the count was gaps0. */
+static void check_gap(int gaps0, uint64_t expected, uint64_t got)
+{
+	CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0 + 1 &&
+	          gap_expected == expected && gap_got == got,
+	      "gap callbacks %d (want %d), expected %" PRIu64 " got %" PRIu64, gaps_reported,
+	      gaps0 + 1, gap_expected, gap_got);
+}
+
 /* Gaps: healed by replay; without replay (reported, cleared); a publisher restart; garbage. */
 static void scenario_gaps(struct pubproc *p, uint64_t worker, bool with_replay)
 {
-	char ep[256], rep[256];
+	struct scen sc;
 	struct kvr_rank_id rank = {worker, 0};
-	struct engine m = {0};
-	kvr_u64map_init(&m.gpu);
-	start(p, "tcp://127.0.0.1:*", with_replay ? "tcp://127.0.0.1:*" : NULL, ep, rep);
-	uint32_t id = add_ep(ep, with_replay ? rep : NULL, worker, 0);
-	wait_sub(p);
+	scen_begin(p, &sc, worker, 0, with_replay);
+	struct engine m = sc.m;
+	uint32_t id = sc.id;
+	const char *ep = sc.ep, *rep = sc.rep;
 	uint64_t a[12], b[4];
 	chain(a, 12, 0xA000000000000000ull + worker * 0x100000000ull);
 	chain(b, 4, 0xB000000000000000ull + worker * 0x100000000ull);
@@ -531,10 +580,7 @@ static void scenario_gaps(struct pubproc *p, uint64_t worker, bool with_replay)
 		kvr_u64map_clear(&m.gpu);
 		model_store(&m, b, 4);
 		CHECK(st.gaps == 1, "gaps %" PRIu64, st.gaps);
-		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0 + 1 &&
-		          gap_expected == 1 && gap_got == 3,
-		      "gap callback %d expected %" PRIu64 " got %" PRIu64, gaps_reported,
-		      gap_expected, gap_got);
+		check_gap(gaps0, 1, 3);
 		check_equal(rank, &m, "gap without replay");
 		/* the model of the engine itself goes on: it does hold a[..] */
 	}
@@ -565,10 +611,9 @@ static void scenario_gaps(struct pubproc *p, uint64_t worker, bool with_replay)
 	st = stats(id);
 	CHECK(st.restarts == 1, "restarts %" PRIu64, st.restarts);
 	check_equal(rank, &m, "publisher restart");
-	CHECK(kvr_feed_remove(F, id) == 0, "remove");
-	pub_cmd(p, "{\"op\":\"stop\"}");
 	free(e.s);
-	kvr_u64map_fini(&m.gpu);
+	sc.m = m;
+	scen_end(p, &sc);
 }
 
 /* The publisher runs (and publishes) before the feed subscribes; replay brings the router up
@@ -701,70 +746,51 @@ static void scenario_short_replay(struct pubproc *p, uint64_t worker)
  * a restart, not a gap - the new stream is rebuilt from 0 by replay, or reported. */
 static void scenario_restart_ahead(struct pubproc *p, uint64_t worker, bool with_replay)
 {
-	char ep[256], rep[256], ep2[256], rep2[256];
+	struct scen s;
 	struct kvr_rank_id rank = {worker, 0};
-	struct engine m = {0};
-	kvr_u64map_init(&m.gpu);
-	start(p, "tcp://127.0.0.1:*", with_replay ? "tcp://127.0.0.1:*" : NULL, ep, rep);
-	uint32_t id = add_ep(ep, with_replay ? rep : NULL, worker, 0);
-	wait_sub(p);
+	scen_begin(p, &s, worker, 0, with_replay);
 	uint64_t a[3], b[5];
 	chain(a, 3, 0xE000000000000000ull + worker * 0x100000000ull);
 	chain(b, 5, 0xF000000000000000ull + worker * 0x100000000ull);
-	struct sb e = {0};
-	bool first;
 	for (int i = 0; i < 3; i++) { /* the old stream: seq 0..2 */
-		e.len = 0;
-		first = true;
-		ev_stored(&e, &first, a + i, 1, NULL, NULL);
-		publish(p, "map", 0, false, e.s);
-		model_store(&m, a + i, 1);
+		pub_one(p, &s, true, a + i, 1, NULL, 0, false);
+		model_store(&s.m, a + i, 1);
 	}
-	wait_seq(id, 2, "restart ahead: old stream");
-	check_equal(rank, &m, "restart ahead: old stream");
+	wait_seq(s.id, 2, "restart ahead: old stream");
+	check_equal(rank, &s.m, "restart ahead: old stream");
 	int gaps0 = __atomic_load_n(&gaps_reported, __ATOMIC_RELAXED);
 	/* restart: an empty engine, whose seq 0..3 go out before the subscriber is back */
+	char ep2[256], rep2[256];
 	pub_cmd(p, "{\"op\":\"stop\"}");
-	start(p, ep, with_replay ? rep : NULL, ep2, rep2);
-	kvr_u64map_clear(&m.gpu);
+	start(p, s.ep, with_replay ? s.rep : NULL, ep2, rep2);
+	kvr_u64map_clear(&s.m.gpu);
 	for (int i = 0; i < 4; i++) {
-		e.len = 0;
-		first = true;
-		ev_stored(&e, &first, b + i, 1, NULL, NULL);
-		publish(p, "map", 0, true, e.s);
-		model_store(&m, b + i, 1);
+		pub_one(p, &s, true, b + i, 1, NULL, 0, true);
+		model_store(&s.m, b + i, 1);
 	}
 	wait_sub(p);
 	/* seq 4, the first the feed sees of the new stream: above the old stream's next (3) */
-	e.len = 0;
-	first = true;
-	ev_stored(&e, &first, b + 4, 1, NULL, NULL);
-	uint64_t s = publish(p, "map", 0, false, e.s);
-	CHECK(s == 4, "restarted publisher's seq %" PRIu64, s);
-	model_store(&m, b + 4, 1);
-	wait_seq(id, s, "restart ahead");
-	struct kvr_feed_stats st = stats(id);
+	uint64_t seq = pub_one(p, &s, true, b + 4, 1, NULL, 0, false);
+	CHECK(seq == 4, "restarted publisher's seq %" PRIu64, seq);
+	model_store(&s.m, b + 4, 1);
+	wait_seq(s.id, seq, "restart ahead");
+	struct kvr_feed_stats st = stats(s.id);
 	CHECK(st.restarts == 1, "restarts %" PRIu64, st.restarts);
 	if (with_replay) {
 		/* replayed from 0: exactly the new engine's blocks, none of the old stream's */
 		CHECK(st.gaps == 0 && st.replays == 1, "gaps %" PRIu64 " replays %" PRIu64, st.gaps,
 		      st.replays);
 		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0, "gap reported");
-		check_equal(rank, &m, "restart ahead, replayed from 0");
+		check_equal(rank, &s.m, "restart ahead, replayed from 0");
 	} else {
 		/* seq 0..3 of the new stream are lost: reported as the gap [0, 4) */
 		CHECK(st.gaps == 1, "gaps %" PRIu64, st.gaps);
-		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0 + 1 &&
-		          gap_expected == 0 && gap_got == 4,
-		      "gap callback expected %" PRIu64 " got %" PRIu64, gap_expected, gap_got);
-		kvr_u64map_clear(&m.gpu);
-		model_store(&m, b + 4, 1);
-		check_equal(rank, &m, "restart ahead without replay");
+		check_gap(gaps0, 0, 4);
+		kvr_u64map_clear(&s.m.gpu);
+		model_store(&s.m, b + 4, 1);
+		check_equal(rank, &s.m, "restart ahead without replay");
 	}
-	CHECK(kvr_feed_remove(F, id) == 0, "remove");
-	pub_cmd(p, "{\"op\":\"stop\"}");
-	free(e.s);
-	kvr_u64map_fini(&m.gpu);
+	scen_end(p, &s);
 }
 
 /* Batches for a rank the router does not know yet are dropped and counted; when the rank is
@@ -772,82 +798,55 @@ static void scenario_restart_ahead(struct pubproc *p, uint64_t worker, bool with
  * Without a replay endpoint the missed range is reported and the rank holds what came after. */
 static void scenario_rank_added(struct pubproc *p, uint64_t worker, bool with_replay)
 {
-	char ep[256], rep[256];
+	struct scen s;
 	struct kvr_rank_id rank = {worker, 0};
-	struct engine m = {0};
-	kvr_u64map_init(&m.gpu);
-	start(p, "tcp://127.0.0.1:*", with_replay ? "tcp://127.0.0.1:*" : NULL, ep, rep);
-	uint32_t id = add_ep(ep, with_replay ? rep : NULL, worker, KVR_FEED_DP_FROM_BATCH);
-	wait_sub(p);
+	scen_begin(p, &s, worker, KVR_FEED_DP_FROM_BATCH, with_replay);
 	uint64_t a[3], b[2], c[2];
 	chain(a, 3, 0x9000000000000000ull + worker * 0x100000000ull);
 	chain(b, 2, 0x9800000000000000ull + worker * 0x100000000ull);
 	chain(c, 2, 0x9C00000000000000ull + worker * 0x100000000ull);
-	struct sb e = {0};
-	bool first = true;
 	/* seq 0: a stored; 1: a[2] removed; 2: b stored on dp 1 (another rank, also unknown);
 	 * 3: c[0] stored -- all while the router knows neither (worker, 0) nor (worker, 1) */
-	ev_stored(&e, &first, a, 3, NULL, NULL);
-	publish(p, "map", 0, false, e.s);
-	e.len = 0;
-	first = true;
-	ev_removed(&e, &first, a + 2, 1, NULL);
-	publish(p, "array", 0, false, e.s);
-	e.len = 0;
-	first = true;
-	ev_stored(&e, &first, b, 2, NULL, NULL);
-	publish(p, "map", 1, false, e.s);
-	e.len = 0;
-	first = true;
-	ev_stored(&e, &first, c, 1, NULL, NULL);
-	uint64_t s = publish(p, "map", 0, false, e.s);
-	wait_seq(id, s, "rank added: unknown");
-	struct kvr_feed_stats st = stats(id);
+	pub_one(p, &s, true, a, 3, NULL, 0, false);
+	pub_one(p, &s, false, a + 2, 1, NULL, 0, false);
+	pub_one(p, &s, true, b, 2, NULL, 1, false);
+	uint64_t seq = pub_one(p, &s, true, c, 1, NULL, 0, false);
+	wait_seq(s.id, seq, "rank added: unknown");
+	struct kvr_feed_stats st = stats(s.id);
 	CHECK(st.unknown_rank == 4 && st.batches == 0, "unknown %" PRIu64 " batches %" PRIu64,
 	      st.unknown_rank, st.batches);
 	int gaps0 = __atomic_load_n(&gaps_reported, __ATOMIC_RELAXED);
 	CHECK(kvr_rank_add(R, rank, 1, KVR_CAPACITY_NONE, 0) == 0, "rank add");
 	/* at once a live batch for it (whichever comes first, it or the feed's own look at the
 	 * added ranks, resyncs the rank first) */
-	e.len = 0;
-	first = true;
-	ev_stored(&e, &first, c + 1, 1, c, NULL);
-	s = publish(p, "map", 0, false, e.s);
-	wait_seq(id, s, "rank added: live");
+	seq = pub_one(p, &s, true, c + 1, 1, c, 0, false);
+	wait_seq(s.id, seq, "rank added: live");
 	uint64_t end = now_ms() + 10000;
 	do {
-		st = stats(id);
+		st = stats(s.id);
 		usleep(1000);
 	} while (st.replays + st.gaps == 0 && now_ms() < end);
 	if (with_replay) {
-		model_store(&m, a, 3);
-		model_remove(&m, a + 2, 1);
-		model_store(&m, c, 2);
+		model_store(&s.m, a, 3);
+		model_remove(&s.m, a + 2, 1);
+		model_store(&s.m, c, 2);
 		CHECK(st.replays == 1 && st.replayed_batches == 3 && st.gaps == 0,
 		      "replays %" PRIu64 " replayed %" PRIu64 " gaps %" PRIu64, st.replays,
 		      st.replayed_batches, st.gaps);
 		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0, "gap reported");
-		check_equal(rank, &m, "rank added: resynced by replay");
+		check_equal(rank, &s.m, "rank added: resynced by replay");
 	} else {
 		/* [0, 4) missed and reported; c[1]'s parent c[0] is unknown to the index: it holds
 		 * nothing */
 		CHECK(st.gaps == 1, "gaps %" PRIu64, st.gaps);
-		CHECK(__atomic_load_n(&gaps_reported, __ATOMIC_RELAXED) == gaps0 + 1 &&
-		          gap_expected == 0 && gap_got == 4,
-		      "gap callback expected %" PRIu64 " got %" PRIu64, gap_expected, gap_got);
-		e.len = 0;
-		first = true;
-		ev_stored(&e, &first, b, 2, NULL, NULL);
-		s = publish(p, "map", 0, false, e.s);
-		wait_seq(id, s, "rank added: after");
-		model_store(&m, b, 2);
-		check_equal(rank, &m, "rank added without replay");
+		check_gap(gaps0, 0, 4);
+		seq = pub_one(p, &s, true, b, 2, NULL, 0, false);
+		wait_seq(s.id, seq, "rank added: after");
+		model_store(&s.m, b, 2);
+		check_equal(rank, &s.m, "rank added without replay");
 	}
 	CHECK(kvr_rank_remove(R, rank) == 0, "rank remove");
-	CHECK(kvr_feed_remove(F, id) == 0, "remove");
-	pub_cmd(p, "{\"op\":\"stop\"}");
-	free(e.s);
-	kvr_u64map_fini(&m.gpu);
+	scen_end(p, &s);
 }
 
 int main(int argc, char **argv)
