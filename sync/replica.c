@@ -345,12 +345,10 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 	clock_gettime(CLOCK_REALTIME, &ts);
 	rep->epoch = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 	rep->connected = true;
-	/* 16384 notes queued at most (1 MiB): far more than a sender that keeps up holds. */
-	if (kvr_ring_init(&rep->outq, 16384)) {
+	if (kvr_rep_out_init(rep)) {
 		kvr_free(rep, sizeof(*rep));
 		return KVR_ENOMEM;
 	}
-	kvr_parker_init(&rep->out_park);
 	pthread_mutex_init(&rep->mu, NULL);
 	pthread_mutex_init(&rep->qmu, NULL);
 	pthread_condattr_t ca;

@@ -74,6 +74,18 @@ struct kvr_rep_peer {
 	uint64_t live;
 };
 
+/* A staging slab (sync/replica_out.c): a routing thread copies an admission here, into memory
+ * that stays warm because slabs are reused lowest index first, instead of allocating a record
+ * (cold memory) on the routing path; the sender builds the record and frees the slab. */
+#define OUT_SLABS       32 /* at most 64: one bit each in slab_free */
+#define OUT_SLAB_BLOCKS 2048u
+#define OUT_SLAB_TAIL   256u
+struct kvr_rep_slab {
+	struct kvr_repl_admission a; /* its pointers are the caller's: not used after the note */
+	uint64_t blocks[OUT_SLAB_BLOCKS];
+	uint32_t tail[OUT_SLAB_TAIL];
+};
+
 struct kvr_replica {
 	struct kvr_router *r;
 	struct kvr_replica_config c;
@@ -113,9 +125,11 @@ struct kvr_replica {
 	struct kvr_parker out_park;
 	pthread_t out_thread;
 	bool out_started;
-	bool out_stop;        /* atomic: the sender exits once the ring is empty */
-	uint64_t flush_req;   /* atomic: outbound flush tickets handed out */
-	uint64_t out_dropped; /* atomic: notes lost before the queue (no memory, ring full) */
+	bool out_stop;              /* atomic: the sender exits once the ring is empty */
+	uint64_t flush_req;         /* atomic: outbound flush tickets handed out */
+	uint64_t out_dropped;       /* atomic: notes lost before the queue (no memory, ring full) */
+	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
+	uint64_t slab_free;         /* atomic bitmap of free slabs */
 };
 
 static inline uint64_t kvr_rep_mono_ns(void)
@@ -188,6 +202,8 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a);
 void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n);
 void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
                        uint64_t capacity, uint32_t mbt);
+/* Makes the outbound queue and the staging slabs.  0 or KVR_ENOMEM.  Context: create. */
+int kvr_rep_out_init(struct kvr_replica *rep);
 /* Starts the sender thread.  0 or KVR_EBUSY.  Context: kvr_replica_start. */
 int kvr_rep_out_start(struct kvr_replica *rep);
 /* Publishes what is queued, then stops the sender.  Context: teardown, after the hooks are gone

@@ -183,7 +183,7 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * before it parks, so a steady stream of notes never pays a FUTEX_WAKE on the routing path;
  * an idle router's sender sleeps (a note after a quiet spell pays one wake-up). */
 
-enum { OUT_ADMIT = 1, OUT_PROGRESS = 2, OUT_RANK = 3, OUT_FLUSH = 4 };
+enum { OUT_ADMIT = 1, OUT_PROGRESS = 2, OUT_RANK = 3, OUT_FLUSH = 4, OUT_ADMIT_SLAB = 5 };
 
 #define OUT_INLINE       8 /* output tokens carried in the ring message itself */
 #define OUT_BURST        32
@@ -211,9 +211,15 @@ _Static_assert(sizeof(struct out_progress) <= KVR_MSG_PAYLOAD, "fits a ring mess
 _Static_assert(sizeof(struct out_rank) <= KVR_MSG_PAYLOAD, "fits a ring message");
 
 /* Frees what a queued message owns (it is not going out). */
-static void out_discard(const struct kvr_msg *m)
+static void slab_put(struct kvr_replica *rep, uint32_t i);
+
+static void out_discard(struct kvr_replica *rep, const struct kvr_msg *m)
 {
-	if (m->aux == OUT_ADMIT) {
+	if (m->aux == OUT_ADMIT_SLAB) {
+		uint32_t idx;
+		memcpy(&idx, m->payload, sizeof(idx));
+		slab_put(rep, idx);
+	} else if (m->aux == OUT_ADMIT) {
 		struct kvr_rep_rec *x;
 		memcpy(&x, m->payload, sizeof(x));
 		kvr_rep_rec_free(x);
@@ -237,7 +243,7 @@ static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload
 		} else if (now - t0 > OUT_FULL_WAIT_NS) {
 			struct kvr_msg m = {.aux = kind};
 			memcpy(m.payload, payload, len);
-			out_discard(&m);
+			out_discard(rep, &m);
 			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 			return;
 		}
@@ -247,14 +253,13 @@ static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload
 	kvr_parker_wake(&rep->out_park);
 }
 
-void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
+/* An own admission's record (blocks and tail copied from the arguments), or NULL. */
+static struct kvr_rep_rec *rec_of(const struct kvr_replica *rep, const struct kvr_repl_admission *a,
+                                  const uint64_t *blocks, const uint32_t *tail)
 {
-	struct kvr_replica *rep = ctx;
 	struct kvr_rep_rec *x = kvr_rep_rec_new(a->n, a->tail_n);
-	if (!x) {
-		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
-		return;
-	}
+	if (!x)
+		return NULL;
 	x->origin = rep->c.replica_id;
 	x->oepoch = rep->epoch;
 	x->oattempt = x->local = a->attempt;
@@ -265,9 +270,53 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 	x->overlap = a->overlap;
 	x->expected = a->expected_output;
 	x->chain_known = a->chain_known;
-	memcpy(x->blocks, a->local, (size_t)a->n * 8);
+	if (a->n)
+		memcpy(x->blocks, blocks, (size_t)a->n * 8);
 	if (a->tail_n)
-		memcpy(x->tail, a->tail, (size_t)a->tail_n * 4);
+		memcpy(x->tail, tail, (size_t)a->tail_n * 4);
+	return x;
+}
+
+/* Takes a free staging slab, lowest index first (the recently used ones are warm in cache).
+ * Returns its index or -1.  Ordering: acquire; pairs with the release in slab_put, so the
+ * sender's reads of the slab happen before our writes. */
+static int slab_get(struct kvr_replica *rep)
+{
+	uint64_t m = __atomic_load_n(&rep->slab_free, __ATOMIC_RELAXED);
+	while (m) {
+		int i = __builtin_ctzll(m);
+		if (__atomic_compare_exchange_n(&rep->slab_free, &m, m & ~(1ull << i), true,
+		                                __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+			return i;
+	}
+	return -1;
+}
+
+static void slab_put(struct kvr_replica *rep, uint32_t i)
+{
+	__atomic_fetch_or(&rep->slab_free, 1ull << i, __ATOMIC_RELEASE);
+}
+
+void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
+{
+	struct kvr_replica *rep = ctx;
+	int i = a->n <= OUT_SLAB_BLOCKS && a->tail_n <= OUT_SLAB_TAIL ? slab_get(rep) : -1;
+	if (i >= 0) {
+		struct kvr_rep_slab *sl = &rep->slabs[i];
+		sl->a = *a;
+		if (a->n)
+			memcpy(sl->blocks, a->local, (size_t)a->n * 8);
+		if (a->tail_n)
+			memcpy(sl->tail, a->tail, (size_t)a->tail_n * 4);
+		uint32_t idx = (uint32_t)i;
+		out_push(rep, OUT_ADMIT_SLAB, &idx, sizeof(idx));
+		return;
+	}
+	struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail); /* no slab: the record itself */
+	if (!x) {
+		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+		return;
+	}
 	out_push(rep, OUT_ADMIT, &x, sizeof(x));
 }
 
@@ -313,6 +362,18 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 		struct kvr_rep_rec *x;
 		memcpy(&x, m->payload, sizeof(x));
 		out_admit(rep, x);
+		return 0;
+	}
+	case OUT_ADMIT_SLAB: { /* the record is made here, off the routing path */
+		uint32_t idx;
+		memcpy(&idx, m->payload, sizeof(idx));
+		const struct kvr_rep_slab *sl = &rep->slabs[idx];
+		struct kvr_rep_rec *x = rec_of(rep, &sl->a, sl->blocks, sl->tail);
+		slab_put(rep, idx);
+		if (x)
+			out_admit(rep, x);
+		else
+			rep->st.unpublished++;
 		return 0;
 	}
 	case OUT_PROGRESS: {
@@ -389,6 +450,21 @@ static void *out_main(void *arg)
 	return NULL;
 }
 
+int kvr_rep_out_init(struct kvr_replica *rep)
+{
+	/* 16384 notes queued at most (1 MiB): far more than a sender that keeps up holds. */
+	if (kvr_ring_init(&rep->outq, 16384))
+		return KVR_ENOMEM;
+	rep->slabs = kvr_alloc_aligned(OUT_SLABS * sizeof(*rep->slabs));
+	if (!rep->slabs) {
+		kvr_ring_fini(&rep->outq);
+		return KVR_ENOMEM;
+	}
+	rep->slab_free = OUT_SLABS == 64 ? ~0ull : (1ull << OUT_SLABS) - 1;
+	kvr_parker_init(&rep->out_park);
+	return 0;
+}
+
 int kvr_rep_out_start(struct kvr_replica *rep)
 {
 	if (pthread_create(&rep->out_thread, NULL, out_main, rep))
@@ -434,8 +510,10 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 	if (!rep->outq.buf)
 		return;
 	while (kvr_ring_dequeue(&rep->outq, &m))
-		out_discard(&m);
+		out_discard(rep, &m);
 	kvr_ring_fini(&rep->outq);
+	kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
+	rep->slabs = NULL;
 }
 
 /* Asks peer `id` (on the stream) to send RESET and its live attempts again: we released them
