@@ -125,7 +125,8 @@ static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign
 			b[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
 		size_t cached = ref_lru_overlap(eng, seq, n);
 		cr_assert_eq(ref_lru_acquire(eng, eng_id, b, n, 0, &eo), 0);
-		/* This engine prefills at admission: the first token is out before the next step. */
+		/* This engine prefills at admission: the first token is out before the next step.
+		 */
 		cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
 		if (feedback) {
 			cr_assert_eq(kvr_request_cached(r, d.attempt, cached * BS), 0);
