@@ -223,14 +223,10 @@ static int wait_until(struct kvr_replica *rep, uint32_t timeout_ms, bool ready_o
 	uint64_t target = rep->q_in;
 	int rc = 0;
 	while (ready_only ? !rep->ready : (rep->q_done < target || !rep->ready || rep->qhead)) {
-		uint64_t t = kvr_rep_mono_ns();
-		if (t >= deadline) {
+		if (!kvr_rep_wait_deadline(&rep->donecv, &rep->qmu, deadline)) {
 			rc = KVR_ETIMEDOUT;
 			break;
 		}
-		/* at most 10 ms: a wait that misses a broadcast re-checks soon */
-		kvr_rep_timedwait(&rep->donecv, &rep->qmu,
-		                  deadline - t < 10000000ull ? deadline - t : 10000000ull);
 	}
 	pthread_mutex_unlock(&rep->qmu);
 	return rc;

@@ -151,6 +151,18 @@ static inline void kvr_rep_timedwait(pthread_cond_t *cv, pthread_mutex_t *mu, ui
 	pthread_cond_timedwait(cv, mu, &ts);
 }
 
+/* For a wait with a deadline (CLOCK_MONOTONIC ns): false when it has passed, else waits on cv
+ * at most 10 ms (a waiter that misses a broadcast re-checks soon) and returns true. */
+static inline bool kvr_rep_wait_deadline(pthread_cond_t *cv, pthread_mutex_t *mu,
+                                         uint64_t deadline_ns)
+{
+	uint64_t t = kvr_rep_mono_ns();
+	if (t >= deadline_ns)
+		return false;
+	kvr_rep_timedwait(cv, mu, deadline_ns - t < 10000000ull ? deadline_ns - t : 10000000ull);
+	return true;
+}
+
 /* Runs a router call as a peer's: no note goes out.  No lock held. */
 #define APPLYING(expr)                                                                             \
 	({                                                                                         \

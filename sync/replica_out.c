@@ -492,13 +492,10 @@ int kvr_rep_out_flush(struct kvr_replica *rep, uint64_t deadline_ns)
 	int rc = 0;
 	pthread_mutex_lock(&rep->qmu);
 	while (rep->flush_done < ticket) {
-		uint64_t t = kvr_rep_mono_ns();
-		if (t >= deadline_ns) {
+		if (!kvr_rep_wait_deadline(&rep->donecv, &rep->qmu, deadline_ns)) {
 			rc = KVR_ETIMEDOUT;
 			break;
 		}
-		kvr_rep_timedwait(&rep->donecv, &rep->qmu,
-		                  deadline_ns - t < 10000000ull ? deadline_ns - t : 10000000ull);
 	}
 	pthread_mutex_unlock(&rep->qmu);
 	return rc;
