@@ -276,18 +276,19 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 		l->runs[a->snext].sprev = j;
 	a->snext = j;
 	kvr_u64map_insert(&l->heads, seq_of(b)[0], j);
-	if (a->pub) {
-		/* Readers: len shrinks first, then the array (maybe a copy) is swapped (pinmap.h);
-		 * the array a owned now belongs to b's copy when b kept it. */
-		struct kvr_pinrun *p = a->pub;
+	/* Readers: the right part is published first, then the left one shrinks (len first, then
+	 * its array, maybe a copy: pinmap.h), so a walk sees the whole run either way.  The array a
+	 * owned belongs to b's copy when b kept it. */
+	struct kvr_pinrun *p = a->pub;
+	pub_make(l, b, p ? d : NULL);
+	if (p) {
 		__atomic_store_n(&p->len, off, __ATOMIC_RELEASE);
 		__atomic_store_n(&p->seqs, (const uint64_t *)seq_of(a), __ATOMIC_RELEASE);
 		p->mem = a->mem;
 		p->mem_cap = a->cap;
-	}
-	pub_make(l, b, a->pub ? d : NULL);
-	if (!a->pub)
+	} else {
 		kvr_free(d, d ? sizeof(*d) : 0);
+	}
 	return 0;
 }
 

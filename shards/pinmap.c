@@ -21,13 +21,15 @@
  *
  * Ordering.  Writers hold pm->lock.  A run is fully initialised before the release store that
  * links it (a table entry or a predecessor's ->next); readers load links with acquire.  A split
- * shrinks a run in place: len is stored (release) before seqs, and readers load seqs (acquire)
- * before len, so a reader that sees the new, shorter array also sees the shorter len; one that
- * sees the old array may see either len, and the old array is immutable and alive until a grace
- * period after the run owning it goes.  Unlinked runs and arrays are freed through call_rcu.
- * A reader racing with writers may thus answer as of just before or just after a change of one
- * rank's runs (the decision is a prediction either way); it never reads freed or unwritten
- * memory.
+ * links the right part first, then shrinks the left run in place (so a walk finds the blocks in
+ * one or the other, never in neither): len is stored (release) before seqs, and readers load
+ * seqs (acquire) before len, so a reader that sees the new, shorter array also sees the shorter
+ * len; one that sees the old array may see either len, and the old array is immutable and alive
+ * until a grace period after the run owning it goes.  Unlinked runs and arrays are freed through
+ * call_rcu.  A reader racing with a pin thus answers as of just before or just after it (the new
+ * run is linked last); racing a finish, which unlinks its runs one at a time, anything between
+ * (the decision is a prediction either way; tests/stress/stress_pinmap.c checks both).  It never
+ * reads freed or unwritten memory.
  */
 #include "shards/pinmap.h"
 

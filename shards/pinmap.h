@@ -78,7 +78,9 @@ void kvr_pinrun_retire_flush(struct kvr_pinrun_retire *b);
  * zero on entry for every slot) is set for each rank pinning seq[0], and that rank's slot is
  * appended to slots[] (room for every rank).  Returns how many slots were appended; the caller
  * zeroes those depth[] entries before the next call.  Ranks that pin nothing stay 0.
- * A racing writer may make one rank's answer that of just before or just after its change.
+ * Racing a writer, a rank's answer is its depth just before or just after the writer's command
+ * (a pin: splits are invisible, the new run appears last), or, racing a finish that unpins
+ * several runs one at a time, anything between the two (tests/stress/stress_pinmap.c).
  * Context: inside an RCU read-side section; any thread.  O(runs on the path per rank +
  * log(run length) per rank where it diverges).
  */
