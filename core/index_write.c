@@ -341,9 +341,9 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 out:
 	if (pub)
 		kvr_index_publish_cut(pub);
-	if (rc == KVR_ENOMEM && napplied) {
+	if (rc == KVR_ENOMEM) {
 		/* A failed write changes nothing: take back what this call applied, newest
-		 * first (a removal never needs memory). */
+		 * first (a removal never needs memory), and the map room it reserved. */
 		size_t removed = 0, dropped = 0;
 		for (size_t i = napplied; i-- > 0;)
 			remove_locked(idx, rk, slot, &applied[i], 1, &removed, &dropped);

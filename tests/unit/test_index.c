@@ -696,3 +696,43 @@ Test(index, random_removals_in_long_chains)
 	free(q);
 	free(seq);
 }
+
+/* The first store into an empty index allocates at every site a store can (the run, its hash
+ * array, the run table, the block locator and its id directory, the holder record): failing
+ * the nth allocation for n = 1, 2, ... must return KVR_ENOMEM and leave the index empty, memory
+ * included, until the store succeeds. */
+Test(index, out_of_memory_first_store)
+{
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	struct kvr_index_block b[40];
+	chain(b, 40, 100, 1);
+	uint64_t q[40];
+	for (int i = 0; i < 40; i++)
+		q[i] = 1 + (uint64_t)i;
+	kvr_index_quiesce(idx);
+	const uint64_t mem0 = kvr_index_memory_bytes(idx);
+	int rc = KVR_ENOMEM;
+	uint64_t nth;
+	for (nth = 1; nth < 100 && rc != 0; nth++) {
+		kvr_alloc_fail_after(nth);
+		/* one block first: the run must grow past one position (the locator id) */
+		rc = kvr_index_store(idx, r0, NULL, b, 1);
+		if (rc == 0)
+			rc = kvr_index_store(idx, r0, &b[0].ext_hash, b + 1, 39);
+		kvr_alloc_fail_after(0);
+		if (rc == 0)
+			break;
+		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
+		if (kvr_index_tree_size(idx, r0) == 1) /* the one-block store went in */
+			cr_assert_eq(kvr_index_remove(idx, r0, &b[0].ext_hash, 1, NULL), 0);
+		cr_assert_eq(kvr_index_tree_size(idx, r0), 0, "nth=%lu", (unsigned long)nth);
+		kvr_index_quiesce(idx);
+		cr_assert_eq(kvr_index_memory_bytes(idx), mem0, "nth=%lu mem %lu vs %lu",
+		             (unsigned long)nth, (unsigned long)kvr_index_memory_bytes(idx),
+		             (unsigned long)mem0);
+	}
+	cr_assert_eq(rc, 0);
+	cr_assert_gt(nth, 5, "the first stores allocate at several sites");
+	cr_assert_eq(score_of(q, 40, r0), 40);
+}
