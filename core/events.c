@@ -8,6 +8,7 @@
  */
 #include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/events.h"
 
@@ -164,8 +165,12 @@ static int apply_many(struct kvr_shard *sh, void *arg)
 	return 0;
 }
 
-int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
-                          const struct kvr_event *evs, size_t n, int *rcs)
+/* Validates evs and computes their local hashes into args / local (grown with grow); the
+ * rank's shard in *sh.  Returns 0 or what kvr_events_apply_many returns for the whole call. */
+static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const struct kvr_event *evs,
+                        size_t n, int *rcs, struct kvr_event_args **args, size_t *cap_args,
+                        uint64_t **local, size_t *cap_local,
+                        int (*grow)(void **, size_t *, size_t, size_t), struct kvr_shard **sh)
 {
 	if (!r || (!evs && n))
 		return KVR_EINVAL;
@@ -173,6 +178,7 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
 		return KVR_ESHUTDOWN;
 	if (r->cfg.mode != KVR_MODE_EVENTS)
 		return KVR_EINVAL;
+	*sh = NULL;
 	if (n == 0)
 		return 0;
 	uint32_t slot;
@@ -183,8 +189,8 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
 	for (size_t i = 0; i < n; i++)
 		if (evs[i].type == KVR_EVENT_STORED)
 			nblk += evs[i].n_blocks;
-	if (many_grow((void **)&many_args, &many_cap, n, sizeof(*many_args)) ||
-	    many_grow((void **)&many_local, &many_local_cap, nblk ? nblk : 1, sizeof(uint64_t)))
+	if (grow((void **)args, cap_args, n ? n : 1, sizeof(**args)) ||
+	    grow((void **)local, cap_local, nblk ? nblk : 1, sizeof(uint64_t)))
 		return KVR_ENOMEM;
 	struct kvr_rank_pub *pub = &r->ranks[slot];
 	uint64_t gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
@@ -194,11 +200,11 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
 		int v = validate(r, ev);
 		if (rcs)
 			rcs[i] = v;
-		many_args[i] = (struct kvr_event_args){.slot = slot,
-		                                       .gen = gen,
-		                                       .ev = v ? NULL : ev,
-		                                       .local = many_local + off,
-		                                       .rank_only = true};
+		(*args)[i] = (struct kvr_event_args){.slot = slot,
+		                                     .gen = gen,
+		                                     .ev = v ? NULL : ev,
+		                                     .local = *local + off,
+		                                     .rank_only = true};
 		if (v || ev->type != KVR_EVENT_STORED)
 			continue;
 		uint64_t seed = kvr_hash_lora_seed(ev->lora_name);
@@ -206,15 +212,94 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
 			const struct kvr_event_block *b = &ev->blocks[k];
 			if (b->tokens)
 				kvr_hash_chain_tokens(NULL, b->tokens, 1, r->cfg.block_size, seed,
-				                      &many_local[off + k], NULL);
+				                      &(*local)[off + k], NULL);
 			else
-				many_local[off + k] = b->local_hash;
+				(*local)[off + k] = b->local_hash;
 		}
 		off += ev->n_blocks;
 	}
+	*sh = kvr_shards_get(r->shards, pub->shard);
+	return 0;
+}
+
+int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
+                          const struct kvr_event *evs, size_t n, int *rcs)
+{
+	struct kvr_shard *sh;
+	int rc = prepare_many(r, rank, evs, n, rcs, &many_args, &many_cap, &many_local,
+	                      &many_local_cap, many_grow, &sh);
+	if (rc || !sh)
+		return rc;
 	struct many m = {.args = many_args, .n = n, .rcs = rcs};
-	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING, apply_many,
-	                      &m);
+	return kvr_shard_call(sh, KVR_LANE_ROUTING, apply_many, &m);
+}
+
+/* Grows a kvr_events_post buffer (owned by the struct, not the thread). */
+static int post_grow(void **p, size_t *cap, size_t need, size_t item)
+{
+	if (need <= *cap)
+		return 0;
+	size_t nc = *cap ? *cap : 64;
+	while (nc < need)
+		nc *= 2;
+	void *q = kvr_realloc(*p, *cap * item, nc * item);
+	if (!q)
+		return KVR_ENOMEM;
+	*p = q;
+	*cap = nc;
+	return 0;
+}
+
+/* On the rank's shard: the events, then the reply the poster waits on. */
+static void post_task(struct kvr_shard *sh, void *payload)
+{
+	struct kvr_events_post *a;
+	memcpy(&a, payload, sizeof(a));
+	struct many m = {.args = a->args, .n = a->n, .rcs = a->rcs};
+	apply_many(sh, &m);
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	a->done_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+	kvr_reply_post(&a->reply, 0); /* release: done_ns and rcs before it */
+}
+
+int kvr_events_post_many(struct kvr_router *r, struct kvr_rank_id rank, const struct kvr_event *evs,
+                         size_t n, int *rcs, struct kvr_events_post *a)
+{
+	if (!a || a->in_flight)
+		return KVR_EINVAL;
+	struct kvr_shard *sh;
+	int rc = prepare_many(r, rank, evs, n, rcs, &a->args, &a->cap_args, &a->local,
+	                      &a->cap_local, post_grow, &sh);
+	if (rc || !sh)
+		return rc;
+	a->rcs = rcs;
+	a->n = n;
+	kvr_reply_init(&a->reply);
+	struct kvr_events_post *pa = a;
+	rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, post_task, &pa, sizeof(pa), UINT64_MAX);
+	if (rc)
+		return rc;
+	a->in_flight = true;
+	return 0;
+}
+
+int kvr_events_post_wait(struct kvr_events_post *a)
+{
+	if (!a->in_flight)
+		return 0;
+	kvr_reply_wait(&a->reply, 0, NULL);
+	a->in_flight = false;
+	return 0;
+}
+
+void kvr_events_post_fini(struct kvr_events_post *a)
+{
+	kvr_free(a->args, a->cap_args * sizeof(*a->args));
+	kvr_free(a->local, a->cap_local * sizeof(uint64_t));
+	a->args = NULL;
+	a->local = NULL;
+	a->cap_args = a->cap_local = 0;
 }
 
 int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)

@@ -175,6 +175,9 @@ static void run_cmd(struct kvr_feed *f, struct cmd *c)
 {
 	uint32_t at;
 	struct ep *e;
+	/* What is posted is applied and counted before any command: stats are exact, and no
+	 * posted buffer points at an endpoint a remove frees. */
+	kvr_feed_settle(f);
 	switch (c->op) {
 	case CMD_ADD:
 		c->rc = ep_add(f, c->ep, &c->id);
@@ -339,6 +342,7 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	if (!f)
 		return KVR_ENOMEM;
 	f->r = r;
+	f->pend = &f->bufs[0];
 	f->cfg = c;
 	pthread_mutex_init(&f->ctl_lock, NULL);
 	if (kvr_feed_grow((void **)&f->items, &f->cap_items, 1, sizeof(*f->items)))
@@ -422,7 +426,8 @@ void kvr_feed_destroy(struct kvr_feed *f)
 	kvr_feed_batch_fini(&f->rep);
 	kvr_free(f->eps, (size_t)f->cap_eps * sizeof(*f->eps));
 	kvr_free(f->items, (size_t)f->cap_items * sizeof(*f->items));
-	kvr_feed_pending_fini(&f->pend);
+	kvr_feed_pending_fini(&f->bufs[0]);
+	kvr_feed_pending_fini(&f->bufs[1]);
 	pthread_mutex_destroy(&f->ctl_lock);
 	kvr_free(f, sizeof(*f));
 }

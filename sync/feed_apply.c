@@ -2,11 +2,17 @@
  * sync/feed_apply.c - a decoded vLLM KV event batch into the router's index: validation, local
  * hashes, the events queued per rank and applied through kvr_events_apply's shard function.
  *
- * Applying.  Everything one drain of the sockets accepts for a rank is applied with ONE shard
- * round trip (kvr_events_apply_many, core/events.c), local hashes computed here on the feed
+ * Applying.  Everything one drain of the sockets accepts for a rank goes to the rank's shard
+ * as ONE task (kvr_events_post_many, core/events.c), local hashes computed here on the feed
  * thread.  A round trip per event capped the feed at the shard's wake-up rate: 87k blocks/s on
  * a loaded 2-core machine, against 1.26-1.75M blocks/s batched (perf/bench_feed).  At low rates
- * a drain holds one message, so batching adds no lag.
+ * a drain holds one message, so batching adds no lag.  The feed does not wait for the task: it
+ * goes back to its sockets while the shard applies, filling the other of two buffers; it waits
+ * only when that buffer's own task is still running (the shard is two drains behind), and
+ * before an API command (stats must count what is visible).  Waiting for every task made the
+ * thread pay a futex wake-up per drain before it could read on; on a loaded machine (publisher
+ * at 10k batches/s, bench_feed without --rt, same minute) the feed's applied-lag p50 fell
+ * behind by 0.40-1.88 s that way, by 0.13-0.34 s without the wait.
  *
  * Copies.  vLLM can hold two physical copies of one hash (the same prefix computed twice before
  * the first copy was cached, or one per KV cache group of a hybrid model) and sends a
@@ -61,10 +67,11 @@ uint64_t kvr_feed_other_blocks(const struct ep *e)
 
 static void refuse(struct kvr_feed *f, struct ep *e);
 
-/* Applies the pending events (one shard round trip). */
-static void apply_pending(struct kvr_feed *f)
+/* Posts the pending events of p to their rank's shard (kvr_events_post_many: the feed goes on
+ * reading while the shard applies them; complete() collects the results).  On a failure to
+ * post, the events are refused at once. */
+static void post_pending(struct kvr_feed *f, struct pending *p)
 {
-	struct pending *p = &f->pend;
 	if (!p->n_ev)
 		return;
 	struct ep *e = p->ep;
@@ -89,21 +96,38 @@ static void apply_pending(struct kvr_feed *f)
 			o->n_removed = v->n;
 		}
 	}
-	int rc = kvr_events_apply_many(f->r, (struct kvr_rank_id){e->worker_id, p->dp}, p->out,
-	                               p->n_ev, p->rcs);
+	p->post_rc = kvr_events_post_many(f->r, (struct kvr_rank_id){e->worker_id, p->dp}, p->out,
+	                                  p->n_ev, p->rcs, &p->post);
+}
+
+/* Waits for p's post (if any), counts and logs what the shard refused, takes the lag of the
+ * batches it completed, and empties p for reuse. */
+static void complete(struct kvr_feed *f, struct pending *p)
+{
+	kvr_events_post_wait(&p->post);
+	uint64_t done = p->post.done_ns;
 	for (uint32_t i = 0; i < p->n_ev; i++) {
-		int r = rc ? rc : p->rcs[i];
+		int r = p->post_rc ? p->post_rc : p->rcs[i];
 		if (!r)
 			continue;
-		refuse(f, e);
-		kvr_feed_log(f, e, LK_INDEX, KVR_LOG_WARN,
+		refuse(f, p->ep);
+		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,
 		             "%s for rank (%" PRIu64 ", %u) not applied: %s",
 		             p->ev[i].type == KVR_EVENT_STORED    ? "BlockStored"
 		             : p->ev[i].type == KVR_EVENT_REMOVED ? "BlockRemoved"
 		                                                  : "clear",
-		             e->worker_id, p->dp, kvr_strerror(r));
+		             p->ep->worker_id, p->dp, kvr_strerror(r));
 	}
-	p->n_ev = p->n_blk = p->n_rm = 0;
+	if (!p->n_ev || p->post_rc)
+		done = kvr_feed_wall_ns();
+	for (uint32_t i = 0; i < p->n_lag; i++) {
+		uint64_t ts = p->lag[i].ts_ns, lag = done > ts ? done - ts : 0;
+		p->lag[i].ep->st.last_lag_ns = lag;
+		kvr_metrics_observe(f->mb, KVR_H_FEED_LAG_NS, lag);
+	}
+	p->n_ev = p->n_blk = p->n_rm = p->n_lag = 0;
+	p->post_rc = 0;
+	p->post.done_ns = 0;
 }
 
 /* Room for one more event of (e, dp) with nblk blocks (stored) or hashes (removed); flushes
@@ -111,10 +135,12 @@ static void apply_pending(struct kvr_feed *f)
 static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uint32_t nblk,
                               bool removed)
 {
-	struct pending *p = &f->pend;
+	struct pending *p = f->pend;
 	if (p->n_ev &&
-	    (p->ep != e || p->dp != dp || p->n_blk + p->n_rm + nblk > PENDING_MAX_BLOCKS))
+	    (p->ep != e || p->dp != dp || p->n_blk + p->n_rm + nblk > PENDING_MAX_BLOCKS)) {
 		kvr_feed_flush(f);
+		p = f->pend;
+	}
 	p->ep = e;
 	p->dp = dp;
 	if (kvr_feed_grow((void **)&p->ev, &p->cap_ev, (uint64_t)p->n_ev + 1, sizeof(*p->ev)) ||
@@ -137,7 +163,7 @@ void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	struct pev *v = pend_event(f, e, s->dp, 0, false);
 	if (v) {
 		v->type = KVR_EVENT_CLEARED;
-		f->pend.n_ev++;
+		f->pend->n_ev++;
 		return;
 	}
 	/* No memory to queue it: apply what is pending, then clear directly. */
@@ -215,8 +241,8 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 		             v->lora_id);
 		return;
 	}
-	struct pending *p = &f->pend;
 	struct pev *pv = pend_event(f, e, s->dp, v->n_hashes, false);
+	struct pending *p = f->pend; /* after pend_event: a flush switches buffers */
 	if (!pv ||
 	    kvr_feed_grow((void **)&p->local, &p->cap_local, v->n_hashes, sizeof(*p->local))) {
 		refuse(f, e);
@@ -263,15 +289,15 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
 		refuse(f, e);
 		return;
 	}
-	memcpy(f->pend.rm + f->pend.n_rm, h, (size_t)n * sizeof(*h));
+	memcpy(f->pend->rm + f->pend->n_rm, h, (size_t)n * sizeof(*h));
 	e->st.blocks_removed += n;
 	kvr_feed_count(f, KVR_C_FEED_BLOCKS_REMOVED, n);
 	if (!n)
 		return;
 	pv->type = KVR_EVENT_REMOVED;
 	pv->n = n;
-	f->pend.n_rm += n;
-	f->pend.n_ev++;
+	f->pend->n_rm += n;
+	f->pend->n_ev++;
 }
 
 uint32_t kvr_feed_missed(const struct ep *e)
@@ -352,7 +378,7 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 	kvr_feed_count(f, KVR_C_FEED_BATCHES, 1);
 	/* Its lag is taken when it is visible, at the flush that applies it. */
 	double ts_ns = b->ts * 1e9;
-	struct pending *p = &f->pend;
+	struct pending *p = f->pend;
 	if (ts_ns > 0 && ts_ns < 1.8e19 &&
 	    !kvr_feed_grow((void **)&p->lag, &p->cap_lag, (uint64_t)p->n_lag + 1, sizeof(*p->lag)))
 		p->lag[p->n_lag++] = (struct pending_lag){.ep = e, .ts_ns = (uint64_t)ts_ns};
@@ -360,17 +386,21 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 
 void kvr_feed_flush(struct kvr_feed *f)
 {
-	struct pending *p = &f->pend;
-	apply_pending(f);
-	if (!p->n_lag)
+	/* Post this buffer; fill the other one next, once its own post is done (the shard has
+	 * usually applied it long before). */
+	struct pending *p = f->pend, *q = p == &f->bufs[0] ? &f->bufs[1] : &f->bufs[0];
+	if (!p->n_ev && !p->n_lag)
 		return;
-	uint64_t now = kvr_feed_wall_ns();
-	for (uint32_t i = 0; i < p->n_lag; i++) {
-		uint64_t ts = p->lag[i].ts_ns, lag = now > ts ? now - ts : 0;
-		p->lag[i].ep->st.last_lag_ns = lag;
-		kvr_metrics_observe(f->mb, KVR_H_FEED_LAG_NS, lag);
-	}
-	p->n_lag = 0;
+	post_pending(f, p);
+	complete(f, q);
+	f->pend = q;
+}
+
+void kvr_feed_settle(struct kvr_feed *f)
+{
+	kvr_feed_flush(f);
+	complete(f, &f->bufs[0]);
+	complete(f, &f->bufs[1]);
 }
 
 void kvr_feed_pending_fini(struct pending *p)
@@ -382,4 +412,5 @@ void kvr_feed_pending_fini(struct pending *p)
 	kvr_free(p->out, (size_t)p->cap_out * sizeof(*p->out));
 	kvr_free(p->rcs, (size_t)p->cap_rcs * sizeof(*p->rcs));
 	kvr_free(p->lag, (size_t)p->cap_lag * sizeof(*p->lag));
+	kvr_events_post_fini(&p->post);
 }

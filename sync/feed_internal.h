@@ -15,6 +15,7 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "core/events.h"
 #include "core/metrics.h"
 #include "kvrouter.h"
 #include "shards/u64map.h"
@@ -82,6 +83,8 @@ struct pending {
 		uint64_t ts_ns; /* the batch's ts */
 	} * lag;                /* batches accepted since the last flush: lag taken at the flush */
 	uint32_t n_lag, cap_lag;
+	struct kvr_events_post post; /* in flight from kvr_feed_flush to complete() */
+	int post_rc;                 /* kvr_events_post_many's, for the whole post */
 };
 
 /* Blocks pending before a flush is forced (bounds the batch a shard applies in one go). */
@@ -120,7 +123,8 @@ struct kvr_feed {
 	zmq_pollitem_t *items;
 	uint32_t cap_items;
 	struct kvr_feed_batch live, rep; /* decode scratch: live messages, replayed ones */
-	struct pending pend;
+	struct pending bufs[2];          /* one filled while the other may be in flight */
+	struct pending *pend;            /* the one being filled */
 	struct kvr_metrics_block *mb;
 	uint32_t n_missed; /* ranks with rstate.missed, all endpoints */
 	bool in_replay;    /* a replay is being read (no other may start) */
@@ -162,8 +166,12 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
                           const struct kvr_feed_batch *b);
 /* Ranks of e with rstate.missed. */
 uint32_t kvr_feed_missed(const struct ep *e);
-/* Applies what is queued, one shard round trip; returns when it is visible in the index. */
+/* Posts what is queued to its shard (one task, applied in order after earlier posts) and goes
+ * on without waiting; results (refusals, lag) are collected when the buffer is next needed. */
 void kvr_feed_flush(struct kvr_feed *f);
+/* Flushes and waits until everything posted is applied: the index shows it, the stats count
+ * it (before every API command, replay and destroy). */
+void kvr_feed_settle(struct kvr_feed *f);
 /* Forgets rank s of e (queued after what is pending): its blocks in the index, its other
  * medium. */
 void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s);
