@@ -4,7 +4,7 @@
 # out), with --jobs 2 too; the verdict lines are there and agree with the JSON; a malformed
 # line is reported with file and line, and --skip-bad counts and skips it; --sweep rejects bad
 # input with a clear message and runs a short grid (CSV/JSON rows per point and policy);
-# --plot writes PNGs when gnuplot is installed.  Foreign traffic: the same arrivals are foreign
+# --plot and tools/replay/heal_curves.sh write PNGs / an SVG when gnuplot is installed.  Foreign traffic: the same arrivals are foreign
 # whatever the mode; routed by approx_lru itself (--foreign-as self) nothing is mispredicted and
 # the all-arrivals hit rate is the no-error one; a bad mode is refused.
 #   usage: test_cli.sh KVR_REPLAY SOURCE_ROOT
@@ -110,6 +110,13 @@ if command -v gnuplot >/dev/null 2>&1; then
 	"$bin" --quiet --max-requests 60 --policies approx_lru --blocks-per-rank 4000 \
 		--sweep queue_threshold=0,1 --plot "$tmp/splots" "$sample" || fail "--sweep --plot"
 	[ -s "$tmp/splots/sweep_queue_threshold.png" ] || fail "missing sweep_queue_threshold.png"
+	# The healing curves (README): one seed, a few requests; approx_lru keeps 100 % of itself
+	# at no error, and the SVG is written.
+	SEEDS=1 sh "$root/tools/replay/heal_curves.sh" "$bin" "$sample" "$tmp/heal.svg" "$tmp/heal" \
+		--max-requests 60 >/dev/null 2>&1 || fail "heal_curves.sh"
+	[ -s "$tmp/heal.svg" ] || fail "missing heal.svg"
+	grep -A1 '^# approx_lru$' "$tmp/heal/foreign_clients.dat" | grep -q '^0 .* 100.00$' ||
+		fail "heal_curves: approx_lru at no foreign traffic is not 100 % of itself"
 fi
 echo "ok"
 
