@@ -20,6 +20,11 @@
  * load stays in 0.57-0.85: 4.7-7 bytes per block, versus 8-byte pointer entries at 0.4-0.8
  * (10-20 bytes) in the table this replaced.
  *
+ * Under insert / remove churn tombstones fill the table; the purge that clears them is
+ * O(table), so it rebuilds at a size where the live entries sit at load 0.6, which leaves
+ * room for 0.25 x cap deletions before the next one (a purge at the same size came every few
+ * hundred deletions).
+ *
  * Growth re-inserts every position [0, hw) of every live run, reading the keys from the runs
  * (entries do not hold them): O(blocks) once per 1.5x, amortised O(1) per insert, under the
  * writer mutex (readers are not involved).  Invariant: the locator holds exactly positions
@@ -185,6 +190,12 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 			cap = need * 5 / 3 + 1;
 		if (cap < BLK_MIN)
 			cap = BLK_MIN;
+	} else if (cap * 3 < need * 5) {
+		/* Tombstones filled the table: purge them, at a size where the live entries are
+		 * at load 0.6, so steady insert / remove churn purges after 0.25 x cap deletions
+		 * (a purge at the same size came every few: O(table) each, 7.5 % of a churn
+		 * run's instructions). */
+		cap = need * 5 / 3 + 1;
 	} /* else: purge tombstones at the same size */
 	return rebuild(idx, cap);
 }
@@ -245,7 +256,8 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 	} else if (b->cap > BLK_MIN && b->count * 8 < b->cap) {
 		(void)rebuild(idx, b->count * 5 / 3 + BLK_MIN);
 	} else if (b->tombs * 4 > b->cap) {
-		(void)rebuild(idx, b->cap);
+		uint64_t cap = b->count * 5 / 3 + 1; /* as in kvr_index_blk_reserve */
+		(void)rebuild(idx, cap > b->cap ? cap : b->cap);
 	}
 }
 
