@@ -700,6 +700,18 @@ Test(runtime, idle_shard_stays_parked_until_posted)
 	struct kvr_shards *s = make(2, 16, NULL, NULL);
 	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
 	struct kvr_shard_stats a, b;
+	/* quiesce returns when the work is done, not when the shard has parked: it polls for
+	 * idle_spin first, and on a loaded machine that can end late.  Wait for the park count to
+	 * settle (20 ms without a change, at most 5 s) before the window. */
+	struct timespec settle = {0, 20000000};
+	kvr_shard_get_stats(kvr_shards_get(s, 1), &a);
+	for (int i = 0; i < 250; i++) {
+		nanosleep(&settle, NULL);
+		kvr_shard_get_stats(kvr_shards_get(s, 1), &b);
+		if (b.parks == a.parks && b.parks > 0)
+			break;
+		a = b;
+	}
 	kvr_shard_get_stats(kvr_shards_get(s, 1), &a);
 	struct timespec ts = {0, 100000000};
 	nanosleep(&ts, NULL);
