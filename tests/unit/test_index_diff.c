@@ -18,7 +18,7 @@
 #include "kvrouter.h"
 #include "sync/rcu.h"
 
-enum { NR = 4, MAXP = 4096, MAXX = 256 };
+enum { NR = 4, MAXP = 16384, MAXX = 1024, LONGN = 130 };
 
 struct path {
 	int parent; /* -1 = root */
@@ -35,8 +35,11 @@ struct mrank {
 	uint64_t ext[MAXX];
 	int node[MAXX];
 	int copies[MAXX]; /* count_copies mode: physical copies of ext (>= 1) */
+	int last_rm;      /* the block (path id) whose last copy was removed last, -1 */
+	uint64_t last_rm_ext;
 };
 static bool count_copies;
+static bool longc; /* long chains: stores of up to LONGN blocks, holes refilled */
 static struct mrank mr[NR];
 
 static uint64_t rng;
@@ -126,6 +129,8 @@ static size_t mremove(struct mrank *r, const uint64_t *ext, size_t n)
 		}
 		if (--r->copies[k] > 0)
 			continue;
+		r->last_rm = r->node[k];
+		r->last_rm_ext = r->ext[k];
 		r->ext[k] = r->ext[r->nx - 1];
 		r->copies[k] = r->copies[r->nx - 1];
 		r->node[k] = r->node[r->nx - 1];
@@ -158,7 +163,7 @@ static uint64_t mseq(int id)
 	return out;
 }
 
-enum { QMAX = 40 };
+enum { QMAX = LONGN + 40 };
 
 static void check(struct kvr_index *idx, unsigned seed, int step)
 {
@@ -219,16 +224,42 @@ static void run(unsigned seed, int steps)
 	rng = seed * 2654435761u + 1;
 	npaths = 0;
 	for (int i = 0; i < NR; i++) {
-		mr[i] = (struct mrank){.worker = (uint64_t)i / 2, .dp = (uint32_t)i % 2};
+		mr[i] =
+		    (struct mrank){.worker = (uint64_t)i / 2, .dp = (uint32_t)i % 2, .last_rm = -1};
 		cr_assert_eq(kvr_index_rank_add(idx, mr[i].worker, mr[i].dp, &mr[i].slot), 0);
 	}
 	for (int step = 0; step < steps; step++) {
 		struct mrank *r = &mr[rnd(NR)];
 		uint32_t op = rnd(100);
+		const uint32_t xr = longc ? 100000 : 40; /* ext hashes drawn from 1..xr */
+		if (longc && op < 15 && r->nx > 0) {
+			/* Refill: store again a block below one the rank holds that some rank
+			 * stored before (a hole the rank made, or another rank's block). */
+			int k = (int)rnd((uint32_t)r->nx), c = -1;
+			for (int id = npaths; id-- > 0;)
+				if (paths[id].parent == r->node[k] && !mholds(r, id)) {
+					c = id;
+					break;
+				}
+			if (c >= 0) {
+				struct kvr_index_block b1 = {plain ? mseq(c) : 1 + rnd(xr),
+				                             paths[c].local};
+				int got = kvr_index_store(idx, r->slot, &r->ext[k], &b1, 1);
+				int want = mstore(r, &r->ext[k], &b1, 1);
+				cr_assert_eq(got, want, "seed=%u step=%d refill", seed, step);
+				if (step % 8 == 0)
+					check(idx, seed, step);
+				continue;
+			}
+		}
 		if (op < 55) {
-			struct kvr_index_block b[24];
-			size_t n = rnd(8) == 0 ? rnd(24) : rnd(6);
-			uint64_t pext = 1 + rnd(40);
+			struct kvr_index_block b[LONGN];
+			size_t n = longc && rnd(8) == 0 ? rnd(LONGN)
+			           : rnd(8) == 0        ? rnd(24)
+			                                : rnd(6);
+			if (r->nx + n >= MAXX)
+				n = 0;
+			uint64_t pext = 1 + rnd(xr);
 			bool root = rnd(3) == 0 || r->nx == 0;
 			int pn = -1;
 			if (!root && rnd(4) != 0) {
@@ -237,7 +268,7 @@ static void run(unsigned seed, int steps)
 				pn = r->node[k];
 			}
 			for (size_t i = 0; i < n; i++) {
-				b[i] = (struct kvr_index_block){1 + rnd(40), 1 + rnd(4)};
+				b[i] = (struct kvr_index_block){1 + rnd(xr), 1 + rnd(4)};
 				if (plain && (root || pn >= 0)) {
 					pn = intern(pn, b[i].local_hash, true);
 					if (rnd(10) != 0)
@@ -261,7 +292,7 @@ static void run(unsigned seed, int steps)
 			size_t n = rnd(5);
 			for (size_t i = 0; i < n; i++)
 				e[i] =
-				    (r->nx && rnd(3)) ? r->ext[rnd((uint32_t)r->nx)] : 1 + rnd(40);
+				    (r->nx && rnd(3)) ? r->ext[rnd((uint32_t)r->nx)] : 1 + rnd(xr);
 			size_t nf_m = mremove(r, e, n), nf;
 			kvr_alloc_fail_after(rnd(4)); /* a removal never needs memory */
 			cr_assert_eq(kvr_index_remove(idx, r->slot, e, n, &nf), 0);
@@ -285,7 +316,8 @@ static void run(unsigned seed, int steps)
 			}
 			cr_assert_eq(rc, 0, "seed=%u step=%d", seed, step);
 		}
-		check(idx, seed, step);
+		if (!longc || step % 8 == 0)
+			check(idx, seed, step);
 	}
 	/* Everything dropped -> no node left, memory back. */
 	for (int i = 0; i < NR; i++)
@@ -310,4 +342,19 @@ Test(index_diff, random_sequences)
 	}
 	for (unsigned seed = 1; seed <= 24; seed++)
 		run(seed, 3000);
+}
+
+/* Long chains: runs with bitmaps of several words, holes in them refilled (a refill must raise
+ * a rank's cut back over every word it held past the hole). */
+Test(index_diff, long_chains)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	longc = true;
+	const char *env = getenv("KVR_SEED");
+	if (env) {
+		run((unsigned)strtoul(env, NULL, 10), 1500); /* more steps outgrow the model */
+		return;
+	}
+	for (unsigned seed = 1; seed <= 8; seed++)
+		run(seed, 1500);
 }
