@@ -9,7 +9,9 @@
  *    frees through call_rcu, so a writer thread must be registered (kvr_rcu_thread_online())
  *    and must NOT hold a read-side section when it calls a writer function (deferred frees may
  *    have to wait for a grace period when memory is short).
- * Several indexes coexist independently (the router's cache index, a pinned-blocks index).
+ * Several indexes coexist independently (each router has one; tests and benchmarks make more).
+ * The pinned depth of a prompt (deduplicated decode load) does not come from here: the shards
+ * publish their pinned runs in shards/pinmap.c.
  * Costs: find_matches O(runs on the query's path + log L) table probes and comparisons plus
  * the per-rank intersection; store O(1) amortised per run plus hashing its blocks; removing a
  * tail of a chain in chain order one table probe plus O(blocks) word operations.
