@@ -1,20 +1,46 @@
 /*
- * shards/ttl.c - TTL retention of one rank (issue 5, part B).
+ * shards/ttl.c - TTL retention of one rank (issue 5, part B), kept in runs (issue 11 item 3).
  *
  * The idea.  Every entry of one store has the same ttl, so expiries are issued in time order:
  * a FIFO list ordered by expiry is already a perfect priority queue.  A refresh unlinks the entry
  * (O(1), doubly linked) and appends it with its new expiry; expiry pops from the head.  No heap,
  * no timing wheel.
  *
+ * Runs.  An entry is a RUN: consecutive blocks of one chain (positions pos, pos + 1, ...) with
+ * one expiry.  The blocks a record adds are one run per stretch of new blocks; a record that
+ * refreshes a part of a run splits it there (the refreshed part moves to the tail with the new
+ * expiry, the rest keeps its place and its own expiry).  Expiry pops whole runs from the head
+ * and emits each as one evicted run (a chain, parent first).  Because sequence hashes are
+ * chained (core/hash: a hash names its whole prefix), a record or an overlap walks a run with
+ * ONE compare at its far end and a binary search where it differs (shards/chain.h), so a record
+ * costs O(runs it touches * log) plus the new blocks, an overlap O(runs * log): no per-block
+ * work for the refreshed part of a prompt, which is most of a long cached one.
+ *
+ * Finding a block.  seq -> run in shards/u64map.h, for EVERY held block: a record may start
+ * inside a run (an output block materialized again, in other pieces) or find a run after a
+ * gap (a block refreshed by output outlives its parent), and a per-block map finds both in
+ * O(1).  Its cost is per new or expired block, like copying the hashes in and out.  The offset
+ * of a block in its run is its position minus the run's (chained hashes have one position);
+ * where the caller's position disagrees, a scan of the run finds it (only for bad input).
+ *
+ * Hashes.  A record's new hashes are copied into one blob (refcounted); its runs, and the
+ * pieces splits make of them, point into it.  A split allocates nothing and copies no hash: it
+ * rewrites the map entries of the smaller piece, which gets the new run id (O(smaller side),
+ * so a block is moved O(log) times over its life).  A blob is freed with its last run, so a
+ * blob whose runs mostly expired keeps its dead hashes until the last one goes (bounded by
+ * the record that made it).
+ *
  * Buckets.  Expiries are rounded up to a multiple of bucket_ns (default 100 ms).  Two effects:
  * the owner's timer fires at most once per bucket (kvr_ttl_next_expiry() is always a bucket
- * boundary), and a block routed again within the same bucket costs a hash lookup and nothing
- * else (its expiry does not change, so it is not moved).
+ * boundary), and a run routed again within the same bucket costs a lookup and nothing else.
  *
  * Invariant: list order == non-decreasing expiry.  A clock that steps backwards (virtual time,
- * tests) could break it, so a new expiry is clamped to at least the tail's.
+ * tests) could break it, so a new expiry is clamped to at least the tail's.  Split pieces sit
+ * next to each other in the list, with the same expiry.
  *
- * Storage: entries in a slab with a free list (indices stable), seq -> index in shards/u64map.h.
+ * All-or-nothing: a record plans first (lookups and compares only), reserves every slot, map
+ * entry, output and the blob, then applies without failing.  The per-block store it replaced
+ * is tests/ref/ttl_ref.c, the oracle of tests/unit/test_ttl_diff.c.
  */
 #include "shards/ttl.h"
 
@@ -22,25 +48,42 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "shards/chain.h"
 #include "shards/u64map.h"
 
 #define NIL UINT32_MAX
 
-struct entry {
-	uint64_t seq;
+struct blob {
+	uint32_t refs, cap;
+	uint64_t h[];
+};
+
+struct run {
 	uint64_t expiry;
-	uint32_t pos;
+	uint64_t *h; /* the run's hashes, inside blob */
+	struct blob *blob;
+	uint32_t pos, len;
 	uint32_t prev, next; /* expiry list; next doubles as the free list */
-	uint32_t pad;
+};
+
+/* One step of a record's plan: blocks b[k .. k + n) are new (run == NIL) or run's [off, off+n). */
+struct step {
+	uint32_t k, n, run, off;
 };
 
 struct kvr_ttl {
 	uint64_t ttl, bucket;
-	struct entry *e;
-	uint32_t cap, live, free_head;
+	struct run *r;
+	uint32_t cap, runs, free_head;
 	uint32_t head, tail;
+	size_t live; /* blocks */
 	struct kvr_u64map by_seq;
+	struct step *plan;
+	size_t plan_cap;
 };
+
+/* kvr_chain_agree's stride over struct kvr_lru_block's seq fields. */
+#define BSTRIDE (sizeof(struct kvr_lru_block) / sizeof(uint64_t))
 
 int kvr_ttl_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_ttl **out)
 {
@@ -58,63 +101,93 @@ int kvr_ttl_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_ttl **out)
 	return 0;
 }
 
+static void blob_unref(struct blob *b)
+{
+	if (--b->refs == 0)
+		kvr_free(b, sizeof(*b) + (size_t)b->cap * sizeof(uint64_t));
+}
+
 void kvr_ttl_destroy(struct kvr_ttl *t)
 {
 	if (!t)
 		return;
-	kvr_free(t->e, (size_t)t->cap * sizeof(struct entry));
+	for (uint32_t i = t->head; i != NIL; i = t->r[i].next)
+		blob_unref(t->r[i].blob);
+	kvr_free(t->r, (size_t)t->cap * sizeof(struct run));
+	kvr_free(t->plan, t->plan_cap * sizeof(struct step));
 	kvr_u64map_fini(&t->by_seq);
 	kvr_free(t, sizeof(*t));
 }
 
-static int reserve(struct kvr_ttl *t, size_t n)
+/* Room for `more` run slots. */
+static int reserve_runs(struct kvr_ttl *t, size_t more)
 {
-	if ((size_t)t->live + n >= NIL)
+	size_t need = (size_t)t->runs + more;
+	if (need >= NIL)
 		return KVR_ERANGE;
-	if ((size_t)t->live + n > t->cap) {
-		size_t nc = (size_t)t->cap * 2;
-		if (nc < (size_t)t->live + n)
-			nc = (size_t)t->live + n;
-		if (nc < 64)
-			nc = 64;
-		if (nc >= NIL)
-			nc = NIL - 1;
-		struct entry *e = kvr_realloc(t->e, (size_t)t->cap * sizeof(*e), nc * sizeof(*e));
-		if (!e)
-			return KVR_ENOMEM;
-		for (size_t i = nc; i-- > t->cap;) {
-			e[i].next = t->free_head;
-			t->free_head = (uint32_t)i;
-		}
-		t->e = e;
-		t->cap = (uint32_t)nc;
+	if (need <= t->cap)
+		return 0;
+	size_t nc = (size_t)t->cap * 2;
+	if (nc < need)
+		nc = need;
+	if (nc < 64)
+		nc = 64;
+	if (nc >= NIL)
+		nc = NIL - 1;
+	struct run *r = kvr_realloc(t->r, (size_t)t->cap * sizeof(*r), nc * sizeof(*r));
+	if (!r)
+		return KVR_ENOMEM;
+	for (size_t i = nc; i-- > t->cap;) {
+		r[i].next = t->free_head;
+		t->free_head = (uint32_t)i;
 	}
-	return kvr_u64map_reserve(&t->by_seq, n);
+	t->r = r;
+	t->cap = (uint32_t)nc;
+	return 0;
 }
 
-static void unlink_entry(struct kvr_ttl *t, uint32_t i)
+static uint32_t take_slot(struct kvr_ttl *t)
 {
-	struct entry *e = &t->e[i];
+	uint32_t i = t->free_head;
+	t->free_head = t->r[i].next;
+	t->runs++;
+	return i;
+}
+
+static void free_slot(struct kvr_ttl *t, uint32_t i)
+{
+	t->r[i].next = t->free_head;
+	t->free_head = i;
+	t->runs--;
+}
+
+static void unlink_run(struct kvr_ttl *t, uint32_t i)
+{
+	struct run *e = &t->r[i];
 	if (e->prev != NIL)
-		t->e[e->prev].next = e->next;
+		t->r[e->prev].next = e->next;
 	else
 		t->head = e->next;
 	if (e->next != NIL)
-		t->e[e->next].prev = e->prev;
+		t->r[e->next].prev = e->prev;
 	else
 		t->tail = e->prev;
 }
 
-static void append_entry(struct kvr_ttl *t, uint32_t i)
+/* Links run i after run `after` (NIL: at the head). */
+static void link_after(struct kvr_ttl *t, uint32_t i, uint32_t after)
 {
-	struct entry *e = &t->e[i];
-	e->next = NIL;
-	e->prev = t->tail;
-	if (t->tail != NIL)
-		t->e[t->tail].next = i;
+	struct run *e = &t->r[i];
+	e->prev = after;
+	e->next = after != NIL ? t->r[after].next : t->head;
+	if (e->next != NIL)
+		t->r[e->next].prev = i;
+	else
+		t->tail = i;
+	if (after != NIL)
+		t->r[after].next = i;
 	else
 		t->head = i;
-	t->tail = i;
 }
 
 static uint64_t expiry_at(const struct kvr_ttl *t, uint64_t now)
@@ -126,9 +199,90 @@ static uint64_t expiry_at(const struct kvr_ttl *t, uint64_t now)
 		uint64_t up = x + (t->bucket - x % t->bucket);
 		x = up > x ? up : UINT64_MAX;
 	}
-	if (t->tail != NIL && t->e[t->tail].expiry > x)
-		x = t->e[t->tail].expiry;
+	if (t->tail != NIL && t->r[t->tail].expiry > x)
+		x = t->r[t->tail].expiry;
 	return x;
+}
+
+/* The offset of held hash seq in run i, expected at position pos. */
+static uint32_t offset_of(const struct kvr_ttl *t, uint32_t i, uint64_t seq, uint64_t pos)
+{
+	const struct run *e = &t->r[i];
+	if (pos >= e->pos && pos - e->pos < e->len && e->h[pos - e->pos] == seq)
+		return (uint32_t)(pos - e->pos);
+	uint32_t o = 0;
+	while (e->h[o] != seq) /* the caller's position disagrees: scan (bad input only) */
+		o++;
+	return o;
+}
+
+/* Splits run i before off (0 < off < len) into two runs with its expiry, side by side in the
+ * list; the smaller piece gets a new slot (reserved) and its map entries.  *left and *right
+ * receive the pieces' ids. */
+static void split(struct kvr_ttl *t, uint32_t i, uint32_t off, uint32_t *left, uint32_t *right)
+{
+	uint32_t m = take_slot(t);
+	struct run *e = &t->r[i], *n = &t->r[m];
+	*n = *e;
+	e->blob->refs++;
+	uint32_t len = e->len;
+	struct run *lo, *hi;
+	if (len - off <= off) { /* the right piece is smaller: it moves to m */
+		lo = e, hi = n;
+		*left = i, *right = m;
+	} else {
+		lo = n, hi = e;
+		*left = m, *right = i;
+	}
+	lo->len = off;
+	hi->h = e->h + off; /* e->h is still the whole run's start here */
+	hi->pos = lo->pos + off;
+	hi->len = len - off;
+	lo->h = hi->h - off;
+	const struct run *moved = &t->r[m];
+	for (uint32_t j = 0; j < moved->len; j++)
+		*kvr_u64map_find(&t->by_seq, moved->h[j]) = m;
+	link_after(t, m, i);
+}
+
+/* Plans a record: the steps, the run slots they need, the new blocks. */
+static int plan(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
+                size_t *nsteps, size_t *slots, size_t *fresh)
+{
+	*nsteps = *slots = *fresh = 0;
+	size_t k = 0;
+	while (k < n) {
+		if (*nsteps == t->plan_cap) {
+			size_t nc = t->plan_cap ? t->plan_cap * 2 : 16;
+			struct step *p =
+			    kvr_realloc(t->plan, t->plan_cap * sizeof(*p), nc * sizeof(*p));
+			if (!p)
+				return KVR_ENOMEM;
+			t->plan = p;
+			t->plan_cap = nc;
+		}
+		struct step *s = &t->plan[(*nsteps)++];
+		s->k = (uint32_t)k;
+		const uint32_t *ix = kvr_u64map_find(&t->by_seq, b[k].seq);
+		if (!ix) {
+			size_t e = k + 1;
+			while (e < n && !kvr_u64map_find(&t->by_seq, b[e].seq))
+				e++;
+			*s = (struct step){(uint32_t)k, (uint32_t)(e - k), NIL, 0};
+			*fresh += e - k;
+			(*slots)++;
+			k = e;
+			continue;
+		}
+		const struct run *e = &t->r[*ix];
+		uint32_t off = offset_of(t, *ix, b[k].seq, (uint64_t)start_pos + k);
+		uint32_t cnt = 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, &b[k].seq, BSTRIDE,
+		                                   n - 1 - k);
+		*s = (struct step){(uint32_t)k, cnt, *ix, off};
+		*slots += (off > 0) + (off + cnt < e->len);
+		k += cnt;
+	}
+	return 0;
 }
 
 int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
@@ -137,30 +291,59 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 	if (!t || !out || (n > 0 && !b))
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
+	if (t->live + n >= NIL)
+		return KVR_ERANGE;
+	size_t nsteps, slots, fresh;
 	int rc;
-	if ((rc = reserve(t, n)) || (rc = kvr_lru_out_reserve(out, n, 0)))
+	if ((rc = plan(t, b, n, start_pos, &nsteps, &slots, &fresh)) ||
+	    (rc = reserve_runs(t, slots)) || (rc = kvr_u64map_reserve(&t->by_seq, fresh)) ||
+	    (rc = kvr_lru_out_reserve(out, slots, 0)))
 		return rc;
+	struct blob *blob = NULL;
+	if (fresh) {
+		blob = kvr_alloc(sizeof(*blob) + fresh * sizeof(uint64_t));
+		if (!blob)
+			return KVR_ENOMEM;
+		blob->refs = 0;
+		blob->cap = (uint32_t)fresh;
+	}
 	uint64_t x = expiry_at(t, now);
-	for (size_t k = 0; k < n; k++) {
-		uint32_t *ix = kvr_u64map_find(&t->by_seq, b[k].seq);
+	uint32_t used = 0;
+	for (size_t si = 0; si < nsteps; si++) {
+		const struct step *s = &t->plan[si];
 		uint32_t i;
-		if (ix) {
-			i = *ix;
-			t->e[i].pos = start_pos + (uint32_t)k;
-			if (t->e[i].expiry == x)
-				continue; /* same bucket: nothing moves */
-			unlink_entry(t, i);
-		} else {
-			i = t->free_head;
-			t->free_head = t->e[i].next;
-			t->live++;
-			t->e[i].seq = b[k].seq;
-			t->e[i].pos = start_pos + (uint32_t)k;
-			kvr_u64map_insert(&t->by_seq, b[k].seq, i);
-			kvr_lru_out_stored(out, (uint32_t)k, 1);
+		if (s->run == NIL) {
+			i = take_slot(t);
+			struct run *e = &t->r[i];
+			*e = (struct run){.expiry = x,
+			                  .h = blob->h + used,
+			                  .blob = blob,
+			                  .pos = start_pos + s->k,
+			                  .len = s->n};
+			for (uint32_t j = 0; j < s->n; j++) {
+				e->h[j] = b[s->k + j].seq;
+				kvr_u64map_insert(&t->by_seq, e->h[j], i);
+			}
+			used += s->n;
+			blob->refs++;
+			t->live += s->n;
+			link_after(t, i, t->tail);
+			kvr_lru_out_stored(out, s->k, s->n);
+			continue;
 		}
-		t->e[i].expiry = x;
-		append_entry(t, i);
+		uint32_t l;
+		i = s->run;
+		if (s->off > 0)
+			split(t, i, s->off, &l, &i);
+		if (s->n < t->r[i].len)
+			split(t, i, s->n, &i, &l);
+		struct run *e = &t->r[i];
+		e->pos = start_pos + s->k;
+		if (e->expiry != x) {
+			unlink_run(t, i);
+			e->expiry = x;
+			link_after(t, i, t->tail);
+		}
 	}
 	return 0;
 }
@@ -171,36 +354,42 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
 	size_t n = 0;
-	for (uint32_t i = t->head; i != NIL && t->e[i].expiry <= now; i = t->e[i].next)
-		n++;
+	for (uint32_t i = t->head; i != NIL && t->r[i].expiry <= now; i = t->r[i].next)
+		n += t->r[i].len;
 	int rc = kvr_lru_out_reserve(out, 0, n);
 	if (rc)
 		return rc;
-	while (n--) {
+	while (t->head != NIL && t->r[t->head].expiry <= now) {
 		uint32_t i = t->head;
-		unlink_entry(t, i);
-		kvr_u64map_remove(&t->by_seq, t->e[i].seq);
-		kvr_lru_out_evicted_run(out, &t->e[i].seq, 1);
-		t->e[i].next = t->free_head;
-		t->free_head = i;
-		t->live--;
+		struct run *e = &t->r[i];
+		unlink_run(t, i);
+		for (uint32_t j = 0; j < e->len; j++)
+			kvr_u64map_remove(&t->by_seq, e->h[j]);
+		kvr_lru_out_evicted_run(out, e->h, e->len);
+		t->live -= e->len;
+		blob_unref(e->blob);
+		free_slot(t, i);
 	}
 	return 0;
 }
 
 uint64_t kvr_ttl_next_expiry(const struct kvr_ttl *t)
 {
-	return (t && t->head != NIL) ? t->e[t->head].expiry : UINT64_MAX;
+	return (t && t->head != NIL) ? t->r[t->head].expiry : UINT64_MAX;
 }
 
 size_t kvr_ttl_overlap(const struct kvr_ttl *t, const uint64_t *seq, size_t n)
 {
 	if (!t || !seq)
 		return 0;
-	size_t i = 0;
-	while (i < n && kvr_u64map_find(&t->by_seq, seq[i]))
-		i++;
-	return i;
+	size_t k = 0;
+	const uint32_t *ix;
+	while (k < n && (ix = kvr_u64map_find(&t->by_seq, seq[k]))) {
+		const struct run *e = &t->r[*ix];
+		uint32_t off = offset_of(t, *ix, seq[k], k);
+		k += 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, seq + k, 1, n - 1 - k);
+	}
+	return k;
 }
 
 size_t kvr_ttl_count(const struct kvr_ttl *t)
@@ -212,12 +401,13 @@ int kvr_ttl_lookup(const struct kvr_ttl *t, uint64_t seq, uint64_t *expiry, uint
 {
 	if (!t)
 		return KVR_EINVAL;
-	uint32_t *ix = kvr_u64map_find(&t->by_seq, seq);
+	const uint32_t *ix = kvr_u64map_find(&t->by_seq, seq);
 	if (!ix)
 		return KVR_ENOENT;
+	const struct run *e = &t->r[*ix];
 	if (expiry)
-		*expiry = t->e[*ix].expiry;
+		*expiry = e->expiry;
 	if (pos)
-		*pos = t->e[*ix].pos;
+		*pos = e->pos + offset_of(t, *ix, seq, (uint64_t)e->pos + e->len); /* scans */
 	return 0;
 }

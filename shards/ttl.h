@@ -1,13 +1,16 @@
 /*
  * shards/ttl.h - TTL retention of one rank (issue 5, part B): the baseline predictor, and the
  * fallback for a rank whose capacity is unknown.  A routed block is remembered for ttl_ns;
- * routing it again refreshes it; expiry removes it from the index.  See ttl.c.
+ * routing it again refreshes it; expiry removes it from the index.  Kept in runs of consecutive
+ * blocks of one chain (ttl.c): a record costs O(runs it touches * log) plus its new blocks.
+ * Inputs must be chained sequence hashes (core/hash: a hash names its whole prefix, so one
+ * hash is never at two positions of one input), as shards/lru.h requires.
  *
  * Outputs use struct kvr_lru_out (shards/lru.h): each command resets it, then the stored runs
  * are the ranges of the input b[] whose hashes became present (a range with first == 0 hangs
  * below the block before start_pos, or the root at position 0), the evicted runs the hashes
- * that expired.  Unlike the LRU's, TTL evicted runs need not be tails: a block refreshed by
- * output can outlive its parent, as it always could under TTL.
+ * that expired, each run a chain (parent first).  Unlike the LRU's, TTL evicted runs need not
+ * be tails: a block refreshed by output can outlive its parent, as it always could under TTL.
  * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
  */
 #ifndef KVR_SHARDS_TTL_H
@@ -51,7 +54,8 @@ size_t kvr_ttl_overlap(const struct kvr_ttl *ttl, const uint64_t *seq, size_t n)
 /* Entries present. */
 size_t kvr_ttl_count(const struct kvr_ttl *ttl);
 
-/* The expiry and position of a present hash: 0, or KVR_ENOENT. */
+/* The expiry and position of a present hash: 0, or KVR_ENOENT.  O(length of its run): for
+ * tests and tools. */
 int kvr_ttl_lookup(const struct kvr_ttl *ttl, uint64_t seq, uint64_t *expiry, uint32_t *pos);
 
 #endif /* KVR_SHARDS_TTL_H */

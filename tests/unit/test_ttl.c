@@ -1,5 +1,7 @@
-/* TTL retention (shards/ttl): record, refresh, bucketed expiry, clock steps back, and a
- * differential test against an array model (seed printed on failure; TTL_DIFF_SEED=<seed>). */
+/* TTL retention (shards/ttl): record, refresh, bucketed expiry, clock steps back, out of
+ * memory; and the per-block oracle (tests/ref/ttl_ref.c) against an array model on arbitrary
+ * hashes (seed printed on failure; TTL_DIFF_SEED=<seed>).  shards/ttl against the oracle on
+ * chained hashes: tests/unit/test_ttl_diff.c. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,6 +9,7 @@
 #include "kvrouter.h"
 #include "core/alloc.h"
 #include "shards/ttl.h"
+#include "../ref/ttl_ref.h"
 #include "lru_out_util.h"
 
 #define MS 1000000ull
@@ -51,8 +54,9 @@ Test(ttl, record_refresh_expire)
 	cr_assert_eq(kvr_ttl_overlap(t, q, 3), 2);
 	cr_assert_eq(kvr_ttl_expire(t, 5000 * MS, &out), 0);
 	cr_assert_eq(out.n_evicted, 2);
-	cr_assert_eq(out_evicted(&out, 0), 1);
-	cr_assert_eq(out_evicted(&out, 1), 2);
+	cr_assert_eq(out.n_evicted_runs, 1, "one run, parent first");
+	cr_assert_eq(out.evicted_seq[0], 1);
+	cr_assert_eq(out.evicted_seq[1], 2);
 	cr_assert_eq(kvr_ttl_count(t), 0);
 	cr_assert_eq(kvr_ttl_record(t, NULL, 1, 0, 0, &out), KVR_EINVAL);
 	kvr_ttl_destroy(t);
@@ -107,10 +111,10 @@ static void run_seed(uint64_t seed, int steps)
 	uint64_t r = seed, ttl = 1 + rng(&r) % 500, bucket = rng(&r) % 3 ? rng(&r) % 100 : 0;
 	struct mentry m[U];
 	memset(m, 0, sizeof(m));
-	struct kvr_ttl *t;
+	struct ref_ttl *t;
 	struct kvr_lru_out out;
 	kvr_lru_out_init(&out);
-	cr_assert_eq(kvr_ttl_create(ttl, bucket, &t), 0);
+	cr_assert_eq(ref_ttl_create(ttl, bucket, &t), 0);
 	uint64_t now = 1000;
 	struct kvr_lru_block b[16];
 	for (int step = 0; step < steps; step++) {
@@ -120,7 +124,7 @@ static void run_seed(uint64_t seed, int steps)
 			uint32_t start = (uint32_t)(rng(&r) % 8);
 			for (size_t i = 0; i < n; i++)
 				b[i] = (struct kvr_lru_block){.seq = rng(&r) % U, .local = 0};
-			cr_assert_eq(kvr_ttl_record(t, b, n, start, now, &out), 0);
+			cr_assert_eq(ref_ttl_record(t, b, n, start, now, &out), 0);
 			/* Model: expiry = max(roundup(now + ttl), every live expiry). */
 			uint64_t x = now + ttl;
 			if (bucket > 1 && x % bucket)
@@ -144,7 +148,7 @@ static void run_seed(uint64_t seed, int steps)
 				cr_assert_eq(out_stored(&out, b, i)->seq, stored[i],
 				             "seed %llu step %d", (unsigned long long)seed, step);
 		} else if (op < 8) {
-			cr_assert_eq(kvr_ttl_expire(t, now, &out), 0);
+			cr_assert_eq(ref_ttl_expire(t, now, &out), 0);
 			uint64_t ev[U];
 			size_t ne = 0;
 			for (int s = 0; s < U; s++)
@@ -176,21 +180,21 @@ static void run_seed(uint64_t seed, int steps)
 				live++;
 				uint64_t x;
 				uint32_t pos;
-				cr_assert_eq(kvr_ttl_lookup(t, (uint64_t)s, &x, &pos), 0);
+				cr_assert_eq(ref_ttl_lookup(t, (uint64_t)s, &x, &pos), 0);
 				cr_assert(x == m[s].expiry && pos == m[s].pos, "seed %llu step %d",
 				          (unsigned long long)seed, step);
 				if (x < next)
 					next = x;
 			}
-		cr_assert_eq(kvr_ttl_count(t), live, "seed %llu step %d", (unsigned long long)seed,
+		cr_assert_eq(ref_ttl_count(t), live, "seed %llu step %d", (unsigned long long)seed,
 		             step);
-		cr_assert_eq(kvr_ttl_next_expiry(t), next);
+		cr_assert_eq(ref_ttl_next_expiry(t), next);
 	}
-	kvr_ttl_destroy(t);
+	ref_ttl_destroy(t);
 	kvr_lru_out_fini(&out);
 }
 
-Test(ttl, differential_against_model)
+Test(ttl, ref_against_model)
 {
 	const char *env = getenv("TTL_DIFF_SEED");
 	if (env) {

@@ -1,0 +1,60 @@
+/*
+ * tests/ref/ttl_ref.h - the per-block TTL store (tests/ref/ttl_ref.c): the oracle of
+ * tests/unit/test_ttl_diff.c and the baseline of perf/bench_lru's TTL line.  Same contract as
+ * shards/ttl.h, functions named ref_ttl_*; its evicted runs are runs of one block.
+ *
+ * Original header follows.
+ *
+ * shards/ttl.h - TTL retention of one rank (issue 5, part B): the baseline predictor, and the
+ * fallback for a rank whose capacity is unknown.  A routed block is remembered for ttl_ns;
+ * routing it again refreshes it; expiry removes it from the index.  See ttl.c.
+ *
+ * Outputs use struct kvr_lru_out (shards/lru.h): each command resets it, then the stored runs
+ * are the ranges of the input b[] whose hashes became present (a range with first == 0 hangs
+ * below the block before start_pos, or the root at position 0), the evicted runs the hashes
+ * that expired.  Unlike the LRU's, TTL evicted runs need not be tails: a block refreshed by
+ * output can outlive its parent, as it always could under TTL.
+ * Context (all functions): the shard thread that owns the instance; no locks, no atomics.
+ */
+#ifndef KVR_TESTS_REF_TTL_REF_H
+#define KVR_TESTS_REF_TTL_REF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shards/lru.h"
+
+struct ref_ttl;
+
+/* Creates an empty store.  ttl_ns > 0; bucket_ns 0 = exact expiries (no rounding).
+ * Returns 0, KVR_EINVAL or KVR_ENOMEM. */
+int ref_ttl_create(uint64_t ttl_ns, uint64_t bucket_ns, struct ref_ttl **out);
+/* NULL is a no-op. */
+void ref_ttl_destroy(struct ref_ttl *ttl);
+
+/*
+ * Records blocks b[0..n) (borrowed) routed at time now, at positions start_pos + i: each expires
+ * at round_up(now + ttl, bucket) (never earlier than an expiry already recorded, so a clock that
+ * steps back cannot reorder the queue); a block already present is refreshed.
+ * Returns 0, KVR_EINVAL, KVR_ERANGE (2^32-2 entries), KVR_ENOMEM (nothing changed).
+ */
+int ref_ttl_record(struct ref_ttl *ttl, const struct kvr_lru_block *b, size_t n, uint32_t start_pos,
+                   uint64_t now, struct kvr_lru_out *out);
+
+/* Removes every entry whose expiry is <= now, reporting them as evicted runs (oldest first).
+ * Returns 0, KVR_EINVAL, KVR_ENOMEM (nothing changed). */
+int ref_ttl_expire(struct ref_ttl *ttl, uint64_t now, struct kvr_lru_out *out);
+
+/* The earliest expiry in the store (when to run ref_ttl_expire next), UINT64_MAX if empty. */
+uint64_t ref_ttl_next_expiry(const struct ref_ttl *ttl);
+
+/* How many leading hashes of seq[0..n) are present. */
+size_t ref_ttl_overlap(const struct ref_ttl *ttl, const uint64_t *seq, size_t n);
+
+/* Entries present. */
+size_t ref_ttl_count(const struct ref_ttl *ttl);
+
+/* The expiry and position of a present hash: 0, or KVR_ENOENT. */
+int ref_ttl_lookup(const struct ref_ttl *ttl, uint64_t seq, uint64_t *expiry, uint32_t *pos);
+
+#endif /* KVR_TESTS_REF_TTL_REF_H */
