@@ -11,7 +11,8 @@
  * same size (shards/u64map.h); acquire_ratio = segment acquire p50 / floor p50.  The two
  * implementations must evict the same number of copies (same_evictions=yes).
  * Prints one SUMMARY line per mode; never asserts timings.  A third line (bench=load) does the
- * same for the pinned set of the active load (shards/load.c vs tests/ref/load_ref.c).
+ * same for the pinned set of the active load (shards/load.c vs tests/ref/load_ref.c), a fourth
+ * (bench=ttl) for TTL retention (shards/ttl.c, runs, vs tests/ref/ttl_ref.c, per block).
  *
  * usage: bench_lru [--ms N per mode and implementation (default 1500)]
  *                  [--capacity BLOCKS (65536)] [--blocks N (64)] [--inflight N (8)]
@@ -27,8 +28,11 @@
 #include "kvrouter.h"
 #include "../tests/ref/load_ref.h"
 #include "../tests/ref/lru_ref.h"
+#include "../tests/ref/ttl_ref.h"
+#include "core/alloc.h"
 #include "shards/load.h"
 #include "shards/lru.h"
+#include "shards/ttl.h"
 #include "shards/u64map.h"
 
 #define MAX_SAMPLES (1u << 21)
@@ -415,6 +419,164 @@ static void load_mode(size_t nb, size_t inflight)
 	LR.destroy(xl);
 }
 
+/*
+ * TTL retention: shards/ttl.c (runs) against the per-block store it replaced
+ * (tests/ref/ttl_ref.c) on the same session stream: 256 sessions; a turn records the session's
+ * whole prompt from the root (the previous prompt and its output, a cached prefix, then
+ * blocks/4 new ones; a session restarts from one of 64 shared system prompts of blocks/2
+ * blocks when it would pass 4 * blocks), then 2 output blocks at their position; the virtual
+ * clock advances 1 ms a turn (ttl 3 s, 100 ms buckets) and expiry runs every turn.  Prints
+ * record p50 of both, expiry ns per evicted block, bytes per held block (kvr_alloc's live
+ * bytes over held blocks) and their ratios runs/ref; same_held: both hold as many blocks and
+ * evicted as many.
+ */
+struct ttl_impl {
+	void *(*create)(void);
+	void (*destroy)(void *);
+	int (*record)(void *, const struct kvr_lru_block *, size_t, uint32_t, uint64_t,
+	              struct kvr_lru_out *);
+	int (*expire)(void *, uint64_t, struct kvr_lru_out *);
+	size_t (*count)(const void *);
+};
+static void *tr_create(void)
+{
+	struct kvr_ttl *t = NULL;
+	return kvr_ttl_create(3000000000ull, KVR_TTL_BUCKET_NS, &t) ? NULL : t;
+}
+static void tr_destroy(void *t)
+{
+	kvr_ttl_destroy(t);
+}
+static int tr_record(void *t, const struct kvr_lru_block *b, size_t n, uint32_t p, uint64_t now,
+                     struct kvr_lru_out *o)
+{
+	return kvr_ttl_record(t, b, n, p, now, o);
+}
+static int tr_expire(void *t, uint64_t now, struct kvr_lru_out *o)
+{
+	return kvr_ttl_expire(t, now, o);
+}
+static size_t tr_count(const void *t)
+{
+	return kvr_ttl_count(t);
+}
+static void *tx_create(void)
+{
+	struct ref_ttl *t = NULL;
+	return ref_ttl_create(3000000000ull, KVR_TTL_BUCKET_NS, &t) ? NULL : t;
+}
+static void tx_destroy(void *t)
+{
+	ref_ttl_destroy(t);
+}
+static int tx_record(void *t, const struct kvr_lru_block *b, size_t n, uint32_t p, uint64_t now,
+                     struct kvr_lru_out *o)
+{
+	return ref_ttl_record(t, b, n, p, now, o);
+}
+static int tx_expire(void *t, uint64_t now, struct kvr_lru_out *o)
+{
+	return ref_ttl_expire(t, now, o);
+}
+static size_t tx_count(const void *t)
+{
+	return ref_ttl_count(t);
+}
+static const struct ttl_impl TR = {tr_create, tr_destroy, tr_record, tr_expire, tr_count};
+static const struct ttl_impl TX = {tx_create, tx_destroy, tx_record, tx_expire, tx_count};
+
+struct ttl_result {
+	uint32_t rec50;
+	double expire_ns_per_block, bytes_per_block;
+	size_t held;
+	uint64_t evicted;
+};
+
+static uint64_t chain_next(uint64_t parent, uint64_t token)
+{
+	uint64_t s = parent ^ (token * 0xD6E8FEB86659FD93ull);
+	return rng(&s);
+}
+
+static void ttl_run(const struct ttl_impl *im, size_t nb, uint64_t turns, struct ttl_result *res)
+{
+	enum { SESSIONS = 256 };
+	size_t maxlen = 4 * nb + 2;
+	struct kvr_lru_out out;
+	kvr_lru_out_init(&out);
+	int64_t base = kvr_alloc_live_bytes();
+	void *t = im->create();
+	uint64_t *ses = calloc(SESSIONS * maxlen, sizeof(uint64_t));
+	size_t *len = calloc(SESSIONS, sizeof(size_t));
+	struct kvr_lru_block *b = malloc(maxlen * sizeof(*b));
+	uint32_t *rec = malloc(turns * sizeof(uint32_t));
+	uint64_t r = 5, uniq = 1, now = 0, exp_ns = 0;
+	res->evicted = 0;
+	for (uint64_t turn = 0; turn < turns; turn++) {
+		size_t s = rng(&r) % SESSIONS, add = nb / 4 ? nb / 4 : 1;
+		uint64_t *q = ses + s * maxlen;
+		if (len[s] == 0 || len[s] + add + 2 > maxlen) {
+			uint64_t sys = rng(&r) % 64, h = 0;
+			for (len[s] = 0; len[s] < nb / 2; len[s]++)
+				q[len[s]] = h = chain_next(h, (sys << 20) + len[s] + 1);
+		}
+		for (size_t i = 0; i < add; i++, len[s]++)
+			q[len[s]] = chain_next(len[s] ? q[len[s] - 1] : 0, (uniq++) << 8);
+		for (size_t i = 0; i < len[s]; i++)
+			b[i] = (struct kvr_lru_block){.local = i, .seq = q[i]};
+		uint64_t t0 = now_ns();
+		im->record(t, b, len[s], 0, now, &out);
+		rec[turn] = (uint32_t)(now_ns() - t0);
+		for (size_t i = 0; i < 2; i++, len[s]++) {
+			q[len[s]] = chain_next(q[len[s] - 1], (uniq++) << 8);
+			b[i] = (struct kvr_lru_block){.local = i, .seq = q[len[s]]};
+		}
+		im->record(t, b, 2, (uint32_t)(len[s] - 2), now, &out);
+		now += 1000000;
+		t0 = now_ns();
+		im->expire(t, now, &out);
+		exp_ns += now_ns() - t0;
+		res->evicted += out.n_evicted;
+	}
+	qsort(rec, turns, sizeof(uint32_t), cmp_u32);
+	res->rec50 = pct(rec, turns, 0.5);
+	res->expire_ns_per_block = (double)exp_ns / (double)(res->evicted ? res->evicted : 1);
+	res->held = im->count(t);
+	int64_t outb =
+	    (int64_t)(out.cap_stored_runs * sizeof(*out.stored) +
+	              out.cap_evicted * sizeof(uint64_t) + out.cap_evicted_runs * sizeof(uint32_t));
+	res->bytes_per_block =
+	    (double)(kvr_alloc_live_bytes() - base - outb) / (double)(res->held ? res->held : 1);
+	im->destroy(t);
+	kvr_lru_out_fini(&out);
+	free(rec);
+	free(b);
+	free(len);
+	free(ses);
+}
+
+static void ttl_mode(size_t nb)
+{
+	uint64_t turns = 12800000 / (nb + 1);
+	if (turns > 200000)
+		turns = 200000;
+	if (turns < 5000)
+		turns = 5000;
+	struct ttl_result a, x;
+	ttl_run(&TR, nb, turns, &a);
+	ttl_run(&TX, nb, turns, &x);
+	printf(
+	    "SUMMARY bench=ttl blocks=%zu turns=%llu runs_record_p50_ns=%u ref_record_p50_ns=%u "
+	    "record_p50_runs_over_ref=%.3f runs_expire_ns_per_block=%.1f "
+	    "ref_expire_ns_per_block=%.1f expire_runs_over_ref=%.3f runs_bytes_per_held_block=%.1f "
+	    "ref_bytes_per_held_block=%.1f bytes_runs_over_ref=%.3f held=%zu same_held=%s\n",
+	    nb, (unsigned long long)turns, a.rec50, x.rec50,
+	    (double)a.rec50 / (double)(x.rec50 ? x.rec50 : 1), a.expire_ns_per_block,
+	    x.expire_ns_per_block, a.expire_ns_per_block / x.expire_ns_per_block, a.bytes_per_block,
+	    x.bytes_per_block, a.bytes_per_block / x.bytes_per_block, a.held,
+	    a.held == x.held && a.evicted == x.evicted ? "yes" : "NO");
+}
+
 int main(int argc, char **argv)
 {
 	double ms = 1500;
@@ -446,5 +608,6 @@ int main(int argc, char **argv)
 	mode(0, ms, capacity, nb, inflight);
 	mode(1, ms, capacity, nb, inflight);
 	load_mode(nb, inflight);
+	ttl_mode(nb);
 	return 0;
 }
