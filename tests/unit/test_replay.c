@@ -315,3 +315,41 @@ Test(replay, serial_events_equal_sim)
 {
 	serial_check(&replay_policy_events, 700, false, true);
 }
+
+/*
+ * Concurrent replay, one rank: a decode block the engine takes must reach the router before the
+ * next arrival that its eviction concerns.  R0 leaves its 32 blocks cached; A (33 blocks, 8
+ * tokens in its last) decodes, and with the pool full (68 blocks, R1's 2 released behind R0's)
+ * each new block of A evicts R0's deepest.  A's block 34 is taken as output token 24 (position
+ * 544) is sampled, 177.8 ms in, and evicts R0's block 31; C asks for R0's prefix at 190 ms.
+ * Output batches counted from A's first output token went out at tokens 15 and 31 (213 ms):
+ * the router still counted block 31 and predicted 32 where the engine held 31.  Batches that
+ * end one token past a block boundary (token 25, 183 ms) predict 31.  The same as the Mooncake
+ * sample's request 1035, seed 3 (tools/replay/testdata/decode_boundary.jsonl is this trace).
+ */
+Test(replay, decode_block_reaches_router_before_next_arrival)
+{
+	static const char trace_text[] =
+	    "{\"timestamp\":0,\"input_length\":512,\"output_length\":1,\"hash_ids\":[0]}\n"
+	    "{\"timestamp\":0,\"input_length\":520,\"output_length\":100,\"hash_ids\":[1,3]}\n"
+	    "{\"timestamp\":60,\"input_length\":32,\"output_length\":1,\"hash_ids\":[5]}\n"
+	    "{\"timestamp\":190,\"input_length\":520,\"output_length\":1,\"hash_ids\":[0,2]}\n";
+	struct trace t = {0};
+	char err[256];
+	cr_assert_eq(trace_load_mem(&t, "decode_boundary", trace_text, sizeof(trace_text) - 1,
+	                            false, 0, err, sizeof(err)),
+	             0, "%s", err);
+	trace_finish(&t);
+	struct replay_config c = base_cfg();
+	c.n_ranks = 1;
+	c.blocks_per_rank = 68;
+	struct replay_result r;
+	run(&t, &replay_policy_approx_lru, &c, &r);
+	cr_assert_eq(r.policy_errors, 0);
+	cr_assert_eq(r.n_pred, 4);
+	cr_assert_gt(r.evicted_blocks, 0, "A's decode blocks must evict R0's");
+	cr_assert_eq(r.n_exact, r.n_pred, "over %llu under %llu", (unsigned long long)r.n_over,
+	             (unsigned long long)r.n_under);
+	replay_result_free(&r);
+	trace_free(&t);
+}

@@ -9,6 +9,19 @@
  * final token never gets KV in vLLM (kvr_request_output in kvrouter.h), and the simulator caches
  * floor((prompt + output - 1) / block size) blocks the same way.
  *
+ * When a batch goes out.  The engine (as vLLM's scheduler, allocate_slots at schedule time)
+ * takes a sequence's block k in the step right after it sampled the token at position k*B, and
+ * that allocation may evict a cached block.  The router counts block k once it has been told
+ * the token at k*B + 1 (it holds the last reported token back: kvr_request_output), one step
+ * later.  So a batch is sent as the token at a sequence position = 1 (mod output_every * B) is
+ * sampled: the router then learns of every (output_every-th) new block one step after the
+ * engine took it, as it would with one call per token.  Batches counted from the first output
+ * token instead were up to B - 1 steps later than that: an arrival in between found the engine
+ * had evicted a block the router still counted (Mooncake sample, seed 3, request 1035: predicted
+ * 1226 blocks, the engine held 1225; tools/replay/testdata/decode_boundary.jsonl is the same
+ * thing in four requests).  What is left is the one step itself: an arrival routed between the
+ * engine's allocation for token k*B and the sampling of k*B + 1 can still be over by a block.
+ *
  * Chains for the agreement check: every block hash the replay sees (prompt blocks at routing,
  * output blocks as they complete) is recorded as seq -> (parent seq, local hash), so a chain
  * of the simulator's cached set can be handed back to the policy as local hashes.
@@ -38,6 +51,7 @@ struct rq {
 	uint32_t out_len, nbuf, nctail;
 	uint64_t arrival_ns; /* trace arrival (a queued request is submitted later) */
 	bool routed, first_seen, admitted_once;
+	bool due;        /* a buffered token is at a batch boundary: send at first token */
 	bool foreign;    /* in the foreign share (foreign_share): not this router's request */
 	bool around;     /* foreign and not routed by the policy under test (foreign_as != SELF) */
 	uint32_t *buf;   /* output tokens not yet sent (run->out_chunk at most) */
@@ -118,6 +132,7 @@ static void flush(struct run *run, struct rq *q)
 	if (o && o->output)
 		perr(run, o->output(ps, q->handle, q->buf, q->nbuf));
 	q->nbuf = 0;
+	q->due = false;
 }
 
 static uint32_t on_output_token(void *user, uint64_t id, uint32_t i)
@@ -132,9 +147,12 @@ static uint32_t on_output_token(void *user, uint64_t id, uint32_t i)
 			q->nctail = 0;
 		}
 	}
-	(void)i;
+	/* Batch boundary: this token sits at sequence position 1 (mod out_chunk), see the top. */
+	uint32_t chunk = q->run->out_chunk;
+	if ((q->tr->input_len + i) % chunk == 1 % chunk)
+		q->due = true;
 	q->buf[q->nbuf++] = tok;
-	if (q->nbuf == q->run->out_chunk && q->first_seen)
+	if ((q->due || q->nbuf == chunk) && q->first_seen)
 		flush(q->run, q);
 	return tok;
 }
@@ -213,7 +231,7 @@ static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, ui
 	const struct replay_policy_ops *o = owner_of(run, q, &ps);
 	if (o && o->first_token)
 		perr(run, o->first_token(ps, q->handle, rank, t));
-	if (q->nbuf == run->out_chunk)
+	if (q->due || q->nbuf == run->out_chunk)
 		flush(run, q);
 }
 

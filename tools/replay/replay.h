@@ -41,7 +41,9 @@ struct replay_config {
 	uint32_t sample_every;       /* agreement sample interval, requests; 0 = off */
 	bool serial;                 /* one request at a time, agreement after each */
 	uint32_t n_buckets;          /* hit rate over time; default 40 */
-	/* Output tokens reach the policy every output_every * block_size tokens (and at finish).
+	/* Output tokens reach the policy every output_every * block_size tokens (and at finish),
+	 * each batch ending at a sequence position 1 (mod that): see replay.c, "When a batch goes
+	 * out".
 	 * 1 (default) tells the router each block as it completes, like a frontend streaming
 	 * tokens; larger values save router calls (each is a synchronous shard round trip). */
 	uint32_t output_every;

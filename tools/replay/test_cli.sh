@@ -6,7 +6,8 @@
 # input with a clear message and runs a short grid (CSV/JSON rows per point and policy);
 # --plot and tools/replay/heal_curves.sh write PNGs / an SVG when gnuplot is installed.  Foreign traffic: the same arrivals are foreign
 # whatever the mode; routed by approx_lru itself (--foreign-as self) nothing is mispredicted and
-# the all-arrivals hit rate is the no-error one; a bad mode is refused.
+# the all-arrivals hit rate is the no-error one; a bad mode is refused.  Output batches reach
+# the router in time for exact prediction (testdata/decode_boundary.jsonl, sample seed 3).
 #   usage: test_cli.sh KVR_REPLAY SOURCE_ROOT
 set -eu
 bin=$1
@@ -137,6 +138,22 @@ assert r["self"]["hit_rate"] == r["none"]["hit_rate"], "self is the no-error run
 assert r["self"]["prediction"]["exact_share"] == 1.0, r["self"]["prediction"]
 for m in ("clients", "router", "self"):
     assert 0 < r[m]["own_hit_rate"] < 1, (m, r[m]["own_hit_rate"])
+PY
+# Output batches end one token past a block boundary (replay.c, "When a batch goes out"), so
+# the router learns of a decode block one step after the engine took it.  decode_boundary.jsonl:
+# R0 leaves 32 cached blocks, A decodes on the one rank and each of its new blocks evicts R0's
+# deepest, C asks for R0's prefix 12 ms after A's block 34 evicted R0's block 31 (batches
+# counted from the first output token told the router 35 ms later: predicted 32, held 31).  The
+# Mooncake sample, seed 3: request 1035 predicted 1226 blocks where the engine held 1225.
+"$bin" --no-timing --quiet --policies approx_lru --ranks 1 --blocks-per-rank 68 \
+	--out "$tmp/db.json" "$root/tools/replay/testdata/decode_boundary.jsonl" || fail "decode_boundary"
+"$bin" --no-timing --quiet --policies approx_lru --seed 3 --max-requests 1036 \
+	--out "$tmp/s3.json" "$sample" || fail "seed 3 replay"
+python3 - "$tmp" <<'PY' || fail "a decode block reached the router late"
+import json, sys
+for f, n in (("db", 4), ("s3", 1036)):
+    q = json.load(open("%s/%s.json" % (sys.argv[1], f)))["policies"][0]["prediction"]
+    assert q["requests"] == n and q["exact_share"] == 1.0, (f, q)
 PY
 if "$bin" --quiet --foreign-traffic 0.3 --foreign-as nobody "$sample" 2>/dev/null; then
 	fail "--foreign-as nobody was accepted"
