@@ -83,6 +83,54 @@ Test(ttl, clock_step_back_keeps_order)
 	kvr_lru_out_fini(&out);
 }
 
+/* A re-record that starts inside a run splits it; the refreshed middle outlives both ends,
+ * is unreachable for overlap while its parent is gone, and is found again (not stored) when
+ * the whole chain is recorded from the root. */
+Test(ttl, refresh_inside_a_run)
+{
+	struct kvr_ttl *t;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[6];
+	uint64_t x, q[6] = {11, 12, 13, 14, 15, 16};
+	uint32_t pos;
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_ttl_create(100, 0, &t), 0);
+	blk(b, q, 6);
+	cr_assert_eq(kvr_ttl_record(t, b, 6, 0, 0, &out), 0); /* one run, expires 100 */
+	cr_assert_eq(out.n_stored, 6);
+	blk(b, q + 2, 2);
+	cr_assert_eq(kvr_ttl_record(t, b, 2, 2, 50, &out), 0); /* 13, 14 at their positions */
+	cr_assert_eq(out.n_stored, 0, "present blocks are refreshed, not stored");
+	cr_assert_eq(kvr_ttl_lookup(t, 13, &x, &pos), 0);
+	cr_assert(x == 150 && pos == 2);
+	cr_assert_eq(kvr_ttl_lookup(t, 16, &x, &pos), 0);
+	cr_assert(x == 100 && pos == 5);
+	cr_assert_eq(kvr_ttl_expire(t, 100, &out), 0);
+	cr_assert_eq(out.n_evicted, 4);
+	cr_assert_eq(out.n_evicted_runs, 2, "the two ends, each a chain (same expiry: any order)");
+	for (size_t k = 0; k < 2; k++) {
+		const uint64_t *e = out.evicted_seq + 2 * k;
+		cr_assert((e[0] == 11 && e[1] == 12) || (e[0] == 15 && e[1] == 16));
+	}
+	cr_assert_neq(out.evicted_seq[0], out.evicted_seq[2]);
+	cr_assert_eq(kvr_ttl_count(t), 2);
+	cr_assert_eq(kvr_ttl_overlap(t, q, 6), 0, "13 outlived its parent: not a prefix");
+	cr_assert_eq(kvr_ttl_overlap(t, q + 2, 2), 2);
+	blk(b, q, 6);
+	cr_assert_eq(kvr_ttl_record(t, b, 6, 0, 120, &out), 0);
+	cr_assert_eq(out.n_stored, 4);
+	cr_assert_eq(out.n_stored_runs, 2);
+	cr_assert(out.stored[0].first == 0 && out.stored[0].n == 2);
+	cr_assert(out.stored[1].first == 4 && out.stored[1].n == 2);
+	cr_assert_eq(kvr_ttl_overlap(t, q, 6), 6);
+	cr_assert_eq(kvr_ttl_next_expiry(t), 220);
+	cr_assert_eq(kvr_ttl_expire(t, 220, &out), 0);
+	cr_assert_eq(out.n_evicted, 6);
+	cr_assert_eq(kvr_ttl_count(t), 0);
+	kvr_ttl_destroy(t);
+	kvr_lru_out_fini(&out);
+}
+
 /* ---------------------------------------------------------------- differential */
 
 #define U 64
