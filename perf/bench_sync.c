@@ -10,18 +10,29 @@
  *     prefix); a prober thread asks replica B (query-only, pinned to A's chosen rank, by local
  *     hashes) until B predicts the whole prompt cached there, and records A's admit -> B
  *     visible.  Target: p99 <= 2 ms at 5000/s of 8k-token prompts.
+ *     --stages: every admission of phase 2 is also stamped at each stage on its way
+ *     (sync/replica_trace.h) and the bench prints each stage's p50/p99 and the mean stages of
+ *     the slowest 1%, plus each thread's CPU and run-queue wait over the phase
+ *     (/proc/self/task/N/schedstat) and nats-server's: where the tail comes from.
  * A nats-server is started on a free 127.0.0.1 port and stopped at the end (exit 77 without).
+ *     --shard-spin-ns NS: the routers' kvr_config.shard_idle_spin_ns (0: never spin; default:
+ *     the library's).  --route-rounds N: N no-peer rounds of part 1 before the in-process one
+ *     (does the no-peer ratio depend on being first?).
  * usage: bench_sync [--tokens N] [--rate R] [--seconds S] [--ranks K] [--capacity BLOCKS]
+ *                   [--stages] [--shard-spin-ns NS] [--route-rounds N]
  */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
+#include <dirent.h>
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
 
 static size_t tokens = 8192;
@@ -29,6 +40,8 @@ static double rate = 5000;
 static double seconds = 2;
 static uint32_t n_ranks = 8;
 static uint64_t capacity = 65536; /* blocks per rank: 1M tokens at block size 16 */
+static long shard_spin_ns = -1;   /* -1: the library's default */
+static int route_rounds = 1;      /* rounds of the no-peer route phase (order/warm-up check) */
 
 static uint64_t mono_ns(void)
 {
@@ -67,6 +80,8 @@ static struct kvr_router *make_router(void)
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.n_shards = 1;
+	if (shard_spin_ns >= 0)
+		c.shard_idle_spin_ns = (uint64_t)shard_spin_ns; /* 0: shards never spin */
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r))
 		return NULL;
@@ -103,7 +118,18 @@ struct probe {
 	struct kvr_rank_id rank;
 	uint64_t *local;
 	size_t nb;
+	uint64_t no; /* admission number: index into obs */
 };
+
+/* What the prober saw of admission i (phase 2), for --stages. */
+struct obs {
+	uint64_t attempt, t0, routed; /* A's attempt; before kvr_route; after it returned */
+	uint64_t miss, seen;          /* last probe that did not see it; first that did */
+	bool inferred;                /* seen only through a later admission (evicted first) */
+};
+static struct obs *obs;
+static size_t n_obs;
+static bool stages;
 
 #define RING 65536
 static struct probe ring[RING];
@@ -139,6 +165,7 @@ static bool visible(const struct probe *p)
 static void *prober(void *arg)
 {
 	(void)arg;
+	prctl(PR_SET_TIMERSLACK, 1000UL); /* 50 us sleeps, not 50 us + the default 50 us slack */
 	for (;;) {
 		uint64_t t = __atomic_load_n(&tail, __ATOMIC_RELAXED);
 		uint64_t h = __atomic_load_n(&head, __ATOMIC_ACQUIRE);
@@ -147,11 +174,23 @@ static void *prober(void *arg)
 				break;
 		} else {
 			struct probe *p = &ring[t % RING];
+			struct obs *o = p->no < n_obs ? &obs[p->no] : NULL;
 			uint64_t lat_ns = 0;
-			if (visible(p) || (h - t > 1 && visible(&ring[(h - 1) % RING])))
-				lat_ns = mono_ns() - p->t0;
-			else if (mono_ns() - p->t0 > 2000000000ull)
+			bool seen = visible(p), inferred = false;
+			/* The next admission, not the newest: the newest is still on its way. */
+			if (!seen && h - t > 1 && visible(&ring[(t + 1) % RING]))
+				seen = inferred = true;
+			uint64_t now = mono_ns();
+			if (seen)
+				lat_ns = now - p->t0;
+			else if (now - p->t0 > 2000000000ull)
 				lat_ns = 2000000000ull; /* never seen: counted as 2 s */
+			else if (o)
+				o->miss = now;
+			if (lat_ns && o) {
+				o->seen = seen ? now : 0;
+				o->inferred = inferred;
+			}
 			if (lat_ns) {
 				if (n_lat < sizeof(lat) / sizeof(lat[0]))
 					lat[n_lat++] = lat_ns;
@@ -166,10 +205,199 @@ static void *prober(void *arg)
 	return NULL;
 }
 
+/* ---------------------------------------------------------------- --stages */
+
+/* Every thread's CPU and run-queue wait (ns, /proc/.../schedstat), this process's and
+ * nats-server's (our child). */
+#define MAX_TH 128
+struct cpu_snap {
+	size_t n;
+	struct {
+		long tid;
+		char comm[20];
+		uint64_t run, wait;
+	} th[MAX_TH];
+};
+
+static void snap_dir(struct cpu_snap *c, const char *dir, const char *prefix)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return;
+	struct dirent *e;
+	while ((e = readdir(d)) && c->n < MAX_TH) {
+		if (e->d_name[0] < '0' || e->d_name[0] > '9')
+			continue;
+		char path[300], comm[20] = "";
+		unsigned long long run = 0, wait = 0;
+		snprintf(path, sizeof(path), "%s/%s/schedstat", dir, e->d_name);
+		FILE *f = fopen(path, "r");
+		if (!f)
+			continue;
+		int ok = fscanf(f, "%llu %llu", &run, &wait) == 2;
+		fclose(f);
+		snprintf(path, sizeof(path), "%s/%s/comm", dir, e->d_name);
+		if ((f = fopen(path, "r"))) {
+			if (fgets(comm, sizeof(comm), f))
+				comm[strcspn(comm, "\n")] = 0;
+			fclose(f);
+		}
+		if (!ok)
+			continue;
+		c->th[c->n].tid = atol(e->d_name);
+		snprintf(c->th[c->n].comm, sizeof(c->th[c->n].comm), "%s%s", prefix, comm);
+		c->th[c->n].run = run;
+		c->th[c->n].wait = wait;
+		c->n++;
+	}
+	closedir(d);
+}
+
+static void cpu_snap(struct cpu_snap *c)
+{
+	c->n = 0;
+	snap_dir(c, "/proc/self/task", "");
+	char path[64], buf[256];
+	snprintf(path, sizeof(path), "/proc/self/task/%d/children", (int)getpid());
+	FILE *f = fopen(path, "r");
+	if (f) {
+		if (fgets(buf, sizeof(buf), f)) {
+			snprintf(path, sizeof(path), "/proc/%ld/task", atol(buf));
+			snap_dir(c, path, "server:");
+		}
+		fclose(f);
+	}
+}
+
+static void cpu_report(const struct cpu_snap *a, const struct cpu_snap *b, double wall_s)
+{
+	double sum = 0, sum_wait = 0, srv = 0;
+	for (size_t i = 0; i < b->n; i++) {
+		uint64_t run = b->th[i].run, wait = b->th[i].wait;
+		for (size_t j = 0; j < a->n; j++)
+			if (a->th[j].tid == b->th[i].tid) {
+				run -= a->th[j].run;
+				wait -= a->th[j].wait;
+			}
+		double cores = (double)run * 1e-9 / wall_s;
+		sum += cores;
+		sum_wait += (double)wait * 1e-9 / wall_s;
+		if (!strncmp(b->th[i].comm, "server:", 7))
+			srv += cores;
+		if (cores >= 0.005)
+			printf("bench_sync: thread %ld %-22s cpu=%.3f cores runq_wait=%.3f\n",
+			       b->th[i].tid, b->th[i].comm, cores, (double)wait * 1e-9 / wall_s);
+	}
+	printf("SUMMARY bench=sync_cpu rate_asked=%.0f cores_total=%.2f cores_nats_server=%.2f "
+	       "runq_wait_total=%.2f online_cpus=%ld\n",
+	       rate, sum, srv, sum_wait, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+/* Stage deltas of the traced admissions: p50/p99 each, and the mean of each over the slowest
+ * 1% end to end (what the tail is made of). */
+static void stage_report(size_t n)
+{
+	enum {
+		S_ROUTE,
+		S_NOTE_POP,
+		S_POP_PUB,
+		S_PUB_RX,
+		S_RX_HANDLE,
+		S_HANDLE_POSTED,
+		S_POSTED_SEEN,
+		S_RESOLUTION,
+		S_END,
+		S_N
+	};
+	static const char *names[S_N] = {"route_to_note", "ring_wait",        "encode",
+	                                 "publish_to_rx", "apply_queue",      "apply_post",
+	                                 "shard_to_seen", "probe_resolution", "end_to_end"};
+	uint64_t *d[S_N], *end = malloc((n ? n : 1) * 8);
+	for (int k = 0; k < S_N; k++)
+		d[k] = malloc((n ? n : 1) * 8);
+	size_t m = 0, inferred = 0, incomplete = 0;
+	uint64_t(*row)[S_N + 1] = malloc((n ? n : 1) * sizeof(*row)); /* [S_N]: t0 */
+	for (size_t i = 0; i < n; i++) {
+		const struct obs *o = &obs[i];
+		uint64_t t[KVR_TR_N];
+		if (!o->seen) /* skipped, or never seen */
+			continue;
+		if (o->inferred) {
+			inferred++;
+			continue;
+		}
+		if (kvr_rep_trace_get(o->attempt, t)) {
+			incomplete++;
+			continue;
+		}
+		bool ok = true;
+		for (int k = 0; k < KVR_TR_N; k++)
+			ok = ok && t[k];
+		if (!ok) {
+			incomplete++;
+			continue;
+		}
+		if (t[KVR_TR_POSTED] > o->seen) /* seen before the apply thread stamped it */
+			t[KVR_TR_POSTED] = o->seen;
+		uint64_t v[S_N] = {
+		    t[KVR_TR_NOTE] - o->t0,
+		    t[KVR_TR_POP] - t[KVR_TR_NOTE],
+		    t[KVR_TR_ENCODED] - t[KVR_TR_POP],
+		    t[KVR_TR_RECEIVED] - t[KVR_TR_ENCODED],
+		    t[KVR_TR_HANDLE] - t[KVR_TR_RECEIVED],
+		    t[KVR_TR_POSTED] - t[KVR_TR_HANDLE],
+		    o->seen - t[KVR_TR_POSTED],
+		    o->seen - (o->miss > t[KVR_TR_POSTED] ? o->miss : t[KVR_TR_POSTED]),
+		    o->seen - o->t0,
+		};
+		for (int k = 0; k < S_N; k++) {
+			row[m][k] = v[k];
+			d[k][m] = v[k];
+		}
+		row[m][S_N] = o->t0;
+		end[m] = v[S_END];
+		m++;
+	}
+	printf("bench_sync: stages of %zu admissions (%zu seen only via a later one, %zu without "
+	       "every stamp)\n",
+	       m, inferred, incomplete);
+	uint64_t cut = pct(end, m, 0.99);
+	double tail[S_N] = {0};
+	size_t nt = 0;
+	for (size_t i = 0; i < m; i++) {
+		if (row[i][S_END] < cut)
+			continue;
+		if (nt < 40)
+			printf("bench_sync: slow #%zu at %.1f ms: end_to_end=%.0f us "
+			       "shard_to_seen=%.0f us "
+			       "probe_resolution=%.0f us\n",
+			       i, (double)(row[i][S_N] - obs[0].t0) / 1e6, row[i][S_END] / 1e3,
+			       row[i][S_POSTED_SEEN] / 1e3, row[i][S_RESOLUTION] / 1e3);
+		nt++;
+		for (int k = 0; k < S_N; k++)
+			tail[k] += (double)row[i][k];
+	}
+	for (int k = 0; k < S_N; k++) {
+		uint64_t p50 = pct(d[k], m, 0.5), p99 = pct(d[k], m, 0.99);
+		printf("SUMMARY bench=sync_stage stage=%s p50_us=%.1f p99_us=%.1f "
+		       "mean_in_slowest_1pct_us=%.1f\n",
+		       names[k], p50 / 1e3, p99 / 1e3, nt ? tail[k] / (double)nt / 1e3 : 0.0);
+		free(d[k]);
+	}
+	free(end);
+	free(row);
+}
+
 int main(int argc, char **argv)
 {
-	for (int i = 1; i + 1 < argc; i += 2) {
-		if (!strcmp(argv[i], "--tokens"))
+	for (int i = 1; i < argc; i += 2) {
+		if (!strcmp(argv[i], "--stages")) {
+			stages = true;
+			i--;
+		} else if (i + 1 >= argc) {
+			fprintf(stderr, "bench_sync: %s needs a value\n", argv[i]);
+			return 2;
+		} else if (!strcmp(argv[i], "--tokens"))
 			tokens = strtoull(argv[i + 1], NULL, 0);
 		else if (!strcmp(argv[i], "--rate"))
 			rate = atof(argv[i + 1]);
@@ -177,11 +405,16 @@ int main(int argc, char **argv)
 			seconds = atof(argv[i + 1]);
 		else if (!strcmp(argv[i], "--capacity"))
 			capacity = strtoull(argv[i + 1], NULL, 0);
+		else if (!strcmp(argv[i], "--shard-spin-ns"))
+			shard_spin_ns = atol(argv[i + 1]);
+		else if (!strcmp(argv[i], "--route-rounds"))
+			route_rounds = atoi(argv[i + 1]) > 0 ? atoi(argv[i + 1]) : 1;
 		else if (!strcmp(argv[i], "--ranks"))
 			n_ranks = (uint32_t)atoi(argv[i + 1]);
 		else {
 			fprintf(stderr, "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
-			                "[--ranks K] [--capacity BLOCKS]\n");
+			                "[--ranks K] [--capacity BLOCKS] [--stages] "
+			                "[--shard-spin-ns NS] [--route-rounds N]\n");
 			return 2;
 		}
 	}
@@ -190,6 +423,7 @@ int main(int argc, char **argv)
 		return 77;
 	}
 	signal(SIGPIPE, SIG_IGN);
+	pthread_setname_np(pthread_self(), "bench-main");
 	if (kvr_test_nats_start()) {
 		fprintf(stderr, "bench_sync: could not start nats-server\n");
 		return 1;
@@ -210,7 +444,8 @@ int main(int argc, char **argv)
 	size_t n1 = 4000, warmup = 3000;
 	uint64_t *with = malloc(n1 * 8), *without = malloc(n1 * 8);
 	uint64_t *with_cpu = malloc(n1 * 8), *without_cpu = malloc(n1 * 8);
-	for (int phase = 0; phase < 2; phase++) {
+	for (int round = 0; round <= route_rounds; round++) {
+		int phase = round == route_rounds; /* the last round has peer B attached */
 		if (phase == 1 && !(sb = attach(rb, 2))) {
 			fprintf(stderr, "bench_sync: setup failed\n");
 			kvr_test_nats_stop();
@@ -278,8 +513,15 @@ int main(int argc, char **argv)
 	struct kvr_config rc;
 	kvr_router_get_config(ra, &rc);
 	block_size = rc.block_size;
+	n_obs = (size_t)(rate * seconds) + 16;
+	obs = calloc(n_obs, sizeof(*obs));
+	if (stages)
+		__atomic_store_n(&kvr_rep_trace_origin, 1, __ATOMIC_RELAXED); /* A's id */
+	struct cpu_snap cs0, cs1;
+	cpu_snap(&cs0);
 	pthread_t th;
 	pthread_create(&th, NULL, prober, NULL);
+	pthread_setname_np(th, "bench-prober");
 	uint64_t period = (uint64_t)(1e9 / rate), start = mono_ns(), n2 = 0, behind = 0;
 	uint64_t end = start + (uint64_t)(seconds * 1e9);
 	size_t nb = tokens / block_size;
@@ -311,8 +553,12 @@ int main(int argc, char **argv)
 			n2++;
 			continue;
 		}
+		uint64_t routed = mono_ns();
 		kvr_request_finish(ra, d.attempt);
+		if (n2 < n_obs)
+			obs[n2] = (struct obs){.attempt = d.attempt, .t0 = t0, .routed = routed};
 		struct probe *p = &ring[head % RING];
+		p->no = n2;
 		p->t0 = t0;
 		p->rank = d.rank;
 		p->local = local;
@@ -321,8 +567,10 @@ int main(int argc, char **argv)
 		n2++;
 	}
 	double achieved = (double)head / ((double)(mono_ns() - start) * 1e-9);
+	cpu_snap(&cs1); /* the prober included (it has no baseline: it started after cs0) */
 	__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
 	pthread_join(th, NULL);
+	__atomic_store_n(&kvr_rep_trace_origin, 0, __ATOMIC_RELAXED);
 	uint64_t p50 = pct(lat, n_lat, 0.5), p99 = pct(lat, n_lat, 0.99),
 	         p999 = pct(lat, n_lat, 0.999);
 	struct kvr_sync_stats st;
@@ -333,6 +581,10 @@ int main(int argc, char **argv)
 	       tokens, rate, achieved, (unsigned long)head, (unsigned long)behind, p50 / 1e3,
 	       p99 / 1e3, p999 / 1e3, (unsigned long)st.applied, (unsigned long)st.dropped,
 	       p99 <= 2000000 ? "MET" : "MISSED");
+	if (stages) {
+		cpu_report(&cs0, &cs1, (double)(end - start) * 1e-9);
+		stage_report(n2 < n_obs ? n2 : n_obs);
+	}
 	kvr_sync_detach(sa);
 	kvr_sync_detach(sb);
 	kvr_router_destroy(ra);
@@ -344,5 +596,6 @@ int main(int argc, char **argv)
 	free(without);
 	free(with_cpu);
 	free(without_cpu);
+	free(obs);
 	return 0;
 }

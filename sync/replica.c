@@ -58,6 +58,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "core/alloc.h"
@@ -71,6 +72,7 @@
 static void *apply_main(void *arg)
 {
 	struct kvr_replica *rep = arg;
+	prctl(PR_SET_NAME, "kvr-sync-apply");
 	kvr_rcu_thread_online();
 	uint64_t hb_ns = (uint64_t)rep->c.heartbeat_ms * 1000000ull;
 	uint64_t next_hb = kvr_rep_mono_ns();
@@ -135,7 +137,9 @@ static void *apply_main(void *arg)
 		while (batch) {
 			struct kvr_rep_item *it = batch;
 			batch = it->next;
+			rep->handle_rx_ns = it->rx_ns;
 			kvr_rep_handle(rep, it->data, it->len, it->reply);
+			rep->handle_rx_ns = 0;
 			pthread_mutex_lock(&rep->mu);
 			bool again = rep->want_reannounce && rep->connected;
 			uint64_t back = rep->reannounce_ms * 1000000ull, now = kvr_rep_mono_ns();
@@ -167,6 +171,8 @@ void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len, c
 	if (!it)
 		return;
 	it->next = NULL;
+	it->rx_ns =
+	    __atomic_load_n(&kvr_rep_trace_origin, __ATOMIC_RELAXED) ? kvr_rep_mono_ns() : 0;
 	it->len = len;
 	it->reply = NULL;
 	if (len)

@@ -381,6 +381,13 @@ void kvr_rep_handle(struct kvr_replica *rep, const uint8_t *data, size_t len, co
 	switch (m.h.type) {
 	case KVR_MSG_ADMIT:
 	case KVR_MSG_ATTEMPT:
+		if (rep->handle_rx_ns && kvr_rep_tracing(m.h.replica)) {
+			kvr_rep_trace_stamp(m.attempt, KVR_TR_RECEIVED, rep->handle_rx_ns);
+			kvr_rep_trace_stamp(m.attempt, KVR_TR_HANDLE, 0);
+			kvr_rep_apply_attempt(rep, &m);
+			kvr_rep_trace_stamp(m.attempt, KVR_TR_POSTED, 0);
+			break;
+		}
 		kvr_rep_apply_attempt(rep, &m);
 		break;
 	case KVR_MSG_OUTPUT:

@@ -23,6 +23,7 @@
 #include "sync/park.h"
 #include "sync/replica.h"
 #include "sync/replica_msg.h"
+#include "sync/replica_trace.h"
 #include "sync/ring.h"
 
 #define MAX_PEERS   256
@@ -38,6 +39,7 @@
 
 struct kvr_rep_item {
 	struct kvr_rep_item *next;
+	uint64_t rx_ns; /* when delivered, if tracing (sync/replica_trace.h); else 0 */
 	size_t len;
 	char *reply;
 	uint8_t data[];
@@ -116,6 +118,7 @@ struct kvr_replica {
 	bool want_reannounce;   /* under mu: a peer asked (SNAP_REQ on the stream) */
 	uint64_t reannounce_ms; /* under mu: how far back the askers need finished attempts */
 	uint64_t reconnect_ns;  /* apply thread: when the last outage ended */
+	uint64_t handle_rx_ns;  /* apply thread: the handled item's rx_ns (tracing) */
 	pthread_t thread;
 	bool thread_started;
 	uint64_t flush_done; /* under qmu: the highest outbound flush ticket the sender passed */
@@ -123,6 +126,7 @@ struct kvr_replica {
 	/* The outbound queue (sync/replica_out.c): notes from routing threads to the sender. */
 	struct kvr_ring outq;
 	struct kvr_parker out_park;
+	uint64_t burst_ns; /* sender thread: when the current burst was dequeued (tracing) */
 	pthread_t out_thread;
 	bool out_started;
 	bool out_stop;              /* atomic: the sender exits once the ring is empty */

@@ -103,6 +103,10 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 	rep->obuf.oom = false;
 	kvr_rep_encode_attempt(&rep->obuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
 	                       rep->seq + 1, x, false);
+	if (kvr_rep_tracing(rep->c.replica_id)) {
+		kvr_rep_trace_stamp(x->oattempt, KVR_TR_POP, rep->burst_ns);
+		kvr_rep_trace_stamp(x->oattempt, KVR_TR_ENCODED, 0);
+	}
 	send_stream(rep);
 }
 
@@ -309,6 +313,8 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 		if (a->tail_n)
 			memcpy(sl->tail, a->tail, (size_t)a->tail_n * 4);
 		uint32_t idx = (uint32_t)i;
+		if (kvr_rep_tracing(rep->c.replica_id))
+			kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
 		out_push(rep, OUT_ADMIT_SLAB, &idx, sizeof(idx));
 		return;
 	}
@@ -317,6 +323,8 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 		return;
 	}
+	if (kvr_rep_tracing(rep->c.replica_id))
+		kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
 	out_push(rep, OUT_ADMIT, &x, sizeof(x));
 }
 
@@ -405,12 +413,15 @@ static void *out_main(void *arg)
 	struct kvr_replica *rep = arg;
 	/* Poll sleeps of OUT_POLL_NS, not the default 50 us of slack on top. */
 	prctl(PR_SET_TIMERSLACK, 1000UL);
+	prctl(PR_SET_NAME, "kvr-sync-out");
 	struct kvr_msg batch[OUT_BURST];
 	uint64_t idle_since = 0;
 	for (;;) {
 		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
 		if (n) {
 			uint64_t ticket = 0;
+			if (kvr_rep_tracing(rep->c.replica_id))
+				rep->burst_ns = kvr_rep_mono_ns();
 			pthread_mutex_lock(&rep->mu);
 			for (uint32_t i = 0; i < n; i++) {
 				uint64_t t = out_one(rep, &batch[i]);
