@@ -405,7 +405,13 @@ KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
  * blocks and caches floor((P+O-1)/B) (B = 16: prompt 10 + 6 output caches nothing, 10 + 7
  * caches one block).  Not mirrored: with vLLM's async scheduling a request that stops on a stop
  * token has already been given one more slot, which can allocate (and evict) one extra block
- * at the very end; the prediction follows the synchronous scheduler. */
+ * at the very end; the prediction follows the synchronous scheduler.  One step behind while
+ * the request runs: vLLM allocates (and caches up to) the last sampled token's slot as it
+ * schedules the next step, the router only once a later token is reported (it cannot tell that
+ * the last one is not the final one), so a request routed to the rank within that step finds
+ * one block fewer than predicted when that allocation evicted one.  Sending tokens in batches
+ * adds to this unless each batch ends one token past a block boundary (tools/replay/replay.c,
+ * "When a batch goes out"). */
 KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
                                size_t n_tokens);
 
