@@ -382,6 +382,8 @@ static void stage_report(size_t n)
 		end[m] = v[S_END];
 		m++;
 	}
+	printf("bench_sync: phase 2 began at CLOCK_MONOTONIC %.6f s (perf record -k mono aligns)\n",
+	       n ? (double)obs[0].t0 * 1e-9 : 0.0);
 	printf("bench_sync: stages of %zu admissions (%zu left out: seen only via another one, an "
 	       "upper bound; %zu without every stamp)\n",
 	       m, inferred, incomplete);
