@@ -13,6 +13,9 @@
  *     once (told, as for an abort), and a replica attached afterwards does not mirror them.
  *  3. nats-server is stopped and restarted mid-stream: no crash, the counters show the outage
  *     (disconnects, reconnects, unpublished), and loads and predictions agree again.
+ *  4. stage tracing (sync/replica_trace.h, what bench_sync --stages reads): with replica A
+ *     traced, each of A's admissions carries all six stamps, in pipeline order; untraced ones
+ *     carry none.
  * usage: test_sync_nats [seed [pace_us]]
  */
 #include <fcntl.h>
@@ -26,6 +29,7 @@
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
 
 #define N_RANKS 8
@@ -762,6 +766,79 @@ static void test_outage(void)
 	}
 }
 
+/* ---------------------------------------------------------------- 4 */
+
+static void test_trace(void)
+{
+	struct replica a = {0}, b = {0};
+	a.r = make_router();
+	b.r = make_router();
+	CHECK(attach(&a, 51) == 0 && attach(&b, 52) == 0, "attach");
+	uint64_t traced[16], untraced = 0;
+	uint32_t t[256];
+	for (int k = 0; k < 17; k++) {
+		/* the first one untraced; tracing stays on until every stage is behind us */
+		if (k == 1) {
+			CHECK(kvr_sync_drain(a.s, 5000) == 0, "drain a");
+			__atomic_store_n(&kvr_rep_trace_origin, a.id, __ATOMIC_RELAXED);
+		}
+		for (size_t i = 0; i < 256; i++)
+			t[i] = (uint32_t)(7000000u + (uint32_t)k * 1000u + (uint32_t)i);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 256;
+		struct kvr_decision d;
+		CHECK(kvr_route(a.r, &q, &d) == 0, "route %d", k);
+		if (k)
+			traced[k - 1] = d.attempt;
+		else
+			untraced = d.attempt;
+	}
+	CHECK(kvr_sync_drain(a.s, 5000) == 0, "drain a");
+	uint64_t t0 = now_ms();
+	for (;;) { /* B applied A's stream up to A's last message */
+		struct kvr_sync_stats st;
+		uint64_t at = 0;
+		kvr_sync_get_stats(a.s, &st);
+		if (kvr_sync_peer_seq(b.s, a.id, &at) == 0 && at >= st.seq)
+			break;
+		if (now_ms() - t0 > 5000)
+			break;
+		sleep_ms(2);
+	}
+	CHECK(kvr_sync_drain(b.s, 5000) == 0, "drain b");
+	__atomic_store_n(&kvr_rep_trace_origin, 0, __ATOMIC_RELAXED);
+	for (int k = 0; k < 16; k++) {
+		uint64_t s[KVR_TR_N];
+		if (kvr_rep_trace_get(traced[k], s)) {
+			CHECK(0, "admission %d: no stamps", k);
+			continue;
+		}
+		bool all = true;
+		for (int i = 0; i < KVR_TR_N; i++)
+			all = all && s[i];
+		CHECK(all, "admission %d: a stage was not stamped (%lu %lu %lu %lu %lu %lu)", k,
+		      (unsigned long)s[0], (unsigned long)s[1], (unsigned long)s[2],
+		      (unsigned long)s[3], (unsigned long)s[4], (unsigned long)s[5]);
+		CHECK(s[KVR_TR_NOTE] <= s[KVR_TR_POP] && s[KVR_TR_POP] <= s[KVR_TR_ENCODED] &&
+		          s[KVR_TR_NOTE] <= s[KVR_TR_RECEIVED] &&
+		          s[KVR_TR_RECEIVED] <= s[KVR_TR_HANDLE] &&
+		          s[KVR_TR_HANDLE] <= s[KVR_TR_POSTED],
+		      "admission %d: stamps out of pipeline order", k);
+	}
+	uint64_t s[KVR_TR_N];
+	CHECK(kvr_rep_trace_get(untraced, s) != 0, "an untraced admission has stamps");
+	for (int k = 0; k < 16; k++)
+		kvr_request_finish(a.r, traced[k]);
+	kvr_request_finish(a.r, untraced);
+	kvr_sync_detach(a.s);
+	kvr_sync_detach(b.s);
+	kvr_router_destroy(a.r);
+	kvr_router_destroy(b.r);
+	printf("test_trace: %s\n", fails ? "failures above" : "16 traced admissions, every stage");
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 1)
@@ -789,6 +866,7 @@ int main(int argc, char **argv)
 	test_kill();
 	test_expire();
 	test_outage();
+	test_trace();
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
 	return fails ? 1 : 0;
