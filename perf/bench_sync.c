@@ -161,11 +161,13 @@ static bool visible(const struct probe *p)
  *  - when the oldest does not show and the next one does, the oldest was shown and already
  *    evicted: it is counted at the time this was noticed (an upper bound) instead of waiting
  *    for a visibility that will not come;
- *  - when the oldest shows and the prober is behind (more admissions waiting), every
+ *  - when the oldest shows and the prober is behind (over CATCH_UP admissions waiting), every
  *    admission between it and the newest one that shows already shows too: a binary search
  *    finds that one and all of them are counted now (an upper bound, marked "caught up" in
  *    --stages), so a prober that fell behind (descheduled on a busy machine) catches up in a
  *    few probes instead of adding its own backlog to every later admission. */
+#define CATCH_UP 8 /* admissions waiting (1.6 ms at 5000/s) before the prober searches */
+
 static void record(uint64_t t, uint64_t now, bool seen, bool inferred)
 {
 	struct probe *p = &ring[t % RING];
@@ -196,8 +198,9 @@ static void *prober(void *arg)
 			uint64_t now = mono_ns();
 			if (seen) {
 				record(t, now, true, false);
-				uint64_t lo = t,
-				         hi = h; /* lo shows; hi-1 is the newest admission */
+				/* lo shows; hi-1 is the newest admission.  Only when behind: the
+				 * search's probes cost CPU that B and the pipeline share. */
+				uint64_t lo = t, hi = h - t > CATCH_UP ? h : t + 1;
 				while (hi - lo > 1) {
 					uint64_t mid = lo + (hi - lo) / 2;
 					if (visible(&ring[mid % RING]))
