@@ -43,6 +43,8 @@
 #define BLK_TOMB   1u
 #define BLK_ID_MAX ((1u << IDX_ID_BITS) - 1)
 
+uint64_t kvr_index_blk_step_min = 64;
+
 static inline uint32_t blk_tag(uint64_t seq)
 {
 	return (uint32_t)(seq >> 8) & 63;
@@ -109,20 +111,26 @@ static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *
 	return false;
 }
 
-bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
-                        uint32_t hp, struct idx_run **r, uint32_t *pos)
+/* Whether run id's entries are still in the array being emptied. */
+static inline bool in_old(const struct idx_blocks *b, uint32_t id)
 {
-	const struct idx_blocks *b = &idx->blk;
-	if (!b->e)
-		return false;
+	return b->old_e && id >= b->mig && id < b->mig_end;
+}
+
+static bool find_in(const struct idx_blocks *b, const uint32_t *e, uint64_t cap, bool old,
+                    uint64_t seq, const struct idx_run *hr, uint32_t hp, struct idx_run **r,
+                    uint32_t *pos)
+{
 	const uint32_t tag = blk_tag(seq);
-	for (uint64_t i = idx_blk_home(seq, b->cap);; i = i + 1 == b->cap ? 0 : i + 1) {
-		uint32_t e = b->e[i];
-		if (e == BLK_EMPTY)
+	for (uint64_t i = idx_blk_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
+		uint32_t v = e[i];
+		if (v == BLK_EMPTY)
 			return false;
-		if ((e & 63) != tag || e == BLK_TOMB)
+		if ((v & 63) != tag || v == BLK_TOMB)
 			continue;
-		struct idx_run *c = b->dir[e >> 6];
+		if (old && !in_old(b, v >> 6))
+			continue; /* a migrated run's stale entry (its id may be free or reused) */
+		struct idx_run *c = b->dir[v >> 6];
 		if (pos_in(c, seq, hr, hp, pos)) {
 			*r = c;
 			return true;
@@ -130,46 +138,106 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 	}
 }
 
-static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
+bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
+                        uint32_t hp, struct idx_run **r, uint32_t *pos)
+{
+	const struct idx_blocks *b = &idx->blk;
+	if (!b->e)
+		return false;
+	if (find_in(b, b->e, b->cap, false, seq, hr, hp, r, pos))
+		return true;
+	return b->old_e && find_in(b, b->old_e, b->old_cap, true, seq, hr, hp, r, pos);
+}
+
+/* Inserts entry v for seq into e (cap slots, one free at least), counting it. */
+static void put(uint32_t *e, uint64_t cap, uint64_t *count, uint64_t *tombs, uint64_t seq,
+                uint32_t v)
 {
 	uint64_t i = idx_blk_home(seq, cap);
 	while (e[i] > BLK_TOMB)
 		i = i + 1 == cap ? 0 : i + 1;
+	if (e[i] == BLK_TOMB)
+		(*tombs)--;
 	e[i] = v;
+	(*count)++;
 }
 
-/* Rebuilds the entries into a new array of cap slots.  Returns 0 or KVR_ENOMEM (unchanged). */
-static int rebuild(struct kvr_index *idx, uint64_t cap)
+/* Ends a migration: the old array holds no live entry any more. */
+static void mig_done(struct kvr_index *idx)
+{
+	struct idx_blocks *b = &idx->blk;
+	kvr_free(b->old_e, b->old_cap * sizeof(uint32_t));
+	idx_count(&idx->bytes_shared, -(int64_t)(b->old_cap * sizeof(uint32_t)));
+	b->old_e = NULL;
+	b->old_cap = b->old_count = b->old_tombs = b->mig_step = 0;
+	b->mig = b->mig_end = 0;
+}
+
+/* Moves the entries of the next runs (in id order) into the new array until `budget` units
+ * of work (one per id visited, one per position moved) are done or the migration ends.
+ * One call moves at most budget - 1 + IDX_RUN_MAX units. */
+static void mig_run(struct kvr_index *idx, uint64_t budget)
+{
+	struct idx_blocks *b = &idx->blk;
+	while (b->old_e) {
+		if (b->mig >= b->mig_end || b->mig >= b->dir_cap) {
+			mig_done(idx); /* ids past dir_cap have no run, hence no entry */
+			return;
+		}
+		if (budget == 0)
+			return;
+		const uint32_t id = b->mig;
+		const struct idx_run *r = b->dir[id];
+		uint64_t w = 1;
+		if (dir_live(r) && r->hw > 1) {
+			for (uint32_t p = 1; p < r->hw; p++)
+				put(b->e, b->cap, &b->count, &b->tombs, r->seqs[p],
+				    blk_ent(r->seqs[p], id));
+			b->old_count -= r->hw - 1u;
+			w += r->hw - 1u;
+		}
+		b->mig = id + 1; /* its old entries are stale from here */
+		budget = budget > w ? budget - w : 0;
+	}
+}
+
+/* Replaces the entry array by an empty one of cap slots and starts moving the entries into
+ * it, a bounded slice per writer call, so that no call does O(table) work.  Returns 0 or
+ * KVR_ENOMEM (unchanged).  Context: not migrating. */
+static int mig_start(struct kvr_index *idx, uint64_t cap)
 {
 	struct idx_blocks *b = &idx->blk;
 	uint32_t *e = kvr_calloc(cap, sizeof(uint32_t));
 	if (!e)
 		return KVR_ENOMEM;
-	uint64_t count = 0;
-	for (uint32_t id = 1; id < b->dir_cap; id++) {
-		const struct idx_run *r = b->dir[id];
-		if (!dir_live(r))
-			continue;
-		for (uint32_t p = 1; p < r->hw; p++)
-			put(e, cap, r->seqs[p], blk_ent(r->seqs[p], id));
-		count += r->hw - 1u;
-	}
-	if (b->e) {
-		kvr_free(b->e, b->cap * sizeof(uint32_t));
-		idx_count(&idx->bytes_shared, -(int64_t)(b->cap * sizeof(uint32_t)));
-	}
 	idx_count(&idx->bytes_shared, (int64_t)(cap * sizeof(uint32_t)));
+	if (b->e) {
+		b->old_e = b->e;
+		b->old_cap = b->cap;
+		b->old_count = b->count;
+		b->old_tombs = b->tombs;
+		b->mig = 1;
+		b->mig_end = b->dir_cap;
+		/* Size the slice so that the migration ends well before the inserts that still go
+		 * to the old array could take it past load 0.9 (the hard limit below): twice
+		 * (ids + entries to move) / (inserts allowed). */
+		uint64_t lim = b->old_cap * 9 / 10, used = b->old_count + b->old_tombs;
+		uint64_t slack = lim > used ? lim - used : 1;
+		b->mig_step = 2 * ((uint64_t)b->mig_end + b->old_count) / slack + kvr_index_blk_step_min;
+	}
 	b->e = e;
 	b->cap = cap;
-	b->count = count;
-	b->tombs = 0;
+	b->count = b->tombs = 0;
+	mig_run(idx, b->mig_step); /* a small table moves at once */
 	return 0;
 }
 
 void kvr_index_blk_unreserve(struct kvr_index *idx)
 {
 	struct idx_blocks *b = &idx->blk;
-	if (b->e && b->count == 0) {
+	if (b->e && b->count == 0 && b->old_count == 0) {
+		if (b->old_e)
+			mig_done(idx);
 		kvr_free(b->e, b->cap * sizeof(uint32_t));
 		idx_count(&idx->bytes_shared, -(int64_t)(b->cap * sizeof(uint32_t)));
 		b->e = NULL;
@@ -180,6 +248,13 @@ void kvr_index_blk_unreserve(struct kvr_index *idx)
 int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 {
 	struct idx_blocks *b = &idx->blk;
+	if (b->old_e) {
+		mig_run(idx, b->mig_step * k);
+		if (b->old_e && (b->old_count + b->old_tombs + k) * 10 <= b->old_cap * 9 &&
+		    (b->count + b->tombs + b->old_count + k) * 20 <= b->cap * 17)
+			return 0;
+		mig_run(idx, UINT64_MAX); /* NEVER with k = 1 (the slice is sized for it), or done */
+	} /* not migrating (any more): check the array as a whole */
 	uint64_t used = b->count + b->tombs + k;
 	if (b->e && used * 20 <= b->cap * 17)
 		return 0;
@@ -197,35 +272,33 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 		 * run's instructions). */
 		cap = need * 5 / 3 + 1;
 	} /* else: purge tombstones at the same size */
-	return rebuild(idx, cap);
+	return mig_start(idx, cap);
 }
 
 void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_run *r)
 {
 	struct idx_blocks *b = &idx->blk;
-	uint64_t i = idx_blk_home(seq, b->cap);
-	while (b->e[i] > BLK_TOMB)
-		i = i + 1 == b->cap ? 0 : i + 1;
-	if (b->e[i] == BLK_TOMB)
-		b->tombs--;
-	b->e[i] = blk_ent(seq, idx_run_id(r));
-	b->count++;
+	const uint32_t id = idx_run_id(r);
+	if (in_old(b, id))
+		put(b->old_e, b->old_cap, &b->old_count, &b->old_tombs, seq, blk_ent(seq, id));
+	else
+		put(b->e, b->cap, &b->count, &b->tombs, seq, blk_ent(seq, id));
 }
 
-/* Empties slot i: a tombstone, unless the next slot is empty, in which case no probe can
+/* Empties slot i of e: a tombstone, unless the next slot is empty, in which case no probe can
  * need to pass i (nor the tombstones just before it, which are emptied too). */
-static void kill(struct idx_blocks *b, uint64_t i)
+static void kill(uint32_t *e, uint64_t cap, uint64_t *tombs, uint64_t i)
 {
-	uint64_t next = i + 1 == b->cap ? 0 : i + 1;
-	if (b->e[next] != BLK_EMPTY) {
-		b->e[i] = BLK_TOMB;
-		b->tombs++;
+	uint64_t next = i + 1 == cap ? 0 : i + 1;
+	if (e[next] != BLK_EMPTY) {
+		e[i] = BLK_TOMB;
+		(*tombs)++;
 		return;
 	}
-	b->e[i] = BLK_EMPTY;
-	for (uint64_t j = i ? i - 1 : b->cap - 1; b->e[j] == BLK_TOMB; j = j ? j - 1 : b->cap - 1) {
-		b->e[j] = BLK_EMPTY;
-		b->tombs--;
+	e[i] = BLK_EMPTY;
+	for (uint64_t j = i ? i - 1 : cap - 1; e[j] == BLK_TOMB; j = j ? j - 1 : cap - 1) {
+		e[j] = BLK_EMPTY;
+		(*tombs)--;
 	}
 }
 
@@ -235,29 +308,39 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 	const uint32_t id = idx_run_id(r);
 	if (id == 0)
 		return; /* one position ever: nothing here */
+	if (b->old_e)
+		mig_run(idx, b->mig_step);
+	/* All of r's entries are in one array: the old one iff r is not migrated yet. */
+	const bool old = in_old(b, id);
+	uint32_t *e = old ? b->old_e : b->e;
+	const uint64_t cap = old ? b->old_cap : b->cap;
+	uint64_t *count = old ? &b->old_count : &b->count, *tombs = old ? &b->old_tombs : &b->tombs;
 	for (uint32_t p = 1; p < r->hw; p++) {
 		const uint64_t seq = r->seqs[p];
 		const uint32_t want = blk_ent(seq, id);
-		for (uint64_t i = idx_blk_home(seq, b->cap);; i = i + 1 == b->cap ? 0 : i + 1) {
-			uint32_t e = b->e[i];
-			if (e == BLK_EMPTY)
+		for (uint64_t i = idx_blk_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
+			uint32_t v = e[i];
+			if (v == BLK_EMPTY)
 				break; /* NEVER: the locator holds every position below hw */
-			if (e == want) {
-				b->count--;
-				kill(b, i);
+			if (v == want) {
+				(*count)--;
+				kill(e, cap, tombs, i);
 				break;
 			}
 		}
 	}
 	kvr_index_blk_id_free(idx, r);
-	/* Give memory back after mass removal; keep the old array if the new one fails. */
-	if (b->count == 0) {
+	/* Give memory back after mass removal; keep the old array if the new one fails.  While
+	 * migrating, the next check after the migration decides. */
+	if (b->count == 0 && b->old_count == 0) {
 		kvr_index_blk_unreserve(idx);
+	} else if (b->old_e) {
+		return;
 	} else if (b->cap > BLK_MIN && b->count * 8 < b->cap) {
-		(void)rebuild(idx, b->count * 5 / 3 + BLK_MIN);
+		(void)mig_start(idx, b->count * 5 / 3 + BLK_MIN);
 	} else if (b->tombs * 4 > b->cap) {
 		uint64_t cap = b->count * 5 / 3 + 1; /* as in kvr_index_blk_reserve */
-		(void)rebuild(idx, cap > b->cap ? cap : b->cap);
+		(void)mig_start(idx, cap > b->cap ? cap : b->cap);
 	}
 }
 
@@ -323,6 +406,7 @@ void kvr_index_blk_fini(struct kvr_index *idx)
 {
 	struct idx_blocks *b = &idx->blk;
 	kvr_free(b->e, b->cap * sizeof(uint32_t));
+	kvr_free(b->old_e, b->old_cap * sizeof(uint32_t));
 	kvr_free(b->dir, (size_t)b->dir_cap * sizeof(*b->dir));
 	memset(b, 0, sizeof(*b));
 }

@@ -217,8 +217,14 @@ static inline uint64_t idx_blk_home(uint64_t seq, uint64_t cap)
 }
 
 struct idx_blocks {
-	uint32_t *e;
+	uint32_t *e; /* the entries (while migrating: the new array) */
 	uint64_t cap, count, tombs;
+	/* While a purge / resize migrates (old_e != NULL): the runs with ids [mig, mig_end) still
+	 * have their entries in old_e (old_count of them, exact); every other id's are in e. */
+	uint32_t *old_e;
+	uint64_t old_cap, old_count, old_tombs;
+	uint64_t mig_step; /* work units (ids + positions) moved per writer call */
+	uint32_t mig, mig_end;
 	struct idx_run **dir; /* id -> run; a free id holds (next free id << 1 | 1) */
 	uint32_t dir_cap;     /* ids 1..dir_cap-1 exist (0 is never used) */
 	uint32_t dir_free;    /* first free id, 0 = none */
@@ -355,6 +361,10 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r);
 void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r);
 /* Frees the locator.  Context: destroy. */
 void kvr_index_blk_fini(struct kvr_index *idx);
+/* The least work units (ids visited + entries moved) each writer call spends on a migration
+ * (default 64; tests set 1 to make small locators migrate over many calls).  Context: set
+ * before any index exists. */
+extern uint64_t kvr_index_blk_step_min;
 
 /* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)

@@ -15,6 +15,7 @@
 #include "core/alloc.h"
 #include "core/hash.h"
 #include "core/index.h"
+#include "core/index_internal.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
 
@@ -356,5 +357,20 @@ Test(index_diff, long_chains)
 		return;
 	}
 	for (unsigned seed = 1; seed <= 8; seed++)
+		run(seed, 1500);
+}
+
+/* The block locator's purges and resizes migrate a slice per writer call; with the least slice
+ * one unit, even this small locator spends several calls migrating, so stores (inserts into
+ * both arrays), removals (drops from both), run ids freed and reused, and lookups (both arrays)
+ * interleave with migrations. */
+Test(index_diff, locator_migrating)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	kvr_index_blk_step_min = 1;
+	for (unsigned seed = 1; seed <= 12; seed++)
+		run(seed, 3000);
+	longc = true;
+	for (unsigned seed = 1; seed <= 4; seed++)
 		run(seed, 1500);
 }
