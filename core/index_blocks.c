@@ -223,7 +223,8 @@ static int mig_start(struct kvr_index *idx, uint64_t cap)
 		 * (ids + entries to move) / (inserts allowed). */
 		uint64_t lim = b->old_cap * 9 / 10, used = b->old_count + b->old_tombs;
 		uint64_t slack = lim > used ? lim - used : 1;
-		b->mig_step = 2 * ((uint64_t)b->mig_end + b->old_count) / slack + kvr_index_blk_step_min;
+		b->mig_step =
+		    2 * ((uint64_t)b->mig_end + b->old_count) / slack + kvr_index_blk_step_min;
 	}
 	b->e = e;
 	b->cap = cap;
@@ -253,8 +254,9 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 		if (b->old_e && (b->old_count + b->old_tombs + k) * 10 <= b->old_cap * 9 &&
 		    (b->count + b->tombs + b->old_count + k) * 20 <= b->cap * 17)
 			return 0;
-		mig_run(idx, UINT64_MAX); /* NEVER with k = 1 (the slice is sized for it), or done */
-	} /* not migrating (any more): check the array as a whole */
+		mig_run(idx,
+		        UINT64_MAX); /* NEVER with k = 1 (the slice is sized for it), or done */
+	}                            /* not migrating (any more): check the array as a whole */
 	uint64_t used = b->count + b->tombs + k;
 	if (b->e && used * 20 <= b->cap * 17)
 		return 0;
