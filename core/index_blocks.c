@@ -254,9 +254,10 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 		if (b->old_e && (b->old_count + b->old_tombs + k) * 10 <= b->old_cap * 9 &&
 		    (b->count + b->tombs + b->old_count + k) * 20 <= b->cap * 17)
 			return 0;
-		mig_run(idx,
-		        UINT64_MAX); /* NEVER with k = 1 (the slice is sized for it), or done */
-	}                            /* not migrating (any more): check the array as a whole */
+		/* Past the hard limit (NEVER with k = 1: the slice is sized for it): the rest at
+		 * once.  Not migrating any more: check the array as a whole. */
+		mig_run(idx, UINT64_MAX);
+	}
 	uint64_t used = b->count + b->tombs + k;
 	if (b->e && used * 20 <= b->cap * 17)
 		return 0;
