@@ -43,7 +43,12 @@
 #define BLK_TOMB   1u
 #define BLK_ID_MAX ((1u << IDX_ID_BITS) - 1)
 
-uint64_t kvr_index_blk_step_min = 64;
+uint64_t kvr_index_blk_step_min = 2;
+
+/* A new array is zeroed in slices of BLK_ZERO slots (so that neither the zeroing nor the page
+ * faults of fresh memory land on one call), BLK_ZERO_UNIT slots for one unit of work. */
+#define BLK_ZERO      1024u
+#define BLK_ZERO_UNIT 16u
 
 static inline uint32_t blk_tag(uint64_t seq)
 {
@@ -114,7 +119,7 @@ static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *
 /* Whether run id's entries are still in the array being emptied. */
 static inline bool in_old(const struct idx_blocks *b, uint32_t id)
 {
-	return b->old_e && id >= b->mig && id < b->mig_end;
+	return b->old_e && (b->zeroed < b->cap || (id >= b->mig && id < b->mig_end));
 }
 
 static bool find_in(const struct idx_blocks *b, const uint32_t *e, uint64_t cap, bool old,
@@ -144,7 +149,8 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 	const struct idx_blocks *b = &idx->blk;
 	if (!b->e)
 		return false;
-	if (find_in(b, b->e, b->cap, false, seq, hr, hp, r, pos))
+	if ((!b->old_e || b->zeroed == b->cap) &&
+	    find_in(b, b->e, b->cap, false, seq, hr, hp, r, pos))
 		return true;
 	return b->old_e && find_in(b, b->old_e, b->old_cap, true, seq, hr, hp, r, pos);
 }
@@ -170,64 +176,82 @@ static void mig_done(struct kvr_index *idx)
 	idx_count(&idx->bytes_shared, -(int64_t)(b->old_cap * sizeof(uint32_t)));
 	b->old_e = NULL;
 	b->old_cap = b->old_count = b->old_tombs = b->mig_step = 0;
+	b->mig_credit = 0;
 	b->mig = b->mig_end = 0;
 }
 
-/* Moves the entries of the next runs (in id order) into the new array until `budget` units
- * of work (one per id visited, one per position moved) are done or the migration ends.
- * One call moves at most budget - 1 + IDX_RUN_MAX units. */
+/* Adds `budget` units of work (one per id visited, one per position moved) to the migration's
+ * credit and moves the entries of the next runs (in id order) into the new array while the
+ * credit is positive (a run moves whole, so the credit may go negative: the calls after pay
+ * it back) or until the migration ends.  One call moves at most budget + IDX_RUN_MAX units. */
 static void mig_run(struct kvr_index *idx, uint64_t budget)
 {
 	struct idx_blocks *b = &idx->blk;
+	if (!b->old_e)
+		return;
+	b->mig_credit = budget > INT64_MAX / 2 ? INT64_MAX / 2 : b->mig_credit + (int64_t)budget;
 	while (b->old_e) {
+		if (b->zeroed < b->cap) { /* first make the new array usable */
+			if (b->mig_credit <= 0)
+				return;
+			uint64_t n = b->cap - b->zeroed < BLK_ZERO ? b->cap - b->zeroed : BLK_ZERO;
+			memset(b->e + b->zeroed, 0, n * sizeof(uint32_t));
+			b->zeroed += n;
+			b->mig_credit -= (int64_t)(n / BLK_ZERO_UNIT) + 1;
+			continue;
+		}
 		if (b->mig >= b->mig_end || b->mig >= b->dir_cap) {
 			mig_done(idx); /* ids past dir_cap have no run, hence no entry */
 			return;
 		}
-		if (budget == 0)
+		if (b->mig_credit <= 0)
 			return;
 		const uint32_t id = b->mig;
 		const struct idx_run *r = b->dir[id];
-		uint64_t w = 1;
+		int64_t w = 1;
 		if (dir_live(r) && r->hw > 1) {
 			for (uint32_t p = 1; p < r->hw; p++)
 				put(b->e, b->cap, &b->count, &b->tombs, r->seqs[p],
 				    blk_ent(r->seqs[p], id));
 			b->old_count -= r->hw - 1u;
-			w += r->hw - 1u;
+			w += r->hw - 1;
 		}
 		b->mig = id + 1; /* its old entries are stale from here */
-		budget = budget > w ? budget - w : 0;
+		b->mig_credit -= w;
 	}
 }
 
-/* Replaces the entry array by an empty one of cap slots and starts moving the entries into
- * it, a bounded slice per writer call, so that no call does O(table) work.  Returns 0 or
- * KVR_ENOMEM (unchanged).  Context: not migrating. */
+/* Replaces the entry array by an empty one of cap slots and starts zeroing it, then moving the
+ * entries into it, a bounded slice per locator call, so that no call does O(table) work.  Returns 0
+ * or KVR_ENOMEM (unchanged).  Context: not migrating. */
 static int mig_start(struct kvr_index *idx, uint64_t cap)
 {
 	struct idx_blocks *b = &idx->blk;
-	uint32_t *e = kvr_calloc(cap, sizeof(uint32_t));
+	uint32_t *e = kvr_alloc(cap * sizeof(uint32_t));
 	if (!e)
 		return KVR_ENOMEM;
 	idx_count(&idx->bytes_shared, (int64_t)(cap * sizeof(uint32_t)));
-	if (b->e) {
+	if (!b->e) {
+		memset(e, 0, cap * sizeof(uint32_t));
+	} else {
 		b->old_e = b->e;
 		b->old_cap = b->cap;
 		b->old_count = b->count;
 		b->old_tombs = b->tombs;
 		b->mig = 1;
 		b->mig_end = b->dir_cap;
-		/* Size the slice so that the migration ends well before the inserts that still go
-		 * to the old array could take it past load 0.9 (the hard limit below): twice
-		 * (ids + entries to move) / (inserts allowed). */
+		/* Size the slice so that the migration ends before the inserts that still go to
+		 * the old array could take it past load 0.9 (the hard limit below): each insert
+		 * may go there and add a unit to move, so (ids + entries) / (inserts allowed) + 1
+		 * per insert, the least slice on top. */
 		uint64_t lim = b->old_cap * 9 / 10, used = b->old_count + b->old_tombs;
 		uint64_t slack = lim > used ? lim - used : 1;
-		b->mig_step =
-		    2 * ((uint64_t)b->mig_end + b->old_count) / slack + kvr_index_blk_step_min;
+		b->mig_step = (cap / BLK_ZERO_UNIT + b->mig_end + b->old_count) / slack + 1 +
+		              kvr_index_blk_step_min;
 	}
 	b->e = e;
 	b->cap = cap;
+	b->zeroed = b->old_e ? 0 : cap;
 	b->count = b->tombs = 0;
 	mig_run(idx, b->mig_step); /* a small table moves at once */
 	return 0;

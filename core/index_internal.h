@@ -223,7 +223,9 @@ struct idx_blocks {
 	 * have their entries in old_e (old_count of them, exact); every other id's are in e. */
 	uint32_t *old_e;
 	uint64_t old_cap, old_count, old_tombs;
-	uint64_t mig_step; /* work units (ids + positions) moved per writer call */
+	uint64_t zeroed;    /* slots of e zeroed: while fewer than cap, e is not in use yet */
+	uint64_t mig_step;  /* work units (ids + positions) moved per locator call */
+	int64_t mig_credit; /* units paid for and not spent yet (< 0: spent ahead) */
 	uint32_t mig, mig_end;
 	struct idx_run **dir; /* id -> run; a free id holds (next free id << 1 | 1) */
 	uint32_t dir_cap;     /* ids 1..dir_cap-1 exist (0 is never used) */
@@ -361,9 +363,9 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r);
 void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r);
 /* Frees the locator.  Context: destroy. */
 void kvr_index_blk_fini(struct kvr_index *idx);
-/* The least work units (ids visited + entries moved) each writer call spends on a migration
- * (default 64; tests set 1 to make small locators migrate over many calls).  Context: set
- * before any index exists. */
+/* Work units (ids visited + entries moved) each locator call spends on a migration on top of
+ * the least that keeps up (default 2; tests set 0 to make locators migrate over more calls).
+ * Context: set before any index exists. */
 extern uint64_t kvr_index_blk_step_min;
 
 /* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */

@@ -20,7 +20,14 @@
  * (removes and re-stores the tails of random ranks' paths in the same index); p99 ratio.
  * Timings are wall clock on a shared machine: compare the ratios, which come from one run.
  *
- * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT]
+ * Churn (issues 10, 14: the locator's purge was one O(table) writer call): 8 ranks of 65,536
+ * blocks each hold 128 prompts of 512 random blocks; each admission evicts a rank's oldest
+ * prompt (one remove call) and stores a new one (one store call).  Per-call time max / p99.9 /
+ * p99 and block ops per second, with the locator's purges and resizes done at once in one call
+ * (kvr_index_blk_step_min huge: the old rebuild) and incrementally (the default), in one run.
+ *
+ * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT |
+ *                          --churn [N admissions per mode, default 4000] [--churn-mode once|incr]]
  */
 #include <pthread.h>
 #include <sched.h>
@@ -31,6 +38,7 @@
 #include <unistd.h>
 
 #include "core/index.h"
+#include "core/index_internal.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
 
@@ -396,6 +404,59 @@ static void cg_mode(size_t L, int pat)
 	kvr_index_destroy(idx);
 }
 
+enum { CH_RANKS = 8, CH_L = 512, CH_HELD = 128 };
+
+/* One churn run (see the header); step_min: the locator's least migration slice. */
+static void bench_churn(int adm, uint64_t step_min, const char *mode)
+{
+	kvr_index_blk_step_min = step_min;
+	rng = 0x9e3779b97f4a7c15ull; /* the same prompts in every mode */
+	uint32_t slot[RANKS];
+	struct kvr_index *idx = new_index(slot);
+	struct kvr_index_block *held = malloc((size_t)CH_RANKS * CH_HELD * CH_L * sizeof(*held));
+	uint64_t *lat = malloc((size_t)adm * 2 * sizeof(*lat)), ext[CH_L];
+	if (!held || !lat)
+		abort();
+	struct path p;
+	for (int i = 0; i < CH_RANKS * CH_HELD; i++) { /* fill */
+		make_path(&p, CH_L);
+		memcpy(&held[(size_t)i * CH_L], p.b, CH_L * sizeof(*held));
+		free_path(&p);
+		if (kvr_index_store(idx, slot[i % CH_RANKS], NULL, &held[(size_t)i * CH_L], CH_L))
+			abort();
+	}
+	uint64_t t_all = 0;
+	for (int a = 0; a < adm; a++) {
+		const int r = a % CH_RANKS, k = (a / CH_RANKS) % CH_HELD;
+		struct kvr_index_block *h = &held[((size_t)k * CH_RANKS + (size_t)r) * CH_L];
+		make_path(&p, CH_L);
+		for (size_t j = 0; j < CH_L; j++)
+			ext[j] = h[j].ext_hash;
+		uint64_t t0 = now_ns();
+		kvr_index_remove(idx, slot[r], ext, CH_L, NULL);
+		uint64_t t1 = now_ns();
+		if (kvr_index_store(idx, slot[r], NULL, p.b, CH_L))
+			abort();
+		uint64_t t2 = now_ns();
+		memcpy(h, p.b, CH_L * sizeof(*h));
+		free_path(&p);
+		lat[2 * a] = t1 - t0;
+		lat[2 * a + 1] = t2 - t1;
+		t_all += t2 - t0;
+	}
+	const size_t n = (size_t)adm * 2;
+	qsort(lat, n, sizeof(*lat), cmp_u64);
+	printf("SUMMARY bench=index_churn mode=%s calls=%zu max_us=%.1f p999_us=%.1f p99_us=%.1f "
+	       "p50_us=%.1f block_ops_per_s=%.0f\n",
+	       mode, n, (double)lat[n - 1] / 1e3, (double)lat[n * 999 / 1000] / 1e3,
+	       (double)lat[n * 99 / 100] / 1e3, (double)lat[n / 2] / 1e3,
+	       (double)n * CH_L / ((double)t_all / 1e9));
+	fflush(stdout);
+	kvr_index_destroy(idx);
+	free(held);
+	free(lat);
+}
+
 int main(int argc, char **argv)
 {
 	int ms = 400;
@@ -417,6 +478,19 @@ int main(int argc, char **argv)
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
 			bench_reader_writer(ms);
+			return 0;
+		} else if (!strcmp(argv[i], "--churn")) {
+			if (kvr_rcu_thread_online() != 0)
+				return 1;
+			int adm = i + 1 < argc && argv[i + 1][0] != '-' ? atoi(argv[++i]) : 4000;
+			const char *only = i + 2 < argc && !strcmp(argv[i + 1], "--churn-mode")
+			                       ? argv[i + 2]
+			                       : NULL;
+			const uint64_t dflt = kvr_index_blk_step_min;
+			if (!only || !strcmp(only, "once"))
+				bench_churn(adm, (uint64_t)1 << 60, "once");
+			if (!only || !strcmp(only, "incr"))
+				bench_churn(adm, dflt, "incremental");
 			return 0;
 		} else if (!strcmp(argv[i], "--apply-only"))
 			apply_only = true; /* for valgrind --tool=callgrind */

@@ -360,14 +360,14 @@ Test(index_diff, long_chains)
 		run(seed, 1500);
 }
 
-/* The block locator's purges and resizes migrate a slice per writer call; with the least slice
- * one unit, even this small locator spends several calls migrating, so stores (inserts into
- * both arrays), removals (drops from both), run ids freed and reused, and lookups (both arrays)
- * interleave with migrations. */
+/* The block locator's purges and resizes migrate a slice per writer call; with nothing on top of
+ * the least slice that keeps up, even this small locator spends several calls migrating, so stores
+ * (inserts into both arrays), removals (drops from both), run ids freed and reused, and lookups
+ * (both arrays) interleave with migrations. */
 Test(index_diff, locator_migrating)
 {
 	cr_assert_eq(kvr_rcu_thread_online(), 0);
-	kvr_index_blk_step_min = 1;
+	kvr_index_blk_step_min = 0;
 	for (unsigned seed = 1; seed <= 12; seed++)
 		run(seed, 3000);
 	longc = true;
