@@ -194,7 +194,11 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 		if (b->zeroed < b->cap) { /* first make the new array usable */
 			if (b->mig_credit <= 0)
 				return;
-			uint64_t n = b->cap - b->zeroed < BLK_ZERO ? b->cap - b->zeroed : BLK_ZERO;
+			uint64_t n = (uint64_t)b->mig_credit * BLK_ZERO_UNIT;
+			if (n > BLK_ZERO)
+				n = BLK_ZERO;
+			if (n > b->cap - b->zeroed)
+				n = b->cap - b->zeroed;
 			memset(b->e + b->zeroed, 0, n * sizeof(uint32_t));
 			b->zeroed += n;
 			b->mig_credit -= (int64_t)(n / BLK_ZERO_UNIT) + 1;
