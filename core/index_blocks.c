@@ -23,9 +23,27 @@
  * Under insert / remove churn tombstones fill the table; the purge that clears them is
  * O(table), so it rebuilds at a size where the live entries sit at load 0.6, which leaves
  * room for 0.25 x cap deletions before the next one (a purge at the same size came every few
- * hundred deletions).
+ * hundred deletions).  Growth (1.5x at load 0.85) and shrinking are the same rebuild.
  *
- * Growth re-inserts every position [0, hw) of every live run, reading the keys from the runs
+ * No writer call pays for a whole rebuild (issues 10, 14: done at once, a purge of 8 x 65,536
+ * blocks was one 5-10 ms call on a shard thread).  A rebuild MIGRATES: the new array is
+ * allocated, zeroed in slices, then the runs move over in id order (a cursor `mig` over dir[]):
+ * the positions [1, hw) of the runs with ids in [mig, mig_end) are in the old array, every other
+ * run's in the new one, so each run's entries are in exactly one array and inserts and drops go
+ * to that one, with exact counts.  A moved run's old entries stay behind, stale (its id may be
+ * freed and reused): probes of the old array skip the entries of ids outside [mig, mig_end),
+ * and the old array is freed when the cursor passes mig_end (ids handed out after the start,
+ * >= mig_end, are new-array ids from the first).  Lookups probe the new array, then the old.
+ * Each reserve (one per insert) and drop_run pays a credit of units (16 slots zeroed, one id
+ * visited, one entry moved) sized so that the migration ends before the inserts still going to
+ * the old array take it past load 0.9: (units to do) / (inserts allowed) + 1 + 2.  A run
+ * moves whole (the credit goes negative and later calls pay it back), so one call does at most
+ * its credit + IDX_RUN_MAX units.  Past the hard limit (NEVER with one insert per reserve) the
+ * rest moves at once.  A failed allocation changes nothing (the old array stays, as before).
+ * Amortised cost is unchanged (every rebuild moves each entry once); while migrating, misses
+ * probe two arrays and the memory is old + new array (as it was for an instant before).
+ *
+ * Growth re-inserts every position [1, hw) of every live run, reading the keys from the runs
  * (entries do not hold them): O(blocks) once per 1.5x, amortised O(1) per insert, under the
  * writer mutex (readers are not involved).  Invariant: the locator holds exactly positions
  * [1, hw) of every live run (trimmed positions stay until the run dies, so a re-store finds
