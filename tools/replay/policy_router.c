@@ -409,56 +409,24 @@ struct kvr_router *replay_policy_router(void *state)
 	return ((struct rp *)state)->r;
 }
 
-#define ROUTER_POLICY(NAME, CREATE, EVENTS)                                                        \
+/* ADMITTED / OBSERVE: the healing variants' extra hooks (NULL for the plain policies). */
+#define ROUTER_POLICY(NAME, CREATE, EVENTS, ADMITTED, OBSERVE)                                     \
 	{                                                                                          \
 		.name = NAME, .predicts = true, .wants_events = EVENTS, .create = CREATE,          \
 		.destroy = rp_destroy, .route = rp_route, .kv_event = rp_kv_event,                 \
-		.first_token = rp_first_token, .output = rp_output, .finished = rp_finished,       \
-		.aborted = rp_aborted, .sync = rp_sync, .dequeue = rp_dequeue,                     \
-		.resident = rp_resident, .predict = rp_predict, .blocks = rp_blocks,               \
+		.admitted = ADMITTED, .observe = OBSERVE, .first_token = rp_first_token,           \
+		.output = rp_output, .finished = rp_finished, .aborted = rp_aborted,               \
+		.sync = rp_sync, .dequeue = rp_dequeue, .resident = rp_resident,                   \
+		.predict = rp_predict, .blocks = rp_blocks,                                        \
 	}
 
-const struct replay_policy_ops replay_policy_events = ROUTER_POLICY("events", events_create, true);
+const struct replay_policy_ops replay_policy_events =
+    ROUTER_POLICY("events", events_create, true, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_lru =
-    ROUTER_POLICY("approx_lru", lru_create, false);
+    ROUTER_POLICY("approx_lru", lru_create, false, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_ttl =
-    ROUTER_POLICY("approx_ttl", ttl_create, false);
-const struct replay_policy_ops replay_policy_approx_lru_feedback = {
-    .name = "approx_lru+feedback",
-    .predicts = true,
-    .wants_events = false,
-    .create = lru_create,
-    .destroy = rp_destroy,
-    .route = rp_route,
-    .kv_event = rp_kv_event,
-    .admitted = rp_admitted,
-    .first_token = rp_first_token,
-    .output = rp_output,
-    .finished = rp_finished,
-    .aborted = rp_aborted,
-    .sync = rp_sync,
-    .dequeue = rp_dequeue,
-    .resident = rp_resident,
-    .predict = rp_predict,
-    .blocks = rp_blocks,
-};
-const struct replay_policy_ops replay_policy_approx_lru_watermark = {
-    .name = "approx_lru+watermark",
-    .predicts = true,
-    .wants_events = false,
-    .create = lru_create,
-    .destroy = rp_destroy,
-    .route = rp_route,
-    .kv_event = rp_kv_event,
-    .admitted = rp_admitted,
-    .observe = rp_observe,
-    .first_token = rp_first_token,
-    .output = rp_output,
-    .finished = rp_finished,
-    .aborted = rp_aborted,
-    .sync = rp_sync,
-    .dequeue = rp_dequeue,
-    .resident = rp_resident,
-    .predict = rp_predict,
-    .blocks = rp_blocks,
-};
+    ROUTER_POLICY("approx_ttl", ttl_create, false, NULL, NULL);
+const struct replay_policy_ops replay_policy_approx_lru_feedback =
+    ROUTER_POLICY("approx_lru+feedback", lru_create, false, rp_admitted, NULL);
+const struct replay_policy_ops replay_policy_approx_lru_watermark =
+    ROUTER_POLICY("approx_lru+watermark", lru_create, false, rp_admitted, rp_observe);
