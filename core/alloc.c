@@ -3,6 +3,7 @@
  * API (mallocx/sdallocx) on an arena of its own, created once; otherwise the C library.
  */
 #include "core/alloc.h"
+#include "kvrouter.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -157,4 +158,19 @@ uint64_t kvr_alloc_fail_pending(void)
 int64_t kvr_alloc_live_bytes(void)
 {
 	return __atomic_load_n(&live_bytes, __ATOMIC_RELAXED);
+}
+
+int kvr_grow(void **p, size_t *cap, size_t need, size_t elem)
+{
+	if (need <= *cap)
+		return 0;
+	size_t nc = *cap * 2 > need ? *cap * 2 : need;
+	if (nc < 16)
+		nc = 16;
+	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
+	if (!q)
+		return KVR_ENOMEM;
+	*p = q;
+	*cap = nc;
+	return 0;
 }

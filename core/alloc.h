@@ -24,6 +24,10 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size);
 /* Frees what kvr_alloc*() returned; size is the size asked for.  NULL is a no-op. */
 void kvr_free(void *mem, size_t size);
 void kvr_free_aligned(void *mem, size_t size);
+/* Grows the array *p (capacity *cap elements of elem bytes) to hold at least need elements:
+ * doubling, 16 at least.  Returns 0 or KVR_ENOMEM (then *p and *cap are unchanged).
+ * Context: the array's owner. */
+int kvr_grow(void **p, size_t *cap, size_t need, size_t elem);
 
 /* Test hooks: fail the nth allocation from now (1 = the next one); 0 disables.
  * Counts live bytes allocated through this seam.  Context: tests, single-threaded setup. */

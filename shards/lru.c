@@ -125,21 +125,6 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 
 /* ------------------------------------------------------------------ scratch */
 
-static int grow_scratch(void **p, size_t *cap, size_t need, size_t elem)
-{
-	if (need <= *cap)
-		return 0;
-	size_t nc = *cap * 2 > need ? *cap * 2 : need;
-	if (nc < 16)
-		nc = 16;
-	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
-	if (!q)
-		return KVR_ENOMEM;
-	*p = q;
-	*cap = nc;
-	return 0;
-}
-
 /* Walk sets: the copies of one hash, at most 1 + dup_extra (+ room for the dups a
  * materialize is about to add). */
 static int reserve_cursors(struct kvr_lru *lru, size_t extra)
@@ -351,8 +336,8 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 		return KVR_ERANGE;
 	int rc;
 	if ((rc = reserve_cursors(lru, 0)) ||
-	    (rc = grow_scratch((void **)&lru->hits, &lru->hits_cap, n ? n : 1,
-	                       sizeof(struct kvr_run_hit))))
+	    (rc = kvr_grow((void **)&lru->hits, &lru->hits_cap, n ? n : 1,
+	                   sizeof(struct kvr_run_hit))))
 		return rc;
 	size_t nh = 0;
 	size_t hit = n ? walk(lru, &b[0].seq, 2, n, true, 0, lru->hits, &nh) : 0;
@@ -406,7 +391,7 @@ static int present_slow(struct kvr_lru *lru, const struct lease *l, const struct
                         size_t n, size_t *present)
 {
 	size_t total = (size_t)l->nblocks + n;
-	int rc = grow_scratch((void **)&lru->chain, &lru->chain_cap, total, sizeof(uint64_t));
+	int rc = kvr_grow((void **)&lru->chain, &lru->chain_cap, total, sizeof(uint64_t));
 	if (rc)
 		return rc;
 	size_t k = 0;
@@ -521,7 +506,7 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 	}
 	int rc;
 	if ((rc = kvr_lru_out_reserve(out, 0, bound)) ||
-	    (rc = grow_scratch((void **)&lru->rel, &lru->rel_cap, most, sizeof(uint32_t))))
+	    (rc = kvr_grow((void **)&lru->rel, &lru->rel_cap, most, sizeof(uint32_t))))
 		return rc;
 	lru->epoch++;
 	lru->priv -= l->priv;

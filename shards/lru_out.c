@@ -32,31 +32,13 @@ void kvr_lru_out_reset(struct kvr_lru_out *out)
 	out->cleared = false;
 }
 
-/* Grows *p (elements of size elem, capacity *cap) to hold `need`; 0 or KVR_ENOMEM. */
-static int grow_buf(void **p, size_t *cap, size_t need, size_t elem)
-{
-	if (need <= *cap)
-		return 0;
-	size_t nc = *cap * 2;
-	if (nc < need)
-		nc = need;
-	if (nc < 16)
-		nc = 16;
-	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
-	if (!q)
-		return KVR_ENOMEM;
-	*p = q;
-	*cap = nc;
-	return 0;
-}
-
 int kvr_lru_out_reserve(struct kvr_lru_out *out, size_t stored_runs, size_t evicted)
 {
-	if (grow_buf((void **)&out->stored, &out->cap_stored_runs, out->n_stored_runs + stored_runs,
+	if (kvr_grow((void **)&out->stored, &out->cap_stored_runs, out->n_stored_runs + stored_runs,
 	             sizeof(*out->stored)) ||
-	    grow_buf((void **)&out->evicted_seq, &out->cap_evicted, out->n_evicted + evicted,
+	    kvr_grow((void **)&out->evicted_seq, &out->cap_evicted, out->n_evicted + evicted,
 	             sizeof(uint64_t)) ||
-	    grow_buf((void **)&out->evicted_run_len, &out->cap_evicted_runs,
+	    kvr_grow((void **)&out->evicted_run_len, &out->cap_evicted_runs,
 	             out->n_evicted_runs + evicted, sizeof(uint32_t)))
 		return KVR_ENOMEM;
 	return 0;

@@ -153,7 +153,7 @@ static void unprovision(const struct kvr_owner_ctx *c, struct kvr_attempt *rec)
 static int track(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 {
 	if (kvr_u64map_reserve(&ss->by_id, 1) ||
-	    kvr_owner_grow((void **)&ss->recs, &ss->recs_cap, ss->n_recs + 1, sizeof(*ss->recs)))
+	    kvr_grow((void **)&ss->recs, &ss->recs_cap, ss->n_recs + 1, sizeof(*ss->recs)))
 		return KVR_ENOMEM;
 	rec->idx = (uint32_t)ss->n_recs;
 	ss->recs[ss->n_recs++] = rec;
@@ -251,7 +251,7 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	uint32_t bs = c->block_size;
 	size_t n = rec->n_prompt;
 	if (track(ss, rec) ||
-	    kvr_owner_grow((void **)&ss->seq, &ss->seq_cap, 2 * (n ? n : 1), sizeof(*ss->seq))) {
+	    kvr_grow((void **)&ss->seq, &ss->seq_cap, 2 * (n ? n : 1), sizeof(*ss->seq))) {
 		if (ss->n_recs && ss->recs[ss->n_recs - 1] == rec)
 			untrack(ss, rec);
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
@@ -306,7 +306,7 @@ int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
 static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const uint64_t *seq,
                       size_t n)
 {
-	if (kvr_owner_grow((void **)&ss->lb, &ss->lb_cap, n ? n : 1, sizeof(*ss->lb)))
+	if (kvr_grow((void **)&ss->lb, &ss->lb_cap, n ? n : 1, sizeof(*ss->lb)))
 		return KVR_ENOMEM;
 	for (size_t i = 0; i < n; i++)
 		ss->lb[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
@@ -335,8 +335,8 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	uint32_t next_pending = hold ? tok[n - 1] : 0;
 	n -= hold ? 1 : 0;
 	size_t max_blocks = (rec->tail_n + n + (held ? 1 : 0)) / bs;
-	if (kvr_owner_grow((void **)&ss->seq, &ss->seq_cap, 2 * (max_blocks ? max_blocks : 1),
-	                   sizeof(*ss->seq)))
+	if (kvr_grow((void **)&ss->seq, &ss->seq_cap, 2 * (max_blocks ? max_blocks : 1),
+	             sizeof(*ss->seq)))
 		return KVR_ENOMEM;
 	uint64_t *local = ss->seq, *seq = ss->seq + max_blocks;
 	size_t nb = 0;

@@ -3,6 +3,7 @@
  * the event id cursor (stale ids dropped, gaps counted and reported), then the index write.
  * The caller's thread has validated the event and computed its local hashes (core/events.c).
  */
+#include "core/alloc.h"
 #include "shards/owner_internal.h"
 
 int kvr_owner_event(struct kvr_shard *sh, void *arg)
@@ -37,8 +38,8 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	int rc = 0;
 	switch (ev->type) {
 	case KVR_EVENT_STORED:
-		if (kvr_owner_grow((void **)&ss->blk, &ss->blk_cap, ev->n_blocks ? ev->n_blocks : 1,
-		                   sizeof(*ss->blk)))
+		if (kvr_grow((void **)&ss->blk, &ss->blk_cap, ev->n_blocks ? ev->n_blocks : 1,
+		             sizeof(*ss->blk)))
 			return KVR_ENOMEM;
 		for (size_t i = 0; i < ev->n_blocks; i++)
 			ss->blk[i] = (struct kvr_index_block){.ext_hash = ev->blocks[i].ext_hash,

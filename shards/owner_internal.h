@@ -97,7 +97,6 @@ static inline struct kvr_lru_block *kvr_attempt_blocks(struct kvr_attempt *rec, 
 }
 
 /* shards/owner_ranks.c */
-int kvr_owner_grow(void **buf, size_t *cap, size_t need, size_t elem);
 void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own);
 void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
                               const struct kvr_lru_out *out);

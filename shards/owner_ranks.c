@@ -27,21 +27,6 @@
 #include "shards/rank_state.h"
 #include "shards/ttl.h"
 
-int kvr_owner_grow(void **buf, size_t *cap, size_t need, size_t elem)
-{
-	if (need <= *cap)
-		return 0;
-	size_t nc = *cap ? *cap : 64;
-	while (nc < need)
-		nc *= 2;
-	void *p = kvr_realloc(*buf, *cap * elem, nc * elem);
-	if (!p)
-		return KVR_ENOMEM;
-	*buf = p;
-	*cap = nc;
-	return 0;
-}
-
 /* Republishes the rank's load snapshot.  Ordering: relaxed stores; single writer. */
 void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own)
 {
@@ -93,7 +78,7 @@ int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
 	if (p0 >= n)
 		return 0;
 	const struct kvr_owner_ctx *c = ss->c;
-	int rc = kvr_owner_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
+	int rc = kvr_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
 	if (rc == 0) {
 		for (size_t i = p0; i < n; i++)
 			ss->blk[i] =
