@@ -13,7 +13,10 @@
  *     --stages: every admission of phase 2 is also stamped at each stage on its way
  *     (sync/replica_trace.h) and the bench prints each stage's p50/p99 and the mean stages of
  *     the slowest 1%, plus each thread's CPU and run-queue wait over the phase
- *     (/proc/self/task/N/schedstat) and nats-server's: where the tail comes from.
+ *     (/proc/self/task/N/schedstat, threads labelled A:/B:/plain: by the router or replica
+ *     that started them) and nats-server's: where the tail comes from; and the CPU the two
+ *     replicas and the server spend per admission (cpu_us_per_admission_sync: every thread
+ *     but the bench's own main thread and prober).
  * A nats-server is started on a free 127.0.0.1 port and stopped at the end (exit 77 without).
  *     --shard-spin-ns NS: the routers' kvr_config.shard_idle_spin_ns (0: never spin; default:
  *     the library's).  --route-rounds N: N no-peer rounds of part 1 before the in-process one
@@ -71,6 +74,58 @@ static uint64_t pct(uint64_t *v, size_t n, double q)
 	qsort(v, n, 8, cmpu);
 	size_t i = (size_t)(q * (double)(n - 1));
 	return v[i];
+}
+
+/* ---------------------------------------------------------------- thread labels
+ *
+ * Every thread of a router or a replica inherits "bench-main"; --stages' per-thread CPU needs
+ * to say whose it is.  After each router / attach, the threads it started are renamed
+ * PREFIX:oldname (/proc/self/task/N/comm, 15 characters), or PREFIX:inherited for the threads
+ * that kept the name they inherited (a router's shards, nats.c's threads). */
+#define MAX_LABELED 256
+static long labeled[MAX_LABELED];
+static size_t n_labeled;
+
+static bool was_labeled(long tid)
+{
+	for (size_t i = 0; i < n_labeled; i++)
+		if (labeled[i] == tid)
+			return true;
+	return false;
+}
+
+static void label_new_threads(const char *prefix, const char *inherited)
+{
+	DIR *d = opendir("/proc/self/task");
+	if (!d)
+		return;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		long tid = atol(e->d_name);
+		if (tid <= 0 || was_labeled(tid) || n_labeled >= MAX_LABELED)
+			continue;
+		labeled[n_labeled++] = tid;
+		if (!prefix)
+			continue;
+		char path[64], comm[32] = "", name[32];
+		snprintf(path, sizeof(path), "/proc/self/task/%ld/comm", tid);
+		FILE *f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f))
+			comm[strcspn(comm, "\n")] = 0;
+		fclose(f);
+		const char *base = strncmp(comm, "bench-main", 10) ? comm : inherited;
+		if (!strncmp(base, "kvr-sync-", 9))
+			base += 9;
+		snprintf(name, sizeof(name), "%s:%s", prefix, base);
+		name[15] = 0;
+		if ((f = fopen(path, "w"))) {
+			fputs(name, f);
+			fclose(f);
+		}
+	}
+	closedir(d);
 }
 
 /* ---------------------------------------------------------------- routers */
@@ -315,9 +370,23 @@ static void cpu_report(const struct cpu_snap *a, const struct cpu_snap *b, doubl
 			printf("bench_sync: thread %ld %-22s cpu=%.3f cores runq_wait=%.3f\n",
 			       b->th[i].tid, b->th[i].comm, cores, (double)wait * 1e-9 / wall_s);
 	}
+	/* CPU per admission: both replicas, their pipeline and the server, less the bench's own
+	 * threads (the prober's probes and the main thread's hashing of each new prompt). */
+	double bench = 0;
+	for (size_t i = 0; i < b->n; i++) {
+		if (strncmp(b->th[i].comm, "bench-", 6))
+			continue;
+		uint64_t run = b->th[i].run;
+		for (size_t j = 0; j < a->n; j++)
+			if (a->th[j].tid == b->th[i].tid)
+				run -= a->th[j].run;
+		bench += (double)run * 1e-9 / wall_s;
+	}
 	printf("SUMMARY bench=sync_cpu rate_asked=%.0f cores_total=%.2f cores_nats_server=%.2f "
-	       "runq_wait_total=%.2f online_cpus=%ld\n",
-	       rate, sum, srv, sum_wait, sysconf(_SC_NPROCESSORS_ONLN));
+	       "cores_bench_threads=%.2f cpu_us_per_admission_sync=%.1f runq_wait_total=%.2f "
+	       "online_cpus=%ld\n",
+	       rate, sum, srv, bench, (sum - bench) * 1e6 / rate, sum_wait,
+	       sysconf(_SC_NPROCESSORS_ONLN));
 }
 
 /* Stage deltas of the traced admissions: p50/p99 each, and the mean of each over the slowest
@@ -457,9 +526,15 @@ int main(int argc, char **argv)
 		fprintf(stderr, "bench_sync: could not start nats-server\n");
 		return 1;
 	}
-	struct kvr_router *ra = make_router(), *plain = make_router();
+	label_new_threads(NULL, NULL); /* this thread and the server's reaper, if any */
+	struct kvr_router *ra = make_router();
+	label_new_threads("A", "shard");
+	struct kvr_router *plain = make_router();
+	label_new_threads("plain", "shard");
 	rb = make_router();
+	label_new_threads("B", "shard");
 	struct kvr_sync *sa = attach(ra, 1), *sb = NULL;
+	label_new_threads("A", "nats");
 	if (!ra || !rb || !plain || !sa) {
 		fprintf(stderr, "bench_sync: setup failed\n");
 		kvr_test_nats_stop();
@@ -480,6 +555,8 @@ int main(int argc, char **argv)
 			kvr_test_nats_stop();
 			return 1;
 		}
+		if (phase == 1)
+			label_new_threads("B", "nats");
 		for (size_t i = 0; i < n1 + warmup; i++) {
 			prompt(t, tokens, i % 64); /* 64 conversations: hits and new blocks both */
 			struct kvr_request q;

@@ -67,7 +67,12 @@ int kvr_test_nats_start(void)
 		return -1;
 	if (server_pid == 0) {
 		prctl(PR_SET_PDEATHSIG, SIGKILL); /* the server goes with us, even on a crash */
-		int dn = open("/dev/null", O_WRONLY);
+		/* KVR_TEST_NATS_LOG=path: the server's output goes there (e.g. with
+		 * GODEBUG=gctrace=1, when its garbage collector is suspected of a latency tail). */
+		const char *log = getenv("KVR_TEST_NATS_LOG");
+		int dn = log && *log ? open(log, O_WRONLY | O_CREAT | O_APPEND, 0644) : -1;
+		if (dn < 0)
+			dn = open("/dev/null", O_WRONLY);
 		dup2(dn, 1);
 		dup2(dn, 2);
 		execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, (char *)NULL);
