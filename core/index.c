@@ -47,7 +47,10 @@
  * walk and add 16 bytes per entry; ck_hs stores bare pointers.  The run table is IDX_SEGS
  * open-addressing segments of one-word entries (pointer and 16 tag bits of the first block's
  * hash packed), RCU-published arrays for readers (insert releases the entry; delete leaves a
- * tombstone; growth and purges copy to a new array and retire the old one).
+ * tombstone; growth and purges copy to a new array and retire the old one).  Capacities step
+ * by 1.5x and 2x alternately (fastrange home slot, the capacity coded in the view word), so a
+ * segment's load stays in 0.53-0.8: 10-15 bytes per run (powers of two gave 0.4-0.8; with
+ * 65,536 one-block runs every segment sat at 0.5, 16 bytes per run, 4 per held block).
  *
  * Invariants.
  *  - Every live run has one run-table entry (keyed by its first block); every position [0, hw)
@@ -107,40 +110,40 @@ static inline uint64_t ent_of(const struct idx_run *r)
  * Context: writer (wlock).  Returns 0 or KVR_ENOMEM (nothing changed). */
 static int seg_rebuild(struct kvr_index *idx, struct idx_seg *s, uint64_t cap)
 {
-	struct idx_tab *nt = kvr_alloc_aligned(idx_bytes_tab(cap - 1));
+	struct idx_tab *nt = kvr_alloc_aligned(idx_bytes_tab(cap));
 	if (!nt)
 		return KVR_ENOMEM;
-	memset(nt, 0, idx_bytes_tab(cap - 1));
-	nt->mask = cap - 1;
+	memset(nt, 0, idx_bytes_tab(cap));
+	nt->cap = cap;
 	struct idx_tab *ot = s->tab;
 	if (ot) {
-		for (uint64_t i = 0; i <= ot->mask; i++) {
+		for (uint64_t i = 0; i < ot->cap; i++) {
 			uint64_t e = ot->e[i];
 			if (e <= IDX_TOMB)
 				continue;
-			uint64_t j = ent_seq(e) & nt->mask;
+			uint64_t j = idx_tab_home(ent_seq(e), cap);
 			while (nt->e[j])
-				j = (j + 1) & nt->mask;
+				j = j + 1 == cap ? 0 : j + 1;
 			nt->e[j] = e;
 		}
 		ot->next_free = idx->rt.tabs;
 		idx->rt.tabs = ot;
 		idx->rt.n++;
 	}
-	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_tab(nt->mask));
+	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_tab(cap));
 	s->tombs = 0;
 	s->tab = nt;
 	/* Ordering: release; pairs with the acquire load of view[] in idx_find_run(). */
-	kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)nt | (uintptr_t)__builtin_ctzll(cap));
+	kvr_rcu_publish(&idx->view[s - idx->seg], (uintptr_t)nt | idx_tab_code(cap));
 	return 0;
 }
 
-/* Smallest capacity with load <= 0.6. */
+/* Smallest capacity of the sequence 16, 24, 32, 48, ... (idx_tab) with load <= 0.6. */
 static uint64_t cap_for(uint64_t count)
 {
 	uint64_t cap = TAB_MIN;
 	while (count * 5 > cap * 3)
-		cap <<= 1;
+		cap = (cap & (cap - 1)) ? (cap & (cap - 1)) << 1 : cap + cap / 2;
 	return cap;
 }
 
@@ -150,7 +153,7 @@ struct idx_run *kvr_index_tab_first(const struct kvr_index *idx, uint64_t seq)
 	if (!t)
 		return NULL;
 	const uint64_t want = idx_tag(seq);
-	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
+	for (uint64_t i = idx_tab_home(seq, t->cap);; i = i + 1 == t->cap ? 0 : i + 1) {
 		uint64_t e = t->e[i];
 		if (!e)
 			return NULL;
@@ -163,7 +166,7 @@ int kvr_index_tab_reserve(struct kvr_index *idx, uint64_t seq)
 {
 	struct idx_seg *s = seg_of(idx, seq);
 	/* Grow at load 0.8 (tombstones count: they lengthen probes). */
-	if (s->tab && ((uint64_t)s->count + s->tombs + 1) * 5 <= (s->tab->mask + 1) * 4)
+	if (s->tab && ((uint64_t)s->count + s->tombs + 1) * 5 <= s->tab->cap * 4)
 		return 0;
 	return seg_rebuild(idx, s, cap_for((uint64_t)s->count + 1));
 }
@@ -172,9 +175,9 @@ void kvr_index_tab_insert(struct kvr_index *idx, struct idx_run *r)
 {
 	struct idx_seg *s = seg_of(idx, r->first);
 	struct idx_tab *t = s->tab;
-	uint64_t i = r->first & t->mask;
+	uint64_t i = idx_tab_home(r->first, t->cap);
 	while (t->e[i] > IDX_TOMB)
-		i = (i + 1) & t->mask;
+		i = i + 1 == t->cap ? 0 : i + 1;
 	if (t->e[i] == IDX_TOMB)
 		s->tombs--;
 	/* Ordering: release; pairs with the acquire in idx_find_run(): a reader that sees the
@@ -206,7 +209,7 @@ void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r)
 		return; /* NEVER */
 	/* The entry is known exactly: compare words, no key dereference. */
 	const uint64_t want = ent_of(r);
-	for (uint64_t i = seq & t->mask;; i = (i + 1) & t->mask) {
+	for (uint64_t i = idx_tab_home(seq, t->cap);; i = i + 1 == t->cap ? 0 : i + 1) {
 		uint64_t e = t->e[i];
 		if (!e)
 			return; /* NEVER: a block in the tree is in its segment */
@@ -225,10 +228,10 @@ void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r)
 		t->next_free = idx->rt.tabs;
 		idx->rt.tabs = t;
 		idx->rt.n++;
-	} else if (t->mask + 1 > TAB_MIN && (uint64_t)s->count * 8 < t->mask + 1) {
+	} else if (t->cap > TAB_MIN && (uint64_t)s->count * 8 < t->cap) {
 		(void)seg_rebuild(idx, s, cap_for(s->count));
-	} else if ((uint64_t)s->tombs * 4 > t->mask + 1) {
-		(void)seg_rebuild(idx, s, t->mask + 1); /* purge tombstones */
+	} else if ((uint64_t)s->tombs * 4 > t->cap) {
+		(void)seg_rebuild(idx, s, t->cap); /* purge tombstones */
 	}
 }
 
@@ -272,8 +275,8 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 	}
 	for (struct idx_tab *t = rt->tabs, *next; t; t = next) {
 		next = t->next_free;
-		shared += (int64_t)idx_bytes_tab(t->mask);
-		kvr_free_aligned(t, idx_bytes_tab(t->mask));
+		shared += (int64_t)idx_bytes_tab(t->cap);
+		kvr_free_aligned(t, idx_bytes_tab(t->cap));
 	}
 	idx_count(&idx->bytes_shared, -shared);
 	idx_count(&idx->bytes_rank, -ranks);
@@ -405,14 +408,14 @@ void kvr_index_destroy(struct kvr_index *idx)
 	free_batch(idx, &idx->rt);                /* nobody reads them any more */
 	for (uint32_t i = 0; i < IDX_SEGS; i++) { /* every live run has one entry */
 		struct idx_tab *t = idx->seg[i].tab;
-		for (uint64_t j = 0; t && j <= t->mask; j++)
+		for (uint64_t j = 0; t && j < t->cap; j++)
 			if (t->e[j] > IDX_TOMB)
 				kvr_index_free_run_now(idx, idx_ent_run(t->e[j]));
 	}
 	kvr_index_blk_fini(idx);
 	for (uint32_t i = 0; i < IDX_SEGS; i++)
 		if (idx->seg[i].tab)
-			kvr_free_aligned(idx->seg[i].tab, idx_bytes_tab(idx->seg[i].tab->mask));
+			kvr_free_aligned(idx->seg[i].tab, idx_bytes_tab(idx->seg[i].tab->cap));
 	for (uint32_t i = 0; i < idx->max_ranks; i++) {
 		struct idx_rank *r = &idx->rank[i];
 		if (r->xmap.e)

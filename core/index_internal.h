@@ -233,11 +233,36 @@ struct idx_blocks {
 	uint32_t live;        /* ids in use */
 };
 
+/*
+ * A run-table segment's array.  Capacities step by 1.5x and 2x alternately (16, 24, 32, 48,
+ * ...; grown at load 0.8 to the next size with load <= 0.6), so the load stays in 0.53-0.8
+ * (it was 0.4-0.8 with powers of two: 10-20 bytes per run, now 10-15).  The home slot is
+ * fastrange of the high half of seq times an odd constant (every bit of seq counts: a root
+ * run's first hash is the caller's local hash, small integers in tests, and fastrange of raw
+ * bits would pile those on one slot).  Readers find the capacity in the low 6 bits of the
+ * segment's view word: code = 2k + h for cap = (2 | h) << (k - 1).
+ */
 struct idx_tab {
-	uint64_t mask;
+	uint64_t cap;
 	struct idx_tab *next_free;
 	uint64_t e[];
 };
+
+static inline uint64_t idx_tab_cap(uintptr_t code)
+{
+	return (uint64_t)(2 | (code & 1)) << ((code >> 1) - 1);
+}
+
+static inline uintptr_t idx_tab_code(uint64_t cap)
+{
+	const unsigned z = (unsigned)__builtin_ctzll(cap);
+	return (cap >> z) == 1 ? 2 * (uintptr_t)z : 2 * (uintptr_t)(z + 1) + 1;
+}
+
+static inline uint64_t idx_tab_home(uint64_t seq, uint64_t cap)
+{
+	return ((seq * 0x9e3779b97f4a7c15ull) >> 32) * cap >> 32;
+}
 
 /* One of IDX_SEGS open-addressing tables; the segment is seq's top bits.  Writers use tab (under
  * wlock); readers use kvr_index.view[], kept apart from the writers' counters. */
@@ -294,9 +319,9 @@ struct kvr_index {
 	uint64_t pending; /* queued call_rcu callbacks (atomic) */
 };
 
-static inline uint64_t idx_bytes_tab(uint64_t mask)
+static inline uint64_t idx_bytes_tab(uint64_t cap)
 {
-	return sizeof(struct idx_tab) + (mask + 1) * sizeof(uint64_t);
+	return sizeof(struct idx_tab) + cap * sizeof(uint64_t);
 }
 
 static inline uint64_t idx_bytes_seqs(uint32_t cap)
@@ -317,9 +342,9 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 	if (!v)
 		return NULL;
 	const struct idx_tab *t = (const struct idx_tab *)(v & ~(uintptr_t)63);
-	uint64_t mask = ((uint64_t)1 << (v & 63)) - 1;
+	const uint64_t cap = idx_tab_cap(v & 63);
 	uint64_t want = idx_tag(seq);
-	for (uint64_t i = seq & mask;; i = (i + 1) & mask) {
+	for (uint64_t i = idx_tab_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
 		uint64_t e = __atomic_load_n(&t->e[i], __ATOMIC_ACQUIRE);
 		if (!e)
 			return NULL;

@@ -452,6 +452,50 @@ Test(index, memory_goes_back)
 	cr_assert_lt(kvr_alloc_live_bytes(), live0 + 64 * 1024);
 }
 
+/* 20,000 one-block chains (as many runs, all in one run-table segment: a root run's key is its
+ * local hash, and these small ones share the top bits that pick the segment): the segment grows
+ * through every capacity (16, 24, 32, 48, ... 49,152, steps of 1.5x and 2x), purges tombstones
+ * and shrinks, and every run stays findable (score 1 for the holder) until removed. */
+Test(index, many_runs_through_every_table_size)
+{
+	enum { N = 20000 };
+	uint64_t mem0 = kvr_index_memory_bytes(idx);
+	uint32_t r;
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &r), 0);
+	struct kvr_index_block b;
+	for (uint64_t k = 0; k < N; k++) {
+		chain(&b, 1, k + 1, k * 7919 + 13);
+		cr_assert_eq(kvr_index_store(idx, r, NULL, &b, 1), 0);
+	}
+	for (uint64_t k = 0; k < N; k += 97) {
+		uint64_t l = k * 7919 + 13;
+		cr_assert_eq(score_of(&l, 1, r), 1, "run %lu", (unsigned long)k);
+	}
+	for (uint64_t k = 0; k < N; k += 2) { /* every other: tombstones, purges, shrinks */
+		uint64_t e = k + 1;
+		size_t nf = 1;
+		cr_assert_eq(kvr_index_remove(idx, r, &e, 1, &nf), 0);
+		cr_assert_eq(nf, 0);
+	}
+	for (uint64_t k = 0; k < N; k += 1 + k % 7) {
+		uint64_t l = k * 7919 + 13;
+		cr_assert_eq(score_of(&l, 1, r), k % 2 ? 1 : -1, "run %lu", (unsigned long)k);
+	}
+	for (uint64_t k = 1; k < N; k += 2) {
+		uint64_t e = k + 1;
+		cr_assert_eq(kvr_index_remove(idx, r, &e, 1, NULL), 0);
+	}
+	for (uint64_t k = 0; k < N; k += 97) {
+		uint64_t l = k * 7919 + 13;
+		cr_assert_eq(score_of(&l, 1, r), -1);
+	}
+	kvr_index_quiesce(idx);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, 0);
+	cr_assert_lt(kvr_index_memory_bytes(idx), mem0 + 4096);
+}
+
 Test(index, out_of_memory_loop)
 {
 	uint32_t r0, r1;
