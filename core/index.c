@@ -26,8 +26,9 @@
  * the writers' block locator (core/index_blocks.c: run id and tag, load 0.57-0.85), which lets
  * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block, and
- * the locator skips first blocks.  Per run: a 72-byte header (a one-block run keeps its hash
- * in it; longer ones have a hash array whose header also keeps the locator id).  Per
+ * the locator skips first blocks.  Per run: a 64-byte header (16-bit lengths and offsets in
+ * the high bits of its pointer words; a one-block run keeps its hash in it; longer ones have a
+ * hash array whose header also keeps the locator id).  Per
  * (rank, run): an 8-byte holder word (inline in the run for a single holder, else in a holder
  * set with a pointer beside it), a 40-byte record and a bitmap (1 bit per position), so the
  * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
@@ -259,7 +260,7 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 {
 	int64_t shared = 0, ranks = 0;
 	for (struct idx_run *r = rt->runs, *next; r; r = next) {
-		next = r->child;
+		next = (struct idx_run *)(uintptr_t)r->ch;
 		kvr_free(r, sizeof(*r));
 		shared += (int64_t)sizeof(*r);
 	}

@@ -87,8 +87,8 @@ static inline bool dir_live(const struct idx_run *r)
 static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *hr, uint32_t hp,
                    uint32_t *pos)
 {
-	const uint64_t *s = r->seqs;
-	const uint32_t hw = r->hw;
+	const uint64_t *s = idx_run_seqs(r);
+	const uint32_t hw = idx_run_hw(r);
 	if (hr == r) {
 		if (hp + 1 < hw && s[hp + 1] == seq) {
 			*pos = hp + 1;
@@ -104,7 +104,7 @@ static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *
 		}
 	}
 	/* A chain's end: where stores append and tail evictions remove. */
-	const uint32_t len = r->len;
+	const uint32_t len = idx_run_len(r);
 	if (len > 0 && s[len - 1] == seq) {
 		*pos = len - 1;
 		return true;
@@ -231,12 +231,13 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 		const uint32_t id = b->mig;
 		const struct idx_run *r = b->dir[id];
 		int64_t w = 1;
-		if (dir_live(r) && r->hw > 1) {
-			for (uint32_t p = 1; p < r->hw; p++)
-				put(b->e, b->cap, &b->count, &b->tombs, r->seqs[p],
-				    blk_ent(r->seqs[p], id));
-			b->old_count -= r->hw - 1u;
-			w += r->hw - 1;
+		const uint32_t hw = dir_live(r) ? idx_run_hw(r) : 0;
+		if (hw > 1) {
+			const uint64_t *s = idx_run_seqs(r);
+			for (uint32_t p = 1; p < hw; p++)
+				put(b->e, b->cap, &b->count, &b->tombs, s[p], blk_ent(s[p], id));
+			b->old_count -= hw - 1u;
+			w += hw - 1;
 		}
 		b->mig = id + 1; /* its old entries are stale from here */
 		b->mig_credit -= w;
@@ -364,8 +365,9 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 	uint32_t *e = old ? b->old_e : b->e;
 	const uint64_t cap = old ? b->old_cap : b->cap;
 	uint64_t *count = old ? &b->old_count : &b->count, *tombs = old ? &b->old_tombs : &b->tombs;
-	for (uint32_t p = 1; p < r->hw; p++) {
-		const uint64_t seq = r->seqs[p];
+	const uint64_t *s = idx_run_seqs(r);
+	for (uint32_t p = 1, hw = idx_run_hw(r); p < hw; p++) {
+		const uint64_t seq = s[p];
 		const uint32_t want = blk_ent(seq, id);
 		for (uint64_t i = idx_blk_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
 			uint32_t v = e[i];
@@ -428,7 +430,7 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 	b->dir_free = (uint32_t)((uintptr_t)b->dir[id] >> 1);
 	b->dir[id] = r;
 	b->live++;
-	idx_seqs_hdr(r->seqs)->id = id;
+	idx_seqs_hdr(idx_run_seqs(r))->id = id;
 	return 0;
 }
 
@@ -442,7 +444,7 @@ void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r)
 		return; /* NEVER */
 	b->dir[id] = (struct idx_run *)(uintptr_t)((uintptr_t)b->dir_free << 1 | 1);
 	b->dir_free = id;
-	idx_seqs_hdr(r->seqs)->id = 0;
+	idx_seqs_hdr(idx_run_seqs(r))->id = 0;
 	if (--b->live == 0) { /* no run left: give the directory back */
 		kvr_free(b->dir, (size_t)b->dir_cap * sizeof(*b->dir));
 		idx_count(&idx->bytes_shared, -(int64_t)b->dir_cap * (int64_t)sizeof(*b->dir));

@@ -74,26 +74,120 @@ static inline uint64_t idx_bytes_hset(uint32_t cap)
 
 /*
  * A run: consecutive blocks of one chain.  Its first block hangs below block off-1 of parent
- * (parent NULL: below the root, off 0).  Reader fields: first, parent, off (immutable), len
- * (atomic), seqs and hs (RCU-published).  The rest is the writers' (under kvr_index.wlock).
+ * (parent NULL: below the root, off 0).  Reader fields: first, parent and off (immutable), len
+ * and seqs (one word, RCU-published), hs and h1.  The rest is the writers' (under
+ * kvr_index.wlock).  64 bytes: the 16-bit fields ride in the high bits of the pointer words
+ * (user-space pointers are below 2^48, as the run table's entries already assume), which took
+ * the header from 72 bytes (jemalloc's 80-byte class) to 64 (its 64-byte class); readers compare
+ * parent and off with one word, and load len and seqs with one acquire.  Use the accessors.
  */
 struct idx_run {
-	uint64_t first; /* seqs[0]: the table key readers check */
-	struct idx_run *parent;
-	uint64_t *seqs;      /* &first (a one-block run, no allocation) or idx_seqs.s */
+	uint64_t first;      /* seqs[0]: the table key readers check */
+	uint64_t po;         /* parent | off << 48 (off <= IDX_RUN_MAX); immutable */
+	uint64_t sl;         /* seqs | len << 48: seqs is &first (a one-block run, no allocation) or
+	                      * idx_seqs.s; positions [0, len) are in the tree.  Readers: acquire load;
+	                      * writers: release stores (idx_run_set_len / idx_run_set_seqs) */
 	struct idx_hset *hs; /* holders when two or more; else the single holder's record | 1
 	                      * (writers' use only), or NULL when none, and readers use: */
 	uint64_t h1;         /* the single holder's word (slot << 32 | cut); 0 when none (slot
 	                      * 0 with cut 0 credits nothing, exactly like no holder) */
-	uint16_t off;        /* <= IDX_RUN_MAX */
-	uint16_t len;        /* positions [0, len) are in the tree */
 	/* writer only */
-	uint16_t hw;            /* positions ever written into seqs (write-once; all in the
-	                         * block locator until the run dies) */
-	uint16_t max_child_off; /* >= the largest off of a child (exact after run_check) */
-	struct idx_run *child;  /* children list; the retire-list link once dead */
-	struct idx_run *sib, *sib_prev;
+	uint64_t ch; /* children list | max_child_off << 48 (>= the largest off of a child, exact
+	              * after run_check); the retire-list link once dead */
+	uint64_t sb; /* next sibling | hw << 48 (positions ever written into seqs: write-once, all
+	              * in the block locator until the run dies) */
+	struct idx_run *sib_prev;
 };
+
+#define IDX_HI_SHIFT 48
+
+_Static_assert(sizeof(struct idx_run) == 64, "a run header is one 64-byte jemalloc class");
+
+static inline uint64_t idx_lo_ptr(uint64_t w)
+{
+	return w & ((1ull << IDX_HI_SHIFT) - 1);
+}
+
+static inline uint64_t idx_po(const struct idx_run *parent, uint32_t off)
+{
+	return (uint64_t)(uintptr_t)parent | (uint64_t)off << IDX_HI_SHIFT;
+}
+
+static inline struct idx_run *idx_run_parent(const struct idx_run *r)
+{
+	return (struct idx_run *)(uintptr_t)idx_lo_ptr(r->po);
+}
+
+static inline uint32_t idx_run_off(const struct idx_run *r)
+{
+	return (uint32_t)(r->po >> IDX_HI_SHIFT);
+}
+
+/* Writer reads of len and seqs (only writers store them: no atomic needed to read). */
+static inline uint32_t idx_run_len(const struct idx_run *r)
+{
+	return (uint32_t)(r->sl >> IDX_HI_SHIFT);
+}
+
+static inline uint64_t *idx_run_seqs(const struct idx_run *r)
+{
+	return (uint64_t *)(uintptr_t)idx_lo_ptr(r->sl);
+}
+
+/* Ordering: release; pairs with the acquire load of sl in find_matches: a len covering a
+ * position is stored after the position's hash was written into the array it points at. */
+static inline void idx_run_set_len(struct idx_run *r, uint32_t len)
+{
+	__atomic_store_n(&r->sl, idx_lo_ptr(r->sl) | (uint64_t)len << IDX_HI_SHIFT,
+	                 __ATOMIC_RELEASE);
+}
+
+/* Ordering: release; publishes a new array (filled before this store) under the same len. */
+static inline void idx_run_set_seqs(struct idx_run *r, uint64_t *s)
+{
+	__atomic_store_n(&r->sl, (uint64_t)(uintptr_t)s | (r->sl & ~idx_lo_ptr(~0ull)),
+	                 __ATOMIC_RELEASE);
+}
+
+static inline struct idx_run *idx_run_child(const struct idx_run *r)
+{
+	return (struct idx_run *)(uintptr_t)idx_lo_ptr(r->ch);
+}
+
+static inline uint32_t idx_run_mco(const struct idx_run *r)
+{
+	return (uint32_t)(r->ch >> IDX_HI_SHIFT);
+}
+
+static inline void idx_run_set_child(struct idx_run *r, const struct idx_run *c)
+{
+	r->ch = (uint64_t)(uintptr_t)c | (r->ch & ~idx_lo_ptr(~0ull));
+}
+
+static inline void idx_run_set_mco(struct idx_run *r, uint32_t off)
+{
+	r->ch = idx_lo_ptr(r->ch) | (uint64_t)off << IDX_HI_SHIFT;
+}
+
+static inline struct idx_run *idx_run_sib(const struct idx_run *r)
+{
+	return (struct idx_run *)(uintptr_t)idx_lo_ptr(r->sb);
+}
+
+static inline uint32_t idx_run_hw(const struct idx_run *r)
+{
+	return (uint32_t)(r->sb >> IDX_HI_SHIFT);
+}
+
+static inline void idx_run_set_sib(struct idx_run *r, const struct idx_run *c)
+{
+	r->sb = (uint64_t)(uintptr_t)c | (r->sb & ~idx_lo_ptr(~0ull));
+}
+
+static inline void idx_run_set_hw(struct idx_run *r, uint32_t hw)
+{
+	r->sb = idx_lo_ptr(r->sb) | (uint64_t)hw << IDX_HI_SHIFT;
+}
 
 /* r->hs when it is a holder set, else NULL (an inline holder's tagged record, or none). */
 static inline struct idx_hset *idx_run_set(const struct idx_run *r)
@@ -114,7 +208,7 @@ static inline struct idx_hview idx_holders(const struct idx_run *cr)
 
 static inline bool idx_seqs_inline(const struct idx_run *r)
 {
-	return r->seqs == &r->first;
+	return idx_run_seqs(r) == &r->first;
 }
 
 static inline struct idx_seqs *idx_seqs_hdr(uint64_t *s)
@@ -124,7 +218,7 @@ static inline struct idx_seqs *idx_seqs_hdr(uint64_t *s)
 
 static inline uint32_t idx_run_cap(const struct idx_run *r)
 {
-	return idx_seqs_inline(r) ? 1 : idx_seqs_hdr(r->seqs)->cap;
+	return idx_seqs_inline(r) ? 1 : idx_seqs_hdr(idx_run_seqs(r))->cap;
 }
 
 /* The run's number in the block locator (core/index_blocks.c), 0 while it has none: a run gets
@@ -132,7 +226,7 @@ static inline uint32_t idx_run_cap(const struct idx_run *r)
  * keeps the id (the run header does not pay 8 bytes for it). */
 static inline uint32_t idx_run_id(const struct idx_run *r)
 {
-	return idx_seqs_inline(r) ? 0 : idx_seqs_hdr(r->seqs)->id;
+	return idx_seqs_inline(r) ? 0 : idx_seqs_hdr(idx_run_seqs(r))->id;
 }
 
 /*
@@ -351,7 +445,7 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 		if ((e >> 48) != want || e == IDX_TOMB)
 			continue;
 		const struct idx_run *r = idx_ent_run(e);
-		if (r->first == seq && r->parent == parent && r->off == off)
+		if (r->first == seq && r->po == idx_po(parent, off))
 			return r;
 	}
 }

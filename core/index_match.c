@@ -16,9 +16,9 @@
  * that dropped out at the back, moved together at the end.
  *
  * Context: any registered thread inside kvr_rcu_read_lock(); no lock, no allocation, no retry.
- * Ordering: len, seqs and hs are acquire loads (pairing with the writers' release stores), the
- * holder words relaxed: a cut covers positions whose content is permanent (write-once), so
- * crediting min(cut, k) never credits a block the rank did not store.
+ * Ordering: len with seqs (one word) and hs are acquire loads (pairing with the writers' release
+ * stores), the holder words relaxed: a cut covers positions whose content is permanent
+ * (write-once), so crediting min(cut, k) never credits a block the rank did not store.
  */
 #include <string.h>
 
@@ -78,10 +78,12 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 	size_t a = 0, f = 0, q = 0;
 	bool first = true;
 	for (;;) {
-		/* Ordering: acquire (len before seqs: a len covering new positions was released
-		 * after the array holding them was published). */
-		uint32_t len = __atomic_load_n(&R->len, __ATOMIC_ACQUIRE);
-		const uint64_t *sq = __atomic_load_n(&R->seqs, __ATOMIC_ACQUIRE);
+		/* Ordering: acquire; pairs with idx_run_set_len / idx_run_set_seqs (release): len
+		 * and the array come in one word, and a len covering a position was released after
+		 * its hash was written into that array. */
+		const uint64_t sl = __atomic_load_n(&R->sl, __ATOMIC_ACQUIRE);
+		const uint32_t len = (uint32_t)(sl >> IDX_HI_SHIFT);
+		const uint64_t *sq = (const uint64_t *)(uintptr_t)idx_lo_ptr(sl);
 		/* A tagged hs (low bit) or NULL: the single holder's word is inline (0: none). */
 		const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
 		const uint64_t *hw = &R->h1;

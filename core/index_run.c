@@ -25,7 +25,7 @@ static void seqs_retire(struct kvr_index *idx, struct idx_run *r)
 {
 	if (idx_seqs_inline(r))
 		return;
-	struct idx_seqs *q = idx_seqs_hdr(r->seqs);
+	struct idx_seqs *q = idx_seqs_hdr(idx_run_seqs(r));
 	q->next_free = idx->rt.seqs;
 	idx->rt.seqs = q;
 	idx->rt.n++;
@@ -59,13 +59,12 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
 		q->id = 0;
 		q->next_free = NULL;
 		q->s[0] = first;
-		r->seqs = q->s;
+		r->sl = (uint64_t)(uintptr_t)q->s;
 	} else {
-		r->seqs = &r->first;
+		r->sl = (uint64_t)(uintptr_t)&r->first;
 	}
-	r->parent = parent;
-	r->off = off;
-	r->hw = 1;
+	r->po = idx_po(parent, off);
+	idx_run_set_hw(r, 1);
 	idx_count(&idx->bytes_shared, (int64_t)run_bytes(r));
 	return r;
 }
@@ -76,19 +75,19 @@ void kvr_index_run_free(struct kvr_index *idx, struct idx_run *r)
 	idx_count(&idx->bytes_shared, -(int64_t)run_bytes(r));
 	kvr_index_blk_id_free(idx, r);
 	if (!idx_seqs_inline(r))
-		kvr_free(idx_seqs_hdr(r->seqs), idx_bytes_seqs(idx_run_cap(r)));
+		kvr_free(idx_seqs_hdr(idx_run_seqs(r)), idx_bytes_seqs(idx_run_cap(r)));
 	kvr_free(r, sizeof(*r));
 }
 
 /* Makes room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
 int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
 {
-	uint32_t ocap = idx_run_cap(r);
-	if (r->hw < ocap)
+	uint32_t ocap = idx_run_cap(r), hw = idx_run_hw(r);
+	if (hw < ocap)
 		return 0;
-	uint64_t cap = (uint64_t)r->hw + (more > 1 ? more : 1);
-	if (cap < (uint64_t)r->hw + r->hw / 4 + 1) /* geometric: amortised O(1) per block */
-		cap = (uint64_t)r->hw + r->hw / 4 + 1;
+	uint64_t cap = (uint64_t)hw + (more > 1 ? more : 1);
+	if (cap < (uint64_t)hw + hw / 4 + 1) /* geometric: amortised O(1) per block */
+		cap = (uint64_t)hw + hw / 4 + 1;
 	if (cap > IDX_RUN_MAX)
 		cap = IDX_RUN_MAX;
 	struct idx_seqs *q = kvr_alloc(idx_bytes_seqs((uint32_t)cap));
@@ -97,12 +96,12 @@ int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
 	q->cap = (uint32_t)cap;
 	q->id = idx_run_id(r);
 	q->next_free = NULL;
-	memcpy(q->s, r->seqs, (size_t)r->hw * sizeof(uint64_t));
+	memcpy(q->s, idx_run_seqs(r), (size_t)hw * sizeof(uint64_t));
 	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_seqs(q->cap));
 	seqs_retire(idx, r);
-	/* Ordering: release; pairs with the acquire load of seqs in find_matches (which loads
-	 * len first: a len covering new positions was stored after this publish). */
-	kvr_rcu_publish(&r->seqs, q->s);
+	/* Ordering: release (idx_run_set_seqs); pairs with the acquire load of sl in
+	 * find_matches: a len covering new positions is stored after this publish. */
+	idx_run_set_seqs(r, q->s);
 	return 0;
 }
 
@@ -110,13 +109,14 @@ void kvr_index_link_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
+	struct idx_run *head = idx_run_child(p);
 	c->sib_prev = NULL;
-	c->sib = p->child;
-	if (p->child)
-		p->child->sib_prev = c;
-	p->child = c;
-	if (c->off > p->max_child_off)
-		p->max_child_off = c->off;
+	idx_run_set_sib(c, head);
+	if (head)
+		head->sib_prev = c;
+	idx_run_set_child(p, c);
+	if (idx_run_off(c) > idx_run_mco(p))
+		idx_run_set_mco(p, idx_run_off(c));
 }
 
 /* O(1); p->max_child_off stays an upper bound until kvr_index_run_check() needs it exact. */
@@ -124,12 +124,13 @@ static void unlink_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
+	struct idx_run *next = idx_run_sib(c);
 	if (c->sib_prev)
-		c->sib_prev->sib = c->sib;
+		idx_run_set_sib(c->sib_prev, next);
 	else
-		p->child = c->sib;
-	if (c->sib)
-		c->sib->sib_prev = c->sib_prev;
+		idx_run_set_child(p, next);
+	if (next)
+		next->sib_prev = c->sib_prev;
 }
 
 static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
@@ -171,24 +172,26 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		for (uint32_t i = 0; i < v.n; i++)
 			if (idx_hv_hold(&v, i)->top > need)
 				need = idx_hv_hold(&v, i)->top;
-		if (need >= r->len)
+		const uint32_t len = idx_run_len(r);
+		if (need >= len)
 			return;
-		if (r->max_child_off > need) { /* the bound may be stale: make it exact */
-			r->max_child_off = 0;
-			for (const struct idx_run *k = r->child; k; k = k->sib)
-				if (k->off > r->max_child_off)
-					r->max_child_off = k->off;
+		if (idx_run_mco(r) > need) { /* the bound may be stale: make it exact */
+			uint32_t mco = 0;
+			for (const struct idx_run *k = idx_run_child(r); k; k = idx_run_sib(k))
+				if (idx_run_off(k) > mco)
+					mco = idx_run_off(k);
+			idx_run_set_mco(r, mco);
 		}
-		if (r->max_child_off > need)
-			need = r->max_child_off;
-		if (need >= r->len)
+		if (idx_run_mco(r) > need)
+			need = idx_run_mco(r);
+		if (need >= len)
 			return;
 		/* Trim in O(1): the trimmed positions keep their locator entries (a re-store finds
 		 * them, removals find no holder there) until the run dies.
 		 * Ordering: release; readers that still see the old len compare permanent content.
 		 */
-		idx_count(&idx->c_nodes, -(int64_t)(r->len - need));
-		__atomic_store_n(&r->len, (uint16_t)need, __ATOMIC_RELEASE);
+		idx_count(&idx->c_nodes, -(int64_t)(len - need));
+		idx_run_set_len(r, need);
 		if (need > 0)
 			return;
 		kvr_index_blk_drop_run(idx, r);
@@ -196,10 +199,10 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		/* Dead: nobody holds a position and no child hangs below. */
 		for (struct idx_hview w; (w = idx_holders(r)).n > 0;)
 			kvr_index_drop_hold(idx, idx_hv_hold(&w, 0)); /* NEVER: no record is left */
-		struct idx_run *p = r->parent;
+		struct idx_run *p = idx_run_parent(r);
 		unlink_child(p, r);
 		seqs_retire(idx, r);
-		r->child = idx->rt.runs;
+		r->ch = (uint64_t)(uintptr_t)idx->rt.runs;
 		idx->rt.runs = r;
 		idx->rt.n++;
 		r = p;

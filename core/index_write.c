@@ -167,30 +167,32 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		struct idx_run *C = NULL;
 		uint32_t q = 0;
 		enum place pl;
-		if (R && p + 1 < R->len && R->seqs[p + 1] == s) {
+		const uint32_t Rlen = R ? idx_run_len(R) : 0, Rhw = R ? idx_run_hw(R) : 0;
+		if (R && p + 1 < Rlen && idx_run_seqs(R)[p + 1] == s) {
 			C = R;
 			q = p + 1;
 			pl = P_EXISTS;
-		} else if (R && p + 1 == R->len && R->hw == R->len && R->max_child_off <= p &&
-		           R->hw < IDX_RUN_MAX) {
+		} else if (R && p + 1 == Rlen && Rhw == Rlen && idx_run_mco(R) <= p &&
+		           Rhw < IDX_RUN_MAX) {
 			/* Extending a run at its end with no child there: s, which names its
 			 * prefix, cannot be in the tree (no probe). */
 			pl = P_APPEND;
 		} else if (locate(idx, s, R, p, &C, &q)) {
 			bool ok;
-			if (q >= C->len) { /* trimmed off R's end, its entry kept: re-extend */
+			if (q >=
+			    idx_run_len(C)) { /* trimmed off R's end, its entry kept: re-extend */
 				ok = C == R && q == p + 1;
 				pl = P_REEXTEND;
 			} else {
 				ok = q > 0 ? (C == R && q == p + 1)
-				           : (C->parent == R && C->off == (R ? p + 1 : 0));
+				           : C->po == idx_po(R, R ? p + 1 : 0);
 				pl = P_EXISTS;
 			}
 			if (!ok) {
 				rc = KVR_EINVAL; /* a 64-bit sequence hash collision */
 				break;
 			}
-		} else if (R && p + 1 == R->len && R->hw == R->len && R->hw < IDX_RUN_MAX) {
+		} else if (R && p + 1 == Rlen && Rhw == Rlen && Rhw < IDX_RUN_MAX) {
 			pl = P_APPEND;
 		} else {
 			pl = P_FORK;
@@ -299,18 +301,19 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		/* Commit: no failure from here. */
 		switch (pl) {
 		case P_FORK:
-			nr->len = 1;
+			nr->sl |= 1ull << IDX_HI_SHIFT; /* len 1: not published yet */
 			kvr_index_link_child(R, nr);
 			kvr_index_tab_insert(idx, nr);
 			break;
 		case P_APPEND:
-			R->seqs[R->hw++] = s;
-			/* Ordering: release; pairs with the acquire load of len in find_matches. */
-			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
+			idx_run_seqs(R)[Rhw] = s;
+			idx_run_set_hw(R, Rhw + 1);
+			/* Ordering: release; pairs with the acquire load of sl in find_matches. */
+			idx_run_set_len(R, Rlen + 1);
 			kvr_index_blk_insert(idx, s, R);
 			break;
 		case P_REEXTEND: /* the locator entry was kept by the trim */
-			__atomic_store_n(&R->len, (uint16_t)(R->len + 1), __ATOMIC_RELEASE);
+			idx_run_set_len(R, Rlen + 1);
 			break;
 		default:
 			break;
@@ -381,7 +384,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		}
 		struct idx_run *C;
 		uint32_t q;
-		if (R && p + 1 < R->len && R->seqs[p + 1] == s) { /* a chain's tail: no probe */
+		if (R && p + 1 < idx_run_len(R) && idx_run_seqs(R)[p + 1] == s) { /* no probe */
 			C = R;
 			q = p + 1;
 		} else if (!locate(idx, s, R, p, &C, &q)) {
@@ -529,7 +532,7 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 		for (uint32_t w = 0; w < h->nwords; w++) {
 			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
-				uint64_t s = h->run->seqs[pos], e = s;
+				uint64_t s = idx_run_seqs(h->run)[pos], e = s;
 				idx_xmap_get(&rk->rmap, s, &e);
 				if (out && n < cap)
 					out[n] = e;
