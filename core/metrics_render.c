@@ -114,10 +114,14 @@ static const struct {
 	double scale; /* value units -> exposed units */
 } hists[] = {
     {KVR_H_ROUTE_NS, "kvr_route_seconds", "Whole route decision", 1e-9},
-    {KVR_H_HASH_NS, "kvr_route_hash_seconds", "Route stage: block hashing", 1e-9},
-    {KVR_H_MATCH_NS, "kvr_route_match_seconds", "Route stage: index lookup and candidates", 1e-9},
-    {KVR_H_SELECT_NS, "kvr_route_select_seconds", "Route stage: scoring and choice", 1e-9},
-    {KVR_H_ADMIT_NS, "kvr_route_admit_seconds", "Route stage: admission on the shard", 1e-9},
+    {KVR_H_HASH_NS, "kvr_route_hash_seconds",
+     "Route stage: block hashing (sampled: 1 decision in 16 per thread)", 1e-9},
+    {KVR_H_MATCH_NS, "kvr_route_match_seconds",
+     "Route stage: index lookup and pinned depths (sampled: 1 in 16)", 1e-9},
+    {KVR_H_SELECT_NS, "kvr_route_select_seconds",
+     "Route stage: scoring and choice (sampled: 1 in 16)", 1e-9},
+    {KVR_H_ADMIT_NS, "kvr_route_admit_seconds",
+     "Route stage: admission, the booking posted (sampled: 1 in 16)", 1e-9},
     {KVR_H_QUEUE_WAIT_NS, "kvr_queue_wait_seconds", "Time queued before admission", 1e-9},
     {KVR_H_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks", "Predicted overlap per decision", 1},
     {KVR_H_FEED_LAG_NS, "kvr_feed_lag_seconds", "KV event feed: publish to applied", 1e-9},

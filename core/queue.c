@@ -106,8 +106,9 @@ bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n)
 		/* Atomic: a re-add stores it on the rank's shard while routers read it here. */
 		uint32_t mbt = __atomic_load_n(&p->max_batched_tokens, __ATOMIC_RELAXED);
 		if (mbt == 0)
-			return false;                          /* unknown budget: never saturated */
-		double load = (double)kvr_rank_pub_prefill(p); /* booked + provisional */
+			return false; /* unknown budget: never saturated */
+		/* booked + provisional */
+		double load = (double)kvr_rank_load_prefill(&r->load[slots[i]]);
 		if (load <= r->cfg.queue_threshold * (double)mbt)
 			return false;
 	}

@@ -4,8 +4,10 @@
  *   1. hash the prompt's complete blocks (XXH3 chain, into thread-local scratch: no allocation
  *      once the scratch has grown to the largest prompt the thread has seen);
  *   2. find_matches in the RCU index (lock-free read side) -> per-rank cached prefix depth;
- *   3. read every candidate rank's load snapshot, published by its shard (relaxed atomics);
- *   4. score and select (core/select.c);
+ *   3. read every candidate rank's load words (struct kvr_rank_load: the shard's snapshot plus
+ *      the provisional load of posted admissions, relaxed atomics, four ranks per cache line);
+ *   4. score and select in the same pass (core/select.h: cost inline, a running argmin scan,
+ *      then one pick), straight from the per-slot arrays, no candidate structs;
  *   5. admit without a round trip (kvr_admit): the attempt id and its lease word are minted
  *      lock-free (shards/lease.h), the request is added to the rank's provisional load (atomic
  *      adds, so the very next decision on any thread sees it), and the booking (predicted cache,
@@ -16,18 +18,21 @@
  *
  * Why snapshots for load (step 3) and not a routing-lane call per candidate: a call is one round
  * trip to a shard thread (microseconds: see perf/bench_lanes), and with 64 or 1024 candidates
- * that would be the whole latency budget many times over, while the snapshot is one cache line
- * per rank.  The snapshot alone cannot tell which of this request's blocks are already pinned
- * by in-flight requests on each rank, and that is not a constant: on a rank where a sibling is
- * decoding the same long prefix, Dynamo's decode cost (active blocks + the request's blocks NOT
- * already pinned there) is much smaller, and counting every block as new sent follow-ups to an
- * idle rank to recompute the whole prefix.  So each rank's shard also publishes the runs of
+ * that would be the whole latency budget many times over, while the load words are 16 bytes per
+ * rank.  The candidates of a plain request are the live list itself (slots and the generation
+ * each had when it became routable), so scoring touches no struct kvr_rank_pub line at all; only
+ * the chosen rank's is read, for its identity and shard.
+ *
+ * The load alone cannot tell which of this request's blocks are already pinned by in-flight
+ * requests on each rank, and that is not a constant: on a rank where a sibling is decoding the
+ * same long prefix, Dynamo's decode cost (active blocks + the request's blocks NOT already
+ * pinned there) is much smaller, and counting every block as new sent follow-ups to an idle
+ * rank to recompute the whole prefix.  So each rank's shard also publishes the runs of
  * blocks its live attempts pin (shards/load.c keeps them, shards/pinmap.c shares them: O(1)
  * shard work per run, none per block).  Pinned blocks are prefix-closed along each request's
  * chain, so the request's blocks pinned on a rank are a PREFIX of its chain there, and one walk
  * of the prompt along the published runs gives every rank's length of it, the pinned depth,
  * with no round trip: decode blocks = active + (request blocks - pinned depth).
- *
  *
  * A rank removed between selection and booking makes the booking stale (generation check on the
  * shard): nothing is booked and the attempt's later calls return KVR_ESTALE.  With sync_booking
@@ -51,20 +56,22 @@
 struct scratch {
 	uint64_t *local, *seq;
 	size_t hash_cap;
-	uint32_t *score; /* by slot */
+	uint32_t *score; /* by slot: predicted cached depth (find_matches), zero between calls */
 	size_t score_cap;
 	struct kvr_index_match *match;
 	size_t match_cap;
-	struct kvr_candidate *cand;
-	size_t cand_cap;
 	uint32_t *pin; /* by slot: pinned depth (blocks of the prompt already pinned there) */
 	size_t pin_cap;
 	uint32_t *pslots; /* the slots kvr_pinmap_depths set in pin[] */
 	size_t pslots_cap;
-	uint32_t *cand_pin; /* pinned depth of each candidate */
-	size_t cand_pin_cap;
+	uint32_t *cslot; /* an allow-list's or pin's candidates: slots ... */
+	size_t cslot_cap;
+	uint64_t *cgen; /* ... and their generations */
+	size_t cgen_cap;
+	double *cost; /* by candidate */
+	size_t cost_cap;
+	uint32_t routes; /* decisions on this thread: every STAGE_SAMPLE-th times its stages */
 };
-
 static _Thread_local struct scratch tls;
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
@@ -75,10 +82,11 @@ static void scratch_free(void *p)
 	kvr_free(s->local, 2 * s->hash_cap * sizeof(uint64_t));
 	kvr_free(s->score, s->score_cap * sizeof(uint32_t));
 	kvr_free(s->match, s->match_cap * sizeof(*s->match));
-	kvr_free(s->cand, s->cand_cap * sizeof(*s->cand));
 	kvr_free(s->pin, s->pin_cap * sizeof(uint32_t));
 	kvr_free(s->pslots, s->pslots_cap * sizeof(uint32_t));
-	kvr_free(s->cand_pin, s->cand_pin_cap * sizeof(uint32_t));
+	kvr_free(s->cslot, s->cslot_cap * sizeof(uint32_t));
+	kvr_free(s->cgen, s->cgen_cap * sizeof(uint64_t));
+	kvr_free(s->cost, s->cost_cap * sizeof(double));
 	memset(s, 0, sizeof(*s));
 }
 
@@ -107,6 +115,32 @@ static int grow_arr(void **p, size_t *cap, size_t need, size_t elem, bool zero)
 	pthread_once(&scratch_once, scratch_key_make);
 	pthread_setspecific(scratch_key, &tls);
 	return 0;
+}
+
+/* The per-rank arrays for a router of max_ranks slots (every one sized max_ranks; score[] and
+ * pin[] zeroed).  Context: the owning thread. */
+static __attribute__((noinline, cold)) int scratch_ranks_grow(size_t max_ranks)
+{
+	int rc;
+	if ((rc = grow_arr((void **)&tls.score, &tls.score_cap, max_ranks, sizeof(uint32_t),
+	                   true)) ||
+	    (rc = grow_arr((void **)&tls.match, &tls.match_cap, max_ranks, sizeof(*tls.match),
+	                   false)) ||
+	    (rc = grow_arr((void **)&tls.pin, &tls.pin_cap, max_ranks, sizeof(uint32_t), true)) ||
+	    (rc = grow_arr((void **)&tls.pslots, &tls.pslots_cap, max_ranks, sizeof(uint32_t),
+	                   false)) ||
+	    (rc = grow_arr((void **)&tls.cslot, &tls.cslot_cap, max_ranks, sizeof(uint32_t),
+	                   false)) ||
+	    (rc =
+	         grow_arr((void **)&tls.cgen, &tls.cgen_cap, max_ranks, sizeof(uint64_t), false)) ||
+	    (rc = grow_arr((void **)&tls.cost, &tls.cost_cap, max_ranks, sizeof(double), false)))
+		return rc;
+	return 0;
+}
+
+static inline int scratch_ranks(size_t max_ranks)
+{
+	return max_ranks <= tls.cost_cap ? 0 : scratch_ranks_grow(max_ranks); /* cost[]: last */
 }
 
 /* local and seq live in one allocation of 2 x hash_cap, so they always grow together. */
@@ -177,66 +211,101 @@ void kvr_request_init(struct kvr_request *req)
 	req->temperature = -1.0;
 }
 
-/* Adds slot as a candidate if it is routable: its overlap (score[]), pinned depth (pin[]) and
- * load go to cand[*n] and cand_pin[*n].  The scratch arrays are passed in so the loop over every
- * live rank reads the thread-local scratch once, not per rank.  Context: inside the read
- * section. */
-static inline void add_candidate(const struct kvr_rank_pub *ranks, const uint32_t *score,
-                                 const uint32_t *pin, struct kvr_candidate *cand,
-                                 uint32_t *cand_pin, uint32_t slot, size_t n_blocks, size_t *n)
+/* Appends slot to an allow-list's or pin's candidates if it is routable (and not there yet).
+ * Context: inside the read section. */
+static void listed(const struct kvr_router *r, uint32_t slot, size_t *n)
 {
-	const struct kvr_rank_pub *pub = &ranks[slot];
+	const struct kvr_rank_pub *pub = &r->ranks[slot];
+	for (size_t k = 0; k < *n; k++)
+		if (tls.cslot[k] == slot)
+			return;
 	if (!__atomic_load_n(&pub->live, __ATOMIC_ACQUIRE))
 		return;
-	uint32_t pinned = pin[slot];
-	cand_pin[*n] = pinned;
-	struct kvr_candidate *c = &cand[(*n)++];
-	c->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
-	c->slot = slot;
-	c->overlap_blocks = score[slot];
-	c->active_prefill_tokens = kvr_rank_pub_prefill(pub);
-	/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT already
-	 * pinned there (its pinned depth: pinned blocks are prefix-closed along the chain). */
-	c->potential_decode_blocks = kvr_rank_pub_blocks(pub) + n_blocks - pinned;
-	c->cost = 0;
+	tls.cgen[*n] = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+	tls.cslot[(*n)++] = slot;
 }
 
-/* Fills tls.cand with the eligible ranks and their overlap and load.  Returns the count, or a
- * negative error.  Context: inside the read section. */
-static long candidates(struct kvr_router *r, const struct kvr_request *q, size_t n_blocks,
-                       const struct kvr_live *live)
+/* The chosen candidate. */
+struct choice {
+	uint32_t slot, overlap, pinned;
+	uint64_t gen;
+	double cost;
+};
+
+/*
+ * Scores the candidates and picks one: the request's pinned rank, its allow-list, or every live
+ * rank (the live list, with the generation each slot had when it became routable).  Per
+ * candidate it reads the slot's cached depth (score[]), pinned depth (pin[]) and load words
+ * (r->load: snapshot + provisional, 4 ranks per cache line), computes the cost and feeds the
+ * scan; no candidate structs, one pass.  *sat: every candidate is saturated (only asked when
+ * the router queues).  Returns 0, or KVR_ENOENT (no routable candidate; nothing drawn from the
+ * random stream).  Context: inside the read section (the live list is read here).
+ */
+static int choose(struct kvr_router *r, const struct kvr_request *q,
+                  const struct kvr_select_params *sp, size_t n_blocks, bool *sat, struct choice *ch)
 {
-	/* The request's decode footprint: its prompt blocks plus the output it expects. */
-	n_blocks += q->expected_output_tokens / r->cfg.block_size;
-	size_t n = 0;
-	const struct kvr_rank_pub *ranks = r->ranks;
-	const uint32_t *score = tls.score, *pin = tls.pin;
-	struct kvr_candidate *cand = tls.cand;
-	uint32_t *cand_pin = tls.cand_pin;
-	if (q->pinned) {
+	const struct kvr_live *live = kvr_rcu_deref(&r->live);
+	const uint32_t *cs = live->slot;
+	const uint64_t *cg = live->gen;
+	size_t n = live->n;
+	if (q->pinned || q->n_allow) {
+		n = 0;
 		uint32_t s;
-		if (kvr_router_find_rank(r, *q->pinned, &s))
-			return KVR_ENOENT;
-		add_candidate(ranks, score, pin, cand, cand_pin, s, n_blocks, &n);
-	} else if (q->n_allow) {
-		for (size_t i = 0; i < q->n_allow; i++) {
-			uint32_t s;
-			if (kvr_router_find_rank(r, q->allow[i], &s) == 0) {
-				bool dup = false;
-				for (size_t k = 0; k < n; k++)
-					dup |= cand[k].slot == s;
-				if (!dup)
-					add_candidate(ranks, score, pin, cand, cand_pin, s,
-					              n_blocks, &n);
-			}
+		if (q->pinned) {
+			if (kvr_router_find_rank(r, *q->pinned, &s))
+				return KVR_ENOENT;
+			listed(r, s, &n);
 		}
-	} else {
-		for (uint32_t i = 0; i < live->n; i++)
-			add_candidate(ranks, score, pin, cand, cand_pin, live->slot[i], n_blocks,
-			              &n);
+		for (size_t i = 0; !q->pinned && i < q->n_allow; i++)
+			if (kvr_router_find_rank(r, q->allow[i], &s) == 0)
+				listed(r, s, &n);
+		cs = tls.cslot;
+		cg = tls.cgen;
 	}
-	return n ? (long)n : KVR_ENOENT;
+	if (n == 0)
+		return KVR_ENOENT;
+	/* The request's decode footprint: its prompt blocks plus the output it expects. */
+	uint64_t foot = n_blocks + q->expected_output_tokens / r->cfg.block_size;
+	const struct kvr_rank_load *load = r->load;
+	const uint32_t *score = tls.score, *pin = tls.pin;
+	double *cost = tls.cost;
+	const struct kvr_select_coef coef = kvr_select_coef_of(sp);
+	struct kvr_select_scan scan, run; /* run: in registers (scan's address escapes) */
+	kvr_select_scan_init(&run);
+	for (size_t i = 0; i < n; i++) {
+		uint32_t s = cs[i];
+		/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT
+		 * already pinned there (its pinned depth: pinned blocks are prefix-closed along the
+		 * chain). */
+		double x = kvr_select_cost_of(&coef, kvr_rank_load_prefill(&load[s]), score[s],
+		                              kvr_rank_load_blocks(&load[s]) + foot - pin[s]);
+		cost[i] = x;
+		kvr_select_scan_add(&run, i, x);
+	}
+	scan = run;
+	*sat = false;
+	if (r->queue && !(q->flags & KVR_ROUTE_QUERY_ONLY)) {
+		*sat = true;
+		for (size_t i = 0; i < n && *sat; i++)
+			*sat = kvr_queue_saturated(r, &cs[i], 1);
+	}
+	/* One random stream per decision; query-only decisions read the counter without
+	 * advancing it, so asking "where would it go?" never changes later decisions. */
+	uint64_t k = (q->flags & KVR_ROUTE_QUERY_ONLY)
+	                 ? __atomic_load_n(&r->rng_counter, __ATOMIC_RELAXED) ^ (1ull << 63)
+	                 : __atomic_fetch_add(&r->rng_counter, 1, __ATOMIC_RELAXED);
+	uint64_t rng = r->cfg.seed ^ (k * 0x9e3779b97f4a7c15ull);
+	long pick = kvr_select_pick(sp, cost, n, &scan, &rng);
+	uint32_t s = cs[pick];
+	*ch = (struct choice){
+	    .slot = s, .overlap = score[s], .pinned = pin[s], .gen = cg[pick], .cost = cost[pick]};
+	return 0;
 }
+
+/* Stage histograms are timed on one decision in STAGE_SAMPLE per thread: a clock read costs
+ * ~20 ns, and four more per decision were a quarter of the non-hashing time of a 2k-token
+ * route.  The whole decision (KVR_H_ROUTE_NS) is timed every time. */
+#define STAGE_SAMPLE 16
 
 int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct kvr_decision *d,
                        int queue_mode)
@@ -245,23 +314,11 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	const struct kvr_config *cfg = &r->cfg;
 	uint32_t bs = cfg->block_size;
 	uint64_t t0 = mono_ns();
+	bool timed = ++tls.routes % STAGE_SAMPLE == 0;
 	size_t nb = q->tokens ? q->n_tokens / bs : q->n_hashes;
 	uint64_t seed = kvr_hash_lora_seed(q->lora_name);
 	int rc;
-	if ((rc = scratch_hashes(nb ? nb : 1)))
-		return rc;
-	if ((rc = grow_arr((void **)&tls.score, &tls.score_cap, cfg->max_ranks, sizeof(uint32_t),
-	                   true)) ||
-	    (rc = grow_arr((void **)&tls.match, &tls.match_cap, cfg->max_ranks, sizeof(*tls.match),
-	                   false)) ||
-	    (rc = grow_arr((void **)&tls.cand, &tls.cand_cap, cfg->max_ranks, sizeof(*tls.cand),
-	                   false)) ||
-	    (rc = grow_arr((void **)&tls.pin, &tls.pin_cap, cfg->max_ranks, sizeof(uint32_t),
-	                   true)) ||
-	    (rc = grow_arr((void **)&tls.pslots, &tls.pslots_cap, cfg->max_ranks, sizeof(uint32_t),
-	                   false)) ||
-	    (rc = grow_arr((void **)&tls.cand_pin, &tls.cand_pin_cap, cfg->max_ranks,
-	                   sizeof(uint32_t), false)))
+	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
 	if (q->tokens)
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
@@ -269,7 +326,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		memcpy(tls.local, q->local_hashes, nb * sizeof(uint64_t));
 		kvr_hash_chain_locals(NULL, tls.local, nb, tls.seq);
 	}
-	uint64_t t1 = mono_ns();
+	uint64_t t1 = timed ? mono_ns() : 0;
 	KVR_PROBE2(route_begin, q->request_id, nb);
 
 	struct kvr_select_params sp = {
@@ -281,80 +338,71 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	    .prompt_tokens = q->n_tokens,
 	};
 	for (int attempt_no = 0; attempt_no < ROUTE_RETRIES; attempt_no++) {
-		uint64_t t2s = mono_ns();
+		uint64_t t2s = timed ? mono_ns() : 0;
 		size_t nm = 0;
 		kvr_rcu_read_lock();
-		const struct kvr_live *live = kvr_rcu_deref(&r->live);
 		if (nb)
 			kvr_index_find_matches(r->index, tls.seq, nb, NULL, tls.match,
 			                       tls.match_cap, &nm);
-		uint32_t best = 0;
+		uint32_t best = 0, *score = tls.score;
+		const struct kvr_index_match *match = tls.match;
 		for (size_t i = 0; i < nm; i++) {
-			tls.score[tls.match[i].slot] = tls.match[i].score;
-			if (tls.match[i].score > best)
-				best = tls.match[i].score;
+			uint32_t v = match[i].score;
+			score[match[i].slot] = v;
+			best = v > best ? v : best;
 		}
 		/* Pinned depth per rank: one walk along the published pinned runs. */
 		size_t np = nb ? kvr_pinmap_depths(r->pinmap, tls.seq, nb, tls.pin, tls.pslots) : 0;
-		long nc = candidates(r, q, nb, live);
+		uint64_t t2 = timed ? mono_ns() : 0;
+		struct choice chosen;
+		bool sat;
+		rc = choose(r, q, &sp, nb, &sat, &chosen);
 		kvr_rcu_read_unlock();
 		for (size_t i = 0; i < nm; i++)
-			tls.score[tls.match[i].slot] = 0;
+			score[match[i].slot] = 0;
+		uint32_t *pin = tls.pin;
+		const uint32_t *pslots = tls.pslots;
 		for (size_t i = 0; i < np; i++)
-			tls.pin[tls.pslots[i]] = 0;
+			pin[pslots[i]] = 0;
 		KVR_PROBE3(match, nb, nm, best);
-		uint64_t t2 = mono_ns();
-		if (nc < 0) {
+		if (rc) {
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
-			return (int)nc;
+			return rc;
 		}
-		/* One random stream per decision; query-only decisions read the counter without
-		 * advancing it, so asking "where would it go?" never changes later decisions. */
-		uint64_t k = (q->flags & KVR_ROUTE_QUERY_ONLY)
-		                 ? __atomic_load_n(&r->rng_counter, __ATOMIC_RELAXED) ^ (1ull << 63)
-		                 : __atomic_fetch_add(&r->rng_counter, 1, __ATOMIC_RELAXED);
-		uint64_t rng = cfg->seed ^ (k * 0x9e3779b97f4a7c15ull);
-		long pick = kvr_select(&sp, tls.cand, (size_t)nc, &rng);
-		struct kvr_candidate chosen = tls.cand[pick];
-		uint32_t chosen_pinned = tls.cand_pin[pick];
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
-		uint64_t gen = chosen.gen;
-		uint64_t t3 = mono_ns();
+		uint64_t t3 = timed ? mono_ns() : 0;
 
-		if (r->queue && !(q->flags & KVR_ROUTE_QUERY_ONLY)) {
-			bool sat = true;
-			for (long i = 0; i < nc && sat; i++)
-				sat = kvr_queue_saturated(r, &tls.cand[i].slot, 1);
-			if (sat && queue_mode == KVR_QUEUE_FROM_PUMP)
-				return KVR_EAGAIN;
-			if (sat) {
-				uint64_t cached = (uint64_t)best * bs;
-				return kvr_queue_push(
-				    r, q, q->n_tokens > cached ? q->n_tokens - cached : 0, d);
-			}
+		if (sat && queue_mode == KVR_QUEUE_FROM_PUMP)
+			return KVR_EAGAIN;
+		if (sat) {
+			uint64_t cached = (uint64_t)best * bs;
+			return kvr_queue_push(r, q, q->n_tokens > cached ? q->n_tokens - cached : 0,
+			                      d);
 		}
 
 		memset(d, 0, sizeof(*d));
 		d->status = KVR_DECIDED;
 		d->rank.worker_id = pub->worker_id;
 		d->rank.dp_rank = pub->dp_rank;
-		d->overlap_blocks = chosen.overlap_blocks;
+		d->overlap_blocks = chosen.overlap;
 		d->required_blocks = (uint32_t)nb;
-		d->cached_tokens = (uint64_t)chosen.overlap_blocks * bs;
+		d->cached_tokens = (uint64_t)chosen.overlap * bs;
 		d->cost = chosen.cost;
-		kvr_metrics_observe(mb, KVR_H_HASH_NS, t1 - t0);
-		kvr_metrics_observe(mb, KVR_H_MATCH_NS, t2 - t2s);
-		kvr_metrics_observe(mb, KVR_H_SELECT_NS, t3 - t2);
+		if (timed) {
+			kvr_metrics_observe(mb, KVR_H_HASH_NS, t1 - t0);
+			kvr_metrics_observe(mb, KVR_H_MATCH_NS, t2 - t2s);
+			kvr_metrics_observe(mb, KVR_H_SELECT_NS, t3 - t2);
+		}
 		if (q->flags & KVR_ROUTE_QUERY_ONLY) {
 			kvr_metrics_add(mb, KVR_C_ROUTES_QUERY_ONLY, 1);
 			kvr_metrics_observe(mb, KVR_H_ROUTE_NS, mono_ns() - t0);
-			KVR_PROBE4(route_end, q->request_id, chosen.slot, chosen.overlap_blocks, 0);
+			KVR_PROBE4(route_end, q->request_id, chosen.slot, chosen.overlap, 0);
 			return 0;
 		}
 		size_t tail_n = q->tokens ? q->n_tokens % bs : 0;
 		struct kvr_admit_args a = {
 		    .slot = chosen.slot,
-		    .gen = gen,
+		    .gen = chosen.gen,
 		    .local = tls.local,
 		    .seq = tls.seq,
 		    .n = nb,
@@ -363,8 +411,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .tail_n = (uint32_t)tail_n,
 		    .chain_known = q->tokens != NULL || q->n_tokens == nb * bs,
 		    .lora_seed = seed,
-		    .overlap = chosen.overlap_blocks,
-		    .pend_blocks = nb - chosen_pinned, /* the request's new decode blocks there */
+		    .overlap = chosen.overlap,
+		    .pend_blocks = nb - chosen.pinned, /* the request's new decode blocks there */
 		};
 		rc = kvr_admit(r, &a, cfg->sync_booking);
 		uint64_t t4 = mono_ns();
@@ -378,11 +426,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		kvr_repl_note_route(r, &a, d, q->expected_output_tokens); /* replica sync */
 		kvr_metrics_add(mb, KVR_C_ROUTES, 1);
 		kvr_metrics_add(mb, KVR_C_ROUTED_BLOCKS, nb);
-		kvr_metrics_add(mb, KVR_C_PREDICTED_OVERLAP_BLOCKS, chosen.overlap_blocks);
-		kvr_metrics_observe(mb, KVR_H_ADMIT_NS, t4 - t3);
+		kvr_metrics_add(mb, KVR_C_PREDICTED_OVERLAP_BLOCKS, chosen.overlap);
+		if (timed)
+			kvr_metrics_observe(mb, KVR_H_ADMIT_NS, t4 - t3);
 		kvr_metrics_observe(mb, KVR_H_ROUTE_NS, t4 - t0);
-		kvr_metrics_observe(mb, KVR_H_OVERLAP_BLOCKS, chosen.overlap_blocks);
-		KVR_PROBE4(route_end, q->request_id, chosen.slot, chosen.overlap_blocks, 0);
+		kvr_metrics_observe(mb, KVR_H_OVERLAP_BLOCKS, chosen.overlap);
+		KVR_PROBE4(route_end, q->request_id, chosen.slot, chosen.overlap, 0);
 		return 0;
 	}
 	kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
@@ -403,9 +452,11 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		return KVR_ENOMEM;
 	}
 	/* Provisional load: the very next decision, on any thread, sees this request. */
-	__atomic_fetch_add(&pub->pend_prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&pub->pend_requests, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&pub->pend_blocks, a->pend_blocks, __ATOMIC_RELAXED);
+	struct kvr_rank_load *l = &r->load[a->slot];
+	if (a->pend_prefill_tokens)
+		__atomic_fetch_add(&l->prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
+	if (a->pend_blocks)
+		__atomic_fetch_add(&l->blocks, a->pend_blocks, __ATOMIC_RELAXED);
 	struct kvr_shard *sh =
 	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED));
 	if (sync) {
@@ -427,9 +478,10 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 			return 0;
 	}
 	/* Not posted (full lane, shutdown): nobody has seen the id, take everything back. */
-	__atomic_fetch_sub(&pub->pend_prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
-	__atomic_fetch_sub(&pub->pend_requests, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_sub(&pub->pend_blocks, a->pend_blocks, __ATOMIC_RELAXED);
+	if (a->pend_prefill_tokens)
+		__atomic_fetch_sub(&l->prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
+	if (a->pend_blocks)
+		__atomic_fetch_sub(&l->blocks, a->pend_blocks, __ATOMIC_RELAXED);
 	kvr_lease_unmint(r->leases, a->attempt);
 	kvr_owner_attempt_free(&r->owner, rec);
 	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;

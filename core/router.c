@@ -10,17 +10,24 @@
 #include "core/router_internal.h"
 #include "sync/rcu.h"
 
+static size_t live_bytes(uint32_t n)
+{
+	return sizeof(struct kvr_live) + (size_t)n * (sizeof(uint64_t) + sizeof(uint32_t));
+}
+
 static void live_free(void *p)
 {
 	struct kvr_live *l = p;
-	kvr_free(l, sizeof(*l) + (size_t)l->n * sizeof(uint32_t));
+	kvr_free(l, live_bytes(l->n));
 }
 
 static struct kvr_live *live_alloc(uint32_t n)
 {
-	struct kvr_live *l = kvr_alloc(sizeof(*l) + (size_t)n * sizeof(uint32_t));
-	if (l)
+	struct kvr_live *l = kvr_alloc(live_bytes(n));
+	if (l) {
 		l->n = n;
+		l->slot = (uint32_t *)(void *)(l->gen + n);
+	}
 	return l;
 }
 
@@ -37,11 +44,16 @@ int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
 	if (!nl)
 		return KVR_ENOMEM;
 	uint32_t k = 0;
-	for (uint32_t i = 0; i < old->n; i++)
-		if (old->slot[i] != slot)
+	for (uint32_t i = 0; i < old->n; i++) {
+		if (old->slot[i] != slot) {
+			nl->gen[k] = old->gen[i];
 			nl->slot[k++] = old->slot[i];
-	if (add)
+		}
+	}
+	if (add) {
+		nl->gen[k] = __atomic_load_n(&r->ranks[slot].gen, __ATOMIC_RELAXED);
 		nl->slot[k++] = slot;
+	}
 	nl->n = k;
 	kvr_rcu_publish(&r->live, nl);
 	kvr_rcu_defer_free(old, live_free);
@@ -74,8 +86,9 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	pthread_mutex_init(&r->admin_lock, NULL);
 	rc = KVR_ENOMEM;
 	r->ranks = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->ranks));
+	r->load = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->load));
 	r->live = live_alloc(0);
-	if (!r->ranks || !r->live)
+	if (!r->ranks || !r->load || !r->live)
 		goto fail;
 	if ((rc = kvr_metrics_create(&r->metrics)))
 		goto fail;
@@ -104,6 +117,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .pinmap = r->pinmap,
 	    .metrics = r->metrics,
 	    .ranks = r->ranks,
+	    .load = r->load,
 	    .leases = r->leases,
 	    .pool = r->pool,
 	};
@@ -159,6 +173,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	if (r->live)
 		live_free(r->live);
 	kvr_free_aligned(r->ranks, (size_t)r->cfg.max_ranks * sizeof(*r->ranks));
+	kvr_free_aligned(r->load, (size_t)r->cfg.max_ranks * sizeof(*r->load));
 	pthread_mutex_destroy(&r->admin_lock);
 	kvr_free(r, sizeof(*r));
 }

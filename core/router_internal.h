@@ -12,8 +12,10 @@
  *  - struct kvr_shard_state (shard userdata): the shard's attempt records, scratch buffers,
  *    timers.  Only that shard thread touches it.
  *  - the lease table: one word per live attempt, claimed by CAS from any thread.
- *  - `live`: the array of routable slots, RCU-published copy-on-write by the admin path;
- *    routers read it inside a read section.
+ *  - struct kvr_rank_load, one per slot in its own array: the load routing reads (snapshot +
+ *    provisional), atomic adds by routing threads and the rank's shard.
+ *  - `live`: the array of routable slots with their generations, RCU-published copy-on-write by
+ *    the admin path; routers read it inside a read section.
  * Attempt ids: (sequence << 16) | slot, so any thread finds an attempt's rank, shard and lease
  * word with no lookup; the sequence part is never reused, so an id is never reused either.
  */
@@ -36,10 +38,14 @@
 #include "shards/pinmap.h"
 #include "shards/runtime.h"
 
+/* The routable slots and the generation each had when it became routable (a decision taken on
+ * this list books with that generation, so a rank removed since is a stale booking).  gen[]
+ * first, slot[] after it in the same allocation. */
 struct kvr_live {
 	struct rcu_head rcu;
 	uint32_t n;
-	uint32_t slot[];
+	uint32_t *slot;
+	uint64_t gen[];
 };
 
 struct kvr_queue;      /* core/queue.c */
@@ -56,6 +62,7 @@ struct kvr_router {
 	struct kvr_attempt_pool *pool; /* recycled attempt records (shards/owner.h) */
 	struct kvr_owner_ctx owner;    /* what the shards see of the router */
 	struct kvr_rank_pub *ranks;    /* [cfg.max_ranks], indexed by index slot */
+	struct kvr_rank_load *load;    /* [cfg.max_ranks]: what routing reads (shards/owner.h) */
 	struct kvr_live *live;         /* RCU */
 	pthread_mutex_t admin_lock;    /* rank add / remove / reset, live list writers */
 	uint64_t rng_counter;          /* per-decision random stream (atomic) */

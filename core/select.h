@@ -14,22 +14,21 @@
  * t means the same thing whatever the absolute load; p_i ~ exp(-(c_i - min) / (range * t)).
  * Randomness comes from the caller's 64-bit state (splitmix64), so a router seeded the same way
  * and called in the same order decides the same way.
+ *
+ * Shape, for the routing fast path (64 or 1024 candidates per decision): the caller computes
+ * each candidate's cost with the inline kvr_select_cost_of straight from its own arrays (no
+ * candidate structs), feeds it to a running scan (minimum, its first index, ties, maximum),
+ * keeps the costs in an array, and kvr_select_pick chooses from the scan and that array.  The
+ * cost is computed in the same order of operations whatever the path, so the same inputs give
+ * bit-identical costs and the same ties.
  */
 #ifndef KVR_CORE_SELECT_H
 #define KVR_CORE_SELECT_H
 
+#include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-
-struct kvr_candidate {
-	uint32_t slot;                  /* the rank's index slot */
-	uint32_t overlap_blocks;        /* predicted cached prefix blocks on this rank */
-	uint64_t active_prefill_tokens; /* the rank's current prefill load */
-	uint64_t
-	    potential_decode_blocks; /* active blocks + this request's blocks not pinned there */
-	double cost;                 /* out: filled by kvr_select */
-	uint64_t gen;                /* the slot generation when read (not used by the selector) */
-};
 
 struct kvr_select_params {
 	double overlap_credit;
@@ -54,14 +53,86 @@ static inline double kvr_rand_unit(uint64_t *state)
 	return (double)(kvr_rand64(state) >> 11) * (1.0 / 9007199254740992.0);
 }
 
-/* Cost of one candidate (see the essay above). */
-double kvr_select_cost(const struct kvr_select_params *p, const struct kvr_candidate *c);
+/* The cost's per-decision constants (kvr_select_coef_of), so a loop over candidates converts and
+ * divides nothing that does not change. */
+struct kvr_select_coef {
+	double prompt; /* prompt tokens */
+	double bs;     /* block size */
+	double inv_bs; /* 1 / block size, exact when pow2 */
+	double credit; /* overlap credit */
+	double scale;  /* prefill load scale */
+	bool pow2;     /* power-of-two block size: multiply by inv_bs */
+};
+
+static inline struct kvr_select_coef kvr_select_coef_of(const struct kvr_select_params *p)
+{
+	uint32_t b = p->block_size;
+	return (struct kvr_select_coef){.prompt = (double)p->prompt_tokens,
+	                                .bs = (double)b,
+	                                .inv_bs = 1.0 / (double)b,
+	                                .credit = p->overlap_credit,
+	                                .scale = p->prefill_load_scale,
+	                                .pow2 = (b & (b - 1)) == 0};
+}
 
 /*
- * Computes every candidate's cost and returns the index (into c[]) of the chosen one, or -1 when
- * n == 0.  rng: the caller's random state (advanced).  Context: any thread; no allocation.
+ * Cost of one candidate (see the essay above): prefill_tokens the rank's current prefill load,
+ * overlap_blocks its predicted cached prefix of the prompt, decode_blocks its active blocks plus
+ * this request's blocks not already pinned there.  A power-of-two block size divides by
+ * multiplying with its reciprocal (exact: the same double as the division; a division per
+ * candidate was a third of the scoring time at 64 candidates).  Context: any thread.
  */
-long kvr_select(const struct kvr_select_params *p, struct kvr_candidate *c, size_t n,
-                uint64_t *rng);
+static inline double kvr_select_cost_of(const struct kvr_select_coef *k, uint64_t prefill_tokens,
+                                        uint32_t overlap_blocks, uint64_t decode_blocks)
+{
+	double t = (double)prefill_tokens + k->prompt;
+	t = k->pow2 ? t * k->inv_bs : t / k->bs;
+	double prefill = t - k->credit * (double)overlap_blocks;
+	return k->scale * prefill + (double)decode_blocks;
+}
+
+static inline double kvr_select_cost(const struct kvr_select_params *p, uint64_t prefill_tokens,
+                                     uint32_t overlap_blocks, uint64_t decode_blocks)
+{
+	struct kvr_select_coef k = kvr_select_coef_of(p);
+	return kvr_select_cost_of(&k, prefill_tokens, overlap_blocks, decode_blocks);
+}
+
+/* The running scan over the costs, in candidate order. */
+struct kvr_select_scan {
+	double lo, hi; /* minimum and maximum cost so far */
+	size_t first;  /* index of the first minimum */
+	size_t ties;   /* candidates whose cost equals lo */
+};
+
+static inline void kvr_select_scan_init(struct kvr_select_scan *s)
+{
+	s->lo = INFINITY;
+	s->hi = -INFINITY;
+	s->first = 0;
+	s->ties = 0;
+}
+
+/* Candidate i (the next one, in order) costs x. */
+static inline void kvr_select_scan_add(struct kvr_select_scan *s, size_t i, double x)
+{
+	if (x < s->lo) {
+		s->lo = x;
+		s->first = i;
+		s->ties = 1;
+	} else if (x == s->lo) {
+		s->ties++;
+	}
+	if (x > s->hi)
+		s->hi = x;
+}
+
+/*
+ * Chooses among n candidates whose costs are cost[0..n) (borrowed) and were scanned, in order,
+ * into s.  Returns the chosen index, or -1 when n == 0.  rng: the caller's random state
+ * (advanced only when a random choice is made).  Context: any thread; no allocation.
+ */
+long kvr_select_pick(const struct kvr_select_params *p, const double *cost, size_t n,
+                     const struct kvr_select_scan *s, uint64_t *rng);
 
 #endif

@@ -14,9 +14,10 @@
  * Who owns what (ARCHITECTURE.md):
  *  - struct kvr_rank_pub, one per index slot: identity fields are written by the admin path
  *    (under the router's admin lock) before the slot is published live; the load snapshot is
- *    written only by the rank's shard (relaxed atomics: single writer); the provisional load is
- *    added by routing threads and taken back by the shard when it books (atomic RMW).  Any
- *    thread reads them.
+ *    written only by the rank's shard (relaxed atomics: single writer).  Any thread reads them.
+ *  - struct kvr_rank_load, one per index slot, in its own array: snapshot + provisional load,
+ *    added to by routing threads (admissions) and by the rank's shard (its snapshot's change,
+ *    the provisional load taken back at booking), atomic RMW.  Any thread reads it.
  *  - struct kvr_rank_owned (pub->own) and the shard's attempt records: only the rank's shard.
  * Attempt ids: (lease sequence << 16) | slot (shards/lease.h), so any thread finds an attempt's
  * rank, shard and lease word with no lookup; ids are never reused.
@@ -46,25 +47,18 @@ static inline uint32_t kvr_attempt_slot(uint64_t attempt)
 struct kvr_rank_owned;
 
 struct kvr_rank_pub {
-	/* First cache line: everything a routing decision reads per candidate (one line per rank
-	 * for 64 or 1024 candidates), and what admissions add to it. */
+	/* First cache line: what admissions and the booking read of the chosen rank. */
 	uint32_t live; /* 1 while added (atomic) */
 	uint32_t max_batched_tokens;
 	/* Bumped (release) when the slot is added and when it is removed: a booking taken on an
-	 * older generation is stale.  Ordering: acquire in route and in the booking. */
+	 * older generation is stale.  Ordering: acquire in the booking; routers take it from the
+	 * live list (core/router_internal.h), which carries each slot's generation. */
 	uint64_t gen;
-	/* Load snapshot: written by the owner shard, read anywhere (relaxed). */
+	/* Load snapshot for stats and metrics: written by the owner shard, read anywhere (relaxed).
+	 * Routing reads struct kvr_rank_load instead. */
 	uint64_t active_blocks;
 	uint64_t prefill_tokens;
 	uint64_t active_requests;
-	/* Provisional load of admissions posted but not booked yet: a routing thread adds its
-	 * request here (atomic add) before it posts the booking, the shard subtracts the same
-	 * amounts after it has published the booked snapshot, so a reader summing snapshot +
-	 * provisional may count a request twice for an instant, never miss it.  Ordering: relaxed
-	 * RMW (one location each; coherence gives "the very next decision sees it"). */
-	uint64_t pend_prefill_tokens;
-	uint64_t pend_requests;
-	uint64_t pend_blocks;
 	/* Identity: written by the admin path while the slot is not live. */
 	uint64_t worker_id;
 	uint32_t dp_rank;
@@ -76,19 +70,33 @@ struct kvr_rank_pub {
 	/* Shard-thread only. */
 	struct kvr_rank_owned *own;
 } __attribute__((aligned(64)));
-_Static_assert(offsetof(struct kvr_rank_pub, pend_blocks) < 64, "routing reads one line");
 
-/* Prefill tokens, active requests and decode blocks of a rank: snapshot + provisional.
- * Context: any thread. */
-static inline uint64_t kvr_rank_pub_prefill(const struct kvr_rank_pub *p)
+/*
+ * The load a routing decision reads of every candidate, in an array of its own indexed by slot
+ * (struct of arrays: 16 bytes a rank, four ranks per cache line, nothing else on those lines),
+ * so scoring 64 candidates reads 16 lines instead of one struct kvr_rank_pub line per rank.
+ * Each word is the rank's booked snapshot PLUS the provisional load of admissions posted but
+ * not booked yet: a routing thread adds its request (atomic add) before it posts the booking;
+ * the shard adds the change of its snapshot when it republishes, then subtracts the request's
+ * provisional amounts after its booking is out, so a reader may count a request twice for an
+ * instant, never miss it.  Ordering: relaxed RMW only (one location each; coherence gives "the
+ * very next decision sees it").  At rest each word equals the shard's snapshot in struct
+ * kvr_rank_pub.
+ */
+struct kvr_rank_load {
+	uint64_t prefill_tokens; /* prefill tokens, booked (with decay) + provisional */
+	uint64_t blocks;         /* active decode blocks, booked + the provisional new blocks */
+};
+_Static_assert(sizeof(struct kvr_rank_load) == 16, "four ranks per cache line");
+
+/* Prefill tokens and decode blocks of a rank: snapshot + provisional.  Context: any thread. */
+static inline uint64_t kvr_rank_load_prefill(const struct kvr_rank_load *l)
 {
-	return __atomic_load_n(&p->prefill_tokens, __ATOMIC_RELAXED) +
-	       __atomic_load_n(&p->pend_prefill_tokens, __ATOMIC_RELAXED);
+	return __atomic_load_n(&l->prefill_tokens, __ATOMIC_RELAXED);
 }
-static inline uint64_t kvr_rank_pub_blocks(const struct kvr_rank_pub *p)
+static inline uint64_t kvr_rank_load_blocks(const struct kvr_rank_load *l)
 {
-	return __atomic_load_n(&p->active_blocks, __ATOMIC_RELAXED) +
-	       __atomic_load_n(&p->pend_blocks, __ATOMIC_RELAXED);
+	return __atomic_load_n(&l->blocks, __ATOMIC_RELAXED);
 }
 
 /* What shard code may use.  Filled once at router creation; read-only afterwards. */
@@ -109,11 +117,12 @@ struct kvr_owner_ctx {
 	void *expire_ctx;
 	/* shared objects */
 	struct kvr_clock clock;
-	struct kvr_index *index;       /* cached blocks per rank */
-	struct kvr_pinmap *pinmap;     /* every rank's pinned runs, for routers (shards/pinmap.h) */
-	struct kvr_metrics *metrics;   /* per-thread blocks */
-	struct kvr_rank_pub *ranks;    /* [max_ranks] */
-	struct kvr_leases *leases;     /* the router's attempt leases */
+	struct kvr_index *index;     /* cached blocks per rank */
+	struct kvr_pinmap *pinmap;   /* every rank's pinned runs, for routers (shards/pinmap.h) */
+	struct kvr_metrics *metrics; /* per-thread blocks */
+	struct kvr_rank_pub *ranks;  /* [max_ranks] */
+	struct kvr_rank_load *load;  /* [max_ranks]: what routing reads (snapshot + provisional) */
+	struct kvr_leases *leases;   /* the router's attempt leases */
 	struct kvr_attempt_pool *pool; /* recycled attempt records */
 };
 

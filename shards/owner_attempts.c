@@ -3,7 +3,7 @@
  * prefill done, output, finish and abort, and the lease reaper.
  *
  * Nobody waits for this file.  kvr_route mints the attempt's lease on the caller's thread
- * (shards/lease.h), adds the request to the rank's provisional load (struct kvr_rank_pub), builds
+ * (shards/lease.h), adds the request to the rank's provisional load (struct kvr_rank_load), builds
  * the record (kvr_owner_attempt_new) and POSTS it to the rank's shard on the routing lane; the
  * lifecycle calls claim or touch the lease on the caller's thread and post the rest.  Here, in
  * lane order, the shard:
@@ -88,8 +88,8 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
 	uint32_t bs = c->block_size;
 	int k = c->pool ? pool_class(a->n) : -1;
 	struct kvr_attempt *rec = NULL;
-	size_t size = kvr_attempt_blocks_off(bs) +
-	              (k < 0 ? a->n : (size_t)1 << k) * sizeof(struct kvr_lru_block);
+	size_t size =
+	    kvr_attempt_blocks_off(bs) + (k < 0 ? a->n : (size_t)1 << k) * 2 * sizeof(uint64_t);
 	if (k >= 0 && pthread_mutex_trylock(&c->pool->cls[k].mu) == 0) {
 		if (c->pool->cls[k].n)
 			rec = c->pool->cls[k].rec[--c->pool->cls[k].n];
@@ -117,9 +117,9 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
 	rec->tail_n = a->chain_known ? a->tail_n : 0;
 	if (rec->tail_n)
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
-	struct kvr_lru_block *b = kvr_attempt_blocks(rec, bs);
-	for (size_t i = 0; i < a->n; i++)
-		b[i] = (struct kvr_lru_block){.local = a->local[i], .seq = a->seq[i]};
+	uint64_t *h = kvr_attempt_hashes(rec, bs);
+	memcpy(h, a->local, a->n * sizeof(uint64_t));
+	memcpy(h + a->n, a->seq, a->n * sizeof(uint64_t));
 	return rec;
 }
 
@@ -143,10 +143,11 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
  * Ordering: relaxed RMW, like the caller's add (core/route.c). */
 static void unprovision(const struct kvr_owner_ctx *c, struct kvr_attempt *rec)
 {
-	struct kvr_rank_pub *pub = &c->ranks[rec->slot];
-	__atomic_fetch_sub(&pub->pend_prefill_tokens, rec->pend_prefill_tokens, __ATOMIC_RELAXED);
-	__atomic_fetch_sub(&pub->pend_requests, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_sub(&pub->pend_blocks, rec->pend_blocks, __ATOMIC_RELAXED);
+	struct kvr_rank_load *l = &c->load[rec->slot];
+	if (rec->pend_prefill_tokens)
+		__atomic_fetch_sub(&l->prefill_tokens, rec->pend_prefill_tokens, __ATOMIC_RELAXED);
+	if (rec->pend_blocks)
+		__atomic_fetch_sub(&l->blocks, rec->pend_blocks, __ATOMIC_RELAXED);
 	rec->pend_prefill_tokens = rec->pend_blocks = 0;
 }
 
@@ -226,6 +227,17 @@ void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own
 
 /* ---------------------------------------------------------------- booking */
 
+/* ss->lb = the blocks (local[i], seq[i]), i < n: the predicted cache's input. */
+static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const uint64_t *seq,
+                      size_t n)
+{
+	if (kvr_grow((void **)&ss->lb, &ss->lb_cap, n ? n : 1, sizeof(*ss->lb)))
+		return KVR_ENOMEM;
+	for (size_t i = 0; i < n; i++)
+		ss->lb[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
+	return 0;
+}
+
 /* A booking that cannot be made: the attempt is stale (its lease claimed if nobody has, then
  * released) and its provisional load goes back. */
 static void drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
@@ -250,8 +262,8 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	}
 	uint32_t bs = c->block_size;
 	size_t n = rec->n_prompt;
-	if (track(ss, rec) ||
-	    kvr_grow((void **)&ss->seq, &ss->seq_cap, 2 * (n ? n : 1), sizeof(*ss->seq))) {
+	uint64_t *local = kvr_attempt_hashes(rec, bs), *seq = local + n;
+	if (track(ss, rec) || (own->rs && lru_blocks(ss, local, seq, n))) {
 		if (ss->n_recs && ss->recs[ss->n_recs - 1] == rec)
 			untrack(ss, rec);
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
@@ -263,17 +275,11 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	if (own->attempts)
 		own->attempts->prev = rec;
 	own->attempts = rec;
-	struct kvr_lru_block *b = kvr_attempt_blocks(rec, bs);
 	uint64_t now = kvr_owner_now(c);
-	uint64_t *local = ss->seq, *seq = ss->seq + n;
-	for (size_t i = 0; i < n; i++) {
-		local[i] = b[i].local;
-		seq[i] = b[i].seq;
-	}
 	if (own->rs) {
 		uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
-		if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n, priv, now,
-		                           &ss->out) == 0) {
+		if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, ss->lb, n, priv,
+		                           now, &ss->out) == 0) {
 			rec->booked = true;
 			kvr_owner_apply_removals(ss, own, &ss->out);
 			kvr_owner_store_runs(ss, own, NULL, local, seq, &ss->out);
@@ -302,16 +308,6 @@ int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
 }
 
 /* ---------------------------------------------------------------- lifecycle */
-
-static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const uint64_t *seq,
-                      size_t n)
-{
-	if (kvr_grow((void **)&ss->lb, &ss->lb_cap, n ? n : 1, sizeof(*ss->lb)))
-		return KVR_ENOMEM;
-	for (size_t i = 0; i < n; i++)
-		ss->lb[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
-	return 0;
-}
 
 /* Output tokens: complete blocks are hashed (chained after the last one), materialized in the
  * predicted cache and stored in the index.  vLLM computes a token's KV only when it feeds the

@@ -33,7 +33,7 @@ struct kvr_attempt {
 	bool in_prefill;
 	int8_t pool_class; /* capacity 2^pool_class blocks, recycled; -1: exact size, freed */
 	struct kvr_attempt *prev, *next; /* the rank's live attempts */
-	uint32_t tail[];                 /* block_size tokens, then the prompt's blocks */
+	uint32_t tail[]; /* block_size tokens, then the prompt's hashes (kvr_attempt_hashes) */
 };
 
 struct kvr_rank_owned {
@@ -91,13 +91,20 @@ static inline size_t kvr_attempt_blocks_off(uint32_t bs)
 	return sizeof(struct kvr_attempt) + (((size_t)bs * sizeof(uint32_t) + 15) & ~(size_t)15);
 }
 
-static inline struct kvr_lru_block *kvr_attempt_blocks(struct kvr_attempt *rec, uint32_t bs)
+/* The prompt's hashes in the record: n_prompt local hashes, then n_prompt sequence hashes (two
+ * plain copies on the routing thread, no interleaving there). */
+static inline uint64_t *kvr_attempt_hashes(struct kvr_attempt *rec, uint32_t bs)
 {
-	return (struct kvr_lru_block *)(void *)((char *)rec + kvr_attempt_blocks_off(bs));
+	return (uint64_t *)(void *)((char *)rec + kvr_attempt_blocks_off(bs));
 }
 
 /* shards/owner_ranks.c */
 void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own);
+/* Publishes a rank's new decode blocks and prefill tokens: the snapshot in struct kvr_rank_pub
+ * (relaxed stores) and its change added to the routing words (struct kvr_rank_load).
+ * Context: the rank's shard thread (the snapshot's single writer). */
+void kvr_owner_publish_load(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t blocks,
+                            uint64_t prefill_tokens);
 void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
                               const struct kvr_lru_out *out);
 int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,

@@ -16,7 +16,8 @@
  * from the root instead, which is always valid because every block of the prompt is resident.
  *
  * After every change the rank's load snapshot (struct kvr_rank_pub) is republished with relaxed
- * stores, which is what routing threads read.
+ * stores, and its change added to the routing words (struct kvr_rank_load), which is what
+ * routing threads read.
  */
 #include <string.h>
 
@@ -26,6 +27,22 @@
 #include "shards/owner_internal.h"
 #include "shards/rank_state.h"
 #include "shards/ttl.h"
+
+void kvr_owner_publish_load(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t blocks,
+                            uint64_t prefill_tokens)
+{
+	struct kvr_rank_pub *pub = &c->ranks[slot];
+	struct kvr_rank_load *l = &c->load[slot];
+	/* The snapshot is this thread's own: plain reads of it are exact. */
+	uint64_t db = blocks - pub->active_blocks, dp = prefill_tokens - pub->prefill_tokens;
+	__atomic_store_n(&pub->active_blocks, blocks, __ATOMIC_RELAXED);
+	__atomic_store_n(&pub->prefill_tokens, prefill_tokens, __ATOMIC_RELAXED);
+	/* Modular: a snapshot that shrank adds the two's complement of the drop. */
+	if (db)
+		__atomic_fetch_add(&l->blocks, db, __ATOMIC_RELAXED);
+	if (dp)
+		__atomic_fetch_add(&l->prefill_tokens, dp, __ATOMIC_RELAXED);
+}
 
 /* Republishes the rank's load snapshot.  Ordering: relaxed stores; single writer. */
 void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own)
@@ -43,9 +60,8 @@ void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own)
 	} else {
 		resident = kvr_index_tree_size(c->index, own->slot);
 	}
-	__atomic_store_n(&pub->active_blocks, st.active_blocks, __ATOMIC_RELAXED);
-	__atomic_store_n(&pub->prefill_tokens, kvr_load_prefill_tokens(own->load, kvr_owner_now(c)),
-	                 __ATOMIC_RELAXED);
+	kvr_owner_publish_load(c, own->slot, st.active_blocks,
+	                       kvr_load_prefill_tokens(own->load, kvr_owner_now(c)));
 	__atomic_store_n(&pub->active_requests, st.active_requests, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->resident_blocks, resident, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->incarnation, own->incarnation, __ATOMIC_RELAXED);
@@ -315,8 +331,7 @@ int kvr_owner_rank_destroy(struct kvr_shard *sh, void *arg)
 	if (own->next)
 		own->next->prev = own->prev;
 	pub->own = NULL;
-	__atomic_store_n(&pub->active_blocks, 0, __ATOMIC_RELAXED);
-	__atomic_store_n(&pub->prefill_tokens, 0, __ATOMIC_RELAXED);
+	kvr_owner_publish_load(c, a->slot, 0, 0);
 	__atomic_store_n(&pub->active_requests, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->resident_blocks, 0, __ATOMIC_RELAXED);
 	kvr_free(own, sizeof(*own));

@@ -1,7 +1,29 @@
 /* The selector: cost formula, argmin with uniform ties, softmax temperature, determinism. */
 #include <criterion/criterion.h>
+#include <string.h>
 
 #include "core/select.h"
+
+/* A candidate's inputs, as the router reads them. */
+struct cand {
+	uint32_t slot, overlap_blocks;
+	uint64_t active_prefill_tokens, potential_decode_blocks;
+};
+
+/* Scores c[0..n) and picks, as kvr_route does. */
+static long select_of(const struct kvr_select_params *p, const struct cand *c, size_t n,
+                      uint64_t *rng)
+{
+	double cost[8];
+	struct kvr_select_scan s;
+	kvr_select_scan_init(&s);
+	for (size_t i = 0; i < n; i++) {
+		cost[i] = kvr_select_cost(p, c[i].active_prefill_tokens, c[i].overlap_blocks,
+		                          c[i].potential_decode_blocks);
+		kvr_select_scan_add(&s, i, cost[i]);
+	}
+	return kvr_select_pick(p, cost, n, &s, rng);
+}
 
 static struct kvr_select_params P = {.overlap_credit = 1.0,
                                      .prefill_load_scale = 1.0,
@@ -11,38 +33,60 @@ static struct kvr_select_params P = {.overlap_credit = 1.0,
 
 Test(select, cost_formula)
 {
-	struct kvr_candidate c = {
-	    .overlap_blocks = 4, .active_prefill_tokens = 32, .potential_decode_blocks = 100};
 	/* (32 + 160)/16 - 4 = 8 prefill blocks, + 100 decode */
-	cr_assert_float_eq(kvr_select_cost(&P, &c), 108.0, 1e-9);
+	cr_assert_float_eq(kvr_select_cost(&P, 32, 4, 100), 108.0, 1e-9);
 	struct kvr_select_params q = P;
 	q.overlap_credit = 0.5;
 	q.prefill_load_scale = 2.0;
-	cr_assert_float_eq(kvr_select_cost(&q, &c), 2.0 * (12.0 - 2.0) + 100.0, 1e-9);
+	cr_assert_float_eq(kvr_select_cost(&q, 32, 4, 100), 2.0 * (12.0 - 2.0) + 100.0, 1e-9);
+	q.block_size = 12; /* not a power of two: a division */
+	cr_assert_float_eq(kvr_select_cost(&q, 32, 4, 100), 2.0 * (16.0 - 2.0) + 100.0, 1e-9);
+}
+
+/* The reciprocal a power-of-two block size multiplies by gives bit for bit the division's cost
+ * (the decisions, ties included, are those of the formula as written). */
+Test(select, power_of_two_block_size_is_the_division)
+{
+	uint64_t x = 88172645463325252ull;
+	for (int i = 0; i < 200000; i++) {
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		struct kvr_select_params q = {.overlap_credit = (double)(x % 1000) / 300.0,
+		                              .prefill_load_scale = (double)(x >> 40 & 255) / 64.0,
+		                              .block_size = 1u << (x >> 20 & 7),
+		                              .prompt_tokens = x >> 44};
+		uint64_t prefill = (x >> 3) >> (x & 63), decode = x >> 37;
+		uint32_t ov = (uint32_t)(x >> 50);
+		double want = q.prefill_load_scale * (((double)prefill + (double)q.prompt_tokens) /
+		                                          (double)q.block_size -
+		                                      q.overlap_credit * (double)ov) +
+		              (double)decode;
+		double got = kvr_select_cost(&q, prefill, ov, decode);
+		cr_assert(memcmp(&want, &got, sizeof(got)) == 0, "i %d: %.17g vs %.17g", i, want,
+		          got);
+	}
 }
 
 Test(select, overlap_wins_when_loads_equal)
 {
-	struct kvr_candidate c[3] = {
-	    {.slot = 0, .overlap_blocks = 1, .potential_decode_blocks = 10},
-	    {.slot = 1, .overlap_blocks = 9, .potential_decode_blocks = 10},
-	    {.slot = 2, .overlap_blocks = 3, .potential_decode_blocks = 10}};
+	struct cand c[3] = {{.slot = 0, .overlap_blocks = 1, .potential_decode_blocks = 10},
+	                    {.slot = 1, .overlap_blocks = 9, .potential_decode_blocks = 10},
+	                    {.slot = 2, .overlap_blocks = 3, .potential_decode_blocks = 10}};
 	uint64_t rng = 1;
-	cr_assert_eq(kvr_select(&P, c, 3, &rng), 1);
+	cr_assert_eq(select_of(&P, c, 3, &rng), 1);
 }
 
 Test(select, load_wins_when_overloaded)
 {
-	struct kvr_candidate c[2] = {{.slot = 0,
-	                              .overlap_blocks = 9,
-	                              .active_prefill_tokens = 16000,
-	                              .potential_decode_blocks = 5000},
-	                             {.slot = 1,
-	                              .overlap_blocks = 0,
-	                              .active_prefill_tokens = 0,
-	                              .potential_decode_blocks = 10}};
+	struct cand c[2] = {{.slot = 0,
+	                     .overlap_blocks = 9,
+	                     .active_prefill_tokens = 16000,
+	                     .potential_decode_blocks = 5000},
+	                    {.slot = 1,
+	                     .overlap_blocks = 0,
+	                     .active_prefill_tokens = 0,
+	                     .potential_decode_blocks = 10}};
 	uint64_t rng = 1;
-	cr_assert_eq(kvr_select(&P, c, 2, &rng), 1);
+	cr_assert_eq(select_of(&P, c, 2, &rng), 1);
 }
 
 Test(select, ties_uniform)
@@ -50,9 +94,9 @@ Test(select, ties_uniform)
 	int hits[4] = {0};
 	uint64_t rng = 12345;
 	for (int i = 0; i < 40000; i++) {
-		struct kvr_candidate c[4] = {{.slot = 0}, {.slot = 1}, {.slot = 2}, {.slot = 3}};
+		struct cand c[4] = {{.slot = 0}, {.slot = 1}, {.slot = 2}, {.slot = 3}};
 		c[3].potential_decode_blocks = 1; /* never the minimum */
-		long k = kvr_select(&P, c, 4, &rng);
+		long k = select_of(&P, c, 4, &rng);
 		cr_assert(k >= 0 && k < 3);
 		hits[k]++;
 	}
@@ -67,13 +111,12 @@ Test(select, deterministic_under_seed)
 	q.temperature = 0.7;
 	uint64_t a = 99, b = 99;
 	for (int i = 0; i < 1000; i++) {
-		struct kvr_candidate c1[5], c2[5];
+		struct cand c1[5], c2[5];
 		for (int k = 0; k < 5; k++)
-			c1[k] = c2[k] =
-			    (struct kvr_candidate){.slot = (uint32_t)k,
-			                           .overlap_blocks = (uint32_t)(k * i % 7),
-			                           .potential_decode_blocks = 50};
-		cr_assert_eq(kvr_select(&q, c1, 5, &a), kvr_select(&q, c2, 5, &b));
+			c1[k] = c2[k] = (struct cand){.slot = (uint32_t)k,
+			                              .overlap_blocks = (uint32_t)(k * i % 7),
+			                              .potential_decode_blocks = 50};
+		cr_assert_eq(select_of(&q, c1, 5, &a), select_of(&q, c2, 5, &b));
 	}
 }
 
@@ -84,17 +127,17 @@ Test(select, temperature_spreads_choice)
 	int hits[2] = {0};
 	uint64_t rng = 7;
 	for (int i = 0; i < 20000; i++) {
-		struct kvr_candidate c[2] = {{.slot = 0, .potential_decode_blocks = 0},
-		                             {.slot = 1, .potential_decode_blocks = 10}};
-		hits[kvr_select(&q, c, 2, &rng)]++;
+		struct cand c[2] = {{.slot = 0, .potential_decode_blocks = 0},
+		                    {.slot = 1, .potential_decode_blocks = 10}};
+		hits[select_of(&q, c, 2, &rng)]++;
 	}
 	/* weights 1 and e^-1: p(best) = 1/(1+e^-1) = 0.731 */
 	cr_assert(hits[0] > 14200 && hits[0] < 15000, "best chosen %d/20000", hits[0]);
 	/* temperature 0 -> always the best */
-	cr_assert_eq(kvr_select(&P,
-	                        (struct kvr_candidate[]){{.potential_decode_blocks = 0},
-	                                                 {.potential_decode_blocks = 10}},
-	                        2, &rng),
+	cr_assert_eq(select_of(&P,
+	                       (struct cand[]){{.potential_decode_blocks = 0},
+	                                       {.potential_decode_blocks = 10}},
+	                       2, &rng),
 	             0);
-	cr_assert_eq(kvr_select(&P, NULL, 0, &rng), -1);
+	cr_assert_eq(select_of(&P, NULL, 0, &rng), -1);
 }
