@@ -16,7 +16,8 @@
  *     (/proc/self/task/N/schedstat, threads labelled A:/B:/plain: by the router or replica
  *     that started them) and nats-server's: where the tail comes from; and the CPU the two
  *     replicas and the server spend per admission (cpu_us_per_admission_sync: every thread
- *     but the bench's own main thread and prober).
+ *     but the bench's own main thread and prober, from the phase's start until B showed the
+ *     last admission, so a pipeline that fell behind is charged all its work).
  * A nats-server is started on a free 127.0.0.1 port and stopped at the end (exit 77 without).
  *     --shard-spin-ns NS: the routers' kvr_config.shard_idle_spin_ns (0: never spin; default:
  *     the library's).  --route-rounds N: N no-peer rounds of part 1 before the in-process one
@@ -351,7 +352,8 @@ static void cpu_snap(struct cpu_snap *c)
 	}
 }
 
-static void cpu_report(const struct cpu_snap *a, const struct cpu_snap *b, double wall_s)
+static void cpu_report(const struct cpu_snap *a, const struct cpu_snap *b, double wall_s,
+                       uint64_t admissions)
 {
 	double sum = 0, sum_wait = 0, srv = 0;
 	for (size_t i = 0; i < b->n; i++) {
@@ -385,7 +387,8 @@ static void cpu_report(const struct cpu_snap *a, const struct cpu_snap *b, doubl
 	printf("SUMMARY bench=sync_cpu rate_asked=%.0f cores_total=%.2f cores_nats_server=%.2f "
 	       "cores_bench_threads=%.2f cpu_us_per_admission_sync=%.1f runq_wait_total=%.2f "
 	       "online_cpus=%ld\n",
-	       rate, sum, srv, bench, (sum - bench) * 1e6 / rate, sum_wait,
+	       rate, sum, srv, bench,
+	       admissions ? (sum - bench) * wall_s * 1e6 / (double)admissions : 0.0, sum_wait,
 	       sysconf(_SC_NPROCESSORS_ONLN));
 }
 
@@ -673,22 +676,28 @@ int main(int argc, char **argv)
 		n2++;
 	}
 	double achieved = (double)head / ((double)(mono_ns() - start) * 1e-9);
-	cpu_snap(&cs1); /* the prober included (it has no baseline: it started after cs0) */
 	__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
-	pthread_join(th, NULL);
+	pthread_join(th, NULL); /* returns once B showed every admission (or gave up on it) */
+	/* CPU from the start of the phase until B booked the last admission: all the work the
+	 * admissions caused, even when the pipeline fell behind the rate.  The prober included
+	 * (it has no baseline: it started after cs0). */
+	cpu_snap(&cs1);
+	double cpu_wall_s = (double)(mono_ns() - start) * 1e-9;
 	__atomic_store_n(&kvr_rep_trace_origin, 0, __ATOMIC_RELAXED);
 	uint64_t p50 = pct(lat, n_lat, 0.5), p99 = pct(lat, n_lat, 0.99),
 	         p999 = pct(lat, n_lat, 0.999);
-	struct kvr_sync_stats st;
+	struct kvr_sync_stats st, sta;
 	kvr_sync_get_stats(sb, &st);
+	kvr_sync_get_stats(sa, &sta);
 	printf("SUMMARY bench=sync_propagation tokens=%zu rate_asked=%.0f rate_achieved=%.0f "
 	       "admissions=%lu skipped=%lu propagation_p50_us=%.1f p99_us=%.1f p999_us=%.1f "
-	       "b_applied=%lu b_dropped=%lu target_p99<=2000us %s\n",
+	       "b_applied=%lu b_dropped=%lu a_published=%lu a_batches=%lu target_p99<=2000us %s\n",
 	       tokens, rate, achieved, (unsigned long)head, (unsigned long)behind, p50 / 1e3,
 	       p99 / 1e3, p999 / 1e3, (unsigned long)st.applied, (unsigned long)st.dropped,
+	       (unsigned long)sta.published, (unsigned long)sta.batches,
 	       p99 <= 2000000 ? "MET" : "MISSED");
 	if (stages) {
-		cpu_report(&cs0, &cs1, (double)(end - start) * 1e-9);
+		cpu_report(&cs0, &cs1, cpu_wall_s, head);
 		stage_report(n2 < n_obs ? n2 : n_obs);
 	}
 	kvr_sync_detach(sa);

@@ -44,11 +44,16 @@
  *
  * Threads and locks.  Notes run on frontend threads (inside the router's RCU read section): they
  * copy what happened into a record and push it into a lock-free ring, nothing more.  The sender
- * thread takes `mu` to update the tables, number, encode and publish (sync/replica_out.c).  One
- * apply thread per replica handles everything delivered (a queue under `qmu`, taken in
- * batches), heartbeats and snapshots; it calls the router WITHOUT holding `mu` (router calls may
- * wait for grace periods), then updates the tables under `mu`.  kvr_replica_drain first waits
- * for the sender to pass every note made before it.
+ * thread takes `mu` to update the tables, number, encode and publish (sync/replica_out.c): the
+ * notes of one burst go out as one transport message (wire version 2).  One apply thread per
+ * replica handles what is delivered (a queue under `qmu`, taken in batches), heartbeats and
+ * snapshots; it calls the router WITHOUT holding `mu` (router calls may wait for grace periods),
+ * then updates the tables under `mu`.  Whoever handles holds `hmu`, so handling stays serial and
+ * in order: a transport thread that delivers the stream in order (nats.c's subscription thread)
+ * handles a message itself when the queue is empty and `hmu` is free
+ * (kvr_replica_deliver_inline), which spares the apply thread's wake-up, a copy and an
+ * allocation per message; else it queues.  kvr_replica_drain first waits for the sender to pass
+ * every note made before it.
  *
  * Files, one job each (sync/replica_internal.h lists what they share): this one runs the apply
  * thread and the public side; replica_table.c the tables, replica_out.c the outbound stream,
@@ -69,6 +74,24 @@
  * drain waiters per batch, and the heartbeat is checked between batches. */
 #define APPLY_BATCH 64
 
+/* Handles one delivered transport message, then the re-announce a peer may have asked for in
+ * it.  hmu held. */
+static void handle_item(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply,
+                        uint64_t rx_ns)
+{
+	rep->handle_rx_ns = rx_ns;
+	kvr_rep_handle(rep, data, len, reply);
+	rep->handle_rx_ns = 0;
+	pthread_mutex_lock(&rep->mu);
+	bool again = rep->want_reannounce && rep->connected;
+	uint64_t back = rep->reannounce_ms * 1000000ull, now = kvr_rep_mono_ns();
+	pthread_mutex_unlock(&rep->mu);
+	/* The asker missed our messages for a while (it gave us up, or lost some): it needs the
+	 * attempts we finished in that window as well as the live ones. */
+	if (again)
+		kvr_rep_reannounce(rep, back ? (now > back ? now - back : 1) : 0);
+}
+
 static void *apply_main(void *arg)
 {
 	struct kvr_replica *rep = arg;
@@ -79,6 +102,7 @@ static void *apply_main(void *arg)
 	bool first = true;
 	for (;;) {
 		uint64_t now = kvr_rep_mono_ns();
+		pthread_mutex_lock(&rep->hmu);
 		if (now >= next_hb) {
 			kvr_rep_heartbeat(rep, now);
 			next_hb = now + hb_ns;
@@ -91,10 +115,12 @@ static void *apply_main(void *arg)
 			rep->ready = true;
 			pthread_cond_broadcast(&rep->donecv);
 			pthread_mutex_unlock(&rep->qmu);
+			pthread_mutex_unlock(&rep->hmu);
 			if (rep->t.ready)
 				rep->t.ready(rep->t.ctx);
 			continue;
 		}
+		pthread_mutex_unlock(&rep->hmu);
 		pthread_mutex_lock(&rep->qmu);
 		while (!rep->stop && !rep->qhead && !rep->want_reconnect && !rep->want_resync) {
 			uint64_t t = kvr_rep_mono_ns();
@@ -106,6 +132,11 @@ static void *apply_main(void *arg)
 			pthread_mutex_unlock(&rep->qmu);
 			break;
 		}
+		/* hmu before qmu, and held from taking the batch until it is handled: an inline
+		 * delivery (which needs an empty queue and hmu) cannot overtake it. */
+		pthread_mutex_unlock(&rep->qmu);
+		pthread_mutex_lock(&rep->hmu);
+		pthread_mutex_lock(&rep->qmu);
 		bool rec = rep->want_reconnect, rsy = rep->want_resync;
 		rep->want_reconnect = rep->want_resync = false;
 		struct kvr_rep_item *batch = NULL;
@@ -132,26 +163,17 @@ static void *apply_main(void *arg)
 		}
 		if (rec || rsy) {
 			kvr_rep_resync(rep);
+			pthread_mutex_unlock(&rep->hmu);
 			continue;
 		}
 		while (batch) {
 			struct kvr_rep_item *it = batch;
 			batch = it->next;
-			rep->handle_rx_ns = it->rx_ns;
-			kvr_rep_handle(rep, it->data, it->len, it->reply);
-			rep->handle_rx_ns = 0;
-			pthread_mutex_lock(&rep->mu);
-			bool again = rep->want_reannounce && rep->connected;
-			uint64_t back = rep->reannounce_ms * 1000000ull, now = kvr_rep_mono_ns();
-			pthread_mutex_unlock(&rep->mu);
-			/* The asker missed our messages for a while (it gave us up, or lost some):
-			 * it needs the attempts we finished in that window as well as the live
-			 * ones. */
-			if (again)
-				kvr_rep_reannounce(rep, back ? (now > back ? now - back : 1) : 0);
+			handle_item(rep, it->data, it->len, it->reply, it->rx_ns);
 			kvr_free(it->reply, it->reply ? strlen(it->reply) + 1 : 0);
 			kvr_free(it, sizeof(*it) + it->len);
 		}
+		pthread_mutex_unlock(&rep->hmu);
 		if (n_batch) {
 			pthread_mutex_lock(&rep->qmu);
 			rep->q_done += n_batch;
@@ -194,6 +216,30 @@ void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len, c
 	rep->qtail = it;
 	rep->q_in++;
 	pthread_cond_signal(&rep->qcv);
+	pthread_mutex_unlock(&rep->qmu);
+}
+
+void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t len)
+{
+	uint64_t rx_ns =
+	    __atomic_load_n(&kvr_rep_trace_origin, __ATOMIC_RELAXED) ? kvr_rep_mono_ns() : 0;
+	pthread_mutex_lock(&rep->qmu);
+	bool here = rep->ready && !rep->stop && !rep->qhead && !rep->want_reconnect &&
+	            !rep->want_resync && pthread_mutex_trylock(&rep->hmu) == 0;
+	if (here) {
+		rep->q_in++;
+		rep->inline_n++;
+	}
+	pthread_mutex_unlock(&rep->qmu);
+	if (!here) {
+		kvr_replica_deliver(rep, buf, len, NULL);
+		return;
+	}
+	handle_item(rep, buf, len, NULL, rx_ns);
+	pthread_mutex_unlock(&rep->hmu);
+	pthread_mutex_lock(&rep->qmu);
+	rep->q_done++;
+	pthread_cond_broadcast(&rep->donecv);
 	pthread_mutex_unlock(&rep->qmu);
 }
 
@@ -300,6 +346,8 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_messages_total{what=\"duplicate\"} %" PRIu64 "\n"
 	    "kvr_sync_messages_total{what=\"refused\"} %" PRIu64 "\n"
 	    "kvr_sync_messages_total{what=\"orphan\"} %" PRIu64 "\n"
+	    "# HELP kvr_sync_batches_total Transport messages the published stream went out in\n"
+	    "# TYPE kvr_sync_batches_total counter\nkvr_sync_batches_total %" PRIu64 "\n"
 	    "# HELP kvr_sync_events_total Replica sync events\n"
 	    "# TYPE kvr_sync_events_total counter\n"
 	    "kvr_sync_events_total{what=\"gap\"} %" PRIu64 "\n"
@@ -319,9 +367,9 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "# HELP kvr_sync_connected 1 while connected to NATS\n"
 	    "# TYPE kvr_sync_connected gauge\nkvr_sync_connected %d\n",
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
-	    s.refused, s.orphans, s.gaps, s.resyncs, s.snapshots_applied, s.snapshots_served,
-	    s.disconnects, s.reconnects, s.peers_lost, s.released, s.peers_alive, s.mirrored,
-	    s.lag_messages, s.connected ? 1 : 0);
+	    s.refused, s.orphans, s.batches, s.gaps, s.resyncs, s.snapshots_applied,
+	    s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost, s.released,
+	    s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }
 
@@ -352,6 +400,7 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 		return KVR_ENOMEM;
 	}
 	pthread_mutex_init(&rep->mu, NULL);
+	pthread_mutex_init(&rep->hmu, NULL);
 	pthread_mutex_init(&rep->qmu, NULL);
 	pthread_condattr_t ca;
 	pthread_condattr_init(&ca);
@@ -425,6 +474,10 @@ static void teardown(struct kvr_replica *rep, bool router_alive)
 	pthread_mutex_unlock(&rep->qmu);
 	if (rep->thread_started)
 		pthread_join(rep->thread, NULL);
+	/* A transport thread still handling a message inline finishes first (later ones see
+	 * `stop` and are only queued). */
+	pthread_mutex_lock(&rep->hmu);
+	pthread_mutex_unlock(&rep->hmu);
 	if (router_alive)
 		kvr_rep_release_mirrors(rep, 0);
 	rep->r = NULL;
@@ -447,8 +500,10 @@ static void free_all(struct kvr_replica *rep)
 	kvr_free(rep->ranks, rep->ranks_cap * sizeof(*rep->ranks));
 	kvr_free(rep->map, rep->map_cap * sizeof(*rep->map));
 	kvr_msg_buf_fini(&rep->obuf);
+	kvr_msg_buf_fini(&rep->sbuf);
 	kvr_rep_out_fini(rep);
 	pthread_mutex_destroy(&rep->mu);
+	pthread_mutex_destroy(&rep->hmu);
 	pthread_mutex_destroy(&rep->qmu);
 	pthread_cond_destroy(&rep->qcv);
 	pthread_cond_destroy(&rep->donecv);

@@ -67,6 +67,19 @@ void kvr_replica_destroy(struct kvr_replica *rep);
 void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len,
                          const char *reply_to);
 
+/*
+ * A stream message from the transport, handled on the calling thread when it can be without
+ * changing the order: the replica is ready and running, nothing delivered before is still
+ * queued, and no other thread is handling deliveries (the apply thread's heartbeat, a resync);
+ * otherwise queued as kvr_replica_deliver does.  Saves the apply thread's wake-up, a copy and an
+ * allocation per message when the stream is steady.  The calling thread then makes the router
+ * calls that apply the message (it registers with RCU) and may block as the apply thread would
+ * (a full shard lane).  Context: a transport thread that delivers the stream in order (nats.c's
+ * subscription thread), holding no lock of ours or of the router's; not for a transport that
+ * delivers from a replica's own threads (an in-process bus publishing under `mu`).
+ */
+void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t len);
+
 /* Connection state changes seen by the transport.  Context: transport threads. */
 void kvr_replica_disconnected(struct kvr_replica *rep);
 void kvr_replica_reconnected(struct kvr_replica *rep);

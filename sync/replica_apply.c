@@ -286,12 +286,53 @@ static void peer_gone(struct kvr_replica *rep, struct kvr_rep_peer *p)
 	pthread_mutex_unlock(&rep->mu);
 }
 
+/* Handles one decoded message (rc: its decoding error, or 0).  mu held on entry; released. */
+static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const char *reply);
+
 void kvr_rep_handle(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply)
 {
-	struct kvr_wmsg m;
+	struct kvr_wmsg m = {0};
+	if (reply) { /* a snapshot request: one message, never a batch */
+		int rc = kvr_msg_decode(data, len, &m);
+		pthread_mutex_lock(&rep->mu);
+		rep->st.received++;
+		handle_one(rep, m, rc, reply);
+		return;
+	}
+	/* The stream: a batch (wire version 2), applied only when every message in it decodes
+	 * and all come from one peer (not us); else the whole batch is dropped (counted once). */
+	size_t n = 0, pos = 0;
+	int rc = kvr_msg_batch_check(data, len, &n);
+	uint64_t from = 0;
+	bool forged = false;
+	while (rc == 0 && kvr_msg_batch_next(data, len, &pos, &m) == 1) {
+		if (!from)
+			from = m.h.replica;
+		if (m.h.replica != from || m.h.type == KVR_MSG_SNAP_CHUNK ||
+		    m.h.type == KVR_MSG_FENCE)
+			rc = KVR_EINVAL; /* one sender per batch; not stream messages */
+		else if (m.h.replica == rep->c.replica_id)
+			forged = true; /* our id, not from us (no echo) */
+	}
 	pthread_mutex_lock(&rep->mu);
-	rep->st.received++;
-	int rc = kvr_msg_decode(data, len, &m);
+	if (rc || forged) {
+		rep->st.received++;
+		rep->st.forged += forged;
+		rep->st.dropped++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
+	rep->st.received += n;
+	pthread_mutex_unlock(&rep->mu);
+	pos = 0;
+	while (kvr_msg_batch_next(data, len, &pos, &m) == 1) {
+		pthread_mutex_lock(&rep->mu);
+		handle_one(rep, m, 0, NULL);
+	}
+}
+
+static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const char *reply)
+{
 	if (rc == 0 && m.h.replica == rep->c.replica_id) {
 		rep->st.forged++; /* our id, not from us (no echo) */
 		rc = KVR_EINVAL;

@@ -7,7 +7,8 @@
  *   sync/replica_out.c    outbound: the router's notes, encoding, the stream, re-announces
  *   sync/replica_apply.c  inbound: stream positions, applying peers' messages, liveness
  *   sync/replica_snap.c   snapshots: serving, collecting, applying
- * Locks: `mu` guards the tables, the stream position and the counters; `qmu` the delivery queue.
+ * Locks: `hmu` is held by whoever handles deliveries; `mu` guards the tables, the stream position
+ * and the counters; `qmu` the delivery queue.  Order: hmu, then mu or qmu.
  * Router calls are never made under `mu` (see sync/replica.c, "Threads and locks").
  */
 #ifndef KVR_SYNC_REPLICA_INTERNAL_H
@@ -99,7 +100,9 @@ struct kvr_replica {
 	pthread_mutex_t mu; /* everything below up to the queue */
 	uint64_t seq;       /* own stream position */
 	bool connected;
-	struct kvr_msg_buf obuf;
+	struct kvr_msg_buf obuf; /* one message outside the stream (heartbeat, goodbye, requests) */
+	struct kvr_msg_buf sbuf; /* stream messages not sent yet (sync/replica_out.c: a batch) */
+	uint32_t sbatch_n;       /* how many; each already took its sequence number */
 	struct kvr_rep_rec **map;
 	size_t map_cap, map_n;
 	struct kvr_rep_rec *live_head, *live_tail;
@@ -110,6 +113,11 @@ struct kvr_replica {
 	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
 	struct kvr_sync_stats st;
 
+	/* Held by whoever handles deliveries, heartbeats and resyncs: the apply thread, or a
+	 * transport thread handling a message inline (kvr_replica_deliver_inline).  Order: hmu
+	 * before qmu (the inline path only trylocks hmu under qmu). */
+	pthread_mutex_t hmu;
+
 	pthread_mutex_t qmu;
 	pthread_cond_t qcv, donecv;
 	struct kvr_rep_item *qhead, *qtail;
@@ -117,8 +125,9 @@ struct kvr_replica {
 	bool stop, want_reconnect, want_resync, ready;
 	bool want_reannounce;   /* under mu: a peer asked (SNAP_REQ on the stream) */
 	uint64_t reannounce_ms; /* under mu: how far back the askers need finished attempts */
-	uint64_t reconnect_ns;  /* apply thread: when the last outage ended */
-	uint64_t handle_rx_ns;  /* apply thread: the handled item's rx_ns (tracing) */
+	uint64_t reconnect_ns;  /* hmu: when the last outage ended */
+	uint64_t handle_rx_ns;  /* hmu: the handled item's rx_ns (tracing) */
+	uint64_t inline_n;      /* under qmu: deliveries handled on the transport's thread */
 	pthread_t thread;
 	bool thread_started;
 	uint64_t flush_done; /* under qmu: the highest outbound flush ticket the sender passed */
@@ -211,6 +220,10 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 /* Appends a RANK message (op, e's fields) to b.  Context: as kvr_rep_encode_attempt. */
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e);
+/* Sends the stream messages waiting in sbuf as one transport message (published += n), or
+ * counts them unpublished and gives their sequence numbers back.  Context: mu held; every
+ * writer of the stream calls it before releasing mu. */
+void kvr_rep_stream_flush(struct kvr_replica *rep);
 /* The router's notes (struct kvr_repl_hooks): copied into the outbound queue for the sender
  * thread.  Context: frontend or shard threads, inside the router's RCU read section; no lock,
  * no syscall unless the sender is parked (or the queue is full). */

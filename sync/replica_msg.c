@@ -176,6 +176,42 @@ int kvr_msg_decode(const void *buf, size_t len, struct kvr_wmsg *m)
 	return decode(buf, len, m, 0);
 }
 
+int kvr_msg_batch_next(const void *buf, size_t len, size_t *pos, struct kvr_wmsg *m)
+{
+	const uint8_t *p = buf;
+	if (*pos >= len)
+		return 0;
+	size_t left = len - *pos;
+	/* Shorter than a header, or than its header says: decode names the error (bad magic,
+	 * unknown version, truncated) and cannot accept it. */
+	if (left < KVR_MSG_HEADER)
+		return decode(p + *pos, left, m, 0);
+	uint64_t mlen = (uint64_t)KVR_MSG_HEADER + rd32(p + *pos + 4);
+	if (mlen > left)
+		return decode(p + *pos, left, m, 0);
+	int rc = decode(p + *pos, (size_t)mlen, m, 0);
+	if (rc)
+		return rc;
+	*pos += (size_t)mlen;
+	return 1;
+}
+
+int kvr_msg_batch_check(const void *buf, size_t len, size_t *count)
+{
+	size_t pos = 0, n = 0;
+	struct kvr_wmsg m;
+	int rc;
+	if (!buf || !len)
+		return KVR_EINVAL;
+	while ((rc = kvr_msg_batch_next(buf, len, &pos, &m)) == 1)
+		n++;
+	if (rc)
+		return rc;
+	if (count)
+		*count = n;
+	return 0;
+}
+
 int kvr_msg_next_record(const struct kvr_wmsg *c, size_t *pos, const uint8_t **rec, size_t *rec_len)
 {
 	if (*pos + 4 > c->records_len)

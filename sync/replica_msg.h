@@ -6,10 +6,19 @@
  * drift between peers.  The version byte is the compatibility switch: a peer drops (and counts)
  * any message whose version it does not know.
  *
+ * Versions.  1: one message per transport message.  2 (this build): a transport message on the
+ * stream carries one or more whole messages back to back, each framed by its own header
+ * (body_len), in stream order: the sender publishes every message of a burst of notes at once,
+ * so the server, the receiving library and the apply side pay their per-message costs
+ * (syscalls, wake-ups, allocations) once per burst; a receiver checks that every message of a
+ * batch decodes before it applies any (kvr_msg_batch_check), and drops the whole transport
+ * message otherwise.  Snapshot requests and chunks stay one per transport message.  Version 1
+ * messages are dropped and counted like any unknown version (a cluster upgrades all at once).
+ *
  * Every message starts with this 32-byte header:
  *     off size field
  *       0    2 magic     0x534b ("KS" little-endian)
- *       2    1 version   KVR_MSG_VERSION (1)
+ *       2    1 version   KVR_MSG_VERSION (2)
  *       3    1 type      enum kvr_msg_type
  *       4    4 body_len  bytes after the header (the message is exactly 32 + body_len bytes)
  *       8    8 replica   the sender's replica id (nonzero)
@@ -50,7 +59,7 @@
 #include <stdint.h>
 
 #define KVR_MSG_MAGIC      0x534bu
-#define KVR_MSG_VERSION    1u
+#define KVR_MSG_VERSION    2u
 #define KVR_MSG_HEADER     32u
 #define KVR_MSG_MAX_BLOCKS (1u << 24)
 #define KVR_MSG_MAX_TAIL   65535u
@@ -115,6 +124,22 @@ struct kvr_wmsg {
  * kvr_msg_next_record.  Context: any thread; pure.
  */
 int kvr_msg_decode(const void *buf, size_t len, struct kvr_wmsg *m);
+
+/*
+ * Iterates the messages of a batch (a stream transport message, version 2): *pos starts at 0;
+ * returns 1 and the next message decoded into *m (its bytes: buf + *pos before the call, *len
+ * bytes), 0 at the end, or the decoding error of the next message (framing: a header that says
+ * more bytes than are left is KVR_ENOENT).  Context: any thread; pure.
+ */
+int kvr_msg_batch_next(const void *buf, size_t len, size_t *pos, struct kvr_wmsg *m);
+
+/*
+ * Checks a whole batch: 0 and *count (>= 1) when every message in it decodes and they fill the
+ * buffer exactly, else the first error (KVR_EINVAL for an empty buffer).  A receiver applies a
+ * batch only after this accepted it, so a bad message never leaves a batch half applied.
+ * Context: any thread; pure.
+ */
+int kvr_msg_batch_check(const void *buf, size_t len, size_t *count);
 
 /* Iterates a decoded SNAP_CHUNK's records: *pos starts at 0; returns 1 with rec/rec_len set,
  * 0 at the end.  Only call on a chunk kvr_msg_decode accepted.  Context: any thread. */

@@ -41,29 +41,52 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 	kvr_msg_end(b, off);
 }
 
-/* Sends obuf[0..len) as the next stream message (its header already says seq + 1). */
-static void send_stream(struct kvr_replica *rep)
+/* ---------------------------------------------------------------- the stream batch
+ *
+ * Stream messages are appended to rep->sbuf, each with the next sequence number, and go out
+ * together (wire version 2: one transport message, the messages back to back) when the sender's
+ * burst ends, at the end of a re-announce, or once STREAM_BATCH_BYTES are waiting.  So a burst
+ * of notes costs one publish (one write, one server hop, one wake-up of each receiver) instead
+ * of one per note: at 5000 admissions/s the sender's bursts usually hold an admission and its
+ * finish.  A batch that cannot be sent gives its numbers back (seq -= n), exactly as a failed
+ * single send never took one; every batch is flushed before `mu` is released, so whoever takes
+ * `mu` (heartbeats, snapshots) sees seq = what was published. */
+
+#define STREAM_BATCH_BYTES (256u * 1024u)
+
+void kvr_rep_stream_flush(struct kvr_replica *rep)
 {
-	if (!rep->connected || rep->obuf.oom) {
-		rep->st.unpublished++;
+	uint32_t n = rep->sbatch_n;
+	if (!n)
 		return;
-	}
-	if (rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len) == 0) {
-		rep->seq++;
-		rep->st.published++;
+	if (rep->connected && !rep->sbuf.oom &&
+	    rep->t.publish(rep->t.ctx, rep->sbuf.p, rep->sbuf.len) == 0) {
+		rep->st.published += n;
+		rep->st.batches++;
 	} else {
-		rep->st.unpublished++;
+		rep->st.unpublished += n;
+		rep->seq -= n;
 	}
+	rep->sbuf.len = 0;
+	rep->sbuf.oom = false;
+	rep->sbatch_n = 0;
+}
+
+/* The message just appended to sbuf (its header says seq + 1) is the next of the stream. */
+static void stream_added(struct kvr_replica *rep)
+{
+	rep->seq++;
+	rep->sbatch_n++;
+	if (rep->sbuf.len >= STREAM_BATCH_BYTES)
+		kvr_rep_stream_flush(rep);
 }
 
 static void send_simple(struct kvr_replica *rep, unsigned type, uint64_t attempt)
 {
-	rep->obuf.len = 0;
-	rep->obuf.oom = false;
-	size_t off = kvr_msg_begin(&rep->obuf, type, rep->c.replica_id, rep->epoch, rep->seq + 1);
-	kvr_msg_put_u64(&rep->obuf, attempt);
-	kvr_msg_end(&rep->obuf, off);
-	send_stream(rep);
+	size_t off = kvr_msg_begin(&rep->sbuf, type, rep->c.replica_id, rep->epoch, rep->seq + 1);
+	kvr_msg_put_u64(&rep->sbuf, attempt);
+	kvr_msg_end(&rep->sbuf, off);
+	stream_added(rep);
 }
 
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
@@ -82,10 +105,8 @@ void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch
 
 static void send_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep_rank *e)
 {
-	rep->obuf.len = 0;
-	rep->obuf.oom = false;
-	kvr_rep_encode_rank(&rep->obuf, rep->c.replica_id, rep->epoch, rep->seq + 1, op, e);
-	send_stream(rep);
+	kvr_rep_encode_rank(&rep->sbuf, rep->c.replica_id, rep->epoch, rep->seq + 1, op, e);
+	stream_added(rep);
 }
 
 /* ---------------------------------------------------------------- the sender (mu held) */
@@ -99,15 +120,13 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 		return;
 	}
 	kvr_rep_live_link(rep, x);
-	rep->obuf.len = 0;
-	rep->obuf.oom = false;
-	kvr_rep_encode_attempt(&rep->obuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
+	kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
 	                       rep->seq + 1, x, false);
 	if (kvr_rep_tracing(rep->c.replica_id)) {
 		kvr_rep_trace_stamp(x->oattempt, KVR_TR_POP, rep->burst_ns);
 		kvr_rep_trace_stamp(x->oattempt, KVR_TR_ENCODED, 0);
 	}
-	send_stream(rep);
+	stream_added(rep);
 }
 
 static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, const uint32_t *tokens,
@@ -127,16 +146,14 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 			rep->st.unpublished++;
 			break;
 		}
-		rep->obuf.len = 0;
-		rep->obuf.oom = false;
-		size_t off = kvr_msg_begin(&rep->obuf, KVR_MSG_OUTPUT, rep->c.replica_id,
+		size_t off = kvr_msg_begin(&rep->sbuf, KVR_MSG_OUTPUT, rep->c.replica_id,
 		                           rep->epoch, rep->seq + 1);
-		kvr_msg_put_u64(&rep->obuf, attempt);
-		kvr_msg_put_u32(&rep->obuf, (uint32_t)n);
-		kvr_msg_put_u32(&rep->obuf, 0);
-		kvr_msg_put_u32s(&rep->obuf, tokens, n);
-		kvr_msg_end(&rep->obuf, off);
-		send_stream(rep);
+		kvr_msg_put_u64(&rep->sbuf, attempt);
+		kvr_msg_put_u32(&rep->sbuf, (uint32_t)n);
+		kvr_msg_put_u32(&rep->sbuf, 0);
+		kvr_msg_put_u32s(&rep->sbuf, tokens, n);
+		kvr_msg_end(&rep->sbuf, off);
+		stream_added(rep);
 		break;
 	default: /* finish, abort (a lease expiry comes as an abort: kvr_repl_note_expire) */
 		send_simple(rep, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT, attempt);
@@ -428,6 +445,7 @@ static void *out_main(void *arg)
 				if (t > ticket)
 					ticket = t;
 			}
+			kvr_rep_stream_flush(rep);
 			pthread_mutex_unlock(&rep->mu);
 			if (ticket) {
 				pthread_mutex_lock(&rep->qmu);
@@ -549,32 +567,27 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 	rep->want_reannounce = false;
 	rep->reannounce_ms = 0;
 	rep->connected = true;
-	rep->obuf.len = 0;
-	rep->obuf.oom = false;
 	size_t off =
-	    kvr_msg_begin(&rep->obuf, KVR_MSG_RESET, rep->c.replica_id, rep->epoch, rep->seq + 1);
-	kvr_msg_end(&rep->obuf, off);
-	send_stream(rep);
+	    kvr_msg_begin(&rep->sbuf, KVR_MSG_RESET, rep->c.replica_id, rep->epoch, rep->seq + 1);
+	kvr_msg_end(&rep->sbuf, off);
+	stream_added(rep);
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		send_rank(rep, KVR_REPL_RANK_ADD, &rep->ranks[i]);
 		for (struct kvr_rep_rec *x = rep->ranks[i].jhead; x; x = x->next) {
 			if (!since_ns || x->origin != rep->c.replica_id || x->fin_ns < since_ns)
 				continue;
-			rep->obuf.len = 0;
-			rep->obuf.oom = false;
-			kvr_rep_encode_attempt(&rep->obuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
+			kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
 			                       rep->epoch, rep->seq + 1, x, true);
-			send_stream(rep);
+			stream_added(rep);
 		}
 	}
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next) {
 		if (x->origin != rep->c.replica_id)
 			continue;
-		rep->obuf.len = 0;
-		rep->obuf.oom = false;
-		kvr_rep_encode_attempt(&rep->obuf, KVR_MSG_ATTEMPT, rep->c.replica_id, rep->epoch,
+		kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id, rep->epoch,
 		                       rep->seq + 1, x, false);
-		send_stream(rep);
+		stream_added(rep);
 	}
+	kvr_rep_stream_flush(rep);
 	pthread_mutex_unlock(&rep->mu);
 }

@@ -698,6 +698,7 @@ struct kvr_sync_config {
 
 struct kvr_sync_stats {
 	uint64_t published;   /* messages sent */
+	uint64_t batches;     /* transport messages they went out in (a burst of notes is one) */
 	uint64_t unpublished; /* messages not sent (disconnected, or the send failed) */
 	uint64_t received;    /* messages delivered by the transport */
 	uint64_t applied;     /* peers' stream messages applied */

@@ -1,4 +1,5 @@
-/* libFuzzer target: the replica sync wire decoder (sync/replica_msg.c), network input.
+/* libFuzzer target: the replica sync wire decoder (sync/replica_msg.c), network input: one
+ * message, and a batch of them (wire version 2).
  * Properties: never crashes or reads out of bounds; an accepted message's arrays lie inside the
  * buffer; every record of an accepted SNAP_CHUNK decodes on its own; re-encoding an accepted
  * ADMIT/ATTEMPT with the encoder gives back the same bytes. */
@@ -14,11 +15,46 @@ static void check_inside(const uint8_t *buf, size_t len, const uint8_t *p, size_
 		abort();
 }
 
+/* A batch (wire version 2): accepted only when every message in it decodes and they fill the
+ * buffer; each message the iterator returns then decodes on its own from its own bytes, and a
+ * single accepted message is a batch of one. */
+static void check_batch(const uint8_t *data, size_t size)
+{
+	size_t n = 0, pos = 0, k = 0;
+	int rc = kvr_msg_batch_check(data, size, &n);
+	struct kvr_wmsg m, one;
+	if (rc != 0) {
+		if (rc > 0)
+			abort();
+		return;
+	}
+	if (n < 1)
+		abort();
+	for (;;) {
+		size_t at = pos;
+		int r = kvr_msg_batch_next(data, size, &pos, &m);
+		if (r == 0)
+			break;
+		if (r != 1 || pos <= at || pos > size)
+			abort();
+		if (kvr_msg_decode(data + at, pos - at, &one) != 0 || one.h.type != m.h.type ||
+		    one.h.seq != m.h.seq)
+			abort();
+		k++;
+	}
+	if (k != n || pos != size)
+		abort();
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct kvr_wmsg m;
+	check_batch(data, size);
 	if (kvr_msg_decode(data, size, &m) != 0)
 		return 0;
+	size_t n = 0;
+	if (kvr_msg_batch_check(data, size, &n) != 0 || n != 1)
+		abort(); /* one message is a batch of one */
 	switch (m.h.type) {
 	case KVR_MSG_ADMIT:
 	case KVR_MSG_ATTEMPT: {

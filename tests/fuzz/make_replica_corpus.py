@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of fuzz_replica_msg (tests/fuzz/corpus/replica): one valid message of
-every type of the replica sync wire format (sync/replica_msg.h), plus a few broken ones."""
+every type of the replica sync wire format (sync/replica_msg.h, version 2), a batch (version 2
+stream messages back to back), plus a few broken ones (an unknown and the old version 1, a
+truncated message and batch)."""
 import os, struct, sys
 
 out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), 'corpus', 'replica')
 os.makedirs(out, exist_ok=True)
 
-def msg(t, body, replica=7, epoch=99, seq=1, version=1):
+def msg(t, body, replica=7, epoch=99, seq=1, version=2):
     return struct.pack('<HBBIQQQ', 0x534b, version, t, len(body), replica, epoch, seq) + body
 
 def admit(t=1, flags=1, n=3, tail=2, nout=0):
@@ -35,7 +37,11 @@ seeds = {
     'snapreq': msg(10, struct.pack('<Q', 0), seq=0),
     'chunk': msg(11, chunk_body, seq=0),
     'fence': fence,
-    'bad_version': msg(4, struct.pack('<Q', 1), version=2),
+    'bad_version': msg(4, struct.pack('<Q', 1), version=3),
+    'old_version': msg(4, struct.pack('<Q', 1), version=1),
+    'batch': admit() + msg(4, struct.pack('<Q', 0x10001), seq=2) + msg(7, struct.pack('<Q', 1), seq=2),
+    'batch_truncated': (admit() + msg(4, struct.pack('<Q', 0x10001), seq=2))[:-3],
+    'batch_old_version': admit() + msg(4, struct.pack('<Q', 0x10001), seq=2, version=1),
     'truncated': admit()[:-5],
     'garbage': bytes(range(64)),
 }

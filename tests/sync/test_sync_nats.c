@@ -16,6 +16,8 @@
  *  4. stage tracing (sync/replica_trace.h, what bench_sync --stages reads): with replica A
  *     traced, each of A's admissions carries all six stamps, in pipeline order; untraced ones
  *     carry none.
+ *  5. bad input on the wire (through the server): the old wire version, a batch with a truncated
+ *     message, a batch in our own name are counted and dropped whole; a good batch is applied.
  * usage: test_sync_nats [seed [pace_us]]
  */
 #include <fcntl.h>
@@ -29,6 +31,9 @@
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include <nats/nats.h>
+
+#include "sync/replica_msg.h"
 #include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
 
@@ -839,6 +844,84 @@ static void test_trace(void)
 	printf("test_trace: %s\n", fails ? "failures above" : "16 traced admissions, every stage");
 }
 
+/* ---------------------------------------------------------------- 5. bad input on the wire */
+
+/* Appends a RANK add of worker w from replica `from` to b (stream position seq). */
+static void put_rank(struct kvr_msg_buf *b, uint64_t from, uint64_t seq, uint64_t w)
+{
+	size_t off = kvr_msg_begin(b, KVR_MSG_RANK, from, 5, seq);
+	kvr_msg_put_u32(b, 1); /* add */
+	kvr_msg_put_u32(b, 8192);
+	kvr_msg_put_u64(b, w);
+	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u64(b, 1);
+	kvr_msg_put_u64(b, 1000);
+	kvr_msg_end(b, off);
+}
+
+static bool has_rank(struct kvr_router *r, uint64_t w)
+{
+	struct kvr_rank_stats st;
+	return kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &st) == 0;
+}
+
+/* Raw transport messages on the stream subject, through the server: the old wire version 1, a
+ * batch whose second message is truncated, a batch carrying our own id, each counted and
+ * dropped whole (none of their ranks appears); then a good batch of two is applied. */
+static void test_wire(void)
+{
+	struct replica a = {0};
+	a.r = make_router();
+	CHECK(attach(&a, 61) == 0, "attach");
+	natsConnection *nc = NULL;
+	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK, "raw connection");
+	struct kvr_msg_buf b = {0};
+	/* version 1 (the layout is the same; only the version byte says it is old) */
+	put_rank(&b, 77, 1, 900);
+	b.p[2] = 1;
+	natsConnection_Publish(nc, "t.stream", b.p, (int)b.len);
+	/* a batch: a good RANK, then a FINISH cut short */
+	b.len = 0;
+	put_rank(&b, 77, 1, 901);
+	size_t off = kvr_msg_begin(&b, KVR_MSG_FINISH, 77, 5, 2);
+	kvr_msg_put_u64(&b, 3);
+	kvr_msg_end(&b, off);
+	natsConnection_Publish(nc, "t.stream", b.p, (int)b.len - 3);
+	/* a batch in our own name (forged: a replica never hears itself) */
+	b.len = 0;
+	put_rank(&b, a.id, 1, 902);
+	put_rank(&b, a.id, 2, 905);
+	natsConnection_Publish(nc, "t.stream", b.p, (int)b.len);
+	/* a good batch of two */
+	b.len = 0;
+	put_rank(&b, 77, 1, 903);
+	put_rank(&b, 77, 2, 904);
+	natsConnection_Publish(nc, "t.stream", b.p, (int)b.len);
+	natsConnection_FlushTimeout(nc, 2000);
+	struct kvr_sync_stats st = {0};
+	uint64_t t0 = now_ms();
+	do {
+		sleep_ms(10);
+		kvr_sync_drain(a.s, 1000);
+		kvr_sync_get_stats(a.s, &st);
+	} while (st.applied < 2 && now_ms() - t0 < 5000);
+	kvr_router_sync(a.r, 5000);
+	CHECK(st.dropped == 3 && st.forged == 1 && st.applied == 2,
+	      "dropped %lu (want 3), forged %lu (want 1), applied %lu (want 2)",
+	      (unsigned long)st.dropped, (unsigned long)st.forged, (unsigned long)st.applied);
+	CHECK(!has_rank(a.r, 900) && !has_rank(a.r, 901) && !has_rank(a.r, 902) &&
+	          !has_rank(a.r, 905),
+	      "a dropped message or batch was applied (in part)");
+	CHECK(has_rank(a.r, 903) && has_rank(a.r, 904), "the good batch was not applied");
+	kvr_msg_buf_fini(&b);
+	natsConnection_Destroy(nc);
+	kvr_sync_detach(a.s);
+	kvr_router_destroy(a.r);
+	printf("test_wire: dropped %lu forged %lu applied %lu\n", (unsigned long)st.dropped,
+	       (unsigned long)st.forged, (unsigned long)st.applied);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 1)
@@ -867,6 +950,7 @@ int main(int argc, char **argv)
 	test_expire();
 	test_outage();
 	test_trace();
+	test_wire();
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
 	return fails ? 1 : 0;
