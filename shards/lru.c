@@ -92,7 +92,7 @@ int kvr_lru_create(uint64_t capacity_blocks, struct kvr_lru **out)
 	struct kvr_lru *lru = kvr_calloc(1, sizeof(*lru));
 	if (!lru)
 		return KVR_ENOMEM;
-	lru->capacity = capacity_blocks;
+	lru->capacity = lru->registered = capacity_blocks;
 	lru->free_head = NIL;
 	lru->inact_head = lru->inact_tail = NIL;
 	kvr_u64map_init(&lru->heads);
@@ -120,6 +120,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 	kvr_u64map_fini(&lru->heads);
 	kvr_u64map_fini(&lru->dups);
 	kvr_u64map_fini(&lru->by_attempt);
+	kvr_lru_ghosts_fini(lru);
 	kvr_free(lru, sizeof(*lru));
 }
 
@@ -557,6 +558,8 @@ int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_
 		lru->capacity = old;
 		return rc;
 	}
+	lru->registered = capacity; /* a new registration replaces the estimate (lru_cap.c) */
+	lru->explore = false;
 	kvr_lru_reconcile(lru, out);
 	return 0;
 }
@@ -604,6 +607,8 @@ size_t kvr_lru_bytes(const struct kvr_lru *lru)
 	               (lru->heads.cap + lru->dups.cap + lru->by_attempt.cap) *
 	                   sizeof(struct kvr_u64map_slot) +
 	               lru->leases_cap * sizeof(struct lease);
+	bytes += (size_t)lru->gh.cap * sizeof(uint64_t) + ((size_t)lru->gh.cap + 63) / 64 * 8 +
+	         lru->gh.map.cap * sizeof(struct kvr_u64map_slot);
 	for (uint32_t i = 0; i < lru->s_cap; i++)
 		bytes += (size_t)lru->s[i].cap * sizeof(uint64_t);
 	for (uint32_t i = 0; i < lru->n_leases; i++)

@@ -135,7 +135,8 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
  */
 int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *out);
 
-/* Sets the capacity (blocks) and evicts inactive copies down to it.  0, KVR_EINVAL, KVR_ENOMEM. */
+/* Sets the capacity (blocks; a registration: it replaces the estimate of lru_cap.c) and evicts
+ * inactive copies down to it.  0, KVR_EINVAL, KVR_ENOMEM. */
 int kvr_lru_set_capacity(struct kvr_lru *lru, uint64_t capacity, struct kvr_lru_out *out);
 
 /*
@@ -150,6 +151,9 @@ struct kvr_lru_heal {
 	uint64_t evicted;   /* copies (and released private blocks) the rule evicted */
 	bool unprovable;    /* the first missing block was held by another live request: the
 	                     * engine diverged in a way the order cannot explain; nothing evicted */
+	uint64_t lower;     /* a lower bound on the engine's capacity the answer proves, or 0 */
+	uint64_t upper;     /* an upper bound it proves, or 0 */
+	uint64_t capacity;  /* the capacity estimate after the answer (lru_cap.c) */
 };
 
 /*
@@ -159,11 +163,15 @@ struct kvr_lru_heal {
  * deeper) is evicted now.  The attempt's own copies stay: the engine recomputed them for it.
  * More than or as predicted: nothing to evict; the blocks the engine proved present are held by
  * the attempt already (an acquire takes a copy of every prompt block), so nothing needs
- * re-admitting.  Returns 0, KVR_EINVAL (true_depth > the attempt's blocks), KVR_ENOENT (no
- * live lease), KVR_ENOMEM (nothing changed).
+ * re-admitting.  Either way the answer bounds the engine's capacity (lru_cap.c: the first call
+ * turns on the ghosts it needs), the capacity estimate moves toward the bound, and a lower one
+ * evicts the oldest copies.  unallocated: blocks of OTHER attempts the engine has not allocated
+ * yet (kvr_lru_lease_unallocated of those whose prefill has not finished).  Returns 0,
+ * KVR_EINVAL (true_depth > the attempt's blocks), KVR_ENOENT (no live lease), KVR_ENOMEM
+ * (nothing changed).
  */
 int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_depth,
-                        struct kvr_lru_heal *res, struct kvr_lru_out *out);
+                        uint64_t unallocated, struct kvr_lru_heal *res, struct kvr_lru_out *out);
 
 /* The engine holds `resident` blocks: the oldest inactive copies go until the prediction holds
  * no more than resident + unallocated (it may hold fewer: the engine's other blocks are
@@ -172,7 +180,7 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
  * waiting in the engine's queue, or part way through a chunked prefill); without it a queue
  * in front of the engine makes the rule evict copies the engine still holds.  *evicted (may be
  * NULL) counts them.  resident above the capacity proves the capacity under-registered: the
- * capacity becomes resident (nothing is evicted; *raised, may be NULL, says so).  0,
+ * capacity estimate becomes resident (nothing is evicted; *raised, may be NULL, says so).  0,
  * KVR_EINVAL, KVR_ENOMEM (nothing changed). */
 int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unallocated,
                           uint64_t *evicted, bool *raised, struct kvr_lru_out *out);

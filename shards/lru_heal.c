@@ -11,8 +11,9 @@
  * The one rule that does not evict: an engine that holds MORE blocks than the registered
  * capacity proves the capacity too small (an under-registered rank evicts in the prediction
  * what the engine still holds, so it under-predicts hits and routes them away).  The resident
- * count is a lower bound on the true capacity, so the capacity is raised to it; it only ever
- * grows this way, and a later registration (kvr_rank_set_capacity) replaces it.
+ * count is a lower bound on the true capacity, so the capacity estimate (lru_cap.c) is raised
+ * to it; a later registration (kvr_rank_set_capacity) replaces it.  Cached-tokens answers also
+ * bound the capacity, through lru_cap.c's ghosts: see there.
  *
  * A resident count is compared with what the engine can hold NOW: a request this router has
  * routed but the engine has not finished prefilling (queued behind others, or part way
@@ -77,8 +78,60 @@ static uint64_t lease_hash_at(const struct kvr_lru *lru, const struct lease *l, 
 	}
 }
 
+/* What the ghosts say about an answer (lru_cap.c): the oldest ghost among the blocks the engine
+ * proved cached, and the ghost of the first block it missed. */
+struct ghost_scan {
+	uint32_t true_depth;
+	uint32_t proven, missed; /* ghost slots, or NIL */
+};
+
+/* Calls visit for the hash of each of the lease's blocks at depths [from, to). */
+static void lease_scan(struct kvr_lru *lru, const struct lease *l, uint32_t from, uint32_t to,
+                       void (*visit)(struct kvr_lru *, uint64_t, uint32_t, void *), void *ctx)
+{
+	uint32_t at = 0;
+	for (uint32_t k = 0; k < l->n && at < to; k++) {
+		uint32_t i = l->p[k].seg, left = l->p[k].len;
+		while (left && at < to) {
+			const struct seg *g = &lru->s[i];
+			uint32_t take = left < g->len ? left : g->len;
+			for (uint32_t j = at < from ? (from - at < take ? from - at : take) : 0;
+			     j < take && at + j < to; j++)
+				visit(lru, seq_of(g)[j], at + j, ctx);
+			at += take;
+			left -= take;
+			i = g->snext;
+		}
+	}
+}
+
+static void see_ghost(struct kvr_lru *lru, uint64_t h, uint32_t d, void *ctx)
+{
+	struct ghost_scan *gs = ctx;
+	uint32_t s = kvr_lru_ghost_slot(lru, h);
+	if (s == NIL)
+		return;
+	if (d == gs->true_depth)
+		gs->missed = s;
+	else if (d < gs->true_depth &&
+	         (gs->proven == NIL || kvr_lru_ghost_older(lru, s, gs->proven)))
+		gs->proven = s;
+}
+
+static void kill_ghost(struct kvr_lru *lru, uint64_t h, uint32_t d, void *ctx)
+{
+	(void)d;
+	(void)ctx;
+	kvr_lru_ghost_kill(lru, h);
+}
+
+static uint64_t sub_sat(uint64_t a, uint64_t b)
+{
+	return a > b ? a - b : 0;
+}
+
 int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_depth,
-                        struct kvr_lru_heal *res, struct kvr_lru_out *out)
+                        uint64_t unallocated, struct kvr_lru_heal *res, struct kvr_lru_out *out)
 {
 	if (!lru || !out || !res)
 		return KVR_EINVAL;
@@ -89,43 +142,72 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 		return KVR_ENOENT;
 	if (true_depth > l->nblocks)
 		return KVR_EINVAL;
-	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
-	if (rc)
+	int rc;
+	if ((rc = kvr_lru_ghosts_fit(lru)) || (rc = kvr_lru_out_reserve(out, 0, lru->n_inactive)))
 		return rc;
+	/* From here on nothing fails. */
 	res->predicted = l->hit;
 	res->actual = true_depth;
+	uint64_t before = lru->copies + lru->n_phantom;
+	/* The engine's blocks the prediction also holds: not the ones it has not allocated, nor
+	 * this attempt's new ones (the answer is about the moment before they were allocated). */
+	uint64_t own = (uint64_t)(l->nblocks - l->hit) + l->priv;
+	uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
+	uint64_t base = sub_sat(resident, unallocated + own);
+	struct ghost_scan gs = {true_depth, NIL, NIL};
 	if (true_depth >= l->hit)
-		return 0; /* as or more than predicted: the lease holds them already (see lru.h) */
-	/* The copy the acquire hit at depth true_depth: the engine had evicted it. */
-	uint64_t ord = 0;
-	for (uint32_t k = 0, at = 0; k < l->n; at += l->p[k].len, k++)
-		if (true_depth < at + l->p[k].len) {
-			ord = l->p[k].ord;
-			break;
-		}
-	if (ord == 0) {
-		res->unprovable = true; /* it was held by another request then */
-		return 0;
-	}
-	uint32_t depth = true_depth;
-	/* The engine had no copy of that hash at all: if we still keep others, the newest of them
-	 * bounds what went (rare: only hashes with several copies). */
-	uint64_t h = lease_hash_at(lru, l, true_depth);
-	if (kvr_u64map_find(&lru->dups, h)) {
-		for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
-			const struct seg *g = &lru->s[i];
-			if (g->phantom)
-				continue;
-			const uint64_t *q = seq_of(g);
-			for (uint32_t j = 0; j < g->len; j++)
-				if (q[j] == h &&
-				    (g->order > ord || (g->order == ord && g->depth + j < depth))) {
-					ord = g->order;
-					depth = g->depth + j;
+		lease_scan(lru, l, l->hit, true_depth < l->nblocks ? true_depth + 1 : true_depth,
+		           see_ghost, &gs);
+	uint64_t lo = 0, hi = 0;
+	if (gs.proven != NIL)
+		lo = base + kvr_lru_ghosts_newer(lru, gs.proven, true);
+	if (gs.missed != NIL)
+		hi = resident + kvr_lru_ghosts_newer(lru, gs.missed, false);
+	if (true_depth < l->hit) {
+		/* The copy the acquire hit at depth true_depth: the engine had evicted it. */
+		uint64_t ord = 0;
+		for (uint32_t k = 0, at = 0; k < l->n; at += l->p[k].len, k++)
+			if (true_depth < at + l->p[k].len) {
+				ord = l->p[k].ord;
+				break;
+			}
+		if (ord == 0) {
+			res->unprovable = true; /* it was held by another request then */
+		} else {
+			uint32_t depth = true_depth;
+			/* The engine had no copy of that hash at all: if we still keep others, the
+			 * newest of them bounds what went (rare: only hashes with several copies).
+			 */
+			uint64_t h = lease_hash_at(lru, l, true_depth);
+			if (kvr_u64map_find(&lru->dups, h)) {
+				for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
+					const struct seg *g = &lru->s[i];
+					if (g->phantom)
+						continue;
+					const uint64_t *q = seq_of(g);
+					for (uint32_t j = 0; j < g->len; j++)
+						if (q[j] == h &&
+						    (g->order > ord ||
+						     (g->order == ord && g->depth + j < depth))) {
+							ord = g->order;
+							depth = g->depth + j;
+						}
 				}
+			}
+			evict_through(lru, ord, depth, out);
+			/* What is left is ordered after the missed block (or held by live
+			 * requests), and the engine has all of it but the attempt's own copies
+			 * from the missed one on: the engine held no more than that. */
+			hi = sub_sat(lru->copies + lru->n_phantom + lru->priv, l->hit - true_depth);
 		}
 	}
-	res->evicted = evict_through(lru, ord, depth, out);
+	/* The attempt holds its new blocks now: they are no ghosts any more. */
+	lease_scan(lru, l, l->hit, l->nblocks, kill_ghost, NULL);
+	kvr_lru_cap_bound(lru, lo, hi, out);
+	res->lower = lo;
+	res->upper = hi;
+	res->capacity = lru->capacity;
+	res->evicted = before - (lru->copies + lru->n_phantom);
 	return 0;
 }
 
@@ -149,9 +231,7 @@ int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unall
 		 * under-registered.  Adopt the observed count; growing evicts nothing, and the
 		 * prediction (at most the old capacity with an inactive copy left) needs no trim.
 		 */
-		int rc = kvr_lru_set_capacity(lru, resident, out);
-		if (rc)
-			return rc;
+		lru->capacity = resident; /* an estimate (lru_cap.c); the registration stays */
 		if (raised)
 			*raised = true;
 		if (evicted)

@@ -52,8 +52,22 @@ struct cursor {
 	uint32_t seg, off;
 };
 
+/* Ghosts (lru_cap.c): the hashes evicted most recently, in eviction order, for the capacity
+ * estimator.  Off (cap 0) until the first cached-tokens report. */
+struct ghosts {
+	uint64_t *ring;        /* evicted hashes; slot `at` is overwritten next */
+	uint64_t *live;        /* bit per slot: the hash is still a ghost (absent, not evicted
+	                        * again later) */
+	uint32_t cap, at;      /* slots; next slot written */
+	uint64_t n;            /* pushed since enabled */
+	struct kvr_u64map map; /* live ghost hash -> its slot */
+};
+
 struct kvr_lru {
-	uint64_t capacity;
+	uint64_t capacity;   /* what eviction keeps to: the estimate (lru_cap.c) */
+	uint64_t registered; /* the capacity set (kvr_lru_create / kvr_lru_set_capacity) */
+	bool explore;        /* an answer proved the registration too small (lru_cap.c) */
+	struct ghosts gh;
 	struct seg *s;
 	uint32_t s_cap, s_live, free_head;
 	uint32_t inact_head, inact_tail;
@@ -108,5 +122,25 @@ void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_ou
 void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i);
 /* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
 void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out);
+
+/* lru_cap.c: ghosts and the capacity estimate */
+/* Records hash h, whose last copy was just evicted (no-op while ghosts are off). */
+void kvr_lru_ghost_push(struct kvr_lru *lru, uint64_t h);
+/* Turns ghosts on (first call) or regrows them to follow the estimate (best effort).  0 or
+ * KVR_ENOMEM (turning on failed; nothing changed). */
+int kvr_lru_ghosts_fit(struct kvr_lru *lru);
+/* Frees the ghosts. */
+void kvr_lru_ghosts_fini(struct kvr_lru *lru);
+/* The slot of hash h's live ghost, or NIL. */
+uint32_t kvr_lru_ghost_slot(const struct kvr_lru *lru, uint64_t h);
+/* Of two ghost slots, whether a was evicted before b. */
+bool kvr_lru_ghost_older(const struct kvr_lru *lru, uint32_t a, uint32_t b);
+/* Live ghosts evicted after slot s (and s itself when inclusive). */
+uint64_t kvr_lru_ghosts_newer(const struct kvr_lru *lru, uint32_t s, bool inclusive);
+/* Forgets h's ghost (its hash is present again). */
+void kvr_lru_ghost_kill(struct kvr_lru *lru, uint64_t h);
+/* Moves the estimate toward a lower (lo) or upper (hi) bound on the engine's capacity (0:
+ * none) and evicts down to it; room for n_inactive evictions must be reserved in out. */
+void kvr_lru_cap_bound(struct kvr_lru *lru, uint64_t lo, uint64_t hi, struct kvr_lru_out *out);
 
 #endif /* KVR_SHARDS_LRU_INTERNAL_H */

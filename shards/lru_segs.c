@@ -235,12 +235,16 @@ void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_ou
 	uint32_t len = g->len, lo = len - m;
 	if (lru->dups.count == 0) {
 		kvr_lru_out_evicted_run(out, q + lo, m);
+		for (uint32_t j = len; lru->gh.cap && j-- > lo;)
+			kvr_lru_ghost_push(lru, q[j]); /* deepest first: the eviction order */
 	} else {
 		uint32_t end = len;
 		for (uint32_t j = len; j-- > lo;) {
 			uint32_t *d = kvr_u64map_find(&lru->dups, q[j]);
-			if (!d)
+			if (!d) {
+				kvr_lru_ghost_push(lru, q[j]);
 				continue;
+			}
 			/* Not the last copy: the deeper group goes out first. */
 			kvr_lru_out_evicted_run(out, q + j + 1, end - j - 1);
 			end = j;

@@ -19,6 +19,19 @@ static struct kvr_attempt *find_attempt(struct kvr_shard_state *ss, uint64_t att
 	return i ? ss->recs[*i] : NULL;
 }
 
+/* Blocks the prediction holds for the rank's attempts whose prefill has not finished (no first
+ * token or output reported): the engine has not allocated them yet (see kvr_lru_heal_resident).
+ * O(live attempts on the rank). */
+static uint64_t unallocated(const struct kvr_rank_owned *own)
+{
+	uint64_t n = 0;
+	for (const struct kvr_attempt *a = own->attempts; a; a = a->next)
+		if (a->booked && a->in_prefill && a->incarnation == own->incarnation)
+			n +=
+			    kvr_rank_state_lease_unallocated(own->rs, own->incarnation, a->attempt);
+	return n;
+}
+
 int kvr_owner_cached_call(struct kvr_shard *sh, void *arg)
 {
 	struct kvr_heal_args *a = arg;
@@ -38,9 +51,14 @@ int kvr_owner_cached_call(struct kvr_shard *sh, void *arg)
 	uint64_t depth = a->cached_tokens / c->block_size;
 	if (depth > rec->n_prompt)
 		depth = rec->n_prompt;
+	/* The other attempts' blocks the engine has not allocated (see lru_cap.c). */
+	uint64_t unalloc = unallocated(own);
+	if (rec->in_prefill)
+		unalloc -=
+		    kvr_rank_state_lease_unallocated(own->rs, own->incarnation, rec->attempt);
 	struct kvr_lru_heal res;
 	int rc = kvr_rank_state_heal_cached(own->rs, own->incarnation, rec->attempt,
-	                                    (uint32_t)depth, &res, &ss->out);
+	                                    (uint32_t)depth, unalloc, &res, &ss->out);
 	if (rc == KVR_ENOENT)
 		return 0; /* the prediction lost the lease (capacity moved to none): nothing to do
 		           */
@@ -56,25 +74,12 @@ int kvr_owner_cached_call(struct kvr_shard *sh, void *arg)
 		kvr_metrics_add(mb, KVR_C_HEAL_UNDER, 1);
 	if (res.unprovable)
 		kvr_metrics_add(mb, KVR_C_HEAL_UNPROVABLE, 1);
-	if (res.evicted) {
+	if (res.evicted || ss->out.n_evicted) {
 		kvr_metrics_add(mb, KVR_C_HEAL_EVICTED, ss->out.n_evicted);
 		kvr_owner_apply_removals(ss, own, &ss->out);
 		kvr_owner_publish(ss, own);
 	}
 	return 0;
-}
-
-/* Blocks the prediction holds for the rank's attempts whose prefill has not finished (no first
- * token or output reported): the engine has not allocated them yet (see kvr_lru_heal_resident).
- * O(live attempts on the rank). */
-static uint64_t unallocated(const struct kvr_rank_owned *own)
-{
-	uint64_t n = 0;
-	for (const struct kvr_attempt *a = own->attempts; a; a = a->next)
-		if (a->booked && a->in_prefill && a->incarnation == own->incarnation)
-			n +=
-			    kvr_rank_state_lease_unallocated(own->rs, own->incarnation, a->attempt);
-	return n;
 }
 
 int kvr_owner_observe_call(struct kvr_shard *sh, void *arg)

@@ -183,7 +183,7 @@ int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint
 }
 
 int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
-                               uint32_t true_depth, struct kvr_lru_heal *res,
+                               uint32_t true_depth, uint64_t unallocated, struct kvr_lru_heal *res,
                                struct kvr_lru_out *out)
 {
 	if (!rs || !out || !res)
@@ -194,7 +194,7 @@ int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, 
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
-		return kvr_lru_heal_cached(rs->lru, attempt, true_depth, res, out);
+		return kvr_lru_heal_cached(rs->lru, attempt, true_depth, unallocated, res, out);
 	return kvr_u64map_find(&rs->ttl_attempts, attempt) ? 0 : KVR_ENOENT;
 }
 

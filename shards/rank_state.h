@@ -83,7 +83,7 @@ int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint
  * heal_cached).  Absent: KVR_ENOENT; other incarnation: KVR_ESTALE.
  */
 int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
-                               uint32_t true_depth, struct kvr_lru_heal *res,
+                               uint32_t true_depth, uint64_t unallocated, struct kvr_lru_heal *res,
                                struct kvr_lru_out *out);
 int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t resident,
                                  uint64_t unallocated, uint64_t *evicted, bool *raised,

@@ -64,7 +64,7 @@ Test(lru_heal, fewer_cached_evicts_everything_older)
 	acq(4, (uint64_t[]){10, 11, 12}, 3, 0); /* predicted 2 cached */
 	struct kvr_lru_heal h;
 	/* The engine found only 10: it had evicted 11, so everything released before 11 went. */
-	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 1, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 1, 0, &h, &out), 0);
 	cr_assert(h.predicted == 2 && h.actual == 1 && !h.unprovable);
 	cr_assert_eq(h.evicted, 3);
 	cr_assert_eq(out.n_evicted, 3);
@@ -73,13 +73,13 @@ Test(lru_heal, fewer_cached_evicts_everything_older)
 	cr_assert_eq(ov((uint64_t[]){20}, 1), 1, "released later: still predicted");
 	cr_assert_eq(ov((uint64_t[]){10, 11, 12}, 3), 3, "the attempt's own blocks stay");
 	/* As many as predicted, or more: nothing to evict. */
-	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 2, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 2, 0, &h, &out), 0);
 	cr_assert(h.evicted == 0 && out.n_evicted == 0);
-	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 3, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 3, 0, &h, &out), 0);
 	cr_assert_eq(h.evicted, 0);
 	/* Errors change nothing. */
-	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 4, &h, &out), KVR_EINVAL, "beyond the prompt");
-	cr_assert_eq(kvr_lru_heal_cached(lru, 99, 0, &h, &out), KVR_ENOENT);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 4, 0, &h, &out), KVR_EINVAL, "beyond the prompt");
+	cr_assert_eq(kvr_lru_heal_cached(lru, 99, 0, 0, &h, &out), KVR_ENOENT);
 	cr_assert_eq(stat_copies(), 4);
 }
 
@@ -90,7 +90,7 @@ Test(lru_heal, same_release_deeper_siblings_go_shallower_stay)
 	acq(2, (uint64_t[]){1, 2, 3, 9}, 4, 0); /* hits 1 2 3: [4 5] stays inactive */
 	struct kvr_lru_heal h;
 	/* The engine found 1 only: 2 was gone, so were 3, 4, 5 (deeper, same release). */
-	cr_assert_eq(kvr_lru_heal_cached(lru, 2, 1, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 2, 1, 0, &h, &out), 0);
 	cr_assert_eq(h.evicted, 2, "4 and 5 (2 and 3 are the attempt's now)");
 	cr_assert(out_evicted(&out, 0) == 5 && out_evicted(&out, 1) == 4);
 	cr_assert_eq(ov((uint64_t[]){1, 2, 3, 4}, 4), 3);
@@ -103,7 +103,7 @@ Test(lru_heal, shared_prefix_held_by_another_request_is_unprovable)
 	rel(9);                              /* inactive: [30] */
 	acq(2, (uint64_t[]){1, 2, 5}, 3, 0); /* hits 1 2, held by 1 at the time */
 	struct kvr_lru_heal h;
-	cr_assert_eq(kvr_lru_heal_cached(lru, 2, 0, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 2, 0, 0, &h, &out), 0);
 	cr_assert(h.unprovable && h.evicted == 0 && out.n_evicted == 0);
 	cr_assert_eq(ov((uint64_t[]){30}, 1), 1);
 }
@@ -117,7 +117,7 @@ Test(lru_heal, released_private_blocks_go_first)
 	rel(1); /* inactive: (partial), [1 2] */
 	acq(2, (uint64_t[]){1, 2, 3}, 3, 0);
 	struct kvr_lru_heal h;
-	cr_assert_eq(kvr_lru_heal_cached(lru, 2, 0, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 2, 0, 0, &h, &out), 0);
 	cr_assert_eq(h.evicted, 1, "the partial block's slot, reported to nobody");
 	cr_assert_eq(out.n_evicted, 0);
 	struct kvr_lru_stats st;
@@ -139,7 +139,7 @@ Test(lru_heal, every_copy_of_the_missing_hash_goes)
 	acq(3, (uint64_t[]){1, 2, 3, 4}, 4, 0); /* hits 1 2 and the OLDER copy of 3 */
 	struct kvr_lru_heal h;
 	/* The engine found 1 2 but not 3: no copy of 3 was left, so 3' went, and all before it. */
-	cr_assert_eq(kvr_lru_heal_cached(lru, 3, 2, &h, &out), 0);
+	cr_assert_eq(kvr_lru_heal_cached(lru, 3, 2, 0, &h, &out), 0);
 	cr_assert_eq(h.evicted, 1);
 	cr_assert_eq(out.n_evicted, 0, "3 is still the attempt's: no hash left the rank");
 	struct kvr_lru_stats st;
