@@ -19,9 +19,22 @@
  * Finding a block.  seq -> run in shards/u64map.h, for EVERY held block: a record may start
  * inside a run (an output block materialized again, in other pieces) or find a run after a
  * gap (a block refreshed by output outlives its parent), and a per-block map finds both in
- * O(1).  Its cost is per new or expired block, like copying the hashes in and out.  The offset
- * of a block in its run is its position minus the run's (chained hashes have one position);
- * where the caller's position disagrees, a scan of the run finds it (only for bad input).
+ * O(1).  Entering a new block costs one insert, like copying its hash in.  The offset of a
+ * block in its run is its position minus the run's (chained hashes have one position); where
+ * the caller's position disagrees, a scan of the run finds it (only for bad input).
+ *
+ * Lazy deletion.  Expiry does not touch the map: it frees whole runs, so it costs O(runs) plus
+ * copying the hashes out (it did one map removal per block, 89 % of its instructions).  A map
+ * entry carries its run slot's generation (the slot's spare word), and freeing a slot bumps
+ * it, so the entries of an expired run are stale: a lookup that finds one treats the block as
+ * absent (and the record's plan removes it where it would insert the key anyway).  Stale
+ * entries count against the table's load factor; when the table is full, a sweep drops them
+ * instead of growing it if at least 1/16 of it is stale (one sequential pass, at most 16 slots
+ * read per entry dropped, no allocation), and a growth drops them on the way.  The table
+ * holds every live block and, between sweeps, up to 1/16 of its slots stale.  Invariant:
+ * exactly one entry per held block, live (map count - live blocks = stale entries).  After
+ * 2^32 reuses of one slot a stale generation could match again: a live entry's run must also
+ * hold the hash (offset_of), so such an entry is seen as stale and only costs its slot.
  *
  * Hashes.  A record's new hashes are copied into one blob (refcounted); its runs, and the
  * pieces splits make of them, point into it.  A split allocates nothing and copies no hash: it
@@ -64,6 +77,7 @@ struct run {
 	struct blob *blob;
 	uint32_t pos, len;
 	uint32_t prev, next; /* expiry list; next doubles as the free list */
+	uint32_t gen;        /* the slot's generation: +1 each time it is freed (never copied) */
 };
 
 /* One step of a record's plan: blocks b[k .. k + n) are new (run == NIL) or run's [off, off+n). */
@@ -76,7 +90,8 @@ struct kvr_ttl {
 	struct run *r;
 	uint32_t cap, runs, free_head;
 	uint32_t head, tail;
-	size_t live; /* blocks */
+	size_t live;     /* blocks */
+	size_t sweep_at; /* the stale-entry sweep's next map slot */
 	struct kvr_u64map by_seq;
 	struct step *plan;
 	size_t plan_cap;
@@ -139,6 +154,7 @@ static int reserve_runs(struct kvr_ttl *t, size_t more)
 		return KVR_ENOMEM;
 	for (size_t i = nc; i-- > t->cap;) {
 		r[i].next = t->free_head;
+		r[i].gen = 0;
 		t->free_head = (uint32_t)i;
 	}
 	t->r = r;
@@ -154,8 +170,10 @@ static uint32_t take_slot(struct kvr_ttl *t)
 	return i;
 }
 
+/* Frees slot i; the map entries that still name it go stale (lazy deletion). */
 static void free_slot(struct kvr_ttl *t, uint32_t i)
 {
+	t->r[i].gen++;
 	t->r[i].next = t->free_head;
 	t->free_head = i;
 	t->runs--;
@@ -204,16 +222,91 @@ static uint64_t expiry_at(const struct kvr_ttl *t, uint64_t now)
 	return x;
 }
 
-/* The offset of held hash seq in run i, expected at position pos. */
+/* The offset of hash seq in run i, expected at position pos; NIL if the run does not hold it. */
 static uint32_t offset_of(const struct kvr_ttl *t, uint32_t i, uint64_t seq, uint64_t pos)
 {
 	const struct run *e = &t->r[i];
 	if (pos >= e->pos && pos - e->pos < e->len && e->h[pos - e->pos] == seq)
 		return (uint32_t)(pos - e->pos);
-	uint32_t o = 0;
-	while (e->h[o] != seq) /* the caller's position disagrees: scan (bad input only) */
-		o++;
-	return o;
+	for (uint32_t o = 0; o < e->len; o++) /* the caller's position disagrees (bad input) */
+		if (e->h[o] == seq)
+			return o;
+	return NIL; /* a stale entry whose generation matched after 2^32 reuses of its slot */
+}
+
+/* Where held hash seq is (expected at position pos): its run in *run and the offset, or NIL
+ * (not held).  *stale: the map has an entry for seq all the same, left by an expired run. */
+static uint32_t locate_entry(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run,
+                             bool *stale)
+{
+	const struct kvr_u64map_slot *s = kvr_u64map_find_slot(&t->by_seq, seq);
+	*stale = false;
+	if (!s)
+		return NIL;
+	uint32_t off = t->r[s->val].gen == s->spare ? offset_of(t, s->val, seq, pos) : NIL;
+	*stale = off == NIL;
+	*run = s->val;
+	return off;
+}
+
+static uint32_t locate(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run)
+{
+	bool stale;
+	return locate_entry(t, seq, pos, run, &stale);
+}
+
+/* locate(), dropping a stale entry (the record's plan: it is found where a live one would be
+ * looked up anyway, and the record may insert the key). */
+static uint32_t locate_drop(struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run)
+{
+	bool stale;
+	uint32_t off = locate_entry(t, seq, pos, run, &stale);
+	if (stale)
+		kvr_u64map_remove(&t->by_seq, seq);
+	return off;
+}
+
+static bool entry_live(const void *ctx, const struct kvr_u64map_slot *s)
+{
+	const struct kvr_ttl *t = ctx;
+	return t->r[s->val].gen == s->spare;
+}
+
+/* Drops the stale map entries: one pass over the table from the sweep cursor, stopping once
+ * none is left (the map holds exactly the live blocks).  Sequential, allocates nothing. */
+static void sweep(struct kvr_ttl *t)
+{
+	struct kvr_u64map *m = &t->by_seq;
+	size_t mask = m->cap - 1, i = t->sweep_at & mask;
+	for (size_t budget = m->cap + (m->count - t->live); budget > 0 && m->count > t->live;
+	     budget--) {
+		const struct kvr_u64map_slot *s = &m->slots[i];
+		if (s->val != KVR_U64MAP_EMPTY && !entry_live(t, s))
+			kvr_u64map_remove_at(m, i); /* a later entry may move into i: look again */
+		else
+			i = (i + 1) & mask;
+	}
+	t->sweep_at = i;
+}
+
+/* Room for `extra` more map entries.  Stale entries count against the load factor.  When the
+ * table is full and at least 1/16 of it is stale, a sweep drops them instead of growing:
+ * O(table) sequential work, at most 16 slots per stale entry, and no allocation.  A rebuild
+ * (growth, sized as kvr_u64map_reserve sizes it) drops them on the way. */
+static int reserve_map(struct kvr_ttl *t, size_t extra)
+{
+	struct kvr_u64map *m = &t->by_seq;
+	if ((m->count + extra) * 10 <= m->cap * 7)
+		return 0;
+	if ((m->count - t->live) * 16 >= m->cap) {
+		sweep(t);
+		if ((m->count + extra) * 10 <= m->cap * 7)
+			return 0;
+	}
+	size_t need = m->count + extra, cap = m->cap ? m->cap : 16;
+	while (need * 10 > cap * 7)
+		cap *= 2;
+	return kvr_u64map_rebuild(m, cap, entry_live, t);
 }
 
 /* Splits run i before off (0 < off < len) into two runs with its expiry, side by side in the
@@ -223,7 +316,9 @@ static void split(struct kvr_ttl *t, uint32_t i, uint32_t off, uint32_t *left, u
 {
 	uint32_t m = take_slot(t);
 	struct run *e = &t->r[i], *n = &t->r[m];
+	uint32_t gen_m = n->gen; /* a slot keeps its generation */
 	*n = *e;
+	n->gen = gen_m;
 	e->blob->refs++;
 	uint32_t len = e->len;
 	struct run *lo, *hi;
@@ -240,8 +335,11 @@ static void split(struct kvr_ttl *t, uint32_t i, uint32_t off, uint32_t *left, u
 	hi->len = len - off;
 	lo->h = hi->h - off;
 	const struct run *moved = &t->r[m];
-	for (uint32_t j = 0; j < moved->len; j++)
-		*kvr_u64map_find(&t->by_seq, moved->h[j]) = m;
+	for (uint32_t j = 0; j < moved->len; j++) {
+		struct kvr_u64map_slot *ms = kvr_u64map_find_slot(&t->by_seq, moved->h[j]);
+		ms->val = m;
+		ms->spare = moved->gen;
+	}
 	link_after(t, m, i);
 }
 
@@ -263,10 +361,11 @@ static int plan(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint
 		}
 		struct step *s = &t->plan[(*nsteps)++];
 		s->k = (uint32_t)k;
-		const uint32_t *ix = kvr_u64map_find(&t->by_seq, b[k].seq);
-		if (!ix) {
+		uint32_t ix, off = locate_drop(t, b[k].seq, (uint64_t)start_pos + k, &ix), u;
+		if (off == NIL) {
 			size_t e = k + 1;
-			while (e < n && !kvr_u64map_find(&t->by_seq, b[e].seq))
+			while (e < n &&
+			       locate_drop(t, b[e].seq, (uint64_t)start_pos + e, &u) == NIL)
 				e++;
 			*s = (struct step){(uint32_t)k, (uint32_t)(e - k), NIL, 0};
 			*fresh += e - k;
@@ -274,11 +373,10 @@ static int plan(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint
 			k = e;
 			continue;
 		}
-		const struct run *e = &t->r[*ix];
-		uint32_t off = offset_of(t, *ix, b[k].seq, (uint64_t)start_pos + k);
+		const struct run *e = &t->r[ix];
 		uint32_t cnt = 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, &b[k].seq, BSTRIDE,
 		                                   n - 1 - k);
-		*s = (struct step){(uint32_t)k, cnt, *ix, off};
+		*s = (struct step){(uint32_t)k, cnt, ix, off};
 		*slots += (off > 0) + (off + cnt < e->len);
 		k += cnt;
 	}
@@ -296,7 +394,7 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 	size_t nsteps, slots, fresh;
 	int rc;
 	if ((rc = plan(t, b, n, start_pos, &nsteps, &slots, &fresh)) ||
-	    (rc = reserve_runs(t, slots)) || (rc = kvr_u64map_reserve(&t->by_seq, fresh)) ||
+	    (rc = reserve_runs(t, slots)) || (rc = reserve_map(t, fresh)) ||
 	    (rc = kvr_lru_out_reserve(out, slots, 0)))
 		return rc;
 	struct blob *blob = NULL;
@@ -319,10 +417,11 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 			                  .h = blob->h + used,
 			                  .blob = blob,
 			                  .pos = start_pos + s->k,
-			                  .len = s->n};
+			                  .len = s->n,
+			                  .gen = e->gen};
 			for (uint32_t j = 0; j < s->n; j++) {
 				e->h[j] = b[s->k + j].seq;
-				kvr_u64map_insert(&t->by_seq, e->h[j], i);
+				kvr_u64map_insert_tag(&t->by_seq, e->h[j], i, e->gen);
 			}
 			used += s->n;
 			blob->refs++;
@@ -363,9 +462,7 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 		uint32_t i = t->head;
 		struct run *e = &t->r[i];
 		unlink_run(t, i);
-		for (uint32_t j = 0; j < e->len; j++)
-			kvr_u64map_remove(&t->by_seq, e->h[j]);
-		kvr_lru_out_evicted_run(out, e->h, e->len);
+		kvr_lru_out_evicted_run(out, e->h, e->len); /* its map entries go stale */
 		t->live -= e->len;
 		blob_unref(e->blob);
 		free_slot(t, i);
@@ -383,10 +480,9 @@ size_t kvr_ttl_overlap(const struct kvr_ttl *t, const uint64_t *seq, size_t n)
 	if (!t || !seq)
 		return 0;
 	size_t k = 0;
-	const uint32_t *ix;
-	while (k < n && (ix = kvr_u64map_find(&t->by_seq, seq[k]))) {
-		const struct run *e = &t->r[*ix];
-		uint32_t off = offset_of(t, *ix, seq[k], k);
+	uint32_t ix, off;
+	while (k < n && (off = locate(t, seq[k], k, &ix)) != NIL) {
+		const struct run *e = &t->r[ix];
 		k += 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, seq + k, 1, n - 1 - k);
 	}
 	return k;
@@ -401,13 +497,13 @@ int kvr_ttl_lookup(const struct kvr_ttl *t, uint64_t seq, uint64_t *expiry, uint
 {
 	if (!t)
 		return KVR_EINVAL;
-	const uint32_t *ix = kvr_u64map_find(&t->by_seq, seq);
-	if (!ix)
+	uint32_t ix, off = locate(t, seq, UINT64_MAX, &ix); /* no position: scans the run */
+	if (off == NIL)
 		return KVR_ENOENT;
-	const struct run *e = &t->r[*ix];
+	const struct run *e = &t->r[ix];
 	if (expiry)
 		*expiry = e->expiry;
 	if (pos)
-		*pos = e->pos + offset_of(t, *ix, seq, (uint64_t)e->pos + e->len); /* scans */
+		*pos = e->pos + off;
 	return 0;
 }

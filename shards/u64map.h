@@ -60,7 +60,32 @@ static inline size_t kvr_u64map_home(const struct kvr_u64map *m, uint64_t key)
 	return (size_t)((key * 0x9E3779B97F4A7C15ull) >> m->shift);
 }
 
-static inline void kvr_u64map_put_raw(struct kvr_u64map *m, uint64_t key, uint32_t val)
+/* The slot of key (its value and spare word), or NULL.  Valid until the next insert, remove or
+ * reserve. */
+static inline struct kvr_u64map_slot *kvr_u64map_find_slot(const struct kvr_u64map *m, uint64_t key)
+{
+	if (m->count == 0)
+		return NULL;
+	size_t mask = m->cap - 1, i = kvr_u64map_home(m, key);
+	for (;;) {
+		struct kvr_u64map_slot *s = &m->slots[i];
+		if (s->val == KVR_U64MAP_EMPTY)
+			return NULL;
+		if (s->key == key)
+			return s;
+		i = (i + 1) & mask;
+	}
+}
+
+/* The value slot of key, or NULL. */
+static inline uint32_t *kvr_u64map_find(const struct kvr_u64map *m, uint64_t key)
+{
+	struct kvr_u64map_slot *s = kvr_u64map_find_slot(m, key);
+	return s ? &s->val : NULL;
+}
+
+static inline struct kvr_u64map_slot *kvr_u64map_put_raw(struct kvr_u64map *m, uint64_t key,
+                                                         uint32_t val)
 {
 	size_t mask = m->cap - 1, i = kvr_u64map_home(m, key);
 	while (m->slots[i].val != KVR_U64MAP_EMPTY)
@@ -68,6 +93,46 @@ static inline void kvr_u64map_put_raw(struct kvr_u64map *m, uint64_t key, uint32
 	m->slots[i].key = key;
 	m->slots[i].val = val;
 	m->count++;
+	return &m->slots[i];
+}
+
+/* Inserts a key known to be absent; room must have been reserved.  val != KVR_U64MAP_EMPTY. */
+static inline void kvr_u64map_insert(struct kvr_u64map *m, uint64_t key, uint32_t val)
+{
+	(void)kvr_u64map_put_raw(m, key, val);
+}
+
+/* kvr_u64map_insert, with a tag in the slot's spare word (shards/ttl.c: a run generation). */
+static inline void kvr_u64map_insert_tag(struct kvr_u64map *m, uint64_t key, uint32_t val,
+                                         uint32_t tag)
+{
+	kvr_u64map_put_raw(m, key, val)->spare = tag;
+}
+
+/* Moves the map into cap slots (a power of two with room for every kept entry at load <= 0.7),
+ * keeping the entries for which keep(ctx, slot) is true (keep NULL: all).  Returns 0 or
+ * KVR_ENOMEM (the map is unchanged). */
+static inline int kvr_u64map_rebuild(struct kvr_u64map *m, size_t cap,
+                                     bool (*keep)(const void *ctx,
+                                                  const struct kvr_u64map_slot *slot),
+                                     const void *ctx)
+{
+	struct kvr_u64map_slot *s = kvr_alloc(cap * sizeof(*s));
+	if (!s)
+		return KVR_ENOMEM;
+	for (size_t i = 0; i < cap; i++)
+		s[i].val = KVR_U64MAP_EMPTY;
+	struct kvr_u64map old = *m;
+	m->slots = s;
+	m->cap = cap;
+	m->count = 0;
+	m->shift = 64u - (unsigned)__builtin_ctzll(cap);
+	for (size_t i = 0; i < old.cap; i++)
+		if (old.slots[i].val != KVR_U64MAP_EMPTY && (!keep || keep(ctx, &old.slots[i])))
+			kvr_u64map_insert_tag(m, old.slots[i].key, old.slots[i].val,
+			                      old.slots[i].spare);
+	kvr_free(old.slots, old.cap * sizeof(*old.slots));
+	return 0;
 }
 
 /* Makes room for `extra` more keys without further allocation.  Returns 0 or KVR_ENOMEM (the
@@ -80,59 +145,14 @@ static inline int kvr_u64map_reserve(struct kvr_u64map *m, size_t extra)
 	size_t cap = m->cap ? m->cap : 16;
 	while (need * 10 > cap * 7)
 		cap *= 2;
-	struct kvr_u64map_slot *s = kvr_alloc(cap * sizeof(*s));
-	if (!s)
-		return KVR_ENOMEM;
-	for (size_t i = 0; i < cap; i++)
-		s[i].val = KVR_U64MAP_EMPTY;
-	struct kvr_u64map old = *m;
-	m->slots = s;
-	m->cap = cap;
-	m->count = 0;
-	m->shift = 64u - (unsigned)__builtin_ctzll(cap);
-	for (size_t i = 0; i < old.cap; i++)
-		if (old.slots[i].val != KVR_U64MAP_EMPTY)
-			kvr_u64map_put_raw(m, old.slots[i].key, old.slots[i].val);
-	kvr_free(old.slots, old.cap * sizeof(*old.slots));
-	return 0;
+	return kvr_u64map_rebuild(m, cap, NULL, NULL);
 }
 
-/* The value slot of key, or NULL. */
-static inline uint32_t *kvr_u64map_find(const struct kvr_u64map *m, uint64_t key)
+/* Removes the entry in slot i (occupied) by backward shift: later entries of its cluster may
+ * move back, into i among others. */
+static inline void kvr_u64map_remove_at(struct kvr_u64map *m, size_t i)
 {
-	if (m->count == 0)
-		return NULL;
-	size_t mask = m->cap - 1, i = kvr_u64map_home(m, key);
-	for (;;) {
-		struct kvr_u64map_slot *s = &m->slots[i];
-		if (s->val == KVR_U64MAP_EMPTY)
-			return NULL;
-		if (s->key == key)
-			return &s->val;
-		i = (i + 1) & mask;
-	}
-}
-
-/* Inserts a key known to be absent; room must have been reserved.  val != KVR_U64MAP_EMPTY. */
-static inline void kvr_u64map_insert(struct kvr_u64map *m, uint64_t key, uint32_t val)
-{
-	kvr_u64map_put_raw(m, key, val);
-}
-
-/* Removes key if present (backward-shift deletion).  Returns whether it was present. */
-static inline bool kvr_u64map_remove(struct kvr_u64map *m, uint64_t key)
-{
-	if (m->count == 0)
-		return false;
-	size_t mask = m->cap - 1, i = kvr_u64map_home(m, key);
-	for (;;) {
-		if (m->slots[i].val == KVR_U64MAP_EMPTY)
-			return false;
-		if (m->slots[i].key == key)
-			break;
-		i = (i + 1) & mask;
-	}
-	size_t j = i;
+	size_t mask = m->cap - 1, j = i;
 	for (;;) {
 		j = (j + 1) & mask;
 		if (m->slots[j].val == KVR_U64MAP_EMPTY)
@@ -147,7 +167,15 @@ static inline bool kvr_u64map_remove(struct kvr_u64map *m, uint64_t key)
 	}
 	m->slots[i].val = KVR_U64MAP_EMPTY;
 	m->count--;
-	return true;
+}
+
+/* Removes key if present.  Returns whether it was present. */
+static inline bool kvr_u64map_remove(struct kvr_u64map *m, uint64_t key)
+{
+	struct kvr_u64map_slot *s = kvr_u64map_find_slot(m, key);
+	if (s)
+		kvr_u64map_remove_at(m, (size_t)(s - m->slots));
+	return s != NULL;
 }
 
 /* Empties the map, keeping its memory. */
