@@ -26,7 +26,7 @@
 #include "sync/rcu.h"
 
 static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32_t *tokens,
-                    size_t n)
+                    size_t n, uint16_t flags)
 {
 	if (!r || attempt == 0)
 		return KVR_EINVAL;
@@ -49,7 +49,8 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	}
 	if (ends)
 		kvr_metrics_add(mb, op == KVR_OP_FINISH ? KVR_C_FINISHED : KVR_C_ABORTED, 1);
-	struct kvr_progress_msg m = {.attempt = attempt, .op = op, .n_tokens = (uint32_t)n};
+	struct kvr_progress_msg m = {
+	    .attempt = attempt, .op = (int16_t)op, .flags = flags, .n_tokens = (uint32_t)n};
 	struct kvr_shard *sh =
 	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
 	/* Requests waiting for load to drop: apply before the admission pass below. */
@@ -96,7 +97,7 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 
 int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt)
 {
-	return progress(r, attempt, KVR_OP_PREFILL_DONE, NULL, 0);
+	return progress(r, attempt, KVR_OP_PREFILL_DONE, NULL, 0, 0);
 }
 
 int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
@@ -104,15 +105,24 @@ int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *t
 {
 	if (!tokens && n_tokens)
 		return KVR_EINVAL;
-	return progress(r, attempt, KVR_OP_OUTPUT, tokens, n_tokens);
+	return progress(r, attempt, KVR_OP_OUTPUT, tokens, n_tokens, 0);
+}
+
+int kvr_request_output_ex(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
+                          size_t n_tokens, uint32_t flags)
+{
+	if ((!tokens && n_tokens) || (flags & ~KVR_OUTPUT_FINAL))
+		return KVR_EINVAL;
+	return progress(r, attempt, KVR_OP_OUTPUT, tokens, n_tokens,
+	                (flags & KVR_OUTPUT_FINAL) ? 0 : KVR_PROGRESS_NOT_FINAL);
 }
 
 int kvr_request_finish(struct kvr_router *r, uint64_t attempt)
 {
-	return progress(r, attempt, KVR_OP_FINISH, NULL, 0);
+	return progress(r, attempt, KVR_OP_FINISH, NULL, 0, 0);
 }
 
 int kvr_request_abort(struct kvr_router *r, uint64_t attempt)
 {
-	return progress(r, attempt, KVR_OP_ABORT, NULL, 0);
+	return progress(r, attempt, KVR_OP_ABORT, NULL, 0, 0);
 }

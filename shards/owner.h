@@ -189,10 +189,16 @@ enum kvr_progress_op {
 /* Inline output tokens in a posted message; more go through a heap copy. */
 #define KVR_PROGRESS_INLINE 8
 
+/* kvr_progress_msg.flags: the last output token is known not to be the request's final one
+ * (kvr_request_output_ex without KVR_OUTPUT_FINAL): its KV is computed in the engine's next
+ * step, so it is not held back. */
+#define KVR_PROGRESS_NOT_FINAL 1u
+
 /* A lifecycle message (exactly one lane payload). */
 struct kvr_progress_msg {
 	uint64_t attempt;
-	int32_t op; /* enum kvr_progress_op */
+	int16_t op;     /* enum kvr_progress_op */
+	uint16_t flags; /* KVR_PROGRESS_* */
 	uint32_t n_tokens;
 	union {
 		uint32_t inl[KVR_PROGRESS_INLINE];

@@ -311,23 +311,26 @@ int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
 
 /* Output tokens: complete blocks are hashed (chained after the last one), materialized in the
  * predicted cache and stored in the index.  vLLM computes a token's KV only when it feeds the
- * token back to sample the next one, so the last token reported so far has no KV yet: it is held
- * back (rec->pending) and joins the tail when a later token arrives.  A block therefore counts
+ * token back to sample the next one, so the last token reported so far has no KV yet: unless
+ * the frontend said it is not the final one (not_final: vLLM allocates its slot as it schedules
+ * the next step, and so does the router, now), it is held back (rec->pending) and joins the
+ * tail when a later token arrives.  A block therefore counts
  * as cached once a token after it has been reported; at finish or abort the held token is
  * dropped, so a block only the final token would complete is never predicted, and the tail
  * (computed tokens only) keeps the private block vLLM holds for it: after P prompt and O output
  * tokens the rank holds ceil((P+O-1)/B) blocks and caches floor((P+O-1)/B), as vLLM does. */
 static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_attempt *rec,
-                  const uint32_t *tok, size_t n)
+                  const uint32_t *tok, size_t n, bool not_final)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
 	uint32_t bs = c->block_size;
 	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation)
 		return 0; /* tracked for liveness only */
-	/* Computed now: the held-back token, then all new tokens but the last, which is held. */
-	bool held = n > 0 && rec->has_pending;
-	bool hold = n > 0;
+	/* Computed now: the held-back token, then all new tokens but the last, which is held unless
+	 * it is known not to be the final one. */
+	bool held = n > 0 && rec->has_pending, joined = held;
+	bool hold = n > 0 && !not_final;
 	uint32_t next_pending = hold ? tok[n - 1] : 0;
 	n -= hold ? 1 : 0;
 	size_t max_blocks = (rec->tail_n + n + (held ? 1 : 0)) / bs;
@@ -362,6 +365,8 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	if (hold) {
 		rec->pending = next_pending;
 		rec->has_pending = true;
+	} else if (joined) {
+		rec->has_pending = false; /* it joined the tail */
 	}
 	uint32_t priv = rec->tail_n > 0 ? 1 : 0;
 	int rc = lru_blocks(ss, local, seq, nb);
@@ -410,7 +415,7 @@ static int progress(struct kvr_shard *sh, const struct kvr_progress_msg *m, cons
 			rec->in_prefill = false;
 			kvr_load_prefill_done(own->load, m->attempt);
 		}
-		rc = output(sh, own, rec, tok, m->n_tokens);
+		rc = output(sh, own, rec, tok, m->n_tokens, m->flags & KVR_PROGRESS_NOT_FINAL);
 		kvr_owner_publish(ss, own);
 		if (rc)
 			kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);

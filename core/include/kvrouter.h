@@ -415,6 +415,24 @@ KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
 KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
                                size_t n_tokens);
 
+#define KVR_OUTPUT_FINAL 1u /* tokens[n_tokens - 1] is the request's final output token */
+
+/* kvr_request_output for a frontend that knows, as it passes tokens, whether the last one ends
+ * the request (a streaming response carries finish_reason with its last token): exact instead
+ * of one step behind.  Without KVR_OUTPUT_FINAL the last token is NOT the final one: vLLM
+ * allocates its slot as it schedules the next step (a block it opens is taken then, evicting if
+ * the rank is full), and the router counts it at once.  With KVR_OUTPUT_FINAL it is the final
+ * one, which never gets KV (as in kvr_request_output, it is dropped at finish or abort).  Calls
+ * may mix with kvr_request_output (a token of unknown finality is held back until a later one
+ * comes).  n_tokens 0 changes nothing.  A frontend that learns of the end only after it passed
+ * the last token (finish_reason in a later, empty chunk) should use kvr_request_output: a token
+ * passed as not final is counted.  A replica (replica sync) follows it as it follows
+ * kvr_request_output, one step behind.
+ * Returns as kvr_request_output, and KVR_EINVAL for unknown flags.  Context: as
+ * kvr_request_output (any thread; never waits for a shard). */
+KVR_API int kvr_request_output_ex(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
+                                  size_t n_tokens, uint32_t flags);
+
 /* The request ended normally / was aborted: its blocks are released, its load returned. */
 KVR_API int kvr_request_finish(struct kvr_router *r, uint64_t attempt);
 KVR_API int kvr_request_abort(struct kvr_router *r, uint64_t attempt);

@@ -53,6 +53,8 @@ int main()
 	CHECK(kvr_route(r, &req, &b) == KVR_OK);
 	CHECK(b.rank.worker_id == a.rank.worker_id && b.overlap_blocks == 62);
 	CHECK(kvr_request_output(r, b.attempt, prompt.data(), 40) == KVR_OK);
+	CHECK(kvr_request_output_ex(r, b.attempt, prompt.data(), 3, 0) == KVR_OK);
+	CHECK(kvr_request_output_ex(r, b.attempt, prompt.data(), 1, KVR_OUTPUT_FINAL) == KVR_OK);
 	CHECK(kvr_request_abort(r, b.attempt) == KVR_OK);
 	CHECK(kvr_request_abort(r, b.attempt) == KVR_ESTALE);
 	std::vector<char> text(1 << 16);

@@ -7,15 +7,16 @@
  * is a sequence of API calls, each decoded from a few bytes: rank add / remove / set_capacity /
  * reset / stats / blocks, routes (tokens or hashes, LoRA, pinned, allow lists, query-only,
  * KVR_ROUTE_WAIT, overrides, and malformed requests), queue waits and cancels, prefill done /
- * output / finish / abort on live, ended, stale and made-up attempt ids, KV events (well formed
- * and malformed, in every mode), metrics, syncs, virtual clock steps, the hash functions, config
- * validation, and NULL arguments.  Every call is executed on a real router (virtual time) and its
- * return code is checked against the set the header documents for that call, and where the
- * model knows the answer exactly (rank membership, incarnations, attempt state, queue tickets,
- * events-mode block sets), against that answer.  At the end every attempt is finished, every
- * ticket cancelled or collected, the router synced, and then: all load is zero on every rank,
- * resident <= capacity on every capacity-bounded LRU rank, every ended attempt is still stale,
- * and after destroy the library's allocation counter is back where it started (no leak).
+ * output (kvr_request_output, and _ex with and without KVR_OUTPUT_FINAL) / finish / abort on live,
+ * ended, stale and made-up attempt ids, KV events (well formed and malformed, in every mode),
+ * metrics, syncs, virtual clock steps, the hash functions, config validation, and NULL arguments.
+ * Every call is executed on a real router (virtual time) and its return code is checked against the
+ * set the header documents for that call, and where the model knows the answer exactly (rank
+ * membership, incarnations, attempt state, queue tickets, events-mode block sets), against that
+ * answer.  At the end every attempt is finished, every ticket cancelled or collected, the router
+ * synced, and then: all load is zero on every rank, resident <= capacity on every capacity-bounded
+ * LRU rank, every ended attempt is still stale, and after destroy the library's allocation counter
+ * is back where it started (no leak).
  *
  * What the model does not predict, it bounds: which rank a decision picks (it must be eligible),
  * whether a request queues (only when the queue is on), when a lease expires (never before one
@@ -979,7 +980,7 @@ static void op_lifecycle(struct prog *p, int op)
 	uint64_t a = pick_attempt(p, &k);
 	int rc;
 	size_t n = 0;
-	bool null_tokens = false;
+	bool null_tokens = false, bad_flags = false;
 	switch (op) {
 	case 0:
 		cur_call = "kvr_request_prefill_done";
@@ -991,7 +992,18 @@ static void op_lifecycle(struct prog *p, int op)
 		null_tokens = n && u8(&p->in) % 16 == 0;
 		for (size_t i = 0; i < n; i++)
 			p->toks[i] = u16(&p->in);
-		rc = kvr_request_output(p->r, a, null_tokens ? NULL : p->toks, n);
+		uint8_t how = u8(&p->in);
+		if (how % 4 == 0) {
+			rc = kvr_request_output(p->r, a, null_tokens ? NULL : p->toks, n);
+			break;
+		}
+		/* finality known: not final, final, or (rarely) an unknown flag */
+		cur_call = "kvr_request_output_ex";
+		uint32_t flags = how % 4 == 1 ? KVR_OUTPUT_FINAL : 0;
+		bad_flags = how % 32 == 2;
+		if (bad_flags)
+			flags |= 2u << (how % 31);
+		rc = kvr_request_output_ex(p->r, a, null_tokens ? NULL : p->toks, n, flags);
 		break;
 	case 2:
 		cur_call = "kvr_request_finish";
@@ -1003,8 +1015,8 @@ static void op_lifecycle(struct prog *p, int op)
 		break;
 	}
 	drain_admits(p);
-	if (a == 0 || null_tokens) {
-		expect(rc, KVR_EINVAL, "attempt 0 or NULL tokens");
+	if (a == 0 || null_tokens || bad_flags) {
+		expect(rc, KVR_EINVAL, "attempt 0, NULL tokens or unknown flags");
 		return;
 	}
 	if (k < 0) {
@@ -1483,6 +1495,8 @@ static void op_null_args(struct prog *p)
 		expect(kvr_request_prefill_done(NULL, 1), KVR_EINVAL, "prefill_done(NULL)");
 		expect(kvr_request_abort(NULL, 1), KVR_EINVAL, "abort(NULL)");
 		expect(kvr_request_output(NULL, 1, p->toks, 1), KVR_EINVAL, "output(NULL)");
+		expect(kvr_request_output_ex(NULL, 1, p->toks, 1, 0), KVR_EINVAL,
+		       "output_ex(NULL)");
 		break;
 	case 10:
 		expect(kvr_events_apply(p->r, rid(0), NULL), KVR_EINVAL, "events(NULL)");

@@ -247,10 +247,10 @@ Test(replay, default_blocks_fit_the_longest_request)
  * router's prediction block for block, and every routing decision predicted the cached prefix
  * the engine found exactly.  Checked without eviction (big pool) and with it (small pool).
  *
- * The replay passes every sampled token to kvr_request_output, the final one included, as a
- * streaming frontend does; the router itself leaves out the block only the final token would
- * complete (vLLM never computes that token's KV).  strict = false asserts only the one-sided
- * properties (every cached block predicted, never under-predicted).
+ * The replay passes every sampled token to kvr_request_output_ex, the final one included and
+ * flagged KVR_OUTPUT_FINAL, as a streaming frontend can; the router leaves out the block only the
+ * final token would complete (vLLM never computes that token's KV).  strict = false asserts only
+ * the one-sided properties (every cached block predicted, never under-predicted).
  */
 static void serial_check(const struct replay_policy_ops *ops, uint32_t blocks, bool aligned,
                          bool strict)

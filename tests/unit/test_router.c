@@ -254,6 +254,80 @@ Test(router, vllm_final_token_has_no_kv)
 	vllm_rule(5, 60, 4, 0);  /* 64 */
 }
 
+/* kvr_request_output_ex: the frontend says which token is final, so a token known not to be
+ * final has KV at once (vLLM allocates its slot as it schedules the next step): after P prompt
+ * and i + 1 output tokens, P + i + 1 tokens have KV (kvr_request_output: P + i), and the final
+ * one still never gets KV. */
+static void vllm_rule_exact(uint32_t p, uint32_t o, size_t want)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+	uint32_t full[128];
+	prompt(full, 128, 17);
+	struct kvr_decision d = route(r, full, p, 0);
+	for (uint32_t i = 0; i < o; i++) {
+		bool final = i + 1 == o;
+		cr_assert_eq(kvr_request_output_ex(r, d.attempt, full + p + i, 1,
+		                                   final ? KVR_OUTPUT_FINAL : 0),
+		             0);
+		size_t with_kv = p + i + (final ? 0 : 1);
+		cr_assert_eq(rank_blocks(r, 0), with_kv / 16, "P %u, after output %u", p, i + 1);
+	}
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(rank_blocks(r, 0), want, "P %u + O %u", p, o);
+	struct kvr_decision e = route(r, full, p + o, 0);
+	cr_assert_eq(e.overlap_blocks, want);
+	cr_assert_eq(kvr_request_finish(r, e.attempt), 0);
+	kvr_router_destroy(r);
+}
+
+Test(router, output_final_flag_is_exact)
+{
+	vllm_rule_exact(10, 6, 0);  /* the only block is completed by the final token */
+	vllm_rule_exact(10, 7, 1);  /* counted as token 6 is reported, not as token 7 is */
+	vllm_rule_exact(32, 17, 3); /* 48 */
+	vllm_rule_exact(5, 60, 4);  /* 64 */
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+	uint32_t t[64];
+	prompt(t, 64, 19);
+	struct kvr_decision d = route(r, t, 15, 0);
+	cr_assert_eq(kvr_request_output_ex(r, d.attempt, t + 15, 1, 2), KVR_EINVAL, "bad flags");
+	cr_assert_eq(kvr_request_output_ex(r, d.attempt, NULL, 1, 0), KVR_EINVAL);
+	cr_assert_eq(kvr_request_output_ex(r, d.attempt, NULL, 0, KVR_OUTPUT_FINAL), 0);
+	cr_assert_eq(rank_blocks(r, 0), 0);
+	/* mixed: token 15 of unknown finality is held back, then joins with token 16 (not final) */
+	cr_assert_eq(kvr_request_output(r, d.attempt, t + 15, 1), 0);
+	cr_assert_eq(rank_blocks(r, 0), 0);
+	cr_assert_eq(kvr_request_output_ex(r, d.attempt, t + 16, 1, 0), 0);
+	cr_assert_eq(rank_blocks(r, 0), 1);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_request_output_ex(r, d.attempt, t + 17, 1, 0), KVR_ESTALE);
+	kvr_router_destroy(r);
+}
+
+/* The block a non-final token opens is taken at once, evicting on a full rank, as vLLM's
+ * scheduler does in the step after sampling it (kvr-replay's Mooncake seed 12 request 514 was
+ * over-predicted by that block with kvr_request_output). */
+Test(router, output_not_final_evicts_at_once)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 4, 0);
+	uint32_t x[32], a[40];
+	prompt(x, 32, 21);
+	prompt(a, 40, 22);
+	struct kvr_decision dx = route(r, x, 32, 0);
+	cr_assert_eq(kvr_request_finish(r, dx.attempt), 0);
+	cr_assert_eq(rank_blocks(r, 0), 2, "x cached");
+	struct kvr_decision da = route(r, a, 32, 0);
+	cr_assert_eq(rank_blocks(r, 0), 4, "full: x's 2 and a's 2");
+	cr_assert_eq(kvr_request_output_ex(r, da.attempt, a + 32, 1, 0), 0);
+	cr_assert_eq(rank_blocks(r, 0), 3, "a's third block (token 32's slot) evicted one of x's");
+	cr_assert_eq(kvr_request_output_ex(r, da.attempt, a + 33, 1, KVR_OUTPUT_FINAL), 0);
+	cr_assert_eq(kvr_request_finish(r, da.attempt), 0);
+	struct kvr_decision e = route(r, x, 32, 0);
+	cr_assert_eq(e.overlap_blocks, 1);
+	cr_assert_eq(kvr_request_finish(r, e.attempt), 0);
+	kvr_router_destroy(r);
+}
+
 Test(router, output_chunking_does_not_change_the_prediction)
 {
 	/* 10 + 23 output tokens (32 with KV: 2 blocks) in chunks of 1, 7, 16 and 23 tokens */

@@ -80,8 +80,9 @@ struct replay_policy_ops {
 	 * rank. */
 	int (*observe)(void *state, uint32_t rank, bool has_watermark, uint64_t watermark,
 	               uint64_t resident);
-	/* Output tokens as sampled, the final one included (a streaming frontend's view). */
-	int (*output)(void *state, uint64_t handle, const uint32_t *tokens, size_t n);
+	/* Output tokens as sampled, the final one included (a streaming frontend's view); final:
+	 * the last of them is the request's final token (else it is known not to be). */
+	int (*output)(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final);
 	int (*finished)(void *state, uint64_t handle, const struct sim_finish_info *info);
 	/* A request route() held back (queued) was admitted: returns 1 with its id (the route
 	 * request's id) and *out filled, 0 when none is ready, or an error.  Optional. */

@@ -155,9 +155,10 @@ static int ll_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t 
 	return 0;
 }
 
-static int ll_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
+static int ll_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final)
 {
 	(void)tokens;
+	(void) final;
 	take(state, handle, n);
 	return 0;
 }

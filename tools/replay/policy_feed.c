@@ -310,7 +310,7 @@ static int pf_route(void *state, const struct replay_route_req *q, struct replay
 	return 0;
 }
 
-static int pf_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
+static int pf_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final)
 {
 	struct pf *p = state;
 	struct tail *t = tail_of(p, handle, false);
@@ -326,7 +326,7 @@ static int pf_output(void *state, uint64_t handle, const uint32_t *tokens, size_
 	int rc = undefer(p, false);
 	if (rc)
 		return rc;
-	return replay_policy_events.output(p->inner, handle, tokens, n);
+	return replay_policy_events.output(p->inner, handle, tokens, n, final);
 }
 
 static int pf_finished(void *state, uint64_t handle, const struct sim_finish_info *info)

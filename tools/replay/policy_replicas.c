@@ -173,9 +173,9 @@ static int rs_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t 
 	FORWARD(first_token, rank, time_ns);
 }
 
-static int rs_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
+static int rs_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final)
 {
-	FORWARD(output, tokens, n);
+	FORWARD(output, tokens, n, final);
 }
 
 static int rs_finished(void *state, uint64_t handle, const struct sim_finish_info *info)

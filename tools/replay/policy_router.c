@@ -315,11 +315,13 @@ static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t w
 	return kvr_rank_observe(p->r, (struct kvr_rank_id){.worker_id = rank, .dp_rank = 0}, &ob);
 }
 
-static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n)
+/* The replay knows which token is final, as a streaming frontend does (finish_reason comes with
+ * it): the router counts each other token's KV slot at once (kvr_request_output_ex). */
+static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final)
 {
 	struct rp *p = state;
 	tick(p);
-	return kvr_request_output(p->r, handle, tokens, n);
+	return kvr_request_output_ex(p->r, handle, tokens, n, final ? KVR_OUTPUT_FINAL : 0);
 }
 
 static int rp_finished(void *state, uint64_t handle, const struct sim_finish_info *info)

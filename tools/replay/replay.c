@@ -5,22 +5,25 @@
  * the replay answers with trace_output_token() and buffers the token for the policy, which
  * gets them output_every blocks at a time (one router call per output_every * block_size
  * tokens, not per token), after the first token, and the rest at finish.  Every sampled token is
- * sent, the final one included, as a streaming frontend does: the router itself knows that the
- * final token never gets KV in vLLM (kvr_request_output in kvrouter.h), and the simulator caches
- * floor((prompt + output - 1) / block size) blocks the same way.
+ * sent, the final one included, as a streaming frontend does, and flagged as a frontend can
+ * (finish_reason comes with the last token): the batch sent at finish ends with the final
+ * token, every earlier batch ends with a token known not to be final.  The router, told so
+ * (kvr_request_output_ex in kvrouter.h), counts a non-final token's KV slot at once and never
+ * the final one's; the simulator caches floor((prompt + output - 1) / block size) blocks the
+ * same way.
  *
  * When a batch goes out.  The engine (as vLLM's scheduler, allocate_slots at schedule time)
  * takes a sequence's block k in the step right after it sampled the token at position k*B, and
- * that allocation may evict a cached block.  The router counts block k once it has been told
- * the token at k*B + 1 (it holds the last reported token back: kvr_request_output), one step
- * later.  So a batch is sent as the token at a sequence position = 1 (mod output_every * B) is
- * sampled: the router then learns of every (output_every-th) new block one step after the
- * engine took it, as it would with one call per token.  Batches counted from the first output
- * token instead were up to B - 1 steps later than that: an arrival in between found the engine
- * had evicted a block the router still counted (Mooncake sample, seed 3, request 1035: predicted
- * 1226 blocks, the engine held 1225; tools/replay/testdata/decode_boundary.jsonl is the same
- * thing in four requests).  What is left is the one step itself: an arrival routed between the
- * engine's allocation for token k*B and the sampling of k*B + 1 can still be over by a block.
+ * that allocation may evict a cached block.  So a batch is sent as the token at a sequence
+ * position = 0 (mod output_every * B) is sampled: the router learns of every (output_every-th)
+ * new block in the step the engine takes it, as it would with one call per token.  Batches
+ * counted from the first output token instead were up to B - 1 steps late: an arrival in
+ * between found the engine had evicted a block the router still counted (Mooncake sample, seed
+ * 3, request 1035: predicted 1226 blocks, the engine held 1225;
+ * tools/replay/testdata/decode_boundary.jsonl is the same thing in four requests).  With
+ * kvr_request_output, which holds the last token back because it cannot know it is not the
+ * final one, the router was one step late still (seed 12, request 514, over by a block), and
+ * batches went out at position 1 (mod output_every * B).
  *
  * Chains for the agreement check: every block hash the replay sees (prompt blocks at routing,
  * output blocks as they complete) is recorded as seq -> (parent seq, local hash), so a chain
@@ -49,6 +52,7 @@ struct rq {
 	uint64_t last_seq; /* last block hash of the sequence so far (chains) */
 	uint32_t rank, predicted, n_blocks;
 	uint32_t out_len, nbuf, nctail;
+	uint32_t n_out;      /* output tokens sampled so far */
 	uint64_t arrival_ns; /* trace arrival (a queued request is submitted later) */
 	bool routed, first_seen, admitted_once;
 	bool due;        /* a buffered token is at a batch boundary: send at first token */
@@ -123,14 +127,16 @@ static void record_blocks(struct run *run, struct rq *q, const uint32_t *tokens,
 	}
 }
 
-static void flush(struct run *run, struct rq *q)
+/* Sends the buffered tokens; final: the last of them is the request's final token (at finish;
+ * a batch sent earlier never ends with it). */
+static void flush(struct run *run, struct rq *q, bool final)
 {
 	if (!q->nbuf)
 		return;
 	void *ps;
 	const struct replay_policy_ops *o = owner_of(run, q, &ps);
 	if (o && o->output)
-		perr(run, o->output(ps, q->handle, q->buf, q->nbuf));
+		perr(run, o->output(ps, q->handle, q->buf, q->nbuf, final));
 	q->nbuf = 0;
 	q->due = false;
 }
@@ -147,13 +153,16 @@ static uint32_t on_output_token(void *user, uint64_t id, uint32_t i)
 			q->nctail = 0;
 		}
 	}
-	/* Batch boundary: this token sits at sequence position 1 (mod out_chunk), see the top. */
+	/* Batch boundary: this token sits at sequence position 0 (mod out_chunk), see the top.  The
+	 * final token waits for the finish, which sends it flagged final. */
 	uint32_t chunk = q->run->out_chunk;
-	if ((q->tr->input_len + i) % chunk == 1 % chunk)
+	q->n_out = i + 1;
+	bool final = q->n_out >= q->out_len;
+	if ((q->tr->input_len + i) % chunk == 0 && !final)
 		q->due = true;
 	q->buf[q->nbuf++] = tok;
-	if ((q->due || q->nbuf == chunk) && q->first_seen)
-		flush(q->run, q);
+	if ((q->due || q->nbuf == chunk) && q->first_seen && !final)
+		flush(q->run, q, false);
 	return tok;
 }
 
@@ -231,8 +240,8 @@ static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, ui
 	const struct replay_policy_ops *o = owner_of(run, q, &ps);
 	if (o && o->first_token)
 		perr(run, o->first_token(ps, q->handle, rank, t));
-	if (q->due || q->nbuf == run->out_chunk)
-		flush(run, q);
+	if ((q->due || q->nbuf == run->out_chunk) && q->n_out < q->out_len)
+		flush(run, q, false);
 }
 
 static void on_finished(void *ctx, const struct sim_finish_info *info)
@@ -240,7 +249,7 @@ static void on_finished(void *ctx, const struct sim_finish_info *info)
 	struct run *run = ctx;
 	struct rq *q = info->user;
 	struct replay_result *res = run->res;
-	flush(run, q);
+	flush(run, q, true);
 	run->tokens_done += (uint64_t)info->prompt_len + info->output_len;
 	if (info->finish_ns > run->last_finish)
 		run->last_finish = info->finish_ns;

@@ -139,8 +139,11 @@ assert r["self"]["prediction"]["exact_share"] == 1.0, r["self"]["prediction"]
 for m in ("clients", "router", "self"):
     assert 0 < r[m]["own_hit_rate"] < 1, (m, r[m]["own_hit_rate"])
 PY
-# Output batches end one token past a block boundary (replay.c, "When a batch goes out"), so
-# the router learns of a decode block one step after the engine took it.  decode_boundary.jsonl:
+# Output batches end at a block boundary with a token flagged not final (replay.c, "When a batch
+# goes out"), so the router learns of a decode block in the step the engine takes it.  Seed 12
+# (the full trace's pool size): request 514 was over-predicted by one block while the router
+# held the last token back (kvr_request_output), exact with kvr_request_output_ex.
+# decode_boundary.jsonl:
 # R0 leaves 32 cached blocks, A decodes on the one rank and each of its new blocks evicts R0's
 # deepest, C asks for R0's prefix 12 ms after A's block 34 evicted R0's block 31 (batches
 # counted from the first output token told the router 35 ms later: predicted 32, held 31).  The
@@ -149,9 +152,11 @@ PY
 	--out "$tmp/db.json" "$root/tools/replay/testdata/decode_boundary.jsonl" || fail "decode_boundary"
 "$bin" --no-timing --quiet --policies approx_lru --seed 3 --max-requests 1036 \
 	--out "$tmp/s3.json" "$sample" || fail "seed 3 replay"
+"$bin" --no-timing --quiet --policies approx_lru --seed 12 --max-requests 515 \
+	--blocks-per-rank 19718 --out "$tmp/s12.json" "$sample" || fail "seed 12 replay"
 python3 - "$tmp" <<'PY' || fail "a decode block reached the router late"
 import json, sys
-for f, n in (("db", 4), ("s3", 1036)):
+for f, n in (("db", 4), ("s3", 1036), ("s12", 515)):
     q = json.load(open("%s/%s.json" % (sys.argv[1], f)))["policies"][0]["prediction"]
     assert q["requests"] == n and q["exact_share"] == 1.0, (f, q)
 PY
