@@ -409,9 +409,10 @@ KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
  * the request runs: vLLM allocates (and caches up to) the last sampled token's slot as it
  * schedules the next step, the router only once a later token is reported (it cannot tell that
  * the last one is not the final one), so a request routed to the rank within that step finds
- * one block fewer than predicted when that allocation evicted one.  Sending tokens in batches
- * adds to this unless each batch ends one token past a block boundary (tools/replay/replay.c,
- * "When a batch goes out"). */
+ * one block fewer than predicted when that allocation evicted one (kvr_request_output_ex,
+ * told which token is final, has no such step).  Sending tokens in batches adds to this unless
+ * each batch ends one token past a block boundary (with kvr_request_output_ex: at a block
+ * boundary; tools/replay/replay.c, "When a batch goes out"). */
 KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
                                size_t n_tokens);
 
