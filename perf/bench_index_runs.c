@@ -249,6 +249,21 @@ static void bench_memory(size_t len, int holders, int np)
 	printf("SUMMARY bench=index_memory run_blocks=%zu holders=%d held=%lu "
 	       "bytes_per_held_block=%.1f\n",
 	       len, holders, (unsigned long)held, (double)(mem1 - mem0) / (double)held);
+	/* Where the bytes go, per held block: the run table, the block locator (and the array
+	 * a migration has not finished leaving), its id directory, and the rest (runs, their
+	 * hashes, holder records and sets). */
+	uint64_t tab = 0;
+	for (uint32_t i = 0; i < IDX_SEGS; i++)
+		if (idx->seg[i].tab)
+			tab += idx_bytes_tab(idx->seg[i].tab->cap);
+	const struct idx_blocks *b = &idx->blk;
+	const double h = (double)held;
+	printf("# where: run_table=%.2f locator=%.2f (load %.2f) locator_old=%.2f locator_dir=%.2f "
+	       "runs_hashes_holders=%.2f\n",
+	       (double)tab / h, (double)b->cap * 4 / h,
+	       b->cap ? (double)(b->count + b->tombs) / (double)b->cap : 0.0,
+	       (double)b->old_cap * 4 / h, (double)b->dir_cap * 8 / h,
+	       (double)(mem1 - mem0 - tab - (b->cap + b->old_cap) * 4 - b->dir_cap * 8) / h);
 	fflush(stdout);
 	kvr_index_destroy(idx);
 }
