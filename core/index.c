@@ -28,11 +28,28 @@
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block, and
  * the locator skips first blocks.  Per run: a 64-byte header (16-bit lengths and offsets in
  * the high bits of its pointer words; a one-block run keeps its hash in it; longer ones have a
- * hash array whose header also keeps the locator id).  Per
- * (rank, run): an 8-byte holder word (inline in the run for a single holder, else in a holder
- * set with a pointer beside it), a 40-byte record and a bitmap (1 bit per position), so the
- * per-holder cost of a run of 16+ blocks is a few bytes.  Events mode, where the engine's
- * ext hash differs from the sequence hash, adds per rank an ext -> seq and a seq -> ext map.
+ * hash array whose 16-byte header also keeps the locator id).  Per (rank, run): an 8-byte
+ * holder word (inline in the run for a single holder, else in a holder set with a pointer
+ * beside it), a 32-byte record and a bitmap (1 bit per position), so the per-holder cost of a
+ * run of 16+ blocks is a few bytes.  Events mode, where the engine's ext hash differs from the
+ * sequence hash, adds per rank an ext -> seq and a seq -> ext map.  Header and record sizes are
+ * jemalloc classes (64, 32): the 16-bit fields ride in the high bits of pointer words.
+ *
+ * What that leaves for short runs (bench_index_runs prints the split, '# where:').  A run of
+ * one block with one holder: 64 (header) + 32 (record) + 8 / load of the run table (10-15) =
+ * 106-111 bytes, below the 128 of the per-block index this replaced.  A run of 16 blocks with
+ * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (71-105) + 64 + 16 (hash array
+ * header) + 32 + 10-15 + the locator id's directory entry (8-12) = 329-372 bytes, 20.6-23.3
+ * per block, and more for a while after the locator grew (a migrating locator holds both
+ * arrays: 27 in that benchmark).  Issue 10's 16 bytes per block would leave 256 - 128 (hashes)
+ * - 71 (locator, at its highest load) = 57 bytes per run for the header, record, table and
+ * directory entries, less than the header alone: the floor is set by the writers' need to find
+ * any block by its hash (a 4-byte locator entry per block; a removal names any block), not
+ * by per-run overhead.  Options weighed and not taken: hashes inline in the run allocation
+ * (saves the 16-byte array header, but a growing run must then move, and readers and children
+ * hold its address), the single holder without a record (the rank's list and the bitmap still
+ * need 24+ bytes somewhere), a bucketised locator at load 0.9+ (saves ~1 byte per block for a
+ * new table and its incremental migration).
  *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and
  * seqs (acquire), compare, and read holder words.  Positions are write-once (index_internal.h),

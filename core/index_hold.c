@@ -30,7 +30,17 @@
 
 static uint64_t hold_bytes(const struct idx_hold *h)
 {
-	return sizeof(*h) + (h->nwords > 1 ? (uint64_t)h->nwords * 8 : 0);
+	const uint32_t nw = idx_hold_nwords(h);
+	return sizeof(*h) + (nw > 1 ? (uint64_t)nw * 8 : 0);
+}
+
+/* Bitmap words to cover pos: a power of two (the record keeps its log2). */
+static uint32_t words_for(uint32_t pos)
+{
+	uint32_t nw = 1;
+	while (nw * 64 <= pos)
+		nw *= 2;
+	return nw;
 }
 
 struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
@@ -40,13 +50,14 @@ struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, 
 	if (!h)
 		return NULL;
 	memset(h, 0, sizeof(*h));
-	h->nwords = pos / 64 + 1;
-	if (h->nwords > 1 && !(h->bm = kvr_calloc(h->nwords, 8))) {
+	const uint32_t nw = words_for(pos);
+	idx_hold_set_nwords(h, nw);
+	if (nw > 1 && !(h->bm = kvr_calloc(nw, 8))) {
 		kvr_free(h, sizeof(*h));
 		return NULL;
 	}
-	h->run = run;
-	h->slot = slot;
+	h->rw = (uint64_t)(uintptr_t)run | (uint64_t)(slot & 0xffff) << IDX_HI_SHIFT;
+	h->pw = (uint64_t)(slot >> 16) << IDX_HI_SHIFT;
 	idx_count(&idx->bytes_rank, (int64_t)hold_bytes(h));
 	return h;
 }
@@ -54,26 +65,27 @@ struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, 
 void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h)
 {
 	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
-	if (h->nwords > 1)
-		kvr_free(h->bm, (size_t)h->nwords * 8);
+	if (idx_hold_nwords(h) > 1)
+		kvr_free(h->bm, (size_t)idx_hold_nwords(h) * 8);
 	kvr_free(h, sizeof(*h));
 }
 
 /* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
 int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	if (pos / 64 < h->nwords)
+	const uint32_t ow = idx_hold_nwords(h);
+	if (pos / 64 < ow)
 		return 0;
-	uint32_t nw = h->nwords * 2 > pos / 64 + 1 ? h->nwords * 2 : pos / 64 + 1;
+	const uint32_t nw = words_for(pos); /* at least twice ow: amortised O(1) */
 	uint64_t *bm = kvr_calloc(nw, 8);
 	if (!bm)
 		return KVR_ENOMEM;
-	memcpy(bm, idx_hold_bm(h), (size_t)h->nwords * 8);
-	idx_count(&idx->bytes_rank, (int64_t)(nw - (h->nwords > 1 ? h->nwords : 0)) * 8);
-	if (h->nwords > 1)
-		kvr_free(h->bm, (size_t)h->nwords * 8);
+	memcpy(bm, idx_hold_bm(h), (size_t)ow * 8);
+	idx_count(&idx->bytes_rank, (int64_t)(nw - (ow > 1 ? ow : 0)) * 8);
+	if (ow > 1)
+		kvr_free(h->bm, (size_t)ow * 8);
 	h->bm = bm;
-	h->nwords = nw;
+	idx_hold_set_nwords(h, nw);
 	return 0;
 }
 
@@ -82,13 +94,14 @@ void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
 {
 	uint64_t *bm = idx_hold_bm(h);
 	bm[pos / 64] |= 1ull << (pos % 64);
-	h->held++;
-	if (pos + 1 > h->top)
-		h->top = pos + 1;
-	if (pos != h->cut)
+	uint32_t top = idx_hold_top(h);
+	if (pos + 1 > top)
+		idx_hold_set_top(h, top = pos + 1);
+	if (pos != idx_hold_cut(h))
 		return;
-	uint32_t c = h->cut;
-	while (c / 64 < h->nwords) {
+	uint32_t c = pos;
+	const uint32_t nw = idx_hold_nwords(h);
+	while (c / 64 < nw) {
 		/* The shift brings in zeros above bit 63 - c % 64, which ~ makes look like a
 		 * gap: only a gap below them ends the cut here, else go on to the next word
 		 * (stopping at the word's end under-credited a refilled hole by up to 63 blocks
@@ -102,17 +115,16 @@ void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
 		}
 		c += rest;
 	}
-	h->cut = c < h->top ? c : h->top;
+	idx_hold_set_cut(h, c < top ? c : top);
 }
 
 void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)
 {
 	uint64_t *bm = idx_hold_bm(h);
 	bm[pos / 64] &= ~(1ull << (pos % 64));
-	h->held--;
-	if (pos < h->cut)
-		h->cut = pos;
-	if (pos + 1 != h->top)
+	if (pos < idx_hold_cut(h))
+		idx_hold_set_cut(h, pos);
+	if (pos + 1 != idx_hold_top(h))
 		return;
 	uint32_t t = 0;
 	for (uint32_t w = pos / 64 + 1; w-- > 0;)
@@ -120,7 +132,7 @@ void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)
 			t = w * 64 + 64 - (uint32_t)__builtin_clzll(bm[w]);
 			break;
 		}
-	h->top = t;
+	idx_hold_set_top(h, t);
 }
 
 /* Copy counts (count_copies): extra copies of a held position, in the rank's cmap keyed by
@@ -133,7 +145,7 @@ static inline uint64_t copy_key(const struct idx_hold *h, uint32_t pos)
 
 int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	struct idx_xmap *m = &idx->rank[h->slot].cmap;
+	struct idx_xmap *m = &idx->rank[idx_hold_slot(h)].cmap;
 	if (idx_xmap_ref(m, copy_key(h, pos)))
 		return 0;
 	return kvr_index_xmap_reserve(idx, m);
@@ -141,7 +153,7 @@ int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t p
 
 void kvr_index_copy_inc(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	struct idx_xmap *m = &idx->rank[h->slot].cmap;
+	struct idx_xmap *m = &idx->rank[idx_hold_slot(h)].cmap;
 	struct idx_xent *e = idx_xmap_ref(m, copy_key(h, pos));
 	if (e)
 		e->val++;
@@ -152,7 +164,7 @@ void kvr_index_copy_inc(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 /* Drops one extra copy of pos; false when pos has none. */
 bool kvr_index_copy_dec(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
 {
-	struct idx_xmap *m = &idx->rank[h->slot].cmap;
+	struct idx_xmap *m = &idx->rank[idx_hold_slot(h)].cmap;
 	struct idx_xent *e = m->count ? idx_xmap_ref(m, copy_key(h, pos)) : NULL;
 	if (!e)
 		return false;
@@ -189,12 +201,13 @@ struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot)
  * released before (index_match.c credits min(cut, matched)). */
 void kvr_index_publish_cut(struct idx_hold *h)
 {
-	struct idx_hview v = idx_holders(h->run);
-	int64_t i = hs_find(v, h->slot);
+	const uint32_t slot = idx_hold_slot(h);
+	struct idx_hview v = idx_holders(idx_hold_run(h));
+	int64_t i = hs_find(v, slot);
 	if (i < 0)
 		return; /* NEVER */
-	uint64_t w = ((uint64_t)h->slot << 32) | h->cut;
-	for (uint32_t k = (uint32_t)i; k < v.n && idx_hslot(v.e[k]) == h->slot; k++)
+	uint64_t w = ((uint64_t)slot << 32) | idx_hold_cut(h);
+	for (uint32_t k = (uint32_t)i; k < v.n && idx_hslot(v.e[k]) == slot; k++)
 		__atomic_store_n(&v.e[k], w, __ATOMIC_RELAXED);
 }
 
@@ -224,10 +237,11 @@ static void hs_retire(struct kvr_index *idx, struct idx_hset *hs)
 int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
 {
 	const struct idx_hview o = idx_holders(r);
+	const uint32_t slot = idx_hold_slot(h);
 	if (o.n == 0) {
 		/* Ordering: relaxed; the cut (0 here) is raised by publish_cut after the blocks;
 		 * readers treat a tagged hs like NULL. */
-		__atomic_store_n(&r->h1, (uint64_t)h->slot << 32, __ATOMIC_RELAXED);
+		__atomic_store_n(&r->h1, (uint64_t)slot << 32, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->hs, (struct idx_hset *)((uintptr_t)h | 1), __ATOMIC_RELEASE);
 		return 0;
 	}
@@ -240,8 +254,8 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 	bool put = false;
 	for (uint32_t i = 0; i < o.n; i++) {
 		uint64_t w = __atomic_load_n(&o.e[i], __ATOMIC_RELAXED);
-		if (!put && h->slot < idx_hslot(w)) {
-			hs->e[k] = (uint64_t)h->slot << 32;
+		if (!put && slot < idx_hslot(w)) {
+			hs->e[k] = (uint64_t)slot << 32;
 			nh[k++] = h;
 			put = true;
 		}
@@ -251,7 +265,7 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 		nh[k++] = idx_hv_hold(&o, i);
 	}
 	if (!put) {
-		hs->e[k] = (uint64_t)h->slot << 32;
+		hs->e[k] = (uint64_t)slot << 32;
 		nh[k++] = h;
 	}
 	hs->n = k;

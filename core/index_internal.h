@@ -108,6 +108,22 @@ static inline uint64_t idx_lo_ptr(uint64_t w)
 	return w & ((1ull << IDX_HI_SHIFT) - 1);
 }
 
+/* A 16-bit field in the high bits of a pointer word, and the pointer, replaced. */
+static inline uint64_t idx_hi(uint64_t w)
+{
+	return w >> IDX_HI_SHIFT;
+}
+
+static inline uint64_t idx_set_hi(uint64_t w, uint64_t hi)
+{
+	return idx_lo_ptr(w) | hi << IDX_HI_SHIFT;
+}
+
+static inline uint64_t idx_set_lo(uint64_t w, const void *p)
+{
+	return (uint64_t)(uintptr_t)p | (w & ~idx_lo_ptr(~0ull));
+}
+
 static inline uint64_t idx_po(const struct idx_run *parent, uint32_t off)
 {
 	return (uint64_t)(uintptr_t)parent | (uint64_t)off << IDX_HI_SHIFT;
@@ -120,13 +136,13 @@ static inline struct idx_run *idx_run_parent(const struct idx_run *r)
 
 static inline uint32_t idx_run_off(const struct idx_run *r)
 {
-	return (uint32_t)(r->po >> IDX_HI_SHIFT);
+	return (uint32_t)idx_hi(r->po);
 }
 
 /* Writer reads of len and seqs (only writers store them: no atomic needed to read). */
 static inline uint32_t idx_run_len(const struct idx_run *r)
 {
-	return (uint32_t)(r->sl >> IDX_HI_SHIFT);
+	return (uint32_t)idx_hi(r->sl);
 }
 
 static inline uint64_t *idx_run_seqs(const struct idx_run *r)
@@ -138,15 +154,13 @@ static inline uint64_t *idx_run_seqs(const struct idx_run *r)
  * position is stored after the position's hash was written into the array it points at. */
 static inline void idx_run_set_len(struct idx_run *r, uint32_t len)
 {
-	__atomic_store_n(&r->sl, idx_lo_ptr(r->sl) | (uint64_t)len << IDX_HI_SHIFT,
-	                 __ATOMIC_RELEASE);
+	__atomic_store_n(&r->sl, idx_set_hi(r->sl, len), __ATOMIC_RELEASE);
 }
 
 /* Ordering: release; publishes a new array (filled before this store) under the same len. */
 static inline void idx_run_set_seqs(struct idx_run *r, uint64_t *s)
 {
-	__atomic_store_n(&r->sl, (uint64_t)(uintptr_t)s | (r->sl & ~idx_lo_ptr(~0ull)),
-	                 __ATOMIC_RELEASE);
+	__atomic_store_n(&r->sl, idx_set_lo(r->sl, s), __ATOMIC_RELEASE);
 }
 
 static inline struct idx_run *idx_run_child(const struct idx_run *r)
@@ -156,17 +170,17 @@ static inline struct idx_run *idx_run_child(const struct idx_run *r)
 
 static inline uint32_t idx_run_mco(const struct idx_run *r)
 {
-	return (uint32_t)(r->ch >> IDX_HI_SHIFT);
+	return (uint32_t)idx_hi(r->ch);
 }
 
 static inline void idx_run_set_child(struct idx_run *r, const struct idx_run *c)
 {
-	r->ch = (uint64_t)(uintptr_t)c | (r->ch & ~idx_lo_ptr(~0ull));
+	r->ch = idx_set_lo(r->ch, c);
 }
 
 static inline void idx_run_set_mco(struct idx_run *r, uint32_t off)
 {
-	r->ch = idx_lo_ptr(r->ch) | (uint64_t)off << IDX_HI_SHIFT;
+	r->ch = idx_set_hi(r->ch, off);
 }
 
 static inline struct idx_run *idx_run_sib(const struct idx_run *r)
@@ -176,17 +190,17 @@ static inline struct idx_run *idx_run_sib(const struct idx_run *r)
 
 static inline uint32_t idx_run_hw(const struct idx_run *r)
 {
-	return (uint32_t)(r->sb >> IDX_HI_SHIFT);
+	return (uint32_t)idx_hi(r->sb);
 }
 
 static inline void idx_run_set_sib(struct idx_run *r, const struct idx_run *c)
 {
-	r->sb = (uint64_t)(uintptr_t)c | (r->sb & ~idx_lo_ptr(~0ull));
+	r->sb = idx_set_lo(r->sb, c);
 }
 
 static inline void idx_run_set_hw(struct idx_run *r, uint32_t hw)
 {
-	r->sb = idx_lo_ptr(r->sb) | (uint64_t)hw << IDX_HI_SHIFT;
+	r->sb = idx_set_hi(r->sb, hw);
 }
 
 /* r->hs when it is a holder set, else NULL (an inline holder's tagged record, or none). */
@@ -232,27 +246,91 @@ static inline uint32_t idx_run_id(const struct idx_run *r)
 /*
  * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
  * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix
- * cut (mirrored into the run's hset), top (highest held position + 1) and held (popcount).
- * Copies beyond the first (count_copies) are counted in the rank's cmap, not here: few records
- * ever have one, so a pointer per record would cost every record 8 bytes.
+ * cut (mirrored into the run's hset) and top (highest held position + 1; 0: the record holds
+ * nothing).  Copies beyond the first (count_copies) are counted in the rank's cmap, not here:
+ * few records ever have one, so a pointer per record would cost every record 8 bytes.
+ * 32 bytes (jemalloc's 32-byte class; it was 40, in the 48-byte class): slot (20 bits), top,
+ * cut (12 bits each, <= IDX_RUN_MAX) and log2 of the bitmap's words (3 bits; the bitmap is a
+ * power of two of words) ride in the high 16 bits of the three pointer words (below 2^48, as
+ * the run table assumes); the count of held positions is a popcount when needed (rank clear).
+ * Use the accessors.
  */
 struct idx_hold {
-	struct idx_run *run;
-	struct idx_hold *prev, *next; /* the rank's list */
+	uint64_t rw; /* run | slot bits 0..15 << 48 */
+	uint64_t pw; /* prev in the rank's list | (slot bits 16..19 | top << 4) << 48 */
+	uint64_t nw; /* next in the rank's list | (cut | log2(bitmap words) << 12) << 48 */
 	union {
-		uint64_t *bm; /* nwords > 1 */
-		uint64_t bm0; /* nwords == 1: inline */
+		uint64_t *bm; /* more than one word */
+		uint64_t bm0; /* one word: inline */
 	};
-	uint64_t slot : 20;  /* < KVR_INDEX_MAX_RANKS */
-	uint64_t nwords : 6; /* bitmap words, <= IDX_RUN_MAX / 64 */
-	uint64_t cut : 12;   /* positions, <= IDX_RUN_MAX */
-	uint64_t top : 12;
-	uint64_t held : 12;
 };
+
+_Static_assert(sizeof(struct idx_hold) == 32, "a holder record is one 32-byte jemalloc class");
+
+static inline struct idx_run *idx_hold_run(const struct idx_hold *h)
+{
+	return (struct idx_run *)(uintptr_t)idx_lo_ptr(h->rw);
+}
+
+static inline uint32_t idx_hold_slot(const struct idx_hold *h)
+{
+	return (uint32_t)(idx_hi(h->rw) | (idx_hi(h->pw) & 15) << 16);
+}
+
+static inline struct idx_hold *idx_hold_prev(const struct idx_hold *h)
+{
+	return (struct idx_hold *)(uintptr_t)idx_lo_ptr(h->pw);
+}
+
+static inline struct idx_hold *idx_hold_next(const struct idx_hold *h)
+{
+	return (struct idx_hold *)(uintptr_t)idx_lo_ptr(h->nw);
+}
+
+static inline void idx_hold_set_prev(struct idx_hold *h, const struct idx_hold *p)
+{
+	h->pw = idx_set_lo(h->pw, p);
+}
+
+static inline void idx_hold_set_next(struct idx_hold *h, const struct idx_hold *n)
+{
+	h->nw = idx_set_lo(h->nw, n);
+}
+
+static inline uint32_t idx_hold_top(const struct idx_hold *h)
+{
+	return (uint32_t)(idx_hi(h->pw) >> 4);
+}
+
+static inline void idx_hold_set_top(struct idx_hold *h, uint32_t top)
+{
+	h->pw = idx_set_hi(h->pw, (idx_hi(h->pw) & 15) | (uint64_t)top << 4);
+}
+
+static inline uint32_t idx_hold_cut(const struct idx_hold *h)
+{
+	return (uint32_t)(idx_hi(h->nw) & 0xfff);
+}
+
+static inline void idx_hold_set_cut(struct idx_hold *h, uint32_t cut)
+{
+	h->nw = idx_set_hi(h->nw, (idx_hi(h->nw) & ~0xfffull) | cut);
+}
+
+static inline uint32_t idx_hold_nwords(const struct idx_hold *h)
+{
+	return 1u << (idx_hi(h->nw) >> 12);
+}
+
+/* Sets the bitmap's size, a power of two of words. */
+static inline void idx_hold_set_nwords(struct idx_hold *h, uint32_t nwords)
+{
+	h->nw = idx_set_hi(h->nw, (idx_hi(h->nw) & 0xfff) | (uint64_t)__builtin_ctz(nwords) << 12);
+}
 
 static inline uint64_t *idx_hold_bm(struct idx_hold *h)
 {
-	return h->nwords == 1 ? &h->bm0 : h->bm;
+	return idx_hold_nwords(h) == 1 ? &h->bm0 : h->bm;
 }
 
 /* Per-rank map key -> val for the blocks stored with ext != seq (events mode): linear probing,
@@ -541,9 +619,10 @@ void kvr_index_xmap_shrink(struct kvr_index *idx, struct idx_xmap *m);
 /* ---- holder records and sets (core/index_hold.c).  Context: writer (wlock). */
 static inline bool idx_hold_bit(const struct idx_hold *h, uint32_t pos)
 {
-	if (pos / 64 >= h->nwords)
+	const uint32_t nw = idx_hold_nwords(h);
+	if (pos / 64 >= nw)
 		return false;
-	return ((h->nwords == 1 ? h->bm0 : h->bm[pos / 64]) >> (pos % 64)) & 1;
+	return ((nw == 1 ? h->bm0 : h->bm[pos / 64]) >> (pos % 64)) & 1;
 }
 
 static inline uint32_t idx_hslot(uint64_t w)

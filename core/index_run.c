@@ -135,22 +135,23 @@ static void unlink_child(struct idx_run *p, struct idx_run *c)
 
 static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
 {
-	struct idx_rank *rk = &idx->rank[h->slot];
-	if (h->prev)
-		h->prev->next = h->next;
+	struct idx_rank *rk = &idx->rank[idx_hold_slot(h)];
+	struct idx_hold *prev = idx_hold_prev(h), *next = idx_hold_next(h);
+	if (prev)
+		idx_hold_set_next(prev, next);
 	else
-		rk->holds = h->next;
-	if (h->next)
-		h->next->prev = h->prev;
+		rk->holds = next;
+	if (next)
+		idx_hold_set_prev(next, prev);
 }
 
 void kvr_index_rank_link_hold(struct kvr_index *idx, struct idx_hold *h)
 {
-	struct idx_rank *rk = &idx->rank[h->slot];
-	h->prev = NULL;
-	h->next = rk->holds;
+	struct idx_rank *rk = &idx->rank[idx_hold_slot(h)];
+	idx_hold_set_prev(h, NULL);
+	idx_hold_set_next(h, rk->holds);
 	if (rk->holds)
-		rk->holds->prev = h;
+		idx_hold_set_prev(rk->holds, h);
 	rk->holds = h;
 }
 
@@ -158,7 +159,7 @@ void kvr_index_rank_link_hold(struct kvr_index *idx, struct idx_hold *h)
 void kvr_index_drop_hold(struct kvr_index *idx, struct idx_hold *h)
 {
 	rank_unlink_hold(idx, h);
-	kvr_index_hs_del(idx, h->run, h->slot);
+	kvr_index_hs_del(idx, idx_hold_run(h), idx_hold_slot(h));
 	kvr_index_hold_free(idx, h);
 }
 
@@ -170,8 +171,8 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		uint32_t need = 0;
 		const struct idx_hview v = idx_holders(r);
 		for (uint32_t i = 0; i < v.n; i++)
-			if (idx_hv_hold(&v, i)->top > need)
-				need = idx_hv_hold(&v, i)->top;
+			if (idx_hold_top(idx_hv_hold(&v, i)) > need)
+				need = idx_hold_top(idx_hv_hold(&v, i));
 		const uint32_t len = idx_run_len(r);
 		if (need >= len)
 			return;

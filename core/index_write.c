@@ -28,7 +28,7 @@
 /* After removals from (r, h): drops the record when empty, trims / kills the run. */
 static void settle(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
 {
-	if (h->held == 0)
+	if (idx_hold_top(h) == 0) /* holds nothing */
 		kvr_index_drop_hold(idx, h);
 	kvr_index_run_check(idx, r);
 }
@@ -406,9 +406,9 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		(*removed)++;
 		if (idx->count_copies && kvr_index_copy_dec(idx, h, q))
 			continue; /* one copy of several goes: the block stays */
-		uint32_t cut0 = h->cut;
+		uint32_t cut0 = idx_hold_cut(h);
 		kvr_index_hold_clear(h, q);
-		if (h->cut != cut0)
+		if (idx_hold_cut(h) != cut0)
 			kvr_index_publish_cut(h);
 		(*dropped)++;
 		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - 1, __ATOMIC_RELAXED);
@@ -462,10 +462,14 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 	uint64_t removed = 0;
 	while (rk->holds) {
 		struct idx_hold *h = rk->holds;
-		struct idx_run *r = h->run;
-		removed += h->held;
-		memset(idx_hold_bm(h), 0, (size_t)h->nwords * 8);
-		h->held = h->cut = h->top = 0;
+		struct idx_run *r = idx_hold_run(h);
+		uint64_t *bm = idx_hold_bm(h);
+		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
+			removed += (uint64_t)__builtin_popcountll(bm[w]);
+			bm[w] = 0;
+		}
+		idx_hold_set_cut(h, 0);
+		idx_hold_set_top(h, 0);
 		kvr_index_publish_cut(h);
 		kvr_index_drop_hold(idx, h);
 		kvr_index_run_check(idx, r);
@@ -528,11 +532,11 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 		return 0;
 	pthread_mutex_lock(&idx->wlock);
 	size_t n = 0;
-	for (struct idx_hold *h = rk->holds; h; h = h->next) {
-		for (uint32_t w = 0; w < h->nwords; w++) {
+	for (struct idx_hold *h = rk->holds; h; h = idx_hold_next(h)) {
+		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
 			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
-				uint64_t s = idx_run_seqs(h->run)[pos], e = s;
+				uint64_t s = idx_run_seqs(idx_hold_run(h))[pos], e = s;
 				idx_xmap_get(&rk->rmap, s, &e);
 				if (out && n < cap)
 					out[n] = e;
