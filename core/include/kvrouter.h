@@ -164,7 +164,9 @@ struct kvr_config {
 	uint64_t maint_every_ns;
 	/* A shard that runs out of work polls this long before it parks on a futex: the next
 	 * message then costs no wake-up (tens of microseconds on a loaded machine), at the price
-	 * of up to this much CPU per idle period.  Default 50 us; 0 = park at once. */
+	 * of up to this much CPU per idle period.  Adaptive: while its idle periods outlast the
+	 * spin (it did not pay), a shard spins less and then not at all, and spins again after
+	 * an idle period shorter than this.  Default 50 us; 0 = park at once. */
 	uint64_t shard_idle_spin_ns;
 	/* Admission booking.  false (default): kvr_route and the lifecycle calls post their work to
 	 * the rank's shard and return without waiting; the request's load is visible at once, its
