@@ -108,7 +108,7 @@ bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n)
 		if (mbt == 0)
 			return false; /* unknown budget: never saturated */
 		/* booked + provisional */
-		double load = (double)kvr_rank_load_prefill(&r->load[slots[i]]);
+		double load = (double)kvr_rank_load_prefill(&r->load[slots[i]], &r->prov[slots[i]]);
 		if (load <= r->cfg.queue_threshold * (double)mbt)
 			return false;
 	}

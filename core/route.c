@@ -4,8 +4,8 @@
  *   1. hash the prompt's complete blocks (XXH3 chain, into thread-local scratch: no allocation
  *      once the scratch has grown to the largest prompt the thread has seen);
  *   2. find_matches in the RCU index (lock-free read side) -> per-rank cached prefix depth;
- *   3. read every candidate rank's load words (struct kvr_rank_load: the shard's snapshot plus
- *      the provisional load of posted admissions, relaxed atomics, four ranks per cache line);
+ *   3. read every candidate rank's load words (shards/owner.h: the booked load its shard
+ *      writes plus the provisional load routing threads add, four ranks per cache line each);
  *   4. score and select in the same pass (core/select.h: cost inline, a running argmin scan,
  *      then one pick), straight from the per-slot arrays, no candidate structs;
  *   5. admit without a round trip (kvr_admit): the attempt id and its lease word are minted
@@ -236,7 +236,7 @@ struct choice {
  * Scores the candidates and picks one: the request's pinned rank, its allow-list, or every live
  * rank (the live list, with the generation each slot had when it became routable).  Per
  * candidate it reads the slot's cached depth (score[]), pinned depth (pin[]) and load words
- * (r->load: snapshot + provisional, 4 ranks per cache line), computes the cost and feeds the
+ * (r->load + r->prov: booked + provisional, 4 ranks a cache line), computes the cost and feeds the
  * scan; no candidate structs, one pass.  *sat: every candidate is saturated (only asked when
  * the router queues).  Returns 0, or KVR_ENOENT (no routable candidate; nothing drawn from the
  * random stream).  Context: inside the read section (the live list is read here).
@@ -267,6 +267,7 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 	/* The request's decode footprint: its prompt blocks plus the output it expects. */
 	uint64_t foot = n_blocks + q->expected_output_tokens / r->cfg.block_size;
 	const struct kvr_rank_load *load = r->load;
+	const struct kvr_rank_prov *prov = r->prov;
 	const uint32_t *score = tls.score, *pin = tls.pin;
 	double *cost = tls.cost;
 	const struct kvr_select_coef coef = kvr_select_coef_of(sp);
@@ -277,8 +278,9 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 		/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT
 		 * already pinned there (its pinned depth: pinned blocks are prefix-closed along the
 		 * chain). */
-		double x = kvr_select_cost_of(&coef, kvr_rank_load_prefill(&load[s]), score[s],
-		                              kvr_rank_load_blocks(&load[s]) + foot - pin[s]);
+		double x =
+		    kvr_select_cost_of(&coef, kvr_rank_load_prefill(&load[s], &prov[s]), score[s],
+		                       kvr_rank_load_blocks(&load[s], &prov[s]) + foot - pin[s]);
 		cost[i] = x;
 		kvr_select_scan_add(&run, i, x);
 	}
@@ -452,7 +454,7 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		return KVR_ENOMEM;
 	}
 	/* Provisional load: the very next decision, on any thread, sees this request. */
-	struct kvr_rank_load *l = &r->load[a->slot];
+	struct kvr_rank_prov *l = &r->prov[a->slot];
 	if (a->pend_prefill_tokens)
 		__atomic_fetch_add(&l->prefill_tokens, a->pend_prefill_tokens, __ATOMIC_RELAXED);
 	if (a->pend_blocks)

@@ -75,7 +75,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 		return rc;
 	if ((rc = kvr_rcu_thread_online()))
 		return rc;
-	struct kvr_router *r = kvr_calloc(1, sizeof(*r));
+	struct kvr_router *r = kvr_alloc_aligned(sizeof(*r)); /* zeroed; rng_counter's line */
 	if (!r)
 		return KVR_ENOMEM;
 	r->cfg = *cfg;
@@ -87,8 +87,9 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	rc = KVR_ENOMEM;
 	r->ranks = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->ranks));
 	r->load = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->load));
+	r->prov = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->prov));
 	r->live = live_alloc(0);
-	if (!r->ranks || !r->load || !r->live)
+	if (!r->ranks || !r->load || !r->prov || !r->live)
 		goto fail;
 	if ((rc = kvr_metrics_create(&r->metrics)))
 		goto fail;
@@ -118,6 +119,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .metrics = r->metrics,
 	    .ranks = r->ranks,
 	    .load = r->load,
+	    .prov = r->prov,
 	    .leases = r->leases,
 	    .pool = r->pool,
 	};
@@ -174,8 +176,9 @@ void kvr_router_destroy(struct kvr_router *r)
 		live_free(r->live);
 	kvr_free_aligned(r->ranks, (size_t)r->cfg.max_ranks * sizeof(*r->ranks));
 	kvr_free_aligned(r->load, (size_t)r->cfg.max_ranks * sizeof(*r->load));
+	kvr_free_aligned(r->prov, (size_t)r->cfg.max_ranks * sizeof(*r->prov));
 	pthread_mutex_destroy(&r->admin_lock);
-	kvr_free(r, sizeof(*r));
+	kvr_free_aligned(r, sizeof(*r));
 }
 
 uint64_t kvr_router_now(const struct kvr_router *r)

@@ -12,8 +12,9 @@
  *  - struct kvr_shard_state (shard userdata): the shard's attempt records, scratch buffers,
  *    timers.  Only that shard thread touches it.
  *  - the lease table: one word per live attempt, claimed by CAS from any thread.
- *  - struct kvr_rank_load, one per slot in its own array: the load routing reads (snapshot +
- *    provisional), atomic adds by routing threads and the rank's shard.
+ *  - struct kvr_rank_load / struct kvr_rank_prov, one each per slot in arrays of their own: the
+ *    load routing reads, booked (the rank's shard writes it) and provisional (routing threads
+ *    add to it); see shards/owner.h.
  *  - `live`: the array of routable slots with their generations, RCU-published copy-on-write by
  *    the admin path; routers read it inside a read section.
  * Attempt ids: (sequence << 16) | slot, so any thread finds an attempt's rank, shard and lease
@@ -62,13 +63,17 @@ struct kvr_router {
 	struct kvr_attempt_pool *pool; /* recycled attempt records (shards/owner.h) */
 	struct kvr_owner_ctx owner;    /* what the shards see of the router */
 	struct kvr_rank_pub *ranks;    /* [cfg.max_ranks], indexed by index slot */
-	struct kvr_rank_load *load;    /* [cfg.max_ranks]: what routing reads (shards/owner.h) */
+	struct kvr_rank_load *load;    /* [cfg.max_ranks]: booked load (shards/owner.h) */
+	struct kvr_rank_prov *prov;    /* [cfg.max_ranks]: provisional load (shards/owner.h) */
 	struct kvr_live *live;         /* RCU */
 	pthread_mutex_t admin_lock;    /* rank add / remove / reset, live list writers */
-	uint64_t rng_counter;          /* per-decision random stream (atomic) */
 	struct kvr_queue *queue;       /* NULL unless queue_threshold > 0 */
 	uint32_t shutting_down;        /* atomic */
 	struct kvr_repl_hooks *repl;   /* replica sync hooks, NULL = none (RCU, acquire) */
+	/* Per-decision random stream (atomic): written by every decision, so last, on a line of
+	 * its own (the struct's size rounds up to it), away from what shard threads read on every
+	 * task (the owner context) and routers read on every decision. */
+	uint64_t rng_counter __attribute__((aligned(64)));
 };
 
 /*

@@ -13,8 +13,16 @@
  * 100 us.  After the run the router is synced and the routing-lane tasks the shards ran
  * (bookings and finishes) are divided by the time until the lanes were empty.
  *
+ * Also timed, after the finish: the index lookup kvr_route makes (kvr_index_find_matches on the
+ * prompt's sequence hashes, in a read section), so a route splits into hashing (the floor), the
+ * lookup (core/index*.c) and the router's own work: `own` = route - lookup, per iteration.
+ * Quantiles are exact (every sample kept, sorted), not histogram buckets: the 4-per-octave
+ * buckets of core/metrics.h moved a ratio by up to 25 %.
+ *
  * SUMMARY per (length, threads): route p50/p99 and their ratios to the floor's p50/p99 (same
- * thread, same prompts, same run), finish p99, shard tasks/s per shard (wall clock until the
+ * thread, same prompts, same run), lookup p50 and own p50 with their ratios to the floor's p50
+ * (own_ratio: what the route would cost against the floor if the lookup were free), finish
+ * p99, shard tasks/s per shard (wall clock until the
  * lanes drained: what the frontends offered when the shards keep up) and per second of shard
  * thread CPU (the shards' capacity, which the wall figure hides once the frontends are the
  * bottleneck), lane depth max and mean, and how many routes found the lane full (KVR_EAGAIN
@@ -35,9 +43,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/index.h"
 #include "core/metrics.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
+#include "sync/rcu.h"
 
 #define MAX_THREADS 8
 
@@ -94,13 +104,58 @@ static void free_prompts(void)
 	n_prompts = 0;
 }
 
+/* Every sample of one quantity, for exact quantiles. */
+struct samples {
+	uint64_t *v;
+	size_t n, cap;
+};
+
+static void sample(struct samples *s, uint64_t x)
+{
+	if (s->n == s->cap) {
+		size_t nc = s->cap ? 2 * s->cap : 1 << 16;
+		uint64_t *v = realloc(s->v, nc * sizeof(*v));
+		if (!v)
+			return; /* out of memory: the quantiles come from what was kept */
+		s->v = v;
+		s->cap = nc;
+	}
+	s->v[s->n++] = x;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Appends src to dst (merging threads), frees src. */
+static void merge(struct samples *dst, struct samples *src)
+{
+	for (size_t i = 0; i < src->n; i++)
+		sample(dst, src->v[i]);
+	free(src->v);
+	*src = (struct samples){0};
+}
+
+/* The q-quantile (0..1) of s (sorted here); 0 when empty. */
+static uint64_t quantile(struct samples *s, double q)
+{
+	if (!s->n)
+		return 0;
+	qsort(s->v, s->n, sizeof(*s->v), cmp_u64);
+	size_t i = (size_t)(q * (double)(s->n - 1) + 0.5);
+	return s->v[i < s->n ? i : s->n - 1];
+}
+
 struct worker {
 	pthread_t th;
 	struct kvr_router *r;
 	int id;
-	uint64_t floor[KVR_HIST_BUCKETS], route[KVR_HIST_BUCKETS], fin[KVR_HIST_BUCKETS];
+	struct samples floor, route, fin, lookup, own;
 	uint64_t n, full, errors;
 	uint64_t *local, *seq;
+	struct kvr_index_match *match;
 };
 
 static void *run(void *arg)
@@ -131,7 +186,7 @@ static void *run(void *arg)
 		uint64_t t1 = mono_ns();
 		int rc = kvr_route(w->r, &q, &d);
 		uint64_t t2 = mono_ns();
-		w->floor[kvr_hist_bucket(t1 - t0)]++;
+		sample(&w->floor, t1 - t0);
 		if (rc == KVR_EAGAIN) {
 			w->full++;
 			continue;
@@ -140,10 +195,20 @@ static void *run(void *arg)
 			w->errors++;
 			continue;
 		}
-		w->route[kvr_hist_bucket(t2 - t1)]++;
+		sample(&w->route, t2 - t1);
 		kvr_request_finish(w->r, d.attempt);
 		uint64_t t3 = mono_ns();
-		w->fin[kvr_hist_bucket(t3 - t2)]++;
+		sample(&w->fin, t3 - t2);
+		/* The lookup alone, on the hashes the floor computed (the same as kvr_route's). */
+		size_t nm;
+		kvr_rcu_read_lock();
+		uint64_t t4 = mono_ns();
+		kvr_index_find_matches(w->r->index, w->seq, prompt_len / 16, NULL, w->match,
+		                       w->r->cfg.max_ranks, &nm);
+		uint64_t t5 = mono_ns();
+		kvr_rcu_read_unlock();
+		sample(&w->lookup, t5 - t4);
+		sample(&w->own, t2 - t1 > t5 - t4 ? (t2 - t1) - (t5 - t4) : 0);
 		w->n++;
 	}
 	return NULL;
@@ -212,6 +277,7 @@ static void bench(int threads, double ms)
 		w[t].id = t;
 		w[t].local = malloc(nb * sizeof(uint64_t));
 		w[t].seq = malloc(nb * sizeof(uint64_t));
+		w[t].match = malloc(c.max_ranks * sizeof(*w[t].match));
 		pthread_create(&w[t].th, NULL, run, &w[t]);
 	}
 	uint64_t cpu0;
@@ -232,20 +298,21 @@ static void bench(int threads, double ms)
 		}
 	}
 	atomic_store(&stop, 1);
-	uint64_t floor[KVR_HIST_BUCKETS] = {0}, route[KVR_HIST_BUCKETS] = {0},
-	         fin[KVR_HIST_BUCKETS] = {0}, n = 0, full = 0, errors = 0;
+	struct samples floor = {0}, route = {0}, fin = {0}, lookup = {0}, own = {0};
+	uint64_t n = 0, full = 0, errors = 0;
 	for (int t = 0; t < threads; t++) {
 		pthread_join(w[t].th, NULL);
-		for (int b = 0; b < KVR_HIST_BUCKETS; b++) {
-			floor[b] += w[t].floor[b];
-			route[b] += w[t].route[b];
-			fin[b] += w[t].fin[b];
-		}
+		merge(&floor, &w[t].floor);
+		merge(&route, &w[t].route);
+		merge(&fin, &w[t].fin);
+		merge(&lookup, &w[t].lookup);
+		merge(&own, &w[t].own);
 		n += w[t].n;
 		full += w[t].full;
 		errors += w[t].errors;
 		free(w[t].local);
 		free(w[t].seq);
+		free(w[t].match);
 	}
 	kvr_router_sync(r, 600000); /* the backlog drains: part of the shards' time */
 	uint64_t drained = mono_ns() - t0;
@@ -264,11 +331,14 @@ static void bench(int threads, double ms)
 			h[b] -= warm[k][b];
 		sp[k] = kvr_hist_quantile(h, 0.5);
 	}
-	uint64_t f50 = kvr_hist_quantile(floor, 0.5), f99 = kvr_hist_quantile(floor, 0.99);
-	uint64_t r50 = kvr_hist_quantile(route, 0.5), r99 = kvr_hist_quantile(route, 0.99);
+	uint64_t f50 = quantile(&floor, 0.5), f99 = quantile(&floor, 0.99);
+	uint64_t r50 = quantile(&route, 0.5), r99 = quantile(&route, 0.99);
+	uint64_t l50 = quantile(&lookup, 0.5), o50 = quantile(&own, 0.5);
+	uint64_t fin50 = quantile(&fin, 0.5), fin99 = quantile(&fin, 0.99);
 	printf("SUMMARY bench=route booking=%s rate=%.0f tokens=%zu ranks=%u threads=%d shards=%u "
 	       "route_p50_ns=%llu route_p99_ns=%llu floor_p50_ns=%llu floor_p99_ns=%llu "
-	       "p50_ratio=%.2f p99_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
+	       "p50_ratio=%.2f p99_ratio=%.2f lookup_p50_ns=%llu lookup_ratio=%.2f own_p50_ns=%llu "
+	       "own_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
 	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f shard_tasks_per_cpu_s=%.0f "
 	       "lane_depth_max=%llu "
 	       "lane_depth_mean=%.1f lane_full=%llu errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
@@ -277,13 +347,19 @@ static void bench(int threads, double ms)
 	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
 	       (unsigned long long)f50, (unsigned long long)f99,
 	       f50 ? (double)r50 / (double)f50 : 0.0, f99 ? (double)r99 / (double)f99 : 0.0,
-	       (unsigned long long)kvr_hist_quantile(fin, 0.5),
-	       (unsigned long long)kvr_hist_quantile(fin, 0.99), (double)n / (ms * 1e-3),
+	       (unsigned long long)l50, f50 ? (double)l50 / (double)f50 : 0.0,
+	       (unsigned long long)o50, f50 ? (double)o50 / (double)f50 : 0.0,
+	       (unsigned long long)fin50, (unsigned long long)fin99, (double)n / (ms * 1e-3),
 	       (double)tasks / ((double)drained * 1e-9) / ns, per_cpu_s,
 	       (unsigned long long)depth_max, samples ? (double)depth_sum / (double)samples : 0.0,
 	       (unsigned long long)full, (unsigned long long)errors, (unsigned long long)sp[0],
 	       (unsigned long long)sp[1], (unsigned long long)sp[2], (unsigned long long)sp[3]);
 	fflush(stdout);
+	free(floor.v);
+	free(route.v);
+	free(fin.v);
+	free(lookup.v);
+	free(own.v);
 	free(w);
 	kvr_router_destroy(r);
 }

@@ -15,9 +15,9 @@
  *  - struct kvr_rank_pub, one per index slot: identity fields are written by the admin path
  *    (under the router's admin lock) before the slot is published live; the load snapshot is
  *    written only by the rank's shard (relaxed atomics: single writer).  Any thread reads them.
- *  - struct kvr_rank_load, one per index slot, in its own array: snapshot + provisional load,
- *    added to by routing threads (admissions) and by the rank's shard (its snapshot's change,
- *    the provisional load taken back at booking), atomic RMW.  Any thread reads it.
+ *  - struct kvr_rank_load and struct kvr_rank_prov, one each per index slot, in arrays of their
+ *    own: the booked load (the rank's shard, single writer) and the provisional load (routing
+ *    threads, atomic adds).  Any thread reads them.
  *  - struct kvr_rank_owned (pub->own) and the shard's attempt records: only the rank's shard.
  * Attempt ids: (lease sequence << 16) | slot (shards/lease.h), so any thread finds an attempt's
  * rank, shard and lease word with no lookup; ids are never reused.
@@ -47,56 +47,76 @@ static inline uint32_t kvr_attempt_slot(uint64_t attempt)
 struct kvr_rank_owned;
 
 struct kvr_rank_pub {
-	/* First cache line: what admissions and the booking read of the chosen rank. */
+	/* First cache line, read-mostly: what a decision reads of the chosen rank (identity, shard)
+	 * and the booking of its slot.  Nothing written per request lives here, so the line stays
+	 * shared in every routing thread's cache. */
 	uint32_t live; /* 1 while added (atomic) */
 	uint32_t max_batched_tokens;
 	/* Bumped (release) when the slot is added and when it is removed: a booking taken on an
 	 * older generation is stale.  Ordering: acquire in the booking; routers take it from the
 	 * live list (core/router_internal.h), which carries each slot's generation. */
 	uint64_t gen;
-	/* Load snapshot for stats and metrics: written by the owner shard, read anywhere (relaxed).
-	 * Routing reads struct kvr_rank_load instead. */
-	uint64_t active_blocks;
-	uint64_t prefill_tokens;
-	uint64_t active_requests;
 	/* Identity: written by the admin path while the slot is not live. */
 	uint64_t worker_id;
 	uint32_t dp_rank;
 	uint32_t shard;
-	/* Snapshot read by stats and the replica layer (relaxed). */
+	/* Shard-thread only (set at create and destroy). */
+	struct kvr_rank_owned *own;
+	/* Second cache line, written by the owner shard after every change, read anywhere
+	 * (relaxed) by stats, metrics and the replica layer.  Routing reads struct kvr_rank_load
+	 * and struct kvr_rank_prov instead. */
+	uint64_t active_blocks __attribute__((aligned(64)));
+	uint64_t prefill_tokens;
+	uint64_t active_requests;
 	uint64_t incarnation;
 	uint64_t resident_blocks;
 	uint64_t capacity;
-	/* Shard-thread only. */
-	struct kvr_rank_owned *own;
 } __attribute__((aligned(64)));
+_Static_assert(offsetof(struct kvr_rank_pub, active_blocks) == 64, "shard writes: own line");
 
 /*
- * The load a routing decision reads of every candidate, in an array of its own indexed by slot
- * (struct of arrays: 16 bytes a rank, four ranks per cache line, nothing else on those lines),
- * so scoring 64 candidates reads 16 lines instead of one struct kvr_rank_pub line per rank.
- * Each word is the rank's booked snapshot PLUS the provisional load of admissions posted but
- * not booked yet: a routing thread adds its request (atomic add) before it posts the booking;
- * the shard adds the change of its snapshot when it republishes, then subtracts the request's
- * provisional amounts after its booking is out, so a reader may count a request twice for an
- * instant, never miss it.  Ordering: relaxed RMW only (one location each; coherence gives "the
- * very next decision sees it").  At rest each word equals the shard's snapshot in struct
- * kvr_rank_pub.
+ * The load a routing decision reads of every candidate, in two arrays of their own indexed by
+ * slot (struct of arrays: 16 bytes a rank, four ranks per cache line), split by WRITER so that
+ * nobody's write makes another writer's line bounce:
+ *  - struct kvr_rank_load, written only by the rank's shard (single writer, plain release
+ *    stores): the booked snapshot LESS the provisional amounts the shard has taken back;
+ *  - struct kvr_rank_prov, written only by routing threads (atomic adds): the provisional
+ *    amounts of every admission posted (less the posts that failed).  An admission's add hits a
+ *    line no shard writes, so with one frontend thread it stays in that thread's cache.
+ * A rank's load is their sum (modular): booked snapshot + provisional not yet booked.  A routing
+ * thread adds its request to prov before it posts the booking; the shard, once the booking is
+ * out, stores its new snapshot less the request's amounts.  Ordering: the shard's store is a
+ * release, and readers load the shard word (acquire) BEFORE the prov word, so a reader that
+ * sees a take-back also sees the add it takes back: the sum never misses a request (it may
+ * count it twice between the shard's snapshot store and its take-back store, for an instant).
+ * A booking that turns out stale takes its amounts back from prov instead (an atomic subtract:
+ * by then the slot may belong to another shard, which is the single writer of its load word).
  */
 struct kvr_rank_load {
-	uint64_t prefill_tokens; /* prefill tokens, booked (with decay) + provisional */
-	uint64_t blocks;         /* active decode blocks, booked + the provisional new blocks */
+	uint64_t prefill_tokens; /* booked prefill tokens (with decay) less those taken back */
+	uint64_t blocks;         /* booked active decode blocks less those taken back */
+};
+struct kvr_rank_prov {
+	uint64_t prefill_tokens; /* provisional prefill tokens ever added */
+	uint64_t blocks;         /* provisional new decode blocks ever added */
 };
 _Static_assert(sizeof(struct kvr_rank_load) == 16, "four ranks per cache line");
+_Static_assert(sizeof(struct kvr_rank_prov) == 16, "four ranks per cache line");
 
-/* Prefill tokens and decode blocks of a rank: snapshot + provisional.  Context: any thread. */
-static inline uint64_t kvr_rank_load_prefill(const struct kvr_rank_load *l)
+/* Prefill tokens and decode blocks of a rank: booked + provisional.  Context: any thread. */
+static inline uint64_t kvr_rank_load_prefill(const struct kvr_rank_load *l,
+                                             const struct kvr_rank_prov *p)
 {
-	return __atomic_load_n(&l->prefill_tokens, __ATOMIC_RELAXED);
+	/* Ordering: acquire; pairs with the release stores in kvr_owner_publish_load and the
+	 * take-back (shards/owner_*.c). */
+	uint64_t booked = __atomic_load_n(&l->prefill_tokens, __ATOMIC_ACQUIRE);
+	return booked + __atomic_load_n(&p->prefill_tokens, __ATOMIC_RELAXED);
 }
-static inline uint64_t kvr_rank_load_blocks(const struct kvr_rank_load *l)
+static inline uint64_t kvr_rank_load_blocks(const struct kvr_rank_load *l,
+                                            const struct kvr_rank_prov *p)
 {
-	return __atomic_load_n(&l->blocks, __ATOMIC_RELAXED);
+	uint64_t booked = __atomic_load_n(&l->blocks, __ATOMIC_ACQUIRE); /* as above */
+	return booked + __atomic_load_n(&p->blocks, __ATOMIC_RELAXED);
 }
 
 /* What shard code may use.  Filled once at router creation; read-only afterwards. */
@@ -117,12 +137,13 @@ struct kvr_owner_ctx {
 	void *expire_ctx;
 	/* shared objects */
 	struct kvr_clock clock;
-	struct kvr_index *index;     /* cached blocks per rank */
-	struct kvr_pinmap *pinmap;   /* every rank's pinned runs, for routers (shards/pinmap.h) */
-	struct kvr_metrics *metrics; /* per-thread blocks */
-	struct kvr_rank_pub *ranks;  /* [max_ranks] */
-	struct kvr_rank_load *load;  /* [max_ranks]: what routing reads (snapshot + provisional) */
-	struct kvr_leases *leases;   /* the router's attempt leases */
+	struct kvr_index *index;       /* cached blocks per rank */
+	struct kvr_pinmap *pinmap;     /* every rank's pinned runs, for routers (shards/pinmap.h) */
+	struct kvr_metrics *metrics;   /* per-thread blocks */
+	struct kvr_rank_pub *ranks;    /* [max_ranks] */
+	struct kvr_rank_load *load;    /* [max_ranks]: booked load, the shards' side */
+	struct kvr_rank_prov *prov;    /* [max_ranks]: provisional load, the routers' side */
+	struct kvr_leases *leases;     /* the router's attempt leases */
 	struct kvr_attempt_pool *pool; /* recycled attempt records */
 };
 

@@ -3,7 +3,7 @@
  * prefill done, output, finish and abort, and the lease reaper.
  *
  * Nobody waits for this file.  kvr_route mints the attempt's lease on the caller's thread
- * (shards/lease.h), adds the request to the rank's provisional load (struct kvr_rank_load), builds
+ * (shards/lease.h), adds the request to the rank's provisional load (struct kvr_rank_prov), builds
  * the record (kvr_owner_attempt_new) and POSTS it to the rank's shard on the routing lane; the
  * lifecycle calls claim or touch the lease on the caller's thread and post the rest.  Here, in
  * lane order, the shard:
@@ -139,15 +139,22 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 	kvr_free(rec, rec->size);
 }
 
-/* Takes the attempt's provisional load back from its rank (after the booked snapshot is out).
- * Ordering: relaxed RMW, like the caller's add (core/route.c). */
-static void unprovision(const struct kvr_owner_ctx *c, struct kvr_attempt *rec)
+/* Takes the attempt's provisional load back from its rank, after the booked snapshot is out:
+ * subtracted from the rank's booked load word, of which this shard is the single writer
+ * (booked: the rank is live here with the decision's generation), or from the routers' prov
+ * word with an atomic subtract (stale: the slot may be another shard's by now). */
+static void unprovision(const struct kvr_owner_ctx *c, struct kvr_attempt *rec, bool booked)
 {
-	struct kvr_rank_load *l = &c->load[rec->slot];
-	if (rec->pend_prefill_tokens)
-		__atomic_fetch_sub(&l->prefill_tokens, rec->pend_prefill_tokens, __ATOMIC_RELAXED);
-	if (rec->pend_blocks)
-		__atomic_fetch_sub(&l->blocks, rec->pend_blocks, __ATOMIC_RELAXED);
+	if (booked) {
+		kvr_owner_take_back(c, rec->slot, rec->pend_prefill_tokens, rec->pend_blocks);
+	} else {
+		struct kvr_rank_prov *p = &c->prov[rec->slot];
+		if (rec->pend_prefill_tokens)
+			__atomic_fetch_sub(&p->prefill_tokens, rec->pend_prefill_tokens,
+			                   __ATOMIC_RELAXED);
+		if (rec->pend_blocks)
+			__atomic_fetch_sub(&p->blocks, rec->pend_blocks, __ATOMIC_RELAXED);
+	}
 	rec->pend_prefill_tokens = rec->pend_blocks = 0;
 }
 
@@ -245,7 +252,7 @@ static void drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 	const struct kvr_owner_ctx *c = ss->c;
 	kvr_lease_claim(c->leases, rec->attempt);
 	kvr_lease_release(c->leases, rec->attempt);
-	unprovision(c, rec);
+	unprovision(c, rec, false);
 	kvr_owner_attempt_free(c, rec);
 }
 
@@ -290,7 +297,7 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	kvr_load_add(own->load, rec->attempt, seq, n,
 	             rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now);
 	kvr_owner_publish(ss, own);
-	unprovision(c, rec);
+	unprovision(c, rec, true);
 	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);
 	return 0;
 }

@@ -101,10 +101,15 @@ static inline uint64_t *kvr_attempt_hashes(struct kvr_attempt *rec, uint32_t bs)
 /* shards/owner_ranks.c */
 void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own);
 /* Publishes a rank's new decode blocks and prefill tokens: the snapshot in struct kvr_rank_pub
- * (relaxed stores) and its change added to the routing words (struct kvr_rank_load).
- * Context: the rank's shard thread (the snapshot's single writer). */
+ * (relaxed stores) and its change added to the booked load word (struct kvr_rank_load).
+ * Context: the rank's shard thread (the single writer of both). */
 void kvr_owner_publish_load(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t blocks,
                             uint64_t prefill_tokens);
+/* Subtracts a booked admission's provisional amounts from the rank's booked load word (they
+ * stay in the routers' prov word: the sum counts the request once, as booked).  Modular.
+ * Context: the rank's shard thread, the rank live here (the word's single writer). */
+void kvr_owner_take_back(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t prefill_tokens,
+                         uint64_t blocks);
 void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
                               const struct kvr_lru_out *out);
 int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,

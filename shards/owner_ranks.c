@@ -16,8 +16,8 @@
  * from the root instead, which is always valid because every block of the prompt is resident.
  *
  * After every change the rank's load snapshot (struct kvr_rank_pub) is republished with relaxed
- * stores, and its change added to the routing words (struct kvr_rank_load), which is what
- * routing threads read.
+ * stores, and its change added to the rank's booked load word (struct kvr_rank_load, this
+ * shard its single writer), which routing threads read with the provisional word.
  */
 #include <string.h>
 
@@ -32,16 +32,25 @@ void kvr_owner_publish_load(const struct kvr_owner_ctx *c, uint32_t slot, uint64
                             uint64_t prefill_tokens)
 {
 	struct kvr_rank_pub *pub = &c->ranks[slot];
-	struct kvr_rank_load *l = &c->load[slot];
 	/* The snapshot is this thread's own: plain reads of it are exact. */
 	uint64_t db = blocks - pub->active_blocks, dp = prefill_tokens - pub->prefill_tokens;
 	__atomic_store_n(&pub->active_blocks, blocks, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->prefill_tokens, prefill_tokens, __ATOMIC_RELAXED);
 	/* Modular: a snapshot that shrank adds the two's complement of the drop. */
-	if (db)
-		__atomic_fetch_add(&l->blocks, db, __ATOMIC_RELAXED);
-	if (dp)
-		__atomic_fetch_add(&l->prefill_tokens, dp, __ATOMIC_RELAXED);
+	kvr_owner_take_back(c, slot, -dp, -db);
+}
+
+void kvr_owner_take_back(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t prefill_tokens,
+                         uint64_t blocks)
+{
+	struct kvr_rank_load *l = &c->load[slot];
+	/* Single writer (this shard): a load and a store, no RMW.  Ordering: release; pairs with
+	 * the acquire in kvr_rank_load_prefill/_blocks (shards/owner.h). */
+	if (blocks)
+		__atomic_store_n(&l->blocks, l->blocks - blocks, __ATOMIC_RELEASE);
+	if (prefill_tokens)
+		__atomic_store_n(&l->prefill_tokens, l->prefill_tokens - prefill_tokens,
+		                 __ATOMIC_RELEASE);
 }
 
 /* Republishes the rank's load snapshot.  Ordering: relaxed stores; single writer. */

@@ -1176,8 +1176,8 @@ Test(router, rank_removed_before_the_booking_makes_the_attempt_stale)
 	cr_assert_eq(kvr_request_output(rr, d.attempt, t, 3), KVR_ESTALE);
 	/* The removed rank's routing words: its snapshot zeroed, the provisional load taken back.
 	 */
-	cr_assert_eq(kvr_rank_load_prefill(&rr->load[slot]), 0);
-	cr_assert_eq(kvr_rank_load_blocks(&rr->load[slot]), 0);
+	cr_assert_eq(kvr_rank_load_prefill(&rr->load[slot], &rr->prov[slot]), 0);
+	cr_assert_eq(kvr_rank_load_blocks(&rr->load[slot], &rr->prov[slot]), 0);
 	cr_assert_eq(kvr_rank_add(rr, (struct kvr_rank_id){0, 0}, 2, 1000, 0), 0);
 	cr_assert_eq(stats(rr, 0).active_requests, 0);
 	cr_assert_eq(route(rr, t, 160, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 0);
