@@ -62,6 +62,7 @@
 #define BLK_ID_MAX ((1u << IDX_ID_BITS) - 1)
 
 uint64_t kvr_index_blk_step_min = 2;
+uint64_t kvr_index_blk_grow_at = 850;
 
 /* A new array is zeroed in slices of BLK_ZERO slots (so that neither the zeroing nor the page
  * faults of fresh memory land on one call), BLK_ZERO_UNIT slots for one unit of work. */
@@ -299,17 +300,18 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 	if (b->old_e) {
 		mig_run(idx, b->mig_step * k);
 		if (b->old_e && (b->old_count + b->old_tombs + k) * 10 <= b->old_cap * 9 &&
-		    (b->count + b->tombs + b->old_count + k) * 20 <= b->cap * 17)
+		    (b->count + b->tombs + b->old_count + k) * 1000 <=
+		        b->cap * kvr_index_blk_grow_at)
 			return 0;
 		/* Past the hard limit (NEVER with k = 1: the slice is sized for it): the rest at
 		 * once.  Not migrating any more: check the array as a whole. */
 		mig_run(idx, UINT64_MAX);
 	}
 	uint64_t used = b->count + b->tombs + k;
-	if (b->e && used * 20 <= b->cap * 17)
+	if (b->e && used * 1000 <= b->cap * kvr_index_blk_grow_at)
 		return 0;
 	uint64_t need = b->count + k, cap = b->cap;
-	if (need * 20 > cap * 17 || !b->e) { /* grow 1.5x, or to load 0.6 for a big k */
+	if (need * 1000 > cap * kvr_index_blk_grow_at || !b->e) { /* grow 1.5x (or to load 0.6) */
 		cap = cap * 3 / 2;
 		if (cap * 3 < need * 5)
 			cap = need * 5 / 3 + 1;

@@ -24,10 +24,13 @@
  * blocks each hold 128 prompts of 512 random blocks; each admission evicts a rank's oldest
  * prompt (one remove call) and stores a new one (one store call).  Per-call time max / p99.9 /
  * p99 and block ops per second, with the locator's purges and resizes done at once in one call
- * (kvr_index_blk_step_min huge: the old rebuild) and incrementally (the default), in one run.
+ * (kvr_index_blk_step_min huge: the old rebuild) and incrementally (the default), in one run,
+ * and incrementally with migrations starting at locator load 0.8 instead of 0.85 (incr80), with
+ * the locator's bytes per held block averaged over the admissions.
  *
  * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT |
- *                          --churn [N admissions per mode, default 4000] [--churn-mode once|incr]]
+ *                          --churn [N admissions per mode, default 4000] [--churn-mode
+ * once|incr|incr80]]
  */
 #include <pthread.h>
 #include <sched.h>
@@ -421,10 +424,12 @@ static void cg_mode(size_t L, int pat)
 
 enum { CH_RANKS = 8, CH_L = 512, CH_HELD = 128 };
 
-/* One churn run (see the header); step_min: the locator's least migration slice. */
-static void bench_churn(int adm, uint64_t step_min, const char *mode)
+/* One churn run (see the header); step_min: the locator's least migration slice, grow_at: the
+ * locator load (per mille) that starts a growth or purge. */
+static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char *mode)
 {
 	kvr_index_blk_step_min = step_min;
+	kvr_index_blk_grow_at = grow_at;
 	rng = 0x9e3779b97f4a7c15ull; /* the same prompts in every mode */
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
@@ -440,8 +445,9 @@ static void bench_churn(int adm, uint64_t step_min, const char *mode)
 		if (kvr_index_store(idx, slot[i % CH_RANKS], NULL, &held[(size_t)i * CH_L], CH_L))
 			abort();
 	}
-	uint64_t t_all = 0;
+	uint64_t t_all = 0, loc = 0;
 	for (int a = 0; a < adm; a++) {
+		loc += (idx->blk.cap + idx->blk.old_cap) * 4; /* the locator's arrays, sampled */
 		const int r = a % CH_RANKS, k = (a / CH_RANKS) % CH_HELD;
 		struct kvr_index_block *h = &held[((size_t)k * CH_RANKS + (size_t)r) * CH_L];
 		make_path(&p, CH_L);
@@ -461,11 +467,12 @@ static void bench_churn(int adm, uint64_t step_min, const char *mode)
 	}
 	const size_t n = (size_t)adm * 2;
 	qsort(lat, n, sizeof(*lat), cmp_u64);
-	printf("SUMMARY bench=index_churn mode=%s calls=%zu max_us=%.1f p999_us=%.1f p99_us=%.1f "
-	       "p50_us=%.1f block_ops_per_s=%.0f\n",
-	       mode, n, (double)lat[n - 1] / 1e3, (double)lat[n * 999 / 1000] / 1e3,
-	       (double)lat[n * 99 / 100] / 1e3, (double)lat[n / 2] / 1e3,
-	       (double)n * CH_L / ((double)t_all / 1e9));
+	printf("SUMMARY bench=index_churn mode=%s grow_at=%.2f calls=%zu max_us=%.1f p999_us=%.1f "
+	       "p99_us=%.1f p50_us=%.1f block_ops_per_s=%.0f locator_bytes_per_block=%.2f\n",
+	       mode, (double)grow_at / 1000, n, (double)lat[n - 1] / 1e3,
+	       (double)lat[n * 999 / 1000] / 1e3, (double)lat[n * 99 / 100] / 1e3,
+	       (double)lat[n / 2] / 1e3, (double)n * CH_L / ((double)t_all / 1e9),
+	       (double)loc / adm / ((double)CH_RANKS * CH_HELD * CH_L));
 	fflush(stdout);
 	kvr_index_destroy(idx);
 	free(held);
@@ -501,11 +508,13 @@ int main(int argc, char **argv)
 			const char *only = i + 2 < argc && !strcmp(argv[i + 1], "--churn-mode")
 			                       ? argv[i + 2]
 			                       : NULL;
-			const uint64_t dflt = kvr_index_blk_step_min;
+			const uint64_t dflt = kvr_index_blk_step_min, g = kvr_index_blk_grow_at;
 			if (!only || !strcmp(only, "once"))
-				bench_churn(adm, (uint64_t)1 << 60, "once");
+				bench_churn(adm, (uint64_t)1 << 60, g, "once");
 			if (!only || !strcmp(only, "incr"))
-				bench_churn(adm, dflt, "incremental");
+				bench_churn(adm, dflt, g, "incremental");
+			if (!only || !strcmp(only, "incr80"))
+				bench_churn(adm, dflt, 800, "incremental");
 			return 0;
 		} else if (!strcmp(argv[i], "--apply-only"))
 			apply_only = true; /* for valgrind --tool=callgrind */
