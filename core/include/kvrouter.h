@@ -460,6 +460,10 @@ KVR_API int kvr_request_abort(struct kvr_router *r, uint64_t attempt);
  * Below the predicted cached prefix: the first block the engine missed had been evicted, and so
  * had every block released before it; they are evicted from the prediction now.  At or above it:
  * nothing to evict (the blocks the engine proved cached are held by the attempt already).
+ * Either way the answer bounds the engine's real capacity (a block it still holds that the
+ * prediction had evicted proves it larger than registered; a block it lost proves it smaller),
+ * and approx_lru keeps each rank's prediction at its estimate of that capacity (starting at the
+ * registered one; kvr_rank_set_capacity resets it).
  * Counted in kvr_heal_* metrics (over / under predictions, blocks evicted).
  * Returns 0; KVR_EINVAL (r NULL, attempt 0, cached_tokens above the prompt's token count);
  * KVR_ENOENT (not an id this router issued); KVR_ESTALE (the attempt ended, expired, or its rank

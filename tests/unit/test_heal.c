@@ -88,8 +88,13 @@ struct engine_req {
  * resident count.  Returns the Jaccard after the last step; *min_after (if given) gets the
  * lowest Jaccard measured after `from` steps.
  */
+/* feedback: FB_CACHED (cached tokens only) | FB_RESIDENT (and the resident count). */
+#define FB_CACHED   1
+#define FB_RESIDENT 2
+#define FB_ALL      (FB_CACHED | FB_RESIDENT)
+
 static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign, int foreign_steps,
-                  int steps, bool feedback, int from, double *min_after)
+                  int steps, int feedback, int from, double *min_after)
 {
 	struct kvr_router *r = make(reg_cap);
 	struct ref_lru *eng;
@@ -128,7 +133,7 @@ static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign
 		/* This engine prefills at admission: the first token is out before the next step.
 		 */
 		cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
-		if (feedback) {
+		if (feedback & FB_CACHED) {
 			cr_assert_eq(kvr_request_cached(r, d.attempt, cached * BS), 0);
 		}
 		struct engine_req *old = &fly[step % 2];
@@ -137,7 +142,7 @@ static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign
 			cr_assert_eq(ref_lru_release(eng, old->eng_id, &eo), 0);
 		}
 		*old = (struct engine_req){d.attempt, eng_id++};
-		if (feedback) {
+		if (feedback & FB_RESIDENT) {
 			struct kvr_lru_stats es;
 			ref_lru_stats(eng, &es);
 			struct kvr_rank_observation ob = {.flags = KVR_OBSERVE_RESIDENT,
@@ -161,10 +166,10 @@ Test(heal, capacity_error_exact_with_feedback)
 {
 	/* Registered 64 blocks, the engine really has 48. */
 	double lo = 0;
-	double with = run(1, 64, 48, 0, 0, 400, true, 0, &lo);
+	double with = run(1, 64, 48, 0, 0, 400, FB_ALL, 0, &lo);
 	cr_assert_eq(with, 1.0);
 	cr_assert_eq(lo, 1.0, "exact after every request (lowest %.3f)", lo);
-	double without = run(1, 64, 48, 0, 0, 400, false, 0, NULL);
+	double without = run(1, 64, 48, 0, 0, 400, 0, 0, NULL);
 	cr_log_info("capacity error: Jaccard with feedback %.3f (lowest %.3f), without %.3f", with,
 	            lo, without);
 	cr_assert_lt(without, 0.9, "without feedback the prediction stays wrong (%.3f)", without);
@@ -174,16 +179,38 @@ Test(heal, foreign_traffic_heals_back_to_exact)
 {
 	/* 50 % extra requests the router never sees, for 150 steps; then only the router's. */
 	double lo = 0;
-	double with = run(2, 64, 64, 50, 150, 400, true, 300, &lo);
+	double with = run(2, 64, 64, 50, 150, 400, FB_ALL, 300, &lo);
 	cr_assert_eq(with, 1.0, "feedback brings the Jaccard back to 1");
 	cr_assert_eq(lo, 1.0, "and it stays there (lowest %.3f)", lo);
 	double lo_without = 0;
-	double without = run(2, 64, 64, 50, 150, 400, false, 150, &lo_without);
+	double without = run(2, 64, 64, 50, 150, 400, 0, 150, &lo_without);
 	cr_log_info("foreign traffic: Jaccard at the end with feedback %.3f (lowest after step 300 "
 	            "%.3f), without %.3f (lowest after step 150 %.3f)",
 	            with, lo, without, lo_without);
 	cr_assert_lt(lo_without, 1.0,
 	             "without feedback the divergence outlives the foreign traffic");
+}
+
+/* Cached tokens alone (no rank observation) heal an under-registered capacity: an answer that
+ * finds blocks the prediction had evicted proves a larger capacity (shards/lru_cap.c), and the
+ * prediction's capacity follows it until the prediction is exact.  An over-registered one is
+ * not healed here: its upper bounds are loose (an answer shows a block gone, not when it went),
+ * and answers that prove nothing drift the estimate back up; it must at least do no harm. */
+Test(heal, cached_tokens_alone_estimate_the_capacity)
+{
+	double over_lo = 0, under_lo = 0;
+	double over = run(4, 64, 48, 0, 0, 400, FB_CACHED, 300, &over_lo);
+	double over_without = run(4, 64, 48, 0, 0, 400, 0, 0, NULL);
+	double under = run(5, 48, 64, 0, 0, 400, FB_CACHED, 300, &under_lo);
+	double under_without = run(5, 48, 64, 0, 0, 400, 0, 0, NULL);
+	cr_log_info("cached tokens only: registered 64 for 48: Jaccard %.3f (lowest after step 300 "
+	            "%.3f), without %.3f; registered 48 for 64: %.3f (%.3f), without %.3f",
+	            over, over_lo, over_without, under, under_lo, under_without);
+	cr_assert_eq(under, 1.0, "under-registered: exact at the end");
+	cr_assert_eq(under_lo, 1.0, "and from step 300 on (lowest %.3f)", under_lo);
+	cr_assert_lt(under_without, 0.9, "without feedback it stays short (%.3f)", under_without);
+	cr_assert_geq(over_lo, over_without, "over-registered: no worse (%.3f vs %.3f)", over_lo,
+	              over_without);
 }
 
 Test(heal, errors_change_nothing)
@@ -319,8 +346,8 @@ Test(heal, under_registered_capacity_is_raised)
 	/* Registered 48 blocks, the engine really has 64: the resident count above 48 raises the
 	 * prediction's capacity, and the prediction converges to the engine's. */
 	double lo = 0;
-	double with = run(3, 48, 64, 0, 0, 400, true, 300, &lo);
-	double without = run(3, 48, 64, 0, 0, 400, false, 0, NULL);
+	double with = run(3, 48, 64, 0, 0, 400, FB_ALL, 300, &lo);
+	double without = run(3, 48, 64, 0, 0, 400, 0, 0, NULL);
 	cr_log_info("under-registered: Jaccard with feedback %.3f (lowest after step 300 %.3f), "
 	            "without %.3f",
 	            with, lo, without);
