@@ -696,6 +696,18 @@ int main(int argc, char **argv)
 	       p99 / 1e3, p999 / 1e3, (unsigned long)st.applied, (unsigned long)st.dropped,
 	       (unsigned long)sta.published, (unsigned long)sta.batches,
 	       p99 <= 2000000 ? "MET" : "MISSED");
+	/* A's kvr_route at the paced rate (sync attached): what a note costs the routing path when
+	 * the sender may be asleep between admissions (compare binaries; phase 1 routes back to
+	 * back, where it never is). */
+	size_t n_rt = n2 < n_obs ? n2 : n_obs, m_rt = 0;
+	uint64_t *rt = malloc((n_rt ? n_rt : 1) * 8);
+	for (size_t i = 0; i < n_rt; i++)
+		if (obs[i].routed)
+			rt[m_rt++] = obs[i].routed - obs[i].t0;
+	printf("SUMMARY bench=sync_route_paced rate_asked=%.0f n=%zu route_p50_ns=%lu "
+	       "route_p99_ns=%lu\n",
+	       rate, m_rt, (unsigned long)pct(rt, m_rt, 0.5), (unsigned long)pct(rt, m_rt, 0.99));
+	free(rt);
 	if (stages) {
 		cpu_report(&cs0, &cs1, cpu_wall_s, head);
 		stage_report(n2 < n_obs ? n2 : n_obs);
