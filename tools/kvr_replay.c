@@ -84,6 +84,10 @@ static void usage(FILE *f)
 	    "                         cannot see), self (routed by the policy too: the no-error\n"
 	    "                         baseline over the same requests).  hit%% counts this\n"
 	    "                         router's requests, all%% every arrival\n"
+	    "  --decisions FILE       append every decision (engine and predicted overlap per\n"
+	    "                         rank) and what each healing report evicted (and the engine\n"
+	    "                         still held) to FILE; tools/replay/decisions.py compares two\n"
+	    "                         policies\n"
 	    "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
 	    "                         NAME: blocks, capacity_factor, overlap_credit, "
 	    "temperature, ttl,\n"
@@ -172,6 +176,7 @@ int main(int argc, char **argv)
 		O_CAPF,
 		O_FOREIGN,
 		O_FOREIGN_AS,
+		O_DECISIONS,
 		O_SWEEP,
 		O_JOBS,
 		O_LABEL,
@@ -210,6 +215,7 @@ int main(int argc, char **argv)
 	                                     {"capacity-factor", required_argument, 0, O_CAPF},
 	                                     {"foreign-traffic", required_argument, 0, O_FOREIGN},
 	                                     {"foreign-as", required_argument, 0, O_FOREIGN_AS},
+	                                     {"decisions", required_argument, 0, O_DECISIONS},
 	                                     {"sweep", required_argument, 0, O_SWEEP},
 	                                     {"jobs", required_argument, 0, O_JOBS},
 	                                     {"label", required_argument, 0, O_LABEL},
@@ -307,6 +313,9 @@ int main(int argc, char **argv)
 				cfg.foreign_as = REPLAY_FOREIGN_SELF;
 			else
 				bad = 1;
+			break;
+		case O_DECISIONS:
+			cfg.decisions = optarg;
 			break;
 		case O_CAPF:
 			bad =

@@ -32,6 +32,7 @@
 #include "tools/replay/replay.h"
 #include "tools/sim/block_pool.h"
 #include "tools/replay/agree.h"
+#include "tools/replay/decisions.h"
 #include "tools/replay/chains.h"
 
 #include <math.h>
@@ -211,6 +212,13 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 		res->bucket_prompt[b] += info->prompt_blocks;
 		res->bucket_hit[b] += info->hit_blocks;
 	}
+	/* --decisions: what the healing hooks below evict, and whether the engine still held it. */
+	uint64_t *before = NULL;
+	size_t n_before = 0;
+	bool trace = run->cfg->decisions && o == run->ops && info->preemptions == 0 &&
+	             (o->admitted || o->observe);
+	if (trace)
+		perr(run, replay_decisions_before(o, ps, info->rank, &before, &n_before));
 	if (o->admitted)
 		perr(run, o->admitted(ps, q->handle, info));
 	/* The rank's metrics, scraped when the policy under test sees one of its requests admitted.
@@ -228,6 +236,10 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 		}
 		perr(run, run->ops->observe(run->ps, info->rank, has, wm, resident));
 	}
+	if (trace)
+		perr(run,
+		     replay_decisions_healed(run->cfg->decisions, o, ps, run->sim, run->cfg->seed,
+		                             (size_t)(q - run->rq), info->rank, before, n_before));
 }
 
 static void on_first_token(void *ctx, uint32_t rank, uint64_t id, void *user, uint64_t t)
@@ -711,6 +723,11 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 				goto sim_err;
 			res->reach_chosen_blocks += chosen;
 			res->reach_best_blocks += best;
+			if (cfg->decisions && !q->foreign && ops->predicts &&
+			    (rc = replay_decisions_route(
+			         cfg->decisions, ops, run.ps, run.sim, cfg->n_ranks, cfg->seed, i,
+			         q->rank, q->predicted, tok, tr->input_len, cfg->block_size)))
+				goto sim_err;
 			rc = submit(&run, i);
 			if (rc)
 				goto sim_err;

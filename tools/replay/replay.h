@@ -55,6 +55,9 @@ struct replay_config {
 	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
 	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
 	double capacity_factor;
+	/* --decisions FILE: append each decision and healing report to it (decisions.h); NULL
+	 * (default) = off. */
+	const char *decisions;
 	/* A share (0..1) of the arrivals is foreign: it reaches the engines without passing the
 	 * policy (issue 15), sent as foreign_as says.  Which arrivals are foreign depends only on
 	 * (seed, request index), so every mode and policy measures the same set of "this

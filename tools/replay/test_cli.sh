@@ -139,6 +139,27 @@ assert r["self"]["prediction"]["exact_share"] == 1.0, r["self"]["prediction"]
 for m in ("clients", "router", "self"):
     assert 0 < r[m]["own_hit_rate"] < 1, (m, r[m]["own_hit_rate"])
 PY
+# --decisions (issue 15): one R line per decision on this router's requests, H lines for healing
+# reports that evicted; tracing changes no decision; decisions.py reads the file.
+pols=approx_lru+feedback,approx_lru+watermark
+"$bin" --max-requests 300 --no-timing --quiet --policies $pols --foreign-traffic 0.3 \
+	--decisions "$tmp/dec.txt" --out "$tmp/dec.json" "$sample" || fail "--decisions"
+"$bin" --max-requests 300 --no-timing --quiet --policies $pols --foreign-traffic 0.3 \
+	--out "$tmp/nodec.json" "$sample" || fail "replay without --decisions"
+python3 "$root/tools/replay/decisions.py" "$tmp/dec.txt" | grep -q '^seed 1: ' ||
+	fail "decisions.py"
+python3 - "$tmp" <<'PY' || fail "--decisions"
+import json, sys
+d = sys.argv[1]
+a = json.load(open(d + "/dec.json"))["policies"]
+b = json.load(open(d + "/nodec.json"))["policies"]
+lines = open(d + "/dec.txt").read().splitlines()
+for x, y in zip(a, b):
+    assert x["hit_blocks"] == y["hit_blocks"], (x["policy"], x["hit_blocks"], y["hit_blocks"])
+    n = sum(1 for l in lines if l.startswith("R %s " % x["policy"]))
+    assert n == x["requests"] - x["foreign_requests"], (x["policy"], n)
+assert any(l.startswith("H approx_lru+watermark ") for l in lines)
+PY
 # Output batches end at a block boundary with a token flagged not final (replay.c, "When a batch
 # goes out"), so the router learns of a decode block in the step the engine takes it.  Seed 12
 # (the full trace's pool size): request 514 was over-predicted by one block while the router
