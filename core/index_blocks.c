@@ -43,6 +43,13 @@
  * Amortised cost is unchanged (every rebuild moves each entry once); while migrating, misses
  * probe two arrays and the memory is old + new array (as it was for an instant before).
  *
+ * Where a migration starts (kvr_index_blk_grow_at, load 0.85) sets the slice: the slack to the
+ * hard limit 0.9 is 0.05 x cap inserts.  Starting at 0.8 doubles the slack and halves the slice;
+ * measured (bench_index_runs --churn 4000, per-call thread CPU time, five runs on the shared
+ * machine): call max 243-429 -> 150-201 us, p99.9 192-292 -> 110-196, p99 106-153 -> 88-145,
+ * for 7.00 -> 7.60 locator bytes per held block (+8.6 %; 16-block single-holder runs +0.6 B) and
+ * +1.2 % instructions (more purges).  Memory is issue 10's harder target, so 0.85 stays.
+ *
  * Growth re-inserts every position [1, hw) of every live run, reading the keys from the runs
  * (entries do not hold them): O(blocks) once per 1.5x, amortised O(1) per insert, under the
  * writer mutex (readers are not involved).  Invariant: the locator holds exactly positions

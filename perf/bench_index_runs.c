@@ -54,6 +54,14 @@ static uint64_t now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* This thread's CPU time: what a call cost without the time the (shared) machine ran others. */
+static uint64_t cpu_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 static void pin(int cpu)
 {
 	cpu_set_t set;
@@ -435,7 +443,8 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char
 	struct kvr_index *idx = new_index(slot);
 	struct kvr_index_block *held = malloc((size_t)CH_RANKS * CH_HELD * CH_L * sizeof(*held));
 	uint64_t *lat = malloc((size_t)adm * 2 * sizeof(*lat)), ext[CH_L];
-	if (!held || !lat)
+	uint64_t *cpu = malloc((size_t)adm * 2 * sizeof(*cpu));
+	if (!held || !lat || !cpu)
 		abort();
 	struct path p;
 	for (int i = 0; i < CH_RANKS * CH_HELD; i++) { /* fill */
@@ -453,30 +462,36 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char
 		make_path(&p, CH_L);
 		for (size_t j = 0; j < CH_L; j++)
 			ext[j] = h[j].ext_hash;
-		uint64_t t0 = now_ns();
+		uint64_t c0 = cpu_ns(), t0 = now_ns();
 		kvr_index_remove(idx, slot[r], ext, CH_L, NULL);
-		uint64_t t1 = now_ns();
+		uint64_t t1 = now_ns(), c1 = cpu_ns(), t1b = now_ns();
 		if (kvr_index_store(idx, slot[r], NULL, p.b, CH_L))
 			abort();
-		uint64_t t2 = now_ns();
+		uint64_t t2 = now_ns(), c2 = cpu_ns();
+		cpu[2 * a] = c1 - c0;
+		cpu[2 * a + 1] = c2 - c1;
 		memcpy(h, p.b, CH_L * sizeof(*h));
 		free_path(&p);
 		lat[2 * a] = t1 - t0;
-		lat[2 * a + 1] = t2 - t1;
-		t_all += t2 - t0;
+		lat[2 * a + 1] = t2 - t1b;
+		t_all += t2 - t1b + t1 - t0;
 	}
 	const size_t n = (size_t)adm * 2;
 	qsort(lat, n, sizeof(*lat), cmp_u64);
+	qsort(cpu, n, sizeof(*cpu), cmp_u64);
 	printf("SUMMARY bench=index_churn mode=%s grow_at=%.2f calls=%zu max_us=%.1f p999_us=%.1f "
-	       "p99_us=%.1f p50_us=%.1f block_ops_per_s=%.0f locator_bytes_per_block=%.2f\n",
+	       "p99_us=%.1f p50_us=%.1f block_ops_per_s=%.0f locator_bytes_per_block=%.2f "
+	       "cpu_max_us=%.1f cpu_p999_us=%.1f cpu_p99_us=%.1f\n",
 	       mode, (double)grow_at / 1000, n, (double)lat[n - 1] / 1e3,
 	       (double)lat[n * 999 / 1000] / 1e3, (double)lat[n * 99 / 100] / 1e3,
 	       (double)lat[n / 2] / 1e3, (double)n * CH_L / ((double)t_all / 1e9),
-	       (double)loc / adm / ((double)CH_RANKS * CH_HELD * CH_L));
+	       (double)loc / adm / ((double)CH_RANKS * CH_HELD * CH_L), (double)cpu[n - 1] / 1e3,
+	       (double)cpu[n * 999 / 1000] / 1e3, (double)cpu[n * 99 / 100] / 1e3);
 	fflush(stdout);
 	kvr_index_destroy(idx);
 	free(held);
 	free(lat);
+	free(cpu);
 }
 
 int main(int argc, char **argv)
