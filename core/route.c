@@ -266,25 +266,19 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 		return KVR_ENOENT;
 	/* The request's decode footprint: its prompt blocks plus the output it expects. */
 	uint64_t foot = n_blocks + q->expected_output_tokens / r->cfg.block_size;
-	const struct kvr_rank_load *load = r->load;
-	const struct kvr_rank_prov *prov = r->prov;
-	const uint32_t *score = tls.score, *pin = tls.pin;
+	/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT already
+	 * pinned there (its pinned depth: pinned blocks are prefix-closed along the chain). */
+	const struct kvr_select_inputs in = {.booked = (const uint64_t *)r->load,
+	                                     .prov = (const uint64_t *)r->prov,
+	                                     .overlap = tls.score,
+	                                     .pinned = tls.pin,
+	                                     .foot = foot};
+	_Static_assert(offsetof(struct kvr_rank_load, blocks) == sizeof(uint64_t) &&
+	                   offsetof(struct kvr_rank_prov, blocks) == sizeof(uint64_t),
+	               "kvr_select_inputs reads two words per slot");
 	double *cost = tls.cost;
-	const struct kvr_select_coef coef = kvr_select_coef_of(sp);
-	struct kvr_select_scan scan, run; /* run: in registers (scan's address escapes) */
-	kvr_select_scan_init(&run);
-	for (size_t i = 0; i < n; i++) {
-		uint32_t s = cs[i];
-		/* Dynamo's decode blocks: the rank's active blocks plus the request's blocks NOT
-		 * already pinned there (its pinned depth: pinned blocks are prefix-closed along the
-		 * chain). */
-		double x =
-		    kvr_select_cost_of(&coef, kvr_rank_load_prefill(&load[s], &prov[s]), score[s],
-		                       kvr_rank_load_blocks(&load[s], &prov[s]) + foot - pin[s]);
-		cost[i] = x;
-		kvr_select_scan_add(&run, i, x);
-	}
-	scan = run;
+	struct kvr_select_scan scan;
+	kvr_select_score(KVR_SELECT_AUTO, sp, &in, cs, n, cost, &scan);
 	*sat = false;
 	if (r->queue && !(q->flags & KVR_ROUTE_QUERY_ONLY)) {
 		*sat = true;
@@ -299,8 +293,11 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 	uint64_t rng = r->cfg.seed ^ (k * 0x9e3779b97f4a7c15ull);
 	long pick = kvr_select_pick(sp, cost, n, &scan, &rng);
 	uint32_t s = cs[pick];
-	*ch = (struct choice){
-	    .slot = s, .overlap = score[s], .pinned = pin[s], .gen = cg[pick], .cost = cost[pick]};
+	*ch = (struct choice){.slot = s,
+	                      .overlap = tls.score[s],
+	                      .pinned = tls.pin[s],
+	                      .gen = cg[pick],
+	                      .cost = cost[pick]};
 	return 0;
 }
 

@@ -128,6 +128,38 @@ static inline void kvr_select_scan_add(struct kvr_select_scan *s, size_t i, doub
 }
 
 /*
+ * The cost inputs of every rank, by slot (borrowed arrays): for slot s, booked[2s] and prov[2s]
+ * are its prefill tokens, booked[2s+1] and prov[2s+1] its decode blocks (a rank's load is the
+ * sum: the booked word its shard writes plus the provisional word routing threads add to, read
+ * booked first with acquire, see shards/owner.h), overlap[s] its cached depth of the prompt and
+ * pinned[s] the prompt blocks already pinned there.  foot: the request's decode footprint in
+ * blocks, so a rank's decode blocks are its load's + foot - pinned[s].
+ */
+struct kvr_select_inputs {
+	const uint64_t *booked, *prov;
+	const uint32_t *overlap, *pinned;
+	uint64_t foot;
+};
+
+enum kvr_select_impl {
+	KVR_SELECT_AUTO = 0,   /* the fastest this CPU runs */
+	KVR_SELECT_SCALAR = 1, /* one candidate at a time */
+	KVR_SELECT_AVX2 = 2,   /* four at a time (x86-64 with AVX2; else the scalar one) */
+};
+
+/*
+ * Scores the candidates slot[0..n) (borrowed): cost[i] (caller's array, n entries) is
+ * kvr_select_cost of candidate i's inputs, and *scan the scan of cost[0..n) in order, ready for
+ * kvr_select_pick.  Every implementation gives bit-identical costs and scan (the same operations
+ * in the same order on each candidate; AVX2 takes the scalar path for four candidates whose
+ * integers reach 2^52, where its exact conversion stops).  Context: any thread, inside the
+ * read section that keeps the arrays alive; no allocation.
+ */
+void kvr_select_score(enum kvr_select_impl impl, const struct kvr_select_params *p,
+                      const struct kvr_select_inputs *in, const uint32_t *slot, size_t n,
+                      double *cost, struct kvr_select_scan *scan);
+
+/*
  * Chooses among n candidates whose costs are cost[0..n) (borrowed) and were scanned, in order,
  * into s.  Returns the chosen index, or -1 when n == 0.  rng: the caller's random state
  * (advanced only when a random choice is made).  Context: any thread; no allocation.

@@ -141,3 +141,62 @@ Test(select, temperature_spreads_choice)
 	             0);
 	cr_assert_eq(select_of(&P, NULL, 0, &rng), -1);
 }
+
+/* Every scoring implementation gives the same costs bit for bit and the same scan, on random
+ * inputs: loads from zero to past 2^52 (where AVX2 falls back to scalar conversions), candidate
+ * counts that are not multiples of four, slots in any order, repeated costs (ties), and
+ * parameters that make costs infinite or NaN. */
+Test(select, implementations_agree)
+{
+	enum { SLOTS = 96 };
+	uint64_t booked[2 * SLOTS], prov[2 * SLOTS];
+	uint32_t overlap[SLOTS], pinned[SLOTS], slot[SLOTS];
+	double c1[SLOTS], c2[SLOTS];
+	uint64_t x = 0x9e3779b97f4a7c15ull;
+#define NEXT (x ^= x << 13, x ^= x >> 7, x ^= x << 17)
+	for (int round = 0; round < 4000; round++) {
+		int mag = (int)(NEXT % 60); /* load magnitudes up to 2^60 */
+		for (int s = 0; s < SLOTS; s++) {
+			bool same = NEXT % 3 == 0; /* many equal inputs: ties */
+			booked[2 * s] = same ? 1000 : NEXT >> (64 - 1 - mag);
+			booked[2 * s + 1] = same ? 50 : NEXT >> (64 - 1 - mag);
+			prov[2 * s] = same ? 0 : NEXT % 5000;
+			prov[2 * s + 1] = same ? 0 : NEXT % 300;
+			overlap[s] = same ? 0 : (uint32_t)(NEXT % 200);
+			pinned[s] = same ? 0 : (uint32_t)(NEXT % 100);
+			slot[s] = (uint32_t)s;
+		}
+		for (int s = SLOTS - 1; s > 0; s--) { /* a random order */
+			uint32_t j = (uint32_t)(NEXT % (uint64_t)(s + 1)), t = slot[s];
+			slot[s] = slot[j];
+			slot[j] = t;
+		}
+		struct kvr_select_params q = {
+		    .overlap_credit = NEXT % 8 == 0 ? 1e308 : (double)(NEXT % 1000) / 250.0,
+		    .prefill_load_scale = NEXT % 8 == 0   ? 0.0
+		                          : NEXT % 8 == 0 ? 1e300
+		                                          : (double)(NEXT % 1000) / 300.0,
+		    .block_size = NEXT % 4 == 0 ? 12 : 16,
+		    .prompt_tokens = NEXT % 100000};
+		const struct kvr_select_inputs in = {booked, prov, overlap, pinned, NEXT % 400};
+		size_t n = (size_t)(NEXT % SLOTS) + 1;
+		struct kvr_select_scan s1, s2;
+		kvr_select_score(KVR_SELECT_SCALAR, &q, &in, slot, n, c1, &s1);
+		kvr_select_score(KVR_SELECT_AVX2, &q, &in, slot, n, c2, &s2);
+		cr_assert(memcmp(c1, c2, n * sizeof(double)) == 0, "round %d: costs differ", round);
+		cr_assert(memcmp(&s1.lo, &s2.lo, sizeof(double)) == 0 &&
+		              memcmp(&s1.hi, &s2.hi, sizeof(double)) == 0 && s1.first == s2.first &&
+		              s1.ties == s2.ties,
+		          "round %d: scan lo %g/%g hi %g/%g first %zu/%zu ties %zu/%zu", round,
+		          s1.lo, s2.lo, s1.hi, s2.hi, s1.first, s2.first, s1.ties, s2.ties);
+		for (size_t i = 0; i < n; i++) { /* and the scalar scan is the formula's */
+			uint32_t s = slot[i];
+			double want = kvr_select_cost(&q, booked[2 * s] + prov[2 * s], overlap[s],
+			                              booked[2 * s + 1] + prov[2 * s + 1] +
+			                                  in.foot - pinned[s]);
+			cr_assert(memcmp(&want, &c1[i], sizeof(double)) == 0, "round %d i %zu",
+			          round, i);
+		}
+	}
+#undef NEXT
+}
