@@ -496,6 +496,54 @@ Test(index, many_runs_through_every_table_size)
 	cr_assert_lt(kvr_index_memory_bytes(idx), mem0 + 4096);
 }
 
+/* The packed fields at their limits: slots above 65,535 (their top 4 bits live apart from the
+ * low 16 in a record), cuts and tops of 2,048 (a full run) and 32-word bitmaps.  Slots 65,537
+ * and 1 share their low 16 bits, so a record that lost the high ones would mix them up. */
+Test(index, packed_fields_at_their_limits)
+{
+	enum { RANKS = 65600, N = 2100 };
+	kvr_index_destroy(idx);
+	cr_assert_eq(kvr_index_create(RANKS, &idx), 0);
+	uint32_t a = UINT32_MAX, b = UINT32_MAX;
+	for (uint32_t i = 0; i < RANKS; i++) {
+		uint32_t s;
+		cr_assert_eq(kvr_index_rank_add(idx, i, 0, &s), 0);
+		if (s == 65537)
+			a = s;
+		if (s == 1)
+			b = s;
+	}
+	cr_assert(a != UINT32_MAX && b != UINT32_MAX);
+	struct kvr_index_block *c = malloc(sizeof(*c) * N);
+	uint64_t *q = malloc(sizeof(*q) * N);
+	chain(c, N, 1u << 30, 77);
+	for (size_t i = 0; i < N; i++)
+		q[i] = 77 + i;
+	cr_assert_eq(kvr_index_store(idx, a, NULL, c, N), 0);
+	cr_assert_eq(kvr_index_store(idx, b, NULL, c, 1000), 0);
+	cr_assert_eq(score_of(q, N, a), N);
+	cr_assert_eq(score_of(q, N, b), 1000);
+	uint64_t e = c[2047].ext_hash; /* the last block of the first run: cut 2,047 */
+	cr_assert_eq(kvr_index_remove(idx, a, &e, 1, NULL), 0);
+	cr_assert_eq(score_of(q, N, a), 2047);
+	cr_assert_eq(score_of(q, N, b), 1000);
+	cr_assert_eq(kvr_index_store(idx, a, &c[2046].ext_hash, &c[2047], 1), 0);
+	cr_assert_eq(score_of(q, N, a), N, "refilled: the cut is 2,048 again");
+	e = c[5].ext_hash;
+	cr_assert_eq(kvr_index_remove(idx, b, &e, 1, NULL), 0);
+	cr_assert_eq(score_of(q, N, b), 5);
+	cr_assert_eq(score_of(q, N, a), N);
+	cr_assert_eq(kvr_index_rank_blocks(idx, a, NULL, 0), N);
+	cr_assert_eq(kvr_index_rank_blocks(idx, b, NULL, 0), 999);
+	cr_assert_eq(kvr_index_clear_rank(idx, a), 0);
+	cr_assert_eq(score_of(q, N, a), -1);
+	cr_assert_eq(score_of(q, N, b), 5);
+	cr_assert_eq(kvr_index_tree_size(idx, a), 0);
+	cr_assert_eq(kvr_index_tree_size(idx, b), 999);
+	free(c);
+	free(q);
+}
+
 Test(index, out_of_memory_loop)
 {
 	uint32_t r0, r1;
