@@ -232,6 +232,7 @@ int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unall
 		 * prediction (at most the old capacity with an inactive copy left) needs no trim.
 		 */
 		lru->capacity = resident; /* an estimate (lru_cap.c); the registration stays */
+		lru->explore = false;     /* the count is direct evidence: no need to explore */
 		if (raised)
 			*raised = true;
 		if (evicted)
@@ -241,6 +242,9 @@ int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unall
 	int rc = kvr_lru_out_reserve(out, 0, lru->n_inactive);
 	if (rc)
 		return rc;
+	/* A count within the estimate: the engine shows no more room than it, so stop exploring
+	 * above it (lru_cap.c; a later cached-tokens answer may prove more again). */
+	lru->explore = false;
 	uint64_t before = lru->copies + lru->n_phantom;
 	kvr_lru_evict_to(lru, resident + unallocated, out);
 	if (evicted)

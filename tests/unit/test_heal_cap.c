@@ -88,7 +88,13 @@ Test(heal_cap, ghosts_prove_a_larger_capacity)
 	cached(6, 0);
 	cr_assert(h.lower == 0 && h.upper == 0);
 	cr_assert_eq(capacity(), 7);
-	/* A registration replaces the estimate and stops the exploring. */
+	/* A resident count (kvr_rank_observe) is direct evidence: it stops the exploring. */
+	uint64_t ev = 0;
+	cr_assert_eq(kvr_lru_heal_resident(lru, 7, 0, &ev, NULL, &out), 0);
+	acq(8, (uint64_t[]){41}, 1);
+	cached(8, 0);
+	cr_assert_eq(capacity(), 7);
+	/* A registration replaces the estimate. */
 	cr_assert_eq(kvr_lru_set_capacity(lru, 4, &out), 0);
 	cr_assert_eq(capacity(), 4);
 	acq(7, (uint64_t[]){40}, 1);

@@ -2,7 +2,8 @@
 # Healing curves (issue 15): hit rate of this router's requests and prediction error (MAE) vs
 # error strength, for approx_lru, approx_lru+feedback, approx_lru+watermark and events, on one
 # trace, averaged over seeds (SEEDS, default "1 2 3 4 5": each seed draws other foreign
-# arrivals and tie-breaks); writes DIR/*.csv (kvr-replay --sweep), DIR/*.dat and OUT.svg.
+# arrivals and tie-breaks); writes DIR/*.csv (kvr-replay --sweep), DIR/*.dat, DIR/table.md (the
+# README's table) and OUT.svg.
 # AGGREGATE_ONLY=1 redraws from the CSVs already in DIR.
 #   usage: heal_curves.sh KVR_REPLAY TRACE OUT.svg [DIR] [extra kvr-replay options...]
 #   e.g.   tools/replay/heal_curves.sh build/tools/replay/kvr-replay \
@@ -80,5 +81,31 @@ for f in foreign_clients foreign_router foreign_self capacity; do
 			}
 		}' $base $files >"$dir/$f.dat"
 done
+# The README's table: hit % of this router's requests (kept %, exact %, MAE blocks) per policy.
+awk -v pols="$pol" '
+	FNR == 1 { f = FILENAME; sub(/.*\//, "", f); sub(/\.dat$/, "", f) }
+	/^# / { p = $2; next }
+	NF >= 9 { v[f, p, $1] = sprintf("%.2f (%.0f %%, %.1f, %.1f)", $2, $9, $4, $3)
+		  h[f, p, $1] = $2; if (!((f, $1) in seen)) { seen[f, $1]; xs[f] = xs[f] " " $1 } }
+	END {
+		n = split(pols, P, ",")
+		print "| error | no error | approx_lru | +feedback | +watermark | events |"
+		print "|---|---|---|---|---|---|"
+		split("foreign_clients foreign_router capacity", F, " ")
+		for (i = 1; i <= 3; i++) {
+			m = split(xs[F[i]], X, " ")
+			for (j = 1; j <= m; j++) {
+				x = X[j]
+				if (F[i] != "capacity" && x == 0) continue
+				if (F[i] == "capacity") { name = "capacity " x "x"; b = h["capacity", "approx_lru", 1] }
+				else { name = (100 * x) " % foreign, " (F[i] == "foreign_clients" ? "clients" : "another router")
+				       b = h["foreign_self", "approx_lru", x] }
+				row = "| " name " | " sprintf("%.2f", b)
+				for (k = 2; k <= n; k++) row = row " | " v[F[i], P[k], x]
+				print row " | " v[F[i], P[1], x] " |"
+			}
+		}
+	}' "$dir/foreign_clients.dat" "$dir/foreign_router.dat" "$dir/foreign_self.dat" \
+	"$dir/capacity.dat" >"$dir/table.md"
 gnuplot -e "dir='$dir'; out='$out'; seeds='$seeds'" "$here/heal_curves.gp"
-echo "heal_curves: $out (data in $dir)"
+echo "heal_curves: $out (data in $dir; README table in $dir/table.md)"
