@@ -70,12 +70,13 @@ void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h)
 	kvr_free(h, sizeof(*h));
 }
 
-/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
-int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
+/* kvr_index_hold_reserve's reallocation: the bitmap doubles (or more) to cover pos. */
+__attribute__((noinline, cold)) int kvr_index_hold_reserve_slow(struct kvr_index *idx,
+                                                                struct idx_hold *h, uint32_t pos)
 {
 	const uint32_t ow = idx_hold_nwords(h);
 	if (pos / 64 < ow)
-		return 0;
+		return 0;                   /* NEVER: kvr_index_hold_reserve checked */
 	const uint32_t nw = words_for(pos); /* at least twice ow: amortised O(1) */
 	uint64_t *bm = kvr_calloc(nw, 8);
 	if (!bm)

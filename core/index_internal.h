@@ -640,8 +640,15 @@ struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, 
                                     uint32_t pos);
 /* Frees a record (unlinked from its run and rank, or never linked). */
 void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h);
-/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged). */
-int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
+/* Makes the bitmap cover pos.  Returns 0 or KVR_ENOMEM (unchanged).  The check is inline, the
+ * reallocation (rare: bitmaps double) out of line, so the common call saves no registers. */
+int kvr_index_hold_reserve_slow(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);
+static inline int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos)
+{
+	if (pos / 64 < idx_hold_nwords(h))
+		return 0;
+	return kvr_index_hold_reserve_slow(idx, h, pos);
+}
 /* Sets pos (covered by the bitmap); advances the gap-free cut over what follows. */
 void kvr_index_hold_set(struct idx_hold *h, uint32_t pos);
 /* Clears pos; lowers the cut and the top as needed. */
@@ -666,8 +673,15 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
                                   uint32_t cap, uint64_t first);
 /* Frees a run never published, or one nobody can read any more. */
 void kvr_index_run_free(struct kvr_index *idx, struct idx_run *r);
-/* Room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
-int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more);
+/* Room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM.  Inline check,
+ * out-of-line reallocation (geometric: rare). */
+int kvr_index_run_grow_slow(struct kvr_index *idx, struct idx_run *r, size_t more);
+static inline int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
+{
+	if (idx_run_hw(r) < idx_run_cap(r))
+		return 0;
+	return kvr_index_run_grow_slow(idx, r, more);
+}
 /* Links c into p's child list (p NULL: the root, nothing to link). */
 void kvr_index_link_child(struct idx_run *p, struct idx_run *c);
 /* Links a new record into its rank's list. */

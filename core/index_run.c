@@ -79,12 +79,13 @@ void kvr_index_run_free(struct kvr_index *idx, struct idx_run *r)
 	kvr_free(r, sizeof(*r));
 }
 
-/* Makes room for one more position, sized for `more` coming.  Returns 0 or KVR_ENOMEM. */
-int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, size_t more)
+/* kvr_index_run_grow's reallocation: a larger hash array, published whole. */
+__attribute__((noinline)) int kvr_index_run_grow_slow(struct kvr_index *idx, struct idx_run *r,
+                                                      size_t more)
 {
 	uint32_t ocap = idx_run_cap(r), hw = idx_run_hw(r);
 	if (hw < ocap)
-		return 0;
+		return 0; /* NEVER: kvr_index_run_grow checked */
 	uint64_t cap = (uint64_t)hw + (more > 1 ? more : 1);
 	if (cap < (uint64_t)hw + hw / 4 + 1) /* geometric: amortised O(1) per block */
 		cap = (uint64_t)hw + hw / 4 + 1;
