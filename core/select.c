@@ -26,6 +26,13 @@
 #include <immintrin.h>
 #endif
 
+/* As in select.h: no fused multiply-adds in this file's cost arithmetic, whatever -march. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
 /* Candidate i's cost (inputs read in the contract's order: booked with acquire, then prov). */
 static inline double score_one(const struct kvr_select_coef *k, const struct kvr_select_inputs *in,
                                uint32_t s)

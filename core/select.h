@@ -53,6 +53,16 @@ static inline double kvr_rand_unit(uint64_t *state)
 	return (double)(kvr_rand64(state) >> 11) * (1.0 / 9007199254740992.0);
 }
 
+/* No contraction into fused multiply-adds in the cost, whatever -march says: every path (the
+ * scalar one, the AVX2 one, a caller's own) must round each operation as the formula is
+ * written, or the same inputs could cost different doubles and tie differently. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
 /* The cost's per-decision constants (kvr_select_coef_of), so a loop over candidates converts and
  * divides nothing that does not change. */
 struct kvr_select_coef {
@@ -97,6 +107,12 @@ static inline double kvr_select_cost(const struct kvr_select_params *p, uint64_t
 	struct kvr_select_coef k = kvr_select_coef_of(p);
 	return kvr_select_cost_of(&k, prefill_tokens, overlap_blocks, decode_blocks);
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#elif defined(__clang__)
+#pragma STDC FP_CONTRACT DEFAULT
+#endif
 
 /* The running scan over the costs, in candidate order. */
 struct kvr_select_scan {

@@ -4,6 +4,13 @@
 
 #include "core/select.h"
 
+/* The reference formulas below round every operation as written, like the library (select.h). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
 /* A candidate's inputs, as the router reads them. */
 struct cand {
 	uint32_t slot, overlap_blocks;
