@@ -200,19 +200,20 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * note still in the ring is neither in the tables nor published, so it lands after the fence.
  *
  * Waking the sender: a producer's kvr_parker_wake makes no syscall unless the sender is
- * parked.  After the ring runs dry the sender polls every OUT_POLL_NS, and parks once
- * OUT_IDLE_POLLS polls in a row found nothing: notes that come at least every 300 us
- * (back-to-back routing, or 5000 admissions/s: a burst every 200 us) never pay a FUTEX_WAKE on
- * the routing path, while a slower stream (1000/s) no longer costs ten empty polls per
- * admission (it had to be quiet for 1 ms before parking): its first note after a park pays one
- * wake-up, and goes out at once instead of at the next poll. */
+ * parked.  After the ring runs dry the sender keeps polling every OUT_POLL_NS for OUT_LINGER_NS
+ * before it parks, so a steady stream of notes never pays a FUTEX_WAKE on the routing path;
+ * an idle router's sender sleeps (a note after a quiet spell pays one wake-up).  Parking after
+ * 300 us of empty polls instead was tried (ad882f6): at 1000 admissions/s it spared most of the
+ * ten empty polls per admission, but every admission then paid the wake-up on the routing
+ * thread: bench_sync sync_route_paced p50 8.7-9.8 us -> 14.0-18.9 us (3 runs each, loaded
+ * machine), so the routing path keeps the linger. */
 
 enum { OUT_ADMIT = 1, OUT_PROGRESS = 2, OUT_RANK = 3, OUT_FLUSH = 4, OUT_ADMIT_SLAB = 5 };
 
 #define OUT_INLINE       8 /* output tokens carried in the ring message itself */
 #define OUT_BURST        32
 #define OUT_POLL_NS      100000ull
-#define OUT_IDLE_POLLS   3
+#define OUT_LINGER_NS    1000000ull
 #define OUT_FULL_WAIT_NS 100000000ull /* a full ring waits this long, then the note is dropped */
 
 struct out_progress {
@@ -435,7 +436,7 @@ static void *out_main(void *arg)
 	prctl(PR_SET_TIMERSLACK, 1000UL);
 	prctl(PR_SET_NAME, "kvr-sync-out");
 	struct kvr_msg batch[OUT_BURST];
-	unsigned idle_polls = 0;
+	uint64_t idle_since = 0;
 	for (;;) {
 		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
 		if (n) {
@@ -457,12 +458,15 @@ static void *out_main(void *arg)
 				pthread_cond_broadcast(&rep->donecv);
 				pthread_mutex_unlock(&rep->qmu);
 			}
-			idle_polls = 0;
+			idle_since = 0;
 			continue;
 		}
 		if (__atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE))
 			break; /* the hooks are gone and the ring is empty: nothing more comes */
-		if (idle_polls++ < OUT_IDLE_POLLS) {
+		uint64_t now = kvr_rep_mono_ns();
+		if (!idle_since)
+			idle_since = now;
+		if (now - idle_since < OUT_LINGER_NS) {
 			struct timespec ts = {0, (long)OUT_POLL_NS};
 			nanosleep(&ts, NULL);
 			continue;
@@ -474,7 +478,7 @@ static void *out_main(void *arg)
 			continue;
 		}
 		kvr_parker_wait(&rep->out_park, UINT64_MAX);
-		idle_polls = 0;
+		idle_since = 0;
 	}
 	return NULL;
 }
