@@ -412,7 +412,7 @@ struct idx_blocks {
  * fastrange of the high half of seq times an odd constant (every bit of seq counts: a root
  * run's first hash is the caller's local hash, small integers in tests, and fastrange of raw
  * bits would pile those on one slot).  Readers find the capacity in the low 6 bits of the
- * segment's view word: code = 2k + h for cap = (2 | h) << (k - 1).
+ * segment's view word: code = h << 5 | s for cap = (2 | h) << s.
  */
 struct idx_tab {
 	uint64_t cap;
@@ -422,13 +422,13 @@ struct idx_tab {
 
 static inline uint64_t idx_tab_cap(uintptr_t code)
 {
-	return (uint64_t)(2 | (code & 1)) << ((code >> 1) - 1);
+	return (uint64_t)(2 | (code >> 5)) << (code & 31);
 }
 
 static inline uintptr_t idx_tab_code(uint64_t cap)
 {
 	const unsigned z = (unsigned)__builtin_ctzll(cap);
-	return (cap >> z) == 1 ? 2 * (uintptr_t)z : 2 * (uintptr_t)(z + 1) + 1;
+	return (cap >> z) == 1 ? (uintptr_t)(z - 1) : (uintptr_t)1 << 5 | z;
 }
 
 static inline uint64_t idx_tab_home(uint64_t seq, uint64_t cap)
