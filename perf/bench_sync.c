@@ -679,8 +679,8 @@ int main(int argc, char **argv)
 	__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
 	pthread_join(th, NULL); /* returns once B showed every admission (or gave up on it) */
 	/* CPU from the start of the phase until B booked the last admission: all the work the
-	 * admissions caused, even when the pipeline fell behind the rate.  The prober included
-	 * (it has no baseline: it started after cs0). */
+	 * admissions caused, even when the pipeline fell behind the rate.  The prober has exited
+	 * by then: its CPU is not in the report. */
 	cpu_snap(&cs1);
 	double cpu_wall_s = (double)(mono_ns() - start) * 1e-9;
 	__atomic_store_n(&kvr_rep_trace_origin, 0, __ATOMIC_RELAXED);
