@@ -27,14 +27,16 @@
  * copying the hashes out (it did one map removal per block, 89 % of its instructions).  A map
  * entry carries its run slot's generation (the slot's spare word), and freeing a slot bumps
  * it, so the entries of an expired run are stale: a lookup that finds one treats the block as
- * absent (and the record's plan removes it where it would insert the key anyway).  Stale
- * entries count against the table's load factor; when the table is full, a sweep drops them
- * instead of growing it if at least 1/16 of it is stale (one sequential pass, at most 16 slots
- * read per entry dropped, no allocation), and a growth drops them on the way.  The table
- * holds every live block and, between sweeps, up to 1/16 of its slots stale.  Invariant:
- * exactly one entry per held block, live (map count - live blocks = stale entries).  After
- * 2^32 reuses of one slot a stale generation could match again: a live entry's run must also
- * hold the hash (offset_of), so such an entry is seen as stale and only costs its slot.
+ * absent (and the record's plan removes it where it would insert the key anyway).  The expired
+ * run goes to a grave (a FIFO of runs, keeping the blob with their hashes) and records remove
+ * its entries with bounded work each: BURY_PER_NEW per new block plus BURY_PER_CALL, more than
+ * expiry makes stale in a steady state, where every block expires once after it was new.  A
+ * table about to grow buries everything first, so it grows for live blocks only, as it did when
+ * expiry removed them (same memory); a growth also drops stale entries on the way.  Between
+ * burials stale entries lengthen the probes of absent keys a little.  Invariant: exactly one
+ * entry per held block, live (map count - live blocks = stale entries, all of them in graves).
+ * After 2^32 reuses of one slot a stale generation could match again: a live entry's run must
+ * also hold the hash (offset_of), so such an entry is seen as stale.
  *
  * Hashes.  A record's new hashes are copied into one blob (refcounted); its runs, and the
  * pieces splits make of them, point into it.  A split allocates nothing and copies no hash: it
@@ -66,6 +68,11 @@
 
 #define NIL UINT32_MAX
 
+/* Map entries of expired runs a record removes, per new block it enters and per call: more
+ * than expiry makes stale in a steady state (each block expires once, after it was new). */
+#define BURY_PER_NEW  2
+#define BURY_PER_CALL 32
+
 struct blob {
 	uint32_t refs, cap;
 	uint64_t h[];
@@ -80,6 +87,13 @@ struct run {
 	uint32_t gen;        /* the slot's generation: +1 each time it is freed (never copied) */
 };
 
+/* An expired run waiting for its map entries to be removed: it keeps its blob's reference. */
+struct grave {
+	struct blob *blob;
+	const uint64_t *h;
+	uint32_t pos, len;
+};
+
 /* One step of a record's plan: blocks b[k .. k + n) are new (run == NIL) or run's [off, off+n). */
 struct step {
 	uint32_t k, n, run, off;
@@ -90,9 +104,12 @@ struct kvr_ttl {
 	struct run *r;
 	uint32_t cap, runs, free_head;
 	uint32_t head, tail;
-	size_t live;     /* blocks */
-	size_t sweep_at; /* the stale-entry sweep's next map slot */
+	size_t live; /* blocks */
 	struct kvr_u64map by_seq;
+	/* Expired runs whose map entries are still to remove (a ring, oldest first); `done`
+	 * hashes of the oldest are removed already, `pending` hashes are left in all. */
+	struct grave *gr;
+	size_t gr_cap, gr_head, gr_n, done, pending;
 	struct step *plan;
 	size_t plan_cap;
 };
@@ -128,6 +145,9 @@ void kvr_ttl_destroy(struct kvr_ttl *t)
 		return;
 	for (uint32_t i = t->head; i != NIL; i = t->r[i].next)
 		blob_unref(t->r[i].blob);
+	for (size_t k = 0; k < t->gr_n; k++)
+		blob_unref(t->gr[(t->gr_head + k) % t->gr_cap].blob);
+	kvr_free(t->gr, t->gr_cap * sizeof(struct grave));
 	kvr_free(t->r, (size_t)t->cap * sizeof(struct run));
 	kvr_free(t->plan, t->plan_cap * sizeof(struct step));
 	kvr_u64map_fini(&t->by_seq);
@@ -222,22 +242,29 @@ static uint64_t expiry_at(const struct kvr_ttl *t, uint64_t now)
 	return x;
 }
 
+/* offset_of() where the caller's position disagrees (bad input) or the entry is stale after
+ * 2^32 reuses of its slot: a scan of the run. */
+static __attribute__((noinline, cold)) uint32_t offset_scan(const struct run *e, uint64_t seq)
+{
+	for (uint32_t o = 0; o < e->len; o++)
+		if (e->h[o] == seq)
+			return o;
+	return NIL;
+}
+
 /* The offset of hash seq in run i, expected at position pos; NIL if the run does not hold it. */
-static uint32_t offset_of(const struct kvr_ttl *t, uint32_t i, uint64_t seq, uint64_t pos)
+static inline uint32_t offset_of(const struct kvr_ttl *t, uint32_t i, uint64_t seq, uint64_t pos)
 {
 	const struct run *e = &t->r[i];
 	if (pos >= e->pos && pos - e->pos < e->len && e->h[pos - e->pos] == seq)
 		return (uint32_t)(pos - e->pos);
-	for (uint32_t o = 0; o < e->len; o++) /* the caller's position disagrees (bad input) */
-		if (e->h[o] == seq)
-			return o;
-	return NIL; /* a stale entry whose generation matched after 2^32 reuses of its slot */
+	return offset_scan(e, seq);
 }
 
 /* Where held hash seq is (expected at position pos): its run in *run and the offset, or NIL
  * (not held).  *stale: the map has an entry for seq all the same, left by an expired run. */
-static uint32_t locate_entry(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run,
-                             bool *stale)
+static inline __attribute__((always_inline)) uint32_t
+locate_entry(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run, bool *stale)
 {
 	const struct kvr_u64map_slot *s = kvr_u64map_find_slot(&t->by_seq, seq);
 	*stale = false;
@@ -257,7 +284,8 @@ static uint32_t locate(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint
 
 /* locate(), dropping a stale entry (the record's plan: it is found where a live one would be
  * looked up anyway, and the record may insert the key). */
-static uint32_t locate_drop(struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run)
+static inline __attribute__((always_inline)) uint32_t locate_drop(struct kvr_ttl *t, uint64_t seq,
+                                                                  uint64_t pos, uint32_t *run)
 {
 	bool stale;
 	uint32_t off = locate_entry(t, seq, pos, run, &stale);
@@ -272,34 +300,64 @@ static bool entry_live(const void *ctx, const struct kvr_u64map_slot *s)
 	return t->r[s->val].gen == s->spare;
 }
 
-/* Drops the stale map entries: one pass over the table from the sweep cursor, stopping once
- * none is left (the map holds exactly the live blocks).  Sequential, allocates nothing. */
-static void sweep(struct kvr_ttl *t)
+/* Room for `more` graves. */
+static int reserve_graves(struct kvr_ttl *t, size_t more)
 {
-	struct kvr_u64map *m = &t->by_seq;
-	size_t mask = m->cap - 1, i = t->sweep_at & mask;
-	for (size_t budget = m->cap + (m->count - t->live); budget > 0 && m->count > t->live;
-	     budget--) {
-		const struct kvr_u64map_slot *s = &m->slots[i];
-		if (s->val != KVR_U64MAP_EMPTY && !entry_live(t, s))
-			kvr_u64map_remove_at(m, i); /* a later entry may move into i: look again */
-		else
-			i = (i + 1) & mask;
-	}
-	t->sweep_at = i;
+	if (t->gr_n + more <= t->gr_cap)
+		return 0;
+	size_t nc = t->gr_cap * 2 > t->gr_n + more ? t->gr_cap * 2 : t->gr_n + more;
+	if (nc < 16)
+		nc = 16;
+	struct grave *g = kvr_alloc(nc * sizeof(*g));
+	if (!g)
+		return KVR_ENOMEM;
+	for (size_t k = 0; k < t->gr_n; k++)
+		g[k] = t->gr[(t->gr_head + k) % t->gr_cap];
+	kvr_free(t->gr, t->gr_cap * sizeof(*g));
+	t->gr = g;
+	t->gr_cap = nc;
+	t->gr_head = 0;
+	return 0;
 }
 
-/* Room for `extra` more map entries.  Stale entries count against the load factor.  When the
- * table is full and at least 1/16 of it is stale, a sweep drops them instead of growing:
- * O(table) sequential work, at most 16 slots per stale entry, and no allocation.  A rebuild
- * (growth, sized as kvr_u64map_reserve sizes it) drops them on the way. */
+/* Removes up to `budget` map entries of expired runs, oldest first.  An entry found live was
+ * recorded again since (a new run holds the hash) and stays; one already dropped (by a plan or
+ * a growth) is simply not found. */
+static void bury(struct kvr_ttl *t, size_t budget)
+{
+	struct kvr_u64map *m = &t->by_seq;
+	while (budget > 0 && t->gr_n > 0) {
+		const struct grave *g = &t->gr[t->gr_head];
+		size_t k = t->done, end = g->len - k > budget ? k + budget : g->len;
+		for (; k < end; k++) { /* locals: the map's stores cannot alias them */
+			uint64_t seq = g->h[k];
+			struct kvr_u64map_slot *s = kvr_u64map_find_slot(m, seq);
+			if (s && (t->r[s->val].gen != s->spare ||
+			          offset_of(t, s->val, seq, (uint64_t)g->pos + k) == NIL))
+				kvr_u64map_remove_at(m, (size_t)(s - m->slots));
+		}
+		budget -= k - t->done;
+		t->pending -= k - t->done;
+		t->done = k;
+		if (k < g->len)
+			break;
+		blob_unref(g->blob);
+		t->gr_head = (t->gr_head + 1) % t->gr_cap;
+		t->gr_n--;
+		t->done = 0;
+	}
+}
+
+/* Room for `extra` more map entries.  Entries of expired runs count against the load factor
+ * until buried: when the table is full, the rest are buried before it grows (and a growth
+ * drops stale entries on the way). */
 static int reserve_map(struct kvr_ttl *t, size_t extra)
 {
 	struct kvr_u64map *m = &t->by_seq;
 	if ((m->count + extra) * 10 <= m->cap * 7)
 		return 0;
-	if ((m->count - t->live) * 16 >= m->cap) {
-		sweep(t);
+	if (m->count > t->live) {
+		bury(t, t->pending);
 		if ((m->count + extra) * 10 <= m->cap * 7)
 			return 0;
 	}
@@ -444,6 +502,7 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 			link_after(t, i, t->tail);
 		}
 	}
+	bury(t, BURY_PER_NEW * fresh + BURY_PER_CALL);
 	return 0;
 }
 
@@ -452,19 +511,22 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 	if (!t || !out)
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
-	size_t n = 0;
-	for (uint32_t i = t->head; i != NIL && t->r[i].expiry <= now; i = t->r[i].next)
+	size_t n = 0, runs = 0;
+	for (uint32_t i = t->head; i != NIL && t->r[i].expiry <= now; i = t->r[i].next, runs++)
 		n += t->r[i].len;
-	int rc = kvr_lru_out_reserve(out, 0, n);
-	if (rc)
+	int rc;
+	if ((rc = kvr_lru_out_reserve(out, 0, n)) || (rc = reserve_graves(t, runs)))
 		return rc;
 	while (t->head != NIL && t->r[t->head].expiry <= now) {
 		uint32_t i = t->head;
 		struct run *e = &t->r[i];
 		unlink_run(t, i);
-		kvr_lru_out_evicted_run(out, e->h, e->len); /* its map entries go stale */
+		kvr_lru_out_evicted_run(out, e->h, e->len);
 		t->live -= e->len;
-		blob_unref(e->blob);
+		/* its map entries go stale; the grave keeps the blob's reference until they go */
+		t->gr[(t->gr_head + t->gr_n++) % t->gr_cap] =
+		    (struct grave){.blob = e->blob, .h = e->h, .pos = e->pos, .len = e->len};
+		t->pending += e->len;
 		free_slot(t, i);
 	}
 	return 0;

@@ -2,7 +2,9 @@
  * shards/ttl.h - TTL retention of one rank (issue 5, part B): the baseline predictor, and the
  * fallback for a rank whose capacity is unknown.  A routed block is remembered for ttl_ns;
  * routing it again refreshes it; expiry removes it from the index.  Kept in runs of consecutive
- * blocks of one chain (ttl.c): a record costs O(runs it touches * log) plus its new blocks.
+ * blocks of one chain (ttl.c): a record costs O(runs it touches * log) plus its new blocks, an
+ * expiry O(runs expired) plus copying their hashes out (their map entries go stale, dropped
+ * later: ttl.c, "Lazy deletion").
  * Inputs must be chained sequence hashes (core/hash: a hash names its whole prefix, so one
  * hash is never at two positions of one input), as shards/lru.h requires.
  *
