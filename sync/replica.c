@@ -226,10 +226,8 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 	pthread_mutex_lock(&rep->qmu);
 	bool here = rep->ready && !rep->stop && !rep->qhead && !rep->want_reconnect &&
 	            !rep->want_resync && pthread_mutex_trylock(&rep->hmu) == 0;
-	if (here) {
+	if (here)
 		rep->q_in++;
-		rep->inline_n++;
-	}
 	pthread_mutex_unlock(&rep->qmu);
 	if (!here) {
 		kvr_replica_deliver(rep, buf, len, NULL);

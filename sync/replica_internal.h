@@ -127,7 +127,6 @@ struct kvr_replica {
 	uint64_t reannounce_ms; /* under mu: how far back the askers need finished attempts */
 	uint64_t reconnect_ns;  /* hmu: when the last outage ended */
 	uint64_t handle_rx_ns;  /* hmu: the handled item's rx_ns (tracing) */
-	uint64_t inline_n;      /* under qmu: deliveries handled on the transport's thread */
 	pthread_t thread;
 	bool thread_started;
 	uint64_t flush_done; /* under qmu: the highest outbound flush ticket the sender passed */
