@@ -82,7 +82,9 @@ static uint64_t pct(uint64_t *v, size_t n, double q)
  * Every thread of a router or a replica inherits "bench-main"; --stages' per-thread CPU needs
  * to say whose it is.  After each router / attach, the threads it started are renamed
  * PREFIX:oldname (/proc/self/task/N/comm, 15 characters), or PREFIX:inherited for the threads
- * that kept the name they inherited (a router's shards, nats.c's threads). */
+ * that kept the name they inherited (a router's shards, nats.c's threads).  liburcu's call_rcu
+ * thread, started by the first router, also keeps its name: it is the second "A:shard" (it
+ * sleeps in poll(2) between callback batches; an off-CPU trace shows it on retire_cb). */
 #define MAX_LABELED 256
 static long labeled[MAX_LABELED];
 static size_t n_labeled;
