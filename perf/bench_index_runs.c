@@ -6,7 +6,11 @@
  * tables are not all in L1, 64 ranks, three holder patterns per prompt:
  *   a  one rank holds the whole path;
  *   b  the 64 ranks each hold a random depth of the path (one store each);
- *   c  b, then every rank removes 2 % of its blocks at random interior positions (holes).
+ *   c  b, then every rank removes 2 % of its blocks at random interior positions (holes);
+ *   d  sessions (bench_route's shape, deterministic): prompt i > 0 keeps a 50-100 % prefix of
+ *      a random earlier prompt and has fresh tokens after it, and rank i % 64 stores it whole,
+ *      so every rank holding a prompt holds the hot prefix (the first half of prompt 0) and a
+ *      query walks several runs with many holders (--cg 128 d is a 2k-token route's lookup).
  * For each (L, pattern), in one run:
  *   match_p50/p99_ns  find_matches on a random one of the P prompts (inside a read section);
  *   hash_p50_ns       kvr_hash_blocks on the same prompt (tokens -> local + sequence hashes);
@@ -123,9 +127,16 @@ static void free_path(struct path *p)
 	free(p->b);
 }
 
-/* Applies pattern (0 = a, 1 = b, 2 = c) for one path; returns the (block, rank) pairs held. */
-static uint64_t apply_pattern(struct kvr_index *idx, const uint32_t *slot, struct path *p, int pat)
+/* Applies pattern (0 = a, 1 = b, 2 = c, 3 = d: path i of make_sessions) for one path; returns the
+ * (block, rank) pairs held. */
+static uint64_t apply_pattern(struct kvr_index *idx, const uint32_t *slot, struct path *p, int pat,
+                              int i)
 {
+	if (pat == 3) { /* held pairs: counted by the caller (prompts overlap) */
+		if (kvr_index_store(idx, slot[i % RANKS], NULL, p->b, p->L) != 0)
+			abort();
+		return 0;
+	}
 	if (pat == 0) {
 		if (kvr_index_store(idx, slot[0], NULL, p->b, p->L) != 0)
 			abort();
@@ -151,6 +162,40 @@ static uint64_t apply_pattern(struct kvr_index *idx, const uint32_t *slot, struc
 		}
 	}
 	return held;
+}
+
+/* Pattern d's paths: prompt i > 0 keeps a 50-100 % prefix (in blocks) of a random earlier
+ * prompt, then fresh tokens; rehashed in place. */
+static void make_sessions(struct path *ps, int np)
+{
+	for (int i = 1; i < np; i++) {
+		struct path *p = &ps[i];
+		const struct path *o = &ps[rnd() % (uint64_t)i];
+		size_t keep = p->L / 2 + rnd() % (p->L - p->L / 2 + 1);
+		memcpy(p->tok, o->tok, keep * BS * sizeof(uint32_t));
+		kvr_hash_blocks(p->tok, p->L * BS, BS, NULL, p->local, p->seq);
+		for (size_t j = 0; j < p->L; j++)
+			p->b[j] = (struct kvr_index_block){.ext_hash = p->seq[j],
+			                                   .local_hash = p->local[j]};
+	}
+}
+
+/* Prompts per index: enough that the tables are not all in L1; pattern d gives every rank
+ * prompts. */
+static int prompts_for(size_t L, int pat)
+{
+	if (pat == 3)
+		return L <= 512 ? 128 : 64;
+	return L <= 32 ? 1024 : L <= 512 ? 64 : 8;
+}
+
+/* (block, rank) pairs held: the ranks' tree sizes. */
+static uint64_t held_pairs(const struct kvr_index *idx, const uint32_t *slot)
+{
+	uint64_t h = 0;
+	for (int r = 0; r < RANKS; r++)
+		h += idx->tsize[slot[r]];
+	return h;
 }
 
 static uint64_t hash_p50(const struct path *p, int reps)
@@ -204,18 +249,22 @@ static void bench_match(bool quick)
 	static const size_t Ls[] = {32, 512, 8192};
 	for (int li = 0; li < 3; li++) {
 		size_t L = Ls[li];
-		int np = L == 32 ? 1024 : L == 512 ? 64 : 8;
 		int reps = quick ? 200 : (L == 8192 ? 1000 : 5000);
-		struct path *ps = calloc((size_t)np, sizeof(*ps));
-		for (int i = 0; i < np; i++)
-			make_path(&ps[i], L);
-		uint64_t h50 = hash_p50(&ps[0], reps);
-		for (int pat = 0; pat < 3; pat++) {
+		for (int pat = 0; pat < 4; pat++) {
+			int np = prompts_for(L, pat);
+			struct path *ps = calloc((size_t)np, sizeof(*ps));
+			for (int i = 0; i < np; i++)
+				make_path(&ps[i], L);
+			if (pat == 3)
+				make_sessions(ps, np);
+			uint64_t h50 = hash_p50(&ps[0], reps);
 			uint32_t slot[RANKS];
 			struct kvr_index *idx = new_index(slot);
 			uint64_t mem0 = kvr_index_memory_bytes(idx), held = 0;
 			for (int i = 0; i < np; i++)
-				held += apply_pattern(idx, slot, &ps[i], pat);
+				held += apply_pattern(idx, slot, &ps[i], pat, i);
+			if (pat == 3)
+				held = held_pairs(idx, slot);
 			kvr_index_quiesce(idx);
 			uint64_t mem1 = kvr_index_memory_bytes(idx);
 			struct kvr_index_stats st;
@@ -225,16 +274,16 @@ static void bench_match(bool quick)
 			printf("SUMMARY bench=index_match L=%zu pattern=%c prompts=%d held=%lu "
 			       "blocks=%lu match_p50_ns=%lu match_p99_ns=%lu hash_p50_ns=%lu "
 			       "ratio=%.3f bytes_per_held_block=%.1f\n",
-			       L, "abc"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
+			       L, "abcd"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
 			       (unsigned long)m50, (unsigned long)m99, (unsigned long)h50,
 			       h50 ? (double)m99 / (double)h50 : 0.0,
 			       (double)(mem1 - mem0) / (double)held);
 			fflush(stdout);
 			kvr_index_destroy(idx);
+			for (int i = 0; i < np; i++)
+				free_path(&ps[i]);
+			free(ps);
 		}
-		for (int i = 0; i < np; i++)
-			free_path(&ps[i]);
-		free(ps);
 	}
 }
 
@@ -384,7 +433,7 @@ static void bench_reader_writer(int ms)
 	rw_idx = new_index(rw_slot);
 	for (int i = 0; i < rw_np; i++) {
 		make_path(&rw_ps[i], 512);
-		apply_pattern(rw_idx, rw_slot, &rw_ps[i], 1);
+		apply_pattern(rw_idx, rw_slot, &rw_ps[i], 1, i);
 	}
 	/* Alternate alone / with a writer, R rounds each, and take the median round: the
 	 * machine's load drifts, so back-to-back phases compare like with like. */
@@ -414,19 +463,21 @@ static void bench_reader_writer(int ms)
  * kvr_hash_blocks, the noise-free form of the match/hash ratio). */
 static void cg_mode(size_t L, int pat)
 {
-	int np = L == 32 ? 1024 : L == 512 ? 64 : 8;
+	int np = prompts_for(L, pat);
 	struct path *ps = calloc((size_t)np, sizeof(*ps));
 	for (int i = 0; i < np; i++)
 		make_path(&ps[i], L);
+	if (pat == 3)
+		make_sessions(ps, np);
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
 	for (int i = 0; i < np; i++)
-		apply_pattern(idx, slot, &ps[i], pat);
+		apply_pattern(idx, slot, &ps[i], pat, i);
 	uint64_t m50, m99;
 	match_lat(idx, ps, np, 1000, &m50, &m99);
 	uint64_t h = hash_p50(&ps[0], 1000);
 	printf("cg L=%zu pattern=%c (timings under valgrind are meaningless: %lu %lu)\n", L,
-	       "abc"[pat], (unsigned long)m99, (unsigned long)h);
+	       "abcd"[pat], (unsigned long)m99, (unsigned long)h);
 	kvr_index_destroy(idx);
 }
 
@@ -435,15 +486,17 @@ static void cg_mode(size_t L, int pat)
  * timed calls (10 ns clock steps here) cannot show it. */
 static void tput_mode(size_t L, int pat)
 {
-	int np = L == 32 ? 1024 : L == 512 ? 64 : 8;
+	int np = prompts_for(L, pat);
 	long nq = L == 8192 ? 10000 : 100000;
 	struct path *ps = calloc((size_t)np, sizeof(*ps));
 	for (int i = 0; i < np; i++)
 		make_path(&ps[i], L);
+	if (pat == 3)
+		make_sessions(ps, np);
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
 	for (int i = 0; i < np; i++)
-		apply_pattern(idx, slot, &ps[i], pat);
+		apply_pattern(idx, slot, &ps[i], pat, i);
 	kvr_index_quiesce(idx);
 	struct kvr_index_match out[RANKS];
 	uint64_t best = UINT64_MAX;
@@ -459,7 +512,7 @@ static void tput_mode(size_t L, int pat)
 		best = d < best ? d : best;
 	}
 	printf("SUMMARY bench=index_tput L=%zu pattern=%c queries=%ld mean_ns_per_query=%.1f\n", L,
-	       "abc"[pat], nq, (double)best / (double)nq);
+	       "abcd"[pat], nq, (double)best / (double)nq);
 	kvr_index_destroy(idx);
 	for (int i = 0; i < np; i++)
 		free_path(&ps[i]);
