@@ -198,6 +198,17 @@ static uint64_t held_pairs(const struct kvr_index *idx, const uint32_t *slot)
 	return h;
 }
 
+/* np prompts of L blocks for pattern pat (0 = a .. 3 = d). */
+static struct path *make_prompts(size_t L, int pat, int np)
+{
+	struct path *ps = calloc((size_t)np, sizeof(*ps));
+	for (int i = 0; i < np; i++)
+		make_path(&ps[i], L);
+	if (pat == 3)
+		make_sessions(ps, np);
+	return ps;
+}
+
 static uint64_t hash_p50(const struct path *p, int reps)
 {
 	uint64_t *lat = malloc((size_t)reps * sizeof(uint64_t));
@@ -252,11 +263,7 @@ static void bench_match(bool quick)
 		int reps = quick ? 200 : (L == 8192 ? 1000 : 5000);
 		for (int pat = 0; pat < 4; pat++) {
 			int np = prompts_for(L, pat);
-			struct path *ps = calloc((size_t)np, sizeof(*ps));
-			for (int i = 0; i < np; i++)
-				make_path(&ps[i], L);
-			if (pat == 3)
-				make_sessions(ps, np);
+			struct path *ps = make_prompts(L, pat, np);
 			uint64_t h50 = hash_p50(&ps[0], reps);
 			uint32_t slot[RANKS];
 			struct kvr_index *idx = new_index(slot);
@@ -464,11 +471,7 @@ static void bench_reader_writer(int ms)
 static void cg_mode(size_t L, int pat)
 {
 	int np = prompts_for(L, pat);
-	struct path *ps = calloc((size_t)np, sizeof(*ps));
-	for (int i = 0; i < np; i++)
-		make_path(&ps[i], L);
-	if (pat == 3)
-		make_sessions(ps, np);
+	struct path *ps = make_prompts(L, pat, np);
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
 	for (int i = 0; i < np; i++)
@@ -488,11 +491,7 @@ static void tput_mode(size_t L, int pat)
 {
 	int np = prompts_for(L, pat);
 	long nq = L == 8192 ? 10000 : 100000;
-	struct path *ps = calloc((size_t)np, sizeof(*ps));
-	for (int i = 0; i < np; i++)
-		make_path(&ps[i], L);
-	if (pat == 3)
-		make_sessions(ps, np);
+	struct path *ps = make_prompts(L, pat, np);
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
 	for (int i = 0; i < np; i++)
