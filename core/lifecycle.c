@@ -89,7 +89,8 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 			rc = 0; /* claimed; the router is going away with everything it holds */
 	}
 	if (rc == 0)
-		kvr_repl_note_progress(r, attempt, op, tokens, n); /* replica sync */
+		kvr_repl_note_progress(r, attempt, op, tokens, n,
+		                       (flags & KVR_PROGRESS_NOT_FINAL) != 0); /* replica sync */
 	if (rc == 0 && op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0)
 		kvr_queue_pump(r);
 	return rc;

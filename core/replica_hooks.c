@@ -111,18 +111,18 @@ void kvr_repl_note_route_slow(struct kvr_router *r, const struct kvr_admit_args 
 }
 
 void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
-                                 const uint32_t *tokens, size_t n)
+                                 const uint32_t *tokens, size_t n, bool not_final)
 {
 	kvr_rcu_read_lock();
 	struct kvr_repl_hooks *h = kvr_rcu_deref(&r->repl);
 	if (h && h->progressed)
-		h->progressed(h->ctx, attempt, op, tokens, n);
+		h->progressed(h->ctx, attempt, op, tokens, n, not_final);
 	kvr_rcu_read_unlock();
 }
 
 void kvr_repl_note_expire(void *ctx, uint64_t attempt)
 {
-	kvr_repl_note_progress(ctx, attempt, KVR_OP_ABORT, NULL, 0);
+	kvr_repl_note_progress(ctx, attempt, KVR_OP_ABORT, NULL, 0, false);
 }
 
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,

@@ -47,11 +47,14 @@ enum kvr_repl_rank_op {
 	KVR_REPL_RANK_RESET = 4,
 };
 
-/* Progress ops are enum kvr_progress_op (core/router_internal.h). */
+/* Progress ops are enum kvr_progress_op (core/router_internal.h).  progressed's not_final: an
+ * output call's last token is known not to be the final one (kvr_request_output_ex without
+ * KVR_OUTPUT_FINAL), so the router counted its KV slot at once; false for every other call. */
 struct kvr_repl_hooks {
 	void *ctx;
 	void (*admitted)(void *ctx, const struct kvr_repl_admission *a);
-	void (*progressed)(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n);
+	void (*progressed)(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
+	                   bool not_final);
 	void (*rank_changed)(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
 	                     uint64_t capacity, uint32_t max_batched_tokens);
 	/* Appends Prometheus text at buf (room bytes, snprintf semantics); returns the length it
@@ -87,7 +90,7 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *a);
 /* The notes: called by route.c, lifecycle.c and ranks.c after a successful call. */
 void kvr_repl_note_admit_slow(struct kvr_router *r, const struct kvr_repl_admission *a);
 void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
-                                 const uint32_t *tokens, size_t n);
+                                 const uint32_t *tokens, size_t n, bool not_final);
 /* The lease reaper expired one of this router's attempts (shard thread; ctx is the router): told
  * as an abort, so peers release their mirror at once instead of on their own reaper, and the
  * layer drops its record of the attempt. */
@@ -110,10 +113,10 @@ static inline void kvr_repl_note_route(struct kvr_router *r, const struct kvr_ad
 		kvr_repl_note_route_slow(r, a, d, expected_output);
 }
 static inline void kvr_repl_note_progress(struct kvr_router *r, uint64_t attempt, int op,
-                                          const uint32_t *tokens, size_t n)
+                                          const uint32_t *tokens, size_t n, bool not_final)
 {
 	if (kvr_repl_attached(r))
-		kvr_repl_note_progress_slow(r, attempt, op, tokens, n);
+		kvr_repl_note_progress_slow(r, attempt, op, tokens, n, not_final);
 }
 static inline void kvr_repl_note_rank(struct kvr_router *r, int op, struct kvr_rank_id rank,
                                       uint64_t incarnation, uint64_t capacity, uint32_t mbt)

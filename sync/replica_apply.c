@@ -41,6 +41,14 @@ static struct kvr_rep_rec *rec_from_msg(const struct kvr_wmsg *m)
 	return x;
 }
 
+/* Output tokens of a peer's attempt, applied as its origin applied them: not_final (the last
+ * token's slot counted at once) exactly when the origin was told so. */
+static int apply_output(struct kvr_replica *rep, uint64_t a, const uint32_t *t, size_t n,
+                        bool not_final)
+{
+	return APPLYING(kvr_request_output_ex(rep->r, a, t, n, not_final ? 0 : KVR_OUTPUT_FINAL));
+}
+
 /* Books x on the router as a peer's admission; then its prefill state and output so far.
  * Returns 0 or the router's refusal. */
 static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr_wmsg *m)
@@ -69,8 +77,9 @@ static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr
 		if (t) {
 			for (uint32_t i = 0; i < m->n_out; i++)
 				t[i] = kvr_msg_u32(m->out, i);
-			APPLYING(kvr_request_output(rep->r, x->local, t, m->n_out));
-			kvr_rep_rec_append_out(x, t, m->n_out);
+			bool nf = m->flags & KVR_MSG_F_OUT_COUNTED;
+			apply_output(rep, x->local, t, m->n_out, nf);
+			kvr_rep_rec_append_out(x, t, m->n_out, nf);
 			kvr_free(t, (size_t)m->n_out * 4);
 		}
 	}
@@ -105,10 +114,11 @@ void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 			if (t) {
 				for (size_t i = 0; i < k; i++)
 					t[i] = kvr_msg_u32(m->out, have + i);
-				APPLYING(kvr_request_output(rep->r, a, t, k));
+				bool nf = m->flags & KVR_MSG_F_OUT_COUNTED;
+				apply_output(rep, a, t, k, nf);
 				pthread_mutex_lock(&rep->mu);
 				old->prefilled = true;
-				kvr_rep_rec_append_out(old, t, k);
+				kvr_rep_rec_append_out(old, t, k, nf);
 				pthread_mutex_unlock(&rep->mu);
 				kvr_free(t, k * 4);
 			}
@@ -170,10 +180,11 @@ static void apply_progress(struct kvr_replica *rep, const struct kvr_wmsg *m)
 			return;
 		for (uint32_t i = 0; i < m->n_out; i++)
 			t[i] = kvr_msg_u32(m->out, i);
-		APPLYING(kvr_request_output(rep->r, a, t, m->n_out));
+		bool nf = m->flags & KVR_MSG_OUT_NOT_FINAL;
+		apply_output(rep, a, t, m->n_out, nf);
 		pthread_mutex_lock(&rep->mu);
 		x->prefilled = true;
-		kvr_rep_rec_append_out(x, t, m->n_out);
+		kvr_rep_rec_append_out(x, t, m->n_out, nf);
 		pthread_mutex_unlock(&rep->mu);
 		kvr_free(t, ((size_t)m->n_out ? m->n_out : 1) * 4);
 		return;

@@ -55,7 +55,8 @@ struct kvr_rep_rec {
 	uint64_t incarnation, prompt_tokens, lora_seed, fin_no, fin_ns;
 	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
 	bool chain_known, prefilled;
-	bool seen; /* resync: named by the snapshot */
+	bool out_counted; /* the last output token's slot is counted (it came as not final) */
+	bool seen;        /* resync: named by the snapshot */
 	uint64_t *blocks;
 	uint32_t *tail;
 	uint32_t *out;
@@ -191,8 +192,9 @@ static inline bool kvr_rep_wait_deadline(pthread_cond_t *cv, pthread_mutex_t *mu
 struct kvr_rep_rec *kvr_rep_rec_new(uint32_t n, uint32_t tail_n);
 /* Frees x and its output; NULL is a no-op. */
 void kvr_rep_rec_free(struct kvr_rep_rec *x);
-/* Appends n output tokens to x.  0, KVR_ERANGE, KVR_ENOMEM. */
-int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n);
+/* Appends n output tokens to x; n > 0 sets x->out_counted to not_final (the last token's
+ * slot is counted).  0, KVR_ERANGE, KVR_ENOMEM. */
+int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, bool not_final);
 /* The map (origin, origin attempt) -> record of the live attempts. */
 struct kvr_rep_rec *kvr_rep_map_find(struct kvr_replica *rep, uint64_t origin, uint64_t attempt);
 int kvr_rep_map_insert(struct kvr_replica *rep, struct kvr_rep_rec *x); /* 0 or KVR_ENOMEM */
@@ -227,7 +229,8 @@ void kvr_rep_stream_flush(struct kvr_replica *rep);
  * thread.  Context: frontend or shard threads, inside the router's RCU read section; no lock,
  * no syscall unless the sender is parked (or the queue is full). */
 void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a);
-void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n);
+void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
+                           bool not_final);
 void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
                        uint64_t capacity, uint32_t mbt);
 /* Makes the outbound queue and the staging slabs.  0 or KVR_ENOMEM.  Context: create. */

@@ -66,7 +66,9 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 		m->n_blocks = rd32(b + 56);
 		m->tail_n = rd32(b + 60);
 		m->n_out = rd32(b + 64);
-		if (rd32(b + 68) != 0 || m->flags & ~7u || m->attempt == 0)
+		if (rd32(b + 68) != 0 || m->flags & ~15u || m->attempt == 0)
+			return KVR_EINVAL;
+		if ((m->flags & KVR_MSG_F_OUT_COUNTED) && m->n_out == 0)
 			return KVR_EINVAL;
 		if (m->n_blocks > KVR_MSG_MAX_BLOCKS || m->tail_n > KVR_MSG_MAX_TAIL ||
 		    m->n_out > KVR_MSG_MAX_BLOCKS || m->overlap > m->n_blocks)
@@ -89,8 +91,11 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 			return KVR_EINVAL;
 		m->attempt = rd64(b);
 		m->n_out = rd32(b + 8);
-		if (rd32(b + 12) != 0 || m->attempt == 0 || m->n_out > KVR_MSG_MAX_BLOCKS ||
-		    OUTPUT_FIXED + (uint64_t)m->n_out * 4 != bl)
+		m->flags = rd32(b + 12);
+		if (m->flags & ~KVR_MSG_OUT_NOT_FINAL || m->attempt == 0 ||
+		    m->n_out > KVR_MSG_MAX_BLOCKS || OUTPUT_FIXED + (uint64_t)m->n_out * 4 != bl)
+			return KVR_EINVAL;
+		if ((m->flags & KVR_MSG_OUT_NOT_FINAL) && m->n_out == 0)
 			return KVR_EINVAL;
 		m->out = b + OUTPUT_FIXED;
 		return 0;

@@ -14,6 +14,10 @@
  * batch decodes before it applies any (kvr_msg_batch_check), and drops the whole transport
  * message otherwise.  Snapshot requests and chunks stay one per transport message.  Version 1
  * messages are dropped and counted like any unknown version (a cluster upgrades all at once).
+ * Within version 2, OUTPUT's flags (bit0 not final) and ATTEMPT's flag bit3 (out counted) came
+ * later (kvr_request_output_ex): they take a field that had to be 0 (OUTPUT's reserved word) and
+ * a bit that had to be 0, so a newer decoder reads every older message as before (flag clear:
+ * the last token held back), and an older one drops (and counts) only a message that sets them.
  *
  * Every message starts with this 32-byte header:
  *     off size field
@@ -28,12 +32,19 @@
  * Bodies (all integers little-endian; arrays packed, no padding between fields):
  *   ADMIT / ATTEMPT (an admission; ATTEMPT is a whole attempt's state in a snapshot or a resync):
  *       0  8 worker_id      8 4 dp_rank       12 4 flags (bit0 chain_known, bit1 prefill done,
- *      16  8 incarnation   24 8 attempt                   bit2 finished: replay and release)
+ *      16  8 incarnation   24 8 attempt                   bit2 finished: replay and release,
+ *                                                         bit3 out counted: the last of the
+ *                                                         n_out tokens came as not final, its
+ *                                                         slot is counted; only with n_out > 0)
  *      32  8 prompt_tokens 40 8 lora_seed
  *      48  4 overlap       52 4 expected_output
  *      56  4 n_blocks      60 4 tail_n (< 65536)   64 4 n_out (ADMIT: 0)   68 4 reserved (0)
  *      72  then n_blocks u64 local hashes, tail_n u32 tail tokens, n_out u32 output tokens
- *   OUTPUT:      0 8 attempt  8 4 n_tokens  12 4 reserved   16 then n_tokens u32 tokens
+ *   OUTPUT:      0 8 attempt  8 4 n_tokens  12 4 flags   16 then n_tokens u32 tokens
+ *                flags bit0 not final: the last token is known not to be the request's final
+ *                one (kvr_request_output_ex without KVR_OUTPUT_FINAL): the origin counted its
+ *                KV slot at once, and so does the receiver; clear (kvr_request_output, or the
+ *                final token): it is held back until a later one comes.  Only with n_tokens > 0.
  *   PREFILL_DONE, FINISH, ABORT:   0 8 attempt
  *   RANK:        0 4 op (1 add, 2 remove, 3 capacity, 4 reset)  4 4 max_batched_tokens
  *                8 8 worker_id  16 4 dp_rank  20 4 reserved  24 8 incarnation  32 8 capacity
@@ -83,6 +94,10 @@ enum kvr_msg_type {
 #define KVR_MSG_F_CHAIN_KNOWN 1u
 #define KVR_MSG_F_PREFILLED   2u
 #define KVR_MSG_F_FINISHED    4u
+#define KVR_MSG_F_OUT_COUNTED 8u
+
+/* OUTPUT flags */
+#define KVR_MSG_OUT_NOT_FINAL 1u
 
 struct kvr_msg_header {
 	uint8_t version, type;
@@ -100,7 +115,8 @@ struct kvr_wmsg {
 	uint64_t incarnation, attempt, prompt_tokens, lora_seed;
 	uint32_t overlap, expected_output, n_blocks, tail_n, n_out;
 	const uint8_t *blocks, *tail, *out; /* u64 x n_blocks, u32 x tail_n, u32 x n_out */
-	/* OUTPUT: attempt, n_out/out.  PREFILL_DONE, FINISH, ABORT: attempt. */
+	/* OUTPUT: attempt, n_out/out, flags (KVR_MSG_OUT_*).  PREFILL_DONE, FINISH, ABORT:
+	 * attempt. */
 	/* RANK */
 	uint32_t op, max_batched_tokens;
 	uint64_t capacity;

@@ -21,8 +21,9 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 	kvr_msg_put_u32(b, x->rank.dp_rank);
 	uint32_t flags = (x->chain_known ? KVR_MSG_F_CHAIN_KNOWN : 0);
 	if (type == KVR_MSG_ATTEMPT)
-		flags |=
-		    (x->prefilled ? KVR_MSG_F_PREFILLED : 0) | (finished ? KVR_MSG_F_FINISHED : 0);
+		flags |= (x->prefilled ? KVR_MSG_F_PREFILLED : 0) |
+		         (finished ? KVR_MSG_F_FINISHED : 0) |
+		         (x->out_counted && x->n_out ? KVR_MSG_F_OUT_COUNTED : 0);
 	kvr_msg_put_u32(b, flags);
 	kvr_msg_put_u64(b, x->incarnation);
 	kvr_msg_put_u64(b, x->oattempt);
@@ -130,7 +131,7 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 }
 
 static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, const uint32_t *tokens,
-                         size_t n)
+                         size_t n, bool not_final)
 {
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
 	if (!x) /* admitted before attach: peers never saw it */
@@ -142,7 +143,8 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		break;
 	case KVR_OP_OUTPUT:
 		x->prefilled = true;
-		if (kvr_rep_rec_append_out(x, tokens, n)) {
+		not_final = not_final && n > 0; /* no token: nothing changes */
+		if (kvr_rep_rec_append_out(x, tokens, n, not_final)) {
 			rep->st.unpublished++;
 			break;
 		}
@@ -150,7 +152,7 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		                           rep->epoch, rep->seq + 1);
 		kvr_msg_put_u64(&rep->sbuf, attempt);
 		kvr_msg_put_u32(&rep->sbuf, (uint32_t)n);
-		kvr_msg_put_u32(&rep->sbuf, 0);
+		kvr_msg_put_u32(&rep->sbuf, not_final ? KVR_MSG_OUT_NOT_FINAL : 0);
 		kvr_msg_put_u32s(&rep->sbuf, tokens, n);
 		kvr_msg_end(&rep->sbuf, off);
 		stream_added(rep);
@@ -218,7 +220,8 @@ enum { OUT_ADMIT = 1, OUT_PROGRESS = 2, OUT_RANK = 3, OUT_FLUSH = 4, OUT_ADMIT_S
 
 struct out_progress {
 	uint64_t attempt;
-	int32_t op;
+	int16_t op;
+	uint16_t not_final;
 	uint32_t n;
 	union {
 		uint32_t inl[OUT_INLINE];
@@ -349,10 +352,12 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 	out_push(rep, OUT_ADMIT, &x, sizeof(x));
 }
 
-void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n)
+void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
+                           bool not_final)
 {
 	struct kvr_replica *rep = ctx;
-	struct out_progress p = {.attempt = attempt, .op = op, .n = (uint32_t)n};
+	struct out_progress p = {
+	    .attempt = attempt, .op = (int16_t)op, .not_final = not_final, .n = (uint32_t)n};
 	if (op != KVR_OP_OUTPUT || n > UINT32_MAX)
 		p.n = 0;
 	if (p.n > OUT_INLINE) {
@@ -408,7 +413,8 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 	case OUT_PROGRESS: {
 		struct out_progress p;
 		memcpy(&p, m->payload, sizeof(p));
-		out_progress(rep, p.attempt, p.op, p.n > OUT_INLINE ? p.t.heap : p.t.inl, p.n);
+		out_progress(rep, p.attempt, p.op, p.n > OUT_INLINE ? p.t.heap : p.t.inl, p.n,
+		             p.not_final);
 		if (p.n > OUT_INLINE)
 			kvr_free(p.t.heap, (size_t)p.n * 4);
 		return 0;

@@ -112,7 +112,7 @@ struct kvr_rep_rec *kvr_rep_rec_new(uint32_t n, uint32_t tail_n)
 	return x;
 }
 
-int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n)
+int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, bool not_final)
 {
 	if (!n)
 		return 0;
@@ -130,6 +130,7 @@ int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n)
 	}
 	memcpy(x->out + x->n_out, t, n * 4);
 	x->n_out += (uint32_t)n;
+	x->out_counted = not_final;
 	return 0;
 }
 

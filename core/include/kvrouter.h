@@ -429,8 +429,8 @@ KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uin
  * may mix with kvr_request_output (a token of unknown finality is held back until a later one
  * comes).  n_tokens 0 changes nothing.  A frontend that learns of the end only after it passed
  * the last token (finish_reason in a later, empty chunk) should use kvr_request_output: a token
- * passed as not final is counted.  A replica (replica sync) follows it as it follows
- * kvr_request_output, one step behind.
+ * passed as not final is counted.  Replicas (replica sync) apply it exactly so: the replicated
+ * output carries whether the last token is final.
  * Returns as kvr_request_output, and KVR_EINVAL for unknown flags.  Context: as
  * kvr_request_output (any thread; never waits for a shard). */
 KVR_API int kvr_request_output_ex(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,

@@ -2,7 +2,7 @@
  * message, and a batch of them (wire version 2).
  * Properties: never crashes or reads out of bounds; an accepted message's arrays lie inside the
  * buffer; every record of an accepted SNAP_CHUNK decodes on its own; re-encoding an accepted
- * ADMIT/ATTEMPT with the encoder gives back the same bytes. */
+ * ADMIT/ATTEMPT or OUTPUT (with its flags) with the encoder gives back the same bytes. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -85,9 +85,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		kvr_msg_buf_fini(&b);
 		break;
 	}
-	case KVR_MSG_OUTPUT:
+	case KVR_MSG_OUTPUT: {
 		check_inside(data, size, m.out, (size_t)m.n_out * 4);
+		if (m.flags & ~KVR_MSG_OUT_NOT_FINAL || (m.flags && !m.n_out))
+			abort(); /* unknown flags, or "not final" with no token, are refused */
+		struct kvr_msg_buf b = {0};
+		size_t off = kvr_msg_begin(&b, m.h.type, m.h.replica, m.h.epoch, m.h.seq);
+		kvr_msg_put_u64(&b, m.attempt);
+		kvr_msg_put_u32(&b, m.n_out);
+		kvr_msg_put_u32(&b, m.flags);
+		kvr_msg_put_bytes(&b, m.out, (size_t)m.n_out * 4);
+		kvr_msg_end(&b, off);
+		if (!b.oom && (b.len != size || memcmp(b.p, data, size) != 0))
+			abort();
+		kvr_msg_buf_fini(&b);
 		break;
+	}
 	case KVR_MSG_SNAP_CHUNK: {
 		size_t pos = 0, rl, n = 0;
 		const uint8_t *rp;

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of fuzz_replica_msg (tests/fuzz/corpus/replica): one valid message of
 every type of the replica sync wire format (sync/replica_msg.h, version 2), a batch (version 2
-stream messages back to back), plus a few broken ones (an unknown and the old version 1, a
-truncated message and batch)."""
+stream messages back to back), the output finality flags (OUTPUT bit0, ATTEMPT bit3), plus a few
+broken ones (an unknown and the old version 1, a truncated message and batch, an unknown OUTPUT
+flag, ATTEMPT bit3 without output)."""
 import os, struct, sys
 
 out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), 'corpus', 'replica')
@@ -27,6 +28,12 @@ seeds = {
     'attempt': admit(12, 3, 4, 0, 5),
     'ghost': admit(12, 7, 2, 1, 3),
     'output': msg(2, struct.pack('<QII', 0x10001, 3, 0) + struct.pack('<III', 1, 2, 3)),
+    # OUTPUT flags bit0: the last token is not final (kvr_request_output_ex); bit1 is unknown
+    'output_not_final': msg(2, struct.pack('<QII', 0x10001, 3, 1) + struct.pack('<III', 1, 2, 3)),
+    'output_bad_flags': msg(2, struct.pack('<QII', 0x10001, 3, 2) + struct.pack('<III', 1, 2, 3)),
+    # ATTEMPT flags bit3: the last output token's slot is counted (only with output)
+    'attempt_out_counted': admit(12, 11, 4, 0, 5),
+    'attempt_out_counted_no_out': admit(12, 11, 4, 0, 0),
     'prefill': msg(3, struct.pack('<Q', 0x10001)),
     'finish': msg(4, struct.pack('<Q', 0x10001)),
     'abort': msg(5, struct.pack('<Q', 0x10001)),

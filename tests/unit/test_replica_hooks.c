@@ -1,12 +1,19 @@
 /* core/replica_hooks: a router's notes, applied to a second router through kvr_repl_admit and
  * the public calls (with kvr_repl_applying set), make the second router's predicted caches and
- * loads equal the first's; notes are not re-emitted while applying; detach stops the notes. */
+ * loads equal the first's; notes are not re-emitted while applying; detach stops the notes.
+ * And the replica core (sync/replica*.c) over an in-process bus: output reported through
+ * kvr_request_output_ex reaches peers with its finality, on the stream and in snapshots. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "core/limits.h"
 #include "core/replica_hooks.h"
 #include "kvrouter.h"
+#include "sync/replica.h"
+#include "sync/replica_msg.h"
 
 struct mirror {
 	struct kvr_router *dst;
@@ -36,7 +43,8 @@ static void on_admit(void *ctx, const struct kvr_repl_admission *a)
 	m->to[m->n++] = c.attempt;
 }
 
-static void on_progress(void *ctx, uint64_t attempt, int op, const uint32_t *t, size_t n)
+static void on_progress(void *ctx, uint64_t attempt, int op, const uint32_t *t, size_t n,
+                        bool not_final)
 {
 	struct mirror *m = ctx;
 	m->notes++;
@@ -44,9 +52,10 @@ static void on_progress(void *ctx, uint64_t attempt, int op, const uint32_t *t, 
 	cr_assert_neq(b, 0);
 	kvr_repl_applying = true;
 	int rc = op == KVR_OP_PREFILL_DONE ? kvr_request_prefill_done(m->dst, b)
-	         : op == KVR_OP_OUTPUT     ? kvr_request_output(m->dst, b, t, n)
-	         : op == KVR_OP_FINISH     ? kvr_request_finish(m->dst, b)
-	                                   : kvr_request_abort(m->dst, b);
+	         : op == KVR_OP_OUTPUT
+	             ? kvr_request_output_ex(m->dst, b, t, n, not_final ? 0 : KVR_OUTPUT_FINAL)
+	         : op == KVR_OP_FINISH ? kvr_request_finish(m->dst, b)
+	                               : kvr_request_abort(m->dst, b);
 	kvr_repl_applying = false;
 	cr_assert_eq(rc, 0);
 }
@@ -124,7 +133,12 @@ Test(replica_hooks, mirrored_router_agrees)
 				uint32_t out[40];
 				for (int j = 0; j < 40; j++)
 					out[j] = (uint32_t)rand();
-				cr_assert_eq(kvr_request_output(a, live[k], out, 1 + rand() % 40),
+				size_t n = 1 + (size_t)(rand() % 40);
+				int how = rand() % 3; /* plain, not final, final */
+				cr_assert_eq(how == 0 ? kvr_request_output(a, live[k], out, n)
+				                      : kvr_request_output_ex(
+				                            a, live[k], out, n,
+				                            how == 1 ? 0 : KVR_OUTPUT_FINAL),
 				             0);
 			} else if (what == 1) {
 				cr_assert_eq(kvr_request_prefill_done(a, live[k]), 0);
@@ -197,4 +211,290 @@ Test(replica_hooks, admit_refuses_bad_input)
 	m.tail = tail;
 	cr_assert_eq(kvr_repl_admit(r, &m), KVR_EINVAL); /* a tail is shorter than a block */
 	kvr_router_destroy(r);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The replica core (sync/replica.c) over an in-process bus, no server: what kvr_request_output_ex
+ * said about the last output token (final or not) reaches the peers, on the stream and in a
+ * snapshot, so their predicted caches equal the origin's. */
+
+#define BUS_N 3
+
+struct bus_chunk {
+	struct bus_chunk *next;
+	size_t len;
+	uint8_t data[];
+};
+
+static struct bus {
+	struct kvr_replica *rep[BUS_N];
+	bool ready[BUS_N];
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	struct bus_chunk *inbox[BUS_N]; /* snapshot chunks for replica i, newest first */
+} bus = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+static int port[BUS_N] = {0, 1, 2};
+
+static int bus_publish(void *ctx, const void *buf, size_t len)
+{
+	int i = *(int *)ctx;
+	for (int j = 0; j < BUS_N; j++)
+		if (j != i && bus.rep[j])
+			kvr_replica_deliver(bus.rep[j], buf, len, NULL);
+	return 0;
+}
+
+static int bus_reply(void *ctx, const char *to, const void *buf, size_t len)
+{
+	(void)ctx;
+	int j = to[0] - '0';
+	struct bus_chunk *c = malloc(sizeof(*c) + len);
+	cr_assert(c && j >= 0 && j < BUS_N);
+	c->len = len;
+	memcpy(c->data, buf, len);
+	pthread_mutex_lock(&bus.mu);
+	c->next = bus.inbox[j];
+	bus.inbox[j] = c;
+	pthread_cond_broadcast(&bus.cv);
+	pthread_mutex_unlock(&bus.mu);
+	return 0;
+}
+
+/* The oldest chunk for replica i, waiting up to 10 ms; NULL if none. */
+static struct bus_chunk *bus_take(int i)
+{
+	pthread_mutex_lock(&bus.mu);
+	if (!bus.inbox[i]) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		ts.tv_nsec += 10000000;
+		if (ts.tv_nsec >= 1000000000) {
+			ts.tv_sec++;
+			ts.tv_nsec -= 1000000000;
+		}
+		pthread_cond_timedwait(&bus.cv, &bus.mu, &ts);
+	}
+	struct bus_chunk **pp = &bus.inbox[i], *c = NULL;
+	while (*pp && (*pp)->next)
+		pp = &(*pp)->next;
+	c = *pp;
+	*pp = NULL;
+	pthread_mutex_unlock(&bus.mu);
+	return c;
+}
+
+static int bus_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+                       int (*on_chunk)(void *cb, const void *buf, size_t len),
+                       void (*poll)(void *cb), void *cb)
+{
+	int i = *(int *)ctx, peer = -1;
+	pthread_mutex_lock(&bus.mu);
+	for (int j = 0; j < BUS_N; j++) /* the last ready one: a replica serving its mirrors */
+		if (j != i && bus.rep[j] && bus.ready[j])
+			peer = j;
+	pthread_mutex_unlock(&bus.mu);
+	if (peer < 0)
+		return KVR_ENOENT;
+	char inbox[2] = {(char)('0' + i), 0};
+	kvr_replica_deliver(bus.rep[peer], req, len, inbox);
+	for (uint64_t waited = 0; waited < timeout_ns; waited += 10000000) {
+		struct bus_chunk *c = bus_take(i);
+		if (!c) {
+			poll(cb);
+			continue;
+		}
+		int rc = on_chunk(cb, c->data, c->len);
+		free(c);
+		if (rc)
+			return rc == 1 ? 0 : rc;
+	}
+	return KVR_ETIMEDOUT;
+}
+
+static void bus_ready(void *ctx)
+{
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[*(int *)ctx] = true;
+	pthread_mutex_unlock(&bus.mu);
+}
+
+static struct kvr_router *bus_router(int i)
+{
+	struct kvr_router *r = make();
+	for (uint64_t w = 0; w < 2; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
+	struct kvr_replica_config c = {
+	    .replica_id = (uint64_t)i + 1,
+	    .heartbeat_ms = 50,
+	    .dead_after = 1000, /* nobody is given up during the test */
+	    .snapshot_timeout_ms = 5000,
+	};
+	struct kvr_replica_transport t = {.ctx = &port[i],
+	                                  .publish = bus_publish,
+	                                  .reply = bus_reply,
+	                                  .request = bus_request,
+	                                  .ready = bus_ready};
+	cr_assert_eq(kvr_replica_create(r, &c, &t, &bus.rep[i]), 0);
+	cr_assert_eq(kvr_replica_start(bus.rep[i]), 0);
+	cr_assert_eq(kvr_replica_wait_ready(bus.rep[i], 10000), 0);
+	return r;
+}
+
+/* Every replica has applied everything, and every router has run what it was told. */
+static void bus_quiet(struct kvr_router **r, int n)
+{
+	for (int pass = 0; pass < 2; pass++)
+		for (int i = 0; i < n; i++)
+			cr_assert_eq(kvr_replica_drain(bus.rep[i], 10000), 0);
+	for (int i = 0; i < n; i++)
+		cr_assert_eq(kvr_router_sync(r[i], 5000), 0);
+}
+
+static size_t n_blocks(struct kvr_router *r, struct kvr_rank_id rk)
+{
+	static uint64_t x[4096];
+	size_t n;
+	cr_assert_eq(kvr_rank_blocks(r, rk, x, 4096, &n), 0);
+	return n;
+}
+
+/* Routes a prompt of n tokens (distinct per seed) on r; returns the decision. */
+static struct kvr_decision bus_route(struct kvr_router *r, uint32_t seed, size_t n)
+{
+	uint32_t t[256];
+	cr_assert(n <= 256);
+	for (size_t j = 0; j < n; j++)
+		t[j] = seed * 1000003u + (uint32_t)j;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.expected_output_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	return d;
+}
+
+static void all_agree(struct kvr_router **r, int n, const char *when)
+{
+	for (int i = 1; i < n; i++)
+		for (uint64_t w = 0; w < 2; w++) {
+			struct kvr_rank_id rk = {w, 0};
+			struct kvr_rank_stats s0, si;
+			cr_assert_eq(kvr_rank_get_stats(r[0], rk, &s0), 0);
+			cr_assert_eq(kvr_rank_get_stats(r[i], rk, &si), 0);
+			cr_assert_eq(s0.active_blocks, si.active_blocks, "%s: replica %d rank %d",
+			             when, i + 1, (int)w);
+			same_blocks(r[0], r[i], rk);
+		}
+}
+
+Test(replica_hooks, output_not_final_replicates, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	/* Prompt 2B + 5, then B - 5 output tokens, the last known not to be final: the origin
+	 * counts the third block at once (one step behind, it would wait for a later token). */
+	const uint32_t B = KVR_DEFAULT_BLOCK_SIZE;
+	struct kvr_decision d1 = bus_route(r[0], 1, 2 * B + 5);
+	struct kvr_rank_id rk1 = d1.rank;
+	bus_quiet(r, 2);
+	size_t before = n_blocks(r[0], rk1);
+	uint32_t out[64];
+	for (uint32_t j = 0; j < 64; j++)
+		out[j] = 777000u + j;
+	cr_assert_eq(kvr_request_output_ex(r[0], d1.attempt, out, B - 5, 0), 0);
+	/* A second request whose not-final token opens a block (3B + 1 tokens, 3 complete) */
+	struct kvr_decision d2 = bus_route(r[0], 2, 3 * B - 4);
+	cr_assert_eq(kvr_request_output_ex(r[0], d2.attempt, out, 5, 0), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(n_blocks(r[0], rk1), before + 1, "the origin counts the not-final token");
+	all_agree(r, 2, "stream, not final");
+	/* A third replica joins: it learns the attempts from a snapshot, output flag included. */
+	r[2] = bus_router(2);
+	bus_quiet(r, 3);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[2], &st);
+	cr_assert_eq(st.snapshots_applied, 1);
+	all_agree(r, 3, "snapshot, not final");
+	/* A final token after them: held back and dropped at finish everywhere. */
+	cr_assert_eq(kvr_request_output_ex(r[0], d1.attempt, out + 10, B, KVR_OUTPUT_FINAL), 0);
+	cr_assert_eq(kvr_request_output(r[0], d2.attempt, out + 20, 2 * B - 1), 0);
+	bus_quiet(r, 3);
+	all_agree(r, 3, "stream, final");
+	cr_assert_eq(kvr_request_finish(r[0], d1.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r[0], d2.attempt), 0);
+	bus_quiet(r, 3);
+	all_agree(r, 3, "finished");
+	for (int i = BUS_N - 1; i >= 0; i--)
+		kvr_replica_stop(bus.rep[i]);
+	for (int i = 0; i < BUS_N; i++) {
+		kvr_replica_destroy(bus.rep[i]);
+		bus.rep[i] = NULL;
+		kvr_router_destroy(r[i]);
+	}
+	for (int i = 0; i < BUS_N; i++)
+		for (struct bus_chunk *c; (c = bus_take(i));)
+			free(c);
+}
+
+/* The wire: OUTPUT's flags word (bit0 not final) and ATTEMPT's bit3 (out counted). */
+static int output_msg(uint32_t n, uint32_t flags, struct kvr_wmsg *m)
+{
+	static struct kvr_msg_buf b;
+	b.len = 0;
+	size_t off = kvr_msg_begin(&b, KVR_MSG_OUTPUT, 3, 4, 5);
+	kvr_msg_put_u64(&b, 9);
+	kvr_msg_put_u32(&b, n);
+	kvr_msg_put_u32(&b, flags);
+	for (uint32_t i = 0; i < n; i++)
+		kvr_msg_put_u32(&b, 100 + i);
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom);
+	return kvr_msg_decode(b.p, b.len, m);
+}
+
+static int attempt_msg(uint32_t n_out, uint32_t flags, struct kvr_wmsg *m)
+{
+	static struct kvr_msg_buf b;
+	b.len = 0;
+	size_t off = kvr_msg_begin(&b, KVR_MSG_ATTEMPT, 3, 4, 0);
+	kvr_msg_put_u64(&b, 1); /* worker */
+	kvr_msg_put_u32(&b, 0); /* dp rank */
+	kvr_msg_put_u32(&b, flags);
+	kvr_msg_put_u64(&b, 7);  /* incarnation */
+	kvr_msg_put_u64(&b, 9);  /* attempt */
+	kvr_msg_put_u64(&b, 32); /* prompt tokens */
+	kvr_msg_put_u64(&b, 0);  /* lora */
+	kvr_msg_put_u32(&b, 0);  /* overlap */
+	kvr_msg_put_u32(&b, 64); /* expected output */
+	kvr_msg_put_u32(&b, 2);  /* blocks */
+	kvr_msg_put_u32(&b, 0);  /* tail */
+	kvr_msg_put_u32(&b, n_out);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u64(&b, 11);
+	kvr_msg_put_u64(&b, 12);
+	for (uint32_t i = 0; i < n_out; i++)
+		kvr_msg_put_u32(&b, 100 + i);
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom);
+	return kvr_msg_decode(b.p, b.len, m);
+}
+
+Test(replica_hooks, wire_output_finality)
+{
+	struct kvr_wmsg m;
+	cr_assert_eq(output_msg(3, 0, &m), 0);
+	cr_assert_eq(m.flags, 0);
+	cr_assert_eq(output_msg(3, KVR_MSG_OUT_NOT_FINAL, &m), 0);
+	cr_assert_eq(m.flags, KVR_MSG_OUT_NOT_FINAL);
+	cr_assert_eq(m.n_out, 3);
+	cr_assert_eq(output_msg(3, 2, &m), KVR_EINVAL);                     /* unknown flag */
+	cr_assert_eq(output_msg(0, KVR_MSG_OUT_NOT_FINAL, &m), KVR_EINVAL); /* no token */
+	cr_assert_eq(attempt_msg(4, KVR_MSG_F_CHAIN_KNOWN | KVR_MSG_F_OUT_COUNTED, &m), 0);
+	cr_assert_eq(m.flags & KVR_MSG_F_OUT_COUNTED, KVR_MSG_F_OUT_COUNTED);
+	cr_assert_eq(attempt_msg(0, KVR_MSG_F_CHAIN_KNOWN | KVR_MSG_F_OUT_COUNTED, &m), KVR_EINVAL);
+	cr_assert_eq(attempt_msg(4, 16, &m), KVR_EINVAL);
 }
