@@ -85,6 +85,19 @@ static struct kvr_router *make(void)
 	return r;
 }
 
+/* Routes a prompt of n tokens (64 expected output tokens) on r; returns the decision. */
+static struct kvr_decision route(struct kvr_router *r, const uint32_t *t, size_t n)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.expected_output_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	return d;
+}
+
 static int cmp(const void *a, const void *b)
 {
 	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -154,14 +167,7 @@ Test(replica_hooks, mirrored_router_agrees)
 		uint32_t fam = (uint32_t)(rand() % 12);
 		for (size_t j = 0; j < n; j++)
 			t[j] = j < 300 ? fam * 100000u + (uint32_t)j : (uint32_t)rand();
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = t;
-		q.n_tokens = n;
-		q.expected_output_tokens = 64;
-		struct kvr_decision d;
-		cr_assert_eq(kvr_route(a, &q, &d), 0);
-		live[k] = d.attempt;
+		live[k] = route(a, t, n).attempt;
 	}
 	cr_assert_eq(back.notes, 0, "applying must not re-emit");
 	cr_assert_eq(kvr_router_sync(a, 5000), 0);
@@ -365,14 +371,7 @@ static struct kvr_decision bus_route(struct kvr_router *r, uint32_t seed, size_t
 	cr_assert(n <= 256);
 	for (size_t j = 0; j < n; j++)
 		t[j] = seed * 1000003u + (uint32_t)j;
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.expected_output_tokens = 64;
-	struct kvr_decision d;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	return d;
+	return route(r, t, n);
 }
 
 static void all_agree(struct kvr_router **r, int n, const char *when)
