@@ -120,6 +120,31 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size)
 	return p;
 }
 
+size_t kvr_alloc_real_size(size_t size)
+{
+	if (size == 0)
+		return 0;
+#ifdef KVR_HAVE_JEMALLOC
+	size_t r = nallocx(size, flags());
+	return r ? r : size;
+#else
+	return size;
+#endif
+}
+
+size_t kvr_alloc_real_size_aligned(size_t size)
+{
+	if (size == 0)
+		return 0;
+	size_t rounded = (size + 63) & ~(size_t)63;
+#ifdef KVR_HAVE_JEMALLOC
+	size_t r = nallocx(rounded, flags() | MALLOCX_ALIGN(64));
+	return r ? r : rounded;
+#else
+	return rounded;
+#endif
+}
+
 void kvr_free(void *mem, size_t size)
 {
 	if (!mem)

@@ -24,6 +24,12 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size);
 /* Frees what kvr_alloc*() returned; size is the size asked for.  NULL is a no-op. */
 void kvr_free(void *mem, size_t size);
 void kvr_free_aligned(void *mem, size_t size);
+/* What an allocation of size bytes really occupies: the allocator's size class (jemalloc's
+ * nallocx, e.g. 144 -> 160); 0 for 0 (nothing allocated).  Without jemalloc the C library
+ * offers no size-class query (malloc_usable_size needs the pointer): size itself.  The _aligned
+ * form is for kvr_alloc_aligned().  Memory counters count these.  Context: any thread. */
+size_t kvr_alloc_real_size(size_t size);
+size_t kvr_alloc_real_size_aligned(size_t size);
 /* Grows the array *p (capacity *cap elements of elem bytes) to hold at least need elements:
  * doubling, 16 at least.  Returns 0 or KVR_ENOMEM (then *p and *cap are unchanged).
  * Context: the array's owner. */

@@ -42,7 +42,8 @@ struct kvr_index_stats {
 	uint64_t nodes;            /* distinct blocks in the tree (positions of runs) now, gauge */
 	uint64_t copies;           /* (block, rank) copies now, gauge */
 	uint64_t ranks;            /* active rank slots now, gauge */
-	uint64_t bytes_shared;     /* bytes of runs, hash arrays, run table, locator, gauge */
+	uint64_t bytes_shared;     /* bytes of runs, hash arrays, run table, locator, gauge (real
+	                            * allocator sizes, as kvr_index_memory_bytes) */
 	uint64_t bytes_per_rank;   /* bytes of holder sets and records, per-rank ext maps, gauge */
 };
 
@@ -177,7 +178,8 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 /* A snapshot of the counters.  Context: any thread. */
 void kvr_index_stats_get(const struct kvr_index *idx, struct kvr_index_stats *st);
 
-/* Bytes the index holds now (nodes, tables, rank sets, ext maps, slot table).
+/* Bytes the index holds now (nodes, tables, rank sets, ext maps, slot table), each allocation
+ * at the allocator's real size (its size class, core/alloc.h: a 144-byte array takes 160).
  * Context: any thread; memory retired but not yet past its grace period is still counted. */
 uint64_t kvr_index_memory_bytes(const struct kvr_index *idx);
 

@@ -199,7 +199,7 @@ static void mig_done(struct kvr_index *idx)
 {
 	struct idx_blocks *b = &idx->blk;
 	kvr_free(b->old_e, b->old_cap * sizeof(uint32_t));
-	idx_count(&idx->bytes_shared, -(int64_t)(b->old_cap * sizeof(uint32_t)));
+	idx_count(&idx->bytes_shared, -idx_real(b->old_cap * sizeof(uint32_t)));
 	b->old_e = NULL;
 	b->old_cap = b->old_count = b->old_tombs = b->mig_step = 0;
 	b->mig_credit = 0;
@@ -261,7 +261,7 @@ static int mig_start(struct kvr_index *idx, uint64_t cap)
 	uint32_t *e = kvr_alloc(cap * sizeof(uint32_t));
 	if (!e)
 		return KVR_ENOMEM;
-	idx_count(&idx->bytes_shared, (int64_t)(cap * sizeof(uint32_t)));
+	idx_count(&idx->bytes_shared, idx_real(cap * sizeof(uint32_t)));
 	if (!b->e) {
 		memset(e, 0, cap * sizeof(uint32_t));
 	} else {
@@ -295,7 +295,7 @@ void kvr_index_blk_unreserve(struct kvr_index *idx)
 		if (b->old_e)
 			mig_done(idx);
 		kvr_free(b->e, b->cap * sizeof(uint32_t));
-		idx_count(&idx->bytes_shared, -(int64_t)(b->cap * sizeof(uint32_t)));
+		idx_count(&idx->bytes_shared, -idx_real(b->cap * sizeof(uint32_t)));
 		b->e = NULL;
 		b->cap = b->tombs = 0;
 	}
@@ -430,7 +430,8 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 		if (!ocap)
 			d[0] = (struct idx_run *)(uintptr_t)1; /* never used */
 		kvr_free(b->dir, (size_t)ocap * sizeof(*d));
-		idx_count(&idx->bytes_shared, (int64_t)(ncap - ocap) * (int64_t)sizeof(*d));
+		idx_count(&idx->bytes_shared, idx_real((uint64_t)ncap * sizeof(*d)) -
+		                                  idx_real((uint64_t)ocap * sizeof(*d)));
 		b->dir = d;
 		b->dir_cap = ncap;
 		b->dir_free = lo;
@@ -456,7 +457,7 @@ void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r)
 	idx_seqs_hdr(idx_run_seqs(r))->id = 0;
 	if (--b->live == 0) { /* no run left: give the directory back */
 		kvr_free(b->dir, (size_t)b->dir_cap * sizeof(*b->dir));
-		idx_count(&idx->bytes_shared, -(int64_t)b->dir_cap * (int64_t)sizeof(*b->dir));
+		idx_count(&idx->bytes_shared, -idx_real((uint64_t)b->dir_cap * sizeof(*b->dir)));
 		b->dir = NULL;
 		b->dir_cap = b->dir_free = 0;
 	}

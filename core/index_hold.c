@@ -31,7 +31,7 @@
 static uint64_t hold_bytes(const struct idx_hold *h)
 {
 	const uint32_t nw = idx_hold_nwords(h);
-	return sizeof(*h) + (nw > 1 ? (uint64_t)nw * 8 : 0);
+	return (uint64_t)idx_real(sizeof(*h)) + (nw > 1 ? (uint64_t)idx_real((uint64_t)nw * 8) : 0);
 }
 
 /* Bitmap words to cover pos: a power of two (the record keeps its log2). */
@@ -82,7 +82,8 @@ __attribute__((noinline, cold)) int kvr_index_hold_reserve_slow(struct kvr_index
 	if (!bm)
 		return KVR_ENOMEM;
 	memcpy(bm, idx_hold_bm(h), (size_t)ow * 8);
-	idx_count(&idx->bytes_rank, (int64_t)(nw - (ow > 1 ? ow : 0)) * 8);
+	idx_count(&idx->bytes_rank,
+	          idx_real((uint64_t)nw * 8) - (ow > 1 ? idx_real((uint64_t)ow * 8) : 0));
 	if (ow > 1)
 		kvr_free(h->bm, (size_t)ow * 8);
 	h->bm = bm;
@@ -219,7 +220,7 @@ static struct idx_hset *hs_alloc(struct kvr_index *idx, uint32_t cap)
 		hs->cap = cap;
 		hs->n = 0;
 		hs->next_free = NULL;
-		idx_count(&idx->bytes_rank, (int64_t)idx_bytes_hset(cap));
+		idx_count(&idx->bytes_rank, idx_real(idx_bytes_hset(cap)));
 	}
 	return hs;
 }

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/alloc.h"
 #include "core/index.h"
 #include "sync/rcu.h"
 
@@ -490,6 +491,13 @@ struct kvr_index {
 	uint64_t bytes_shared, bytes_rank;
 	uint64_t pending; /* queued call_rcu callbacks (atomic) */
 };
+
+/* What the memory counters count for an allocation of size bytes: the allocator's real size
+ * (its size class; core/alloc.h), so bytes per held block are what the process pays. */
+static inline int64_t idx_real(uint64_t size)
+{
+	return (int64_t)kvr_alloc_real_size((size_t)size);
+}
 
 static inline uint64_t idx_bytes_tab(uint64_t cap)
 {

@@ -33,7 +33,8 @@ static void seqs_retire(struct kvr_index *idx, struct idx_run *r)
 
 static uint64_t run_bytes(const struct idx_run *r)
 {
-	return sizeof(*r) + (idx_seqs_inline(r) ? 0 : idx_bytes_seqs(idx_run_cap(r)));
+	return (uint64_t)idx_real(sizeof(*r)) +
+	       (idx_seqs_inline(r) ? 0 : (uint64_t)idx_real(idx_bytes_seqs(idx_run_cap(r))));
 }
 
 /* A new run below (parent, off) with room for cap blocks (one-block runs keep their hash in
@@ -98,7 +99,7 @@ __attribute__((noinline)) int kvr_index_run_grow_slow(struct kvr_index *idx, str
 	q->id = idx_run_id(r);
 	q->next_free = NULL;
 	memcpy(q->s, idx_run_seqs(r), (size_t)hw * sizeof(uint64_t));
-	idx_count(&idx->bytes_shared, (int64_t)idx_bytes_seqs(q->cap));
+	idx_count(&idx->bytes_shared, idx_real(idx_bytes_seqs(q->cap)));
 	seqs_retire(idx, r);
 	/* Ordering: release (idx_run_set_seqs); pairs with the acquire load of sl in
 	 * find_matches: a len covering new positions is stored after this publish. */
@@ -219,7 +220,7 @@ void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
 			kvr_index_hold_free(idx, idx_hv_hold(&v, i));
 	struct idx_hset *hs = idx_run_set(r);
 	if (hs) {
-		idx_count(&idx->bytes_rank, -(int64_t)idx_bytes_hset(hs->cap));
+		idx_count(&idx->bytes_rank, -idx_real(idx_bytes_hset(hs->cap)));
 		kvr_free(hs, idx_bytes_hset(hs->cap));
 	}
 	kvr_index_run_free(idx, r);

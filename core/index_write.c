@@ -291,7 +291,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				struct idx_hset *nhs = idx_run_set(nr);
 				if (nhs) {
 					idx_count(&idx->bytes_rank,
-					          -(int64_t)idx_bytes_hset(nhs->cap));
+					          -idx_real(idx_bytes_hset(nhs->cap)));
 					kvr_free(nhs, idx_bytes_hset(nhs->cap));
 				}
 				kvr_index_run_free(idx, nr);

@@ -45,9 +45,9 @@ static int xmap_resize(struct kvr_index *idx, struct idx_xmap *m, uint64_t cap)
 			if (idx_xused(&m->e[i]))
 				kvr_index_xmap_put(&nm, m->e[i].key, m->e[i].val);
 		kvr_free(m->e, xbytes(m->mask));
-		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
+		idx_count(&idx->bytes_rank, -idx_real(xbytes(m->mask)));
 	}
-	idx_count(&idx->bytes_rank, (int64_t)xbytes(nm.mask));
+	idx_count(&idx->bytes_rank, idx_real(xbytes(nm.mask)));
 	*m = nm;
 	return 0;
 }
@@ -96,7 +96,7 @@ void kvr_index_xmap_shrink(struct kvr_index *idx, struct idx_xmap *m)
 		return;
 	if (m->count == 0) {
 		kvr_free(m->e, xbytes(m->mask));
-		idx_count(&idx->bytes_rank, -(int64_t)xbytes(m->mask));
+		idx_count(&idx->bytes_rank, -idx_real(xbytes(m->mask)));
 		memset(m, 0, sizeof(*m));
 		return;
 	}

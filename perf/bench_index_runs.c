@@ -15,7 +15,9 @@
  *   match_p50/p99_ns  find_matches on a random one of the P prompts (inside a read section);
  *   hash_p50_ns       kvr_hash_blocks on the same prompt (tokens -> local + sequence hashes);
  *   ratio             match_p99 / hash_p50 (issue 10 target: <= 0.25 for L >= 512);
- *   bytes_per_held_block  (index bytes - empty index bytes) / held (block, rank) pairs.
+ *   bytes_per_held_block  (index bytes - empty index bytes) / held (block, rank) pairs, every
+ *                         allocation at the allocator's real size (jemalloc's size class:
+ *                         kvr_index_memory_bytes counts nallocx(size), not the size asked).
  * Memory by shape: runs of 16 / 512 blocks with 1, 2, 4 holders, and the worst case (every run
  * one block long, one holder).
  * Apply: one writer stores 1024-block chains in calls of 16 (or 1) blocks below the previous
@@ -322,15 +324,17 @@ static void bench_memory(size_t len, int holders, int np)
 	uint64_t tab = 0;
 	for (uint32_t i = 0; i < IDX_SEGS; i++)
 		if (idx->seg[i].tab)
-			tab += idx_bytes_tab(idx->seg[i].tab->cap);
+			tab += kvr_alloc_real_size_aligned(idx_bytes_tab(idx->seg[i].tab->cap));
 	const struct idx_blocks *b = &idx->blk;
+	const uint64_t loc = kvr_alloc_real_size(b->cap * 4),
+	               old = kvr_alloc_real_size(b->old_cap * 4),
+	               dir = kvr_alloc_real_size((size_t)b->dir_cap * 8);
 	const double h = (double)held;
 	printf("# where: run_table=%.2f locator=%.2f (load %.2f) locator_old=%.2f locator_dir=%.2f "
 	       "runs_hashes_holders=%.2f\n",
-	       (double)tab / h, (double)b->cap * 4 / h,
-	       b->cap ? (double)(b->count + b->tombs) / (double)b->cap : 0.0,
-	       (double)b->old_cap * 4 / h, (double)b->dir_cap * 8 / h,
-	       (double)(mem1 - mem0 - tab - (b->cap + b->old_cap) * 4 - b->dir_cap * 8) / h);
+	       (double)tab / h, (double)loc / h,
+	       b->cap ? (double)(b->count + b->tombs) / (double)b->cap : 0.0, (double)old / h,
+	       (double)dir / h, (double)(mem1 - mem0 - tab - loc - old - dir) / h);
 	fflush(stdout);
 	kvr_index_destroy(idx);
 }
