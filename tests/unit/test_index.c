@@ -828,3 +828,78 @@ Test(index, out_of_memory_first_store)
 	cr_assert_gt(nth, 5, "the first stores allocate at several sites");
 	cr_assert_eq(score_of(q, 40, r0), 40);
 }
+
+/* 64 ranks on one hot prefix P (8 blocks), then branches below it: B_x (x = rank % 8, a random
+ * depth of 16 blocks each: few holders for many active ranks, the galloping search of
+ * core/index_match.c), C (every rank but one, all whole: the lined-up loop) and D (odd ranks:
+ * the merge).  Rank 62 holds only P[0, 5), rank 63 has a hole at position 12.  Every rank's
+ * score and tree size must be exact on every path. */
+static void store_path(uint32_t slot, uint64_t branch, size_t n)
+{
+	struct kvr_index_block b[24];
+	for (size_t i = 0; i < 24; i++) {
+		b[i].local_hash = i < 8 ? 1 + i : branch + i;
+		b[i].ext_hash = i < 8 ? 1000 + i : branch * 1000 + i;
+	}
+	cr_assert_eq(kvr_index_store(idx, slot, NULL, b, n), 0);
+}
+
+static uint32_t depth_of(int r)
+{
+	return r == 62 ? 5 : 9 + (uint32_t)(r * 7 % 16);
+}
+
+Test(index, many_holders_every_intersection_path)
+{
+	uint32_t s[64];
+	for (int r = 0; r < 64; r++)
+		cr_assert_eq(kvr_index_rank_add(idx, (uint64_t)r + 1, 0, &s[r]), 0);
+	for (int r = 0; r < 64; r++)
+		store_path(s[r], 100 * (uint64_t)(r % 8 + 1), depth_of(r));
+	uint64_t hole = 100 * 8 * 1000 + 12; /* rank 63: x = 7 */
+	size_t nf = 0;
+	kvr_index_remove(idx, s[63], &hole, 1, &nf);
+	cr_assert_eq(nf, 0);
+	for (int r = 0; r < 64; r++) {
+		if (r != 62)
+			store_path(s[r], 5000, 24);
+		if (r % 2)
+			store_path(s[r], 7000, 24);
+	}
+	struct kvr_index_match out[64];
+	for (int path = 0; path < 10; path++) { /* B_0 .. B_7, C, D */
+		const uint64_t br = path < 8 ? 100 * (uint64_t)(path + 1) : path == 8 ? 5000 : 7000;
+		uint64_t q[25];
+		for (size_t i = 0; i < 24; i++)
+			q[i] = i < 8 ? 1 + i : br + i;
+		q[24] = 99999; /* a tail nobody holds */
+		size_t n = 0;
+		cr_assert_eq(match(q, 25, false, out, 64, &n), 0);
+		cr_assert_eq(n, 64, "path %d", path);
+		bool seen[64] = {false};
+		for (size_t i = 0; i < n; i++) {
+			int r = -1;
+			for (int j = 0; j < 64; j++)
+				if (s[j] == out[i].slot)
+					r = j;
+			cr_assert(r >= 0 && !seen[r], "path %d: slot %u once", path, out[i].slot);
+			seen[r] = true;
+			uint32_t want = 8;
+			if (r == 62)
+				want = 5;
+			else if (path < 8 && r % 8 == path)
+				want = r == 63 ? 12 : depth_of(r);
+			else if ((path == 8) || (path == 9 && r % 2))
+				want = 24;
+			cr_assert_eq(out[i].score, want, "path %d rank %d", path, r);
+			uint64_t ts = r == 62 ? 5 : depth_of(r) - (r == 63) + 16 + (r % 2 ? 16 : 0);
+			cr_assert_eq(out[i].tree_size, ts, "path %d rank %d", path, r);
+		}
+		/* The ranks still matching at the end (score 24: the whole branch) come first. */
+		bool dropped = false;
+		for (size_t i = 0; i < n; i++) {
+			cr_assert(!(dropped && out[i].score == 24), "path %d", path);
+			dropped = dropped || out[i].score != 24;
+		}
+	}
+}
