@@ -1,0 +1,442 @@
+/*
+ * bench_footprint - the memory the WHOLE router holds per (block, rank) it tracks.
+ *
+ * bench_index_runs measures the index alone and bench_lru the predicted cache alone; a user pays
+ * for both, plus the rank table, the shards' lanes and whatever the RCU side keeps.  This program
+ * goes through the public API only (kvrouter.h): a router in the default approximate-LRU mode
+ * (shards running, sync_booking off), R ranks of C blocks each, and session-like traffic:
+ * conversations whose every turn routes the whole transcript so far (the previous prompt, its
+ * output and a new user message), each starting from one of a few shared system prompts or a
+ * prefix of its own, until the transcript reaches L tokens and a new conversation takes its
+ * place.  Every route is followed by its output (kvr_request_output) and its finish, so the
+ * blocks become cached and evictable.  It routes until every rank's predicted cache is full
+ * (stats: resident_blocks reaches the capacity or the rank has evicted), quiesces
+ * (kvr_router_sync, a pause for the RCU callbacks, sync again) and reads:
+ *
+ *   pairs      tracked (block, rank) pairs = the sum over ranks of resident_blocks (the blocks
+ *              the router predicts the rank holds; indexed_blocks is printed beside it),
+ *   rss        the process RSS (/proc/self/statm) now minus before kvr_router_create; every
+ *              buffer of the bench itself (transcripts, output tokens) is allocated and touched
+ *              before that first reading, so the delta is the router's,
+ *   alloc      with jemalloc: stats.allocated (after an "epoch" refresh) now minus before, i.e.
+ *              the bytes live in every arena (the library allocates from an arena of its own,
+ *              core/alloc.c, and liburcu from the default ones) at their size classes.  Objects
+ *              cached in the threads' tcaches count as allocated (bounded, a few KiB a thread).
+ *
+ * The same readings are taken once more right after the ranks are added, before any route:
+ * empty_rss / empty_alloc is what an empty router costs (shard lanes, rank table, index tables;
+ * independent of the blocks), and marginal_* divides only what the blocks added (end minus
+ * empty) by the pairs.  bytes_per_block_rank_* (the brief's definition) includes the empty
+ * router, so it falls as the capacity grows.  marginal_* still carries what the first routes
+ * allocate once (thread caches, the first table segments), so slope_* gives the cost of a
+ * further block alone: a reading when the ranks hold a quarter of their capacity, and
+ * slope = (full - quarter) / (pairs at full - pairs at a quarter).
+ *
+ * It then keeps routing for --churn x (R x C) further new blocks (the steady state of a full
+ * router, evicting on every admission) and reads again: the SUMMARY figures are from that second
+ * reading, the first is printed as full_*.  Each shape runs in a child process of its own, so a
+ * shape never reuses pages another one left in the allocator.
+ *
+ * Baseline: the project brief's figures, printed for reference only (never compared against a
+ * hard-coded result): ~220 B per (block, rank) before the run-compressed index and segment LRU,
+ * target <= 32 B.  ratio_target = measured / 32.
+ *
+ * usage: bench_footprint [--quick] [--ranks R (8)] [--capacity C blocks per rank
+ *                        (25600, README: one vLLM rank; --quick 8192)] [--churn F (1.0; --quick
+ * 0.5)]
+ */
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef KVR_HAVE_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
+
+#include "kvrouter.h"
+
+#define REF_OLD_BYTES    220.0 /* the brief: before this round's index and cache */
+#define REF_TARGET_BYTES 32.0  /* the brief's target */
+#define N_SESSIONS       32    /* conversations in flight (interleaved turns) */
+#define N_SYSTEM         4     /* shared system prompts */
+#define MAX_RANKS        64
+
+struct shape {
+	uint32_t block_size;
+	size_t len; /* a conversation ends once its transcript reaches this many tokens */
+	uint32_t ranks;
+	uint64_t capacity;
+};
+
+struct session {
+	uint32_t *tok; /* the transcript; len + one turn of room, allocated before the baseline */
+	size_t n;
+};
+
+static uint64_t rnd(uint64_t *s)
+{
+	*s ^= *s << 13;
+	*s ^= *s >> 7;
+	*s ^= *s << 17;
+	return *s;
+}
+
+static long rss_bytes(void)
+{
+	FILE *f = fopen("/proc/self/statm", "r");
+	long size = 0, resident = -1;
+	if (!f)
+		return -1;
+	if (fscanf(f, "%ld %ld", &size, &resident) != 2)
+		resident = -1;
+	fclose(f);
+	return resident < 0 ? -1 : resident * sysconf(_SC_PAGESIZE);
+}
+
+/* Bytes live in jemalloc (all arenas), or -1 without jemalloc. */
+static long long alloc_bytes(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	uint64_t epoch = 1;
+	size_t sz = sizeof(epoch);
+	mallctl("epoch", &epoch, &sz, &epoch, sz);
+	size_t allocated = 0;
+	sz = sizeof(allocated);
+	if (mallctl("stats.allocated", &allocated, &sz, NULL, 0) != 0)
+		return -1;
+	return (long long)allocated;
+#else
+	return -1;
+#endif
+}
+
+static void quiesce(struct kvr_router *r)
+{
+	kvr_router_sync(r, 60000);
+	struct timespec ts = {0,
+	                      200 * 1000 * 1000}; /* call_rcu's thread frees after a grace period */
+	nanosleep(&ts, NULL);
+	kvr_router_sync(r, 60000);
+}
+
+struct counts {
+	uint64_t resident, indexed, evictions;
+	bool full;
+};
+
+static int count_ranks(struct kvr_router *r, const struct shape *sh, struct counts *c)
+{
+	memset(c, 0, sizeof(*c));
+	c->full = true;
+	for (uint32_t i = 0; i < sh->ranks; i++) {
+		struct kvr_rank_stats st;
+		int rc = kvr_rank_get_stats(r, (struct kvr_rank_id){.worker_id = i}, &st);
+		if (rc)
+			return rc;
+		c->resident += st.resident_blocks;
+		c->indexed += st.indexed_blocks;
+		c->evictions += st.evictions;
+		if (st.resident_blocks < st.capacity_blocks && st.evictions == 0)
+			c->full = false;
+	}
+	return 0;
+}
+
+/* The traffic: buffers allocated once, before the baseline reading. */
+struct traffic {
+	struct session s[N_SESSIONS];
+	uint32_t *system[N_SYSTEM];
+	size_t system_len[N_SYSTEM];
+	uint32_t *out; /* one turn of output tokens */
+	size_t turn;   /* tokens of user message, and of output, per turn (at most) */
+	uint64_t seed;
+	uint32_t fresh; /* next never-used token */
+};
+
+static void fresh_tokens(struct traffic *t, uint32_t *dst, size_t n)
+{
+	for (size_t k = 0; k < n; k++)
+		dst[k] = t->fresh++;
+}
+
+/* Starts conversation i: a shared system prompt (3 in 4) or a prefix of its own, then a first
+ * user message. */
+static void session_start(struct traffic *t, struct session *s)
+{
+	uint64_t pick = rnd(&t->seed);
+	size_t first = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn + 1));
+	s->n = 0;
+	if (pick % 4 != 0) {
+		size_t j = (size_t)(pick >> 8) % N_SYSTEM;
+		memcpy(s->tok, t->system[j], t->system_len[j] * sizeof(uint32_t));
+		s->n = t->system_len[j];
+	}
+	fresh_tokens(t, s->tok + s->n, first);
+	s->n += first;
+}
+
+static int traffic_init(struct traffic *t, const struct shape *sh)
+{
+	memset(t, 0, sizeof(*t));
+	t->seed = 0x9e3779b97f4a7c15ull ^ sh->len ^ ((uint64_t)sh->ranks << 32);
+	t->fresh = 1;
+	t->turn = sh->len / 16 > 64 ? sh->len / 16 : 64;
+	size_t room = sh->len + 4 * t->turn;
+	t->out = calloc(t->turn, sizeof(uint32_t));
+	if (!t->out)
+		return -1;
+	for (int j = 0; j < N_SYSTEM; j++) {
+		t->system_len[j] = sh->len / 8 + (size_t)j * sh->block_size * 3;
+		t->system[j] = calloc(t->system_len[j], sizeof(uint32_t));
+		if (!t->system[j])
+			return -1;
+		fresh_tokens(t, t->system[j], t->system_len[j]);
+	}
+	for (int i = 0; i < N_SESSIONS; i++) {
+		t->s[i].tok = calloc(room, sizeof(uint32_t)); /* calloc touches nothing: memset */
+		if (!t->s[i].tok)
+			return -1;
+		memset(t->s[i].tok, 0xff, room * sizeof(uint32_t));
+		session_start(t, &t->s[i]);
+	}
+	memset(t->out, 0xff, t->turn * sizeof(uint32_t));
+	return 0;
+}
+
+static void traffic_fini(struct traffic *t)
+{
+	for (int i = 0; i < N_SESSIONS; i++)
+		free(t->s[i].tok);
+	for (int j = 0; j < N_SYSTEM; j++)
+		free(t->system[j]);
+	free(t->out);
+}
+
+/* One turn of a random conversation: route its transcript, pass output, finish; the output and
+ * a new user message join the transcript (or the conversation ends at len and another starts).
+ * *new_blocks gets the prompt's blocks the chosen rank did not hold. */
+static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
+                uint64_t *new_blocks)
+{
+	struct session *s = &t->s[rnd(&t->seed) % N_SESSIONS];
+	struct kvr_request req;
+	kvr_request_init(&req);
+	req.tokens = s->tok;
+	req.n_tokens = s->n;
+	struct kvr_decision d;
+	int rc = kvr_route(r, &req, &d);
+	if (rc)
+		return rc;
+	if (d.status != KVR_DECIDED)
+		return -1;
+	*new_blocks = d.required_blocks - d.overlap_blocks;
+	size_t n_out = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn / 2 + 1));
+	fresh_tokens(t, t->out, n_out);
+	rc = kvr_request_output(r, d.attempt, t->out, n_out);
+	if (rc == 0)
+		rc = kvr_request_finish(r, d.attempt);
+	if (rc)
+		return rc;
+	if (s->n + n_out >= sh->len) {
+		session_start(t, s);
+		return 0;
+	}
+	memcpy(s->tok + s->n, t->out, n_out * sizeof(uint32_t));
+	s->n += n_out;
+	size_t user = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn / 2 + 1));
+	fresh_tokens(t, s->tok + s->n, user);
+	s->n += user;
+	return 0;
+}
+
+struct reading {
+	struct counts c;
+	long rss;
+	long long alloc;
+};
+
+static int read_now(struct kvr_router *r, const struct shape *sh, struct reading *rd)
+{
+	quiesce(r);
+	rd->rss = rss_bytes();
+	rd->alloc = alloc_bytes();
+	return count_ranks(r, sh, &rd->c);
+}
+
+static double per_pair(long long bytes, long long base, uint64_t pairs)
+{
+	return pairs ? (double)(bytes - base) / (double)pairs : 0.0;
+}
+
+/* Runs one shape (in a child process) and prints its SUMMARY line.  Returns 0 or 1. */
+static int run_shape(const struct shape *sh, double churn)
+{
+	struct traffic t;
+	if (traffic_init(&t, sh)) {
+		fprintf(stderr, "bench_footprint: out of memory for the prompts\n");
+		return 1;
+	}
+	long rss0 = rss_bytes();
+	long long alloc0 = alloc_bytes();
+
+	struct kvr_config cfg;
+	kvr_config_init(&cfg);
+	cfg.block_size = sh->block_size;
+	struct kvr_router *r = NULL;
+	int rc = kvr_router_create(&cfg, &r);
+	for (uint32_t i = 0; rc == 0 && i < sh->ranks; i++)
+		rc = kvr_rank_add(r, (struct kvr_rank_id){.worker_id = i}, 1, sh->capacity, 0);
+	if (rc) {
+		fprintf(stderr, "bench_footprint: create/add: %s\n", kvr_strerror(rc));
+		kvr_router_destroy(r);
+		return 1;
+	}
+	struct reading empty;
+	rc = read_now(r, sh, &empty);
+
+	/* Fill: until every rank is full (checked every 16 turns after a sync), bounded. */
+	uint64_t routes = 0, routed_new = 0, nb = 0;
+	uint64_t total_cap = sh->capacity * sh->ranks;
+	uint64_t max_routes = 64 * total_cap; /* a rank the selection never fills ends the run */
+	struct counts c = {0};
+	struct reading quarter = {.rss = -1};
+	while (!c.full && routes < max_routes) {
+		for (int k = 0; k < 16 && rc == 0; k++, routes++) {
+			rc = turn(r, &t, sh, &nb);
+			routed_new += nb;
+		}
+		if (rc == 0) {
+			kvr_router_sync(r, 60000);
+			rc = count_ranks(r, sh, &c);
+		}
+		if (rc == 0 && quarter.rss < 0 && c.resident >= total_cap / 4)
+			rc = read_now(r, sh, &quarter);
+		if (rc) {
+			fprintf(stderr, "bench_footprint: route: %s\n", kvr_strerror(rc));
+			kvr_router_destroy(r);
+			return 1;
+		}
+	}
+	struct reading full, end;
+	uint64_t routes_full = routes;
+	rc = read_now(r, sh, &full);
+
+	/* Churn: the steady state of a full router, every admission evicting. */
+	uint64_t churn_until = routed_new + (uint64_t)(churn * (double)total_cap);
+	while (rc == 0 && routed_new < churn_until) {
+		rc = turn(r, &t, sh, &nb);
+		routed_new += nb;
+		routes++;
+	}
+	if (rc == 0)
+		rc = read_now(r, sh, &end);
+	if (rc) {
+		fprintf(stderr, "bench_footprint: %s\n", kvr_strerror(rc));
+		kvr_router_destroy(r);
+		return 1;
+	}
+
+	double rss_pp = per_pair(end.rss, rss0, end.c.resident);
+	double full_rss_pp = per_pair(full.rss, rss0, full.c.resident);
+	double marg_rss_pp = per_pair(end.rss, empty.rss, end.c.resident);
+	char alloc_s[32] = "na", full_alloc_s[32] = "na", ratio_alloc_s[32] = "na";
+	char marg_alloc_s[32] = "na", slope_alloc_s[32] = "na";
+	uint64_t dp =
+	    full.c.resident > quarter.c.resident ? full.c.resident - quarter.c.resident : 0;
+	double slope_rss_pp = per_pair(full.rss, quarter.rss, dp);
+	if (end.alloc >= 0 && alloc0 >= 0) {
+		double a = per_pair(end.alloc, alloc0, end.c.resident);
+		snprintf(alloc_s, sizeof(alloc_s), "%.1f", a);
+		snprintf(full_alloc_s, sizeof(full_alloc_s), "%.1f",
+		         per_pair(full.alloc, alloc0, full.c.resident));
+		snprintf(marg_alloc_s, sizeof(marg_alloc_s), "%.1f",
+		         per_pair(end.alloc, empty.alloc, end.c.resident));
+		snprintf(slope_alloc_s, sizeof(slope_alloc_s), "%.1f",
+		         per_pair(full.alloc, quarter.alloc, dp));
+		snprintf(ratio_alloc_s, sizeof(ratio_alloc_s), "%.2f", a / REF_TARGET_BYTES);
+	}
+	printf("SUMMARY bench=footprint block_size=%u tokens=%zu ranks=%u capacity=%" PRIu64
+	       " full=%s routes_to_full=%" PRIu64 " routes=%" PRIu64 " pairs=%" PRIu64
+	       " indexed=%" PRIu64 " evictions=%" PRIu64 " rss_delta=%ld alloc_delta=%lld"
+	       " bytes_per_block_rank_rss=%.1f bytes_per_block_rank_alloc=%s"
+	       " full_bytes_per_block_rank_rss=%.1f full_bytes_per_block_rank_alloc=%s"
+	       " marginal_bytes_per_block_rank_rss=%.1f marginal_bytes_per_block_rank_alloc=%s"
+	       " slope_bytes_per_block_rank_rss=%.1f slope_bytes_per_block_rank_alloc=%s"
+	       " empty_rss=%ld empty_alloc=%lld ratio_target_rss=%.2f ratio_target_alloc=%s\n",
+	       sh->block_size, sh->len, sh->ranks, sh->capacity, full.c.full ? "yes" : "no",
+	       routes_full, routes, end.c.resident, end.c.indexed, end.c.evictions, end.rss - rss0,
+	       end.alloc >= 0 ? end.alloc - alloc0 : -1LL, rss_pp, alloc_s, full_rss_pp,
+	       full_alloc_s, marg_rss_pp, marg_alloc_s, slope_rss_pp, slope_alloc_s,
+	       empty.rss - rss0, empty.alloc >= 0 ? empty.alloc - alloc0 : -1LL,
+	       rss_pp / REF_TARGET_BYTES, ratio_alloc_s);
+	fflush(stdout);
+	kvr_router_destroy(r);
+	traffic_fini(&t);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	bool quick = false;
+	uint32_t ranks = 8;
+	uint64_t capacity = 0;
+	double churn = -1;
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--quick"))
+			quick = true;
+		else if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
+			ranks = (uint32_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
+			capacity = strtoull(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--churn") && i + 1 < argc)
+			churn = strtod(argv[++i], NULL);
+		else {
+			fprintf(stderr,
+			        "usage: bench_footprint [--quick] [--ranks R] [--capacity C] "
+			        "[--churn F]\n");
+			return 2;
+		}
+	}
+	if (ranks < 1 || ranks > MAX_RANKS) {
+		fprintf(stderr, "bench_footprint: --ranks 1..%d\n", MAX_RANKS);
+		return 2;
+	}
+	if (capacity == 0)
+		capacity = quick ? 8192 : 25600;
+	if (churn < 0)
+		churn = quick ? 0.5 : 1.0;
+
+	const struct shape shapes[] = {
+	    {16, 2048, ranks, capacity},
+	    {16, 32768, ranks, capacity},
+	    {16, 2048, 1, capacity},
+	};
+	printf("# bench_footprint: approx_lru router, session prompts, capacity %" PRIu64
+	       " blocks per rank, churn %.2f x capacity, jemalloc %s\n",
+	       capacity, churn, alloc_bytes() >= 0 ? "yes" : "no");
+	printf("SUMMARY bench=footprint_reference old_bytes_per_block_rank=%.0f "
+	       "target_bytes_per_block_rank=%.0f\n",
+	       REF_OLD_BYTES, REF_TARGET_BYTES);
+	fflush(stdout);
+	int failed = 0;
+	for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+		if (i > 0 && shapes[i].ranks == shapes[0].ranks && shapes[i].len == shapes[0].len)
+			continue; /* --ranks 1: the 1-rank shape is the first one */
+		pid_t pid = fork();
+		if (pid < 0) {
+			perror("fork");
+			return 1;
+		}
+		if (pid == 0)
+			_exit(run_shape(&shapes[i], churn));
+		int st = 0;
+		if (waitpid(pid, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+			failed = 1;
+	}
+	return failed;
+}
