@@ -32,6 +32,10 @@
  * further block alone: a reading when the ranks hold a quarter of their capacity, and
  * slope = (full - quarter) / (pairs at full - pairs at a quarter).
  *
+ * A user sees RSS with the allocator's dirty pages in it: jemalloc keeps freed pages ~10 s before
+ * it returns them.  The last reading also purges every arena (arena.<ALL>.purge) and reads RSS
+ * again (bytes_per_block_rank_rss_purged): what is allocated plus fragmentation.
+ *
  * It then keeps routing for --churn x (R x C) further new blocks (the steady state of a full
  * router, evicting on every admission) and reads again: the SUMMARY figures are from that second
  * reading, the first is printed as full_*.  Each shape runs in a child process of its own, so a
@@ -112,6 +116,20 @@ static long long alloc_bytes(void)
 	return (long long)allocated;
 #else
 	return -1;
+#endif
+}
+
+/* Returns the dirty pages every jemalloc arena keeps after a free (decay: ~10 s by default) to
+ * the kernel, so RSS read after it holds only what is allocated plus fragmentation.  Returns
+ * false without jemalloc. */
+static bool purge_all(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	char name[64];
+	snprintf(name, sizeof(name), "arena.%u.purge", (unsigned)MALLCTL_ARENAS_ALL);
+	return mallctl(name, NULL, NULL, NULL, 0) == 0;
+#else
+	return false;
 #endif
 }
 
@@ -256,15 +274,17 @@ static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
 
 struct reading {
 	struct counts c;
-	long rss;
+	long rss, rss_purged; /* rss_purged: after purge_all(), or -1 */
 	long long alloc;
 };
 
-static int read_now(struct kvr_router *r, const struct shape *sh, struct reading *rd)
+/* purge: also read RSS after purge_all(), which changes what later readings see: last one only. */
+static int read_now(struct kvr_router *r, const struct shape *sh, struct reading *rd, bool purge)
 {
 	quiesce(r);
 	rd->rss = rss_bytes();
 	rd->alloc = alloc_bytes();
+	rd->rss_purged = purge && purge_all() ? rss_bytes() : -1;
 	return count_ranks(r, sh, &rd->c);
 }
 
@@ -297,7 +317,7 @@ static int run_shape(const struct shape *sh, double churn)
 		return 1;
 	}
 	struct reading empty;
-	rc = read_now(r, sh, &empty);
+	rc = read_now(r, sh, &empty, false);
 
 	/* Fill: until every rank is full (checked every 16 turns after a sync), bounded. */
 	uint64_t routes = 0, routed_new = 0, nb = 0;
@@ -315,7 +335,7 @@ static int run_shape(const struct shape *sh, double churn)
 			rc = count_ranks(r, sh, &c);
 		}
 		if (rc == 0 && quarter.rss < 0 && c.resident >= total_cap / 4)
-			rc = read_now(r, sh, &quarter);
+			rc = read_now(r, sh, &quarter, false);
 		if (rc) {
 			fprintf(stderr, "bench_footprint: route: %s\n", kvr_strerror(rc));
 			kvr_router_destroy(r);
@@ -324,7 +344,7 @@ static int run_shape(const struct shape *sh, double churn)
 	}
 	struct reading full, end;
 	uint64_t routes_full = routes;
-	rc = read_now(r, sh, &full);
+	rc = read_now(r, sh, &full, false);
 
 	/* Churn: the steady state of a full router, every admission evicting. */
 	uint64_t churn_until = routed_new + (uint64_t)(churn * (double)total_cap);
@@ -334,7 +354,7 @@ static int run_shape(const struct shape *sh, double churn)
 		routes++;
 	}
 	if (rc == 0)
-		rc = read_now(r, sh, &end);
+		rc = read_now(r, sh, &end, true);
 	if (rc) {
 		fprintf(stderr, "bench_footprint: %s\n", kvr_strerror(rc));
 		kvr_router_destroy(r);
@@ -345,7 +365,10 @@ static int run_shape(const struct shape *sh, double churn)
 	double full_rss_pp = per_pair(full.rss, rss0, full.c.resident);
 	double marg_rss_pp = per_pair(end.rss, empty.rss, end.c.resident);
 	char alloc_s[32] = "na", full_alloc_s[32] = "na", ratio_alloc_s[32] = "na";
-	char marg_alloc_s[32] = "na", slope_alloc_s[32] = "na";
+	char marg_alloc_s[32] = "na", slope_alloc_s[32] = "na", purged_s[32] = "na";
+	if (end.rss_purged >= 0)
+		snprintf(purged_s, sizeof(purged_s), "%.1f",
+		         per_pair(end.rss_purged, rss0, end.c.resident));
 	uint64_t dp =
 	    full.c.resident > quarter.c.resident ? full.c.resident - quarter.c.resident : 0;
 	double slope_rss_pp = per_pair(full.rss, quarter.rss, dp);
@@ -364,13 +387,14 @@ static int run_shape(const struct shape *sh, double churn)
 	       " full=%s routes_to_full=%" PRIu64 " routes=%" PRIu64 " pairs=%" PRIu64
 	       " indexed=%" PRIu64 " evictions=%" PRIu64 " rss_delta=%ld alloc_delta=%lld"
 	       " bytes_per_block_rank_rss=%.1f bytes_per_block_rank_alloc=%s"
+	       " bytes_per_block_rank_rss_purged=%s"
 	       " full_bytes_per_block_rank_rss=%.1f full_bytes_per_block_rank_alloc=%s"
 	       " marginal_bytes_per_block_rank_rss=%.1f marginal_bytes_per_block_rank_alloc=%s"
 	       " slope_bytes_per_block_rank_rss=%.1f slope_bytes_per_block_rank_alloc=%s"
 	       " empty_rss=%ld empty_alloc=%lld ratio_target_rss=%.2f ratio_target_alloc=%s\n",
 	       sh->block_size, sh->len, sh->ranks, sh->capacity, full.c.full ? "yes" : "no",
 	       routes_full, routes, end.c.resident, end.c.indexed, end.c.evictions, end.rss - rss0,
-	       end.alloc >= 0 ? end.alloc - alloc0 : -1LL, rss_pp, alloc_s, full_rss_pp,
+	       end.alloc >= 0 ? end.alloc - alloc0 : -1LL, rss_pp, alloc_s, purged_s, full_rss_pp,
 	       full_alloc_s, marg_rss_pp, marg_alloc_s, slope_rss_pp, slope_alloc_s,
 	       empty.rss - rss0, empty.alloc >= 0 ? empty.alloc - alloc0 : -1LL,
 	       rss_pp / REF_TARGET_BYTES, ratio_alloc_s);
