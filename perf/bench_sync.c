@@ -21,7 +21,8 @@
  * A nats-server is started on a free 127.0.0.1 port and stopped at the end (exit 77 without).
  *     --shard-spin-ns NS: the routers' kvr_config.shard_idle_spin_ns (0: never spin; default:
  *     the library's).  --route-rounds N: N no-peer rounds of part 1 before the in-process one
- *     (does the no-peer ratio depend on being first?).
+ *     (does the no-peer ratio depend on being first?).  --blk-grow-at PERMILLE: the block
+ *     locator's migration start (kvr_index_blk_grow_at; its purges set the tail at 5000/s).
  * usage: bench_sync [--tokens N] [--rate R] [--seconds S] [--ranks K] [--capacity BLOCKS]
  *                   [--stages] [--shard-spin-ns NS] [--route-rounds N]
  */
@@ -35,6 +36,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include "core/index_internal.h"
 #include "kvrouter.h"
 #include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
@@ -514,10 +516,14 @@ int main(int argc, char **argv)
 			route_rounds = atoi(argv[i + 1]) > 0 ? atoi(argv[i + 1]) : 1;
 		else if (!strcmp(argv[i], "--ranks"))
 			n_ranks = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--blk-grow-at"))
+			kvr_index_blk_grow_at = strtoull(argv[i + 1], NULL, 0);
 		else {
-			fprintf(stderr, "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
-			                "[--ranks K] [--capacity BLOCKS] [--stages] "
-			                "[--shard-spin-ns NS] [--route-rounds N]\n");
+			fprintf(
+			    stderr,
+			    "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
+			    "[--ranks K] [--capacity BLOCKS] [--stages] "
+			    "[--shard-spin-ns NS] [--route-rounds N] [--blk-grow-at PERMILLE]\n");
 			return 2;
 		}
 	}
