@@ -25,9 +25,11 @@ done
 T=/sys/kernel/tracing
 [ -w $T/tracing_on ] || { echo "offcpu.sh: $T not writable (root?)" >&2; exit 77; }
 old_kb=$(sed 's/ .*//' $T/buffer_size_kb)
+old_clock=$(sed 's/.*\[\(.*\)\].*/\1/' $T/trace_clock) # the selected one is in brackets
 restore() {
 	echo 0 > $T/tracing_on; echo 0 > $T/events/enable; echo > $T/trace
 	echo "$old_kb" > $T/buffer_size_kb
+	echo "$old_clock" > $T/trace_clock
 }
 trap restore EXIT
 echo 0 > $T/tracing_on; echo > $T/trace; echo 65536 > $T/buffer_size_kb; echo mono > $T/trace_clock
