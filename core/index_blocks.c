@@ -91,7 +91,9 @@ static inline bool dir_live(const struct idx_run *r)
 	return !((uintptr_t)r & 1);
 }
 
-/* The position of seq in r (below hw), trying hp+1, hp-1, hp, len-1 and hw-1 before a scan. */
+/* The position of seq in r, in [1, hw) (position 0 is only in the run table, and s[0] of a
+ * run's own array is reserved for its header word, not a hash: core/index_internal.h), trying
+ * hp+1, hp-1, hp, len-1 and hw-1 before a scan. */
 static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *hr, uint32_t hp,
                    uint32_t *pos)
 {
@@ -102,39 +104,39 @@ static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *
 			*pos = hp + 1;
 			return true;
 		}
-		if (hp > 0 && hp - 1 < hw && s[hp - 1] == seq) {
+		if (hp > 1 && hp - 1 < hw && s[hp - 1] == seq) {
 			*pos = hp - 1;
 			return true;
 		}
-		if (hp < hw && s[hp] == seq) {
+		if (hp > 0 && hp < hw && s[hp] == seq) {
 			*pos = hp;
 			return true;
 		}
 	}
 	/* A chain's end: where stores append and tail evictions remove. */
 	const uint32_t len = idx_run_len(r);
-	if (len > 0 && s[len - 1] == seq) {
+	if (len > 1 && s[len - 1] == seq) {
 		*pos = len - 1;
 		return true;
 	}
-	if (s[hw - 1] == seq) {
+	if (hw > 1 && s[hw - 1] == seq) {
 		*pos = hw - 1;
 		return true;
 	}
-	/* Backward from the end of the tree's part (positions [0, len)), four words per step
+	/* Backward from the end of the tree's part (positions [1, len)), four words per step
 	 * (branch-light): evictions take a chain's tail and stores extend it, so the block is
 	 * most often near len; then the trimmed positions [len, hw) a re-store looks for. */
 	uint32_t i = len;
-	for (; i >= 4; i -= 4) {
+	for (; i >= 5; i -= 4) {
 		if ((s[i - 1] == seq) | (s[i - 2] == seq) | (s[i - 3] == seq) | (s[i - 4] == seq))
 			break;
 	}
-	for (uint32_t lo = i >= 4 ? i - 4 : 0; i > lo; i--)
+	for (uint32_t lo = i >= 5 ? i - 4 : 1; i > lo; i--)
 		if (s[i - 1] == seq) {
 			*pos = i - 1;
 			return true;
 		}
-	for (i = len; i < hw; i++)
+	for (i = len > 1 ? len : 1; i < hw; i++)
 		if (s[i] == seq) {
 			*pos = i;
 			return true;
@@ -440,7 +442,7 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 	b->dir_free = (uint32_t)((uintptr_t)b->dir[id] >> 1);
 	b->dir[id] = r;
 	b->live++;
-	idx_seqs_hdr(idx_run_seqs(r))->id = id;
+	idx_run_set_id(r, id);
 	return 0;
 }
 
@@ -454,7 +456,7 @@ void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r)
 		return; /* NEVER */
 	b->dir[id] = (struct idx_run *)(uintptr_t)((uintptr_t)b->dir_free << 1 | 1);
 	b->dir_free = id;
-	idx_seqs_hdr(idx_run_seqs(r))->id = 0;
+	idx_run_set_id(r, 0);
 	if (--b->live == 0) { /* no run left: give the directory back */
 		kvr_free(b->dir, (size_t)b->dir_cap * sizeof(*b->dir));
 		idx_count(&idx->bytes_shared, -idx_real((uint64_t)b->dir_cap * sizeof(*b->dir)));

@@ -244,6 +244,20 @@ static inline uint32_t idx_run_id(const struct idx_run *r)
 	return idx_seqs_inline(r) ? 0 : idx_seqs_hdr(idx_run_seqs(r))->id;
 }
 
+/* Sets it (r has its own array; id < 2^IDX_ID_BITS, 0: none). */
+static inline void idx_run_set_id(struct idx_run *r, uint32_t id)
+{
+	idx_seqs_hdr(idx_run_seqs(r))->id = id;
+}
+
+/* Writers: the sequence hash at position p < hw.  Position 0's is r->first: a writer never
+ * reads s[0] of a run's own array as a hash (it is being given over to the array's header
+ * word, so that an array of 2^k hashes is 2^k words). */
+static inline uint64_t idx_run_hash(const struct idx_run *r, uint32_t p)
+{
+	return p ? idx_run_seqs(r)[p] : r->first;
+}
+
 /*
  * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
  * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix

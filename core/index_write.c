@@ -536,7 +536,7 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
 			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
-				uint64_t s = idx_run_seqs(idx_hold_run(h))[pos], e = s;
+				uint64_t s = idx_run_hash(idx_hold_run(h), pos), e = s;
 				idx_xmap_get(&rk->rmap, s, &e);
 				if (out && n < cap)
 					out[n] = e;
