@@ -52,6 +52,18 @@ struct replay_route_req {
 	uint64_t now_ns;     /* arrival (virtual) */
 };
 
+/* CPU time a policy spent, ns, cumulative since create.  The replay times route() itself on its
+ * thread; these are the rest of the router's work per decision: the happenings it is told on the
+ * replay's thread (lifecycle calls: first token, output, finish, abort, feedback, observations,
+ * events, sync) and its own threads (a router's shards: CLOCK of each thread, split into busy
+ * work and idle polling, the agreement check's introspection calls left out). */
+struct replay_cpu {
+	uint64_t happenings_ns;   /* replay thread, inside the policy's happening calls */
+	uint64_t happenings;      /* those calls */
+	uint64_t threads_busy_ns; /* the policy's own threads, less their idle polling */
+	uint64_t threads_spin_ns; /* the policy's own threads' idle polling */
+};
+
 struct replay_route_out {
 	bool queued; /* held back: the request goes out later, through dequeue() */
 	uint32_t rank;
@@ -99,6 +111,8 @@ struct replay_policy_ops {
 	/* The exact predicted set (optional; preferred when present): writes the rank's block
 	 * hashes into a malloc'ed *out (the caller frees it) and their count into *n. */
 	int (*blocks)(void *state, uint32_t rank, uint64_t **out, size_t *n);
+	/* CPU time the policy spent so far, outside route() (optional): see struct replay_cpu. */
+	void (*cpu)(void *state, struct replay_cpu *out);
 };
 
 /* Baselines (policy_basic.c). */

@@ -32,7 +32,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "core/router_internal.h" /* the shard threads, for their CPU time */
 #include "kvrouter.h"
 #include "tools/replay/policy.h"
 
@@ -57,7 +59,58 @@ struct rp {
 	 * the replay thread advances it.  Ordering: release store in tick, acquire load in
 	 * rp_clock. */
 	uint64_t vnow;
+	/* CPU (rp_cpu): the happenings' on this thread; the shards' during the agreement check's
+	 * introspection calls (left out of the shards' figure). */
+	uint64_t happen_ns, happen_n, intro_busy_ns, intro_spin_ns;
 };
+
+static uint64_t thread_cpu_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* CPU time of every shard thread so far: busy (less idle polling) and idle polling. */
+static void shards_cpu(struct kvr_router *r, uint64_t *busy, uint64_t *spin)
+{
+	*busy = *spin = 0;
+	for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
+		struct kvr_shard_stats st;
+		kvr_shard_get_stats(kvr_shards_get(r->shards, i), &st);
+		*busy += st.cpu_ns > st.spin_ns ? st.cpu_ns - st.spin_ns : 0;
+		*spin += st.spin_ns;
+	}
+}
+
+/* Brackets a happening (HAPPEN_BEGIN ... HAPPEN_END(rc)): its CPU time on this thread is the
+ * router's work for the decision it belongs to. */
+#define HAPPEN_BEGIN  uint64_t happen_c0_ = thread_cpu_ns()
+#define HAPPEN_END(p) ((p)->happen_ns += thread_cpu_ns() - happen_c0_, (p)->happen_n++)
+
+/* Brackets an introspection call of the agreement check: the shards' CPU meanwhile is the
+ * check's, not routing's. */
+#define INTRO_BEGIN(p)                                                                             \
+	uint64_t intro_b0_, intro_s0_;                                                             \
+	shards_cpu((p)->r, &intro_b0_, &intro_s0_)
+#define INTRO_END(p)                                                                               \
+	do {                                                                                       \
+		uint64_t b1_, s1_;                                                                 \
+		shards_cpu((p)->r, &b1_, &s1_);                                                    \
+		(p)->intro_busy_ns += b1_ - intro_b0_;                                             \
+		(p)->intro_spin_ns += s1_ - intro_s0_;                                             \
+	} while (0)
+
+static void rp_cpu(void *state, struct replay_cpu *out)
+{
+	struct rp *p = state;
+	uint64_t busy, spin;
+	shards_cpu(p->r, &busy, &spin);
+	out->happenings_ns = p->happen_ns;
+	out->happenings = p->happen_n;
+	out->threads_busy_ns = busy > p->intro_busy_ns ? busy - p->intro_busy_ns : 0;
+	out->threads_spin_ns = spin > p->intro_spin_ns ? spin - p->intro_spin_ns : 0;
+}
 
 static uint64_t rp_clock(void *ctx)
 {
@@ -237,7 +290,7 @@ static int rp_dequeue(void *state, uint64_t *id, struct replay_route_out *out)
 	return 1;
 }
 
-static int rp_kv_event(void *state, const struct sim_kv_event *ev)
+static int kv_event(void *state, const struct sim_kv_event *ev)
 {
 	struct rp *p = state;
 	tick(p);
@@ -275,13 +328,25 @@ static int rp_kv_event(void *state, const struct sim_kv_event *ev)
 	return kvr_events_apply(p->r, id, &e);
 }
 
+static int rp_kv_event(void *state, const struct sim_kv_event *ev)
+{
+	struct rp *p = state;
+	HAPPEN_BEGIN;
+	int rc = kv_event(state, ev);
+	HAPPEN_END(p);
+	return rc;
+}
+
 static int rp_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns)
 {
 	(void)rank;
 	(void)time_ns;
 	struct rp *p = state;
+	HAPPEN_BEGIN;
 	tick(p);
-	return kvr_request_prefill_done(p->r, handle);
+	int rc = kvr_request_prefill_done(p->r, handle);
+	HAPPEN_END(p);
+	return rc;
 }
 
 /* approx_lru+feedback: the engine's cached prefix at the request's first admission goes back
@@ -292,9 +357,11 @@ static int rp_admitted(void *state, uint64_t handle, const struct sim_admit_info
 	struct rp *p = state;
 	if (info->preemptions > 0)
 		return 0; /* a re-admission: the report is about the first one */
+	HAPPEN_BEGIN;
 	tick(p);
 	int rc =
 	    kvr_request_cached(p->r, handle, (uint64_t)info->cached_blocks * p->env.block_size);
+	HAPPEN_END(p);
 	return rc == KVR_ESTALE ? 0 : rc; /* ended already (the lease reaper): nothing to heal */
 }
 
@@ -305,6 +372,7 @@ static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t w
                       uint64_t resident)
 {
 	struct rp *p = state;
+	HAPPEN_BEGIN;
 	tick(p);
 	struct kvr_rank_observation ob = {.flags = KVR_OBSERVE_RESIDENT,
 	                                  .incarnation = 1,
@@ -312,7 +380,9 @@ static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t w
 	                                  .watermark_hash = watermark};
 	if (has_watermark)
 		ob.flags |= KVR_OBSERVE_WATERMARK;
-	return kvr_rank_observe(p->r, (struct kvr_rank_id){.worker_id = rank, .dp_rank = 0}, &ob);
+	int rc = kvr_rank_observe(p->r, (struct kvr_rank_id){.worker_id = rank, .dp_rank = 0}, &ob);
+	HAPPEN_END(p);
+	return rc;
 }
 
 /* The replay knows which token is final, as a streaming frontend does (finish_reason comes with
@@ -320,31 +390,43 @@ static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t w
 static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final)
 {
 	struct rp *p = state;
+	HAPPEN_BEGIN;
 	tick(p);
-	return kvr_request_output_ex(p->r, handle, tokens, n, final ? KVR_OUTPUT_FINAL : 0);
+	int rc = kvr_request_output_ex(p->r, handle, tokens, n, final ? KVR_OUTPUT_FINAL : 0);
+	HAPPEN_END(p);
+	return rc;
 }
 
 static int rp_finished(void *state, uint64_t handle, const struct sim_finish_info *info)
 {
 	(void)info;
 	struct rp *p = state;
+	HAPPEN_BEGIN;
 	tick(p);
-	return kvr_request_finish(p->r, handle);
+	int rc = kvr_request_finish(p->r, handle);
+	HAPPEN_END(p);
+	return rc;
 }
 
 static int rp_aborted(void *state, uint64_t handle)
 {
 	struct rp *p = state;
+	HAPPEN_BEGIN;
 	tick(p);
-	return kvr_request_abort(p->r, handle);
+	int rc = kvr_request_abort(p->r, handle);
+	HAPPEN_END(p);
+	return rc;
 }
 
 static int rp_sync(void *state, uint64_t now_ns)
 {
 	(void)now_ns; /* the router reads the virtual clock itself */
 	struct rp *p = state;
+	HAPPEN_BEGIN;
 	tick(p);
-	return kvr_router_sync(p->r, 60000);
+	int rc = kvr_router_sync(p->r, 60000);
+	HAPPEN_END(p);
+	return rc;
 }
 
 static int rp_resident(void *state, uint32_t rank, uint64_t *blocks)
@@ -353,7 +435,9 @@ static int rp_resident(void *state, uint32_t rank, uint64_t *blocks)
 	tick(p);
 	struct kvr_rank_stats st;
 	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
+	INTRO_BEGIN(p);
 	int rc = kvr_rank_get_stats(p->r, id, &st);
+	INTRO_END(p);
 	if (rc)
 		return rc;
 	*blocks = st.resident_blocks;
@@ -374,7 +458,9 @@ static int rp_predict(void *state, uint32_t rank, const uint64_t *local, size_t 
 	req.flags = KVR_ROUTE_QUERY_ONLY;
 	req.pinned = &id;
 	struct kvr_decision d;
+	INTRO_BEGIN(p);
 	int rc = kvr_route(p->r, &req, &d);
+	INTRO_END(p);
 	if (rc)
 		return rc;
 	*overlap = d.overlap_blocks;
@@ -391,13 +477,17 @@ static int rp_blocks(void *state, uint32_t rank, uint64_t **out, size_t *n)
 	int rc;
 	*out = NULL;
 	*n = 0;
+	INTRO_BEGIN(p);
 	while ((rc = kvr_rank_blocks(p->r, id, buf, cap, n)) == KVR_ERANGE) {
 		free(buf);
 		cap = *n + 64;
 		buf = malloc(cap * sizeof(*buf));
-		if (!buf)
+		if (!buf) {
+			INTRO_END(p);
 			return KVR_ENOMEM;
+		}
 	}
+	INTRO_END(p);
 	if (rc) {
 		free(buf);
 		return rc;
@@ -419,7 +509,7 @@ struct kvr_router *replay_policy_router(void *state)
 		.admitted = ADMITTED, .observe = OBSERVE, .first_token = rp_first_token,           \
 		.output = rp_output, .finished = rp_finished, .aborted = rp_aborted,               \
 		.sync = rp_sync, .dequeue = rp_dequeue, .resident = rp_resident,                   \
-		.predict = rp_predict, .blocks = rp_blocks,                                        \
+		.predict = rp_predict, .blocks = rp_blocks, .cpu = rp_cpu,                         \
 	}
 
 const struct replay_policy_ops replay_policy_events =

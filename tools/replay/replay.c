@@ -85,7 +85,34 @@ struct run {
 	size_t tok_cap;
 	size_t n_held; /* queued by the policy, not admitted yet */
 	double *cpu_ns;
+	uint64_t *hl, *hs; /* kvr_hash_blocks' output for the hashing floor */
+	size_t h_cap;
+	double hash_ns;  /* the floor, summed */
+	size_t n_routes; /* route() calls of the policy under test */
 };
+
+static double now_s(clockid_t id);
+
+/* The floor of a decision: kvr_hash_blocks on the same prompt on this thread, CPU time. */
+static int hash_floor(struct run *run, const uint32_t *tok, size_t n)
+{
+	size_t nb = n / run->cfg->block_size;
+	if (nb > run->h_cap) {
+		uint64_t *a = realloc(run->hl, nb * sizeof(*a));
+		if (!a)
+			return KVR_ENOMEM;
+		run->hl = a;
+		uint64_t *b = realloc(run->hs, nb * sizeof(*b));
+		if (!b)
+			return KVR_ENOMEM;
+		run->hs = b;
+		run->h_cap = nb;
+	}
+	double c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
+	kvr_hash_blocks(tok, n, run->cfg->block_size, NULL, run->hl, run->hs);
+	run->hash_ns += (now_s(CLOCK_THREAD_CPUTIME_ID) - c0) * 1e9;
+	return 0;
+}
 
 static void perr(struct run *run, int rc)
 {
@@ -699,9 +726,14 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 				cfg->progress(cfg->progress_ctx, i + 1, t->n);
 			continue;
 		}
+		if ((rc = hash_floor(&run, tok, tr->input_len))) {
+			snprintf(err, errlen, "out of memory");
+			goto out;
+		}
 		double c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
 		rc = ops->route(run.ps, &rq, &ro);
 		cpu_ns[i] = (now_s(CLOCK_THREAD_CPUTIME_ID) - c0) * 1e9;
+		run.n_routes++;
 		if (rc || (ro.queued && !ops->dequeue) || (!ro.queued && ro.rank >= cfg->n_ranks)) {
 			snprintf(err, errlen, "policy %s: route request %zu: %s", ops->name, i,
 			         rc ? kvr_strerror(rc) : "rank out of range");
@@ -795,6 +827,17 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	for (size_t i = 0; i < t->n; i++)
 		cpu_sum += cpu_ns[i];
 	res->route_cpu_ns_mean = t->n ? cpu_sum / (double)t->n : 0;
+	double per_route = run.n_routes ? 1.0 / (double)run.n_routes : 0;
+	res->hash_cpu_ns_mean = run.hash_ns * per_route;
+	if (ops->cpu) {
+		struct replay_cpu c = {0};
+		ops->cpu(run.ps, &c);
+		res->has_cpu = true;
+		res->happen_cpu_ns_mean = (double)c.happenings_ns * per_route;
+		res->happenings_mean = (double)c.happenings * per_route;
+		res->threads_busy_ns_mean = (double)c.threads_busy_ns * per_route;
+		res->threads_spin_ns_mean = (double)c.threads_spin_ns * per_route;
+	}
 	qsort(cpu_ns, t->n, sizeof(double), cmp_double);
 	res->route_cpu_ns_p99 = pct(cpu_ns, t->n, 0.99);
 	rc = 0;
@@ -813,6 +856,8 @@ out:
 	free(run.bufs);
 	free(cpu_ns);
 	free(run.tok);
+	free(run.hl);
+	free(run.hs);
 	res->wall_s = now_s(CLOCK_MONOTONIC) - wall0;
 	if (rc)
 		replay_result_free(res);

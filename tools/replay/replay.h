@@ -100,6 +100,14 @@ struct replay_result {
 	uint64_t preemptions;
 	uint64_t evicted_blocks; /* simulator, copies included */
 	double route_cpu_ns_mean, route_cpu_ns_p99;
+	/* The rest of the router's CPU per decision (policies with a cpu hook: has_cpu): the
+	 * happenings on the replay's thread, its own threads busy and idle-polling (struct
+	 * replay_cpu over the decisions routed); and the floor, kvr_hash_blocks on the same
+	 * prompts on the replay's thread (every policy). */
+	bool has_cpu;
+	double happen_cpu_ns_mean, threads_busy_ns_mean, threads_spin_ns_mean;
+	double happenings_mean; /* happening calls per decision */
+	double hash_cpu_ns_mean;
 	/* Agreement (see above). */
 	uint64_t n_foreign; /* arrivals in the foreign share (foreign_share) */
 	/* First admissions by share, blocks: [0] this router's requests, [1] the foreign ones

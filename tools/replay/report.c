@@ -43,6 +43,20 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 	}
 	for (size_t i = 0; i < n; i++) {
 		const struct replay_result *r = &res[i];
+		if (r->has_cpu) {
+			double total = r->route_cpu_ns_mean + r->happen_cpu_ns_mean +
+			               r->threads_busy_ns_mean + r->threads_spin_ns_mean;
+			fprintf(
+			    f,
+			    "cpu %s: per decision, us: route %.1f (kvr_hash_blocks on the same "
+			    "prompt alone: %.1f), lifecycle calls %.1f (%.1f calls), shard threads "
+			    "%.1f busy + "
+			    "%.1f idle polling; all router threads %.1f\n",
+			    r->policy, r->route_cpu_ns_mean / 1e3, r->hash_cpu_ns_mean / 1e3,
+			    r->happen_cpu_ns_mean / 1e3, r->happenings_mean,
+			    r->threads_busy_ns_mean / 1e3, r->threads_spin_ns_mean / 1e3,
+			    total / 1e3);
+		}
 		if (r->n_refused || r->policy_errors)
 			fprintf(f,
 			        "note: %s: %zu requests refused by the simulator, %llu policy "
@@ -139,6 +153,15 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	if (timing) {
 		json_object_set_new(o, "route_cpu_ns_mean", json_real(r->route_cpu_ns_mean));
 		json_object_set_new(o, "route_cpu_ns_p99", json_real(r->route_cpu_ns_p99));
+		json_object_set_new(o, "hash_cpu_ns_mean", json_real(r->hash_cpu_ns_mean));
+		if (r->has_cpu) {
+			json_object_set_new(o, "happenings_cpu_ns_mean",
+			                    json_real(r->happen_cpu_ns_mean));
+			json_object_set_new(o, "shard_busy_cpu_ns_mean",
+			                    json_real(r->threads_busy_ns_mean));
+			json_object_set_new(o, "shard_spin_cpu_ns_mean",
+			                    json_real(r->threads_spin_ns_mean));
+		}
 		json_object_set_new(o, "wall_s", json_real(r->wall_s));
 	}
 	return o;
