@@ -31,9 +31,14 @@
  * run goes to a grave (a FIFO of runs, keeping the blob with their hashes) and records remove
  * its entries with bounded work each: BURY_PER_NEW per new block plus BURY_PER_CALL, more than
  * expiry makes stale in a steady state, where every block expires once after it was new.  A
- * table about to grow buries everything first, so it grows for live blocks only, as it did when
- * expiry removed them (same memory); a growth also drops stale entries on the way.  Between
- * burials stale entries lengthen the probes of absent keys a little.  Invariant: exactly one
+ * full table buries a bounded number more (BURY_FULL_*), then grows for the live blocks only,
+ * as it did when expiry removed them (same memory), dropping stale entries on the way.
+ * Between burials stale entries lengthen the probes of absent keys a little.
+ *
+ * Growth.  The map (shards/ttl_map.c) grows incrementally: a new table, then the entries move a
+ * slice per call (each record pays for its new blocks, every record and expiry a little more),
+ * lookups probe both tables.  No call rehashes the table or buries every pending grave at once
+ * (issue 11 item 3: at 600k held blocks that was a 10 ms record).  Invariant: exactly one
  * entry per held block, live (map count - live blocks = stale entries, all of them in graves).
  * After 2^32 reuses of one slot a stale generation could match again: a live entry's run must
  * also hold the hash (offset_of), so such an entry is seen as stale.
@@ -64,7 +69,7 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "shards/chain.h"
-#include "shards/u64map.h"
+#include "shards/ttl_map.h"
 
 #define NIL UINT32_MAX
 
@@ -72,6 +77,15 @@
  * than expiry makes stale in a steady state (each block expires once, after it was new). */
 #define BURY_PER_NEW  2
 #define BURY_PER_CALL 32
+/* ... and, when the map is full and holds such entries, before it grows: enough to make room
+ * in a steady state, still bounded by the call's size. */
+#define BURY_FULL_PER_NEW  4
+#define BURY_FULL_PER_CALL 128
+/* Units of the map's migration (shards/ttl_map.c) every record and expiry pays, on top of its
+ * inserts' share: a migration ends even while few new blocks come.  Tests lower it to keep
+ * tables migrating longer. */
+size_t kvr_ttl_mig_per_call = 64;
+#define MIG_PER_CALL kvr_ttl_mig_per_call
 
 struct blob {
 	uint32_t refs, cap;
@@ -105,7 +119,7 @@ struct kvr_ttl {
 	uint32_t cap, runs, free_head;
 	uint32_t head, tail;
 	size_t live; /* blocks */
-	struct kvr_u64map by_seq;
+	struct kvr_ttl_map by_seq;
 	/* Expired runs whose map entries are still to remove (a ring, oldest first); `done`
 	 * hashes of the oldest are removed already, `pending` hashes are left in all. */
 	struct grave *gr;
@@ -113,6 +127,8 @@ struct kvr_ttl {
 	struct step *plan;
 	size_t plan_cap;
 };
+
+static bool entry_live(const void *ctx, const struct kvr_u64map_slot *s);
 
 /* kvr_chain_agree's stride over struct kvr_lru_block's seq fields. */
 #define BSTRIDE (sizeof(struct kvr_lru_block) / sizeof(uint64_t))
@@ -128,7 +144,7 @@ int kvr_ttl_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_ttl **out)
 	t->bucket = bucket_ns;
 	t->free_head = NIL;
 	t->head = t->tail = NIL;
-	kvr_u64map_init(&t->by_seq);
+	kvr_ttl_map_init(&t->by_seq, entry_live, t);
 	*out = t;
 	return 0;
 }
@@ -150,7 +166,7 @@ void kvr_ttl_destroy(struct kvr_ttl *t)
 	kvr_free(t->gr, t->gr_cap * sizeof(struct grave));
 	kvr_free(t->r, (size_t)t->cap * sizeof(struct run));
 	kvr_free(t->plan, t->plan_cap * sizeof(struct step));
-	kvr_u64map_fini(&t->by_seq);
+	kvr_ttl_map_fini(&t->by_seq);
 	kvr_free(t, sizeof(*t));
 }
 
@@ -266,7 +282,7 @@ static inline uint32_t offset_of(const struct kvr_ttl *t, uint32_t i, uint64_t s
 static inline __attribute__((always_inline)) uint32_t
 locate_entry(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run, bool *stale)
 {
-	const struct kvr_u64map_slot *s = kvr_u64map_find_slot(&t->by_seq, seq);
+	const struct kvr_u64map_slot *s = kvr_ttl_map_find(&t->by_seq, seq);
 	*stale = false;
 	if (!s)
 		return NIL;
@@ -290,7 +306,7 @@ static inline __attribute__((always_inline)) uint32_t locate_drop(struct kvr_ttl
 	bool stale;
 	uint32_t off = locate_entry(t, seq, pos, run, &stale);
 	if (stale)
-		kvr_u64map_remove(&t->by_seq, seq);
+		kvr_ttl_map_remove_slot(&t->by_seq, kvr_ttl_map_find(&t->by_seq, seq));
 	return off;
 }
 
@@ -325,16 +341,16 @@ static int reserve_graves(struct kvr_ttl *t, size_t more)
  * a growth) is simply not found. */
 static void bury(struct kvr_ttl *t, size_t budget)
 {
-	struct kvr_u64map *m = &t->by_seq;
+	struct kvr_ttl_map *m = &t->by_seq;
 	while (budget > 0 && t->gr_n > 0) {
 		const struct grave *g = &t->gr[t->gr_head];
 		size_t k = t->done, end = g->len - k > budget ? k + budget : g->len;
 		for (; k < end; k++) { /* locals: the map's stores cannot alias them */
 			uint64_t seq = g->h[k];
-			struct kvr_u64map_slot *s = kvr_u64map_find_slot(m, seq);
+			struct kvr_u64map_slot *s = kvr_ttl_map_find(m, seq);
 			if (s && (t->r[s->val].gen != s->spare ||
 			          offset_of(t, s->val, seq, (uint64_t)g->pos + k) == NIL))
-				kvr_u64map_remove_at(m, (size_t)(s - m->slots));
+				kvr_ttl_map_remove_slot(m, s);
 		}
 		budget -= k - t->done;
 		t->pending -= k - t->done;
@@ -348,23 +364,51 @@ static void bury(struct kvr_ttl *t, size_t budget)
 	}
 }
 
-/* Room for `extra` more map entries.  Entries of expired runs count against the load factor
- * until buried: when the table is full, the rest are buried before it grows (and a growth
- * drops stale entries on the way). */
+/* Room for `extra` more map entries, with bounded work (shards/ttl_map.c: the map grows a
+ * slice per call).  While migrating, the call pays its share first.  A full map that holds
+ * entries of expired runs buries a bounded number of them; if that does not make room it
+ * migrates into a table sized for the live blocks, dropping the stale entries on the way:
+ * twice the size, or the same size (a purge) where the live ones fill at most half of it (a
+ * purge of a fuller table would have too little slack to pace, ttl_map.c). */
 static int reserve_map(struct kvr_ttl *t, size_t extra)
 {
-	struct kvr_u64map *m = &t->by_seq;
-	if ((m->count + extra) * 10 <= m->cap * 7)
+	struct kvr_ttl_map *m = &t->by_seq;
+	if (kvr_ttl_map_migrating(m)) {
+		kvr_ttl_map_step(m, kvr_ttl_map_due(m, extra) + MIG_PER_CALL);
+		if (kvr_ttl_map_room(m, extra))
+			return 0;
+		/* NEVER by the pace, unless this record inserts more than the slack: the rest at
+		 * once (the call is a good fraction of the table already). */
+		kvr_ttl_map_step(m, SIZE_MAX);
+	}
+	if (kvr_ttl_map_room(m, extra))
 		return 0;
-	if (m->count > t->live) {
-		bury(t, t->pending);
-		if ((m->count + extra) * 10 <= m->cap * 7)
+	if (kvr_ttl_map_count(m) > t->live) {
+		size_t b = BURY_FULL_PER_NEW * extra + BURY_FULL_PER_CALL;
+		bury(t, b < t->pending ? b : t->pending);
+		if (kvr_ttl_map_room(m, extra))
 			return 0;
 	}
-	size_t need = m->count + extra, cap = m->cap ? m->cap : 16;
-	while (need * 10 > cap * 7)
-		cap *= 2;
-	return kvr_u64map_rebuild(m, cap, entry_live, t);
+	for (int pass = 0; pass < 2; pass++) {
+		/* pass 1 (NEVER): entries kept as live that were not (a generation matched again
+		 * after 2^32 reuses of a slot): size for every entry */
+		size_t need = (pass ? kvr_ttl_map_count(m) : t->live) + extra;
+		size_t cur = m->cur.cap, cap = cur ? cur : 16;
+		while (need * 10 > cap * 7)
+			cap *= 2;
+		if (cap == cur && need * 2 > cap)
+			cap *= 2;
+		int rc = kvr_ttl_map_start(m, cap, extra);
+		if (rc)
+			return rc;
+		kvr_ttl_map_step(m, kvr_ttl_map_due(m, extra) + MIG_PER_CALL);
+		if (kvr_ttl_map_room(m, extra))
+			return 0;
+		kvr_ttl_map_step(m, SIZE_MAX); /* NEVER: start sized the pace for `extra` */
+		if (kvr_ttl_map_room(m, extra))
+			return 0;
+	}
+	return KVR_ENOMEM; /* NEVER */
 }
 
 /* Splits run i before off (0 < off < len) into two runs with its expiry, side by side in the
@@ -394,7 +438,7 @@ static void split(struct kvr_ttl *t, uint32_t i, uint32_t off, uint32_t *left, u
 	lo->h = hi->h - off;
 	const struct run *moved = &t->r[m];
 	for (uint32_t j = 0; j < moved->len; j++) {
-		struct kvr_u64map_slot *ms = kvr_u64map_find_slot(&t->by_seq, moved->h[j]);
+		struct kvr_u64map_slot *ms = kvr_ttl_map_find(&t->by_seq, moved->h[j]);
 		ms->val = m;
 		ms->spare = moved->gen;
 	}
@@ -479,7 +523,7 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 			                  .gen = e->gen};
 			for (uint32_t j = 0; j < s->n; j++) {
 				e->h[j] = b[s->k + j].seq;
-				kvr_u64map_insert_tag(&t->by_seq, e->h[j], i, e->gen);
+				kvr_ttl_map_insert(&t->by_seq, e->h[j], i, e->gen);
 			}
 			used += s->n;
 			blob->refs++;
@@ -529,6 +573,7 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 		t->pending += e->len;
 		free_slot(t, i);
 	}
+	kvr_ttl_map_step(&t->by_seq, MIG_PER_CALL);
 	return 0;
 }
 
@@ -567,5 +612,75 @@ int kvr_ttl_lookup(const struct kvr_ttl *t, uint64_t seq, uint64_t *expiry, uint
 		*expiry = e->expiry;
 	if (pos)
 		*pos = e->pos + off;
+	return 0;
+}
+
+void kvr_ttl_stats(const struct kvr_ttl *t, struct kvr_ttl_stats *out)
+{
+	const struct kvr_ttl_map *m = &t->by_seq;
+	*out = (struct kvr_ttl_stats){.map_entries = kvr_ttl_map_count(m),
+	                              .map_slots = kvr_ttl_map_slots(m),
+	                              .pending = t->pending,
+	                              .growths = m->migrations,
+	                              .max_step_units = m->max_units,
+	                              .growing = kvr_ttl_map_migrating(m)};
+}
+
+#define CHECK(cond)                                                                                \
+	do {                                                                                       \
+		if (!(cond))                                                                       \
+			return __LINE__;                                                           \
+	} while (0)
+
+/* The entries of one table: counted, reachable by a lookup, live ones counted apart. */
+static int check_table(const struct kvr_ttl *t, const struct kvr_u64map *tb, size_t below,
+                       size_t *live)
+{
+	const struct kvr_ttl_map *m = &t->by_seq;
+	size_t n = 0;
+	for (size_t i = 0; i < tb->cap; i++) {
+		const struct kvr_u64map_slot *s = &tb->slots[i];
+		if (s->val == KVR_U64MAP_EMPTY)
+			continue;
+		CHECK(i >= below); /* the migration cursor: the old table is empty below it */
+		CHECK(kvr_ttl_map_find(m, s->key) == s);
+		CHECK(s->val < t->cap);
+		n++;
+		if (t->r[s->val].gen == s->spare) /* the run walk found the held blocks' ones */
+			(*live)++;
+	}
+	CHECK(n == tb->count);
+	return 0;
+}
+
+int kvr_ttl_check(const struct kvr_ttl *t)
+{
+	const struct kvr_ttl_map *m = &t->by_seq;
+	size_t blocks = 0, runs = 0, live = 0;
+	uint64_t x = 0;
+	for (uint32_t i = t->head, prev = NIL; i != NIL; prev = i, i = t->r[i].next, runs++) {
+		const struct run *e = &t->r[i];
+		CHECK(e->prev == prev && e->len > 0 && e->expiry >= x);
+		x = e->expiry;
+		blocks += e->len;
+		for (uint32_t j = 0; j < e->len; j++) {
+			const struct kvr_u64map_slot *s = kvr_ttl_map_find(m, e->h[j]);
+			CHECK(s && s->val == i && s->spare == e->gen);
+		}
+	}
+	CHECK(runs == t->runs && blocks == t->live);
+	bool zeroing = kvr_ttl_map_migrating(m) && m->zeroed < m->cur.cap;
+	if (!zeroing) {
+		int rc = check_table(t, &m->cur, 0, &live);
+		if (rc)
+			return rc;
+	}
+	if (kvr_ttl_map_migrating(m)) {
+		int rc = check_table(t, &m->old, zeroing ? 0 : m->mig, &live);
+		if (rc)
+			return rc;
+	}
+	CHECK(live == t->live); /* one live entry per held block, no other */
+	CHECK(kvr_ttl_map_count(m) - live <= t->pending); /* every stale entry in a grave */
 	return 0;
 }

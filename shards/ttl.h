@@ -18,6 +18,7 @@
 #ifndef KVR_SHARDS_TTL_H
 #define KVR_SHARDS_TTL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -59,5 +60,24 @@ size_t kvr_ttl_count(const struct kvr_ttl *ttl);
 /* The expiry and position of a present hash: 0, or KVR_ENOENT.  O(length of its run): for
  * tests and tools. */
 int kvr_ttl_lookup(const struct kvr_ttl *ttl, uint64_t seq, uint64_t *expiry, uint32_t *pos);
+
+/* The map's state, for tests and benchmarks. */
+struct kvr_ttl_stats {
+	size_t map_entries;    /* entries in the map: one per held block, plus stale ones */
+	size_t map_slots;      /* slots allocated (both tables while growing) */
+	size_t pending;        /* hashes of expired runs whose map entries may remain */
+	uint64_t growths;      /* migrations of the map started since create */
+	size_t max_step_units; /* most units of migration work one call did (shards/ttl_map.c) */
+	bool growing;          /* a migration is under way */
+};
+void kvr_ttl_stats(const struct kvr_ttl *ttl, struct kvr_ttl_stats *out);
+
+/* Units of map migration every record and expiry pays besides its new blocks' share (64);
+ * tests set it low so that tables stay mid-migration longer. */
+extern size_t kvr_ttl_mig_per_call;
+
+/* Checks every invariant of the store, O(table): for tests.  Returns 0, or the source line
+ * (> 0) of the first invariant found broken. */
+int kvr_ttl_check(const struct kvr_ttl *ttl);
 
 #endif /* KVR_SHARDS_TTL_H */

@@ -131,6 +131,152 @@ Test(ttl, refresh_inside_a_run)
 	kvr_lru_out_fini(&out);
 }
 
+/* ---------------------------------------------------------------- growth */
+
+static uint64_t grng(uint64_t *s)
+{
+	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+	return x ^ (x >> 31);
+}
+
+#define G_SES 64
+#define G_MAX 520
+
+struct gstate {
+	struct kvr_ttl *t;
+	struct ref_ttl *ref;
+	uint64_t ses[G_SES][G_MAX];
+	size_t len[G_SES];
+	uint64_t sys[8][64];
+	uint64_t rng, turns_growing, checks;
+	size_t max_fresh;
+};
+
+/* Every invariant of the store (kvr_ttl_check). */
+static void g_check_all(struct gstate *g, uint64_t turn)
+{
+	int bad = kvr_ttl_check(g->t);
+	cr_assert_eq(bad, 0, "turn %llu: invariant at shards/ttl.c:%d", (unsigned long long)turn,
+	             bad);
+	g->checks++;
+}
+
+static void g_lookup(struct gstate *g, uint64_t seq, uint64_t turn)
+{
+	uint64_t x1 = 0, x2 = 0;
+	uint32_t p1 = 0, p2 = 0;
+	int r1 = kvr_ttl_lookup(g->t, seq, &x1, &p1), r2 = ref_ttl_lookup(g->ref, seq, &x2, &p2);
+	cr_assert(r1 == r2 && x1 == x2 && p1 == p2,
+	          "turn %llu: lookup %d %llu %u vs ref %d %llu %u", (unsigned long long)turn, r1,
+	          (unsigned long long)x1, p1, r2, (unsigned long long)x2, p2);
+}
+
+/* One turn: session s records its whole prompt from the root (16 new blocks at its end; back
+ * to a shared system prompt when full), then 2 output blocks at their position, then expiry. */
+static void g_turn(struct gstate *g, uint64_t turn, uint64_t now, struct kvr_lru_block *b,
+                   struct kvr_lru_out *o1, struct kvr_lru_out *o2)
+{
+	size_t s = grng(&g->rng) % G_SES;
+	uint64_t *q = g->ses[s];
+	if (g->len[s] == 0 || g->len[s] + 18 > G_MAX) {
+		memcpy(q, g->sys[grng(&g->rng) % 8], sizeof(g->sys[0]));
+		g->len[s] = 64;
+	}
+	for (size_t i = 0; i < 16; i++, g->len[s]++)
+		q[g->len[s]] = grng(&g->rng) | 1;
+	for (size_t i = 0; i < g->len[s]; i++)
+		b[i] = (struct kvr_lru_block){.local = i, .seq = q[i]};
+	cr_assert_eq(kvr_ttl_record(g->t, b, g->len[s], 0, now, o1), 0);
+	cr_assert_eq(ref_ttl_record(g->ref, b, g->len[s], 0, now, o2), 0);
+	cr_assert_eq(o1->n_stored, o2->n_stored, "turn %llu", (unsigned long long)turn);
+	if (o1->n_stored > g->max_fresh)
+		g->max_fresh = o1->n_stored;
+	for (size_t i = 0; i < 2; i++, g->len[s]++) {
+		q[g->len[s]] = grng(&g->rng) | 1;
+		b[i] = (struct kvr_lru_block){.local = i, .seq = q[g->len[s]]};
+	}
+	cr_assert_eq(kvr_ttl_record(g->t, b, 2, (uint32_t)(g->len[s] - 2), now, o1), 0);
+	cr_assert_eq(ref_ttl_record(g->ref, b, 2, (uint32_t)(g->len[s] - 2), now, o2), 0);
+	cr_assert_eq(kvr_ttl_expire(g->t, now, o1), 0);
+	cr_assert_eq(ref_ttl_expire(g->ref, now, o2), 0);
+	cr_assert_eq(o1->n_evicted, o2->n_evicted, "turn %llu", (unsigned long long)turn);
+	cr_assert_eq(kvr_ttl_count(g->t), ref_ttl_count(g->ref), "turn %llu",
+	             (unsigned long long)turn);
+	cr_assert_eq(kvr_ttl_overlap(g->t, q, g->len[s]), ref_ttl_overlap(g->ref, q, g->len[s]));
+	for (size_t k = 0; k < 4; k++) /* the new blocks, a few old ones */
+		g_lookup(g, q[g->len[s] - 1 - k * 6], turn);
+	g_lookup(g, q[grng(&g->rng) % g->len[s]], turn);
+	struct kvr_ttl_stats st;
+	kvr_ttl_stats(g->t, &st);
+	g->turns_growing += st.growing;
+	if (st.growing || turn % 101 == 0)
+		g_check_all(g, turn);
+	if (turn % 997 == 0)
+		for (size_t k = 0; k < G_SES; k++)
+			for (size_t i = 0; i < g->len[k]; i++)
+				g_lookup(g, g->ses[k][i], turn);
+}
+
+/* The map grows (and purges) a slice per call while records and expiries go on: after every
+ * call of a growth, every held block is found, with its expiry and position as the per-block
+ * oracle has them, counts are exact, and every invariant holds; no call does more than a
+ * bounded slice of migration work although the table reaches 128k slots.  Then everything
+ * expires at once and the table fills again with the expired blocks' graves pending. */
+Test(ttl, grows_a_slice_per_call)
+{
+	struct gstate *g = calloc(1, sizeof(*g));
+	struct kvr_lru_block *b = malloc(G_MAX * sizeof(*b));
+	struct kvr_lru_out o1, o2;
+	kvr_lru_out_init(&o1);
+	kvr_lru_out_init(&o2);
+	g->rng = 42;
+	for (size_t k = 0; k < 8; k++)
+		for (size_t i = 0; i < 64; i++)
+			g->sys[k][i] = grng(&g->rng) | 1;
+	cr_assert_eq(kvr_ttl_create(3000, 0, &g->t), 0);
+	cr_assert_eq(ref_ttl_create(3000, 0, &g->ref), 0);
+	uint64_t turn = 0, now = 1;
+	for (; turn < 8000; turn++, now++)
+		g_turn(g, turn, now, b, &o1, &o2);
+	struct kvr_ttl_stats st;
+	kvr_ttl_stats(g->t, &st);
+	size_t held = kvr_ttl_count(g->t), slots = st.map_slots;
+	cr_assert_geq(held, 40000, "held %zu", held);
+	cr_assert_geq(slots, 65536);
+	/* everything expires: its entries go stale, graves pending */
+	now += 4000;
+	cr_assert_eq(kvr_ttl_expire(g->t, now, &o1), 0);
+	cr_assert_eq(ref_ttl_expire(g->ref, now, &o2), 0);
+	cr_assert_eq(o1.n_evicted, held);
+	kvr_ttl_stats(g->t, &st);
+	cr_assert_eq(st.pending, held);
+	g_check_all(g, turn);
+	for (uint64_t end = turn + 6000; turn < end; turn++, now++)
+		g_turn(g, turn, now, b, &o1, &o2);
+	kvr_ttl_stats(g->t, &st);
+	cr_assert_geq(st.growths, 8, "growths %llu", (unsigned long long)st.growths);
+	cr_assert_geq(g->turns_growing, 100);
+	/* a bounded slice per call: ~10 units per new block (ttl_map.c), + 64 per call, + a
+	 * zeroing chunk; nothing near the table's size */
+	cr_assert_leq(st.max_step_units, 32 * g->max_fresh + 64 + 1024 / 8 + 8,
+	              "max units %zu, max new blocks %zu", st.max_step_units, g->max_fresh);
+	cr_assert_lt(st.max_step_units * 16, st.map_slots);
+	if (getenv("TTL_GROW_VERBOSE"))
+		printf("growths %llu turns growing %llu checks %llu max units %zu max new %zu "
+		       "slots %zu held %zu\n",
+		       (unsigned long long)st.growths, (unsigned long long)g->turns_growing,
+		       (unsigned long long)g->checks, st.max_step_units, g->max_fresh, st.map_slots,
+		       kvr_ttl_count(g->t));
+	kvr_ttl_destroy(g->t);
+	ref_ttl_destroy(g->ref);
+	kvr_lru_out_fini(&o1);
+	kvr_lru_out_fini(&o2);
+	free(b);
+	free(g);
+}
+
 /* ---------------------------------------------------------------- differential */
 
 #define U 64

@@ -8,9 +8,13 @@
  * the oracle's order is per block, ours per run, and the index removes them in any order),
  * every evicted run a chain (parent first), count, next expiry, overlap of several prompts, and
  * expiry and position of the prompt's blocks (of every block every 64 steps).
- * The seed and step are printed on failure; rerun one seed with TTL_DIFF_SEED=<seed>. */
+ * And every invariant of the store (kvr_ttl_check: each held block found in the map, exact
+ * counts, the map's migration state), half the seeds with the map's migration slowed down.
+ * The seed and step are printed on failure; rerun one seed with TTL_DIFF_SEED=<seed>, a range
+ * of seeds at 5000 steps with TTL_DIFF_SEEDS=<first>-<last>. */
 #include <criterion/criterion.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -108,8 +112,14 @@ static void check_block(struct kvr_ttl *t, struct ref_ttl *ref, uint64_t seq, ui
 	      p1, r2, (unsigned long long)x2, p2);
 }
 
+/* Steps that ended with the map mid-migration (shards/ttl_map.c), over all seeds. */
+static uint64_t steps_growing;
+
 static void run_seed(struct tree *tr, uint64_t seed, int steps)
 {
+	/* every other seed: a migration slice of 1 unit per call, so tables stay mid-migration
+	 * through many commands */
+	kvr_ttl_mig_per_call = seed % 2 ? 64 : 1;
 	memset(tr, 0, sizeof(*tr));
 	tr->n[0] = (struct node){0, -1, 0, {-1, -1, -1}};
 	tr->nn = 1;
@@ -193,6 +203,12 @@ static void run_seed(struct tree *tr, uint64_t seed, int steps)
 					break;
 			}
 		}
+		int bad = kvr_ttl_check(t);
+		CHECK(bad == 0, "invariant at shards/ttl.c:%d", (unsigned long long)seed, step,
+		      bad);
+		struct kvr_ttl_stats st;
+		kvr_ttl_stats(t, &st);
+		steps_growing += st.growing;
 		for (size_t i = 0; i < n; i++)
 			check_block(t, ref, seq[i], seed, step);
 		if (step % 64 == 63)
@@ -209,11 +225,18 @@ Test(ttl_diff, runs_against_ref)
 {
 	struct tree *tr = malloc(sizeof(*tr));
 	cr_assert_not_null(tr);
-	const char *env = getenv("TTL_DIFF_SEED");
-	if (env)
+	const char *env = getenv("TTL_DIFF_SEED"), *range = getenv("TTL_DIFF_SEEDS");
+	unsigned long long lo, hi;
+	if (env) {
 		run_seed(tr, strtoull(env, NULL, 0), 5000);
-	else
+	} else if (range && sscanf(range, "%llu-%llu", &lo, &hi) == 2) {
+		for (uint64_t seed = lo; seed <= hi; seed++) /* long runs: TTL_DIFF_SEEDS=1-2000 */
+			run_seed(tr, seed, 5000);
+	} else {
 		for (uint64_t seed = 1; seed <= 300; seed++)
 			run_seed(tr, seed, 400);
+		cr_expect(steps_growing > 0, "no command ended with the map mid-migration");
+	}
+	kvr_ttl_mig_per_call = 64;
 	free(tr);
 }

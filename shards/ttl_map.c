@@ -1,0 +1,192 @@
+/*
+ * shards/ttl_map.c - the TTL store's hash -> run map, grown incrementally (issue 11 item 3).
+ *
+ * Why.  The TTL store (shards/ttl.c) maps every held block's hash to its run.  Grown the usual
+ * way, the call that fills the table allocates one twice the size and rehashes every entry into
+ * it: at 600k held blocks a 10 ms call on the shard thread (bench_lru --blocks 512, record max),
+ * and every routing task queued behind it waits that long.  Before growing, the store also
+ * buried every pending grave (entries of expired runs, ttl.c "Lazy deletion") at once: O(expired
+ * blocks), as bad after a mass expiry.
+ *
+ * The idea is the index block locator's (core/index_blocks.c): a new table is allocated, made
+ * empty a slice at a time, then the entries migrate a slice at a time, each call paying for a
+ * bounded number of units; lookups probe the new table, then the old; every key is in exactly
+ * one of the two, so counts stay exact.  What differs is how the old table is walked: this one
+ * is linear probing with deletion by backward shift (shards/u64map.h), so entries move when
+ * others are removed, and a cursor over slots needs care.  The migration cursor `mig` walks the
+ * old table's slots upwards; an occupied slot's entry is inserted into the new table (or dropped
+ * if stale: its run expired, ttl.c's live test) and REMOVED from the old one by backward shift,
+ * which may pull a later entry of its cluster into the slot, so the cursor stays until the slot
+ * is empty.  Invariant: the old table's slots below mig are empty, and it stays a valid
+ * linear-probing table (every entry reachable from its home slot without crossing an empty
+ * slot), since only removals touch it while the cursor runs (nothing is inserted into it once
+ * the new table is usable) and a backward shift keeps a table valid.  A removal at slot i >= mig
+ * moves entries of its cluster back into slots >= mig: a cluster cannot wrap past the end into
+ * the empty slots below mig (when mig = 0 there are none).  So lookups in the old table stay
+ * correct, and the cursor never has to look back.  The old table is freed when it holds no
+ * entry (often before the cursor reaches its end) or the cursor passes its end.
+ *
+ * Phases.  (1) zeroing: the new table's slots are marked empty, KVR_TTL_MAP_ZERO slots a unit,
+ * so that neither the writes nor the page faults of fresh memory land on one call; the old
+ * table alone is in use and takes inserts.  (2) moving: lookups probe the new table, then the
+ * old; inserts go to the new one.
+ *
+ * Pace.  Work is counted in units: KVR_TTL_MAP_ZERO slots zeroed, one old slot scanned, one
+ * entry moved (or dropped).  A migration of an old table of C slots holding n entries into one
+ * of C' slots is at most C'/ZERO + C + n units.  Each call that inserts k keys first pays
+ * step * k units (and a few per call, ttl.c), step sized so that the migration ends before the
+ * inserts could take the table they go to past MAP_HARD (0.85): in phase 1 the old one holds
+ * n + (inserts so far), in phase 2 the new one holds at most n + (inserts so far) (only entries
+ * the old one held at the start move, each once), so (units) / (0.85 min(C, C') - n) + 1, and a
+ * little more.  At the usual start (load 0.7, doubling) that is about 10 units per inserted key:
+ * a record of 128 new blocks moves ~1,300 slots, where it rehashed the whole table.  A call
+ * that inserts more keys than the slack (one record bigger than 15 % of the table) finishes the
+ * migration at once: O(table), but the call's own size is a good fraction of that already.
+ * A failed allocation (only kvr_ttl_map_start allocates) changes nothing.  Amortised cost is
+ * unchanged (every entry moves once per growth); while migrating, misses probe two tables and
+ * the memory is old + new table, as it was for an instant before.
+ * Context: the shard thread that owns the TTL store; no locks, no atomics.
+ */
+#include "shards/ttl_map.h"
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+
+/* Slots made empty per unit of work (128 bytes), and per loop iteration at most. */
+#define KVR_TTL_MAP_ZERO 8u
+#define ZERO_CHUNK       1024u
+/* Load (percent) the table taking inserts may reach while migrating: the pace is sized so that
+ * it does not (a table starts migrating when inserts would take it past 0.7). */
+#define MAP_HARD 85u
+#define STEP_MIN 2u
+
+void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const void *ctx)
+{
+	kvr_u64map_init(&m->cur);
+	kvr_u64map_init(&m->old);
+	m->zeroed = m->mig = m->step = 0;
+	m->credit = 0;
+	m->migrations = 0;
+	m->max_units = 0;
+	m->live = live;
+	m->ctx = ctx;
+}
+
+void kvr_ttl_map_fini(struct kvr_ttl_map *m)
+{
+	kvr_u64map_fini(&m->cur);
+	kvr_u64map_fini(&m->old);
+}
+
+static inline bool zeroing(const struct kvr_ttl_map *m)
+{
+	return m->old.slots && m->zeroed < m->cur.cap;
+}
+
+struct kvr_u64map_slot *kvr_ttl_map_find_migrating(const struct kvr_ttl_map *m, uint64_t key)
+{
+	if (!zeroing(m)) {
+		struct kvr_u64map_slot *s = kvr_u64map_find_slot(&m->cur, key);
+		if (s)
+			return s;
+	}
+	return kvr_u64map_find_slot(&m->old, key);
+}
+
+void kvr_ttl_map_remove_slot(struct kvr_ttl_map *m, struct kvr_u64map_slot *s)
+{
+	struct kvr_u64map *t =
+	    m->old.slots && s >= m->old.slots && s < m->old.slots + m->old.cap ? &m->old : &m->cur;
+	kvr_u64map_remove_at(t, (size_t)(s - t->slots));
+}
+
+bool kvr_ttl_map_room(const struct kvr_ttl_map *m, size_t extra)
+{
+	if (!m->old.slots)
+		return m->cur.cap && (m->cur.count + extra) * 10 <= m->cur.cap * 7;
+	const struct kvr_u64map *t = zeroing(m) ? &m->old : &m->cur;
+	return (t->count + extra) * 100 <= t->cap * MAP_HARD;
+}
+
+/* Ends a migration: the old table holds no entry. */
+static void mig_done(struct kvr_ttl_map *m)
+{
+	kvr_u64map_fini(&m->old);
+	m->mig = m->step = 0;
+	m->credit = 0;
+}
+
+void kvr_ttl_map_step(struct kvr_ttl_map *m, size_t units)
+{
+	if (!m->old.slots)
+		return;
+	const int64_t cap = INT64_MAX / 4;
+	m->credit = units >= (size_t)cap || m->credit + (int64_t)units >= cap
+	                ? cap
+	                : m->credit + (int64_t)units;
+	const int64_t start = m->credit;
+	struct kvr_u64map *o = &m->old, *c = &m->cur;
+	while (m->credit > 0) {
+		if (m->zeroed < c->cap) { /* phase 1: make the new table usable */
+			size_t n = (size_t)m->credit * KVR_TTL_MAP_ZERO;
+			if (n > ZERO_CHUNK)
+				n = ZERO_CHUNK;
+			if (n > c->cap - m->zeroed)
+				n = c->cap - m->zeroed;
+			for (size_t i = 0; i < n; i++)
+				c->slots[m->zeroed + i].val = KVR_U64MAP_EMPTY;
+			m->zeroed += n;
+			m->credit -= (int64_t)(n / KVR_TTL_MAP_ZERO) + 1;
+			continue;
+		}
+		if (o->count == 0 || m->mig >= o->cap)
+			break;
+		struct kvr_u64map_slot *s = &o->slots[m->mig];
+		if (s->val == KVR_U64MAP_EMPTY) {
+			m->mig++;
+			m->credit--;
+			continue;
+		}
+		if (!m->live || m->live(m->ctx, s))
+			kvr_u64map_insert_tag(c, s->key, s->val, s->spare);
+		kvr_u64map_remove_at(o, m->mig); /* may pull a later entry into slot mig */
+		m->credit -= 2;
+	}
+	size_t did = (size_t)(start - m->credit);
+	if (did > m->max_units)
+		m->max_units = did;
+	if (m->zeroed == c->cap && (o->count == 0 || m->mig >= o->cap))
+		mig_done(m);
+}
+
+int kvr_ttl_map_start(struct kvr_ttl_map *m, size_t cap, size_t extra)
+{
+	struct kvr_u64map_slot *s = kvr_alloc(cap * sizeof(*s));
+	if (!s)
+		return KVR_ENOMEM;
+	m->migrations++;
+	struct kvr_u64map n = {
+	    .slots = s, .cap = cap, .count = 0, .shift = 64u - (unsigned)__builtin_ctzll(cap)};
+	if (m->cur.count == 0) { /* nothing to move: an empty (or no) table, at once */
+		kvr_u64map_fini(&m->cur);
+		m->cur = n;
+		kvr_u64map_clear(&m->cur);
+		m->zeroed = cap;
+		return 0;
+	}
+	m->old = m->cur;
+	m->cur = n;
+	m->zeroed = m->mig = 0;
+	m->credit = 0;
+	/* The pace (essay): units over the inserts allowed before the table taking them passes
+	 * MAP_HARD, counting this call's `extra`. */
+	size_t units = cap / KVR_TTL_MAP_ZERO + m->old.cap + m->old.count;
+	size_t small = m->old.cap < cap ? m->old.cap : cap;
+	size_t lim = small * MAP_HARD / 100, used = m->old.count + extra;
+	if (lim <= used) { /* more inserts than the slack: all at once (NEVER by the pace) */
+		kvr_ttl_map_step(m, SIZE_MAX);
+		return 0;
+	}
+	m->step = units / (lim - used) + 1 + STEP_MIN;
+	return 0;
+}
