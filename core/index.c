@@ -28,7 +28,8 @@
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block, and
  * the locator skips first blocks.  Per run: a 64-byte header (16-bit lengths and offsets in
  * the high bits of its pointer words; a one-block run keeps its hash in it; longer ones have a
- * hash array whose 16-byte header also keeps the locator id).  Per (rank, run): an 8-byte
+ * hash array of exactly an allocator size class, whose word 0 keeps its capacity and the
+ * locator id, position 0's hash being the header's).  Per (rank, run): an 8-byte
  * holder word (inline in the run for a single holder, else in a holder set with a pointer
  * beside it), a 32-byte record and a bitmap (1 bit per position), so the per-holder cost of a
  * run of 16+ blocks is a few bytes.  Events mode, where the engine's ext hash differs from the
@@ -38,19 +39,22 @@
  * What that leaves for short runs (bench_index_runs prints the split, '# where:').  A run of
  * one block with one holder: 64 (header) + 32 (record) + 8 / load of the run table (10-15) =
  * 106-111 bytes, below the 128 of the per-block index this replaced.  A run of 16 blocks with
- * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (71-105) + 64 + 16 (hash array
- * header) + 32 + 10-15 + the locator id's directory entry (8-12) = 329-372 bytes, 20.6-23.3
- * per block, and more for a while after the locator grew (a migrating locator holds both
- * arrays: 27 in that benchmark).  These are sizes as asked; the memory counters count what
- * jemalloc really takes (its size class: the 16-block hash array's 144 bytes take 160, a
- * 512-block one's 4,112 take 5,120), 29.6 and 17.6 per block in that benchmark.
+ * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (71-105) + 64 + 32 + 10-15 + the
+ * locator id's directory entry (8-12) = 313-356 bytes, 19.6-22.3 per block, and more for a
+ * while after the locator grew (a migrating locator holds both arrays: 27.6 in that
+ * benchmark).  The memory counters count what jemalloc really takes (its size class); hash
+ * arrays are classes exactly (growth steps land on them: 2, 4, 6, 8, 10, 12, 14, 16, 20, ...
+ * words).  With a 16-byte header in front of the hashes (it kept the capacity, the id and the
+ * retire link) the 16-block array's 144 bytes took 160 and a 512-block one's 4,112 took 5,120:
+ * 29.6 and 17.6 per block in that benchmark, now 27.6 and 15.6 (the header word is s[0]:
+ * readers never read it, since position 0 matched when the run was found).
  * Issue 10's 16 bytes per block would leave 256 - 128 (hashes) - 71 (locator, at its highest
  * load) = 57 bytes per run for the header, record, table and
  * directory entries, less than the header alone: the floor is set by the writers' need to find
  * any block by its hash (a 4-byte locator entry per block; a removal names any block), not
  * by per-run overhead.  Options weighed and not taken: hashes inline in the run allocation
- * (saves the 16-byte array header, but a growing run must then move, and readers and children
- * hold its address), the single holder without a record (the rank's list and the bitmap still
+ * (64 + 128 is a class too, but a growing run must then move, and readers and children hold
+ * its address), the single holder without a record (the rank's list and the bitmap still
  * need 24+ bytes somewhere), a bucketised locator at load 0.9+ (saves ~1 byte per block for a
  * new table and its incremental migration).
  *
@@ -284,10 +288,11 @@ static void free_batch(struct kvr_index *idx, struct idx_retire *rt)
 		kvr_free(r, sizeof(*r));
 		shared += idx_real(sizeof(*r));
 	}
-	for (struct idx_seqs *q = rt->seqs, *next; q; q = next) {
-		next = q->next_free;
-		shared += idx_real(idx_bytes_seqs(q->cap));
-		kvr_free(q, idx_bytes_seqs(q->cap));
+	for (uint64_t *q = rt->seqs, *next; q; q = next) {
+		next = (uint64_t *)(uintptr_t)idx_lo_ptr(q[0]); /* the header word: link | cap */
+		const uint32_t cap = idx_seqs_wcap(q[0]);
+		shared += idx_real(idx_bytes_seqs(cap));
+		kvr_free(q, idx_bytes_seqs(cap));
 	}
 	for (struct idx_hset *h = rt->sets, *next; h; h = next) {
 		next = h->next_free;

@@ -22,17 +22,20 @@
 	       * scans its run: core/index_blocks.c) */
 
 /*
- * A run's sequence hashes.  Positions are WRITE-ONCE: s[p] never changes after it was written
- * into this array (a trim lowers the run's len but keeps s[], and a different block at a
- * trimmed position forks a child run instead of overwriting), so a reader holding a stale len
- * still compares permanent content.  Growing copies s[0..hw) into a new array and publishes it.
+ * A run's sequence hashes: one array uint64_t s[cap], exactly cap words (cap
+ * one of the allocator's size classes / 8: idx_seqs_cap), or, for a one-block run, the run
+ * header's `first` (cap 1, no allocation).  Positions 1 .. cap-1 hold hashes and are
+ * WRITE-ONCE: s[p] never changes after it was written (a trim lowers the run's len but keeps
+ * s[], and a different block at a trimmed position forks a child run instead of overwriting),
+ * so a reader holding a stale len still compares permanent content.  Position 0's hash is
+ * r->first, which is how readers found the run, so they never read s[0] (find_matches credits
+ * an overlap of one block without a comparison), and s[0] is the array's HEADER WORD, writers'
+ * only: cap << IDX_HI_SHIFT | the run's block-locator id (0: none) while the run uses the
+ * array, cap << IDX_HI_SHIFT | the next retired array once retired (the batched call_rcu
+ * reclamation's list; readers may still be reading s[1..]).  It was a 16-byte header in front
+ * of the hashes: a 512-block array asked 4,112 bytes and jemalloc gave 5,120.  Growing copies
+ * s[1..hw) into a new array and publishes it.  Writers read a position through idx_run_hash().
  */
-struct idx_seqs {
-	uint32_t cap;
-	uint32_t id;                /* the run's block-locator id (0: none yet), writers' */
-	struct idx_seqs *next_free; /* retire-list link */
-	uint64_t s[];
-};
 
 /*
  * A run's holders, sorted by slot: e[i] = (slot << 32 | cut), one atomic word each, where the
@@ -83,11 +86,12 @@ static inline uint64_t idx_bytes_hset(uint32_t cap)
  * parent and off with one word, and load len and seqs with one acquire.  Use the accessors.
  */
 struct idx_run {
-	uint64_t first;      /* seqs[0]: the table key readers check */
+	uint64_t first;      /* position 0's hash: the table key readers check */
 	uint64_t po;         /* parent | off << 48 (off <= IDX_RUN_MAX); immutable */
 	uint64_t sl;         /* seqs | len << 48: seqs is &first (a one-block run, no allocation) or
-	                      * idx_seqs.s; positions [0, len) are in the tree.  Readers: acquire load;
-	                      * writers: release stores (idx_run_set_len / idx_run_set_seqs) */
+	                      * the run's array (s[0]: its header word, readers skip it); positions
+	                      * [0, len) are in the tree.  Readers: acquire load; writers: release
+	                      * stores (idx_run_set_len / idx_run_set_seqs) */
 	struct idx_hset *hs; /* holders when two or more; else the single holder's record | 1
 	                      * (writers' use only), or NULL when none, and readers use: */
 	uint64_t h1;         /* the single holder's word (slot << 32 | cut); 0 when none (slot
@@ -226,33 +230,34 @@ static inline bool idx_seqs_inline(const struct idx_run *r)
 	return idx_run_seqs(r) == &r->first;
 }
 
-static inline struct idx_seqs *idx_seqs_hdr(uint64_t *s)
+/* The capacity of an array whose header word is w. */
+static inline uint32_t idx_seqs_wcap(uint64_t w)
 {
-	return (struct idx_seqs *)(void *)((char *)s - offsetof(struct idx_seqs, s));
+	return (uint32_t)idx_hi(w);
 }
 
 static inline uint32_t idx_run_cap(const struct idx_run *r)
 {
-	return idx_seqs_inline(r) ? 1 : idx_seqs_hdr(idx_run_seqs(r))->cap;
+	return idx_seqs_inline(r) ? 1 : idx_seqs_wcap(idx_run_seqs(r)[0]);
 }
 
 /* The run's number in the block locator (core/index_blocks.c), 0 while it has none: a run gets
  * one when it grows past one position, by then its hashes have their own array, whose header
- * keeps the id (the run header does not pay 8 bytes for it). */
+ * word keeps the id (the run header does not pay 8 bytes for it). */
 static inline uint32_t idx_run_id(const struct idx_run *r)
 {
-	return idx_seqs_inline(r) ? 0 : idx_seqs_hdr(idx_run_seqs(r))->id;
+	return idx_seqs_inline(r) ? 0 : (uint32_t)idx_lo_ptr(idx_run_seqs(r)[0]);
 }
 
 /* Sets it (r has its own array; id < 2^IDX_ID_BITS, 0: none). */
 static inline void idx_run_set_id(struct idx_run *r, uint32_t id)
 {
-	idx_seqs_hdr(idx_run_seqs(r))->id = id;
+	uint64_t *s = idx_run_seqs(r);
+	s[0] = idx_hi(s[0]) << IDX_HI_SHIFT | id;
 }
 
-/* Writers: the sequence hash at position p < hw.  Position 0's is r->first: a writer never
- * reads s[0] of a run's own array as a hash (it is being given over to the array's header
- * word, so that an array of 2^k hashes is 2^k words). */
+/* Writers: the sequence hash at position p < hw.  Position 0's is r->first: s[0] of a run's
+ * own array is its header word, never a hash. */
 static inline uint64_t idx_run_hash(const struct idx_run *r, uint32_t p)
 {
 	return p ? idx_run_seqs(r)[p] : r->first;
@@ -365,7 +370,7 @@ struct idx_xmap {
 /* Objects retired by writers; freed together after one grace period. */
 struct idx_retire {
 	struct idx_run *runs;
-	struct idx_seqs *seqs;
+	uint64_t *seqs; /* hash arrays, linked through their header words */
 	struct idx_hset *sets;
 	struct idx_tab *tabs;
 	uint32_t n; /* objects on the lists */
@@ -520,7 +525,18 @@ static inline uint64_t idx_bytes_tab(uint64_t cap)
 
 static inline uint64_t idx_bytes_seqs(uint32_t cap)
 {
-	return sizeof(struct idx_seqs) + (uint64_t)cap * sizeof(uint64_t);
+	return (uint64_t)cap * sizeof(uint64_t);
+}
+
+/* The capacity to allocate for at least want (> 1) positions: the allocator's size class of
+ * want words, so the array fills its allocation exactly (growth steps land on classes: 2, 4,
+ * 6, 8, 10, 12, 14, 16, 20, 24, ... words with jemalloc; want itself without it). */
+static inline uint32_t idx_seqs_cap(uint64_t want)
+{
+	if (want >= IDX_RUN_MAX)
+		return IDX_RUN_MAX;
+	const uint64_t c = (uint64_t)idx_real(idx_bytes_seqs((uint32_t)want)) / sizeof(uint64_t);
+	return c < want ? (uint32_t)want : c > IDX_RUN_MAX ? IDX_RUN_MAX : (uint32_t)c;
 }
 
 /*

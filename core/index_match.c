@@ -228,8 +228,8 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 			hn = hs->n;
 		}
 		size_t m = len < n - q ? len : n - q, k;
-		if (m == 0) {
-			k = 0;
+		if (m <= 1) {
+			k = m; /* position 0 matched: R was found by it (s[0] is not a hash) */
 		} else if (sq[m - 1] == seq[q + m - 1]) {
 			k = m; /* one comparison at the far end */
 		} else {

@@ -20,14 +20,15 @@
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-/* Retires r's sequence array if it has its own allocation. */
+/* Retires r's sequence array if it has its own allocation: its header word (which readers
+ * never read) becomes the retire-list link, next to the capacity. */
 static void seqs_retire(struct kvr_index *idx, struct idx_run *r)
 {
 	if (idx_seqs_inline(r))
 		return;
-	struct idx_seqs *q = idx_seqs_hdr(idx_run_seqs(r));
-	q->next_free = idx->rt.seqs;
-	idx->rt.seqs = q;
+	uint64_t *s = idx_run_seqs(r);
+	s[0] = idx_set_lo(s[0], idx->rt.seqs);
+	idx->rt.seqs = s;
 	idx->rt.n++;
 }
 
@@ -46,21 +47,20 @@ struct idx_run *kvr_index_run_new(struct kvr_index *idx, struct idx_run *parent,
 	if (!r)
 		return NULL;
 	memset(r, 0, sizeof(*r));
-	struct idx_seqs *q = NULL;
+	uint64_t *q = NULL;
+	if (cap > 1)
+		cap = idx_seqs_cap(cap);
 	if ((cap > 1 && !(q = kvr_alloc(idx_bytes_seqs(cap)))) ||
-	    ((uintptr_t)r & ~IDX_PTR_MASK) || /* NEVER: user space is below 2^48 */
-	    ((uintptr_t)r & 7) != 0) {        /* NEVER: malloc aligns to 8 */
+	    (((uintptr_t)r | (uintptr_t)q) & ~IDX_PTR_MASK) || /* NEVER: user space < 2^48 */
+	    ((uintptr_t)r & 7) != 0) {                         /* NEVER: malloc aligns to 8 */
 		kvr_free(q, q ? idx_bytes_seqs(cap) : 0);
 		kvr_free(r, sizeof(*r));
 		return NULL;
 	}
 	r->first = first;
 	if (q) {
-		q->cap = cap;
-		q->id = 0;
-		q->next_free = NULL;
-		q->s[0] = first;
-		r->sl = (uint64_t)(uintptr_t)q->s;
+		q[0] = (uint64_t)cap << IDX_HI_SHIFT; /* header word: no locator id yet */
+		r->sl = (uint64_t)(uintptr_t)q;
 	} else {
 		r->sl = (uint64_t)(uintptr_t)&r->first;
 	}
@@ -76,7 +76,7 @@ void kvr_index_run_free(struct kvr_index *idx, struct idx_run *r)
 	idx_count(&idx->bytes_shared, -(int64_t)run_bytes(r));
 	kvr_index_blk_id_free(idx, r);
 	if (!idx_seqs_inline(r))
-		kvr_free(idx_seqs_hdr(idx_run_seqs(r)), idx_bytes_seqs(idx_run_cap(r)));
+		kvr_free(idx_run_seqs(r), idx_bytes_seqs(idx_run_cap(r)));
 	kvr_free(r, sizeof(*r));
 }
 
@@ -90,20 +90,21 @@ __attribute__((noinline)) int kvr_index_run_grow_slow(struct kvr_index *idx, str
 	uint64_t cap = (uint64_t)hw + (more > 1 ? more : 1);
 	if (cap < (uint64_t)hw + hw / 4 + 1) /* geometric: amortised O(1) per block */
 		cap = (uint64_t)hw + hw / 4 + 1;
-	if (cap > IDX_RUN_MAX)
-		cap = IDX_RUN_MAX;
-	struct idx_seqs *q = kvr_alloc(idx_bytes_seqs((uint32_t)cap));
+	const uint32_t ncap = idx_seqs_cap(cap);
+	uint64_t *q = kvr_alloc(idx_bytes_seqs(ncap));
 	if (!q)
 		return KVR_ENOMEM;
-	q->cap = (uint32_t)cap;
-	q->id = idx_run_id(r);
-	q->next_free = NULL;
-	memcpy(q->s, idx_run_seqs(r), (size_t)hw * sizeof(uint64_t));
-	idx_count(&idx->bytes_shared, idx_real(idx_bytes_seqs(q->cap)));
+	if ((uintptr_t)q & ~IDX_PTR_MASK) { /* NEVER: user space is below 2^48 */
+		kvr_free(q, idx_bytes_seqs(ncap));
+		return KVR_ENOMEM;
+	}
+	q[0] = (uint64_t)ncap << IDX_HI_SHIFT | idx_run_id(r);
+	memcpy(q + 1, idx_run_seqs(r) + 1, (size_t)(hw - 1) * sizeof(uint64_t));
+	idx_count(&idx->bytes_shared, idx_real(idx_bytes_seqs(ncap)));
 	seqs_retire(idx, r);
 	/* Ordering: release (idx_run_set_seqs); pairs with the acquire load of sl in
 	 * find_matches: a len covering new positions is stored after this publish. */
-	idx_run_set_seqs(r, q->s);
+	idx_run_set_seqs(r, q);
 	return 0;
 }
 

@@ -903,3 +903,58 @@ Test(index, many_holders_every_intersection_path)
 		}
 	}
 }
+
+/* A run's hash array is a size class exactly (its header word is s[0], position 0's hash is the
+ * run's first): a chain stored one block at a time grows its array through every class step
+ * (2, 4, 6, 8, 10, ... words) and stays matchable at every length, including overlaps of one
+ * block (which find_matches credits without reading s[0]); a fork entered with one block of
+ * overlap scores it; a 512-block chain of one holder costs at most 16 bytes per block. */
+Test(index, hash_arrays_grow_through_size_classes)
+{
+	enum { N = 300 };
+	uint32_t r0, r1;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	kvr_index_rank_add(idx, 2, 0, &r1);
+	struct kvr_index_block b[N];
+	uint64_t q[N + 1];
+	chain(b, N, 1000, 7);
+	for (size_t i = 0; i < N; i++)
+		q[i] = 7 + i;
+	q[N] = 99999;
+	for (size_t i = 0; i < N; i++) {
+		cr_assert_eq(kvr_index_store(idx, r0, i ? &b[i - 1].ext_hash : NULL, &b[i], 1), 0);
+		cr_assert_eq(score_of(q, i + 1, r0), (int)(i + 1));
+		cr_assert_eq(score_of(q, 1, r0), 1);
+		cr_assert_eq(score_of(q, i + 2, r0), (int)(i + 1));
+	}
+	uint64_t miss[2] = {7, 12345};
+	cr_assert_eq(score_of(miss, 2, r0), 1);
+	/* r1 forks below position 4 (blocks 7..11, then 500, 501): entered with one block. */
+	struct kvr_index_block f[7];
+	chain(f, 5, 1000, 7);
+	chain(f + 5, 2, 5000, 500);
+	cr_assert_eq(kvr_index_store(idx, r1, NULL, f, 7), 0);
+	uint64_t qf[6] = {7, 8, 9, 10, 11, 500};
+	cr_assert_eq(score_of(qf, 6, r1), 6);
+	cr_assert_eq(score_of(qf, 6, r0), 5);
+	uint64_t qf2[7] = {7, 8, 9, 10, 11, 500, 501};
+	cr_assert_eq(score_of(qf2, 7, r1), 7);
+	/* Memory of 64 chains of 512 blocks of one holder, in a fresh index (what the issue's
+	 * target counts: bench_index_runs' index_memory). */
+	kvr_index_destroy(idx);
+	cr_assert_eq(kvr_index_create(64, &idx), 0);
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	const uint64_t mem0 = kvr_index_memory_bytes(idx);
+	struct kvr_index_block c[512];
+	uint64_t loc[512], sq[512];
+	for (uint64_t k = 0; k < 64; k++) {
+		for (size_t i = 0; i < 512; i++)
+			loc[i] = ((k + 1) << 20) + i;
+		kvr_hash_chain_locals(NULL, loc, 512, sq);
+		for (size_t i = 0; i < 512; i++) /* ext = seq: no per-rank ext maps */
+			c[i] = (struct kvr_index_block){.ext_hash = sq[i], .local_hash = loc[i]};
+		cr_assert_eq(kvr_index_store(idx, r0, NULL, c, 512), 0);
+	}
+	const uint64_t mem = kvr_index_memory_bytes(idx) - mem0;
+	cr_assert_leq(mem, 16 * 64 * 512, "%.2f bytes per held block", (double)mem / (64 * 512));
+}
