@@ -58,15 +58,18 @@
  * Context: every function here runs under the index's writer mutex (or in create / destroy).
  */
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #include "core/alloc.h"
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-#define BLK_MIN    64
-#define BLK_EMPTY  0u
-#define BLK_TOMB   1u
-#define BLK_ID_MAX ((1u << IDX_ID_BITS) - 1)
+#define BLK_MIN     64u /* slots */
+#define BLK_EMPTY   0u  /* no live entry is 0: ids start at 1 */
+#define BLK_ID_MAX  ((1u << IDX_ID_BITS) - 1)
+#define BLK_OVF_MAX 255u /* an overflow count this high stays (never decremented) */
 
 uint64_t kvr_index_blk_step_min = 2;
 uint64_t kvr_index_blk_grow_at = 850;
@@ -89,6 +92,37 @@ static inline uint32_t blk_ent(uint64_t seq, uint32_t id)
 static inline bool dir_live(const struct idx_run *r)
 {
 	return !((uintptr_t)r & 1);
+}
+
+/* The overflow bytes of an array of cap slots (after the entries). */
+static inline uint8_t *blk_ovf(uint32_t *e, uint64_t cap)
+{
+	return (uint8_t *)(e + cap);
+}
+
+/* Bit j set: slot j of chunk c has (entry & mask) == v. */
+static inline uint32_t chunk_eq(const uint32_t *c, uint32_t mask, uint32_t v)
+{
+	uint32_t bits = 0;
+#ifdef __SSE2__
+	const __m128i m = _mm_set1_epi32((int)mask), t = _mm_set1_epi32((int)v);
+	for (uint32_t k = 0; k < IDX_BLK_CH / 4; k++) {
+		__m128i x = _mm_loadu_si128((const __m128i *)(const void *)(c + 4 * k));
+		__m128i eq = _mm_cmpeq_epi32(_mm_and_si128(x, m), t);
+		bits |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(eq)) << (4 * k);
+	}
+#else
+	for (uint32_t j = 0; j < IDX_BLK_CH; j++)
+		bits |= (uint32_t)((c[j] & mask) == v) << j;
+#endif
+	return bits;
+}
+
+/* The slots of chunk c whose entry has tag (a candidate run each). */
+static inline uint32_t chunk_tag(const uint32_t *c, uint32_t tag)
+{
+	const uint32_t m = chunk_eq(c, 63, tag);
+	return tag ? m : m & ~chunk_eq(c, ~0u, BLK_EMPTY);
 }
 
 /* The position of seq in r, in [1, hw) (position 0 is only in the run table, and s[0] of a
@@ -150,25 +184,31 @@ static inline bool in_old(const struct idx_blocks *b, uint32_t id)
 	return b->old_e && (b->zeroed < b->cap || (id >= b->mig && id < b->mig_end));
 }
 
-static bool find_in(const struct idx_blocks *b, const uint32_t *e, uint64_t cap, bool old,
-                    uint64_t seq, const struct idx_run *hr, uint32_t hp, struct idx_run **r,
-                    uint32_t *pos)
+static bool find_in(const struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, uint64_t seq,
+                    const struct idx_run *hr, uint32_t hp, struct idx_run **r, uint32_t *pos)
 {
 	const uint32_t tag = blk_tag(seq);
-	for (uint64_t i = idx_blk_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
-		uint32_t v = e[i];
-		if (v == BLK_EMPTY)
-			return false;
-		if ((v & 63) != tag || v == BLK_TOMB)
-			continue;
-		if (old && !in_old(b, v >> 6))
-			continue; /* a migrated run's stale entry (its id may be free or reused) */
-		struct idx_run *c = b->dir[v >> 6];
-		if (pos_in(c, seq, hr, hp, pos)) {
-			*r = c;
-			return true;
+	const uint64_t nch = cap / IDX_BLK_CH;
+	const uint8_t *ovf = blk_ovf(e, cap);
+	uint64_t c = idx_blk_home(seq, nch);
+	for (uint64_t n = 0; n < nch; n++) {
+		const uint32_t *ch = e + c * IDX_BLK_CH;
+		for (uint32_t m = chunk_tag(ch, tag); m; m &= m - 1) {
+			const uint32_t v = ch[__builtin_ctz(m)];
+			if (old && !in_old(b, v >> 6))
+				continue; /* a migrated run's stale entry (its id may be free or
+				             reused) */
+			struct idx_run *cr = b->dir[v >> 6];
+			if (pos_in(cr, seq, hr, hp, pos)) {
+				*r = cr;
+				return true;
+			}
 		}
+		if (ovf[c] == 0)
+			return false; /* no entry homed at or before c was placed past it */
+		c = c + 1 == nch ? 0 : c + 1;
 	}
+	return false;
 }
 
 bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
@@ -183,27 +223,60 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 	return b->old_e && find_in(b, b->old_e, b->old_cap, true, seq, hr, hp, r, pos);
 }
 
-/* Inserts entry v for seq into e (cap slots, one free at least), counting it. */
-static void put(uint32_t *e, uint64_t cap, uint64_t *count, uint64_t *tombs, uint64_t seq,
-                uint32_t v)
+/* Puts entry v for seq into e (cap slots, one free at least): the first empty slot of the first
+ * chunk from seq's home that has one, counting the chunks passed as overflowed. */
+static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
 {
-	uint64_t i = idx_blk_home(seq, cap);
-	while (e[i] > BLK_TOMB)
-		i = i + 1 == cap ? 0 : i + 1;
-	if (e[i] == BLK_TOMB)
-		(*tombs)--;
-	e[i] = v;
-	(*count)++;
+	const uint64_t nch = cap / IDX_BLK_CH;
+	uint8_t *ovf = blk_ovf(e, cap);
+	for (uint64_t c = idx_blk_home(seq, nch);; c = c + 1 == nch ? 0 : c + 1) {
+		uint32_t *ch = e + c * IDX_BLK_CH;
+		const uint32_t m = chunk_eq(ch, ~0u, BLK_EMPTY);
+		if (m) {
+			ch[__builtin_ctz(m)] = v;
+			return;
+		}
+		if (ovf[c] < BLK_OVF_MAX)
+			ovf[c]++;
+	}
+}
+
+/* Empties the first slot holding v on seq's walk in e and uncounts the chunks the walk passed.
+ * Returns false if there is none (NEVER: the locator holds every position below hw).
+ * Two blocks of one run with equal tags have equal entries, so this may empty the other one's
+ * slot (nearer the home than its own); dropping the run deletes both, and the overflow counts
+ * come out exact when the walks do not wrap around the whole array, too high (lookups walk a
+ * little further, harmless) when they do: a walk never passes the first equal entry, so no
+ * count ends below what the entries left need. */
+static bool del(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
+{
+	const uint64_t nch = cap / IDX_BLK_CH, home = idx_blk_home(seq, nch);
+	uint8_t *ovf = blk_ovf(e, cap);
+	uint64_t c = home;
+	for (uint64_t n = 0;; n++, c = c + 1 == nch ? 0 : c + 1) {
+		if (n == nch)
+			return false;
+		uint32_t *ch = e + c * IDX_BLK_CH;
+		const uint32_t m = chunk_eq(ch, ~0u, v);
+		if (m) {
+			ch[__builtin_ctz(m)] = BLK_EMPTY;
+			break;
+		}
+	}
+	for (uint64_t d = home; d != c; d = d + 1 == nch ? 0 : d + 1)
+		if (ovf[d] < BLK_OVF_MAX)
+			ovf[d]--;
+	return true;
 }
 
 /* Ends a migration: the old array holds no live entry any more. */
 static void mig_done(struct kvr_index *idx)
 {
 	struct idx_blocks *b = &idx->blk;
-	kvr_free(b->old_e, b->old_cap * sizeof(uint32_t));
-	idx_count(&idx->bytes_shared, -idx_real(b->old_cap * sizeof(uint32_t)));
+	kvr_free(b->old_e, idx_blk_bytes(b->old_cap));
+	idx_count(&idx->bytes_shared, -idx_real(idx_blk_bytes(b->old_cap)));
 	b->old_e = NULL;
-	b->old_cap = b->old_count = b->old_tombs = b->mig_step = 0;
+	b->old_cap = b->old_count = b->old_used = b->mig_step = 0;
 	b->mig_credit = 0;
 	b->mig = b->mig_end = 0;
 }
@@ -226,14 +299,16 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 			if (n > BLK_ZERO)
 				n = BLK_ZERO;
 			if (n > b->cap - b->zeroed)
-				n = b->cap - b->zeroed;
+				n = b->cap - b->zeroed; /* all multiples of IDX_BLK_CH */
 			memset(b->e + b->zeroed, 0, n * sizeof(uint32_t));
+			memset(blk_ovf(b->e, b->cap) + b->zeroed / IDX_BLK_CH, 0, n / IDX_BLK_CH);
 			b->zeroed += n;
 			b->mig_credit -= (int64_t)(n / BLK_ZERO_UNIT) + 1;
 			continue;
 		}
-		if (b->mig >= b->mig_end || b->mig >= b->dir_cap) {
-			mig_done(idx); /* ids past dir_cap have no run, hence no entry */
+		if (b->old_count == 0 || b->mig >= b->mig_end || b->mig >= b->dir_cap) {
+			/* No run left with entries there (ids past dir_cap have no run). */
+			mig_done(idx);
 			return;
 		}
 		if (b->mig_credit <= 0)
@@ -245,8 +320,9 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 		if (hw > 1) {
 			const uint64_t *s = idx_run_seqs(r);
 			for (uint32_t p = 1; p < hw; p++)
-				put(b->e, b->cap, &b->count, &b->tombs, s[p], blk_ent(s[p], id));
-			b->old_count -= hw - 1u;
+				put(b->e, b->cap, s[p], blk_ent(s[p], id));
+			b->count += hw - 1u;
+			b->old_count -= hw - 1u; /* their slots there stay used, stale */
 			w += hw - 1;
 		}
 		b->mig = id + 1; /* its old entries are stale from here */
@@ -254,38 +330,42 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 	}
 }
 
-/* Replaces the entry array by an empty one of cap slots and starts zeroing it, then moving the
- * entries into it, a bounded slice per locator call, so that no call does O(table) work.  Returns 0
- * or KVR_ENOMEM (unchanged).  Context: not migrating. */
+/* Replaces the entry array by an empty one of cap slots at least (as many chunks as the
+ * allocator's size class holds) and starts zeroing it, then moving the entries into it, a
+ * bounded slice per locator call, so that no call does O(table) work.  Returns 0 or KVR_ENOMEM
+ * (unchanged).  Context: not migrating. */
 static int mig_start(struct kvr_index *idx, uint64_t cap)
 {
 	struct idx_blocks *b = &idx->blk;
-	uint32_t *e = kvr_alloc(cap * sizeof(uint32_t));
+	uint64_t nch = (cap + IDX_BLK_CH - 1) / IDX_BLK_CH;
+	nch = kvr_alloc_real_size(idx_blk_bytes(nch * IDX_BLK_CH)) / idx_blk_bytes(IDX_BLK_CH);
+	cap = nch * IDX_BLK_CH;
+	uint32_t *e = kvr_alloc(idx_blk_bytes(cap));
 	if (!e)
 		return KVR_ENOMEM;
-	idx_count(&idx->bytes_shared, idx_real(cap * sizeof(uint32_t)));
+	idx_count(&idx->bytes_shared, idx_real(idx_blk_bytes(cap)));
 	if (!b->e) {
-		memset(e, 0, cap * sizeof(uint32_t));
+		memset(e, 0, idx_blk_bytes(cap));
 	} else {
+		b->rebuilds++;
 		b->old_e = b->e;
 		b->old_cap = b->cap;
-		b->old_count = b->count;
-		b->old_tombs = b->tombs;
+		b->old_count = b->old_used = b->count;
 		b->mig = 1;
 		b->mig_end = b->dir_cap;
 		/* Size the slice so that the migration ends before the inserts that still go to
 		 * the old array could take it past load 0.9 (the hard limit below): each insert
 		 * may go there and add a unit to move, so (ids + entries) / (inserts allowed) + 1
 		 * per insert, the least slice on top. */
-		uint64_t lim = b->old_cap * 9 / 10, used = b->old_count + b->old_tombs;
-		uint64_t slack = lim > used ? lim - used : 1;
+		uint64_t lim = b->old_cap * 9 / 10;
+		uint64_t slack = lim > b->old_used ? lim - b->old_used : 1;
 		b->mig_step = (cap / BLK_ZERO_UNIT + b->mig_end + b->old_count) / slack + 1 +
 		              kvr_index_blk_step_min;
 	}
 	b->e = e;
 	b->cap = cap;
 	b->zeroed = b->old_e ? 0 : cap;
-	b->count = b->tombs = 0;
+	b->count = 0;
 	mig_run(idx, b->mig_step); /* a small table moves at once */
 	return 0;
 }
@@ -296,10 +376,12 @@ void kvr_index_blk_unreserve(struct kvr_index *idx)
 	if (b->e && b->count == 0 && b->old_count == 0) {
 		if (b->old_e)
 			mig_done(idx);
-		kvr_free(b->e, b->cap * sizeof(uint32_t));
-		idx_count(&idx->bytes_shared, -idx_real(b->cap * sizeof(uint32_t)));
+		kvr_free(b->e, idx_blk_bytes(b->cap));
+		idx_count(&idx->bytes_shared, -idx_real(idx_blk_bytes(b->cap)));
 		b->e = NULL;
-		b->cap = b->tombs = 0;
+		b->cap = 0;
+	} else {
+		mig_run(idx, b->mig_step); /* a write that failed still moves its share */
 	}
 }
 
@@ -308,31 +390,23 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 	struct idx_blocks *b = &idx->blk;
 	if (b->old_e) {
 		mig_run(idx, b->mig_step * k);
-		if (b->old_e && (b->old_count + b->old_tombs + k) * 10 <= b->old_cap * 9 &&
-		    (b->count + b->tombs + b->old_count + k) * 1000 <=
-		        b->cap * kvr_index_blk_grow_at)
+		if (b->old_e && (b->old_used + k) * 10 <= b->old_cap * 9 &&
+		    (b->count + b->old_count + k) * 1000 <= b->cap * kvr_index_blk_grow_at)
 			return 0;
 		/* Past the hard limit (NEVER with k = 1: the slice is sized for it): the rest at
 		 * once.  Not migrating any more: check the array as a whole. */
 		mig_run(idx, UINT64_MAX);
 	}
-	uint64_t used = b->count + b->tombs + k;
-	if (b->e && used * 1000 <= b->cap * kvr_index_blk_grow_at)
+	const uint64_t need = b->count + k;
+	if (b->e && need * 1000 <= b->cap * kvr_index_blk_grow_at)
 		return 0;
-	uint64_t need = b->count + k, cap = b->cap;
-	if (need * 1000 > cap * kvr_index_blk_grow_at || !b->e) { /* grow 1.5x (or to load 0.6) */
-		cap = cap * 3 / 2;
-		if (cap * 3 < need * 5)
-			cap = need * 5 / 3 + 1;
-		if (cap < BLK_MIN)
-			cap = BLK_MIN;
-	} else if (cap * 3 < need * 5) {
-		/* Tombstones filled the table: purge them, at a size where the live entries are
-		 * at load 0.6, so steady insert / remove churn purges after 0.25 x cap deletions
-		 * (a purge at the same size came every few: O(table) each, 7.5 % of a churn
-		 * run's instructions). */
+	/* Grow 1.5x (or to load 0.6).  Deletions leave no tombstone, so this is the only
+	 * rebuild inserts cause: steady churn at a steady live count never rebuilds. */
+	uint64_t cap = b->cap * 3 / 2;
+	if (cap * 3 < need * 5)
 		cap = need * 5 / 3 + 1;
-	} /* else: purge tombstones at the same size */
+	if (cap < BLK_MIN)
+		cap = BLK_MIN;
 	return mig_start(idx, cap);
 }
 
@@ -340,26 +414,13 @@ void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_
 {
 	struct idx_blocks *b = &idx->blk;
 	const uint32_t id = idx_run_id(r);
-	if (in_old(b, id))
-		put(b->old_e, b->old_cap, &b->old_count, &b->old_tombs, seq, blk_ent(seq, id));
-	else
-		put(b->e, b->cap, &b->count, &b->tombs, seq, blk_ent(seq, id));
-}
-
-/* Empties slot i of e: a tombstone, unless the next slot is empty, in which case no probe can
- * need to pass i (nor the tombstones just before it, which are emptied too). */
-static void kill(uint32_t *e, uint64_t cap, uint64_t *tombs, uint64_t i)
-{
-	uint64_t next = i + 1 == cap ? 0 : i + 1;
-	if (e[next] != BLK_EMPTY) {
-		e[i] = BLK_TOMB;
-		(*tombs)++;
-		return;
-	}
-	e[i] = BLK_EMPTY;
-	for (uint64_t j = i ? i - 1 : cap - 1; e[j] == BLK_TOMB; j = j ? j - 1 : cap - 1) {
-		e[j] = BLK_EMPTY;
-		(*tombs)--;
+	if (in_old(b, id)) {
+		put(b->old_e, b->old_cap, seq, blk_ent(seq, id));
+		b->old_count++;
+		b->old_used++;
+	} else {
+		put(b->e, b->cap, seq, blk_ent(seq, id));
+		b->count++;
 	}
 }
 
@@ -369,41 +430,32 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 	const uint32_t id = idx_run_id(r);
 	if (id == 0)
 		return; /* one position ever: nothing here */
+	const uint32_t hw = idx_run_hw(r);
+	/* A migration moves its share per entry deleted too, so that deletions alone (a shrink,
+	 * an index being emptied) finish it: the call's work stays O(its run). */
 	if (b->old_e)
-		mig_run(idx, b->mig_step);
+		mig_run(idx, b->mig_step * hw);
 	/* All of r's entries are in one array: the old one iff r is not migrated yet. */
 	const bool old = in_old(b, id);
 	uint32_t *e = old ? b->old_e : b->e;
 	const uint64_t cap = old ? b->old_cap : b->cap;
-	uint64_t *count = old ? &b->old_count : &b->count, *tombs = old ? &b->old_tombs : &b->tombs;
 	const uint64_t *s = idx_run_seqs(r);
-	for (uint32_t p = 1, hw = idx_run_hw(r); p < hw; p++) {
-		const uint64_t seq = s[p];
-		const uint32_t want = blk_ent(seq, id);
-		for (uint64_t i = idx_blk_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
-			uint32_t v = e[i];
-			if (v == BLK_EMPTY)
-				break; /* NEVER: the locator holds every position below hw */
-			if (v == want) {
-				(*count)--;
-				kill(e, cap, tombs, i);
-				break;
-			}
-		}
+	uint64_t n = 0;
+	for (uint32_t p = 1; p < hw; p++)
+		n += del(e, cap, s[p], blk_ent(s[p], id));
+	if (old) {
+		b->old_count -= n;
+		b->old_used -= n;
+	} else {
+		b->count -= n;
 	}
 	kvr_index_blk_id_free(idx, r);
 	/* Give memory back after mass removal; keep the old array if the new one fails.  While
 	 * migrating, the next check after the migration decides. */
-	if (b->count == 0 && b->old_count == 0) {
+	if (b->count == 0 && b->old_count == 0)
 		kvr_index_blk_unreserve(idx);
-	} else if (b->old_e) {
-		return;
-	} else if (b->cap > BLK_MIN && b->count * 8 < b->cap) {
+	else if (!b->old_e && b->cap > BLK_MIN && b->count * 8 < b->cap)
 		(void)mig_start(idx, b->count * 5 / 3 + BLK_MIN);
-	} else if (b->tombs * 4 > b->cap) {
-		uint64_t cap = b->count * 5 / 3 + 1; /* as in kvr_index_blk_reserve */
-		(void)mig_start(idx, cap > b->cap ? cap : b->cap);
-	}
 }
 
 int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
@@ -468,8 +520,8 @@ void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r)
 void kvr_index_blk_fini(struct kvr_index *idx)
 {
 	struct idx_blocks *b = &idx->blk;
-	kvr_free(b->e, b->cap * sizeof(uint32_t));
-	kvr_free(b->old_e, b->old_cap * sizeof(uint32_t));
+	kvr_free(b->e, idx_blk_bytes(b->cap));
+	kvr_free(b->old_e, idx_blk_bytes(b->old_cap));
 	kvr_free(b->dir, (size_t)b->dir_cap * sizeof(*b->dir));
 	memset(b, 0, sizeof(*b));
 }

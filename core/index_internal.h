@@ -397,28 +397,40 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 /*
  * Block locator (writers only, under wlock; core/index_blocks.c): every position [1, hw) of
  * every live run, keyed by its sequence hash (position 0: the run table).  An entry is 32 bits: run
- * id << 6 | 6 tag bits; 0 = empty, 1 = deleted.  The position is not stored: the writer finds it in
- * the run's hashes (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is the run.
+ * id << 6 | 6 tag bits; 0 = empty.  Entries sit in chunks of IDX_BLK_CH (one 64-byte line), and
+ * one overflow byte per chunk follows the entries.  The position is not stored: the writer finds
+ * it in the run's hashes (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is
+ * the run.
  */
 #define IDX_ID_BITS 26
+#define IDX_BLK_CH  16u
 
-/* The home slot of seq in a locator of cap slots (fastrange of the hash's high half). */
+/* The home slot of seq in a locator of cap slots (fastrange of the hash's high half); also the
+ * home chunk with cap = the number of chunks (the same chunk as the home slot's). */
 static inline uint64_t idx_blk_home(uint64_t seq, uint64_t cap)
 {
 	return ((seq >> 32) * cap) >> 32;
 }
 
+/* Bytes of a locator array of cap slots: the entries, then one overflow byte per chunk. */
+static inline uint64_t idx_blk_bytes(uint64_t cap)
+{
+	return cap * sizeof(uint32_t) + cap / IDX_BLK_CH;
+}
+
 struct idx_blocks {
 	uint32_t *e; /* the entries (while migrating: the new array) */
-	uint64_t cap, count, tombs;
-	/* While a purge / resize migrates (old_e != NULL): the runs with ids [mig, mig_end) still
-	 * have their entries in old_e (old_count of them, exact); every other id's are in e. */
+	uint64_t cap, count;
+	/* While a resize migrates (old_e != NULL): the runs with ids [mig, mig_end) still have
+	 * their entries in old_e (old_count of them, exact); every other id's are in e.  old_used:
+	 * old_e's occupied slots (old_count and the stale entries of the runs moved out). */
 	uint32_t *old_e;
-	uint64_t old_cap, old_count, old_tombs;
+	uint64_t old_cap, old_count, old_used;
 	uint64_t zeroed;    /* slots of e zeroed: while fewer than cap, e is not in use yet */
 	uint64_t mig_step;  /* work units (ids + positions) moved per locator call */
 	int64_t mig_credit; /* units paid for and not spent yet (< 0: spent ahead) */
 	uint32_t mig, mig_end;
+	uint64_t rebuilds;    /* migrations started (growth and shrink; never a purge) */
 	struct idx_run **dir; /* id -> run; a free id holds (next free id << 1 | 1) */
 	uint32_t dir_cap;     /* ids 1..dir_cap-1 exist (0 is never used) */
 	uint32_t dir_free;    /* first free id, 0 = none */

@@ -326,15 +326,14 @@ static void bench_memory(size_t len, int holders, int np)
 		if (idx->seg[i].tab)
 			tab += kvr_alloc_real_size_aligned(idx_bytes_tab(idx->seg[i].tab->cap));
 	const struct idx_blocks *b = &idx->blk;
-	const uint64_t loc = kvr_alloc_real_size(b->cap * 4),
-	               old = kvr_alloc_real_size(b->old_cap * 4),
+	const uint64_t loc = kvr_alloc_real_size(idx_blk_bytes(b->cap)),
+	               old = kvr_alloc_real_size(idx_blk_bytes(b->old_cap)),
 	               dir = kvr_alloc_real_size((size_t)b->dir_cap * 8);
 	const double h = (double)held;
 	printf("# where: run_table=%.2f locator=%.2f (load %.2f) locator_old=%.2f locator_dir=%.2f "
 	       "runs_hashes_holders=%.2f\n",
-	       (double)tab / h, (double)loc / h,
-	       b->cap ? (double)(b->count + b->tombs) / (double)b->cap : 0.0, (double)old / h,
-	       (double)dir / h, (double)(mem1 - mem0 - tab - loc - old - dir) / h);
+	       (double)tab / h, (double)loc / h, b->cap ? (double)b->count / (double)b->cap : 0.0,
+	       (double)old / h, (double)dir / h, (double)(mem1 - mem0 - tab - loc - old - dir) / h);
 	fflush(stdout);
 	kvr_index_destroy(idx);
 }
@@ -548,7 +547,7 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char
 	}
 	uint64_t t_all = 0, loc = 0;
 	for (int a = 0; a < adm; a++) {
-		loc += (idx->blk.cap + idx->blk.old_cap) * 4; /* the locator's arrays, sampled */
+		loc += idx_blk_bytes(idx->blk.cap) + idx_blk_bytes(idx->blk.old_cap); /* sampled */
 		const int r = a % CH_RANKS, k = (a / CH_RANKS) % CH_HELD;
 		struct kvr_index_block *h = &held[((size_t)k * CH_RANKS + (size_t)r) * CH_L];
 		make_path(&p, CH_L);

@@ -368,6 +368,11 @@ Test(index_diff, locator_migrating)
 {
 	cr_assert_eq(kvr_rcu_thread_online(), 0);
 	kvr_index_blk_step_min = 0;
+	const char *env = getenv("KVR_SEED");
+	if (env) {
+		run((unsigned)strtoul(env, NULL, 10), 20000);
+		return;
+	}
 	for (unsigned seed = 1; seed <= 12; seed++)
 		run(seed, 3000);
 	longc = true;

@@ -1,0 +1,155 @@
+/* The run index's block locator (core/index_blocks.c) under admission churn: deletions leave no
+ * tombstones, so a steady live count never rebuilds the locator, and every live position stays
+ * findable with exact counts through any number of insert / drop cycles. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/hash.h"
+#include "core/index.h"
+#include "core/index_internal.h"
+#include "kvrouter.h"
+#include "sync/rcu.h"
+
+enum { RANKS = 8, HELD = 24, L = 96, ADM = 4000 };
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+
+static uint64_t next(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return rng;
+}
+
+/* A prompt of L random blocks stored as the approximate modes do (ext hash = sequence hash). */
+static void make(struct kvr_index_block *b, uint64_t *seq)
+{
+	uint64_t local[L];
+	for (size_t i = 0; i < L; i++)
+		local[i] = next();
+	kvr_hash_chain_locals(NULL, local, L, seq);
+	for (size_t i = 0; i < L; i++)
+		b[i] = (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
+}
+
+/* Every position past the first of every held prompt is in the locator, at its run's position
+ * (the first is the run table's), and the locator counts exactly these. */
+static void check_all(const struct kvr_index *idx, const uint64_t *seqs, int a)
+{
+	for (int k = 0; k < RANKS * HELD; k++) {
+		const uint64_t *s = &seqs[(size_t)k * L];
+		for (uint32_t p = 1; p < L; p++) {
+			struct idx_run *r = NULL;
+			uint32_t pos = 0;
+			cr_assert(kvr_index_blk_find(idx, s[p], NULL, 0, &r, &pos),
+			          "admission %d prompt %d position %u not found", a, k, p);
+			cr_assert_eq(pos, p);
+			cr_assert_eq(idx_run_seqs(r)[pos], s[p]);
+		}
+	}
+	const struct idx_blocks *b = &idx->blk;
+	cr_assert_eq(b->count + b->old_count, (uint64_t)RANKS * HELD * (L - 1),
+	             "admission %d: the locator counts %lu entries", a,
+	             (unsigned long)(b->count + b->old_count));
+}
+
+/* Each admission evicts a rank's oldest prompt (one removal: the run dies and drops its
+ * entries) and stores a new one (one store: L - 1 inserts).  After the fill and one round of
+ * evictions (the locator's growth to the steady count), 4000 admissions delete 380,000 entries,
+ * over 20 times the locator's capacity: the old locator (tombstones) purged every 0.25 x cap
+ * deletions, this one must not rebuild at all. */
+Test(index_blocks, churn_at_steady_count_never_rebuilds)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	struct kvr_index *idx;
+	cr_assert_eq(kvr_index_create(64, &idx), 0);
+	uint32_t slot[RANKS];
+	for (uint32_t r = 0; r < RANKS; r++)
+		cr_assert_eq(kvr_index_rank_add(idx, 100 + r, 0, &slot[r]), 0);
+	struct kvr_index_block *held = malloc(sizeof(*held) * RANKS * HELD * L);
+	uint64_t *seqs = malloc(sizeof(*seqs) * RANKS * HELD * L);
+	cr_assert(held && seqs);
+	for (int k = 0; k < RANKS * HELD; k++) {
+		make(&held[(size_t)k * L], &seqs[(size_t)k * L]);
+		cr_assert_eq(kvr_index_store(idx, slot[k % RANKS], NULL, &held[(size_t)k * L], L),
+		             0);
+	}
+	uint64_t rebuilds = 0;
+	for (int a = 0; a < RANKS * HELD + ADM; a++) {
+		if (a == RANKS * HELD) { /* every prompt replaced once: the steady state */
+			check_all(idx, seqs, a);
+			rebuilds = idx->blk.rebuilds;
+		}
+		const int k = a % (RANKS * HELD);
+		struct kvr_index_block *h = &held[(size_t)k * L];
+		uint64_t ext[L];
+		for (size_t j = 0; j < L; j++)
+			ext[j] = h[j].ext_hash;
+		size_t nf = 1;
+		cr_assert_eq(kvr_index_remove(idx, slot[k % RANKS], ext, L, &nf), 0);
+		cr_assert_eq(nf, 0, "admission %d: an evicted block was not found", a);
+		make(h, &seqs[(size_t)k * L]);
+		cr_assert_eq(kvr_index_store(idx, slot[k % RANKS], NULL, h, L), 0);
+		if (a % 997 == 0)
+			check_all(idx, seqs, a);
+	}
+	check_all(idx, seqs, -1);
+	cr_assert_eq(idx->blk.rebuilds, rebuilds, "%lu rebuilds at a steady live count",
+	             (unsigned long)(idx->blk.rebuilds - rebuilds));
+	cr_assert_null(idx->blk.old_e, "no migration left running");
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.nodes, (uint64_t)RANKS * HELD * L);
+	kvr_index_destroy(idx);
+	free(held);
+	free(seqs);
+}
+
+/* Shrinking is the other rebuild: evicting almost everything migrates to a smaller array, and
+ * evicting the rest gives the locator back. */
+Test(index_blocks, mass_removal_shrinks_then_frees)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	struct kvr_index *idx;
+	cr_assert_eq(kvr_index_create(64, &idx), 0);
+	uint32_t slot;
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &slot), 0);
+	enum { N = 256 };
+	struct kvr_index_block *held = malloc(sizeof(*held) * N * L);
+	uint64_t *seqs = malloc(sizeof(*seqs) * N * L);
+	cr_assert(held && seqs);
+	for (int k = 0; k < N; k++) {
+		make(&held[(size_t)k * L], &seqs[(size_t)k * L]);
+		cr_assert_eq(kvr_index_store(idx, slot, NULL, &held[(size_t)k * L], L), 0);
+	}
+	const uint64_t big = idx->blk.cap, r0 = idx->blk.rebuilds;
+	for (int k = 0; k < N; k++) {
+		uint64_t ext[L];
+		for (size_t j = 0; j < L; j++)
+			ext[j] = held[(size_t)k * L + j].ext_hash;
+		size_t nf = 1;
+		cr_assert_eq(kvr_index_remove(idx, slot, ext, L, &nf), 0);
+		cr_assert_eq(nf, 0);
+		if (k == N - 5) {
+			cr_assert_gt(idx->blk.rebuilds, r0, "no shrink");
+			cr_assert_lt(idx->blk.cap, big / 8, "cap %lu of %lu, count %lu old %p",
+			             (unsigned long)idx->blk.cap, (unsigned long)big,
+			             (unsigned long)idx->blk.count, (void *)idx->blk.old_e);
+			for (int j = k + 1; j < N; j++) /* the last prompts are still findable */
+				for (uint32_t p = 1; p < L; p++) {
+					struct idx_run *r;
+					uint32_t pos;
+					cr_assert(kvr_index_blk_find(idx, seqs[(size_t)j * L + p],
+					                             NULL, 0, &r, &pos));
+					cr_assert_eq(pos, p);
+				}
+		}
+	}
+	cr_assert_null(idx->blk.e, "an empty locator holds no array");
+	cr_assert_null(idx->blk.old_e);
+	kvr_index_destroy(idx);
+	free(held);
+	free(seqs);
+}
