@@ -184,7 +184,7 @@ static inline bool in_old(const struct idx_blocks *b, uint32_t id)
 	return b->old_e && (b->zeroed < b->cap || (id >= b->mig && id < b->mig_end));
 }
 
-static bool find_in(const struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, uint64_t seq,
+static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, uint64_t seq,
                     const struct idx_run *hr, uint32_t hp, struct idx_run **r, uint32_t *pos)
 {
 	const uint32_t tag = blk_tag(seq);
@@ -203,6 +203,7 @@ static bool find_in(const struct idx_blocks *b, uint32_t *e, uint64_t cap, bool 
 				*r = cr;
 				return true;
 			}
+			b->false_cands++;
 		}
 		if (ovf[c] == 0)
 			return false; /* no entry homed at or before c was placed past it */
@@ -214,7 +215,9 @@ static bool find_in(const struct idx_blocks *b, uint32_t *e, uint64_t cap, bool 
 bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
                         uint32_t hp, struct idx_run **r, uint32_t *pos)
 {
-	const struct idx_blocks *b = &idx->blk;
+	/* Const to its callers; its counters are writers' (under wlock) like the rest. */
+	struct idx_blocks *b = (struct idx_blocks *)(uintptr_t)&idx->blk;
+	b->finds++;
 	if (!b->e)
 		return false;
 	if ((!b->old_e || b->zeroed == b->cap) &&

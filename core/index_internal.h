@@ -430,11 +430,12 @@ struct idx_blocks {
 	uint64_t mig_step;  /* work units (ids + positions) moved per locator call */
 	int64_t mig_credit; /* units paid for and not spent yet (< 0: spent ahead) */
 	uint32_t mig, mig_end;
-	uint64_t rebuilds;    /* migrations started (growth and shrink; never a purge) */
-	struct idx_run **dir; /* id -> run; a free id holds (next free id << 1 | 1) */
-	uint32_t dir_cap;     /* ids 1..dir_cap-1 exist (0 is never used) */
-	uint32_t dir_free;    /* first free id, 0 = none */
-	uint32_t live;        /* ids in use */
+	uint64_t rebuilds;           /* migrations started (growth and shrink; never a purge) */
+	uint64_t finds, false_cands; /* lookups, and wrong runs they scanned (tag matches) */
+	struct idx_run **dir;        /* id -> run; a free id holds (next free id << 1 | 1) */
+	uint32_t dir_cap;            /* ids 1..dir_cap-1 exist (0 is never used) */
+	uint32_t dir_free;           /* first free id, 0 = none */
+	uint32_t live;               /* ids in use */
 };
 
 /*

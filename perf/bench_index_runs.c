@@ -546,6 +546,8 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char
 			abort();
 	}
 	uint64_t t_all = 0, loc = 0;
+	const uint64_t rebuilds0 = idx->blk.rebuilds, f0 = idx->blk.finds,
+	               fc0 = idx->blk.false_cands;
 	for (int a = 0; a < adm; a++) {
 		loc += idx_blk_bytes(idx->blk.cap) + idx_blk_bytes(idx->blk.old_cap); /* sampled */
 		const int r = a % CH_RANKS, k = (a / CH_RANKS) % CH_HELD;
@@ -572,12 +574,16 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char
 	qsort(cpu, n, sizeof(*cpu), cmp_u64);
 	printf("SUMMARY bench=index_churn mode=%s grow_at=%.2f calls=%zu max_us=%.1f p999_us=%.1f "
 	       "p99_us=%.1f p50_us=%.1f block_ops_per_s=%.0f locator_bytes_per_block=%.2f "
-	       "cpu_max_us=%.1f cpu_p999_us=%.1f cpu_p99_us=%.1f\n",
+	       "cpu_max_us=%.1f cpu_p999_us=%.1f cpu_p99_us=%.1f locator_rebuilds=%lu "
+	       "false_cands_per_find=%.4f\n",
 	       mode, (double)grow_at / 1000, n, (double)lat[n - 1] / 1e3,
 	       (double)lat[n * 999 / 1000] / 1e3, (double)lat[n * 99 / 100] / 1e3,
 	       (double)lat[n / 2] / 1e3, (double)n * CH_L / ((double)t_all / 1e9),
 	       (double)loc / adm / ((double)CH_RANKS * CH_HELD * CH_L), (double)cpu[n - 1] / 1e3,
-	       (double)cpu[n * 999 / 1000] / 1e3, (double)cpu[n * 99 / 100] / 1e3);
+	       (double)cpu[n * 999 / 1000] / 1e3, (double)cpu[n * 99 / 100] / 1e3,
+	       (unsigned long)(idx->blk.rebuilds - rebuilds0),
+	       (double)(idx->blk.false_cands - fc0) /
+	           (double)(idx->blk.finds - f0 + !(idx->blk.finds - f0)));
 	fflush(stdout);
 	kvr_index_destroy(idx);
 	free(held);
