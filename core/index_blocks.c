@@ -6,55 +6,69 @@
  * names its parent by hash and a removed event names arbitrary blocks, so every block of every
  * live run must be findable by its sequence hash.  A run's first block already is (the run
  * table), so the locator holds positions 1 .. hw-1, and a run gets an id only once it grows
- * past one block: a one-block run costs nothing here.  This is most of the index's memory per block
- * besides the hash itself, so it is kept small.
+ * past one block: a one-block run costs nothing here.  This is most of the index's memory per
+ * block besides the hash itself, so it is kept small.
  *
  * The idea.  An entry is 32 bits: the run's id (IDX_ID_BITS, an index into dir[]) and 6 tag
  * bits of the hash.  The position is NOT stored: the writer finds the hash in the run's sequence
  * array, trying the caller's hint (the neighbours of the last block it touched: chains are
  * stored and removed in order) and the run's last position first, then scanning at most
  * IDX_RUN_MAX words.  Two blocks of one run with equal tags have equal entries, which is
- * harmless: an entry only says "look in this run".  Open addressing, linear probing, deletes
- * leave tombstones (a backward shift would need the moved entries' keys), capacity any integer
- * (the home slot is fastrange of the hash's high half), grown by 1.5x at load 0.85, so the
- * load stays in 0.57-0.85: 4.7-7 bytes per block, versus 8-byte pointer entries at 0.4-0.8
- * (10-20 bytes) in the table this replaced.
+ * harmless: an entry only says "look in this run".
  *
- * Under insert / remove churn tombstones fill the table; the purge that clears them is
- * O(table), so it rebuilds at a size where the live entries sit at load 0.6, which leaves
- * room for 0.25 x cap deletions before the next one (a purge at the same size came every few
- * hundred deletions).  Growth (1.5x at load 0.85) and shrinking are the same rebuild.
+ * The table: F14-style chunks (folly's F14 hash tables, "F14: a fast, memory-efficient hash
+ * table", Bronson and Shi, 2019).  Slots come in chunks of IDX_BLK_CH = 16 entries, one 64-byte
+ * line; the home CHUNK is fastrange of the hash's high half, an entry goes to the first chunk
+ * from its home with an empty slot, and each chunk has an overflow byte: how many entries
+ * homed at or before it were placed past it.  A lookup compares the 16 tags of a chunk at once
+ * (SSE2), tries the runs whose tag matches, and stops at the first chunk whose overflow is 0.
+ * Deletion needs no tombstone: the locator only deletes when a run dies (drop_run), which
+ * iterates the run's hashes, so it knows each entry's key, hence its home: it walks from the
+ * home to the entry, empties the slot and takes one off the overflow bytes it passed.  (Why
+ * not linear probing, as before: its deletions left tombstones, since a backward shift needs
+ * the moved entries' keys, and the O(table) purges that cleared them, every 0.25 x cap
+ * deletions, were the 10-30 ms stalls of replica propagation (issue 14).  Why not Robin Hood
+ * with backward-shift deletion: it needs each entry's displacement, 4+ bits per slot, either
+ * a parallel array (+0.5-1 byte per slot, +12-25 %) or bits taken from the tag (1-2 tag bits:
+ * a wrong run scanned on most probes; a wrong run costs a scan of up to 2048 words) or from the
+ * id.  The overflow bytes cost 1 byte per 16 slots.)  An overflow byte saturates at 255 and then
+ * stays (never decremented: lookups walk further, nothing is lost; NEVER at load <= 0.9).
+ * A delete walk stops at the first entry equal to the one it deletes, which may be the other
+ * block's of an equal pair (same run, same tag) nearer the home; the run's other deletions take
+ * the rest, and the counts come out exact (they only depend on which chunks the homes and the
+ * placed entries are in) unless the walks wrap around the whole array, where they come out too
+ * high, never too low (a walk never passes the first equal entry).
  *
- * No writer call pays for a whole rebuild (issues 10, 14: done at once, a purge of 8 x 65,536
+ * Capacity: a multiple of 16 slots, as many chunks as the allocator's size class holds (the
+ * array is one allocation: entries, then the overflow bytes), grown 1.5x at load 0.85 (so the
+ * load stays in 0.57-0.85: 4.7-7.1 bytes per block with the overflow bytes), shrunk to load 0.6
+ * when below 0.125.  With no tombstones a steady live count never rebuilds, however many
+ * entries come and go (bench_index_runs --churn: 0 rebuilds in 8000 calls that delete 4 x
+ * the table; the tombstone table purged every ~30 admissions there).  Lookups that miss (a
+ * store's first block) scan 0.25 wrong runs each in that benchmark.
+ *
+ * No writer call pays for a whole rebuild (issues 10, 14: done at once, a rebuild of 8 x 65,536
  * blocks was one 5-10 ms call on a shard thread).  A rebuild MIGRATES: the new array is
  * allocated, zeroed in slices, then the runs move over in id order (a cursor `mig` over dir[]):
  * the positions [1, hw) of the runs with ids in [mig, mig_end) are in the old array, every other
  * run's in the new one, so each run's entries are in exactly one array and inserts and drops go
  * to that one, with exact counts.  A moved run's old entries stay behind, stale (its id may be
- * freed and reused): probes of the old array skip the entries of ids outside [mig, mig_end),
- * and the old array is freed when the cursor passes mig_end (ids handed out after the start,
- * >= mig_end, are new-array ids from the first).  Lookups probe the new array, then the old.
- * Each reserve (one per insert) and drop_run pays a credit of units (16 slots zeroed, one id
- * visited, one entry moved) sized so that the migration ends before the inserts still going to
- * the old array take it past load 0.9: (units to do) / (inserts allowed) + 1 + 2.  A run
- * moves whole (the credit goes negative and later calls pay it back), so one call does at most
- * its credit + IDX_RUN_MAX units.  Past the hard limit (NEVER with one insert per reserve) the
- * rest moves at once.  A failed allocation changes nothing (the old array stays, as before).
- * Amortised cost is unchanged (every rebuild moves each entry once); while migrating, misses
- * probe two arrays and the memory is old + new array (as it was for an instant before).
- *
- * Where a migration starts (kvr_index_blk_grow_at, load 0.85) sets the slice: the slack to the
- * hard limit 0.9 is 0.05 x cap inserts.  Starting at 0.8 doubles the slack and halves the slice;
- * measured (bench_index_runs --churn 4000, per-call thread CPU time, five runs on the shared
- * machine): call max 243-429 -> 150-201 us, p99.9 192-292 -> 110-196, p99 106-153 -> 88-145,
- * for 7.00 -> 7.60 locator bytes per held block (+8.6 %; 16-block single-holder runs +0.6 B) and
- * +1.2 % instructions (more purges).  Memory is issue 10's harder target, so 0.85 stays.
- *
- * Growth re-inserts every position [1, hw) of every live run, reading the keys from the runs
- * (entries do not hold them): O(blocks) once per 1.5x, amortised O(1) per insert, under the
- * writer mutex (readers are not involved).  Invariant: the locator holds exactly positions
- * [1, hw) of every live run (trimmed positions stay until the run dies, so a re-store finds
- * them), and a run has an id iff it ever had two positions.
+ * freed and reused; old_used counts them with the live ones): probes of the old array skip the
+ * entries of ids outside [mig, mig_end), and the old array is freed when the cursor passes
+ * mig_end or no unmoved run has an entry left (ids handed out after the start, >= mig_end, are
+ * new-array ids from the first).  Lookups probe the new array, then the old.  Each reserve
+ * (one per insert) pays a credit of units (16 slots zeroed, one id visited, one entry moved)
+ * sized so that the migration ends before the inserts still going to the old array take it past
+ * load 0.9: (units to do) / (inserts allowed) + 1 + 2; a drop_run pays as much per entry it
+ * deletes and an unreserve one share, so deletions alone (a shrink, an index being emptied)
+ * finish a migration too.  A run moves whole (the credit goes negative and later calls pay it
+ * back), so one call does at most its credit + IDX_RUN_MAX units.  Past the hard limit (NEVER
+ * with one insert per reserve) the rest moves at once.  A failed allocation changes nothing
+ * (the old array stays).  Amortised cost: every rebuild moves each entry once, O(1) per insert
+ * per 1.5x growth; while migrating, misses probe two arrays and the memory is old + new.
+ * Invariant: the locator holds exactly positions [1, hw) of every live run (trimmed positions
+ * stay until the run dies, so a re-store finds them), and a run has an id iff it ever had two
+ * positions.
  * Context: every function here runs under the index's writer mutex (or in create / destroy).
  */
 #include <string.h>
@@ -126,10 +140,10 @@ static inline uint32_t chunk_tag(const uint32_t *c, uint32_t tag)
 }
 
 /* The position of seq in r, in [1, hw) (position 0 is only in the run table, and s[0] of a
- * run's own array is reserved for its header word, not a hash: core/index_internal.h), trying
- * hp+1, hp-1, hp, len-1 and hw-1 before a scan. */
-static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *hr, uint32_t hp,
-                   uint32_t *pos)
+ * run's own array is reserved for its header word, not a hash: core/index_internal.h), at
+ * hp+1, hp-1, hp (the caller's hint), len-1 or hw-1: a few words, where most lookups end. */
+static bool pos_quick(const struct idx_run *r, uint64_t seq, const struct idx_run *hr, uint32_t hp,
+                      uint32_t *pos)
 {
 	const uint64_t *s = idx_run_seqs(r);
 	const uint32_t hw = idx_run_hw(r);
@@ -157,6 +171,15 @@ static bool pos_in(const struct idx_run *r, uint64_t seq, const struct idx_run *
 		*pos = hw - 1;
 		return true;
 	}
+	return false;
+}
+
+/* The position of seq in r, in [1, hw), by a scan of r's hashes (up to IDX_RUN_MAX words: what
+ * a wrong candidate costs). */
+static bool pos_scan(const struct idx_run *r, uint64_t seq, uint32_t *pos)
+{
+	const uint64_t *s = idx_run_seqs(r);
+	const uint32_t hw = idx_run_hw(r), len = idx_run_len(r);
 	/* Backward from the end of the tree's part (positions [1, len)), four words per step
 	 * (branch-light): evictions take a chain's tail and stores extend it, so the block is
 	 * most often near len; then the trimmed positions [len, hw) a re-store looks for. */
@@ -184,8 +207,11 @@ static inline bool in_old(const struct idx_blocks *b, uint32_t id)
 	return b->old_e && (b->zeroed < b->cap || (id >= b->mig && id < b->mig_end));
 }
 
-static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, uint64_t seq,
-                    const struct idx_run *hr, uint32_t hp, struct idx_run **r, uint32_t *pos)
+/* Looks seq up in e (cap slots; old: the array being emptied), trying each candidate run with
+ * pos_quick (scan false) or pos_scan (scan true). */
+static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, bool scan,
+                    uint64_t seq, const struct idx_run *hr, uint32_t hp, struct idx_run **r,
+                    uint32_t *pos)
 {
 	const uint32_t tag = blk_tag(seq);
 	const uint64_t nch = cap / IDX_BLK_CH;
@@ -199,11 +225,11 @@ static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, u
 				continue; /* a migrated run's stale entry (its id may be free or
 				             reused) */
 			struct idx_run *cr = b->dir[v >> 6];
-			if (pos_in(cr, seq, hr, hp, pos)) {
+			if (scan ? pos_scan(cr, seq, pos) : pos_quick(cr, seq, hr, hp, pos)) {
 				*r = cr;
 				return true;
 			}
-			b->false_cands++;
+			b->false_cands += scan;
 		}
 		if (ovf[c] == 0)
 			return false; /* no entry homed at or before c was placed past it */
@@ -220,10 +246,17 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 	b->finds++;
 	if (!b->e)
 		return false;
-	if ((!b->old_e || b->zeroed == b->cap) &&
-	    find_in(b, b->e, b->cap, false, seq, hr, hp, r, pos))
-		return true;
-	return b->old_e && find_in(b, b->old_e, b->old_cap, true, seq, hr, hp, r, pos);
+	/* Every candidate's few likely words first (the hint, the run's ends: most lookups end
+	 * there), then the scans, so that a wrong candidate before the right one costs a few
+	 * words rather than a scan of its run. */
+	const bool nu = !b->old_e || b->zeroed == b->cap;
+	for (int scan = 0; scan < 2; scan++) {
+		if (nu && find_in(b, b->e, b->cap, false, scan, seq, hr, hp, r, pos))
+			return true;
+		if (b->old_e && find_in(b, b->old_e, b->old_cap, true, scan, seq, hr, hp, r, pos))
+			return true;
+	}
+	return false;
 }
 
 /* Puts entry v for seq into e (cap slots, one free at least): the first empty slot of the first
