@@ -8,6 +8,7 @@
 #include "core/hash.h"
 #include "core/index.h"
 #include "core/index_internal.h"
+#include "core/select.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
 
@@ -15,20 +16,12 @@ enum { RANKS = 8, HELD = 24, L = 96, ADM = 4000 };
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
 
-static uint64_t next(void)
-{
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return rng;
-}
-
 /* A prompt of L random blocks stored as the approximate modes do (ext hash = sequence hash). */
 static void make(struct kvr_index_block *b, uint64_t *seq)
 {
 	uint64_t local[L];
 	for (size_t i = 0; i < L; i++)
-		local[i] = next();
+		local[i] = kvr_rand64(&rng);
 	kvr_hash_chain_locals(NULL, local, L, seq);
 	for (size_t i = 0; i < L; i++)
 		b[i] = (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
