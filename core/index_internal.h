@@ -249,9 +249,12 @@ static inline uint32_t idx_run_id(const struct idx_run *r)
 	return idx_seqs_inline(r) ? 0 : (uint32_t)idx_lo_ptr(idx_run_seqs(r)[0]);
 }
 
-/* Sets it (r has its own array; id < 2^IDX_ID_BITS, 0: none). */
+/* Sets it (r has its own array; id < 2^IDX_ID_BITS, 0: none).  A one-block run's "array" is
+ * its header's first, which must never be overwritten: it has no id to set. */
 static inline void idx_run_set_id(struct idx_run *r, uint32_t id)
 {
+	if (idx_seqs_inline(r))
+		return; /* NEVER: ids are given to runs with their own array only */
 	uint64_t *s = idx_run_seqs(r);
 	s[0] = idx_hi(s[0]) << IDX_HI_SHIFT | id;
 }
