@@ -497,6 +497,7 @@ struct ttl_result {
 	double expire_ns_per_block, bytes_per_block, turn_ns;
 	size_t held;
 	uint64_t evicted;
+	struct kvr_ttl_stats st; /* shards/ttl.c only */
 };
 
 static uint64_t chain_next(uint64_t parent, uint64_t token)
@@ -568,6 +569,8 @@ static void ttl_run(const struct ttl_impl *im, size_t nb, uint64_t turns, struct
 	res->expire_ns_per_block = (double)exp_ns / (double)(res->evicted ? res->evicted : 1);
 	res->turn_ns = (double)all_ns / (double)turns;
 	res->held = im->count(t);
+	if (im == &TR)
+		kvr_ttl_stats(t, &res->st);
 	int64_t outb =
 	    (int64_t)(out.cap_stored_runs * sizeof(*out.stored) +
 	              out.cap_evicted * sizeof(uint64_t) + out.cap_evicted_runs * sizeof(uint32_t));
@@ -597,9 +600,11 @@ static void ttl_mode(size_t nb, uint64_t turns, bool ref)
 	if (!ref) { /* --ttl-runs-only: one implementation (callgrind counts) */
 		printf("SUMMARY bench=ttl_runs blocks=%zu turns=%llu record_p50_ns=%u "
 		       "record_p999_ns=%u record_max_ns=%u expire_p999_ns=%u expire_max_ns=%u "
-		       "bytes_per_held_block=%.1f held=%zu\n",
+		       "bytes_per_held_block=%.1f held=%zu map_slots=%zu map_growths=%llu "
+		       "max_migration_units_per_call=%zu\n",
 		       nb, (unsigned long long)turns, a.rec50, a.rec999, a.recmax, a.exp999,
-		       a.expmax, a.bytes_per_block, a.held);
+		       a.expmax, a.bytes_per_block, a.held, a.st.map_slots,
+		       (unsigned long long)a.st.growths, a.st.max_step_units);
 		return;
 	}
 	ttl_run(&TX, nb, turns, &x);

@@ -38,8 +38,10 @@
  * Growth.  The map (shards/ttl_map.c) grows incrementally: a new table, then the entries move a
  * slice per call (each record pays for its new blocks, every record and expiry a little more),
  * lookups probe both tables.  No call rehashes the table or buries every pending grave at once
- * (issue 11 item 3: at 600k held blocks that was a 10 ms record).  Invariant: exactly one
- * entry per held block, live (map count - live blocks = stale entries, all of them in graves).
+ * (issue 11 item 3: at 600k held blocks that was a 10 ms record).  Nor is anything else copied
+ * whole: run slots come in fixed chunks of RUN_CHUNK (a directory of chunk pointers, 8 bytes
+ * per chunk, is the only array that doubles), the graves in a FIFO of chunks.  Invariant: exactly
+ * one entry per held block, live (map count - live blocks = stale entries, all of them in graves).
  * After 2^32 reuses of one slot a stale generation could match again: a live entry's run must
  * also hold the hash (offset_of), so such an entry is seen as stale.
  *
@@ -113,22 +115,42 @@ struct step {
 	uint32_t k, n, run, off;
 };
 
+/* Run slots come in chunks that never move (growth adds one; no copy of the runs, issue 11
+ * item 3), found through a directory of chunk pointers (8 bytes per RUN_CHUNK slots). */
+#define RUN_SHIFT 8
+#define RUN_CHUNK (1u << RUN_SHIFT)
+#define RUN_MAX   ((NIL / RUN_CHUNK) * RUN_CHUNK) /* slot ids stay below NIL */
+
+/* Expired runs in a FIFO of chunks (oldest first): a push never copies the queue. */
+#define GR_CHUNK 127
+struct grave_chunk {
+	struct grave_chunk *next;
+	struct grave g[GR_CHUNK];
+};
+
 struct kvr_ttl {
 	uint64_t ttl, bucket;
-	struct run *r;
-	uint32_t cap, runs, free_head;
+	struct run **rc; /* chunks of RUN_CHUNK run slots */
+	size_t cap, rc_n, rc_cap;
+	uint32_t runs, free_head;
 	uint32_t head, tail;
 	size_t live; /* blocks */
 	struct kvr_ttl_map by_seq;
-	/* Expired runs whose map entries are still to remove (a ring, oldest first); `done`
-	 * hashes of the oldest are removed already, `pending` hashes are left in all. */
-	struct grave *gr;
-	size_t gr_cap, gr_head, gr_n, done, pending;
+	/* Expired runs whose map entries are still to remove, oldest first: gr_first[gr_hi] is
+	 * the oldest, gr_last[gr_ti - 1] the newest; `done` hashes of the oldest are removed
+	 * already, `pending` hashes are left in all.  gr_spare: empty chunks reserved. */
+	struct grave_chunk *gr_first, *gr_last, *gr_spare;
+	size_t gr_hi, gr_ti, gr_n, gr_spare_n, done, pending;
 	struct step *plan;
 	size_t plan_cap;
 };
 
 static bool entry_live(const void *ctx, const struct kvr_u64map_slot *s);
+
+static inline struct run *run_at(const struct kvr_ttl *t, uint32_t i)
+{
+	return &t->rc[i >> RUN_SHIFT][i & (RUN_CHUNK - 1)];
+}
 
 /* kvr_chain_agree's stride over struct kvr_lru_block's seq fields. */
 #define BSTRIDE (sizeof(struct kvr_lru_block) / sizeof(uint64_t))
@@ -159,49 +181,63 @@ void kvr_ttl_destroy(struct kvr_ttl *t)
 {
 	if (!t)
 		return;
-	for (uint32_t i = t->head; i != NIL; i = t->r[i].next)
-		blob_unref(t->r[i].blob);
-	for (size_t k = 0; k < t->gr_n; k++)
-		blob_unref(t->gr[(t->gr_head + k) % t->gr_cap].blob);
-	kvr_free(t->gr, t->gr_cap * sizeof(struct grave));
-	kvr_free(t->r, (size_t)t->cap * sizeof(struct run));
+	for (uint32_t i = t->head; i != NIL; i = run_at(t, i)->next)
+		blob_unref(run_at(t, i)->blob);
+	for (struct grave_chunk *c = t->gr_first, *nx; c; c = nx) {
+		nx = c->next;
+		size_t lo = c == t->gr_first ? t->gr_hi : 0,
+		       hi = c == t->gr_last ? t->gr_ti : GR_CHUNK;
+		for (size_t k = lo; k < hi; k++)
+			blob_unref(c->g[k].blob);
+		kvr_free(c, sizeof(*c));
+	}
+	for (struct grave_chunk *c = t->gr_spare, *nx; c; c = nx) {
+		nx = c->next;
+		kvr_free(c, sizeof(*c));
+	}
+	for (size_t k = 0; k < t->rc_n; k++)
+		kvr_free(t->rc[k], RUN_CHUNK * sizeof(struct run));
+	kvr_free(t->rc, t->rc_cap * sizeof(*t->rc));
 	kvr_free(t->plan, t->plan_cap * sizeof(struct step));
 	kvr_ttl_map_fini(&t->by_seq);
 	kvr_free(t, sizeof(*t));
 }
 
-/* Room for `more` run slots. */
+/* Room for `more` run slots: a chunk at a time (O(more), the directory grows by doubling). */
 static int reserve_runs(struct kvr_ttl *t, size_t more)
 {
 	size_t need = (size_t)t->runs + more;
-	if (need >= NIL)
+	if (need > RUN_MAX)
 		return KVR_ERANGE;
-	if (need <= t->cap)
-		return 0;
-	size_t nc = (size_t)t->cap * 2;
-	if (nc < need)
-		nc = need;
-	if (nc < 64)
-		nc = 64;
-	if (nc >= NIL)
-		nc = NIL - 1;
-	struct run *r = kvr_realloc(t->r, (size_t)t->cap * sizeof(*r), nc * sizeof(*r));
-	if (!r)
-		return KVR_ENOMEM;
-	for (size_t i = nc; i-- > t->cap;) {
-		r[i].next = t->free_head;
-		r[i].gen = 0;
-		t->free_head = (uint32_t)i;
+	while (need > t->cap) {
+		if (t->rc_n == t->rc_cap) {
+			size_t nc = t->rc_cap ? t->rc_cap * 2 : 4;
+			struct run **d =
+			    kvr_realloc(t->rc, t->rc_cap * sizeof(*d), nc * sizeof(*d));
+			if (!d)
+				return KVR_ENOMEM; /* chunks added so far stay: more room, no change
+				                    */
+			t->rc = d;
+			t->rc_cap = nc;
+		}
+		struct run *c = kvr_alloc(RUN_CHUNK * sizeof(*c));
+		if (!c)
+			return KVR_ENOMEM;
+		for (uint32_t k = RUN_CHUNK; k-- > 0;) { /* lowest id first */
+			c[k].next = t->free_head;
+			c[k].gen = 0;
+			t->free_head = (uint32_t)(t->cap + k);
+		}
+		t->rc[t->rc_n++] = c;
+		t->cap += RUN_CHUNK;
 	}
-	t->r = r;
-	t->cap = (uint32_t)nc;
 	return 0;
 }
 
 static uint32_t take_slot(struct kvr_ttl *t)
 {
 	uint32_t i = t->free_head;
-	t->free_head = t->r[i].next;
+	t->free_head = run_at(t, i)->next;
 	t->runs++;
 	return i;
 }
@@ -209,21 +245,21 @@ static uint32_t take_slot(struct kvr_ttl *t)
 /* Frees slot i; the map entries that still name it go stale (lazy deletion). */
 static void free_slot(struct kvr_ttl *t, uint32_t i)
 {
-	t->r[i].gen++;
-	t->r[i].next = t->free_head;
+	run_at(t, i)->gen++;
+	run_at(t, i)->next = t->free_head;
 	t->free_head = i;
 	t->runs--;
 }
 
 static void unlink_run(struct kvr_ttl *t, uint32_t i)
 {
-	struct run *e = &t->r[i];
+	struct run *e = run_at(t, i);
 	if (e->prev != NIL)
-		t->r[e->prev].next = e->next;
+		run_at(t, e->prev)->next = e->next;
 	else
 		t->head = e->next;
 	if (e->next != NIL)
-		t->r[e->next].prev = e->prev;
+		run_at(t, e->next)->prev = e->prev;
 	else
 		t->tail = e->prev;
 }
@@ -231,15 +267,15 @@ static void unlink_run(struct kvr_ttl *t, uint32_t i)
 /* Links run i after run `after` (NIL: at the head). */
 static void link_after(struct kvr_ttl *t, uint32_t i, uint32_t after)
 {
-	struct run *e = &t->r[i];
+	struct run *e = run_at(t, i);
 	e->prev = after;
-	e->next = after != NIL ? t->r[after].next : t->head;
+	e->next = after != NIL ? run_at(t, after)->next : t->head;
 	if (e->next != NIL)
-		t->r[e->next].prev = i;
+		run_at(t, e->next)->prev = i;
 	else
 		t->tail = i;
 	if (after != NIL)
-		t->r[after].next = i;
+		run_at(t, after)->next = i;
 	else
 		t->head = i;
 }
@@ -253,8 +289,8 @@ static uint64_t expiry_at(const struct kvr_ttl *t, uint64_t now)
 		uint64_t up = x + (t->bucket - x % t->bucket);
 		x = up > x ? up : UINT64_MAX;
 	}
-	if (t->tail != NIL && t->r[t->tail].expiry > x)
-		x = t->r[t->tail].expiry;
+	if (t->tail != NIL && run_at(t, t->tail)->expiry > x)
+		x = run_at(t, t->tail)->expiry;
 	return x;
 }
 
@@ -271,7 +307,7 @@ static __attribute__((noinline, cold)) uint32_t offset_scan(const struct run *e,
 /* The offset of hash seq in run i, expected at position pos; NIL if the run does not hold it. */
 static inline uint32_t offset_of(const struct kvr_ttl *t, uint32_t i, uint64_t seq, uint64_t pos)
 {
-	const struct run *e = &t->r[i];
+	const struct run *e = run_at(t, i);
 	if (pos >= e->pos && pos - e->pos < e->len && e->h[pos - e->pos] == seq)
 		return (uint32_t)(pos - e->pos);
 	return offset_scan(e, seq);
@@ -286,7 +322,7 @@ locate_entry(const struct kvr_ttl *t, uint64_t seq, uint64_t pos, uint32_t *run,
 	*stale = false;
 	if (!s)
 		return NIL;
-	uint32_t off = t->r[s->val].gen == s->spare ? offset_of(t, s->val, seq, pos) : NIL;
+	uint32_t off = run_at(t, s->val)->gen == s->spare ? offset_of(t, s->val, seq, pos) : NIL;
 	*stale = off == NIL;
 	*run = s->val;
 	return off;
@@ -313,27 +349,62 @@ static inline __attribute__((always_inline)) uint32_t locate_drop(struct kvr_ttl
 static bool entry_live(const void *ctx, const struct kvr_u64map_slot *s)
 {
 	const struct kvr_ttl *t = ctx;
-	return t->r[s->val].gen == s->spare;
+	return run_at(t, s->val)->gen == s->spare;
 }
 
-/* Room for `more` graves. */
+/* Room for `more` graves: empty chunks reserved (O(more)). */
 static int reserve_graves(struct kvr_ttl *t, size_t more)
 {
-	if (t->gr_n + more <= t->gr_cap)
-		return 0;
-	size_t nc = t->gr_cap * 2 > t->gr_n + more ? t->gr_cap * 2 : t->gr_n + more;
-	if (nc < 16)
-		nc = 16;
-	struct grave *g = kvr_alloc(nc * sizeof(*g));
-	if (!g)
-		return KVR_ENOMEM;
-	for (size_t k = 0; k < t->gr_n; k++)
-		g[k] = t->gr[(t->gr_head + k) % t->gr_cap];
-	kvr_free(t->gr, t->gr_cap * sizeof(*g));
-	t->gr = g;
-	t->gr_cap = nc;
-	t->gr_head = 0;
+	size_t room = (t->gr_last ? GR_CHUNK - t->gr_ti : 0) + t->gr_spare_n * GR_CHUNK;
+	for (; room < more; room += GR_CHUNK) {
+		struct grave_chunk *c = kvr_alloc(sizeof(*c));
+		if (!c)
+			return KVR_ENOMEM; /* chunks reserved so far stay: no change */
+		c->next = t->gr_spare;
+		t->gr_spare = c;
+		t->gr_spare_n++;
+	}
 	return 0;
+}
+
+/* Queues an expired run (room reserved). */
+static void grave_push(struct kvr_ttl *t, struct grave g)
+{
+	if (!t->gr_last || t->gr_ti == GR_CHUNK) {
+		struct grave_chunk *c = t->gr_spare;
+		t->gr_spare = c->next;
+		t->gr_spare_n--;
+		c->next = NULL;
+		if (t->gr_last)
+			t->gr_last->next = c;
+		else
+			t->gr_first = c, t->gr_hi = 0;
+		t->gr_last = c;
+		t->gr_ti = 0;
+	}
+	t->gr_last->g[t->gr_ti++] = g;
+	t->gr_n++;
+}
+
+/* Drops the oldest grave (its map entries are gone): a chunk emptied is kept as the one spare
+ * (steady expiry reuses it) or freed. */
+static void grave_pop(struct kvr_ttl *t)
+{
+	t->gr_n--;
+	if (++t->gr_hi < GR_CHUNK && (t->gr_first != t->gr_last || t->gr_hi < t->gr_ti))
+		return;
+	struct grave_chunk *c = t->gr_first;
+	t->gr_first = c->next;
+	if (!t->gr_first)
+		t->gr_last = NULL, t->gr_ti = 0;
+	t->gr_hi = 0;
+	if (t->gr_spare_n == 0) {
+		c->next = NULL;
+		t->gr_spare = c;
+		t->gr_spare_n = 1;
+	} else {
+		kvr_free(c, sizeof(*c));
+	}
 }
 
 /* Removes up to `budget` map entries of expired runs, oldest first.  An entry found live was
@@ -343,12 +414,12 @@ static void bury(struct kvr_ttl *t, size_t budget)
 {
 	struct kvr_ttl_map *m = &t->by_seq;
 	while (budget > 0 && t->gr_n > 0) {
-		const struct grave *g = &t->gr[t->gr_head];
+		const struct grave *g = &t->gr_first->g[t->gr_hi];
 		size_t k = t->done, end = g->len - k > budget ? k + budget : g->len;
 		for (; k < end; k++) { /* locals: the map's stores cannot alias them */
 			uint64_t seq = g->h[k];
 			struct kvr_u64map_slot *s = kvr_ttl_map_find(m, seq);
-			if (s && (t->r[s->val].gen != s->spare ||
+			if (s && (run_at(t, s->val)->gen != s->spare ||
 			          offset_of(t, s->val, seq, (uint64_t)g->pos + k) == NIL))
 				kvr_ttl_map_remove_slot(m, s);
 		}
@@ -358,8 +429,7 @@ static void bury(struct kvr_ttl *t, size_t budget)
 		if (k < g->len)
 			break;
 		blob_unref(g->blob);
-		t->gr_head = (t->gr_head + 1) % t->gr_cap;
-		t->gr_n--;
+		grave_pop(t);
 		t->done = 0;
 	}
 }
@@ -417,7 +487,7 @@ static int reserve_map(struct kvr_ttl *t, size_t extra)
 static void split(struct kvr_ttl *t, uint32_t i, uint32_t off, uint32_t *left, uint32_t *right)
 {
 	uint32_t m = take_slot(t);
-	struct run *e = &t->r[i], *n = &t->r[m];
+	struct run *e = run_at(t, i), *n = run_at(t, m);
 	uint32_t gen_m = n->gen; /* a slot keeps its generation */
 	*n = *e;
 	n->gen = gen_m;
@@ -436,7 +506,7 @@ static void split(struct kvr_ttl *t, uint32_t i, uint32_t off, uint32_t *left, u
 	hi->pos = lo->pos + off;
 	hi->len = len - off;
 	lo->h = hi->h - off;
-	const struct run *moved = &t->r[m];
+	const struct run *moved = run_at(t, m);
 	for (uint32_t j = 0; j < moved->len; j++) {
 		struct kvr_u64map_slot *ms = kvr_ttl_map_find(&t->by_seq, moved->h[j]);
 		ms->val = m;
@@ -475,7 +545,7 @@ static int plan(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint
 			k = e;
 			continue;
 		}
-		const struct run *e = &t->r[ix];
+		const struct run *e = run_at(t, ix);
 		uint32_t cnt = 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, &b[k].seq, BSTRIDE,
 		                                   n - 1 - k);
 		*s = (struct step){(uint32_t)k, cnt, ix, off};
@@ -514,7 +584,7 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 		uint32_t i;
 		if (s->run == NIL) {
 			i = take_slot(t);
-			struct run *e = &t->r[i];
+			struct run *e = run_at(t, i);
 			*e = (struct run){.expiry = x,
 			                  .h = blob->h + used,
 			                  .blob = blob,
@@ -536,9 +606,9 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 		i = s->run;
 		if (s->off > 0)
 			split(t, i, s->off, &l, &i);
-		if (s->n < t->r[i].len)
+		if (s->n < run_at(t, i)->len)
 			split(t, i, s->n, &i, &l);
-		struct run *e = &t->r[i];
+		struct run *e = run_at(t, i);
 		e->pos = start_pos + s->k;
 		if (e->expiry != x) {
 			unlink_run(t, i);
@@ -556,20 +626,21 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
 	size_t n = 0, runs = 0;
-	for (uint32_t i = t->head; i != NIL && t->r[i].expiry <= now; i = t->r[i].next, runs++)
-		n += t->r[i].len;
+	for (uint32_t i = t->head; i != NIL && run_at(t, i)->expiry <= now;
+	     i = run_at(t, i)->next, runs++)
+		n += run_at(t, i)->len;
 	int rc;
 	if ((rc = kvr_lru_out_reserve(out, 0, n)) || (rc = reserve_graves(t, runs)))
 		return rc;
-	while (t->head != NIL && t->r[t->head].expiry <= now) {
+	while (t->head != NIL && run_at(t, t->head)->expiry <= now) {
 		uint32_t i = t->head;
-		struct run *e = &t->r[i];
+		struct run *e = run_at(t, i);
 		unlink_run(t, i);
 		kvr_lru_out_evicted_run(out, e->h, e->len);
 		t->live -= e->len;
 		/* its map entries go stale; the grave keeps the blob's reference until they go */
-		t->gr[(t->gr_head + t->gr_n++) % t->gr_cap] =
-		    (struct grave){.blob = e->blob, .h = e->h, .pos = e->pos, .len = e->len};
+		grave_push(
+		    t, (struct grave){.blob = e->blob, .h = e->h, .pos = e->pos, .len = e->len});
 		t->pending += e->len;
 		free_slot(t, i);
 	}
@@ -579,7 +650,7 @@ int kvr_ttl_expire(struct kvr_ttl *t, uint64_t now, struct kvr_lru_out *out)
 
 uint64_t kvr_ttl_next_expiry(const struct kvr_ttl *t)
 {
-	return (t && t->head != NIL) ? t->r[t->head].expiry : UINT64_MAX;
+	return (t && t->head != NIL) ? run_at(t, t->head)->expiry : UINT64_MAX;
 }
 
 size_t kvr_ttl_overlap(const struct kvr_ttl *t, const uint64_t *seq, size_t n)
@@ -589,7 +660,7 @@ size_t kvr_ttl_overlap(const struct kvr_ttl *t, const uint64_t *seq, size_t n)
 	size_t k = 0;
 	uint32_t ix, off;
 	while (k < n && (off = locate(t, seq[k], k, &ix)) != NIL) {
-		const struct run *e = &t->r[ix];
+		const struct run *e = run_at(t, ix);
 		k += 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, seq + k, 1, n - 1 - k);
 	}
 	return k;
@@ -607,7 +678,7 @@ int kvr_ttl_lookup(const struct kvr_ttl *t, uint64_t seq, uint64_t *expiry, uint
 	uint32_t ix, off = locate(t, seq, UINT64_MAX, &ix); /* no position: scans the run */
 	if (off == NIL)
 		return KVR_ENOENT;
-	const struct run *e = &t->r[ix];
+	const struct run *e = run_at(t, ix);
 	if (expiry)
 		*expiry = e->expiry;
 	if (pos)
@@ -640,13 +711,15 @@ static int check_table(const struct kvr_ttl *t, const struct kvr_u64map *tb, siz
 	size_t n = 0;
 	for (size_t i = 0; i < tb->cap; i++) {
 		const struct kvr_u64map_slot *s = &tb->slots[i];
-		if (s->val == KVR_U64MAP_EMPTY)
+		/* the old table's entries below the migration cursor are copied: they do not count
+		 */
+		if (s->val == KVR_U64MAP_EMPTY || s->val == KVR_TTL_MAP_TOMB || i < below)
 			continue;
-		CHECK(i >= below); /* the migration cursor: the old table is empty below it */
 		CHECK(kvr_ttl_map_find(m, s->key) == s);
 		CHECK(s->val < t->cap);
 		n++;
-		if (t->r[s->val].gen == s->spare) /* the run walk found the held blocks' ones */
+		if (run_at(t, s->val)->gen ==
+		    s->spare) /* the run walk found the held blocks' ones */
 			(*live)++;
 	}
 	CHECK(n == tb->count);
@@ -658,8 +731,8 @@ int kvr_ttl_check(const struct kvr_ttl *t)
 	const struct kvr_ttl_map *m = &t->by_seq;
 	size_t blocks = 0, runs = 0, live = 0;
 	uint64_t x = 0;
-	for (uint32_t i = t->head, prev = NIL; i != NIL; prev = i, i = t->r[i].next, runs++) {
-		const struct run *e = &t->r[i];
+	for (uint32_t i = t->head, prev = NIL; i != NIL; prev = i, i = run_at(t, i)->next, runs++) {
+		const struct run *e = run_at(t, i);
 		CHECK(e->prev == prev && e->len > 0 && e->expiry >= x);
 		x = e->expiry;
 		blocks += e->len;

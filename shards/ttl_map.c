@@ -11,20 +11,17 @@
  * The idea is the index block locator's (core/index_blocks.c): a new table is allocated, made
  * empty a slice at a time, then the entries migrate a slice at a time, each call paying for a
  * bounded number of units; lookups probe the new table, then the old; every key is in exactly
- * one of the two, so counts stay exact.  What differs is how the old table is walked: this one
- * is linear probing with deletion by backward shift (shards/u64map.h), so entries move when
- * others are removed, and a cursor over slots needs care.  The migration cursor `mig` walks the
- * old table's slots upwards; an occupied slot's entry is inserted into the new table (or dropped
- * if stale: its run expired, ttl.c's live test) and REMOVED from the old one by backward shift,
- * which may pull a later entry of its cluster into the slot, so the cursor stays until the slot
- * is empty.  Invariant: the old table's slots below mig are empty, and it stays a valid
- * linear-probing table (every entry reachable from its home slot without crossing an empty
- * slot), since only removals touch it while the cursor runs (nothing is inserted into it once
- * the new table is usable) and a backward shift keeps a table valid.  A removal at slot i >= mig
- * moves entries of its cluster back into slots >= mig: a cluster cannot wrap past the end into
- * the empty slots below mig (when mig = 0 there are none).  So lookups in the old table stay
- * correct, and the cursor never has to look back.  The old table is freed when it holds no
- * entry (often before the cursor reaches its end) or the cursor passes its end.
+ * one of the two, so counts stay exact.  What differs is how the old table is walked: it is
+ * linear probing with deletion by backward shift (shards/u64map.h), where a removal moves other
+ * entries, which a cursor over slots cannot follow.  So once the old table stops taking inserts
+ * it stops moving entries too: the migration cursor `mig` walks its slots upwards and copies
+ * each entry (if live: stale entries, of expired runs, are dropped) into the new table, leaving
+ * the old slot as it is; a removal from the old table leaves a tombstone (KVR_TTL_MAP_TOMB).  Slots
+ * never empty, so every probe path of the old table stays intact.  Invariant: a key's entry in
+ * the old table counts only at a slot >= mig (below, its copy in the new table is the one:
+ * found there first, or removed since), old.count counts those entries, and each key is in at
+ * most one place.  The old table is freed when old.count reaches 0 (often before the cursor
+ * reaches its end) or the cursor passes its end.
  *
  * Phases.  (1) zeroing: the new table's slots are marked empty, KVR_TTL_MAP_ZERO slots a unit,
  * so that neither the writes nor the page faults of fresh memory land on one call; the old
@@ -83,21 +80,42 @@ static inline bool zeroing(const struct kvr_ttl_map *m)
 	return m->old.slots && m->zeroed < m->cur.cap;
 }
 
-struct kvr_u64map_slot *kvr_ttl_map_find_migrating(const struct kvr_ttl_map *m, uint64_t key)
+/* key's entry in the old table (moving phase): one at a slot >= mig, or NULL. */
+static struct kvr_u64map_slot *old_find(const struct kvr_ttl_map *m, uint64_t key)
 {
-	if (!zeroing(m)) {
-		struct kvr_u64map_slot *s = kvr_u64map_find_slot(&m->cur, key);
-		if (s)
-			return s;
+	const struct kvr_u64map *o = &m->old;
+	if (o->count == 0)
+		return NULL;
+	size_t mask = o->cap - 1;
+	for (size_t i = kvr_u64map_home(o, key);; i = (i + 1) & mask) {
+		struct kvr_u64map_slot *s = &o->slots[i];
+		if (s->val == KVR_U64MAP_EMPTY)
+			return NULL;
+		if (s->key == key && s->val != KVR_TTL_MAP_TOMB)
+			return i >= m->mig ? s
+			                   : NULL; /* below: copied, and removed from cur since */
 	}
-	return kvr_u64map_find_slot(&m->old, key);
 }
 
-void kvr_ttl_map_remove_slot(struct kvr_ttl_map *m, struct kvr_u64map_slot *s)
+struct kvr_u64map_slot *kvr_ttl_map_find_migrating(const struct kvr_ttl_map *m, uint64_t key)
 {
-	struct kvr_u64map *t =
-	    m->old.slots && s >= m->old.slots && s < m->old.slots + m->old.cap ? &m->old : &m->cur;
-	kvr_u64map_remove_at(t, (size_t)(s - t->slots));
+	if (zeroing(m)) /* the old table alone, a plain one */
+		return kvr_u64map_find_slot(&m->old, key);
+	struct kvr_u64map_slot *s = kvr_u64map_find_slot(&m->cur, key);
+	return s ? s : old_find(m, key);
+}
+
+void kvr_ttl_map_remove_migrating(struct kvr_ttl_map *m, struct kvr_u64map_slot *s)
+{
+	struct kvr_u64map *o = &m->old;
+	if (s < o->slots || s >= o->slots + o->cap) {
+		kvr_u64map_remove_at(&m->cur, (size_t)(s - m->cur.slots));
+	} else if (zeroing(m)) {
+		kvr_u64map_remove_at(o, (size_t)(s - o->slots));
+	} else { /* no entry may move while the cursor runs */
+		s->val = KVR_TTL_MAP_TOMB;
+		o->count--;
+	}
 }
 
 bool kvr_ttl_map_room(const struct kvr_ttl_map *m, size_t extra)
@@ -141,16 +159,24 @@ void kvr_ttl_map_step(struct kvr_ttl_map *m, size_t units)
 		}
 		if (o->count == 0 || m->mig >= o->cap)
 			break;
-		struct kvr_u64map_slot *s = &o->slots[m->mig];
-		if (s->val == KVR_U64MAP_EMPTY) {
-			m->mig++;
-			m->credit--;
-			continue;
+		/* phase 2: a run of slots, a unit each and one more per entry copied */
+		size_t i = m->mig,
+		       end = o->cap - i < (size_t)m->credit ? o->cap : i + (size_t)m->credit;
+		int64_t copied = 0;
+		for (; i < end && o->count; i++) {
+			const struct kvr_u64map_slot *s = &o->slots[i];
+			if (s->val >= KVR_TTL_MAP_TOMB) /* empty, or removed */
+				continue;
+			o->count--;
+			if (!m->live || m->live(m->ctx, s)) {
+				kvr_u64map_insert_tag(c, s->key, s->val, s->spare);
+				copied++;
+				if (end > i + 1)
+					end--;
+			}
 		}
-		if (!m->live || m->live(m->ctx, s))
-			kvr_u64map_insert_tag(c, s->key, s->val, s->spare);
-		kvr_u64map_remove_at(o, m->mig); /* may pull a later entry into slot mig */
-		m->credit -= 2;
+		m->credit -= (int64_t)(i - m->mig) + copied;
+		m->mig = i;
 	}
 	size_t did = (size_t)(start - m->credit);
 	if (did > m->max_units)

@@ -14,6 +14,10 @@
 
 #include "shards/u64map.h"
 
+/* The value of an old-table slot whose entry was removed while migrating (ttl_map.c); run ids
+ * stay below it (shards/ttl.c RUN_MAX). */
+#define KVR_TTL_MAP_TOMB (KVR_U64MAP_EMPTY - 1)
+
 /* Whether an entry still names a live block (entries that do not are dropped, not moved). */
 typedef bool (*kvr_ttl_map_live_fn)(const void *ctx, const struct kvr_u64map_slot *s);
 
@@ -21,7 +25,7 @@ struct kvr_ttl_map {
 	struct kvr_u64map cur; /* the table; while migrating, the new one */
 	struct kvr_u64map old; /* while migrating: the table being emptied (slots NULL otherwise) */
 	size_t zeroed;         /* slots of cur made empty; cur is in use once zeroed == cur.cap */
-	size_t mig;            /* old's slots below mig are empty (scanned) */
+	size_t mig;            /* old's entries below slot mig are copied (the copies count) */
 	size_t step;           /* units of migration per key inserted */
 	int64_t credit;        /* units paid and not done yet (negative: done ahead) */
 	uint64_t migrations;   /* started since init (stats) */
@@ -66,8 +70,16 @@ static inline void kvr_ttl_map_insert(struct kvr_ttl_map *m, uint64_t key, uint3
 	kvr_u64map_insert_tag(t, key, val, tag);
 }
 
+void kvr_ttl_map_remove_migrating(struct kvr_ttl_map *m, struct kvr_u64map_slot *s);
+
 /* Removes the entry in slot s (as kvr_ttl_map_find returned it). */
-void kvr_ttl_map_remove_slot(struct kvr_ttl_map *m, struct kvr_u64map_slot *s);
+static inline void kvr_ttl_map_remove_slot(struct kvr_ttl_map *m, struct kvr_u64map_slot *s)
+{
+	if (__builtin_expect(m->old.slots == NULL, 1))
+		kvr_u64map_remove_at(&m->cur, (size_t)(s - m->cur.slots));
+	else
+		kvr_ttl_map_remove_migrating(m, s);
+}
 
 /* Whether `extra` more keys fit without starting a migration (or, while migrating, without
  * passing the hard limit the migration's pace is sized for). */
