@@ -3,6 +3,7 @@
  * hashes (seed printed on failure; TTL_DIFF_SEED=<seed>).  shards/ttl against the oracle on
  * chained hashes: tests/unit/test_ttl_diff.c. */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -420,6 +421,8 @@ Test(ttl, out_of_memory_changes_nothing)
 				cr_assert_eq(kvr_ttl_count(t), before);
 				cr_assert_eq(kvr_ttl_next_expiry(t), next);
 			}
+			cr_assert_eq(kvr_ttl_check(t), 0, "nth %llu round %llu",
+			             (unsigned long long)nth, (unsigned long long)round);
 			before = kvr_ttl_count(t);
 			rc = kvr_ttl_expire(t, round * 60, &out);
 			if (rc)
