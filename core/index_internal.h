@@ -618,7 +618,7 @@ void kvr_index_blk_fini(struct kvr_index *idx);
  * the least that keeps up (default 2; tests set 0 to make locators migrate over more calls).
  * Context: set before any index exists. */
 extern uint64_t kvr_index_blk_step_min;
-/* The load (per mille, default 850) past which the locator grows or purges, starting a
+/* The load (per mille, default 850) past which the locator grows, starting a
  * migration: lower costs memory and leaves a migration more inserts to finish in before the
  * old array's hard limit (load 0.9), so smaller slices per call.  Context: set before any
  * index exists (bench_index_runs --churn compares). */

@@ -26,13 +26,14 @@
  * (removes and re-stores the tails of random ranks' paths in the same index); p99 ratio.
  * Timings are wall clock on a shared machine: compare the ratios, which come from one run.
  *
- * Churn (issues 10, 14: the locator's purge was one O(table) writer call): 8 ranks of 65,536
+ * Churn (issues 10, 14: the tombstone locator's purges were O(table) stalls): 8 ranks of 65,536
  * blocks each hold 128 prompts of 512 random blocks; each admission evicts a rank's oldest
  * prompt (one remove call) and stores a new one (one store call).  Per-call time max / p99.9 /
- * p99 and block ops per second, with the locator's purges and resizes done at once in one call
+ * p99 and block ops per second, with the locator's rebuilds done at once in one call
  * (kvr_index_blk_step_min huge: the old rebuild) and incrementally (the default), in one run,
  * and incrementally with migrations starting at locator load 0.8 instead of 0.85 (incr80), with
- * the locator's bytes per held block averaged over the admissions.
+ * the locator's bytes per held block averaged over the admissions, its rebuilds during the
+ * admissions (0 at this steady live count) and the wrong runs a lookup scans.
  *
  * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT
  *          | --tput L PAT | --churn [N admissions per mode, default 4000]
@@ -524,7 +525,7 @@ static void tput_mode(size_t L, int pat)
 enum { CH_RANKS = 8, CH_L = 512, CH_HELD = 128 };
 
 /* One churn run (see the header); step_min: the locator's least migration slice, grow_at: the
- * locator load (per mille) that starts a growth or purge. */
+ * locator load (per mille) that starts a growth. */
 static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char *mode)
 {
 	kvr_index_blk_step_min = step_min;

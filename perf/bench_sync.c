@@ -22,8 +22,9 @@
  *     --shard-spin-ns NS: the routers' kvr_config.shard_idle_spin_ns (0: never spin; default:
  *     the library's).  --route-rounds N: N no-peer rounds of part 1 before the in-process one
  *     (does the no-peer ratio depend on being first?).  --blk-grow-at PERMILLE: the block
- *     locator's migration start (kvr_index_blk_grow_at; its purges set the tail at 5000/s).
- * usage: bench_sync [--tokens N] [--rate R] [--seconds S] [--ranks K] [--capacity BLOCKS]
+ *     locator's migration start (kvr_index_blk_grow_at; the tombstone locator's purges set the tail
+ * at 5000/s; the chunked one only migrates to grow or shrink). usage: bench_sync [--tokens N]
+ * [--rate R] [--seconds S] [--ranks K] [--capacity BLOCKS]
  *                   [--stages] [--shard-spin-ns NS] [--route-rounds N]
  */
 #include <pthread.h>

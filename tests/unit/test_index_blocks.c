@@ -51,7 +51,7 @@ static void check_all(const struct kvr_index *idx, const uint64_t *seqs, int a)
 /* Each admission evicts a rank's oldest prompt (one removal: the run dies and drops its
  * entries) and stores a new one (one store: L - 1 inserts).  After the fill and one round of
  * evictions (the locator's growth to the steady count), 4000 admissions delete 380,000 entries,
- * over 20 times the locator's capacity: the old locator (tombstones) purged every 0.25 x cap
+ * over 10 times the locator's capacity: the old locator (tombstones) purged every 0.25 x cap
  * deletions, this one must not rebuild at all. */
 Test(index_blocks, churn_at_steady_count_never_rebuilds)
 {

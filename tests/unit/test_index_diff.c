@@ -360,7 +360,7 @@ Test(index_diff, long_chains)
 		run(seed, 1500);
 }
 
-/* The block locator's purges and resizes migrate a slice per writer call; with nothing on top of
+/* The block locator's resizes migrate a slice per writer call; with nothing on top of
  * the least slice that keeps up, even this small locator spends several calls migrating, so stores
  * (inserts into both arrays), removals (drops from both), run ids freed and reused, and lookups
  * (both arrays) interleave with migrations. */
