@@ -41,7 +41,7 @@
  *
  * Capacity: a multiple of 16 slots, as many chunks as the allocator's size class holds (the
  * array is one allocation: entries, then the overflow bytes), grown 1.5x at load 0.85 (so the
- * load stays in 0.57-0.85: 4.7-7.1 bytes per block with the overflow bytes), shrunk to load 0.6
+ * load stays in 0.57-0.85: 4.8-7.1 bytes per block with the overflow bytes), shrunk to load 0.6
  * when below 0.125.  With no tombstones a steady live count never rebuilds, however many
  * entries come and go (bench_index_runs --churn 4000: 0 rebuilds while 2.6 x the table's
  * slots are deleted and inserted, the tombstone table purged 4 times; per-call CPU p99 112-162
