@@ -162,6 +162,17 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
                            size_t cap, size_t *n_out);
 
 /*
+ * find_matches' scores by slot, for the router's fast path: depth[slot] (caller's array, an
+ * entry for every slot, ZERO on entry) is set to the score of each rank holding seq[0], whose
+ * slot is appended to slots[] (room for every slot); *best = the greatest score.  Returns how
+ * many slots were appended; the caller zeroes those depth[] entries before the next call.  The
+ * scores are find_matches' (no early exit) exactly.  No argument checks (a NULL is a crash).
+ * Context: as kvr_index_find_matches.
+ */
+size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
+                             uint32_t *depth, uint32_t *slots, uint32_t *best);
+
+/*
  * Waits until every deferred free and slot release this index queued so far has run (memory
  * counters are then exact, released slots reusable).  Polls; no rcu_barrier().
  * Context: any registered thread outside a read section, no writer of this index concurrently.

@@ -196,6 +196,48 @@ place_first(const struct kvr_index *idx, struct kvr_index_match *out, size_t cap
 	return over;
 }
 
+/* One run of the walk: R entered at query position q.  Its holder words (*hw, *hn) and the
+ * matched length *k: m = min(len, n - q) blocks checked by one comparison at the far end, a
+ * binary search inside where it differs (R's position 0 matched already: it is how R was
+ * found). */
+static inline __attribute__((always_inline)) void run_step(const struct idx_run *R,
+                                                           const uint64_t *seq, size_t n, size_t q,
+                                                           const uint64_t **hw, uint32_t *hn,
+                                                           size_t *k)
+{
+	/* Ordering: acquire; pairs with idx_run_set_len / idx_run_set_seqs (release): len and the
+	 * array come in one word, and a len covering a position was released after its hash was
+	 * written into that array. */
+	const uint64_t sl = __atomic_load_n(&R->sl, __ATOMIC_ACQUIRE);
+	const uint32_t len = (uint32_t)(sl >> IDX_HI_SHIFT);
+	const uint64_t *sq = (const uint64_t *)(uintptr_t)idx_lo_ptr(sl);
+	/* A tagged hs (low bit) or NULL: the single holder's word is inline (0: none). */
+	const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
+	*hw = &R->h1;
+	*hn = 1;
+	if (hs && !((uintptr_t)hs & 1)) {
+		__builtin_prefetch(hs);
+		*hw = hs->e;
+		*hn = hs->n;
+	}
+	size_t m = len < n - q ? len : n - q;
+	if (m <= 1) {
+		*k = m; /* position 0 matched: R was found by it (s[0] is not a hash) */
+	} else if (sq[m - 1] == seq[q + m - 1]) {
+		*k = m; /* one comparison at the far end */
+	} else {
+		size_t lo = 1, hi = m - 1; /* s[0] matched (R was found by it), s[m-1] did not */
+		while (lo < hi) {
+			size_t mid = (lo + hi + 1) / 2;
+			if (sq[mid - 1] == seq[q + mid - 1])
+				lo = mid;
+			else
+				hi = mid - 1;
+		}
+		*k = lo;
+	}
+}
+
 int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, size_t n,
                            const struct kvr_index_match_opts *opts, struct kvr_index_match *out,
                            size_t cap, size_t *n_out)
@@ -212,38 +254,10 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 	size_t a = 0, f = 0, q = 0;
 	bool first = true;
 	for (;;) {
-		/* Ordering: acquire; pairs with idx_run_set_len / idx_run_set_seqs (release): len
-		 * and the array come in one word, and a len covering a position was released after
-		 * its hash was written into that array. */
-		const uint64_t sl = __atomic_load_n(&R->sl, __ATOMIC_ACQUIRE);
-		const uint32_t len = (uint32_t)(sl >> IDX_HI_SHIFT);
-		const uint64_t *sq = (const uint64_t *)(uintptr_t)idx_lo_ptr(sl);
-		/* A tagged hs (low bit) or NULL: the single holder's word is inline (0: none). */
-		const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
-		const uint64_t *hw = &R->h1;
-		uint32_t hn = 1;
-		if (hs && !((uintptr_t)hs & 1)) {
-			__builtin_prefetch(hs);
-			hw = hs->e;
-			hn = hs->n;
-		}
-		size_t m = len < n - q ? len : n - q, k;
-		if (m <= 1) {
-			k = m; /* position 0 matched: R was found by it (s[0] is not a hash) */
-		} else if (sq[m - 1] == seq[q + m - 1]) {
-			k = m; /* one comparison at the far end */
-		} else {
-			size_t lo = 1,
-			       hi = m - 1; /* s[0] matched (R was found by it), s[m-1] did not */
-			while (lo < hi) {
-				size_t mid = (lo + hi + 1) / 2;
-				if (sq[mid - 1] == seq[q + mid - 1])
-					lo = mid;
-				else
-					hi = mid - 1;
-			}
-			k = lo;
-		}
+		const uint64_t *hw;
+		uint32_t hn;
+		size_t k;
+		run_step(R, seq, n, q, &hw, &hn, &k);
 		if (first) {
 			first = false;
 			size_t over = hn <= cap
@@ -270,4 +284,75 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		memmove(&out[a], &out[cap - f], f * sizeof(*out));
 	*n_out = a + f;
 	return 0;
+}
+
+/*
+ * find_depths: the same walk, its answer by slot, for kvr_route (no match entries to partition
+ * and scatter, no tree sizes).  The depth array itself is the active set: a rank still matching
+ * at a run entered at q has depth[slot] == q exactly (the q' + k' its previous run gave it),
+ * while one that dropped out has less (q' + cut with cut < k', or q' where it was absent, and
+ * q' + k' <= q) and one that never held seq[0] has 0 < q.  So a run's holder word costs one
+ * load of depth[slot], a compare, and for an active rank one store of q + min(cut, k): no
+ * bitmap, no partition, no slot order needed.
+ */
+size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
+                             uint32_t *depth, uint32_t *slots, uint32_t *best)
+{
+	*best = 0;
+	if (n == 0)
+		return 0;
+	const struct idx_run *R = idx_find_run(idx, seq[0], NULL, 0);
+	if (!R)
+		return 0;
+	const uint64_t *hw;
+	uint32_t hn;
+	size_t k, ns = 0;
+	run_step(R, seq, n, 0, &hw, &hn, &k);
+	/* The first run: every holder of seq[0] (cut >= 1; duplicate words of a slot are adjacent
+	 * and equal, see place_first). */
+	bool any = false;
+	uint32_t prev = UINT32_MAX;
+	for (uint32_t j = 0; j < hn; j++) {
+		const uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
+		const uint32_t s = wslot(w), cut = (uint32_t)w;
+		if (s == prev || cut == 0)
+			continue;
+		prev = s;
+		slots[ns++] = s;
+		depth[s] = cut < k ? cut : (uint32_t)k;
+		any |= cut >= k;
+	}
+	if (ns == 0)
+		return 0;
+	size_t q = 0, qr = 0; /* qr: where the last run walked was entered */
+	while (any) {
+		q += k;
+		if (q == n || k == 0)
+			break;
+		const struct idx_run *C = idx_find_run(idx, seq[q], R, (uint32_t)k);
+		if (!C)
+			break;
+		R = C;
+		run_step(R, seq, n, q, &hw, &hn, &k);
+		qr = q;
+		any = false;
+		const uint32_t qq = (uint32_t)q, kk = (uint32_t)k;
+		for (uint32_t j = 0; j < hn; j++) {
+			const uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
+			const uint32_t s = wslot(w), cut = (uint32_t)w;
+			if (depth[s] != qq)
+				continue; /* dropped out before, or never held seq[0] */
+			depth[s] = qq + (cut < kk ? cut : kk);
+			any |= cut >= kk;
+		}
+	}
+	/* The deepest: q for the ranks still matching, else the last run's deepest holder (or qr,
+	 * where the ranks active there but absent from it stayed). */
+	uint32_t top = (uint32_t)(any ? q : qr);
+	for (uint32_t j = 0; !any && j < hn; j++) {
+		const uint32_t d = depth[wslot(__atomic_load_n(&hw[j], __ATOMIC_RELAXED))];
+		top = d > top ? d : top;
+	}
+	*best = top;
+	return ns;
 }

@@ -3,7 +3,8 @@
  *
  *   1. hash the prompt's complete blocks (XXH3 chain, into thread-local scratch: no allocation
  *      once the scratch has grown to the largest prompt the thread has seen);
- *   2. find_matches in the RCU index (lock-free read side) -> per-rank cached prefix depth;
+ *   2. find_depths in the RCU index (lock-free read side) -> per-rank cached prefix depth, by
+ *      slot (find_matches' scores, written straight where the scoring reads them);
  *   3. read every candidate rank's load words (shards/owner.h: the booked load its shard
  *      writes plus the provisional load routing threads add, four ranks per cache line each);
  *   4. score and select in the same pass (core/select.h: cost inline, a running argmin scan,
@@ -56,10 +57,10 @@
 struct scratch {
 	uint64_t *local, *seq;
 	size_t hash_cap;
-	uint32_t *score; /* by slot: predicted cached depth (find_matches), zero between calls */
+	uint32_t *score; /* by slot: predicted cached depth (find_depths), zero between calls */
 	size_t score_cap;
-	struct kvr_index_match *match;
-	size_t match_cap;
+	uint32_t *mslots; /* the slots kvr_index_find_depths set in score[] */
+	size_t mslots_cap;
 	uint32_t *pin; /* by slot: pinned depth (blocks of the prompt already pinned there) */
 	size_t pin_cap;
 	uint32_t *pslots; /* the slots kvr_pinmap_depths set in pin[] */
@@ -81,7 +82,7 @@ static void scratch_free(void *p)
 	struct scratch *s = p;
 	kvr_free(s->local, 2 * s->hash_cap * sizeof(uint64_t));
 	kvr_free(s->score, s->score_cap * sizeof(uint32_t));
-	kvr_free(s->match, s->match_cap * sizeof(*s->match));
+	kvr_free(s->mslots, s->mslots_cap * sizeof(uint32_t));
 	kvr_free(s->pin, s->pin_cap * sizeof(uint32_t));
 	kvr_free(s->pslots, s->pslots_cap * sizeof(uint32_t));
 	kvr_free(s->cslot, s->cslot_cap * sizeof(uint32_t));
@@ -124,7 +125,7 @@ static __attribute__((noinline, cold)) int scratch_ranks_grow(size_t max_ranks)
 	int rc;
 	if ((rc = grow_arr((void **)&tls.score, &tls.score_cap, max_ranks, sizeof(uint32_t),
 	                   true)) ||
-	    (rc = grow_arr((void **)&tls.match, &tls.match_cap, max_ranks, sizeof(*tls.match),
+	    (rc = grow_arr((void **)&tls.mslots, &tls.mslots_cap, max_ranks, sizeof(uint32_t),
 	                   false)) ||
 	    (rc = grow_arr((void **)&tls.pin, &tls.pin_cap, max_ranks, sizeof(uint32_t), true)) ||
 	    (rc = grow_arr((void **)&tls.pslots, &tls.pslots_cap, max_ranks, sizeof(uint32_t),
@@ -338,18 +339,10 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	};
 	for (int attempt_no = 0; attempt_no < ROUTE_RETRIES; attempt_no++) {
 		uint64_t t2s = timed ? mono_ns() : 0;
-		size_t nm = 0;
-		kvr_rcu_read_lock();
-		if (nb)
-			kvr_index_find_matches(r->index, tls.seq, nb, NULL, tls.match,
-			                       tls.match_cap, &nm);
 		uint32_t best = 0, *score = tls.score;
-		const struct kvr_index_match *match = tls.match;
-		for (size_t i = 0; i < nm; i++) {
-			uint32_t v = match[i].score;
-			score[match[i].slot] = v;
-			best = v > best ? v : best;
-		}
+		kvr_rcu_read_lock();
+		size_t nm =
+		    nb ? kvr_index_find_depths(r->index, tls.seq, nb, score, tls.mslots, &best) : 0;
 		/* Pinned depth per rank: one walk along the published pinned runs. */
 		size_t np = nb ? kvr_pinmap_depths(r->pinmap, tls.seq, nb, tls.pin, tls.pslots) : 0;
 		uint64_t t2 = timed ? mono_ns() : 0;
@@ -357,8 +350,9 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		bool sat;
 		rc = choose(r, q, &sp, nb, &sat, &chosen);
 		kvr_rcu_read_unlock();
+		const uint32_t *mslots = tls.mslots;
 		for (size_t i = 0; i < nm; i++)
-			score[match[i].slot] = 0;
+			score[mslots[i]] = 0;
 		uint32_t *pin = tls.pin;
 		const uint32_t *pslots = tls.pslots;
 		for (size_t i = 0; i < np; i++)

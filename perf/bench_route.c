@@ -36,6 +36,8 @@
  *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N] [--rate R]
  *                    [--spin-us US] (shard_idle_spin_ns: how long an idle shard polls before it
  *                    parks; paced runs with a spin longer than the gap never wake a shard)
+ *                    [--iters N] (each thread stops after N routes, or at --ms: the same work
+ *                    for callgrind, whose speed would otherwise set how many routes it counts)
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -56,6 +58,8 @@ static uint32_t **prompts;
 static size_t n_prompts, prompt_len;
 static atomic_int go, stop;
 static uint64_t pace_ns; /* --rate: ns between one thread's routes; 0 = as fast as possible */
+static uint64_t iters;   /* --iters: routes per thread, then stop (callgrind: equal work) */
+static atomic_int done;  /* threads that reached --iters */
 
 static uint64_t mono_ns(void)
 {
@@ -210,7 +214,10 @@ static void *run(void *arg)
 		kvr_rcu_read_unlock();
 		sample(&w->lookup, t5 - t4);
 		sample(&w->own, t2 - t1 > t5 - t4 ? (t2 - t1) - (t5 - t4) : 0);
-		w->n++;
+		if (++w->n == iters) {
+			atomic_fetch_add(&done, 1);
+			break;
+		}
 	}
 	return NULL;
 }
@@ -287,9 +294,10 @@ static void bench(int threads, double ms)
 	uint64_t cpu0, wakes0;
 	uint64_t tasks0 = routing_tasks(r, &cpu0, &wakes0);
 	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
+	atomic_store(&done, 0);
 	atomic_store(&go, 1);
 	uint64_t depth_max = 0, depth_sum = 0, samples = 0;
-	while (mono_ns() < end) {
+	while (mono_ns() < end && atomic_load(&done) < threads) {
 		struct timespec ts = {0, 100000};
 		nanosleep(&ts, NULL);
 		for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
@@ -391,6 +399,8 @@ int main(int argc, char **argv)
 			threads_max = atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--spin-us"))
 			spin_us = atol(argv[i + 1]);
+		else if (!strcmp(argv[i], "--iters"))
+			iters = strtoull(argv[i + 1], NULL, 10);
 		else if (!strcmp(argv[i], "--rate"))
 			pace_ns = (uint64_t)(1e9 / atof(argv[i + 1]));
 	}

@@ -11,11 +11,13 @@
 #include "sync/rcu.h"
 
 static struct kvr_index *idx;
+static size_t idx_slots; /* its slots (find_depths' arrays) */
 
 static void setup(void)
 {
 	cr_assert_eq(kvr_rcu_thread_online(), 0);
-	cr_assert_eq(kvr_index_create(64, &idx), 0);
+	idx_slots = 64;
+	cr_assert_eq(kvr_index_create((uint32_t)idx_slots, &idx), 0);
 }
 
 static void teardown(void)
@@ -45,6 +47,24 @@ static int match(const uint64_t *local, size_t n, bool early, struct kvr_index_m
 	if (local)
 		kvr_hash_chain_locals(NULL, local, n, seq);
 	int rc = kvr_index_find_matches(idx, seq, n, &o, out, cap, n_out);
+	if (rc == 0 && !early && seq && n_out) { /* find_depths: the same scores, by slot */
+		uint32_t *depth = calloc(idx_slots, sizeof(*depth)),
+		         *slots = malloc(idx_slots * sizeof(*slots)), best = 7;
+		size_t nd = kvr_index_find_depths(idx, seq, n, depth, slots, &best);
+		cr_assert_eq(nd, *n_out);
+		uint32_t top = 0;
+		for (size_t i = 0; i < *n_out; i++) {
+			cr_assert_eq(depth[out[i].slot], out[i].score, "slot %u", out[i].slot);
+			top = out[i].score > top ? out[i].score : top;
+		}
+		cr_assert_eq(best, top);
+		for (size_t i = 0; i < nd; i++)
+			depth[slots[i]] = 0;
+		for (size_t i = 0; i < idx_slots; i++)
+			cr_assert_eq(depth[i], 0, "slot %zu set but not listed", i);
+		free(depth);
+		free(slots);
+	}
 	free(seq);
 	kvr_rcu_read_unlock();
 	return rc;
@@ -503,6 +523,7 @@ Test(index, packed_fields_at_their_limits)
 {
 	enum { RANKS = 65600, N = 2100 };
 	kvr_index_destroy(idx);
+	idx_slots = RANKS;
 	cr_assert_eq(kvr_index_create(RANKS, &idx), 0);
 	uint32_t a = UINT32_MAX, b = UINT32_MAX;
 	for (uint32_t i = 0; i < RANKS; i++) {

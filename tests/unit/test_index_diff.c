@@ -193,6 +193,9 @@ static void check(struct kvr_index *idx, unsigned seed, int step)
 		uint64_t qs[QMAX];
 		kvr_hash_chain_locals(NULL, q, n, qs);
 		int rc = kvr_index_find_matches(idx, qs, n, NULL, out, NR, &k);
+		/* find_depths: the same scores, by slot. */
+		uint32_t depth[NR * 2] = {0}, dslots[NR * 2], best = 7;
+		size_t nd = kvr_index_find_depths(idx, qs, n, depth, dslots, &best);
 		kvr_rcu_read_unlock();
 		cr_assert_eq(rc, 0, "seed=%u step=%d", seed, step);
 		int seen = 0;
@@ -212,6 +215,19 @@ static void check(struct kvr_index *idx, unsigned seed, int step)
 			}
 		}
 		cr_assert_eq((int)k, seen, "seed=%u step=%d", seed, step);
+		cr_assert_eq(nd, k, "seed=%u step=%d: find_depths' slots", seed, step);
+		uint32_t top = 0;
+		for (size_t j = 0; j < k; j++) {
+			cr_assert_eq(depth[out[j].slot], out[j].score, "seed=%u step=%d slot %u",
+			             seed, step, out[j].slot);
+			top = out[j].score > top ? out[j].score : top;
+		}
+		for (size_t j = 0; j < nd; j++)
+			depth[dslots[j]] = 0;
+		for (size_t j = 0; j < NR * 2; j++)
+			cr_assert_eq(depth[j], 0, "seed=%u step=%d: a slot set but not listed",
+			             seed, step);
+		cr_assert_eq(best, top, "seed=%u step=%d: best", seed, step);
 	}
 }
 
