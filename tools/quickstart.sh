@@ -32,7 +32,12 @@ if [ ! -f "$build/build.ninja" ]; then
 	# shellcheck disable=SC2086
 	meson setup "$build" ${MESON_ARGS:-} >/dev/null
 fi
-ninja -C "$build" >/dev/null
+# ninja reports compile errors on stdout: keep them when the build fails.
+if ! log=$(ninja -C "$build" 2>&1); then
+	printf '%s\n' "$log" | tail -n 60 >&2
+	echo "quickstart: the build failed" >&2
+	exit 1
+fi
 
 case "$mode" in
 run)
