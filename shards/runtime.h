@@ -163,7 +163,9 @@ int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
  * Runs fn(shard, arg) on the shard thread and returns its result; arg is borrowed for the call.
  * From the shard's own thread it runs inline.  Otherwise it posts (waiting for room like
  * kvr_shard_post_wait with no timeout, unless shutdown), then spins call_spin_ns on a reply
- * slot (no syscall on a busy shard) and then sleeps on a futex.  Returns fn's result, or
+ * slot (no syscall on a busy shard) and then sleeps on a futex; a call function whose replies
+ * have lately taken longer than call_spin_ns (a moving average per shard) spins only
+ * call_spin_ns / 16 before it sleeps.  Returns fn's result, or
  * KVR_EINVAL / KVR_ESHUTDOWN (not run).  Calls queued when shutdown begins still run.
  * Context: any thread.  Shard-to-shard calls must not form a cycle (A waits for B waits for A);
  * use posts for that.
