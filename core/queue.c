@@ -138,8 +138,9 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->tok_bytes = req->tokens ? req->n_tokens * sizeof(uint32_t) : 0;
 	/* A hash-given prompt with n_hashes = 0 (shorter than one block) keeps a non-NULL (one
 	 * element) copy: the request must still name local_hashes, and no memcpy sees NULL. */
-	e->hash_bytes =
-	    req->local_hashes ? (req->n_hashes ? req->n_hashes : 1) * sizeof(uint64_t) : 0;
+	e->hash_bytes = req->local_hashes && !req->tokens
+	                    ? (req->n_hashes ? req->n_hashes : 1) * sizeof(uint64_t)
+	                    : 0;
 	e->allow_bytes = req->n_allow * sizeof(struct kvr_rank_id);
 	e->lora_bytes = req->lora_name ? strlen(req->lora_name) + 1 : 0;
 	e->req.tokens = dup_bytes(req->tokens, e->tok_bytes);
@@ -148,7 +149,10 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 		if (h && req->n_hashes)
 			memcpy(h, req->local_hashes, req->n_hashes * sizeof(uint64_t));
 		e->req.local_hashes = h;
+	} else {
+		e->req.local_hashes = NULL; /* tokens given too (with seq_hashes): hashed again */
 	}
+	e->req.seq_hashes = NULL; /* not copied: hashed or chained again at admission */
 	e->req.allow = dup_bytes(req->allow, e->allow_bytes);
 	e->req.lora_name = dup_bytes(req->lora_name, e->lora_bytes);
 	if (req->pinned) {

@@ -176,8 +176,14 @@ static int validate(const struct kvr_router *r, const struct kvr_request *q)
 {
 	if (!q)
 		return KVR_EINVAL;
-	if ((q->tokens != NULL) == (q->local_hashes != NULL))
+	if (q->seq_hashes) {
+		if (!q->local_hashes)
+			return KVR_EINVAL; /* sequence hashes only with their local ones */
+		if (q->tokens && q->n_hashes != q->n_tokens / r->cfg.block_size)
+			return KVR_EINVAL; /* with tokens: every complete block's */
+	} else if ((q->tokens != NULL) == (q->local_hashes != NULL)) {
 		return KVR_EINVAL; /* exactly one of them */
+	}
 	if (q->n_tokens == 0 || q->n_tokens > KVR_MAX_PROMPT_TOKENS)
 		return KVR_EINVAL; /* an empty prompt, or a length no engine serves (and whose sum
 		                    * over a rank's requests could wrap its prefill load) */
@@ -320,9 +326,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	int rc;
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
-	if (q->tokens)
+	if (q->seq_hashes) { /* the frontend's own chain */
+		memcpy(tls.local, q->local_hashes, nb * sizeof(uint64_t));
+		memcpy(tls.seq, q->seq_hashes, nb * sizeof(uint64_t));
+	} else if (q->tokens) {
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
-	else {
+	} else {
 		memcpy(tls.local, q->local_hashes, nb * sizeof(uint64_t));
 		kvr_hash_chain_locals(NULL, tls.local, nb, tls.seq);
 	}

@@ -294,11 +294,22 @@ enum kvr_route_flags {
 struct kvr_request {
 	/* The prompt: tokens (borrowed), or precomputed local block hashes (borrowed) with
 	 * n_tokens still giving the prompt length (n_hashes <= n_tokens / block_size).  Exactly
-	 * one of tokens / local_hashes.  1 <= n_tokens <= KVR_MAX_PROMPT_TOKENS. */
+	 * one of tokens / local_hashes, or both with seq_hashes (below).
+	 * 1 <= n_tokens <= KVR_MAX_PROMPT_TOKENS. */
 	const uint32_t *tokens;
 	size_t n_tokens;
 	const uint64_t *local_hashes;
 	size_t n_hashes;
+	/* Optional, with local_hashes: their sequence hashes (seq_out of kvr_hash_blocks /
+	 * kvr_hash_extend for the same blocks; n_hashes of them; borrowed).  A frontend that keeps
+	 * a session's chain and hashes only each turn's new tokens passes both, and the router
+	 * hashes nothing (without them it chains local_hashes again: one dependent XXH3 per
+	 * block, about as long as hashing the tokens).  With tokens too, the hashes must be those
+	 * of the tokens' complete blocks (n_hashes = n_tokens / block_size): the router then
+	 * keeps the partial last block's tokens, so output tokens extend the chain as with tokens
+	 * alone.  Not checked: hashes that are not the chain of the prompt route the prompt they
+	 * name.  NULL = the router hashes. */
+	const uint64_t *seq_hashes;
 	const char *lora_name;            /* borrowed; NULL = none */
 	uint64_t request_id;              /* the frontend's id, for probes and logs */
 	uint32_t expected_output_tokens;  /* adds to the request's potential decode blocks */

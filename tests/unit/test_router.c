@@ -1030,6 +1030,57 @@ Test(router, allow_duplicates_and_prompt_length_bound)
 	kvr_router_destroy(r);
 }
 
+/* A frontend's own chain (local and sequence hashes, the suffix hashed with kvr_hash_extend)
+ * routes exactly as the tokens do; sequence hashes alone are refused. */
+Test(router, precomputed_sequence_hashes)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 4, 1 << 16, 0);
+	enum { N = 16 * 40 + 5, B = N / 16, K = 25 };
+	static uint32_t t[N];
+	prompt(t, N, 3);
+	struct kvr_decision a = route(r, t, 16 * K, 0); /* the first turn: K blocks */
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	uint64_t local[B], seq[B];
+	cr_assert_eq(kvr_hash_blocks(t, 16 * K, 16, NULL, local, seq), K);
+	size_t got = 0;
+	cr_assert_eq(kvr_hash_extend(&seq[K - 1], t + 16 * K, N - 16 * K, 16, NULL, local + K,
+	                             seq + K, &got),
+	             0);
+	cr_assert_eq(got, B - K);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.local_hashes = local;
+	q.seq_hashes = seq;
+	q.n_hashes = B;
+	q.n_tokens = N;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.rank.worker_id, a.rank.worker_id);
+	cr_assert_eq(d.overlap_blocks, K, "the first turn's blocks, found by the given chain");
+	cr_assert_eq(d.required_blocks, B);
+	struct kvr_decision e = route(r, t, N, KVR_ROUTE_QUERY_ONLY);
+	cr_assert_eq(e.overlap_blocks, B, "the given chain booked the blocks the tokens name");
+	/* The sequence hashes name the blocks (local ones only feed the predicted cache's own
+	 * bookkeeping): with other local hashes the lookup still finds every block. */
+	uint64_t other[B];
+	for (size_t i = 0; i < B; i++)
+		other[i] = local[i] ^ 0x5555;
+	q.local_hashes = other;
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, B, "looked up by the given sequence hashes");
+	/* Tokens with the hashes of every complete block: looked up by the hashes. */
+	q.tokens = t;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, B);
+	q.n_hashes = B - 1;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "with tokens: every complete block's");
+	q.n_hashes = B;
+	q.local_hashes = NULL;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "sequence hashes without local ones");
+	kvr_router_destroy(r);
+}
+
 /* ---- issue 11: routing and lifecycle calls that do not wait for the shard ---- */
 #include "core/router_internal.h"
 
