@@ -37,6 +37,7 @@ static const struct replay_policy_ops *const all_policies[] = {
     &replay_policy_least_loaded,
     &replay_policy_approx_lru_feedback,
     &replay_policy_approx_lru_watermark,
+    &replay_policy_approx_lru_chain,
 };
 #define N_ALL (sizeof(all_policies) / sizeof(all_policies[0]))
 
@@ -51,6 +52,10 @@ static void usage(FILE *f)
 	    "                         cached tokens at admission (kvr_request_cached);\n"
 	    "                         also approx_lru+watermark: that, and each rank's oldest\n"
 	    "                         cached block at admission (kvr_rank_observe);\n"
+	    "                         also approx_lru+chain: approx_lru behind a frontend that\n"
+	    "                         keeps each session's hash chain and hashes only the\n"
+	    "                         tokens a turn adds (checked against the previous prompt's,\n"
+	    "                         timed with the decision);\n"
 	    "                         also events_feed: events through the real KV event "
 	    "feed\n"
 	    "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
@@ -370,7 +375,7 @@ int main(int argc, char **argv)
 			sel[n_sel++] = &replay_policy_replicas_sync;
 		sel[n_sel++] = &replay_policy_replicas_nosync;
 	} else if (!policies) { /* the feedback variants (last two) only when asked for */
-		for (size_t i = 0; i + 2 < N_ALL; i++)
+		for (size_t i = 0; i + 3 < N_ALL; i++)
 			sel[n_sel++] = all_policies[i];
 	} else {
 		char *list = strdup(policies), *save = NULL;
@@ -571,7 +576,8 @@ int main(int argc, char **argv)
 			 * question the tool answers). */
 			if (sel[i] != &replay_policy_approx_lru &&
 			    sel[i] != &replay_policy_approx_lru_feedback &&
-			    sel[i] != &replay_policy_approx_lru_watermark && !cfg.serial)
+			    sel[i] != &replay_policy_approx_lru_watermark &&
+			    sel[i] != &replay_policy_approx_lru_chain && !cfg.serial)
 				pc.sample_every = 0;
 			if (replay_run(&t, sel[i], &pc, &res[i], err, sizeof(err))) {
 				fprintf(stderr, "kvr-replay: %s\n", err);

@@ -50,6 +50,7 @@ struct replay_route_req {
 	uint32_t n_tokens;
 	uint32_t output_len; /* expected output tokens */
 	uint64_t now_ns;     /* arrival (virtual) */
+	uint32_t session;    /* the conversation it belongs to (the trace file) */
 };
 
 /* CPU time a policy spent, ns, cumulative since create.  The replay times route() itself on its
@@ -62,6 +63,14 @@ struct replay_cpu {
 	uint64_t happenings;      /* those calls */
 	uint64_t threads_busy_ns; /* the policy's own threads, less their idle polling */
 	uint64_t threads_spin_ns; /* the policy's own threads' idle polling */
+	/* kvr_route's stages, wall time summed over the decisions it timed (one in 16 on each
+	 * thread, the agreement check's queries included): hashing, lookup (find_matches and
+	 * pinned depths), selection, admission (with sync_booking: the booking's round trip). */
+	uint64_t stage_ns[4], stage_n[4];
+	/* A frontend that keeps each session's chain (approx_lru+chain), inside route(): checking
+	 * the new prompt against the previous one, hashing (and keeping) what it adds; complete
+	 * blocks reused from the previous prompt, and all routed. */
+	uint64_t verify_ns, suffix_ns, kept_blocks, all_blocks;
 };
 
 struct replay_route_out {
@@ -125,6 +134,9 @@ extern const struct replay_policy_ops replay_policy_approx_lru;
 extern const struct replay_policy_ops replay_policy_approx_ttl;
 extern const struct replay_policy_ops replay_policy_approx_lru_feedback;
 extern const struct replay_policy_ops replay_policy_approx_lru_watermark;
+/* approx_lru behind a frontend that keeps each session's hash chain and hashes only what a
+ * turn adds (policy_router.c). */
+extern const struct replay_policy_ops replay_policy_approx_lru_chain;
 /* The events policy with its events through the real KV event feed (ZeroMQ + vLLM msgpack on
  * loopback; tools/replay/policy_feed.c, built with -Dzmq).  Not in the default list. */
 extern const struct replay_policy_ops replay_policy_events_feed;

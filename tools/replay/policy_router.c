@@ -34,9 +34,18 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/metrics.h"         /* kvr_route's stage histograms */
 #include "core/router_internal.h" /* the shard threads, for their CPU time */
 #include "kvrouter.h"
 #include "tools/replay/policy.h"
+
+/* approx_lru+chain: what the frontend keeps of a session's latest prompt, its complete blocks'
+ * tokens and hashes. */
+struct rp_chain {
+	uint32_t *tok;
+	uint64_t *local, *seq;
+	size_t n_blocks, cap_blocks;
+};
 
 /* A queued request: its ticket and trace id; once admitted, the decision too. */
 struct rp_queued {
@@ -62,6 +71,11 @@ struct rp {
 	/* CPU (rp_cpu): the happenings' on this thread; the shards' during the agreement check's
 	 * introspection calls (left out of the shards' figure). */
 	uint64_t happen_ns, happen_n, intro_busy_ns, intro_spin_ns;
+	/* approx_lru+chain: the frontend keeps each session's chain (by session id). */
+	bool chain;
+	struct rp_chain *chains;
+	size_t n_chains;
+	uint64_t verify_ns, suffix_ns, kept_blocks, all_blocks; /* summed, for rp_cpu */
 };
 
 static uint64_t thread_cpu_ns(void)
@@ -110,6 +124,19 @@ static void rp_cpu(void *state, struct replay_cpu *out)
 	out->happenings = p->happen_n;
 	out->threads_busy_ns = busy > p->intro_busy_ns ? busy - p->intro_busy_ns : 0;
 	out->threads_spin_ns = spin > p->intro_spin_ns ? spin - p->intro_spin_ns : 0;
+	out->verify_ns = p->verify_ns;
+	out->suffix_ns = p->suffix_ns;
+	out->kept_blocks = p->kept_blocks;
+	out->all_blocks = p->all_blocks;
+	static const enum kvr_hist stage[4] = {KVR_H_HASH_NS, KVR_H_MATCH_NS, KVR_H_SELECT_NS,
+	                                       KVR_H_ADMIT_NS};
+	for (int k = 0; k < 4; k++) {
+		uint64_t h[KVR_HIST_BUCKETS], n = 0;
+		kvr_metrics_hist(p->r->metrics, stage[k], h, &out->stage_ns[k]);
+		for (int b = 0; b < KVR_HIST_BUCKETS; b++)
+			n += h[b];
+		out->stage_n[k] = n;
+	}
 }
 
 static uint64_t rp_clock(void *ctx)
@@ -233,16 +260,99 @@ static int ttl_create(const struct replay_env *env, void **state)
 	return rp_create(env, KVR_MODE_APPROX_TTL, state);
 }
 
+static int chain_create(const struct replay_env *env, void **state)
+{
+	int rc = rp_create(env, KVR_MODE_APPROX_LRU, state);
+	if (rc == 0)
+		((struct rp *)*state)->chain = true;
+	return rc;
+}
+
 static void rp_destroy(void *state)
 {
 	struct rp *p = state;
 	if (!p)
 		return;
+	for (size_t i = 0; i < p->n_chains; i++) {
+		free(p->chains[i].tok);
+		free(p->chains[i].local);
+		free(p->chains[i].seq);
+	}
+	free(p->chains);
 	kvr_router_destroy(p->r);
 	free(p->blk);
 	free(p->waiting);
 	free(p->ready);
 	free(p);
+}
+
+/* Complete blocks at the start of a and b (n blocks each) with equal tokens: memcmp over
+ * 64-block strides, then block by block inside the stride that differs. */
+static size_t same_blocks(const uint32_t *a, const uint32_t *b, size_t n, uint32_t bs)
+{
+	const size_t stride = 64;
+	size_t i = 0;
+	while (i + stride <= n && !memcmp(a + i * bs, b + i * bs, stride * bs * sizeof(*a)))
+		i += stride;
+	while (i < n && !memcmp(a + i * bs, b + i * bs, bs * sizeof(*a)))
+		i++;
+	return i;
+}
+
+/* approx_lru+chain: the frontend's side.  An agentic frontend sends each turn as the session's
+ * previous prompt plus new tokens; keeping the session's chain (the previous prompt's complete
+ * blocks: tokens, local and sequence hashes), it checks how many of those blocks the new
+ * prompt repeats (comparing tokens: that check is the price of not trusting the conversation
+ * structure, and it is timed with the decision), hashes only the rest (kvr_hash_extend from the
+ * last kept block) and passes tokens and both hash arrays to kvr_route, which then hashes
+ * nothing.  A prompt that does not extend the previous one keeps only the blocks they share. */
+static int chain_hashes(struct rp *p, const struct replay_route_req *q, struct kvr_request *req)
+{
+	uint32_t bs = p->env.block_size;
+	if (q->session >= p->n_chains) {
+		size_t n = q->session + 1;
+		struct rp_chain *c = realloc(p->chains, n * sizeof(*c));
+		if (!c)
+			return KVR_ENOMEM;
+		memset(c + p->n_chains, 0, (n - p->n_chains) * sizeof(*c));
+		p->chains = c;
+		p->n_chains = n;
+	}
+	struct rp_chain *c = &p->chains[q->session];
+	size_t nb = q->n_tokens / bs;
+	if (nb > c->cap_blocks) {
+		size_t cap = nb + nb / 2;
+		uint32_t *t = realloc(c->tok, cap * bs * sizeof(*t));
+		if (t)
+			c->tok = t;
+		uint64_t *l = realloc(c->local, cap * sizeof(*l));
+		if (l)
+			c->local = l;
+		uint64_t *s = realloc(c->seq, cap * sizeof(*s));
+		if (s)
+			c->seq = s;
+		if (!t || !l || !s)
+			return KVR_ENOMEM;
+		c->cap_blocks = cap;
+	}
+	uint64_t c0 = thread_cpu_ns();
+	size_t keep = same_blocks(c->tok, q->tokens, c->n_blocks < nb ? c->n_blocks : nb, bs);
+	uint64_t c1 = thread_cpu_ns();
+	size_t got = 0;
+	int rc = kvr_hash_extend(keep ? &c->seq[keep - 1] : NULL, q->tokens + keep * bs,
+	                         (nb - keep) * bs, bs, NULL, c->local + keep, c->seq + keep, &got);
+	if (rc)
+		return rc;
+	memcpy(c->tok + keep * bs, q->tokens + keep * bs, (nb - keep) * bs * sizeof(*c->tok));
+	c->n_blocks = nb;
+	p->verify_ns += c1 - c0;
+	p->suffix_ns += thread_cpu_ns() - c1;
+	p->kept_blocks += keep;
+	p->all_blocks += nb;
+	req->local_hashes = c->local;
+	req->seq_hashes = c->seq;
+	req->n_hashes = nb;
+	return 0;
 }
 
 static int rp_route(void *state, const struct replay_route_req *q, struct replay_route_out *out)
@@ -253,10 +363,13 @@ static int rp_route(void *state, const struct replay_route_req *q, struct replay
 	kvr_request_init(&req);
 	req.tokens = q->tokens;
 	req.n_tokens = q->n_tokens;
+	int rc;
+	if (p->chain && (rc = chain_hashes(p, q, &req)))
+		return rc;
 	req.request_id = q->id;
 	req.expected_output_tokens = q->output_len;
 	struct kvr_decision d;
-	int rc = kvr_route(p->r, &req, &d);
+	rc = kvr_route(p->r, &req, &d);
 	if (rc)
 		return rc;
 	if (d.status == KVR_QUEUED) {
@@ -520,5 +633,7 @@ const struct replay_policy_ops replay_policy_approx_ttl =
     ROUTER_POLICY("approx_ttl", ttl_create, false, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_lru_feedback =
     ROUTER_POLICY("approx_lru+feedback", lru_create, false, rp_admitted, NULL);
+const struct replay_policy_ops replay_policy_approx_lru_chain =
+    ROUTER_POLICY("approx_lru+chain", chain_create, false, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_lru_watermark =
     ROUTER_POLICY("approx_lru+watermark", lru_create, false, rp_admitted, rp_observe);

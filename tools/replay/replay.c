@@ -694,7 +694,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		                              .tokens = tok,
 		                              .n_tokens = tr->input_len,
 		                              .output_len = tr->output_len,
-		                              .now_ns = at};
+		                              .now_ns = at,
+		                              .session = tr->session};
 		struct replay_route_out ro = {0};
 		/* Foreign traffic: this arrival goes around the policy (unless foreign_as is SELF).
 		 */
@@ -835,6 +836,12 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		res->has_cpu = true;
 		res->happen_cpu_ns_mean = (double)c.happenings_ns * per_route;
 		res->happenings_mean = (double)c.happenings * per_route;
+		res->verify_ns_mean = (double)c.verify_ns * per_route;
+		res->suffix_ns_mean = (double)c.suffix_ns * per_route;
+		res->kept_share = c.all_blocks ? (double)c.kept_blocks / (double)c.all_blocks : 0;
+		for (int k = 0; k < 4; k++)
+			res->stage_ns_mean[k] =
+			    c.stage_n[k] ? (double)c.stage_ns[k] / (double)c.stage_n[k] : 0;
 		res->threads_busy_ns_mean = (double)c.threads_busy_ns * per_route;
 		res->threads_spin_ns_mean = (double)c.threads_spin_ns * per_route;
 	}

@@ -106,7 +106,10 @@ struct replay_result {
 	 * prompts on the replay's thread (every policy). */
 	bool has_cpu;
 	double happen_cpu_ns_mean, threads_busy_ns_mean, threads_spin_ns_mean;
-	double happenings_mean; /* happening calls per decision */
+	double happenings_mean;  /* happening calls per decision */
+	double stage_ns_mean[4]; /* kvr_route's stages (struct replay_cpu), wall, per timed one */
+	/* approx_lru+chain (struct replay_cpu): per decision, part of route_cpu_ns_mean */
+	double verify_ns_mean, suffix_ns_mean, kept_share;
 	double hash_cpu_ns_mean;
 	/* Agreement (see above). */
 	uint64_t n_foreign; /* arrivals in the foreign share (foreign_share) */
