@@ -375,7 +375,7 @@ struct idx_retire {
 	struct idx_run *runs;
 	uint64_t *seqs; /* hash arrays, linked through their header words */
 	struct idx_hset *sets;
-	struct idx_tab *tabs;
+	struct idx_tret *tabs;
 	uint32_t n; /* objects on the lists */
 };
 
@@ -442,19 +442,19 @@ struct idx_blocks {
 };
 
 /*
- * A run-table segment's array.  Capacities step by 1.5x and 2x alternately (16, 24, 32, 48,
- * ...; grown at load 0.8 to the next size with load <= 0.6), so the load stays in 0.53-0.8
- * (it was 0.4-0.8 with powers of two: 10-20 bytes per run, now 10-15).  The home slot is
- * fastrange of the high half of seq times an odd constant (every bit of seq counts: a root
- * run's first hash is the caller's local hash, small integers in tests, and fastrange of raw
- * bits would pile those on one slot).  Readers find the capacity in the low 6 bits of the
- * segment's view word: code = h << 5 | s for cap = (2 | h) << s.
+ * A run-table segment's array: uint64_t e[cap], the entries and nothing else, so that it is
+ * exactly an allocator size class (128, 192, 256, 384, 512, 768, ... bytes; with a 16-byte
+ * header {cap, retire link} in front, 16 entries took 192 bytes, 64 took 640 and 512 took
+ * 5,120).  Capacities step by 1.5x and 2x alternately (16, 24, 32, 48, ...; grown at load 0.8
+ * to the next size with load <= 0.6), so the load stays in 0.53-0.8 (it was 0.4-0.8 with
+ * powers of two).  The home slot is fastrange of the high half of seq times an odd constant
+ * (every bit of seq counts: a root run's first hash is the caller's local hash, small integers
+ * in tests, and fastrange of raw bits would pile those on one slot).  Readers find the
+ * capacity in the low 6 bits of the segment's view word: code = h << 5 | s for cap = (2 | h)
+ * << s; writers keep it in the segment.  A replaced array is retired through a record of its
+ * own (struct idx_tret, 16 bytes, allocated with the array so that giving an array back never
+ * needs memory): readers may still probe every entry of it.
  */
-struct idx_tab {
-	uint64_t cap;
-	struct idx_tab *next_free;
-	uint64_t e[];
-};
 
 static inline uint64_t idx_tab_cap(uintptr_t code)
 {
@@ -475,9 +475,18 @@ static inline uint64_t idx_tab_home(uint64_t seq, uint64_t cap)
 /* One of IDX_SEGS open-addressing tables; the segment is seq's top bits.  Writers use tab (under
  * wlock); readers use kvr_index.view[], kept apart from the writers' counters. */
 struct idx_seg {
-	struct idx_tab *tab;
-	uint32_t count; /* runs */
+	uint64_t *tab;       /* the entries (NULL: none) */
+	uint64_t cap;        /* their number */
+	struct idx_tret *tr; /* tab's retire record (with tab) */
+	uint32_t count;      /* runs */
 	uint32_t tombs;
+};
+
+/* A segment array's retire record: the array | idx_tab_code(its capacity) (64-aligned, as in
+ * the view word), and the retire-list link once retired. */
+struct idx_tret {
+	struct idx_tret *next;
+	uintptr_t ec;
 };
 
 enum { SLOT_FREE = 0, SLOT_ACTIVE = 1, SLOT_RETIRING = 2 };
@@ -536,7 +545,7 @@ static inline int64_t idx_real(uint64_t size)
 
 static inline uint64_t idx_bytes_tab(uint64_t cap)
 {
-	return sizeof(struct idx_tab) + cap * sizeof(uint64_t);
+	return cap * sizeof(uint64_t);
 }
 
 static inline uint64_t idx_bytes_seqs(uint32_t cap)
@@ -567,11 +576,11 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 	uintptr_t v = __atomic_load_n(&idx->view[seq >> (64 - IDX_SEGS_BITS)], __ATOMIC_ACQUIRE);
 	if (!v)
 		return NULL;
-	const struct idx_tab *t = (const struct idx_tab *)(v & ~(uintptr_t)63);
+	const uint64_t *t = (const uint64_t *)(v & ~(uintptr_t)63);
 	const uint64_t cap = idx_tab_cap(v & 63);
 	uint64_t want = idx_tag(seq);
 	for (uint64_t i = idx_tab_home(seq, cap);; i = i + 1 == cap ? 0 : i + 1) {
-		uint64_t e = __atomic_load_n(&t->e[i], __ATOMIC_ACQUIRE);
+		uint64_t e = __atomic_load_n(&t[i], __ATOMIC_ACQUIRE);
 		if (!e)
 			return NULL;
 		if ((e >> 48) != want || e == IDX_TOMB)

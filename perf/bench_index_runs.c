@@ -325,7 +325,8 @@ static void bench_memory(size_t len, int holders, int np)
 	uint64_t tab = 0;
 	for (uint32_t i = 0; i < IDX_SEGS; i++)
 		if (idx->seg[i].tab)
-			tab += kvr_alloc_real_size_aligned(idx_bytes_tab(idx->seg[i].tab->cap));
+			tab += kvr_alloc_real_size_aligned(idx_bytes_tab(idx->seg[i].cap)) +
+			       kvr_alloc_real_size(sizeof(struct idx_tret));
 	const struct idx_blocks *b = &idx->blk;
 	const uint64_t loc = kvr_alloc_real_size(idx_blk_bytes(b->cap)),
 	               old = kvr_alloc_real_size(idx_blk_bytes(b->old_cap)),
