@@ -166,7 +166,7 @@ int kvr_ttl_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_ttl **out)
 	t->bucket = bucket_ns;
 	t->free_head = NIL;
 	t->head = t->tail = NIL;
-	kvr_ttl_map_init(&t->by_seq, entry_live, t);
+	kvr_ttl_map_init(&t->by_seq, entry_live, t, &t->live);
 	*out = t;
 	return 0;
 }

@@ -29,23 +29,25 @@
  * old; inserts go to the new one.
  *
  * Pace.  Work is counted in units: KVR_TTL_MAP_ZERO slots zeroed, one old slot scanned, one
- * entry moved (or dropped).  A migration of an old table of C slots holding n entries into one
- * of C' slots is at most C'/ZERO + C + n units.  Each call that inserts k keys first pays
- * step * k units (and a few per call, ttl.c), step sized so that the migration ends before the
- * inserts could take the table they go to past MAP_HARD (0.85): in phase 1 the old one holds
- * n + (inserts so far), in phase 2 the new one holds at most n + (inserts so far) (only entries
- * the old one held at the start move, each once), so (units) / (0.85 min(C, C') - n) + 1, and a
- * little more.  At the usual start (load 0.7, doubling) that is about 10 units per inserted key:
- * a record of 128 new blocks moves ~1,300 slots, where it rehashed the whole table.  A call
- * that inserts more keys than the slack (one record bigger than 15 % of the table) finishes the
- * migration at once: O(table), but the call's own size is a good fraction of that already.
+ * entry copied.  Each call that inserts k keys first pays step * k units (and a few per call,
+ * ttl.c), the step set per phase so that the phase ends before the inserts could take the table
+ * they go to past MAP_HARD (0.85): phase 1 zeroes C'/ZERO units while the old table (C slots,
+ * n entries) takes inserts, so C'/ZERO / (0.85 C - n) + 1, a little more; phase 2 scans C slots
+ * and copies at most n entries while the new table takes the inserts, and it will hold at most
+ * the held blocks' entries plus those inserts, so (C + n) / (0.85 C' - held) + 1, a little more.
+ * At the usual start (load 0.7, doubling) that is about 5 units per inserted key in either
+ * phase: a record of 128 new blocks does ~700 units where it rehashed the whole table.  (One
+ * pace for both, sized by the tighter phase-1 slack, was 16 units per key: bench_lru
+ * --blocks 512 record p99.9 109-116 us against 78-90 before the change; with two, 58-72 against
+ * 61-63.)  A call that inserts more keys than the slack (one record bigger than 15 % of the
+ * table) finishes the migration at once: O(table), but its own size is a good part of that.
  * A failed allocation (only kvr_ttl_map_start allocates) changes nothing.  Every entry still
  * moves once per growth, but while migrating misses probe two tables (the graves' lookups of
  * entries a migration already dropped are such misses), every slot costs a unit of
  * bookkeeping, and the memory is old + new table (as it was for an instant before).  Measured
- * (callgrind, bench_lru --only ttl-runs, instructions per record): 16.5k -> 18.3k at 512
- * blocks (+10.8 %), 4.32k -> 4.59k at 64 (+6.2 %), for a largest slice of 7,830 units (a
- * record of ~500 new blocks) where a growth of the 1M-slot table rehashed 600k entries.
+ * (callgrind, bench_lru --only ttl-runs, instructions per record, with one pace for both
+ * phases): 16.5k -> 18.3k at 512 blocks (+10.8 %), 4.32k -> 4.59k at 64 (+6.2 %), where a
+ * growth of the 1M-slot table rehashed 600k entries in one call.
  * Context: the shard thread that owns the TTL store; no locks, no atomics.
  */
 #include "shards/ttl_map.h"
@@ -61,8 +63,10 @@
 #define MAP_HARD 85u
 #define STEP_MIN 2u
 
-void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const void *ctx)
+void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const void *ctx,
+                      const size_t *held)
 {
+	m->held = held;
 	kvr_u64map_init(&m->cur);
 	kvr_u64map_init(&m->old);
 	m->zeroed = m->mig = m->step = 0;
@@ -138,6 +142,21 @@ static void mig_done(struct kvr_ttl_map *m)
 	m->credit = 0;
 }
 
+/* Phase 2's pace, set when the new table becomes usable: the old table's slots to scan and
+ * entries to copy over the inserts the new one takes before MAP_HARD.  What it will hold is at
+ * most what it holds now, plus the held blocks' entries still in the old table (at most every
+ * held block: stale entries are dropped, not copied), plus the inserts. */
+static void pace_moving(struct kvr_ttl_map *m)
+{
+	size_t units = m->old.cap - m->mig + m->old.count;
+	size_t copy = m->held && *m->held < m->old.count ? *m->held : m->old.count;
+	size_t lim = m->cur.cap * MAP_HARD / 100, used = m->cur.count + copy;
+	if (lim <= used) /* no slack (NEVER for a growth): the rest now */
+		m->credit = INT64_MAX / 4;
+	else
+		m->step = units / (lim - used) + 1 + STEP_MIN;
+}
+
 void kvr_ttl_map_step(struct kvr_ttl_map *m, size_t units)
 {
 	if (!m->old.slots)
@@ -159,6 +178,8 @@ void kvr_ttl_map_step(struct kvr_ttl_map *m, size_t units)
 				c->slots[m->zeroed + i].val = KVR_U64MAP_EMPTY;
 			m->zeroed += n;
 			m->credit -= (int64_t)(n / KVR_TTL_MAP_ZERO) + 1;
+			if (m->zeroed == c->cap)
+				pace_moving(m);
 			continue;
 		}
 		if (o->count == 0 || m->mig >= o->cap)
@@ -208,11 +229,10 @@ int kvr_ttl_map_start(struct kvr_ttl_map *m, size_t cap, size_t extra)
 	m->cur = n;
 	m->zeroed = m->mig = 0;
 	m->credit = 0;
-	/* The pace (essay): units over the inserts allowed before the table taking them passes
-	 * MAP_HARD, counting this call's `extra`. */
-	size_t units = cap / KVR_TTL_MAP_ZERO + m->old.cap + m->old.count;
-	size_t small = m->old.cap < cap ? m->old.cap : cap;
-	size_t lim = small * MAP_HARD / 100, used = m->old.count + extra;
+	/* Phase 1's pace (essay): slices to zero over the inserts the old table takes before
+	 * MAP_HARD, counting this call's `extra`; phase 2's is set when it starts. */
+	size_t units = cap / KVR_TTL_MAP_ZERO + 1;
+	size_t lim = m->old.cap * MAP_HARD / 100, used = m->old.count + extra;
 	if (lim <= used) { /* more inserts than the slack: all at once (NEVER by the pace) */
 		kvr_ttl_map_step(m, SIZE_MAX);
 		return 0;

@@ -32,10 +32,13 @@ struct kvr_ttl_map {
 	size_t max_units;      /* most units one kvr_ttl_map_step() did (stats) */
 	kvr_ttl_map_live_fn live;
 	const void *ctx;
+	const size_t *held; /* the store's held blocks (bounds the entries a migration copies) */
 };
 
-/* An empty map; live(ctx, slot) decides which entries a migration keeps. */
-void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const void *ctx);
+/* An empty map; live(ctx, slot) decides which entries a migration keeps; *held (borrowed for
+ * the map's life, NULL: unknown) counts the held blocks, which the pace uses. */
+void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const void *ctx,
+                      const size_t *held);
 void kvr_ttl_map_fini(struct kvr_ttl_map *m);
 
 static inline bool kvr_ttl_map_migrating(const struct kvr_ttl_map *m)
