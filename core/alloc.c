@@ -8,6 +8,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #ifdef KVR_HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
@@ -143,6 +145,20 @@ size_t kvr_alloc_real_size_aligned(size_t size)
 #else
 	return rounded;
 #endif
+}
+
+size_t kvr_alloc_discard(void *mem, size_t len)
+{
+	long p = sysconf(_SC_PAGESIZE); /* glibc: from the auxiliary vector, no system call */
+	size_t page = p > 0 ? (size_t)p : 4096;
+	uintptr_t a = (uintptr_t)mem, start = (a + page - 1) & ~(uintptr_t)(page - 1);
+	uintptr_t end = (a + len) & ~(uintptr_t)(page - 1);
+	if (!mem || end <= start)
+		return 0;
+#ifdef MADV_DONTNEED
+	(void)madvise((void *)start, end - start, MADV_DONTNEED);
+#endif
+	return end - a;
 }
 
 void kvr_free(void *mem, size_t size)

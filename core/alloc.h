@@ -24,6 +24,13 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size);
 /* Frees what kvr_alloc*() returned; size is the size asked for.  NULL is a no-op. */
 void kvr_free(void *mem, size_t size);
 void kvr_free_aligned(void *mem, size_t size);
+/* Gives the whole pages inside [mem, mem + len) of a live allocation back to the system, so that
+ * the memory goes a slice at a time and freeing the allocation later is cheap (shards/ttl_map.c:
+ * a table being emptied).  Their content becomes unspecified (zero on Linux): the caller must
+ * not read that range again before writing it.  Best effort, never fails.  Returns how many
+ * bytes from mem are done (to the end of the last page given back, 0 if none): the caller may
+ * go on from there.  Context: the allocation's owner. */
+size_t kvr_alloc_discard(void *mem, size_t len);
 /* What an allocation of size bytes really occupies: the allocator's size class (jemalloc's
  * nallocx, e.g. 144 -> 160); 0 for 0 (nothing allocated).  Without jemalloc the C library
  * offers no size-class query (malloc_usable_size needs the pointer): size itself.  The _aligned

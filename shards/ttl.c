@@ -709,11 +709,11 @@ static int check_table(const struct kvr_ttl *t, const struct kvr_u64map *tb, siz
 {
 	const struct kvr_ttl_map *m = &t->by_seq;
 	size_t n = 0;
-	for (size_t i = 0; i < tb->cap; i++) {
+	/* the old table's slots below the migration cursor are copied (and may have been given
+	 * back to the system): not read */
+	for (size_t i = below; i < tb->cap; i++) {
 		const struct kvr_u64map_slot *s = &tb->slots[i];
-		/* the old table's entries below the migration cursor are copied: they do not count
-		 */
-		if (s->val == KVR_U64MAP_EMPTY || s->val == KVR_TTL_MAP_TOMB || i < below)
+		if (s->val == KVR_U64MAP_EMPTY || s->val == KVR_TTL_MAP_TOMB)
 			continue;
 		CHECK(kvr_ttl_map_find(m, s->key) == s);
 		CHECK(s->val < t->cap);

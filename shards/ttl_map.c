@@ -55,6 +55,18 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#include <sanitizer/asan_interface.h>
+#endif
+#endif
+#ifndef ASAN_POISON_MEMORY_REGION
+#define ASAN_POISON_MEMORY_REGION(addr, size)   ((void)(addr), (void)(size))
+#define ASAN_UNPOISON_MEMORY_REGION(addr, size) ((void)(addr), (void)(size))
+#endif
+
 /* Slots made empty per unit of work (128 bytes), and per loop iteration at most. */
 #define KVR_TTL_MAP_ZERO 8u
 #define ZERO_CHUNK       1024u
@@ -69,7 +81,7 @@ void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const voi
 	m->held = held;
 	kvr_u64map_init(&m->cur);
 	kvr_u64map_init(&m->old);
-	m->zeroed = m->mig = m->step = 0;
+	m->zeroed = m->mig = m->released = m->step = 0;
 	m->credit = 0;
 	m->migrations = 0;
 	m->max_units = 0;
@@ -79,6 +91,7 @@ void kvr_ttl_map_init(struct kvr_ttl_map *m, kvr_ttl_map_live_fn live, const voi
 
 void kvr_ttl_map_fini(struct kvr_ttl_map *m)
 {
+	ASAN_UNPOISON_MEMORY_REGION(m->old.slots, m->old.cap * sizeof(*m->old.slots));
 	kvr_u64map_fini(&m->cur);
 	kvr_u64map_fini(&m->old);
 }
@@ -88,21 +101,27 @@ static inline bool zeroing(const struct kvr_ttl_map *m)
 	return m->old.slots && m->zeroed < m->cur.cap;
 }
 
-/* key's entry in the old table (moving phase): one at a slot >= mig, or NULL. */
+/* key's entry in the old table (moving phase): one at a slot >= mig, or NULL.  The slots below
+ * mig are never read (they may have been given back to the system): a probe that reaches them
+ * jumps to mig.  That is exact, since every slot of a probe path was occupied and slots never
+ * empty while moving: the path from the home slot to an entry at p >= mig, cut to its slots
+ * >= mig, is still unbroken, and it has at most cap - mig slots. */
 static struct kvr_u64map_slot *old_find(const struct kvr_ttl_map *m, uint64_t key)
 {
 	const struct kvr_u64map *o = &m->old;
 	if (o->count == 0)
 		return NULL;
-	size_t mask = o->cap - 1;
-	for (size_t i = kvr_u64map_home(o, key);; i = (i + 1) & mask) {
+	size_t mask = o->cap - 1, i = kvr_u64map_home(o, key);
+	for (size_t left = o->cap - m->mig; left > 0; left--, i = (i + 1) & mask) {
+		if (i < m->mig)
+			i = m->mig;
 		struct kvr_u64map_slot *s = &o->slots[i];
 		if (s->val == KVR_U64MAP_EMPTY)
 			return NULL;
 		if (s->key == key && s->val != KVR_TTL_MAP_TOMB)
-			return i >= m->mig ? s
-			                   : NULL; /* below: copied, and removed from cur since */
+			return s;
 	}
+	return NULL;
 }
 
 struct kvr_u64map_slot *kvr_ttl_map_find_migrating(const struct kvr_ttl_map *m, uint64_t key)
@@ -134,9 +153,25 @@ bool kvr_ttl_map_room(const struct kvr_ttl_map *m, size_t extra)
 	return (t->count + extra) * 100 <= t->cap * MAP_HARD;
 }
 
+/* Pages of the old table below the cursor go back to the system a slice at a time, so that
+ * neither they nor the free at the end land on one call (a 1M-slot table is 16 MB). */
+#define RELEASE_SLOTS 4096u
+
+static void release_copied(struct kvr_ttl_map *m)
+{
+	if (m->mig - m->released < RELEASE_SLOTS)
+		return;
+	struct kvr_u64map_slot *from = m->old.slots + m->released;
+	size_t n = (m->mig - m->released) * sizeof(*from);
+	m->released += kvr_alloc_discard(from, n) / sizeof(*from);
+	/* AddressSanitizer builds: a read below the cursor is reported (it must never happen) */
+	ASAN_POISON_MEMORY_REGION(from, n);
+}
+
 /* Ends a migration: the old table holds no entry. */
 static void mig_done(struct kvr_ttl_map *m)
 {
+	ASAN_UNPOISON_MEMORY_REGION(m->old.slots, m->old.cap * sizeof(*m->old.slots));
 	kvr_u64map_fini(&m->old);
 	m->mig = m->step = 0;
 	m->credit = 0;
@@ -202,6 +237,7 @@ void kvr_ttl_map_step(struct kvr_ttl_map *m, size_t units)
 		}
 		m->credit -= (int64_t)(i - m->mig) + copied;
 		m->mig = i;
+		release_copied(m);
 	}
 	size_t did = (size_t)(start - m->credit);
 	if (did > m->max_units)
@@ -227,7 +263,7 @@ int kvr_ttl_map_start(struct kvr_ttl_map *m, size_t cap, size_t extra)
 	}
 	m->old = m->cur;
 	m->cur = n;
-	m->zeroed = m->mig = 0;
+	m->zeroed = m->mig = m->released = 0;
 	m->credit = 0;
 	/* Phase 1's pace (essay): slices to zero over the inserts the old table takes before
 	 * MAP_HARD, counting this call's `extra`; phase 2's is set when it starts. */

@@ -26,6 +26,7 @@ struct kvr_ttl_map {
 	struct kvr_u64map old; /* while migrating: the table being emptied (slots NULL otherwise) */
 	size_t zeroed;         /* slots of cur made empty; cur is in use once zeroed == cur.cap */
 	size_t mig;            /* old's entries below slot mig are copied (the copies count) */
+	size_t released;       /* old's slots below it are given back to the system (unreadable) */
 	size_t step;           /* units of migration per key inserted */
 	int64_t credit;        /* units paid and not done yet (negative: done ahead) */
 	uint64_t migrations;   /* started since init (stats) */
