@@ -163,11 +163,12 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 
 /*
  * find_matches' scores by slot, for the router's fast path: depth[slot] (caller's array, an
- * entry for every slot, ZERO on entry) is set to the score of each rank holding seq[0], whose
- * slot is appended to slots[] (room for every slot); *best = the greatest score.  Returns how
- * many slots were appended; the caller zeroes those depth[] entries before the next call.  The
- * scores are find_matches' (no early exit) exactly.  No argument checks (a NULL is a crash).
- * Context: as kvr_index_find_matches.
+ * entry for every slot, ZERO on entry) is set to the score of each rank holding seq[0], 0 for
+ * every other; *best = the greatest score.  The slots whose entries it wrote (those, and maybe
+ * a few of score 0, some twice) are appended to slots[] (room for every slot); returns how many.
+ * The caller zeroes those depth[] entries before the next call.  The scores are find_matches'
+ * (no early exit) exactly; racing a writer, *best may exceed every score by what the writer
+ * changed.  No argument checks (a NULL is a crash).  Context: as kvr_index_find_matches.
  */
 size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
                              uint32_t *depth, uint32_t *slots, uint32_t *best);

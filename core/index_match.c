@@ -308,22 +308,21 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 	uint32_t hn;
 	size_t k, ns = 0;
 	run_step(R, seq, n, 0, &hw, &hn, &k);
-	/* The first run: every holder of seq[0] (cut >= 1; duplicate words of a slot are adjacent
-	 * and equal, see place_first). */
+	/* The first run: every word, as it comes.  A word of cut 0 writes depth 0 (as if absent)
+	 * and duplicate words of a slot (adjacent and equal, see place_first) write the same
+	 * depth twice, so no test is needed per word, and a set has at most one word per slot of
+	 * the index (joins compact duplicates), so slots[] has room. */
 	bool any = false;
-	uint32_t prev = UINT32_MAX;
+	if (hn > idx->max_ranks)
+		return 0; /* not a set this index makes */
 	for (uint32_t j = 0; j < hn; j++) {
 		const uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
 		const uint32_t s = wslot(w), cut = (uint32_t)w;
-		if (s == prev || cut == 0)
-			continue;
-		prev = s;
-		slots[ns++] = s;
+		slots[j] = s;
 		depth[s] = cut < k ? cut : (uint32_t)k;
 		any |= cut >= k;
 	}
-	if (ns == 0)
-		return 0;
+	ns = hn;
 	size_t q = 0, qr = 0; /* qr: where the last run walked was entered */
 	while (any) {
 		q += k;
