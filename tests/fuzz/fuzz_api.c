@@ -168,6 +168,7 @@ struct prog {
 	uint64_t gaps_reported;
 	uint32_t toks[MAX_TOK];
 	uint64_t hashes[MAX_TOK];
+	uint64_t seqs[MAX_TOK]; /* their sequence hashes (kvr_request.seq_hashes) */
 	uint64_t calls;
 	uint64_t routes; /* kvr_route calls so far */
 };
@@ -635,9 +636,12 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
 	size_t n = gen_tokens(p, p->toks, MAX_TOK);
 	q->lora_name = gen_lora(p);
 	if (u8(&p->in) % 4 == 0) {
-		/* precomputed local hashes of the same prompt */
-		size_t nb = kvr_hash_blocks(p->toks, n, bs, q->lora_name, p->hashes, NULL);
+		/* precomputed local hashes of the same prompt, and sometimes their sequence
+		 * hashes */
+		size_t nb = kvr_hash_blocks(p->toks, n, bs, q->lora_name, p->hashes, p->seqs);
 		q->local_hashes = p->hashes;
+		if (u8(&p->in) % 2)
+			q->seq_hashes = p->seqs;
 		q->n_hashes = nb ? nb - u8(&p->in) % (nb + 1) % 2 : 0;
 		q->n_tokens = n;
 		if (u8(&p->in) % 16 == 0) /* huge, hash-given: at the limit or past it */
@@ -645,6 +649,12 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
 	} else {
 		q->tokens = p->toks;
 		q->n_tokens = n;
+		if (u8(&p->in) % 8 == 0) { /* tokens with every complete block's hashes */
+			q->n_hashes =
+			    kvr_hash_blocks(p->toks, n, bs, q->lora_name, p->hashes, p->seqs);
+			q->local_hashes = p->hashes;
+			q->seq_hashes = p->seqs;
+		}
 	}
 	q->request_id = u16(&p->in);
 	q->expected_output_tokens = u8(&p->in) % 4 == 0 ? u16(&p->in) : 0;
@@ -707,12 +717,14 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
 	switch (u8(&p->in) % 24) {
 	case 0:
 		q->tokens = p->toks;
-		q->local_hashes = p->hashes; /* both */
+		q->local_hashes = p->hashes; /* both, without sequence hashes */
+		q->seq_hashes = NULL;
 		*defect = KVR_EINVAL;
 		break;
 	case 1:
 		q->tokens = NULL;
-		q->local_hashes = NULL; /* neither */
+		q->local_hashes = NULL; /* neither (sequence hashes alone are no prompt either) */
+		q->seq_hashes = u8(&p->in) % 2 ? p->seqs : NULL;
 		*defect = KVR_EINVAL;
 		break;
 	case 2:
@@ -789,8 +801,10 @@ static void op_route(struct prog *p)
 	gen_request(p, &q, &pin, allow, &pinned, &aset, &asome, &defect, &erange9);
 	/* Recompute malformations from the request itself (the generator may combine them). */
 	uint32_t bs = p->cfg.block_size;
-	bool bad = (q.tokens != NULL) == (q.local_hashes != NULL) || q.n_tokens == 0 ||
-	           q.n_tokens > KVR_MAX_PROMPT_TOKENS ||
+	bool prompt_ok = q.seq_hashes
+	                     ? q.local_hashes && (!q.tokens || q.n_hashes == q.n_tokens / bs)
+	                     : (q.tokens != NULL) != (q.local_hashes != NULL);
+	bool bad = !prompt_ok || q.n_tokens == 0 || q.n_tokens > KVR_MAX_PROMPT_TOKENS ||
 	           (q.local_hashes && q.n_hashes > q.n_tokens / bs) || (q.n_allow && !q.allow) ||
 	           isnan(q.temperature) || isinf(q.overlap_credit) ||
 	           (q.flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT));
