@@ -326,9 +326,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	int rc;
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
-	if (q->seq_hashes) { /* the frontend's own chain */
-		memcpy(tls.local, q->local_hashes, nb * sizeof(uint64_t));
-		memcpy(tls.seq, q->seq_hashes, nb * sizeof(uint64_t));
+	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
+	 * 146k-token prompt), else hashed into the thread's scratch. */
+	const uint64_t *local = tls.local, *seq = tls.seq;
+	if (q->seq_hashes) {
+		local = q->local_hashes;
+		seq = q->seq_hashes;
 	} else if (q->tokens) {
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
 	} else {
@@ -351,9 +354,9 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		uint32_t best = 0, *score = tls.score;
 		kvr_rcu_read_lock();
 		size_t nm =
-		    nb ? kvr_index_find_depths(r->index, tls.seq, nb, score, tls.mslots, &best) : 0;
+		    nb ? kvr_index_find_depths(r->index, seq, nb, score, tls.mslots, &best) : 0;
 		/* Pinned depth per rank: one walk along the published pinned runs. */
-		size_t np = nb ? kvr_pinmap_depths(r->pinmap, tls.seq, nb, tls.pin, tls.pslots) : 0;
+		size_t np = nb ? kvr_pinmap_depths(r->pinmap, seq, nb, tls.pin, tls.pslots) : 0;
 		uint64_t t2 = timed ? mono_ns() : 0;
 		struct choice chosen;
 		bool sat;
@@ -405,8 +408,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		struct kvr_admit_args a = {
 		    .slot = chosen.slot,
 		    .gen = chosen.gen,
-		    .local = tls.local,
-		    .seq = tls.seq,
+		    .local = local,
+		    .seq = seq,
 		    .n = nb,
 		    .prompt_tokens = q->n_tokens,
 		    .tail = q->tokens ? q->tokens + nb * bs : NULL,
