@@ -75,6 +75,9 @@ void kvr_ttl_stats(const struct kvr_ttl *ttl, struct kvr_ttl_stats *out);
 /* Units of map migration every record and expiry pays besides its new blocks' share (64);
  * tests set it low so that tables stay mid-migration longer. */
 extern size_t kvr_ttl_mig_per_call;
+/* Whether records bury expired runs' map entries (true); tests turn it off so that stale
+ * entries fill a table, which then purges them by migrating at the same size. */
+extern bool kvr_ttl_bury_on;
 
 /* Checks every invariant of the store, O(table): for tests.  Returns 0, or the source line
  * (> 0) of the first invariant found broken. */

@@ -120,6 +120,9 @@ static void run_seed(struct tree *tr, uint64_t seed, int steps)
 	/* every other seed: a migration slice of 1 unit per call, so tables stay mid-migration
 	 * through many commands */
 	kvr_ttl_mig_per_call = seed % 2 ? 64 : 1;
+	/* every fourth seed: no burials, so stale entries fill the map and it purges them by
+	 * migrating (at the same size where the held blocks fill at most half of it) */
+	kvr_ttl_bury_on = seed % 4 != 3;
 	memset(tr, 0, sizeof(*tr));
 	tr->n[0] = (struct node){0, -1, 0, {-1, -1, -1}};
 	tr->nn = 1;
@@ -238,5 +241,6 @@ Test(ttl_diff, runs_against_ref)
 		cr_expect(steps_growing > 0, "no command ended with the map mid-migration");
 	}
 	kvr_ttl_mig_per_call = 64;
+	kvr_ttl_bury_on = true;
 	free(tr);
 }
