@@ -327,16 +327,31 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
 	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
-	 * 146k-token prompt), else hashed into the thread's scratch. */
+	 * 146k-token prompt), else hashed: with asynchronous booking straight into the attempt's
+	 * record (no copy at admission: 2 KiB at 2k tokens, 128 KiB at 128k), else into the
+	 * thread's scratch (sync_booking: a booking that finds the rank gone consumes the record,
+	 * and the retry needs the hashes; a query; hashes without their tokens, which the replica
+	 * note below would need again). */
 	const uint64_t *local = tls.local, *seq = tls.seq;
+	struct kvr_attempt *rec = NULL;
 	if (q->seq_hashes) {
 		local = q->local_hashes;
 		seq = q->seq_hashes;
-	} else if (q->tokens) {
-		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
 	} else {
-		memcpy(tls.local, q->local_hashes, nb * sizeof(uint64_t));
-		kvr_hash_chain_locals(NULL, tls.local, nb, tls.seq);
+		uint64_t *wl = tls.local, *ws = tls.seq, *h;
+		if (nb && q->tokens && !cfg->sync_booking && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
+		    (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
+			wl = h;
+			ws = h + nb;
+		}
+		if (q->tokens) {
+			kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, wl, ws);
+		} else {
+			memcpy(wl, q->local_hashes, nb * sizeof(uint64_t));
+			kvr_hash_chain_locals(NULL, wl, nb, ws);
+		}
+		local = wl;
+		seq = ws;
 	}
 	uint64_t t1 = timed ? mono_ns() : 0;
 	KVR_PROBE2(route_begin, q->request_id, nb);
@@ -371,12 +386,15 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			pin[pslots[i]] = 0;
 		KVR_PROBE3(match, nb, nm, best);
 		if (rc) {
+			kvr_owner_attempt_free(&r->owner, rec);
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return rc;
 		}
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
 		uint64_t t3 = timed ? mono_ns() : 0;
 
+		if (sat)
+			kvr_owner_attempt_free(&r->owner, rec); /* not admitted now */
 		if (sat && queue_mode == KVR_QUEUE_FROM_PUMP)
 			return KVR_EAGAIN;
 		if (sat) {
@@ -419,15 +437,23 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .overlap = chosen.overlap,
 		    .pend_blocks = nb - chosen.pinned, /* the request's new decode blocks there */
 		};
-		rc = kvr_admit(r, &a, cfg->sync_booking);
+		a.reserved = rec;
+		rc = kvr_admit(r, &a, cfg->sync_booking); /* consumes rec */
 		uint64_t t4 = mono_ns();
-		if (rc == KVR_ENOENT)
+		if (rc == KVR_ENOENT && !rec)
 			continue; /* sync: the rank went away after selection: decide again */
 		if (rc) {
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return rc;
 		}
 		d->attempt = a.attempt;
+		if (rec && kvr_repl_attached(r)) {
+			/* The record is the shard's now (a stale booking frees it at once): the
+			 * replica layer gets the local hashes from the tokens again. */
+			kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
+			a.local = tls.local;
+			a.seq = tls.seq;
+		}
 		kvr_repl_note_route(r, &a, d, q->expected_output_tokens); /* replica sync */
 		kvr_metrics_add(mb, KVR_C_ROUTES, 1);
 		kvr_metrics_add(mb, KVR_C_ROUTED_BLOCKS, nb);
@@ -447,12 +473,16 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 {
 	struct kvr_rank_pub *pub = &r->ranks[a->slot];
 	int rc = kvr_lease_mint(r->leases, a->slot, &a->attempt);
-	if (rc)
+	if (rc) {
+		kvr_owner_attempt_free(&r->owner, a->reserved);
 		return rc;
+	}
 	uint64_t cached = (uint64_t)a->overlap * r->cfg.block_size;
 	a->pend_prefill_tokens = a->prompt_tokens > cached ? a->prompt_tokens - cached : 0;
-	struct kvr_attempt *rec = kvr_owner_attempt_new(&r->owner, a);
-	if (!rec) {
+	struct kvr_attempt *rec = a->reserved;
+	if (rec)
+		kvr_owner_attempt_fill(&r->owner, rec, a);
+	else if (!(rec = kvr_owner_attempt_new(&r->owner, a))) {
 		kvr_lease_unmint(r->leases, a->attempt);
 		return KVR_ENOMEM;
 	}

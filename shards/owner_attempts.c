@@ -82,14 +82,14 @@ static int pool_class(size_t n)
 	return k;
 }
 
-struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
-                                          const struct kvr_admit_args *a)
+struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, size_t n,
+                                              uint64_t **hashes)
 {
 	uint32_t bs = c->block_size;
-	int k = c->pool ? pool_class(a->n) : -1;
+	int k = c->pool ? pool_class(n) : -1;
 	struct kvr_attempt *rec = NULL;
 	size_t size =
-	    kvr_attempt_blocks_off(bs) + (k < 0 ? a->n : (size_t)1 << k) * 2 * sizeof(uint64_t);
+	    kvr_attempt_blocks_off(bs) + (k < 0 ? n : (size_t)1 << k) * 2 * sizeof(uint64_t);
 	if (k >= 0 && pthread_mutex_trylock(&c->pool->cls[k].mu) == 0) {
 		if (c->pool->cls[k].n)
 			rec = c->pool->cls[k].rec[--c->pool->cls[k].n];
@@ -97,9 +97,20 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
 	}
 	if (!rec && !(rec = kvr_alloc(size)))
 		return NULL;
-	memset(rec, 0, sizeof(*rec));
 	rec->size = size;
 	rec->pool_class = (int8_t)k;
+	*hashes = kvr_attempt_hashes(rec, bs);
+	return rec;
+}
+
+void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *rec,
+                            const struct kvr_admit_args *a)
+{
+	const size_t size = rec->size;
+	const int8_t k = rec->pool_class;
+	memset(rec, 0, sizeof(*rec));
+	rec->size = size;
+	rec->pool_class = k;
 	rec->attempt = a->attempt;
 	rec->gen = a->gen;
 	rec->slot = a->slot;
@@ -117,9 +128,20 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
 	rec->tail_n = a->chain_known ? a->tail_n : 0;
 	if (rec->tail_n)
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
-	uint64_t *h = kvr_attempt_hashes(rec, bs);
-	memcpy(h, a->local, a->n * sizeof(uint64_t));
-	memcpy(h + a->n, a->seq, a->n * sizeof(uint64_t));
+	uint64_t *h = kvr_attempt_hashes(rec, c->block_size);
+	if (a->local != h) /* not hashed in place (kvr_owner_attempt_reserve) */
+		memcpy(h, a->local, a->n * sizeof(uint64_t));
+	if (a->seq != h + a->n)
+		memcpy(h + a->n, a->seq, a->n * sizeof(uint64_t));
+}
+
+struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
+                                          const struct kvr_admit_args *a)
+{
+	uint64_t *h;
+	struct kvr_attempt *rec = kvr_owner_attempt_reserve(c, a->n, &h);
+	if (rec)
+		kvr_owner_attempt_fill(c, rec, a);
 	return rec;
 }
 
