@@ -295,6 +295,30 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
  * load of depth[slot], a compare, and for an active rank one store of q + min(cut, k): no
  * bitmap, no partition, no slot order needed.
  */
+/* The child run the walk goes to after R (entered at q, matched k), looked up BEFORE R's
+ * holders are read (the walk is the same: the child depends on seq, R and k only), and asked
+ * for the lines run_step will read of it: the table probe and the header, then its holder set
+ * and the hash at its far end are misses that now overlap the holder loop instead of following
+ * it (the shards rewrite those lines as they book). */
+static inline const struct idx_run *next_run(const struct kvr_index *idx, const uint64_t *seq,
+                                             size_t n, const struct idx_run *R, size_t q, size_t k)
+{
+	if (k == 0 || q + k >= n)
+		return NULL;
+	const struct idx_run *C = idx_find_run(idx, seq[q + k], R, (uint32_t)k);
+	if (C) {
+		const struct idx_hset *hs = __atomic_load_n(&C->hs, __ATOMIC_RELAXED);
+		if (hs && !((uintptr_t)hs & 1))
+			__builtin_prefetch(hs);
+		const uint64_t sl = __atomic_load_n(&C->sl, __ATOMIC_RELAXED);
+		const size_t len = (size_t)(sl >> IDX_HI_SHIFT), left = n - q - k;
+		const uint64_t *sq = (const uint64_t *)(uintptr_t)idx_lo_ptr(sl);
+		if (sq && len > 1)
+			__builtin_prefetch(&sq[(len < left ? len : left) - 1]);
+	}
+	return C;
+}
+
 size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
                              uint32_t *depth, uint32_t *slots, uint32_t *best)
 {
@@ -306,8 +330,9 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 		return 0;
 	const uint64_t *hw;
 	uint32_t hn;
-	size_t k, ns = 0;
+	size_t k;
 	run_step(R, seq, n, 0, &hw, &hn, &k);
+	const struct idx_run *C = next_run(idx, seq, n, R, 0, k);
 	/* The first run: every word, as it comes.  A word of cut 0 writes depth 0 (as if absent)
 	 * and duplicate words of a slot (adjacent and equal, see place_first) write the same
 	 * depth twice, so no test is needed per word, and a set has at most one word per slot of
@@ -322,18 +347,16 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 		depth[s] = cut < k ? cut : (uint32_t)k;
 		any |= cut >= k;
 	}
-	ns = hn;
+	const size_t ns = hn;
 	size_t q = 0, qr = 0; /* qr: where the last run walked was entered */
 	while (any) {
-		q += k;
-		if (q == n || k == 0)
-			break;
-		const struct idx_run *C = idx_find_run(idx, seq[q], R, (uint32_t)k);
+		q += k; /* every rank still matching is at depth q */
 		if (!C)
-			break;
+			break; /* the prompt's end, or no run goes on */
 		R = C;
-		run_step(R, seq, n, q, &hw, &hn, &k);
 		qr = q;
+		run_step(R, seq, n, q, &hw, &hn, &k);
+		C = next_run(idx, seq, n, R, q, k);
 		any = false;
 		const uint32_t qq = (uint32_t)q, kk = (uint32_t)k;
 		for (uint32_t j = 0; j < hn; j++) {
