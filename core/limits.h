@@ -30,7 +30,7 @@
 #define KVR_DEFAULT_QUEUE_CAPACITY         4096u
 #define KVR_DEFAULT_MAX_RANKS              4096u
 #define KVR_DEFAULT_SEED                   UINT64_C(0x6b76726f75746572) /* "kvrouter" */
-#define KVR_DEFAULT_LANE_CAPACITY          4096u
+#define KVR_DEFAULT_LANE_CAPACITY          4095u /* a ring of N slots holds N - 1: 4096 took 8192 */
 #define KVR_DEFAULT_MAINT_EVERY_TASKS      64u
 #define KVR_DEFAULT_MAINT_EVERY_NS         UINT64_C(200000)
 #define KVR_DEFAULT_SHARD_IDLE_SPIN_NS     UINT64_C(50000)
