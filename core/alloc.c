@@ -6,6 +6,7 @@
 #include "kvrouter.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -34,6 +35,18 @@ static inline int flags(void)
 {
 	pthread_once(&arena_once, make_arena);
 	return arena_flags;
+}
+
+/* Flags for a free of size bytes: one of 1 KiB or more skips the thread's cache (tcache) and goes
+ * back to the arena at once.  jemalloc counts a cached object as allocated and keeps up to
+ * hundreds of them per size class and thread: the RCU callback thread, which only frees, parked
+ * ~13 B per (block, rank) of runs and segments there (bench_footprint's breakdown).  Small
+ * objects, the hot ones, keep the cache. */
+#define TCACHE_BYPASS_BYTES 1024
+
+static inline int free_flags(size_t size)
+{
+	return flags() | (size >= TCACHE_BYPASS_BYTES ? MALLOCX_TCACHE_NONE : 0);
 }
 #endif
 
@@ -167,7 +180,7 @@ void kvr_free(void *mem, size_t size)
 		return;
 	count(-(int64_t)(size ? size : 1));
 #ifdef KVR_HAVE_JEMALLOC
-	sdallocx(mem, size ? size : 1, flags());
+	sdallocx(mem, size ? size : 1, free_flags(size));
 #else
 	free(mem);
 #endif
@@ -180,7 +193,7 @@ void kvr_free_aligned(void *mem, size_t size)
 	count(-(int64_t)size);
 #ifdef KVR_HAVE_JEMALLOC
 	size_t rounded = (size + 63) & ~(size_t)63;
-	sdallocx(mem, rounded ? rounded : 64, flags() | MALLOCX_ALIGN(64));
+	sdallocx(mem, rounded ? rounded : 64, free_flags(rounded) | MALLOCX_ALIGN(64));
 #else
 	free(mem);
 #endif
@@ -214,4 +227,34 @@ int kvr_grow(void **p, size_t *cap, size_t need, size_t elem)
 	*p = q;
 	*cap = nc;
 	return 0;
+}
+
+bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached)
+{
+	*allocated = *cached = 0;
+#ifdef KVR_HAVE_JEMALLOC
+	if (!flags())
+		return false;
+	uint64_t epoch = 1;
+	size_t sz = sizeof(epoch);
+	if (mallctl("epoch", &epoch, &sz, &epoch, sz) != 0)
+		return false;
+	static const char *const names[] = {"small.allocated", "large.allocated", "tcache_bytes"};
+	size_t v[3] = {0};
+	for (int i = 0; i < 3; i++) {
+		char name[64];
+		/* tcache_bytes: every arena's (a cache fills from the arena asked for, but its bytes count
+		 * under the thread's own arena). */
+		snprintf(name, sizeof(name), "stats.arenas.%u.%s",
+		         i == 2 ? (unsigned)MALLCTL_ARENAS_ALL : arena_ind, names[i]);
+		sz = sizeof(v[i]);
+		if (mallctl(name, &v[i], &sz, NULL, 0) != 0)
+			return false;
+	}
+	*allocated = (uint64_t)v[0] + v[1];
+	*cached = v[2];
+	return true;
+#else
+	return false;
+#endif
 }

@@ -10,6 +10,7 @@
 #ifndef KVR_CORE_ALLOC_H
 #define KVR_CORE_ALLOC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -48,5 +49,10 @@ void kvr_alloc_fail_after(uint64_t nth);
 /* Allocations left before the armed failure (0: it fired, or none is armed). */
 uint64_t kvr_alloc_fail_pending(void);
 int64_t kvr_alloc_live_bytes(void);
+/* With jemalloc: the bytes allocated in the library's arena at their size classes (*allocated,
+ * freed objects parked in the threads' caches included) and those parked bytes (*cached);
+ * refreshes jemalloc's statistics epoch.  Returns false (both 0) without jemalloc or before
+ * the arena exists.  Context: any thread; not for a hot path (mallctl). */
+bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached);
 
 #endif /* KVR_CORE_ALLOC_H */

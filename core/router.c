@@ -218,3 +218,44 @@ int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *
 	*slot = s;
 	return 0;
 }
+
+int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
+{
+	if (!r || !out)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	if (kvr_rcu_thread_online())
+		return KVR_ENOMEM;
+	memset(out, 0, sizeof(*out));
+	size_t m = r->cfg.max_ranks;
+	out->rank_tables = kvr_alloc_real_size_aligned(m * sizeof(*r->ranks)) +
+	                   kvr_alloc_real_size_aligned(m * sizeof(*r->load)) +
+	                   kvr_alloc_real_size_aligned(m * sizeof(*r->prov));
+	out->lanes = kvr_shards_memory_bytes(r->shards);
+	/* The live slots, copied out of the read section (a shard call blocks). */
+	uint32_t *slot = kvr_alloc(m * sizeof(*slot));
+	if (!slot)
+		return KVR_ENOMEM;
+	kvr_rcu_read_lock();
+	const struct kvr_live *live = kvr_rcu_deref(&r->live);
+	uint32_t n = live->n < m ? live->n : (uint32_t)m;
+	memcpy(slot, live->slot, n * sizeof(*slot));
+	kvr_rcu_read_unlock();
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvr_rank_pub *pub = &r->ranks[slot[i]];
+		struct kvr_rank_args a = {.slot = slot[i],
+		                          .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE)};
+		struct kvr_shard *sh = kvr_shards_get(r->shards, pub->shard);
+		if (kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_rank_memory, &a) == 0) {
+			out->caches += a.cache_bytes; /* a rank removed meanwhile counts nothing */
+			out->load += a.load_bytes;
+		}
+	}
+	kvr_free(slot, m * sizeof(*slot));
+	out->index = kvr_index_memory_bytes(r->index);
+	int64_t lib = kvr_alloc_live_bytes();
+	out->library = lib > 0 ? (uint64_t)lib : 0;
+	(void)kvr_alloc_arena_bytes(&out->arena, &out->arena_cached);
+	return 0;
+}

@@ -119,6 +119,18 @@ static long long alloc_bytes(void)
 #endif
 }
 
+/* A jemalloc stat ("stats.active", "stats.metadata"), or -1. */
+static long long je_stat(const char *name)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	size_t v = 0, sz = sizeof(v);
+	return mallctl(name, &v, &sz, NULL, 0) == 0 ? (long long)v : -1;
+#else
+	(void)name;
+	return -1;
+#endif
+}
+
 /* Returns the dirty pages every jemalloc arena keeps after a free (decay: ~10 s by default) to
  * the kernel, so RSS read after it holds only what is allocated plus fragmentation.  Returns
  * false without jemalloc. */
@@ -276,6 +288,8 @@ struct reading {
 	struct counts c;
 	long rss, rss_purged; /* rss_purged: after purge_all(), or -1 */
 	long long alloc;
+	long long active, metadata; /* jemalloc: pages of live extents, allocator metadata */
+	struct kvr_memory mem;      /* the router's own counters */
 };
 
 /* purge: also read RSS after purge_all(), which changes what later readings see: last one only. */
@@ -283,14 +297,55 @@ static int read_now(struct kvr_router *r, const struct shape *sh, struct reading
 {
 	quiesce(r);
 	rd->rss = rss_bytes();
-	rd->alloc = alloc_bytes();
+	rd->alloc = alloc_bytes(); /* refreshes the epoch for the two below */
+	rd->active = je_stat("stats.active");
+	rd->metadata = je_stat("stats.metadata");
 	rd->rss_purged = purge && purge_all() ? rss_bytes() : -1;
-	return count_ranks(r, sh, &rd->c);
+	int rc = kvr_router_get_memory(r, &rd->mem);
+	return rc ? rc : count_ranks(r, sh, &rd->c);
 }
 
 static double per_pair(long long bytes, long long base, uint64_t pairs)
 {
 	return pairs ? (double)(bytes - base) / (double)pairs : 0.0;
+}
+
+/* The end reading split by where the bytes go, per (block, rank): the router's parts
+ * (kvr_router_get_memory: each module's counter at real allocator sizes), what the library
+ * allocated beyond them (lib_other: pinned-run map, leases, attempt records, metrics, memory
+ * waiting for a grace period, less the parts' size-class rounding), the rest of the library's
+ * arena (size_classes: what rounding to size classes adds to the asked-for bytes; tcache: freed
+ * objects parked in the threads' caches, still allocated for jemalloc), what the process
+ * allocated outside the library's arena (outside: liburcu, libc, the bench's stdio), then
+ * the allocator: fragmentation (active pages minus allocated bytes), its metadata, and the
+ * dirty pages it kept (RSS minus RSS after the purge).  rss_rest is what RSS holds beyond
+ * allocated + fragmentation + metadata + dirty (thread stacks, libraries' data), and may be
+ * negative when allocated pages were never touched (zeroed tables sized for max_ranks). */
+static void print_breakdown(const struct shape *sh, const struct reading *e, long rss0,
+                            long long alloc0, long long active0, long long meta0)
+{
+	double p = e->c.resident ? (double)e->c.resident : 1.0;
+	const struct kvr_memory *m = &e->mem;
+	double parts = (double)(m->index + m->caches + m->load + m->lanes + m->rank_tables);
+	printf("SUMMARY bench=footprint_breakdown tokens=%zu ranks=%u pairs=%" PRIu64
+	       " index=%.1f caches=%.1f load=%.1f lanes=%.1f rank_tables=%.1f lib_other=%.1f",
+	       sh->len, sh->ranks, e->c.resident, (double)m->index / p, (double)m->caches / p,
+	       (double)m->load / p, (double)m->lanes / p, (double)m->rank_tables / p,
+	       ((double)m->library - parts) / p);
+	if (e->alloc >= 0 && alloc0 >= 0 && e->active >= 0 && e->metadata >= 0) {
+		double alloc = (double)(e->alloc - alloc0);
+		double frag = (double)((e->active - active0) - (e->alloc - alloc0));
+		double meta = (double)(e->metadata - meta0);
+		double dirty = e->rss_purged >= 0 ? (double)(e->rss - e->rss_purged) : 0.0;
+		double rest = (double)(e->rss - rss0) - alloc - frag - meta - dirty;
+		double arena = (double)m->arena, cached = (double)m->arena_cached;
+		printf(" size_classes=%.1f tcache=%.1f outside=%.1f alloc=%.1f fragmentation=%.1f"
+		       " metadata=%.1f dirty=%.1f rss_rest=%.1f rss=%.1f",
+		       (arena - cached - (double)m->library) / p, cached / p, (alloc - arena) / p,
+		       alloc / p, frag / p, meta / p, dirty / p, rest / p,
+		       (double)(e->rss - rss0) / p);
+	}
+	printf("\n");
 }
 
 /* Runs one shape (in a child process) and prints its SUMMARY line.  Returns 0 or 1. */
@@ -303,6 +358,7 @@ static int run_shape(const struct shape *sh, double churn)
 	}
 	long rss0 = rss_bytes();
 	long long alloc0 = alloc_bytes();
+	long long active0 = je_stat("stats.active"), meta0 = je_stat("stats.metadata");
 
 	struct kvr_config cfg;
 	kvr_config_init(&cfg);
@@ -398,6 +454,7 @@ static int run_shape(const struct shape *sh, double churn)
 	       full_alloc_s, marg_rss_pp, marg_alloc_s, slope_rss_pp, slope_alloc_s,
 	       empty.rss - rss0, empty.alloc >= 0 ? empty.alloc - alloc0 : -1LL,
 	       rss_pp / REF_TARGET_BYTES, ratio_alloc_s);
+	print_breakdown(sh, &end, rss0, alloc0, active0, meta0);
 	fflush(stdout);
 	kvr_router_destroy(r);
 	traffic_fini(&t);

@@ -262,6 +262,7 @@ struct kvr_rank_args {
 	struct kvr_rank_stats *stats;
 	uint64_t *blocks; /* kvr_owner_rank_blocks: out, cap in / count out */
 	size_t cap, n;
+	uint64_t cache_bytes, load_bytes; /* kvr_owner_rank_memory: out */
 };
 
 struct kvr_event_args {
@@ -293,6 +294,9 @@ int kvr_owner_rank_capacity(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_rank_reset(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_rank_stats(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_rank_blocks(struct kvr_shard *sh, void *rank_args);
+/* The bytes of the rank's predicted cache (kvr_lru_bytes; 0 without one) and load tracker
+ * (kvr_load_bytes). */
+int kvr_owner_rank_memory(struct kvr_shard *sh, void *rank_args);
 int kvr_owner_event(struct kvr_shard *sh, void *event_args);
 /* Shard thread start/stop hooks (ctx: struct kvr_owner_ctx *). */
 void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx);

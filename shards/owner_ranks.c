@@ -466,6 +466,19 @@ int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 	return 0;
 }
 
+int kvr_owner_rank_memory(struct kvr_shard *sh, void *arg)
+{
+	struct kvr_rank_args *a = arg;
+	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
+	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
+	if (!own)
+		return KVR_ENOENT;
+	const struct kvr_lru *lru = own->rs ? kvr_rank_state_lru(own->rs) : NULL;
+	a->cache_bytes = lru ? kvr_lru_bytes(lru) : 0;
+	a->load_bytes = kvr_load_bytes(own->load);
+	return 0;
+}
+
 int kvr_owner_rank_blocks(struct kvr_shard *sh, void *arg)
 {
 	struct kvr_rank_args *a = arg;

@@ -293,6 +293,25 @@ static void free_all(struct kvr_shards *s)
 	kvr_free_aligned(s, sizeof(*s));
 }
 
+uint64_t kvr_shards_memory_bytes(const struct kvr_shards *s)
+{
+	if (!s)
+		return 0;
+	uint64_t b = kvr_alloc_real_size_aligned(sizeof(*s)) +
+	             kvr_alloc_real_size(((size_t)s->place_mask + 1) * sizeof(*s->slots)) +
+	             kvr_alloc_real_size(s->n * sizeof(*s->shard)) +
+	             kvr_alloc_real_size(s->n * sizeof(*s->ranks)) +
+	             kvr_alloc_real_size(s->n * sizeof(*s->workers));
+	for (uint32_t i = 0; i < s->n; i++) {
+		const struct kvr_shard *sh = s->shard[i];
+		b += kvr_alloc_real_size_aligned(sizeof(*sh));
+		for (int k = 0; k < KVR_LANE_COUNT; k++)
+			b += kvr_alloc_real_size_aligned((size_t)sh->lanes.ring[k].size *
+			                                 sizeof(struct kvr_msg));
+	}
+	return b;
+}
+
 int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **out)
 {
 	if (out)

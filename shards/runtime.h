@@ -109,6 +109,10 @@ void kvr_shards_shutdown(struct kvr_shards *s);
 /* kvr_shards_shutdown() then frees everything.  NULL is a no-op.  Context: as shutdown. */
 void kvr_shards_destroy(struct kvr_shards *s);
 
+/* Bytes the runtime holds (its record, the worker placement table, every shard's record and
+ * lane rings), at the allocator's real sizes.  Context: any thread. */
+uint64_t kvr_shards_memory_bytes(const struct kvr_shards *s);
+
 /* Number of shards.  Context: any thread. */
 uint32_t kvr_shards_count(const struct kvr_shards *s);
 

@@ -812,6 +812,33 @@ KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size
  */
 KVR_API int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms);
 
+/* The memory a router holds, bytes, by part: each module's own counter, at the allocator's
+ * real sizes (a part's size class, not the bytes asked for). */
+struct kvr_memory {
+	uint64_t index;       /* block index: runs, hash arrays, tables, rank sets, slot table */
+	uint64_t caches;      /* predicted caches (approx_lru segments and maps; 0 otherwise) */
+	uint64_t load;        /* in-flight load trackers (pinned runs, requests) */
+	uint64_t lanes;       /* shard runtime: lane rings, shard records, worker placement */
+	uint64_t rank_tables; /* the router's per-rank arrays, sized for max_ranks */
+	/* Everything the library has allocated now, asked-for sizes, every router in the process
+	 * together; minus the parts above it leaves what has no counter of its own (pinned-run
+	 * map, leases, attempt records, metrics, memory retired but not yet past its RCU grace
+	 * period) less the size-class rounding the parts include. */
+	uint64_t library;
+	/* With jemalloc (0 otherwise): the bytes allocated in the library's own arena at their
+	 * size classes (every router in the process), and of those, freed objects parked in the
+	 * threads' caches (tcaches), which jemalloc still counts as allocated. */
+	uint64_t arena, arena_cached;
+};
+
+/*
+ * Fills *out.  O(ranks + the caches' segments); each rank's part is read on its shard (a
+ * synchronous call), so the parts are consistent per rank, not across ranks.  For sizing,
+ * monitoring and benchmarks.  Returns 0, KVR_EINVAL, KVR_ENOMEM or KVR_ESHUTDOWN.
+ * Context: any thread except a shard thread (callbacks), outside an RCU read section.
+ */
+KVR_API int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out);
+
 #ifdef __cplusplus
 }
 #endif

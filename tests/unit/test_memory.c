@@ -1,0 +1,84 @@
+/* kvr_router_get_memory: the parts of an empty router, how the index and the predicted caches
+ * grow with the blocks routed and shrink when the ranks are removed, and bad input. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "kvrouter.h"
+
+static struct kvr_router *make(int n_ranks)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.block_size = 16;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	for (int w = 0; w < n_ranks; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, 4096, 0), 0);
+	return r;
+}
+
+static struct kvr_memory mem(struct kvr_router *r)
+{
+	struct kvr_memory m;
+	memset(&m, 0xab, sizeof(m));
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(kvr_router_get_memory(r, &m), 0);
+	return m;
+}
+
+Test(memory, empty_router_parts)
+{
+	struct kvr_router *r = make(4);
+	struct kvr_memory m = mem(r);
+	struct kvr_config c;
+	cr_assert_eq(kvr_router_get_config(r, &c), 0);
+	/* Two shards, two rings each of the default capacity (4095 -> 4096 slots of 64 B). */
+	cr_assert_geq(m.lanes, 2u * 2u * 4096u * 64u);
+	cr_assert_lt(m.lanes, 2u * 2u * 4096u * 64u + 512u * 1024u);
+	cr_assert_gt(m.rank_tables, 0);
+	cr_assert_gt(m.index, 0);
+	cr_assert_geq(m.library, m.lanes); /* the rings alone are allocated by the library */
+	kvr_router_destroy(r);
+}
+
+Test(memory, grows_with_blocks_and_shrinks_on_removal)
+{
+	struct kvr_router *r = make(2);
+	struct kvr_memory m0 = mem(r);
+	uint32_t tok[16 * 200];
+	for (int p = 0; p < 8; p++) {
+		for (size_t i = 0; i < sizeof(tok) / sizeof(tok[0]); i++)
+			tok[i] = (uint32_t)(p * 1000003u + i);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = sizeof(tok) / sizeof(tok[0]);
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		cr_assert_eq(d.status, KVR_DECIDED);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	}
+	struct kvr_memory m1 = mem(r);
+	cr_assert_gt(m1.index, m0.index, "index %llu -> %llu", (unsigned long long)m0.index,
+	             (unsigned long long)m1.index);
+	cr_assert_gt(m1.caches, m0.caches);
+	cr_assert_eq(m1.lanes, m0.lanes);
+	cr_assert_eq(m1.rank_tables, m0.rank_tables);
+	cr_assert_gt(m1.library, m0.library);
+	cr_assert_eq(kvr_rank_remove(r, (struct kvr_rank_id){0, 0}), 0);
+	cr_assert_eq(kvr_rank_remove(r, (struct kvr_rank_id){1, 0}), 0);
+	struct kvr_memory m2 = mem(r);
+	cr_assert_eq(m2.caches, 0); /* no rank left to hold a cache */
+	cr_assert_eq(m2.load, 0);
+	kvr_router_destroy(r);
+}
+
+Test(memory, bad_input)
+{
+	struct kvr_router *r = make(1);
+	struct kvr_memory m;
+	cr_assert_eq(kvr_router_get_memory(NULL, &m), KVR_EINVAL);
+	cr_assert_eq(kvr_router_get_memory(r, NULL), KVR_EINVAL);
+	kvr_router_destroy(r);
+}
