@@ -243,8 +243,8 @@ bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached)
 	size_t v[3] = {0};
 	for (int i = 0; i < 3; i++) {
 		char name[64];
-		/* tcache_bytes: every arena's (a cache fills from the arena asked for, but its bytes count
-		 * under the thread's own arena). */
+		/* tcache_bytes: every arena's (a cache fills from the arena asked for, but its
+		 * bytes count under the thread's own arena). */
 		snprintf(name, sizeof(name), "stats.arenas.%u.%s",
 		         i == 2 ? (unsigned)MALLCTL_ARENAS_ALL : arena_ind, names[i]);
 		sz = sizeof(v[i]);
