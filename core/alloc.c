@@ -258,3 +258,20 @@ bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached)
 	return false;
 #endif
 }
+
+void kvr_alloc_purge_idle(uint64_t now_ns)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	static uint64_t last_ns;
+	uint64_t last = __atomic_load_n(&last_ns, __ATOMIC_RELAXED);
+	if ((last && now_ns - last < KVR_ALLOC_PURGE_GAP_NS) || !flags() ||
+	    !__atomic_compare_exchange_n(&last_ns, &last, now_ns ? now_ns : 1, false,
+	                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		return;
+	char name[48];
+	snprintf(name, sizeof(name), "arena.%u.purge", arena_ind);
+	(void)mallctl(name, NULL, NULL, NULL, 0);
+#else
+	(void)now_ns;
+#endif
+}

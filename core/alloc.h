@@ -54,5 +54,12 @@ int64_t kvr_alloc_live_bytes(void);
  * refreshes jemalloc's statistics epoch.  Returns false (both 0) without jemalloc or before
  * the arena exists.  Context: any thread; not for a hot path (mallctl). */
 bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached);
+/* With jemalloc: returns the library arena's dirty pages (freed, still resident; jemalloc keeps
+ * them ~10 s by default) to the kernel, at most once per KVR_ALLOC_PURGE_GAP_NS process-wide
+ * (now_ns: a monotonic clock; other calls return at once).  For a thread that has been idle a
+ * while: the pages it returns fault in again when allocated.  No-op without jemalloc.
+ * Context: any thread, never on a latency path. */
+#define KVR_ALLOC_PURGE_GAP_NS 100000000ull
+void kvr_alloc_purge_idle(uint64_t now_ns);
 
 #endif /* KVR_CORE_ALLOC_H */

@@ -5,9 +5,11 @@
  *     g = kick generation; now = router clock; fire timers due at now; publish "seen g";
  *     run up to BATCH tasks by the biased policy (sync/lane.c);
  *     if nothing ran and no timer is due: poll briefly (up to idle_spin_ns, adaptive: see
- *     idle_spin), announce PARKED,
+ *     idle_spin), IDLE_PURGE_NS after its last task return the library arena's dirty pages
+ *     (idle_purge), announce PARKED,
  *     re-check lanes / kick / stop,
- *     then sleep on the futex until a producer wakes it or the next timer deadline.
+ *     then sleep on the futex until a producer wakes it, the next timer deadline or the
+ *     purge's.
  * Producers enqueue into the lane ring and then wake the parker (no syscall when the shard is
  * running).  Invariants:
  *  - only the shard thread dequeues its lanes, fires its timers and touches its userdata;
@@ -48,6 +50,12 @@
 #define SLOT_USED     (1ull << 63)
 #define CALL_KINDS    8 /* call functions whose reply delay each shard remembers */
 
+/* A shard that has run no message for this long returns the library arena's dirty pages
+ * (kvr_alloc_purge_idle), so an idle router's RSS follows what it has allocated; a busy one
+ * never waits that long and leaves the pages to jemalloc's decay (purging on every free, decay
+ * 0, halved the shards' tasks per CPU second at 32k-token prompts in bench_route). */
+#define IDLE_PURGE_NS 100000000ull
+
 /* What a synchronous call's reply delay has been (post to reply posted), per call function:
  * see kvr_shard_call.  Written by callers with relaxed atomics; a racy pair (fn of one caller,
  * delay of another) only makes one guess wrong. */
@@ -71,6 +79,8 @@ struct kvr_shard {
 	uint64_t seen_kick; /* atomic: last kick generation whose clock reading was processed */
 	uint32_t stopping;  /* atomic: set by shutdown after the grace period */
 	uint64_t calls_inline;
+	bool worked;       /* shard thread: ran a message since it last went idle */
+	uint64_t idle_ns;  /* shard thread: mono_ns() when it went idle after work, 0 = purged */
 	uint64_t spin_ns;  /* time spent in idle_spin (atomic: stats read it) */
 	uint64_t spin_now; /* shard thread: this idle period's spin (adaptive, <= idle_spin_ns) */
 	uint64_t timers_fired; /* atomic copies of the timer set's counters, for stats */
@@ -177,6 +187,25 @@ static bool idle_spin(struct kvr_shard *sh, uint64_t g, uint64_t t0)
 	return idle;
 }
 
+/* Called before each park: IDLE_PURGE_NS after the shard last went idle following work, it
+ * purges (kvr_alloc_purge_idle) and returns 0; otherwise the nanoseconds left until then
+ * (UINT64_MAX: nothing to purge, no work since the last purge). */
+static uint64_t idle_purge(struct kvr_shard *sh)
+{
+	uint64_t t = mono_ns();
+	if (sh->worked) {
+		sh->worked = false;
+		sh->idle_ns = t ? t : 1;
+	}
+	if (!sh->idle_ns)
+		return UINT64_MAX;
+	if (t - sh->idle_ns < IDLE_PURGE_NS)
+		return IDLE_PURGE_NS - (t - sh->idle_ns);
+	sh->idle_ns = 0;
+	kvr_alloc_purge_idle(t);
+	return 0;
+}
+
 static void shard_loop(struct kvr_shard *sh)
 {
 	struct kvr_shards *rt = sh->rt;
@@ -195,6 +224,8 @@ static void shard_loop(struct kvr_shard *sh)
 		}
 		if (__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE))
 			return;
+		if (n)
+			sh->worked = true;
 		if (n || fired)
 			continue;
 		uint64_t next = kvr_timers_next(&sh->timers);
@@ -210,6 +241,9 @@ static void shard_loop(struct kvr_shard *sh)
 			if (sh->spin_now < rt->idle_spin_ns / 8)
 				sh->spin_now = 0;
 		}
+		uint64_t purge_in = idle_purge(sh);
+		if (purge_in == 0)
+			continue; /* it purged: look at the lanes again before parking */
 		kvr_parker_prepare(&sh->park);
 		if (!may_park(sh, g)) {
 			kvr_parker_cancel(&sh->park);
@@ -218,6 +252,8 @@ static void shard_loop(struct kvr_shard *sh)
 		uint64_t timeout = UINT64_MAX;
 		if (next != UINT64_MAX)
 			timeout = next - now < PARK_MAX_NS ? next - now : PARK_MAX_NS;
+		if (purge_in < timeout)
+			timeout = purge_in;
 		kvr_parker_wait(&sh->park, timeout);
 		if (rt->idle_spin_ns && mono_ns() - idle0 < rt->idle_spin_ns)
 			sh->spin_now = rt->idle_spin_ns; /* a spin would have spared that wake-up */
