@@ -33,8 +33,11 @@
  * slope = (full - quarter) / (pairs at full - pairs at a quarter).
  *
  * A user sees RSS with the allocator's dirty pages in it: jemalloc keeps freed pages ~10 s before
- * it returns them.  The last reading also purges every arena (arena.<ALL>.purge) and reads RSS
- * again (bytes_per_block_rank_rss_purged): what is allocated plus fragmentation.
+ * it returns them, except that a shard idle for 100 ms purges the library's arena (shards/
+ * runtime.c: idle_purge), which the quiesce's pause lets happen.  The last reading also purges
+ * every arena (arena.<ALL>.purge) and reads RSS again (bytes_per_block_rank_rss_purged): what is
+ * allocated plus fragmentation.  A footprint_breakdown line per shape splits the last reading
+ * (print_breakdown).
  *
  * It then keeps routing for --churn x (R x C) further new blocks (the steady state of a full
  * router, evicting on every admission) and reads again: the SUMMARY figures are from that second
