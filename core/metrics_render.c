@@ -113,7 +113,8 @@ static const struct {
 	const char *name, *help;
 	double scale; /* value units -> exposed units */
 } hists[] = {
-    {KVR_H_ROUTE_NS, "kvr_route_seconds", "Whole route decision", 1e-9},
+    {KVR_H_ROUTE_NS, "kvr_route_seconds",
+     "Whole route decision (sampled: 1 decision in 16 per thread)", 1e-9},
     {KVR_H_HASH_NS, "kvr_route_hash_seconds",
      "Route stage: block hashing (sampled: 1 decision in 16 per thread)", 1e-9},
     {KVR_H_MATCH_NS, "kvr_route_match_seconds",
