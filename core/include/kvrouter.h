@@ -812,8 +812,9 @@ KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size
  */
 KVR_API int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms);
 
-/* The memory a router holds, bytes, by part: each module's own counter, at the allocator's
- * real sizes (a part's size class, not the bytes asked for). */
+/* The memory a router holds, bytes, by part: each module's own counter (index, lanes and rank
+ * tables at the allocator's real sizes, i.e. their size classes; caches and load at the sizes
+ * asked for). */
 struct kvr_memory {
 	uint64_t index;       /* block index: runs, hash arrays, tables, rank sets, slot table */
 	uint64_t caches;      /* predicted caches (approx_lru segments and maps; 0 otherwise) */
