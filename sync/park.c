@@ -10,6 +10,9 @@
 
 #include <limits.h>
 #include <linux/futex.h>
+#include <linux/membarrier.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -79,6 +82,52 @@ void kvr_parker_wake(struct kvr_parker *p)
 		__atomic_fetch_add(&p->wakes, 1, __ATOMIC_RELAXED);
 		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
 	}
+}
+
+/* ------------------------------------------------------------------ asymmetric barrier */
+
+static pthread_once_t asym_once = PTHREAD_ONCE_INIT;
+static bool asym_ok; /* written once under asym_once, then read-only */
+
+static void asym_register(void)
+{
+#ifndef KVR_TSAN
+	long q = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+	asym_ok = q > 0 && (q & MEMBARRIER_CMD_PRIVATE_EXPEDITED) &&
+	          syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+#endif
+}
+
+int kvr_parker_asym_init(void)
+{
+	pthread_once(&asym_once, asym_register);
+	return 0;
+}
+
+void kvr_parker_prepare_asym(struct kvr_parker *p)
+{
+	if (!asym_ok) {
+		kvr_parker_prepare(p);
+		return;
+	}
+	__atomic_exchange_n(&p->state, KVR_PARK_PARKED, __ATOMIC_SEQ_CST);
+	/* Every producer running now passes a full barrier: one whose load of state came before
+	 * it has its publication visible to our re-check; one after it sees PARKED.  (The call
+	 * cannot fail once the process is registered: membarrier(2) lists EPERM for an
+	 * unregistered process only.) */
+	syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0);
+}
+
+void kvr_parker_wake_asym(struct kvr_parker *p)
+{
+	uint32_t s;
+	if (__builtin_expect(asym_ok, 1)) {
+		__atomic_signal_fence(__ATOMIC_SEQ_CST); /* compiler only: see prepare_asym */
+		s = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+		if (__builtin_expect(s == KVR_PARK_RUNNING, 1))
+			return;
+	}
+	kvr_parker_wake(p);
 }
 
 void kvr_reply_post(struct kvr_reply *r, int result)

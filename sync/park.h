@@ -61,6 +61,24 @@ void kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns);
  */
 void kvr_parker_wake(struct kvr_parker *p);
 
+/*
+ * The asymmetric variant, for a consumer that parks rarely and producers on a hot path (the
+ * replica sender, sync/replica_out.c).  The producer's side of the Dekker pair costs a full
+ * barrier per wake (mfence, which also waits for every store the producer still has in flight,
+ * such as a 4 KiB copy into lines the consumer holds); here the consumer pays it instead, once
+ * per park, with membarrier(2) MEMBARRIER_CMD_PRIVATE_EXPEDITED: it runs a full barrier on every
+ * CPU that runs a thread of this process, so a producer needs only a compiler barrier between
+ * its publication and its load of state (the liburcu-memb pattern: Desnoyers et al., "User-Level
+ * Implementations of Read-Copy Update", 2012, section on sys_membarrier).  When membarrier is
+ * not available (old kernel, seccomp) or under TSan, both sides fall back to the fences above.
+ * kvr_parker_asym_init() registers the process once; 0 (always: the fallback is correct).
+ * Context: prepare_asym: the consumer thread (a syscall, IPIs to the process's running CPUs);
+ * wake_asym: any thread.  Pair prepare_asym only with wake_asym or kvr_parker_wake.
+ */
+int kvr_parker_asym_init(void);
+void kvr_parker_prepare_asym(struct kvr_parker *p);
+void kvr_parker_wake_asym(struct kvr_parker *p);
+
 /* ------------------------------------------------------------------ reply slots */
 
 enum { KVR_REPLY_PENDING = 0, KVR_REPLY_WAITING = 1, KVR_REPLY_DONE = 2 };

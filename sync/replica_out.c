@@ -201,7 +201,15 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * dequeued after it, and the sender publishes in dequeue order.  Snapshots stay exact: a
  * note still in the ring is neither in the tables nor published, so it lands after the fence.
  *
- * Waking the sender: a producer's kvr_parker_wake makes no syscall unless the sender is
+ * The routing thread's cost is what it writes into lines the sender holds (the slab it copies
+ * the hashes into, the ring slot) and any full barrier after those writes, which makes it wait
+ * until every line has come over.  So an admission takes its slab and ring slot (the locked
+ * instructions) before it copies, commits with a plain store, and wakes the sender with
+ * kvr_parker_wake_asym: no fence (the sender pays a membarrier(2) when it parks instead).
+ * Before (fence per note, slab copy drained by the ring's CAS) perf put kvr_repl_note_route_slow
+ * at ~8% of an attached route's samples, after ~5% (bench_sync, perf record -g; README).
+ *
+ * Waking the sender: a producer's kvr_parker_wake_asym makes no syscall unless the sender is
  * parked.  After the ring runs dry the sender keeps polling every OUT_POLL_NS for OUT_LINGER_NS
  * before it parks, so a steady stream of notes never pays a FUTEX_WAKE on the routing path;
  * an idle router's sender sleeps (a note after a quiet spell pays one wake-up).  Parking after
@@ -210,7 +218,14 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * thread: bench_sync sync_route_paced p50 8.7-9.8 us -> 14.0-18.9 us (3 runs each, loaded
  * machine), so the routing path keeps the linger. */
 
-enum { OUT_ADMIT = 1, OUT_PROGRESS = 2, OUT_RANK = 3, OUT_FLUSH = 4, OUT_ADMIT_SLAB = 5 };
+enum {
+	OUT_ADMIT = 1,
+	OUT_PROGRESS = 2,
+	OUT_RANK = 3,
+	OUT_FLUSH = 4,
+	OUT_ADMIT_SLAB = 5,
+	OUT_NONE = 6 /* a reserved slot whose note was lost (no memory): skipped */
+};
 
 #define OUT_INLINE       8 /* output tokens carried in the ring message itself */
 #define OUT_BURST        32
@@ -275,10 +290,10 @@ static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload
 			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 			return;
 		}
-		kvr_parker_wake(&rep->out_park);
+		kvr_parker_wake_asym(&rep->out_park);
 		sched_yield();
 	}
-	kvr_parker_wake(&rep->out_park);
+	kvr_parker_wake_asym(&rep->out_park);
 }
 
 /* An own admission's record (blocks and tail copied from the arguments), or NULL. */
@@ -325,10 +340,23 @@ static void slab_put(struct kvr_replica *rep, uint32_t i)
 	__atomic_fetch_or(&rep->slab_free, 1ull << i, __ATOMIC_RELEASE);
 }
 
-void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
+/* An admission through a staging slab, in this order: take a slab and reserve the ring slot
+ * (both locked instructions), copy into the slab (or, with no slab free, into a record), then
+ * commit (a plain store) and wake the sender (asymmetric: no fence).  No locked instruction
+ * follows the copy on this thread, so its stores (into lines the sender read last time) drain
+ * while the route goes on instead of stalling it.  Returns false if the ring is full (nothing
+ * taken). */
+static bool note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_admission *a)
 {
-	struct kvr_replica *rep = ctx;
-	int i = a->n <= OUT_SLAB_BLOCKS && a->tail_n <= OUT_SLAB_TAIL ? slab_get(rep) : -1;
+	int i = slab_get(rep);
+	uint32_t ticket;
+	struct kvr_msg *slot = kvr_ring_reserve(&rep->outq, &ticket);
+	if (!slot) {
+		if (i >= 0)
+			slab_put(rep, (uint32_t)i);
+		return false;
+	}
+	struct kvr_msg m = {.aux = OUT_ADMIT_SLAB};
 	if (i >= 0) {
 		struct kvr_rep_slab *sl = &rep->slabs[i];
 		sl->a = *a;
@@ -337,12 +365,34 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 		if (a->tail_n)
 			memcpy(sl->tail, a->tail, (size_t)a->tail_n * 4);
 		uint32_t idx = (uint32_t)i;
-		if (kvr_rep_tracing(rep->c.replica_id))
-			kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
-		out_push(rep, OUT_ADMIT_SLAB, &idx, sizeof(idx));
-		return;
+		memcpy(m.payload, &idx, sizeof(idx));
+	} else { /* every slab is queued (the sender is behind): the record itself */
+		struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail);
+		m.aux = x ? OUT_ADMIT : OUT_NONE;
+		memcpy(m.payload, &x, sizeof(x));
+		if (!x)
+			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 	}
-	struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail); /* no slab: the record itself */
+	if (kvr_rep_tracing(rep->c.replica_id))
+		kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
+	KVR_RING_IGNORE_BEGIN();
+	slot->fn = NULL;
+	slot->aux = m.aux;
+	slot->len = sizeof(void *);
+	memcpy(slot->payload, m.payload, sizeof(void *));
+	KVR_RING_IGNORE_END();
+	kvr_ring_commit(&rep->outq, ticket);
+	kvr_parker_wake_asym(&rep->out_park);
+	return true;
+}
+
+void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
+{
+	struct kvr_replica *rep = ctx;
+	if (a->n <= OUT_SLAB_BLOCKS && a->tail_n <= OUT_SLAB_TAIL && note_admit_reserved(rep, a))
+		return;
+	/* Too large for a slab, or the ring is full: a record; out_push waits for room. */
+	struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail);
 	if (!x) {
 		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 		return;
@@ -426,6 +476,8 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 		         k.capacity, k.mbt);
 		return 0;
 	}
+	case OUT_NONE:
+		return 0;
 	case OUT_FLUSH: {
 		uint64_t ticket;
 		memcpy(&ticket, m->payload, sizeof(ticket));
@@ -477,7 +529,7 @@ static void *out_main(void *arg)
 			nanosleep(&ts, NULL);
 			continue;
 		}
-		kvr_parker_prepare(&rep->out_park);
+		kvr_parker_prepare_asym(&rep->out_park);
 		if (kvr_ring_depth(&rep->outq) ||
 		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
 			kvr_parker_cancel(&rep->out_park);
@@ -501,6 +553,7 @@ int kvr_rep_out_init(struct kvr_replica *rep)
 	}
 	rep->slab_free = OUT_SLABS == 64 ? ~0ull : (1ull << OUT_SLABS) - 1;
 	kvr_parker_init(&rep->out_park);
+	kvr_parker_asym_init();
 	return 0;
 }
 

@@ -107,39 +107,66 @@ static inline uint32_t kvr_ring_capacity(const struct kvr_ring *r)
 }
 
 /*
+ * Claims the next slot for a message the caller writes in place: returns the slot (its
+ * ticket in *ticket) or NULL if the ring is full.  Every reserve must be followed by
+ * kvr_ring_commit(): later producers' messages wait for it.  Between the two the caller may
+ * also fill memory that the message refers to (the replica sender's staging slabs): no locked
+ * instruction comes after those stores on the producer's path, so they drain from the store
+ * buffer while the producer goes on.  Context: any thread (many producers).
+ */
+static inline struct kvr_msg *kvr_ring_reserve(struct kvr_ring *r, uint32_t *ticket)
+{
+	unsigned int t;
+	KVR_RING_IGNORE_BEGIN();
+	struct kvr_msg *slot = ck_ring_enqueue_reserve_mpsc_kvr_msg(&r->ck, r->buf, &t);
+	KVR_RING_IGNORE_END();
+	*ticket = t;
+	return slot;
+}
+
+/*
+ * Publishes a reserved slot.  Ordering: the slot and everything the producer wrote before are
+ * visible to the consumer that dequeues it (ck: store fence then p_tail store; pairs with
+ * kvr_ring_dequeue()).  Commit publishes in ticket order: wait for earlier producers first,
+ * yielding after a short spin, because one preempted between its reserve and commit would
+ * otherwise have every later producer burn its CPU (oversubscribed cores).  ck's own commit
+ * then finds p_tail == ticket at once.  Context: the producer that reserved ticket.
+ */
+static inline void kvr_ring_commit(struct kvr_ring *r, uint32_t ticket)
+{
+	KVR_TSAN_RELEASE(r);
+	KVR_RING_IGNORE_BEGIN();
+	for (unsigned int spins = 0; ck_pr_load_uint(&r->ck.p_tail) != ticket; spins++) {
+		if (spins < 256)
+			ck_pr_stall();
+		else
+			sched_yield();
+	}
+	ck_ring_enqueue_commit_mpsc(&r->ck, ticket);
+	KVR_RING_IGNORE_END();
+}
+
+/*
  * Enqueues {fn, len, aux, payload[0..len)} (len <= KVR_MSG_PAYLOAD, checked by the caller).
  * Returns true, or false if the ring is full (nothing written).
- * Context: any thread (many producers).
- * Ordering: the message and everything the producer wrote before are visible to the consumer
- * that dequeues it (ck: store fence then p_tail store; pairs with kvr_ring_dequeue()).
+ * Context: any thread (many producers).  Ordering: as kvr_ring_commit().
  */
 static inline bool kvr_ring_enqueue(struct kvr_ring *r, void (*fn)(void), const void *payload,
                                     uint32_t len, uint32_t aux)
 {
-	unsigned int ticket;
-	KVR_TSAN_RELEASE(r);
+	uint32_t ticket;
+	struct kvr_msg *slot = kvr_ring_reserve(r, &ticket);
+	if (!slot)
+		return false;
 	KVR_RING_IGNORE_BEGIN();
-	struct kvr_msg *slot = ck_ring_enqueue_reserve_mpsc_kvr_msg(&r->ck, r->buf, &ticket);
-	if (slot) {
-		slot->fn = fn;
-		slot->len = len;
-		slot->aux = aux;
-		if (len)
-			memcpy(slot->payload, payload, len);
-		/* Commit publishes in ticket order: wait for earlier producers first, yielding
-		 * after a short spin, because one preempted between its reserve and commit
-		 * would otherwise have every later producer burn its CPU (oversubscribed cores).
-		 * ck's own commit then finds p_tail == ticket at once. */
-		for (unsigned int spins = 0; ck_pr_load_uint(&r->ck.p_tail) != ticket; spins++) {
-			if (spins < 256)
-				ck_pr_stall();
-			else
-				sched_yield();
-		}
-		ck_ring_enqueue_commit_mpsc(&r->ck, ticket);
-	}
+	slot->fn = fn;
+	slot->len = len;
+	slot->aux = aux;
+	if (len)
+		memcpy(slot->payload, payload, len);
 	KVR_RING_IGNORE_END();
-	return slot != NULL;
+	kvr_ring_commit(r, ticket);
+	return true;
 }
 
 /*
