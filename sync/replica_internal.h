@@ -144,7 +144,14 @@ struct kvr_replica {
 	uint64_t flush_req;         /* atomic: outbound flush tickets handed out */
 	uint64_t out_dropped;       /* atomic: notes lost before the queue (no memory, ring full) */
 	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
-	uint64_t slab_free;         /* atomic bitmap of free slabs */
+	/* Free slabs, atomic bitmaps, each padded onto a line of its own (the allocation is not
+	 * 64-aligned): slab_free is written by the sender (slabs it is done with), slab_mine by
+	 * producers (slabs taken from slab_free in one exchange, handed out one per note). */
+	char slab_pad0[64];
+	uint64_t slab_free;
+	char slab_pad1[64];
+	uint64_t slab_mine;
+	char slab_pad2[64];
 };
 
 static inline uint64_t kvr_rep_mono_ns(void)

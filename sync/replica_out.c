@@ -320,19 +320,45 @@ static struct kvr_rep_rec *rec_of(const struct kvr_replica *rep, const struct kv
 	return x;
 }
 
+/* Moves the lowest SLAB_BATCH free slabs from slab_free (the sender's line) to slab_mine
+ * (the producers' line); returns slab_mine after, or 0 if none was free.  A small batch keeps
+ * the slabs in use few (warm in the routing thread's cache: at 1 note per sender poll they are
+ * back before the next refill), and costs the sender's line one RMW per SLAB_BATCH notes. */
+#define SLAB_BATCH 8
+static uint64_t slab_refill(struct kvr_replica *rep)
+{
+	uint64_t f = __atomic_load_n(&rep->slab_free, __ATOMIC_RELAXED), take;
+	do {
+		if (!f)
+			return 0;
+		take = 0;
+		uint64_t x = f;
+		for (int j = 0; j < SLAB_BATCH && x; j++) {
+			take |= x & (~x + 1);
+			x &= x - 1;
+		}
+	} while (!__atomic_compare_exchange_n(&rep->slab_free, &f, f & ~take, true,
+	                                      __ATOMIC_ACQUIRE, __ATOMIC_RELAXED));
+	return __atomic_fetch_or(&rep->slab_mine, take, __ATOMIC_RELEASE) | take;
+}
+
 /* Takes a free staging slab, lowest index first (the recently used ones are warm in cache).
- * Returns its index or -1.  Ordering: acquire; pairs with the release in slab_put, so the
- * sender's reads of the slab happen before our writes. */
+ * Returns its index or -1.  Two bitmaps on two lines: the sender returns slabs into
+ * slab_free; producers take from slab_mine, refilled by slab_refill only when empty.  So a
+ * note's CAS is on a line that only producers write.  Ordering: the sender's release
+ * (slab_put) -> the refill's acquire CAS -> its release fetch_or -> the taker's acquire CAS:
+ * the sender's reads of a slab happen before our writes. */
 static int slab_get(struct kvr_replica *rep)
 {
-	uint64_t m = __atomic_load_n(&rep->slab_free, __ATOMIC_RELAXED);
-	while (m) {
+	uint64_t m = __atomic_load_n(&rep->slab_mine, __ATOMIC_RELAXED);
+	for (;;) {
+		if (!m && !(m = slab_refill(rep)))
+			return -1;
 		int i = __builtin_ctzll(m);
-		if (__atomic_compare_exchange_n(&rep->slab_free, &m, m & ~(1ull << i), true,
+		if (__atomic_compare_exchange_n(&rep->slab_mine, &m, m & ~(1ull << i), true,
 		                                __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
 			return i;
 	}
-	return -1;
 }
 
 static void slab_put(struct kvr_replica *rep, uint32_t i)
