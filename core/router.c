@@ -10,6 +10,11 @@
 #include "core/router_internal.h"
 #include "sync/rcu.h"
 
+/* The shards' maintenance lanes: the router posts nothing there (every call and post takes the
+ * routing lane; TTL and lease timers run in the shard loop), so a ring of 256 slots (16 KiB)
+ * rather than lane_capacity's (256 KiB a shard by default). */
+#define ROUTER_MAINT_CAPACITY 255u
+
 static size_t live_bytes(uint32_t n)
 {
 	return sizeof(struct kvr_live) + (size_t)n * (sizeof(uint64_t) + sizeof(uint32_t));
@@ -130,6 +135,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .cpus = cfg->cpu_list,
 	    .n_cpus = cfg->n_cpus,
 	    .lane_capacity = cfg->lane_capacity,
+	    .maint_capacity = ROUTER_MAINT_CAPACITY,
 	    .maint_every_tasks = cfg->maint_every_tasks,
 	    .maint_every_ns = cfg->maint_every_ns,
 	    .now_ns = r->clock.fn,

@@ -355,6 +355,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	if (!cfg || !out || (cfg->n_cpus && !cfg->cpus))
 		return KVR_EINVAL;
 	if (cfg->n_shards > MAX_SHARDS || cfg->lane_capacity > KVR_LIMIT_LANE_CAPACITY_MAX ||
+	    cfg->maint_capacity > KVR_LIMIT_LANE_CAPACITY_MAX ||
 	    cfg->max_workers > KVR_LIMIT_WORKERS_MAX)
 		return KVR_ERANGE;
 	int dcpus[CPU_SETSIZE];
@@ -402,6 +403,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		return KVR_ENOMEM;
 	}
 	uint32_t cap = cfg->lane_capacity ? cfg->lane_capacity : DEF_CAPACITY;
+	uint32_t maint_cap = cfg->maint_capacity ? cfg->maint_capacity : cap;
 	uint32_t every = cfg->maint_every_tasks ? cfg->maint_every_tasks : DEF_EVERY;
 	uint64_t every_ns = cfg->maint_every_ns ? cfg->maint_every_ns : DEF_EVERY_NS;
 	for (uint32_t i = 0; i < n; i++) {
@@ -417,7 +419,8 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		sh->cpu = n_cpus ? cpus[i % n_cpus] : -1;
 		kvr_parker_init(&sh->park);
 		kvr_timers_init(&sh->timers);
-		int rc = kvr_lanes_init(&sh->lanes, cap, every, every_ns, NULL, NULL);
+		int rc =
+		    kvr_lanes_init_sized(&sh->lanes, cap, maint_cap, every, every_ns, NULL, NULL);
 		if (rc) {
 			free_all(s);
 			return rc;

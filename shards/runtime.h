@@ -40,8 +40,11 @@ struct kvr_shards_config {
 	 * process affinity mask in order.  A CPU that cannot be used leaves the shard unpinned. */
 	const int *cpus;
 	size_t n_cpus;
-	/* Capacity of each lane, messages.  0 = 4096.  Max 1 << 22. */
+	/* Capacity of the routing lane, messages.  0 = 4095.  Max 1 << 22. */
 	uint32_t lane_capacity;
+	/* Capacity of the maintenance lane.  0 = lane_capacity.  Max 1 << 22.  (The router sets
+	 * 255, a 16 KiB ring: it posts nothing there, its timers run in the loop.) */
+	uint32_t maint_capacity;
 	/* Biased scheduler bound: a maintenance task at least every maint_every_tasks routing tasks
 	 * (0 = 64) or maint_every_ns of continuous routing work (0 = 200 us). */
 	uint32_t maint_every_tasks;

@@ -19,13 +19,20 @@ static uint64_t mono_now(void *ctx)
 int kvr_lanes_init(struct kvr_lanes *l, uint32_t capacity, uint32_t every_tasks, uint64_t every_ns,
                    uint64_t (*now)(void *), void *now_ctx)
 {
+	return kvr_lanes_init_sized(l, capacity, capacity, every_tasks, every_ns, now, now_ctx);
+}
+
+int kvr_lanes_init_sized(struct kvr_lanes *l, uint32_t routing_capacity, uint32_t maint_capacity,
+                         uint32_t every_tasks, uint64_t every_ns, uint64_t (*now)(void *),
+                         void *now_ctx)
+{
 	if (!l || every_tasks == 0 || every_ns == 0)
 		return KVR_EINVAL;
 	memset(l, 0, sizeof(*l));
-	int rc = kvr_ring_init(&l->ring[0], capacity);
+	int rc = kvr_ring_init(&l->ring[0], routing_capacity);
 	if (rc)
 		return rc;
-	rc = kvr_ring_init(&l->ring[1], capacity);
+	rc = kvr_ring_init(&l->ring[1], maint_capacity);
 	if (rc) {
 		kvr_ring_fini(&l->ring[0]);
 		return rc;

@@ -63,6 +63,12 @@ struct kvr_lanes {
 int kvr_lanes_init(struct kvr_lanes *l, uint32_t capacity, uint32_t every_tasks, uint64_t every_ns,
                    uint64_t (*now)(void *), void *now_ctx);
 
+/* As kvr_lanes_init, with a capacity per lane (routing, maintenance).  Context: before
+ * sharing. */
+int kvr_lanes_init_sized(struct kvr_lanes *l, uint32_t routing_capacity, uint32_t maint_capacity,
+                         uint32_t every_tasks, uint64_t every_ns, uint64_t (*now)(void *),
+                         void *now_ctx);
+
 /* Frees the rings.  Context: nobody uses the lanes any more. */
 void kvr_lanes_fini(struct kvr_lanes *l);
 

@@ -154,9 +154,10 @@ struct kvr_config {
 	/* Clock.  Default NULL = CLOCK_MONOTONIC.  clock_ctx is passed to it unchanged. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
-	/* Capacity of each shard lane ring, messages: the ring has the smallest power-of-two
-	 * number of 64-byte slots above it (it holds its size minus one, so 4096 would take 8192
-	 * slots).  Default 4095 (two rings of 256 KiB a shard).  Range 2..1<<22. */
+	/* Capacity of each shard's routing lane ring, messages: the ring has the smallest
+	 * power-of-two number of 64-byte slots above it (it holds its size minus one, so 4096
+	 * would take 8192 slots).  Default 4095 (256 KiB a shard).  Range 2..1<<22.  (The
+	 * maintenance lane, which the router leaves empty, holds 255.) */
 	uint32_t lane_capacity;
 	/* Biased scheduler: run one maintenance task at least every maint_every_tasks routing
 	 * tasks (default 64, >= 1) or every maint_every_ns of continuous routing work
