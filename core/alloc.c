@@ -275,3 +275,10 @@ void kvr_alloc_purge_idle(uint64_t now_ns)
 	(void)now_ns;
 #endif
 }
+
+void kvr_alloc_flush_thread_cache(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	(void)mallctl("thread.tcache.flush", NULL, NULL, NULL, 0);
+#endif
+}

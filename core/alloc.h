@@ -61,5 +61,8 @@ bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached);
  * Context: any thread, never on a latency path. */
 #define KVR_ALLOC_PURGE_GAP_NS 100000000ull
 void kvr_alloc_purge_idle(uint64_t now_ns);
+/* With jemalloc: returns the objects the calling thread's cache holds to their arenas (jemalloc
+ * counts them as allocated).  For a thread going idle.  No-op without jemalloc. */
+void kvr_alloc_flush_thread_cache(void);
 
 #endif /* KVR_CORE_ALLOC_H */
