@@ -202,7 +202,7 @@ static uint64_t idle_purge(struct kvr_shard *sh)
 	if (t - sh->idle_ns < IDLE_PURGE_NS)
 		return IDLE_PURGE_NS - (t - sh->idle_ns);
 	sh->idle_ns = 0;
-	kvr_alloc_flush_thread_cache(); /* its freed objects first, so the purge can take their pages */
+	kvr_alloc_flush_thread_cache(); /* first: the purge can then take their pages */
 	kvr_alloc_purge_idle(t);
 	return 0;
 }
