@@ -36,8 +36,9 @@
  * it returns them, except that a shard idle for 100 ms purges the library's arena (shards/
  * runtime.c: idle_purge), which the quiesce's pause lets happen.  The last reading also purges
  * every arena (arena.<ALL>.purge) and reads RSS again (bytes_per_block_rank_rss_purged): what is
- * allocated plus fragmentation.  A footprint_breakdown line per shape splits the last reading
- * (print_breakdown).
+ * allocated plus fragmentation.  Two footprint_breakdown lines per shape split the empty
+ * router's reading (state=empty) and the last one (state=end), both divided by the last
+ * reading's pairs (print_breakdown).
  *
  * It then keeps routing for --churn x (R x C) further new blocks (the steady state of a full
  * router, evicting on every admission) and reads again: the SUMMARY figures are from that second
@@ -324,15 +325,16 @@ static double per_pair(long long bytes, long long base, uint64_t pairs)
  * dirty pages it kept (RSS minus RSS after the purge).  rss_rest is what RSS holds beyond
  * allocated + fragmentation + metadata + dirty (thread stacks, libraries' data), and may be
  * negative when allocated pages were never touched (zeroed tables sized for max_ranks). */
-static void print_breakdown(const struct shape *sh, const struct reading *e, long rss0,
-                            long long alloc0, long long active0, long long meta0)
+static void print_breakdown(const struct shape *sh, const char *state, const struct reading *e,
+                            uint64_t pairs, long rss0, long long alloc0, long long active0,
+                            long long meta0)
 {
-	double p = e->c.resident ? (double)e->c.resident : 1.0;
+	double p = pairs ? (double)pairs : 1.0;
 	const struct kvr_memory *m = &e->mem;
 	double parts = (double)(m->index + m->caches + m->load + m->lanes + m->rank_tables);
-	printf("SUMMARY bench=footprint_breakdown tokens=%zu ranks=%u pairs=%" PRIu64
+	printf("SUMMARY bench=footprint_breakdown tokens=%zu ranks=%u state=%s pairs=%" PRIu64
 	       " index=%.1f caches=%.1f load=%.1f lanes=%.1f rank_tables=%.1f lib_other=%.1f",
-	       sh->len, sh->ranks, e->c.resident, (double)m->index / p, (double)m->caches / p,
+	       sh->len, sh->ranks, state, pairs, (double)m->index / p, (double)m->caches / p,
 	       (double)m->load / p, (double)m->lanes / p, (double)m->rank_tables / p,
 	       ((double)m->library - parts) / p);
 	if (e->alloc >= 0 && alloc0 >= 0 && e->active >= 0 && e->metadata >= 0) {
@@ -457,7 +459,8 @@ static int run_shape(const struct shape *sh, double churn)
 	       full_alloc_s, marg_rss_pp, marg_alloc_s, slope_rss_pp, slope_alloc_s,
 	       empty.rss - rss0, empty.alloc >= 0 ? empty.alloc - alloc0 : -1LL,
 	       rss_pp / REF_TARGET_BYTES, ratio_alloc_s);
-	print_breakdown(sh, &end, rss0, alloc0, active0, meta0);
+	print_breakdown(sh, "empty", &empty, end.c.resident, rss0, alloc0, active0, meta0);
+	print_breakdown(sh, "end", &end, end.c.resident, rss0, alloc0, active0, meta0);
 	fflush(stdout);
 	kvr_router_destroy(r);
 	traffic_fini(&t);
