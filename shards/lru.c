@@ -64,9 +64,10 @@
  * inactive, deepest of its release; evicting it emits nothing.  The router runs in this mode
  * (measured: it makes the serial replay exact under eviction with partial blocks).
  *
- * Invariants: a segment is on the inactive list iff refs == 0; copies == sum of hashed segment
- * lengths; dup_extra == sum of dups; resident = copies + phantoms + private; after every
- * command, resident > capacity implies the inactive list is empty.
+ * Invariants: a segment is on the inactive list iff no lease holds it (its refcount would be 0:
+ * the record then keeps its release order and list links in the refcount's place); copies == sum of
+ * hashed segment lengths; dup_extra == sum of dups; resident = copies + phantoms + private; after
+ * every command, resident > capacity implies the inactive list is empty.
  *
  * Failure model: a command first does its splits (each either happens or fails cleanly, and a
  * split changes no observable state), then reserves everything it may need (segment slots, map
@@ -96,6 +97,7 @@ int kvr_lru_create(uint64_t capacity_blocks, struct kvr_lru **out)
 	lru->free_head = NIL;
 	lru->inact_head = lru->inact_tail = NIL;
 	kvr_u64map_init(&lru->heads);
+	kvr_u64map_init(&lru->hnext);
 	kvr_u64map_init(&lru->dups);
 	kvr_u64map_init(&lru->by_attempt);
 	*out = lru;
@@ -118,6 +120,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 	kvr_free(lru->rel, lru->rel_cap * sizeof(uint32_t));
 	kvr_free(lru->chain, lru->chain_cap * sizeof(uint64_t));
 	kvr_u64map_fini(&lru->heads);
+	kvr_u64map_fini(&lru->hnext);
 	kvr_u64map_fini(&lru->dups);
 	kvr_u64map_fini(&lru->by_attempt);
 	kvr_lru_ghosts_fini(lru);
@@ -191,7 +194,7 @@ static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t n
 	}
 	if (probe) {
 		uint32_t *v = kvr_u64map_find(&lru->heads, h);
-		for (uint32_t j = v ? *v : NIL; j != NIL; j = lru->s[j].hnext)
+		for (uint32_t j = v ? *v : NIL; j != NIL; j = kvr_lru_hnext(lru, j))
 			nxt[nn++] = (struct cursor){j, 0};
 	}
 	return nn;
@@ -347,7 +350,7 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 		return rc;
 	uint32_t nnew = (uint32_t)(n - hit);
 	uint64_t *m = NULL;
-	if ((rc = kvr_lru_reserve_segs(lru, 2)) || (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
+	if ((rc = kvr_lru_reserve_segs(lru, 2)) || (rc = kvr_lru_reserve_head(lru)) ||
 	    (rc = kvr_u64map_reserve(&lru->by_attempt, 1)) || (rc = lease_slot(lru)) ||
 	    (rc = kvr_lru_out_reserve(
 	         out, 1, kvr_lru_eviction_bound(lru, nnew + (uint64_t)private_blocks))))
@@ -370,9 +373,12 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	for (size_t k = 0; k < nh; k++) {
 		struct seg *g = &lru->s[lru->hits[k].run];
 		uint64_t ord = 0;
-		if (g->refs++ == 0) {
+		if (g->inactive) {
 			ord = g->order;
 			kvr_lru_inact_unlink(lru, lru->hits[k].run);
+			g->refs = 1;
+		} else {
+			g->refs++;
 		}
 		l->p[l->n++] = (struct piece){lru->hits[k].run, lru->hits[k].len, ord};
 	}
@@ -450,8 +456,8 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	}
 	uint64_t *m = NULL;
 	if ((rc = reserve_cursors(lru, present)) || (rc = kvr_lru_reserve_segs(lru, 1)) ||
-	    (rc = kvr_u64map_reserve(&lru->heads, 1)) ||
-	    (rc = kvr_u64map_reserve(&lru->dups, present)) || (rc = reserve_pieces(l, 1)) ||
+	    (rc = kvr_lru_reserve_head(lru)) || (rc = kvr_u64map_reserve(&lru->dups, present)) ||
+	    (rc = reserve_pieces(l, 1)) ||
 	    (rc = kvr_lru_out_reserve(out, 1, kvr_lru_eviction_bound(lru, added))))
 		return rc;
 	if (n && !(m = kvr_alloc(n * sizeof(uint64_t))))
@@ -599,20 +605,31 @@ void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st)
 	st->epoch = lru->epoch;
 }
 
+/* What an allocation of n elements of elem bytes occupies (its size class; 0 for none). */
+static size_t real(size_t n, size_t elem)
+{
+	return n ? kvr_alloc_real_size(n * elem) : 0;
+}
+
 size_t kvr_lru_bytes(const struct kvr_lru *lru)
 {
 	if (!lru)
 		return 0;
-	size_t bytes = sizeof(*lru) + (size_t)lru->s_cap * sizeof(struct seg) +
-	               (lru->heads.cap + lru->dups.cap + lru->by_attempt.cap) *
-	                   sizeof(struct kvr_u64map_slot) +
-	               lru->leases_cap * sizeof(struct lease);
-	bytes += (size_t)lru->gh.cap * sizeof(uint64_t) + ((size_t)lru->gh.cap + 63) / 64 * 8 +
-	         lru->gh.map.cap * sizeof(struct kvr_u64map_slot);
+	const size_t slot = sizeof(struct kvr_u64map_slot);
+	size_t bytes = real(1, sizeof(*lru)) + real(lru->s_cap, sizeof(struct seg)) +
+	               real(lru->heads.cap, slot) + real(lru->hnext.cap, slot) +
+	               real(lru->dups.cap, slot) + real(lru->by_attempt.cap, slot) +
+	               real(lru->leases_cap, sizeof(struct lease));
+	bytes += real(lru->gh.cap, sizeof(uint64_t)) + real(((size_t)lru->gh.cap + 63) / 64, 8) +
+	         real(lru->gh.map.cap, slot);
+	bytes += real(lru->cur_cap, sizeof(struct cursor)) * 2 +
+	         real(lru->hits_cap, sizeof(struct kvr_run_hit)) +
+	         real(lru->rel_cap, sizeof(uint32_t)) + real(lru->chain_cap, sizeof(uint64_t));
 	for (uint32_t i = 0; i < lru->s_cap; i++)
-		bytes += (size_t)lru->s[i].cap * sizeof(uint64_t);
+		if (lru->s[i].mem)
+			bytes += real(lru->s[i].cap, sizeof(uint64_t));
 	for (uint32_t i = 0; i < lru->n_leases; i++)
-		bytes += lru->leases[i].cap * sizeof(struct piece);
+		bytes += real(lru->leases[i].cap, sizeof(struct piece));
 	return bytes;
 }
 

@@ -211,7 +211,8 @@ bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt);
 /* Fills *st.  Cheap (counters). */
 void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st);
 
-/* Bytes of memory the instance holds (segments, hash arrays, maps, leases; not scratch).
+/* Bytes of memory the instance holds (segments, hash arrays, maps, leases, scratch arrays), as
+ * allocated: the allocator's size classes (kvr_alloc_real_size).
  * O(segments): for benchmarks and tests. */
 size_t kvr_lru_bytes(const struct kvr_lru *lru);
 /* kvr_lru_bytes / live copies (0 when empty). */

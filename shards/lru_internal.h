@@ -16,21 +16,31 @@
 
 #define NIL UINT32_MAX
 
+/* A segment: 56 bytes.  What only some segments need lives elsewhere or shares room: the list
+ * links and release order only matter while the segment is inactive (refs == 0) and the
+ * refcount only while it is held, so they share a union (`inactive` says which); the next
+ * segment with the same head hash (only duplicate copies have one) is in lru->hnext. */
 struct seg {
-	uint64_t *mem;         /* hash array allocation (NULL for a phantom) */
-	uint64_t stamp;        /* the command that created these copies: smaller = older */
+	uint64_t *mem;          /* hash array allocation (NULL for a phantom) */
+	uint64_t stamp : 56;    /* the command that created these copies: smaller = older (2^56
+	                         * segment creations per rank: 2,000 years at a million a second) */
+	uint64_t inactive : 1;  /* on the inactive list (then the union holds order/prev/next) */
+	uint64_t phantom : 1;   /* released private blocks (keep_private) */
+	uint64_t has_hnext : 1; /* in lru->hnext: not the last with its head hash */
+	union {
+		struct {                     /* inactive */
+			uint64_t order;      /* the list is sorted by (order asc, depth desc) */
+			uint32_t prev, next; /* inactive list; next doubles as the free list */
+		};
+		uint32_t refs; /* held: leases holding every copy of the segment */
+	};
 	uint32_t start;        /* the first hash is mem[start] */
 	uint32_t len;          /* copies (or phantom blocks) */
 	uint32_t cap;          /* mem's size in hashes */
-	uint32_t refs;         /* leases holding every copy of the segment */
-	uint32_t prev, next;   /* inactive list; next doubles as the free list */
 	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
-	uint32_t hnext;        /* next segment with the same head hash */
 	uint32_t depth;        /* chain position of the first copy (UINT32_MAX: phantom) */
-	uint64_t order;        /* inactive: the list is sorted by (order asc, depth desc) */
-	uint8_t phantom;       /* released private blocks (keep_private) */
-	uint8_t inactive;      /* on the inactive list */
 };
+_Static_assert(sizeof(struct seg) == 56, "struct seg grew");
 
 struct piece {
 	uint32_t seg; /* first segment (its split chain continues the piece) */
@@ -75,7 +85,9 @@ struct kvr_lru {
 	uint64_t order_seq; /* last order given to a segment entering the inactive list */
 	bool keep_private;
 	struct kvr_u64map heads; /* head hash -> first segment of its multimap chain */
-	struct kvr_u64map dups;  /* hash -> extra copies, for hashes with several copies */
+	struct kvr_u64map
+	    hnext;              /* segment -> the next one with its head hash (when there is one) */
+	struct kvr_u64map dups; /* hash -> extra copies, for hashes with several copies */
 	struct lease *leases;
 	uint32_t n_leases, leases_cap;
 	struct kvr_u64map by_attempt;
@@ -105,7 +117,14 @@ int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n);
 size_t kvr_lru_eviction_bound(const struct kvr_lru *lru, uint64_t added);
 /* A fresh segment slot (room reserved), zeroed, on no list. */
 uint32_t kvr_lru_seg_new(struct kvr_lru *lru);
-/* Adds segment i to the head multimap under its first hash (room in lru->heads reserved). */
+/* Room for one head_add: in lru->heads and lru->hnext.  0 or KVR_ENOMEM. */
+int kvr_lru_reserve_head(struct kvr_lru *lru);
+/* The next segment with segment i's head hash, or NIL. */
+static inline uint32_t kvr_lru_hnext(const struct kvr_lru *lru, uint32_t i)
+{
+	return lru->s[i].has_hnext ? *kvr_u64map_find(&lru->hnext, i) : NIL;
+}
+/* Adds segment i to the head multimap under its first hash (room reserved: reserve_head). */
 void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i);
 /* Takes inactive segment i off the inactive list. */
 void kvr_lru_inact_unlink(struct kvr_lru *lru, uint32_t i);

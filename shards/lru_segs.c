@@ -65,7 +65,7 @@ uint32_t kvr_lru_seg_new(struct kvr_lru *lru)
 	lru->free_head = g->next;
 	lru->s_live++;
 	memset(g, 0, sizeof(*g));
-	g->prev = g->next = g->sprev = g->snext = g->hnext = NIL;
+	g->prev = g->next = g->sprev = g->snext = NIL;
 	return i;
 }
 
@@ -80,16 +80,39 @@ static void seg_free(struct kvr_lru *lru, uint32_t i)
 	lru->s_live--;
 }
 
-/* Head multimap.  Room in lru->heads must be reserved for an add. */
+/* Head multimap: lru->heads maps a head hash to its first segment, lru->hnext each segment of a
+ * multimap chain to the next (only duplicate copies make chains longer than one). */
+int kvr_lru_reserve_head(struct kvr_lru *lru)
+{
+	int rc = kvr_u64map_reserve(&lru->heads, 1);
+	return rc ? rc : kvr_u64map_reserve(&lru->hnext, 1);
+}
+
+static void set_hnext(struct kvr_lru *lru, uint32_t i, uint32_t next)
+{
+	struct seg *g = &lru->s[i];
+	if (next == NIL) {
+		if (g->has_hnext)
+			kvr_u64map_remove(&lru->hnext, i);
+		g->has_hnext = 0;
+	} else if (g->has_hnext) {
+		*kvr_u64map_find(&lru->hnext, i) = next;
+	} else {
+		kvr_u64map_insert(&lru->hnext, i, next);
+		g->has_hnext = 1;
+	}
+}
+
 void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i)
 {
 	uint64_t h = seq_of(&lru->s[i])[0];
 	uint32_t *v = kvr_u64map_find(&lru->heads, h);
 	if (v) {
-		lru->s[i].hnext = *v;
+		uint32_t first = *v;
 		*v = i;
+		set_hnext(lru, i, first);
 	} else {
-		lru->s[i].hnext = NIL;
+		set_hnext(lru, i, NIL);
 		kvr_u64map_insert(&lru->heads, h, i);
 	}
 }
@@ -98,17 +121,19 @@ static void head_del(struct kvr_lru *lru, uint32_t i)
 {
 	uint64_t h = seq_of(&lru->s[i])[0];
 	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	uint32_t after = kvr_lru_hnext(lru, i);
+	set_hnext(lru, i, NIL);
 	if (*v == i) {
-		if (lru->s[i].hnext == NIL)
+		if (after == NIL)
 			kvr_u64map_remove(&lru->heads, h);
 		else
-			*v = lru->s[i].hnext;
+			*v = after;
 		return;
 	}
 	uint32_t t = *v;
-	while (lru->s[t].hnext != i)
-		t = lru->s[t].hnext;
-	lru->s[t].hnext = lru->s[i].hnext;
+	while (kvr_lru_hnext(lru, t) != i)
+		t = kvr_lru_hnext(lru, t);
+	set_hnext(lru, t, after);
 }
 
 void kvr_lru_inact_unlink(struct kvr_lru *lru, uint32_t i)
@@ -167,7 +192,7 @@ static void compact(struct seg *g)
 int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off)
 {
 	int rc;
-	if ((rc = kvr_lru_reserve_segs(lru, 1)) || (rc = kvr_u64map_reserve(&lru->heads, 1)))
+	if ((rc = kvr_lru_reserve_segs(lru, 1)) || (rc = kvr_lru_reserve_head(lru)))
 		return rc;
 	struct seg *a = &lru->s[i];
 	uint32_t len = a->len, rest = len - off;
@@ -183,10 +208,12 @@ int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off)
 	b->mem = hb.mem, b->start = hb.start, b->cap = hb.cap;
 	a->len = off;
 	b->len = rest;
-	b->refs = a->refs;
 	b->stamp = a->stamp;
 	b->depth = a->depth + off;
-	b->order = a->order;
+	if (a->inactive)
+		b->order = a->order;
+	else
+		b->refs = a->refs;
 	b->sprev = i;
 	b->snext = a->snext;
 	if (a->snext != NIL)
