@@ -208,6 +208,7 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 	res->upper = hi;
 	res->capacity = lru->capacity;
 	res->evicted = before - (lru->copies + lru->n_phantom);
+	kvr_lru_settle(lru);
 	return 0;
 }
 
@@ -249,6 +250,7 @@ int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unall
 	kvr_lru_evict_to(lru, resident + unallocated, out);
 	if (evicted)
 		*evicted = before - (lru->copies + lru->n_phantom);
+	kvr_lru_settle(lru);
 	return 0;
 }
 
@@ -294,5 +296,6 @@ int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
 		kvr_lru_trim(lru, found, lru->s[found].len - 1 - off, out);
 	if (evicted)
 		*evicted = before - (lru->copies + lru->n_phantom);
+	kvr_lru_settle(lru);
 	return 0;
 }

@@ -27,6 +27,7 @@ struct seg {
 	uint64_t inactive : 1;  /* on the inactive list (then the union holds order/prev/next) */
 	uint64_t phantom : 1;   /* released private blocks (keep_private) */
 	uint64_t has_hnext : 1; /* in lru->hnext: not the last with its head hash */
+	uint64_t unused : 1;    /* a free slot (on the free list) */
 	union {
 		struct {                     /* inactive */
 			uint64_t order;      /* the list is sorted by (order asc, depth desc) */
@@ -133,6 +134,9 @@ void kvr_lru_inact_append(struct kvr_lru *lru, uint32_t i);
 /* Splits segment i before off (0 < off < len); see lru_segs.c.  0, KVR_ERANGE or KVR_ENOMEM
  * (nothing changed). */
 int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off);
+/* Ends a command: gives back half of the segment array when fewer than a quarter of its slots
+ * are in use (see lru_segs.c).  Never fails (on no memory the array stays). */
+void kvr_lru_settle(struct kvr_lru *lru);
 /* Evicts down to the capacity. */
 void kvr_lru_reconcile(struct kvr_lru *lru, struct kvr_lru_out *out);
 /* Evicts the m deepest copies of inactive segment i; room in the output must be reserved. */

@@ -37,6 +37,7 @@ int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
 	for (size_t i = nc; i-- > lru->s_cap;) {
 		s[i].mem = NULL;
 		s[i].cap = 0;
+		s[i].unused = 1;
 		s[i].next = lru->free_head;
 		lru->free_head = (uint32_t)i;
 	}
@@ -75,6 +76,7 @@ static void seg_free(struct kvr_lru *lru, uint32_t i)
 	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
 	g->mem = NULL;
 	g->cap = 0;
+	g->unused = 1;
 	g->next = lru->free_head;
 	lru->free_head = i;
 	lru->s_live--;
@@ -250,6 +252,93 @@ void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i)
 	seg_free(lru, i);
 }
 
+/* ------------------------------------------------------------------ giving slots back */
+
+/* Moves live segment j to free slot i: every index that names it (list and chain neighbours,
+ * the head multimap) is redirected.  Leases are redirected by the caller (s[j].next = i). */
+static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
+{
+	struct seg *s = lru->s, *g = &s[j];
+	if (g->inactive) {
+		if (g->prev != NIL)
+			s[g->prev].next = i;
+		else
+			lru->inact_head = i;
+		if (g->next != NIL)
+			s[g->next].prev = i;
+		else
+			lru->inact_tail = i;
+	}
+	if (!g->phantom) {
+		if (g->sprev != NIL)
+			s[g->sprev].snext = i;
+		if (g->snext != NIL)
+			s[g->snext].sprev = i;
+		uint32_t *v = kvr_u64map_find(&lru->heads, seq_of(g)[0]);
+		if (*v == j) {
+			*v = i;
+		} else {
+			uint32_t t = *v;
+			while (kvr_lru_hnext(lru, t) != j)
+				t = kvr_lru_hnext(lru, t);
+			*kvr_u64map_find(&lru->hnext, t) = i;
+		}
+		if (g->has_hnext) {
+			uint32_t after = *kvr_u64map_find(&lru->hnext, j);
+			kvr_u64map_remove(&lru->hnext, j);
+			kvr_u64map_insert(&lru->hnext, i, after); /* a slot was just freed */
+		}
+	}
+	s[i] = *g;
+	g->next = i; /* forwarding address, for the leases */
+}
+
+/*
+ * When fewer than a quarter of the slots are in use (counting the slot kept free per lease),
+ * the array is halved: the live segments in the upper half move down to free slots, the leases'
+ * pieces that name them are redirected, and the free list is rebuilt from the lower half.
+ * O(slots + lease pieces) in that call; amortized O(1) per segment freed, since at least a
+ * quarter of the slots were freed since the array last changed size (it doubles when full).
+ * No observable change: indices order nothing (ties between copies are broken by stamps, and
+ * eviction follows the list).  The new array is allocated first, so no memory means no change.
+ */
+void kvr_lru_settle(struct kvr_lru *lru)
+{
+	size_t used = (size_t)lru->s_live + lru->n_leases + 1;
+	if (lru->s_cap < 64 || used * 4 >= lru->s_cap)
+		return;
+	uint32_t nc = lru->s_cap / 2;
+	struct seg *ns = kvr_alloc((size_t)nc * sizeof(*ns));
+	if (!ns)
+		return;
+	/* The free slots of the lower half, in free-list order. */
+	uint32_t low = NIL, *tail = &low;
+	for (uint32_t i = lru->free_head; i != NIL; i = lru->s[i].next)
+		if (i < nc) {
+			*tail = i;
+			tail = &lru->s[i].next;
+		}
+	*tail = NIL;
+	for (uint32_t j = nc; j < lru->s_cap; j++) {
+		if (lru->s[j].unused)
+			continue;
+		uint32_t i = low;
+		low = lru->s[i].next;
+		seg_move(lru, j, i);
+	}
+	for (uint32_t l = 0; l < lru->n_leases; l++) {
+		struct lease *le = &lru->leases[l];
+		for (uint32_t p = 0; p < le->n; p++)
+			if (le->p[p].seg >= nc)
+				le->p[p].seg = lru->s[le->p[p].seg].next;
+	}
+	memcpy(ns, lru->s, (size_t)nc * sizeof(*ns));
+	kvr_free(lru->s, (size_t)lru->s_cap * sizeof(*ns));
+	lru->s = ns;
+	lru->s_cap = nc;
+	lru->free_head = low;
+}
+
 /* ------------------------------------------------------------------ eviction */
 
 /* Evicts the m deepest copies of inactive segment i (its tail).  Hashes whose last copy goes
@@ -321,4 +410,5 @@ void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *o
 void kvr_lru_reconcile(struct kvr_lru *lru, struct kvr_lru_out *out)
 {
 	kvr_lru_evict_to(lru, lru->capacity, out);
+	kvr_lru_settle(lru);
 }
