@@ -24,7 +24,7 @@ int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
 		return KVR_ERANGE;
 	if (need <= lru->s_cap)
 		return 0;
-	size_t nc = (size_t)lru->s_cap * 2;
+	size_t nc = (size_t)lru->s_cap + lru->s_cap / 2; /* 1.5x: the array is 56 B a slot */
 	if (nc < need)
 		nc = need;
 	if (nc < 16)
@@ -298,7 +298,8 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
  * the array is halved: the live segments in the upper half move down to free slots, the leases'
  * pieces that name them are redirected, and the free list is rebuilt from the lower half.
  * O(slots + lease pieces) in that call; amortized O(1) per segment freed, since at least a
- * quarter of the slots were freed since the array last changed size (it doubles when full).
+ * quarter of the slots were freed since the array last changed size (it grows by half when
+ * full).
  * No observable change: indices order nothing (ties between copies are broken by stamps, and
  * eviction follows the list).  The new array is allocated first, so no memory means no change.
  */
