@@ -316,10 +316,10 @@ static double per_pair(long long bytes, long long base, uint64_t pairs)
 
 /* The end reading split by where the bytes go, per (block, rank): the router's parts
  * (kvr_router_get_memory: each module's counter at real allocator sizes), what the library
- * allocated beyond them (lib_other: pinned-run map, leases, attempt records, metrics, memory
- * waiting for a grace period, less the parts' size-class rounding), the rest of the library's
- * arena (size_classes: what rounding to size classes adds to the asked-for bytes; tcache: freed
- * objects parked in the threads' caches, still allocated for jemalloc), what the process
+ * allocated beyond them (lib_other: pinned-run map, leases, attempt records in flight, metrics,
+ * memory waiting for a grace period, less the parts' size-class rounding), the rest of the
+ * library's arena (size_classes: what rounding to size classes adds to the asked-for bytes; tcache:
+ * freed objects parked in the threads' caches, still allocated for jemalloc), what the process
  * allocated outside the library's arena (outside: liburcu, libc, the bench's stdio), then
  * the allocator: fragmentation (active pages minus allocated bytes), its metadata, and the
  * dirty pages it kept (RSS minus RSS after the purge).  rss_rest is what RSS holds beyond
@@ -331,12 +331,14 @@ static void print_breakdown(const struct shape *sh, const char *state, const str
 {
 	double p = pairs ? (double)pairs : 1.0;
 	const struct kvr_memory *m = &e->mem;
-	double parts = (double)(m->index + m->caches + m->load + m->lanes + m->rank_tables);
+	double parts =
+	    (double)(m->index + m->caches + m->load + m->lanes + m->rank_tables + m->attempt_pool);
 	printf("SUMMARY bench=footprint_breakdown tokens=%zu ranks=%u state=%s pairs=%" PRIu64
-	       " index=%.1f caches=%.1f load=%.1f lanes=%.1f rank_tables=%.1f lib_other=%.1f",
+	       " index=%.1f caches=%.1f load=%.1f lanes=%.1f rank_tables=%.1f attempt_pool=%.1f"
+	       " lib_other=%.1f",
 	       sh->len, sh->ranks, state, pairs, (double)m->index / p, (double)m->caches / p,
 	       (double)m->load / p, (double)m->lanes / p, (double)m->rank_tables / p,
-	       ((double)m->library - parts) / p);
+	       (double)m->attempt_pool / p, ((double)m->library - parts) / p);
 	if (e->alloc >= 0 && alloc0 >= 0 && e->active >= 0 && e->metadata >= 0) {
 		double alloc = (double)(e->alloc - alloc0);
 		double frag = (double)((e->active - active0) - (e->alloc - alloc0));

@@ -194,7 +194,8 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
  * Records of long prompts are recycled: an admission of a 32k-token prompt needs a 32 KiB record,
  * and a fresh large allocation per admission (page faults, the allocator's large-size path) cost
  * more than the rest of the admission (perf/bench_route).  Freed records of 64..16384 blocks wait
- * in a per-size-class stack (16 deep) for the next admission of that class.  Each stack has a
+ * in a per-size-class stack for the next admission of that class (16 deep up to 1024 blocks,
+ * then 256 KB of hashes a class, at least 2: ~1.8 MB in all, owner_attempts.c).  Each stack has a
  * mutex taken only with trylock: a busy stack means "allocate / free normally", so nobody waits.
  * Create returns 0, KVR_ENOMEM; destroy frees what is pooled (NULL is a no-op).
  * Context: create/destroy at router setup/teardown; new/free any thread.
@@ -202,6 +203,9 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 struct kvr_attempt_pool;
 int kvr_attempt_pool_create(struct kvr_attempt_pool **out);
 void kvr_attempt_pool_destroy(struct kvr_attempt_pool *pool);
+/* The pool's bytes: its records kept and itself, at allocator sizes (0 for NULL).
+ * Context: any thread; a relaxed read, exact when no record moves meanwhile. */
+uint64_t kvr_attempt_pool_bytes(const struct kvr_attempt_pool *pool);
 
 /*
  * Books an admission on its rank's shard: the attempt's record, the predicted cache (acquire),

@@ -36,11 +36,23 @@
 
 /* ---------------------------------------------------------------- records */
 
-#define POOL_MIN_CLASS 6  /* 64 blocks */
-#define POOL_MAX_CLASS 14 /* 16384 blocks */
-#define POOL_DEPTH     16
+/* The pool keeps records of 2^k blocks (k in [POOL_MIN_CLASS, POOL_MAX_CLASS]) per class: at
+ * most POOL_DEPTH of them and at most POOL_CLASS_BYTES of hashes (16 B a block), but always
+ * POOL_MIN_DEPTH: classes of up to 1024 blocks (16 KB of hashes) keep 16, 2048 blocks (32k-token
+ * prompts at 16 tokens a block) 8, 4096 blocks 4, 8192 and 16384 blocks 2.  So the pool holds at
+ * most ~1.8 MB of hashes whatever the prompts (16 of each: 8.4 MB), and its bytes (at their
+ * allocator sizes) are counted for kvr_router_get_memory.  The budget is the smallest that kept
+ * the routing cost: bench_route --lengths 32768 (1 / 2 threads) hits the pool 99 / 83% with 16
+ * of each, 95 / 71% with 256 KB a class (route cost unchanged), 86 / 64% with 128 KB (own_ratio
+ * +2-3%). */
+#define POOL_MIN_CLASS   6  /* 64 blocks */
+#define POOL_MAX_CLASS   14 /* 16384 blocks */
+#define POOL_DEPTH       16
+#define POOL_MIN_DEPTH   2
+#define POOL_CLASS_BYTES (256u * 1024u)
 
 struct kvr_attempt_pool {
+	uint64_t bytes; /* records kept, at allocator sizes (atomic: read without the locks) */
 	struct {
 		pthread_mutex_t mu;
 		uint32_t n;
@@ -71,6 +83,20 @@ void kvr_attempt_pool_destroy(struct kvr_attempt_pool *p)
 	kvr_free(p, sizeof(*p));
 }
 
+uint64_t kvr_attempt_pool_bytes(const struct kvr_attempt_pool *p)
+{
+	if (!p)
+		return 0;
+	return kvr_alloc_real_size(sizeof(*p)) + __atomic_load_n(&p->bytes, __ATOMIC_RELAXED);
+}
+
+/* How many records class k keeps. */
+static uint32_t pool_depth(int k)
+{
+	size_t d = POOL_CLASS_BYTES / (((size_t)1 << k) * 2 * sizeof(uint64_t));
+	return d < POOL_MIN_DEPTH ? POOL_MIN_DEPTH : d > POOL_DEPTH ? POOL_DEPTH : (uint32_t)d;
+}
+
 /* The pool class of n blocks (capacity 2^class >= n), or -1 when not pooled. */
 static int pool_class(size_t n)
 {
@@ -91,8 +117,12 @@ struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, siz
 	size_t size =
 	    kvr_attempt_blocks_off(bs) + (k < 0 ? n : (size_t)1 << k) * 2 * sizeof(uint64_t);
 	if (k >= 0 && pthread_mutex_trylock(&c->pool->cls[k].mu) == 0) {
-		if (c->pool->cls[k].n)
+		/* The count moves under the lock: after the add of the free that kept it. */
+		if (c->pool->cls[k].n) {
 			rec = c->pool->cls[k].rec[--c->pool->cls[k].n];
+			__atomic_fetch_sub(&c->pool->bytes, kvr_alloc_real_size(size),
+			                   __ATOMIC_RELAXED);
+		}
 		pthread_mutex_unlock(&c->pool->cls[k].mu);
 	}
 	if (!rec && !(rec = kvr_alloc(size)))
@@ -151,9 +181,12 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 		return;
 	int k = rec->pool_class;
 	if (k >= 0 && c->pool && pthread_mutex_trylock(&c->pool->cls[k].mu) == 0) {
-		bool kept = c->pool->cls[k].n < POOL_DEPTH;
-		if (kept)
+		bool kept = c->pool->cls[k].n < pool_depth(k);
+		if (kept) {
 			c->pool->cls[k].rec[c->pool->cls[k].n++] = rec;
+			__atomic_fetch_add(&c->pool->bytes, kvr_alloc_real_size(rec->size),
+			                   __ATOMIC_RELAXED);
+		}
 		pthread_mutex_unlock(&c->pool->cls[k].mu);
 		if (kept)
 			return;

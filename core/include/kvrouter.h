@@ -823,14 +823,18 @@ struct kvr_memory {
 	uint64_t lanes;       /* shard runtime: lane rings, shard records, worker placement */
 	uint64_t rank_tables; /* the router's per-rank arrays, sized for max_ranks */
 	/* Everything the library has allocated now, asked-for sizes, every router in the process
-	 * together; minus the parts above it leaves what has no counter of its own (pinned-run
-	 * map, leases, attempt records, metrics, memory retired but not yet past its RCU grace
-	 * period) less the size-class rounding the parts include. */
+	 * together; minus the parts (the fields above it and attempt_pool) leaves what has no
+	 * counter of its own (pinned-run map, leases, attempt records in flight, metrics, memory
+	 * retired but not yet past its RCU grace period) less the size-class rounding the parts
+	 * include. */
 	uint64_t library;
 	/* With jemalloc (0 otherwise): the bytes allocated in the library's own arena at their
 	 * size classes (every router in the process), and of those, freed objects parked in the
 	 * threads' caches (tcaches), which jemalloc still counts as allocated. */
 	uint64_t arena, arena_cached;
+	/* Recycled attempt records kept for the next admissions (at most ~1.8 MB of hashes, real
+	 * sizes), and the pool itself.  Last, so that the earlier fields keep their offsets. */
+	uint64_t attempt_pool;
 };
 
 /*

@@ -75,6 +75,43 @@ Test(memory, grows_with_blocks_and_shrinks_on_removal)
 	kvr_router_destroy(r);
 }
 
+/* The recycled attempt records are bounded in bytes: a class of 4096-block records (64k-token
+ * prompts, 64 KB of hashes each) keeps 4 of the 8 that end together. */
+Test(memory, attempt_pool_bounded)
+{
+	struct kvr_router *r = make(2);
+	struct kvr_memory m0 = mem(r);
+	cr_assert_gt(m0.attempt_pool, 0); /* the pool itself */
+	cr_assert_lt(m0.attempt_pool, 4096);
+	static uint32_t tok[16 * 4096];
+	uint64_t att[8];
+	int n = 0;
+	for (int p = 0; p < 8; p++) {
+		for (size_t i = 0; i < sizeof(tok) / sizeof(tok[0]); i++)
+			tok[i] = (uint32_t)(p * 1000003u + i);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = sizeof(tok) / sizeof(tok[0]);
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		if (d.status == KVR_DECIDED)
+			att[n++] = d.attempt;
+	}
+	cr_assert_geq(n, 5, "%d of 8 admitted", n);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	for (int i = 0; i < n; i++)
+		cr_assert_eq(kvr_request_finish(r, att[i]), 0);
+	struct kvr_memory m1 = mem(r);
+	uint64_t rec = 4096u * 16u; /* hashes and sequence hashes, without the header */
+	cr_assert_geq(m1.attempt_pool, m0.attempt_pool + rec, "pool %llu",
+	              (unsigned long long)m1.attempt_pool);
+	cr_assert_leq(m1.attempt_pool, m0.attempt_pool + 4 * (rec + 16384), "pool %llu",
+	              (unsigned long long)m1.attempt_pool);
+	cr_assert_geq(m1.library, m1.attempt_pool);
+	kvr_router_destroy(r);
+}
+
 Test(memory, bad_input)
 {
 	struct kvr_router *r = make(1);
