@@ -27,6 +27,20 @@ static struct kvr_memory mem(struct kvr_router *r)
 	return m;
 }
 
+/* Routes prompt p (n tokens, distinct per p) through tok[]. */
+static struct kvr_decision route_prompt(struct kvr_router *r, uint32_t *tok, size_t n, int p)
+{
+	for (size_t i = 0; i < n; i++)
+		tok[i] = (uint32_t)(p * 1000003u + i);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = n;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	return d;
+}
+
 Test(memory, empty_router_parts)
 {
 	struct kvr_router *r = make(4);
@@ -49,14 +63,7 @@ Test(memory, grows_with_blocks_and_shrinks_on_removal)
 	struct kvr_memory m0 = mem(r);
 	uint32_t tok[16 * 200];
 	for (int p = 0; p < 8; p++) {
-		for (size_t i = 0; i < sizeof(tok) / sizeof(tok[0]); i++)
-			tok[i] = (uint32_t)(p * 1000003u + i);
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = sizeof(tok) / sizeof(tok[0]);
-		struct kvr_decision d;
-		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		struct kvr_decision d = route_prompt(r, tok, sizeof(tok) / sizeof(tok[0]), p);
 		cr_assert_eq(d.status, KVR_DECIDED);
 		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
 	}
@@ -87,14 +94,7 @@ Test(memory, attempt_pool_bounded)
 	uint64_t att[8];
 	int n = 0;
 	for (int p = 0; p < 8; p++) {
-		for (size_t i = 0; i < sizeof(tok) / sizeof(tok[0]); i++)
-			tok[i] = (uint32_t)(p * 1000003u + i);
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = sizeof(tok) / sizeof(tok[0]);
-		struct kvr_decision d;
-		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		struct kvr_decision d = route_prompt(r, tok, sizeof(tok) / sizeof(tok[0]), p);
 		if (d.status == KVR_DECIDED)
 			att[n++] = d.attempt;
 	}
