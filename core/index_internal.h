@@ -516,12 +516,16 @@ struct kvr_index {
 	/* Readers' view of the segments: (table | log2(capacity)), 0 = empty; RCU-published. */
 	uintptr_t view[IDX_SEGS] __attribute__((aligned(IDX_CACHELINE)));
 	struct idx_seg seg[IDX_SEGS];
-	pthread_mutex_t wlock; /* every writer call (stored, removed, cleared, ranks) */
-	uint32_t max_ranks;
+	/* What readers read besides the view, on a line of its own: the writer's mutex and
+	 * counters below change on every write, and sharing a line with them made every query
+	 * after a write miss on it (bench_index_runs --rw-only). */
+	uint32_t max_ranks __attribute__((aligned(IDX_CACHELINE)));
+	uint64_t *tsize; /* per slot: distinct blocks held (atomic relaxed), dense so that
+	                  * find_matches reads 8 ranks' sizes per cache line */
+	/* every writer call (stored, removed, cleared, ranks) */
+	pthread_mutex_t wlock __attribute__((aligned(IDX_CACHELINE)));
 	bool count_copies;
 	struct idx_rank *rank;
-	uint64_t *tsize;       /* per slot: distinct blocks held (atomic relaxed), dense so that
-	                        * find_matches reads 8 ranks' sizes per cache line */
 	struct idx_rtab *rtab; /* RCU-published */
 	uint32_t rank_lock;    /* spinlock: free-slot list and rtab */
 	uint32_t free_head;    /* UINT32_MAX = none */

@@ -417,20 +417,29 @@ static void *rw_writer(void *arg)
 	return NULL;
 }
 
-static uint64_t reader_p99(int ms)
+/* The reader: find_matches (the public query, with each rank's tree size) or find_depths (the
+ * router's lookup: the same walk, no tree sizes). */
+static uint64_t reader_p99(int ms, bool depths)
 {
 	size_t cap = 1 << 20, n = 0;
 	uint64_t *lat = malloc(cap * sizeof(uint64_t));
 	struct kvr_index_match out[RANKS];
+	uint32_t depth[RANKS] = {0}, slots[2 * RANKS], best;
 	uint64_t end = now_ns() + (uint64_t)ms * 1000000ull;
 	while (n < cap && now_ns() < end) {
 		const struct path *p = &rw_ps[rnd() % (uint64_t)rw_np];
 		size_t k = 0;
 		uint64_t t0 = now_ns();
 		kvr_rcu_read_lock();
-		kvr_index_find_matches(rw_idx, p->seq, p->L, NULL, out, RANKS, &k);
+		if (depths)
+			k = kvr_index_find_depths(rw_idx, p->seq, p->L, depth, slots, &best);
+		else
+			kvr_index_find_matches(rw_idx, p->seq, p->L, NULL, out, RANKS, &k);
 		kvr_rcu_read_unlock();
 		lat[n++] = now_ns() - t0;
+		if (depths)
+			for (size_t j = 0; j < k; j++)
+				depth[slots[j]] = 0;
 	}
 	uint64_t p99 = pctl(lat, n, 990);
 	free(lat);
@@ -448,22 +457,28 @@ static void bench_reader_writer(int ms)
 		apply_pattern(rw_idx, rw_slot, &rw_ps[i], 1, i);
 	}
 	/* Alternate alone / with a writer, R rounds each, and take the median round: the
-	 * machine's load drifts, so back-to-back phases compare like with like. */
+	 * machine's load drifts, so back-to-back phases compare like with like.  Both readers:
+	 * find_matches also reads each matched rank's tree size, a counter the writer changes on
+	 * every call (so a query after a write misses on its line); the router's lookup
+	 * (find_depths) reads no tree size. */
 	enum { R = 5 };
-	uint64_t al[R], wi[R];
-	for (int round = 0; round < R; round++) {
-		al[round] = reader_p99(ms / R);
-		__atomic_store_n(&rw_stop, 0, __ATOMIC_RELAXED);
-		pthread_t th;
-		pthread_create(&th, NULL, rw_writer, NULL);
-		wi[round] = reader_p99(ms / R);
-		__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
-		pthread_join(th, NULL);
+	for (int depths = 0; depths < 2; depths++) {
+		uint64_t al[R], wi[R];
+		for (int round = 0; round < R; round++) {
+			al[round] = reader_p99(ms / R / 2, depths);
+			__atomic_store_n(&rw_stop, 0, __ATOMIC_RELAXED);
+			pthread_t th;
+			pthread_create(&th, NULL, rw_writer, NULL);
+			wi[round] = reader_p99(ms / R / 2, depths);
+			__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
+			pthread_join(th, NULL);
+		}
+		uint64_t alone = pctl(al, R, 500), with = pctl(wi, R, 500);
+		printf("SUMMARY bench=index_rw L=512 pattern=b reader=%s reader_p99_alone_ns=%lu "
+		       "reader_p99_with_writer_ns=%lu ratio=%.2f\n",
+		       depths ? "find_depths" : "find_matches", (unsigned long)alone,
+		       (unsigned long)with, alone ? (double)with / (double)alone : 0);
 	}
-	uint64_t alone = pctl(al, R, 500), with = pctl(wi, R, 500);
-	printf("SUMMARY bench=index_rw L=512 pattern=b reader_p99_alone_ns=%lu "
-	       "reader_p99_with_writer_ns=%lu ratio=%.2f\n",
-	       (unsigned long)alone, (unsigned long)with, alone ? (double)with / (double)alone : 0);
 	kvr_index_destroy(rw_idx);
 	for (int i = 0; i < rw_np; i++)
 		free_path(&rw_ps[i]);
