@@ -96,9 +96,11 @@ struct idx_run {
 	                      * (writers' use only), or NULL when none, and readers use: */
 	uint64_t h1;         /* the single holder's word (slot << 32 | cut); 0 when none (slot
 	                      * 0 with cut 0 credits nothing, exactly like no holder) */
-	/* writer only */
 	uint64_t ch; /* children list | max_child_off << 48 (>= the largest off of a child, exact
-	              * after run_check); the retire-list link once dead */
+	              * after run_check); the retire-list link once dead.  Writers' (stored with
+	              * relaxed atomics once the run is published); readers take its high bits
+	              * as a HINT of where the query leaves the run (idx_run_mco_hint) */
+	/* writer only */
 	uint64_t sb; /* next sibling | hw << 48 (positions ever written into seqs: write-once, all
 	              * in the block locator until the run dies) */
 	struct idx_run *sib_prev;
@@ -178,14 +180,27 @@ static inline uint32_t idx_run_mco(const struct idx_run *r)
 	return (uint32_t)idx_hi(r->ch);
 }
 
+/* Atomic stores: readers load the word for its hint (idx_run_mco_hint) and its first child
+ * (idx_find_child), both values they verify.
+ * Ordering: release; pairs with the acquire in idx_find_child(): a reader that reaches c
+ * through its parent sees c's first, po, len and seqs (set before c is linked). */
 static inline void idx_run_set_child(struct idx_run *r, const struct idx_run *c)
 {
-	r->ch = idx_set_lo(r->ch, c);
+	__atomic_store_n(&r->ch, idx_set_lo(r->ch, c), __ATOMIC_RELEASE);
 }
 
 static inline void idx_run_set_mco(struct idx_run *r, uint32_t off)
 {
-	r->ch = idx_set_hi(r->ch, off);
+	__atomic_store_n(&r->ch, idx_set_hi(r->ch, off), __ATOMIC_RELAXED);
+}
+
+/* The run's max child offset as a reader sees it: any value a writer stored (a stale bound, 0
+ * once the run died and the word became a retire link).  Only a guess of the matched length,
+ * which the reader checks with two comparisons (core/index_match.c: run_step).
+ * Context: a reader inside a read section.  Ordering: relaxed; nothing is read through it. */
+static inline uint32_t idx_run_mco_hint(const struct idx_run *r)
+{
+	return (uint32_t)idx_hi(__atomic_load_n(&r->ch, __ATOMIC_RELAXED));
 }
 
 static inline struct idx_run *idx_run_sib(const struct idx_run *r)
@@ -593,6 +608,26 @@ static inline const struct idx_run *idx_find_run(const struct kvr_index *idx, ui
 		if (r->first == seq && r->po == idx_po(parent, off))
 			return r;
 	}
+}
+
+/*
+ * The child of parent at off whose first block is seq: the parent's most recently linked child
+ * when it is that one (a session's path: each turn hangs one child on the previous turn's run,
+ * so the walk reaches it through the parent's header, already loaded, instead of a table
+ * entry), else the table's answer (idx_find_run).  A reader may load a child that was unlinked
+ * meanwhile (freed only after a grace period, like a table entry it raced with), or a dead
+ * parent's retire link (another run retired in the same batch): first and po are compared.
+ * Context: inside a read section.  Ordering: acquire load of the child list; pairs with the
+ * release in idx_run_set_child().
+ */
+static inline const struct idx_run *idx_find_child(const struct kvr_index *idx, uint64_t seq,
+                                                   const struct idx_run *parent, uint32_t off)
+{
+	const struct idx_run *c = (const struct idx_run *)(uintptr_t)idx_lo_ptr(
+	    __atomic_load_n(&parent->ch, __ATOMIC_ACQUIRE));
+	if (c && c->first == seq && c->po == idx_po(parent, off))
+		return c;
+	return idx_find_run(idx, seq, parent, off);
 }
 
 /* Run table, writer side (under wlock). */

@@ -220,22 +220,43 @@ static inline __attribute__((always_inline)) void run_step(const struct idx_run 
 		*hw = hs->e;
 		*hn = hs->n;
 	}
-	size_t m = len < n - q ? len : n - q;
+	const size_t m = len < n - q ? len : n - q;
 	if (m <= 1) {
 		*k = m; /* position 0 matched: R was found by it (s[0] is not a hash) */
-	} else if (sq[m - 1] == seq[q + m - 1]) {
-		*k = m; /* one comparison at the far end */
-	} else {
-		size_t lo = 1, hi = m - 1; /* s[0] matched (R was found by it), s[m-1] did not */
-		while (lo < hi) {
-			size_t mid = (lo + hi + 1) / 2;
-			if (sq[mid - 1] == seq[q + mid - 1])
-				lo = mid;
-			else
-				hi = mid - 1;
-		}
-		*k = lo;
+		return;
 	}
+	/* Positions [0, k) match and none after (a hash names its prefix).  lo: known to match,
+	 * hi: known bound.  First the guess g = the largest child offset: where a session's next
+	 * turn leaves its previous turn's run (the rest of that run is the previous reply), so a
+	 * path of many turns pays two compares per run on one line, not a binary search over the
+	 * reply's blocks.  A wrong or stale guess costs those two compares. */
+	size_t lo = 1, hi = m, g = idx_run_mco_hint(R);
+	if (g > 0 && g < m) {
+		if (sq[g] != seq[q + g]) {
+			hi = g;
+			if (g == 1 || sq[g - 1] == seq[q + g - 1])
+				lo = g;
+			else
+				hi = g - 1;
+		} else {
+			lo = g + 1;
+		}
+	}
+	if (lo < hi) {
+		if (sq[hi - 1] == seq[q + hi - 1]) {
+			lo = hi; /* one comparison at the far end */
+		} else {
+			hi--; /* s[hi-1] did not match */
+			while (lo < hi) {
+				size_t mid = (lo + hi + 1) / 2;
+				if (sq[mid - 1] == seq[q + mid - 1])
+					lo = mid;
+				else
+					hi = mid - 1;
+			}
+		}
+	}
+	*k = lo;
 }
 
 int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, size_t n,
@@ -273,7 +294,7 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 		q += k;
 		if (a == 0 || q == n || k == 0 || (early && a == 1))
 			break;
-		const struct idx_run *C = idx_find_run(idx, seq[q], R, (uint32_t)k);
+		const struct idx_run *C = idx_find_child(idx, seq[q], R, (uint32_t)k);
 		if (!C)
 			break;
 		R = C;
@@ -305,16 +326,23 @@ static inline const struct idx_run *next_run(const struct kvr_index *idx, const 
 {
 	if (k == 0 || q + k >= n)
 		return NULL;
-	const struct idx_run *C = idx_find_run(idx, seq[q + k], R, (uint32_t)k);
+	const struct idx_run *C = idx_find_child(idx, seq[q + k], R, (uint32_t)k);
 	if (C) {
 		const struct idx_hset *hs = __atomic_load_n(&C->hs, __ATOMIC_RELAXED);
 		if (hs && !((uintptr_t)hs & 1))
 			__builtin_prefetch(hs);
 		const uint64_t sl = __atomic_load_n(&C->sl, __ATOMIC_RELAXED);
 		const size_t len = (size_t)(sl >> IDX_HI_SHIFT), left = n - q - k;
+		const size_t m = len < left ? len : left, g = idx_run_mco_hint(C);
 		const uint64_t *sq = (const uint64_t *)(uintptr_t)idx_lo_ptr(sl);
-		if (sq && len > 1)
-			__builtin_prefetch(&sq[(len < left ? len : left) - 1]);
+		if (sq && m > 1) {
+			if (g > 0 && g < m) { /* run_step's guess: s[g - 1] and s[g] */
+				__builtin_prefetch(&sq[g - 1]);
+				__builtin_prefetch(&sq[g]);
+			} else {
+				__builtin_prefetch(&sq[m - 1]);
+			}
+		}
 	}
 	return C;
 }
@@ -322,6 +350,7 @@ static inline const struct idx_run *next_run(const struct kvr_index *idx, const 
 size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
                              uint32_t *depth, uint32_t *slots, uint32_t *best)
 {
+
 	*best = 0;
 	if (n == 0)
 		return 0;

@@ -206,7 +206,7 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		struct idx_run *p = idx_run_parent(r);
 		unlink_child(p, r);
 		seqs_retire(idx, r);
-		r->ch = (uint64_t)(uintptr_t)idx->rt.runs;
+		__atomic_store_n(&r->ch, (uint64_t)(uintptr_t)idx->rt.runs, __ATOMIC_RELAXED);
 		idx->rt.runs = r;
 		idx->rt.n++;
 		r = p;

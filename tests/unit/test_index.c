@@ -983,3 +983,66 @@ Test(index, hash_arrays_grow_through_size_classes)
 	const uint64_t mem = kvr_index_memory_bytes(idx) - mem0;
 	cr_assert_leq(mem, 16 * 64 * 512, "%.2f bytes per held block", (double)mem / (64 * 512));
 }
+
+/* The walk guesses where a query leaves a run at the run's largest child offset (a session's
+ * next turn leaves its previous turn's run there) and checks the guess with two comparisons:
+ * every divergence point, before, at and after the children's offsets, with the guess right,
+ * wrong, 1 (a child below position 0) and stale (the deepest child gone, the bound kept), must
+ * score exactly the matched prefix. */
+Test(index, walk_guesses_at_child_offsets)
+{
+	uint32_t a;
+	kvr_index_rank_add(idx, 1, 0, &a);
+	struct kvr_index_block x[64], y1[5], y2[7], z[30], z1[3];
+	chain(x, 64, 100, 1);    /* X: locals 1..64 */
+	chain(y1, 5, 300, 200);  /* below X[19]: offset 20 */
+	chain(y2, 7, 400, 250);  /* below X[39]: offset 40, the largest */
+	chain(z, 30, 500, 600);  /* Z: locals 600..629 */
+	chain(z1, 3, 700, 1000); /* below Z[0]: offset 1 */
+	cr_assert_eq(kvr_index_store(idx, a, NULL, x, 64), 0);
+	uint64_t p = 119;
+	cr_assert_eq(kvr_index_store(idx, a, &p, y1, 5), 0);
+	p = 139;
+	cr_assert_eq(kvr_index_store(idx, a, &p, y2, 7), 0);
+	cr_assert_eq(kvr_index_store(idx, a, NULL, z, 30), 0);
+	p = 500;
+	cr_assert_eq(kvr_index_store(idx, a, &p, z1, 3), 0);
+	uint64_t q[80];
+	for (int round = 0; round < 2; round++) {
+		for (int d = 1; d <= 64; d++) { /* X's first d blocks, then a block nobody has */
+			for (int i = 0; i < d; i++)
+				q[i] = 1 + (uint64_t)i;
+			for (int i = d; i < 70; i++)
+				q[i] = 5000 + (uint64_t)i;
+			cr_assert_eq(score_of(q, 70, a), d, "round %d d %d", round, d);
+			cr_assert_eq(score_of(q, (size_t)d, a), d, "round %d d %d", round, d);
+		}
+		for (int i = 0; i < 20; i++)
+			q[i] = 1 + (uint64_t)i;
+		for (int i = 0; i < 5; i++)
+			q[20 + i] = 200 + (uint64_t)i;
+		q[25] = 5000;
+		cr_assert_eq(score_of(q, 26, a), 25, "round %d", round);
+		for (int i = 0; i < 40; i++)
+			q[i] = 1 + (uint64_t)i;
+		for (int i = 0; i < 7; i++)
+			q[40 + i] = 250 + (uint64_t)i;
+		cr_assert_eq(score_of(q, 47, a), round == 0 ? 47 : 40, "round %d", round);
+		for (int d = 1; d <= 30; d++) { /* Z: the guess is 1 */
+			for (int i = 0; i < d; i++)
+				q[i] = 600 + (uint64_t)i;
+			q[d] = 5000;
+			cr_assert_eq(score_of(q, (size_t)d + 1, a), d, "round %d z %d", round, d);
+		}
+		q[0] = 600;
+		for (int i = 0; i < 3; i++)
+			q[1 + i] = 1000 + (uint64_t)i;
+		cr_assert_eq(score_of(q, 4, a), 4, "round %d", round);
+		/* Round 1: Y2 gone; X's largest child offset stays 40 (a bound kept while X's
+		 * holder needs the whole run), so the guess is stale. */
+		uint64_t rm[7];
+		for (int i = 0; i < 7; i++)
+			rm[i] = 400 + (uint64_t)i;
+		cr_assert_eq(kvr_index_remove(idx, a, rm, 7, NULL), 0);
+	}
+}
