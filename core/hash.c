@@ -18,6 +18,16 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#if defined(__x86_64__) && defined(__SSE2__) && !defined(__SANITIZE_ADDRESS__) &&                  \
+    !defined(__SANITIZE_THREAD__)
+#include <immintrin.h>
+#define STREAM_STORE(p, v) _mm_stream_si64((long long *)(p), (long long)(v))
+#define STREAM_FENCE()     _mm_sfence()
+#else /* ordinary stores; the caller's release store orders them */
+#define STREAM_STORE(p, v) (*(p) = (v))
+#define STREAM_FENCE()     ((void)0)
+#endif
+
 #include "core/hash.h"
 #include "kvrouter.h"
 
@@ -73,28 +83,37 @@ static inline uint64_t block_hash(const uint32_t *tok, uint32_t block_size, uint
  * folded away and nothing is called, so the chain value stays in a register: with a call per
  * block it was spilled to the stack and every chain step paid a store-to-load round trip.
  */
-#define HASH_CHAIN_BODY(BLOCK_BYTES)                                                               \
+#define HASH_BODY(BLOCK_BYTES, PUT_LOCAL, PUT_SEQ)                                                 \
 	do {                                                                                       \
 		size_t i = 0;                                                                      \
 		uint64_t prev = parent ? *parent : 0;                                              \
 		if (n_blocks && !parent) { /* the chain starts with the first local hash */        \
 			prev = block_hash_bytes(tokens, (BLOCK_BYTES), seed);                      \
-			if (local_out)                                                             \
-				local_out[0] = prev;                                               \
-			if (seq_out)                                                               \
-				seq_out[0] = prev;                                                 \
+			PUT_LOCAL(0, prev);                                                        \
+			PUT_SEQ(0, prev);                                                          \
 			i = 1;                                                                     \
 		}                                                                                  \
 		for (; i < n_blocks; i++) {                                                        \
 			uint64_t local = block_hash_bytes(tokens + i * (size_t)block_size,         \
 			                                  (BLOCK_BYTES), seed);                    \
-			if (local_out)                                                             \
-				local_out[i] = local;                                              \
+			PUT_LOCAL(i, local);                                                       \
 			prev = chain(prev, local);                                                 \
-			if (seq_out)                                                               \
-				seq_out[i] = prev;                                                 \
+			PUT_SEQ(i, prev);                                                          \
 		}                                                                                  \
 	} while (0)
+
+/* The stores of kvr_hash_chain_tokens / kvr_hash_blocks: either output may be NULL. */
+#define PUT_LOCAL_OPT(i, v)                                                                        \
+	do {                                                                                       \
+		if (local_out)                                                                     \
+			local_out[i] = (v);                                                        \
+	} while (0)
+#define PUT_SEQ_OPT(i, v)                                                                          \
+	do {                                                                                       \
+		if (seq_out)                                                                       \
+			seq_out[i] = (v);                                                          \
+	} while (0)
+#define HASH_CHAIN_BODY(BLOCK_BYTES) HASH_BODY(BLOCK_BYTES, PUT_LOCAL_OPT, PUT_SEQ_OPT)
 
 static inline uint64_t block_hash_bytes(const uint32_t *tok, size_t bytes, uint64_t seed)
 {
@@ -117,6 +136,41 @@ __attribute__((flatten)) static void chain_128(const uint64_t *parent, const uin
                                                uint64_t *local_out, uint64_t *seq_out)
 {
 	HASH_CHAIN_BODY(128);
+}
+
+/* The stores of kvr_hash_chain_tokens_stream: both outputs streamed, the kept copies written as
+ * well when asked for. */
+#define PUT_STREAM_LOCAL(i, v)                                                                     \
+	do {                                                                                       \
+		STREAM_STORE(&local_out[i], (v));                                                  \
+		if (local_keep)                                                                    \
+			local_keep[i] = (v);                                                       \
+	} while (0)
+#define PUT_STREAM_SEQ(i, v)                                                                       \
+	do {                                                                                       \
+		STREAM_STORE(&seq_out[i], (v));                                                    \
+		if (seq_keep)                                                                      \
+			seq_keep[i] = (v);                                                         \
+	} while (0)
+
+__attribute__((flatten)) static void stream_64(const uint64_t *parent, const uint32_t *tokens,
+                                               size_t n_blocks, uint32_t block_size, uint64_t seed,
+                                               uint64_t *local_out, uint64_t *seq_out,
+                                               uint64_t *local_keep, uint64_t *seq_keep)
+{
+	HASH_BODY(64, PUT_STREAM_LOCAL, PUT_STREAM_SEQ);
+}
+
+void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
+                                  uint32_t block_size, uint64_t seed, uint64_t *local_out,
+                                  uint64_t *seq_out, uint64_t *local_keep, uint64_t *seq_keep)
+{
+	if (block_size == 16)
+		stream_64(parent, tokens, n_blocks, block_size, seed, local_out, seq_out,
+		          local_keep, seq_keep);
+	else
+		HASH_BODY((size_t)block_size * sizeof(uint32_t), PUT_STREAM_LOCAL, PUT_STREAM_SEQ);
+	STREAM_FENCE();
 }
 
 static size_t hash_chain(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,

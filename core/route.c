@@ -331,30 +331,31 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		return rc;
 	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
 	 * 146k-token prompt), else hashed: with asynchronous booking straight into the attempt's
-	 * record (no copy at admission: 2 KiB at 2k tokens, 128 KiB at 128k), else into the
-	 * thread's scratch (sync_booking: a booking that finds the rank gone consumes the record,
-	 * and the retry needs the hashes; a query; hashes without their tokens, which the replica
-	 * note below would need again). */
+	 * record (no copy at admission: 2 KiB at 2k tokens, 128 KiB at 128k) with streaming stores,
+	 * keeping the sequence hashes (and the local ones when a replica note will read them) in
+	 * the thread's warm scratch for this thread's own lookups (kvr_hash_chain_tokens_stream
+	 * says why: the record's lines were last read by the shard that booked it); else into the
+	 * thread's scratch only (sync_booking: a booking that finds the rank gone consumes the
+	 * record, and the retry needs the hashes; a query; hashes without their tokens, which the
+	 * replica note below would need again). */
 	const uint64_t *local = tls.local, *seq = tls.seq;
 	struct kvr_attempt *rec = NULL;
+	bool note_copy = false; /* tls.local holds the local hashes for the replica note */
+	uint64_t *h;
 	if (q->seq_hashes) {
 		local = q->local_hashes;
 		seq = q->seq_hashes;
+	} else if (nb && q->tokens && !cfg->sync_booking && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
+	           (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
+		note_copy = kvr_repl_attached(r);
+		kvr_hash_chain_tokens_stream(NULL, q->tokens, nb, bs, seed, h, h + nb,
+		                             note_copy ? tls.local : NULL, tls.seq);
+		local = h;
+	} else if (q->tokens) {
+		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
 	} else {
-		uint64_t *wl = tls.local, *ws = tls.seq, *h;
-		if (nb && q->tokens && !cfg->sync_booking && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
-		    (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
-			wl = h;
-			ws = h + nb;
-		}
-		if (q->tokens) {
-			kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, wl, ws);
-		} else {
-			memcpy(wl, q->local_hashes, nb * sizeof(uint64_t));
-			kvr_hash_chain_locals(NULL, wl, nb, ws);
-		}
-		local = wl;
-		seq = ws;
+		memcpy(tls.local, q->local_hashes, nb * sizeof(uint64_t));
+		kvr_hash_chain_locals(NULL, tls.local, nb, tls.seq);
 	}
 	uint64_t t1 = timed ? mono_ns() : 0;
 	KVR_PROBE2(route_begin, q->request_id, nb);
@@ -442,10 +443,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .pend_blocks = nb - chosen.pinned, /* the request's new decode blocks there */
 		};
 		a.reserved = rec;
-		/* The record is the shard's once admitted: the replica note reads a copy. */
-		bool note_copy = rec && kvr_repl_attached(r);
-		if (note_copy)
-			memcpy(tls.local, local, nb * sizeof(uint64_t));
+		a.in_record = rec != NULL; /* hashed into it (seq: the scratch copy) */
 		rc = kvr_admit(r, &a, cfg->sync_booking); /* consumes rec */
 		uint64_t t4 = timed ? mono_ns() : 0;
 		if (rc == KVR_ENOENT && !rec)
@@ -457,9 +455,9 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		d->attempt = a.attempt;
 		if (rec && (note_copy || kvr_repl_attached(r))) {
 			/* The record is the shard's now (a stale booking frees it at once): the
-			 * note reads the copy made before kvr_admit (hashing again cost the
-			 * attached route 2.0-2.1 us at 8k tokens, bench_sync), or, attached
-			 * meanwhile, the local hashes from the tokens again. */
+			 * note reads the copy kept while hashing (hashing again cost the attached
+			 * route 2.0-2.1 us at 8k tokens, bench_sync), or, attached meanwhile, the
+			 * local hashes from the tokens again. */
 			if (!note_copy)
 				kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local,
 				                      tls.seq);

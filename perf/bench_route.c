@@ -38,8 +38,13 @@
  *                    parks; paced runs with a spin longer than the gap never wake a shard)
  *                    [--iters N] (each thread stops after N routes, or at --ms: the same work
  *                    for callgrind, whose speed would otherwise set how many routes it counts)
+ *                    [--cpus C0,C1,...] (frontend thread t pinned to C[t % n]; the shards take
+ *                    CPUs 0, 1, ... in order: --shards 1 --cpus 1 puts the frontend on the
+ *                    other core, as a deployment would, instead of wherever the scheduler
+ *                    puts it, sometimes the shard's core, where no line crosses cores)
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +65,8 @@ static atomic_int go, stop;
 static uint64_t pace_ns; /* --rate: ns between one thread's routes; 0 = as fast as possible */
 static uint64_t iters;   /* --iters: routes per thread, then stop (callgrind: equal work) */
 static atomic_int done;  /* threads that reached --iters */
+static int front_cpus[MAX_THREADS]; /* --cpus: frontend thread t runs on front_cpus[t % n] */
+static int n_front_cpus;            /* 0: not pinned (the scheduler places them) */
 
 static uint64_t mono_ns(void)
 {
@@ -170,6 +177,12 @@ static void *run(void *arg)
 	kvr_request_init(&q);
 	q.n_tokens = prompt_len;
 	size_t i = (size_t)w->id * 7919;
+	if (n_front_cpus) {
+		cpu_set_t set;
+		CPU_ZERO(&set);
+		CPU_SET(front_cpus[w->id % n_front_cpus], &set);
+		pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+	}
 	while (!atomic_load(&go))
 		;
 	uint64_t next = mono_ns();
@@ -403,6 +416,10 @@ int main(int argc, char **argv)
 			iters = strtoull(argv[i + 1], NULL, 10);
 		else if (!strcmp(argv[i], "--rate"))
 			pace_ns = (uint64_t)(1e9 / atof(argv[i + 1]));
+		else if (!strcmp(argv[i], "--cpus"))
+			for (char *e = argv[i + 1]; *e && n_front_cpus < MAX_THREADS;)
+				front_cpus[n_front_cpus++] =
+				    (int)strtol(*e == ',' ? e + 1 : e, &e, 10);
 	}
 	if (threads_max < 1 || threads_max > MAX_THREADS)
 		threads_max = 2;

@@ -163,9 +163,12 @@ struct kvr_admit_args {
 	/* provisional load the caller added to the rank (taken back at the booking) */
 	uint64_t pend_prefill_tokens;
 	uint64_t pend_blocks;
-	/* kvr_admit: a record from kvr_owner_attempt_reserve holding the hashes (local and seq
-	 * point into it), consumed whatever kvr_admit returns; NULL: one is made (a copy) */
+	/* kvr_admit: a record from kvr_owner_attempt_reserve, consumed whatever kvr_admit
+	 * returns; NULL: one is made (a copy) */
 	struct kvr_attempt *reserved;
+	/* the reserved record holds the hashes already (written by the caller); local and seq
+	 * may then be copies elsewhere, read for nothing but the last sequence hash */
+	bool in_record;
 };
 
 struct kvr_attempt; /* the shard's record of an attempt (shards/owner_attempts.c) */
@@ -180,9 +183,9 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
 /*
  * The same in two steps, so a router can hash a prompt straight into its record: reserve one
  * with room for n blocks (*hashes: its local hashes [0, n), then its sequence hashes [n, 2n)),
- * then fill it from a (a->n == n; hashes at a->local / a->seq other than the record's own are
- * copied).  A reserved record not filled goes back with kvr_owner_attempt_free.  Reserve
- * returns NULL when out of memory.  Context: any thread.
+ * then fill it from a (a->n == n; unless a->in_record, hashes at a->local / a->seq other than
+ * the record's own are copied).  A reserved record not filled goes back with
+ * kvr_owner_attempt_free.  Reserve returns NULL when out of memory.  Context: any thread.
  */
 struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, size_t n,
                                               uint64_t **hashes);

@@ -159,7 +159,9 @@ void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 	if (rec->tail_n)
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
 	uint64_t *h = kvr_attempt_hashes(rec, c->block_size);
-	if (a->local != h) /* not hashed in place (kvr_owner_attempt_reserve) */
+	if (a->in_record)
+		return; /* hashed in place (kvr_owner_attempt_reserve) */
+	if (a->local != h)
 		memcpy(h, a->local, a->n * sizeof(uint64_t));
 	if (a->seq != h + a->n)
 		memcpy(h + a->n, a->seq, a->n * sizeof(uint64_t));

@@ -6,6 +6,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "core/hash.h"
 #include "kvrouter.h"
 
 /* Source of the vectors: NVIDIA Dynamo's own tests, so kvrouter's hashes are checked against the
@@ -172,4 +173,52 @@ Test(hash, bad_arguments)
 	cr_assert_eq(kvr_hash_extend(NULL, tok, 4, 4, NULL, out, out, NULL), KVR_EINVAL);
 	cr_assert_eq(kvr_hash_extend(NULL, NULL, 0, 4, NULL, out, out, &nb), 0);
 	cr_assert_eq(nb, 0);
+}
+
+/* The streaming form (for records another thread reads) writes what the plain form writes, to
+ * both outputs and to each copy asked for, from the root or after a parent, for the flattened
+ * block size and the generic loop, at lengths that do and do not fill whole cache lines. */
+Test(hash, stream_matches_plain)
+{
+	size_t n = 255 * 32 + 5; /* tokens for the largest case, hashes to spare */
+	uint32_t *tok = malloc(n * sizeof(*tok));
+	for (size_t i = 0; i < n; i++)
+		tok[i] = (uint32_t)(i * 2246822519u);
+	uint64_t *pl = malloc(n * 8), *ps = malloc(n * 8), *sl = malloc(n * 8), *ss = malloc(n * 8);
+	uint64_t *kl = malloc(n * 8), *ks = malloc(n * 8);
+	uint32_t sizes[] = {16, 4, 32};
+	size_t counts[] = {0, 1, 7, 8, 9, 255};
+	uint64_t parent = 0x0123456789abcdefull;
+	for (size_t b = 0; b < sizeof(sizes) / sizeof(sizes[0]); b++) {
+		for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+			for (int withp = 0; withp < 2; withp++) {
+				uint32_t bs = sizes[b];
+				size_t nb = counts[c];
+				const uint64_t *par = withp ? &parent : NULL;
+				memset(sl, 0, n * 8);
+				memset(ss, 0, n * 8);
+				memset(kl, 0, n * 8);
+				memset(ks, 0, n * 8);
+				kvr_hash_chain_tokens(par, tok, nb, bs, 1337, pl, ps);
+				kvr_hash_chain_tokens_stream(par, tok, nb, bs, 1337, sl, ss,
+				                             c % 2 ? kl : NULL, ks);
+				cr_assert_eq(memcmp(pl, sl, nb * 8), 0, "bs %u n %zu", bs, nb);
+				cr_assert_eq(memcmp(ps, ss, nb * 8), 0, "bs %u n %zu", bs, nb);
+				cr_assert_eq(memcmp(ps, ks, nb * 8), 0, "bs %u n %zu", bs, nb);
+				if (c % 2)
+					cr_assert_eq(memcmp(pl, kl, nb * 8), 0, "bs %u n %zu", bs,
+					             nb);
+				cr_assert_eq(sl[nb], 0, "nothing written past n");
+				cr_assert_eq(ss[nb], 0);
+				cr_assert_eq(ks[nb], 0);
+			}
+		}
+	}
+	free(tok);
+	free(pl);
+	free(ps);
+	free(sl);
+	free(ss);
+	free(kl);
+	free(ks);
 }
