@@ -1,6 +1,6 @@
 /*
  * core/alloc.c - see alloc.h.  With KVR_HAVE_JEMALLOC the library uses jemalloc's non-standard
- * API (mallocx/sdallocx) on an arena of its own, created once; otherwise the C library.
+ * API (mallocx/sdallocx) on two arenas of its own, created once; otherwise the C library.
  */
 #include "core/alloc.h"
 #include "kvrouter.h"
@@ -16,37 +16,71 @@
 #include <jemalloc/jemalloc.h>
 #endif
 
+enum { LONG, TRANSIENT }; /* the arenas (alloc.h) */
+
 static uint64_t fail_countdown; /* 0 = never fail */
 static int64_t live_bytes;
 
 #ifdef KVR_HAVE_JEMALLOC
-static unsigned arena_ind;
-static int arena_flags; /* 0 until the arena exists: then MALLOCX_ARENA(arena_ind) */
+/* The two arenas (alloc.h).  Why two, and why neither uses the threads' own caches:
+ *
+ * jemalloc serves every small size class from slabs (a few pages cut into equal regions) and
+ * frees a slab only when all its regions are free.  The router's long-lived objects (index
+ * runs, segment hash arrays: 48 B to 14 KiB, sized by the prompts) die in eviction order, and
+ * the same size classes are used by short-lived ones (a request's attempt record, its pinned
+ * runs, a posted copy of output tokens) whose numbers swing with the load: when the lanes back
+ * up, hundreds of records are in flight, fill fresh slabs, and every long-lived array allocated
+ * meanwhile pins one of those slabs after the burst is freed.  bench_footprint --bins (8 ranks,
+ * 2k prompts) found slabs of the 320-1,280 B classes a third full and 18-26 B per (block, rank)
+ * of such waste; in an arena of their own the long-lived objects leave 4 B.
+ *
+ * A thread's automatic cache (tcache) is shared by every arena the thread allocates from: an
+ * object freed into it is handed to the next request of its size class whatever arena that one
+ * asked for (jemalloc's MALLOCX_ARENA "has no effect for regions that were allocated via an
+ * arena other than the one specified"), so cached frees would carry the embedder's objects and
+ * transient ones into the long-lived arena and back.  So the library never uses it
+ * (MALLOCX_TCACHE_NONE: each call takes the arena bin's lock, ~150 instructions more); a thread
+ * that allocates and frees library objects all the time (a shard) asks for caches of its own,
+ * one per arena (jemalloc's explicit tcaches: kvr_alloc_thread_cache_begin), which only ever
+ * hold that arena's objects.  Frees of 1 KiB or more skip even those: a thread that mostly
+ * frees a class (a shard freeing the frontends' attempt records) would park hundreds. */
+static unsigned arena_ind[2];
+static int arena_flags[2]; /* 0 until the arenas exist: then MALLOCX_ARENA(arena_ind[k]) */
 static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+/* The calling thread's explicit caches: MALLOCX_TCACHE(index) per arena, or 0 (none). */
+static __thread int thread_tc[2];
+static __thread unsigned thread_tc_ind[2];
 
-static void make_arena(void)
+static void make_arenas(void)
 {
-	size_t sz = sizeof(arena_ind);
-	if (mallctl("arenas.create", &arena_ind, &sz, NULL, 0) == 0)
-		arena_flags = MALLOCX_ARENA(arena_ind);
+	unsigned ind[2];
+	for (int k = 0; k < 2; k++) {
+		size_t sz = sizeof(ind[k]);
+		if (mallctl("arenas.create", &ind[k], &sz, NULL, 0) != 0)
+			return; /* both stay 0: the default arenas */
+	}
+	for (int k = 0; k < 2; k++) {
+		arena_ind[k] = ind[k];
+		arena_flags[k] = MALLOCX_ARENA(ind[k]);
+	}
 }
 
-static inline int flags(void)
+/* The flags of an allocation from arena k (LONG, TRANSIENT). */
+static inline int flags(int k)
 {
-	pthread_once(&arena_once, make_arena);
-	return arena_flags;
+	pthread_once(&arena_once, make_arenas);
+	if (!arena_flags[k])
+		return 0;
+	return arena_flags[k] | (thread_tc[k] ? thread_tc[k] : MALLOCX_TCACHE_NONE);
 }
 
-/* Flags for a free of size bytes: one of 1 KiB or more skips the thread's cache (tcache) and goes
- * back to the arena at once.  jemalloc counts a cached object as allocated and keeps up to
- * hundreds of them per size class and thread: the RCU callback thread, which only frees, parked
- * ~13 B per (block, rank) of runs and segments there (bench_footprint's breakdown).  Small
- * objects, the hot ones, keep the cache. */
 #define TCACHE_BYPASS_BYTES 1024
 
-static inline int free_flags(size_t size)
+/* Flags for a free of size bytes from arena k. */
+static inline int free_flags(int k, size_t size)
 {
-	return flags() | (size >= TCACHE_BYPASS_BYTES ? MALLOCX_TCACHE_NONE : 0);
+	int f = flags(k);
+	return size >= TCACHE_BYPASS_BYTES && f ? arena_flags[k] | MALLOCX_TCACHE_NONE : f;
 }
 #endif
 
@@ -63,39 +97,66 @@ static inline void count(int64_t delta)
 	__atomic_add_fetch(&live_bytes, delta, __ATOMIC_RELAXED);
 }
 
-void *kvr_alloc(size_t size)
+/* size bytes (at least 1) from arena k, zeroed if zero. */
+static void *alloc_in(int k, size_t size, bool zero)
 {
 	if (size == 0)
 		size = 1;
 	if (should_fail())
 		return NULL;
 #ifdef KVR_HAVE_JEMALLOC
-	void *p = mallocx(size, flags());
+	void *p = mallocx(size, flags(k) | (zero ? MALLOCX_ZERO : 0));
 #else
-	void *p = malloc(size);
+	(void)k;
+	void *p = zero ? calloc(1, size) : malloc(size);
 #endif
 	if (p)
 		count((int64_t)size);
 	return p;
 }
 
+static void free_in(int k, void *mem, size_t size)
+{
+	if (!mem)
+		return;
+	if (size == 0)
+		size = 1;
+	count(-(int64_t)size);
+#ifdef KVR_HAVE_JEMALLOC
+	sdallocx(mem, size, free_flags(k, size));
+#else
+	(void)k;
+	free(mem);
+#endif
+}
+
+void *kvr_alloc(size_t size)
+{
+	return alloc_in(LONG, size, false);
+}
+
 void *kvr_calloc(size_t n, size_t size)
 {
 	if (size && n > SIZE_MAX / size)
 		return NULL;
-	size_t total = n * size;
-	if (total == 0)
-		total = 1;
-	if (should_fail())
+	return alloc_in(LONG, n * size, true);
+}
+
+void *kvr_alloc_transient(size_t size)
+{
+	return alloc_in(TRANSIENT, size, false);
+}
+
+void *kvr_calloc_transient(size_t n, size_t size)
+{
+	if (size && n > SIZE_MAX / size)
 		return NULL;
-#ifdef KVR_HAVE_JEMALLOC
-	void *p = mallocx(total, flags() | MALLOCX_ZERO);
-#else
-	void *p = calloc(1, total);
-#endif
-	if (p)
-		count((int64_t)total);
-	return p;
+	return alloc_in(TRANSIENT, n * size, true);
+}
+
+void kvr_free_transient(void *mem, size_t size)
+{
+	free_in(TRANSIENT, mem, size);
 }
 
 void *kvr_alloc_aligned(size_t size)
@@ -106,7 +167,7 @@ void *kvr_alloc_aligned(size_t size)
 	if (should_fail())
 		return NULL;
 #ifdef KVR_HAVE_JEMALLOC
-	void *p = mallocx(rounded, flags() | MALLOCX_ALIGN(64) | MALLOCX_ZERO);
+	void *p = mallocx(rounded, flags(LONG) | MALLOCX_ALIGN(64) | MALLOCX_ZERO);
 #else
 	void *p = aligned_alloc(64, rounded);
 	if (p)
@@ -126,7 +187,7 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size)
 	if (should_fail())
 		return NULL;
 #ifdef KVR_HAVE_JEMALLOC
-	void *p = rallocx(mem, new_size, flags());
+	void *p = rallocx(mem, new_size, flags(LONG));
 #else
 	void *p = realloc(mem, new_size);
 #endif
@@ -140,7 +201,7 @@ size_t kvr_alloc_real_size(size_t size)
 	if (size == 0)
 		return 0;
 #ifdef KVR_HAVE_JEMALLOC
-	size_t r = nallocx(size, flags());
+	size_t r = nallocx(size, flags(LONG));
 	return r ? r : size;
 #else
 	return size;
@@ -153,7 +214,7 @@ size_t kvr_alloc_real_size_aligned(size_t size)
 		return 0;
 	size_t rounded = (size + 63) & ~(size_t)63;
 #ifdef KVR_HAVE_JEMALLOC
-	size_t r = nallocx(rounded, flags() | MALLOCX_ALIGN(64));
+	size_t r = nallocx(rounded, flags(LONG) | MALLOCX_ALIGN(64));
 	return r ? r : rounded;
 #else
 	return rounded;
@@ -176,14 +237,7 @@ size_t kvr_alloc_discard(void *mem, size_t len)
 
 void kvr_free(void *mem, size_t size)
 {
-	if (!mem)
-		return;
-	count(-(int64_t)(size ? size : 1));
-#ifdef KVR_HAVE_JEMALLOC
-	sdallocx(mem, size ? size : 1, free_flags(size));
-#else
-	free(mem);
-#endif
+	free_in(LONG, mem, size);
 }
 
 void kvr_free_aligned(void *mem, size_t size)
@@ -193,7 +247,7 @@ void kvr_free_aligned(void *mem, size_t size)
 	count(-(int64_t)size);
 #ifdef KVR_HAVE_JEMALLOC
 	size_t rounded = (size + 63) & ~(size_t)63;
-	sdallocx(mem, rounded ? rounded : 64, free_flags(rounded) | MALLOCX_ALIGN(64));
+	sdallocx(mem, rounded ? rounded : 64, free_flags(LONG, rounded) | MALLOCX_ALIGN(64));
 #else
 	free(mem);
 #endif
@@ -233,26 +287,35 @@ bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached)
 {
 	*allocated = *cached = 0;
 #ifdef KVR_HAVE_JEMALLOC
-	if (!flags())
+	if (!flags(LONG))
 		return false;
 	uint64_t epoch = 1;
 	size_t sz = sizeof(epoch);
 	if (mallctl("epoch", &epoch, &sz, &epoch, sz) != 0)
 		return false;
-	static const char *const names[] = {"small.allocated", "large.allocated", "tcache_bytes"};
-	size_t v[3] = {0};
-	for (int i = 0; i < 3; i++) {
+	/* tcache_bytes: every arena's (a cache fills from the arena asked for, but its bytes count
+	 * under the thread's own arena). */
+	static const struct {
+		int arena; /* LONG, TRANSIENT, or -1: all */
+		const char *name;
+	} stat[] = {{LONG, "small.allocated"},
+	            {LONG, "large.allocated"},
+	            {TRANSIENT, "small.allocated"},
+	            {TRANSIENT, "large.allocated"},
+	            {-1, "tcache_bytes"}};
+	size_t v[5] = {0};
+	for (int i = 0; i < 5; i++) {
 		char name[64];
-		/* tcache_bytes: every arena's (a cache fills from the arena asked for, but its
-		 * bytes count under the thread's own arena). */
 		snprintf(name, sizeof(name), "stats.arenas.%u.%s",
-		         i == 2 ? (unsigned)MALLCTL_ARENAS_ALL : arena_ind, names[i]);
+		         stat[i].arena < 0 ? (unsigned)MALLCTL_ARENAS_ALL
+		                           : arena_ind[stat[i].arena],
+		         stat[i].name);
 		sz = sizeof(v[i]);
 		if (mallctl(name, &v[i], &sz, NULL, 0) != 0)
 			return false;
 	}
-	*allocated = (uint64_t)v[0] + v[1];
-	*cached = v[2];
+	*allocated = (uint64_t)v[0] + v[1] + v[2] + v[3];
+	*cached = v[4];
 	return true;
 #else
 	return false;
@@ -264,21 +327,54 @@ void kvr_alloc_purge_idle(uint64_t now_ns)
 #ifdef KVR_HAVE_JEMALLOC
 	static uint64_t last_ns;
 	uint64_t last = __atomic_load_n(&last_ns, __ATOMIC_RELAXED);
-	if ((last && now_ns - last < KVR_ALLOC_PURGE_GAP_NS) || !flags() ||
+	if ((last && now_ns - last < KVR_ALLOC_PURGE_GAP_NS) || !flags(LONG) ||
 	    !__atomic_compare_exchange_n(&last_ns, &last, now_ns ? now_ns : 1, false,
 	                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
 		return;
-	char name[48];
-	snprintf(name, sizeof(name), "arena.%u.purge", arena_ind);
-	(void)mallctl(name, NULL, NULL, NULL, 0);
+	for (int k = 0; k < 2; k++) {
+		char name[48];
+		snprintf(name, sizeof(name), "arena.%u.purge", arena_ind[k]);
+		(void)mallctl(name, NULL, NULL, NULL, 0);
+	}
 #else
 	(void)now_ns;
+#endif
+}
+
+void kvr_alloc_thread_cache_begin(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	if (!flags(LONG))
+		return;
+	for (int k = 0; k < 2; k++) {
+		unsigned ind;
+		size_t sz = sizeof(ind);
+		if (thread_tc[k] || mallctl("tcache.create", &ind, &sz, NULL, 0) != 0)
+			continue; /* without one the thread allocates uncached */
+		thread_tc_ind[k] = ind;
+		thread_tc[k] = MALLOCX_TCACHE(ind);
+	}
+#endif
+}
+
+void kvr_alloc_thread_cache_end(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	for (int k = 0; k < 2; k++) {
+		if (!thread_tc[k])
+			continue;
+		thread_tc[k] = 0; /* first: nothing allocates through it any more */
+		(void)mallctl("tcache.destroy", NULL, NULL, &thread_tc_ind[k], sizeof(unsigned));
+	}
 #endif
 }
 
 void kvr_alloc_flush_thread_cache(void)
 {
 #ifdef KVR_HAVE_JEMALLOC
-	(void)mallctl("thread.tcache.flush", NULL, NULL, NULL, 0);
+	for (int k = 0; k < 2; k++)
+		if (thread_tc[k])
+			(void)mallctl("tcache.flush", NULL, NULL, &thread_tc_ind[k],
+			              sizeof(unsigned));
 #endif
 }

@@ -1,11 +1,18 @@
 /*
  * core/alloc.h - kvrouter's allocator seam.
  *
- * Every allocation the library makes goes through these three functions so that
- *  - with jemalloc (meson feature, on by default) the library's long-lived structures live in a
- *    private jemalloc arena, away from the embedder's heap, and frees are sized (sdallocx);
+ * Every allocation the library makes goes through these functions so that
+ *  - with jemalloc (meson feature, on by default) the library's structures live in private
+ *    jemalloc arenas, away from the embedder's heap, and frees are sized (sdallocx);
  *  - tests can fail the Nth allocation (SQLite-style out-of-memory loops) and count live bytes.
  * Sizes must be passed back to kvr_free() exactly as allocated.
+ *
+ * Two lifetimes, two arenas (alloc.c says why): kvr_alloc() & co. are for what lives as long as
+ * the cache it describes (index runs, predicted-cache segments, maps, tables); the _transient
+ * forms are for what lives as long as one request or message (attempt records, posted token
+ * copies, a request's pinned runs).  Mixing the two in one arena left the long-lived objects
+ * scattered over slabs the short-lived ones had filled: 13-26 B per (block, rank) of
+ * fragmentation in bench_footprint.  Free each with its own family.
  */
 #ifndef KVR_CORE_ALLOC_H
 #define KVR_CORE_ALLOC_H
@@ -25,6 +32,12 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size);
 /* Frees what kvr_alloc*() returned; size is the size asked for.  NULL is a no-op. */
 void kvr_free(void *mem, size_t size);
 void kvr_free_aligned(void *mem, size_t size);
+/* For objects that live one request or message (see the top): same contracts as kvr_alloc(),
+ * kvr_calloc() and kvr_free(), from the transient arena, through the thread's cache.  Memory
+ * from these goes back through kvr_free_transient() only.  Context: any thread. */
+void *kvr_alloc_transient(size_t size);
+void *kvr_calloc_transient(size_t n, size_t size);
+void kvr_free_transient(void *mem, size_t size);
 /* Gives the whole pages inside [mem, mem + len) of a live allocation back to the system, so that
  * the memory goes a slice at a time and freeing the allocation later is cheap (shards/ttl_map.c:
  * a table being emptied).  Their content becomes unspecified (zero on Linux): the caller must
@@ -49,20 +62,31 @@ void kvr_alloc_fail_after(uint64_t nth);
 /* Allocations left before the armed failure (0: it fired, or none is armed). */
 uint64_t kvr_alloc_fail_pending(void);
 int64_t kvr_alloc_live_bytes(void);
-/* With jemalloc: the bytes allocated in the library's arena at their size classes (*allocated,
- * freed objects parked in the threads' caches included) and those parked bytes (*cached);
- * refreshes jemalloc's statistics epoch.  Returns false (both 0) without jemalloc or before
- * the arena exists.  Context: any thread; not for a hot path (mallctl). */
+/* With jemalloc: the bytes allocated in the library's two arenas at their size classes
+ * (*allocated, freed objects parked in the threads' caches included) and those parked bytes
+ * (*cached); refreshes jemalloc's statistics epoch.  Returns false (both 0) without jemalloc or
+ * before the arenas exist.  Context: any thread; not for a hot path (mallctl). */
 bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached);
-/* With jemalloc: returns the library arena's dirty pages (freed, still resident; jemalloc keeps
+/* With jemalloc: returns the library arenas' dirty pages (freed, still resident; jemalloc keeps
  * them ~10 s by default) to the kernel, at most once per KVR_ALLOC_PURGE_GAP_NS process-wide
  * (now_ns: a monotonic clock; other calls return at once).  For a thread that has been idle a
  * while: the pages it returns fault in again when allocated.  No-op without jemalloc.
  * Context: any thread, never on a latency path. */
 #define KVR_ALLOC_PURGE_GAP_NS 100000000ull
 void kvr_alloc_purge_idle(uint64_t now_ns);
-/* With jemalloc: returns the objects the calling thread's cache holds to their arenas (jemalloc
- * counts them as allocated).  For a thread going idle.  No-op without jemalloc. */
+/* With jemalloc: gives the calling thread caches of its own for the library's arenas (one
+ * jemalloc explicit tcache per arena, holding only that arena's objects: alloc.c says why the
+ * threads' automatic caches are not used), so its allocations and small frees skip the arena's
+ * lock.  For a thread that allocates and frees library objects all the time (a shard thread);
+ * others allocate uncached.  Best effort (without them the thread allocates uncached).  The
+ * thread must call kvr_alloc_thread_cache_end() before it exits.  No-op without jemalloc.
+ * Context: the thread itself. */
+void kvr_alloc_thread_cache_begin(void);
+/* Returns the objects the calling thread's caches hold to their arenas and destroys the caches;
+ * later allocations are uncached.  No-op if it has none.  Context: the thread itself. */
+void kvr_alloc_thread_cache_end(void);
+/* Returns the objects the calling thread's caches hold to their arenas (jemalloc counts them as
+ * allocated); the caches stay.  For a thread going idle.  No-op if it has none. */
 void kvr_alloc_flush_thread_cache(void);
 
 #endif /* KVR_CORE_ALLOC_H */

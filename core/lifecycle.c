@@ -63,7 +63,7 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 			rc = 0; /* the claim (touch) decided; the shard had nothing more to do */
 	} else {
 		if (op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE) {
-			m.tok.heap = kvr_alloc(n * sizeof(uint32_t));
+			m.tok.heap = kvr_alloc_transient(n * sizeof(uint32_t));
 			if (!m.tok.heap)
 				return KVR_ENOMEM;
 			memcpy(m.tok.heap, tokens, n * sizeof(uint32_t));
@@ -82,7 +82,7 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
 		}
 		if (rc && op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE)
-			kvr_free(m.tok.heap, n * sizeof(uint32_t));
+			kvr_free_transient(m.tok.heap, n * sizeof(uint32_t));
 		if (rc == KVR_ETIMEDOUT)
 			rc = KVR_EAGAIN;
 		if (rc == KVR_ESHUTDOWN && ends)

@@ -19,7 +19,7 @@
  *              buffer of the bench itself (transcripts, output tokens) is allocated and touched
  *              before that first reading, so the delta is the router's,
  *   alloc      with jemalloc: stats.allocated (after an "epoch" refresh) now minus before, i.e.
- *              the bytes live in every arena (the library allocates from an arena of its own,
+ *              the bytes live in every arena (the library allocates from two arenas of its own,
  *              core/alloc.c, and liburcu from the default ones) at their size classes.  Objects
  *              cached in the threads' tcaches count as allocated (bounded, a few KiB a thread).
  *
@@ -49,9 +49,11 @@
  * hard-coded result): ~220 B per (block, rank) before the run-compressed index and segment LRU,
  * target <= 32 B.  ratio_target = measured / 32.
  *
+ * --bins adds, per shape, a line per jemalloc arena: where its fragmentation sits (print_bins).
+ *
  * usage: bench_footprint [--quick] [--ranks R (8)] [--capacity C blocks per rank
  *                        (25600, README: one vLLM rank; --quick 8192)] [--churn F (1.0; --quick
- * 0.5)]
+ * 0.5)] [--bins]
  */
 #include <inttypes.h>
 #include <stdbool.h>
@@ -355,8 +357,67 @@ static void print_breakdown(const struct shape *sh, const char *state, const str
 	printf("\n");
 }
 
+/* --bins: where jemalloc's fragmentation sits.  For every arena with live slabs, each small size
+ * class whose slabs hold free regions: its slabs (curslabs x slab_size) minus its live regions
+ * (curregs x size): the wasted bytes per pair for those over 0.1 B a pair, then the arena's
+ * total, and its dirty and muzzy pages (freed, not yet returned).  A diagnostic: the library's
+ * two arenas are the ones created last (core/alloc.c). */
+static void print_bins(const struct shape *sh, uint64_t pairs)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	unsigned narenas = 0, nbins = 0;
+	size_t sz = sizeof(unsigned);
+	if (mallctl("arenas.narenas", &narenas, &sz, NULL, 0) || sz != sizeof(unsigned) ||
+	    mallctl("arenas.nbins", &nbins, &sz, NULL, 0))
+		return;
+	double p = pairs ? (double)pairs : 1.0;
+	for (unsigned a = 0; a < narenas; a++) {
+		char name[96];
+		bool init = false;
+		size_t bsz = sizeof(init);
+		snprintf(name, sizeof(name), "arena.%u.initialized", a);
+		if (mallctl(name, &init, &bsz, NULL, 0) || !init)
+			continue;
+		double total = 0;
+		printf("# bins tokens=%zu ranks=%u arena=%u:", sh->len, sh->ranks, a);
+		for (unsigned j = 0; j < nbins; j++) {
+			size_t size = 0, slab = 0, regs = 0, slabs = 0;
+			uint32_t nregs = 0;
+			sz = sizeof(size_t);
+			snprintf(name, sizeof(name), "arenas.bin.%u.size", j);
+			mallctl(name, &size, &sz, NULL, 0);
+			snprintf(name, sizeof(name), "arenas.bin.%u.slab_size", j);
+			mallctl(name, &slab, &sz, NULL, 0);
+			snprintf(name, sizeof(name), "stats.arenas.%u.bins.%u.curregs", a, j);
+			mallctl(name, &regs, &sz, NULL, 0);
+			snprintf(name, sizeof(name), "stats.arenas.%u.bins.%u.curslabs", a, j);
+			mallctl(name, &slabs, &sz, NULL, 0);
+			sz = sizeof(nregs);
+			snprintf(name, sizeof(name), "arenas.bin.%u.nregs", j);
+			mallctl(name, &nregs, &sz, NULL, 0);
+			double waste = (double)slabs * (double)slab - (double)regs * (double)size;
+			total += waste;
+			if (waste / p >= 0.1)
+				printf(" %zu:%.1f(%zu/%zu)", size, waste / p, regs,
+				       slabs * (size_t)nregs);
+		}
+		size_t pdirty = 0, pmuzzy = 0, page = (size_t)sysconf(_SC_PAGESIZE);
+		sz = sizeof(size_t);
+		snprintf(name, sizeof(name), "stats.arenas.%u.pdirty", a);
+		mallctl(name, &pdirty, &sz, NULL, 0);
+		snprintf(name, sizeof(name), "stats.arenas.%u.pmuzzy", a);
+		mallctl(name, &pmuzzy, &sz, NULL, 0);
+		printf(" total=%.1f dirty=%.1f muzzy=%.1f\n", total / p,
+		       (double)(pdirty * page) / p, (double)(pmuzzy * page) / p);
+	}
+#else
+	(void)sh;
+	(void)pairs;
+#endif
+}
+
 /* Runs one shape (in a child process) and prints its SUMMARY line.  Returns 0 or 1. */
-static int run_shape(const struct shape *sh, double churn)
+static int run_shape(const struct shape *sh, double churn, bool bins)
 {
 	struct traffic t;
 	if (traffic_init(&t, sh)) {
@@ -463,6 +524,8 @@ static int run_shape(const struct shape *sh, double churn)
 	       rss_pp / REF_TARGET_BYTES, ratio_alloc_s);
 	print_breakdown(sh, "empty", &empty, end.c.resident, rss0, alloc0, active0, meta0);
 	print_breakdown(sh, "end", &end, end.c.resident, rss0, alloc0, active0, meta0);
+	if (bins)
+		print_bins(sh, end.c.resident);
 	fflush(stdout);
 	kvr_router_destroy(r);
 	traffic_fini(&t);
@@ -471,13 +534,15 @@ static int run_shape(const struct shape *sh, double churn)
 
 int main(int argc, char **argv)
 {
-	bool quick = false;
+	bool quick = false, bins = false;
 	uint32_t ranks = 8;
 	uint64_t capacity = 0;
 	double churn = -1;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--quick"))
 			quick = true;
+		else if (!strcmp(argv[i], "--bins"))
+			bins = true;
 		else if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
 			ranks = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
@@ -487,7 +552,7 @@ int main(int argc, char **argv)
 		else {
 			fprintf(stderr,
 			        "usage: bench_footprint [--quick] [--ranks R] [--capacity C] "
-			        "[--churn F]\n");
+			        "[--churn F] [--bins]\n");
 			return 2;
 		}
 	}
@@ -522,7 +587,7 @@ int main(int argc, char **argv)
 			return 1;
 		}
 		if (pid == 0)
-			_exit(run_shape(&shapes[i], churn));
+			_exit(run_shape(&shapes[i], churn, bins));
 		int st = 0;
 		if (waitpid(pid, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
 			failed = 1;

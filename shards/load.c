@@ -130,7 +130,7 @@ void kvr_load_destroy(struct kvr_load *l)
 			kvr_pinmap_del(l->pm, g->pub);
 			kvr_pinrun_retire(&l->retired, g->pub);
 		} else {
-			kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+			kvr_free_transient(g->mem, (size_t)g->cap * sizeof(uint64_t));
 		}
 	}
 	kvr_pinrun_retire_flush(&l->retired);
@@ -162,7 +162,7 @@ int kvr_load_publish(struct kvr_load *l, struct kvr_pinmap *pm, uint32_t slot)
 static bool pub_reserve(const struct kvr_load *l, struct kvr_pinrun **d)
 {
 	*d = NULL;
-	return !l->pm || (*d = kvr_calloc(1, sizeof(**d))) != NULL;
+	return !l->pm || (*d = kvr_calloc_transient(1, sizeof(**d))) != NULL;
 }
 
 /* Fills d from run g (which owns g->mem) and publishes it. */
@@ -234,7 +234,7 @@ static void run_free(struct kvr_load *l, uint32_t i)
 		kvr_pinrun_retire(&l->retired, g->pub);
 		g->pub = NULL;
 	} else {
-		kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
+		kvr_free_transient(g->mem, (size_t)g->cap * sizeof(uint64_t));
 	}
 	g->mem = NULL;
 	g->cap = 0;
@@ -254,10 +254,10 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 	struct run *a = &l->runs[i];
 	uint32_t len = a->len, rest = len - off;
 	size_t ncopy = kvr_hashes_split_copy(len, off);
-	uint64_t *m = kvr_alloc(ncopy * sizeof(uint64_t));
+	uint64_t *m = kvr_alloc_transient(ncopy * sizeof(uint64_t));
 	struct kvr_pinrun *d;
 	if (!m || !pub_reserve(l, &d)) {
-		kvr_free(m, m ? ncopy * sizeof(uint64_t) : 0);
+		kvr_free_transient(m, m ? ncopy * sizeof(uint64_t) : 0);
 		return KVR_ENOMEM;
 	}
 	uint32_t j = run_new(l);
@@ -287,7 +287,7 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 		p->mem = a->mem;
 		p->mem_cap = a->cap;
 	} else {
-		kvr_free(d, d ? sizeof(*d) : 0);
+		kvr_free_transient(d, d ? sizeof(*d) : 0);
 	}
 	return 0;
 }
@@ -406,10 +406,10 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 	    (rc = reserve_pieces(q, nh + 1)))
 		return rc;
 	struct kvr_pinrun *d = NULL;
-	if (nnew && !(m = kvr_alloc((size_t)nnew * sizeof(uint64_t))))
+	if (nnew && !(m = kvr_alloc_transient((size_t)nnew * sizeof(uint64_t))))
 		return KVR_ENOMEM;
 	if (nnew && !pub_reserve(l, &d)) {
-		kvr_free(m, (size_t)nnew * sizeof(uint64_t));
+		kvr_free_transient(m, (size_t)nnew * sizeof(uint64_t));
 		return KVR_ENOMEM;
 	}
 	/* From here on nothing fails. */

@@ -77,7 +77,7 @@ void kvr_attempt_pool_destroy(struct kvr_attempt_pool *p)
 		return;
 	for (int k = 0; k <= POOL_MAX_CLASS; k++) {
 		for (uint32_t i = 0; i < p->cls[k].n; i++)
-			kvr_free(p->cls[k].rec[i], p->cls[k].rec[i]->size);
+			kvr_free_transient(p->cls[k].rec[i], p->cls[k].rec[i]->size);
 		pthread_mutex_destroy(&p->cls[k].mu);
 	}
 	kvr_free(p, sizeof(*p));
@@ -125,7 +125,7 @@ struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, siz
 		}
 		pthread_mutex_unlock(&c->pool->cls[k].mu);
 	}
-	if (!rec && !(rec = kvr_alloc(size)))
+	if (!rec && !(rec = kvr_alloc_transient(size)))
 		return NULL;
 	rec->size = size;
 	rec->pool_class = (int8_t)k;
@@ -193,7 +193,7 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 		if (kept)
 			return;
 	}
-	kvr_free(rec, rec->size);
+	kvr_free_transient(rec, rec->size);
 }
 
 /* Takes the attempt's provisional load back from its rank, after the booked snapshot is out:
@@ -500,7 +500,7 @@ void kvr_owner_progress_task(struct kvr_shard *sh, void *payload)
 	bool heap = m.op == KVR_OP_OUTPUT && m.n_tokens > KVR_PROGRESS_INLINE;
 	progress(sh, &m, heap ? m.tok.heap : m.tok.inl);
 	if (heap)
-		kvr_free(m.tok.heap, m.n_tokens * sizeof(uint32_t));
+		kvr_free_transient(m.tok.heap, m.n_tokens * sizeof(uint32_t));
 }
 
 int kvr_owner_progress_call(struct kvr_shard *sh, void *msg)

@@ -245,8 +245,8 @@ static void retire_cb(struct rcu_head *h)
 	struct kvr_pinrun *r = caa_container_of(h, struct kvr_pinrun, rcu);
 	while (r) {
 		struct kvr_pinrun *nx = r->retire_nxt;
-		kvr_free(r->mem, r->mem_cap * sizeof(uint64_t));
-		kvr_free(r, sizeof(*r));
+		kvr_free_transient(r->mem, r->mem_cap * sizeof(uint64_t));
+		kvr_free_transient(r, sizeof(*r));
 		r = nx;
 	}
 }

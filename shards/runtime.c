@@ -266,6 +266,7 @@ static void *shard_main(void *arg)
 	struct kvr_shard *sh = arg;
 	struct kvr_shards *rt = sh->rt;
 	tls_shard = sh;
+	kvr_alloc_thread_cache_begin(); /* the shard allocates and frees all the time */
 	sh->spin_now = rt->idle_spin_ns;
 	(void)kvr_rcu_thread_online(); /* on failure urcu is unusable anyway; run on */
 	if (sh->cpu >= 0) {
@@ -291,6 +292,7 @@ static void *shard_main(void *arg)
 		rt->on_stop(sh, rt->ctx);
 	kvr_timers_fini(&sh->timers); /* pending timers are dropped unfired */
 	tls_shard = NULL;
+	kvr_alloc_thread_cache_end();
 	kvr_rcu_thread_offline();
 	return NULL;
 }

@@ -1,8 +1,15 @@
 /* kvr_router_get_memory: the parts of an empty router, how the index and the predicted caches
- * grow with the blocks routed and shrink when the ranks are removed, and bad input. */
+ * grow with the blocks routed and shrink when the ranks are removed, and bad input; the
+ * allocator seam keeps long-lived and transient objects in arenas of their own. */
 #include <criterion/criterion.h>
+#include <stdlib.h>
 #include <string.h>
 
+#ifdef KVR_HAVE_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
+
+#include "core/alloc.h"
 #include "kvrouter.h"
 
 static struct kvr_router *make(int n_ranks)
@@ -120,3 +127,77 @@ Test(memory, bad_input)
 	cr_assert_eq(kvr_router_get_memory(r, NULL), KVR_EINVAL);
 	kvr_router_destroy(r);
 }
+
+#ifdef KVR_HAVE_JEMALLOC
+static unsigned arena_of(void *p)
+{
+	unsigned a = 0;
+	size_t sz = sizeof(a);
+	cr_assert_eq(mallctl("arenas.lookup", &a, &sz, &p, sizeof(p)), 0);
+	return a;
+}
+
+/* core/alloc.c: a long-lived object never comes from the transient arena or the embedder's heap
+ * and the other way round, whatever was freed before it in the same size class (a thread cache
+ * shared by the arenas would hand one's freed objects to the other), on a thread without caches
+ * of its own and on one with them (kvr_alloc_thread_cache_begin, as the shards). */
+Test(memory, arenas_apart)
+{
+	static const size_t sizes[] = {48, 320, 1280, 5120};
+	enum { N = 64 };
+	void *lg[N], *tr[N], *app[N];
+	void *probe = kvr_alloc(8);
+	unsigned a_long = arena_of(probe), a_tr = 0, a_app = 0;
+	kvr_free(probe, 8);
+	for (int cached = 0; cached < 2; cached++) {
+		if (cached)
+			kvr_alloc_thread_cache_begin();
+		for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
+			size_t z = sizes[k];
+			for (int round = 0; round < 3; round++) {
+				/* Each kind freed right before the others allocate its class. */
+				for (int i = 0; i < N; i++) {
+					app[i] = malloc(z);
+					tr[i] = kvr_alloc_transient(z);
+					cr_assert(app[i] && tr[i]);
+				}
+				for (int i = 0; i < N; i++) {
+					free(app[i]);
+					lg[i] = kvr_alloc(z);
+					cr_assert(lg[i]);
+					cr_assert_eq(arena_of(lg[i]), a_long, "size %zu", z);
+				}
+				for (int i = 0; i < N; i++) {
+					kvr_free_transient(tr[i], z);
+					app[i] = malloc(z);
+				}
+				for (int i = 0; i < N; i++) {
+					kvr_free(lg[i], z);
+					tr[i] = kvr_alloc_transient(z);
+				}
+				for (int i = 0; i < N; i++) {
+					a_tr = a_tr ? a_tr : arena_of(tr[i]);
+					a_app = arena_of(app[i]);
+					cr_assert_eq(arena_of(tr[i]), a_tr, "size %zu", z);
+					cr_assert_neq(a_app, a_long,
+					              "size %zu: an embedder's object "
+					              "from the library arena",
+					              z);
+					cr_assert_neq(a_app, a_tr, "size %zu", z);
+					kvr_free_transient(tr[i], z);
+					free(app[i]);
+				}
+			}
+		}
+		for (int i = 0; i < N; i++) {
+			lg[i] = kvr_alloc(320);
+			cr_assert_eq(arena_of(lg[i]), a_long);
+		}
+		for (int i = 0; i < N; i++)
+			kvr_free(lg[i], 320);
+		if (cached)
+			kvr_alloc_thread_cache_end();
+	}
+	cr_assert_neq(a_long, a_tr);
+}
+#endif
