@@ -174,6 +174,15 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
                              uint32_t *depth, uint32_t *slots, uint32_t *best);
 
 /*
+ * How many runs the walk of seq[0..n) crosses when it follows the query as far as the tree
+ * has it, whoever holds the blocks (find_matches stops earlier once no rank matches): what a
+ * lookup of that prompt costs in run steps (one child look-up, one run header, a compare or
+ * two each).  For benchmarks and the replay's diagnostics.  No argument checks.
+ * Context: as kvr_index_find_matches.
+ */
+size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, size_t n);
+
+/*
  * Waits until every deferred free and slot release this index queued so far has run (memory
  * counters are then exact, released slots reusable).  Polls; no rcu_barrier().
  * Context: any registered thread outside a read section, no writer of this index concurrently.

@@ -407,3 +407,21 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 	*best = top;
 	return ns;
 }
+
+size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, size_t n)
+{
+	const struct idx_run *R = n ? idx_find_run(idx, seq[0], NULL, 0) : NULL;
+	size_t runs = 0, q = 0;
+	while (R) {
+		const uint64_t *hw;
+		uint32_t hn;
+		size_t k;
+		run_step(R, seq, n, q, &hw, &hn, &k);
+		runs++;
+		q += k;
+		if (k == 0 || q == n)
+			break;
+		R = idx_find_child(idx, seq[q], R, (uint32_t)k);
+	}
+	return runs;
+}

@@ -11,13 +11,20 @@
  *      a random earlier prompt and has fresh tokens after it, and rank i % 64 stores it whole,
  *      so every rank holding a prompt holds the hot prefix (the first half of prompt 0) and a
  *      query walks several runs with many holders (--cg 128 d is a 2k-token route's lookup).
+ *   e  turns (the coding-agent session traces' shape, tools/replay): rank i % 64 stores
+ *      prompt i turn by turn, T turns (4 at L = 32, 16 at 512, 64 at 8192), each turn's prompt
+ *      extending the last and followed by its reply (8 fresh blocks below the prompt's end, as
+ *      the replay stores output blocks); so a query of the whole prompt crosses T runs, each
+ *      going on past the point where the query leaves it (the reply).  On the 24 session
+ *      traces a path crossed 42 runs on average (kvr-replay, ~8,700 blocks).
  * For each (L, pattern), in one run:
  *   match_p50/p99_ns  find_matches on a random one of the P prompts (inside a read section);
  *   hash_p50_ns       kvr_hash_blocks on the same prompt (tokens -> local + sequence hashes);
  *   ratio             match_p99 / hash_p50 (issue 10 target: <= 0.25 for L >= 512);
  *   bytes_per_held_block  (index bytes - empty index bytes) / held (block, rank) pairs, every
  *                         allocation at the allocator's real size (jemalloc's size class:
- *                         kvr_index_memory_bytes counts nallocx(size), not the size asked).
+ *                         kvr_index_memory_bytes counts nallocx(size), not the size asked);
+ *   runs_per_path     runs a prompt's walk crosses (kvr_index_path_runs), mean over the P.
  * Memory by shape: runs of 16 / 512 blocks with 1, 2, 4 holders, and the worst case (every run
  * one block long, one holder).
  * Apply: one writer stores 1024-block chains in calls of 16 (or 1) blocks below the previous
@@ -47,6 +54,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/hash.h"
 #include "core/index.h"
 #include "core/index_internal.h"
 #include "kvrouter.h"
@@ -130,11 +138,44 @@ static void free_path(struct path *p)
 	free(p->b);
 }
 
-/* Applies pattern (0 = a, 1 = b, 2 = c, 3 = d: path i of make_sessions) for one path; returns the
- * (block, rank) pairs held. */
+enum { TURN_REPLY = 8 };
+
+static size_t turns_for(size_t L)
+{
+	return L >= 8192 ? 64 : L >= 512 ? 16 : 4;
+}
+
+/* Pattern e for one path: turn t stores the prompt's first L * t / T blocks (what an earlier
+ * turn stored is held already), then its reply below the last of them. */
+static void apply_turns(struct kvr_index *idx, uint32_t slot, const struct path *p)
+{
+	const size_t T = turns_for(p->L);
+	for (size_t t = 1; t <= T; t++) {
+		const size_t end = p->L * t / T;
+		if (kvr_index_store(idx, slot, NULL, p->b, end) != 0)
+			abort();
+		uint64_t local[TURN_REPLY], seq[TURN_REPLY];
+		struct kvr_index_block rb[TURN_REPLY];
+		for (int j = 0; j < TURN_REPLY; j++)
+			local[j] = rnd();
+		kvr_hash_chain_locals(&p->seq[end - 1], local, TURN_REPLY, seq);
+		for (int j = 0; j < TURN_REPLY; j++)
+			rb[j] =
+			    (struct kvr_index_block){.ext_hash = seq[j], .local_hash = local[j]};
+		if (kvr_index_store(idx, slot, &p->seq[end - 1], rb, TURN_REPLY) != 0)
+			abort();
+	}
+}
+
+/* Applies pattern (0 = a, 1 = b, 2 = c, 3 = d: path i of make_sessions, 4 = e) for one path;
+ * returns the (block, rank) pairs held. */
 static uint64_t apply_pattern(struct kvr_index *idx, const uint32_t *slot, struct path *p, int pat,
                               int i)
 {
+	if (pat == 4) { /* held pairs: counted by the caller (the replies) */
+		apply_turns(idx, slot[i % RANKS], p);
+		return 0;
+	}
 	if (pat == 3) { /* held pairs: counted by the caller (prompts overlap) */
 		if (kvr_index_store(idx, slot[i % RANKS], NULL, p->b, p->L) != 0)
 			abort();
@@ -187,7 +228,7 @@ static void make_sessions(struct path *ps, int np)
  * prompts. */
 static int prompts_for(size_t L, int pat)
 {
-	if (pat == 3)
+	if (pat >= 3)
 		return L <= 512 ? 128 : 64;
 	return L <= 32 ? 1024 : L <= 512 ? 64 : 8;
 }
@@ -264,7 +305,7 @@ static void bench_match(bool quick)
 	for (int li = 0; li < 3; li++) {
 		size_t L = Ls[li];
 		int reps = quick ? 200 : (L == 8192 ? 1000 : 5000);
-		for (int pat = 0; pat < 4; pat++) {
+		for (int pat = 0; pat < 5; pat++) {
 			int np = prompts_for(L, pat);
 			struct path *ps = make_prompts(L, pat, np);
 			uint64_t h50 = hash_p50(&ps[0], reps);
@@ -273,21 +314,25 @@ static void bench_match(bool quick)
 			uint64_t mem0 = kvr_index_memory_bytes(idx), held = 0;
 			for (int i = 0; i < np; i++)
 				held += apply_pattern(idx, slot, &ps[i], pat, i);
-			if (pat == 3)
+			if (pat >= 3)
 				held = held_pairs(idx, slot);
 			kvr_index_quiesce(idx);
 			uint64_t mem1 = kvr_index_memory_bytes(idx);
 			struct kvr_index_stats st;
 			kvr_index_stats_get(idx, &st);
-			uint64_t m50, m99;
+			uint64_t m50, m99, runs = 0;
 			match_lat(idx, ps, np, reps, &m50, &m99);
+			kvr_rcu_read_lock();
+			for (int i = 0; i < np; i++)
+				runs += kvr_index_path_runs(idx, ps[i].seq, ps[i].L);
+			kvr_rcu_read_unlock();
 			printf("SUMMARY bench=index_match L=%zu pattern=%c prompts=%d held=%lu "
 			       "blocks=%lu match_p50_ns=%lu match_p99_ns=%lu hash_p50_ns=%lu "
-			       "ratio=%.3f bytes_per_held_block=%.1f\n",
-			       L, "abcd"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
+			       "ratio=%.3f bytes_per_held_block=%.1f runs_per_path=%.1f\n",
+			       L, "abcde"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
 			       (unsigned long)m50, (unsigned long)m99, (unsigned long)h50,
 			       h50 ? (double)m99 / (double)h50 : 0.0,
-			       (double)(mem1 - mem0) / (double)held);
+			       (double)(mem1 - mem0) / (double)held, (double)runs / np);
 			fflush(stdout);
 			kvr_index_destroy(idx);
 			for (int i = 0; i < np; i++)
@@ -500,7 +545,7 @@ static void cg_mode(size_t L, int pat)
 	match_lat(idx, ps, np, 1000, &m50, &m99);
 	uint64_t h = hash_p50(&ps[0], 1000);
 	printf("cg L=%zu pattern=%c (timings under valgrind are meaningless: %lu %lu)\n", L,
-	       "abcd"[pat], (unsigned long)m99, (unsigned long)h);
+	       "abcde"[pat], (unsigned long)m99, (unsigned long)h);
 	kvr_index_destroy(idx);
 }
 
@@ -531,7 +576,7 @@ static void tput_mode(size_t L, int pat)
 		best = d < best ? d : best;
 	}
 	printf("SUMMARY bench=index_tput L=%zu pattern=%c queries=%ld mean_ns_per_query=%.1f\n", L,
-	       "abcd"[pat], nq, (double)best / (double)nq);
+	       "abcde"[pat], nq, (double)best / (double)nq);
 	kvr_index_destroy(idx);
 	for (int i = 0; i < np; i++)
 		free_path(&ps[i]);

@@ -989,6 +989,18 @@ Test(index, hash_arrays_grow_through_size_classes)
  * every divergence point, before, at and after the children's offsets, with the guess right,
  * wrong, 1 (a child below position 0) and stale (the deepest child gone, the bound kept), must
  * score exactly the matched prefix. */
+/* Runs the walk of a query (local hashes, chained here) crosses: kvr_index_path_runs. */
+static size_t path_runs(const uint64_t *local, size_t n)
+{
+	uint64_t *seq = malloc(n * sizeof(*seq));
+	kvr_hash_chain_locals(NULL, local, n, seq);
+	kvr_rcu_read_lock();
+	size_t runs = kvr_index_path_runs(idx, seq, n);
+	kvr_rcu_read_unlock();
+	free(seq);
+	return runs;
+}
+
 Test(index, walk_guesses_at_child_offsets)
 {
 	uint32_t a;
@@ -1023,11 +1035,14 @@ Test(index, walk_guesses_at_child_offsets)
 			q[20 + i] = 200 + (uint64_t)i;
 		q[25] = 5000;
 		cr_assert_eq(score_of(q, 26, a), 25, "round %d", round);
+		cr_assert_eq(path_runs(q, 26), 2); /* X, then Y1 */
+		cr_assert_eq(path_runs(q, 20), 1);
 		for (int i = 0; i < 40; i++)
 			q[i] = 1 + (uint64_t)i;
 		for (int i = 0; i < 7; i++)
 			q[40 + i] = 250 + (uint64_t)i;
 		cr_assert_eq(score_of(q, 47, a), round == 0 ? 47 : 40, "round %d", round);
+		cr_assert_eq(path_runs(q, 47), round == 0 ? 2 : 1);
 		for (int d = 1; d <= 30; d++) { /* Z: the guess is 1 */
 			for (int i = 0; i < d; i++)
 				q[i] = 600 + (uint64_t)i;
