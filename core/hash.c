@@ -138,36 +138,35 @@ __attribute__((flatten)) static void chain_128(const uint64_t *parent, const uin
 	HASH_CHAIN_BODY(128);
 }
 
-/* The stores of kvr_hash_chain_tokens_stream: both outputs streamed, the kept copies written as
+/* The stores of kvr_hash_chain_tokens_stream: the pairs streamed, the kept copies written as
  * well when asked for. */
 #define PUT_STREAM_LOCAL(i, v)                                                                     \
 	do {                                                                                       \
-		STREAM_STORE(&local_out[i], (v));                                                  \
+		STREAM_STORE(&out[2 * (i)], (v));                                                  \
 		if (local_keep)                                                                    \
 			local_keep[i] = (v);                                                       \
 	} while (0)
 #define PUT_STREAM_SEQ(i, v)                                                                       \
 	do {                                                                                       \
-		STREAM_STORE(&seq_out[i], (v));                                                    \
+		STREAM_STORE(&out[2 * (i) + 1], (v));                                              \
 		if (seq_keep)                                                                      \
 			seq_keep[i] = (v);                                                         \
 	} while (0)
 
 __attribute__((flatten)) static void stream_64(const uint64_t *parent, const uint32_t *tokens,
                                                size_t n_blocks, uint32_t block_size, uint64_t seed,
-                                               uint64_t *local_out, uint64_t *seq_out,
-                                               uint64_t *local_keep, uint64_t *seq_keep)
+                                               uint64_t *out, uint64_t *local_keep,
+                                               uint64_t *seq_keep)
 {
 	HASH_BODY(64, PUT_STREAM_LOCAL, PUT_STREAM_SEQ);
 }
 
 void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
-                                  uint32_t block_size, uint64_t seed, uint64_t *local_out,
-                                  uint64_t *seq_out, uint64_t *local_keep, uint64_t *seq_keep)
+                                  uint32_t block_size, uint64_t seed, uint64_t *out,
+                                  uint64_t *local_keep, uint64_t *seq_keep)
 {
 	if (block_size == 16)
-		stream_64(parent, tokens, n_blocks, block_size, seed, local_out, seq_out,
-		          local_keep, seq_keep);
+		stream_64(parent, tokens, n_blocks, block_size, seed, out, local_keep, seq_keep);
 	else
 		HASH_BODY((size_t)block_size * sizeof(uint32_t), PUT_STREAM_LOCAL, PUT_STREAM_SEQ);
 	STREAM_FENCE();

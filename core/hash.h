@@ -12,10 +12,11 @@ void kvr_hash_chain_tokens(const uint64_t *parent, const uint32_t *tokens, size_
                            uint64_t *seq_out);
 
 /*
- * kvr_hash_chain_tokens for a chain handed to ANOTHER thread: the hashes go to local_out and
- * seq_out (n_blocks each, both required) with non-temporal stores, which write whole lines to
- * memory without first taking ownership of them, and, with ordinary stores, to local_keep and
- * seq_keep too when not NULL (the caller's warm copy, for the caller's own reads).  Why: a router
+ * kvr_hash_chain_tokens for a chain handed to ANOTHER thread: the hashes go to out[] as
+ * (local, seq) pairs (out[2i] = local[i], out[2i + 1] = seq[i]: the shards' struct
+ * kvr_lru_block) with non-temporal stores, which write whole lines to memory without first
+ * taking ownership of them, and, with ordinary stores, to local_keep and seq_keep too when not
+ * NULL (the caller's warm copy, for the caller's own reads).  Why: a router
  * reuses records whose lines the booking shard has just read; an ordinary store to such a line
  * must first take it back from the shard's core, one serialized round trip per 64-byte line
  * (bench_route, frontend and shard on different cores: the hashing of an 8k-token prompt into a
@@ -26,8 +27,8 @@ void kvr_hash_chain_tokens(const uint64_t *parent, const uint32_t *tokens, size_
  * architectures and sanitizer builds use ordinary stores (same results).  Context: any thread.
  */
 void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
-                                  uint32_t block_size, uint64_t seed, uint64_t *local_out,
-                                  uint64_t *seq_out, uint64_t *local_keep, uint64_t *seq_keep);
+                                  uint32_t block_size, uint64_t seed, uint64_t *out,
+                                  uint64_t *local_keep, uint64_t *seq_keep);
 
 /* Sequence hashes of precomputed local hashes, chaining after *parent (NULL: a new chain). */
 void kvr_hash_chain_locals(const uint64_t *parent, const uint64_t *local, size_t n,

@@ -348,9 +348,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	} else if (nb && q->tokens && !cfg->sync_booking && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
 	           (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
 		note_copy = kvr_repl_attached(r);
-		kvr_hash_chain_tokens_stream(NULL, q->tokens, nb, bs, seed, h, h + nb,
+		kvr_hash_chain_tokens_stream(NULL, q->tokens, nb, bs, seed, h,
 		                             note_copy ? tls.local : NULL, tls.seq);
-		local = h;
 	} else if (q->tokens) {
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
 	} else {

@@ -333,7 +333,7 @@ static void ld_destroy(void *l)
 }
 static int ld_add(void *l, uint64_t a, const uint64_t *s, size_t n)
 {
-	return kvr_load_add(l, a, s, n, 100, 0);
+	return kvr_load_add(l, a, s, 1, n, 100, 0);
 }
 static int ld_finish(void *l, uint64_t a)
 {

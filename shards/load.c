@@ -293,30 +293,31 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 }
 
 /*
- * Walks seq[0..n) from the root (tail == NIL) or from the tail of run `tail`: returns how many
- * leading hashes are pinned; records the runs they lie in as hits (room for n).
+ * Walks seq[0], seq[stride], ... (n hashes) from the root (tail == NIL) or from the tail of run
+ * `tail`: returns how many leading hashes are pinned; records the runs they lie in as hits
+ * (room for n).
  */
-static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t n, uint32_t tail,
-                   struct kvr_run_hit *hits, size_t *nh)
+static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t stride, size_t n,
+                   uint32_t tail, struct kvr_run_hit *hits, size_t *nh)
 {
 	size_t k = 0;
 	uint32_t i = tail;
 	uint32_t o = tail == NIL ? 0 : l->runs[tail].len - 1;
 	while (k < n) {
 		if (i == NIL || o + 1 >= l->runs[i].len) { /* root or a tail: the head map */
-			uint32_t *v = kvr_u64map_find(&l->heads, seq[k]);
+			uint32_t *v = kvr_u64map_find(&l->heads, seq[k * stride]);
 			if (!v)
 				break;
 			i = *v;
 			o = 0;
-		} else if (seq_of(&l->runs[i])[o + 1] == seq[k]) {
+		} else if (seq_of(&l->runs[i])[o + 1] == seq[k * stride]) {
 			o++;
 		} else {
 			break; /* nothing hangs below an interior block */
 		}
 		const struct run *g = &l->runs[i];
-		uint32_t more =
-		    kvr_chain_agree(seq_of(g) + o, g->len - 1 - o, seq + k, 1, n - k - 1);
+		uint32_t more = kvr_chain_agree(seq_of(g) + o, g->len - 1 - o, seq + k * stride,
+		                                stride, n - k - 1);
 		uint32_t take = 1 + more;
 		o += more;
 		if (hits) {
@@ -375,11 +376,11 @@ static int run_split(void *l, uint32_t i, uint32_t off)
 static const struct kvr_run_ops run_ops = {run_len, run_next, run_split};
 
 /*
- * Pins seq[0..n) for request q, continuing its chain (from the root if it has no blocks):
- * splits, reserves, then pins (a new run is published).  0, KVR_ERANGE or
+ * Pins seq[0], seq[stride], ... (n hashes) for request q, continuing its chain (from the root if
+ * it has no blocks): splits, reserves, then pins (a new run is published).  0, KVR_ERANGE or
  * KVR_ENOMEM (nothing observable changed).
  */
-static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
+static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t stride, size_t n)
 {
 	if (n == 0)
 		return 0;
@@ -396,7 +397,7 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 	}
 	uint32_t tail = q->nblocks ? piece_last(l, &q->p[q->n - 1]) : NIL;
 	size_t nh = 0;
-	size_t hit = walk(l, seq, n, tail, l->hits, &nh);
+	size_t hit = walk(l, seq, stride, n, tail, l->hits, &nh);
 	int rc;
 	if ((rc = kvr_hits_whole(l, &run_ops, l->hits, nh)))
 		return rc;
@@ -418,7 +419,8 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 		q->p[q->n++] = (struct piece){l->hits[k].run, l->hits[k].len};
 	}
 	if (nnew) {
-		memcpy(m, seq + hit, (size_t)nnew * sizeof(uint64_t));
+		for (size_t k = 0; k < nnew; k++)
+			m[k] = seq[(hit + k) * stride];
 		uint32_t i = run_new(l);
 		struct run *g = &l->runs[i];
 		g->mem = m;
@@ -430,16 +432,16 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t n)
 		pub_make(l, g, d);
 	}
 	q->nblocks += (uint32_t)n;
-	q->last_seq = seq[n - 1];
+	q->last_seq = seq[(n - 1) * stride];
 	return 0;
 }
 
 /* ---------------------------------------------------------------- commands */
 
-int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size_t n,
+int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size_t stride, size_t n,
                  uint64_t prefill_tokens, uint64_t now)
 {
-	if (!l || (n > 0 && !seq))
+	if (!l || (n > 0 && (!seq || !stride)))
 		return KVR_EINVAL;
 	if (find(l, attempt))
 		return KVR_EEXIST;
@@ -454,7 +456,7 @@ int kvr_load_add(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size
 	struct req *q = &l->r[l->n_req];
 	memset(q, 0, sizeof(*q));
 	int rc;
-	if ((rc = kvr_u64map_reserve(&l->by_attempt, 1)) || (rc = pin(l, q, seq, n))) {
+	if ((rc = kvr_u64map_reserve(&l->by_attempt, 1)) || (rc = pin(l, q, seq, stride, n))) {
 		kvr_free(q->p, q->cap * sizeof(struct piece));
 		return rc;
 	}
@@ -507,14 +509,15 @@ int kvr_load_prefill_done(struct kvr_load *l, uint64_t attempt)
 	return 0;
 }
 
-int kvr_load_add_output(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size_t n)
+int kvr_load_add_output(struct kvr_load *l, uint64_t attempt, const uint64_t *seq, size_t stride,
+                        size_t n)
 {
-	if (!l || (n > 0 && !seq))
+	if (!l || (n > 0 && (!seq || !stride)))
 		return KVR_EINVAL;
 	struct req *q = find(l, attempt);
 	if (!q)
 		return KVR_ENOENT;
-	return pin(l, q, seq, n);
+	return pin(l, q, seq, stride, n);
 }
 
 int kvr_load_finish(struct kvr_load *l, uint64_t attempt)
@@ -577,7 +580,7 @@ size_t kvr_load_pinned_depth(const struct kvr_load *l, const uint64_t *seq, size
 {
 	if (!l || !seq)
 		return 0;
-	return walk(l, seq, n, NIL, NULL, NULL);
+	return walk(l, seq, 1, n, NIL, NULL, NULL);
 }
 
 int kvr_load_potential(const struct kvr_load *l, const uint64_t *seq, size_t n,

@@ -46,21 +46,25 @@ void kvr_load_destroy(struct kvr_load *load);
 int kvr_load_publish(struct kvr_load *load, struct kvr_pinmap *pm, uint32_t slot);
 
 /*
- * A request attempt starts on the rank at time now: pins blocks seq[0..n) (borrowed; a block
- * pinned by several requests counts once) and adds prefill_tokens (its prompt tokens minus its
- * predicted cached tokens) until prefill_done or finish.
+ * A request attempt starts on the rank at time now: pins blocks seq[0], seq[stride], ...
+ * (n of them, borrowed; a block pinned by several requests counts once) and adds
+ * prefill_tokens (its prompt tokens minus its predicted cached tokens) until prefill_done or
+ * finish.  stride: 1 for a plain array, 2 for the .seq fields of struct kvr_lru_block (the
+ * booking's record): only the blocks nobody pinned yet are read in full, the rest at run
+ * boundaries (shards/chain.h).
  * Returns 0, KVR_EINVAL, KVR_EEXIST (attempt active), KVR_ENOMEM (nothing changed).
  */
-int kvr_load_add(struct kvr_load *load, uint64_t attempt, const uint64_t *seq, size_t n,
-                 uint64_t prefill_tokens, uint64_t now);
+int kvr_load_add(struct kvr_load *load, uint64_t attempt, const uint64_t *seq, size_t stride,
+                 size_t n, uint64_t prefill_tokens, uint64_t now);
 
 /* The attempt's prefill finished: its prefill tokens stop counting.  Idempotent.
  * Returns 0, KVR_ENOENT (not active). */
 int kvr_load_prefill_done(struct kvr_load *load, uint64_t attempt);
 
-/* Optional output-block tracking: the attempt now also pins seq[0..n) (decode output blocks).
- * Returns 0, KVR_EINVAL, KVR_ENOENT, KVR_ENOMEM (nothing changed). */
-int kvr_load_add_output(struct kvr_load *load, uint64_t attempt, const uint64_t *seq, size_t n);
+/* Optional output-block tracking: the attempt now also pins seq[0], seq[stride], ... (n decode
+ * output blocks).  Returns 0, KVR_EINVAL, KVR_ENOENT, KVR_ENOMEM (nothing changed). */
+int kvr_load_add_output(struct kvr_load *load, uint64_t attempt, const uint64_t *seq, size_t stride,
+                        size_t n);
 
 /* The attempt finished (or was aborted / expired): unpins its blocks, drops its prefill tokens.
  * Returns 0, KVR_ENOENT (not active: unknown or already finished). */

@@ -51,6 +51,12 @@ struct kvr_lru_block {
 	uint64_t local;
 	uint64_t seq;
 };
+/* The .seq fields of an array of blocks as a strided array of uint64_t (shards/load.h, and the
+ * routing thread that hashes into a record's blocks: local at [2i], seq at [2i + 1]). */
+#define KVR_LRU_BLOCK_STRIDE (sizeof(struct kvr_lru_block) / sizeof(uint64_t))
+_Static_assert(sizeof(struct kvr_lru_block) == 2 * sizeof(uint64_t) &&
+                   offsetof(struct kvr_lru_block, seq) == sizeof(uint64_t),
+               "blocks are (local, seq) pairs of 64-bit words");
 
 /* A range [first, first + n) of a command's input blocks (see "Outputs" above). */
 struct kvr_lru_range {

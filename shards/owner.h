@@ -182,9 +182,9 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
                                           const struct kvr_admit_args *a);
 /*
  * The same in two steps, so a router can hash a prompt straight into its record: reserve one
- * with room for n blocks (*hashes: its local hashes [0, n), then its sequence hashes [n, 2n)),
- * then fill it from a (a->n == n; unless a->in_record, hashes at a->local / a->seq other than
- * the record's own are copied).  A reserved record not filled goes back with
+ * with room for n blocks (*hashes: its blocks, (local, seq) pairs: local i at [2i], seq i at
+ * [2i + 1]), then fill it from a (a->n == n; unless a->in_record, a->local and a->seq are
+ * copied in).  A reserved record not filled goes back with
  * kvr_owner_attempt_free.  Reserve returns NULL when out of memory.  Context: any thread.
  */
 struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, size_t n,

@@ -129,7 +129,7 @@ struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, siz
 		return NULL;
 	rec->size = size;
 	rec->pool_class = (int8_t)k;
-	*hashes = kvr_attempt_hashes(rec, bs);
+	*hashes = (uint64_t *)(void *)kvr_attempt_blocks(rec, bs);
 	return rec;
 }
 
@@ -158,13 +158,11 @@ void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 	rec->tail_n = a->chain_known ? a->tail_n : 0;
 	if (rec->tail_n)
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
-	uint64_t *h = kvr_attempt_hashes(rec, c->block_size);
 	if (a->in_record)
 		return; /* hashed in place (kvr_owner_attempt_reserve) */
-	if (a->local != h)
-		memcpy(h, a->local, a->n * sizeof(uint64_t));
-	if (a->seq != h + a->n)
-		memcpy(h + a->n, a->seq, a->n * sizeof(uint64_t));
+	struct kvr_lru_block *b = kvr_attempt_blocks(rec, c->block_size);
+	for (size_t i = 0; i < a->n; i++)
+		b[i] = (struct kvr_lru_block){.local = a->local[i], .seq = a->seq[i]};
 }
 
 struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
@@ -291,17 +289,6 @@ void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own
 
 /* ---------------------------------------------------------------- booking */
 
-/* ss->lb = the blocks (local[i], seq[i]), i < n: the predicted cache's input. */
-static int lru_blocks(struct kvr_shard_state *ss, const uint64_t *local, const uint64_t *seq,
-                      size_t n)
-{
-	if (kvr_grow((void **)&ss->lb, &ss->lb_cap, n ? n : 1, sizeof(*ss->lb)))
-		return KVR_ENOMEM;
-	for (size_t i = 0; i < n; i++)
-		ss->lb[i] = (struct kvr_lru_block){.local = local[i], .seq = seq[i]};
-	return 0;
-}
-
 /* A booking that cannot be made: the attempt is stale (its lease claimed if nobody has, then
  * released) and its provisional load goes back. */
 static void drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
@@ -326,10 +313,10 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	}
 	uint32_t bs = c->block_size;
 	size_t n = rec->n_prompt;
-	uint64_t *local = kvr_attempt_hashes(rec, bs), *seq = local + n;
-	if (track(ss, rec) || (own->rs && lru_blocks(ss, local, seq, n))) {
-		if (ss->n_recs && ss->recs[ss->n_recs - 1] == rec)
-			untrack(ss, rec);
+	/* Read in place: the LRU walks the .seq fields at run boundaries and copies the new
+	 * blocks, the load copies the blocks nobody pins yet, the index store the new ones. */
+	const struct kvr_lru_block *b = kvr_attempt_blocks(rec, bs);
+	if (track(ss, rec)) {
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
 		drop_booking(ss, rec);
 		return KVR_ENOMEM;
@@ -342,16 +329,16 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	uint64_t now = kvr_owner_now(c);
 	if (own->rs) {
 		uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
-		if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, ss->lb, n, priv,
-		                           now, &ss->out) == 0) {
+		if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n, priv, now,
+		                           &ss->out) == 0) {
 			rec->booked = true;
 			kvr_owner_apply_removals(ss, own, &ss->out);
-			kvr_owner_store_runs(ss, own, NULL, local, seq, &ss->out);
+			kvr_owner_store_runs(ss, own, NULL, b, &ss->out);
 			kvr_owner_arm_ttl(sh, own);
 		}
 	}
 	uint64_t cached = (uint64_t)rec->overlap * bs;
-	kvr_load_add(own->load, rec->attempt, seq, n,
+	kvr_load_add(own->load, rec->attempt, n ? &b[0].seq : NULL, KVR_LRU_BLOCK_STRIDE, n,
 	             rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now);
 	kvr_owner_publish(ss, own);
 	unprovision(c, rec, true);
@@ -398,10 +385,9 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	uint32_t next_pending = hold ? tok[n - 1] : 0;
 	n -= hold ? 1 : 0;
 	size_t max_blocks = (rec->tail_n + n + (held ? 1 : 0)) / bs;
-	if (kvr_grow((void **)&ss->seq, &ss->seq_cap, 2 * (max_blocks ? max_blocks : 1),
-	             sizeof(*ss->seq)))
+	if (kvr_grow((void **)&ss->lb, &ss->lb_cap, max_blocks ? max_blocks : 1, sizeof(*ss->lb)))
 		return KVR_ENOMEM;
-	uint64_t *local = ss->seq, *seq = ss->seq + max_blocks;
+	struct kvr_lru_block *b = ss->lb;
 	size_t nb = 0;
 	uint64_t parent = rec->last_seq;
 	bool has_parent = rec->has_last;
@@ -419,9 +405,9 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 			n -= take;
 		}
 		if (rec->tail_n == bs) {
-			const uint64_t *par = nb ? &seq[nb - 1] : (has_parent ? &parent : NULL);
-			kvr_hash_chain_tokens(par, rec->tail, 1, bs, rec->lora_seed, &local[nb],
-			                      &seq[nb]);
+			const uint64_t *par = nb ? &b[nb - 1].seq : (has_parent ? &parent : NULL);
+			kvr_hash_chain_tokens(par, rec->tail, 1, bs, rec->lora_seed, &b[nb].local,
+			                      &b[nb].seq);
 			nb++;
 			rec->tail_n = 0;
 		}
@@ -433,11 +419,8 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 		rec->has_pending = false; /* it joined the tail */
 	}
 	uint32_t priv = rec->tail_n > 0 ? 1 : 0;
-	int rc = lru_blocks(ss, local, seq, nb);
-	if (rc == 0)
-		rc = kvr_rank_state_materialize(own->rs, own->incarnation, rec->attempt, parent,
-		                                ss->lb, nb, rec->n_blocks, priv, kvr_owner_now(c),
-		                                &ss->out);
+	int rc = kvr_rank_state_materialize(own->rs, own->incarnation, rec->attempt, parent, b, nb,
+	                                    rec->n_blocks, priv, kvr_owner_now(c), &ss->out);
 	if (rc == KVR_ENOENT) {
 		rec->booked = false; /* the predicted cache no longer knows it: load only */
 		return 0;
@@ -446,9 +429,9 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 		return rc;
 	kvr_owner_apply_removals(ss, own, &ss->out);
 	if (nb) {
-		kvr_owner_store_runs(ss, own, has_parent ? &parent : NULL, local, seq, &ss->out);
-		kvr_load_add_output(own->load, rec->attempt, seq, nb);
-		rec->last_seq = seq[nb - 1];
+		kvr_owner_store_runs(ss, own, has_parent ? &parent : NULL, b, &ss->out);
+		kvr_load_add_output(own->load, rec->attempt, &b[0].seq, KVR_LRU_BLOCK_STRIDE, nb);
+		rec->last_seq = b[nb - 1].seq;
 		rec->has_last = true;
 		rec->n_blocks += (uint32_t)nb;
 	}

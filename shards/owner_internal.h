@@ -33,7 +33,7 @@ struct kvr_attempt {
 	bool in_prefill;
 	int8_t pool_class; /* capacity 2^pool_class blocks, recycled; -1: exact size, freed */
 	struct kvr_attempt *prev, *next; /* the rank's live attempts */
-	uint32_t tail[]; /* block_size tokens, then the prompt's hashes (kvr_attempt_hashes) */
+	uint32_t tail[]; /* block_size tokens, then the prompt's blocks (kvr_attempt_blocks) */
 };
 
 struct kvr_rank_owned {
@@ -61,10 +61,8 @@ struct kvr_shard_state {
 	struct kvr_lru_out out;
 	struct kvr_index_block *blk;
 	size_t blk_cap;
-	struct kvr_lru_block *lb;
+	struct kvr_lru_block *lb; /* output blocks being hashed */
 	size_t lb_cap;
-	uint64_t *seq;
-	size_t seq_cap;
 	struct kvr_rank_owned *ranks; /* every rank this shard owns */
 	bool reaper_armed;            /* the lease reaper's timer is pending */
 	bool timers_broken;           /* a timer could not be armed: retry on the next call */
@@ -91,11 +89,14 @@ static inline size_t kvr_attempt_blocks_off(uint32_t bs)
 	return sizeof(struct kvr_attempt) + (((size_t)bs * sizeof(uint32_t) + 15) & ~(size_t)15);
 }
 
-/* The prompt's hashes in the record: n_prompt local hashes, then n_prompt sequence hashes (two
- * plain copies on the routing thread, no interleaving there). */
-static inline uint64_t *kvr_attempt_hashes(struct kvr_attempt *rec, uint32_t bs)
+/* The prompt's n_prompt blocks in the record, (local, seq) pairs as the predicted cache takes
+ * them: the booking hands them over in place (no copy), the load reads the .seq fields with a
+ * stride of 2, the index store copies the new blocks.  The routing thread hashes into them with
+ * streaming stores (core/hash.h) and keeps its own copy of seq for its lookups, so nothing it
+ * reads gets slower from the interleaving. */
+static inline struct kvr_lru_block *kvr_attempt_blocks(struct kvr_attempt *rec, uint32_t bs)
 {
-	return (uint64_t *)(void *)((char *)rec + kvr_attempt_blocks_off(bs));
+	return (struct kvr_lru_block *)(void *)((char *)rec + kvr_attempt_blocks_off(bs));
 }
 
 /* shards/owner_ranks.c */
@@ -112,11 +113,8 @@ void kvr_owner_take_back(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t 
                          uint64_t blocks);
 void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
                               const struct kvr_lru_out *out);
-int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
-                        const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
-                        size_t p0, size_t n);
 void kvr_owner_store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
-                          const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                          const uint64_t *parent, const struct kvr_lru_block *b,
                           const struct kvr_lru_out *out);
 void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own);
 void kvr_owner_retry_timers(struct kvr_shard *sh);

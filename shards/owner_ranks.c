@@ -92,13 +92,12 @@ void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned 
 	}
 }
 
-/* Stores seq/local[p0..n) as one chain below seq[p0-1] (root when p0 == 0 and no parent).
+/* Stores blocks b[p0..n) as one chain below b[p0-1] (root when p0 == 0 and no parent).
  * A write that fails (out of memory) leaves the index without blocks the predicted cache holds:
  * routing then under-estimates that rank's overlap, which is safe, and it is counted
  * (kvr_shard_errors_total{what="index_write"}), never silent. */
-int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
-                        const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
-                        size_t p0, size_t n)
+static int store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own, const uint64_t *parent,
+                     const struct kvr_lru_block *b, size_t p0, size_t n)
 {
 	if (p0 >= n)
 		return 0;
@@ -106,9 +105,9 @@ int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
 	int rc = kvr_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
 	if (rc == 0) {
 		for (size_t i = p0; i < n; i++)
-			ss->blk[i] =
-			    (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
-		const uint64_t *par = p0 > 0 ? &seq[p0 - 1] : parent;
+			ss->blk[i] = (struct kvr_index_block){.ext_hash = b[i].seq,
+			                                      .local_hash = b[i].local};
+		const uint64_t *par = p0 > 0 ? &b[p0 - 1].seq : parent;
 		rc = kvr_index_store(c->index, own->slot, par, ss->blk + p0, n - p0);
 		if (rc == KVR_ENOENT && p0 > 0 && !parent)
 			rc = kvr_index_store(c->index, own->slot, NULL, ss->blk, n);
@@ -118,15 +117,15 @@ int kvr_owner_store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
 	return rc;
 }
 
-/* Stores what the predicted cache reported as stored: ranges of the command's input blocks
- * (local/seq), each one run below the block before it (or *parent / the root at 0). */
+/* Stores what the predicted cache reported as stored: ranges of the command's input blocks b[],
+ * each one run below the block before it (or *parent / the root at 0). */
 void kvr_owner_store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own,
-                          const uint64_t *parent, const uint64_t *local, const uint64_t *seq,
+                          const uint64_t *parent, const struct kvr_lru_block *b,
                           const struct kvr_lru_out *out)
 {
 	for (size_t k = 0; k < out->n_stored_runs; k++) {
 		const struct kvr_lru_range *g = &out->stored[k];
-		kvr_owner_store_run(ss, own, parent, local, seq, g->first, (size_t)g->first + g->n);
+		store_run(ss, own, parent, b, g->first, (size_t)g->first + g->n);
 	}
 }
 
@@ -233,7 +232,6 @@ void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx)
 	kvr_lru_out_fini(&ss->out);
 	kvr_free(ss->blk, ss->blk_cap * sizeof(*ss->blk));
 	kvr_free(ss->lb, ss->lb_cap * sizeof(*ss->lb));
-	kvr_free(ss->seq, ss->seq_cap * sizeof(*ss->seq));
 	kvr_free(ss, sizeof(*ss));
 	kvr_shard_set_userdata(sh, NULL);
 }

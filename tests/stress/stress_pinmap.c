@@ -65,18 +65,18 @@ static void *writer(void *arg)
 	} while (0)
 	while (!__atomic_load_n(&stop, __ATOMIC_ACQUIRE)) {
 		int bad = 0;
-		CMD(kvr_load_add(l, 1, C, L, 0, 0));
+		CMD(kvr_load_add(l, 1, C, 1, L, 0, 0));
 		for (uint64_t k = 0; k < NOISE; k++) { /* chains nobody queries */
 			for (int i = 0; i < 8; i++)
 				noise[i] = mix(slot * 1000003ull + id * 131 + (uint64_t)i + 1);
-			CMD(kvr_load_add(l, id + k, noise, 8, 0, 0));
+			CMD(kvr_load_add(l, id + k, noise, 1, 8, 0, 0));
 		}
-		CMD(kvr_load_add(l, 2, D, L, 0, 0));
+		CMD(kvr_load_add(l, 2, D, 1, L, 0, 0));
 		for (uint64_t k = 0; k < NOISE; k++)
 			CMD(kvr_load_finish(l, id + k));
 		id += NOISE;
 		CMD(kvr_load_finish(l, 1));
-		CMD(kvr_load_add_output(l, 2, E, OUT));
+		CMD(kvr_load_add_output(l, 2, E, 1, OUT));
 		CMD(kvr_load_finish(l, 2));
 		if (bad) {
 			fprintf(stderr, "stress_pinmap: writer %u: a load command failed\n", slot);

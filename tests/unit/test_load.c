@@ -21,9 +21,9 @@ Test(load, dedup_and_potential)
 	struct kvr_load_potential p;
 	struct kvr_load_stats st;
 	cr_assert_eq(kvr_load_create(0, &l), 0);
-	cr_assert_eq(kvr_load_add(l, 1, (uint64_t[]){10, 11, 12}, 3, 100, 0), 0);
-	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){10, 11, 20}, 3, 40, 0), 0);
-	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){1}, 1, 1, 0), KVR_EEXIST);
+	cr_assert_eq(kvr_load_add(l, 1, (uint64_t[]){10, 11, 12}, 1, 3, 100, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){10, 11, 20}, 1, 3, 40, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){1}, 1, 1, 1, 0), KVR_EEXIST);
 	kvr_load_stats(l, &st);
 	cr_assert_eq(st.active_blocks, 4, "10 and 11 pinned twice count once");
 	cr_assert_eq(st.active_requests, 2);
@@ -34,13 +34,13 @@ Test(load, dedup_and_potential)
 	cr_assert_eq(kvr_load_prefill_done(l, 1), 0);
 	cr_assert_eq(kvr_load_prefill_done(l, 1), 0, "idempotent");
 	cr_assert_eq(kvr_load_prefill_tokens(l, 5), 40);
-	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){13}, 1), 0);
+	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){13}, 1, 1), 0);
 	kvr_load_stats(l, &st);
 	cr_assert_eq(st.active_blocks, 5);
 	cr_assert_eq(kvr_load_finish(l, 1), 0);
 	cr_assert_eq(kvr_load_finish(l, 1), KVR_ENOENT, "already finished");
 	cr_assert_eq(kvr_load_prefill_done(l, 1), KVR_ENOENT);
-	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){14}, 1), KVR_ENOENT);
+	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){14}, 1, 1), KVR_ENOENT);
 	kvr_load_stats(l, &st);
 	cr_assert_eq(st.active_blocks, 3, "10, 11 still pinned by 2");
 	cr_assert_eq(kvr_load_finish(l, 2), 0);
@@ -51,7 +51,7 @@ Test(load, dedup_and_potential)
 	cr_assert_eq(p.decode_blocks, 0);
 	cr_assert_eq(p.prefill_tokens, 7);
 	cr_assert_eq(kvr_load_potential(l, NULL, 1, 7, 0, &p), KVR_EINVAL);
-	cr_assert_eq(kvr_load_add(l, 3, NULL, 2, 0, 0), KVR_EINVAL);
+	cr_assert_eq(kvr_load_add(l, 3, NULL, 1, 2, 0, 0), KVR_EINVAL);
 	kvr_load_destroy(l);
 	kvr_load_destroy(NULL);
 }
@@ -60,8 +60,8 @@ Test(load, oldest_prefill_decays_linearly)
 {
 	struct kvr_load *l;
 	cr_assert_eq(kvr_load_create(1000, &l), 0);
-	kvr_load_add(l, 1, NULL, 0, 100, 0);
-	kvr_load_add(l, 2, NULL, 0, 50, 200);
+	kvr_load_add(l, 1, NULL, 1, 0, 100, 0);
+	kvr_load_add(l, 2, NULL, 1, 0, 50, 200);
 	cr_assert_eq(kvr_load_prefill_tokens(l, 0), 150);
 	cr_assert_eq(kvr_load_prefill_tokens(l, 250), 75 + 50, "only the oldest decays");
 	cr_assert_eq(kvr_load_prefill_tokens(l, 1000), 50);
@@ -71,7 +71,7 @@ Test(load, oldest_prefill_decays_linearly)
 	cr_assert_eq(kvr_load_prefill_tokens(l, 100), 50, "clock before start: no decay");
 	kvr_load_finish(l, 2);
 	cr_assert_eq(kvr_load_prefill_tokens(l, 700), 0);
-	kvr_load_add(l, 3, NULL, 0, 10, 800);
+	kvr_load_add(l, 3, NULL, 1, 0, 10, 800);
 	cr_assert_eq(kvr_load_prefill_tokens(l, 900), 9);
 	kvr_load_destroy(l);
 }
@@ -131,6 +131,15 @@ static uint64_t m_prefill(struct mreq *m, uint64_t d, uint64_t now)
 	return sum;
 }
 
+/* p[2i + 1] = seq[i], p[2i] a hash no chain holds (as struct kvr_lru_block's local field). */
+static void interleave(uint64_t *p, const uint64_t *seq, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		p[2 * i] = ~seq[i];
+		p[2 * i + 1] = seq[i];
+	}
+}
+
 static void run_seed(uint64_t seed, int steps)
 {
 	uint64_t r = seed, d = rng(&r) % 2 ? 1 + rng(&r) % 1000 : 0, now = 0, order = 0;
@@ -147,6 +156,7 @@ static void run_seed(uint64_t seed, int steps)
 	cr_assert_eq(kvr_load_publish(l2, pm, 9), 0); /* a second rank: the odd attempts */
 	cr_assert_eq(ref_load_create(d, &x), 0);
 	uint64_t seq[16];
+	uint64_t pairs[32]; /* seq interleaved with noise: the second rank reads it strided */
 	for (int step = 0; step < steps; step++) {
 		uint64_t op = rng(&r) % 10, a = 1 + rng(&r) % MAXR;
 		struct mreq *q = &m[a - 1];
@@ -161,9 +171,10 @@ static void run_seed(uint64_t seed, int steps)
 				}
 			}
 			uint64_t tok = rng(&r) % 1000;
-			rc = kvr_load_add(l, a, seq, n, tok, now);
+			rc = kvr_load_add(l, a, seq, 1, n, tok, now);
+			interleave(pairs, seq, n);
 			if (a % 2)
-				kvr_load_add(l2, a, seq, n, tok, now);
+				kvr_load_add(l2, a, pairs + 1, 2, n, tok, now);
 			xrc = ref_load_add(x, a, seq, n, tok, now);
 			want = q->live ? KVR_EEXIST : 0;
 			if (!q->live) {
@@ -194,9 +205,10 @@ static void run_seed(uint64_t seed, int steps)
 			}
 			if (q->live && q->n + (int)n > 64)
 				n = 0;
-			rc = kvr_load_add_output(l, a, seq, n);
+			rc = kvr_load_add_output(l, a, seq, 1, n);
+			interleave(pairs, seq, n);
 			if (a % 2)
-				kvr_load_add_output(l2, a, seq, n);
+				kvr_load_add_output(l2, a, pairs + 1, 2, n);
 			xrc = ref_load_add_output(x, a, seq, n);
 			want = q->live ? 0 : KVR_ENOENT;
 			if (q->live)
@@ -298,7 +310,7 @@ Test(load, out_of_memory_changes_nothing)
 					seq[i] = i < 10 ? i + 1 : a * 1000 + i;
 				struct kvr_load_stats before, after;
 				kvr_load_stats(l, &before);
-				int rc = kvr_load_add(l, a, seq, 40, 10, a);
+				int rc = kvr_load_add(l, a, seq, 1, 40, 10, a);
 				kvr_load_stats(l, &after);
 				if (rc) {
 					cr_assert_eq(rc, KVR_ENOMEM);
@@ -322,7 +334,7 @@ Test(load, out_of_memory_changes_nothing)
 				for (size_t i = 0; i < 40; i++)
 					seq[i] = 100000 + a * 40 + i;
 				kvr_load_stats(l, &before);
-				rc = kvr_load_add_output(l, a, seq, 40);
+				rc = kvr_load_add_output(l, a, seq, 1, 40);
 				kvr_load_stats(l, &after);
 				if (rc) {
 					cr_assert_eq(rc, KVR_ENOMEM);
@@ -355,10 +367,10 @@ Test(load, published_pinned_depth)
 	cr_assert_eq(kvr_load_publish(b, pm, 2), 0);
 	uint32_t depth[4] = {0}, slots[4];
 	uint64_t p[6] = {1, 2, 3, 4, 5, 6}, q[4] = {1, 2, 30, 40};
-	cr_assert_eq(kvr_load_add(a, 10, p, 4, 0, 0), 0);      /* rank 1 pins 1 2 3 4 */
-	cr_assert_eq(kvr_load_add(b, 11, p, 2, 0, 0), 0);      /* rank 2 pins 1 2 */
-	cr_assert_eq(kvr_load_add(a, 12, q, 4, 0, 0), 0);      /* splits rank 1's run after 2 */
-	cr_assert_eq(kvr_load_add_output(a, 10, p + 4, 2), 0); /* rank 1: ... 4 5 6 */
+	cr_assert_eq(kvr_load_add(a, 10, p, 1, 4, 0, 0), 0);      /* rank 1 pins 1 2 3 4 */
+	cr_assert_eq(kvr_load_add(b, 11, p, 1, 2, 0, 0), 0);      /* rank 2 pins 1 2 */
+	cr_assert_eq(kvr_load_add(a, 12, q, 1, 4, 0, 0), 0);      /* splits rank 1's run after 2 */
+	cr_assert_eq(kvr_load_add_output(a, 10, p + 4, 1, 2), 0); /* rank 1: ... 4 5 6 */
 	kvr_rcu_read_lock();
 	size_t ns = kvr_pinmap_depths(pm, p, 6, depth, slots);
 	kvr_rcu_read_unlock();
