@@ -56,7 +56,9 @@ struct kvr_shards_config {
 	void *clock_ctx;
 	/* Most distinct workers placed at once.  0 = 4096.  Max 1 << 20. */
 	uint32_t max_workers;
-	/* Synchronous calls spin this long on the reply before sleeping.  0 = 20 us. */
+	/* Synchronous calls spin this long on the reply before sleeping.  0 = 20 us.  A call
+	 * whose replies have lately taken longer spins a sixteenth of it, and one that finds the
+	 * shard parked (it wakes it) hardly at all: the wake-up alone outlasts the spin. */
 	uint64_t call_spin_ns;
 	/* An idle shard polls its lanes this long before parking, so back-to-back work (a
 	 * caller's next call) finds it awake.  0 = 50 us (KVR_DEFAULT_SHARD_IDLE_SPIN_NS, as the
