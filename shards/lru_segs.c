@@ -15,8 +15,20 @@
 
 /* ------------------------------------------------------------------ reservations */
 
+/* The slots an array of at least n segments can have for the memory it takes: its allocator
+ * size class holds (the classes above 16 KiB are a quarter apart, so asking for n alone wastes up
+ * to a fifth of the array), at most NIL - 1. */
+static size_t seg_slots_fit(size_t n)
+{
+	size_t fit = kvr_alloc_real_size(n * sizeof(struct seg)) / sizeof(struct seg);
+	fit = fit > n ? fit : n;
+	return fit < NIL ? fit : NIL - 1;
+}
+
 /* Makes room for n new segments, plus one per live lease and one more (a keep_private
- * release's phantom, and the lease an acquire is adding). */
+ * release's phantom, and the lease an acquire is adding).  The array grows by a quarter (56 B
+ * a slot: bench_footprint's predicted caches at 2k prompts carried 1.6 slots per live segment
+ * growing by half), to what its size class holds. */
 int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
 {
 	size_t need = (size_t)lru->s_live + n + lru->n_leases + 1;
@@ -24,13 +36,12 @@ int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
 		return KVR_ERANGE;
 	if (need <= lru->s_cap)
 		return 0;
-	size_t nc = (size_t)lru->s_cap + lru->s_cap / 2; /* 1.5x: the array is 56 B a slot */
+	size_t nc = (size_t)lru->s_cap + lru->s_cap / 4;
 	if (nc < need)
 		nc = need;
 	if (nc < 16)
 		nc = 16;
-	if (nc >= NIL)
-		nc = NIL - 1;
+	nc = seg_slots_fit(nc);
 	struct seg *s = kvr_realloc(lru->s, (size_t)lru->s_cap * sizeof(*s), nc * sizeof(*s));
 	if (!s)
 		return KVR_ENOMEM;
@@ -294,25 +305,29 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
 }
 
 /*
- * When fewer than a quarter of the slots are in use (counting the slot kept free per lease),
- * the array is halved: the live segments in the upper half move down to free slots, the leases'
- * pieces that name them are redirected, and the free list is rebuilt from the lower half.
- * O(slots + lease pieces) in that call; amortized O(1) per segment freed, since at least a
- * quarter of the slots were freed since the array last changed size (it grows by half when
- * full).
+ * When fewer than half of the slots are in use (counting the slot kept free per lease), the
+ * array shrinks to a quarter more than that use (what its size class holds, 64 slots at least):
+ * the live segments above the new end move down to free slots, the leases' pieces that name them
+ * are redirected, and the free list is rebuilt from what stays.  O(slots + lease pieces) in that
+ * call; amortized O(1) per segment freed or added, since the use changed by at least a quarter
+ * of it since the array last changed size (it grows by a quarter when full, shrinks to 1.25x
+ * the use when that is under half).
  * No observable change: indices order nothing (ties between copies are broken by stamps, and
  * eviction follows the list).  The new array is allocated first, so no memory means no change.
  */
 void kvr_lru_settle(struct kvr_lru *lru)
 {
 	size_t used = (size_t)lru->s_live + lru->n_leases + 1;
-	if (lru->s_cap < 64 || used * 4 >= lru->s_cap)
+	if (lru->s_cap < 64 || used * 2 >= lru->s_cap)
 		return;
-	uint32_t nc = lru->s_cap / 2;
+	size_t want = used + used / 4 > 64 ? used + used / 4 : 64;
+	uint32_t nc = (uint32_t)seg_slots_fit(want);
+	if (nc >= lru->s_cap)
+		return;
 	struct seg *ns = kvr_alloc((size_t)nc * sizeof(*ns));
 	if (!ns)
 		return;
-	/* The free slots of the lower half, in free-list order. */
+	/* The free slots below the new end, in free-list order. */
 	uint32_t low = NIL, *tail = &low;
 	for (uint32_t i = lru->free_head; i != NIL; i = lru->s[i].next)
 		if (i < nc) {

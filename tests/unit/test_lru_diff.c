@@ -470,14 +470,16 @@ static void seg_check_stats(uint64_t seed, int step, struct kvr_lru *lru, struct
 		}                                                                                  \
 	} while (0)
 
-static void seg_run(uint64_t seed, int steps, bool keep, bool oom)
+/* capmax bounds the capacities drawn: 64 keeps the segment array small, larger ones let it grow
+ * past the size kvr_lru_settle shrinks from and then shrink when a capacity cut evicts. */
+static void seg_run(uint64_t seed, int steps, bool keep, bool oom, uint64_t capmax)
 {
 	static uint64_t last[MAXA];
 	static uint32_t nblk[MAXA];
 	memset(last, 0, sizeof(last));
 	memset(nblk, 0, sizeof(nblk));
 	uint64_t r = seed * 7919 + keep;
-	uint64_t cap = rng_next(&r) % 64;
+	uint64_t cap = rng_next(&r) % capmax;
 	struct kvr_lru *lru;
 	struct ref_lru *ref;
 	struct kvr_lru_out out, xo;
@@ -550,13 +552,13 @@ static void seg_run(uint64_t seed, int steps, bool keep, bool oom)
 			SEG_CALL(kvr_lru_release(lru, a, &out));
 			xrc = ref_lru_release(ref, a, &xo);
 		} else if (op < 98) {
-			uint64_t c = rng_next(&r) % 64;
+			uint64_t c = rng_next(&r) % capmax;
 			SEG_CALL(kvr_lru_set_capacity(lru, c, &out));
 			xrc = ref_lru_set_capacity(ref, c, &xo);
 		} else {
 			kvr_lru_destroy(lru);
 			ref_lru_destroy(ref);
-			cap = rng_next(&r) % 64;
+			cap = rng_next(&r) % capmax;
 			cr_assert_eq(kvr_lru_create(cap, &lru), 0);
 			cr_assert_eq(ref_lru_create(cap, &ref), 0);
 			kvr_lru_set_keep_private(lru, keep);
@@ -588,12 +590,12 @@ Test(lru_diff, segments_against_ref, .timeout = 120)
 	const char *env = getenv("LRU_SEG_SEED");
 	if (env) {
 		const char *k = getenv("LRU_SEG_KEEP"), *o = getenv("LRU_SEG_OOM");
-		seg_run(strtoull(env, NULL, 0), 3000, k && *k == '1', o && *o == '1');
+		seg_run(strtoull(env, NULL, 0), 3000, k && *k == '1', o && *o == '1', 64);
 		return;
 	}
 	for (uint64_t seed = 1; seed <= 600; seed++) {
-		seg_run(seed, 500, true, false);
-		seg_run(seed, 500, false, false);
+		seg_run(seed, 500, true, false, 64);
+		seg_run(seed, 500, false, false, 64);
 	}
 	if (getenv("LRU_SEG_COV"))
 		fprintf(stderr,
@@ -604,11 +606,78 @@ Test(lru_diff, segments_against_ref, .timeout = 120)
 		        (unsigned long long)cov_multi_runs, (unsigned long long)cov_stored);
 }
 
+/* The segment array grows past the size kvr_lru_settle shrinks from, a capacity cut evicts
+ * most segments while every tenth attempt still holds its copies (spread over the array, so
+ * the shrink moves held segments and redirects their leases), and everything after must agree
+ * with the per-block LRU: the held attempts' releases, re-acquires that hit, and evictions. */
+Test(lru_diff, segment_array_shrinks_against_ref)
+{
+	enum { N = 600, LEN = 3 };
+	for (int keep = 0; keep < 2; keep++) {
+		struct kvr_lru *lru;
+		struct ref_lru *ref;
+		struct kvr_lru_out out, xo;
+		kvr_lru_out_init(&out);
+		kvr_lru_out_init(&xo);
+		cr_assert_eq(kvr_lru_create(N * LEN, &lru), 0);
+		cr_assert_eq(ref_lru_create(N * LEN, &ref), 0);
+		kvr_lru_set_keep_private(lru, keep);
+		ref_lru_set_keep_private(ref, keep);
+		static struct kvr_lru_block b[N][LEN];
+		int step = 0;
+		for (uint64_t a = 1; a <= N; a++, step++) { /* distinct chains: a segment each */
+			uint64_t p = ROOT;
+			for (int i = 0; i < LEN; i++) {
+				p = chain(p, a * 10 + (uint64_t)i);
+				b[a - 1][i] =
+				    (struct kvr_lru_block){.local = a * 10 + (uint64_t)i, .seq = p};
+			}
+			cr_assert_eq(kvr_lru_acquire(lru, a, b[a - 1], LEN, 0, &out),
+			             ref_lru_acquire(ref, a, b[a - 1], LEN, 0, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		}
+		for (uint64_t a = 1; a <= N; a++, step++) {
+			if (a % 10 == 0)
+				continue;
+			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		}
+		size_t before = kvr_lru_bytes(lru);
+		cr_assert_eq(kvr_lru_set_capacity(lru, N / 10 * LEN + 30, &out),
+		             ref_lru_set_capacity(ref, N / 10 * LEN + 30, &xo));
+		seg_check_out(keep, step++, &out, &xo, b[0]);
+		seg_check_stats(keep, step, lru, ref);
+		/* The 540 evicted segments' hash arrays are ~17 KB; the array of 1,024 56-byte
+		 * slots shrinks to fit the 60 held segments and their leases: ~47 KB more. */
+		cr_assert_lt(kvr_lru_bytes(lru) + 40000, before,
+		             "the segment array was not given back");
+		for (uint64_t a = 10; a <= N; a += 10, step++) {
+			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+			seg_check_stats(keep, step, lru, ref);
+		}
+		for (uint64_t a = 1; a <= N; a += 7, step++) {
+			cr_assert_eq(kvr_lru_acquire(lru, N + a, b[a - 1], LEN, 0, &out),
+			             ref_lru_acquire(ref, N + a, b[a - 1], LEN, 0, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+			seg_check_stats(keep, step, lru, ref);
+			uint64_t q[LEN];
+			for (int i = 0; i < LEN; i++)
+				q[i] = b[a - 1][i].seq;
+			cr_assert_eq(kvr_lru_overlap(lru, q, LEN), ref_lru_overlap(ref, q, LEN));
+		}
+		kvr_lru_destroy(lru);
+		ref_lru_destroy(ref);
+		kvr_lru_out_fini(&out);
+		kvr_lru_out_fini(&xo);
+	}
+}
+
 /* The same sequences with allocation failures injected into the segment LRU. */
 Test(lru_diff, segments_against_ref_oom, .timeout = 120)
 {
 	for (uint64_t seed = 1; seed <= 150; seed++)
-		seg_run(seed, 400, true, true);
+		seg_run(seed, 400, true, true, 64);
 	cr_assert_gt(cov_enomem, 1000, "the injected failures must hit commands (%llu did)",
 	             (unsigned long long)cov_enomem);
 }
