@@ -68,7 +68,9 @@ int64_t kvr_alloc_live_bytes(void);
  * before the arenas exist.  Context: any thread; not for a hot path (mallctl). */
 bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached);
 /* With jemalloc: returns the library arenas' dirty pages (freed, still resident; jemalloc keeps
- * them ~10 s by default) to the kernel, at most once per KVR_ALLOC_PURGE_GAP_NS process-wide
+ * them ~10 s by default) to the kernel.  A thread with caches of its own
+ * (kvr_alloc_thread_cache_begin) purges each time, right after flushing them
+ * (kvr_alloc_flush_thread_cache); others at most once per KVR_ALLOC_PURGE_GAP_NS process-wide
  * (now_ns: a monotonic clock; other calls return at once).  For a thread that has been idle a
  * while: the pages it returns fault in again when allocated.  No-op without jemalloc.
  * Context: any thread, never on a latency path. */
