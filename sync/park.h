@@ -102,7 +102,7 @@ static inline void kvr_reply_init(struct kvr_reply *r)
 void kvr_reply_post(struct kvr_reply *r, int result);
 
 /*
- * Waits for the result: spins up to spin_ns (no syscall), then sleeps on a futex.
+ * Waits for the result: spins up to spin_ns (no syscall; 0: not at all), then sleeps on a futex.
  * Returns the posted result.  Sets *parked (if not NULL) to 1 if it had to sleep.
  * Context: the caller thread that owns the slot.
  */
