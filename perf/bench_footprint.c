@@ -265,7 +265,11 @@ static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
 	req.tokens = s->tok;
 	req.n_tokens = s->n;
 	struct kvr_decision d;
-	int rc = kvr_route(r, &req, &d);
+	int rc;
+	/* KVR_EAGAIN: a shard lane stayed full for 10 ms (overload; here a shard descheduled on
+	 * a busy machine): as a user would, let the shards drain and call again. */
+	for (int k = 0; (rc = kvr_route(r, &req, &d)) == KVR_EAGAIN && k < 100; k++)
+		kvr_router_sync(r, 60000);
 	if (rc)
 		return rc;
 	if (d.status != KVR_DECIDED)
@@ -273,7 +277,9 @@ static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
 	*new_blocks = d.required_blocks - d.overlap_blocks;
 	size_t n_out = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn / 2 + 1));
 	fresh_tokens(t, t->out, n_out);
-	rc = kvr_request_output(r, d.attempt, t->out, n_out);
+	for (int k = 0;
+	     (rc = kvr_request_output(r, d.attempt, t->out, n_out)) == KVR_EAGAIN && k < 100; k++)
+		kvr_router_sync(r, 60000);
 	if (rc == 0)
 		rc = kvr_request_finish(r, d.attempt);
 	if (rc)
