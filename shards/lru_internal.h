@@ -134,8 +134,9 @@ void kvr_lru_inact_append(struct kvr_lru *lru, uint32_t i);
 /* Splits segment i before off (0 < off < len); see lru_segs.c.  0, KVR_ERANGE or KVR_ENOMEM
  * (nothing changed). */
 int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off);
-/* Ends a command: shrinks the segment array to 1.25x its use when under half of its slots are
- * in use (see lru_segs.c).  Never fails (on no memory the array stays). */
+/* Ends a command: shrinks the segment array to 1.25x its use when under two thirds of its slots
+ * are in use, and halves the head map when under 30 % full (see lru_segs.c).  Never fails (on
+ * no memory they stay). */
 void kvr_lru_settle(struct kvr_lru *lru);
 /* Evicts down to the capacity. */
 void kvr_lru_reconcile(struct kvr_lru *lru, struct kvr_lru_out *out);
