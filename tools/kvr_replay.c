@@ -105,7 +105,9 @@ static void usage(FILE *f)
 	    "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
 	    "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
 	    "files)\n"
-	    "  --quiet                no table, no progress bar\n");
+	    "  --quiet                no table, no progress bar\n"
+	    "  --path-runs            count the runs each prompt's lookup crosses in the router's\n"
+	    "                         index (printed per policy; perturbs that run's timings)\n");
 }
 
 struct progress {
@@ -172,6 +174,7 @@ int main(int argc, char **argv)
 		O_PER_TOK,
 		O_SAMPLE,
 		O_SERIAL,
+		O_PATHRUNS,
 		O_NOTIME,
 		O_OUTEVERY,
 		O_CREDIT,
@@ -211,6 +214,7 @@ int main(int argc, char **argv)
 	                                     {"step-per-token-us", required_argument, 0, O_PER_TOK},
 	                                     {"sample-every", required_argument, 0, O_SAMPLE},
 	                                     {"serial", no_argument, 0, O_SERIAL},
+	                                     {"path-runs", no_argument, 0, O_PATHRUNS},
 	                                     {"no-timing", no_argument, 0, O_NOTIME},
 	                                     {"output-every", required_argument, 0, O_OUTEVERY},
 	                                     {"overlap-credit", required_argument, 0, O_CREDIT},
@@ -286,6 +290,9 @@ int main(int argc, char **argv)
 			break;
 		case O_SERIAL:
 			cfg.serial = true;
+			break;
+		case O_PATHRUNS:
+			cfg.path_runs = true;
 			break;
 		case O_NOTIME:
 			timing = false;

@@ -122,6 +122,9 @@ struct replay_policy_ops {
 	int (*blocks)(void *state, uint32_t rank, uint64_t **out, size_t *n);
 	/* CPU time the policy spent so far, outside route() (optional): see struct replay_cpu. */
 	void (*cpu)(void *state, struct replay_cpu *out);
+	/* Runs the walk of the chain seq[0..n) (kvr_hash_blocks' sequence hashes) crosses in the
+	 * policy's index now (optional; --path-runs). */
+	size_t (*path_runs)(void *state, const uint64_t *seq, size_t n);
 };
 
 /* Baselines (policy_basic.c). */

@@ -139,6 +139,17 @@ static void rp_cpu(void *state, struct replay_cpu *out)
 	}
 }
 
+/* --path-runs: the runs the chain's walk crosses in the router's index (the router hashes the
+ * prompt as kvr_hash_blocks does, without a LoRA seed). */
+static size_t rp_path_runs(void *state, const uint64_t *seq, size_t n)
+{
+	struct rp *p = state;
+	kvr_rcu_read_lock();
+	size_t runs = kvr_index_path_runs(p->r->index, seq, n);
+	kvr_rcu_read_unlock();
+	return runs;
+}
+
 static uint64_t rp_clock(void *ctx)
 {
 	struct rp *p = ctx;
@@ -623,6 +634,7 @@ struct kvr_router *replay_policy_router(void *state)
 		.output = rp_output, .finished = rp_finished, .aborted = rp_aborted,               \
 		.sync = rp_sync, .dequeue = rp_dequeue, .resident = rp_resident,                   \
 		.predict = rp_predict, .blocks = rp_blocks, .cpu = rp_cpu,                         \
+		.path_runs = rp_path_runs,                                                         \
 	}
 
 const struct replay_policy_ops replay_policy_events =

@@ -731,6 +731,13 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 			snprintf(err, errlen, "out of memory");
 			goto out;
 		}
+		if (cfg->path_runs && ops->path_runs) {
+			const size_t pr =
+			    ops->path_runs(run.ps, run.hs, tr->input_len / cfg->block_size);
+			res->path_runs_mean += (double)pr;
+			res->path_runs_max = pr > res->path_runs_max ? pr : res->path_runs_max;
+			res->path_runs_n++;
+		}
 		double c0 = now_s(CLOCK_THREAD_CPUTIME_ID);
 		rc = ops->route(run.ps, &rq, &ro);
 		cpu_ns[i] = (now_s(CLOCK_THREAD_CPUTIME_ID) - c0) * 1e9;
@@ -830,6 +837,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	res->route_cpu_ns_mean = t->n ? cpu_sum / (double)t->n : 0;
 	double per_route = run.n_routes ? 1.0 / (double)run.n_routes : 0;
 	res->hash_cpu_ns_mean = run.hash_ns * per_route;
+	if (res->path_runs_n)
+		res->path_runs_mean /= (double)res->path_runs_n;
 	if (ops->cpu) {
 		struct replay_cpu c = {0};
 		ops->cpu(run.ps, &c);

@@ -58,6 +58,10 @@ struct replay_config {
 	/* --decisions FILE: append each decision and healing report to it (decisions.h); NULL
 	 * (default) = off. */
 	const char *decisions;
+	/* --path-runs: before each decision, count the runs the prompt's walk crosses in the
+	 * router's index (policies with a path_runs hook); the walk warms the lines the decision
+	 * then reads, so that run's timings are not comparable.  Default false. */
+	bool path_runs;
 	/* A share (0..1) of the arrivals is foreign: it reaches the engines without passing the
 	 * policy (issue 15), sent as foreign_as says.  Which arrivals are foreign depends only on
 	 * (seed, request index), so every mode and policy measures the same set of "this
@@ -111,6 +115,9 @@ struct replay_result {
 	/* approx_lru+chain (struct replay_cpu): per decision, part of route_cpu_ns_mean */
 	double verify_ns_mean, suffix_ns_mean, kept_share;
 	double hash_cpu_ns_mean;
+	/* --path-runs: runs crossed per decision (mean, max); path_runs_n decisions counted. */
+	double path_runs_mean;
+	uint64_t path_runs_max, path_runs_n;
 	/* Agreement (see above). */
 	uint64_t n_foreign; /* arrivals in the foreign share (foreign_share) */
 	/* First admissions by share, blocks: [0] this router's requests, [1] the foreign ones

@@ -71,6 +71,13 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 				    r->policy, r->verify_ns_mean / 1e3, r->suffix_ns_mean / 1e3,
 				    100 * r->kept_share);
 		}
+		if (r->path_runs_n)
+			fprintf(
+			    f,
+			    "lookup path %s: runs the prompt's walk crosses (before each decision, "
+			    "--path-runs): mean %.1f, max %lu over %lu decisions\n",
+			    r->policy, r->path_runs_mean, (unsigned long)r->path_runs_max,
+			    (unsigned long)r->path_runs_n);
 		if (r->n_refused || r->policy_errors)
 			fprintf(f,
 			        "note: %s: %zu requests refused by the simulator, %llu policy "

@@ -184,3 +184,15 @@ PY
 if "$bin" --quiet --foreign-traffic 0.3 --foreign-as nobody "$sample" 2>/dev/null; then
 	fail "--foreign-as nobody was accepted"
 fi
+
+# --path-runs: a line per router-backed policy, every decision counted, the walks crossing a
+# run on average at least (the sample's prompts repeat prefixes); a policy without an index
+# prints none.
+"$bin" --no-timing --policies approx_lru,round_robin --max-requests 200 --path-runs "$sample" \
+	>"$tmp/pr.txt" || fail "--path-runs replay"
+line=$(grep '^lookup path approx_lru: ' "$tmp/pr.txt") || fail "no --path-runs line"
+echo "$line" | grep -Eq 'mean [1-9][0-9.]*, max [1-9][0-9]* over 200 decisions' ||
+	fail "--path-runs line: $line"
+if grep -q '^lookup path round_robin' "$tmp/pr.txt"; then
+	fail "--path-runs printed for a policy without an index"
+fi
