@@ -18,8 +18,16 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#if defined(__x86_64__) && defined(__SSE2__) && !defined(__SANITIZE_ADDRESS__) &&                  \
-    !defined(__SANITIZE_THREAD__)
+/* Sanitizers see ordinary stores only (gcc says so with __SANITIZE_*, clang with __has_feature). */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define HASH_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define HASH_SANITIZED 1
+#endif
+#endif
+
+#if defined(__x86_64__) && defined(__SSE2__) && !defined(HASH_SANITIZED)
 #include <immintrin.h>
 #define STREAM_STORE(p, v) _mm_stream_si64((long long *)(p), (long long)(v))
 #define STREAM_FENCE()     _mm_sfence()
