@@ -337,13 +337,22 @@ void kvr_alloc_purge_idle(uint64_t now_ns)
 	    !__atomic_compare_exchange_n(&last_ns, &last, now_ns ? now_ns : 1, false,
 	                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
 		return;
+	kvr_alloc_purge();
+#else
+	(void)now_ns;
+#endif
+}
+
+void kvr_alloc_purge(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	if (!flags(LONG))
+		return;
 	for (int k = 0; k < 2; k++) {
 		char name[48];
 		snprintf(name, sizeof(name), "arena.%u.purge", arena_ind[k]);
 		(void)mallctl(name, NULL, NULL, NULL, 0);
 	}
-#else
-	(void)now_ns;
 #endif
 }
 

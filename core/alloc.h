@@ -76,6 +76,10 @@ bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached);
  * Context: any thread, never on a latency path. */
 #define KVR_ALLOC_PURGE_GAP_NS 100000000ull
 void kvr_alloc_purge_idle(uint64_t now_ns);
+/* With jemalloc: returns the library arenas' dirty pages to the kernel now, whoever calls (no
+ * gap).  For shards/runtime.c's late purge from the RCU callback thread.  No-op without
+ * jemalloc.  Context: any thread, never on a latency path. */
+void kvr_alloc_purge(void);
 /* With jemalloc: gives the calling thread caches of its own for the library's arenas (one
  * jemalloc explicit tcache per arena, holding only that arena's objects: alloc.c says why the
  * threads' automatic caches are not used), so its allocations and small frees skip the arena's
