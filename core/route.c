@@ -330,14 +330,17 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
 	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
-	 * 146k-token prompt), else hashed: with asynchronous booking straight into the attempt's
-	 * record (no copy at admission: 2 KiB at 2k tokens, 128 KiB at 128k) with streaming stores,
-	 * keeping the sequence hashes (and the local ones when a replica note will read them) in
-	 * the thread's warm scratch for this thread's own lookups (kvr_hash_chain_tokens_stream
-	 * says why: the record's lines were last read by the shard that booked it); else into the
-	 * thread's scratch only (sync_booking: a booking that finds the rank gone consumes the
-	 * record, and the retry needs the hashes; a query; hashes without their tokens, which the
-	 * replica note below would need again). */
+	 * 146k-token prompt), else hashed straight into the attempt's record (no copy at
+	 * admission: 2 KiB at 2k tokens, 128 KiB at 128k) with streaming stores, keeping the
+	 * sequence hashes in the thread's warm scratch for this thread's own lookups
+	 * (kvr_hash_chain_tokens_stream says why: the record's lines were last read by the shard
+	 * that booked it), and the local ones too when a replica note will read them or the
+	 * booking is synchronous (a booking that finds the rank gone consumes the record, and the
+	 * retry builds a new one from the scratch); else into the thread's scratch only (a query;
+	 * hashes without their tokens, which the replica note below would need again).  The
+	 * synchronous booking hashed into the scratch and interleaved it into a fresh record after
+	 * the decision: 8-24 us of kvr-replay's route CPU on the session prompts (~9,000 blocks),
+	 * each store of the 146 KB taking its line back from the shard that last read it. */
 	const uint64_t *local = tls.local, *seq = tls.seq;
 	struct kvr_attempt *rec = NULL;
 	bool note_copy = false; /* tls.local holds the local hashes for the replica note */
@@ -345,9 +348,9 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	if (q->seq_hashes) {
 		local = q->local_hashes;
 		seq = q->seq_hashes;
-	} else if (nb && q->tokens && !cfg->sync_booking && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
+	} else if (nb && q->tokens && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
 	           (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
-		note_copy = kvr_repl_attached(r);
+		note_copy = cfg->sync_booking || kvr_repl_attached(r);
 		kvr_hash_chain_tokens_stream(NULL, q->tokens, nb, bs, seed, h,
 		                             note_copy ? tls.local : NULL, tls.seq);
 	} else if (q->tokens) {
@@ -441,18 +444,21 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .overlap = chosen.overlap,
 		    .pend_blocks = nb - chosen.pinned, /* the request's new decode blocks there */
 		};
+		const bool in_rec = rec != NULL; /* hashed into it (seq: the scratch copy) */
 		a.reserved = rec;
-		a.in_record = rec != NULL; /* hashed into it (seq: the scratch copy) */
+		a.in_record = in_rec;
 		rc = kvr_admit(r, &a, cfg->sync_booking); /* consumes rec */
+		rec = NULL;
 		uint64_t t4 = timed ? mono_ns() : 0;
-		if (rc == KVR_ENOENT && !rec)
-			continue; /* sync: the rank went away after selection: decide again */
+		if (rc == KVR_ENOENT && (!in_rec || cfg->sync_booking))
+			continue; /* sync: the rank went away after selection: decide again (a new
+			           * record from the scratch's local and seq) */
 		if (rc) {
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return rc;
 		}
 		d->attempt = a.attempt;
-		if (rec && (note_copy || kvr_repl_attached(r))) {
+		if (in_rec && (note_copy || kvr_repl_attached(r))) {
 			/* The record is the shard's now (a stale booking frees it at once): the
 			 * note reads the copy kept while hashing (hashing again cost the attached
 			 * route 2.0-2.1 us at 8k tokens, bench_sync), or, attached meanwhile, the

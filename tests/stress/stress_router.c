@@ -3,9 +3,12 @@
  * finished or aborted by other threads (finishers) right after kvr_route returned, while an
  * admin thread resets, resizes, removes and re-adds ranks and an engine thread feeds KV events
  * to an events-mode router.  Routing and lifecycle calls do not wait for the shards
- * (sync_booking off).  Bounded in time.  At the end every rank's load must be back to zero and
- * no attempt may be live; every attempt must end exactly once (finish/abort returns 0 exactly
- * once, or KVR_ESTALE when a reset ended it first).
+ * (sync_booking off), but for a third router that books synchronously (sync_booking on: a
+ * rank removed between the decision and its booking makes the route decide again, from the
+ * hashes the thread kept, the record it hashed into being gone with the booking).  Bounded
+ * in time.  At the end every rank's load must be back to zero and no attempt may be live;
+ * every attempt must end exactly once (finish/abort returns 0 exactly once, or KVR_ESTALE
+ * when a reset ended it first).
  *
  * usage: stress_router [duration_ms]   exit 0 pass, 1 fail
  */
@@ -35,11 +38,17 @@ static size_t ring_head, ring_n;
 static pthread_mutex_t ring_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_int frontends_done;
 
-static struct kvr_router *approx, *events;
+static struct kvr_router *approx, *events, *syncb;
 static atomic_int stop;
 static atomic_long routed, ended, stale_ends, failures, events_applied, lane_full;
-/* Per router (0 approx, 1 events): what the frontends saw, to check against its metrics. */
-static atomic_long routed_by[2], ended_by[2];
+/* Per router (0 approx, 1 events, 2 syncb): what the frontends saw, to check against its
+ * metrics. */
+static atomic_long routed_by[3], ended_by[3];
+
+static int which(const struct kvr_router *r)
+{
+	return r == events ? 1 : r == syncb ? 2 : 0;
+}
 
 static int handoff_push(struct kvr_router *r, uint64_t attempt)
 {
@@ -91,7 +100,8 @@ static void *frontend(void *arg)
 	uint64_t s = (uint64_t)(uintptr_t)arg * 0x9e3779b97f4a7c15ull + 1;
 	uint32_t t[2400], out[40];
 	while (!atomic_load(&stop)) {
-		struct kvr_router *r = (rnd(&s) & 3) == 0 ? events : approx;
+		uint64_t pick = rnd(&s) & 7;
+		struct kvr_router *r = pick < 2 ? events : pick < 4 ? syncb : approx;
 		/* one in eight long enough for recycled attempt records (>= 64 blocks) */
 		size_t n = (rnd(&s) & 7) ? 16 + rnd(&s) % 600 : 1024 + rnd(&s) % 1300;
 		make_prompt(t, n, rnd(&s) % 8, rnd(&s) % 4);
@@ -113,7 +123,7 @@ static void *frontend(void *arg)
 			continue;
 		}
 		atomic_fetch_add(&routed, 1);
-		atomic_fetch_add(&routed_by[r == events], 1);
+		atomic_fetch_add(&routed_by[which(r)], 1);
 		rc = kvr_request_prefill_done(r, d.attempt);
 		if (rc == KVR_EAGAIN)
 			atomic_fetch_add(&lane_full, 1);
@@ -142,7 +152,7 @@ static void end_attempt(struct kvr_router *r, uint64_t attempt, uint64_t coin)
 	int rc = (coin & 1) ? kvr_request_finish(r, attempt) : kvr_request_abort(r, attempt);
 	if (rc == 0) {
 		atomic_fetch_add(&ended, 1);
-		atomic_fetch_add(&ended_by[r == events], 1);
+		atomic_fetch_add(&ended_by[which(r)], 1);
 	} else if (rc == KVR_ESTALE)
 		atomic_fetch_add(&stale_ends, 1);
 	else
@@ -175,7 +185,7 @@ static void *admin(void *arg)
 	while (!atomic_load(&stop)) {
 		struct kvr_rank_id id = {rnd(&s) % RANKS, 0};
 		int rc;
-		switch (rnd(&s) % 4) {
+		switch (rnd(&s) % 5) {
 		case 0:
 			rc = kvr_rank_reset(approx, id, inc++);
 			break;
@@ -187,6 +197,11 @@ static void *admin(void *arg)
 			rc = kvr_rank_remove(approx, id);
 			if (rc == 0)
 				rc = kvr_rank_add(approx, id, inc++, 100 + rnd(&s) % 200, 4096);
+			break;
+		case 3:
+			rc = kvr_rank_remove(syncb, id);
+			if (rc == 0)
+				rc = kvr_rank_add(syncb, id, inc++, 100 + rnd(&s) % 200, 4096);
 			break;
 		default:
 			rc = kvr_rank_reset(events, id, inc++);
@@ -234,12 +249,13 @@ static void *engine(void *arg)
 	return NULL;
 }
 
-static struct kvr_router *make(enum kvr_mode mode)
+static struct kvr_router *make(enum kvr_mode mode, bool sync_booking)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.n_shards = 2;
 	c.mode = mode;
+	c.sync_booking = sync_booking;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r))
 		return NULL;
@@ -343,9 +359,10 @@ static int check_idle(struct kvr_router *r, const char *name)
 int main(int argc, char **argv)
 {
 	long ms = argc > 1 ? atol(argv[1]) : 2000;
-	approx = make(KVR_MODE_APPROX_LRU);
-	events = make(KVR_MODE_EVENTS);
-	if (!approx || !events) {
+	approx = make(KVR_MODE_APPROX_LRU, false);
+	events = make(KVR_MODE_EVENTS, false);
+	syncb = make(KVR_MODE_APPROX_LRU, true);
+	if (!approx || !events || !syncb) {
 		fprintf(stderr, "stress_router: setup failed\n");
 		return 1;
 	}
@@ -364,9 +381,11 @@ int main(int argc, char **argv)
 	atomic_store(&frontends_done, 1);
 	for (int i = 0; i < FINISHERS; i++)
 		pthread_join(fin[i], NULL);
-	int bad = check_idle(approx, "approx_lru") + check_idle(events, "events");
-	bad += check_counts(approx, 0, "approx_lru") + check_counts(events, 1, "events");
-	bad += check_cache(approx, "approx_lru");
+	int bad = check_idle(approx, "approx_lru") + check_idle(events, "events") +
+	          check_idle(syncb, "sync_booking");
+	bad += check_counts(approx, 0, "approx_lru") + check_counts(events, 1, "events") +
+	       check_counts(syncb, 2, "sync_booking");
+	bad += check_cache(approx, "approx_lru") + check_cache(syncb, "sync_booking");
 	long r = atomic_load(&routed), e = atomic_load(&ended), st = atomic_load(&stale_ends);
 	printf("stress_router: %ld routed, %ld ended, %ld ended by reset, %ld events, %ld calls "
 	       "refused on a full lane, %ld failures\n",
@@ -374,5 +393,6 @@ int main(int argc, char **argv)
 	       atomic_load(&failures));
 	kvr_router_destroy(approx);
 	kvr_router_destroy(events);
+	kvr_router_destroy(syncb);
 	return (bad || atomic_load(&failures) || r == 0) ? 1 : 0;
 }
