@@ -72,6 +72,8 @@ struct scratch {
 	double *cost; /* by candidate */
 	size_t cost_cap;
 	uint32_t routes; /* decisions on this thread: every STAGE_SAMPLE-th is timed */
+	const struct kvr_live *live_seen; /* the live list last scored (compared, never read) */
+	uint32_t slot_hw;                 /* 1 + its highest slot: the load lines to prefetch */
 };
 static _Thread_local struct scratch tls;
 static pthread_key_t scratch_key;
@@ -255,6 +257,13 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 	const uint32_t *cs = live->slot;
 	const uint64_t *cg = live->gen;
 	size_t n = live->n;
+	if (live != tls.live_seen) { /* a new list (admin changes): where its load lines end */
+		uint32_t hw = 0;
+		for (size_t i = 0; i < n; i++)
+			hw = cs[i] >= hw ? cs[i] + 1 : hw;
+		tls.live_seen = live;
+		tls.slot_hw = hw;
+	}
 	if (q->pinned || q->n_allow) {
 		n = 0;
 		uint32_t s;
@@ -316,6 +325,31 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
  * stay unbiased samples; KVR_C_ROUTES counts every decision. */
 #define STAGE_SAMPLE 16
 
+/* Prompts of at least this many blocks prefetch the decision's shared lines before hashing. */
+#define PREFETCH_MIN_BLOCKS 64
+/* ... for at most this many slots (64 lines of load and prov words). */
+#define PREFETCH_MAX_SLOTS 256
+
+/*
+ * Asks for the lines the decision will read after hashing that other threads write between
+ * decisions, while the hashing (0.5 us at 2k tokens, 2 us at 8k) hides their latency: the load
+ * words of the slots the live list last held (r->load: the shards store a rank's snapshot at
+ * every booking and finish; r->prov: the routing threads' adds), four slots a line, and the
+ * lease word the next mint will try (the shard's release of its line's previous attempt wrote
+ * it).  Hints only: a line written again before it is read is missed as before.  The index's
+ * lines depend on the hashes and are not asked for here.  Context: any routing thread.
+ */
+static void prefetch_decision(const struct kvr_router *r, bool admit)
+{
+	uint32_t hw = tls.slot_hw < PREFETCH_MAX_SLOTS ? tls.slot_hw : PREFETCH_MAX_SLOTS;
+	for (uint32_t s = 0; s < hw; s += 4) {
+		__builtin_prefetch(&r->load[s], 0, 3);
+		__builtin_prefetch(&r->prov[s], 0, 3);
+	}
+	if (admit)
+		kvr_lease_prefetch_next(r->leases);
+}
+
 int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct kvr_decision *d,
                        int queue_mode)
 {
@@ -329,6 +363,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	int rc;
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
+	if (nb >= PREFETCH_MIN_BLOCKS)
+		prefetch_decision(r, !(q->flags & KVR_ROUTE_QUERY_ONLY));
 	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
 	 * 146k-token prompt), else hashed straight into the attempt's record (no copy at
 	 * admission: 2 KiB at 2k tokens, 128 KiB at 128k) with streaming stores, keeping the

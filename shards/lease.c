@@ -171,6 +171,15 @@ int kvr_lease_claim(struct kvr_leases *t, uint64_t attempt)
 	return rc == 0 ? 0 : KVR_ESTALE;
 }
 
+void kvr_lease_prefetch_next(struct kvr_leases *t)
+{
+	uint64_t seq = __atomic_load_n(&t->next_seq, __ATOMIC_RELAXED);
+	uint64_t i = seq & (KVR_LEASE_WORDS - 1);
+	uint64_t *chunk = __atomic_load_n(&t->dir[i >> CHUNK_SHIFT], __ATOMIC_RELAXED);
+	if (chunk)
+		__builtin_prefetch(&chunk[i & (CHUNK_WORDS - 1)], 1, 3);
+}
+
 int kvr_lease_unmint(struct kvr_leases *t, uint64_t attempt)
 {
 	if (!t || !valid(attempt))

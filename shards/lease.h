@@ -47,6 +47,13 @@ void kvr_leases_destroy(struct kvr_leases *t);
  */
 int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt);
 
+/* Asks for the cache line of the word the next mint will try, for writing (a hint: nothing
+ * changes; with several minters another may take that number first).  The words are used in
+ * sequence, eight to a line, and the shard that released the previous attempt of a line last
+ * wrote it, so a mint otherwise waits for that line.  Context: any thread.  Ordering: a relaxed
+ * load of the sequence and the directory entry (a chunk not yet allocated: no hint). */
+void kvr_lease_prefetch_next(struct kvr_leases *t);
+
 /* Takes back a lease nobody was told about (the minter's admission failed): its word becomes
  * free and the id stale.  Returns 0 or KVR_ESTALE (claimed meanwhile: the claimer owns it).
  * Context: any thread.  Ordering: acq_rel CAS. */
