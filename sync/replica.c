@@ -34,8 +34,24 @@
  * Liveness.  Heartbeats every heartbeat_ms carry the sender's stream position (lag).  A peer
  * silent for dead_after periods, or saying goodbye, is gone: its mirrored attempts are aborted
  * on this router (their blocks stay predicted, as on the engine), so every replica releases
- * them within dead_after * heartbeat_ms plus delivery.  A peer heard again after that is
- * resynced (its attempts were released here).
+ * them within dead_after * heartbeat_ms plus delivery.  Silence is counted only while this
+ * replica listened: time its apply thread did not run (the loop comes round every heartbeat
+ * period; a longer gap is a starved process, a slow router call, a snapshot wait) is credited
+ * to every peer, and nobody is judged while delivered messages, or messages the transport
+ * holds (nats.c's subscription queue), wait to be handled (for one more bound at most).  Before
+ * that, a process starved for longer than the bound gave up every peer when it ran again,
+ * though their heartbeats were waiting unread: test_three failed on a loaded CI machine,
+ * its load check landing while every replica released and re-booked its peers' attempts.
+ *
+ * False death.  A peer that was only slow (its process stopped, its connection stalled) is
+ * still given up by those who listened; when they hear it again (a heartbeat or any stream
+ * message) they ask it (SNAP_REQ on the stream) to send RESET, its live attempts and those it
+ * finished since shortly before it was given up, and rebuild what they hold of it from that.
+ * Its messages sent meanwhile are applied in order as usual (lifecycle messages for released
+ * attempts are orphans), so once it re-announced every replica holds its live attempts exactly
+ * once and the loads agree again (tests/sync/test_sync_nats.c, test_false_death, stalls a
+ * replica with kvr_replica_stall).  In between, routers that gave it up route without its
+ * load.
  *
  * Outage.  While disconnected, notes are not sent (counted as unpublished) and routing goes on
  * on local knowledge.  On reconnect the replica sends RESET (peers drop what they mirror of it),
@@ -98,13 +114,26 @@ static void *apply_main(void *arg)
 	prctl(PR_SET_NAME, "kvr-sync-apply");
 	kvr_rcu_thread_online();
 	uint64_t hb_ns = (uint64_t)rep->c.heartbeat_ms * 1000000ull;
-	uint64_t next_hb = kvr_rep_mono_ns();
+	uint64_t next_hb = kvr_rep_mono_ns(), top = 0, deaf = 0;
 	bool first = true;
 	for (;;) {
 		uint64_t now = kvr_rep_mono_ns();
+		if (kvr_rep_stalled(rep, now)) { /* kvr_replica_stall: as if never scheduled */
+			struct timespec ts = {0, 2000000};
+			nanosleep(&ts, NULL);
+			continue;
+		}
+		/* This loop comes round at least every heartbeat period (it waits for next_hb at
+		 * most) plus one batch's handling; a longer gap is time this replica did not run
+		 * (a starved process, a slow router call, a snapshot wait): deaf, not a silence of
+		 * its peers.  The liveness check credits it (sync/replica_apply.c). */
+		if (top && now - top > 2 * hb_ns)
+			deaf += now - top - hb_ns;
+		top = now;
 		pthread_mutex_lock(&rep->hmu);
 		if (now >= next_hb) {
-			kvr_rep_heartbeat(rep, now);
+			kvr_rep_heartbeat(rep, now, deaf);
+			deaf = 0;
 			next_hb = now + hb_ns;
 		}
 		if (first) {
@@ -225,7 +254,8 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 	    __atomic_load_n(&kvr_rep_trace_origin, __ATOMIC_RELAXED) ? kvr_rep_mono_ns() : 0;
 	pthread_mutex_lock(&rep->qmu);
 	bool here = rep->ready && !rep->stop && !rep->qhead && !rep->want_reconnect &&
-	            !rep->want_resync && pthread_mutex_trylock(&rep->hmu) == 0;
+	            !rep->want_resync && !kvr_rep_stalled(rep, kvr_rep_mono_ns()) &&
+	            pthread_mutex_trylock(&rep->hmu) == 0;
 	if (here)
 		rep->q_in++;
 	pthread_mutex_unlock(&rep->qmu);
@@ -313,6 +343,13 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	pthread_mutex_lock(&rep->qmu);
 	out->ready = rep->ready;
 	pthread_mutex_unlock(&rep->qmu);
+}
+
+void kvr_replica_stall(struct kvr_replica *rep, uint32_t ms, bool sender)
+{
+	__atomic_store_n(&rep->stall_sender, sender, __ATOMIC_RELAXED);
+	__atomic_store_n(&rep->stall_until_ns, kvr_rep_mono_ns() + (uint64_t)ms * 1000000ull,
+	                 __ATOMIC_RELEASE);
 }
 
 int kvr_replica_peer_seq(struct kvr_replica *rep, uint64_t id, uint64_t *seq)

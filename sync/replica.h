@@ -32,11 +32,17 @@ struct kvr_replica_transport {
 	               void (*poll)(void *cb), void *cb);
 	/* This replica is ready: start answering snapshot requests.  May be NULL. */
 	void (*ready)(void *ctx);
+	/* How many stream messages the transport holds for this replica, received but not yet
+	 * delivered (nats.c's subscription queue).  While some wait, no peer is given up: the
+	 * silent one may be among them.  May be NULL (delivery is immediate). */
+	size_t (*pending)(void *ctx);
 };
 
 struct kvr_replica_config {
 	uint64_t replica_id; /* nonzero */
 	uint32_t heartbeat_ms;
+	/* A peer is given up after dead_after heartbeat periods of silence, counted only while
+	 * this replica was listening (sync/replica_apply.c, "Liveness"). */
 	uint32_t dead_after;
 	uint32_t snapshot_timeout_ms;
 	uint64_t journal_blocks; /* 0 = 2 x capacity per rank (65536 without capacity) */
@@ -93,5 +99,19 @@ int kvr_replica_drain(struct kvr_replica *rep, uint32_t timeout_ms);
 
 void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out);
 int kvr_replica_peer_seq(struct kvr_replica *rep, uint64_t id, uint64_t *seq);
+
+/*
+ * Fault injection (tests): for the next ms the replica's own threads do nothing, as when its
+ * process is starved: no heartbeat is sent and no peer judged, nothing is published (the
+ * router's notes wait in the outbound queue), nothing delivered is handled (it is queued).
+ * Routing goes on.  Peers give it up after dead_after heartbeats; when it resumes, it first
+ * judges its peers by what it had handled before the stall, so it gives them up too: a false
+ * death on both sides.  Context: any thread.
+ */
+void kvr_replica_stall(struct kvr_replica *rep, uint32_t ms, bool sender);
+
+/* The replica core of a NATS attachment (sync/replica_nats.c), for tests.  Context: any. */
+struct kvr_sync;
+struct kvr_replica *kvr_sync_replica(struct kvr_sync *s);
 
 #endif

@@ -459,8 +459,15 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 	}
 }
 
-void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now)
+void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns)
 {
+	/* Messages delivered but not handled yet, or held by the transport: the silent peers'
+	 * may be among them, so they are handled before anyone is judged. */
+	pthread_mutex_lock(&rep->qmu);
+	bool waiting = rep->qhead != NULL;
+	pthread_mutex_unlock(&rep->qmu);
+	if (!waiting && rep->t.pending)
+		waiting = rep->t.pending(rep->t.ctx) > 0;
 	pthread_mutex_lock(&rep->mu);
 	uint64_t live = 0;
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
@@ -478,9 +485,18 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now)
 	uint64_t bound = (uint64_t)rep->c.dead_after * rep->c.heartbeat_ms * 1000000ull;
 	struct kvr_rep_peer *dead[MAX_PEERS];
 	size_t nd = 0;
-	for (size_t i = 0; i < rep->n_peers; i++)
-		if (rep->peers[i].alive && now - rep->peers[i].last_seen > bound)
-			dead[nd++] = &rep->peers[i];
+	for (size_t i = 0; i < rep->n_peers; i++) {
+		struct kvr_rep_peer *p = &rep->peers[i];
+		if (!p->alive)
+			continue;
+		/* Silence counts only while we listened: the time we did not run is credited. */
+		p->last_seen = p->last_seen + deaf_ns < now ? p->last_seen + deaf_ns : now;
+		uint64_t quiet = now - p->last_seen;
+		/* Unhandled input defers the verdict, for one more bound at most (a steady flood
+		 * from the others must not keep a dead peer alive). */
+		if (quiet > bound && (!waiting || quiet > 2 * bound))
+			dead[nd++] = p;
+	}
 	pthread_mutex_unlock(&rep->mu);
 	for (size_t i = 0; i < nd; i++)
 		peer_gone(rep, dead[i]);

@@ -133,6 +133,8 @@ struct kvr_replica {
 	pthread_t thread;
 	bool thread_started;
 	uint64_t flush_done; /* under qmu: the highest outbound flush ticket the sender passed */
+	uint64_t stall_until_ns; /* atomic: kvr_replica_stall (CLOCK_MONOTONIC); 0 = none */
+	bool stall_sender;       /* atomic: the stall holds the sender too */
 
 	/* The outbound queue (sync/replica_out.c): notes from routing threads to the sender. */
 	struct kvr_ring outq;
@@ -183,6 +185,18 @@ static inline bool kvr_rep_wait_deadline(pthread_cond_t *cv, pthread_mutex_t *mu
 		return false;
 	kvr_rep_timedwait(cv, mu, deadline_ns - t < 10000000ull ? deadline_ns - t : 10000000ull);
 	return true;
+}
+
+/* Whether kvr_replica_stall holds this replica's threads now. */
+static inline bool kvr_rep_stalled(struct kvr_replica *rep, uint64_t now)
+{
+	return now < __atomic_load_n(&rep->stall_until_ns, __ATOMIC_ACQUIRE);
+}
+static inline bool kvr_rep_sender_stalled(struct kvr_replica *rep, uint64_t now)
+{
+	if (!__atomic_load_n(&rep->stall_sender, __ATOMIC_RELAXED))
+		return false;
+	return now < __atomic_load_n(&rep->stall_until_ns, __ATOMIC_ACQUIRE);
 }
 
 /* Runs a router call as a peer's: no note goes out.  No lock held. */
@@ -276,8 +290,11 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m);
  * how many. */
 uint64_t kvr_rep_release_mirrors_if(struct kvr_replica *rep, uint64_t origin, bool unseen_only);
 uint64_t kvr_rep_release_mirrors(struct kvr_replica *rep, uint64_t origin);
-/* Sends our heartbeat and gives up the peers silent beyond the liveness bound. */
-void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now);
+/* Sends our heartbeat and gives up the peers silent beyond the liveness bound while this
+ * replica was listening: deaf_ns is how long it was not (its apply thread did not run), added to
+ * every peer's silence allowance first; no peer is given up while delivered or transport-held
+ * messages wait to be handled (for at most one more bound). */
+void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns);
 
 /* ---------------------------------------------------------------- sync/replica_snap.c
  * Context: the apply thread, mu not held. */

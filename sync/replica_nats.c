@@ -165,6 +165,15 @@ out:
 	return rc;
 }
 
+static size_t t_pending(void *ctx)
+{
+	struct kvr_sync *s = ctx;
+	int msgs = 0, bytes = 0;
+	if (!s->stream_sub || natsSubscription_GetPending(s->stream_sub, &msgs, &bytes) != NATS_OK)
+		return 0;
+	return msgs > 0 ? (size_t)msgs : 0;
+}
+
 static void t_ready(void *ctx)
 {
 	struct kvr_sync *s = ctx;
@@ -275,6 +284,7 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	    .reply = t_reply,
 	    .request = t_request,
 	    .ready = t_ready,
+	    .pending = t_pending,
 	};
 	int ret = kvr_replica_create(r, &rc, &t, &s->rep);
 	if (ret) {
@@ -357,6 +367,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	}
 	*out = s;
 	return 0;
+}
+
+struct kvr_replica *kvr_sync_replica(struct kvr_sync *s)
+{
+	return s ? s->rep : NULL;
 }
 
 void kvr_sync_detach(struct kvr_sync *s)

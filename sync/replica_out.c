@@ -522,6 +522,11 @@ static void *out_main(void *arg)
 	struct kvr_msg batch[OUT_BURST];
 	uint64_t idle_since = 0;
 	for (;;) {
+		if (kvr_rep_sender_stalled(rep, kvr_rep_mono_ns())) { /* kvr_replica_stall */
+			struct timespec ts = {0, 2000000};
+			nanosleep(&ts, NULL);
+			continue;
+		}
 		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
 		if (n) {
 			uint64_t ticket = 0;

@@ -725,7 +725,14 @@ struct kvr_sync_config {
 	const char *tls_ca_file, *tls_cert_file, *tls_key_file;
 	/* Heartbeat period, ms.  Default 100; 1..60000. */
 	uint32_t heartbeat_ms;
-	/* A peer silent for this many heartbeat periods is gone.  Default 5; >= 2. */
+	/* A peer silent for this many heartbeat periods is gone: its attempts are released on
+	 * this router.  Default 5; >= 2.  Silence counts only while this replica listened: time
+	 * it did not run itself (a starved process) is not held against its peers, and nobody
+	 * is judged while received messages wait to be handled.  A peer that was only slow (a
+	 * false death) is asked, once heard again, to re-announce its live attempts, and every
+	 * replica's load converges again; until then routers that gave it up route without its
+	 * load.  Too small a bound for the machine makes false deaths frequent (each costs a
+	 * re-announce of the peer's live and recently finished attempts). */
 	uint32_t dead_after;
 	/* Snapshot request deadline, ms.  Default 2000. */
 	uint32_t snapshot_timeout_ms;
