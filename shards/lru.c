@@ -60,19 +60,21 @@
  * its slot is free at once.  vLLM does not free it that way: the block goes to the free queue
  * with the request's other blocks (tail first, so ahead of them), and a new allocation pops the
  * queue head, which evicts older cached blocks before it ever reaches that unhashed one.  With
- * keep_private on, a release turns its private blocks into a PHANTOM segment: unhashed,
- * inactive, deepest of its release; evicting it emits nothing.  The router runs in this mode
- * (measured: it makes the serial replay exact under eviction with partial blocks).
+ * keep_private on, a release turns its private blocks into a PHANTOM: unhashed, inactive,
+ * deepest of its release; evicting it emits nothing.  Phantoms are (order, count) entries of a
+ * FIFO beside the inactive list, merged with it by order (lru_segs.c), not segments.  The router
+ * runs in this mode (measured: it makes the serial replay exact under eviction with partial
+ * blocks).
  *
  * Invariants: a segment is on the inactive list iff no lease holds it (its refcount would be 0:
  * the record then keeps its release order and list links in the refcount's place); copies == sum of
- * hashed segment lengths; dup_extra == sum of dups; resident = copies + phantoms + private; after
- * every command, resident > capacity implies the inactive list is empty.
+ * segment lengths; dup_extra == sum of dups; resident = copies + phantoms + private; after every
+ * command, resident > capacity implies the inactive list and the phantom ring are empty.
  *
  * Failure model: a command first does its splits (each either happens or fails cleanly, and a
  * split changes no observable state), then reserves everything it may need (segment slots, map
- * room, lease arrays, hash arrays, output room), then mutates without failing.  The slab always
- * keeps one free slot per live lease, so a keep_private release never allocates.
+ * room, lease arrays, hash arrays, output room, a release's phantom entry), then mutates without
+ * failing.
  */
 #include "shards/lru.h"
 
@@ -114,6 +116,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 		kvr_free(lru->leases[i].p, lru->leases[i].cap * sizeof(struct piece));
 	kvr_free(lru->leases, lru->leases_cap * sizeof(struct lease));
 	kvr_free(lru->s, (size_t)lru->s_cap * sizeof(struct seg));
+	kvr_free(lru->ph, (size_t)lru->ph_cap * sizeof(struct phantom));
 	kvr_free(lru->cur, lru->cur_cap * sizeof(struct cursor));
 	kvr_free(lru->nxt, lru->cur_cap * sizeof(struct cursor));
 	kvr_free(lru->hits, lru->hits_cap * sizeof(struct kvr_run_hit));
@@ -512,21 +515,16 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 			most = c;
 	}
 	int rc;
+	bool phantom = lru->keep_private && l->priv;
 	if ((rc = kvr_lru_out_reserve(out, 0, bound)) ||
-	    (rc = kvr_grow((void **)&lru->rel, &lru->rel_cap, most, sizeof(uint32_t))))
+	    (rc = kvr_grow((void **)&lru->rel, &lru->rel_cap, most, sizeof(uint32_t))) ||
+	    (phantom && (rc = kvr_lru_reserve_phantom(lru))))
 		return rc;
 	lru->epoch++;
 	lru->priv -= l->priv;
-	/* keep_private: the private blocks stay as a phantom segment, deepest of this release (its
-	 * slot was kept free for this lease, see reserve_segs). */
-	if (lru->keep_private && l->priv) {
-		uint32_t i = kvr_lru_seg_new(lru);
-		lru->s[i].phantom = 1;
-		lru->s[i].depth = UINT32_MAX;
-		lru->s[i].len = l->priv;
-		lru->n_phantom += l->priv;
-		kvr_lru_inact_append(lru, i);
-	}
+	/* keep_private: the private blocks stay as a phantom, deepest of this release. */
+	if (phantom)
+		kvr_lru_phantom_push(lru, l->priv);
 	/* Deepest first: pieces backwards, each piece's segments backwards. */
 	for (uint32_t p = l->n; p-- > 0;) {
 		size_t c = 0;
@@ -619,14 +617,15 @@ size_t kvr_lru_bytes(const struct kvr_lru *lru)
 	size_t bytes = real(1, sizeof(*lru)) + real(lru->s_cap, sizeof(struct seg)) +
 	               real(lru->heads.cap, slot) + real(lru->hnext.cap, slot) +
 	               real(lru->dups.cap, slot) + real(lru->by_attempt.cap, slot) +
-	               real(lru->leases_cap, sizeof(struct lease));
+	               real(lru->leases_cap, sizeof(struct lease)) +
+	               real(lru->ph_cap, sizeof(struct phantom));
 	bytes += real(lru->gh.cap, sizeof(uint64_t)) + real(((size_t)lru->gh.cap + 63) / 64, 8) +
 	         real(lru->gh.map.cap, slot);
 	bytes += real(lru->cur_cap, sizeof(struct cursor)) * 2 +
 	         real(lru->hits_cap, sizeof(struct kvr_run_hit)) +
 	         real(lru->rel_cap, sizeof(uint32_t)) + real(lru->chain_cap, sizeof(uint64_t));
 	for (uint32_t i = 0; i < lru->s_cap; i++)
-		if (lru->s[i].mem)
+		if (!lru->s[i].unused)
 			bytes += real(lru->s[i].cap, sizeof(uint64_t));
 	for (uint32_t i = 0; i < lru->n_leases; i++)
 		bytes += real(lru->leases[i].cap, sizeof(struct piece));

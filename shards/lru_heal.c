@@ -35,8 +35,18 @@ static uint64_t evict_through(struct kvr_lru *lru, uint64_t ord, uint32_t depth,
                               struct kvr_lru_out *out)
 {
 	uint64_t n = 0;
-	while (lru->inact_head != NIL) {
+	for (;;) {
+		struct phantom *p = kvr_lru_phantom_next(lru);
+		if (p) {
+			if (p->order > ord)
+				break;
+			n += p->len;
+			kvr_lru_phantom_evict(lru, p->len);
+			continue;
+		}
 		uint32_t i = lru->inact_head;
+		if (i == NIL)
+			break;
 		struct seg *g = &lru->s[i];
 		if (g->order > ord)
 			break;
@@ -51,12 +61,7 @@ static uint64_t evict_through(struct kvr_lru *lru, uint64_t ord, uint32_t depth,
 			break;
 		}
 		n += g->len;
-		if (g->phantom) {
-			lru->n_phantom -= g->len;
-			kvr_lru_seg_drop(lru, i);
-		} else {
-			kvr_lru_trim(lru, i, g->len, out);
-		}
+		kvr_lru_trim(lru, i, g->len, out);
 	}
 	return n;
 }
@@ -182,8 +187,6 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 			if (kvr_u64map_find(&lru->dups, h)) {
 				for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
 					const struct seg *g = &lru->s[i];
-					if (g->phantom)
-						continue;
 					const uint64_t *q = seq_of(g);
 					for (uint32_t j = 0; j < g->len; j++)
 						if (q[j] == h &&
@@ -265,8 +268,6 @@ int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
 	uint32_t found = NIL, off = 0;
 	for (uint32_t i = lru->inact_head; i != NIL && found == NIL; i = lru->s[i].next) {
 		const struct seg *g = &lru->s[i];
-		if (g->phantom)
-			continue;
 		const uint64_t *q = seq_of(g);
 		for (uint32_t j = g->len; j-- > 0;) /* deepest first: the eviction order */
 			if (q[j] == seq) {
@@ -281,16 +282,12 @@ int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
 	if (rc)
 		return rc;
 	uint64_t before = lru->copies + lru->n_phantom;
-	while (lru->inact_head != found) {
-		uint32_t i = lru->inact_head;
-		struct seg *g = &lru->s[i];
-		if (g->phantom) {
-			lru->n_phantom -= g->len;
-			kvr_lru_seg_drop(lru, i);
-		} else {
-			kvr_lru_trim(lru, i, g->len, out);
-		}
-	}
+	/* Everything ordered before it goes: the segments ahead of it in the list, and the
+	 * phantoms of older releases (orders are unique to a phantom). */
+	while (lru->inact_head != found)
+		kvr_lru_trim(lru, lru->inact_head, lru->s[lru->inact_head].len, out);
+	for (struct phantom *p; (p = kvr_lru_phantom_next(lru)) && p->order < lru->s[found].order;)
+		kvr_lru_phantom_evict(lru, p->len);
 	/* The blocks of its segment deeper than the watermark went before it. */
 	if (lru->s[found].len - 1 - off > 0)
 		kvr_lru_trim(lru, found, lru->s[found].len - 1 - off, out);

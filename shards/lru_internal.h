@@ -21,11 +21,10 @@
  * refcount only while it is held, so they share a union (`inactive` says which); the next
  * segment with the same head hash (only duplicate copies have one) is in lru->hnext. */
 struct seg {
-	uint64_t *mem;          /* hash array allocation (NULL for a phantom) */
+	uint64_t *mem;          /* hash array allocation */
 	uint64_t stamp : 56;    /* the command that created these copies: smaller = older (2^56
 	                         * segment creations per rank: 2,000 years at a million a second) */
 	uint64_t inactive : 1;  /* on the inactive list (then the union holds order/prev/next) */
-	uint64_t phantom : 1;   /* released private blocks (keep_private) */
 	uint64_t has_hnext : 1; /* in lru->hnext: not the last with its head hash */
 	uint64_t unused : 1;    /* a free slot (on the free list) */
 	union {
@@ -36,12 +35,21 @@ struct seg {
 		uint32_t refs; /* held: leases holding every copy of the segment */
 	};
 	uint32_t start;        /* the first hash is mem[start] */
-	uint32_t len;          /* copies (or phantom blocks) */
+	uint32_t len;          /* copies */
 	uint32_t cap;          /* mem's size in hashes */
 	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
-	uint32_t depth;        /* chain position of the first copy (UINT32_MAX: phantom) */
+	uint32_t depth;        /* chain position of the first copy */
 };
 _Static_assert(sizeof(struct seg) == 56, "struct seg grew");
+
+/* Released private blocks (keep_private): one entry per release that had any, in a FIFO (a ring)
+ * beside the inactive list.  An entry takes its release's first order, unshared by any segment,
+ * so merging the two by order gives the inactive order exactly (see lru_segs.c). */
+struct phantom {
+	uint64_t order; /* its place in the inactive order */
+	uint32_t len;   /* blocks */
+	uint32_t unused;
+};
 
 struct piece {
 	uint32_t seg; /* first segment (its split chain continues the piece) */
@@ -82,6 +90,8 @@ struct kvr_lru {
 	struct seg *s;
 	uint32_t s_cap, s_live, free_head;
 	uint32_t inact_head, inact_tail;
+	struct phantom *ph; /* phantom ring: ph_n entries from ph_head */
+	uint32_t ph_cap, ph_head, ph_n;
 	uint64_t copies, n_inactive, priv, n_phantom, evictions, epoch, stamp, dup_extra;
 	uint64_t order_seq; /* last order given to a segment entering the inactive list */
 	bool keep_private;
@@ -111,8 +121,7 @@ static inline uint64_t *seq_of(const struct seg *g)
 struct lease *kvr_lru_find_lease(const struct kvr_lru *lru, uint64_t attempt);
 
 /* lru_segs.c: the segment store */
-/* Makes room for n new segments, plus one per live lease and one more (a keep_private
- * release's phantom, and the lease an acquire is adding).  0, KVR_ERANGE or KVR_ENOMEM. */
+/* Makes room for n new segments.  0, KVR_ERANGE or KVR_ENOMEM. */
 int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n);
 /* Upper bound on evictions a command can cause when it adds `added` resident blocks. */
 size_t kvr_lru_eviction_bound(const struct kvr_lru *lru, uint64_t added);
@@ -142,8 +151,22 @@ void kvr_lru_settle(struct kvr_lru *lru);
 void kvr_lru_reconcile(struct kvr_lru *lru, struct kvr_lru_out *out);
 /* Evicts the m deepest copies of inactive segment i; room in the output must be reserved. */
 void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out);
-/* Drops an emptied (or phantom) inactive segment from every structure. */
+/* Drops an emptied inactive segment from every structure. */
 void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i);
+/* Room for one more phantom entry.  0 or KVR_ENOMEM. */
+int kvr_lru_reserve_phantom(struct kvr_lru *lru);
+/* Appends a phantom of len blocks (room reserved) with the next release order. */
+void kvr_lru_phantom_push(struct kvr_lru *lru, uint32_t len);
+/* The oldest phantom if it comes before the inactive list's head in eviction order, else NULL. */
+static inline struct phantom *kvr_lru_phantom_next(const struct kvr_lru *lru)
+{
+	if (lru->ph_n == 0)
+		return NULL;
+	struct phantom *p = &lru->ph[lru->ph_head];
+	return lru->inact_head == NIL || p->order < lru->s[lru->inact_head].order ? p : NULL;
+}
+/* Reuses the m oldest phantom blocks (m <= the oldest entry's len): nothing to tell the index. */
+void kvr_lru_phantom_evict(struct kvr_lru *lru, uint32_t m);
 /* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
 void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out);
 

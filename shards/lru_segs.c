@@ -25,13 +25,12 @@ static size_t seg_slots_fit(size_t n)
 	return fit < NIL ? fit : NIL - 1;
 }
 
-/* Makes room for n new segments, plus one per live lease and one more (a keep_private
- * release's phantom, and the lease an acquire is adding).  The array grows by a quarter (56 B
- * a slot: bench_footprint's predicted caches at 2k prompts carried 1.6 slots per live segment
- * growing by half), to what its size class holds. */
+/* Makes room for n new segments.  The array grows by a quarter (56 B a slot: bench_footprint's
+ * predicted caches at 2k prompts carried 1.6 slots per live segment growing by half), to what
+ * its size class holds. */
 int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
 {
-	size_t need = (size_t)lru->s_live + n + lru->n_leases + 1;
+	size_t need = (size_t)lru->s_live + n;
 	if (need >= NIL)
 		return KVR_ERANGE;
 	if (need <= lru->s_cap)
@@ -253,14 +252,70 @@ void kvr_lru_seg_drop(struct kvr_lru *lru, uint32_t i)
 {
 	struct seg *g = &lru->s[i];
 	kvr_lru_inact_unlink(lru, i);
-	if (!g->phantom) {
-		head_del(lru, i);
-		if (g->sprev != NIL)
-			lru->s[g->sprev].snext = g->snext;
-		if (g->snext != NIL)
-			lru->s[g->snext].sprev = g->sprev;
-	}
+	head_del(lru, i);
+	if (g->sprev != NIL)
+		lru->s[g->sprev].snext = g->snext;
+	if (g->snext != NIL)
+		lru->s[g->snext].sprev = g->sprev;
 	seg_free(lru, i);
+}
+
+/* ------------------------------------------------------------------ phantoms */
+
+/*
+ * Released private blocks (keep_private, see lru.c) hold pool slots in the inactive order but
+ * are never hit, split or reported: all they have is a place in the order and a count.  They
+ * were one-block segments on the inactive list, a 56-byte record each (bench_footprint at 2k
+ * prompts: 576 of a rank's 1,822 live segments, 1.2 B per (block, rank) pair).  Now a release
+ * appends (order, len) to a FIFO ring, 16 B an entry.  The entry's order is the release's first
+ * (order_seq is shared with the list, and no segment gets it), the list is sorted by order, and
+ * phantoms leave only from the front, so the oldest of the ring head and the list head (by
+ * order) is exactly what the single list would have at its head.  n_inactive counts phantom
+ * blocks too, as it did.  The ring doubles when full and halves under a quarter used.
+ */
+static int phantoms_resize(struct kvr_lru *lru, uint32_t nc)
+{
+	struct phantom *q = kvr_alloc((size_t)nc * sizeof(*q));
+	if (!q)
+		return KVR_ENOMEM;
+	for (uint32_t k = 0; k < lru->ph_n; k++)
+		q[k] = lru->ph[(lru->ph_head + k) % lru->ph_cap];
+	kvr_free(lru->ph, (size_t)lru->ph_cap * sizeof(*q));
+	lru->ph = q;
+	lru->ph_cap = nc;
+	lru->ph_head = 0;
+	return 0;
+}
+
+int kvr_lru_reserve_phantom(struct kvr_lru *lru)
+{
+	if (lru->ph_n < lru->ph_cap)
+		return 0;
+	if (lru->ph_cap >= NIL / 2)
+		return KVR_ERANGE;
+	return phantoms_resize(lru, lru->ph_cap ? lru->ph_cap * 2 : 16);
+}
+
+void kvr_lru_phantom_push(struct kvr_lru *lru, uint32_t len)
+{
+	struct phantom *p = &lru->ph[(lru->ph_head + lru->ph_n++) % lru->ph_cap];
+	p->order = ++lru->order_seq;
+	p->len = len;
+	p->unused = 0;
+	lru->n_phantom += len;
+	lru->n_inactive += len;
+}
+
+void kvr_lru_phantom_evict(struct kvr_lru *lru, uint32_t m)
+{
+	struct phantom *p = &lru->ph[lru->ph_head];
+	lru->n_phantom -= m;
+	lru->n_inactive -= m;
+	p->len -= m;
+	if (p->len == 0) {
+		lru->ph_head = (lru->ph_head + 1) % lru->ph_cap;
+		lru->ph_n--;
+	}
 }
 
 /* ------------------------------------------------------------------ giving slots back */
@@ -280,49 +335,48 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
 		else
 			lru->inact_tail = i;
 	}
-	if (!g->phantom) {
-		if (g->sprev != NIL)
-			s[g->sprev].snext = i;
-		if (g->snext != NIL)
-			s[g->snext].sprev = i;
-		uint32_t *v = kvr_u64map_find(&lru->heads, seq_of(g)[0]);
-		if (*v == j) {
-			*v = i;
-		} else {
-			uint32_t t = *v;
-			while (kvr_lru_hnext(lru, t) != j)
-				t = kvr_lru_hnext(lru, t);
-			*kvr_u64map_find(&lru->hnext, t) = i;
-		}
-		if (g->has_hnext) {
-			uint32_t after = *kvr_u64map_find(&lru->hnext, j);
-			kvr_u64map_remove(&lru->hnext, j);
-			kvr_u64map_insert(&lru->hnext, i, after); /* a slot was just freed */
-		}
+	if (g->sprev != NIL)
+		s[g->sprev].snext = i;
+	if (g->snext != NIL)
+		s[g->snext].sprev = i;
+	uint32_t *v = kvr_u64map_find(&lru->heads, seq_of(g)[0]);
+	if (*v == j) {
+		*v = i;
+	} else {
+		uint32_t t = *v;
+		while (kvr_lru_hnext(lru, t) != j)
+			t = kvr_lru_hnext(lru, t);
+		*kvr_u64map_find(&lru->hnext, t) = i;
+	}
+	if (g->has_hnext) {
+		uint32_t after = *kvr_u64map_find(&lru->hnext, j);
+		kvr_u64map_remove(&lru->hnext, j);
+		kvr_u64map_insert(&lru->hnext, i, after); /* a slot was just freed */
 	}
 	s[i] = *g;
 	g->next = i; /* forwarding address, for the leases */
 }
 
 /*
- * When fewer than two thirds of the slots are in use (counting the slot kept free per lease),
- * the array shrinks to a quarter more than that use (what its size class holds, 64 slots at
- * least): the live segments above the new end move down to free slots, the leases' pieces that
- * name them are redirected, and the free list is rebuilt from what stays.  O(slots + lease
- * pieces) in that call; amortized O(1) per segment freed or added, since the use changed by at
- * least a sixth of it since the array last changed size (it grows by a quarter when full, to
- * 0.8x use; shrinks to 1.25x the use when that is under two thirds).  bench_footprint at 2k
- * prompts ended with 1,822 live segments in 2,925 slots with a threshold of one half.
- * The head map, which only grows on inserts, halves when under 30 % full (it doubles at 70 %):
- * at the same point it held 1,246 heads in 4,096 slots (2.6 B per copy).
- * No observable change: indices order nothing (ties between copies are broken by stamps, and
- * eviction follows the list).  The new array is allocated first, so no memory means no change.
+ * When fewer than two thirds of the slots are in use, the array shrinks to a quarter more than that
+ * use (what its size class holds, 64 slots at least): the live segments above the new end move down
+ * to free slots, the leases' pieces that name them are redirected, and the free list is rebuilt
+ * from what stays.  O(slots + lease pieces) in that call; amortized O(1) per segment freed or
+ * added, since the use changed by at least a sixth of it since the array last changed size (it
+ * grows by a quarter when full, to 0.8x use; shrinks to 1.25x the use when that is under two
+ * thirds).  bench_footprint at 2k prompts ended with 1,822 live segments in 2,925 slots with a
+ * threshold of one half. The head map, which only grows on inserts, halves when under 30 % full (it
+ * doubles at 70 %): at the same point it held 1,246 heads in 4,096 slots (2.6 B per copy). No
+ * observable change: indices order nothing (ties between copies are broken by stamps, and eviction
+ * follows the list).  The new array is allocated first, so no memory means no change.
  */
 void kvr_lru_settle(struct kvr_lru *lru)
 {
 	if (lru->heads.cap > 64 && lru->heads.count * 10 < lru->heads.cap * 3)
 		(void)kvr_u64map_rebuild(&lru->heads, lru->heads.cap / 2, NULL, NULL);
-	size_t used = (size_t)lru->s_live + lru->n_leases + 1;
+	if (lru->ph_cap > 16 && (size_t)lru->ph_n * 4 < lru->ph_cap)
+		(void)phantoms_resize(lru, lru->ph_cap / 2);
+	size_t used = (size_t)lru->s_live + 1;
 	if (lru->s_cap < 64 || used * 3 >= (size_t)lru->s_cap * 2)
 		return;
 	size_t want = used + used / 4 > 64 ? used + used / 4 : 64;
@@ -407,24 +461,19 @@ void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *o
 {
 	for (;;) {
 		uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
-		if (resident <= limit || lru->inact_head == NIL)
+		if (resident <= limit)
 			return;
 		uint64_t over = resident - limit;
-		uint32_t i = lru->inact_head;
-		struct seg *g = &lru->s[i];
-		uint32_t m = over < g->len ? (uint32_t)over : g->len;
-		if (!g->phantom) {
-			kvr_lru_trim(lru, i, m, out);
+		struct phantom *p = kvr_lru_phantom_next(lru);
+		if (p) {
+			kvr_lru_phantom_evict(lru, over < p->len ? (uint32_t)over : p->len);
 			continue;
 		}
-		/* An unhashed block reused: nothing to tell the index. */
-		lru->n_phantom -= m;
-		if (m == g->len) {
-			kvr_lru_seg_drop(lru, i);
-		} else {
-			g->len -= m;
-			lru->n_inactive -= m;
-		}
+		uint32_t i = lru->inact_head;
+		if (i == NIL)
+			return;
+		struct seg *g = &lru->s[i];
+		kvr_lru_trim(lru, i, over < g->len ? (uint32_t)over : g->len, out);
 	}
 }
 

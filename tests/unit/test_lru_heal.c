@@ -238,3 +238,55 @@ Test(lru_heal, resident_count_spares_what_the_engine_has_not_allocated)
 	cr_assert_eq(kvr_lru_heal_resident(lru, 2, 3, &ev, NULL, &out), 0);
 	cr_assert(ev == 1 && out_evicted(&out, 0) == 40 && stat_copies() == 4);
 }
+
+static uint64_t stat_phantoms(void)
+{
+	struct kvr_lru_stats st;
+	kvr_lru_stats(lru, &st);
+	return st.phantoms;
+}
+
+/* Released private blocks (keep_private) sit in the eviction order at their release: a heal
+ * takes those of older releases with the copies, and leaves a newer release's. */
+Test(lru_heal, private_blocks_go_in_release_order)
+{
+	kvr_lru_destroy(lru);
+	cr_assert_eq(kvr_lru_create(100, &lru), 0);
+	kvr_lru_set_keep_private(lru, true);
+	acq(1, (uint64_t[]){1, 2, 3}, 3, 1);
+	rel(1);
+	acq(2, (uint64_t[]){10, 11, 12}, 3, 1);
+	rel(2);
+	acq(3, (uint64_t[]){20}, 1, 1);
+	rel(3); /* eviction order: (1's partial) 3 2 1 (2's) 12 11 10 (3's) 20 */
+	uint64_t ev = 0;
+	cr_assert_eq(kvr_lru_heal_watermark(lru, 11, &ev, &out), 0);
+	cr_assert_eq(ev, 6, "the two older partial blocks, 3 2 1 and 12 went before 11");
+	cr_assert(stat_copies() == 3 && stat_phantoms() == 1);
+	cr_assert_eq(kvr_lru_heal_resident(lru, 2, 0, &ev, NULL, &out), 0);
+	cr_assert(ev == 2 && out_evicted(&out, 0) == 11 && out_evicted(&out, 1) == 10);
+	cr_assert_eq(stat_phantoms(), 1, "release 3's partial block is newer than 11 and 10");
+	cr_assert_eq(kvr_lru_heal_resident(lru, 1, 0, &ev, NULL, &out), 0);
+	cr_assert(ev == 1 && out.n_evicted == 0 && stat_phantoms() == 0 && stat_copies() == 1);
+}
+
+Test(lru_heal, fewer_cached_takes_older_private_blocks_only)
+{
+	kvr_lru_destroy(lru);
+	cr_assert_eq(kvr_lru_create(100, &lru), 0);
+	kvr_lru_set_keep_private(lru, true);
+	acq(1, (uint64_t[]){1, 2}, 2, 1);
+	rel(1);
+	acq(2, (uint64_t[]){5}, 1, 1);
+	rel(2);
+	acq(3, (uint64_t[]){7}, 1, 1);
+	rel(3);                           /* eviction order: (1's) 2 1 (2's) 5 (3's) 7 */
+	acq(4, (uint64_t[]){5, 6}, 2, 0); /* hits 5 */
+	struct kvr_lru_heal h;
+	cr_assert_eq(kvr_lru_heal_cached(lru, 4, 0, 0, &h, &out), 0);
+	cr_assert_eq(h.evicted, 4,
+	             "1's partial block, 2 1 and 2's partial block were older than 5");
+	cr_assert_eq(stat_phantoms(), 1, "3's partial block is newer");
+	cr_assert_eq(ov((uint64_t[]){7}, 1), 1);
+	cr_assert_eq(ov((uint64_t[]){1}, 1), 0);
+}
