@@ -9,6 +9,12 @@
  * blocks) is posted to the shard that owns the attempt's rank (the slot is in the attempt id),
  * on the routing lane, behind the attempt's booking (lanes are FIFO across producers).
  *
+ * The post is lazy (kvr_shard_post_lazy): a shard that went idle within the last 100 ms sleeps in
+ * timed waits of at most 1 ms (KVR_DEFAULT_SHARD_LAZY_WAKE_NS) and is not woken for this work,
+ * so the caller makes no FUTEX_WAKE; the load it releases shows in the next decisions at most
+ * that much later (plus the shard's scheduling delay).  Counted in
+ * kvr_shard_wakes_deferred_total.  A shard idle for longer is woken as before.
+ *
  * Waits, only where they buy something: with sync_booking the work runs before the call returns
  * (exact back-to-back state for simulation and tests), and so it does while requests are queued,
  * so the load it lowers is seen by the queue's admission pass that follows.  A full lane (the
@@ -70,7 +76,14 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 		} else if (n) {
 			memcpy(m.tok.inl, tokens, n * sizeof(uint32_t));
 		}
-		rc = kvr_shard_post(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, &m, sizeof(m));
+		/* Lazy: a shard that parked lately (a bounded park) is left asleep and applies the
+		 * work within KVR_DEFAULT_SHARD_LAZY_WAKE_NS, sparing this caller the FUTEX_WAKE.
+		 */
+		bool deferred;
+		rc = kvr_shard_post_lazy(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, &m,
+		                         sizeof(m), &deferred);
+		if (deferred)
+			kvr_metrics_add(mb, KVR_C_SHARD_WAKES_DEFERRED, 1);
 		if (rc == KVR_EAGAIN) {
 			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
 			/* An end is claimed already: it waits for room (never dropped); progress

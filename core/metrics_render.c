@@ -71,6 +71,10 @@ static const struct {
      ""},
     {KVR_C_STALE_BOOKINGS, "kvr_stale_bookings_total",
      "Admissions whose rank was removed or reset before the booking (the attempt is stale)", ""},
+    {KVR_C_SHARD_WAKES_DEFERRED, "kvr_shard_wakes_deferred_total",
+     "Lifecycle calls that left an idle shard asleep (it wakes by itself within 1 ms and applies "
+     "them)",
+     ""},
     {KVR_C_FEED_MESSAGES, "kvr_feed_messages_total", "KV event feed: messages received live", ""},
     {KVR_C_FEED_BATCHES, "kvr_feed_batches_total", "KV event feed: batches applied", ""},
     {KVR_C_FEED_EVENTS, "kvr_feed_events_total", "KV event feed: events applied", ""},

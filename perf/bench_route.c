@@ -27,7 +27,9 @@
  * thread CPU (the shards' capacity, which the wall figure hides once the frontends are the
  * bottleneck), lane depth max and mean, how many routes found the lane full (KVR_EAGAIN
  * after the bounded wait), and how often per route a post had to wake a parked shard (a futex
- * wake on the caller's thread: what the p99s of an idle-enough router pay).
+ * wake on the caller's thread: what the p99s of an idle-enough router pay) or left the wake to
+ * the shard's own bounded park (a lazy lifecycle post), and the shards' CPU per route, busy
+ * and idle-polling (the drain after the run included).
  *
  * --rate R paces each frontend thread at R routes/s (open loop), below what the shards can book,
  * so the latencies are those of a router that keeps up rather than of full lanes.
@@ -241,19 +243,25 @@ static uint64_t capacity; /* 0: 8 prompts' worth of blocks per rank */
 static uint32_t n_ranks = 64, n_shards = 2;
 static int threads_max = 2;
 
-/* Routing-lane tasks run, CPU time used by all shard threads and the times a producer had to
- * wake a parked shard, so far. */
-static uint64_t routing_tasks(struct kvr_router *r, uint64_t *cpu_ns, uint64_t *wakes)
+/* What the shards did so far: CPU busy (less the idle polling) and polling, the times a
+ * producer had to wake a parked shard and the lazy posts that left one asleep. */
+struct shard_totals {
+	uint64_t busy_ns, spin_ns, wakes, deferred;
+};
+
+/* Routing-lane tasks run so far, and the totals above. */
+static uint64_t routing_tasks(struct kvr_router *r, struct shard_totals *o)
 {
 	uint64_t t = 0;
-	*cpu_ns = 0; /* busy: CPU time less the idle polling */
-	*wakes = 0;
+	*o = (struct shard_totals){0};
 	for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
 		struct kvr_shard_stats st;
 		kvr_shard_get_stats(kvr_shards_get(r->shards, i), &st);
 		t += st.tasks[KVR_LANE_ROUTING];
-		*cpu_ns += st.cpu_ns > st.spin_ns ? st.cpu_ns - st.spin_ns : 0;
-		*wakes += st.wakes;
+		o->busy_ns += st.cpu_ns > st.spin_ns ? st.cpu_ns - st.spin_ns : 0;
+		o->spin_ns += st.spin_ns;
+		o->wakes += st.wakes;
+		o->deferred += st.wakes_deferred;
 	}
 	return t;
 }
@@ -304,8 +312,8 @@ static void bench(int threads, double ms)
 		w[t].match = malloc(c.max_ranks * sizeof(*w[t].match));
 		pthread_create(&w[t].th, NULL, run, &w[t]);
 	}
-	uint64_t cpu0, wakes0;
-	uint64_t tasks0 = routing_tasks(r, &cpu0, &wakes0);
+	struct shard_totals s0, s1;
+	uint64_t tasks0 = routing_tasks(r, &s0);
 	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
 	atomic_store(&done, 0);
 	atomic_store(&go, 1);
@@ -341,8 +349,8 @@ static void bench(int threads, double ms)
 	}
 	kvr_router_sync(r, 600000); /* the backlog drains: part of the shards' time */
 	uint64_t drained = mono_ns() - t0;
-	uint64_t cpu1, wakes1;
-	uint64_t tasks = routing_tasks(r, &cpu1, &wakes1) - tasks0;
+	uint64_t tasks = routing_tasks(r, &s1) - tasks0;
+	uint64_t cpu0 = s0.busy_ns, cpu1 = s1.busy_ns;
 	/* What one shard core books per second of its own busy CPU (all its work: lanes,
 	 * maintenance, parking, but not the idle polling before it parks): the shards' capacity,
 	 * whether or not the frontends kept them busy. */
@@ -366,8 +374,9 @@ static void bench(int threads, double ms)
 	       "own_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
 	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f shard_tasks_per_cpu_s=%.0f "
 	       "lane_depth_max=%llu "
-	       "lane_depth_mean=%.1f lane_full=%llu shard_wakes_per_route=%.3f errors=%llu "
-	       "hash_p50_ns=%llu match_p50_ns=%llu "
+	       "lane_depth_mean=%.1f lane_full=%llu shard_wakes_per_route=%.3f "
+	       "shard_wakes_deferred_per_route=%.3f shard_busy_us_per_route=%.2f "
+	       "shard_spin_us_per_route=%.2f errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
 	       "select_p50_ns=%llu admit_p50_ns=%llu\n",
 	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
 	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
@@ -378,7 +387,10 @@ static void bench(int threads, double ms)
 	       (unsigned long long)fin50, (unsigned long long)fin99, (double)n / (ms * 1e-3),
 	       (double)tasks / ((double)drained * 1e-9) / ns, per_cpu_s,
 	       (unsigned long long)depth_max, samples ? (double)depth_sum / (double)samples : 0.0,
-	       (unsigned long long)full, n ? (double)(wakes1 - wakes0) / (double)n : 0.0,
+	       (unsigned long long)full, n ? (double)(s1.wakes - s0.wakes) / (double)n : 0.0,
+	       n ? (double)(s1.deferred - s0.deferred) / (double)n : 0.0,
+	       n ? (double)(s1.busy_ns - s0.busy_ns) * 1e-3 / (double)n : 0.0,
+	       n ? (double)(s1.spin_ns - s0.spin_ns) * 1e-3 / (double)n : 0.0,
 	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
 	       (unsigned long long)sp[2], (unsigned long long)sp[3]);
 	fflush(stdout);

@@ -5,16 +5,25 @@
  *     g = kick generation; now = router clock; fire timers due at now; publish "seen g";
  *     run up to BATCH tasks by the biased policy (sync/lane.c);
  *     if nothing ran and no timer is due: poll briefly (up to idle_spin_ns, adaptive: see
- *     idle_spin), IDLE_PURGE_NS after its last task return the library arena's dirty pages
- *     (idle_purge), announce PARKED,
+ *     idle_spin; not after a park that ended by itself), IDLE_PURGE_NS after its last task
+ *     return the library arena's dirty pages (idle_purge), announce BOUNDED (within
+ *     IDLE_PURGE_NS of its last task) or PARKED (later),
  *     re-check lanes / kick / stop,
- *     then sleep on the futex until a producer wakes it, the next timer deadline or the
- *     purge's.
+ *     then sleep on the futex until a producer wakes it, the next timer deadline, the purge's
+ *     or, when BOUNDED, lazy_wake_ns.
  * Producers enqueue into the lane ring and then wake the parker (no syscall when the shard is
- * running).  Invariants:
+ * running).  Lazy producers (kvr_shard_post_lazy: lifecycle work, whose effect - load released -
+ * may lag) wake only a PARKED shard: a BOUNDED one wakes by itself within lazy_wake_ns and finds
+ * their tasks, so a finish right after a shard parked costs its caller no FUTEX_WAKE (55-75 us
+ * of the caller's time on the README's VM).  The price: such a task may run up to lazy_wake_ns
+ * late, and a shard that had work lately wakes by itself every lazy_wake_ns for up to
+ * IDLE_PURGE_NS after it (at most 100 self-wakes per idle period, each a few microseconds of
+ * its CPU; none on a busy shard, which never parks).  Invariants:
  *  - only the shard thread dequeues its lanes, fires its timers and touches its userdata;
  *  - a shard never parks with a due timer, a queued message, an unseen kick or a stop request
  *    (sync/park.h explains why no wake-up is lost);
+ *  - a BOUNDED park lasts at most lazy_wake_ns, so a lazy task waits at most that long (plus
+ *    the shard's scheduling delay) for a shard that sleeps; a PARKED shard is woken by it;
  *  - shutdown: `closed` is set, then an RCU grace period passes, so no producer is still inside
  *    a post (every post runs in an RCU read section that checks `closed` first); after that
  *    the rings only shrink, each thread drains them and exits, and the memory can go.
@@ -83,7 +92,10 @@ struct kvr_shard {
 	uint64_t idle_ns;  /* shard thread: mono_ns() when it went idle after work, 0 = purged */
 	uint64_t spin_ns;  /* time spent in idle_spin (atomic: stats read it) */
 	uint64_t spin_now; /* shard thread: this idle period's spin (adaptive, <= idle_spin_ns) */
-	uint64_t timers_fired; /* atomic copies of the timer set's counters, for stats */
+	bool self_woke;    /* shard thread: its last park ended by itself, no message since */
+	uint64_t bounded_parks; /* atomic (stats): parks bounded by lazy_wake_ns */
+	uint64_t lazy_found;    /* atomic (stats): ... that ended by themselves and found work */
+	uint64_t timers_fired;  /* atomic copies of the timer set's counters, for stats */
 	uint32_t timers_pending;
 	pthread_t thread;
 	int cpu;
@@ -102,6 +114,7 @@ struct kvr_shards {
 	struct kvr_clock clock;
 	uint64_t spin_ns;
 	uint64_t idle_spin_ns;
+	uint64_t lazy_ns; /* bound of a BOUNDED park; 0 = lazy posts wake like any */
 	void (*on_start)(struct kvr_shard *, void *);
 	void (*on_stop)(struct kvr_shard *, void *);
 	void *ctx;
@@ -243,15 +256,19 @@ static void shard_loop(struct kvr_shard *sh)
 		}
 		if (__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE))
 			return;
-		if (n)
+		if (n) {
 			sh->worked = true;
+			sh->self_woke = false;
+		}
 		if (n || fired)
 			continue;
 		uint64_t next = kvr_timers_next(&sh->timers);
 		if (next <= now)
 			continue;
 		uint64_t idle0 = rt->idle_spin_ns ? mono_ns() : 0;
-		if (sh->spin_now) {
+		/* After a park that ended by itself (a timeout: lazy_wake_ns, a timer, the purge)
+		 * nobody is waiting on a quick answer: no spin. */
+		if (sh->spin_now && !sh->self_woke) {
 			if (!idle_spin(sh, g, idle0)) {
 				sh->spin_now = rt->idle_spin_ns; /* it paid */
 				continue;
@@ -263,7 +280,13 @@ static void shard_loop(struct kvr_shard *sh)
 		uint64_t purge_in = idle_purge(sh);
 		if (purge_in == 0)
 			continue; /* it purged: look at the lanes again before parking */
-		kvr_parker_prepare(&sh->park);
+		/* Within IDLE_PURGE_NS of its last message (purge_in finite) the shard parks for at
+		 * most lazy_ns at a time, and lazy posts need not wake it. */
+		bool bounded = rt->lazy_ns && purge_in != UINT64_MAX;
+		if (bounded)
+			kvr_parker_prepare_bounded(&sh->park);
+		else
+			kvr_parker_prepare(&sh->park);
 		if (!may_park(sh, g)) {
 			kvr_parker_cancel(&sh->park);
 			continue;
@@ -273,8 +296,18 @@ static void shard_loop(struct kvr_shard *sh)
 			timeout = next - now < PARK_MAX_NS ? next - now : PARK_MAX_NS;
 		if (purge_in < timeout)
 			timeout = purge_in;
-		kvr_parker_wait(&sh->park, timeout);
-		if (rt->idle_spin_ns && mono_ns() - idle0 < rt->idle_spin_ns)
+		if (bounded && rt->lazy_ns < timeout)
+			timeout = rt->lazy_ns;
+		bool woken = kvr_parker_wait(&sh->park, timeout);
+		sh->self_woke = !woken;
+		if (bounded) {
+			__atomic_store_n(&sh->bounded_parks, sh->bounded_parks + 1,
+			                 __ATOMIC_RELAXED);
+			if (!woken && !kvr_lanes_empty(&sh->lanes))
+				__atomic_store_n(&sh->lazy_found, sh->lazy_found + 1,
+				                 __ATOMIC_RELAXED);
+		}
+		if (woken && rt->idle_spin_ns && mono_ns() - idle0 < rt->idle_spin_ns)
 			sh->spin_now = rt->idle_spin_ns; /* a spin would have spared that wake-up */
 	}
 }
@@ -407,6 +440,9 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	s->idle_spin_ns = cfg->idle_spin_ns == KVR_SHARDS_NO_SPIN ? 0
 	                  : cfg->idle_spin_ns                     ? cfg->idle_spin_ns
 	                                                          : DEF_IDLE_SPIN;
+	s->lazy_ns = cfg->lazy_wake_ns == KVR_SHARDS_NO_SPIN ? 0
+	             : cfg->lazy_wake_ns                     ? cfg->lazy_wake_ns
+	                                                     : KVR_DEFAULT_SHARD_LAZY_WAKE_NS;
 	s->on_start = cfg->on_thread_start;
 	s->on_stop = cfg->on_thread_stop;
 	s->ctx = cfg->ctx;
@@ -654,9 +690,10 @@ static int check_post(struct kvr_shard *sh, enum kvr_lane lane, const void *fn, 
 }
 
 /* Post with an optional bounded wait.  Inside an RCU read section for the whole call, so
- * shutdown's grace period waits for it.  timeout_ns 0 = try once. */
+ * shutdown's grace period waits for it.  timeout_ns 0 = try once.  deferred non-NULL: a lazy
+ * post (kvr_shard_post_lazy), which leaves a shard in a bounded park asleep and says so. */
 static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
-                size_t len, uint64_t timeout_ns)
+                size_t len, uint64_t timeout_ns, bool *deferred)
 {
 	int rc;
 	kvr_rcu_read_lock();
@@ -668,6 +705,7 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 	                    timeout_ns == 0 || tls_shard == sh);
 	if (rc == KVR_EAGAIN && timeout_ns && tls_shard != sh) {
 		kvr_lanes_count_stall(&sh->lanes, lane);
+		kvr_parker_wake(&sh->park); /* lazy posts alone may have filled it */
 		uint64_t start = mono_ns();
 		uint64_t sleep_ns = 1000;
 		for (uint32_t k = 0;; k++) {
@@ -695,8 +733,10 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 			}
 		}
 	}
-	if (rc == 0)
-		kvr_parker_wake(&sh->park);
+	if (rc == 0 && deferred)
+		*deferred = kvr_parker_wake_lazy(&sh->park);
+	else if (rc == 0 || rc == KVR_EAGAIN)
+		kvr_parker_wake(&sh->park); /* a full lane: lazy posts alone may have filled it */
 out:
 	kvr_rcu_read_unlock();
 	return rc;
@@ -706,7 +746,19 @@ int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, con
                    size_t len)
 {
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
-	return rc ? rc : post(sh, lane, fn, payload, len, 0);
+	return rc ? rc : post(sh, lane, fn, payload, len, 0, NULL);
+}
+
+int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                        const void *payload, size_t len, bool *deferred)
+{
+	bool d = false;
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	if (!rc)
+		rc = post(sh, lane, fn, payload, len, 0, sh->rt->lazy_ns ? &d : NULL);
+	if (deferred)
+		*deferred = d;
+	return rc;
 }
 
 int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
@@ -715,7 +767,7 @@ int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
 	if (rc)
 		return rc;
-	rc = post(sh, lane, fn, payload, len, timeout_ns ? timeout_ns : 1);
+	rc = post(sh, lane, fn, payload, len, timeout_ns ? timeout_ns : 1, NULL);
 	return rc;
 }
 
@@ -793,10 +845,10 @@ int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, voi
 	uint64_t spin = call_spin(sh, fn, &kind);
 	/* A parked shard answers after its wake-up (tens of microseconds on a loaded VM, more than
 	 * the spin): spinning on that reply would only burn the spin. */
-	if (__atomic_load_n(&sh->park.state, __ATOMIC_RELAXED) == KVR_PARK_PARKED)
+	if (__atomic_load_n(&sh->park.state, __ATOMIC_RELAXED) != KVR_PARK_RUNNING)
 		spin = 0;
 	uint64_t t0 = mono_ns();
-	rc = post(sh, lane, call_task, &cp, sizeof(cp), UINT64_MAX);
+	rc = post(sh, lane, call_task, &cp, sizeof(cp), UINT64_MAX, NULL);
 	if (rc)
 		return rc;
 	rc = kvr_reply_wait(&c.reply, spin, NULL);
@@ -837,7 +889,7 @@ void kvr_shards_kick(struct kvr_shards *s)
 /* True if shard i looks idle after kick g; adds its work counter to *sum. */
 static bool idle_after(struct kvr_shard *sh, uint64_t g, uint64_t *sum)
 {
-	bool parked = __atomic_load_n(&sh->park.state, __ATOMIC_ACQUIRE) == KVR_PARK_PARKED;
+	bool parked = __atomic_load_n(&sh->park.state, __ATOMIC_ACQUIRE) != KVR_PARK_RUNNING;
 	bool seen = __atomic_load_n(&sh->seen_kick, __ATOMIC_ACQUIRE) >= g;
 	*sum += __atomic_load_n(&sh->lanes.run[0], __ATOMIC_RELAXED) +
 	        __atomic_load_n(&sh->lanes.run[1], __ATOMIC_RELAXED);
@@ -891,6 +943,9 @@ void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *o)
 	o->spin_ns = __atomic_load_n(&sh->spin_ns, __ATOMIC_RELAXED);
 	o->parks = __atomic_load_n(&sh->park.parks, __ATOMIC_RELAXED);
 	o->wakes = __atomic_load_n(&sh->park.wakes, __ATOMIC_RELAXED);
+	o->wakes_deferred = __atomic_load_n(&sh->park.deferred, __ATOMIC_RELAXED);
+	o->bounded_parks = __atomic_load_n(&sh->bounded_parks, __ATOMIC_RELAXED);
+	o->lazy_found = __atomic_load_n(&sh->lazy_found, __ATOMIC_RELAXED);
 	o->timers_fired = __atomic_load_n(&sh->timers_fired, __ATOMIC_RELAXED);
 	o->timers_pending = __atomic_load_n(&sh->timers_pending, __ATOMIC_RELAXED);
 	o->workers = __atomic_load_n(&sh->rt->workers[sh->index], __ATOMIC_RELAXED);

@@ -64,6 +64,11 @@ struct kvr_shards_config {
 	 * caller's next call) finds it awake.  0 = 50 us (KVR_DEFAULT_SHARD_IDLE_SPIN_NS, as the
 	 * router's default); KVR_SHARDS_NO_SPIN = park at once. */
 	uint64_t idle_spin_ns;
+	/* The bound on how long a lazy post (kvr_shard_post_lazy) may wait for an idle shard: a
+	 * shard that ran a message within the last LAZY_WINDOW_NS (100 ms) parks for at most this
+	 * long at a time, and lazy posts leave it asleep.  0 = 1 ms
+	 * (KVR_DEFAULT_SHARD_LAZY_WAKE_NS); KVR_SHARDS_NO_SPIN = lazy posts wake like any post. */
+	uint64_t lazy_wake_ns;
 	/* Run on each shard thread at start (after pinning and RCU registration) and at stop
 	 * (after the lanes are drained).  Either may be NULL.  ctx passed unchanged. */
 	void (*on_thread_start)(struct kvr_shard *shard, void *ctx);
@@ -83,6 +88,9 @@ struct kvr_shard_stats {
 	uint64_t calls_inline;              /* kvr_shard_call run inline (caller was the shard) */
 	uint64_t parks;                     /* times the shard thread slept */
 	uint64_t wakes;                     /* times a producer woke it */
+	uint64_t wakes_deferred;            /* lazy posts that left it asleep (bounded park) */
+	uint64_t bounded_parks;             /* parks bounded by lazy_wake_ns */
+	uint64_t lazy_found;                /* ... that ended by themselves and found work */
 	uint64_t timers_fired;
 	uint32_t timers_pending;
 	uint32_t workers; /* workers placed here */
@@ -158,6 +166,18 @@ int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id);
  */
 int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
                    size_t len);
+
+/*
+ * Like kvr_shard_post, for work that may wait up to lazy_wake_ns (plus the shard's scheduling
+ * delay) before it runs: a shard in a bounded park (it ran a message lately, see lazy_wake_ns)
+ * is left asleep and finds the task when its timed wait ends, so the caller makes no FUTEX_WAKE.
+ * A shard parked without a bound is woken as by kvr_shard_post.  Order: as kvr_shard_post (a
+ * later post of any kind on the lane runs after it; a woken shard runs it first).  Sets
+ * *deferred (may be NULL) to whether the wake was left to the shard.  A full lane wakes the
+ * shard and returns KVR_EAGAIN.  Returns as kvr_shard_post.  Context: as kvr_shard_post.
+ */
+int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                        const void *payload, size_t len, bool *deferred);
 
 /*
  * Like kvr_shard_post, but if the lane is full waits (spin, yield, then short sleeps) up to

@@ -34,15 +34,26 @@ void kvr_parker_init(struct kvr_parker *p)
 	p->state = KVR_PARK_RUNNING;
 	p->parks = 0;
 	p->wakes = 0;
+	p->deferred = 0;
+}
+
+static void prepare(struct kvr_parker *p, uint32_t state)
+{
+	/* An RMW: under TSan the barrier itself; elsewhere followed by the fence below. */
+	__atomic_exchange_n(&p->state, state, __ATOMIC_SEQ_CST);
+#ifndef KVR_TSAN
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
 }
 
 void kvr_parker_prepare(struct kvr_parker *p)
 {
-	/* An RMW: under TSan the barrier itself; elsewhere followed by the fence below. */
-	__atomic_exchange_n(&p->state, KVR_PARK_PARKED, __ATOMIC_SEQ_CST);
-#ifndef KVR_TSAN
-	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-#endif
+	prepare(p, KVR_PARK_PARKED);
+}
+
+void kvr_parker_prepare_bounded(struct kvr_parker *p)
+{
+	prepare(p, KVR_PARK_BOUNDED);
 }
 
 void kvr_parker_cancel(struct kvr_parker *p)
@@ -50,7 +61,7 @@ void kvr_parker_cancel(struct kvr_parker *p)
 	__atomic_store_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_RELAXED);
 }
 
-void kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns)
+bool kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns)
 {
 	struct timespec ts, *tsp = NULL;
 	if (timeout_ns != UINT64_MAX) {
@@ -60,28 +71,59 @@ void kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns)
 	}
 	__atomic_store_n(&p->parks, __atomic_load_n(&p->parks, __ATOMIC_RELAXED) + 1,
 	                 __ATOMIC_RELAXED);
-	/* Sleeps only if state is still PARKED: a waker that flipped it first makes this return
-	 * at once (EAGAIN). */
-	futex(&p->state, FUTEX_WAIT_PRIVATE, KVR_PARK_PARKED, tsp);
+	/* Sleeps only if state is still what the consumer announced (only wakers change it, to
+	 * RUNNING): a waker that flipped it first makes this return at once (EAGAIN). */
+	uint32_t s = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+	if (s != KVR_PARK_RUNNING)
+		futex(&p->state, FUTEX_WAIT_PRIVATE, s, tsp);
 	/* Acquire: pairs with the waker's exchange, so its published work is visible. */
-	__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL);
+	return __atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL) ==
+	       KVR_PARK_RUNNING;
+}
+
+/* The waker's half of the Dekker pair: a full barrier after the caller's publication, then the
+ * state. */
+static uint32_t fenced_state(struct kvr_parker *p)
+{
+#ifdef KVR_TSAN
+	return __atomic_fetch_add(&p->state, 0, __ATOMIC_SEQ_CST);
+#else
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	return __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+#endif
 }
 
 void kvr_parker_wake(struct kvr_parker *p)
 {
-	uint32_t s;
-#ifdef KVR_TSAN
-	s = __atomic_fetch_add(&p->state, 0, __ATOMIC_SEQ_CST);
-#else
-	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	s = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
-#endif
+	uint32_t s = fenced_state(p);
 	if (__builtin_expect(s == KVR_PARK_RUNNING, 1))
 		return;
-	if (__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL) == KVR_PARK_PARKED) {
+	if (__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL) !=
+	    KVR_PARK_RUNNING) {
 		__atomic_fetch_add(&p->wakes, 1, __ATOMIC_RELAXED);
 		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
 	}
+}
+
+bool kvr_parker_wake_lazy(struct kvr_parker *p)
+{
+	uint32_t s = fenced_state(p);
+	if (__builtin_expect(s == KVR_PARK_RUNNING, 1))
+		return false;
+	if (s == KVR_PARK_BOUNDED) {
+		/* Our work was published before the load that saw BOUNDED: the consumer finds it
+		 * when its timed wait ends, or in the re-check before any unbounded park. */
+		__atomic_fetch_add(&p->deferred, 1, __ATOMIC_RELAXED);
+		return true;
+	}
+	/* PARKED: take it to RUNNING unless it changed meanwhile (another waker did, or the
+	 * consumer woke and announced again: its re-check then sees our work). */
+	if (__atomic_compare_exchange_n(&p->state, &s, KVR_PARK_RUNNING, false, __ATOMIC_ACQ_REL,
+	                                __ATOMIC_RELAXED)) {
+		__atomic_fetch_add(&p->wakes, 1, __ATOMIC_RELAXED);
+		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
+	}
+	return false;
 }
 
 /* ------------------------------------------------------------------ asymmetric barrier */

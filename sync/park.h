@@ -9,6 +9,16 @@
  * consumer's re-check sees the work.  A busy consumer costs a producer one fence and one load
  * of a line the consumer rarely writes: no syscall.
  *
+ * Bounded parks and lazy wakers.  A consumer that will sleep at most a bound it chose (a timed
+ * wait) may announce BOUNDED instead of PARKED; a producer whose work may wait that long
+ * (kvr_parker_wake_lazy) then leaves it asleep and saves the FUTEX_WAKE (a syscall on the
+ * producer's thread: tens of microseconds on a loaded VM) - the consumer finds the work when its
+ * timed wait ends.  Only PARKED (a sleep with no bound the producer knows) is woken by a lazy
+ * producer; an ordinary wake wakes both.  The same Dekker pair covers the lazy producer: it
+ * publishes, fences and loads state; a consumer that goes from a bounded park to an unbounded
+ * one announces PARKED and re-checks before sleeping again, so either the producer sees PARKED
+ * and wakes it, or the re-check sees the work.  So nothing waits longer than the bound.
+ *
  * Reply slot (one waiter, one poster).  The caller spins briefly on the slot, then marks it
  * WAITING and sleeps in futex(2).  The poster writes the result, swaps the state to DONE and
  * calls FUTEX_WAKE only if the waiter went to sleep, so the hot round trip makes no syscall.
@@ -21,16 +31,20 @@
 #ifndef KVR_SYNC_PARK_H
 #define KVR_SYNC_PARK_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "sync/rcu.h" /* KVR_TSAN */
 
-enum { KVR_PARK_RUNNING = 0, KVR_PARK_PARKED = 1 };
+/* RUNNING: awake.  PARKED: asleep, or about to be, with no bound a producer may rely on.
+ * BOUNDED: asleep, or about to be, for at most the consumer's own bound (see above). */
+enum { KVR_PARK_RUNNING = 0, KVR_PARK_PARKED = 1, KVR_PARK_BOUNDED = 2 };
 
 struct kvr_parker {
 	_Alignas(64) uint32_t state; /* futex word: KVR_PARK_* */
 	uint64_t parks;              /* futex sleeps entered (consumer-written) */
 	uint64_t wakes;              /* FUTEX_WAKEs issued by wakers (atomic add) */
+	uint64_t deferred;           /* lazy wakes left to a bounded park (atomic add) */
 };
 
 /* Makes a parker in state RUNNING.  Context: before sharing. */
@@ -44,15 +58,25 @@ void kvr_parker_init(struct kvr_parker *p);
  */
 void kvr_parker_prepare(struct kvr_parker *p);
 
+/*
+ * As kvr_parker_prepare, announcing BOUNDED: the caller promises that its kvr_parker_wait()
+ * that follows has a timeout no longer than the bound its lazy producers were told, so they
+ * need not wake it.  Context: the consumer thread.  Ordering: as kvr_parker_prepare; pairs with
+ * the barriers of kvr_parker_wake() and kvr_parker_wake_lazy().
+ */
+void kvr_parker_prepare_bounded(struct kvr_parker *p);
+
 /* Abandons a prepared park.  Context: the consumer thread. */
 void kvr_parker_cancel(struct kvr_parker *p);
 
 /*
  * Step 2: sleeps until woken or timeout_ns passes (UINT64_MAX = no timeout).  Returns with
- * state RUNNING.  Spurious returns are possible; the caller re-checks for work anyway.
- * Context: the consumer thread, after kvr_parker_prepare(); not in an RCU read section.
+ * state RUNNING: true if a waker ended the park, false if it ended by itself (the timeout, or a
+ * spurious return; the caller re-checks for work anyway).
+ * Context: the consumer thread, after kvr_parker_prepare() or kvr_parker_prepare_bounded();
+ * not in an RCU read section.
  */
-void kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns);
+bool kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns);
 
 /*
  * Wakes the consumer if it is parked or about to park.  Call after publishing work.
@@ -60,6 +84,14 @@ void kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns);
  * of state; pairs with kvr_parker_prepare().  No syscall unless the consumer is parked.
  */
 void kvr_parker_wake(struct kvr_parker *p);
+
+/*
+ * Wakes the consumer only if it is PARKED (no bound); one in a BOUNDED park is left to wake by
+ * itself, and true is returned (the wake was deferred: counted in `deferred`).  Call after
+ * publishing work that may wait for the consumer's bound.  Returns false when the consumer runs
+ * or was woken.  Context: any thread.  Ordering: as kvr_parker_wake().
+ */
+bool kvr_parker_wake_lazy(struct kvr_parker *p);
 
 /*
  * The asymmetric variant, for a consumer that parks rarely and producers on a hot path (the

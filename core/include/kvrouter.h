@@ -400,12 +400,17 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * exactly one wins), prefill_done and output mark it alive, so 0 or KVR_ESTALE is known at once;
  * the work (blocks released, load returned, output blocks predicted) is posted to the rank's
  * shard and applied after the attempt's booking, even when another thread calls right after
- * kvr_route returned.  Exceptions that wait: sync_booking (applied before return), and while
- * requests are queued (finish/abort/prefill_done apply before the queue's admission pass).
- * A full lane (overload): finish/abort wait for room (they are claimed already);
- * prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed).  Output may
- * also return KVR_ENOMEM (copying more than 8 tokens).  An attempt id this router never issued:
- * KVR_ENOENT or KVR_ESTALE; r NULL or attempt 0: KVR_EINVAL (README.md, "Bad input"). */
+ * kvr_route returned.  The post does not wake a shard that went idle within the last 100 ms:
+ * such a shard sleeps at most 1 ms at a time and applies the work when it wakes, so the load
+ * released shows in decisions at most 1 ms (plus the shard thread's scheduling delay) after the
+ * call (kvr_shard_wakes_deferred_total counts these; a shard idle for longer is woken at once,
+ * and any later synchronous call or kvr_router_sync() applies it first).  Exceptions that
+ * wait: sync_booking (applied before return), and while requests are queued
+ * (finish/abort/prefill_done apply before the queue's admission pass).  A full lane (overload):
+ * finish/abort wait for room (they are claimed already); prefill_done/output wait at most 10
+ * ms, then return KVR_EAGAIN (nothing changed).  Output may also return KVR_ENOMEM (copying
+ * more than 8 tokens).  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE; r
+ * NULL or attempt 0: KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
