@@ -4,8 +4,9 @@
  * The loop of one shard thread:
  *     g = kick generation; now = router clock; fire timers due at now; publish "seen g";
  *     run up to BATCH tasks by the biased policy (sync/lane.c);
- *     if nothing ran and no timer is due: poll briefly (up to idle_spin_ns, adaptive: see
- *     idle_spin; not after a park that ended by itself), IDLE_PURGE_NS after its last task
+ *     if nothing ran and no timer is due: poll briefly (idle_spin_ns; adaptive, up to
+ *     idle_spin_max_ns: see idle_spin; not after a park that ended by itself), IDLE_PURGE_NS
+ *     after its last task
  *     return the library arena's dirty pages (idle_purge), announce BOUNDED (within
  *     IDLE_PURGE_NS of its last task) or PARKED (later),
  *     re-check lanes / kick / stop,
@@ -46,18 +47,19 @@
 #include "sync/park.h"
 #include "sync/rcu.h"
 
-#define MAX_SHARDS    KVR_LIMIT_SHARDS_MAX
-#define BATCH         64
-#define TIMER_BATCH   4096
-#define PARK_MAX_NS   1000000000ull
-#define DEF_CAPACITY  KVR_DEFAULT_LANE_CAPACITY
-#define DEF_EVERY     KVR_DEFAULT_MAINT_EVERY_TASKS
-#define DEF_EVERY_NS  KVR_DEFAULT_MAINT_EVERY_NS
-#define DEF_WORKERS   KVR_DEFAULT_MAX_WORKERS
-#define DEF_SPIN_NS   20000ull
-#define DEF_IDLE_SPIN KVR_DEFAULT_SHARD_IDLE_SPIN_NS
-#define SLOT_USED     (1ull << 63)
-#define CALL_KINDS    8 /* call functions whose reply delay each shard remembers */
+#define MAX_SHARDS      KVR_LIMIT_SHARDS_MAX
+#define BATCH           64
+#define TIMER_BATCH     4096
+#define PARK_MAX_NS     1000000000ull
+#define DEF_CAPACITY    KVR_DEFAULT_LANE_CAPACITY
+#define DEF_EVERY       KVR_DEFAULT_MAINT_EVERY_TASKS
+#define DEF_EVERY_NS    KVR_DEFAULT_MAINT_EVERY_NS
+#define DEF_WORKERS     KVR_DEFAULT_MAX_WORKERS
+#define DEF_SPIN_NS     20000ull
+#define DEF_IDLE_SPIN   KVR_DEFAULT_SHARD_IDLE_SPIN_NS
+#define SLOT_USED       (1ull << 63)
+#define CALL_KINDS      8 /* call functions whose reply delay each shard remembers */
+#define SPIN_MAX_FACTOR 8 /* idle_spin_max_ns = 0: this many idle_spin_ns */
 
 /* A shard that has run no message for this long returns the library arena's dirty pages
  * (kvr_alloc_purge_idle), so an idle router's RSS follows what it has allocated; a busy one
@@ -88,11 +90,12 @@ struct kvr_shard {
 	uint64_t seen_kick; /* atomic: last kick generation whose clock reading was processed */
 	uint32_t stopping;  /* atomic: set by shutdown after the grace period */
 	uint64_t calls_inline;
-	bool worked;       /* shard thread: ran a message since it last went idle */
-	uint64_t idle_ns;  /* shard thread: mono_ns() when it went idle after work, 0 = purged */
-	uint64_t spin_ns;  /* time spent in idle_spin (atomic: stats read it) */
-	uint64_t spin_now; /* shard thread: this idle period's spin (adaptive, <= idle_spin_ns) */
-	bool self_woke;    /* shard thread: its last park ended by itself, no message since */
+	bool worked;          /* shard thread: ran a message since it last went idle */
+	uint64_t idle_ns;     /* shard thread: mono_ns() when it went idle after work, 0 = purged */
+	uint64_t spin_ns;     /* time spent in idle_spin (atomic: stats read it) */
+	uint64_t spin_now;    /* shard thread: this idle period's spin (adaptive, <= spin_max_ns) */
+	uint32_t short_wakes; /* shard thread: producer wake-ups in a row after a short idle */
+	bool self_woke;       /* shard thread: its last park ended by itself, no message since */
 	uint64_t bounded_parks; /* atomic (stats): parks bounded by lazy_wake_ns */
 	uint64_t lazy_found;    /* atomic (stats): ... that ended by themselves and found work */
 	uint64_t timers_fired;  /* atomic copies of the timer set's counters, for stats */
@@ -114,7 +117,8 @@ struct kvr_shards {
 	struct kvr_clock clock;
 	uint64_t spin_ns;
 	uint64_t idle_spin_ns;
-	uint64_t lazy_ns; /* bound of a BOUNDED park; 0 = lazy posts wake like any */
+	uint64_t spin_max_ns; /* >= idle_spin_ns: see idle_spin */
+	uint64_t lazy_ns;     /* bound of a BOUNDED park; 0 = lazy posts wake like any */
 	void (*on_start)(struct kvr_shard *, void *);
 	void (*on_stop)(struct kvr_shard *, void *);
 	void *ctx;
@@ -182,15 +186,27 @@ static uint64_t thread_cpu_ns(void)
  * steady 5000 admissions/s is one every 200 us against the 50 us default) stops burning CPU on
  * it; an idle period shorter than idle_spin_ns (spun through, or seen after a park: a wake-up
  * that a spin would have spared) restores the full spin.  A parked shard costs its producer a
- * FUTEX_WAKE either way once the gap outlasts the spin. */
+ * FUTEX_WAKE either way once the gap outlasts the spin.
+ *
+ * Longer, while traffic keeps coming: a shard woken twice in a row by a producer after an idle
+ * period shorter than idle_spin_max_ns (a steady stream of admissions a little sparser than
+ * the spin: long prompts, whose hashing takes the frontend 40-100 us) spins 1.5x that period,
+ * up to idle_spin_max_ns, so the next admission finds it awake; the halving above undoes it
+ * once the stream thins.  Past idle_spin_ns the spin yields the CPU (sched_yield) between
+ * polls, so a frontend that shares the core is not kept waiting by it. */
 static bool idle_spin(struct kvr_shard *sh, uint64_t g, uint64_t t0)
 {
 	uint64_t c0 = thread_cpu_ns();
+	uint64_t base = sh->rt->idle_spin_ns;
 	bool idle = false;
 	while (may_park(sh, g)) {
-		for (int i = 0; i < 16; i++)
-			kvr_cpu_relax();
-		if (mono_ns() - t0 >= sh->spin_now) {
+		uint64_t t = mono_ns() - t0;
+		if (t >= base)
+			sched_yield();
+		else
+			for (int i = 0; i < 16; i++)
+				kvr_cpu_relax();
+		if (t >= sh->spin_now) {
 			idle = true;
 			break;
 		}
@@ -270,9 +286,11 @@ static void shard_loop(struct kvr_shard *sh)
 		 * nobody is waiting on a quick answer: no spin. */
 		if (sh->spin_now && !sh->self_woke) {
 			if (!idle_spin(sh, g, idle0)) {
-				sh->spin_now = rt->idle_spin_ns; /* it paid */
+				if (sh->spin_now < rt->idle_spin_ns)
+					sh->spin_now = rt->idle_spin_ns; /* it paid */
 				continue;
 			}
+			sh->short_wakes = 0;
 			sh->spin_now /= 2;
 			if (sh->spin_now < rt->idle_spin_ns / 8)
 				sh->spin_now = 0;
@@ -307,8 +325,17 @@ static void shard_loop(struct kvr_shard *sh)
 				__atomic_store_n(&sh->lazy_found, sh->lazy_found + 1,
 				                 __ATOMIC_RELAXED);
 		}
-		if (woken && rt->idle_spin_ns && mono_ns() - idle0 < rt->idle_spin_ns)
-			sh->spin_now = rt->idle_spin_ns; /* a spin would have spared that wake-up */
+		if (woken && rt->idle_spin_ns) {
+			uint64_t d = mono_ns() - idle0; /* a spin this long would have spared it */
+			if (d < rt->idle_spin_ns) {
+				sh->spin_now = rt->idle_spin_ns;
+			} else if (d < rt->spin_max_ns && ++sh->short_wakes >= 2) {
+				d += d / 2;
+				sh->spin_now = d < rt->spin_max_ns ? d : rt->spin_max_ns;
+			} else if (d >= rt->spin_max_ns) {
+				sh->short_wakes = 0;
+			}
+		}
 	}
 }
 
@@ -440,6 +467,11 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	s->idle_spin_ns = cfg->idle_spin_ns == KVR_SHARDS_NO_SPIN ? 0
 	                  : cfg->idle_spin_ns                     ? cfg->idle_spin_ns
 	                                                          : DEF_IDLE_SPIN;
+	s->spin_max_ns = cfg->idle_spin_max_ns == KVR_SHARDS_NO_SPIN ? s->idle_spin_ns
+	                 : cfg->idle_spin_max_ns                     ? cfg->idle_spin_max_ns
+	                                         : SPIN_MAX_FACTOR * s->idle_spin_ns;
+	if (s->spin_max_ns < s->idle_spin_ns)
+		s->spin_max_ns = s->idle_spin_ns;
 	s->lazy_ns = cfg->lazy_wake_ns == KVR_SHARDS_NO_SPIN ? 0
 	             : cfg->lazy_wake_ns                     ? cfg->lazy_wake_ns
 	                                                     : KVR_DEFAULT_SHARD_LAZY_WAKE_NS;

@@ -64,8 +64,13 @@ struct kvr_shards_config {
 	 * caller's next call) finds it awake.  0 = 50 us (KVR_DEFAULT_SHARD_IDLE_SPIN_NS, as the
 	 * router's default); KVR_SHARDS_NO_SPIN = park at once. */
 	uint64_t idle_spin_ns;
+	/* While producers keep waking the shard soon after it parks, it polls longer, up to this
+	 * (see idle_spin in runtime.c; the part past idle_spin_ns yields the CPU between polls).
+	 * 0 = 8 x idle_spin_ns (400 us by default); KVR_SHARDS_NO_SPIN = idle_spin_ns (never
+	 * longer). */
+	uint64_t idle_spin_max_ns;
 	/* The bound on how long a lazy post (kvr_shard_post_lazy) may wait for an idle shard: a
-	 * shard that ran a message within the last LAZY_WINDOW_NS (100 ms) parks for at most this
+	 * shard that ran a message within the last 100 ms (IDLE_PURGE_NS) parks for at most this
 	 * long at a time, and lazy posts leave it asleep.  0 = 1 ms
 	 * (KVR_DEFAULT_SHARD_LAZY_WAKE_NS); KVR_SHARDS_NO_SPIN = lazy posts wake like any post. */
 	uint64_t lazy_wake_ns;

@@ -836,6 +836,43 @@ Test(runtime, lazy_post_within_bound_and_never_lost)
 	kvr_shards_destroy(s);
 }
 
+static void posts_every(struct kvr_shard *sh, int n, long gap_ns, uint64_t *ctr)
+{
+	uint64_t *p = ctr;
+	for (int i = 0; i < n; i++) {
+		struct timespec ts = {0, gap_ns};
+		nanosleep(&ts, NULL);
+		cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, add_one, &p, sizeof(p)), 0);
+	}
+}
+
+/* A shard woken again and again soon after it parks (a stream of admissions a little sparser
+ * than its idle spin) polls longer, up to idle_spin_max_ns, and stops needing the wake-ups;
+ * with idle_spin_max_ns = KVR_SHARDS_NO_SPIN it never polls longer than idle_spin_ns. */
+Test(runtime, idle_spin_grows_while_wakes_keep_coming)
+{
+	struct kvr_shards_config c = {
+	    .n_shards = 1, .idle_spin_ns = 20000, .idle_spin_max_ns = 20000000};
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	uint64_t ctr = 0;
+	posts_every(sh, 20, 300000, &ctr); /* 300 us apart: past the 20 us spin */
+	struct kvr_shard_stats a, b;
+	kvr_shard_get_stats(sh, &a);
+	posts_every(sh, 100, 300000, &ctr);
+	kvr_shard_get_stats(sh, &b);
+	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
+	cr_assert_eq(__atomic_load_n(&ctr, __ATOMIC_RELAXED), 120);
+	/* Each post would wake a shard that parked after 20 us; a shard that polls up to 20 ms
+	 * sees them all while polling (a slept-through gap of 20 ms on a loaded machine halves
+	 * the spin, and two short wakes restore it: a few wakes, not half). */
+	cr_assert_lt(b.wakes - a.wakes, 50, "%llu wake-ups for 100 posts",
+	             (unsigned long long)(b.wakes - a.wakes));
+	cr_assert_gt(b.spin_ns, a.spin_ns);
+	kvr_shards_destroy(s);
+}
+
 /* Pinning to a CPU that does not exist is not an error: the shard runs unpinned and says so. */
 Test(runtime, unusable_cpu_runs_unpinned)
 {
