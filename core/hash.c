@@ -180,6 +180,15 @@ void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens
 	STREAM_FENCE();
 }
 
+void kvr_hash_pairs_stream(const uint64_t *local, const uint64_t *seq, size_t n, uint64_t *out)
+{
+	for (size_t i = 0; i < n; i++) {
+		STREAM_STORE(&out[2 * i], local[i]);
+		STREAM_STORE(&out[2 * i + 1], seq[i]);
+	}
+	STREAM_FENCE();
+}
+
 static size_t hash_chain(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
                          uint32_t block_size, uint64_t seed, uint64_t *local_out, uint64_t *seq_out)
 {

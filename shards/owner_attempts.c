@@ -25,6 +25,7 @@
  * attempt's later calls return KVR_ESTALE.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "core/alloc.h"
@@ -160,9 +161,13 @@ void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 		memcpy(rec->tail, a->tail, rec->tail_n * sizeof(uint32_t));
 	if (a->in_record)
 		return; /* hashed in place (kvr_owner_attempt_reserve) */
-	struct kvr_lru_block *b = kvr_attempt_blocks(rec, c->block_size);
-	for (size_t i = 0; i < a->n; i++)
-		b[i] = (struct kvr_lru_block){.local = a->local[i], .seq = a->seq[i]};
+	/* The frontend's chain (kvr_request.seq_hashes) or a retry's scratch: streamed, as the
+	 * routing thread's own hashing is (core/hash.h says why). */
+	_Static_assert(sizeof(struct kvr_lru_block) == 2 * sizeof(uint64_t) &&
+	                   offsetof(struct kvr_lru_block, seq) == sizeof(uint64_t),
+	               "a block is a (local, seq) pair");
+	kvr_hash_pairs_stream(a->local, a->seq, a->n,
+	                      (uint64_t *)(void *)kvr_attempt_blocks(rec, c->block_size));
 }
 
 struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
