@@ -341,7 +341,10 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
  */
 static void prefetch_decision(const struct kvr_router *r, bool admit)
 {
+	/* The list last seen may be another router's (a thread routing for several): bounded by
+	 * this one's arrays, so no hint points past them. */
 	uint32_t hw = tls.slot_hw < PREFETCH_MAX_SLOTS ? tls.slot_hw : PREFETCH_MAX_SLOTS;
+	hw = hw < r->cfg.max_ranks ? hw : r->cfg.max_ranks;
 	for (uint32_t s = 0; s < hw; s += 4) {
 		__builtin_prefetch(&r->load[s], 0, 3);
 		__builtin_prefetch(&r->prov[s], 0, 3);
