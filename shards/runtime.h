@@ -64,10 +64,10 @@ struct kvr_shards_config {
 	 * caller's next call) finds it awake.  0 = 50 us (KVR_DEFAULT_SHARD_IDLE_SPIN_NS, as the
 	 * router's default); KVR_SHARDS_NO_SPIN = park at once. */
 	uint64_t idle_spin_ns;
-	/* While producers keep waking the shard soon after it parks, it polls longer, up to this
-	 * (see idle_spin in runtime.c; the part past idle_spin_ns yields the CPU between polls).
-	 * 0 = 8 x idle_spin_ns (400 us by default); KVR_SHARDS_NO_SPIN = idle_spin_ns (never
-	 * longer). */
+	/* While 3/4 of its recent idle periods ended with work within half of this, the shard
+	 * polls for half of this (see idle_spin in runtime.c; the part past idle_spin_ns yields
+	 * the CPU between polls).  0 = 8 x idle_spin_ns (400 us, so 200 us polls, by default);
+	 * KVR_SHARDS_NO_SPIN = idle_spin_ns (never longer). */
 	uint64_t idle_spin_max_ns;
 	/* The bound on how long a lazy post (kvr_shard_post_lazy) may wait for an idle shard: a
 	 * shard that ran a message within the last 100 ms (IDLE_PURGE_NS) parks for at most this

@@ -168,10 +168,9 @@ struct kvr_config {
 	 * message then costs no wake-up (tens of microseconds on a loaded machine), at the price
 	 * of up to this much CPU per idle period.  Adaptive: while its idle periods outlast the
 	 * spin (it did not pay), a shard spins less and then not at all, and spins again after
-	 * an idle period shorter than this; while producers wake it twice in a row within 8x
-	 * this of going idle (a steady stream a little sparser than the spin), it polls up to
-	 * 1.5x that period, at most 8x this (400 us), yielding the CPU between polls past this.
-	 * Default 50 us; 0 = park at once. */
+	 * an idle period shorter than this; while 3/4 of its recent idle periods ended with work
+	 * within 4x this (a stream a little sparser than the spin), it polls 4x this (200 us),
+	 * yielding the CPU between polls past this.  Default 50 us; 0 = park at once. */
 	uint64_t shard_idle_spin_ns;
 	/* Admission booking.  false (default): kvr_route and the lifecycle calls post their work to
 	 * the rank's shard and return without waiting; the request's load is visible at once, its
