@@ -121,7 +121,6 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 	kvr_free(lru->nxt, lru->cur_cap * sizeof(struct cursor));
 	kvr_free(lru->hits, lru->hits_cap * sizeof(struct kvr_run_hit));
 	kvr_free(lru->rel, lru->rel_cap * sizeof(uint32_t));
-	kvr_free(lru->chain, lru->chain_cap * sizeof(uint64_t));
 	kvr_u64map_fini(&lru->heads);
 	kvr_u64map_fini(&lru->hnext);
 	kvr_u64map_fini(&lru->dups);
@@ -203,14 +202,31 @@ static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t n
 	return nn;
 }
 
+/* Records a hit of run copies of segment seg from off: extends the last piece when it continues
+ * it, else appends one.  False when that needs a piece beyond hcap (nothing recorded). */
+static bool add_hit(struct kvr_run_hit *hits, size_t hcap, size_t *nh, uint32_t seg, uint32_t off,
+                    uint32_t run)
+{
+	struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
+	if (last && last->run == seg && last->off + last->len == off) {
+		last->len += run;
+		return true;
+	}
+	if (*nh == hcap)
+		return false;
+	hits[(*nh)++] = (struct kvr_run_hit){seg, off, run};
+	return true;
+}
+
 /*
  * Walks seq[0], seq[stride], ... (n hashes) from the copies in lru->cur[0..nc) of the hash
  * before them, or from the root (root: nc must be 0).  Returns how many leading hashes
  * are present.  With hits: records, per depth, the oldest copy, as pieces of consecutive copies
- * of one segment (*nh of them; room for n).  lru->cur_cap must cover every copy of one hash.
+ * of one segment (*nh of them); when that takes more than hcap pieces, stops early with
+ * *nh = SIZE_MAX.  lru->cur_cap must cover every copy of one hash.
  */
 static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride, size_t n,
-                   bool root, size_t nc, struct kvr_run_hit *hits, size_t *nh)
+                   bool root, size_t nc, struct kvr_run_hit *hits, size_t hcap, size_t *nh)
 {
 	struct cursor *cur = lru->cur, *nxt = lru->nxt;
 	size_t k = 0;
@@ -239,26 +255,16 @@ static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride
 			o += more;
 			k += more;
 			run += more;
-			if (hits) {
-				struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
-				if (last && last->run == cur[0].seg &&
-				    last->off + last->len == cur[0].off)
-					last->len += run;
-				else
-					hits[(*nh)++] =
-					    (struct kvr_run_hit){cur[0].seg, cur[0].off, run};
+			if (hits && !add_hit(hits, hcap, nh, cur[0].seg, cur[0].off, run)) {
+				*nh = SIZE_MAX;
+				return k;
 			}
 			cur[0].off = o;
 			continue;
 		}
-		if (hits) {
-			struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
-			if (last && last->run == cur[best].seg &&
-			    last->off + last->len == cur[best].off)
-				last->len++;
-			else
-				hits[(*nh)++] =
-				    (struct kvr_run_hit){cur[best].seg, cur[best].off, 1};
+		if (hits && !add_hit(hits, hcap, nh, cur[best].seg, cur[best].off, 1)) {
+			*nh = SIZE_MAX;
+			return k;
 		}
 	}
 	return k;
@@ -342,12 +348,22 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	if (n >= NIL)
 		return KVR_ERANGE;
 	int rc;
-	if ((rc = reserve_cursors(lru, 0)) ||
-	    (rc = kvr_grow((void **)&lru->hits, &lru->hits_cap, n ? n : 1,
-	                   sizeof(struct kvr_run_hit))))
+	if ((rc = reserve_cursors(lru, 0)))
 		return rc;
-	size_t nh = 0;
-	size_t hit = n ? walk(lru, &b[0].seq, 2, n, true, 0, lru->hits, &nh) : 0;
+	/* The hit pieces: a few, not one per block (an array of n would keep 24 KB a rank at 2,048
+	 * blocks: 1 B per (block, rank) in bench_footprint at 32k prompts); grown when a walk
+	 * needs more and walked again. */
+	size_t nh = 0, hit = 0, need = 1;
+	for (;;) {
+		if ((rc = kvr_grow((void **)&lru->hits, &lru->hits_cap, need,
+		                   sizeof(struct kvr_run_hit))))
+			return rc;
+		nh = 0;
+		hit = n ? walk(lru, &b[0].seq, 2, n, true, 0, lru->hits, lru->hits_cap, &nh) : 0;
+		if (nh != SIZE_MAX)
+			break;
+		need = lru->hits_cap + 1;
+	}
 	/* Make every hit piece a whole segment (splits change nothing observable). */
 	if ((rc = kvr_hits_whole(lru, &seg_ops, lru->hits, nh)))
 		return rc;
@@ -396,30 +412,32 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 }
 
 /* Materialize's slow path (the parent hash has several copies): the lease's chain, then the
- * new hashes, in lru->chain; walked from the root.  Returns how many new hashes are present. */
+ * new hashes, in a temporary array (rare: kept, it would hold a prompt's hashes per rank for
+ * good); walked from the root.  Returns how many new hashes are present. */
 static int present_slow(struct kvr_lru *lru, const struct lease *l, const struct kvr_lru_block *b,
                         size_t n, size_t *present)
 {
 	size_t total = (size_t)l->nblocks + n;
-	int rc = kvr_grow((void **)&lru->chain, &lru->chain_cap, total, sizeof(uint64_t));
-	if (rc)
-		return rc;
+	uint64_t *chain = kvr_alloc(total * sizeof(uint64_t));
+	if (!chain)
+		return KVR_ENOMEM;
 	size_t k = 0;
 	for (uint32_t p = 0; p < l->n; p++) {
 		uint32_t i = l->p[p].seg, left = l->p[p].len;
 		while (left) {
 			const struct seg *g = &lru->s[i];
 			uint32_t take = left < g->len ? left : g->len;
-			memcpy(lru->chain + k, seq_of(g), take * sizeof(uint64_t));
+			memcpy(chain + k, seq_of(g), take * sizeof(uint64_t));
 			k += take;
 			left -= take;
 			i = g->snext;
 		}
 	}
 	for (size_t j = 0; j < n; j++)
-		lru->chain[k++] = b[j].seq;
-	size_t w = walk(lru, lru->chain, 1, total, true, 0, NULL, NULL);
+		chain[k++] = b[j].seq;
+	size_t w = walk(lru, chain, 1, total, true, 0, NULL, 0, NULL);
 	*present = w > l->nblocks ? w - l->nblocks : 0;
+	kvr_free(chain, total * sizeof(uint64_t));
 	return 0;
 }
 
@@ -445,7 +463,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 		return rc;
 	if (n > 0) {
 		if (l->nblocks == 0) {
-			present = walk(lru, &b[0].seq, 2, n, true, 0, NULL, NULL);
+			present = walk(lru, &b[0].seq, 2, n, true, 0, NULL, 0, NULL);
 		} else if (kvr_u64map_find(&lru->dups, l->last_seq)) {
 			if ((rc = present_slow(lru, l, b, n, &present)))
 				return rc;
@@ -454,7 +472,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 			 * tail. */
 			uint32_t t = piece_last(lru, &l->p[l->n - 1]);
 			lru->cur[0] = (struct cursor){t, lru->s[t].len - 1};
-			present = walk(lru, &b[0].seq, 2, n, false, 1, NULL, NULL);
+			present = walk(lru, &b[0].seq, 2, n, false, 1, NULL, 0, NULL);
 		}
 	}
 	uint64_t *m = NULL;
@@ -572,7 +590,7 @@ size_t kvr_lru_overlap(const struct kvr_lru *lru, const uint64_t *seq, size_t n)
 {
 	if (!lru || !seq || n == 0 || lru->heads.count == 0)
 		return 0;
-	return walk(lru, seq, 1, n, true, 0, NULL, NULL);
+	return walk(lru, seq, 1, n, true, 0, NULL, 0, NULL);
 }
 
 void kvr_lru_set_keep_private(struct kvr_lru *lru, bool on)
@@ -623,7 +641,7 @@ size_t kvr_lru_bytes(const struct kvr_lru *lru)
 	         real(lru->gh.map.cap, slot);
 	bytes += real(lru->cur_cap, sizeof(struct cursor)) * 2 +
 	         real(lru->hits_cap, sizeof(struct kvr_run_hit)) +
-	         real(lru->rel_cap, sizeof(uint32_t)) + real(lru->chain_cap, sizeof(uint64_t));
+	         real(lru->rel_cap, sizeof(uint32_t));
 	for (uint32_t i = 0; i < lru->s_cap; i++)
 		if (!lru->s[i].unused)
 			bytes += real(lru->s[i].cap, sizeof(uint64_t));

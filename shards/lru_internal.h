@@ -108,8 +108,6 @@ struct kvr_lru {
 	size_t hits_cap;
 	uint32_t *rel; /* release: segments of one piece */
 	size_t rel_cap;
-	uint64_t *chain; /* materialize's slow path: the lease's hashes + the new ones */
-	size_t chain_cap;
 };
 
 static inline uint64_t *seq_of(const struct seg *g)

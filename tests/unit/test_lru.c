@@ -367,3 +367,39 @@ Test(lru, keep_private_phantom_evicted_silently)
 	kvr_lru_out_fini(&out);
 	kvr_lru_destroy(lru);
 }
+
+/* A prompt whose hit spans more segments than the acquire's piece array held (16 at first): the
+ * walk runs out of room, the array grows and the walk runs again; every block is a hit and the
+ * release puts them back in the order they were taken (deepest first). */
+Test(lru, hit_over_many_segments)
+{
+	enum { SEGS = 40, PER = 2 };
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[SEGS * PER];
+	uint64_t v[SEGS * PER];
+	for (int i = 0; i < SEGS * PER; i++)
+		v[i] = 100 + (uint64_t)i;
+	blocks(b, v, SEGS * PER);
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_lru_create(SEGS * PER, &lru), 0);
+	cr_assert_eq(kvr_lru_acquire(lru, 1, b, PER, 0, &out), 0);
+	for (int s = 1; s < SEGS; s++) /* one segment per materialize */
+		cr_assert_eq(kvr_lru_materialize(lru, 1, v[s * PER - 1], b + s * PER, PER,
+		                                 (uint32_t)(s * PER), 0, &out),
+		             0);
+	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0);
+	cr_assert_eq(kvr_lru_acquire(lru, 2, b, SEGS * PER, 0, &out), 0);
+	cr_assert_eq(out.n_stored, 0, "every block was a hit");
+	struct kvr_lru_stats st;
+	kvr_lru_stats(lru, &st);
+	cr_assert(st.copies == SEGS * PER && st.inactive == 0);
+	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);
+	cr_assert_eq(kvr_lru_set_capacity(lru, 1, &out), 0);
+	cr_assert_eq(out.n_evicted, SEGS * PER - 1);
+	for (int i = 0; i < SEGS * PER - 1; i++)
+		cr_assert_eq(out_evicted(&out, i), v[SEGS * PER - 1 - i], "deepest first");
+	cr_assert_eq(kvr_lru_overlap(lru, v, SEGS * PER), 1);
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
