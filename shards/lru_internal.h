@@ -16,12 +16,15 @@
 
 #define NIL UINT32_MAX
 
-/* A segment: 56 bytes.  What only some segments need lives elsewhere or shares room: the list
+/* A segment: 48 bytes.  What only some segments need lives elsewhere or shares room: the list
  * links and release order only matter while the segment is inactive (refs == 0) and the
  * refcount only while it is held, so they share a union (`inactive` says which); the next
- * segment with the same head hash (only duplicate copies have one) is in lru->hnext. */
+ * segment with the same head hash (only duplicate copies have one) is in lru->hnext.  The split
+ * chain has no back link: it is followed only inside a lease's piece, whose segments the lease
+ * holds, so a dropped (inactive) segment is never reached through it and needs no unlinking,
+ * and kvr_lru_settle redirects the links inside the leases' pieces when it moves segments. */
 struct seg {
-	uint64_t *mem;          /* hash array allocation */
+	uint64_t *mem;          /* hash array allocation: the segment's hashes, from mem[0] */
 	uint64_t stamp : 56;    /* the command that created these copies: smaller = older (2^56
 	                         * segment creations per rank: 2,000 years at a million a second) */
 	uint64_t inactive : 1;  /* on the inactive list (then the union holds order/prev/next) */
@@ -34,13 +37,13 @@ struct seg {
 		};
 		uint32_t refs; /* held: leases holding every copy of the segment */
 	};
-	uint32_t start;        /* the first hash is mem[start] */
-	uint32_t len;          /* copies */
-	uint32_t cap;          /* mem's size in hashes */
-	uint32_t sprev, snext; /* split chain: segments that were one, in chain order */
-	uint32_t depth;        /* chain position of the first copy */
+	uint32_t len;   /* copies */
+	uint32_t cap;   /* mem's size in hashes */
+	uint32_t snext; /* split chain: the next of the segments that were one, in chain
+	                 * order (meaningful inside a lease's piece only) */
+	uint32_t depth; /* chain position of the first copy */
 };
-_Static_assert(sizeof(struct seg) == 56, "struct seg grew");
+_Static_assert(sizeof(struct seg) == 48, "struct seg grew");
 
 /* Released private blocks (keep_private): one entry per release that had any, in a FIFO (a ring)
  * beside the inactive list.  An entry takes its release's first order, unshared by any segment,
@@ -112,7 +115,7 @@ struct kvr_lru {
 
 static inline uint64_t *seq_of(const struct seg *g)
 {
-	return g->mem + g->start;
+	return g->mem;
 }
 
 /* lru.c */

@@ -673,6 +673,81 @@ Test(lru_diff, segment_array_shrinks_against_ref)
 	}
 }
 
+/* Held pieces that span several segments when the array shrinks: every tenth attempt's segment
+ * is split by a second attempt hitting its first half (the right half, a new segment high in
+ * the array, is the piece's second segment), a capacity cut evicts the rest, and the shrink
+ * moves the right halves down: the piece's split-chain link must follow them (the releases
+ * walk it).  Everything must agree with the per-block LRU. */
+Test(lru_diff, shrink_moves_split_pieces_against_ref)
+{
+	enum { N = 600, LEN = 4 };
+	for (int keep = 0; keep < 2; keep++) {
+		struct kvr_lru *lru;
+		struct ref_lru *ref;
+		struct kvr_lru_out out, xo;
+		kvr_lru_out_init(&out);
+		kvr_lru_out_init(&xo);
+		cr_assert_eq(kvr_lru_create(N * LEN, &lru), 0);
+		cr_assert_eq(ref_lru_create(N * LEN, &ref), 0);
+		kvr_lru_set_keep_private(lru, keep);
+		ref_lru_set_keep_private(ref, keep);
+		static struct kvr_lru_block b[N][LEN];
+		int step = 0;
+		for (uint64_t a = 1; a <= N; a++, step++) {
+			uint64_t p = ROOT;
+			for (int i = 0; i < LEN; i++) {
+				p = chain(p, a * 10 + (uint64_t)i);
+				b[a - 1][i] =
+				    (struct kvr_lru_block){.local = a * 10 + (uint64_t)i, .seq = p};
+			}
+			cr_assert_eq(kvr_lru_acquire(lru, a, b[a - 1], LEN, 1, &out),
+			             ref_lru_acquire(ref, a, b[a - 1], LEN, 1, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		}
+		for (uint64_t a = 10; a <= N; a += 10, step++) { /* split the held ones */
+			cr_assert_eq(kvr_lru_acquire(lru, 2 * N + a, b[a - 1], LEN / 2, 0, &out),
+			             ref_lru_acquire(ref, 2 * N + a, b[a - 1], LEN / 2, 0, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+			cr_assert_eq(kvr_lru_release(lru, 2 * N + a, &out),
+			             ref_lru_release(ref, 2 * N + a, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		}
+		for (uint64_t a = 1; a <= N; a++, step++) {
+			if (a % 10 == 0)
+				continue;
+			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		}
+		size_t before = kvr_lru_bytes(lru);
+		uint64_t cap = N / 10 * (LEN + 1) + 30;
+		cr_assert_eq(kvr_lru_set_capacity(lru, cap, &out),
+		             ref_lru_set_capacity(ref, cap, &xo));
+		seg_check_out(keep, step++, &out, &xo, b[0]);
+		seg_check_stats(keep, step, lru, ref);
+		cr_assert_lt(kvr_lru_bytes(lru) + 20000, before,
+		             "the segment array did not shrink");
+		for (uint64_t a = 10; a <= N; a += 10, step++) {
+			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+			seg_check_stats(keep, step, lru, ref);
+		}
+		for (uint64_t a = 10; a <= N; a += 10, step++) {
+			cr_assert_eq(kvr_lru_acquire(lru, 3 * N + a, b[a - 1], LEN, 0, &out),
+			             ref_lru_acquire(ref, 3 * N + a, b[a - 1], LEN, 0, &xo));
+			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+			seg_check_stats(keep, step, lru, ref);
+			uint64_t q[LEN];
+			for (int i = 0; i < LEN; i++)
+				q[i] = b[a - 1][i].seq;
+			cr_assert_eq(kvr_lru_overlap(lru, q, LEN), ref_lru_overlap(ref, q, LEN));
+		}
+		kvr_lru_destroy(lru);
+		ref_lru_destroy(ref);
+		kvr_lru_out_fini(&out);
+		kvr_lru_out_fini(&xo);
+	}
+}
+
 /* The same sequences with allocation failures injected into the segment LRU. */
 Test(lru_diff, segments_against_ref_oom, .timeout = 120)
 {
