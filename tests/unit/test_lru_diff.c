@@ -606,6 +606,84 @@ Test(lru_diff, segments_against_ref, .timeout = 120)
 		        (unsigned long long)cov_multi_runs, (unsigned long long)cov_stored);
 }
 
+/* The two LRUs side by side, for the hand-built sequences below: every command is given to both
+ * and must agree (return code, outputs, stats). */
+struct both {
+	struct kvr_lru *lru;
+	struct ref_lru *ref;
+	struct kvr_lru_out out, xo;
+	int keep, step;
+};
+
+static void both_init(struct both *t, uint64_t cap, int keep)
+{
+	memset(t, 0, sizeof(*t));
+	t->keep = keep;
+	kvr_lru_out_init(&t->out);
+	kvr_lru_out_init(&t->xo);
+	cr_assert_eq(kvr_lru_create(cap, &t->lru), 0);
+	cr_assert_eq(ref_lru_create(cap, &t->ref), 0);
+	kvr_lru_set_keep_private(t->lru, keep);
+	ref_lru_set_keep_private(t->ref, keep);
+}
+
+static void both_fini(struct both *t)
+{
+	kvr_lru_destroy(t->lru);
+	ref_lru_destroy(t->ref);
+	kvr_lru_out_fini(&t->out);
+	kvr_lru_out_fini(&t->xo);
+}
+
+static void both_check(struct both *t, const struct kvr_lru_block *b)
+{
+	seg_check_out((uint64_t)t->keep, t->step, &t->out, &t->xo, b);
+	seg_check_stats((uint64_t)t->keep, t->step, t->lru, t->ref);
+	t->step++;
+}
+
+static void both_acquire(struct both *t, uint64_t a, const struct kvr_lru_block *b, size_t n,
+                         uint32_t priv)
+{
+	cr_assert_eq(kvr_lru_acquire(t->lru, a, b, n, priv, &t->out),
+	             ref_lru_acquire(t->ref, a, b, n, priv, &t->xo), "keep %d step %d", t->keep,
+	             t->step);
+	both_check(t, b);
+}
+
+static void both_release(struct both *t, uint64_t a, const struct kvr_lru_block *b)
+{
+	cr_assert_eq(kvr_lru_release(t->lru, a, &t->out), ref_lru_release(t->ref, a, &t->xo),
+	             "keep %d step %d", t->keep, t->step);
+	both_check(t, b);
+}
+
+static void both_set_capacity(struct both *t, uint64_t cap, const struct kvr_lru_block *b)
+{
+	cr_assert_eq(kvr_lru_set_capacity(t->lru, cap, &t->out),
+	             ref_lru_set_capacity(t->ref, cap, &t->xo));
+	both_check(t, b);
+}
+
+static void both_overlap(struct both *t, const struct kvr_lru_block *b, size_t n)
+{
+	uint64_t q[16];
+	cr_assert_leq(n, 16);
+	for (size_t i = 0; i < n; i++)
+		q[i] = b[i].seq;
+	cr_assert_eq(kvr_lru_overlap(t->lru, q, n), ref_lru_overlap(t->ref, q, n));
+}
+
+/* Attempt a's prompt: a chain of len blocks of its own (a segment each when acquired whole). */
+static void own_chain(struct kvr_lru_block *b, uint64_t a, int len)
+{
+	uint64_t p = ROOT;
+	for (int i = 0; i < len; i++) {
+		p = chain(p, a * 10 + (uint64_t)i);
+		b[i] = (struct kvr_lru_block){.local = a * 10 + (uint64_t)i, .seq = p};
+	}
+}
+
 /* The segment array grows past the size kvr_lru_settle shrinks from, a capacity cut evicts
  * most segments while every tenth attempt still holds its copies (spread over the array, so
  * the shrink moves held segments and redirects their leases), and everything after must agree
@@ -613,63 +691,30 @@ Test(lru_diff, segments_against_ref, .timeout = 120)
 Test(lru_diff, segment_array_shrinks_against_ref)
 {
 	enum { N = 600, LEN = 3 };
+	static struct kvr_lru_block b[N][LEN];
 	for (int keep = 0; keep < 2; keep++) {
-		struct kvr_lru *lru;
-		struct ref_lru *ref;
-		struct kvr_lru_out out, xo;
-		kvr_lru_out_init(&out);
-		kvr_lru_out_init(&xo);
-		cr_assert_eq(kvr_lru_create(N * LEN, &lru), 0);
-		cr_assert_eq(ref_lru_create(N * LEN, &ref), 0);
-		kvr_lru_set_keep_private(lru, keep);
-		ref_lru_set_keep_private(ref, keep);
-		static struct kvr_lru_block b[N][LEN];
-		int step = 0;
-		for (uint64_t a = 1; a <= N; a++, step++) { /* distinct chains: a segment each */
-			uint64_t p = ROOT;
-			for (int i = 0; i < LEN; i++) {
-				p = chain(p, a * 10 + (uint64_t)i);
-				b[a - 1][i] =
-				    (struct kvr_lru_block){.local = a * 10 + (uint64_t)i, .seq = p};
-			}
-			cr_assert_eq(kvr_lru_acquire(lru, a, b[a - 1], LEN, 0, &out),
-			             ref_lru_acquire(ref, a, b[a - 1], LEN, 0, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		struct both t;
+		both_init(&t, N * LEN, keep);
+		for (uint64_t a = 1; a <= N; a++) { /* distinct chains: a segment each */
+			own_chain(b[a - 1], a, LEN);
+			both_acquire(&t, a, b[a - 1], LEN, 0);
 		}
-		for (uint64_t a = 1; a <= N; a++, step++) {
-			if (a % 10 == 0)
-				continue;
-			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-		}
-		size_t before = kvr_lru_bytes(lru);
-		cr_assert_eq(kvr_lru_set_capacity(lru, N / 10 * LEN + 30, &out),
-		             ref_lru_set_capacity(ref, N / 10 * LEN + 30, &xo));
-		seg_check_out(keep, step++, &out, &xo, b[0]);
-		seg_check_stats(keep, step, lru, ref);
-		/* The 540 evicted segments' hash arrays are ~17 KB; the array of 1,024 56-byte
-		 * slots shrinks to fit the 60 held segments and their leases: ~47 KB more. */
-		cr_assert_lt(kvr_lru_bytes(lru) + 40000, before,
+		for (uint64_t a = 1; a <= N; a++)
+			if (a % 10 != 0)
+				both_release(&t, a, b[a - 1]);
+		size_t before = kvr_lru_bytes(t.lru);
+		both_set_capacity(&t, N / 10 * LEN + 30, b[0]);
+		/* The 540 evicted segments' hash arrays are ~17 KB; the array of 1,024 48-byte
+		 * slots shrinks to fit the 60 held segments: ~40 KB more. */
+		cr_assert_lt(kvr_lru_bytes(t.lru) + 40000, before,
 		             "the segment array was not given back");
-		for (uint64_t a = 10; a <= N; a += 10, step++) {
-			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-			seg_check_stats(keep, step, lru, ref);
+		for (uint64_t a = 10; a <= N; a += 10)
+			both_release(&t, a, b[a - 1]);
+		for (uint64_t a = 1; a <= N; a += 7) {
+			both_acquire(&t, N + a, b[a - 1], LEN, 0);
+			both_overlap(&t, b[a - 1], LEN);
 		}
-		for (uint64_t a = 1; a <= N; a += 7, step++) {
-			cr_assert_eq(kvr_lru_acquire(lru, N + a, b[a - 1], LEN, 0, &out),
-			             ref_lru_acquire(ref, N + a, b[a - 1], LEN, 0, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-			seg_check_stats(keep, step, lru, ref);
-			uint64_t q[LEN];
-			for (int i = 0; i < LEN; i++)
-				q[i] = b[a - 1][i].seq;
-			cr_assert_eq(kvr_lru_overlap(lru, q, LEN), ref_lru_overlap(ref, q, LEN));
-		}
-		kvr_lru_destroy(lru);
-		ref_lru_destroy(ref);
-		kvr_lru_out_fini(&out);
-		kvr_lru_out_fini(&xo);
+		both_fini(&t);
 	}
 }
 
@@ -681,70 +726,32 @@ Test(lru_diff, segment_array_shrinks_against_ref)
 Test(lru_diff, shrink_moves_split_pieces_against_ref)
 {
 	enum { N = 600, LEN = 4 };
+	static struct kvr_lru_block b[N][LEN];
 	for (int keep = 0; keep < 2; keep++) {
-		struct kvr_lru *lru;
-		struct ref_lru *ref;
-		struct kvr_lru_out out, xo;
-		kvr_lru_out_init(&out);
-		kvr_lru_out_init(&xo);
-		cr_assert_eq(kvr_lru_create(N * LEN, &lru), 0);
-		cr_assert_eq(ref_lru_create(N * LEN, &ref), 0);
-		kvr_lru_set_keep_private(lru, keep);
-		ref_lru_set_keep_private(ref, keep);
-		static struct kvr_lru_block b[N][LEN];
-		int step = 0;
-		for (uint64_t a = 1; a <= N; a++, step++) {
-			uint64_t p = ROOT;
-			for (int i = 0; i < LEN; i++) {
-				p = chain(p, a * 10 + (uint64_t)i);
-				b[a - 1][i] =
-				    (struct kvr_lru_block){.local = a * 10 + (uint64_t)i, .seq = p};
-			}
-			cr_assert_eq(kvr_lru_acquire(lru, a, b[a - 1], LEN, 1, &out),
-			             ref_lru_acquire(ref, a, b[a - 1], LEN, 1, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		struct both t;
+		both_init(&t, N * LEN, keep);
+		for (uint64_t a = 1; a <= N; a++) {
+			own_chain(b[a - 1], a, LEN);
+			both_acquire(&t, a, b[a - 1], LEN, 1);
 		}
-		for (uint64_t a = 10; a <= N; a += 10, step++) { /* split the held ones */
-			cr_assert_eq(kvr_lru_acquire(lru, 2 * N + a, b[a - 1], LEN / 2, 0, &out),
-			             ref_lru_acquire(ref, 2 * N + a, b[a - 1], LEN / 2, 0, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-			cr_assert_eq(kvr_lru_release(lru, 2 * N + a, &out),
-			             ref_lru_release(ref, 2 * N + a, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
+		for (uint64_t a = 10; a <= N; a += 10) { /* split the held ones */
+			both_acquire(&t, 2 * N + a, b[a - 1], LEN / 2, 0);
+			both_release(&t, 2 * N + a, b[a - 1]);
 		}
-		for (uint64_t a = 1; a <= N; a++, step++) {
-			if (a % 10 == 0)
-				continue;
-			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-		}
-		size_t before = kvr_lru_bytes(lru);
-		uint64_t cap = N / 10 * (LEN + 1) + 30;
-		cr_assert_eq(kvr_lru_set_capacity(lru, cap, &out),
-		             ref_lru_set_capacity(ref, cap, &xo));
-		seg_check_out(keep, step++, &out, &xo, b[0]);
-		seg_check_stats(keep, step, lru, ref);
-		cr_assert_lt(kvr_lru_bytes(lru) + 20000, before,
+		for (uint64_t a = 1; a <= N; a++)
+			if (a % 10 != 0)
+				both_release(&t, a, b[a - 1]);
+		size_t before = kvr_lru_bytes(t.lru);
+		both_set_capacity(&t, N / 10 * (LEN + 1) + 30, b[0]);
+		cr_assert_lt(kvr_lru_bytes(t.lru) + 20000, before,
 		             "the segment array did not shrink");
-		for (uint64_t a = 10; a <= N; a += 10, step++) {
-			cr_assert_eq(kvr_lru_release(lru, a, &out), ref_lru_release(ref, a, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-			seg_check_stats(keep, step, lru, ref);
+		for (uint64_t a = 10; a <= N; a += 10)
+			both_release(&t, a, b[a - 1]);
+		for (uint64_t a = 10; a <= N; a += 10) {
+			both_acquire(&t, 3 * N + a, b[a - 1], LEN, 0);
+			both_overlap(&t, b[a - 1], LEN);
 		}
-		for (uint64_t a = 10; a <= N; a += 10, step++) {
-			cr_assert_eq(kvr_lru_acquire(lru, 3 * N + a, b[a - 1], LEN, 0, &out),
-			             ref_lru_acquire(ref, 3 * N + a, b[a - 1], LEN, 0, &xo));
-			seg_check_out(keep, step, &out, &xo, b[a - 1]);
-			seg_check_stats(keep, step, lru, ref);
-			uint64_t q[LEN];
-			for (int i = 0; i < LEN; i++)
-				q[i] = b[a - 1][i].seq;
-			cr_assert_eq(kvr_lru_overlap(lru, q, LEN), ref_lru_overlap(ref, q, LEN));
-		}
-		kvr_lru_destroy(lru);
-		ref_lru_destroy(ref);
-		kvr_lru_out_fini(&out);
-		kvr_lru_out_fini(&xo);
+		both_fini(&t);
 	}
 }
 
