@@ -52,7 +52,7 @@
  * it), so every evicted run is a tail.  The router always chains; tests use chains too.
  *
  * Memory: per held block the 8-byte hash (arrays are compacted when a trim or split leaves them
- * less than half used); per segment a 56-byte record and a head-map slot; per lease piece 8
+ * less than half used); per segment a 48-byte record and a head-map slot; per lease piece 8
  * bytes.  Long runs therefore cost ~8-9 bytes a block (perf/bench_lru prints it).
  *
  * Released private blocks (kvr_lru_set_keep_private).  A request's partial, unhashed tail block

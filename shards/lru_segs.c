@@ -25,7 +25,7 @@ static size_t seg_slots_fit(size_t n)
 	return fit < NIL ? fit : NIL - 1;
 }
 
-/* Makes room for n new segments.  The array grows by a quarter (56 B a slot: bench_footprint's
+/* Makes room for n new segments.  The array grows by a quarter (48 B a slot: bench_footprint's
  * predicted caches at 2k prompts carried 1.6 slots per live segment growing by half), to what
  * its size class holds. */
 int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
