@@ -755,6 +755,32 @@ Test(lru_diff, shrink_moves_split_pieces_against_ref)
 	}
 }
 
+/* Released private blocks (keep_private) sit in a ring: evictions advance its head, more
+ * releases wrap it around and grow it (the copy must keep the order), and a capacity cut one
+ * block at a time shows every phantom's place in the eviction order against the per-block LRU. */
+Test(lru_diff, phantom_ring_wraps_and_grows_against_ref)
+{
+	enum { N = 60 };
+	static struct kvr_lru_block b[N][1];
+	struct both t;
+	both_init(&t, 4 * N, 1);
+	for (uint64_t a = 1; a <= N; a++)
+		own_chain(b[a - 1], a, 1);
+	for (uint64_t a = 1; a <= 10; a++) { /* 10 phantoms, each before its release's block */
+		both_acquire(&t, a, b[a - 1], 1, 1);
+		both_release(&t, a, b[a - 1]);
+	}
+	both_set_capacity(&t, 10, b[0]); /* the 5 oldest releases go: the ring's head moves */
+	both_set_capacity(&t, 4 * N, b[0]);
+	for (uint64_t a = 11; a <= N; a++) { /* wraps at 16 entries, then grows */
+		both_acquire(&t, a, b[a - 1], 1, 1 + (uint32_t)(a % 3 == 0));
+		both_release(&t, a, b[a - 1]);
+	}
+	for (uint64_t cap = 2 * N; cap-- > 0;)
+		both_set_capacity(&t, cap, b[0]);
+	both_fini(&t);
+}
+
 /* The same sequences with allocation failures injected into the segment LRU. */
 Test(lru_diff, segments_against_ref_oom, .timeout = 120)
 {
