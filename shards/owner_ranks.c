@@ -92,10 +92,22 @@ void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned 
 	}
 }
 
+/* blk[from..to) = b[from..to) as index blocks. */
+static void fill_blocks(struct kvr_index_block *blk, const struct kvr_lru_block *b, size_t from,
+                        size_t to)
+{
+	for (size_t i = from; i < to; i++)
+		blk[i] = (struct kvr_index_block){.ext_hash = b[i].seq, .local_hash = b[i].local};
+}
+
 /* Stores blocks b[p0..n) as one chain below b[p0-1] (root when p0 == 0 and no parent).
  * A write that fails (out of memory) leaves the index without blocks the predicted cache holds:
  * routing then under-estimates that rank's overlap, which is safe, and it is counted
- * (kvr_shard_errors_total{what="index_write"}), never silent. */
+ * (kvr_shard_errors_total{what="index_write"}), never silent.  The next admission that extends
+ * such a chain finds b[p0-1] missing and stores the whole prompt from the root, which puts the
+ * index back in step; that retry writes blk[0..p0) first (it once re-read what the previous
+ * store had left in the scratch: the index got that prompt's chain with the new blocks under it,
+ * and the prefix stayed missing). */
 static int store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own, const uint64_t *parent,
                      const struct kvr_lru_block *b, size_t p0, size_t n)
 {
@@ -104,13 +116,13 @@ static int store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own, con
 	const struct kvr_owner_ctx *c = ss->c;
 	int rc = kvr_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
 	if (rc == 0) {
-		for (size_t i = p0; i < n; i++)
-			ss->blk[i] = (struct kvr_index_block){.ext_hash = b[i].seq,
-			                                      .local_hash = b[i].local};
+		fill_blocks(ss->blk, b, p0, n);
 		const uint64_t *par = p0 > 0 ? &b[p0 - 1].seq : parent;
 		rc = kvr_index_store(c->index, own->slot, par, ss->blk + p0, n - p0);
-		if (rc == KVR_ENOENT && p0 > 0 && !parent)
+		if (rc == KVR_ENOENT && p0 > 0 && !parent) {
+			fill_blocks(ss->blk, b, 0, p0);
 			rc = kvr_index_store(c->index, own->slot, NULL, ss->blk, n);
+		}
 	}
 	if (rc)
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
