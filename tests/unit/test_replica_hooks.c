@@ -117,6 +117,21 @@ static void same_blocks(struct kvr_router *a, struct kvr_router *b, struct kvr_r
 	cr_assert_eq(memcmp(x, y, nx * 8), 0);
 }
 
+/* One lifecycle call on r's attempt: output (plain, not final or final, by how), or its end
+ * (finish when how == 3, else abort). */
+static void step(struct kvr_router *r, uint64_t attempt, bool output, int how, const uint32_t *out,
+                 size_t n)
+{
+	if (output)
+		cr_assert_eq(how == 0 ? kvr_request_output(r, attempt, out, n)
+		                      : kvr_request_output_ex(r, attempt, out, n,
+		                                              how == 1 ? 0 : KVR_OUTPUT_FINAL),
+		             0);
+	else
+		cr_assert_eq(
+		    how == 3 ? kvr_request_finish(r, attempt) : kvr_request_abort(r, attempt), 0);
+}
+
 Test(replica_hooks, mirrored_router_agrees)
 {
 	struct kvr_router *a = make(), *b = make();
@@ -148,18 +163,12 @@ Test(replica_hooks, mirrored_router_agrees)
 				for (int j = 0; j < 40; j++)
 					out[j] = (uint32_t)rand();
 				size_t n = 1 + (size_t)(rand() % 40);
-				int how = rand() % 3; /* plain, not final, final */
-				cr_assert_eq(how == 0 ? kvr_request_output(a, live[k], out, n)
-				                      : kvr_request_output_ex(
-				                            a, live[k], out, n,
-				                            how == 1 ? 0 : KVR_OUTPUT_FINAL),
-				             0);
+				/* plain, not final, final */
+				step(a, live[k], true, rand() % 3, out, n);
 			} else if (what == 1) {
 				cr_assert_eq(kvr_request_prefill_done(a, live[k]), 0);
 			} else {
-				cr_assert_eq(what == 2 ? kvr_request_finish(a, live[k])
-				                       : kvr_request_abort(a, live[k]),
-				             0);
+				step(a, live[k], false, what == 2 ? 3 : 0, NULL, 0);
 				live[k] = 0;
 			}
 			continue;
@@ -499,6 +508,17 @@ Test(replica_hooks, wire_output_finality)
 	cr_assert_eq(attempt_msg(4, 16, &m), KVR_EINVAL);
 }
 
+static uint64_t index_write_errors(struct kvr_router *r)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf) - 1, &len), 0);
+	buf[len] = 0;
+	const char *key = "kvr_shard_errors_total{what=\"index_write\"} ";
+	const char *e = strstr(buf, key);
+	return e ? strtoull(e + strlen(key), NULL, 10) : 0;
+}
+
 /* The index equals the predicted cache whatever the order of admissions, outputs and ends on a
  * rank: prompts and outputs of a few families share blocks (an output block is the next prompt
  * block of its family), so admissions hit other leases' copies, outputs duplicate resident
@@ -531,17 +551,9 @@ Test(replica_hooks, index_follows_predicted_cache_any_order, .timeout = 120)
 					for (size_t j = 0; j < n; j++)
 						out[j] = fam[k] * 1000u + pos[k] + (uint32_t)j;
 					pos[k] += (uint32_t)n;
-					int how = rand() % 3;
-					cr_assert_eq(how == 0
-					                 ? kvr_request_output(r, live[k], out, n)
-					                 : kvr_request_output_ex(
-					                       r, live[k], out, n,
-					                       how == 1 ? 0 : KVR_OUTPUT_FINAL),
-					             0);
+					step(r, live[k], true, rand() % 3, out, n);
 				} else {
-					cr_assert_eq(what == 3 ? kvr_request_finish(r, live[k])
-					                       : kvr_request_abort(r, live[k]),
-					             0);
+					step(r, live[k], false, what, NULL, 0);
 					live[k] = 0;
 				}
 				continue;
@@ -556,29 +568,12 @@ Test(replica_hooks, index_follows_predicted_cache_any_order, .timeout = 120)
 		cr_assert_eq(kvr_router_sync(r, 5000), 0);
 		struct kvr_rank_stats s;
 		cr_assert_eq(kvr_rank_get_stats(r, rk, &s), 0);
-		static char buf[1 << 16];
-		size_t len = 0;
-		cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf) - 1, &len), 0);
-		buf[len] = 0;
-		const char *key = "kvr_shard_errors_total{what=\"index_write\"} ";
-		const char *e = strstr(buf, key);
-		cr_assert(!e || e[strlen(key)] == '0', "seed %u: %.50s", seed, e);
+		cr_assert_eq(index_write_errors(r), 0, "seed %u", seed);
 		cr_assert_eq(s.resident_blocks, s.indexed_blocks,
 		             "seed %u: predicted %lu, indexed %lu", seed,
 		             (unsigned long)s.resident_blocks, (unsigned long)s.indexed_blocks);
 		kvr_router_destroy(r);
 	}
-}
-
-static uint64_t index_write_errors(struct kvr_router *r)
-{
-	static char buf[1 << 16];
-	size_t len = 0;
-	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf) - 1, &len), 0);
-	buf[len] = 0;
-	const char *key = "kvr_shard_errors_total{what=\"index_write\"} ";
-	const char *e = strstr(buf, key);
-	return e ? strtoull(e + strlen(key), NULL, 10) : 0;
 }
 
 /* An index write that ran out of memory leaves the predicted cache with blocks the index lacks;
