@@ -58,16 +58,17 @@
  * freed and reused; old_used counts them with the live ones): probes of the old array skip the
  * entries of ids outside [mig, mig_end), and the old array is freed when the cursor passes
  * mig_end or no unmoved run has an entry left (ids handed out after the start, >= mig_end, are
- * new-array ids from the first).  Lookups probe the new array, then the old.  Each reserve
- * (one per insert) pays a credit of units (16 slots zeroed, one id visited, one entry moved)
- * sized so that the migration ends before the inserts still going to the old array take it past
- * load 0.9: (units to do) / (inserts allowed) + 1 + 2; a drop_run pays as much per entry it
- * deletes and an unreserve one share, so deletions alone (a shrink, an index being emptied)
- * finish a migration too.  A run moves whole (the credit goes negative and later calls pay it
- * back), so one call does at most its credit + IDX_RUN_MAX units.  Past the hard limit (NEVER
- * with one insert per reserve) the rest moves at once.  A failed allocation changes nothing
- * (the old array stays).  Amortised cost: every rebuild moves each entry once, O(1) per insert
- * per 1.5x growth; while migrating, misses probe two arrays and the memory is old + new.
+ * new-array ids from the first; but while the new array is still being zeroed every insert goes
+ * to the old one, so a directory growth then moves mig_end past the new ids).  Lookups probe the
+ * new array, then the old.  Each reserve (one per insert) pays a credit of units (16 slots zeroed,
+ * one id visited, one entry moved) sized so that the migration ends before the inserts still going
+ * to the old array take it past load 0.9: (units to do) / (inserts allowed) + 1 + 2; a drop_run
+ * pays as much per entry it deletes and an unreserve one share, so deletions alone (a shrink, an
+ * index being emptied) finish a migration too.  A run moves whole (the credit goes negative and
+ * later calls pay it back), so one call does at most its credit + IDX_RUN_MAX units.  Past the hard
+ * limit (NEVER with one insert per reserve) the rest moves at once.  A failed allocation changes
+ * nothing (the old array stays).  Amortised cost: every rebuild moves each entry once, O(1) per
+ * insert per 1.5x growth; while migrating, misses probe two arrays and the memory is old + new.
  * Invariant: the locator holds exactly positions [1, hw) of every live run (trimmed positions
  * stay until the run dies, so a re-store finds them), and a run has an id iff it ever had two
  * positions.
@@ -524,6 +525,12 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 		kvr_free(b->dir, (size_t)ocap * sizeof(*d));
 		idx_count(&idx->bytes_shared, idx_real((uint64_t)ncap * sizeof(*d)) -
 		                                  idx_real((uint64_t)ocap * sizeof(*d)));
+		/* While the new array is being zeroed every insert goes to the old one, these ids'
+		 * too: the migration must move them (it moves ids below mig_end; once zeroing ends
+		 * the old array answers for no other id, so their entries were lost: held blocks
+		 * a store could not find as its parent). */
+		if (b->old_e && b->zeroed < b->cap && ncap > b->mig_end)
+			b->mig_end = ncap;
 		b->dir = d;
 		b->dir_cap = ncap;
 		b->dir_free = lo;

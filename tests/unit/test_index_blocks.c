@@ -146,3 +146,55 @@ Test(index_blocks, mass_removal_shrinks_then_frees)
 	free(held);
 	free(seqs);
 }
+
+/* Runs created while a growth migration is still zeroing the new array, when the id directory
+ * grows with them, get ids past the migration's end: their entries went to the old array (the
+ * new one was not usable yet), and once zeroing ended nothing looked there for them (the old
+ * array answers only for ids in [mig, mig_end), and only those move): the blocks were held but
+ * not findable, a store below them failed (KVR_ENOENT), and the rank's index lost what its
+ * predicted cache held (test_sync_nats, test_false_death: index_write errors, Jaccard 0.9985).
+ * trial * 7 prompts of four blocks, then two-block prompts (one entry and one new id each): the
+ * directory's growth falls at a different point of the table's growth each trial; with the
+ * least slices (kvr_index_blk_step_min 0) zeroing spans many stores (trial 29 lost a block). */
+Test(index_blocks, runs_born_while_zeroing_stay_findable)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	enum { N = 12000, M = 4 };
+	uint64_t *seqs = malloc(sizeof(*seqs) * N * M);
+	uint32_t *len = malloc(sizeof(*len) * N);
+	cr_assert(seqs && len);
+	uint64_t step_min = kvr_index_blk_step_min;
+	kvr_index_blk_step_min = 0; /* the least slices: zeroing spans many stores */
+	for (int trial = 0; trial < 300; trial++) {
+		struct kvr_index *idx;
+		cr_assert_eq(kvr_index_create(64, &idx), 0);
+		uint32_t slot;
+		cr_assert_eq(kvr_index_rank_add(idx, 100, 0, &slot), 0);
+		for (int k = 0; k < N; k++) {
+			uint64_t local[M];
+			len[k] = k < trial * 7 ? M : 2;
+			struct kvr_index_block b[M];
+			for (uint32_t j = 0; j < len[k]; j++)
+				local[j] = kvr_rand64(&rng);
+			kvr_hash_chain_locals(NULL, local, len[k], &seqs[(size_t)k * M]);
+			for (uint32_t j = 0; j < len[k]; j++)
+				b[j] = (struct kvr_index_block){seqs[(size_t)k * M + j], local[j]};
+			cr_assert_eq(kvr_index_store(idx, slot, NULL, b, len[k]), 0);
+		}
+		for (int k = 0; k < N; k++)
+			for (uint32_t j = 1; j < len[k]; j++) {
+				struct idx_run *r = NULL;
+				uint32_t pos = 0;
+				cr_assert(kvr_index_blk_find(idx, seqs[(size_t)k * M + j], NULL, 0,
+				                             &r, &pos),
+				          "trial %d: prompt %d of %d: block %u is not found "
+				          "(rebuilds %lu)",
+				          trial, k, N, j, (unsigned long)idx->blk.rebuilds);
+				cr_assert_eq(pos, j);
+			}
+		kvr_index_destroy(idx);
+	}
+	kvr_index_blk_step_min = step_min;
+	free(seqs);
+	free(len);
+}
