@@ -525,7 +525,7 @@ static uint64_t index_write_errors(struct kvr_router *r)
  * blocks, and a small capacity evicts between them.  A failed index write
  * (kvr_shard_errors_total{what="index_write"}) leaves the predicted cache with blocks the
  * index lacks: resident_blocks != indexed_blocks. */
-Test(replica_hooks, index_follows_predicted_cache_any_order, .timeout = 120)
+Test(replica_hooks, index_follows_predicted_cache_any_order)
 {
 	for (unsigned seed = 1; seed <= 24; seed++) {
 		struct kvr_config c;
