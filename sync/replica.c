@@ -151,7 +151,7 @@ static void *apply_main(void *arg)
 		}
 		pthread_mutex_unlock(&rep->hmu);
 		pthread_mutex_lock(&rep->qmu);
-		while (!rep->stop && !rep->qhead && !rep->want_reconnect && !rep->want_resync) {
+		while (!rep->stop && !rep->qhead && !rep->want_reconnect) {
 			uint64_t t = kvr_rep_mono_ns();
 			if (t >= next_hb)
 				break;
@@ -166,11 +166,11 @@ static void *apply_main(void *arg)
 		pthread_mutex_unlock(&rep->qmu);
 		pthread_mutex_lock(&rep->hmu);
 		pthread_mutex_lock(&rep->qmu);
-		bool rec = rep->want_reconnect, rsy = rep->want_resync;
-		rep->want_reconnect = rep->want_resync = false;
+		bool rec = rep->want_reconnect;
+		rep->want_reconnect = false;
 		struct kvr_rep_item *batch = NULL;
 		uint64_t n_batch = 0;
-		if (!rec && !rsy && rep->qhead) {
+		if (!rec && rep->qhead) {
 			batch = rep->qhead;
 			struct kvr_rep_item *last = batch;
 			for (n_batch = 1; n_batch < APPLY_BATCH && last->next; n_batch++)
@@ -190,7 +190,7 @@ static void *apply_main(void *arg)
 			pthread_mutex_unlock(&rep->mu);
 			kvr_rep_reannounce(rep, since);
 		}
-		if (rec || rsy) {
+		if (rec) {
 			kvr_rep_resync(rep);
 			pthread_mutex_unlock(&rep->hmu);
 			continue;
@@ -254,7 +254,7 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 	    __atomic_load_n(&kvr_rep_trace_origin, __ATOMIC_RELAXED) ? kvr_rep_mono_ns() : 0;
 	pthread_mutex_lock(&rep->qmu);
 	bool here = rep->ready && !rep->stop && !rep->qhead && !rep->want_reconnect &&
-	            !rep->want_resync && !kvr_rep_stalled(rep, kvr_rep_mono_ns()) &&
+	            !kvr_rep_stalled(rep, kvr_rep_mono_ns()) &&
 	            pthread_mutex_trylock(&rep->hmu) == 0;
 	if (here)
 		rep->q_in++;

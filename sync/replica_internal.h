@@ -125,7 +125,7 @@ struct kvr_replica {
 	pthread_cond_t qcv, donecv;
 	struct kvr_rep_item *qhead, *qtail;
 	uint64_t q_in, q_done;
-	bool stop, want_reconnect, want_resync, ready;
+	bool stop, want_reconnect, ready;
 	bool want_reannounce;   /* under mu: a peer asked (SNAP_REQ on the stream) */
 	uint64_t reannounce_ms; /* under mu: how far back the askers need finished attempts */
 	uint64_t reconnect_ns;  /* hmu: when the last outage ended */
