@@ -345,25 +345,38 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 		drop_booking(ss, rec);
 		return KVR_ENOMEM;
 	}
+	/* The load before the predicted cache: the one step after track() that can fail and must
+	 * not (an attempt without its load was routed as if it were not there, and with
+	 * sync_booking kvr_route returned 0 for it), so it fails the booking whole, as track()
+	 * does, before anything else has changed. */
+	uint64_t now = kvr_owner_now(c);
+	uint64_t cached = (uint64_t)rec->overlap * bs;
+	if (kvr_load_add(own->load, rec->attempt, n ? &b[0].seq : NULL, KVR_LRU_BLOCK_STRIDE, n,
+	                 rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now)) {
+		untrack(ss, rec);
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
+		drop_booking(ss, rec);
+		return KVR_ENOMEM;
+	}
 	rec->incarnation = own->incarnation;
 	rec->next = own->attempts;
 	if (own->attempts)
 		own->attempts->prev = rec;
 	own->attempts = rec;
-	uint64_t now = kvr_owner_now(c);
 	if (own->rs) {
 		uint32_t priv = rec->tail_n > 0 || !rec->chain_known ? 1 : 0;
-		if (kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n, priv, now,
-		                           &ss->out) == 0) {
+		int rc = kvr_rank_state_acquire(own->rs, own->incarnation, rec->attempt, b, n, priv,
+		                                now, &ss->out);
+		if (rc == 0) {
 			rec->booked = true;
 			kvr_owner_apply_removals(ss, own, &ss->out);
 			kvr_owner_store_runs(ss, own, NULL, b, &ss->out);
 			kvr_owner_arm_ttl(sh, own);
+		} else if (rc == KVR_ENOMEM) {
+			/* tracked for load only (output() skips it): counted, not silent */
+			kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
 		}
 	}
-	uint64_t cached = (uint64_t)rec->overlap * bs;
-	kvr_load_add(own->load, rec->attempt, n ? &b[0].seq : NULL, KVR_LRU_BLOCK_STRIDE, n,
-	             rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now);
 	kvr_owner_publish(ss, own);
 	unprovision(c, rec, true);
 	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);

@@ -363,19 +363,21 @@ static int new_life(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t i
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
-	kvr_owner_end_all_attempts(sh, own);
+	/* The new store first: out of memory then changes nothing (KVR_ENOMEM's promise).  Ending
+	 * the attempts first once left a failed set_capacity or reset with every attempt stale, the
+	 * predicted cache dropped and the rank ABSENT (no prediction until the next capacity call)
+	 * under the old incarnation (tests/fuzz/oom_api.c). */
 	if (own->rs) {
-		if (kvr_rank_state_mode(own->rs) != KVR_RANK_ABSENT &&
-		    kvr_rank_state_reset(own->rs, &ss->out) == 0)
-			kvr_owner_apply_removals(ss, own, &ss->out);
-		int rc = kvr_rank_state_set_capacity(own->rs, incarnation,
-		                                     initial_capacity(c, capacity), &ss->out);
+		int rc = kvr_rank_state_renew(own->rs, incarnation, initial_capacity(c, capacity),
+		                              &ss->out);
 		if (rc)
 			return rc;
-		kvr_owner_apply_removals(ss, own, &ss->out);
-	} else {
-		kvr_index_clear_rank(c->index, own->slot);
 	}
+	kvr_owner_end_all_attempts(sh, own); /* releases no blocks: ss->out is left as it is */
+	if (own->rs)
+		kvr_owner_apply_removals(ss, own, &ss->out);
+	else
+		kvr_index_clear_rank(c->index, own->slot);
 	own->incarnation = incarnation;
 	own->capacity = capacity;
 	own->have_event = false;
@@ -410,12 +412,9 @@ int kvr_owner_rank_capacity(struct kvr_shard *sh, void *arg)
 		rc = kvr_rank_state_set_capacity(own->rs, own->incarnation, cap, &ss->out);
 		if (rc == KVR_EBUSY && before == KVR_RANK_TTL && cap > 0) {
 			/* TTL retention -> a finite capacity, same life: the predicted cache starts
-			 * over as an LRU (the TTL state cannot be turned into one). */
-			if ((rc = kvr_rank_state_reset(own->rs, &ss->out)) == 0) {
-				kvr_owner_apply_removals(ss, own, &ss->out);
-				rc = kvr_rank_state_set_capacity(own->rs, own->incarnation, cap,
-				                                 &ss->out);
-			}
+			 * over as an LRU (the TTL state cannot be turned into one), made before the
+			 * TTL store goes (a reset first left the rank ABSENT on KVR_ENOMEM). */
+			rc = kvr_rank_state_renew(own->rs, own->incarnation, cap, &ss->out);
 		}
 		if (rc == 0) {
 			kvr_owner_apply_removals(ss, own, &ss->out);

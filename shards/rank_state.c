@@ -104,17 +104,17 @@ int kvr_rank_state_set_capacity(struct kvr_rank_state *rs, uint64_t incarnation,
 	return kvr_lru_set_capacity(rs->lru, capacity, out);
 }
 
-int kvr_rank_state_reset(struct kvr_rank_state *rs, struct kvr_lru_out *out)
+int kvr_rank_state_renew(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t capacity,
+                         struct kvr_lru_out *out)
 {
 	if (!rs || !out)
 		return KVR_EINVAL;
 	kvr_lru_out_reset(out);
-	if (rs->mode == KVR_RANK_ABSENT)
-		return KVR_ENOENT;
-	drop_store(rs);
-	rs->mode = KVR_RANK_ABSENT;
-	out->cleared = true;
-	return 0;
+	bool known = rs->mode != KVR_RANK_ABSENT;
+	int rc = fresh(rs, incarnation, capacity);
+	if (rc == 0)
+		out->cleared = known;
+	return rc;
 }
 
 /* The fence every command passes first. */

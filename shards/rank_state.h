@@ -55,8 +55,13 @@ void kvr_rank_state_destroy(struct kvr_rank_state *rs);
 int kvr_rank_state_set_capacity(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t capacity,
                                 struct kvr_lru_out *out);
 
-/* Forgets the rank: out->cleared, the slot becomes ABSENT.  KVR_ENOENT if already absent. */
-int kvr_rank_state_reset(struct kvr_rank_state *rs, struct kvr_lru_out *out);
+/* Starts a new life: replaces the store, whatever the mode, with an empty one for (incarnation,
+ * capacity) (0 = TTL retention), out->cleared unless the rank was ABSENT.  The new store is made
+ * before the old one goes, so a rank command that ends the rank's attempts only after this
+ * returned 0 changes nothing on KVR_ENOMEM.  Returns 0, KVR_EINVAL, KVR_ENOMEM (nothing changed).
+ * Context: the rank's shard. */
+int kvr_rank_state_renew(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t capacity,
+                         struct kvr_lru_out *out);
 
 /* kvr_lru_acquire (LRU) or a TTL record of the prompt at positions 0.. (TTL), fenced.
  * Returns 0, KVR_ENOENT (absent), KVR_ESTALE (incarnation), KVR_EEXIST, KVR_EINVAL,

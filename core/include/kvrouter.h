@@ -252,10 +252,12 @@ KVR_API int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank,
                                   uint64_t incarnation, uint64_t capacity_blocks);
 
 /* Forgets everything known about the rank's cache and requests (its attempts become stale) and
- * continues with new_incarnation.  Returns 0, KVR_ENOENT, KVR_ESTALE (new_incarnation older). */
+ * continues with new_incarnation.  Returns 0, KVR_ENOENT, KVR_ESTALE (new_incarnation older),
+ * KVR_ENOMEM (the new, empty predicted cache could not be made: nothing changed). */
 KVR_API int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation);
 
-/* Removes the rank; its attempts become stale.  Returns 0 or KVR_ENOENT. */
+/* Removes the rank; its attempts become stale.  Returns 0, KVR_ENOENT or KVR_ENOMEM (the copy of
+ * the routable-rank list without it could not be made: nothing changed, the rank still routes). */
 KVR_API int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank);
 
 struct kvr_rank_stats {
@@ -373,7 +375,10 @@ struct kvr_decision {
  * taken microseconds later may not see this prompt's blocks yet (it does see its load).  If the
  * rank is removed between the decision and the booking, the attempt is stale: nothing is
  * booked and its lifecycle calls return KVR_ESTALE once the rank's shard has seen the booking
- * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead.
+ * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead.  A posted
+ * booking that runs out of memory on the shard is dropped the same way (the attempt is stale,
+ * kvr_shard_errors_total{what="index_write"} counts it); with sync_booking kvr_route returns
+ * KVR_ENOMEM for it.
  */
 KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d);
 

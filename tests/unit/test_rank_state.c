@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
 #include "shards/rank_state.h"
 #include "lru_out_util.h"
@@ -42,8 +43,6 @@ Test(rank_state, unknown_rank_refused_and_not_resurrected)
 	assert_empty_out();
 	cr_assert_eq(kvr_rank_state_materialize(rs, 1, 1, 0, B, 1, 0, 0, 0, &out), KVR_ENOENT);
 	cr_assert_eq(kvr_rank_state_release(rs, 1, 1, &out), KVR_ENOENT);
-	cr_assert_eq(kvr_rank_state_reset(rs, &out), KVR_ENOENT);
-	assert_empty_out();
 	cr_assert_eq(kvr_rank_state_mode(rs), KVR_RANK_ABSENT, "never resurrected");
 	uint64_t q[1] = {10};
 	cr_assert_eq(kvr_rank_state_overlap(rs, q, 1), 0);
@@ -78,11 +77,38 @@ Test(rank_state, lru_lifecycle_and_stale_incarnation)
 	cr_assert_eq(kvr_rank_state_overlap(rs, q, 3), 0);
 	cr_assert_eq(kvr_rank_state_acquire(rs, 7, 3, B, 1, 0, 0, &out), KVR_ESTALE);
 	assert_empty_out();
-	cr_assert_eq(kvr_rank_state_reset(rs, &out), 0);
+	/* Renewed in the same incarnation (a rank reset): empty, its leases gone with it. */
+	cr_assert_eq(kvr_rank_state_acquire(rs, 8, 3, B, 2, 0, 0, &out), 0);
+	cr_assert_eq(kvr_rank_state_renew(rs, 8, 5, &out), 0);
 	cr_assert(out.cleared);
-	cr_assert_eq(kvr_rank_state_mode(rs), KVR_RANK_ABSENT);
-	cr_assert_eq(kvr_rank_state_acquire(rs, 8, 3, B, 1, 0, 0, &out), KVR_ENOENT,
-	             "reset rank is gone");
+	cr_assert_eq(kvr_rank_state_mode(rs), KVR_RANK_LRU);
+	cr_assert_eq(kvr_rank_state_overlap(rs, q, 3), 0);
+	cr_assert_eq(kvr_rank_state_release(rs, 8, 3, &out), KVR_ENOENT,
+	             "leases of the old store are gone");
+}
+
+/* A failed renew (out of memory) leaves the rank exactly as it was: owner_ranks.c's new_life
+ * renews before it ends any attempt, so a failed kvr_rank_set_capacity or kvr_rank_reset
+ * changes nothing (tests/fuzz/oom_api.c found the attempts ended and the rank ABSENT). */
+Test(rank_state, renew_out_of_memory_changes_nothing)
+{
+	cr_assert_eq(kvr_rank_state_set_capacity(rs, 7, 8, &out), 0);
+	cr_assert_eq(kvr_rank_state_acquire(rs, 7, 1, B, 3, 0, 0, &out), 0);
+	uint64_t q[3] = {10, 11, 12};
+	for (uint64_t cap = 0; cap <= 8; cap += 8) { /* to TTL, to an LRU */
+		kvr_alloc_fail_after(1);
+		cr_assert_eq(kvr_rank_state_renew(rs, 9, cap, &out), KVR_ENOMEM);
+		kvr_alloc_fail_after(0);
+		cr_assert_not(out.cleared);
+		cr_assert_eq(kvr_rank_state_mode(rs), KVR_RANK_LRU);
+		cr_assert_eq(kvr_rank_state_incarnation(rs), 7);
+		cr_assert_eq(kvr_rank_state_overlap(rs, q, 3), 3);
+	}
+	cr_assert_eq(kvr_rank_state_release(rs, 7, 1, &out), 0, "the lease is still held");
+	cr_assert_eq(kvr_rank_state_renew(rs, 9, 0, &out), 0);
+	cr_assert(out.cleared);
+	cr_assert_eq(kvr_rank_state_mode(rs), KVR_RANK_TTL);
+	cr_assert_eq(kvr_rank_state_incarnation(rs), 9);
 }
 
 Test(rank_state, capacity_none_runs_ttl_until_reset)
@@ -109,11 +135,10 @@ Test(rank_state, capacity_none_runs_ttl_until_reset)
 	cr_assert_eq(kvr_rank_state_release(rs, 1, 1, &out), 0);
 	cr_assert_eq(kvr_rank_state_release(rs, 1, 1, &out), KVR_ENOENT);
 	cr_assert_eq(kvr_rank_state_release(rs, 2, 1, &out), KVR_ESTALE);
-	/* Reset, then the rank may come back with a capacity. */
-	cr_assert_eq(kvr_rank_state_reset(rs, &out), 0);
-	cr_assert_eq(kvr_rank_state_set_capacity(rs, 1, 100, &out), 0);
+	/* Renewed (a reset, or a new incarnation), the rank may come back with a capacity. */
+	cr_assert_eq(kvr_rank_state_renew(rs, 1, 100, &out), 0);
 	cr_assert_eq(kvr_rank_state_mode(rs), KVR_RANK_LRU);
-	cr_assert_not(out.cleared, "already cleared by the reset");
+	cr_assert(out.cleared, "the TTL store's blocks leave the index");
 }
 
 Test(rank_state, lru_to_capacity_zero_clears_to_ttl)
@@ -219,14 +244,13 @@ static void rank_seed(uint64_t seed, int steps)
 				want = KVR_EBUSY;
 			}
 		} else if (op < 3) {
-			rc = kvr_rank_state_reset(rs, &out);
-			if (m.mode == KVR_RANK_ABSENT) {
-				want = KVR_ENOENT;
-			} else {
-				cleared = true;
-				m_clear(&m);
-				m.mode = KVR_RANK_ABSENT;
-			}
+			/* a rank reset or new life: a fresh store, whatever the mode */
+			uint64_t cap = (rng(&r) % 3) * 1000;
+			rc = kvr_rank_state_renew(rs, inc, cap, &out);
+			cleared = m.mode != KVR_RANK_ABSENT;
+			m_clear(&m);
+			m.mode = cap ? KVR_RANK_LRU : KVR_RANK_TTL;
+			m.inc = inc;
 		} else if (op < 7) {
 			rc = kvr_rank_state_acquire(rs, inc, a, b, n, 1, now, &out);
 			if (fenced)

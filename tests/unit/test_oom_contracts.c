@@ -1,0 +1,184 @@
+/*
+ * KVR_ENOMEM's promise through the public API ("an allocation failed; nothing was changed"), as
+ * SQLite-style out-of-memory loops: fail the Nth allocation of one call for N = 1, 2, ... until
+ * the call succeeds without a failure, and check after each failure that nothing changed.
+ * tests/fuzz/oom_api.c found each of these with random call sequences.
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+
+static const struct kvr_rank_id R0 = {0, 0};
+static uint32_t prompt[64];
+
+static struct kvr_router *make_router(void)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true; /* every call applied before it returns */
+	c.shard_idle_spin_ns = 0;
+	struct kvr_router *r = NULL;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	return r;
+}
+
+static uint64_t route_one(struct kvr_router *r, int *rc_out)
+{
+	for (size_t i = 0; i < 64; i++)
+		prompt[i] = 7 + (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = prompt;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	*rc_out = kvr_route(r, &q, &d);
+	return *rc_out == 0 ? d.attempt : 0;
+}
+
+static struct kvr_rank_stats stats(struct kvr_router *r)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, R0, &s), 0);
+	return s;
+}
+
+/* A rank command that starts a new life (set_capacity with a new incarnation, reset) and runs
+ * out of memory changes nothing: the rank's attempts stay live, its predicted cache and
+ * incarnation stay.  It used to end every attempt and drop the predicted cache first, then fail
+ * to make the new one: the attempts were stale, the rank ABSENT (no prediction until the next
+ * capacity call) under the old incarnation, and kvr_rank_reset returned an undocumented
+ * KVR_ENOMEM. */
+static void new_life_under_oom(bool reset, uint64_t capacity)
+{
+	bool completed = false;
+	uint64_t nth;
+	for (nth = 1; nth < 200 && !completed; nth++) {
+		struct kvr_router *r = make_router();
+		cr_assert_eq(kvr_rank_add(r, R0, 1, capacity, 0), 0);
+		int rc;
+		uint64_t a = route_one(r, &rc);
+		cr_assert_eq(rc, 0);
+		uint64_t resident = stats(r).resident_blocks;
+		cr_assert_gt(resident, 0);
+		kvr_alloc_fail_after(nth);
+		rc = reset ? kvr_rank_reset(r, R0, 2) : kvr_rank_set_capacity(r, R0, 2, capacity);
+		bool fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		struct kvr_rank_stats s = stats(r);
+		if (rc == KVR_ENOMEM) {
+			cr_assert_eq(s.incarnation, 1, "nth %lu", (unsigned long)nth);
+			cr_assert_eq(s.active_requests, 1, "nth %lu: the attempt was ended",
+			             (unsigned long)nth);
+			cr_assert_eq(s.resident_blocks, resident, "nth %lu: the cache changed",
+			             (unsigned long)nth);
+			cr_assert_eq(kvr_request_finish(r, a), 0, "nth %lu: the attempt is stale",
+			             (unsigned long)nth);
+		} else {
+			cr_assert_eq(rc, 0, "nth %lu: %d", (unsigned long)nth, rc);
+			cr_assert_eq(s.incarnation, 2);
+			cr_assert_eq(s.active_requests, 0);
+			cr_assert_eq(kvr_request_finish(r, a), KVR_ESTALE);
+			completed = !fired;
+		}
+		/* Whatever happened, the rank still predicts: a new admission is cached. */
+		(void)route_one(r, &rc);
+		cr_assert_eq(rc, 0);
+		cr_assert_gt(stats(r).resident_blocks, 0, "nth %lu: no prediction any more",
+		             (unsigned long)nth);
+		kvr_router_destroy(r);
+	}
+	cr_assert(completed, "reached a run without a failure");
+	cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
+}
+
+Test(oom_contracts, set_capacity_new_incarnation_lru)
+{
+	new_life_under_oom(false, 64);
+}
+
+Test(oom_contracts, set_capacity_new_incarnation_ttl)
+{
+	new_life_under_oom(false, KVR_CAPACITY_NONE);
+}
+
+Test(oom_contracts, reset_lru)
+{
+	new_life_under_oom(true, 64);
+}
+
+Test(oom_contracts, reset_ttl)
+{
+	new_life_under_oom(true, KVR_CAPACITY_NONE);
+}
+
+/* TTL retention -> a finite capacity in the same life rebuilds the predicted cache as an LRU;
+ * out of memory, it keeps the TTL one (it used to leave the rank ABSENT). */
+Test(oom_contracts, ttl_to_lru_same_life)
+{
+	bool completed = false;
+	uint64_t nth;
+	for (nth = 1; nth < 200 && !completed; nth++) {
+		struct kvr_router *r = make_router();
+		cr_assert_eq(kvr_rank_add(r, R0, 1, KVR_CAPACITY_NONE, 0), 0);
+		int rc;
+		uint64_t a = route_one(r, &rc);
+		cr_assert_eq(rc, 0);
+		cr_assert_eq(kvr_request_finish(r, a), 0);
+		kvr_alloc_fail_after(nth);
+		rc = kvr_rank_set_capacity(r, R0, 1, 64);
+		bool fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		struct kvr_rank_stats s = stats(r);
+		if (rc == KVR_ENOMEM) {
+			cr_assert_eq(s.capacity_blocks, KVR_CAPACITY_NONE);
+			cr_assert_gt(s.resident_blocks, 0, "nth %lu: the TTL cache was dropped",
+			             (unsigned long)nth);
+		} else {
+			cr_assert_eq(rc, 0);
+			cr_assert_eq(s.capacity_blocks, 64);
+			completed = !fired;
+		}
+		(void)route_one(r, &rc);
+		cr_assert_eq(rc, 0);
+		cr_assert_gt(stats(r).resident_blocks, 0, "nth %lu: no prediction any more",
+		             (unsigned long)nth);
+		kvr_router_destroy(r);
+	}
+	cr_assert(completed, "reached a run without a failure");
+}
+
+/* A synchronous booking whose load could not be added fails whole: kvr_route returns
+ * KVR_ENOMEM and the rank carries no request.  It used to return 0 for an attempt whose load
+ * was never added (the rank looked idle to every later decision while the request ran). */
+Test(oom_contracts, sync_booking_load_or_nothing)
+{
+	bool completed = false;
+	uint64_t nth;
+	for (nth = 1; nth < 400 && !completed; nth++) {
+		struct kvr_router *r = make_router();
+		cr_assert_eq(kvr_rank_add(r, R0, 1, 64, 0), 0);
+		kvr_alloc_fail_after(nth);
+		int rc;
+		uint64_t a = route_one(r, &rc);
+		bool fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		struct kvr_rank_stats s = stats(r);
+		if (rc == KVR_ENOMEM) {
+			cr_assert_eq(s.active_requests, 0, "nth %lu", (unsigned long)nth);
+			cr_assert_eq(s.active_prefill_tokens, 0, "nth %lu", (unsigned long)nth);
+		} else {
+			cr_assert_eq(rc, 0);
+			cr_assert_eq(s.active_requests, 1, "nth %lu: admitted without its load",
+			             (unsigned long)nth);
+			cr_assert_eq(s.active_blocks, 4, "nth %lu", (unsigned long)nth);
+			cr_assert_eq(kvr_request_finish(r, a), 0);
+			completed = !fired;
+		}
+		kvr_router_destroy(r);
+	}
+	cr_assert(completed, "reached a run without a failure");
+	cr_assert_gt(nth, 3, "failures were injected (%lu)", (unsigned long)nth);
+}
