@@ -9,8 +9,11 @@
  * past one block: a one-block run costs nothing here.  This is most of the index's memory per
  * block besides the hash itself, so it is kept small.
  *
- * The idea.  An entry is 32 bits: the run's id (IDX_ID_BITS, an index into dir[]) and 6 tag
- * bits of the hash.  The position is NOT stored: the writer finds the hash in the run's sequence
+ * The idea.  An entry is 32 bits: the run's id (IDX_ID_BITS = 25, an index into dir[]: 33M
+ * runs of two blocks or more) and 7 tag bits of the hash (6 and 26 before the load rose to
+ * 0.7-0.92: with 6, a removal's lookup scanned 0.21 wrong runs in bench_index_runs
+ * --apply-only --per 16, with 7 0.11, callgrind 489 -> 455 instructions per block op, 368 at
+ * the old load).  The position is NOT stored: the writer finds the hash in the run's sequence
  * array, trying the caller's hint (the neighbours of the last block it touched: chains are
  * stored and removed in order) and the run's last position first, then scanning at most
  * IDX_RUN_MAX words.  Two blocks of one run with equal tags have equal entries, which is
@@ -32,7 +35,7 @@
  * a parallel array (+0.5-1 byte per slot, +12-25 %) or bits taken from the tag (1-2 tag bits:
  * a wrong run scanned on most probes; a wrong run costs a scan of up to 2048 words) or from the
  * id.  The overflow bytes cost 1 byte per 16 slots.)  An overflow byte saturates at 255 and then
- * stays (never decremented: lookups walk further, nothing is lost; NEVER at load <= 0.9).
+ * stays (never decremented: lookups walk further, nothing is lost; NEVER at load <= 0.92).
  * A delete walk stops at the first entry equal to the one it deletes, which may be the other
  * block's of an equal pair (same run, same tag) nearer the home; the run's other deletions take
  * the rest, and the counts come out exact (they only depend on which chunks the homes and the
@@ -40,9 +43,13 @@
  * high, never too low (a walk never passes the first equal entry).
  *
  * Capacity: a multiple of 16 slots, as many chunks as the allocator's size class holds (the
- * array is one allocation: entries, then the overflow bytes), grown 1.5x at load 0.85 (so the
- * load stays in 0.57-0.85: 4.8-7.1 bytes per block with the overflow bytes), shrunk to load 0.6
- * when below 0.125.  With no tombstones a steady live count never rebuilds, however many
+ * array is one allocation: entries, then the overflow bytes), grown at load 0.92 to load 0.8
+ * (1.15x; the next size class up, so 0.7-0.8 just after), so the load stays in 0.7-0.92: 4.4-5.8
+ * bytes per block with the overflow bytes (it grew 1.5x at 0.85, load 0.57-0.85, 4.8-7.1
+ * bytes: bench_index_runs --mem-sweep, 16-block runs with one holder at 97 index sizes, mean
+ * 21.84 -> 21.27 bytes per held block, 21.5 -> 20.5 at the memory line's size; the time spent
+ * migrating, which holds both arrays, is most of what is left of the difference), shrunk to
+ * load 0.6 when below 0.125.  With no tombstones a steady live count never rebuilds, however many
  * entries come and go (bench_index_runs --churn 4000: 0 rebuilds while 2.6 x the table's
  * slots are deleted and inserted, the tombstone table purged 4 times; per-call CPU p99 112-162
  * -> 19-27 us, max 204-274 -> 62-98 us; locator 7.00 -> 6.00 bytes per block).  A lookup tries
@@ -62,13 +69,15 @@
  * to the old one, so a directory growth then moves mig_end past the new ids).  Lookups probe the
  * new array, then the old.  Each reserve (one per insert) pays a credit of units (16 slots zeroed,
  * one id visited, one entry moved) sized so that the migration ends before the inserts still going
- * to the old array take it past load 0.9: (units to do) / (inserts allowed) + 1 + 2; a drop_run
+ * to the old array take it past load 0.97 (grow_at + 0.05): (units to do) / (inserts allowed) +
+ * 1 + 2; a drop_run
  * pays as much per entry it deletes and an unreserve one share, so deletions alone (a shrink, an
  * index being emptied) finish a migration too.  A run moves whole (the credit goes negative and
  * later calls pay it back), so one call does at most its credit + IDX_RUN_MAX units.  Past the hard
  * limit (NEVER with one insert per reserve) the rest moves at once.  A failed allocation changes
  * nothing (the old array stays).  Amortised cost: every rebuild moves each entry once, O(1) per
- * insert per 1.5x growth; while migrating, misses probe two arrays and the memory is old + new.
+ * insert per growth (7.7 moves per insert while an index fills at 1.15x; a steady index never
+ * grows); while migrating, misses probe two arrays and the memory is old + new.
  * Invariant: the locator holds exactly positions [1, hw) of every live run (trimmed positions
  * stay until the run dies, so a re-store finds them), and a run has an id iff it ever had two
  * positions.
@@ -83,13 +92,23 @@
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-#define BLK_MIN     64u /* slots */
-#define BLK_EMPTY   0u  /* no live entry is 0: ids start at 1 */
-#define BLK_ID_MAX  ((1u << IDX_ID_BITS) - 1)
-#define BLK_OVF_MAX 255u /* an overflow count this high stays (never decremented) */
+#define BLK_MIN      64u /* slots */
+#define BLK_EMPTY    0u  /* no live entry is 0: ids start at 1 */
+#define BLK_ID_MAX   ((1u << IDX_ID_BITS) - 1)
+#define BLK_TAG_BITS (32 - IDX_ID_BITS)
+#define BLK_TAG_MASK ((1u << BLK_TAG_BITS) - 1)
+#define BLK_OVF_MAX  255u /* an overflow count this high stays (never decremented) */
 
 uint64_t kvr_index_blk_step_min = 2;
-uint64_t kvr_index_blk_grow_at = 850;
+uint64_t kvr_index_blk_grow_at = 920;
+uint64_t kvr_index_blk_grow_to = 800;
+
+/* The old array's hard limit while migrating (per mille): the growth threshold + 0.05. */
+static inline uint64_t blk_hard(void)
+{
+	const uint64_t h = kvr_index_blk_grow_at + 50;
+	return h > 970 ? 970 : h;
+}
 
 /* A new array is zeroed in slices of BLK_ZERO slots (so that neither the zeroing nor the page
  * faults of fresh memory land on one call), BLK_ZERO_UNIT slots for one unit of work. */
@@ -98,12 +117,12 @@ uint64_t kvr_index_blk_grow_at = 850;
 
 static inline uint32_t blk_tag(uint64_t seq)
 {
-	return (uint32_t)(seq >> 8) & 63;
+	return (uint32_t)(seq >> 8) & BLK_TAG_MASK;
 }
 
 static inline uint32_t blk_ent(uint64_t seq, uint32_t id)
 {
-	return id << 6 | blk_tag(seq);
+	return id << BLK_TAG_BITS | blk_tag(seq);
 }
 
 static inline bool dir_live(const struct idx_run *r)
@@ -138,7 +157,7 @@ static inline uint32_t chunk_eq(const uint32_t *c, uint32_t mask, uint32_t v)
 /* The slots of chunk c whose entry has tag (a candidate run each). */
 static inline uint32_t chunk_tag(const uint32_t *c, uint32_t tag)
 {
-	const uint32_t m = chunk_eq(c, 63, tag);
+	const uint32_t m = chunk_eq(c, BLK_TAG_MASK, tag);
 	return tag ? m : m & ~chunk_eq(c, ~0u, BLK_EMPTY);
 }
 
@@ -224,10 +243,10 @@ static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, b
 		const uint32_t *ch = e + c * IDX_BLK_CH;
 		for (uint32_t m = chunk_tag(ch, tag); m; m &= m - 1) {
 			const uint32_t v = ch[__builtin_ctz(m)];
-			if (old && !in_old(b, v >> 6))
+			if (old && !in_old(b, v >> BLK_TAG_BITS))
 				continue; /* a migrated run's stale entry (its id may be free or
 				             reused) */
-			struct idx_run *cr = b->dir[v >> 6];
+			struct idx_run *cr = b->dir[v >> BLK_TAG_BITS];
 			if (scan ? pos_scan(cr, seq, pos) : pos_quick(cr, seq, hr, hp, pos)) {
 				*r = cr;
 				return true;
@@ -247,17 +266,24 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 	/* Const to its callers; its counters are writers' (under wlock) like the rest. */
 	struct idx_blocks *b = (struct idx_blocks *)(uintptr_t)&idx->blk;
 	b->finds++;
-	if (!b->e)
-		return false;
 	/* Every candidate's few likely words first (the hint, the run's ends: most lookups end
-	 * there), then the scans, so that a wrong candidate before the right one costs a few
-	 * words rather than a scan of its run. */
-	const bool nu = !b->old_e || b->zeroed == b->cap;
+	 * there), then the run table (a run's first block is only there: one probe), then the
+	 * scans, so that a wrong candidate before the right one costs a few words rather than a
+	 * scan of its run, and a first block (a removal's usual start) no scan at all: at the
+	 * locator's load 0.8 a miss passed 0.91 wrong candidates, 0.44 with the run table tried
+	 * first (bench_index_runs --churn; at load 0.68: 0.23 and 0.12). */
+	const bool nu = b->e && (!b->old_e || b->zeroed == b->cap);
 	for (int scan = 0; scan < 2; scan++) {
 		if (nu && find_in(b, b->e, b->cap, false, scan, seq, hr, hp, r, pos))
 			return true;
 		if (b->old_e && find_in(b, b->old_e, b->old_cap, true, scan, seq, hr, hp, r, pos))
 			return true;
+		struct idx_run *f = scan ? NULL : kvr_index_tab_first(idx, seq);
+		if (f) {
+			*r = f;
+			*pos = 0;
+			return true;
+		}
 	}
 	return false;
 }
@@ -393,10 +419,10 @@ static int mig_start(struct kvr_index *idx, uint64_t cap)
 		b->mig = 1;
 		b->mig_end = b->dir_cap;
 		/* Size the slice so that the migration ends before the inserts that still go to
-		 * the old array could take it past load 0.9 (the hard limit below): each insert
+		 * the old array could take it past its hard limit (blk_hard): each insert
 		 * may go there and add a unit to move, so (ids + entries) / (inserts allowed) + 1
 		 * per insert, the least slice on top. */
-		uint64_t lim = b->old_cap * 9 / 10;
+		uint64_t lim = b->old_cap * blk_hard() / 1000;
 		uint64_t slack = lim > b->old_used ? lim - b->old_used : 1;
 		b->mig_step = (cap / BLK_ZERO_UNIT + b->mig_end + b->old_count) / slack + 1 +
 		              kvr_index_blk_step_min;
@@ -429,7 +455,7 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 	struct idx_blocks *b = &idx->blk;
 	if (b->old_e) {
 		mig_run(idx, b->mig_step * k);
-		if (b->old_e && (b->old_used + k) * 10 <= b->old_cap * 9 &&
+		if (b->old_e && (b->old_used + k) * 1000 <= b->old_cap * blk_hard() &&
 		    (b->count + b->old_count + k) * 1000 <= b->cap * kvr_index_blk_grow_at)
 			return 0;
 		/* Past the hard limit (NEVER with k = 1: the slice is sized for it): the rest at
@@ -439,11 +465,10 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 	const uint64_t need = b->count + k;
 	if (b->e && need * 1000 <= b->cap * kvr_index_blk_grow_at)
 		return 0;
-	/* Grow 1.5x (or to load 0.6).  Deletions leave no tombstone, so this is the only
-	 * rebuild inserts cause: steady churn at a steady live count never rebuilds. */
-	uint64_t cap = b->cap * 3 / 2;
-	if (cap * 3 < need * 5)
-		cap = need * 5 / 3 + 1;
+	/* Grow to load grow_to (1.2x at the defaults).  Deletions leave no tombstone, so this
+	 * is the only rebuild inserts cause: steady churn at a steady live count never
+	 * rebuilds. */
+	uint64_t cap = need * 1000 / kvr_index_blk_grow_to + 1;
 	if (cap < BLK_MIN)
 		cap = BLK_MIN;
 	return mig_start(idx, cap);
@@ -505,7 +530,7 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 	if (!b->dir_free) {
 		uint32_t ocap = b->dir_cap, ncap = ocap ? ocap + ocap / 2 : 64;
 		if (ocap > BLK_ID_MAX)
-			return KVR_ENOMEM; /* 2^26 runs: the id space is full */
+			return KVR_ENOMEM; /* 2^25 runs: the id space is full */
 		if (ncap > BLK_ID_MAX + 1)
 			ncap = BLK_ID_MAX + 1;
 		struct idx_run **d = kvr_alloc((size_t)ncap * sizeof(*d));

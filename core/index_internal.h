@@ -415,12 +415,12 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 /*
  * Block locator (writers only, under wlock; core/index_blocks.c): every position [1, hw) of
  * every live run, keyed by its sequence hash (position 0: the run table).  An entry is 32 bits: run
- * id << 6 | 6 tag bits; 0 = empty.  Entries sit in chunks of IDX_BLK_CH (one 64-byte line), and
+ * id << 7 | 7 tag bits; 0 = empty.  Entries sit in chunks of IDX_BLK_CH (one 64-byte line), and
  * one overflow byte per chunk follows the entries.  The position is not stored: the writer finds
  * it in the run's hashes (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is
  * the run.
  */
-#define IDX_ID_BITS 26
+#define IDX_ID_BITS 25
 #define IDX_BLK_CH  16u
 
 /* The home slot of seq in a locator of cap slots (fastrange of the hash's high half); also the
@@ -643,8 +643,9 @@ void kvr_index_tab_insert(struct kvr_index *idx, struct idx_run *r);
 void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r);
 
 /* ---- block locator (core/index_blocks.c).  Context: writer (wlock). */
-/* Where block seq sits (a position in [1, hw) of a live run, or by chance 0): *r, *pos, or false.
- * (hr, hp): a position near which seq probably sits (hr NULL: no hint). */
+/* Where block seq sits (a position in [1, hw) of a live run, or a run's first block, through the
+ * run table): *r, *pos, or false.  (hr, hp): a position near which seq probably sits (hr NULL:
+ * no hint). */
 bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
                         uint32_t hp, struct idx_run **r, uint32_t *pos);
 /* Makes room for k more entries.  Returns 0 or KVR_ENOMEM (nothing changed). */
@@ -666,11 +667,13 @@ void kvr_index_blk_fini(struct kvr_index *idx);
  * the least that keeps up (default 2; tests set 0 to make locators migrate over more calls).
  * Context: set before any index exists. */
 extern uint64_t kvr_index_blk_step_min;
-/* The load (per mille, default 850) past which the locator grows, starting a
+/* The load (per mille, default 920) past which the locator grows, starting a
  * migration: lower costs memory and leaves a migration more inserts to finish in before the
- * old array's hard limit (load 0.9), so smaller slices per call.  Context: set before any
- * index exists (bench_index_runs --churn compares). */
+ * old array's hard limit (grow_at + 0.05, at most 0.97), so smaller slices per call.  Context: set
+ * before any index exists (bench_index_runs --churn compares). */
 extern uint64_t kvr_index_blk_grow_at;
+/* The load (per mille, default 800; below grow_at) a growth sizes the new array for. */
+extern uint64_t kvr_index_blk_grow_to;
 
 /* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)

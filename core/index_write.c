@@ -56,15 +56,7 @@ static bool ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
 static bool locate(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr, uint32_t hp,
                    struct idx_run **r, uint32_t *pos)
 {
-	if (kvr_index_blk_find(idx, seq, hr, hp, r, pos))
-		return true;
-	/* A run's first block is only in the run table. */
-	struct idx_run *f = kvr_index_tab_first(idx, seq);
-	if (!f)
-		return false;
-	*r = f;
-	*pos = 0;
-	return true;
+	return kvr_index_blk_find(idx, seq, hr, hp, r, pos); /* the run table's first blocks too */
 }
 
 static bool ensure_scratch(struct kvr_index *idx, size_t n)

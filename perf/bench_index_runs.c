@@ -38,13 +38,17 @@
  * prompt (one remove call) and stores a new one (one store call).  Per-call time max / p99.9 /
  * p99 and block ops per second, with the locator's rebuilds done at once in one call
  * (kvr_index_blk_step_min huge: the old rebuild) and incrementally (the default), in one run,
- * and incrementally with migrations starting at locator load 0.8 instead of 0.85 (incr80), with
+ * and incrementally with the previous growth policy (at load 0.85 to 0.57: 1.5x), with
  * the locator's bytes per held block averaged over the admissions, its rebuilds during the
  * admissions (0 at this steady live count) and the wrong runs a lookup scans.
  *
+ * Memory sweep (--mem-sweep): runs of 16 blocks with one holder at 97 index sizes, so the
+ * locator's load over its growth cycle shows (mean, min, max), with the default growth policy
+ * and the previous one, in one run.
+ *
  * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT
- *          | --tput L PAT | --churn [N admissions per mode, default 4000]
- *          [--churn-mode once|incr|incr80]]
+ *          | --tput L PAT | --mem-only | --mem-sweep
+ *          | --churn [N admissions per mode, default 4000] [--churn-mode once|incr|old]]
  */
 #include <pthread.h>
 #include <sched.h>
@@ -344,7 +348,7 @@ static void bench_match(bool quick)
 
 /* Memory per held (block, rank) by run shape: np distinct paths of `len` blocks (each one run),
  * each stored whole by `holders` ranks. */
-static void bench_memory(size_t len, int holders, int np)
+static double bench_memory(size_t len, int holders, int np, bool print)
 {
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
@@ -361,9 +365,14 @@ static void bench_memory(size_t len, int holders, int np)
 	}
 	kvr_index_quiesce(idx);
 	uint64_t mem1 = kvr_index_memory_bytes(idx);
+	const double per = (double)(mem1 - mem0) / (double)held;
+	if (!print) {
+		kvr_index_destroy(idx);
+		return per;
+	}
 	printf("SUMMARY bench=index_memory run_blocks=%zu holders=%d held=%lu "
 	       "bytes_per_held_block=%.1f\n",
-	       len, holders, (unsigned long)held, (double)(mem1 - mem0) / (double)held);
+	       len, holders, (unsigned long)held, per);
 	/* Where the bytes go, per held block: the run table, the block locator (and the array
 	 * a migration has not finished leaving), its id directory, and the rest (runs, their
 	 * hashes, holder records and sets). */
@@ -383,6 +392,41 @@ static void bench_memory(size_t len, int holders, int np)
 	       (double)old / h, (double)dir / h, (double)(mem1 - mem0 - tab - loc - old - dir) / h);
 	fflush(stdout);
 	kvr_index_destroy(idx);
+	return per;
+}
+
+/* The memory lines: runs of 16 and 512 blocks with 1, 2, 4 holders, and the worst case. */
+static void mem_all(void)
+{
+	static const size_t lens[] = {16, 512};
+	for (int li = 0; li < 2; li++)
+		for (int h = 1; h <= 4; h *= 2)
+			bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256, true);
+	bench_memory(1, 1, 65536, true); /* worst case: every run one block long */
+}
+
+/* Runs of 16 blocks, one holder, at 97 index sizes from 4,096 to 16,384 runs (1.0145x apart):
+ * where one size lands in the locator's growth cycle decides its load, so the sweep gives the
+ * range and the mean over the cycle, with the locator growing at grow_at to grow_to. */
+static void mem_sweep(uint64_t grow_at, uint64_t grow_to)
+{
+	const uint64_t ga = kvr_index_blk_grow_at, gt = kvr_index_blk_grow_to;
+	kvr_index_blk_grow_at = grow_at;
+	kvr_index_blk_grow_to = grow_to;
+	double lo = 1e9, hi = 0, sum = 0;
+	int n = 0;
+	for (double np = 4096; np <= 16384; np *= 1.0145, n++) {
+		double v = bench_memory(16, 1, (int)np, false);
+		lo = v < lo ? v : lo;
+		hi = v > hi ? v : hi;
+		sum += v;
+	}
+	printf("SUMMARY bench=index_memory_sweep run_blocks=16 holders=1 runs=4096..16384 sizes=%d "
+	       "grow_at=%.2f grow_to=%.2f bytes_per_held_block_mean=%.2f min=%.2f max=%.2f\n",
+	       n, (double)grow_at / 1000, (double)grow_to / 1000, sum / n, lo, hi);
+	fflush(stdout);
+	kvr_index_blk_grow_at = ga;
+	kvr_index_blk_grow_to = gt;
 }
 
 static uint64_t apply_ops;
@@ -586,11 +630,13 @@ static void tput_mode(size_t L, int pat)
 enum { CH_RANKS = 8, CH_L = 512, CH_HELD = 128 };
 
 /* One churn run (see the header); step_min: the locator's least migration slice, grow_at: the
- * locator load (per mille) that starts a growth. */
-static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, const char *mode)
+ * locator load (per mille) that starts a growth, grow_to: the load it grows to. */
+static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, uint64_t grow_to,
+                        const char *mode)
 {
 	kvr_index_blk_step_min = step_min;
 	kvr_index_blk_grow_at = grow_at;
+	kvr_index_blk_grow_to = grow_to;
 	rng = 0x9e3779b97f4a7c15ull; /* the same prompts in every mode */
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
@@ -687,13 +733,25 @@ int main(int argc, char **argv)
 			const char *only = i + 2 < argc && !strcmp(argv[i + 1], "--churn-mode")
 			                       ? argv[i + 2]
 			                       : NULL;
-			const uint64_t dflt = kvr_index_blk_step_min, g = kvr_index_blk_grow_at;
+			const uint64_t dflt = kvr_index_blk_step_min, g = kvr_index_blk_grow_at,
+			               gt = kvr_index_blk_grow_to;
 			if (!only || !strcmp(only, "once"))
-				bench_churn(adm, (uint64_t)1 << 60, g, "once");
+				bench_churn(adm, (uint64_t)1 << 60, g, gt, "once");
 			if (!only || !strcmp(only, "incr"))
-				bench_churn(adm, dflt, g, "incremental");
-			if (!only || !strcmp(only, "incr80"))
-				bench_churn(adm, dflt, 800, "incremental");
+				bench_churn(adm, dflt, g, gt, "incremental");
+			if (!only || !strcmp(only, "old"))
+				bench_churn(adm, dflt, 850, 567, "incremental_0.85_to_0.57");
+			return 0;
+		} else if (!strcmp(argv[i], "--mem-only")) {
+			if (kvr_rcu_thread_online() != 0)
+				return 1;
+			mem_all();
+			return 0;
+		} else if (!strcmp(argv[i], "--mem-sweep")) {
+			if (kvr_rcu_thread_online() != 0)
+				return 1;
+			mem_sweep(kvr_index_blk_grow_at, kvr_index_blk_grow_to);
+			mem_sweep(850, 567);
 			return 0;
 		} else if (!strcmp(argv[i], "--apply-only"))
 			apply_only = true; /* for valgrind --tool=callgrind */
@@ -708,11 +766,7 @@ int main(int argc, char **argv)
 		return 0;
 	}
 	bench_match(quick);
-	static const size_t lens[] = {16, 512};
-	for (int li = 0; li < 2; li++)
-		for (int h = 1; h <= 4; h *= 2)
-			bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256);
-	bench_memory(1, 1, 65536); /* worst case: every run one block long */
+	mem_all();
 	double a16 = bench_apply(16, ms), a1 = bench_apply(1, ms);
 	printf("SUMMARY bench=index_apply blocks_per_call=16 block_ops_per_s=%.0f\n", a16);
 	printf("SUMMARY bench=index_apply blocks_per_call=1 block_ops_per_s=%.0f\n", a1);

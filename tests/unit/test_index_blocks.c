@@ -198,3 +198,56 @@ Test(index_blocks, runs_born_while_zeroing_stay_findable)
 	free(seqs);
 	free(len);
 }
+
+/* The locator's memory: filled run by run (16 blocks each, 15 entries), its load never passes
+ * the growth threshold, and once past the small sizes it never sits below 0.6 while no
+ * migration runs (a growth sizes the new array for load 0.8, rounded up to a size class: at
+ * most 1.25x; it grew to 0.57 before), so a settled index pays at most 4 / 0.6 bytes per
+ * entry.  Every block stays findable through the growths, first blocks through the run table. */
+Test(index_blocks, load_stays_between_growths)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	enum { N = 6000, M = 16 };
+	struct kvr_index *idx;
+	cr_assert_eq(kvr_index_create(64, &idx), 0);
+	uint32_t slot;
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &slot), 0);
+	uint64_t *seqs = malloc(sizeof(*seqs) * N * M);
+	cr_assert(seqs);
+	const struct idx_blocks *b = &idx->blk;
+	uint64_t settled = 0, grows = 0, cap0 = 0;
+	for (int k = 0; k < N; k++) {
+		uint64_t local[M];
+		struct kvr_index_block blk[M];
+		for (uint32_t j = 0; j < M; j++)
+			local[j] = kvr_rand64(&rng);
+		kvr_hash_chain_locals(NULL, local, M, &seqs[(size_t)k * M]);
+		for (uint32_t j = 0; j < M; j++)
+			blk[j] = (struct kvr_index_block){seqs[(size_t)k * M + j], local[j]};
+		cr_assert_eq(kvr_index_store(idx, slot, NULL, blk, M), 0);
+		const uint64_t live = b->count + b->old_count;
+		cr_assert_leq(live * 1000, b->cap * kvr_index_blk_grow_at, "run %d: load %.3f", k,
+		              (double)live / (double)b->cap);
+		grows += b->cap != cap0;
+		cap0 = b->cap;
+		if (b->old_e || b->cap < 4096)
+			continue;
+		settled++;
+		cr_assert_geq(live * 10, b->cap * 6, "run %d: load %.3f at cap %lu", k,
+		              (double)live / (double)b->cap, (unsigned long)b->cap);
+	}
+	cr_assert_gt(settled, N / 2);
+	cr_assert_gt(grows, 10);
+	for (int k = 0; k < N; k++)
+		for (uint32_t j = 0; j < M; j++) {
+			struct idx_run *r = NULL;
+			uint32_t pos = 99;
+			cr_assert(
+			    kvr_index_blk_find(idx, seqs[(size_t)k * M + j], NULL, 0, &r, &pos),
+			    "run %d block %u not found", k, j);
+			cr_assert_eq(pos, j);
+			cr_assert_eq(idx_run_hash(r, pos), seqs[(size_t)k * M + j]);
+		}
+	kvr_index_destroy(idx);
+	free(seqs);
+}
