@@ -23,7 +23,7 @@
  * evicting a chain's tail lowers a cut and trims the run's length when nobody holds its end.
  *
  * Memory.  Per distinct block: its sequence hash in the run (8 bytes) and one 4-byte entry in
- * the writers' block locator (core/index_blocks.c: run id and tag, load 0.7-0.92), which lets
+ * the writers' block locator (core/index_blocks.c: run id and tag, load 0.62-0.9), which lets
  * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block, and
  * the locator skips first blocks.  Per run: a 64-byte header (16-bit lengths and offsets in
@@ -39,22 +39,22 @@
  * What that leaves for short runs (bench_index_runs prints the split, '# where:').  A run of
  * one block with one holder: 64 (header) + 32 (record) + 8 / load of the run table (10-15) =
  * 106-111 bytes, below the 128 of the per-block index this replaced.  A run of 16 blocks with
- * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (66-87) + 64 + 32 + 10-15 + the
- * locator id's directory entry (8-12) = 308-338 bytes, 19.3-21.1 per block, and more while
- * the locator migrates after a growth (it holds both arrays: up to 25.6 in that benchmark;
- * --mem-sweep gives the mean over 97 index sizes, 21.3).  The memory counters count what jemalloc
+ * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (68-98) + 64 + 32 + 10-15 + the
+ * locator id's directory entry (8-12) = 310-349 bytes, 19.4-21.8 per block, and more while
+ * the locator migrates after a growth (it holds both arrays: up to 26.0 in that benchmark;
+ * --mem-sweep gives the mean over 97 index sizes, 21.4).  The memory counters count what jemalloc
  * really takes (its size class); hash arrays are classes exactly (growth steps land on them: 2, 4,
  * 6, 8, 10, 12, 14, 16, 20, ... words).  With a 16-byte header in front of the hashes (it kept the
  * capacity, the id and the retire link) the 16-block array's 144 bytes took 160 and a 512-block
  * one's 4,112 took 5,120: 29.6 and 17.6 per block in that benchmark, now 27.6 and 15.6 (the header
  * word is s[0]: readers never read it, since position 0 matched when the run was found). Issue 10's
- * 16 bytes per block would leave 256 - 128 (hashes) - 66 (locator, at its highest load) = 62 bytes
+ * 16 bytes per block would leave 256 - 128 (hashes) - 68 (locator, at its highest load) = 60 bytes
  * per run for the header, record, table and directory entries, less than the header alone: the
  * floor is set by the writers' need to find any block by its hash (a 4-byte locator entry per
  * block; a removal names any block), not by per-run overhead.  Options weighed and not taken:
  * hashes inline in the run allocation (64 + 128 is a class too, but a growing run must then move,
  * and readers and children hold its address), the single holder without a record (the rank's list
- * and the bitmap still need 24+ bytes somewhere).  Taken: the locator grows at load 0.92 to 0.8 (it
+ * and the bitmap still need 24+ bytes somewhere).  Taken: the locator grows at load 0.9 to 0.78 (it
  * grew at 0.85 to 0.57), 1 byte per block less where an index settles.
  *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and

@@ -11,7 +11,7 @@
  *
  * The idea.  An entry is 32 bits: the run's id (IDX_ID_BITS = 25, an index into dir[]: 33M
  * runs of two blocks or more) and 7 tag bits of the hash (6 and 26 before the load rose to
- * 0.7-0.92: with 6, a removal's lookup scanned 0.21 wrong runs in bench_index_runs
+ * 0.62-0.9: with 6, a removal's lookup scanned 0.21 wrong runs in bench_index_runs
  * --apply-only --per 16, with 7 0.11, callgrind 489 -> 455 instructions per block op, 368 at
  * the old load).  The position is NOT stored: the writer finds the hash in the run's sequence
  * array, trying the caller's hint (the neighbours of the last block it touched: chains are
@@ -35,7 +35,7 @@
  * a parallel array (+0.5-1 byte per slot, +12-25 %) or bits taken from the tag (1-2 tag bits:
  * a wrong run scanned on most probes; a wrong run costs a scan of up to 2048 words) or from the
  * id.  The overflow bytes cost 1 byte per 16 slots.)  An overflow byte saturates at 255 and then
- * stays (never decremented: lookups walk further, nothing is lost; NEVER at load <= 0.92).
+ * stays (never decremented: lookups walk further, nothing is lost; NEVER at load <= 0.9).
  * A delete walk stops at the first entry equal to the one it deletes, which may be the other
  * block's of an equal pair (same run, same tag) nearer the home; the run's other deletions take
  * the rest, and the counts come out exact (they only depend on which chunks the homes and the
@@ -43,12 +43,17 @@
  * high, never too low (a walk never passes the first equal entry).
  *
  * Capacity: a multiple of 16 slots, as many chunks as the allocator's size class holds (the
- * array is one allocation: entries, then the overflow bytes), grown at load 0.92 to load 0.8
- * (1.15x; the next size class up, so 0.7-0.8 just after), so the load stays in 0.7-0.92: 4.4-5.8
- * bytes per block with the overflow bytes (it grew 1.5x at 0.85, load 0.57-0.85, 4.8-7.1
- * bytes: bench_index_runs --mem-sweep, 16-block runs with one holder at 97 index sizes, mean
- * 21.84 -> 21.27 bytes per held block, 21.5 -> 20.5 at the memory line's size; the time spent
- * migrating, which holds both arrays, is most of what is left of the difference), shrunk to
+ * array is one allocation: entries, then the overflow bytes), grown at load 0.9 to load 0.78
+ * (1.15x, or the size class above: 0.62-0.78 just after), so the load stays in 0.62-0.9:
+ * 4.5-6.6 bytes per block with the overflow bytes (it grew 1.5x at 0.85, load 0.57-0.85,
+ * 4.8-7.1 bytes: bench_index_runs memory lines 21.5 -> 20.5 bytes per held block for 16-block
+ * runs with one holder, 14.5 -> 13.5 for 512-block ones; --mem-sweep, 16-block runs with one
+ * holder at 97 index sizes, mean 21.84 -> 21.39: the sizes caught migrating, which hold both
+ * arrays, take most of the difference back).  The cost is the writers' chunk walks, which grow
+ * fast near the top (linear probing's clusters: a put at load 0.81-0.86 visits 2.07 chunks,
+ * at 0.51 1.01; bench_index_runs --apply-only sits at 0.81-0.86 with this policy, 0.51-0.54
+ * with the old one: 16-block calls 50-55M -> 30-37M block ops/s, single-block 19.5M -> 15M,
+ * callgrind 368 -> 455 and 873 -> 1010 instructions per block op).  Shrunk to
  * load 0.6 when below 0.125.  With no tombstones a steady live count never rebuilds, however many
  * entries come and go (bench_index_runs --churn 4000: 0 rebuilds while 2.6 x the table's
  * slots are deleted and inserted, the tombstone table purged 4 times; per-call CPU p99 112-162
@@ -69,7 +74,7 @@
  * to the old one, so a directory growth then moves mig_end past the new ids).  Lookups probe the
  * new array, then the old.  Each reserve (one per insert) pays a credit of units (16 slots zeroed,
  * one id visited, one entry moved) sized so that the migration ends before the inserts still going
- * to the old array take it past load 0.97 (grow_at + 0.05): (units to do) / (inserts allowed) +
+ * to the old array take it past load 0.95 (grow_at + 0.05): (units to do) / (inserts allowed) +
  * 1 + 2; a drop_run
  * pays as much per entry it deletes and an unreserve one share, so deletions alone (a shrink, an
  * index being emptied) finish a migration too.  A run moves whole (the credit goes negative and
@@ -100,8 +105,8 @@
 #define BLK_OVF_MAX  255u /* an overflow count this high stays (never decremented) */
 
 uint64_t kvr_index_blk_step_min = 2;
-uint64_t kvr_index_blk_grow_at = 920;
-uint64_t kvr_index_blk_grow_to = 800;
+uint64_t kvr_index_blk_grow_at = 900;
+uint64_t kvr_index_blk_grow_to = 780;
 
 /* The old array's hard limit while migrating (per mille): the growth threshold + 0.05. */
 static inline uint64_t blk_hard(void)

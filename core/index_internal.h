@@ -667,12 +667,12 @@ void kvr_index_blk_fini(struct kvr_index *idx);
  * the least that keeps up (default 2; tests set 0 to make locators migrate over more calls).
  * Context: set before any index exists. */
 extern uint64_t kvr_index_blk_step_min;
-/* The load (per mille, default 920) past which the locator grows, starting a
+/* The load (per mille, default 900) past which the locator grows, starting a
  * migration: lower costs memory and leaves a migration more inserts to finish in before the
  * old array's hard limit (grow_at + 0.05, at most 0.97), so smaller slices per call.  Context: set
  * before any index exists (bench_index_runs --churn compares). */
 extern uint64_t kvr_index_blk_grow_at;
-/* The load (per mille, default 800; below grow_at) a growth sizes the new array for. */
+/* The load (per mille, default 780; below grow_at) a growth sizes the new array for. */
 extern uint64_t kvr_index_blk_grow_to;
 
 /* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
