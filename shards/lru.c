@@ -51,9 +51,11 @@
  * last copy is never evicted before its children's last copies (the eviction order guarantees
  * it), so every evicted run is a tail.  The router always chains; tests use chains too.
  *
- * Memory: per held block the 8-byte hash (arrays are compacted when a trim or split leaves them
- * less than half used); per segment a 48-byte record and a head-map slot; per lease piece 8
- * bytes.  Long runs therefore cost ~8-9 bytes a block (perf/bench_lru prints it).
+ * Memory: per held block the 8-byte hash, in the rank's chunked hash heap (lru_heap.c: no
+ * allocation per segment, so no allocator slabs left partly used as segments die; a margin of
+ * ~1/16 and the garbage of partly evicted chunks); per segment a 40-byte record and a head-map
+ * slot; per lease piece 16 bytes.  Long runs therefore cost ~9-11 bytes a block (perf/bench_lru
+ * prints it).
  *
  * Released private blocks (kvr_lru_set_keep_private).  A request's partial, unhashed tail block
  * occupies a pool slot too.  In the issue's reference model it simply disappears at release, so
@@ -98,6 +100,7 @@ int kvr_lru_create(uint64_t capacity_blocks, struct kvr_lru **out)
 	lru->capacity = lru->registered = capacity_blocks;
 	lru->free_head = NIL;
 	lru->inact_head = lru->inact_tail = NIL;
+	kvr_lru_heap_init(lru, capacity_blocks);
 	kvr_u64map_init(&lru->heads);
 	kvr_u64map_init(&lru->hnext);
 	kvr_u64map_init(&lru->dups);
@@ -110,8 +113,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 {
 	if (!lru)
 		return;
-	for (uint32_t i = 0; i < lru->s_cap; i++)
-		kvr_free(lru->s[i].mem, (size_t)lru->s[i].cap * sizeof(uint64_t));
+	kvr_lru_heap_fini(lru);
 	for (uint32_t i = 0; i < lru->n_leases; i++)
 		kvr_free(lru->leases[i].p, lru->leases[i].cap * sizeof(struct piece));
 	kvr_free(lru->leases, lru->leases_cap * sizeof(struct lease));
@@ -188,7 +190,7 @@ static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t n
 		const struct seg *g = &lru->s[cur[k].seg];
 		uint32_t o = cur[k].off + 1;
 		if (o < g->len) {
-			if (seq_of(g)[o] == h)
+			if (seq_of(lru, g)[o] == h)
 				nxt[nn++] = (struct cursor){cur[k].seg, o};
 		} else {
 			probe = true;
@@ -250,7 +252,7 @@ static size_t walk(const struct kvr_lru *lru, const uint64_t *seq, size_t stride
 			 * compare at the far end, a binary search where it differs). */
 			const struct seg *g = &lru->s[cur[0].seg];
 			uint32_t o = cur[0].off;
-			uint32_t more = kvr_chain_agree(seq_of(g) + o, g->len - 1 - o,
+			uint32_t more = kvr_chain_agree(seq_of(lru, g) + o, g->len - 1 - o,
 			                                seq + (k - 1) * stride, stride, n - k);
 			o += more;
 			k += more;
@@ -287,24 +289,40 @@ static uint32_t piece_last(const struct kvr_lru *lru, const struct piece *p)
 	return i;
 }
 
-/* A new active segment (refs 1) holding hashes seq[0], seq[stride], ... (n > 0) in m (room
- * for n, transferred).  Slot and head-map room must be reserved. */
+/* A new active range (refs 1) holding hashes seq[0], seq[stride], ... (n > 0): one segment,
+ * or several linked by the split chain when it takes more than the heap's current chunk
+ * (lru_heap.c).  Returns the first.  Heap room for n hashes, then slots and head-map room for
+ * kvr_lru_hash_pieces(n) segments must be reserved. */
 static uint32_t seg_make(struct kvr_lru *lru, const uint64_t *seq, size_t stride, uint32_t n,
-                         uint32_t depth, uint64_t *m)
+                         uint32_t depth)
 {
-	for (uint32_t k = 0; k < n; k++)
-		m[k] = seq[(size_t)k * stride];
-	uint32_t i = kvr_lru_seg_new(lru);
-	struct seg *g = &lru->s[i];
-	g->mem = m;
-	g->cap = n;
-	g->len = n;
-	g->refs = 1;
-	g->depth = depth;
-	g->stamp = ++lru->stamp;
-	kvr_lru_head_add(lru, i);
+	uint32_t first = NIL, prev = NIL, len = kvr_lru_hash_piece_len(lru, n);
+	uint64_t stamp = ++lru->stamp;
+	for (uint32_t done = 0; done < n; done += len) {
+		if (done)
+			len = 1u << lru->chunk_shift; /* the next pieces: whole chunks */
+		if (n - done < len)
+			len = n - done;
+		uint32_t off = kvr_lru_hashes_take(lru, len);
+		uint64_t *m = lru->heap + off;
+		for (uint32_t k = 0; k < len; k++)
+			m[k] = seq[(size_t)(done + k) * stride];
+		uint32_t i = kvr_lru_seg_new(lru);
+		struct seg *g = &lru->s[i];
+		g->off = off;
+		g->len = len;
+		g->refs = 1;
+		g->depth = depth + done;
+		g->stamp = stamp;
+		kvr_lru_head_add(lru, i);
+		if (prev == NIL)
+			first = i;
+		else
+			lru->s[prev].snext = i;
+		prev = i;
+	}
 	lru->copies += n;
-	return i;
+	return first;
 }
 
 static int lease_slot(struct kvr_lru *lru)
@@ -368,8 +386,9 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	if ((rc = kvr_hits_whole(lru, &seg_ops, lru->hits, nh)))
 		return rc;
 	uint32_t nnew = (uint32_t)(n - hit);
-	uint64_t *m = NULL;
-	if ((rc = kvr_lru_reserve_segs(lru, 2)) || (rc = kvr_lru_reserve_head(lru)) ||
+	if ((rc = kvr_lru_reserve_hashes(lru, nnew)) ||
+	    (rc = kvr_lru_reserve_segs(lru, 1 + kvr_lru_hash_pieces(lru, nnew))) ||
+	    (rc = kvr_lru_reserve_head(lru, kvr_lru_hash_pieces(lru, nnew))) ||
 	    (rc = kvr_u64map_reserve(&lru->by_attempt, 1)) || (rc = lease_slot(lru)) ||
 	    (rc = kvr_lru_out_reserve(
 	         out, 1, kvr_lru_eviction_bound(lru, nnew + (uint64_t)private_blocks))))
@@ -378,10 +397,6 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	memset(l, 0, sizeof(*l));
 	if ((rc = reserve_pieces(l, nh + 1)))
 		return rc;
-	if (nnew && !(m = kvr_alloc((size_t)nnew * sizeof(uint64_t)))) {
-		kvr_free(l->p, l->cap * sizeof(struct piece));
-		return KVR_ENOMEM;
-	}
 	/* From here on nothing fails. */
 	l->attempt = attempt;
 	l->priv = private_blocks;
@@ -402,7 +417,7 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 		l->p[l->n++] = (struct piece){lru->hits[k].run, lru->hits[k].len, ord};
 	}
 	if (nnew) {
-		uint32_t i = seg_make(lru, &b[hit].seq, 2, nnew, (uint32_t)hit, m);
+		uint32_t i = seg_make(lru, &b[hit].seq, 2, nnew, (uint32_t)hit);
 		l->p[l->n++] = (struct piece){i, nnew, 0};
 		kvr_lru_out_stored(out, (uint32_t)hit, nnew);
 	}
@@ -427,7 +442,7 @@ static int present_slow(struct kvr_lru *lru, const struct lease *l, const struct
 		while (left) {
 			const struct seg *g = &lru->s[i];
 			uint32_t take = left < g->len ? left : g->len;
-			memcpy(chain + k, seq_of(g), take * sizeof(uint64_t));
+			memcpy(chain + k, seq_of(lru, g), take * sizeof(uint64_t));
 			k += take;
 			left -= take;
 			i = g->snext;
@@ -475,14 +490,12 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 			present = walk(lru, &b[0].seq, 2, n, false, 1, NULL, 0, NULL);
 		}
 	}
-	uint64_t *m = NULL;
-	if ((rc = reserve_cursors(lru, present)) || (rc = kvr_lru_reserve_segs(lru, 1)) ||
-	    (rc = kvr_lru_reserve_head(lru)) || (rc = kvr_u64map_reserve(&lru->dups, present)) ||
-	    (rc = reserve_pieces(l, 1)) ||
+	if ((rc = reserve_cursors(lru, present)) || (rc = kvr_lru_reserve_hashes(lru, n)) ||
+	    (rc = kvr_lru_reserve_segs(lru, kvr_lru_hash_pieces(lru, n))) ||
+	    (rc = kvr_lru_reserve_head(lru, kvr_lru_hash_pieces(lru, n))) ||
+	    (rc = kvr_u64map_reserve(&lru->dups, present)) || (rc = reserve_pieces(l, 1)) ||
 	    (rc = kvr_lru_out_reserve(out, 1, kvr_lru_eviction_bound(lru, added))))
 		return rc;
-	if (n && !(m = kvr_alloc(n * sizeof(uint64_t))))
-		return KVR_ENOMEM;
 	/* From here on nothing fails. */
 	for (size_t j = 0; j < present; j++) {
 		uint32_t *d = kvr_u64map_find(&lru->dups, b[j].seq);
@@ -493,7 +506,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	}
 	lru->dup_extra += present;
 	if (n) {
-		uint32_t i = seg_make(lru, &b[0].seq, 2, (uint32_t)n, l->nblocks, m);
+		uint32_t i = seg_make(lru, &b[0].seq, 2, (uint32_t)n, l->nblocks);
 		l->p[l->n++] = (struct piece){i, (uint32_t)n, 0};
 		l->nblocks += (uint32_t)n;
 		l->last_seq = b[n - 1].seq;
@@ -642,9 +655,8 @@ size_t kvr_lru_bytes(const struct kvr_lru *lru)
 	bytes += real(lru->cur_cap, sizeof(struct cursor)) * 2 +
 	         real(lru->hits_cap, sizeof(struct kvr_run_hit)) +
 	         real(lru->rel_cap, sizeof(uint32_t));
-	for (uint32_t i = 0; i < lru->s_cap; i++)
-		if (!lru->s[i].unused)
-			bytes += real(lru->s[i].cap, sizeof(uint64_t));
+	bytes += real((size_t)lru->heap_chunks << lru->chunk_shift, sizeof(uint64_t)) +
+	         real(lru->live_cap, sizeof(uint32_t));
 	for (uint32_t i = 0; i < lru->n_leases; i++)
 		bytes += real(lru->leases[i].cap, sizeof(struct piece));
 	return bytes;

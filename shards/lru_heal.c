@@ -77,7 +77,7 @@ static uint64_t lease_hash_at(const struct kvr_lru *lru, const struct lease *l, 
 				off -= lru->s[i].len;
 				i = lru->s[i].snext;
 			}
-			return seq_of(&lru->s[i])[off];
+			return seq_of(lru, &lru->s[i])[off];
 		}
 		at += l->p[k].len;
 	}
@@ -102,7 +102,7 @@ static void lease_scan(struct kvr_lru *lru, const struct lease *l, uint32_t from
 			uint32_t take = left < g->len ? left : g->len;
 			for (uint32_t j = at < from ? (from - at < take ? from - at : take) : 0;
 			     j < take && at + j < to; j++)
-				visit(lru, seq_of(g)[j], at + j, ctx);
+				visit(lru, seq_of(lru, g)[j], at + j, ctx);
 			at += take;
 			left -= take;
 			i = g->snext;
@@ -187,7 +187,7 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 			if (kvr_u64map_find(&lru->dups, h)) {
 				for (uint32_t i = lru->inact_head; i != NIL; i = lru->s[i].next) {
 					const struct seg *g = &lru->s[i];
-					const uint64_t *q = seq_of(g);
+					const uint64_t *q = seq_of(lru, g);
 					for (uint32_t j = 0; j < g->len; j++)
 						if (q[j] == h &&
 						    (g->order > ord ||
@@ -268,7 +268,7 @@ int kvr_lru_heal_watermark(struct kvr_lru *lru, uint64_t seq, uint64_t *evicted,
 	uint32_t found = NIL, off = 0;
 	for (uint32_t i = lru->inact_head; i != NIL && found == NIL; i = lru->s[i].next) {
 		const struct seg *g = &lru->s[i];
-		const uint64_t *q = seq_of(g);
+		const uint64_t *q = seq_of(lru, g);
 		for (uint32_t j = g->len; j-- > 0;) /* deepest first: the eviction order */
 			if (q[j] == seq) {
 				found = i;

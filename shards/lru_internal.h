@@ -16,15 +16,15 @@
 
 #define NIL UINT32_MAX
 
-/* A segment: 48 bytes.  What only some segments need lives elsewhere or shares room: the list
+/* A segment: 40 bytes.  What only some segments need lives elsewhere or shares room: the list
  * links and release order only matter while the segment is inactive (refs == 0) and the
  * refcount only while it is held, so they share a union (`inactive` says which); the next
  * segment with the same head hash (only duplicate copies have one) is in lru->hnext.  The split
  * chain has no back link: it is followed only inside a lease's piece, whose segments the lease
  * holds, so a dropped (inactive) segment is never reached through it and needs no unlinking,
- * and kvr_lru_settle redirects the links inside the leases' pieces when it moves segments. */
+ * and kvr_lru_settle redirects the links inside the leases' pieces when it moves segments.  The
+ * hashes are lru->heap[off, off + len) (lru_heap.c): no pointer, no capacity of their own. */
 struct seg {
-	uint64_t *mem;          /* hash array allocation: the segment's hashes, from mem[0] */
 	uint64_t stamp : 56;    /* the command that created these copies: smaller = older (2^56
 	                         * segment creations per rank: 2,000 years at a million a second) */
 	uint64_t inactive : 1;  /* on the inactive list (then the union holds order/prev/next) */
@@ -37,13 +37,13 @@ struct seg {
 		};
 		uint32_t refs; /* held: leases holding every copy of the segment */
 	};
+	uint32_t off;   /* its hashes start at lru->heap[off] (moved by kvr_lru_reserve_hashes) */
 	uint32_t len;   /* copies */
-	uint32_t cap;   /* mem's size in hashes */
 	uint32_t snext; /* split chain: the next of the segments that were one, in chain
 	                 * order (meaningful inside a lease's piece only) */
 	uint32_t depth; /* chain position of the first copy */
 };
-_Static_assert(sizeof(struct seg) == 48, "struct seg grew");
+_Static_assert(sizeof(struct seg) == 40, "struct seg grew");
 
 /* Released private blocks (keep_private): one entry per release that had any, in a FIFO (a ring)
  * beside the inactive list.  An entry takes its release's first order, unshared by any segment,
@@ -92,6 +92,11 @@ struct kvr_lru {
 	struct ghosts gh;
 	struct seg *s;
 	uint32_t s_cap, s_live, free_head;
+	uint64_t *heap;       /* every segment's hashes, in chunks (lru_heap.c) */
+	uint32_t *chunk_live; /* per chunk: live hashes in it (live_cap entries) */
+	uint32_t heap_chunks, live_cap, chunk_shift; /* chunks of 1 << chunk_shift hashes */
+	uint32_t chunk_cur, chunk_pos,
+	    n_free; /* the chunk taken from, its next slot; free chunks */
 	uint32_t inact_head, inact_tail;
 	struct phantom *ph; /* phantom ring: ph_n entries from ph_head */
 	uint32_t ph_cap, ph_head, ph_n;
@@ -113,9 +118,9 @@ struct kvr_lru {
 	size_t rel_cap;
 };
 
-static inline uint64_t *seq_of(const struct seg *g)
+static inline uint64_t *seq_of(const struct kvr_lru *lru, const struct seg *g)
 {
-	return g->mem;
+	return lru->heap + g->off;
 }
 
 /* lru.c */
@@ -128,8 +133,8 @@ int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n);
 size_t kvr_lru_eviction_bound(const struct kvr_lru *lru, uint64_t added);
 /* A fresh segment slot (room reserved), zeroed, on no list. */
 uint32_t kvr_lru_seg_new(struct kvr_lru *lru);
-/* Room for one head_add: in lru->heads and lru->hnext.  0 or KVR_ENOMEM. */
-int kvr_lru_reserve_head(struct kvr_lru *lru);
+/* Room for n head_adds: in lru->heads and lru->hnext.  0 or KVR_ENOMEM. */
+int kvr_lru_reserve_head(struct kvr_lru *lru, size_t n);
 /* The next segment with segment i's head hash, or NIL. */
 static inline uint32_t kvr_lru_hnext(const struct kvr_lru *lru, uint32_t i)
 {
@@ -170,6 +175,34 @@ static inline struct phantom *kvr_lru_phantom_next(const struct kvr_lru *lru)
 void kvr_lru_phantom_evict(struct kvr_lru *lru, uint32_t m);
 /* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
 void kvr_lru_evict_to(struct kvr_lru *lru, uint64_t limit, struct kvr_lru_out *out);
+
+/* lru_heap.c: the hash heap */
+/* Sets the chunk size for a rank of this capacity (before the first hashes). */
+void kvr_lru_heap_init(struct kvr_lru *lru, uint64_t capacity);
+/* The segments a new range of n hashes is stored as (none for 0). */
+uint32_t kvr_lru_hash_pieces(const struct kvr_lru *lru, size_t n);
+/* Room for a new range of n hashes: may compact the heap, which moves every segment's hashes
+ * (no seq_of pointer may be held across it; segment indices stay).  0, KVR_ERANGE or
+ * KVR_ENOMEM (nothing observable changed). */
+int kvr_lru_reserve_hashes(struct kvr_lru *lru, size_t n);
+/* Takes room for the next piece (len hashes, at most a chunk) of a reserved range; returns
+ * its offset.  The pieces of one range are taken in order, kvr_lru_hash_pieces of them. */
+uint32_t kvr_lru_hashes_take(struct kvr_lru *lru, uint32_t len);
+/* The first piece's length of a new range of n hashes (the others are whole chunks, the last
+ * what is left). */
+uint32_t kvr_lru_hash_piece_len(const struct kvr_lru *lru, size_t n);
+/* Tells the heap that m hashes at the end of segment g are gone (a trim). */
+static inline void kvr_lru_hashes_gone(struct kvr_lru *lru, const struct seg *g, uint32_t m)
+{
+	uint32_t c = g->off >> lru->chunk_shift;
+	if ((lru->chunk_live[c] -= m) == 0 && c != lru->chunk_cur)
+		lru->n_free++;
+}
+/* Gives the heap back down to its use plus a margin when it is less than half used (end of a
+ * command; best effort). */
+void kvr_lru_heap_settle(struct kvr_lru *lru);
+/* Frees the heap. */
+void kvr_lru_heap_fini(struct kvr_lru *lru);
 
 /* lru_cap.c: ghosts and the capacity estimate */
 /* Records hash h, whose last copy was just evicted (no-op while ghosts are off). */

@@ -25,7 +25,7 @@ static size_t seg_slots_fit(size_t n)
 	return fit < NIL ? fit : NIL - 1;
 }
 
-/* Makes room for n new segments.  The array grows by a quarter (48 B a slot: bench_footprint's
+/* Makes room for n new segments.  The array grows by a quarter (40 B a slot: bench_footprint's
  * predicted caches at 2k prompts carried 1.6 slots per live segment growing by half), to what
  * its size class holds. */
 int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
@@ -45,8 +45,7 @@ int kvr_lru_reserve_segs(struct kvr_lru *lru, size_t n)
 	if (!s)
 		return KVR_ENOMEM;
 	for (size_t i = nc; i-- > lru->s_cap;) {
-		s[i].mem = NULL;
-		s[i].cap = 0;
+		s[i].len = 0;
 		s[i].unused = 1;
 		s[i].next = lru->free_head;
 		lru->free_head = (uint32_t)i;
@@ -83,9 +82,7 @@ uint32_t kvr_lru_seg_new(struct kvr_lru *lru)
 static void seg_free(struct kvr_lru *lru, uint32_t i)
 {
 	struct seg *g = &lru->s[i];
-	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
-	g->mem = NULL;
-	g->cap = 0;
+	g->len = 0; /* its hashes are garbage in the heap until it is compacted */
 	g->unused = 1;
 	g->next = lru->free_head;
 	lru->free_head = i;
@@ -94,10 +91,10 @@ static void seg_free(struct kvr_lru *lru, uint32_t i)
 
 /* Head multimap: lru->heads maps a head hash to its first segment, lru->hnext each segment of a
  * multimap chain to the next (only duplicate copies make chains longer than one). */
-int kvr_lru_reserve_head(struct kvr_lru *lru)
+int kvr_lru_reserve_head(struct kvr_lru *lru, size_t n)
 {
-	int rc = kvr_u64map_reserve(&lru->heads, 1);
-	return rc ? rc : kvr_u64map_reserve(&lru->hnext, 1);
+	int rc = kvr_u64map_reserve(&lru->heads, n);
+	return rc ? rc : kvr_u64map_reserve(&lru->hnext, n);
 }
 
 static void set_hnext(struct kvr_lru *lru, uint32_t i, uint32_t next)
@@ -117,7 +114,7 @@ static void set_hnext(struct kvr_lru *lru, uint32_t i, uint32_t next)
 
 void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i)
 {
-	uint64_t h = seq_of(&lru->s[i])[0];
+	uint64_t h = seq_of(lru, &lru->s[i])[0];
 	uint32_t *v = kvr_u64map_find(&lru->heads, h);
 	if (v) {
 		uint32_t first = *v;
@@ -131,7 +128,7 @@ void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i)
 
 static void head_del(struct kvr_lru *lru, uint32_t i)
 {
-	uint64_t h = seq_of(&lru->s[i])[0];
+	uint64_t h = seq_of(lru, &lru->s[i])[0];
 	uint32_t *v = kvr_u64map_find(&lru->heads, h);
 	uint32_t after = kvr_lru_hnext(lru, i);
 	set_hnext(lru, i, NIL);
@@ -178,57 +175,22 @@ void kvr_lru_inact_append(struct kvr_lru *lru, uint32_t i)
 	lru->n_inactive += g->len;
 }
 
-/* Moves a segment's hashes to a tight array when less than half of its array is used.  Best
- * effort: on failure the array just stays larger. */
-static void compact(struct seg *g)
-{
-	if (!g->mem || (size_t)g->len * 2 + 8 > g->cap)
-		return;
-	uint64_t *m = kvr_alloc((size_t)g->len * sizeof(uint64_t));
-	if (!m)
-		return;
-	memcpy(m, seq_of(g), (size_t)g->len * sizeof(uint64_t));
-	kvr_free(g->mem, (size_t)g->cap * sizeof(uint64_t));
-	g->mem = m;
-	g->cap = g->len;
-}
-
 /*
  * Splits segment i before offset off (0 < off < len): i keeps [0, off); a new segment gets
  * [off, len) with the same refcount and stamp, joins the split chain right after i and, if i is
  * inactive, takes the place just before i in the inactive list (it is deeper: it goes first).
- * The smaller side's hashes are copied to a new array; when that is the left side, the right
- * side's are moved to the front of the old one, which it takes (hashes start at mem[0]: the
- * 48-byte record has no offset; this costs a move of the right side, ~1 us at 2,000 blocks, on a
- * split near a long segment's start).  No observable change.  0, KVR_ERANGE or KVR_ENOMEM
- * (nothing changed).
+ * The hashes stay where they are in the heap: the new segment's start at i's old offset + off.
+ * No observable change.  0, KVR_ERANGE or KVR_ENOMEM (nothing changed).
  */
 int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off)
 {
 	int rc;
-	if ((rc = kvr_lru_reserve_segs(lru, 1)) || (rc = kvr_lru_reserve_head(lru)))
+	if ((rc = kvr_lru_reserve_segs(lru, 1)) || (rc = kvr_lru_reserve_head(lru, 1)))
 		return rc;
-	struct seg *a = &lru->s[i];
-	uint32_t len = a->len, rest = len - off;
-	bool copy_right = rest <= off;
-	uint64_t *m = kvr_alloc((size_t)(copy_right ? rest : off) * sizeof(uint64_t));
-	if (!m)
-		return KVR_ENOMEM;
 	uint32_t j = kvr_lru_seg_new(lru);
-	a = &lru->s[i];
-	struct seg *b = &lru->s[j];
-	if (copy_right) {
-		memcpy(m, a->mem + off, (size_t)rest * sizeof(uint64_t));
-		b->mem = m;
-		b->cap = rest;
-	} else {
-		memcpy(m, a->mem, (size_t)off * sizeof(uint64_t));
-		memmove(a->mem, a->mem + off, (size_t)rest * sizeof(uint64_t));
-		b->mem = a->mem;
-		b->cap = a->cap;
-		a->mem = m;
-		a->cap = off;
-	}
+	struct seg *a = &lru->s[i], *b = &lru->s[j];
+	uint32_t rest = a->len - off;
+	b->off = a->off + off;
 	a->len = off;
 	b->len = rest;
 	b->stamp = a->stamp;
@@ -250,7 +212,6 @@ int kvr_lru_split(struct kvr_lru *lru, uint32_t i, uint32_t off)
 		a->prev = j;
 	}
 	kvr_lru_head_add(lru, j);
-	compact(copy_right ? a : b);
 	return 0;
 }
 
@@ -339,7 +300,7 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
 		else
 			lru->inact_tail = i;
 	}
-	uint32_t *v = kvr_u64map_find(&lru->heads, seq_of(g)[0]);
+	uint32_t *v = kvr_u64map_find(&lru->heads, seq_of(lru, g)[0]);
 	if (*v == j) {
 		*v = i;
 	} else {
@@ -372,6 +333,7 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
  */
 void kvr_lru_settle(struct kvr_lru *lru)
 {
+	kvr_lru_heap_settle(lru);
 	if (lru->heads.cap > 64 && lru->heads.count * 10 < lru->heads.cap * 3)
 		(void)kvr_u64map_rebuild(&lru->heads, lru->heads.cap / 2, NULL, NULL);
 	if (lru->ph_cap > 16 && (size_t)lru->ph_n * 4 < lru->ph_cap)
@@ -433,8 +395,9 @@ void kvr_lru_settle(struct kvr_lru *lru)
 void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_out *out)
 {
 	struct seg *g = &lru->s[i];
-	uint64_t *q = seq_of(g);
+	uint64_t *q = seq_of(lru, g);
 	uint32_t len = g->len, lo = len - m;
+	kvr_lru_hashes_gone(lru, g, m);
 	if (lru->dups.count == 0) {
 		kvr_lru_out_evicted_run(out, q + lo, m);
 		for (uint32_t j = len; lru->gh.cap && j-- > lo;)
@@ -464,7 +427,6 @@ void kvr_lru_trim(struct kvr_lru *lru, uint32_t i, uint32_t m, struct kvr_lru_ou
 	}
 	g->len -= m;
 	lru->n_inactive -= m;
-	compact(g);
 }
 
 /* Evicts from the head of the inactive list until resident <= limit or nothing is inactive. */
