@@ -45,6 +45,7 @@ enum kvr_counter {
 	KVR_C_QUEUE_TIMEOUTS,
 	KVR_C_SHARD_INDEX_WRITE_ERRORS, /* index writes a shard could not make (out of memory) */
 	KVR_C_SHARD_TIMER_ERRORS,       /* timers a shard could not arm (retried) */
+	KVR_C_SHARD_RELEASE_ERRORS,     /* predicted-cache releases out of memory (retried) */
 	KVR_C_LANE_FULL_WAITS,          /* posts that found a shard lane full and waited */
 	KVR_C_LANE_FULL_DROPS,          /* posts given up after the bounded wait */
 	KVR_C_STALE_BOOKINGS,           /* admissions whose rank went away before the booking */

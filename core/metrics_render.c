@@ -63,6 +63,7 @@ static const struct {
     {KVR_C_SHARD_INDEX_WRITE_ERRORS, "kvr_shard_errors_total",
      "Shard work that failed and was counted, not lost", "what=\"index_write\""},
     {KVR_C_SHARD_TIMER_ERRORS, "kvr_shard_errors_total", NULL, "what=\"timer_arm\""},
+    {KVR_C_SHARD_RELEASE_ERRORS, "kvr_shard_errors_total", NULL, "what=\"release\""},
     {KVR_C_LANE_FULL_WAITS, "kvr_lane_full_waits_total",
      "Posts to a shard lane that found it full and waited (bounded)", ""},
     {KVR_C_LANE_FULL_DROPS, "kvr_lane_full_drops_total",

@@ -264,22 +264,93 @@ static void unlink_rec(struct kvr_rank_owned *own, struct kvr_attempt *rec)
 		rec->next->prev = rec->prev;
 }
 
+/* Releases the attempt's lease in the predicted cache.  Returns false when that ran out of
+ * memory (the lease still pins its blocks). */
+static bool release(struct kvr_shard_state *ss, struct kvr_rank_owned *own, struct kvr_attempt *rec)
+{
+	if (!own->rs || !rec->booked || rec->incarnation != own->incarnation)
+		return true; /* nothing held, or held by a store that went */
+	int rc = kvr_rank_state_release(own->rs, own->incarnation, rec->attempt, &ss->out);
+	if (rc == KVR_ENOMEM) {
+		kvr_metrics_add(kvr_owner_mb(ss->c), KVR_C_SHARD_RELEASE_ERRORS, 1);
+		return false;
+	}
+	if (rc == 0)
+		kvr_owner_apply_removals(ss, own, &ss->out);
+	return true;
+}
+
+static void owe(struct kvr_shard_state *ss, struct kvr_rank_owned *own, struct kvr_attempt *rec)
+{
+	rec->prev = NULL;
+	rec->next = own->owed;
+	if (own->owed)
+		own->owed->prev = rec;
+	own->owed = rec;
+	ss->releases_owed = true;
+}
+
 /* Ends a claimed attempt: releases its blocks (unless the rank's state is being dropped), its
- * load, its record and, last, its lease word (so the id is stale from then on). */
+ * load, its record and, last, its lease word (so the id is stale from then on).  A release out
+ * of memory used to be ignored: the lease pinned its blocks in the LRU for the rank's life, so
+ * they were never evicted and the rank's prediction held more than its capacity once idle
+ * (tests/fuzz/oom_api.c); the record now waits on the rank's owed list for a retry. */
 static void end_attempt(struct kvr_shard *sh, struct kvr_attempt *rec, bool release_blocks)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
 	struct kvr_rank_owned *own = c->ranks[rec->slot].own;
-	if (release_blocks && own->rs && rec->booked && rec->incarnation == own->incarnation &&
-	    kvr_rank_state_release(own->rs, own->incarnation, rec->attempt, &ss->out) == 0)
-		kvr_owner_apply_removals(ss, own, &ss->out);
+	bool released = !release_blocks || release(ss, own, rec);
 	kvr_load_finish(own->load, rec->attempt);
 	unlink_rec(own, rec);
 	kvr_owner_publish(ss, own);
 	untrack(ss, rec);
 	kvr_lease_release(c->leases, rec->attempt);
-	kvr_owner_attempt_free(c, rec);
+	if (released)
+		kvr_owner_attempt_free(c, rec);
+	else
+		owe(ss, own, rec);
+}
+
+void kvr_owner_retry_releases(struct kvr_shard *sh)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (!ss || !ss->releases_owed)
+		return;
+	ss->releases_owed = false;
+	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next) {
+		struct kvr_attempt *rec = own->owed, *keep = NULL;
+		own->owed = NULL;
+		bool changed = false;
+		while (rec) {
+			struct kvr_attempt *next = rec->next;
+			if (release(ss, own, rec)) {
+				kvr_owner_attempt_free(ss->c, rec);
+				changed = true;
+			} else {
+				rec->next = keep;
+				keep = rec;
+			}
+			rec = next;
+		}
+		for (rec = keep; rec;) { /* back on the list (prev links rebuilt) */
+			struct kvr_attempt *next = rec->next;
+			owe(ss, own, rec);
+			rec = next;
+		}
+		if (changed)
+			kvr_owner_publish(ss, own);
+	}
+}
+
+void kvr_owner_drop_owed(struct kvr_shard *sh, struct kvr_rank_owned *own)
+{
+	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
+	while (own->owed) {
+		struct kvr_attempt *rec = own->owed;
+		own->owed = rec->next;
+		kvr_owner_attempt_free(c, rec);
+	}
 }
 
 void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
@@ -536,6 +607,7 @@ int kvr_owner_progress_call(struct kvr_shard *sh, void *msg)
 void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 {
 	(void)arg;
+	kvr_owner_retry_releases(sh);
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
 	for (size_t i = ss->n_recs; i-- > 0;) {

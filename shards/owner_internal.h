@@ -46,6 +46,10 @@ struct kvr_rank_owned {
 	uint64_t gaps;
 	uint64_t evictions;
 	struct kvr_attempt *attempts;
+	/* Ended attempts whose predicted-cache release ran out of memory: their lease still pins
+	 * their blocks in the LRU (never evictable), so the release is retried on the shard's
+	 * next call (kvr_owner_retry_releases).  Linked by prev/next like attempts. */
+	struct kvr_attempt *owed;
 	uint64_t ttl_timer;
 	uint64_t ttl_deadline; /* UINT64_MAX: no timer armed */
 	uint32_t slot;
@@ -66,6 +70,7 @@ struct kvr_shard_state {
 	struct kvr_rank_owned *ranks; /* every rank this shard owns */
 	bool reaper_armed;            /* the lease reaper's timer is pending */
 	bool timers_broken;           /* a timer could not be armed: retry on the next call */
+	bool releases_owed;           /* some rank's owed list is not empty */
 };
 
 static inline struct kvr_shard_state *kvr_owner_state(struct kvr_shard *sh)
@@ -117,6 +122,8 @@ void kvr_owner_store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own
                           const uint64_t *parent, const struct kvr_lru_block *b,
                           const struct kvr_lru_out *out);
 void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own);
+/* What failed for lack of memory and is retried at the start of the shard's next call: owed
+ * releases (kvr_owner_retry_releases), timers.  Context: the shard's thread. */
 void kvr_owner_retry_timers(struct kvr_shard *sh);
 /* The lease reaper has run: its next scan one interval from now. */
 void kvr_owner_rearm_reaper(struct kvr_shard *sh);
@@ -126,6 +133,13 @@ struct kvr_rank_owned *kvr_owner_rank(const struct kvr_owner_ctx *c, uint32_t sl
 /* shards/owner_attempts.c */
 /* Claims (if nobody has) and ends every live attempt of the rank, blocks not released. */
 void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own);
+/* Retries the predicted-cache releases that ran out of memory (struct kvr_rank_owned's owed),
+ * keeping those that fail again; frees the records of the others (and of those whose store was
+ * renewed or dropped since: their lease went with it).  Cheap when none is owed.
+ * Context: the shard's thread. */
+void kvr_owner_retry_releases(struct kvr_shard *sh);
+/* Frees the rank's owed records without releasing (its store is going).  Context: the shard. */
+void kvr_owner_drop_owed(struct kvr_shard *sh, struct kvr_rank_owned *own);
 /* The reaper's timer callback: one CLOCK step over the shard's attempts. */
 void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg);
 /* Frees the shard's attempt map (shard stop; the ranks are gone). */

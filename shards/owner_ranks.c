@@ -204,6 +204,7 @@ void kvr_owner_rearm_reaper(struct kvr_shard *sh)
  * entry point; costs one branch when nothing failed. */
 void kvr_owner_retry_timers(struct kvr_shard *sh)
 {
+	kvr_owner_retry_releases(sh);
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	if (!ss || !ss->timers_broken)
 		return;
@@ -338,6 +339,7 @@ int kvr_owner_rank_destroy(struct kvr_shard *sh, void *arg)
 	if (!own)
 		return KVR_ENOENT;
 	kvr_owner_end_all_attempts(sh, own);
+	kvr_owner_drop_owed(sh, own);
 	if (own->ttl_deadline != UINT64_MAX)
 		kvr_shard_timer_cancel(sh, own->ttl_timer);
 	kvr_rank_state_destroy(own->rs);
@@ -447,6 +449,7 @@ int kvr_owner_rank_reset(struct kvr_shard *sh, void *arg)
 
 int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 {
+	kvr_owner_retry_releases(sh); /* resident_blocks counts what an owed release frees */
 	struct kvr_rank_args *a = arg;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;

@@ -185,3 +185,32 @@ Test(oom_contracts, sync_booking_load_or_nothing)
 	cr_assert(completed, "reached a run without a failure");
 	cr_assert_gt(nth, 3, "failures were injected (%lu)", (unsigned long)nth);
 }
+
+/* The end of an attempt whose predicted-cache release runs out of memory still frees its blocks:
+ * the release is retried on the shard's next call.  It used to be dropped: the lease pinned its
+ * blocks in the LRU for the rank's life, never evictable, and the idle rank's prediction stayed
+ * above its capacity (tests/fuzz/oom_api.c: resident 6 of capacity 1). */
+Test(oom_contracts, release_out_of_memory_is_retried)
+{
+	bool completed = false;
+	uint64_t nth;
+	for (nth = 1; nth < 200 && !completed; nth++) {
+		struct kvr_router *r = make_router();
+		cr_assert_eq(kvr_rank_add(r, R0, 1, 2, 0), 0);
+		int rc;
+		uint64_t a = route_one(r, &rc); /* 4 blocks, all pinned: over the capacity of 2 */
+		cr_assert_eq(rc, 0);
+		cr_assert_eq(stats(r).resident_blocks, 4);
+		kvr_alloc_fail_after(nth);
+		cr_assert_eq(kvr_request_finish(r, a), 0, "finish never needs memory");
+		completed = kvr_alloc_fail_pending() != 0;
+		kvr_alloc_fail_after(0);
+		struct kvr_rank_stats s = stats(r);
+		cr_assert_eq(s.active_requests, 0, "nth %lu", (unsigned long)nth);
+		cr_assert_eq(s.resident_blocks, 2, "nth %lu: resident %lu of capacity 2 once idle",
+		             (unsigned long)nth, (unsigned long)s.resident_blocks);
+		kvr_router_destroy(r);
+	}
+	cr_assert(completed, "reached a run without a failure");
+	cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
+}
