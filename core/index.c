@@ -42,7 +42,7 @@
  * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (68-98) + 64 + 32 + 10-15 + the
  * locator id's directory entry (8-12) = 310-349 bytes, 19.4-21.8 per block, and more while
  * the locator migrates after a growth (it holds both arrays: up to 26.0 in that benchmark;
- * --mem-sweep gives the mean over 97 index sizes, 21.4).  The memory counters count what jemalloc
+ * --mem-sweep gives the mean over 97 index sizes, 21.1).  The memory counters count what jemalloc
  * really takes (its size class); hash arrays are classes exactly (growth steps land on them: 2, 4,
  * 6, 8, 10, 12, 14, 16, 20, ... words).  With a 16-byte header in front of the hashes (it kept the
  * capacity, the id and the retire link) the 16-block array's 144 bytes took 160 and a 512-block

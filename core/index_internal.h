@@ -664,7 +664,7 @@ void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r);
 /* Frees the locator.  Context: destroy. */
 void kvr_index_blk_fini(struct kvr_index *idx);
 /* Work units (ids visited + entries moved) each locator call spends on a migration on top of
- * the least that keeps up (default 2; tests set 0 to make locators migrate over more calls).
+ * the least that keeps up (default 16; tests set 0 to make locators migrate over more calls).
  * Context: set before any index exists. */
 extern uint64_t kvr_index_blk_step_min;
 /* The load (per mille, default 900) past which the locator grows, starting a

@@ -38,13 +38,16 @@
  * prompt (one remove call) and stores a new one (one store call).  Per-call time max / p99.9 /
  * p99 and block ops per second, with the locator's rebuilds done at once in one call
  * (kvr_index_blk_step_min huge: the old rebuild) and incrementally (the default), in one run,
- * and incrementally with the previous growth policy (at load 0.85 to 0.57: 1.5x), with
+ * and incrementally with the previous defaults (growth at load 0.85 to 0.57, least slice 2), with
  * the locator's bytes per held block averaged over the admissions, its rebuilds during the
- * admissions (0 at this steady live count) and the wrong runs a lookup scans.
+ * admissions (0 at this steady live count) and the wrong runs a lookup scans.  Before them, a
+ * '# fill' line: the fill's store calls (the locator grows from empty, ~40 migrations), their
+ * CPU time max / p99 / p50 and the locator's bytes per entry averaged over them (both arrays
+ * while migrating).
  *
  * Memory sweep (--mem-sweep): runs of 16 blocks with one holder at 97 index sizes, so the
  * locator's load over its growth cycle shows (mean, min, max), with the default growth policy
- * and the previous one, in one run.
+ * and the previous defaults, in one run.
  *
  * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT
  *          | --tput L PAT | --mem-only | --mem-sweep
@@ -408,11 +411,13 @@ static void mem_all(void)
 /* Runs of 16 blocks, one holder, at 97 index sizes from 4,096 to 16,384 runs (1.0145x apart):
  * where one size lands in the locator's growth cycle decides its load, so the sweep gives the
  * range and the mean over the cycle, with the locator growing at grow_at to grow_to. */
-static void mem_sweep(uint64_t grow_at, uint64_t grow_to)
+static void mem_sweep(uint64_t grow_at, uint64_t grow_to, uint64_t step_min)
 {
-	const uint64_t ga = kvr_index_blk_grow_at, gt = kvr_index_blk_grow_to;
+	const uint64_t ga = kvr_index_blk_grow_at, gt = kvr_index_blk_grow_to,
+	               sm = kvr_index_blk_step_min;
 	kvr_index_blk_grow_at = grow_at;
 	kvr_index_blk_grow_to = grow_to;
+	kvr_index_blk_step_min = step_min;
 	double lo = 1e9, hi = 0, sum = 0;
 	int n = 0;
 	for (double np = 4096; np <= 16384; np *= 1.0145, n++) {
@@ -422,11 +427,14 @@ static void mem_sweep(uint64_t grow_at, uint64_t grow_to)
 		sum += v;
 	}
 	printf("SUMMARY bench=index_memory_sweep run_blocks=16 holders=1 runs=4096..16384 sizes=%d "
-	       "grow_at=%.2f grow_to=%.2f bytes_per_held_block_mean=%.2f min=%.2f max=%.2f\n",
-	       n, (double)grow_at / 1000, (double)grow_to / 1000, sum / n, lo, hi);
+	       "grow_at=%.2f grow_to=%.2f step_min=%lu bytes_per_held_block_mean=%.2f min=%.2f "
+	       "max=%.2f\n",
+	       n, (double)grow_at / 1000, (double)grow_to / 1000, (unsigned long)step_min, sum / n,
+	       lo, hi);
 	fflush(stdout);
 	kvr_index_blk_grow_at = ga;
 	kvr_index_blk_grow_to = gt;
+	kvr_index_blk_step_min = sm;
 }
 
 static uint64_t apply_ops;
@@ -646,13 +654,25 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, uint64_t g
 	if (!held || !lat || !cpu)
 		abort();
 	struct path p;
-	for (int i = 0; i < CH_RANKS * CH_HELD; i++) { /* fill */
+	enum { NFILL = CH_RANKS * CH_HELD };
+	uint64_t fcpu[NFILL];
+	double floc = 0;                  /* locator bytes per entry after each fill call, summed */
+	for (int i = 0; i < NFILL; i++) { /* fill: the locator grows (migrations) */
 		make_path(&p, CH_L);
 		memcpy(&held[(size_t)i * CH_L], p.b, CH_L * sizeof(*held));
 		free_path(&p);
+		const uint64_t c0 = cpu_ns();
 		if (kvr_index_store(idx, slot[i % CH_RANKS], NULL, &held[(size_t)i * CH_L], CH_L))
 			abort();
+		fcpu[i] = cpu_ns() - c0;
+		floc += (double)(idx_blk_bytes(idx->blk.cap) + idx_blk_bytes(idx->blk.old_cap)) /
+		        (double)(idx->blk.count + idx->blk.old_count);
 	}
+	qsort(fcpu, NFILL, sizeof(*fcpu), cmp_u64);
+	printf("# fill (%d stores of %d blocks from empty): cpu_max_us=%.1f cpu_p99_us=%.1f "
+	       "cpu_p50_us=%.1f locator_bytes_per_entry_mean=%.2f migrations=%lu\n",
+	       NFILL, CH_L, (double)fcpu[NFILL - 1] / 1e3, (double)fcpu[NFILL * 99 / 100] / 1e3,
+	       (double)fcpu[NFILL / 2] / 1e3, floc / NFILL, (unsigned long)idx->blk.rebuilds);
 	uint64_t t_all = 0, loc = 0;
 	const uint64_t rebuilds0 = idx->blk.rebuilds, f0 = idx->blk.finds,
 	               fc0 = idx->blk.false_cands;
@@ -740,7 +760,7 @@ int main(int argc, char **argv)
 			if (!only || !strcmp(only, "incr"))
 				bench_churn(adm, dflt, g, gt, "incremental");
 			if (!only || !strcmp(only, "old"))
-				bench_churn(adm, dflt, 850, 567, "incremental_0.85_to_0.57");
+				bench_churn(adm, 2, 850, 567, "incremental_0.85_to_0.57_step2");
 			return 0;
 		} else if (!strcmp(argv[i], "--mem-only")) {
 			if (kvr_rcu_thread_online() != 0)
@@ -750,8 +770,9 @@ int main(int argc, char **argv)
 		} else if (!strcmp(argv[i], "--mem-sweep")) {
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
-			mem_sweep(kvr_index_blk_grow_at, kvr_index_blk_grow_to);
-			mem_sweep(850, 567);
+			mem_sweep(kvr_index_blk_grow_at, kvr_index_blk_grow_to,
+			          kvr_index_blk_step_min);
+			mem_sweep(850, 567, 2); /* the previous defaults */
 			return 0;
 		} else if (!strcmp(argv[i], "--apply-only"))
 			apply_only = true; /* for valgrind --tool=callgrind */
