@@ -101,7 +101,7 @@ int kvr_lru_create(uint64_t capacity_blocks, struct kvr_lru **out)
 	lru->free_head = NIL;
 	lru->inact_head = lru->inact_tail = NIL;
 	kvr_lru_heap_init(lru, capacity_blocks);
-	kvr_u64map_init(&lru->heads);
+	lru->heads.shift = 64;
 	kvr_u64map_init(&lru->hnext);
 	kvr_u64map_init(&lru->dups);
 	kvr_u64map_init(&lru->by_attempt);
@@ -123,7 +123,7 @@ void kvr_lru_destroy(struct kvr_lru *lru)
 	kvr_free(lru->nxt, lru->cur_cap * sizeof(struct cursor));
 	kvr_free(lru->hits, lru->hits_cap * sizeof(struct kvr_run_hit));
 	kvr_free(lru->rel, lru->rel_cap * sizeof(uint32_t));
-	kvr_u64map_fini(&lru->heads);
+	kvr_lru_heads_fini(lru);
 	kvr_u64map_fini(&lru->hnext);
 	kvr_u64map_fini(&lru->dups);
 	kvr_u64map_fini(&lru->by_attempt);
@@ -197,7 +197,7 @@ static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t n
 		}
 	}
 	if (probe) {
-		uint32_t *v = kvr_u64map_find(&lru->heads, h);
+		uint32_t *v = kvr_lru_heads_find(lru, h);
 		for (uint32_t j = v ? *v : NIL; j != NIL; j = kvr_lru_hnext(lru, j))
 			nxt[nn++] = (struct cursor){j, 0};
 	}
@@ -646,7 +646,7 @@ size_t kvr_lru_bytes(const struct kvr_lru *lru)
 		return 0;
 	const size_t slot = sizeof(struct kvr_u64map_slot);
 	size_t bytes = real(1, sizeof(*lru)) + real(lru->s_cap, sizeof(struct seg)) +
-	               real(lru->heads.cap, slot) + real(lru->hnext.cap, slot) +
+	               real(lru->heads.cap, sizeof(struct head_slot)) + real(lru->hnext.cap, slot) +
 	               real(lru->dups.cap, slot) + real(lru->by_attempt.cap, slot) +
 	               real(lru->leases_cap, sizeof(struct lease)) +
 	               real(lru->ph_cap, sizeof(struct phantom));

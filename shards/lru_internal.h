@@ -54,6 +54,18 @@ struct phantom {
 	uint32_t unused;
 };
 
+/* The head map (lru_heads.c): head hash -> first segment of its multimap chain, 8 bytes a slot
+ * (the segment and the hash's high half; the hash itself is the segment's first in the heap). */
+struct head_slot {
+	uint32_t seg; /* NIL: empty */
+	uint32_t tag; /* the head hash's high 32 bits */
+};
+struct kvr_lru_heads {
+	struct head_slot *slots;
+	uint32_t cap, count; /* cap: a power of two, or 0 */
+	unsigned shift;      /* 64 - log2(cap) */
+};
+
 struct piece {
 	uint32_t seg; /* first segment (its split chain continues the piece) */
 	uint32_t len; /* blocks */
@@ -103,7 +115,7 @@ struct kvr_lru {
 	uint64_t copies, n_inactive, priv, n_phantom, evictions, epoch, stamp, dup_extra;
 	uint64_t order_seq; /* last order given to a segment entering the inactive list */
 	bool keep_private;
-	struct kvr_u64map heads; /* head hash -> first segment of its multimap chain */
+	struct kvr_lru_heads heads; /* head hash -> first segment of its multimap chain */
 	struct kvr_u64map
 	    hnext;              /* segment -> the next one with its head hash (when there is one) */
 	struct kvr_u64map dups; /* hash -> extra copies, for hashes with several copies */
@@ -122,6 +134,46 @@ static inline uint64_t *seq_of(const struct kvr_lru *lru, const struct seg *g)
 {
 	return lru->heap + g->off;
 }
+
+/* lru_heads.c: the head map */
+static inline size_t kvr_lru_heads_home(const struct kvr_lru_heads *m, uint64_t h)
+{
+	h ^= h >> 29;
+	return (size_t)((h * 0x9E3779B97F4A7C15ull) >> m->shift);
+}
+/* The head hash of segment i. */
+static inline uint64_t kvr_lru_head_hash(const struct kvr_lru *lru, uint32_t i)
+{
+	return lru->heap[lru->s[i].off];
+}
+/* The first segment with head hash h (its slot's value, which may be rewritten), or NULL.
+ * Valid until the next insert, remove or resize. */
+static inline uint32_t *kvr_lru_heads_find(const struct kvr_lru *lru, uint64_t h)
+{
+	const struct kvr_lru_heads *m = &lru->heads;
+	if (m->count == 0)
+		return NULL;
+	size_t mask = m->cap - 1, i = kvr_lru_heads_home(m, h);
+	uint32_t tag = (uint32_t)(h >> 32);
+	for (;;) {
+		struct head_slot *s = &m->slots[i];
+		if (s->seg == NIL)
+			return NULL;
+		if (s->tag == tag && kvr_lru_head_hash(lru, s->seg) == h)
+			return &s->seg;
+		i = (i + 1) & mask;
+	}
+}
+/* Room for n more heads.  0 or KVR_ENOMEM (unchanged). */
+int kvr_lru_heads_reserve(struct kvr_lru *lru, size_t n);
+/* Adds head hash h -> segment i (h absent; room reserved; h is i's first hash in the heap). */
+void kvr_lru_heads_insert(struct kvr_lru *lru, uint64_t h, uint32_t i);
+/* Removes head hash h (present). */
+void kvr_lru_heads_remove(struct kvr_lru *lru, uint64_t h);
+/* Halves the map when under 30 % full (best effort). */
+void kvr_lru_heads_settle(struct kvr_lru *lru);
+/* Frees the map. */
+void kvr_lru_heads_fini(struct kvr_lru *lru);
 
 /* lru.c */
 struct lease *kvr_lru_find_lease(const struct kvr_lru *lru, uint64_t attempt);

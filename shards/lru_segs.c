@@ -93,7 +93,7 @@ static void seg_free(struct kvr_lru *lru, uint32_t i)
  * multimap chain to the next (only duplicate copies make chains longer than one). */
 int kvr_lru_reserve_head(struct kvr_lru *lru, size_t n)
 {
-	int rc = kvr_u64map_reserve(&lru->heads, n);
+	int rc = kvr_lru_heads_reserve(lru, n);
 	return rc ? rc : kvr_u64map_reserve(&lru->hnext, n);
 }
 
@@ -115,26 +115,26 @@ static void set_hnext(struct kvr_lru *lru, uint32_t i, uint32_t next)
 void kvr_lru_head_add(struct kvr_lru *lru, uint32_t i)
 {
 	uint64_t h = seq_of(lru, &lru->s[i])[0];
-	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	uint32_t *v = kvr_lru_heads_find(lru, h);
 	if (v) {
 		uint32_t first = *v;
 		*v = i;
 		set_hnext(lru, i, first);
 	} else {
 		set_hnext(lru, i, NIL);
-		kvr_u64map_insert(&lru->heads, h, i);
+		kvr_lru_heads_insert(lru, h, i);
 	}
 }
 
 static void head_del(struct kvr_lru *lru, uint32_t i)
 {
 	uint64_t h = seq_of(lru, &lru->s[i])[0];
-	uint32_t *v = kvr_u64map_find(&lru->heads, h);
+	uint32_t *v = kvr_lru_heads_find(lru, h);
 	uint32_t after = kvr_lru_hnext(lru, i);
 	set_hnext(lru, i, NIL);
 	if (*v == i) {
 		if (after == NIL)
-			kvr_u64map_remove(&lru->heads, h);
+			kvr_lru_heads_remove(lru, h);
 		else
 			*v = after;
 		return;
@@ -300,7 +300,7 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
 		else
 			lru->inact_tail = i;
 	}
-	uint32_t *v = kvr_u64map_find(&lru->heads, seq_of(lru, g)[0]);
+	uint32_t *v = kvr_lru_heads_find(lru, seq_of(lru, g)[0]);
 	if (*v == j) {
 		*v = i;
 	} else {
@@ -334,8 +334,7 @@ static void seg_move(struct kvr_lru *lru, uint32_t j, uint32_t i)
 void kvr_lru_settle(struct kvr_lru *lru)
 {
 	kvr_lru_heap_settle(lru);
-	if (lru->heads.cap > 64 && lru->heads.count * 10 < lru->heads.cap * 3)
-		(void)kvr_u64map_rebuild(&lru->heads, lru->heads.cap / 2, NULL, NULL);
+	kvr_lru_heads_settle(lru);
 	if (lru->ph_cap > 16 && (size_t)lru->ph_n * 4 < lru->ph_cap)
 		(void)phantoms_resize(lru, lru->ph_cap / 2);
 	size_t used = (size_t)lru->s_live + 1;
