@@ -101,6 +101,8 @@ static int read_tokens(struct kvr_feed_batch *b, struct kvr_mp *c, struct kvr_fe
 		return rc;
 	e->tok_off = b->n_tokens;
 	e->n_tokens = n;
+	if (n == 0)
+		return 0; /* b->tokens may be NULL: NULL + 0 is undefined in C (UBSan, fuzz_feed) */
 	uint32_t *t = b->tokens + b->n_tokens;
 	for (uint32_t i = 0; i < n; i++) {
 		/* Fast path: positive fixint and uint16/uint32 cover every vocabulary. */

@@ -313,9 +313,11 @@ static int by_arrival(const void *a, const void *b)
 
 void trace_finish(struct trace *t)
 {
-	for (size_t i = 0; i < t->n; i++)
-		t->reqs[i].ids = t->id_pool + (size_t)(uintptr_t)t->reqs[i].ids;
-	qsort(t->reqs, t->n, sizeof(*t->reqs), by_arrival);
+	for (size_t i = 0; i < t->n; i++) /* (no pool when no request has ids: NULL + 0 is UB) */
+		t->reqs[i].ids =
+		    t->id_pool ? t->id_pool + (size_t)(uintptr_t)t->reqs[i].ids : t->reqs[i].ids;
+	if (t->n > 1) /* reqs is NULL without requests: qsort's pointer is nonnull (UBSan) */
+		qsort(t->reqs, t->n, sizeof(*t->reqs), by_arrival);
 }
 
 void trace_free(struct trace *t)
