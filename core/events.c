@@ -101,8 +101,9 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
 	                           .ev = ev,
 	                           .local = ev_local};
-	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
-	                      kvr_owner_event, &a);
+	return kvr_shard_call(
+	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
+	    KVR_LANE_ROUTING, kvr_owner_event, &a);
 }
 
 /* Thread-local scratch of kvr_events_apply_many: shard call arguments, local hashes. */
@@ -218,7 +219,7 @@ static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const str
 		}
 		off += ev->n_blocks;
 	}
-	*sh = kvr_shards_get(r->shards, pub->shard);
+	*sh = kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED));
 	return 0;
 }
 
@@ -320,6 +321,7 @@ int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)
 	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
 	                           .ev = &ev,
 	                           .rank_only = true};
-	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
-	                      kvr_owner_event, &a);
+	return kvr_shard_call(
+	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
+	    KVR_LANE_ROUTING, kvr_owner_event, &a);
 }

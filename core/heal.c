@@ -50,6 +50,7 @@ int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
 	struct kvr_rank_pub *pub = &r->ranks[slot];
 	struct kvr_heal_args a = {
 	    .slot = slot, .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE), .obs = obs};
-	return kvr_shard_call(kvr_shards_get(r->shards, pub->shard), KVR_LANE_ROUTING,
-	                      kvr_owner_observe_call, &a);
+	return kvr_shard_call(
+	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
+	    KVR_LANE_ROUTING, kvr_owner_observe_call, &a);
 }

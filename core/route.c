@@ -450,8 +450,11 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 
 		memset(d, 0, sizeof(*d));
 		d->status = KVR_DECIDED;
-		d->rank.worker_id = pub->worker_id;
-		d->rank.dp_rank = pub->dp_rank;
+		/* Atomic: the slot may be reused by a rank add on its shard meanwhile (the booking
+		 * is then stale); a plain read raced its atomic stores (TSan, stress_torture's
+		 * slot reuse, 1 run in 10 under load). */
+		d->rank.worker_id = __atomic_load_n(&pub->worker_id, __ATOMIC_RELAXED);
+		d->rank.dp_rank = __atomic_load_n(&pub->dp_rank, __ATOMIC_RELAXED);
 		d->overlap_blocks = chosen.overlap;
 		d->required_blocks = (uint32_t)nb;
 		d->cached_tokens = (uint64_t)chosen.overlap * bs;
