@@ -51,9 +51,12 @@
  *
  * --bins adds, per shape, a line per jemalloc arena: where its fragmentation sits (print_bins).
  *
+ * --lane-capacity N sets kvr_config.lane_capacity (the shards' routing rings, 64 B a slot; default
+ * 4095): what the lanes cost at another size.
+ *
  * usage: bench_footprint [--quick] [--ranks R (8)] [--capacity C blocks per rank
  *                        (25600, README: one vLLM rank; --quick 8192)] [--churn F (1.0; --quick
- * 0.5)] [--bins]
+ * 0.5)] [--lane-capacity N] [--bins]
  */
 #include <inttypes.h>
 #include <stdbool.h>
@@ -422,6 +425,9 @@ static void print_bins(const struct shape *sh, uint64_t pairs)
 #endif
 }
 
+/* --lane-capacity: the routing lanes' capacity (kvr_config.lane_capacity; 0: the default). */
+static uint32_t lane_capacity;
+
 /* Runs one shape (in a child process) and prints its SUMMARY line.  Returns 0 or 1. */
 static int run_shape(const struct shape *sh, double churn, bool bins)
 {
@@ -437,6 +443,8 @@ static int run_shape(const struct shape *sh, double churn, bool bins)
 	struct kvr_config cfg;
 	kvr_config_init(&cfg);
 	cfg.block_size = sh->block_size;
+	if (lane_capacity)
+		cfg.lane_capacity = lane_capacity;
 	struct kvr_router *r = NULL;
 	int rc = kvr_router_create(&cfg, &r);
 	for (uint32_t i = 0; rc == 0 && i < sh->ranks; i++)
@@ -555,10 +563,12 @@ int main(int argc, char **argv)
 			capacity = strtoull(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--churn") && i + 1 < argc)
 			churn = strtod(argv[++i], NULL);
+		else if (!strcmp(argv[i], "--lane-capacity") && i + 1 < argc)
+			lane_capacity = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else {
 			fprintf(stderr,
 			        "usage: bench_footprint [--quick] [--ranks R] [--capacity C] "
-			        "[--churn F] [--bins]\n");
+			        "[--churn F] [--lane-capacity N] [--bins]\n");
 			return 2;
 		}
 	}
