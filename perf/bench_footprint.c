@@ -416,8 +416,14 @@ static void print_bins(const struct shape *sh, uint64_t pairs)
 		mallctl(name, &pdirty, &sz, NULL, 0);
 		snprintf(name, sizeof(name), "stats.arenas.%u.pmuzzy", a);
 		mallctl(name, &pmuzzy, &sz, NULL, 0);
-		printf(" total=%.1f dirty=%.1f muzzy=%.1f\n", total / p,
-		       (double)(pdirty * page) / p, (double)(pmuzzy * page) / p);
+		size_t base = 0, internal = 0;
+		snprintf(name, sizeof(name), "stats.arenas.%u.base", a);
+		mallctl(name, &base, &sz, NULL, 0);
+		snprintf(name, sizeof(name), "stats.arenas.%u.internal", a);
+		mallctl(name, &internal, &sz, NULL, 0);
+		printf(" total=%.1f dirty=%.1f muzzy=%.1f base=%.1f internal=%.1f\n", total / p,
+		       (double)(pdirty * page) / p, (double)(pmuzzy * page) / p, (double)base / p,
+		       (double)internal / p);
 	}
 #else
 	(void)sh;
