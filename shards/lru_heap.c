@@ -35,9 +35,9 @@
  * live (shared prefixes) get consolidated once instead of the eviction frontier's chunk being
  * merged on every allocation (bench_lru with shared prefixes: an evacuation at 1 of 32 acquires,
  * p99 3 us, before the batches; 114 in 0.6 s after, p99 as main's).  Otherwise the heap grows
- * to that size (what its size class holds) by a reallocation: offsets stay, nothing is packed
- * (growing by packing into a new array was O(n^2) while a rank fills: callgrind, 2k prompts,
- * 33k instructions a growth, 72 growths, acquire 3.0k -> 4.1k instructions a call).
+ * to that size (what its size class holds; at least twice its size while below what a full
+ * rank needs) by a reallocation: offsets stay, nothing is packed (growing by packing into a new
+ * array at every size class cost 33k instructions a growth, 72 growths in a short run).
  * kvr_lru_heap_settle shrinks it, packed into a new array, when it holds more than twice that.  So
  * a command allocates at most once (the heap or its counts, plus a temporary sort array), in
  * kvr_lru_reserve_hashes, before it mutates (lru.c's failure model).  Segment indices never
@@ -413,8 +413,17 @@ int kvr_lru_reserve_hashes(struct kvr_lru *lru, size_t n)
 		if (rc <= 0)
 			return rc;
 	}
-	size_t nc = lru->heap_chunks + need - lru->n_free;
-	return heap_grow(lru, (uint32_t)(nc > want ? nc : want));
+	/* Below what a full rank needs, at least double (a rank filling up would otherwise copy
+	 * its heap at every size class). */
+	size_t nc = lru->heap_chunks + need - lru->n_free, full = want_chunks(lru, lru->capacity);
+	nc = nc > want ? nc : want;
+	if (nc < full) {
+		size_t twice = 2 * (size_t)lru->heap_chunks;
+		nc = twice < nc ? nc : twice < full ? twice : full;
+	}
+	if (nc + lru->heap_chunks >= (NIL >> lru->chunk_shift))
+		return KVR_ERANGE;
+	return heap_grow(lru, (uint32_t)nc);
 }
 
 void kvr_lru_heap_settle(struct kvr_lru *lru)
