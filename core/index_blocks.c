@@ -22,11 +22,17 @@
  * The table: F14-style chunks (folly's F14 hash tables, "F14: a fast, memory-efficient hash
  * table", Bronson and Shi, 2019).  Slots come in chunks of IDX_BLK_CH = 16 entries, one 64-byte
  * line; the home CHUNK is fastrange of the hash's high half, an entry goes to the first chunk
- * from its home with an empty slot, and each chunk has an overflow byte: how many entries
- * homed at or before it were placed past it.  A lookup compares the 16 tags of a chunk at once
- * (SSE2), tries the runs whose tag matches, and stops at the first chunk whose overflow is 0.
+ * with an empty slot on its WALK (home, home + d, home + 2d, ... modulo the number of chunks,
+ * which is prime; the step d comes from the entry's tag, F14's double hashing), and each chunk
+ * has an overflow byte: how many entries' walks went on past it.  A lookup compares the 16 tags
+ * of a chunk at once (SSE2), tries the runs whose tag matches, and stops at the first chunk on
+ * its walk whose overflow is 0.  (The walk was linear, d = 1: its clusters made a put visit 2.07
+ * chunks at load 0.81-0.86, 1.57 now; a simulation of both at load 0.85 plus a 0.05 burst, 2.83
+ * and 1.90;
+ * callgrind bench_index_runs --apply-only 457 -> 424 instructions per block op in 16-block calls,
+ * 1024 -> 977 single-block, the memory lines unchanged.)
  * Deletion needs no tombstone: the locator only deletes when a run dies (drop_run), which
- * iterates the run's hashes, so it knows each entry's key, hence its home: it walks from the
+ * iterates the run's hashes, so it knows each entry's key, hence its walk: it walks from the
  * home to the entry, empties the slot and takes one off the overflow bytes it passed.  (Why
  * not linear probing, as before: its deletions left tombstones, since a backward shift needs
  * the moved entries' keys, and the O(table) purges that cleared them, every 0.25 x cap
@@ -40,7 +46,9 @@
  * block's of an equal pair (same run, same tag) nearer the home; the run's other deletions take
  * the rest, and the counts come out exact (they only depend on which chunks the homes and the
  * placed entries are in) unless the walks wrap around the whole array, where they come out too
- * high, never too low (a walk never passes the first equal entry).
+ * high, never too low (a walk never passes the first equal entry).  That needs the two entries
+ * of a pair to walk the same cycle, as linear probing's do: the step is the tag's, which they
+ * share, so their walks are one cycle entered at two homes.
  *
  * Capacity: a multiple of 16 slots, as many chunks as the allocator's size class holds (the
  * array is one allocation: entries, then the overflow bytes), grown at load 0.9 to load 0.78
@@ -50,10 +58,11 @@
  * runs with one holder, 14.5 -> 13.5 for 512-block ones; --mem-sweep, 16-block runs with one
  * holder at 97 index sizes, mean 21.84 -> 21.39: the sizes caught migrating, which hold both
  * arrays, take most of the difference back).  The cost is the writers' chunk walks, which grow
- * fast near the top (linear probing's clusters: a put at load 0.81-0.86 visits 2.07 chunks,
- * at 0.51 1.01; bench_index_runs --apply-only sits at 0.81-0.86 with this policy, 0.51-0.54
- * with the old one: 16-block calls 50-55M -> 30-37M block ops/s, single-block 19.5M -> 15M,
- * callgrind 368 -> 455 and 873 -> 1010 instructions per block op).  Shrunk to
+ * near the top (a put at load 0.81-0.86 visits 1.57 chunks, 2.07 with linear walks, at 0.51
+ * 1.01; bench_index_runs --apply-only sits at 0.81-0.86 with this policy, 0.51-0.54 with the
+ * old one: callgrind 368 -> 424 instructions per block op in 16-block calls and 873 -> 977
+ * single-block (455 and 1010 with linear walks, whose wall clock was 50-55M -> 30-37M and
+ * 19.5M -> 15M block ops/s)).  Shrunk to
  * load 0.6 when below 0.125.  With no tombstones a steady live count never rebuilds, however many
  * entries come and go (bench_index_runs --churn 4000: 0 rebuilds while 2.6 x the table's
  * slots are deleted and inserted, the tombstone table purged 4 times; per-call CPU p99 112-162
@@ -239,6 +248,20 @@ static inline bool in_old(const struct idx_blocks *b, uint32_t id)
 	return b->old_e && (b->zeroed < b->cap || (id >= b->mig && id < b->mig_end));
 }
 
+/* The step between the chunks of seq's walk: from its tag only, so that the two entries of an
+ * equal pair (one run, one tag) walk the same cycle; the number of chunks is prime (mig_start),
+ * so every step visits them all. */
+static inline uint64_t blk_step(uint64_t seq, uint64_t nch)
+{
+	return nch > 1 ? 1 + (uint64_t)blk_tag(seq) * 0x9e37u % (nch - 1) : 1;
+}
+
+static inline uint64_t blk_next(uint64_t c, uint64_t d, uint64_t nch)
+{
+	c += d;
+	return c >= nch ? c - nch : c;
+}
+
 /* Looks seq up in e (cap slots; old: the array being emptied), trying each candidate run with
  * pos_quick (scan false) or pos_scan (scan true). */
 static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, bool scan,
@@ -248,6 +271,7 @@ static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, b
 	const uint32_t tag = blk_tag(seq);
 	const uint64_t nch = cap / IDX_BLK_CH;
 	const uint8_t *ovf = blk_ovf(e, cap);
+	const uint64_t d = blk_step(seq, nch);
 	uint64_t c = idx_blk_home(seq, nch);
 	for (uint64_t n = 0; n < nch; n++) {
 		const uint32_t *ch = e + c * IDX_BLK_CH;
@@ -264,8 +288,8 @@ static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, b
 			b->false_cands += scan;
 		}
 		if (ovf[c] == 0)
-			return false; /* no entry homed at or before c was placed past it */
-		c = c + 1 == nch ? 0 : c + 1;
+			return false; /* no entry's walk went on past c */
+		c = blk_next(c, d, nch);
 	}
 	return false;
 }
@@ -304,7 +328,8 @@ static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
 {
 	const uint64_t nch = cap / IDX_BLK_CH;
 	uint8_t *ovf = blk_ovf(e, cap);
-	for (uint64_t c = idx_blk_home(seq, nch);; c = c + 1 == nch ? 0 : c + 1) {
+	const uint64_t d = blk_step(seq, nch);
+	for (uint64_t c = idx_blk_home(seq, nch);; c = blk_next(c, d, nch)) {
 		uint32_t *ch = e + c * IDX_BLK_CH;
 		const uint32_t m = chunk_eq(ch, ~0u, BLK_EMPTY);
 		if (m) {
@@ -325,10 +350,11 @@ static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
  * count ends below what the entries left need. */
 static bool del(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
 {
-	const uint64_t nch = cap / IDX_BLK_CH, home = idx_blk_home(seq, nch);
+	const uint64_t nch = cap / IDX_BLK_CH, home = idx_blk_home(seq, nch),
+	               d = blk_step(seq, nch);
 	uint8_t *ovf = blk_ovf(e, cap);
 	uint64_t c = home;
-	for (uint64_t n = 0;; n++, c = c + 1 == nch ? 0 : c + 1) {
+	for (uint64_t n = 0;; n++, c = blk_next(c, d, nch)) {
 		if (n == nch)
 			return false;
 		uint32_t *ch = e + c * IDX_BLK_CH;
@@ -338,9 +364,9 @@ static bool del(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
 			break;
 		}
 	}
-	for (uint64_t d = home; d != c; d = d + 1 == nch ? 0 : d + 1)
-		if (ovf[d] < BLK_OVF_MAX)
-			ovf[d]--;
+	for (uint64_t k = home; k != c; k = blk_next(k, d, nch))
+		if (ovf[k] < BLK_OVF_MAX)
+			ovf[k]--;
 	return true;
 }
 
@@ -405,6 +431,16 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 	}
 }
 
+static bool prime(uint64_t n)
+{
+	if (n < 2)
+		return false;
+	for (uint64_t k = 2; k * k <= n; k++)
+		if (n % k == 0)
+			return false;
+	return true;
+}
+
 /* Replaces the entry array by an empty one of cap slots at least (as many chunks as the
  * allocator's size class holds) and starts zeroing it, then moving the entries into it, a
  * bounded slice per locator call, so that no call does O(table) work.  Returns 0 or KVR_ENOMEM
@@ -412,8 +448,16 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 static int mig_start(struct kvr_index *idx, uint64_t cap)
 {
 	struct idx_blocks *b = &idx->blk;
-	uint64_t nch = (cap + IDX_BLK_CH - 1) / IDX_BLK_CH;
-	nch = kvr_alloc_real_size(idx_blk_bytes(nch * IDX_BLK_CH)) / idx_blk_bytes(IDX_BLK_CH);
+	const uint64_t want = (cap + IDX_BLK_CH - 1) / IDX_BLK_CH;
+	uint64_t nch =
+	    kvr_alloc_real_size(idx_blk_bytes(want * IDX_BLK_CH)) / idx_blk_bytes(IDX_BLK_CH);
+	/* A prime number of chunks (a walk's step must be coprime with it: blk_step), the
+	 * largest the size class holds, or the next one up if that is fewer than asked. */
+	while (!prime(nch))
+		nch--;
+	if (nch < want)
+		for (nch = want; !prime(nch); nch++)
+			;
 	cap = nch * IDX_BLK_CH;
 	uint32_t *e = kvr_alloc(idx_blk_bytes(cap));
 	if (!e)
