@@ -21,6 +21,7 @@ int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_t
 	int rc = kvr_rcu_thread_online();
 	if (rc)
 		return rc;
+	kvr_router_settle(r); /* sync_booking: the lease word as earlier calls left it */
 	if (kvr_lease_touch(r->leases, attempt)) { /* claimed, ended, never issued */
 		kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_STALE_CALLS, 1);
 		return KVR_ESTALE;

@@ -15,9 +15,12 @@
  * that much later (plus the shard's scheduling delay).  Counted in
  * kvr_shard_wakes_deferred_total.  A shard idle for longer is woken as before.
  *
- * Waits, only where they buy something: with sync_booking the work runs before the call returns
- * (exact back-to-back state for simulation and tests), and so it does while requests are queued,
- * so the load it lowers is seen by the queue's admission pass that follows.  A full lane (the
+ * Waits, only where they buy something: while requests are queued the work runs before the call
+ * returns, so the load it lowers is seen by the queue's admission pass that follows.  With
+ * sync_booking the work is posted at the call's time and every later call that reads shard state
+ * (this file's claims and touches included) first settles (kvr_router_settle): the caller
+ * observes exactly what it would have had the call waited (simulation, tests), but the shard
+ * applies it while the caller goes on.  A full lane (the
  * shards are overloaded) is waited on, counted: a finish or abort, already claimed, waits for
  * room (dropping it would leave its load behind until the lease reaper's next pass); prefill
  * done and output wait at most KVR_LANE_FULL_WAIT_NS, then return KVR_EAGAIN (counted in
@@ -30,6 +33,58 @@
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
+
+/* Posts a lifecycle message (tokens copied) to the attempt's shard.  sync_booking: a timed post
+ * (kvr_shard_post_at) at this call's time, applied before anything later reads what it changes
+ * (every call that reads shard state settles first), so the caller observes what it would have
+ * had it waited; the return code is the claim's (touch's), known already.  Otherwise lazy, with
+ * the full lane's bounded wait.  Returns 0, KVR_ENOMEM (the copy), KVR_EAGAIN (progress on a
+ * full lane), KVR_ESHUTDOWN (not for a claimed end). */
+static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_progress_msg *m,
+                         const uint32_t *tokens, bool ends, struct kvr_metrics_block *mb)
+{
+	size_t n = m->n_tokens;
+	bool heap = m->op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE;
+	if (heap) {
+		m->tok.heap = kvr_alloc_transient(n * sizeof(uint32_t));
+		if (!m->tok.heap)
+			return KVR_ENOMEM;
+		memcpy(m->tok.heap, tokens, n * sizeof(uint32_t));
+	} else if (n) {
+		memcpy(m->tok.inl, tokens, n * sizeof(uint32_t));
+	}
+	int rc;
+	if (r->cfg.sync_booking) {
+		rc = kvr_shard_post_at(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m, sizeof(*m),
+		                       kvr_clock_now(&r->clock));
+	} else {
+		/* Lazy: a shard that parked lately (a bounded park) is left asleep and applies the
+		 * work within KVR_DEFAULT_SHARD_LAZY_WAKE_NS, sparing this caller the FUTEX_WAKE.
+		 */
+		bool deferred;
+		rc = kvr_shard_post_lazy(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
+		                         sizeof(*m), &deferred);
+		if (deferred)
+			kvr_metrics_add(mb, KVR_C_SHARD_WAKES_DEFERRED, 1);
+		if (rc == KVR_EAGAIN) {
+			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
+			/* An end is claimed already: it waits for room (never dropped); progress
+			 * waits a bounded time. */
+			rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
+			                         sizeof(*m),
+			                         ends ? UINT64_MAX : KVR_LANE_FULL_WAIT_NS);
+			if (rc)
+				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
+		}
+	}
+	if (rc && heap)
+		kvr_free_transient(m->tok.heap, n * sizeof(uint32_t));
+	if (rc == KVR_ETIMEDOUT)
+		rc = KVR_EAGAIN;
+	if (rc == KVR_ESHUTDOWN && ends)
+		rc = 0; /* claimed; the router is going away with everything it holds */
+	return rc;
+}
 
 static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32_t *tokens,
                     size_t n, uint16_t flags)
@@ -46,6 +101,16 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	int rc = kvr_rcu_thread_online();
 	if (rc)
 		return rc;
+	struct kvr_shard *sh =
+	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
+	/* sync_booking: the claim or touch below reads the lease word as the work posted before
+	 * left it.  Of that work, only the shard's lease reaper (a timer, run before each posted
+	 * task whose time it is due by) changes what the claim or touch returns: an end only
+	 * releases a word its caller claimed (stale either way), and a booking is dropped only
+	 * when its rank went away under another thread.  So this waits only when the reaper may
+	 * run in the work still queued. */
+	if (r->cfg.sync_booking)
+		(void)kvr_shard_settle_timers(sh); /* 0, or stopping */
 	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 	bool ends = op == KVR_OP_FINISH || op == KVR_OP_ABORT;
 	rc = ends ? kvr_lease_claim(r->leases, attempt) : kvr_lease_touch(r->leases, attempt);
@@ -57,49 +122,15 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 		kvr_metrics_add(mb, op == KVR_OP_FINISH ? KVR_C_FINISHED : KVR_C_ABORTED, 1);
 	struct kvr_progress_msg m = {
 	    .attempt = attempt, .op = (int16_t)op, .flags = flags, .n_tokens = (uint32_t)n};
-	struct kvr_shard *sh =
-	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
-	/* Requests waiting for load to drop: apply before the admission pass below. */
-	bool sync =
-	    r->cfg.sync_booking || (op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0);
-	if (sync) {
+	/* Requests waiting for load to drop: apply before the admission pass below (with
+	 * sync_booking that pass settles first, so the posted work is applied before it). */
+	if (!r->cfg.sync_booking && op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0) {
 		m.tok.borrowed = tokens;
 		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_progress_call, &m);
 		if (ends || rc == KVR_ESTALE)
 			rc = 0; /* the claim (touch) decided; the shard had nothing more to do */
 	} else {
-		if (op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE) {
-			m.tok.heap = kvr_alloc_transient(n * sizeof(uint32_t));
-			if (!m.tok.heap)
-				return KVR_ENOMEM;
-			memcpy(m.tok.heap, tokens, n * sizeof(uint32_t));
-		} else if (n) {
-			memcpy(m.tok.inl, tokens, n * sizeof(uint32_t));
-		}
-		/* Lazy: a shard that parked lately (a bounded park) is left asleep and applies the
-		 * work within KVR_DEFAULT_SHARD_LAZY_WAKE_NS, sparing this caller the FUTEX_WAKE.
-		 */
-		bool deferred;
-		rc = kvr_shard_post_lazy(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, &m,
-		                         sizeof(m), &deferred);
-		if (deferred)
-			kvr_metrics_add(mb, KVR_C_SHARD_WAKES_DEFERRED, 1);
-		if (rc == KVR_EAGAIN) {
-			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
-			/* An end is claimed already: it waits for room (never dropped); progress
-			 * waits a bounded time. */
-			rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, &m,
-			                         sizeof(m),
-			                         ends ? UINT64_MAX : KVR_LANE_FULL_WAIT_NS);
-			if (rc)
-				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
-		}
-		if (rc && op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE)
-			kvr_free_transient(m.tok.heap, n * sizeof(uint32_t));
-		if (rc == KVR_ETIMEDOUT)
-			rc = KVR_EAGAIN;
-		if (rc == KVR_ESHUTDOWN && ends)
-			rc = 0; /* claimed; the router is going away with everything it holds */
+		rc = post_progress(r, sh, &m, tokens, ends, mb);
 	}
 	if (rc == 0)
 		kvr_repl_note_progress(r, attempt, op, tokens, n,

@@ -137,6 +137,7 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 {
 	if (!r || (!buf && cap))
 		return KVR_EINVAL;
+	kvr_router_settle(r); /* sync_booking: counting what earlier calls posted */
 	struct out o = {.buf = buf, .cap = cap};
 	const char *last = "";
 	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {

@@ -14,8 +14,11 @@
  *      adds, so the very next decision on any thread sees it), and the booking (predicted cache,
  *      load, index writes) is POSTED to the rank's shard on the routing lane.  The caller never
  *      waits for a shard, except on a full lane (a bounded wait, KVR_LANE_FULL_WAIT_NS, counted
- *      in kvr_lane_full_waits_total) and with sync_booking, where it waits for the booking so
- *      back-to-back decisions are exact.
+ *      in kvr_lane_full_waits_total).  With sync_booking the booking is a timed post
+ *      (kvr_shard_post_at: applied at this decision's time) and the next decision settles
+ *      first (kvr_router_settle), so back-to-back decisions are exact without a round trip per
+ *      booking; only a booking the shard would need memory to track is waited for, so that its
+ *      KVR_ENOMEM is returned (kvr_owner_book_room_take).
  *
  * Why snapshots for load (step 3) and not a routing-lane call per candidate: a call is one round
  * trip to a shard thread (microseconds: see perf/bench_lanes), and with 64 or 1024 candidates
@@ -37,7 +40,8 @@
  *
  * A rank removed between selection and booking makes the booking stale (generation check on the
  * shard): nothing is booked and the attempt's later calls return KVR_ESTALE.  With sync_booking
- * the caller learns it at once and decides again from step 2, at most a few times.
+ * the caller decides again from step 2 (at most a few times) when the rank's generation moved
+ * by the time its booking is posted (kvr_admit says why that is the waited-for outcome).
  */
 #include <math.h>
 #include <pthread.h>
@@ -366,6 +370,10 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	int rc;
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
+	/* sync_booking: the work earlier calls posted is applied before this decision reads the
+	 * index, the pinned runs and the load (usually long since: it ran while the caller went
+	 * on). */
+	kvr_router_settle(r);
 	if (nb >= PREFETCH_MIN_BLOCKS)
 		prefetch_decision(r, !(q->flags & KVR_ROUTE_QUERY_ONLY));
 	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
@@ -552,8 +560,27 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		__atomic_fetch_add(&l->blocks, a->pend_blocks, __ATOMIC_RELAXED);
 	struct kvr_shard *sh =
 	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED));
-	if (sync) {
-		/* The booking consumes the record whatever it returns, once it runs. */
+	if (sync && kvr_owner_book_room_take(sh)) {
+		/* sync_booking, deferred: the booking cannot fail for memory (room taken), so its
+		 * outcome is known here but for a rank going away, and the caller's next call
+		 * settles before it reads anything the booking changes (kvr_router_settle). */
+		rc = kvr_shard_post_at(sh, KVR_LANE_ROUTING, kvr_owner_book_deferred_task, &rec,
+		                       sizeof(rec), kvr_clock_now(&r->clock));
+		if (rc == 0) {
+			/* The record is the shard's now.  A removal (or re-add) moves the slot's
+			 * generation before it tells the shard: if the generation still holds
+			 * after this post, the removal began after it, and the attempt ends with
+			 * the rank (dropped as stale, or booked and torn down: its calls return
+			 * KVR_ESTALE), as a waited-for booking followed by that removal does; if
+			 * not, decide again, as the waited-for booking's KVR_ENOENT did (this one
+			 * is dropped, or made and torn down, and never returned). */
+			if (__atomic_fetch_add(&pub->gen, 0, __ATOMIC_SEQ_CST) != a->gen)
+				return KVR_ENOENT; /* (an RMW: the latest generation, no fence) */
+			return 0;
+		}
+	} else if (sync) {
+		/* No room: the shard must allocate to track it (or an allocation failed there),
+		 * so wait for its answer.  The booking consumes the record whatever it returns. */
 		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_book_call, rec);
 		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL)
 			return rc;

@@ -200,6 +200,14 @@ int kvr_router_get_config(const struct kvr_router *r, struct kvr_config *out)
 	return 0;
 }
 
+void kvr_router_settle(struct kvr_router *r)
+{
+	if (!r->cfg.sync_booking || kvr_shard_current())
+		return; /* a shard thread waits for no shard (no cycles) */
+	for (uint32_t i = 0, n = kvr_shards_count(r->shards); i < n; i++)
+		(void)kvr_shard_settle(kvr_shards_get(r->shards, i)); /* 0, or stopping */
+}
+
 int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
 {
 	if (!r)
@@ -233,6 +241,7 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 		return KVR_ESHUTDOWN;
 	if (kvr_rcu_thread_online())
 		return KVR_ENOMEM;
+	kvr_router_settle(r);
 	memset(out, 0, sizeof(*out));
 	size_t m = r->cfg.max_ranks;
 	out->rank_tables = kvr_alloc_real_size_aligned(m * sizeof(*r->ranks)) +

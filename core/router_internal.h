@@ -124,4 +124,14 @@ static inline bool kvr_router_stopping(const struct kvr_router *r)
 	return __atomic_load_n(&r->shutting_down, __ATOMIC_ACQUIRE) != 0;
 }
 
+/*
+ * sync_booking: returns once every shard has applied the work posted to it before this call
+ * (the bookings and lifecycle work that sync_booking posts instead of waiting for: see
+ * kvr_shard_post_at), so what the caller reads next - the index, the load words, lease words,
+ * counters - is what it would have read had each of those calls waited.  Usually two loads per
+ * shard (the shards run the work while the caller goes on).  No-op without sync_booking.
+ * Context: any thread but a shard's (it would wait for itself: it returns then).
+ */
+void kvr_router_settle(struct kvr_router *r);
+
 #endif

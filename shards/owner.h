@@ -221,6 +221,19 @@ uint64_t kvr_attempt_pool_bytes(const struct kvr_attempt_pool *pool);
 void kvr_owner_book_task(struct kvr_shard *sh, void *payload);
 int kvr_owner_book_call(struct kvr_shard *sh, void *rec);
 
+/*
+ * sync_booking's deferred booking (kvr_shard_post_at): kvr_owner_book_task for a poster that took
+ * room with kvr_owner_book_room_take first, so the booking cannot fail for memory (a stale one
+ * is dropped as by the task).
+ * Room: every shard keeps its attempt map and array grown ahead of its bookings and publishes
+ * how many more it can track without allocating; a poster takes one (true) before it posts a
+ * deferred booking, or (false: none left, e.g. after an allocation failed) books with
+ * kvr_owner_book_call, whose KVR_ENOMEM it then returns as sync_booking always did.
+ * Context: book: the shard thread; room_take: any thread (one atomic add).
+ */
+void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload);
+bool kvr_owner_book_room_take(struct kvr_shard *sh);
+
 enum kvr_progress_op {
 	KVR_OP_PREFILL_DONE,
 	KVR_OP_OUTPUT,
@@ -228,8 +241,9 @@ enum kvr_progress_op {
 	KVR_OP_ABORT,  /* the caller claimed the lease */
 };
 
-/* Inline output tokens in a posted message; more go through a heap copy. */
-#define KVR_PROGRESS_INLINE 8
+/* Inline output tokens in a posted message; more go through a heap copy.  Six, so that the
+ * message fits a timed post (KVR_SHARD_TIMED_PAYLOAD: sync_booking's deferred lifecycle work). */
+#define KVR_PROGRESS_INLINE 6
 
 /* kvr_progress_msg.flags: the last output token is known not to be the request's final one
  * (kvr_request_output_ex without KVR_OUTPUT_FINAL): its KV is computed in the engine's next
@@ -248,7 +262,7 @@ struct kvr_progress_msg {
 		const uint32_t *borrowed; /* call form */
 	} tok;
 };
-_Static_assert(sizeof(struct kvr_progress_msg) <= KVR_SHARD_PAYLOAD, "one lane payload");
+_Static_assert(sizeof(struct kvr_progress_msg) <= KVR_SHARD_TIMED_PAYLOAD, "one timed payload");
 
 /* Applies a lifecycle message on the attempt's shard.  An attempt the shard does not hold (it
  * ended, or its booking was stale) is a no-op.  The task form frees a heap token copy; the call

@@ -218,6 +218,46 @@ static void unprovision(const struct kvr_owner_ctx *c, struct kvr_attempt *rec, 
 	rec->pend_prefill_tokens = rec->pend_blocks = 0;
 }
 
+/* ---------------------------------------------------------------- tracking, and its room */
+
+/* Attempts the map and the array can still take without allocating. */
+static size_t track_free(const struct kvr_shard_state *ss)
+{
+	size_t map = ss->by_id.cap * 7 / 10; /* kvr_u64map_reserve's load bound */
+	map = map > ss->by_id.count ? map - ss->by_id.count : 0;
+	size_t arr = ss->recs_cap - ss->n_recs;
+	return map < arr ? map : arr;
+}
+
+/* Brings book_room up to date: what was freed or grown since the last update, less what was
+ * tracked without a poster's taking (synchronous bookings).  Ordering: relaxed; a poster that
+ * must see this update settles first (sync_booking), which orders it. */
+static void room_sync(struct kvr_shard_state *ss)
+{
+	size_t f = track_free(ss);
+	int64_t d = (int64_t)f - (int64_t)ss->room_free + (int64_t)ss->room_taken;
+	ss->room_free = f;
+	ss->room_taken = 0;
+	if (d)
+		__atomic_add_fetch(&ss->book_room, d, __ATOMIC_RELAXED);
+}
+
+/* Room for ROOM_AHEAD more attempts (or half the live ones, if more) is made whenever fewer
+ * than ROOM_LOW are left: deferred bookings find it made, and an allocation failure here costs
+ * nothing but room (the next bookings wait for their answer and get the failure then). */
+#define ROOM_LOW   4
+#define ROOM_AHEAD 64
+
+static void room_grow(struct kvr_shard_state *ss)
+{
+	if (track_free(ss) >= ROOM_LOW)
+		return;
+	size_t extra = ss->n_recs / 2 > ROOM_AHEAD ? ss->n_recs / 2 : ROOM_AHEAD;
+	if (kvr_u64map_reserve(&ss->by_id, extra) == 0)
+		(void)kvr_grow((void **)&ss->recs, &ss->recs_cap, ss->n_recs + extra,
+		               sizeof(*ss->recs));
+}
+
 static int track(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 {
 	if (kvr_u64map_reserve(&ss->by_id, 1) ||
@@ -226,6 +266,8 @@ static int track(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 	rec->idx = (uint32_t)ss->n_recs;
 	ss->recs[ss->n_recs++] = rec;
 	kvr_u64map_insert(&ss->by_id, rec->attempt, rec->idx);
+	room_grow(ss);
+	room_sync(ss);
 	return 0;
 }
 
@@ -238,6 +280,16 @@ static void untrack(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 		ss->recs[rec->idx] = last;
 		*kvr_u64map_find(&ss->by_id, last->attempt) = last->idx;
 	}
+	room_sync(ss);
+}
+
+bool kvr_owner_book_room_take(struct kvr_shard *sh)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (__atomic_sub_fetch(&ss->book_room, 1, __ATOMIC_RELAXED) >= 0)
+		return true;
+	__atomic_add_fetch(&ss->book_room, 1, __ATOMIC_RELAXED);
+	return false;
 }
 
 static struct kvr_attempt *find(struct kvr_shard_state *ss, uint64_t attempt)
@@ -459,6 +511,14 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 	struct kvr_attempt *rec;
 	memcpy(&rec, payload, sizeof(rec));
 	book(sh, rec);
+}
+
+void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	ss->room_taken++; /* its poster took one: a track uses it, a stale drop gives it back */
+	kvr_owner_book_task(sh, payload);
+	room_sync(ss);
 }
 
 int kvr_owner_book_call(struct kvr_shard *sh, void *rec)

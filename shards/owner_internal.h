@@ -62,6 +62,13 @@ struct kvr_shard_state {
 	struct kvr_u64map by_id;
 	struct kvr_attempt **recs;
 	size_t n_recs, recs_cap;
+	/* Deferred bookings that may still be posted without this shard allocating to track them
+	 * (atomic: posters take from it, kvr_owner_book_room_take; the shard adds what it frees
+	 * or grows, room_sync in owner_attempts.c), and the shard's own view: the track slots
+	 * free at its last update and the deferred bookings run since (taken by their posters). */
+	int64_t book_room;
+	size_t room_free;
+	uint64_t room_taken;
 	struct kvr_lru_out out;
 	struct kvr_index_block *blk;
 	size_t blk_cap;
@@ -78,9 +85,12 @@ static inline struct kvr_shard_state *kvr_owner_state(struct kvr_shard *sh)
 	return kvr_shard_userdata(sh);
 }
 
+/* The router's time: a timed task's own (sync_booking's deferred work runs at the time it was
+ * posted at, see kvr_shard_post_at), else the clock's. */
 static inline uint64_t kvr_owner_now(const struct kvr_owner_ctx *c)
 {
-	return kvr_clock_now(&c->clock);
+	uint64_t t = kvr_shard_task_time();
+	return t ? t : kvr_clock_now(&c->clock);
 }
 
 static inline struct kvr_metrics_block *kvr_owner_mb(const struct kvr_owner_ctx *c)

@@ -98,6 +98,15 @@ struct kvr_shard {
 	uint32_t short_frac; /* shard thread: idle periods ended by work within spin_max_ns / 2,
 	                      * a moving average in 1/256 (see idle_spin) */
 	bool self_woke;      /* shard thread: its last park ended by itself, no message since */
+	bool has_held;       /* shard thread: held is the next message (see shard_loop) */
+	uint64_t time_hw;    /* shard thread: the latest router time its timers and tasks ran at */
+	struct kvr_msg held;
+	/* Timed posts (kvr_shard_post_at): counted by producers before the push, by the shard
+	 * after the task ran (or by a producer whose push failed); kvr_shard_settle compares. */
+	_Alignas(64) uint64_t timed_posted;
+	uint64_t timed_last_at; /* the latest time a timed post carried (producers, atomic max) */
+	_Alignas(64) uint64_t timed_applied;
+	uint64_t timer_next;    /* atomic: the shard's next timer deadline (UINT64_MAX: none) */
 	uint64_t bounded_parks; /* atomic (stats): parks bounded by lazy_wake_ns */
 	uint64_t lazy_found;    /* atomic (stats): ... that ended by themselves and found work */
 	uint64_t timers_fired;  /* atomic copies of the timer set's counters, for stats */
@@ -143,6 +152,11 @@ struct kvr_shards {
 };
 
 static _Thread_local struct kvr_shard *tls_shard;
+/* While a timed task (and the timers due before it) runs: its time; 0 otherwise. */
+static _Thread_local uint64_t tls_task_ns;
+
+/* aux of a timed message: its payload starts with the router time it was posted at. */
+#define MSG_TIMED 1u
 
 static uint64_t mono_ns(void)
 {
@@ -163,11 +177,51 @@ static void publish_timers(struct kvr_shard *sh)
 {
 	__atomic_store_n(&sh->timers_fired, sh->timers.fired, __ATOMIC_RELAXED);
 	__atomic_store_n(&sh->timers_pending, sh->timers.n_heap, __ATOMIC_RELAXED);
+	__atomic_store_n(&sh->timer_next, kvr_timers_next(&sh->timers), __ATOMIC_RELEASE);
+}
+
+/* A timed message (kvr_shard_post_at) runs at the time it was posted at, as if its poster had
+ * waited for it: the timers due by then fire first, at that time, and the task reads that time
+ * (kvr_shard_task_time).  A time older than one the shard already ran at (posters on several
+ * threads) is taken as that one, so the shard's time never goes back.  Returns the timers
+ * fired. */
+static uint32_t run_timed(struct kvr_shard *sh, struct kvr_msg *m)
+{
+	uint64_t at;
+	memcpy(&at, m->payload, sizeof(at));
+	if (at < sh->time_hw)
+		at = sh->time_hw;
+	sh->time_hw = at;
+	tls_task_ns = at ? at : 1;
+	uint32_t fired = 0, f;
+	do {
+		f = kvr_timers_run(&sh->timers, at, sh, TIMER_BATCH);
+		fired += f;
+	} while (f == TIMER_BATCH);
+	if (fired)
+		publish_timers(sh);
+	kvr_task_fn fn = (kvr_task_fn)m->fn;
+	fn(sh, m->payload + sizeof(at));
+	tls_task_ns = 0;
+	/* Release: kvr_shard_settle's acquire load then sees the task's writes. */
+	__atomic_fetch_add(&sh->timed_applied, 1, __ATOMIC_RELEASE);
+	return fired;
+}
+
+/* The next message: the one held back, else the lanes' next. */
+static bool take(struct kvr_shard *sh, struct kvr_msg *m)
+{
+	if (sh->has_held) {
+		*m = sh->held;
+		sh->has_held = false;
+		return true;
+	}
+	return kvr_lanes_pop(&sh->lanes, m) >= 0;
 }
 
 static bool may_park(struct kvr_shard *sh, uint64_t g)
 {
-	return kvr_lanes_empty(&sh->lanes) &&
+	return !sh->has_held && kvr_lanes_empty(&sh->lanes) &&
 	       __atomic_load_n(&sh->rt->kick_gen, __ATOMIC_ACQUIRE) == g &&
 	       !__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE);
 }
@@ -275,14 +329,37 @@ static void shard_loop(struct kvr_shard *sh)
 	for (;;) {
 		uint64_t g = __atomic_load_n(&rt->kick_gen, __ATOMIC_ACQUIRE);
 		uint64_t now = kvr_clock_now(&rt->clock);
-		uint32_t fired = kvr_timers_run(&sh->timers, now, sh, TIMER_BATCH);
-		if (fired)
-			publish_timers(sh);
-		__atomic_store_n(&sh->seen_kick, g, __ATOMIC_RELEASE);
+		/* The clock first, then the lanes: a timed message posted before a clock advance
+		 * this reading saw is in the lanes now (see run_timed).  If the next message is
+		 * timed, the timers wait for its time: firing them at now would run them ahead of
+		 * work posted earlier, at an earlier time. */
+		bool have = take(sh, &m);
+		uint32_t fired = 0;
+		if (!have || !(m.aux & MSG_TIMED)) {
+			fired = kvr_timers_run(&sh->timers, now, sh, TIMER_BATCH);
+			if (fired)
+				publish_timers(sh);
+			if (now > sh->time_hw)
+				sh->time_hw = now;
+			__atomic_store_n(&sh->seen_kick, g, __ATOMIC_RELEASE);
+		}
 		uint32_t n = 0;
-		while (n < BATCH && kvr_lanes_pop(&sh->lanes, &m) >= 0) {
-			run_msg(sh, &m);
-			n++;
+		while (have) {
+			bool timed = m.aux & MSG_TIMED;
+			if (timed)
+				fired += run_timed(sh, &m);
+			else
+				run_msg(sh, &m);
+			if (++n >= BATCH || !(have = take(sh, &m)))
+				break;
+			if (timed && !(m.aux & MSG_TIMED)) {
+				/* An untimed message (a synchronous call) after timed work: it runs
+				 * after a fresh clock reading and the timers due by then, as it
+				 * would have had the timed work been waited for. */
+				sh->held = m;
+				sh->has_held = true;
+				break;
+			}
 		}
 		if (__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE))
 			return;
@@ -376,8 +453,12 @@ static void *shard_main(void *arg)
 
 	/* Drain: every post after `closed` fails, so the rings only shrink. */
 	struct kvr_msg m;
-	while (kvr_lanes_pop(&sh->lanes, &m) >= 0)
-		run_msg(sh, &m);
+	while (take(sh, &m)) {
+		if (m.aux & MSG_TIMED)
+			run_timed(sh, &m);
+		else
+			run_msg(sh, &m);
+	}
 	if (rt->on_stop)
 		rt->on_stop(sh, rt->ctx);
 	kvr_timers_fini(&sh->timers); /* pending timers are dropped unfired */
@@ -518,6 +599,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		sh->rt = s;
 		sh->index = i;
 		sh->cpu = n_cpus ? cpus[i % n_cpus] : -1;
+		sh->timer_next = UINT64_MAX;
 		kvr_parker_init(&sh->park);
 		kvr_timers_init(&sh->timers);
 		int rc =
@@ -737,7 +819,7 @@ static int check_post(struct kvr_shard *sh, enum kvr_lane lane, const void *fn, 
  * shutdown's grace period waits for it.  timeout_ns 0 = try once.  deferred non-NULL: a lazy
  * post (kvr_shard_post_lazy), which leaves a shard in a bounded park asleep and says so. */
 static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
-                size_t len, uint64_t timeout_ns, bool *deferred)
+                size_t len, uint32_t aux, uint64_t timeout_ns, bool *deferred)
 {
 	int rc;
 	kvr_rcu_read_lock();
@@ -745,7 +827,7 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 		rc = KVR_ESHUTDOWN;
 		goto out;
 	}
-	rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload, (uint32_t)len, 0,
+	rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload, (uint32_t)len, aux,
 	                    timeout_ns == 0 || tls_shard == sh);
 	if (rc == KVR_EAGAIN && timeout_ns && tls_shard != sh) {
 		kvr_lanes_count_stall(&sh->lanes, lane);
@@ -768,7 +850,7 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 				goto out;
 			}
 			rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload,
-			                    (uint32_t)len, 0, 0);
+			                    (uint32_t)len, aux, 0);
 			if (rc != KVR_EAGAIN)
 				break;
 			if (timeout_ns != UINT64_MAX && mono_ns() - start >= timeout_ns) {
@@ -790,7 +872,7 @@ int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, con
                    size_t len)
 {
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
-	return rc ? rc : post(sh, lane, fn, payload, len, 0, NULL);
+	return rc ? rc : post(sh, lane, fn, payload, len, 0, 0, NULL);
 }
 
 int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
@@ -799,7 +881,7 @@ int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 	bool d = false;
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
 	if (!rc)
-		rc = post(sh, lane, fn, payload, len, 0, sh->rt->lazy_ns ? &d : NULL);
+		rc = post(sh, lane, fn, payload, len, 0, 0, sh->rt->lazy_ns ? &d : NULL);
 	if (deferred)
 		*deferred = d;
 	return rc;
@@ -811,8 +893,38 @@ int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
 	if (rc)
 		return rc;
-	rc = post(sh, lane, fn, payload, len, timeout_ns ? timeout_ns : 1, NULL);
+	rc = post(sh, lane, fn, payload, len, 0, timeout_ns ? timeout_ns : 1, NULL);
 	return rc;
+}
+
+int kvr_shard_post_at(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
+                      size_t len, uint64_t at_ns)
+{
+	if (len > KVR_SHARD_TIMED_PAYLOAD)
+		return KVR_EINVAL;
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	if (rc)
+		return rc;
+	unsigned char buf[KVR_SHARD_PAYLOAD];
+	memcpy(buf, &at_ns, sizeof(at_ns));
+	if (len)
+		memcpy(buf + sizeof(at_ns), payload, len);
+	/* Counted before the push: a settle that begins after this post returned waits for it
+	 * (kvr_shard_settle says why the counts suffice). */
+	uint64_t last = __atomic_load_n(&sh->timed_last_at, __ATOMIC_RELAXED);
+	while (last < at_ns && !__atomic_compare_exchange_n(&sh->timed_last_at, &last, at_ns, true,
+	                                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		;
+	__atomic_fetch_add(&sh->timed_posted, 1, __ATOMIC_SEQ_CST);
+	rc = post(sh, lane, fn, buf, sizeof(at_ns) + len, MSG_TIMED, UINT64_MAX, NULL);
+	if (rc)
+		__atomic_fetch_add(&sh->timed_applied, 1, __ATOMIC_RELEASE); /* never runs */
+	return rc;
+}
+
+uint64_t kvr_shard_task_time(void)
+{
+	return tls_task_ns;
 }
 
 struct call_rec {
@@ -892,12 +1004,53 @@ int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, voi
 	if (__atomic_load_n(&sh->park.state, __ATOMIC_RELAXED) != KVR_PARK_RUNNING)
 		spin = 0;
 	uint64_t t0 = mono_ns();
-	rc = post(sh, lane, call_task, &cp, sizeof(cp), UINT64_MAX, NULL);
+	rc = post(sh, lane, call_task, &cp, sizeof(cp), 0, UINT64_MAX, NULL);
 	if (rc)
 		return rc;
 	rc = kvr_reply_wait(&c.reply, spin, NULL);
 	call_learn(kind, fn, c.done_ns > t0 ? c.done_ns - t0 : 0);
 	return rc;
+}
+
+static int settle_call(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	(void)arg;
+	return 0;
+}
+
+/* Why comparing two counts is enough: every timed post is counted before its push, the shard
+ * counts a task after running it, and the lane is FIFO across producers.  Say a post P returned
+ * before this settle read timed_posted (want) but P has not run.  Every task that has run was
+ * taken from the lane ahead of P, so its push began before P's push ended, and its count came
+ * before its push: before this read.  P's count came before this read as well, so fewer than
+ * want tasks have run, and the settle waits.  (Posts still in flight when it reads may be
+ * waited for too; a failed push counts itself as applied, so nothing waits for it forever.) */
+int kvr_shard_settle(struct kvr_shard *sh)
+{
+	if (!sh)
+		return KVR_EINVAL;
+	uint64_t want = __atomic_load_n(&sh->timed_posted, __ATOMIC_SEQ_CST);
+	if (__atomic_load_n(&sh->timed_applied, __ATOMIC_ACQUIRE) >= want || tls_shard == sh)
+		return 0;
+	/* Behind: a call queues behind the timed work (FIFO) and returns once the shard has
+	 * run it, so the wait is the call's (a short spin, then a futex sleep). */
+	int rc = kvr_shard_call(sh, KVR_LANE_ROUTING, settle_call, NULL);
+	return rc == KVR_ESHUTDOWN ? 0 : rc; /* stopping: the drain runs what is left */
+}
+
+int kvr_shard_settle_timers(struct kvr_shard *sh)
+{
+	if (!sh)
+		return KVR_EINVAL;
+	uint64_t want = __atomic_load_n(&sh->timed_posted, __ATOMIC_SEQ_CST);
+	if (__atomic_load_n(&sh->timed_applied, __ATOMIC_ACQUIRE) >= want)
+		return 0;
+	/* Read after the count: covers every post counted (each records its time first). */
+	uint64_t last = __atomic_load_n(&sh->timed_last_at, __ATOMIC_RELAXED);
+	if (last < __atomic_load_n(&sh->timer_next, __ATOMIC_ACQUIRE))
+		return 0;
+	return kvr_shard_settle(sh);
 }
 
 /* ------------------------------------------------------------------ timers, time, stats */

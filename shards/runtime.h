@@ -30,8 +30,10 @@ struct kvr_shard;
 
 #define KVR_SHARDS_NO_SPIN UINT64_MAX
 
-/* Inline payload of a posted task, bytes. */
-#define KVR_SHARD_PAYLOAD KVR_MSG_PAYLOAD
+/* Inline payload of a posted task, bytes; of a timed one (kvr_shard_post_at), which carries
+ * its time in the rest. */
+#define KVR_SHARD_PAYLOAD       KVR_MSG_PAYLOAD
+#define KVR_SHARD_TIMED_PAYLOAD (KVR_MSG_PAYLOAD - 8)
 
 struct kvr_shards_config {
 	/* Shard threads.  0 = one per CPU in the process affinity mask.  Max 256. */
@@ -192,6 +194,44 @@ int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
  */
 int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
                         const void *payload, size_t len, uint64_t timeout_ns);
+
+/*
+ * Posts fn(shard, copy of payload) to run as if at router time at_ns, for a poster that would
+ * otherwise wait for it (kvr_shard_call) and instead settles before it next reads what the task
+ * changes (kvr_shard_settle): the shard fires the timers due by at_ns first, at at_ns (not at
+ * its own later reading of the clock, which a virtual clock may have moved meanwhile), and the
+ * task and those timers read at_ns from kvr_shard_task_time; an untimed message after it runs
+ * only after a fresh reading of the clock and the timers due by then.  So a poster whose every
+ * state-reading call settles first observes what it would have observed had it waited for each
+ * task.  A time older than one the shard already ran at is taken as that one.  len <=
+ * KVR_SHARD_TIMED_PAYLOAD.  A full lane is waited on without bound (as kvr_shard_call).
+ * Returns 0, KVR_EINVAL, KVR_ESHUTDOWN.  Context: any thread but the shard's own (which would
+ * wait for itself on a full lane).
+ */
+int kvr_shard_post_at(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
+                      size_t len, uint64_t at_ns);
+
+/* The time of the timed task (kvr_shard_post_at) or timer the calling shard thread is running
+ * for one, else 0.  Context: any thread (0 off a shard thread). */
+uint64_t kvr_shard_task_time(void);
+
+/*
+ * Returns once the shard has run every timed task (kvr_shard_post_at) posted before this call
+ * began, the caller's own included: at once (two loads) when it has; otherwise it waits as a
+ * kvr_shard_call does (queued behind them).  Returns 0 (also when the runtime is shutting down:
+ * the drain runs them), KVR_EINVAL.  Context: any thread; on the shard's own thread it returns
+ * at once.
+ */
+int kvr_shard_settle(struct kvr_shard *sh);
+
+/*
+ * kvr_shard_settle for a caller that reads only what a periodic timer of the shard writes (the
+ * lease reaper: armed again only as it fires), not what its tasks write: it also returns at once
+ * when every timed task still queued is timed before the shard's next timer deadline as last
+ * published, so that no timer armed before that work fires in it (one the work arms itself may,
+ * which such a caller does not read).  Context: as kvr_shard_settle.
+ */
+int kvr_shard_settle_timers(struct kvr_shard *sh);
 
 /*
  * Runs fn(shard, arg) on the shard thread and returns its result; arg is borrowed for the call.

@@ -175,8 +175,21 @@ struct kvr_config {
 	/* Admission booking.  false (default): kvr_route and the lifecycle calls post their work to
 	 * the rank's shard and return without waiting; the request's load is visible at once, its
 	 * blocks in the predicted cache and the index microseconds later (as with engine KV
-	 * events).  true: every call returns only after its shard applied it, so back-to-back
-	 * decisions are exact and deterministic (simulation, tests). */
+	 * events).  true: exact and deterministic back-to-back decisions (simulation, tests): every
+	 * call observes the effects of every call that returned before it, applied at the router
+	 * time of the call that made them (with the timers due by then, e.g. TTL expiry and the
+	 * lease reaper, run before them at their own times), as if each call had returned only
+	 * after its shard applied it.  The work is still posted (kvr_route's booking, the lifecycle
+	 * calls' releases and output blocks), and the next call that reads what it changes
+	 * (kvr_route, the lifecycle calls' lease checks, kvr_request_cached, the rank calls,
+	 * events, metrics, memory, kvr_router_sync) first waits until the shards have applied it,
+	 * usually at once: they ran it while the caller went on.  Return codes are the waited-for
+	 * ones: kvr_route books synchronously whenever the shard would have to allocate to track
+	 * the attempt (so its KVR_ENOMEM is returned as before), and decides again when the rank
+	 * is removed before it returns (a removal after it returns ends the attempt: KVR_ESTALE).
+	 * One difference under memory exhaustion: a shard-side allocation failure while
+	 * predicting kvr_request_output's blocks is counted (kvr_shard_errors_total{what="index_write"})
+	 * instead of returned, as without sync_booking. */
 	bool sync_booking;
 	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
 	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
@@ -375,7 +388,8 @@ struct kvr_decision {
  * taken microseconds later may not see this prompt's blocks yet (it does see its load).  If the
  * rank is removed between the decision and the booking, the attempt is stale: nothing is
  * booked and its lifecycle calls return KVR_ESTALE once the rank's shard has seen the booking
- * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead.  A posted
+ * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead when the rank
+ * is removed before it returns (see kvr_config.sync_booking for what it waits for).  A posted
  * booking that runs out of memory on the shard is dropped the same way (the attempt is stale,
  * kvr_shard_errors_total{what="index_write"} counts it); with sync_booking kvr_route returns
  * KVR_ENOMEM for it.
@@ -411,12 +425,13 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * such a shard sleeps at most 1 ms at a time and applies the work when it wakes, so the load
  * released shows in decisions at most 1 ms (plus the shard thread's scheduling delay) after the
  * call (kvr_shard_wakes_deferred_total counts these; a shard idle for longer is woken at once,
- * and any later synchronous call or kvr_router_sync() applies it first).  Exceptions that
- * wait: sync_booking (applied before return), and while requests are queued
- * (finish/abort/prefill_done apply before the queue's admission pass).  A full lane (overload):
- * finish/abort wait for room (they are claimed already); prefill_done/output wait at most 10
- * ms, then return KVR_EAGAIN (nothing changed).  Output may also return KVR_ENOMEM (copying
- * more than 8 tokens).  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE; r
+ * and any later synchronous call or kvr_router_sync() applies it first).  With sync_booking the
+ * work is applied before anything later reads it (see kvr_config.sync_booking).  The exception
+ * that waits: while requests are queued (finish/abort/prefill_done apply before the queue's
+ * admission pass).  A full lane (overload): finish/abort wait for room (they are claimed
+ * already); prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed;
+ * with sync_booking every call waits for room).  Output may also return KVR_ENOMEM (copying
+ * more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE; r
  * NULL or attempt 0: KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */

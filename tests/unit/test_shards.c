@@ -502,6 +502,102 @@ Test(runtime, virtual_time_fires_exactly_due_timers)
 	cr_assert_eq(n_vfired, 3);
 }
 
+/* ------------------------------------------------------------------ timed posts */
+
+/* What a timed task saw: its time and how many timers had fired. */
+static uint64_t seen_time[4];
+static int seen_fired[4];
+static int n_seen;
+static void see_task(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	(void)p;
+	int i = __atomic_fetch_add(&n_seen, 1, __ATOMIC_RELAXED);
+	seen_time[i] = kvr_shard_task_time();
+	seen_fired[i] = __atomic_load_n(&n_vfired, __ATOMIC_RELAXED);
+}
+static int see_call(struct kvr_shard *sh, void *arg)
+{
+	see_task(sh, arg);
+	return 0;
+}
+
+static void *open_gate_later(void *p)
+{
+	struct timespec ts = {0, 20000000};
+	nanosleep(&ts, NULL);
+	__atomic_store_n((int *)p, 1, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+static void wait_inside_gate(struct kvr_shard *sh)
+{
+	struct kvr_shard_stats st;
+	do {
+		kvr_shard_get_stats(sh, &st);
+	} while (st.depth[0] != 0);
+}
+
+/* sync_booking's deferred work: a timed task runs at its own time, after exactly the timers
+ * due by then, however far the (virtual) clock moved before the shard got to it; a call after
+ * it sees a fresh clock and the timers due by then; settle waits for the timed work. */
+Test(runtime, timed_posts_run_at_their_time)
+{
+	vclock_ns = 1000000;
+	n_vfired = n_seen = 0;
+	struct kvr_shards *s = make(1, 64, vclock, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, arm_timers, NULL), 0); /* +1000..+5000 */
+	int gate = 0, *gp = &gate;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, gate_task, &gp, sizeof(gp)), 0);
+	wait_inside_gate(sh);
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1000500), 0);
+	/* Nothing queued is timed at or past the first deadline (1001000): no wait, although
+	 * none of it ran. */
+	cr_assert_eq(kvr_shard_settle_timers(sh), 0);
+	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 0);
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1002500), 0);
+	__atomic_store_n(&vclock_ns, 1010000, __ATOMIC_RELEASE); /* every timer due now */
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, open_gate_later, &gate), 0);
+	cr_assert_eq(kvr_shard_settle(sh), 0); /* waits for the gate and the timed tasks */
+	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 2);
+	pthread_join(t, NULL);
+	cr_assert_eq(seen_time[0], 1000500);
+	cr_assert_eq(seen_fired[0], 0, "no timer is due by the first task's time");
+	cr_assert_eq(seen_time[1], 1002500);
+	cr_assert_eq(seen_fired[1], 2, "timers 1 and 2, at their time, before the second");
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, see_call, NULL), 0);
+	cr_assert_eq(seen_time[2], 0, "a call is not timed");
+	cr_assert_eq(seen_fired[2], 5, "the call runs after the clock's due timers");
+	/* A timed task older than the shard's time runs at the shard's time. */
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1), 0);
+	cr_assert_eq(kvr_shard_settle(sh), 0);
+	cr_assert_eq(seen_time[3], 1010000);
+	kvr_shards_destroy(s);
+}
+
+/* The lease reaper's settle: timed work queued past the next timer deadline is waited for. */
+Test(runtime, settle_timers_waits_for_work_past_a_deadline)
+{
+	vclock_ns = 1000000;
+	n_vfired = n_seen = 0;
+	struct kvr_shards *s = make(1, 64, vclock, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, arm_timers, NULL), 0);
+	int gate = 0, *gp = &gate;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, gate_task, &gp, sizeof(gp)), 0);
+	wait_inside_gate(sh);
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1001000), 0);
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, open_gate_later, &gate), 0);
+	cr_assert_eq(kvr_shard_settle_timers(sh), 0);
+	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 1);
+	cr_assert_eq(seen_fired[0], 1, "timer 1 (due at 1001000) ran before the task");
+	pthread_join(t, NULL);
+	kvr_shards_destroy(s);
+}
+
 /* ------------------------------------------------------------------ maintenance bound */
 
 /* Shard-side proof of the bound: routing tasks count, maintenance tasks record the count since
