@@ -354,6 +354,8 @@ static void end_attempt(struct kvr_shard *sh, struct kvr_attempt *rec, bool rele
 	struct kvr_rank_owned *own = c->ranks[rec->slot].own;
 	bool released = !release_blocks || release(ss, own, rec);
 	kvr_load_finish(own->load, rec->attempt);
+	if (rec->load_missing)
+		unprovision(c, rec, false);
 	unlink_rec(own, rec);
 	kvr_owner_publish(ss, own);
 	untrack(ss, rec);
@@ -446,7 +448,12 @@ static void prefetch_blocks(const struct kvr_lru_block *b, size_t n)
 		__builtin_prefetch(p, 0, 3);
 }
 
-static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
+/* deferred: sync_booking's posted booking (kvr_owner_book_deferred_task), whose kvr_route has
+ * returned 0 already: it cannot fail for the record's tracking (its poster took room), and if
+ * the load cannot be recorded for memory it is booked without it, its load left provisional
+ * (load_missing), rather than dropped as the posted booking is: the waited-for booking would
+ * have failed kvr_route instead, and an attempt kvr_route returned must live until its end. */
+static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
@@ -476,10 +483,13 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 	uint64_t cached = (uint64_t)rec->overlap * bs;
 	if (kvr_load_add(own->load, rec->attempt, n ? &b[0].seq : NULL, KVR_LRU_BLOCK_STRIDE, n,
 	                 rec->prompt_tokens > cached ? rec->prompt_tokens - cached : 0, now)) {
-		untrack(ss, rec);
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
-		drop_booking(ss, rec);
-		return KVR_ENOMEM;
+		if (!deferred) {
+			untrack(ss, rec);
+			drop_booking(ss, rec);
+			return KVR_ENOMEM;
+		}
+		rec->load_missing = true;
 	}
 	rec->incarnation = own->incarnation;
 	rec->next = own->attempts;
@@ -501,7 +511,8 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec)
 		}
 	}
 	kvr_owner_publish(ss, own);
-	unprovision(c, rec, true);
+	if (!rec->load_missing)
+		unprovision(c, rec, true);
 	KVR_PROBE4(admit, rec->slot, rec->attempt, n, ss->out.n_evicted);
 	return 0;
 }
@@ -510,20 +521,22 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 {
 	struct kvr_attempt *rec;
 	memcpy(&rec, payload, sizeof(rec));
-	book(sh, rec);
+	book(sh, rec, false);
 }
 
 void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	struct kvr_attempt *rec;
+	memcpy(&rec, payload, sizeof(rec));
 	ss->room_taken++; /* its poster took one: a track uses it, a stale drop gives it back */
-	kvr_owner_book_task(sh, payload);
+	book(sh, rec, true);
 	room_sync(ss);
 }
 
 int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
 {
-	return book(sh, rec);
+	return book(sh, rec, false);
 }
 
 /* ---------------------------------------------------------------- lifecycle */
@@ -607,6 +620,20 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	return 0;
 }
 
+/* The attempt's prefill tokens leave the rank's load (its provisional load, if load_missing). */
+static void prefill_done(const struct kvr_owner_ctx *c, struct kvr_rank_owned *own,
+                         struct kvr_attempt *rec)
+{
+	rec->in_prefill = false;
+	if (!rec->load_missing) {
+		kvr_load_prefill_done(own->load, rec->attempt);
+	} else if (rec->pend_prefill_tokens) {
+		__atomic_fetch_sub(&c->prov[rec->slot].prefill_tokens, rec->pend_prefill_tokens,
+		                   __ATOMIC_RELAXED);
+		rec->pend_prefill_tokens = 0;
+	}
+}
+
 static int progress(struct kvr_shard *sh, const struct kvr_progress_msg *m, const uint32_t *tok)
 {
 	kvr_owner_retry_timers(sh);
@@ -620,16 +647,13 @@ static int progress(struct kvr_shard *sh, const struct kvr_progress_msg *m, cons
 	switch (m->op) {
 	case KVR_OP_PREFILL_DONE:
 		if (rec->in_prefill) {
-			rec->in_prefill = false;
-			kvr_load_prefill_done(own->load, m->attempt);
+			prefill_done(c, own, rec);
 			kvr_owner_publish(ss, own);
 		}
 		return 0;
 	case KVR_OP_OUTPUT:
-		if (rec->in_prefill) { /* output implies the prefill is done */
-			rec->in_prefill = false;
-			kvr_load_prefill_done(own->load, m->attempt);
-		}
+		if (rec->in_prefill) /* output implies the prefill is done */
+			prefill_done(c, own, rec);
 		rc = output(sh, own, rec, tok, m->n_tokens, m->flags & KVR_PROGRESS_NOT_FINAL);
 		kvr_owner_publish(ss, own);
 		if (rc)

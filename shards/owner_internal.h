@@ -29,6 +29,9 @@ struct kvr_attempt {
 	bool has_last;
 	bool has_pending;
 	bool booked; /* the predicted cache holds a lease for it (booking did not fail) */
+	/* A deferred sync_booking booking whose load could not be recorded (memory): its load
+	 * stays provisional (the routers' prov words) until its prefill ends / it ends. */
+	bool load_missing;
 	bool chain_known;
 	bool in_prefill;
 	int8_t pool_class; /* capacity 2^pool_class blocks, recycled; -1: exact size, freed */

@@ -184,12 +184,13 @@ struct kvr_config {
 	 * (kvr_route, the lifecycle calls' lease checks, kvr_request_cached, the rank calls,
 	 * events, metrics, memory, kvr_router_sync) first waits until the shards have applied it,
 	 * usually at once: they ran it while the caller went on.  Return codes are the waited-for
-	 * ones: kvr_route books synchronously whenever the shard would have to allocate to track
-	 * the attempt (so its KVR_ENOMEM is returned as before), and decides again when the rank
-	 * is removed before it returns (a removal after it returns ends the attempt: KVR_ESTALE).
-	 * One difference under memory exhaustion: a shard-side allocation failure while
-	 * predicting kvr_request_output's blocks is counted (kvr_shard_errors_total{what="index_write"})
-	 * instead of returned, as without sync_booking. */
+	 * ones, but under memory exhaustion: kvr_route waits for a booking whenever the shard
+	 * would have to allocate to track the attempt (so that KVR_ENOMEM is returned as before),
+	 * but a shard that cannot record a deferred booking's load books it without (see
+	 * kvr_route), and a shard-side failure while predicting kvr_request_output's blocks is
+	 * counted (kvr_shard_errors_total{what="index_write"}) instead of returned, as without
+	 * sync_booking.  kvr_route decides again when the rank is removed before it returns (a
+	 * removal after it returns ends the attempt: KVR_ESTALE). */
 	bool sync_booking;
 	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
 	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
@@ -392,7 +393,9 @@ struct kvr_decision {
  * is removed before it returns (see kvr_config.sync_booking for what it waits for).  A posted
  * booking that runs out of memory on the shard is dropped the same way (the attempt is stale,
  * kvr_shard_errors_total{what="index_write"} counts it); with sync_booking kvr_route returns
- * KVR_ENOMEM for it.
+ * KVR_ENOMEM when the shard must allocate to track the attempt (it waits for that booking), and
+ * a booking whose load the shard cannot record is made without it (the request's load stays
+ * counted provisionally until it ends; counted the same way), so an attempt it returned lives.
  */
 KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d);
 
