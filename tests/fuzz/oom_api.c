@@ -39,10 +39,11 @@
 #include "kvrouter.h"
 #include "splitmix.h"
 
-#define N_RANKS 4
-#define MAX_ATT 256
-#define MAX_TIX 32
-#define MAX_TOK 600
+#define N_RANKS       4
+#define MAX_ATT       256
+#define MAX_TIX       32
+#define MAX_TOK       600
+#define MAX_EV_BLOCKS 128
 
 static uint64_t cur_seed;
 static char cur_detail[160]; /* what the trace prints after the call */
@@ -303,10 +304,32 @@ static void op_route(struct prog *p)
 	q.tokens = p->toks;
 	q.n_tokens = gen_tokens(p, p->toks, MAX_TOK);
 	q.expected_output_tokens = rnd(p, 64);
+	static const char *loras[] = {NULL, NULL, "lora-a", ""};
+	q.lora_name = loras[rnd(p, 4)];
+	static uint64_t local[MAX_TOK];
+	if (rnd(p, 4) == 0) { /* the prompt as local hashes, no tokens (the queue copies them) */
+		q.n_hashes = kvr_hash_blocks(p->toks, q.n_tokens, p->cfg.block_size, q.lora_name,
+		                             local, NULL);
+		q.local_hashes = local;
+		q.tokens = NULL;
+	}
 	struct kvr_rank_id pin = rid((int)rnd(p, N_RANKS));
 	bool pinned = rnd(p, 6) == 0;
 	if (pinned)
 		q.pinned = &pin;
+	struct kvr_rank_id allow[3];
+	unsigned allowed = (1u << N_RANKS) - 1;
+	if (rnd(p, 5) == 0) { /* an allow list (with the pinned rank in it) */
+		allowed = 0;
+		q.n_allow = 1 + rnd(p, 3);
+		for (size_t k = 0; k < q.n_allow; k++) {
+			allow[k] = k == 0 && pinned ? pin : rid((int)rnd(p, N_RANKS));
+			allowed |= 1u << allow[k].worker_id;
+		}
+		q.allow = allow;
+	}
+	if (pinned)
+		allowed &= 1u << pin.worker_id;
 	if (rnd(p, 8) == 0)
 		q.flags |= KVR_ROUTE_QUERY_ONLY;
 	struct kvr_decision d;
@@ -316,7 +339,9 @@ static void op_route(struct prog *p)
 	snprintf(cur_detail, sizeof(cur_detail),
 	         "rc %d status %d rank %" PRIu64 " attempt %" PRIx64, rc, d.status,
 	         d.rank.worker_id, d.attempt);
-	bool eligible = pinned ? p->present[pin.worker_id] : any_present(p);
+	bool eligible = false;
+	for (int i = 0; i < N_RANKS; i++)
+		eligible |= p->present[i] && (allowed & (1u << i));
 	if (!eligible) {
 		/* (which check comes first is not promised: KVR_ENOMEM may come before) */
 		CHECK(rc == KVR_ENOENT || rc == KVR_ENOMEM, "route without an eligible rank: %d",
@@ -350,8 +375,8 @@ static void op_route(struct prog *p)
 		CHECK(d.attempt == 0, "query-only with an attempt");
 		return;
 	}
-	if (pinned)
-		CHECK(rank_of(d.rank) == (int)pin.worker_id, "pinned request elsewhere");
+	CHECK(rank_of(d.rank) >= 0 && (allowed & (1u << rank_of(d.rank))),
+	      "decided on rank %" PRIu64 ", not an eligible one", d.rank.worker_id);
 	add_attempt(p, &d, q.n_tokens, d.ticket != 0);
 }
 
@@ -409,12 +434,13 @@ static void op_event(struct prog *p)
 {
 	int i = (int)rnd(p, N_RANKS);
 	uint32_t bs = p->cfg.block_size;
-	struct kvr_event_block blk[8];
-	uint32_t toks[8 * 16];
-	uint64_t removed[8];
+	static struct kvr_event_block blk[MAX_EV_BLOCKS];
+	static uint32_t toks[MAX_EV_BLOCKS * 16];
+	static uint64_t removed[MAX_EV_BLOCKS];
 	struct kvr_event ev = {.event_id = rnd(p, 2) ? 0 : p->now / 1000 + rnd(p, 4)};
 	uint32_t kind = rnd(p, 6);
-	size_t nb = 1 + rnd(p, 8);
+	size_t nb =
+	    1 + rnd(p, rnd(p, 4) ? 8 : MAX_EV_BLOCKS); /* over 64: the event's arrays grow */
 	uint32_t fam = rnd(p, 4);
 	if (kind < 4) {
 		ev.type = KVR_EVENT_STORED;
@@ -430,7 +456,7 @@ static void op_event(struct prog *p)
 	} else if (kind < 5) {
 		ev.type = KVR_EVENT_REMOVED;
 		for (size_t b = 0; b < nb; b++)
-			removed[b] = fam * 1000 + rnd(p, 8) + 1;
+			removed[b] = fam * 1000 + rnd(p, (uint32_t)nb) + 1;
 		ev.removed = removed;
 		ev.n_removed = nb;
 	} else {
@@ -671,7 +697,7 @@ static void *run_program(void *arg)
 	/* Creation under failure: KVR_ENOMEM, no router, nothing left allocated. */
 	if (rnd(p, 2)) {
 		int64_t before = kvr_alloc_live_bytes();
-		kvr_alloc_fail_after(1 + rnd(p, 64));
+		kvr_alloc_fail_after(1 + rnd(p, 40)); /* create makes ~30 allocations */
 		cur_call = "kvr_router_create (failing)";
 		int rc = kvr_router_create(&p->cfg, &p->r);
 		kvr_alloc_fail_after(0);
