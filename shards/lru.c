@@ -474,6 +474,7 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 	uint64_t added = n + (private_blocks > l->priv ? private_blocks - l->priv : 0);
 	int rc;
 	size_t present = 0;
+	uint32_t t = NIL; /* the lease's last segment, when its tail is the only parent copy */
 	if ((rc = reserve_cursors(lru, 0)))
 		return rc;
 	if (n > 0) {
@@ -485,14 +486,22 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 		} else {
 			/* The lease's last copy is the only copy of the parent hash, a segment
 			 * tail. */
-			uint32_t t = piece_last(lru, &l->p[l->n - 1]);
+			t = piece_last(lru, &l->p[l->n - 1]);
 			lru->cur[0] = (struct cursor){t, lru->s[t].len - 1};
 			present = walk(lru, &b[0].seq, 2, n, false, 1, NULL, 0, NULL);
 		}
 	}
-	if ((rc = reserve_cursors(lru, present)) || (rc = kvr_lru_reserve_hashes(lru, n)) ||
-	    (rc = kvr_lru_reserve_segs(lru, kvr_lru_hash_pieces(lru, n))) ||
-	    (rc = kvr_lru_reserve_head(lru, kvr_lru_hash_pieces(lru, n))) ||
+	/* New blocks that no copy has, right after a segment only this lease holds, whose hashes
+	 * end where the heap takes from next: that segment grows in place (a request's outputs,
+	 * told a block at a time, make one segment, not one each).  Its copies keep the segment's
+	 * stamp and release order, as the new segment's would order them: no other copy of these
+	 * hashes exists, later ones will be newer, and the lease releases them deepest first. */
+	bool grow = t != NIL && present == 0 && !lru->s[t].inactive && lru->s[t].refs == 1 &&
+	            kvr_lru_hashes_can_extend(lru, &lru->s[t], n);
+	size_t pieces = grow ? 0 : kvr_lru_hash_pieces(lru, n);
+	if ((rc = reserve_cursors(lru, present)) ||
+	    (!grow && (rc = kvr_lru_reserve_hashes(lru, n))) ||
+	    (rc = kvr_lru_reserve_segs(lru, pieces)) || (rc = kvr_lru_reserve_head(lru, pieces)) ||
 	    (rc = kvr_u64map_reserve(&lru->dups, present)) || (rc = reserve_pieces(l, 1)) ||
 	    (rc = kvr_lru_out_reserve(out, 1, kvr_lru_eviction_bound(lru, added))))
 		return rc;
@@ -505,9 +514,19 @@ int kvr_lru_materialize(struct kvr_lru *lru, uint64_t attempt, uint64_t parent_s
 			kvr_u64map_insert(&lru->dups, b[j].seq, 1);
 	}
 	lru->dup_extra += present;
-	if (n) {
+	if (grow) {
+		struct seg *g = &lru->s[t];
+		uint64_t *m = kvr_lru_hashes_extend(lru, g, (uint32_t)n);
+		for (size_t k = 0; k < n; k++)
+			m[k] = b[k].seq;
+		g->len += (uint32_t)n;
+		lru->copies += n;
+		l->p[l->n - 1].len += (uint32_t)n;
+	} else if (n) {
 		uint32_t i = seg_make(lru, &b[0].seq, 2, (uint32_t)n, l->nblocks);
 		l->p[l->n++] = (struct piece){i, (uint32_t)n, 0};
+	}
+	if (n) {
 		l->nblocks += (uint32_t)n;
 		l->last_seq = b[n - 1].seq;
 		kvr_lru_out_stored(out, (uint32_t)present, (uint32_t)(n - present));

@@ -243,6 +243,23 @@ uint32_t kvr_lru_hashes_take(struct kvr_lru *lru, uint32_t len);
 /* The first piece's length of a new range of n hashes (the others are whole chunks, the last
  * what is left). */
 uint32_t kvr_lru_hash_piece_len(const struct kvr_lru *lru, size_t n);
+/* Whether segment g's hashes end where the current chunk is taken from next, with room for n
+ * more there (then kvr_lru_hashes_extend can lengthen it in place). */
+static inline bool kvr_lru_hashes_can_extend(const struct kvr_lru *lru, const struct seg *g,
+                                             size_t n)
+{
+	return lru->chunk_cur != NIL && lru->chunk_live[lru->chunk_cur] != 0 &&
+	       g->off + g->len == (lru->chunk_cur << lru->chunk_shift) + lru->chunk_pos &&
+	       lru->chunk_pos + n <= (1u << lru->chunk_shift);
+}
+/* Takes the n slots after segment g (kvr_lru_hashes_can_extend); returns where they start. The
+ * caller lengthens g. */
+static inline uint64_t *kvr_lru_hashes_extend(struct kvr_lru *lru, const struct seg *g, uint32_t n)
+{
+	lru->chunk_pos += n;
+	lru->chunk_live[lru->chunk_cur] += n;
+	return lru->heap + g->off + g->len;
+}
 /* Tells the heap that m hashes at the end of segment g are gone (a trim). */
 static inline void kvr_lru_hashes_gone(struct kvr_lru *lru, const struct seg *g, uint32_t m)
 {
