@@ -25,6 +25,10 @@
  *    copy per position), so the copy-id tie-break never decides, and "release epoch ascending,
  *    deepest first" is exactly "list order, each segment tail first".  A split of an inactive
  *    segment puts the deeper part just before the shallower one, at the same place.
+ *  - A materialize of new blocks no copy has, right after a segment only its lease holds whose
+ *    hashes end at the heap's next slot (lru_heap.c), lengthens that segment: outputs told a
+ *    block at a time make one segment.  Its stamp and release place order them as a new
+ *    segment's would (no other copy of those hashes, later ones newer; released deepest first).
  *  - A lease keeps (first segment, length) per piece.  A later split of a held segment keeps
  *    the first part in the same slot and links the rest behind it (the split chain, in chain
  *    order), so a lease still finds all its segments without being told of the split.
