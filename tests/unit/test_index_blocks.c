@@ -251,3 +251,91 @@ Test(index_blocks, load_stays_between_growths)
 	kvr_index_destroy(idx);
 	free(seqs);
 }
+
+/* The chunk walks (a tag's stride over a prime number of chunks) under random stores and
+ * removals of prompts of up to 40 blocks that grow over several stores while others die, so
+ * that runs hold many equal pairs (one run, one tag: equal entries, deleted in either order) and
+ * a later block's entry can sit nearer an earlier one's home than the earlier one's own (a slot
+ * freed meanwhile): every held block stays findable at its position and the locator counts
+ * exactly the held positions past the first; emptying the index gives the array back.  Least
+ * migration slices (step_min 0), so calls also meet a migrating locator.  3 prompts keep the
+ * array at a few chunks (walks wrap, most entries have an equal twin), 400 spread them.  A
+ * stride from the hash instead of the tag (equal entries on different cycles) fails it at the
+ * first hundred operations. */
+static void random_runs(int NP, int OPS)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	enum { M = 40 };
+	uint64_t step_min = kvr_index_blk_step_min;
+	kvr_index_blk_step_min = 0;
+	struct kvr_index *idx;
+	cr_assert_eq(kvr_index_create(64, &idx), 0);
+	uint32_t slot;
+	cr_assert_eq(kvr_index_rank_add(idx, 7, 0, &slot), 0);
+	uint64_t *seqs = calloc((size_t)NP * M, sizeof(*seqs));
+	uint32_t *len = calloc(NP, sizeof(*len)); /* 0: not held */
+	cr_assert(seqs && len);
+	uint64_t held = 0; /* positions past the first of held prompts */
+	for (int op = 0; op < OPS; op++) {
+		const int k = (int)(kvr_rand64(&rng) % NP);
+		uint64_t *s = &seqs[(size_t)k * M];
+		if (len[k] && (len[k] == M || kvr_rand64(&rng) % 3 == 0)) {
+			size_t nf = 1;
+			cr_assert_eq(kvr_index_remove(idx, slot, s, len[k], &nf), 0);
+			cr_assert_eq(nf, 0, "op %d: prompt %d lost a block", op, k);
+			held -= len[k] - 1;
+			len[k] = 0;
+		} else {
+			/* A new prompt, or the next blocks of a held one (its run grows while
+			 * others die: a later block's entry can land nearer an earlier one's
+			 * home than the earlier one's own, in a slot freed meanwhile) */
+			const uint32_t at = len[k], room = M - at;
+			const uint32_t n =
+			    (at ? 1 : 2) + (uint32_t)(kvr_rand64(&rng) % (room < 8 ? room : 8));
+			uint64_t local[M];
+			struct kvr_index_block b[M];
+			for (uint32_t j = 0; j < n; j++)
+				local[j] = kvr_rand64(&rng);
+			kvr_hash_chain_locals(at ? &s[at - 1] : NULL, local, n, &s[at]);
+			for (uint32_t j = 0; j < n; j++)
+				b[j] = (struct kvr_index_block){s[at + j], local[j]};
+			cr_assert_eq(kvr_index_store(idx, slot, at ? &s[at - 1] : NULL, b, n), 0);
+			len[k] = at + n;
+			held += at ? n : n - 1;
+		}
+		cr_assert_eq(
+		    idx->blk.count + idx->blk.old_count, held, "op %d: %lu entries, %lu held", op,
+		    (unsigned long)(idx->blk.count + idx->blk.old_count), (unsigned long)held);
+		if (NP > 10 && op % 250 != 0)
+			continue;
+		for (int q = 0; q < NP; q++)
+			for (uint32_t j = 1; j < len[q]; j++) {
+				struct idx_run *r = NULL;
+				uint32_t pos = 0;
+				cr_assert(kvr_index_blk_find(idx, seqs[(size_t)q * M + j], NULL, 0,
+				                             &r, &pos),
+				          "op %d: prompt %d block %u not found", op, q, j);
+				cr_assert_eq(pos, j);
+			}
+	}
+	for (int k = 0; k < NP; k++)
+		if (len[k]) {
+			size_t nf = 1;
+			cr_assert_eq(kvr_index_remove(idx, slot, &seqs[(size_t)k * M], len[k], &nf),
+			             0);
+			cr_assert_eq(nf, 0);
+		}
+	cr_assert_null(idx->blk.e, "an empty locator holds no array");
+	cr_assert_null(idx->blk.old_e);
+	kvr_index_blk_step_min = step_min;
+	kvr_index_destroy(idx);
+	free(seqs);
+	free(len);
+}
+
+Test(index_blocks, random_runs_with_equal_pairs_stay_findable)
+{
+	for (int i = 0; i < 200; i++)
+		random_runs(3, 300);
+	random_runs(400, 6000);
+}
