@@ -217,3 +217,118 @@ Test(oom_contracts, release_out_of_memory_is_retried)
 	cr_assert(completed, "reached a run without a failure");
 	cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
 }
+
+/* Healing out of memory (its eviction list could not grow) changes nothing; the same observation
+ * once memory is back evicts as it would have.  (No loop covered these failure branches:
+ * shards/lru_heal.c, resident count and watermark.) */
+Test(oom_contracts, observe_out_of_memory_changes_nothing)
+{
+	for (int watermark = 0; watermark < 2; watermark++) {
+		bool completed = false;
+		uint64_t nth;
+		for (nth = 1; nth < 200 && !completed; nth++) {
+			struct kvr_router *r = make_router();
+			cr_assert_eq(kvr_rank_add(r, R0, 1, 1000, 0), 0);
+			uint64_t first_seq = 0;
+			for (uint32_t k = 0; k < 40; k++) { /* 40 released prompts of 4 blocks */
+				for (size_t i = 0; i < 64; i++)
+					prompt[i] = k * 1000 + (uint32_t)i;
+				struct kvr_request q;
+				kvr_request_init(&q);
+				q.tokens = prompt;
+				q.n_tokens = 64;
+				struct kvr_decision d;
+				cr_assert_eq(kvr_route(r, &q, &d), 0);
+				cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+				if (k == 30) {
+					uint64_t seq[4];
+					kvr_hash_blocks(prompt, 64, 16, NULL, NULL, seq);
+					first_seq = seq[3]; /* released first of its prompt */
+				}
+			}
+			uint64_t resident = stats(r).resident_blocks;
+			cr_assert_eq(resident, 160);
+			struct kvr_rank_observation o = {.incarnation = 1};
+			if (watermark) {
+				o.flags = KVR_OBSERVE_WATERMARK;
+				o.watermark_hash = first_seq; /* the 31st prompt's: 120 blocks go */
+			} else {
+				o.flags = KVR_OBSERVE_RESIDENT;
+				o.resident_blocks = 10;
+			}
+			kvr_alloc_fail_after(nth);
+			int rc = kvr_rank_observe(r, R0, &o);
+			bool fired = kvr_alloc_fail_pending() == 0;
+			kvr_alloc_fail_after(0);
+			if (rc == KVR_ENOMEM) {
+				cr_assert_eq(stats(r).resident_blocks, resident, "nth %lu",
+				             (unsigned long)nth);
+				rc = kvr_rank_observe(r, R0, &o);
+			} else {
+				completed = !fired;
+			}
+			cr_assert_eq(rc, 0, "nth %lu: %d", (unsigned long)nth, rc);
+			cr_assert_eq(stats(r).resident_blocks, watermark ? 40 : 10,
+			             "nth %lu watermark %d: resident %lu", (unsigned long)nth,
+			             watermark, (unsigned long)stats(r).resident_blocks);
+			still_predicts_and_destroy(r, nth);
+		}
+		cr_assert(completed, "reached a run without a failure");
+		cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
+	}
+}
+
+/* One run held by 65 ranks, the 65th admission under failure: it is admitted (an index write
+ * that failed is counted, and heals on a later store) or refused whole, the next admission goes
+ * through, and every load returns to zero. */
+static void pin_route(struct kvr_router *r, uint32_t rank, bool may_fail)
+{
+	struct kvr_rank_id pin = {rank, 0};
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = prompt;
+	q.n_tokens = 64;
+	q.pinned = &pin; /* the same prompt on every rank */
+	struct kvr_decision d;
+	int rc = kvr_route(r, &q, &d);
+	cr_assert(rc == 0 || (may_fail && rc == KVR_ENOMEM), "rank %u: %d", rank, rc);
+	if (rc == 0)
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+}
+
+Test(oom_contracts, many_holders_out_of_memory)
+{
+	for (size_t i = 0; i < 64; i++)
+		prompt[i] = 5 + (uint32_t)i;
+	bool completed = false;
+	uint64_t nth;
+	for (nth = 1; nth < 100 && !completed; nth++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_shards = 1;
+		c.sync_booking = true;
+		c.shard_idle_spin_ns = 0;
+		c.max_ranks = 80;
+		struct kvr_router *r = NULL;
+		cr_assert_eq(kvr_router_create(&c, &r), 0);
+		for (uint32_t i = 0; i < 66; i++)
+			cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){i, 0}, 1, 1000, 0), 0);
+		for (uint32_t i = 0; i < 64; i++)
+			pin_route(r, i, false);
+		kvr_alloc_fail_after(nth); /* the 65th holder */
+		pin_route(r, 64, true);
+		completed = kvr_alloc_fail_pending() != 0;
+		kvr_alloc_fail_after(0);
+		pin_route(r, 65, false);
+		cr_assert_eq(kvr_router_sync(r, 10000), 0);
+		for (uint32_t i = 0; i < 66; i++) {
+			struct kvr_rank_stats s;
+			cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){i, 0}, &s), 0);
+			cr_assert_eq(s.active_requests + s.active_blocks + s.active_prefill_tokens,
+			             0);
+		}
+		kvr_router_destroy(r);
+	}
+	cr_assert(completed, "reached a run without a failure");
+	cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
+}
