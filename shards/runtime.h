@@ -203,7 +203,9 @@ int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
  * task and those timers read at_ns from kvr_shard_task_time; an untimed message after it runs
  * only after a fresh reading of the clock and the timers due by then.  So a poster whose every
  * state-reading call settles first observes what it would have observed had it waited for each
- * task.  A time older than one the shard already ran at is taken as that one.  len <=
+ * task.  A time older than one the shard already ran at is taken as that one.  The post is lazy
+ * (kvr_shard_post_lazy): its poster settles before it needs the work, and the settle wakes the
+ * shard if it is still asleep, so the post makes no FUTEX_WAKE.  len <=
  * KVR_SHARD_TIMED_PAYLOAD.  A full lane is waited on without bound (as kvr_shard_call).
  * Returns 0, KVR_EINVAL, KVR_ESHUTDOWN.  Context: any thread but the shard's own (which would
  * wait for itself on a full lane).
