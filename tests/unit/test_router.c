@@ -16,15 +16,20 @@ static uint64_t vclock(void *ctx)
 	return __atomic_load_n(&vnow, __ATOMIC_RELAXED);
 }
 
+static void sync_config(struct kvr_config *c, enum kvr_mode mode, kvr_clock_fn clk)
+{
+	kvr_config_init(c);
+	c->n_shards = 2;
+	c->mode = mode;
+	c->now_ns = clk;
+	c->sync_booking = true; /* back-to-back decisions see each other's blocks */
+}
+
 static struct kvr_router *make(enum kvr_mode mode, int n_ranks, uint64_t cap, double qthr)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 2;
-	c.mode = mode;
-	c.now_ns = vclock;
+	sync_config(&c, mode, vclock);
 	c.queue_threshold = qthr;
-	c.sync_booking = true; /* back-to-back decisions see each other's blocks */
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	for (int w = 0; w < n_ranks; w++)
@@ -426,6 +431,50 @@ Test(router, ttl_mode_forgets_on_virtual_time)
 	cr_assert_eq(kvr_router_sync(r, 5000), 0);
 	cr_assert_eq(route(r, t, 64, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 0,
 	             "expired after 120 s");
+	kvr_router_destroy(r);
+}
+
+/* A clock that holds every thread but the test's while the gate is up (at most 5 s): the shard
+ * reads it at the top of its loop, so it is held before it runs what the test posts. */
+static int clock_gate;
+static pthread_t test_thread;
+static uint64_t gated_clock(void *ctx)
+{
+	(void)ctx;
+	if (!pthread_equal(pthread_self(), test_thread)) {
+		struct timespec ts = {0, 100000};
+		for (int i = 0; i < 50000 && __atomic_load_n(&clock_gate, __ATOMIC_ACQUIRE); i++)
+			nanosleep(&ts, NULL);
+	}
+	return __atomic_load_n(&vnow, __ATOMIC_RELAXED);
+}
+
+/* sync_booking posts the booking and the finish; the shard applies them at their calls' time
+ * even when it gets to them after the clock moved on: here 121 s later (held at the gate), so a
+ * shard that read its own clock would see the blocks used then, not 121 s ago. */
+Test(router, sync_booking_work_runs_at_its_calls_time)
+{
+	vnow = 1000;
+	test_thread = pthread_self();
+	struct kvr_config c;
+	sync_config(&c, KVR_MODE_APPROX_TTL, gated_clock);
+	c.n_shards = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 1024), 0);
+	uint32_t t[64];
+	prompt(t, 64, 20); /* the shard's first booking waits (it grows room to track more) */
+	cr_assert_eq(kvr_request_finish(r, route(r, t, 64, 0).attempt), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	prompt(t, 64, 21);
+	__atomic_store_n(&clock_gate, 1, __ATOMIC_RELEASE);
+	struct kvr_decision d = route(r, t, 64, 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0); /* no reaper due: does not wait */
+	__atomic_store_n(&vnow, vnow + 121ull * 1000000000ull, __ATOMIC_RELAXED);
+	__atomic_store_n(&clock_gate, 0, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(route(r, t, 64, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 0,
+	             "used at 1000 ns, expired 120 s later");
 	kvr_router_destroy(r);
 }
 
