@@ -370,10 +370,6 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	int rc;
 	if ((rc = scratch_hashes(nb ? nb : 1)) || (rc = scratch_ranks(cfg->max_ranks)))
 		return rc;
-	/* sync_booking: the work earlier calls posted is applied before this decision reads the
-	 * index, the pinned runs and the load (usually long since: it ran while the caller went
-	 * on). */
-	kvr_router_settle(r);
 	if (nb >= PREFETCH_MIN_BLOCKS)
 		prefetch_decision(r, !(q->flags & KVR_ROUTE_QUERY_ONLY));
 	/* The prompt's chain: the frontend's own (borrowed for the call, not copied: 146 KiB of a
@@ -419,6 +415,11 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	};
 	for (int attempt_no = 0; attempt_no < ROUTE_RETRIES; attempt_no++) {
 		uint64_t t2s = timed ? mono_ns() : 0;
+		/* sync_booking: the work earlier calls posted is applied before this decision reads
+		 * the index, the pinned runs, the load and (admitting) the lease words; after the
+		 * hashing, which gives the shard that much longer to have done it (timed with the
+		 * lookup). */
+		kvr_router_settle(r);
 		uint32_t best = 0, *score = tls.score;
 		kvr_rcu_read_lock();
 		size_t nm =

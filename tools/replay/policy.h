@@ -65,7 +65,8 @@ struct replay_cpu {
 	uint64_t threads_spin_ns; /* the policy's own threads' idle polling */
 	/* kvr_route's stages, wall time summed over the decisions it timed (one in 16 on each
 	 * thread, the agreement check's queries included): hashing, lookup (find_matches and
-	 * pinned depths), selection, admission (with sync_booking: the booking's round trip). */
+	 * pinned depths; with sync_booking also the wait, if any, for the work earlier calls
+	 * posted), selection, admission (the booking posted). */
 	uint64_t stage_ns[4], stage_n[4];
 	/* A frontend that keeps each session's chain (approx_lru+chain), inside route(): checking
 	 * the new prompt against the previous one, hashing (and keeping) what it adds; complete

@@ -216,9 +216,9 @@ static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **st
 	p->vnow = env->now_ns(env->clock_ctx);
 	c.now_ns = rp_clock;
 	c.clock_ctx = p;
-	/* Every call returns after its shard applied it: the replay is deterministic and each
-	 * happening takes effect at its own virtual instant (lifecycle calls are otherwise
-	 * posted, and would run whenever the shard gets to them). */
+	/* Every call observes what the calls before it did, applied at their own virtual
+	 * instants, as if each had waited for its shard: the replay is deterministic (lifecycle
+	 * calls and bookings are otherwise applied whenever the shard gets to them). */
 	c.sync_booking = true;
 	if (env->n_ranks > c.max_ranks)
 		c.max_ranks = env->n_ranks;
