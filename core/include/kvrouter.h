@@ -181,9 +181,10 @@ struct kvr_config {
 	 * lease reaper, run before them at their own times), as if each call had returned only
 	 * after its shard applied it.  The work is still posted (kvr_route's booking, the lifecycle
 	 * calls' releases and output blocks), and the next call that reads what it changes
-	 * (kvr_route, the lifecycle calls' lease checks, kvr_request_cached, the rank calls,
-	 * events, metrics, memory, kvr_router_sync) first waits until the shards have applied it,
-	 * usually at once: they ran it while the caller went on.  Return codes are the waited-for
+	 * first waits until the shards have applied it (kvr_route, the lifecycle calls' lease
+	 * checks, kvr_request_cached, metrics, memory, kvr_router_sync; the rank calls and events
+	 * queue behind it on their rank's shard), usually at once: the shards ran it while the
+	 * caller went on.  Return codes are the waited-for
 	 * ones, but under memory exhaustion: kvr_route waits for a booking whenever the shard
 	 * would have to allocate to track the attempt (so that KVR_ENOMEM is returned as before),
 	 * but a shard that cannot record a deferred booking's load books it without (see
