@@ -131,8 +131,9 @@ struct kvr_owner_ctx {
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
 	                     uint64_t got);
 	void *callback_ctx;
-	/* The lease reaper expired `attempt` (called on the shard thread, after the attempt ended;
-	 * replica sync tells the peers, as for an abort).  NULL: nothing to tell. */
+	/* The lease reaper expired `attempt`, or its posted booking was dropped for memory (called
+	 * on the shard thread, after the attempt ended; replica sync tells the peers, as for an
+	 * abort).  NULL: nothing to tell. */
 	void (*on_expire)(void *ctx, uint64_t attempt);
 	void *expire_ctx;
 	/* shared objects */

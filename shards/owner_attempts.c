@@ -521,7 +521,13 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 {
 	struct kvr_attempt *rec;
 	memcpy(&rec, payload, sizeof(rec));
-	book(sh, rec, false);
+	uint64_t attempt = rec->attempt; /* rec is freed by a dropped booking */
+	/* kvr_route returned this attempt and noted it to replica sync; dropped for memory, it is
+	 * stale here, so its finish returns KVR_ESTALE and notes nothing: told as an expiry (an
+	 * abort), or every peer kept its mirror live for good (test_sync_nats test_oom). */
+	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
+	if (book(sh, rec, false) == KVR_ENOMEM && c->on_expire)
+		c->on_expire(c->expire_ctx, attempt);
 }
 
 void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)

@@ -37,6 +37,9 @@
  * peer that had given us up covers the time since, plus this margin. */
 #define GAP_WINDOW_MS      10000u
 #define GIVEN_UP_MARGIN_MS 2000u
+/* Own attempts ended before their admission note was handled, remembered at once (see
+ * early_end below): a ring of this many. */
+#define EARLY_ENDS 64
 
 struct kvr_rep_item {
 	struct kvr_rep_item *next;
@@ -146,6 +149,11 @@ struct kvr_replica {
 	uint64_t flush_req;         /* atomic: outbound flush tickets handed out */
 	uint64_t out_dropped;       /* atomic: notes lost before the queue (no memory, ring full) */
 	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
+	/* Under mu (the sender): own attempts whose end was noted before their admission (a
+	 * posted booking the shard dropped at once, told as an expiry while the routing thread
+	 * had yet to note the admission), so that the admission is not published; a ring. */
+	uint64_t early_end[EARLY_ENDS];
+	uint32_t early_pos;
 	/* Free slabs, atomic bitmaps, each padded onto a line of its own (the allocation is not
 	 * 64-aligned): slab_free is written by the sender (slabs it is done with), slab_mine by
 	 * producers (slabs taken from slab_free in one exchange, handed out one per note). */

@@ -112,9 +112,26 @@ static void send_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep
 
 /* ---------------------------------------------------------------- the sender (mu held) */
 
-/* An own admission joins the tables and goes out. */
+/* Whether own attempt a already ended (its end came first); forgets it.  mu held. */
+static bool ended_early(struct kvr_replica *rep, uint64_t a)
+{
+	for (uint32_t i = 0; i < EARLY_ENDS; i++)
+		if (rep->early_end[i] == a) {
+			rep->early_end[i] = 0;
+			return true;
+		}
+	return false;
+}
+
+/* An own admission joins the tables and goes out, unless the attempt ended already: then its
+ * record and its end would have crossed (the end found no record, the admission made one that
+ * nothing ends), and every peer would have mirrored it for good (test_sync_nats test_oom). */
 static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
+	if (ended_early(rep, x->oattempt)) {
+		kvr_rep_rec_free(x);
+		return;
+	}
 	if (kvr_rep_map_insert(rep, x)) {
 		kvr_rep_rec_free(x);
 		rep->st.unpublished++;
@@ -134,8 +151,13 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
                          size_t n, bool not_final)
 {
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
-	if (!x) /* admitted before attach: peers never saw it */
+	if (!x) { /* admitted before attach (peers never saw it), or its admission is to come */
+		if (op == KVR_OP_FINISH || op == KVR_OP_ABORT) {
+			rep->early_end[rep->early_pos] = attempt;
+			rep->early_pos = (rep->early_pos + 1) % EARLY_ENDS;
+		}
 		return;
+	}
 	switch (op) {
 	case KVR_OP_PREFILL_DONE:
 		x->prefilled = true;
