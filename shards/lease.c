@@ -26,23 +26,44 @@
  * freed before the table is destroyed; a chunk is allocated by the first minter that reaches it
  * and published with a CAS (a loser frees its copy); readers load the directory entry with
  * acquire.  An id whose chunk does not exist was never issued: KVR_ESTALE.
+ *
+ * Giving pages back.  The sequence walks through all 2^20 words whatever few attempts are live,
+ * so without more every page of the 8 MiB would end up resident (32 KiB per 4,096 routes).  The
+ * minter that enters a chunk sweeps the chunk SWEEP_LAG chunks behind it: each run of pages
+ * whose words are all free (0) is discarded (kvr_alloc_discard: the mapping stays, so readers
+ * and claimers of old ids read zeros, which no id matches: KVR_ESTALE, as before).  Only a mint
+ * turns a free word live, so a page found all free stays so but for a minter whose word is in
+ * it, which is SWEEP_LAG x 4,096 numbers behind the sequence (a minter preempted between its
+ * fetch-add and its CAS, or the sequence wrapped).  Such a CAS could land between the sweep's
+ * check and the discard, which would zero it: so a sweep makes the table's sweep generation odd
+ * while it runs, and a minter that saw the generation odd or moved across its CAS waits for the
+ * sweep to end and reads its word again (zeroed: the id was never returned, it mints another).
+ * A sweep is one scan of 32 KiB and a few madvise calls per 4,096 mints, on the minter's thread.
+ * (A hand-written reclamation, not a library's: the words must be found from the id alone, with
+ * no table and no read-side section on the lifecycle calls.)
  */
 #include "shards/lease.h"
 
 #include <stdbool.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "sync/park.h"
 
 #define CHUNK_SHIFT 12u
 #define CHUNK_WORDS (1u << CHUNK_SHIFT)
 #define N_CHUNKS    (KVR_LEASE_WORDS / CHUNK_WORDS)
 #define STATE_MASK  UINT64_C(3)
 #define MINT_PROBES 64
+#define SWEEP_LAG   8u /* chunks between the minter and the chunk it sweeps */
 
 struct kvr_leases {
 	_Alignas(64) uint64_t next_seq;       /* atomic; its own cache line (every mint adds) */
+	_Alignas(64) uint64_t sweep_gen;      /* atomic; odd while a sweep runs (minters read it) */
+	uint32_t sweeping;                    /* atomic; 1 while a thread sweeps (one at a time) */
 	_Alignas(64) uint64_t *dir[N_CHUNKS]; /* published once each (CAS), read with acquire */
 };
 
@@ -99,6 +120,46 @@ static uint64_t *chunk_of(struct kvr_leases *t, uint64_t i)
 	return chunk;
 }
 
+/* Discards every run of pages of chunk c whose words are all free.  Context: one sweeper at a
+ * time (t->sweeping).  Ordering: the generation's seq_cst increments bracket the scan and the
+ * discards; a minter reads it seq_cst around its CAS (kvr_lease_mint). */
+static void sweep(struct kvr_leases *t, uint32_t c)
+{
+	uint64_t *chunk = __atomic_load_n(&t->dir[c], __ATOMIC_ACQUIRE);
+	if (!chunk)
+		return;
+	const size_t page_words = 4096 / sizeof(uint64_t);
+	__atomic_add_fetch(&t->sweep_gen, 1, __ATOMIC_SEQ_CST); /* odd: sweeping */
+	size_t run = 0; /* free words before w, page-aligned */
+	for (size_t w = 0; w < CHUNK_WORDS; w += page_words) {
+		bool free_page = true;
+		for (size_t j = 0; j < page_words && free_page; j++)
+			free_page = __atomic_load_n(&chunk[w + j], __ATOMIC_SEQ_CST) == 0;
+		if (free_page) {
+			run += page_words;
+			continue;
+		}
+		if (run)
+			(void)kvr_alloc_discard(&chunk[w - run], run * sizeof(uint64_t));
+		run = 0;
+	}
+	if (run)
+		(void)kvr_alloc_discard(&chunk[CHUNK_WORDS - run], run * sizeof(uint64_t));
+	__atomic_add_fetch(&t->sweep_gen, 1, __ATOMIC_SEQ_CST); /* even: done */
+}
+
+/* After a CAS that made w live: true if it still holds `live`.  A sweep that overlapped the CAS
+ * may have discarded the page under it; wait for it to end, then look. */
+static bool survived_sweeps(struct kvr_leases *t, uint64_t g0, uint64_t *w, uint64_t live)
+{
+	uint64_t g1 = __atomic_load_n(&t->sweep_gen, __ATOMIC_SEQ_CST);
+	if (g0 == g1 && !(g0 & 1))
+		return true; /* no sweep ran at any time between the two loads */
+	while (__atomic_load_n(&t->sweep_gen, __ATOMIC_SEQ_CST) & 1)
+		kvr_cpu_relax();
+	return __atomic_load_n(w, __ATOMIC_SEQ_CST) == live;
+}
+
 int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt)
 {
 	if (!t || !attempt || tag > KVR_LEASE_TAG_MASK)
@@ -113,10 +174,17 @@ int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt)
 		uint64_t *chunk = chunk_of(t, i);
 		if (!chunk)
 			return KVR_ENOMEM;
+		if ((i & (CHUNK_WORDS - 1)) == 0 &&
+		    !__atomic_exchange_n(&t->sweeping, 1, __ATOMIC_ACQUIRE)) {
+			sweep(t, (uint32_t)((i >> CHUNK_SHIFT) + N_CHUNKS - SWEEP_LAG) % N_CHUNKS);
+			__atomic_store_n(&t->sweeping, 0, __ATOMIC_RELEASE);
+		}
 		uint64_t id = (seq << KVR_LEASE_TAG_BITS) | tag, free_word = 0;
-		if (__atomic_compare_exchange_n(&chunk[i & (CHUNK_WORDS - 1)], &free_word,
-		                                (id << 2) | KVR_LEASE_TOUCHED, false,
-		                                __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+		uint64_t *w = &chunk[i & (CHUNK_WORDS - 1)], live = (id << 2) | KVR_LEASE_TOUCHED;
+		uint64_t g0 = __atomic_load_n(&t->sweep_gen, __ATOMIC_SEQ_CST);
+		if (__atomic_compare_exchange_n(w, &free_word, live, false, __ATOMIC_SEQ_CST,
+		                                __ATOMIC_RELAXED) &&
+		    survived_sweeps(t, g0, w, live)) {
 			*attempt = id;
 			return 0;
 		}
@@ -246,4 +314,25 @@ int kvr_lease_release(struct kvr_leases *t, uint64_t attempt)
 	/* Once CLAIMED nobody else writes the word, so a plain release store frees it. */
 	__atomic_store_n(w, 0, __ATOMIC_RELEASE);
 	return 0;
+}
+
+size_t kvr_leases_resident_bytes(const struct kvr_leases *t)
+{
+	if (!t)
+		return 0;
+	const size_t page = 4096;
+	size_t bytes = 0;
+	unsigned char vec[CHUNK_WORDS * sizeof(uint64_t) / 4096 + 1];
+	for (uint32_t c = 0; c < N_CHUNKS; c++) {
+		uintptr_t a = (uintptr_t)__atomic_load_n(&t->dir[c], __ATOMIC_ACQUIRE);
+		if (!a)
+			continue;
+		uintptr_t start = (a + page - 1) & ~(uintptr_t)(page - 1);
+		uintptr_t end = (a + CHUNK_WORDS * sizeof(uint64_t)) & ~(uintptr_t)(page - 1);
+		if (end <= start || mincore((void *)start, end - start, vec) != 0)
+			continue;
+		for (size_t p = 0; p < (end - start) / page; p++)
+			bytes += (vec[p] & 1) ? page : 0;
+	}
+	return bytes;
 }

@@ -32,10 +32,14 @@ enum kvr_lease_state {
 struct kvr_leases;
 
 /* Creates an empty table (words are allocated in 4096-word chunks as sequence numbers reach
- * them: 32 KiB each, 8 MiB at most).  Returns 0, KVR_EINVAL or KVR_ENOMEM.  Context: setup. */
+ * them: 32 KiB each, 8 MiB at most, of which pages of free words are given back as the
+ * sequence moves on).  Returns 0, KVR_EINVAL or KVR_ENOMEM.  Context: setup. */
 int kvr_leases_create(struct kvr_leases **out);
 /* Frees the table; no thread may use it after.  NULL is a no-op. */
 void kvr_leases_destroy(struct kvr_leases *t);
+/* Bytes of the table's word pages resident in memory (mincore), for tests and benchmarks: the
+ * minters give back the pages of free words behind them (lease.c).  Context: any thread. */
+size_t kvr_leases_resident_bytes(const struct kvr_leases *t);
 
 /*
  * Mints a fresh attempt id with the given tag (< 2^KVR_LEASE_TAG_BITS) and starts its lease in
