@@ -37,9 +37,6 @@
  * peer that had given us up covers the time since, plus this margin. */
 #define GAP_WINDOW_MS      10000u
 #define GIVEN_UP_MARGIN_MS 2000u
-/* Own attempts ended before their admission note was handled, remembered at once (see
- * early_end below): a ring of this many. */
-#define EARLY_ENDS 64
 
 struct kvr_rep_item {
 	struct kvr_rep_item *next;
@@ -64,6 +61,12 @@ struct kvr_rep_rec {
 	uint32_t *tail;
 	uint32_t *out;
 	size_t size;
+};
+
+/* An own attempt whose end came before its admission (sync/replica_early.c). */
+struct kvr_rep_early {
+	uint64_t a;  /* the attempt; 0: an empty slot */
+	uint64_t ns; /* when its end was handled (CLOCK_MONOTONIC) */
 };
 
 struct kvr_rep_rank {
@@ -151,9 +154,11 @@ struct kvr_replica {
 	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
 	/* Under mu (the sender): own attempts whose end was noted before their admission (a
 	 * posted booking the shard dropped at once, told as an expiry while the routing thread
-	 * had yet to note the admission), so that the admission is not published; a ring. */
-	uint64_t early_end[EARLY_ENDS];
-	uint32_t early_pos;
+	 * had yet to note the admission), so that the admission is not published; a set that
+	 * grows (sync/replica_early.c). */
+	struct kvr_rep_early *early;
+	uint32_t early_cap, early_n;
+	uint64_t early_lost; /* entries given up: full, and no memory to grow */
 	/* Free slabs, atomic bitmaps, each padded onto a line of its own (the allocation is not
 	 * 64-aligned): slab_free is written by the sender (slabs it is done with), slab_mine by
 	 * producers (slabs taken from slab_free in one exchange, handed out one per note). */
@@ -242,6 +247,18 @@ void kvr_rep_journal_clear(struct kvr_rep_rank *e);
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);
 struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id);
 struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep, uint64_t id); /* NULL when full */
+
+/* ---------------------------------------------------------------- sync/replica_early.c */
+
+/* The set starts with room for 63 (no allocation after this).  0 or KVR_ENOMEM.
+ * Context: create, before the sender starts. */
+int kvr_rep_early_init(struct kvr_replica *rep);
+/* Context: destroy, after the sender stopped. */
+void kvr_rep_early_fini(struct kvr_replica *rep);
+/* Remembers that own attempt a ended with no record (now: CLOCK_MONOTONIC ns).  Context: mu. */
+void kvr_rep_early_add(struct kvr_replica *rep, uint64_t a, uint64_t now);
+/* Whether own attempt a ended already; forgets it.  Context: mu held. */
+bool kvr_rep_early_take(struct kvr_replica *rep, uint64_t a);
 
 /* ---------------------------------------------------------------- sync/replica_out.c */
 

@@ -112,23 +112,13 @@ static void send_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep
 
 /* ---------------------------------------------------------------- the sender (mu held) */
 
-/* Whether own attempt a already ended (its end came first); forgets it.  mu held. */
-static bool ended_early(struct kvr_replica *rep, uint64_t a)
-{
-	for (uint32_t i = 0; i < EARLY_ENDS; i++)
-		if (rep->early_end[i] == a) {
-			rep->early_end[i] = 0;
-			return true;
-		}
-	return false;
-}
-
 /* An own admission joins the tables and goes out, unless the attempt ended already: then its
  * record and its end would have crossed (the end found no record, the admission made one that
- * nothing ends), and every peer would have mirrored it for good (test_sync_nats test_oom). */
+ * nothing ends), and every peer would have mirrored it for good (test_sync_nats test_oom;
+ * sync/replica_early.c says how). */
 static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
-	if (ended_early(rep, x->oattempt)) {
+	if (kvr_rep_early_take(rep, x->oattempt)) {
 		kvr_rep_rec_free(x);
 		return;
 	}
@@ -152,10 +142,8 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 {
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
 	if (!x) { /* admitted before attach (peers never saw it), or its admission is to come */
-		if (op == KVR_OP_FINISH || op == KVR_OP_ABORT) {
-			rep->early_end[rep->early_pos] = attempt;
-			rep->early_pos = (rep->early_pos + 1) % EARLY_ENDS;
-		}
+		if (op == KVR_OP_FINISH || op == KVR_OP_ABORT)
+			kvr_rep_early_add(rep, attempt, kvr_rep_mono_ns());
 		return;
 	}
 	switch (op) {
@@ -600,7 +588,9 @@ int kvr_rep_out_init(struct kvr_replica *rep)
 	if (kvr_ring_init(&rep->outq, 16384))
 		return KVR_ENOMEM;
 	rep->slabs = kvr_alloc_aligned(OUT_SLABS * sizeof(*rep->slabs));
-	if (!rep->slabs) {
+	if (!rep->slabs || kvr_rep_early_init(rep)) {
+		kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
+		rep->slabs = NULL;
 		kvr_ring_fini(&rep->outq);
 		return KVR_ENOMEM;
 	}
@@ -656,6 +646,7 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 	kvr_ring_fini(&rep->outq);
 	kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
 	rep->slabs = NULL;
+	kvr_rep_early_fini(rep);
 }
 
 /* Asks peer `id` (on the stream) to send RESET and its live attempts again: we released them

@@ -14,6 +14,7 @@
 #include "core/replica_hooks.h"
 #include "kvrouter.h"
 #include "sync/replica.h"
+#include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
 
 struct mirror {
@@ -384,6 +385,21 @@ static struct kvr_decision bus_route(struct kvr_router *r, uint32_t seed, size_t
 	return route(r, t, n);
 }
 
+/* Stops and destroys the first n replicas and their routers; empties every inbox. */
+static void bus_teardown(struct kvr_router **r, int n)
+{
+	for (int i = n - 1; i >= 0; i--)
+		kvr_replica_stop(bus.rep[i]);
+	for (int i = 0; i < n; i++) {
+		kvr_replica_destroy(bus.rep[i]);
+		bus.rep[i] = NULL;
+		kvr_router_destroy(r[i]);
+	}
+	for (int i = 0; i < BUS_N; i++)
+		for (struct bus_chunk *c; (c = bus_take(i));)
+			free(c);
+}
+
 static void all_agree(struct kvr_router **r, int n, const char *when)
 {
 	for (int i = 1; i < n; i++)
@@ -437,16 +453,111 @@ Test(replica_hooks, output_not_final_replicates, .timeout = 60)
 	cr_assert_eq(kvr_request_finish(r[0], d2.attempt), 0);
 	bus_quiet(r, 3);
 	all_agree(r, 3, "finished");
-	for (int i = BUS_N - 1; i >= 0; i--)
-		kvr_replica_stop(bus.rep[i]);
-	for (int i = 0; i < BUS_N; i++) {
-		kvr_replica_destroy(bus.rep[i]);
-		bus.rep[i] = NULL;
-		kvr_router_destroy(r[i]);
+	bus_teardown(r, BUS_N);
+}
+
+/* Own attempts whose end reaches the sender before their admission (a posted booking dropped
+ * for memory is told as an expiry at once, sync/replica_early.c): 200 of them pending at once,
+ * the admissions noted afterwards in reverse order.  None may be published, or the peer mirrors
+ * it for good: with the former 64-entry ring 136 stayed live on the peer.  A control attempt
+ * noted in order is mirrored, then released by its end. */
+static void early_note(struct kvr_replica *rep, uint64_t attempt, const uint64_t *local)
+{
+	struct kvr_repl_admission a = {
+	    .rank = {0, 0},
+	    .incarnation = 7,
+	    .attempt = attempt,
+	    .local = local,
+	    .n = 2,
+	    .prompt_tokens = 2 * KVR_DEFAULT_BLOCK_SIZE,
+	    .expected_output = 64,
+	    .chain_known = false,
+	};
+	kvr_rep_note_admit(rep, &a);
+}
+
+static uint64_t peer_requests(struct kvr_router *r)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){0, 0}, &s), 0);
+	return s.active_requests;
+}
+
+Test(replica_hooks, early_ends_overflow, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	enum { N = 200 };
+	const uint64_t base = 1ull << 40;
+	uint64_t local[2] = {0x1234, 0x5678};
+	for (uint64_t i = 0; i < N; i++)
+		kvr_rep_note_progress(bus.rep[0], base + i, i % 2 ? KVR_OP_ABORT : KVR_OP_FINISH,
+		                      NULL, 0, false);
+	early_note(bus.rep[0], base + N, local); /* the control */
+	for (uint64_t i = N; i-- > 0;)
+		early_note(bus.rep[0], base + i, local);
+	bus_quiet(r, 2);
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	uint32_t left = bus.rep[0]->early_n;
+	uint64_t lost = bus.rep[0]->early_lost;
+	pthread_mutex_unlock(&bus.rep[0]->mu);
+	cr_assert_eq(left, 0, "every early end matched its admission: %u left", left);
+	cr_assert_eq(lost, 0);
+	cr_assert_eq(peer_requests(r[1]), 1, "only the control is mirrored: %lu",
+	             (unsigned long)peer_requests(r[1]));
+	kvr_rep_note_progress(bus.rep[0], base + N, KVR_OP_ABORT, NULL, 0, false);
+	bus_quiet(r, 2);
+	cr_assert_eq(peer_requests(r[1]), 0);
+	bus_teardown(r, 2);
+}
+
+/* The early-end set itself (sync/replica_early.c), on a bare replica struct: it grows past
+ * its first 63 instead of overwriting; leftovers older than 60 s go when it would grow; full
+ * and out of memory, it gives up the oldest, counted; every entry kept is found once. */
+Test(replica_hooks, early_set_bounds)
+{
+	struct kvr_replica *rep = calloc(1, sizeof(*rep));
+	cr_assert_eq(kvr_rep_early_init(rep), 0);
+	uint32_t cap0 = rep->early_cap;
+	const uint64_t t0 = 1000000000000ull;
+	for (uint64_t a = 1; a <= 1000; a++)
+		kvr_rep_early_add(rep, a * 8 + 3, t0 + a);
+	cr_assert_eq(rep->early_n, 1000);
+	cr_assert_eq(rep->early_lost, 0);
+	cr_assert_gt(rep->early_cap, cap0);
+	for (uint64_t a = 1000; a >= 1; a--)
+		cr_assert(kvr_rep_early_take(rep, a * 8 + 3), "entry %lu", (unsigned long)a);
+	cr_assert_eq(rep->early_n, 0);
+	cr_assert(!kvr_rep_early_take(rep, 11));
+	/* Leftovers 61 s old are pruned rather than grown over. */
+	uint32_t cap = rep->early_cap;
+	for (uint64_t a = 1; a <= cap / 2; a++) /* half full: the next one would grow it */
+		kvr_rep_early_add(rep, a, t0);
+	kvr_rep_early_add(rep, 99999, t0 + 61000000000ull);
+	cr_assert_eq(rep->early_cap, cap);
+	cr_assert_eq(rep->early_n, 1);
+	cr_assert(kvr_rep_early_take(rep, 99999));
+	/* Young entries, no memory: it fills to cap - 1, then gives up the oldest. */
+	for (uint64_t a = 1; a < cap; a++) {
+		kvr_alloc_fail_after(1);
+		kvr_rep_early_add(rep, a, t0 + a);
 	}
-	for (int i = 0; i < BUS_N; i++)
-		for (struct bus_chunk *c; (c = bus_take(i));)
-			free(c);
+	kvr_alloc_fail_after(0);
+	cr_assert_eq(rep->early_cap, cap);
+	cr_assert_eq(rep->early_n, cap - 1);
+	cr_assert_eq(rep->early_lost, 0);
+	kvr_alloc_fail_after(1);
+	kvr_rep_early_add(rep, cap, t0 + cap);
+	kvr_alloc_fail_after(0);
+	cr_assert_eq(rep->early_lost, 1);
+	cr_assert(!kvr_rep_early_take(rep, 1), "the oldest was given up");
+	for (uint64_t a = 2; a <= cap; a++)
+		cr_assert(kvr_rep_early_take(rep, a), "entry %lu", (unsigned long)a);
+	cr_assert_eq(rep->early_n, 0);
+	kvr_rep_early_fini(rep);
+	free(rep);
 }
 
 /* The wire: OUTPUT's flags word (bit0 not final) and ATTEMPT's bit3 (out counted). */
