@@ -560,6 +560,37 @@ Test(replica_hooks, early_set_bounds)
 	free(rep);
 }
 
+/* kvr_replica_create under allocation failure (sync/replica.c, sync/replica_out.c,
+ * sync/replica_early.c): the Nth allocation fails for N = 1, 2, ... until it succeeds; each
+ * failure returns KVR_ENOMEM, leaves *out NULL and every byte given back. */
+Test(replica_hooks, create_out_of_memory)
+{
+	struct kvr_router *r = make();
+	struct kvr_replica_config c = {.replica_id = 1, .heartbeat_ms = 50, .dead_after = 10};
+	struct kvr_replica_transport t = {.ctx = &port[0], .publish = bus_publish};
+	int64_t live0 = kvr_alloc_live_bytes();
+	uint64_t failed = 0;
+	for (uint64_t nth = 1; nth < 100; nth++) {
+		struct kvr_replica *rep = (struct kvr_replica *)&failed; /* not NULL: overwritten */
+		kvr_alloc_fail_after(nth);
+		int rc = kvr_replica_create(r, &c, &t, &rep);
+		kvr_alloc_fail_after(0);
+		if (rc == KVR_ENOMEM) {
+			failed++;
+			cr_assert_null(rep, "nth %lu", (unsigned long)nth);
+			cr_assert_eq(kvr_alloc_live_bytes(), live0, "nth %lu", (unsigned long)nth);
+			continue;
+		}
+		cr_assert_eq(rc, 0, "nth %lu", (unsigned long)nth);
+		kvr_replica_destroy(rep);
+		cr_assert_eq(kvr_alloc_live_bytes(), live0);
+		break;
+	}
+	cr_assert_geq(failed, 4, "the record, the ring, the slabs, the early set: %lu",
+	              (unsigned long)failed);
+	kvr_router_destroy(r);
+}
+
 /* The wire: OUTPUT's flags word (bit0 not final) and ATTEMPT's bit3 (out counted). */
 static int output_msg(uint32_t n, uint32_t flags, struct kvr_wmsg *m)
 {
