@@ -16,6 +16,7 @@
 #include "sync/replica.h"
 #include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
+#include "tests/common/oom_loop.h"
 
 struct mirror {
 	struct kvr_router *dst;
@@ -563,32 +564,40 @@ Test(replica_hooks, early_set_bounds)
 /* kvr_replica_create under allocation failure (sync/replica.c, sync/replica_out.c,
  * sync/replica_early.c): the Nth allocation fails for N = 1, 2, ... until it succeeds; each
  * failure returns KVR_ENOMEM, leaves *out NULL and every byte given back. */
+struct create_ctx {
+	struct kvr_router *r;
+	struct kvr_replica_config c;
+	struct kvr_replica_transport t;
+	struct kvr_replica *rep;
+};
+
+static int create_call(void *p)
+{
+	struct create_ctx *x = p;
+	x->rep = (struct kvr_replica *)x; /* not NULL: a failure must set it */
+	return kvr_replica_create(x->r, &x->c, &x->t, &x->rep);
+}
+
+static void create_check(void *p, uint64_t nth)
+{
+	cr_assert_null(((struct create_ctx *)p)->rep, "nth %lu", (unsigned long)nth);
+}
+
 Test(replica_hooks, create_out_of_memory)
 {
-	struct kvr_router *r = make();
-	struct kvr_replica_config c = {.replica_id = 1, .heartbeat_ms = 50, .dead_after = 10};
-	struct kvr_replica_transport t = {.ctx = &port[0], .publish = bus_publish};
+	struct create_ctx x = {
+	    .r = make(),
+	    .c = {.replica_id = 1, .heartbeat_ms = 50, .dead_after = 10},
+	    .t = {.ctx = &port[0], .publish = bus_publish},
+	};
 	int64_t live0 = kvr_alloc_live_bytes();
-	uint64_t failed = 0;
-	for (uint64_t nth = 1; nth < 100; nth++) {
-		struct kvr_replica *rep = (struct kvr_replica *)&failed; /* not NULL: overwritten */
-		kvr_alloc_fail_after(nth);
-		int rc = kvr_replica_create(r, &c, &t, &rep);
-		kvr_alloc_fail_after(0);
-		if (rc == KVR_ENOMEM) {
-			failed++;
-			cr_assert_null(rep, "nth %lu", (unsigned long)nth);
-			cr_assert_eq(kvr_alloc_live_bytes(), live0, "nth %lu", (unsigned long)nth);
-			continue;
-		}
-		cr_assert_eq(rc, 0, "nth %lu", (unsigned long)nth);
-		kvr_replica_destroy(rep);
-		cr_assert_eq(kvr_alloc_live_bytes(), live0);
-		break;
-	}
+	uint64_t failed;
+	cr_assert_eq(kvr_oom_loop(create_call, create_check, &x, &failed), 0);
+	kvr_replica_destroy(x.rep);
+	cr_assert_eq(kvr_alloc_live_bytes(), live0);
 	cr_assert_geq(failed, 4, "the record, the ring, the slabs, the early set: %lu",
 	              (unsigned long)failed);
-	kvr_router_destroy(r);
+	kvr_router_destroy(x.r);
 }
 
 /* The wire: OUTPUT's flags word (bit0 not final) and ATTEMPT's bit3 (out counted). */
