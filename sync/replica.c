@@ -393,6 +393,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_events_total{what=\"reconnect\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"peer_lost\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"attempt_released\"} %" PRIu64 "\n"
+	    "kvr_sync_events_total{what=\"early_end_lost\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_peers_alive Peers heard within the liveness bound\n"
 	    "# TYPE kvr_sync_peers_alive gauge\nkvr_sync_peers_alive %u\n"
 	    "# HELP kvr_sync_mirrored_attempts Peers' live attempts mirrored here\n"
@@ -403,7 +404,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "# TYPE kvr_sync_connected gauge\nkvr_sync_connected %d\n",
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
 	    s.refused, s.orphans, s.batches, s.gaps, s.resyncs, s.snapshots_applied,
-	    s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost, s.released,
+	    s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost, s.released, s.early_lost,
 	    s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }

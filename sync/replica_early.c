@@ -25,8 +25,8 @@
  * statements, so one that old is a leftover; memory stays bounded by the rate of leftovers
  * times EARLY_KEEP_NS.  Only when the set is full (cap - 1 entries, all younger than
  * EARLY_KEEP_NS) and cannot grow for memory is the oldest entry given up, counted in
- * rep->early_lost: the one case left in which a mirror can stay live on the peers.
- * Context for all: mu held (the sender).
+ * rep->st.early_lost (kvr_sync_stats): the one case left in which a mirror can stay live on the
+ * peers. Context for all: mu held (the sender).
  */
 #include <string.h>
 
@@ -126,7 +126,7 @@ static void drop_oldest(struct kvr_replica *rep)
 			best = i;
 	erase_at(rep->early, rep->early_cap, best);
 	rep->early_n--;
-	rep->early_lost++;
+	rep->st.early_lost++;
 }
 
 void kvr_rep_early_add(struct kvr_replica *rep, uint64_t a, uint64_t now)

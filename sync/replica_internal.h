@@ -157,8 +157,7 @@ struct kvr_replica {
 	 * had yet to note the admission), so that the admission is not published; a set that
 	 * grows (sync/replica_early.c). */
 	struct kvr_rep_early *early;
-	uint32_t early_cap, early_n;
-	uint64_t early_lost; /* entries given up: full, and no memory to grow */
+	uint32_t early_cap, early_n; /* entries given up: st.early_lost */
 	/* Free slabs, atomic bitmaps, each padded onto a line of its own (the allocation is not
 	 * 64-aligned): slab_free is written by the sender (slabs it is done with), slab_mine by
 	 * producers (slabs taken from slab_free in one exchange, handed out one per note). */

@@ -788,8 +788,14 @@ struct kvr_sync_stats {
 	uint64_t snapshots_applied;
 	uint64_t snapshots_served;
 	uint64_t disconnects, reconnects;
-	uint64_t peers_lost;   /* peers released after silence or goodbye */
-	uint64_t released;     /* mirrored attempts released because their replica went */
+	uint64_t peers_lost; /* peers released after silence or goodbye */
+	uint64_t released;   /* mirrored attempts released because their replica went */
+	/* Own attempts whose end reached the sender before their admission (a booking the shard
+	 * dropped for memory) and that were given up: the set remembering such ends was full
+	 * and could not grow for memory.  Each one's admission may then be published with no
+	 * end, and stay mirrored (and loaded) on the peers until this replica goes; nonzero
+	 * only after allocation failures. */
+	uint64_t early_lost;
 	uint64_t lag_messages; /* stream messages peers announced that are not applied yet */
 	uint64_t seq;          /* this replica's stream position (its last message's number) */
 	uint32_t peers_alive;

@@ -502,7 +502,7 @@ Test(replica_hooks, early_ends_overflow, .timeout = 60)
 	bus_quiet(r, 2);
 	pthread_mutex_lock(&bus.rep[0]->mu);
 	uint32_t left = bus.rep[0]->early_n;
-	uint64_t lost = bus.rep[0]->early_lost;
+	uint64_t lost = bus.rep[0]->st.early_lost;
 	pthread_mutex_unlock(&bus.rep[0]->mu);
 	cr_assert_eq(left, 0, "every early end matched its admission: %u left", left);
 	cr_assert_eq(lost, 0);
@@ -520,13 +520,15 @@ Test(replica_hooks, early_ends_overflow, .timeout = 60)
 Test(replica_hooks, early_set_bounds)
 {
 	struct kvr_replica *rep = calloc(1, sizeof(*rep));
+	pthread_mutex_init(&rep->mu, NULL);
+	pthread_mutex_init(&rep->qmu, NULL);
 	cr_assert_eq(kvr_rep_early_init(rep), 0);
 	uint32_t cap0 = rep->early_cap;
 	const uint64_t t0 = 1000000000000ull;
 	for (uint64_t a = 1; a <= 1000; a++)
 		kvr_rep_early_add(rep, a * 8 + 3, t0 + a);
 	cr_assert_eq(rep->early_n, 1000);
-	cr_assert_eq(rep->early_lost, 0);
+	cr_assert_eq(rep->st.early_lost, 0);
 	cr_assert_gt(rep->early_cap, cap0);
 	for (uint64_t a = 1000; a >= 1; a--)
 		cr_assert(kvr_rep_early_take(rep, a * 8 + 3), "entry %lu", (unsigned long)a);
@@ -548,17 +550,62 @@ Test(replica_hooks, early_set_bounds)
 	kvr_alloc_fail_after(0);
 	cr_assert_eq(rep->early_cap, cap);
 	cr_assert_eq(rep->early_n, cap - 1);
-	cr_assert_eq(rep->early_lost, 0);
+	cr_assert_eq(rep->st.early_lost, 0);
 	kvr_alloc_fail_after(1);
 	kvr_rep_early_add(rep, cap, t0 + cap);
 	kvr_alloc_fail_after(0);
-	cr_assert_eq(rep->early_lost, 1);
+	cr_assert_eq(rep->st.early_lost, 1);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.early_lost, 1, "exported in kvr_sync_stats");
 	cr_assert(!kvr_rep_early_take(rep, 1), "the oldest was given up");
 	for (uint64_t a = 2; a <= cap; a++)
 		cr_assert(kvr_rep_early_take(rep, a), "entry %lu", (unsigned long)a);
 	cr_assert_eq(rep->early_n, 0);
 	kvr_rep_early_fini(rep);
+	pthread_mutex_destroy(&rep->mu);
+	pthread_mutex_destroy(&rep->qmu);
 	free(rep);
+}
+
+static uint64_t metric(struct kvr_router *r, const char *key)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf) - 1, &len), 0);
+	buf[len] = 0;
+	const char *e = strstr(buf, key);
+	cr_assert_not_null(e, "%s not rendered", key);
+	return strtoull(e + strlen(key), NULL, 10);
+}
+
+/* early_lost on a running replica: kvr_sync_stats.early_lost and
+ * kvr_sync_events_total{what="early_end_lost"} count the ends given up (the set full of young
+ * entries, no memory to grow).  The sender is held off by mu while the set fills; another
+ * thread may take an armed failure (the set then grows and the filling goes on). */
+Test(replica_hooks, early_lost_exported, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	const char *key = "kvr_sync_events_total{what=\"early_end_lost\"} ";
+	cr_assert_eq(metric(r[0], key), 0);
+	struct kvr_replica *rep = bus.rep[0];
+	const uint64_t t0 = kvr_rep_mono_ns();
+	pthread_mutex_lock(&rep->mu);
+	for (uint64_t a = 1ull << 41; rep->st.early_lost < 3 && a < (1ull << 41) + 100000; a++) {
+		kvr_alloc_fail_after(1);
+		kvr_rep_early_add(rep, a, t0);
+		kvr_alloc_fail_after(0);
+	}
+	uint64_t lost = rep->st.early_lost;
+	pthread_mutex_unlock(&rep->mu);
+	cr_assert_eq(lost, 3);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.early_lost, 3);
+	cr_assert_eq(metric(r[0], key), 3);
+	bus_teardown(r, 1);
 }
 
 /* kvr_replica_create under allocation failure (sync/replica.c, sync/replica_out.c,
@@ -661,13 +708,7 @@ Test(replica_hooks, wire_output_finality)
 
 static uint64_t index_write_errors(struct kvr_router *r)
 {
-	static char buf[1 << 16];
-	size_t len = 0;
-	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf) - 1, &len), 0);
-	buf[len] = 0;
-	const char *key = "kvr_shard_errors_total{what=\"index_write\"} ";
-	const char *e = strstr(buf, key);
-	return e ? strtoull(e + strlen(key), NULL, 10) : 0;
+	return metric(r, "kvr_shard_errors_total{what=\"index_write\"} ");
 }
 
 /* The index equals the predicted cache whatever the order of admissions, outputs and ends on a
