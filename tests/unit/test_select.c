@@ -151,7 +151,8 @@ Test(select, temperature_spreads_choice)
 
 /* Every scoring implementation gives the same costs bit for bit and the same scan, on random
  * inputs: loads from zero to past 2^52 (where AVX2 falls back to scalar conversions), candidate
- * counts that are not multiples of four, slots in any order, repeated costs (ties), and
+ * counts that are not multiples of four, slots in any order or in runs of consecutive slots
+ * (which AVX2 reads with vector loads), repeated costs (ties), and
  * parameters that make costs infinite or NaN. */
 Test(select, implementations_agree)
 {
@@ -173,10 +174,26 @@ Test(select, implementations_agree)
 			pinned[s] = same ? 0 : (uint32_t)(NEXT % 100);
 			slot[s] = (uint32_t)s;
 		}
-		for (int s = SLOTS - 1; s > 0; s--) { /* a random order */
+		/* The order: a random one, ranks in slot order (one run of consecutive slots, read
+		 * with vector loads by AVX2), or runs of consecutive slots at any offset, broken
+		 * here and there (groups of four that are a run and groups that are not). */
+		int order = round % 3;
+		for (int s = SLOTS - 1; order == 0 && s > 0; s--) {
 			uint32_t j = (uint32_t)(NEXT % (uint64_t)(s + 1)), t = slot[s];
 			slot[s] = slot[j];
 			slot[j] = t;
+		}
+		if (order == 2) {
+			int start =
+			    (int)(NEXT % 7); /* runs start at any slot, not a multiple of 4 */
+			for (int s = 0; s < SLOTS; s++)
+				slot[s] = (uint32_t)((start + s) % SLOTS);
+			for (int k = 0; k < 6; k++) { /* a few swaps break some runs */
+				uint32_t a = (uint32_t)(NEXT % SLOTS), b = (uint32_t)(NEXT % SLOTS),
+				         t = slot[a];
+				slot[a] = slot[b];
+				slot[b] = t;
+			}
 		}
 		struct kvr_select_params q = {
 		    .overlap_credit = NEXT % 8 == 0 ? 1e308 : (double)(NEXT % 1000) / 250.0,
