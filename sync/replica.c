@@ -219,8 +219,10 @@ static void *apply_main(void *arg)
 void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len, const char *reply_to)
 {
 	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
-	if (!it)
+	if (!it) { /* counted as dropped; the sender's next heartbeat shows the gap */
+		__atomic_add_fetch(&rep->in_dropped, 1, __ATOMIC_RELAXED);
 		return;
+	}
 	it->next = NULL;
 	it->rx_ns =
 	    __atomic_load_n(&kvr_rep_trace_origin, __ATOMIC_RELAXED) ? kvr_rep_mono_ns() : 0;
@@ -233,6 +235,7 @@ void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len, c
 		it->reply = kvr_alloc(rl);
 		if (!it->reply) {
 			kvr_free(it, sizeof(*it) + len);
+			__atomic_add_fetch(&rep->in_dropped, 1, __ATOMIC_RELAXED);
 			return;
 		}
 		memcpy(it->reply, reply_to, rl);
@@ -329,6 +332,7 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	out->seq = rep->seq;
 	out->connected = rep->connected;
 	out->unpublished += __atomic_load_n(&rep->out_dropped, __ATOMIC_RELAXED);
+	out->dropped += __atomic_load_n(&rep->in_dropped, __ATOMIC_RELAXED);
 	out->peers_alive = 0;
 	out->lag_messages = 0;
 	for (size_t i = 0; i < rep->n_peers; i++) {
@@ -394,6 +398,10 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_events_total{what=\"peer_lost\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"attempt_released\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"early_end_lost\"} %" PRIu64 "\n"
+	    "# HELP kvr_sync_output_dropped_tokens_total Peers' output tokens not applied here "
+	    "(memory, a full lane): their attempts wait for a re-announce\n"
+	    "# TYPE kvr_sync_output_dropped_tokens_total counter\n"
+	    "kvr_sync_output_dropped_tokens_total %" PRIu64 "\n"
 	    "# HELP kvr_sync_peers_alive Peers heard within the liveness bound\n"
 	    "# TYPE kvr_sync_peers_alive gauge\nkvr_sync_peers_alive %u\n"
 	    "# HELP kvr_sync_mirrored_attempts Peers' live attempts mirrored here\n"
@@ -405,7 +413,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
 	    s.refused, s.orphans, s.batches, s.gaps, s.resyncs, s.snapshots_applied,
 	    s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost, s.released, s.early_lost,
-	    s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
+	    s.output_dropped, s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }
 

@@ -41,12 +41,77 @@ static struct kvr_rep_rec *rec_from_msg(const struct kvr_wmsg *m)
 	return x;
 }
 
-/* Output tokens of a peer's attempt, applied as its origin applied them: not_final (the last
- * token's slot counted at once) exactly when the origin was told so. */
-static int apply_output(struct kvr_replica *rep, uint64_t a, const uint32_t *t, size_t n,
-                        bool not_final)
+/* Asks peer p to re-announce (RESET, its live attempts, those finished in the last
+ * GAP_WINDOW_MS) after a loss on our side, at most once per two heartbeat periods: the answer
+ * normally comes within one, and the losses that ask (a dropped output, a heartbeat ahead of the
+ * stream) tend to come in runs; one held back, or whose answer is lost, is asked again at
+ * the peer's heartbeats until its RESET comes.  Returns whether it asked.  mu held. */
+static bool ask_heal(struct kvr_replica *rep, struct kvr_rep_peer *p)
 {
-	return APPLYING(kvr_request_output_ex(rep->r, a, t, n, not_final ? 0 : KVR_OUTPUT_FINAL));
+	uint64_t now = kvr_rep_mono_ns(), period = 2ull * rep->c.heartbeat_ms * 1000000ull;
+	p->heal_pending = true; /* until its RESET comes: asked again at its heartbeats */
+	if (p->heal_ns && now - p->heal_ns < period)
+		return false;
+	p->heal_ns = now;
+	kvr_rep_ask_reannounce(rep, p->id, GAP_WINDOW_MS);
+	return true;
+}
+
+/* Tokens converted from the wire per router call, on the stack. */
+#define OUT_CHUNK 256
+/* Tries of a call that found its rank's lane full (each waits up to 10 ms: kvr_request_output). */
+#define OUT_TRIES 10
+
+/* Output tokens of peer attempt x (the local attempt a; n little-endian u32 at w), applied as
+ * its origin applied them: not_final (the last token's slot counted at once) exactly when the
+ * origin was told so.  x->out stays exactly what this router was told, so that a catch-up
+ * (an ATTEMPT for a known attempt) applies what lies past it.  No allocation on the way but
+ * the record's room, taken first: the tokens go to the router in chunks converted on the
+ * stack, the ones before the last as not final (a token follows them), which is what one
+ * call would have counted.  What cannot be applied for memory (the record's room, the
+ * router's KVR_ENOMEM) or for room (the rank's lane still full after OUT_TRIES waits) is
+ * dropped and counted (st.output_dropped); x then takes no more output (x->out_gap: a later
+ * message would land out of place in its chain) and its origin is asked to re-announce, which
+ * books the attempt again with all of it.  Tokens of an attempt the router no longer has
+ * (stale: its rank went; its end is on the way) are not counted.  Context: the apply thread
+ * (the only writer of peers' records), mu not held. */
+static void apply_output(struct kvr_replica *rep, struct kvr_rep_rec *x, const uint8_t *w,
+                         uint32_t n, bool not_final)
+{
+	if (!n)
+		return;
+	pthread_mutex_lock(&rep->mu);
+	bool ok = !x->out_gap && kvr_rep_rec_reserve_out(x, n) == 0;
+	pthread_mutex_unlock(&rep->mu);
+	uint32_t done = 0;
+	int rc = ok ? 0 : KVR_ENOMEM;
+	while (ok && done < n) {
+		uint32_t t[OUT_CHUNK], k = n - done < OUT_CHUNK ? n - done : OUT_CHUNK;
+		for (uint32_t i = 0; i < k; i++)
+			t[i] = kvr_msg_u32(w, done + i);
+		bool nf = done + k < n || not_final;
+		for (int tries = 0; tries < OUT_TRIES; tries++) {
+			rc = APPLYING(kvr_request_output_ex(rep->r, x->local, t, k,
+			                                    nf ? 0 : KVR_OUTPUT_FINAL));
+			if (rc != KVR_EAGAIN)
+				break;
+		}
+		if (rc)
+			break;
+		pthread_mutex_lock(&rep->mu);
+		kvr_rep_rec_append_out(x, t, k, nf); /* room reserved: cannot fail */
+		pthread_mutex_unlock(&rep->mu);
+		done += k;
+	}
+	if (done == n || (rc != KVR_ENOMEM && rc != KVR_EAGAIN))
+		return;
+	pthread_mutex_lock(&rep->mu);
+	rep->st.output_dropped += n - done;
+	x->out_gap = true;
+	struct kvr_rep_peer *p = kvr_rep_peer_find(rep, x->origin);
+	if (p)
+		ask_heal(rep, p);
+	pthread_mutex_unlock(&rep->mu);
 }
 
 /* Books x on the router as a peer's admission; then its prefill state and output so far.
@@ -72,17 +137,8 @@ static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr
 	x->local = a.attempt;
 	if (x->prefilled)
 		APPLYING(kvr_request_prefill_done(rep->r, x->local));
-	if (m && m->n_out) {
-		uint32_t *t = kvr_alloc((size_t)m->n_out * 4);
-		if (t) {
-			for (uint32_t i = 0; i < m->n_out; i++)
-				t[i] = kvr_msg_u32(m->out, i);
-			bool nf = m->flags & KVR_MSG_F_OUT_COUNTED;
-			apply_output(rep, x->local, t, m->n_out, nf);
-			kvr_rep_rec_append_out(x, t, m->n_out, nf);
-			kvr_free(t, (size_t)m->n_out * 4);
-		}
-	}
+	if (m)
+		apply_output(rep, x, m->out, m->n_out, m->flags & KVR_MSG_F_OUT_COUNTED);
 	return 0;
 }
 
@@ -103,30 +159,17 @@ void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	if (old) { /* known already (resync, re-announce): catch up on what it did since */
 		bool pre = !old->prefilled && x->prefilled;
 		uint32_t have = old->n_out;
-		uint64_t a = old->local;
 		old->seen = true;
 		kvr_rep_rec_free(x);
 		if (pre)
-			APPLYING(kvr_request_prefill_done(rep->r, a));
-		if (m->n_out > have) {
-			size_t k = m->n_out - have;
-			uint32_t *t = kvr_alloc(k * 4);
-			if (t) {
-				for (size_t i = 0; i < k; i++)
-					t[i] = kvr_msg_u32(m->out, have + i);
-				bool nf = m->flags & KVR_MSG_F_OUT_COUNTED;
-				apply_output(rep, a, t, k, nf);
-				pthread_mutex_lock(&rep->mu);
-				old->prefilled = true;
-				kvr_rep_rec_append_out(old, t, k, nf);
-				pthread_mutex_unlock(&rep->mu);
-				kvr_free(t, k * 4);
-			}
-		} else if (pre) {
-			pthread_mutex_lock(&rep->mu);
-			old->prefilled = true;
-			pthread_mutex_unlock(&rep->mu);
-		}
+			APPLYING(kvr_request_prefill_done(rep->r, old->local));
+		pthread_mutex_lock(&rep->mu);
+		old->prefilled |= pre || m->n_out > have;
+		old->out_gap = false; /* what it missed comes now, in place */
+		pthread_mutex_unlock(&rep->mu);
+		if (m->n_out > have)
+			apply_output(rep, old, m->out + (size_t)have * 4, m->n_out - have,
+			             m->flags & KVR_MSG_F_OUT_COUNTED);
 		return;
 	}
 	int rc = book(rep, x, m);
@@ -174,21 +217,14 @@ static void apply_progress(struct kvr_replica *rep, const struct kvr_wmsg *m)
 		x->prefilled = true;
 		APPLYING(kvr_request_prefill_done(rep->r, a));
 		return;
-	case KVR_MSG_OUTPUT: {
-		uint32_t *t = kvr_alloc(((size_t)m->n_out ? m->n_out : 1) * 4);
-		if (!t)
-			return;
-		for (uint32_t i = 0; i < m->n_out; i++)
-			t[i] = kvr_msg_u32(m->out, i);
-		bool nf = m->flags & KVR_MSG_OUT_NOT_FINAL;
-		apply_output(rep, a, t, m->n_out, nf);
+	case KVR_MSG_OUTPUT:
 		pthread_mutex_lock(&rep->mu);
 		x->prefilled = true;
-		kvr_rep_rec_append_out(x, t, m->n_out, nf);
+		if (x->out_gap) /* waits for the re-announce (apply_output) */
+			rep->st.output_dropped += m->n_out;
 		pthread_mutex_unlock(&rep->mu);
-		kvr_free(t, ((size_t)m->n_out ? m->n_out : 1) * 4);
+		apply_output(rep, x, m->out, m->n_out, m->flags & KVR_MSG_OUT_NOT_FINAL);
 		return;
-	}
 	default:
 		APPLYING(m->h.type == KVR_MSG_FINISH ? kvr_request_finish(rep->r, a)
 		                                     : kvr_request_abort(rep->r, a));
@@ -400,6 +436,15 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 			kvr_rep_ask_reannounce(rep, p->id,
 			                       (kvr_rep_mono_ns() - p->lost_ns) / 1000000 +
 			                           GIVEN_UP_MARGIN_MS);
+		} else if (m.h.seq > p->last_seq || p->heal_pending) {
+			/* One subject keeps the peer's order, and a heartbeat carries the stream
+			 * position it was sent at: messages up to it that were not applied were
+			 * lost on the way (a delivery dropped for memory, a batch dropped as
+			 * malformed). Without this, losing a peer's last messages (a finish) would
+			 * go unnoticed until it sends again, and their attempts stay mirrored
+			 * meanwhile. */
+			bool behind = m.h.seq > p->last_seq;
+			rep->st.gaps += ask_heal(rep, p) && behind;
 		}
 		pthread_mutex_unlock(&rep->mu);
 		return;
@@ -425,6 +470,8 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 		    rep, p->id, (kvr_rep_mono_ns() - p->lost_ns) / 1000000 + GIVEN_UP_MARGIN_MS);
 	}
 	p->lost = false;
+	if (m.h.type == KVR_MSG_RESET)
+		p->heal_pending = false; /* the re-announce comes: everything of it is rebuilt */
 	p->last_seq = m.h.seq;
 	if (p->hb_seq < m.h.seq)
 		p->hb_seq = m.h.seq;

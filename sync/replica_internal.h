@@ -56,7 +56,11 @@ struct kvr_rep_rec {
 	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
 	bool chain_known, prefilled;
 	bool out_counted; /* the last output token's slot is counted (it came as not final) */
-	bool seen;        /* resync: named by the snapshot */
+	/* A peer's attempt whose output this router could not take (sync/replica_apply.c,
+	 * apply_output): out holds what it was told, and later output waits for the origin's
+	 * re-announce instead of landing out of place in the chain. */
+	bool out_gap;
+	bool seen; /* resync: named by the snapshot */
 	uint64_t *blocks;
 	uint32_t *tail;
 	uint32_t *out;
@@ -82,6 +86,8 @@ struct kvr_rep_peer {
 	bool alive, lost;
 	uint64_t lost_ns; /* when it was given up */
 	uint64_t live;
+	uint64_t heal_ns;  /* when it was last asked to re-announce for a loss (rate limit) */
+	bool heal_pending; /* asked, and its RESET has not come yet */
 };
 
 /* A staging slab (sync/replica_out.c): a routing thread copies an admission here, into memory
@@ -151,6 +157,7 @@ struct kvr_replica {
 	bool out_stop;              /* atomic: the sender exits once the ring is empty */
 	uint64_t flush_req;         /* atomic: outbound flush tickets handed out */
 	uint64_t out_dropped;       /* atomic: notes lost before the queue (no memory, ring full) */
+	uint64_t in_dropped;        /* atomic: deliveries lost for memory (kvr_replica_deliver) */
 	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
 	/* Under mu (the sender): own attempts whose end was noted before their admission (a
 	 * posted booking the shard dropped at once, told as an expiry while the routing thread
@@ -227,8 +234,11 @@ static inline bool kvr_rep_sender_stalled(struct kvr_replica *rep, uint64_t now)
 struct kvr_rep_rec *kvr_rep_rec_new(uint32_t n, uint32_t tail_n);
 /* Frees x and its output; NULL is a no-op. */
 void kvr_rep_rec_free(struct kvr_rep_rec *x);
+/* Makes room for n more output tokens in x (nothing else changes).  0, KVR_ERANGE,
+ * KVR_ENOMEM. */
+int kvr_rep_rec_reserve_out(struct kvr_rep_rec *x, size_t n);
 /* Appends n output tokens to x; n > 0 sets x->out_counted to not_final (the last token's
- * slot is counted).  0, KVR_ERANGE, KVR_ENOMEM. */
+ * slot is counted).  0, KVR_ERANGE, KVR_ENOMEM; none after kvr_rep_rec_reserve_out(x, n). */
 int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, bool not_final);
 /* The map (origin, origin attempt) -> record of the live attempts. */
 struct kvr_rep_rec *kvr_rep_map_find(struct kvr_replica *rep, uint64_t origin, uint64_t attempt);

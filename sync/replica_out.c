@@ -67,6 +67,12 @@ void kvr_rep_stream_flush(struct kvr_replica *rep)
 	} else {
 		rep->st.unpublished += n;
 		rep->seq -= n;
+		/* Connected, yet not sent (no memory to encode, the transport refused): the peers
+		 * see no gap (the numbers are given back) and no reconnect will re-announce, so a
+		 * lost end would leave its attempt mirrored on every peer for good.  The apply
+		 * thread re-announces instead (RESET, then the live attempts). */
+		if (rep->connected)
+			rep->want_reannounce = true;
 	}
 	rep->sbuf.len = 0;
 	rep->sbuf.oom = false;

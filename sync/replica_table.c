@@ -112,10 +112,8 @@ struct kvr_rep_rec *kvr_rep_rec_new(uint32_t n, uint32_t tail_n)
 	return x;
 }
 
-int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, bool not_final)
+int kvr_rep_rec_reserve_out(struct kvr_rep_rec *x, size_t n)
 {
-	if (!n)
-		return 0;
 	if (x->n_out + n > KVR_MSG_MAX_BLOCKS)
 		return KVR_ERANGE;
 	if (x->n_out + n > x->out_cap) {
@@ -128,6 +126,16 @@ int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, b
 		x->out = p;
 		x->out_cap = (uint32_t)nc;
 	}
+	return 0;
+}
+
+int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, bool not_final)
+{
+	if (!n)
+		return 0;
+	int rc = kvr_rep_rec_reserve_out(x, n);
+	if (rc)
+		return rc;
 	memcpy(x->out + x->n_out, t, n * 4);
 	x->n_out += (uint32_t)n;
 	x->out_counted = not_final;

@@ -778,7 +778,9 @@ struct kvr_sync_stats {
 	uint64_t unpublished; /* messages not sent (disconnected, or the send failed) */
 	uint64_t received;    /* messages delivered by the transport */
 	uint64_t applied;     /* peers' stream messages applied */
-	uint64_t dropped;     /* malformed, unknown version, truncated or forged: not applied */
+	uint64_t dropped;     /* malformed, unknown version, truncated, forged, or lost for memory
+	                       * on arrival: not applied (a lost message shows as a gap at the
+	                       * sender's next heartbeat, and its sender re-announces) */
 	uint64_t forged;      /* of those: carrying this replica's id */
 	uint64_t duplicates;  /* stream messages at or below a peer's position (not applied) */
 	uint64_t refused;     /* peer admissions the router refused (unknown rank, stale) */
@@ -796,6 +798,10 @@ struct kvr_sync_stats {
 	 * end, and stay mirrored (and loaded) on the peers until this replica goes; nonzero
 	 * only after allocation failures. */
 	uint64_t early_lost;
+	/* Peers' output tokens not applied here: no memory, or their rank's lane stayed full.
+	 * Their attempt takes no more output (it would land out of place in its chain) until
+	 * its origin re-announces it, which is asked at once; its load still ends with it. */
+	uint64_t output_dropped;
 	uint64_t lag_messages; /* stream messages peers announced that are not applied yet */
 	uint64_t seq;          /* this replica's stream position (its last message's number) */
 	uint32_t peers_alive;

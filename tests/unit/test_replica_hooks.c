@@ -17,6 +17,7 @@
 #include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
 #include "tests/common/oom_loop.h"
+#include "tests/unit/replica_bus.h"
 
 struct mirror {
 	struct kvr_router *dst;
@@ -75,48 +76,6 @@ static void on_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t inc, ui
 	                                        : kvr_rank_remove(m->dst, rank);
 	kvr_repl_applying = false;
 	cr_assert_eq(rc, 0);
-}
-
-static struct kvr_router *make(void)
-{
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 2;
-	c.sync_booking = true;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	return r;
-}
-
-/* Routes a prompt of n tokens (64 expected output tokens) on r; returns the decision. */
-static struct kvr_decision route(struct kvr_router *r, const uint32_t *t, size_t n)
-{
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.expected_output_tokens = 64;
-	struct kvr_decision d;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	return d;
-}
-
-static int cmp(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
-}
-
-static void same_blocks(struct kvr_router *a, struct kvr_router *b, struct kvr_rank_id rk)
-{
-	static uint64_t x[1 << 16], y[1 << 16];
-	size_t nx, ny;
-	cr_assert_eq(kvr_rank_blocks(a, rk, x, 1 << 16, &nx), 0);
-	cr_assert_eq(kvr_rank_blocks(b, rk, y, 1 << 16, &ny), 0);
-	cr_assert_eq(nx, ny, "rank %lu: %zu vs %zu blocks", (unsigned long)rk.worker_id, nx, ny);
-	qsort(x, nx, 8, cmp);
-	qsort(y, ny, 8, cmp);
-	cr_assert_eq(memcmp(x, y, nx * 8), 0);
 }
 
 /* One lifecycle call on r's attempt: output (plain, not final or final, by how), or its end
@@ -232,188 +191,9 @@ Test(replica_hooks, admit_refuses_bad_input)
 }
 
 /* ------------------------------------------------------------------------------------------
- * The replica core (sync/replica.c) over an in-process bus, no server: what kvr_request_output_ex
- * said about the last output token (final or not) reaches the peers, on the stream and in a
- * snapshot, so their predicted caches equal the origin's. */
-
-#define BUS_N 3
-
-struct bus_chunk {
-	struct bus_chunk *next;
-	size_t len;
-	uint8_t data[];
-};
-
-static struct bus {
-	struct kvr_replica *rep[BUS_N];
-	bool ready[BUS_N];
-	pthread_mutex_t mu;
-	pthread_cond_t cv;
-	struct bus_chunk *inbox[BUS_N]; /* snapshot chunks for replica i, newest first */
-} bus = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-static int port[BUS_N] = {0, 1, 2};
-
-static int bus_publish(void *ctx, const void *buf, size_t len)
-{
-	int i = *(int *)ctx;
-	for (int j = 0; j < BUS_N; j++)
-		if (j != i && bus.rep[j])
-			kvr_replica_deliver(bus.rep[j], buf, len, NULL);
-	return 0;
-}
-
-static int bus_reply(void *ctx, const char *to, const void *buf, size_t len)
-{
-	(void)ctx;
-	int j = to[0] - '0';
-	struct bus_chunk *c = malloc(sizeof(*c) + len);
-	cr_assert(c && j >= 0 && j < BUS_N);
-	c->len = len;
-	memcpy(c->data, buf, len);
-	pthread_mutex_lock(&bus.mu);
-	c->next = bus.inbox[j];
-	bus.inbox[j] = c;
-	pthread_cond_broadcast(&bus.cv);
-	pthread_mutex_unlock(&bus.mu);
-	return 0;
-}
-
-/* The oldest chunk for replica i, waiting up to 10 ms; NULL if none. */
-static struct bus_chunk *bus_take(int i)
-{
-	pthread_mutex_lock(&bus.mu);
-	if (!bus.inbox[i]) {
-		struct timespec ts;
-		clock_gettime(CLOCK_REALTIME, &ts);
-		ts.tv_nsec += 10000000;
-		if (ts.tv_nsec >= 1000000000) {
-			ts.tv_sec++;
-			ts.tv_nsec -= 1000000000;
-		}
-		pthread_cond_timedwait(&bus.cv, &bus.mu, &ts);
-	}
-	struct bus_chunk **pp = &bus.inbox[i], *c = NULL;
-	while (*pp && (*pp)->next)
-		pp = &(*pp)->next;
-	c = *pp;
-	*pp = NULL;
-	pthread_mutex_unlock(&bus.mu);
-	return c;
-}
-
-static int bus_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
-                       int (*on_chunk)(void *cb, const void *buf, size_t len),
-                       void (*poll)(void *cb), void *cb)
-{
-	int i = *(int *)ctx, peer = -1;
-	pthread_mutex_lock(&bus.mu);
-	for (int j = 0; j < BUS_N; j++) /* the last ready one: a replica serving its mirrors */
-		if (j != i && bus.rep[j] && bus.ready[j])
-			peer = j;
-	pthread_mutex_unlock(&bus.mu);
-	if (peer < 0)
-		return KVR_ENOENT;
-	char inbox[2] = {(char)('0' + i), 0};
-	kvr_replica_deliver(bus.rep[peer], req, len, inbox);
-	for (uint64_t waited = 0; waited < timeout_ns; waited += 10000000) {
-		struct bus_chunk *c = bus_take(i);
-		if (!c) {
-			poll(cb);
-			continue;
-		}
-		int rc = on_chunk(cb, c->data, c->len);
-		free(c);
-		if (rc)
-			return rc == 1 ? 0 : rc;
-	}
-	return KVR_ETIMEDOUT;
-}
-
-static void bus_ready(void *ctx)
-{
-	pthread_mutex_lock(&bus.mu);
-	bus.ready[*(int *)ctx] = true;
-	pthread_mutex_unlock(&bus.mu);
-}
-
-static struct kvr_router *bus_router(int i)
-{
-	struct kvr_router *r = make();
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
-	struct kvr_replica_config c = {
-	    .replica_id = (uint64_t)i + 1,
-	    .heartbeat_ms = 50,
-	    .dead_after = 1000, /* nobody is given up during the test */
-	    .snapshot_timeout_ms = 5000,
-	};
-	struct kvr_replica_transport t = {.ctx = &port[i],
-	                                  .publish = bus_publish,
-	                                  .reply = bus_reply,
-	                                  .request = bus_request,
-	                                  .ready = bus_ready};
-	cr_assert_eq(kvr_replica_create(r, &c, &t, &bus.rep[i]), 0);
-	cr_assert_eq(kvr_replica_start(bus.rep[i]), 0);
-	cr_assert_eq(kvr_replica_wait_ready(bus.rep[i], 10000), 0);
-	return r;
-}
-
-/* Every replica has applied everything, and every router has run what it was told. */
-static void bus_quiet(struct kvr_router **r, int n)
-{
-	for (int pass = 0; pass < 2; pass++)
-		for (int i = 0; i < n; i++)
-			cr_assert_eq(kvr_replica_drain(bus.rep[i], 10000), 0);
-	for (int i = 0; i < n; i++)
-		cr_assert_eq(kvr_router_sync(r[i], 5000), 0);
-}
-
-static size_t n_blocks(struct kvr_router *r, struct kvr_rank_id rk)
-{
-	static uint64_t x[4096];
-	size_t n;
-	cr_assert_eq(kvr_rank_blocks(r, rk, x, 4096, &n), 0);
-	return n;
-}
-
-/* Routes a prompt of n tokens (distinct per seed) on r; returns the decision. */
-static struct kvr_decision bus_route(struct kvr_router *r, uint32_t seed, size_t n)
-{
-	uint32_t t[256];
-	cr_assert(n <= 256);
-	for (size_t j = 0; j < n; j++)
-		t[j] = seed * 1000003u + (uint32_t)j;
-	return route(r, t, n);
-}
-
-/* Stops and destroys the first n replicas and their routers; empties every inbox. */
-static void bus_teardown(struct kvr_router **r, int n)
-{
-	for (int i = n - 1; i >= 0; i--)
-		kvr_replica_stop(bus.rep[i]);
-	for (int i = 0; i < n; i++) {
-		kvr_replica_destroy(bus.rep[i]);
-		bus.rep[i] = NULL;
-		kvr_router_destroy(r[i]);
-	}
-	for (int i = 0; i < BUS_N; i++)
-		for (struct bus_chunk *c; (c = bus_take(i));)
-			free(c);
-}
-
-static void all_agree(struct kvr_router **r, int n, const char *when)
-{
-	for (int i = 1; i < n; i++)
-		for (uint64_t w = 0; w < 2; w++) {
-			struct kvr_rank_id rk = {w, 0};
-			struct kvr_rank_stats s0, si;
-			cr_assert_eq(kvr_rank_get_stats(r[0], rk, &s0), 0);
-			cr_assert_eq(kvr_rank_get_stats(r[i], rk, &si), 0);
-			cr_assert_eq(s0.active_blocks, si.active_blocks, "%s: replica %d rank %d",
-			             when, i + 1, (int)w);
-			same_blocks(r[0], r[i], rk);
-		}
-}
+ * The replica core (sync/replica.c) over the in-process bus (replica_bus.h): what
+ * kvr_request_output_ex said about the last output token (final or not) reaches the peers, on the
+ * stream and in a snapshot, so their predicted caches equal the origin's. */
 
 Test(replica_hooks, output_not_final_replicates, .timeout = 60)
 {
@@ -566,17 +346,6 @@ Test(replica_hooks, early_set_bounds)
 	pthread_mutex_destroy(&rep->mu);
 	pthread_mutex_destroy(&rep->qmu);
 	free(rep);
-}
-
-static uint64_t metric(struct kvr_router *r, const char *key)
-{
-	static char buf[1 << 16];
-	size_t len = 0;
-	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf) - 1, &len), 0);
-	buf[len] = 0;
-	const char *e = strstr(buf, key);
-	cr_assert_not_null(e, "%s not rendered", key);
-	return strtoull(e + strlen(key), NULL, 10);
 }
 
 /* early_lost on a running replica: kvr_sync_stats.early_lost and

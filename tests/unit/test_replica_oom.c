@@ -1,0 +1,152 @@
+/*
+ * Replica sync under allocation failure, over the in-process bus (tests/unit/replica_bus.h):
+ * what a peer's output costs in memory on its way (the origin's note, the delivery, the
+ * mirror's record and router call) may fail at any of its allocations; whatever is dropped is
+ * counted, the mirror heals (its origin re-announces the attempt), and once the attempt ends its
+ * load is zero on every router.
+ */
+#include <criterion/criterion.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+#include "sync/replica.h"
+#include "tests/unit/replica_bus.h"
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static struct kvr_rank_stats rank_stats(struct kvr_router *r, struct kvr_rank_id rk)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, rk, &s), 0);
+	return s;
+}
+
+/* Waits (up to 5 s, quieting the bus between looks) until rank rk's load on r[1] is r[0]'s;
+ * returns whether it came. */
+static bool loads_agree(struct kvr_router **r, struct kvr_rank_id rk)
+{
+	for (int k = 0; k < 500; k++) {
+		bus_quiet(r, 2);
+		struct kvr_rank_stats a = rank_stats(r[0], rk), b = rank_stats(r[1], rk);
+		if (a.active_blocks == b.active_blocks && a.active_requests == b.active_requests &&
+		    a.active_prefill_tokens == b.active_prefill_tokens)
+			return true;
+		usleep(10000);
+	}
+	return false;
+}
+
+static void no_load(struct kvr_router **r, int n, uint64_t nth)
+{
+	for (int i = 0; i < n; i++)
+		for (uint64_t w = 0; w < 2; w++) {
+			struct kvr_rank_stats s = rank_stats(r[i], (struct kvr_rank_id){w, 0});
+			cr_assert(s.active_blocks == 0 && s.active_requests == 0 &&
+			              s.active_prefill_tokens == 0,
+			          "nth %lu: router %d rank %lu keeps requests %lu blocks %lu",
+			          (unsigned long)nth, i, (unsigned long)w,
+			          (unsigned long)s.active_requests, (unsigned long)s.active_blocks);
+		}
+}
+
+/* One attempt per N: routed and mirrored, then 300 output tokens (two of the mirror's chunks)
+ * with the Nth allocation from there failed, N = 1, 2, ... until one passes untouched.  Each
+ * time, once the failures stop: the mirror's load equals the origin's again unless the
+ * origin itself lost the note (counted unpublished: nobody else ever learns those tokens);
+ * after the finish no load is left anywhere.  Some N must land in the mirror's record or router
+ * call (counted in output_dropped) and some in the delivery (counted dropped): with the former
+ * code the tokens went uncounted, and a lost delivery of the last message (the finish) left
+ * the mirror live until the origin sent again. */
+Test(replica_oom, output_dropped_counted_and_healed, .timeout = 120)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	uint32_t out[300];
+	for (uint32_t j = 0; j < 300; j++)
+		out[j] = 555000u + j;
+	bool fired = true;
+	uint64_t lost_at_origin = 0, nth;
+	for (nth = 1; nth < 200 && fired; nth++) {
+		struct kvr_decision d = bus_route(r[0], (uint32_t)nth, 40);
+		bus_quiet(r, 2);
+		struct kvr_sync_stats s0a, s0b;
+		kvr_replica_get_stats(bus.rep[0], &s0a);
+		kvr_alloc_fail_after(nth);
+		int rc = kvr_request_output_ex(r[0], d.attempt, out, 300, 0);
+		for (int i = 0; i < 2; i++)
+			cr_assert_eq(kvr_replica_drain(bus.rep[i], 10000), 0);
+		fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		cr_assert(rc == 0 || rc == KVR_ENOMEM, "output: %d", rc);
+		kvr_replica_get_stats(bus.rep[0], &s0b);
+		if (s0b.unpublished != s0a.unpublished)
+			lost_at_origin++;
+		else
+			cr_assert(loads_agree(r, d.rank), "nth %lu: the mirror's load never healed",
+			          (unsigned long)nth);
+		cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+		/* The finish's delivery is not failed; the heartbeat would heal it too. */
+		cr_assert(loads_agree(r, d.rank));
+		bus_quiet(r, 2);
+		no_load(r, 2, nth);
+	}
+	cr_assert(!fired, "the allocations ran past 200");
+	struct kvr_sync_stats s1;
+	kvr_replica_get_stats(bus.rep[1], &s1);
+	cr_assert_gt(s1.output_dropped, 0, "no failure landed in the mirror's output");
+	cr_assert_gt(s1.dropped, 0, "no failure landed in a delivery");
+	cr_assert_eq(s1.mirrored, 0);
+	cr_assert_eq(metric(r[1], "\nkvr_sync_output_dropped_tokens_total "), s1.output_dropped);
+	cr_log_info("%lu failures: %lu lost at the origin, %lu tokens dropped by the mirror, %lu "
+	            "deliveries lost",
+	            (unsigned long)nth - 2, (unsigned long)lost_at_origin,
+	            (unsigned long)s1.output_dropped, (unsigned long)s1.dropped);
+	bus_teardown(r, 2);
+}
+
+/* The last message of a quiet stream lost on arrival (a finish): the sender's next heartbeat
+ * shows its stream position ahead of what was applied, and the mirror asks for a re-announce
+ * at once instead of keeping the attempt (and its load) until the sender sends again. */
+Test(replica_oom, lost_finish_healed_by_heartbeat, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	struct kvr_decision d = bus_route(r[0], 7, 40);
+	bus_quiet(r, 2);
+	cr_assert_eq(rank_stats(r[1], d.rank).active_requests, 1);
+	struct kvr_sync_stats before, after;
+	kvr_replica_get_stats(bus.rep[1], &before);
+	/* The finish's allocations on the origin: none (a finish note is inline; the router's
+	 * finish allocates nothing), so the first one is the delivery to r[1]. */
+	kvr_alloc_fail_after(1);
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	bool fired = kvr_alloc_fail_pending() == 0;
+	kvr_alloc_fail_after(0);
+	kvr_replica_get_stats(bus.rep[1], &after);
+	cr_assert(fired && after.dropped == before.dropped + 1,
+	          "the delivery was not the allocation that failed (dropped %lu -> %lu)",
+	          (unsigned long)before.dropped, (unsigned long)after.dropped);
+	uint64_t t0 = now_ms();
+	while (rank_stats(r[1], d.rank).active_requests && now_ms() - t0 < 5000)
+		usleep(5000);
+	cr_assert_eq(rank_stats(r[1], d.rank).active_requests, 0,
+	             "the lost finish was never healed");
+	kvr_replica_get_stats(bus.rep[1], &after);
+	cr_assert_gt(after.gaps, before.gaps);
+	cr_log_info("healed after %lu ms", (unsigned long)(now_ms() - t0));
+	bus_quiet(r, 2);
+	no_load(r, 2, 0);
+	bus_teardown(r, 2);
+}
