@@ -314,6 +314,9 @@ static void bench(int threads, double ms)
 	}
 	struct shard_totals s0, s1;
 	uint64_t tasks0 = routing_tasks(r, &s0);
+	uint64_t ev0 = kvr_metrics_counter(r->metrics, KVR_C_EVICTIONS);
+	uint64_t rb0 = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS);
+	uint64_t ov0 = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS);
 	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
 	atomic_store(&done, 0);
 	atomic_store(&go, 1);
@@ -350,6 +353,9 @@ static void bench(int threads, double ms)
 	kvr_router_sync(r, 600000); /* the backlog drains: part of the shards' time */
 	uint64_t drained = mono_ns() - t0;
 	uint64_t tasks = routing_tasks(r, &s1) - tasks0;
+	uint64_t evicted = kvr_metrics_counter(r->metrics, KVR_C_EVICTIONS) - ev0;
+	uint64_t routed_blocks = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS) - rb0;
+	uint64_t overlap = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS) - ov0;
 	uint64_t cpu0 = s0.busy_ns, cpu1 = s1.busy_ns;
 	/* What one shard core books per second of its own busy CPU (all its work: lanes,
 	 * maintenance, parking, but not the idle polling before it parks): the shards' capacity,
@@ -376,7 +382,8 @@ static void bench(int threads, double ms)
 	       "lane_depth_max=%llu "
 	       "lane_depth_mean=%.1f lane_full=%llu shard_wakes_per_route=%.3f "
 	       "shard_wakes_deferred_per_route=%.3f shard_busy_us_per_route=%.2f "
-	       "shard_spin_us_per_route=%.2f errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
+	       "shard_spin_us_per_route=%.2f evicted_per_route=%.1f overlap_frac=%.3f "
+	       "errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
 	       "select_p50_ns=%llu admit_p50_ns=%llu\n",
 	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
 	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
@@ -391,6 +398,8 @@ static void bench(int threads, double ms)
 	       n ? (double)(s1.deferred - s0.deferred) / (double)n : 0.0,
 	       n ? (double)(s1.busy_ns - s0.busy_ns) * 1e-3 / (double)n : 0.0,
 	       n ? (double)(s1.spin_ns - s0.spin_ns) * 1e-3 / (double)n : 0.0,
+	       n ? (double)evicted / (double)n : 0.0,
+	       routed_blocks ? (double)overlap / (double)routed_blocks : 0.0,
 	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
 	       (unsigned long long)sp[2], (unsigned long long)sp[3]);
 	fflush(stdout);
