@@ -133,29 +133,19 @@ uint32_t kvr_lru_hashes_take(struct kvr_lru *lru, uint32_t len)
 	return off;
 }
 
-/* Segment g's sort key: its offset, or with vpos (chunk -> its place in a set of chunks) its
- * offset in those chunks laid end to end. */
-static inline uint32_t seg_key(const struct kvr_lru *lru, const struct seg *g, const uint32_t *vpos)
-{
-	if (!vpos)
-		return g->off;
-	uint32_t k = chunk_len(lru);
-	return (vpos[g->off >> lru->chunk_shift] << lru->chunk_shift) | (g->off & (k - 1));
-}
-
-/* Sorts the n segment indices in a by seg_key (keys below top; radix, 8 bits a pass, b the
+/* Sorts the n segment indices in a by offset (offsets below top; radix, 8 bits a pass, b the
  * scratch of n); returns the array that holds the result (a or b). */
 static uint32_t *sort_segs(const struct kvr_lru *lru, uint32_t *a, uint32_t *b, size_t n,
-                           const uint32_t *vpos, uint64_t top)
+                           uint64_t top)
 {
 	for (unsigned shift = 0; shift < 32 && ((top - 1) >> shift) != 0; shift += 8) {
 		uint32_t cnt[257] = {0};
 		for (size_t j = 0; j < n; j++)
-			cnt[((seg_key(lru, &lru->s[a[j]], vpos) >> shift) & 255) + 1]++;
+			cnt[((lru->s[a[j]].off >> shift) & 255) + 1]++;
 		for (int d = 0; d < 256; d++)
 			cnt[d + 1] += cnt[d];
 		for (size_t j = 0; j < n; j++)
-			b[cnt[(seg_key(lru, &lru->s[a[j]], vpos) >> shift) & 255]++] = a[j];
+			b[cnt[(lru->s[a[j]].off >> shift) & 255]++] = a[j];
 		uint32_t *t = a;
 		a = b;
 		b = t;
@@ -174,7 +164,7 @@ static const uint32_t *by_offset(const struct kvr_lru *lru, uint32_t **base)
 	for (uint32_t i = 0; i < lru->s_cap; i++)
 		if (!lru->s[i].unused)
 			a[k++] = i;
-	return sort_segs(lru, a, a + n, n, NULL, (uint64_t)lru->heap_chunks << lru->chunk_shift);
+	return sort_segs(lru, a, a + n, n, (uint64_t)lru->heap_chunks << lru->chunk_shift);
 }
 
 /* Where a compaction puts segment g, given the end w of what was packed before it: the first
@@ -309,6 +299,15 @@ static size_t want_chunks(const struct kvr_lru *lru, size_t live)
  * instead of the whole heap.  The chosen chunks in index order, laid end to end, are packed like
  * a compaction (nothing moves up).  Returns 0 (done), 1 (no set of chunks would free enough:
  * nothing done) or KVR_ENOMEM.
+ *
+ * The live segments outside the current chunk are gathered and sorted by offset once: the
+ * segments of any chosen set, in the order the packing takes them (chunks in index order, then
+ * offset), are that order filtered to the set.  Trying k, k + 1, ... (when the packing would
+ * waste a chunk at the boundaries) then costs a pass over them each, not a scan of every slot
+ * and a sort: with segments nearly a chunk long (small ranks, whose chunks are capacity / 16 -
+ * capacity / 32 hashes) several sizes were tried per call, 5.5 sorts per evacuation in
+ * bench_route --lengths 2048's deep-lane regime, where evacuations were a fifth of the shard's
+ * instructions.
  */
 static int evacuate(struct kvr_lru *lru, size_t more)
 {
@@ -332,11 +331,20 @@ static int evacuate(struct kvr_lru *lru, size_t more)
 	}
 	int rc = 1;
 	uint64_t sum = 0;
+	const uint32_t *order = NULL; /* the candidates' segments by offset, once needed */
+	uint32_t m = 0;
 	for (uint32_t take = 1; take <= nv; take++) {
 		sum += lru->chunk_live[by_live[take - 1]];
 		if (take < more + ((sum + k - 1) >> lru->chunk_shift))
 			continue;
-		/* The chosen chunks in index order, and their segments by place in them. */
+		if (!order) {
+			for (uint32_t i = 0; i < lru->s_cap; i++)
+				if (!lru->s[i].unused &&
+				    (lru->s[i].off >> lru->chunk_shift) != lru->chunk_cur)
+					a[m++] = i;
+			order = sort_segs(lru, a, b, m, (uint64_t)nc << lru->chunk_shift);
+		}
+		/* The chosen chunks in index order: their places laid end to end. */
 		for (uint32_t j = 0; j < take; j++) {
 			uint32_t x = j, c = by_live[j];
 			for (; x > 0 && set[x - 1] > c; x--)
@@ -345,19 +353,14 @@ static int evacuate(struct kvr_lru *lru, size_t more)
 		}
 		for (uint32_t j = 0; j < take; j++)
 			vpos[set[j]] = j;
-		uint32_t m = 0;
-		for (uint32_t i = 0; i < lru->s_cap; i++)
-			if (!lru->s[i].unused && vpos[lru->s[i].off >> lru->chunk_shift] != NIL)
-				a[m++] = i;
-		const uint32_t *order =
-		    sort_segs(lru, a, b, m, vpos, (uint64_t)take << lru->chunk_shift);
 		uint32_t w = 0;
 		for (uint32_t j = 0; j < m; j++) {
 			const struct seg *g = &lru->s[order[j]];
-			w = pack_at(lru, w, g->len) + g->len;
+			if (vpos[g->off >> lru->chunk_shift] != NIL)
+				w = pack_at(lru, w, g->len) + g->len;
 		}
 		uint32_t used = (w + k - 1) >> lru->chunk_shift;
-		if (used + more > take) { /* chunk-boundary waste: one more chunk (rare) */
+		if (used + more > take) { /* chunk-boundary waste: one more chunk */
 			for (uint32_t j = 0; j < take; j++)
 				vpos[set[j]] = NIL;
 			continue;
@@ -367,6 +370,8 @@ static int evacuate(struct kvr_lru *lru, size_t more)
 		w = 0;
 		for (uint32_t j = 0; j < m; j++) {
 			struct seg *g = &lru->s[order[j]];
+			if (vpos[g->off >> lru->chunk_shift] == NIL)
+				continue; /* not in a chosen chunk (checked before it moves) */
 			w = pack_at(lru, w, g->len);
 			uint32_t dst =
 			    (set[w >> lru->chunk_shift] << lru->chunk_shift) | (w & (k - 1));
