@@ -76,6 +76,10 @@ static const struct {
      "Lifecycle calls that left an idle shard asleep (it wakes by itself within 1 ms and applies "
      "them)",
      ""},
+    {KVR_C_BOOKING_WAITS, "kvr_booking_waits_total",
+     "sync_booking admissions that waited for their shard's answer (no room made to track them "
+     "without allocating)",
+     ""},
     {KVR_C_FEED_MESSAGES, "kvr_feed_messages_total", "KV event feed: messages received live", ""},
     {KVR_C_FEED_BATCHES, "kvr_feed_batches_total", "KV event feed: batches applied", ""},
     {KVR_C_FEED_EVENTS, "kvr_feed_events_total", "KV event feed: events applied", ""},

@@ -243,8 +243,11 @@ static void room_sync(struct kvr_shard_state *ss)
 }
 
 /* Room for ROOM_AHEAD more attempts (or half the live ones, if more) is made whenever fewer
- * than ROOM_LOW are left: deferred bookings find it made, and an allocation failure here costs
- * nothing but room (the next bookings wait for their answer and get the failure then). */
+ * than ROOM_LOW are left, and when the shard starts and a rank is created on it
+ * (kvr_owner_room_prepare): deferred bookings find it made, the first ones included (the room
+ * started at zero, so each shard's first sync_booking booking waited for its answer:
+ * kvr_booking_waits_total), and an allocation failure here costs nothing but room (the next
+ * bookings wait for their answer and get the failure then). */
 #define ROOM_LOW   4
 #define ROOM_AHEAD 64
 
@@ -256,6 +259,12 @@ static void room_grow(struct kvr_shard_state *ss)
 	if (kvr_u64map_reserve(&ss->by_id, extra) == 0)
 		(void)kvr_grow((void **)&ss->recs, &ss->recs_cap, ss->n_recs + extra,
 		               sizeof(*ss->recs));
+}
+
+void kvr_owner_room_prepare(struct kvr_shard_state *ss)
+{
+	room_grow(ss);
+	room_sync(ss);
 }
 
 static int track(struct kvr_shard_state *ss, struct kvr_attempt *rec)
@@ -542,6 +551,9 @@ void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
 
 int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
 {
+	/* A sync_booking booking waited for: its poster found no room (kvr_owner_book_room_take).
+	 */
+	kvr_metrics_add(kvr_owner_mb(kvr_owner_state(sh)->c), KVR_C_BOOKING_WAITS, 1);
 	return book(sh, rec, false);
 }
 

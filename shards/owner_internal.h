@@ -155,6 +155,11 @@ void kvr_owner_retry_releases(struct kvr_shard *sh);
 void kvr_owner_drop_owed(struct kvr_shard *sh, struct kvr_rank_owned *own);
 /* The reaper's timer callback: one CLOCK step over the shard's attempts. */
 void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg);
+/* Makes the room deferred bookings take (kvr_owner_book_room_take) if little is left: at shard
+ * start and rank creation, so no booking waits for the shard to allocate until the room made
+ * ahead of time is really used up.  An allocation failure leaves less room, nothing else.
+ * Context: the shard's thread. */
+void kvr_owner_room_prepare(struct kvr_shard_state *ss);
 /* Frees the shard's attempt map (shard stop; the ranks are gone). */
 void kvr_owner_attempts_fini(struct kvr_shard_state *ss);
 

@@ -227,6 +227,7 @@ void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx)
 	kvr_lru_out_init(&ss->out);
 	kvr_u64map_init(&ss->by_id);
 	kvr_shard_set_userdata(sh, ss);
+	kvr_owner_room_prepare(ss);
 	arm_reaper(sh, kvr_owner_now(c) + c->lease_scan_interval_ns);
 }
 
@@ -309,6 +310,7 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 		ss->ranks->prev = own;
 	ss->ranks = own;
 	kvr_owner_publish(ss, own);
+	kvr_owner_room_prepare(ss); /* its first bookings need not wait (sync_booking) */
 	a->slot = slot;
 	return 0;
 fail:

@@ -12,6 +12,7 @@
 #include "../ref/lru_ref.h"
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "tests/common/metric.h"
 
 #define BS   16
 #define MAXB 64
@@ -329,18 +330,6 @@ Test(heal, out_of_memory_loop)
 	cr_assert_gt(nth, 10);
 }
 
-static uint64_t metric(struct kvr_router *r, const char *name)
-{
-	static char buf[1 << 16];
-	size_t len = 0;
-	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), &len), 0);
-	char key[128];
-	snprintf(key, sizeof(key), "\n%s ", name);
-	const char *p = strstr(buf, key);
-	cr_assert(p, "%s rendered", name);
-	return strtoull(p + strlen(key), NULL, 10);
-}
-
 Test(heal, under_registered_capacity_is_raised)
 {
 	/* Registered 48 blocks, the engine really has 64: the resident count above 48 raises the
@@ -360,13 +349,15 @@ Test(heal, under_registered_capacity_is_raised)
 	struct kvr_rank_observation ob = {
 	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = 8};
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
-	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 0, "at the capacity: no raise");
+	cr_assert_eq(kvr_test_metric(r, "kvr_heal_capacity_raised_total"), 0,
+	             "at the capacity: no raise");
 	ob.resident_blocks = 12;
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
-	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 1);
+	cr_assert_eq(kvr_test_metric(r, "kvr_heal_capacity_raised_total"), 1);
 	ob.resident_blocks = 10;
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
-	cr_assert_eq(metric(r, "kvr_heal_capacity_raised_total"), 1, "12 is the capacity now");
+	cr_assert_eq(kvr_test_metric(r, "kvr_heal_capacity_raised_total"), 1,
+	             "12 is the capacity now");
 	kvr_router_destroy(r);
 }
 
@@ -403,14 +394,14 @@ Test(heal, resident_count_waits_for_unadmitted_requests)
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
 	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
 	cr_assert_eq(n, 10, "nothing evicted: the 6 are not allocated yet (%zu left)", n);
-	cr_assert_eq(metric(r, "kvr_heal_evicted_blocks_total"), 0);
+	cr_assert_eq(kvr_test_metric(r, "kvr_heal_evicted_blocks_total"), 0);
 	/* Prefilled: the engine holds 6 + 4, but reports 6: the 4 older ones went. */
 	cr_assert_eq(kvr_request_prefill_done(r, b.attempt), 0);
 	ob.resident_blocks = 6;
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
 	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
 	cr_assert_eq(n, 6);
-	cr_assert_eq(metric(r, "kvr_heal_evicted_blocks_total"), 4);
+	cr_assert_eq(kvr_test_metric(r, "kvr_heal_evicted_blocks_total"), 4);
 	cr_assert_eq(kvr_request_finish(r, b.attempt), 0);
 	kvr_router_destroy(r);
 }
