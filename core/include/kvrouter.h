@@ -186,10 +186,12 @@ struct kvr_config {
 	 * queue behind it on their rank's shard), usually at once: the shards ran it while the
 	 * caller went on.  Return codes are the waited-for
 	 * ones, but under memory exhaustion: kvr_route waits for a booking whenever the shard
-	 * would have to allocate to track the attempt (so that KVR_ENOMEM is returned as before),
-	 * but a shard that cannot record a deferred booking's load books it without (see
-	 * kvr_route), and a shard-side failure while predicting kvr_request_output's blocks is
-	 * counted (kvr_shard_errors_total{what="index_write"}) instead of returned, as without
+	 * would have to allocate to track the attempt (so that KVR_ENOMEM is returned as before;
+	 * each shard keeps that room made ahead, from its start and each rank's creation on, so
+	 * this waits only once the room is used up: kvr_booking_waits_total counts them), but a
+	 * shard that cannot record a deferred booking's load books it without (see kvr_route),
+	 * and a shard-side failure while predicting kvr_request_output's blocks is counted
+	 * (kvr_shard_errors_total{what="index_write"}) instead of returned, as without
 	 * sync_booking.  kvr_route decides again when the rank is removed before it returns (a
 	 * removal after it returns ends the attempt: KVR_ESTALE). */
 	bool sync_booking;
