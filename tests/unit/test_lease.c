@@ -154,10 +154,15 @@ Test(lease, pages_of_free_words_are_given_back)
 	for (int i = 0; i < CHURN_THREADS; i++)
 		pthread_join(th[i], NULL);
 	/* Without the sweeps all 256 chunks (8 MiB) would be resident; with them, the chunks the
-	 * sweeps have not reached (SWEEP_LAG + the current one) and one page per held attempt. */
+	 * sweeps have not reached (SWEEP_LAG + the current one), one page per held attempt, and
+	 * per thread one chunk a sweep could not give back: a sweep is skipped while the other
+	 * thread sweeps, and a word minted by a thread preempted for the other's 8 chunks of
+	 * mints is still live when its chunk is swept (both seen on the loaded 2-core machine:
+	 * 5 pages over the bound without this term, 1 run in 5). */
 	size_t res = kvr_leases_resident_bytes(ct);
 	cr_assert_leq(res,
-	              (size_t)(10 * 32768 + CHURN_THREADS * (CHURN_PER / HELD_EVERY + 1) * 4096),
+	              (size_t)((10 + CHURN_THREADS) * 32768 +
+	                       CHURN_THREADS * (CHURN_PER / HELD_EVERY + 1) * 4096),
 	              "resident %zu bytes", res);
 	for (int i = 0; i < CHURN_THREADS; i++)
 		for (size_t j = 0; j < CHURN_PER / HELD_EVERY + 1; j++) {
