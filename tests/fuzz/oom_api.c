@@ -2,8 +2,10 @@
  * tests/fuzz/oom_api.c - the public API under allocation failure: random call sequences while
  * the allocator seam (core/alloc.h, kvr_alloc_fail_after) fails an allocation every few calls.
  *
- *   oom_api [--first S] [--seeds N] [--ops K]    (a failure prints its seed; --first S
- *                                                 --seeds 1 replays it alone)
+ *   oom_api [--first S] [--seeds N] [--ops K] [--threads T]
+ *                                       (a failure prints its seed; --first S --seeds 1
+ *                                        replays it alone; --threads 2 or 3: the threaded
+ *                                        mode of tests/fuzz/oom_api_threads.c)
  *
  * The SQLite-style loops of the unit tests fail the Nth allocation of one scripted sequence;
  * fuzz_api.c checks the whole API against a model but never runs out of memory.  This program
@@ -37,6 +39,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "oom_api_threads.h"
 #include "splitmix.h"
 
 #define N_RANKS       4
@@ -742,7 +745,7 @@ static void run_seed(uint64_t seed, int ops)
 int main(int argc, char **argv)
 {
 	uint64_t first = 1, seeds = 20;
-	int ops = 300;
+	int ops = 300, threads = 0;
 	for (int i = 1; i < argc; i++) {
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(argv[i], "--first") && v)
@@ -751,19 +754,29 @@ int main(int argc, char **argv)
 			seeds = strtoull(argv[++i], NULL, 0);
 		else if (!strcmp(argv[i], "--ops") && v)
 			ops = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--threads") && v)
+			threads = atoi(argv[++i]);
 		else {
-			fprintf(stderr, "usage: %s [--first S] [--seeds N] [--ops K]\n", argv[0]);
+			fprintf(stderr,
+			        "usage: %s [--first S] [--seeds N] [--ops K] [--threads T]\n",
+			        argv[0]);
 			return 2;
 		}
 	}
 	struct timespec t0, t1;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
-	for (uint64_t s = first; s < first + seeds; s++)
-		run_seed(s, ops);
+	if (threads)
+		oom_api_threads(first, seeds, ops, threads);
+	else
+		for (uint64_t s = first; s < first + seeds; s++)
+			run_seed(s, ops);
 	clock_gettime(CLOCK_MONOTONIC, &t1);
 	printf("oom_api: %" PRIu64 " seeds (%" PRIu64 "..%" PRIu64
-	       "), %d operations each, %.1f s\n",
+	       "), %d operations each%s, %.1f s\n",
 	       seeds, first, first + seeds - 1, ops,
+	       threads == 3 ? " on 3 threads"
+	       : threads    ? " on 2 threads"
+	                    : "",
 	       (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
 	return 0;
 }
