@@ -99,6 +99,8 @@ static const struct {
      "KV event feed: batches applied from replays", ""},
     {KVR_C_FEED_RESTARTS, "kvr_feed_restarts_total",
      "KV event feed: publisher restarts (rank cleared)", ""},
+    {KVR_C_FEED_LOST, "kvr_feed_lost_total",
+     "KV event feed: events or batches not applied for lack of memory (rank cleared)", ""},
     {KVR_C_HEAL_FEEDBACK, "kvr_heal_feedback_total",
      "Engine cached-token reports applied (kvr_request_cached)", ""},
     {KVR_C_HEAL_OVER, "kvr_heal_over_predictions_total",

@@ -66,23 +66,18 @@ uint64_t kvr_feed_other_blocks(const struct ep *e)
 }
 
 static void refuse(struct kvr_feed *f, struct ep *e);
+static void lost(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq0, uint64_t seq1,
+                 uint64_t n, bool direct);
 
 /* Posts the pending events of p to their rank's shard (kvr_events_post_many: the feed goes on
- * reading while the shard applies them; complete() collects the results).  On a failure to
- * post, the events are refused at once. */
+ * reading while the shard applies them; complete() collects the results, a failure to post
+ * too).  Allocates nothing: pend_event gave out and rcs their room with the event. */
 static void post_pending(struct kvr_feed *f, struct pending *p)
 {
 	if (!p->n_ev)
 		return;
 	struct ep *e = p->ep;
-	if (kvr_feed_grow((void **)&p->out, &p->cap_out, p->n_ev, sizeof(*p->out)) ||
-	    kvr_feed_grow((void **)&p->rcs, &p->cap_rcs, p->n_ev, sizeof(*p->rcs))) {
-		for (uint32_t i = 0; i < p->n_ev; i++)
-			refuse(f, e);
-		p->n_ev = p->n_blk = p->n_rm = 0;
-		return;
-	}
-	for (uint32_t i = 0; i < p->n_ev; i++) {
+	for (uint32_t i = 0; i < p->n_ev; i++) { /* out and rcs have room (pend_event) */
 		const struct pev *v = &p->ev[i];
 		struct kvr_event *o = &p->out[i];
 		*o = (struct kvr_event){.type = v->type};
@@ -105,9 +100,13 @@ static void post_pending(struct kvr_feed *f, struct pending *p)
 static void complete(struct kvr_feed *f, struct pending *p)
 {
 	kvr_events_post_wait(&p->post);
-	uint64_t done = p->post.done_ns;
+	uint64_t done = p->post.done_ns, n_lost = 0;
 	for (uint32_t i = 0; i < p->n_ev; i++) {
 		int r = p->post_rc ? p->post_rc : p->rcs[i];
+		if (r == KVR_ENOMEM) {
+			n_lost++;
+			continue;
+		}
 		if (!r)
 			continue;
 		refuse(f, p->ep);
@@ -118,6 +117,10 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		                                                  : "clear",
 		             p->ep->worker_id, p->dp, kvr_strerror(r));
 	}
+	/* Everything accepted is posted by now (kvr_feed_flush posts before it completes the
+	 * other buffer): the rank is cleared after all of it, without queueing. */
+	if (n_lost)
+		lost(f, p->ep, p->dp, p->seq0, p->seq1, n_lost, true);
 	if (!p->n_ev || p->post_rc)
 		done = kvr_feed_wall_ns();
 	for (uint32_t i = 0; i < p->n_lag; i++) {
@@ -130,8 +133,9 @@ static void complete(struct kvr_feed *f, struct pending *p)
 	p->post.done_ns = 0;
 }
 
-/* Room for one more event of (e, dp) with nblk blocks (stored) or hashes (removed); flushes
- * first when another rank's events are pending or the batch is full.  NULL without memory. */
+/* Room for one more event of (e, dp) with nblk blocks (stored) or hashes (removed), and for
+ * what post_pending builds of it; flushes first when another rank's events are pending or the
+ * batch is full.  NULL without memory (nothing pending changed). */
 static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uint32_t nblk,
                               bool removed)
 {
@@ -141,9 +145,14 @@ static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uin
 		kvr_feed_flush(f);
 		p = f->pend;
 	}
+	if (!p->n_ev)
+		p->seq0 = f->seq;
+	p->seq1 = f->seq;
 	p->ep = e;
 	p->dp = dp;
 	if (kvr_feed_grow((void **)&p->ev, &p->cap_ev, (uint64_t)p->n_ev + 1, sizeof(*p->ev)) ||
+	    kvr_feed_grow((void **)&p->out, &p->cap_out, (uint64_t)p->n_ev + 1, sizeof(*p->out)) ||
+	    kvr_feed_grow((void **)&p->rcs, &p->cap_rcs, (uint64_t)p->n_ev + 1, sizeof(*p->rcs)) ||
 	    (!removed && kvr_feed_grow((void **)&p->blk, &p->cap_blk, (uint64_t)p->n_blk + nblk,
 	                               sizeof(*p->blk))) ||
 	    (removed &&
@@ -197,6 +206,66 @@ static void refuse(struct kvr_feed *f, struct ep *e)
 	kvr_feed_count(f, KVR_C_FEED_REFUSED, 1);
 }
 
+/* What a loss of events for memory does to rank (e, dp), from batches seq0..seq1: reported as
+ * a gap of those batches (on_event_gap), and the rank's index cleared after everything accepted
+ * before them, so that what it holds of the rank stays a subset of the engine's cache, as after
+ * any gap: a lost removal or clear would otherwise credit the rank with blocks it no longer
+ * holds, for good.  What follows refills it.  direct: everything accepted is posted already
+ * and nothing may be queued (complete(), inside a flush): the clear is a shard call of its own,
+ * behind the posts on the rank's lane.  Else kvr_feed_clear_rank queues it (or flushes and
+ * calls, without memory). */
+static void lost_rank(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq0, uint64_t seq1,
+                      bool direct)
+{
+	kvr_feed_log(f, e, LK_MEMORY, KVR_LOG_ERROR,
+	             "rank (%" PRIu64 ", %u): events of seq %" PRIu64 "..%" PRIu64
+	             " not applied for lack of memory; rank cleared",
+	             e->worker_id, dp, seq0, seq1);
+	if (f->r->cfg.on_event_gap)
+		f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, dp, seq0, seq1 + 1);
+	struct rstate *s = rstate_find(e, dp);
+	if (s && s->missed)
+		return; /* nothing of it in the index (its resync clears it first) */
+	if (s && !direct) {
+		kvr_feed_clear_rank(f, e, s);
+		return;
+	}
+	if (!direct)
+		kvr_feed_flush(f);
+	int rc = kvr_events_clear_rank(f->r, (struct kvr_rank_id){e->worker_id, dp});
+	if (rc && rc != KVR_ENOENT)
+		kvr_feed_log(f, e, LK_INDEX, KVR_LOG_ERROR,
+		             "clearing rank (%" PRIu64 ", %u) failed: %s", e->worker_id, dp,
+		             kvr_strerror(rc));
+}
+
+static void count_lost(struct kvr_feed *f, struct ep *e, uint64_t n)
+{
+	e->st.lost += n;
+	kvr_feed_count(f, KVR_C_FEED_LOST, n);
+}
+
+/* n events of rank (e, dp), from batches seq0..seq1, not applied for memory: counted, and the
+ * rank cleared and reported (lost_rank). */
+static void lost(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq0, uint64_t seq1,
+                 uint64_t n, bool direct)
+{
+	count_lost(f, e, n);
+	lost_rank(f, e, dp, seq0, seq1, direct);
+}
+
+void kvr_feed_lost_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const uint32_t *dp)
+{
+	count_lost(f, e, 1);
+	if (dp || e->dp_rank != KVR_FEED_DP_FROM_BATCH) {
+		lost_rank(f, e, dp ? *dp : e->dp_rank, seq, seq, false);
+		return;
+	}
+	/* Its dp rank is in the payload that could not be read: any rank of e's. */
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		lost_rank(f, e, e->rs[i].dp, seq, seq, false);
+}
+
 static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
                          const struct kvr_feed_batch *b, const struct kvr_fev *v)
 {
@@ -211,7 +280,14 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	}
 	if (!v->gpu) {
 		if (kvr_u64map_reserve(&s->other, v->n_hashes)) {
-			refuse(f, e);
+			/* Counted and logged; nothing to clear: the other medium's counts can then
+			 * only be short (its removals need no memory). */
+			count_lost(f, e, 1);
+			kvr_feed_log(f, e, LK_MEMORY, KVR_LOG_ERROR,
+			             "rank (%" PRIu64
+			             ", %u): other-medium BlockStored of seq %" PRIu64
+			             " not applied for lack of memory",
+			             e->worker_id, s->dp, f->seq);
 			return;
 		}
 		for (uint32_t i = 0; i < v->n_hashes; i++) {
@@ -245,7 +321,7 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	struct pending *p = f->pend; /* after pend_event: a flush switches buffers */
 	if (!pv ||
 	    kvr_feed_grow((void **)&p->local, &p->cap_local, v->n_hashes, sizeof(*p->local))) {
-		refuse(f, e);
+		lost(f, e, s->dp, f->seq, f->seq, 1, false);
 		return;
 	}
 	/* Local hashes now, as kvr_events_apply would on this thread: the token buffer is the
@@ -270,9 +346,9 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
                           const struct kvr_feed_batch *b, const struct kvr_fev *v)
 {
 	const uint64_t *h = b->hashes + v->hash_off;
-	e->st.events++;
-	kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
 	if (!v->gpu) {
+		e->st.events++;
+		kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
 		for (uint32_t i = 0; i < v->n_hashes; i++) {
 			uint32_t *c = kvr_u64map_find(&s->other, h[i]);
 			if (c && *c > 1)
@@ -286,9 +362,11 @@ static void apply_removed(struct kvr_feed *f, struct ep *e, struct rstate *s,
 	uint32_t n = v->n_hashes;
 	struct pev *pv = pend_event(f, e, s->dp, n, true);
 	if (!pv) {
-		refuse(f, e);
+		lost(f, e, s->dp, f->seq, f->seq, 1, false);
 		return;
 	}
+	e->st.events++;
+	kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
 	memcpy(f->pend->rm + f->pend->n_rm, h, (size_t)n * sizeof(*h));
 	e->st.blocks_removed += n;
 	kvr_feed_count(f, KVR_C_FEED_BLOCKS_REMOVED, n);
@@ -317,8 +395,11 @@ static void missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq)
 	kvr_feed_log(f, e, LK_RANK, KVR_LOG_WARN,
 	             "batch for rank (%" PRIu64 ", %u) unknown to the router", e->worker_id, dp);
 	struct rstate *s = rstate_find(e, dp);
-	if (!s && kvr_feed_missed(e) < MISSED_MAX)
-		s = kvr_feed_rstate(e, dp);
+	if (!s && kvr_feed_missed(e) < MISSED_MAX && !(s = kvr_feed_rstate(e, dp)))
+		kvr_feed_log(f, e, LK_MEMORY, KVR_LOG_ERROR,
+		             "rank (%" PRIu64 ", %u) not remembered for a resync: no memory (if it "
+		             "is added, it fills from the events that follow)",
+		             e->worker_id, dp);
 	if (s && !s->missed) {
 		s->missed = true;
 		s->missed_from = seq;
@@ -335,10 +416,10 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 		missed(f, e, dp, seq);
 		return;
 	}
+	f->seq = seq;
 	struct rstate *s = kvr_feed_rstate(e, dp);
-	if (!s) {
-		e->st.malformed++; /* no memory for its state: dropped like bad input */
-		kvr_feed_count(f, KVR_C_FEED_MALFORMED, 1);
+	if (!s) { /* no memory for its state: the batch is lost (no state: nothing to clear) */
+		kvr_feed_lost_batch(f, e, seq, &dp);
 		return;
 	}
 	if (s->missed) {

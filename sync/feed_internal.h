@@ -85,6 +85,7 @@ struct pending {
 	uint32_t n_lag, cap_lag;
 	struct kvr_events_post post; /* in flight from kvr_feed_flush to complete() */
 	int post_rc;                 /* kvr_events_post_many's, for the whole post */
+	uint64_t seq0, seq1;         /* the batches its events came from, first and last */
 };
 
 /* Blocks pending before a flush is forced (bounds the batch a shard applies in one go). */
@@ -128,10 +129,20 @@ struct kvr_feed {
 	struct kvr_metrics_block *mb;
 	uint32_t n_missed; /* ranks with rstate.missed, all endpoints */
 	bool in_replay;    /* a replay is being read (no other may start) */
+	uint64_t seq;      /* the batch kvr_feed_apply_batch is applying */
 	bool stop;
 };
 
-enum log_kind { LK_MALFORMED, LK_BLOCK_SIZE, LK_TOKENS, LK_LORA, LK_RANK, LK_INDEX, LK_GAP };
+enum log_kind {
+	LK_MALFORMED,
+	LK_BLOCK_SIZE,
+	LK_TOKENS,
+	LK_LORA,
+	LK_RANK,
+	LK_INDEX,
+	LK_GAP,
+	LK_MEMORY /* the last: ep.logged has 8 */
+};
 
 /* Logs through kvr_feed_config.log (fmt as printf), repeats of one kind per endpoint thinned
  * to counts 1, 2, 4, 8, ...; e NULL: not thinned, no endpoint prefix.  Context: feed thread. */
@@ -166,6 +177,10 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
                           const struct kvr_feed_batch *b);
 /* Ranks of e with rstate.missed. */
 uint32_t kvr_feed_missed(const struct ep *e);
+/* Batch seq of e could not be decoded or applied for memory (its events unknown) and no replay
+ * brought it: counted (lost), reported through on_event_gap, and the rank cleared (*dp; NULL:
+ * e's fixed rank, or every rank e fed so far), as after a gap. */
+void kvr_feed_lost_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const uint32_t *dp);
 /* Posts what is queued to its shard (one task, applied in order after earlier posts) and goes
  * on without waiting; results (refusals, lag) are collected when the buffer is next needed. */
 void kvr_feed_flush(struct kvr_feed *f);

@@ -73,10 +73,10 @@ static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint
 	}
 }
 
-/* One batch (b NULL: its payload was malformed) with sequence number seq, from the live SUB
- * socket or from a replay. */
+/* One batch (b NULL: its payload was malformed, or with oom could not be decoded for lack of
+ * memory) with sequence number seq, from the live SUB socket or from a replay. */
 static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struct kvr_feed_batch *b,
-                     bool replayed)
+                     bool replayed, bool oom)
 {
 	if (!replayed) {
 		bool back = e->have_live && seq <= e->last_live;
@@ -105,7 +105,8 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 		return;
 	}
 	uint64_t expected = e->have_seq ? e->next_seq : 0;
-	if (seq > expected && !replayed && e->replay) {
+	/* A gap, or this batch lost for memory: the replay brings it again (decoded anew). */
+	if ((seq > expected || oom) && !replayed && e->replay) {
 		replay(f, e, expected, NULL, NULL);
 		if (e->have_seq && seq < e->next_seq)
 			return; /* the replay applied it */
@@ -115,6 +116,8 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 		report_gap(f, e, expected, seq, b);
 	if (b)
 		kvr_feed_apply_batch(f, e, seq, b);
+	else if (oom) /* no replay brought it: reported and cleared as a gap of one batch */
+		kvr_feed_lost_batch(f, e, seq, NULL);
 	e->next_seq = seq + 1;
 	e->have_seq = true;
 }
@@ -167,16 +170,17 @@ static void malformed(struct kvr_feed *f, struct ep *e, const char *why)
 	kvr_feed_log(f, e, LK_MALFORMED, KVR_LOG_WARN, "malformed message skipped: %s", why);
 }
 
-/* Decodes a payload into b; NULL if malformed (counted). */
+/* Decodes a payload into b; NULL if malformed (counted) or, *oom set, for lack of memory (the
+ * caller's to count: a replay may bring it again). */
 static const struct kvr_feed_batch *decode(struct kvr_feed *f, struct ep *e,
-                                           struct kvr_feed_batch *b, zmq_msg_t *m)
+                                           struct kvr_feed_batch *b, zmq_msg_t *m, bool *oom)
 {
 	int rc = kvr_feed_decode(b, zmq_msg_data(m), zmq_msg_size(m));
+	*oom = rc == KVR_ENOMEM;
 	if (rc == 0)
 		return b;
-	malformed(f, e,
-	          rc == KVR_ENOMEM ? "no memory to decode the payload"
-	                           : "payload is not a vLLM KV event batch");
+	if (!*oom)
+		malformed(f, e, "payload is not a vLLM KV event batch");
 	return NULL;
 }
 
@@ -270,14 +274,17 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 		}
 		if (first && *first == END_SEQ)
 			*first = seq;
-		const struct kvr_feed_batch *b = decode(f, e, &f->rep, &fr[si + 1]);
+		bool oom;
+		const struct kvr_feed_batch *b = decode(f, e, &f->rep, &fr[si + 1], &oom);
 		bool before = e->have_seq && seq < e->next_seq, applies = !before;
 		if (only_dp) {
 			applies = before && b && kvr_feed_dp_of(e, b) == *only_dp;
 			if (applies)
 				kvr_feed_apply_batch(f, e, seq, b);
+			else if (before && oom) /* it may have been the rank's */
+				kvr_feed_lost_batch(f, e, seq, only_dp);
 		} else {
-			on_batch(f, e, seq, b, true);
+			on_batch(f, e, seq, b, true, oom);
 		}
 		if (applies && b) {
 			e->st.replayed_batches++;
@@ -361,8 +368,9 @@ static void drain_some(struct kvr_feed *f, struct ep *e)
 			malformed(f, e, n != 3 ? "not 3 frames" : "seq frame is not 8 bytes");
 			continue;
 		}
-		const struct kvr_feed_batch *b = decode(f, e, &f->live, &fr[2]);
-		on_batch(f, e, seq, b, false);
+		bool oom;
+		const struct kvr_feed_batch *b = decode(f, e, &f->live, &fr[2], &oom);
+		on_batch(f, e, seq, b, false, oom);
 		close_frames(fr, 3);
 	}
 }

@@ -666,20 +666,25 @@ struct kvr_feed_endpoint {
 
 /* Counters of one endpoint (or a whole feed).  Monotonic unless said otherwise. */
 struct kvr_feed_stats {
-	uint64_t messages;            /* messages received live (any shape) */
-	uint64_t batches;             /* batches applied, live or replayed */
-	uint64_t events;              /* events applied */
-	uint64_t blocks_stored;       /* GPU blocks of applied BlockStored events */
-	uint64_t blocks_removed;      /* GPU block removals (copies) applied */
-	uint64_t malformed;           /* messages skipped: frames, seq or msgpack payload */
-	uint64_t refused;             /* events refused: block size, token count, lora, index */
-	uint64_t unknown_rank;        /* batches for a rank the router does not have */
-	uint64_t unknown_events;      /* events of an unknown type (skipped) */
-	uint64_t duplicates;          /* batches dropped as already applied */
-	uint64_t gaps;                /* seq jumps not healed (on_event_gap called, rank cleared) */
-	uint64_t replays;             /* replay requests answered (up to their end marker) */
-	uint64_t replayed_batches;    /* batches applied from replays */
-	uint64_t restarts;            /* publisher restarts (seq went backwards) */
+	uint64_t messages;         /* messages received live (any shape) */
+	uint64_t batches;          /* batches applied, live or replayed */
+	uint64_t events;           /* events applied */
+	uint64_t blocks_stored;    /* GPU blocks of applied BlockStored events */
+	uint64_t blocks_removed;   /* GPU block removals (copies) applied */
+	uint64_t malformed;        /* messages skipped: frames, seq or msgpack payload */
+	uint64_t refused;          /* events refused: block size, token count, lora, index */
+	uint64_t unknown_rank;     /* batches for a rank the router does not have */
+	uint64_t unknown_events;   /* events of an unknown type (skipped) */
+	uint64_t duplicates;       /* batches dropped as already applied */
+	uint64_t gaps;             /* seq jumps not healed (on_event_gap called, rank cleared) */
+	uint64_t replays;          /* replay requests answered (up to their end marker) */
+	uint64_t replayed_batches; /* batches applied from replays */
+	uint64_t restarts;         /* publisher restarts (seq went backwards) */
+	/* Events (or batches, when their payload could not be decoded) not applied for lack of
+	 * memory, not brought back by a replay: their rank is cleared and on_event_gap called
+	 * (expected..got-1: the batches they came from), as after a gap, so the index never
+	 * keeps a block the engine removed.  Counted in events too when they had been accepted. */
+	uint64_t lost;
 	uint64_t other_medium_blocks; /* gauge: non-GPU blocks held now */
 	uint64_t last_lag_ns;         /* gauge: publish (batch ts) to applied, wall clock */
 	uint64_t next_seq;            /* gauge: the next seq expected (0 before the first) */

@@ -6,9 +6,12 @@
  * the failure armed here lands there.
  */
 #include <criterion/criterion.h>
+#include <time.h>
+#include <zmq.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "sync/feed_encode.h"
 #include "tests/common/oom_loop.h"
 
 static struct kvr_router *events_router(void)
@@ -92,4 +95,229 @@ Test(feed_oom, add)
 	cr_assert_eq(kvr_feed_remove(x.f, x.id), KVR_ENOENT);
 	kvr_feed_destroy(x.f);
 	kvr_router_destroy(x.r);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Applying a batch under allocation failure (sync/feed_seq.c, sync/feed_apply.c, the shard's
+ * index write): the batch's Nth allocation fails for N = 1, 2, ... (decoding, the pending
+ * buffers, the shard's scratch, the index), each time on a fresh feed so that every buffer
+ * still has to grow.  Whatever the failure hits, what the index holds of the rank stays a
+ * subset of the engine's cache (the publisher's model): a removal that is not applied would
+ * credit the rank with blocks it no longer holds, for good.  A loss is counted (lost) and
+ * reported through on_event_gap; without one the index equals the model.  The next batch is
+ * applied as usual.  Before, a removal (or a whole batch that could not be decoded) lost for
+ * memory was counted as refused or malformed and its blocks stayed in the index. */
+
+#define FB 4 /* block size */
+
+static int gaps_seen;
+
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, uint64_t got)
+{
+	(void)ctx;
+	cr_assert(worker == 0 && dp == 0 && got > expected);
+	__atomic_add_fetch(&gaps_seen, 1, __ATOMIC_RELAXED);
+}
+
+/* The engine's cache as the publisher sent it: hash -> copies. */
+struct model {
+	uint64_t h[64];
+	int copies[64];
+	int n;
+};
+
+static void model_store(struct model *m, const uint64_t *h, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		int k = 0;
+		while (k < m->n && m->h[k] != h[i])
+			k++;
+		if (k == m->n) {
+			m->h[m->n] = h[i];
+			m->copies[m->n++] = 0;
+		}
+		m->copies[k]++;
+	}
+}
+
+static void model_remove(struct model *m, const uint64_t *h, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		for (int k = 0; k < m->n; k++)
+			if (m->h[k] == h[i] && m->copies[k] > 0)
+				m->copies[k]--;
+}
+
+static bool model_has(const struct model *m, uint64_t h)
+{
+	for (int k = 0; k < m->n; k++)
+		if (m->h[k] == h && m->copies[k] > 0)
+			return true;
+	return false;
+}
+
+static size_t model_count(const struct model *m)
+{
+	size_t n = 0;
+	for (int k = 0; k < m->n; k++)
+		n += m->copies[k] > 0;
+	return n;
+}
+
+static const uint32_t *tokens_of(void *ctx, size_t i)
+{
+	static uint32_t t[FB];
+	const uint64_t *h = ctx;
+	for (uint32_t j = 0; j < FB; j++)
+		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
+	return t;
+}
+
+struct pub {
+	void *zctx, *sock;
+	struct kvr_fenc enc;
+	uint64_t seq;
+};
+
+static void publish(struct pub *p)
+{
+	cr_assert_eq(kvr_fenc_send(p->sock, p->seq++, p->enc.sb.data, p->enc.sb.size), 0);
+}
+
+static void stored(struct pub *p, struct model *m, const uint64_t *h, size_t n,
+                   const uint64_t *parent)
+{
+	kvr_fenc_stored(&p->enc, h, n, parent, FB, tokens_of, (void *)h);
+	model_store(m, h, n);
+}
+
+static void removed(struct pub *p, struct model *m, const uint64_t *h, size_t n)
+{
+	kvr_fenc_removed(&p->enc, h, n);
+	model_remove(m, h, n);
+}
+
+/* Waits until the feed has taken batches up to p->seq. */
+static struct kvr_feed_stats settled(struct kvr_feed *f, uint32_t id, const struct pub *p)
+{
+	struct kvr_feed_stats st;
+	for (int k = 0; k < 5000; k++) {
+		cr_assert_eq(kvr_feed_get_stats(f, id, &st), 0);
+		if (st.next_seq == p->seq)
+			return st;
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_fail("the feed never took seq %lu (next %lu)", (unsigned long)p->seq - 1,
+	               (unsigned long)st.next_seq);
+	return st;
+}
+
+/* The index's blocks for rank 0 are in the model (all of them when exact). */
+static void index_within(struct kvr_router *r, const struct model *m, bool exact, uint64_t nth,
+                         const char *when)
+{
+	uint64_t got[128];
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){0, 0}, got, 128, &n), 0);
+	for (size_t i = 0; i < n; i++)
+		cr_assert(model_has(m, got[i]),
+		          "nth %lu, %s: the index holds %016lx, which the engine removed",
+		          (unsigned long)nth, when, (unsigned long)got[i]);
+	if (exact)
+		cr_assert_eq(n, model_count(m), "nth %lu, %s: %zu blocks, the engine has %zu",
+		             (unsigned long)nth, when, n, model_count(m));
+}
+
+Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
+{
+	static const uint64_t A[4] = {0xa1, 0xa2, 0xa3, 0xa4}, B[3] = {0xb1, 0xb2, 0xb3},
+	                      C[4] = {0xc1, 0xc2, 0xc3, 0xc4}, D[4] = {0xd1, 0xd2, 0xd3, 0xd4},
+	                      E[2] = {0xe1, 0xe2};
+	bool fired = true;
+	uint64_t nth, lost_runs = 0;
+	for (nth = 1; nth < 400 && fired; nth++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.mode = KVR_MODE_EVENTS;
+		c.n_shards = 1;
+		c.block_size = FB;
+		c.on_event_gap = on_gap;
+		struct kvr_router *r = NULL;
+		cr_assert_eq(kvr_router_create(&c, &r), 0);
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
+		             0);
+		struct kvr_feed *f = NULL;
+		cr_assert_eq(kvr_feed_create(r, NULL, &f), 0);
+		struct pub p = {.zctx = zmq_ctx_new()};
+		p.sock = zmq_socket(p.zctx, ZMQ_XPUB);
+		int zero = 0;
+		zmq_setsockopt(p.sock, ZMQ_LINGER, &zero, sizeof(zero));
+		cr_assert_eq(zmq_bind(p.sock, "tcp://127.0.0.1:*"), 0);
+		char ep[256];
+		size_t len = sizeof(ep);
+		zmq_getsockopt(p.sock, ZMQ_LAST_ENDPOINT, ep, &len);
+		uint32_t id;
+		struct kvr_feed_endpoint e = {.endpoint = ep, .worker_id = 0, .dp_rank = 0};
+		cr_assert_eq(kvr_feed_add(f, &e, &id), 0);
+		char sub[64];
+		cr_assert_geq(zmq_recv(p.sock, sub, sizeof(sub), 0), 1);
+		kvr_fenc_init(&p.enc);
+		struct model m = {0};
+		/* Batch 0: the engine's cache before. */
+		kvr_fenc_begin(&p.enc, 1.0, 2);
+		stored(&p, &m, A, 4, NULL);
+		stored(&p, &m, C, 4, NULL);
+		kvr_fenc_end(&p.enc, 0);
+		publish(&p);
+		settled(f, id, &p);
+		index_within(r, &m, true, nth, "before");
+		/* Batch 1 with its Nth allocation failed: removals, a store under a kept block, a
+		 * new chain, and a whole chain removed. */
+		int gaps0 = __atomic_load_n(&gaps_seen, __ATOMIC_RELAXED);
+		kvr_fenc_begin(&p.enc, 1.0, 4);
+		removed(&p, &m, A + 2, 2);
+		stored(&p, &m, B, 3, &A[1]);
+		stored(&p, &m, D, 4, NULL);
+		removed(&p, &m, C, 4);
+		kvr_fenc_end(&p.enc, 0);
+		kvr_alloc_fail_after(nth);
+		publish(&p);
+		struct kvr_feed_stats st = settled(f, id, &p);
+		fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		cr_assert_eq(kvr_router_sync(r, 5000), 0);
+		int gaps = __atomic_load_n(&gaps_seen, __ATOMIC_RELAXED) - gaps0;
+		cr_assert_eq(st.malformed, 0, "nth %lu: a lack of memory is no malformed input",
+		             (unsigned long)nth);
+		cr_assert((st.lost > 0) == (gaps > 0), "nth %lu: lost %lu, gaps reported %d",
+		          (unsigned long)nth, (unsigned long)st.lost, gaps);
+		lost_runs += st.lost > 0;
+		index_within(r, &m, st.lost == 0 && st.refused == 0, nth, "after the failure");
+		/* Batch 2, no failure: applied as usual. */
+		kvr_fenc_begin(&p.enc, 1.0, 2);
+		stored(&p, &m, E, 2, NULL);
+		removed(&p, &m, D, 1);
+		kvr_fenc_end(&p.enc, 0);
+		publish(&p);
+		settled(f, id, &p);
+		cr_assert_eq(kvr_router_sync(r, 5000), 0);
+		index_within(r, &m, st.lost == 0 && st.refused == 0, nth, "the next batch");
+		uint64_t got[128];
+		size_t n = 0;
+		cr_assert_eq(kvr_rank_blocks(r, (struct kvr_rank_id){0, 0}, got, 128, &n), 0);
+		bool has_e = false;
+		for (size_t i = 0; i < n; i++)
+			has_e |= got[i] == E[0];
+		cr_assert(has_e, "nth %lu: the next batch was not applied", (unsigned long)nth);
+		kvr_fenc_fini(&p.enc);
+		zmq_close(p.sock);
+		zmq_ctx_term(p.zctx);
+		kvr_feed_destroy(f);
+		kvr_router_destroy(r);
+	}
+	cr_assert(!fired, "the allocations ran past 400");
+	cr_assert_gt(lost_runs, 0, "no failure was a loss");
+	cr_log_info("%lu allocations failed in turn, %lu of them lost events",
+	            (unsigned long)nth - 2, (unsigned long)lost_runs);
 }
