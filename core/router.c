@@ -12,7 +12,7 @@
 
 /* The shards' maintenance lanes: the router posts nothing there (every call and post takes the
  * routing lane; TTL and lease timers run in the shard loop), so a ring of 256 slots (16 KiB)
- * rather than lane_capacity's (256 KiB a shard by default). */
+ * whatever lane_capacity is. */
 #define ROUTER_MAINT_CAPACITY 255u
 
 static size_t live_bytes(uint32_t n)

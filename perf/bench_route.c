@@ -36,6 +36,7 @@
  *
  * usage: bench_route [--ms N per config] [--lengths 2048,8192,...] [--ranks N] [--shards N]
  *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N] [--rate R]
+ *                    [--lane-capacity N] (kvr_config.lane_capacity)
  *                    [--spin-us US] (shard_idle_spin_ns: how long an idle shard polls before it
  *                    parks; paced runs with a spin longer than the gap never wake a shard)
  *                    [--iters N] (each thread stops after N routes, or at --ms: the same work
@@ -240,6 +241,7 @@ static void *run(void *arg)
 static bool sync_booking;
 static long spin_us = -1; /* --spin-us: kvr_config.shard_idle_spin_ns in us; -1 = default */
 static uint64_t capacity; /* 0: 8 prompts' worth of blocks per rank */
+static uint32_t lane_cap; /* --lane-capacity: kvr_config.lane_capacity; 0 = default */
 static uint32_t n_ranks = 64, n_shards = 2;
 static int threads_max = 2;
 
@@ -274,6 +276,8 @@ static void bench(int threads, double ms)
 	c.sync_booking = sync_booking;
 	if (spin_us >= 0)
 		c.shard_idle_spin_ns = (uint64_t)spin_us * 1000;
+	if (lane_cap)
+		c.lane_capacity = lane_cap;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
@@ -317,6 +321,7 @@ static void bench(int threads, double ms)
 	uint64_t ev0 = kvr_metrics_counter(r->metrics, KVR_C_EVICTIONS);
 	uint64_t rb0 = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS);
 	uint64_t ov0 = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS);
+	uint64_t lw0 = kvr_metrics_counter(r->metrics, KVR_C_LANE_FULL_WAITS);
 	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
 	atomic_store(&done, 0);
 	atomic_store(&go, 1);
@@ -356,6 +361,7 @@ static void bench(int threads, double ms)
 	uint64_t evicted = kvr_metrics_counter(r->metrics, KVR_C_EVICTIONS) - ev0;
 	uint64_t routed_blocks = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS) - rb0;
 	uint64_t overlap = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS) - ov0;
+	uint64_t lane_waits = kvr_metrics_counter(r->metrics, KVR_C_LANE_FULL_WAITS) - lw0;
 	uint64_t cpu0 = s0.busy_ns, cpu1 = s1.busy_ns;
 	/* What one shard core books per second of its own busy CPU (all its work: lanes,
 	 * maintenance, parking, but not the idle polling before it parks): the shards' capacity,
@@ -380,7 +386,8 @@ static void bench(int threads, double ms)
 	       "own_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
 	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f shard_tasks_per_cpu_s=%.0f "
 	       "lane_depth_max=%llu "
-	       "lane_depth_mean=%.1f lane_full=%llu shard_wakes_per_route=%.3f "
+	       "lane_depth_mean=%.1f lane_full=%llu lane_waits_per_route=%.3f "
+	       "shard_wakes_per_route=%.3f "
 	       "shard_wakes_deferred_per_route=%.3f shard_busy_us_per_route=%.2f "
 	       "shard_spin_us_per_route=%.2f evicted_per_route=%.1f overlap_frac=%.3f "
 	       "errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
@@ -394,7 +401,8 @@ static void bench(int threads, double ms)
 	       (unsigned long long)fin50, (unsigned long long)fin99, (double)n / (ms * 1e-3),
 	       (double)tasks / ((double)drained * 1e-9) / ns, per_cpu_s,
 	       (unsigned long long)depth_max, samples ? (double)depth_sum / (double)samples : 0.0,
-	       (unsigned long long)full, n ? (double)(s1.wakes - s0.wakes) / (double)n : 0.0,
+	       (unsigned long long)full, n ? (double)lane_waits / (double)n : 0.0,
+	       n ? (double)(s1.wakes - s0.wakes) / (double)n : 0.0,
 	       n ? (double)(s1.deferred - s0.deferred) / (double)n : 0.0,
 	       n ? (double)(s1.busy_ns - s0.busy_ns) * 1e-3 / (double)n : 0.0,
 	       n ? (double)(s1.spin_ns - s0.spin_ns) * 1e-3 / (double)n : 0.0,
@@ -433,6 +441,8 @@ int main(int argc, char **argv)
 			threads_max = atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--spin-us"))
 			spin_us = atol(argv[i + 1]);
+		else if (!strcmp(argv[i], "--lane-capacity"))
+			lane_cap = (uint32_t)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--iters"))
 			iters = strtoull(argv[i + 1], NULL, 10);
 		else if (!strcmp(argv[i], "--rate"))

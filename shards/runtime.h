@@ -42,7 +42,7 @@ struct kvr_shards_config {
 	 * process affinity mask in order.  A CPU that cannot be used leaves the shard unpinned. */
 	const int *cpus;
 	size_t n_cpus;
-	/* Capacity of the routing lane, messages.  0 = 4095.  Max 1 << 22. */
+	/* Capacity of the routing lane, messages.  0 = KVR_DEFAULT_LANE_CAPACITY.  Max 1 << 22. */
 	uint32_t lane_capacity;
 	/* Capacity of the maintenance lane.  0 = lane_capacity.  Max 1 << 22.  (The router sets
 	 * 255, a 16 KiB ring: it posts nothing there, its timers run in the loop.) */
