@@ -26,35 +26,39 @@
  * the writers' block locator (core/index_blocks.c: run id and tag, load 0.62-0.9), which lets
  * writers find any block by hash (parents, removals); readers only ever look up a run's FIRST
  * block, so the RCU-published run table holds one 8-byte entry per run, not per block, and
- * the locator skips first blocks.  Per run: a 64-byte header (16-bit lengths and offsets in
+ * the locator skips first blocks.  Per run: an 80-byte header (16-bit lengths and offsets in
  * the high bits of its pointer words; a one-block run keeps its hash in it; longer ones have a
  * hash array of exactly an allocator size class, whose word 0 keeps its capacity and the
- * locator id, position 0's hash being the header's).  Per (rank, run): an 8-byte
- * holder word (inline in the run for a single holder, else in a holder set with a pointer
- * beside it), a 32-byte record and a bitmap (1 bit per position), so the per-holder cost of a
+ * locator id, position 0's hash being the header's) that embeds its first holder's record.
+ * Per (rank, run): an 8-byte holder word (the run's own word for a single holder whose record
+ * is the embedded one, else in a holder set with a pointer beside it), a 32-byte record (none
+ * for the embedded holder) and a bitmap (1 bit per position), so the per-holder cost of a
  * run of 16+ blocks is a few bytes.  Events mode, where the engine's ext hash differs from the
  * sequence hash, adds per rank an ext -> seq and a seq -> ext map.  Header and record sizes are
  * jemalloc classes (64, 32): the 16-bit fields ride in the high bits of pointer words.
  *
  * What that leaves for short runs (bench_index_runs prints the split, '# where:').  A run of
- * one block with one holder: 64 (header) + 32 (record) + 8 / load of the run table (10-15) =
- * 106-111 bytes, below the 128 of the per-block index this replaced.  A run of 16 blocks with
- * one holder: 16 x 8 (hashes) + 15 x 4 / load of the locator (68-98) + 64 + 32 + 10-15 + the
- * locator id's directory entry (8-12) = 310-349 bytes, 19.4-21.8 per block, and more while
- * the locator migrates after a growth (it holds both arrays: up to 26.0 in that benchmark;
- * --mem-sweep gives the mean over 97 index sizes, 21.1).  The memory counters count what jemalloc
- * really takes (its size class); hash arrays are classes exactly (growth steps land on them: 2, 4,
- * 6, 8, 10, 12, 14, 16, 20, ... words).  With a 16-byte header in front of the hashes (it kept the
- * capacity, the id and the retire link) the 16-block array's 144 bytes took 160 and a 512-block
- * one's 4,112 took 5,120: 29.6 and 17.6 per block in that benchmark, now 27.6 and 15.6 (the header
- * word is s[0]: readers never read it, since position 0 matched when the run was found). Issue 10's
- * 16 bytes per block would leave 256 - 128 (hashes) - 68 (locator, at its highest load) = 60 bytes
- * per run for the header, record, table and directory entries, less than the header alone: the
- * floor is set by the writers' need to find any block by its hash (a 4-byte locator entry per
- * block; a removal names any block), not by per-run overhead.  Options weighed and not taken:
- * hashes inline in the run allocation (64 + 128 is a class too, but a growing run must then move,
- * and readers and children hold its address), the single holder without a record (the rank's list
- * and the bitmap still need 24+ bytes somewhere).  Taken: the locator grows at load 0.9 to 0.78 (it
+ * one block with one holder: 80 (header with its record) + 8 / load of the run table (10-15) =
+ * 90-95 bytes (106-111 with a 64-byte header and a separate 32-byte record), below the 128 of
+ * the per-block index this replaced.  A run of 16 blocks with one holder: 16 x 8 (hashes) + 15
+ * x 4 / load of the locator (68-98) + 80 + 10-15 + the locator id's directory entry (8-12) =
+ * 294-333 bytes, 18.4-20.8 per block, and more while the locator migrates after a growth (it
+ * holds both arrays; --mem-sweep gives the mean over 97 index sizes).  The memory counters count
+ * what jemalloc really takes (its size class); hash arrays are classes exactly (growth steps land
+ * on them: 2, 4, 6, 8, 10, 12, 14, 16, 20, ... words).  With a 16-byte header in front of the
+ * hashes (it kept the capacity, the id and the retire link) the 16-block array's 144 bytes took 160
+ * and a 512-block one's 4,112 took 5,120: 29.6 and 17.6 per block in that benchmark, now 27.6
+ * and 15.6 (the header word is s[0]: readers never read it, since position 0 matched when the run
+ * was found). Issue 10's 16 bytes per block would leave 256 - 128 (hashes) - 68 (locator, at its
+ * highest load) = 60 bytes per run for the header, record, table and directory entries, less than
+ * the header alone: the floor is set by the writers' need to find any block by its hash (a 4-byte
+ * locator entry per block; a removal names any block), not by per-run overhead.  Options weighed
+ * and not taken: hashes inline in the run allocation (64 + 128 is a class too, but a growing run
+ * must then move, and readers and children hold its address), the single holder without a record
+ * (the rank's list and the bitmap still need 24+ bytes somewhere; a removal that punches a hole
+ * must not need memory).  Taken: that record embedded in the run header (64 + 32 -> 80: the single
+ * holder's reader word became the header's holder-set word, and the sibling back link rides in the
+ * record's run word, the run being implied).  Taken: the locator grows at load 0.9 to 0.78 (it
  * grew at 0.85 to 0.57), 1 byte per block less where an index settles.
  *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and

@@ -8,10 +8,11 @@
  *
  * A holder set (struct idx_hset) is what readers see of a run's holders: one word per rank,
  * slot << 32 | cut, sorted by slot, copy-on-write when a rank joins or leaves (the old set goes
- * to the retire batch), cut changes stored in place.  A run with ONE holder has no set: its
- * word is inline (run->h1) and run->hs holds the record's pointer tagged with bit 0, which
- * readers treat like NULL (most runs have one holder: this saves the set's 32 bytes and the
- * reader's miss on it); writers see both shapes through idx_holders().  A leave without memory for
+ * to the retire batch), cut changes stored in place.  A run whose ONE holder is its embedded
+ * record (the first holder's: core/index_internal.h) has no set: run->hs is that holder's word
+ * (most runs have one holder: this saves the set's 32 bytes and the reader's miss on it); a
+ * single holder with a record of its own (the embedded one left first) keeps a set of one.
+ * Writers see both shapes through idx_holders().  A leave without memory for
  * the smaller copy overwrites the rank's word with a neighbour's: readers skip adjacent duplicates
  * and take the largest cut, writers keep duplicates equal, the next join or leave compacts them.
  *
@@ -28,10 +29,17 @@
 
 /* ---------------------------------------------------------------- holder records */
 
+static inline bool hold_emb(const struct idx_hold *h)
+{
+	return (idx_hi(h->nw) & IDX_HOLD_EMB_HI) != 0;
+}
+
+/* What the record takes besides its run: an embedded one, its bitmap only. */
 static uint64_t hold_bytes(const struct idx_hold *h)
 {
 	const uint32_t nw = idx_hold_nwords(h);
-	return (uint64_t)idx_real(sizeof(*h)) + (nw > 1 ? (uint64_t)idx_real((uint64_t)nw * 8) : 0);
+	return (hold_emb(h) ? 0 : (uint64_t)idx_real(sizeof(*h))) +
+	       (nw > 1 ? (uint64_t)idx_real((uint64_t)nw * 8) : 0);
 }
 
 /* Bitmap words to cover pos: a power of two (the record keeps its log2). */
@@ -46,18 +54,28 @@ static uint32_t words_for(uint32_t pos)
 struct idx_hold *kvr_index_hold_new(struct kvr_index *idx, struct idx_run *run, uint32_t slot,
                                     uint32_t pos)
 {
-	struct idx_hold *h = kvr_alloc(sizeof(*h));
-	if (!h)
-		return NULL;
-	memset(h, 0, sizeof(*h));
 	const uint32_t nw = words_for(pos);
-	idx_hold_set_nwords(h, nw);
-	if (nw > 1 && !(h->bm = kvr_calloc(nw, 8))) {
-		kvr_free(h, sizeof(*h));
+	uint64_t *bm = NULL;
+	if (nw > 1 && !(bm = kvr_calloc(nw, 8)))
 		return NULL;
+	struct idx_hold *h;
+	if (!idx_run_eh_used(run)) { /* the run's own record: its first holder's */
+		h = &run->eh;
+		h->rw = idx_set_hi(h->rw, slot & 0xffff); /* keeps the sibling link */
+		h->nw = IDX_HOLD_EMB_HI << IDX_HI_SHIFT;
+	} else {
+		if (!(h = kvr_alloc(sizeof(*h)))) {
+			kvr_free(bm, bm ? (size_t)nw * 8 : 0);
+			return NULL;
+		}
+		h->rw = (uint64_t)(uintptr_t)run | (uint64_t)(slot & 0xffff) << IDX_HI_SHIFT;
+		h->nw = 0;
 	}
-	h->rw = (uint64_t)(uintptr_t)run | (uint64_t)(slot & 0xffff) << IDX_HI_SHIFT;
 	h->pw = (uint64_t)(slot >> 16) << IDX_HI_SHIFT;
+	h->bm0 = 0;
+	idx_hold_set_nwords(h, nw);
+	if (bm)
+		h->bm = bm;
 	idx_count(&idx->bytes_rank, (int64_t)hold_bytes(h));
 	return h;
 }
@@ -67,6 +85,11 @@ void kvr_index_hold_free(struct kvr_index *idx, struct idx_hold *h)
 	idx_count(&idx->bytes_rank, -(int64_t)hold_bytes(h));
 	if (idx_hold_nwords(h) > 1)
 		kvr_free(h->bm, (size_t)idx_hold_nwords(h) * 8);
+	if (hold_emb(h)) { /* back to free; the run word keeps the sibling link */
+		h->rw = idx_lo_ptr(h->rw);
+		h->pw = h->nw = h->bm0 = 0;
+		return;
+	}
 	kvr_free(h, sizeof(*h));
 }
 
@@ -238,16 +261,15 @@ static void hs_retire(struct kvr_index *idx, struct idx_hset *hs)
  * a new published set.  Returns 0 or KVR_ENOMEM (unchanged). */
 int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
 {
-	const struct idx_hview o = idx_holders(r);
 	const uint32_t slot = idx_hold_slot(h);
-	if (o.n == 0) {
-		/* Ordering: relaxed; the cut (0 here) is raised by publish_cut after the blocks;
-		 * readers treat a tagged hs like NULL. */
-		__atomic_store_n(&r->h1, (uint64_t)slot << 32, __ATOMIC_RELAXED);
-		__atomic_store_n(&r->hs, (struct idx_hset *)((uintptr_t)h | 1), __ATOMIC_RELEASE);
+	struct idx_hset *old = idx_run_set(r);
+	if (!old && h == &r->eh) { /* nobody else holds r: h is in use since kvr_index_hold_new */
+		/* Ordering: release (pairs with the acquire load of hs in find_matches); the cut
+		 * (0 here) is raised by publish_cut after the blocks. */
+		__atomic_store_n(&r->hs, (uint64_t)slot << 32, __ATOMIC_RELEASE);
 		return 0;
 	}
-	struct idx_hset *old = idx_run_set(r);
+	const struct idx_hview o = idx_holders(r); /* without h (not in a set yet) */
 	struct idx_hset *hs = hs_alloc(idx, o.n + 1);
 	if (!hs)
 		return KVR_ENOMEM;
@@ -271,45 +293,46 @@ int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *
 		nh[k++] = h;
 	}
 	hs->n = k;
-	/* Ordering: release; pairs with the acquire load of r->hs in find_matches.  h1 stays
-	 * as it was: a reader that loaded hs NULL before this reads a valid word there. */
-	kvr_rcu_publish(&r->hs, hs);
+	/* Ordering: release; pairs with the acquire load of r->hs in find_matches (a reader that
+	 * loaded the single holder's word before this keeps that word). */
+	__atomic_store_n(&r->hs, IDX_HS_SET | (uint64_t)(uintptr_t)hs, __ATOMIC_RELEASE);
 	hs_retire(idx, old);
 	return 0;
 }
 
-/* Removes slot from r's holders.  Never fails: down to one holder, it goes inline (no memory);
- * without memory for a smaller set, the slot's words are overwritten in place with a
- * neighbour's (one atomic word each). */
-void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
+/* Removes slot from r's holders.  Never fails: down to the embedded record alone, or to none,
+ * it goes inline (no memory); without memory for a smaller set, the slot's words are
+ * overwritten in place with a neighbour's (one atomic word each).  Down to one holder whose
+ * record is its own, it changes nothing and returns that record, for kvr_index_hold_embed once
+ * the leaving record is freed (which frees the embedded one if that was it). */
+struct idx_hold *kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
 {
 	const struct idx_hview v = idx_holders(r);
 	int64_t at = hs_find(v, slot);
 	if (at < 0)
-		return;
+		return NULL;
 	uint32_t distinct = 0;
 	for (uint32_t i = 0; i < v.n; i++)
 		if (idx_hslot(v.e[i]) != slot &&
 		    (i == 0 || idx_hslot(v.e[i - 1]) != idx_hslot(v.e[i])))
 			distinct++;
 	struct idx_hset *o = idx_run_set(r);
-	if (distinct <= 1) {
-		uint64_t w = 0;
-		struct idx_hold *hh = NULL;
-		for (uint32_t i = 0; i < v.n; i++)
-			if (idx_hslot(v.e[i]) != slot) {
-				w = v.e[i];
-				hh = idx_hv_hold(&v, i);
-				break;
-			}
-		/* Ordering: relaxed store of the word, then hs NULL with a release (pairs with
-		 * the acquire load of hs in find_matches: a reader that sees NULL sees h1). */
-		__atomic_store_n(&r->h1, w, __ATOMIC_RELAXED);
-		__atomic_store_n(&r->hs, hh ? (struct idx_hset *)((uintptr_t)hh | 1) : NULL,
-		                 __ATOMIC_RELEASE);
+	uint64_t w = 0;
+	struct idx_hold *hh = NULL;
+	for (uint32_t i = 0; distinct <= 1 && i < v.n; i++)
+		if (idx_hslot(v.e[i]) != slot) {
+			w = v.e[i];
+			hh = idx_hv_hold(&v, i);
+			break;
+		}
+	if (distinct == 0 || hh == &r->eh) {
+		/* Ordering: release; pairs with the acquire load of hs in find_matches. */
+		__atomic_store_n(&r->hs, w, __ATOMIC_RELEASE);
 		hs_retire(idx, o);
-		return;
+		return NULL;
 	}
+	if (distinct == 1)
+		return hh; /* o != NULL: without a set a run has one holder, the embedded one */
 	struct idx_hset *hs = hs_alloc(idx, distinct);
 	if (!hs) {
 		uint32_t nb = at > 0 ? (uint32_t)at - 1 : UINT32_MAX;
@@ -324,7 +347,7 @@ void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
 			oh[i] = oh[nb];
 			__atomic_store_n(&o->e[i], o->e[nb], __ATOMIC_RELAXED);
 		}
-		return;
+		return NULL;
 	}
 	struct idx_hold **oh = idx_hset_holds(o), **nh = idx_hset_holds(hs);
 	uint32_t k = 0;
@@ -336,6 +359,45 @@ void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot)
 		nh[k++] = oh[i];
 	}
 	hs->n = k;
-	kvr_rcu_publish(&r->hs, hs);
+	__atomic_store_n(&r->hs, IDX_HS_SET | (uint64_t)(uintptr_t)hs, __ATOMIC_RELEASE);
 	hs_retire(idx, o);
+	return NULL;
+}
+
+/* Moves y, r's only holder, into r's free embedded record: its rank-list links, its bitmap,
+ * its copy counts (count_copies: keyed by the record's address), then r's holder word inline
+ * and the set retired.  What kvr_index_hs_del returned, after the leaving record was freed: a
+ * run whose first holder left keeps no set of one and no second record (80 bytes, not 80 + 32
+ * + 32).  Never fails (a copy count's entry is deleted before its new key goes in). */
+void kvr_index_hold_embed(struct kvr_index *idx, struct idx_run *r, struct idx_hold *y)
+{
+	struct idx_hold *e = &r->eh;
+	struct idx_hset *o = idx_run_set(r);
+	if (idx_run_eh_used(r) || !o)
+		return; /* NEVER: kvr_index_hs_del returns y only with a set, the embedded free */
+	const uint32_t slot = idx_hold_slot(y);
+	e->rw = idx_set_hi(e->rw, slot & 0xffff);
+	e->pw = y->pw;
+	e->nw = y->nw | IDX_HOLD_EMB_HI << IDX_HI_SHIFT;
+	e->bm0 = y->bm0; /* the bitmap word, or its pointer */
+	kvr_index_rank_unlink_hold(idx, y);
+	kvr_index_rank_link_hold(idx, e);
+	struct idx_rank *rk = &idx->rank[slot];
+	if (rk->cmap.count) {
+		const uint64_t *bm = idx_hold_bm(e);
+		for (uint32_t wi = 0; wi < idx_hold_nwords(e); wi++)
+			for (uint64_t b = bm[wi]; b; b &= b - 1) {
+				const uint32_t pos = wi * 64 + (uint32_t)__builtin_ctzll(b);
+				uint64_t c;
+				if (!idx_xmap_get(&rk->cmap, copy_key(y, pos), &c))
+					continue;
+				kvr_index_xmap_del(&rk->cmap, copy_key(y, pos));
+				kvr_index_xmap_put(&rk->cmap, copy_key(e, pos), c);
+			}
+	}
+	/* Ordering: release; pairs with the acquire load of hs in find_matches. */
+	__atomic_store_n(&r->hs, (uint64_t)slot << 32 | idx_hold_cut(e), __ATOMIC_RELEASE);
+	hs_retire(idx, o);
+	idx_count(&idx->bytes_rank, -idx_real(sizeof(*y)));
+	kvr_free(y, sizeof(*y));
 }

@@ -57,8 +57,8 @@ static inline struct idx_hold **idx_hset_holds(const struct idx_hset *h)
 	return (struct idx_hold **)(uintptr_t)&h->e[h->cap];
 }
 
-/* A run's holders as writers see them: the set, or the inline single holder as a set of one
- * (e = &run->h1, holds NULL, one = its record), or none.  idx_hv_hold() gives record i. */
+/* A run's holders as writers see them: the set, or the embedded single holder as a set of one
+ * (e = &run->hs, holds NULL, one = &run->eh), or none.  idx_hv_hold() gives record i. */
 struct idx_hview {
 	uint32_t n;
 	uint64_t *e;
@@ -77,38 +77,78 @@ static inline uint64_t idx_bytes_hset(uint32_t cap)
 }
 
 /*
+ * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
+ * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix
+ * cut (mirrored into the run's hset) and top (highest held position + 1; 0: the record holds
+ * nothing).  Copies beyond the first (count_copies) are counted in the rank's cmap, not here:
+ * few records ever have one, so a pointer per record would cost every record 8 bytes.
+ * 32 bytes (jemalloc's 32-byte class; it was 40, in the 48-byte class): slot (20 bits), top,
+ * cut (12 bits each, <= IDX_RUN_MAX) and log2 of the bitmap's words (3 bits; the bitmap is a
+ * power of two of words) ride in the high 16 bits of the three pointer words (below 2^48, as
+ * the run table assumes); the count of held positions is a popcount when needed (rank clear).
+ * Every run carries one record in its header (struct idx_run.eh, "embedded"): the first rank to
+ * hold a run uses it, so a run with one holder costs no record allocation (80 bytes for header
+ * and record together instead of 64 + 32); further holders get records of their own.  An embedded
+ * record in use has IDX_HOLD_EMB_HI in nw's high bits (the run is then the header it sits in),
+ * a free one has nw == 0.  Use the accessors.
+ */
+struct idx_hold {
+	uint64_t rw; /* run | slot bits 0..15 << 48 (embedded record: the run's sibling link |
+	              * slot bits 0..15 << 48; its run is the one it is in) */
+	uint64_t pw; /* prev in the rank's list | (slot bits 16..19 | top << 4) << 48 */
+	uint64_t nw; /* next in the rank's list | (cut | log2(bitmap words) << 12 |
+	              * IDX_HOLD_EMB_HI) << 48 */
+	union {
+		uint64_t *bm; /* more than one word */
+		uint64_t bm0; /* one word: inline */
+	};
+};
+
+_Static_assert(sizeof(struct idx_hold) == 32, "a holder record is one 32-byte jemalloc class");
+
+#define IDX_HOLD_EMB_HI (1ull << 15) /* nw's high bits: the record is a run's embedded one */
+
+/*
  * A run: consecutive blocks of one chain.  Its first block hangs below block off-1 of parent
  * (parent NULL: below the root, off 0).  Reader fields: first, parent and off (immutable), len
- * and seqs (one word, RCU-published), hs and h1.  The rest is the writers' (under
- * kvr_index.wlock).  64 bytes: the 16-bit fields ride in the high bits of the pointer words
- * (user-space pointers are below 2^48, as the run table's entries already assume), which took
- * the header from 72 bytes (jemalloc's 80-byte class) to 64 (its 64-byte class); readers compare
- * parent and off with one word, and load len and seqs with one acquire.  Use the accessors.
+ * and seqs (one word, RCU-published), hs.  The rest is the writers' (under kvr_index.wlock).
+ * The 16-bit fields ride in the high bits of the pointer words (user-space pointers are below
+ * 2^48, as the run table's entries already assume); readers compare parent and off with one
+ * word, and load len and seqs with one acquire.  80 bytes (jemalloc's 80-byte class) with the
+ * embedded holder record eh (struct idx_hold): a one-holder run was a 64-byte header plus a
+ * 32-byte record (96); the single holder's reader word, which had a word of its own beside a
+ * tagged record pointer, is now hs itself, and the sibling list's back link rides in the
+ * embedded record's run word (the run is implied there).  Use the accessors.
  */
 struct idx_run {
-	uint64_t first;      /* position 0's hash: the table key readers check */
-	uint64_t po;         /* parent | off << 48 (off <= IDX_RUN_MAX); immutable */
-	uint64_t sl;         /* seqs | len << 48: seqs is &first (a one-block run, no allocation) or
-	                      * the run's array (s[0]: its header word, readers skip it); positions
-	                      * [0, len) are in the tree.  Readers: acquire load; writers: release
-	                      * stores (idx_run_set_len / idx_run_set_seqs) */
-	struct idx_hset *hs; /* holders when two or more; else the single holder's record | 1
-	                      * (writers' use only), or NULL when none, and readers use: */
-	uint64_t h1;         /* the single holder's word (slot << 32 | cut); 0 when none (slot
-	                      * 0 with cut 0 credits nothing, exactly like no holder) */
-	uint64_t ch; /* children list | max_child_off << 48 (>= the largest off of a child, exact
-	              * after run_check); the retire-list link once dead.  Writers' (stored with
-	              * relaxed atomics once the run is published); readers take its high bits
-	              * as a HINT of where the query leaves the run (idx_run_mco_hint) */
+	uint64_t first; /* position 0's hash: the table key readers check */
+	uint64_t po;    /* parent | off << 48 (off <= IDX_RUN_MAX); immutable */
+	uint64_t sl;    /* seqs | len << 48: seqs is &first (a one-block run, no allocation) or
+	                 * the run's array (s[0]: its header word, readers skip it); positions
+	                 * [0, len) are in the tree.  Readers: acquire load; writers: release
+	                 * stores (idx_run_set_len / idx_run_set_seqs) */
+	uint64_t hs;    /* readers' holder words: IDX_HS_SET | the holder set, or the word
+	                 * (slot << 32 | cut) of the single holder when that is the embedded
+	                 * record eh; 0 when nobody holds the run (slot 0 with cut 0 credits
+	                 * nothing, exactly like no holder).  Release stores, acquire loads */
+	uint64_t ch;    /* children list | max_child_off << 48 (>= the largest off of a child, exact
+	                 * after run_check); the retire-list link once dead.  Writers' (stored with
+	                 * relaxed atomics once the run is published); readers take its high bits
+	                 * as a HINT of where the query leaves the run (idx_run_mco_hint) */
 	/* writer only */
 	uint64_t sb; /* next sibling | hw << 48 (positions ever written into seqs: write-once, all
 	              * in the block locator until the run dies) */
-	struct idx_run *sib_prev;
+	struct idx_hold eh; /* the embedded holder record; eh.rw's pointer bits are the previous
+	                     * sibling (idx_run_sib_prev) */
 };
+
+/* hs's tag: the rest of the word is a holder set's address (a holder word never has bit 63:
+ * slots are 20 bits). */
+#define IDX_HS_SET (1ull << 63)
 
 #define IDX_HI_SHIFT 48
 
-_Static_assert(sizeof(struct idx_run) == 64, "a run header is one 64-byte jemalloc class");
+_Static_assert(sizeof(struct idx_run) == 80, "a run header is one 80-byte jemalloc class");
 
 static inline uint64_t idx_lo_ptr(uint64_t w)
 {
@@ -223,20 +263,37 @@ static inline void idx_run_set_hw(struct idx_run *r, uint32_t hw)
 	r->sb = idx_set_hi(r->sb, hw);
 }
 
-/* r->hs when it is a holder set, else NULL (an inline holder's tagged record, or none). */
+/* The previous sibling: the pointer bits of the embedded record's run word. */
+static inline struct idx_run *idx_run_sib_prev(const struct idx_run *r)
+{
+	return (struct idx_run *)(uintptr_t)idx_lo_ptr(r->eh.rw);
+}
+
+static inline void idx_run_set_sib_prev(struct idx_run *r, const struct idx_run *p)
+{
+	r->eh.rw = idx_set_lo(r->eh.rw, p);
+}
+
+/* Whether the embedded record is in use. */
+static inline bool idx_run_eh_used(const struct idx_run *r)
+{
+	return (idx_hi(r->eh.nw) & IDX_HOLD_EMB_HI) != 0;
+}
+
+/* r's holder set, or NULL (its single holder is the embedded record, or none). */
 static inline struct idx_hset *idx_run_set(const struct idx_run *r)
 {
-	return ((uintptr_t)r->hs & 1) ? NULL : r->hs;
+	return (r->hs & IDX_HS_SET) ? (struct idx_hset *)(uintptr_t)idx_lo_ptr(r->hs) : NULL;
 }
 
 static inline struct idx_hview idx_holders(const struct idx_run *cr)
 {
 	struct idx_run *r = (struct idx_run *)(uintptr_t)cr;
-	uintptr_t v = (uintptr_t)r->hs;
-	if (v & 1)
-		return (struct idx_hview){1, &r->h1, NULL, (struct idx_hold *)(v & ~(uintptr_t)1)};
-	if (v)
-		return (struct idx_hview){r->hs->n, r->hs->e, idx_hset_holds(r->hs), NULL};
+	struct idx_hset *hs = idx_run_set(r);
+	if (hs)
+		return (struct idx_hview){hs->n, hs->e, idx_hset_holds(hs), NULL};
+	if (idx_run_eh_used(r))
+		return (struct idx_hview){1, &r->hs, NULL, &r->eh};
 	return (struct idx_hview){0, NULL, NULL, NULL};
 }
 
@@ -281,32 +338,10 @@ static inline uint64_t idx_run_hash(const struct idx_run *r, uint32_t p)
 	return p ? idx_run_seqs(r)[p] : r->first;
 }
 
-/*
- * Writer-only record of one (rank, run): a bitmap of the held positions (bm[p/64] bit p%64),
- * so a removal never needs memory (an interior hole just clears a bit), the gap-free prefix
- * cut (mirrored into the run's hset) and top (highest held position + 1; 0: the record holds
- * nothing).  Copies beyond the first (count_copies) are counted in the rank's cmap, not here:
- * few records ever have one, so a pointer per record would cost every record 8 bytes.
- * 32 bytes (jemalloc's 32-byte class; it was 40, in the 48-byte class): slot (20 bits), top,
- * cut (12 bits each, <= IDX_RUN_MAX) and log2 of the bitmap's words (3 bits; the bitmap is a
- * power of two of words) ride in the high 16 bits of the three pointer words (below 2^48, as
- * the run table assumes); the count of held positions is a popcount when needed (rank clear).
- * Use the accessors.
- */
-struct idx_hold {
-	uint64_t rw; /* run | slot bits 0..15 << 48 */
-	uint64_t pw; /* prev in the rank's list | (slot bits 16..19 | top << 4) << 48 */
-	uint64_t nw; /* next in the rank's list | (cut | log2(bitmap words) << 12) << 48 */
-	union {
-		uint64_t *bm; /* more than one word */
-		uint64_t bm0; /* one word: inline */
-	};
-};
-
-_Static_assert(sizeof(struct idx_hold) == 32, "a holder record is one 32-byte jemalloc class");
-
 static inline struct idx_run *idx_hold_run(const struct idx_hold *h)
 {
+	if (idx_hi(h->nw) & IDX_HOLD_EMB_HI)
+		return (struct idx_run *)(uintptr_t)((uintptr_t)h - offsetof(struct idx_run, eh));
 	return (struct idx_run *)(uintptr_t)idx_lo_ptr(h->rw);
 }
 
@@ -357,13 +392,14 @@ static inline void idx_hold_set_cut(struct idx_hold *h, uint32_t cut)
 
 static inline uint32_t idx_hold_nwords(const struct idx_hold *h)
 {
-	return 1u << (idx_hi(h->nw) >> 12);
+	return 1u << ((idx_hi(h->nw) >> 12) & 7);
 }
 
 /* Sets the bitmap's size, a power of two of words. */
 static inline void idx_hold_set_nwords(struct idx_hold *h, uint32_t nwords)
 {
-	h->nw = idx_set_hi(h->nw, (idx_hi(h->nw) & 0xfff) | (uint64_t)__builtin_ctz(nwords) << 12);
+	h->nw = idx_set_hi(h->nw, (idx_hi(h->nw) & ~(7ull << 12)) | (uint64_t)__builtin_ctz(nwords)
+	                                                                << 12);
 }
 
 static inline uint64_t *idx_hold_bm(struct idx_hold *h)
@@ -769,8 +805,11 @@ struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot);
 void kvr_index_publish_cut(struct idx_hold *h);
 /* Publishes r's holder set plus h (cut 0).  Returns 0 or KVR_ENOMEM (unchanged). */
 int kvr_index_hs_add(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h);
-/* Removes slot from r's holder set; never fails. */
-void kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot);
+/* Removes slot from r's holder set; never fails.  Returns the one holder left when its record
+ * is not the embedded one (nothing changed then: see kvr_index_hold_embed), else NULL. */
+struct idx_hold *kvr_index_hs_del(struct kvr_index *idx, struct idx_run *r, uint32_t slot);
+/* Moves y (what kvr_index_hs_del returned) into r's embedded record, freed by then. */
+void kvr_index_hold_embed(struct kvr_index *idx, struct idx_run *r, struct idx_hold *y);
 
 /* ---- runs (core/index_run.c).  Context: writer (wlock). */
 /* A new unpublished run below (parent, off) with room for cap blocks, or NULL. */
@@ -791,6 +830,8 @@ static inline int kvr_index_run_grow(struct kvr_index *idx, struct idx_run *r, s
 void kvr_index_link_child(struct idx_run *p, struct idx_run *c);
 /* Links a new record into its rank's list. */
 void kvr_index_rank_link_hold(struct kvr_index *idx, struct idx_hold *h);
+/* Takes a record out of its rank's list. */
+void kvr_index_rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h);
 /* Removes an empty record from its run and its rank and frees it. */
 void kvr_index_drop_hold(struct kvr_index *idx, struct idx_hold *h);
 /* Trims r to what its holders and children need; kills it (and re-checks its parent) when

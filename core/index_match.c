@@ -196,14 +196,15 @@ place_first(const struct kvr_index *idx, struct kvr_index_match *out, size_t cap
 	return over;
 }
 
-/* One run of the walk: R entered at query position q.  Its holder words (*hw, *hn) and the
- * matched length *k: m = min(len, n - q) blocks checked by one comparison at the far end, a
- * binary search inside where it differs (R's position 0 matched already: it is how R was
- * found). */
+/* One run of the walk: R entered at query position q.  Its holder words (*hw, *hn: the set's,
+ * or *one, where the single holder's word is copied: R->hs may become a set's address right
+ * after it was loaded) and the matched length *k: m = min(len, n - q) blocks checked by one
+ * comparison at the far end, a binary search inside where it differs (R's position 0 matched
+ * already: it is how R was found). */
 static inline __attribute__((always_inline)) void run_step(const struct idx_run *R,
                                                            const uint64_t *seq, size_t n, size_t q,
                                                            const uint64_t **hw, uint32_t *hn,
-                                                           size_t *k)
+                                                           uint64_t *one, size_t *k)
 {
 	/* Ordering: acquire; pairs with idx_run_set_len / idx_run_set_seqs (release): len and the
 	 * array come in one word, and a len covering a position was released after its hash was
@@ -211,11 +212,15 @@ static inline __attribute__((always_inline)) void run_step(const struct idx_run 
 	const uint64_t sl = __atomic_load_n(&R->sl, __ATOMIC_ACQUIRE);
 	const uint32_t len = (uint32_t)(sl >> IDX_HI_SHIFT);
 	const uint64_t *sq = (const uint64_t *)(uintptr_t)idx_lo_ptr(sl);
-	/* A tagged hs (low bit) or NULL: the single holder's word is inline (0: none). */
-	const struct idx_hset *hs = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
-	*hw = &R->h1;
+	/* Ordering: acquire; pairs with the release stores of hs (core/index_hold.c): a set's
+	 * words and n are written before its address.  Untagged: the single holder's word (0:
+	 * none). */
+	const uint64_t hv = __atomic_load_n(&R->hs, __ATOMIC_ACQUIRE);
+	*one = hv;
+	*hw = one;
 	*hn = 1;
-	if (hs && !((uintptr_t)hs & 1)) {
+	if (hv & IDX_HS_SET) {
+		const struct idx_hset *hs = (const struct idx_hset *)(uintptr_t)idx_lo_ptr(hv);
 		__builtin_prefetch(hs);
 		*hw = hs->e;
 		*hn = hs->n;
@@ -276,9 +281,10 @@ int kvr_index_find_matches(const struct kvr_index *idx, const uint64_t *seq, siz
 	bool first = true;
 	for (;;) {
 		const uint64_t *hw;
+		uint64_t one;
 		uint32_t hn;
 		size_t k;
-		run_step(R, seq, n, q, &hw, &hn, &k);
+		run_step(R, seq, n, q, &hw, &hn, &one, &k);
 		if (first) {
 			first = false;
 			size_t over = hn <= cap
@@ -328,9 +334,9 @@ static inline const struct idx_run *next_run(const struct kvr_index *idx, const 
 		return NULL;
 	const struct idx_run *C = idx_find_child(idx, seq[q + k], R, (uint32_t)k);
 	if (C) {
-		const struct idx_hset *hs = __atomic_load_n(&C->hs, __ATOMIC_RELAXED);
-		if (hs && !((uintptr_t)hs & 1))
-			__builtin_prefetch(hs);
+		const uint64_t hv = __atomic_load_n(&C->hs, __ATOMIC_RELAXED);
+		if (hv & IDX_HS_SET)
+			__builtin_prefetch((const void *)(uintptr_t)idx_lo_ptr(hv));
 		const uint64_t sl = __atomic_load_n(&C->sl, __ATOMIC_RELAXED);
 		const size_t len = (size_t)(sl >> IDX_HI_SHIFT), left = n - q - k;
 		const size_t m = len < left ? len : left, g = idx_run_mco_hint(C);
@@ -358,9 +364,10 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 	if (!R)
 		return 0;
 	const uint64_t *hw;
+	uint64_t one;
 	uint32_t hn;
 	size_t k;
-	run_step(R, seq, n, 0, &hw, &hn, &k);
+	run_step(R, seq, n, 0, &hw, &hn, &one, &k);
 	const struct idx_run *C = next_run(idx, seq, n, R, 0, k);
 	/* The first run: every word, as it comes.  A word of cut 0 writes depth 0 (as if absent)
 	 * and duplicate words of a slot (adjacent and equal, see place_first) write the same
@@ -384,7 +391,7 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 			break; /* the prompt's end, or no run goes on */
 		R = C;
 		qr = q;
-		run_step(R, seq, n, q, &hw, &hn, &k);
+		run_step(R, seq, n, q, &hw, &hn, &one, &k);
 		C = next_run(idx, seq, n, R, q, k);
 		any = false;
 		const uint32_t qq = (uint32_t)q, kk = (uint32_t)k;
@@ -414,9 +421,10 @@ size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, siz
 	size_t runs = 0, q = 0;
 	while (R) {
 		const uint64_t *hw;
+		uint64_t one;
 		uint32_t hn;
 		size_t k;
-		run_step(R, seq, n, q, &hw, &hn, &k);
+		run_step(R, seq, n, q, &hw, &hn, &one, &k);
 		runs++;
 		q += k;
 		if (k == 0 || q == n)

@@ -113,10 +113,10 @@ void kvr_index_link_child(struct idx_run *p, struct idx_run *c)
 	if (!p)
 		return;
 	struct idx_run *head = idx_run_child(p);
-	c->sib_prev = NULL;
+	idx_run_set_sib_prev(c, NULL);
 	idx_run_set_sib(c, head);
 	if (head)
-		head->sib_prev = c;
+		idx_run_set_sib_prev(head, c);
 	idx_run_set_child(p, c);
 	if (idx_run_off(c) > idx_run_mco(p))
 		idx_run_set_mco(p, idx_run_off(c));
@@ -127,16 +127,16 @@ static void unlink_child(struct idx_run *p, struct idx_run *c)
 {
 	if (!p)
 		return;
-	struct idx_run *next = idx_run_sib(c);
-	if (c->sib_prev)
-		idx_run_set_sib(c->sib_prev, next);
+	struct idx_run *next = idx_run_sib(c), *prev = idx_run_sib_prev(c);
+	if (prev)
+		idx_run_set_sib(prev, next);
 	else
 		idx_run_set_child(p, next);
 	if (next)
-		next->sib_prev = c->sib_prev;
+		idx_run_set_sib_prev(next, prev);
 }
 
-static void rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
+void kvr_index_rank_unlink_hold(struct kvr_index *idx, struct idx_hold *h)
 {
 	struct idx_rank *rk = &idx->rank[idx_hold_slot(h)];
 	struct idx_hold *prev = idx_hold_prev(h), *next = idx_hold_next(h);
@@ -161,9 +161,12 @@ void kvr_index_rank_link_hold(struct kvr_index *idx, struct idx_hold *h)
 /* Removes an empty holder record from its run and its rank. */
 void kvr_index_drop_hold(struct kvr_index *idx, struct idx_hold *h)
 {
-	rank_unlink_hold(idx, h);
-	kvr_index_hs_del(idx, idx_hold_run(h), idx_hold_slot(h));
+	struct idx_run *r = idx_hold_run(h);
+	kvr_index_rank_unlink_hold(idx, h);
+	struct idx_hold *y = kvr_index_hs_del(idx, r, idx_hold_slot(h));
 	kvr_index_hold_free(idx, h);
+	if (y) /* one holder left, with a record of its own: into the free embedded one */
+		kvr_index_hold_embed(idx, r, y);
 }
 
 /* Trims r to what its holders and children need, killing it (and re-checking its parent)

@@ -729,7 +729,12 @@ int main(int argc, char **argv)
 			ms = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "--per") && i + 1 < argc)
 			per = (size_t)atol(argv[++i]);
-		else if (!strcmp(argv[i], "--quick"))
+		else if (!strcmp(argv[i], "--grow") && i + 2 < argc) {
+			/* the locator's growth policy (per mille) for what follows */
+			kvr_index_blk_grow_at = (uint64_t)atol(argv[i + 1]);
+			kvr_index_blk_grow_to = (uint64_t)atol(argv[i + 2]);
+			i += 2;
+		} else if (!strcmp(argv[i], "--quick"))
 			quick = true;
 		else if (!strcmp(argv[i], "--cg") && i + 2 < argc) {
 			if (kvr_rcu_thread_online() != 0)
@@ -770,6 +775,13 @@ int main(int argc, char **argv)
 		} else if (!strcmp(argv[i], "--mem-sweep")) {
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
+			/* --mem-sweep [AT TO]: a growth policy (per mille) to weigh against the
+			 * defaults */
+			if (i + 2 < argc && argv[i + 1][0] != '-') {
+				mem_sweep((uint64_t)atol(argv[i + 1]), (uint64_t)atol(argv[i + 2]),
+				          kvr_index_blk_step_min);
+				i += 2;
+			}
 			mem_sweep(kvr_index_blk_grow_at, kvr_index_blk_grow_to,
 			          kvr_index_blk_step_min);
 			mem_sweep(850, 567, 2); /* the previous defaults */

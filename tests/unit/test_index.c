@@ -417,6 +417,64 @@ Test(index, count_copies)
 	cr_assert_eq(st.copies, 0, "clear drops every copy");
 }
 
+/* A run's first holder's record lives in the run header; when that holder leaves and one with
+ * a record of its own stays, the stayer moves into the header (its bitmap, its copy counts):
+ * the index then takes what it takes with the stayer alone, and the stayer's holes, copies and
+ * score are what they were. */
+Test(index, embedded_holder_leaves_and_the_stayer_moves_in)
+{
+	kvr_index_set_count_copies(idx, true);
+	uint32_t a, b, c;
+	kvr_index_rank_add(idx, 1, 0, &a);
+	kvr_index_rank_add(idx, 2, 0, &b);
+	kvr_index_rank_add(idx, 3, 0, &c);
+	enum { N = 100 }; /* a bitmap of two words: a pointer in the record */
+	struct kvr_index_block blk[N];
+	chain(blk, N, 1000, 1);
+	uint64_t q[N];
+	for (int i = 0; i < N; i++)
+		q[i] = 1 + (uint64_t)i;
+	const uint64_t mem0 = kvr_index_memory_bytes(idx);
+	cr_assert_eq(kvr_index_store(idx, b, NULL, blk, N), 0);
+	kvr_index_quiesce(idx);
+	const uint64_t alone = kvr_index_memory_bytes(idx) - mem0;
+	cr_assert_eq(kvr_index_clear_rank(idx, b), 0);
+	/* a first (the embedded record), then b and c; b keeps two copies of block 70, a hole
+	 * at 40 */
+	cr_assert_eq(kvr_index_store(idx, a, NULL, blk, N), 0);
+	cr_assert_eq(kvr_index_store(idx, b, NULL, blk, N), 0);
+	cr_assert_eq(kvr_index_store(idx, c, NULL, blk, 30), 0);
+	cr_assert_eq(kvr_index_store(idx, b, &blk[69].ext_hash, &blk[70], 1), 0);
+	uint64_t e40 = blk[40].ext_hash, e70 = blk[70].ext_hash;
+	cr_assert_eq(kvr_index_remove(idx, b, &e40, 1, NULL), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, a), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, c), 0); /* b alone, in its own record: moves */
+	cr_assert_eq(score_of(q, N, b), 40);
+	cr_assert_eq(score_of(q, N, a), -1);
+	cr_assert_eq(kvr_index_rank_blocks(idx, b, NULL, 0), N - 1);
+	/* the copy count moved with the record: one remove of 70 keeps the block */
+	cr_assert_eq(kvr_index_remove(idx, b, &e70, 1, NULL), 0);
+	cr_assert_eq(kvr_index_rank_blocks(idx, b, NULL, 0), N - 1);
+	cr_assert_eq(kvr_index_remove(idx, b, &e70, 1, NULL), 0);
+	cr_assert_eq(kvr_index_rank_blocks(idx, b, NULL, 0), N - 2);
+	/* the hole refilled: the cut runs on to the next hole (70) */
+	cr_assert_eq(kvr_index_store(idx, b, &blk[39].ext_hash, &blk[40], 1), 0);
+	cr_assert_eq(score_of(q, N, b), 70);
+	cr_assert_eq(kvr_index_store(idx, b, &blk[69].ext_hash, &blk[70], 1), 0);
+	cr_assert_eq(score_of(q, N, b), N);
+	kvr_index_quiesce(idx);
+	cr_assert_eq(kvr_index_memory_bytes(idx) - mem0, alone,
+	             "the stayer in the header: %lu bytes, %lu for b alone",
+	             (unsigned long)(kvr_index_memory_bytes(idx) - mem0), (unsigned long)alone);
+	/* a new holder takes a record of its own, the header's being b's */
+	cr_assert_eq(kvr_index_store(idx, a, NULL, blk, 10), 0);
+	cr_assert_eq(score_of(q, N, a), 10);
+	cr_assert_eq(kvr_index_clear_rank(idx, b), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, a), 0);
+	kvr_index_quiesce(idx);
+	cr_assert_eq(kvr_index_memory_bytes(idx), mem0);
+}
+
 Test(index, long_events_and_queries)
 {
 	enum { N = 8192 };
