@@ -81,7 +81,7 @@ static void apply_output(struct kvr_replica *rep, struct kvr_rep_rec *x, const u
 	if (!n)
 		return;
 	pthread_mutex_lock(&rep->mu);
-	bool ok = !x->out_gap && kvr_rep_rec_reserve_out(x, n) == 0;
+	bool ok = !x->out_gap && kvr_rep_rec_reserve_out(x, n) == 0; /* a gap: wait for it */
 	pthread_mutex_unlock(&rep->mu);
 	uint32_t done = 0;
 	int rc = ok ? 0 : KVR_ENOMEM;
@@ -220,8 +220,6 @@ static void apply_progress(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	case KVR_MSG_OUTPUT:
 		pthread_mutex_lock(&rep->mu);
 		x->prefilled = true;
-		if (x->out_gap) /* waits for the re-announce (apply_output) */
-			rep->st.output_dropped += m->n_out;
 		pthread_mutex_unlock(&rep->mu);
 		apply_output(rep, x, m->out, m->n_out, m->flags & KVR_MSG_OUT_NOT_FINAL);
 		return;
