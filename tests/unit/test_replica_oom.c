@@ -12,6 +12,7 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "sync/replica.h"
+#include "sync/replica_internal.h"
 #include "tests/unit/replica_bus.h"
 
 static uint64_t now_ms(void)
@@ -147,6 +148,35 @@ Test(replica_oom, lost_finish_healed_by_heartbeat, .timeout = 60)
 	cr_assert_gt(after.gaps, before.gaps);
 	cr_log_info("healed after %lu ms", (unsigned long)(now_ms() - t0));
 	bus_quiet(r, 2);
+	no_load(r, 2, 0);
+	bus_teardown(r, 2);
+}
+
+/* Output for a mirror already waiting for its re-announce (out_gap, set here as a drop would) is
+ * counted once, token for token (it was counted twice), and the re-announce asked for books the
+ * attempt again with all its output: the mirror's load equals the origin's. */
+Test(replica_oom, output_behind_a_gap_counted_once, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	struct kvr_decision d = bus_route(r[0], 11, 40);
+	bus_quiet(r, 2);
+	struct kvr_replica *rep = bus.rep[1];
+	pthread_mutex_lock(&rep->mu);
+	struct kvr_rep_rec *x = kvr_rep_map_find(rep, 1, d.attempt);
+	cr_assert_not_null(x);
+	x->out_gap = true;
+	pthread_mutex_unlock(&rep->mu);
+	uint32_t out[5] = {1, 2, 3, 4, 5};
+	cr_assert_eq(kvr_request_output_ex(r[0], d.attempt, out, 5, 0), 0);
+	cr_assert(loads_agree(r, d.rank), "the re-announce did not heal the mirror");
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.output_dropped, 5);
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	cr_assert(loads_agree(r, d.rank));
 	no_load(r, 2, 0);
 	bus_teardown(r, 2);
 }
