@@ -29,7 +29,16 @@
  * after the bounded wait), and how often per route a post had to wake a parked shard (a futex
  * wake on the caller's thread: what the p99s of an idle-enough router pay) or left the wake to
  * the shard's own bounded park (a lazy lifecycle post), and the shards' CPU per route, busy
- * and idle-polling (the drain after the run included).
+ * and idle-polling (the drain after the run included); blocks evicted per route and the
+ * predicted overlap's share of the routed blocks (a lane deep enough to make decisions stale
+ * shows in both); how often a post waited for lane room, and how often a route allocated its
+ * attempt record (the pool had none).
+ *
+ * Tails, counted not timed: around every route and finish the thread's own counters are read
+ * (kvr_shard_thread_costs: lane waits, their sleeps, FUTEX_WAKEs; records allocated), and of
+ * the calls at or above the 99th percentile the SUMMARY gives the share that paid each of
+ * those costs and the share that paid none of them (route_tail_* / finish_tail_*: "none" is
+ * the scheduler, page faults, the machine).
  *
  * --rate R paces each frontend thread at R routes/s (open loop), below what the shards can book,
  * so the latencies are those of a router that keeps up rather than of full lanes.
@@ -58,6 +67,8 @@
 #include "core/metrics.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
+#include "shards/owner.h"
+#include "shards/runtime.h"
 #include "sync/rcu.h"
 
 #define MAX_THREADS 8
@@ -168,10 +179,32 @@ struct worker {
 	struct kvr_router *r;
 	int id;
 	struct samples floor, route, fin, lookup, own;
-	uint64_t n, full, errors;
+	struct samples route_why, fin_why; /* per sample: what the call's thread paid (COST_*) */
+	uint64_t n, full, errors, allocs;
 	uint64_t *local, *seq;
 	struct kvr_index_match *match;
 };
+
+/* What slowed a call, counted on its thread around it (bits of a route_why / fin_why sample). */
+#define COST_LANE_WAIT    1u /* a post found its lane full and waited for room */
+#define COST_WAIT_SLEEP   2u /* ... and slept (nanosleep) in that wait */
+#define COST_FUTEX_WAKE   4u /* a post woke a parked shard (FUTEX_WAKE) */
+#define COST_RECORD_ALLOC 8u /* the attempt record was allocated (the pool had none) */
+
+static void costs_now(struct kvr_post_costs *c, uint64_t *allocs)
+{
+	kvr_shard_thread_costs(c);
+	*allocs = kvr_owner_thread_record_allocs();
+}
+
+static uint64_t costs_between(const struct kvr_post_costs *a, uint64_t aa,
+                              const struct kvr_post_costs *b, uint64_t ba)
+{
+	return (b->full_waits > a->full_waits ? COST_LANE_WAIT : 0) |
+	       (b->wait_sleeps > a->wait_sleeps ? COST_WAIT_SLEEP : 0) |
+	       (b->futex_wakes > a->futex_wakes ? COST_FUTEX_WAKE : 0) |
+	       (ba > aa ? COST_RECORD_ALLOC : 0);
+}
 
 static void *run(void *arg)
 {
@@ -202,11 +235,15 @@ static void *run(void *arg)
 		const uint32_t *p = prompts[i++ % n_prompts];
 		q.tokens = p;
 		struct kvr_decision d;
+		struct kvr_post_costs c0, c1, c2;
+		uint64_t a0, a1, a2;
 		uint64_t t0 = mono_ns();
 		kvr_hash_blocks(p, prompt_len, 16, NULL, w->local, w->seq);
+		costs_now(&c0, &a0);
 		uint64_t t1 = mono_ns();
 		int rc = kvr_route(w->r, &q, &d);
 		uint64_t t2 = mono_ns();
+		costs_now(&c1, &a1);
 		sample(&w->floor, t1 - t0);
 		if (rc == KVR_EAGAIN) {
 			w->full++;
@@ -217,9 +254,13 @@ static void *run(void *arg)
 			continue;
 		}
 		sample(&w->route, t2 - t1);
+		sample(&w->route_why, costs_between(&c0, a0, &c1, a1));
+		uint64_t t2b = mono_ns();
 		kvr_request_finish(w->r, d.attempt);
 		uint64_t t3 = mono_ns();
-		sample(&w->fin, t3 - t2);
+		costs_now(&c2, &a2);
+		sample(&w->fin, t3 - t2b);
+		sample(&w->fin_why, costs_between(&c1, a1, &c2, a2));
 		/* The lookup alone, on the hashes the floor computed (the same as kvr_route's). */
 		size_t nm;
 		kvr_rcu_read_lock();
@@ -230,12 +271,43 @@ static void *run(void *arg)
 		kvr_rcu_read_unlock();
 		sample(&w->lookup, t5 - t4);
 		sample(&w->own, t2 - t1 > t5 - t4 ? (t2 - t1) - (t5 - t4) : 0);
+		w->allocs += a1 > a0;
 		if (++w->n == iters) {
 			atomic_fetch_add(&done, 1);
 			break;
 		}
 	}
 	return NULL;
+}
+
+/* Of the calls at or above the 99th percentile of v (why: the same calls' COST_* bits), the
+ * share that paid each cost and that paid none (out[0..4]: lane wait, wait sleep, futex wake,
+ * record allocation, none).  Before quantile() sorts v. */
+static void tail_why(const struct samples *v, const struct samples *why, double out[5])
+{
+	for (int k = 0; k < 5; k++)
+		out[k] = 0;
+	if (!v->n || why->n != v->n)
+		return;
+	uint64_t *c = malloc(v->n * sizeof(uint64_t));
+	if (!c)
+		return;
+	memcpy(c, v->v, v->n * sizeof(uint64_t));
+	qsort(c, v->n, sizeof(uint64_t), cmp_u64);
+	size_t i99 = (size_t)(0.99 * (double)(v->n - 1) + 0.5);
+	uint64_t thr = c[i99 < v->n ? i99 : v->n - 1];
+	free(c);
+	size_t n = 0;
+	for (size_t i = 0; i < v->n; i++) {
+		if (v->v[i] < thr)
+			continue;
+		n++;
+		for (int k = 0; k < 4; k++)
+			out[k] += (why->v[i] >> k) & 1;
+		out[4] += why->v[i] == 0;
+	}
+	for (int k = 0; k < 5; k++)
+		out[k] /= (double)n;
 }
 
 static bool sync_booking;
@@ -340,17 +412,21 @@ static void bench(int threads, double ms)
 	}
 	atomic_store(&stop, 1);
 	struct samples floor = {0}, route = {0}, fin = {0}, lookup = {0}, own = {0};
-	uint64_t n = 0, full = 0, errors = 0;
+	struct samples route_why = {0}, fin_why = {0};
+	uint64_t n = 0, full = 0, errors = 0, allocs = 0;
 	for (int t = 0; t < threads; t++) {
 		pthread_join(w[t].th, NULL);
 		merge(&floor, &w[t].floor);
 		merge(&route, &w[t].route);
 		merge(&fin, &w[t].fin);
+		merge(&route_why, &w[t].route_why);
+		merge(&fin_why, &w[t].fin_why);
 		merge(&lookup, &w[t].lookup);
 		merge(&own, &w[t].own);
 		n += w[t].n;
 		full += w[t].full;
 		errors += w[t].errors;
+		allocs += w[t].allocs;
 		free(w[t].local);
 		free(w[t].seq);
 		free(w[t].match);
@@ -376,6 +452,9 @@ static void bench(int threads, double ms)
 			h[b] -= warm[k][b];
 		sp[k] = kvr_hist_quantile(h, 0.5);
 	}
+	double rt[5], ft[5];
+	tail_why(&route, &route_why, rt);
+	tail_why(&fin, &fin_why, ft);
 	uint64_t f50 = quantile(&floor, 0.5), f99 = quantile(&floor, 0.99);
 	uint64_t r50 = quantile(&route, 0.5), r99 = quantile(&route, 0.99);
 	uint64_t l50 = quantile(&lookup, 0.5), o50 = quantile(&own, 0.5);
@@ -391,7 +470,11 @@ static void bench(int threads, double ms)
 	       "shard_wakes_deferred_per_route=%.3f shard_busy_us_per_route=%.2f "
 	       "shard_spin_us_per_route=%.2f evicted_per_route=%.1f overlap_frac=%.3f "
 	       "errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
-	       "select_p50_ns=%llu admit_p50_ns=%llu\n",
+	       "select_p50_ns=%llu admit_p50_ns=%llu record_allocs_per_route=%.3f "
+	       "route_tail_lane_wait=%.2f "
+	       "route_tail_wait_sleep=%.2f route_tail_wake=%.2f route_tail_record_alloc=%.2f "
+	       "route_tail_none=%.2f finish_tail_lane_wait=%.2f finish_tail_wait_sleep=%.2f "
+	       "finish_tail_wake=%.2f finish_tail_none=%.2f\n",
 	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
 	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
 	       (unsigned long long)f50, (unsigned long long)f99,
@@ -409,13 +492,17 @@ static void bench(int threads, double ms)
 	       n ? (double)evicted / (double)n : 0.0,
 	       routed_blocks ? (double)overlap / (double)routed_blocks : 0.0,
 	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
-	       (unsigned long long)sp[2], (unsigned long long)sp[3]);
+	       (unsigned long long)sp[2], (unsigned long long)sp[3],
+	       n ? (double)allocs / (double)n : 0.0, rt[0], rt[1], rt[2], rt[3], rt[4], ft[0],
+	       ft[1], ft[2], ft[4]);
 	fflush(stdout);
 	free(floor.v);
 	free(route.v);
 	free(fin.v);
 	free(lookup.v);
 	free(own.v);
+	free(route_why.v);
+	free(fin_why.v);
 	free(w);
 	kvr_router_destroy(r);
 }

@@ -192,6 +192,10 @@ struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, siz
                                               uint64_t **hashes);
 void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *rec,
                             const struct kvr_admit_args *a);
+/* How many records the calling thread has allocated (kvr_owner_attempt_reserve finding the
+ * pool's class empty or busy): an allocation of the prompt's size on the routing thread, one
+ * of the steps that make a route slow (counted, for attributing tails).  Context: any thread. */
+uint64_t kvr_owner_thread_record_allocs(void);
 void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *rec);
 
 /*

@@ -109,6 +109,14 @@ static int pool_class(size_t n)
 	return k;
 }
 
+/* Records this thread allocated because the pool had none (kvr_owner_thread_record_allocs). */
+static _Thread_local uint64_t tls_record_allocs;
+
+uint64_t kvr_owner_thread_record_allocs(void)
+{
+	return tls_record_allocs;
+}
+
 struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, size_t n,
                                               uint64_t **hashes)
 {
@@ -126,8 +134,11 @@ struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, siz
 		}
 		pthread_mutex_unlock(&c->pool->cls[k].mu);
 	}
-	if (!rec && !(rec = kvr_alloc_transient(size)))
-		return NULL;
+	if (!rec) {
+		tls_record_allocs++;
+		if (!(rec = kvr_alloc_transient(size)))
+			return NULL;
+	}
 	rec->size = size;
 	rec->pool_class = (int8_t)k;
 	*hashes = (uint64_t *)(void *)kvr_attempt_blocks(rec, bs);

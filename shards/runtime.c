@@ -152,6 +152,8 @@ struct kvr_shards {
 };
 
 static _Thread_local struct kvr_shard *tls_shard;
+/* This thread's posts that found a lane full and waited, and the sleeps of those waits. */
+static _Thread_local uint64_t tls_full_waits, tls_wait_sleeps;
 /* While a timed task (and the timers due before it) runs: its time; 0 otherwise. */
 static _Thread_local uint64_t tls_task_ns;
 
@@ -831,6 +833,7 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 	                    timeout_ns == 0 || tls_shard == sh);
 	if (rc == KVR_EAGAIN && timeout_ns && tls_shard != sh) {
 		kvr_lanes_count_stall(&sh->lanes, lane);
+		tls_full_waits++;
 		kvr_parker_wake(&sh->park); /* lazy posts alone may have filled it */
 		uint64_t start = mono_ns();
 		uint64_t sleep_ns = 1000;
@@ -841,6 +844,7 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 				sched_yield();
 			} else {
 				struct timespec ts = {0, (long)sleep_ns};
+				tls_wait_sleeps++;
 				nanosleep(&ts, NULL);
 				if (sleep_ns < 100000)
 					sleep_ns *= 2;
@@ -926,6 +930,13 @@ int kvr_shard_post_at(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, 
 	if (rc)
 		__atomic_fetch_add(&sh->timed_applied, 1, __ATOMIC_RELEASE); /* never runs */
 	return rc;
+}
+
+void kvr_shard_thread_costs(struct kvr_post_costs *out)
+{
+	out->full_waits = tls_full_waits;
+	out->wait_sleeps = tls_wait_sleeps;
+	out->futex_wakes = kvr_parker_thread_wakes();
 }
 
 uint64_t kvr_shard_task_time(void)

@@ -278,6 +278,17 @@ void kvr_shards_kick(struct kvr_shards *s);
  */
 int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns);
 
+/* What the calling thread's posts to shards have cost it so far, counted (the steps that make a
+ * post slow, for attributing a caller's latency tail without timing it): posts that found a
+ * lane full and waited for room, the sleeps (nanosleep) of those waits, and the FUTEX_WAKEs it
+ * issued to wake a parked shard (sync/park.h).  Monotonic per thread.  Context: any thread. */
+struct kvr_post_costs {
+	uint64_t full_waits;
+	uint64_t wait_sleeps;
+	uint64_t futex_wakes;
+};
+void kvr_shard_thread_costs(struct kvr_post_costs *out);
+
 /* A snapshot of a shard's counters.  Context: any thread. */
 void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *out);
 

@@ -93,6 +93,14 @@ static uint32_t fenced_state(struct kvr_parker *p)
 #endif
 }
 
+/* FUTEX_WAKEs this thread issued as a waker (kvr_parker_thread_wakes). */
+static _Thread_local uint64_t tls_wakes;
+
+uint64_t kvr_parker_thread_wakes(void)
+{
+	return tls_wakes;
+}
+
 void kvr_parker_wake(struct kvr_parker *p)
 {
 	uint32_t s = fenced_state(p);
@@ -101,6 +109,7 @@ void kvr_parker_wake(struct kvr_parker *p)
 	if (__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL) !=
 	    KVR_PARK_RUNNING) {
 		__atomic_fetch_add(&p->wakes, 1, __ATOMIC_RELAXED);
+		tls_wakes++;
 		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
 	}
 }
@@ -121,6 +130,7 @@ bool kvr_parker_wake_lazy(struct kvr_parker *p)
 	if (__atomic_compare_exchange_n(&p->state, &s, KVR_PARK_RUNNING, false, __ATOMIC_ACQ_REL,
 	                                __ATOMIC_RELAXED)) {
 		__atomic_fetch_add(&p->wakes, 1, __ATOMIC_RELAXED);
+		tls_wakes++;
 		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
 	}
 	return false;

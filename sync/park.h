@@ -84,6 +84,9 @@ bool kvr_parker_wait(struct kvr_parker *p, uint64_t timeout_ns);
  * of state; pairs with kvr_parker_prepare().  No syscall unless the consumer is parked.
  */
 void kvr_parker_wake(struct kvr_parker *p);
+/* How many FUTEX_WAKEs the calling thread has issued so far through kvr_parker_wake and
+ * kvr_parker_wake_lazy (each a syscall on the waker's thread).  Context: any thread. */
+uint64_t kvr_parker_thread_wakes(void);
 
 /*
  * Wakes the consumer only if it is PARKED (no bound); one in a BOUNDED park is left to wake by

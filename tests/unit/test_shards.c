@@ -420,12 +420,18 @@ Test(runtime, backpressure_eagain_timeout_stalls_nothing_dropped)
 	} while (st.depth[0] != 0);
 	uint64_t ctr = 0, *cp = &ctr;
 	int accepted = 0, rc;
+	struct kvr_post_costs c0, c1;
+	kvr_shard_thread_costs(&c0);
 	while ((rc = kvr_shard_post(sh, KVR_LANE_ROUTING, add_one, &cp, sizeof(cp))) == 0)
 		accepted++;
 	cr_assert_eq(rc, KVR_EAGAIN);
 	cr_assert_geq(accepted, 8);
+	kvr_shard_thread_costs(&c1);
+	cr_assert_eq(c1.full_waits, c0.full_waits, "a post without a wait waited for nothing");
 	cr_assert_eq(kvr_shard_post_wait(sh, KVR_LANE_ROUTING, add_one, &cp, sizeof(cp), 2000000),
 	             KVR_ETIMEDOUT);
+	kvr_shard_thread_costs(&c1);
+	cr_assert_eq(c1.full_waits, c0.full_waits + 1, "this thread's wait for room counted");
 	kvr_shard_get_stats(sh, &st);
 	cr_assert_eq(st.stalls[0], 2);
 	cr_assert_eq(st.depth[0], (uint32_t)accepted);
@@ -816,12 +822,17 @@ Test(runtime, idle_shard_stays_parked_until_posted)
 	cr_assert_eq(b.parks, a.parks, "an idle shard woke up by itself");
 	cr_assert_eq(b.tasks[0] + b.tasks[1], a.tasks[0] + a.tasks[1]);
 	uint64_t ctr = 0, *p = &ctr;
+	struct kvr_post_costs c0, c1;
+	kvr_shard_thread_costs(&c0);
 	cr_assert_eq(kvr_shard_post(kvr_shards_get(s, 1), KVR_LANE_MAINT, add_one, &p, sizeof(p)),
 	             0);
+	kvr_shard_thread_costs(&c1);
 	cr_assert_eq(kvr_shards_quiesce(s, 5000000000ull), 0);
 	cr_assert_eq(ctr, 1);
 	kvr_shard_get_stats(kvr_shards_get(s, 1), &b);
 	cr_assert_geq(b.wakes, a.wakes + 1, "the post woke the parked shard");
+	cr_assert_eq(c1.futex_wakes, c0.futex_wakes + 1, "the wake counted on the poster's thread");
+	cr_assert_eq(c1.full_waits, c0.full_waits);
 	kvr_shards_destroy(s);
 }
 
