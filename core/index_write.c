@@ -75,13 +75,14 @@ static bool ensure_scratch(struct kvr_index *idx, size_t n)
 	return true;
 }
 
-/* Whether the slot holds the block with sequence hash s under ext hash s. */
+/* Whether the slot holds the block with sequence hash s under ext hash s (size: the blocks it
+ * holds now, its published tree size plus what this call added). */
 static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, uint32_t slot,
-                        uint64_t s)
+                        uint64_t s, uint64_t size)
 {
 	struct idx_run *r;
 	uint32_t pos;
-	if (idx->tsize[slot] == rk->xmap.count) /* every held block is aliased: nothing plain */
+	if (size == rk->xmap.count) /* every held block is aliased: nothing plain */
 		return false;
 	if (idx_xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, NULL, 0, &r, &pos))
 		return false;
@@ -150,7 +151,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_EINVAL; /* e names another block of the rank */
 			break;
 		}
-		if (alias && !via_e && holds_plain(idx, rk, slot, e)) {
+		if (alias && !via_e && holds_plain(idx, rk, slot, e, idx->tsize[slot] + added)) {
 			rc =
 			    KVR_EINVAL; /* e is the sequence hash (and ext) of another held block */
 			break;
@@ -325,7 +326,6 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			kvr_index_xmap_put(&rk->rmap, s, e);
 		}
 		added++;
-		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] + 1, __ATOMIC_RELAXED);
 		applied[napplied++] = e;
 		R = C;
 		p = q;
@@ -336,6 +336,11 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 out:
 	if (pub)
 		kvr_index_publish_cut(pub);
+	/* The tree size once per call, not per block: readers (find_matches' tie-break) load it
+	 * for every rank holding the query's first block, and a store per block kept their line
+	 * changing under them for the whole call.  Ordering: relaxed (a count, no content). */
+	if (added)
+		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] + added, __ATOMIC_RELAXED);
 	if (rc == KVR_ENOMEM) {
 		/* A failed write changes nothing: take back what this call applied, newest
 		 * first (a removal never needs memory), and the map room it reserved. */
@@ -364,7 +369,7 @@ out:
 static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
                             const uint64_t *ext, size_t n, size_t *removed, size_t *dropped)
 {
-	size_t nf = 0;
+	size_t nf = 0, left = 0;  /* left: blocks that left the rank (its tree size, once) */
 	struct idx_run *R = NULL; /* the run being removed from, its record, the last position */
 	struct idx_hold *h = NULL;
 	uint32_t p = 0;
@@ -403,7 +408,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		if (idx_hold_cut(h) != cut0)
 			kvr_index_publish_cut(h);
 		(*dropped)++;
-		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - 1, __ATOMIC_RELAXED);
+		left++;
 		if (s != ext[i]) {
 			kvr_index_xmap_del(&rk->xmap, ext[i]);
 			kvr_index_xmap_del(&rk->rmap, s);
@@ -411,6 +416,8 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 	}
 	if (R)
 		settle(idx, R, h);
+	if (left) /* Ordering: relaxed, once per call (kvr_index_store says why) */
+		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - left, __ATOMIC_RELAXED);
 	return nf;
 }
 
