@@ -6,52 +6,60 @@ broken ones (an unknown and the old version 1, a truncated message and batch, an
 flag, ATTEMPT bit3 without output)."""
 import os, struct, sys
 
-out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), 'corpus', 'replica')
-os.makedirs(out, exist_ok=True)
-
 def msg(t, body, replica=7, epoch=99, seq=1, version=2):
     return struct.pack('<HBBIQQQ', 0x534b, version, t, len(body), replica, epoch, seq) + body
 
-def admit(t=1, flags=1, n=3, tail=2, nout=0):
-    body = struct.pack('<QIIQQQQIIIIII', 5, 0, flags, 1, 0x10001, 100, 1337, 1, 64, n, tail, nout, 0)
-    body += b''.join(struct.pack('<Q', 0x1111 * (i + 1)) for i in range(n))
+def admit(t=1, flags=1, n=3, tail=2, nout=0, seq=1, attempt=0x10001, worker=5, replica=7, base=0x1111):
+    body = struct.pack('<QIIQQQQIIIIII', worker, 0, flags, 1, attempt, 100, 1337, 1, 64, n, tail, nout, 0)
+    body += b''.join(struct.pack('<Q', base * (i + 1)) for i in range(n))
     body += b''.join(struct.pack('<I', 40 + i) for i in range(tail))
     body += b''.join(struct.pack('<I', 90 + i) for i in range(nout))
-    return msg(t, body)
+    return msg(t, body, replica=replica, seq=seq)
 
-fence = msg(13, struct.pack('<QQQ', 3, 4, 5), seq=0)
-rank = msg(6, struct.pack('<IIQIIQQ', 1, 8192, 5, 0, 0, 1, 400))
-recs = [admit(12, 7, 2, 1, 3), rank, fence]
-chunk_body = struct.pack('<IIII', 0, 1, len(recs), 0) + b''.join(struct.pack('<I', len(r)) + r for r in recs)
-seeds = {
-    'admit': admit(),
-    'attempt': admit(12, 3, 4, 0, 5),
-    'ghost': admit(12, 7, 2, 1, 3),
-    'output': msg(2, struct.pack('<QII', 0x10001, 3, 0) + struct.pack('<III', 1, 2, 3)),
-    # OUTPUT flags bit0: the last token is not final (kvr_request_output_ex); bit1 is unknown
-    'output_not_final': msg(2, struct.pack('<QII', 0x10001, 3, 1) + struct.pack('<III', 1, 2, 3)),
-    'output_bad_flags': msg(2, struct.pack('<QII', 0x10001, 3, 2) + struct.pack('<III', 1, 2, 3)),
-    # ATTEMPT flags bit3: the last output token's slot is counted (only with output)
-    'attempt_out_counted': admit(12, 11, 4, 0, 5),
-    'attempt_out_counted_no_out': admit(12, 11, 4, 0, 0),
-    'prefill': msg(3, struct.pack('<Q', 0x10001)),
-    'finish': msg(4, struct.pack('<Q', 0x10001)),
-    'abort': msg(5, struct.pack('<Q', 0x10001)),
-    'rank': rank,
-    'heartbeat': msg(7, struct.pack('<Q', 12), seq=40),
-    'goodbye': msg(8, b''),
-    'reset': msg(9, b''),
-    'snapreq': msg(10, struct.pack('<Q', 0), seq=0),
-    'chunk': msg(11, chunk_body, seq=0),
-    'fence': fence,
-    'bad_version': msg(4, struct.pack('<Q', 1), version=3),
-    'old_version': msg(4, struct.pack('<Q', 1), version=1),
-    'batch': admit() + msg(4, struct.pack('<Q', 0x10001), seq=2) + msg(7, struct.pack('<Q', 1), seq=2),
-    'batch_truncated': (admit() + msg(4, struct.pack('<Q', 0x10001), seq=2))[:-3],
-    'batch_old_version': admit() + msg(4, struct.pack('<Q', 0x10001), seq=2, version=1),
-    'truncated': admit()[:-5],
-    'garbage': bytes(range(64)),
-}
-for name, data in seeds.items():
-    with open(os.path.join(out, name), 'wb') as f:
-        f.write(data)
+def chunk(recs):
+    """A SNAP_CHUNK (the last) holding the records recs."""
+    body = struct.pack('<IIII', 0, 1, len(recs), 0) + b''.join(struct.pack('<I', len(r)) + r for r in recs)
+    return msg(11, body, seq=0)
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), 'corpus', 'replica')
+    os.makedirs(out, exist_ok=True)
+
+    fence = msg(13, struct.pack('<QQQ', 3, 4, 5), seq=0)
+    rank = msg(6, struct.pack('<IIQIIQQ', 1, 8192, 5, 0, 0, 1, 400))
+    recs = [admit(12, 7, 2, 1, 3), rank, fence]
+    seeds = {
+        'admit': admit(),
+        'attempt': admit(12, 3, 4, 0, 5),
+        'ghost': admit(12, 7, 2, 1, 3),
+        'output': msg(2, struct.pack('<QII', 0x10001, 3, 0) + struct.pack('<III', 1, 2, 3)),
+        # OUTPUT flags bit0: the last token is not final (kvr_request_output_ex); bit1 is unknown
+        'output_not_final': msg(2, struct.pack('<QII', 0x10001, 3, 1) + struct.pack('<III', 1, 2, 3)),
+        'output_bad_flags': msg(2, struct.pack('<QII', 0x10001, 3, 2) + struct.pack('<III', 1, 2, 3)),
+        # ATTEMPT flags bit3: the last output token's slot is counted (only with output)
+        'attempt_out_counted': admit(12, 11, 4, 0, 5),
+        'attempt_out_counted_no_out': admit(12, 11, 4, 0, 0),
+        'prefill': msg(3, struct.pack('<Q', 0x10001)),
+        'finish': msg(4, struct.pack('<Q', 0x10001)),
+        'abort': msg(5, struct.pack('<Q', 0x10001)),
+        'rank': rank,
+        'heartbeat': msg(7, struct.pack('<Q', 12), seq=40),
+        'goodbye': msg(8, b''),
+        'reset': msg(9, b''),
+        'snapreq': msg(10, struct.pack('<Q', 0), seq=0),
+        'chunk': chunk(recs),
+        'fence': fence,
+        'bad_version': msg(4, struct.pack('<Q', 1), version=3),
+        'old_version': msg(4, struct.pack('<Q', 1), version=1),
+        'batch': admit() + msg(4, struct.pack('<Q', 0x10001), seq=2) + msg(7, struct.pack('<Q', 1), seq=2),
+        'batch_truncated': (admit() + msg(4, struct.pack('<Q', 0x10001), seq=2))[:-3],
+        'batch_old_version': admit() + msg(4, struct.pack('<Q', 0x10001), seq=2, version=1),
+        'truncated': admit()[:-5],
+        'garbage': bytes(range(64)),
+    }
+    for name, data in seeds.items():
+        with open(os.path.join(out, name), 'wb') as f:
+            f.write(data)
+
+if __name__ == '__main__':
+    main()
