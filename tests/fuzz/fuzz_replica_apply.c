@@ -8,19 +8,22 @@
  *
  * Input: a config byte (bit0: sync_booking, bit1: approx_ttl instead of approx_lru), then frames
  * [kind u8][len u16 little-endian][len bytes]: an even kind is one transport delivery (a stream
- * batch, or one message), an odd kind a snapshot answered with that frame as its only chunk.
- * A frame longer than what is left takes the rest.  (tests/fuzz/make_replica_apply_corpus.py
+ * batch, or one message), an odd kind a snapshot answered with that frame as its only chunk;
+ * with bit1 set the frame is handled with the (kind >> 2) + 1-th allocation from there failed
+ * (on whichever thread makes it: this one, or a shard working for it).  A frame longer than
+ * what is left takes the rest.  (tests/fuzz/make_replica_apply_corpus.py
  * writes the seed corpus: admissions, output, ends, ranks, gaps, resets, goodbyes, snapshots.)
  *
- * Properties: no crash, no undefined behaviour, no out-of-bounds access (ASan, UBSan); once
- * every peer's attempts are released (as when the peers go), no rank the messages named keeps
- * any load, and the replica mirrors nothing.
+ * Properties: no crash, no undefined behaviour, no out-of-bounds access (ASan, UBSan), whatever
+ * runs out of memory; once every peer's attempts are released (as when the peers go), no rank
+ * the messages named keeps any load, and the replica mirrors nothing.
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
 #include "sync/replica.h"
 #include "sync/replica_internal.h"
@@ -124,6 +127,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		const uint8_t *p = data + pos;
 		pos += len;
 		note_delivery(p, len);
+		if (kind & 2)
+			kvr_alloc_fail_after(1 + (kind >> 2));
 		if (kind & 1) {
 			snap = p;
 			snap_len = len;
@@ -131,17 +136,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		} else {
 			kvr_rep_handle(rep, p, len, NULL);
 		}
+		kvr_alloc_fail_after(0);
 	}
 	struct kvr_sync_stats st;
 	if (getenv("FUZZ_REPLICA_APPLY_TRACE")) { /* what the input did, for writing corpora */
 		kvr_replica_get_stats(rep, &st);
-		fprintf(
-		    stderr,
-		    "applied %lu dropped %lu refused %lu orphans %lu gaps %lu duplicates %lu "
-		    "snapshots %lu released %lu mirrored %u\n",
-		    (unsigned long)st.applied, (unsigned long)st.dropped, (unsigned long)st.refused,
-		    (unsigned long)st.orphans, (unsigned long)st.gaps, (unsigned long)st.duplicates,
-		    (unsigned long)st.snapshots_applied, (unsigned long)st.released, st.mirrored);
+		fprintf(stderr,
+		        "applied %lu dropped %lu refused %lu orphans %lu gaps %lu duplicates %lu "
+		        "snapshots %lu released %lu mirrored %u output_dropped %lu\n",
+		        (unsigned long)st.applied, (unsigned long)st.dropped,
+		        (unsigned long)st.refused, (unsigned long)st.orphans,
+		        (unsigned long)st.gaps, (unsigned long)st.duplicates,
+		        (unsigned long)st.snapshots_applied, (unsigned long)st.released,
+		        st.mirrored, (unsigned long)st.output_dropped);
 	}
 	kvr_rep_release_mirrors(rep, 0);
 	kvr_replica_get_stats(rep, &st);

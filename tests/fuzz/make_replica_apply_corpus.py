@@ -10,8 +10,10 @@ import os, struct, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_replica_corpus import admit, chunk, msg  # noqa: E402
 
-def frame(data, snapshot=False):
-    return struct.pack('<BH', 1 if snapshot else 0, len(data)) + data
+def frame(data, snapshot=False, fail=None):
+    """A frame; fail=N: handled with its Nth allocation failed (N >= 1)."""
+    kind = (1 if snapshot else 0) | (2 | (fail - 1) << 2 if fail else 0)
+    return struct.pack('<BH', kind, len(data)) + data
 
 def rank(op=1, worker=5, seq=1, replica=7, inc=1, cap=400):
     return msg(6, struct.pack('<IIQIIQQ', op, 8192, worker, 0, 0, inc, cap), replica=replica, seq=seq)
@@ -64,6 +66,17 @@ def main():
                     data += frame(f)
             with open(os.path.join(out, '%s_%d' % (name, config)), 'wb') as fh:
                 fh.write(data)
+    # Allocation failures while output is applied (the mirror's record, the router's copy)
+    # and while a snapshot is applied.
+    for n in (1, 2, 3, 5):
+        data = bytes([1]) + frame(admit(seq=1, attempt=A)) + frame(output(A, 300, 2, 1), fail=n)
+        data += frame(output(A, 5, 3)) + frame(simple(4, A, 4))
+        with open(os.path.join(out, 'output_oom_%d' % n), 'wb') as fh:
+            fh.write(data)
+    snap = chunk([fence(7, 99, 3), rank(), admit(12, 3, 4, 0, 300, attempt=A)])
+    for n in (1, 3, 6):
+        with open(os.path.join(out, 'snapshot_oom_%d' % n), 'wb') as fh:
+            fh.write(bytes([0]) + frame(snap, True, fail=n) + frame(simple(4, A, 4)))
 
 if __name__ == '__main__':
     main()
