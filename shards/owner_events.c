@@ -19,21 +19,9 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	struct kvr_metrics_block *mb = kvr_owner_mb(c);
 	if (!own)
 		return KVR_ENOENT;
-	if (ev->event_id) {
-		if (own->have_event && ev->event_id <= own->last_event_id) {
-			kvr_metrics_add(mb, KVR_C_EV_STALE, 1);
-			return KVR_ESTALE;
-		}
-		if (own->have_event && ev->event_id > own->last_event_id + 1) {
-			own->gaps++;
-			kvr_metrics_add(mb, KVR_C_EV_GAPS, 1);
-			if (c->on_event_gap)
-				c->on_event_gap(c->callback_ctx, c->ranks[a->slot].worker_id,
-				                c->ranks[a->slot].dp_rank, own->last_event_id + 1,
-				                ev->event_id);
-		}
-		own->have_event = true;
-		own->last_event_id = ev->event_id;
+	if (ev->event_id && own->have_event && ev->event_id <= own->last_event_id) {
+		kvr_metrics_add(mb, KVR_C_EV_STALE, 1);
+		return KVR_ESTALE;
 	}
 	int rc = 0;
 	switch (ev->type) {
@@ -65,6 +53,21 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		break;
 	default:
 		return KVR_EINVAL;
+	}
+	/* The cursor moves only past an event that was applied or refused for good: KVR_ENOMEM
+	 * changed nothing (the index takes back a failed write), so the same event may come
+	 * again (oom_contracts numbered_event_out_of_memory_changes_nothing). */
+	if (ev->event_id && rc != KVR_ENOMEM) {
+		if (own->have_event && ev->event_id > own->last_event_id + 1) {
+			own->gaps++;
+			kvr_metrics_add(mb, KVR_C_EV_GAPS, 1);
+			if (c->on_event_gap)
+				c->on_event_gap(c->callback_ctx, c->ranks[a->slot].worker_id,
+				                c->ranks[a->slot].dp_rank, own->last_event_id + 1,
+				                ev->event_id);
+		}
+		own->have_event = true;
+		own->last_event_id = ev->event_id;
 	}
 	kvr_owner_publish(ss, own);
 	return rc;

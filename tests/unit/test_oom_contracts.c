@@ -9,6 +9,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "tests/common/oom_loop.h"
 
 static const struct kvr_rank_id R0 = {0, 0};
 static uint32_t prompt[64];
@@ -331,4 +332,67 @@ Test(oom_contracts, many_holders_out_of_memory)
 	}
 	cr_assert(completed, "reached a run without a failure");
 	cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
+}
+
+/* kvr_events_apply of a numbered event with its Nth allocation failed (the shard's scratch, the
+ * index write), N = 1, 2, ...: KVR_ENOMEM changes nothing, the event id cursor included, so the
+ * same event applies when memory is back.  Before, the cursor had advanced before the write
+ * failed: the retry was refused as stale (KVR_ESTALE) and the event was lost for good. */
+struct event_ctx {
+	struct kvr_router *r;
+	struct kvr_event ev;
+};
+
+static int event_call(void *p)
+{
+	struct event_ctx *x = p;
+	return kvr_events_apply(x->r, R0, &x->ev);
+}
+
+static void event_check(void *p, uint64_t nth)
+{
+	struct event_ctx *x = p;
+	size_t n = 0;
+	uint64_t got[16];
+	cr_assert_eq(kvr_rank_blocks(x->r, R0, got, 16, &n), 0);
+	cr_assert_eq(n, 2, "nth %lu: a failed event changed the rank (%zu blocks)",
+	             (unsigned long)nth, n);
+}
+
+Test(oom_contracts, numbered_event_out_of_memory_changes_nothing)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 1;
+	c.block_size = 4;
+	struct event_ctx x = {0};
+	cr_assert_eq(kvr_router_create(&c, &x.r), 0);
+	cr_assert_eq(kvr_rank_add(x.r, R0, 1, KVR_CAPACITY_NONE, 0), 0);
+	struct kvr_event_block a[2] = {{.ext_hash = 0xa1, .local_hash = 11},
+	                               {.ext_hash = 0xa2, .local_hash = 12}};
+	struct kvr_event_block b[3] = {{.ext_hash = 0xb1, .local_hash = 21},
+	                               {.ext_hash = 0xb2, .local_hash = 22},
+	                               {.ext_hash = 0xb3, .local_hash = 23}};
+	x.ev =
+	    (struct kvr_event){.type = KVR_EVENT_STORED, .event_id = 1, .blocks = a, .n_blocks = 2};
+	cr_assert_eq(kvr_events_apply(x.r, R0, &x.ev), 0);
+	static const uint64_t parent = 0xa2;
+	x.ev = (struct kvr_event){.type = KVR_EVENT_STORED,
+	                          .event_id = 2,
+	                          .has_parent = true,
+	                          .parent_ext_hash = parent,
+	                          .blocks = b,
+	                          .n_blocks = 3};
+	uint64_t failed;
+	int rc = kvr_oom_loop(event_call, event_check, &x, &failed);
+	cr_assert_eq(rc, 0, "the event, applied again once memory was back: %d", rc);
+	cr_assert_geq(failed, 1);
+	size_t n = 0;
+	uint64_t got[16];
+	cr_assert_eq(kvr_rank_blocks(x.r, R0, got, 16, &n), 0);
+	cr_assert_eq(n, 5);
+	x.ev.event_id = 2;
+	cr_assert_eq(kvr_events_apply(x.r, R0, &x.ev), KVR_ESTALE, "applied once");
+	kvr_router_destroy(x.r);
 }
