@@ -6,6 +6,9 @@
  * the failure armed here lands there.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <zmq.h>
 
@@ -173,15 +176,120 @@ static const uint32_t *tokens_of(void *ctx, size_t i)
 	return t;
 }
 
+/* The publisher: a PUB socket, and optionally a ROUTER answering replays from what it sent
+ * (vLLM's ZmqEventPublisher: ["", seq, payload] per batch from the asked seq on, then the end
+ * marker ["", 0xff x 8, ""]) on a thread of its own, since the feed thread waits for the
+ * answer. */
 struct pub {
-	void *zctx, *sock;
+	void *zctx, *sock, *router;
 	struct kvr_fenc enc;
 	uint64_t seq;
+	pthread_mutex_t mu; /* sent, n_sent: the batches kept for replays */
+	struct {
+		char *data;
+		size_t len;
+	} sent[8];
+	uint32_t n_sent;
+	int stop;
+	int replays; /* atomic: replays answered */
+	pthread_t th;
 };
 
 static void publish(struct pub *p)
 {
+	pthread_mutex_lock(&p->mu);
+	cr_assert(p->n_sent < 8);
+	p->sent[p->n_sent].data = malloc(p->enc.sb.size);
+	memcpy(p->sent[p->n_sent].data, p->enc.sb.data, p->enc.sb.size);
+	p->sent[p->n_sent++].len = p->enc.sb.size;
+	pthread_mutex_unlock(&p->mu);
 	cr_assert_eq(kvr_fenc_send(p->sock, p->seq++, p->enc.sb.data, p->enc.sb.size), 0);
+}
+
+static void *replay_server(void *arg)
+{
+	struct pub *p = arg;
+	while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
+		zmq_pollitem_t it = {.socket = p->router, .events = ZMQ_POLLIN};
+		if (zmq_poll(&it, 1, 10) <= 0)
+			continue;
+		zmq_msg_t id, empty, start;
+		zmq_msg_init(&id);
+		zmq_msg_init(&empty);
+		zmq_msg_init(&start);
+		zmq_msg_recv(&id, p->router, 0);
+		zmq_msg_recv(&empty, p->router, 0);
+		zmq_msg_recv(&start, p->router, 0);
+		uint64_t from = 0;
+		const uint8_t *b = zmq_msg_data(&start);
+		for (size_t i = 0; i < 8 && zmq_msg_size(&start) == 8; i++)
+			from = from << 8 | b[i];
+		pthread_mutex_lock(&p->mu);
+		for (uint64_t q = from; q < p->n_sent; q++) {
+			uint8_t sq[8];
+			for (int i = 0; i < 8; i++)
+				sq[i] = (uint8_t)(q >> (56 - 8 * i));
+			zmq_send(p->router, zmq_msg_data(&id), zmq_msg_size(&id), ZMQ_SNDMORE);
+			zmq_send(p->router, "", 0, ZMQ_SNDMORE);
+			zmq_send(p->router, sq, 8, ZMQ_SNDMORE);
+			zmq_send(p->router, p->sent[q].data, p->sent[q].len, 0);
+		}
+		pthread_mutex_unlock(&p->mu);
+		static const uint8_t end[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+		zmq_send(p->router, zmq_msg_data(&id), zmq_msg_size(&id), ZMQ_SNDMORE);
+		zmq_send(p->router, "", 0, ZMQ_SNDMORE);
+		zmq_send(p->router, end, 8, ZMQ_SNDMORE);
+		zmq_send(p->router, "", 0, 0);
+		__atomic_add_fetch(&p->replays, 1, __ATOMIC_RELAXED);
+		zmq_msg_close(&id);
+		zmq_msg_close(&empty);
+		zmq_msg_close(&start);
+	}
+	return NULL;
+}
+
+/* A publisher on loopback (with a replay ROUTER if asked) and an endpoint of f for it. */
+static void pub_open(struct pub *p, struct kvr_feed *f, bool with_replay, uint32_t *id)
+{
+	memset(p, 0, sizeof(*p));
+	pthread_mutex_init(&p->mu, NULL);
+	p->zctx = zmq_ctx_new();
+	p->sock = zmq_socket(p->zctx, ZMQ_XPUB);
+	int zero = 0;
+	zmq_setsockopt(p->sock, ZMQ_LINGER, &zero, sizeof(zero));
+	cr_assert_eq(zmq_bind(p->sock, "tcp://127.0.0.1:*"), 0);
+	char ep[256], rep[256];
+	size_t len = sizeof(ep);
+	zmq_getsockopt(p->sock, ZMQ_LAST_ENDPOINT, ep, &len);
+	if (with_replay) {
+		p->router = zmq_socket(p->zctx, ZMQ_ROUTER);
+		zmq_setsockopt(p->router, ZMQ_LINGER, &zero, sizeof(zero));
+		cr_assert_eq(zmq_bind(p->router, "tcp://127.0.0.1:*"), 0);
+		len = sizeof(rep);
+		zmq_getsockopt(p->router, ZMQ_LAST_ENDPOINT, rep, &len);
+		cr_assert_eq(pthread_create(&p->th, NULL, replay_server, p), 0);
+	}
+	struct kvr_feed_endpoint e = {
+	    .endpoint = ep, .replay_endpoint = with_replay ? rep : NULL, .worker_id = 0};
+	cr_assert_eq(kvr_feed_add(f, &e, id), 0);
+	char sub[64];
+	cr_assert_geq(zmq_recv(p->sock, sub, sizeof(sub), 0), 1);
+	kvr_fenc_init(&p->enc);
+}
+
+static void pub_close(struct pub *p)
+{
+	if (p->router) {
+		__atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+		pthread_join(p->th, NULL);
+		zmq_close(p->router);
+	}
+	for (uint32_t i = 0; i < p->n_sent; i++)
+		free(p->sent[i].data);
+	kvr_fenc_fini(&p->enc);
+	zmq_close(p->sock);
+	zmq_ctx_term(p->zctx);
+	pthread_mutex_destroy(&p->mu);
 }
 
 static void stored(struct pub *p, struct model *m, const uint64_t *h, size_t n,
@@ -229,11 +337,22 @@ static void index_within(struct kvr_router *r, const struct model *m, bool exact
 		             (unsigned long)nth, when, n, model_count(m));
 }
 
-Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
+static void dbg_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx;
+	fprintf(stderr, "feed log %d: %s\n", level, msg);
+}
+
+/* The loop; returns how many failures were losses, *healed how many a replay made good. */
+static uint64_t apply_batch_loop(bool with_replay, uint64_t *healed)
 {
 	static const uint64_t A[4] = {0xa1, 0xa2, 0xa3, 0xa4}, B[3] = {0xb1, 0xb2, 0xb3},
-	                      C[4] = {0xc1, 0xc2, 0xc3, 0xc4}, D[4] = {0xd1, 0xd2, 0xd3, 0xd4},
-	                      E[2] = {0xe1, 0xe2};
+	                      C[4] = {0xc1, 0xc2, 0xc3, 0xc4}, E[2] = {0xe1, 0xe2};
+	/* D is long: decoding batch 1 has to grow what batch 0 left (a failure there loses the
+	 * whole batch, which only a replay brings back). */
+	uint64_t D[32];
+	for (int i = 0; i < 32; i++)
+		D[i] = 0xd00 + (uint64_t)i;
 	bool fired = true;
 	uint64_t nth, lost_runs = 0;
 	for (nth = 1; nth < 400 && fired; nth++) {
@@ -248,21 +367,13 @@ Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
 		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
 		             0);
 		struct kvr_feed *f = NULL;
-		cr_assert_eq(kvr_feed_create(r, NULL, &f), 0);
-		struct pub p = {.zctx = zmq_ctx_new()};
-		p.sock = zmq_socket(p.zctx, ZMQ_XPUB);
-		int zero = 0;
-		zmq_setsockopt(p.sock, ZMQ_LINGER, &zero, sizeof(zero));
-		cr_assert_eq(zmq_bind(p.sock, "tcp://127.0.0.1:*"), 0);
-		char ep[256];
-		size_t len = sizeof(ep);
-		zmq_getsockopt(p.sock, ZMQ_LAST_ENDPOINT, ep, &len);
+		struct kvr_feed_config fc;
+		kvr_feed_config_init(&fc);
+		fc.log = getenv("FEED_OOM_LOG") ? dbg_log : NULL;
+		cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
+		static struct pub p;
 		uint32_t id;
-		struct kvr_feed_endpoint e = {.endpoint = ep, .worker_id = 0, .dp_rank = 0};
-		cr_assert_eq(kvr_feed_add(f, &e, &id), 0);
-		char sub[64];
-		cr_assert_geq(zmq_recv(p.sock, sub, sizeof(sub), 0), 1);
-		kvr_fenc_init(&p.enc);
+		pub_open(&p, f, with_replay, &id);
 		struct model m = {0};
 		/* Batch 0: the engine's cache before. */
 		kvr_fenc_begin(&p.enc, 1.0, 2);
@@ -278,7 +389,7 @@ Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
 		kvr_fenc_begin(&p.enc, 1.0, 4);
 		removed(&p, &m, A + 2, 2);
 		stored(&p, &m, B, 3, &A[1]);
-		stored(&p, &m, D, 4, NULL);
+		stored(&p, &m, D, 32, NULL);
 		removed(&p, &m, C, 4);
 		kvr_fenc_end(&p.enc, 0);
 		kvr_alloc_fail_after(nth);
@@ -293,6 +404,8 @@ Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
 		cr_assert((st.lost > 0) == (gaps > 0), "nth %lu: lost %lu, gaps reported %d",
 		          (unsigned long)nth, (unsigned long)st.lost, gaps);
 		lost_runs += st.lost > 0;
+		if (st.replays && !st.lost) /* the batch came again, whole */
+			++*healed;
 		index_within(r, &m, st.lost == 0 && st.refused == 0, nth, "after the failure");
 		/* Batch 2, no failure: applied as usual. */
 		kvr_fenc_begin(&p.enc, 1.0, 2);
@@ -310,14 +423,29 @@ Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
 		for (size_t i = 0; i < n; i++)
 			has_e |= got[i] == E[0];
 		cr_assert(has_e, "nth %lu: the next batch was not applied", (unsigned long)nth);
-		kvr_fenc_fini(&p.enc);
-		zmq_close(p.sock);
-		zmq_ctx_term(p.zctx);
 		kvr_feed_destroy(f);
+		pub_close(&p);
 		kvr_router_destroy(r);
 	}
 	cr_assert(!fired, "the allocations ran past 400");
-	cr_assert_gt(lost_runs, 0, "no failure was a loss");
-	cr_log_info("%lu allocations failed in turn, %lu of them lost events",
-	            (unsigned long)nth - 2, (unsigned long)lost_runs);
+	cr_log_info("%s: %lu allocations failed in turn, %lu of them lost events, %lu healed by "
+	            "a replay",
+	            with_replay ? "with replay" : "without replay", (unsigned long)nth - 2,
+	            (unsigned long)lost_runs, (unsigned long)*healed);
+	return lost_runs;
+}
+
+Test(feed_oom, apply_batch_out_of_memory, .timeout = 120)
+{
+	uint64_t healed = 0;
+	cr_assert_gt(apply_batch_loop(false, &healed), 0, "no failure was a loss");
+}
+
+/* With a replay endpoint, a batch that could not be decoded for memory is fetched again and
+ * applied: nothing lost (before, it was skipped as malformed). */
+Test(feed_oom, apply_batch_out_of_memory_replayed, .timeout = 120)
+{
+	uint64_t healed = 0;
+	apply_batch_loop(true, &healed);
+	cr_assert_gt(healed, 0, "no failure was healed by a replay");
 }
