@@ -37,6 +37,10 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 	} while (0)
 #define ADD_REC()                                                                                  \
 	do {                                                                                       \
+		if (rec1.oom) { /* cut short: the snapshot is not finished (no last chunk) */      \
+			failed = true;                                                             \
+			break;                                                                     \
+		}                                                                                  \
 		if (recs.len + rec1.len + 4 > CHUNK_BYTES && n_rec)                                \
 			FLUSH(false);                                                              \
 		kvr_msg_put_u32(&recs, (uint32_t)rec1.len);                                        \

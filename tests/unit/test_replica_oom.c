@@ -13,6 +13,7 @@
 #include "kvrouter.h"
 #include "sync/replica.h"
 #include "sync/replica_internal.h"
+#include "sync/replica_msg.h"
 #include "tests/unit/replica_bus.h"
 
 static uint64_t now_ms(void)
@@ -179,4 +180,47 @@ Test(replica_oom, output_behind_a_gap_counted_once, .timeout = 60)
 	cr_assert(loads_agree(r, d.rank));
 	no_load(r, 2, 0);
 	bus_teardown(r, 2);
+}
+
+/* A snapshot served with its Nth allocation failed, N = 1, 2, ...: every chunk that goes out
+ * decodes (its records included), and a snapshot that could not be built whole is not finished
+ * (no last chunk: the asker's resync fails and its peers' streams heal it) instead of carrying
+ * a record cut short.  Before, a record whose encoding ran out of memory was sent truncated, and
+ * the asker dropped the whole snapshot as malformed. */
+Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	static uint32_t t[2048];
+	for (int k = 0; k < 3; k++) { /* long prompts: records that make the buffers grow */
+		for (uint32_t j = 0; j < 2048; j++)
+			t[j] = (uint32_t)k * 100000u + j;
+		route(r[0], t, 2048);
+	}
+	bus_quiet(r, 1);
+	bool fired = true;
+	uint64_t nth, whole = 0;
+	for (nth = 1; nth < 100 && fired; nth++) {
+		kvr_alloc_fail_after(nth);
+		kvr_rep_serve_snapshot(bus.rep[0], "1");
+		fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		bool last = false;
+		for (struct bus_chunk *c; (c = bus_take(1));) {
+			struct kvr_wmsg m;
+			cr_assert_eq(kvr_msg_decode(c->data, c->len, &m), 0,
+			             "nth %lu: a chunk that does not decode went out",
+			             (unsigned long)nth);
+			last |= m.chunk_flags & 1;
+			free(c);
+		}
+		whole += last;
+		cr_assert(last || fired, "nth %lu: no failure, yet no last chunk",
+		          (unsigned long)nth);
+	}
+	cr_assert(!fired);
+	cr_log_info("%lu failures, %lu snapshots whole anyway", (unsigned long)nth - 2,
+	            (unsigned long)whole - 1);
+	bus_teardown(r, 1);
 }
