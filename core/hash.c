@@ -169,14 +169,27 @@ __attribute__((flatten)) static void stream_64(const uint64_t *parent, const uin
 	HASH_BODY(64, PUT_STREAM_LOCAL, PUT_STREAM_SEQ);
 }
 
-void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
-                                  uint32_t block_size, uint64_t seed, uint64_t *out,
-                                  uint64_t *local_keep, uint64_t *seq_keep)
+void kvr_hash_chain_tokens_stream_part(const uint64_t *parent, const uint32_t *tokens,
+                                       size_t n_blocks, uint32_t block_size, uint64_t seed,
+                                       uint64_t *out, uint64_t *local_keep, uint64_t *seq_keep)
 {
 	if (block_size == 16)
 		stream_64(parent, tokens, n_blocks, block_size, seed, out, local_keep, seq_keep);
 	else
 		HASH_BODY((size_t)block_size * sizeof(uint32_t), PUT_STREAM_LOCAL, PUT_STREAM_SEQ);
+}
+
+void kvr_hash_stream_fence(void)
+{
+	STREAM_FENCE();
+}
+
+void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens, size_t n_blocks,
+                                  uint32_t block_size, uint64_t seed, uint64_t *out,
+                                  uint64_t *local_keep, uint64_t *seq_keep)
+{
+	kvr_hash_chain_tokens_stream_part(parent, tokens, n_blocks, block_size, seed, out,
+	                                  local_keep, seq_keep);
 	STREAM_FENCE();
 }
 

@@ -30,6 +30,20 @@ void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens
                                   uint32_t block_size, uint64_t seed, uint64_t *out,
                                   uint64_t *local_keep, uint64_t *seq_keep);
 
+/* kvr_hash_chain_tokens_stream without its store fence: the caller calls
+ * kvr_hash_stream_fence() before any other thread may read the outputs (before the release
+ * store that hands them over, e.g. a lane post, or giving the buffer back to a shared pool).
+ * Why: loads issued right after the fence wait while the streamed lines drain (AMD EPYC VM,
+ * rdtsc: kvr_route's index lookup after a 2k-token prompt's hashing took 728-780 cycles right
+ * after the fence, 520-544 with the fence moved after it), so kvr_route fences once it has
+ * done its reads.  Context: any thread. */
+void kvr_hash_chain_tokens_stream_part(const uint64_t *parent, const uint32_t *tokens,
+                                       size_t n_blocks, uint32_t block_size, uint64_t seed,
+                                       uint64_t *out, uint64_t *local_keep, uint64_t *seq_keep);
+/* The store fence that makes kvr_hash_chain_tokens_stream_part's stores visible in order with
+ * the caller's later stores (a no-op where the streamed stores are ordinary ones). */
+void kvr_hash_stream_fence(void);
+
 /* Writes chains already computed into out as (local, seq) pairs, out[2i] = local[i], out[2i+1] =
  * seq[i], with the streaming stores and the fence of kvr_hash_chain_tokens_stream, for the same
  * reason (a record the shard last read: a loop of ordinary stores took 8-24 us of a 9,000-block

@@ -383,10 +383,13 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	 * hashes without their tokens, which the replica note below would need again).  The
 	 * synchronous booking hashed into the scratch and interleaved it into a fresh record after
 	 * the decision: 8-24 us of kvr-replay's route CPU on the session prompts (~9,000 blocks),
-	 * each store of the 146 KB taking its line back from the shard that last read it. */
+	 * each store of the 146 KB taking its line back from the shard that last read it.  The
+	 * streamed stores' fence waits until the lookup and the choice have read what they
+	 * need (fence_due, below). */
 	const uint64_t *local = tls.local, *seq = tls.seq;
 	struct kvr_attempt *rec = NULL;
 	bool note_copy = false; /* tls.local holds the local hashes for the replica note */
+	bool fence_due = false; /* the record's streamed stores are not fenced yet */
 	uint64_t *h;
 	if (q->seq_hashes) {
 		local = q->local_hashes;
@@ -394,8 +397,9 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	} else if (nb && q->tokens && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
 	           (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
 		note_copy = cfg->sync_booking || kvr_repl_attached(r);
-		kvr_hash_chain_tokens_stream(NULL, q->tokens, nb, bs, seed, h,
-		                             note_copy ? tls.local : NULL, tls.seq);
+		kvr_hash_chain_tokens_stream_part(NULL, q->tokens, nb, bs, seed, h,
+		                                  note_copy ? tls.local : NULL, tls.seq);
+		fence_due = true;
 	} else if (q->tokens) {
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
 	} else {
@@ -430,6 +434,14 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		struct choice chosen;
 		bool sat;
 		rc = choose(r, q, &sp, nb, &sat, &chosen);
+		/* The record's streamed stores are fenced here, after this decision's reads and
+		 * before anything can post the record or give it back to the pool: loads issued
+		 * right after the fence waited for the streamed lines to drain (rdtsc, 2k tokens:
+		 * the lookup took 728-780 cycles after it, 520-544 before it; README). */
+		if (fence_due) {
+			kvr_hash_stream_fence();
+			fence_due = false;
+		}
 		kvr_rcu_read_unlock();
 		const uint32_t *mslots = tls.mslots;
 		for (size_t i = 0; i < nm; i++)
