@@ -67,6 +67,15 @@ struct kvr_rep_rec {
 	size_t size;
 };
 
+/* An own attempt's end whose note found the outbound queue full for longer than a note waits
+ * (sync/replica_out.c, out_push): kept on a lock-free stack the sender drains, so that an end
+ * is never dropped while memory lasts. */
+struct kvr_rep_end {
+	struct kvr_rep_end *next;
+	uint64_t attempt;
+	int op; /* KVR_OP_FINISH or KVR_OP_ABORT */
+};
+
 /* An own attempt whose end came before its admission (sync/replica_early.c). */
 struct kvr_rep_early {
 	uint64_t a;  /* the attempt; 0: an empty slot */
@@ -158,6 +167,7 @@ struct kvr_replica {
 	uint64_t flush_req;         /* atomic: outbound flush tickets handed out */
 	uint64_t out_dropped;       /* atomic: notes lost before the queue (no memory, ring full) */
 	uint64_t in_dropped;        /* atomic: deliveries lost for memory (kvr_replica_deliver) */
+	struct kvr_rep_end *ends;   /* atomic: ends that found the queue full, newest first */
 	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
 	/* Under mu (the sender): own attempts whose end was noted before their admission (a
 	 * posted booking the shard dropped at once, told as an expiry while the routing thread

@@ -290,18 +290,64 @@ static void out_discard(struct kvr_replica *rep, const struct kvr_msg *m)
 	}
 }
 
+/* Keeps an end that found the queue full on rep->ends (Treiber stack; the sender takes the
+ * whole stack at once, so there is no ABA).  False without memory. */
+static bool end_keep(struct kvr_replica *rep, const struct out_progress *p)
+{
+	struct kvr_rep_end *e = kvr_alloc(sizeof(*e));
+	if (!e)
+		return false;
+	e->attempt = p->attempt;
+	e->op = p->op;
+	e->next = __atomic_load_n(&rep->ends, __ATOMIC_RELAXED);
+	while (!__atomic_compare_exchange_n(&rep->ends, &e->next, e, true, __ATOMIC_RELEASE,
+	                                    __ATOMIC_RELAXED))
+		;
+	return true;
+}
+
+/* Handles the kept ends, oldest first, once the queue is empty (every note made before them is
+ * handled by then; a note's thread made its end after its admission and output).  Unbounded
+ * only in memory while the sender stays behind.  Context: the sender, mu held. */
+static void ends_drain(struct kvr_replica *rep)
+{
+	struct kvr_rep_end *e = __atomic_exchange_n(&rep->ends, NULL, __ATOMIC_ACQUIRE),
+	                   *old = NULL;
+	while (e) { /* reverse: oldest first */
+		struct kvr_rep_end *nx = e->next;
+		e->next = old;
+		old = e;
+		e = nx;
+	}
+	while (old) {
+		struct kvr_rep_end *nx = old->next;
+		out_progress(rep, old->attempt, old->op, NULL, 0, false);
+		kvr_free(old, sizeof(*old));
+		old = nx;
+	}
+}
+
 static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
 {
 	uint64_t t0 = 0;
 	while (!kvr_ring_enqueue(&rep->outq, NULL, payload, len, kind)) {
 		/* Full: the sender is far behind (a stalled connection).  Wait a while, then drop
-		 * the note (counted as unpublished) rather than stall routing for good. */
+		 * the note (counted as unpublished) rather than stall routing for good; but an end
+		 * is kept aside for the sender (lost, it would leave its attempt live in our tables
+		 * and mirrored on every peer for good). */
 		uint64_t now = kvr_rep_mono_ns();
 		if (!t0) {
 			t0 = now;
 		} else if (now - t0 > OUT_FULL_WAIT_NS) {
 			struct kvr_msg m = {.aux = kind};
 			memcpy(m.payload, payload, len);
+			struct out_progress p;
+			memcpy(&p, m.payload, sizeof(p) < len ? sizeof(p) : len);
+			if (kind == OUT_PROGRESS &&
+			    (p.op == KVR_OP_FINISH || p.op == KVR_OP_ABORT) && end_keep(rep, &p)) {
+				kvr_parker_wake_asym(&rep->out_park);
+				return;
+			}
 			out_discard(rep, &m);
 			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 			return;
@@ -544,6 +590,13 @@ static void *out_main(void *arg)
 			continue;
 		}
 		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
+		if (!n && __atomic_load_n(&rep->ends, __ATOMIC_RELAXED)) {
+			/* Once the queue is empty: every note made before the ends is handled. */
+			pthread_mutex_lock(&rep->mu);
+			ends_drain(rep);
+			kvr_rep_stream_flush(rep);
+			pthread_mutex_unlock(&rep->mu);
+		}
 		if (n) {
 			uint64_t ticket = 0;
 			if (kvr_rep_tracing(rep->c.replica_id))
@@ -577,7 +630,7 @@ static void *out_main(void *arg)
 			continue;
 		}
 		kvr_parker_prepare_asym(&rep->out_park);
-		if (kvr_ring_depth(&rep->outq) ||
+		if (kvr_ring_depth(&rep->outq) || __atomic_load_n(&rep->ends, __ATOMIC_RELAXED) ||
 		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
 			kvr_parker_cancel(&rep->out_park);
 			continue;
@@ -649,6 +702,11 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 		return;
 	while (kvr_ring_dequeue(&rep->outq, &m))
 		out_discard(rep, &m);
+	for (struct kvr_rep_end *e = rep->ends, *nx; e; e = nx) {
+		nx = e->next;
+		kvr_free(e, sizeof(*e));
+	}
+	rep->ends = NULL;
 	kvr_ring_fini(&rep->outq);
 	kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
 	rep->slabs = NULL;

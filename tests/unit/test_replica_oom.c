@@ -224,3 +224,47 @@ Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
 	            (unsigned long)whole - 1);
 	bus_teardown(r, 1);
 }
+
+/* An end whose note finds the outbound queue full for longer than the note waits (the sender
+ * stalled behind 16384 notes) is still published once the sender runs again: the peer releases
+ * the attempt.  Before, the end was dropped (counted unpublished) and the attempt stayed live
+ * in the origin's tables and mirrored, with its load, on every peer for good. */
+Test(replica_oom, end_not_dropped_by_a_full_queue, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	struct kvr_decision a = bus_route(r[0], 21, 40), b = bus_route(r[0], 22, 40);
+	bus_quiet(r, 2);
+	cr_assert_eq(rank_stats(r[1], b.rank).active_requests +
+	                 (a.rank.worker_id != b.rank.worker_id
+	                      ? rank_stats(r[1], a.rank).active_requests
+	                      : 0),
+	             2);
+	kvr_replica_stall(bus.rep[0], 5000, true);
+	uint64_t t0 = now_ms();
+	uint32_t tok = 5;
+	for (int i = 0; i < 100000; i++) { /* until the queue is full: a note waits and drops */
+		uint64_t t = now_ms();
+		cr_assert_eq(kvr_request_output(r[0], a.attempt, &tok, 1), 0);
+		if (now_ms() - t >= 50)
+			break;
+	}
+	uint64_t t1 = now_ms();
+	cr_assert_eq(kvr_request_finish(r[0], b.attempt), 0);
+	cr_assert_geq(now_ms() - t1, 90, "the finish did not find the queue full");
+	cr_assert_lt(now_ms() - t0, 4000, "the stall ended before the finish");
+	cr_assert_eq(kvr_request_finish(r[0], a.attempt), 0);
+	while (now_ms() - t0 < 5100)
+		usleep(10000);
+	bus_quiet(r, 2);
+	struct kvr_sync_stats st, s0;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	kvr_replica_get_stats(bus.rep[0], &s0);
+	cr_log_info("origin: published %lu unpublished %lu", (unsigned long)s0.published,
+	            (unsigned long)s0.unpublished);
+	cr_assert_eq(st.mirrored, 0, "%u attempts still mirrored", st.mirrored);
+	no_load(r, 2, 0);
+	bus_teardown(r, 2);
+}
