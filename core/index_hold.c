@@ -114,18 +114,10 @@ __attribute__((noinline, cold)) int kvr_index_hold_reserve_slow(struct kvr_index
 	return 0;
 }
 
-/* Sets pos (the bitmap covers it); advances the gap-free cut over what follows. */
-void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
+/* The gap-free cut from c (a held position, or the top): the first clear position at or after
+ * c, at most top. */
+static uint32_t cut_from(const uint64_t *bm, uint32_t nw, uint32_t c, uint32_t top)
 {
-	uint64_t *bm = idx_hold_bm(h);
-	bm[pos / 64] |= 1ull << (pos % 64);
-	uint32_t top = idx_hold_top(h);
-	if (pos + 1 > top)
-		idx_hold_set_top(h, top = pos + 1);
-	if (pos != idx_hold_cut(h))
-		return;
-	uint32_t c = pos;
-	const uint32_t nw = idx_hold_nwords(h);
 	while (c / 64 < nw) {
 		/* The shift brings in zeros above bit 63 - c % 64, which ~ makes look like a
 		 * gap: only a gap below them ends the cut here, else go on to the next word
@@ -140,7 +132,37 @@ void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
 		}
 		c += rest;
 	}
-	idx_hold_set_cut(h, c < top ? c : top);
+	return c < top ? c : top;
+}
+
+/* Sets pos (the bitmap covers it); advances the gap-free cut over what follows. */
+void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
+{
+	uint64_t *bm = idx_hold_bm(h);
+	bm[pos / 64] |= 1ull << (pos % 64);
+	uint32_t top = idx_hold_top(h);
+	if (pos + 1 > top)
+		idx_hold_set_top(h, top = pos + 1);
+	if (pos != idx_hold_cut(h))
+		return;
+	idx_hold_set_cut(h, cut_from(bm, idx_hold_nwords(h), pos, top));
+}
+
+/* Sets [pos, pos + k) at or above the top (the bitmap covers them): what k calls of
+ * kvr_index_hold_set in order leave, with one cut scan instead of k (an append of k blocks). */
+void kvr_index_hold_set_top_range(struct idx_hold *h, uint32_t pos, uint32_t k)
+{
+	uint64_t *bm = idx_hold_bm(h);
+	for (uint32_t p = pos, end = pos + k; p < end;) {
+		const uint32_t b = p % 64, m = end - p < 64 - b ? end - p : 64 - b;
+		bm[p / 64] |= (m == 64 ? ~0ull : ((1ull << m) - 1)) << b;
+		p += m;
+	}
+	const uint32_t top = pos + k; /* pos >= the old top */
+	idx_hold_set_top(h, top);
+	/* The cut is at most the old top <= pos: it moves iff it was pos (no gap below). */
+	if (pos == idx_hold_cut(h))
+		idx_hold_set_cut(h, cut_from(bm, idx_hold_nwords(h), pos, top));
 }
 
 void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)

@@ -690,6 +690,13 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k);
 void kvr_index_blk_unreserve(struct kvr_index *idx);
 /* Inserts seq -> r (room reserved). */
 void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_run *r);
+/* Inserts seq[0..k) -> r (room reserved, r has an id): kvr_index_blk_insert k times, the home
+ * chunks prefetched ahead. */
+void kvr_index_blk_insert_many(struct kvr_index *idx, const uint64_t *seq, size_t k,
+                               const struct idx_run *r);
+/* How many inserts need no kvr_index_blk_reserve work (it would return 0 at once for each):
+ * 0 while migrating or empty, else the room below the growth threshold. */
+uint64_t kvr_index_blk_room(const struct kvr_index *idx);
 /* Deletes the entries of r's positions [1, hw) and frees its id (never fails; may shrink the
  * locator when memory allows). */
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r);
@@ -792,6 +799,9 @@ static inline int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold 
 }
 /* Sets pos (covered by the bitmap); advances the gap-free cut over what follows. */
 void kvr_index_hold_set(struct idx_hold *h, uint32_t pos);
+/* Sets positions [pos, pos + k), pos >= the record's top, all covered by the bitmap: the state
+ * k kvr_index_hold_set calls in order leave, one cut scan. */
+void kvr_index_hold_set_top_range(struct idx_hold *h, uint32_t pos, uint32_t k);
 /* Clears pos; lowers the cut and the top as needed. */
 void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos);
 /* count_copies: room for one more extra copy of pos (0 or KVR_ENOMEM), one more, one fewer

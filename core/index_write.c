@@ -95,6 +95,54 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 
 enum place { P_HELD, P_EXISTS, P_REEXTEND, P_APPEND, P_FORK };
 
+/*
+ * The fast path of a chain extending R at its end: how many of blocks i.. (sequence hashes
+ * seq[]) it appended, each exactly as the block-by-block path would (P_APPEND: R's last block
+ * held at p, no child at or past p, the ext hash the sequence hash and naming nothing of the
+ * rank), but only while that path would allocate nothing (the locator below its growth
+ * threshold and not migrating, R's array, id and the record h's bitmap already large enough):
+ * every allocation, and so every growth and KVR_ENOMEM, stays in that path, at the same block.
+ * One memcpy of the hashes, one release of the len, the locator entries prefetched ahead, one
+ * cut scan.  Returns 0 when block i does not qualify.  Context: kvr_index_store, wlock held.
+ */
+static size_t append_run(struct kvr_index *idx, const struct idx_rank *rk,
+                         const struct kvr_index_block *blocks, const uint64_t *seq, size_t i,
+                         size_t n, struct idx_run *R, uint32_t p, struct idx_hold *h,
+                         uint64_t prev, bool has_prev)
+{
+	if (!R || !h)
+		return 0;
+	const uint32_t len = idx_run_len(R), hw = idx_run_hw(R);
+	if (p + 1 != len || hw != len || idx_run_mco(R) > p || idx_run_id(R) == 0)
+		return 0;
+	uint64_t room = kvr_index_blk_room(idx);
+	const uint32_t cap = idx_run_cap(R), bits = idx_hold_nwords(h) * 64;
+	if (room > cap - hw) /* cap <= IDX_RUN_MAX */
+		room = cap - hw;
+	if (room > bits - hw) /* the bitmap covers positions below bits (hw <= bits: p held) */
+		room = bits - hw;
+	if (room > n - i)
+		room = n - i;
+	size_t k = 0;
+	for (; k < room; k++) {
+		const uint64_t e = blocks[i + k].ext_hash;
+		if (e != seq[i + k] || (has_prev && e == prev) || idx_xmap_get(&rk->xmap, e, NULL))
+			break; /* an alias, a self-parent or an ext hash in use: block by block */
+		prev = e;
+		has_prev = true;
+	}
+	if (k == 0)
+		return 0;
+	uint64_t *s = idx_run_seqs(R);
+	memcpy(&s[hw], &seq[i], k * sizeof(uint64_t));
+	idx_run_set_hw(R, hw + (uint32_t)k);
+	/* Ordering: release; pairs with the acquire load of sl in find_matches. */
+	idx_run_set_len(R, len + (uint32_t)k);
+	kvr_index_blk_insert_many(idx, &seq[i], k, R);
+	kvr_index_hold_set_top_range(h, hw, (uint32_t)k);
+	return k;
+}
+
 int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
                     const struct kvr_index_block *blocks, size_t n)
 {
@@ -109,7 +157,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		return KVR_ENOMEM;
 	pthread_mutex_lock(&idx->wlock);
 	int rc = 0;
-	uint64_t added = 0, copies = 0;
+	uint64_t added = 0, copies = 0, nodes = 0;
 	uint64_t *applied = NULL; /* ext hashes added or copied, for a rollback */
 	size_t napplied = 0;
 	struct idx_hold *pub = NULL; /* a record whose cut is not yet mirrored into its hset */
@@ -133,10 +181,27 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	}
 	uint64_t *seq = idx->scratch;
 	applied = idx->scratch + n;
-	for (size_t i = 0; i < n; i++) /* the router's chain (core/hash.c) */
-		kvr_hash_chain_locals(i == 0 && !has_prev ? NULL : (i ? &seq[i - 1] : &pseq),
-		                      &blocks[i].local_hash, 1, &seq[i]);
+	for (size_t i = 0; i < n; i++) /* the router's chain (core/hash.c), in place */
+		seq[i] = blocks[i].local_hash;
+	kvr_hash_chain_locals(has_prev ? &pseq : NULL, seq, n, seq);
 	for (size_t i = 0; i < n; i++) {
+		const size_t k = append_run(idx, rk, blocks, seq, i, n, R, p, h, prev, has_prev);
+		if (k) { /* blocks i .. i+k-1 appended at R's end */
+			if (pub != h) {
+				if (pub)
+					kvr_index_publish_cut(pub);
+				pub = h;
+			}
+			memcpy(&applied[napplied], &seq[i], k * sizeof(uint64_t)); /* ext == seq */
+			napplied += k;
+			added += k;
+			nodes += k;
+			p += (uint32_t)k;
+			prev = seq[i + k - 1];
+			has_prev = true;
+			i += k - 1;
+			continue;
+		}
 		const uint64_t e = blocks[i].ext_hash, s = seq[i];
 		if (i + 8 < n && idx->blk.e)
 			__builtin_prefetch(&idx->blk.e[idx_blk_home(seq[i + 8], idx->blk.cap)]);
@@ -312,7 +377,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			break;
 		}
 		if (pl != P_EXISTS)
-			idx_count(&idx->c_nodes, 1);
+			nodes++;
 		if (new_hold)
 			kvr_index_rank_link_hold(idx, ch);
 		kvr_index_hold_set(ch, q);
@@ -341,6 +406,8 @@ out:
 	 * changing under them for the whole call.  Ordering: relaxed (a count, no content). */
 	if (added)
 		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] + added, __ATOMIC_RELAXED);
+	if (nodes) /* once per call: an atomic add per block cost more than the block */
+		idx_count(&idx->c_nodes, (int64_t)nodes);
 	if (rc == KVR_ENOMEM) {
 		/* A failed write changes nothing: take back what this call applied, newest
 		 * first (a removal never needs memory), and the map room it reserved. */
