@@ -581,15 +581,30 @@ void kvr_index_blk_insert_many(struct kvr_index *idx, const uint64_t *seq, size_
 	}
 }
 
-/* Locator entries that can be inserted with no reserve doing any work: not migrating, and
- * below the growth threshold (what kvr_index_blk_reserve(1) checks). */
-uint64_t kvr_index_blk_room(const struct kvr_index *idx)
+uint64_t kvr_index_blk_reserve_upto(struct kvr_index *idx, uint64_t k)
 {
-	const struct idx_blocks *b = &idx->blk;
-	if (!b->e || b->old_e)
+	struct idx_blocks *b = &idx->blk;
+	if (!b->e || k == 0)
 		return 0;
+	uint64_t room = UINT64_MAX;
+	if (b->old_e) {
+		/* k reserves' share of the migration, paid at once (ahead of the inserts: a run's
+		 * entries then go where the migration has put the run by now). */
+		mig_run(idx, b->mig_step * k);
+		if (b->old_e) {
+			/* kvr_index_blk_reserve's two limits while migrating */
+			const uint64_t hard = b->old_cap * blk_hard() / 1000;
+			const uint64_t all = b->count + b->old_count;
+			room = hard > b->old_used ? hard - b->old_used : 0;
+			const uint64_t lim = b->cap * kvr_index_blk_grow_at / 1000;
+			if (room > (lim > all ? lim - all : 0))
+				room = lim > all ? lim - all : 0;
+			return room < k ? room : k;
+		}
+	}
 	const uint64_t lim = b->cap * kvr_index_blk_grow_at / 1000;
-	return lim > b->count ? lim - b->count : 0;
+	room = lim > b->count ? lim - b->count : 0;
+	return room < k ? room : k;
 }
 
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)

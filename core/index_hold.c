@@ -148,9 +148,9 @@ void kvr_index_hold_set(struct idx_hold *h, uint32_t pos)
 	idx_hold_set_cut(h, cut_from(bm, idx_hold_nwords(h), pos, top));
 }
 
-/* Sets [pos, pos + k) at or above the top (the bitmap covers them): what k calls of
- * kvr_index_hold_set in order leave, with one cut scan instead of k (an append of k blocks). */
-void kvr_index_hold_set_top_range(struct idx_hold *h, uint32_t pos, uint32_t k)
+/* Sets [pos, pos + k), all clear (the bitmap covers them): what k calls of kvr_index_hold_set in
+ * order leave, with one cut scan instead of k (a store of k consecutive blocks). */
+void kvr_index_hold_set_range(struct idx_hold *h, uint32_t pos, uint32_t k)
 {
 	uint64_t *bm = idx_hold_bm(h);
 	for (uint32_t p = pos, end = pos + k; p < end;) {
@@ -158,9 +158,10 @@ void kvr_index_hold_set_top_range(struct idx_hold *h, uint32_t pos, uint32_t k)
 		bm[p / 64] |= (m == 64 ? ~0ull : ((1ull << m) - 1)) << b;
 		p += m;
 	}
-	const uint32_t top = pos + k; /* pos >= the old top */
-	idx_hold_set_top(h, top);
-	/* The cut is at most the old top <= pos: it moves iff it was pos (no gap below). */
+	uint32_t top = idx_hold_top(h);
+	if (pos + k > top)
+		idx_hold_set_top(h, top = pos + k);
+	/* The cut is at most pos (clear before): it moves iff it was pos (no gap below). */
 	if (pos == idx_hold_cut(h))
 		idx_hold_set_cut(h, cut_from(bm, idx_hold_nwords(h), pos, top));
 }

@@ -694,9 +694,11 @@ void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_
  * chunks prefetched ahead. */
 void kvr_index_blk_insert_many(struct kvr_index *idx, const uint64_t *seq, size_t k,
                                const struct idx_run *r);
-/* How many inserts need no kvr_index_blk_reserve work (it would return 0 at once for each):
- * 0 while migrating or empty, else the room below the growth threshold. */
-uint64_t kvr_index_blk_room(const struct kvr_index *idx);
+/* Room for up to k inserts without a growth (no allocation, never fails): pays k reserves'
+ * share of a migration in progress and returns how many of the k its limits (those of
+ * kvr_index_blk_reserve) admit; 0 when the locator is empty or full up to its growth threshold
+ * (kvr_index_blk_reserve then grows it). */
+uint64_t kvr_index_blk_reserve_upto(struct kvr_index *idx, uint64_t k);
 /* Deletes the entries of r's positions [1, hw) and frees its id (never fails; may shrink the
  * locator when memory allows). */
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r);
@@ -799,9 +801,9 @@ static inline int kvr_index_hold_reserve(struct kvr_index *idx, struct idx_hold 
 }
 /* Sets pos (covered by the bitmap); advances the gap-free cut over what follows. */
 void kvr_index_hold_set(struct idx_hold *h, uint32_t pos);
-/* Sets positions [pos, pos + k), pos >= the record's top, all covered by the bitmap: the state
- * k kvr_index_hold_set calls in order leave, one cut scan. */
-void kvr_index_hold_set_top_range(struct idx_hold *h, uint32_t pos, uint32_t k);
+/* Sets positions [pos, pos + k), all clear and covered by the bitmap: the state k
+ * kvr_index_hold_set calls in order leave, one cut scan. */
+void kvr_index_hold_set_range(struct idx_hold *h, uint32_t pos, uint32_t k);
 /* Clears pos; lowers the cut and the top as needed. */
 void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos);
 /* count_copies: room for one more extra copy of pos (0 or KVR_ENOMEM), one more, one fewer

@@ -96,50 +96,66 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 enum place { P_HELD, P_EXISTS, P_REEXTEND, P_APPEND, P_FORK };
 
 /*
- * The fast path of a chain extending R at its end: how many of blocks i.. (sequence hashes
- * seq[]) it appended, each exactly as the block-by-block path would (P_APPEND: R's last block
- * held at p, no child at or past p, the ext hash the sequence hash and naming nothing of the
- * rank), but only while that path would allocate nothing (the locator below its growth
- * threshold and not migrating, R's array, id and the record h's bitmap already large enough):
- * every allocation, and so every growth and KVR_ENOMEM, stays in that path, at the same block.
- * One memcpy of the hashes, one release of the len, the locator entries prefetched ahead, one
- * cut scan.  Returns 0 when block i does not qualify.  Context: kvr_index_store, wlock held.
+ * The fast path of a chain going on along R from its block at p, held there by the record h:
+ * how many of blocks i.. (sequence hashes seq[]) it stored, each exactly as the block-by-block
+ * path would, in one step.  Two cases, *appended telling which: R's blocks p+1.. already exist
+ * and the rank does not hold them (P_EXISTS: another rank stored this prefix: bits set, one cut
+ * scan), or p is R's last block with no child at or past it (P_APPEND: one memcpy of the
+ * hashes, one release of the len, the locator entries inserted with their home chunks
+ * prefetched ahead).  Only for blocks whose ext hash is the sequence hash and names nothing of
+ * the rank, and only while the block-by-block path would allocate nothing (the record's bitmap,
+ * R's array and id large enough, the locator below its growth threshold; a migration in
+ * progress is paid k reserves' share at once): every allocation, and so every growth and
+ * KVR_ENOMEM, stays in that path, at the same block.  Returns 0 when block i does not qualify.
+ * Context: kvr_index_store, wlock held.
  */
-static size_t append_run(struct kvr_index *idx, const struct idx_rank *rk,
+static size_t extend_run(struct kvr_index *idx, const struct idx_rank *rk,
                          const struct kvr_index_block *blocks, const uint64_t *seq, size_t i,
-                         size_t n, struct idx_run *R, uint32_t p, struct idx_hold *h,
-                         uint64_t prev, bool has_prev)
+                         size_t n, struct idx_run *R, uint32_t p, struct idx_hold *h, uint64_t prev,
+                         bool has_prev, bool *appended)
 {
 	if (!R || !h)
 		return 0;
-	const uint32_t len = idx_run_len(R), hw = idx_run_hw(R);
-	if (p + 1 != len || hw != len || idx_run_mco(R) > p || idx_run_id(R) == 0)
-		return 0;
-	uint64_t room = kvr_index_blk_room(idx);
-	const uint32_t cap = idx_run_cap(R), bits = idx_hold_nwords(h) * 64;
-	if (room > cap - hw) /* cap <= IDX_RUN_MAX */
-		room = cap - hw;
-	if (room > bits - hw) /* the bitmap covers positions below bits (hw <= bits: p held) */
-		room = bits - hw;
+	const uint32_t len = idx_run_len(R), hw = idx_run_hw(R), q = p + 1;
+	const bool app = q == len;
+	uint64_t room;
+	if (app) {
+		if (hw != len || idx_run_mco(R) > p || idx_run_id(R) == 0)
+			return 0;
+		room = idx_run_cap(R) - hw; /* cap <= IDX_RUN_MAX */
+	} else {
+		room = len - q;
+	}
+	const uint32_t bits = idx_hold_nwords(h) * 64; /* > p: h holds p */
+	if (room > bits - q)
+		room = bits - q;
 	if (room > n - i)
 		room = n - i;
+	const uint64_t *rs = idx_run_seqs(R);
 	size_t k = 0;
 	for (; k < room; k++) {
 		const uint64_t e = blocks[i + k].ext_hash;
 		if (e != seq[i + k] || (has_prev && e == prev) || idx_xmap_get(&rk->xmap, e, NULL))
 			break; /* an alias, a self-parent or an ext hash in use: block by block */
+		if (!app && (rs[q + k] != e || idx_hold_bit(h, q + (uint32_t)k)))
+			break; /* a fork, or a block the rank holds */
 		prev = e;
 		has_prev = true;
 	}
 	if (k == 0)
 		return 0;
-	uint64_t *s = idx_run_seqs(R);
-	memcpy(&s[hw], &seq[i], k * sizeof(uint64_t));
-	idx_run_set_hw(R, hw + (uint32_t)k);
-	/* Ordering: release; pairs with the acquire load of sl in find_matches. */
-	idx_run_set_len(R, len + (uint32_t)k);
-	kvr_index_blk_insert_many(idx, &seq[i], k, R);
-	kvr_index_hold_set_top_range(h, hw, (uint32_t)k);
+	if (app) {
+		if ((k = kvr_index_blk_reserve_upto(idx, k)) == 0)
+			return 0;
+		uint64_t *s = idx_run_seqs(R);
+		memcpy(&s[hw], &seq[i], k * sizeof(uint64_t));
+		idx_run_set_hw(R, hw + (uint32_t)k);
+		/* Ordering: release; pairs with the acquire load of sl in find_matches. */
+		idx_run_set_len(R, len + (uint32_t)k);
+		kvr_index_blk_insert_many(idx, &seq[i], k, R);
+	}
+	kvr_index_hold_set_range(h, q, (uint32_t)k);
+	*appended = app;
 	return k;
 }
 
@@ -185,8 +201,10 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 		seq[i] = blocks[i].local_hash;
 	kvr_hash_chain_locals(has_prev ? &pseq : NULL, seq, n, seq);
 	for (size_t i = 0; i < n; i++) {
-		const size_t k = append_run(idx, rk, blocks, seq, i, n, R, p, h, prev, has_prev);
-		if (k) { /* blocks i .. i+k-1 appended at R's end */
+		bool app = false;
+		const size_t k =
+		    extend_run(idx, rk, blocks, seq, i, n, R, p, h, prev, has_prev, &app);
+		if (k) { /* blocks i .. i+k-1 stored at R's positions p+1 .. p+k */
 			if (pub != h) {
 				if (pub)
 					kvr_index_publish_cut(pub);
@@ -195,7 +213,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			memcpy(&applied[napplied], &seq[i], k * sizeof(uint64_t)); /* ext == seq */
 			napplied += k;
 			added += k;
-			nodes += k;
+			nodes += app ? k : 0;
 			p += (uint32_t)k;
 			prev = seq[i + k - 1];
 			has_prev = true;
