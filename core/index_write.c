@@ -12,11 +12,15 @@
  * A store walks the chain block by block keeping (run, position) of the previous block, so a
  * block that extends it is placed without a probe: already there (P_EXISTS / P_HELD), appended
  * at a run's end with no child there (P_APPEND), re-extending a trimmed run (P_REEXTEND), or a
- * new child run (P_FORK).  Each block is applied atomically: first everything that needs memory
- * is obtained (table room, a grown sequence array, a new run, a holder record and set, map
- * room), then it is committed with no failure possible; on KVR_ENOMEM what the call applied is
- * removed again, newest first, so a failed write changes nothing.  Removals never need memory:
- * they clear bits, lower cuts and let kvr_index_run_check trim or free what nobody needs.
+ * new child run (P_FORK).  A stretch of blocks that go on along the run the previous one sits
+ * in (appended at its end, or existing blocks another rank stored) is applied in one step
+ * (extend_run: one memcpy, one len release, one cut scan, the locator's entries prefetched),
+ * exactly as block by block, wherever that needs no allocation; the rest, and so every
+ * allocation and failure, goes block by block.  Each block is applied atomically: first everything
+ * that needs memory is obtained (table room, a grown sequence array, a new run, a holder record and
+ * set, map room), then it is committed with no failure possible; on KVR_ENOMEM what the call
+ * applied is removed again, newest first, so a failed write changes nothing.  Removals never need
+ * memory: they clear bits, lower cuts and let kvr_index_run_check trim or free what nobody needs.
  */
 #include <string.h>
 
