@@ -118,8 +118,8 @@ static size_t extend_run(struct kvr_index *idx, const struct idx_rank *rk,
                          size_t n, struct idx_run *R, uint32_t p, struct idx_hold *h, uint64_t prev,
                          bool has_prev, bool *appended)
 {
-	if (!R || !h)
-		return 0;
+	if (!R || !h || n - i < 2)
+		return 0; /* a last block: the block-by-block path costs no more */
 	const uint32_t len = idx_run_len(R), hw = idx_run_hw(R), q = p + 1;
 	const bool app = q == len;
 	uint64_t room;
