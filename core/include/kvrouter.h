@@ -584,7 +584,8 @@ struct kvr_event {
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
  * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
  * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays),
- * KVR_ENOMEM.  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
+ * KVR_ENOMEM (nothing changed, the event id cursor included: the same event may be applied
+ * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):
  * storing a block the rank already holds adds a copy, a removal drops one, and the block leaves
  * the rank with its last copy; a cleared event drops them all.
