@@ -569,6 +569,7 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 	case OUT_FLUSH: {
 		uint64_t ticket;
 		memcpy(&ticket, m->payload, sizeof(ticket));
+		ends_drain(rep); /* kept ends were made before the flush too */
 		return ticket;
 	}
 	}
