@@ -354,6 +354,22 @@ static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
 	}
 }
 
+/* put() of seq[0..k) for run id, the home chunks prefetched a few blocks ahead: they are random
+ * lines of a table much larger than the caches (a store's new blocks, a run moved by a
+ * migration). */
+static void put_many(uint32_t *e, uint64_t cap, const uint64_t *seq, size_t k, uint32_t id)
+{
+	enum { AHEAD = 6 };
+	const uint64_t nch = cap / IDX_BLK_CH;
+	for (size_t j = 0; j < k && j < AHEAD; j++)
+		__builtin_prefetch(e + idx_blk_home(seq[j], nch) * IDX_BLK_CH, 1);
+	for (size_t j = 0; j < k; j++) {
+		if (j + AHEAD < k)
+			__builtin_prefetch(e + idx_blk_home(seq[j + AHEAD], nch) * IDX_BLK_CH, 1);
+		put(e, cap, seq[j], blk_ent(seq[j], id));
+	}
+}
+
 /* Empties the first slot holding v on seq's walk in e and uncounts the chunks the walk passed.
  * Returns false if there is none (NEVER: the locator holds every position below hw).
  * Two blocks of one run with equal tags have equal entries, so this may empty the other one's
@@ -432,9 +448,7 @@ static void mig_run(struct kvr_index *idx, uint64_t budget)
 		int64_t w = 1;
 		const uint32_t hw = dir_live(r) ? idx_run_hw(r) : 0;
 		if (hw > 1) {
-			const uint64_t *s = idx_run_seqs(r);
-			for (uint32_t p = 1; p < hw; p++)
-				put(b->e, b->cap, s[p], blk_ent(s[p], id));
+			put_many(b->e, b->cap, idx_run_seqs(r) + 1, hw - 1u, id);
 			b->count += hw - 1u;
 			b->old_count -= hw - 1u; /* their slots there stay used, stale */
 			w += hw - 1;
@@ -562,17 +576,8 @@ void kvr_index_blk_insert_many(struct kvr_index *idx, const uint64_t *seq, size_
 	const uint32_t id = idx_run_id(r);
 	const bool old = in_old(b, id); /* one run: one array for all k */
 	uint32_t *e = old ? b->old_e : b->e;
-	const uint64_t cap = old ? b->old_cap : b->cap, nch = cap / IDX_BLK_CH;
-	/* The home chunks are random lines of a table much larger than the caches: start
-	 * loading a few blocks ahead of the one being placed. */
-	enum { AHEAD = 6 };
-	for (size_t j = 0; j < k && j < AHEAD; j++)
-		__builtin_prefetch(e + idx_blk_home(seq[j], nch) * IDX_BLK_CH, 1);
-	for (size_t j = 0; j < k; j++) {
-		if (j + AHEAD < k)
-			__builtin_prefetch(e + idx_blk_home(seq[j + AHEAD], nch) * IDX_BLK_CH, 1);
-		put(e, cap, seq[j], blk_ent(seq[j], id));
-	}
+	const uint64_t cap = old ? b->old_cap : b->cap;
+	put_many(e, cap, seq, k, id);
 	if (old) {
 		b->old_count += k;
 		b->old_used += k;
@@ -624,8 +629,12 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 	const uint64_t cap = old ? b->old_cap : b->cap;
 	const uint64_t *s = idx_run_seqs(r);
 	uint64_t n = 0;
-	for (uint32_t p = 1; p < hw; p++)
+	const uint64_t nch = cap / IDX_BLK_CH;
+	for (uint32_t p = 1; p < hw; p++) {
+		if (p + 6 < hw) /* random lines, as in put_many */
+			__builtin_prefetch(e + idx_blk_home(s[p + 6], nch) * IDX_BLK_CH, 1);
 		n += del(e, cap, s[p], blk_ent(s[p], id));
+	}
 	if (old) {
 		b->old_count -= n;
 		b->old_used -= n;

@@ -166,6 +166,15 @@ void kvr_index_hold_set_range(struct idx_hold *h, uint32_t pos, uint32_t k)
 		idx_hold_set_cut(h, cut_from(bm, idx_hold_nwords(h), pos, top));
 }
 
+/* The top (highest set position + 1, or 0) of a bitmap with no bit set past word w. */
+static uint32_t top_below(const uint64_t *bm, uint32_t w)
+{
+	for (w++; w-- > 0;)
+		if (bm[w])
+			return w * 64 + 64 - (uint32_t)__builtin_clzll(bm[w]);
+	return 0;
+}
+
 void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)
 {
 	uint64_t *bm = idx_hold_bm(h);
@@ -174,13 +183,23 @@ void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos)
 		idx_hold_set_cut(h, pos);
 	if (pos + 1 != idx_hold_top(h))
 		return;
-	uint32_t t = 0;
-	for (uint32_t w = pos / 64 + 1; w-- > 0;)
-		if (bm[w]) {
-			t = w * 64 + 64 - (uint32_t)__builtin_clzll(bm[w]);
-			break;
-		}
-	idx_hold_set_top(h, t);
+	idx_hold_set_top(h, top_below(bm, pos / 64));
+}
+
+/* Clears [pos, pos + k), all set: what k calls of kvr_index_hold_clear in order leave (only the
+ * last can be the top's position: the others are set below it), one top scan at most. */
+void kvr_index_hold_clear_range(struct idx_hold *h, uint32_t pos, uint32_t k)
+{
+	uint64_t *bm = idx_hold_bm(h);
+	for (uint32_t p = pos, end = pos + k; p < end;) {
+		const uint32_t b = p % 64, m = end - p < 64 - b ? end - p : 64 - b;
+		bm[p / 64] &= ~((m == 64 ? ~0ull : ((1ull << m) - 1)) << b);
+		p += m;
+	}
+	if (pos < idx_hold_cut(h))
+		idx_hold_set_cut(h, pos);
+	if (pos + k == idx_hold_top(h))
+		idx_hold_set_top(h, top_below(bm, (pos + k - 1) / 64));
 }
 
 /* Copy counts (count_copies): extra copies of a held position, in the rank's cmap keyed by

@@ -806,6 +806,9 @@ void kvr_index_hold_set(struct idx_hold *h, uint32_t pos);
 void kvr_index_hold_set_range(struct idx_hold *h, uint32_t pos, uint32_t k);
 /* Clears pos; lowers the cut and the top as needed. */
 void kvr_index_hold_clear(struct idx_hold *h, uint32_t pos);
+/* Clears positions [pos, pos + k), all set: the state k kvr_index_hold_clear calls in order
+ * leave. */
+void kvr_index_hold_clear_range(struct idx_hold *h, uint32_t pos, uint32_t k);
 /* count_copies: room for one more extra copy of pos (0 or KVR_ENOMEM), one more, one fewer
  * (false when pos has no extra copy). */
 int kvr_index_copy_reserve(struct kvr_index *idx, struct idx_hold *h, uint32_t pos);

@@ -455,6 +455,34 @@ out:
 /* Removes ext[0..n) from the slot (one copy each with count_copies).  Adds to *removed the
  * copies removed and to *dropped the blocks that left the rank; returns the hashes not found.
  * Never fails.  Context: wlock held. */
+/*
+ * The fast path of removals going on along R after its position p (an evicted tail, named in
+ * chain order): how many of ext[i..] are R's positions p+1.. held by the record h, removed in
+ * one step (bits cleared, the cut lowered and published once, the top found once), exactly as
+ * block by block.  Only for a rank with no ext hash aliases and without copy counts.  Returns 0
+ * when ext[i] does not qualify.  Context: remove_locked, wlock held.
+ */
+static size_t shorten_run(struct kvr_index *idx, const struct idx_rank *rk, const uint64_t *ext,
+                          size_t i, size_t n, const struct idx_run *R, uint32_t p,
+                          struct idx_hold *h)
+{
+	if (!R || !h || n - i < 2 || rk->xmap.count || idx->count_copies)
+		return 0; /* a last block: the block-by-block path costs no more */
+	const uint32_t len = idx_run_len(R), q = p + 1;
+	const uint64_t *rs = idx_run_seqs(R);
+	size_t k = 0;
+	while (i + k < n && q + k < len && rs[q + k] == ext[i + k] &&
+	       idx_hold_bit(h, q + (uint32_t)k))
+		k++;
+	if (k == 0)
+		return 0;
+	const uint32_t cut0 = idx_hold_cut(h);
+	kvr_index_hold_clear_range(h, q, (uint32_t)k);
+	if (idx_hold_cut(h) != cut0)
+		kvr_index_publish_cut(h);
+	return k;
+}
+
 static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
                             const uint64_t *ext, size_t n, size_t *removed, size_t *dropped)
 {
@@ -463,6 +491,15 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 	struct idx_hold *h = NULL;
 	uint32_t p = 0;
 	for (size_t i = 0; i < n; i++) {
+		const size_t k = shorten_run(idx, rk, ext, i, n, R, p, h);
+		if (k) { /* blocks i .. i+k-1 were R's positions p+1 .. p+k */
+			*removed += k;
+			*dropped += k;
+			left += k;
+			p += (uint32_t)k;
+			i += k - 1;
+			continue;
+		}
 		uint64_t s = ext[i];
 		if (rk->xmap.count && !ext_to_seq(rk, ext[i], &s)) {
 			nf++;

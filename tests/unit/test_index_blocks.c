@@ -1,6 +1,8 @@
 /* The run index's block locator (core/index_blocks.c) under admission churn: deletions leave no
  * tombstones, so a steady live count never rebuilds the locator, and every live position stays
- * findable with exact counts through any number of insert / drop cycles. */
+ * findable with exact counts through any number of insert / drop cycles.  And the writers'
+ * one-step stretches (a store going on along a run, a removal of a run's next blocks) leave the
+ * state the same blocks stored and removed one call each leave. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -348,4 +350,119 @@ Test(index_blocks, random_runs_with_equal_pairs_stay_findable)
 	for (int i = 0; i < 200; i++)
 		random_runs(3, 300);
 	random_runs(400, 6000);
+}
+
+/* ---- a stretch in one call equals the same blocks one call each (core/index_write.c:
+ * extend_run, shorten_run: the store's and the removal's one-step paths). */
+
+enum { SP = 6, SL = 300, SR = 4, SOPS = 1500 };
+
+/* Ranks' scores on every prompt and their block sets are equal in a and b. */
+static void same_state(struct kvr_index *a, struct kvr_index *b, const uint32_t *sa,
+                       const uint32_t *sb, const uint64_t *seqs, int op, uint64_t seed)
+{
+	for (int k = 0; k < SP; k++) {
+		struct kvr_index_match ma[SR], mb[SR];
+		size_t na = 0, nb = 0;
+		kvr_rcu_read_lock();
+		cr_assert_eq(
+		    kvr_index_find_matches(a, &seqs[(size_t)k * SL], SL, NULL, ma, SR, &na), 0);
+		cr_assert_eq(
+		    kvr_index_find_matches(b, &seqs[(size_t)k * SL], SL, NULL, mb, SR, &nb), 0);
+		kvr_rcu_read_unlock();
+		uint32_t sca[SR] = {0}, scb[SR] = {0};
+		for (size_t i = 0; i < na; i++)
+			for (int r = 0; r < SR; r++)
+				if (ma[i].slot == sa[r])
+					sca[r] = ma[i].score;
+		for (size_t i = 0; i < nb; i++)
+			for (int r = 0; r < SR; r++)
+				if (mb[i].slot == sb[r])
+					scb[r] = mb[i].score;
+		for (int r = 0; r < SR; r++)
+			cr_assert_eq(sca[r], scb[r],
+			             "seed %lu op %d prompt %d rank %d: score %u in one call, %u "
+			             "block by block",
+			             (unsigned long)seed, op, k, r, sca[r], scb[r]);
+	}
+	for (int r = 0; r < SR; r++) {
+		cr_assert_eq(kvr_index_tree_size(a, sa[r]), kvr_index_tree_size(b, sb[r]),
+		             "seed %lu op %d rank %d: tree sizes differ", (unsigned long)seed, op,
+		             r);
+		cr_assert_eq(kvr_index_rank_blocks(a, sa[r], NULL, 0),
+		             kvr_index_rank_blocks(b, sb[r], NULL, 0));
+	}
+	struct kvr_index_stats x, y;
+	kvr_index_stats_get(a, &x);
+	kvr_index_stats_get(b, &y);
+	cr_assert_eq(x.nodes, y.nodes, "seed %lu op %d: %lu blocks in the tree, %lu block by block",
+	             (unsigned long)seed, op, (unsigned long)x.nodes, (unsigned long)y.nodes);
+}
+
+Test(index_blocks, stretches_equal_block_by_block)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	for (uint64_t seed = 1; seed <= 6; seed++) {
+		rng = seed * 0x9e3779b97f4a7c15ull;
+		/* Prompt k > 0 keeps a random prefix of an earlier one: ranks meet on runs another
+		 * rank stored (the P_EXISTS stretches). */
+		uint64_t *seqs = malloc(sizeof(uint64_t) * SP * SL),
+		         *local = malloc(sizeof(uint64_t) * SP * SL);
+		for (int k = 0; k < SP; k++) {
+			uint32_t keep = k ? (uint32_t)(kvr_rand64(&rng) % SL) : 0;
+			const int o = k ? (int)(kvr_rand64(&rng) % (uint64_t)k) : 0;
+			for (uint32_t j = 0; j < SL; j++)
+				local[k * SL + j] = j < keep ? local[o * SL + j] : kvr_rand64(&rng);
+			kvr_hash_chain_locals(NULL, &local[k * SL], SL, &seqs[k * SL]);
+		}
+		struct kvr_index *a, *b;
+		uint32_t sa[SR], sb[SR];
+		cr_assert_eq(kvr_index_create(16, &a), 0);
+		cr_assert_eq(kvr_index_create(16, &b), 0);
+		for (int r = 0; r < SR; r++) {
+			cr_assert_eq(kvr_index_rank_add(a, (uint64_t)r, 0, &sa[r]), 0);
+			cr_assert_eq(kvr_index_rank_add(b, (uint64_t)r, 0, &sb[r]), 0);
+		}
+		for (int op = 0; op < SOPS; op++) {
+			const int k = (int)(kvr_rand64(&rng) % SP),
+			          r = (int)(kvr_rand64(&rng) % SR);
+			const uint32_t x = (uint32_t)(kvr_rand64(&rng) % SL),
+			               y = (uint32_t)(kvr_rand64(&rng) % SL);
+			const uint32_t lo = x < y ? x : y, hi = (x < y ? y : x) + 1;
+			const uint64_t *s = &seqs[(size_t)k * SL];
+			const uint64_t what = kvr_rand64(&rng) % 8;
+			if (what < 4) { /* store [lo, hi) below lo - 1 */
+				struct kvr_index_block blk[SL];
+				for (uint32_t j = lo; j < hi; j++)
+					blk[j - lo] =
+					    (struct kvr_index_block){s[j], local[k * SL + j]};
+				const int ra =
+				    kvr_index_store(a, sa[r], lo ? &s[lo - 1] : NULL, blk, hi - lo);
+				int rb = 0;
+				for (uint32_t j = lo; j < hi && rb == 0; j++)
+					rb = kvr_index_store(b, sb[r], j ? &s[j - 1] : NULL,
+					                     &blk[j - lo], 1);
+				cr_assert_eq(ra, rb, "seed %lu op %d: store [%u, %u) rc %d, %d",
+				             (unsigned long)seed, op, lo, hi, ra, rb);
+			} else if (what < 7) { /* remove [lo, hi) in chain order (a tail if held) */
+				size_t na = 0, nb = 0, nf = 0;
+				cr_assert_eq(kvr_index_remove(a, sa[r], &s[lo], hi - lo, &na), 0);
+				for (uint32_t j = lo; j < hi; j++) {
+					cr_assert_eq(kvr_index_remove(b, sb[r], &s[j], 1, &nf), 0);
+					nb += nf;
+				}
+				cr_assert_eq(na, nb,
+				             "seed %lu op %d: remove [%u, %u) not found %zu, %zu",
+				             (unsigned long)seed, op, lo, hi, na, nb);
+			} else { /* an interior hole */
+				cr_assert_eq(kvr_index_remove(a, sa[r], &s[x], 1, NULL), 0);
+				cr_assert_eq(kvr_index_remove(b, sb[r], &s[x], 1, NULL), 0);
+			}
+			same_state(a, b, sa, sb, seqs, op, seed);
+		}
+		kvr_index_destroy(a);
+		kvr_index_destroy(b);
+		free(seqs);
+		free(local);
+	}
 }
