@@ -201,7 +201,9 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	}
 	uint64_t *seq = idx->scratch;
 	applied = idx->scratch + n;
-	for (size_t i = 0; i < n; i++) /* the router's chain (core/hash.c), in place */
+	/* The router's chain (core/hash.c), computed in place: kvr_hash_chain_locals reads
+	 * local[i] before it writes seq_out[i]. */
+	for (size_t i = 0; i < n; i++)
 		seq[i] = blocks[i].local_hash;
 	kvr_hash_chain_locals(has_prev ? &pseq : NULL, seq, n, seq);
 	for (size_t i = 0; i < n; i++) {
