@@ -583,7 +583,12 @@ struct kvr_index {
 	uint64_t active_ranks;
 	struct idx_retire rt;  /* retired under wlock, not yet handed to call_rcu */
 	struct idx_blocks blk; /* the writers' block locator */
-	uint64_t *scratch;     /* store's sequence hashes (wlock) */
+	/* Where the last successful store's last block sits (NULL: unknown; cleared when that run
+	 * dies): the next store's parent is most often that block (a chain stored event by event,
+	 * a turn's reply below its prompt), found there without a locator probe. */
+	struct idx_run *last_run;
+	uint32_t last_pos;
+	uint64_t *scratch; /* store's sequence hashes (wlock) */
 	size_t scratch_cap;
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;

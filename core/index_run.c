@@ -201,6 +201,8 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		idx_run_set_len(r, need);
 		if (need > 0)
 			return;
+		if (idx->last_run == r) /* the store's hint must not outlive its run */
+			idx->last_run = NULL;
 		kvr_index_blk_drop_run(idx, r);
 		kvr_index_tab_delete(idx, r);
 		/* Dead: nobody holds a position and no child hangs below. */
@@ -218,6 +220,8 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 
 void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r)
 {
+	if (idx->last_run == r)
+		idx->last_run = NULL;
 	const struct idx_hview v = idx_holders(r);
 	for (uint32_t i = 0; i < v.n; i++)
 		if (i == 0 || idx_hv_hold(&v, i) != idx_hv_hold(&v, i - 1))

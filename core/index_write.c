@@ -63,6 +63,20 @@ static bool locate(const struct kvr_index *idx, uint64_t seq, const struct idx_r
 	return kvr_index_blk_find(idx, seq, hr, hp, r, pos); /* the run table's first blocks too */
 }
 
+/* Where the parent block pseq sits (a position below hw): where the last store ended, when it
+ * is there (a sequence hash sits at one position of the tree, so this is what locate finds),
+ * else locate's answer. */
+static bool parent_at(const struct kvr_index *idx, uint64_t pseq, struct idx_run **r, uint32_t *pos)
+{
+	struct idx_run *lr = idx->last_run; /* alive: cleared when it dies */
+	if (lr && idx->last_pos < idx_run_hw(lr) && idx_run_hash(lr, idx->last_pos) == pseq) {
+		*r = lr;
+		*pos = idx->last_pos;
+		return true;
+	}
+	return locate(idx, pseq, NULL, 0, r, pos);
+}
+
 static bool ensure_scratch(struct kvr_index *idx, size_t n)
 {
 	if (idx->scratch_cap >= n)
@@ -188,7 +202,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	bool has_prev = parent_ext != NULL;
 	if (has_prev) {
 		prev = *parent_ext;
-		if (!ext_to_seq(rk, prev, &pseq) || !locate(idx, pseq, NULL, 0, &R, &p) ||
+		if (!ext_to_seq(rk, prev, &pseq) || !parent_at(idx, pseq, &R, &p) ||
 		    !(h = kvr_index_hold_of(R, slot)) || !idx_hold_bit(h, p)) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
@@ -425,6 +439,10 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 out:
 	if (pub)
 		kvr_index_publish_cut(pub);
+	if (rc == 0 && R) { /* the next store's likely parent */
+		idx->last_run = R;
+		idx->last_pos = p;
+	}
 	/* The tree size once per call, not per block: readers (find_matches' tie-break) load it
 	 * for every rank holding the query's first block, and a store per block kept their line
 	 * changing under them for the whole call.  Ordering: relaxed (a count, no content). */
