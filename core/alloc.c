@@ -19,6 +19,7 @@
 enum { LONG, TRANSIENT }; /* the arenas (alloc.h) */
 
 static uint64_t fail_countdown; /* 0 = never fail */
+static int fail_persist;        /* the armed failure is followed by failures until disarmed */
 static int64_t live_bytes;
 
 #ifdef KVR_HAVE_JEMALLOC
@@ -89,7 +90,11 @@ static inline int should_fail(void)
 	uint64_t c = __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
 	if (__builtin_expect(c == 0, 1))
 		return 0;
-	return __atomic_sub_fetch(&fail_countdown, 1, __ATOMIC_RELAXED) == 0;
+	if (__atomic_sub_fetch(&fail_countdown, 1, __ATOMIC_RELAXED) != 0)
+		return 0;
+	if (__atomic_load_n(&fail_persist, __ATOMIC_RELAXED))
+		__atomic_store_n(&fail_countdown, 1, __ATOMIC_RELAXED); /* the next one fails too */
+	return 1;
 }
 
 static inline void count(int64_t delta)
@@ -255,6 +260,13 @@ void kvr_free_aligned(void *mem, size_t size)
 
 void kvr_alloc_fail_after(uint64_t nth)
 {
+	__atomic_store_n(&fail_persist, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELAXED);
+}
+
+void kvr_alloc_fail_from(uint64_t nth)
+{
+	__atomic_store_n(&fail_persist, nth != 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELAXED);
 }
 

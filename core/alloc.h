@@ -59,6 +59,11 @@ int kvr_grow(void **p, size_t *cap, size_t need, size_t elem);
 /* Test hooks: fail the nth allocation from now (1 = the next one); 0 disables.
  * Counts live bytes allocated through this seam.  Context: tests, single-threaded setup. */
 void kvr_alloc_fail_after(uint64_t nth);
+/* Persistent (SQLite's "persist" fault mode): the nth allocation from now and every one after it
+ * fail, until kvr_alloc_fail_after(0).  Reaches a clean-up that allocates after a failure (a
+ * second failure in a row, which kvr_alloc_fail_after gives only when another thread re-arms
+ * it in between).  Context: tests, single-threaded setup. */
+void kvr_alloc_fail_from(uint64_t nth);
 /* Allocations left before the armed failure (0: it fired, or none is armed). */
 uint64_t kvr_alloc_fail_pending(void);
 int64_t kvr_alloc_live_bytes(void);

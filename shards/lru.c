@@ -145,18 +145,23 @@ static int reserve_cursors(struct kvr_lru *lru, size_t extra)
 	if (need <= lru->cur_cap)
 		return 0;
 	size_t nc = need * 2;
-	struct cursor *c = kvr_realloc(lru->cur, lru->cur_cap * sizeof(*c), nc * sizeof(*c));
-	if (!c)
+	/* Both arrays at one capacity, and nothing to undo that can fail: nxt's new array is
+	 * taken first, and freeing it undoes a failed resize of cur.  cur used to be resized
+	 * first and shrunk back when nxt's failed; the shrink can fail too (a second failure in a
+	 * row: oom_api --threads arms one from another thread), and cur was then lost (32 bytes
+	 * on a fresh LRU) or kept at a size nobody recorded. */
+	struct cursor *x = kvr_alloc(nc * sizeof(*x));
+	if (!x)
 		return KVR_ENOMEM;
-	lru->cur = c;
-	struct cursor *x = kvr_realloc(lru->nxt, lru->cur_cap * sizeof(*x), nc * sizeof(*x));
-	if (!x) {
-		/* Keep both arrays at one capacity. */
-		c = kvr_realloc(lru->cur, nc * sizeof(*c), lru->cur_cap * sizeof(*c));
-		if (c || lru->cur_cap == 0)
-			lru->cur = c;
+	struct cursor *c = kvr_realloc(lru->cur, lru->cur_cap * sizeof(*c), nc * sizeof(*c));
+	if (!c) {
+		kvr_free(x, nc * sizeof(*x));
 		return KVR_ENOMEM;
 	}
+	if (lru->cur_cap)
+		memcpy(x, lru->nxt, lru->cur_cap * sizeof(*x));
+	kvr_free(lru->nxt, lru->cur_cap * sizeof(*x));
+	lru->cur = c;
 	lru->nxt = x;
 	lru->cur_cap = nc;
 	return 0;
