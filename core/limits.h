@@ -30,17 +30,24 @@
 #define KVR_DEFAULT_QUEUE_CAPACITY         4096u
 #define KVR_DEFAULT_MAX_RANKS              4096u
 #define KVR_DEFAULT_SEED                   UINT64_C(0x6b76726f75746572) /* "kvrouter" */
-#define KVR_DEFAULT_LANE_CAPACITY          127u /* ring of N slots holds N - 1; see below */
+#define KVR_DEFAULT_LANE_CAPACITY          4095u /* ring of N slots holds N - 1; see below */
 #define KVR_DEFAULT_MAINT_EVERY_TASKS      64u
 #define KVR_DEFAULT_MAINT_EVERY_NS         UINT64_C(200000)
 #define KVR_DEFAULT_SHARD_IDLE_SPIN_NS     UINT64_C(50000)
 #define KVR_DEFAULT_SHARD_LAZY_WAKE_NS     UINT64_C(1000000) /* shards/runtime.h lazy_wake_ns */
 #define KVR_DEFAULT_MAX_WORKERS            KVR_DEFAULT_MAX_RANKS
 
-/* KVR_DEFAULT_LANE_CAPACITY is 127, not 4095: bookings wait in the lane while kvr_route decides
- * on an index without them, so a deep lane makes decisions stale, stale decisions recompute
- * prefixes on other ranks and evict more, and the shard falls further behind (bench_route
- * --threads-max 1, 2k tokens: 1,400-3,400 deep, overlap 0.74-0.75, 5.0-5.2 us of shard CPU per
- * route; at 127: 41-52 deep, overlap 0.94-0.96, 1.9-2.1 us).  See kvr_config.lane_capacity. */
+/* KVR_DEFAULT_LANE_CAPACITY trades two things, both measured.  A shallow lane (127) keeps an
+ * overloaded router's decisions fresh: bookings wait in the lane while kvr_route decides on an
+ * index without them, so a deep lane makes decisions stale, stale decisions recompute prefixes
+ * on other ranks and evict more, and the shard falls further behind (bench_route --threads-max
+ * 1, 2k tokens, unpaced: 1,400-3,400 deep, overlap 0.74-0.75, 5.0-5.2 us of shard CPU per
+ * route; at 127: 41-52 deep, overlap 0.94-0.96, 1.9-2.1 us).  But a lane holds only
+ * capacity x task time of a shard's stall: one shard task of 10-95 ms (an ASan build, a
+ * preempted shard on a loaded machine) made posts at 127 wait out KVR_LANE_FULL_WAIT_NS and
+ * return KVR_EAGAIN from kvr_route and kvr_request_output, where 4095 absorbed it
+ * (test_replica_hooks index_follows_predicted_cache_any_order under ASan: 1 run in 2 failed
+ * at 127, 0 of 6 at 4095).  A failed call is worse than a staler decision, so the default
+ * stays 4095; an embedder whose shards keep up can lower it. */
 
 #endif /* KVR_CORE_LIMITS_H */

@@ -156,12 +156,14 @@ struct kvr_config {
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the
 	 * ring has the smallest power-of-two number of 64-byte slots above it (it holds its size
-	 * minus one, so 4096 would take 8192 slots).  Default 127 (8 KiB a shard).  Range
+	 * minus one, so 4096 would take 8192 slots).  Default 4095 (256 KiB a shard).  Range
 	 * 2..1<<22.  It bounds how far the shards' work may lag the decisions: a decision does not
 	 * see the blocks of bookings still in the lanes, so an overloaded router with deep lanes
 	 * recomputes prefixes on other ranks, evicts more and falls further behind; a full lane
-	 * makes the poster wait instead (kvr_lane_full_waits_total).  Raise it to absorb longer
-	 * bursts from many frontend threads.  (The maintenance lane, which the router leaves
+	 * makes the poster wait instead (kvr_lane_full_waits_total), up to 10 ms, then
+	 * KVR_EAGAIN.  The default absorbs a shard's stalls (a long task, preemption); 127 keeps
+	 * an overloaded router's decisions fresher (README "lane capacity") but lets a 10 ms
+	 * stall fail calls.  (The maintenance lane, which the router leaves
 	 * empty, holds 255.) */
 	uint32_t lane_capacity;
 	/* Biased scheduler: run one maintenance task at least every maint_every_tasks routing

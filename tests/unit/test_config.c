@@ -27,7 +27,7 @@ Test(config, defaults_documented)
 	cr_assert_eq(c.seed, 0x6b76726f75746572ull);
 	cr_assert_null(c.now_ns);
 	cr_assert_null(c.clock_ctx);
-	cr_assert_eq(c.lane_capacity, 127);
+	cr_assert_eq(c.lane_capacity, 4095);
 	cr_assert_eq(c.maint_every_tasks, 64);
 	cr_assert_eq(c.maint_every_ns, 200000);
 	cr_assert_eq(c.shard_idle_spin_ns, 50000, "50 us, as documented (the runtime agrees)");
@@ -44,7 +44,7 @@ Test(config, defaults_documented)
 	cr_assert_eq(kvr_router_get_config(r, &g), 0);
 	cr_assert_gt(g.n_shards, 0);
 	cr_assert_eq(g.shard_idle_spin_ns, 50000);
-	cr_assert_eq(g.lane_capacity, 127);
+	cr_assert_eq(g.lane_capacity, 4095);
 	cr_assert_eq(g.seed, c.seed);
 	kvr_router_destroy(r);
 	kvr_config_init(NULL); /* no-op, no crash */

@@ -54,10 +54,10 @@ Test(memory, empty_router_parts)
 	struct kvr_memory m = mem(r);
 	struct kvr_config c;
 	cr_assert_eq(kvr_router_get_config(r, &c), 0);
-	/* Two shards, each with a routing ring of the default capacity (127 -> 128 slots of
+	/* Two shards, each with a routing ring of the default capacity (4095 -> 4096 slots of
 	 * 64 B) and a maintenance ring of 255 (256 slots). */
-	cr_assert_geq(m.lanes, 2u * (128u + 256u) * 64u);
-	cr_assert_lt(m.lanes, 2u * (128u + 256u) * 64u + 256u * 1024u);
+	cr_assert_geq(m.lanes, 2u * (4096u + 256u) * 64u);
+	cr_assert_lt(m.lanes, 2u * (4096u + 256u) * 64u + 256u * 1024u);
 	cr_assert_gt(m.rank_tables, 0);
 	cr_assert_gt(m.index, 0);
 	cr_assert_geq(m.library, m.lanes); /* the rings alone are allocated by the library */
