@@ -583,9 +583,10 @@ struct kvr_index {
 	uint64_t active_ranks;
 	struct idx_retire rt;  /* retired under wlock, not yet handed to call_rcu */
 	struct idx_blocks blk; /* the writers' block locator */
-	/* Where the last successful store's last block sits (NULL: unknown; cleared when that run
+	/* Where the last successful store or removal ended (NULL: unknown; cleared when that run
 	 * dies): the next store's parent is most often that block (a chain stored event by event,
-	 * a turn's reply below its prompt), found there without a locator probe. */
+	 * a turn's reply below its prompt) and the next removal's first block next to it (a tail
+	 * evicted back to front), found there without a locator probe. */
 	struct idx_run *last_run;
 	uint32_t last_pos;
 	uint64_t *scratch; /* store's sequence hashes (wlock) */

@@ -77,6 +77,25 @@ static bool parent_at(const struct kvr_index *idx, uint64_t pseq, struct idx_run
 	return locate(idx, pseq, NULL, 0, r, pos);
 }
 
+/* Where block seq sits, for a removal's first block: next to where the last write ended (a tail
+ * evicted a block or a few at a time, back to front, has it just below), else locate's answer. */
+static bool near_last(const struct kvr_index *idx, uint64_t seq, struct idx_run **r, uint32_t *pos)
+{
+	const struct idx_run *lr = idx->last_run; /* alive: cleared when it dies */
+	if (lr) {
+		const uint32_t lp = idx->last_pos, hw = idx_run_hw(lr);
+		for (uint32_t d = 0; d < 3; d++) { /* lp - 1, lp + 1, lp */
+			const uint32_t q = d == 0 ? lp - 1 : d == 1 ? lp + 1 : lp;
+			if ((d != 0 || lp > 0) && q < hw && idx_run_hash(lr, q) == seq) {
+				*r = (struct idx_run *)(uintptr_t)lr;
+				*pos = q;
+				return true;
+			}
+		}
+	}
+	return locate(idx, seq, NULL, 0, r, pos);
+}
+
 static bool ensure_scratch(struct kvr_index *idx, size_t n)
 {
 	if (idx->scratch_cap >= n)
@@ -530,7 +549,7 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 		if (R && p + 1 < idx_run_len(R) && idx_run_seqs(R)[p + 1] == s) { /* no probe */
 			C = R;
 			q = p + 1;
-		} else if (!locate(idx, s, R, p, &C, &q)) {
+		} else if (!(R ? locate(idx, s, R, p, &C, &q) : near_last(idx, s, &C, &q))) {
 			nf++;
 			continue;
 		}
@@ -560,8 +579,11 @@ static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t
 			kvr_index_xmap_del(&rk->rmap, s);
 		}
 	}
-	if (R)
+	if (R) {
+		idx->last_run = R; /* cleared by settle if R dies */
+		idx->last_pos = p;
 		settle(idx, R, h);
+	}
 	if (left) /* Ordering: relaxed, once per call (kvr_index_store says why) */
 		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - left, __ATOMIC_RELAXED);
 	return nf;
