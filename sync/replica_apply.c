@@ -43,9 +43,10 @@ static struct kvr_rep_rec *rec_from_msg(const struct kvr_wmsg *m)
 
 /* Asks peer p to re-announce (RESET, its live attempts, those finished in the last
  * GAP_WINDOW_MS) after a loss on our side, at most once per two heartbeat periods: the answer
- * normally comes within one, and the losses that ask (a dropped output, a heartbeat ahead of the
- * stream) tend to come in runs; one held back, or whose answer is lost, is asked again at
- * the peer's heartbeats until its RESET comes.  Returns whether it asked.  mu held. */
+ * normally comes within one, and the losses that ask (a dropped output, an attempt not booked
+ * for memory, a heartbeat ahead of the stream) tend to come in runs; one held back, or whose
+ * answer is lost, is asked again at the peer's heartbeats until its RESET comes.  Returns whether
+ * it asked.  mu held. */
 static bool ask_heal(struct kvr_replica *rep, struct kvr_rep_peer *p)
 {
 	uint64_t now = kvr_rep_mono_ns(), period = 2ull * rep->c.heartbeat_ms * 1000000ull;
@@ -142,14 +143,29 @@ static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr
 	return 0;
 }
 
+/* Counts an attempt of peer `origin` that this router did not take (rc: why).  One refused for
+ * memory or room (KVR_ENOMEM; KVR_EAGAIN: the rank's lane stayed full) is asked for again as a
+ * dropped output is: nothing else would bring it back (a re-announce's RESET released the copy
+ * we had and answered the heal), and its load would stay missing here for good.  A refusal
+ * for what the attempt says (its rank unknown or of another incarnation) is not: it would be
+ * refused again.  mu not held. */
+static void refused(struct kvr_replica *rep, uint64_t origin, int rc)
+{
+	pthread_mutex_lock(&rep->mu);
+	rep->st.refused++;
+	struct kvr_rep_peer *p =
+	    rc == KVR_ENOMEM || rc == KVR_EAGAIN ? kvr_rep_peer_find(rep, origin) : NULL;
+	if (p)
+		ask_heal(rep, p);
+	pthread_mutex_unlock(&rep->mu);
+}
+
 /* A peer's admission (live) or a ghost (finished: replay its blocks, then release). */
 void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 {
 	struct kvr_rep_rec *x = rec_from_msg(m);
 	if (!x) {
-		pthread_mutex_lock(&rep->mu);
-		rep->st.refused++;
-		pthread_mutex_unlock(&rep->mu);
+		refused(rep, m->h.replica, KVR_ENOMEM);
 		return;
 	}
 	bool ghost = m->flags & KVR_MSG_F_FINISHED;
@@ -173,19 +189,21 @@ void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 		return;
 	}
 	int rc = book(rep, x, m);
-	if (rc == 0 && ghost)
+	if (rc) {
+		kvr_rep_rec_free(x);
+		refused(rep, m->h.replica, rc);
+		return;
+	}
+	if (ghost)
 		APPLYING(kvr_request_finish(rep->r, x->local));
 	pthread_mutex_lock(&rep->mu);
-	if (rc) {
-		rep->st.refused++;
-		kvr_rep_rec_free(x);
-	} else if (ghost) {
+	if (ghost) {
 		kvr_rep_journal_add(rep, x);
-	} else if (kvr_rep_map_insert(rep, x)) {
-		rep->st.refused++;
+	} else if ((rc = kvr_rep_map_insert(rep, x))) {
 		pthread_mutex_unlock(&rep->mu);
 		APPLYING(kvr_request_abort(rep->r, x->local));
 		kvr_rep_rec_free(x);
+		refused(rep, m->h.replica, rc);
 		return;
 	} else {
 		x->seen = true;
