@@ -90,7 +90,14 @@ static inline int should_fail(void)
 	uint64_t c = __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
 	if (__builtin_expect(c == 0, 1))
 		return 0;
-	if (__atomic_sub_fetch(&fail_countdown, 1, __ATOMIC_RELAXED) != 0)
+	/* Counted down only while still armed: two threads that both read 1 took it below 0
+	 * with a plain decrement (it wrapped to 2^64 - 1), so the failure that fired read as
+	 * still pending (kvr_alloc_fail_pending) and an OOM loop stopped as if it had passed
+	 * untouched (test_replica_oom, whose other threads allocate meanwhile). */
+	while (c && !__atomic_compare_exchange_n(&fail_countdown, &c, c - 1, true, __ATOMIC_RELAXED,
+	                                         __ATOMIC_RELAXED))
+		;
+	if (c != 1)
 		return 0;
 	if (__atomic_load_n(&fail_persist, __ATOMIC_RELAXED))
 		__atomic_store_n(&fail_countdown, 1, __ATOMIC_RELAXED); /* the next one fails too */

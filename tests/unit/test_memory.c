@@ -2,6 +2,7 @@
  * grow with the blocks routed and shrink when the ranks are removed, and bad input; the
  * allocator seam keeps long-lived and transient objects in arenas of their own. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -201,3 +202,43 @@ Test(memory, arenas_apart)
 	cr_assert_neq(a_long, a_tr);
 }
 #endif
+
+static bool churn_stop;
+static uint64_t churn_failed;
+
+static void *churn(void *arg)
+{
+	(void)arg;
+	while (!__atomic_load_n(&churn_stop, __ATOMIC_RELAXED)) {
+		void *p = kvr_alloc(16);
+		if (p)
+			kvr_free(p, 16);
+		else
+			__atomic_add_fetch(&churn_failed, 1, __ATOMIC_RELAXED);
+	}
+	return NULL;
+}
+
+/* The failure hook armed while other threads allocate (replica and shard threads do in the OOM
+ * loops): exactly one allocation fails per arming, and the count never wraps below zero (two
+ * threads that both read 1 took it to 2^64 - 1: the failure that fired read as pending). */
+Test(memory, fail_after_with_threads_allocating, .timeout = 60)
+{
+	pthread_t t[3];
+	for (int i = 0; i < 3; i++)
+		cr_assert_eq(pthread_create(&t[i], NULL, churn, NULL), 0);
+	uint64_t rounds;
+	for (rounds = 0; rounds < 1000000; rounds++) {
+		kvr_alloc_fail_after(1);
+		uint64_t left;
+		while ((left = kvr_alloc_fail_pending()) == 1)
+			;
+		cr_assert_eq(left, 0, "round %lu: %lu allocations pending after the failure",
+		             (unsigned long)rounds, (unsigned long)left);
+	}
+	__atomic_store_n(&churn_stop, true, __ATOMIC_RELAXED);
+	for (int i = 0; i < 3; i++)
+		pthread_join(t[i], NULL);
+	kvr_alloc_fail_after(0);
+	cr_assert_eq(churn_failed, rounds);
+}
