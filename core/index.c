@@ -447,10 +447,10 @@ int kvr_index_create(uint32_t max_ranks, struct kvr_index **out)
 		return KVR_ENOMEM;
 	}
 	idx->rtab->mask = cap - 1;
-	memset(idx->rank, 0, sizeof(struct idx_rank) * max_ranks);
-	for (uint32_t i = 0; i < max_ranks; i++)
-		idx->rank[i].next_free = i + 1 < max_ranks ? i + 1 : UINT32_MAX;
-	idx->free_head = 0;
+	/* idx->rank is zeroed (SLOT_FREE) by the allocator and left untouched: fresh pages cost no
+	 * RSS until a rank is added there (512 KiB at the default max_ranks). */
+	idx->free_head = UINT32_MAX;
+	idx->fresh = 0;
 	*out = idx;
 	return 0;
 }
@@ -474,7 +474,7 @@ void kvr_index_destroy(struct kvr_index *idx)
 			kvr_free_aligned(idx->seg[i].tab, idx_bytes_tab(idx->seg[i].cap));
 			kvr_free(idx->seg[i].tr, sizeof(struct idx_tret));
 		}
-	for (uint32_t i = 0; i < idx->max_ranks; i++) {
+	for (uint32_t i = 0; i < idx->fresh; i++) {
 		struct idx_rank *r = &idx->rank[i];
 		if (r->xmap.e)
 			kvr_free(r->xmap.e, (r->xmap.mask + 1) * sizeof(struct idx_xent));
@@ -561,12 +561,16 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 	if (at != UINT32_MAX) {
 		*slot = t->e[at] - 1;
 		rc = KVR_EEXIST;
-	} else if (idx->free_head == UINT32_MAX) {
+	} else if (idx->free_head == UINT32_MAX && idx->fresh == idx->max_ranks) {
 		rc = KVR_ERANGE;
 	} else {
+		/* A released slot first (the most recent), else the next never used one. */
 		uint32_t s = idx->free_head;
+		if (s != UINT32_MAX)
+			idx->free_head = idx->rank[s].next_free;
+		else
+			__atomic_store_n(&idx->fresh, (s = idx->fresh) + 1, __ATOMIC_RELAXED);
 		struct idx_rank *r = &idx->rank[s];
-		idx->free_head = r->next_free;
 		__atomic_store_n(&r->worker_id, worker_id, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->dp_rank, dp_rank, __ATOMIC_RELAXED);
 		__atomic_store_n(&idx->tsize[s], 0, __ATOMIC_RELAXED);

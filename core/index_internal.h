@@ -579,7 +579,11 @@ struct kvr_index {
 	struct idx_rank *rank;
 	struct idx_rtab *rtab; /* RCU-published */
 	uint32_t rank_lock;    /* spinlock: free-slot list and rtab */
-	uint32_t free_head;    /* UINT32_MAX = none */
+	uint32_t free_head;    /* released slots, UINT32_MAX = none */
+	/* Slots at or above this were never used: free, and their records never touched, so the
+	 * rank array sized for max_ranks costs no resident memory beyond the ranks added (atomic
+	 * relaxed: kvr_index_clear_worker reads it without rank_lock). */
+	uint32_t fresh;
 	uint64_t active_ranks;
 	struct idx_retire rt;  /* retired under wlock, not yet handed to call_rcu */
 	struct idx_blocks blk; /* the writers' block locator */

@@ -675,7 +675,8 @@ int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)
 	if (!idx)
 		return KVR_EINVAL;
 	int found = 0;
-	for (uint32_t s = 0; s < idx->max_ranks; s++) {
+	uint32_t used = __atomic_load_n(&idx->fresh, __ATOMIC_RELAXED); /* above: never used */
+	for (uint32_t s = 0; s < used; s++) {
 		const struct idx_rank *r = &idx->rank[s];
 		if (__atomic_load_n(&r->state, __ATOMIC_RELAXED) == SLOT_ACTIVE &&
 		    __atomic_load_n(&r->worker_id, __ATOMIC_RELAXED) == worker_id) {
