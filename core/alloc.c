@@ -18,8 +18,10 @@
 
 enum { LONG, TRANSIENT }; /* the arenas (alloc.h) */
 
-static uint64_t fail_countdown; /* 0 = never fail */
-static int fail_persist;        /* the armed failure is followed by failures until disarmed */
+static uint64_t fail_countdown;       /* 0 = never fail */
+static int fail_persist;              /* the armed failure is followed by failures until disarmed */
+static unsigned fail_roles;           /* kvr_alloc_fail_scope: 0 = every thread counts */
+static __thread unsigned thread_role; /* kvr_alloc_thread_role */
 static int64_t live_bytes;
 
 #ifdef KVR_HAVE_JEMALLOC
@@ -90,6 +92,11 @@ static inline int should_fail(void)
 	uint64_t c = __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
 	if (__builtin_expect(c == 0, 1))
 		return 0;
+	/* Armed: the scope stored before the arm (kvr_alloc_fail_scope) is seen. */
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	unsigned roles = __atomic_load_n(&fail_roles, __ATOMIC_RELAXED);
+	if (roles && !(thread_role & roles))
+		return 0; /* out of scope: neither counted nor failed */
 	/* Counted down only while still armed: two threads that both read 1 took it below 0
 	 * with a plain decrement (it wrapped to 2^64 - 1), so the failure that fired read as
 	 * still pending (kvr_alloc_fail_pending) and an OOM loop stopped as if it had passed
@@ -268,13 +275,23 @@ void kvr_free_aligned(void *mem, size_t size)
 void kvr_alloc_fail_after(uint64_t nth)
 {
 	__atomic_store_n(&fail_persist, 0, __ATOMIC_RELAXED);
-	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELAXED);
+	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELEASE);
 }
 
 void kvr_alloc_fail_from(uint64_t nth)
 {
 	__atomic_store_n(&fail_persist, nth != 0, __ATOMIC_RELAXED);
-	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELAXED);
+	__atomic_store_n(&fail_countdown, nth, __ATOMIC_RELEASE);
+}
+
+void kvr_alloc_thread_role(unsigned role)
+{
+	thread_role = role;
+}
+
+void kvr_alloc_fail_scope(unsigned roles)
+{
+	__atomic_store_n(&fail_roles, roles, __ATOMIC_RELAXED);
 }
 
 uint64_t kvr_alloc_fail_pending(void)

@@ -64,6 +64,20 @@ void kvr_alloc_fail_after(uint64_t nth);
  * second failure in a row, which kvr_alloc_fail_after gives only when another thread re-arms
  * it in between).  Context: tests, single-threaded setup. */
 void kvr_alloc_fail_from(uint64_t nth);
+/* Thread roles for scoped failures (bits): a thread tags itself with kvr_alloc_thread_role(). */
+#define KVR_ALLOC_ROLE_CALLER  (1u << 0) /* a caller's thread, tagged by a test */
+#define KVR_ALLOC_ROLE_REPLICA (1u << 1) /* replica sync's sender and apply threads */
+/* Tags the calling thread with role (KVR_ALLOC_ROLE_* bits; 0: untagged, the default).
+ * Context: the thread itself. */
+void kvr_alloc_thread_role(unsigned role);
+/* Scopes the armed failures (kvr_alloc_fail_after, kvr_alloc_fail_from) to the allocations of
+ * threads tagged with one of roles: only those are counted and failed, every other thread's
+ * allocations pass untouched (a router's shard threads, untagged, while a test aims at replica
+ * sync).  0 (the default) scopes them to every thread.  Stays until changed; arming and
+ * disarming leave it.  Context: tests, single-threaded setup, before arming.
+ * Ordering: the scope is stored before an arm's release store of the countdown, which a
+ * counting thread's acquire fence after reading it non-zero pairs with. */
+void kvr_alloc_fail_scope(unsigned roles);
 /* Allocations left before the armed failure (0: it fired, or none is armed). */
 uint64_t kvr_alloc_fail_pending(void);
 int64_t kvr_alloc_live_bytes(void);

@@ -112,6 +112,7 @@ static void *apply_main(void *arg)
 {
 	struct kvr_replica *rep = arg;
 	prctl(PR_SET_NAME, "kvr-sync-apply");
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA); /* scoped test failures (core/alloc.h) */
 	kvr_rcu_thread_online();
 	uint64_t hb_ns = (uint64_t)rep->c.heartbeat_ms * 1000000ull;
 	uint64_t next_hb = kvr_rep_mono_ns(), top = 0, deaf = 0;
