@@ -24,6 +24,7 @@ void kvr_config_init(struct kvr_config *cfg)
 	cfg->max_ranks = KVR_DEFAULT_MAX_RANKS;
 	cfg->seed = KVR_DEFAULT_SEED;
 	cfg->lane_capacity = KVR_DEFAULT_LANE_CAPACITY;
+	cfg->lane_soft_depth = KVR_DEFAULT_LANE_SOFT_DEPTH;
 	cfg->maint_every_tasks = KVR_DEFAULT_MAINT_EVERY_TASKS;
 	cfg->maint_every_ns = KVR_DEFAULT_MAINT_EVERY_NS;
 	cfg->shard_idle_spin_ns = KVR_DEFAULT_SHARD_IDLE_SPIN_NS;
@@ -62,7 +63,8 @@ int kvr_config_validate(const struct kvr_config *cfg)
 	if (cfg->max_ranks == 0 || cfg->max_ranks > KVR_LIMIT_MAX_RANKS_MAX)
 		return KVR_ERANGE;
 	if (cfg->lane_capacity < KVR_LIMIT_LANE_CAPACITY_MIN ||
-	    cfg->lane_capacity > KVR_LIMIT_LANE_CAPACITY_MAX)
+	    cfg->lane_capacity > KVR_LIMIT_LANE_CAPACITY_MAX ||
+	    cfg->lane_soft_depth > KVR_LIMIT_LANE_CAPACITY_MAX)
 		return KVR_ERANGE;
 	if (cfg->maint_every_tasks == 0 || cfg->maint_every_ns == 0)
 		return KVR_EINVAL;

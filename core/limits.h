@@ -31,23 +31,33 @@
 #define KVR_DEFAULT_MAX_RANKS              4096u
 #define KVR_DEFAULT_SEED                   UINT64_C(0x6b76726f75746572) /* "kvrouter" */
 #define KVR_DEFAULT_LANE_CAPACITY          4095u /* ring of N slots holds N - 1; see below */
+#define KVR_DEFAULT_LANE_SOFT_DEPTH        127u  /* paced posts wait above it; see below */
+#define KVR_DEFAULT_LANE_STALL_NS          UINT64_C(200000) /* no message taken: spill */
+#define KVR_LANE_THROTTLE_MAX_STALLS       10u /* one post's wait in all, in stall intervals */
 #define KVR_DEFAULT_MAINT_EVERY_TASKS      64u
 #define KVR_DEFAULT_MAINT_EVERY_NS         UINT64_C(200000)
 #define KVR_DEFAULT_SHARD_IDLE_SPIN_NS     UINT64_C(50000)
 #define KVR_DEFAULT_SHARD_LAZY_WAKE_NS     UINT64_C(1000000) /* shards/runtime.h lazy_wake_ns */
 #define KVR_DEFAULT_MAX_WORKERS            KVR_DEFAULT_MAX_RANKS
 
-/* KVR_DEFAULT_LANE_CAPACITY trades two things, both measured.  A shallow lane (127) keeps an
+/* KVR_DEFAULT_LANE_CAPACITY and KVR_DEFAULT_LANE_SOFT_DEPTH: a deep ring and a shallow soft
+ * depth in it, because each alone fails one of two measured goals.  A shallow lane keeps an
  * overloaded router's decisions fresh: bookings wait in the lane while kvr_route decides on an
  * index without them, so a deep lane makes decisions stale, stale decisions recompute prefixes
  * on other ranks and evict more, and the shard falls further behind (bench_route --threads-max
- * 1, 2k tokens, unpaced: 1,400-3,400 deep, overlap 0.74-0.75, 5.0-5.2 us of shard CPU per
- * route; at 127: 41-52 deep, overlap 0.94-0.96, 1.9-2.1 us).  But a lane holds only
- * capacity x task time of a shard's stall: one shard task of 10-95 ms (an ASan build, a
- * preempted shard on a loaded machine) made posts at 127 wait out KVR_LANE_FULL_WAIT_NS and
- * return KVR_EAGAIN from kvr_route and kvr_request_output, where 4095 absorbed it
- * (test_replica_hooks index_follows_predicted_cache_any_order under ASan: 1 run in 2 failed
- * at 127, 0 of 6 at 4095).  A failed call is worse than a staler decision, so the default
- * stays 4095; an embedder whose shards keep up can lower it. */
+ * 1, 2k tokens, unpaced, capacity 4095 alone: 3,358-3,669 deep, overlap 0.72-0.75, 4.8-6.5 us
+ * of shard CPU per route; capacity 127: 40-63 deep, overlap 0.94-0.98, 1.7-2.2 us).  But a
+ * ring holds only capacity x task time of a shard's stall: one shard task of 10-95 ms (an ASan
+ * build, a preempted shard on a loaded machine) made posts at capacity 127 wait out
+ * KVR_LANE_FULL_WAIT_NS and return KVR_EAGAIN from kvr_route and kvr_request_output
+ * (test_replica_hooks under ASan: 1 run in 2 failed in CI, 1 in 6 here).  So the ring stays
+ * 4095 deep and kvr_route's booking throttles at the soft depth only while its shard keeps
+ * taking messages; after KVR_DEFAULT_LANE_STALL_NS with none taken it spills into the rest of
+ * the ring.  200 us: longer than one booking of the longest prompts measured (a 128k-token
+ * booking, ~60 us of shard time), so a shard busy with long bookings is not taken for a stalled
+ * one; short against the 10 ms full-lane bound and a scheduler slice (1-4 ms), so a preempted
+ * shard costs one poster 200 us and the posts after it nothing (they spill at once until the
+ * shard takes a message).  KVR_LANE_THROTTLE_MAX_STALLS bounds one post's wait when other
+ * posters keep taking the room the shard makes. */
 
 #endif /* KVR_CORE_LIMITS_H */

@@ -70,6 +70,12 @@ static const struct {
      "Posts given up after the bounded wait (admission refused with KVR_EAGAIN, or lifecycle work "
      "left to the lease reaper)",
      ""},
+    {KVR_C_LANE_SOFT_THROTTLES, "kvr_lane_soft_throttles_total",
+     "Admissions that waited at a routing lane's soft depth while its shard was taking work", ""},
+    {KVR_C_LANE_SOFT_SPILLS, "kvr_lane_soft_spills_total",
+     "Admissions posted past a routing lane's soft depth: its shard had taken nothing for 200 us "
+     "(a stall), or the wait reached 2 ms",
+     ""},
     {KVR_C_STALE_BOOKINGS, "kvr_stale_bookings_total",
      "Admissions whose rank was removed or reset before the booking (the attempt is stale)", ""},
     {KVR_C_SHARD_WAKES_DEFERRED, "kvr_shard_wakes_deferred_total",

@@ -14,11 +14,13 @@
  *      adds, so the very next decision on any thread sees it), and the booking (predicted cache,
  *      load, index writes) is POSTED to the rank's shard on the routing lane.  The caller never
  *      waits for a shard, except on a full lane (a bounded wait, KVR_LANE_FULL_WAIT_NS, counted
- *      in kvr_lane_full_waits_total).  With sync_booking the booking is a timed post
- *      (kvr_shard_post_at: applied at this decision's time) and the next decision settles
- *      first (kvr_router_settle), so back-to-back decisions are exact without a round trip per
- *      booking; only a booking the shard would need memory to track is waited for, so that its
- *      KVR_ENOMEM is returned (kvr_owner_book_room_take).
+ *      in kvr_lane_full_waits_total) and, briefly, at the lane's soft depth while the shard
+ *      is making progress (kvr_shard_post_paced, kvr_lane_soft_throttles_total).  With
+ *      sync_booking the booking is a timed post (kvr_shard_post_at: applied at this
+ *      decision's time) and the next decision settles first (kvr_router_settle), so
+ *      back-to-back decisions are exact without a round trip per booking; only a booking the
+ *      shard would need memory to track is waited for, so that its KVR_ENOMEM is returned
+ *      (kvr_owner_book_room_take).
  *
  * Why snapshots for load (step 3) and not a routing-lane call per candidate: a call is one round
  * trip to a shard thread (microseconds: see perf/bench_lanes), and with 64 or 1024 candidates
@@ -598,7 +600,15 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL)
 			return rc;
 	} else {
-		rc = kvr_shard_post(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec, sizeof(rec));
+		unsigned how;
+		rc = kvr_shard_post_paced(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec,
+		                          sizeof(rec), &how);
+		if (how) {
+			struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
+			kvr_metrics_add(mb, KVR_C_LANE_SOFT_THROTTLES,
+			                !!(how & KVR_POST_THROTTLED));
+			kvr_metrics_add(mb, KVR_C_LANE_SOFT_SPILLS, !!(how & KVR_POST_SPILLED));
+		}
 		if (rc == KVR_EAGAIN) {
 			struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);

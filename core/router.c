@@ -135,6 +135,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .cpus = cfg->cpu_list,
 	    .n_cpus = cfg->n_cpus,
 	    .lane_capacity = cfg->lane_capacity,
+	    .lane_soft_depth = cfg->lane_soft_depth,
 	    .maint_capacity = ROUTER_MAINT_CAPACITY,
 	    .maint_every_tasks = cfg->maint_every_tasks,
 	    .maint_every_ns = cfg->maint_every_ns,

@@ -29,6 +29,12 @@
  *    a post (every post runs in an RCU read section that checks `closed` first); after that
  *    the rings only shrink, each thread drains them and exits, and the memory can go.
  *
+ * Paced producers (kvr_shard_post_paced: admissions) first wait at the routing lane's soft
+ * depth while the shard keeps taking messages, and spill past it once it has taken none for
+ * stall_ns (sync/lane.h decides, pace() below waits): a deep lane makes the decisions that cannot
+ * see its bookings stale, a short ring makes a stalled shard fail calls, and a soft depth over a
+ * deep ring does neither.
+ *
  * Placement: an open-addressing table (linear probing, backward-shift deletion, load <= 1/2)
  * written under a mutex and read without locks under a sequence counter (a seqlock whose
  * readers use acquire loads only, so it is well defined in C11 and visible to TSan).
@@ -130,6 +136,7 @@ struct kvr_shards {
 	uint64_t idle_spin_ns;
 	uint64_t spin_max_ns; /* >= idle_spin_ns: see idle_spin */
 	uint64_t lazy_ns;     /* bound of a BOUNDED park; 0 = lazy posts wake like any */
+	uint64_t stall_ns;    /* paced posts spill after the shard took nothing this long */
 	void (*on_start)(struct kvr_shard *, void *);
 	void (*on_stop)(struct kvr_shard *, void *);
 	void *ctx;
@@ -152,8 +159,9 @@ struct kvr_shards {
 };
 
 static _Thread_local struct kvr_shard *tls_shard;
-/* This thread's posts that found a lane full and waited, and the sleeps of those waits. */
-static _Thread_local uint64_t tls_full_waits, tls_wait_sleeps;
+/* This thread's posts that found a lane full and waited, paced posts that waited at the soft
+ * depth or spilled past it, and the sleeps of those waits. */
+static _Thread_local uint64_t tls_full_waits, tls_wait_sleeps, tls_throttles, tls_spills;
 /* While a timed task (and the timers due before it) runs: its time; 0 otherwise. */
 static _Thread_local uint64_t tls_task_ns;
 
@@ -532,6 +540,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		return KVR_EINVAL;
 	if (cfg->n_shards > MAX_SHARDS || cfg->lane_capacity > KVR_LIMIT_LANE_CAPACITY_MAX ||
 	    cfg->maint_capacity > KVR_LIMIT_LANE_CAPACITY_MAX ||
+	    cfg->lane_soft_depth > KVR_LIMIT_LANE_CAPACITY_MAX ||
 	    cfg->max_workers > KVR_LIMIT_WORKERS_MAX)
 		return KVR_ERANGE;
 	int dcpus[CPU_SETSIZE];
@@ -573,6 +582,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	s->on_start = cfg->on_thread_start;
 	s->on_stop = cfg->on_thread_stop;
 	s->ctx = cfg->ctx;
+	s->stall_ns = cfg->lane_stall_ns ? cfg->lane_stall_ns : KVR_DEFAULT_LANE_STALL_NS;
 	s->max_workers = cfg->max_workers ? cfg->max_workers : DEF_WORKERS;
 	uint32_t tsize = 4;
 	while (tsize < 2 * s->max_workers)
@@ -610,6 +620,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 			free_all(s);
 			return rc;
 		}
+		kvr_lanes_set_soft_depth(&sh->lanes, cfg->lane_soft_depth);
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		if (pthread_create(&s->shard[i]->thread, NULL, shard_main, s->shard[i]) != 0) {
@@ -817,11 +828,67 @@ static int check_post(struct kvr_shard *sh, enum kvr_lane lane, const void *fn, 
 	return kvr_rcu_thread_online();
 }
 
+/* One step of a poster's wait, the k-th: a spin first, then yields (the shard may share the
+ * core), then sleeps doubling from 1 us while below sleep_cap_ns. */
+static void wait_step(uint32_t k, uint64_t *sleep_ns, uint64_t sleep_cap_ns)
+{
+	if (k < 64) {
+		kvr_cpu_relax();
+	} else if (k < 96) {
+		sched_yield();
+	} else {
+		struct timespec ts = {0, (long)*sleep_ns};
+		tls_wait_sleeps++;
+		nanosleep(&ts, NULL);
+		if (*sleep_ns < sleep_cap_ns)
+			*sleep_ns *= 2;
+	}
+}
+
+/* A throttle's sleeps stop doubling at 64 us: a quarter of the default stall interval, so a
+ * stall is seen about on time, and well under the soft depth's worth of work a shard has queued
+ * (127 bookings of 2k tokens: ~250 us), so the shard does not run dry while its poster sleeps. */
+#define THROTTLE_SLEEP_CAP 50000ull
+
+/* kvr_shard_post_paced's wait at the soft depth (kvr_lanes_soft_check decides; see sync/lane.h).
+ * Returns 0 (post now: below the soft depth, or spill) or KVR_ESHUTDOWN.  Context: post(),
+ * inside its RCU read section, off the shard threads. */
+static int pace(struct kvr_shard *sh, unsigned *how)
+{
+	struct kvr_lane_soft w = {0};
+	uint64_t sleep_ns = 1000;
+	for (uint32_t k = 0;; k++) {
+		enum kvr_lane_soft_step st =
+		    kvr_lanes_soft_check(&sh->lanes, &w, mono_ns(), sh->rt->stall_ns,
+		                         sh->rt->stall_ns * KVR_LANE_THROTTLE_MAX_STALLS);
+		if (st == KVR_SOFT_SPILL) {
+			*how |= KVR_POST_SPILLED;
+			tls_spills++;
+			return 0;
+		}
+		if (st == KVR_SOFT_POST)
+			return 0;
+		if (k == 0) {
+			*how |= KVR_POST_THROTTLED;
+			tls_throttles++;
+			/* Lazy posts (lifecycle work) may have filled the lane of a shard that
+			 * sleeps in a bounded park: waiting for it to wake by itself would look
+			 * like a stall. */
+			kvr_parker_wake(&sh->park);
+		}
+		wait_step(k, &sleep_ns, THROTTLE_SLEEP_CAP);
+		if (__atomic_load_n(&sh->closed, __ATOMIC_ACQUIRE))
+			return KVR_ESHUTDOWN;
+	}
+}
+
 /* Post with an optional bounded wait.  Inside an RCU read section for the whole call, so
  * shutdown's grace period waits for it.  timeout_ns 0 = try once.  deferred non-NULL: a lazy
- * post (kvr_shard_post_lazy), which leaves a shard in a bounded park asleep and says so. */
+ * post (kvr_shard_post_lazy), which leaves a shard in a bounded park asleep and says so.  how
+ * non-NULL: a paced post (kvr_shard_post_paced), which waits at the routing lane's soft depth
+ * first; posts from shard threads never do. */
 static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
-                size_t len, uint32_t aux, uint64_t timeout_ns, bool *deferred)
+                size_t len, uint32_t aux, uint64_t timeout_ns, bool *deferred, unsigned *how)
 {
 	int rc;
 	kvr_rcu_read_lock();
@@ -829,6 +896,8 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 		rc = KVR_ESHUTDOWN;
 		goto out;
 	}
+	if (how && !tls_shard && kvr_lanes_over_soft(&sh->lanes, lane) && (rc = pace(sh, how)))
+		goto out;
 	rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload, (uint32_t)len, aux,
 	                    timeout_ns == 0 || tls_shard == sh);
 	if (rc == KVR_EAGAIN && timeout_ns && tls_shard != sh) {
@@ -838,17 +907,7 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 		uint64_t start = mono_ns();
 		uint64_t sleep_ns = 1000;
 		for (uint32_t k = 0;; k++) {
-			if (k < 64) {
-				kvr_cpu_relax();
-			} else if (k < 96) {
-				sched_yield();
-			} else {
-				struct timespec ts = {0, (long)sleep_ns};
-				tls_wait_sleeps++;
-				nanosleep(&ts, NULL);
-				if (sleep_ns < 100000)
-					sleep_ns *= 2;
-			}
+			wait_step(k, &sleep_ns, 100000);
 			if (__atomic_load_n(&sh->closed, __ATOMIC_ACQUIRE)) {
 				rc = KVR_ESHUTDOWN;
 				goto out;
@@ -876,7 +935,19 @@ int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, con
                    size_t len)
 {
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
-	return rc ? rc : post(sh, lane, fn, payload, len, 0, 0, NULL);
+	return rc ? rc : post(sh, lane, fn, payload, len, 0, 0, NULL, NULL);
+}
+
+int kvr_shard_post_paced(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                         const void *payload, size_t len, unsigned *how)
+{
+	unsigned h = 0;
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	if (!rc)
+		rc = post(sh, lane, fn, payload, len, 0, 0, NULL, &h);
+	if (how)
+		*how = h;
+	return rc;
 }
 
 int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
@@ -885,7 +956,7 @@ int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 	bool d = false;
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
 	if (!rc)
-		rc = post(sh, lane, fn, payload, len, 0, 0, sh->rt->lazy_ns ? &d : NULL);
+		rc = post(sh, lane, fn, payload, len, 0, 0, sh->rt->lazy_ns ? &d : NULL, NULL);
 	if (deferred)
 		*deferred = d;
 	return rc;
@@ -897,7 +968,7 @@ int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 	int rc = check_post(sh, lane, (const void *)fn, payload, len);
 	if (rc)
 		return rc;
-	rc = post(sh, lane, fn, payload, len, 0, timeout_ns ? timeout_ns : 1, NULL);
+	rc = post(sh, lane, fn, payload, len, 0, timeout_ns ? timeout_ns : 1, NULL, NULL);
 	return rc;
 }
 
@@ -926,7 +997,7 @@ int kvr_shard_post_at(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, 
 	 * 39-246 -> 1.4-2.7 us (its spin no longer catches posts it was woken for). */
 	bool lazy;
 	rc = post(sh, lane, fn, buf, sizeof(at_ns) + len, MSG_TIMED, UINT64_MAX,
-	          sh->rt->lazy_ns ? &lazy : NULL);
+	          sh->rt->lazy_ns ? &lazy : NULL, NULL);
 	if (rc)
 		__atomic_fetch_add(&sh->timed_applied, 1, __ATOMIC_RELEASE); /* never runs */
 	return rc;
@@ -937,6 +1008,8 @@ void kvr_shard_thread_costs(struct kvr_post_costs *out)
 	out->full_waits = tls_full_waits;
 	out->wait_sleeps = tls_wait_sleeps;
 	out->futex_wakes = kvr_parker_thread_wakes();
+	out->soft_throttles = tls_throttles;
+	out->soft_spills = tls_spills;
 }
 
 uint64_t kvr_shard_task_time(void)
@@ -1021,7 +1094,7 @@ int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, voi
 	if (__atomic_load_n(&sh->park.state, __ATOMIC_RELAXED) != KVR_PARK_RUNNING)
 		spin = 0;
 	uint64_t t0 = mono_ns();
-	rc = post(sh, lane, call_task, &cp, sizeof(cp), 0, UINT64_MAX, NULL);
+	rc = post(sh, lane, call_task, &cp, sizeof(cp), 0, UINT64_MAX, NULL, NULL);
 	if (rc)
 		return rc;
 	rc = kvr_reply_wait(&c.reply, spin, NULL);
@@ -1151,6 +1224,8 @@ void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *o)
 		o->tasks[k] = __atomic_load_n(&l->run[k], __ATOMIC_RELAXED);
 		o->stalls[k] = __atomic_load_n(&l->stalls[k], __ATOMIC_RELAXED);
 	}
+	o->throttles = __atomic_load_n(&l->throttles, __ATOMIC_RELAXED);
+	o->spills = __atomic_load_n(&l->spills, __ATOMIC_RELAXED);
 	o->maint_wait_max_ns = __atomic_load_n(&l->maint_wait_max_ns, __ATOMIC_RELAXED);
 	o->routing_between_maint_max = __atomic_load_n(&l->routing_between_max, __ATOMIC_RELAXED);
 	o->calls_inline = __atomic_load_n(&sh->calls_inline, __ATOMIC_RELAXED);

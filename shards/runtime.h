@@ -44,6 +44,14 @@ struct kvr_shards_config {
 	size_t n_cpus;
 	/* Capacity of the routing lane, messages.  0 = KVR_DEFAULT_LANE_CAPACITY.  Max 1 << 22. */
 	uint32_t lane_capacity;
+	/* Soft depth of the routing lane, messages; 0 = none (posts fill the ring).  Paced posts
+	 * (kvr_shard_post_paced) that find this many messages in the ring wait while the shard is
+	 * taking messages, and spill into the ring's room above it once the shard has taken none
+	 * for lane_stall_ns.  At or above the ring's capacity: never reached.  Max 1 << 22. */
+	uint32_t lane_soft_depth;
+	/* How long a shard may take no message before paced posts spill past the soft depth.
+	 * 0 = KVR_DEFAULT_LANE_STALL_NS (200 us). */
+	uint64_t lane_stall_ns;
 	/* Capacity of the maintenance lane.  0 = lane_capacity.  Max 1 << 22.  (The router sets
 	 * 255, a 16 KiB ring: it posts nothing there, its timers run in the loop.) */
 	uint32_t maint_capacity;
@@ -90,6 +98,8 @@ struct kvr_shard_stats {
 	uint32_t depth[KVR_LANE_COUNT];     /* messages queued now */
 	uint64_t tasks[KVR_LANE_COUNT];     /* tasks run */
 	uint64_t stalls[KVR_LANE_COUNT];    /* posts that found the lane full */
+	uint64_t throttles;                 /* paced posts that waited at the soft depth */
+	uint64_t spills;                    /* ... that went past it (the shard had stalled) */
 	uint64_t maint_wait_max_ns;         /* longest time maintenance waited behind routing */
 	uint32_t routing_between_maint_max; /* most routing tasks run while maintenance waited */
 	uint64_t calls_inline;              /* kvr_shard_call run inline (caller was the shard) */
@@ -174,6 +184,30 @@ int kvr_shards_unplace(struct kvr_shards *s, uint64_t worker_id);
 int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
                    size_t len);
 
+/* How a paced post went (kvr_shard_post_paced's *how, bits).  SPILLED: it went past the soft
+ * depth (the shard had stalled, or the wait reached its bound). */
+#define KVR_POST_THROTTLED 1u /* it waited at the soft depth */
+#define KVR_POST_SPILLED   2u
+
+/*
+ * Like kvr_shard_post, for work that makes the shard's lane run ahead of what decisions see
+ * (admissions): on the routing lane, a post that finds lane_soft_depth or more messages in the
+ * ring first waits (a spin, yields, then sleeps of up to 64 us) while the shard keeps taking
+ * messages, until the ring is below the soft depth.  If the shard takes none for lane_stall_ns
+ * (a long task, a preempted thread), or another post saw it stalled and it has taken none
+ * since, the post goes into the ring's room above the soft depth at once; a wait also ends in
+ * a spill after KVR_LANE_THROTTLE_MAX_STALLS (10) stall intervals in all.  So a stalled shard
+ * makes no post fail while the ring has room, and a progressing one keeps its lane about
+ * soft-depth deep.  A full ring returns KVR_EAGAIN (counted as a stall) as kvr_shard_post
+ * does.  Posts from shard threads do not wait (a shard waiting on a lane would stop draining
+ * its own).  Sets *how (may be NULL) to KVR_POST_* bits; counted per shard (kvr_shard_stats
+ * throttles, spills) and per thread (kvr_shard_thread_costs).  Returns as kvr_shard_post.
+ * Context: as kvr_shard_post; while waiting the caller is in an RCU read section (at most
+ * lane_stall_ns without progress, 10 x lane_stall_ns in all, plus one sleep).
+ */
+int kvr_shard_post_paced(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                         const void *payload, size_t len, unsigned *how);
+
 /*
  * Like kvr_shard_post, for work that may wait up to lazy_wake_ns (plus the shard's scheduling
  * delay) before it runs: a shard in a bounded park (it ran a message lately, see lazy_wake_ns)
@@ -181,7 +215,13 @@ int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, con
  * A shard parked without a bound is woken as by kvr_shard_post.  Order: as kvr_shard_post (a
  * later post of any kind on the lane runs after it; a woken shard runs it first).  Sets
  * *deferred (may be NULL) to whether the wake was left to the shard.  A full lane wakes the
- * shard and returns KVR_EAGAIN.  Returns as kvr_shard_post.  Context: as kvr_shard_post.
+ * shard and returns KVR_EAGAIN.  It never waits at the soft depth (kvr_shard_post_paced): lazy
+ * posts are lifecycle work, a finish or abort already claimed on its caller's thread, which
+ * must never be refused or held while the ring has room, and whose work (load and blocks
+ * released) is what the next decisions need; they do not make decisions stale as queued
+ * bookings do (the load they release lags, no prefix is recomputed elsewhere), and their number
+ * follows the paced admissions (one end per attempt, outputs at the engine's pace).  Returns as
+ * kvr_shard_post.  Context: as kvr_shard_post.
  */
 int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
                         const void *payload, size_t len, bool *deferred);
@@ -280,12 +320,15 @@ int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns);
 
 /* What the calling thread's posts to shards have cost it so far, counted (the steps that make a
  * post slow, for attributing a caller's latency tail without timing it): posts that found a
- * lane full and waited for room, the sleeps (nanosleep) of those waits, and the FUTEX_WAKEs it
- * issued to wake a parked shard (sync/park.h).  Monotonic per thread.  Context: any thread. */
+ * lane full and waited for room, paced posts that waited at the soft depth and those that
+ * spilled past it, the sleeps (nanosleep) of all those waits, and the FUTEX_WAKEs it issued to
+ * wake a parked shard (sync/park.h).  Monotonic per thread.  Context: any thread. */
 struct kvr_post_costs {
 	uint64_t full_waits;
 	uint64_t wait_sleeps;
 	uint64_t futex_wakes;
+	uint64_t soft_throttles;
+	uint64_t soft_spills;
 };
 void kvr_shard_thread_costs(struct kvr_post_costs *out);
 

@@ -57,6 +57,51 @@ void kvr_lanes_count_stall(struct kvr_lanes *l, enum kvr_lane lane)
 	__atomic_fetch_add(&l->stalls[lane], 1, __ATOMIC_RELAXED);
 }
 
+void kvr_lanes_set_soft_depth(struct kvr_lanes *l, uint32_t soft_depth)
+{
+	l->soft_depth = soft_depth;
+}
+
+uint64_t kvr_lanes_progress(const struct kvr_lanes *l)
+{
+	return __atomic_load_n(&l->run[KVR_LANE_ROUTING], __ATOMIC_RELAXED) +
+	       __atomic_load_n(&l->run[KVR_LANE_MAINT], __ATOMIC_RELAXED);
+}
+
+static enum kvr_lane_soft_step spill(struct kvr_lanes *l)
+{
+	__atomic_fetch_add(&l->spills, 1, __ATOMIC_RELAXED);
+	return KVR_SOFT_SPILL;
+}
+
+enum kvr_lane_soft_step kvr_lanes_soft_check(struct kvr_lanes *l, struct kvr_lane_soft *w,
+                                             uint64_t now_ns, uint64_t stall_ns, uint64_t max_ns)
+{
+	if (!kvr_lanes_over_soft(l, KVR_LANE_ROUTING))
+		return KVR_SOFT_POST;
+	uint64_t p = kvr_lanes_progress(l);
+	if (!w->start_ns) {
+		/* A stall another producer saw, with nothing taken since: spill at once, so a
+		 * stalled consumer costs each later post nothing, not stall_ns each. */
+		if (__atomic_load_n(&l->stall_mark, __ATOMIC_RELAXED) == p + 1)
+			return spill(l);
+		w->progress = p;
+		w->seen_ns = w->start_ns = now_ns ? now_ns : 1;
+		__atomic_fetch_add(&l->throttles, 1, __ATOMIC_RELAXED);
+		return KVR_SOFT_THROTTLE;
+	}
+	if (p != w->progress) {
+		w->progress = p;
+		w->seen_ns = now_ns;
+	} else if (now_ns - w->seen_ns >= stall_ns) {
+		__atomic_store_n(&l->stall_mark, p + 1, __ATOMIC_RELAXED);
+		return spill(l);
+	}
+	if (now_ns - w->start_ns >= max_ns)
+		return spill(l);
+	return KVR_SOFT_THROTTLE;
+}
+
 int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), const void *payload,
                    uint32_t len, uint32_t aux, int count_stall)
 {

@@ -161,11 +161,23 @@ struct kvr_config {
 	 * see the blocks of bookings still in the lanes, so an overloaded router with deep lanes
 	 * recomputes prefixes on other ranks, evicts more and falls further behind; a full lane
 	 * makes the poster wait instead (kvr_lane_full_waits_total), up to 10 ms, then
-	 * KVR_EAGAIN.  The default absorbs a shard's stalls (a long task, preemption); 127 keeps
-	 * an overloaded router's decisions fresher (README "lane capacity") but lets a 10 ms
-	 * stall fail calls.  (The maintenance lane, which the router leaves
-	 * empty, holds 255.) */
+	 * KVR_EAGAIN.  The default absorbs a shard's stalls (a long task, preemption), while
+	 * lane_soft_depth keeps the lane short when the shard is merely behind.  (The maintenance
+	 * lane, which the router leaves empty, holds 255.) */
 	uint32_t lane_capacity;
+	/* Soft depth of each routing lane, messages.  Default 127; 0 = none; range 0..1<<22 (at
+	 * or above lane_capacity it is never reached).  kvr_route's booking post, finding this
+	 * many messages queued, waits (a spin, yields, sleeps of up to 64 us) while the shard is
+	 * taking messages, so an overloaded router's lanes stay about this deep and its
+	 * decisions see fresh bookings (README "lane capacity"); counted in
+	 * kvr_lane_soft_throttles_total.  Once the shard has taken no message for 200 us (one
+	 * long task, a preempted shard), or after 2 ms of waiting in all, the booking goes into
+	 * the ring's room above the soft depth instead (kvr_lane_soft_spills_total; later posts
+	 * spill at once until the shard takes a message), so a stalled shard delays kvr_route by
+	 * at most 200 us and fails it only when the whole lane_capacity is full.  Lifecycle
+	 * calls never wait here: they are claimed already and release what the next decisions
+	 * need.  With sync_booking every call settles instead, so this does not apply. */
+	uint32_t lane_soft_depth;
 	/* Biased scheduler: run one maintenance task at least every maint_every_tasks routing
 	 * tasks (default 64, >= 1) or every maint_every_ns of continuous routing work
 	 * (default 200 us, >= 1). */

@@ -4,8 +4,10 @@
  * kept (each message carries a sequence number that must be the previous one + 1); the biased
  * scheduler's bound (at most K routing tasks while maintenance waits) under a routing flood.
  * First, timers on a virtual clock: each advance fires exactly the due timers on every shard.
- * Also mixes synchronous calls in, churns the placement table (under its mutex), and
- * finally shuts down while producers are still posting.  argv[1] = duration in ms (default 1500).
+ * Also mixes synchronous calls in, churns the placement table (under its mutex), paces half
+ * the routing posts at a soft depth (kvr_shard_post_paced) while some tasks stall the shard for
+ * 2 ms (so posts both throttle and spill, and must still arrive once, in order), and finally
+ * shuts down while producers are still posting.  argv[1] = duration in ms (default 1500).
  * Exit 0 pass, 1 fail.
  */
 #include <pthread.h>
@@ -17,12 +19,14 @@
 
 #include "shards/runtime.h"
 
-#define P      4
-#define S      2
-#define RANKS  16 /* per producer */
-#define K      8
-#define CAP    256
-#define SPIN_T 50000ull /* maint_every_ns */
+#define P           4
+#define S           2
+#define RANKS       16 /* per producer */
+#define K           8
+#define CAP         256
+#define SOFT        32   /* routing lanes' soft depth */
+#define STALL_EVERY 8192 /* producer 0's routing messages stall their shard once per this many */
+#define SPIN_T      50000ull /* maint_every_ns */
 
 struct msg {
 	uint16_t producer, rank;
@@ -53,6 +57,11 @@ static void on_msg(struct kvr_shard *sh, void *payload)
 	}
 	*l = m.seq;
 	__atomic_fetch_add(&received[m.producer], 1, __ATOMIC_RELAXED);
+	if (m.producer == 0 && m.lane == KVR_LANE_ROUTING &&
+	    m.seq % STALL_EVERY == STALL_EVERY - 1) {
+		struct timespec ts = {0, 2000000}; /* a stall: no message taken for 2 ms */
+		nanosleep(&ts, NULL);
+	}
 }
 
 static int on_call(struct kvr_shard *sh, void *arg)
@@ -84,8 +93,15 @@ static void *producer(void *p)
 			else if (rc != KVR_ESHUTDOWN)
 				__atomic_fetch_add(&calls_bad, 1, __ATOMIC_RELAXED);
 		} else {
-			rc = kvr_shard_post_wait(sh, (enum kvr_lane)lane, on_msg, &m, sizeof(m),
-			                         100000000ull);
+			/* Half the routing posts paced, falling back to the full ring's wait as
+			 * kvr_route does. */
+			rc = lane == KVR_LANE_ROUTING && rand_r(&seed) % 2
+			         ? kvr_shard_post_paced(sh, KVR_LANE_ROUTING, on_msg, &m, sizeof(m),
+			                                NULL)
+			         : KVR_EAGAIN;
+			if (rc == KVR_EAGAIN)
+				rc = kvr_shard_post_wait(sh, (enum kvr_lane)lane, on_msg, &m,
+				                         sizeof(m), 100000000ull);
 		}
 		if (rc == 0) {
 			seq[rank][lane]++;
@@ -174,6 +190,7 @@ int main(int argc, char **argv)
 	struct kvr_shards_config c = {0};
 	c.n_shards = S;
 	c.lane_capacity = CAP;
+	c.lane_soft_depth = SOFT;
 	c.maint_every_tasks = K;
 	c.maint_every_ns = SPIN_T;
 	c.max_workers = 64;
@@ -222,13 +239,15 @@ int main(int argc, char **argv)
 	for (uint32_t i = 0; i < S; i++) {
 		struct kvr_shard_stats st;
 		kvr_shard_get_stats(kvr_shards_get(rt, i), &st);
-		printf("shard %u: pinned=%d routing=%llu maint=%llu stalls=%llu/%llu parks=%llu "
-		       "wakes=%llu routing_between_maint_max=%u maint_wait_max_us=%.1f\n",
-		       i, st.pinned, (unsigned long long)st.tasks[0],
-		       (unsigned long long)st.tasks[1], (unsigned long long)st.stalls[0],
-		       (unsigned long long)st.stalls[1], (unsigned long long)st.parks,
-		       (unsigned long long)st.wakes, st.routing_between_maint_max,
-		       st.maint_wait_max_ns / 1e3);
+		printf(
+		    "shard %u: pinned=%d routing=%llu maint=%llu stalls=%llu/%llu throttles=%llu "
+		    "spills=%llu parks=%llu "
+		    "wakes=%llu routing_between_maint_max=%u maint_wait_max_us=%.1f\n",
+		    i, st.pinned, (unsigned long long)st.tasks[0], (unsigned long long)st.tasks[1],
+		    (unsigned long long)st.stalls[0], (unsigned long long)st.stalls[1],
+		    (unsigned long long)st.throttles, (unsigned long long)st.spills,
+		    (unsigned long long)st.parks, (unsigned long long)st.wakes,
+		    st.routing_between_maint_max, st.maint_wait_max_ns / 1e3);
 		/* The bound: at most K routing tasks while maintenance waits.  (The time bound,
 		 * every_ns plus one task, is reported, not asserted: preemption on a shared
 		 * 2-core runner can stretch any window.) */

@@ -28,6 +28,7 @@ Test(config, defaults_documented)
 	cr_assert_null(c.now_ns);
 	cr_assert_null(c.clock_ctx);
 	cr_assert_eq(c.lane_capacity, 4095);
+	cr_assert_eq(c.lane_soft_depth, 127);
 	cr_assert_eq(c.maint_every_tasks, 64);
 	cr_assert_eq(c.maint_every_ns, 200000);
 	cr_assert_eq(c.shard_idle_spin_ns, 50000, "50 us, as documented (the runtime agrees)");
@@ -45,6 +46,7 @@ Test(config, defaults_documented)
 	cr_assert_gt(g.n_shards, 0);
 	cr_assert_eq(g.shard_idle_spin_ns, 50000);
 	cr_assert_eq(g.lane_capacity, 4095);
+	cr_assert_eq(g.lane_soft_depth, 127);
 	cr_assert_eq(g.seed, c.seed);
 	kvr_router_destroy(r);
 	kvr_config_init(NULL); /* no-op, no crash */
@@ -78,6 +80,7 @@ Test(config, impossible_values_rejected)
 	BAD(max_ranks, 70000, KVR_ERANGE);
 	BAD(lane_capacity, 1, KVR_ERANGE);
 	BAD(lane_capacity, (1u << 22) + 1, KVR_ERANGE);
+	BAD(lane_soft_depth, (1u << 22) + 1, KVR_ERANGE);
 	BAD(maint_every_tasks, 0, KVR_EINVAL);
 	BAD(maint_every_ns, 0, KVR_EINVAL);
 	cr_assert_eq(kvr_config_validate(NULL), KVR_EINVAL);
