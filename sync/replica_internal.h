@@ -70,10 +70,11 @@ struct kvr_rep_rec {
 /* An own attempt's end whose note found the outbound queue full for longer than a note waits
  * (sync/replica_out.c, out_push): kept on a lock-free stack the sender drains, so that an end
  * is never dropped while memory lasts. */
-struct kvr_rep_end {
-	struct kvr_rep_end *next;
-	uint64_t attempt;
-	int op; /* KVR_OP_FINISH or KVR_OP_ABORT */
+/* A note kept aside because the outbound queue was full (sync/replica_out.c: note_keep): the
+ * queue message it would have been, owning what that owns. */
+struct kvr_rep_kept {
+	struct kvr_rep_kept *next;
+	struct kvr_msg m;
 };
 
 /* An own attempt whose end came before its admission (sync/replica_early.c). */
@@ -163,11 +164,11 @@ struct kvr_replica {
 	uint64_t burst_ns; /* sender thread: when the current burst was dequeued (tracing) */
 	pthread_t out_thread;
 	bool out_started;
-	bool out_stop;              /* atomic: the sender exits once the ring is empty */
-	uint64_t flush_req;         /* atomic: outbound flush tickets handed out */
-	uint64_t out_dropped;       /* atomic: notes lost before the queue (no memory, ring full) */
-	uint64_t in_dropped;        /* atomic: deliveries lost for memory (kvr_replica_deliver) */
-	struct kvr_rep_end *ends;   /* atomic: ends that found the queue full, newest first */
+	bool out_stop;             /* atomic: the sender exits once the ring is empty */
+	uint64_t flush_req;        /* atomic: outbound flush tickets handed out */
+	uint64_t out_dropped;      /* atomic: notes lost before the queue (no memory, ring full) */
+	uint64_t in_dropped;       /* atomic: deliveries lost for memory (kvr_replica_deliver) */
+	struct kvr_rep_kept *kept; /* atomic: notes kept aside (the queue was full), newest first */
 	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
 	/* Under mu (the sender): own attempts whose end was noted before their admission (a
 	 * posted booking the shard dropped at once, told as an expiry while the routing thread

@@ -232,7 +232,20 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * 300 us of empty polls instead was tried (ad882f6): at 1000 admissions/s it spared most of the
  * ten empty polls per admission, but every admission then paid the wake-up on the routing
  * thread: bench_sync sync_route_paced p50 8.7-9.8 us -> 14.0-18.9 us (3 runs each, loaded
- * machine), so the routing path keeps the linger. */
+ * machine), so the routing path keeps the linger.
+ *
+ * A full queue.  The sender stalled (a publish blocked on a stalled connection; nothing else
+ * holds it: while disconnected it takes notes and counts them unpublished) leaves notes no
+ * room.  A note waits OUT_FULL_WAIT_NS for room, then is kept aside (note_keep: a list the
+ * sender takes whole once the queue is empty), and so is every note made while any is kept, so
+ * they stay in order: a note made after another returned is handled after it.  Before, every
+ * note but an end was dropped (counted unpublished) after its wait, and nothing healed it: the
+ * origin's tables never saw it either, so neither a re-announce nor a snapshot carried it (a
+ * lost admission was never mirrored, lost output or prefill left the peers' load short for the
+ * attempt's life, a lost rank change stayed lost for good: test_replica_oom
+ * notes_not_dropped_by_a_full_queue).  What is kept is bounded only by memory while the sender
+ * stays stalled: 80 B a note plus what it owns (an admission's record, output tokens beyond
+ * OUT_INLINE); only a note that cannot be kept for memory is dropped (counted unpublished). */
 
 enum {
 	OUT_ADMIT = 1,
@@ -247,7 +260,7 @@ enum {
 #define OUT_BURST        32
 #define OUT_POLL_NS      100000ull
 #define OUT_LINGER_NS    1000000ull
-#define OUT_FULL_WAIT_NS 100000000ull /* a full ring waits this long, then the note is dropped */
+#define OUT_FULL_WAIT_NS 100000000ull /* a full ring waits this long, then the note is kept */
 
 struct out_progress {
 	uint64_t attempt;
@@ -290,66 +303,75 @@ static void out_discard(struct kvr_replica *rep, const struct kvr_msg *m)
 	}
 }
 
-/* Keeps an end that found the queue full on rep->ends (Treiber stack; the sender takes the
- * whole stack at once, so there is no ABA).  False without memory. */
-static bool end_keep(struct kvr_replica *rep, const struct out_progress *p)
+static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
+
+/* Keeps a note aside (Treiber stack; the sender takes the whole stack at once, so there is no
+ * ABA), or drops it (counted unpublished) without memory. */
+static void note_keep(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
 {
-	struct kvr_rep_end *e = kvr_alloc(sizeof(*e));
-	if (!e)
-		return false;
-	e->attempt = p->attempt;
-	e->op = p->op;
-	e->next = __atomic_load_n(&rep->ends, __ATOMIC_RELAXED);
-	while (!__atomic_compare_exchange_n(&rep->ends, &e->next, e, true, __ATOMIC_RELEASE,
+	struct kvr_rep_kept *k = kvr_alloc(sizeof(*k));
+	if (!k) {
+		struct kvr_msg m = {.aux = kind};
+		memcpy(m.payload, payload, len);
+		out_discard(rep, &m);
+		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+		return;
+	}
+	k->m.fn = NULL;
+	k->m.len = len;
+	k->m.aux = kind;
+	memcpy(k->m.payload, payload, len);
+	k->next = __atomic_load_n(&rep->kept, __ATOMIC_RELAXED);
+	while (!__atomic_compare_exchange_n(&rep->kept, &k->next, k, true, __ATOMIC_RELEASE,
 	                                    __ATOMIC_RELAXED))
 		;
-	return true;
+	kvr_parker_wake_asym(&rep->out_park);
 }
 
-/* Handles the kept ends, oldest first, once the queue is empty (every note made before them is
- * handled by then; a note's thread made its end after its admission and output).  Unbounded
- * only in memory while the sender stays behind.  Context: the sender, mu held. */
-static void ends_drain(struct kvr_replica *rep)
+/* Handles the kept notes, oldest first, once the queue is empty (every note made before them is
+ * handled by then, and every note made after them was kept too).  Returns the highest flush
+ * ticket among them (0 if none).  Context: the sender, mu held. */
+static uint64_t kept_drain(struct kvr_replica *rep)
 {
-	struct kvr_rep_end *e = __atomic_exchange_n(&rep->ends, NULL, __ATOMIC_ACQUIRE),
-	                   *old = NULL;
-	while (e) { /* reverse: oldest first */
-		struct kvr_rep_end *nx = e->next;
-		e->next = old;
-		old = e;
-		e = nx;
+	struct kvr_rep_kept *k = __atomic_exchange_n(&rep->kept, NULL, __ATOMIC_ACQUIRE),
+	                    *old = NULL;
+	while (k) { /* reverse: oldest first */
+		struct kvr_rep_kept *nx = k->next;
+		k->next = old;
+		old = k;
+		k = nx;
 	}
+	uint64_t ticket = 0;
 	while (old) {
-		struct kvr_rep_end *nx = old->next;
-		out_progress(rep, old->attempt, old->op, NULL, 0, false);
+		struct kvr_rep_kept *nx = old->next;
+		uint64_t t = out_one(rep, &old->m);
+		if (t > ticket)
+			ticket = t;
 		kvr_free(old, sizeof(*old));
 		old = nx;
 	}
+	return ticket;
+}
+
+/* Whether notes are kept aside: a note made now is kept too, after them.  Relaxed: a note
+ * made after a keep returned (on any thread, ordered by the caller) reads the kept stack or
+ * the sender's exchange that took it, which handles the taken notes before it dequeues again. */
+static bool keeping(const struct kvr_replica *rep)
+{
+	return __atomic_load_n(&rep->kept, __ATOMIC_RELAXED) != NULL;
 }
 
 static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
 {
 	uint64_t t0 = 0;
-	while (!kvr_ring_enqueue(&rep->outq, NULL, payload, len, kind)) {
-		/* Full: the sender is far behind (a stalled connection).  Wait a while, then drop
-		 * the note (counted as unpublished) rather than stall routing for good; but an end
-		 * is kept aside for the sender (lost, it would leave its attempt live in our tables
-		 * and mirrored on every peer for good). */
+	while (keeping(rep) || !kvr_ring_enqueue(&rep->outq, NULL, payload, len, kind)) {
+		/* Full: the sender is far behind (a stalled connection).  Wait a while, then keep
+		 * the note aside for the sender rather than stall routing for good. */
 		uint64_t now = kvr_rep_mono_ns();
-		if (!t0) {
+		if (!t0 && !keeping(rep)) {
 			t0 = now;
-		} else if (now - t0 > OUT_FULL_WAIT_NS) {
-			struct kvr_msg m = {.aux = kind};
-			memcpy(m.payload, payload, len);
-			struct out_progress p;
-			memcpy(&p, m.payload, sizeof(p) < len ? sizeof(p) : len);
-			if (kind == OUT_PROGRESS &&
-			    (p.op == KVR_OP_FINISH || p.op == KVR_OP_ABORT) && end_keep(rep, &p)) {
-				kvr_parker_wake_asym(&rep->out_park);
-				return;
-			}
-			out_discard(rep, &m);
-			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+		} else if (keeping(rep) || now - t0 > OUT_FULL_WAIT_NS) {
+			note_keep(rep, kind, payload, len);
 			return;
 		}
 		kvr_parker_wake_asym(&rep->out_park);
@@ -477,9 +499,11 @@ static bool note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_a
 void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 {
 	struct kvr_replica *rep = ctx;
-	if (a->n <= OUT_SLAB_BLOCKS && a->tail_n <= OUT_SLAB_TAIL && note_admit_reserved(rep, a))
+	if (a->n <= OUT_SLAB_BLOCKS && a->tail_n <= OUT_SLAB_TAIL && !keeping(rep) &&
+	    note_admit_reserved(rep, a))
 		return;
-	/* Too large for a slab, or the ring is full: a record; out_push waits for room. */
+	/* Too large for a slab, the ring is full or notes are kept: a record; out_push waits for
+	 * room or keeps it. */
 	struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail);
 	if (!x) {
 		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
@@ -569,7 +593,6 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 	case OUT_FLUSH: {
 		uint64_t ticket;
 		memcpy(&ticket, m->payload, sizeof(ticket));
-		ends_drain(rep); /* kept ends were made before the flush too */
 		return ticket;
 	}
 	}
@@ -592,18 +615,14 @@ static void *out_main(void *arg)
 			continue;
 		}
 		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
-		if (!n && __atomic_load_n(&rep->ends, __ATOMIC_RELAXED)) {
-			/* Once the queue is empty: every note made before the ends is handled. */
-			pthread_mutex_lock(&rep->mu);
-			ends_drain(rep);
-			kvr_rep_stream_flush(rep);
-			pthread_mutex_unlock(&rep->mu);
-		}
-		if (n) {
+		bool kept = !n && keeping(rep); /* the queue is empty: their turn */
+		if (n || kept) {
 			uint64_t ticket = 0;
 			if (kvr_rep_tracing(rep->c.replica_id))
 				rep->burst_ns = kvr_rep_mono_ns();
 			pthread_mutex_lock(&rep->mu);
+			if (kept)
+				ticket = kept_drain(rep);
 			for (uint32_t i = 0; i < n; i++) {
 				uint64_t t = out_one(rep, &batch[i]);
 				if (t > ticket)
@@ -632,7 +651,7 @@ static void *out_main(void *arg)
 			continue;
 		}
 		kvr_parker_prepare_asym(&rep->out_park);
-		if (kvr_ring_depth(&rep->outq) || __atomic_load_n(&rep->ends, __ATOMIC_RELAXED) ||
+		if (kvr_ring_depth(&rep->outq) || keeping(rep) ||
 		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
 			kvr_parker_cancel(&rep->out_park);
 			continue;
@@ -704,11 +723,12 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 		return;
 	while (kvr_ring_dequeue(&rep->outq, &m))
 		out_discard(rep, &m);
-	for (struct kvr_rep_end *e = rep->ends, *nx; e; e = nx) {
-		nx = e->next;
-		kvr_free(e, sizeof(*e));
+	for (struct kvr_rep_kept *k = rep->kept, *nx; k; k = nx) {
+		nx = k->next;
+		out_discard(rep, &k->m);
+		kvr_free(k, sizeof(*k));
 	}
-	rep->ends = NULL;
+	rep->kept = NULL;
 	kvr_ring_fini(&rep->outq);
 	kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
 	rep->slabs = NULL;
