@@ -50,7 +50,8 @@
  * and the previous defaults, in one run.
  *
  * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT
- *          | --tput L PAT | --mem-only | --mem-sweep
+ *          | --tput L PAT (find_matches, find_depths, and find_depths cold and warm) | --mem-only
+ *          | --mem-sweep
  *          | --churn [N admissions per mode, default 4000] [--churn-mode once|incr|old]]
  */
 #include <pthread.h>
@@ -582,9 +583,24 @@ static void bench_reader_writer(int ms)
 	free(rw_ps);
 }
 
-/* --cg L PAT: build one (L, pattern) index and run 1000 queries and 1000 hashes, for
- * valgrind --tool=callgrind (instructions per call of kvr_index_find_matches and
- * kvr_hash_blocks, the noise-free form of the match/hash ratio). */
+/* n find_depths queries (kvr_route's lookup) on random prompts of ps[0..np), each inside a
+ * read section, the depth array cleared after each as the router does. */
+static void depths_queries(const struct kvr_index *idx, const struct path *ps, int np, long n)
+{
+	uint32_t depth[RANKS] = {0}, slots[RANKS], best;
+	for (long i = 0; i < n; i++) {
+		const struct path *p = &ps[rnd() % (uint64_t)np];
+		kvr_rcu_read_lock();
+		size_t k = kvr_index_find_depths(idx, p->seq, p->L, depth, slots, &best);
+		kvr_rcu_read_unlock();
+		for (size_t j = 0; j < k; j++)
+			depth[slots[j]] = 0;
+	}
+}
+
+/* --cg L PAT: build one (L, pattern) index and run 1000 queries of each reader and 1000
+ * hashes, for valgrind --tool=callgrind (instructions per call of kvr_index_find_matches,
+ * kvr_index_find_depths and kvr_hash_blocks, the noise-free form of the match/hash ratio). */
 static void cg_mode(size_t L, int pat)
 {
 	int np = prompts_for(L, pat);
@@ -595,10 +611,52 @@ static void cg_mode(size_t L, int pat)
 		apply_pattern(idx, slot, &ps[i], pat, i);
 	uint64_t m50, m99;
 	match_lat(idx, ps, np, 1000, &m50, &m99);
+	depths_queries(idx, ps, np, 1000);
 	uint64_t h = hash_p50(&ps[0], 1000);
 	printf("cg L=%zu pattern=%c (timings under valgrind are meaningless: %lu %lu)\n", L,
 	       "abcde"[pat], (unsigned long)m99, (unsigned long)h);
 	kvr_index_destroy(idx);
+}
+
+/* The latency view of find_depths: back-to-back queries (tput) overlap one query's misses
+ * with the next's work and find every line in L1/L2; kvr_route's lookup finds the index's
+ * lines elsewhere (the shards rewrote them while it hashed), so its time is the chain of
+ * dependent misses.  Here each query runs after a walk over a 4 MiB buffer (twice L2) evicted
+ * the index from L1 and L2 (into L3), the prompt's hashes touched again (kvr_route has just
+ * written them), and is timed alone (cold), then repeated at once (warm).  p50 / p99 each. */
+static void cold_lat(const struct kvr_index *idx, const struct path *ps, int np, int pat, int reps)
+{
+	enum { EVICT = 4 << 20 };
+	volatile uint64_t *buf = calloc(EVICT / 8, 8);
+	uint64_t *cold = malloc((size_t)reps * sizeof(uint64_t));
+	uint64_t *warm = malloc((size_t)reps * sizeof(uint64_t));
+	uint32_t depth[RANKS] = {0}, slots[RANKS], best;
+	uint64_t sink = 0;
+	for (int i = 0; i < reps; i++) {
+		const struct path *p = &ps[rnd() % (uint64_t)np];
+		for (size_t j = 0; j < EVICT / 8; j += 8)
+			buf[j] += 1;
+		for (size_t j = 0; j < p->L; j++)
+			sink += p->seq[j];
+		for (int w = 0; w < 2; w++) {
+			uint64_t t0 = now_ns();
+			kvr_rcu_read_lock();
+			size_t k = kvr_index_find_depths(idx, p->seq, p->L, depth, slots, &best);
+			kvr_rcu_read_unlock();
+			(w ? warm : cold)[i] = now_ns() - t0;
+			for (size_t j = 0; j < k; j++)
+				depth[slots[j]] = 0;
+		}
+	}
+	const uint64_t c50 = pctl(cold, (size_t)reps, 500), c99 = pctl(cold, (size_t)reps, 990);
+	const uint64_t w50 = pctl(warm, (size_t)reps, 500), w99 = pctl(warm, (size_t)reps, 990);
+	printf("SUMMARY bench=index_lat_depths L=%zu pattern=%c queries=%d cold_p50_ns=%lu "
+	       "cold_p99_ns=%lu warm_p50_ns=%lu warm_p99_ns=%lu (%lu)\n",
+	       ps[0].L, "abcde"[pat], reps, (unsigned long)c50, (unsigned long)c99,
+	       (unsigned long)w50, (unsigned long)w99, (unsigned long)(sink & 1));
+	free((void *)buf);
+	free(cold);
+	free(warm);
 }
 
 /* --tput L PAT: mean find_matches time over back-to-back queries (the best of 7 rounds of Q
@@ -629,6 +687,17 @@ static void tput_mode(size_t L, int pat)
 	}
 	printf("SUMMARY bench=index_tput L=%zu pattern=%c queries=%ld mean_ns_per_query=%.1f\n", L,
 	       "abcde"[pat], nq, (double)best / (double)nq);
+	best = UINT64_MAX;
+	for (int round = 0; round < 7; round++) {
+		uint64_t t0 = now_ns();
+		depths_queries(idx, ps, np, nq);
+		uint64_t d = now_ns() - t0;
+		best = d < best ? d : best;
+	}
+	printf("SUMMARY bench=index_tput_depths L=%zu pattern=%c queries=%ld "
+	       "mean_ns_per_query=%.1f\n",
+	       L, "abcde"[pat], nq, (double)best / (double)nq);
+	cold_lat(idx, ps, np, pat, L == 8192 ? 1000 : 3000);
 	kvr_index_destroy(idx);
 	for (int i = 0; i < np; i++)
 		free_path(&ps[i]);
