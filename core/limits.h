@@ -56,8 +56,8 @@
  * the ring.  200 us: longer than one booking of the longest prompts measured (a 128k-token
  * booking, ~60 us of shard time), so a shard busy with long bookings is not taken for a stalled
  * one; short against the 10 ms full-lane bound and a scheduler slice (1-4 ms), so a preempted
- * shard costs one poster 200 us and the posts after it nothing (they spill at once until the
- * shard takes a message).  KVR_LANE_THROTTLE_MAX_STALLS bounds one post's wait when other
- * posters keep taking the room the shard makes. */
+ * shard costs a poster at most 200 us, and nothing once it has been stalled that long (the
+ * shard stamps each take: sync/lane.h).  KVR_LANE_THROTTLE_MAX_STALLS bounds one post's wait when
+ * other posters keep taking the room the shard makes. */
 
 #endif /* KVR_CORE_LIMITS_H */

@@ -46,6 +46,8 @@
  * usage: bench_route [--ms N per config] [--lengths 2048,8192,...] [--ranks N] [--shards N]
  *                    [--capacity BLOCKS] [--sync-booking 0|1] [--threads-max N] [--rate R]
  *                    [--lane-capacity N] (kvr_config.lane_capacity)
+ *                    [--soft-depth N] (kvr_config.lane_soft_depth; 0 = off; SUMMARY: the
+ *                    bookings per route that waited at it and that spilled past it)
  *                    [--spin-us US] (shard_idle_spin_ns: how long an idle shard polls before it
  *                    parks; paced runs with a spin longer than the gap never wake a shard)
  *                    [--iters N] (each thread stops after N routes, or at --ms: the same work
@@ -311,9 +313,10 @@ static void tail_why(const struct samples *v, const struct samples *why, double 
 }
 
 static bool sync_booking;
-static long spin_us = -1; /* --spin-us: kvr_config.shard_idle_spin_ns in us; -1 = default */
-static uint64_t capacity; /* 0: 8 prompts' worth of blocks per rank */
-static uint32_t lane_cap; /* --lane-capacity: kvr_config.lane_capacity; 0 = default */
+static long spin_us = -1;    /* --spin-us: kvr_config.shard_idle_spin_ns in us; -1 = default */
+static uint64_t capacity;    /* 0: 8 prompts' worth of blocks per rank */
+static uint32_t lane_cap;    /* --lane-capacity: kvr_config.lane_capacity; 0 = default */
+static long soft_depth = -1; /* --soft-depth: kvr_config.lane_soft_depth; -1 = default */
 static uint32_t n_ranks = 64, n_shards = 2;
 static int threads_max = 2;
 
@@ -350,6 +353,8 @@ static void bench(int threads, double ms)
 		c.shard_idle_spin_ns = (uint64_t)spin_us * 1000;
 	if (lane_cap)
 		c.lane_capacity = lane_cap;
+	if (soft_depth >= 0)
+		c.lane_soft_depth = (uint32_t)soft_depth;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
@@ -394,6 +399,8 @@ static void bench(int threads, double ms)
 	uint64_t rb0 = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS);
 	uint64_t ov0 = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS);
 	uint64_t lw0 = kvr_metrics_counter(r->metrics, KVR_C_LANE_FULL_WAITS);
+	uint64_t th0 = kvr_metrics_counter(r->metrics, KVR_C_LANE_SOFT_THROTTLES);
+	uint64_t sp0 = kvr_metrics_counter(r->metrics, KVR_C_LANE_SOFT_SPILLS);
 	uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(ms * 1e6);
 	atomic_store(&done, 0);
 	atomic_store(&go, 1);
@@ -438,6 +445,8 @@ static void bench(int threads, double ms)
 	uint64_t routed_blocks = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS) - rb0;
 	uint64_t overlap = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS) - ov0;
 	uint64_t lane_waits = kvr_metrics_counter(r->metrics, KVR_C_LANE_FULL_WAITS) - lw0;
+	uint64_t throttles = kvr_metrics_counter(r->metrics, KVR_C_LANE_SOFT_THROTTLES) - th0;
+	uint64_t spills = kvr_metrics_counter(r->metrics, KVR_C_LANE_SOFT_SPILLS) - sp0;
 	uint64_t cpu0 = s0.busy_ns, cpu1 = s1.busy_ns;
 	/* What one shard core books per second of its own busy CPU (all its work: lanes,
 	 * maintenance, parking, but not the idle polling before it parks): the shards' capacity,
@@ -465,7 +474,8 @@ static void bench(int threads, double ms)
 	       "own_ratio=%.2f finish_p50_ns=%llu finish_p99_ns=%llu "
 	       "routes_s=%.0f shard_tasks_s_per_shard=%.0f shard_tasks_per_cpu_s=%.0f "
 	       "lane_depth_max=%llu "
-	       "lane_depth_mean=%.1f lane_full=%llu lane_waits_per_route=%.3f "
+	       "lane_depth_mean=%.1f lane_full=%llu lane_waits_per_route=%.3f soft_depth=%u "
+	       "soft_throttles_per_route=%.4f soft_spills_per_route=%.4f "
 	       "shard_wakes_per_route=%.3f "
 	       "shard_wakes_deferred_per_route=%.3f shard_busy_us_per_route=%.2f "
 	       "shard_spin_us_per_route=%.2f evicted_per_route=%.1f overlap_frac=%.3f "
@@ -485,6 +495,8 @@ static void bench(int threads, double ms)
 	       (double)tasks / ((double)drained * 1e-9) / ns, per_cpu_s,
 	       (unsigned long long)depth_max, samples ? (double)depth_sum / (double)samples : 0.0,
 	       (unsigned long long)full, n ? (double)lane_waits / (double)n : 0.0,
+	       c.lane_soft_depth, n ? (double)throttles / (double)n : 0.0,
+	       n ? (double)spills / (double)n : 0.0,
 	       n ? (double)(s1.wakes - s0.wakes) / (double)n : 0.0,
 	       n ? (double)(s1.deferred - s0.deferred) / (double)n : 0.0,
 	       n ? (double)(s1.busy_ns - s0.busy_ns) * 1e-3 / (double)n : 0.0,
@@ -530,6 +542,8 @@ int main(int argc, char **argv)
 			spin_us = atol(argv[i + 1]);
 		else if (!strcmp(argv[i], "--lane-capacity"))
 			lane_cap = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--soft-depth"))
+			soft_depth = atol(argv[i + 1]);
 		else if (!strcmp(argv[i], "--iters"))
 			iters = strtoull(argv[i + 1], NULL, 10);
 		else if (!strcmp(argv[i], "--rate"))

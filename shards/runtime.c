@@ -858,8 +858,10 @@ static int pace(struct kvr_shard *sh, unsigned *how)
 	struct kvr_lane_soft w = {0};
 	uint64_t sleep_ns = 1000;
 	for (uint32_t k = 0;; k++) {
+		/* The lanes' clock: the one the shard stamps its takes with. */
+		uint64_t now = sh->lanes.now(sh->lanes.now_ctx);
 		enum kvr_lane_soft_step st =
-		    kvr_lanes_soft_check(&sh->lanes, &w, mono_ns(), sh->rt->stall_ns,
+		    kvr_lanes_soft_check(&sh->lanes, &w, now, sh->rt->stall_ns,
 		                         sh->rt->stall_ns * KVR_LANE_THROTTLE_MAX_STALLS);
 		if (st == KVR_SOFT_SPILL) {
 			*how |= KVR_POST_SPILLED;

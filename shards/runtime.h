@@ -193,17 +193,17 @@ int kvr_shard_post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, con
  * Like kvr_shard_post, for work that makes the shard's lane run ahead of what decisions see
  * (admissions): on the routing lane, a post that finds lane_soft_depth or more messages in the
  * ring first waits (a spin, yields, then sleeps of up to 64 us) while the shard keeps taking
- * messages, until the ring is below the soft depth.  If the shard takes none for lane_stall_ns
- * (a long task, a preempted thread), or another post saw it stalled and it has taken none
- * since, the post goes into the ring's room above the soft depth at once; a wait also ends in
- * a spill after KVR_LANE_THROTTLE_MAX_STALLS (10) stall intervals in all.  So a stalled shard
- * makes no post fail while the ring has room, and a progressing one keeps its lane about
- * soft-depth deep.  A full ring returns KVR_EAGAIN (counted as a stall) as kvr_shard_post
- * does.  Posts from shard threads do not wait (a shard waiting on a lane would stop draining
- * its own).  Sets *how (may be NULL) to KVR_POST_* bits; counted per shard (kvr_shard_stats
- * throttles, spills) and per thread (kvr_shard_thread_costs).  Returns as kvr_shard_post.
- * Context: as kvr_shard_post; while waiting the caller is in an RCU read section (at most
- * lane_stall_ns without progress, 10 x lane_stall_ns in all, plus one sleep).
+ * messages, until the ring is below the soft depth.  Once the shard has taken none for
+ * lane_stall_ns (a long task, a preempted thread; judged by the time of its last take, so a
+ * post that finds the shard stalled that long already does not wait), the post goes into the
+ * ring's room above the soft depth; a wait also ends in a spill after KVR_LANE_THROTTLE_MAX_STALLS
+ * (10) stall intervals in all.  So a stalled shard makes no post fail while the ring has room, and
+ * a progressing one keeps its lane about soft-depth deep.  A full ring returns KVR_EAGAIN (counted
+ * as a stall) as kvr_shard_post does.  Posts from shard threads do not wait (a shard waiting on a
+ * lane would stop draining its own).  Sets *how (may be NULL) to KVR_POST_* bits; counted per shard
+ * (kvr_shard_stats throttles, spills) and per thread (kvr_shard_thread_costs).  Returns as
+ * kvr_shard_post. Context: as kvr_shard_post; while waiting the caller is in an RCU read section
+ * (at most lane_stall_ns without progress, 10 x lane_stall_ns in all, plus one sleep).
  */
 int kvr_shard_post_paced(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
                          const void *payload, size_t len, unsigned *how);

@@ -1,8 +1,9 @@
 /*
  * sync/lane.c - the biased two-lane scheduler (policy and invariants in lane.h).
  *
- * The clock is read only while a starvation window is open (the maintenance lane is non-empty
- * while routing work keeps coming), so a routing-only flood pays no clock reads.
+ * The clock is read while a starvation window is open (the maintenance lane is non-empty while
+ * routing work keeps coming), and on every take when a soft depth is set (the stamp producers
+ * judge a stall by), so a routing-only flood without one pays no clock reads.
  */
 #include "sync/lane.h"
 
@@ -62,12 +63,6 @@ void kvr_lanes_set_soft_depth(struct kvr_lanes *l, uint32_t soft_depth)
 	l->soft_depth = soft_depth;
 }
 
-uint64_t kvr_lanes_progress(const struct kvr_lanes *l)
-{
-	return __atomic_load_n(&l->run[KVR_LANE_ROUTING], __ATOMIC_RELAXED) +
-	       __atomic_load_n(&l->run[KVR_LANE_MAINT], __ATOMIC_RELAXED);
-}
-
 static enum kvr_lane_soft_step spill(struct kvr_lanes *l)
 {
 	__atomic_fetch_add(&l->spills, 1, __ATOMIC_RELAXED);
@@ -79,23 +74,17 @@ enum kvr_lane_soft_step kvr_lanes_soft_check(struct kvr_lanes *l, struct kvr_lan
 {
 	if (!kvr_lanes_over_soft(l, KVR_LANE_ROUTING))
 		return KVR_SOFT_POST;
-	uint64_t p = kvr_lanes_progress(l);
+	/* 0: the consumer found its lanes empty last, so it is waking up (or about to: a post
+	 * woke it) rather than stuck in a task; its stall is timed from this post's first look. */
+	uint64_t from = __atomic_load_n(&l->last_take_ns, __ATOMIC_RELAXED);
+	if (!from)
+		from = w->start_ns ? w->start_ns : now_ns;
+	if (now_ns > from && now_ns - from >= stall_ns)
+		return spill(l);
 	if (!w->start_ns) {
-		/* A stall another producer saw, with nothing taken since: spill at once, so a
-		 * stalled consumer costs each later post nothing, not stall_ns each. */
-		if (__atomic_load_n(&l->stall_mark, __ATOMIC_RELAXED) == p + 1)
-			return spill(l);
-		w->progress = p;
-		w->seen_ns = w->start_ns = now_ns ? now_ns : 1;
+		w->start_ns = now_ns ? now_ns : 1;
 		__atomic_fetch_add(&l->throttles, 1, __ATOMIC_RELAXED);
 		return KVR_SOFT_THROTTLE;
-	}
-	if (p != w->progress) {
-		w->progress = p;
-		w->seen_ns = now_ns;
-	} else if (now_ns - w->seen_ns >= stall_ns) {
-		__atomic_store_n(&l->stall_mark, p + 1, __ATOMIC_RELAXED);
-		return spill(l);
 	}
 	if (now_ns - w->start_ns >= max_ns)
 		return spill(l);
@@ -151,6 +140,14 @@ static bool take_routing(struct kvr_lanes *l, struct kvr_msg *out)
 	return true;
 }
 
+/* The stamp of a take (soft depth set): producers at the soft depth judge a stall by it. */
+static void stamp(struct kvr_lanes *l, uint64_t now)
+{
+	if (l->soft_depth)
+		__atomic_store_n(&l->last_take_ns, now ? now : l->now(l->now_ctx),
+		                 __ATOMIC_RELAXED);
+}
+
 int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
 {
 	struct kvr_ring *maint = &l->ring[KVR_LANE_MAINT];
@@ -164,6 +161,7 @@ int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
 		if (l->streak >= l->every_tasks || open_ns >= l->every_ns) {
 			if (kvr_ring_dequeue(maint, out)) {
 				took_maint(l, now);
+				stamp(l, now);
 				return KVR_LANE_MAINT;
 			}
 		}
@@ -172,12 +170,17 @@ int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out)
 		if (l->window_from)
 			l->streak++;
 		bump(&l->run[KVR_LANE_ROUTING]);
+		stamp(l, 0);
 		return KVR_LANE_ROUTING;
 	}
 	if (kvr_ring_dequeue(maint, out)) {
-		took_maint(l, l->window_from ? l->now(l->now_ctx) : 0);
+		uint64_t now = l->window_from ? l->now(l->now_ctx) : 0;
+		took_maint(l, now);
+		stamp(l, now);
 		return KVR_LANE_MAINT;
 	}
+	if (l->soft_depth && __atomic_load_n(&l->last_take_ns, __ATOMIC_RELAXED))
+		__atomic_store_n(&l->last_take_ns, 0, __ATOMIC_RELAXED); /* idle: no stall */
 	return -1;
 }
 

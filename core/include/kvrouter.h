@@ -172,8 +172,8 @@ struct kvr_config {
 	 * decisions see fresh bookings (README "lane capacity"); counted in
 	 * kvr_lane_soft_throttles_total.  Once the shard has taken no message for 200 us (one
 	 * long task, a preempted shard), or after 2 ms of waiting in all, the booking goes into
-	 * the ring's room above the soft depth instead (kvr_lane_soft_spills_total; later posts
-	 * spill at once until the shard takes a message), so a stalled shard delays kvr_route by
+	 * the ring's room above the soft depth instead (kvr_lane_soft_spills_total; at once when
+	 * the shard has been stalled that long already), so a stalled shard delays kvr_route by
 	 * at most 200 us and fails it only when the whole lane_capacity is full.  Lifecycle
 	 * calls never wait here: they are claimed already and release what the next decisions
 	 * need.  With sync_booking every call settles instead, so this does not apply. */

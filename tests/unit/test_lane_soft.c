@@ -23,66 +23,80 @@ static void push_n(struct kvr_lanes *l, uint32_t n)
 		cr_assert_eq(kvr_lanes_push(l, KVR_LANE_ROUTING, nop, NULL, 0, i, 1), 0);
 }
 
-/* The policy alone, on a hand-driven consumer and clock: throttle while the consumer moves,
- * spill after stall_ns without a message taken, spill at once while a stall seen stands,
- * throttle again once it moves, and spill when one post's wait reaches max_ns. */
+/* The lanes' clock in the policy test: the consumer stamps its takes with it. */
+static uint64_t fake_now;
+static uint64_t fake_clock(void *ctx)
+{
+	(void)ctx;
+	return fake_now;
+}
+
+/* The policy alone, on a hand-driven consumer and clock: throttle while the consumer took a
+ * message within stall_ns, spill once it has taken none for that long (at the first look, when
+ * it has been stalled that long already), and spill when one post's wait reaches max_ns. */
 Test(lane_soft, policy_throttles_while_progress_spills_on_stall)
 {
 	struct kvr_lanes l;
 	struct kvr_msg m;
-	cr_assert_eq(kvr_lanes_init(&l, 255, 4, 1000000, NULL, NULL), 0);
+	const uint64_t stall = 200 * US, max = 2 * MS;
+	fake_now = 10 * MS;
+	cr_assert_eq(kvr_lanes_init(&l, 255, 4, 1000000, fake_clock, NULL), 0);
 	struct kvr_lane_soft w = {0};
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w, 1000, 200 * US, 2 * MS), KVR_SOFT_POST,
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w, fake_now, stall, max), KVR_SOFT_POST,
 	             "no soft depth: never waits");
 	push_n(&l, 100);
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w, 1000, 200 * US, 2 * MS), KVR_SOFT_POST);
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w, fake_now, stall, max), KVR_SOFT_POST);
 	kvr_lanes_set_soft_depth(&l, 64);
 	cr_assert(kvr_lanes_over_soft(&l, KVR_LANE_ROUTING));
 	cr_assert_not(kvr_lanes_over_soft(&l, KVR_LANE_MAINT), "the maintenance lane has none");
 
-	uint64_t t = 10 * MS;
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t, 200 * US, 2 * MS), KVR_SOFT_THROTTLE);
-	cr_assert_eq(l.throttles, 1);
-	/* The consumer takes one (a burst of 16 leaves the ring: 84 in it, still over 64). */
+	/* The consumer takes one at t (a burst of 16 leaves the ring: 84 in it, still over 64). */
+	uint64_t t = fake_now;
 	cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t + 150 * US, 200 * US, 2 * MS),
-	             KVR_SOFT_THROTTLE, "it moved: keep waiting");
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t + 340 * US, 200 * US, 2 * MS),
-	             KVR_SOFT_THROTTLE, "190 us without a message taken: not a stall yet");
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t + 350 * US, 200 * US, 2 * MS), KVR_SOFT_SPILL,
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t + 10 * US, stall, max), KVR_SOFT_THROTTLE);
+	cr_assert_eq(l.throttles, 1);
+	fake_now = t + 150 * US;
+	cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t + 340 * US, stall, max), KVR_SOFT_THROTTLE,
+	             "it took one 190 us ago: not a stall");
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w, t + 350 * US, stall, max), KVR_SOFT_SPILL,
 	             "200 us without a message taken: a stall");
 	cr_assert_eq(l.throttles, 1, "one post, one throttle");
 	cr_assert_eq(l.spills, 1);
 
-	/* Another post during the same stall spills at once, without a wait. */
+	/* A post that finds it stalled that long already spills at its first look, no wait. */
 	struct kvr_lane_soft w2 = {0};
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w2, t + 360 * US, 200 * US, 2 * MS), KVR_SOFT_SPILL);
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w2, t + 5 * MS, stall, max), KVR_SOFT_SPILL);
 	cr_assert_eq(l.throttles, 1);
 	cr_assert_eq(l.spills, 2);
 
-	/* The consumer moves again: the stall is over, posts wait again. */
+	/* The consumer moves again: posts wait again; one that moves every 100 us keeps a post
+	 * waiting until the bound. */
+	uint64_t t3 = t + 6 * MS;
+	fake_now = t3;
 	cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
 	struct kvr_lane_soft w3 = {0};
-	uint64_t t3 = t + 400 * US;
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w3, t3, 200 * US, 2 * MS), KVR_SOFT_THROTTLE);
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w3, t3, stall, max), KVR_SOFT_THROTTLE);
 	cr_assert_eq(l.throttles, 2);
-	/* A consumer that moves every 100 us keeps it waiting until the bound. */
-	uint64_t k;
-	for (k = 1; k < 20; k++) {
+	for (uint64_t k = 1; k < 20; k++) {
+		fake_now = t3 + k * 100 * US;
 		cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
-		cr_assert_eq(kvr_lanes_soft_check(&l, &w3, t3 + k * 100 * US, 200 * US, 2 * MS),
+		cr_assert_eq(kvr_lanes_soft_check(&l, &w3, fake_now + 50 * US, stall, max),
 		             KVR_SOFT_THROTTLE, "step %llu", (unsigned long long)k);
 	}
+	fake_now = t3 + max;
 	cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w3, t3 + 2 * MS, 200 * US, 2 * MS), KVR_SOFT_SPILL,
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w3, t3 + max, stall, max), KVR_SOFT_SPILL,
 	             "one post waits at most max_ns");
 	cr_assert_eq(l.spills, 3);
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w3, t3 + 10, stall, max), KVR_SOFT_THROTTLE,
+	             "a stamp newer than the look is no stall");
 
 	/* Below the soft depth: post, nothing counted. */
 	while (kvr_lanes_over_soft(&l, KVR_LANE_ROUTING))
 		cr_assert_eq(kvr_lanes_pop(&l, &m), KVR_LANE_ROUTING);
 	struct kvr_lane_soft w4 = {0};
-	cr_assert_eq(kvr_lanes_soft_check(&l, &w4, t3 + 3 * MS, 200 * US, 2 * MS), KVR_SOFT_POST);
+	cr_assert_eq(kvr_lanes_soft_check(&l, &w4, fake_now + 10 * MS, stall, max), KVR_SOFT_POST);
 	cr_assert_eq(l.throttles, 2);
 	cr_assert_eq(l.spills, 3);
 	kvr_lanes_fini(&l);
@@ -183,17 +197,16 @@ Test(lane_soft, throttled_while_shard_progresses)
 	kvr_shard_get_stats(sh, &st);
 	kvr_shard_thread_costs(&c1);
 	cr_assert_eq(st.spills, 0, "the shard never stalled for 200 ms");
-	/* The shard takes the ring's messages 16 at a time (its burst), so the poster finds room
-	 * for 16 and then waits for the next burst: about one throttle per 16 posts. */
-	cr_assert_gt(st.throttles, n / 64, "posts waited at the soft depth: %llu",
+	/* How many posts found it 16 deep depends on the scheduler (a throttle that slept finds
+	 * a few slots free after it); the bounds below are what holds. */
+	cr_assert_gt(st.throttles, 0, "posts waited at the soft depth: %llu",
 	             (unsigned long long)st.throttles);
 	cr_assert_eq(c1.soft_throttles - c0.soft_throttles, st.throttles, "counted per thread");
 	cr_assert_eq(c1.soft_spills, c0.soft_spills);
 	cr_assert_eq(how_any, KVR_POST_THROTTLED);
-	/* In the ring at most soft (a post goes in below it), plus the shard's burst of up to
-	 * KVR_LANE_BURST taken out and the one it runs. */
-	cr_assert_leq(depth_max, soft + KVR_LANE_BURST, "depth max %u", depth_max);
-	cr_assert_geq(st.tasks[0], n - (soft + KVR_LANE_BURST + 1),
+	/* Queued (the shard's burst included) at most soft: a post goes in below it. */
+	cr_assert_leq(depth_max, soft, "depth max %u", depth_max);
+	cr_assert_geq(st.tasks[0], n - soft,
 	              "the poster ran only the soft depth ahead: %llu of %u run",
 	              (unsigned long long)st.tasks[0], n);
 	cr_assert_eq(kvr_shards_quiesce(s, 10000 * MS), 0);
@@ -213,11 +226,12 @@ Test(lane_soft, stalled_shard_spills_up_to_capacity_nothing_lost)
 	struct kvr_shards *s = make(cap, soft, stall);
 	struct kvr_shard *sh = kvr_shards_get(s, 0);
 	struct seq_ctx c = {0};
+	uint64_t t0 = mono(); /* before the shard took the gate task */
 	hold(sh, &c);
 	struct kvr_shard_stats st;
 	uint32_t accepted = 0;
 	int rc;
-	uint64_t first_spill_ns = 0, t0 = mono();
+	uint64_t first_spill_ns = 0;
 	for (;;) {
 		struct seq_msg m = {&c, accepted};
 		unsigned how;
@@ -227,8 +241,10 @@ Test(lane_soft, stalled_shard_spills_up_to_capacity_nothing_lost)
 		if (accepted < soft)
 			cr_assert_eq(how, 0, "below the soft depth: post %u at once", accepted);
 		else if (accepted == soft)
-			cr_assert_eq(how, KVR_POST_THROTTLED | KVR_POST_SPILLED,
-			             "the first over it waits, sees the stall, spills");
+			cr_assert(
+			    how & KVR_POST_SPILLED,
+			    "the first over it waits out the stall interval (unless it passed "
+			    "already) and spills");
 		else
 			cr_assert_eq(how, KVR_POST_SPILLED, "later ones spill at once: post %u",
 			             accepted);
@@ -238,9 +254,10 @@ Test(lane_soft, stalled_shard_spills_up_to_capacity_nothing_lost)
 	}
 	cr_assert_eq(rc, KVR_EAGAIN, "a full ring refuses");
 	cr_assert_eq(accepted, cap, "every slot of the ring was used");
-	cr_assert_geq(first_spill_ns, stall, "the first spill waited out the stall interval");
 	kvr_shard_get_stats(sh, &st);
-	cr_assert_eq(st.throttles, 1);
+	cr_assert_geq(first_spill_ns, stall,
+	              "the first spill came a stall interval after the shard's last take");
+	cr_assert_leq(st.throttles, 1, "only the first post over the soft depth may wait");
 	cr_assert_eq(st.spills, cap - soft + 1, "the refused post spilled too, into a full ring");
 	cr_assert_eq(st.stalls[0], 1, "the full ring counted as a stall");
 	cr_assert_eq(st.tasks[0], 1, "still in the gate task: no message taken");
