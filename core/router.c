@@ -145,6 +145,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .idle_spin_ns = cfg->shard_idle_spin_ns ? cfg->shard_idle_spin_ns : KVR_SHARDS_NO_SPIN,
 	    .on_thread_start = kvr_owner_shard_start,
 	    .on_thread_stop = kvr_owner_shard_stop,
+	    .on_idle = kvr_owner_shard_idle,
 	    .ctx = &r->owner,
 	};
 	if ((rc = kvr_shards_create(&sc, &r->shards)))

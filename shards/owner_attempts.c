@@ -91,6 +91,25 @@ uint64_t kvr_attempt_pool_bytes(const struct kvr_attempt_pool *p)
 	return kvr_alloc_real_size(sizeof(*p)) + __atomic_load_n(&p->bytes, __ATOMIC_RELAXED);
 }
 
+void kvr_attempt_pool_trim(struct kvr_attempt_pool *p)
+{
+	if (!p)
+		return;
+	for (int k = POOL_MIN_CLASS; k <= POOL_MAX_CLASS; k++) {
+		struct kvr_attempt *rec[POOL_DEPTH];
+		pthread_mutex_lock(&p->cls[k].mu);
+		uint32_t n = p->cls[k].n;
+		memcpy(rec, p->cls[k].rec, n * sizeof(rec[0]));
+		p->cls[k].n = 0;
+		for (uint32_t i = 0; i < n; i++) /* as counted when kept (kvr_owner_attempt_free) */
+			__atomic_fetch_sub(&p->bytes, kvr_alloc_real_size(rec[i]->size),
+			                   __ATOMIC_RELAXED);
+		pthread_mutex_unlock(&p->cls[k].mu);
+		for (uint32_t i = 0; i < n; i++) /* outside the lock: frees can take the arena's */
+			kvr_free_transient(rec[i], rec[i]->size);
+	}
+}
+
 /* How many records class k keeps. */
 static uint32_t pool_depth(int k)
 {

@@ -231,6 +231,13 @@ void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx)
 	arm_reaper(sh, kvr_owner_now(c) + c->lease_scan_interval_ns);
 }
 
+void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx)
+{
+	(void)sh;
+	const struct kvr_owner_ctx *c = ctx;
+	kvr_attempt_pool_trim(c->pool);
+}
+
 void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx)
 {
 	(void)ctx;

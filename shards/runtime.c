@@ -139,6 +139,7 @@ struct kvr_shards {
 	uint64_t stall_ns;    /* paced posts spill after the shard took nothing this long */
 	void (*on_start)(struct kvr_shard *, void *);
 	void (*on_stop)(struct kvr_shard *, void *);
+	void (*on_idle)(struct kvr_shard *, void *);
 	void *ctx;
 	_Alignas(64) uint64_t kick_gen;
 	uint32_t closed;
@@ -325,7 +326,9 @@ static uint64_t idle_purge(struct kvr_shard *sh)
 	if (t - sh->idle_ns < IDLE_PURGE_NS)
 		return IDLE_PURGE_NS - (t - sh->idle_ns);
 	sh->idle_ns = 0;
-	kvr_alloc_flush_thread_cache(); /* first: the purge can then take their pages */
+	if (sh->rt->on_idle)
+		sh->rt->on_idle(sh, sh->rt->ctx); /* before the purge, which takes what it frees */
+	kvr_alloc_flush_thread_cache();           /* first: the purge can then take their pages */
 	kvr_alloc_purge_idle(t);
 	if (!__atomic_exchange_n(&late_purge_queued, 1, __ATOMIC_ACQ_REL))
 		kvr_rcu_call(&late_purge_head, late_purge_cb);
@@ -581,6 +584,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	                                                     : KVR_DEFAULT_SHARD_LAZY_WAKE_NS;
 	s->on_start = cfg->on_thread_start;
 	s->on_stop = cfg->on_thread_stop;
+	s->on_idle = cfg->on_idle;
 	s->ctx = cfg->ctx;
 	s->stall_ns = cfg->lane_stall_ns ? cfg->lane_stall_ns : KVR_DEFAULT_LANE_STALL_NS;
 	s->max_workers = cfg->max_workers ? cfg->max_workers : DEF_WORKERS;

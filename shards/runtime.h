@@ -88,6 +88,10 @@ struct kvr_shards_config {
 	 * (after the lanes are drained).  Either may be NULL.  ctx passed unchanged. */
 	void (*on_thread_start)(struct kvr_shard *shard, void *ctx);
 	void (*on_thread_stop)(struct kvr_shard *shard, void *ctx);
+	/* Run on a shard thread that has been idle IDLE_PURGE_NS (100 ms) after work, before it
+	 * flushes its caches and purges (kvr_alloc_purge_idle), so what it frees here is purged
+	 * too: a place to give back what only a busy router needs.  May be NULL. */
+	void (*on_idle)(struct kvr_shard *shard, void *ctx);
 	void *ctx;
 };
 

@@ -2,6 +2,7 @@
  * admission wait or allocate, counted (kvr_booking_waits_total, the thread's record
  * allocations), not timed. */
 #include <criterion/criterion.h>
+#include <time.h>
 
 #include "kvrouter.h"
 #include "shards/owner.h"
@@ -48,10 +49,27 @@ Test(owner_attempts, sync_booking_first_bookings_do_not_wait)
 	kvr_router_destroy(r);
 }
 
-/* The attempt record of a prompt of 64..16384 blocks comes from the pool once an earlier one of
- * its size class ended; only then does a route allocate none (kvr_owner_thread_record_allocs,
- * what bench_route attributes route tails to). */
-Test(owner_attempts, records_are_recycled_not_allocated)
+/* Routes a 64-block prompt (distinct per k) and finishes it; returns the records this thread
+ * allocated meanwhile. */
+static uint64_t route_64(struct kvr_router *r, uint32_t k)
+{
+	static uint32_t t[1024]; /* 64 blocks */
+	for (uint32_t i = 0; i < 1024; i++)
+		t[i] = k * 1000003u + i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.n_tokens = 1024;
+	q.tokens = t;
+	uint64_t a0 = kvr_owner_thread_record_allocs();
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	uint64_t a1 = kvr_owner_thread_record_allocs();
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0); /* the record is back in the pool */
+	return a1 - a0;
+}
+
+static struct kvr_router *one_rank_router(void)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
@@ -59,23 +77,42 @@ Test(owner_attempts, records_are_recycled_not_allocated)
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 4096), 0);
-	static uint32_t t[2][1024]; /* 64 blocks */
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.n_tokens = 1024;
-	uint64_t allocs[3];
-	for (int k = 0; k < 2; k++) {
-		for (uint32_t i = 0; i < 1024; i++)
-			t[k][i] = (uint32_t)k * 1000003u + i;
-		allocs[k] = kvr_owner_thread_record_allocs();
-		q.tokens = t[k];
-		struct kvr_decision d;
-		cr_assert_eq(kvr_route(r, &q, &d), 0);
-		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
-		cr_assert_eq(kvr_router_sync(r, 5000), 0); /* the record is back in the pool */
+	return r;
+}
+
+/* The attempt record of a prompt of 64..16384 blocks comes from the pool once an earlier one of
+ * its size class ended; only then does a route allocate none (kvr_owner_thread_record_allocs,
+ * what bench_route attributes route tails to).  An idle shard empties the pool after 100 ms
+ * (below), so a try whose thread was held up that long between its two routes is made again. */
+Test(owner_attempts, records_are_recycled_not_allocated)
+{
+	struct kvr_router *r = one_rank_router();
+	uint64_t second = 1;
+	for (uint32_t k = 0; k < 6 && second; k += 2) {
+		cr_assert_eq(route_64(r, k), 1, "the first record was allocated");
+		second = route_64(r, k + 1);
 	}
-	allocs[2] = kvr_owner_thread_record_allocs();
-	cr_assert_eq(allocs[1], allocs[0] + 1, "the first record was allocated");
-	cr_assert_eq(allocs[2], allocs[1], "the second came from the pool");
+	cr_assert_eq(second, 0, "the second came from the pool");
+	kvr_router_destroy(r);
+}
+
+/* A shard idle for 100 ms gives the pooled records back (kvr_owner_shard_idle): the pool's
+ * bytes fall to the empty pool's, and the next route allocates its record again. */
+Test(owner_attempts, idle_router_keeps_no_records)
+{
+	struct kvr_router *r = one_rank_router();
+	struct kvr_memory m0, m1;
+	cr_assert_eq(kvr_router_get_memory(r, &m0), 0);
+	route_64(r, 0);
+	cr_assert_eq(kvr_router_get_memory(r, &m1), 0);
+	cr_assert_gt(m1.attempt_pool, m0.attempt_pool, "the record is kept");
+	/* The shard's idle purge comes 100 ms after its last task, and a reading is a task. */
+	for (int i = 0; i < 20 && m1.attempt_pool > m0.attempt_pool; i++) {
+		struct timespec ts = {0, 250 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+		cr_assert_eq(kvr_router_get_memory(r, &m1), 0);
+	}
+	cr_assert_eq(m1.attempt_pool, m0.attempt_pool, "the idle shard freed the pooled record");
+	cr_assert_eq(route_64(r, 1), 1, "so the next route allocates one");
 	kvr_router_destroy(r);
 }
