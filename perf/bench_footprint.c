@@ -49,7 +49,8 @@
  * hard-coded result): ~220 B per (block, rank) before the run-compressed index and segment LRU,
  * target <= 32 B.  ratio_target = measured / 32.
  *
- * --bins adds, per shape, a line per jemalloc arena: where its fragmentation sits (print_bins).
+ * --bins adds, per shape, a line per jemalloc arena: where its fragmentation sits, its metadata
+ * (base, internal), its resident bytes and the threads bound to it (print_bins).
  *
  * --lane-capacity N sets kvr_config.lane_capacity (the shards' routing rings, 64 B a slot; default
  * 4095): what the lanes cost at another size.
@@ -421,9 +422,21 @@ static void print_bins(const struct shape *sh, uint64_t pairs)
 		mallctl(name, &base, &sz, NULL, 0);
 		snprintf(name, sizeof(name), "stats.arenas.%u.internal", a);
 		mallctl(name, &internal, &sz, NULL, 0);
-		printf(" total=%.1f dirty=%.1f muzzy=%.1f base=%.1f internal=%.1f\n", total / p,
-		       (double)(pdirty * page) / p, (double)(pmuzzy * page) / p, (double)base / p,
-		       (double)internal / p);
+		/* nthreads: threads bound to it (a default arena is made for each thread that
+		 * touches jemalloc while fewer arenas than opt.narenas exist: ~90 KB of base each);
+		 * resident: jemalloc's count of its resident pages, which takes every active
+		 * page as resident, touched or not (the tables sized for max_ranks are not). */
+		size_t resident = 0;
+		snprintf(name, sizeof(name), "stats.arenas.%u.resident", a);
+		mallctl(name, &resident, &sz, NULL, 0);
+		unsigned nthreads = 0;
+		size_t usz = sizeof(nthreads);
+		snprintf(name, sizeof(name), "stats.arenas.%u.nthreads", a);
+		mallctl(name, &nthreads, &usz, NULL, 0);
+		printf(" total=%.1f dirty=%.1f muzzy=%.1f base=%.1f internal=%.1f resident=%.1f"
+		       " nthreads=%u\n",
+		       total / p, (double)(pdirty * page) / p, (double)(pmuzzy * page) / p,
+		       (double)base / p, (double)internal / p, (double)resident / p, nthreads);
 	}
 #else
 	(void)sh;
