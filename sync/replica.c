@@ -217,11 +217,21 @@ static void *apply_main(void *arg)
 
 /* ---------------------------------------------------------------- public side */
 
+/* A delivery lost for memory: counted as dropped; a stream message's sender shows the gap at its
+ * next heartbeat, and a snapshot request's asker is told at once (it asks again). */
+static void deliver_lost(struct kvr_replica *rep, const uint8_t *buf, size_t len,
+                         const char *reply_to)
+{
+	__atomic_add_fetch(&rep->in_dropped, 1, __ATOMIC_RELAXED);
+	if (reply_to && len >= KVR_MSG_HEADER && buf[3] == KVR_MSG_SNAP_REQ)
+		kvr_rep_snapshot_give_up(rep, reply_to, 0);
+}
+
 void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len, const char *reply_to)
 {
 	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
-	if (!it) { /* counted as dropped; the sender's next heartbeat shows the gap */
-		__atomic_add_fetch(&rep->in_dropped, 1, __ATOMIC_RELAXED);
+	if (!it) {
+		deliver_lost(rep, buf, len, reply_to);
 		return;
 	}
 	it->next = NULL;
@@ -236,7 +246,7 @@ void kvr_replica_deliver(struct kvr_replica *rep, const void *buf, size_t len, c
 		it->reply = kvr_alloc(rl);
 		if (!it->reply) {
 			kvr_free(it, sizeof(*it) + len);
-			__atomic_add_fetch(&rep->in_dropped, 1, __ATOMIC_RELAXED);
+			deliver_lost(rep, buf, len, reply_to);
 			return;
 		}
 		memcpy(it->reply, reply_to, rl);

@@ -346,7 +346,15 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns);
 
 /* Serves a snapshot to reply subject `to`. */
 void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to);
-/* Asks a peer for a snapshot and applies it.  0 (applied), KVR_ENOENT (no peer), or an error. */
+/* Asks a peer for a snapshot and applies it (asked again, within snapshot_timeout_ms, when
+ * the provider gives it up).  0 (applied), KVR_ENOENT (no peer), or an error. */
 int kvr_rep_resync(struct kvr_replica *rep);
+/* Tells the asker at reply subject `to` that its snapshot is given up (it cannot be served
+ * whole for memory: its request was lost, or its building failed) with chunk number `chunk`,
+ * the next the asker expects, so that it asks again at once instead of waiting out
+ * snapshot_timeout_ms.  Encoded on the stack: allocates nothing.  Best effort (a transport
+ * that refused a chunk may refuse this too; then the asker waits).  Context: any thread (reads
+ * only what is set at create). */
+void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t chunk);
 
 #endif

@@ -144,8 +144,12 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 		m->chunk = rd32(b);
 		m->chunk_flags = rd32(b + 4);
 		m->n_records = rd32(b + 8);
-		if (rd32(b + 12) != 0 || m->chunk_flags & ~1u)
+		if (rd32(b + 12) != 0 ||
+		    m->chunk_flags & ~(KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_GIVEN_UP))
 			return KVR_EINVAL;
+		if ((m->chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) &&
+		    (m->chunk_flags != KVR_MSG_CHUNK_GIVEN_UP || m->n_records || bl != CHUNK_FIXED))
+			return KVR_EINVAL; /* given up: nothing else */
 		m->records = b + CHUNK_FIXED;
 		m->records_len = bl - CHUNK_FIXED;
 		/* Framing and every record checked now, so applying never meets a bad one. */

@@ -54,9 +54,11 @@
  *                inbox): asks for a snapshot, target 0.  Sent on the stream: asks replica
  *                `target` to send RESET and its live attempts again (it was thought gone, or
  *                messages were lost), plus the attempts it finished in the last `seq` ms.
- *   SNAP_CHUNK:  0 4 chunk index  4 4 flags (bit0 last)  8 4 n_records  12 4 reserved
- *                16 then n_records x { 4 len, len bytes: one whole message of type ADMIT,
- *                ATTEMPT, RANK or FENCE }
+ *   SNAP_CHUNK:  0 4 chunk index  4 4 flags (bit0 last, bit1 given up)  8 4 n_records
+ *                12 4 reserved  16 then n_records x { 4 len, len bytes: one whole message of
+ *                type ADMIT, ATTEMPT, RANK or FENCE }.  Given up (KVR_MSG_CHUNK_GIVEN_UP): the
+ *                provider could not build the snapshot whole (no memory) and sends no more;
+ *                no records, not last; the asker asks again.
  *   FENCE:       0 8 replica  8 8 epoch  16 8 seq   (the snapshot includes that origin's
  *                stream up to seq; the receiver applies only later messages of that origin)
  * A decoder accepts a message only if every length adds up exactly; anything else is an error
@@ -90,6 +92,10 @@ enum kvr_msg_type {
 	KVR_MSG_ATTEMPT = 12,
 	KVR_MSG_FENCE = 13,
 };
+
+/* SNAP_CHUNK flags. */
+#define KVR_MSG_CHUNK_LAST     1u
+#define KVR_MSG_CHUNK_GIVEN_UP 2u
 
 #define KVR_MSG_F_CHAIN_KNOWN 1u
 #define KVR_MSG_F_PREFILLED   2u

@@ -9,7 +9,27 @@
 #include "core/alloc.h"
 #include "sync/replica_internal.h"
 
-/* Serves a snapshot to `to`: FENCEs, RANKs, ghosts, live attempts, in chunks. */
+/* An asker's snapshot requests given up (KVR_MSG_CHUNK_GIVEN_UP) or failed for memory are asked
+ * again after RETRY_FIRST_NS, doubling up to RETRY_MAX_NS, within snapshot_timeout_ms. */
+#define RETRY_FIRST_NS 5000000ull
+#define RETRY_MAX_NS   200000000ull
+
+void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t chunk)
+{
+	uint8_t mem[KVR_MSG_HEADER + 16];
+	struct kvr_msg_buf b = {.p = mem, .cap = sizeof(mem)}; /* never grows: never freed */
+	size_t off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, rep->c.replica_id, rep->epoch, 0);
+	kvr_msg_put_u32(&b, chunk);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_GIVEN_UP);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_end(&b, off);
+	if (!b.oom)
+		(void)rep->t.reply(rep->t.ctx, to, b.p, b.len);
+}
+
+/* Serves a snapshot to `to`: FENCEs, RANKs, ghosts, live attempts, in chunks; or, if it cannot
+ * be built whole, the chunks that could and a given-up chunk (no last one). */
 void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 {
 	if (!to || !rep->t.reply)
@@ -25,13 +45,15 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 		size_t off_ =                                                                      \
 		    kvr_msg_begin(&chunk, KVR_MSG_SNAP_CHUNK, rep->c.replica_id, rep->epoch, 0);   \
 		kvr_msg_put_u32(&chunk, n_chunk++);                                                \
-		kvr_msg_put_u32(&chunk, (last) ? 1u : 0u);                                         \
+		kvr_msg_put_u32(&chunk, (last) ? KVR_MSG_CHUNK_LAST : 0u);                         \
 		kvr_msg_put_u32(&chunk, n_rec);                                                    \
 		kvr_msg_put_u32(&chunk, 0);                                                        \
 		kvr_msg_put_bytes(&chunk, recs.p, recs.len);                                       \
 		kvr_msg_end(&chunk, off_);                                                         \
-		if (chunk.oom || recs.oom || rep->t.reply(rep->t.ctx, to, chunk.p, chunk.len))     \
+		if (chunk.oom || recs.oom || rep->t.reply(rep->t.ctx, to, chunk.p, chunk.len)) {   \
 			failed = true;                                                             \
+			n_chunk--; /* not sent: the number the asker expects next */               \
+		}                                                                                  \
 		recs.len = 0;                                                                      \
 		n_rec = 0;                                                                         \
 	} while (0)
@@ -80,6 +102,8 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 		FLUSH(true);
 	if (!failed)
 		rep->st.snapshots_served++;
+	else
+		kvr_rep_snapshot_give_up(rep, to, n_chunk);
 	pthread_mutex_unlock(&rep->mu);
 #undef FLUSH
 #undef ADD_REC
@@ -107,6 +131,8 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		return KVR_EINVAL;
 	}
 	rx->provider = m.h.replica;
+	if (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP)
+		return KVR_EAGAIN; /* the provider could not build it: ask again */
 	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
 	if (!it)
 		return KVR_ENOMEM;
@@ -120,7 +146,7 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		rx->chunks = it;
 	rx->tail = it;
 	rx->next++;
-	return (m.chunk_flags & 1) ? 1 : 0;
+	return (m.chunk_flags & KVR_MSG_CHUNK_LAST) ? 1 : 0;
 }
 
 /* Applies a complete snapshot: ranks; ghosts (only on a fresh replica: one that has routed or
@@ -205,11 +231,11 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 
 static void poll_requests(void *cb);
 
-/* Asks a peer for a snapshot and applies it.  Returns 0 (applied), KVR_ENOENT (no peer). */
-int kvr_rep_resync(struct kvr_replica *rep)
+/* Asks a peer for a snapshot once, waiting at most timeout_ns between chunks, and applies it.
+ * Returns 0 (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the provider gave it up),
+ * KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out of place). */
+static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns)
 {
-	if (!rep->t.request)
-		return KVR_ENOENT;
 	pthread_mutex_lock(&rep->mu);
 	rep->st.resyncs++;
 	rep->obuf.len = 0;
@@ -223,9 +249,8 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	int rc = KVR_ENOMEM;
 	struct snap_rx rx = {.rep = rep};
 	if (!req.oom)
-		rc = rep->t.request(rep->t.ctx, req.p, req.len,
-		                    (uint64_t)rep->c.snapshot_timeout_ms * 1000000ull, on_chunk,
-		                    poll_requests, &rx);
+		rc = rep->t.request(rep->t.ctx, req.p, req.len, timeout_ns, on_chunk, poll_requests,
+		                    &rx);
 	kvr_msg_buf_fini(&req);
 	if (rc == 0) {
 		apply_snapshot(rep, rx.chunks);
@@ -239,6 +264,37 @@ int kvr_rep_resync(struct kvr_replica *rep)
 		kvr_free(it, sizeof(*it) + it->len);
 	}
 	return rc;
+}
+
+/* Asks a peer for a snapshot and applies it.  A snapshot given up by its provider (it could not
+ * build it whole) or lost here for memory is asked for again after a short pause (serving the
+ * snapshot requests waiting meanwhile), within snapshot_timeout_ms in all: before, a given-up
+ * snapshot sent nothing more and the asker waited out the whole timeout, then went on without
+ * it (test_replica_oom snapshot_given_up_asked_again).  Returns 0 (applied), KVR_ENOENT (no
+ * peer), or the last attempt's failure. */
+int kvr_rep_resync(struct kvr_replica *rep)
+{
+	if (!rep->t.request)
+		return KVR_ENOENT;
+	uint64_t timeout = (uint64_t)rep->c.snapshot_timeout_ms * 1000000ull;
+	uint64_t start = kvr_rep_mono_ns(), pause = RETRY_FIRST_NS;
+	for (;;) {
+		uint64_t spent = kvr_rep_mono_ns() - start;
+		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1);
+		if (rc != KVR_EAGAIN && rc != KVR_ENOMEM)
+			return rc;
+		uint64_t until = kvr_rep_mono_ns() + pause;
+		if (until - start >= timeout)
+			return rc;
+		struct snap_rx rx = {.rep = rep};
+		for (uint64_t now; (now = kvr_rep_mono_ns()) < until;) {
+			poll_requests(&rx);
+			uint64_t step = until - now < 2000000 ? until - now : 2000000;
+			struct timespec ts = {0, (long)step};
+			nanosleep(&ts, NULL);
+		}
+		pause = pause * 2 < RETRY_MAX_NS ? pause * 2 : RETRY_MAX_NS;
+	}
 }
 
 /* Serves the snapshot requests waiting in the queue (while this replica waits for its own). */

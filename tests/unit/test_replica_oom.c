@@ -105,6 +105,16 @@ static struct kvr_decision two_with_one(struct kvr_router **r, uint32_t seed)
 	return d;
 }
 
+/* Two routers on the bus, r[0] with two attempts (prompt seeds seed, seed + 1) mirrored on
+ * r[1]; their decisions. */
+static void two_with_two(struct kvr_router **r, uint32_t seed, struct kvr_decision *a,
+                         struct kvr_decision *b)
+{
+	*a = two_with_one(r, seed);
+	*b = bus_route(r[0], seed + 1, 40);
+	bus_quiet(r, 2);
+}
+
 static void no_load(struct kvr_router **r, int n, uint64_t nth)
 {
 	for (int i = 0; i < n; i++)
@@ -292,9 +302,9 @@ Test(replica_oom, output_behind_a_gap_counted_once, .timeout = 60)
 
 /* A snapshot served with its Nth allocation failed, N = 1, 2, ...: every chunk that goes out
  * decodes (its records included), and a snapshot that could not be built whole is not finished
- * (no last chunk: the asker's resync fails and its peers' streams heal it) instead of carrying
- * a record cut short.  Before, a record whose encoding ran out of memory was sent truncated, and
- * the asker dropped the whole snapshot as malformed. */
+ * (no last chunk) but given up (its last chunk says so: the asker asks again) instead of
+ * carrying a record cut short.  Before, a record whose encoding ran out of memory was sent
+ * truncated, and the asker dropped the whole snapshot as malformed. */
 Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
@@ -314,17 +324,22 @@ Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
 		kvr_rep_serve_snapshot(bus.rep[0], "1");
 		fired = kvr_alloc_fail_pending() == 0;
 		kvr_alloc_fail_after(0);
-		bool last = false;
+		bool last = false, given_up = false;
 		for (struct bus_chunk *c; (c = bus_take(1));) {
 			struct kvr_wmsg m;
 			cr_assert_eq(kvr_msg_decode(c->data, c->len, &m), 0,
 			             "nth %lu: a chunk that does not decode went out",
 			             (unsigned long)nth);
-			last |= m.chunk_flags & 1;
+			cr_assert(!last && !given_up, "nth %lu: a chunk after the end",
+			          (unsigned long)nth);
+			last = m.chunk_flags & KVR_MSG_CHUNK_LAST;
+			given_up = m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP;
 			free(c);
 		}
 		whole += last;
 		cr_assert(last || fired, "nth %lu: no failure, yet no last chunk",
+		          (unsigned long)nth);
+		cr_assert(last || given_up, "nth %lu: neither finished nor given up",
 		          (unsigned long)nth);
 	}
 	cr_assert(!fired);
@@ -340,11 +355,8 @@ Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
 Test(replica_oom, end_not_dropped_by_a_full_queue, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
-	struct kvr_decision a = bus_route(r[0], 21, 40), b = bus_route(r[0], 22, 40);
-	bus_quiet(r, 2);
+	struct kvr_decision a, b;
+	two_with_two(r, 21, &a, &b);
 	cr_assert_eq(rank_stats(r[1], b.rank).active_requests +
 	                 (a.rank.worker_id != b.rank.worker_id
 	                      ? rank_stats(r[1], a.rank).active_requests
@@ -386,11 +398,8 @@ Test(replica_oom, end_not_dropped_by_a_full_queue, .timeout = 60)
 Test(replica_oom, notes_not_dropped_by_a_full_queue, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
-	struct kvr_decision a = bus_route(r[0], 41, 40), b = bus_route(r[0], 42, 40);
-	bus_quiet(r, 2);
+	struct kvr_decision a, b;
+	two_with_two(r, 41, &a, &b);
 	struct kvr_replica *rep = bus.rep[0];
 	struct kvr_sync_stats f0, f;
 	kvr_replica_get_stats(rep, &f0);
@@ -430,4 +439,60 @@ Test(replica_oom, notes_not_dropped_by_a_full_queue, .timeout = 60)
 	cr_assert_eq(st.mirrored, 0, "%u attempts still mirrored", st.mirrored);
 	no_load(r, 2, 0);
 	bus_teardown(r, 2);
+}
+
+/* A replica joining while its snapshot's Nth allocation fails (the failures scoped to replica
+ * sync's threads: the provider's serving, the asker's collecting and applying), N = 1, 2, ...
+ * until one passes untouched: it is ready well within snapshot_timeout_ms (5 s) and holds the
+ * provider's live attempts.  Before, a snapshot the provider could not build whole was only not
+ * finished (and a request lost on delivery for memory was not answered at all): the asker
+ * waited out the whole timeout, then went on without it ("nth 4: ready after 5042 ms"); now
+ * the provider says it gave up and the asker asks again at once. */
+Test(replica_oom, snapshot_given_up_asked_again, .timeout = 240)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	static uint32_t t[2048];
+	for (int k = 0; k < 3; k++) { /* long prompts (records that make the buffers grow), live */
+		for (uint32_t j = 0; j < 2048; j++)
+			t[j] = (uint32_t)k * 100000u + j;
+		route(r[0], t, 2048);
+	}
+	bus_quiet(r, 1);
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_REPLICA);
+	bool fired = true;
+	uint64_t nth, asked_again = 0;
+	for (nth = 1; nth < 200 && fired; nth++) {
+		kvr_alloc_fail_after(nth);
+		uint64_t t0 = now_ms();
+		r[1] = bus_router(1);
+		uint64_t ms = now_ms() - t0;
+		fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		struct kvr_sync_stats st;
+		kvr_replica_get_stats(bus.rep[1], &st);
+		cr_assert_lt(ms, 2500, "nth %lu: ready after %lu ms", (unsigned long)nth,
+		             (unsigned long)ms);
+		cr_assert_geq(st.snapshots_applied, 1, "nth %lu: no snapshot applied",
+		              (unsigned long)nth);
+		asked_again += st.resyncs > 1;
+		for (uint64_t w = 0; w < 2; w++)
+			cr_assert(loads_agree(r, (struct kvr_rank_id){w, 0}),
+			          "nth %lu: rank %lu: loads differ", (unsigned long)nth,
+			          (unsigned long)w);
+		kvr_replica_stop(bus.rep[1]);
+		kvr_replica_destroy(bus.rep[1]);
+		bus.rep[1] = NULL;
+		bus.ready[1] = false;
+		kvr_router_destroy(r[1]);
+		for (struct bus_chunk *c; (c = bus_take(1));)
+			free(c);
+	}
+	kvr_alloc_fail_scope(0);
+	cr_assert(!fired, "the allocations ran past 200");
+	cr_assert_gt(asked_again, 0, "no snapshot was asked for again");
+	cr_log_info("%lu failures, %lu snapshots asked for again", (unsigned long)nth - 2,
+	            (unsigned long)asked_again);
+	bus_teardown(r, 1);
 }
