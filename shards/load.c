@@ -294,11 +294,11 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 
 /*
  * Walks seq[0], seq[stride], ... (n hashes) from the root (tail == NIL) or from the tail of run
- * `tail`: returns how many leading hashes are pinned; records the runs they lie in as hits
- * (room for n).
+ * `tail`: returns how many leading hashes are pinned; records the runs they lie in as hits (room
+ * for hcap: *nh = SIZE_MAX when that is not enough).
  */
 static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t stride, size_t n,
-                   uint32_t tail, struct kvr_run_hit *hits, size_t *nh)
+                   uint32_t tail, struct kvr_run_hit *hits, size_t hcap, size_t *nh)
 {
 	size_t k = 0;
 	uint32_t i = tail;
@@ -322,10 +322,14 @@ static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t stride,
 		o += more;
 		if (hits) {
 			struct kvr_run_hit *last = *nh ? &hits[*nh - 1] : NULL;
-			if (last && last->run == i && last->off + last->len == o + 1 - take)
+			if (last && last->run == i && last->off + last->len == o + 1 - take) {
 				last->len += take;
-			else
+			} else if (*nh == hcap) {
+				*nh = SIZE_MAX;
+				return k;
+			} else {
 				hits[(*nh)++] = (struct kvr_run_hit){i, o + 1 - take, take};
+			}
 		}
 		k += take;
 	}
@@ -386,19 +390,21 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t st
 		return 0;
 	if ((size_t)q->nblocks + n >= NIL)
 		return KVR_ERANGE;
-	size_t hcap = l->hits_cap;
-	if (n > hcap) {
-		size_t nc = n > 2 * hcap ? n : 2 * hcap;
-		struct kvr_run_hit *h = kvr_realloc(l->hits, hcap * sizeof(*h), nc * sizeof(*h));
-		if (!h)
-			return KVR_ENOMEM;
-		l->hits = h;
-		l->hits_cap = nc;
-	}
 	uint32_t tail = q->nblocks ? piece_last(l, &q->p[q->n - 1]) : NIL;
-	size_t nh = 0;
-	size_t hit = walk(l, seq, stride, n, tail, l->hits, &nh);
+	/* The hit pieces: a few, not one per block (room for n kept 32-64 KiB a rank at 2,048
+	 * blocks: 1.5 B per (block, rank) in bench_footprint at 32k prompts, as shards/lru.c's
+	 * acquire did); grown when a walk needs more and walked again. */
+	size_t nh, hit, need = 1;
 	int rc;
+	for (;;) {
+		if ((rc = kvr_grow((void **)&l->hits, &l->hits_cap, need, sizeof(*l->hits))))
+			return rc;
+		nh = 0;
+		hit = walk(l, seq, stride, n, tail, l->hits, l->hits_cap, &nh);
+		if (nh != SIZE_MAX)
+			break;
+		need = l->hits_cap + 1;
+	}
 	if ((rc = kvr_hits_whole(l, &run_ops, l->hits, nh)))
 		return rc;
 	uint32_t nnew = (uint32_t)(n - hit);
@@ -580,7 +586,7 @@ size_t kvr_load_pinned_depth(const struct kvr_load *l, const uint64_t *seq, size
 {
 	if (!l || !seq)
 		return 0;
-	return walk(l, seq, 1, n, NIL, NULL, NULL);
+	return walk(l, seq, 1, n, NIL, NULL, 0, NULL);
 }
 
 int kvr_load_potential(const struct kvr_load *l, const uint64_t *seq, size_t n,
@@ -611,7 +617,8 @@ size_t kvr_load_bytes(const struct kvr_load *l)
 		return 0;
 	size_t b = sizeof(*l) + (size_t)l->runs_cap * sizeof(struct run) +
 	           (l->heads.cap + l->by_attempt.cap) * sizeof(struct kvr_u64map_slot) +
-	           (size_t)l->cap_req * sizeof(struct req);
+	           (size_t)l->cap_req * sizeof(struct req) +
+	           l->hits_cap * sizeof(struct kvr_run_hit);
 	for (uint32_t i = 0; i < l->runs_cap; i++)
 		b += (size_t)l->runs[i].cap * sizeof(uint64_t);
 	for (uint32_t i = 0; i < l->n_req; i++)

@@ -56,6 +56,40 @@ Test(load, dedup_and_potential)
 	kvr_load_destroy(NULL);
 }
 
+/* A prompt whose pinned blocks lie in more runs than the walk's first room (16 hit pieces) is
+ * walked again with more (pin): here 64 blocks in 32 runs (31 requests split the first one's run
+ * every 2 blocks), pinned once more, counted once, and released. */
+Test(load, pin_across_many_runs)
+{
+	struct kvr_load *l;
+	struct kvr_load_stats st;
+	cr_assert_eq(kvr_load_create(0, &l), 0);
+	uint64_t seq[64];
+	for (int i = 0; i < 64; i++)
+		seq[i] = 1000 + (uint64_t)i;
+	cr_assert_eq(kvr_load_add(l, 1, seq, 1, 64, 0, 0), 0);
+	for (uint64_t k = 1; k < 32; k++) {
+		uint64_t p[65];
+		memcpy(p, seq, 2 * k * sizeof(uint64_t));
+		p[2 * k] = 5000 + k; /* a branch: the run splits after block 2k */
+		cr_assert_eq(kvr_load_add(l, 1 + k, p, 1, 2 * k + 1, 0, 0), 0);
+	}
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 64 + 31);
+	cr_assert_eq(kvr_load_add(l, 100, seq, 1, 64, 0, 0), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 64 + 31, "the prompt's blocks were all pinned already");
+	cr_assert_eq(kvr_load_pinned_depth(l, seq, 64), 64);
+	for (uint64_t a = 1; a <= 32; a++)
+		cr_assert_eq(kvr_load_finish(l, a), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 64, "the last request holds them");
+	cr_assert_eq(kvr_load_finish(l, 100), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 0);
+	kvr_load_destroy(l);
+}
+
 Test(load, oldest_prefill_decays_linearly)
 {
 	struct kvr_load *l;
