@@ -32,7 +32,7 @@
 #define KVR_DEFAULT_SEED                   UINT64_C(0x6b76726f75746572) /* "kvrouter" */
 #define KVR_DEFAULT_LANE_CAPACITY          4095u /* ring of N slots holds N - 1; see below */
 #define KVR_DEFAULT_LANE_SOFT_DEPTH        127u  /* paced posts wait above it; see below */
-#define KVR_DEFAULT_LANE_STALL_NS          UINT64_C(200000) /* no message taken: spill */
+#define KVR_DEFAULT_LANE_STALL_NS          UINT64_C(50000) /* no message taken: spill */
 #define KVR_LANE_THROTTLE_MAX_STALLS       10u /* one post's wait in all, in stall intervals */
 #define KVR_DEFAULT_MAINT_EVERY_TASKS      64u
 #define KVR_DEFAULT_MAINT_EVERY_NS         UINT64_C(200000)
@@ -52,12 +52,15 @@
  * KVR_LANE_FULL_WAIT_NS and return KVR_EAGAIN from kvr_route and kvr_request_output
  * (test_replica_hooks under ASan: 1 run in 2 failed in CI, 1 in 6 here).  So the ring stays
  * 4095 deep and kvr_route's booking throttles at the soft depth only while its shard keeps
- * taking messages; after KVR_DEFAULT_LANE_STALL_NS with none taken it spills into the rest of
- * the ring.  200 us: longer than one booking of the longest prompts measured (a 128k-token
- * booking, ~60 us of shard time), so a shard busy with long bookings is not taken for a stalled
- * one; short against the 10 ms full-lane bound and a scheduler slice (1-4 ms), so a preempted
- * shard costs a poster at most 200 us, and nothing once it has been stalled that long (the
- * shard stamps each take: sync/lane.h).  KVR_LANE_THROTTLE_MAX_STALLS bounds one post's wait when
- * other posters keep taking the room the shard makes. */
+ * taking messages; once the shard has taken none for KVR_DEFAULT_LANE_STALL_NS it spills into
+ * the rest of the ring.  50 us: several times one booking of the prompts whose lanes fill
+ * (2k-32k tokens: 2-10 us of shard time), so a shard that is merely busy is not taken for a
+ * stalled one, and short against a scheduler slice (1-4 ms) or the 10 ms full-lane bound, so a
+ * preempted shard costs a poster about that (and nothing once it has been stalled that long:
+ * the shard stamps each take, sync/lane.h).  Longer bookings (128k tokens, ~60 us) may be
+ * taken for a stall and spill: their frontends hash slower than the shard books, so those
+ * lanes stay short anyway.  200 us measured the same freshness (bench_route 2k-8k, load 5-6).
+ * KVR_LANE_THROTTLE_MAX_STALLS bounds one post's wait when other posters keep taking the room
+ * the shard makes. */
 
 #endif /* KVR_CORE_LIMITS_H */

@@ -73,8 +73,8 @@ static const struct {
     {KVR_C_LANE_SOFT_THROTTLES, "kvr_lane_soft_throttles_total",
      "Admissions that waited at a routing lane's soft depth while its shard was taking work", ""},
     {KVR_C_LANE_SOFT_SPILLS, "kvr_lane_soft_spills_total",
-     "Admissions posted past a routing lane's soft depth: its shard had taken nothing for 200 us "
-     "(a stall), or the wait reached 2 ms",
+     "Admissions posted past a routing lane's soft depth: its shard had taken nothing for 50 us "
+     "(a stall), or the wait reached 500 us",
      ""},
     {KVR_C_STALE_BOOKINGS, "kvr_stale_bookings_total",
      "Admissions whose rank was removed or reset before the booking (the attempt is stale)", ""},

@@ -35,7 +35,8 @@
  * attempt record (the pool had none).
  *
  * Tails, counted not timed: around every route and finish the thread's own counters are read
- * (kvr_shard_thread_costs: lane waits, their sleeps, FUTEX_WAKEs; records allocated), and of
+ * (kvr_shard_thread_costs: lane waits, their sleeps, FUTEX_WAKEs, waits at the soft depth;
+ * records allocated), and of
  * the calls at or above the 99th percentile the SUMMARY gives the share that paid each of
  * those costs and the share that paid none of them (route_tail_* / finish_tail_*: "none" is
  * the scheduler, page faults, the machine).
@@ -188,10 +189,12 @@ struct worker {
 };
 
 /* What slowed a call, counted on its thread around it (bits of a route_why / fin_why sample). */
-#define COST_LANE_WAIT    1u /* a post found its lane full and waited for room */
-#define COST_WAIT_SLEEP   2u /* ... and slept (nanosleep) in that wait */
-#define COST_FUTEX_WAKE   4u /* a post woke a parked shard (FUTEX_WAKE) */
-#define COST_RECORD_ALLOC 8u /* the attempt record was allocated (the pool had none) */
+#define COST_LANE_WAIT    1u  /* a post found its lane full and waited for room */
+#define COST_WAIT_SLEEP   2u  /* ... and slept (nanosleep) in that wait */
+#define COST_FUTEX_WAKE   4u  /* a post woke a parked shard (FUTEX_WAKE) */
+#define COST_RECORD_ALLOC 8u  /* the attempt record was allocated (the pool had none) */
+#define COST_THROTTLE     16u /* the booking waited at the lane's soft depth */
+#define COST_KINDS        5
 
 static void costs_now(struct kvr_post_costs *c, uint64_t *allocs)
 {
@@ -205,7 +208,8 @@ static uint64_t costs_between(const struct kvr_post_costs *a, uint64_t aa,
 	return (b->full_waits > a->full_waits ? COST_LANE_WAIT : 0) |
 	       (b->wait_sleeps > a->wait_sleeps ? COST_WAIT_SLEEP : 0) |
 	       (b->futex_wakes > a->futex_wakes ? COST_FUTEX_WAKE : 0) |
-	       (ba > aa ? COST_RECORD_ALLOC : 0);
+	       (ba > aa ? COST_RECORD_ALLOC : 0) |
+	       (b->soft_throttles > a->soft_throttles ? COST_THROTTLE : 0);
 }
 
 static void *run(void *arg)
@@ -285,9 +289,9 @@ static void *run(void *arg)
 /* Of the calls at or above the 99th percentile of v (why: the same calls' COST_* bits), the
  * share that paid each cost and that paid none (out[0..4]: lane wait, wait sleep, futex wake,
  * record allocation, none).  Before quantile() sorts v. */
-static void tail_why(const struct samples *v, const struct samples *why, double out[5])
+static void tail_why(const struct samples *v, const struct samples *why, double out[COST_KINDS + 1])
 {
-	for (int k = 0; k < 5; k++)
+	for (int k = 0; k <= COST_KINDS; k++)
 		out[k] = 0;
 	if (!v->n || why->n != v->n)
 		return;
@@ -304,11 +308,11 @@ static void tail_why(const struct samples *v, const struct samples *why, double 
 		if (v->v[i] < thr)
 			continue;
 		n++;
-		for (int k = 0; k < 4; k++)
+		for (int k = 0; k < COST_KINDS; k++)
 			out[k] += (why->v[i] >> k) & 1;
-		out[4] += why->v[i] == 0;
+		out[COST_KINDS] += why->v[i] == 0;
 	}
-	for (int k = 0; k < 5; k++)
+	for (int k = 0; k <= COST_KINDS; k++)
 		out[k] /= (double)n;
 }
 
@@ -461,7 +465,7 @@ static void bench(int threads, double ms)
 			h[b] -= warm[k][b];
 		sp[k] = kvr_hist_quantile(h, 0.5);
 	}
-	double rt[5], ft[5];
+	double rt[COST_KINDS + 1], ft[COST_KINDS + 1];
 	tail_why(&route, &route_why, rt);
 	tail_why(&fin, &fin_why, ft);
 	uint64_t f50 = quantile(&floor, 0.5), f99 = quantile(&floor, 0.99);
@@ -483,7 +487,8 @@ static void bench(int threads, double ms)
 	       "select_p50_ns=%llu admit_p50_ns=%llu record_allocs_per_route=%.3f "
 	       "route_tail_lane_wait=%.2f "
 	       "route_tail_wait_sleep=%.2f route_tail_wake=%.2f route_tail_record_alloc=%.2f "
-	       "route_tail_none=%.2f finish_tail_lane_wait=%.2f finish_tail_wait_sleep=%.2f "
+	       "route_tail_soft_throttle=%.2f route_tail_none=%.2f finish_tail_lane_wait=%.2f "
+	       "finish_tail_wait_sleep=%.2f "
 	       "finish_tail_wake=%.2f finish_tail_none=%.2f\n",
 	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
 	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
@@ -505,8 +510,8 @@ static void bench(int threads, double ms)
 	       routed_blocks ? (double)overlap / (double)routed_blocks : 0.0,
 	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
 	       (unsigned long long)sp[2], (unsigned long long)sp[3],
-	       n ? (double)allocs / (double)n : 0.0, rt[0], rt[1], rt[2], rt[3], rt[4], ft[0],
-	       ft[1], ft[2], ft[4]);
+	       n ? (double)allocs / (double)n : 0.0, rt[0], rt[1], rt[2], rt[3], rt[4], rt[5],
+	       ft[0], ft[1], ft[2], ft[5]);
 	fflush(stdout);
 	free(floor.v);
 	free(route.v);

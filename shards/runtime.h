@@ -50,7 +50,7 @@ struct kvr_shards_config {
 	 * for lane_stall_ns.  At or above the ring's capacity: never reached.  Max 1 << 22. */
 	uint32_t lane_soft_depth;
 	/* How long a shard may take no message before paced posts spill past the soft depth.
-	 * 0 = KVR_DEFAULT_LANE_STALL_NS (200 us). */
+	 * 0 = KVR_DEFAULT_LANE_STALL_NS (50 us). */
 	uint64_t lane_stall_ns;
 	/* Capacity of the maintenance lane.  0 = lane_capacity.  Max 1 << 22.  (The router sets
 	 * 255, a 16 KiB ring: it posts nothing there, its timers run in the loop.) */

@@ -167,14 +167,15 @@ struct kvr_config {
 	uint32_t lane_capacity;
 	/* Soft depth of each routing lane, messages.  Default 127; 0 = none; range 0..1<<22 (at
 	 * or above lane_capacity it is never reached).  kvr_route's booking post, finding this
-	 * many messages queued, waits (a spin, yields, sleeps of up to 64 us) while the shard is
-	 * taking messages, so an overloaded router's lanes stay about this deep and its
+	 * many messages queued, waits (a spin, yields, then sleeps of up to 64 us) while the
+	 * shard is taking messages, so an overloaded router's lanes stay about this deep and its
 	 * decisions see fresh bookings (README "lane capacity"); counted in
-	 * kvr_lane_soft_throttles_total.  Once the shard has taken no message for 200 us (one
-	 * long task, a preempted shard), or after 2 ms of waiting in all, the booking goes into
+	 * kvr_lane_soft_throttles_total.  Once the shard has taken no message for 50 us (one
+	 * long task, a preempted shard), or after 500 us of waiting in all, the booking goes into
 	 * the ring's room above the soft depth instead (kvr_lane_soft_spills_total; at once when
 	 * the shard has been stalled that long already), so a stalled shard delays kvr_route by
-	 * at most 200 us and fails it only when the whole lane_capacity is full.  Lifecycle
+	 * about 50 us (plus the scheduler's delays on a loaded machine) and fails it only when the
+	 * whole lane_capacity is full.  Lifecycle
 	 * calls never wait here: they are claimed already and release what the next decisions
 	 * need.  With sync_booking every call settles instead, so this does not apply. */
 	uint32_t lane_soft_depth;
