@@ -143,13 +143,16 @@ void kvr_owner_store_runs(struct kvr_shard_state *ss, struct kvr_rank_owned *own
 
 static void ttl_fire(struct kvr_shard *sh, void *arg);
 
-/* TTL retention: keeps one timer armed at the earliest expiry.  A failed arm (out of memory) is
- * counted and retried on the shard's next call (kvr_owner_retry_timers). */
-void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own)
+/* An expiry that ran out of memory is tried again this much later, not at once: a timer due
+ * again at once fired again and again for as long as memory stayed short (the shard spun on
+ * it, and kvr_router_sync, which waits for every due timer, timed out: oom_api seed 9 with
+ * persistent failures). */
+#define TTL_RETRY_NS 10000000ull
+
+/* Arms rank own's TTL timer at d unless it is armed at d or earlier.  A failed arm (out of
+ * memory) is counted and retried on the shard's next call (kvr_owner_retry_timers). */
+static void arm_ttl_at(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t d)
 {
-	if (!own->rs || kvr_rank_state_mode(own->rs) != KVR_RANK_TTL)
-		return;
-	uint64_t d = kvr_rank_state_next_deadline(own->rs);
 	if (d == UINT64_MAX || d >= own->ttl_deadline)
 		return;
 	if (own->ttl_deadline != UINT64_MAX)
@@ -164,17 +167,32 @@ void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own)
 	}
 }
 
+/* TTL retention: keeps one timer armed at the earliest expiry. */
+void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own)
+{
+	if (!own->rs || kvr_rank_state_mode(own->rs) != KVR_RANK_TTL)
+		return;
+	arm_ttl_at(sh, own, kvr_rank_state_next_deadline(own->rs));
+}
+
 static void ttl_fire(struct kvr_shard *sh, void *arg)
 {
 	struct kvr_rank_owned *own = arg;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
 	own->ttl_deadline = UINT64_MAX;
-	if (kvr_rank_state_tick(own->rs, kvr_owner_now(c), &ss->out) == 0) {
+	uint64_t now = kvr_owner_now(c);
+	int rc = kvr_rank_state_tick(own->rs, now, &ss->out);
+	if (rc == 0) {
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_TTL_EXPIRIES, ss->out.n_evicted);
 		kvr_owner_apply_removals(ss, own, &ss->out);
 	}
 	kvr_owner_publish(ss, own);
+	if (rc == KVR_ENOMEM) { /* nothing expired: a release of the predicted cache, retried */
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_RELEASE_ERRORS, 1);
+		arm_ttl_at(sh, own, now + TTL_RETRY_NS > now ? now + TTL_RETRY_NS : UINT64_MAX - 1);
+		return;
+	}
 	kvr_owner_arm_ttl(sh, own);
 }
 

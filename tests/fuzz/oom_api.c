@@ -12,9 +12,10 @@
  * is the product of the two: each seed chooses a configuration (mode, block size, shards,
  * synchronous or posted booking, the queue on or off) and a sequence of rank commands, routes,
  * lifecycle calls, KV events, syncs, stats, metrics and clock steps, and arms a failure a few
- * allocations ahead before about a third of the calls.  An armed failure that the call does not
- * use stays armed, so it also lands in the shard threads' work (bookings, index writes, output
- * blocks, evictions) at whatever point they reach it.
+ * allocations ahead before about a third of the calls, half of them persistent (every later
+ * allocation fails too until disarmed, after the call or later).  An armed failure that the
+ * call does not use stays armed, so it also lands in the shard threads' work (bookings, index
+ * writes, output blocks, evictions) at whatever point they reach it.
  *
  * What it checks, from kvrouter.h:
  *  - every return code is one the header documents for that call; KVR_ENOMEM only where it is
@@ -142,12 +143,24 @@ static size_t gen_tokens(struct prog *p, uint32_t *t, size_t cap)
 	return n;
 }
 
+/* Arms the nth allocation from now to fail; half the time persistently (kvr_alloc_fail_from:
+ * that one and every later one fail until disarmed, as in the threaded mode), so a clean-up
+ * that allocates after a failure fails as well, which one-shot failures on one thread never
+ * reach. */
+static void arm(struct prog *p, uint64_t nth)
+{
+	if (rnd(p, 2))
+		kvr_alloc_fail_from(nth);
+	else
+		kvr_alloc_fail_after(nth);
+}
+
 /* Failures: armed a few allocations ahead before about a third of the calls, left armed (it
  * then fires in a later call or on a shard thread) or disarmed after the call. */
 static void maybe_arm(struct prog *p)
 {
 	if (kvr_alloc_fail_pending() == 0 && rnd(p, 3) == 0)
-		kvr_alloc_fail_after(1 + rnd(p, 8));
+		arm(p, 1 + rnd(p, 8));
 	if (kvr_alloc_fail_pending())
 		p->epoch_failed = true;
 }
@@ -700,7 +713,7 @@ static void *run_program(void *arg)
 	/* Creation under failure: KVR_ENOMEM, no router, nothing left allocated. */
 	if (rnd(p, 2)) {
 		int64_t before = kvr_alloc_live_bytes();
-		kvr_alloc_fail_after(1 + rnd(p, 40)); /* create makes ~30 allocations */
+		arm(p, 1 + rnd(p, 40)); /* create makes ~30 allocations */
 		cur_call = "kvr_router_create (failing)";
 		int rc = kvr_router_create(&p->cfg, &p->r);
 		kvr_alloc_fail_after(0);

@@ -219,6 +219,51 @@ Test(oom_contracts, release_out_of_memory_is_retried)
 	cr_assert_gt(nth, 2, "failures were injected (%lu)", (unsigned long)nth);
 }
 
+static uint64_t vclock(void *ctx)
+{
+	return __atomic_load_n((uint64_t *)ctx, __ATOMIC_RELAXED);
+}
+
+/* A TTL expiry that runs out of memory, memory staying short (kvr_alloc_fail_from): nothing
+ * expires, kvr_router_sync still returns, and the expiry is tried again later and happens once
+ * memory is back.  The expiry's timer was re-armed at its own deadline, due at once: the shard
+ * fired it again and again while memory stayed short, and kvr_router_sync, which waits for
+ * every due timer, timed out (tests/fuzz/oom_api.c seed 9 with persistent failures). */
+Test(oom_contracts, ttl_expiry_out_of_memory_retried_later)
+{
+	static uint64_t now = 1000;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	c.shard_idle_spin_ns = 0;
+	c.ttl_ns = 1000000000ull;
+	c.now_ns = vclock;
+	c.clock_ctx = &now;
+	struct kvr_router *r = NULL;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, R0, 1, KVR_CAPACITY_NONE, 0), 0);
+	int rc;
+	uint64_t a = route_one(r, &rc);
+	cr_assert_eq(rc, 0);
+	cr_assert_eq(kvr_request_finish(r, a), 0);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	uint64_t held = stats(r).resident_blocks;
+	cr_assert_gt(held, 0);
+	__atomic_store_n(&now, now + 2 * c.ttl_ns, __ATOMIC_RELAXED); /* all of it expired */
+	kvr_alloc_fail_from(1);
+	rc = kvr_router_sync(r, 2000);
+	bool fired = kvr_alloc_fail_pending() != 0;
+	kvr_alloc_fail_after(0);
+	cr_assert(fired, "the expiry allocated nothing");
+	cr_assert_eq(rc, 0, "sync under a persistent failure: %d", rc);
+	cr_assert_eq(stats(r).resident_blocks, held, "expired without memory");
+	__atomic_store_n(&now, now + 100000000ull, __ATOMIC_RELAXED); /* past the retry */
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(stats(r).resident_blocks, 0, "the expiry was not tried again");
+	kvr_router_destroy(r);
+}
+
 /* Healing out of memory (its eviction list could not grow) changes nothing; the same observation
  * once memory is back evicts as it would have.  (No loop covered these failure branches:
  * shards/lru_heal.c, resident count and watermark.) */
