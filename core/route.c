@@ -240,6 +240,23 @@ static void listed(const struct kvr_router *r, uint32_t slot, size_t *n)
 	tls.cslot[(*n)++] = slot;
 }
 
+/* a[idx[i]] = 0 for i < n: the depth arrays back to zero after a decision.  Four a step: at 2k
+ * tokens ~58 of 64 ranks hold part of the prompt, and the one-at-a-time loop was ~290
+ * instructions a decision (callgrind), two a slot of them its own counting. */
+static inline void zero_at(uint32_t *a, const uint32_t *idx, size_t n)
+{
+	size_t i = 0;
+	for (; i + 4 <= n; i += 4) {
+		uint32_t i0 = idx[i], i1 = idx[i + 1], i2 = idx[i + 2], i3 = idx[i + 3];
+		a[i0] = 0;
+		a[i1] = 0;
+		a[i2] = 0;
+		a[i3] = 0;
+	}
+	for (; i < n; i++)
+		a[idx[i]] = 0;
+}
+
 /* The chosen candidate. */
 struct choice {
 	uint32_t slot, overlap, pinned;
@@ -445,13 +462,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			fence_due = false;
 		}
 		kvr_rcu_read_unlock();
-		const uint32_t *mslots = tls.mslots;
-		for (size_t i = 0; i < nm; i++)
-			score[mslots[i]] = 0;
-		uint32_t *pin = tls.pin;
-		const uint32_t *pslots = tls.pslots;
-		for (size_t i = 0; i < np; i++)
-			pin[pslots[i]] = 0;
+		zero_at(score, tls.mslots, nm);
+		zero_at(tls.pin, tls.pslots, np);
 		KVR_PROBE3(match, nb, nm, best);
 		if (rc) {
 			kvr_owner_attempt_free(&r->owner, rec);
