@@ -445,6 +445,10 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		kvr_router_settle(r);
 		uint32_t best = 0, *score = tls.score;
 		kvr_rcu_read_lock();
+		/* The pinned runs' first probe: its line (often just written by a shard) is
+		 * fetched while find_depths walks the index. */
+		if (nb)
+			kvr_pinmap_prefetch(r->pinmap, seq[0]);
 		size_t nm =
 		    nb ? kvr_index_find_depths(r->index, seq, nb, score, tls.mslots, &best) : 0;
 		/* Pinned depth per rank: one walk along the published pinned runs. */

@@ -298,6 +298,15 @@ static uint32_t extent(const struct kvr_pinrun *g, const uint64_t *q, size_t m, 
 	return e;
 }
 
+void kvr_pinmap_prefetch(const struct kvr_pinmap *pm, uint64_t seq0)
+{
+	/* Ordering: acquire; pairs with the release in rebuild() (the array is read, not the
+	 * entry: no ordering needed for a hint, but the pointer must be a published one). */
+	const struct tab *t = pm ? __atomic_load_n(&pm->view, __ATOMIC_ACQUIRE) : NULL;
+	if (t)
+		__builtin_prefetch(&t->e[home(seq0) & t->mask], 0, 3);
+}
+
 size_t kvr_pinmap_depths(const struct kvr_pinmap *pm, const uint64_t *seq, size_t n,
                          uint32_t *depth, uint32_t *slots)
 {

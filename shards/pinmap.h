@@ -74,6 +74,14 @@ void kvr_pinrun_retire_flush(struct kvr_pinrun_retire *b);
 #define KVR_PIN_OPEN 0x80000000u
 
 /*
+ * Asks for the table line kvr_pinmap_depths will probe first for a chain starting with seq0: a
+ * hint, so that its miss overlaps the caller's other reads (the shards write the table at every
+ * pin and unpin, so the line is often another core's).  Context: inside an RCU read-side
+ * section; any thread.
+ */
+void kvr_pinmap_prefetch(const struct kvr_pinmap *pm, uint64_t seq0);
+
+/*
  * Every rank's pinned depth of the chain seq[0..n) (borrowed): depth[slot] (caller's array,
  * zero on entry for every slot) is set for each rank pinning seq[0], and that rank's slot is
  * appended to slots[] (room for every rank).  Returns how many slots were appended; the caller
