@@ -3,8 +3,10 @@
  * allocator seam keeps long-lived and transient objects in arenas of their own. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #ifdef KVR_HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
@@ -227,12 +229,23 @@ Test(memory, fail_after_with_threads_allocating, .timeout = 60)
 	pthread_t t[3];
 	for (int i = 0; i < 3; i++)
 		cr_assert_eq(pthread_create(&t[i], NULL, churn, NULL), 0);
+	/* Up to 1M rounds, but at most ~10 s: under ASan on a loaded 2-core machine (CI's
+	 * sanitizer suite beside other tests) each round waits for a churn thread to be scheduled,
+	 * and 1M rounds took past the 60 s timeout.  The spinner yields so the churners run. */
 	uint64_t rounds;
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
 	for (rounds = 0; rounds < 1000000; rounds++) {
+		if ((rounds & 1023) == 0 && rounds > 0) {
+			clock_gettime(CLOCK_MONOTONIC, &t1);
+			if (t1.tv_sec - t0.tv_sec >= 10)
+				break;
+		}
 		kvr_alloc_fail_after(1);
 		uint64_t left;
-		while ((left = kvr_alloc_fail_pending()) == 1)
-			;
+		for (unsigned spins = 0; (left = kvr_alloc_fail_pending()) == 1; spins++)
+			if (spins >= 64)
+				sched_yield();
 		cr_assert_eq(left, 0, "round %lu: %lu allocations pending after the failure",
 		             (unsigned long)rounds, (unsigned long)left);
 	}
