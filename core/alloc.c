@@ -92,8 +92,9 @@ static inline int should_fail(void)
 	uint64_t c = __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
 	if (__builtin_expect(c == 0, 1))
 		return 0;
-	/* Armed: the scope stored before the arm (kvr_alloc_fail_scope) is seen. */
-	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	/* Armed: read again with acquire (pairs with the arm's release store; not a fence, which
+	 * ThreadSanitizer does not model), so the scope stored before the arm is seen. */
+	c = __atomic_load_n(&fail_countdown, __ATOMIC_ACQUIRE);
 	unsigned roles = __atomic_load_n(&fail_roles, __ATOMIC_RELAXED);
 	if (roles && !(thread_role & roles))
 		return 0; /* out of scope: neither counted nor failed */

@@ -76,7 +76,7 @@ void kvr_alloc_thread_role(unsigned role);
  * sync).  0 (the default) scopes them to every thread.  Stays until changed; arming and
  * disarming leave it.  Context: tests, single-threaded setup, before arming.
  * Ordering: the scope is stored before an arm's release store of the countdown, which a
- * counting thread's acquire fence after reading it non-zero pairs with. */
+ * counting thread's acquire load of it (after a relaxed one read it non-zero) pairs with. */
 void kvr_alloc_fail_scope(unsigned roles);
 /* Allocations left before the armed failure (0: it fired, or none is armed). */
 uint64_t kvr_alloc_fail_pending(void);
