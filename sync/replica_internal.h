@@ -67,15 +67,17 @@ struct kvr_rep_rec {
 	size_t size;
 };
 
-/* An own attempt's end whose note found the outbound queue full for longer than a note waits
- * (sync/replica_out.c, out_push): kept on a lock-free stack the sender drains, so that an end
- * is never dropped while memory lasts. */
 /* A note kept aside because the outbound queue was full (sync/replica_out.c: note_keep): the
  * queue message it would have been, owning what that owns. */
 struct kvr_rep_kept {
 	struct kvr_rep_kept *next;
+	bool spare; /* one of rep->kept_spare (memory was short), not allocated */
 	struct kvr_msg m;
 };
+
+/* Kept-note nodes set aside when the replica is made, for a note kept while memory is short:
+ * an end lost then would leave its attempt mirrored on every peer for good. */
+#define KEPT_SPARE 64 /* at most 64: one bit each in kept_spare_free */
 
 /* An own attempt whose end came before its admission (sync/replica_early.c). */
 struct kvr_rep_early {
@@ -169,7 +171,9 @@ struct kvr_replica {
 	uint64_t out_dropped;      /* atomic: notes lost before the queue (no memory, ring full) */
 	uint64_t in_dropped;       /* atomic: deliveries lost for memory (kvr_replica_deliver) */
 	struct kvr_rep_kept *kept; /* atomic: notes kept aside (the queue was full), newest first */
-	struct kvr_rep_slab *slabs; /* [OUT_SLABS] */
+	struct kvr_rep_kept *kept_spare; /* [KEPT_SPARE] */
+	uint64_t kept_spare_free;        /* atomic: a bit per free one */
+	struct kvr_rep_slab *slabs;      /* [OUT_SLABS] */
 	/* Under mu (the sender): own attempts whose end was noted before their admission (a
 	 * posted booking the shard dropped at once, told as an expiry while the routing thread
 	 * had yet to note the admission), so that the admission is not published; a set that

@@ -245,7 +245,10 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * attempt's life, a lost rank change stayed lost for good: test_replica_oom
  * notes_not_dropped_by_a_full_queue).  What is kept is bounded only by memory while the sender
  * stays stalled: 80 B a note plus what it owns (an admission's record, output tokens beyond
- * OUT_INLINE); only a note that cannot be kept for memory is dropped (counted unpublished). */
+ * OUT_INLINE).  A note that cannot be kept for memory takes one of KEPT_SPARE nodes set aside
+ * when the replica was made (an end lost then would leave its attempt mirrored on every peer for
+ * good: end_kept_when_memory_is_short); only with those in use too is it dropped (counted
+ * unpublished). */
 
 enum {
 	OUT_ADMIT = 1,
@@ -305,11 +308,40 @@ static void out_discard(struct kvr_replica *rep, const struct kvr_msg *m)
 
 static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
 
+/* A spare kept-note node (memory is short), or NULL if all are in use. */
+static struct kvr_rep_kept *spare_get(struct kvr_replica *rep)
+{
+	uint64_t f = __atomic_load_n(&rep->kept_spare_free, __ATOMIC_RELAXED);
+	while (f) {
+		int i = __builtin_ctzll(f);
+		if (__atomic_compare_exchange_n(&rep->kept_spare_free, &f, f & ~(1ull << i), true,
+		                                __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+			rep->kept_spare[i].spare = true;
+			return &rep->kept_spare[i];
+		}
+	}
+	return NULL;
+}
+
+static void kept_free(struct kvr_replica *rep, struct kvr_rep_kept *k)
+{
+	if (k->spare)
+		__atomic_fetch_or(&rep->kept_spare_free, 1ull << (k - rep->kept_spare),
+		                  __ATOMIC_RELEASE);
+	else
+		kvr_free(k, sizeof(*k));
+}
+
 /* Keeps a note aside (Treiber stack; the sender takes the whole stack at once, so there is no
- * ABA), or drops it (counted unpublished) without memory. */
+ * ABA), in a spare node if memory is short, or drops it (counted unpublished) when none is
+ * left either. */
 static void note_keep(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
 {
 	struct kvr_rep_kept *k = kvr_alloc(sizeof(*k));
+	if (k)
+		k->spare = false;
+	else
+		k = spare_get(rep);
 	if (!k) {
 		struct kvr_msg m = {.aux = kind};
 		memcpy(m.payload, payload, len);
@@ -347,7 +379,7 @@ static uint64_t kept_drain(struct kvr_replica *rep)
 		uint64_t t = out_one(rep, &old->m);
 		if (t > ticket)
 			ticket = t;
-		kvr_free(old, sizeof(*old));
+		kept_free(rep, old);
 		old = nx;
 	}
 	return ticket;
@@ -668,13 +700,17 @@ int kvr_rep_out_init(struct kvr_replica *rep)
 	if (kvr_ring_init(&rep->outq, 16384))
 		return KVR_ENOMEM;
 	rep->slabs = kvr_alloc_aligned(OUT_SLABS * sizeof(*rep->slabs));
-	if (!rep->slabs || kvr_rep_early_init(rep)) {
+	rep->kept_spare = kvr_alloc(KEPT_SPARE * sizeof(*rep->kept_spare));
+	if (!rep->slabs || !rep->kept_spare || kvr_rep_early_init(rep)) {
 		kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
 		rep->slabs = NULL;
+		kvr_free(rep->kept_spare, KEPT_SPARE * sizeof(*rep->kept_spare));
+		rep->kept_spare = NULL;
 		kvr_ring_fini(&rep->outq);
 		return KVR_ENOMEM;
 	}
 	rep->slab_free = OUT_SLABS == 64 ? ~0ull : (1ull << OUT_SLABS) - 1;
+	rep->kept_spare_free = KEPT_SPARE == 64 ? ~0ull : (1ull << KEPT_SPARE) - 1;
 	kvr_parker_init(&rep->out_park);
 	kvr_parker_asym_init();
 	return 0;
@@ -726,12 +762,14 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 	for (struct kvr_rep_kept *k = rep->kept, *nx; k; k = nx) {
 		nx = k->next;
 		out_discard(rep, &k->m);
-		kvr_free(k, sizeof(*k));
+		kept_free(rep, k);
 	}
 	rep->kept = NULL;
 	kvr_ring_fini(&rep->outq);
 	kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
 	rep->slabs = NULL;
+	kvr_free(rep->kept_spare, KEPT_SPARE * sizeof(*rep->kept_spare));
+	rep->kept_spare = NULL;
 	kvr_rep_early_fini(rep);
 }
 

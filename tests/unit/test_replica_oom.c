@@ -496,3 +496,45 @@ Test(replica_oom, snapshot_given_up_asked_again, .timeout = 240)
 	            (unsigned long)asked_again);
 	bus_teardown(r, 1);
 }
+
+/* An end that finds the outbound queue full while memory is short (the allocation of the node
+ * that keeps it aside fails) is kept in one of the spare nodes set aside when the replica was
+ * made, and published once the sender runs again: the peer releases the attempt.  Before, it
+ * was dropped (counted unpublished) and the attempt stayed mirrored, with its load, on every
+ * peer for good. */
+Test(replica_oom, end_kept_when_memory_is_short, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	struct kvr_decision a, b;
+	two_with_two(r, 51, &a, &b);
+	struct kvr_sync_stats f0, f;
+	kvr_replica_get_stats(bus.rep[0], &f0);
+	kvr_replica_stall(bus.rep[0], 4000, true);
+	uint64_t t0 = now_ms();
+	uint32_t tok = 5;
+	struct kvr_ring *q = &bus.rep[0]->outq;
+	while (kvr_ring_depth(q) < kvr_ring_capacity(q))
+		cr_assert_eq(kvr_request_output(r[0], a.attempt, &tok, 1), 0);
+	/* The finish allocates nothing on this thread but the node that keeps its note. */
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER);
+	kvr_alloc_fail_after(1);
+	cr_assert_eq(kvr_request_finish(r[0], b.attempt), 0);
+	bool fired = kvr_alloc_fail_pending() == 0;
+	kvr_alloc_fail_after(0);
+	kvr_alloc_fail_scope(0);
+	cr_assert(fired, "the finish's note allocated nothing");
+	cr_assert_eq(kvr_request_finish(r[0], a.attempt), 0);
+	cr_assert_lt(now_ms() - t0, 3500, "the stall ended before the finishes");
+	while (now_ms() - t0 < 4100)
+		usleep(10000);
+	bus_quiet(r, 2);
+	kvr_replica_get_stats(bus.rep[0], &f);
+	cr_assert_eq(f.unpublished, f0.unpublished, "%lu notes dropped",
+	             (unsigned long)(f.unpublished - f0.unpublished));
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 0, "%u attempts still mirrored", st.mirrored);
+	no_load(r, 2, 0);
+	bus_teardown(r, 2);
+}
