@@ -115,6 +115,17 @@ static void two_with_two(struct kvr_router **r, uint32_t seed, struct kvr_decisi
 	bus_quiet(r, 2);
 }
 
+/* Fills replica 0's outbound queue (its sender stalled) with one-token outputs of attempt on
+ * r0: until it is full, not "until a call took 50 ms", which a preempted call on a loaded
+ * machine also does. */
+static void fill_outbound(struct kvr_router *r0, uint64_t attempt)
+{
+	uint32_t tok = 5;
+	struct kvr_ring *q = &bus.rep[0]->outq;
+	while (kvr_ring_depth(q) < kvr_ring_capacity(q))
+		cr_assert_eq(kvr_request_output(r0, attempt, &tok, 1), 0);
+}
+
 static void no_load(struct kvr_router **r, int n, uint64_t nth)
 {
 	for (int i = 0; i < n; i++)
@@ -364,12 +375,7 @@ Test(replica_oom, end_not_dropped_by_a_full_queue, .timeout = 60)
 	             2);
 	kvr_replica_stall(bus.rep[0], 5000, true);
 	uint64_t t0 = now_ms();
-	uint32_t tok = 5;
-	/* Until the queue is full (not "a call took 50 ms", which a preempted call on a loaded
-	 * machine also does). */
-	struct kvr_ring *q = &bus.rep[0]->outq;
-	while (kvr_ring_depth(q) < kvr_ring_capacity(q))
-		cr_assert_eq(kvr_request_output(r[0], a.attempt, &tok, 1), 0);
+	fill_outbound(r[0], a.attempt);
 	uint64_t t1 = now_ms();
 	cr_assert_eq(kvr_request_finish(r[0], b.attempt), 0);
 	cr_assert_geq(now_ms() - t1, 90, "the finish did not find the queue full");
@@ -405,9 +411,7 @@ Test(replica_oom, notes_not_dropped_by_a_full_queue, .timeout = 60)
 	kvr_replica_get_stats(rep, &f0);
 	kvr_replica_stall(rep, 4000, true);
 	uint64_t t0 = now_ms();
-	uint32_t tok = 5;
-	while (kvr_ring_depth(&rep->outq) < kvr_ring_capacity(&rep->outq))
-		cr_assert_eq(kvr_request_output(r[0], a.attempt, &tok, 1), 0);
+	fill_outbound(r[0], a.attempt);
 	/* Full: each of these would wait, then drop. */
 	static uint32_t out[200];
 	for (uint32_t j = 0; j < 200; j++)
@@ -511,10 +515,7 @@ Test(replica_oom, end_kept_when_memory_is_short, .timeout = 60)
 	kvr_replica_get_stats(bus.rep[0], &f0);
 	kvr_replica_stall(bus.rep[0], 4000, true);
 	uint64_t t0 = now_ms();
-	uint32_t tok = 5;
-	struct kvr_ring *q = &bus.rep[0]->outq;
-	while (kvr_ring_depth(q) < kvr_ring_capacity(q))
-		cr_assert_eq(kvr_request_output(r[0], a.attempt, &tok, 1), 0);
+	fill_outbound(r[0], a.attempt);
 	/* The finish allocates nothing on this thread but the node that keeps its note. */
 	kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
 	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER);
