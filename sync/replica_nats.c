@@ -42,6 +42,7 @@ static void on_stream(natsConnection *nc, natsSubscription *sub, natsMsg *msg, v
 	(void)nc;
 	(void)sub;
 	struct kvr_sync *s = closure;
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA); /* nats.c's thread: scoped test failures */
 	/* nats.c's subscription thread delivers the stream in order and holds no lock of ours:
 	 * it handles the message itself when nothing is queued (no copy, no wake-up of the apply
 	 * thread). */
@@ -55,6 +56,7 @@ static void on_snapreq(natsConnection *nc, natsSubscription *sub, natsMsg *msg, 
 	(void)nc;
 	(void)sub;
 	struct kvr_sync *s = closure;
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA); /* nats.c's thread: scoped test failures */
 	const char *reply = natsMsg_GetReply(msg);
 	if (reply)
 		kvr_replica_deliver(s->rep, natsMsg_GetData(msg),
