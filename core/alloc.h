@@ -66,9 +66,8 @@ void kvr_alloc_fail_after(uint64_t nth);
 void kvr_alloc_fail_from(uint64_t nth);
 /* Thread roles for scoped failures (bits): a thread tags itself with kvr_alloc_thread_role(). */
 #define KVR_ALLOC_ROLE_CALLER (1u << 0) /* a caller's thread, tagged by a test */
-#define KVR_ALLOC_ROLE_REPLICA                                                                     \
-	(1u << 1) /* replica sync's sender and apply threads, and                                  \
-	           * nats.c's subscription thread while it applies */
+/* Replica sync's sender and apply threads, and nats.c's subscription thread while it applies. */
+#define KVR_ALLOC_ROLE_REPLICA (1u << 1)
 /* Tags the calling thread with role (KVR_ALLOC_ROLE_* bits; 0: untagged, the default).
  * Context: the thread itself. */
 void kvr_alloc_thread_role(unsigned role);
