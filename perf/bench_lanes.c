@@ -6,13 +6,19 @@
  *  3. synchronous round trip from idle: the caller sleeps between calls, the shard parks;
  *  4. maintenance delay: P producers saturate shard 0's routing lane while one thread posts a
  *     stamped maintenance task every 200 us; delay = enqueue -> run (the baseline has one
- *     FIFO, so its "maintenance" task waits behind the whole queue).
+ *     FIFO, so its "maintenance" task waits behind the whole queue);
+ *  5. the take's stamp: on this thread, a bare struct kvr_lanes (no shard) filled with 64
+ *     routing messages and drained by kvr_lanes_pop, with the routing lane's soft depth set
+ *     (127: every take reads the lanes' clock for the stamp producers judge a stall by) and
+ *     not (0), alternated; take_ns_* is the pop's own time (the fill is not timed), and
+ *     stamp_ns their difference, the price of the stamp a task.  --soft-depth N also sets the
+ *     shards' soft depth for phases 1-4 (their posts are not paced, so only the stamp differs).
  * Prints one SUMMARY line; never asserts timings.
  *
  * Runtime and baseline alternate in --rounds rounds; each metric reports its best round.
  *
  * usage: bench_lanes [--producers P] [--shards S] [--ms N per phase, all rounds] [--rounds R]
- *                    [--cap N]
+ *                    [--cap N] [--soft-depth N (0)]
  *                    [--cpus 0,1,...]   (shards, then producers, are pinned in this order)
  */
 #include <pthread.h>
@@ -36,7 +42,7 @@ static uint64_t now_ns(void)
 }
 
 static int cpus[MAX_T], n_cpus;
-static uint32_t P = 2, S = 1, CAP = 4096;
+static uint32_t P = 2, S = 1, CAP = 4096, SOFT = 0;
 static double MS = 1000;
 static int ROUNDS = 5;
 
@@ -354,6 +360,41 @@ static double maint_delay_us(void)
 	return (double)__atomic_load_n(&maint_max_ns, __ATOMIC_RELAXED) / 1e3;
 }
 
+/* Phase 5's messages: never run (the phase only takes them). */
+static void never_run(void)
+{
+}
+
+/* Phase 5: ns per kvr_lanes_pop of a routing message on a bare struct kvr_lanes with soft depth
+ * soft, over ms milliseconds of fill-then-drain rounds of 64 messages; the best of 8 slices
+ * (filters out preemptions on a shared machine).  Returns -1 if the lanes cannot be made. */
+static double take_ns(uint32_t soft, double ms)
+{
+	struct kvr_lanes l;
+	if (kvr_lanes_init(&l, 4095, 64, 200000, NULL, NULL))
+		return -1;
+	kvr_lanes_set_soft_depth(&l, soft);
+	unsigned char payload[16] = {0};
+	struct kvr_msg m;
+	double best = 1e30;
+	for (int slice = 0; slice < 8; slice++) {
+		uint64_t spent = 0, pops = 0, until = now_ns() + (uint64_t)(ms * 1e6 / 8);
+		while (now_ns() < until) {
+			for (int i = 0; i < 64; i++)
+				kvr_lanes_push(&l, KVR_LANE_ROUTING, never_run, payload,
+				               sizeof(payload), 0, 0);
+			uint64_t t0 = now_ns();
+			while (kvr_lanes_pop(&l, &m) >= 0)
+				pops++;
+			spent += now_ns() - t0;
+		}
+		double ns = pops ? (double)spent / (double)pops : 1e30;
+		best = ns < best ? ns : best;
+	}
+	kvr_lanes_fini(&l);
+	return best;
+}
+
 int main(int argc, char **argv)
 {
 	for (int i = 1; i + 1 < argc; i += 2) {
@@ -367,6 +408,8 @@ int main(int argc, char **argv)
 			ROUNDS = atoi(argv[i + 1]) > 0 ? atoi(argv[i + 1]) : 1;
 		else if (!strcmp(argv[i], "--cap"))
 			CAP = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--soft-depth"))
+			SOFT = (uint32_t)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--cpus")) {
 			char *save = NULL, *list = strdup(argv[i + 1]);
 			for (char *t = strtok_r(list, ",", &save); t && n_cpus < MAX_T;
@@ -382,6 +425,7 @@ int main(int argc, char **argv)
 	struct kvr_shards_config c = {0};
 	c.n_shards = S;
 	c.lane_capacity = CAP;
+	c.lane_soft_depth = SOFT;
 	c.cpus = n_cpus ? cpus : NULL;
 	c.n_cpus = (size_t)n_cpus;
 	if (kvr_shards_create(&c, &rt) != 0) {
@@ -424,6 +468,15 @@ int main(int argc, char **argv)
 		}
 	}
 	MS = full_ms;
+	/* Phase 5, on this thread alone (the shards are idle): soft depth on and off alternated. */
+	double take_soft = 1e30, take_none = 1e30;
+	for (int r = 0; r < 2 * ROUNDS; r++) {
+		double t = take_ns(r % 2 ? 0 : 127, MS / (2 * ROUNDS) / 4);
+		if (r % 2)
+			take_none = t < take_none ? t : take_none;
+		else
+			take_soft = t < take_soft ? t : take_soft;
+	}
 	struct kvr_shard_stats st;
 	kvr_shard_get_stats(kvr_shards_get(rt, 0), &st);
 	kvr_shards_destroy(rt);
@@ -444,10 +497,12 @@ int main(int argc, char **argv)
 	    "SUMMARY bench=lanes producers=%u shards=%u msgs_s=%.0f rtt_hot_p50_ns=%llu "
 	    "rtt_hot_p99_ns=%llu rtt_idle_p99_ns=%llu maint_wait_max_us=%.1f baseline_msgs_s=%.0f "
 	    "baseline_rtt_p99_ns=%llu baseline_rtt_p50_ns=%llu baseline_maint_wait_max_us=%.1f "
-	    "tput_ratio=%.2f rtt_p99_ratio=%.3f\n",
+	    "tput_ratio=%.2f rtt_p99_ratio=%.3f soft_depth=%u take_ns_soft=%.1f take_ns_none=%.1f "
+	    "stamp_ns=%.1f\n",
 	    P, S, msgs_s, (unsigned long long)hot50, (unsigned long long)hot99,
 	    (unsigned long long)idle99, maint_us, b_msgs_s, (unsigned long long)b99,
 	    (unsigned long long)b50, b_maint_us, b_msgs_s > 0 ? msgs_s / b_msgs_s : 0.0,
-	    b99 ? (double)hot99 / (double)b99 : 0.0);
+	    b99 ? (double)hot99 / (double)b99 : 0.0, SOFT, take_soft, take_none,
+	    take_soft - take_none);
 	return 0;
 }
