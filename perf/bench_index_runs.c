@@ -60,6 +60,7 @@
  */
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -358,6 +359,27 @@ static struct kvr_index *new_index(uint32_t *slot)
 	return idx;
 }
 
+/* An index of the (L, pattern) workload for the single-pattern modes (--tail, --cg, --tput):
+ * its prompts in *ps (*np of them), quiesced. */
+static struct kvr_index *pattern_index(size_t L, int pat, int *np, struct path **ps)
+{
+	uint32_t slot[RANKS];
+	*np = prompts_for(L, pat);
+	*ps = make_prompts(L, pat, *np);
+	struct kvr_index *idx = new_index(slot);
+	for (int i = 0; i < *np; i++)
+		apply_pattern(idx, slot, &(*ps)[i], pat, i);
+	kvr_index_quiesce(idx);
+	return idx;
+}
+
+static void free_prompts(struct path *ps, int np)
+{
+	for (int i = 0; i < np; i++)
+		free_path(&ps[i]);
+	free(ps);
+}
+
 /* --tail L PAT [--touch]: what the slow 1 % of the timed calls are.  match_lat's loop as it was
  * before its warm-up (two passes of reps queries, no warm-up; --touch: each prompt's hashes read
  * before its call, as match_lat does now), each sample tagged with whether it was its prompt's
@@ -379,13 +401,9 @@ static void tail_print(const char *what, uint64_t *v, size_t n)
 
 static void tail_mode(size_t L, int pat, int reps, bool touch)
 {
-	int np = prompts_for(L, pat);
-	struct path *ps = make_prompts(L, pat, np);
-	uint32_t slot[RANKS];
-	struct kvr_index *idx = new_index(slot);
-	for (int i = 0; i < np; i++)
-		apply_pattern(idx, slot, &ps[i], pat, i);
-	kvr_index_quiesce(idx);
+	int np;
+	struct path *ps;
+	struct kvr_index *idx = pattern_index(L, pat, &np, &ps);
 	const uint64_t h50 = hash_p50(&ps[0], reps);
 	uint64_t *all = malloc(2 * (size_t)reps * sizeof(uint64_t));
 	uint64_t *first = malloc((size_t)np * sizeof(uint64_t));
@@ -397,6 +415,8 @@ static void tail_mode(size_t L, int pat, int reps, bool touch)
 	struct kvr_index_match out[RANKS];
 	int *who = malloc(2 * (size_t)reps * sizeof(int));
 	uint64_t sink = 0;
+	struct rusage ru0, ru1;
+	getrusage(RUSAGE_THREAD, &ru0);
 	for (int i = 0; i < 2 * reps; i++) {
 		const int pi = (int)(rnd() % (uint64_t)np);
 		const struct path *p = &ps[pi];
@@ -417,6 +437,7 @@ static void tail_mode(size_t L, int pat, int reps, bool touch)
 			p2[i - reps] = all[i];
 		seen[pi] = true;
 	}
+	getrusage(RUSAGE_THREAD, &ru1);
 	for (int i = 0; i < reps; i++) {
 		uint64_t t0 = now_ns();
 		kvr_rcu_read_lock();
@@ -439,6 +460,8 @@ static void tail_mode(size_t L, int pat, int reps, bool touch)
 	       "its p99 (%lu ns): %zu, of them first queries of their prompt: %zu\n",
 	       L, "abcde"[pat], np, reps, touch ? " (hashes read first)" : "", (unsigned long)h50,
 	       (unsigned long)thr, slow, slow_first);
+	printf("  page faults in both passes: %ld minor, %ld major\n",
+	       ru1.ru_minflt - ru0.ru_minflt, ru1.ru_majflt - ru0.ru_majflt);
 	tail_print("pass 1 (no warm-up)", c, (size_t)reps);
 	if (sink == 42)
 		printf("!\n");
@@ -448,9 +471,7 @@ static void tail_mode(size_t L, int pat, int reps, bool touch)
 	tail_print("empty timed call", empty, (size_t)reps);
 	fflush(stdout);
 	kvr_index_destroy(idx);
-	for (int i = 0; i < np; i++)
-		free_path(&ps[i]);
-	free(ps);
+	free_prompts(ps, np);
 	free(all);
 	free(first);
 	free(later);
@@ -501,9 +522,7 @@ static void bench_match(bool quick)
 			       (double)runs / np);
 			fflush(stdout);
 			kvr_index_destroy(idx);
-			for (int i = 0; i < np; i++)
-				free_path(&ps[i]);
-			free(ps);
+			free_prompts(ps, np);
 		}
 	}
 }
@@ -643,18 +662,22 @@ static double bench_apply(size_t per, int ms)
 
 /* ---------------------------------------------------------------- reader under a writer */
 
-static struct kvr_index *rw_idx;
+static struct kvr_index *rw_idx, *rw_idx2;
 static struct path *rw_ps;
 static int rw_np;
 static uint32_t rw_slot[RANKS];
 static int rw_stop;
 
+static uint64_t rw_iters; /* the writer's remove + store pairs (atomic relaxed) */
+
+/* The writer flat out on arg (rw_idx: the readers' index; rw_idx2: a copy nobody reads, so
+ * the same work shares no line with the reader). */
 static void *rw_writer(void *arg)
 {
-	(void)arg;
+	struct kvr_index *idx = arg;
 	pin(1);
 	kvr_rcu_thread_online();
-	uint64_t r = 0x1234567ull;
+	uint64_t r = 0x1234567ull, it = 0;
 	while (!__atomic_load_n(&rw_stop, __ATOMIC_RELAXED)) {
 		r ^= r << 13;
 		r ^= r >> 7;
@@ -665,20 +688,29 @@ static void *rw_writer(void *arg)
 		uint64_t ext[16];
 		for (size_t j = 0; j < t; j++)
 			ext[j] = p->b[d - t + j].ext_hash;
-		kvr_index_remove(rw_idx, rw_slot[k], ext, t, NULL);
-		kvr_index_store(rw_idx, rw_slot[k], d > t ? &p->b[d - t - 1].ext_hash : NULL,
+		kvr_index_remove(idx, rw_slot[k], ext, t, NULL);
+		kvr_index_store(idx, rw_slot[k], d > t ? &p->b[d - t - 1].ext_hash : NULL,
 		                p->b + d - t, t);
+		it++;
 	}
+	__atomic_add_fetch(&rw_iters, it, __ATOMIC_RELAXED);
 	kvr_rcu_thread_offline();
 	return NULL;
 }
 
+/* One reader phase's latencies (ns): p50, p90, p99, p99.9, and the mean. */
+struct rw_pct {
+	uint64_t p[4];
+	double mean;
+	size_t n; /* queries */
+};
+
 /* The reader: find_matches (the public query, with each rank's tree size) or find_depths (the
  * router's lookup: the same walk, no tree sizes). */
-static uint64_t reader_p99(int ms, bool depths)
+static struct rw_pct reader_lat(int ms, bool depths)
 {
 	size_t cap = 1 << 20, n = 0;
-	uint64_t *lat = malloc(cap * sizeof(uint64_t));
+	uint64_t *lat = malloc(cap * sizeof(uint64_t)), sum = 0;
 	struct kvr_index_match out[RANKS];
 	uint32_t depth[RANKS] = {0}, slots[2 * RANKS], best;
 	uint64_t end = now_ns() + (uint64_t)ms * 1000000ull;
@@ -692,14 +724,56 @@ static uint64_t reader_p99(int ms, bool depths)
 		else
 			kvr_index_find_matches(rw_idx, p->seq, p->L, NULL, out, RANKS, &k);
 		kvr_rcu_read_unlock();
-		lat[n++] = now_ns() - t0;
+		lat[n] = now_ns() - t0;
+		sum += lat[n++];
 		if (depths)
 			for (size_t j = 0; j < k; j++)
 				depth[slots[j]] = 0;
 	}
-	uint64_t p99 = pctl(lat, n, 990);
+	struct rw_pct r = {.mean = n ? (double)sum / (double)n : 0, .n = n};
+	static const int pm[4] = {500, 900, 990, 999};
+	for (int i = 0; i < 4; i++)
+		r.p[i] = pctl(lat, n, pm[i]);
 	free(lat);
-	return p99;
+	return r;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* The median over rounds of each percentile and of the mean. */
+static struct rw_pct rw_median(struct rw_pct *v, int n)
+{
+	struct rw_pct m;
+	uint64_t t[16];
+	double d[16];
+	for (int i = 0; i < 4; i++) {
+		for (int r = 0; r < n; r++)
+			t[r] = v[r].p[i];
+		m.p[i] = pctl(t, (size_t)n, 500);
+	}
+	for (int r = 0; r < n; r++)
+		d[r] = v[r].mean;
+	qsort(d, (size_t)n, sizeof(*d), cmp_double);
+	m.mean = d[n / 2];
+	return m;
+}
+
+/* One phase of queries with the writer running on idx. */
+static struct rw_pct reader_with_writer(int ms, bool depths, struct kvr_index *idx, uint64_t *iters)
+{
+	__atomic_store_n(&rw_stop, 0, __ATOMIC_RELAXED);
+	const uint64_t i0 = __atomic_load_n(&rw_iters, __ATOMIC_RELAXED);
+	pthread_t th;
+	pthread_create(&th, NULL, rw_writer, idx);
+	struct rw_pct r = reader_lat(ms, depths);
+	__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
+	pthread_join(th, NULL);
+	*iters += __atomic_load_n(&rw_iters, __ATOMIC_RELAXED) - i0;
+	return r;
 }
 
 static void bench_reader_writer(int ms)
@@ -708,34 +782,57 @@ static void bench_reader_writer(int ms)
 	rw_np = 64;
 	rw_ps = calloc((size_t)rw_np, sizeof(*rw_ps));
 	rw_idx = new_index(rw_slot);
+	uint32_t slot2[RANKS];
+	rw_idx2 = new_index(slot2);
 	for (int i = 0; i < rw_np; i++) {
 		make_path(&rw_ps[i], 512);
 		apply_pattern(rw_idx, rw_slot, &rw_ps[i], 1, i);
+		for (int r = 0; r < RANKS; r++) /* the same holders in the copy */
+			if (slot2[r] != rw_slot[r] ||
+			    kvr_index_store(rw_idx2, slot2[r], NULL, rw_ps[i].b, rw_ps[i].depth[r]))
+				abort();
 	}
 	/* Alternate alone / with a writer, R rounds each, and take the median round: the
 	 * machine's load drifts, so back-to-back phases compare like with like.  Both readers:
 	 * find_matches also reads each matched rank's tree size, a counter the writer changes on
 	 * every call (so a query after a write misses on its line); the router's lookup
-	 * (find_depths) reads no tree size. */
+	 * (find_depths) reads no tree size.  The p50, p90 and p99.9 and the mean are printed too:
+	 * the clock's 10 ns steps make one p99 of ~100 ns a coarse ratio, and where in the
+	 * distribution the writer's cost sits says what it is.  A third phase runs the same writer
+	 * on a copy of the index that the reader does not read (elsewhere): what a busy writer
+	 * costs the reader without sharing a line with it (the other core's memory traffic, RCU
+	 * grace periods, the VM); and writer_iters_per_100_queries is how many remove + store
+	 * pairs the writer did per 100 queries: each pair changes lines of one path (its rank's
+	 * holder word, its tree size), which the next query of that path reads from the writer's
+	 * cache, so above ~1 a p99 includes such a miss. */
 	enum { R = 5 };
 	for (int depths = 0; depths < 2; depths++) {
-		uint64_t al[R], wi[R];
+		struct rw_pct al[R], wi[R], el[R];
+		uint64_t iters = 0, queries = 0;
 		for (int round = 0; round < R; round++) {
-			al[round] = reader_p99(ms / R / 2, depths);
-			__atomic_store_n(&rw_stop, 0, __ATOMIC_RELAXED);
-			pthread_t th;
-			pthread_create(&th, NULL, rw_writer, NULL);
-			wi[round] = reader_p99(ms / R / 2, depths);
-			__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
-			pthread_join(th, NULL);
+			al[round] = reader_lat(ms / R / 3, depths);
+			wi[round] = reader_with_writer(ms / R / 3, depths, rw_idx, &iters);
+			queries += wi[round].n;
+			uint64_t ie = 0;
+			el[round] = reader_with_writer(ms / R / 3, depths, rw_idx2, &ie);
 		}
-		uint64_t alone = pctl(al, R, 500), with = pctl(wi, R, 500);
-		printf("SUMMARY bench=index_rw L=512 pattern=b reader=%s reader_p99_alone_ns=%lu "
-		       "reader_p99_with_writer_ns=%lu ratio=%.2f\n",
-		       depths ? "find_depths" : "find_matches", (unsigned long)alone,
-		       (unsigned long)with, alone ? (double)with / (double)alone : 0);
+		const struct rw_pct a = rw_median(al, R), w = rw_median(wi, R),
+		                    e = rw_median(el, R);
+		printf(
+		    "SUMMARY bench=index_rw L=512 pattern=b reader=%s reader_p99_alone_ns=%lu "
+		    "reader_p99_with_writer_ns=%lu ratio=%.2f reader_p99_writer_elsewhere_ns=%lu "
+		    "ratio_elsewhere=%.2f writer_iters_per_100_queries=%.2f "
+		    "alone_p50/p90/p999_ns=%lu/%lu/%lu with_p50/p90/p999_ns=%lu/%lu/%lu "
+		    "mean_ns_alone=%.1f mean_ns_with=%.1f\n",
+		    depths ? "find_depths" : "find_matches", (unsigned long)a.p[2],
+		    (unsigned long)w.p[2], a.p[2] ? (double)w.p[2] / (double)a.p[2] : 0,
+		    (unsigned long)e.p[2], a.p[2] ? (double)e.p[2] / (double)a.p[2] : 0,
+		    queries ? 100.0 * (double)iters / (double)queries : 0, (unsigned long)a.p[0],
+		    (unsigned long)a.p[1], (unsigned long)a.p[3], (unsigned long)w.p[0],
+		    (unsigned long)w.p[1], (unsigned long)w.p[3], a.mean, w.mean);
 	}
 	kvr_index_destroy(rw_idx);
+	kvr_index_destroy(rw_idx2);
 	for (int i = 0; i < rw_np; i++)
 		free_path(&rw_ps[i]);
 	free(rw_ps);
@@ -761,12 +858,9 @@ static void depths_queries(const struct kvr_index *idx, const struct path *ps, i
  * kvr_index_find_depths and kvr_hash_blocks, the noise-free form of the match/hash ratio). */
 static void cg_mode(size_t L, int pat)
 {
-	int np = prompts_for(L, pat);
-	struct path *ps = make_prompts(L, pat, np);
-	uint32_t slot[RANKS];
-	struct kvr_index *idx = new_index(slot);
-	for (int i = 0; i < np; i++)
-		apply_pattern(idx, slot, &ps[i], pat, i);
+	int np;
+	struct path *ps;
+	struct kvr_index *idx = pattern_index(L, pat, &np, &ps);
 	struct match_pct m;
 	match_lat(idx, ps, np, 1000, &m);
 	depths_queries(idx, ps, np, 1000);
@@ -774,6 +868,7 @@ static void cg_mode(size_t L, int pat)
 	printf("cg L=%zu pattern=%c (timings under valgrind are meaningless: %lu %lu)\n", L,
 	       "abcde"[pat], (unsigned long)m.p99, (unsigned long)h);
 	kvr_index_destroy(idx);
+	free_prompts(ps, np);
 }
 
 /* The latency view of find_depths: back-to-back queries (tput) overlap one query's misses
@@ -822,14 +917,10 @@ static void cold_lat(const struct kvr_index *idx, const struct path *ps, int np,
  * timed calls (10 ns clock steps here) cannot show it. */
 static void tput_mode(size_t L, int pat)
 {
-	int np = prompts_for(L, pat);
+	int np;
 	long nq = L == 8192 ? 10000 : 100000;
-	struct path *ps = make_prompts(L, pat, np);
-	uint32_t slot[RANKS];
-	struct kvr_index *idx = new_index(slot);
-	for (int i = 0; i < np; i++)
-		apply_pattern(idx, slot, &ps[i], pat, i);
-	kvr_index_quiesce(idx);
+	struct path *ps;
+	struct kvr_index *idx = pattern_index(L, pat, &np, &ps);
 	struct kvr_index_match out[RANKS];
 	uint64_t best = UINT64_MAX;
 	for (int round = 0; round < 7; round++) {
@@ -857,9 +948,7 @@ static void tput_mode(size_t L, int pat)
 	       L, "abcde"[pat], nq, (double)best / (double)nq);
 	cold_lat(idx, ps, np, pat, L == 8192 ? 1000 : 3000);
 	kvr_index_destroy(idx);
-	for (int i = 0; i < np; i++)
-		free_path(&ps[i]);
-	free(ps);
+	free_prompts(ps, np);
 }
 
 enum { CH_RANKS = 8, CH_L = 512, CH_HELD = 128 };
