@@ -705,9 +705,30 @@ struct rw_pct {
 	size_t n; /* queries */
 };
 
+/* Evicts from every cache what one writer iteration on p would change for the next query of
+ * p: one rank's holder word in p's run and that rank's tree size (the lines, as a miss to
+ * memory instead of to the writer's cache).  x86-64 only (clflush); elsewhere nothing. */
+static void flush_written(const struct path *p)
+{
+#if defined(__x86_64__)
+	const struct idx_run *R = idx_find_run(rw_idx, p->seq[0], NULL, 0);
+	const uint64_t hv = R ? __atomic_load_n(&R->hs, __ATOMIC_RELAXED) : 0;
+	const uint64_t k = rnd() % RANKS;
+	if (hv & IDX_HS_SET) {
+		const struct idx_hset *hs = (const struct idx_hset *)(uintptr_t)idx_lo_ptr(hv);
+		if (k < hs->n)
+			__builtin_ia32_clflush(&hs->e[k]);
+	}
+	__builtin_ia32_clflush(&rw_idx->tsize[rw_slot[k]]);
+	__builtin_ia32_mfence();
+#else
+	(void)p;
+#endif
+}
+
 /* The reader: find_matches (the public query, with each rank's tree size) or find_depths (the
  * router's lookup: the same walk, no tree sizes). */
-static struct rw_pct reader_lat(int ms, bool depths)
+static struct rw_pct reader_lat(int ms, bool depths, bool flush)
 {
 	size_t cap = 1 << 20, n = 0;
 	uint64_t *lat = malloc(cap * sizeof(uint64_t)), sum = 0;
@@ -717,6 +738,8 @@ static struct rw_pct reader_lat(int ms, bool depths)
 	while (n < cap && now_ns() < end) {
 		const struct path *p = &rw_ps[rnd() % (uint64_t)rw_np];
 		size_t k = 0;
+		if (flush)
+			flush_written(p);
 		uint64_t t0 = now_ns();
 		kvr_rcu_read_lock();
 		if (depths)
@@ -769,7 +792,7 @@ static struct rw_pct reader_with_writer(int ms, bool depths, struct kvr_index *i
 	const uint64_t i0 = __atomic_load_n(&rw_iters, __ATOMIC_RELAXED);
 	pthread_t th;
 	pthread_create(&th, NULL, rw_writer, idx);
-	struct rw_pct r = reader_lat(ms, depths);
+	struct rw_pct r = reader_lat(ms, depths, false);
 	__atomic_store_n(&rw_stop, 1, __ATOMIC_RELAXED);
 	pthread_join(th, NULL);
 	*iters += __atomic_load_n(&rw_iters, __ATOMIC_RELAXED) - i0;
@@ -804,32 +827,38 @@ static void bench_reader_writer(int ms)
 	 * grace periods, the VM); and writer_iters_per_100_queries is how many remove + store
 	 * pairs the writer did per 100 queries: each pair changes lines of one path (its rank's
 	 * holder word, its tree size), which the next query of that path reads from the writer's
-	 * cache, so above ~1 a p99 includes such a miss. */
+	 * cache, so above ~1 a p99 includes such a miss.  A fourth phase, alone again, flushes
+	 * before each query the two lines one writer iteration on its path would change
+	 * (flush_written): the cost of that miss (to memory here) without a second thread, which
+	 * the machine's load does not blur. */
 	enum { R = 5 };
 	for (int depths = 0; depths < 2; depths++) {
-		struct rw_pct al[R], wi[R], el[R];
+		struct rw_pct al[R], wi[R], el[R], fl[R];
 		uint64_t iters = 0, queries = 0;
 		for (int round = 0; round < R; round++) {
-			al[round] = reader_lat(ms / R / 3, depths);
-			wi[round] = reader_with_writer(ms / R / 3, depths, rw_idx, &iters);
+			al[round] = reader_lat(ms / R / 4, depths, false);
+			wi[round] = reader_with_writer(ms / R / 4, depths, rw_idx, &iters);
 			queries += wi[round].n;
 			uint64_t ie = 0;
-			el[round] = reader_with_writer(ms / R / 3, depths, rw_idx2, &ie);
+			el[round] = reader_with_writer(ms / R / 4, depths, rw_idx2, &ie);
+			fl[round] = reader_lat(ms / R / 4, depths, true);
 		}
 		const struct rw_pct a = rw_median(al, R), w = rw_median(wi, R),
-		                    e = rw_median(el, R);
+		                    e = rw_median(el, R), fm = rw_median(fl, R);
 		printf(
 		    "SUMMARY bench=index_rw L=512 pattern=b reader=%s reader_p99_alone_ns=%lu "
 		    "reader_p99_with_writer_ns=%lu ratio=%.2f reader_p99_writer_elsewhere_ns=%lu "
 		    "ratio_elsewhere=%.2f writer_iters_per_100_queries=%.2f "
+		    "alone_flushed_p50/p99_ns=%lu/%lu "
 		    "alone_p50/p90/p999_ns=%lu/%lu/%lu with_p50/p90/p999_ns=%lu/%lu/%lu "
 		    "mean_ns_alone=%.1f mean_ns_with=%.1f\n",
 		    depths ? "find_depths" : "find_matches", (unsigned long)a.p[2],
 		    (unsigned long)w.p[2], a.p[2] ? (double)w.p[2] / (double)a.p[2] : 0,
 		    (unsigned long)e.p[2], a.p[2] ? (double)e.p[2] / (double)a.p[2] : 0,
-		    queries ? 100.0 * (double)iters / (double)queries : 0, (unsigned long)a.p[0],
-		    (unsigned long)a.p[1], (unsigned long)a.p[3], (unsigned long)w.p[0],
-		    (unsigned long)w.p[1], (unsigned long)w.p[3], a.mean, w.mean);
+		    queries ? 100.0 * (double)iters / (double)queries : 0, (unsigned long)fm.p[0],
+		    (unsigned long)fm.p[2], (unsigned long)a.p[0], (unsigned long)a.p[1],
+		    (unsigned long)a.p[3], (unsigned long)w.p[0], (unsigned long)w.p[1],
+		    (unsigned long)w.p[3], a.mean, w.mean);
 	}
 	kvr_index_destroy(rw_idx);
 	kvr_index_destroy(rw_idx2);
