@@ -256,7 +256,7 @@ enum {
 	OUT_RANK = 3,
 	OUT_FLUSH = 4,
 	OUT_ADMIT_SLAB = 5,
-	OUT_NONE = 6 /* a reserved slot whose note was lost (no memory): skipped */
+	OUT_NONE = 6 /* a reserved slot left empty (no memory: the note went through the slabs) */
 };
 
 #define OUT_INLINE       8 /* output tokens carried in the ring message itself */
@@ -286,14 +286,14 @@ _Static_assert(sizeof(struct out_progress) <= KVR_MSG_PAYLOAD, "fits a ring mess
 _Static_assert(sizeof(struct out_rank) <= KVR_MSG_PAYLOAD, "fits a ring message");
 
 /* Frees what a queued message owns (it is not going out). */
-static void slab_put(struct kvr_replica *rep, uint32_t i);
+static void slab_put(struct kvr_replica *rep, uint64_t slabs);
 
 static void out_discard(struct kvr_replica *rep, const struct kvr_msg *m)
 {
 	if (m->aux == OUT_ADMIT_SLAB) {
-		uint32_t idx;
-		memcpy(&idx, m->payload, sizeof(idx));
-		slab_put(rep, idx);
+		uint64_t slabs;
+		memcpy(&slabs, m->payload, sizeof(slabs));
+		slab_put(rep, slabs);
 	} else if (m->aux == OUT_ADMIT) {
 		struct kvr_rep_rec *x;
 		memcpy(&x, m->payload, sizeof(x));
@@ -412,7 +412,8 @@ static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload
 	kvr_parker_wake_asym(&rep->out_park);
 }
 
-/* An own admission's record (blocks and tail copied from the arguments), or NULL. */
+/* An own admission's record (blocks and tail copied from the arguments; not filled when
+ * NULL), or NULL. */
 static struct kvr_rep_rec *rec_of(const struct kvr_replica *rep, const struct kvr_repl_admission *a,
                                   const uint64_t *blocks, const uint32_t *tail)
 {
@@ -429,10 +430,35 @@ static struct kvr_rep_rec *rec_of(const struct kvr_replica *rep, const struct kv
 	x->overlap = a->overlap;
 	x->expected = a->expected_output;
 	x->chain_known = a->chain_known;
-	if (a->n)
+	if (a->n && blocks)
 		memcpy(x->blocks, blocks, (size_t)a->n * 8);
-	if (a->tail_n)
+	if (a->tail_n && tail)
 		memcpy(x->tail, tail, (size_t)a->tail_n * 4);
+	return x;
+}
+
+/* The record of an admission staged in the slabs of mask: the lowest holds the admission and
+ * the first part of its blocks and tail, each next one the next part (note_admit_slabs).  NULL
+ * when out of memory.  Context: the sender. */
+static struct kvr_rep_rec *rec_of_slabs(const struct kvr_replica *rep, uint64_t mask)
+{
+	const struct kvr_rep_slab *first = &rep->slabs[__builtin_ctzll(mask)];
+	if (!(mask & (mask - 1)))
+		return rec_of(rep, &first->a, first->blocks, first->tail);
+	struct kvr_rep_rec *x = rec_of(rep, &first->a, NULL, NULL);
+	if (!x)
+		return NULL;
+	uint32_t nb = 0, nt = 0;
+	for (uint64_t m = mask; m; m &= m - 1) {
+		const struct kvr_rep_slab *sl = &rep->slabs[__builtin_ctzll(m)];
+		uint32_t kb =
+		    x->n_blocks - nb < OUT_SLAB_BLOCKS ? x->n_blocks - nb : OUT_SLAB_BLOCKS;
+		uint32_t kt = x->tail_n - nt < OUT_SLAB_TAIL ? x->tail_n - nt : OUT_SLAB_TAIL;
+		memcpy(x->blocks + nb, sl->blocks, (size_t)kb * 8);
+		memcpy(x->tail + nt, sl->tail, (size_t)kt * 4);
+		nb += kb;
+		nt += kt;
+	}
 	return x;
 }
 
@@ -477,26 +503,28 @@ static int slab_get(struct kvr_replica *rep)
 	}
 }
 
-static void slab_put(struct kvr_replica *rep, uint32_t i)
+/* Gives the slabs of mask back.  Context: the sender, or a producer giving back slabs it took. */
+static void slab_put(struct kvr_replica *rep, uint64_t slabs)
 {
-	__atomic_fetch_or(&rep->slab_free, 1ull << i, __ATOMIC_RELEASE);
+	__atomic_fetch_or(&rep->slab_free, slabs, __ATOMIC_RELEASE);
 }
 
 /* An admission through a staging slab, in this order: take a slab and reserve the ring slot
  * (both locked instructions), copy into the slab (or, with no slab free, into a record), then
  * commit (a plain store) and wake the sender (asymmetric: no fence).  No locked instruction
  * follows the copy on this thread, so its stores (into lines the sender read last time) drain
- * while the route goes on instead of stalling it.  Returns false if the ring is full (nothing
- * taken). */
-static bool note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_admission *a)
+ * while the route goes on instead of stalling it.  Returns 1 (queued), 0 if the ring is full
+ * (nothing taken), -1 if no slab was free and no record could be allocated (the slot holds
+ * nothing: the caller waits for slabs). */
+static int note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_admission *a)
 {
 	int i = slab_get(rep);
 	uint32_t ticket;
 	struct kvr_msg *slot = kvr_ring_reserve(&rep->outq, &ticket);
 	if (!slot) {
 		if (i >= 0)
-			slab_put(rep, (uint32_t)i);
-		return false;
+			slab_put(rep, 1ull << i);
+		return 0;
 	}
 	struct kvr_msg m = {.aux = OUT_ADMIT_SLAB};
 	if (i >= 0) {
@@ -506,14 +534,12 @@ static bool note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_a
 			memcpy(sl->blocks, a->local, (size_t)a->n * 8);
 		if (a->tail_n)
 			memcpy(sl->tail, a->tail, (size_t)a->tail_n * 4);
-		uint32_t idx = (uint32_t)i;
-		memcpy(m.payload, &idx, sizeof(idx));
+		uint64_t slabs = 1ull << i;
+		memcpy(m.payload, &slabs, sizeof(slabs));
 	} else { /* every slab is queued (the sender is behind): the record itself */
 		struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail);
-		m.aux = x ? OUT_ADMIT : OUT_NONE;
+		m.aux = x ? OUT_ADMIT : OUT_NONE; /* none: the caller waits for slabs */
 		memcpy(m.payload, &x, sizeof(x));
-		if (!x)
-			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 	}
 	if (kvr_rep_tracing(rep->c.replica_id))
 		kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
@@ -525,25 +551,102 @@ static bool note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_a
 	KVR_RING_IGNORE_END();
 	kvr_ring_commit(&rep->outq, ticket);
 	kvr_parker_wake_asym(&rep->out_park);
+	return m.aux == OUT_NONE ? -1 : 1;
+}
+
+/* An admission whose record cannot be allocated on the routing thread (memory is short): it
+ * goes through the staging slabs instead, as many as it needs (its blocks and tail cut in
+ * slab-sized parts, in the slabs' index order; rec_of_slabs joins them), waited for while the
+ * sender hands slabs back, at most OUT_FULL_WAIT_NS.  Before, the admission was dropped
+ * (counted unpublished) and nothing healed it: its origin's tables never had it, so neither a
+ * re-announce nor a snapshot carried it, and every peer's load and prediction stayed short of
+ * the origin's (test_replica_notes long_admission_mirrored_when_its_record_fails).  Returns
+ * false when the slabs do not come: the prompt needs more than all of them (OUT_SLABS x
+ * OUT_SLAB_BLOCKS blocks, 2M tokens at 16 a block), or the sender stays stalled with them
+ * queued; the caller counts it. */
+static bool note_admit_slabs(struct kvr_replica *rep, const struct kvr_repl_admission *a)
+{
+	uint32_t k = (a->n + OUT_SLAB_BLOCKS - 1) / OUT_SLAB_BLOCKS,
+	         kt = (a->tail_n + OUT_SLAB_TAIL - 1) / OUT_SLAB_TAIL;
+	k = k > kt ? k : kt;
+	k = k ? k : 1;
+	if (k > OUT_SLABS)
+		return false;
+	uint64_t mask = 0, t0 = kvr_rep_mono_ns();
+	for (uint32_t got = 0; got < k;) {
+		int i = slab_get(rep);
+		if (i >= 0) {
+			mask |= 1ull << i;
+			got++;
+			continue;
+		}
+		if (kvr_rep_mono_ns() - t0 > OUT_FULL_WAIT_NS) {
+			if (mask)
+				slab_put(rep, mask);
+			return false;
+		}
+		kvr_parker_wake_asym(&rep->out_park);
+		sched_yield();
+	}
+	uint32_t nb = 0, nt = 0;
+	rep->slabs[__builtin_ctzll(mask)].a = *a;
+	for (uint64_t m = mask; m; m &= m - 1) {
+		struct kvr_rep_slab *sl = &rep->slabs[__builtin_ctzll(m)];
+		uint32_t kb = a->n - nb < OUT_SLAB_BLOCKS ? a->n - nb : OUT_SLAB_BLOCKS;
+		uint32_t kk = a->tail_n - nt < OUT_SLAB_TAIL ? a->tail_n - nt : OUT_SLAB_TAIL;
+		if (kb)
+			memcpy(sl->blocks, a->local + nb, (size_t)kb * 8);
+		if (kk)
+			memcpy(sl->tail, a->tail + nt, (size_t)kk * 4);
+		nb += kb;
+		nt += kk;
+	}
+	if (kvr_rep_tracing(rep->c.replica_id))
+		kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
+	out_push(rep, OUT_ADMIT_SLAB, &mask, sizeof(mask));
 	return true;
 }
 
 void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a)
 {
 	struct kvr_replica *rep = ctx;
+	int rc = 0;
 	if (a->n <= OUT_SLAB_BLOCKS && a->tail_n <= OUT_SLAB_TAIL && !keeping(rep) &&
-	    note_admit_reserved(rep, a))
+	    (rc = note_admit_reserved(rep, a)) > 0)
 		return;
 	/* Too large for a slab, the ring is full or notes are kept: a record; out_push waits for
-	 * room or keeps it. */
-	struct kvr_rep_rec *x = rec_of(rep, a, a->local, a->tail);
+	 * room or keeps it.  No memory for it: the slabs. */
+	struct kvr_rep_rec *x = rc < 0 ? NULL : rec_of(rep, a, a->local, a->tail);
 	if (!x) {
-		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+		if (!note_admit_slabs(rep, a))
+			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
 		return;
 	}
 	if (kvr_rep_tracing(rep->c.replica_id))
 		kvr_rep_trace_stamp(a->attempt, KVR_TR_NOTE, 0);
 	out_push(rep, OUT_ADMIT, &x, sizeof(x));
+}
+
+/* Output whose copy cannot be allocated (memory is short) goes out in notes of OUT_INLINE
+ * tokens each, the ones before the last as not final (a token follows them): what one call
+ * counted, as a peer applies it (sync/replica_apply.c apply_output cuts it the same way).
+ * Before, it was dropped (counted unpublished) and nothing healed it: the origin's record never
+ * had it either, so a re-announce did not carry it, and the peers' decode blocks stayed short
+ * (test_replica_notes long_output_mirrored_when_its_copy_fails).  Consecutive notes of one
+ * call: a note of another call for the attempt made after this returns comes after them. */
+static void note_output_inline(struct kvr_replica *rep, uint64_t attempt, const uint32_t *tokens,
+                               uint32_t n, bool not_final)
+{
+	for (uint32_t done = 0; done < n;) {
+		uint32_t k = n - done < OUT_INLINE ? n - done : OUT_INLINE;
+		struct out_progress p = {.attempt = attempt,
+		                         .op = KVR_OP_OUTPUT,
+		                         .not_final = done + k < n || not_final,
+		                         .n = k};
+		memcpy(p.t.inl, tokens + done, (size_t)k * 4);
+		out_push(rep, OUT_PROGRESS, &p, sizeof(p));
+		done += k;
+	}
 }
 
 void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
@@ -557,7 +660,7 @@ void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *
 	if (p.n > OUT_INLINE) {
 		p.t.heap = kvr_alloc((size_t)p.n * 4);
 		if (!p.t.heap) {
-			__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+			note_output_inline(rep, attempt, tokens, p.n, not_final);
 			return;
 		}
 		memcpy(p.t.heap, tokens, (size_t)p.n * 4);
@@ -593,11 +696,10 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 		return 0;
 	}
 	case OUT_ADMIT_SLAB: { /* the record is made here, off the routing path */
-		uint32_t idx;
-		memcpy(&idx, m->payload, sizeof(idx));
-		const struct kvr_rep_slab *sl = &rep->slabs[idx];
-		struct kvr_rep_rec *x = rec_of(rep, &sl->a, sl->blocks, sl->tail);
-		slab_put(rep, idx);
+		uint64_t slabs;
+		memcpy(&slabs, m->payload, sizeof(slabs));
+		struct kvr_rep_rec *x = rec_of_slabs(rep, slabs);
+		slab_put(rep, slabs);
 		if (x)
 			out_admit(rep, x);
 		else

@@ -1,0 +1,155 @@
+/*
+ * The router's notes to replica sync (sync/replica_out.c) when the routing thread is short of
+ * memory, over the in-process bus (tests/unit/replica_bus.h): what a note copies on the
+ * routing thread (an admission's record, output beyond the ring message's inline tokens) may
+ * fail to allocate, and the peer must still end with the origin's load and predicted blocks.
+ * The failures are scoped (kvr_alloc_fail_scope) to the test's thread, the routing thread:
+ * the routers' shards and the replicas' threads allocate untouched.
+ */
+#include <criterion/criterion.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/alloc.h"
+#include "kvrouter.h"
+#include "sync/replica.h"
+#include "sync/replica_internal.h"
+#include "tests/unit/replica_bus.h"
+
+static struct kvr_rank_stats rank_stats(struct kvr_router *r, struct kvr_rank_id rk)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, rk, &s), 0);
+	return s;
+}
+
+/* Both ranks: r[1]'s load and predicted blocks are r[0]'s. */
+static void peer_agrees(struct kvr_router **r, uint64_t nth)
+{
+	bus_quiet(r, 2);
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_id rk = {w, 0};
+		struct kvr_rank_stats a = rank_stats(r[0], rk), b = rank_stats(r[1], rk);
+		cr_assert(a.active_blocks == b.active_blocks &&
+		              a.active_requests == b.active_requests &&
+		              a.active_prefill_tokens == b.active_prefill_tokens,
+		          "nth %lu rank %lu: origin requests %lu blocks %lu, peer %lu %lu",
+		          (unsigned long)nth, (unsigned long)w, (unsigned long)a.active_requests,
+		          (unsigned long)a.active_blocks, (unsigned long)b.active_requests,
+		          (unsigned long)b.active_blocks);
+		same_blocks(r[0], r[1], rk);
+	}
+}
+
+/* The peer agrees with the origin with attempt live, and after its finish. */
+static void agrees_through_finish(struct kvr_router **r, uint64_t attempt, uint64_t nth)
+{
+	peer_agrees(r, nth);
+	cr_assert_eq(kvr_request_finish(r[0], attempt), 0);
+	peer_agrees(r, nth);
+}
+
+/* The OOM loop ended (an N passed untouched) and the origin dropped no note. */
+static void nothing_dropped(bool fired)
+{
+	cr_assert(!fired, "the allocations ran past 100");
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[0], &st);
+	cr_assert_eq(st.unpublished, 0, "%lu notes dropped", (unsigned long)st.unpublished);
+}
+
+static void arm(uint64_t nth)
+{
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER);
+	kvr_alloc_fail_after(nth);
+}
+
+/* Whether the armed failure fired; disarms. */
+static bool disarm(void)
+{
+	bool fired = kvr_alloc_fail_pending() == 0;
+	kvr_alloc_fail_after(0);
+	kvr_alloc_fail_scope(0);
+	return fired;
+}
+
+/* A long prompt (more blocks than a staging slab holds, so the routing thread copies it into a
+ * record of its own) routed with the Nth allocation of the routing thread failed, N = 1, 2, ...
+ * until one passes untouched: whenever the route succeeds, the peer mirrors it (same load, same
+ * predicted blocks).  Before, an admission whose record could not be allocated there was
+ * counted (unpublished) and never told to anyone: the peer's load and prediction stayed short
+ * of the origin's ("nth 1 rank ...: origin requests 1, peer 0"). */
+Test(replica_notes, long_admission_mirrored_when_its_record_fails, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	static uint32_t t[48000]; /* 3000 blocks: more than OUT_SLAB_BLOCKS (2048) */
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 48000;
+	q.expected_output_tokens = 64;
+	struct kvr_decision d;
+	/* Twice untouched first: the routing thread's scratch and pools grow for long prompts. */
+	for (uint32_t k = 0; k < 2; k++) {
+		for (uint32_t j = 0; j < 48000; j++)
+			t[j] = (k + 1000) * 1000003u + j;
+		cr_assert_eq(kvr_route(r[0], &q, &d), 0);
+		cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	}
+	bool fired = true;
+	uint64_t nth, routed = 0;
+	for (nth = 1; nth < 100 && fired; nth++) {
+		for (uint32_t j = 0; j < 48000; j++)
+			t[j] = (uint32_t)nth * 1000003u + j;
+		arm(nth);
+		int rc = kvr_route(r[0], &q, &d);
+		fired = disarm();
+		cr_assert(rc == 0 || rc == KVR_ENOMEM, "nth %lu: route %d", (unsigned long)nth, rc);
+		if (rc)
+			continue;
+		routed++;
+		agrees_through_finish(r, d.attempt, nth);
+	}
+	nothing_dropped(fired);
+	cr_log_info("%lu routes, %lu failed", (unsigned long)routed,
+	            (unsigned long)(nth - 1 - routed));
+	bus_teardown(r, 2);
+}
+
+/* 300 output tokens (more than a ring message carries inline, so the routing thread copies
+ * them) with the Nth allocation of the routing thread failed, N = 1, 2, ... until one passes
+ * untouched: whenever the call succeeds, the peer's load and predicted blocks are the
+ * origin's.  Before, output whose copy could not be allocated was counted (unpublished) and
+ * never told: the peer's decode blocks stayed short of the origin's for the attempt's life and
+ * its prediction after it. */
+Test(replica_notes, long_output_mirrored_when_its_copy_fails, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	r[1] = bus_router(1);
+	uint32_t out[300];
+	bool fired = true;
+	uint64_t nth, ok = 0;
+	for (nth = 1; nth < 100 && fired; nth++) {
+		struct kvr_decision d = bus_route(r[0], (uint32_t)nth, 40);
+		bus_quiet(r, 2);
+		for (uint32_t j = 0; j < 300; j++)
+			out[j] = (uint32_t)nth * 7919u + 555000u + j;
+		arm(nth);
+		int rc = kvr_request_output_ex(r[0], d.attempt, out, 300,
+		                               nth & 1 ? 0 : KVR_OUTPUT_FINAL);
+		fired = disarm();
+		cr_assert(rc == 0 || rc == KVR_ENOMEM, "nth %lu: output %d", (unsigned long)nth,
+		          rc);
+		ok += rc == 0;
+		agrees_through_finish(r, d.attempt, nth);
+	}
+	nothing_dropped(fired);
+	cr_log_info("%lu outputs, %lu failed", (unsigned long)ok, (unsigned long)(nth - 1 - ok));
+	bus_teardown(r, 2);
+}
