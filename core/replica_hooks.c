@@ -156,6 +156,12 @@ void kvr_repl_router_destroy(struct kvr_router *r)
 	__atomic_store_n(&r->repl, NULL, __ATOMIC_RELEASE);
 }
 
+bool kvr_repl_attempt_ended(struct kvr_router *r, uint64_t attempt)
+{
+	int st = kvr_lease_state(r->leases, attempt);
+	return st < 0 || st == KVR_LEASE_CLAIMED;
+}
+
 size_t kvr_repl_list_ranks(struct kvr_router *r, struct kvr_rank_id *ids, uint32_t *mbt, size_t cap)
 {
 	if (kvr_rcu_thread_online())

@@ -125,6 +125,11 @@ static inline void kvr_repl_note_rank(struct kvr_router *r, int op, struct kvr_r
 		kvr_repl_note_rank_slow(r, op, rank, incarnation, capacity, mbt);
 }
 
+/* Whether own attempt `attempt` has ended on r (finished, aborted, expired: its lease is
+ * claimed or gone), for a replica layer that lost the note of its end.  Context: any thread;
+ * one acquire load (shards/lease.h kvr_lease_state). */
+bool kvr_repl_attempt_ended(struct kvr_router *r, uint64_t attempt);
+
 /* Lists up to cap routable ranks (ids and max batched tokens); returns how many there are.
  * Context: any thread. */
 size_t kvr_repl_list_ranks(struct kvr_router *r, struct kvr_rank_id *ids, uint32_t *mbt,

@@ -344,6 +344,7 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	out->connected = rep->connected;
 	out->unpublished += __atomic_load_n(&rep->out_dropped, __ATOMIC_RELAXED);
 	out->dropped += __atomic_load_n(&rep->in_dropped, __ATOMIC_RELAXED);
+	out->notes_over_cap = __atomic_load_n(&rep->over_cap, __ATOMIC_RELAXED);
 	out->peers_alive = 0;
 	out->lag_messages = 0;
 	for (size_t i = 0; i < rep->n_peers; i++) {
@@ -409,6 +410,8 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_events_total{what=\"peer_lost\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"attempt_released\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"early_end_lost\"} %" PRIu64 "\n"
+	    "kvr_sync_events_total{what=\"note_over_cap\"} %" PRIu64 "\n"
+	    "kvr_sync_events_total{what=\"end_reconciled\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_output_dropped_tokens_total Peers' output tokens not applied here "
 	    "(memory, a full lane): their attempts wait for a re-announce\n"
 	    "# TYPE kvr_sync_output_dropped_tokens_total counter\n"
@@ -424,7 +427,8 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
 	    s.refused, s.orphans, s.batches, s.gaps, s.resyncs, s.snapshots_applied,
 	    s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost, s.released, s.early_lost,
-	    s.output_dropped, s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
+	    s.notes_over_cap, s.ends_reconciled, s.output_dropped, s.peers_alive, s.mirrored,
+	    s.lag_messages, s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }
 
@@ -442,6 +446,8 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 		return KVR_ENOMEM;
 	rep->r = r;
 	rep->c = *c;
+	if (!rep->c.kept_bytes_max)
+		rep->c.kept_bytes_max = KVR_REP_KEPT_BYTES_DEFAULT;
 	rep->t = *t;
 	struct kvr_config rc;
 	kvr_router_get_config(r, &rc);

@@ -38,6 +38,10 @@ struct kvr_replica_transport {
 	size_t (*pending)(void *ctx);
 };
 
+/* Notes kept aside while the sender is stalled, bytes at most, by default (kvr_sync_config's
+ * kept_bytes_max documents it). */
+#define KVR_REP_KEPT_BYTES_DEFAULT (64ull << 20)
+
 struct kvr_replica_config {
 	uint64_t replica_id; /* nonzero */
 	uint32_t heartbeat_ms;
@@ -46,6 +50,7 @@ struct kvr_replica_config {
 	uint32_t dead_after;
 	uint32_t snapshot_timeout_ms;
 	uint64_t journal_blocks; /* 0 = 2 x capacity per rank (65536 without capacity) */
+	uint64_t kept_bytes_max; /* 0 = KVR_REP_KEPT_BYTES_DEFAULT (kvr_sync_config) */
 };
 
 /* Creates the core for router r; nothing is sent or attached yet, but deliveries are queued.

@@ -71,7 +71,8 @@ struct kvr_rep_rec {
  * queue message it would have been, owning what that owns. */
 struct kvr_rep_kept {
 	struct kvr_rep_kept *next;
-	bool spare; /* one of rep->kept_spare (memory was short), not allocated */
+	size_t bytes; /* counted in rep->kept_bytes: the node and what its note owns */
+	bool spare;   /* one of rep->kept_spare (memory was short), not allocated */
 	struct kvr_msg m;
 };
 
@@ -171,6 +172,9 @@ struct kvr_replica {
 	uint64_t out_dropped;      /* atomic: notes lost before the queue (no memory, ring full) */
 	uint64_t in_dropped;       /* atomic: deliveries lost for memory (kvr_replica_deliver) */
 	struct kvr_rep_kept *kept; /* atomic: notes kept aside (the queue was full), newest first */
+	uint64_t kept_bytes; /* atomic: what they hold (at most c.kept_bytes_max, but ranks) */
+	uint32_t kept_over;  /* atomic: notes are dropped past the cap; the sender heals */
+	uint64_t over_cap;   /* atomic: notes dropped past the cap */
 	struct kvr_rep_kept *kept_spare; /* [KEPT_SPARE] */
 	uint64_t kept_spare_free;        /* atomic: a bit per free one */
 	struct kvr_rep_slab *slabs;      /* [OUT_SLABS] */

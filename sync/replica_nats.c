@@ -279,6 +279,7 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	    .dead_after = c->dead_after,
 	    .snapshot_timeout_ms = c->snapshot_timeout_ms ? c->snapshot_timeout_ms : 2000,
 	    .journal_blocks = c->journal_blocks,
+	    .kept_bytes_max = c->kept_bytes_max,
 	};
 	struct kvr_replica_transport t = {
 	    .ctx = s,

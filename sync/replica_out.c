@@ -143,6 +143,15 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 	stream_added(rep);
 }
 
+/* Own attempt x ended (type: FINISH or ABORT): told, and it joins its rank's journal. */
+static void out_end(struct kvr_replica *rep, struct kvr_rep_rec *x, unsigned type)
+{
+	send_simple(rep, type, x->oattempt);
+	kvr_rep_map_remove(rep, x);
+	kvr_rep_live_unlink(rep, x);
+	kvr_rep_journal_add(rep, x);
+}
+
 static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, const uint32_t *tokens,
                          size_t n, bool not_final)
 {
@@ -158,6 +167,12 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		send_simple(rep, KVR_MSG_PREFILL_DONE, attempt);
 		break;
 	case KVR_OP_OUTPUT:
+		if (x->out_gap) { /* output of it was dropped past the cap (kept_reconcile) */
+			if (!x->prefilled) /* what output says of it besides its tokens */
+				send_simple(rep, KVR_MSG_PREFILL_DONE, attempt);
+			x->prefilled = true;
+			break;
+		}
 		x->prefilled = true;
 		not_final = not_final && n > 0; /* no token: nothing changes */
 		if (kvr_rep_rec_append_out(x, tokens, n, not_final)) {
@@ -174,10 +189,7 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		stream_added(rep);
 		break;
 	default: /* finish, abort (a lease expiry comes as an abort: kvr_repl_note_expire) */
-		send_simple(rep, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT, attempt);
-		kvr_rep_map_remove(rep, x);
-		kvr_rep_live_unlink(rep, x);
-		kvr_rep_journal_add(rep, x);
+		out_end(rep, x, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT);
 		break;
 	}
 }
@@ -243,12 +255,15 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * origin's tables never saw it either, so neither a re-announce nor a snapshot carried it (a
  * lost admission was never mirrored, lost output or prefill left the peers' load short for the
  * attempt's life, a lost rank change stayed lost for good: test_replica_oom
- * notes_not_dropped_by_a_full_queue).  What is kept is bounded only by memory while the sender
- * stays stalled: 80 B a note plus what it owns (an admission's record, output tokens beyond
- * OUT_INLINE).  A note that cannot be kept for memory takes one of KEPT_SPARE nodes set aside
- * when the replica was made (an end lost then would leave its attempt mirrored on every peer for
- * good: end_kept_when_memory_is_short); only with those in use too is it dropped (counted
- * unpublished). */
+ * notes_not_dropped_by_a_full_queue).  What is kept, 80 B a note plus what it owns (an
+ * admission's record, output tokens beyond OUT_INLINE), is capped at c.kept_bytes_max (64 MiB
+ * by default): past it notes are dropped until the sender has caught up, then the attempts
+ * whose end was among them are told as aborts and the live ones take no more output
+ * (kept_reconcile; before, a connection stalled for good grew it for good:
+ * test_replica_notes kept_notes_capped_and_healed).  A note that cannot be kept for memory takes
+ * one of KEPT_SPARE nodes set aside when the replica was made (an end lost then would leave its
+ * attempt mirrored on every peer for good: end_kept_when_memory_is_short); only with those in use
+ * too is it dropped (counted unpublished). */
 
 enum {
 	OUT_ADMIT = 1,
@@ -325,6 +340,7 @@ static struct kvr_rep_kept *spare_get(struct kvr_replica *rep)
 
 static void kept_free(struct kvr_replica *rep, struct kvr_rep_kept *k)
 {
+	__atomic_sub_fetch(&rep->kept_bytes, k->bytes, __ATOMIC_RELAXED);
 	if (k->spare)
 		__atomic_fetch_or(&rep->kept_spare_free, 1ull << (k - rep->kept_spare),
 		                  __ATOMIC_RELEASE);
@@ -332,23 +348,64 @@ static void kept_free(struct kvr_replica *rep, struct kvr_rep_kept *k)
 		kvr_free(k, sizeof(*k));
 }
 
+/* What a kept note holds: its node and what the queue message owns (an admission's record,
+ * output tokens past the inline ones; slabs are set aside at create and not counted). */
+static size_t kept_bytes(unsigned kind, const void *payload)
+{
+	size_t b = sizeof(struct kvr_rep_kept);
+	if (kind == OUT_ADMIT) {
+		struct kvr_rep_rec *x;
+		memcpy(&x, payload, sizeof(x));
+		b += x->size;
+	} else if (kind == OUT_PROGRESS) {
+		struct out_progress p;
+		memcpy(&p, payload, sizeof(p));
+		if (p.n > OUT_INLINE)
+			b += (size_t)p.n * 4;
+	}
+	return b;
+}
+
 /* Keeps a note aside (Treiber stack; the sender takes the whole stack at once, so there is no
  * ABA), in a spare node if memory is short, or drops it (counted unpublished) when none is
- * left either. */
+ * left either.  Past c.kept_bytes_max (a sender stalled for long), and from then on until the
+ * sender has handled what is kept, notes are dropped (counted: over_cap) and the sender heals
+ * what it can once it runs (kept_reconcile); rank changes (rare, small, and not recoverable
+ * otherwise) and flush tickets (a drain waits for them) are kept whatever they hold. */
 static void note_keep(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
 {
-	struct kvr_rep_kept *k = kvr_alloc(sizeof(*k));
-	if (k)
-		k->spare = false;
-	else
-		k = spare_get(rep);
+	size_t bytes = kept_bytes(kind, payload);
+	bool always = kind == OUT_RANK || kind == OUT_FLUSH;
+	struct kvr_rep_kept *k = NULL;
+	/* An RMW, not a load: a note dropped here must be seen by the sender's reconcile (the
+	 * router's end of its attempt, made before, happens before the sender's exchange that
+	 * reads this; a plain load of 1 could be older than the exchange). */
+	uint32_t over = always ? 0 : __atomic_fetch_or(&rep->kept_over, 0, __ATOMIC_ACQ_REL);
+	if (always || (!over && __atomic_add_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED) <=
+	                            rep->c.kept_bytes_max)) {
+		if (always)
+			__atomic_add_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED);
+		k = kvr_alloc(sizeof(*k));
+		if (k)
+			k->spare = false;
+		else
+			k = spare_get(rep);
+		if (!k)
+			__atomic_sub_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED);
+	} else if (!over) { /* past the cap: from now on, until the sender has caught up */
+		__atomic_sub_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED);
+		over = __atomic_fetch_or(&rep->kept_over, 1, __ATOMIC_ACQ_REL) | 1;
+	}
 	if (!k) {
 		struct kvr_msg m = {.aux = kind};
 		memcpy(m.payload, payload, len);
 		out_discard(rep, &m);
 		__atomic_add_fetch(&rep->out_dropped, 1, __ATOMIC_RELAXED);
+		if (over)
+			__atomic_add_fetch(&rep->over_cap, 1, __ATOMIC_RELAXED);
 		return;
 	}
+	k->bytes = bytes;
 	k->m.fn = NULL;
 	k->m.len = len;
 	k->m.aux = kind;
@@ -390,7 +447,29 @@ static uint64_t kept_drain(struct kvr_replica *rep)
  * the sender's exchange that took it, which handles the taken notes before it dequeues again. */
 static bool keeping(const struct kvr_replica *rep)
 {
-	return __atomic_load_n(&rep->kept, __ATOMIC_RELAXED) != NULL;
+	return __atomic_load_n(&rep->kept, __ATOMIC_RELAXED) != NULL ||
+	       __atomic_load_n(&rep->kept_over, __ATOMIC_RELAXED);
+}
+
+/* After notes were dropped past the cap (note_keep), once the sender has handled every note
+ * made before: own attempts that ended meanwhile (their end may be among the dropped; the
+ * router's lease says) are told as aborts, so that no peer mirrors them for good; the live
+ * ones take no more output (out_progress), since some of it may be lost and what follows would
+ * land out of place in their chains on the peers.  Context: the sender, mu held (the lease
+ * reads are single acquire loads, no router call that waits). */
+static void kept_reconcile(struct kvr_replica *rep)
+{
+	for (struct kvr_rep_rec *x = rep->live_head, *nx; x; x = nx) {
+		nx = x->next;
+		if (x->origin != rep->c.replica_id)
+			continue;
+		if (!kvr_repl_attempt_ended(rep->r, x->oattempt)) {
+			x->out_gap = true;
+			continue;
+		}
+		out_end(rep, x, KVR_MSG_ABORT);
+		rep->st.ends_reconciled++;
+	}
 }
 
 static void out_push(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len)
@@ -755,8 +834,12 @@ static void *out_main(void *arg)
 			if (kvr_rep_tracing(rep->c.replica_id))
 				rep->burst_ns = kvr_rep_mono_ns();
 			pthread_mutex_lock(&rep->mu);
-			if (kept)
+			if (kept) {
 				ticket = kept_drain(rep);
+				/* acq_rel: pairs with note_keep's RMWs of kept_over */
+				if (__atomic_exchange_n(&rep->kept_over, 0, __ATOMIC_ACQ_REL))
+					kept_reconcile(rep);
+			}
 			for (uint32_t i = 0; i < n; i++) {
 				uint64_t t = out_one(rep, &batch[i]);
 				if (t > ticket)

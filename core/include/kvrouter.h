@@ -798,6 +798,16 @@ struct kvr_sync_config {
 	/* Blocks of recently finished attempts remembered per rank for snapshots.  Default 0 =
 	 * twice the rank's capacity (65536 without capacity). */
 	uint64_t journal_blocks;
+	/* Bytes of notes (admissions with their block hashes, output, ends) kept aside while the
+	 * sender is stalled behind a full queue (a connection that takes nothing), at most.
+	 * Default 0 = 64 MiB.  Past it notes are dropped (kvr_sync_stats.notes_over_cap) until
+	 * the sender runs again; then its attempts that ended meanwhile are published as aborts
+	 * (their ends were among the dropped: kvr_sync_stats.ends_reconciled) and its live ones
+	 * take no more output (some of it may be lost, and what follows would land out of place
+	 * in their chains on the peers).  What the dropped notes told (admissions, output,
+	 * prefill done) stays missing from the peers' load while those attempts live and from
+	 * their prediction after: only this router had it.  Rank changes are always kept. */
+	uint64_t kept_bytes_max;
 };
 
 struct kvr_sync_stats {
@@ -836,6 +846,10 @@ struct kvr_sync_stats {
 	uint32_t mirrored; /* peers' live attempts mirrored on this router */
 	bool connected;
 	bool ready; /* the first snapshot (or its absence) is settled */
+	/* Own notes dropped because those kept aside for a stalled sender held kept_bytes_max
+	 * (counted in unpublished too), and own attempts whose end was among them, published as
+	 * aborts once the sender ran again. */
+	uint64_t notes_over_cap, ends_reconciled;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */

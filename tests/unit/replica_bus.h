@@ -74,6 +74,8 @@ static struct bus {
 	struct bus_chunk *inbox[BUS_N]; /* snapshot chunks for replica i, newest first */
 } bus = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 static int port[BUS_N] = {0, 1, 2};
+/* kept_bytes_max of the replicas bus_router makes (0: the default). */
+static uint64_t bus_kept_max;
 
 static inline int bus_publish(void *ctx, const void *buf, size_t len)
 {
@@ -168,6 +170,7 @@ static inline struct kvr_router *bus_router(int i)
 	    .heartbeat_ms = 50,
 	    .dead_after = 1000, /* nobody is given up during the test */
 	    .snapshot_timeout_ms = 5000,
+	    .kept_bytes_max = bus_kept_max,
 	};
 	struct kvr_replica_transport t = {.ctx = &port[i],
 	                                  .publish = bus_publish,
