@@ -15,6 +15,8 @@
  *     attached afterwards agrees with the others after its snapshot.
  *  2c. two replicas route while allocations fail now and then: once the failures stop they
  *     settle, every mirror released, every load zero.
+ *  2d. a delivery lost for memory while the receiver queues (its apply thread stalled): counted,
+ *     and healed by the sender's re-announce; the replicas agree again.
  *  2b. a replica's lease reaper expires its idle attempts: its peers release their mirrors at
  *     once (told, as for an abort), and a replica attached afterwards does not mirror them.
  *  3. nats-server is stopped and restarted mid-stream: no crash, the counters show the outage
@@ -798,7 +800,7 @@ static void test_kill(void)
  * process-wide, 356 failed index writes and 261 stale calls; scoped, none, and the receiving
  * side's failures went up: refused admissions 53 -> 145, orphans 27 -> 123, output not applied
  * 455 -> 759.  A delivery lost for memory (dropped) is reached by neither: most deliveries are
- * applied inline, with no copy to allocate. */
+ * applied inline, with no copy to allocate (test_queued_drop reaches it). */
 static void test_oom(void)
 {
 	struct replica xs[2] = {0};
@@ -864,6 +866,62 @@ static void test_oom(void)
 	printf("oom: %lu failures armed over 400 steps (%lu process-wide, %lu scoped)\n",
 	       (unsigned long)(armed[0] + armed[1]), (unsigned long)armed[0],
 	       (unsigned long)armed[1]);
+}
+
+/* A delivery lost for memory on the queued path: B's apply thread stalled (kvr_replica_stall,
+ * half the liveness bound), nats.c's thread queues what it delivers instead of applying it
+ * inline, and every allocation of replica sync's threads fails (scoped: the routers' threads
+ * allocate untouched) while A ends attempts.  Each copy fails, and the drop is counted; once
+ * the failures stop and B runs again, A's next heartbeat shows B the gap, A re-announces, and
+ * B mirrors exactly A's live attempts, with equal loads and predictions, and none once all
+ * end.  No test reached this drop before (test_oom's deliveries are nearly all inline). */
+static void test_queued_drop(void)
+{
+	struct replica xs[2] = {0};
+	for (int i = 0; i < 2; i++) {
+		xs[i].r = make_router();
+		CHECK(xs[i].r && attach(&xs[i], 750 + (uint64_t)i) == 0, "queued_drop: attach %d",
+		      i);
+		if (!xs[i].r || !xs[i].s)
+			return;
+	}
+	for (int k = 0; k < 400 && xs[0].n_live < 16; k++)
+		step(&xs[0]);
+	CHECK(quiet(xs, 2) == 0, "queued_drop: not quiet before");
+	struct kvr_sync_stats b0, b1, a0, a1;
+	kvr_sync_get_stats(xs[1].s, &b0);
+	kvr_sync_get_stats(xs[0].s, &a0);
+	kvr_replica_stall(kvr_sync_replica(xs[1].s), DEAD * HB_MS / 2, false);
+	sleep_ms(20);
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_REPLICA);
+	kvr_alloc_fail_from(1);
+	for (int k = 0; k < 8 && xs[0].n_live; k++)
+		kvr_request_finish(xs[0].r, xs[0].live[--xs[0].n_live]);
+	sleep_ms(100);
+	kvr_alloc_fail_after(0);
+	kvr_alloc_fail_scope(0);
+	kvr_sync_get_stats(xs[1].s, &b1);
+	kvr_sync_get_stats(xs[0].s, &a1);
+	CHECK(b1.dropped > b0.dropped, "queued_drop: no delivery dropped (%lu)",
+	      (unsigned long)(b1.dropped - b0.dropped));
+	CHECK(a1.unpublished == a0.unpublished, "queued_drop: A lost %lu notes itself",
+	      (unsigned long)(a1.unpublished - a0.unpublished));
+	uint64_t t0 = now_ms();
+	CHECK(quiet(xs, 2) == 0, "queued_drop: B did not heal");
+	kvr_sync_get_stats(xs[1].s, &b1);
+	printf("queued_drop: %lu deliveries dropped on B, healed (gaps %lu -> %lu) %lu ms after "
+	       "the failures\n",
+	       (unsigned long)(b1.dropped - b0.dropped), (unsigned long)b0.gaps,
+	       (unsigned long)b1.gaps, (unsigned long)(now_ms() - t0));
+	agree(xs, 2, "queued_drop");
+	drain_all(xs, 2);
+	CHECK(quiet(xs, 2) == 0, "queued_drop: not quiet after");
+	for (int i = 0; i < 2; i++)
+		CHECK(active_requests(xs[i].r) == 0, "queued_drop: replica %d keeps requests", i);
+	for (int i = 0; i < 2; i++) {
+		kvr_sync_detach(xs[i].s);
+		kvr_router_destroy(xs[i].r);
+	}
 }
 
 /* A's lease reaper (1 s scan) expires its idle attempts; B's (the default 120 s) would not for
@@ -1152,6 +1210,7 @@ int main(int argc, char **argv)
 	RUN(kill);
 	RUN(expire);
 	RUN(oom);
+	RUN(queued_drop);
 	RUN(outage);
 	RUN(trace);
 	RUN(wire);
