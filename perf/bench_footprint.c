@@ -53,7 +53,10 @@
  * (base, internal), its resident bytes and the threads bound to it (print_bins).
  *
  * --lane-capacity N sets kvr_config.lane_capacity (the shards' routing rings, 64 B a slot; default
- * 4095): what the lanes cost at another size.
+ * 4095): what the lanes cost at another size.  The readings follow a quiesce longer than a
+ * shard's 100 ms idle purge, with which each shard gives its routing ring's pages back
+ * (sync/lane.h, idle trim): the breakdown's lanes= counts the rings allocated, the RSS figures
+ * only the pages posts touched since (a busy router holds the whole rings).
  *
  * usage: bench_footprint [--quick] [--ranks R (8)] [--capacity C blocks per rank
  *                        (25600, README: one vLLM rank; --quick 8192)] [--churn F (1.0; --quick

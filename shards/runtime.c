@@ -328,7 +328,8 @@ static uint64_t idle_purge(struct kvr_shard *sh)
 	sh->idle_ns = 0;
 	if (sh->rt->on_idle)
 		sh->rt->on_idle(sh, sh->rt->ctx); /* before the purge, which takes what it frees */
-	kvr_alloc_flush_thread_cache();           /* first: the purge can then take their pages */
+	kvr_lanes_trim(&sh->lanes);     /* the routing ring's pages (sync/lane.h: idle trim) */
+	kvr_alloc_flush_thread_cache(); /* first: the purge can then take their pages */
 	kvr_alloc_purge_idle(t);
 	if (!__atomic_exchange_n(&late_purge_queued, 1, __ATOMIC_ACQ_REL))
 		kvr_rcu_call(&late_purge_head, late_purge_cb);
@@ -1241,6 +1242,7 @@ void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *o)
 	}
 	o->throttles = __atomic_load_n(&l->throttles, __ATOMIC_RELAXED);
 	o->spills = __atomic_load_n(&l->spills, __ATOMIC_RELAXED);
+	o->lane_trimmed_bytes = __atomic_load_n(&l->trimmed_bytes, __ATOMIC_RELAXED);
 	o->maint_wait_max_ns = __atomic_load_n(&l->maint_wait_max_ns, __ATOMIC_RELAXED);
 	o->routing_between_maint_max = __atomic_load_n(&l->routing_between_max, __ATOMIC_RELAXED);
 	o->calls_inline = __atomic_load_n(&sh->calls_inline, __ATOMIC_RELAXED);

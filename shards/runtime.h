@@ -97,14 +97,15 @@ struct kvr_shards_config {
 
 struct kvr_shard_stats {
 	uint32_t index;
-	int cpu;                            /* CPU asked for, -1 = none */
-	bool pinned;                        /* pthread_setaffinity_np succeeded */
-	uint32_t depth[KVR_LANE_COUNT];     /* messages queued now */
-	uint64_t tasks[KVR_LANE_COUNT];     /* tasks run */
-	uint64_t stalls[KVR_LANE_COUNT];    /* posts that found the lane full */
-	uint64_t throttles;                 /* paced posts that waited at the soft depth */
-	uint64_t spills;                    /* ... that went past it (the shard had stalled) */
-	uint64_t maint_wait_max_ns;         /* longest time maintenance waited behind routing */
+	int cpu;                         /* CPU asked for, -1 = none */
+	bool pinned;                     /* pthread_setaffinity_np succeeded */
+	uint32_t depth[KVR_LANE_COUNT];  /* messages queued now */
+	uint64_t tasks[KVR_LANE_COUNT];  /* tasks run */
+	uint64_t stalls[KVR_LANE_COUNT]; /* posts that found the lane full */
+	uint64_t throttles;              /* paced posts that waited at the soft depth */
+	uint64_t spills;                 /* ... that went past it (the shard had stalled) */
+	uint64_t lane_trimmed_bytes; /* routing ring bytes given back while idle (kvr_lanes_trim) */
+	uint64_t maint_wait_max_ns;  /* longest time maintenance waited behind routing */
 	uint32_t routing_between_maint_max; /* most routing tasks run while maintenance waited */
 	uint64_t calls_inline;              /* kvr_shard_call run inline (caller was the shard) */
 	uint64_t parks;                     /* times the shard thread slept */

@@ -7,7 +7,10 @@
  */
 #include "sync/lane.h"
 
+#include <sched.h>
 #include <time.h>
+
+#include "core/alloc.h"
 
 static uint64_t mono_now(void *ctx)
 {
@@ -91,16 +94,61 @@ enum kvr_lane_soft_step kvr_lanes_soft_check(struct kvr_lanes *l, struct kvr_lan
 	return KVR_SOFT_THROTTLE;
 }
 
+/* A routing post that reserved a slot while kvr_lanes_trim may be discarding the ring's pages
+ * waits for it (a madvise: microseconds, once per idle period) before writing. */
+static __attribute__((noinline, cold)) void wait_trim(struct kvr_lanes *l)
+{
+	for (unsigned spins = 0; __atomic_load_n(&l->trimming, __ATOMIC_ACQUIRE); spins++) {
+		if (spins < 256)
+			ck_pr_stall();
+		else
+			sched_yield();
+	}
+}
+
 int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), const void *payload,
                    uint32_t len, uint32_t aux, int count_stall)
 {
 	if ((unsigned)lane >= KVR_LANE_COUNT || len > KVR_MSG_PAYLOAD || (len && !payload))
 		return KVR_EINVAL;
-	if (__builtin_expect(kvr_ring_enqueue(&l->ring[lane], fn, payload, len, aux), 1))
+	struct kvr_ring *r = &l->ring[lane];
+	uint32_t ticket;
+	struct kvr_msg *slot = kvr_ring_reserve(r, &ticket);
+	if (__builtin_expect(!slot, 0)) {
+		if (count_stall)
+			kvr_lanes_count_stall(l, lane);
+		return KVR_EAGAIN;
+	}
+	if (lane == KVR_LANE_ROUTING) {
+		/* The reservation (ck's CAS: lock cmpxchg, a full barrier on x86) comes before
+		 * this load; elsewhere a fence makes it so.  Pairs with kvr_lanes_trim. */
+#if !defined(__x86_64__) && !defined(__i386__)
+		__atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+		if (__builtin_expect(__atomic_load_n(&l->trimming, __ATOMIC_ACQUIRE), 0))
+			wait_trim(l);
+	}
+	kvr_ring_write(slot, fn, payload, len, aux);
+	kvr_ring_commit(r, ticket);
+	return 0;
+}
+
+size_t kvr_lanes_trim(struct kvr_lanes *l)
+{
+	struct kvr_ring *r = &l->ring[KVR_LANE_ROUTING];
+	if (__atomic_load_n(&l->burst_n, __ATOMIC_RELAXED) || !kvr_ring_unreserved(r))
 		return 0;
-	if (count_stall)
-		kvr_lanes_count_stall(l, lane);
-	return KVR_EAGAIN;
+	/* Dekker with kvr_lanes_push: the flag first, then p_head.  A producer whose
+	 * reservation this load misses reads the flag after it. */
+	__atomic_store_n(&l->trimming, 1, __ATOMIC_SEQ_CST);
+	__atomic_thread_fence(__ATOMIC_SEQ_CST); /* a store then a load: x86 and ARM need it */
+	size_t done = 0;
+	if (kvr_ring_unreserved(r))
+		done = kvr_alloc_discard(r->buf, (size_t)r->size * sizeof(struct kvr_msg));
+	__atomic_store_n(&l->trimming, 0, __ATOMIC_RELEASE);
+	if (done)
+		__atomic_store_n(&l->trimmed_bytes, l->trimmed_bytes + done, __ATOMIC_RELAXED);
+	return done;
 }
 
 static void bump(uint64_t *c)

@@ -46,6 +46,20 @@
  * stamped costs the post that finds it a whole stall interval, as the first version's count
  * did).
  *
+ * Idle trim (kvr_lanes_trim): a ring's indices pass through every slot, so after capacity
+ * messages the whole routing ring is resident (4,096 slots of 64 B, 256 KiB a shard by default)
+ * however shallow the lane stays; a router at rest kept it (bench_footprint, 8 ranks, 2k
+ * prompts: 3.5 B of its ~37 B per tracked (block, rank)).  So an idle consumer gives the ring's
+ * pages back (madvise(MADV_DONTNEED): they read as zeros and come back one at a time as posts
+ * reach them).  A producer may reserve a slot at any moment, and a write racing the discard
+ * of its page would be lost, so the two exclude each other Dekker-style: the consumer sets
+ * trimming (a sequentially consistent store), then looks at p_head and discards only if no slot
+ * is reserved and not yet dequeued; a producer reserves (ck's CAS, a full barrier), then reads
+ * trimming and, if it is set, waits for its release before writing its slot.  Either the
+ * consumer sees the reservation (and gives nothing back) or the producer sees the flag (and
+ * writes after the discard).  Deeper rings cost nothing at rest this way, so the capacity
+ * stays sized for a shard's stalls (core/limits.h); a busy router still holds the whole ring.
+ *
  * Stats are written by the consumer only (relaxed atomic stores) and may be read anywhere,
  * except the producer-written counters marked below.
  */
@@ -53,6 +67,7 @@
 #define KVR_SYNC_LANE_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "sync/ring.h"
@@ -68,6 +83,9 @@ struct kvr_lanes {
 	uint32_t every_tasks;
 	uint64_t every_ns;
 	uint32_t soft_depth; /* routing lane; 0 = none (kvr_lanes_set_soft_depth) */
+	/* Atomic, consumer-written: 1 while kvr_lanes_trim may be discarding the routing ring's
+	 * pages; a routing post that reserved a slot waits for 0 before writing it. */
+	uint32_t trimming;
 	uint64_t (*now)(void *ctx);
 	void *now_ctx;
 	/* consumer state */
@@ -85,6 +103,7 @@ struct kvr_lanes {
 	uint64_t last_take_ns;
 	uint64_t maint_wait_max_ns;   /* longest starvation window closed by a maint task */
 	uint32_t routing_between_max; /* most routing tasks run in one window */
+	uint64_t trimmed_bytes;       /* routing ring bytes given back by kvr_lanes_trim, total */
 	/* stats: producer-written (atomic add) */
 	_Alignas(64) uint64_t stalls[KVR_LANE_COUNT];
 	uint64_t throttles; /* routing posts that waited at the soft depth */
@@ -152,6 +171,17 @@ static inline bool kvr_lanes_over_soft(const struct kvr_lanes *l, enum kvr_lane 
  */
 enum kvr_lane_soft_step kvr_lanes_soft_check(struct kvr_lanes *l, struct kvr_lane_soft *w,
                                              uint64_t now_ns, uint64_t stall_ns, uint64_t max_ns);
+
+/*
+ * Gives the routing ring's pages back to the system if no routing message is queued, reserved
+ * or in the consumer's burst (see "Idle trim" above); a routing post that comes meanwhile waits
+ * for the discard (a madvise of up to the ring's size) before it writes its slot.  Returns the
+ * bytes given back, 0 if the lane was not empty.  Context: the single consumer, when idle (the
+ * shard runtime calls it with its idle purge).  Ordering: a sequentially consistent store of
+ * trimming, then p_head; pairs with the producer's CAS and load of trimming in
+ * kvr_lanes_push; the store that clears trimming (release) pairs with that load (acquire).
+ */
+size_t kvr_lanes_trim(struct kvr_lanes *l);
 
 /* Frees the rings.  Context: nobody uses the lanes any more. */
 void kvr_lanes_fini(struct kvr_lanes *l);

@@ -147,6 +147,22 @@ static inline void kvr_ring_commit(struct kvr_ring *r, uint32_t ticket)
 }
 
 /*
+ * Writes {fn, len, aux, payload[0..len)} (len <= KVR_MSG_PAYLOAD, checked by the caller) into a
+ * slot from kvr_ring_reserve().  Context: the producer that reserved it, before its commit.
+ */
+static inline void kvr_ring_write(struct kvr_msg *slot, void (*fn)(void), const void *payload,
+                                  uint32_t len, uint32_t aux)
+{
+	KVR_RING_IGNORE_BEGIN();
+	slot->fn = fn;
+	slot->len = len;
+	slot->aux = aux;
+	if (len)
+		memcpy(slot->payload, payload, len);
+	KVR_RING_IGNORE_END();
+}
+
+/*
  * Enqueues {fn, len, aux, payload[0..len)} (len <= KVR_MSG_PAYLOAD, checked by the caller).
  * Returns true, or false if the ring is full (nothing written).
  * Context: any thread (many producers).  Ordering: as kvr_ring_commit().
@@ -158,15 +174,23 @@ static inline bool kvr_ring_enqueue(struct kvr_ring *r, void (*fn)(void), const 
 	struct kvr_msg *slot = kvr_ring_reserve(r, &ticket);
 	if (!slot)
 		return false;
-	KVR_RING_IGNORE_BEGIN();
-	slot->fn = fn;
-	slot->len = len;
-	slot->aux = aux;
-	if (len)
-		memcpy(slot->payload, payload, len);
-	KVR_RING_IGNORE_END();
+	kvr_ring_write(slot, fn, payload, len, aux);
 	kvr_ring_commit(r, ticket);
 	return true;
+}
+
+/*
+ * True if no slot is reserved and not yet dequeued (p_head == c_head): no producer holds a
+ * ticket, so none writes a slot until it reserves a new one.  Context: the ring's single
+ * consumer (it reads c_head as its own).  Ordering: a plain load of p_head; a caller that must
+ * exclude later reservations pairs it with its own fence (sync/lane.c, kvr_lanes_trim).
+ */
+static inline bool kvr_ring_unreserved(const struct kvr_ring *r)
+{
+	KVR_RING_IGNORE_BEGIN();
+	bool idle = ck_pr_load_uint(&r->ck.p_head) == r->ck.c_head;
+	KVR_RING_IGNORE_END();
+	return idle;
 }
 
 /*

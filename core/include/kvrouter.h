@@ -162,8 +162,15 @@ struct kvr_config {
 	 * recomputes prefixes on other ranks, evicts more and falls further behind; a full lane
 	 * makes the poster wait instead (kvr_lane_full_waits_total), up to 10 ms, then
 	 * KVR_EAGAIN.  The default absorbs a shard's stalls (a long task, preemption), while
-	 * lane_soft_depth keeps the lane short when the shard is merely behind.  (The maintenance
-	 * lane, which the router leaves empty, holds 255.) */
+	 * lane_soft_depth keeps the lane short when the shard is merely behind.  Memory: the
+	 * ring's indices pass through every slot, so a busy shard holds all of its ring however
+	 * shallow the lane stays; a shard idle for 100 ms gives the pages back (they return as
+	 * posts reach them), so a router at rest pays nearly nothing for its lanes.  A smaller
+	 * capacity saves memory while busy (1023: 192 KiB a shard, ~2 B per tracked (block, rank)
+	 * at 8 ranks x 25,600 blocks over 2 shards) but absorbs a quarter of the stall: under a
+	 * loaded machine 1023 filled in runs where 4095 reached 3,698 deep (README "lane
+	 * capacity"), so the default stays.  (The maintenance lane, which the router leaves
+	 * empty, holds 255.) */
 	uint32_t lane_capacity;
 	/* Soft depth of each routing lane, messages.  Default 127; 0 = none; range 0..1<<22 (at
 	 * or above lane_capacity it is never reached).  kvr_route's booking post, finding this
