@@ -166,11 +166,11 @@ struct kvr_config {
 	 * ring's indices pass through every slot, so a busy shard holds all of its ring however
 	 * shallow the lane stays; a shard idle for 100 ms gives the pages back (they return as
 	 * posts reach them), so a router at rest pays nearly nothing for its lanes.  A smaller
-	 * capacity saves memory while busy (1023: 192 KiB a shard, ~2 B per tracked (block, rank)
-	 * at 8 ranks x 25,600 blocks over 2 shards) but absorbs a quarter of the stall: under a
-	 * loaded machine 1023 filled in runs where 4095 reached 3,698 deep (README "lane
-	 * capacity"), so the default stays.  (The maintenance lane, which the router leaves
-	 * empty, holds 255.) */
+	 * capacity saves memory while busy (1023: 192 KiB less a shard, ~2 B per tracked (block,
+	 * rank) at 8 ranks x 25,600 blocks over 2 shards) but absorbs a quarter of the stall: on a
+	 * loaded machine 1023 filled in runs where 4095 reached 3,698 deep and never filled
+	 * (README "The routing lanes' memory"), so the default stays.  (The maintenance lane,
+	 * which the router leaves empty, holds 255.) */
 	uint32_t lane_capacity;
 	/* Soft depth of each routing lane, messages.  Default 127; 0 = none; range 0..1<<22 (at
 	 * or above lane_capacity it is never reached).  kvr_route's booking post, finding this
