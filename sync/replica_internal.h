@@ -60,6 +60,10 @@ struct kvr_rep_rec {
 	 * apply_output): out holds what it was told, and later output waits for the origin's
 	 * re-announce instead of landing out of place in the chain. */
 	bool out_gap;
+	/* An own attempt whose output could not be copied into out for memory (sync/replica_out.c,
+	 * out_progress): its output is still published, but out stops there (a re-announce or a
+	 * snapshot carries what it holds, a prefix of the chain). */
+	bool out_short;
 	bool seen; /* resync: named by the snapshot */
 	uint64_t *blocks;
 	uint32_t *tail;

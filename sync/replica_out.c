@@ -118,6 +118,29 @@ static void send_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep
 
 /* ---------------------------------------------------------------- the sender (mu held) */
 
+#define OUT_OOM_TRIES    10
+#define OUT_OOM_PAUSE_NS 1000000L
+
+/* The sender out of memory for a note (its record, the record's room for output): a note it
+ * drops is lost for good, since its own tables never have it (no re-announce or snapshot can
+ * carry it), so it tries again after a pause, OUT_OOM_TRIES times at most.  The pause is taken
+ * without mu (the apply thread, heartbeats and snapshots go on), the batch flushed first (mu is
+ * released only with the stream flushed).  Returns false once the tries are spent.  Before, the
+ * note was dropped at the first failure (test_replica_notes
+ * admission_mirrored_when_the_senders_record_fails: "nth 1: the peer never mirrored it").
+ * Context: the sender, mu held (released and taken again). */
+static bool sender_pause(struct kvr_replica *rep, int *tries)
+{
+	if (++*tries > OUT_OOM_TRIES)
+		return false;
+	kvr_rep_stream_flush(rep);
+	pthread_mutex_unlock(&rep->mu);
+	struct timespec ts = {0, OUT_OOM_PAUSE_NS};
+	nanosleep(&ts, NULL);
+	pthread_mutex_lock(&rep->mu);
+	return true;
+}
+
 /* An own admission joins the tables and goes out, unless the attempt ended already: then its
  * record and its end would have crossed (the end found no record, the admission made one that
  * nothing ends), and every peer would have mirrored it for good (test_sync_nats test_oom;
@@ -128,10 +151,12 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 		kvr_rep_rec_free(x);
 		return;
 	}
-	if (kvr_rep_map_insert(rep, x)) {
-		kvr_rep_rec_free(x);
-		rep->st.unpublished++;
-		return;
+	for (int tries = 0; kvr_rep_map_insert(rep, x);) {
+		if (!sender_pause(rep, &tries)) {
+			kvr_rep_rec_free(x);
+			rep->st.unpublished++;
+			return;
+		}
 	}
 	kvr_rep_live_link(rep, x);
 	kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
@@ -175,10 +200,12 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		}
 		x->prefilled = true;
 		not_final = not_final && n > 0; /* no token: nothing changes */
-		if (kvr_rep_rec_append_out(x, tokens, n, not_final)) {
-			rep->st.unpublished++;
-			break;
-		}
+		/* No room in the record for memory: published all the same (the peers' chains
+		 * stay whole), and the record keeps the prefix it holds (out_short). */
+		for (int tries = 0;
+		     !x->out_short && kvr_rep_rec_append_out(x, tokens, n, not_final);)
+			if (!sender_pause(rep, &tries))
+				x->out_short = true;
 		size_t off = kvr_msg_begin(&rep->sbuf, KVR_MSG_OUTPUT, rep->c.replica_id,
 		                           rep->epoch, rep->seq + 1);
 		kvr_msg_put_u64(&rep->sbuf, attempt);
@@ -777,7 +804,9 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 	case OUT_ADMIT_SLAB: { /* the record is made here, off the routing path */
 		uint64_t slabs;
 		memcpy(&slabs, m->payload, sizeof(slabs));
-		struct kvr_rep_rec *x = rec_of_slabs(rep, slabs);
+		struct kvr_rep_rec *x;
+		for (int tries = 0; !(x = rec_of_slabs(rep, slabs)) && sender_pause(rep, &tries);)
+			;
 		slab_put(rep, slabs);
 		if (x)
 			out_admit(rep, x);
