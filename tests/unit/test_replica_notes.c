@@ -200,10 +200,13 @@ Test(replica_notes, kept_notes_capped_and_healed, .timeout = 60)
 	struct kvr_replica *rep = bus.rep[0];
 	kvr_replica_stall(rep, 3000, true);
 	uint64_t t0 = now_ms();
-	uint32_t tok = 5;
+	/* The queue filled with prefill dones, which make no blocks: with output, a's chain would
+	 * pass the ranks' capacity (1000 blocks), and the predictions would depend on the order
+	 * each router applied the releases in (a mirror's output refused when its lane stays full
+	 * under a loaded machine is healed by a re-announce, which re-books a later). */
 	struct kvr_ring *q = &rep->outq;
 	while (kvr_ring_depth(q) < kvr_ring_capacity(q)) /* full: later notes are kept aside */
-		cr_assert_eq(kvr_request_output(r[0], d[0].attempt, &tok, 1), 0);
+		cr_assert_eq(kvr_request_prefill_done(r[0], d[0].attempt), 0);
 	size_t most = 0;
 	for (uint32_t i = 1; i < N_ATTEMPTS; i++) {
 		cr_assert_eq(kvr_request_prefill_done(r[0], d[i].attempt), 0);
