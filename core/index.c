@@ -61,6 +61,28 @@
  * record's run word, the run being implied).  Taken: the locator grows at load 0.9 to 0.78 (it
  * grew at 0.85 to 0.57), 1 byte per block less where an index settles.
  *
+ * Without the locator (kvr_index_set_locator(idx, false); the router's approximate modes, where
+ * it writes the index itself; events mode keeps it: engine hashes name arbitrary blocks).  The
+ * locator's 4-6 bytes per distinct block buy writers a lookup of ANY block; the approximate modes
+ * name blocks at a few places only: an admission's parent by its path from the root (a walk like
+ * the readers', kvr_index_store_path), an output's parent where the rank's last write ended or at
+ * a record's end, an evicted run by its last block (a chain tail: the rank's deepest position in
+ * that run) or an expired one by its first (a head).  core/index_tops.c finds those through the
+ * positions next to the last write, the run table, and a per-rank END MAP (one 8-byte word per
+ * (rank, run) record, keyed by the hash of its deepest held position and, with nothing held at
+ * position 0, of its lowest), and anything else by a scan of the rank's records, so every call
+ * keeps its exact semantics (the differential test runs the same random streams, holes and
+ * parents anywhere included, in both modes) and only its cost depends on the shape.  Measured
+ * (bench_index_runs --mem-only; the same binary, both modes): 16-block runs with 1 / 2 / 4
+ * holders 19.5 / 12.3 / 7.6 -> 14.6 / 10.2 / 7.0 bytes per held block (the locator's 5.00 and its
+ * directory's 0.62 gone, the end maps' 0.75 added), 512-block runs 13.5 -> 8.5, one-block runs
+ * 92.2 -> 92.1.  Writes got cheaper too (no locator insert per block, no locator walk per
+ * removal): --apply-only --per 16, alternated, 23.5M / 15.8M -> 33.8M / 17.8M block ops/s,
+ * --per 1 3.7M -> 7.7M; --churn 2000 --churn-mode incr 70M -> 123M block ops/s, p50 per call
+ * 6.8 -> 4.1 us, cpu p99 19.2 -> 15.6 us.  The price: an end map grows by rehashing the rank's
+ * entries at once (a record read per entry), and a write naming a block nowhere near the
+ * places above scans the rank's records (O(its blocks); counted in rank_scans).
+ *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and
  * seqs (acquire), compare, and read holder words.  Positions are write-once (index_internal.h),
  * cuts are published after the blocks they cover, so a reader never credits a rank with a block
@@ -85,8 +107,10 @@
  * 14.0 -> 12.1 bytes per one-block run, 1.01 -> 0.89 per block of 16-block runs).
  *
  * Invariants.
- *  - Every live run has one run-table entry (keyed by its first block); every position [0, hw)
- *    of every live run has one block-locator entry (trimmed positions stay until it dies).
+ *  - Every live run has one run-table entry (keyed by its first block); with the locator, every
+ *    position [1, hw) of every live run has one block-locator entry (trimmed positions stay
+ *    until it dies); without it, a rank's end-map entries are keyed by its records' current
+ *    ends (an entry may be missing, never stale).
  *  - A run lives while a rank holds a position of it or it has a child; len >= max(top of every
  *    holder, largest child offset); a run whose need drops to 0 dies and its parent is re-checked.
  *  - For every (rank, run) record, cut = the gap-free prefix of its bitmap, mirrored in the hset.
@@ -482,6 +506,8 @@ void kvr_index_destroy(struct kvr_index *idx)
 			kvr_free(r->rmap.e, (r->rmap.mask + 1) * sizeof(struct idx_xent));
 		if (r->cmap.e)
 			kvr_free(r->cmap.e, (r->cmap.mask + 1) * sizeof(struct idx_xent));
+		if (r->tops.e)
+			kvr_free(r->tops.e, (size_t)r->tops.cap * sizeof(uint64_t));
 	}
 	kvr_free(idx->scratch, idx->scratch_cap * sizeof(uint64_t));
 	pthread_mutex_destroy(&idx->wlock);
@@ -579,6 +605,7 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		memset(&r->xmap, 0, sizeof(r->xmap));
 		memset(&r->rmap, 0, sizeof(r->rmap));
 		memset(&r->cmap, 0, sizeof(r->cmap));
+		memset(&r->tops, 0, sizeof(r->tops));
 		if (t->used + 1 > (t->mask + 1) / 4 * 3) {
 			rtab_purge(idx);
 			t = idx->rtab;
@@ -696,6 +723,7 @@ void kvr_index_stats_get(const struct kvr_index *idx, struct kvr_index_stats *st
 	st->parent_not_found = ld(&idx->c_parent_nf);
 	st->block_not_found = ld(&idx->c_block_nf);
 	st->invalid = ld(&idx->c_invalid);
+	st->rank_scans = ld(&idx->c_rank_scans);
 	st->stored_blocks = ld(&idx->c_stored);
 	st->removed_blocks = ld(&idx->c_removed);
 	st->nodes = ld(&idx->c_nodes);

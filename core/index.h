@@ -44,7 +44,9 @@ struct kvr_index_stats {
 	uint64_t ranks;            /* active rank slots now, gauge */
 	uint64_t bytes_shared;     /* bytes of runs, hash arrays, run table, locator, gauge (real
 	                            * allocator sizes, as kvr_index_memory_bytes) */
-	uint64_t bytes_per_rank;   /* bytes of holder sets and records, per-rank ext maps, gauge */
+	uint64_t bytes_per_rank;   /* bytes of holder sets and records, per-rank ext maps and end
+	                            * maps, gauge */
+	uint64_t rank_scans;       /* without the locator: lookups that scanned a rank's records */
 };
 
 /* Per-rank answer of find_matches. */
@@ -121,6 +123,19 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
                     const struct kvr_index_block *blocks, size_t n);
 
 /*
+ * kvr_index_store with the parent named by its path: path[0], path[stride], ...,
+ * path[(np - 1) * stride] are the sequence hashes of the chain from the root to the parent (np
+ * 0: the root), the parent's ext hash being its sequence hash (as the approximate modes store).
+ * The same rules and results as kvr_index_store(idx, slot, &path[(np - 1) * stride], blocks, n);
+ * the parent is found by a walk from the root (O(runs + log np) probes), which an index without
+ * the block locator needs for a parent that is not where the rank's last write ended.
+ * Returns as kvr_index_store, and KVR_EINVAL for path NULL or stride 0 with np > 0.
+ * Context: the slot's writer thread, outside a read section.
+ */
+int kvr_index_store_path(struct kvr_index *idx, uint32_t slot, const uint64_t *path, size_t stride,
+                         size_t np, const struct kvr_index_block *blocks, size_t n);
+
+/*
  * Removed event: drops ext[0..n) from the rank (with count_copies on: drops one copy each; the
  * block leaves the rank with its last copy).  Unknown hashes are skipped and counted
  * (block_not_found; *n_not_found if non-NULL).  No cascade to descendants.  Never fails for
@@ -129,6 +144,17 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
  */
 int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
                      size_t *n_not_found);
+
+/*
+ * kvr_index_remove with ext[] split into runs: run k is the next run_len[k] hashes (lengths past
+ * n are cut; hashes past the runs are one more run).  The outcome is kvr_index_remove's exactly;
+ * the split tells an index without the block locator where each chain ends (the predicted
+ * cache's evicted runs, shards/lru.h: each one a chain in chain order), so it looks each run up
+ * from an end.  Returns 0, KVR_EINVAL (also run_len NULL with n_runs > 0) or KVR_ENOENT.
+ * Context: the slot's writer thread, outside a read section.
+ */
+int kvr_index_remove_runs(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
+                          const uint32_t *run_len, size_t n_runs, size_t *n_not_found);
 
 /* Drops every block of one rank, keeps the slot.  Returns 0, KVR_EINVAL, KVR_ENOENT.
  * Context: the slot's writer thread, outside a read section. */
@@ -147,6 +173,20 @@ int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id);
  * Context: before the index is shared (right after create), or by the only writer.
  */
 void kvr_index_set_count_copies(struct kvr_index *idx, bool on);
+
+/*
+ * The block locator (on by default): writers find any block by its hash through it (4-6 bytes
+ * per distinct block).  Off, they find a rank's blocks next to the last one written, through the
+ * run table and per-rank end maps (a word per (rank, run)), and last by a scan of the rank's
+ * records (core/index_tops.c): every call keeps its results, and what it costs depends on the
+ * writes' shape: chains stored below parents named by path (kvr_index_store_path) or where
+ * the rank's last write ended, and removals of chain tails or heads (kvr_index_remove_runs), as
+ * the approximate modes write, cost what they cost with it; a parent or block named anywhere
+ * else may cost a scan of the rank's blocks (counted: kvr_index_stats.rank_scans).
+ * Returns 0, KVR_EINVAL (idx NULL) or KVR_EBUSY (the index holds blocks: switch before the
+ * first store).  Context: before the index is shared, or by its only writer.
+ */
+int kvr_index_set_locator(struct kvr_index *idx, bool on);
 
 /*
  * For each rank holding seq[0]: its score (longest contiguous prefix of seq[0..n) it holds)

@@ -418,12 +418,19 @@ void kvr_index_hold_embed(struct kvr_index *idx, struct idx_run *r, struct idx_h
 	if (idx_run_eh_used(r) || !o)
 		return; /* NEVER: kvr_index_hs_del returns y only with a set, the embedded free */
 	const uint32_t slot = idx_hold_slot(y);
+	struct idx_tkey k; /* without the locator: y's end-map entries move to e */
+	if (idx->no_locator) {
+		kvr_index_tops_key(y, &k);
+		kvr_index_tops_del(idx, y, &k);
+	}
 	e->rw = idx_set_hi(e->rw, slot & 0xffff);
 	e->pw = y->pw;
 	e->nw = y->nw | IDX_HOLD_EMB_HI << IDX_HI_SHIFT;
 	e->bm0 = y->bm0; /* the bitmap word, or its pointer */
 	kvr_index_rank_unlink_hold(idx, y);
 	kvr_index_rank_link_hold(idx, e);
+	if (idx->no_locator)
+		kvr_index_tops_put(idx, e, &k); /* room: y's were just deleted */
 	struct idx_rank *rk = &idx->rank[slot];
 	if (rk->cmap.count) {
 		const uint64_t *bm = idx_hold_bm(e);

@@ -542,6 +542,30 @@ struct idx_tret {
 
 enum { SLOT_FREE = 0, SLOT_ACTIVE = 1, SLOT_RETIRING = 2 };
 
+/*
+ * A rank's end map (writers only; core/index_tops.c), kept when the index has no block locator
+ * (kvr_index_set_locator): the rank's (run) records by the sequence hash of their deepest held
+ * position (top - 1, when top >= 2: a record whose top is 1 is found through the run table) and,
+ * for a record that holds nothing at position 0 (cut 0), of its lowest held position when that
+ * is below top - 1.  Open addressing, linear probing, backward-shift deletion (an entry's key is
+ * recomputed from its record); an entry is one word: 16 tag bits << 48 | the record | 1 for a
+ * lowest-position entry.  An accelerator only: a lookup it misses falls back to a scan of the
+ * rank's records (exact), so an insert that finds no room (a removal never allocates) is
+ * skipped, never wrong; an entry never outlives its record's key.
+ */
+struct idx_tmap {
+	uint64_t *e; /* NULL: none */
+	uint32_t cap;
+	uint32_t count;
+};
+
+/* A record's end-map keys at one moment: the hash of its deepest held position (has_top: top
+ * >= 2) and of its lowest (has_lo: cut 0, lowest held position in [1, top - 1)). */
+struct idx_tkey {
+	uint64_t top, lo;
+	bool has_top, has_lo;
+};
+
 struct idx_rank {
 	uint64_t worker_id; /* atomic relaxed: read by lock-free rank_find */
 	uint32_t dp_rank;
@@ -551,6 +575,7 @@ struct idx_rank {
 	struct idx_xmap rmap;   /* seq -> ext, the same blocks */
 	struct idx_xmap cmap;   /* count_copies: (record << 16 | position) -> copies beyond the
 	                         * first, for the positions that have some */
+	struct idx_tmap tops;   /* no locator: records by their end positions' hashes */
 	uint32_t next_free;     /* free-slot list link */
 } __attribute__((aligned(IDX_CACHELINE)));
 
@@ -576,6 +601,8 @@ struct kvr_index {
 	/* every writer call (stored, removed, cleared, ranks) */
 	pthread_mutex_t wlock __attribute__((aligned(IDX_CACHELINE)));
 	bool count_copies;
+	bool no_locator; /* kvr_index_set_locator(false): writers find blocks through the ranks'
+	                  * end maps, the run table and walks, not the block locator */
 	struct idx_rank *rank;
 	struct idx_rtab *rtab; /* RCU-published */
 	uint32_t rank_lock;    /* spinlock: free-slot list and rtab */
@@ -597,6 +624,7 @@ struct kvr_index {
 	size_t scratch_cap;
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;
+	uint64_t c_rank_scans; /* no locator: lookups that scanned a rank's records */
 	uint64_t bytes_shared, bytes_rank;
 	uint64_t pending; /* queued call_rcu callbacks (atomic) */
 };
@@ -729,6 +757,61 @@ extern uint64_t kvr_index_blk_step_min;
 extern uint64_t kvr_index_blk_grow_at;
 /* The load (per mille, default 780; below grow_at) a growth sizes the new array for. */
 extern uint64_t kvr_index_blk_grow_to;
+
+/* ---- without the locator (core/index_tops.c).  Context: writer (wlock), idx->no_locator. */
+/* The record's end-map keys now. */
+void kvr_index_tops_key(const struct idx_hold *h, struct idx_tkey *k);
+/* Replaces h's entries for the keys it had (old, taken before h changed) by those it has now
+ * (an insert without room is skipped).  Never fails, never allocates. */
+void kvr_index_tops_update(struct kvr_index *idx, struct idx_hold *h, const struct idx_tkey *old);
+/* Deletes h's entries (its keys are k). */
+void kvr_index_tops_del(struct kvr_index *idx, const struct idx_hold *h, const struct idx_tkey *k);
+/* Inserts h's entries for keys k (skipped without room). */
+void kvr_index_tops_put(struct kvr_index *idx, struct idx_hold *h, const struct idx_tkey *k);
+/* Room for k more entries in the slot's map at its growth load.  Returns 0 or KVR_ENOMEM
+ * (unchanged).  Only where every record's entries match its keys. */
+int kvr_index_tops_reserve(struct kvr_index *idx, uint32_t slot, uint32_t k);
+/* Whether k more entries fit without a growth. */
+bool kvr_index_tops_room(const struct kvr_index *idx, uint32_t slot, uint32_t k);
+/* Frees an empty map or shrinks a sparse one (when memory allows).  Only where every record's
+ * entries match its keys. */
+void kvr_index_tops_shrink(struct kvr_index *idx, uint32_t slot);
+/* Frees the slot's map (destroy, or its records are all gone). */
+void kvr_index_tops_free(struct kvr_index *idx, uint32_t slot);
+/* Where the slot holds block seq: *r, *pos and its record *h, or false (the slot does not hold
+ * it).  Exact: tries the positions next to (hr, hp) (hr NULL: none), then the run table, the
+ * slot's end map, and last a scan of the slot's records (counted in c_rank_scans). */
+bool kvr_index_find_held(struct kvr_index *idx, uint32_t slot, uint64_t seq,
+                         const struct idx_run *hr, uint32_t hp, struct idx_run **r, uint32_t *pos,
+                         struct idx_hold **h);
+/* The same without the scan: false may also mean "not found cheaply". */
+bool kvr_index_find_held_fast(struct kvr_index *idx, uint32_t slot, uint64_t seq,
+                              const struct idx_run *hr, uint32_t hp, struct idx_run **r,
+                              uint32_t *pos, struct idx_hold **h);
+/* Where the block below (R, p) with sequence hash s sits in the tree (R NULL: a root block):
+ * R's position p + 1, trimmed or not, or the first block of a run, or false. */
+bool kvr_index_next_at(const struct kvr_index *idx, const struct idx_run *R, uint32_t p, uint64_t s,
+                       struct idx_run **c, uint32_t *q);
+/* Where block path[(np - 1) * stride] sits, walking from the root along the sequence hashes
+ * path[0], path[stride], ... (np > 0): O(runs + log np) table probes and compares.  False when
+ * the tree does not hold the whole path. */
+bool kvr_index_walk(const struct kvr_index *idx, const uint64_t *path, size_t stride, size_t np,
+                    struct idx_run **r, uint32_t *pos);
+
+/* Wrappers for the writers: end-map keys taken before a record changes, updated after. */
+static inline void idx_tops_before(const struct kvr_index *idx, const struct idx_hold *h,
+                                   struct idx_tkey *k)
+{
+	if (idx->no_locator)
+		kvr_index_tops_key(h, k);
+}
+
+static inline void idx_tops_after(struct kvr_index *idx, struct idx_hold *h,
+                                  const struct idx_tkey *k)
+{
+	if (idx->no_locator)
+		kvr_index_tops_update(idx, h, k);
+}
 
 /* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)
@@ -875,6 +958,62 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot);
 /* Frees a run's writer-only records (holds, bitmaps) and the run itself, with no deferral.
  * Context: destroy. */
 void kvr_index_free_run_now(struct kvr_index *idx, struct idx_run *r);
+
+/* ---- shared by the writers (core/index_write.c, core/index_remove.c).  Context: wlock. */
+static inline void idx_flush_if_due(struct kvr_index *idx)
+{
+	if (idx->rt.n >= IDX_RETIRE_BATCH || idx->rt.tabs)
+		kvr_index_retire_flush(idx, &idx->rt);
+}
+
+/* The sequence hash an ext hash names for the rank, or false (the rank uses ext for nothing:
+ * unknown, or ext is the sequence hash of a block the rank holds under another ext). */
+static inline bool idx_ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
+{
+	if (idx_xmap_get(&rk->xmap, ext, seq))
+		return true;
+	if (idx_xmap_get(&rk->rmap, ext, NULL))
+		return false;
+	*seq = ext;
+	return true;
+}
+
+/* With the locator: where block seq sits in the tree (a position below hw): *r, *pos, or false.
+ * (hr, hp): the block touched last, near which seq probably is (hr NULL: none). */
+static inline bool idx_locate(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
+                              uint32_t hp, struct idx_run **r, uint32_t *pos)
+{
+	return kvr_index_blk_find(idx, seq, hr, hp, r, pos); /* the run table's first blocks too */
+}
+
+/* With the locator: where block seq sits, for a removal's first block: next to where the last
+ * write ended (a tail evicted a block or a few at a time, back to front, has it just below), else
+ * idx_locate's answer. */
+static inline bool idx_near_last(const struct kvr_index *idx, uint64_t seq, struct idx_run **r,
+                                 uint32_t *pos)
+{
+	const struct idx_run *lr = idx->last_run; /* alive: cleared when it dies */
+	if (lr) {
+		const uint32_t lp = idx->last_pos, hw = idx_run_hw(lr);
+		for (uint32_t d = 0; d < 3; d++) { /* lp - 1, lp + 1, lp */
+			const uint32_t q = d == 0 ? lp - 1 : d == 1 ? lp + 1 : lp;
+			if ((d != 0 || lp > 0) && q < hw && idx_run_hash(lr, q) == seq) {
+				*r = (struct idx_run *)(uintptr_t)lr;
+				*pos = q;
+				return true;
+			}
+		}
+	}
+	return idx_locate(idx, seq, NULL, 0, r, pos);
+}
+
+/* Removes ext[0..n) from the slot (one copy each with count_copies), ext[] split into runs of
+ * run_len[0..n_runs) blocks (NULL: one run; a hint of where each chain ends, used without the
+ * locator).  Adds to *removed the copies removed and to *dropped the blocks that left the rank;
+ * returns the hashes not found.  Never fails, never allocates. */
+size_t kvr_index_remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
+                               const uint64_t *ext, size_t n, const uint32_t *run_len,
+                               size_t n_runs, size_t *removed, size_t *dropped);
 
 static inline void idx_count(uint64_t *c, int64_t d)
 {

@@ -29,40 +29,6 @@
 #include "core/index_internal.h"
 #include "kvrouter.h"
 
-/* After removals from (r, h): drops the record when empty, trims / kills the run. */
-static void settle(struct kvr_index *idx, struct idx_run *r, struct idx_hold *h)
-{
-	if (idx_hold_top(h) == 0) /* holds nothing */
-		kvr_index_drop_hold(idx, h);
-	kvr_index_run_check(idx, r);
-}
-
-static void flush_if_due(struct kvr_index *idx)
-{
-	if (idx->rt.n >= IDX_RETIRE_BATCH || idx->rt.tabs)
-		kvr_index_retire_flush(idx, &idx->rt);
-}
-
-/* The sequence hash an ext hash names for the rank, or false (the rank uses ext for nothing:
- * unknown, or ext is the sequence hash of a block the rank holds under another ext). */
-static bool ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
-{
-	if (idx_xmap_get(&rk->xmap, ext, seq))
-		return true;
-	if (idx_xmap_get(&rk->rmap, ext, NULL))
-		return false;
-	*seq = ext;
-	return true;
-}
-
-/* Where block seq sits in the tree (a position below hw): *r, *pos, or false.  (hr, hp): the
- * block touched last, near which seq probably is (hr NULL: none). */
-static bool locate(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr, uint32_t hp,
-                   struct idx_run **r, uint32_t *pos)
-{
-	return kvr_index_blk_find(idx, seq, hr, hp, r, pos); /* the run table's first blocks too */
-}
-
 /* Where the parent block pseq sits (a position below hw): where the last store ended, when it
  * is there (a sequence hash sits at one position of the tree, so this is what locate finds),
  * else locate's answer. */
@@ -74,26 +40,7 @@ static bool parent_at(const struct kvr_index *idx, uint64_t pseq, struct idx_run
 		*pos = idx->last_pos;
 		return true;
 	}
-	return locate(idx, pseq, NULL, 0, r, pos);
-}
-
-/* Where block seq sits, for a removal's first block: next to where the last write ended (a tail
- * evicted a block or a few at a time, back to front, has it just below), else locate's answer. */
-static bool near_last(const struct kvr_index *idx, uint64_t seq, struct idx_run **r, uint32_t *pos)
-{
-	const struct idx_run *lr = idx->last_run; /* alive: cleared when it dies */
-	if (lr) {
-		const uint32_t lp = idx->last_pos, hw = idx_run_hw(lr);
-		for (uint32_t d = 0; d < 3; d++) { /* lp - 1, lp + 1, lp */
-			const uint32_t q = d == 0 ? lp - 1 : d == 1 ? lp + 1 : lp;
-			if ((d != 0 || lp > 0) && q < hw && idx_run_hash(lr, q) == seq) {
-				*r = (struct idx_run *)(uintptr_t)lr;
-				*pos = q;
-				return true;
-			}
-		}
-	}
-	return locate(idx, seq, NULL, 0, r, pos);
+	return idx_locate(idx, pseq, NULL, 0, r, pos);
 }
 
 static bool ensure_scratch(struct kvr_index *idx, size_t n)
@@ -114,21 +61,54 @@ static bool ensure_scratch(struct kvr_index *idx, size_t n)
 
 /* Whether the slot holds the block with sequence hash s under ext hash s (size: the blocks it
  * holds now, its published tree size plus what this call added). */
-static bool holds_plain(const struct kvr_index *idx, const struct idx_rank *rk, uint32_t slot,
-                        uint64_t s, uint64_t size)
+static bool holds_plain(struct kvr_index *idx, const struct idx_rank *rk, uint32_t slot, uint64_t s,
+                        uint64_t size)
 {
 	struct idx_run *r;
+	struct idx_hold *h;
 	uint32_t pos;
 	if (size == rk->xmap.count) /* every held block is aliased: nothing plain */
 		return false;
-	if (idx_xmap_get(&rk->rmap, s, NULL) || !locate(idx, s, NULL, 0, &r, &pos))
+	if (idx_xmap_get(&rk->rmap, s, NULL))
 		return false;
-	const struct idx_hold *h = kvr_index_hold_of(r, slot);
+	if (idx->no_locator)
+		return kvr_index_find_held(idx, slot, s, NULL, 0, &r, &pos, &h);
+	if (!idx_locate(idx, s, NULL, 0, &r, &pos))
+		return false;
+	h = kvr_index_hold_of(r, slot);
 	return h && idx_hold_bit(h, pos);
 }
 
-static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
-                            const uint64_t *ext, size_t n, size_t *removed, size_t *dropped);
+/* Where the slot holds the parent block pseq: *r, *pos, its record *h, or false.  path (np
+ * sequence hashes from the root, stride apart, the last one pseq): found by a walk from the root
+ * unless the last store ended there. */
+static bool parent_held(struct kvr_index *idx, uint32_t slot, uint64_t pseq, const uint64_t *path,
+                        size_t stride, size_t np, struct idx_run **r, uint32_t *pos,
+                        struct idx_hold **h)
+{
+	if (idx->no_locator && !path)
+		return kvr_index_find_held(idx, slot, pseq, idx->last_run, idx->last_pos, r, pos,
+		                           h);
+	struct idx_run *lr = idx->last_run;
+	if (path &&
+	    !(lr && idx->last_pos < idx_run_hw(lr) && idx_run_hash(lr, idx->last_pos) == pseq)) {
+		if (!kvr_index_walk(idx, path, stride, np, r, pos))
+			return false;
+	} else if (!parent_at(idx, pseq, r, pos)) {
+		return false;
+	}
+	*h = kvr_index_hold_of(*r, slot);
+	return *h && idx_hold_bit(*h, *pos);
+}
+
+/* Where block s below (R, p) sits in the tree (R NULL: the root): *C, *q, or false. */
+static bool next_block(const struct kvr_index *idx, const struct idx_run *R, uint32_t p, uint64_t s,
+                       struct idx_run **C, uint32_t *q)
+{
+	if (idx->no_locator)
+		return kvr_index_next_at(idx, R, p, s, C, q);
+	return idx_locate(idx, s, R, p, C, q);
+}
 
 enum place { P_HELD, P_EXISTS, P_REEXTEND, P_APPEND, P_FORK };
 
@@ -157,7 +137,7 @@ static size_t extend_run(struct kvr_index *idx, const struct idx_rank *rk,
 	const bool app = q == len;
 	uint64_t room;
 	if (app) {
-		if (hw != len || idx_run_mco(R) > p || idx_run_id(R) == 0)
+		if (hw != len || idx_run_mco(R) > p || (!idx->no_locator && idx_run_id(R) == 0))
 			return 0;
 		room = idx_run_cap(R) - hw; /* cap <= IDX_RUN_MAX */
 	} else {
@@ -181,23 +161,32 @@ static size_t extend_run(struct kvr_index *idx, const struct idx_rank *rk,
 	}
 	if (k == 0)
 		return 0;
+	if (idx->no_locator && !kvr_index_tops_room(idx, idx_hold_slot(h), 1))
+		return 0; /* the end map must grow: block by block */
 	if (app) {
-		if ((k = kvr_index_blk_reserve_upto(idx, k)) == 0)
+		if (!idx->no_locator && (k = kvr_index_blk_reserve_upto(idx, k)) == 0)
 			return 0;
 		uint64_t *s = idx_run_seqs(R);
 		memcpy(&s[hw], &seq[i], k * sizeof(uint64_t));
 		idx_run_set_hw(R, hw + (uint32_t)k);
 		/* Ordering: release; pairs with the acquire load of sl in find_matches. */
 		idx_run_set_len(R, len + (uint32_t)k);
-		kvr_index_blk_insert_many(idx, &seq[i], k, R);
+		if (!idx->no_locator)
+			kvr_index_blk_insert_many(idx, &seq[i], k, R);
 	}
+	struct idx_tkey k0;
+	idx_tops_before(idx, h, &k0);
 	kvr_index_hold_set_range(h, q, (uint32_t)k);
+	idx_tops_after(idx, h, &k0);
 	*appended = app;
 	return k;
 }
 
-int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
-                    const struct kvr_index_block *blocks, size_t n)
+/* kvr_index_store, or with path (np > 0 sequence hashes from the root, stride words apart)
+ * kvr_index_store_path: the parent is path's last block, found by a walk from the root. */
+static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
+                 const uint64_t *path, size_t stride, size_t np,
+                 const struct kvr_index_block *blocks, size_t n)
 {
 	if (!idx || (!blocks && n > 0))
 		return KVR_EINVAL;
@@ -221,8 +210,10 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 	bool has_prev = parent_ext != NULL;
 	if (has_prev) {
 		prev = *parent_ext;
-		if (!ext_to_seq(rk, prev, &pseq) || !parent_at(idx, pseq, &R, &p) ||
-		    !(h = kvr_index_hold_of(R, slot)) || !idx_hold_bit(h, p)) {
+		if (path && rk->xmap.count)
+			path = NULL; /* aliases: the parent's ext hash may name another block */
+		if (!idx_ext_to_seq(rk, prev, &pseq) ||
+		    !parent_held(idx, slot, pseq, path, stride, np, &R, &p, &h)) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
 			goto out;
@@ -292,7 +283,7 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			/* Extending a run at its end with no child there: s, which names its
 			 * prefix, cannot be in the tree (no probe). */
 			pl = P_APPEND;
-		} else if (locate(idx, s, R, p, &C, &q)) {
+		} else if (next_block(idx, R, p, s, &C, &q)) {
 			bool ok;
 			if (q >=
 			    idx_run_len(C)) { /* trimmed off R's end, its entry kept: re-extend */
@@ -353,10 +344,22 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			rc = KVR_ENOMEM;
 			break;
 		}
+		/* Without the locator, room for the record's end-map entry (its top moves). */
+		if (idx->no_locator && kvr_index_tops_reserve(idx, slot, 1) != 0) {
+			if (pl == P_FORK)
+				kvr_index_tab_unreserve(idx, s);
+			rc = KVR_ENOMEM;
+			break;
+		}
 		/* Positions past the first are in the block locator; a run gets its id there
 		 * when it grows past one block. */
 		bool new_id = false;
-		if (pl == P_APPEND) {
+		if (pl == P_APPEND && idx->no_locator) {
+			if (kvr_index_run_grow(idx, R, n - i) != 0) {
+				rc = KVR_ENOMEM;
+				break;
+			}
+		} else if (pl == P_APPEND) {
 			if (kvr_index_blk_reserve(idx, 1) != 0 ||
 			    kvr_index_run_grow(idx, R, n - i) != 0 ||
 			    (idx_run_id(R) == 0 && !(new_id = kvr_index_blk_id_new(idx, R) == 0))) {
@@ -400,7 +403,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 				kvr_index_tab_unreserve(idx, s);
 			if (new_id)
 				kvr_index_blk_id_free(idx, R);
-			kvr_index_blk_unreserve(idx);
+			if (!idx->no_locator)
+				kvr_index_blk_unreserve(idx);
 			if (nr) {
 				/* hs_add may have published a set on the unpublished run */
 				struct idx_hset *nhs = idx_run_set(nr);
@@ -425,7 +429,8 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			idx_run_set_hw(R, Rhw + 1);
 			/* Ordering: release; pairs with the acquire load of sl in find_matches. */
 			idx_run_set_len(R, Rlen + 1);
-			kvr_index_blk_insert(idx, s, R);
+			if (!idx->no_locator)
+				kvr_index_blk_insert(idx, s, R);
 			break;
 		case P_REEXTEND: /* the locator entry was kept by the trim */
 			idx_run_set_len(R, Rlen + 1);
@@ -437,7 +442,10 @@ int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent
 			nodes++;
 		if (new_hold)
 			kvr_index_rank_link_hold(idx, ch);
+		struct idx_tkey k0;
+		idx_tops_before(idx, ch, &k0);
 		kvr_index_hold_set(ch, q);
+		idx_tops_after(idx, ch, &k0);
 		if (pub != ch) { /* cuts are published once per run and call */
 			if (pub)
 				kvr_index_publish_cut(pub);
@@ -474,10 +482,13 @@ out:
 		 * first (a removal never needs memory), and the map room it reserved. */
 		size_t removed = 0, dropped = 0;
 		for (size_t i = napplied; i-- > 0;)
-			remove_locked(idx, rk, slot, &applied[i], 1, &removed, &dropped);
+			kvr_index_remove_locked(idx, rk, slot, &applied[i], 1, NULL, 0, &removed,
+			                        &dropped);
 		kvr_index_xmap_shrink(idx, &rk->xmap);
 		kvr_index_xmap_shrink(idx, &rk->rmap);
 		kvr_index_xmap_shrink(idx, &rk->cmap);
+		if (idx->no_locator)
+			kvr_index_tops_shrink(idx, slot);
 		added = copies = 0;
 	}
 	if (rc == KVR_EINVAL)
@@ -486,232 +497,38 @@ out:
 		idx_count(&idx->c_stored, (int64_t)(added + copies));
 		idx_count(&idx->c_copies, (int64_t)(added + copies));
 	}
-	flush_if_due(idx);
+	idx_flush_if_due(idx);
 	pthread_mutex_unlock(&idx->wlock);
 	return rc;
 }
 
-/* Removes ext[0..n) from the slot (one copy each with count_copies).  Adds to *removed the
- * copies removed and to *dropped the blocks that left the rank; returns the hashes not found.
- * Never fails.  Context: wlock held. */
-/*
- * The fast path of removals going on along R after its position p (an evicted tail, named in
- * chain order): how many of ext[i..] are R's positions p+1.. held by the record h, removed in
- * one step (bits cleared, the cut lowered and published once, the top found once), exactly as
- * block by block.  Only for a rank with no ext hash aliases and without copy counts.  Returns 0
- * when ext[i] does not qualify.  Context: remove_locked, wlock held.
- */
-static size_t shorten_run(struct kvr_index *idx, const struct idx_rank *rk, const uint64_t *ext,
-                          size_t i, size_t n, const struct idx_run *R, uint32_t p,
-                          struct idx_hold *h)
+int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,
+                    const struct kvr_index_block *blocks, size_t n)
 {
-	if (!R || !h || n - i < 2 || rk->xmap.count || idx->count_copies)
-		return 0; /* a last block: the block-by-block path costs no more */
-	const uint32_t len = idx_run_len(R), q = p + 1;
-	const uint64_t *rs = idx_run_seqs(R);
-	size_t k = 0;
-	while (i + k < n && q + k < len && rs[q + k] == ext[i + k] &&
-	       idx_hold_bit(h, q + (uint32_t)k))
-		k++;
-	if (k == 0)
-		return 0;
-	const uint32_t cut0 = idx_hold_cut(h);
-	kvr_index_hold_clear_range(h, q, (uint32_t)k);
-	if (idx_hold_cut(h) != cut0)
-		kvr_index_publish_cut(h);
-	return k;
+	return store(idx, slot, parent_ext, NULL, 0, 0, blocks, n);
 }
 
-static size_t remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
-                            const uint64_t *ext, size_t n, size_t *removed, size_t *dropped)
+int kvr_index_store_path(struct kvr_index *idx, uint32_t slot, const uint64_t *path, size_t stride,
+                         size_t np, const struct kvr_index_block *blocks, size_t n)
 {
-	size_t nf = 0, left = 0;  /* left: blocks that left the rank (its tree size, once) */
-	struct idx_run *R = NULL; /* the run being removed from, its record, the last position */
-	struct idx_hold *h = NULL;
-	uint32_t p = 0;
-	for (size_t i = 0; i < n; i++) {
-		const size_t k = shorten_run(idx, rk, ext, i, n, R, p, h);
-		if (k) { /* blocks i .. i+k-1 were R's positions p+1 .. p+k */
-			*removed += k;
-			*dropped += k;
-			left += k;
-			p += (uint32_t)k;
-			i += k - 1;
-			continue;
-		}
-		uint64_t s = ext[i];
-		if (rk->xmap.count && !ext_to_seq(rk, ext[i], &s)) {
-			nf++;
-			continue;
-		}
-		struct idx_run *C;
-		uint32_t q;
-		if (R && p + 1 < idx_run_len(R) && idx_run_seqs(R)[p + 1] == s) { /* no probe */
-			C = R;
-			q = p + 1;
-		} else if (!(R ? locate(idx, s, R, p, &C, &q) : near_last(idx, s, &C, &q))) {
-			nf++;
-			continue;
-		}
-		struct idx_hold *ch = C == R ? h : kvr_index_hold_of(C, slot);
-		if (!ch || !idx_hold_bit(ch, q)) {
-			nf++;
-			continue;
-		}
-		if (C != R) {
-			if (R)
-				settle(idx, R, h);
-			R = C;
-			h = ch;
-		}
-		p = q;
-		(*removed)++;
-		if (idx->count_copies && kvr_index_copy_dec(idx, h, q))
-			continue; /* one copy of several goes: the block stays */
-		uint32_t cut0 = idx_hold_cut(h);
-		kvr_index_hold_clear(h, q);
-		if (idx_hold_cut(h) != cut0)
-			kvr_index_publish_cut(h);
-		(*dropped)++;
-		left++;
-		if (s != ext[i]) {
-			kvr_index_xmap_del(&rk->xmap, ext[i]);
-			kvr_index_xmap_del(&rk->rmap, s);
-		}
-	}
-	if (R) {
-		idx->last_run = R; /* cleared by settle if R dies */
-		idx->last_pos = p;
-		settle(idx, R, h);
-	}
-	if (left) /* Ordering: relaxed, once per call (kvr_index_store says why) */
-		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - left, __ATOMIC_RELAXED);
-	return nf;
-}
-
-int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
-                     size_t *n_not_found)
-{
-	if (n_not_found)
-		*n_not_found = 0;
-	if (!idx || (!ext && n > 0))
+	if (np > 0 && (!path || stride == 0))
 		return KVR_EINVAL;
-	struct idx_rank *rk = kvr_index_rank_get_active(idx, slot);
-	if (!rk)
-		return KVR_ENOENT;
-	if (n == 0)
-		return 0;
-	kvr_rcu_thread_online();
-	pthread_mutex_lock(&idx->wlock);
-	size_t removed = 0, dropped = 0;
-	size_t nf = remove_locked(idx, rk, slot, ext, n, &removed, &dropped);
-	if (removed) {
-		kvr_index_xmap_shrink(idx, &rk->xmap);
-		kvr_index_xmap_shrink(idx, &rk->rmap);
-		kvr_index_xmap_shrink(idx, &rk->cmap);
-	}
-	if (nf)
-		idx_count(&idx->c_block_nf, (int64_t)nf);
-	if (removed) {
-		idx_count(&idx->c_removed, (int64_t)removed);
-		idx_count(&idx->c_copies, -(int64_t)removed);
-	}
-	flush_if_due(idx);
-	pthread_mutex_unlock(&idx->wlock);
-	if (n_not_found)
-		*n_not_found = nf;
-	return 0;
+	return store(idx, slot, np ? &path[(np - 1) * stride] : NULL, np ? path : NULL, stride, np,
+	             blocks, n);
 }
 
-uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
-{
-	struct idx_rank *rk = &idx->rank[slot];
-	uint64_t removed = 0;
-	while (rk->holds) {
-		struct idx_hold *h = rk->holds;
-		struct idx_run *r = idx_hold_run(h);
-		uint64_t *bm = idx_hold_bm(h);
-		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
-			removed += (uint64_t)__builtin_popcountll(bm[w]);
-			bm[w] = 0;
-		}
-		idx_hold_set_cut(h, 0);
-		idx_hold_set_top(h, 0);
-		kvr_index_publish_cut(h);
-		kvr_index_drop_hold(idx, h);
-		kvr_index_run_check(idx, r);
-		if (idx->rt.n >= IDX_RETIRE_BATCH * 16)
-			kvr_index_retire_flush(idx, &idx->rt);
-	}
-	for (uint64_t i = 0; rk->cmap.e && i <= rk->cmap.mask; i++)
-		if (idx_xused(&rk->cmap.e[i]))
-			removed += rk->cmap.e[i].val; /* extra copies */
-	rk->xmap.count = rk->rmap.count = rk->cmap.count = 0;
-	kvr_index_xmap_shrink(idx, &rk->xmap);
-	kvr_index_xmap_shrink(idx, &rk->rmap);
-	kvr_index_xmap_shrink(idx, &rk->cmap);
-	__atomic_store_n(&idx->tsize[slot], 0, __ATOMIC_RELAXED);
-	idx_count(&idx->c_removed, (int64_t)removed);
-	idx_count(&idx->c_copies, -(int64_t)removed);
-	return removed;
-}
-
-int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot)
+int kvr_index_set_locator(struct kvr_index *idx, bool on)
 {
 	if (!idx)
 		return KVR_EINVAL;
-	if (!kvr_index_rank_get_active(idx, slot))
-		return KVR_ENOENT;
-	kvr_rcu_thread_online();
 	pthread_mutex_lock(&idx->wlock);
-	kvr_index_clear_locked(idx, slot);
-	kvr_index_retire_flush(idx, &idx->rt);
+	int rc = 0;
+	if (idx->no_locator == !on)
+		rc = 0;
+	else if (__atomic_load_n(&idx->c_nodes, __ATOMIC_RELAXED) != 0)
+		rc = KVR_EBUSY; /* the index holds blocks the other way of finding them lacks */
+	else
+		idx->no_locator = !on;
 	pthread_mutex_unlock(&idx->wlock);
-	return 0;
-}
-
-int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)
-{
-	if (!idx)
-		return KVR_EINVAL;
-	int found = 0;
-	uint32_t used = __atomic_load_n(&idx->fresh, __ATOMIC_RELAXED); /* above: never used */
-	for (uint32_t s = 0; s < used; s++) {
-		const struct idx_rank *r = &idx->rank[s];
-		if (__atomic_load_n(&r->state, __ATOMIC_RELAXED) == SLOT_ACTIVE &&
-		    __atomic_load_n(&r->worker_id, __ATOMIC_RELAXED) == worker_id) {
-			found = 1;
-			kvr_index_clear_rank(idx, s);
-		}
-	}
-	return found ? 0 : KVR_ENOENT;
-}
-
-void kvr_index_set_count_copies(struct kvr_index *idx, bool on)
-{
-	if (idx)
-		idx->count_copies = on;
-}
-
-size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap)
-{
-	struct idx_rank *rk = idx ? kvr_index_rank_get_active(idx, slot) : NULL;
-	if (!rk)
-		return 0;
-	pthread_mutex_lock(&idx->wlock);
-	size_t n = 0;
-	for (struct idx_hold *h = rk->holds; h; h = idx_hold_next(h)) {
-		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
-			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
-				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
-				uint64_t s = idx_run_hash(idx_hold_run(h), pos), e = s;
-				idx_xmap_get(&rk->rmap, s, &e);
-				if (out && n < cap)
-					out[n] = e;
-				n++;
-			}
-		}
-	}
-	pthread_mutex_unlock(&idx->wlock);
-	return n;
+	return rc;
 }

@@ -52,7 +52,10 @@
  * locator's load over its growth cycle shows (mean, min, max), with the default growth policy
  * and the previous defaults, in one run.
  *
- * usage: bench_index_runs [--ms N] [--quick] [--apply-only [--per N] | --rw-only | --cg L PAT
+ * --no-locator (before the mode): every index without the block locator (kvr_index_set_locator:
+ * the approximate modes' index); --mem-only prints both.
+ * usage: bench_index_runs [--ms N] [--quick] [--no-locator]
+ *          [--apply-only [--per N] | --rw-only | --cg L PAT
  *          | --tail L PAT [--touch] (what the slow 1 % of the match calls are)
  *          | --tput L PAT (find_matches, find_depths, and find_depths cold and warm) | --mem-only
  *          | --mem-sweep
@@ -348,10 +351,12 @@ static void match_lat(struct kvr_index *idx, struct path *ps, int np, int reps, 
 	free(first);
 }
 
+static bool no_locator; /* --no-locator: indexes without the block locator */
+
 static struct kvr_index *new_index(uint32_t *slot)
 {
 	struct kvr_index *idx;
-	if (kvr_index_create(RANKS, &idx) != 0)
+	if (kvr_index_create(RANKS, &idx) != 0 || kvr_index_set_locator(idx, !no_locator) != 0)
 		abort();
 	for (uint32_t r = 0; r < RANKS; r++)
 		if (kvr_index_rank_add(idx, r, 0, &slot[r]) != 0)
@@ -551,13 +556,18 @@ static double bench_memory(size_t len, int holders, int np, bool print)
 		kvr_index_destroy(idx);
 		return per;
 	}
-	printf("SUMMARY bench=index_memory run_blocks=%zu holders=%d held=%lu "
+	printf("SUMMARY bench=index_memory locator=%s run_blocks=%zu holders=%d held=%lu "
 	       "bytes_per_held_block=%.1f\n",
-	       len, holders, (unsigned long)held, per);
+	       no_locator ? "off" : "on", len, holders, (unsigned long)held, per);
 	/* Where the bytes go, per held block: the run table, the block locator (and the array
-	 * a migration has not finished leaving), its id directory, and the rest (runs, their
-	 * hashes, holder records and sets). */
-	uint64_t tab = 0;
+	 * a migration has not finished leaving), its id directory, the ranks' end maps (without
+	 * the locator), and the rest (runs, their hashes, holder records and sets). */
+	uint64_t tab = 0, ends = 0, nends = 0;
+	for (uint32_t r = 0; r < RANKS; r++) {
+		const struct idx_tmap *m = &idx->rank[slot[r]].tops;
+		ends += m->e ? kvr_alloc_real_size((size_t)m->cap * 8) : 0;
+		nends += m->count;
+	}
 	for (uint32_t i = 0; i < IDX_SEGS; i++)
 		if (idx->seg[i].tab)
 			tab += kvr_alloc_real_size_aligned(idx_bytes_tab(idx->seg[i].cap)) +
@@ -568,22 +578,29 @@ static double bench_memory(size_t len, int holders, int np, bool print)
 	               dir = kvr_alloc_real_size((size_t)b->dir_cap * 8);
 	const double h = (double)held;
 	printf("# where: run_table=%.2f locator=%.2f (load %.2f) locator_old=%.2f locator_dir=%.2f "
-	       "runs_hashes_holders=%.2f\n",
+	       "end_maps=%.2f (%lu entries) runs_hashes_holders=%.2f\n",
 	       (double)tab / h, (double)loc / h, b->cap ? (double)b->count / (double)b->cap : 0.0,
-	       (double)old / h, (double)dir / h, (double)(mem1 - mem0 - tab - loc - old - dir) / h);
+	       (double)old / h, (double)dir / h, (double)ends / h, (unsigned long)nends,
+	       (double)(mem1 - mem0 - tab - loc - old - dir - ends) / h);
 	fflush(stdout);
 	kvr_index_destroy(idx);
 	return per;
 }
 
-/* The memory lines: runs of 16 and 512 blocks with 1, 2, 4 holders, and the worst case. */
+/* The memory lines: runs of 16 and 512 blocks with 1, 2, 4 holders, and the worst case, with
+ * the block locator and without (kvr_index_set_locator: the approximate modes' index). */
 static void mem_all(void)
 {
 	static const size_t lens[] = {16, 512};
-	for (int li = 0; li < 2; li++)
-		for (int h = 1; h <= 4; h *= 2)
-			bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256, true);
-	bench_memory(1, 1, 65536, true); /* worst case: every run one block long */
+	const bool nl = no_locator;
+	for (int mode = 0; mode < 2; mode++) {
+		no_locator = mode == 1;
+		for (int li = 0; li < 2; li++)
+			for (int h = 1; h <= 4; h *= 2)
+				bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256, true);
+		bench_memory(1, 1, 65536, true); /* worst case: every run one block long */
+	}
+	no_locator = nl;
 }
 
 /* Runs of 16 blocks, one holder, at 97 index sizes from 4,096 to 16,384 runs (1.0145x apart):
@@ -1081,6 +1098,8 @@ int main(int argc, char **argv)
 			i += 2;
 		} else if (!strcmp(argv[i], "--quick"))
 			quick = true;
+		else if (!strcmp(argv[i], "--no-locator"))
+			no_locator = true; /* every index without the block locator */
 		else if (!strcmp(argv[i], "--cg") && i + 2 < argc) {
 			if (kvr_rcu_thread_online() != 0)
 				return 1;

@@ -85,7 +85,8 @@ void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned 
 	if (out->cleared)
 		kvr_index_clear_rank(c->index, own->slot);
 	if (out->n_evicted) {
-		kvr_index_remove(c->index, own->slot, out->evicted_seq, out->n_evicted, NULL);
+		kvr_index_remove_runs(c->index, own->slot, out->evicted_seq, out->n_evicted,
+		                      out->evicted_run_len, out->n_evicted_runs, NULL);
 		own->evictions += out->n_evicted;
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_EVICTIONS, out->n_evicted);
 		KVR_PROBE2(evict, own->slot, out->n_evicted);
@@ -117,8 +118,15 @@ static int store_run(struct kvr_shard_state *ss, struct kvr_rank_owned *own, con
 	int rc = kvr_grow((void **)&ss->blk, &ss->blk_cap, n, sizeof(*ss->blk));
 	if (rc == 0) {
 		fill_blocks(ss->blk, b, p0, n);
-		const uint64_t *par = p0 > 0 ? &b[p0 - 1].seq : parent;
-		rc = kvr_index_store(c->index, own->slot, par, ss->blk + p0, n - p0);
+		/* Below the command's own blocks, the parent is named by its path from the root
+		 * (b[0..p0) when the command has no parent: an admission's prompt), which an index
+		 * without the block locator finds by a walk. */
+		if (p0 > 0 && !parent)
+			rc = kvr_index_store_path(c->index, own->slot, &b[0].seq,
+			                          KVR_LRU_BLOCK_STRIDE, p0, ss->blk + p0, n - p0);
+		else
+			rc = kvr_index_store(c->index, own->slot, p0 > 0 ? &b[p0 - 1].seq : parent,
+			                     ss->blk + p0, n - p0);
 		if (rc == KVR_ENOENT && p0 > 0 && !parent) {
 			fill_blocks(ss->blk, b, 0, p0);
 			rc = kvr_index_store(c->index, own->slot, NULL, ss->blk, n);

@@ -1,5 +1,6 @@
 /* The RCU radix index (core/index): every rule of stored/removed/cleared/remove-rank, error
- * paths, dp ranks, LoRA chains, 8k-block events and queries, memory given back. */
+ * paths, dp ranks, LoRA chains, 8k-block events and queries, memory given back.  Run with the
+ * block locator and, KVR_INDEX_NO_LOCATOR set (meson's unit_index_no_locator), without. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,10 @@ static void setup(void)
 	cr_assert_eq(kvr_rcu_thread_online(), 0);
 	idx_slots = 64;
 	cr_assert_eq(kvr_index_create((uint32_t)idx_slots, &idx), 0);
+	/* meson runs the suite twice: with the block locator, and without (unit_index_no_locator)
+	 */
+	if (getenv("KVR_INDEX_NO_LOCATOR"))
+		cr_assert_eq(kvr_index_set_locator(idx, false), 0);
 }
 
 static void teardown(void)
