@@ -101,6 +101,10 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
 		goto fail;
 	kvr_index_set_count_copies(r->index, cfg->mode == KVR_MODE_EVENTS);
+	/* The approximate modes write the index themselves, in chains below paths and tails or
+	 * heads of chains, which the index finds without its block locator (core/index_tops.c);
+	 * engine events name arbitrary blocks and keep it. */
+	kvr_index_set_locator(r->index, cfg->mode == KVR_MODE_EVENTS);
 	if ((rc = kvr_pinmap_create(&r->pinmap)))
 		goto fail;
 	if ((rc = kvr_leases_create(&r->leases)))
