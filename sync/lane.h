@@ -88,8 +88,10 @@ struct kvr_lanes {
 	uint32_t trimming;
 	uint64_t (*now)(void *ctx);
 	void *now_ctx;
-	/* consumer state */
-	uint32_t burst_head;  /* next routing message in burst[] */
+	/* consumer state, on lines of its own: producers read the configuration above on every
+	 * routing post (trimming; soft_depth when paced), the consumer writes burst_n on every
+	 * take */
+	_Alignas(64) uint32_t burst_head; /* next routing message in burst[] */
 	uint32_t burst_n;     /* routing messages left in burst[] (atomic: read by depth) */
 	uint32_t streak;      /* routing tasks run in the current starvation window */
 	uint64_t window_from; /* start of the window (now()), 0 = no window */
