@@ -79,9 +79,17 @@
  * 92.2 -> 92.1.  Writes got cheaper too (no locator insert per block, no locator walk per
  * removal): --apply-only --per 16, alternated, 23.5M / 15.8M -> 33.8M / 17.8M block ops/s,
  * --per 1 3.7M -> 7.7M; --churn 2000 --churn-mode incr 70M -> 123M block ops/s, p50 per call
- * 6.8 -> 4.1 us, cpu p99 19.2 -> 15.6 us.  The price: an end map grows by rehashing the rank's
- * entries at once (a record read per entry), and a write naming a block nowhere near the
- * places above scans the rank's records (O(its blocks); counted in rank_scans).
+ * 6.8 -> 4.1 us, cpu p99 19.2 -> 15.6 us.  The whole router (bench_footprint, 8 ranks of
+ * 25,600 blocks, RSS per tracked (block, rank), two runs each, alternated with the same tree
+ * built without the router's switch): 2k-token sessions 34.3 / 36.0 -> 32.6 / 32.5, 32k 32.3 /
+ * 31.1 -> 31.3 / 28.1 (allocated 31.5 / 33.4 -> 29.7 / 29.9 and 31.4 / 30.5 -> 29.8 / 27.4).
+ * The price: an end map grows by rehashing the rank's entries at once (a record read per
+ * entry), and a write naming a block nowhere near the places above scans the rank's records
+ * (O(its blocks); counted in rank_scans).  On the session traces (kvr-replay, 8 ranks of
+ * 25,600 blocks) approx_lru never scanned (91,174 blocks removed); approx_ttl scanned 1,275
+ * times for 236,194 removed, every one a removal: TTL expires runs in the middle of what a rank
+ * holds (a block refreshed by a later turn outlives its parent), neither a record's deepest nor
+ * its lowest position, and the scan finds the run's last block (the walk takes the rest).
  *
  * Concurrency.  Readers take no lock, allocate nothing, never retry: they load a run's len and
  * seqs (acquire), compare, and read holder words.  Positions are write-once (index_internal.h),
