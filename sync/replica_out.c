@@ -285,7 +285,7 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
  * notes_not_dropped_by_a_full_queue).  What is kept, 80 B a note plus what it owns (an
  * admission's record, output tokens beyond OUT_INLINE), is capped at c.kept_bytes_max (64 MiB
  * by default): past it notes are dropped until the sender has caught up, then the attempts
- * whose end was among them are told as aborts and the live ones take no more output
+ * whose end was among them are told as aborts and, if output was, the live ones take no more output
  * (kept_reconcile; before, a connection stalled for good grew it for good:
  * test_replica_notes kept_notes_capped_and_healed).  A note that cannot be kept for memory takes
  * one of KEPT_SPARE nodes set aside when the replica was made (an end lost then would leave its
@@ -393,6 +393,17 @@ static size_t kept_bytes(unsigned kind, const void *payload)
 	return b;
 }
 
+#define KEPT_OVER        1u
+#define KEPT_OVER_OUTPUT 2u
+
+/* Whether a queued OUT_PROGRESS payload is output. */
+static bool progress_is_output(const void *payload)
+{
+	struct out_progress p;
+	memcpy(&p, payload, sizeof(p));
+	return p.op == KVR_OP_OUTPUT;
+}
+
 /* Keeps a note aside (Treiber stack; the sender takes the whole stack at once, so there is no
  * ABA), in a spare node if memory is short, or drops it (counted unpublished) when none is
  * left either.  Past c.kept_bytes_max (a sender stalled for long), and from then on until the
@@ -404,10 +415,16 @@ static void note_keep(struct kvr_replica *rep, unsigned kind, const void *payloa
 	size_t bytes = kept_bytes(kind, payload);
 	bool always = kind == OUT_RANK || kind == OUT_FLUSH;
 	struct kvr_rep_kept *k = NULL;
-	/* An RMW, not a load: a note dropped here must be seen by the sender's reconcile (the
-	 * router's end of its attempt, made before, happens before the sender's exchange that
-	 * reads this; a plain load of 1 could be older than the exchange). */
+	/* kept_over: KEPT_OVER while notes are dropped, with KEPT_OVER_OUTPUT once output was.
+	 * Read by an RMW, not a load: a note dropped here must be seen by the sender's reconcile
+	 * (the router's end of its attempt, made before, happens before the sender's exchange
+	 * that reads this; a plain load of 1 could be older than the exchange). */
+	uint32_t lost = kind == OUT_PROGRESS && progress_is_output(payload) ? KEPT_OVER_OUTPUT : 0;
 	uint32_t over = always ? 0 : __atomic_fetch_or(&rep->kept_over, 0, __ATOMIC_ACQ_REL);
+	while (over && lost && !(over & lost) &&
+	       !__atomic_compare_exchange_n(&rep->kept_over, &over, over | lost, true,
+	                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+		; /* cleared meanwhile (over 0): the sender caught up, the note is kept */
 	if (always || (!over && __atomic_add_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED) <=
 	                            rep->c.kept_bytes_max)) {
 		if (always)
@@ -421,7 +438,7 @@ static void note_keep(struct kvr_replica *rep, unsigned kind, const void *payloa
 			__atomic_sub_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED);
 	} else if (!over) { /* past the cap: from now on, until the sender has caught up */
 		__atomic_sub_fetch(&rep->kept_bytes, bytes, __ATOMIC_RELAXED);
-		over = __atomic_fetch_or(&rep->kept_over, 1, __ATOMIC_ACQ_REL) | 1;
+		over = __atomic_fetch_or(&rep->kept_over, KEPT_OVER | lost, __ATOMIC_ACQ_REL) | 1;
 	}
 	if (!k) {
 		struct kvr_msg m = {.aux = kind};
@@ -480,18 +497,19 @@ static bool keeping(const struct kvr_replica *rep)
 
 /* After notes were dropped past the cap (note_keep), once the sender has handled every note
  * made before: own attempts that ended meanwhile (their end may be among the dropped; the
- * router's lease says) are told as aborts, so that no peer mirrors them for good; the live
- * ones take no more output (out_progress), since some of it may be lost and what follows would
- * land out of place in their chains on the peers.  Context: the sender, mu held (the lease
- * reads are single acquire loads, no router call that waits). */
-static void kept_reconcile(struct kvr_replica *rep)
+ * router's lease says) are told as aborts, so that no peer mirrors them for good; if output was
+ * among the dropped (output_lost), the live ones take no more output (out_progress), since some
+ * of theirs may be lost and what follows would land out of place in their chains on the peers.
+ * Context: the sender, mu held (the lease reads are single acquire loads, no router call that
+ * waits). */
+static void kept_reconcile(struct kvr_replica *rep, bool output_lost)
 {
 	for (struct kvr_rep_rec *x = rep->live_head, *nx; x; x = nx) {
 		nx = x->next;
 		if (x->origin != rep->c.replica_id)
 			continue;
 		if (!kvr_repl_attempt_ended(rep->r, x->oattempt)) {
-			x->out_gap = true;
+			x->out_gap |= output_lost;
 			continue;
 		}
 		out_end(rep, x, KVR_MSG_ABORT);
@@ -866,8 +884,10 @@ static void *out_main(void *arg)
 			if (kept) {
 				ticket = kept_drain(rep);
 				/* acq_rel: pairs with note_keep's RMWs of kept_over */
-				if (__atomic_exchange_n(&rep->kept_over, 0, __ATOMIC_ACQ_REL))
-					kept_reconcile(rep);
+				uint32_t over =
+				    __atomic_exchange_n(&rep->kept_over, 0, __ATOMIC_ACQ_REL);
+				if (over)
+					kept_reconcile(rep, over & KEPT_OVER_OUTPUT);
 			}
 			for (uint32_t i = 0; i < n; i++) {
 				uint64_t t = out_one(rep, &batch[i]);

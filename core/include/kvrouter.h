@@ -809,11 +809,12 @@ struct kvr_sync_config {
 	 * sender is stalled behind a full queue (a connection that takes nothing), at most.
 	 * Default 0 = 64 MiB.  Past it notes are dropped (kvr_sync_stats.notes_over_cap) until
 	 * the sender runs again; then its attempts that ended meanwhile are published as aborts
-	 * (their ends were among the dropped: kvr_sync_stats.ends_reconciled) and its live ones
-	 * take no more output (some of it may be lost, and what follows would land out of place
-	 * in their chains on the peers).  What the dropped notes told (admissions, output,
-	 * prefill done) stays missing from the peers' load while those attempts live and from
-	 * their prediction after: only this router had it.  Rank changes are always kept. */
+	 * (their ends were among the dropped: kvr_sync_stats.ends_reconciled), and if output was
+	 * among them its live ones take no more output (some of theirs may be lost, and what
+	 * follows would land out of place in their chains on the peers).  What the dropped notes
+	 * told (admissions, output, prefill done) stays missing from the peers' load while those
+	 * attempts live and from their prediction after: only this router had it.  Rank changes are
+	 * always kept. */
 	uint64_t kept_bytes_max;
 };
 

@@ -219,6 +219,13 @@ Test(replica_notes, kept_notes_capped_and_healed, .timeout = 60)
 	cr_assert_leq(most, KEPT_CAP, "kept %zu bytes past the cap", most);
 	while (now_ms() - t0 < 3100)
 		usleep(10000);
+	peer_agrees(r, 0);
+	/* No output was among the dropped notes: the live attempt's output is still told. */
+	uint32_t out[100];
+	for (uint32_t j = 0; j < 100; j++)
+		out[j] = 424242u + j;
+	cr_assert_eq(kvr_request_output(r[0], d[0].attempt, out, 100), 0);
+	peer_agrees(r, 0);
 	cr_assert_eq(kvr_request_finish(r[0], d[0].attempt), 0);
 	peer_agrees(r, 0);
 	struct kvr_sync_stats s0, s1;
