@@ -25,6 +25,7 @@
 
 #include "core/alloc.h"
 #include "core/index_internal.h"
+#include "core/index_tops.h"
 #include "kvrouter.h"
 
 /* ---------------------------------------------------------------- holder records */

@@ -20,6 +20,7 @@
 
 #include "core/alloc.h"
 #include "core/index_internal.h"
+#include "core/index_tops.h"
 #include "kvrouter.h"
 
 /* A removal in progress: the record it is removing from and the position it removed last. */

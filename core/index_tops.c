@@ -45,6 +45,7 @@
 
 #include "core/alloc.h"
 #include "core/index_internal.h"
+#include "core/index_tops.h"
 #include "kvrouter.h"
 
 #define TOPS_MIN 8u

@@ -27,6 +27,7 @@
 #include "core/alloc.h"
 #include "core/hash.h"
 #include "core/index_internal.h"
+#include "core/index_tops.h"
 #include "kvrouter.h"
 
 /* Where the parent block pseq sits (a position below hw): where the last store ended, when it

@@ -16,6 +16,7 @@
 #include "core/hash.h"
 #include "core/index.h"
 #include "core/index_internal.h"
+#include "core/index_tops.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
 
