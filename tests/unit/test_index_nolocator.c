@@ -1,0 +1,333 @@
+/*
+ * Adversarial differential test of the index without its block locator (kvr_index_set_locator,
+ * core/index_tops.c) against the same index WITH it, fed the same calls.
+ *
+ * test_index_diff draws hashes from a tiny universe and removes at most 4 blocks a call; the
+ * approximate modes write long prompt chains and remove whole evicted runs.  Here every rank
+ * writes long chains of a few shared prompts (first blocks shared across ranks, forks at any
+ * interior position), and removals name stretches of them in every shape the end maps must
+ * survive: chain tails in order, heads (TTL-like expiries), interior stretches, reversed and
+ * shuffled lists, blocks never stored or of other ranks, duplicates, split into runs at random.
+ * Ranks are cleared, removed and re-added (slot reuse: a new rank in a slot whose end map held
+ * entries), stores fail their k-th allocation (the locator-less index must then be unchanged,
+ * so the twin with the locator, which skips that call, still agrees).  After every step both
+ * indexes must answer every prompt's query alike (per rank: score and tree size), hold the same
+ * blocks per rank and the same copies.  KVR_SEED=N reruns one seed with more steps.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/hash.h"
+#include "core/index.h"
+#include "fuzz/splitmix.h"
+#include "kvrouter.h"
+#include "sync/rcu.h"
+
+enum { NR = 4, NP = 6, LMAX = 5000, NQ = NP + 8 };
+
+static uint64_t rng;
+static uint32_t rnd(uint32_t n)
+{
+	return (uint32_t)(splitmix64(&rng) % n);
+}
+
+/* The prompts: local hashes and their sequence hashes; prompt k > 0 shares a prefix with an
+ * earlier one.  Extra queries (outputs' branches) are kept as well. */
+static uint64_t loc[NQ][LMAX], seq[NQ][LMAX];
+static size_t qlen[NQ];
+static int nq;
+static uint32_t lmax; /* the longest chain this run (<= LMAX) */
+
+struct twin {
+	struct kvr_index *a, *b; /* a: with the locator (the oracle), b: without */
+	uint32_t sa[NR], sb[NR];
+};
+
+static void make_prompts(void)
+{
+	for (int k = 0; k < NP; k++) {
+		size_t share = k > 0 && rnd(3) ? rnd(lmax / 2) : 0;
+		int from = k > 0 ? (int)rnd((uint32_t)k) : 0;
+		qlen[k] = 8 + rnd(lmax - 8);
+		if (share > qlen[k])
+			share = qlen[k];
+		for (size_t i = 0; i < qlen[k]; i++)
+			loc[k][i] = i < share && i < qlen[from]
+			                ? loc[from][i]
+			                : ((uint64_t)rng << 8 | (uint64_t)i);
+		kvr_hash_chain_locals(NULL, loc[k], qlen[k], seq[k]);
+	}
+	nq = NP;
+}
+
+static void blocks_of(struct kvr_index_block *b, int q, size_t from, size_t to)
+{
+	for (size_t i = from; i < to; i++)
+		b[i - from] = (struct kvr_index_block){seq[q][i], loc[q][i]};
+}
+
+static int cmp_u64(const void *x, const void *y)
+{
+	uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+	return a < b ? -1 : a > b;
+}
+
+static int cmp_match(const void *x, const void *y)
+{
+	const struct kvr_index_match *a = x, *b = y;
+	return a->slot < b->slot ? -1 : a->slot > b->slot;
+}
+
+/* Both indexes answer every query and hold every rank's blocks alike. */
+static void check(struct twin *t, unsigned seed, int step)
+{
+	static uint64_t ba[NR * NQ * LMAX], bb[NR * NQ * LMAX];
+	for (int q = 0; q < nq; q++) {
+		struct kvr_index_match ma[NR], mb[NR];
+		size_t na = 0, nb = 0;
+		kvr_rcu_read_lock();
+		int ra = kvr_index_find_matches(t->a, seq[q], qlen[q], NULL, ma, NR, &na);
+		int rb = kvr_index_find_matches(t->b, seq[q], qlen[q], NULL, mb, NR, &nb);
+		kvr_rcu_read_unlock();
+		cr_assert_eq(ra, 0);
+		cr_assert_eq(rb, 0);
+		cr_assert_eq(na, nb, "seed=%u step=%d query %d: %zu ranks vs %zu", seed, step, q,
+		             na, nb);
+		qsort(ma, na, sizeof(ma[0]), cmp_match);
+		qsort(mb, nb, sizeof(mb[0]), cmp_match);
+		for (size_t i = 0; i < na; i++) {
+			cr_assert_eq(ma[i].slot, mb[i].slot, "seed=%u step=%d", seed, step);
+			cr_assert_eq(ma[i].score, mb[i].score,
+			             "seed=%u step=%d query %d slot %u: score %u (locator) vs %u",
+			             seed, step, q, ma[i].slot, ma[i].score, mb[i].score);
+			cr_assert_eq(ma[i].tree_size, mb[i].tree_size, "seed=%u step=%d", seed,
+			             step);
+		}
+	}
+	for (int r = 0; r < NR; r++) {
+		size_t na = kvr_index_rank_blocks(t->a, t->sa[r], ba, NR * NQ * LMAX);
+		size_t nb = kvr_index_rank_blocks(t->b, t->sb[r], bb, NR * NQ * LMAX);
+		cr_assert_eq(na, nb, "seed=%u step=%d rank %d: %zu blocks vs %zu", seed, step, r,
+		             na, nb);
+		qsort(ba, na, sizeof(ba[0]), cmp_u64);
+		qsort(bb, nb, sizeof(bb[0]), cmp_u64);
+		cr_assert(memcmp(ba, bb, na * sizeof(ba[0])) == 0, "seed=%u step=%d rank %d", seed,
+		          step, r);
+	}
+	struct kvr_index_stats sa, sb;
+	kvr_index_stats_get(t->a, &sa);
+	kvr_index_stats_get(t->b, &sb);
+	cr_assert_eq(sa.copies, sb.copies, "seed=%u step=%d copies", seed, step);
+	cr_assert_eq(sa.parent_not_found, sb.parent_not_found, "seed=%u step=%d", seed, step);
+	cr_assert_eq(sa.block_not_found, sb.block_not_found, "seed=%u step=%d", seed, step);
+}
+
+/* A removal list: a stretch of query q in one of the shapes evictions and expiries take. */
+static size_t removal_list(uint64_t *e, size_t cap, const size_t *depth)
+{
+	int q = (int)rnd((uint32_t)nq);
+	for (int k = 0; k < 4 && !depth[q]; k++) /* mostly a chain the rank stored */
+		q = (int)rnd((uint32_t)nq);
+	const size_t L = depth[q] && rnd(4) ? depth[q] : qlen[q];
+	size_t a = rnd((uint32_t)L), b = a + 1 + rnd((uint32_t)(L - a));
+	switch (rnd(4)) {
+	case 0: /* a tail */
+		b = L;
+		break;
+	case 1: /* a head (TTL) */
+		a = 0;
+		break;
+	default: /* interior */
+		break;
+	}
+	if (b - a > cap / 2)
+		b = a + cap / 2;
+	size_t n = 0;
+	for (size_t i = a; i < b; i++)
+		e[n++] = seq[q][i];
+	switch (rnd(4)) {
+	case 0: /* reversed */
+		for (size_t i = 0; i < n / 2; i++) {
+			uint64_t x = e[i];
+			e[i] = e[n - 1 - i];
+			e[n - 1 - i] = x;
+		}
+		break;
+	case 1: /* shuffled */
+		for (size_t i = n; i > 1; i--) {
+			size_t j = rnd((uint32_t)i);
+			uint64_t x = e[i - 1];
+			e[i - 1] = e[j];
+			e[j] = x;
+		}
+		break;
+	default:
+		break;
+	}
+	/* Strangers: never stored, other queries' blocks, duplicates. */
+	for (uint32_t k = rnd(4); k > 0 && n < cap; k--) {
+		const size_t at = rnd((uint32_t)n + 1);
+		memmove(&e[at + 1], &e[at], (n - at) * sizeof(e[0]));
+		const uint32_t kind = rnd(3);
+		e[at] = kind == 0   ? (uint64_t)rng | 1
+		        : kind == 1 ? seq[rnd((uint32_t)nq)][0]
+		        : n         ? e[rnd((uint32_t)n)]
+		                    : 7;
+		n++;
+	}
+	return n;
+}
+
+static void run(unsigned seed, int steps)
+{
+	struct twin t;
+	rng = seed * 0x9e3779b97f4a7c15ull + 12345;
+	make_prompts();
+	const bool copies = seed % 3 == 0;
+	cr_assert_eq(kvr_index_create(NR * 2, &t.a), 0);
+	cr_assert_eq(kvr_index_create(NR * 2, &t.b), 0);
+	cr_assert_eq(kvr_index_set_locator(t.b, false), 0);
+	kvr_index_set_count_copies(t.a, copies);
+	kvr_index_set_count_copies(t.b, copies);
+	for (int r = 0; r < NR; r++) {
+		cr_assert_eq(kvr_index_rank_add(t.a, (uint64_t)r, 0, &t.sa[r]), 0);
+		cr_assert_eq(kvr_index_rank_add(t.b, (uint64_t)r, 0, &t.sb[r]), 0);
+	}
+	static struct kvr_index_block blk[LMAX];
+	static uint64_t e[2 * LMAX];
+	size_t depth[NR][NQ]; /* how deep each rank stored each query last (0: not) */
+	memset(depth, 0, sizeof(depth));
+	for (int step = 0; step < steps; step++) {
+		const int r = (int)rnd(NR);
+		const uint32_t op = rnd(100);
+		if (op < 45) {
+			/* An admission: query q's blocks [p0, d) below its path [0, p0). */
+			const int q = (int)rnd((uint32_t)nq);
+			const size_t d = 1 + rnd((uint32_t)qlen[q]);
+			const size_t p0 = rnd(3) ? rnd((uint32_t)d) : 0;
+			blocks_of(blk, q, p0, d);
+			const bool oom = rnd(5) == 0;
+			if (oom)
+				kvr_alloc_fail_after(1 + rnd(6));
+			int gb =
+			    rnd(2) ? kvr_index_store_path(t.b, t.sb[r], seq[q], 1, p0, blk, d - p0)
+			           : kvr_index_store(t.b, t.sb[r], p0 ? &seq[q][p0 - 1] : NULL, blk,
+			                             d - p0);
+			kvr_alloc_fail_after(0);
+			if (gb == KVR_ENOMEM) {
+				cr_assert(oom, "seed=%u step=%d", seed, step);
+			} else {
+				int ga = kvr_index_store(t.a, t.sa[r], p0 ? &seq[q][p0 - 1] : NULL,
+				                         blk, d - p0);
+				cr_assert_eq(ga, gb, "seed=%u step=%d store: %d (locator) vs %d",
+				             seed, step, ga, gb);
+				if (ga == 0 && d > depth[r][q])
+					depth[r][q] = d;
+			}
+		} else if (op < 55 && nq < NQ) {
+			/* An output: a new branch below an arbitrary block of a query (held or
+			 * not: then both say KVR_ENOENT), named by its hash. */
+			const int q = (int)rnd((uint32_t)nq);
+			const size_t at = rnd((uint32_t)(qlen[q] < lmax - 1 ? qlen[q] : lmax - 1));
+			const size_t n = 1 + rnd(lmax - 1 - (uint32_t)at);
+			const int nqi = nq;
+			memcpy(loc[nqi], loc[q], (at + 1) * sizeof(uint64_t));
+			for (size_t i = at + 1; i < at + 1 + n; i++)
+				loc[nqi][i] = (uint64_t)rng << 9 | i;
+			qlen[nqi] = at + 1 + n;
+			kvr_hash_chain_locals(NULL, loc[nqi], qlen[nqi], seq[nqi]);
+			blocks_of(blk, nqi, at + 1, qlen[nqi]);
+			int gb = kvr_index_store(t.b, t.sb[r], &seq[q][at], blk, n);
+			int ga = kvr_index_store(t.a, t.sa[r], &seq[q][at], blk, n);
+			cr_assert_eq(ga, gb, "seed=%u step=%d output", seed, step);
+			if (ga == 0)
+				depth[r][nq++] = qlen[nqi];
+		} else if (op < 92) {
+			const size_t n = removal_list(e, 2 * LMAX, depth[r]);
+			uint32_t rl[2 * LMAX], nr = 0;
+			for (size_t left = n; left > 0 && rnd(4); nr++) {
+				rl[nr] = 1 + rnd((uint32_t)left);
+				left -= rl[nr];
+			}
+			size_t fa, fb;
+			kvr_alloc_fail_after(1 + rnd(3)); /* a removal never needs memory */
+			cr_assert_eq(kvr_index_remove_runs(t.b, t.sb[r], e, n, rl, nr, &fb), 0);
+			kvr_alloc_fail_after(0);
+			cr_assert_eq(kvr_index_remove(t.a, t.sa[r], e, n, &fa), 0);
+			cr_assert_eq(fa, fb, "seed=%u step=%d remove: %zu not found vs %zu", seed,
+			             step, fa, fb);
+		} else if (op < 96) {
+			cr_assert_eq(kvr_index_clear_rank(t.a, t.sa[r]), 0);
+			cr_assert_eq(kvr_index_clear_rank(t.b, t.sb[r]), 0);
+			memset(depth[r], 0, sizeof(depth[r]));
+		} else {
+			/* Remove the rank and add it back: a slot whose end map had entries,
+			 * reused (after its grace period) by a rank that stores other chains. */
+			cr_assert_eq(kvr_index_rank_remove(t.a, t.sa[r]), 0);
+			cr_assert_eq(kvr_index_rank_remove(t.b, t.sb[r]), 0);
+			kvr_index_quiesce(t.a);
+			kvr_index_quiesce(t.b);
+			cr_assert_eq(kvr_index_rank_add(t.a, (uint64_t)r, 0, &t.sa[r]), 0);
+			cr_assert_eq(kvr_index_rank_add(t.b, (uint64_t)r, 0, &t.sb[r]), 0);
+			memset(depth[r], 0, sizeof(depth[r]));
+		}
+		check(&t, seed, step);
+	}
+	if (getenv("KVR_VERBOSE")) {
+		struct kvr_index_stats v;
+		kvr_index_stats_get(t.b, &v);
+		fprintf(stderr,
+		        "seed %u: stored %lu removed %lu not found %lu parent nf %lu scans %lu "
+		        "nodes %lu\n",
+		        seed, (unsigned long)v.stored_blocks, (unsigned long)v.removed_blocks,
+		        (unsigned long)v.block_not_found, (unsigned long)v.parent_not_found,
+		        (unsigned long)v.rank_scans, (unsigned long)v.nodes);
+	}
+	for (int r = 0; r < NR; r++) {
+		kvr_index_rank_remove(t.a, t.sa[r]);
+		kvr_index_rank_remove(t.b, t.sb[r]);
+	}
+	kvr_index_quiesce(t.b);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(t.b, &st);
+	cr_assert_eq(st.nodes, 0, "seed=%u", seed);
+	cr_assert_eq(st.copies, 0, "seed=%u", seed);
+	cr_assert_eq(st.bytes_shared, 0, "seed=%u", seed);
+	cr_assert_eq(st.bytes_per_rank, 0, "seed=%u", seed);
+	kvr_index_destroy(t.a);
+	kvr_index_destroy(t.b);
+}
+
+Test(index_nolocator, twin_streams)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	lmax = 320;
+	const char *env = getenv("KVR_SEED"), *hi = getenv("KVR_SEEDS");
+	if (env) {
+		run((unsigned)strtoul(env, NULL, 10), 4000);
+		return;
+	}
+	const unsigned n = hi ? (unsigned)strtoul(hi, NULL, 10) : 12;
+	for (unsigned seed = 1; seed <= n; seed++)
+		run(seed, 400);
+}
+
+/* Chains past a run's 2,048 blocks (IDX_RUN_MAX): a chain continues in a child run at the
+ * boundary, so tails, heads and interior stretches are removed across runs, walks cross them,
+ * and the lookups next to the last block step over a run's first position to its parent's. */
+Test(index_nolocator, twin_streams_long)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	lmax = LMAX;
+	const char *env = getenv("KVR_SEED"), *hi = getenv("KVR_SEEDS");
+	if (env) {
+		run((unsigned)strtoul(env, NULL, 10), 1000);
+		return;
+	}
+	const unsigned n = hi ? (unsigned)strtoul(hi, NULL, 10) : 3;
+	for (unsigned seed = 1; seed <= n; seed++)
+		run(seed, 120);
+}
