@@ -72,8 +72,9 @@
  * every note made before it.
  *
  * Files, one job each (sync/replica_internal.h lists what they share): this one runs the apply
- * thread and the public side; replica_table.c the tables, replica_out.c the outbound stream,
- * replica_apply.c the inbound stream and liveness, replica_snap.c snapshots.
+ * thread and the public side; replica_table.c the tables, replica_note.c the notes into the
+ * outbound queue, replica_out.c the outbound stream, replica_apply.c the inbound stream and
+ * liveness, replica_snap.c snapshots.
  */
 #include <inttypes.h>
 #include <pthread.h>

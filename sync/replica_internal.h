@@ -4,7 +4,8 @@
  * described in sync/replica.c; the jobs are split by file:
  *   sync/replica.c        the apply thread, create/start/stop, the public side (deliver, stats)
  *   sync/replica_table.c  records, the attempt map, the live list, ranks' journals, peers
- *   sync/replica_out.c    outbound: the router's notes, encoding, the stream, re-announces
+ *   sync/replica_note.c   outbound, the routing threads' side: notes into the queue, kept notes
+ *   sync/replica_out.c    outbound, the sender: encoding, the stream, re-announces
  *   sync/replica_apply.c  inbound: stream positions, applying peers' messages, liveness
  *   sync/replica_snap.c   snapshots: serving, collecting, applying
  * Locks: `hmu` is held by whoever handles deliveries; `mu` guards the tables, the stream position
@@ -71,7 +72,7 @@ struct kvr_rep_rec {
 	size_t size;
 };
 
-/* A note kept aside because the outbound queue was full (sync/replica_out.c: note_keep): the
+/* A note kept aside because the outbound queue was full (sync/replica_note.c: note_keep): the
  * queue message it would have been, owning what that owns. */
 struct kvr_rep_kept {
 	struct kvr_rep_kept *next;
@@ -107,7 +108,7 @@ struct kvr_rep_peer {
 	bool heal_pending; /* asked, and its RESET has not come yet */
 };
 
-/* A staging slab (sync/replica_out.c): a routing thread copies an admission here, into memory
+/* A staging slab (sync/replica_note.c): a routing thread copies an admission here, into memory
  * that stays warm because slabs are reused lowest index first, instead of allocating a record
  * (cold memory) on the routing path; the sender builds the record and frees the slab.  64:
  * in bench_sync --rate 5000 (part 1 routes back to back) 16-25% of admissions found all of 32
@@ -165,7 +166,8 @@ struct kvr_replica {
 	uint64_t stall_until_ns; /* atomic: kvr_replica_stall (CLOCK_MONOTONIC); 0 = none */
 	bool stall_sender;       /* atomic: the stall holds the sender too */
 
-	/* The outbound queue (sync/replica_out.c): notes from routing threads to the sender. */
+	/* The outbound queue (sync/replica_note.c, replica_out.c): notes from routing threads to
+	 * the sender. */
 	struct kvr_ring outq;
 	struct kvr_parker out_park;
 	uint64_t burst_ns; /* sender thread: when the current burst was dequeued (tracing) */
@@ -332,6 +334,61 @@ void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t windo
 /* Sends RESET, the ranks, own attempts finished since since_ns (0: none) and own live attempts.
  * Context: the apply thread; takes mu. */
 void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns);
+
+/* ---------------------------------------------------------------- sync/replica_note.c
+ * The outbound queue's messages: what a note becomes in the ring (its kind in kvr_msg.aux). */
+
+enum {
+	OUT_ADMIT = 1,
+	OUT_PROGRESS = 2,
+	OUT_RANK = 3,
+	OUT_FLUSH = 4,
+	OUT_ADMIT_SLAB = 5,
+	OUT_NONE = 6 /* a reserved slot left empty (no memory: the note went through the slabs) */
+};
+
+#define OUT_INLINE 8 /* output tokens carried in the ring message itself */
+
+struct kvr_rep_out_progress {
+	uint64_t attempt;
+	int16_t op;
+	uint16_t not_final;
+	uint32_t n;
+	union {
+		uint32_t inl[OUT_INLINE];
+		uint32_t *heap; /* n > OUT_INLINE: a kvr_alloc'd copy the sender frees */
+	} t;
+};
+
+struct kvr_rep_out_rank {
+	uint64_t worker_id, incarnation, capacity;
+	uint32_t dp_rank, mbt;
+	int32_t op;
+};
+
+_Static_assert(sizeof(struct kvr_rep_out_progress) <= KVR_MSG_PAYLOAD, "fits a ring message");
+_Static_assert(sizeof(struct kvr_rep_out_rank) <= KVR_MSG_PAYLOAD, "fits a ring message");
+
+/* kvr_replica.kept_over: notes are dropped past the cap; output was among them. */
+#define KEPT_OVER        1u
+#define KEPT_OVER_OUTPUT 2u
+
+/* Pushes a note into the ring (waiting OUT_FULL_WAIT_NS for room, then keeping it aside), or
+ * keeps it aside at once while notes are kept.  Context: any thread but the sender. */
+void kvr_rep_out_push(struct kvr_replica *rep, unsigned kind, const void *payload, uint32_t len);
+/* Whether notes are kept aside (or dropped past the cap): a note made now goes after them.
+ * Context: any thread. */
+bool kvr_rep_keeping(const struct kvr_replica *rep);
+/* Frees what a queued message owns (it is not going out).  Context: any thread owning m. */
+void kvr_rep_out_discard(struct kvr_replica *rep, const struct kvr_msg *m);
+/* Frees a kept note's node (a spare goes back).  Context: the sender (or teardown). */
+void kvr_rep_kept_free(struct kvr_replica *rep, struct kvr_rep_kept *k);
+/* Gives the staging slabs of mask back.  Context: the sender, or a producer giving back its
+ * own. */
+void kvr_rep_slab_put(struct kvr_replica *rep, uint64_t slabs);
+/* The record of an admission staged in the slabs of mask, or NULL (no memory).  Context: the
+ * sender. */
+struct kvr_rep_rec *kvr_rep_rec_of_slabs(const struct kvr_replica *rep, uint64_t mask);
 
 /* ---------------------------------------------------------------- sync/replica_apply.c
  * Context for all: the apply thread (kvr_rep_release_mirrors: also teardown, once it stopped),

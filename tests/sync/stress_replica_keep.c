@@ -3,7 +3,7 @@
  * under TSan in CI).  Two replicas over an in-process bus; the origin's sender is stalled
  * (kvr_replica_stall) while FRONTENDS threads route and stream output concurrently, until its
  * ring is full and every thread has made KEPT_NOTES more notes with notes kept aside
- * (sync/replica_out.c, note_keep: a note that found the ring full for 100 ms, and every note
+ * (sync/replica_note.c, note_keep: a note that found the ring full for 100 ms, and every note
  * after it until the ring drains).  Then the stall ends while the threads go on, AFTER_NOTES
  * more each: the sender drains the ring, then the kept notes, while new notes come.
  *

@@ -1,5 +1,5 @@
 /*
- * The router's notes to replica sync (sync/replica_out.c) when the routing thread is short of
+ * The router's notes to replica sync (sync/replica_note.c) when the routing thread is short of
  * memory, over the in-process bus (tests/unit/replica_bus.h): what a note copies on the
  * routing thread (an admission's record, output beyond the ring message's inline tokens) may
  * fail to allocate, and the peer must still end with the origin's load and predicted blocks.
