@@ -267,16 +267,21 @@ void kvr_index_tops_shrink(struct kvr_index *idx, uint32_t slot)
 
 /* ---------------------------------------------------------------- lookups */
 
-enum held { H_NO, H_YES, H_UNKNOWN };
+enum held { H_YES, H_UNKNOWN };
 
-/* The slot's answer for block seq at (r, q), where the tree has it (a hash sits at one place
- * of the tree, a trimmed position included: nobody holds that). */
+/* The slot's answer for block seq at (r, q), where the tree has it: H_YES when the slot holds
+ * it there, else H_UNKNOWN, never "not held".  Without the locator a hash may sit at TWO
+ * places: a root store whose local hash (its sequence hash) is an interior block's elsewhere
+ * is not detected (only the locator finds interior blocks; caller-supplied hashes, or a 64-bit
+ * collision), so a place the slot does not hold does not say it holds the block nowhere: the
+ * lookup goes on to the end map and the scan.  Only a block the slot does not hold pays them (a
+ * not-found removal or parent); a held one is answered where it was before. */
 static enum held held_at(struct idx_run *r, uint32_t q, uint32_t slot, struct idx_run **ro,
                          uint32_t *pos, struct idx_hold **ho)
 {
 	struct idx_hold *h = kvr_index_hold_of(r, slot);
 	if (!h || !idx_hold_bit(h, q))
-		return H_NO;
+		return H_UNKNOWN;
 	*ro = r;
 	*pos = q;
 	*ho = h;
@@ -312,8 +317,8 @@ static enum held find_cheap(struct kvr_index *idx, uint32_t slot, uint64_t seq,
 	    (a = near(idx->last_run, idx->last_pos, seq, slot, r, pos, h)) != H_UNKNOWN)
 		return a;
 	struct idx_run *f = kvr_index_tab_first(idx, seq);
-	if (f)
-		return held_at(f, 0, slot, r, pos, h);
+	if (f && (a = held_at(f, 0, slot, r, pos, h)) != H_UNKNOWN)
+		return a;
 	/* The end map: a record whose deepest or lowest held position is seq. */
 	const struct idx_tmap *m = &idx->rank[slot].tops;
 	if (!m->e)

@@ -12,7 +12,10 @@
  * entries), stores fail their k-th allocation (the locator-less index must then be unchanged,
  * so the twin with the locator, which skips that call, still agrees).  After every step both
  * indexes must answer every prompt's query alike (per rank: score and tree size), hold the same
- * blocks per rank and the same copies.  KVR_SEED=N reruns one seed with more steps.
+ * blocks per rank and the same copies.  A crafter rank stores root blocks whose hash (a root's
+ * sequence hash is its local hash) is an interior block's of a query, which only the locator
+ * detects and rejects: the rank that holds that block then removes it, and must find it in both
+ * (root_store_on_interior_hash below).  KVR_SEED=N reruns one seed with more steps.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -44,6 +47,7 @@ static uint32_t lmax; /* the longest chain this run (<= LMAX) */
 struct twin {
 	struct kvr_index *a, *b; /* a: with the locator (the oracle), b: without */
 	uint32_t sa[NR], sb[NR];
+	uint32_t ca, cb; /* a crafter rank: root blocks on other chains' interior hashes */
 };
 
 static void make_prompts(void)
@@ -120,7 +124,10 @@ static void check(struct twin *t, unsigned seed, int step)
 	struct kvr_index_stats sa, sb;
 	kvr_index_stats_get(t->a, &sa);
 	kvr_index_stats_get(t->b, &sb);
-	cr_assert_eq(sa.copies, sb.copies, "seed=%u step=%d copies", seed, step);
+	/* The crafter's root blocks: accepted without the locator where it rejects them. */
+	const size_t xa = kvr_index_rank_blocks(t->a, t->ca, NULL, 0);
+	const size_t xb = kvr_index_rank_blocks(t->b, t->cb, NULL, 0);
+	cr_assert_eq(sa.copies - xa, sb.copies - xb, "seed=%u step=%d copies", seed, step);
 	cr_assert_eq(sa.parent_not_found, sb.parent_not_found, "seed=%u step=%d", seed, step);
 	cr_assert_eq(sa.block_not_found, sb.block_not_found, "seed=%u step=%d", seed, step);
 }
@@ -181,6 +188,24 @@ static size_t removal_list(uint64_t *e, size_t cap, const size_t *depth)
 	return n;
 }
 
+/* Rank r removes e[0..n) from both (without the locator as runs split at random, failing an
+ * allocation it must not need): the same blocks not found. */
+static void remove_step(struct twin *t, int r, const uint64_t *e, size_t n, unsigned seed, int step)
+{
+	static uint32_t rl[2 * LMAX];
+	uint32_t nr = 0;
+	for (size_t left = n; left > 0 && rnd(4); nr++) {
+		rl[nr] = 1 + rnd((uint32_t)left);
+		left -= rl[nr];
+	}
+	size_t fa, fb;
+	kvr_alloc_fail_after(1 + rnd(3)); /* a removal never needs memory */
+	cr_assert_eq(kvr_index_remove_runs(t->b, t->sb[r], e, n, rl, nr, &fb), 0);
+	kvr_alloc_fail_after(0);
+	cr_assert_eq(kvr_index_remove(t->a, t->sa[r], e, n, &fa), 0);
+	cr_assert_eq(fa, fb, "seed=%u step=%d remove: %zu not found vs %zu", seed, step, fa, fb);
+}
+
 static void run(unsigned seed, int steps)
 {
 	struct twin t;
@@ -196,6 +221,8 @@ static void run(unsigned seed, int steps)
 		cr_assert_eq(kvr_index_rank_add(t.a, (uint64_t)r, 0, &t.sa[r]), 0);
 		cr_assert_eq(kvr_index_rank_add(t.b, (uint64_t)r, 0, &t.sb[r]), 0);
 	}
+	cr_assert_eq(kvr_index_rank_add(t.a, NR, 0, &t.ca), 0);
+	cr_assert_eq(kvr_index_rank_add(t.b, NR, 0, &t.cb), 0);
 	static struct kvr_index_block blk[LMAX];
 	static uint64_t e[2 * LMAX];
 	size_t depth[NR][NQ]; /* how deep each rank stored each query last (0: not) */
@@ -245,20 +272,31 @@ static void run(unsigned seed, int steps)
 			cr_assert_eq(ga, gb, "seed=%u step=%d output", seed, step);
 			if (ga == 0)
 				depth[r][nq++] = qlen[nqi];
+		} else if (op < 90) {
+			remove_step(&t, r, e, removal_list(e, 2 * LMAX, depth[r]), seed, step);
 		} else if (op < 92) {
-			const size_t n = removal_list(e, 2 * LMAX, depth[r]);
-			uint32_t rl[2 * LMAX], nr = 0;
-			for (size_t left = n; left > 0 && rnd(4); nr++) {
-				rl[nr] = 1 + rnd((uint32_t)left);
-				left -= rl[nr];
-			}
-			size_t fa, fb;
-			kvr_alloc_fail_after(1 + rnd(3)); /* a removal never needs memory */
-			cr_assert_eq(kvr_index_remove_runs(t.b, t.sb[r], e, n, rl, nr, &fb), 0);
-			kvr_alloc_fail_after(0);
-			cr_assert_eq(kvr_index_remove(t.a, t.sa[r], e, n, &fa), 0);
-			cr_assert_eq(fa, fb, "seed=%u step=%d remove: %zu not found vs %zu", seed,
-			             step, fa, fb);
+			/* The crafter stores a root block whose hash is an interior block's of a
+			 * query (rejected with the locator when the tree has it; accepted
+			 * without), rank r then removes a list naming that block (its own
+			 * removal must find its copy), and the crafter is cleared. */
+			int q = (int)rnd((uint32_t)nq);
+			for (int k = 0; k < 4 && depth[r][q] < 2; k++) /* mostly r's own */
+				q = (int)rnd((uint32_t)nq);
+			const size_t L = depth[r][q] >= 2 ? depth[r][q] : qlen[q];
+			const uint64_t x = seq[q][1 + rnd((uint32_t)L - 1)];
+			const struct kvr_index_block xb = {x, x};
+			const int ga = kvr_index_store(t.a, t.ca, NULL, &xb, 1);
+			const int gb = kvr_index_store(t.b, t.cb, NULL, &xb, 1);
+			cr_assert(gb == ga || (ga == KVR_EINVAL && gb == 0),
+			          "seed=%u step=%d: %d %d", seed, step, ga, gb);
+			size_t n = removal_list(e, 2 * LMAX - 1, depth[r]);
+			const size_t at = rnd((uint32_t)n + 1);
+			memmove(&e[at + 1], &e[at], (n - at) * sizeof(e[0]));
+			e[at] = x;
+			remove_step(&t, r, e, n + 1, seed, step);
+			check(&t, seed, step);
+			cr_assert_eq(kvr_index_clear_rank(t.a, t.ca), 0);
+			cr_assert_eq(kvr_index_clear_rank(t.b, t.cb), 0);
 		} else if (op < 96) {
 			cr_assert_eq(kvr_index_clear_rank(t.a, t.sa[r]), 0);
 			cr_assert_eq(kvr_index_clear_rank(t.b, t.sb[r]), 0);
@@ -290,6 +328,8 @@ static void run(unsigned seed, int steps)
 		kvr_index_rank_remove(t.a, t.sa[r]);
 		kvr_index_rank_remove(t.b, t.sb[r]);
 	}
+	kvr_index_rank_remove(t.a, t.ca);
+	kvr_index_rank_remove(t.b, t.cb);
 	kvr_index_quiesce(t.b);
 	struct kvr_index_stats st;
 	kvr_index_stats_get(t.b, &st);
@@ -330,4 +370,76 @@ Test(index_nolocator, twin_streams_long)
 	const unsigned n = hi ? (unsigned)strtoul(hi, NULL, 10) : 3;
 	for (unsigned seed = 1; seed <= n; seed++)
 		run(seed, 120);
+}
+
+/* A root block's sequence hash is its local hash, so a caller may store a root block whose
+ * hash is an interior block's elsewhere (or a 64-bit collision does).  With the locator the
+ * store finds that hash in the tree and is rejected; without it only a run's first block is
+ * found, so the root store is accepted and the hash sits at two places.  What must not differ:
+ * the other rank's removal of its own block finds it (an answer "not held" taken from the
+ * crafted copy left it indexed: its rank credited with a block it removed), and so every other
+ * rank's scores and blocks.  (order 0: the root store after the chain; 1: before it, so the
+ * chain's interior block is appended onto a hash the tree has as a run's first.) */
+struct collide {
+	int rc_chain, rc_root, rc_rm;
+	size_t nf, held0, score0;
+	uint64_t blocks0[8];
+};
+
+static void collide_run(bool locator, int order, struct collide *o)
+{
+	struct kvr_index *idx;
+	uint32_t s0, s1;
+	cr_assert_eq(kvr_index_create(4, &idx), 0);
+	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
+	uint64_t l[3] = {11, 22, 33}, s[3];
+	kvr_hash_chain_locals(NULL, l, 3, s);
+	const struct kvr_index_block b[3] = {{s[0], l[0]}, {s[1], l[1]}, {s[2], l[2]}};
+	const struct kvr_index_block x = {s[1], s[1]}; /* rank 1: a root block, local = s[1] */
+	if (order == 1)
+		o->rc_root = kvr_index_store(idx, s1, NULL, &x, 1);
+	o->rc_chain = kvr_index_store(idx, s0, NULL, b, 3);
+	if (order == 0)
+		o->rc_root = kvr_index_store(idx, s1, NULL, &x, 1);
+	o->rc_rm = kvr_index_remove(idx, s0, &s[1], 1, &o->nf); /* rank 0 evicts its block 1 */
+	struct kvr_index_match m[4];
+	size_t n = 0;
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_index_find_matches(idx, s, 3, NULL, m, 4, &n), 0);
+	kvr_rcu_read_unlock();
+	o->score0 = 0;
+	for (size_t i = 0; i < n; i++)
+		if (m[i].slot == s0)
+			o->score0 = m[i].score;
+	o->held0 = kvr_index_rank_blocks(idx, s0, o->blocks0, 8);
+	cr_assert_leq(o->held0, 8);
+	qsort(o->blocks0, o->held0, sizeof(uint64_t), cmp_u64);
+	kvr_index_destroy(idx);
+}
+
+Test(index_nolocator, root_store_on_interior_hash)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	for (int order = 0; order < 2; order++) {
+		struct collide a, b;
+		memset(&a, 0, sizeof(a));
+		memset(&b, 0, sizeof(b));
+		collide_run(true, order, &a);
+		collide_run(false, order, &b);
+		cr_assert_eq(a.rc_chain, b.rc_chain, "order %d: chain %d vs %d", order, a.rc_chain,
+		             b.rc_chain);
+		cr_assert_eq(a.rc_rm, b.rc_rm);
+		cr_assert_eq(a.nf, b.nf, "order %d: removal not found %zu (locator) vs %zu", order,
+		             a.nf, b.nf);
+		cr_assert_eq(a.score0, b.score0, "order %d: rank 0 score %zu (locator) vs %zu",
+		             order, a.score0, b.score0);
+		cr_assert_eq(a.held0, b.held0, "order %d: rank 0 holds %zu vs %zu", order, a.held0,
+		             b.held0);
+		cr_assert(memcmp(a.blocks0, b.blocks0, a.held0 * sizeof(uint64_t)) == 0);
+		cr_assert_eq(b.nf, 0, "order %d", order);
+		fprintf(stderr, "order %d: root store %d (locator) %d (without), chain %d\n", order,
+		        a.rc_root, b.rc_root, a.rc_chain);
+	}
 }
