@@ -81,7 +81,12 @@ int main(int argc, char **argv)
 		}
 	uint32_t next[P] = {0};
 	uint64_t errors = 0, trims = 0, trims_busy = 0, received = 0;
-	uint64_t end = now_ns() + (uint64_t)(ms * 1e6);
+	/* The race needs the consumer to find the lane empty while producers still post; under
+	 * TSan on a loaded 2-core machine that took 1.5 s to happen once (CI: 1 trim, none while
+	 * producers ran), so the run goes on past its duration until 3 trims raced producers, up
+	 * to 8x the duration (at least 12 s). */
+	uint64_t t_start = now_ns(), end = t_start + (uint64_t)(ms * 1e6);
+	uint64_t hard_end = t_start + (uint64_t)(ms * 8e6 > 12e9 ? ms * 8e6 : 12e9);
 	int stopped = 0;
 	struct kvr_msg m;
 	for (;;) {
@@ -99,7 +104,7 @@ int main(int argc, char **argv)
 					    next[i] == __atomic_load_n(&sent[i], __ATOMIC_ACQUIRE);
 				if (all)
 					break;
-			} else if (now_ns() >= end) {
+			} else if (now_ns() >= end && (trims_busy >= 3 || now_ns() >= hard_end)) {
 				__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
 				for (uint32_t i = 0; i < P; i++)
 					pthread_join(th[i], NULL);
