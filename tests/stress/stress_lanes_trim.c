@@ -23,6 +23,7 @@
 static struct kvr_lanes lanes;
 static int stop;
 static uint32_t sent[P];
+static uint32_t finished; /* producers that returned */
 
 static void nop(void)
 {
@@ -63,6 +64,7 @@ static void *producer(void *arg)
 			sched_yield();
 		}
 	}
+	__atomic_fetch_add(&finished, 1, __ATOMIC_RELEASE);
 	return NULL;
 }
 
@@ -97,8 +99,11 @@ int main(int argc, char **argv)
 			}
 			if (stopped) {
 				/* Every producer has returned: the lane is empty once all its
-				 * messages are counted. */
-				uint32_t all = 1;
+				 * messages are counted.  The consumer keeps draining until then:
+				 * joining at once could wait on a producer whose burst found the
+				 * lane full (3 bursts of up to 96 > 255 slots: CI's ASan run hung).
+				 */
+				uint32_t all = __atomic_load_n(&finished, __ATOMIC_ACQUIRE) == P;
 				for (uint32_t i = 0; i < P; i++)
 					all &=
 					    next[i] == __atomic_load_n(&sent[i], __ATOMIC_ACQUIRE);
@@ -106,8 +111,6 @@ int main(int argc, char **argv)
 					break;
 			} else if (now_ns() >= end && (trims_busy >= 3 || now_ns() >= hard_end)) {
 				__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
-				for (uint32_t i = 0; i < P; i++)
-					pthread_join(th[i], NULL);
 				stopped = 1;
 			}
 			continue;
@@ -133,6 +136,8 @@ int main(int argc, char **argv)
 		}
 		next[id]++;
 	}
+	for (uint32_t i = 0; i < P; i++)
+		pthread_join(th[i], NULL);
 	uint64_t total = 0;
 	for (uint32_t i = 0; i < P; i++)
 		total += sent[i];
