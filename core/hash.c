@@ -193,12 +193,17 @@ void kvr_hash_chain_tokens_stream(const uint64_t *parent, const uint32_t *tokens
 	STREAM_FENCE();
 }
 
-void kvr_hash_pairs_stream(const uint64_t *local, const uint64_t *seq, size_t n, uint64_t *out)
+void kvr_hash_pairs_stream_part(const uint64_t *local, const uint64_t *seq, size_t n, uint64_t *out)
 {
 	for (size_t i = 0; i < n; i++) {
 		STREAM_STORE(&out[2 * i], local[i]);
 		STREAM_STORE(&out[2 * i + 1], seq[i]);
 	}
+}
+
+void kvr_hash_pairs_stream(const uint64_t *local, const uint64_t *seq, size_t n, uint64_t *out)
+{
+	kvr_hash_pairs_stream_part(local, seq, n, out);
 	STREAM_FENCE();
 }
 

@@ -348,6 +348,13 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
  * stay unbiased samples; KVR_C_ROUTES counts every decision. */
 #define STAGE_SAMPLE 16
 
+/* A record is taken from the pool after this many of the prompt's blocks are hashed: the pool
+ * line it takes the record from was last written by the shard that gave a record back, and the
+ * take's exchange waited for it (~300 cycles a route at 2k and 8k tokens, rdtsc, bench_route
+ * --shards 1 --cpus 1: a quarter of the 2k floor), while hashing 32 blocks takes about that
+ * long once the line was asked for. */
+#define HEAD_BLOCKS 32
+
 /* Prompts of at least this many blocks prefetch the decision's shared lines before hashing. */
 #define PREFETCH_MIN_BLOCKS 64
 /* ... for at most this many slots (64 lines of load and prov words). */
@@ -413,12 +420,26 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	if (q->seq_hashes) {
 		local = q->local_hashes;
 		seq = q->seq_hashes;
-	} else if (nb && q->tokens && !(q->flags & KVR_ROUTE_QUERY_ONLY) &&
-	           (rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
-		note_copy = cfg->sync_booking || kvr_repl_attached(r);
-		kvr_hash_chain_tokens_stream_part(NULL, q->tokens, nb, bs, seed, h,
-		                                  note_copy ? tls.local : NULL, tls.seq);
-		fence_due = true;
+	} else if (nb && q->tokens && !(q->flags & KVR_ROUTE_QUERY_ONLY)) {
+		/* The record is taken after the prompt's first HEAD_BLOCKS blocks are hashed into
+		 * the scratch, which hides the miss on the pool's line (asked for first: see
+		 * HEAD_BLOCKS); those blocks are then streamed in from the scratch. */
+		const size_t head = nb < HEAD_BLOCKS ? nb : HEAD_BLOCKS;
+		kvr_owner_attempt_prefetch(&r->owner, nb);
+		kvr_hash_chain_tokens(NULL, q->tokens, head, bs, seed, tls.local, tls.seq);
+		const uint32_t *tok = q->tokens + head * bs;
+		const uint64_t *par = &tls.seq[head - 1];
+		if ((rec = kvr_owner_attempt_reserve(&r->owner, nb, &h))) {
+			note_copy = cfg->sync_booking || kvr_repl_attached(r);
+			kvr_hash_pairs_stream_part(tls.local, tls.seq, head, h);
+			kvr_hash_chain_tokens_stream_part(
+			    par, tok, nb - head, bs, seed, h + 2 * head,
+			    note_copy ? tls.local + head : NULL, tls.seq + head);
+			fence_due = true;
+		} else {
+			kvr_hash_chain_tokens(par, tok, nb - head, bs, seed, tls.local + head,
+			                      tls.seq + head);
+		}
 	} else if (q->tokens) {
 		kvr_hash_chain_tokens(NULL, q->tokens, nb, bs, seed, tls.local, tls.seq);
 	} else {

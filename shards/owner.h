@@ -190,6 +190,10 @@ struct kvr_attempt *kvr_owner_attempt_new(const struct kvr_owner_ctx *c,
  */
 struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, size_t n,
                                               uint64_t **hashes);
+/* Asks for the line of the pool stack kvr_owner_attempt_reserve(c, n) will take from (its lock,
+ * count and top: the shard that gave the last record back wrote it), so that a reserve some
+ * hundreds of cycles later finds it.  A hint only.  Context: any thread. */
+void kvr_owner_attempt_prefetch(const struct kvr_owner_ctx *c, size_t n);
 void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *rec,
                             const struct kvr_admit_args *a);
 /* How many records the calling thread has allocated (kvr_owner_attempt_reserve finding the
@@ -204,7 +208,8 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
  * more than the rest of the admission (perf/bench_route).  Freed records of 64..16384 blocks wait
  * in a per-size-class stack for the next admission of that class (16 deep up to 1024 blocks,
  * then 256 KB of hashes a class, at least 2: ~1.8 MB in all, owner_attempts.c).  Each stack has a
- * mutex taken only with trylock: a busy stack means "allocate / free normally", so nobody waits.
+ * lock taken only with a try (one exchange): a busy stack means "allocate / free normally", so
+ * nobody waits.
  * Create returns 0, KVR_ENOMEM; destroy frees what is pooled (NULL is a no-op).
  * Context: create/destroy at router setup/teardown; new/free any thread.
  */
@@ -215,7 +220,8 @@ void kvr_attempt_pool_destroy(struct kvr_attempt_pool *pool);
  * Context: any thread; a relaxed read, exact when no record moves meanwhile. */
 uint64_t kvr_attempt_pool_bytes(const struct kvr_attempt_pool *pool);
 /* Frees every record the pool keeps (NULL is a no-op): a router with no traffic has no use for
- * them (kvr_owner_shard_idle).  Context: any thread; takes each class's mutex in turn. */
+ * them (kvr_owner_shard_idle).  Context: any thread; takes each class's lock in turn (yielding
+ * while a take or a give holds it). */
 void kvr_attempt_pool_trim(struct kvr_attempt_pool *pool);
 
 /*
