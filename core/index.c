@@ -438,6 +438,13 @@ void kvr_index_quiesce(struct kvr_index *idx)
 		struct timespec ts = {0, 100000};
 		nanosleep(&ts, NULL);
 	}
+	/* No writer runs: the readers' tree sizes become exact (idx_size_set publishes them in
+	 * steps). */
+	const uint32_t used = __atomic_load_n(&idx->fresh, __ATOMIC_RELAXED);
+	for (uint32_t s = 0; s < used; s++)
+		__atomic_store_n(&idx->tsize[s],
+		                 __atomic_load_n(&idx->rank[s].size, __ATOMIC_RELAXED),
+		                 __ATOMIC_RELAXED);
 }
 
 /* ---------------------------------------------------------------- create / destroy */
@@ -608,6 +615,7 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		__atomic_store_n(&r->worker_id, worker_id, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->dp_rank, dp_rank, __ATOMIC_RELAXED);
 		__atomic_store_n(&idx->tsize[s], 0, __ATOMIC_RELAXED);
+		__atomic_store_n(&r->size, 0, __ATOMIC_RELAXED);
 		__atomic_store_n(&r->state, SLOT_ACTIVE, __ATOMIC_RELAXED);
 		r->holds = NULL;
 		memset(&r->xmap, 0, sizeof(r->xmap));
@@ -711,9 +719,11 @@ int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot)
 
 uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot)
 {
-	if (!idx || slot >= idx->max_ranks)
+	if (!idx || slot >= idx->max_ranks ||
+	    slot >= __atomic_load_n(&idx->fresh, __ATOMIC_RELAXED)) /* never used: no record */
 		return 0;
-	return __atomic_load_n(&idx->tsize[slot], __ATOMIC_RELAXED);
+	/* The exact size (the readers' copy lags by up to 1/64: idx_size_set). */
+	return __atomic_load_n(&idx->rank[slot].size, __ATOMIC_RELAXED);
 }
 
 static uint64_t ld(const uint64_t *p)

@@ -53,7 +53,9 @@ struct kvr_index_stats {
 struct kvr_index_match {
 	uint32_t slot;      /* the rank's slot */
 	uint32_t score;     /* longest contiguous prefix of the query the rank holds, in blocks */
-	uint64_t tree_size; /* blocks indexed for the rank (tie-breaking) */
+	uint64_t tree_size; /* blocks indexed for the rank (tie-breaking), as last published:
+	                     * within 1/64 of the exact count, exact below 64 blocks, at 0 and
+	                     * after kvr_index_quiesce (core/index_internal.h: idx_size_set) */
 };
 
 struct kvr_index_match_opts {
@@ -224,12 +226,14 @@ size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, siz
 
 /*
  * Waits until every deferred free and slot release this index queued so far has run (memory
- * counters are then exact, released slots reusable).  Polls; no rcu_barrier().
+ * counters are then exact, released slots reusable), and makes the tree sizes find_matches
+ * reports exact.  Polls; no rcu_barrier().
  * Context: any registered thread outside a read section, no writer of this index concurrently.
  */
 void kvr_index_quiesce(struct kvr_index *idx);
 
-/* Blocks indexed for a slot (0 for a free slot).  Context: any thread, relaxed read. */
+/* Blocks indexed for a slot (0 for a free slot), exact (find_matches' tree_size may lag by up
+ * to 1/64).  Context: any thread, relaxed read. */
 uint64_t kvr_index_tree_size(const struct kvr_index *idx, uint32_t slot);
 
 /* The external hashes the slot holds: up to cap written to out (may be NULL), the total count

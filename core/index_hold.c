@@ -264,7 +264,9 @@ struct idx_hold *kvr_index_hold_of(const struct idx_run *r, uint32_t slot)
 	return i < 0 ? NULL : idx_hv_hold(&v, (uint32_t)i);
 }
 
-/* Mirrors h->cut into the run's holder words (every duplicate).
+/* Mirrors h->cut into the run's holder words (every duplicate).  A word that already says so is
+ * not stored again: a store of the same value still takes the line from every reader's cache
+ * (a store that extends a rank's blocks above a hole leaves its cut where it was).
  * Ordering: relaxed; a cut covers positions whose content is permanent and whose len was
  * released before (index_match.c credits min(cut, matched)). */
 void kvr_index_publish_cut(struct idx_hold *h)
@@ -276,7 +278,8 @@ void kvr_index_publish_cut(struct idx_hold *h)
 		return; /* NEVER */
 	uint64_t w = ((uint64_t)slot << 32) | idx_hold_cut(h);
 	for (uint32_t k = (uint32_t)i; k < v.n && idx_hslot(v.e[k]) == slot; k++)
-		__atomic_store_n(&v.e[k], w, __ATOMIC_RELAXED);
+		if (v.e[k] != w) /* only writers store the words: a plain read is exact */
+			__atomic_store_n(&v.e[k], w, __ATOMIC_RELAXED);
 }
 
 static struct idx_hset *hs_alloc(struct kvr_index *idx, uint32_t cap)

@@ -569,6 +569,8 @@ struct idx_rank {
 	struct idx_xmap cmap;   /* count_copies: (record << 16 | position) -> copies beyond the
 	                         * first, for the positions that have some */
 	struct idx_tmap tops;   /* no locator: records by their end positions' hashes */
+	uint64_t size;          /* distinct blocks held, exact (writers; relaxed atomic:
+	                         * kvr_index_tree_size); readers get kvr_index.tsize */
 	uint32_t next_free;     /* free-slot list link */
 } __attribute__((aligned(IDX_CACHELINE)));
 
@@ -589,8 +591,9 @@ struct kvr_index {
 	 * counters below change on every write, and sharing a line with them made every query
 	 * after a write miss on it (bench_index_runs --rw-only). */
 	uint32_t max_ranks __attribute__((aligned(IDX_CACHELINE)));
-	uint64_t *tsize; /* per slot: distinct blocks held (atomic relaxed), dense so that
-	                  * find_matches reads 8 ranks' sizes per cache line */
+	uint64_t *tsize; /* per slot: distinct blocks held as last published (atomic relaxed;
+	                  * idx_size_add says when), dense so that find_matches reads 8 ranks'
+	                  * sizes per cache line */
 	/* every writer call (stored, removed, cleared, ranks) */
 	pthread_mutex_t wlock __attribute__((aligned(IDX_CACHELINE)));
 	bool count_copies;
@@ -952,6 +955,29 @@ static inline bool idx_near_last(const struct kvr_index *idx, uint64_t seq, stru
 size_t kvr_index_remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
                                const uint64_t *ext, size_t n, const uint32_t *run_len,
                                size_t n_runs, size_t *removed, size_t *dropped);
+
+/*
+ * The readers' tree sizes are published in steps, not at every call: find_matches reads the
+ * size of every rank it places (a tie-break), 8 to a line, so each publish makes the next query
+ * of any path those ranks hold miss on that line (~120 ns from the writer's core on the 2-core
+ * VM, about a query's p99): with one writer removing and re-storing 16-block tails flat out,
+ * that was half a missed line per query (valgrind lackey, bench_index_runs' --rw-only writer).
+ * So the published size moves only when it is more than 1/IDX_TSIZE_SLACK of the exact one
+ * (idx_rank.size, writers') away from it: exact below IDX_TSIZE_SLACK blocks and at 0, within
+ * 1/64 (1.6 %) above, and exact again after kvr_index_quiesce.
+ */
+#define IDX_TSIZE_SLACK 64u
+
+/* The slot's exact size becomes size; published when it is off by more than the slack.
+ * Context: writer (wlock).  Ordering: relaxed (counts, no content behind them). */
+static inline void idx_size_set(struct kvr_index *idx, struct idx_rank *rk, uint32_t slot,
+                                uint64_t size)
+{
+	__atomic_store_n(&rk->size, size, __ATOMIC_RELAXED);
+	const uint64_t pub = idx->tsize[slot], off = size > pub ? size - pub : pub - size;
+	if (off > size / IDX_TSIZE_SLACK)
+		__atomic_store_n(&idx->tsize[slot], size, __ATOMIC_RELAXED);
+}
 
 static inline void idx_count(uint64_t *c, int64_t d)
 {

@@ -237,8 +237,8 @@ size_t kvr_index_remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint3
 		idx->last_pos = c.p;
 		rm_leave(&c);
 	}
-	if (c.left) /* Ordering: relaxed, once per call (kvr_index_store says why) */
-		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] - c.left, __ATOMIC_RELAXED);
+	if (c.left) /* once per call, published in steps (kvr_index_store says why) */
+		idx_size_set(idx, rk, slot, rk->size - c.left);
 	*removed += c.removed;
 	*dropped += c.dropped;
 	return c.nf;
@@ -326,7 +326,7 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 	kvr_index_xmap_shrink(idx, &rk->xmap);
 	kvr_index_xmap_shrink(idx, &rk->rmap);
 	kvr_index_xmap_shrink(idx, &rk->cmap);
-	__atomic_store_n(&idx->tsize[slot], 0, __ATOMIC_RELAXED);
+	idx_size_set(idx, rk, slot, 0); /* 0 is always published */
 	idx_count(&idx->c_removed, (int64_t)removed);
 	idx_count(&idx->c_copies, -(int64_t)removed);
 	return removed;

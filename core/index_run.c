@@ -187,7 +187,9 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 			for (const struct idx_run *k = idx_run_child(r); k; k = idx_run_sib(k))
 				if (idx_run_off(k) > mco)
 					mco = idx_run_off(k);
-			idx_run_set_mco(r, mco);
+			if (mco != idx_run_mco(r)) /* the header is the readers' line: no store
+			                            * of the same value */
+				idx_run_set_mco(r, mco);
 		}
 		if (idx_run_mco(r) > need)
 			need = idx_run_mco(r);

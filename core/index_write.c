@@ -61,7 +61,7 @@ static bool ensure_scratch(struct kvr_index *idx, size_t n)
 }
 
 /* Whether the slot holds the block with sequence hash s under ext hash s (size: the blocks it
- * holds now, its published tree size plus what this call added). */
+ * holds now, its exact size plus what this call added). */
 static bool holds_plain(struct kvr_index *idx, const struct idx_rank *rk, uint32_t slot, uint64_t s,
                         uint64_t size)
 {
@@ -265,7 +265,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			rc = KVR_EINVAL; /* e names another block of the rank */
 			break;
 		}
-		if (alias && !via_e && holds_plain(idx, rk, slot, e, idx->tsize[slot] + added)) {
+		if (alias && !via_e && holds_plain(idx, rk, slot, e, rk->size + added)) {
 			rc =
 			    KVR_EINVAL; /* e is the sequence hash (and ext) of another held block */
 			break;
@@ -471,11 +471,11 @@ out:
 		idx->last_run = R;
 		idx->last_pos = p;
 	}
-	/* The tree size once per call, not per block: readers (find_matches' tie-break) load it
-	 * for every rank holding the query's first block, and a store per block kept their line
-	 * changing under them for the whole call.  Ordering: relaxed (a count, no content). */
+	/* The tree size once per call, not per block, and published in steps (idx_size_set):
+	 * readers (find_matches' tie-break) load it for every rank holding the query's first
+	 * block, and each store makes their next query miss on its line. */
 	if (added)
-		__atomic_store_n(&idx->tsize[slot], idx->tsize[slot] + added, __ATOMIC_RELAXED);
+		idx_size_set(idx, rk, slot, rk->size + added);
 	if (nodes) /* once per call: an atomic add per block cost more than the block */
 		idx_count(&idx->c_nodes, (int64_t)nodes);
 	if (rc == KVR_ENOMEM) {

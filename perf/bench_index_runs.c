@@ -254,7 +254,7 @@ static uint64_t held_pairs(const struct kvr_index *idx, const uint32_t *slot)
 {
 	uint64_t h = 0;
 	for (int r = 0; r < RANKS; r++)
-		h += idx->tsize[slot[r]];
+		h += kvr_index_tree_size(idx, slot[r]);
 	return h;
 }
 

@@ -1127,3 +1127,60 @@ Test(index, walk_guesses_at_child_offsets)
 		cr_assert_eq(kvr_index_remove(idx, a, rm, 7, NULL), 0);
 	}
 }
+
+/* The tree sizes find_matches reports are published in steps (core/index_internal.h:
+ * idx_size_set): exact below 64 blocks and at 0, within 1/64 of the exact count above, exact
+ * after kvr_index_quiesce; kvr_index_tree_size is always exact. */
+static uint64_t reported_size(const uint64_t *local, size_t n, uint32_t slot)
+{
+	struct kvr_index_match out[4];
+	size_t k = 0;
+	cr_assert_eq(match(local, n, false, out, 4, &k), 0);
+	for (size_t i = 0; i < k; i++)
+		if (out[i].slot == slot)
+			return out[i].tree_size;
+	cr_assert_fail("slot %u not reported", slot);
+	return 0;
+}
+
+Test(index, tree_sizes_published_in_steps)
+{
+	enum { N = 1000 };
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	struct kvr_index_block b[N];
+	uint64_t q[N];
+	chain(b, N, 5000, 300);
+	for (size_t i = 0; i < N; i++)
+		q[i] = 300 + i;
+	/* Small: every change is published. */
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 40), 0);
+	cr_assert_eq(reported_size(q, N, r0), 40);
+	uint64_t e = 5039;
+	cr_assert_eq(kvr_index_remove(idx, r0, &e, 1, NULL), 0);
+	cr_assert_eq(reported_size(q, N, r0), 39);
+	/* Large: a change within 1/64 is not published (the readers' line stays), a larger one
+	 * is. */
+	cr_assert_eq(kvr_index_store(idx, r0, &b[38].ext_hash, b + 39, N - 39), 0);
+	cr_assert_eq(reported_size(q, N, r0), N);
+	uint64_t tail[10];
+	for (int i = 0; i < 10; i++)
+		tail[i] = 5000 + N - 10 + (uint64_t)i;
+	cr_assert_eq(kvr_index_remove(idx, r0, tail, 10, NULL), 0);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), N - 10, "exact for the writer");
+	cr_assert_eq(reported_size(q, N, r0), N, "10 of 990: within 1/64, not published");
+	cr_assert_eq(kvr_index_store(idx, r0, &b[N - 11].ext_hash, b + N - 10, 10), 0);
+	cr_assert_eq(reported_size(q, N, r0), N, "back where it was: nothing stored");
+	uint64_t more[40];
+	for (int i = 0; i < 40; i++)
+		more[i] = 5000 + N - 40 + (uint64_t)i;
+	cr_assert_eq(kvr_index_remove(idx, r0, more, 40, NULL), 0);
+	cr_assert_eq(reported_size(q, N, r0), N - 40, "40 of 960: published");
+	cr_assert_eq(kvr_index_store(idx, r0, &b[N - 41].ext_hash, b + N - 40, 10), 0);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), N - 30);
+	cr_assert_eq(reported_size(q, N, r0), N - 40);
+	kvr_index_quiesce(idx);
+	cr_assert_eq(reported_size(q, N, r0), N - 30, "exact after quiesce");
+	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), 0);
+}

@@ -107,8 +107,16 @@ static void check(struct twin *t, unsigned seed, int step)
 			cr_assert_eq(ma[i].score, mb[i].score,
 			             "seed=%u step=%d query %d slot %u: score %u (locator) vs %u",
 			             seed, step, q, ma[i].slot, ma[i].score, mb[i].score);
-			cr_assert_eq(ma[i].tree_size, mb[i].tree_size, "seed=%u step=%d", seed,
-			             step);
+			/* Exact sizes equal; the published ones within 1/64 of them (each
+			 * index publishes at its own calls: core/index_internal.h). */
+			const uint64_t xa = kvr_index_tree_size(t->a, ma[i].slot),
+			               xb = kvr_index_tree_size(t->b, mb[i].slot);
+			cr_assert_eq(xa, xb, "seed=%u step=%d", seed, step);
+			cr_assert((ma[i].tree_size > xa ? ma[i].tree_size - xa
+			                                : xa - ma[i].tree_size) <= xa / 64 &&
+			              (mb[i].tree_size > xb ? mb[i].tree_size - xb
+			                                    : xb - mb[i].tree_size) <= xb / 64,
+			          "seed=%u step=%d", seed, step);
 		}
 	}
 	for (int r = 0; r < NR; r++) {
