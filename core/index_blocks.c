@@ -315,8 +315,9 @@ static bool find_in(struct idx_blocks *b, uint32_t *e, uint64_t cap, bool old, i
 	return false;
 }
 
-bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
-                        uint32_t hp, struct idx_run **r, uint32_t *pos)
+/* kvr_index_blk_find; tab false: the locator's entries only (interior positions). */
+static bool blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
+                     uint32_t hp, bool tab, struct idx_run **r, uint32_t *pos)
 {
 	/* Const to its callers; its counters are writers' (under wlock) like the rest. */
 	struct idx_blocks *b = (struct idx_blocks *)(uintptr_t)&idx->blk;
@@ -337,7 +338,7 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 			return true;
 		if (b->old_e && find_in(b, b->old_e, b->old_cap, true, stage, seq, hr, hp, r, pos))
 			return true;
-		struct idx_run *f = stage ? NULL : kvr_index_tab_first(idx, seq);
+		struct idx_run *f = stage || !tab ? NULL : kvr_index_tab_first(idx, seq);
 		if (f) {
 			*r = f;
 			*pos = 0;
@@ -345,6 +346,47 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
 		}
 	}
 	return false;
+}
+
+bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
+                        uint32_t hp, struct idx_run **r, uint32_t *pos)
+{
+	return blk_find(idx, seq, hr, hp, true, r, pos);
+}
+
+/*
+ * A hash can sit at two places of the tree: a root run's first block, whose sequence hash is
+ * the caller's local hash (kvr_request takes local and sequence hashes: a crafted one, or a
+ * 64-bit collision), and an interior position of a chain appended WITHOUT a probe (a block at
+ * a run's end with no child there: its hash names its prefix, so honest input cannot have it
+ * anywhere else).  A root store onto a hash the tree has is rejected, but a chain appended after
+ * the crafted root is not (a probe per appended block would cost every store).  So where a
+ * lookup's first answer is a place the slot does not hold, the slot may hold the other one: a
+ * rank's removal of its own block answered "not found" there and left it credited with the
+ * block.  Only such a lookup pays this (an interior answer: one run-table probe; a root run's
+ * first: the locator's search), never one the slot holds where it was found first.
+ */
+bool kvr_index_blk_other_held(const struct kvr_index *idx, uint64_t seq, uint32_t slot,
+                              struct idx_run **r, uint32_t *pos, struct idx_hold **h)
+{
+	struct idx_run *o;
+	uint32_t p = 0;
+	if (*pos > 0) { /* an interior position: the root run of that first hash */
+		o = kvr_index_tab_first(idx, seq);
+		if (!o || idx_run_parent(o))
+			return false;
+	} else if (idx_run_parent(*r) || !blk_find(idx, seq, NULL, 0, false, &o, &p)) {
+		return false; /* a fork's first block is probed when it is made: one place */
+	}
+	if (o == *r && p == *pos)
+		return false; /* NEVER: the run table holds first blocks, the locator the rest */
+	struct idx_hold *oh = kvr_index_hold_of(o, slot);
+	if (!oh || !idx_hold_bit(oh, p))
+		return false;
+	*r = o;
+	*pos = p;
+	*h = oh;
+	return true;
 }
 
 /* Puts entry v for seq into e (cap slots, one free at least): the first empty slot of the first

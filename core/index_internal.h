@@ -718,6 +718,11 @@ void kvr_index_tab_delete(struct kvr_index *idx, const struct idx_run *r);
  * no hint). */
 bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct idx_run *hr,
                         uint32_t hp, struct idx_run **r, uint32_t *pos);
+/* (r, pos): where a lookup found seq, a place the slot does not hold.  Whether the slot holds
+ * seq at the other place it may sit (a crafted root block's first hash equal to an interior
+ * block's): then *r, *pos and its record *h. */
+bool kvr_index_blk_other_held(const struct kvr_index *idx, uint64_t seq, uint32_t slot,
+                              struct idx_run **r, uint32_t *pos, struct idx_hold **h);
 /* Makes room for k more entries.  Returns 0 or KVR_ENOMEM (nothing changed). */
 int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k);
 /* Frees the entry array if it holds nothing (after a reserve whose insert failed). */

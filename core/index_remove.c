@@ -123,7 +123,10 @@ static bool rm_find(struct rm *c, uint64_t s, struct idx_run **C, uint32_t *q, s
 		return false;
 	}
 	*ch = *C == R ? c->h : kvr_index_hold_of(*C, c->slot);
-	return *ch && idx_hold_bit(*ch, *q);
+	if (*ch && idx_hold_bit(*ch, *q))
+		return true;
+	/* Not the slot's there: a crafted root may have put the hash at a second place. */
+	return kvr_index_blk_other_held(idx, s, c->slot, C, q, ch);
 }
 
 /* Removes ext[j] (one copy of it with count_copies), or counts it not found. */

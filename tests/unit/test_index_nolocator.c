@@ -451,3 +451,74 @@ Test(index_nolocator, root_store_on_interior_hash)
 		        a.rc_root, b.rc_root, a.rc_chain);
 	}
 }
+
+/* The same with the crafted root stored first and the interior block deep in a long chain, where
+ * the locator's first look (the hint, a run's ends) does not find it: its lookup met the
+ * crafted run's first block in the run table, which the rank does not hold, and answered "not
+ * found", so rank 0 stayed credited with the block it removed (score 200 instead of 100).  And
+ * the crafter's removal of its own root block, whose hash the locator finds first at rank 0's
+ * interior position (short chain: a run's end), must find the root.  Both modes. */
+static void deep_collide(bool locator)
+{
+	enum { N = 200, X = 100 };
+	struct kvr_index *idx;
+	uint32_t s0, s1;
+	cr_assert_eq(kvr_index_create(4, &idx), 0);
+	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
+	uint64_t l[N], s[N];
+	struct kvr_index_block b[N];
+	for (int i = 0; i < N; i++)
+		l[i] = 1000 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, l, N, s);
+	for (int i = 0; i < N; i++)
+		b[i] = (struct kvr_index_block){s[i], l[i]};
+	const struct kvr_index_block x = {s[X], s[X]}; /* rank 1: a root block, local = s[X] */
+	cr_assert_eq(kvr_index_store(idx, s1, NULL, &x, 1), 0);
+	cr_assert_eq(kvr_index_store(idx, s0, NULL, b, N), 0);
+	size_t nf = 9;
+	cr_assert_eq(kvr_index_remove(idx, s0, &s[X], 1, &nf), 0); /* rank 0 evicts block X */
+	struct kvr_index_match m[4];
+	size_t n = 0;
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_index_find_matches(idx, s, N, NULL, m, 4, &n), 0);
+	kvr_rcu_read_unlock();
+	size_t score0 = 0;
+	for (size_t i = 0; i < n; i++)
+		if (m[i].slot == s0)
+			score0 = m[i].score;
+	cr_assert_eq(nf, 0, "locator %d: rank 0's removal of its block %d not found", locator, X);
+	cr_assert_eq(score0, X, "locator %d: rank 0 credited %zu blocks, holds %d", locator, score0,
+	             X);
+	cr_assert_eq(kvr_index_tree_size(idx, s0), N - 1);
+	kvr_index_destroy(idx);
+
+	/* Short chain: the crafted root first, then rank 0's 3 blocks (the hash at its position
+	 * 1, a run's end, where the locator looks first); the crafter removes its root. */
+	cr_assert_eq(kvr_index_create(4, &idx), 0);
+	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
+	const struct kvr_index_block y = {s[1], s[1]};
+	cr_assert_eq(kvr_index_store(idx, s1, NULL, &y, 1), 0);
+	cr_assert_eq(kvr_index_store(idx, s0, NULL, b, 3), 0);
+	nf = 9;
+	cr_assert_eq(kvr_index_remove(idx, s1, &s[1], 1, &nf), 0);
+	cr_assert_eq(nf, 0, "locator %d: the crafter's removal of its root not found", locator);
+	cr_assert_eq(kvr_index_tree_size(idx, s1), 0);
+	cr_assert_eq(kvr_index_rank_blocks(idx, s1, NULL, 0), 0);
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_index_find_matches(idx, &s[1], 1, NULL, m, 4, &n), 0);
+	kvr_rcu_read_unlock();
+	for (size_t i = 0; i < n; i++)
+		cr_assert_neq(m[i].slot, s1, "locator %d: the crafter still credited", locator);
+	kvr_index_destroy(idx);
+}
+
+Test(index_nolocator, crafted_root_first_deep_interior)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	deep_collide(true);
+	deep_collide(false);
+}
