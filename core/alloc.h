@@ -7,6 +7,9 @@
  *  - tests can fail the Nth allocation (SQLite-style out-of-memory loops) and count live bytes.
  * Sizes must be passed back to kvr_free() exactly as allocated.
  *
+ * Sizes past jemalloc's small classes (16 KiB and up) are page-aligned, and the long-lived arena
+ * uses two size classes per doubling where jemalloc has four: both for RSS (alloc.c says why).
+ *
  * Two lifetimes, two arenas (alloc.c says why): kvr_alloc() & co. are for what lives as long as
  * the cache it describes (index runs, predicted-cache segments, maps, tables); the _transient
  * forms are for what lives as long as one request or message (attempt records, posted token
@@ -45,10 +48,11 @@ void kvr_free_transient(void *mem, size_t size);
  * bytes from mem are done (to the end of the last page given back, 0 if none): the caller may
  * go on from there.  Context: the allocation's owner. */
 size_t kvr_alloc_discard(void *mem, size_t len);
-/* What an allocation of size bytes really occupies: the allocator's size class (jemalloc's
- * nallocx, e.g. 144 -> 160); 0 for 0 (nothing allocated).  Without jemalloc the C library
- * offers no size-class query (malloc_usable_size needs the pointer): size itself.  The _aligned
- * form is for kvr_alloc_aligned().  Memory counters count these.  Context: any thread. */
+/* What an allocation of size bytes really occupies: the size class it gets (the long-lived
+ * arena's two per doubling above 256 B, alloc.c: e.g. 300 -> 384; jemalloc's nallocx); 0 for 0
+ * (nothing allocated).  Without jemalloc the C library offers no size-class query
+ * (malloc_usable_size needs the pointer): size itself.  The _aligned form is for
+ * kvr_alloc_aligned().  Memory counters count these.  Context: any thread. */
 size_t kvr_alloc_real_size(size_t size);
 size_t kvr_alloc_real_size_aligned(size_t size);
 /* Grows the array *p (capacity *cap elements of elem bytes) to hold at least need elements:

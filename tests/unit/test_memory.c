@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #ifdef KVR_HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
@@ -202,6 +203,43 @@ Test(memory, arenas_apart)
 			kvr_alloc_thread_cache_end();
 	}
 	cr_assert_neq(a_long, a_tr);
+}
+
+/* core/alloc.c: what the memory counters count (kvr_alloc_real_size) is what jemalloc really
+ * gives, for every size class the long-lived arena rounds to and through a resize both ways
+ * (the sized free must name the size class the object has, or jemalloc frees it into the wrong
+ * bin); and a large allocation starts on a page (its extra, cache-oblivious page stays
+ * untouched: alloc.c's RSS note), an aligned one on a cache line. */
+Test(memory, real_sizes_are_true_and_large_ones_page_aligned)
+{
+	long pg = sysconf(_SC_PAGESIZE);
+	size_t page = pg > 0 ? (size_t)pg : 4096;
+	for (size_t z = 1; z <= 70000; z += z < 1100 ? 1 : 37) {
+		void *p = kvr_alloc(z);
+		cr_assert(p);
+		memset(p, 0x5a, z);
+		size_t real = kvr_alloc_real_size(z);
+		cr_assert_eq(sallocx(p, 0), real, "size %zu: %zu allocated, %zu counted", z,
+		             sallocx(p, 0), real);
+		cr_assert_geq(real, z);
+		cr_assert_leq(real, z + z / 2 + 16, "size %zu rounded to %zu", z, real);
+		if (real >= 16384)
+			cr_assert_eq((uintptr_t)p % page, 0, "size %zu not page-aligned", z);
+		size_t sizes[] = {z * 2 + 1, z / 2 + 1, z};
+		for (int k = 0; k < 3; k++) {
+			void *q = kvr_realloc(p, k ? sizes[k - 1] : z, sizes[k]);
+			cr_assert(q);
+			p = q;
+			cr_assert_eq(sallocx(p, 0), kvr_alloc_real_size(sizes[k]),
+			             "resize %zu -> %zu", k ? sizes[k - 1] : z, sizes[k]);
+		}
+		kvr_free(p, z);
+		void *a = kvr_alloc_aligned(z);
+		cr_assert(a);
+		cr_assert_eq((uintptr_t)a % 64, 0);
+		cr_assert_eq(sallocx(a, 0), kvr_alloc_real_size_aligned(z), "aligned size %zu", z);
+		kvr_free_aligned(a, z);
+	}
 }
 #endif
 
