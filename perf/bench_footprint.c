@@ -58,9 +58,11 @@
  * (sync/lane.h, idle trim): the breakdown's lanes= counts the rings allocated, the RSS figures
  * only the pages posts touched since (a busy router holds the whole rings).
  *
+ * --tokens L runs only the shapes of L-token conversations (2048 or 32768).
+ *
  * usage: bench_footprint [--quick] [--ranks R (8)] [--capacity C blocks per rank
  *                        (25600, README: one vLLM rank; --quick 8192)] [--churn F (1.0; --quick
- * 0.5)] [--lane-capacity N] [--bins]
+ * 0.5)] [--tokens L] [--lane-capacity N] [--bins]
  */
 #include <inttypes.h>
 #include <stdbool.h>
@@ -590,6 +592,7 @@ int main(int argc, char **argv)
 {
 	bool quick = false, bins = false;
 	uint32_t ranks = 8;
+	size_t only_tokens = 0;
 	uint64_t capacity = 0;
 	double churn = -1;
 	for (int i = 1; i < argc; i++) {
@@ -603,12 +606,14 @@ int main(int argc, char **argv)
 			capacity = strtoull(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--churn") && i + 1 < argc)
 			churn = strtod(argv[++i], NULL);
+		else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+			only_tokens = (size_t)strtoull(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--lane-capacity") && i + 1 < argc)
 			lane_capacity = (uint32_t)strtoul(argv[++i], NULL, 10);
 		else {
 			fprintf(stderr,
 			        "usage: bench_footprint [--quick] [--ranks R] [--capacity C] "
-			        "[--churn F] [--lane-capacity N] [--bins]\n");
+			        "[--churn F] [--tokens L] [--lane-capacity N] [--bins]\n");
 			return 2;
 		}
 	}
@@ -637,6 +642,8 @@ int main(int argc, char **argv)
 	for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
 		if (i > 0 && shapes[i].ranks == shapes[0].ranks && shapes[i].len == shapes[0].len)
 			continue; /* --ranks 1: the 1-rank shape is the first one */
+		if (only_tokens && shapes[i].len != only_tokens)
+			continue;
 		pid_t pid = fork();
 		if (pid < 0) {
 			perror("fork");
