@@ -349,18 +349,26 @@ static void run(unsigned seed, int steps)
 	kvr_index_destroy(t.b);
 }
 
-Test(index_nolocator, twin_streams)
+/* Seeds 1..n (KVR_SEEDS overrides n) of steps each, or KVR_SEED alone for one_steps (a failing
+ * seed rerun longer), with chains of up to max_len blocks. */
+static void run_seeds(uint32_t max_len, unsigned n, int steps, int one_steps)
 {
 	cr_assert_eq(kvr_rcu_thread_online(), 0);
-	lmax = 320;
+	lmax = max_len;
 	const char *env = getenv("KVR_SEED"), *hi = getenv("KVR_SEEDS");
 	if (env) {
-		run((unsigned)strtoul(env, NULL, 10), 4000);
+		run((unsigned)strtoul(env, NULL, 10), one_steps);
 		return;
 	}
-	const unsigned n = hi ? (unsigned)strtoul(hi, NULL, 10) : 12;
+	if (hi)
+		n = (unsigned)strtoul(hi, NULL, 10);
 	for (unsigned seed = 1; seed <= n; seed++)
-		run(seed, 400);
+		run(seed, steps);
+}
+
+Test(index_nolocator, twin_streams)
+{
+	run_seeds(320, 12, 400, 4000);
 }
 
 /* Chains past a run's 2,048 blocks (IDX_RUN_MAX): a chain continues in a child run at the
@@ -368,16 +376,7 @@ Test(index_nolocator, twin_streams)
  * and the lookups next to the last block step over a run's first position to its parent's. */
 Test(index_nolocator, twin_streams_long)
 {
-	cr_assert_eq(kvr_rcu_thread_online(), 0);
-	lmax = LMAX;
-	const char *env = getenv("KVR_SEED"), *hi = getenv("KVR_SEEDS");
-	if (env) {
-		run((unsigned)strtoul(env, NULL, 10), 1000);
-		return;
-	}
-	const unsigned n = hi ? (unsigned)strtoul(hi, NULL, 10) : 3;
-	for (unsigned seed = 1; seed <= n; seed++)
-		run(seed, 120);
+	run_seeds(LMAX, 3, 120, 1000);
 }
 
 /* A root block's sequence hash is its local hash, so a caller may store a root block whose
