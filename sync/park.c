@@ -195,8 +195,9 @@ int kvr_reply_wait(struct kvr_reply *r, uint64_t spin_ns, int *parked)
 	if (parked)
 		*parked = 0;
 	/* Spin: check the clock every 16 rounds from the start (a pause is ~23 ns on the AMD EPYC
-	 * VMs of the README's figures: the first check at round 64 made every wait, spin_ns 0
-	 * included, spin 128 rounds, ~3 us, before it could sleep); spin_ns 0: no spin at all. */
+	 * VMs of docs/measurements.md's figures: the first check at round 64 made every wait,
+	 * spin_ns 0 included, spin 128 rounds, ~3 us, before it could sleep); spin_ns 0: no spin at
+	 * all. */
 	const uint64_t start = spin_ns ? mono_ns() : 0;
 	for (uint32_t i = 0; spin_ns; i++) {
 		if (__atomic_load_n(&r->state, __ATOMIC_ACQUIRE) == KVR_REPLY_DONE)

@@ -17,7 +17,8 @@
  * instructions) before it copies, commits with a plain store, and wakes the sender with
  * kvr_parker_wake_asym: no fence (the sender pays a membarrier(2) when it parks instead).
  * Before (fence per note, slab copy drained by the ring's CAS) perf put kvr_repl_note_route_slow
- * at ~8% of an attached route's samples, after ~5% (bench_sync, perf record -g; README).
+ * at ~8% of an attached route's samples, after ~5% (bench_sync, perf record -g;
+ * docs/measurements.md).
  *
  * Waking the sender: a producer's kvr_parker_wake_asym makes no syscall unless the sender is
  * parked.  After the ring runs dry the sender keeps polling every OUT_POLL_NS for OUT_LINGER_NS

@@ -169,14 +169,14 @@ struct kvr_config {
 	 * capacity saves memory while busy (1023: 192 KiB less a shard, ~2 B per tracked (block,
 	 * rank) at 8 ranks x 25,600 blocks over 2 shards) but absorbs a quarter of the stall: on a
 	 * loaded machine 1023 filled in runs where 4095 reached 3,698 deep and never filled
-	 * (README "The routing lanes' memory"), so the default stays.  (The maintenance lane,
-	 * which the router leaves empty, holds 255.) */
+	 * (docs/measurements.md, "The routing lanes' memory"), so the default stays.  (The
+	 * maintenance lane, which the router leaves empty, holds 255.) */
 	uint32_t lane_capacity;
 	/* Soft depth of each routing lane, messages.  Default 127; 0 = none; range 0..1<<22 (at
 	 * or above lane_capacity it is never reached).  kvr_route's booking post, finding this
 	 * many messages queued, waits (a spin, yields, then sleeps of up to 64 us) while the
 	 * shard is taking messages, so an overloaded router's lanes stay about this deep and its
-	 * decisions see fresh bookings (README "lane capacity"); counted in
+	 * decisions see fresh bookings (docs/measurements.md, "Routing lane capacity"); counted in
 	 * kvr_lane_soft_throttles_total.  Once the shard has taken no message for 50 us (one
 	 * long task, a preempted shard), or after 500 us of waiting in all, the booking goes into
 	 * the ring's room above the soft depth instead (kvr_lane_soft_spills_total; at once when
