@@ -298,6 +298,17 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 				           : C->po == idx_po(R, R ? p + 1 : 0);
 				pl = P_EXISTS;
 			}
+			struct idx_run *o;
+			if (!ok && !R && (o = kvr_index_tab_first(idx, s)) && !idx_run_parent(o)) {
+				/* A root block whose hash the locator met first inside a chain (its
+				 * first look: the runs' ends): a crafted root's hash equal to an
+				 * interior block's, the root stored first, the chain appended onto
+				 * it without a probe.  The root run is there: the block's place. */
+				C = o;
+				q = 0;
+				pl = P_EXISTS;
+				ok = true;
+			}
 			if (!ok) {
 				rc = KVR_EINVAL; /* a 64-bit sequence hash collision */
 				break;

@@ -15,7 +15,9 @@
  * blocks per rank and the same copies.  A crafter rank stores root blocks whose hash (a root's
  * sequence hash is its local hash) is an interior block's of a query, which only the locator
  * detects and rejects: the rank that holds that block then removes it, and must find it in both
- * (root_store_on_interior_hash below).  KVR_SEED=N reruns one seed with more steps.
+ * (root_store_on_interior_hash below); or it stores such a chain FIRST and keeps it while a rank's
+ * chain is appended over its root's hash, then removes and re-stores its root (crafted_chain).
+ * KVR_SEED=N reruns one seed with more steps.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -48,6 +50,8 @@ struct twin {
 	struct kvr_index *a, *b; /* a: with the locator (the oracle), b: without */
 	uint32_t sa[NR], sb[NR];
 	uint32_t ca, cb; /* a crafter rank: root blocks on other chains' interior hashes */
+	uint32_t ck;     /* the crafter's kept chain: its blocks, 0 for none */
+	uint64_t cl[4];  /* its local hashes (cl[0]: an interior block's sequence hash) */
 };
 
 static void make_prompts(void)
@@ -214,6 +218,80 @@ static void remove_step(struct twin *t, int r, const uint64_t *e, size_t n, unsi
 	cr_assert_eq(fa, fb, "seed=%u step=%d remove: %zu not found vs %zu", seed, step, fa, fb);
 }
 
+/*
+ * The crafted root FIRST: the crafter stores a chain of 1-4 blocks whose root's hash is an
+ * interior block's of a query, and keeps it while the ranks go on (their chains appended later
+ * put that hash at a second place, inside a run, without a probe: rank r's removals of it must
+ * find their own copy, forks onto it are refused alike).  At its next turn it removes its root
+ * and stores it again: with its chain going on below the root, the root run is still the
+ * block's place and both must accept (the locator met the interior copy first at a run's end
+ * and refused it); with nothing below, the locator refuses what the index without it cannot
+ * see (a root on a hash the tree has inside a chain).  Then it is cleared.
+ */
+static void crafted_chain(struct twin *t, int r, size_t *depth, unsigned seed, int step)
+{
+	struct kvr_index_block c[4];
+	uint64_t cs[4];
+	if (!t->ck) {
+		const int q = (int)rnd((uint32_t)nq);
+		const size_t j = 1 + rnd((uint32_t)qlen[q] - 1);
+		t->cl[0] = seq[q][j];
+		for (int i = 1; i < 4; i++)
+			t->cl[i] = (uint64_t)rng << 10 | (uint64_t)i;
+		kvr_hash_chain_locals(NULL, t->cl, 4, cs);
+		const uint32_t k = 1 + rnd(4);
+		for (uint32_t i = 0; i < k; i++)
+			c[i] = (struct kvr_index_block){cs[i], t->cl[i]};
+		const int ga = kvr_index_store(t->a, t->ca, NULL, c, k);
+		const int gb = kvr_index_store(t->b, t->cb, NULL, c, k);
+		cr_assert(gb == ga || (ga == KVR_EINVAL && gb == 0), "seed=%u step=%d: %d %d", seed,
+		          step, ga, gb);
+		if (ga == 0 && gb == 0) {
+			/* Rank r stores q down to block j, mostly: the hash at a run's end (where
+			 * the locator looks first) unless a rank held more of q. */
+			static struct kvr_index_block blk[LMAX];
+			const size_t d = rnd(4) ? j + 1 : 1 + rnd((uint32_t)qlen[q]);
+			blocks_of(blk, q, 0, d);
+			const int ra = kvr_index_store(t->a, t->sa[r], NULL, blk, d);
+			const int rb = kvr_index_store(t->b, t->sb[r], NULL, blk, d);
+			cr_assert_eq(ra, rb, "seed=%u step=%d: store %d (locator) vs %d", seed,
+			             step, ra, rb);
+			if (ra == 0 && d > depth[q])
+				depth[q] = d;
+			t->ck = k;
+			return;
+		}
+	} else {
+		kvr_hash_chain_locals(NULL, t->cl, 1, cs);
+		size_t fa = 9, fb = 9;
+		cr_assert_eq(kvr_index_remove(t->a, t->ca, cs, 1, &fa), 0);
+		cr_assert_eq(kvr_index_remove(t->b, t->cb, cs, 1, &fb), 0);
+		cr_assert(fa == 0 && fb == 0,
+		          "seed=%u step=%d: the crafter's root not found: %zu %zu", seed, step, fa,
+		          fb);
+		c[0] = (struct kvr_index_block){cs[0], t->cl[0]};
+		const int ga = kvr_index_store(t->a, t->ca, NULL, c, 1);
+		const int gb = kvr_index_store(t->b, t->cb, NULL, c, 1);
+		if (t->ck > 1)
+			cr_assert_eq(
+			    ga, gb,
+			    "seed=%u step=%d: the crafter's re-store of its root (%u blocks): "
+			    "%d (locator) vs %d",
+			    seed, step, t->ck, ga, gb);
+		else
+			cr_assert(gb == ga || (ga == KVR_EINVAL && gb == 0), "seed=%u step=%d",
+			          seed, step);
+		if (ga == 0 && gb == 0) {
+			const size_t ka = kvr_index_rank_blocks(t->a, t->ca, NULL, 0);
+			cr_assert_eq(ka, t->ck, "seed=%u step=%d", seed, step);
+			cr_assert_eq(kvr_index_rank_blocks(t->b, t->cb, NULL, 0), ka);
+		}
+	}
+	cr_assert_eq(kvr_index_clear_rank(t->a, t->ca), 0);
+	cr_assert_eq(kvr_index_clear_rank(t->b, t->cb), 0);
+	t->ck = 0;
+}
+
 static void run(unsigned seed, int steps)
 {
 	struct twin t;
@@ -231,6 +309,7 @@ static void run(unsigned seed, int steps)
 	}
 	cr_assert_eq(kvr_index_rank_add(t.a, NR, 0, &t.ca), 0);
 	cr_assert_eq(kvr_index_rank_add(t.b, NR, 0, &t.cb), 0);
+	t.ck = 0;
 	static struct kvr_index_block blk[LMAX];
 	static uint64_t e[2 * LMAX];
 	size_t depth[NR][NQ]; /* how deep each rank stored each query last (0: not) */
@@ -282,6 +361,8 @@ static void run(unsigned seed, int steps)
 				depth[r][nq++] = qlen[nqi];
 		} else if (op < 90) {
 			remove_step(&t, r, e, removal_list(e, 2 * LMAX, depth[r]), seed, step);
+		} else if (op < 92 && (t.ck || rnd(2))) {
+			crafted_chain(&t, r, depth[r], seed, step);
 		} else if (op < 92) {
 			/* The crafter stores a root block whose hash is an interior block's of a
 			 * query (rejected with the locator when the tree has it; accepted
@@ -520,4 +601,116 @@ Test(index_nolocator, crafted_root_first_deep_interior)
 	cr_assert_eq(kvr_rcu_thread_online(), 0);
 	deep_collide(true);
 	deep_collide(false);
+}
+
+/*
+ * The crafter's own re-store of its root block, the crafted root first: rank 1 stores a chain
+ * whose root's hash is s[X] (local = s[X]), then rank 0 stores a chain of n blocks, whose block X
+ * is appended without a probe, so s[X] sits at two places; rank 1 removes its root and stores it
+ * again.  With rank 1's chain going on below the root (kids > 0) its root run is still there:
+ * the re-store is of a block that exists at its place, and must be accepted wherever the
+ * lookup meets s[X] first.  The locator met rank 0's copy first where it is a run's end (its
+ * first look: the last store's hint, a run's len - 1 and hw - 1; trim: rank 0's tail from X
+ * removed, the position kept for a re-store) and rejected the store as a 64-bit collision
+ * (KVR_EINVAL); deep in the run the run table's root came first and it was accepted.  With no
+ * root run left (kids 0) the tree has s[X] only inside rank 0's chain, as when the chain came
+ * first: a root block there names another prefix by the same hash, which the locator mode
+ * refuses (nothing applied) and the index without it cannot see (root_store_on_interior_hash).
+ */
+static void crafted_restore(bool locator, uint32_t n, uint32_t x, uint32_t kids, bool trim)
+{
+	enum { NMAX = 200 };
+	struct kvr_index *idx;
+	uint32_t s0, s1;
+	cr_assert_eq(kvr_index_create(4, &idx), 0);
+	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
+	uint64_t l[NMAX], s[NMAX], cl[4], cs[4];
+	struct kvr_index_block b[NMAX], c[4];
+	for (uint32_t i = 0; i < n; i++)
+		l[i] = 1000 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, l, n, s);
+	for (uint32_t i = 0; i < n; i++)
+		b[i] = (struct kvr_index_block){s[i], l[i]};
+	cl[0] = s[x]; /* rank 1's root: its sequence hash is its local hash */
+	for (uint32_t i = 1; i < 4; i++)
+		cl[i] = 5000 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, cl, 4, cs);
+	for (uint32_t i = 0; i < 4; i++)
+		c[i] = (struct kvr_index_block){cs[i], cl[i]};
+	cr_assert_eq(cs[0], s[x]);
+	cr_assert_eq(kvr_index_store(idx, s1, NULL, c, 1 + kids), 0);
+	cr_assert_eq(kvr_index_store(idx, s0, NULL, b, n), 0);
+	const uint32_t held0 = trim ? x : n; /* rank 0 keeps [0, x) after the trim */
+	size_t nf = 9;
+	if (trim) {
+		cr_assert_eq(kvr_index_remove(idx, s0, &s[x], n - x, &nf), 0);
+		cr_assert_eq(nf, 0);
+	}
+	nf = 9;
+	cr_assert_eq(kvr_index_remove(idx, s1, &cs[0], 1, &nf), 0);
+	cr_assert_eq(nf, 0, "locator %d n %u x %u: rank 1's removal of its root not found", locator,
+	             n, x);
+	struct kvr_index_stats st0, st1;
+	kvr_index_stats_get(idx, &st0);
+	const int rc = kvr_index_store(idx, s1, NULL, c, 1);
+	kvr_index_stats_get(idx, &st1);
+	struct kvr_index_match m[4];
+	size_t nm = 0, score0 = 0, score1 = 0;
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_index_find_matches(idx, s, n, NULL, m, 4, &nm), 0);
+	for (size_t i = 0; i < nm; i++)
+		if (m[i].slot == s0)
+			score0 = m[i].score;
+	cr_assert_eq(kvr_index_find_matches(idx, cs, 1 + kids, NULL, m, 4, &nm), 0);
+	for (size_t i = 0; i < nm; i++)
+		if (m[i].slot == s1)
+			score1 = m[i].score;
+	kvr_rcu_read_unlock();
+	cr_assert_eq(score0, held0, "locator %d n %u x %u: rank 0 credited %zu, holds %u", locator,
+	             n, x, score0, held0);
+	cr_assert_eq(kvr_index_tree_size(idx, s0), held0);
+	if (kids > 0 || !locator) {
+		cr_assert_eq(
+		    rc, 0,
+		    "locator %d n %u x %u kids %u trim %d: rank 1's re-store of its root: %d",
+		    locator, n, x, kids, trim, rc);
+		cr_assert_eq(score1, 1 + kids, "locator %d n %u x %u: rank 1 credited %zu", locator,
+		             n, x, score1);
+		cr_assert_eq(kvr_index_tree_size(idx, s1), 1 + kids);
+		cr_assert_eq(st1.stored_blocks, st0.stored_blocks + 1);
+	} else {
+		/* Refused, and nothing applied: the collision counted, nothing stored. */
+		cr_assert_eq(rc, KVR_EINVAL, "locator n %u x %u trim %d: %d", n, x, trim, rc);
+		cr_assert_eq(score1, 0);
+		cr_assert_eq(kvr_index_tree_size(idx, s1), 0);
+		cr_assert_eq(kvr_index_rank_blocks(idx, s1, NULL, 0), 0);
+		cr_assert_eq(st1.invalid, st0.invalid + 1);
+		cr_assert_eq(st1.stored_blocks, st0.stored_blocks);
+		cr_assert_eq(st1.nodes, st0.nodes);
+	}
+	/* Both removable again, each where it is. */
+	nf = 9;
+	cr_assert_eq(kvr_index_remove(idx, s0, s, held0, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(kvr_index_tree_size(idx, s0), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, s1), 0);
+	kvr_index_quiesce(idx);
+	kvr_index_stats_get(idx, &st1);
+	cr_assert_eq(st1.nodes, 0);
+	kvr_index_destroy(idx);
+}
+
+Test(index_nolocator, crafted_root_restored_over_interior)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	for (int loc = 0; loc < 2; loc++)
+		for (uint32_t kids = 0; kids < 4; kids += 3)
+			for (int trim = 0; trim < 2; trim++) {
+				crafted_restore(loc, 2, 1, kids, trim);      /* a run's end */
+				crafted_restore(loc, 200, 199, kids, trim);  /* a run's end */
+				crafted_restore(loc, 200, 100, kids, trim);  /* deep */
+				crafted_restore(loc, 200, 198, kids, false); /* near the end */
+			}
 }
