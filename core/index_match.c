@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "core/index_internal.h"
+#include "core/index_match.h"
 #include "kvrouter.h"
 
 /* ThreadSanitizer sees the holder words only through the scalar atomic loads (gcc says so with
@@ -48,6 +49,12 @@
 #if defined(__x86_64__) && defined(__SSE2__) && !defined(MATCH_TSAN)
 #define MATCH_SSE2 1
 #include <emmintrin.h>
+#endif
+/* find_depths' AVX2 loops: compiled with target("avx2") whatever -march, taken where the CPU
+ * has AVX2 (checked once, as core/select.c does). */
+#if defined(MATCH_SSE2) && defined(__GNUC__)
+#define MATCH_AVX2 1
+#include <immintrin.h>
 #endif
 
 static inline uint32_t wslot(uint64_t w)
@@ -423,10 +430,169 @@ static inline bool first_words(const uint64_t *hw, uint32_t hn, uint32_t k, uint
 	return any;
 }
 
-size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
-                             uint32_t *depth, uint32_t *slots, uint32_t *best)
+/* A later run's holder words hw[0..hn), the walk at q with k matched: each word whose rank is
+ * still active (depth[slot] == q) sets depth[slot] = q + min(cut, k); returns whether a cut
+ * reaches k.  The scalar loop: a load, a compare and a branch per word. */
+static inline bool later_words(const uint64_t *hw, uint32_t hn, uint32_t q, uint32_t k,
+                               uint32_t *depth)
 {
+	bool any = false;
+	for (uint32_t j = 0; j < hn; j++) {
+		const uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
+		const uint32_t s = wslot(w), cut = (uint32_t)w;
+		if (depth[s] != q)
+			continue; /* dropped out before, or never held seq[0] */
+		depth[s] = q + (cut < k ? cut : k);
+		any |= cut >= k;
+	}
+	return any;
+}
 
+#ifdef MATCH_AVX2
+/*
+ * The same two loops eight words at a time (AVX2), for CPUs that have it (checked once, as
+ * core/select.c does; the whole walk is compiled twice, depths_avx2 and depths_base, so neither
+ * pays a test per run).  Each word is still read whole (an aligned 8-byte element of the vector
+ * load, which x86 splits no finer), as with the scalar atomic loads; ThreadSanitizer builds
+ * never get here (MATCH_TSAN).
+ *
+ * On bench_route's 2k prompts a lookup met ~52 first-run words and ~37 later-run words (64
+ * ranks; 3.4 later runs, of 1 to 41 words), and nearly every later-run word was an active
+ * rank's, so the scalar loop's branch was predicted and its cost was its ~15 instructions a
+ * word.  Here a later run's step is a function of the depth array alone: a word sets depth[s] =
+ * q + min(cut, k) only where depth[s] == q, and that value is q again only when min(cut, k) ==
+ * 0, so doing a word twice changes nothing (nor the "a cut reaches k" answer, which its first
+ * pass gave).  So the eight depths are gathered (vpgatherdd), compared with q and blended with
+ * q + min(cut, k) without a branch, all eight stored back (an inactive rank's unchanged depth
+ * included: the array is the caller's, no other thread reads it), and a run whose word count is
+ * not a multiple of eight ends with the group of its LAST eight words, overlapping the previous
+ * group, instead of a scalar tail; 4 to 7 words take one masked group, fewer the scalar loop.
+ * The first run's step (depth[s] = min(cut, k), slots stored in order) is idempotent as well.
+ * Where a group's eight slots are consecutive (92 % of the first run's groups there: ranks are
+ * added in order and all hold the hot prefix), their depths are one 32-byte stretch: one vector
+ * load and store instead of the gather and eight scalar stores.  Duplicate words of a slot
+ * (adjacent and equal) compute equal values; racing a writer that is rewriting them, the answer
+ * may take either copy's cut (the scalar loop takes the first), both values a writer stored.
+ */
+
+/* Eight holder words from h: their slots (*sl) and cuts (*ct), each in word order. */
+__attribute__((target("avx2"), always_inline)) static inline void split8(__m256i a, __m256i b,
+                                                                         __m256i *sl, __m256i *ct)
+{
+	/* Per 128-bit half, a's two words then b's: words 0 1 4 5 | 2 3 6 7, put back in order
+	 * by one permute of 64-bit pairs. */
+	const __m256 fa = _mm256_castsi256_ps(a), fb = _mm256_castsi256_ps(b);
+	*sl = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0xdd)), 0xd8);
+	*ct = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0x88)), 0xd8);
+}
+
+/* The eight depth stores of a group: depth[s_i] = v_i, in word order. */
+__attribute__((target("avx2"), always_inline)) static inline void scatter8(uint32_t *depth,
+                                                                           __m256i sl, __m256i v)
+{
+	uint32_t s[8] __attribute__((aligned(32))), x[8] __attribute__((aligned(32)));
+	_mm256_store_si256((__m256i *)s, sl);
+	_mm256_store_si256((__m256i *)x, v);
+#pragma GCC unroll 8
+	for (int i = 0; i < 8; i++)
+		depth[s[i]] = x[i];
+}
+
+/* Whether the eight slots are consecutive (s, s + 1, ..., s + 7): then their depths are one
+ * 32-byte line segment, read and written with one vector access each (a rank list added in
+ * order is runs of consecutive slots, and a hot prefix's first run holds them all). */
+__attribute__((target("avx2"), always_inline)) static inline bool consecutive8(__m256i sl)
+{
+	const __m256i s0 = _mm256_broadcastd_epi32(_mm256_castsi256_si128(sl));
+	const __m256i want = _mm256_add_epi32(s0, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+	return _mm256_movemask_epi8(_mm256_cmpeq_epi32(sl, want)) == -1;
+}
+
+/* One later-run group: returns the lanes whose rank was active and whose cut reaches k. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i
+later8(uint32_t *depth, __m256i sl, __m256i ct, __m256i qv, __m256i kv)
+{
+	const bool line = consecutive8(sl);
+	uint32_t *const d0 = depth + (uint32_t)_mm256_cvtsi256_si32(sl);
+	const __m256i d = line ? _mm256_loadu_si256((const __m256i *)d0)
+	                       : _mm256_i32gather_epi32((const int *)depth, sl, 4);
+	const __m256i act = _mm256_cmpeq_epi32(d, qv);
+	const __m256i mn = _mm256_min_epu32(ct, kv);
+	const __m256i nd = _mm256_blendv_epi8(d, _mm256_add_epi32(qv, mn), act);
+	if (line)
+		_mm256_storeu_si256((__m256i *)d0, nd);
+	else
+		scatter8(depth, sl, nd);
+	return _mm256_and_si256(act, _mm256_cmpeq_epi32(mn, kv));
+}
+
+/* later_words for hn >= 4 (below, the scalar loop is shorter).  Fewer than eight words are read
+ * with a masked load (nothing past hw[hn) is touched) and the last word's lane repeated into the
+ * lanes past it. */
+__attribute__((target("avx2"))) static inline bool
+later_words_avx2(const uint64_t *hw, uint32_t hn, uint32_t q, uint32_t k, uint32_t *depth)
+{
+	const __m256i qv = _mm256_set1_epi32((int)q), kv = _mm256_set1_epi32((int)k);
+	__m256i hit = _mm256_setzero_si256(), sl, ct;
+	if (hn < 8) {
+		const __m256i iota = _mm256_setr_epi64x(0, 1, 2, 3), nv = _mm256_set1_epi64x(hn);
+		const __m256i m0 = _mm256_cmpgt_epi64(nv, iota),
+		              m1 = _mm256_cmpgt_epi64(
+		                  nv, _mm256_add_epi64(iota, _mm256_set1_epi64x(4)));
+		split8(_mm256_maskload_epi64((const long long *)hw, m0),
+		       _mm256_maskload_epi64((const long long *)(hw + 4), m1), &sl, &ct);
+		const __m256i rep = _mm256_min_epu32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+		                                     _mm256_set1_epi32((int)hn - 1));
+		hit = later8(depth, _mm256_permutevar8x32_epi32(sl, rep),
+		             _mm256_permutevar8x32_epi32(ct, rep), qv, kv);
+	} else {
+		for (const uint64_t *h = hw, *const he = hw + hn;; h += 8) {
+			/* The last eight words: a word done twice changes nothing. */
+			if (h + 8 > he)
+				h = he - 8;
+			split8(_mm256_loadu_si256((const __m256i *)h),
+			       _mm256_loadu_si256((const __m256i *)(h + 4)), &sl, &ct);
+			hit = _mm256_or_si256(hit, later8(depth, sl, ct, qv, kv));
+			if (h + 8 == he)
+				break;
+		}
+	}
+	return !_mm256_testz_si256(hit, hit);
+}
+
+/* first_words for hn >= 8: slots stored in order (the last group may overlap the one before
+ * it, storing the same slots again), depth[s] = min(cut, k). */
+__attribute__((target("avx2"))) static inline bool
+first_words_avx2(const uint64_t *hw, uint32_t hn, uint32_t k, uint32_t *depth, uint32_t *slots)
+{
+	const __m256i kv = _mm256_set1_epi32((int)k);
+	__m256i top = _mm256_setzero_si256(), sl, ct;
+	for (uint32_t j = 0;; j += 8) {
+		if (j + 8 > hn)
+			j = hn - 8;
+		split8(_mm256_loadu_si256((const __m256i *)(hw + j)),
+		       _mm256_loadu_si256((const __m256i *)(hw + j + 4)), &sl, &ct);
+		const __m256i v = _mm256_min_epu32(ct, kv);
+		top = _mm256_max_epu32(top, v);
+		_mm256_storeu_si256((__m256i *)(slots + j), sl);
+		if (consecutive8(sl))
+			_mm256_storeu_si256((__m256i *)(depth + slots[j]), v);
+		else
+			scatter8(depth, sl, v);
+		if (j + 8 == hn)
+			break;
+	}
+	return !_mm256_testz_si256(_mm256_cmpeq_epi32(top, kv), _mm256_cmpeq_epi32(top, kv));
+}
+#endif
+
+/* The walk of find_depths (its essay above), with the AVX2 loops or without: always inlined
+ * into one function of each kind, so the avx2 test is a constant in each. */
+static inline __attribute__((always_inline)) size_t depths_walk(const struct kvr_index *idx,
+                                                                const uint64_t *seq, size_t n,
+                                                                uint32_t *depth, uint32_t *slots,
+                                                                uint32_t *best, const bool avx2)
+{
 	*best = 0;
 	if (n == 0)
 		return 0;
@@ -443,7 +609,13 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 	 * slot of the index (joins compact duplicates), so slots[] has room. */
 	if (hn > idx->max_ranks)
 		return 0; /* not a set this index makes */
-	bool any = first_words(hw, hn, (uint32_t)k, depth, slots);
+	bool any;
+#ifdef MATCH_AVX2
+	if (avx2 && hn >= 8)
+		any = first_words_avx2(hw, hn, (uint32_t)k, depth, slots);
+	else
+#endif
+		any = first_words(hw, hn, (uint32_t)k, depth, slots);
 	const size_t ns = hn;
 	size_t q = 0, qr = 0; /* qr: where the last run walked was entered */
 	while (any) {
@@ -454,16 +626,12 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 		qr = q;
 		run_step(R, seq, n, q, &hw, &hn, &one, &k);
 		C = next_run(idx, seq, n, R, q, k);
-		any = false;
-		const uint32_t qq = (uint32_t)q, kk = (uint32_t)k;
-		for (uint32_t j = 0; j < hn; j++) {
-			const uint64_t w = __atomic_load_n(&hw[j], __ATOMIC_RELAXED);
-			const uint32_t s = wslot(w), cut = (uint32_t)w;
-			if (depth[s] != qq)
-				continue; /* dropped out before, or never held seq[0] */
-			depth[s] = qq + (cut < kk ? cut : kk);
-			any |= cut >= kk;
-		}
+#ifdef MATCH_AVX2
+		if (avx2 && hn >= 4)
+			any = later_words_avx2(hw, hn, (uint32_t)q, (uint32_t)k, depth);
+		else
+#endif
+			any = later_words(hw, hn, (uint32_t)q, (uint32_t)k, depth);
 	}
 	/* The deepest: q for the ranks still matching, else the last run's deepest holder (or qr,
 	 * where the ranks active there but absent from it stayed). */
@@ -474,6 +642,53 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 	}
 	*best = top;
 	return ns;
+}
+
+static size_t depths_base(const struct kvr_index *idx, const uint64_t *seq, size_t n,
+                          uint32_t *depth, uint32_t *slots, uint32_t *best)
+{
+	return depths_walk(idx, seq, n, depth, slots, best, false);
+}
+
+#ifdef MATCH_AVX2
+__attribute__((target("avx2"))) static size_t depths_avx2(const struct kvr_index *idx,
+                                                          const uint64_t *seq, size_t n,
+                                                          uint32_t *depth, uint32_t *slots,
+                                                          uint32_t *best)
+{
+	return depths_walk(idx, seq, n, depth, slots, best, true);
+}
+
+static bool have_avx2(void)
+{
+	static int have = -1; /* racing first calls compute the same answer */
+	int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
+	if (h < 0) {
+		__builtin_cpu_init();
+		h = __builtin_cpu_supports("avx2") ? 1 : 0;
+		__atomic_store_n(&have, h, __ATOMIC_RELAXED);
+	}
+	return h;
+}
+#endif
+
+size_t kvr_index_find_depths_impl(const struct kvr_index *idx, const uint64_t *seq, size_t n,
+                                  uint32_t *depth, uint32_t *slots, uint32_t *best,
+                                  enum kvr_index_depths_impl impl)
+{
+#ifdef MATCH_AVX2
+	if (impl == KVR_INDEX_DEPTHS_AUTO && have_avx2())
+		return depths_avx2(idx, seq, n, depth, slots, best);
+#else
+	(void)impl;
+#endif
+	return depths_base(idx, seq, n, depth, slots, best);
+}
+
+size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, size_t n,
+                             uint32_t *depth, uint32_t *slots, uint32_t *best)
+{
+	return kvr_index_find_depths_impl(idx, seq, n, depth, slots, best, KVR_INDEX_DEPTHS_AUTO);
 }
 
 size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, size_t n)

@@ -17,6 +17,10 @@
  *      the replay stores output blocks); so a query of the whole prompt crosses T runs, each
  *      going on past the point where the query leaves it (the reply).  On the 24 session
  *      traces a path crossed 42 runs on average (kvr-replay, ~8,700 blocks).
+ *   f  d with each prompt stored by 4 ranks (i, i + 16, i + 32, i + 48 mod 64), as a router
+ *      spreads a hot conversation: a query's later runs have several holders each (at L = 128,
+ *      ~60 later-run holder words a query, as bench_route's 2k prompts; d has ~15).  Only the
+ *      single-pattern modes (--cg, --tput, --tail, --depths-ab) take it.
  * For each (L, pattern), in one run:
  *   match_p50/p90/p99/p999_ns  find_matches on a random one of the P prompts (inside a read
  *                     section), the prompt's hashes read just before, after one warm-up query
@@ -58,6 +62,7 @@
  *          [--apply-only [--per N] | --rw-only | --cg L PAT
  *          | --tail L PAT [--touch] (what the slow 1 % of the match calls are)
  *          | --tput L PAT (find_matches, find_depths, and find_depths cold and warm) | --mem-only
+ *          | --depths-ab L PAT [N] (find_depths' AVX2 and base loops, alternated in one process)
  *          | --mem-sweep
  *          | --churn [N admissions per mode, default 4000] [--churn-mode once|incr|old]]
  */
@@ -73,6 +78,7 @@
 #include "core/hash.h"
 #include "core/index.h"
 #include "core/index_internal.h"
+#include "core/index_match.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
 
@@ -192,9 +198,11 @@ static uint64_t apply_pattern(struct kvr_index *idx, const uint32_t *slot, struc
 		apply_turns(idx, slot[i % RANKS], p);
 		return 0;
 	}
-	if (pat == 3) { /* held pairs: counted by the caller (prompts overlap) */
-		if (kvr_index_store(idx, slot[i % RANKS], NULL, p->b, p->L) != 0)
-			abort();
+	if (pat == 3 || pat == 5) { /* held pairs: counted by the caller (prompts overlap) */
+		for (int c = 0; c < (pat == 5 ? 4 : 1); c++)
+			if (kvr_index_store(idx, slot[(i + c * RANKS / 4) % RANKS], NULL, p->b,
+			                    p->L) != 0)
+				abort();
 		return 0;
 	}
 	if (pat == 0) {
@@ -264,7 +272,7 @@ static struct path *make_prompts(size_t L, int pat, int np)
 	struct path *ps = calloc((size_t)np, sizeof(*ps));
 	for (int i = 0; i < np; i++)
 		make_path(&ps[i], L);
-	if (pat == 3)
+	if (pat == 3 || pat == 5)
 		make_sessions(ps, np);
 	return ps;
 }
@@ -522,7 +530,7 @@ static void tail_mode(size_t L, int pat, int reps, bool touch)
 		}
 	printf("tail L=%zu pattern=%c prompts=%d reps=%d%s hash_p50_ns=%lu; pass 1's calls above "
 	       "its p99 (%lu ns): %zu, of them first queries of their prompt: %zu\n",
-	       L, "abcde"[pat], np, reps, touch ? " (hashes read first)" : "", (unsigned long)h50,
+	       L, "abcdef"[pat], np, reps, touch ? " (hashes read first)" : "", (unsigned long)h50,
 	       (unsigned long)thr, slow, slow_first);
 	printf("  page faults in both passes: %ld minor, %ld major\n",
 	       ru1.ru_minflt - ru0.ru_minflt, ru1.ru_majflt - ru0.ru_majflt);
@@ -582,7 +590,7 @@ static void bench_match(bool quick)
 			       "blocks=%lu match_p50_ns=%lu match_p90_ns=%lu match_p99_ns=%lu "
 			       "match_p999_ns=%lu hash_p50_ns=%lu ratio=%.3f first_p50_ns=%lu "
 			       "first_p99_ns=%lu bytes_per_held_block=%.1f runs_per_path=%.1f\n",
-			       L, "abcde"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
+			       L, "abcdef"[pat], np, (unsigned long)held, (unsigned long)st.nodes,
 			       (unsigned long)m.p50, (unsigned long)m.p90, (unsigned long)m.p99,
 			       (unsigned long)m.p999, (unsigned long)h50,
 			       h50 ? (double)m.p99 / (double)h50 : 0.0, (unsigned long)m.first_p50,
@@ -1040,7 +1048,7 @@ static void cg_mode(size_t L, int pat)
 	depths_queries(idx, ps, np, 1000);
 	uint64_t h = hash_p50(&ps[0], 1000);
 	printf("cg L=%zu pattern=%c (timings under valgrind are meaningless: %lu %lu)\n", L,
-	       "abcde"[pat], (unsigned long)m.p99, (unsigned long)h);
+	       "abcdef"[pat], (unsigned long)m.p99, (unsigned long)h);
 	kvr_index_destroy(idx);
 	free_prompts(ps, np);
 }
@@ -1079,11 +1087,110 @@ static void cold_lat(const struct kvr_index *idx, const struct path *ps, int np,
 	const uint64_t w50 = pctl(warm, (size_t)reps, 500), w99 = pctl(warm, (size_t)reps, 990);
 	printf("SUMMARY bench=index_lat_depths L=%zu pattern=%c queries=%d cold_p50_ns=%lu "
 	       "cold_p99_ns=%lu warm_p50_ns=%lu warm_p99_ns=%lu (%lu)\n",
-	       ps[0].L, "abcde"[pat], reps, (unsigned long)c50, (unsigned long)c99,
+	       ps[0].L, "abcdef"[pat], reps, (unsigned long)c50, (unsigned long)c99,
 	       (unsigned long)w50, (unsigned long)w99, (unsigned long)(sink & 1));
 	free((void *)buf);
 	free(cold);
 	free(warm);
+}
+
+/* One find_depths call with the given loops, timed in TSC ticks (rdtscp after, lfence before). */
+static uint64_t depths_ticks(const struct kvr_index *idx, const struct path *p, uint32_t *depth,
+                             uint32_t *slots, uint32_t *best, size_t *k,
+                             enum kvr_index_depths_impl impl)
+{
+#if defined(__x86_64__)
+	unsigned aux;
+	__builtin_ia32_lfence();
+	const uint64_t t0 = __builtin_ia32_rdtsc();
+	__builtin_ia32_lfence();
+	*k = kvr_index_find_depths_impl(idx, p->seq, p->L, depth, slots, best, impl);
+	const uint64_t t1 = __builtin_ia32_rdtscp(&aux);
+	__builtin_ia32_lfence();
+	return t1 - t0;
+#else
+	const uint64_t t0 = now_ns();
+	*k = kvr_index_find_depths_impl(idx, p->seq, p->L, depth, slots, best, impl);
+	return now_ns() - t0;
+#endif
+}
+
+/* --depths-ab L PAT [N]: find_depths with its AVX2 loops (KVR_INDEX_DEPTHS_AUTO) and without
+ * (BASE) on the same index and prompts, in one process, so the machine's load falls on both.
+ * N random prompts (default 20,000), each read first (kvr_route has just hashed it), then
+ * queried by both, in alternating order: each impl's "first" samples are those where it ran
+ * first on its prompt (the path's lines as the previous prompt's query left them, as in
+ * kvr_route), "second" right after the other (the path in L1).  Ticks of the TSC.  The two
+ * answers are compared (depths, slots, best): a difference aborts.  Then the mean over
+ * back-to-back queries (7 rounds, alternated, best round of each). */
+static void depths_ab(size_t L, int pat, long reps)
+{
+	int np;
+	struct path *ps;
+	struct kvr_index *idx = pattern_index(L, pat, &np, &ps);
+	uint64_t *lat[2][2];
+	size_t nl[2][2] = {{0}};
+	for (int a = 0; a < 2; a++)
+		for (int b = 0; b < 2; b++)
+			lat[a][b] = malloc((size_t)reps * sizeof(uint64_t));
+	uint32_t depth[2][RANKS] = {{0}}, slots[2][RANKS], best[2];
+	uint64_t sink = 0;
+	for (long i = 0; i < reps; i++) {
+		const struct path *p = &ps[rnd() % (uint64_t)np];
+		sink += touch_hashes(p);
+		size_t k[2];
+		kvr_rcu_read_lock();
+		for (int o = 0; o < 2; o++) {
+			const int im = (int)((i + o) & 1); /* 0: AUTO, 1: BASE */
+			lat[im][o][nl[im][o]++] =
+			    depths_ticks(idx, p, depth[im], slots[im], &best[im], &k[im],
+			                 im ? KVR_INDEX_DEPTHS_BASE : KVR_INDEX_DEPTHS_AUTO);
+		}
+		kvr_rcu_read_unlock();
+		if (k[0] != k[1] || best[0] != best[1] ||
+		    memcmp(depth[0], depth[1], sizeof(depth[0])) != 0 ||
+		    memcmp(slots[0], slots[1], k[0] * sizeof(uint32_t)) != 0) {
+			fprintf(stderr, "depths-ab: the two loops disagree on prompt %ld\n",
+			        (long)(p - ps));
+			abort();
+		}
+		for (int im = 0; im < 2; im++)
+			for (size_t j = 0; j < k[im]; j++)
+				depth[im][slots[im][j]] = 0;
+	}
+	double tput[2] = {1e30, 1e30};
+	const long nq = L >= 8192 ? 10000 : 50000;
+	for (int round = 0; round < 14; round++) {
+		const int im = round & 1;
+		uint32_t b;
+		const uint64_t t0 = now_ns();
+		for (long q = 0; q < nq; q++) {
+			kvr_rcu_read_lock();
+			size_t k = kvr_index_find_depths_impl(
+			    idx, ps[q % np].seq, L, depth[0], slots[0], &b,
+			    im ? KVR_INDEX_DEPTHS_BASE : KVR_INDEX_DEPTHS_AUTO);
+			kvr_rcu_read_unlock();
+			for (size_t j = 0; j < k; j++)
+				depth[0][slots[0][j]] = 0;
+		}
+		const double d = (double)(now_ns() - t0) / (double)nq;
+		tput[im] = d < tput[im] ? d : tput[im];
+	}
+	for (int im = 0; im < 2; im++)
+		printf("SUMMARY bench=index_depths_ab L=%zu pattern=%c impl=%s queries=%ld "
+		       "first_p50_ticks=%lu first_p90_ticks=%lu second_p50_ticks=%lu "
+		       "second_p90_ticks=%lu tput_ns=%.1f (%lu)\n",
+		       L, "abcdef"[pat], im ? "base" : "auto", reps,
+		       (unsigned long)pctl(lat[im][0], nl[im][0], 500),
+		       (unsigned long)pctl(lat[im][0], nl[im][0], 900),
+		       (unsigned long)pctl(lat[im][1], nl[im][1], 500),
+		       (unsigned long)pctl(lat[im][1], nl[im][1], 900), tput[im],
+		       (unsigned long)(sink & 1));
+	for (int a = 0; a < 2; a++)
+		for (int b = 0; b < 2; b++)
+			free(lat[a][b]);
+	kvr_index_destroy(idx);
+	free_prompts(ps, np);
 }
 
 /* --tput L PAT: mean find_matches time over back-to-back queries (the best of 7 rounds of Q
@@ -1109,7 +1216,7 @@ static void tput_mode(size_t L, int pat)
 		best = d < best ? d : best;
 	}
 	printf("SUMMARY bench=index_tput L=%zu pattern=%c queries=%ld mean_ns_per_query=%.1f\n", L,
-	       "abcde"[pat], nq, (double)best / (double)nq);
+	       "abcdef"[pat], nq, (double)best / (double)nq);
 	best = UINT64_MAX;
 	for (int round = 0; round < 7; round++) {
 		uint64_t t0 = now_ns();
@@ -1119,7 +1226,7 @@ static void tput_mode(size_t L, int pat)
 	}
 	printf("SUMMARY bench=index_tput_depths L=%zu pattern=%c queries=%ld "
 	       "mean_ns_per_query=%.1f\n",
-	       L, "abcde"[pat], nq, (double)best / (double)nq);
+	       L, "abcdef"[pat], nq, (double)best / (double)nq);
 	cold_lat(idx, ps, np, pat, L == 8192 ? 1000 : 3000);
 	kvr_index_destroy(idx);
 	free_prompts(ps, np);
@@ -1232,6 +1339,13 @@ int main(int argc, char **argv)
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
 			cg_mode((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a');
+			return 0;
+		} else if (!strcmp(argv[i], "--depths-ab") && i + 2 < argc) {
+			if (kvr_rcu_thread_online() != 0)
+				return 1;
+			depths_ab((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a',
+			          i + 3 < argc && argv[i + 3][0] != '-' ? atol(argv[i + 3])
+			                                                : 20000);
 			return 0;
 		} else if (!strcmp(argv[i], "--tput") && i + 2 < argc) {
 			if (kvr_rcu_thread_online() != 0)
