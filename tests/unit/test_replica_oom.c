@@ -249,6 +249,28 @@ Test(replica_oom, reannounced_attempt_refused_for_memory_healed, .timeout = 120)
 	bus_teardown(r, 2);
 }
 
+/* Waits until rep has no heal of peer `id` asked or pending within two heartbeat periods (the
+ * rate limit of ask_heal): a heal asked while the routers came up on a loaded machine (the
+ * first heartbeat seen before the admission) would otherwise be rate-limited when the lost
+ * finish's heartbeat asks, and its re-announce, arriving after the loss, heals it with no gap
+ * counted (1 full-suite run at load 10-13). */
+static void settle_heals(struct kvr_replica *rep, uint64_t id)
+{
+	const uint64_t period = 2ull * rep->c.heartbeat_ms * 1000000ull, t0 = now_ms();
+	for (;;) {
+		pthread_mutex_lock(&rep->mu);
+		struct kvr_rep_peer *p = kvr_rep_peer_find(rep, id);
+		bool quiet = p && !p->heal_pending &&
+		             (!p->heal_ns || kvr_rep_mono_ns() - p->heal_ns > period);
+		pthread_mutex_unlock(&rep->mu);
+		if (quiet)
+			return;
+		cr_assert(now_ms() - t0 < 10000, "a heal of peer %lu stayed pending",
+		          (unsigned long)id);
+		usleep(5000);
+	}
+}
+
 /* The last message of a quiet stream lost on arrival (a finish): the sender's next heartbeat
  * shows its stream position ahead of what was applied, and the mirror asks for a re-announce
  * at once instead of keeping the attempt (and its load) until the sender sends again. */
@@ -261,6 +283,7 @@ Test(replica_oom, lost_finish_healed_by_heartbeat, .timeout = 60)
 	struct kvr_decision d = bus_route(r[0], 7, 40);
 	bus_quiet(r, 2);
 	cr_assert_eq(rank_stats(r[1], d.rank).active_requests, 1);
+	settle_heals(bus.rep[1], 1);
 	struct kvr_sync_stats before, after;
 	kvr_replica_get_stats(bus.rep[1], &before);
 	/* The finish's allocations on the origin: none (a finish note is inline; the router's
