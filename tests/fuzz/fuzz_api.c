@@ -47,6 +47,7 @@ static _Thread_local size_t cur_op;
 static _Thread_local char cur_detail[256];
 static bool trace_on;           /* FUZZ_API_TRACE */
 uint64_t fuzz_api_current_seed; /* set by the seeded driver, printed on failure */
+bool fuzz_api_craft;            /* fuzz_api_seeds --craft: crafted hash-given prompts */
 
 #define FAIL(...)                                                                                  \
 	do {                                                                                       \
@@ -171,6 +172,11 @@ struct prog {
 	uint64_t seqs[MAX_TOK]; /* their sequence hashes (kvr_request.seq_hashes) */
 	uint64_t calls;
 	uint64_t routes; /* kvr_route calls so far */
+	/* fuzz_api_craft: the last prompt's honest chain, and interior hashes of earlier ones */
+	uint64_t prev_l[MAX_TOK], prev_s[MAX_TOK];
+	size_t prev_nb;
+	uint64_t hist[256];
+	unsigned n_hist, hist_pos;
 };
 
 static struct kvr_rank_id rid(int i)
@@ -621,6 +627,69 @@ static void op_stats(struct prog *p)
 	check_stats(p, i, &s);
 }
 
+/* fuzz_api_craft (fuzz_api_seeds --craft, FUZZ_API_CRAFT=1): a hash-given prompt is abused as
+ * the header allows ("Not checked: hashes that are not the chain of the prompt route the prompt
+ * they name"): a root whose local hash is another chain's interior sequence hash, followed by that
+ * chain's own local hashes (the chain's suffix stored as a root: the index's crafted-root case,
+ * core/index_tops.c, core/index_blocks.c), sequence hashes that repeat within the prompt or name
+ * other chains' blocks, or a few values over and over.  The model bounds nothing about overlaps,
+ * so what judges these is every call's documented code and the end checks: no load, resident <=
+ * capacity, no byte left.  Off, no input byte is read here: every seed runs as before. */
+static void craft_hashes(struct prog *p, struct kvr_request *q, size_t n_tok)
+{
+	uint32_t bs = p->cfg.block_size;
+	uint32_t v = u8(&p->in);
+	/* the honest chain of this prompt, remembered for later prompts */
+	static _Thread_local uint64_t l[MAX_TOK], sq[MAX_TOK];
+	size_t nb =
+	    kvr_hash_blocks(p->toks, n_tok < MAX_TOK ? n_tok : MAX_TOK, bs, q->lora_name, l, sq);
+	size_t nh = q->local_hashes ? q->n_hashes : 0;
+	if (nh && p->prev_nb > 1 && p->n_hist) {
+		uint64_t *lh = (uint64_t *)q->local_hashes, *sh = (uint64_t *)q->seq_hashes;
+		switch (v % 8) {
+		case 0: { /* the previous chain's suffix from depth d, as a root */
+			size_t d = 1 + u8(&p->in) % (p->prev_nb - 1);
+			for (size_t k = 0; k < nh && d + k < p->prev_nb; k++) {
+				lh[k] = k ? p->prev_l[d + k] : p->prev_s[d];
+				if (sh)
+					sh[k] = p->prev_s[d + k];
+			}
+			break;
+		}
+		case 1: /* a root on an earlier chain's interior hash, the rest chained from it */
+			lh[0] = p->hist[u8(&p->in) % p->n_hist];
+			if (sh)
+				sh[0] = lh[0];
+			break;
+		case 2: /* a sequence hash repeating an earlier one of the prompt */
+			if (sh && nh > 1) {
+				size_t k = 1 + u8(&p->in) % (nh - 1);
+				sh[k] = sh[u8(&p->in) % k];
+			}
+			break;
+		case 3: /* a sequence hash naming another chain's block */
+			if (sh)
+				sh[u8(&p->in) % nh] = p->hist[u8(&p->in) % p->n_hist];
+			break;
+		case 4: /* three values over and over */
+			if (sh)
+				for (size_t k = 0; k < nh; k++)
+					sh[k] = 0x5eed0000u + (k + v / 8) % 3;
+			break;
+		default: /* honest */
+			break;
+		}
+	}
+	if (nb) {
+		memcpy(p->prev_l, l, nb * sizeof(*l));
+		memcpy(p->prev_s, sq, nb * sizeof(*sq));
+		p->prev_nb = nb;
+		for (size_t k = 1; k < nb; k += 1 + nb / 8)
+			p->hist[p->hist_pos++ % 256] = sq[k];
+		p->n_hist = p->hist_pos < 256 ? p->hist_pos : 256;
+	}
+}
+
 /* Builds a request; *defect says which documented error it must get (0: none). */
 static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_id *pin,
                         struct kvr_rank_id *allow, int *pinned, uint8_t *allow_set,
@@ -656,6 +725,8 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
 			q->seq_hashes = p->seqs;
 		}
 	}
+	if (fuzz_api_craft)
+		craft_hashes(p, q, n);
 	q->request_id = u16(&p->in);
 	q->expected_output_tokens = u8(&p->in) % 4 == 0 ? u16(&p->in) : 0;
 	uint32_t pk = u8(&p->in);
@@ -1734,6 +1805,8 @@ static void *run_program(void *arg)
 	size_t max_ops = mo ? (size_t)strtoull(mo, NULL, 0) : 4096;
 	bool trace = getenv("FUZZ_API_TRACE") != NULL;
 	trace_on = trace;
+	if (getenv("FUZZ_API_CRAFT"))
+		fuzz_api_craft = true;
 	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
 		uint32_t op = u8(&p->in) % 32;
 		if (trace)

@@ -3,6 +3,7 @@
 #ifndef KVR_TESTS_FUZZ_API_H
 #define KVR_TESTS_FUZZ_API_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -12,6 +13,9 @@ struct fuzz_api_stats {
 
 extern struct fuzz_api_stats fuzz_api_totals;
 extern uint64_t fuzz_api_current_seed;
+/* Crafted hash-given prompts (fuzz_api.c, craft_hashes; also FUZZ_API_CRAFT=1): off by default,
+ * so a seed or a corpus file runs the same program as before. */
+extern bool fuzz_api_craft;
 
 /* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
  * NULL) is increased by the number of API operations it ran. */

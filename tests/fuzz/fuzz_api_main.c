@@ -3,11 +3,13 @@
  * each seed expands (splitmix64) into one program for fuzz_api.c.  Registered in meson test
  * with a short run, so it runs in every build, ASan+UBSan and TSan included.
  *
- *   fuzz_api_seeds [--first S] [--seeds N] [--seconds T] [--bytes B] [--write FILE]
+ *   fuzz_api_seeds [--first S] [--seeds N] [--seconds T] [--bytes B] [--write FILE] [--craft]
  *   fuzz_api_seeds FILE...        (program files: a libFuzzer input, tests/fuzz/corpus/api/)
  *
  * A failure prints its seed; `--first S --seeds 1` replays it alone, and `--write FILE` saves
  * that seed's program bytes as a libFuzzer input (build-fuzz/tests/fuzz/fuzz_api FILE).
+ * --craft (before FILE... too) crafts hash-given prompts (fuzz_api.c, craft_hashes): other
+ * programs than without it, so a seed replays with the same flag.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -73,12 +75,14 @@ int main(int argc, char **argv)
 			max_bytes = (size_t)strtoull(argv[++i], NULL, 0);
 		else if (!strcmp(argv[i], "--write") && v)
 			write = argv[++i];
+		else if (!strcmp(argv[i], "--craft"))
+			fuzz_api_craft = true;
 		else if (argv[i][0] != '-')
 			return run_files(argc - i, argv + i);
 		else {
 			fprintf(stderr,
 			        "usage: %s [--first S] [--seeds N] [--seconds T] [--bytes B] "
-			        "[--write FILE]\n",
+			        "[--write FILE] [--craft]\n",
 			        argv[0]);
 			return 2;
 		}
