@@ -36,6 +36,19 @@
  * Requirement: chained sequence hashes (a seq hash names its whole prefix: core/hash), and
  * add_output continues the request's chain.  tests/ref/load_ref.c is the per-block version, the
  * oracle of tests/unit/test_load.c.
+ *
+ * Crafted hashes.  The router does not check that a caller's hashes chain (kvr_request: a
+ * prompt given as local hashes has its first local hash as its root's sequence hash, and
+ * seq_hashes are taken as given), so a hash can come at two places: a root on another chain's
+ * interior hash, or a prompt repeating a hash.  Then a split can make a head that another run
+ * already has, and a walk can come back to a run it already took.  Both broke the structure (a
+ * second head entry, removed for the wrong run, left the map naming a freed run: a shard thread's
+ * SEGV; a second hit in one run split the first hit's run after it was counted, so a finish
+ * unpinned runs it never pinned).  So a head already in the map is not entered again (that run
+ * is found by no walk: it is pinned and freed by its own requests, never shared or split), a
+ * run's entry is removed only if it is that run's, and a walk stops at a run it already took
+ * this walk (the rest becomes a run of its own).  Honest chains never get there: each hash is
+ * pinned at most once.  The load of a crafted prompt is then an upper bound (less sharing).
  * Failure model: splits first (no observable change), then every reservation, then mutation.
  */
 #include "shards/load.h"
@@ -56,6 +69,7 @@ struct run {
 	uint32_t pins;
 	uint32_t sprev, snext;  /* split chain */
 	uint32_t next;          /* free list */
+	uint32_t seen;          /* the walk that last took it (walk: crafted hashes) */
 	struct kvr_pinrun *pub; /* its published copy (when the load publishes), owns mem */
 };
 
@@ -82,7 +96,8 @@ struct kvr_load {
 	struct kvr_u64map by_attempt;
 	struct run *runs;
 	uint32_t runs_cap, runs_live, free_head;
-	struct kvr_u64map heads; /* head hash -> run */
+	struct kvr_u64map heads; /* head hash -> run (the first run made with that head) */
+	uint32_t walk_id;        /* the current pin's walk (struct run's seen) */
 	uint64_t pinned;         /* distinct pinned hashes */
 	uint64_t prefill_sum, n_prefill, next_order;
 	/* Oldest in-prefill request, cached: the attempt (valid while oldest_valid). */
@@ -224,7 +239,7 @@ static uint32_t run_new(struct kvr_load *l)
 static void run_free(struct kvr_load *l, uint32_t i)
 {
 	struct run *g = &l->runs[i];
-	kvr_u64map_remove(&l->heads, seq_of(g)[0]);
+	kvr_u64map_remove_val(&l->heads, seq_of(g)[0], i); /* only its own (crafted hashes) */
 	if (g->sprev != NIL)
 		l->runs[g->sprev].snext = g->snext;
 	if (g->snext != NIL)
@@ -275,7 +290,7 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 	if (a->snext != NIL)
 		l->runs[a->snext].sprev = j;
 	a->snext = j;
-	kvr_u64map_insert(&l->heads, seq_of(b)[0], j);
+	kvr_u64map_insert_absent(&l->heads, seq_of(b)[0], j); /* crafted: may be there */
 	/* Readers: the right part is published first, then the left one shrinks (len first, then
 	 * its array, maybe a copy: pinmap.h), so a walk sees the whole run either way.  The array a
 	 * owned belongs to b's copy when b kept it. */
@@ -295,7 +310,9 @@ static int split(struct kvr_load *l, uint32_t i, uint32_t off)
 /*
  * Walks seq[0], seq[stride], ... (n hashes) from the root (tail == NIL) or from the tail of run
  * `tail`: returns how many leading hashes are pinned; records the runs they lie in as hits (room
- * for hcap: *nh = SIZE_MAX when that is not enough).
+ * for hcap: *nh = SIZE_MAX when that is not enough), each run once: with hits, a run already
+ * taken by this walk (a crafted prompt repeating a hash) ends it, and runs are marked taken
+ * (seen = l->walk_id, which the caller made new).  Without hits nothing is written.
  */
 static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t stride, size_t n,
                    uint32_t tail, struct kvr_run_hit *hits, size_t hcap, size_t *nh)
@@ -310,6 +327,12 @@ static size_t walk(const struct kvr_load *l, const uint64_t *seq, size_t stride,
 				break;
 			i = *v;
 			o = 0;
+			if (hits) {
+				struct run *g = (struct run *)&l->runs[i]; /* l is the caller's */
+				if (g->seen == l->walk_id)
+					break; /* taken already: a hash repeated (crafted) */
+				g->seen = l->walk_id;
+			}
 		} else if (seq_of(&l->runs[i])[o + 1] == seq[k * stride]) {
 			o++;
 		} else {
@@ -400,6 +423,7 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t st
 		if ((rc = kvr_grow((void **)&l->hits, &l->hits_cap, need, sizeof(*l->hits))))
 			return rc;
 		nh = 0;
+		l->walk_id++; /* after a wrap a stale mark only ends a walk early: less sharing */
 		hit = walk(l, seq, stride, n, tail, l->hits, l->hits_cap, &nh);
 		if (nh != SIZE_MAX)
 			break;
@@ -432,7 +456,7 @@ static int pin(struct kvr_load *l, struct req *q, const uint64_t *seq, size_t st
 		g->mem = m;
 		g->cap = g->len = nnew;
 		g->pins = 1;
-		kvr_u64map_insert(&l->heads, m[0], i);
+		kvr_u64map_insert_absent(&l->heads, m[0], i); /* crafted: may be there */
 		q->p[q->n++] = (struct piece){i, nnew};
 		l->pinned += nnew;
 		pub_make(l, g, d);

@@ -102,6 +102,20 @@ static inline void kvr_u64map_insert(struct kvr_u64map *m, uint64_t key, uint32_
 	(void)kvr_u64map_put_raw(m, key, val);
 }
 
+/* Inserts key unless it is present (room must have been reserved; one probe sequence, as
+ * kvr_u64map_insert's).  Returns whether it inserted.  val != KVR_U64MAP_EMPTY. */
+static inline bool kvr_u64map_insert_absent(struct kvr_u64map *m, uint64_t key, uint32_t val)
+{
+	size_t mask = m->cap - 1, i = kvr_u64map_home(m, key);
+	for (; m->slots[i].val != KVR_U64MAP_EMPTY; i = (i + 1) & mask)
+		if (m->slots[i].key == key)
+			return false;
+	m->slots[i].key = key;
+	m->slots[i].val = val;
+	m->count++;
+	return true;
+}
+
 /* kvr_u64map_insert, with a tag in the slot's spare word (shards/ttl.c: a run generation). */
 static inline void kvr_u64map_insert_tag(struct kvr_u64map *m, uint64_t key, uint32_t val,
                                          uint32_t tag)
@@ -176,6 +190,16 @@ static inline bool kvr_u64map_remove(struct kvr_u64map *m, uint64_t key)
 	if (s)
 		kvr_u64map_remove_at(m, (size_t)(s - m->slots));
 	return s != NULL;
+}
+
+/* Removes key if it is present with value val.  Returns whether it removed it. */
+static inline bool kvr_u64map_remove_val(struct kvr_u64map *m, uint64_t key, uint32_t val)
+{
+	struct kvr_u64map_slot *s = kvr_u64map_find_slot(m, key);
+	if (!s || s->val != val)
+		return false;
+	kvr_u64map_remove_at(m, (size_t)(s - m->slots));
+	return true;
 }
 
 /* Empties the map, keeping its memory. */

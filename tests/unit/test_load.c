@@ -90,6 +90,61 @@ Test(load, pin_across_many_runs)
 	kvr_load_destroy(l);
 }
 
+/* Crafted hashes (kvr_request does not check that a caller's hashes chain): a root whose hash is
+ * another chain's interior hash.  The split made by a third request gave that hash a second head
+ * entry; when the split's run was freed, the crafted run's entry went instead and the map named a
+ * freed run, which the next walk read (ASan: SEGV in walk; a router's shard thread died the same
+ * way, test_regress crafted_root_on_an_interior_hash).  Found by fuzz_api_seeds --craft. */
+Test(load, crafted_root_on_an_interior_hash)
+{
+	struct kvr_load *l;
+	struct kvr_load_stats st;
+	cr_assert_eq(kvr_load_create(0, &l), 0);
+	cr_assert_eq(kvr_load_add(l, 1, (uint64_t[]){10, 11, 12, 13}, 1, 4, 0, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){12, 99}, 1, 2, 0, 0), 0); /* crafted root */
+	cr_assert_eq(kvr_load_add(l, 3, (uint64_t[]){10, 11, 50}, 1, 3, 0, 0), 0); /* split at 12 */
+	cr_assert_eq(kvr_load_finish(l, 1), 0);
+	cr_assert_eq(kvr_load_finish(l, 3), 0); /* frees the run the split made, headed by 12 */
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 2, "request 2's blocks");
+	cr_assert_eq(kvr_load_pinned_depth(l, (uint64_t[]){12, 99, 7}, 3), 2);
+	cr_assert_eq(kvr_load_add(l, 4, (uint64_t[]){12, 99, 7}, 1, 3, 0, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 5, (uint64_t[]){10, 11, 12, 13}, 1, 4, 0, 0), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 3 + 4);
+	for (uint64_t a = 2; a <= 5; a++)
+		if (a != 3)
+			cr_assert_eq(kvr_load_finish(l, a), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 0);
+	cr_assert_eq(st.active_requests, 0);
+	kvr_load_destroy(l);
+}
+
+/* A crafted prompt that repeats a hash comes back to a run its walk already took: the second hit
+ * split the first one's run after the first was counted, so the finish unpinned a run the request
+ * never pinned (request 1's blocks 12, 13 freed under it: 2 active blocks left instead of 4, then
+ * a double free).  Now the walk stops there and the rest is a run of its own. */
+Test(load, crafted_prompt_repeating_a_hash)
+{
+	struct kvr_load *l;
+	struct kvr_load_stats st;
+	cr_assert_eq(kvr_load_create(0, &l), 0);
+	cr_assert_eq(kvr_load_add(l, 1, (uint64_t[]){10, 11, 12, 13}, 1, 4, 0, 0), 0);
+	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){10, 11, 12, 13, 10, 11}, 1, 6, 0, 0), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_geq(st.active_blocks, 4);
+	cr_assert_eq(kvr_load_add_output(l, 2, (uint64_t[]){10, 11, 12}, 1, 3), 0);
+	cr_assert_eq(kvr_load_finish(l, 2), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 4, "request 1 still holds its 4 blocks");
+	cr_assert_eq(kvr_load_pinned_depth(l, (uint64_t[]){10, 11, 12, 13}, 4), 4);
+	cr_assert_eq(kvr_load_finish(l, 1), 0);
+	kvr_load_stats(l, &st);
+	cr_assert_eq(st.active_blocks, 0);
+	kvr_load_destroy(l);
+}
+
 Test(load, oldest_prefill_decays_linearly)
 {
 	struct kvr_load *l;

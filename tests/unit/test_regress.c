@@ -384,3 +384,57 @@ Test(regress, stats_count_an_attempt_right_after_its_decision)
 	}
 	kvr_router_destroy(r);
 }
+
+/* kvr_request does not check that a caller's hashes chain, and a prompt given as local hashes has
+ * its first local hash as its root's sequence hash: a root on another prompt's interior hash is
+ * two calls away for any frontend.  The shard's load tracker (shards/load.c) then made a second
+ * head entry for that hash when a third prompt split the first one's run there, dropped the wrong
+ * entry when the split's run was freed, and the next booking walked a freed run: the shard thread
+ * died (SEGV in walk, kvr_load_add, at the fifth route).  Found by fuzz_api_seeds --craft (seed
+ * 176); test_load crafted_root_on_an_interior_hash holds the tracker's own case. */
+static uint64_t route_local(struct kvr_router *r, const uint64_t *local, size_t n)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.local_hashes = local;
+	q.n_hashes = n;
+	q.n_tokens = n * 16;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0); /* booked before the next call */
+	return d.attempt;
+}
+
+Test(regress, crafted_root_on_an_interior_hash)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.block_size = 16;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 0, 1000), 0);
+	uint32_t tok[64];
+	prompt(tok, 64, 3);
+	uint64_t loc[4], seq[4];
+	cr_assert_eq(kvr_hash_blocks(tok, 64, 16, NULL, loc, seq), 4);
+	uint64_t a1 = route_local(r, loc, 4);
+	uint64_t a2 = route_local(r, (uint64_t[]){seq[2], 77}, 2); /* crafted: its root is S2 */
+	uint64_t a3 = route_local(r, (uint64_t[]){loc[0], loc[1], 55}, 3); /* leaves at S2 */
+	cr_assert_eq(kvr_request_finish(r, a1), 0);
+	cr_assert_eq(kvr_request_finish(r, a3), 0);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	uint64_t a4 = route_local(r, (uint64_t[]){seq[2], 77, 78}, 3);
+	uint64_t a5 = route_local(r, loc, 4);
+	cr_assert_eq(kvr_request_finish(r, a2), 0);
+	cr_assert_eq(kvr_request_finish(r, a4), 0);
+	cr_assert_eq(kvr_request_finish(r, a5), 0);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+	cr_assert_eq(st.active_requests, 0);
+	cr_assert_eq(st.active_blocks, 0);
+	kvr_router_destroy(r);
+}
