@@ -79,10 +79,18 @@ struct kvr_run_ops {
 	int (*split)(void *store, uint32_t run, uint32_t off); /* 0 < off < len */
 };
 
-/* Makes every hit of a walk a whole run, splitting where a hit starts or ends inside one.  A
- * hit recorded before an earlier hit's split may now lie further down the split chain: it is
- * followed there.  Returns 0 or the first split's error (splits change nothing observable, so
- * the caller may fail without undoing them).  Context: the store's owner. */
+/* Makes every hit of a walk whole runs, splitting where a hit starts or ends inside one: a hit
+ * then covers its first run and the runs after it on the split chain, exactly.  A hit recorded
+ * before an earlier hit's split may now lie further down the split chain: it is followed there.
+ * Hits of one walk are disjoint for chained hashes, so a hit is then one run; a crafted prompt
+ * repeating a hash (kvr_request does not check that a caller's hashes chain) walks back into a
+ * run it took, and a later hit splits an earlier one's run inside it: the earlier hit then spans
+ * several runs and its end is found down the chain (it used to be looked for in its first run
+ * only, and a hit ending past it was left ending inside a run: shards/lru.c's release walked
+ * the piece off the end of its split chain, test_lru crafted_sequences_on_lru_and_load).  The
+ * caller takes each run of a hit (shards/lru.c's acquire), or keeps hits disjoint (shards/load.c).
+ * Returns 0 or the first split's error (splits change nothing observable, so the caller may
+ * fail without undoing them).  Context: the store's owner. */
 static inline int kvr_hits_whole(void *store, const struct kvr_run_ops *ops,
                                  struct kvr_run_hit *hits, size_t nh)
 {
@@ -100,7 +108,12 @@ static inline int kvr_hits_whole(void *store, const struct kvr_run_ops *ops,
 			p->run = ops->next(store, p->run);
 			p->off = 0;
 		}
-		if (p->len < ops->len(store, p->run) && (rc = ops->split(store, p->run, p->len)))
+		uint32_t r = p->run, left = p->len;
+		while (left > (len = ops->len(store, r))) { /* crafted hashes only */
+			left -= len;
+			r = ops->next(store, r);
+		}
+		if (left < len && (rc = ops->split(store, r, left)))
 			return rc;
 	}
 	return 0;

@@ -189,17 +189,24 @@ static int reserve_pieces(struct lease *l, size_t n)
 /* ------------------------------------------------------------------ walks */
 
 /* The copies of hash h, given cur[0..nc), all the copies of the hash before it, or the root
- * (nc == 0, root).  Writes them to nxt; returns how many. */
+ * (nc == 0, root).  Writes them to nxt (at most lru->cur_cap); returns how many.
+ *
+ * The cap: the walk sets hold the copies of one hash, 1 + dups[h], and an acquire makes copies
+ * of absent hashes only - for chained hashes.  A crafted prompt (kvr_request does not check
+ * that a caller's hashes chain) gets copies of present hashes made after its first miss, which
+ * no one counts (finding them would take a map of every copy), so more copies can come than the
+ * sets hold: ASan saw the write past nxt (test_lru crafted_sequences_on_lru_and_load, seed 3). Past
+ * the cap, copies are left out of the walk: the answer stays a prediction. */
 static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t nc, bool root,
                    uint64_t h, struct cursor *nxt)
 {
-	size_t nn = 0;
+	size_t nn = 0, cap = lru->cur_cap;
 	bool probe = root;
 	for (size_t k = 0; k < nc; k++) {
 		const struct seg *g = &lru->s[cur[k].seg];
 		uint32_t o = cur[k].off + 1;
 		if (o < g->len) {
-			if (seq_of(lru, g)[o] == h)
+			if (seq_of(lru, g)[o] == h && nn < cap)
 				nxt[nn++] = (struct cursor){cur[k].seg, o};
 		} else {
 			probe = true;
@@ -207,7 +214,7 @@ static size_t step(const struct kvr_lru *lru, const struct cursor *cur, size_t n
 	}
 	if (probe) {
 		uint32_t *v = kvr_lru_heads_find(lru, h);
-		for (uint32_t j = v ? *v : NIL; j != NIL; j = kvr_lru_hnext(lru, j))
+		for (uint32_t j = v ? *v : NIL; j != NIL && nn < cap; j = kvr_lru_hnext(lru, j))
 			nxt[nn++] = (struct cursor){j, 0};
 	}
 	return nn;
@@ -414,14 +421,23 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	kvr_u64map_insert(&lru->by_attempt, attempt, lru->n_leases++);
 	l->hit = (uint32_t)hit;
 	for (size_t k = 0; k < nh; k++) {
-		struct seg *g = &lru->s[lru->hits[k].run];
-		uint64_t ord = 0;
-		if (g->inactive) {
-			ord = g->order;
-			kvr_lru_inact_unlink(lru, lru->hits[k].run);
-			g->refs = 1;
-		} else {
-			g->refs++;
+		uint32_t i = lru->hits[k].run, left = lru->hits[k].len;
+		uint64_t ord = lru->s[i].inactive ? lru->s[i].order : 0;
+		/* Every segment of the piece, as the release drops them: one, unless a later hit
+		 * of this walk split it.  Only a crafted prompt repeating a hash (kvr_request does
+		 * not check its hashes chain) walks back into a segment it took: counting the
+		 * first segment alone, the release then dropped a reference it never took from
+		 * the others (another lease's copies went inactive under it, then a SEGV in
+		 * head_del: test_lru crafted_prompt_repeating_a_hash). */
+		for (; left; i = lru->s[i].snext) {
+			struct seg *g = &lru->s[i];
+			left -= g->len;
+			if (g->inactive) {
+				kvr_lru_inact_unlink(lru, i);
+				g->refs = 1;
+			} else {
+				g->refs++;
+			}
 		}
 		l->p[l->n++] = (struct piece){lru->hits[k].run, lru->hits[k].len, ord};
 	}

@@ -7,6 +7,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "shards/load.h"
 #include "shards/lru.h"
 #include "lru_out_util.h"
 
@@ -79,6 +80,134 @@ Test(lru, reference_lifecycle)
 
 	kvr_lru_destroy(lru);
 	kvr_lru_out_fini(&out);
+}
+
+/* A crafted prompt (kvr_request does not check that a caller's hashes chain) repeating hashes its
+ * walk already took: the second hit split the first hit's segment after the walk, and only the
+ * first segment of each piece took a reference while the release dropped one from each, so lease
+ * 1's copies 12 and 13 went inactive while it held them, and set_capacity(0) evicted them twice
+ * (ASan: SEGV in head_del).  Found through fuzz_api_seeds --craft's cases, on the LRU alone. */
+Test(lru, crafted_prompt_repeating_a_hash)
+{
+	struct kvr_lru *lru;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[9];
+	struct kvr_lru_stats st;
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_lru_create(100, &lru), 0);
+	blocks(b, (uint64_t[]){10, 11, 12, 13}, 4);
+	cr_assert_eq(kvr_lru_acquire(lru, 1, b, 4, 0, &out), 0);
+	blocks(b, (uint64_t[]){10, 11, 12, 13, 10, 11}, 6);
+	cr_assert_eq(kvr_lru_acquire(lru, 2, b, 6, 0, &out), 0);
+	cr_assert_eq(kvr_lru_release(lru, 2, &out), 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.inactive, st.copies - 4, "lease 1 still holds its 4 copies");
+	blocks(b, (uint64_t[]){10, 11, 12, 13, 10, 11, 12, 13, 10}, 9);
+	cr_assert_eq(kvr_lru_acquire(lru, 3, b, 9, 0, &out), 0);
+	cr_assert_eq(kvr_lru_release(lru, 1, &out), 0);
+	cr_assert_eq(kvr_lru_release(lru, 3, &out), 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.inactive, st.copies);
+	cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
+	kvr_lru_stats(lru, &st);
+	cr_assert_eq(st.resident, 0);
+	cr_assert_eq(st.copies, 0);
+	cr_assert_eq(st.hashes, 0);
+	kvr_lru_destroy(lru);
+	kvr_lru_out_fini(&out);
+}
+
+/* Crafted sequences on an LRU and a load tracker side by side (the two run structures a booking
+ * feeds): prompts over an alphabet of 3-22 hashes, so hashes repeat within prompts and roots land
+ * on interior hashes, with output blocks, releases and capacity changes.  ASan judges the
+ * memory; the counts must stay sane and return to zero.  Before the fixes: the walk sets
+ * overflowed (more uncounted copies of a hash than 1 + dups: seed 3, ASan write past nxt in
+ * step), a hit ending past its first run after another hit split it was left unsplit (release
+ * walked off the split chain), and the load tracker's head map named a freed run.
+ * LRU_CRAFT_SEEDS=N runs more seeds. */
+static uint64_t craft_x;
+static uint64_t craft_rnd(void)
+{
+	uint64_t z = (craft_x += 0x9E3779B97F4A7C15ull);
+	z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+	z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+	return z ^ (z >> 31);
+}
+
+Test(lru, crafted_sequences_on_lru_and_load)
+{
+	const char *env = getenv("LRU_CRAFT_SEEDS");
+	uint64_t seeds = env ? strtoull(env, NULL, 0) : 150;
+	for (uint64_t seed = 1; seed <= seeds; seed++) {
+		craft_x = seed * 7919;
+		uint64_t alpha = 3 + craft_rnd() % 20;
+		struct kvr_lru *lru;
+		struct kvr_load *ld;
+		struct kvr_lru_out out;
+		kvr_lru_out_init(&out);
+		cr_assert_eq(kvr_lru_create(5 + craft_rnd() % 40, &lru), 0);
+		cr_assert_eq(kvr_load_create(0, &ld), 0);
+		uint64_t live[64], last[64], next = 1;
+		int nlive = 0;
+		for (int step = 0; step < 400; step++) {
+			int op = (int)(craft_rnd() % 10), n = 1 + (int)(craft_rnd() % 16);
+			struct kvr_lru_block b[16];
+			uint64_t s[16];
+			for (int i = 0; i < n; i++) {
+				s[i] = 1 + craft_rnd() % alpha;
+				b[i] = (struct kvr_lru_block){.local = s[i] * 3, .seq = s[i]};
+			}
+			int r1 = 0, r2 = 0;
+			if (op < 4 && nlive < 64) {
+				r1 = kvr_lru_acquire(lru, next, b, (size_t)n,
+				                     (uint32_t)(craft_rnd() % 2), &out);
+				r2 = kvr_load_add(ld, next, s, 1, (size_t)n, 10, 0);
+				live[nlive] = next++;
+				last[nlive++] = s[n - 1];
+			} else if (op < 6 && nlive) {
+				int k = (int)(craft_rnd() % (uint64_t)nlive);
+				r1 = kvr_lru_materialize(lru, live[k], last[k], b, (size_t)n, 0, 0,
+				                         &out);
+				r2 = kvr_load_add_output(ld, live[k], s, 1, (size_t)n);
+				last[k] = s[n - 1];
+			} else if (op < 9 && nlive) {
+				int k = (int)(craft_rnd() % (uint64_t)nlive);
+				r1 = kvr_lru_release(lru, live[k], &out);
+				r2 = kvr_load_finish(ld, live[k]);
+				live[k] = live[--nlive];
+				last[k] = last[nlive];
+			} else {
+				r1 = kvr_lru_set_capacity(lru, 5 + craft_rnd() % 40, &out);
+			}
+			cr_assert(r1 == 0 && r2 == 0, "seed %" PRIu64 " step %d op %d: %d %d", seed,
+			          step, op, r1, r2);
+			struct kvr_lru_stats st;
+			kvr_lru_stats(lru, &st);
+			cr_assert_leq(st.inactive, st.copies, "seed %" PRIu64 " step %d", seed,
+			              step);
+			struct kvr_load_stats ls;
+			kvr_load_stats(ld, &ls);
+			cr_assert_eq(ls.active_requests, (uint64_t)nlive, "seed %" PRIu64, seed);
+		}
+		while (nlive--) {
+			cr_assert_eq(kvr_lru_release(lru, live[nlive], &out), 0);
+			cr_assert_eq(kvr_load_finish(ld, live[nlive]), 0);
+		}
+		struct kvr_lru_stats st;
+		kvr_lru_stats(lru, &st);
+		cr_assert_eq(st.inactive, st.copies, "seed %" PRIu64 ": nothing held", seed);
+		cr_assert_eq(kvr_lru_set_capacity(lru, 0, &out), 0);
+		kvr_lru_stats(lru, &st);
+		cr_assert(st.resident == 0 && st.copies == 0 && st.hashes == 0,
+		          "seed %" PRIu64 ": resident %" PRIu64 " copies %" PRIu64, seed,
+		          st.resident, st.copies);
+		struct kvr_load_stats ls;
+		kvr_load_stats(ld, &ls);
+		cr_assert_eq(ls.active_blocks, 0, "seed %" PRIu64, seed);
+		kvr_lru_destroy(lru);
+		kvr_load_destroy(ld);
+		kvr_lru_out_fini(&out);
+	}
 }
 
 Test(lru, acquire_duplicate_attempt_refused)
