@@ -103,6 +103,7 @@ struct run {
 	uint32_t pos, len;
 	uint32_t prev, next; /* expiry list; next doubles as the free list */
 	uint32_t gen;        /* the slot's generation: +1 each time it is freed (never copied) */
+	uint32_t seen;       /* the plan that last took it (plan: crafted hashes) */
 };
 
 /* An expired run waiting for its map entries to be removed: it keeps its blob's reference. */
@@ -145,6 +146,7 @@ struct kvr_ttl {
 	size_t gr_hi, gr_ti, gr_n, gr_spare_n, done, pending;
 	struct step *plan;
 	size_t plan_cap;
+	uint32_t plan_id; /* the current plan (struct run's seen) */
 };
 
 static bool entry_live(const void *ctx, const struct kvr_u64map_slot *s);
@@ -522,6 +524,8 @@ static int plan(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint
                 size_t *nsteps, size_t *slots, size_t *fresh)
 {
 	*nsteps = *slots = *fresh = 0;
+	if (++t->plan_id == 0) /* after a wrap a stale mark only ends a record early */
+		t->plan_id = 1;
 	size_t k = 0;
 	while (k < n) {
 		if (*nsteps == t->plan_cap) {
@@ -547,7 +551,12 @@ static int plan(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, uint
 			k = e;
 			continue;
 		}
-		const struct run *e = run_at(t, ix);
+		struct run *e = run_at(t, ix);
+		if (e->seen == t->plan_id) { /* taken by this plan already: crafted (see record) */
+			(*nsteps)--;
+			break;
+		}
+		e->seen = t->plan_id;
 		uint32_t cnt = 1 + kvr_chain_agree(e->h + off, e->len - 1 - off, &b[k].seq, BSTRIDE,
 		                                   n - 1 - k);
 		*s = (struct step){(uint32_t)k, cnt, ix, off};
@@ -593,15 +602,30 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 			                  .pos = start_pos + s->k,
 			                  .len = s->n,
 			                  .gen = e->gen};
-			for (uint32_t j = 0; j < s->n; j++) {
+			/* A hash already entered by this record: only a crafted prompt repeats one
+			 * (kvr_request does not check that a caller's hashes chain).  Entered
+			 * twice, the map held two entries for one key and the store lost count of
+			 * its blocks (kvr_ttl_check broken, then an expiry reserving ~2^35 bytes:
+			 * test_ttl crafted_record_repeating_a_hash).  The record ends there: its
+			 * later blocks are not predicted. */
+			uint32_t j = 0;
+			while (j < s->n &&
+			       kvr_ttl_map_insert_absent(&t->by_seq, b[s->k + j].seq, i, e->gen)) {
 				e->h[j] = b[s->k + j].seq;
-				kvr_ttl_map_insert(&t->by_seq, e->h[j], i, e->gen);
+				j++;
 			}
-			used += s->n;
+			if (j == 0) {
+				free_slot(t, i);
+				break;
+			}
+			e->len = j;
+			used += j;
 			blob->refs++;
-			t->live += s->n;
+			t->live += j;
 			link_after(t, i, t->tail);
-			kvr_lru_out_stored(out, s->k, s->n);
+			kvr_lru_out_stored(out, s->k, j);
+			if (j < s->n)
+				break;
 			continue;
 		}
 		uint32_t l;
@@ -618,6 +642,8 @@ int kvr_ttl_record(struct kvr_ttl *t, const struct kvr_lru_block *b, size_t n, u
 			link_after(t, i, t->tail);
 		}
 	}
+	if (blob && blob->refs == 0) /* ended (crafted) before its first new run */
+		kvr_free(blob, sizeof(*blob) + (size_t)blob->cap * sizeof(uint64_t));
 	if (kvr_ttl_bury_on)
 		bury(t, BURY_PER_NEW * fresh + BURY_PER_CALL);
 	return 0;

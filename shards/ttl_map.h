@@ -74,6 +74,23 @@ static inline void kvr_ttl_map_insert(struct kvr_ttl_map *m, uint64_t key, uint3
 	kvr_u64map_insert_tag(t, key, val, tag);
 }
 
+/* kvr_ttl_map_insert unless key is in either table (live or stale): returns whether it
+ * inserted.  One probe sequence when not migrating, as kvr_ttl_map_insert's. */
+static inline bool kvr_ttl_map_insert_absent(struct kvr_ttl_map *m, uint64_t key, uint32_t val,
+                                             uint32_t tag)
+{
+	if (__builtin_expect(m->old.slots == NULL, 1)) {
+		struct kvr_u64map_slot *s = kvr_u64map_insert_absent(&m->cur, key, val);
+		if (s)
+			s->spare = tag;
+		return s != NULL;
+	}
+	if (kvr_ttl_map_find_migrating(m, key))
+		return false;
+	kvr_ttl_map_insert(m, key, val, tag);
+	return true;
+}
+
 void kvr_ttl_map_remove_migrating(struct kvr_ttl_map *m, struct kvr_u64map_slot *s);
 
 /* Removes the entry in slot s (as kvr_ttl_map_find returned it). */

@@ -103,17 +103,19 @@ static inline void kvr_u64map_insert(struct kvr_u64map *m, uint64_t key, uint32_
 }
 
 /* Inserts key unless it is present (room must have been reserved; one probe sequence, as
- * kvr_u64map_insert's).  Returns whether it inserted.  val != KVR_U64MAP_EMPTY. */
-static inline bool kvr_u64map_insert_absent(struct kvr_u64map *m, uint64_t key, uint32_t val)
+ * kvr_u64map_insert's).  Returns its new slot (for a tag), or NULL if key was there.
+ * val != KVR_U64MAP_EMPTY. */
+static inline struct kvr_u64map_slot *kvr_u64map_insert_absent(struct kvr_u64map *m, uint64_t key,
+                                                               uint32_t val)
 {
 	size_t mask = m->cap - 1, i = kvr_u64map_home(m, key);
 	for (; m->slots[i].val != KVR_U64MAP_EMPTY; i = (i + 1) & mask)
 		if (m->slots[i].key == key)
-			return false;
+			return NULL;
 	m->slots[i].key = key;
 	m->slots[i].val = val;
 	m->count++;
-	return true;
+	return &m->slots[i];
 }
 
 /* kvr_u64map_insert, with a tag in the slot's spare word (shards/ttl.c: a run generation). */

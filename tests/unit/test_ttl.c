@@ -65,6 +65,39 @@ Test(ttl, record_refresh_expire)
 	kvr_lru_out_fini(&out);
 }
 
+/* Crafted hashes (kvr_request does not check that a caller's hashes chain; approx_ttl records
+ * the prompt as given).  A record repeating a new hash entered it twice: two map entries for one
+ * key, kvr_ttl_check broken, and the store's block counts drifted until an expiry reserved
+ * ~2^35 bytes for its output (ASan out-of-memory in kvr_ttl_expire; fuzz_api_seeds --craft in
+ * approx_ttl mode hit it on a shard's TTL timer).  A record coming back to a run it refreshed
+ * split that run at an offset the first step's split had made stale.  Now such a record ends at
+ * the repeat: its later blocks are not recorded. */
+Test(ttl, crafted_record_repeating_a_hash)
+{
+	struct kvr_ttl *t;
+	struct kvr_lru_out out;
+	struct kvr_lru_block b[8];
+	kvr_lru_out_init(&out);
+	cr_assert_eq(kvr_ttl_create(1000, 0, &t), 0);
+	blk(b, (uint64_t[]){15, 15, 14, 1, 2}, 5);
+	cr_assert_eq(kvr_ttl_record(t, b, 5, 0, 1, &out), 0);
+	cr_assert_eq(kvr_ttl_check(t), 0);
+	cr_assert_eq(kvr_ttl_count(t), 1, "the record ends at the repeated 15");
+	blk(b, (uint64_t[]){1, 2, 3}, 3);
+	cr_assert_eq(kvr_ttl_record(t, b, 3, 0, 2, &out), 0);
+	blk(b, (uint64_t[]){1, 2, 3, 1, 2, 9}, 6); /* comes back to the run 1, 2, 3 */
+	cr_assert_eq(kvr_ttl_record(t, b, 6, 0, 3, &out), 0);
+	cr_assert_eq(kvr_ttl_check(t), 0);
+	blk(b, (uint64_t[]){7, 8, 7, 9, 8}, 5); /* new, with repeats after a new stretch */
+	cr_assert_eq(kvr_ttl_record(t, b, 5, 4, 4, &out), 0);
+	cr_assert_eq(kvr_ttl_check(t), 0);
+	cr_assert_eq(kvr_ttl_expire(t, 100000, &out), 0);
+	cr_assert_eq(kvr_ttl_count(t), 0);
+	cr_assert_eq(kvr_ttl_check(t), 0);
+	kvr_ttl_destroy(t);
+	kvr_lru_out_fini(&out);
+}
+
 Test(ttl, clock_step_back_keeps_order)
 {
 	struct kvr_ttl *t;
