@@ -25,9 +25,22 @@
  *    (sync/park.h explains why no wake-up is lost);
  *  - a BOUNDED park lasts at most lazy_wake_ns, so a lazy task waits at most that long (plus
  *    the shard's scheduling delay) for a shard that sleeps; a PARKED shard is woken by it;
+ *  - a soon task is left only to a park bounded by soon_wake_ns (park_soon set before the
+ *    park's announcement, read by the poster after its push and a fence), so it waits at most
+ *    that long for a shard that sleeps; any other park is woken by it;
  *  - shutdown: `closed` is set, then an RCU grace period passes, so no producer is still inside
  *    a post (every post runs in an RCU read section that checks `closed` first); after that
  *    the rings only shrink, each thread drains them and exits, and the memory can go.
+ *
+ * Soon producers (kvr_shard_post_soon: admissions, whose bookings the next decisions read, so
+ * they may lag a little but not lazy_wake_ns) wake a shard in any park but a short one: a
+ * shard that ran a soon message within SOON_WARM_NS (10 ms) parks for at most soon_wake_ns at
+ * a time and says so (park_soon), and soon posts leave such a park asleep.  So a stream of
+ * admissions costs its callers no FUTEX_WAKE (bench_route, 128k tokens, 2 shards on 2 cores:
+ * 0.9 wakes per route, 10-40 us each, route p50 1.9-2.0x the hashing floor -> 0.001 wakes,
+ * 1.1-1.25x at soon_wake_ns 250 us), the first admission after a lull still wakes the shard,
+ * and a booking waits at most soon_wake_ns (plus the scheduling delay) for a shard that
+ * sleeps; the price is a self-wake every soon_wake_ns for 10 ms after the last admission.
  *
  * Paced producers (kvr_shard_post_paced: admissions) first wait at the routing lane's soft
  * depth while the shard keeps taking messages, and spill past it once it has taken none for
@@ -74,6 +87,10 @@
  * 0, halved the shards' tasks per CPU second at 32k-token prompts in bench_route). */
 #define IDLE_PURGE_NS 100000000ull
 
+/* A shard that ran a soon message (kvr_shard_post_soon) within this long parks for at most
+ * soon_wake_ns at a time.  See kvr_shards_config.soon_wake_ns for why this long. */
+#define SOON_WARM_NS 10000000ull
+
 /* What a synchronous call's reply delay has been (post to reply posted), per call function:
  * see kvr_shard_call.  Written by callers with relaxed atomics; a racy pair (fn of one caller,
  * delay of another) only makes one guess wrong. */
@@ -104,6 +121,9 @@ struct kvr_shard {
 	uint32_t short_frac; /* shard thread: idle periods ended by work within spin_max_ns / 2,
 	                      * a moving average in 1/256 (see idle_spin) */
 	bool self_woke;      /* shard thread: its last park ended by itself, no message since */
+	bool ran_soon;       /* shard thread: ran a soon message since it last went idle */
+	uint64_t soon_last;  /* shard thread: mono_ns() when it went idle after one, 0 = never */
+	uint32_t park_soon;  /* atomic: the park being entered is bounded by soon_ns (see post) */
 	bool has_held;       /* shard thread: held is the next message (see shard_loop) */
 	uint64_t time_hw;    /* shard thread: the latest router time its timers and tasks ran at */
 	struct kvr_msg held;
@@ -115,6 +135,7 @@ struct kvr_shard {
 	uint64_t timer_next;    /* atomic: the shard's next timer deadline (UINT64_MAX: none) */
 	uint64_t bounded_parks; /* atomic (stats): parks bounded by lazy_wake_ns */
 	uint64_t lazy_found;    /* atomic (stats): ... that ended by themselves and found work */
+	uint64_t soon_parks;    /* atomic (stats): parks bounded by soon_wake_ns */
 	uint64_t timers_fired;  /* atomic copies of the timer set's counters, for stats */
 	uint32_t timers_pending;
 	pthread_t thread;
@@ -136,6 +157,7 @@ struct kvr_shards {
 	uint64_t idle_spin_ns;
 	uint64_t spin_max_ns; /* >= idle_spin_ns: see idle_spin */
 	uint64_t lazy_ns;     /* bound of a BOUNDED park; 0 = lazy posts wake like any */
+	uint64_t soon_ns;     /* bound of a park after soon work; 0 = soon posts wake like any */
 	uint64_t stall_ns;    /* paced posts spill after the shard took nothing this long */
 	void (*on_start)(struct kvr_shard *, void *);
 	void (*on_stop)(struct kvr_shard *, void *);
@@ -168,6 +190,8 @@ static _Thread_local uint64_t tls_task_ns;
 
 /* aux of a timed message: its payload starts with the router time it was posted at. */
 #define MSG_TIMED 1u
+/* aux of a soon message (kvr_shard_post_soon): running one keeps the shard's parks short. */
+#define MSG_SOON 2u
 
 static uint64_t mono_ns(void)
 {
@@ -360,6 +384,7 @@ static void shard_loop(struct kvr_shard *sh)
 		uint32_t n = 0;
 		while (have) {
 			bool timed = m.aux & MSG_TIMED;
+			sh->ran_soon |= (m.aux & MSG_SOON) != 0;
 			if (timed)
 				fired += run_timed(sh, &m);
 			else
@@ -407,8 +432,23 @@ static void shard_loop(struct kvr_shard *sh)
 		if (purge_in == 0)
 			continue; /* it purged: look at the lanes again before parking */
 		/* Within IDLE_PURGE_NS of its last message (purge_in finite) the shard parks for at
-		 * most lazy_ns at a time, and lazy posts need not wake it. */
+		 * most lazy_ns at a time, and lazy posts need not wake it; within SOON_WARM_NS of
+		 * a soon message, for at most soon_ns, and soon posts need not wake it either.  The
+		 * store comes before the parker's announcement (a full barrier): a soon post that
+		 * reads the flag after its push (and a fence) reads this park's, or the lanes
+		 * check below finds its message (post() says why). */
 		bool bounded = rt->lazy_ns && purge_in != UINT64_MAX;
+		bool soon = false;
+		if (bounded && rt->soon_ns) {
+			uint64_t t = mono_ns();
+			if (sh->ran_soon) {
+				sh->ran_soon = false;
+				sh->soon_last = t ? t : 1;
+			}
+			soon = sh->soon_last && t - sh->soon_last < SOON_WARM_NS;
+		}
+		if (soon != (bool)__atomic_load_n(&sh->park_soon, __ATOMIC_RELAXED))
+			__atomic_store_n(&sh->park_soon, soon, __ATOMIC_SEQ_CST);
 		if (bounded)
 			kvr_parker_prepare_bounded(&sh->park);
 		else
@@ -424,8 +464,12 @@ static void shard_loop(struct kvr_shard *sh)
 			timeout = purge_in;
 		if (bounded && rt->lazy_ns < timeout)
 			timeout = rt->lazy_ns;
+		if (soon && rt->soon_ns < timeout)
+			timeout = rt->soon_ns;
 		bool woken = kvr_parker_wait(&sh->park, timeout);
 		sh->self_woke = !woken;
+		if (soon)
+			__atomic_store_n(&sh->soon_parks, sh->soon_parks + 1, __ATOMIC_RELAXED);
 		if (bounded) {
 			__atomic_store_n(&sh->bounded_parks, sh->bounded_parks + 1,
 			                 __ATOMIC_RELAXED);
@@ -583,6 +627,9 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	s->lazy_ns = cfg->lazy_wake_ns == KVR_SHARDS_NO_SPIN ? 0
 	             : cfg->lazy_wake_ns                     ? cfg->lazy_wake_ns
 	                                                     : KVR_DEFAULT_SHARD_LAZY_WAKE_NS;
+	s->soon_ns = cfg->soon_wake_ns == KVR_SHARDS_NO_SPIN ? 0 : cfg->soon_wake_ns;
+	if (!s->lazy_ns || s->soon_ns > s->lazy_ns)
+		s->soon_ns = s->lazy_ns; /* a bounded park is the soon park: never longer */
 	s->on_start = cfg->on_thread_start;
 	s->on_stop = cfg->on_thread_stop;
 	s->on_idle = cfg->on_idle;
@@ -938,7 +985,20 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 			}
 		}
 	}
-	if (rc == 0 && deferred)
+	if (rc == 0 && (aux & MSG_SOON)) {
+		/* A soon post leaves the shard asleep only in a park bounded by soon_ns.  Store
+		 * buffering with the shard's park_soon store before its parker announcement: the
+		 * push, a full fence, then the flag; the shard stores the flag, fences (in
+		 * kvr_parker_prepare*), then checks the lanes.  So a flag read as set belongs to
+		 * the park now entered, or to one whose lanes check finds this message; read as
+		 * clear, the shard is woken as by any post (a lazy wake would also leave it in a
+		 * longer bounded park). */
+		__atomic_thread_fence(__ATOMIC_SEQ_CST);
+		if (__atomic_load_n(&sh->park_soon, __ATOMIC_RELAXED))
+			*deferred = kvr_parker_wake_lazy(&sh->park);
+		else
+			kvr_parker_wake(&sh->park);
+	} else if (rc == 0 && deferred)
 		*deferred = kvr_parker_wake_lazy(&sh->park);
 	else if (rc == 0 || rc == KVR_EAGAIN)
 		kvr_parker_wake(&sh->park); /* a full lane: lazy posts alone may have filled it */
@@ -963,6 +1023,22 @@ int kvr_shard_post_paced(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn f
 		rc = post(sh, lane, fn, payload, len, 0, 0, NULL, &h);
 	if (how)
 		*how = h;
+	return rc;
+}
+
+int kvr_shard_post_soon(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                        const void *payload, size_t len, unsigned *how, bool *deferred)
+{
+	unsigned h = 0;
+	bool d = false;
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	if (!rc)
+		rc = post(sh, lane, fn, payload, len, sh->rt->soon_ns ? MSG_SOON : 0, 0,
+		          sh->rt->soon_ns ? &d : NULL, &h);
+	if (how)
+		*how = h;
+	if (deferred)
+		*deferred = d;
 	return rc;
 }
 
@@ -1252,6 +1328,7 @@ void kvr_shard_get_stats(struct kvr_shard *sh, struct kvr_shard_stats *o)
 	o->wakes_deferred = __atomic_load_n(&sh->park.deferred, __ATOMIC_RELAXED);
 	o->bounded_parks = __atomic_load_n(&sh->bounded_parks, __ATOMIC_RELAXED);
 	o->lazy_found = __atomic_load_n(&sh->lazy_found, __ATOMIC_RELAXED);
+	o->soon_parks = __atomic_load_n(&sh->soon_parks, __ATOMIC_RELAXED);
 	o->timers_fired = __atomic_load_n(&sh->timers_fired, __ATOMIC_RELAXED);
 	o->timers_pending = __atomic_load_n(&sh->timers_pending, __ATOMIC_RELAXED);
 	o->workers = __atomic_load_n(&sh->rt->workers[sh->index], __ATOMIC_RELAXED);

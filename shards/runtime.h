@@ -84,6 +84,16 @@ struct kvr_shards_config {
 	 * long at a time, and lazy posts leave it asleep.  0 = 1 ms
 	 * (KVR_DEFAULT_SHARD_LAZY_WAKE_NS); KVR_SHARDS_NO_SPIN = lazy posts wake like any post. */
 	uint64_t lazy_wake_ns;
+	/* The bound on how long a soon post (kvr_shard_post_soon) may wait for an idle shard: a
+	 * shard that ran a soon message within the last 10 ms (SOON_WARM_NS) parks for at most
+	 * this long at a time, and soon posts leave such a park asleep (they wake a shard in any
+	 * other).  0 (the default) or KVR_SHARDS_NO_SPIN = soon posts wake like any post.  At most
+	 * lazy_wake_ns (a longer value is taken as that).  The price: while soon work flows, each
+	 * idle shard wakes by itself every soon_wake_ns (for 10 ms after the last soon message),
+	 * a few microseconds of its CPU each.  Why 10 ms: long enough that a stream of soon posts
+	 * a few milliseconds apart finds short parks, short enough that a shard whose soon work
+	 * stopped goes back to lazy_wake_ns parks after at most 10 ms / soon_wake_ns self-wakes. */
+	uint64_t soon_wake_ns;
 	/* Run on each shard thread at start (after pinning and RCU registration) and at stop
 	 * (after the lanes are drained).  Either may be NULL.  ctx passed unchanged. */
 	void (*on_thread_start)(struct kvr_shard *shard, void *ctx);
@@ -113,6 +123,7 @@ struct kvr_shard_stats {
 	uint64_t wakes_deferred;            /* lazy posts that left it asleep (bounded park) */
 	uint64_t bounded_parks;             /* parks bounded by lazy_wake_ns */
 	uint64_t lazy_found;                /* ... that ended by themselves and found work */
+	uint64_t soon_parks;                /* parks bounded by soon_wake_ns */
 	uint64_t timers_fired;
 	uint32_t timers_pending;
 	uint32_t workers; /* workers placed here */
@@ -230,6 +241,21 @@ int kvr_shard_post_paced(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn f
  */
 int kvr_shard_post_lazy(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
                         const void *payload, size_t len, bool *deferred);
+
+/*
+ * kvr_shard_post_paced for work that may wait up to soon_wake_ns (plus the shard's scheduling
+ * delay) for a shard that sleeps, and should not wait longer (admissions: the next decisions
+ * miss what a booking writes until it runs): a shard in a park bounded by soon_wake_ns (it ran
+ * a soon message within the last 10 ms) is left asleep and finds the task when its timed wait
+ * ends, so the caller makes no FUTEX_WAKE; a shard in any other park (a lazy_wake_ns one, or
+ * unbounded) is woken as by kvr_shard_post.  So the first soon post after a lull wakes the
+ * shard and later ones, while they keep coming, ride its short parks.  With soon_wake_ns 0 it
+ * is kvr_shard_post_paced.  Sets *how as kvr_shard_post_paced does and *deferred (may be
+ * NULL) to whether the wake was left to the shard.  Returns as kvr_shard_post_paced.
+ * Context: as kvr_shard_post_paced.
+ */
+int kvr_shard_post_soon(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                        const void *payload, size_t len, unsigned *how, bool *deferred);
 
 /*
  * Like kvr_shard_post, but if the lane is full waits (spin, yield, then short sleeps) up to

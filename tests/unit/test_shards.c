@@ -943,6 +943,100 @@ Test(runtime, lazy_post_within_bound_and_never_lost)
 	kvr_shards_destroy(s);
 }
 
+/* Posts a soon task; returns the delay until it ran (at most 5 s). */
+static uint64_t soon_delay(struct kvr_shard *sh, bool *deferred)
+{
+	uint64_t at = 0, *p = &at;
+	uint64_t t0 = now_ns();
+	cr_assert_eq(
+	    kvr_shard_post_soon(sh, KVR_LANE_ROUTING, stamp, &p, sizeof(p), NULL, deferred), 0);
+	while (!__atomic_load_n(&at, __ATOMIC_ACQUIRE)) {
+		cr_assert_lt(now_ns() - t0, 5000000000ull,
+		             "a soon post was never run: lost wake-up");
+		struct timespec ts = {0, 20000};
+		nanosleep(&ts, NULL);
+	}
+	return at - t0;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Soon posts (admissions) ride the short parks of a shard that ran soon work within 10 ms: no
+ * FUTEX_WAKE, and the task runs within soon_wake_ns, not lazy_wake_ns.  A shard whose recent
+ * work was not soon work (its parks last lazy_wake_ns) is woken, as it is again 10 ms after
+ * its last soon message; with soon_wake_ns 0 soon posts always wake. */
+Test(runtime, soon_post_rides_short_parks_and_wakes_after_a_lull)
+{
+	const uint64_t lazy = 90000000ull, soon = 1000000ull; /* 90 ms, 1 ms */
+	struct kvr_shards_config c = {.n_shards = 1,
+	                              .lazy_wake_ns = lazy,
+	                              .soon_wake_ns = soon,
+	                              .idle_spin_ns = KVR_SHARDS_NO_SPIN};
+	struct kvr_shards *s = NULL;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	struct kvr_shard_stats a, b;
+	int on = 0;
+	struct timespec ms2 = {0, 2000000};
+	/* Recent work, none of it soon: the shard parks for up to 90 ms, and a soon post wakes
+	 * it (or finds it running: not deferred either way). */
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, whoami, &on), 100);
+	nanosleep(&ms2, NULL);
+	kvr_shard_get_stats(sh, &a);
+	bool deferred = true;
+	soon_delay(sh, &deferred);
+	kvr_shard_get_stats(sh, &b);
+	cr_assert_not(deferred, "a soon post was left to a lazy_wake_ns park");
+	cr_assert_eq(a.soon_parks, 0, "no soon work ran before: no soon park");
+	cr_assert_leq(b.wakes, a.wakes + 1);
+	/* It ran soon work: its parks last 1 ms now, and soon posts leave them asleep. */
+	uint64_t d[20];
+	int deferrals = 0;
+	kvr_shard_get_stats(sh, &a);
+	uint64_t soon0 = a.soon_parks;
+	for (int i = 0; i < 20; i++) {
+		nanosleep(&ms2, NULL); /* parked again (1 ms parks: it self-wakes meanwhile) */
+		kvr_shard_get_stats(sh, &a);
+		uint64_t delay = soon_delay(sh, &deferred);
+		kvr_shard_get_stats(sh, &b);
+		if (!deferred)
+			continue; /* a loaded machine: it was running, or 10 ms passed */
+		cr_assert_eq(b.wakes, a.wakes, "a deferred soon post woke the shard");
+		d[deferrals++] = delay;
+	}
+	cr_assert_geq(deferrals, 10, "soon posts rode the short parks (%d of 20)", deferrals);
+	kvr_shard_get_stats(sh, &b);
+	cr_assert_geq(b.soon_parks - soon0, (uint64_t)deferrals, "each deferral in a short park");
+	/* Deferred to 1 ms parks, not 90 ms ones: the median (a loaded machine may stall one). */
+	qsort(d, (size_t)deferrals, sizeof(d[0]), cmp_u64);
+	cr_assert_lt(d[deferrals / 2], lazy / 3, "median delay %llu ns",
+	             (unsigned long long)d[deferrals / 2]);
+	/* 10 ms after the last soon message the parks are lazy_wake_ns long again: woken. */
+	struct timespec lull = {0, 30000000};
+	nanosleep(&lull, NULL);
+	soon_delay(sh, &deferred);
+	cr_assert_not(deferred, "a soon post after the lull was left to a long park");
+	kvr_shards_destroy(s);
+
+	/* soon_wake_ns = 0: soon posts wake like paced ones, and no park is short. */
+	c.soon_wake_ns = 0;
+	cr_assert_eq(kvr_shards_create(&c, &s), 0);
+	sh = kvr_shards_get(s, 0);
+	for (int i = 0; i < 5; i++) {
+		soon_delay(sh, &deferred);
+		cr_assert_not(deferred);
+		nanosleep(&ms2, NULL);
+	}
+	kvr_shard_get_stats(sh, &b);
+	cr_assert_eq(b.soon_parks, 0);
+	cr_assert_eq(b.wakes_deferred, 0);
+	kvr_shards_destroy(s);
+}
+
 static void posts_every(struct kvr_shard *sh, int n, long gap_ns, uint64_t *ctr)
 {
 	uint64_t *p = ctr;
