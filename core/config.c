@@ -28,6 +28,7 @@ void kvr_config_init(struct kvr_config *cfg)
 	cfg->maint_every_tasks = KVR_DEFAULT_MAINT_EVERY_TASKS;
 	cfg->maint_every_ns = KVR_DEFAULT_MAINT_EVERY_NS;
 	cfg->shard_idle_spin_ns = KVR_DEFAULT_SHARD_IDLE_SPIN_NS;
+	cfg->booking_lazy_ns = KVR_DEFAULT_BOOKING_LAZY_NS;
 }
 
 static int finite_nonneg(double v)
@@ -68,5 +69,7 @@ int kvr_config_validate(const struct kvr_config *cfg)
 		return KVR_ERANGE;
 	if (cfg->maint_every_tasks == 0 || cfg->maint_every_ns == 0)
 		return KVR_EINVAL;
+	if (cfg->booking_lazy_ns > KVR_DEFAULT_SHARD_LAZY_WAKE_NS)
+		return KVR_ERANGE;
 	return 0;
 }

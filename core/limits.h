@@ -38,6 +38,7 @@
 #define KVR_DEFAULT_MAINT_EVERY_NS         UINT64_C(200000)
 #define KVR_DEFAULT_SHARD_IDLE_SPIN_NS     UINT64_C(50000)
 #define KVR_DEFAULT_SHARD_LAZY_WAKE_NS     UINT64_C(1000000) /* shards/runtime.h lazy_wake_ns */
+#define KVR_DEFAULT_BOOKING_LAZY_NS        UINT64_C(250000)  /* kvr_config.booking_lazy_ns */
 #define KVR_DEFAULT_MAX_WORKERS            KVR_DEFAULT_MAX_RANKS
 
 /* KVR_DEFAULT_LANE_CAPACITY and KVR_DEFAULT_LANE_SOFT_DEPTH: a deep ring and a shallow soft

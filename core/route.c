@@ -12,7 +12,10 @@
  *   5. admit without a round trip (kvr_admit): the attempt id and its lease word are minted
  *      lock-free (shards/lease.h), the request is added to the rank's provisional load (atomic
  *      adds, so the very next decision on any thread sees it), and the booking (predicted cache,
- *      load, index writes) is POSTED to the rank's shard on the routing lane.  The caller never
+ *      load, index writes) is POSTED to the rank's shard on the routing lane, without waking a
+ *      shard that booked lately and sleeps in a short park (kvr_config.booking_lazy_ns: it
+ *      finds the booking within that bound, and the caller makes no FUTEX_WAKE; the first
+ *      booking after a lull wakes it, kvr_shard_post_soon).  The caller never
  *      waits for a shard, except on a full lane (a bounded wait, KVR_LANE_FULL_WAIT_NS, counted
  *      in kvr_lane_full_waits_total) and, briefly, at the lane's soft depth while the shard
  *      is making progress (kvr_shard_post_paced, kvr_lane_soft_throttles_total).  With
@@ -637,9 +640,12 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL)
 			return rc;
 	} else {
+		/* A soon post: a shard that has been booking lately parks for at most
+		 * booking_lazy_ns and is left asleep (no FUTEX_WAKE on this thread); the first
+		 * booking after a lull wakes it (kvr_config.booking_lazy_ns: the figures). */
 		unsigned how;
-		rc = kvr_shard_post_paced(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec,
-		                          sizeof(rec), &how);
+		rc = kvr_shard_post_soon(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec,
+		                         sizeof(rec), &how, NULL);
 		if (how) {
 			struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 			kvr_metrics_add(mb, KVR_C_LANE_SOFT_THROTTLES,

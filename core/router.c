@@ -147,6 +147,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .clock_ctx = r->clock.ctx,
 	    .max_workers = cfg->max_ranks,
 	    .idle_spin_ns = cfg->shard_idle_spin_ns ? cfg->shard_idle_spin_ns : KVR_SHARDS_NO_SPIN,
+	    .soon_wake_ns = cfg->booking_lazy_ns,
 	    .on_thread_start = kvr_owner_shard_start,
 	    .on_thread_stop = kvr_owner_shard_stop,
 	    .on_idle = kvr_owner_shard_idle,

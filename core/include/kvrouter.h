@@ -199,6 +199,23 @@ struct kvr_config {
 	 * within 4x this (a stream a little sparser than the spin), it polls 4x this (200 us),
 	 * yielding the CPU between polls past this.  Default 50 us; 0 = park at once. */
 	uint64_t shard_idle_spin_ns;
+	/* How long kvr_route's booking may wait for a shard that sleeps, ns (without
+	 * sync_booking).  A shard that booked within the last 10 ms parks for at most this long at
+	 * a time, and a booking posted to it is left for it to find when it wakes instead of
+	 * waking it from the caller's thread (a FUTEX_WAKE: 10-40 us of kvr_route on a loaded
+	 * 2-core machine, 0.9 per route at 128k-token prompts); the first booking after a lull
+	 * still wakes its shard.  The price: such a booking's blocks and pinned runs reach the
+	 * index up to this much later (plus the shard's scheduling delay; its load is seen at
+	 * once), so a decision in that window on the same new prefix misses them, as it does
+	 * while a woken shard waits for a CPU; and a shard wakes by itself every this-long for
+	 * 10 ms after its last booking (a few microseconds of its CPU each).  Lifecycle work
+	 * posted meanwhile rides the same short parks.  Default 250 us: at 128k tokens the route
+	 * p50 went from 1.9-2.0x the hashing floor to 1.1-1.25x, and followers of a hot new prefix
+	 * 100-1000 us apart found it as often as with eager wakes (docs/measurements.md,
+	 * "Admissions that leave the shard asleep"); 0 = every booking wakes a sleeping shard at
+	 * once; range 0..1 ms (KVR_ERANGE above).  With sync_booking it does not apply (every
+	 * call settles first). */
+	uint64_t booking_lazy_ns;
 	/* Admission booking.  false (default): kvr_route and the lifecycle calls post their work to
 	 * the rank's shard and return without waiting; the request's load is visible at once, its
 	 * blocks in the predicted cache and the index microseconds later (as with engine KV
@@ -416,7 +433,9 @@ struct kvr_decision {
  * sees it), and the booking (predicted cache, index writes, exact load) is posted to the rank's
  * shard.  A full lane is waited on for at most 10 ms (kvr_lane_full_waits_total counts the
  * waits, kvr_lane_full_drops_total the give-ups).  Because the booking is posted, a decision
- * taken microseconds later may not see this prompt's blocks yet (it does see its load).  If the
+ * taken microseconds later may not see this prompt's blocks yet (it does see its load); a
+ * shard that booked within the last 10 ms and sleeps is not woken for it, and applies it
+ * within kvr_config.booking_lazy_ns (250 us by default) plus its scheduling delay.  If the
  * rank is removed between the decision and the booking, the attempt is stale: nothing is
  * booked and its lifecycle calls return KVR_ESTALE once the rank's shard has seen the booking
  * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead when the rank

@@ -33,6 +33,7 @@ Test(config, defaults_documented)
 	cr_assert_eq(c.maint_every_ns, 200000);
 	cr_assert_eq(c.shard_idle_spin_ns, 50000, "50 us, as documented (the runtime agrees)");
 	cr_assert_eq(c.sync_booking, false);
+	cr_assert_eq(c.booking_lazy_ns, 250000, "250 us, as documented");
 	cr_assert_eq(c.expected_prefill_ns, 0);
 	cr_assert_null(c.on_admit);
 	cr_assert_null(c.on_event_gap);
@@ -81,6 +82,7 @@ Test(config, impossible_values_rejected)
 	BAD(lane_capacity, 1, KVR_ERANGE);
 	BAD(lane_capacity, (1u << 22) + 1, KVR_ERANGE);
 	BAD(lane_soft_depth, (1u << 22) + 1, KVR_ERANGE);
+	BAD(booking_lazy_ns, 1000001, KVR_ERANGE);
 	BAD(maint_every_tasks, 0, KVR_EINVAL);
 	BAD(maint_every_ns, 0, KVR_EINVAL);
 	cr_assert_eq(kvr_config_validate(NULL), KVR_EINVAL);

@@ -1288,6 +1288,62 @@ Test(router, rank_removed_before_the_booking_makes_the_attempt_stale)
 	kvr_router_destroy(rr);
 }
 
+/* Without sync_booking, a booking posted to a shard that booked within the last 10 ms is left
+ * to the shard's short park (booking_lazy_ns): the caller makes no FUTEX_WAKE, and the next
+ * decisions see the prompt's blocks once the park ends, with no kvr_router_sync.  With
+ * booking_lazy_ns 0 every booking wakes the parked shard. */
+static int routes_that_woke(uint64_t lazy_ns, int *deferred_seen)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = false;
+	c.shard_idle_spin_ns = 0; /* parks at once: every gap between routes is a park */
+	c.booking_lazy_ns = lazy_ns;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 0), 0);
+	static uint32_t t[21][320];
+	for (int k = 0; k < 21; k++)
+		prompt(t[k], 320, 700 + (uint32_t)k);
+	route(r, t[0], 320, 0); /* the first booking after the lull wakes the shard */
+	int woke = 0;
+	for (int k = 1; k < 21; k++) {
+		struct timespec gap = {0, 2000000}; /* 2 ms: parked again, within 10 ms */
+		nanosleep(&gap, NULL);
+		struct kvr_post_costs c0, c1;
+		kvr_shard_thread_costs(&c0);
+		route(r, t[k], 320, 0);
+		kvr_shard_thread_costs(&c1);
+		woke += c1.futex_wakes != c0.futex_wakes;
+		/* The booking reaches the index without a sync (within 5 s: never lost). */
+		uint64_t t0 = kvr_router_now(r);
+		while (route(r, t[k], 320, KVR_ROUTE_QUERY_ONLY).overlap_blocks != 20) {
+			cr_assert_lt(kvr_router_now(r) - t0, 5000000000ull, "booking %d never ran",
+			             k);
+			struct timespec ts = {0, 20000};
+			nanosleep(&ts, NULL);
+		}
+	}
+	struct kvr_shard_stats st; /* bookings only: no lifecycle call was made */
+	kvr_shard_get_stats(kvr_shards_get(r->shards, 0), &st);
+	*deferred_seen = (int)st.wakes_deferred;
+	kvr_router_destroy(r);
+	return woke;
+}
+
+Test(router, booking_rides_the_shards_short_park)
+{
+	int deferred;
+	int woke = routes_that_woke(1000000, &deferred);
+	cr_assert_leq(woke, 10, "bookings left to a short park made no FUTEX_WAKE (%d of 20 did)",
+	              woke);
+	cr_assert_geq(deferred, 10, "%d deferred", deferred);
+	woke = routes_that_woke(0, &deferred);
+	cr_assert_geq(woke, 10, "booking_lazy_ns 0: bookings wake the parked shard (%d of 20)",
+	              woke);
+}
+
 /* ---- issue 11 item 4: Dynamo's deduplicated decode load (pinned depth) ---- */
 
 /* The pinned depth on slot x of tok[0..n)'s complete blocks, as kvr_route reads it (after the
