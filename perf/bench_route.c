@@ -57,6 +57,12 @@
  *                    CPUs 0, 1, ... in order: --shards 1 --cpus 1 puts the frontend on the
  *                    other core, as a deployment would, instead of wherever the scheduler
  *                    puts it, sometimes the shard's core, where no line crosses cores)
+ *                    [--booking-lazy-us US] (kvr_config.booking_lazy_ns; 0 = every booking
+ *                    wakes a parked shard; SUMMARY: soon_parks_per_route, the short parks
+ *                    the shards took, each ended by a self-wake or a post)
+ *                    [--burst N [--burst-gap-us G] [--burst-rest-us R] [--burst-prefilled
+ *                    0|1]] (instead of the runs above: the booking delay's effect on the next
+ *                    decisions, see burst() below)
  */
 #include <pthread.h>
 #include <sched.h>
@@ -333,17 +339,18 @@ static void tail_why(const struct samples *v, const struct samples *why, double 
 }
 
 static bool sync_booking;
-static long spin_us = -1;    /* --spin-us: kvr_config.shard_idle_spin_ns in us; -1 = default */
-static uint64_t capacity;    /* 0: 8 prompts' worth of blocks per rank */
-static uint32_t lane_cap;    /* --lane-capacity: kvr_config.lane_capacity; 0 = default */
-static long soft_depth = -1; /* --soft-depth: kvr_config.lane_soft_depth; -1 = default */
+static long spin_us = -1;         /* --spin-us: kvr_config.shard_idle_spin_ns in us; -1 = default */
+static uint64_t capacity;         /* 0: 8 prompts' worth of blocks per rank */
+static uint32_t lane_cap;         /* --lane-capacity: kvr_config.lane_capacity; 0 = default */
+static long soft_depth = -1;      /* --soft-depth: kvr_config.lane_soft_depth; -1 = default */
+static long booking_lazy_us = -1; /* --booking-lazy-us: kvr_config.booking_lazy_ns; -1 = default */
 static uint32_t n_ranks = 64, n_shards = 2;
 static int threads_max = 2;
 
 /* What the shards did so far: CPU busy (less the idle polling) and polling, the times a
  * producer had to wake a parked shard and the lazy posts that left one asleep. */
 struct shard_totals {
-	uint64_t busy_ns, spin_ns, wakes, deferred;
+	uint64_t busy_ns, spin_ns, wakes, deferred, soon_parks;
 };
 
 /* Routing-lane tasks run so far, and the totals above. */
@@ -359,6 +366,7 @@ static uint64_t routing_tasks(struct kvr_router *r, struct shard_totals *o)
 		o->spin_ns += st.spin_ns;
 		o->wakes += st.wakes;
 		o->deferred += st.wakes_deferred;
+		o->soon_parks += st.soon_parks;
 	}
 	return t;
 }
@@ -375,6 +383,8 @@ static void bench(int threads, double ms)
 		c.lane_capacity = lane_cap;
 	if (soft_depth >= 0)
 		c.lane_soft_depth = (uint32_t)soft_depth;
+	if (booking_lazy_us >= 0)
+		c.booking_lazy_ns = (uint64_t)booking_lazy_us * 1000;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
@@ -497,7 +507,8 @@ static void bench(int threads, double ms)
 	       "lane_depth_mean=%.1f lane_full=%llu lane_waits_per_route=%.3f soft_depth=%u "
 	       "soft_throttles_per_route=%.4f soft_spills_per_route=%.4f "
 	       "shard_wakes_per_route=%.3f "
-	       "shard_wakes_deferred_per_route=%.3f shard_busy_us_per_route=%.2f "
+	       "shard_wakes_deferred_per_route=%.3f soon_parks_per_route=%.3f "
+	       "booking_lazy_ns=%llu shard_busy_us_per_route=%.2f "
 	       "shard_spin_us_per_route=%.2f evicted_per_route=%.1f overlap_frac=%.3f "
 	       "errors=%llu hash_p50_ns=%llu match_p50_ns=%llu "
 	       "select_p50_ns=%llu admit_p50_ns=%llu record_allocs_per_route=%.3f "
@@ -520,6 +531,8 @@ static void bench(int threads, double ms)
 	       n ? (double)spills / (double)n : 0.0,
 	       n ? (double)(s1.wakes - s0.wakes) / (double)n : 0.0,
 	       n ? (double)(s1.deferred - s0.deferred) / (double)n : 0.0,
+	       n ? (double)(s1.soon_parks - s0.soon_parks) / (double)n : 0.0,
+	       (unsigned long long)c.booking_lazy_ns,
 	       n ? (double)(s1.busy_ns - s0.busy_ns) * 1e-3 / (double)n : 0.0,
 	       n ? (double)(s1.spin_ns - s0.spin_ns) * 1e-3 / (double)n : 0.0,
 	       n ? (double)evicted / (double)n : 0.0,
@@ -537,6 +550,163 @@ static void bench(int threads, double ms)
 	free(route_why.v);
 	free(fin_why.v);
 	free(w);
+	kvr_router_destroy(r);
+}
+
+/* --burst N: the decision-quality side of a booking's delay.  A booking posted to a parked
+ * shard runs after the shard wakes (a FUTEX_WAKE from the poster, or the end of its short park
+ * when kvr_config.booking_lazy_ns leaves it asleep); until then no decision sees the prompt's
+ * blocks or pinned runs (it sees its provisional load).  Rounds, each after --burst-rest-us of
+ * rest (default 2000: the shards, which booked within 10 ms, sit in short parks, and even the
+ * first booking of a round is left to one: the worst case for lazy bookings; after more than
+ * 10 ms the first booking wakes its shard):
+ *   burst:      N prompts sharing a fresh prefix (all but their last 2 blocks), routed from one
+ *               thread --burst-gap-us apart (0: back to back), each marked prefilled at once
+ *               (kvr_request_prefill_done: the worst case again; --burst-prefilled 0: not,
+ *               and then, on idle ranks, a follower avoids the leader's rank for its pending
+ *               prefill whether or not it sees the prefix): seen_frac is the share of the
+ *               N - 1 followers routed with the whole shared prefix predicted cached where
+ *               they went, same_rank_frac the share that went to the leader's rank;
+ *   visibility: one fresh prompt routed, then the index polled until its rank holds the
+ *               whole prompt: visible_us, the booking's delay as the next decision sees it.
+ * The SUMMARY bench=route_burst line gives both, and the wakes per route in the bursts. */
+static int burst_n;
+static double burst_gap_us;
+static int burst_prefilled = 1;   /* --burst-prefilled 0|1 */
+static long burst_rest_us = 2000; /* --burst-rest-us */
+
+static void burst(double ms)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = n_shards;
+	if (spin_us >= 0)
+		c.shard_idle_spin_ns = (uint64_t)spin_us * 1000;
+	if (booking_lazy_us >= 0)
+		c.booking_lazy_ns = (uint64_t)booking_lazy_us * 1000;
+	struct kvr_router *r;
+	if (kvr_router_create(&c, &r)) {
+		fprintf(stderr, "bench_route: create failed\n");
+		exit(1);
+	}
+	uint64_t cap = capacity ? capacity : 8 * prompt_len / 16;
+	for (uint32_t k = 0; k < n_ranks; k++)
+		kvr_rank_add(r, (struct kvr_rank_id){k, 0}, 1, cap, 16384);
+	size_t nb = prompt_len / 16, pb = nb - 2;
+	uint32_t **p = calloc((size_t)burst_n, sizeof(*p));
+	uint64_t *att = calloc((size_t)burst_n, sizeof(*att));
+	uint64_t *local = malloc(nb * sizeof(uint64_t)), *seq = malloc(nb * sizeof(uint64_t));
+	struct kvr_index_match *m = malloc(c.max_ranks * sizeof(*m));
+	for (int k = 0; k < burst_n; k++)
+		p[k] = malloc(prompt_len * sizeof(uint32_t));
+	uint32_t fresh = 1u << 31;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.n_tokens = prompt_len;
+	struct samples vis = {0}, rt = {0};
+	uint64_t followers = 0, seen = 0, same = 0, routes = 0, vis_lost = 0;
+	struct shard_totals s0, s1;
+	uint64_t ov0 = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS);
+	uint64_t rb0 = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS);
+	(void)routing_tasks(r, &s0);
+	uint64_t end = mono_ns() + (uint64_t)(ms * 1e6);
+	for (uint32_t round = 0; mono_ns() < end || round < 4; round++) {
+		struct timespec rest = {(time_t)(burst_rest_us / 1000000),
+		                        (long)(burst_rest_us % 1000000) * 1000};
+		nanosleep(&rest, NULL);
+		struct kvr_decision d;
+		if (round & 1) { /* visibility */
+			for (size_t i = 0; i < prompt_len; i++)
+				p[0][i] = fresh++;
+			kvr_hash_blocks(p[0], prompt_len, 16, NULL, local, seq);
+			q.tokens = p[0];
+			if (kvr_route(r, &q, &d))
+				continue;
+			uint64_t t0 = mono_ns();
+			uint32_t slot;
+			kvr_router_find_rank(r, d.rank, &slot);
+			bool ok = false;
+			while (!ok && mono_ns() - t0 < 50000000) {
+				size_t n = 0;
+				kvr_rcu_read_lock();
+				kvr_index_find_matches(r->index, seq, nb, NULL, m, c.max_ranks, &n);
+				kvr_rcu_read_unlock();
+				for (size_t i = 0; i < n; i++)
+					ok |= m[i].slot == slot && m[i].score >= nb;
+			}
+			if (ok)
+				sample(&vis, mono_ns() - t0);
+			else
+				vis_lost++;
+			kvr_request_finish(r, d.attempt);
+			kvr_router_sync(r, 60000);
+			continue;
+		}
+		for (size_t i = 0; i < pb * 16; i++)
+			p[0][i] = fresh++;
+		for (int k = 0; k < burst_n; k++) {
+			if (k)
+				memcpy(p[k], p[0], pb * 16 * sizeof(uint32_t));
+			for (size_t i = pb * 16; i < prompt_len; i++)
+				p[k][i] = fresh++;
+		}
+		uint64_t t0 = mono_ns(), rank0 = 0;
+		int n_att = 0;
+		for (int k = 0; k < burst_n; k++) {
+			while (burst_gap_us > 0 &&
+			       mono_ns() < t0 + (uint64_t)(k * burst_gap_us * 1e3))
+				;
+			q.tokens = p[k];
+			uint64_t a = mono_ns();
+			int rc = kvr_route(r, &q, &d);
+			sample(&rt, mono_ns() - a);
+			routes++;
+			if (rc)
+				continue;
+			att[n_att++] = d.attempt;
+			if (burst_prefilled)
+				kvr_request_prefill_done(r, d.attempt);
+			if (k == 0) {
+				rank0 = d.rank.worker_id;
+				continue;
+			}
+			followers++;
+			seen += d.overlap_blocks >= pb;
+			same += d.rank.worker_id == rank0;
+		}
+		for (int k = 0; k < n_att; k++)
+			kvr_request_finish(r, att[k]);
+		kvr_router_sync(r, 60000);
+	}
+	(void)routing_tasks(r, &s1);
+	uint64_t ov = kvr_metrics_counter(r->metrics, KVR_C_PREDICTED_OVERLAP_BLOCKS) - ov0;
+	uint64_t rb = kvr_metrics_counter(r->metrics, KVR_C_ROUTED_BLOCKS) - rb0;
+	printf(
+	    "SUMMARY bench=route_burst tokens=%zu ranks=%u shards=%u booking_lazy_ns=%llu "
+	    "burst=%d gap_us=%.0f prefilled=%d rest_us=%ld followers=%llu seen_frac=%.3f "
+	    "same_rank_frac=%.3f "
+	    "overlap_frac=%.3f route_p50_ns=%llu route_p99_ns=%llu wakes_per_route=%.3f "
+	    "visible_n=%zu visible_p10_us=%.1f visible_p50_us=%.1f visible_p90_us=%.1f "
+	    "visible_max_us=%.1f visible_lost=%llu\n",
+	    prompt_len, n_ranks, kvr_shards_count(r->shards), (unsigned long long)c.booking_lazy_ns,
+	    burst_n, burst_gap_us, burst_prefilled, burst_rest_us, (unsigned long long)followers,
+	    followers ? (double)seen / (double)followers : 0.0,
+	    followers ? (double)same / (double)followers : 0.0, rb ? (double)ov / (double)rb : 0.0,
+	    (unsigned long long)quantile(&rt, 0.5), (unsigned long long)quantile(&rt, 0.99),
+	    routes ? (double)(s1.wakes - s0.wakes) / (double)routes : 0.0, vis.n,
+	    (double)quantile(&vis, 0.1) * 1e-3, (double)quantile(&vis, 0.5) * 1e-3,
+	    (double)quantile(&vis, 0.9) * 1e-3, (double)quantile(&vis, 1.0) * 1e-3,
+	    (unsigned long long)vis_lost);
+	fflush(stdout);
+	for (int k = 0; k < burst_n; k++)
+		free(p[k]);
+	free(p);
+	free(att);
+	free(local);
+	free(seq);
+	free(m);
+	free(vis.v);
+	free(rt.v);
 	kvr_router_destroy(r);
 }
 
@@ -567,6 +737,16 @@ int main(int argc, char **argv)
 			soft_depth = atol(argv[i + 1]);
 		else if (!strcmp(argv[i], "--iters"))
 			iters = strtoull(argv[i + 1], NULL, 10);
+		else if (!strcmp(argv[i], "--booking-lazy-us"))
+			booking_lazy_us = atol(argv[i + 1]);
+		else if (!strcmp(argv[i], "--burst"))
+			burst_n = atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--burst-rest-us"))
+			burst_rest_us = atol(argv[i + 1]);
+		else if (!strcmp(argv[i], "--burst-prefilled"))
+			burst_prefilled = atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--burst-gap-us"))
+			burst_gap_us = atof(argv[i + 1]);
 		else if (!strcmp(argv[i], "--rate"))
 			pace_ns = (uint64_t)(1e9 / atof(argv[i + 1]));
 		else if (!strcmp(argv[i], "--cpus"))
@@ -582,6 +762,11 @@ int main(int argc, char **argv)
 			continue;
 		/* about 64 MiB of prompts at most */
 		size_t n = (64u << 20) / (len * sizeof(uint32_t));
+		if (burst_n > 1) {
+			prompt_len = len; /* fresh prompts of this length, none made ahead */
+			burst(ms);
+			continue;
+		}
 		make_prompts(len, n > 512 ? 512 : n);
 		for (int th = 1; th <= threads_max; th++)
 			bench(th, ms);
