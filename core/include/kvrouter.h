@@ -474,7 +474,8 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * the work (blocks released, load returned, output blocks predicted) is posted to the rank's
  * shard and applied after the attempt's booking, even when another thread calls right after
  * kvr_route returned.  The post does not wake a shard that went idle within the last 100 ms:
- * such a shard sleeps at most 1 ms at a time and applies the work when it wakes, so the load
+ * such a shard sleeps at most 1 ms at a time (booking_lazy_ns while it booked within the last
+ * 10 ms) and applies the work when it wakes, so the load
  * released shows in decisions at most 1 ms (plus the shard thread's scheduling delay) after the
  * call (kvr_shard_wakes_deferred_total counts these; a shard idle for longer is woken at once,
  * and any later synchronous call or kvr_router_sync() applies it first).  With sync_booking the
