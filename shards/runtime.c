@@ -37,8 +37,8 @@
  * shard that ran a soon message within SOON_WARM_NS (10 ms) parks for at most soon_wake_ns at
  * a time and says so (park_soon), and soon posts leave such a park asleep.  So a stream of
  * admissions costs its callers no FUTEX_WAKE (bench_route, 128k tokens, 2 shards on 2 cores:
- * 0.9 wakes per route, 10-40 us each, route p50 1.9-2.0x the hashing floor -> 0.001 wakes,
- * 1.1-1.25x at soon_wake_ns 250 us), the first admission after a lull still wakes the shard,
+ * 0.6-0.9 wakes per route, 10-40 us each, route p50 median 2.0x the hashing floor -> 0.001
+ * wakes, median 1.16x at soon_wake_ns 250 us), the first admission after a lull still wakes it,
  * and a booking waits at most soon_wake_ns (plus the scheduling delay) for a shard that
  * sleeps; the price is a self-wake every soon_wake_ns for 10 ms after the last admission.
  *

@@ -203,15 +203,16 @@ struct kvr_config {
 	 * sync_booking).  A shard that booked within the last 10 ms parks for at most this long at
 	 * a time, and a booking posted to it is left for it to find when it wakes instead of
 	 * waking it from the caller's thread (a FUTEX_WAKE: 10-40 us of kvr_route on a loaded
-	 * 2-core machine, 0.9 per route at 128k-token prompts); the first booking after a lull
+	 * 2-core machine, 0.6-0.9 per route at 128k-token prompts); the first booking after a lull
 	 * still wakes its shard.  The price: such a booking's blocks and pinned runs reach the
 	 * index up to this much later (plus the shard's scheduling delay; its load is seen at
 	 * once), so a decision in that window on the same new prefix misses them, as it does
 	 * while a woken shard waits for a CPU; and a shard wakes by itself every this-long for
 	 * 10 ms after its last booking (a few microseconds of its CPU each).  Lifecycle work
 	 * posted meanwhile rides the same short parks.  Default 250 us: at 128k tokens the route
-	 * p50 went from 1.9-2.0x the hashing floor to 1.1-1.25x, and followers of a hot new prefix
-	 * 100-1000 us apart found it as often as with eager wakes (docs/measurements.md,
+	 * p50 went from 1.9-2.4x the hashing floor (median 2.0) to 1.1-2.3x (median 1.16), and
+	 * followers of a hot new prefix 100-1000 us apart found it about as often as with eager
+	 * wakes (within 0.05; docs/measurements.md,
 	 * "Admissions that leave the shard asleep"); 0 = every booking wakes a sleeping shard at
 	 * once; range 0..1 ms (KVR_ERANGE above).  With sync_booking it does not apply (every
 	 * call settles first). */
