@@ -376,7 +376,9 @@ struct kvr_request {
 	 * of the tokens' complete blocks (n_hashes = n_tokens / block_size): the router then
 	 * keeps the partial last block's tokens, so output tokens extend the chain as with tokens
 	 * alone.  Not checked: hashes that are not the chain of the prompt route the prompt they
-	 * name.  NULL = the router hashes. */
+	 * name; made-up ones (repeated within a prompt, or naming another chain's block) never
+	 * corrupt the router's state, they only make its predictions less exact
+	 * (tests/fuzz/fuzz_api.c --craft).  NULL = the router hashes. */
 	const uint64_t *seq_hashes;
 	const char *lora_name;            /* borrowed; NULL = none */
 	uint64_t request_id;              /* the frontend's id, for probes and logs */
