@@ -345,7 +345,7 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 
 /* Decisions are timed one in STAGE_SAMPLE per thread (a thread's first included), the whole
  * decision (KVR_H_ROUTE_NS) as its stages: a clock read costs 20-40 ns (37.6 ns on the shared
- * VM of the README's figures), four per decision for the stages were a quarter of the
+ * VM of docs/measurements.md's figures), four per decision for the stages were a quarter of the
  * non-hashing time of a 2k-token route, and the two for the whole decision were still ~7 % of
  * it (bench_route at 2k tokens: p50 ~1.1 us, floor ~0.5 us).  The histograms' sums and counts
  * stay unbiased samples; KVR_C_ROUTES counts every decision. */
@@ -484,7 +484,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		/* The record's streamed stores are fenced here, after this decision's reads and
 		 * before anything can post the record or give it back to the pool: loads issued
 		 * right after the fence waited for the streamed lines to drain (rdtsc, 2k tokens:
-		 * the lookup took 728-780 cycles after it, 520-544 before it; README). */
+		 * the lookup took 728-780 cycles after it, 520-544 before it;
+		 * docs/measurements.md). */
 		if (fence_due) {
 			kvr_hash_stream_fence();
 			fence_due = false;

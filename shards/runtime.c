@@ -16,8 +16,8 @@
  * running).  Lazy producers (kvr_shard_post_lazy: lifecycle work, whose effect - load released -
  * may lag) wake only a PARKED shard: a BOUNDED one wakes by itself within lazy_wake_ns and finds
  * their tasks, so a finish right after a shard parked costs its caller no FUTEX_WAKE (55-75 us
- * of the caller's time on the README's VM).  The price: such a task may run up to lazy_wake_ns
- * late, and a shard that had work lately wakes by itself every lazy_wake_ns for up to
+ * of the caller's time on the VM of docs/measurements.md).  The price: such a task may run up to
+ * lazy_wake_ns late, and a shard that had work lately wakes by itself every lazy_wake_ns for up to
  * IDLE_PURGE_NS after it (at most 100 self-wakes per idle period, each a few microseconds of
  * its CPU; none on a busy shard, which never parks).  Invariants:
  *  - only the shard thread dequeues its lanes, fires its timers and touches its userdata;
@@ -286,10 +286,10 @@ static uint64_t thread_cpu_ns(void)
  * spin: long prompts, whose hashing takes the frontend 40-100 us, over few shards.  A sparser
  * or irregular stream mostly does not qualify.  The first version (1.5x the last short idle
  * period, up to idle_spin_max_ns, after two in a row) spun 60-140 us per route at 5,000
- * routes/s paced over 2 shards; this one 2-60 us, with the same gain at 128k tokens (README,
- * "Admissions of long prompts"); requiring 7/8 instead spun less still but kept half of the
- * 128k wakes.  Past idle_spin_ns the spin yields the CPU (sched_yield) between polls, so a
- * frontend that shares the core is not kept off it. */
+ * routes/s paced over 2 shards; this one 2-60 us, with the same gain at 128k tokens
+ * (docs/measurements.md, "Admissions of long prompts"); requiring 7/8 instead spun less still but
+ * kept half of the 128k wakes.  Past idle_spin_ns the spin yields the CPU (sched_yield) between
+ * polls, so a frontend that shares the core is not kept off it. */
 static bool idle_spin(struct kvr_shard *sh, uint64_t g, uint64_t t0, uint64_t spin)
 {
 	uint64_t c0 = thread_cpu_ns();
