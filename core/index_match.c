@@ -33,6 +33,7 @@
  */
 #include <string.h>
 
+#include "core/cpu.h"
 #include "core/index_internal.h"
 #include "core/index_match.h"
 #include "kvrouter.h"
@@ -659,18 +660,6 @@ __attribute__((target("avx2"))) static size_t depths_avx2(const struct kvr_index
 {
 	return depths_walk(idx, seq, n, depth, slots, best, true);
 }
-
-static bool have_avx2(void)
-{
-	static int have = -1; /* racing first calls compute the same answer */
-	int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
-	if (h < 0) {
-		__builtin_cpu_init();
-		h = __builtin_cpu_supports("avx2") ? 1 : 0;
-		__atomic_store_n(&have, h, __ATOMIC_RELAXED);
-	}
-	return h;
-}
 #endif
 
 size_t kvr_index_find_depths_impl(const struct kvr_index *idx, const uint64_t *seq, size_t n,
@@ -678,7 +667,7 @@ size_t kvr_index_find_depths_impl(const struct kvr_index *idx, const uint64_t *s
                                   enum kvr_index_depths_impl impl)
 {
 #ifdef MATCH_AVX2
-	if (impl == KVR_INDEX_DEPTHS_AUTO && have_avx2())
+	if (impl == KVR_INDEX_DEPTHS_AUTO && kvr_cpu_has_avx2())
 		return depths_avx2(idx, seq, n, depth, slots, best);
 #else
 	(void)impl;

@@ -25,6 +25,7 @@
  * path's candidates).  Groups of any other shape take the scalar gather.  1,097 instructions a
  * decision (~12.5 a candidate and the tie pass), the stage ~40 ns faster.
  */
+#include "core/cpu.h"
 #include "core/select.h"
 
 #include <math.h>
@@ -329,17 +330,6 @@ __attribute__((target("avx2"))) static void score_avx2(const struct kvr_select_c
 	scan->ties = ties;
 }
 
-static int have_avx2(void)
-{
-	static int have = -1; /* racing first calls compute the same answer */
-	int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
-	if (h < 0) {
-		__builtin_cpu_init();
-		h = __builtin_cpu_supports("avx2") ? 1 : 0;
-		__atomic_store_n(&have, h, __ATOMIC_RELAXED);
-	}
-	return h;
-}
 #endif
 
 void kvr_select_score(enum kvr_select_impl impl, const struct kvr_select_params *p,
@@ -348,7 +338,7 @@ void kvr_select_score(enum kvr_select_impl impl, const struct kvr_select_params 
 {
 	const struct kvr_select_coef k = kvr_select_coef_of(p);
 #ifdef HAVE_AVX2_PATH
-	if (impl != KVR_SELECT_SCALAR && have_avx2()) {
+	if (impl != KVR_SELECT_SCALAR && kvr_cpu_has_avx2()) {
 		score_avx2(&k, in, slot, n, cost, scan);
 		return;
 	}
