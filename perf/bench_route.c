@@ -371,28 +371,39 @@ static uint64_t routing_tasks(struct kvr_router *r, struct shard_totals *o)
 	return t;
 }
 
-static void bench(int threads, double ms)
+/* The bench's router, its config in *c: the command line's shard settings, n_ranks ranks of
+ * --capacity blocks (default: 8 prompts' worth).  lanes: also sync_booking and the lane sizes
+ * (the burst keeps their defaults). */
+static struct kvr_router *new_router(struct kvr_config *c, bool lanes)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = n_shards;
-	c.sync_booking = sync_booking;
+	kvr_config_init(c);
+	c->n_shards = n_shards;
 	if (spin_us >= 0)
-		c.shard_idle_spin_ns = (uint64_t)spin_us * 1000;
-	if (lane_cap)
-		c.lane_capacity = lane_cap;
-	if (soft_depth >= 0)
-		c.lane_soft_depth = (uint32_t)soft_depth;
+		c->shard_idle_spin_ns = (uint64_t)spin_us * 1000;
 	if (booking_lazy_us >= 0)
-		c.booking_lazy_ns = (uint64_t)booking_lazy_us * 1000;
+		c->booking_lazy_ns = (uint64_t)booking_lazy_us * 1000;
+	if (lanes) {
+		c->sync_booking = sync_booking;
+		if (lane_cap)
+			c->lane_capacity = lane_cap;
+		if (soft_depth >= 0)
+			c->lane_soft_depth = (uint32_t)soft_depth;
+	}
 	struct kvr_router *r;
-	if (kvr_router_create(&c, &r)) {
+	if (kvr_router_create(c, &r)) {
 		fprintf(stderr, "bench_route: create failed\n");
 		exit(1);
 	}
 	uint64_t cap = capacity ? capacity : 8 * prompt_len / 16;
 	for (uint32_t k = 0; k < n_ranks; k++)
 		kvr_rank_add(r, (struct kvr_rank_id){k, 0}, 1, cap, 16384);
+	return r;
+}
+
+static void bench(int threads, double ms)
+{
+	struct kvr_config c;
+	struct kvr_router *r = new_router(&c, true);
 	/* Warm-up: every prompt routed once (synchronously drained), so lookups find prefixes. */
 	struct kvr_request q;
 	kvr_request_init(&q);
@@ -578,20 +589,7 @@ static long burst_rest_us = 2000; /* --burst-rest-us */
 static void burst(double ms)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = n_shards;
-	if (spin_us >= 0)
-		c.shard_idle_spin_ns = (uint64_t)spin_us * 1000;
-	if (booking_lazy_us >= 0)
-		c.booking_lazy_ns = (uint64_t)booking_lazy_us * 1000;
-	struct kvr_router *r;
-	if (kvr_router_create(&c, &r)) {
-		fprintf(stderr, "bench_route: create failed\n");
-		exit(1);
-	}
-	uint64_t cap = capacity ? capacity : 8 * prompt_len / 16;
-	for (uint32_t k = 0; k < n_ranks; k++)
-		kvr_rank_add(r, (struct kvr_rank_id){k, 0}, 1, cap, 16384);
+	struct kvr_router *r = new_router(&c, false);
 	size_t nb = prompt_len / 16, pb = nb - 2;
 	uint32_t **p = calloc((size_t)burst_n, sizeof(*p));
 	uint64_t *att = calloc((size_t)burst_n, sizeof(*att));
