@@ -104,11 +104,20 @@ void kvr_lru_ghost_push(struct kvr_lru *lru, uint64_t h)
 	g->n++;
 }
 
-/* The ghosts' size for the current estimate. */
+/* The ghosts' size for the current estimate, but never above what the prediction holds (or
+ * GHOSTS_MIN): ghosts come from evictions, which start only once the prediction holds the
+ * capacity, so a full prediction gets half its capacity as before, and an estimate far above
+ * what it holds (a resident count of 2^64 - 1 from a scrape gone wrong, kvr_rank_observe; a
+ * registration of 10^9 blocks) costs no more than the blocks themselves.  Sized by the
+ * estimate alone, one such count made the next cached-tokens answer reserve 2^31 hashes and
+ * a map as large (test_heal absurd_resident_counts_cost_no_memory_and_evict_nothing). */
 static uint32_t ghosts_want(const struct kvr_lru *lru)
 {
 	uint64_t c = lru->capacity > lru->registered ? lru->capacity : lru->registered;
+	uint64_t held = lru->copies + lru->n_phantom;
 	c /= 2;
+	if (c > held)
+		c = held;
 	if (c < GHOSTS_MIN)
 		c = GHOSTS_MIN;
 	if (c > UINT32_MAX / 2)
@@ -221,7 +230,8 @@ void kvr_lru_cap_bound(struct kvr_lru *lru, uint64_t lo, uint64_t hi, struct kvr
 		lru->explore = false; /* above it: the ceiling is found */
 	if (lo == 0 && hi == 0 && (lru->explore || c < lru->registered)) {
 		/* An answer that proves nothing: old bounds fade (see the essay). */
-		c += lru->registered / DRIFT_STEP + 1;
+		uint64_t step = lru->registered / DRIFT_STEP + 1;
+		c = c + step < c ? UINT64_MAX : c + step; /* an estimate raised to ~2^64 */
 		if (!lru->explore && c > lru->registered)
 			c = lru->registered;
 	}

@@ -250,7 +250,11 @@ int kvr_lru_heal_resident(struct kvr_lru *lru, uint64_t resident, uint64_t unall
 	 * above it (lru_cap.c; a later cached-tokens answer may prove more again). */
 	lru->explore = false;
 	uint64_t before = lru->copies + lru->n_phantom;
-	kvr_lru_evict_to(lru, resident + unallocated, out);
+	/* Saturating: a count near 2^64 (above any real one, within an estimate it raised)
+	 * wrapped to a few blocks and evicted everything cached (test_heal
+	 * absurd_resident_counts_cost_no_memory_and_evict_nothing). */
+	uint64_t keep = resident + unallocated < resident ? UINT64_MAX : resident + unallocated;
+	kvr_lru_evict_to(lru, keep, out);
 	if (evicted)
 		*evicted = before - (lru->copies + lru->n_phantom);
 	kvr_lru_settle(lru);

@@ -405,3 +405,59 @@ Test(heal, resident_count_waits_for_unadmitted_requests)
 	cr_assert_eq(kvr_request_finish(r, b.attempt), 0);
 	kvr_router_destroy(r);
 }
+
+/* A resident count no engine can have (a scrape gone wrong: 2^64 - 1) raises the capacity
+ * estimate, as any count above it does.  Two things must not follow from it: the capacity
+ * estimator's ghosts (lru_cap.c) sized by that estimate at the next cached-tokens answer (half
+ * of it, capped at 2^31 hashes: 16 GB of ring, a map as large, and the answer's KVR_ENOMEM;
+ * found by fuzz_api's op_heal, a shard at 9 GB), and a count just below it, with a request
+ * still prefilling, wrapping the eviction target (resident + unallocated) to a few blocks,
+ * which evicted every cached block the engine had just said it holds. */
+Test(heal, absurd_resident_counts_cost_no_memory_and_evict_nothing)
+{
+	struct kvr_router *r = make(1000);
+	struct kvr_rank_id id = {0, 0};
+	uint32_t t[8 * BS];
+	for (size_t i = 0; i < 8 * BS; i++)
+		t[i] = 1000u + (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 4 * BS;
+	struct kvr_decision a, b;
+	cr_assert_eq(kvr_route(r, &q, &a), 0);
+	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0); /* 4 blocks cached, inactive */
+	struct kvr_rank_observation ob = {
+	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = UINT64_MAX};
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	for (size_t i = 0; i < 8 * BS; i++)
+		t[i] = 5000u + (uint32_t)i;
+	q.n_tokens = 6 * BS;
+	cr_assert_eq(kvr_route(r, &q, &b), 0); /* 6 new blocks, not allocated by the engine yet */
+	int64_t before = kvr_alloc_live_bytes();
+	cr_assert_eq(kvr_request_cached(r, b.attempt, 0), 0, "the first answer turns ghosts on");
+	int64_t grown = kvr_alloc_live_bytes() - before;
+	cr_assert_lt(grown, 1 << 20, "ghosts for a prediction of 10 blocks took %lld bytes",
+	             (long long)grown);
+	ob.resident_blocks = UINT64_MAX - 1;
+	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
+	static uint64_t blk[64];
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
+	cr_assert_eq(n, 10, "a count above everything evicted %zu blocks", 10 - n);
+	cr_assert_eq(kvr_test_metric(r, "kvr_heal_evicted_blocks_total"), 0);
+	cr_assert_eq(kvr_request_finish(r, b.attempt), 0);
+	kvr_router_destroy(r);
+
+	/* The same for a registration in bytes instead of blocks (2^40). */
+	r = make(1ull << 40);
+	cr_assert_eq(kvr_route(r, &q, &b), 0);
+	before = kvr_alloc_live_bytes();
+	cr_assert_eq(kvr_request_cached(r, b.attempt, 0), 0);
+	grown = kvr_alloc_live_bytes() - before;
+	cr_assert_lt(grown, 1 << 20, "ghosts for a registration of 2^40 took %lld bytes",
+	             (long long)grown);
+	cr_assert_eq(kvr_request_finish(r, b.attempt), 0);
+	kvr_router_destroy(r);
+}
