@@ -8,8 +8,9 @@
  * reset / stats / blocks, routes (tokens or hashes, LoRA, pinned, allow lists, query-only,
  * KVR_ROUTE_WAIT, overrides, and malformed requests), queue waits and cancels, prefill done /
  * output (kvr_request_output, and _ex with and without KVR_OUTPUT_FINAL) / finish / abort on live,
- * ended, stale and made-up attempt ids, KV events (well formed and malformed, in every mode),
- * metrics, syncs, virtual clock steps, the hash functions, config validation, and NULL arguments.
+ * ended, stale and made-up attempt ids, engine truth (kvr_request_cached, kvr_rank_observe), KV
+ * events (well formed and malformed, in every mode), metrics, syncs, virtual clock steps, the
+ * hash functions, config validation, and NULL arguments.
  * Every call is executed on a real router (virtual time) and its return code is checked against the
  * set the header documents for that call, and where the model knows the answer exactly (rank
  * membership, incarnations, attempt state, queue tickets, events-mode block sets), against that
@@ -22,6 +23,13 @@
  * whether a request queues (only when the queue is on), when a lease expires (never before one
  * scan interval without progress), and when the queue admits (a ticket has one outcome, reported
  * once).
+ *
+ * Two switches, off by default (each then runs other programs from the same bytes): --craft
+ * (FUZZ_API_CRAFT=1) crafts hash-given prompts (craft_hashes); --events (FUZZ_API_EVENTS=1) puts
+ * every router in events mode and has the events name their blocks as engines do (events_ext:
+ * the router's own sequence hash, an engine hash per rank life as vLLM's random hash seed gives,
+ * or a hash another block holds) and probes the index with query-only routes whose overlap the
+ * model knows exactly (op_ev_probe).
  *
  * Built two ways (tests/meson.build, tests/fuzz/meson.build): as a libFuzzer target
  * (-Dfuzz=true, clang), and linked with fuzz_api_main.c as a seeded driver
@@ -37,8 +45,10 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/hash.h"
 #include "fuzz_api.h"
 #include "kvrouter.h"
+#include "splitmix.h"
 
 /* ---------------------------------------------------------------- failure report */
 
@@ -48,6 +58,7 @@ static _Thread_local char cur_detail[256];
 static bool trace_on;           /* FUZZ_API_TRACE */
 uint64_t fuzz_api_current_seed; /* set by the seeded driver, printed on failure */
 bool fuzz_api_craft;            /* fuzz_api_seeds --craft: crafted hash-given prompts */
+bool fuzz_api_events;           /* fuzz_api_seeds --events: events mode as vLLM feeds it */
 
 #define FAIL(...)                                                                                  \
 	do {                                                                                       \
@@ -110,8 +121,8 @@ enum { A_LIVE, A_ENDED };
 enum { T_QUEUED, T_ADMITTED_UNCOLLECTED, T_DONE };
 
 struct mblk {
-	uint64_t ext, node;
-	uint32_t copies; /* events mode counts copies: vLLM may hold two of one hash */
+	uint64_t ext, node; /* node: the router's sequence hash of the block (its whole prefix) */
+	uint32_t copies;    /* events mode counts copies: vLLM may hold two of one hash */
 };
 
 struct mrank {
@@ -121,6 +132,11 @@ struct mrank {
 	uint32_t mbt;
 	uint64_t life; /* bumped whenever its attempts become stale */
 	bool cap_finite_lru;
+	/* engine truth (op_heal): kvr_rank_observe's resident count raises the capacity the
+	 * prediction evicts at (so resident <= max(cap, the largest observed)); a
+	 * kvr_request_cached report may prove it larger by an amount the model does not follow */
+	uint64_t cap_seen;
+	bool cap_proved;
 	/* events mode */
 	bool have_ev, ev_unknown;
 	uint64_t last_ev;
@@ -134,6 +150,7 @@ struct matt {
 	int rank;
 	uint64_t life;
 	uint64_t touch;   /* virtual time of the last progress */
+	uint64_t nreq;    /* the decision's required_blocks (the prompt has at least as many) */
 	bool maybe_stale; /* admitted from the queue around a rank change: 0 or KVR_ESTALE */
 };
 
@@ -177,6 +194,11 @@ struct prog {
 	size_t prev_nb;
 	uint64_t hist[256];
 	unsigned n_hist, hist_pos;
+	/* fuzz_api_events: every block an event stored (any rank), to build prompts from */
+	struct dblk {
+		uint64_t seq, parent, local; /* parent: its sequence hash, 0 = a root */
+	} dict[256];
+	unsigned n_dict, dict_pos;
 };
 
 static struct kvr_rank_id rid(int i)
@@ -286,8 +308,11 @@ static void add_attempt_at(struct prog *p, const struct kvr_decision *d, uint64_
 		CHECK(rc == 0 || rc == KVR_ESTALE, "rc %d", rc);
 		end_attempt(p, 0);
 	}
-	p->att[p->n_att++] =
-	    (struct matt){.id = d->attempt, .rank = ri, .life = p->rk[ri].life, .touch = touch};
+	p->att[p->n_att++] = (struct matt){.id = d->attempt,
+	                                   .rank = ri,
+	                                   .life = p->rk[ri].life,
+	                                   .touch = touch,
+	                                   .nreq = d->required_blocks};
 	if (trace_on)
 		fprintf(stderr, " [+attempt %" PRIx64 " rank %d ticket %" PRIu64 "]", d->attempt,
 		        ri, d->ticket);
@@ -533,6 +558,7 @@ static void op_rank_add(struct prog *p)
 		m->mbt = mbt;
 		m->cap_finite_lru =
 		    p->cfg.mode == KVR_MODE_APPROX_LRU && cap != 0 && cap != KVR_CAPACITY_NONE;
+		m->cap_seen = cap;
 	}
 	drain_admits(p); /* it pumped the queue: admissions come after the model's change */
 }
@@ -584,6 +610,8 @@ static void op_set_capacity(struct prog *p)
 	m->inc = inc;
 	m->cap = cap;
 	m->cap_finite_lru = p->cfg.mode == KVR_MODE_APPROX_LRU && finite_now;
+	m->cap_seen = cap; /* "kvr_rank_set_capacity resets it" (kvr_request_cached) */
+	m->cap_proved = false;
 	drain_admits(p); /* it pumped the queue: admissions come after the model's change */
 }
 
@@ -1136,13 +1164,117 @@ static void op_lifecycle(struct prog *p, int op)
 		p->att[k].touch = p->now;
 }
 
+/* Engine truth: kvr_request_cached on live, ended, made-up attempts, and kvr_rank_observe with
+ * good and bad flags, incarnations, resident counts and watermarks (a block of a recent prompt,
+ * or not one).  Return codes as the header gives them; what they evict is judged by the end
+ * checks (no load left, resident within the capacity the calls allow). */
+static void op_heal(struct prog *p)
+{
+	uint32_t bs = p->cfg.block_size;
+	if (u8(&p->in) % 2) {
+		int k;
+		uint64_t a = pick_attempt(p, &k);
+		uint32_t how = u8(&p->in) % 4;
+		uint64_t req = k >= 0 ? p->att[k].nreq : 0;
+		/* at most the hashed blocks (never above the prompt), or above any prompt */
+		uint64_t cached = how == 3   ? KVR_MAX_PROMPT_TOKENS + 1 + u8(&p->in)
+		                  : how == 2 ? req * bs
+		                             : (uint64_t)(u8(&p->in) % (req + 1)) * bs +
+		                                   (bs > 1 ? u8(&p->in) % bs : 0) * (req > 0);
+		if (cached > req * bs && how != 3)
+			cached = req * bs;
+		cur_call = "kvr_request_cached";
+		snprintf(cur_detail, sizeof(cur_detail),
+		         "attempt %" PRIx64 " k %d cached %" PRIu64 " blocks %" PRIu64, a, k,
+		         cached, req);
+		int rc = kvr_request_cached(p->r, a, cached);
+		drain_admits(p);
+		if (a == 0) {
+			expect(rc, KVR_EINVAL, "cached for attempt 0");
+			return;
+		}
+		if (k < 0) {
+			bool ended = false;
+			for (int j = 0; j < p->n_ended; j++)
+				ended |= p->ended[j] == a;
+			if (ended)
+				expect(rc, KVR_ESTALE, "cached on an ended attempt");
+			else
+				CHECK(rc == KVR_ESTALE || rc == KVR_ENOENT,
+				      "made-up attempt: rc %d", rc);
+			return;
+		}
+		for (k = 0; k < p->n_att && p->att[k].id != a; k++)
+			;
+		if (k == p->n_att)
+			return;
+		if (rc == KVR_ESTALE && expiry_possible(p, &p->att[k])) {
+			end_attempt(p, k);
+			return;
+		}
+		expect(rc, how == 3 ? KVR_EINVAL : 0, "cached on a live attempt");
+		if (rc == 0)
+			p->rk[p->att[k].rank].cap_proved = true;
+		return;
+	}
+	int i = gen_rank_index(p);
+	struct mrank *m = &p->rk[i];
+	struct kvr_rank_observation o;
+	memset(&o, 0, sizeof(o));
+	uint32_t fk = u8(&p->in) % 16;
+	o.flags = fk < 5     ? KVR_OBSERVE_RESIDENT
+	          : fk < 9   ? KVR_OBSERVE_WATERMARK
+	          : fk < 14  ? KVR_OBSERVE_RESIDENT | KVR_OBSERVE_WATERMARK
+	          : fk == 14 ? 0
+	                     : KVR_OBSERVE_RESIDENT | 4u << (u8(&p->in) % 29);
+	uint32_t ik = u8(&p->in) % 8;
+	o.incarnation = ik == 0 ? m->inc + 1 : ik == 1 && m->inc ? m->inc - 1 : m->inc;
+	static const uint64_t res[] = {0, 1, 3, 16, 64, 1000, 100000, UINT64_MAX};
+	uint32_t rk = u8(&p->in) % 10;
+	o.resident_blocks = rk < 8 ? res[rk]
+	                    : rk == 8 && m->cap != KVR_CAPACITY_NONE
+	                        ? m->cap + u8(&p->in) % 3
+	                        : (m->cap != KVR_CAPACITY_NONE && m->cap ? m->cap - 1 : 2);
+	/* p->toks holds the last prompt (or output) drawn: its blocks are often predicted */
+	uint32_t wk = u8(&p->in) % 4;
+	uint64_t sq[64];
+	size_t nb = kvr_hash_blocks(p->toks, 64 * (size_t)bs < MAX_TOK ? 64 * (size_t)bs : MAX_TOK,
+	                            bs, NULL, NULL, sq);
+	o.watermark_hash = wk < 3 && nb ? sq[u8(&p->in) % nb] : u64(&p->in);
+	cur_call = "kvr_rank_observe";
+	snprintf(cur_detail, sizeof(cur_detail),
+	         "rank %d flags %x inc %" PRIu64 " (model %" PRIu64 ") resident %" PRIu64
+	         " wm %" PRIx64,
+	         i, o.flags, o.incarnation, m->inc, o.resident_blocks, o.watermark_hash);
+	bool null = u8(&p->in) % 64 == 0;
+	int rc = kvr_rank_observe(p->r, rid(i), null ? NULL : &o);
+	drain_admits(p);
+	const uint32_t known = KVR_OBSERVE_RESIDENT | KVR_OBSERVE_WATERMARK;
+	if (null || !(o.flags & known) || (o.flags & ~known)) {
+		expect(rc, KVR_EINVAL, "observe: NULL or bad flags");
+		return;
+	}
+	if (!m->present) {
+		expect(rc, KVR_ENOENT, "observe an absent rank");
+		return;
+	}
+	if (o.incarnation != m->inc) {
+		expect(rc, KVR_ESTALE, "observe another incarnation");
+		return;
+	}
+	expect(rc, 0, "observe");
+	if ((o.flags & KVR_OBSERVE_RESIDENT) && o.resident_blocks > m->cap_seen)
+		m->cap_seen = o.resident_blocks;
+}
+
 /* Events: well-formed ones follow the model's chains; malformed ones are each one defect. */
+/* The router's sequence hash of a block with this local hash below parent_node (0: a root),
+ * as kvrouter.h defines it (seq[0] = local[0], then the XXH3 chain). */
 static uint64_t node_of(uint64_t parent_node, uint64_t local)
 {
-	uint64_t h = parent_node ^ (local + 0x9e3779b97f4a7c15ull + (parent_node << 6));
-	h ^= h >> 31;
-	h *= 0xbf58476d1ce4e5b9ull;
-	return h ^ (h >> 29) ^ 1;
+	uint64_t s;
+	kvr_hash_chain_locals(parent_node ? &parent_node : NULL, &local, 1, &s);
+	return s;
 }
 
 static int blk_find_ext(const struct mrank *m, uint64_t ext)
@@ -1159,6 +1291,76 @@ static int blk_find_node(const struct mrank *m, uint64_t node)
 		if (m->blk[k].node == node)
 			return k;
 	return -1;
+}
+
+/* fuzz_api_events: remembers a block some event stored, for op_ev_probe's prompts. */
+static void dict_note(struct prog *p, uint64_t seq, uint64_t parent, uint64_t local)
+{
+	for (unsigned k = 0; k < p->n_dict; k++)
+		if (p->dict[k].seq == seq)
+			return;
+	p->dict[p->dict_pos++ % 256] = (struct dblk){.seq = seq, .parent = parent, .local = local};
+	p->n_dict = p->dict_pos < 256 ? p->dict_pos : 256;
+}
+
+static const struct dblk *dict_find(const struct prog *p, uint64_t seq)
+{
+	for (unsigned k = 0; k < p->n_dict; k++)
+		if (p->dict[k].seq == seq)
+			return &p->dict[k];
+	return NULL;
+}
+
+/* An engine's per-process hash seed (vLLM's PYTHONHASHSEED-less default is random per
+ * process): one per rank life, so a reset or re-added rank names the same blocks anew. */
+static uint64_t engine_ext(const struct prog *p, int i, uint64_t seq)
+{
+	uint64_t x = seq ^ ((uint64_t)i << 56) ^ (p->rk[i].life * 0x2545f4914f6cdd1dull);
+	return splitmix64(&x);
+}
+
+/* fuzz_api_events: the external hashes of an event's blocks as real engines send them: the
+ * router's own sequence hash (an engine configured to share it), an engine hash of its own
+ * that differs per rank and per rank life (vLLM's random seed), a sequence hash another block
+ * holds (crafted: the block then has two names or a name is reused), or small numbers. */
+static void events_ext(struct prog *p, int i, const struct kvr_event *ev, struct kvr_event_block *b,
+                       size_t nb)
+{
+	const struct mrank *m = &p->rk[i];
+	uint32_t bs = p->cfg.block_size;
+	uint32_t kind = u8(&p->in) % 8;
+	uint64_t parent = 0;
+	if (ev->has_parent) {
+		int f = blk_find_ext(m, ev->parent_ext_hash);
+		parent = f >= 0 ? m->blk[f].node : 0;
+	}
+	for (size_t k = 0; k < nb; k++) {
+		uint64_t local;
+		if (b[k].tokens)
+			kvr_hash_blocks(b[k].tokens, bs, bs, ev->lora_name, &local, NULL);
+		else
+			local = b[k].local_hash;
+		uint64_t seq = node_of(parent, local);
+		uint32_t kk = kind == 7 ? u8(&p->in) % 7 : kind;
+		switch (kk) {
+		case 0:
+		case 1:
+			b[k].ext_hash = seq;
+			break;
+		case 2:
+		case 3:
+		case 4:
+			b[k].ext_hash = engine_ext(p, i, seq);
+			break;
+		case 5:
+			if (p->n_dict)
+				b[k].ext_hash = p->dict[u8(&p->in) % p->n_dict].seq;
+			break;
+		default: /* the small numbers op_event drew */
+			break;
+		}
+		parent = seq;
+	}
 }
 
 static void op_event(struct prog *p)
@@ -1210,8 +1412,13 @@ static void op_event(struct prog *p)
 		}
 		ev.blocks = b;
 		ev.n_blocks = nb;
+		if (fuzz_api_events)
+			events_ext(p, i, &ev, b, nb);
 		if (ev.has_parent && b[0].ext_hash == ev.parent_ext_hash)
 			defect = KVR_EINVAL; /* drawn as its own parent */
+		for (size_t k = 1; k < nb; k++)
+			if (b[k].ext_hash == b[k - 1].ext_hash)
+				defect = KVR_EINVAL; /* events_ext named a block after its parent */
 		switch (u8(&p->in) % 12) {
 		case 0:
 			ev.n_blocks = 0;
@@ -1241,10 +1448,15 @@ static void op_event(struct prog *p)
 		}
 	} else if (ev.type == KVR_EVENT_REMOVED) {
 		size_t nr = 1 + u8(&p->in) % 4;
-		for (size_t k = 0; k < nr; k++)
+		for (size_t k = 0; k < nr; k++) {
 			rm[k] = m->nblk && u8(&p->in) % 4
 			            ? m->blk[u8(&p->in) % (uint32_t)m->nblk].ext
 			            : 0xbeef0000 + u8(&p->in);
+			/* a held block's sequence hash (not its name when the engine's differs),
+			 * or a block another rank holds */
+			if (fuzz_api_events && p->n_dict && u8(&p->in) % 4 == 0)
+				rm[k] = p->dict[u8(&p->in) % p->n_dict].seq;
+		}
 		ev.removed = rm;
 		ev.n_removed = nr;
 		if (u8(&p->in) % 10 == 0) {
@@ -1352,6 +1564,7 @@ static void op_event(struct prog *p)
 			break;
 		}
 		m->blk[m->nblk++] = (struct mblk){.ext = b[k].ext_hash, .node = node, .copies = 1};
+		dict_note(p, node, parent_node, local);
 		parent_node = node;
 	}
 	if (m->blk_unknown) {
@@ -1359,6 +1572,86 @@ static void op_event(struct prog *p)
 		return;
 	}
 	expect(rc, want, "stored");
+}
+
+/* fuzz_api_events: a query-only route of a prompt built from blocks events stored (the chain
+ * of one, up to its root, and a few more blocks), pinned to a rank or not.  In events mode
+ * only events write the index, and they apply before kvr_events_apply returns, so the
+ * decision's overlap on its rank is exactly the gap-free prefix the model holds there. */
+static void op_ev_probe(struct prog *p)
+{
+	uint32_t bs = p->cfg.block_size;
+	uint64_t local[40], seq[40], up[32];
+	size_t n = 0;
+	if (p->n_dict) {
+		const struct dblk *d = &p->dict[u8(&p->in) % p->n_dict];
+		while (d && n < 32) {
+			up[n++] = d->local;
+			d = d->parent ? dict_find(p, d->parent) : NULL;
+		}
+		if (d) /* deeper than the model keeps: probe the top 32 only as a root */
+			n = 0;
+	}
+	for (size_t k = 0; k < n; k++)
+		local[k] = up[n - 1 - k];
+	if (u8(&p->in) % 4 == 0 && n) /* a prefix of it */
+		n = 1 + u8(&p->in) % n;
+	for (uint32_t extra = u8(&p->in) % 4; extra; extra--)
+		local[n++] = 0xfeed000000ull + u8(&p->in);
+	if (!n)
+		return;
+	kvr_hash_chain_locals(NULL, local, n, seq);
+	int pin = u8(&p->in) % 2 ? gen_rank_index(p) : NO_IDX;
+	struct kvr_rank_id pid = pin == NO_IDX ? rid(0) : rid(pin);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.local_hashes = local;
+	q.n_hashes = n;
+	if (u8(&p->in) % 2)
+		q.seq_hashes = seq;
+	q.n_tokens = n * bs + u8(&p->in) % bs;
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	q.pinned = pin == NO_IDX ? NULL : &pid;
+	struct kvr_decision d;
+	memset(&d, 0, sizeof(d));
+	cur_call = "kvr_route (events probe)";
+	snprintf(cur_detail, sizeof(cur_detail), "pinned %d blocks %zu seq0 %" PRIx64, pin, n,
+	         seq[0]);
+	int rc = kvr_route(p->r, &q, &d);
+	p->routes++;
+	if (pin != NO_IDX && !p->rk[pin].present) {
+		expect(rc, KVR_ENOENT, "probe pinned to an absent rank");
+		return;
+	}
+	if (!n_present(p)) {
+		expect(rc, KVR_ENOENT, "probe with no rank");
+		return;
+	}
+	CHECK(rc == 0 || rc == KVR_EAGAIN, "probe: rc %d", rc);
+	if (rc || d.status != KVR_DECIDED)
+		return; /* queued (a full rank): the model does not say when */
+	int i = rindex_of(d.rank);
+	CHECK(i != NO_IDX && p->rk[i].present && (pin == NO_IDX || i == pin),
+	      "probe decided on rank (%" PRIu64 ", %u)", d.rank.worker_id, d.rank.dp_rank);
+	CHECK(d.required_blocks == n, "probe: required %u, %zu blocks", d.required_blocks, n);
+	const struct mrank *m = &p->rk[i];
+	if (m->blk_unknown)
+		return;
+	uint32_t depth = 0;
+	while (depth < n && blk_find_node(m, seq[depth]) >= 0)
+		depth++;
+	snprintf(cur_detail, sizeof(cur_detail), "rank %d pinned %d blocks %zu depth %u", i, pin, n,
+	         depth);
+	if (d.overlap_blocks != depth) {
+		int o =
+		    snprintf(cur_detail, sizeof(cur_detail), "rank %d pinned %d chain:", i, pin);
+		for (size_t k = 0; k < n && o < 200; k++)
+			o += snprintf(cur_detail + o, sizeof(cur_detail) - (size_t)o,
+			              " %" PRIx64 "%s", seq[k],
+			              blk_find_node(m, seq[k]) >= 0 ? "*" : "");
+	}
+	CHECK(d.overlap_blocks == depth, "probe: overlap %u on rank %d, the model holds %u",
+	      d.overlap_blocks, i, depth);
 }
 
 static void op_metrics(struct prog *p)
@@ -1684,6 +1977,8 @@ static bool make_router(struct prog *p)
 	struct src *in = &p->in;
 	static const uint32_t bss[] = {1, 2, 4, 16};
 	c->mode = (enum kvr_mode)(u8(in) % 3);
+	if (fuzz_api_events)
+		c->mode = KVR_MODE_EVENTS;
 	c->block_size = bss[u8(in) % 4];
 	c->n_shards = 1 + u8(in) % 2;
 	c->max_ranks = 1 + u8(in) % 6;
@@ -1768,10 +2063,11 @@ static void quiesce_and_check(struct prog *p)
 		          s.active_blocks == 0,
 		      "idle rank %d: requests %" PRIu64 " prefill %" PRIu64 " blocks %" PRIu64, i,
 		      s.active_requests, s.active_prefill_tokens, s.active_blocks);
-		if (p->rk[i].cap_finite_lru)
-			CHECK(s.resident_blocks <= p->rk[i].cap,
-			      "idle rank %d: resident %" PRIu64 " > capacity %" PRIu64, i,
-			      s.resident_blocks, p->rk[i].cap);
+		if (p->rk[i].cap_finite_lru && !p->rk[i].cap_proved)
+			CHECK(s.resident_blocks <= p->rk[i].cap_seen,
+			      "idle rank %d: resident %" PRIu64 " > capacity %" PRIu64
+			      " (registered %" PRIu64 ")",
+			      i, s.resident_blocks, p->rk[i].cap_seen, p->rk[i].cap);
 		check_stats(p, i, &s);
 		check_blocks(p, i);
 	}
@@ -1807,6 +2103,8 @@ static void *run_program(void *arg)
 	trace_on = trace;
 	if (getenv("FUZZ_API_CRAFT"))
 		fuzz_api_craft = true;
+	if (getenv("FUZZ_API_EVENTS"))
+		fuzz_api_events = true;
 	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
 		uint32_t op = u8(&p->in) % 32;
 		if (trace)
@@ -1878,13 +2176,21 @@ static void *run_program(void *arg)
 			op_sync(p);
 			break;
 		case 28:
-			op_hash(p);
+			if (fuzz_api_events)
+				op_ev_probe(p);
+			else
+				op_hash(p);
 			break;
 		case 29:
-			if (u8(&p->in) % 8 == 0)
+			if (fuzz_api_events)
+				op_ev_probe(p);
+			else if (u8(&p->in) % 8 == 0)
 				op_feed(p);
 			else
 				op_config(p);
+			break;
+		case 31:
+			op_heal(p);
 			break;
 		default:
 			op_null_args(p);

@@ -16,6 +16,11 @@ extern uint64_t fuzz_api_current_seed;
 /* Crafted hash-given prompts (fuzz_api.c, craft_hashes; also FUZZ_API_CRAFT=1): off by default,
  * so a seed or a corpus file runs the same program as before. */
 extern bool fuzz_api_craft;
+/* Events mode as engines feed it (fuzz_api.c, events_ext and op_ev_probe; also
+ * FUZZ_API_EVENTS=1): every router in events mode, engine hashes equal to the router's, per rank
+ * and per rank life, or crafted, and query-only routes whose overlap the model knows.  Off by
+ * default, like fuzz_api_craft. */
+extern bool fuzz_api_events;
 
 /* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
  * NULL) is increased by the number of API operations it ran. */

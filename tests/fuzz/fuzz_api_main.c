@@ -4,12 +4,14 @@
  * with a short run, so it runs in every build, ASan+UBSan and TSan included.
  *
  *   fuzz_api_seeds [--first S] [--seeds N] [--seconds T] [--bytes B] [--write FILE] [--craft]
+ *                  [--events]
  *   fuzz_api_seeds FILE...        (program files: a libFuzzer input, tests/fuzz/corpus/api/)
  *
  * A failure prints its seed; `--first S --seeds 1` replays it alone, and `--write FILE` saves
  * that seed's program bytes as a libFuzzer input (build-fuzz/tests/fuzz/fuzz_api FILE).
  * --craft (before FILE... too) crafts hash-given prompts (fuzz_api.c, craft_hashes): other
- * programs than without it, so a seed replays with the same flag.
+ * programs than without it, so a seed replays with the same flag.  --events likewise: every router
+ * in events mode, engine hashes as vLLM sends them, and probes of the overlap (fuzz_api.h).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -77,12 +79,14 @@ int main(int argc, char **argv)
 			write = argv[++i];
 		else if (!strcmp(argv[i], "--craft"))
 			fuzz_api_craft = true;
+		else if (!strcmp(argv[i], "--events"))
+			fuzz_api_events = true;
 		else if (argv[i][0] != '-')
 			return run_files(argc - i, argv + i);
 		else {
 			fprintf(stderr,
 			        "usage: %s [--first S] [--seeds N] [--seconds T] [--bytes B] "
-			        "[--write FILE] [--craft]\n",
+			        "[--write FILE] [--craft] [--events]\n",
 			        argv[0]);
 			return 2;
 		}
