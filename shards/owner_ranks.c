@@ -218,12 +218,21 @@ static void arm_reaper(struct kvr_shard *sh, uint64_t when)
 	kvr_metrics_add(kvr_owner_mb(ss->c), KVR_C_SHARD_TIMER_ERRORS, 1);
 }
 
+/* The next scan, one interval after now, saturating: an interval near 2^64 (the reaper turned
+ * off) wrapped to a deadline in the past, which fired on every turn of the shard's loop and
+ * reaped every idle attempt (test_regress lease_scan_interval_near_2_to_64_never_expires). */
+static uint64_t reaper_next(const struct kvr_owner_ctx *c)
+{
+	uint64_t now = kvr_owner_now(c), t = now + c->lease_scan_interval_ns;
+	return t < now ? UINT64_MAX : t;
+}
+
 /* Called by the reaper when it has run: the next scan one interval later. */
 void kvr_owner_rearm_reaper(struct kvr_shard *sh)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	ss->reaper_armed = false;
-	arm_reaper(sh, kvr_owner_now(ss->c) + ss->c->lease_scan_interval_ns);
+	arm_reaper(sh, reaper_next(ss->c));
 }
 
 /* Re-arms what a failed timer allocation left unarmed.  Called at the top of every shard-side
@@ -254,7 +263,7 @@ void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx)
 	kvr_u64map_init(&ss->by_id);
 	kvr_shard_set_userdata(sh, ss);
 	kvr_owner_room_prepare(ss);
-	arm_reaper(sh, kvr_owner_now(c) + c->lease_scan_interval_ns);
+	arm_reaper(sh, reaper_next(c));
 }
 
 void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx)

@@ -438,3 +438,40 @@ Test(regress, crafted_root_on_an_interior_hash)
 	cr_assert_eq(st.active_blocks, 0);
 	kvr_router_destroy(r);
 }
+
+/* A lease scan interval of 2^64 - 1 ns (kvr_config accepts any non-zero one; a caller turning
+ * the reaper off writes that) wrapped the reaper's next deadline to one before now: the shard
+ * fired the reaper on every turn of its loop, a core busy for the router's life, and the CLOCK
+ * reaper expired every idle attempt within its first two passes (found reading the timers after
+ * fuzz_api's absurd resident counts).  The interval must mean "never", as a long one does. */
+Test(regress, lease_scan_interval_near_2_to_64_never_expires)
+{
+	static const uint64_t intervals[] = {UINT64_MAX, UINT64_MAX - 500};
+	for (size_t k = 0; k < 2; k++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_shards = 1;
+		c.now_ns = vclock;
+		c.lease_scan_interval_ns = intervals[k];
+		struct kvr_router *r;
+		cr_assert_eq(kvr_router_create(&c, &r), 0);
+		struct kvr_rank_id id = {0, 0};
+		cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 0), 0);
+		uint32_t t[64];
+		prompt(t, 64, 5);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 64;
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		__atomic_add_fetch(&vnow, 10000000000ull, __ATOMIC_RELAXED); /* 10 s idle */
+		cr_assert_eq(kvr_router_sync(r, 5000), 0);
+		struct kvr_rank_stats s;
+		cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+		cr_assert_eq(s.active_requests, 1, "interval %llu: the idle attempt was reaped",
+		             (unsigned long long)intervals[k]);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		kvr_router_destroy(r);
+	}
+}
