@@ -5,10 +5,11 @@
  * admission queue fills; each queued ticket is cancelled at once, waited for with a short
  * deadline (then cancelled or collected later), or left to on_admit.  Two finisher threads take
  * every admitted attempt (from kvr_route, kvr_route_wait or on_admit) and end it from a thread
- * other than the one that routed it: prefill done, some output, then finish or abort.  An admin
- * thread churns the ranks (remove and re-add with another max_batched_tokens, capacity changes,
- * resets), and a sync thread calls kvr_router_sync from a fresh thread each time (a thread the
- * library has never seen).
+ * other than the one that routed it: prefill done, some output, the engine's cached tokens
+ * (kvr_request_cached), then finish or abort.  An admin thread churns the ranks (remove and
+ * re-add with another max_batched_tokens, capacity changes, resets, engine observations with
+ * resident counts up to 2^64 - 1), and a sync thread calls kvr_router_sync from a fresh thread each
+ * time (a thread the library has never seen).
  *
  * Checked at the end, after every thread is joined, every attempt ended and every ticket
  * resolved: each attempt ended at most once (a second finish/abort returning 0 is a failure),
@@ -262,6 +263,11 @@ static void end_one(uint64_t a, uint64_t *seed)
 	rc = kvr_request_output(R, a, out, 1 + rnd(seed) % 40);
 	if (rc != 0 && rc != KVR_ESTALE)
 		FAIL("output: %d", rc);
+	/* the engine's cached tokens (above a short prompt: KVR_EINVAL), while the admin thread
+	 * resets and removes the rank and observes it */
+	rc = kvr_request_cached(R, a, rnd(seed) % 96);
+	if (rc != 0 && rc != KVR_ESTALE && rc != KVR_EINVAL)
+		FAIL("cached: %d", rc);
 	rc = rnd(seed) % 4 ? kvr_request_finish(R, a) : kvr_request_abort(R, a);
 	if (rc == 0) {
 		atomic_fetch_add(&attempt_ends[(a >> 16) % MAX_SEQ], 1);
@@ -302,7 +308,7 @@ static void *admin_thread(void *arg)
 		int i = (int)(rnd(&seed) % N_IDS);
 		struct kvr_rank_id id = {(uint64_t)(i / 2), (uint32_t)(i % 2)};
 		int rc;
-		switch (rnd(&seed) % 5) {
+		switch (rnd(&seed) % 6) {
 		case 0:
 			rc = kvr_rank_remove(R, id);
 			if (rc != 0 && rc != KVR_ENOENT)
@@ -321,6 +327,20 @@ static void *admin_thread(void *arg)
 			if (rc != 0 && rc != KVR_ENOENT && rc != KVR_ESTALE)
 				FAIL("set_capacity: %d", rc);
 			break;
+		case 4: {
+			/* engine truth, absurd counts included (they must cost no memory) */
+			static const uint64_t res[] = {0, 100, 3000, UINT64_MAX};
+			struct kvr_rank_observation ob = {
+			    .flags =
+			        KVR_OBSERVE_RESIDENT | (rnd(&seed) % 2 ? KVR_OBSERVE_WATERMARK : 0),
+			    .incarnation = inc[i] - rnd(&seed) % 2,
+			    .resident_blocks = res[rnd(&seed) % 4],
+			    .watermark_hash = rnd(&seed)};
+			rc = kvr_rank_observe(R, id, &ob);
+			if (rc != 0 && rc != KVR_ENOENT && rc != KVR_ESTALE)
+				FAIL("observe: %d", rc);
+			break;
+		}
 		default:
 			rc = kvr_rank_reset(R, id, ++inc[i]);
 			if (rc != 0 && rc != KVR_ENOENT && rc != KVR_ESTALE)
