@@ -545,7 +545,12 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns)
 		if (!rep->obuf.oom)
 			rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 	}
-	uint64_t bound = (uint64_t)rep->c.dead_after * rep->c.heartbeat_ms * 1000000ull;
+	/* Saturating, and twice it too: dead_after x heartbeat_ms ns overflows 64 bits for allowed
+	 * settings (3,782,740,474 x 43,889 ms wrapped to 35 us: every peer given up at once;
+	 * test_replica_hooks silence_bound_does_not_wrap). */
+	unsigned __int128 b128 =
+	    (unsigned __int128)rep->c.dead_after * rep->c.heartbeat_ms * 1000000u;
+	uint64_t bound = b128 > UINT64_MAX / 2 ? UINT64_MAX / 2 : (uint64_t)b128;
 	struct kvr_rep_peer *dead[MAX_PEERS];
 	size_t nd = 0;
 	for (size_t i = 0; i < rep->n_peers; i++) {

@@ -600,3 +600,34 @@ Test(replica_hooks, failed_index_write_healed_by_the_extension)
 	}
 	cr_assert(seen, "no allocation failure left the index short of the predicted cache");
 }
+
+/* A peer's silence bound, dead_after x heartbeat_ms in ns, overflowed 64 bits for allowed
+ * settings (heartbeat_ms 1..60000, dead_after >= 2): 3,782,740,474 periods of 43,889 ms wrapped
+ * to 35 us, so every peer was given up (its attempts released here) after 35 us of silence; a
+ * huge dead_after is how a caller says "never".  The replica is not started: this thread plays
+ * its apply thread and judges at a time it chooses (kvr_rep_heartbeat). */
+Test(replica_hooks, silence_bound_does_not_wrap)
+{
+	struct kvr_router *r = make();
+	struct kvr_replica_config c = {
+	    .replica_id = 1, .heartbeat_ms = 43889, .dead_after = 3782740474u};
+	struct kvr_replica_transport t = {.ctx = &port[0], .publish = bus_publish};
+	struct kvr_replica *rep;
+	cr_assert_eq(kvr_replica_create(r, &c, &t, &rep), 0);
+	struct kvr_msg_buf b = {0};
+	size_t off = kvr_msg_begin(&b, KVR_MSG_HEARTBEAT, 2, 1, 0);
+	kvr_msg_put_u64(&b, 0); /* its live attempts */
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom);
+	kvr_rep_handle(rep, b.p, b.len, NULL);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.peers_alive, 1, "the heartbeat made peer 2 known");
+	kvr_rep_heartbeat(rep, kvr_rep_mono_ns() + 1000000000ull, 0); /* 1 s of silence */
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.peers_alive, 1, "given up after 1 s of a bound of 5 million years");
+	kvr_msg_buf_fini(&b);
+	kvr_replica_stop(rep);
+	kvr_replica_destroy(rep);
+	kvr_router_destroy(r);
+}
