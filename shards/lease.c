@@ -103,6 +103,30 @@ static uint64_t *word_of(struct kvr_leases *t, uint64_t attempt)
 	return chunk ? &chunk[i & (CHUNK_WORDS - 1)] : NULL;
 }
 
+/* How every call on an issued id begins: 0 and *w, KVR_EINVAL (no table, malformed id) or
+ * KVR_ESTALE (never issued). */
+static inline int find_word(struct kvr_leases *t, uint64_t attempt, uint64_t **w)
+{
+	if (!t || !valid(attempt))
+		return KVR_EINVAL;
+	*w = word_of(t, attempt);
+	return *w ? 0 : KVR_ESTALE;
+}
+
+/* True if word value cur is attempt's lease in any state (not free, not another attempt's). */
+static inline bool holds(uint64_t cur, uint64_t attempt)
+{
+	return (cur >> 2) == attempt && (cur & STATE_MASK) != 0;
+}
+
+/* The state of attempt's lease in *w (QUIET, TOUCHED or CLAIMED), or KVR_ESTALE.
+ * Ordering: acquire; pairs with the claimer's acq_rel CAS. */
+static inline int state_in(const uint64_t *w, uint64_t attempt)
+{
+	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+	return holds(cur, attempt) ? (int)(cur & STATE_MASK) : KVR_ESTALE;
+}
+
 /* The chunk of word i, allocated and published if it is the first use. */
 static uint64_t *chunk_of(struct kvr_leases *t, uint64_t i)
 {
@@ -194,11 +218,10 @@ int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt)
 
 int kvr_lease_touch(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !valid(attempt))
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, attempt);
-	if (!w)
-		return KVR_ESTALE;
+	uint64_t *w;
+	int rc = find_word(t, attempt, &w);
+	if (rc)
+		return rc;
 	uint64_t cur = __atomic_load_n(w, __ATOMIC_RELAXED);
 	for (;;) {
 		if ((cur >> 2) != attempt || (cur & STATE_MASK) == KVR_LEASE_CLAIMED)
@@ -216,7 +239,7 @@ static int cas_live(uint64_t *w, uint64_t attempt, uint64_t only, uint64_t to)
 {
 	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
 	for (;;) {
-		if ((cur >> 2) != attempt || (cur & STATE_MASK) == 0)
+		if (!holds(cur, attempt))
 			return KVR_ESTALE;
 		if ((cur & STATE_MASK) == KVR_LEASE_CLAIMED)
 			return KVR_EBUSY;
@@ -230,12 +253,11 @@ static int cas_live(uint64_t *w, uint64_t attempt, uint64_t only, uint64_t to)
 
 int kvr_lease_claim(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !valid(attempt))
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, attempt);
-	if (!w)
-		return KVR_ESTALE;
-	int rc = cas_live(w, attempt, 0, (attempt << 2) | KVR_LEASE_CLAIMED);
+	uint64_t *w;
+	int rc = find_word(t, attempt, &w);
+	if (rc)
+		return rc;
+	rc = cas_live(w, attempt, 0, (attempt << 2) | KVR_LEASE_CLAIMED);
 	return rc == 0 ? 0 : KVR_ESTALE;
 }
 
@@ -250,66 +272,55 @@ void kvr_lease_prefetch_next(struct kvr_leases *t)
 
 int kvr_lease_unmint(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !valid(attempt))
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, attempt);
-	if (!w)
-		return KVR_ESTALE;
+	uint64_t *w;
+	int rc = find_word(t, attempt, &w);
+	if (rc)
+		return rc;
 	return cas_live(w, attempt, 0, 0) == 0 ? 0 : KVR_ESTALE;
 }
 
 int kvr_lease_state(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !valid(attempt))
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, attempt);
-	if (!w)
-		return KVR_ESTALE;
-	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-	if ((cur >> 2) != attempt || (cur & STATE_MASK) == 0)
-		return KVR_ESTALE;
-	return (int)(cur & STATE_MASK);
+	uint64_t *w;
+	int rc = find_word(t, attempt, &w);
+	return rc ? rc : state_in(w, attempt);
+}
+
+/* One CLOCK step of the reaper, from -> to: `to` if it won, 0 if someone else claimed first,
+ * KVR_ESTALE, or KVR_EAGAIN if the state was not `from`. */
+static int age_step(uint64_t *w, uint64_t attempt, uint64_t from, uint64_t to)
+{
+	int rc = cas_live(w, attempt, from, (attempt << 2) | to);
+	if (rc == 0)
+		return (int)to;
+	return rc == KVR_EBUSY ? 0 : rc;
 }
 
 int kvr_lease_age(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !valid(attempt))
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, attempt);
-	if (!w)
-		return KVR_ESTALE;
-	for (;;) {
-		int rc = cas_live(w, attempt, KVR_LEASE_TOUCHED, (attempt << 2) | KVR_LEASE_QUIET);
-		if (rc == 0)
-			return KVR_LEASE_QUIET;
-		if (rc == KVR_EBUSY)
-			return 0; /* claimed by someone else */
-		if (rc == KVR_ESTALE)
-			return rc;
-		/* QUIET since the last step: expired, if no claimer or toucher wins first */
-		rc = cas_live(w, attempt, KVR_LEASE_QUIET, (attempt << 2) | KVR_LEASE_CLAIMED);
-		if (rc == 0)
-			return KVR_LEASE_CLAIMED;
-		if (rc == KVR_EBUSY)
-			return 0;
-		if (rc == KVR_ESTALE)
-			return rc;
-		/* touched meanwhile: go round (it becomes QUIET) */
-	}
+	uint64_t *w;
+	int rc = find_word(t, attempt, &w);
+	if (rc)
+		return rc;
+	do {
+		rc = age_step(w, attempt, KVR_LEASE_TOUCHED, KVR_LEASE_QUIET);
+		if (rc == KVR_EAGAIN) /* QUIET since the last step: expired, unless a claimer or
+		                       * toucher wins first */
+			rc = age_step(w, attempt, KVR_LEASE_QUIET, KVR_LEASE_CLAIMED);
+	} while (rc == KVR_EAGAIN); /* touched meanwhile: go round (it becomes QUIET) */
+	return rc;
 }
 
 int kvr_lease_release(struct kvr_leases *t, uint64_t attempt)
 {
-	if (!t || !valid(attempt))
-		return KVR_EINVAL;
-	uint64_t *w = word_of(t, attempt);
-	if (!w)
-		return KVR_ESTALE;
-	/* Ordering: acquire; pairs with the claimer's acq_rel CAS. */
-	uint64_t cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-	if ((cur >> 2) != attempt || (cur & STATE_MASK) == 0)
-		return KVR_ESTALE;
-	if ((cur & STATE_MASK) != KVR_LEASE_CLAIMED)
+	uint64_t *w;
+	int rc = find_word(t, attempt, &w);
+	if (rc)
+		return rc;
+	rc = state_in(w, attempt); /* acquire: we see the claimer's writes */
+	if (rc < 0)
+		return rc;
+	if (rc != KVR_LEASE_CLAIMED)
 		return KVR_EBUSY;
 	/* Once CLAIMED nobody else writes the word, so a plain release store frees it. */
 	__atomic_store_n(w, 0, __ATOMIC_RELEASE);
