@@ -438,18 +438,27 @@ static void forget_bookings(struct kvr_rank_owned *own)
 		rec->booked = false;
 }
 
+/* The rank a capacity or reset message names, if the message is of its life or a later one.
+ * Returns 0 and *own, KVR_ENOENT (gone, or its slot reused) or KVR_ESTALE (an older life). */
+static int rank_of_life(const struct kvr_owner_ctx *c, const struct kvr_rank_args *a,
+                        struct kvr_rank_owned **own)
+{
+	*own = kvr_owner_rank(c, a->slot, a->gen);
+	if (!*own)
+		return KVR_ENOENT;
+	return a->incarnation < (*own)->incarnation ? KVR_ESTALE : 0;
+}
+
 int kvr_owner_rank_capacity(struct kvr_shard *sh, void *arg)
 {
 	kvr_owner_retry_timers(sh);
 	struct kvr_rank_args *a = arg;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
-	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
-	if (!own)
-		return KVR_ENOENT;
-	if (a->incarnation < own->incarnation)
-		return KVR_ESTALE;
-	int rc = 0;
+	struct kvr_rank_owned *own;
+	int rc = rank_of_life(c, a, &own);
+	if (rc)
+		return rc;
 	if (a->incarnation != own->incarnation) {
 		rc = new_life(sh, own, a->incarnation, a->capacity);
 	} else if (own->rs) {
@@ -480,13 +489,11 @@ int kvr_owner_rank_reset(struct kvr_shard *sh, void *arg)
 	kvr_owner_retry_timers(sh);
 	struct kvr_rank_args *a = arg;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
-	const struct kvr_owner_ctx *c = ss->c;
-	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
-	if (!own)
-		return KVR_ENOENT;
-	if (a->incarnation < own->incarnation)
-		return KVR_ESTALE;
-	int rc = new_life(sh, own, a->incarnation, own->capacity);
+	struct kvr_rank_owned *own;
+	int rc = rank_of_life(ss->c, a, &own);
+	if (rc)
+		return rc;
+	rc = new_life(sh, own, a->incarnation, own->capacity);
 	kvr_owner_publish(ss, own);
 	return rc;
 }
