@@ -127,14 +127,23 @@ static int fence(const struct kvr_rank_state *rs, uint64_t incarnation)
 	return 0;
 }
 
+/* How every command of a life begins: the arguments checked, out emptied, the fence. */
+static inline int begin(const struct kvr_rank_state *rs, uint64_t incarnation,
+                        struct kvr_lru_out *out)
+{
+	if (!rs || !out)
+		return KVR_EINVAL;
+	kvr_lru_out_reset(out);
+	return fence(rs, incarnation);
+}
+
 int kvr_rank_state_acquire(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
                            const struct kvr_lru_block *b, size_t n, uint32_t private_blocks,
                            uint64_t now, struct kvr_lru_out *out)
 {
 	if (!rs || !out || (n > 0 && !b))
 		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
-	int rc = fence(rs, incarnation);
+	int rc = begin(rs, incarnation, out);
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
@@ -156,8 +165,7 @@ int kvr_rank_state_materialize(struct kvr_rank_state *rs, uint64_t incarnation, 
 {
 	if (!rs || !out || (n > 0 && !b))
 		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
-	int rc = fence(rs, incarnation);
+	int rc = begin(rs, incarnation, out);
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
@@ -171,10 +179,7 @@ int kvr_rank_state_materialize(struct kvr_rank_state *rs, uint64_t incarnation, 
 int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
                            struct kvr_lru_out *out)
 {
-	if (!rs || !out)
-		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
-	int rc = fence(rs, incarnation);
+	int rc = begin(rs, incarnation, out);
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
@@ -186,11 +191,10 @@ int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, 
                                uint32_t true_depth, uint64_t unallocated, struct kvr_lru_heal *res,
                                struct kvr_lru_out *out)
 {
-	if (!rs || !out || !res)
+	if (!res)
 		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
 	memset(res, 0, sizeof(*res));
-	int rc = fence(rs, incarnation);
+	int rc = begin(rs, incarnation, out);
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
@@ -202,14 +206,11 @@ int kvr_rank_state_heal_resident(struct kvr_rank_state *rs, uint64_t incarnation
                                  uint64_t unallocated, uint64_t *evicted, bool *raised,
                                  struct kvr_lru_out *out)
 {
-	if (!rs || !out)
-		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
 	if (evicted)
 		*evicted = 0;
 	if (raised)
 		*raised = false;
-	int rc = fence(rs, incarnation);
+	int rc = begin(rs, incarnation, out);
 	if (rc)
 		return rc;
 	return rs->mode == KVR_RANK_LRU
@@ -228,12 +229,9 @@ uint64_t kvr_rank_state_lease_unallocated(const struct kvr_rank_state *rs, uint6
 int kvr_rank_state_heal_watermark(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t seq,
                                   uint64_t *evicted, struct kvr_lru_out *out)
 {
-	if (!rs || !out)
-		return KVR_EINVAL;
-	kvr_lru_out_reset(out);
 	if (evicted)
 		*evicted = 0;
-	int rc = fence(rs, incarnation);
+	int rc = begin(rs, incarnation, out);
 	if (rc)
 		return rc;
 	return rs->mode == KVR_RANK_LRU ? kvr_lru_heal_watermark(rs->lru, seq, evicted, out) : 0;

@@ -85,7 +85,8 @@ int kvr_rank_state_release(struct kvr_rank_state *rs, uint64_t incarnation, uint
  * Healing from engine ground truth (issue 15), fenced like every command.  LRU mode: the rules
  * of shards/lru.h (kvr_lru_heal_cached / _resident / _watermark).  TTL mode keeps no order, so
  * nothing is provable: 0 with an empty result (the attempt must still be live for
- * heal_cached).  Absent: KVR_ENOENT; other incarnation: KVR_ESTALE.
+ * heal_cached).  Absent: KVR_ENOENT; other incarnation: KVR_ESTALE.  The results (res,
+ * evicted, raised) are emptied first, whatever the return.
  */
 int kvr_rank_state_heal_cached(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
                                uint32_t true_depth, uint64_t unallocated, struct kvr_lru_heal *res,
