@@ -184,18 +184,6 @@ static void t_ready(void *ctx)
 		natsConnection_Flush(s->nc);
 }
 
-void kvr_sync_config_init(struct kvr_sync_config *c)
-{
-	if (!c)
-		return;
-	memset(c, 0, sizeof(*c));
-	c->servers = "nats://127.0.0.1:4222";
-	c->cluster = "kvr";
-	c->heartbeat_ms = 100;
-	c->dead_after = 5;
-	c->snapshot_timeout_ms = 2000;
-}
-
 static bool cluster_ok(const char *c)
 {
 	size_t n = c ? strlen(c) : 0;

@@ -1,22 +1,9 @@
 /*
  * sync/replica_none.c - the kvr_sync_* API in a build without the `nats` feature: attach says
- * KVR_ENOTSUP, everything else KVR_EINVAL (no handle can exist).
+ * KVR_ENOTSUP, everything else KVR_EINVAL (no handle can exist).  kvr_sync_config_init is
+ * shared with the nats build (sync/replica_config.c).
  */
-#include <string.h>
-
 #include "kvrouter.h"
-
-void kvr_sync_config_init(struct kvr_sync_config *c)
-{
-	if (!c)
-		return;
-	memset(c, 0, sizeof(*c));
-	c->servers = "nats://127.0.0.1:4222";
-	c->cluster = "kvr";
-	c->heartbeat_ms = 100;
-	c->dead_after = 5;
-	c->snapshot_timeout_ms = 2000;
-}
 
 int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struct kvr_sync **out)
 {
