@@ -267,9 +267,19 @@ void kvr_msg_put_bytes(struct kvr_msg_buf *b, const void *v, size_t n)
 	}
 }
 
+/* v at p, little-endian (the wire's order; kvr_msg_u32 reads it back). */
+static void wr32(uint8_t *p, uint32_t v)
+{
+	p[0] = (uint8_t)v;
+	p[1] = (uint8_t)(v >> 8);
+	p[2] = (uint8_t)(v >> 16);
+	p[3] = (uint8_t)(v >> 24);
+}
+
 void kvr_msg_put_u32(struct kvr_msg_buf *b, uint32_t v)
 {
-	uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+	uint8_t x[4];
+	wr32(x, v);
 	kvr_msg_put_bytes(b, x, 4);
 }
 
@@ -315,10 +325,5 @@ void kvr_msg_end(struct kvr_msg_buf *b, size_t off)
 {
 	if (b->oom || b->len < off + KVR_MSG_HEADER)
 		return;
-	uint32_t bl = (uint32_t)(b->len - off - KVR_MSG_HEADER);
-	uint8_t *p = b->p + off + 4;
-	p[0] = (uint8_t)bl;
-	p[1] = (uint8_t)(bl >> 8);
-	p[2] = (uint8_t)(bl >> 16);
-	p[3] = (uint8_t)(bl >> 24);
+	wr32(b->p + off + 4, (uint32_t)(b->len - off - KVR_MSG_HEADER));
 }
