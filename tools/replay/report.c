@@ -8,8 +8,47 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+int replay_json_write(json_t *root, const char *path, char *err, size_t errlen)
+{
+	int rc = json_dump_file(root, path,
+	                        JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
+	json_decref(root);
+	if (rc) {
+		snprintf(err, errlen, "%s: cannot write", path);
+		return -1;
+	}
+	return 0;
+}
+
+int replay_io_error(const char *what, char *err, size_t errlen)
+{
+	snprintf(err, errlen, "%s: %s", what, strerror(errno));
+	return -1;
+}
+
+int replay_plot_dir(const char *dir, char *err, size_t errlen)
+{
+	if (mkdir(dir, 0777) && errno != EEXIST)
+		return replay_io_error(dir, err, errlen);
+	return 0;
+}
+
+int replay_plot_run(const char *dir, const char *script, char *err, size_t errlen)
+{
+	char cmd[4200];
+	snprintf(cmd, sizeof(cmd), "cd '%s' && gnuplot %s", dir, script);
+	int rc = system(cmd);
+	if (rc != 0) {
+		snprintf(err, errlen, "gnuplot failed (exit %d); data and script are in %s", rc,
+		         dir);
+		return -1;
+	}
+	return 0;
+}
 
 static double share(uint64_t a, uint64_t b)
 {
@@ -243,24 +282,15 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	for (size_t i = 0; i < n; i++)
 		json_array_append_new(pol, result_json(&res[i], timing));
 	json_object_set_new(root, "policies", pol);
-	int rc = json_dump_file(root, path,
-	                        JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
-	json_decref(root);
-	if (rc) {
-		snprintf(err, errlen, "%s: cannot write", path);
-		return -1;
-	}
-	return 0;
+	return replay_json_write(root, path, err, errlen);
 }
 
 int replay_report_csv(const char *path, const struct replay_result *res, size_t n, bool timing,
                       char *err, size_t errlen)
 {
 	FILE *f = fopen(path, "w");
-	if (!f) {
-		snprintf(err, errlen, "%s: %s", path, strerror(errno));
-		return -1;
-	}
+	if (!f)
+		return replay_io_error(path, err, errlen);
 	fprintf(f,
 	        "policy,requests,refused,policy_errors,prompt_blocks,hit_blocks,hit_rate,"
 	        "exact_share,mae_blocks,over_share,under_share,ttft_p50_ms,ttft_p99_ms,"
@@ -291,11 +321,7 @@ int replay_report_csv(const char *path, const struct replay_result *res, size_t 
 			        r->wall_s);
 		fprintf(f, "\n");
 	}
-	if (fclose(f)) {
-		snprintf(err, errlen, "%s: %s", path, strerror(errno));
-		return -1;
-	}
-	return 0;
+	return fclose(f) ? replay_io_error(path, err, errlen) : 0;
 }
 
 /* Index of the policy named name in res, or -1. */
@@ -416,10 +442,8 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 	char p[4096];
 	const char *tt = title ? title : "";
 	const char *sep = title ? ": " : "";
-	if (mkdir(dir, 0777) && errno != EEXIST) {
-		snprintf(err, errlen, "%s: %s", dir, strerror(errno));
+	if (replay_plot_dir(dir, err, errlen))
 		return -1;
-	}
 	/* hit_rate.dat: per policy (gnuplot index), the hit rate of the last W first admissions'
 	 * prompt blocks, at each admission time (sampled to ~400 points). */
 	snprintf(p, sizeof(p), "%s/hit_rate.dat", dir);
@@ -537,16 +561,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 	    "unset multiplot\n",
 	    tt, sep);
 	fclose(f);
-	char cmd[4200];
-	snprintf(cmd, sizeof(cmd), "cd '%s' && gnuplot plots.gp", dir);
-	int rc = system(cmd);
-	if (rc != 0) {
-		snprintf(err, errlen, "gnuplot failed (exit %d); data and script are in %s", rc,
-		         dir);
-		return -1;
-	}
-	return 0;
+	return replay_plot_run(dir, "plots.gp", err, errlen);
 ioerr:
-	snprintf(err, errlen, "%s: %s", p, strerror(errno));
-	return -1;
+	return replay_io_error(p, err, errlen);
 }

@@ -24,6 +24,19 @@ struct replay_meta {
 };
 
 void replay_report_table(FILE *f, const struct replay_result *res, size_t n);
+
+/* The plumbing every writer of kvr-replay's files shares (this file's and tools/replay/sweep.c's);
+ * each returns 0, or -1 with a message in err. */
+struct json_t;
+/* Writes root to path (indented, keys in insertion order, 10 significant digits) and frees it. */
+int replay_json_write(struct json_t *root, const char *path, char *err, size_t errlen);
+/* "what: strerror(errno)" into err; returns -1. */
+int replay_io_error(const char *what, char *err, size_t errlen);
+/* Creates the chart directory dir (an existing one is fine). */
+int replay_plot_dir(const char *dir, char *err, size_t errlen);
+/* Runs gnuplot on dir/script, in dir, where the script expects its data files. */
+int replay_plot_run(const char *dir, const char *script, char *err, size_t errlen);
+
 /* Each returns 0, or -1 with a message in err. */
 int replay_report_json(const char *path, const struct replay_meta *meta,
                        const struct replay_result *res, size_t n, bool timing, char *err,

@@ -16,9 +16,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "kvrouter.h"
+#include "tools/replay/report.h"
 
 static const struct {
 	const char *name, *unit;
@@ -322,10 +322,8 @@ int sweep_report_csv(const char *path, const struct sweep *s, const struct sweep
                      char *err, size_t errlen)
 {
 	FILE *f = fopen(path, "w");
-	if (!f) {
-		snprintf(err, errlen, "%s: %s", path, strerror(errno));
-		return -1;
-	}
+	if (!f)
+		return replay_io_error(path, err, errlen);
 	for (size_t a = 0; a < s->n_axes; a++)
 		fprintf(f, "%s,", params[s->ax[a].param].name);
 	fprintf(f, "policy,status,blocks_per_rank,hit_rate,cached_token_share,exact_share,"
@@ -352,11 +350,7 @@ int sweep_report_csv(const char *path, const struct sweep *s, const struct sweep
 		        (unsigned long long)r->preemptions, r->n_queued, r->n_refused,
 		        r->own_hit_rate);
 	}
-	if (fclose(f)) {
-		snprintf(err, errlen, "%s: %s", path, strerror(errno));
-		return -1;
-	}
-	return 0;
+	return fclose(f) ? replay_io_error(path, err, errlen) : 0;
 }
 
 int sweep_report_json(const char *path, const struct sweep *s, const struct sweep_cell *c, size_t n,
@@ -410,24 +404,15 @@ int sweep_report_json(const char *path, const struct sweep *s, const struct swee
 		json_array_append_new(runs, o);
 	}
 	json_object_set_new(root, "runs", runs);
-	int rc = json_dump_file(root, path,
-	                        JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
-	json_decref(root);
-	if (rc) {
-		snprintf(err, errlen, "%s: cannot write", path);
-		return -1;
-	}
-	return 0;
+	return replay_json_write(root, path, err, errlen);
 }
 
 int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep_cell *c, size_t n,
                       size_t n_ops, const char *title, char *err, size_t errlen)
 {
 	char p[4096];
-	if (mkdir(dir, 0777) && errno != EEXIST) {
-		snprintf(err, errlen, "%s: %s", dir, strerror(errno));
+	if (replay_plot_dir(dir, err, errlen))
 		return -1;
-	}
 	snprintf(p, sizeof(p), "%s/sweep.gp", dir);
 	FILE *gp = fopen(p, "w");
 	if (!gp)
@@ -563,16 +548,7 @@ int sweep_report_plot(const char *dir, const struct sweep *s, const struct sweep
 		fprintf(gp, "\nunset multiplot\nunset logscale\nset bmargin\n");
 	}
 	fclose(gp);
-	char cmd[4200];
-	snprintf(cmd, sizeof(cmd), "cd '%s' && gnuplot sweep.gp", dir);
-	int rc = system(cmd);
-	if (rc != 0) {
-		snprintf(err, errlen, "gnuplot failed (exit %d); data and script are in %s", rc,
-		         dir);
-		return -1;
-	}
-	return 0;
+	return replay_plot_run(dir, "sweep.gp", err, errlen);
 ioerr:
-	snprintf(err, errlen, "%s: %s", p, strerror(errno));
-	return -1;
+	return replay_io_error(p, err, errlen);
 }
