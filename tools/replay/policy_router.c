@@ -97,10 +97,19 @@ static void shards_cpu(struct kvr_router *r, uint64_t *busy, uint64_t *spin)
 	}
 }
 
-/* Brackets a happening (HAPPEN_BEGIN ... HAPPEN_END(rc)): its CPU time on this thread is the
- * router's work for the decision it belongs to. */
-#define HAPPEN_BEGIN  uint64_t happen_c0_ = thread_cpu_ns()
-#define HAPPEN_END(p) ((p)->happen_ns += thread_cpu_ns() - happen_c0_, (p)->happen_n++)
+/* A happening: a router call (expr, an int return code, which this evaluates to) whose CPU time
+ * on this thread is the router's work for the decision it belongs to.  TICKED first brings the
+ * router's clock to the current event (tick), as a frontend's call at that moment would see it;
+ * the tick counts in the happening. */
+#define HAPPEN(p, expr)                                                                            \
+	({                                                                                         \
+		uint64_t happen_c0_ = thread_cpu_ns();                                             \
+		int happen_rc_ = (expr);                                                           \
+		(p)->happen_ns += thread_cpu_ns() - happen_c0_;                                    \
+		(p)->happen_n++;                                                                   \
+		happen_rc_;                                                                        \
+	})
+#define TICKED(p, expr) HAPPEN(p, (tick(p), (expr)))
 
 /* Brackets an introspection call of the agreement check: the shards' CPU meanwhile is the
  * check's, not routing's. */
@@ -455,10 +464,7 @@ static int kv_event(void *state, const struct sim_kv_event *ev)
 static int rp_kv_event(void *state, const struct sim_kv_event *ev)
 {
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	int rc = kv_event(state, ev);
-	HAPPEN_END(p);
-	return rc;
+	return HAPPEN(p, kv_event(state, ev));
 }
 
 static int rp_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t time_ns)
@@ -466,11 +472,7 @@ static int rp_first_token(void *state, uint64_t handle, uint32_t rank, uint64_t 
 	(void)rank;
 	(void)time_ns;
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	tick(p);
-	int rc = kvr_request_prefill_done(p->r, handle);
-	HAPPEN_END(p);
-	return rc;
+	return TICKED(p, kvr_request_prefill_done(p->r, handle));
 }
 
 /* approx_lru+feedback: the engine's cached prefix at the request's first admission goes back
@@ -481,11 +483,8 @@ static int rp_admitted(void *state, uint64_t handle, const struct sim_admit_info
 	struct rp *p = state;
 	if (info->preemptions > 0)
 		return 0; /* a re-admission: the report is about the first one */
-	HAPPEN_BEGIN;
-	tick(p);
-	int rc =
-	    kvr_request_cached(p->r, handle, (uint64_t)info->cached_blocks * p->env.block_size);
-	HAPPEN_END(p);
+	int rc = TICKED(
+	    p, kvr_request_cached(p->r, handle, (uint64_t)info->cached_blocks * p->env.block_size));
 	return rc == KVR_ESTALE ? 0 : rc; /* ended already (the lease reaper): nothing to heal */
 }
 
@@ -496,17 +495,14 @@ static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t w
                       uint64_t resident)
 {
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	tick(p);
 	struct kvr_rank_observation ob = {.flags = KVR_OBSERVE_RESIDENT,
 	                                  .incarnation = 1,
 	                                  .resident_blocks = resident,
 	                                  .watermark_hash = watermark};
 	if (has_watermark)
 		ob.flags |= KVR_OBSERVE_WATERMARK;
-	int rc = kvr_rank_observe(p->r, (struct kvr_rank_id){.worker_id = rank, .dp_rank = 0}, &ob);
-	HAPPEN_END(p);
-	return rc;
+	struct kvr_rank_id id = {.worker_id = rank, .dp_rank = 0};
+	return TICKED(p, kvr_rank_observe(p->r, id, &ob));
 }
 
 /* The replay knows which token is final, as a streaming frontend does (finish_reason comes with
@@ -514,43 +510,28 @@ static int rp_observe(void *state, uint32_t rank, bool has_watermark, uint64_t w
 static int rp_output(void *state, uint64_t handle, const uint32_t *tokens, size_t n, bool final)
 {
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	tick(p);
-	int rc = kvr_request_output_ex(p->r, handle, tokens, n, final ? KVR_OUTPUT_FINAL : 0);
-	HAPPEN_END(p);
-	return rc;
+	return TICKED(p,
+	              kvr_request_output_ex(p->r, handle, tokens, n, final ? KVR_OUTPUT_FINAL : 0));
 }
 
 static int rp_finished(void *state, uint64_t handle, const struct sim_finish_info *info)
 {
 	(void)info;
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	tick(p);
-	int rc = kvr_request_finish(p->r, handle);
-	HAPPEN_END(p);
-	return rc;
+	return TICKED(p, kvr_request_finish(p->r, handle));
 }
 
 static int rp_aborted(void *state, uint64_t handle)
 {
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	tick(p);
-	int rc = kvr_request_abort(p->r, handle);
-	HAPPEN_END(p);
-	return rc;
+	return TICKED(p, kvr_request_abort(p->r, handle));
 }
 
 static int rp_sync(void *state, uint64_t now_ns)
 {
 	(void)now_ns; /* the router reads the virtual clock itself */
 	struct rp *p = state;
-	HAPPEN_BEGIN;
-	tick(p);
-	int rc = kvr_router_sync(p->r, 60000);
-	HAPPEN_END(p);
-	return rc;
+	return TICKED(p, kvr_router_sync(p->r, 60000));
 }
 
 static int rp_resident(void *state, uint32_t rank, uint64_t *blocks)
