@@ -42,11 +42,16 @@
 
 #define MAX_SAMPLES (1u << 21)
 
-static uint64_t now_ns(void)
+static uint64_t clock_ns(clockid_t clock)
 {
 	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
+	clock_gettime(clock, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t now_ns(void)
+{
+	return clock_ns(CLOCK_MONOTONIC);
 }
 
 /* The TTL mode's per-call clock: wall time, or with --clock cpu this thread's CPU time (a
@@ -55,9 +60,7 @@ static clockid_t ttl_clock = CLOCK_MONOTONIC;
 
 static uint64_t call_ns(void)
 {
-	struct timespec ts;
-	clock_gettime(ttl_clock, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	return clock_ns(ttl_clock);
 }
 
 static uint64_t rng(uint64_t *s)
@@ -66,6 +69,12 @@ static uint64_t rng(uint64_t *s)
 	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
 	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
 	return x ^ (x >> 31);
+}
+
+/* a / b, or a when b is 0 (the ratios of the SUMMARY lines). */
+static double ratio(double a, double b)
+{
+	return a / (b > 0 ? b : 1);
 }
 
 static int cmp_u32(const void *a, const void *b)
@@ -96,63 +105,54 @@ struct impl {
 	double (*bytes_per_copy)(const void *);
 };
 
-static void *seg_create(uint64_t cap)
-{
-	struct kvr_lru *l = NULL;
-	return kvr_lru_create(cap, &l) ? NULL : l;
-}
-static void seg_destroy(void *l)
-{
-	kvr_lru_destroy(l);
-}
-static int seg_acquire(void *l, uint64_t a, const struct kvr_lru_block *b, size_t n, uint32_t p,
-                       struct kvr_lru_out *o)
-{
-	return kvr_lru_acquire(l, a, b, n, p, o);
-}
-static int seg_release(void *l, uint64_t a, struct kvr_lru_out *o)
-{
-	return kvr_lru_release(l, a, o);
-}
-static void seg_stats(const void *l, struct kvr_lru_stats *st)
-{
-	kvr_lru_stats(l, st);
-}
-static double seg_bpc(const void *l)
-{
-	return kvr_lru_bytes_per_copy(l);
-}
-static void *ref_create(uint64_t cap)
-{
-	struct ref_lru *l = NULL;
-	return ref_lru_create(cap, &l) ? NULL : l;
-}
-static void ref_destroy(void *l)
-{
-	ref_lru_destroy(l);
-}
-static int ref_acquire(void *l, uint64_t a, const struct kvr_lru_block *b, size_t n, uint32_t p,
-                       struct kvr_lru_out *o)
-{
-	return ref_lru_acquire(l, a, b, n, p, o);
-}
-static int ref_release(void *l, uint64_t a, struct kvr_lru_out *o)
-{
-	return ref_lru_release(l, a, o);
-}
-static void ref_stats(const void *l, struct kvr_lru_stats *st)
-{
-	ref_lru_stats(l, st);
-}
-static double ref_bpc(const void *l)
-{
-	return ref_lru_bytes_per_copy(l);
-}
+/* The adapters of one LRU (struct pfx, functions pfx_*: kvr_lru or ref_lru, which take the same
+ * arguments), as the struct impl `var` named `label`. */
+#define LRU_IMPL(var, label, pfx)                                                                  \
+	static void *var##_create(uint64_t cap)                                                    \
+	{                                                                                          \
+		struct pfx *l = NULL;                                                              \
+		return pfx##_create(cap, &l) ? NULL : l;                                           \
+	}                                                                                          \
+	static void var##_destroy(void *l)                                                         \
+	{                                                                                          \
+		pfx##_destroy(l);                                                                  \
+	}                                                                                          \
+	static int var##_acquire(void *l, uint64_t a, const struct kvr_lru_block *b, size_t n,     \
+	                         uint32_t p, struct kvr_lru_out *o)                                \
+	{                                                                                          \
+		return pfx##_acquire(l, a, b, n, p, o);                                            \
+	}                                                                                          \
+	static int var##_release(void *l, uint64_t a, struct kvr_lru_out *o)                       \
+	{                                                                                          \
+		return pfx##_release(l, a, o);                                                     \
+	}                                                                                          \
+	static void var##_stats(const void *l, struct kvr_lru_stats *st)                           \
+	{                                                                                          \
+		pfx##_stats(l, st);                                                                \
+	}                                                                                          \
+	static double var##_bpc(const void *l)                                                     \
+	{                                                                                          \
+		return pfx##_bytes_per_copy(l);                                                    \
+	}                                                                                          \
+	static const struct impl var = {label,         var##_create, var##_destroy, var##_acquire, \
+	                                var##_release, var##_stats,  var##_bpc}
 
-static const struct impl SEG = {"segments",  seg_create, seg_destroy, seg_acquire,
-                                seg_release, seg_stats,  seg_bpc};
-static const struct impl REF = {"per_block", ref_create, ref_destroy, ref_acquire,
-                                ref_release, ref_stats,  ref_bpc};
+LRU_IMPL(SEG, "segments", kvr_lru);
+LRU_IMPL(REF, "per_block", ref_lru);
+
+/* The request stream every LRU run replays (the same for both implementations, so that their
+ * evictions can be compared): chained, a shared prefix (one of 256) when shared, then unique
+ * blocks. */
+static void next_request(uint64_t *r, uint64_t *uniq, int shared, struct kvr_lru_block *b,
+                         size_t nb)
+{
+	uint64_t prefix = rng(r) % 256;
+	for (size_t i = 0; i < nb; i++) {
+		uint64_t s = (shared && i < nb / 2) ? (prefix << 20) + i + 1 : (*uniq)++;
+		b[i].seq = s * 0x9E3779B97F4A7C15ull;
+		b[i].local = s;
+	}
+}
 
 struct result {
 	double ops_s, evictions_per_acquire, bytes_per_block;
@@ -184,13 +184,7 @@ static void run(const struct impl *im, int shared, double ms, uint64_t capacity,
 	uint64_t warm = capacity / nb * 2, done = 0;
 	uint64_t t_start = 0, t_end_target = 0;
 	for (;;) {
-		/* Build the next request (chained: a shared prefix, then unique blocks). */
-		uint64_t prefix = rng(&r) % 256;
-		for (size_t i = 0; i < nb; i++) {
-			uint64_t s = (shared && i < nb / 2) ? (prefix << 20) + i + 1 : uniq++;
-			b[i].seq = s * 0x9E3779B97F4A7C15ull;
-			b[i].local = s;
-		}
+		next_request(&r, &uniq, shared, b, nb);
 		size_t slot = attempt % inflight;
 		uint64_t t0, t1;
 		if (ring[slot]) {
@@ -263,12 +257,7 @@ static uint64_t evictions_after(const struct impl *im, int shared, uint64_t capa
 	uint64_t *ring = calloc(inflight, sizeof(uint64_t));
 	uint64_t r = 7, uniq = 1ull << 40;
 	for (uint64_t attempt = 1; attempt <= requests; attempt++) {
-		uint64_t prefix = rng(&r) % 256;
-		for (size_t i = 0; i < nb; i++) {
-			uint64_t s = (shared && i < nb / 2) ? (prefix << 20) + i + 1 : uniq++;
-			b[i].seq = s * 0x9E3779B97F4A7C15ull;
-			b[i].local = s;
-		}
+		next_request(&r, &uniq, shared, b, nb);
 		size_t slot = attempt % inflight;
 		if (ring[slot])
 			im->release(lru, ring[slot], &out);
@@ -302,11 +291,9 @@ static void mode(int shared, double ms, uint64_t capacity, size_t nb, size_t inf
 	       "release_p50_seg_over_ref=%.3f bytes_seg_over_ref=%.3f\n",
 	       shared ? "yes" : "no", nb, (unsigned long long)capacity, inflight, s.ops_s, x.ops_s,
 	       s.acq50, s.acq99, s.acq999, x.acq50, x.acq99, s.rel50, s.rel99, x.rel50, x.rel99,
-	       s.evictions_per_acquire, same ? "yes" : "NO", s.floor50,
-	       (double)s.acq50 / (double)(s.floor50 ? s.floor50 : 1), s.bytes_per_block,
-	       x.bytes_per_block, (double)s.acq50 / (double)(x.acq50 ? x.acq50 : 1),
-	       (double)s.rel50 / (double)(x.rel50 ? x.rel50 : 1),
-	       s.bytes_per_block / (x.bytes_per_block > 0 ? x.bytes_per_block : 1));
+	       s.evictions_per_acquire, same ? "yes" : "NO", s.floor50, ratio(s.acq50, s.floor50),
+	       s.bytes_per_block, x.bytes_per_block, ratio(s.acq50, x.acq50),
+	       ratio(s.rel50, x.rel50), ratio(s.bytes_per_block, x.bytes_per_block));
 }
 
 /*
@@ -429,8 +416,8 @@ static void load_mode(size_t nb, size_t inflight)
 	printf("SUMMARY bench=load blocks=%zu inflight=%zu seg_add_p50_ns=%u ref_add_p50_ns=%u "
 	       "seg_finish_p50_ns=%u ref_finish_p50_ns=%u add_p50_seg_over_ref=%.3f "
 	       "finish_p50_seg_over_ref=%.3f same_pinned=%s seg_bytes_per_pinned_block=%.1f\n",
-	       nb, inflight, sa, xa, sf, xf, (double)sa / (double)(xa ? xa : 1),
-	       (double)sf / (double)(xf ? xf : 1), sp == xp ? "yes" : "NO", sb);
+	       nb, inflight, sa, xa, sf, xf, ratio(sa, xa), ratio(sf, xf), sp == xp ? "yes" : "NO",
+	       sb);
 	LD.destroy(sl);
 	LR.destroy(xl);
 }
@@ -457,52 +444,36 @@ struct ttl_impl {
 	int (*expire)(void *, uint64_t, struct kvr_lru_out *);
 	size_t (*count)(const void *);
 };
-static void *tr_create(void)
-{
-	struct kvr_ttl *t = NULL;
-	return kvr_ttl_create(3000000000ull, KVR_TTL_BUCKET_NS, &t) ? NULL : t;
-}
-static void tr_destroy(void *t)
-{
-	kvr_ttl_destroy(t);
-}
-static int tr_record(void *t, const struct kvr_lru_block *b, size_t n, uint32_t p, uint64_t now,
-                     struct kvr_lru_out *o)
-{
-	return kvr_ttl_record(t, b, n, p, now, o);
-}
-static int tr_expire(void *t, uint64_t now, struct kvr_lru_out *o)
-{
-	return kvr_ttl_expire(t, now, o);
-}
-static size_t tr_count(const void *t)
-{
-	return kvr_ttl_count(t);
-}
-static void *tx_create(void)
-{
-	struct ref_ttl *t = NULL;
-	return ref_ttl_create(3000000000ull, KVR_TTL_BUCKET_NS, &t) ? NULL : t;
-}
-static void tx_destroy(void *t)
-{
-	ref_ttl_destroy(t);
-}
-static int tx_record(void *t, const struct kvr_lru_block *b, size_t n, uint32_t p, uint64_t now,
-                     struct kvr_lru_out *o)
-{
-	return ref_ttl_record(t, b, n, p, now, o);
-}
-static int tx_expire(void *t, uint64_t now, struct kvr_lru_out *o)
-{
-	return ref_ttl_expire(t, now, o);
-}
-static size_t tx_count(const void *t)
-{
-	return ref_ttl_count(t);
-}
-static const struct ttl_impl TR = {tr_create, tr_destroy, tr_record, tr_expire, tr_count};
-static const struct ttl_impl TX = {tx_create, tx_destroy, tx_record, tx_expire, tx_count};
+/* The adapters of one TTL store (struct pfx, functions pfx_*: kvr_ttl or ref_ttl, which take
+ * the same arguments; ttl 3 s), as the struct ttl_impl `var`. */
+#define TTL_IMPL(var, pfx)                                                                         \
+	static void *var##_create(void)                                                            \
+	{                                                                                          \
+		struct pfx *t = NULL;                                                              \
+		return pfx##_create(3000000000ull, KVR_TTL_BUCKET_NS, &t) ? NULL : t;              \
+	}                                                                                          \
+	static void var##_destroy(void *t)                                                         \
+	{                                                                                          \
+		pfx##_destroy(t);                                                                  \
+	}                                                                                          \
+	static int var##_record(void *t, const struct kvr_lru_block *b, size_t n, uint32_t p,      \
+	                        uint64_t now, struct kvr_lru_out *o)                               \
+	{                                                                                          \
+		return pfx##_record(t, b, n, p, now, o);                                           \
+	}                                                                                          \
+	static int var##_expire(void *t, uint64_t now, struct kvr_lru_out *o)                      \
+	{                                                                                          \
+		return pfx##_expire(t, now, o);                                                    \
+	}                                                                                          \
+	static size_t var##_count(const void *t)                                                   \
+	{                                                                                          \
+		return pfx##_count(t);                                                             \
+	}                                                                                          \
+	static const struct ttl_impl var = {var##_create, var##_destroy, var##_record,             \
+	                                    var##_expire, var##_count}
+
+TTL_IMPL(TR, kvr_ttl);
+TTL_IMPL(TX, ref_ttl);
 
 struct ttl_result {
 	uint32_t rec50, rec999, recmax, exp999, expmax;
@@ -626,12 +597,11 @@ static void ttl_mode(size_t nb, uint64_t turns, bool ref)
 	    "ref_expire_ns_per_block=%.1f expire_runs_over_ref=%.3f runs_bytes_per_held_block=%.1f "
 	    "ref_bytes_per_held_block=%.1f bytes_runs_over_ref=%.3f runs_turn_mean_ns=%.0f "
 	    "ref_turn_mean_ns=%.0f turn_runs_over_ref=%.3f held=%zu same_held=%s\n",
-	    nb, (unsigned long long)turns, a.rec50, x.rec50,
-	    (double)a.rec50 / (double)(x.rec50 ? x.rec50 : 1), a.expire_ns_per_block,
-	    x.expire_ns_per_block, a.expire_ns_per_block / x.expire_ns_per_block, a.bytes_per_block,
-	    x.bytes_per_block, a.bytes_per_block / x.bytes_per_block, a.turn_ns, x.turn_ns,
-	    a.turn_ns / x.turn_ns, a.held,
-	    a.held == x.held && a.evicted == x.evicted ? "yes" : "NO");
+	    nb, (unsigned long long)turns, a.rec50, x.rec50, ratio(a.rec50, x.rec50),
+	    a.expire_ns_per_block, x.expire_ns_per_block,
+	    a.expire_ns_per_block / x.expire_ns_per_block, a.bytes_per_block, x.bytes_per_block,
+	    a.bytes_per_block / x.bytes_per_block, a.turn_ns, x.turn_ns, a.turn_ns / x.turn_ns,
+	    a.held, a.held == x.held && a.evicted == x.evicted ? "yes" : "NO");
 	/* Per call (every record, every expiry): the latency a shard's queue sees behind one
 	 * call, e.g. a table growth done at once. */
 	printf("SUMMARY bench=ttl_calls blocks=%zu turns=%llu runs_record_p999_ns=%u "
@@ -639,8 +609,8 @@ static void ttl_mode(size_t nb, uint64_t turns, bool ref)
 	       "record_max_runs_over_ref=%.3f runs_expire_p999_ns=%u runs_expire_max_ns=%u "
 	       "ref_expire_p999_ns=%u ref_expire_max_ns=%u expire_max_runs_over_ref=%.3f\n",
 	       nb, (unsigned long long)turns, a.rec999, a.recmax, x.rec999, x.recmax,
-	       (double)a.recmax / (double)(x.recmax ? x.recmax : 1), a.exp999, a.expmax, x.exp999,
-	       x.expmax, (double)a.expmax / (double)(x.expmax ? x.expmax : 1));
+	       ratio(a.recmax, x.recmax), a.exp999, a.expmax, x.exp999, x.expmax,
+	       ratio(a.expmax, x.expmax));
 }
 
 int main(int argc, char **argv)
