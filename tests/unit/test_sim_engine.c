@@ -123,6 +123,16 @@ static struct sim_cluster_config small_cfg(uint32_t ranks, uint32_t blocks, uint
 	return c;
 }
 
+/* A cluster of cfg recording into r (emptied first); asserts it was created. */
+static struct sim_cluster *start(struct rec *r, const struct sim_cluster_config *cfg)
+{
+	memset(r, 0, sizeof(*r));
+	struct sim_callbacks cb = cbs(r);
+	struct sim_cluster *c = NULL;
+	cr_assert_eq(sim_cluster_create(cfg, &cb, &c), 0);
+	return c;
+}
+
 static void fill(uint32_t *t, size_t n, uint32_t base)
 {
 	for (size_t i = 0; i < n; i++)
@@ -164,11 +174,8 @@ Test(sim_engine, defaults_and_bad_config)
 Test(sim_engine, step_time_and_ttft_single_request)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t p[64];
 	fill(p, 64, 1);
 	struct sim_request q = req(7, p, 64, 3);
@@ -213,11 +220,8 @@ Test(sim_engine, step_time_and_ttft_single_request)
 Test(sim_engine, arrival_during_step_waits_for_boundary)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t a[64], b[32];
 	fill(a, 64, 1);
 	fill(b, 32, 5000);
@@ -242,11 +246,8 @@ Test(sim_engine, arrival_during_step_waits_for_boundary)
 Test(sim_engine, same_instant_arrivals_share_a_step)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(2, 64, 16);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t a[32], b[48];
 	fill(a, 32, 1);
 	fill(b, 48, 900);
@@ -271,12 +272,9 @@ Test(sim_engine, same_instant_arrivals_share_a_step)
 Test(sim_engine, chunked_prefill_steps_and_events)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
 	cfg.engine.max_batched_tokens = 32;
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t p[100];
 	fill(p, 100, 3);
 	uint64_t seq[6];
@@ -309,12 +307,9 @@ Test(sim_engine, chunked_prefill_steps_and_events)
 static void run_hits(bool dedup)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
 	cfg.engine.dedup_events = dedup;
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t p[80];
 	fill(p, 80, 11);
 	uint64_t seq[5];
@@ -369,11 +364,8 @@ Test(sim_engine, prefix_hits_dedup_events)
 Test(sim_engine, output_tokens_complete_hashed_blocks)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 64, 4);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t all[14];
 	fill(all, 6, 77);
 	for (uint32_t i = 0; i < 8; i++)
@@ -399,11 +391,8 @@ Test(sim_engine, output_tokens_complete_hashed_blocks)
 static size_t sim_cached_after(uint32_t p, uint32_t o)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t prompt[64];
 	fill(prompt, p, 500);
 	struct sim_request q = req(3, prompt, p, o);
@@ -429,11 +418,8 @@ Test(sim_engine, final_token_has_no_kv)
 Test(sim_engine, preemption_newest_first)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 7, 4);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t p[3][8];
 	uint64_t seq[3][2];
 	struct sim_request q[3];
@@ -469,11 +455,8 @@ Test(sim_engine, preemption_newest_first)
 Test(sim_engine, oversized_request_and_reset)
 {
 	static struct rec r;
-	memset(&r, 0, sizeof(r));
 	struct sim_cluster_config cfg = small_cfg(1, 4, 16);
-	struct sim_callbacks cb = cbs(&r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(&r, &cfg);
 	uint32_t p[64];
 	fill(p, 64, 1);
 	struct sim_request big = req(1, p, 64, 2), ok = req(2, p, 63, 2);
@@ -506,12 +489,9 @@ static uint64_t rng(uint64_t *s)
  * callback and checks that every request finished and every block came back. */
 static uint64_t workload(uint64_t seed, struct rec *r)
 {
-	memset(r, 0, sizeof(*r));
 	struct sim_cluster_config cfg = small_cfg(4, 96, 16);
 	cfg.engine.max_batched_tokens = 256;
-	struct sim_callbacks cb = cbs(r);
-	struct sim_cluster *c;
-	cr_assert_eq(sim_cluster_create(&cfg, &cb, &c), 0);
+	struct sim_cluster *c = start(r, &cfg);
 	uint64_t s = seed * 0x9e3779b97f4a7c15ULL + 1;
 	uint32_t tok[512];
 	uint64_t t = 0;
