@@ -39,6 +39,7 @@
 #include "shards/lru.h"
 #include "shards/ttl.h"
 #include "shards/u64map.h"
+#include "../tests/common/splitmix.h"
 
 #define MAX_SAMPLES (1u << 21)
 
@@ -61,14 +62,6 @@ static clockid_t ttl_clock = CLOCK_MONOTONIC;
 static uint64_t call_ns(void)
 {
 	return clock_ns(ttl_clock);
-}
-
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
 }
 
 /* a / b, or a when b is 0 (the ratios of the SUMMARY lines). */
@@ -146,7 +139,7 @@ LRU_IMPL(REF, "per_block", ref_lru);
 static void next_request(uint64_t *r, uint64_t *uniq, int shared, struct kvr_lru_block *b,
                          size_t nb)
 {
-	uint64_t prefix = rng(r) % 256;
+	uint64_t prefix = splitmix64(r) % 256;
 	for (size_t i = 0; i < nb; i++) {
 		uint64_t s = (shared && i < nb / 2) ? (prefix << 20) + i + 1 : (*uniq)++;
 		b[i].seq = s * 0x9E3779B97F4A7C15ull;
@@ -178,7 +171,7 @@ static void run(const struct impl *im, int shared, double ms, uint64_t capacity,
 	kvr_u64map_reserve(&floor_map, capacity);
 	uint64_t r = 42, attempt = 0, uniq = 1ull << 40;
 	for (uint64_t i = 0; i < capacity; i++)
-		kvr_u64map_insert(&floor_map, rng(&r), 1);
+		kvr_u64map_insert(&floor_map, splitmix64(&r), 1);
 	r = 7; /* the same request stream for every implementation */
 	size_t na = 0, nr = 0, nf = 0;
 	uint64_t warm = capacity / nb * 2, done = 0;
@@ -368,7 +361,7 @@ static void load_run(const struct load_impl *im, size_t nb, size_t inflight, uin
 	size_t na = 0, nf = 0;
 	uint64_t r = 11, uniq = 1ull << 40;
 	for (uint64_t a = 1; a <= ops; a++) {
-		uint64_t prefix = rng(&r) % 256;
+		uint64_t prefix = splitmix64(&r) % 256;
 		for (size_t i = 0; i < nb; i++)
 			seq[i] = ((i < nb / 2) ? (prefix << 20) + i + 1 : uniq++) *
 			         0x9E3779B97F4A7C15ull;
@@ -486,7 +479,7 @@ struct ttl_result {
 static uint64_t chain_next(uint64_t parent, uint64_t token)
 {
 	uint64_t s = parent ^ (token * 0xD6E8FEB86659FD93ull);
-	return rng(&s);
+	return splitmix64(&s);
 }
 
 static void ttl_run(const struct ttl_impl *im, size_t nb, uint64_t turns, struct ttl_result *res)
@@ -505,10 +498,10 @@ static void ttl_run(const struct ttl_impl *im, size_t nb, uint64_t turns, struct
 	uint64_t r = 5, uniq = 1, now = 0, exp_ns = 0, all_ns = 0;
 	res->evicted = 0;
 	for (uint64_t turn = 0; turn < turns; turn++) {
-		size_t s = rng(&r) % SESSIONS, add = nb / 4 ? nb / 4 : 1;
+		size_t s = splitmix64(&r) % SESSIONS, add = nb / 4 ? nb / 4 : 1;
 		uint64_t *q = ses + s * maxlen;
 		if (len[s] == 0 || len[s] + add + 2 > maxlen) {
-			uint64_t sys = rng(&r) % 64, h = 0;
+			uint64_t sys = splitmix64(&r) % 64, h = 0;
 			for (len[s] = 0; len[s] < nb / 2; len[s]++)
 				q[len[s]] = h = chain_next(h, (sys << 20) + len[s] + 1);
 		}

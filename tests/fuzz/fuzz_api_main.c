@@ -20,7 +20,7 @@
 #include <time.h>
 
 #include "fuzz_api.h"
-#include "splitmix.h"
+#include "tests/common/splitmix.h"
 
 static double mono_s(void)
 {

@@ -41,7 +41,7 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "oom_api_threads.h"
-#include "splitmix.h"
+#include "tests/common/splitmix.h"
 
 #define N_RANKS       4
 #define MAX_ATT       256

@@ -32,7 +32,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
-#include "splitmix.h"
+#include "tests/common/splitmix.h"
 
 #define T_RANKS 3
 #define T_MAX   4096 /* attempts per seed (the model keeps every one until the end) */

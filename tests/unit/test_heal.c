@@ -13,17 +13,10 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "tests/common/metric.h"
+#include "tests/common/splitmix.h"
 
 #define BS   16
 #define MAXB 64
-
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
 
 static int cmp_u64(const void *a, const void *b)
 {
@@ -70,9 +63,9 @@ static struct kvr_router *make(uint64_t capacity)
 /* A prompt of whole blocks: a prefix of one of 12 documents, sometimes diverging. */
 static size_t gen(uint64_t *s, uint32_t *t, uint32_t salt)
 {
-	size_t nb = 1 + rng(s) % 12;
-	uint32_t doc = (uint32_t)(rng(s) % 12);
-	size_t div = rng(s) % 3 == 0 ? rng(s) % nb : nb;
+	size_t nb = 1 + splitmix64(s) % 12;
+	uint32_t doc = (uint32_t)(splitmix64(s) % 12);
+	size_t div = splitmix64(s) % 3 == 0 ? splitmix64(s) % nb : nb;
 	for (size_t i = 0; i < nb * BS; i++)
 		t[i] = i / BS < div ? doc * 100000u + (uint32_t)i : salt * 7919u + (uint32_t)i;
 	return nb * BS;
@@ -110,7 +103,7 @@ static double run(uint64_t seed, uint64_t reg_cap, uint64_t eng_cap, int foreign
 	struct engine_req fly[2] = {{0, 0}, {0, 0}};
 	double j = 1.0, lo = 1.0;
 	for (int step = 0; step < steps; step++) {
-		if (step < foreign_steps && (int)(rng(&s) % 100) < foreign) {
+		if (step < foreign_steps && (int)(splitmix64(&s) % 100) < foreign) {
 			size_t n = gen(&s, t, 900000 + (uint32_t)step) / BS;
 			kvr_hash_blocks(t, n * BS, BS, NULL, local, seq);
 			for (size_t i = 0; i < n; i++)

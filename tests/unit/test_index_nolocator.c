@@ -27,7 +27,7 @@
 #include "core/alloc.h"
 #include "core/hash.h"
 #include "core/index.h"
-#include "fuzz/splitmix.h"
+#include "tests/common/splitmix.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
 

@@ -14,6 +14,7 @@
 #include "shards/load.h"
 #include "shards/pinmap.h"
 #include "sync/rcu.h"
+#include "tests/common/splitmix.h"
 
 Test(load, dedup_and_potential)
 {
@@ -176,14 +177,6 @@ struct mreq {
 	int n;
 };
 
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
-
 static bool m_pinned(struct mreq *m, uint64_t s)
 {
 	for (int i = 0; i < MAXR; i++)
@@ -231,7 +224,8 @@ static void interleave(uint64_t *p, const uint64_t *seq, size_t n)
 
 static void run_seed(uint64_t seed, int steps)
 {
-	uint64_t r = seed, d = rng(&r) % 2 ? 1 + rng(&r) % 1000 : 0, now = 0, order = 0;
+	uint64_t r = seed, d = splitmix64(&r) % 2 ? 1 + splitmix64(&r) % 1000 : 0, now = 0,
+	         order = 0;
 	static struct mreq m[MAXR];
 	memset(m, 0, sizeof(m));
 	struct kvr_load *l, *l2;
@@ -247,19 +241,19 @@ static void run_seed(uint64_t seed, int steps)
 	uint64_t seq[16];
 	uint64_t pairs[32]; /* seq interleaved with noise: the second rank reads it strided */
 	for (int step = 0; step < steps; step++) {
-		uint64_t op = rng(&r) % 10, a = 1 + rng(&r) % MAXR;
+		uint64_t op = splitmix64(&r) % 10, a = 1 + splitmix64(&r) % MAXR;
 		struct mreq *q = &m[a - 1];
 		int rc, want, xrc;
 		if (op < 3) {
-			size_t n = rng(&r) % 7;
+			size_t n = splitmix64(&r) % 7;
 			for (size_t i = 0; i < n; i++) {
-				seq[i] = i ? 2 * seq[i - 1] + rng(&r) % 2 : 1;
+				seq[i] = i ? 2 * seq[i - 1] + splitmix64(&r) % 2 : 1;
 				if (seq[i] >= HMAX) {
 					n = i;
 					break;
 				}
 			}
-			uint64_t tok = rng(&r) % 1000;
+			uint64_t tok = splitmix64(&r) % 1000;
 			rc = kvr_load_add(l, a, seq, 1, n, tok, now);
 			interleave(pairs, seq, n);
 			if (a % 2)
@@ -282,11 +276,11 @@ static void run_seed(uint64_t seed, int steps)
 			want = q->live ? 0 : KVR_ENOENT;
 			q->in_prefill = false;
 		} else if (op < 6) {
-			size_t n = rng(&r) % 3;
+			size_t n = splitmix64(&r) % 3;
 			uint64_t par = q->live && q->n ? q->seq[q->n - 1] : 0;
 			for (size_t i = 0; i < n; i++) {
 				uint64_t p = i ? seq[i - 1] : par;
-				seq[i] = p ? 2 * p + rng(&r) % 2 : 1;
+				seq[i] = p ? 2 * p + splitmix64(&r) % 2 : 1;
 				if (seq[i] >= HMAX) {
 					n = i;
 					break;
@@ -311,7 +305,7 @@ static void run_seed(uint64_t seed, int steps)
 			want = q->live ? 0 : KVR_ENOENT;
 			q->live = false;
 		} else {
-			now += rng(&r) % 300;
+			now += splitmix64(&r) % 300;
 			rc = want = xrc = 0;
 		}
 		cr_assert_eq(rc, want, "seed %llu step %d", (unsigned long long)seed, step);
@@ -327,10 +321,10 @@ static void run_seed(uint64_t seed, int steps)
 		cr_assert_eq(st.publish_errors, 0);
 		cr_assert_eq(kvr_load_prefill_tokens(l, now), m_prefill(m, d, now),
 		             "seed %llu step %d", (unsigned long long)seed, step);
-		size_t n = rng(&r) % 7;
+		size_t n = splitmix64(&r) % 7;
 		uint64_t fresh = 0;
 		for (size_t i = 0; i < n; i++) {
-			seq[i] = i ? 2 * seq[i - 1] + rng(&r) % 2 : 1;
+			seq[i] = i ? 2 * seq[i - 1] + splitmix64(&r) % 2 : 1;
 			if (seq[i] >= HMAX) {
 				n = i;
 				break;

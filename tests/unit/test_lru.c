@@ -10,6 +10,7 @@
 #include "shards/load.h"
 #include "shards/lru.h"
 #include "lru_out_util.h"
+#include "tests/common/splitmix.h"
 
 static void blocks(struct kvr_lru_block *b, const uint64_t *v, size_t n)
 {
@@ -128,10 +129,7 @@ Test(lru, crafted_prompt_repeating_a_hash)
 static uint64_t craft_x;
 static uint64_t craft_rnd(void)
 {
-	uint64_t z = (craft_x += 0x9E3779B97F4A7C15ull);
-	z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-	z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-	return z ^ (z >> 31);
+	return splitmix64(&craft_x);
 }
 
 Test(lru, crafted_sequences_on_lru_and_load)

@@ -22,6 +22,7 @@
 #include "../ref/lru_ref.h"
 #include "shards/lru.h"
 #include "lru_out_util.h"
+#include "tests/common/splitmix.h"
 
 #define MAXC   4096
 #define MAXL   64
@@ -205,24 +206,16 @@ static void check_stats(uint64_t seed, int step, struct model *m, struct ref_lru
 	          "seed %llu step %d: stats differ", (unsigned long long)seed, step);
 }
 
-static uint64_t rng_next(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
-
 /* Prompts drawn from 6 "documents" of 16 chained blocks each, sometimes starting mid-document
  * (a miss followed by hashes that exist), so sharing, misses and duplicate copies all happen. */
 static int gen_prompt(uint64_t *r, uint64_t *seq)
 {
-	int n = (int)(rng_next(r) % 17);
-	uint64_t doc = rng_next(r) % 6;
-	int skip = (rng_next(r) % 5 == 0) ? (int)(rng_next(r) % 4) : 0;
+	int n = (int)(splitmix64(r) % 17);
+	uint64_t doc = splitmix64(r) % 6;
+	int skip = (splitmix64(r) % 5 == 0) ? (int)(splitmix64(r) % 4) : 0;
 	for (int i = 0; i < n; i++)
 		seq[i] = doc * 100 + (uint64_t)(i + skip);
-	if (n > 2 && rng_next(r) % 4 == 0) /* diverge: the tail belongs to another document */
+	if (n > 2 && splitmix64(r) % 4 == 0) /* diverge: the tail belongs to another document */
 		for (int i = n / 2; i < n; i++)
 			seq[i] = ((doc + 1) % 6) * 100 + (uint64_t)i;
 	return n;
@@ -232,7 +225,7 @@ static void run_seed(uint64_t seed, int steps)
 {
 	static struct model m;
 	uint64_t r = seed;
-	uint64_t cap = rng_next(&r) % 48;
+	uint64_t cap = splitmix64(&r) % 48;
 	m_reset(&m, cap);
 	struct ref_lru *lru;
 	struct kvr_lru_out out;
@@ -242,7 +235,7 @@ static void run_seed(uint64_t seed, int steps)
 	uint64_t seq[MAXLEN];
 	struct kvr_lru_block b[MAXLEN];
 	for (int step = 0; step < steps; step++) {
-		uint64_t op = rng_next(&r) % 100;
+		uint64_t op = splitmix64(&r) % 100;
 		int rc = 0, mrc = 0;
 		if (m.nc > MAXC - 200 || m.nl > MAXL - 2) { /* keep the model's arrays bounded */
 			op = 99;
@@ -251,39 +244,39 @@ static void run_seed(uint64_t seed, int steps)
 			int n = gen_prompt(&r, seq);
 			for (int i = 0; i < n; i++)
 				b[i] = (struct kvr_lru_block){.local = seq[i] ^ 7, .seq = seq[i]};
-			uint32_t pb = (uint32_t)(rng_next(&r) % 3);
+			uint32_t pb = (uint32_t)(splitmix64(&r) % 3);
 			uint64_t a =
-			    (rng_next(&r) % 10 == 0 && next_attempt > 1)
-			        ? 1 + rng_next(&r) % (next_attempt - 1) /* maybe duplicate */
+			    (splitmix64(&r) % 10 == 0 && next_attempt > 1)
+			        ? 1 + splitmix64(&r) % (next_attempt - 1) /* maybe duplicate */
 			        : next_attempt++;
 			rc = ref_lru_acquire(lru, a, b, (size_t)n, pb, &out);
 			mrc = m_acquire(&m, a, seq, n, pb);
 		} else if (op < 55) {
-			uint64_t a = 1 + rng_next(&r) % next_attempt;
+			uint64_t a = 1 + splitmix64(&r) % next_attempt;
 			struct mlease *l = m_lease(&m, a);
 			uint64_t parent =
-			    (l && l->n) ? m.c[l->c[l->n - 1]].seq : rng_next(&r) % 600;
-			if (rng_next(&r) % 8 == 0)
+			    (l && l->n) ? m.c[l->c[l->n - 1]].seq : splitmix64(&r) % 600;
+			if (splitmix64(&r) % 8 == 0)
 				parent ^= 1; /* wrong parent */
-			int n = (int)(rng_next(&r) % 3);
+			int n = (int)(splitmix64(&r) % 3);
 			if (l && l->n + n > MAXLEN * 4)
 				n = 0;
 			for (int i = 0; i < n; i++) {
-				seq[i] = (rng_next(&r) % 3 == 0)
-				             ? rng_next(&r) % 600
+				seq[i] = (splitmix64(&r) % 3 == 0)
+				             ? splitmix64(&r) % 600
 				             : 1000 + (uint64_t)step * 4 + (uint64_t)i;
 				b[i] = (struct kvr_lru_block){.local = seq[i], .seq = seq[i]};
 			}
 			uint32_t start = l ? (uint32_t)l->n : 0;
-			uint32_t pb = (uint32_t)(rng_next(&r) % 2);
+			uint32_t pb = (uint32_t)(splitmix64(&r) % 2);
 			rc = ref_lru_materialize(lru, a, parent, b, (size_t)n, start, pb, &out);
 			mrc = m_materialize(&m, a, parent, seq, n, start, pb);
 		} else if (op < 90) {
-			uint64_t a = 1 + rng_next(&r) % next_attempt;
+			uint64_t a = 1 + splitmix64(&r) % next_attempt;
 			rc = ref_lru_release(lru, a, &out);
 			mrc = m_release(&m, a);
 		} else if (op < 97) {
-			uint64_t c = rng_next(&r) % 48;
+			uint64_t c = splitmix64(&r) % 48;
 			rc = ref_lru_set_capacity(lru, c, &out);
 			m.ns = m.ne = 0;
 			m.cap = c;
@@ -291,7 +284,7 @@ static void run_seed(uint64_t seed, int steps)
 		} else {
 			/* reset: a fresh instance (what rank_state does on a new incarnation) */
 			ref_lru_destroy(lru);
-			cap = rng_next(&r) % 48;
+			cap = splitmix64(&r) % 48;
 			cr_assert_eq(ref_lru_create(cap, &lru), 0);
 			m_reset(&m, cap);
 			kvr_lru_out_reset(&out);
@@ -372,10 +365,10 @@ static int gen_chain(uint64_t *r, struct kvr_lru_block *b)
 {
 	/* Few lengths, so that leases often end on the same block (then their output blocks
 	 * are copies of one hash). */
-	int n = rng_next(r) % 4 ? (int)(rng_next(r) % 5) * 4 : (int)(rng_next(r) % 17);
-	uint64_t doc = rng_next(r) % 6;
-	int div = (rng_next(r) % 3 == 0) ? (int)(rng_next(r) % 17) : 99;
-	uint64_t alt = rng_next(r) % 8;
+	int n = splitmix64(r) % 4 ? (int)(splitmix64(r) % 5) * 4 : (int)(splitmix64(r) % 17);
+	uint64_t doc = splitmix64(r) % 6;
+	int div = (splitmix64(r) % 3 == 0) ? (int)(splitmix64(r) % 17) : 99;
+	uint64_t alt = splitmix64(r) % 8;
 	uint64_t p = ROOT;
 	for (int i = 0; i < n; i++) {
 		uint64_t tok =
@@ -453,7 +446,7 @@ static void seg_check_stats(uint64_t seed, int step, struct kvr_lru *lru, struct
 		if (oom) {                                                                         \
 			struct kvr_lru_stats s0, s1;                                               \
 			kvr_lru_stats(lru, &s0);                                                   \
-			kvr_alloc_fail_after(1 + rng_next(&r) % 5);                                \
+			kvr_alloc_fail_after(1 + splitmix64(&r) % 5);                              \
 			rc = (call);                                                               \
 			kvr_alloc_fail_after(0);                                                   \
 			if (rc == KVR_ENOMEM) {                                                    \
@@ -479,7 +472,7 @@ static void seg_run(uint64_t seed, int steps, bool keep, bool oom, uint64_t capm
 	memset(last, 0, sizeof(last));
 	memset(nblk, 0, sizeof(nblk));
 	uint64_t r = seed * 7919 + keep;
-	uint64_t cap = rng_next(&r) % capmax;
+	uint64_t cap = splitmix64(&r) % capmax;
 	struct kvr_lru *lru;
 	struct ref_lru *ref;
 	struct kvr_lru_out out, xo;
@@ -492,29 +485,30 @@ static void seg_run(uint64_t seed, int steps, bool keep, bool oom, uint64_t capm
 	uint64_t next_attempt = 1;
 	struct kvr_lru_block b[MAXLEN];
 	for (int step = 0; step < steps && next_attempt < MAXA - 1; step++) {
-		uint64_t op = rng_next(&r) % 100;
+		uint64_t op = splitmix64(&r) % 100;
 		int rc = 0, xrc = 0;
 		int n = 0;
 		if (op < 35) {
 			n = gen_chain(&r, b);
-			uint64_t from = 1 + rng_next(&r) % next_attempt;
-			if (rng_next(&r) % 5 < 2 && from < next_attempt && nblk[from]) {
+			uint64_t from = 1 + splitmix64(&r) % next_attempt;
+			if (splitmix64(&r) % 5 < 2 && from < next_attempt && nblk[from]) {
 				/* A follow-up: a prefix of an earlier chain (output blocks
 				 * included, so hits meet several copies of one hash), then maybe
 				 * new blocks. */
-				n = 1 + (int)(rng_next(&r) % nblk[from]);
+				n = 1 + (int)(splitmix64(&r) % nblk[from]);
 				if (n > MAXLEN - 2)
 					n = MAXLEN - 2;
 				memcpy(b, hist[from], (size_t)n * sizeof(b[0]));
-				for (int extra = (int)(rng_next(&r) % 3); extra > 0; extra--, n++) {
-					uint64_t tok = 7000000 + rng_next(&r) % 2;
+				for (int extra = (int)(splitmix64(&r) % 3); extra > 0;
+				     extra--, n++) {
+					uint64_t tok = 7000000 + splitmix64(&r) % 2;
 					b[n] = (struct kvr_lru_block){
 					    .local = tok, .seq = chain(b[n - 1].seq, tok)};
 				}
 			}
-			uint32_t pb = (uint32_t)(rng_next(&r) % 3);
-			uint64_t a = (rng_next(&r) % 10 == 0 && next_attempt > 1)
-			                 ? 1 + rng_next(&r) % (next_attempt - 1)
+			uint32_t pb = (uint32_t)(splitmix64(&r) % 3);
+			uint64_t a = (splitmix64(&r) % 10 == 0 && next_attempt > 1)
+			                 ? 1 + splitmix64(&r) % (next_attempt - 1)
 			                 : next_attempt++;
 			SEG_CALL(kvr_lru_acquire(lru, a, b, (size_t)n, pb, &out));
 			xrc = ref_lru_acquire(ref, a, b, (size_t)n, pb, &xo);
@@ -525,19 +519,20 @@ static void seg_run(uint64_t seed, int steps, bool keep, bool oom, uint64_t capm
 			}
 		} else if (op < 58) {
 			/* Mostly recent (live) attempts. */
-			uint64_t back = 1 + rng_next(&r) % (rng_next(&r) % 2 ? 6 : next_attempt);
+			uint64_t back =
+			    1 + splitmix64(&r) % (splitmix64(&r) % 2 ? 6 : next_attempt);
 			uint64_t a = back < next_attempt ? next_attempt - back : 1;
 			uint64_t parent = nblk[a] ? last[a] : ROOT;
-			if (rng_next(&r) % 10 == 0)
+			if (splitmix64(&r) % 10 == 0)
 				parent ^= 1; /* wrong parent */
-			n = (int)(rng_next(&r) % 3);
+			n = (int)(splitmix64(&r) % 3);
 			uint64_t p = nblk[a] ? parent : ROOT;
 			for (int i = 0; i < n; i++) {
-				uint64_t tok = 7000000 + rng_next(&r) % 2;
+				uint64_t tok = 7000000 + splitmix64(&r) % 2;
 				p = chain(p, tok);
 				b[i] = (struct kvr_lru_block){.local = tok, .seq = p};
 			}
-			uint32_t pb = (uint32_t)(rng_next(&r) % 2);
+			uint32_t pb = (uint32_t)(splitmix64(&r) % 2);
 			SEG_CALL(
 			    kvr_lru_materialize(lru, a, parent, b, (size_t)n, nblk[a], pb, &out));
 			xrc = ref_lru_materialize(ref, a, parent, b, (size_t)n, nblk[a], pb, &xo);
@@ -548,17 +543,17 @@ static void seg_run(uint64_t seed, int steps, bool keep, bool oom, uint64_t capm
 				nblk[a] += (uint32_t)n;
 			}
 		} else if (op < 91) {
-			uint64_t a = 1 + rng_next(&r) % next_attempt;
+			uint64_t a = 1 + splitmix64(&r) % next_attempt;
 			SEG_CALL(kvr_lru_release(lru, a, &out));
 			xrc = ref_lru_release(ref, a, &xo);
 		} else if (op < 98) {
-			uint64_t c = rng_next(&r) % capmax;
+			uint64_t c = splitmix64(&r) % capmax;
 			SEG_CALL(kvr_lru_set_capacity(lru, c, &out));
 			xrc = ref_lru_set_capacity(ref, c, &xo);
 		} else {
 			kvr_lru_destroy(lru);
 			ref_lru_destroy(ref);
-			cap = rng_next(&r) % capmax;
+			cap = splitmix64(&r) % capmax;
 			cr_assert_eq(kvr_lru_create(cap, &lru), 0);
 			cr_assert_eq(ref_lru_create(cap, &ref), 0);
 			kvr_lru_set_keep_private(lru, keep);

@@ -9,6 +9,7 @@
 #include "kvrouter.h"
 #include "shards/rank_state.h"
 #include "lru_out_util.h"
+#include "tests/common/splitmix.h"
 
 #define TTL 1000
 
@@ -172,14 +173,6 @@ struct rmodel {
 	uint64_t last[A];
 };
 
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
-
 static void m_clear(struct rmodel *m)
 {
 	memset(m->present, 0, sizeof(m->present));
@@ -209,18 +202,19 @@ static void rank_seed(uint64_t seed, int steps)
 	struct kvr_lru_block b[8];
 	uint64_t stored[8];
 	for (int step = 0; step < steps; step++) {
-		uint64_t op = rng(&r) % 14, inc = 1 + rng(&r) % 3, a = rng(&r) % A;
+		uint64_t op = splitmix64(&r) % 14, inc = 1 + splitmix64(&r) % 3,
+		         a = splitmix64(&r) % A;
 		/* Mostly the current incarnation, so commands get through. */
-		if (rng(&r) % 4 && m.mode != KVR_RANK_ABSENT)
+		if (splitmix64(&r) % 4 && m.mode != KVR_RANK_ABSENT)
 			inc = m.inc;
 		/* Chained hashes, as the router makes them (the LRU relies on it): hash h's parent
 		 * is h / 2, hash 1 hangs below the root; a materialize continues the lease. */
-		size_t n = rng(&r) % 6, ns = 0;
+		size_t n = splitmix64(&r) % 6, ns = 0;
 		uint64_t h0 = 1;
 		if (op >= 7 && op < 9 && m.has_last[a])
-			h0 = 2 * m.last[a] + rng(&r) % 2;
+			h0 = 2 * m.last[a] + splitmix64(&r) % 2;
 		for (size_t i = 0; i < n; i++) {
-			uint64_t h = i == 0 ? h0 : 2 * b[i - 1].seq + rng(&r) % 2;
+			uint64_t h = i == 0 ? h0 : 2 * b[i - 1].seq + splitmix64(&r) % 2;
 			if (h >= H) {
 				n = i;
 				break;
@@ -232,7 +226,7 @@ static void rank_seed(uint64_t seed, int steps)
 		bool fenced = m.mode == KVR_RANK_ABSENT || inc != m.inc;
 		int fence_rc = m.mode == KVR_RANK_ABSENT ? KVR_ENOENT : KVR_ESTALE;
 		if (op < 2) {
-			uint64_t cap = (rng(&r) % 3) * 1000;
+			uint64_t cap = (splitmix64(&r) % 3) * 1000;
 			rc = kvr_rank_state_set_capacity(rs, inc, cap, &out);
 			if (m.mode == KVR_RANK_ABSENT || inc != m.inc ||
 			    (m.mode == KVR_RANK_LRU && cap == 0)) {
@@ -245,7 +239,7 @@ static void rank_seed(uint64_t seed, int steps)
 			}
 		} else if (op < 3) {
 			/* a rank reset or new life: a fresh store, whatever the mode */
-			uint64_t cap = (rng(&r) % 3) * 1000;
+			uint64_t cap = (splitmix64(&r) % 3) * 1000;
 			rc = kvr_rank_state_renew(rs, inc, cap, &out);
 			cleared = m.mode != KVR_RANK_ABSENT;
 			m_clear(&m);
@@ -266,7 +260,7 @@ static void rank_seed(uint64_t seed, int steps)
 			}
 		} else if (op < 9) {
 			uint64_t parent = m.has_last[a] ? m.last[a] : 99;
-			if (rng(&r) % 6 == 0)
+			if (splitmix64(&r) % 6 == 0)
 				parent = 98;
 			rc = kvr_rank_state_materialize(rs, inc, a, parent, b, n, 3, 0, now, &out);
 			if (fenced)
@@ -290,7 +284,7 @@ static void rank_seed(uint64_t seed, int steps)
 			else
 				m.live[a] = m.has_last[a] = false;
 		} else {
-			now += rng(&r) % 400;
+			now += splitmix64(&r) % 400;
 			rc = kvr_rank_state_tick(rs, now, &out);
 			size_t ne = 0;
 			if (m.mode == KVR_RANK_TTL)

@@ -12,6 +12,7 @@
 #include "shards/ttl.h"
 #include "../ref/ttl_ref.h"
 #include "lru_out_util.h"
+#include "tests/common/splitmix.h"
 
 #define MS 1000000ull
 
@@ -167,14 +168,6 @@ Test(ttl, refresh_inside_a_run)
 
 /* ---------------------------------------------------------------- growth */
 
-static uint64_t grng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
-
 #define G_SES 64
 #define G_MAX 520
 
@@ -212,14 +205,14 @@ static void g_lookup(struct gstate *g, uint64_t seq, uint64_t turn)
 static void g_turn(struct gstate *g, uint64_t turn, uint64_t now, struct kvr_lru_block *b,
                    struct kvr_lru_out *o1, struct kvr_lru_out *o2)
 {
-	size_t s = grng(&g->rng) % G_SES;
+	size_t s = splitmix64(&g->rng) % G_SES;
 	uint64_t *q = g->ses[s];
 	if (g->len[s] == 0 || g->len[s] + 18 > G_MAX) {
-		memcpy(q, g->sys[grng(&g->rng) % 8], sizeof(g->sys[0]));
+		memcpy(q, g->sys[splitmix64(&g->rng) % 8], sizeof(g->sys[0]));
 		g->len[s] = 64;
 	}
 	for (size_t i = 0; i < 16; i++, g->len[s]++)
-		q[g->len[s]] = grng(&g->rng) | 1;
+		q[g->len[s]] = splitmix64(&g->rng) | 1;
 	for (size_t i = 0; i < g->len[s]; i++)
 		b[i] = (struct kvr_lru_block){.local = i, .seq = q[i]};
 	cr_assert_eq(kvr_ttl_record(g->t, b, g->len[s], 0, now, o1), 0);
@@ -228,7 +221,7 @@ static void g_turn(struct gstate *g, uint64_t turn, uint64_t now, struct kvr_lru
 	if (o1->n_stored > g->max_fresh)
 		g->max_fresh = o1->n_stored;
 	for (size_t i = 0; i < 2; i++, g->len[s]++) {
-		q[g->len[s]] = grng(&g->rng) | 1;
+		q[g->len[s]] = splitmix64(&g->rng) | 1;
 		b[i] = (struct kvr_lru_block){.local = i, .seq = q[g->len[s]]};
 	}
 	cr_assert_eq(kvr_ttl_record(g->t, b, 2, (uint32_t)(g->len[s] - 2), now, o1), 0);
@@ -241,7 +234,7 @@ static void g_turn(struct gstate *g, uint64_t turn, uint64_t now, struct kvr_lru
 	cr_assert_eq(kvr_ttl_overlap(g->t, q, g->len[s]), ref_ttl_overlap(g->ref, q, g->len[s]));
 	for (size_t k = 0; k < 4; k++) /* the new blocks, a few old ones */
 		g_lookup(g, q[g->len[s] - 1 - k * 6], turn);
-	g_lookup(g, q[grng(&g->rng) % g->len[s]], turn);
+	g_lookup(g, q[splitmix64(&g->rng) % g->len[s]], turn);
 	struct kvr_ttl_stats st;
 	kvr_ttl_stats(g->t, &st);
 	g->turns_growing += st.growing;
@@ -268,7 +261,7 @@ Test(ttl, grows_a_slice_per_call)
 	g->rng = 42;
 	for (size_t k = 0; k < 8; k++)
 		for (size_t i = 0; i < 64; i++)
-			g->sys[k][i] = grng(&g->rng) | 1;
+			g->sys[k][i] = splitmix64(&g->rng) | 1;
 	cr_assert_eq(kvr_ttl_create(3000, 0, &g->t), 0);
 	cr_assert_eq(ref_ttl_create(3000, 0, &g->ref), 0);
 	uint64_t turn = 0, now = 1;
@@ -320,14 +313,6 @@ struct mentry {
 	uint32_t pos;
 };
 
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
-
 static int cmp_u64(const void *a, const void *b)
 {
 	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -336,7 +321,8 @@ static int cmp_u64(const void *a, const void *b)
 
 static void run_seed(uint64_t seed, int steps)
 {
-	uint64_t r = seed, ttl = 1 + rng(&r) % 500, bucket = rng(&r) % 3 ? rng(&r) % 100 : 0;
+	uint64_t r = seed, ttl = 1 + splitmix64(&r) % 500,
+	         bucket = splitmix64(&r) % 3 ? splitmix64(&r) % 100 : 0;
 	struct mentry m[U];
 	memset(m, 0, sizeof(m));
 	struct ref_ttl *t;
@@ -346,12 +332,13 @@ static void run_seed(uint64_t seed, int steps)
 	uint64_t now = 1000;
 	struct kvr_lru_block b[16];
 	for (int step = 0; step < steps; step++) {
-		uint64_t op = rng(&r) % 10;
+		uint64_t op = splitmix64(&r) % 10;
 		if (op < 5) {
-			size_t n = rng(&r) % 16;
-			uint32_t start = (uint32_t)(rng(&r) % 8);
+			size_t n = splitmix64(&r) % 16;
+			uint32_t start = (uint32_t)(splitmix64(&r) % 8);
 			for (size_t i = 0; i < n; i++)
-				b[i] = (struct kvr_lru_block){.seq = rng(&r) % U, .local = 0};
+				b[i] =
+				    (struct kvr_lru_block){.seq = splitmix64(&r) % U, .local = 0};
 			cr_assert_eq(ref_ttl_record(t, b, n, start, now, &out), 0);
 			/* Model: expiry = max(roundup(now + ttl), every live expiry). */
 			uint64_t x = now + ttl;
@@ -396,10 +383,10 @@ static void run_seed(uint64_t seed, int steps)
 				             (unsigned long long)seed, step);
 		} else {
 			/* clock advance, rarely backwards */
-			if (rng(&r) % 20 == 0 && now > 200)
-				now -= rng(&r) % 200;
+			if (splitmix64(&r) % 20 == 0 && now > 200)
+				now -= splitmix64(&r) % 200;
 			else
-				now += rng(&r) % 300;
+				now += splitmix64(&r) % 300;
 		}
 		size_t live = 0;
 		uint64_t next = UINT64_MAX;

@@ -21,6 +21,7 @@
 #include "kvrouter.h"
 #include "../ref/ttl_ref.h"
 #include "shards/ttl.h"
+#include "tests/common/splitmix.h"
 
 #define MAXN   4096
 #define MAXLEN 48
@@ -38,14 +39,6 @@ struct tree {
 	uint64_t hkey[HSLOTS]; /* seq -> node, open addressing (0 = empty) */
 	int hval[HSLOTS];
 };
-
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t x = *s += 0x9E3779B97F4A7C15ull;
-	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-	x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-	return x ^ (x >> 31);
-}
 
 static int node_of(const struct tree *t, uint64_t seq)
 {
@@ -65,7 +58,7 @@ static int child(struct tree *t, int p, int tok)
 	if (t->nn == MAXN)
 		return -1;
 	uint64_t s = t->n[p].seq * 31 + (uint64_t)tok + 7;
-	uint64_t seq = rng(&s) | 1; /* never 0 */
+	uint64_t seq = splitmix64(&s) | 1; /* never 0 */
 	int i = t->nn++;
 	t->n[i] = (struct node){seq, p, t->n[p].depth + 1, {-1, -1, -1}};
 	t->n[p].child[tok] = i;
@@ -80,10 +73,10 @@ static int child(struct tree *t, int p, int tok)
 /* A prompt from the root: up to MAXLEN blocks. */
 static size_t prompt(struct tree *t, uint64_t *r, uint64_t *seq)
 {
-	size_t len = rng(r) % MAXLEN, n = 0;
+	size_t len = splitmix64(r) % MAXLEN, n = 0;
 	int p = 0;
 	while (n < len) {
-		uint64_t d = rng(r) % 10;
+		uint64_t d = splitmix64(r) % 10;
 		int c = child(t, p, d < 7 ? 0 : d < 9 ? 1 : 2);
 		if (c < 0)
 			break;
@@ -126,7 +119,8 @@ static void run_seed(struct tree *tr, uint64_t seed, int steps)
 	memset(tr, 0, sizeof(*tr));
 	tr->n[0] = (struct node){0, -1, 0, {-1, -1, -1}};
 	tr->nn = 1;
-	uint64_t r = seed, ttl = 1 + rng(&r) % 500, bucket = rng(&r) % 3 ? rng(&r) % 100 : 0;
+	uint64_t r = seed, ttl = 1 + splitmix64(&r) % 500,
+	         bucket = splitmix64(&r) % 3 ? splitmix64(&r) % 100 : 0;
 	struct kvr_ttl *t;
 	struct ref_ttl *ref;
 	struct kvr_lru_out o1, o2;
@@ -138,13 +132,13 @@ static void run_seed(struct tree *tr, uint64_t seed, int steps)
 	struct kvr_lru_block b[MAXLEN];
 	size_t n = 0;
 	for (int step = 0; step < steps; step++) {
-		uint64_t op = rng(&r) % 20;
+		uint64_t op = splitmix64(&r) % 20;
 		if (op < 12) {
 			n = prompt(tr, &r, seq);
 			size_t s = 0, e = n;
 			if (op >= 7 && n > 0) { /* a stretch at its own position */
-				s = rng(&r) % n;
-				e = s + 1 + rng(&r) % (n - s);
+				s = splitmix64(&r) % n;
+				e = s + 1 + splitmix64(&r) % (n - s);
 			}
 			for (size_t i = s; i < e; i++)
 				b[i - s] =
@@ -185,10 +179,10 @@ static void run_seed(struct tree *tr, uint64_t seed, int steps)
 				              o1.n_evicted * sizeof(uint64_t)),
 				      "evicted sets differ", (unsigned long long)seed, step);
 			}
-		} else if (rng(&r) % 20 == 0 && now > 200) {
-			now -= rng(&r) % 200;
+		} else if (splitmix64(&r) % 20 == 0 && now > 200) {
+			now -= splitmix64(&r) % 200;
 		} else {
-			now += rng(&r) % 150;
+			now += splitmix64(&r) % 150;
 		}
 		CHECK(kvr_ttl_count(t) == ref_ttl_count(ref), "count %zu vs ref %zu",
 		      (unsigned long long)seed, step, kvr_ttl_count(t), ref_ttl_count(ref));

@@ -1,9 +1,9 @@
 /*
- * tests/fuzz/splitmix.h - splitmix64 (Steele, Lea, Flood 2014), the seed expander of the seeded
- * fuzz drivers (fuzz_api_main.c, oom_api.c): one seed, one reproducible stream.
+ * tests/common/splitmix.h - splitmix64 (Steele, Lea, Flood 2014), the one random stream of the
+ * tests, fuzz drivers and benchmarks: one seed, one reproducible stream.
  */
-#ifndef KVR_TESTS_FUZZ_SPLITMIX_H
-#define KVR_TESTS_FUZZ_SPLITMIX_H
+#ifndef KVR_TESTS_COMMON_SPLITMIX_H
+#define KVR_TESTS_COMMON_SPLITMIX_H
 
 #include <stdint.h>
 
