@@ -994,28 +994,46 @@ static void op_route(struct prog *p)
 	add_attempt(p, &d);
 }
 
-static void op_wait(struct prog *p)
+/* A ticket to wait on or cancel, from the input: mostly one the model holds, else 0 or one
+ * never issued. */
+static uint64_t pick_ticket(struct prog *p)
 {
-	uint64_t t;
 	uint32_t k = u8(&p->in);
 	if (p->n_tix && k % 4)
-		t = p->tix[k % (uint32_t)p->n_tix].t;
-	else
-		t = k % 8 == 0 ? 0 : p->max_ticket + 1 + k;
+		return p->tix[k % (uint32_t)p->n_tix].t;
+	return k % 8 == 0 ? 0 : p->max_ticket + 1 + k;
+}
+
+/* The model's ticket t, on which a call returned rc, or NULL when that call was a refusal, checked:
+ * ticket 0 (KVR_EINVAL) or an unknown or collected one (KVR_ENOENT).  on: "wait on",
+ * "cancel of". */
+static struct mtick *held_ticket(struct prog *p, uint64_t t, int rc, const char *on)
+{
+	char what[64];
+	if (t == 0) {
+		snprintf(what, sizeof(what), "%s ticket 0", on);
+		expect(rc, KVR_EINVAL, what);
+		return NULL;
+	}
+	struct mtick *m = ticket_find(p, t);
+	if (!m) {
+		snprintf(what, sizeof(what), "%s an unknown or collected ticket", on);
+		expect(rc, KVR_ENOENT, what);
+	}
+	return m;
+}
+
+static void op_wait(struct prog *p)
+{
+	uint64_t t = pick_ticket(p);
 	struct kvr_decision d;
 	memset(&d, 0xa5, sizeof(d));
 	cur_call = "kvr_route_wait";
 	int rc = kvr_route_wait(p->r, t, p->now ? p->now : 1, &d);
 	drain_admits(p);
-	if (t == 0) {
-		expect(rc, KVR_EINVAL, "wait on ticket 0");
+	struct mtick *m = held_ticket(p, t, rc, "wait on");
+	if (!m)
 		return;
-	}
-	struct mtick *m = ticket_find(p, t);
-	if (!m) {
-		expect(rc, KVR_ENOENT, "wait on an unknown or collected ticket");
-		return;
-	}
 	m->waited = true;
 	if (rc == KVR_ETIMEDOUT) {
 		CHECK(m->state == T_QUEUED, "timed out on an admitted ticket");
@@ -1033,24 +1051,13 @@ static void op_wait(struct prog *p)
 
 static void op_cancel(struct prog *p)
 {
-	uint64_t t;
-	uint32_t k = u8(&p->in);
-	if (p->n_tix && k % 4)
-		t = p->tix[k % (uint32_t)p->n_tix].t;
-	else
-		t = k % 8 == 0 ? 0 : p->max_ticket + 1 + k;
+	uint64_t t = pick_ticket(p);
 	cur_call = "kvr_route_cancel";
 	int rc = kvr_route_cancel(p->r, t);
 	drain_admits(p);
-	if (t == 0) {
-		expect(rc, KVR_EINVAL, "cancel of ticket 0");
+	struct mtick *m = held_ticket(p, t, rc, "cancel of");
+	if (!m)
 		return;
-	}
-	struct mtick *m = ticket_find(p, t);
-	if (!m) {
-		expect(rc, KVR_ENOENT, "cancel of an unknown or collected ticket");
-		return;
-	}
 	if (rc == 0) {
 		CHECK(m->state == T_QUEUED, "cancelled an admitted ticket");
 		ticket_drop(p, m);
