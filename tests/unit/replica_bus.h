@@ -183,6 +183,14 @@ static inline struct kvr_router *bus_router(int i)
 	return r;
 }
 
+/* Starts replicas 1..n (n <= BUS_N) on an emptied bus, their routers in r[0..n-1]. */
+static inline void bus_start(struct kvr_router **r, int n)
+{
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	for (int i = 0; i < n; i++)
+		r[i] = bus_router(i);
+}
+
 /* Every replica has applied everything, and every router has run what it was told. */
 static inline void bus_quiet(struct kvr_router **r, int n)
 {

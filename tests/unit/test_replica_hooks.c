@@ -198,9 +198,7 @@ Test(replica_hooks, admit_refuses_bad_input)
 Test(replica_hooks, output_not_final_replicates, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	/* Prompt 2B + 5, then B - 5 output tokens, the last known not to be final: the origin
 	 * counts the third block at once (one step behind, it would wait for a later token). */
 	const uint32_t B = KVR_DEFAULT_BLOCK_SIZE;
@@ -267,9 +265,7 @@ static uint64_t peer_requests(struct kvr_router *r)
 Test(replica_hooks, early_ends_overflow, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	enum { N = 200 };
 	const uint64_t base = 1ull << 40;
 	uint64_t local[2] = {0x1234, 0x5678};
@@ -355,8 +351,7 @@ Test(replica_hooks, early_set_bounds)
 Test(replica_hooks, early_lost_exported, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
+	bus_start(r, 1);
 	const char *key = "kvr_sync_events_total{what=\"early_end_lost\"} ";
 	cr_assert_eq(metric(r[0], key), 0);
 	struct kvr_replica *rep = bus.rep[0];

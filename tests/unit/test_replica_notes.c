@@ -90,9 +90,7 @@ static bool disarm(void)
 Test(replica_notes, long_admission_mirrored_when_its_record_fails, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	static uint32_t t[48000]; /* 3000 blocks: more than OUT_SLAB_BLOCKS (2048) */
 	struct kvr_request q;
 	kvr_request_init(&q);
@@ -136,9 +134,7 @@ Test(replica_notes, long_admission_mirrored_when_its_record_fails, .timeout = 60
 Test(replica_notes, long_output_mirrored_when_its_copy_fails, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	uint32_t out[300];
 	bool fired = true;
 	uint64_t nth, ok = 0;
@@ -189,10 +185,8 @@ static size_t kept_nodes_bytes(struct kvr_replica *rep)
 Test(replica_notes, kept_notes_capped_and_healed, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
 	bus_kept_max = KEPT_CAP;
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	static struct kvr_decision d[N_ATTEMPTS];
 	for (uint32_t i = 0; i < N_ATTEMPTS; i++)
 		d[i] = bus_route(r[0], 100 + i, 40);
@@ -269,9 +263,7 @@ static bool peer_agrees_soon(struct kvr_router **r)
 Test(replica_notes, admission_mirrored_when_the_senders_record_fails, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	uint32_t out[100];
 	bool fired = true;
 	uint64_t nth;
@@ -322,9 +314,7 @@ static void *slabs_back(void *arg)
 Test(replica_notes, admission_waits_for_a_slab_when_its_record_fails, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	struct kvr_replica *rep = bus.rep[0];
 	bool fired = true;
 	uint64_t nth;

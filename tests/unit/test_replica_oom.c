@@ -97,9 +97,7 @@ Test(replica_oom, failure_scope_spares_other_threads)
 /* Two routers on the bus, r[0] with one attempt (prompt seed) mirrored on r[1]; its decision. */
 static struct kvr_decision two_with_one(struct kvr_router **r, uint32_t seed)
 {
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	struct kvr_decision d = bus_route(r[0], seed, 40);
 	bus_quiet(r, 2);
 	return d;
@@ -156,11 +154,9 @@ static void no_load(struct kvr_router **r, int n, uint64_t nth)
 Test(replica_oom, output_dropped_counted_and_healed, .timeout = 120)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
 	kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
 	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER | KVR_ALLOC_ROLE_REPLICA);
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	uint32_t out[300];
 	for (uint32_t j = 0; j < 300; j++)
 		out[j] = 555000u + j;
@@ -277,9 +273,7 @@ static void settle_heals(struct kvr_replica *rep, uint64_t id)
 Test(replica_oom, lost_finish_healed_by_heartbeat, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
-	r[1] = bus_router(1);
+	bus_start(r, 2);
 	struct kvr_decision d = bus_route(r[0], 7, 40);
 	bus_quiet(r, 2);
 	cr_assert_eq(rank_stats(r[1], d.rank).active_requests, 1);
@@ -345,8 +339,7 @@ Test(replica_oom, output_behind_a_gap_counted_once, .timeout = 60)
 Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
+	bus_start(r, 1);
 	static uint32_t t[2048];
 	for (int k = 0; k < 3; k++) { /* long prompts: records that make the buffers grow */
 		for (uint32_t j = 0; j < 2048; j++)
@@ -481,8 +474,7 @@ Test(replica_oom, notes_not_dropped_by_a_full_queue, .timeout = 60)
 Test(replica_oom, snapshot_given_up_asked_again, .timeout = 240)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = bus_router(0);
+	bus_start(r, 1);
 	static uint32_t t[2048];
 	for (int k = 0; k < 3; k++) { /* long prompts (records that make the buffers grow), live */
 		for (uint32_t j = 0; j < 2048; j++)
