@@ -13,19 +13,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
-
-static uint64_t vnow = 1000;
-static uint64_t vclock(void *ctx)
-{
-	(void)ctx;
-	return __atomic_load_n(&vnow, __ATOMIC_RELAXED);
-}
-
-static void prompt(uint32_t *t, size_t n, uint32_t salt)
-{
-	for (size_t i = 0; i < n; i++)
-		t[i] = (uint32_t)(i * 7 + salt * 1000003u);
-}
+#include "tests/common/router_prompts.h"
 
 /* What on_admit saw, for the test's router (callbacks run on whichever thread pumped). */
 struct seen {

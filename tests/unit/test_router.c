@@ -8,13 +8,7 @@
 #include <string.h>
 
 #include "kvrouter.h"
-
-static uint64_t vnow = 1000;
-static uint64_t vclock(void *ctx)
-{
-	(void)ctx;
-	return __atomic_load_n(&vnow, __ATOMIC_RELAXED);
-}
+#include "tests/common/router_prompts.h"
 
 static void sync_config(struct kvr_config *c, enum kvr_mode mode, kvr_clock_fn clk)
 {
@@ -35,12 +29,6 @@ static struct kvr_router *make(enum kvr_mode mode, int n_ranks, uint64_t cap, do
 	for (int w = 0; w < n_ranks; w++)
 		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, cap, 1024), 0);
 	return r;
-}
-
-static void prompt(uint32_t *t, size_t n, uint32_t salt)
-{
-	for (size_t i = 0; i < n; i++)
-		t[i] = (uint32_t)(i * 7 + salt * 1000003u);
 }
 
 static struct kvr_decision route(struct kvr_router *r, const uint32_t *t, size_t n, uint32_t flags)
