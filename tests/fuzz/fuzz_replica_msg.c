@@ -46,6 +46,16 @@ static void check_batch(const uint8_t *data, size_t size)
 		abort();
 }
 
+/* Ends the message re-encoded in b from off and checks it is the input, byte for byte (unless
+ * the encoder ran out of memory); frees b. */
+static void same_bytes(struct kvr_msg_buf *b, size_t off, const uint8_t *data, size_t size)
+{
+	kvr_msg_end(b, off);
+	if (!b->oom && (b->len != size || memcmp(b->p, data, size) != 0))
+		abort();
+	kvr_msg_buf_fini(b);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct kvr_wmsg m;
@@ -79,10 +89,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		kvr_msg_put_bytes(&b, m.blocks,
 		                  (size_t)m.n_blocks * 8 + (size_t)m.tail_n * 4 +
 		                      (size_t)m.n_out * 4);
-		kvr_msg_end(&b, off);
-		if (!b.oom && (b.len != size || memcmp(b.p, data, size) != 0))
-			abort();
-		kvr_msg_buf_fini(&b);
+		same_bytes(&b, off, data, size);
 		break;
 	}
 	case KVR_MSG_OUTPUT: {
@@ -95,10 +102,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		kvr_msg_put_u32(&b, m.n_out);
 		kvr_msg_put_u32(&b, m.flags);
 		kvr_msg_put_bytes(&b, m.out, (size_t)m.n_out * 4);
-		kvr_msg_end(&b, off);
-		if (!b.oom && (b.len != size || memcmp(b.p, data, size) != 0))
-			abort();
-		kvr_msg_buf_fini(&b);
+		same_bytes(&b, off, data, size);
 		break;
 	}
 	case KVR_MSG_SNAP_CHUNK: {
