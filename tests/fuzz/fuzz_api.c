@@ -48,7 +48,7 @@
 #include "core/hash.h"
 #include "fuzz_api.h"
 #include "kvrouter.h"
-#include "splitmix.h"
+#include "tests/common/splitmix.h"
 
 /* ---------------------------------------------------------------- failure report */
 
