@@ -394,6 +394,11 @@ static void missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq)
 	kvr_feed_count(f, KVR_C_FEED_UNKNOWN_RANK, 1);
 	kvr_feed_log(f, e, LK_RANK, KVR_LOG_WARN,
 	             "batch for rank (%" PRIu64 ", %u) unknown to the router", e->worker_id, dp);
+	kvr_feed_note_missed(f, e, dp, seq);
+}
+
+void kvr_feed_note_missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t from)
+{
 	struct rstate *s = rstate_find(e, dp);
 	if (!s && kvr_feed_missed(e) < MISSED_MAX && !(s = kvr_feed_rstate(e, dp)))
 		kvr_feed_log(f, e, LK_MEMORY, KVR_LOG_ERROR,
@@ -402,7 +407,7 @@ static void missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t seq)
 		             e->worker_id, dp);
 	if (s && !s->missed) {
 		s->missed = true;
-		s->missed_from = seq;
+		s->missed_from = from;
 		f->n_missed++;
 	}
 }

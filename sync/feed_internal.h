@@ -177,6 +177,9 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
                           const struct kvr_feed_batch *b);
 /* Ranks of e with rstate.missed. */
 uint32_t kvr_feed_missed(const struct ep *e);
+/* Remembers rank dp of e, which the router does not know, as missed from batch `from` on (at
+ * most MISSED_MAX ranks; one already remembered keeps its start), for a resync once added. */
+void kvr_feed_note_missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t from);
 /* Batch seq of e could not be decoded or applied for memory (its events unknown) and no replay
  * brought it: counted (lost), reported through on_event_gap, and the rank cleared (*dp; NULL:
  * e's fixed rank, or every rank e fed so far), as after a gap. */
