@@ -216,8 +216,10 @@ void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 	e->jtail = x;
 	e->jblocks += rec_blocks(rep, x);
 	uint64_t budget = rep->c.journal_blocks;
-	if (!budget)
-		budget = e->capacity && e->capacity != KVR_CAPACITY_NONE ? 2 * e->capacity : 65536;
+	if (!budget) /* twice the capacity, saturating (2^63 and above wrapped to 0 or a few) */
+		budget = !e->capacity || e->capacity == KVR_CAPACITY_NONE ? 65536
+		         : e->capacity > UINT64_MAX / 2                   ? UINT64_MAX
+		                                                          : 2 * e->capacity;
 	while (e->jblocks > budget && e->jhead != e->jtail) {
 		struct kvr_rep_rec *o = e->jhead;
 		e->jhead = o->next;

@@ -626,3 +626,38 @@ Test(replica_hooks, silence_bound_does_not_wrap)
 	kvr_replica_destroy(rep);
 	kvr_router_destroy(r);
 }
+
+/* The journal's default budget, twice the rank's capacity, wrapped for a capacity of 2^63 or
+ * more (a registration in bytes, or "as much as it has" short of KVR_CAPACITY_NONE) to 0 or a
+ * few blocks: the journal kept one finished attempt, and snapshots lost the rest. */
+Test(replica_hooks, journal_budget_does_not_wrap, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	struct kvr_rank_id id = {5, 0};
+	cr_assert_eq(kvr_rank_add(r[0], id, 1, 1ull << 63, 4096), 0);
+	uint32_t t[64];
+	for (int k = 0; k < 3; k++) {
+		for (int i = 0; i < 64; i++)
+			t[i] = (uint32_t)(k * 1000 + i);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 64;
+		q.pinned = &id;
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r[0], &q, &d), 0);
+		cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	}
+	bus_quiet(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	pthread_mutex_lock(&rep->mu);
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	int n = 0;
+	for (struct kvr_rep_rec *x = e ? e->jhead : NULL; x; x = x->next)
+		n++;
+	pthread_mutex_unlock(&rep->mu);
+	cr_assert_eq(n, 3, "the journal keeps %d of 3 finished attempts", n);
+	bus_teardown(r, 1);
+}
