@@ -33,7 +33,12 @@
  *                         kvr_index_memory_bytes counts nallocx(size), not the size asked);
  *   runs_per_path     runs a prompt's walk crosses (kvr_index_path_runs), mean over the P.
  * Memory by shape: runs of 16 / 512 blocks with 1, 2, 4 holders, and the worst case (every run
- * one block long, one holder).
+ * one block long, one holder); with the locator, without it, and then (ext=rank) with the
+ * locator and engine hashes: each rank names a block by a mix of its sequence hash and the rank
+ * (vLLM's per-process random seed makes the engine's hash differ from the router's, and between
+ * ranks), so the index keeps its per-rank ext maps (events mode); the '# where:' line then adds
+ * ext_maps.  --ext-hashes: --mem-only prints those lines only, --apply-only stores and removes
+ * by engine hashes (ext=rank in the SUMMARY).
  * Apply: one writer stores 1024-block chains in calls of 16 (or 1) blocks below the previous
  * call's last block and removes them again tail first in chain order; block ops per second.
  * Reader under a writer: 1 reader (L = 512, pattern b) alone, then with 1 writer flat out
@@ -58,7 +63,7 @@
  *
  * --no-locator (before the mode): every index without the block locator (kvr_index_set_locator:
  * the approximate modes' index); --mem-only prints both.
- * usage: bench_index_runs [--ms N] [--quick] [--no-locator]
+ * usage: bench_index_runs [--ms N] [--quick] [--no-locator] [--ext-hashes]
  *          [--apply-only [--per N] | --rw-only | --cg L PAT
  *          | --tail L PAT [--touch] (what the slow 1 % of the match calls are)
  *          | --tput L PAT (find_matches, find_depths, and find_depths cold and warm) | --mem-only
@@ -360,6 +365,41 @@ static void match_lat(struct kvr_index *idx, struct path *ps, int np, int reps, 
 }
 
 static bool no_locator; /* --no-locator: indexes without the block locator */
+static bool ext_hashes; /* --ext-hashes: every rank names blocks by an engine hash of its own */
+
+/* An engine's block hash for seq on the rank in slot: vLLM hashes a block with a per-process
+ * random seed (NONE_HASH), so its name differs from the router's sequence hash and between
+ * ranks; a mix of seq and the slot models that (the index stores ext != seq: events mode). */
+static uint64_t ext_of(uint64_t seq, uint32_t slot)
+{
+	uint64_t x = seq ^ (0x9e3779b97f4a7c15ull * (slot + 1));
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+/* b[0..n) as the rank in slot names them: ext_of() of each sequence hash (written to out). */
+static void ext_blocks(const struct kvr_index_block *b, const uint64_t *seq, size_t n,
+                       uint32_t slot, struct kvr_index_block *out)
+{
+	for (size_t i = 0; i < n; i++)
+		out[i] = (struct kvr_index_block){.ext_hash = ext_of(seq[i], slot),
+		                                  .local_hash = b[i].local_hash};
+}
+
+/* Bytes of the ranks' ext maps (events mode: ext != seq), at the allocator's real sizes. */
+static uint64_t ext_map_bytes(const struct kvr_index *idx, const uint32_t *slot)
+{
+	uint64_t b = 0;
+	for (uint32_t r = 0; r < RANKS; r++) {
+		const struct idx_rank *rk = &idx->rank[slot[r]];
+		if (rk->xmap.e)
+			b += kvr_alloc_real_size((rk->xmap.mask + 1) * sizeof(struct idx_xent));
+		if (rk->rmap.e)
+			b += kvr_alloc_real_size((rk->rmap.mask + 1) * sizeof(struct idx_xent));
+	}
+	return b;
+}
 
 static struct kvr_index *new_index(uint32_t *slot)
 {
@@ -611,15 +651,20 @@ static double bench_memory(size_t len, int holders, int np, bool print)
 	struct kvr_index *idx = new_index(slot);
 	uint64_t mem0 = kvr_index_memory_bytes(idx), held = 0;
 	struct path p;
+	struct kvr_index_block *eb = ext_hashes ? malloc(len * sizeof(*eb)) : NULL;
 	for (int i = 0; i < np; i++) {
 		make_path(&p, len);
 		for (int h = 0; h < holders; h++) {
-			if (kvr_index_store(idx, slot[(i + h) % RANKS], NULL, p.b, len) != 0)
+			const uint32_t s = slot[(i + h) % RANKS];
+			if (ext_hashes)
+				ext_blocks(p.b, p.seq, len, s, eb);
+			if (kvr_index_store(idx, s, NULL, ext_hashes ? eb : p.b, len) != 0)
 				abort();
 			held += len;
 		}
 		free_path(&p);
 	}
+	free(eb);
 	kvr_index_quiesce(idx);
 	uint64_t mem1 = kvr_index_memory_bytes(idx);
 	const double per = (double)(mem1 - mem0) / (double)held;
@@ -627,9 +672,14 @@ static double bench_memory(size_t len, int holders, int np, bool print)
 		kvr_index_destroy(idx);
 		return per;
 	}
-	printf("SUMMARY bench=index_memory locator=%s run_blocks=%zu holders=%d held=%lu "
-	       "bytes_per_held_block=%.1f\n",
-	       no_locator ? "off" : "on", len, holders, (unsigned long)held, per);
+	if (ext_hashes)
+		printf("SUMMARY bench=index_memory locator=%s ext=rank run_blocks=%zu holders=%d "
+		       "held=%lu bytes_per_held_block=%.1f\n",
+		       no_locator ? "off" : "on", len, holders, (unsigned long)held, per);
+	else
+		printf("SUMMARY bench=index_memory locator=%s run_blocks=%zu holders=%d held=%lu "
+		       "bytes_per_held_block=%.1f\n",
+		       no_locator ? "off" : "on", len, holders, (unsigned long)held, per);
 	/* Where the bytes go, per held block: the run table, the block locator (and the array
 	 * a migration has not finished leaving), its id directory, the ranks' end maps (without
 	 * the locator), and the rest (runs, their hashes, holder records and sets). */
@@ -648,11 +698,15 @@ static double bench_memory(size_t len, int holders, int np, bool print)
 	               old = kvr_alloc_real_size(idx_blk_bytes(b->old_cap)),
 	               dir = kvr_alloc_real_size((size_t)b->dir_cap * 8);
 	const double h = (double)held;
+	const uint64_t xm = ext_map_bytes(idx, slot);
 	printf("# where: run_table=%.2f locator=%.2f (load %.2f) locator_old=%.2f locator_dir=%.2f "
-	       "end_maps=%.2f (%lu entries) runs_hashes_holders=%.2f\n",
+	       "end_maps=%.2f (%lu entries) runs_hashes_holders=%.2f",
 	       (double)tab / h, (double)loc / h, b->cap ? (double)b->count / (double)b->cap : 0.0,
 	       (double)old / h, (double)dir / h, (double)ends / h, (unsigned long)nends,
-	       (double)(mem1 - mem0 - tab - loc - old - dir - ends) / h);
+	       (double)(mem1 - mem0 - tab - loc - old - dir - ends - xm) / h);
+	if (ext_hashes) /* the plain lines stay as they were (ext maps empty there) */
+		printf(" ext_maps=%.2f", (double)xm / h);
+	printf("\n");
 	fflush(stdout);
 	kvr_index_destroy(idx);
 	return per;
@@ -660,18 +714,27 @@ static double bench_memory(size_t len, int holders, int np, bool print)
 
 /* The memory lines: runs of 16 and 512 blocks with 1, 2, 4 holders, and the worst case, with
  * the block locator and without (kvr_index_set_locator: the approximate modes' index). */
-static void mem_all(void)
+static void mem_shapes(void)
 {
 	static const size_t lens[] = {16, 512};
-	const bool nl = no_locator;
-	for (int mode = 0; mode < 2; mode++) {
+	for (int li = 0; li < 2; li++)
+		for (int h = 1; h <= 4; h *= 2)
+			bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256, true);
+	bench_memory(1, 1, 65536, true); /* worst case: every run one block long */
+}
+
+/* Then the same shapes in events mode (the locator on) with engine hashes (ext=rank): what a
+ * router fed by vLLM pays, the ext maps included.  only_ext (--ext-hashes): those lines only. */
+static void mem_all(bool only_ext)
+{
+	const bool nl = no_locator, eh = ext_hashes;
+	for (int mode = only_ext ? 2 : 0; mode < 3; mode++) {
 		no_locator = mode == 1;
-		for (int li = 0; li < 2; li++)
-			for (int h = 1; h <= 4; h *= 2)
-				bench_memory(lens[li], h, lens[li] == 16 ? 8192 : 256, true);
-		bench_memory(1, 1, 65536, true); /* worst case: every run one block long */
+		ext_hashes = mode == 2;
+		mem_shapes();
 	}
 	no_locator = nl;
+	ext_hashes = eh;
 }
 
 /* Runs of 16 blocks, one holder, at 97 index sizes from 4,096 to 16,384 runs (1.0145x apart):
@@ -713,9 +776,18 @@ static double bench_apply(size_t per, int ms)
 	uint32_t slot[RANKS];
 	struct kvr_index *idx = new_index(slot);
 	struct path ps[NP], bg[NP];
+	/* --ext-hashes: path i as the 4 writers name it (eb[i][k]: slot[k]'s engine hashes) */
+	struct kvr_index_block *eb[NP][4] = {{NULL}};
 	for (int i = 0; i < NP; i++) {
 		make_path(&ps[i], CH);
 		make_path(&bg[i], CH); /* steady state: other ranks hold other chains */
+		if (ext_hashes) {
+			for (int k = 0; k < 4; k++) {
+				eb[i][k] = malloc(CH * sizeof(struct kvr_index_block));
+				ext_blocks(ps[i].b, ps[i].seq, CH, slot[k], eb[i][k]);
+			}
+			ext_blocks(bg[i].b, bg[i].seq, CH, slot[8 + i], bg[i].b);
+		}
 		if (kvr_index_store(idx, slot[8 + i], NULL, bg[i].b, CH) != 0)
 			abort();
 	}
@@ -723,9 +795,10 @@ static double bench_apply(size_t per, int ms)
 	for (int it = 0; now_ns() < end; it++) {
 		const struct path *p = &ps[it % NP];
 		uint32_t s = slot[it % 4];
+		const struct kvr_index_block *b = ext_hashes ? eb[it % NP][it % 4] : p->b;
 		for (size_t i = 0; i < CH; i += per) {
 			size_t n = CH - i < per ? CH - i : per;
-			if (kvr_index_store(idx, s, i ? &p->b[i - 1].ext_hash : NULL, p->b + i, n))
+			if (kvr_index_store(idx, s, i ? &b[i - 1].ext_hash : NULL, b + i, n))
 				abort();
 		}
 		uint64_t ext[CH];
@@ -733,7 +806,7 @@ static double bench_apply(size_t per, int ms)
 			size_t n = i < per ? i : per;
 			i -= n;
 			for (size_t j = 0; j < n; j++)
-				ext[j] = p->b[i + j].ext_hash;
+				ext[j] = b[i + j].ext_hash;
 			kvr_index_remove(idx, s, ext, n, NULL);
 		}
 		ops += 2 * CH;
@@ -743,6 +816,8 @@ static double bench_apply(size_t per, int ms)
 	for (int i = 0; i < NP; i++) {
 		free_path(&ps[i]);
 		free_path(&bg[i]);
+		for (int k = 0; k < 4; k++)
+			free(eb[i][k]);
 	}
 	apply_ops = ops;
 	return (double)ops / secs;
@@ -1335,6 +1410,8 @@ int main(int argc, char **argv)
 			quick = true;
 		else if (!strcmp(argv[i], "--no-locator"))
 			no_locator = true; /* every index without the block locator */
+		else if (!strcmp(argv[i], "--ext-hashes"))
+			ext_hashes = true; /* engine hashes: --mem-only, --apply-only */
 		else if (!strcmp(argv[i], "--cg") && i + 2 < argc) {
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
@@ -1383,7 +1460,7 @@ int main(int argc, char **argv)
 		} else if (!strcmp(argv[i], "--mem-only")) {
 			if (kvr_rcu_thread_online() != 0)
 				return 1;
-			mem_all();
+			mem_all(ext_hashes);
 			return 0;
 		} else if (!strcmp(argv[i], "--mem-sweep")) {
 			if (kvr_rcu_thread_online() != 0)
@@ -1406,13 +1483,18 @@ int main(int argc, char **argv)
 		return 1;
 	if (apply_only) {
 		double r = bench_apply(per ? per : 1, ms);
-		printf(
-		    "SUMMARY bench=index_apply blocks_per_call=%zu block_ops_per_s=%.0f ops=%lu\n",
-		    per ? per : 1, r, (unsigned long)apply_ops);
+		if (ext_hashes)
+			printf("SUMMARY bench=index_apply ext=rank blocks_per_call=%zu "
+			       "block_ops_per_s=%.0f ops=%lu\n",
+			       per ? per : 1, r, (unsigned long)apply_ops);
+		else
+			printf("SUMMARY bench=index_apply blocks_per_call=%zu block_ops_per_s=%.0f "
+			       "ops=%lu\n",
+			       per ? per : 1, r, (unsigned long)apply_ops);
 		return 0;
 	}
 	bench_match(quick);
-	mem_all();
+	mem_all(false);
 	double a16 = bench_apply(16, ms), a1 = bench_apply(1, ms);
 	printf("SUMMARY bench=index_apply blocks_per_call=16 block_ops_per_s=%.0f\n", a16);
 	printf("SUMMARY bench=index_apply blocks_per_call=1 block_ops_per_s=%.0f\n", a1);
