@@ -34,8 +34,10 @@
  * is the embedded one, else in a holder set with a pointer beside it), a 32-byte record (none
  * for the embedded holder) and a bitmap (1 bit per position), so the per-holder cost of a
  * run of 16+ blocks is a few bytes.  Events mode, where the engine's ext hash differs from the
- * sequence hash, adds per rank an ext -> seq and a seq -> ext map.  Header and record sizes are
- * jemalloc classes (64, 32): the 16-bit fields ride in the high bits of pointer words.
+ * sequence hash, adds per rank an ext -> seq map (16 bytes an aliased block at load 0.65-0.9)
+ * and alias bits per (record, bitmap word) saying which held positions are aliased
+ * (core/index_xmap.c).  Header and record sizes are jemalloc classes (64, 32): the 16-bit fields
+ * ride in the high bits of pointer words.
  *
  * What that leaves for short runs (bench_index_runs prints the split, '# where:').  A run of
  * one block with one holder: 80 (header with its record) + 8 / load of the run table (10-15) =
@@ -515,12 +517,9 @@ void kvr_index_destroy(struct kvr_index *idx)
 		}
 	for (uint32_t i = 0; i < idx->fresh; i++) {
 		struct idx_rank *r = &idx->rank[i];
-		if (r->xmap.e)
-			kvr_free(r->xmap.e, (r->xmap.mask + 1) * sizeof(struct idx_xent));
-		if (r->rmap.e)
-			kvr_free(r->rmap.e, (r->rmap.mask + 1) * sizeof(struct idx_xent));
-		if (r->cmap.e)
-			kvr_free(r->cmap.e, (r->cmap.mask + 1) * sizeof(struct idx_xent));
+		kvr_index_xmap_free(&r->xmap);
+		kvr_index_xmap_free(&r->amap);
+		kvr_index_xmap_free(&r->cmap);
 		if (r->tops.e)
 			kvr_free(r->tops.e, (size_t)r->tops.cap * sizeof(uint64_t));
 	}
@@ -619,7 +618,7 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		__atomic_store_n(&r->state, SLOT_ACTIVE, __ATOMIC_RELAXED);
 		r->holds = NULL;
 		memset(&r->xmap, 0, sizeof(r->xmap));
-		memset(&r->rmap, 0, sizeof(r->rmap));
+		memset(&r->amap, 0, sizeof(r->amap));
 		memset(&r->cmap, 0, sizeof(r->cmap));
 		memset(&r->tops, 0, sizeof(r->tops));
 		if (t->used + 1 > (t->mask + 1) / 4 * 3) {

@@ -436,6 +436,7 @@ void kvr_index_hold_embed(struct kvr_index *idx, struct idx_run *r, struct idx_h
 	if (idx->no_locator)
 		kvr_index_tops_put(idx, e, &k); /* room: y's were just deleted */
 	struct idx_rank *rk = &idx->rank[slot];
+	kvr_index_alias_move(rk, y, e, idx_hold_nwords(e)); /* keyed by the address too */
 	if (rk->cmap.count) {
 		const uint64_t *bm = idx_hold_bm(e);
 		for (uint32_t wi = 0; wi < idx_hold_nwords(e); wi++)

@@ -407,9 +407,9 @@ static inline uint64_t *idx_hold_bm(struct idx_hold *h)
 	return idx_hold_nwords(h) == 1 ? &h->bm0 : h->bm;
 }
 
-/* Per-rank map key -> val for the blocks stored with ext != seq (events mode): linear probing,
- * backward-shift deletion; an entry is empty iff key == val (the maps only hold ext != seq).
- * Writers only (under wlock). */
+/* Per-rank map key -> val (core/index_xmap.c: ext -> seq for the blocks stored with ext != seq,
+ * alias bits, copy counts): Robin Hood linear probing, backward-shift deletion; an entry is
+ * empty iff key == val.  Writers only (under wlock). */
 struct idx_xent {
 	uint64_t key;
 	uint64_t val;
@@ -417,7 +417,7 @@ struct idx_xent {
 
 struct idx_xmap {
 	struct idx_xent *e;
-	uint64_t mask; /* capacity - 1, or 0 with e NULL */
+	uint64_t cap; /* entries (any number: fastrange home), or 0 with e NULL */
 	uint64_t count;
 };
 
@@ -565,7 +565,8 @@ struct idx_rank {
 	uint32_t state;
 	struct idx_hold *holds; /* the rank's (run) records */
 	struct idx_xmap xmap;   /* ext -> seq for blocks stored with ext != seq */
-	struct idx_xmap rmap;   /* seq -> ext, the same blocks */
+	struct idx_xmap amap;   /* alias bits: (record << 5 | bitmap word) -> key ^ the word's
+	                         * positions held under an ext hash != seq (xmap's blocks) */
 	struct idx_xmap cmap;   /* count_copies: (record << 16 | position) -> copies beyond the
 	                         * first, for the positions that have some */
 	struct idx_tmap tops;   /* no locator: records by their end positions' hashes */
@@ -759,56 +760,93 @@ extern uint64_t kvr_index_blk_grow_at;
 /* The load (per mille, default 780; below grow_at) a growth sizes the new array for. */
 extern uint64_t kvr_index_blk_grow_to;
 
-/* ---- per-rank ext maps (core/index_xmap.c).  Context: writer (wlock). */
+/* ---- per-rank maps (core/index_xmap.c).  Context: writer (wlock). */
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)
 {
-	uint64_t h = key * 0x9e3779b97f4a7c15ull;
-	return (h ^ (h >> 32)) & m->mask;
+	return ((key * 0x9e3779b97f4a7c15ull) >> 32) * m->cap >> 32;
 }
 
-/* An entry is in use iff key != val: both maps only hold pairs with ext != seq. */
+/* How far slot i is from key's home (probing wraps around). */
+static inline uint64_t idx_xdist(const struct idx_xmap *m, uint64_t key, uint64_t i)
+{
+	const uint64_t h = idx_xhome(m, key);
+	return i >= h ? i - h : i + m->cap - h;
+}
+
+/* An entry is in use iff key != val (xmap only holds pairs with ext != seq; amap stores
+ * key ^ bits with bits != 0; cmap's counts are small, its keys addresses). */
 static inline bool idx_xused(const struct idx_xent *e)
 {
 	return e->key != e->val;
 }
 
+/* The entry of key, or NULL.  Robin Hood: the probe stops at an entry nearer its home than key
+ * would be there. */
+static inline struct idx_xent *idx_xmap_ref(const struct idx_xmap *m, uint64_t key)
+{
+	if (!m->count)
+		return NULL;
+	uint64_t i = idx_xhome(m, key);
+	for (uint64_t d = 0;; d++) {
+		struct idx_xent *e = &m->e[i];
+		if (!idx_xused(e))
+			return NULL;
+		if (e->key == key)
+			return e;
+		if (idx_xdist(m, e->key, i) < d)
+			return NULL;
+		i = i + 1 == m->cap ? 0 : i + 1;
+	}
+}
+
 /* The value of key, or false.  Context: writer (wlock). */
 static inline bool idx_xmap_get(const struct idx_xmap *m, uint64_t key, uint64_t *val)
 {
-	if (!m->e)
-		return false;
-	for (uint64_t i = idx_xhome(m, key);; i = (i + 1) & m->mask) {
-		if (!idx_xused(&m->e[i]))
-			return false;
-		if (m->e[i].key == key) {
-			if (val)
-				*val = m->e[i].val;
-			return true;
-		}
-	}
+	const struct idx_xent *e = idx_xmap_ref(m, key);
+	if (e && val)
+		*val = e->val;
+	return e != NULL;
 }
 
-/* The entry of key, or NULL. */
-static inline struct idx_xent *idx_xmap_ref(const struct idx_xmap *m, uint64_t key)
-{
-	if (!m->e)
-		return NULL;
-	for (uint64_t i = idx_xhome(m, key);; i = (i + 1) & m->mask) {
-		if (!idx_xused(&m->e[i]))
-			return NULL;
-		if (m->e[i].key == key)
-			return &m->e[i];
-	}
-}
-
-/* Inserts key -> val; room must have been reserved. */
+/* Inserts key -> val (key absent); room must have been reserved. */
 void kvr_index_xmap_put(struct idx_xmap *m, uint64_t key, uint64_t val);
-/* Makes room for one more entry at load <= 0.8.  Returns 0 or KVR_ENOMEM (unchanged). */
+/* Makes room for one more entry at load <= 0.9.  Returns 0 or KVR_ENOMEM (unchanged). */
 int kvr_index_xmap_reserve(struct kvr_index *idx, struct idx_xmap *m);
 /* Removes key if present (never fails). */
 void kvr_index_xmap_del(struct idx_xmap *m, uint64_t key);
 /* Frees an empty map, or shrinks a sparse one when memory allows. */
 void kvr_index_xmap_shrink(struct kvr_index *idx, struct idx_xmap *m);
+/* Frees the map's array without counting it (destroy). */
+void kvr_index_xmap_free(struct idx_xmap *m);
+
+/* Alias bits: the rank holds position pos of h's run under an ext hash that is not its sequence
+ * hash (the block is in xmap).  Set only on held positions, cleared when the position leaves the
+ * rank, so an entry never outlives its record (kvr_index_alias_move when it moves). */
+static inline uint64_t idx_alias_key(const struct idx_hold *h, uint32_t pos)
+{
+	return (uint64_t)(uintptr_t)h << 5 | pos / 64; /* < 2^53: addresses are below 2^48 */
+}
+
+/* The positions of h's bitmap word wi held under an alias. */
+static inline uint64_t idx_alias_word(const struct idx_rank *rk, const struct idx_hold *h,
+                                      uint32_t wi)
+{
+	const struct idx_xent *e = idx_xmap_ref(&rk->amap, idx_alias_key(h, wi * 64));
+	return e ? e->key ^ e->val : 0;
+}
+
+static inline bool idx_alias_bit(const struct idx_rank *rk, const struct idx_hold *h, uint32_t pos)
+{
+	return (idx_alias_word(rk, h, pos / 64) >> (pos % 64)) & 1;
+}
+
+/* Sets pos's alias bit (clear; room reserved in amap: kvr_index_xmap_reserve). */
+void kvr_index_alias_set(struct idx_rank *rk, const struct idx_hold *h, uint32_t pos);
+/* Clears pos's alias bit if set (never fails). */
+void kvr_index_alias_clear(struct idx_rank *rk, const struct idx_hold *h, uint32_t pos);
+/* Moves the alias bits of from's nwords bitmap words to to (never fails). */
+void kvr_index_alias_move(struct idx_rank *rk, const struct idx_hold *from,
+                          const struct idx_hold *to, uint32_t nwords);
 
 /* ---- holder records and sets (core/index_hold.c).  Context: writer (wlock). */
 static inline bool idx_hold_bit(const struct idx_hold *h, uint32_t pos)
@@ -912,16 +950,14 @@ static inline void idx_flush_if_due(struct kvr_index *idx)
 		kvr_index_retire_flush(idx, &idx->rt);
 }
 
-/* The sequence hash an ext hash names for the rank, or false (the rank uses ext for nothing:
- * unknown, or ext is the sequence hash of a block the rank holds under another ext). */
+/* The sequence hash ext names for the rank: *seq and true when the rank holds a block under
+ * the alias ext (xmap), else *seq = ext and false; the caller that finds the block ext then
+ * refuses it when the rank holds it under an alias (idx_alias_bit): a block held under another
+ * name is not named by its sequence hash. */
 static inline bool idx_ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
 {
-	if (idx_xmap_get(&rk->xmap, ext, seq))
-		return true;
-	if (idx_xmap_get(&rk->rmap, ext, NULL))
-		return false;
 	*seq = ext;
-	return true;
+	return rk->xmap.count && idx_xmap_get(&rk->xmap, ext, seq);
 }
 
 /* With the locator: where block seq sits in the tree (a position below hw): *r, *pos, or false.

@@ -132,16 +132,13 @@ static bool rm_find(struct rm *c, uint64_t s, struct idx_run **C, uint32_t *q, s
 /* Removes ext[j] (one copy of it with count_copies), or counts it not found. */
 static void rm_one(struct rm *c, uint64_t e)
 {
-	uint64_t s = e;
-	if (c->rk->xmap.count && !idx_ext_to_seq(c->rk, e, &s)) {
-		c->nf++;
-		return;
-	}
+	uint64_t s;
+	const bool via = idx_ext_to_seq(c->rk, e, &s);
 	struct idx_run *C;
 	struct idx_hold *ch;
 	uint32_t q;
-	if (!rm_find(c, s, &C, &q, &ch)) {
-		c->nf++;
+	if (!rm_find(c, s, &C, &q, &ch) || (!via && idx_alias_bit(c->rk, ch, q))) {
+		c->nf++; /* not held, or held under an alias and named by its sequence hash */
 		return;
 	}
 	rm_enter(c, C, ch);
@@ -155,9 +152,9 @@ static void rm_one(struct rm *c, uint64_t e)
 		kvr_index_publish_cut(c->h);
 	c->dropped++;
 	c->left++;
-	if (s != e) {
+	if (via) {
 		kvr_index_xmap_del(&c->rk->xmap, e);
-		kvr_index_xmap_del(&c->rk->rmap, s);
+		kvr_index_alias_clear(c->rk, c->h, q);
 	}
 }
 
@@ -266,7 +263,7 @@ static int remove_common(struct kvr_index *idx, uint32_t slot, const uint64_t *e
 	    kvr_index_remove_locked(idx, rk, slot, ext, n, run_len, n_runs, &removed, &dropped);
 	if (removed) {
 		kvr_index_xmap_shrink(idx, &rk->xmap);
-		kvr_index_xmap_shrink(idx, &rk->rmap);
+		kvr_index_xmap_shrink(idx, &rk->amap);
 		kvr_index_xmap_shrink(idx, &rk->cmap);
 		if (idx->no_locator)
 			kvr_index_tops_shrink(idx, slot);
@@ -321,13 +318,13 @@ uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot)
 		if (idx->rt.n >= IDX_RETIRE_BATCH * 16)
 			kvr_index_retire_flush(idx, &idx->rt);
 	}
-	for (uint64_t i = 0; rk->cmap.e && i <= rk->cmap.mask; i++)
+	for (uint64_t i = 0; rk->cmap.e && i < rk->cmap.cap; i++)
 		if (idx_xused(&rk->cmap.e[i]))
 			removed += rk->cmap.e[i].val; /* extra copies */
 	kvr_index_tops_free(idx, slot);
-	rk->xmap.count = rk->rmap.count = rk->cmap.count = 0;
+	rk->xmap.count = rk->amap.count = rk->cmap.count = 0;
 	kvr_index_xmap_shrink(idx, &rk->xmap);
-	kvr_index_xmap_shrink(idx, &rk->rmap);
+	kvr_index_xmap_shrink(idx, &rk->amap);
 	kvr_index_xmap_shrink(idx, &rk->cmap);
 	idx_size_set(idx, rk, slot, 0); /* 0 is always published */
 	idx_count(&idx->c_removed, (int64_t)removed);
@@ -379,17 +376,27 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 		return 0;
 	pthread_mutex_lock(&idx->wlock);
 	size_t n = 0;
+	/* The blocks held under their sequence hash, then those held under an alias: xmap's keys
+	 * (their positions carry alias bits). */
 	for (struct idx_hold *h = rk->holds; h; h = idx_hold_next(h)) {
 		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
-			for (uint64_t b = idx_hold_bm(h)[w]; b; b &= b - 1) {
+			uint64_t b = idx_hold_bm(h)[w];
+			if (rk->amap.count)
+				b &= ~idx_alias_word(rk, h, w);
+			for (; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
-				uint64_t s = idx_run_hash(idx_hold_run(h), pos), e = s;
-				idx_xmap_get(&rk->rmap, s, &e);
 				if (out && n < cap)
-					out[n] = e;
+					out[n] = idx_run_hash(idx_hold_run(h), pos);
 				n++;
 			}
 		}
+	}
+	for (uint64_t i = 0; i < rk->xmap.cap; i++) {
+		if (!idx_xused(&rk->xmap.e[i]))
+			continue;
+		if (out && n < cap)
+			out[n] = rk->xmap.e[i].key;
+		n++;
 	}
 	pthread_mutex_unlock(&idx->wlock);
 	return n;

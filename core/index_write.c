@@ -61,7 +61,7 @@ static bool ensure_scratch(struct kvr_index *idx, size_t n)
 }
 
 /* Whether the slot holds the block with sequence hash s under ext hash s (size: the blocks it
- * holds now, its exact size plus what this call added). */
+ * holds now, its exact size plus what this call added): held, and not under an alias. */
 static bool holds_plain(struct kvr_index *idx, const struct idx_rank *rk, uint32_t slot, uint64_t s,
                         uint64_t size)
 {
@@ -70,14 +70,18 @@ static bool holds_plain(struct kvr_index *idx, const struct idx_rank *rk, uint32
 	uint32_t pos;
 	if (size == rk->xmap.count) /* every held block is aliased: nothing plain */
 		return false;
-	if (idx_xmap_get(&rk->rmap, s, NULL))
-		return false;
-	if (idx->no_locator)
-		return kvr_index_find_held(idx, slot, s, NULL, 0, &r, &pos, &h);
-	if (!idx_locate(idx, s, NULL, 0, &r, &pos))
-		return false;
-	h = kvr_index_hold_of(r, slot);
-	return (h && idx_hold_bit(h, pos)) || kvr_index_blk_other_held(idx, s, slot, &r, &pos, &h);
+	if (idx->no_locator) {
+		if (!kvr_index_find_held(idx, slot, s, NULL, 0, &r, &pos, &h))
+			return false;
+	} else {
+		if (!idx_locate(idx, s, NULL, 0, &r, &pos))
+			return false;
+		h = kvr_index_hold_of(r, slot);
+		if (!(h && idx_hold_bit(h, pos)) &&
+		    !kvr_index_blk_other_held(idx, s, slot, &r, &pos, &h))
+			return false;
+	}
+	return !idx_alias_bit(rk, h, pos);
 }
 
 /* Where the slot holds the parent block pseq: *r, *pos, its record *h, or false.  path (np
@@ -216,8 +220,10 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		prev = *parent_ext;
 		if (path && rk->xmap.count)
 			path = NULL; /* aliases: the parent's ext hash may name another block */
-		if (!idx_ext_to_seq(rk, prev, &pseq) ||
-		    !parent_held(idx, slot, pseq, path, stride, np, &R, &p, &h)) {
+		/* Named by its sequence hash, a block the rank holds under an alias is unknown. */
+		const bool via = idx_ext_to_seq(rk, prev, &pseq);
+		if (!parent_held(idx, slot, pseq, path, stride, np, &R, &p, &h) ||
+		    (!via && idx_alias_bit(rk, h, p))) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
 			goto out;
@@ -325,7 +331,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 				pl = P_HELD;
 		}
 		if (pl == P_HELD) {
-			if (!via_e && (alias || idx_xmap_get(&rk->rmap, s, NULL))) {
+			if (!via_e && (alias || idx_alias_bit(rk, ch, q))) {
 				rc = KVR_EINVAL; /* held under another ext hash */
 				break;
 			}
@@ -351,7 +357,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		}
 		/* Obtain everything that needs memory; nothing visible changes before commit. */
 		if (alias && (kvr_index_xmap_reserve(idx, &rk->xmap) ||
-		              kvr_index_xmap_reserve(idx, &rk->rmap))) {
+		              kvr_index_xmap_reserve(idx, &rk->amap))) {
 			rc = KVR_ENOMEM;
 			break;
 		}
@@ -468,7 +474,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		}
 		if (alias) {
 			kvr_index_xmap_put(&rk->xmap, e, s);
-			kvr_index_xmap_put(&rk->rmap, s, e);
+			kvr_index_alias_set(rk, ch, q);
 		}
 		added++;
 		applied[napplied++] = e;
@@ -500,7 +506,7 @@ out:
 			kvr_index_remove_locked(idx, rk, slot, &applied[i], 1, NULL, 0, &removed,
 			                        &dropped);
 		kvr_index_xmap_shrink(idx, &rk->xmap);
-		kvr_index_xmap_shrink(idx, &rk->rmap);
+		kvr_index_xmap_shrink(idx, &rk->amap);
 		kvr_index_xmap_shrink(idx, &rk->cmap);
 		if (idx->no_locator)
 			kvr_index_tops_shrink(idx, slot);

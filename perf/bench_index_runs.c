@@ -394,9 +394,9 @@ static uint64_t ext_map_bytes(const struct kvr_index *idx, const uint32_t *slot)
 	for (uint32_t r = 0; r < RANKS; r++) {
 		const struct idx_rank *rk = &idx->rank[slot[r]];
 		if (rk->xmap.e)
-			b += kvr_alloc_real_size((rk->xmap.mask + 1) * sizeof(struct idx_xent));
-		if (rk->rmap.e)
-			b += kvr_alloc_real_size((rk->rmap.mask + 1) * sizeof(struct idx_xent));
+			b += kvr_alloc_real_size(rk->xmap.cap * sizeof(struct idx_xent));
+		if (rk->amap.e)
+			b += kvr_alloc_real_size(rk->amap.cap * sizeof(struct idx_xent));
 	}
 	return b;
 }

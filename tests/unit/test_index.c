@@ -1184,3 +1184,135 @@ Test(index, tree_sizes_published_in_steps)
 	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
 	cr_assert_eq(kvr_index_tree_size(idx, r0), 0);
 }
+
+/* Events mode's names (core/index_xmap.c): a block stored under an ext hash that is not its
+ * sequence hash is named by that alias only.  Named by its sequence hash it is unknown to a
+ * removal and a parent, and storing it again under that name (or another) is refused; a plain
+ * block's sequence hash cannot become another block's alias.  kvr_index_rank_blocks lists the
+ * aliases and the plain blocks' hashes.  The alias bits follow a record that moves into its
+ * run's header when the run's other holder leaves. */
+Test(index, aliases_refused_and_listed)
+{
+	uint32_t r, o;
+	kvr_index_rank_add(idx, 1, 0, &r);
+	kvr_index_rank_add(idx, 2, 0, &o);
+	enum { N = 70 }; /* two bitmap words: alias bits in both */
+	struct kvr_index_block b[N], p[N];
+	uint64_t local[N], seq[N];
+	for (int i = 0; i < N; i++)
+		local[i] = 1 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, local, N, seq);
+	for (int i = 0; i < N; i++) {
+		/* even positions under an alias, odd ones plain */
+		b[i] = (struct kvr_index_block){.ext_hash = i % 2 ? seq[i] : 900000 + (uint64_t)i,
+		                                .local_hash = local[i]};
+		p[i] = (struct kvr_index_block){.ext_hash = seq[i], .local_hash = local[i]};
+	}
+	cr_assert_eq(kvr_index_store(idx, o, NULL, p, N), 0); /* o first: r gets a record */
+	cr_assert_eq(kvr_index_store(idx, r, NULL, b, N), 0);
+	cr_assert_eq(score_of(local, N, r), N);
+	for (int pass = 0; pass < 2; pass++) { /* pass 1: after r's record moved */
+		uint64_t got[N], want[N];
+		cr_assert_eq(kvr_index_rank_blocks(idx, r, got, N), N);
+		for (int i = 0; i < N; i++)
+			want[i] = b[i].ext_hash;
+		qsort(got, N, sizeof(uint64_t), cmp_u64);
+		qsort(want, N, sizeof(uint64_t), cmp_u64);
+		cr_assert_arr_eq(got, want, sizeof(got), "pass %d", pass);
+		for (int i = 0; i < N; i += 2) {
+			/* the aliased block under its sequence hash: held under another name */
+			cr_assert_eq(
+			    kvr_index_store(idx, r, i ? &b[i - 1].ext_hash : NULL, &p[i], 1),
+			    KVR_EINVAL, "pass %d block %d", pass, i);
+			size_t nf = 0;
+			cr_assert_eq(kvr_index_remove(idx, r, &seq[i], 1, &nf), 0);
+			cr_assert_eq(nf, 1, "pass %d block %d: removed by its sequence hash", pass,
+			             i);
+			struct kvr_index_block c = {.ext_hash = 777000 + (uint64_t)i,
+			                            .local_hash = 99};
+			cr_assert_eq(kvr_index_store(idx, r, &seq[i], &c, 1), KVR_ENOENT,
+			             "pass %d block %d: a parent named by its sequence hash", pass,
+			             i);
+		}
+		for (int i = 1; i < N; i += 2) { /* a plain block's hash as another's alias */
+			struct kvr_index_block c = {.ext_hash = seq[i], .local_hash = 12345};
+			cr_assert_eq(kvr_index_store(idx, r, NULL, &c, 1), KVR_EINVAL);
+		}
+		cr_assert_eq(kvr_index_tree_size(idx, r), N);
+		cr_assert_eq(score_of(local, N, r), N);
+		if (pass == 0) /* r alone: its record moves into the run's header */
+			cr_assert_eq(kvr_index_clear_rank(idx, o), 0);
+	}
+	/* Removed by its alias, a block can come back under its sequence hash. */
+	cr_assert_eq(kvr_index_remove(idx, r, &b[N - 2].ext_hash, 1, NULL), 0);
+	cr_assert_eq(kvr_index_store(idx, r, &b[N - 3].ext_hash, &p[N - 2], 1), 0);
+	uint64_t got[N];
+	cr_assert_eq(kvr_index_rank_blocks(idx, r, got, N), N);
+	bool seen = false;
+	for (int i = 0; i < N; i++)
+		seen |= got[i] == seq[N - 2];
+	cr_assert(seen);
+	size_t nf = 0;
+	cr_assert_eq(kvr_index_remove(idx, r, &seq[N - 2], 1, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, r), 0);
+	kvr_index_quiesce(idx);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.bytes_per_rank, 0, "the ext maps and alias bits freed");
+}
+
+/* SQLite-style over a write that grows the ext map and the alias bits' map (new records, new
+ * bitmap words) while forking and copying: every failure returns KVR_ENOMEM and leaves the
+ * rank's blocks, names, score and copies as they were. */
+Test(index, out_of_memory_with_aliases_changes_nothing)
+{
+	kvr_index_set_count_copies(idx, true);
+	uint32_t r0, r1;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	kvr_index_rank_add(idx, 2, 0, &r1);
+	struct kvr_index_block a[20], b[100];
+	chain(a, 20, 100, 1); /* ext 100.. != the sequence hashes: aliases */
+	cr_assert_eq(kvr_index_store(idx, r1, NULL, a, 20), 0);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, a, 13), 0);
+	/* copies of 5..12, then 92 new aliased blocks forking off block 12 (two bitmap words) */
+	chain(b, 8, 105, 6);
+	chain(b + 8, 92, 5000, 1000);
+	uint64_t q[100], parent = 104;
+	for (int i = 0; i < 5; i++)
+		q[i] = 1 + (uint64_t)i;
+	for (int i = 0; i < 95; i++)
+		q[5 + i] = b[i].local_hash;
+	struct snap before, after;
+	take(&before, r0, q, 100);
+	cr_assert_eq(before.score, 13);
+	uint64_t nth;
+	int rc = KVR_ENOMEM;
+	for (nth = 1; nth < 1000 && rc != 0; nth++) {
+		kvr_alloc_fail_after(nth);
+		rc = kvr_index_store(idx, r0, &parent, b, 100);
+		kvr_alloc_fail_after(0);
+		if (rc == 0)
+			break;
+		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
+		take(&after, r0, q, 100);
+		cr_assert_eq(after.n, before.n, "nth=%lu", (unsigned long)nth);
+		cr_assert_arr_eq(after.blocks, before.blocks, before.n * sizeof(uint64_t));
+		cr_assert_eq(after.score, before.score, "nth=%lu", (unsigned long)nth);
+		cr_assert_eq(after.st.copies, before.st.copies, "nth=%lu", (unsigned long)nth);
+		/* the names still refuse and resolve as before */
+		struct kvr_index_block c = {.ext_hash = 100, .local_hash = 4242};
+		cr_assert_eq(kvr_index_store(idx, r0, NULL, &c, 1), KVR_EINVAL);
+	}
+	cr_assert_eq(rc, 0);
+	cr_assert_gt(nth, 6, "the write allocates at several sites");
+	take(&after, r0, q, 100);
+	cr_assert_eq(after.n, 13 + 92);
+	cr_assert_eq(after.score, 100);
+	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, r1), 0);
+	kvr_index_quiesce(idx);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.bytes_per_rank, 0);
+}

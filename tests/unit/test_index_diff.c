@@ -168,6 +168,12 @@ static uint64_t mseq(int id)
 
 enum { QMAX = LONGN + 40 };
 
+static int cmp_u64(const void *a, const void *b)
+{
+	const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
 /* Without the locator: every end-map entry names a live record of its rank under the key the
  * record has now, reachable from that key's home (no stale entry, none a lookup or a backward
  * shift would miss), and the counts add up. */
@@ -282,6 +288,20 @@ static void check(struct kvr_index *idx, unsigned seed, int step)
 			cr_assert_eq(depth[j], 0, "seed=%u step=%d: a slot set but not listed",
 			             seed, step);
 		cr_assert_eq(best, top, "seed=%u step=%d: best", seed, step);
+	}
+	/* kvr_index_rank_blocks: the ext hashes each rank holds, as the model has them (blocks
+	 * held under an alias by their alias, the others by their sequence hash). */
+	for (int i = 0; i < NR; i++) {
+		static uint64_t got[MAXX], want[MAXX];
+		const struct mrank *r = &mr[i];
+		const size_t n = kvr_index_rank_blocks(idx, r->slot, got, MAXX);
+		cr_assert_eq(n, (size_t)r->nx, "seed=%u step=%d rank %d: rank_blocks %zu vs %d",
+		             seed, step, i, n, r->nx);
+		memcpy(want, r->ext, (size_t)r->nx * sizeof(uint64_t));
+		qsort(got, n, sizeof(uint64_t), cmp_u64);
+		qsort(want, n, sizeof(uint64_t), cmp_u64);
+		cr_assert_arr_eq(got, want, n * sizeof(uint64_t), "seed=%u step=%d rank %d", seed,
+		                 step, i);
 	}
 }
 
