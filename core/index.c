@@ -35,7 +35,7 @@
  * for the embedded holder) and a bitmap (1 bit per position), so the per-holder cost of a
  * run of 16+ blocks is a few bytes.  Events mode, where the engine's ext hash differs from the
  * sequence hash, adds per rank an ext -> seq map (16 bytes an aliased block at load 0.65-0.9)
- * and alias bits per (record, bitmap word) saying which held positions are aliased
+ * and, only in a rank that mixes aliased and plain blocks, alias bits per (record, bitmap word)
  * (core/index_xmap.c).  Header and record sizes are jemalloc classes (64, 32): the 16-bit fields
  * ride in the high bits of pointer words.
  *

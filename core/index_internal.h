@@ -566,7 +566,8 @@ struct idx_rank {
 	struct idx_hold *holds; /* the rank's (run) records */
 	struct idx_xmap xmap;   /* ext -> seq for blocks stored with ext != seq */
 	struct idx_xmap amap;   /* alias bits: (record << 5 | bitmap word) -> key ^ the word's
-	                         * positions held under an ext hash != seq (xmap's blocks) */
+	                         * positions held under an ext hash != seq (xmap's blocks); only
+	                         * while the rank mixes aliased and plain blocks (e NULL: pure) */
 	struct idx_xmap cmap;   /* count_copies: (record << 16 | position) -> copies beyond the
 	                         * first, for the positions that have some */
 	struct idx_tmap tops;   /* no locator: records by their end positions' hashes */
@@ -827,20 +828,33 @@ static inline uint64_t idx_alias_key(const struct idx_hold *h, uint32_t pos)
 	return (uint64_t)(uintptr_t)h << 5 | pos / 64; /* < 2^53: addresses are below 2^48 */
 }
 
-/* The positions of h's bitmap word wi held under an alias. */
+/* Of the positions h's bitmap word wi holds, those held under an alias (the caller masks with
+ * the bitmap).  A rank without alias bits (amap.e NULL) is pure: every block it holds is
+ * aliased when xmap has entries, none when it has none (kvr_index_alias_reserve keeps that). */
 static inline uint64_t idx_alias_word(const struct idx_rank *rk, const struct idx_hold *h,
                                       uint32_t wi)
 {
+	if (!rk->amap.e)
+		return rk->xmap.count ? ~0ull : 0;
 	const struct idx_xent *e = idx_xmap_ref(&rk->amap, idx_alias_key(h, wi * 64));
 	return e ? e->key ^ e->val : 0;
 }
 
+/* Whether the rank holds position pos of h's run (held) under an alias. */
 static inline bool idx_alias_bit(const struct idx_rank *rk, const struct idx_hold *h, uint32_t pos)
 {
 	return (idx_alias_word(rk, h, pos / 64) >> (pos % 64)) & 1;
 }
 
-/* Sets pos's alias bit (clear; room reserved in amap: kvr_index_xmap_reserve). */
+/* Before a block is committed to a rank that holds size blocks (alias: under an ext hash !=
+ * its sequence hash): the alias bits it needs.  A pure rank that stays pure needs none; one
+ * that becomes mixed gets them (all aliased until now: a bit for every held position).
+ * Returns 0 or KVR_ENOMEM (the answers of idx_alias_bit unchanged either way). */
+int kvr_index_alias_reserve(struct kvr_index *idx, struct idx_rank *rk, bool alias, uint64_t size);
+/* After a failed write was taken back: a rank that is pure again drops its alias bits (the
+ * memory it had before the call). */
+void kvr_index_alias_settle(struct kvr_index *idx, struct idx_rank *rk);
+/* Sets pos's alias bit (clear; kvr_index_alias_reserve done). */
 void kvr_index_alias_set(struct idx_rank *rk, const struct idx_hold *h, uint32_t pos);
 /* Clears pos's alias bit if set (never fails). */
 void kvr_index_alias_clear(struct idx_rank *rk, const struct idx_hold *h, uint32_t pos);

@@ -380,9 +380,7 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 	 * (their positions carry alias bits). */
 	for (struct idx_hold *h = rk->holds; h; h = idx_hold_next(h)) {
 		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
-			uint64_t b = idx_hold_bm(h)[w];
-			if (rk->amap.count)
-				b &= ~idx_alias_word(rk, h, w);
+			uint64_t b = idx_hold_bm(h)[w] & ~idx_alias_word(rk, h, w);
 			for (; b; b &= b - 1) {
 				uint32_t pos = w * 64 + (uint32_t)__builtin_ctzll(b);
 				if (out && n < cap)

@@ -128,7 +128,8 @@ enum place { P_HELD, P_EXISTS, P_REEXTEND, P_APPEND, P_FORK };
  * scan), or p is R's last block with no child at or past it (P_APPEND: one memcpy of the
  * hashes, one release of the len, the locator entries inserted with their home chunks
  * prefetched ahead).  Only for blocks whose ext hash is the sequence hash and names nothing of
- * the rank, and only while the block-by-block path would allocate nothing (the record's bitmap,
+ * the rank, not in a rank whose blocks are all aliased (it needs its alias bits made), and only
+ * while the block-by-block path would allocate nothing (the record's bitmap,
  * R's array and id large enough, the locator below its growth threshold; a migration in
  * progress is paid k reserves' share at once): every allocation, and so every growth and
  * KVR_ENOMEM, stays in that path, at the same block.  Returns 0 when block i does not qualify.
@@ -141,6 +142,8 @@ static size_t extend_run(struct kvr_index *idx, const struct idx_rank *rk,
 {
 	if (!R || !h || n - i < 2)
 		return 0; /* a last block: the block-by-block path costs no more */
+	if (rk->xmap.count && !rk->amap.e)
+		return 0; /* a plain block into an all-aliased rank: its alias bits first */
 	const uint32_t len = idx_run_len(R), hw = idx_run_hw(R), q = p + 1;
 	const bool app = q == len;
 	uint64_t room;
@@ -356,8 +359,8 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			break;
 		}
 		/* Obtain everything that needs memory; nothing visible changes before commit. */
-		if (alias && (kvr_index_xmap_reserve(idx, &rk->xmap) ||
-		              kvr_index_xmap_reserve(idx, &rk->amap))) {
+		if ((alias && kvr_index_xmap_reserve(idx, &rk->xmap)) ||
+		    kvr_index_alias_reserve(idx, rk, alias, rk->size + added)) {
 			rc = KVR_ENOMEM;
 			break;
 		}
@@ -506,7 +509,7 @@ out:
 			kvr_index_remove_locked(idx, rk, slot, &applied[i], 1, NULL, 0, &removed,
 			                        &dropped);
 		kvr_index_xmap_shrink(idx, &rk->xmap);
-		kvr_index_xmap_shrink(idx, &rk->amap);
+		kvr_index_alias_settle(idx, rk);
 		kvr_index_xmap_shrink(idx, &rk->cmap);
 		if (idx->no_locator)
 			kvr_index_tops_shrink(idx, slot);

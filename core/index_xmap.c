@@ -7,15 +7,18 @@
  * removed or parent hash) and, per (record, bitmap word), which held positions it holds under
  * such an alias (amap: refusing a block held under two names, a removal or parent naming an
  * aliased block by its sequence hash, and kvr_index_rank_blocks, which lists the plain positions'
- * sequence hashes and then xmap's keys).  The same structure counts count_copies' extra copies
- * (cmap).  Approximate modes store ext == seq and never touch xmap or amap.
+ * sequence hashes and then xmap's keys).  A pure rank (all its blocks aliased, as vLLM's, or
+ * none) keeps no alias bits at all: xmap's count answers for every position; the bits are made
+ * when a rank starts to mix (kvr_index_alias_reserve) and go when it holds no aliased block.  The
+ * same structure counts count_copies' extra copies (cmap).  Approximate modes store ext == seq and
+ * never touch xmap or amap.
  *
  * Why no seq -> ext map any more.  It was a second 16-byte map per aliased block (rmap), kept
  * only to answer "does the rank hold seq under an alias, and which one": the alias bits answer
  * the first at the place the writer has found anyway (one probe of a word's entry, one entry
  * per 64 positions of a record), and the second is only ever asked by rank_blocks, an O(rank)
- * call that can walk xmap instead.  bench_index_runs --mem-only --ext-hashes, 16-block runs, one
- * holder: 64 bytes of ext maps per held (block, rank) -> the figures in docs/measurements.md.
+ * call that can walk xmap instead.  bench_index_runs --ext-hashes --mem-only (vLLM-like ranks,
+ * all aliased): 64 bytes of ext maps per held (block, rank) -> 20 (docs/measurements.md).
  *
  * Open addressing, Robin Hood linear probing (an insert takes the slot of an entry closer to its
  * home, so a lookup stops as soon as it meets an entry closer to home than the key would be:
@@ -150,8 +153,52 @@ void kvr_index_xmap_free(struct idx_xmap *m)
 
 /* ---------------------------------------------------------------- alias bits (amap) */
 
+/* Makes room for k more entries at load <= 0.9.  Returns 0 or KVR_ENOMEM. */
+static int xmap_reserve_n(struct kvr_index *idx, struct idx_xmap *m, uint64_t k)
+{
+	const uint64_t need = m->count + k;
+	if (m->e && need * 100 <= m->cap * XMAP_GROW_AT)
+		return 0;
+	return xmap_resize(idx, m, xcap_for(need, XMAP_GROW_TO));
+}
+
+int kvr_index_alias_reserve(struct kvr_index *idx, struct idx_rank *rk, bool alias, uint64_t size)
+{
+	if (rk->amap.e)
+		return alias ? kvr_index_xmap_reserve(idx, &rk->amap) : 0;
+	if (alias) /* all aliased (or empty) stays pure; all plain becomes mixed, no bit yet */
+		return rk->xmap.count || size == 0 ? 0 : kvr_index_xmap_reserve(idx, &rk->amap);
+	if (!rk->xmap.count)
+		return 0; /* all plain stays pure */
+	/* All aliased, a plain block coming: every held position gets its bit now (idx_alias_bit
+	 * answers as before), one entry per nonzero bitmap word; O(rank), once per such change
+	 * (the bits stay until the rank holds no aliased block or is cleared). */
+	uint64_t k = 0;
+	for (struct idx_hold *h = rk->holds; h; h = idx_hold_next(h))
+		for (uint32_t w = 0; w < idx_hold_nwords(h); w++)
+			k += idx_hold_bm(h)[w] != 0;
+	if (xmap_reserve_n(idx, &rk->amap, k) != 0)
+		return KVR_ENOMEM;
+	for (struct idx_hold *h = rk->holds; h; h = idx_hold_next(h))
+		for (uint32_t w = 0; w < idx_hold_nwords(h); w++) {
+			const uint64_t bits = idx_hold_bm(h)[w], key = idx_alias_key(h, w * 64);
+			if (bits)
+				kvr_index_xmap_put(&rk->amap, key, key ^ bits);
+		}
+	return 0;
+}
+
+void kvr_index_alias_settle(struct kvr_index *idx, struct idx_rank *rk)
+{
+	if (rk->amap.e && rk->xmap.count == __atomic_load_n(&rk->size, __ATOMIC_RELAXED))
+		rk->amap.count = 0; /* all aliased again (or empty): pure, the map goes */
+	kvr_index_xmap_shrink(idx, &rk->amap);
+}
+
 void kvr_index_alias_set(struct idx_rank *rk, const struct idx_hold *h, uint32_t pos)
 {
+	if (!rk->amap.e)
+		return; /* pure */
 	const uint64_t key = idx_alias_key(h, pos), bit = 1ull << (pos % 64);
 	struct idx_xent *e = idx_xmap_ref(&rk->amap, key);
 	if (e)
@@ -162,6 +209,8 @@ void kvr_index_alias_set(struct idx_rank *rk, const struct idx_hold *h, uint32_t
 
 void kvr_index_alias_clear(struct idx_rank *rk, const struct idx_hold *h, uint32_t pos)
 {
+	if (!rk->amap.e)
+		return; /* pure */
 	const uint64_t key = idx_alias_key(h, pos), bit = 1ull << (pos % 64);
 	struct idx_xent *e = idx_xmap_ref(&rk->amap, key);
 	if (!e || !((e->key ^ e->val) & bit))
@@ -176,6 +225,8 @@ void kvr_index_alias_clear(struct idx_rank *rk, const struct idx_hold *h, uint32
 void kvr_index_alias_move(struct idx_rank *rk, const struct idx_hold *from,
                           const struct idx_hold *to, uint32_t nwords)
 {
+	if (!rk->amap.e)
+		return; /* pure: nothing keyed by the record */
 	for (uint32_t wi = 0; wi < nwords && rk->amap.count; wi++) {
 		const uint64_t bits = idx_alias_word(rk, from, wi);
 		if (!bits)

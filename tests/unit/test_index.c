@@ -1316,3 +1316,65 @@ Test(index, out_of_memory_with_aliases_changes_nothing)
 	kvr_index_stats_get(idx, &st);
 	cr_assert_eq(st.bytes_per_rank, 0);
 }
+
+/* A rank whose blocks are all aliased (vLLM's: engine hashes) keeps no alias bits; the first
+ * plain block it takes gives every held position its bit (one allocation, so an OOM site) and a
+ * failed write gives that back: the rank's bytes as before, names and refusals unchanged. */
+Test(index, all_aliased_rank_turns_mixed)
+{
+	uint32_t r;
+	kvr_index_rank_add(idx, 1, 0, &r);
+	enum { N = 150, M = 75 }; /* the plain blocks fork below block M - 1: new run, record */
+	struct kvr_index_block a[N], p[4];
+	chain(a, N, 70000, 1); /* aliases */
+	cr_assert_eq(kvr_index_store(idx, r, NULL, a, N), 0);
+	uint64_t local[N], seq[N], plocal[4], pseq[4];
+	for (int i = 0; i < N; i++)
+		local[i] = 1 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, local, N, seq);
+	for (int i = 0; i < 4; i++)
+		plocal[i] = 5000 + (uint64_t)i;
+	kvr_hash_chain_locals(&seq[M - 1], plocal, 4, pseq);
+	for (int i = 0; i < 4; i++)
+		p[i] = (struct kvr_index_block){.ext_hash = pseq[i], .local_hash = plocal[i]};
+	struct kvr_index_stats st0, st;
+	kvr_index_quiesce(idx);
+	kvr_index_stats_get(idx, &st0);
+	uint64_t nth;
+	int rc = KVR_ENOMEM;
+	for (nth = 1; nth < 100 && rc != 0; nth++) {
+		kvr_alloc_fail_after(nth);
+		rc = kvr_index_store(idx, r, &a[M - 1].ext_hash, p, 4);
+		kvr_alloc_fail_after(0);
+		if (rc == 0)
+			break;
+		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
+		kvr_index_quiesce(idx);
+		kvr_index_stats_get(idx, &st);
+		cr_assert_eq(st.bytes_per_rank, st0.bytes_per_rank, "nth=%lu", (unsigned long)nth);
+		cr_assert_eq(kvr_index_tree_size(idx, r), N);
+		cr_assert_eq(kvr_index_rank_blocks(idx, r, NULL, 0), N);
+	}
+	cr_assert_eq(rc, 0);
+	cr_assert_gt(nth, 2, "the alias bits and the fork allocate");
+	uint64_t q[M + 4];
+	memcpy(q, local, M * sizeof(uint64_t));
+	memcpy(q + M, plocal, sizeof(plocal));
+	cr_assert_eq(score_of(q, M + 4, r), M + 4);
+	uint64_t got[N + 4];
+	cr_assert_eq(kvr_index_rank_blocks(idx, r, got, N + 4), N + 4);
+	qsort(got, N + 4, sizeof(uint64_t), cmp_u64);
+	for (int i = 0; i < N; i++)
+		cr_assert(bsearch(&a[i].ext_hash, got, N + 4, sizeof(uint64_t), cmp_u64));
+	for (int i = 0; i < 4; i++)
+		cr_assert(bsearch(&pseq[i], got, N + 4, sizeof(uint64_t), cmp_u64));
+	/* the aliased blocks still refuse their sequence hashes, the plain ones their aliases */
+	size_t nf = 0;
+	cr_assert_eq(kvr_index_remove(idx, r, &seq[7], 1, &nf), 0);
+	cr_assert_eq(nf, 1);
+	struct kvr_index_block c = {.ext_hash = pseq[1], .local_hash = 31337};
+	cr_assert_eq(kvr_index_store(idx, r, NULL, &c, 1), KVR_EINVAL);
+	cr_assert_eq(kvr_index_remove(idx, r, &pseq[1], 1, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(kvr_index_tree_size(idx, r), N + 3);
+}
