@@ -910,22 +910,32 @@ Test(runtime, lazy_post_within_bound_and_never_lost)
 		             (unsigned long long)d);
 		cr_assert_geq(b.lazy_found, a.lazy_found + 1, "the bounded park found the task");
 	}
-	/* Past the window: parks no longer bounded, so the lazy post must wake the shard. */
-	for (int i = 0; i < 200; i++) {
-		struct timespec ts = {0, 50000000};
-		nanosleep(&ts, NULL);
+	/* Past the window: parks no longer bounded, so the lazy post must wake the shard.  On a
+	 * loaded machine a starved shard can look quiet for 50 ms while it is still running (or in
+	 * a bounded park it has not yet left); a post then rightly defers, and the task still runs
+	 * (lazy_delay checks it).  So the test tries a few quiet periods and needs one post that
+	 * found the shard asleep without a bound and woke it. */
+	bool woke = false;
+	for (int attempt = 0; attempt < 8 && !woke; attempt++) {
+		for (int i = 0; i < 200; i++) {
+			struct timespec ts = {0, 50000000};
+			nanosleep(&ts, NULL);
+			kvr_shard_get_stats(sh, &a);
+			nanosleep(&ts, NULL);
+			kvr_shard_get_stats(sh, &b);
+			if (a.bounded_parks == b.bounded_parks && a.parks == b.parks)
+				break; /* 50 ms without a park: the shard sleeps without a bound */
+		}
 		kvr_shard_get_stats(sh, &a);
-		nanosleep(&ts, NULL);
+		d = lazy_delay(sh, &deferred);
 		kvr_shard_get_stats(sh, &b);
-		if (a.bounded_parks == b.bounded_parks && a.parks == b.parks)
-			break; /* 50 ms without a park: the shard sleeps without a bound */
+		cr_assert_geq(b.bounded_parks, a.bounded_parks);
+		if (!deferred) {
+			cr_assert_eq(b.wakes, a.wakes + 1, "the lazy post woke the parked shard");
+			woke = true;
+		}
 	}
-	kvr_shard_get_stats(sh, &a);
-	d = lazy_delay(sh, &deferred);
-	kvr_shard_get_stats(sh, &b);
-	cr_assert_not(deferred, "a shard idle past the window was left asleep");
-	cr_assert_eq(b.wakes, a.wakes + 1, "the lazy post woke the parked shard");
-	cr_assert_geq(b.bounded_parks, a.bounded_parks);
+	cr_assert(woke, "a shard idle past the window was left asleep (8 quiet periods)");
 	kvr_shards_destroy(s);
 
 	/* lazy_wake_ns = KVR_SHARDS_NO_SPIN: lazy posts wake like any post. */
