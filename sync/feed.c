@@ -316,16 +316,6 @@ static int call(struct kvr_feed *f, struct cmd *c)
 
 /* ---------------------------------------------------------------- API */
 
-void kvr_feed_config_init(struct kvr_feed_config *cfg)
-{
-	if (!cfg)
-		return;
-	*cfg = (struct kvr_feed_config){.replay_timeout_ms = 1000,
-	                                .max_msg_bytes = 64u << 20,
-	                                .rcv_hwm = 100000,
-	                                .idle_spin_ns = 0};
-}
-
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
 	if (!r || !out || r->cfg.mode != KVR_MODE_EVENTS)
