@@ -206,10 +206,10 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
  * Records of long prompts are recycled: an admission of a 32k-token prompt needs a 32 KiB record,
  * and a fresh large allocation per admission (page faults, the allocator's large-size path) cost
  * more than the rest of the admission (perf/bench_route).  Freed records of 64..16384 blocks wait
- * in a per-size-class stack for the next admission of that class (16 deep up to 1024 blocks,
- * then 256 KB of hashes a class, at least 2: ~1.8 MB in all, owner_attempts.c).  Each stack has a
- * lock taken only with a try (one exchange): a busy stack means "allocate / free normally", so
- * nobody waits.
+ * in a per-size-class stack for the next admission of that class (256 deep up to 128 blocks,
+ * then 512 KB of hashes a class, at least 2: 4.25 MB of hashes in all, owner_attempts.c).  Each
+ * stack has a lock taken only with a try (one exchange): a busy stack means "allocate / free
+ * normally", so nobody waits.
  * Create returns 0, KVR_ENOMEM; destroy frees what is pooled (NULL is a no-op).
  * Context: create/destroy at router setup/teardown; new/free any thread.
  */

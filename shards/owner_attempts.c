@@ -40,18 +40,30 @@
 
 /* The pool keeps records of 2^k blocks (k in [POOL_MIN_CLASS, POOL_MAX_CLASS]) per class: at
  * most POOL_DEPTH of them and at most POOL_CLASS_BYTES of hashes (16 B a block), but always
- * POOL_MIN_DEPTH: classes of up to 1024 blocks (16 KB of hashes) keep 16, 2048 blocks (32k-token
- * prompts at 16 tokens a block) 8, 4096 blocks 4, 8192 and 16384 blocks 2.  So the pool holds at
- * most ~1.8 MB of hashes whatever the prompts (16 of each: 8.4 MB), and its bytes (at their
- * allocator sizes) are counted for kvr_router_get_memory.  The budget is the smallest that kept
- * the routing cost: bench_route --lengths 32768 (1 / 2 threads) hits the pool 99 / 83% with 16
- * of each, 95 / 71% with 256 KB a class (route cost unchanged), 86 / 64% with 128 KB (own_ratio
- * +2-3%). */
+ * POOL_MIN_DEPTH: classes of up to 128 blocks (2k-token prompts at 16 tokens a block) keep 256,
+ * 256 blocks 128, 512 blocks 64, ..., 2048 blocks (32k tokens) 16, 8192 blocks 4, 16384 blocks
+ * 2.  So the pool holds at most 4.25 MB of hashes whatever the prompts (and 766 records'
+ * headers and tails: ~0.2 MB at 16 tokens a block), only under load: an idle shard empties it
+ * (kvr_owner_shard_idle).  Its bytes (at their allocator sizes) are counted for
+ * kvr_router_get_memory.
+ *
+ * Why this deep.  A record comes back when its shard has run the attempt's finish, so the
+ * records out of the pool are the attempts booked or queued and not yet ended: under an unpaced
+ * frontend that finishes each request at once (bench_route) that is about half the routing
+ * lanes' depth, 20-350 at 2k tokens with 2 shards (lane depth mean 45, max 380-700), and it
+ * swings by hundreds as the shards drain their lanes in batches.  A class 16 deep ran dry on
+ * every swing: 40-73 % of the routes allocated their record (bench_route --ms 800 --lengths
+ * 2048 and callgrind's run; jemalloc's arena path without a thread cache, ~500 instructions),
+ * 64 deep 7-10 %, 256 deep 1-1.5 %.  The byte budget keeps long prompts' classes at the depth
+ * they had (32k tokens: 16), which kept the routing cost at 32k: bench_route --lengths 32768 (1
+ * / 2 threads) hits the pool 99 / 83% with 16 of each, 95 / 71% with 256 KB a class (route
+ * cost unchanged), 86 / 64% with 128 KB (own_ratio +2-3%). */
 #define POOL_MIN_CLASS   6  /* 64 blocks */
 #define POOL_MAX_CLASS   14 /* 16384 blocks */
-#define POOL_DEPTH       16
+#define POOL_CLASSES     (POOL_MAX_CLASS - POOL_MIN_CLASS + 1)
+#define POOL_DEPTH       256
 #define POOL_MIN_DEPTH   2
-#define POOL_CLASS_BYTES (256u * 1024u)
+#define POOL_CLASS_BYTES (512u * 1024u)
 
 /*
  * Each class is a stack behind a try-lock of its own, on cache lines of its own: the lock word,
@@ -68,12 +80,17 @@
 struct pool_class {
 	uint32_t lock; /* 0 free, 1 held: try_lock / unlock */
 	uint32_t n;    /* records kept (written under the lock; read relaxed by pool_bytes) */
+	uint32_t cap;  /* how many it keeps at most (pool_depth) */
 	uint64_t real; /* allocator size of this class's records (0: none kept yet) */
-	struct kvr_attempt *rec[POOL_DEPTH];
+	struct kvr_attempt **rec; /* cap slots in the pool's recs[]: a stack, the top at n - 1 */
 } __attribute__((aligned(64)));
 
+/* One allocation: the classes' lines, then their stacks (766 slots, 6 KB; the pages of a
+ * stack are touched only as deep as it has been). */
 struct kvr_attempt_pool {
-	struct pool_class cls[POOL_MAX_CLASS + 1];
+	struct pool_class cls[POOL_CLASSES]; /* class k at [k - POOL_MIN_CLASS] */
+	size_t bytes;                        /* of this allocation */
+	struct kvr_attempt *recs[];
 };
 
 /* Ordering: acquire, pairing with unlock's release: the stack as the last holder left it. */
@@ -87,11 +104,30 @@ static inline void unlock(struct pool_class *pc)
 	__atomic_store_n(&pc->lock, 0, __ATOMIC_RELEASE);
 }
 
+/* How many records class k keeps. */
+static uint32_t pool_depth(int k)
+{
+	size_t d = POOL_CLASS_BYTES / (((size_t)1 << k) * 2 * sizeof(uint64_t));
+	return d < POOL_MIN_DEPTH ? POOL_MIN_DEPTH : d > POOL_DEPTH ? POOL_DEPTH : (uint32_t)d;
+}
+
 int kvr_attempt_pool_create(struct kvr_attempt_pool **out)
 {
-	struct kvr_attempt_pool *p = kvr_calloc(1, sizeof(*p));
+	size_t slots = 0;
+	for (int k = POOL_MIN_CLASS; k <= POOL_MAX_CLASS; k++)
+		slots += pool_depth(k);
+	size_t bytes = sizeof(struct kvr_attempt_pool) + slots * sizeof(struct kvr_attempt *);
+	struct kvr_attempt_pool *p = kvr_calloc(1, bytes);
 	if (!p)
 		return KVR_ENOMEM;
+	p->bytes = bytes;
+	slots = 0;
+	for (int k = POOL_MIN_CLASS; k <= POOL_MAX_CLASS; k++) {
+		struct pool_class *pc = &p->cls[k - POOL_MIN_CLASS];
+		pc->cap = pool_depth(k);
+		pc->rec = &p->recs[slots];
+		slots += pc->cap;
+	}
 	*out = p;
 	return 0;
 }
@@ -100,20 +136,20 @@ void kvr_attempt_pool_destroy(struct kvr_attempt_pool *p)
 {
 	if (!p)
 		return;
-	for (int k = 0; k <= POOL_MAX_CLASS; k++)
-		for (uint32_t i = 0; i < p->cls[k].n; i++)
-			kvr_free_transient(p->cls[k].rec[i], p->cls[k].rec[i]->size);
-	kvr_free(p, sizeof(*p));
+	for (int i = 0; i < POOL_CLASSES; i++)
+		for (uint32_t j = 0; j < p->cls[i].n; j++)
+			kvr_free_transient(p->cls[i].rec[j], p->cls[i].rec[j]->size);
+	kvr_free(p, p->bytes);
 }
 
 uint64_t kvr_attempt_pool_bytes(const struct kvr_attempt_pool *p)
 {
 	if (!p)
 		return 0;
-	uint64_t b = kvr_alloc_real_size(sizeof(*p));
-	for (int k = POOL_MIN_CLASS; k <= POOL_MAX_CLASS; k++)
-		b += (uint64_t)__atomic_load_n(&p->cls[k].n, __ATOMIC_RELAXED) *
-		     __atomic_load_n(&p->cls[k].real, __ATOMIC_RELAXED);
+	uint64_t b = kvr_alloc_real_size(p->bytes);
+	for (int i = 0; i < POOL_CLASSES; i++)
+		b += (uint64_t)__atomic_load_n(&p->cls[i].n, __ATOMIC_RELAXED) *
+		     __atomic_load_n(&p->cls[i].real, __ATOMIC_RELAXED);
 	return b;
 }
 
@@ -121,8 +157,8 @@ void kvr_attempt_pool_trim(struct kvr_attempt_pool *p)
 {
 	if (!p)
 		return;
-	for (int k = POOL_MIN_CLASS; k <= POOL_MAX_CLASS; k++) {
-		struct pool_class *pc = &p->cls[k];
+	for (int i = 0; i < POOL_CLASSES; i++) {
+		struct pool_class *pc = &p->cls[i];
 		struct kvr_attempt *rec[POOL_DEPTH];
 		if (!__atomic_load_n(&pc->n, __ATOMIC_RELAXED))
 			continue;
@@ -132,35 +168,43 @@ void kvr_attempt_pool_trim(struct kvr_attempt_pool *p)
 		memcpy(rec, pc->rec, n * sizeof(rec[0]));
 		__atomic_store_n(&pc->n, 0, __ATOMIC_RELAXED);
 		unlock(pc);
-		for (uint32_t i = 0; i < n; i++) /* outside the lock: frees can take the arena's */
-			kvr_free_transient(rec[i], rec[i]->size);
+		for (uint32_t j = 0; j < n; j++) /* outside the lock: frees can take the arena's */
+			kvr_free_transient(rec[j], rec[j]->size);
 	}
 }
 
-/* How many records class k keeps. */
-static uint32_t pool_depth(int k)
+/* The pool class of n blocks (capacity 2^class >= n), or -1 when not pooled.  A bit scan, not a
+ * loop over the classes (~20 instructions at 2k tokens, twice a route). */
+static inline int pool_class(size_t n)
 {
-	size_t d = POOL_CLASS_BYTES / (((size_t)1 << k) * 2 * sizeof(uint64_t));
-	return d < POOL_MIN_DEPTH ? POOL_MIN_DEPTH : d > POOL_DEPTH ? POOL_DEPTH : (uint32_t)d;
-}
-
-/* The pool class of n blocks (capacity 2^class >= n), or -1 when not pooled. */
-static int pool_class(size_t n)
-{
-	if (n < (1u << POOL_MIN_CLASS) || n > (1u << POOL_MAX_CLASS))
+	if (n < ((size_t)1 << POOL_MIN_CLASS) || n > ((size_t)1 << POOL_MAX_CLASS))
 		return -1;
-	int k = POOL_MIN_CLASS;
-	while (((size_t)1 << k) < n)
-		k++;
-	return k;
+	return n == ((size_t)1 << POOL_MIN_CLASS) ? POOL_MIN_CLASS
+	                                          : 64 - __builtin_clzll((unsigned long long)n - 1);
 }
 
 /* Records this thread allocated because the pool had none (kvr_owner_thread_record_allocs). */
 static _Thread_local uint64_t tls_record_allocs;
+/* Where the top of the stack was after this thread's last take (kvr_owner_attempt_prefetch). */
+static _Thread_local uint32_t tls_top_hint;
 
 uint64_t kvr_owner_thread_record_allocs(void)
 {
 	return tls_record_allocs;
+}
+
+/* The slow path of a reserve: the pool's class is empty or busy, or n is not pooled (jemalloc's
+ * arena path without a thread cache, ~500 instructions).  Out of line, so the take from the pool
+ * saves no registers for it. */
+static __attribute__((noinline, cold)) struct kvr_attempt *reserve_alloc(size_t size, int k)
+{
+	tls_record_allocs++;
+	struct kvr_attempt *rec = kvr_alloc_transient(size);
+	if (rec) {
+		rec->size = size;
+		rec->pool_class = (int8_t)k;
+	}
+	return rec;
 }
 
 struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, size_t n,
@@ -169,23 +213,24 @@ struct kvr_attempt *kvr_owner_attempt_reserve(const struct kvr_owner_ctx *c, siz
 	uint32_t bs = c->block_size;
 	int k = c->pool ? pool_class(n) : -1;
 	struct kvr_attempt *rec = NULL;
-	size_t size =
-	    kvr_attempt_blocks_off(bs) + (k < 0 ? n : (size_t)1 << k) * 2 * sizeof(uint64_t);
-	if (k >= 0 && try_lock(&c->pool->cls[k])) {
-		struct pool_class *pc = &c->pool->cls[k];
-		if (pc->n) {
-			rec = pc->rec[pc->n - 1];
-			__atomic_store_n(&pc->n, pc->n - 1, __ATOMIC_RELAXED);
+	*hashes = NULL;
+	if (k >= 0) {
+		struct pool_class *pc = &c->pool->cls[k - POOL_MIN_CLASS];
+		if (try_lock(pc)) {
+			uint32_t top = pc->n;
+			if (top) {
+				rec = pc->rec[--top];
+				__atomic_store_n(&pc->n, top, __ATOMIC_RELAXED);
+			}
+			unlock(pc);
+			tls_top_hint = top ? top - 1 : 0;
 		}
-		unlock(pc);
 	}
-	if (!rec) {
-		tls_record_allocs++;
-		if (!(rec = kvr_alloc_transient(size)))
-			return NULL;
-	}
-	rec->size = size;
-	rec->pool_class = (int8_t)k;
+	/* A pooled record keeps its size and class (kvr_owner_attempt_fill keeps them too). */
+	if (!rec && !(rec = reserve_alloc(kvr_attempt_blocks_off(bs) +
+	                                      (k < 0 ? n : (size_t)1 << k) * 2 * sizeof(uint64_t),
+	                                  k)))
+		return NULL;
 	*hashes = (uint64_t *)(void *)kvr_attempt_blocks(rec, bs);
 	return rec;
 }
@@ -194,8 +239,11 @@ void kvr_owner_attempt_prefetch(const struct kvr_owner_ctx *c, size_t n)
 {
 	int k = c->pool ? pool_class(n) : -1;
 	if (k >= 0) {
-		__builtin_prefetch(&c->pool->cls[k], 1, 3); /* for writing: the lock is exchanged */
-		__builtin_prefetch(&c->pool->cls[k].rec[8], 0, 3); /* a deeper top (n > 6) */
+		struct pool_class *pc = &c->pool->cls[k - POOL_MIN_CLASS];
+		__builtin_prefetch(pc, 1, 3); /* for writing: the lock is exchanged */
+		/* The top's line, where this thread's last take left it (a guess: reading the
+		 * count here would wait for the line the first hint asks for). */
+		__builtin_prefetch(&pc->rec[tls_top_hint], 0, 3);
 	}
 }
 
@@ -250,9 +298,9 @@ void kvr_owner_attempt_free(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 	if (!rec)
 		return;
 	int k = rec->pool_class;
-	if (k >= 0 && c->pool && try_lock(&c->pool->cls[k])) {
-		struct pool_class *pc = &c->pool->cls[k];
-		bool kept = pc->n < pool_depth(k);
+	if (k >= 0 && c->pool && try_lock(&c->pool->cls[k - POOL_MIN_CLASS])) {
+		struct pool_class *pc = &c->pool->cls[k - POOL_MIN_CLASS];
+		bool kept = pc->n < pc->cap;
 		if (kept) {
 			pc->rec[pc->n] = rec;
 			if (!pc->real) /* every record of the class has this size */

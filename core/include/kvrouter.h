@@ -955,8 +955,9 @@ struct kvr_memory {
 	 * size classes (every router in the process), and of those, freed objects parked in the
 	 * threads' caches (tcaches), which jemalloc still counts as allocated. */
 	uint64_t arena, arena_cached;
-	/* Recycled attempt records kept for the next admissions (at most ~1.8 MB of hashes, real
-	 * sizes), and the pool itself.  Last, so that the earlier fields keep their offsets. */
+	/* Recycled attempt records kept for the next admissions (at most 4.25 MB of hashes, real
+	 * sizes; none once the router has been idle 100 ms), and the pool itself.  Last, so that
+	 * the earlier fields keep their offsets. */
 	uint64_t attempt_pool;
 };
 
