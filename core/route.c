@@ -48,6 +48,7 @@
  * the caller decides again from step 2 (at most a few times) when the rank's generation moved
  * by the time its booking is posted (kvr_admit says why that is the waited-for outcome).
  */
+#include <assert.h>
 #include <math.h>
 #include <pthread.h>
 #include <string.h>
@@ -466,6 +467,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		 * the index, the pinned runs, the load and (admitting) the lease words; after the
 		 * hashing, which gives the shard that much longer to have done it (timed with the
 		 * lookup). */
+		assert(!kvr_rcu_read_ongoing()); /* settle may wait for a shard */
 		kvr_router_settle(r);
 		uint32_t best = 0, *score = tls.score;
 		kvr_rcu_read_lock();
@@ -490,11 +492,24 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			kvr_hash_stream_fence();
 			fence_due = false;
 		}
-		kvr_rcu_read_unlock();
+		/* One read section for the lookup, the choice and an asynchronous admission: the
+		 * post opens its own (kvr_shard_post_soon: it checks that the shard is not closed
+		 * inside one), which is then nested, a thread-local increment instead of liburcu's
+		 * out-of-line lock and unlock (~75 instructions a route, sync/rcu.h).  It adds
+		 * the lease mint, the record's header and the provisional load to what a grace
+		 * period may wait for (~100 ns; the post's own waits at a full lane were inside a
+		 * section already).  Not a synchronous booking's: it may wait for the shard's
+		 * answer, and a shard may wait for a grace period (kvr_rcu_defer_free without
+		 * memory). */
+		const bool post_inside = !cfg->sync_booking && !(q->flags & KVR_ROUTE_QUERY_ONLY);
+		if (!post_inside)
+			kvr_rcu_read_unlock();
 		zero_at(score, tls.mslots, nm);
 		zero_at(tls.pin, tls.pslots, np);
 		KVR_PROBE3(match, nb, nm, best);
 		if (rc) {
+			if (post_inside)
+				kvr_rcu_read_unlock();
 			kvr_owner_attempt_free(&r->owner, rec);
 			kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
 			return rc;
@@ -502,11 +517,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
 		uint64_t t3 = timed ? mono_ns() : 0;
 
-		if (sat)
-			kvr_owner_attempt_free(&r->owner, rec); /* not admitted now */
-		if (sat && queue_mode == KVR_QUEUE_FROM_PUMP)
-			return KVR_EAGAIN;
 		if (sat) {
+			if (post_inside)
+				kvr_rcu_read_unlock();
+			kvr_owner_attempt_free(&r->owner, rec); /* not admitted now */
+			if (queue_mode == KVR_QUEUE_FROM_PUMP)
+				return KVR_EAGAIN;
 			uint64_t cached = (uint64_t)best * bs;
 			return kvr_queue_push(r, q, q->n_tokens > cached ? q->n_tokens - cached : 0,
 			                      d);
@@ -555,6 +571,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		a.in_record = in_rec;
 		rc = kvr_admit(r, &a, cfg->sync_booking); /* consumes rec */
 		rec = NULL;
+		if (post_inside)
+			kvr_rcu_read_unlock();
 		uint64_t t4 = timed ? mono_ns() : 0;
 		if (rc == KVR_ENOENT && (!in_rec || cfg->sync_booking))
 			continue; /* sync: the rank went away after selection: decide again (a new

@@ -21,15 +21,15 @@ struct deferred {
 static pthread_key_t online_key;
 static pthread_once_t online_once = PTHREAD_ONCE_INIT;
 static int online_key_err;
-static _Thread_local int thread_online;
+_Thread_local struct kvr_rcu_thread kvr_rcu_self __attribute__((tls_model("initial-exec")));
 
 /* Runs at thread exit for a thread that came online through kvr_rcu_thread_online(). */
 static void thread_exit_offline(void *unused)
 {
 	(void)unused;
-	if (thread_online) {
+	if (kvr_rcu_self.online) {
 		urcu_memb_unregister_thread();
-		thread_online = 0;
+		kvr_rcu_self.online = 0;
 	}
 }
 
@@ -38,27 +38,27 @@ static void make_key(void)
 	online_key_err = pthread_key_create(&online_key, thread_exit_offline);
 }
 
-int kvr_rcu_thread_online(void)
+int kvr_rcu_thread_register(void)
 {
-	if (thread_online)
+	if (kvr_rcu_self.online)
 		return 0;
 	pthread_once(&online_once, make_key);
 	if (online_key_err)
 		return KVR_ENOMEM;
 	/* Any non-NULL value makes the destructor run at thread exit. */
-	if (pthread_setspecific(online_key, &thread_online) != 0)
+	if (pthread_setspecific(online_key, &kvr_rcu_self) != 0)
 		return KVR_ENOMEM;
 	urcu_memb_register_thread();
-	thread_online = 1;
+	kvr_rcu_self.online = 1;
 	return 0;
 }
 
 void kvr_rcu_thread_offline(void)
 {
-	if (!thread_online)
+	if (!kvr_rcu_self.online)
 		return;
 	urcu_memb_unregister_thread();
-	thread_online = 0;
+	kvr_rcu_self.online = 0;
 	pthread_setspecific(online_key, NULL);
 }
 
@@ -85,7 +85,7 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 	d->mem = mem;
 	d->free_fn = free_fn;
 	/* call_rcu requires a registered caller; shard threads are registered for life. */
-	int was_online = thread_online;
+	int was_online = kvr_rcu_self.online;
 	if (!was_online)
 		kvr_rcu_thread_online();
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);

@@ -60,18 +60,43 @@ extern char kvr_rcu_tsan_token;
  * kvr_rcu_publish(). */
 #define kvr_rcu_deref(slot) __atomic_load_n((slot), __ATOMIC_ACQUIRE)
 
-/* Registers the calling thread as an RCU reader if it is not yet.  Returns 0 or KVR_ENOMEM.
- * Context: any thread, outside a read-side section.  Cheap after the first call. */
-int kvr_rcu_thread_online(void);
+/* The first kvr_rcu_thread_online of a thread (out of line). */
+int kvr_rcu_thread_register(void);
 
 /* Unregisters the calling thread now (it is also done automatically at thread exit).
  * Context: outside a read-side section. */
 void kvr_rcu_thread_offline(void);
 
-/* Read-side critical section.  Nestable.  Context: a thread made online. */
+/* The calling thread's read-side nesting depth (kvr_rcu_read_lock) and whether it is registered
+ * (kvr_rcu_thread_online).  Ours, not liburcu's: liburcu keeps its reader state in a
+ * thread-local of liburcu-memb.so, reached only through its out-of-line urcu_memb_read_lock /
+ * unlock, each a call and a __tls_get_addr (~25 instructions a lock, ~50 an unlock: callgrind,
+ * bench_route at 2k tokens).  Counting the nesting here makes every section opened inside
+ * another a thread-local increment and decrement, so a caller can open one real section around
+ * a stretch of work whose callees open their own (kvr_route: the lookup, the choice and the
+ * post).  Initial-exec: one %fs-relative access even in libkvrouter.so (the default model
+ * for a shared library's thread-local is a __tls_get_addr call per function); a library
+ * loaded with dlopen takes these 8 bytes from glibc's reserve of static TLS for such
+ * libraries.  Context: the owning thread only. */
+struct kvr_rcu_thread {
+	unsigned nest;
+	int online;
+};
+extern _Thread_local struct kvr_rcu_thread kvr_rcu_self __attribute__((tls_model("initial-exec")));
+
+/* Read-side critical section.  Nestable: only the outermost lock and unlock reach liburcu
+ * (urcu_memb_read_lock / unlock, which nest too: the counts are the same).  Context: a thread
+ * made online.
+ *
+ * liburcu's inline forms of these (_LGPL_SOURCE, urcu/static/urcu-memb.h) stay behind meson's
+ * urcu_inline option, off: kvrouter is Apache-2.0, and liburcu's README asks for _LGPL_SOURCE
+ * only from LGPL- or GPL-compatible code (URCU_INLINE_SMALL_FUNCTIONS, allowed under any
+ * licence, inlines rcu_dereference and rcu_assign_pointer only).  So the outermost section
+ * pays the calls (~80 instructions with their __tls_get_addr), the inner ones ~4. */
 static inline void kvr_rcu_read_lock(void)
 {
-	urcu_memb_read_lock();
+	if (kvr_rcu_self.nest++ == 0)
+		urcu_memb_read_lock();
 }
 
 static inline void kvr_rcu_read_unlock(void)
@@ -79,7 +104,23 @@ static inline void kvr_rcu_read_unlock(void)
 #ifdef KVR_TSAN
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 #endif
-	urcu_memb_read_unlock();
+	if (--kvr_rcu_self.nest == 0)
+		urcu_memb_read_unlock();
+}
+
+/* Whether the calling thread is inside a read-side section (kvr_rcu_read_lock).  For asserts.
+ * Context: any thread. */
+static inline int kvr_rcu_read_ongoing(void)
+{
+	return kvr_rcu_self.nest != 0;
+}
+
+/* Registers the calling thread as an RCU reader if it is not yet.  Returns 0 or KVR_ENOMEM.
+ * Context: any thread, outside a read-side section.  After the first call, one thread-local
+ * test (kvr_route calls it twice a route). */
+static inline int kvr_rcu_thread_online(void)
+{
+	return __builtin_expect(kvr_rcu_self.online, 1) ? 0 : kvr_rcu_thread_register();
 }
 
 /*
