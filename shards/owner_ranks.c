@@ -523,6 +523,15 @@ int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 	st->active_blocks = ls.active_blocks;
 	st->active_prefill_tokens = kvr_load_prefill_tokens(own->load, kvr_owner_now(c));
 	st->active_requests = ls.active_requests;
+	/* A sync_booking booking whose load could not be recorded for memory lives with its load
+	 * left provisional (owner_attempts.c: load_missing), which every decision still counts:
+	 * so do the stats, or the rank read as idle while the request ran. */
+	for (const struct kvr_attempt *rec = own->attempts; rec; rec = rec->next)
+		if (rec->load_missing) {
+			st->active_requests++;
+			st->active_blocks += rec->pend_blocks;
+			st->active_prefill_tokens += rec->pend_prefill_tokens;
+		}
 	st->evictions = own->evictions;
 	st->event_id = own->last_event_id;
 	st->event_gaps = own->gaps;

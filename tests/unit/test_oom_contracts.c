@@ -187,6 +187,37 @@ Test(oom_contracts, sync_booking_load_or_nothing)
 	cr_assert_gt(nth, 3, "failures were injected (%lu)", (unsigned long)nth);
 }
 
+/* The other side of it: a sync_booking booking is posted without a wait when its shard has
+ * room to track it, so kvr_route has returned 0 before the shard records its load.  Where that
+ * runs out of memory the attempt lives with its load left provisional (every decision counts
+ * it), and the rank's stats must count it too: they read active_requests 0 for a request that
+ * ran (sync_booking_load_or_nothing failed 1 run in ~60 when its armed failure reached the
+ * shard before the disarm).  Here the failure is armed after kvr_route returns, so it lands in
+ * the shard's booking, which the stats call settles. */
+Test(oom_contracts, deferred_booking_out_of_memory_still_counted)
+{
+	for (uint64_t nth = 1; nth < 40; nth++) {
+		struct kvr_router *r = make_router();
+		cr_assert_eq(kvr_rank_add(r, R0, 1, 64, 0), 0);
+		int rc;
+		uint64_t a = route_one(r, &rc);
+		cr_assert_eq(rc, 0);
+		kvr_alloc_fail_after(nth);
+		struct kvr_rank_stats s = stats(r);
+		kvr_alloc_fail_after(0);
+		cr_assert_eq(s.active_requests, 1, "nth %lu: admitted, and counted as idle",
+		             (unsigned long)nth);
+		cr_assert_eq(s.active_blocks, 4, "nth %lu", (unsigned long)nth);
+		cr_assert_eq(s.active_prefill_tokens, 64, "nth %lu", (unsigned long)nth);
+		cr_assert_eq(kvr_request_finish(r, a), 0);
+		s = stats(r);
+		cr_assert_eq(s.active_requests, 0, "nth %lu", (unsigned long)nth);
+		cr_assert_eq(s.active_blocks, 0, "nth %lu", (unsigned long)nth);
+		cr_assert_eq(s.active_prefill_tokens, 0, "nth %lu", (unsigned long)nth);
+		kvr_router_destroy(r);
+	}
+}
+
 /* The end of an attempt whose predicted-cache release runs out of memory still frees its blocks:
  * the release is retried on the shard's next call.  It used to be dropped: the lease pinned its
  * blocks in the LRU for the rank's life, never evictable, and the idle rank's prediction stayed
