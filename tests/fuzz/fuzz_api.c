@@ -460,6 +460,19 @@ static void expect(int rc, int want, const char *what)
 	      want, kvr_strerror(want));
 }
 
+/* A call on an attempt the model does not hold: one it ended must stay stale (`what` says
+ * which call), one never issued is stale or unknown. */
+static void expect_gone(const struct prog *p, uint64_t a, int rc, const char *what)
+{
+	bool ended = false;
+	for (int j = 0; j < p->n_ended; j++)
+		ended |= p->ended[j] == a;
+	if (ended)
+		expect(rc, KVR_ESTALE, what);
+	else
+		CHECK(rc == KVR_ESTALE || rc == KVR_ENOENT, "made-up attempt: rc %d", rc);
+}
+
 static void check_stats(struct prog *p, int i, const struct kvr_rank_stats *s)
 {
 	struct mrank *m = &p->rk[i];
@@ -1140,14 +1153,7 @@ static void op_lifecycle(struct prog *p, int op)
 		return;
 	}
 	if (k < 0) {
-		/* ended (must stay stale) or never issued */
-		bool ended = false;
-		for (int j = 0; j < p->n_ended; j++)
-			ended |= p->ended[j] == a;
-		if (ended)
-			expect(rc, KVR_ESTALE, "call on an ended attempt");
-		else
-			CHECK(rc == KVR_ESTALE || rc == KVR_ENOENT, "made-up attempt: rc %d", rc);
+		expect_gone(p, a, rc, "call on an ended attempt");
 		return;
 	}
 	/* k may have moved if drain_admits added attempts (appends only): find it again */
@@ -1201,14 +1207,7 @@ static void op_heal(struct prog *p)
 			return;
 		}
 		if (k < 0) {
-			bool ended = false;
-			for (int j = 0; j < p->n_ended; j++)
-				ended |= p->ended[j] == a;
-			if (ended)
-				expect(rc, KVR_ESTALE, "cached on an ended attempt");
-			else
-				CHECK(rc == KVR_ESTALE || rc == KVR_ENOENT,
-				      "made-up attempt: rc %d", rc);
+			expect_gone(p, a, rc, "cached on an ended attempt");
 			return;
 		}
 		for (k = 0; k < p->n_att && p->att[k].id != a; k++)
