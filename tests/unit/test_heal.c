@@ -354,6 +354,21 @@ Test(heal, under_registered_capacity_is_raised)
 	kvr_router_destroy(r);
 }
 
+/* Routes a 4-block prompt of t (8 blocks' room) and ends it: 4 blocks cached, inactive.  q is
+ * left pointing at t for the caller's next prompt. */
+static void four_cached(struct kvr_router *r, uint32_t *t, struct kvr_request *q)
+{
+	for (size_t i = 0; i < 8 * BS; i++)
+		t[i] = 1000u + (uint32_t)i;
+	kvr_request_init(q);
+	q->tokens = t;
+	q->n_tokens = 4 * BS;
+	struct kvr_decision a;
+	cr_assert_eq(kvr_route(r, q, &a), 0);
+	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+}
+
 /* A routed request the engine has not admitted yet (no first token): its new blocks are in the
  * prediction, not in the engine's count, so a resident count taken then proves nothing about
  * them; it must not evict cached blocks the engine still holds.  Once its prefill is done the
@@ -363,16 +378,9 @@ Test(heal, resident_count_waits_for_unadmitted_requests)
 	struct kvr_router *r = make(1000);
 	struct kvr_rank_id id = {0, 0};
 	uint32_t t[8 * BS];
-	for (size_t i = 0; i < 8 * BS; i++)
-		t[i] = 1000u + (uint32_t)i;
 	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = 4 * BS;
-	struct kvr_decision a, b;
-	cr_assert_eq(kvr_route(r, &q, &a), 0);
-	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
-	cr_assert_eq(kvr_request_finish(r, a.attempt), 0); /* 4 blocks cached, inactive */
+	struct kvr_decision b;
+	four_cached(r, t, &q);
 	for (size_t i = 0; i < 8 * BS; i++)
 		t[i] = 5000u + (uint32_t)i;
 	q.n_tokens = 6 * BS;
@@ -411,16 +419,9 @@ Test(heal, absurd_resident_counts_cost_no_memory_and_evict_nothing)
 	struct kvr_router *r = make(1000);
 	struct kvr_rank_id id = {0, 0};
 	uint32_t t[8 * BS];
-	for (size_t i = 0; i < 8 * BS; i++)
-		t[i] = 1000u + (uint32_t)i;
 	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = 4 * BS;
-	struct kvr_decision a, b;
-	cr_assert_eq(kvr_route(r, &q, &a), 0);
-	cr_assert_eq(kvr_request_prefill_done(r, a.attempt), 0);
-	cr_assert_eq(kvr_request_finish(r, a.attempt), 0); /* 4 blocks cached, inactive */
+	struct kvr_decision b;
+	four_cached(r, t, &q);
 	struct kvr_rank_observation ob = {
 	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = UINT64_MAX};
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
