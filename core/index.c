@@ -63,6 +63,21 @@
  * record's run word, the run being implied).  Taken: the locator grows at load 0.9 to 0.78 (it
  * grew at 0.85 to 0.57), 1 byte per block less where an index settles.
  *
+ * Why events mode stays above 16 bytes per block with one holder (measured 2026-12-02, evmem):
+ * a 16-block run costs 128 (hashes) + 80 (header) + 80 (locator: 15 entries of 4 bytes at load
+ * 0.76 and the overflow bytes) + 14 (run table) + 10 (directory) = 312 bytes, 19.5 a block.  The
+ * hashes and a locator entry per block cost at least 8 + 4.4 (load 0.9), which leaves 57 bytes a
+ * run for everything else at 16 bytes a block, less than the header, which cannot lose 16 bytes
+ * without dropping a pointer (its fields need ~70 bytes even with every pointer packed into 43
+ * bits; the sibling back link or the rank list's prev would make an unlink O(siblings) or
+ * O(rank)).  So the target needs no per-block locator, or one of ~2 bytes a block with its
+ * directory.  Without it events mode would hold less (kvr-replay --policies events
+ * --blocks-per-rank 12000 on the 24 session traces: 23.8 -> 16.9 bytes per copy at the end, the
+ * same decisions, 989 scans in 1.3M block ops), but a write naming a block away from a record's
+ * ends scans the rank (bench_index_runs --scan-cost, p50: a removal of a hash the rank does not
+ * hold, as stale or duplicate events after a gap send, 1.4-1.6 us with the locator, 15-16 /
+ * 58-65 / 282-597 us without at ranks of 25,600 / 102,400 / 409,600 blocks).
+ *
  * Without the locator (kvr_index_set_locator(idx, false); the router's approximate modes, where
  * it writes the index itself; events mode keeps it: engine hashes name arbitrary blocks).  The
  * locator's 4-6 bytes per distinct block buy writers a lookup of ANY block; the approximate modes

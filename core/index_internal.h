@@ -762,6 +762,9 @@ extern uint64_t kvr_index_blk_grow_at;
 extern uint64_t kvr_index_blk_grow_to;
 
 /* ---- per-rank maps (core/index_xmap.c).  Context: writer (wlock). */
+/* The load (per cent, default 65) a map's growth (past 0.9) sizes the new array for.  Context:
+ * set before any index exists (bench_index_runs --xgrow compares). */
+extern uint64_t kvr_index_xmap_grow_to;
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)
 {
 	return ((key * 0x9e3779b97f4a7c15ull) >> 32) * m->cap >> 32;

@@ -28,8 +28,12 @@
  * The capacity is any number (fastrange home), sized to fill the allocator's size class; grown
  * past load 0.9 to ~0.65 (the mean over a growth cycle ~0.77: 21 bytes an entry; powers of two
  * grown at 0.8 sat at 0.4-0.8 and exactly 0.5 in the benchmark), shrunk below 0.25 to ~0.6, freed
- * when empty.  Writer-only: every call runs under the index's writer mutex; lookups are inline
- * in core/index_internal.h.
+ * when empty.  Growing to the next size class instead (load ~0.8, bench_index_runs --xgrow 80)
+ * was measured and not taken: --ext-hashes --mem-sweep's mean 41.27 -> 39.52 bytes per held
+ * block (the --mem-only point, 39.5, is the same class either way), but callgrind of
+ * --ext-hashes --apply-only 765 -> 1,061 instructions per block op in 16-block calls and
+ * 1,362 -> 1,629 single-block (rehashes 84 -> 241 of them, the rest longer probes).  Writer-only:
+ * every call runs under the index's writer mutex; lookups are inline in core/index_internal.h.
  */
 #include <string.h>
 
@@ -39,8 +43,9 @@
 
 #define XMAP_MIN     16
 #define XMAP_GROW_AT 90 /* per cent: load past which an insert grows the map */
-#define XMAP_GROW_TO 65 /* per cent: load a growth sizes the new array for */
 #define XMAP_SHRINK  25 /* per cent: load below which a removal shrinks it (to 60) */
+
+uint64_t kvr_index_xmap_grow_to = 65;
 
 static size_t xbytes(uint64_t cap)
 {
@@ -105,7 +110,7 @@ int kvr_index_xmap_reserve(struct kvr_index *idx, struct idx_xmap *m)
 	const uint64_t need = m->count + 1;
 	if (m->e && need * 100 <= m->cap * XMAP_GROW_AT)
 		return 0;
-	return xmap_resize(idx, m, xcap_for(need, XMAP_GROW_TO));
+	return xmap_resize(idx, m, xcap_for(need, kvr_index_xmap_grow_to));
 }
 
 /* Removes key (backward-shift deletion: the entries after it that are not at home move back
@@ -159,7 +164,7 @@ static int xmap_reserve_n(struct kvr_index *idx, struct idx_xmap *m, uint64_t k)
 	const uint64_t need = m->count + k;
 	if (m->e && need * 100 <= m->cap * XMAP_GROW_AT)
 		return 0;
-	return xmap_resize(idx, m, xcap_for(need, XMAP_GROW_TO));
+	return xmap_resize(idx, m, xcap_for(need, kvr_index_xmap_grow_to));
 }
 
 int kvr_index_alias_reserve(struct kvr_index *idx, struct idx_rank *rk, bool alias, uint64_t size)
