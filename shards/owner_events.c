@@ -57,18 +57,24 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	/* The cursor moves only past an event that was applied or refused for good: KVR_ENOMEM
 	 * changed nothing (the index takes back a failed write), so the same event may come
 	 * again (oom_contracts numbered_event_out_of_memory_changes_nothing). */
+	bool gap = false;
+	uint64_t expected = 0;
 	if (ev->event_id && rc != KVR_ENOMEM) {
 		if (own->have_event && ev->event_id > own->last_event_id + 1) {
 			own->gaps++;
 			kvr_metrics_add(mb, KVR_C_EV_GAPS, 1);
-			if (c->on_event_gap)
-				c->on_event_gap(c->callback_ctx, c->ranks[a->slot].worker_id,
-				                c->ranks[a->slot].dp_rank, own->last_event_id + 1,
-				                ev->event_id);
+			gap = true;
+			expected = own->last_event_id + 1;
 		}
 		own->have_event = true;
 		own->last_event_id = ev->event_id;
 	}
 	kvr_owner_publish(ss, own);
+	/* The callback last, with nothing of the rank's read after it: the embedder may call the
+	 * API from it, and a call on this rank runs inline on this shard (a removal frees own, a
+	 * reset starts a new life whose event cursor the old event must not set). */
+	if (gap && c->on_event_gap)
+		c->on_event_gap(c->callback_ctx, c->ranks[a->slot].worker_id,
+		                c->ranks[a->slot].dp_rank, expected, ev->event_id);
 	return rc;
 }
