@@ -171,13 +171,10 @@ static void stats_of(const struct ep *e, struct kvr_feed_stats *st)
 	st->next_seq = e->have_seq ? e->next_seq : 0;
 }
 
-static void run_cmd(struct kvr_feed *f, struct cmd *c)
+static void exec_cmd(struct kvr_feed *f, struct cmd *c)
 {
 	uint32_t at;
 	struct ep *e;
-	/* What is posted is applied and counted before any command: stats are exact, and no
-	 * posted buffer points at an endpoint a remove frees. */
-	kvr_feed_settle(f);
 	switch (c->op) {
 	case CMD_ADD:
 		c->rc = ep_add(f, c->ep, &c->id);
@@ -246,9 +243,22 @@ static void run_cmd(struct kvr_feed *f, struct cmd *c)
 	}
 }
 
+static void run_cmd(struct kvr_feed *f, struct cmd *c)
+{
+	/* What is posted is applied and counted before any command: stats are exact, and no
+	 * posted buffer points at an endpoint a remove frees. */
+	kvr_feed_settle(f);
+	exec_cmd(f, c);
+}
+
+/* The feed whose thread this is: its callbacks (log, and the router's on_event_gap for the
+ * gaps it reports) run here, and a call from them must not wait for this very thread. */
+static _Thread_local struct kvr_feed *feed_self;
+
 static void *feed_main(void *arg)
 {
 	struct kvr_feed *f = arg;
+	feed_self = f;
 	f->mb = kvr_metrics_local(f->r->metrics);
 	while (!f->stop) {
 		/* [control, every SUB, every SUB's monitor] */
@@ -303,6 +313,15 @@ static void *feed_main(void *arg)
 
 static int call(struct kvr_feed *f, struct cmd *c)
 {
+	if (feed_self == f) {
+		/* From one of its callbacks: waiting for the feed thread would wait for ever.
+		 * Reads run here, as of now (what is pending for the shards not yet counted);
+		 * add and remove would change the endpoints under the caller's feet. */
+		if (c->op != CMD_STATS && c->op != CMD_OTHER)
+			return KVR_EBUSY;
+		exec_cmd(f, c);
+		return c->rc;
+	}
 	pthread_mutex_lock(&f->ctl_lock);
 	int rc = KVR_ESHUTDOWN;
 	char ack;

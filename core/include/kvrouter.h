@@ -248,7 +248,10 @@ struct kvr_config {
 	 * kvr_route_wait caller collects it; d is borrowed for the call.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
-	 * embedder can ask the worker to replay.  Default NULL. */
+	 * embedder can ask the worker to replay.  Called on the thread that applies the event (the
+	 * rank's shard for kvr_events_apply, the feed's thread for a feed), with no router lock
+	 * held: the API may be called from it (but not kvr_router_sync or kvr_router_get_memory
+	 * on a shard; see kvr_feed_add for a feed's calls).  Default NULL. */
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
 	                     uint64_t got);
 	void *callback_ctx;
@@ -698,7 +701,7 @@ struct kvr_feed_config {
 	 * machine with a core to spare (like kvr_config.shard_idle_spin_ns). */
 	uint64_t idle_spin_ns;
 	/* One-line messages (refused events, gaps, restarts, malformed input), called on the feed
-	 * thread; msg is borrowed for the call.  Repeats of one kind are thinned out (logged at
+	 * thread (see kvr_feed_add for the feed calls it may make); msg is borrowed for the call.  Repeats of one kind are thinned out (logged at
 	 * counts 1, 2, 4, 8, ...).  Default NULL = silent. */
 	void (*log)(void *ctx, int level, const char *msg);
 	void *log_ctx;
@@ -755,12 +758,16 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * kvr_feed_remove / kvr_feed_get_stats.  The socket connects in the background and reconnects
  * by itself; the publisher may start before or after.
  * Returns 0, KVR_EINVAL (NULL endpoint, an endpoint ZeroMQ refuses), KVR_ENOMEM.
- * Context: any thread; one round trip to the feed thread.
+ * Context: any thread; one round trip to the feed thread.  From the callbacks the feed thread
+ * runs (its log, the router's on_event_gap for the gaps it reports), kvr_feed_add and
+ * kvr_feed_remove return KVR_EBUSY, kvr_feed_get_stats and kvr_feed_other_medium_blocks answer
+ * at once (without what the feed has yet to apply), and kvr_feed_destroy must not be called.
  */
 KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
 
 /* Unsubscribes (closes its sockets).  What it applied stays in the index.  Returns 0 or
- * KVR_ENOENT.  Context: any thread; one round trip to the feed thread. */
+ * KVR_ENOENT (KVR_EBUSY: see kvr_feed_add).  Context: any thread; one round trip to the feed
+ * thread. */
 KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
 
 /* KVR_FEED_ALL: kvr_feed_get_stats over every endpoint (gauges summed, next_seq 0). */

@@ -1,0 +1,112 @@
+/* The KV event feed's API called from the callbacks the feed thread runs: the router's
+ * on_event_gap for a gap the feed reports, and the feed's log.  kvrouter.h forbids neither, and
+ * an embedder reacting to a gap naturally looks at the feed's counters.  Such a call posted its
+ * command to the feed thread and waited for the answer, on the feed thread itself: the feed
+ * stopped for good (and every later call on it, kvr_feed_destroy included, waited behind it).
+ * Now reads answer at once there, and add / remove return KVR_EBUSY. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "kvrouter.h"
+
+static struct kvr_feed *feed;
+static atomic_int gap_done, log_done;
+static int gap_stats_rc = 1, gap_remove_rc = 1, gap_other_rc = 1, log_stats_rc = 1;
+static uint64_t gap_seen_gaps;
+
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint64_t to)
+{
+	(void)ctx, (void)worker, (void)dp, (void)from, (void)to;
+	struct kvr_feed_stats st;
+	gap_stats_rc = kvr_feed_get_stats(feed, KVR_FEED_ALL, &st);
+	gap_seen_gaps = st.gaps;
+	size_t n;
+	gap_other_rc = kvr_feed_other_medium_blocks(feed, 0, 0, NULL, 0, &n);
+	gap_remove_rc = kvr_feed_remove(feed, 0);
+	atomic_store(&gap_done, 1);
+}
+
+static void on_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level, (void)msg;
+	struct kvr_feed_stats st;
+	log_stats_rc = kvr_feed_get_stats(feed, 0, &st);
+	atomic_store(&log_done, 1);
+}
+
+/* {"ts": 1.0, "events": [], "data_parallel_rank": 0} */
+static const uint8_t empty_batch[] = {0x83, 0xa2, 't',  's', 0xcb, 0x3f, 0xf0, 0,   0,   0,    0,
+                                      0,    0,    0xa6, 'e', 'v',  'e',  'n',  't', 's', 0x90, 0xb2,
+                                      'd',  'a',  't',  'a', '_',  'p',  'a',  'r', 'a', 'l',  'l',
+                                      'e',  'l',  '_',  'r', 'a',  'n',  'k',  0x00};
+
+static void send_msg(void *pub, uint64_t seq, const uint8_t *body, size_t n)
+{
+	uint8_t s[8];
+	for (int i = 0; i < 8; i++)
+		s[i] = (uint8_t)(seq >> (56 - 8 * i));
+	cr_assert_eq(zmq_send(pub, "", 0, ZMQ_SNDMORE), 0);
+	cr_assert_eq(zmq_send(pub, s, 8, ZMQ_SNDMORE), 8);
+	cr_assert_eq(zmq_send(pub, body, n, 0), (int)n);
+}
+
+/* Waits up to 10 s for *flag: the feed thread came back from the callback. */
+static bool came_back(atomic_int *flag)
+{
+	for (int t = 0; t < 1000 && !atomic_load(flag); t++) {
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	return atomic_load(flag);
+}
+
+Test(feed_callbacks, feed_calls_from_its_callbacks, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 1;
+	c.on_event_gap = on_gap;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	void *zctx = zmq_ctx_new();
+	void *pub = zmq_socket(zctx, ZMQ_XPUB);
+	int hwm = 0;
+	zmq_setsockopt(pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+	cr_assert_eq(zmq_bind(pub, "tcp://127.0.0.1:*"), 0);
+	char ep[256];
+	size_t eplen = sizeof(ep);
+	cr_assert_eq(zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, ep, &eplen), 0);
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.log = on_log;
+	cr_assert_eq(kvr_feed_create(r, &fc, &feed), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = ep, .worker_id = 0, .dp_rank = 0};
+	uint32_t id;
+	cr_assert_eq(kvr_feed_add(feed, &fe, &id), 0);
+	cr_assert_eq(id, 0);
+	uint8_t sub[64];
+	cr_assert_geq(zmq_recv(pub, sub, sizeof(sub), 0), 1, "the feed subscribes");
+	send_msg(pub, 0, empty_batch, sizeof(empty_batch));
+	send_msg(pub, 5, empty_batch, sizeof(empty_batch)); /* 1..4 lost, no replay endpoint */
+	cr_assert(came_back(&gap_done), "on_event_gap's kvr_feed_get_stats never returned");
+	cr_assert_eq(gap_stats_rc, 0);
+	cr_assert_eq(gap_other_rc, 0);
+	cr_assert_eq(gap_remove_rc, KVR_EBUSY, "remove from the feed's own thread: %d",
+	             gap_remove_rc);
+	cr_assert(came_back(&log_done), "the log callback's kvr_feed_get_stats never returned");
+	cr_assert_eq(log_stats_rc, 0);
+	struct kvr_feed_stats st;
+	cr_assert_eq(kvr_feed_get_stats(feed, id, &st), 0, "the feed still answers");
+	cr_assert_eq(st.gaps, 1);
+	cr_assert_eq(st.batches, 2);
+	cr_assert_eq(kvr_feed_remove(feed, id), 0);
+	kvr_feed_destroy(feed);
+	zmq_close(pub);
+	zmq_ctx_term(zctx);
+	kvr_router_destroy(r);
+}
