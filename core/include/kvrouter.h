@@ -455,7 +455,9 @@ struct kvr_decision {
 KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d);
 
 /* Waits for a queued request (ticket from a KVR_QUEUED decision) until deadline_ns (router
- * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued),
+ * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued, and
+ * the caller's to collect: on_admit never reports a ticket once waited on, so wait again or
+ * cancel it, or its admission is reported to nobody),
  * KVR_ENOENT (unknown ticket, already collected - by on_admit too - or cancelled meanwhile; d
  * is then not written), KVR_ESHUTDOWN, or
  * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
