@@ -417,6 +417,11 @@ static void shard_loop(struct kvr_shard *sh)
 		uint64_t spin = sh->spin_now;
 		if (sh->short_frac >= SHORT_NEED && spin < rt->spin_max_ns / 2)
 			spin = rt->spin_max_ns / 2; /* a close stream: see idle_spin */
+		/* The spin polls the lanes, not the timers: it ends at the next one (a spin of
+		 * hours, which shard_idle_spin_ns allows, kept the lease reaper and TTL expiry
+		 * from running while no message came: test_limits). */
+		if (next != UINT64_MAX && spin > next - now)
+			spin = next - now;
 		if (spin && !sh->self_woke) {
 			if (!idle_spin(sh, g, idle0, spin)) {
 				note_idle(sh, mono_ns() - idle0);

@@ -197,7 +197,8 @@ struct kvr_config {
 	 * spin (it did not pay), a shard spins less and then not at all, and spins again after
 	 * an idle period shorter than this; while 3/4 of its recent idle periods ended with work
 	 * within 4x this (a stream a little sparser than the spin), it polls 4x this (200 us),
-	 * yielding the CPU between polls past this.  Default 50 us; 0 = park at once. */
+	 * yielding the CPU between polls past this.  A spin ends at the shard's next timer (TTL
+	 * expiry, the lease reaper), however long this is.  Default 50 us; 0 = park at once. */
 	uint64_t shard_idle_spin_ns;
 	/* How long kvr_route's booking may wait for a shard that sleeps, ns (without
 	 * sync_booking).  A shard that booked within the last 10 ms parks for at most this long at

@@ -1,0 +1,47 @@
+/* Configuration values at the ends of their documented ranges, and what they must not break.
+ *
+ * idle_spin_never_delays_the_reaper: shard_idle_spin_ns has no upper bound ("polls this long
+ * before it parks"), and a latency-minded embedder with a core to spare sets it huge.  The
+ * spin polled the lanes only, never the timers: an idle shard spun for the whole setting
+ * before it looked at its timers again, so the lease reaper (and TTL expiry) did not run while
+ * no message came; an abandoned attempt kept its lease and its load for good.  The spin now
+ * ends at the next timer. */
+#include <criterion/criterion.h>
+#include <time.h>
+
+#include "kvrouter.h"
+
+static void sleep_ms(int ms)
+{
+	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+	nanosleep(&ts, NULL);
+}
+
+Test(limits, idle_spin_never_delays_the_reaper, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.shard_idle_spin_ns = UINT64_MAX - 1; /* the real clock */
+	c.lease_scan_interval_ns = 10 * 1000 * 1000;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 0), 0);
+	uint32_t tok[64];
+	for (int i = 0; i < 64; i++)
+		tok[i] = (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	/* No progress for 100 scan intervals: the attempt must have expired (one to two
+	 * intervals).  kvr_request_finish claims it on this thread, without asking the shard
+	 * (which would run the timers first). */
+	sleep_ms(1000);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE,
+	             "an attempt idle for 100 lease scan intervals did not expire");
+	kvr_router_destroy(r);
+}
