@@ -59,6 +59,7 @@ static bool trace_on;           /* FUZZ_API_TRACE */
 uint64_t fuzz_api_current_seed; /* set by the seeded driver, printed on failure */
 bool fuzz_api_craft;            /* fuzz_api_seeds --craft: crafted hash-given prompts */
 bool fuzz_api_events;           /* fuzz_api_seeds --events: events mode as vLLM feeds it */
+bool fuzz_api_limits;           /* fuzz_api_seeds --limits: config values at their limits */
 
 #define FAIL(...)                                                                                  \
 	do {                                                                                       \
@@ -405,6 +406,13 @@ static bool admissions_unknown(const struct prog *p)
 		if (p->tix[k].waited || !p->cfg.on_admit || p->tix[k].state != T_QUEUED)
 			return true;
 	return false;
+}
+
+/* --limits' lanes of a few messages: a posted call may find its lane full for 10 ms while
+ * the shard is slow (a loaded machine), and returns KVR_EAGAIN (kvrouter.h, "lane capacity"). */
+static bool lane_may_fill(const struct prog *p)
+{
+	return p->cfg.lane_capacity < 64;
 }
 
 static bool expiry_possible(const struct prog *p, const struct matt *a)
@@ -952,6 +960,8 @@ static void op_route(struct prog *p)
 	}
 	bool queue_on = p->cfg.queue_threshold > 0;
 	bool qo = q.flags & KVR_ROUTE_QUERY_ONLY;
+	if (rc == KVR_EAGAIN && lane_may_fill(p))
+		return; /* the chosen rank's lane stayed full for 10 ms: nothing admitted */
 	if (rc == KVR_EAGAIN) {
 		int open = 0;
 		for (int k = 0; k < p->n_tix; k++)
@@ -1170,6 +1180,8 @@ static void op_lifecycle(struct prog *p, int op)
 		end_attempt(p, k); /* the lease expired */
 		return;
 	}
+	if (rc == KVR_EAGAIN && op < 2 && lane_may_fill(p))
+		return; /* the lane stayed full for 10 ms: nothing changed */
 	expect(rc, 0, "call on a live attempt");
 	if (op >= 2)
 		end_attempt(p, k);
@@ -1404,7 +1416,9 @@ static void op_event(struct prog *p)
 		ev.lora_name = gen_lora(p);
 		for (size_t k = 0; k < nb; k++) {
 			b[k].ext_hash = ext_base + k + 1 + (u8(&p->in) % 4 == 0 ? 7 : 0);
-			if (u8(&p->in) % 2) {
+			/* Token blocks up to 64 tokens (--limits' larger block sizes name theirs
+			 * by local hash: a made-up local hash of 0 would chain as no parent). */
+			if (u8(&p->in) % 2 && bs <= 64) {
 				for (uint32_t t = 0; t < bs && t < 64; t++)
 					p->toks[k * 64 + t] = (uint32_t)(b[k].ext_hash * 31 + t);
 				b[k].tokens = bs <= 64 ? &p->toks[k * 64] : NULL;
@@ -1686,6 +1700,8 @@ static void op_clock(struct prog *p)
 	                : k < 6 ? p->cfg.lease_scan_interval_ns / 2 + 1
 	                : k < 7 ? p->cfg.lease_scan_interval_ns + 1
 	                        : p->cfg.ttl_ns + 1;
+	if (p->now + step < p->now)
+		step = 0; /* --limits: a ttl or scan interval near 2^64; the clock never wraps */
 	__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
 	if (u8(&p->in) % 2) {
 		cur_call = "kvr_router_sync";
@@ -1976,6 +1992,53 @@ static void op_feed(struct prog *p)
 
 /* ---------------------------------------------------------------- program */
 
+/* --limits: some fields at the ends of their documented ranges (0, 1, the maximum, near
+ * 2^32 or 2^64), each drawn from the input.  The model holds for any of them: it never
+ * predicts which rank is picked, and bounds expiry by the lease scan interval. */
+static void limit_config(struct prog *p)
+{
+	struct kvr_config *c = &p->cfg;
+	struct src *in = &p->in;
+	static const uint32_t bss[] = {3, 7, 1000, 65536};
+	static const uint64_t big[] = {UINT64_MAX, UINT64_MAX - 1, UINT64_MAX / 2,
+	                               (uint64_t)1 << 62};
+	static const double dbl[] = {0, 1e-300, 1e300, 1.7976931348623157e308};
+	uint32_t mask = u16(in);
+	if (mask & 1)
+		c->block_size = bss[u8(in) % 4];
+	if (mask & 2)
+		c->lane_capacity = 2 + u8(in) % 3;
+	if (mask & 4)
+		c->lane_soft_depth = u8(in) % 2 ? 1 : (1u << 22);
+	if (mask & 8)
+		c->maint_every_tasks = u8(in) % 2 ? 1 : UINT32_MAX;
+	if (mask & 16)
+		c->maint_every_ns = u8(in) % 2 ? 1 : big[u8(in) % 4];
+	if (mask & 32)
+		c->booking_lazy_ns = u8(in) % 2 ? 0 : 1000000;
+	if (mask & 64)
+		c->ttl_ns =
+		    u8(in) % 2 ? 1 : big[2 + u8(in) % 2]; /* the clock may step by ttl + 1 */
+	if (mask & 128)
+		c->lease_scan_interval_ns = u8(in) % 2 ? 1 : big[2 + u8(in) % 2];
+	if (mask & 256)
+		c->expected_prefill_ns = u8(in) % 2 ? 1 : big[u8(in) % 4];
+	if (mask & 512)
+		c->max_ranks = u8(in) % 2 ? 1 : 65536;
+	if (mask & 1024)
+		c->queue_capacity = u8(in) % 2 ? 1 : UINT32_MAX;
+	if (mask & 2048)
+		c->overlap_credit = dbl[u8(in) % 4];
+	if (mask & 4096)
+		c->prefill_load_scale = dbl[u8(in) % 4];
+	if (mask & 8192)
+		c->temperature = dbl[u8(in) % 4];
+	if (mask & 16384)
+		c->queue_threshold = dbl[u8(in) % 4];
+	if (mask & 32768)
+		c->seed = u8(in) % 2 ? 0 : UINT64_MAX;
+}
+
 static bool make_router(struct prog *p)
 {
 	struct kvr_config *c = &p->cfg;
@@ -1999,6 +2062,8 @@ static bool make_router(struct prog *p)
 	c->temperature = u8(in) % 4 == 0 ? 0.5 : 0;
 	c->seed = u64(in);
 	c->shard_idle_spin_ns = 0; /* park at once: the fuzzer runs many routers */
+	if (fuzz_api_limits)
+		limit_config(p);
 	c->now_ns = vclock;
 	c->clock_ctx = &p->now;
 	c->callback_ctx = p;
@@ -2111,6 +2176,8 @@ static void *run_program(void *arg)
 		fuzz_api_craft = true;
 	if (getenv("FUZZ_API_EVENTS"))
 		fuzz_api_events = true;
+	if (getenv("FUZZ_API_LIMITS"))
+		fuzz_api_limits = true;
 	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
 		uint32_t op = u8(&p->in) % 32;
 		if (trace)

@@ -21,6 +21,10 @@ extern bool fuzz_api_craft;
  * and per rank life, or crafted, and query-only routes whose overlap the model knows.  Off by
  * default, like fuzz_api_craft. */
 extern bool fuzz_api_events;
+/* Configuration values at their limits (fuzz_api.c, limit_config; also FUZZ_API_LIMITS=1): block
+ * sizes 3..65536, lanes of 2-4 messages, scheduler and time settings of 1 ns or near 2^64, one or
+ * 65536 ranks, extreme selection weights.  Off by default, like fuzz_api_craft. */
+extern bool fuzz_api_limits;
 
 /* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
  * NULL) is increased by the number of API operations it ran. */
