@@ -85,12 +85,18 @@ struct pool_class {
 	struct kvr_attempt **rec; /* cap slots in the pool's recs[]: a stack, the top at n - 1 */
 } __attribute__((aligned(64)));
 
-/* One allocation: the classes' lines, then their stacks (766 slots, 6 KB; the pages of a
- * stack are touched only as deep as it has been). */
+/* One allocation: the classes' lines, a line written only by create, then their stacks (766
+ * slots, 6 KB; the pages of a stack are touched only as deep as it has been). */
 struct kvr_attempt_pool {
 	struct pool_class cls[POOL_CLASSES]; /* class k at [k - POOL_MIN_CLASS] */
-	size_t bytes;                        /* of this allocation */
-	struct kvr_attempt *recs[];
+	/* cls[i].rec again, where kvr_owner_attempt_prefetch reads it: read from the class's
+	 * line, which the shards write at every give, it stalled the routing thread's hashing
+	 * until that line came in (the prefetch's address depended on the load; bench_hashstage
+	 * route_line; in kvr_route the 10-20 % of routes that found the line freshly written,
+	 * 2k-token head stage p90 357-609 -> 336-357 TSC ticks: docs/measurements.md). */
+	struct kvr_attempt **stack[POOL_CLASSES] __attribute__((aligned(64)));
+	size_t bytes; /* of this allocation */
+	struct kvr_attempt *recs[] __attribute__((aligned(64)));
 };
 
 /* Ordering: acquire, pairing with unlock's release: the stack as the last holder left it. */
@@ -126,6 +132,7 @@ int kvr_attempt_pool_create(struct kvr_attempt_pool **out)
 		struct pool_class *pc = &p->cls[k - POOL_MIN_CLASS];
 		pc->cap = pool_depth(k);
 		pc->rec = &p->recs[slots];
+		p->stack[k - POOL_MIN_CLASS] = pc->rec;
 		slots += pc->cap;
 	}
 	*out = p;
@@ -242,8 +249,9 @@ void kvr_owner_attempt_prefetch(const struct kvr_owner_ctx *c, size_t n)
 		struct pool_class *pc = &c->pool->cls[k - POOL_MIN_CLASS];
 		__builtin_prefetch(pc, 1, 3); /* for writing: the lock is exchanged */
 		/* The top's line, where this thread's last take left it (a guess: reading the
-		 * count here would wait for the line the first hint asks for). */
-		__builtin_prefetch(&pc->rec[tls_top_hint], 0, 3);
+		 * count, or anything else on the class's line, here would wait for the line the
+		 * first hint asks for; the stack's address comes from a line nobody writes). */
+		__builtin_prefetch(&c->pool->stack[k - POOL_MIN_CLASS][tls_top_hint], 0, 3);
 	}
 }
 
