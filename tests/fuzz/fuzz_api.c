@@ -913,6 +913,10 @@ static void ticket_new(struct prog *p, uint64_t t, bool waited, int pinned, uint
 
 static void op_route(struct prog *p)
 {
+	/* --limits' queue of up to 2^32 - 1 requests outgrows the model's tickets: no route
+	 * that may queue while they are full (the bound on the queue is checked at capacity 1) */
+	if (fuzz_api_limits && p->cfg.queue_threshold > 0 && p->n_tix >= MAX_TIX - 1)
+		return;
 	struct kvr_request q;
 	struct kvr_rank_id pin, allow[16];
 	int pinned, defect;
