@@ -96,14 +96,9 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 				ev_local[i] = b->local_hash;
 		}
 	}
-	struct kvr_rank_pub *pub = &r->ranks[slot];
-	struct kvr_event_args a = {.slot = slot,
-	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
-	                           .ev = ev,
-	                           .local = ev_local};
-	return kvr_shard_call(
-	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
-	    KVR_LANE_ROUTING, kvr_owner_event, &a);
+	struct kvr_event_args a = {
+	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = ev_local};
+	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 }
 
 /* Thread-local scratch of kvr_events_apply_many: shard call arguments, local hashes. */
@@ -193,8 +188,7 @@ static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const str
 	if (grow((void **)args, cap_args, n ? n : 1, sizeof(**args)) ||
 	    grow((void **)local, cap_local, nblk ? nblk : 1, sizeof(uint64_t)))
 		return KVR_ENOMEM;
-	struct kvr_rank_pub *pub = &r->ranks[slot];
-	uint64_t gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+	uint64_t gen = kvr_router_gen_of(r, slot);
 	size_t off = 0;
 	for (size_t i = 0; i < n; i++) {
 		const struct kvr_event *ev = &evs[i];
@@ -219,7 +213,7 @@ static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const str
 		}
 		off += ev->n_blocks;
 	}
-	*sh = kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED));
+	*sh = kvr_router_shard_of(r, slot);
 	return 0;
 }
 
@@ -316,12 +310,7 @@ int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)
 	if (rc)
 		return rc;
 	struct kvr_event ev = {.type = KVR_EVENT_CLEARED};
-	struct kvr_rank_pub *pub = &r->ranks[slot];
-	struct kvr_event_args a = {.slot = slot,
-	                           .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE),
-	                           .ev = &ev,
-	                           .rank_only = true};
-	return kvr_shard_call(
-	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
-	    KVR_LANE_ROUTING, kvr_owner_event, &a);
+	struct kvr_event_args a = {
+	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = &ev, .rank_only = true};
+	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 }

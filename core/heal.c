@@ -11,15 +11,9 @@
 
 int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_tokens)
 {
-	if (!r || attempt == 0)
-		return KVR_EINVAL;
-	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
-	uint32_t slot = kvr_attempt_slot(attempt);
-	if (slot >= r->cfg.max_ranks)
-		return KVR_ENOENT; /* not an id this router issued */
-	int rc = kvr_rcu_thread_online();
-	if (rc)
+	uint32_t slot;
+	int rc = kvr_router_attempt_slot(r, attempt, &slot);
+	if (rc || (rc = kvr_rcu_thread_online()))
 		return rc;
 	kvr_router_settle(r); /* sync_booking: the lease word as earlier calls left it */
 	if (kvr_lease_touch(r->leases, attempt)) { /* claimed, ended, never issued */
@@ -27,9 +21,8 @@ int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_t
 		return KVR_ESTALE;
 	}
 	struct kvr_heal_args a = {.attempt = attempt, .cached_tokens = cached_tokens};
-	struct kvr_shard *sh =
-	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
-	return kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_cached_call, &a);
+	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_cached_call,
+	                      &a);
 }
 
 int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
@@ -40,18 +33,11 @@ int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
 	const uint32_t known = KVR_OBSERVE_RESIDENT | KVR_OBSERVE_WATERMARK;
 	if ((obs->flags & known) == 0 || (obs->flags & ~known))
 		return KVR_EINVAL;
-	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
-	int rc = kvr_rcu_thread_online();
+	uint32_t slot;
+	int rc = kvr_router_enter_rank(r, rank, &slot);
 	if (rc)
 		return rc;
-	uint32_t slot;
-	if ((rc = kvr_router_find_rank(r, rank, &slot)))
-		return rc;
-	struct kvr_rank_pub *pub = &r->ranks[slot];
-	struct kvr_heal_args a = {
-	    .slot = slot, .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE), .obs = obs};
-	return kvr_shard_call(
-	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
-	    KVR_LANE_ROUTING, kvr_owner_observe_call, &a);
+	struct kvr_heal_args a = {.slot = slot, .gen = kvr_router_gen_of(r, slot), .obs = obs};
+	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING,
+	                      kvr_owner_observe_call, &a);
 }

@@ -89,20 +89,15 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32_t *tokens,
                     size_t n, uint16_t flags)
 {
-	if (!r || attempt == 0)
-		return KVR_EINVAL;
-	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
-	uint32_t slot = kvr_attempt_slot(attempt);
-	if (slot >= r->cfg.max_ranks)
-		return KVR_ENOENT; /* not an id this router issued */
-	if (n > UINT32_MAX)
-		return KVR_EINVAL;
-	int rc = kvr_rcu_thread_online();
+	uint32_t slot;
+	int rc = kvr_router_attempt_slot(r, attempt, &slot);
 	if (rc)
 		return rc;
-	struct kvr_shard *sh =
-	    kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
+	if (n > UINT32_MAX)
+		return KVR_EINVAL;
+	if ((rc = kvr_rcu_thread_online()))
+		return rc;
+	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
 	/* sync_booking: the claim or touch below reads the lease word as the work posted before
 	 * left it.  Of that work, only the shard's lease reaper (a timer, run before each posted
 	 * task whose time it is due by) changes what the claim or touch returns: an end only

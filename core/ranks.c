@@ -101,8 +101,7 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	struct kvr_rank_args a = {.slot = slot};
-	kvr_shard_call(kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
-	               KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
+	kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
 	kvr_shards_unplace(r->shards, rank.worker_id);
 out:
 	pthread_mutex_unlock(&r->admin_lock);
@@ -121,12 +120,9 @@ static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn 
 	uint32_t slot;
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
 		return rc;
-	struct kvr_rank_pub *pub = &r->ranks[slot];
 	a->slot = slot;
-	a->gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
-	return kvr_shard_call(
-	    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED)),
-	    KVR_LANE_ROUTING, fn, a);
+	a->gen = kvr_router_gen_of(r, slot);
+	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, fn, a);
 }
 
 int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,

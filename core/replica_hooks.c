@@ -40,16 +40,12 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	if (!r || !m || (m->n && !m->local) || (m->tail_n && !m->tail) ||
 	    m->tail_n >= r->cfg.block_size)
 		return KVR_EINVAL;
-	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
-	int rc = kvr_rcu_thread_online();
+	uint32_t slot;
+	int rc = kvr_router_enter_rank(r, m->rank, &slot);
 	if (rc)
 		return rc;
-	uint32_t slot;
-	if ((rc = kvr_router_find_rank(r, m->rank, &slot)))
-		return rc;
 	struct kvr_rank_pub *pub = &r->ranks[slot];
-	uint64_t gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE);
+	uint64_t gen = kvr_router_gen_of(r, slot);
 	if (__atomic_load_n(&pub->incarnation, __ATOMIC_RELAXED) != m->incarnation)
 		return KVR_ESTALE;
 	size_t n = m->n;

@@ -266,12 +266,9 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 	memcpy(slot, live->slot, n * sizeof(*slot));
 	kvr_rcu_read_unlock();
 	for (uint32_t i = 0; i < n; i++) {
-		const struct kvr_rank_pub *pub = &r->ranks[slot[i]];
-		struct kvr_rank_args a = {.slot = slot[i],
-		                          .gen = __atomic_load_n(&pub->gen, __ATOMIC_ACQUIRE)};
-		struct kvr_shard *sh =
-		    kvr_shards_get(r->shards, __atomic_load_n(&pub->shard, __ATOMIC_RELAXED));
-		if (kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_rank_memory, &a) == 0) {
+		struct kvr_rank_args a = {.slot = slot[i], .gen = kvr_router_gen_of(r, slot[i])};
+		if (kvr_shard_call(kvr_router_shard_of(r, slot[i]), KVR_LANE_ROUTING,
+		                   kvr_owner_rank_memory, &a) == 0) {
 			out->caches += a.cache_bytes; /* a rank removed meanwhile counts nothing */
 			out->load += a.load_bytes;
 		}

@@ -38,6 +38,7 @@
 #include "shards/owner.h"
 #include "shards/pinmap.h"
 #include "shards/runtime.h"
+#include "sync/rcu.h"
 
 /* The routable slots and the generation each had when it became routable (a decision taken on
  * this list books with that generation, so a rank removed since is a stale booking).  gen[]
@@ -122,6 +123,53 @@ int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *
 static inline bool kvr_router_stopping(const struct kvr_router *r)
 {
 	return __atomic_load_n(&r->shutting_down, __ATOMIC_ACQUIRE) != 0;
+}
+
+/*
+ * The checks every call on an attempt id starts with: 0 and the slot of the attempt's rank in
+ * *slot, or KVR_EINVAL (no router, attempt 0), KVR_ESHUTDOWN, KVR_ENOENT (a slot this router
+ * never had: not an id it issued).  Whether the attempt is still live is the lease word's to say.
+ * Context: any thread.
+ */
+static inline int kvr_router_attempt_slot(const struct kvr_router *r, uint64_t attempt,
+                                          uint32_t *slot)
+{
+	if (!r || attempt == 0)
+		return KVR_EINVAL;
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	*slot = kvr_attempt_slot(attempt);
+	if (*slot >= r->cfg.max_ranks)
+		return KVR_ENOENT; /* not an id this router issued */
+	return 0;
+}
+
+/* The rank behind id for a call that reads the index: KVR_ESHUTDOWN, KVR_ENOMEM (this thread
+ * could not become an RCU reader), or kvr_router_find_rank's answer.  Context: any thread but a
+ * shard's, outside a read-side section. */
+static inline int kvr_router_enter_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot)
+{
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	int rc = kvr_rcu_thread_online();
+	if (rc)
+		return rc;
+	return kvr_router_find_rank(r, id, slot);
+}
+
+/* slot's generation, for the shard call's stale check.  Ordering: acquire, pairs with the
+ * release increments of kvr_rank_add / kvr_rank_remove.  Context: any thread. */
+static inline uint64_t kvr_router_gen_of(const struct kvr_router *r, uint32_t slot)
+{
+	return __atomic_load_n(&r->ranks[slot].gen, __ATOMIC_ACQUIRE);
+}
+
+/* The shard that owns slot's rank.  Relaxed: set when the rank is created, before its slot is
+ * published; a caller with a stale attempt id may read it while the slot is reused, and that
+ * shard then answers KVR_ESTALE (shards/owner_ranks.c).  Context: any thread. */
+static inline struct kvr_shard *kvr_router_shard_of(struct kvr_router *r, uint32_t slot)
+{
+	return kvr_shards_get(r->shards, __atomic_load_n(&r->ranks[slot].shard, __ATOMIC_RELAXED));
 }
 
 /*
