@@ -60,6 +60,28 @@ static struct trace_req *new_req(struct trace *t)
 	return r;
 }
 
+/* Appends the request whose blocks are the JSON array ids.  Returns 0, -1 malformed (why set),
+ * -2 out of memory; on error t->n is unchanged. */
+static int add_req(struct trace *t, json_t *ids, double arrival_s, uint64_t in, uint64_t out,
+                   uint32_t session, const char **why)
+{
+	struct trace_req *r = new_req(t);
+	if (!r)
+		return -2;
+	size_t off;
+	int rc = push_ids(t, ids, &off, &r->n_ids, session);
+	if (rc)
+		return rc == -1 ? (*why = "hash_ids must be non-negative integers", -1) : rc;
+	r->arrival_s = arrival_s;
+	r->input_len = (uint32_t)in;
+	r->output_len = (uint32_t)out;
+	r->session = session;
+	r->ids = (const uint64_t *)(uintptr_t)off; /* resolved in trace_finish */
+	r->uid = t->n;
+	t->n++;
+	return 0;
+}
+
 static int get_uint(json_t *o, const char *key, uint64_t max, uint64_t *out)
 {
 	json_t *v = json_object_get(o, key);
@@ -96,21 +118,7 @@ static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const cha
 		return *why = "missing or bad \"hash_ids\"", -1;
 	if (json_array_size(ids) != (in + t->block_size - 1) / t->block_size)
 		return *why = "len(hash_ids) != ceil(input_length / 512)", -1;
-	struct trace_req *r = new_req(t);
-	if (!r)
-		return -2;
-	size_t off;
-	int rc = push_ids(t, ids, &off, &r->n_ids, session);
-	if (rc)
-		return rc == -1 ? (*why = "hash_ids must be non-negative integers", -1) : rc;
-	r->arrival_s = (double)ts / 1000.0;
-	r->input_len = (uint32_t)in;
-	r->output_len = (uint32_t)out;
-	r->session = session;
-	r->ids = (const uint64_t *)(uintptr_t)off; /* resolved in trace_finish */
-	r->uid = t->n;
-	t->n++;
-	return 0;
+	return add_req(t, ids, (double)ts / 1000.0, in, out, session, why);
 }
 
 static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t session, int depth,
@@ -148,21 +156,9 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 			return *why = "missing or bad \"hash_ids\"", -1;
 		if (json_array_size(ids) != in / t->block_size)
 			return *why = "len(hash_ids) != floor(in / block_size)", -1;
-		struct trace_req *r = new_req(t);
-		if (!r)
-			return -2;
-		size_t off;
-		int rc = push_ids(t, ids, &off, &r->n_ids, session);
+		int rc = add_req(t, ids, base + ts, in, out, session, why);
 		if (rc)
-			return rc == -1 ? (*why = "hash_ids must be non-negative integers", -1)
-			                : rc;
-		r->arrival_s = base + ts;
-		r->input_len = (uint32_t)in;
-		r->output_len = (uint32_t)out;
-		r->session = session;
-		r->ids = (const uint64_t *)(uintptr_t)off;
-		r->uid = t->n;
-		t->n++;
+			return rc;
 	}
 	return 0;
 }
