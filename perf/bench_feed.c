@@ -43,19 +43,13 @@
 #include "core/metrics.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "sync/feed_decode.h"
 #include "sync/feed_encode.h"
 
 #define BS      16
 #define NBLK    16
 #define PER_BAT (NBLK * BS)
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static double wall_s(void)
 {
@@ -269,12 +263,6 @@ static void *bare_sub(void *arg)
 	}
 	kvr_feed_batch_fini(&fb);
 	return NULL;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
 }
 
 struct lag_result {

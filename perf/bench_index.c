@@ -33,6 +33,7 @@
 #include "core/hash.h"
 #include "core/index.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "sync/rcu.h"
 
 enum { RANKS = 64, MAXT = 4 };
@@ -51,22 +52,6 @@ static struct kvr_index *idx;
 static uint32_t slots[RANKS];
 static int go, stop;
 static double ms = 1000;
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void pin(int cpu)
-{
-	cpu_set_t set;
-	CPU_ZERO(&set);
-	long n = sysconf(_SC_NPROCESSORS_ONLN);
-	CPU_SET(cpu % (n > 0 ? (int)n : 1), &set);
-	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
 
 /* ---------------------------------------------------------------- trace */
 

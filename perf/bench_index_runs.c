@@ -85,33 +85,10 @@
 #include "core/index_internal.h"
 #include "core/index_match.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "sync/rcu.h"
 
 enum { RANKS = 64, BS = 16 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* This thread's CPU time: what a call cost without the time the (shared) machine ran others. */
-static uint64_t cpu_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void pin(int cpu)
-{
-	cpu_set_t set;
-	CPU_ZERO(&set);
-	long n = sysconf(_SC_NPROCESSORS_ONLN);
-	CPU_SET(cpu % (n > 0 ? (int)n : 1), &set);
-	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint64_t rnd(void)
@@ -120,12 +97,6 @@ static uint64_t rnd(void)
 	rng ^= rng >> 7;
 	rng ^= rng << 17;
 	return rng;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
 }
 
 static uint64_t pctl(uint64_t *v, size_t n, int per_mille)

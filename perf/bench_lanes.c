@@ -28,18 +28,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "perf/bench_util.h"
 #include "shards/runtime.h"
 #include "sync/park.h"
 
 #define MAX_T       64
 #define MAX_SAMPLES 400000
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static int cpus[MAX_T], n_cpus;
 static uint32_t P = 2, S = 1, CAP = 4096, SOFT = 0;
@@ -54,12 +48,6 @@ static void pin_self(int slot)
 	CPU_ZERO(&set);
 	CPU_SET(cpus[slot % n_cpus], &set);
 	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
 }
 
 static uint64_t pct(uint64_t *v, size_t n, double p)

@@ -39,6 +39,7 @@
 
 #include "core/index_internal.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
 
@@ -50,32 +51,11 @@ static uint64_t capacity = 65536; /* blocks per rank: 1M tokens at block size 16
 static long shard_spin_ns = -1;   /* -1: the library's default */
 static int route_rounds = 1;      /* rounds of the no-peer route phase (order/warm-up check) */
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* This thread's CPU time: excludes the time it waited for a core. */
-static uint64_t cpu_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static int cmpu(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
-}
-
 static uint64_t pct(uint64_t *v, size_t n, double q)
 {
 	if (!n)
 		return 0;
-	qsort(v, n, 8, cmpu);
+	qsort(v, n, 8, cmp_u64);
 	size_t i = (size_t)(q * (double)(n - 1));
 	return v[i];
 }
@@ -256,7 +236,7 @@ static void *prober(void *arg)
 		} else {
 			struct probe *p = &ring[t % RING];
 			bool seen = visible(p);
-			uint64_t now = mono_ns();
+			uint64_t now = now_ns();
 			if (seen) {
 				record(t, now, true, false);
 				/* lo shows; hi-1 is the newest admission.  Only when behind: the
@@ -580,13 +560,13 @@ int main(int argc, char **argv)
 				bool synced = (k == 0) == (i % 2 == 0);
 				struct kvr_router *r = synced ? ra : plain;
 				struct kvr_decision d;
-				uint64_t c0 = cpu_ns(), t0 = mono_ns();
+				uint64_t c0 = cpu_ns(), t0 = now_ns();
 				int rc = kvr_route(r, &q, &d);
-				uint64_t dt = mono_ns() - t0, dc = cpu_ns() - c0;
-				uint64_t t1 = mono_ns();
+				uint64_t dt = now_ns() - t0, dc = cpu_ns() - c0;
+				uint64_t t1 = now_ns();
 				if (rc == 0)
 					kvr_request_finish(r, d.attempt);
-				uint64_t df = mono_ns() - t1;
+				uint64_t df = now_ns() - t1;
 				if (i >=
 				    warmup) { /* warm-up: journals and caches reach steady state */
 					(synced ? with : without)[i - warmup] = dt;
@@ -623,19 +603,19 @@ int main(int argc, char **argv)
 		       (unsigned long)of, (long)wf - (long)of, (double)wf / (double)of);
 	}
 	/* B catches up with everything A sent before the propagation phase starts. */
-	uint64_t catch0 = mono_ns();
+	uint64_t catch0 = now_ns();
 	for (;;) {
 		struct kvr_sync_stats sta;
 		uint64_t at = 0;
 		kvr_sync_get_stats(sa, &sta);
 		if (kvr_sync_peer_seq(sb, 1, &at) == 0 && at >= sta.seq)
 			break;
-		if (mono_ns() - catch0 > 60000000000ull)
+		if (now_ns() - catch0 > 60000000000ull)
 			break;
 		usleep(1000);
 	}
 	kvr_router_sync(rb, 60000); /* and B's shards booked what its apply thread posted */
-	double catch_s = (double)(mono_ns() - catch0) * 1e-9;
+	double catch_s = (double)(now_ns() - catch0) * 1e-9;
 	printf("bench_sync: B applied A's %zu routes + finishes %.2f s after A sent the last\n", n1,
 	       catch_s);
 
@@ -652,12 +632,12 @@ int main(int argc, char **argv)
 	pthread_t th;
 	pthread_create(&th, NULL, prober, NULL);
 	pthread_setname_np(th, "bench-prober");
-	uint64_t period = (uint64_t)(1e9 / rate), start = mono_ns(), n2 = 0, behind = 0;
+	uint64_t period = (uint64_t)(1e9 / rate), start = now_ns(), n2 = 0, behind = 0;
 	uint64_t end = start + (uint64_t)(seconds * 1e9);
 	size_t nb = tokens / block_size;
-	while (mono_ns() < end) {
+	while (now_ns() < end) {
 		uint64_t slot = start + n2 * period;
-		uint64_t now = mono_ns();
+		uint64_t now = now_ns();
 		if (now < slot) {
 			struct timespec ts = {(time_t)((slot - now) / 1000000000ull),
 			                      (long)((slot - now) % 1000000000ull)};
@@ -677,13 +657,13 @@ int main(int argc, char **argv)
 		q.n_hashes = nb;
 		q.n_tokens = tokens;
 		struct kvr_decision d;
-		uint64_t t0 = mono_ns();
+		uint64_t t0 = now_ns();
 		if (kvr_route(ra, &q, &d) != 0) {
 			free(local);
 			n2++;
 			continue;
 		}
-		uint64_t routed = mono_ns();
+		uint64_t routed = now_ns();
 		kvr_request_finish(ra, d.attempt);
 		if (n2 < n_obs)
 			obs[n2] = (struct obs){.attempt = d.attempt, .t0 = t0, .routed = routed};
@@ -696,14 +676,14 @@ int main(int argc, char **argv)
 		__atomic_store_n(&head, head + 1, __ATOMIC_RELEASE);
 		n2++;
 	}
-	double achieved = (double)head / ((double)(mono_ns() - start) * 1e-9);
+	double achieved = (double)head / ((double)(now_ns() - start) * 1e-9);
 	__atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
 	pthread_join(th, NULL); /* returns once B showed every admission (or gave up on it) */
 	/* CPU from the start of the phase until B booked the last admission: all the work the
 	 * admissions caused, even when the pipeline fell behind the rate.  The prober has exited
 	 * by then: its CPU is not in the report. */
 	cpu_snap(&cs1);
-	double cpu_wall_s = (double)(mono_ns() - start) * 1e-9;
+	double cpu_wall_s = (double)(now_ns() - start) * 1e-9;
 	__atomic_store_n(&kvr_rep_trace_origin, 0, __ATOMIC_RELAXED);
 	uint64_t p50 = pct(lat, n_lat, 0.5), p99 = pct(lat, n_lat, 0.99),
 	         p999 = pct(lat, n_lat, 0.999);

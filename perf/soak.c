@@ -29,6 +29,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 
 #define MAX_INFLIGHT 4096
 #define CAPACITY     30000 /* blocks per rank */
@@ -39,13 +40,6 @@ static atomic_uint_fast64_t n_routes, n_queued, n_aborted, n_vanished, n_finishe
     n_errors, n_admin, n_admitted_later;
 static atomic_int failed;
 static int n_ranks = 8;
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static uint64_t rss_kib(void)
 {
@@ -163,9 +157,9 @@ static void *frontend_main(void *arg)
 	struct frontend *f = arg;
 	uint64_t seed = 0x9e3779b97f4a7c15ull * (uint64_t)(f->id + 1);
 	static _Thread_local uint32_t tok[8192];
-	uint64_t period = (uint64_t)(1e9 / f->rate), next = mono_ns();
+	uint64_t period = (uint64_t)(1e9 / f->rate), next = now_ns();
 	while (!atomic_load(&stop)) {
-		uint64_t now = mono_ns();
+		uint64_t now = now_ns();
 		for (int k = 0; k < f->n_live;)
 			if (f->live[k].next_ns <= now) {
 				int before = f->n_live;
@@ -332,14 +326,14 @@ int main(int argc, char **argv)
 	       seconds, rate, threads, n_ranks, report_s, warmup_s);
 	printf("%8s %9s %9s %8s %7s %10s %12s %9s %s\n", "t_s", "routes/s", "inflight", "router",
 	       "queue", "res_max", "live_bytes", "rss_kib", "errors");
-	uint64_t t0 = mono_ns(), last = t0, last_routes = 0, seed = 42;
+	uint64_t t0 = now_ns(), last = t0, last_routes = 0, seed = 42;
 	uint64_t warm_rss = 0, warm_live = 0;
 	int64_t live_min = INT64_MAX, live_max = 0;
 	uint64_t next_admin = t0 + 3000000000ull;
 	for (;;) {
 		struct timespec ts = {0, 200000000};
 		nanosleep(&ts, NULL);
-		uint64_t now = mono_ns();
+		uint64_t now = now_ns();
 		if (now >= next_admin) {
 			admin_step(&seed, inc);
 			next_admin = now + 3000000000ull;
