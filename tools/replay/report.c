@@ -436,6 +436,13 @@ void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, c
 		    label, gain, blind, 100 * best_blind);
 }
 
+/* Opens dir/name for writing, its path left in p (what the error message names). */
+static FILE *plot_file(char *p, size_t cap, const char *dir, const char *name)
+{
+	snprintf(p, cap, "%s/%s", dir, name);
+	return fopen(p, "w");
+}
+
 int replay_report_plot(const char *dir, const struct replay_result *res, size_t n,
                        const char *title, char *err, size_t errlen)
 {
@@ -446,8 +453,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 		return -1;
 	/* hit_rate.dat: per policy (gnuplot index), the hit rate of the last W first admissions'
 	 * prompt blocks, at each admission time (sampled to ~400 points). */
-	snprintf(p, sizeof(p), "%s/hit_rate.dat", dir);
-	FILE *f = fopen(p, "w");
+	FILE *f = plot_file(p, sizeof(p), dir, "hit_rate.dat");
 	if (!f)
 		goto ioerr;
 	size_t w = 0;
@@ -482,8 +488,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 	}
 	fclose(f);
 	/* ttft_cdf.dat: one block per policy (gnuplot index), at most ~1000 points each. */
-	snprintf(p, sizeof(p), "%s/ttft_cdf.dat", dir);
-	f = fopen(p, "w");
+	f = plot_file(p, sizeof(p), dir, "ttft_cdf.dat");
 	if (!f)
 		goto ioerr;
 	for (size_t i = 0; i < n; i++) {
@@ -499,8 +504,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 	}
 	fclose(f);
 	/* summary.dat: policy, cached token share %, block hit rate %, TTFT p50 s, TTFT p99 s. */
-	snprintf(p, sizeof(p), "%s/summary.dat", dir);
-	f = fopen(p, "w");
+	f = plot_file(p, sizeof(p), dir, "summary.dat");
 	if (!f)
 		goto ioerr;
 	fprintf(f, "# policy cached_token_pct hit_block_pct ttft_p50_s ttft_p99_s\n");
@@ -509,8 +513,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 		        100 * share(res[i].hit_tokens, res[i].prompt_tokens), 100 * res[i].hit_rate,
 		        res[i].ttft_p50_ms / 1e3, res[i].ttft_p99_ms / 1e3);
 	fclose(f);
-	snprintf(p, sizeof(p), "%s/plots.gp", dir);
-	f = fopen(p, "w");
+	f = plot_file(p, sizeof(p), dir, "plots.gp");
 	if (!f)
 		goto ioerr;
 	fprintf(f,
