@@ -16,6 +16,14 @@
 #include "sync/rcu.h"
 #include "tests/common/splitmix.h"
 
+/* The blocks pinned by live requests, each counted once however many pin it. */
+static uint64_t active_blocks(struct kvr_load *l)
+{
+	struct kvr_load_stats st;
+	kvr_load_stats(l, &st);
+	return st.active_blocks;
+}
+
 Test(load, dedup_and_potential)
 {
 	struct kvr_load *l;
@@ -36,14 +44,12 @@ Test(load, dedup_and_potential)
 	cr_assert_eq(kvr_load_prefill_done(l, 1), 0, "idempotent");
 	cr_assert_eq(kvr_load_prefill_tokens(l, 5), 40);
 	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){13}, 1, 1), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 5);
+	cr_assert_eq(active_blocks(l), 5);
 	cr_assert_eq(kvr_load_finish(l, 1), 0);
 	cr_assert_eq(kvr_load_finish(l, 1), KVR_ENOENT, "already finished");
 	cr_assert_eq(kvr_load_prefill_done(l, 1), KVR_ENOENT);
 	cr_assert_eq(kvr_load_add_output(l, 1, (uint64_t[]){14}, 1, 1), KVR_ENOENT);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 3, "10, 11 still pinned by 2");
+	cr_assert_eq(active_blocks(l), 3, "10, 11 still pinned by 2");
 	cr_assert_eq(kvr_load_finish(l, 2), 0);
 	kvr_load_stats(l, &st);
 	cr_assert_eq(st.active_blocks, 0);
@@ -63,7 +69,6 @@ Test(load, dedup_and_potential)
 Test(load, pin_across_many_runs)
 {
 	struct kvr_load *l;
-	struct kvr_load_stats st;
 	cr_assert_eq(kvr_load_create(0, &l), 0);
 	uint64_t seq[64];
 	for (int i = 0; i < 64; i++)
@@ -75,19 +80,15 @@ Test(load, pin_across_many_runs)
 		p[2 * k] = 5000 + k; /* a branch: the run splits after block 2k */
 		cr_assert_eq(kvr_load_add(l, 1 + k, p, 1, 2 * k + 1, 0, 0), 0);
 	}
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 64 + 31);
+	cr_assert_eq(active_blocks(l), 64 + 31);
 	cr_assert_eq(kvr_load_add(l, 100, seq, 1, 64, 0, 0), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 64 + 31, "the prompt's blocks were all pinned already");
+	cr_assert_eq(active_blocks(l), 64 + 31, "the prompt's blocks were all pinned already");
 	cr_assert_eq(kvr_load_pinned_depth(l, seq, 64), 64);
 	for (uint64_t a = 1; a <= 32; a++)
 		cr_assert_eq(kvr_load_finish(l, a), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 64, "the last request holds them");
+	cr_assert_eq(active_blocks(l), 64, "the last request holds them");
 	cr_assert_eq(kvr_load_finish(l, 100), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 0);
+	cr_assert_eq(active_blocks(l), 0);
 	kvr_load_destroy(l);
 }
 
@@ -106,13 +107,11 @@ Test(load, crafted_root_on_an_interior_hash)
 	cr_assert_eq(kvr_load_add(l, 3, (uint64_t[]){10, 11, 50}, 1, 3, 0, 0), 0); /* split at 12 */
 	cr_assert_eq(kvr_load_finish(l, 1), 0);
 	cr_assert_eq(kvr_load_finish(l, 3), 0); /* frees the run the split made, headed by 12 */
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 2, "request 2's blocks");
+	cr_assert_eq(active_blocks(l), 2, "request 2's blocks");
 	cr_assert_eq(kvr_load_pinned_depth(l, (uint64_t[]){12, 99, 7}, 3), 2);
 	cr_assert_eq(kvr_load_add(l, 4, (uint64_t[]){12, 99, 7}, 1, 3, 0, 0), 0);
 	cr_assert_eq(kvr_load_add(l, 5, (uint64_t[]){10, 11, 12, 13}, 1, 4, 0, 0), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 3 + 4);
+	cr_assert_eq(active_blocks(l), 3 + 4);
 	for (uint64_t a = 2; a <= 5; a++)
 		if (a != 3)
 			cr_assert_eq(kvr_load_finish(l, a), 0);
@@ -129,20 +128,16 @@ Test(load, crafted_root_on_an_interior_hash)
 Test(load, crafted_prompt_repeating_a_hash)
 {
 	struct kvr_load *l;
-	struct kvr_load_stats st;
 	cr_assert_eq(kvr_load_create(0, &l), 0);
 	cr_assert_eq(kvr_load_add(l, 1, (uint64_t[]){10, 11, 12, 13}, 1, 4, 0, 0), 0);
 	cr_assert_eq(kvr_load_add(l, 2, (uint64_t[]){10, 11, 12, 13, 10, 11}, 1, 6, 0, 0), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_geq(st.active_blocks, 4);
+	cr_assert_geq(active_blocks(l), 4);
 	cr_assert_eq(kvr_load_add_output(l, 2, (uint64_t[]){10, 11, 12}, 1, 3), 0);
 	cr_assert_eq(kvr_load_finish(l, 2), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 4, "request 1 still holds its 4 blocks");
+	cr_assert_eq(active_blocks(l), 4, "request 1 still holds its 4 blocks");
 	cr_assert_eq(kvr_load_pinned_depth(l, (uint64_t[]){10, 11, 12, 13}, 4), 4);
 	cr_assert_eq(kvr_load_finish(l, 1), 0);
-	kvr_load_stats(l, &st);
-	cr_assert_eq(st.active_blocks, 0);
+	cr_assert_eq(active_blocks(l), 0);
 	kvr_load_destroy(l);
 }
 
