@@ -685,6 +685,18 @@ static void take(struct snap *sn, uint32_t slot, const uint64_t *q, size_t nq)
 	sn->score = score_of(q, nq, slot);
 }
 
+/* After a write refused when its nth allocation failed: takes *after and asserts the rank's
+ * blocks, q's score and the copy count are what before had. */
+static void same_as_before(const struct snap *before, struct snap *after, uint32_t slot,
+                           const uint64_t *q, size_t nq, uint64_t nth)
+{
+	take(after, slot, q, nq);
+	cr_assert_eq(after->n, before->n, "nth=%lu", (unsigned long)nth);
+	cr_assert_arr_eq(after->blocks, before->blocks, before->n * sizeof(uint64_t));
+	cr_assert_eq(after->score, before->score, "nth=%lu", (unsigned long)nth);
+	cr_assert_eq(after->st.copies, before->st.copies, "nth=%lu", (unsigned long)nth);
+}
+
 /* SQLite-style: fail the nth allocation of one store that forks a run, adds copies, grows
  * maps, holder sets and the table, for n = 1, 2, ... until it succeeds; every failure must
  * return KVR_ENOMEM and leave the index exactly as it was. */
@@ -718,12 +730,8 @@ Test(index, out_of_memory_changes_nothing)
 		if (rc == 0)
 			break;
 		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
-		take(&after, r0, q, 45);
-		cr_assert_eq(after.n, before.n, "nth=%lu", (unsigned long)nth);
-		cr_assert_arr_eq(after.blocks, before.blocks, before.n * sizeof(uint64_t));
-		cr_assert_eq(after.score, before.score, "nth=%lu", (unsigned long)nth);
+		same_as_before(&before, &after, r0, q, 45, nth);
 		cr_assert_eq(after.st.nodes, before.st.nodes, "nth=%lu", (unsigned long)nth);
-		cr_assert_eq(after.st.copies, before.st.copies, "nth=%lu", (unsigned long)nth);
 		cr_assert_eq(kvr_index_tree_size(idx, r0), before.n);
 	}
 	cr_assert_eq(rc, 0);
@@ -1295,11 +1303,7 @@ Test(index, out_of_memory_with_aliases_changes_nothing)
 		if (rc == 0)
 			break;
 		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
-		take(&after, r0, q, 100);
-		cr_assert_eq(after.n, before.n, "nth=%lu", (unsigned long)nth);
-		cr_assert_arr_eq(after.blocks, before.blocks, before.n * sizeof(uint64_t));
-		cr_assert_eq(after.score, before.score, "nth=%lu", (unsigned long)nth);
-		cr_assert_eq(after.st.copies, before.st.copies, "nth=%lu", (unsigned long)nth);
+		same_as_before(&before, &after, r0, q, 100, nth);
 		/* the names still refuse and resolve as before */
 		struct kvr_index_block c = {.ext_hash = 100, .local_hash = 4242};
 		cr_assert_eq(kvr_index_store(idx, r0, NULL, &c, 1), KVR_EINVAL);
