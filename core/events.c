@@ -16,22 +16,54 @@
 #include "core/hash.h"
 #include "core/router_internal.h"
 
-static _Thread_local uint64_t *ev_local;
-static _Thread_local size_t ev_cap;
-static pthread_key_t ev_key;
-static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+/* Thread-local scratch of kvr_events_apply and kvr_events_apply_many (shard call arguments,
+ * local hashes), grown and kept for the thread's next call, freed when it exits.  One set
+ * serves both: each call is done with it when it returns (its shard call is synchronous). */
+static _Thread_local struct kvr_event_args *scratch_args;
+static _Thread_local size_t scratch_args_cap;
+static _Thread_local uint64_t *scratch_local;
+static _Thread_local size_t scratch_local_cap;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 
-static void ev_free(void *p)
+static void scratch_free(void *p)
 {
 	(void)p;
-	kvr_free(ev_local, ev_cap * sizeof(uint64_t));
-	ev_local = NULL;
-	ev_cap = 0;
+	kvr_free(scratch_args, scratch_args_cap * sizeof(*scratch_args));
+	kvr_free(scratch_local, scratch_local_cap * sizeof(uint64_t));
+	scratch_args = NULL;
+	scratch_local = NULL;
+	scratch_args_cap = scratch_local_cap = 0;
 }
 
-static void ev_key_make(void)
+static void scratch_key_make(void)
 {
-	pthread_key_create(&ev_key, ev_free);
+	pthread_key_create(&scratch_key, scratch_free);
+}
+
+/* The capacity a buffer of cap items grows to for need (> cap): 64, doubled until it fits. */
+static size_t grown(size_t cap, size_t need)
+{
+	size_t nc = cap ? cap : 64;
+	while (nc < need)
+		nc *= 2;
+	return nc;
+}
+
+static int scratch_grow(void **p, size_t *cap, size_t need, size_t item)
+{
+	if (need <= *cap)
+		return 0;
+	size_t nc = grown(*cap, need);
+	void *q = kvr_alloc(nc * item);
+	if (!q)
+		return KVR_ENOMEM;
+	kvr_free(*p, *cap * item);
+	*p = q;
+	*cap = nc;
+	pthread_once(&scratch_once, scratch_key_make);
+	pthread_setspecific(scratch_key, (void *)1);
+	return 0;
 }
 
 static int validate(const struct kvr_router *r, const struct kvr_event *ev)
@@ -73,73 +105,22 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
 		return rc;
 	if (ev->type == KVR_EVENT_STORED) {
-		if (ev->n_blocks > ev_cap) {
-			size_t nc = ev_cap ? ev_cap : 64;
-			while (nc < ev->n_blocks)
-				nc *= 2;
-			uint64_t *p = kvr_alloc(nc * sizeof(uint64_t));
-			if (!p)
-				return KVR_ENOMEM;
-			kvr_free(ev_local, ev_cap * sizeof(uint64_t));
-			ev_local = p;
-			ev_cap = nc;
-			pthread_once(&ev_once, ev_key_make);
-			pthread_setspecific(ev_key, ev_local);
-		}
+		if (scratch_grow((void **)&scratch_local, &scratch_local_cap, ev->n_blocks,
+		                 sizeof(uint64_t)))
+			return KVR_ENOMEM;
 		uint64_t seed = kvr_hash_lora_seed(ev->lora_name);
 		for (size_t i = 0; i < ev->n_blocks; i++) {
 			const struct kvr_event_block *b = &ev->blocks[i];
 			if (b->tokens)
 				kvr_hash_chain_tokens(NULL, b->tokens, 1, r->cfg.block_size, seed,
-				                      &ev_local[i], NULL);
+				                      &scratch_local[i], NULL);
 			else
-				ev_local[i] = b->local_hash;
+				scratch_local[i] = b->local_hash;
 		}
 	}
 	struct kvr_event_args a = {
-	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = ev_local};
+	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = scratch_local};
 	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
-}
-
-/* Thread-local scratch of kvr_events_apply_many: shard call arguments, local hashes. */
-static _Thread_local struct kvr_event_args *many_args;
-static _Thread_local size_t many_cap;
-static _Thread_local uint64_t *many_local;
-static _Thread_local size_t many_local_cap;
-static pthread_key_t many_key;
-static pthread_once_t many_once = PTHREAD_ONCE_INIT;
-
-static void many_free(void *p)
-{
-	(void)p;
-	kvr_free(many_args, many_cap * sizeof(*many_args));
-	kvr_free(many_local, many_local_cap * sizeof(uint64_t));
-	many_args = NULL;
-	many_local = NULL;
-	many_cap = many_local_cap = 0;
-}
-
-static void many_key_make(void)
-{
-	pthread_key_create(&many_key, many_free);
-}
-
-static int many_grow(void **p, size_t *cap, size_t need, size_t item)
-{
-	if (need <= *cap)
-		return 0;
-	size_t nc = *cap ? *cap : 64;
-	while (nc < need)
-		nc *= 2;
-	void *q = kvr_alloc(nc * item);
-	if (!q)
-		return KVR_ENOMEM;
-	kvr_free(*p, *cap * item);
-	*p = q;
-	*cap = nc;
-	pthread_once(&many_once, many_key_make);
-	pthread_setspecific(many_key, (void *)1);
-	return 0;
 }
 
 struct many {
@@ -221,11 +202,11 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
                           const struct kvr_event *evs, size_t n, int *rcs)
 {
 	struct kvr_shard *sh;
-	int rc = prepare_many(r, rank, evs, n, rcs, &many_args, &many_cap, &many_local,
-	                      &many_local_cap, many_grow, &sh);
+	int rc = prepare_many(r, rank, evs, n, rcs, &scratch_args, &scratch_args_cap,
+	                      &scratch_local, &scratch_local_cap, scratch_grow, &sh);
 	if (rc || !sh)
 		return rc;
-	struct many m = {.args = many_args, .n = n, .rcs = rcs};
+	struct many m = {.args = scratch_args, .n = n, .rcs = rcs};
 	return kvr_shard_call(sh, KVR_LANE_ROUTING, apply_many, &m);
 }
 
@@ -234,9 +215,7 @@ static int post_grow(void **p, size_t *cap, size_t need, size_t item)
 {
 	if (need <= *cap)
 		return 0;
-	size_t nc = *cap ? *cap : 64;
-	while (nc < need)
-		nc *= 2;
+	size_t nc = grown(*cap, need);
 	void *q = kvr_realloc(*p, *cap * item, nc * item);
 	if (!q)
 		return KVR_ENOMEM;
