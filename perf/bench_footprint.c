@@ -78,6 +78,7 @@
 #endif
 
 #include "kvrouter.h"
+#include "tests/common/xorshift.h"
 
 #define REF_OLD_BYTES    220.0 /* the brief: before this round's index and cache */
 #define REF_TARGET_BYTES 32.0  /* the brief's target */
@@ -96,14 +97,6 @@ struct session {
 	uint32_t *tok; /* the transcript; len + one turn of room, allocated before the baseline */
 	size_t n;
 };
-
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
 
 /* The process RSS in bytes (-1 if unknown); *file, when not NULL, gets the part of it that is
  * file-backed (statm's "shared": the pages of the program's and libraries' code and data read
@@ -223,8 +216,8 @@ static void fresh_tokens(struct traffic *t, uint32_t *dst, size_t n)
  * user message. */
 static void session_start(struct traffic *t, struct session *s)
 {
-	uint64_t pick = rnd(&t->seed);
-	size_t first = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn + 1));
+	uint64_t pick = xorshift64(&t->seed);
+	size_t first = t->turn / 2 + (size_t)(xorshift64(&t->seed) % (t->turn + 1));
 	s->n = 0;
 	if (pick % 4 != 0) {
 		size_t j = (size_t)(pick >> 8) % N_SYSTEM;
@@ -278,7 +271,7 @@ static void traffic_fini(struct traffic *t)
 static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
                 uint64_t *new_blocks)
 {
-	struct session *s = &t->s[rnd(&t->seed) % N_SESSIONS];
+	struct session *s = &t->s[xorshift64(&t->seed) % N_SESSIONS];
 	struct kvr_request req;
 	kvr_request_init(&req);
 	req.tokens = s->tok;
@@ -294,7 +287,7 @@ static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
 	if (d.status != KVR_DECIDED)
 		return -1;
 	*new_blocks = d.required_blocks - d.overlap_blocks;
-	size_t n_out = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn / 2 + 1));
+	size_t n_out = t->turn / 2 + (size_t)(xorshift64(&t->seed) % (t->turn / 2 + 1));
 	fresh_tokens(t, t->out, n_out);
 	for (int k = 0;
 	     (rc = kvr_request_output(r, d.attempt, t->out, n_out)) == KVR_EAGAIN && k < 100; k++)
@@ -309,7 +302,7 @@ static int turn(struct kvr_router *r, struct traffic *t, const struct shape *sh,
 	}
 	memcpy(s->tok + s->n, t->out, n_out * sizeof(uint32_t));
 	s->n += n_out;
-	size_t user = t->turn / 2 + (size_t)(rnd(&t->seed) % (t->turn / 2 + 1));
+	size_t user = t->turn / 2 + (size_t)(xorshift64(&t->seed) % (t->turn / 2 + 1));
 	fresh_tokens(t, s->tok + s->n, user);
 	s->n += user;
 	return 0;

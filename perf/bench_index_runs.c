@@ -87,16 +87,14 @@
 #include "kvrouter.h"
 #include "perf/bench_util.h"
 #include "sync/rcu.h"
+#include "tests/common/xorshift.h"
 
 enum { RANKS = 64, BS = 16 };
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint64_t rnd(void)
 {
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return rng;
+	return xorshift64(&rng);
 }
 
 static uint64_t pctl(uint64_t *v, size_t n, int per_mille)

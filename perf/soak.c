@@ -30,6 +30,7 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "perf/bench_util.h"
+#include "tests/common/xorshift.h"
 
 #define MAX_INFLIGHT 4096
 #define CAPACITY     30000 /* blocks per rank */
@@ -51,14 +52,6 @@ static uint64_t rss_kib(void)
 		fclose(f);
 	}
 	return (uint64_t)res * (uint64_t)sysconf(_SC_PAGESIZE) / 1024;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
 }
 
 /* Admitted later by the queue: handed to the frontend that owns the slot table (any frontend). */
@@ -107,10 +100,10 @@ static void step(struct frontend *f, int k, uint64_t now, uint64_t *seed)
 		rc = kvr_request_prefill_done(R, q->attempt);
 	} else if (q->step <= q->outputs) {
 		for (int i = 0; i < 32; i++)
-			out[i] = (uint32_t)rnd(seed);
-		rc = kvr_request_output(R, q->attempt, out, 16 + rnd(seed) % 17);
+			out[i] = (uint32_t)xorshift64(seed);
+		rc = kvr_request_output(R, q->attempt, out, 16 + xorshift64(seed) % 17);
 	} else {
-		if (rnd(seed) % 20 == 0) {
+		if (xorshift64(seed) % 20 == 0) {
 			rc = kvr_request_abort(R, q->attempt);
 			atomic_fetch_add(&n_aborted, 1);
 		} else {
@@ -132,7 +125,7 @@ static void step(struct frontend *f, int k, uint64_t now, uint64_t *seed)
 	if (rc)
 		atomic_fetch_add(&n_errors, 1);
 	q->step++;
-	q->next_ns = now + 2000000 + rnd(seed) % 8000000;
+	q->next_ns = now + 2000000 + xorshift64(seed) % 8000000;
 }
 
 static void adopt(struct frontend *f, uint64_t attempt, uint64_t now, uint64_t *seed)
@@ -142,14 +135,14 @@ static void adopt(struct frontend *f, uint64_t attempt, uint64_t now, uint64_t *
 			atomic_fetch_add(&n_errors, 1);
 		return;
 	}
-	bool vanish = rnd(seed) % 200 == 0;
+	bool vanish = xorshift64(seed) % 200 == 0;
 	if (vanish) {
 		atomic_fetch_add(&n_vanished, 1); /* never touched again: the reaper's */
 		return;
 	}
 	f->live[f->n_live++] = (struct req){.attempt = attempt,
-	                                    .next_ns = now + 5000000 + rnd(seed) % 20000000,
-	                                    .outputs = 1 + (int)(rnd(seed) % 6)};
+	                                    .next_ns = now + 5000000 + xorshift64(seed) % 20000000,
+	                                    .outputs = 1 + (int)(xorshift64(seed) % 6)};
 }
 
 static void *frontend_main(void *arg)
@@ -187,16 +180,17 @@ static void *frontend_main(void *arg)
 		if (now > next + 1000000000ull)
 			next = now; /* fell behind by a second: do not burst */
 		/* a session: family (shared system prompt + history), grows turn by turn */
-		uint32_t fam = (uint32_t)(rnd(&seed) % 64);
-		size_t turn = 1 + rnd(&seed) % 16;
-		size_t n = 256 + turn * 480 + rnd(&seed) % 64;
+		uint32_t fam = (uint32_t)(xorshift64(&seed) % 64);
+		size_t turn = 1 + xorshift64(&seed) % 16;
+		size_t n = 256 + turn * 480 + xorshift64(&seed) % 64;
 		for (size_t i = 0; i < n; i++)
-			tok[i] = i < n - 64 ? fam * 1000003u + (uint32_t)i : (uint32_t)rnd(&seed);
+			tok[i] =
+			    i < n - 64 ? fam * 1000003u + (uint32_t)i : (uint32_t)xorshift64(&seed);
 		struct kvr_request q;
 		kvr_request_init(&q);
 		q.tokens = tok;
 		q.n_tokens = n;
-		q.request_id = rnd(&seed);
+		q.request_id = xorshift64(&seed);
 		q.expected_output_tokens = 128;
 		struct kvr_decision d;
 		int rc = kvr_route(R, &q, &d);
@@ -222,14 +216,15 @@ static void *frontend_main(void *arg)
 
 static void admin_step(uint64_t *seed, uint64_t *inc)
 {
-	int i = (int)(rnd(seed) % (uint64_t)n_ranks);
+	int i = (int)(xorshift64(seed) % (uint64_t)n_ranks);
 	struct kvr_rank_id id = {(uint64_t)i, 0};
-	switch (rnd(seed) % 3) {
+	switch (xorshift64(seed) % 3) {
 	case 0:
 		kvr_rank_reset(R, id, ++inc[i]);
 		break;
 	case 1:
-		kvr_rank_set_capacity(R, id, inc[i], rnd(seed) % 2 ? CAPACITY : CAPACITY / 2);
+		kvr_rank_set_capacity(R, id, inc[i],
+		                      xorshift64(seed) % 2 ? CAPACITY : CAPACITY / 2);
 		break;
 	default:
 		kvr_rank_remove(R, id);

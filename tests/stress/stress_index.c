@@ -30,6 +30,7 @@
 #include "core/index.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
+#include "tests/common/xorshift.h"
 
 enum { NR = 16, NW = 2, NRD = 2, K = 64, L = 24 };
 
@@ -77,21 +78,13 @@ static void fail(const char *what, int k, uint32_t slot, uint32_t score)
 	__atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 }
 
-static uint64_t xs(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 static int store_family(int w, uint32_t slot, int k, uint64_t *rng)
 {
 	struct kvr_index_block b[L];
 	for (int i = 0; i < L; i++)
 		b[i] = (struct kvr_index_block){ext_of(w, k, i), local_of(k, i)};
-	int cut = (int)(xs(rng) % L);
-	if (cut == 0 || xs(rng) % 2)
+	int cut = (int)(xorshift64(rng) % L);
+	if (cut == 0 || xorshift64(rng) % 2)
 		return kvr_index_store(idx, slot, NULL, b, L);
 	int rc = kvr_index_store(idx, slot, NULL, b, (size_t)cut);
 	if (rc)
@@ -105,10 +98,10 @@ static void *writer(void *arg)
 	uint64_t rng = 0x1234567ull + (uint64_t)t * 77;
 	kvr_rcu_thread_online();
 	while (!__atomic_load_n(&stop, __ATOMIC_RELAXED)) {
-		int w = (int)(xs(&rng) % (NR / NW)) * NW + t;
+		int w = (int)(xorshift64(&rng) % (NR / NW)) * NW + t;
 		uint32_t slot = __atomic_load_n(&slot_of[w], __ATOMIC_RELAXED);
-		int k = (int)(xs(&rng) % (K / 8)) * 8 + w % 8;
-		uint32_t op = (uint32_t)(xs(&rng) % 100);
+		int k = (int)(xorshift64(&rng) % (K / 8)) * 8 + w % 8;
+		uint32_t op = (uint32_t)(xorshift64(&rng) % 100);
 		int rc = 0;
 		if (op < 45) {
 			rc = store_family(w, slot, k, &rng);
@@ -118,7 +111,7 @@ static void *writer(void *arg)
 			uint64_t e[L];
 			size_t n = 0;
 			for (int i = 2; i < L; i++)
-				if (xs(&rng) % 3 == 0)
+				if (xorshift64(&rng) % 3 == 0)
 					e[n++] = ext_of(w, k, i);
 			rc = kvr_index_remove(idx, slot, e, n, NULL);
 		} else if (w >= 8 && op < 95) {
@@ -148,11 +141,11 @@ static void *reader(void *arg)
 	struct kvr_index_match out[NR * 2];
 	kvr_rcu_thread_online();
 	while (!__atomic_load_n(&stop, __ATOMIC_RELAXED)) {
-		int pinned = (int)(xs(&rng) % 8);
-		int k = xs(&rng) % 2 ? pinned : (int)(xs(&rng) % K);
+		int pinned = (int)(xorshift64(&rng) % 8);
+		int k = xorshift64(&rng) % 2 ? pinned : (int)(xorshift64(&rng) % K);
 		for (int i = 0; i < L; i++)
 			q[i] = local_of(k, i);
-		q[L] = xs(&rng);
+		q[L] = xorshift64(&rng);
 		size_t n;
 		kvr_rcu_read_lock();
 		uint64_t qs[L + 1];

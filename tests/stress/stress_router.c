@@ -21,6 +21,7 @@
 
 #include "core/router_internal.h" /* the pinned-block index, to check it empties */
 #include "kvrouter.h"
+#include "tests/common/xorshift.h"
 
 #define RANKS     6
 #define FRONTENDS 3
@@ -81,14 +82,6 @@ static void fail(const char *what, int rc)
 	atomic_fetch_add(&failures, 1);
 }
 
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 static void make_prompt(uint32_t *t, size_t n, uint64_t family, uint64_t variant)
 {
 	for (size_t i = 0; i < n; i++)
@@ -100,16 +93,17 @@ static void *frontend(void *arg)
 	uint64_t s = (uint64_t)(uintptr_t)arg * 0x9e3779b97f4a7c15ull + 1;
 	uint32_t t[2400], out[40];
 	while (!atomic_load(&stop)) {
-		uint64_t pick = rnd(&s) & 7;
+		uint64_t pick = xorshift64(&s) & 7;
 		struct kvr_router *r = pick < 2 ? events : pick < 4 ? syncb : approx;
 		/* one in eight long enough for recycled attempt records (>= 64 blocks) */
-		size_t n = (rnd(&s) & 7) ? 16 + rnd(&s) % 600 : 1024 + rnd(&s) % 1300;
-		make_prompt(t, n, rnd(&s) % 8, rnd(&s) % 4);
+		size_t n =
+		    (xorshift64(&s) & 7) ? 16 + xorshift64(&s) % 600 : 1024 + xorshift64(&s) % 1300;
+		make_prompt(t, n, xorshift64(&s) % 8, xorshift64(&s) % 4);
 		struct kvr_request q;
 		kvr_request_init(&q);
 		q.tokens = t;
 		q.n_tokens = n;
-		q.request_id = rnd(&s);
+		q.request_id = xorshift64(&s);
 		struct kvr_decision d;
 		int rc = kvr_route(r, &q, &d);
 		if (rc == KVR_ENOENT)
@@ -129,20 +123,20 @@ static void *frontend(void *arg)
 			atomic_fetch_add(&lane_full, 1);
 		else if (rc && rc != KVR_ESTALE)
 			fail("prefill_done", rc);
-		int outs = (int)(rnd(&s) % 3);
+		int outs = (int)(xorshift64(&s) % 3);
 		for (int k = 0; k < outs; k++) {
 			for (int i = 0; i < 40; i++)
-				out[i] = (uint32_t)rnd(&s);
-			rc = kvr_request_output(r, d.attempt, out, 1 + rnd(&s) % 40);
+				out[i] = (uint32_t)xorshift64(&s);
+			rc = kvr_request_output(r, d.attempt, out, 1 + xorshift64(&s) % 40);
 			if (rc == KVR_EAGAIN)
 				atomic_fetch_add(&lane_full, 1);
 			else if (rc && rc != KVR_ESTALE)
 				fail("output", rc);
 		}
 		/* Half the attempts end on another thread, right after kvr_route returned here. */
-		if ((rnd(&s) & 1) && handoff_push(r, d.attempt))
+		if ((xorshift64(&s) & 1) && handoff_push(r, d.attempt))
 			continue;
-		end_attempt(r, d.attempt, rnd(&s));
+		end_attempt(r, d.attempt, xorshift64(&s));
 	}
 	return NULL;
 }
@@ -168,7 +162,7 @@ static void *finisher(void *arg)
 	struct handoff h;
 	for (;;) {
 		if (handoff_pop(&h)) {
-			end_attempt(h.r, h.attempt, rnd(&s));
+			end_attempt(h.r, h.attempt, xorshift64(&s));
 			continue;
 		}
 		if (atomic_load(&frontends_done))
@@ -183,25 +177,27 @@ static void *admin(void *arg)
 	(void)arg;
 	uint64_t s = 77, inc = 2;
 	while (!atomic_load(&stop)) {
-		struct kvr_rank_id id = {rnd(&s) % RANKS, 0};
+		struct kvr_rank_id id = {xorshift64(&s) % RANKS, 0};
 		int rc;
-		switch (rnd(&s) % 5) {
+		switch (xorshift64(&s) % 5) {
 		case 0:
 			rc = kvr_rank_reset(approx, id, inc++);
 			break;
 		case 1:
-			rc = kvr_rank_set_capacity(approx, id, inc++, 50 + rnd(&s) % 200);
+			rc = kvr_rank_set_capacity(approx, id, inc++, 50 + xorshift64(&s) % 200);
 			break;
 		case 2:
 			/* removal and re-addition: the slot is reused under routing traffic */
 			rc = kvr_rank_remove(approx, id);
 			if (rc == 0)
-				rc = kvr_rank_add(approx, id, inc++, 100 + rnd(&s) % 200, 4096);
+				rc = kvr_rank_add(approx, id, inc++, 100 + xorshift64(&s) % 200,
+				                  4096);
 			break;
 		case 3:
 			rc = kvr_rank_remove(syncb, id);
 			if (rc == 0)
-				rc = kvr_rank_add(syncb, id, inc++, 100 + rnd(&s) % 200, 4096);
+				rc = kvr_rank_add(syncb, id, inc++, 100 + xorshift64(&s) % 200,
+				                  4096);
 			break;
 		default:
 			rc = kvr_rank_reset(events, id, inc++);
@@ -222,16 +218,16 @@ static void *engine(void *arg)
 	uint64_t ids[RANKS] = {0};
 	uint32_t t[64];
 	while (!atomic_load(&stop)) {
-		int w = (int)(rnd(&s) % RANKS);
+		int w = (int)(xorshift64(&s) % RANKS);
 		struct kvr_rank_id id = {(uint64_t)w, 0};
-		make_prompt(t, 64, rnd(&s) % 8, rnd(&s) % 4);
+		make_prompt(t, 64, xorshift64(&s) % 8, xorshift64(&s) % 4);
 		uint64_t local[4], seq[4];
 		kvr_hash_blocks(t, 64, 16, NULL, local, seq);
 		struct kvr_event_block b[4];
 		for (int i = 0; i < 4; i++)
 			b[i] = (struct kvr_event_block){.ext_hash = seq[i], .local_hash = local[i]};
 		struct kvr_event e = {.event_id = ++ids[w]};
-		if (rnd(&s) % 4) {
+		if (xorshift64(&s) % 4) {
 			e.type = KVR_EVENT_STORED;
 			e.blocks = b;
 			e.n_blocks = 4;

@@ -26,6 +26,7 @@
 #include <time.h>
 
 #include "kvrouter.h"
+#include "tests/common/xorshift.h"
 
 #define N_IDS       6
 #define MAX_SEQ     (1u << 22) /* attempt sequence numbers tracked */
@@ -173,32 +174,26 @@ static void pend_add(struct pending *p, uint64_t t)
 
 /* ---------------------------------------------------------------- threads */
 
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 static void *router_thread(void *arg)
 {
 	uint64_t seed = (uintptr_t)arg * 0x9e3779b97f4a7c15ull + 1;
 	uint32_t tok[1024];
 	struct pending pend = {.n = 0};
 	while (!atomic_load(&stop)) {
-		size_t n = 16 + rnd(&seed) % 1000;
-		uint32_t fam = (uint32_t)(rnd(&seed) % 8), salt = (uint32_t)rnd(&seed);
+		size_t n = 16 + xorshift64(&seed) % 1000;
+		uint32_t fam = (uint32_t)(xorshift64(&seed) % 8),
+		         salt = (uint32_t)xorshift64(&seed);
 		for (size_t i = 0; i < n; i++)
 			tok[i] = i < n / 2 ? fam * 7919u + (uint32_t)i : salt + (uint32_t)i;
 		struct kvr_request q;
 		kvr_request_init(&q);
 		q.tokens = tok;
 		q.n_tokens = n;
-		struct kvr_rank_id pin = {rnd(&seed) % (N_IDS / 2), (uint32_t)(rnd(&seed) % 2)};
-		if (rnd(&seed) % 8 == 0)
+		struct kvr_rank_id pin = {xorshift64(&seed) % (N_IDS / 2),
+		                          (uint32_t)(xorshift64(&seed) % 2)};
+		if (xorshift64(&seed) % 8 == 0)
 			q.pinned = &pin;
-		uint32_t how = (uint32_t)(rnd(&seed) % 4);
+		uint32_t how = (uint32_t)(xorshift64(&seed) % 4);
 		if (how == 0) {
 			q.flags = KVR_ROUTE_WAIT;
 			q.deadline_ns = kvr_router_now(R) + 2000000;
@@ -244,8 +239,8 @@ static void *router_thread(void *arg)
 		} else if (rc == KVR_EINVAL) {
 			FAIL("route: a well-formed request got KVR_EINVAL");
 		}
-		if (pend.n && rnd(&seed) % 4 == 0)
-			resolve(&pend, (int)(rnd(&seed) % (uint64_t)pend.n), false);
+		if (pend.n && xorshift64(&seed) % 4 == 0)
+			resolve(&pend, (int)(xorshift64(&seed) % (uint64_t)pend.n), false);
 	}
 	while (pend.n)
 		resolve(&pend, 0, false);
@@ -256,19 +251,19 @@ static void end_one(uint64_t a, uint64_t *seed)
 {
 	uint32_t out[40];
 	for (int i = 0; i < 40; i++)
-		out[i] = (uint32_t)rnd(seed);
+		out[i] = (uint32_t)xorshift64(seed);
 	int rc = kvr_request_prefill_done(R, a);
 	if (rc != 0 && rc != KVR_ESTALE)
 		FAIL("prefill_done: %d", rc);
-	rc = kvr_request_output(R, a, out, 1 + rnd(seed) % 40);
+	rc = kvr_request_output(R, a, out, 1 + xorshift64(seed) % 40);
 	if (rc != 0 && rc != KVR_ESTALE)
 		FAIL("output: %d", rc);
 	/* the engine's cached tokens (above a short prompt: KVR_EINVAL), while the admin thread
 	 * resets and removes the rank and observes it */
-	rc = kvr_request_cached(R, a, rnd(seed) % 96);
+	rc = kvr_request_cached(R, a, xorshift64(seed) % 96);
 	if (rc != 0 && rc != KVR_ESTALE && rc != KVR_EINVAL)
 		FAIL("cached: %d", rc);
-	rc = rnd(seed) % 4 ? kvr_request_finish(R, a) : kvr_request_abort(R, a);
+	rc = xorshift64(seed) % 4 ? kvr_request_finish(R, a) : kvr_request_abort(R, a);
 	if (rc == 0) {
 		atomic_fetch_add(&attempt_ends[(a >> 16) % MAX_SEQ], 1);
 		atomic_fetch_add(&n_ended, 1);
@@ -305,10 +300,10 @@ static void *admin_thread(void *arg)
 	(void)arg;
 	uint64_t seed = 99, inc[N_IDS] = {0};
 	while (!atomic_load(&stop)) {
-		int i = (int)(rnd(&seed) % N_IDS);
+		int i = (int)(xorshift64(&seed) % N_IDS);
 		struct kvr_rank_id id = {(uint64_t)(i / 2), (uint32_t)(i % 2)};
 		int rc;
-		switch (rnd(&seed) % 6) {
+		switch (xorshift64(&seed) % 6) {
 		case 0:
 			rc = kvr_rank_remove(R, id);
 			if (rc != 0 && rc != KVR_ENOENT)
@@ -318,12 +313,13 @@ static void *admin_thread(void *arg)
 		case 2:
 			/* another budget each time: max_batched_tokens is rewritten on re-add */
 			rc = kvr_rank_add(R, id, ++inc[i], 2000,
-			                  1000 + (uint32_t)(rnd(&seed) % 3000));
+			                  1000 + (uint32_t)(xorshift64(&seed) % 3000));
 			if (rc != 0 && rc != KVR_EEXIST && rc != KVR_ERANGE)
 				FAIL("add: %d", rc);
 			break;
 		case 3:
-			rc = kvr_rank_set_capacity(R, id, inc[i], rnd(&seed) % 2 ? 500 : 4000);
+			rc = kvr_rank_set_capacity(R, id, inc[i],
+			                           xorshift64(&seed) % 2 ? 500 : 4000);
 			if (rc != 0 && rc != KVR_ENOENT && rc != KVR_ESTALE)
 				FAIL("set_capacity: %d", rc);
 			break;
@@ -331,11 +327,11 @@ static void *admin_thread(void *arg)
 			/* engine truth, absurd counts included (they must cost no memory) */
 			static const uint64_t res[] = {0, 100, 3000, UINT64_MAX};
 			struct kvr_rank_observation ob = {
-			    .flags =
-			        KVR_OBSERVE_RESIDENT | (rnd(&seed) % 2 ? KVR_OBSERVE_WATERMARK : 0),
-			    .incarnation = inc[i] - rnd(&seed) % 2,
-			    .resident_blocks = res[rnd(&seed) % 4],
-			    .watermark_hash = rnd(&seed)};
+			    .flags = KVR_OBSERVE_RESIDENT |
+			             (xorshift64(&seed) % 2 ? KVR_OBSERVE_WATERMARK : 0),
+			    .incarnation = inc[i] - xorshift64(&seed) % 2,
+			    .resident_blocks = res[xorshift64(&seed) % 4],
+			    .watermark_hash = xorshift64(&seed)};
 			rc = kvr_rank_observe(R, id, &ob);
 			if (rc != 0 && rc != KVR_ENOENT && rc != KVR_ESTALE)
 				FAIL("observe: %d", rc);
@@ -391,7 +387,7 @@ static void *churn_one(void *arg)
 	while (!atomic_load(&stop)) {
 		if (kvr_rank_remove(R2, id) != 0)
 			FAIL("phase 2: remove");
-		if (kvr_rank_add(R2, id, ++inc, 100, 1 + (uint32_t)(rnd(&seed) % 64)) != 0)
+		if (kvr_rank_add(R2, id, ++inc, 100, 1 + (uint32_t)(xorshift64(&seed) % 64)) != 0)
 			FAIL("phase 2: re-add at max_ranks 1");
 	}
 	return NULL;
@@ -403,7 +399,7 @@ static void *route_one(void *arg)
 	uint32_t tok[64];
 	while (!atomic_load(&stop)) {
 		for (int i = 0; i < 64; i++)
-			tok[i] = (uint32_t)rnd(&seed);
+			tok[i] = (uint32_t)xorshift64(&seed);
 		struct kvr_request q;
 		kvr_request_init(&q);
 		q.tokens = tok;

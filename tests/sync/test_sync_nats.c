@@ -46,6 +46,7 @@
 #include "sync/replica_msg.h"
 #include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
+#include "tests/common/xorshift.h"
 
 #define N_RANKS 8
 #define HB_MS   100
@@ -127,10 +128,7 @@ static int attach(struct replica *x, uint64_t id)
 static uint64_t rng = 88172645463325252ull;
 static uint64_t next(void)
 {
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return rng;
+	return xorshift64(&rng);
 }
 
 /* One step on replica x: finish an old request, or route a new one from a family of shared

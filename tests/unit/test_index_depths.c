@@ -22,16 +22,14 @@
 #include "core/index_match.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
+#include "tests/common/xorshift.h"
 
 enum { NR = 72, NP = 24, LMAX = 80, NB = NP * LMAX, QMAX = LMAX + 8, TAB = 4096 };
 
 static uint64_t rng;
 static uint32_t rnd(uint32_t n)
 {
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return (uint32_t)(rng % n);
+	return (uint32_t)(xorshift64(&rng) % n);
 }
 
 /* The prompts: local hashes, chained into sequence hashes, and each block's id in the model. */

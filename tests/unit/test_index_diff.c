@@ -19,6 +19,7 @@
 #include "core/index_tops.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
+#include "tests/common/xorshift.h"
 
 enum { NR = 4, MAXP = 16384, MAXX = 1024, LONGN = 130 };
 
@@ -48,10 +49,7 @@ static struct mrank mr[NR];
 static uint64_t rng;
 static uint32_t rnd(uint32_t n)
 {
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return (uint32_t)(rng % n);
+	return (uint32_t)(xorshift64(&rng) % n);
 }
 
 static int intern(int parent, uint64_t local, bool create)

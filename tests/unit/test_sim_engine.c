@@ -10,6 +10,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "tests/common/xorshift.h"
 #include "tools/sim/cluster.h"
 
 #define MAXREC 256
@@ -477,14 +478,6 @@ Test(sim_engine, oversized_request_and_reset)
 
 /* ---------------------------------------------------------------- determinism */
 
-static uint64_t rng(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 /* A random workload over shared prefixes, under block pressure; returns the digest of every
  * callback and checks that every request finished and every block came back. */
 static uint64_t workload(uint64_t seed, struct rec *r)
@@ -497,17 +490,18 @@ static uint64_t workload(uint64_t seed, struct rec *r)
 	uint64_t t = 0;
 	const int n = 300;
 	for (int i = 0; i < n; i++) {
-		t += rng(&s) % 4000;
-		uint32_t prefix = (uint32_t)(rng(&s) % 6); /* one of 6 shared documents */
-		uint32_t shared = 16 * (uint32_t)(rng(&s) % 20);
-		uint32_t own = 1 + (uint32_t)(rng(&s) % 100);
+		t += xorshift64(&s) % 4000;
+		uint32_t prefix = (uint32_t)(xorshift64(&s) % 6); /* one of 6 shared documents */
+		uint32_t shared = 16 * (uint32_t)(xorshift64(&s) % 20);
+		uint32_t own = 1 + (uint32_t)(xorshift64(&s) % 100);
 		for (uint32_t k = 0; k < shared; k++)
 			tok[k] = prefix * 100000 + k;
 		for (uint32_t k = 0; k < own; k++)
 			tok[shared + k] = 1u << 30 | (uint32_t)i << 8 | k;
-		struct sim_request q = req(i, tok, shared + own, 1 + (uint32_t)(rng(&s) % 40));
+		struct sim_request q =
+		    req(i, tok, shared + own, 1 + (uint32_t)(xorshift64(&s) % 40));
 		cr_assert_eq(sim_cluster_run_until(c, t), 0);
-		cr_assert_eq(sim_cluster_submit(c, (uint32_t)(rng(&s) % 4), &q), 0);
+		cr_assert_eq(sim_cluster_submit(c, (uint32_t)(xorshift64(&s) % 4), &q), 0);
 	}
 	cr_assert_eq(sim_cluster_drain(c), 0);
 	uint64_t preempt = 0, fin = 0;

@@ -9,6 +9,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "tests/common/xorshift.h"
 #include "tools/sim/block_pool.h"
 
 static struct sim_pool *mk(uint32_t n)
@@ -189,14 +190,6 @@ struct held {
 	size_t n;
 };
 
-static uint64_t rng(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 static uint32_t ref_lookup(const struct ref *m, uint64_t seq)
 {
 	uint32_t best = SIM_NO_BLOCK;
@@ -248,10 +241,10 @@ Test(sim_pool, differential_against_reference_model)
 			m.q[i] = i;
 		struct held req[RREQ] = {0};
 		for (int op = 0; op < 400; op++) {
-			struct held *h = &req[rng(&s) % RREQ];
-			switch (rng(&s) % 4) {
+			struct held *h = &req[xorshift64(&s) % RREQ];
+			switch (xorshift64(&s) % 4) {
 			case 0: { /* allocate */
-				size_t k = 1 + rng(&s) % 4;
+				size_t k = 1 + xorshift64(&s) % 4;
 				if (h->n + k > 64)
 					break;
 				uint32_t out[4];
@@ -285,7 +278,7 @@ Test(sim_pool, differential_against_reference_model)
 				break;
 			}
 			case 1: { /* prefix-cache hit on one hash */
-				uint64_t sq = rng(&s) % RSEQ;
+				uint64_t sq = xorshift64(&s) % RSEQ;
 				uint32_t id = ref_lookup(&m, sq);
 				if (id == SIM_NO_BLOCK || h->n >= 64)
 					break;
@@ -299,8 +292,8 @@ Test(sim_pool, differential_against_reference_model)
 			case 2: { /* cache one of the held blocks */
 				if (h->n == 0)
 					break;
-				uint32_t id = h->ids[rng(&s) % h->n];
-				uint64_t sq = rng(&s) % RSEQ;
+				uint32_t id = h->ids[xorshift64(&s) % h->n];
+				uint64_t sq = xorshift64(&s) % RSEQ;
 				bool want = !m.hashed[id] && ref_lookup(&m, sq) == SIM_NO_BLOCK;
 				bool got = sim_pool_cache_block(p, id, sq, sq + 1000);
 				cr_assert_eq(got, want);
