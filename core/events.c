@@ -66,6 +66,18 @@ static int scratch_grow(void **p, size_t *cap, size_t need, size_t item)
 	return 0;
 }
 
+/* on_event_gap for the gaps the shard found (struct kvr_event_args.gap_to), on the caller's
+ * thread after the shard call: a callback is free to call the API (owner_events.c says why not
+ * from the shard). */
+static void report_gaps(const struct kvr_router *r, struct kvr_rank_id rank,
+                        const struct kvr_event_args *a, size_t n)
+{
+	for (size_t i = 0; i < n && r->cfg.on_event_gap; i++)
+		if (a[i].ev && a[i].gap_to)
+			r->cfg.on_event_gap(r->cfg.callback_ctx, rank.worker_id, rank.dp_rank,
+			                    a[i].gap_from, a[i].gap_to);
+}
+
 static int validate(const struct kvr_router *r, const struct kvr_event *ev)
 {
 	switch (ev->type) {
@@ -120,7 +132,9 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	}
 	struct kvr_event_args a = {
 	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = scratch_local};
-	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
+	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
+	report_gaps(r, rank, &a, 1);
+	return rc;
 }
 
 struct many {
@@ -207,7 +221,11 @@ int kvr_events_apply_many(struct kvr_router *r, struct kvr_rank_id rank,
 	if (rc || !sh)
 		return rc;
 	struct many m = {.args = scratch_args, .n = n, .rcs = rcs};
-	return kvr_shard_call(sh, KVR_LANE_ROUTING, apply_many, &m);
+	rc = kvr_shard_call(sh, KVR_LANE_ROUTING, apply_many, &m);
+	/* The thread's scratch: a callback may call the public API (kvr_events_apply grows only
+	 * scratch_local), not this internal function. */
+	report_gaps(r, rank, scratch_args, n);
+	return rc;
 }
 
 /* Grows a kvr_events_post buffer (owned by the struct, not the thread). */
@@ -249,6 +267,8 @@ int kvr_events_post_many(struct kvr_router *r, struct kvr_rank_id rank, const st
 		return rc;
 	a->rcs = rcs;
 	a->n = n;
+	a->r = r;
+	a->rank = rank;
 	kvr_reply_init(&a->reply);
 	struct kvr_events_post *pa = a;
 	rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, post_task, &pa, sizeof(pa), UINT64_MAX);
@@ -264,6 +284,7 @@ int kvr_events_post_wait(struct kvr_events_post *a)
 		return 0;
 	kvr_reply_wait(&a->reply, 0, NULL);
 	a->in_flight = false;
+	report_gaps(a->r, a->rank, a->args, a->n);
 	return 0;
 }
 

@@ -44,6 +44,8 @@ struct kvr_events_post {
 	size_t cap_args;
 	uint64_t *local;
 	size_t cap_local;
+	struct kvr_router *r; /* kvr_events_post_wait reports the gaps found */
+	struct kvr_rank_id rank;
 };
 int kvr_events_post_many(struct kvr_router *r, struct kvr_rank_id rank, const struct kvr_event *evs,
                          size_t n, int *rcs, struct kvr_events_post *a);

@@ -306,6 +306,9 @@ struct kvr_event_args {
 	const struct kvr_event *ev;
 	const uint64_t *local; /* stored: local hash per block (computed by the caller) */
 	bool rank_only;        /* cleared: this rank only, not every dp rank of its worker */
+	/* Out: the event ids skipped (gap_from..gap_to-1; gap_to 0: none), for the caller to
+	 * report through on_event_gap on its own thread once the call returns. */
+	uint64_t gap_from, gap_to;
 };
 
 /* Engine ground truth (issue 15; shards/owner_heal.c).  Context: the rank's shard thread. */

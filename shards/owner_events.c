@@ -10,6 +10,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 {
 	kvr_owner_retry_timers(sh);
 	struct kvr_event_args *a = arg;
+	a->gap_to = 0;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	if (!ss)
 		return KVR_ENOMEM;
@@ -57,24 +58,21 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	/* The cursor moves only past an event that was applied or refused for good: KVR_ENOMEM
 	 * changed nothing (the index takes back a failed write), so the same event may come
 	 * again (oom_contracts numbered_event_out_of_memory_changes_nothing). */
-	bool gap = false;
-	uint64_t expected = 0;
 	if (ev->event_id && rc != KVR_ENOMEM) {
 		if (own->have_event && ev->event_id > own->last_event_id + 1) {
 			own->gaps++;
 			kvr_metrics_add(mb, KVR_C_EV_GAPS, 1);
-			gap = true;
-			expected = own->last_event_id + 1;
+			/* Reported by the caller once the call returns, not from here: the
+			 * embedder may call the API from on_event_gap, and on a shard thread a
+			 * call on this rank ran inline under this function (a removal freed own)
+			 * and one on another shard's rank waited for that shard, which could be
+			 * waiting for this one the same way (test_callbacks). */
+			a->gap_from = own->last_event_id + 1;
+			a->gap_to = ev->event_id;
 		}
 		own->have_event = true;
 		own->last_event_id = ev->event_id;
 	}
 	kvr_owner_publish(ss, own);
-	/* The callback last, with nothing of the rank's read after it: the embedder may call the
-	 * API from it, and a call on this rank runs inline on this shard (a removal frees own, a
-	 * reset starts a new life whose event cursor the old event must not set). */
-	if (gap && c->on_event_gap)
-		c->on_event_gap(c->callback_ctx, c->ranks[a->slot].worker_id,
-		                c->ranks[a->slot].dp_rank, expected, ev->event_id);
 	return rc;
 }

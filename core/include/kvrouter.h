@@ -249,10 +249,9 @@ struct kvr_config {
 	 * kvr_route_wait caller collects it; d is borrowed for the call.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
-	 * embedder can ask the worker to replay.  Called on the thread that applies the event (the
-	 * rank's shard for kvr_events_apply, the feed's thread for a feed), with no router lock
-	 * held: the API may be called from it (but not kvr_router_sync or kvr_router_get_memory
-	 * on a shard; see kvr_feed_add for a feed's calls).  Default NULL. */
+	 * embedder can ask the worker to replay.  Called once the event is applied, on the thread
+	 * that called kvr_events_apply (a feed's thread for a feed), with no router lock held: the
+	 * API may be called from it (see kvr_feed_add for a feed's calls).  Default NULL. */
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
 	                     uint64_t got);
 	void *callback_ctx;

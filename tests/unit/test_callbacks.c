@@ -9,6 +9,9 @@
  * over) had the gapped event of the old life set the new life's event cursor, so the new
  * engine's first events (ids from 1) were dropped as stale. */
 #include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 
 #include "kvrouter.h"
 
@@ -84,4 +87,52 @@ Test(callbacks, gap_callback_resets_the_rank)
 	cr_assert_eq(st.event_id, 1);
 	cr_assert_eq(st.indexed_blocks, 1, "the new life holds its one block");
 	kvr_router_destroy(router);
+}
+
+/* ---------------------------------------------------------------- on_event_gap across shards */
+
+/* on_event_gap ran on the rank's shard thread.  A callback that asked about a rank of another
+ * shard waited for that shard, and when that shard's own callback was asking about a rank of
+ * the first at the same moment (two publishers gapping together, each callback logging the
+ * other's stats) both waited for ever: the router's shards were dead.  It runs on the caller's
+ * thread now. */
+static struct kvr_router *xr;
+static atomic_long x_calls;
+
+static void x_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, uint64_t got)
+{
+	(void)ctx, (void)dp, (void)expected, (void)got;
+	struct kvr_rank_stats st;
+	struct kvr_rank_id other = {worker == 1 ? 2 : 1, 0};
+	cr_assert_eq(kvr_rank_get_stats(xr, other, &st), 0);
+	atomic_fetch_add(&x_calls, 1);
+}
+
+static void *x_apply(void *arg)
+{
+	struct kvr_rank_id id = {(uint64_t)(uintptr_t)arg, 0};
+	for (uint64_t k = 1; k < 4000; k += 2) { /* every other id: a gap each time */
+		struct kvr_event ev = {.type = KVR_EVENT_CLEARED, .event_id = k};
+		cr_assert_eq(kvr_events_apply(xr, id, &ev), 0);
+	}
+	return NULL;
+}
+
+Test(callbacks, gap_callbacks_across_shards, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 2;
+	c.on_event_gap = x_gap;
+	cr_assert_eq(kvr_router_create(&c, &xr), 0);
+	cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){1, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){2, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	pthread_t a, b;
+	cr_assert_eq(pthread_create(&a, NULL, x_apply, (void *)(uintptr_t)1), 0);
+	cr_assert_eq(pthread_create(&b, NULL, x_apply, (void *)(uintptr_t)2), 0);
+	pthread_join(a, NULL);
+	pthread_join(b, NULL);
+	cr_assert_eq(atomic_load(&x_calls), 2 * 1999, "every gap reported once");
+	kvr_router_destroy(xr);
 }
