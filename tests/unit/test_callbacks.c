@@ -1,6 +1,7 @@
 /* The public API called from inside the router's own callbacks, as a careless embedder would:
- * kvrouter.h does not forbid it, and the callback runs on a router thread (a shard's, for
- * on_event_gap from kvr_events_apply), where a call on the same rank runs inline.
+ * kvrouter.h does not forbid it.  on_event_gap ran on the rank's shard thread, where a call on
+ * the same rank ran inline (the first two tests) and one on another shard's rank waited for it
+ * (the last); it runs on the caller's thread now.
  *
  * gap_callback_removes_the_rank: on_event_gap removing the rank it reports freed the rank's
  * state under kvr_owner_event, which then set the event cursor in freed memory (ASan:
