@@ -703,8 +703,9 @@ struct kvr_feed_config {
 	 * machine with a core to spare (like kvr_config.shard_idle_spin_ns). */
 	uint64_t idle_spin_ns;
 	/* One-line messages (refused events, gaps, restarts, malformed input), called on the feed
-	 * thread (see kvr_feed_add for the feed calls it may make); msg is borrowed for the call.  Repeats of one kind are thinned out (logged at
-	 * counts 1, 2, 4, 8, ...).  Default NULL = silent. */
+	 * thread (see kvr_feed_add for the feed calls it may make); msg is borrowed for the call.
+	 * Repeats of one kind are thinned out (logged at counts 1, 2, 4, 8, ...).  Default NULL =
+	 * silent. */
 	void (*log)(void *ctx, int level, const char *msg);
 	void *log_ctx;
 };
