@@ -146,7 +146,11 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .now_ns = r->clock.fn,
 	    .clock_ctx = r->clock.ctx,
 	    .max_workers = cfg->max_ranks,
-	    .idle_spin_ns = cfg->shard_idle_spin_ns ? cfg->shard_idle_spin_ns : KVR_SHARDS_NO_SPIN,
+	    /* The runtime's 'no spin' is UINT64_MAX, ours is 0: UINT64_MAX asks for the longest. */
+	    .idle_spin_ns = !cfg->shard_idle_spin_ns ? KVR_SHARDS_NO_SPIN
+	                    : cfg->shard_idle_spin_ns == KVR_SHARDS_NO_SPIN
+	                        ? KVR_SHARDS_NO_SPIN - 1
+	                        : cfg->shard_idle_spin_ns,
 	    .soon_wake_ns = cfg->booking_lazy_ns,
 	    .on_thread_start = kvr_owner_shard_start,
 	    .on_thread_stop = kvr_owner_shard_stop,

@@ -626,7 +626,9 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	                                                          : DEF_IDLE_SPIN;
 	s->spin_max_ns = cfg->idle_spin_max_ns == KVR_SHARDS_NO_SPIN ? s->idle_spin_ns
 	                 : cfg->idle_spin_max_ns                     ? cfg->idle_spin_max_ns
-	                                         : SPIN_MAX_FACTOR * s->idle_spin_ns;
+	                 : s->idle_spin_ns > UINT64_MAX / SPIN_MAX_FACTOR
+	                     ? UINT64_MAX - 1 /* saturated: 8x a spin of centuries */
+	                     : SPIN_MAX_FACTOR * s->idle_spin_ns;
 	if (s->spin_max_ns < s->idle_spin_ns)
 		s->spin_max_ns = s->idle_spin_ns;
 	s->lazy_ns = cfg->lazy_wake_ns == KVR_SHARDS_NO_SPIN ? 0
