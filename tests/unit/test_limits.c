@@ -22,38 +22,8 @@ static void sleep_ms(int ms)
 	nanosleep(&ts, NULL);
 }
 
-Test(limits, idle_spin_never_delays_the_reaper, .timeout = 60)
-{
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.shard_idle_spin_ns = UINT64_MAX - 1; /* the real clock */
-	c.lease_scan_interval_ns = 10 * 1000 * 1000;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	struct kvr_rank_id id = {1, 0};
-	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 0), 0);
-	uint32_t tok[64];
-	for (int i = 0; i < 64; i++)
-		tok[i] = (uint32_t)i;
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = tok;
-	q.n_tokens = 64;
-	struct kvr_decision d;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	/* No progress for 100 scan intervals: the attempt must have expired (one to two
-	 * intervals).  kvr_request_finish claims it on this thread, without asking the shard
-	 * (which would run the timers first). */
-	sleep_ms(1000);
-	cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE,
-	             "an attempt idle for 100 lease scan intervals did not expire");
-	kvr_router_destroy(r);
-}
-
-/* The shard's polling CPU time after one route and 100 ms idle (timers every 10 ms end each
- * spin, so at least one spin has been counted). */
-static uint64_t spin_after_idle(uint64_t idle_spin_ns)
+/* A one-shard router (lease scans every 10 ms) with one rank, and one 64-token route on it. */
+static struct kvr_router *one_route(uint64_t idle_spin_ns, struct kvr_decision *d)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
@@ -71,8 +41,29 @@ static uint64_t spin_after_idle(uint64_t idle_spin_ns)
 	kvr_request_init(&q);
 	q.tokens = tok;
 	q.n_tokens = 64;
+	cr_assert_eq(kvr_route(r, &q, d), 0);
+	return r;
+}
+
+Test(limits, idle_spin_never_delays_the_reaper, .timeout = 60)
+{
 	struct kvr_decision d;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	struct kvr_router *r = one_route(UINT64_MAX - 1 /* the real clock */, &d);
+	/* No progress for 100 scan intervals: the attempt must have expired (one to two
+	 * intervals).  kvr_request_finish claims it on this thread, without asking the shard
+	 * (which would run the timers first). */
+	sleep_ms(1000);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE,
+	             "an attempt idle for 100 lease scan intervals did not expire");
+	kvr_router_destroy(r);
+}
+
+/* The shard's polling CPU time after one route and 100 ms idle (timers every 10 ms end each
+ * spin, so at least one spin has been counted). */
+static uint64_t spin_after_idle(uint64_t idle_spin_ns)
+{
+	struct kvr_decision d;
+	struct kvr_router *r = one_route(idle_spin_ns, &d);
 	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
 	sleep_ms(100);
 	struct kvr_shard_stats st;
