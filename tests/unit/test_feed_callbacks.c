@@ -6,11 +6,10 @@
  * Now reads answer at once there, and add / remove return KVR_EBUSY. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
-#include <string.h>
 #include <time.h>
-#include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/feed_pub.h"
 
 static struct kvr_feed *feed;
 static atomic_int gap_done, log_done;
@@ -37,22 +36,6 @@ static void on_log(void *ctx, int level, const char *msg)
 	atomic_store(&log_done, 1);
 }
 
-/* {"ts": 1.0, "events": [], "data_parallel_rank": 0} */
-static const uint8_t empty_batch[] = {0x83, 0xa2, 't',  's', 0xcb, 0x3f, 0xf0, 0,   0,   0,    0,
-                                      0,    0,    0xa6, 'e', 'v',  'e',  'n',  't', 's', 0x90, 0xb2,
-                                      'd',  'a',  't',  'a', '_',  'p',  'a',  'r', 'a', 'l',  'l',
-                                      'e',  'l',  '_',  'r', 'a',  'n',  'k',  0x00};
-
-static void send_msg(void *pub, uint64_t seq, const uint8_t *body, size_t n)
-{
-	uint8_t s[8];
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	cr_assert_eq(zmq_send(pub, "", 0, ZMQ_SNDMORE), 0);
-	cr_assert_eq(zmq_send(pub, s, 8, ZMQ_SNDMORE), 8);
-	cr_assert_eq(zmq_send(pub, body, n, 0), (int)n);
-}
-
 /* Waits up to 10 s for *flag: the feed thread came back from the callback. */
 static bool came_back(atomic_int *flag)
 {
@@ -73,26 +56,19 @@ Test(feed_callbacks, feed_calls_from_its_callbacks, .timeout = 60)
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-	void *zctx = zmq_ctx_new();
-	void *pub = zmq_socket(zctx, ZMQ_XPUB);
-	int hwm = 0;
-	zmq_setsockopt(pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-	cr_assert_eq(zmq_bind(pub, "tcp://127.0.0.1:*"), 0);
-	char ep[256];
-	size_t eplen = sizeof(ep);
-	cr_assert_eq(zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, ep, &eplen), 0);
+	struct test_pub pub;
+	test_pub_open(&pub);
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.log = on_log;
 	cr_assert_eq(kvr_feed_create(r, &fc, &feed), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = ep, .worker_id = 0, .dp_rank = 0};
+	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
 	uint32_t id;
 	cr_assert_eq(kvr_feed_add(feed, &fe, &id), 0);
 	cr_assert_eq(id, 0);
-	uint8_t sub[64];
-	cr_assert_geq(zmq_recv(pub, sub, sizeof(sub), 0), 1, "the feed subscribes");
-	send_msg(pub, 0, empty_batch, sizeof(empty_batch));
-	send_msg(pub, 5, empty_batch, sizeof(empty_batch)); /* 1..4 lost, no replay endpoint */
+	test_pub_subscribed(&pub);
+	test_pub_send_empty(&pub, 0, 0);
+	test_pub_send_empty(&pub, 5, 0); /* 1..4 lost, no replay endpoint */
 	cr_assert(came_back(&gap_done), "on_event_gap's kvr_feed_get_stats never returned");
 	cr_assert_eq(gap_stats_rc, 0);
 	cr_assert_eq(gap_other_rc, 0);
@@ -106,7 +82,6 @@ Test(feed_callbacks, feed_calls_from_its_callbacks, .timeout = 60)
 	cr_assert_eq(st.batches, 2);
 	cr_assert_eq(kvr_feed_remove(feed, id), 0);
 	kvr_feed_destroy(feed);
-	zmq_close(pub);
-	zmq_ctx_term(zctx);
+	test_pub_close(&pub);
 	kvr_router_destroy(r);
 }

@@ -11,11 +11,10 @@
  * the known ones. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
-#include <string.h>
 #include <time.h>
-#include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/feed_pub.h"
 #include "sync/feed_internal.h"
 
 static atomic_uint_fast64_t gap_calls;
@@ -24,33 +23,6 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 {
 	(void)ctx, (void)worker, (void)dp, (void)from, (void)to;
 	atomic_fetch_add(&gap_calls, 1);
-}
-
-/* {"ts": 1.0, "events": [], "data_parallel_rank": dp} */
-static size_t batch(uint8_t *p, uint32_t dp)
-{
-	size_t n = 0;
-	static const uint8_t head[] = {0x83, 0xa2, 't', 's', 0xcb, 0x3f, 0xf0, 0,   0,    0,   0, 0,
-	                               0,    0xa6, 'e', 'v', 'e',  'n',  't',  's', 0x90, 0xb2};
-	memcpy(p, head, sizeof(head));
-	n = sizeof(head);
-	memcpy(p + n, "data_parallel_rank", 18);
-	n += 18;
-	p[n++] = 0xce; /* uint32 */
-	for (int i = 3; i >= 0; i--)
-		p[n++] = (uint8_t)(dp >> (8 * i));
-	return n;
-}
-
-static void send_batch(void *pub, uint64_t seq, uint32_t dp)
-{
-	uint8_t s[8], body[64];
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	size_t n = batch(body, dp);
-	cr_assert_eq(zmq_send(pub, "", 0, ZMQ_SNDMORE), 0);
-	cr_assert_eq(zmq_send(pub, s, 8, ZMQ_SNDMORE), 8);
-	cr_assert_eq(zmq_send(pub, body, n, 0), (int)n);
 }
 
 Test(feed_hostile, gaps_naming_unknown_ranks, .timeout = 120)
@@ -64,25 +36,19 @@ Test(feed_hostile, gaps_naming_unknown_ranks, .timeout = 120)
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-	void *zctx = zmq_ctx_new();
-	void *pub = zmq_socket(zctx, ZMQ_XPUB);
-	int hwm = 0; /* no drops: every batch must reach the feed */
-	zmq_setsockopt(pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-	cr_assert_eq(zmq_bind(pub, "tcp://127.0.0.1:*"), 0);
-	char ep[256];
-	size_t eplen = sizeof(ep);
-	cr_assert_eq(zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, ep, &eplen), 0);
+	struct test_pub pub;
+	test_pub_open(&pub);
 	struct kvr_feed *f;
 	cr_assert_eq(kvr_feed_create(r, NULL, &f), 0);
 	struct kvr_feed_endpoint fe = {
-	    .endpoint = ep, .worker_id = 0, .dp_rank = KVR_FEED_DP_FROM_BATCH};
+	    .endpoint = pub.ep, .worker_id = 0, .dp_rank = KVR_FEED_DP_FROM_BATCH};
 	uint32_t id;
 	cr_assert_eq(kvr_feed_add(f, &fe, &id), 0);
-	uint8_t sub[64];
-	cr_assert_geq(zmq_recv(pub, sub, sizeof(sub), 0), 1, "the feed subscribes");
+	test_pub_subscribed(&pub);
 	const uint32_t n = 600;
 	for (uint32_t k = 0; k < n; k++)
-		send_batch(pub, 2 * (uint64_t)k + 1, 1000 + k); /* seq 1, 3, 5, ...: gaps */
+		test_pub_send_empty(&pub, 2 * (uint64_t)k + 1,
+		                    1000 + k); /* seq 1, 3, 5, ...: gaps */
 	struct kvr_feed_stats st;
 	for (int t = 0; t < 6000; t++) {
 		cr_assert_eq(kvr_feed_get_stats(f, id, &st), 0);
@@ -100,7 +66,6 @@ Test(feed_hostile, gaps_naming_unknown_ranks, .timeout = 120)
 	              "%lu callbacks for %u gaps: the unknown ranks were all kept",
 	              (unsigned long)calls, n);
 	kvr_feed_destroy(f);
-	zmq_close(pub);
-	zmq_ctx_term(zctx);
+	test_pub_close(&pub);
 	kvr_router_destroy(r);
 }

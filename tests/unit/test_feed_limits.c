@@ -8,11 +8,10 @@
  * ends after 10 ms while ranks wait. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
-#include <string.h>
 #include <time.h>
-#include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/feed_pub.h"
 
 static atomic_int gaps;
 
@@ -21,23 +20,6 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 	(void)ctx, (void)worker, (void)from, (void)to;
 	if (dp == 1)
 		atomic_fetch_add(&gaps, 1);
-}
-
-/* {"ts": 1.0, "events": [], "data_parallel_rank": dp} (dp < 128) */
-static void send_batch(void *pub, uint64_t seq, uint8_t dp)
-{
-	static const uint8_t head[] = {0x83, 0xa2, 't', 's', 0xcb, 0x3f, 0xf0, 0,   0,    0,   0, 0,
-	                               0,    0xa6, 'e', 'v', 'e',  'n',  't',  's', 0x90, 0xb2};
-	uint8_t body[64], s[8];
-	memcpy(body, head, sizeof(head));
-	memcpy(body + sizeof(head), "data_parallel_rank", 18);
-	body[sizeof(head) + 18] = dp;
-	size_t n = sizeof(head) + 19;
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	cr_assert_eq(zmq_send(pub, "", 0, ZMQ_SNDMORE), 0);
-	cr_assert_eq(zmq_send(pub, s, 8, ZMQ_SNDMORE), 8);
-	cr_assert_eq(zmq_send(pub, body, n, 0), (int)n);
 }
 
 static void sleep_ms(int ms)
@@ -56,28 +38,21 @@ Test(feed_limits, idle_spin_still_resyncs_added_ranks, .timeout = 60)
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-	void *zctx = zmq_ctx_new();
-	void *pub = zmq_socket(zctx, ZMQ_XPUB);
-	int hwm = 0;
-	zmq_setsockopt(pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-	cr_assert_eq(zmq_bind(pub, "tcp://127.0.0.1:*"), 0);
-	char ep[256];
-	size_t eplen = sizeof(ep);
-	cr_assert_eq(zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, ep, &eplen), 0);
+	struct test_pub pub;
+	test_pub_open(&pub);
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.idle_spin_ns = UINT64_C(1) << 62;
 	struct kvr_feed *f;
 	cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
 	struct kvr_feed_endpoint fe = {
-	    .endpoint = ep, .worker_id = 0, .dp_rank = KVR_FEED_DP_FROM_BATCH};
+	    .endpoint = pub.ep, .worker_id = 0, .dp_rank = KVR_FEED_DP_FROM_BATCH};
 	uint32_t id;
 	cr_assert_eq(kvr_feed_add(f, &fe, &id), 0);
-	uint8_t sub[64];
-	cr_assert_geq(zmq_recv(pub, sub, sizeof(sub), 0), 1, "the feed subscribes");
-	send_batch(pub, 0, 0);
-	send_batch(pub, 1, 1); /* dp rank 1: not added yet, remembered as missed */
-	send_batch(pub, 2, 0);
+	test_pub_subscribed(&pub);
+	test_pub_send_empty(&pub, 0, 0);
+	test_pub_send_empty(&pub, 1, 1); /* dp rank 1: not added yet, remembered as missed */
+	test_pub_send_empty(&pub, 2, 0);
 	struct kvr_feed_stats st;
 	for (int t = 0; t < 500; t++) {
 		cr_assert_eq(kvr_feed_get_stats(f, id, &st), 0);
@@ -94,7 +69,6 @@ Test(feed_limits, idle_spin_still_resyncs_added_ranks, .timeout = 60)
 	cr_assert_eq(atomic_load(&gaps), 1,
 	             "rank (0, 1), added while the publisher was quiet, was not resynced in 2 s");
 	kvr_feed_destroy(f);
-	zmq_close(pub);
-	zmq_ctx_term(zctx);
+	test_pub_close(&pub);
 	kvr_router_destroy(r);
 }

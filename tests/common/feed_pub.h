@@ -1,0 +1,77 @@
+/*
+ * tests/common/feed_pub.h - what the feed's unit tests (test_feed_callbacks, test_feed_limits,
+ * test_feed_hostile) share: a vLLM-like ZeroMQ publisher bound to a free local port, sending
+ * vLLM's three frames (topic, 8-byte big-endian seq, msgpack payload), and an empty batch.
+ */
+#ifndef KVR_TESTS_COMMON_FEED_PUB_H
+#define KVR_TESTS_COMMON_FEED_PUB_H
+
+#include <criterion/criterion.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <zmq.h>
+
+struct test_pub {
+	void *zctx;
+	void *pub;    /* XPUB: the feed's subscription can be awaited (test_pub_subscribed) */
+	char ep[256]; /* the endpoint it is bound to, for kvr_feed_endpoint.endpoint */
+};
+
+/* No send high-water mark: every batch must reach the feed. */
+static inline void test_pub_open(struct test_pub *p)
+{
+	p->zctx = zmq_ctx_new();
+	p->pub = zmq_socket(p->zctx, ZMQ_XPUB);
+	int hwm = 0;
+	zmq_setsockopt(p->pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+	cr_assert_eq(zmq_bind(p->pub, "tcp://127.0.0.1:*"), 0);
+	size_t eplen = sizeof(p->ep);
+	cr_assert_eq(zmq_getsockopt(p->pub, ZMQ_LAST_ENDPOINT, p->ep, &eplen), 0);
+}
+
+/* Waits for the feed's subscription, so nothing sent after it is dropped. */
+static inline void test_pub_subscribed(struct test_pub *p)
+{
+	uint8_t sub[64];
+	cr_assert_geq(zmq_recv(p->pub, sub, sizeof(sub), 0), 1, "the feed subscribes");
+}
+
+static inline void test_pub_send(struct test_pub *p, uint64_t seq, const uint8_t *body, size_t n)
+{
+	uint8_t s[8];
+	for (int i = 0; i < 8; i++)
+		s[i] = (uint8_t)(seq >> (56 - 8 * i));
+	cr_assert_eq(zmq_send(p->pub, "", 0, ZMQ_SNDMORE), 0);
+	cr_assert_eq(zmq_send(p->pub, s, 8, ZMQ_SNDMORE), 8);
+	cr_assert_eq(zmq_send(p->pub, body, n, 0), (int)n);
+}
+
+/* {"ts": 1.0, "events": [], "data_parallel_rank": dp} into body[64]; returns its length. */
+static inline size_t test_pub_empty_batch(uint8_t *body, uint32_t dp)
+{
+	static const uint8_t head[] = {0x83, 0xa2, 't', 's', 0xcb, 0x3f, 0xf0, 0,   0,    0,   0, 0,
+	                               0,    0xa6, 'e', 'v', 'e',  'n',  't',  's', 0x90, 0xb2};
+	size_t n = sizeof(head);
+	memcpy(body, head, n);
+	memcpy(body + n, "data_parallel_rank", 18);
+	n += 18;
+	body[n++] = 0xce; /* uint32 */
+	for (int i = 3; i >= 0; i--)
+		body[n++] = (uint8_t)(dp >> (8 * i));
+	return n;
+}
+
+static inline void test_pub_send_empty(struct test_pub *p, uint64_t seq, uint32_t dp)
+{
+	uint8_t body[64];
+	test_pub_send(p, seq, body, test_pub_empty_batch(body, dp));
+}
+
+static inline void test_pub_close(struct test_pub *p)
+{
+	zmq_close(p->pub);
+	zmq_ctx_term(p->zctx);
+}
+
+#endif
