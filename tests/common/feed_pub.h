@@ -1,7 +1,8 @@
 /*
  * tests/common/feed_pub.h - what the feed's unit tests (test_feed_callbacks, test_feed_limits,
- * test_feed_hostile) share: a vLLM-like ZeroMQ publisher bound to a free local port, sending
- * vLLM's three frames (topic, 8-byte big-endian seq, msgpack payload), and an empty batch.
+ * test_feed_hostile) share: an events-mode router with one rank for the feed to feed, a vLLM-like
+ * ZeroMQ publisher bound to a free local port, sending vLLM's three frames (topic, 8-byte
+ * big-endian seq, msgpack payload), and an empty batch.
  */
 #ifndef KVR_TESTS_COMMON_FEED_PUB_H
 #define KVR_TESTS_COMMON_FEED_PUB_H
@@ -11,6 +12,23 @@
 #include <stdint.h>
 #include <string.h>
 #include <zmq.h>
+
+#include "kvrouter.h"
+
+/* An events-mode router on one shard with rank {0, 0} added; on_gap is its on_event_gap. */
+static inline struct kvr_router *test_events_router(void (*on_gap)(void *, uint64_t, uint32_t,
+                                                                   uint64_t, uint64_t))
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 1;
+	c.on_event_gap = on_gap;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	return r;
+}
 
 struct test_pub {
 	void *zctx;

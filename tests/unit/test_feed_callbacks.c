@@ -48,14 +48,7 @@ static bool came_back(atomic_int *flag)
 
 Test(feed_callbacks, feed_calls_from_its_callbacks, .timeout = 60)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.mode = KVR_MODE_EVENTS;
-	c.n_shards = 1;
-	c.on_event_gap = on_gap;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	struct kvr_router *r = test_events_router(on_gap);
 	struct test_pub pub;
 	test_pub_open(&pub);
 	struct kvr_feed_config fc;
