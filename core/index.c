@@ -419,11 +419,15 @@ static void idx_cb_fn(struct rcu_head *head)
 }
 
 /* Runs cb's work after a grace period.  cb is a filled stack template; a heap copy is queued,
- * or, without memory, the grace period is waited for here.  Context: a writer, outside a read
- * section (it may hold wlock: readers never take it). */
+ * or, without memory or on a thread that cannot be registered (call_rcu needs a registered
+ * caller), the grace period is waited for here: never leaked, never freed early.  It cannot fail,
+ * so it cannot report KVR_ENOMEM; the writers that reach it returned that before changing
+ * anything when the caller cannot be registered, so the wait is a fallback only.  Context: a
+ * writer, outside a read section (it may hold wlock: readers never take it; synchronize_rcu
+ * needs no registration). */
 static void idx_defer(struct idx_cb *tmpl)
 {
-	struct idx_cb *cb = kvr_alloc(sizeof(*cb));
+	struct idx_cb *cb = kvr_rcu_thread_online() == 0 ? kvr_alloc(sizeof(*cb)) : NULL;
 	if (!cb) {
 		kvr_rcu_synchronize();
 		KVR_RCU_CALLBACK_ENTER();
@@ -432,7 +436,6 @@ static void idx_defer(struct idx_cb *tmpl)
 	}
 	*cb = *tmpl;
 	__atomic_add_fetch(&cb->idx->pending, 1, __ATOMIC_RELAXED);
-	kvr_rcu_thread_online();
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 	kvr_rcu_call(&cb->head, idx_cb_fn);
 }
@@ -608,7 +611,9 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 {
 	if (!idx || !slot)
 		return KVR_EINVAL;
-	kvr_rcu_thread_online();
+	/* A table purge below retires the old one through call_rcu (registered callers only). */
+	if (kvr_rcu_thread_online() != 0)
+		return KVR_ENOMEM;
 	int rc = 0;
 	idx_lock(&idx->rank_lock);
 	struct idx_rtab *t = idx->rtab;

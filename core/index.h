@@ -82,7 +82,9 @@ void kvr_index_destroy(struct kvr_index *idx);
  * Gives rank (worker_id, dp_rank) a slot.  Slots are dense; a removed slot is reused only after
  * an RCU grace period, so a reader never credits a removed rank's blocks to a new one.
  * Returns 0 and *slot, KVR_EINVAL, KVR_EEXIST (already added; *slot is set to it), KVR_ERANGE
- * (no free slot).  Context: a writer (shard) thread, outside a read section.
+ * (no free slot), KVR_ENOMEM (the calling thread cannot be registered as an RCU reader,
+ * kvr_rcu_thread_online: nothing added).  Context: a writer (shard) thread, outside a read
+ * section.
  */
 int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank, uint32_t *slot);
 
@@ -102,7 +104,8 @@ int kvr_index_rank_get(const struct kvr_index *idx, uint32_t slot, uint64_t *wor
 
 /*
  * Drops every block of the slot, then frees the slot (reusable after a grace period).
- * Returns 0, KVR_EINVAL or KVR_ENOENT.  Context: the slot's writer thread, outside a read section.
+ * Returns 0, KVR_EINVAL, KVR_ENOENT or KVR_ENOMEM (as kvr_index_clear_rank: nothing done).
+ * Context: the slot's writer thread, outside a read section.
  */
 int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot);
 
@@ -140,8 +143,10 @@ int kvr_index_store_path(struct kvr_index *idx, uint32_t slot, const uint64_t *p
 /*
  * Removed event: drops ext[0..n) from the rank (with count_copies on: drops one copy each; the
  * block leaves the rank with its last copy).  Unknown hashes are skipped and counted
- * (block_not_found; *n_not_found if non-NULL).  No cascade to descendants.  Never fails for
- * memory.  Returns 0, KVR_EINVAL (idx NULL, ext NULL with n > 0) or KVR_ENOENT (bad slot).
+ * (block_not_found; *n_not_found if non-NULL).  No cascade to descendants.  Allocates nothing.
+ * Returns 0, KVR_EINVAL (idx NULL, ext NULL with n > 0), KVR_ENOENT (bad slot) or KVR_ENOMEM
+ * (n > 0 and the calling thread cannot be registered as an RCU reader, kvr_rcu_thread_online:
+ * pthread keys exhausted; nothing removed).
  * Context: the slot's writer thread, outside a read section.
  */
 int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
@@ -152,18 +157,21 @@ int kvr_index_remove(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, 
  * n are cut; hashes past the runs are one more run).  The outcome is kvr_index_remove's exactly;
  * the split tells an index without the block locator where each chain ends (the predicted
  * cache's evicted runs, shards/lru.h: each one a chain in chain order), so it looks each run up
- * from an end.  Returns 0, KVR_EINVAL (also run_len NULL with n_runs > 0) or KVR_ENOENT.
+ * from an end.  Returns 0, KVR_EINVAL (also run_len NULL with n_runs > 0), KVR_ENOENT or
+ * KVR_ENOMEM (as kvr_index_remove).
  * Context: the slot's writer thread, outside a read section.
  */
 int kvr_index_remove_runs(struct kvr_index *idx, uint32_t slot, const uint64_t *ext, size_t n,
                           const uint32_t *run_len, size_t n_runs, size_t *n_not_found);
 
-/* Drops every block of one rank, keeps the slot.  Returns 0, KVR_EINVAL, KVR_ENOENT.
+/* Drops every block of one rank, keeps the slot.  Returns 0, KVR_EINVAL, KVR_ENOENT or
+ * KVR_ENOMEM (the calling thread cannot be registered as an RCU reader: nothing cleared).
  * Context: the slot's writer thread, outside a read section. */
 int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot);
 
-/* Cleared event: every block of every dp rank of worker_id.  Returns 0 or KVR_ENOENT (no rank of
- * that worker).  Context: the writer thread of all those slots, outside a read section. */
+/* Cleared event: every block of every dp rank of worker_id.  Returns 0, KVR_EINVAL, KVR_ENOENT
+ * (no rank of that worker) or KVR_ENOMEM (as kvr_index_clear_rank: no rank cleared).  Context: the
+ * writer thread of all those slots, outside a read section. */
 int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id);
 
 /*

@@ -256,7 +256,10 @@ static int remove_common(struct kvr_index *idx, uint32_t slot, const uint64_t *e
 		return KVR_ENOENT;
 	if (n == 0)
 		return 0;
-	kvr_rcu_thread_online();
+	/* Retired memory goes through call_rcu, which needs a registered caller: without one
+	 * (pthread keys exhausted) nothing is removed, as kvr_index_store does. */
+	if (kvr_rcu_thread_online() != 0)
+		return KVR_ENOMEM;
 	pthread_mutex_lock(&idx->wlock);
 	size_t removed = 0, dropped = 0;
 	size_t nf =
@@ -338,7 +341,8 @@ int kvr_index_clear_rank(struct kvr_index *idx, uint32_t slot)
 		return KVR_EINVAL;
 	if (!kvr_index_rank_get_active(idx, slot))
 		return KVR_ENOENT;
-	kvr_rcu_thread_online();
+	if (kvr_rcu_thread_online() != 0) /* as remove_common: nothing cleared */
+		return KVR_ENOMEM;
 	pthread_mutex_lock(&idx->wlock);
 	kvr_index_clear_locked(idx, slot);
 	kvr_index_retire_flush(idx, &idx->rt);
@@ -350,6 +354,9 @@ int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)
 {
 	if (!idx)
 		return KVR_EINVAL;
+	/* First, so that KVR_ENOMEM clears no rank rather than some. */
+	if (kvr_rcu_thread_online() != 0)
+		return KVR_ENOMEM;
 	int found = 0;
 	uint32_t used = __atomic_load_n(&idx->fresh, __ATOMIC_RELAXED); /* above: never used */
 	for (uint32_t s = 0; s < used; s++) {

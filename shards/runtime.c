@@ -171,6 +171,7 @@ struct kvr_shards {
 	pthread_mutex_t start_mu;
 	pthread_cond_t start_cv;
 	uint32_t n_started;
+	uint32_t n_offline; /* shards that could not register with RCU */
 	/* placement */
 	struct place_slot *slots;
 	uint32_t place_mask;
@@ -498,7 +499,9 @@ static void *shard_main(void *arg)
 	tls_shard = sh;
 	kvr_alloc_thread_cache_begin(); /* the shard allocates and frees all the time */
 	sh->spin_now = rt->idle_spin_ns;
-	(void)kvr_rcu_thread_online(); /* on failure urcu is unusable anyway; run on */
+	/* A shard writes the index, whose frees need a registered thread (call_rcu): one that
+	 * cannot be registered (pthread keys exhausted) fails kvr_shards_create. */
+	bool offline = kvr_rcu_thread_online() != 0;
 	if (sh->cpu >= 0) {
 		cpu_set_t set;
 		CPU_ZERO(&set);
@@ -509,6 +512,7 @@ static void *shard_main(void *arg)
 		rt->on_start(sh, rt->ctx);
 	pthread_mutex_lock(&rt->start_mu);
 	rt->n_started++;
+	rt->n_offline += offline;
 	pthread_cond_broadcast(&rt->start_cv);
 	pthread_mutex_unlock(&rt->start_mu);
 
@@ -691,7 +695,12 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	pthread_mutex_lock(&s->start_mu);
 	while (s->n_started < n)
 		pthread_cond_wait(&s->start_cv, &s->start_mu);
+	uint32_t offline = s->n_offline;
 	pthread_mutex_unlock(&s->start_mu);
+	if (offline) {
+		kvr_shards_destroy(s);
+		return KVR_ENOMEM;
+	}
 	*out = s;
 	return 0;
 }

@@ -74,7 +74,10 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 {
 	if (!mem)
 		return;
-	struct deferred *d = kvr_alloc(sizeof(*d));
+	/* call_rcu requires a registered caller (shard threads are, for life).  A thread that
+	 * cannot be registered (pthread keys exhausted) takes the synchronous path, which needs no
+	 * registration: this returns void, and waiting is neither a leak nor an early free. */
+	struct deferred *d = kvr_rcu_thread_online() == 0 ? kvr_alloc(sizeof(*d)) : NULL;
 	if (!d) {
 		/* No memory for the record: pay a grace period here instead of leaking. */
 		urcu_memb_synchronize_rcu();
@@ -84,10 +87,6 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 	}
 	d->mem = mem;
 	d->free_fn = free_fn;
-	/* call_rcu requires a registered caller; shard threads are registered for life. */
-	int was_online = kvr_rcu_self.online;
-	if (!was_online)
-		kvr_rcu_thread_online();
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 	urcu_memb_call_rcu(&d->head, run_deferred);
 }

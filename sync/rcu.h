@@ -125,9 +125,10 @@ static inline int kvr_rcu_thread_online(void)
 
 /*
  * Frees mem with free_fn(mem) after a grace period, without blocking the caller.
- * Allocates a small record (kvr_alloc); if that fails, it falls back to waiting for a grace
- * period synchronously, so memory is never leaked nor freed early.
- * Context: a registered thread, outside a read-side section.
+ * Allocates a small record (kvr_alloc); if that fails, or the calling thread cannot be registered
+ * (kvr_rcu_thread_online fails), it falls back to waiting for a grace period synchronously, so
+ * memory is never leaked nor freed early.
+ * Context: any thread (registered here if it is not yet), outside a read-side section.
  */
 void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *));
 
