@@ -73,9 +73,12 @@ static void report_gaps(const struct kvr_router *r, struct kvr_rank_id rank,
                         const struct kvr_event_args *a, size_t n)
 {
 	for (size_t i = 0; i < n && r->cfg.on_event_gap; i++)
-		if (a[i].ev && a[i].gap_to)
+		if (a[i].ev && a[i].gap_to) {
+			const struct kvr_router *prev = kvr_router_callback_enter(r);
 			r->cfg.on_event_gap(r->cfg.callback_ctx, rank.worker_id, rank.dp_rank,
 			                    a[i].gap_from, a[i].gap_to);
+			kvr_router_callback_leave(prev);
+		}
 }
 
 static int validate(const struct kvr_router *r, const struct kvr_event *ev)

@@ -271,7 +271,9 @@ void kvr_queue_pump(struct kvr_router *r)
 		if (!e->waited && r->cfg.on_admit) {
 			unlink_entry(q, e);
 			pthread_mutex_unlock(&q->lock);
+			const struct kvr_router *prev = kvr_router_callback_enter(r);
 			r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
+			kvr_router_callback_leave(prev);
 			entry_free(e);
 			pthread_mutex_lock(&q->lock);
 		}

@@ -173,10 +173,34 @@ fail:
 	return rc;
 }
 
+_Thread_local const struct kvr_router *kvr_router_cb_self;
+
+/* Whether the calling thread is one of r's shard threads (the clock callback runs there). */
+static bool on_own_shard(struct kvr_router *r)
+{
+	struct kvr_shard *cur = kvr_shard_current();
+	for (uint32_t i = 0, n = cur && r->shards ? kvr_shards_count(r->shards) : 0; i < n; i++)
+		if (kvr_shards_get(r->shards, i) == cur)
+			return true;
+	return false;
+}
+
 void kvr_router_destroy(struct kvr_router *r)
 {
 	if (!r)
 		return;
+	/* From r's own callbacks or threads: the destroy would join or wait for this thread (a
+	 * shard, the replica's apply thread, a feed waiting in kvr_router_destroy for its own
+	 * teardown) or free the router under the call that runs the callback.  kvrouter.h forbids
+	 * it; it returns at once and destroys nothing, rather than hang or use freed memory. */
+	if (kvr_router_cb_self == r || on_own_shard(r))
+		return;
+	/* Ordering: acquire; pairs with the release decrement in sync/feed.c's feed_main, after
+	 * which the feed's thread no longer touches the router. */
+	while (__atomic_load_n(&r->feeds_closing, __ATOMIC_ACQUIRE) != 0) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
 	kvr_repl_router_destroy(r); /* an attached replica layer lets go first */
 	__atomic_store_n(&r->shutting_down, 1, __ATOMIC_RELEASE);
 	if (r->queue)

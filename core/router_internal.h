@@ -40,6 +40,26 @@
 #include "shards/runtime.h"
 #include "sync/rcu.h"
 
+/* The router whose own machinery runs the calling thread: set around the embedder's callbacks
+ * (on_admit, on_event_gap: kvr_router_callback_enter) and for the life of a feed's thread and of
+ * a replica's apply thread (and around its inline handling on a transport thread).
+ * kvr_router_destroy refuses to run on such a thread: it would wait for, or free under, the very
+ * call that is running it.  Context: the thread itself. */
+extern _Thread_local const struct kvr_router *kvr_router_cb_self;
+
+/* Marks the calling thread as running r's callback; returns what to restore afterwards
+ * (kvr_router_callback_leave).  Nestable. */
+static inline const struct kvr_router *kvr_router_callback_enter(const struct kvr_router *r)
+{
+	const struct kvr_router *prev = kvr_router_cb_self;
+	kvr_router_cb_self = r;
+	return prev;
+}
+static inline void kvr_router_callback_leave(const struct kvr_router *prev)
+{
+	kvr_router_cb_self = prev;
+}
+
 /* The routable slots and the generation each had when it became routable (a decision taken on
  * this list books with that generation, so a rank removed since is a stale booking).  gen[]
  * first, slot[] after it in the same allocation. */
@@ -70,7 +90,11 @@ struct kvr_router {
 	pthread_mutex_t admin_lock;    /* rank add / remove / reset, live list writers */
 	struct kvr_queue *queue;       /* NULL unless queue_threshold > 0 */
 	uint32_t shutting_down;        /* atomic */
-	struct kvr_repl_hooks *repl;   /* replica sync hooks, NULL = none (RCU, acquire) */
+	/* Feeds destroyed from their own thread (sync/feed.c) whose thread still tears them down
+	 * (atomic): kvr_router_destroy waits for them, as it may be called as soon as
+	 * kvr_feed_destroy returned. */
+	uint32_t feeds_closing;
+	struct kvr_repl_hooks *repl; /* replica sync hooks, NULL = none (RCU, acquire) */
 	/* Per-decision random stream (atomic): written by every decision, so last, on a line of
 	 * its own (the struct's size rounds up to it), away from what shard threads read on every
 	 * task (the owner context) and routers read on every decision. */

@@ -28,7 +28,9 @@
 
 void kvr_feed_log(struct kvr_feed *f, struct ep *e, int kind, int level, const char *fmt, ...)
 {
-	if (!f->cfg.log)
+	/* Not after a kvr_feed_destroy from a callback: its caller may free log_ctx once that
+	 * call returned. */
+	if (!f->cfg.log || f->dying)
 		return;
 	if (e) {
 		uint64_t n = ++e->logged[kind];
@@ -255,10 +257,13 @@ static void run_cmd(struct kvr_feed *f, struct cmd *c)
  * gaps it reports) run here, and a call from them must not wait for this very thread. */
 static _Thread_local struct kvr_feed *feed_self;
 
+static void feed_free(struct kvr_feed *f);
+
 static void *feed_main(void *arg)
 {
 	struct kvr_feed *f = arg;
 	feed_self = f;
+	kvr_router_cb_self = f->r; /* kvr_router_destroy refuses to run here */
 	f->mb = kvr_metrics_local(f->r->metrics);
 	while (!f->stop) {
 		/* [control, every SUB, every SUB's monitor] */
@@ -295,15 +300,15 @@ static void *feed_main(void *arg)
 		/* Endpoints first: a command may remove one and reshuffle the array.  A
 		 * disconnection before the messages (kvr_feed_monitor drains what came before
 		 * it). */
-		for (uint32_t i = 0; i < ne; i++) {
+		for (uint32_t i = 0; i < ne && !f->stop; i++) {
 			if (f->items[1 + ne + i].revents & ZMQ_POLLIN)
 				kvr_feed_monitor(f, f->eps[i]);
 			if (f->items[1 + i].revents & ZMQ_POLLIN)
 				kvr_feed_drain(f, f->eps[i]);
 		}
-		if (f->n_missed)
+		if (f->n_missed && !f->stop)
 			kvr_feed_resync_added(f);
-		if (f->items[0].revents & ZMQ_POLLIN) {
+		if (f->items[0].revents & ZMQ_POLLIN && !f->stop) {
 			struct cmd *c;
 			if (zmq_recv(f->ctl_server, &c, sizeof(c), 0) == (int)sizeof(c) &&
 			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
@@ -312,6 +317,36 @@ static void *feed_main(void *arg)
 				zmq_send(f->ctl_server, "", 0, 0);
 			}
 		}
+	}
+	if (f->dying) {
+		/* Destroyed from one of its callbacks: nobody joins this thread.  What was posted
+		 * to the shards is applied first (their tasks point into f's buffers, and the
+		 * router must outlive them); then the router is let go, and f freed. */
+		pthread_detach(pthread_self());
+		kvr_feed_settle(f);
+		/* A call from another thread racing the destroy (kvrouter.h forbids it) waits
+		 * inside call() for an answer: it gets KVR_ESHUTDOWN rather than a freed socket.
+		 * Taking ctl_lock also orders every call that returned before the free (the
+		 * inproc pipe's ordering is invisible to ThreadSanitizer). */
+		while (pthread_mutex_trylock(&f->ctl_lock) != 0) {
+			struct cmd *c;
+			if (zmq_recv(f->ctl_server, &c, sizeof(c), ZMQ_DONTWAIT) ==
+			        (int)sizeof(c) &&
+			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
+				c->rc = KVR_ESHUTDOWN;
+				__atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);
+				zmq_send(f->ctl_server, "", 0, 0);
+			}
+			struct timespec ts = {0, 1000000};
+			nanosleep(&ts, NULL);
+		}
+		pthread_mutex_unlock(&f->ctl_lock);
+		struct kvr_router *r = f->r;
+		f->started = false;
+		feed_free(f);
+		/* Ordering: release, this thread's last access to the router; pairs with the
+		 * acquire in kvr_router_destroy. */
+		__atomic_sub_fetch(&r->feeds_closing, 1, __ATOMIC_RELEASE);
 	}
 	kvr_rcu_thread_offline();
 	return NULL;
@@ -424,11 +459,31 @@ void kvr_feed_destroy(struct kvr_feed *f)
 {
 	if (!f)
 		return;
+	if (feed_self == f) {
+		/* From one of its callbacks, on its own thread: it cannot join itself, and its
+		 * caller still runs on f.  So mark it; the thread stops taking messages and
+		 * commands, returns through the callback's caller to its loop, and frees f there
+		 * (feed_main).  A second call from a callback meanwhile is a no-op. */
+		if (!f->dying) {
+			f->dying = true;
+			f->stop = true;
+			/* Ordering: relaxed: a kvr_router_destroy after this call is ordered
+			 * after it by whatever told its caller the callback had returned. */
+			__atomic_add_fetch(&f->r->feeds_closing, 1, __ATOMIC_RELAXED);
+		}
+		return;
+	}
 	if (f->started) {
 		struct cmd c = {.op = CMD_STOP};
 		call(f, &c);
 		pthread_join(f->thread, NULL);
 	}
+	feed_free(f);
+}
+
+/* Everything but the thread (stopped, or this one exiting). */
+static void feed_free(struct kvr_feed *f)
+{
 	for (uint32_t i = 0; i < f->n_eps; i++)
 		ep_free(f->eps[i]);
 	if (f->ctl_client)

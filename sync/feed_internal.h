@@ -131,6 +131,9 @@ struct kvr_feed {
 	bool in_replay;    /* a replay is being read (no other may start) */
 	uint64_t seq;      /* the batch kvr_feed_apply_batch is applying */
 	bool stop;
+	/* kvr_feed_destroy was called from this feed's own thread (one of its callbacks): the
+	 * thread frees the feed itself once back in its loop, detached (sync/feed.c). */
+	bool dying;
 };
 
 enum log_kind {

@@ -87,6 +87,17 @@
 #include "sync/rcu.h"
 #include "sync/replica_internal.h"
 
+/* The replica whose deliveries the calling thread handles: its apply thread, or a transport
+ * thread inside kvr_replica_deliver_inline.  Router callbacks made while applying (on_admit)
+ * run there, and a call from them that waits for the handling (drain, stop) would wait for
+ * itself. */
+static _Thread_local const struct kvr_replica *handling_self;
+
+bool kvr_replica_handling(const struct kvr_replica *rep)
+{
+	return rep && handling_self == rep;
+}
+
 /* Delivered messages the apply thread takes per wake-up: one qmu round trip and one wake of the
  * drain waiters per batch, and the heartbeat is checked between batches. */
 #define APPLY_BATCH 64
@@ -113,6 +124,8 @@ static void *apply_main(void *arg)
 {
 	struct kvr_replica *rep = arg;
 	prctl(PR_SET_NAME, "kvr-sync-apply");
+	handling_self = rep;
+	kvr_router_cb_self = rep->r;                   /* kvr_router_destroy refuses to run here */
 	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA); /* scoped test failures (core/alloc.h) */
 	kvr_rcu_thread_online();
 	uint64_t hb_ns = (uint64_t)rep->c.heartbeat_ms * 1000000ull;
@@ -278,7 +291,12 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 		kvr_replica_deliver(rep, buf, len, NULL);
 		return;
 	}
+	const struct kvr_replica *prev = handling_self;
+	handling_self = rep;
+	const struct kvr_router *prev_r = kvr_router_callback_enter(rep->r);
 	handle_item(rep, buf, len, NULL, rx_ns);
+	kvr_router_callback_leave(prev_r);
+	handling_self = prev;
 	pthread_mutex_unlock(&rep->hmu);
 	pthread_mutex_lock(&rep->qmu);
 	rep->q_done++;
@@ -310,6 +328,14 @@ void kvr_replica_reconnected(struct kvr_replica *rep)
 
 static int wait_until(struct kvr_replica *rep, uint32_t timeout_ms, bool ready_only)
 {
+	if (handling_self == rep) { /* it would wait for this very thread (replica.h) */
+		if (!ready_only)
+			return KVR_EBUSY;
+		pthread_mutex_lock(&rep->qmu);
+		bool ready = rep->ready;
+		pthread_mutex_unlock(&rep->qmu);
+		return ready ? 0 : KVR_EBUSY;
+	}
 	uint64_t deadline = kvr_rep_mono_ns() + (uint64_t)timeout_ms * 1000000ull;
 	/* Our own notes first: what this router did must be on its way to the peers. */
 	if (!ready_only && kvr_rep_out_flush(rep, deadline))
@@ -582,13 +608,16 @@ static void router_destroyed(void *ctx)
 
 void kvr_replica_stop(struct kvr_replica *rep)
 {
-	if (rep)
+	if (rep && handling_self != rep)
 		teardown(rep, true);
 }
 
 void kvr_replica_destroy(struct kvr_replica *rep)
 {
-	if (!rep)
+	/* On a thread handling rep's deliveries it would join that thread, or wait for hmu, which
+	 * this thread holds, then free what the handling still uses: nothing is done there
+	 * (replica.h). */
+	if (!rep || handling_self == rep)
 		return;
 	teardown(rep, true);
 	free_all(rep);

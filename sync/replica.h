@@ -66,12 +66,18 @@ int kvr_replica_start(struct kvr_replica *rep);
 
 /* Says goodbye, stops the thread, detaches, releases the peers' attempts mirrored on the
  * router.  Idempotent.  Deliveries after it are queued and freed by destroy.
- * Context: any thread but the apply thread. */
+ * Context: any thread but one handling rep's deliveries (kvr_replica_handling: from a router
+ * callback there, e.g. on_admit, it does nothing: it would join or wait for that thread). */
 void kvr_replica_stop(struct kvr_replica *rep);
 
 /* kvr_replica_stop, then frees.  The transport must deliver nothing once this starts.
- * NULL is a no-op. */
+ * NULL is a no-op; so is a call on a thread handling rep's deliveries (as kvr_replica_stop). */
 void kvr_replica_destroy(struct kvr_replica *rep);
+
+/* Whether the calling thread is handling rep's deliveries (rep's apply thread, or a transport
+ * thread inside kvr_replica_deliver_inline): the router calls that apply peers' messages, and
+ * the callbacks they make (on_admit), run there.  Context: any thread. */
+bool kvr_replica_handling(const struct kvr_replica *rep);
 
 /* A message from the transport (copied).  reply_to (may be NULL, copied) is where a SNAP_REQ
  * wants its chunks.  Context: transport threads. */
@@ -96,10 +102,13 @@ void kvr_replica_disconnected(struct kvr_replica *rep);
 void kvr_replica_reconnected(struct kvr_replica *rep);
 
 /* Waits until the first snapshot (or the decision that there is none) is applied.
- * 0 or KVR_ETIMEDOUT. */
+ * 0 or KVR_ETIMEDOUT; on a thread handling rep's deliveries (kvr_replica_handling), which the
+ * wait would be for, 0 at once if ready, else KVR_EBUSY. */
 int kvr_replica_wait_ready(struct kvr_replica *rep, uint32_t timeout_ms);
 
-/* Waits until every message delivered so far has been handled.  0 or KVR_ETIMEDOUT. */
+/* Waits until every message delivered so far has been handled.  0 or KVR_ETIMEDOUT; KVR_EBUSY
+ * at once on a thread handling rep's deliveries (kvr_replica_handling): the message it is
+ * handling is among those waited for. */
 int kvr_replica_drain(struct kvr_replica *rep, uint32_t timeout_ms);
 
 void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out);

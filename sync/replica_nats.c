@@ -367,6 +367,11 @@ struct kvr_replica *kvr_sync_replica(struct kvr_sync *s)
 
 void kvr_sync_detach(struct kvr_sync *s)
 {
+	/* From a router callback the replica's apply thread or nats.c's subscription thread runs
+	 * (on_admit): closing the connection and joining the apply thread would wait for the very
+	 * call that runs the callback.  kvrouter.h: it does nothing there. */
+	if (s && kvr_replica_handling(s->rep))
+		return;
 	sync_free(s);
 }
 

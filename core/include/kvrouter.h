@@ -276,7 +276,12 @@ KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **
 
 /* Stops the shard threads, frees everything.  NULL is a no-op.  Like any destroy, it must not
  * race with other calls on the router: stop (join) the threads that use it first.  Threads
- * blocked in kvr_route_wait are woken with KVR_ESHUTDOWN before anything is freed. */
+ * blocked in kvr_route_wait are woken with KVR_ESHUTDOWN before anything is freed.  It must not
+ * be called from the router's own callbacks (on_admit, on_event_gap, the clock on a shard
+ * thread) nor from a feed's or replica's thread of this router (their callbacks): it would wait
+ * for, or free under, the call that runs the callback; there it returns at once and destroys
+ * nothing (call it from another thread once the callback returned).  It waits for feeds
+ * destroyed from their own callbacks to finish their teardown (kvr_feed_destroy). */
 KVR_API void kvr_router_destroy(struct kvr_router *router);
 
 /* The router's current time on its clock, ns. */
@@ -764,7 +769,7 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * Context: any thread; one round trip to the feed thread.  From the callbacks the feed thread
  * runs (its log, the router's on_event_gap for the gaps it reports), kvr_feed_add and
  * kvr_feed_remove return KVR_EBUSY, kvr_feed_get_stats and kvr_feed_other_medium_blocks answer
- * at once (without what the feed has yet to apply), and kvr_feed_destroy must not be called.
+ * at once (without what the feed has yet to apply), and kvr_feed_destroy is deferred (see it).
  */
 KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
 
@@ -791,7 +796,12 @@ KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32
                                          uint64_t *out, size_t cap, size_t *n_out);
 
 /* Stops the thread, closes every socket, frees everything.  NULL is a no-op.  Must not race
- * with other calls on the feed. */
+ * with other calls on the feed.  From a callback the feed's own thread runs (its log, the
+ * router's on_event_gap for a gap it reports), the thread cannot join itself: the call marks the
+ * feed and returns at once; the feed then takes no more messages, calls its log no more, and once
+ * the callback returned applies what it had accepted and frees everything on its own thread
+ * (detached).  f must not be used after the call either way; kvr_router_destroy, which may
+ * follow at once (from another thread), waits for that teardown. */
 KVR_API void kvr_feed_destroy(struct kvr_feed *f);
 /* ---------------------------------------------------------------- replica sync (NATS) */
 /*
@@ -911,15 +921,20 @@ KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *
  * attempts mirrored on the router, disconnects, frees.  NULL is a no-op.  The router may be
  * destroyed first: kvr_router_destroy stops the replica's use of it (goodbye included), and
  * kvr_sync_detach then only disconnects and frees.
- * Context: any thread; not concurrently with other calls on s. */
+ * Context: any thread; not concurrently with other calls on s.  Not from a router callback that
+ * the replica's own threads run while applying peers' messages (on_admit there): it would wait
+ * for that very call; there it returns at once and does nothing (detach from another thread). */
 KVR_API void kvr_sync_detach(struct kvr_sync *s);
 
 /* Waits until the replica has applied its first snapshot (or found no peer).  0,
- * KVR_ETIMEDOUT, KVR_EINVAL. */
+ * KVR_ETIMEDOUT, KVR_EINVAL; from a callback the replica's own threads run (see
+ * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY. */
 KVR_API int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms);
 
-/* Waits until every message received so far is applied.  0, KVR_ETIMEDOUT, KVR_EINVAL.
- * For tests and quiet points. */
+/* Waits until every message received so far is applied.  0, KVR_ETIMEDOUT, KVR_EINVAL, or
+ * KVR_EBUSY at once when called from a router callback that the replica's own threads run while
+ * applying a peer's message (on_admit after a peer's finish freed room): the message being
+ * applied is among those it would wait for.  For tests and quiet points. */
 KVR_API int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms);
 
 /* How far this replica has applied peer replica_id's stream: *seq gets the number of the last

@@ -6,9 +6,12 @@
  * Now reads answer at once there, and add / remove return KVR_EBUSY. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <time.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
+#include "sync/rcu.h"
 #include "tests/common/feed_pub.h"
 
 static struct kvr_feed *feed;
@@ -77,4 +80,106 @@ Test(feed_callbacks, feed_calls_from_its_callbacks, .timeout = 60)
 	kvr_feed_destroy(feed);
 	test_pub_close(&pub);
 	kvr_router_destroy(r);
+}
+
+/* kvr_feed_destroy from the feed's own callbacks.  Before, it posted its stop to the feed thread
+ * (KVR_EBUSY there, ignored), then joined its own thread (EDEADLK, ignored) and freed the feed,
+ * its sockets and its ZeroMQ context under the callback's caller: a crash or a hang in
+ * zmq_ctx_term.  Now the call marks the feed and returns; the thread frees everything once the
+ * callback returned, and calls the log no more.  No leak: the library's live bytes come back to
+ * what they were before the router (kvr_router_destroy waits for the feed's teardown). */
+static atomic_int destroyed, destroy_returned, log_after;
+static int destroy_from; /* 1: the gap callback, 2: the log */
+
+static void destroy_here(void)
+{
+	if (atomic_load(&destroyed))
+		return;
+	atomic_store(&destroyed, 1);
+	kvr_feed_destroy(feed);
+	kvr_feed_destroy(feed); /* a second call meanwhile: a no-op */
+	atomic_store(&destroy_returned, 1);
+}
+
+static void on_gap_destroy(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint64_t to)
+{
+	(void)ctx, (void)worker, (void)dp, (void)from, (void)to;
+	if (destroy_from == 1)
+		destroy_here();
+}
+
+static void on_log_destroy(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level, (void)msg;
+	if (atomic_load(&destroyed))
+		atomic_fetch_add(&log_after, 1);
+	if (destroy_from == 2)
+		destroy_here();
+}
+
+/* Threads of this process (the feed's thread must be gone in the end). */
+static int n_threads(void)
+{
+	int n = -1;
+	FILE *f = fopen("/proc/self/stat", "r");
+	if (f) {
+		/* field 20: num_threads; comm (field 2) has no spaces here */
+		cr_assert_eq(fscanf(f,
+		                    "%*d %*s %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u "
+		                    "%*d %*d %*d %*d %d",
+		                    &n),
+		             1);
+		fclose(f);
+	}
+	return n;
+}
+
+static void destroy_from_callback(int from)
+{
+	destroy_from = from;
+	kvr_rcu_barrier();
+	int64_t live0 = kvr_alloc_live_bytes();
+	struct kvr_router *r = test_events_router(on_gap_destroy);
+	struct test_pub pub;
+	test_pub_open(&pub);
+	int threads0 = n_threads();
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.log = on_log_destroy;
+	cr_assert_eq(kvr_feed_create(r, &fc, &feed), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
+	cr_assert_eq(kvr_feed_add(feed, &fe, NULL), 0);
+	test_pub_subscribed(&pub);
+	test_pub_send_empty(&pub, 0, 0);
+	test_pub_send_empty(&pub, 5, 0); /* a gap: logged, and on_event_gap */
+	cr_assert(came_back(&destroy_returned), "kvr_feed_destroy from a callback never returned");
+	/* The feed's thread (and ZeroMQ's, with its context) goes away by itself. */
+	int n = 0;
+	for (int t = 0; t < 1000 && (n = n_threads()) > threads0; t++) {
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_leq(n, threads0, "threads: %d, %d before the feed", n, threads0);
+	test_pub_send_empty(&pub, 9, 0); /* nobody listens: nothing logged */
+	cr_assert_eq(atomic_load(&log_after), 0, "the log was called after kvr_feed_destroy");
+	kvr_router_destroy(r);
+	test_pub_close(&pub);
+	kvr_rcu_barrier();
+	int64_t live = kvr_alloc_live_bytes();
+	for (int t = 0; t < 500 && live != live0; t++) { /* thread-exit destructors */
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+		live = kvr_alloc_live_bytes();
+	}
+	cr_assert_eq(live, live0, "live bytes %ld, %ld before", (long)live, (long)live0);
+}
+
+Test(feed_callbacks, feed_destroy_from_on_event_gap, .timeout = 60)
+{
+	destroy_from_callback(1);
+}
+
+Test(feed_callbacks, feed_destroy_from_its_log, .timeout = 60)
+{
+	destroy_from_callback(2);
 }

@@ -1,0 +1,134 @@
+/*
+ * stress_feed_selfdestroy - kvr_feed_destroy from the feed's own callbacks (the router's
+ * on_event_gap for a gap the feed reports, or the feed's log), followed at once by
+ * kvr_router_destroy on the main thread: the feed's thread tears itself down, detached, while
+ * the router's destroy waits for it (sync/feed.c feed_main, core/router.c feeds_closing).  Under
+ * TSan this checks that the teardown's last use of the router is ordered before the router is
+ * freed; under ASan, that nothing is used after it is freed.  Rounds alternate between the two
+ * callbacks until the duration is spent.
+ * Plain program: exit 0 pass, 1 fail, 77 skip (built without zmq).  argv[1]: duration, ms.
+ */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "kvrouter.h"
+
+static struct kvr_feed *F;
+static atomic_int destroyed;
+static int from_log;
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void destroy_feed(void)
+{
+	if (!atomic_load(&destroyed)) {
+		kvr_feed_destroy(F);
+		atomic_store(&destroyed, 1);
+	}
+}
+
+static void on_gap(void *ctx, uint64_t w, uint32_t dp, uint64_t from, uint64_t to)
+{
+	(void)ctx, (void)w, (void)dp, (void)from, (void)to;
+	if (!from_log)
+		destroy_feed();
+}
+
+static void on_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level, (void)msg;
+	if (from_log)
+		destroy_feed();
+}
+
+/* One vLLM batch with no events, dp rank 0: topic, 8-byte big-endian seq, msgpack payload
+ * {"ts": 1.0, "events": [], "data_parallel_rank": 0}. */
+static int send_empty(void *pub, uint64_t seq)
+{
+	static const uint8_t body[] = {0x83, 0xa2, 't', 's',  0xcb, 0x3f, 0xf0, 0,   0,   0,   0,
+	                               0,    0,    0,   0xa6, 'e',  'v',  'e',  'n', 't', 's', 0x90,
+	                               0xb2, 'd',  'a', 't',  'a',  '_',  'p',  'a', 'r', 'a', 'l',
+	                               'l',  'e',  'l', '_',  'r',  'a',  'n',  'k', 0};
+	uint8_t s[8];
+	for (int i = 0; i < 8; i++)
+		s[i] = (uint8_t)(seq >> (56 - 8 * i));
+	return zmq_send(pub, "", 0, ZMQ_SNDMORE) == 0 && zmq_send(pub, s, 8, ZMQ_SNDMORE) == 8 &&
+	               zmq_send(pub, body, sizeof(body), 0) == (int)sizeof(body)
+	           ? 0
+	           : -1;
+}
+
+static int round_once(int log)
+{
+	from_log = log;
+	atomic_store(&destroyed, 0);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 1;
+	c.on_event_gap = on_gap;
+	struct kvr_router *r;
+	if (kvr_router_create(&c, &r) ||
+	    kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0)) {
+		fprintf(stderr, "router\n");
+		return 1;
+	}
+	void *zctx = zmq_ctx_new();
+	void *pub = zmq_socket(zctx, ZMQ_XPUB);
+	int hwm = 0;
+	zmq_setsockopt(pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+	char ep[256];
+	size_t eplen = sizeof(ep);
+	if (zmq_bind(pub, "tcp://127.0.0.1:*") ||
+	    zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, ep, &eplen)) {
+		fprintf(stderr, "bind\n");
+		return 1;
+	}
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.log = on_log;
+	struct kvr_feed_endpoint fe = {.endpoint = ep};
+	uint8_t sub[64];
+	if (kvr_feed_create(r, &fc, &F) || kvr_feed_add(F, &fe, NULL) ||
+	    zmq_recv(pub, sub, sizeof(sub), 0) < 1 || send_empty(pub, 0) || send_empty(pub, 5)) {
+		fprintf(stderr, "feed\n");
+		return 1;
+	}
+	uint64_t t0 = now_ms();
+	while (!atomic_load(&destroyed) && now_ms() - t0 < 10000) {
+		struct timespec ts = {0, 100000};
+		nanosleep(&ts, NULL);
+	}
+	if (!atomic_load(&destroyed)) {
+		fprintf(stderr, "the %s callback never came\n", log ? "log" : "gap");
+		return 1;
+	}
+	kvr_router_destroy(r); /* at once: waits for the feed's own teardown */
+	zmq_close(pub);
+	zmq_ctx_term(zctx);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	uint64_t ms = argc > 1 ? strtoull(argv[1], NULL, 10) : 2000;
+	uint64_t t0 = now_ms();
+	int rounds = 0;
+	do {
+		if (round_once(rounds & 1))
+			return 1;
+		rounds++;
+	} while (now_ms() - t0 < ms);
+	printf("stress_feed_selfdestroy: %d rounds, ok\n", rounds);
+	return 0;
+}
