@@ -29,6 +29,7 @@ void kvr_config_init(struct kvr_config *cfg)
 	cfg->maint_every_ns = KVR_DEFAULT_MAINT_EVERY_NS;
 	cfg->shard_idle_spin_ns = KVR_DEFAULT_SHARD_IDLE_SPIN_NS;
 	cfg->booking_lazy_ns = KVR_DEFAULT_BOOKING_LAZY_NS;
+	cfg->events_max_blocks = KVR_DEFAULT_EVENTS_MAX_BLOCKS;
 }
 
 static int finite_nonneg(double v)
@@ -70,6 +71,10 @@ int kvr_config_validate(const struct kvr_config *cfg)
 	if (cfg->maint_every_tasks == 0 || cfg->maint_every_ns == 0)
 		return KVR_EINVAL;
 	if (cfg->booking_lazy_ns > KVR_DEFAULT_SHARD_LAZY_WAKE_NS)
+		return KVR_ERANGE;
+	/* 0 would refuse every store of a rank without a capacity: a config mistake, not a bound
+	 * (checked in every mode, like the fields that apply to one mode only). */
+	if (cfg->events_max_blocks == 0)
 		return KVR_ERANGE;
 	return 0;
 }

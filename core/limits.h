@@ -40,6 +40,10 @@
 #define KVR_DEFAULT_SHARD_LAZY_WAKE_NS     UINT64_C(1000000) /* shards/runtime.h lazy_wake_ns */
 #define KVR_DEFAULT_BOOKING_LAZY_NS        UINT64_C(250000)  /* kvr_config.booking_lazy_ns */
 #define KVR_DEFAULT_MAX_WORKERS            KVR_DEFAULT_MAX_RANKS
+#define KVR_DEFAULT_EVENTS_MAX_BLOCKS      (UINT64_C(1) << 21) /* kvr_config.events_max_blocks */
+/* Events mode: a rank registered with a capacity may hold twice it plus this many blocks
+ * (shards/owner_events.c, "The stored-block bound", says why). */
+#define KVR_EVENTS_BOUND_FLOOR_BLOCKS UINT64_C(1024)
 
 /* KVR_DEFAULT_LANE_CAPACITY and KVR_DEFAULT_LANE_SOFT_DEPTH: a deep ring and a shallow soft
  * depth in it, because each alone fails one of two measured goals.  A shallow lane keeps an

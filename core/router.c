@@ -118,6 +118,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .ttl_ns = cfg->ttl_ns,
 	    .lease_scan_interval_ns = cfg->lease_scan_interval_ns,
 	    .expected_prefill_ns = cfg->expected_prefill_ns,
+	    .events_max_blocks = cfg->events_max_blocks,
 	    .on_event_gap = cfg->on_event_gap,
 	    .callback_ctx = cfg->callback_ctx,
 	    .on_expire = kvr_repl_note_expire,

@@ -128,6 +128,7 @@ struct kvr_owner_ctx {
 	uint64_t ttl_ns;
 	uint64_t lease_scan_interval_ns;
 	uint64_t expected_prefill_ns;
+	uint64_t events_max_blocks; /* events mode: bound of a rank without a capacity */
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
 	                     uint64_t got);
 	void *callback_ctx;

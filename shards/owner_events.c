@@ -2,9 +2,69 @@
  * shards/owner_events.c - KV events from the engines (events mode), applied on the rank's shard:
  * the event id cursor (stale ids dropped, gaps counted and reported), then the index write.
  * The caller's thread has validated the event and computed its local hashes (core/events.c).
+ *
+ * The stored-block bound.  In events mode the index holds what the publishers say, so a
+ * publisher whose removals are lost (or a buggy or hostile one) could grow the router's memory
+ * without limit.  Each rank may hold at most bound() distinct blocks: twice its registered
+ * capacity plus KVR_EVENTS_BOUND_FLOOR_BLOCKS, or kvr_config.events_max_blocks without one.
+ *  - Why no honest engine reaches it: vLLM queues a block's BlockRemoved when it evicts the
+ *    block to reuse it (BlockPool.get_new_blocks -> _maybe_evict_cached_block), before
+ *    cache_full_blocks can queue the BlockStored of its new hash, in the same event queue and
+ *    so the same or an earlier batch; the feed applies batches in seq order (the replay's
+ *    simulated engine emits the same order).  So a rank never holds more distinct hashes than
+ *    the engine has physical blocks (copies of one hash are one block here), and a store of n
+ *    blocks finds at most capacity - n held: the check below (held + n, copies counted as if
+ *    new) cannot refuse an in-order stream of an engine no larger than its registration.
+ *    Measured: kvr-replay --policies events,events_feed on both shipped traces never held
+ *    more than the capacity (docs/measurements.md, "Events-mode memory bound").
+ *  - The slack is for a capacity registered too low, not for ordering: the router's own
+ *    healing expects engines a third larger than registered (tests/unit/test_heal.c), so twice
+ *    the capacity tolerates that with room; the floor keeps toy capacities (1-64 blocks in
+ *    tests and small setups) usable.  It costs memory only when something is wrong.
+ *  - At the bound a stored event is refused whole (KVR_ERANGE; nothing applied, so the index
+ *    stays a consistent set of chains), counted (kvr_events_total{status="over_bound"},
+ *    kvr_event_over_bound_blocks_total), and the rank is treated as out of sync, as after a gap
+ *    in its event ids: reported through on_event_gap once per episode (the refused event's id
+ *    as lost: expected = its id, got = id + 1, merged with an id gap of the same event), and
+ *    counted in its event_gaps and kvr_event_over_bound_episodes_total.  Refusing rather than
+ *    clearing follows the gap path's contract: kvr_events_apply applies and reports, the
+ *    embedder (or the feed, for its own gaps) decides how to resync (a cleared event,
+ *    kvr_rank_reset); what the rank holds stays what its publisher said, nothing is dropped
+ *    behind the embedder's back.  Removals and clears are never refused (they only shrink it).
+ *  - An episode ends once the rank holds at most half its bound (a resync cleared it, or
+ *    removals came), checked at its next store: so a publisher hovering at the bound, each
+ *    removal letting one store through, is reported once, not once per store.
  */
 #include "core/alloc.h"
+#include "core/limits.h"
 #include "shards/owner_internal.h"
+
+/* The most distinct blocks the rank may hold (see the top of the file). */
+static uint64_t bound(const struct kvr_owner_ctx *c, const struct kvr_rank_owned *own)
+{
+	uint64_t cap = own->capacity;
+	if (cap == 0 || cap == KVR_CAPACITY_NONE)
+		return c->events_max_blocks;
+	if (cap > (UINT64_MAX - KVR_EVENTS_BOUND_FLOOR_BLOCKS) / 2)
+		return UINT64_MAX;
+	return 2 * cap + KVR_EVENTS_BOUND_FLOOR_BLOCKS;
+}
+
+/* Whether a store of n blocks must be refused: the rank would hold more than its bound if each
+ * block were new.  Opens an episode (true in *report) when none is open; closes the open one
+ * first if the rank is back to half its bound.  O(1): one relaxed load of the tree size. */
+static bool over_bound(const struct kvr_owner_ctx *c, struct kvr_rank_owned *own, size_t n,
+                       bool *report)
+{
+	uint64_t held = kvr_index_tree_size(c->index, own->slot), b = bound(c, own);
+	if (own->over_bound && held <= b / 2)
+		own->over_bound = false;
+	if (held <= b && n <= b - held)
+		return false;
+	*report = !own->over_bound;
+	own->over_bound = true;
+	return true;
+}
 
 int kvr_owner_event(struct kvr_shard *sh, void *arg)
 {
@@ -25,8 +85,19 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		return KVR_ESTALE;
 	}
 	int rc = 0;
+	bool report_over = false;
 	switch (ev->type) {
 	case KVR_EVENT_STORED:
+		if (over_bound(c, own, ev->n_blocks, &report_over)) {
+			rc = KVR_ERANGE;
+			kvr_metrics_add(mb, KVR_C_EV_STORED_OVER, 1);
+			kvr_metrics_add(mb, KVR_C_EV_OVER_BLOCKS, ev->n_blocks);
+			if (report_over) {
+				own->gaps++;
+				kvr_metrics_add(mb, KVR_C_EV_OVER_EPISODES, 1);
+			}
+			break;
+		}
 		if (kvr_grow((void **)&ss->blk, &ss->blk_cap, ev->n_blocks ? ev->n_blocks : 1,
 		             sizeof(*ss->blk)))
 			return KVR_ENOMEM;
@@ -72,6 +143,18 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		}
 		own->have_event = true;
 		own->last_event_id = ev->event_id;
+	}
+	if (report_over) {
+		/* The refused event is lost too: an id gap before it (set above) runs through it,
+		 * else it alone; an unnumbered one reads (0, 1).  The last id saturates. */
+		if (!a->gap_to)
+			a->gap_from = ev->event_id;
+		a->gap_to = ev->event_id + 1;
+		if (!a->gap_to) {
+			a->gap_to = UINT64_MAX;
+			if (a->gap_from == UINT64_MAX)
+				a->gap_from = UINT64_MAX - 1;
+		}
 	}
 	kvr_owner_publish(ss, own);
 	return rc;

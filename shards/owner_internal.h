@@ -46,6 +46,7 @@ struct kvr_rank_owned {
 	uint64_t capacity;
 	uint64_t last_event_id;
 	bool have_event;
+	bool over_bound; /* events mode: an episode at the stored-block bound (owner_events.c) */
 	uint64_t gaps;
 	uint64_t evictions;
 	struct kvr_attempt *attempts;

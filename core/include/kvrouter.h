@@ -137,6 +137,15 @@ struct kvr_config {
 	double temperature;
 	/* TTL retention (approx_ttl mode, or a rank without capacity), ns.  Default 120 s. */
 	uint64_t ttl_ns;
+	/* Events mode: the most distinct blocks the index keeps for one rank registered without a
+	 * capacity (KVR_CAPACITY_NONE or 0), so that a publisher whose removals are lost, or a
+	 * buggy or hostile one, cannot grow the router's memory without limit; a rank with a
+	 * capacity may hold twice it plus 1,024 blocks instead (no engine that fits its
+	 * registration gets there: kvr_events_apply says why, and what happens at the bound).
+	 * Default 2,097,152 (2^21 blocks: 33.5M tokens at block size 16, more than one GPU's KV
+	 * cache holds; 71-83 MB of index for a rank that fills it, at 34-39 bytes a block);
+	 * range 1..UINT64_MAX (0: KVR_ERANGE). */
+	uint64_t events_max_blocks;
 	/* Lease reaper scan interval, ns; an idle attempt expires after one to two.  Default 120 s.
 	 */
 	uint64_t lease_scan_interval_ns;
@@ -249,7 +258,11 @@ struct kvr_config {
 	 * kvr_route_wait caller collects it; d is borrowed for the call.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
-	 * embedder can ask the worker to replay.  Called once the event is applied, on the thread
+	 * embedder can ask the worker to replay.  Also, once per episode, when a rank reaches its
+	 * stored-block bound (events_max_blocks; kvr_events_apply): the refused event is reported
+	 * lost (expected = its id, got = its id + 1; 0 and 1 when unnumbered) and the rank is out
+	 * of sync until resynced (a cleared event, kvr_rank_reset): replaying will not help.
+	 * Called once the event is applied, on the thread
 	 * that called kvr_events_apply (a feed's thread for a feed), with no router lock held: the
 	 * API may be called from it (see kvr_feed_add for a feed's calls).  Default NULL. */
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
@@ -305,7 +318,8 @@ struct kvr_rank_id {
  * Adds a rank.  incarnation names this life of the rank (e.g. the engine's start time): a later
  * command carrying another incarnation is stale, or (set_capacity/reset) starts a new life.
  * max_batched_tokens: the engine's token budget per step (queue threshold; 0 = unknown).
- * capacity_blocks: its KV cache size in blocks for approx_lru, or KVR_CAPACITY_NONE.
+ * capacity_blocks: its KV cache size in blocks for approx_lru, or KVR_CAPACITY_NONE; in events
+ * mode it bounds what the rank's events may store (kvr_events_apply).
  * Returns 0, KVR_EEXIST, KVR_ERANGE (max_ranks reached), KVR_ENOMEM, KVR_EINVAL.
  * Context: any thread.
  */
@@ -339,8 +353,8 @@ struct kvr_rank_stats {
 	uint64_t active_prefill_tokens;
 	uint64_t active_requests; /* live attempts */
 	uint64_t evictions;
-	uint64_t event_id; /* last applied KV event id (events mode) */
-	uint64_t event_gaps;
+	uint64_t event_id;   /* last applied KV event id (events mode) */
+	uint64_t event_gaps; /* event id gaps, and episodes at the stored-block bound */
 };
 
 /* A snapshot of one rank's state.  Returns 0 or KVR_ENOENT. */
@@ -639,11 +653,24 @@ struct kvr_event {
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
  * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
  * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays),
- * KVR_ENOMEM (nothing changed, the event id cursor included: the same event may be applied
+ * KVR_ERANGE (stored: the rank would exceed its bound, below; nothing applied), KVR_ENOMEM
+ * (nothing changed, the event id cursor included: the same event may be applied
  * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):
  * storing a block the rank already holds adds a copy, a removal drops one, and the block leaves
  * the rank with its last copy; a cleared event drops them all.
+ * Bound: a rank holds at most twice its capacity plus 1,024 distinct blocks
+ * (kvr_config.events_max_blocks without a capacity), so that lost removals or a wrong
+ * publisher cannot exhaust the router's memory.  An engine no larger than its registered
+ * capacity never gets there: vLLM reports an eviction before it stores into the freed block,
+ * so a rank fed in order holds at most its engine's blocks.  A stored event that would take
+ * the rank past it (its blocks counted as new, copies too) is refused whole (KVR_ERANGE, the
+ * event id cursor moves past it), counted (kvr_events_total{type="stored",
+ * status="over_bound"}, kvr_event_over_bound_blocks_total), and the rank is treated as out of
+ * sync, as after a gap: on_event_gap once per episode (see there), event_gaps and
+ * kvr_event_over_bound_episodes_total count it.  Nothing held is dropped: the embedder
+ * resyncs (a cleared event, kvr_rank_reset).  An episode ends when the rank is down to half
+ * its bound (after a clear, or removals).  Removed and cleared events are never refused.
  * Context: any thread.  Meant for KVR_MODE_EVENTS; in other modes it is KVR_EINVAL.
  */
 KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,

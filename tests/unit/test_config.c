@@ -35,6 +35,7 @@ Test(config, defaults_documented)
 	cr_assert_eq(c.sync_booking, false);
 	cr_assert_eq(c.booking_lazy_ns, 250000, "250 us, as documented");
 	cr_assert_eq(c.expected_prefill_ns, 0);
+	cr_assert_eq(c.events_max_blocks, 2097152, "2^21, as documented");
 	cr_assert_null(c.on_admit);
 	cr_assert_null(c.on_event_gap);
 	cr_assert_null(c.callback_ctx);
@@ -78,6 +79,7 @@ Test(config, impossible_values_rejected)
 	BAD(queue_policy, (enum kvr_queue_policy)9, KVR_EINVAL);
 	BAD(queue_capacity, 0, KVR_ERANGE);
 	BAD(max_ranks, 0, KVR_ERANGE);
+	BAD(events_max_blocks, 0, KVR_ERANGE);
 	BAD(max_ranks, 70000, KVR_ERANGE);
 	BAD(lane_capacity, 1, KVR_ERANGE);
 	BAD(lane_capacity, (1u << 22) + 1, KVR_ERANGE);
