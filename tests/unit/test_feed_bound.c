@@ -1,0 +1,119 @@
+/* The events-mode stored-block bound behind the real KV event feed (a ZeroMQ publisher in this
+ * process sending vLLM's BlockStored batches): a publisher that never removes keeps its rank at
+ * kvr_config.events_max_blocks, the feed counts the refused events (kvr_feed_stats.refused), and
+ * on_event_gap is called once per episode on the feed's thread (an unnumbered event: (0, 1)),
+ * again after the publisher's AllBlocksCleared and a new excess. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "kvrouter.h"
+#include "sync/feed_encode.h"
+#include "tests/common/feed_pub.h"
+
+static atomic_int gap_calls;
+static atomic_uint_fast64_t gap_from, gap_to;
+
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint64_t to)
+{
+	(void)ctx, (void)worker, (void)dp;
+	atomic_store(&gap_from, from);
+	atomic_store(&gap_to, to);
+	atomic_fetch_add(&gap_calls, 1);
+}
+
+enum { BS = 16, PER = 8, BOUND = 64 };
+
+static const uint32_t *tokens_of(void *ctx, size_t i)
+{
+	static uint32_t t[BS];
+	const uint64_t *h = ctx;
+	for (uint32_t j = 0; j < BS; j++)
+		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
+	return t;
+}
+
+/* Sends one batch: a root chain of PER blocks from hash first, or a clear. */
+static void send_batch(struct test_pub *p, struct kvr_fenc *e, uint64_t seq, uint64_t first,
+                       bool clear)
+{
+	uint64_t h[PER];
+	for (int i = 0; i < PER; i++)
+		h[i] = first + (uint64_t)i;
+	kvr_fenc_begin(e, 1.0, 1);
+	if (clear)
+		kvr_fenc_cleared(e);
+	else
+		kvr_fenc_stored(e, h, PER, NULL, BS, tokens_of, h);
+	kvr_fenc_end(e, 0);
+	cr_assert_eq(kvr_fenc_send(p->pub, seq, e->sb.data, e->sb.size), 0);
+}
+
+/* Waits until the feed has applied `batches` batches. */
+static struct kvr_feed_stats settled(struct kvr_feed *f, uint32_t id, uint64_t batches)
+{
+	struct kvr_feed_stats st;
+	for (int t = 0; t < 3000; t++) {
+		cr_assert_eq(kvr_feed_get_stats(f, id, &st), 0);
+		if (st.batches >= batches)
+			break;
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_eq(st.batches, batches);
+	return st;
+}
+
+static uint64_t indexed(struct kvr_router *r)
+{
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_router_sync(r, 1000), 0);
+	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){0, 0}, &st), 0);
+	return st.indexed_blocks;
+}
+
+Test(feed_bound, publisher_past_the_bound, .timeout = 120)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 1;
+	c.on_event_gap = on_gap;
+	c.events_max_blocks = BOUND;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	struct test_pub pub;
+	test_pub_open(&pub);
+	struct kvr_feed *f;
+	cr_assert_eq(kvr_feed_create(r, NULL, &f), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
+	uint32_t id;
+	cr_assert_eq(kvr_feed_add(f, &fe, &id), 0);
+	test_pub_subscribed(&pub);
+	struct kvr_fenc e;
+	kvr_fenc_init(&e);
+	/* 40 batches of 8 new blocks, never a removal: 5x the bound. */
+	uint64_t seq = 0;
+	for (int k = 0; k < 40; k++)
+		send_batch(&pub, &e, seq++, 1 + (uint64_t)k * 100, false);
+	struct kvr_feed_stats st = settled(f, id, seq);
+	cr_assert_eq(indexed(r), BOUND, "the rank stays at its bound");
+	cr_assert_eq(st.refused, 40 - BOUND / PER, "the feed counts the refused events");
+	cr_assert_eq(st.gaps, 0, "no seq gap");
+	cr_assert_eq(atomic_load(&gap_calls), 1, "one report for the episode");
+	cr_assert_eq(atomic_load(&gap_from), 0);
+	cr_assert_eq(atomic_load(&gap_to), 1);
+	/* The publisher clears (as vLLM's reset_prefix_cache): room again, a new episode later. */
+	send_batch(&pub, &e, seq++, 0, true);
+	for (int k = 0; k < BOUND / PER + 1; k++)
+		send_batch(&pub, &e, seq++, 100000 + (uint64_t)k * 100, false);
+	st = settled(f, id, seq);
+	cr_assert_eq(indexed(r), BOUND);
+	cr_assert_eq(st.refused, 40 - BOUND / PER + 1);
+	cr_assert_eq(atomic_load(&gap_calls), 2);
+	kvr_fenc_fini(&e);
+	kvr_feed_destroy(f);
+	test_pub_close(&pub);
+	kvr_router_destroy(r);
+}
