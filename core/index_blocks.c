@@ -389,6 +389,16 @@ bool kvr_index_blk_other_held(const struct kvr_index *idx, uint64_t seq, uint32_
 	return true;
 }
 
+bool kvr_index_blk_clash(const struct kvr_index *idx, const struct idx_run *r)
+{
+	struct idx_run *o;
+	uint32_t q;
+	for (uint32_t p = 1; p < idx_run_hw(r); p++)
+		if (blk_find(idx, idx_run_hash(r, p), NULL, 0, false, &o, &q))
+			return true;
+	return false;
+}
+
 /* Puts entry v for seq into e (cap slots, one free at least): the first empty slot of the first
  * chunk from seq's home that has one, counting the chunks passed as overflowed. */
 static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
@@ -606,7 +616,13 @@ int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k)
 	uint64_t cap = need * 1000 / kvr_index_blk_grow_to + 1;
 	if (cap < BLK_MIN)
 		cap = BLK_MIN;
-	return mig_start(idx, cap);
+	const int rc = mig_start(idx, cap);
+	/* The k inserts may go to the old array (while the new one is zeroed, or for an id the
+	 * cursor has not passed): for k > 1 (a run's positions entering the locator together,
+	 * kvr_index_store) it may not hold them; then the rest at once (k = 1 always fits). */
+	if (rc == 0 && b->old_e && (b->old_used + k) * 1000 > b->old_cap * blk_hard())
+		mig_run(idx, UINT64_MAX);
+	return rc;
 }
 
 void kvr_index_blk_insert(struct kvr_index *idx, uint64_t seq, const struct idx_run *r)

@@ -248,9 +248,15 @@ static inline struct idx_run *idx_run_sib(const struct idx_run *r)
 	return (struct idx_run *)(uintptr_t)idx_lo_ptr(r->sb);
 }
 
+/* sb's high bits: hw (<= IDX_RUN_MAX, 12 bits) and IDX_SB_LOC. */
+#define IDX_SB_HW 0x7fffull
+#define IDX_SB_LOC                                                                                 \
+	0x8000ull /* the run is LOCATED: a rank held a position of it under its                    \
+	           * sequence hash once (core/index_blocks.c) */
+
 static inline uint32_t idx_run_hw(const struct idx_run *r)
 {
-	return (uint32_t)idx_hi(r->sb);
+	return (uint32_t)(idx_hi(r->sb) & IDX_SB_HW);
 }
 
 static inline void idx_run_set_sib(struct idx_run *r, const struct idx_run *c)
@@ -260,7 +266,22 @@ static inline void idx_run_set_sib(struct idx_run *r, const struct idx_run *c)
 
 static inline void idx_run_set_hw(struct idx_run *r, uint32_t hw)
 {
-	r->sb = idx_set_hi(r->sb, hw);
+	r->sb = idx_set_hi(r->sb, (idx_hi(r->sb) & IDX_SB_LOC) | hw);
+}
+
+/* Whether the block locator holds r's positions [1, hw) (with the locator on): a run is located
+ * from the first time a rank holds a position of it under its sequence hash (ext == seq) on, and
+ * for good; a run only ever held under engine hashes (aliases) is not: its holders find its
+ * blocks through their ext maps' places, never by sequence hash (core/index_blocks.c says why
+ * and what that leaves). */
+static inline bool idx_run_located(const struct idx_run *r)
+{
+	return (idx_hi(r->sb) & IDX_SB_LOC) != 0;
+}
+
+static inline void idx_run_set_located(struct idx_run *r)
+{
+	r->sb |= IDX_SB_LOC << IDX_HI_SHIFT;
 }
 
 /* The previous sibling: the pointer bits of the embedded record's run word. */
@@ -725,6 +746,10 @@ bool kvr_index_blk_find(const struct kvr_index *idx, uint64_t seq, const struct 
  * block's): then *r, *pos and its record *h. */
 bool kvr_index_blk_other_held(const struct kvr_index *idx, uint64_t seq, uint32_t slot,
                               struct idx_run **r, uint32_t *pos, struct idx_hold **h);
+/* Before r (not located) becomes located: whether one of its positions [1, hw) is an interior
+ * position of a located run too (only crafted input puts a hash at two such places: a root on
+ * a hash r has inside, and a chain copied below it; core/index_blocks.c). */
+bool kvr_index_blk_clash(const struct kvr_index *idx, const struct idx_run *r);
 /* Makes room for k more entries.  Returns 0 or KVR_ENOMEM (nothing changed). */
 int kvr_index_blk_reserve(struct kvr_index *idx, uint64_t k);
 /* Frees the entry array if it holds nothing (after a reserve whose insert failed). */
@@ -967,14 +992,46 @@ static inline void idx_flush_if_due(struct kvr_index *idx)
 		kvr_index_retire_flush(idx, &idx->rt);
 }
 
-/* The sequence hash ext names for the rank: *seq and true when the rank holds a block under
- * the alias ext (xmap), else *seq = ext and false; the caller that finds the block ext then
- * refuses it when the rank holds it under an alias (idx_alias_bit): a block held under another
- * name is not named by its sequence hash. */
-static inline bool idx_ext_to_seq(const struct idx_rank *rk, uint64_t ext, uint64_t *seq)
+/* An ext map's value: the PLACE (run, position) of the block the key names, stored as key ^
+ * place (a place is never 0, so an entry stays empty iff key == val).  The place, not the
+ * sequence hash: a rank's alias is resolved without the block locator, so a run only ever held
+ * under aliases needs no locator entries (idx_run_located).  A place stays valid while the rank
+ * holds the block (a run lives while a rank holds a position of it; run headers never move). */
+static inline uint64_t idx_place(const struct idx_run *r, uint32_t pos)
 {
-	*seq = ext;
-	return rk->xmap.count && idx_xmap_get(&rk->xmap, ext, seq);
+	return (uint64_t)(uintptr_t)r | (uint64_t)pos << IDX_HI_SHIFT;
+}
+
+/* Where the rank holds the block it names by the alias ext: *r, *pos and true, else false (the
+ * caller then looks ext up as a sequence hash, and refuses a block the rank holds under an
+ * alias, idx_alias_bit: a block held under another name is not named by its sequence hash). */
+static inline bool idx_ext_place(const struct idx_rank *rk, uint64_t ext, struct idx_run **r,
+                                 uint32_t *pos)
+{
+	if (!rk->xmap.count)
+		return false;
+	const struct idx_xent *e = idx_xmap_ref(&rk->xmap, ext);
+	if (!e)
+		return false;
+	const uint64_t pl = e->key ^ e->val;
+	*r = (struct idx_run *)(uintptr_t)idx_lo_ptr(pl);
+	*pos = (uint32_t)idx_hi(pl);
+	return true;
+}
+
+/* Records the alias ext -> (r, pos) (room reserved, ext absent). */
+static inline void idx_ext_put(struct idx_rank *rk, uint64_t ext, const struct idx_run *r,
+                               uint32_t pos)
+{
+	kvr_index_xmap_put(&rk->xmap, ext, ext ^ idx_place(r, pos));
+}
+
+/* Whether a lookup by sequence hash may answer with r: with the locator, only located runs
+ * hold blocks a rank holds under their sequence hash (a hint at an unlocated run is skipped,
+ * as the locator skips the run). */
+static inline bool idx_seq_visible(const struct kvr_index *idx, const struct idx_run *r)
+{
+	return idx->no_locator || idx_run_located(r);
 }
 
 /* With the locator: where block seq sits in the tree (a position below hw): *r, *pos, or false.
@@ -992,7 +1049,7 @@ static inline bool idx_near_last(const struct kvr_index *idx, uint64_t seq, stru
                                  uint32_t *pos)
 {
 	const struct idx_run *lr = idx->last_run; /* alive: cleared when it dies */
-	if (lr) {
+	if (lr && idx_run_located(lr)) {
 		const uint32_t lp = idx->last_pos, hw = idx_run_hw(lr);
 		for (uint32_t d = 0; d < 3; d++) { /* lp - 1, lp + 1, lp */
 			const uint32_t q = d == 0 ? lp - 1 : d == 1 ? lp + 1 : lp;

@@ -132,12 +132,17 @@ static bool rm_find(struct rm *c, uint64_t s, struct idx_run **C, uint32_t *q, s
 /* Removes ext[j] (one copy of it with count_copies), or counts it not found. */
 static void rm_one(struct rm *c, uint64_t e)
 {
-	uint64_t s;
-	const bool via = idx_ext_to_seq(c->rk, e, &s);
 	struct idx_run *C;
 	struct idx_hold *ch;
 	uint32_t q;
-	if (!rm_find(c, s, &C, &q, &ch) || (!via && idx_alias_bit(c->rk, ch, q))) {
+	const bool via = idx_ext_place(c->rk, e, &C, &q); /* an alias: its place */
+	if (via) {
+		ch = C == c->R ? c->h : kvr_index_hold_of(C, c->slot);
+		if (!ch || !idx_hold_bit(ch, q)) { /* NEVER: the map holds held blocks */
+			c->nf++;
+			return;
+		}
+	} else if (!rm_find(c, e, &C, &q, &ch) || idx_alias_bit(c->rk, ch, q)) {
 		c->nf++; /* not held, or held under an alias and named by its sequence hash */
 		return;
 	}

@@ -36,7 +36,8 @@
 static bool parent_at(const struct kvr_index *idx, uint64_t pseq, struct idx_run **r, uint32_t *pos)
 {
 	struct idx_run *lr = idx->last_run; /* alive: cleared when it dies */
-	if (lr && idx->last_pos < idx_run_hw(lr) && idx_run_hash(lr, idx->last_pos) == pseq) {
+	if (lr && idx_seq_visible(idx, lr) && idx->last_pos < idx_run_hw(lr) &&
+	    idx_run_hash(lr, idx->last_pos) == pseq) {
 		*r = lr;
 		*pos = idx->last_pos;
 		return true;
@@ -95,8 +96,8 @@ static bool parent_held(struct kvr_index *idx, uint32_t slot, uint64_t pseq, con
 		return kvr_index_find_held(idx, slot, pseq, idx->last_run, idx->last_pos, r, pos,
 		                           h);
 	struct idx_run *lr = idx->last_run;
-	if (path &&
-	    !(lr && idx->last_pos < idx_run_hw(lr) && idx_run_hash(lr, idx->last_pos) == pseq)) {
+	if (path && !(lr && idx_seq_visible(idx, lr) && idx->last_pos < idx_run_hw(lr) &&
+	              idx_run_hash(lr, idx->last_pos) == pseq)) {
 		if (!kvr_index_walk(idx, path, stride, np, r, pos))
 			return false;
 	} else if (!parent_at(idx, pseq, r, pos)) {
@@ -109,12 +110,21 @@ static bool parent_held(struct kvr_index *idx, uint32_t slot, uint64_t pseq, con
 	return !path && kvr_index_blk_other_held(idx, pseq, slot, r, pos, h);
 }
 
-/* Where block s below (R, p) sits in the tree (R NULL: the root): *C, *q, or false. */
+/* Where block s below (R, p) sits in the tree (R NULL: the root): *C, *q, or false.  With the
+ * locator, R's own next position first when R is not located (the locator does not hold it; a
+ * located R's is the locator's first guess anyway): s names its prefix, so below (R, p) it can
+ * only be there or a child's first block (the run table).  A copy of s inside another run that is
+ * not located (a crafted root's hash, core/index_blocks.c) is not seen. */
 static bool next_block(const struct kvr_index *idx, const struct idx_run *R, uint32_t p, uint64_t s,
                        struct idx_run **C, uint32_t *q)
 {
 	if (idx->no_locator)
 		return kvr_index_next_at(idx, R, p, s, C, q);
+	if (R && !idx_run_located(R) && p + 1 < idx_run_hw(R) && idx_run_hash(R, p + 1) == s) {
+		*C = (struct idx_run *)(uintptr_t)R;
+		*q = p + 1;
+		return true;
+	}
 	return idx_locate(idx, s, R, p, C, q);
 }
 
@@ -144,6 +154,8 @@ static size_t extend_run(struct kvr_index *idx, const struct idx_rank *rk,
 		return 0; /* a last block: the block-by-block path costs no more */
 	if (rk->xmap.count && !rk->amap.e)
 		return 0; /* a plain block into an all-aliased rank: its alias bits first */
+	if (!idx->no_locator && !idx_run_located(R))
+		return 0; /* a plain block makes R located: its locator entries first */
 	const uint32_t len = idx_run_len(R), hw = idx_run_hw(R), q = p + 1;
 	const bool app = q == len;
 	uint64_t room;
@@ -223,10 +235,19 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		prev = *parent_ext;
 		if (path && rk->xmap.count)
 			path = NULL; /* aliases: the parent's ext hash may name another block */
-		/* Named by its sequence hash, a block the rank holds under an alias is unknown. */
-		const bool via = idx_ext_to_seq(rk, prev, &pseq);
-		if (!parent_held(idx, slot, pseq, path, stride, np, &R, &p, &h) ||
-		    (!via && idx_alias_bit(rk, h, p))) {
+		bool ok;
+		if (idx_ext_place(rk, prev, &R, &p)) { /* an alias: its place */
+			h = kvr_index_hold_of(R, slot);
+			pseq = idx_run_hash(R, p);
+			ok = h && idx_hold_bit(h, p); /* ALWAYS: the map holds held blocks */
+		} else {
+			/* Named by its sequence hash, a block the rank holds under an alias is
+			 * unknown. */
+			pseq = prev;
+			ok = parent_held(idx, slot, pseq, path, stride, np, &R, &p, &h) &&
+			     !idx_alias_bit(rk, h, p);
+		}
+		if (!ok) {
 			idx_count(&idx->c_parent_nf, 1);
 			rc = KVR_ENOENT;
 			goto out;
@@ -271,9 +292,10 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			break;
 		}
 		const bool alias = e != s;
-		uint64_t mapped;
-		bool via_e = idx_xmap_get(&rk->xmap, e, &mapped);
-		if (via_e && (!alias || mapped != s)) {
+		struct idx_run *vr;
+		uint32_t vp;
+		bool via_e = idx_ext_place(rk, e, &vr, &vp);
+		if (via_e && (!alias || idx_run_hash(vr, vp) != s)) {
 			rc = KVR_EINVAL; /* e names another block of the rank */
 			break;
 		}
@@ -358,6 +380,23 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			rc = KVR_EINVAL;
 			break;
 		}
+		/* The run a plain block makes located (with the locator): its positions go into
+		 * the locator with this block.  One whose positions clash with a located run's (a
+		 * crafted root's hash that an unlocated run has inside, and a chain copied below
+		 * that root: core/index_blocks.c) is refused as a collision. */
+		struct idx_run *lc = NULL;
+		if (!idx->no_locator && !alias && pl != P_FORK) {
+			struct idx_run *t = pl == P_EXISTS ? C : R;
+			if (!idx_run_located(t)) {
+				if (kvr_index_blk_clash(idx, t)) {
+					rc = KVR_EINVAL;
+					break;
+				}
+				lc = t;
+			}
+		}
+		const uint32_t nloc =
+		    lc ? idx_run_hw(lc) - 1 : 0; /* its positions past the first */
 		/* Obtain everything that needs memory; nothing visible changes before commit. */
 		if ((alias && kvr_index_xmap_reserve(idx, &rk->xmap)) ||
 		    kvr_index_alias_reserve(idx, rk, alias, rk->size + added)) {
@@ -375,18 +414,24 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			rc = KVR_ENOMEM;
 			break;
 		}
-		/* Positions past the first are in the block locator; a run gets its id there
-		 * when it grows past one block. */
-		bool new_id = false;
-		if (pl == P_APPEND && idx->no_locator) {
+		/* A located run's positions past the first are in the block locator; it gets its
+		 * id there when it has two positions (after an append, or now: lc). */
+		struct idx_run *idr = NULL; /* the run given an id here */
+		const bool loc_app =
+		    pl == P_APPEND && !idx->no_locator && (lc || idx_run_located(R));
+		if (pl == P_APPEND && !loc_app) {
 			if (kvr_index_run_grow(idx, R, n - i) != 0) {
 				rc = KVR_ENOMEM;
 				break;
 			}
-		} else if (pl == P_APPEND) {
-			if (kvr_index_blk_reserve(idx, 1) != 0 ||
-			    kvr_index_run_grow(idx, R, n - i) != 0 ||
-			    (idx_run_id(R) == 0 && !(new_id = kvr_index_blk_id_new(idx, R) == 0))) {
+		} else if (loc_app || nloc) {
+			struct idx_run *t = lc ? lc : R;
+			int e2 = kvr_index_blk_reserve(idx, nloc + (loc_app ? 1 : 0));
+			if (!e2 && loc_app)
+				e2 = kvr_index_run_grow(idx, R, n - i);
+			if (!e2 && idx_run_id(t) == 0 && (e2 = kvr_index_blk_id_new(idx, t)) == 0)
+				idr = t;
+			if (e2) {
 				kvr_index_blk_unreserve(idx);
 				rc = KVR_ENOMEM;
 				break;
@@ -425,8 +470,8 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		if (rc) {
 			if (pl == P_FORK)
 				kvr_index_tab_unreserve(idx, s);
-			if (new_id)
-				kvr_index_blk_id_free(idx, R);
+			if (idr)
+				kvr_index_blk_id_free(idx, idr);
 			if (!idx->no_locator)
 				kvr_index_blk_unreserve(idx);
 			if (nr) {
@@ -442,9 +487,16 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			break;
 		}
 		/* Commit: no failure from here. */
+		if (lc) { /* into the locator: its entries reserved, its id given */
+			if (nloc)
+				kvr_index_blk_insert_many(idx, idx_run_seqs(lc) + 1, nloc, lc);
+			idx_run_set_located(lc);
+		}
 		switch (pl) {
 		case P_FORK:
 			nr->sl |= 1ull << IDX_HI_SHIFT; /* len 1: not published yet */
+			if (!idx->no_locator && !alias)
+				idx_run_set_located(nr);
 			kvr_index_link_child(R, nr);
 			kvr_index_tab_insert(idx, nr);
 			break;
@@ -453,7 +505,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			idx_run_set_hw(R, Rhw + 1);
 			/* Ordering: release; pairs with the acquire load of sl in find_matches. */
 			idx_run_set_len(R, Rlen + 1);
-			if (!idx->no_locator)
+			if (loc_app)
 				kvr_index_blk_insert(idx, s, R);
 			break;
 		case P_REEXTEND: /* the locator entry was kept by the trim */
@@ -476,7 +528,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 			pub = ch;
 		}
 		if (alias) {
-			kvr_index_xmap_put(&rk->xmap, e, s);
+			idx_ext_put(rk, e, C, q);
 			kvr_index_alias_set(rk, ch, q);
 		}
 		added++;

@@ -466,3 +466,180 @@ Test(index_blocks, stretches_equal_block_by_block)
 		free(local);
 	}
 }
+
+/* ---- runs only ever held under engine hashes are not in the locator (core/index_blocks.c:
+ * "Located runs"): their holders find their blocks through the ext maps' places. */
+
+/* Slot's score on the chain seq[0..n) (0: not listed). */
+static uint32_t score_in(struct kvr_index *idx, const uint64_t *seq, size_t n, uint32_t slot)
+{
+	struct kvr_index_match m[8];
+	size_t k = 0;
+	kvr_rcu_read_lock();
+	cr_assert_eq(kvr_index_find_matches(idx, seq, n, NULL, m, 8, &k), 0);
+	kvr_rcu_read_unlock();
+	for (size_t i = 0; i < k; i++)
+		if (m[i].slot == slot)
+			return m[i].score;
+	return 0;
+}
+
+/* A chain of n blocks: local[i], seq[i] (below parent *pseq, NULL: the root); ext[i] = seq[i]
+ * (plain) or an engine hash of rank tag (aliased). */
+static void names(struct kvr_index_block *b, const uint64_t *local, const uint64_t *seq, size_t n,
+                  uint64_t tag)
+{
+	for (size_t i = 0; i < n; i++)
+		b[i] = (struct kvr_index_block){
+		    .ext_hash = tag ? (seq[i] ^ tag * 0x9e3779b97f4a7c15ull) : seq[i],
+		    .local_hash = local[i]};
+}
+
+/* A run an aliased rank alone holds has no locator entry and no id; the first plain holder
+ * puts its positions in (P_EXISTS: a rank storing the same chain plainly; P_APPEND: the aliased
+ * rank itself appending plain blocks at the run's end).  SQLite-style: every allocation of that
+ * store fails once, and each failure changes nothing a caller sees (sizes, scores, names);
+ * after the success every position is in the locator at its place, removals by sequence hash
+ * and by alias find their blocks, and everything dropped gives every byte back. */
+Test(index_blocks, plain_holder_locates_an_aliased_run)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	enum { N = 150, K = 4 };
+	uint64_t local[N + K], seq[N + K];
+	for (int i = 0; i < N + K; i++)
+		local[i] = 0x5000 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, local, N + K, seq);
+	struct kvr_index_block a[N + K], p[N + K];
+	names(a, local, seq, N + K, 1);
+	names(p, local, seq, N + K, 0);
+	for (int how = 0; how < 2; how++) { /* 0: another rank (P_EXISTS), 1: P_APPEND */
+		struct kvr_index *idx;
+		uint32_t ra, rp;
+		cr_assert_eq(kvr_index_create(8, &idx), 0);
+		cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &ra), 0);
+		cr_assert_eq(kvr_index_rank_add(idx, 2, 0, &rp), 0);
+		cr_assert_eq(kvr_index_store(idx, ra, NULL, a, N), 0);
+		cr_assert_eq(idx->blk.count + idx->blk.old_count, 0, "an aliased run is located");
+		cr_assert_null(idx->blk.dir, "an aliased run has an id");
+		const uint32_t who = how ? ra : rp;
+		const uint64_t *parent = how ? &a[N - 1].ext_hash : NULL;
+		const struct kvr_index_block *w = how ? &p[N] : p;
+		const size_t wn = how ? K : N;
+		int rc = KVR_ENOMEM;
+		uint64_t nth;
+		for (nth = 1; nth < 200 && rc != 0; nth++) {
+			kvr_alloc_fail_after(nth);
+			rc = kvr_index_store(idx, who, parent, w, wn);
+			kvr_alloc_fail_after(0);
+			if (rc == 0)
+				break;
+			cr_assert_eq(rc, KVR_ENOMEM, "how %d nth=%lu", how, (unsigned long)nth);
+			cr_assert_eq(kvr_index_tree_size(idx, ra), N, "nth=%lu",
+			             (unsigned long)nth);
+			cr_assert_eq(kvr_index_tree_size(idx, rp), 0, "nth=%lu",
+			             (unsigned long)nth);
+			cr_assert_eq(kvr_index_rank_blocks(idx, ra, NULL, 0), N);
+			cr_assert_eq(score_in(idx, seq, N + K, ra), N);
+			cr_assert_eq(score_in(idx, seq, N + K, rp), 0);
+		}
+		cr_assert_eq(rc, 0, "how %d", how);
+		cr_assert_gt(nth, 2, "how %d: the locator's entries and id allocate", how);
+		cr_assert_eq(score_in(idx, seq, N + K, ra), how ? N + K : N);
+		cr_assert_eq(score_in(idx, seq, N + K, rp), how ? 0 : N);
+		const uint32_t hi = how ? N + K : N;
+		cr_assert_eq(idx->blk.count + idx->blk.old_count, hi - 1);
+		for (uint32_t j = 1; j < hi; j++) {
+			struct idx_run *r = NULL;
+			uint32_t pos = 0;
+			cr_assert(kvr_index_blk_find(idx, seq[j], NULL, 0, &r, &pos), "how %d %u",
+			          how, j);
+			cr_assert_eq(idx_run_hash(r, pos), seq[j]);
+		}
+		/* Removals by sequence hash (plain) and by alias find their blocks. */
+		size_t nf = 9;
+		cr_assert_eq(kvr_index_remove(idx, who, &w[1].ext_hash, 1, &nf), 0);
+		cr_assert_eq(nf, 0);
+		cr_assert_eq(kvr_index_remove(idx, ra, &a[70].ext_hash, 1, &nf), 0);
+		cr_assert_eq(nf, 0);
+		cr_assert_eq(kvr_index_remove(idx, ra, &seq[71], 1, &nf), 0);
+		cr_assert_eq(nf, 1, "an aliased block named by its sequence hash");
+		cr_assert_eq(score_in(idx, seq, N + K, ra), 70);
+		cr_assert_eq(score_in(idx, seq, N + K, rp), how ? 0 : 1);
+		cr_assert_eq(kvr_index_clear_rank(idx, ra), 0);
+		cr_assert_eq(kvr_index_clear_rank(idx, rp), 0);
+		kvr_index_quiesce(idx);
+		struct kvr_index_stats st;
+		kvr_index_stats_get(idx, &st);
+		cr_assert_eq(st.bytes_shared, 0);
+		cr_assert_eq(st.bytes_per_rank, 0);
+		kvr_index_destroy(idx);
+	}
+}
+
+/*
+ * A crafted root on a hash that only an aliased run has inside: the locator does not see it,
+ * so the root is accepted (as in an index without the locator), and so is a chain the crafter
+ * copies below it (appended without a probe).  A plain rank that then stores the aliased chain
+ * would put that run into the locator with positions a located run (the crafter's copy) has
+ * too: refused as a collision, nothing applied.  Without the copy below the crafted root (the
+ * root alone: its first block is in the run table, a place the locator's lookups already
+ * tell apart), or once the crafter is gone, the plain rank's store is accepted, and each
+ * rank's removals find its own block.
+ */
+Test(index_blocks, crafted_root_over_an_aliased_run)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	enum { N = 10, X = 4 };
+	uint64_t local[N], seq[N];
+	for (int i = 0; i < N; i++)
+		local[i] = 0x7000 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, local, N, seq);
+	struct kvr_index_block a[N], p[N];
+	names(a, local, seq, N, 3);
+	names(p, local, seq, N, 0);
+	for (int copy = 0; copy < 2; copy++) {
+		struct kvr_index *idx;
+		uint32_t ra, rp, rc_;
+		cr_assert_eq(kvr_index_create(8, &idx), 0);
+		cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &ra), 0);
+		cr_assert_eq(kvr_index_rank_add(idx, 2, 0, &rp), 0);
+		cr_assert_eq(kvr_index_rank_add(idx, 3, 0, &rc_), 0);
+		cr_assert_eq(kvr_index_store(idx, ra, NULL, a, N), 0);
+		/* The crafter's root: its sequence hash (its local hash) is seq[X]. */
+		const struct kvr_index_block root = {.ext_hash = seq[X], .local_hash = seq[X]};
+		cr_assert_eq(kvr_index_store(idx, rc_, NULL, &root, 1), 0);
+		if (copy) { /* seq[X + 1] below it: chain(seq[X], local[X + 1]) */
+			cr_assert_eq(kvr_index_store(idx, rc_, &seq[X], &p[X + 1], 1), 0);
+		}
+		struct kvr_index_stats st0, st;
+		kvr_index_stats_get(idx, &st0);
+		const int want = copy ? KVR_EINVAL : 0;
+		cr_assert_eq(kvr_index_store(idx, rp, NULL, p, N), want, "copy %d", copy);
+		kvr_index_stats_get(idx, &st);
+		cr_assert_eq(st.invalid, st0.invalid + (copy ? 1 : 0));
+		cr_assert_eq(kvr_index_tree_size(idx, rp), copy ? 0 : N);
+		cr_assert_eq(score_in(idx, seq, N, ra), N);
+		cr_assert_eq(score_in(idx, &seq[X], 1, rc_), 1);
+		/* Each rank's removal of the shared hash finds its own block. */
+		size_t nf = 9;
+		cr_assert_eq(kvr_index_remove(idx, rc_, &seq[X], 1, &nf), 0);
+		cr_assert_eq(nf, 0);
+		if (!copy) {
+			cr_assert_eq(kvr_index_remove(idx, rp, &seq[X], 1, &nf), 0);
+			cr_assert_eq(nf, 0);
+			cr_assert_eq(score_in(idx, seq, N, rp), X);
+		}
+		cr_assert_eq(kvr_index_remove(idx, ra, &a[X].ext_hash, 1, &nf), 0);
+		cr_assert_eq(nf, 0);
+		cr_assert_eq(score_in(idx, seq, N, ra), X);
+		/* The crafter gone, the plain chain is accepted; a crafted root on a hash of a
+		 * located run is refused again. */
+		cr_assert_eq(kvr_index_clear_rank(idx, rc_), 0);
+		cr_assert_eq(kvr_index_store(idx, rp, NULL, p, N), 0);
+		cr_assert_eq(score_in(idx, seq, N, rp), N);
+		const struct kvr_index_block r2 = {.ext_hash = seq[X + 2],
+		                                   .local_hash = seq[X + 2]};
+		cr_assert_eq(kvr_index_store(idx, rc_, NULL, &r2, 1), KVR_EINVAL);
+		kvr_index_destroy(idx);
+	}
+}

@@ -362,7 +362,11 @@ static void run(unsigned seed, int steps)
 				b[i] = (struct kvr_index_block){1 + rnd(xr), 1 + rnd(4)};
 				if (plain && (root || pn >= 0)) {
 					pn = intern(pn, b[i].local_hash, true);
-					if (rnd(10) != 0)
+					/* Mostly plain; on seeds 6, 7, 14, 15, .. ranks 0 and 1
+					 * mostly aliased (engine hashes): runs they alone held
+					 * are not in the locator until a plain block joins
+					 * them (core/index_blocks.c). */
+					if (rnd(10) < (seed % 8 >= 4 && r < &mr[2] ? 1u : 9u))
 						b[i].ext_hash = mseq(pn);
 				}
 			}
