@@ -34,10 +34,11 @@
  * is the embedded one, else in a holder set with a pointer beside it), a 32-byte record (none
  * for the embedded holder) and a bitmap (1 bit per position), so the per-holder cost of a
  * run of 16+ blocks is a few bytes.  Events mode, where the engine's ext hash differs from the
- * sequence hash, adds per rank an ext -> seq map (16 bytes an aliased block at load 0.65-0.9)
- * and, only in a rank that mixes aliased and plain blocks, alias bits per (record, bitmap word)
- * (core/index_xmap.c).  Header and record sizes are jemalloc classes (64, 32): the 16-bit fields
- * ride in the high bits of pointer words.
+ * sequence hash, adds per rank an ext -> place map (16 bytes an aliased block at load 0.65-0.9; a
+ * run only ever held under such aliases has no block-locator entry) and, only in a rank that mixes
+ * aliased and plain blocks, alias bits per (record, bitmap word) (core/index_xmap.c).  Header and
+ * record sizes are jemalloc classes (64, 32): the 16-bit fields ride in the high bits of pointer
+ * words.
  *
  * What that leaves for short runs (bench_index_runs prints the split, '# where:').  A run of
  * one block with one holder: 80 (header with its record) + 8 / load of the run table (10-15) =
@@ -133,8 +134,9 @@
  *
  * Invariants.
  *  - Every live run has one run-table entry (keyed by its first block); with the locator, every
- *    position [1, hw) of every live run has one block-locator entry (trimmed positions stay
- *    until it dies); without it, a rank's end-map entries are keyed by its records' current
+ *    position [1, hw) of every LOCATED live run (one a rank held a position of under its
+ *    sequence hash once: core/index_blocks.c) has one block-locator entry (trimmed positions
+ *    stay until it dies); without it, a rank's end-map entries are keyed by its records' current
  *    ends (an entry may be missing, never stale).
  *  - A run lives while a rank holds a position of it or it has a child; len >= max(top of every
  *    holder, largest child offset); a run whose need drops to 0 dies and its parent is re-checked.

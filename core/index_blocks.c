@@ -97,9 +97,30 @@
  * nothing (the old array stays).  Amortised cost: every rebuild moves each entry once, O(1) per
  * insert per growth (7.7 moves per insert while an index fills at 1.15x; a steady index never
  * grows); while migrating, misses probe two arrays and the memory is old + new.
- * Invariant: the locator holds exactly positions [1, hw) of every live run (trimmed positions
- * stay until the run dies, so a re-store finds them), and a run has an id iff it ever had two
- * positions.
+ * Located runs (extplace, 2026-12-02).  Who looks a block up by its sequence hash?  A write
+ * naming a block by the hash the rank stored it under, when that hash is the sequence hash
+ * (ext == seq, a "plain" block: the approximate modes, events mode with engines that publish
+ * the router's hashes).  A block stored under an engine hash (an alias: vLLM's, every rank's
+ * hashes its own) is found through the rank's ext map, whose value is the block's place (run,
+ * position: core/index_internal.h, idx_ext_place), never through the locator.  So only runs a
+ * rank ever held a position of under its sequence hash are LOCATED (IDX_SB_LOC, for good): the
+ * store that commits the first plain block to a run reserves hw - 1 entries and an id in its
+ * reserve phase and inserts the run's positions at its commit (once per run; a failed write
+ * leaves nothing visible changed, the run may stay located).  A router fed by vLLM alone has no
+ * located run past the one-block ones: no locator entry and no directory, 5.6 bytes per block
+ * (bench_index_runs --mem-only, ext=rank, 16-block runs with one holder: 39.5 -> 33.9 bytes per
+ * held block).  What the locator no longer sees: a crafted root (kvr_index_blk_other_held) on a
+ * hash that only an unlocated run has inside is accepted, as in an index without the locator,
+ * and so is a chain the crafter appends below it, whose hashes then equal the run's next ones.
+ * Lookups by sequence hash never answer with an unlocated run (idx_seq_visible), so the two
+ * places stay apart until the run gets a plain holder; that store checks the run's positions
+ * against the located runs' first (kvr_index_blk_clash, O(hw) probes once per run) and refuses
+ * a clash as a collision, so no two located runs share an interior hash that the locator would
+ * have refused before (a crafted root's own hash at an interior position stays allowed, as
+ * before: the run table tells the two places apart).
+ * Invariant: the locator holds exactly positions [1, hw) of every live LOCATED run (trimmed
+ * positions stay until the run dies, so a re-store finds them), and a run has an id iff it is
+ * located and has had two positions.
  * Context: every function here runs under the index's writer mutex (or in create / destroy).
  */
 #include <string.h>

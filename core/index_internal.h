@@ -428,7 +428,7 @@ static inline uint64_t *idx_hold_bm(struct idx_hold *h)
 	return idx_hold_nwords(h) == 1 ? &h->bm0 : h->bm;
 }
 
-/* Per-rank map key -> val (core/index_xmap.c: ext -> seq for the blocks stored with ext != seq,
+/* Per-rank map key -> val (core/index_xmap.c: ext -> place for the blocks stored with ext != seq,
  * alias bits, copy counts): Robin Hood linear probing, backward-shift deletion; an entry is
  * empty iff key == val.  Writers only (under wlock). */
 struct idx_xent {
@@ -471,11 +471,11 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 
 /*
  * Block locator (writers only, under wlock; core/index_blocks.c): every position [1, hw) of
- * every live run, keyed by its sequence hash (position 0: the run table).  An entry is 32 bits: run
- * id << 7 | 7 tag bits; 0 = empty.  Entries sit in chunks of IDX_BLK_CH (one 64-byte line), and
- * one overflow byte per chunk follows the entries.  The position is not stored: the writer finds
- * it in the run's hashes (hints first, then a scan of at most IDX_RUN_MAX words).  dir[id] is
- * the run.
+ * every live LOCATED run (idx_run_located), keyed by its sequence hash (position 0: the run table).
+ * An entry is 32 bits: run id << 7 | 7 tag bits; 0 = empty.  Entries sit in chunks of IDX_BLK_CH
+ * (one 64-byte line), and one overflow byte per chunk follows the entries.  The position is not
+ * stored: the writer finds it in the run's hashes (hints first, then a scan of at most IDX_RUN_MAX
+ * words).  dir[id] is the run.
  */
 #define IDX_ID_BITS 25
 #define IDX_BLK_CH  16u
@@ -585,7 +585,7 @@ struct idx_rank {
 	uint32_t dp_rank;
 	uint32_t state;
 	struct idx_hold *holds; /* the rank's (run) records */
-	struct idx_xmap xmap;   /* ext -> seq for blocks stored with ext != seq */
+	struct idx_xmap xmap;   /* ext -> place (idx_ext_place) for blocks stored with ext != seq */
 	struct idx_xmap amap;   /* alias bits: (record << 5 | bitmap word) -> key ^ the word's
 	                         * positions held under an ext hash != seq (xmap's blocks); only
 	                         * while the rank mixes aliased and plain blocks (e NULL: pure) */
@@ -802,7 +802,7 @@ static inline uint64_t idx_xdist(const struct idx_xmap *m, uint64_t key, uint64_
 	return i >= h ? i - h : i + m->cap - h;
 }
 
-/* An entry is in use iff key != val (xmap only holds pairs with ext != seq; amap stores
+/* An entry is in use iff key != val (xmap stores key ^ place, a place never 0; amap stores
  * key ^ bits with bits != 0; cmap's counts are small, its keys addresses). */
 static inline bool idx_xused(const struct idx_xent *e)
 {

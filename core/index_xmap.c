@@ -1,17 +1,19 @@
 /*
- * core/index_xmap.c - the run index's per-rank maps: ext -> seq, alias bits, copy counts.
+ * core/index_xmap.c - the run index's per-rank maps: ext -> place, alias bits, copy counts.
  *
  * An engine names a block by its own hash (ext); the index keys blocks by the router's sequence
  * hash (seq).  When the two differ (events mode: vLLM hashes with a per-process random seed, so
- * ext differs from seq and between ranks), the rank keeps ext -> seq (xmap: resolving a stored,
- * removed or parent hash) and, per (record, bitmap word), which held positions it holds under
- * such an alias (amap: refusing a block held under two names, a removal or parent naming an
- * aliased block by its sequence hash, and kvr_index_rank_blocks, which lists the plain positions'
- * sequence hashes and then xmap's keys).  A pure rank (all its blocks aliased, as vLLM's, or
- * none) keeps no alias bits at all: xmap's count answers for every position; the bits are made
- * when a rank starts to mix (kvr_index_alias_reserve) and go when it holds no aliased block.  The
- * same structure counts count_copies' extra copies (cmap).  Approximate modes store ext == seq and
- * never touch xmap or amap.
+ * ext differs from seq and between ranks), the rank keeps ext -> the block's place, its (run,
+ * position) (xmap: resolving a stored, removed or parent hash with no lookup by sequence hash,
+ * so a run only ever held under aliases needs no block-locator entries: core/index_blocks.c,
+ * "Located runs"; it was ext -> seq, then found through the locator) and, per (record, bitmap
+ * word), which held positions it holds under such an alias (amap: refusing a block held under two
+ * names, a removal or parent naming an aliased block by its sequence hash, and
+ * kvr_index_rank_blocks, which lists the plain positions' sequence hashes and then xmap's keys).  A
+ * pure rank (all its blocks aliased, as vLLM's, or none) keeps no alias bits at all: xmap's count
+ * answers for every position; the bits are made when a rank starts to mix (kvr_index_alias_reserve)
+ * and go when it holds no aliased block.  The same structure counts count_copies' extra copies
+ * (cmap).  Approximate modes store ext == seq and never touch xmap or amap.
  *
  * Why no seq -> ext map any more.  It was a second 16-byte map per aliased block (rmap), kept
  * only to answer "does the rank hold seq under an alias, and which one": the alias bits answer
@@ -23,8 +25,9 @@
  * Open addressing, Robin Hood linear probing (an insert takes the slot of an entry closer to its
  * home, so a lookup stops as soon as it meets an entry closer to home than the key would be:
  * misses stay short at high load), backward-shift deletion (no tombstones).  An entry is empty
- * iff key == val (xmap only holds ext != seq; amap stores key ^ bits, bits never 0; cmap's counts
- * are small and its keys record addresses), so no occupancy word is needed: 16 bytes an entry.
+ * iff key == val (xmap stores key ^ place, a place is never 0; amap stores key ^ bits, bits never
+ * 0; cmap's counts are small and its keys record addresses), so no occupancy word is needed: 16
+ * bytes an entry.
  * The capacity is any number (fastrange home), sized to fill the allocator's size class; grown
  * past load 0.9 to ~0.65 (the mean over a growth cycle ~0.77: 21 bytes an entry; powers of two
  * grown at 0.8 sat at 0.4-0.8 and exactly 0.5 in the benchmark), shrunk below 0.25 to ~0.6, freed
