@@ -30,6 +30,7 @@
  * Context: single-threaded (the replay's thread); the router's shard thread runs beside it.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -58,6 +59,12 @@ struct rp {
 	struct kvr_router *r;
 	struct kvr_event_block *blk; /* events: scratch for one stored event */
 	size_t blk_cap;
+	/* events with KVR_REPLAY_EXT_HASHES set: each rank names a block by an engine hash of its
+	 * own (seq ^ a per-rank constant, as vLLM's per-process seed makes them differ), not by
+	 * the sequence hash; rm is the scratch of a removed event's names */
+	bool ext_hashes;
+	uint64_t *rm;
+	size_t rm_cap;
 	/* Queue (queue_threshold > 0): waiting[] in ticket order, ready[] admitted, FIFO. */
 	struct rp_queued *waiting, *ready;
 	size_t n_waiting, cap_waiting, n_ready, head_ready, cap_ready;
@@ -216,6 +223,7 @@ static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **st
 	if (!p)
 		return KVR_ENOMEM;
 	p->env = *env;
+	p->ext_hashes = getenv("KVR_REPLAY_EXT_HASHES") != NULL;
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.block_size = env->block_size;
@@ -299,8 +307,17 @@ static void rp_destroy(void *state)
 		free(p->chains[i].seq);
 	}
 	free(p->chains);
+	if (p->r && getenv("KVR_REPLAY_INDEX_BYTES")) { /* the index at the end */
+		struct kvr_index_stats st;
+		kvr_index_stats_get(p->r->index, &st);
+		const uint64_t b = kvr_index_memory_bytes(p->r->index);
+		fprintf(stderr, "index: %lu bytes, %lu copies, %.1f bytes per copy\n",
+		        (unsigned long)b, (unsigned long)st.copies,
+		        st.copies ? (double)b / (double)st.copies : 0.0);
+	}
 	kvr_router_destroy(p->r);
 	free(p->blk);
+	free(p->rm);
 	free(p->waiting);
 	free(p->ready);
 	free(p);
@@ -428,6 +445,7 @@ static int kv_event(void *state, const struct sim_kv_event *ev)
 	struct rp *p = state;
 	tick(p);
 	struct kvr_event e = {.event_id = ev->event_id + 1}; /* the router's ids start at 1 */
+	const uint64_t salt = p->ext_hashes ? (ev->rank + 1) * 0x9e3779b97f4a7c15ull : 0;
 	switch (ev->kind) {
 	case SIM_EV_STORED:
 		if (ev->n > p->blk_cap) {
@@ -439,12 +457,12 @@ static int kv_event(void *state, const struct sim_kv_event *ev)
 			p->blk_cap = nc;
 		}
 		for (size_t i = 0; i < ev->n; i++)
-			p->blk[i] = (struct kvr_event_block){.ext_hash = ev->seq[i],
+			p->blk[i] = (struct kvr_event_block){.ext_hash = ev->seq[i] ^ salt,
 			                                     .local_hash = ev->local[i],
 			                                     .n_tokens = ev->block_size};
 		e.type = KVR_EVENT_STORED;
 		e.has_parent = ev->has_parent;
-		e.parent_ext_hash = ev->parent_seq;
+		e.parent_ext_hash = ev->parent_seq ^ salt;
 		e.blocks = p->blk;
 		e.n_blocks = ev->n;
 		break;
@@ -452,6 +470,18 @@ static int kv_event(void *state, const struct sim_kv_event *ev)
 		e.type = KVR_EVENT_REMOVED;
 		e.removed = ev->seq;
 		e.n_removed = ev->n;
+		if (salt) {
+			if (ev->n > p->rm_cap) {
+				uint64_t *nr = realloc(p->rm, ev->n * sizeof(*nr));
+				if (!nr)
+					return KVR_ENOMEM;
+				p->rm = nr;
+				p->rm_cap = ev->n;
+			}
+			for (size_t i = 0; i < ev->n; i++)
+				p->rm[i] = ev->seq[i] ^ salt;
+			e.removed = p->rm;
+		}
 		break;
 	case SIM_EV_CLEARED:
 		e.type = KVR_EVENT_CLEARED;
