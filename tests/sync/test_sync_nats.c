@@ -26,9 +26,13 @@
  *     carry none.
  *  5. bad input on the wire (through the server): the old wire version, a batch with a truncated
  *     message, a batch in our own name are counted and dropped whole; a good batch is applied.
+ *  6. on_admit on the thread that applies a peer's finish (nats.c's subscription thread, handling
+ *     inline, or the apply thread): kvr_sync_drain there returns KVR_EBUSY at once,
+ *     kvr_sync_wait_ready 0, and kvr_sync_detach and kvr_router_destroy do nothing there.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1174,6 +1178,102 @@ static void test_wire(void)
 	       (unsigned long)st.forged, (unsigned long)st.applied);
 }
 
+/* ---------------------------------------------------------------- 6 */
+
+static struct replica cb_x[2];
+static int cb_done, cb_drain_rc = 1, cb_ready_rc = 1;
+static uint64_t cb_drain_ms;
+static char cb_thread[17];
+static pthread_t cb_main;
+static bool cb_on_main;
+
+static void cb_on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx, (void)ticket, (void)d;
+	prctl(PR_GET_NAME, cb_thread);
+	cb_on_main = pthread_equal(pthread_self(), cb_main);
+	uint64_t t0 = now_ms();
+	cb_drain_rc = kvr_sync_drain(cb_x[1].s, 3000);
+	cb_drain_ms = now_ms() - t0;
+	cb_ready_rc = kvr_sync_wait_ready(cb_x[1].s, 3000);
+	kvr_sync_detach(cb_x[1].s);    /* does nothing here */
+	kvr_router_destroy(cb_x[1].r); /* nor this */
+	__atomic_store_n(&cb_done, 1, __ATOMIC_RELEASE);
+}
+
+/* One shard, the queue on, rank {0, 0} with a 100-token budget: a 200-token request (A's,
+ * mirrored on B) saturates it, and B's own next request waits until A's finish is applied. */
+static struct kvr_router *cb_router(bool with_cb)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.on_admit = with_cb ? cb_on_admit : NULL;
+	struct kvr_router *r;
+	if (kvr_router_create(&c, &r))
+		return NULL;
+	kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 1000, 100);
+	return r;
+}
+
+static int cb_route(struct kvr_router *r, uint32_t salt, size_t n, struct kvr_decision *d)
+{
+	static const struct kvr_rank_id x = {0, 0};
+	uint32_t t[256];
+	for (size_t i = 0; i < n; i++)
+		t[i] = (uint32_t)i * 7u + salt * 1000003u;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.pinned = &x;
+	q.expected_output_tokens = 16;
+	return kvr_route(r, &q, d);
+}
+
+static void test_callbacks(void)
+{
+	cb_main = pthread_self();
+	for (int i = 0; i < 2; i++) {
+		cb_x[i].r = cb_router(i == 1);
+		CHECK(cb_x[i].r && attach(&cb_x[i], 790 + (uint64_t)i) == 0, "callbacks: attach %d",
+		      i);
+		if (!cb_x[i].r || !cb_x[i].s)
+			return;
+	}
+	struct kvr_decision hog, q;
+	CHECK(cb_route(cb_x[0].r, 1, 200, &hog) == 0 && hog.status == KVR_DECIDED,
+	      "callbacks: A's request");
+	for (int i = 0; i < 2; i++) /* A's admission out, then applied on B */
+		CHECK(kvr_sync_drain(cb_x[i].s, 5000) == 0 && kvr_router_sync(cb_x[i].r, 5000) == 0,
+		      "callbacks: %d not quiet", i);
+	CHECK(cb_route(cb_x[1].r, 2, 64, &q) == 0 && q.status == KVR_QUEUED,
+	      "callbacks: B's request did not wait (status %d)", q.status);
+	kvr_request_finish(cb_x[0].r, hog.attempt);
+	for (int t = 0; t < 1000 && !__atomic_load_n(&cb_done, __ATOMIC_ACQUIRE); t++)
+		sleep_ms(10);
+	CHECK(cb_done, "callbacks: on_admit never returned");
+	CHECK(!cb_on_main, "callbacks: on_admit ran on the test's thread");
+	CHECK(cb_drain_rc == KVR_EBUSY && cb_drain_ms < 1000,
+	      "callbacks: kvr_sync_drain from on_admit: %d after %lu ms", cb_drain_rc,
+	      (unsigned long)cb_drain_ms);
+	CHECK(cb_ready_rc == 0, "callbacks: kvr_sync_wait_ready from on_admit: %d", cb_ready_rc);
+	printf("callbacks: on_admit on thread '%s' (%s): drain %d in %lu ms, detach and destroy "
+	       "returned\n",
+	       cb_thread, strcmp(cb_thread, "kvr-sync-apply") ? "nats.c's, inline" : "apply",
+	       cb_drain_rc, (unsigned long)cb_drain_ms);
+	/* Both still work: B drains and routes, then everything goes from here. */
+	CHECK(kvr_sync_drain(cb_x[1].s, 5000) == 0, "callbacks: B does not drain after");
+	struct kvr_decision d;
+	CHECK(cb_route(cb_x[1].r, 3, 16, &d) == 0, "callbacks: B does not route after");
+	for (int i = 0; i < 2; i++) {
+		kvr_sync_detach(cb_x[i].s);
+		kvr_router_destroy(cb_x[i].r);
+	}
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 1)
@@ -1212,6 +1312,7 @@ int main(int argc, char **argv)
 	RUN(outage);
 	RUN(trace);
 	RUN(wire);
+	RUN(callbacks);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
