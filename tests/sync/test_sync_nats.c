@@ -1246,7 +1246,11 @@ static void test_callbacks(void)
 	struct kvr_decision hog, q;
 	CHECK(cb_route(cb_x[0].r, 1, 200, &hog) == 0 && hog.status == KVR_DECIDED,
 	      "callbacks: A's request");
-	for (int i = 0; i < 2; i++) /* A's admission out, then applied on B */
+	/* A's admission out, then applied on B: drain only says A sent it and B has nothing
+	 * queued, not that it arrived (nats-server in between), so wait for B's mirror of it. */
+	CHECK(kvr_sync_drain(cb_x[0].s, 5000) == 0, "callbacks: A not quiet");
+	CHECK(wait_mirrored(cb_x[1].s, 1, 5000) != 0, "callbacks: B never mirrored A's attempt");
+	for (int i = 0; i < 2; i++)
 		CHECK(kvr_sync_drain(cb_x[i].s, 5000) == 0 && kvr_router_sync(cb_x[i].r, 5000) == 0,
 		      "callbacks: %d not quiet", i);
 	CHECK(cb_route(cb_x[1].r, 2, 64, &q) == 0 && q.status == KVR_QUEUED,
