@@ -110,6 +110,14 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		if (!r)
 			continue;
 		refuse(f, p->ep);
+		if (r == KVR_ERANGE && p->ev[i].type == KVR_EVENT_STORED) {
+			kvr_feed_log(f, p->ep, LK_BOUND, KVR_LOG_WARN,
+			             "BlockStored for rank (%" PRIu64
+			             ", %u) not applied: the rank is at "
+			             "its stored-block bound (kvr_events_apply)",
+			             p->ep->worker_id, p->dp);
+			continue;
+		}
 		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,
 		             "%s for rank (%" PRIu64 ", %u) not applied: %s",
 		             p->ev[i].type == KVR_EVENT_STORED    ? "BlockStored"
@@ -279,6 +287,22 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 		return;
 	}
 	if (!v->gpu) {
+		/* The same bound as a rank without a capacity in the GPU index (kvr_events_apply):
+		 * an offload tier's size is not registered, and a publisher whose removals are
+		 * lost, or a hostile one, must not grow this set until the process runs out of
+		 * memory.  Every hash is counted as new, so an oversized event is refused before
+		 * anything grows. */
+		uint64_t bound = f->r->cfg.events_max_blocks;
+		if (v->n_hashes > bound || s->other.count > bound - v->n_hashes) {
+			refuse(f, e);
+			kvr_feed_log(
+			    f, e, LK_BOUND, KVR_LOG_ERROR,
+			    "rank (%" PRIu64 ", %u): other-medium BlockStored of %u blocks "
+			    "refused: %" PRIu64 " held, the bound is %" PRIu64
+			    " (kvr_config.events_max_blocks)",
+			    e->worker_id, s->dp, v->n_hashes, (uint64_t)s->other.count, bound);
+			return;
+		}
 		if (kvr_u64map_reserve(&s->other, v->n_hashes)) {
 			/* Counted and logged; nothing to clear: the other medium's counts can then
 			 * only be short (its removals need no memory). */
@@ -292,10 +316,10 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 		}
 		for (uint32_t i = 0; i < v->n_hashes; i++) {
 			uint32_t *c = kvr_u64map_find(&s->other, h[i]);
-			if (c)
-				++*c;
-			else
+			if (!c)
 				kvr_u64map_insert(&s->other, h[i], 1);
+			else if (*c < UINT32_MAX) /* saturates: a count that wrapped would forget */
+				++*c;
 		}
 		kvr_feed_count(f, KVR_C_FEED_OTHER_MEDIUM, v->n_hashes);
 		e->st.events++;

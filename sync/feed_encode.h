@@ -56,11 +56,12 @@ static inline void kvr_fenc_begin(struct kvr_fenc *e, double ts, size_t n_events
 	msgpack_pack_array(&e->pk, n_events);
 }
 
-/* A GPU BlockStored of n blocks (hashes as uint64), parent NULL for a root chain; the tokens
- * of block i (bs of them) are tokens(ctx, i). */
-static inline void kvr_fenc_stored(struct kvr_fenc *e, const uint64_t *hashes, size_t n,
-                                   const uint64_t *parent, uint32_t bs,
-                                   const uint32_t *(*tokens)(void *ctx, size_t i), void *ctx)
+/* A BlockStored of n blocks (hashes as uint64) on medium ("GPU", "CPU", ...), parent NULL for
+ * a root chain; the tokens of block i (bs of them) are tokens(ctx, i). */
+static inline void kvr_fenc_stored_on(struct kvr_fenc *e, const char *medium,
+                                      const uint64_t *hashes, size_t n, const uint64_t *parent,
+                                      uint32_t bs, const uint32_t *(*tokens)(void *ctx, size_t i),
+                                      void *ctx)
 {
 	msgpack_packer *pk = &e->pk;
 	msgpack_pack_map(pk, 8);
@@ -87,9 +88,17 @@ static inline void kvr_fenc_stored(struct kvr_fenc *e, const uint64_t *hashes, s
 	kvr_fenc_str(e, "lora_id");
 	msgpack_pack_nil(pk);
 	kvr_fenc_str(e, "medium");
-	kvr_fenc_str(e, "GPU");
+	kvr_fenc_str(e, medium);
 	kvr_fenc_str(e, "lora_name");
 	msgpack_pack_nil(pk);
+}
+
+/* A GPU BlockStored (kvr_fenc_stored_on). */
+static inline void kvr_fenc_stored(struct kvr_fenc *e, const uint64_t *hashes, size_t n,
+                                   const uint64_t *parent, uint32_t bs,
+                                   const uint32_t *(*tokens)(void *ctx, size_t i), void *ctx)
+{
+	kvr_fenc_stored_on(e, "GPU", hashes, n, parent, bs, tokens, ctx);
 }
 
 /* A GPU BlockRemoved of n hashes (one copy each). */

@@ -49,7 +49,7 @@ struct ep {
 	struct rstate *rs;
 	uint32_t n_rs, cap_rs;
 	struct kvr_feed_stats st;
-	uint64_t logged[8]; /* per log kind: last count logged (powers of two) */
+	uint64_t logged[9]; /* per log kind (LK_COUNT): last count logged (powers of two) */
 };
 
 /* Events accepted for one rank and not yet applied: everything one drain of the sockets
@@ -144,8 +144,12 @@ enum log_kind {
 	LK_RANK,
 	LK_INDEX,
 	LK_GAP,
-	LK_MEMORY /* the last: ep.logged has 8 */
+	LK_MEMORY,
+	LK_BOUND,
+	LK_COUNT
 };
+_Static_assert(sizeof(((struct ep *)0)->logged) == LK_COUNT * sizeof(uint64_t),
+               "ep.logged: one count per log kind");
 
 /* Logs through kvr_feed_config.log (fmt as printf), repeats of one kind per endpoint thinned
  * to counts 1, 2, 4, 8, ...; e NULL: not thinned, no endpoint prefix.  Context: feed thread. */

@@ -695,7 +695,9 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  *    like kvr_request.lora_name; an event with a lora_id but no lora_name is refused (its
  *    adapter cannot be named, and crediting its blocks to base-model prompts would be wrong).
  *  - medium other than "GPU" (nil = GPU): counted and kept in a separate per-rank set, not in
- *    the GPU index.
+ *    the GPU index, of at most kvr_config.events_max_blocks hashes (an offload tier's size is
+ *    not registered): a BlockStored that could take it past is refused (counted, logged), and
+ *    the GPU view is untouched, so no gap is reported.
  *  - copies: vLLM may hold two physical copies of one hash and sends one BlockRemoved per copy;
  *    in events mode the index counts copies per (rank, block), and a block leaves the index
  *    with its last copy.
@@ -761,7 +763,7 @@ struct kvr_feed_stats {
 	uint64_t blocks_stored;    /* GPU blocks of applied BlockStored events */
 	uint64_t blocks_removed;   /* GPU block removals (copies) applied */
 	uint64_t malformed;        /* messages skipped: frames, seq or msgpack payload */
-	uint64_t refused;          /* events refused: block size, token count, lora, index */
+	uint64_t refused;          /* events refused: block size, token count, lora, index, bound */
 	uint64_t unknown_rank;     /* batches for a rank the router does not have */
 	uint64_t unknown_events;   /* events of an unknown type (skipped) */
 	uint64_t duplicates;       /* batches dropped as already applied */

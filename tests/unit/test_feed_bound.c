@@ -2,9 +2,11 @@
  * process sending vLLM's BlockStored batches): a publisher that never removes keeps its rank at
  * kvr_config.events_max_blocks, the feed counts the refused events (kvr_feed_stats.refused), and
  * on_event_gap is called once per episode on the feed's thread (an unnumbered event: (0, 1)),
- * again after the publisher's AllBlocksCleared and a new excess. */
+ * again after the publisher's AllBlocksCleared and a new excess.  The feed's own set of blocks on
+ * another medium (CPU offload) has the same bound. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
+#include <string.h>
 #include <time.h>
 
 #include "kvrouter.h"
@@ -22,6 +24,16 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 	atomic_fetch_add(&gap_calls, 1);
 }
 
+/* How many log lines named the bound. */
+static atomic_int bound_logs;
+
+static void on_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level;
+	if (strstr(msg, "bound"))
+		atomic_fetch_add(&bound_logs, 1);
+}
+
 enum { BS = 16, PER = 8, BOUND = 64 };
 
 static const uint32_t *tokens_of(void *ctx, size_t i)
@@ -33,20 +45,27 @@ static const uint32_t *tokens_of(void *ctx, size_t i)
 	return t;
 }
 
-/* Sends one batch: a root chain of PER blocks from hash first, or a clear. */
-static void send_batch(struct test_pub *p, struct kvr_fenc *e, uint64_t seq, uint64_t first,
-                       bool clear)
+/* Sends one batch: a root chain of PER blocks from hash first on medium, or a clear (medium
+ * NULL). */
+static void send_on(struct test_pub *p, struct kvr_fenc *e, uint64_t seq, uint64_t first,
+                    const char *medium)
 {
 	uint64_t h[PER];
 	for (int i = 0; i < PER; i++)
 		h[i] = first + (uint64_t)i;
 	kvr_fenc_begin(e, 1.0, 1);
-	if (clear)
+	if (!medium)
 		kvr_fenc_cleared(e);
 	else
-		kvr_fenc_stored(e, h, PER, NULL, BS, tokens_of, h);
+		kvr_fenc_stored_on(e, medium, h, PER, NULL, BS, tokens_of, h);
 	kvr_fenc_end(e, 0);
 	cr_assert_eq(kvr_fenc_send(p->pub, seq, e->sb.data, e->sb.size), 0);
+}
+
+static void send_batch(struct test_pub *p, struct kvr_fenc *e, uint64_t seq, uint64_t first,
+                       bool clear)
+{
+	send_on(p, e, seq, first, clear ? NULL : "GPU");
 }
 
 /* Waits until the feed has applied `batches` batches. */
@@ -72,7 +91,17 @@ static uint64_t indexed(struct kvr_router *r)
 	return st.indexed_blocks;
 }
 
-Test(feed_bound, publisher_past_the_bound, .timeout = 120)
+/* One events-mode router (bound BOUND, rank {0,0} without a capacity) and a feed on one
+ * publisher, with the test's gap callback and log. */
+struct rig {
+	struct kvr_router *r;
+	struct test_pub pub;
+	struct kvr_feed *f;
+	uint32_t id;
+	struct kvr_fenc e;
+};
+
+static void rig_open(struct rig *g)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
@@ -80,23 +109,38 @@ Test(feed_bound, publisher_past_the_bound, .timeout = 120)
 	c.n_shards = 1;
 	c.on_event_gap = on_gap;
 	c.events_max_blocks = BOUND;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-	struct test_pub pub;
-	test_pub_open(&pub);
-	struct kvr_feed *f;
-	cr_assert_eq(kvr_feed_create(r, NULL, &f), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
-	uint32_t id;
-	cr_assert_eq(kvr_feed_add(f, &fe, &id), 0);
-	test_pub_subscribed(&pub);
-	struct kvr_fenc e;
-	kvr_fenc_init(&e);
+	cr_assert_eq(kvr_router_create(&c, &g->r), 0);
+	cr_assert_eq(kvr_rank_add(g->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	test_pub_open(&g->pub);
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.log = on_log;
+	cr_assert_eq(kvr_feed_create(g->r, &fc, &g->f), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = g->pub.ep, .worker_id = 0, .dp_rank = 0};
+	cr_assert_eq(kvr_feed_add(g->f, &fe, &g->id), 0);
+	test_pub_subscribed(&g->pub);
+	kvr_fenc_init(&g->e);
+}
+
+static void rig_close(struct rig *g)
+{
+	kvr_fenc_fini(&g->e);
+	kvr_feed_destroy(g->f);
+	test_pub_close(&g->pub);
+	kvr_router_destroy(g->r);
+}
+
+Test(feed_bound, publisher_past_the_bound, .timeout = 120)
+{
+	struct rig g;
+	rig_open(&g);
+	struct kvr_router *r = g.r;
+	struct kvr_feed *f = g.f;
+	uint32_t id = g.id;
 	/* 40 batches of 8 new blocks, never a removal: 5x the bound. */
 	uint64_t seq = 0;
 	for (int k = 0; k < 40; k++)
-		send_batch(&pub, &e, seq++, 1 + (uint64_t)k * 100, false);
+		send_batch(&g.pub, &g.e, seq++, 1 + (uint64_t)k * 100, false);
 	struct kvr_feed_stats st = settled(f, id, seq);
 	cr_assert_eq(indexed(r), BOUND, "the rank stays at its bound");
 	cr_assert_eq(st.refused, 40 - BOUND / PER, "the feed counts the refused events");
@@ -104,16 +148,38 @@ Test(feed_bound, publisher_past_the_bound, .timeout = 120)
 	cr_assert_eq(atomic_load(&gap_calls), 1, "one report for the episode");
 	cr_assert_eq(atomic_load(&gap_from), 0);
 	cr_assert_eq(atomic_load(&gap_to), 1);
+	cr_assert_gt(atomic_load(&bound_logs), 0, "the log names the bound");
 	/* The publisher clears (as vLLM's reset_prefix_cache): room again, a new episode later. */
-	send_batch(&pub, &e, seq++, 0, true);
+	send_batch(&g.pub, &g.e, seq++, 0, true);
 	for (int k = 0; k < BOUND / PER + 1; k++)
-		send_batch(&pub, &e, seq++, 100000 + (uint64_t)k * 100, false);
+		send_batch(&g.pub, &g.e, seq++, 100000 + (uint64_t)k * 100, false);
 	st = settled(f, id, seq);
 	cr_assert_eq(indexed(r), BOUND);
 	cr_assert_eq(st.refused, 40 - BOUND / PER + 1);
 	cr_assert_eq(atomic_load(&gap_calls), 2);
-	kvr_fenc_fini(&e);
-	kvr_feed_destroy(f);
-	test_pub_close(&pub);
-	kvr_router_destroy(r);
+	rig_close(&g);
+}
+
+/* Blocks on another medium are kept by the feed, not the index, under the same bound: a CPU
+ * offload tier that never reports a removal stays at events_max_blocks, the excess refused and
+ * logged, the GPU index untouched and no gap reported (the GPU view is not out of sync). */
+Test(feed_bound, other_medium_past_the_bound, .timeout = 120)
+{
+	struct rig g;
+	rig_open(&g);
+	uint64_t seq = 0;
+	for (int k = 0; k < 40; k++)
+		send_on(&g.pub, &g.e, seq++, 1 + (uint64_t)k * 100, "CPU");
+	struct kvr_feed_stats st = settled(g.f, g.id, seq);
+	cr_assert_eq(st.other_medium_blocks, BOUND, "the set stays at the bound");
+	cr_assert_eq(st.refused, 40 - BOUND / PER, "the excess is refused");
+	cr_assert_gt(atomic_load(&bound_logs), 0, "and logged, naming the bound");
+	cr_assert_eq(indexed(g.r), 0, "the GPU index holds none of it");
+	cr_assert_eq(atomic_load(&gap_calls), 0);
+	/* A clear empties it: room again. */
+	send_on(&g.pub, &g.e, seq++, 0, NULL);
+	send_on(&g.pub, &g.e, seq++, 5000, "CPU");
+	st = settled(g.f, g.id, seq);
+	cr_assert_eq(st.other_medium_blocks, PER);
+	rig_close(&g);
 }
