@@ -1,8 +1,8 @@
 /*
  * tests/common/feed_pub.h - what the feed's unit tests (test_feed_callbacks, test_feed_limits,
- * test_feed_hostile) share: an events-mode router with one rank for the feed to feed, a vLLM-like
- * ZeroMQ publisher bound to a free local port, sending vLLM's three frames (topic, 8-byte
- * big-endian seq, msgpack payload), and an empty batch.
+ * test_feed_hostile, test_feed_bound) share: an events-mode router with one rank for the feed to
+ * feed, a vLLM-like ZeroMQ publisher bound to a free local port, sending vLLM's three frames
+ * (topic, 8-byte big-endian seq, msgpack payload), and an empty batch.
  */
 #ifndef KVR_TESTS_COMMON_FEED_PUB_H
 #define KVR_TESTS_COMMON_FEED_PUB_H
@@ -15,19 +15,28 @@
 
 #include "kvrouter.h"
 
-/* An events-mode router on one shard with rank {0, 0} added; on_gap is its on_event_gap. */
-static inline struct kvr_router *test_events_router(void (*on_gap)(void *, uint64_t, uint32_t,
-                                                                   uint64_t, uint64_t))
+typedef void (*test_gap_fn)(void *, uint64_t, uint32_t, uint64_t, uint64_t);
+
+/* An events-mode router on one shard with rank {0, 0} added (no capacity); on_gap is its
+ * on_event_gap, max_blocks its events_max_blocks (0: the default). */
+static inline struct kvr_router *test_events_router_max(test_gap_fn on_gap, uint64_t max_blocks)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.mode = KVR_MODE_EVENTS;
 	c.n_shards = 1;
 	c.on_event_gap = on_gap;
+	if (max_blocks)
+		c.events_max_blocks = max_blocks;
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
 	return r;
+}
+
+static inline struct kvr_router *test_events_router(test_gap_fn on_gap)
+{
+	return test_events_router_max(on_gap, 0);
 }
 
 struct test_pub {

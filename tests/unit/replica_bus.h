@@ -160,11 +160,9 @@ static inline void bus_ready(void *ctx)
 	pthread_mutex_unlock(&bus.mu);
 }
 
-static inline struct kvr_router *bus_router(int i)
+/* Attaches replica i (bus.rep[i], on port i) to router r, started and ready. */
+static inline void bus_attach(int i, struct kvr_router *r)
 {
-	struct kvr_router *r = make();
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
 	struct kvr_replica_config c = {
 	    .replica_id = (uint64_t)i + 1,
 	    .heartbeat_ms = 50,
@@ -180,6 +178,14 @@ static inline struct kvr_router *bus_router(int i)
 	cr_assert_eq(kvr_replica_create(r, &c, &t, &bus.rep[i]), 0);
 	cr_assert_eq(kvr_replica_start(bus.rep[i]), 0);
 	cr_assert_eq(kvr_replica_wait_ready(bus.rep[i], 10000), 0);
+}
+
+static inline struct kvr_router *bus_router(int i)
+{
+	struct kvr_router *r = make();
+	for (uint64_t w = 0; w < 2; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
+	bus_attach(i, r);
 	return r;
 }
 

@@ -194,24 +194,6 @@ static void on_admit_apply(void *ctx, uint64_t ticket, const struct kvr_decision
 	atomic_store(&apply_admitted, 1);
 }
 
-static void start_replica(int i, struct kvr_router *r)
-{
-	struct kvr_replica_config c = {
-	    .replica_id = (uint64_t)i + 1,
-	    .heartbeat_ms = 50,
-	    .dead_after = 1000,
-	    .snapshot_timeout_ms = 5000,
-	};
-	struct kvr_replica_transport t = {.ctx = &port[i],
-	                                  .publish = bus_publish,
-	                                  .reply = bus_reply,
-	                                  .request = bus_request,
-	                                  .ready = bus_ready};
-	cr_assert_eq(kvr_replica_create(r, &c, &t, &bus.rep[i]), 0);
-	cr_assert_eq(kvr_replica_start(bus.rep[i]), 0);
-	cr_assert_eq(kvr_replica_wait_ready(bus.rep[i], 10000), 0);
-}
-
 static void replica_calls_from_on_admit(int destroys)
 {
 	apply_destroys = destroys;
@@ -219,8 +201,8 @@ static void replica_calls_from_on_admit(int destroys)
 	struct kvr_router *r[2];
 	r[0] = queue_router(NULL);
 	r[1] = victim = queue_router(on_admit_apply);
-	start_replica(0, r[0]);
-	start_replica(1, r[1]);
+	bus_attach(0, r[0]);
+	bus_attach(1, r[1]);
 	/* A's 200-token request, mirrored on B, saturates X there: B's own request waits. */
 	struct kvr_decision hog, q;
 	cr_assert_eq(route_pinned(r[0], 1, 200, &hog), 0);

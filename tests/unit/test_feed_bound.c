@@ -103,14 +103,7 @@ struct rig {
 
 static void rig_open(struct rig *g)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.mode = KVR_MODE_EVENTS;
-	c.n_shards = 1;
-	c.on_event_gap = on_gap;
-	c.events_max_blocks = BOUND;
-	cr_assert_eq(kvr_router_create(&c, &g->r), 0);
-	cr_assert_eq(kvr_rank_add(g->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	g->r = test_events_router_max(on_gap, BOUND);
 	test_pub_open(&g->pub);
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
