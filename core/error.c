@@ -15,7 +15,9 @@ const char *kvr_strerror(int code)
 	case KVR_ESTALE:
 		return "stale incarnation or attempt already ended";
 	case KVR_EAGAIN:
-		return "queue full, try again";
+		/* Not only the waiting queue: a shard's lane that stayed full, or 2^20 live
+		 * attempts, say the same (kvr_route, the lifecycle calls). */
+		return "router overloaded (queue or lane full), try again";
 	case KVR_EEXIST:
 		return "already exists";
 	case KVR_EBUSY:

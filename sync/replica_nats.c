@@ -250,10 +250,11 @@ static void sync_free(struct kvr_sync *s)
 
 int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struct kvr_sync **out)
 {
+	if (out)
+		*out = NULL; /* on every failure, as kvr_router_create and sync/replica_none.c */
 	if (!r || !c || !out || !c->replica_id || !c->servers || !cluster_ok(c->cluster) ||
 	    !c->heartbeat_ms || c->heartbeat_ms > 60000 || c->dead_after < 2)
 		return KVR_EINVAL;
-	*out = NULL;
 	struct kvr_sync *s = kvr_calloc(1, sizeof(*s));
 	if (!s)
 		return KVR_ENOMEM;

@@ -8,7 +8,9 @@
  *
  * Conventions (see STYLE.md):
  *  - every function that can fail returns 0 (KVR_OK) or a negative KVR_E* code;
- *    kvr_strerror() explains a code.  Nothing aborts, exits or prints on bad input.
+ *    kvr_strerror() explains a code.  Nothing aborts, exits or prints on bad input.  A NULL
+ *    router, feed or replica handle is KVR_EINVAL for every call below that returns int (the
+ *    per-call lists leave it out; README.md, "Bad input", has every case).
  *  - pointer parameters are borrowed for the duration of the call unless documented otherwise.
  *  - whatever the library allocates, the library frees; destroy(NULL) is a no-op.
  *  - usable from C11 and C++ (extern "C"); no third-party type appears here.
@@ -50,7 +52,7 @@ enum kvr_error {
 	KVR_ENOMEM = -2,     /* an allocation failed; nothing was changed */
 	KVR_ENOENT = -3,     /* the named rank, attempt, parent block or object does not exist */
 	KVR_ESTALE = -4,     /* stale incarnation or attempt already finished/aborted/expired */
-	KVR_EAGAIN = -5,     /* a bounded queue is full; try again later */
+	KVR_EAGAIN = -5,     /* overloaded: a bounded queue or lane is full; try again later */
 	KVR_EEXIST = -6,     /* the object already exists (duplicate rank or attempt) */
 	KVR_EBUSY = -7,      /* the object is in use or the router is shutting down */
 	KVR_ERANGE = -8,     /* a value is outside its allowed range (too many ranks, too long) */
@@ -297,10 +299,11 @@ KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **
  * destroyed from their own callbacks to finish their teardown (kvr_feed_destroy). */
 KVR_API void kvr_router_destroy(struct kvr_router *router);
 
-/* The router's current time on its clock, ns. */
+/* The router's current time on its clock, ns (0 for router NULL). */
 KVR_API uint64_t kvr_router_now(const struct kvr_router *router);
 
-/* Copies the router's effective configuration (defaults resolved) into *out. */
+/* Copies the router's effective configuration (defaults resolved) into *out.  Returns 0 or
+ * KVR_EINVAL (router or out NULL). */
 KVR_API int kvr_router_get_config(const struct kvr_router *router, struct kvr_config *out);
 
 /* ---------------------------------------------------------------- ranks */
@@ -512,7 +515,8 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * already); prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed;
  * with sync_booking every call waits for room).  Output may also return KVR_ENOMEM (copying
  * more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE; r
- * NULL or attempt 0: KVR_EINVAL (README.md, "Bad input"). */
+ * NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens > UINT32_MAX:
+ * KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
@@ -586,8 +590,9 @@ KVR_API int kvr_request_abort(struct kvr_router *r, uint64_t attempt);
  * registered one; kvr_rank_set_capacity resets it).
  * Counted in kvr_heal_* metrics (over / under predictions, blocks evicted).
  * Returns 0; KVR_EINVAL (r NULL, attempt 0, cached_tokens above the prompt's token count);
- * KVR_ENOENT (not an id this router issued); KVR_ESTALE (the attempt ended, expired, or its rank
- * was reset or removed); KVR_ESHUTDOWN; KVR_ENOMEM.  Nothing changes on error.
+ * KVR_ESTALE (the attempt ended, expired, or its rank was reset or removed); KVR_ENOENT or
+ * KVR_ESTALE (not an id this router issued: as for the other lifecycle calls, an id whose rank
+ * slot exists reads as ended); KVR_ESHUTDOWN; KVR_ENOMEM.  Nothing changes on error.
  */
 KVR_API int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_tokens);
 
@@ -681,8 +686,10 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  * A feed subscribes to vLLM's KV event publishers (vllm/distributed/kv_events.py, ZeroMQ PUB
  * with an optional ROUTER for replay) and applies their events to the router through the same
  * path as kvr_events_apply.  One background thread per feed polls every endpoint's socket.
- * Built with the meson feature `zmq` (on by default); without it kvr_feed_create returns
- * KVR_ENOTSUP.  Wire rules, as the feed applies them:
+ * Built with the meson feature `zmq` (on by default); without it every kvr_feed_* call that
+ * returns int returns KVR_ENOTSUP, whatever its arguments, and clears *out / *n_out
+ * (sync/feed_none.c; kvr_feed_config_init and kvr_feed_destroy work as documented).  Wire
+ * rules, as the feed applies them:
  *  - messages are 3 frames: topic, seq (8-byte big-endian, from 0 at publisher start), msgpack
  *    payload [ts, events, dp_rank] or {ts, events, data_parallel_rank}; events as tagged maps
  *    (current vLLM) or tagged arrays (legacy).  Anything else is counted as malformed and
@@ -726,9 +733,10 @@ struct kvr_feed_config {
 	/* Longest wait for one replay, ms; the feed thread serves nothing else meanwhile.
 	 * Default 1000; >= 1. */
 	uint32_t replay_timeout_ms;
-	/* Largest message accepted, bytes (ZMQ_MAXMSGSIZE).  Default 64 MiB; >= 1024. */
+	/* Largest message accepted, bytes (ZMQ_MAXMSGSIZE).  Default 64 MiB; 1024..INT64_MAX. */
 	uint64_t max_msg_bytes;
-	/* Messages queued per endpoint before ZeroMQ drops (ZMQ_RCVHWM).  Default 100000. */
+	/* Messages queued per endpoint before ZeroMQ drops (ZMQ_RCVHWM).  Default 100000; >= 1
+	 * (ZeroMQ's 0, no limit, is KVR_EINVAL: the feed's memory would have no bound). */
 	uint32_t rcv_hwm;
 	/* After its sockets run dry the feed thread polls this long before it blocks, so the next
 	 * batch costs no thread wake-up (lag), at the price of up to this much CPU per idle
@@ -784,8 +792,8 @@ struct kvr_feed_stats {
 /*
  * Creates a feed on r (an events-mode router) and starts its thread.  cfg is copied; NULL =
  * defaults.  The feed must be destroyed before the router.
- * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg),
- * KVR_ENOMEM, KVR_ENOTSUP (built without zmq).  Context: any thread.
+ * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg: a value
+ * outside its range above), KVR_ENOMEM, KVR_ENOTSUP (built without zmq).  Context: any thread.
  */
 KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg,
                             struct kvr_feed **out);
@@ -843,7 +851,10 @@ KVR_API void kvr_feed_destroy(struct kvr_feed *f);
  * (NATS outage, gap), asks a live peer for a snapshot (NATS request-reply, chunked: ranks,
  * recently finished chains, live attempts, per-peer stream positions), then applies the stream
  * from there.  During an outage routing continues on local knowledge.  Wire format:
- * sync/replica_msg.h.  Built with the meson feature `nats` (libnats, nats.c 3.x).
+ * sync/replica_msg.h.  Built with the meson feature `nats` (libnats, nats.c 3.x); without it
+ * kvr_sync_attach returns KVR_ENOTSUP whatever its arguments (and *out NULL), and the calls on
+ * a handle KVR_EINVAL, as for the NULL handle that is all such a build can have
+ * (sync/replica_none.c).
  */
 struct kvr_sync;
 
@@ -939,8 +950,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * Connects router r to NATS as replica c->replica_id and starts sharing.  The ranks already
  * added are announced; a live peer's snapshot is asked for in the background
  * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
- * Returns 0 and *out, KVR_EINVAL (bad config), KVR_EBUSY (already attached), KVR_ENOMEM,
- * KVR_ETIMEDOUT (no server reachable), KVR_ENOTSUP (built without the `nats` feature).
+ * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config), KVR_EBUSY (already attached),
+ * KVR_ENOMEM, KVR_ETIMEDOUT (no server reachable), KVR_ENOTSUP (built without the `nats`
+ * feature); *out is NULL after any failure.
  * Context: any thread.
  */
 KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c,
@@ -979,14 +991,16 @@ KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
 /*
  * Writes every metric in Prometheus text exposition format into buf (cap bytes, always
  * NUL-terminated when cap > 0).  *len_out (may be NULL) gets the full length; when it does not
- * fit, returns KVR_ERANGE and *len_out tells the size needed.  Context: any thread.
+ * fit, returns KVR_ERANGE and *len_out tells the size needed (buf NULL with cap 0 asks only
+ * that).  Other returns: KVR_EINVAL (buf NULL with cap > 0), KVR_ENOMEM.  Context: any thread.
  */
 KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out);
 
 /*
  * Makes the shards re-read the clock and waits until each has run every message posted before
  * the call and every timer due by now (TTL expiry, lease reaper).  For virtual-time simulation
- * and tests; never needed with the real clock.  Returns 0 or KVR_ETIMEDOUT (timeout_ms).
+ * and tests; never needed with the real clock.  Returns 0, KVR_ETIMEDOUT (timeout_ms; 0 looks
+ * once without waiting, which the shards seldom answer in time) or KVR_ESHUTDOWN.
  */
 KVR_API int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms);
 
