@@ -15,6 +15,9 @@
 #include <string.h>
 
 #include "kvrouter.h"
+#ifdef KVR_HAVE_NATS
+#include "tests/common/nats_server.h"
+#endif
 
 /* ---------------------------------------------------------------- messages */
 
@@ -990,3 +993,50 @@ Test(api_contract, calls_from_callbacks)
 	cr_expect_eq(s.route_rc, 0, "a query-only route from on_admit: %d", s.route_rc);
 	kvr_router_destroy(s.r);
 }
+
+#ifdef KVR_HAVE_NATS
+/* The calls on a live replica handle (a throwaway nats-server): a second attachment, an unknown
+ * peer, NULL outputs; and the waits of a replica alone in its cluster. */
+Test(api_contract, sync_handle_calls)
+{
+	if (!kvr_test_nats_installed())
+		cr_skip_test("no nats-server");
+	cr_assert_eq(kvr_test_nats_start(), 0);
+	struct kvr_router *r = router(KVR_MODE_APPROX_LRU, 2, 1u << 21);
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = "apicontract";
+	c.replica_id = 1;
+	c.snapshot_timeout_ms = 200;
+	struct kvr_sync *s = NULL, *s2 = (struct kvr_sync *)&c;
+	cr_assert_eq(kvr_sync_attach(r, &c, &s), 0);
+	c.replica_id = 2;
+	int rc = kvr_sync_attach(r, &c, &s2);
+	cr_expect_eq(rc, KVR_EBUSY, "a second attachment: %d", rc);
+	cr_expect_null(s2);
+	expect_message(rc, "sync_attach, attached");
+	cr_expect_eq(kvr_sync_wait_ready(s, 5000), 0, "alone in the cluster: ready");
+	cr_expect_eq(kvr_sync_drain(s, 5000), 0);
+	uint64_t seq = 7;
+	struct kvr_sync_stats st;
+	struct {
+		const char *what;
+		int want, rc;
+	} rows[] = {
+	    {"peer_seq, unknown peer", KVR_ENOENT, kvr_sync_peer_seq(s, 99, &seq)},
+	    {"peer_seq, seq NULL", KVR_EINVAL, kvr_sync_peer_seq(s, 99, NULL)},
+	    {"get_stats, out NULL", KVR_EINVAL, kvr_sync_get_stats(s, NULL)},
+	    {"get_stats", 0, kvr_sync_get_stats(s, &st)},
+	};
+	for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+		cr_expect_eq(rows[i].rc, rows[i].want, "%s: %d (%s)", rows[i].what, rows[i].rc,
+		             kvr_strerror(rows[i].rc));
+		expect_message(rows[i].rc, rows[i].what);
+	}
+	cr_expect(st.connected && st.ready);
+	kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	kvr_test_nats_stop();
+}
+#endif
