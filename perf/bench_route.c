@@ -38,8 +38,12 @@
  * (kvr_shard_thread_costs: lane waits, their sleeps, FUTEX_WAKEs, waits at the soft depth;
  * records allocated), and of
  * the calls at or above the 99th percentile the SUMMARY gives the share that paid each of
- * those costs and the share that paid none of them (route_tail_* / finish_tail_*: "none" is
- * the scheduler, page faults, the machine).
+ * those costs and the share that paid none of them (route_tail_* / finish_tail_*).  Also
+ * whether the thread was switched out during the call (route_tail_switched,
+ * finish_tail_switched, and of all calls route_switched_frac / finish_switched_frac: a store
+ * and a load of the thread's rseq area around each call, see switch_arm): a switch the
+ * library caused (a sched_yield, a sleep, a wake that preempts its caller) or plain
+ * preemption.  "none" is what is left: cache misses, interrupts, page faults, the machine.
  *
  * --rate R paces each frontend thread at R routes/s (open loop), below what the shards can book,
  * so the latencies are those of a router that keeps up rather than of full lanes.
@@ -66,6 +70,7 @@
  */
 #include <pthread.h>
 #include <sched.h>
+#include <sys/rseq.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -210,7 +215,50 @@ struct worker {
 #define COST_FUTEX_WAKE   4u  /* a post woke a parked shard (FUTEX_WAKE) */
 #define COST_RECORD_ALLOC 8u  /* the attempt record was allocated (the pool had none) */
 #define COST_THROTTLE     16u /* the booking waited at the lane's soft depth */
-#define COST_KINDS        5
+#define COST_SWITCHED     32u /* the thread was switched out (or signalled) during the call */
+#define COST_KINDS        6
+
+/* Switched out during a call, for nearly nothing: glibc registers every thread's rseq area,
+ * and on the way back to user space after the thread was switched out (or a signal) the
+ * kernel rewrites its cpu_id_start (linux/rseq.h).  So a sentinel stored there before a call
+ * and found replaced after it says the call was descheduled: a store and a load, where
+ * getrusage(RUSAGE_THREAD) around every call is two system calls (~0.5 us each here).
+ * switch_probe_ok() checks that this kernel does it (a sleep must replace the sentinel);
+ * without rseq (valgrind, glibc.pthread.rseq=0) the columns read -1.  Checked against
+ * getrusage's ru_nivcsw around every finish in a temporary build (docs/measurements.md,
+ * "Finish tails with two frontends"): no sentinel replaced without a context switch.  Nothing
+ * else in this process reads cpu_id_start (glibc's sched_getcpu reads cpu_id; jemalloc and
+ * liburcu use no rseq). */
+#define SWITCH_SENTINEL 0xfffffffeu
+
+static volatile struct rseq *rseq_area(void)
+{
+	if (__rseq_size < 8)
+		return NULL;
+	return (volatile struct rseq *)((char *)__builtin_thread_pointer() + __rseq_offset);
+}
+
+static bool switch_probe_ok(void)
+{
+	volatile struct rseq *rs = rseq_area();
+	if (!rs)
+		return false;
+	rs->cpu_id_start = SWITCH_SENTINEL;
+	struct timespec ts = {0, 1000};
+	nanosleep(&ts, NULL);
+	return rs->cpu_id_start != SWITCH_SENTINEL;
+}
+
+static inline void switch_arm(volatile struct rseq *rs)
+{
+	if (rs)
+		rs->cpu_id_start = SWITCH_SENTINEL;
+}
+
+static inline uint64_t switch_seen(volatile struct rseq *rs)
+{
+	return rs && rs->cpu_id_start != SWITCH_SENTINEL ? COST_SWITCHED : 0;
+}
 
 static void costs_now(struct kvr_post_costs *c, uint64_t *allocs)
 {
@@ -228,6 +276,8 @@ static uint64_t costs_between(const struct kvr_post_costs *a, uint64_t aa,
 	       (b->soft_throttles > a->soft_throttles ? COST_THROTTLE : 0);
 }
 
+static bool switch_ok; /* switch_probe_ok(), once */
+
 static void *run(void *arg)
 {
 	struct worker *w = arg;
@@ -241,6 +291,7 @@ static void *run(void *arg)
 		CPU_SET(front_cpus[w->id % n_front_cpus], &set);
 		pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 	}
+	volatile struct rseq *rs = switch_ok ? rseq_area() : NULL;
 	while (!atomic_load(&go))
 		;
 	uint64_t next = mono_ns();
@@ -268,9 +319,11 @@ static void *run(void *arg)
 		costs_now(&c0, &a0); /* outside the floor's and the route's times */
 		uint64_t t0 = mono_ns();
 		kvr_hash_blocks(p, prompt_len, 16, NULL, w->local, w->seq);
+		switch_arm(rs); /* around the route's time, outside it but for a store */
 		uint64_t t1 = mono_ns();
 		int rc = kvr_route(w->r, &q, &d);
 		uint64_t t2 = mono_ns();
+		uint64_t route_sw = switch_seen(rs);
 		costs_now(&c1, &a1);
 		sample(&w->floor, t1 - t0);
 		if (rc == KVR_EAGAIN) {
@@ -282,13 +335,15 @@ static void *run(void *arg)
 			continue;
 		}
 		sample(&w->route, t2 - t1);
-		sample(&w->route_why, costs_between(&c0, a0, &c1, a1));
+		sample(&w->route_why, costs_between(&c0, a0, &c1, a1) | route_sw);
+		switch_arm(rs);
 		uint64_t t2b = mono_ns();
 		kvr_request_finish(w->r, d.attempt);
 		uint64_t t3 = mono_ns();
+		uint64_t fin_sw = switch_seen(rs);
 		costs_now(&c2, &a2);
 		sample(&w->fin, t3 - t2b);
-		sample(&w->fin_why, costs_between(&c1, a1, &c2, a2));
+		sample(&w->fin_why, costs_between(&c1, a1, &c2, a2) | fin_sw);
 		/* The lookup alone, on the hashes the floor computed (the same as kvr_route's). */
 		size_t nm;
 		kvr_rcu_read_lock();
@@ -309,8 +364,8 @@ static void *run(void *arg)
 }
 
 /* Of the calls at or above the 99th percentile of v (why: the same calls' COST_* bits), the
- * share that paid each cost and that paid none (out[0..4]: lane wait, wait sleep, futex wake,
- * record allocation, none).  Before quantile() sorts v. */
+ * share that paid each cost and that paid none (out[0..6]: lane wait, wait sleep, futex wake,
+ * record allocation, soft throttle, switched out, none).  Before quantile() sorts v. */
 static void tail_why(const struct samples *v, const struct samples *why, double out[COST_KINDS + 1])
 {
 	for (int k = 0; k <= COST_KINDS; k++)
@@ -336,6 +391,15 @@ static void tail_why(const struct samples *v, const struct samples *why, double 
 	}
 	for (int k = 0; k <= COST_KINDS; k++)
 		out[k] /= (double)n;
+}
+
+/* The share of all calls (why: their COST_* bits) that were switched out. */
+static double switched_frac(const struct samples *why)
+{
+	size_t k = 0;
+	for (size_t i = 0; i < why->n; i++)
+		k += (why->v[i] & COST_SWITCHED) != 0;
+	return why->n ? (double)k / (double)why->n : 0.0;
 }
 
 static bool sync_booking;
@@ -525,9 +589,10 @@ static void bench(int threads, double ms)
 	       "select_p50_ns=%llu admit_p50_ns=%llu record_allocs_per_route=%.3f "
 	       "route_tail_lane_wait=%.2f "
 	       "route_tail_wait_sleep=%.2f route_tail_wake=%.2f route_tail_record_alloc=%.2f "
-	       "route_tail_soft_throttle=%.2f route_tail_none=%.2f finish_tail_lane_wait=%.2f "
-	       "finish_tail_wait_sleep=%.2f "
-	       "finish_tail_wake=%.2f finish_tail_none=%.2f\n",
+	       "route_tail_soft_throttle=%.2f route_tail_switched=%.2f route_tail_none=%.2f "
+	       "finish_tail_lane_wait=%.2f finish_tail_wait_sleep=%.2f "
+	       "finish_tail_wake=%.2f finish_tail_switched=%.2f finish_tail_none=%.2f "
+	       "route_switched_frac=%.4f finish_switched_frac=%.4f\n",
 	       c.sync_booking ? "sync" : "async", pace_ns ? 1e9 / (double)pace_ns : 0.0, prompt_len,
 	       n_ranks, threads, ns, (unsigned long long)r50, (unsigned long long)r99,
 	       (unsigned long long)f50, (unsigned long long)f99,
@@ -550,8 +615,10 @@ static void bench(int threads, double ms)
 	       routed_blocks ? (double)overlap / (double)routed_blocks : 0.0,
 	       (unsigned long long)errors, (unsigned long long)sp[0], (unsigned long long)sp[1],
 	       (unsigned long long)sp[2], (unsigned long long)sp[3],
-	       n ? (double)allocs / (double)n : 0.0, rt[0], rt[1], rt[2], rt[3], rt[4], rt[5],
-	       ft[0], ft[1], ft[2], ft[5]);
+	       n ? (double)allocs / (double)n : 0.0, rt[0], rt[1], rt[2], rt[3], rt[4],
+	       switch_ok ? rt[5] : -1.0, rt[6], ft[0], ft[1], ft[2], switch_ok ? ft[5] : -1.0,
+	       ft[6], switch_ok ? switched_frac(&route_why) : -1.0,
+	       switch_ok ? switched_frac(&fin_why) : -1.0);
 	fflush(stdout);
 	free(floor.v);
 	free(route.v);
@@ -754,6 +821,7 @@ int main(int argc, char **argv)
 	}
 	if (threads_max < 1 || threads_max > MAX_THREADS)
 		threads_max = 2;
+	switch_ok = switch_probe_ok();
 	for (char *tok = strtok(lengths, ","); tok; tok = strtok(NULL, ",")) {
 		size_t len = (size_t)atol(tok);
 		if (len < 32)
