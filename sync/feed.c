@@ -30,7 +30,7 @@ void kvr_feed_log(struct kvr_feed *f, struct ep *e, int kind, int level, const c
 {
 	/* Not after a kvr_feed_destroy from a callback: its caller may free log_ctx once that
 	 * call returned. */
-	if (!f->cfg.log || f->dying)
+	if (!f->cfg.log || kvr_feed_dying(f))
 		return;
 	if (e) {
 		uint64_t n = ++e->logged[kind];
@@ -259,13 +259,20 @@ static _Thread_local struct kvr_feed *feed_self;
 
 static void feed_free(struct kvr_feed *f);
 
+/* Whether the loop is to end: a kvr_feed_destroy (CMD_STOP, or marked by a destroy that does
+ * not wait for this thread). */
+static bool halted(const struct kvr_feed *f)
+{
+	return f->stop || kvr_feed_dying(f);
+}
+
 static void *feed_main(void *arg)
 {
 	struct kvr_feed *f = arg;
 	feed_self = f;
 	kvr_router_cb_self = f->r; /* kvr_router_destroy refuses to run here */
 	f->mb = kvr_metrics_local(f->r->metrics);
-	while (!f->stop) {
+	while (!halted(f)) {
 		/* [control, every SUB, every SUB's monitor] */
 		uint32_t ne = f->n_eps, n = 2 * ne + 1;
 		f->items[0] = (zmq_pollitem_t){.socket = f->ctl_server, .events = ZMQ_POLLIN};
@@ -300,15 +307,15 @@ static void *feed_main(void *arg)
 		/* Endpoints first: a command may remove one and reshuffle the array.  A
 		 * disconnection before the messages (kvr_feed_monitor drains what came before
 		 * it). */
-		for (uint32_t i = 0; i < ne && !f->stop; i++) {
+		for (uint32_t i = 0; i < ne && !halted(f); i++) {
 			if (f->items[1 + ne + i].revents & ZMQ_POLLIN)
 				kvr_feed_monitor(f, f->eps[i]);
 			if (f->items[1 + i].revents & ZMQ_POLLIN)
 				kvr_feed_drain(f, f->eps[i]);
 		}
-		if (f->n_missed && !f->stop)
+		if (f->n_missed && !halted(f))
 			kvr_feed_resync_added(f);
-		if (f->items[0].revents & ZMQ_POLLIN && !f->stop) {
+		if (f->items[0].revents & ZMQ_POLLIN && !halted(f)) {
 			struct cmd *c;
 			if (zmq_recv(f->ctl_server, &c, sizeof(c), 0) == (int)sizeof(c) &&
 			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
@@ -318,8 +325,9 @@ static void *feed_main(void *arg)
 			}
 		}
 	}
-	if (f->dying) {
-		/* Destroyed from one of its callbacks: nobody joins this thread.  What was posted
+	if (kvr_feed_dying(f)) {
+		/* Destroyed from one of its callbacks, or from another thread of the library that
+		 * must not wait for this one: nobody joins this thread.  What was posted
 		 * to the shards is applied first (their tasks point into f's buffers, and the
 		 * router must outlive them); then the router is let go, and f freed. */
 		pthread_detach(pthread_self());
@@ -330,6 +338,7 @@ static void *feed_main(void *arg)
 		 * inproc pipe's ordering is invisible to ThreadSanitizer). */
 		while (pthread_mutex_trylock(&f->ctl_lock) != 0) {
 			struct cmd *c;
+			/* (mark_dying's wake-up, an empty message, is not a call) */
 			if (zmq_recv(f->ctl_server, &c, sizeof(c), ZMQ_DONTWAIT) ==
 			        (int)sizeof(c) &&
 			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
@@ -455,6 +464,28 @@ int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_ra
 	return rc;
 }
 
+/* Hands f's teardown to its own thread (feed_main frees it, detached): counted in the router's
+ * feeds_closing first, which kvr_router_destroy waits for.  Context: the destroying thread. */
+static void mark_dying(struct kvr_feed *f)
+{
+	/* Ordering: relaxed: a kvr_router_destroy after kvr_feed_destroy is ordered after it by
+	 * whatever told its caller that the destroy had returned; the feed thread's decrement
+	 * follows its acquire of dying, so it comes after this increment. */
+	__atomic_add_fetch(&f->r->feeds_closing, 1, __ATOMIC_RELAXED);
+	/* Ordering: release; pairs with kvr_feed_dying's acquire on the feed's thread. */
+	__atomic_store_n(&f->dying, 1, __ATOMIC_RELEASE);
+}
+
+/* Whether the calling thread is one the library runs (a feed's, a replica's, a shard's) or is
+ * inside a router callback.  A destroy there must not wait for a feed's thread: that thread may
+ * be waiting for this one (two feeds' callbacks destroying each other; a feed thread's callback
+ * draining the replica whose apply thread calls; a feed thread settling what it posted to the
+ * shard that calls).  Context: any thread. */
+static bool on_library_thread(void)
+{
+	return feed_self || kvr_router_cb_self || kvr_shard_current();
+}
+
 void kvr_feed_destroy(struct kvr_feed *f)
 {
 	if (!f)
@@ -464,13 +495,25 @@ void kvr_feed_destroy(struct kvr_feed *f)
 		 * caller still runs on f.  So mark it; the thread stops taking messages and
 		 * commands, returns through the callback's caller to its loop, and frees f there
 		 * (feed_main).  A second call from a callback meanwhile is a no-op. */
-		if (!f->dying) {
-			f->dying = true;
+		if (!kvr_feed_dying(f)) {
 			f->stop = true;
-			/* Ordering: relaxed: a kvr_router_destroy after this call is ordered
-			 * after it by whatever told its caller the callback had returned. */
-			__atomic_add_fetch(&f->r->feeds_closing, 1, __ATOMIC_RELAXED);
+			mark_dying(f);
 		}
+		return;
+	}
+	if (f->started && on_library_thread()) {
+		/* From another feed's thread, a replica's, a shard's or a router callback: f's
+		 * thread may be waiting for this one (kvrouter.h), so it is not joined either.
+		 * Marked, and its poll woken by an empty message on the control socket (under
+		 * ctl_lock: the socket is the callers'); it tears itself down as above once it is
+		 * back in its loop (at once if idle; after the callback or replay it is running
+		 * otherwise). */
+		pthread_mutex_lock(&f->ctl_lock);
+		if (!kvr_feed_dying(f)) {
+			mark_dying(f);
+			zmq_send(f->ctl_client, "", 0, ZMQ_DONTWAIT);
+		}
+		pthread_mutex_unlock(&f->ctl_lock);
 		return;
 	}
 	if (f->started) {

@@ -131,10 +131,20 @@ struct kvr_feed {
 	bool in_replay;    /* a replay is being read (no other may start) */
 	uint64_t seq;      /* the batch kvr_feed_apply_batch is applying */
 	bool stop;
-	/* kvr_feed_destroy was called from this feed's own thread (one of its callbacks): the
-	 * thread frees the feed itself once back in its loop, detached (sync/feed.c). */
-	bool dying;
+	/* kvr_feed_destroy was called from this feed's own thread (one of its callbacks) or from
+	 * another thread the library runs: the feed's thread frees the feed itself once back in its
+	 * loop, detached (sync/feed.c).  Atomic: written by whichever thread destroys, read by the
+	 * feed's (kvr_feed_dying). */
+	int dying;
 };
+
+/* Whether f is being torn down by its own thread (kvr_feed_destroy deferred): it takes no more
+ * messages and calls its log no more.  Ordering: acquire; pairs with the release store in
+ * sync/feed.c's mark_dying.  Context: any thread. */
+static inline bool kvr_feed_dying(const struct kvr_feed *f)
+{
+	return __atomic_load_n(&f->dying, __ATOMIC_ACQUIRE) != 0;
+}
 
 enum log_kind {
 	LK_MALFORMED,

@@ -358,10 +358,11 @@ void kvr_feed_resync_added(struct kvr_feed *f)
 }
 
 /* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve
- * the others or the control socket). */
+ * the others or the control socket); nothing once the feed is destroyed (a callback of the
+ * batch just applied may have done it). */
 static void drain_some(struct kvr_feed *f, struct ep *e)
 {
-	for (int k = 0; k < 256; k++) {
+	for (int k = 0; k < 256 && !kvr_feed_dying(f); k++) {
 		zmq_msg_t fr[3];
 		int n = recv_frames(e->sub, fr, 3);
 		if (n == 0)

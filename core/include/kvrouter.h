@@ -296,7 +296,7 @@ KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **
  * thread) nor from a feed's or replica's thread of this router (their callbacks): it would wait
  * for, or free under, the call that runs the callback; there it returns at once and destroys
  * nothing (call it from another thread once the callback returned).  It waits for feeds
- * destroyed from their own callbacks to finish their teardown (kvr_feed_destroy). */
+ * destroyed from callbacks or library threads to finish their teardown (kvr_feed_destroy). */
 KVR_API void kvr_router_destroy(struct kvr_router *router);
 
 /* The router's current time on its clock, ns (0 for router NULL). */
@@ -837,8 +837,15 @@ KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32
  * router's on_event_gap for a gap it reports), the thread cannot join itself: the call marks the
  * feed and returns at once; the feed then takes no more messages, calls its log no more, and once
  * the callback returned applies what it had accepted and frees everything on its own thread
- * (detached).  f must not be used after the call either way; kvr_router_destroy, which may
- * follow at once (from another thread), waits for that teardown. */
+ * (detached).  From any other thread the library runs (another feed's, a replica's, a shard's,
+ * e.g. another feed's log or on_admit on a replica's apply thread) or from any router callback,
+ * it does not wait for f's thread either, which may be waiting for the caller (two feeds'
+ * callbacks destroying each other): it marks f, wakes its thread and returns; f's thread stops
+ * taking messages when it next looks (at once when idle, once the callback or replay it is
+ * running returned otherwise) and tears down as above.  Until then f's log may still be running
+ * or be called: keep its log_ctx valid until kvr_router_destroy returned.  f must not be used
+ * after the call in every case; kvr_router_destroy, which may follow at once (from another
+ * thread), waits for such teardowns. */
 KVR_API void kvr_feed_destroy(struct kvr_feed *f);
 /* ---------------------------------------------------------------- replica sync (NATS) */
 /*
