@@ -65,6 +65,25 @@ int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
 	return 0;
 }
 
+/*
+ * The embedder's clock (kvr_config.now_ns), called with the calling thread marked as running
+ * r's callback (kvr_router_cb_self), as on_admit and on_event_gap are.  The clock runs inside
+ * kvr_route and most other calls, on the embedder's own threads: a kvr_router_destroy from it
+ * (kvrouter.h forbids it) freed the router under the call that read the clock.  Now it returns at
+ * once and destroys nothing, as from the other callbacks.  The default clock cannot call it and
+ * is not wrapped, so a router on the default clock pays nothing; a custom clock pays one call and
+ * two thread-local stores per reading (docs/measurements.md, robust8).
+ * Context: any thread that reads r's clock.
+ */
+static uint64_t clock_guarded(void *ctx)
+{
+	const struct kvr_router *r = ctx;
+	const struct kvr_router *prev = kvr_router_callback_enter(r);
+	uint64_t t = r->cfg.now_ns(r->cfg.clock_ctx);
+	kvr_router_callback_leave(prev);
+	return t;
+}
+
 int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 {
 	if (!out)
@@ -86,8 +105,8 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	r->cfg = *cfg;
 	r->cfg.cpu_list = NULL; /* borrowed for create only: the shard runtime copies it */
 	r->cfg.n_cpus = 0;
-	r->clock.fn = cfg->now_ns ? cfg->now_ns : kvr_clock_monotonic;
-	r->clock.ctx = cfg->now_ns ? cfg->clock_ctx : NULL;
+	r->clock.fn = cfg->now_ns ? clock_guarded : kvr_clock_monotonic;
+	r->clock.ctx = cfg->now_ns ? (void *)r : NULL;
 	pthread_mutex_init(&r->admin_lock, NULL);
 	rc = KVR_ENOMEM;
 	r->ranks = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->ranks));

@@ -41,7 +41,8 @@
 #include "sync/rcu.h"
 
 /* The router whose own machinery runs the calling thread: set around the embedder's callbacks
- * (on_admit, on_event_gap: kvr_router_callback_enter) and for the life of a feed's thread and of
+ * (on_admit, on_event_gap, a clock of the embedder's: kvr_router_callback_enter; core/router.c
+ * clock_guarded) and for the life of a feed's thread and of
  * a replica's apply thread (and around its inline handling on a transport thread).
  * kvr_router_destroy refuses to run on such a thread: it would wait for, or free under, the very
  * call that is running it.  Context: the thread itself. */

@@ -292,10 +292,11 @@ KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **
 /* Stops the shard threads, frees everything.  NULL is a no-op.  Like any destroy, it must not
  * race with other calls on the router: stop (join) the threads that use it first.  Threads
  * blocked in kvr_route_wait are woken with KVR_ESHUTDOWN before anything is freed.  It must not
- * be called from the router's own callbacks (on_admit, on_event_gap, the clock on a shard
- * thread) nor from a feed's or replica's thread of this router (their callbacks): it would wait
- * for, or free under, the call that runs the callback; there it returns at once and destroys
- * nothing (call it from another thread once the callback returned).  It waits for feeds
+ * be called from the router's own callbacks (on_admit, on_event_gap, the clock, on whichever
+ * thread: a shard's, or the caller's inside kvr_route and the like) nor from a feed's or
+ * replica's thread of this router (their callbacks): it would wait for, or free under, the call
+ * that runs the callback; there it returns at once and destroys nothing (call it from another
+ * thread once the callback returned).  It waits for feeds
  * destroyed from callbacks or library threads to finish their teardown (kvr_feed_destroy). */
 KVR_API void kvr_router_destroy(struct kvr_router *router);
 

@@ -1,0 +1,108 @@
+/* kvr_router_destroy from the embedder's clock (kvr_config.now_ns) on the embedder's own thread,
+ * inside kvr_route: kvrouter.h forbids it, and it freed the router under kvr_route (under ASan a
+ * heap-use-after-free in kvr_route; plain, whatever the freed memory then held).  The clock the
+ * embedder gives is now called with the thread marked as running the router's callback
+ * (core/router.c clock_guarded), so the destroy returns at once and destroys nothing, as from
+ * on_admit or on_event_gap (tests/unit/test_destroy_callbacks.c); the router routes on and is
+ * destroyed from here afterwards.  The routes with the clock's reading in them: a sync_booking
+ * post (core/route.c) and a queued request's enqueue time (core/queue.c). */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "kvrouter.h"
+#include "shards/runtime.h"
+#include "tests/common/router_prompts.h"
+
+static const struct kvr_rank_id X = {0, 0};
+static struct kvr_router *victim;
+static pthread_t frontend;
+static atomic_int armed, returned, on_frontend;
+
+static uint64_t frontend_clock(void *ctx)
+{
+	(void)ctx;
+	if (!kvr_shard_current() && pthread_equal(pthread_self(), frontend) &&
+	    atomic_exchange(&armed, 0)) {
+		atomic_store(&on_frontend, 1);
+		kvr_router_destroy(victim); /* returns at once, destroys nothing */
+		atomic_store(&returned, 1);
+	}
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int route_pinned(struct kvr_router *r, uint32_t salt, size_t n, struct kvr_decision *d)
+{
+	static uint32_t t[256];
+	cr_assert(n <= 256);
+	prompt(t, n, salt);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.pinned = &X;
+	q.expected_output_tokens = 16;
+	return kvr_route(r, &q, d);
+}
+
+static struct kvr_router *clock_router(double queue_threshold)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	c.queue_threshold = queue_threshold;
+	c.now_ns = frontend_clock;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, X, 7, 1000, 100), 0);
+	return r;
+}
+
+/* Routes on, then finishes, syncs and destroys from here. */
+static void still_whole(struct kvr_decision *done, int n_done)
+{
+	struct kvr_decision d;
+	cr_assert_eq(route_pinned(victim, 3, 16, &d), 0);
+	cr_assert_eq(d.status, n_done > 1 ? KVR_QUEUED : KVR_DECIDED);
+	for (int i = 0; i < n_done; i++)
+		if (done[i].status == KVR_DECIDED)
+			cr_assert_eq(kvr_request_finish(victim, done[i].attempt), 0);
+	cr_assert_eq(kvr_router_sync(victim, 10000), 0);
+	kvr_router_destroy(victim);
+}
+
+Test(destroy_clock, router_destroy_from_the_clock_in_kvr_route, .timeout = 60)
+{
+	frontend = pthread_self();
+	atomic_store(&returned, 0);
+	atomic_store(&on_frontend, 0);
+	victim = clock_router(0);
+	atomic_store(&armed, 1);
+	struct kvr_decision d;
+	cr_assert_eq(route_pinned(victim, 1, 64, &d), 0); /* the booking's post reads the clock */
+	cr_assert(atomic_load(&on_frontend), "the clock was not read on this thread");
+	cr_assert(atomic_load(&returned));
+	cr_assert_eq(d.status, KVR_DECIDED);
+	still_whole(&d, 1);
+}
+
+Test(destroy_clock, router_destroy_from_the_clock_queueing_a_request, .timeout = 60)
+{
+	frontend = pthread_self();
+	atomic_store(&returned, 0);
+	atomic_store(&on_frontend, 0);
+	victim = clock_router(1.0);
+	struct kvr_decision d[2];
+	cr_assert_eq(route_pinned(victim, 1, 200, &d[0]), 0); /* saturates X */
+	cr_assert_eq(d[0].status, KVR_DECIDED);
+	atomic_store(&armed, 1);
+	cr_assert_eq(route_pinned(victim, 2, 64, &d[1]), 0); /* queued: its time read */
+	cr_assert(atomic_load(&on_frontend), "the clock was not read on this thread");
+	cr_assert(atomic_load(&returned));
+	cr_assert_eq(d[1].status, KVR_QUEUED);
+	still_whole(d, 2);
+}
