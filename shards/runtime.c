@@ -1001,23 +1001,30 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 			}
 		}
 	}
-	if (rc == 0 && (aux & MSG_SOON)) {
-		/* A soon post leaves the shard asleep only in a park bounded by soon_ns.  Store
-		 * buffering with the shard's park_soon store before its parker announcement: the
-		 * push, a full fence, then the flag; the shard stores the flag, fences (in
-		 * kvr_parker_prepare*), then checks the lanes.  So a flag read as set belongs to
-		 * the park now entered, or to one whose lanes check finds this message; read as
-		 * clear, the shard is woken as by any post (a lazy wake would also leave it in a
-		 * longer bounded park). */
-		__atomic_thread_fence(__ATOMIC_SEQ_CST);
-		if (__atomic_load_n(&sh->park_soon, __ATOMIC_RELAXED))
-			*deferred = kvr_parker_wake_lazy(&sh->park);
-		else
-			kvr_parker_wake(&sh->park);
-	} else if (rc == 0 && deferred)
-		*deferred = kvr_parker_wake_lazy(&sh->park);
-	else if (rc == 0 || rc == KVR_EAGAIN)
+	if (rc == 0) {
+		/* The push's commit ended with a locked RMW (kvr_ring_commit_nowait), the barrier
+		 * of the Dekker pairs below on x86, so no second fence there (park.h). */
+		kvr_barrier_after_rmw();
+		if (aux & MSG_SOON) {
+			/* A soon post leaves the shard asleep only in a park bounded by soon_ns.
+			 * Store buffering with the shard's park_soon store before its parker
+			 * announcement: the push, the barrier, then the flag; the shard stores the
+			 * flag, fences (in kvr_parker_prepare*), then checks the lanes.  So a flag
+			 * read as set belongs to the park now entered, or to one whose lanes check
+			 * finds this message; read as clear, the shard is woken as by any post (a
+			 * lazy wake would also leave it in a longer bounded park). */
+			if (__atomic_load_n(&sh->park_soon, __ATOMIC_RELAXED))
+				*deferred = kvr_parker_wake_lazy_fenced(&sh->park);
+			else
+				kvr_parker_wake_fenced(&sh->park);
+		} else if (deferred) {
+			*deferred = kvr_parker_wake_lazy_fenced(&sh->park);
+		} else {
+			kvr_parker_wake_fenced(&sh->park);
+		}
+	} else if (rc == KVR_EAGAIN) {
 		kvr_parker_wake(&sh->park); /* a full lane: lazy posts alone may have filled it */
+	}
 out:
 	kvr_rcu_read_unlock();
 	return rc;

@@ -129,7 +129,8 @@ int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), co
 			wait_trim(l);
 	}
 	kvr_ring_write(slot, fn, payload, len, aux);
-	kvr_ring_commit(r, ticket);
+	/* Never waits for another producer (sync/ring.h): lane posts come from every frontend. */
+	kvr_ring_commit_nowait(r, ticket);
 	return 0;
 }
 

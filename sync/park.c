@@ -101,9 +101,9 @@ uint64_t kvr_parker_thread_wakes(void)
 	return tls_wakes;
 }
 
-void kvr_parker_wake(struct kvr_parker *p)
+/* The waker's half after its barrier, s the state it loaded. */
+static void wake_from(struct kvr_parker *p, uint32_t s)
 {
-	uint32_t s = fenced_state(p);
 	if (__builtin_expect(s == KVR_PARK_RUNNING, 1))
 		return;
 	if (__atomic_exchange_n(&p->state, KVR_PARK_RUNNING, __ATOMIC_ACQ_REL) !=
@@ -114,9 +114,8 @@ void kvr_parker_wake(struct kvr_parker *p)
 	}
 }
 
-bool kvr_parker_wake_lazy(struct kvr_parker *p)
+static bool wake_lazy_from(struct kvr_parker *p, uint32_t s)
 {
-	uint32_t s = fenced_state(p);
 	if (__builtin_expect(s == KVR_PARK_RUNNING, 1))
 		return false;
 	if (s == KVR_PARK_BOUNDED) {
@@ -134,6 +133,36 @@ bool kvr_parker_wake_lazy(struct kvr_parker *p)
 		futex(&p->state, FUTEX_WAKE_PRIVATE, 1, NULL);
 	}
 	return false;
+}
+
+void kvr_parker_wake(struct kvr_parker *p)
+{
+	wake_from(p, fenced_state(p));
+}
+
+bool kvr_parker_wake_lazy(struct kvr_parker *p)
+{
+	return wake_lazy_from(p, fenced_state(p));
+}
+
+/* The state after the caller's own barrier (under TSan the RMW of fenced_state). */
+static uint32_t state_after_barrier(struct kvr_parker *p)
+{
+#ifdef KVR_TSAN
+	return fenced_state(p);
+#else
+	return __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+#endif
+}
+
+void kvr_parker_wake_fenced(struct kvr_parker *p)
+{
+	wake_from(p, state_after_barrier(p));
+}
+
+bool kvr_parker_wake_lazy_fenced(struct kvr_parker *p)
+{
+	return wake_lazy_from(p, state_after_barrier(p));
 }
 
 /* ------------------------------------------------------------------ asymmetric barrier */

@@ -89,6 +89,33 @@ void kvr_parker_wake(struct kvr_parker *p);
 uint64_t kvr_parker_thread_wakes(void);
 
 /*
+ * The producer's barrier when its publication ended with a locked read-modify-write (a
+ * successful kvr_lanes_push: sync/ring.h's kvr_ring_commit_nowait ends with a locked RMW): on x86
+ * that instruction is already a full barrier, so this is a compiler barrier only (an mfence costs
+ * ~10 ns of a ~25 ns post on the EPYC VMs of docs/measurements.md); elsewhere a seq_cst fence.
+ * Follow it with kvr_parker_wake_fenced / kvr_parker_wake_lazy_fenced, or any seq_cst-fenced
+ * protocol of the caller's (sync/lane.c's trim check relies on the same property).
+ */
+static inline void kvr_barrier_after_rmw(void)
+{
+#if defined(__x86_64__) || defined(__i386__) /* TSan too: it models no fence either way */
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+#else
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+/*
+ * As kvr_parker_wake and kvr_parker_wake_lazy, for a caller that has just passed a full barrier
+ * after its publication (kvr_barrier_after_rmw, or a fence): they only load the state, leaving
+ * out their own fence.  Under TSan they are the fenced ones (TSan's barrier is an RMW on the
+ * state).  Context, ordering: as kvr_parker_wake / kvr_parker_wake_lazy, the barrier the
+ * caller's.
+ */
+void kvr_parker_wake_fenced(struct kvr_parker *p);
+bool kvr_parker_wake_lazy_fenced(struct kvr_parker *p);
+
+/*
  * Wakes the consumer only if it is PARKED (no bound); one in a BOUNDED park is left to wake by
  * itself, and true is returned (the wake was deferred: counted in `deferred`).  Call after
  * publishing work that may wait for the consumer's bound.  Returns false when the consumer runs

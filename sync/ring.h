@@ -9,22 +9,22 @@
  * single consumer copies the slot out and advances c_head.  Producer and consumer indices live
  * on separate cache lines (struct ck_ring does that).
  *
- * Commit without waiting (ours, not ck's commit).  ck's commit publishes in ticket order by
- * waiting until p_tail reaches the producer's ticket: a producer descheduled between its
- * reserve and its commit stalls every later producer of the ring, and they wait holding their
- * own reservations.  With more threads than cores that became a convoy: two frontends on one
- * core, each one's post waiting (then sched_yield) for the other's, which had yielded in its own
- * commit; 8-30 % of kvr_request_finish calls took 15-150 us (docs/measurements.md, "Finish
- * tails with two frontends").  Here a commit whose earlier slots are all in moves p_tail past
- * its own (ck's commit, with a CAS); one that finds an earlier slot unpublished marks its own
- * published instead (a tag naming the slot's lap in the length word) and leaves it: whoever
- * moves p_tail next moves it over every tagged slot that follows (helping, as in the per-slot
- * sequence rings of D. Vyukov's bounded MPMC queue).  So no producer ever waits for another: a
- * descheduled one only keeps the consumer from the slots behind its own until it commits, as
- * before.  p_tail keeps its meaning (every slot before it is published), so the consumer side
- * is ck's.  The tag is (lap & 0x7fffff) | 0x800000 in bits 8..31 of len (a payload is at most
- * 48 bytes); a slot being written holds no tag or its previous lap's, and a zeroed slot (a
- * trimmed page) none.
+ * Commit without waiting (kvr_ring_commit_nowait, the lanes').  ck's commit (kvr_ring_commit)
+ * publishes in ticket order by waiting until p_tail reaches the producer's ticket: a producer
+ * descheduled between its reserve and its commit stalls every later producer of the ring, and
+ * they wait holding their own reservations.  With more threads than cores that became a convoy: two
+ * frontends on one core, each one's post waiting (then sched_yield) for the other's, which had
+ * yielded in its own commit; 8-30 % of kvr_request_finish calls took 15-150 us
+ * (docs/measurements.md, "Finish tails with two frontends").  Here a commit whose earlier slots are
+ * all in (within a spin of under a microsecond) moves p_tail past its own (ck's commit, with a
+ * CAS); one that finds an earlier slot still unpublished marks its own published instead (a tag
+ * naming the slot's lap in the length word) and leaves it: whoever moves p_tail next moves it over
+ * every tagged slot that follows (helping, as in the per-slot sequence rings of D. Vyukov's bounded
+ * MPMC queue).  So no producer ever waits for another: a descheduled one only keeps the consumer
+ * from the slots behind its own until it commits, as before.  p_tail keeps its meaning (every slot
+ * before it is published), so the consumer side is ck's.  The tag is (lap & 0x7fffff) | 0x800000 in
+ * bits 8..31 of len (a payload is at most 48 bytes); a slot being written holds no tag or its
+ * previous lap's, and a zeroed slot (a trimmed page) none.
  *
  * Invariants:
  *  - a ring of size S (a power of two) holds at most S - 1 messages (ck_ring keeps one slot
@@ -78,6 +78,9 @@ struct kvr_ring {
 	struct ck_ring ck; /* c_head and p_head/p_tail on separate lines */
 	struct kvr_msg *buf;
 	uint32_t size; /* power of two; usable capacity size - 1 */
+	/* Slots tagged published and not yet passed by p_tail (kvr_ring_commit); its own line,
+	 * written only when a commit finds an earlier slot unpublished. */
+	_Alignas(64) uint32_t tagged;
 };
 
 #ifdef KVR_TSAN
@@ -108,6 +111,7 @@ static inline int kvr_ring_init(struct kvr_ring *r, uint32_t capacity)
 	if (!r->buf)
 		return KVR_ENOMEM;
 	r->size = size;
+	r->tagged = 0;
 	ck_ring_init(&r->ck, size);
 	return 0;
 }
@@ -129,10 +133,9 @@ static inline uint32_t kvr_ring_capacity(const struct kvr_ring *r)
 /*
  * Claims the next slot for a message the caller writes in place: returns the slot (its
  * ticket in *ticket) or NULL if the ring is full.  Every reserve must be followed by
- * kvr_ring_commit(): the consumer takes no message past an uncommitted slot (later producers
- * do not wait for it).  Between the two the caller may also fill memory that the message refers
- * to (the replica sender's staging slabs); the commit (a locked CAS or exchange) publishes it.
- * Context: any thread (many producers).
+ * kvr_ring_commit() or kvr_ring_commit_nowait(): the consumer takes no message past an
+ * uncommitted slot.  Between the two the caller may also fill memory that the message refers to
+ * (the replica sender's staging slabs).  Context: any thread (many producers).
  */
 static inline struct kvr_msg *kvr_ring_reserve(struct kvr_ring *r, uint32_t *ticket)
 {
@@ -151,45 +154,98 @@ static inline uint32_t kvr_ring_tag(const struct kvr_ring *r, uint32_t t)
 }
 
 /*
- * Publishes a reserved slot without waiting for earlier producers.  When every earlier slot is
- * in (p_tail is our ticket) the commit moves p_tail past its own slot, as ck's did; no helper
- * moves p_tail over an untagged slot, so nothing else can move it meanwhile.  Otherwise it
- * tags its slot published and leaves p_tail to the earlier producer's commit.  Either way it
- * then moves p_tail over the tagged slots that follow (their producers found an earlier slot
- * unpublished and left theirs to be helped).  Store buffering between two commits, each
- * writing its slot or p_tail and then reading the other's: both writes are locked (the CAS,
- * the exchange) and every read after them is seq_cst, so of two racing commits at least one
- * sees the other's.  A tag is never stale by more than a lap: kvr_ring_write (or a caller's
- * own store of len) clears it before the commit.
- * Ordering: the slot and everything the producer wrote before are visible to the consumer that
- * dequeues it (the CAS, or the exchange then a helper's seq_cst read and CAS, publish them to
- * the consumer's acquire of p_tail in kvr_ring_dequeue*).  Context: the producer that reserved
- * ticket, once.
+ * Publishes a reserved slot in ticket order: waits for earlier producers first, yielding after
+ * a short spin, because one preempted between its reserve and commit would otherwise have every
+ * later producer burn its CPU (oversubscribed cores); ck's own commit then finds p_tail ==
+ * ticket at once.  A producer that waits holds its own reservation, so later ones wait for it
+ * in turn: the lanes, whose producers are all the frontends, use kvr_ring_commit_nowait.  No
+ * locked instruction: stores the producer made since its reserve (the replica sender's staging
+ * slabs) drain from the store buffer while it goes on.  Ordering: the slot and everything the
+ * producer wrote before are visible to the consumer that dequeues it (ck: store fence then
+ * p_tail store; pairs with kvr_ring_dequeue()).  Context: the producer that reserved ticket.
  */
 static inline void kvr_ring_commit(struct kvr_ring *r, uint32_t ticket)
 {
 	KVR_TSAN_RELEASE(r);
 	KVR_RING_IGNORE_BEGIN();
-	unsigned int t = __atomic_load_n(&r->ck.p_tail, __ATOMIC_SEQ_CST);
-	if (t != ticket || !__atomic_compare_exchange_n(&r->ck.p_tail, &t, ticket + 1, false,
-	                                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-		struct kvr_msg *s = &r->buf[ticket & r->ck.mask];
-		uint32_t len = __atomic_load_n(&s->len, __ATOMIC_RELAXED) & KVR_RING_LEN_MASK;
-		__atomic_exchange_n(&s->len, len | kvr_ring_tag(r, ticket), __ATOMIC_SEQ_CST);
-		t = __atomic_load_n(&r->ck.p_tail, __ATOMIC_SEQ_CST);
-	} else {
-		t = ticket + 1;
+	for (unsigned int spins = 0; ck_pr_load_uint(&r->ck.p_tail) != ticket; spins++) {
+		if (spins < 256)
+			ck_pr_stall();
+		else
+			sched_yield();
 	}
+	ck_ring_enqueue_commit_mpsc(&r->ck, ticket);
+	KVR_RING_IGNORE_END();
+}
+
+/* Pauses a commit waits for the earlier producers before it leaves its slot tagged (~23 ns a
+ * pause on the EPYC VMs of docs/measurements.md: under a microsecond).  Waiting that long keeps
+ * the usual race, two producers a few instructions apart, off the tagging path, whose reads
+ * of the other's slot cost both of them a cache line transfer. */
+#define KVR_RING_COMMIT_SPINS 32
+
+/*
+ * Publishes a reserved slot without waiting more than KVR_RING_COMMIT_SPINS pauses for earlier
+ * producers (the routing and maintenance lanes' commit, sync/lane.c).  A ring is committed to
+ * either with this or with kvr_ring_commit, never both: an ordered commit does not move p_tail
+ * over the tagged slots behind its own.  When every earlier slot is in (p_tail is our ticket) the
+ * commit moves p_tail past its own slot, as ck's did (with a CAS); no helper moves p_tail over an
+ * untagged slot, so nothing else moves it meanwhile.  If p_tail does not reach the ticket within
+ * the spin, the commit counts (`tagged`) and tags its slot published and leaves p_tail to the
+ * earlier producer's commit.  Whoever moves p_tail (and finds `tagged` non-zero) then moves it over
+ * the tagged slots that follow.  Store buffering between two commits, each writing its slot (after
+ * `tagged`) or p_tail and then reading the other's: every write is a locked RMW and every read
+ * after them seq_cst, so of two racing commits at least one sees the other's; a commit that
+ * reads `tagged` as 0 after its CAS precedes the other's count, whose commit then reads the
+ * moved p_tail.  A tag is never stale by more than a lap: kvr_ring_write (or a caller's own
+ * store of len) clears it before the commit.
+ * Ordering: the slot and everything the producer wrote before are visible to the consumer that
+ * dequeues it (the CAS, or the exchange then a helper's seq_cst read and CAS, publish them to
+ * the consumer's acquire of p_tail in kvr_ring_dequeue*).  A commit ends with a locked RMW
+ * (x86: a full barrier; kvr_barrier_after_rmw).  Context: the producer that reserved ticket,
+ * once.
+ */
+static inline void kvr_ring_commit_nowait(struct kvr_ring *r, uint32_t ticket)
+{
+	KVR_TSAN_RELEASE(r);
+	KVR_RING_IGNORE_BEGIN();
+	unsigned int t;
+	for (unsigned int spins = 0;; spins++) {
+		t = __atomic_load_n(&r->ck.p_tail, __ATOMIC_SEQ_CST);
+		if (t == ticket) {
+			if (__atomic_compare_exchange_n(&r->ck.p_tail, &t, ticket + 1, false,
+			                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+				if (!__atomic_load_n(&r->tagged, __ATOMIC_SEQ_CST))
+					goto out; /* nobody left a slot behind ours */
+				t = ticket + 1;
+				goto help;
+			}
+			break; /* cannot happen (see above); the tagging path is correct anyway */
+		}
+		if (spins == KVR_RING_COMMIT_SPINS)
+			break;
+		ck_pr_stall();
+	}
+	/* An earlier producer has not committed: leave our slot to its commit. */
+	__atomic_fetch_add(&r->tagged, 1, __ATOMIC_SEQ_CST);
+	struct kvr_msg *s = &r->buf[ticket & r->ck.mask];
+	uint32_t len = __atomic_load_n(&s->len, __ATOMIC_RELAXED) & KVR_RING_LEN_MASK;
+	__atomic_exchange_n(&s->len, len | kvr_ring_tag(r, ticket), __ATOMIC_SEQ_CST);
+	t = __atomic_load_n(&r->ck.p_tail, __ATOMIC_SEQ_CST);
+help:
 	while (t != __atomic_load_n(&r->ck.p_head, __ATOMIC_SEQ_CST)) {
-		struct kvr_msg *s = &r->buf[t & r->ck.mask];
+		s = &r->buf[t & r->ck.mask];
 		if ((__atomic_load_n(&s->len, __ATOMIC_SEQ_CST) & ~KVR_RING_LEN_MASK) !=
 		    kvr_ring_tag(r, t))
 			break; /* not published yet: its producer's commit goes on from here */
 		/* A failed CAS reloads t: another commit moved p_tail, go on from there. */
 		if (__atomic_compare_exchange_n(&r->ck.p_tail, &t, t + 1, false, __ATOMIC_SEQ_CST,
-		                                __ATOMIC_SEQ_CST))
+		                                __ATOMIC_SEQ_CST)) {
+			__atomic_fetch_sub(&r->tagged, 1, __ATOMIC_SEQ_CST);
 			t++;
+		}
 	}
+out:
 	KVR_RING_IGNORE_END();
 }
 

@@ -1,5 +1,6 @@
 /*
- * stress_ring_commit: sync/ring.h's commit never waits for another producer.
+ * stress_ring_commit: sync/ring.h's kvr_ring_commit_nowait (the lanes' commit) never waits for
+ * another producer.
  *
  * 1. Held reservation: a slot reserved and not yet committed (a producer descheduled between
  *    its reserve and its commit) must not stall a later producer's commit (the ordered commit
@@ -52,9 +53,14 @@ static int later_done;
 static void *later_producer(void *arg)
 {
 	(void)arg;
-	uint32_t v = 2;
-	if (!kvr_ring_enqueue(&ring, NULL, &v, sizeof(v), 2))
+	uint32_t v = 2, ticket;
+	struct kvr_msg *slot = kvr_ring_reserve(&ring, &ticket);
+	if (!slot) {
 		fail("held: the later post found the ring full");
+		return NULL;
+	}
+	kvr_ring_write(slot, NULL, &v, sizeof(v), 2);
+	kvr_ring_commit_nowait(&ring, ticket);
 	__atomic_store_n(&later_done, 1, __ATOMIC_RELEASE);
 	return NULL;
 }
@@ -85,7 +91,7 @@ static void held_reservation(void)
 		fail("held: the consumer took a message past the unpublished slot");
 	uint32_t v = 1;
 	kvr_ring_write(slot, NULL, &v, sizeof(v), 1);
-	kvr_ring_commit(&ring, ticket);
+	kvr_ring_commit_nowait(&ring, ticket);
 	pthread_join(th, NULL);
 	for (uint32_t want = 1; want <= 2; want++) {
 		if (!kvr_ring_dequeue(&ring, &m)) {
@@ -142,7 +148,7 @@ static void *producer(void *arg)
 		default:
 			break;
 		}
-		kvr_ring_commit(&ring, ticket);
+		kvr_ring_commit_nowait(&ring, ticket);
 		seq++;
 	}
 	__atomic_store_n(&sent[p], seq, __ATOMIC_RELEASE);
