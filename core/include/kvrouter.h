@@ -794,7 +794,9 @@ struct kvr_feed_stats {
  * Creates a feed on r (an events-mode router) and starts its thread.  cfg is copied; NULL =
  * defaults.  The feed must be destroyed before the router.
  * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg: a value
- * outside its range above), KVR_ENOMEM, KVR_ENOTSUP (built without zmq).  Context: any thread.
+ * outside its range above), KVR_ENOMEM, KVR_ENOTSUP (built without zmq, whatever the arguments:
+ * kvr_feed_create(NULL, NULL, NULL) tells a program whether the feed is built in).  Context:
+ * any thread.
  */
 KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg,
                             struct kvr_feed **out);

@@ -1962,7 +1962,12 @@ static void op_feed(struct prog *p)
 		want = p->cfg.mode == KVR_MODE_EVENTS ? 0 : KVR_EINVAL;
 	cur_call = "kvr_feed_create";
 	int rc = kvr_feed_create(p->r, k % 7 == 3 ? NULL : &fc, &f);
+#ifdef KVR_HAVE_ZMQ
 	expect(kvr_feed_create(NULL, &fc, &f), KVR_EINVAL, "feed_create(NULL)");
+#else
+	/* Without zmq every feed call says so, whatever its arguments (kvrouter.h). */
+	expect(kvr_feed_create(NULL, &fc, &f), KVR_ENOTSUP, "feed_create(NULL), no zmq");
+#endif
 	if (rc == KVR_ENOTSUP) /* built without zmq */
 		return;
 	expect(rc, want, "feed_create");

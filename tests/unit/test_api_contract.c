@@ -362,6 +362,7 @@ static int observe(struct fx *f, struct kvr_router *r, struct kvr_rank_id id, ui
 	X(observe_unknown_flag, KVR_EINVAL, KVR_EINVAL, observe(f, f->r, RANK, 4 | 1, INC))        \
 	X(observe_unknown_rank, KVR_ENOENT, KVR_ENOENT, observe(f, f->r, UNK, 1, INC))             \
 	X(observe_other_life, KVR_ESTALE, KVR_ESTALE, observe(f, f->r, RANK, 1, INC + 1))          \
+	X(observe_watermark_unknown, 0, 0, observe(f, f->r, RANK, KVR_OBSERVE_WATERMARK, INC))     \
 	X(events_not_events_mode, KVR_EINVAL, KVR_EINVAL,                                          \
 	  kvr_events_apply(f->r, RANK, &(struct kvr_event){.type = KVR_EVENT_CLEARED}))            \
 	X(finish_r_null, KVR_EINVAL, KVR_EINVAL, kvr_request_finish(NULL, f->live))                \
@@ -423,12 +424,12 @@ Test(api_contract, outputs_with_the_codes)
 /* kvr_config_validate / kvr_router_create: each impossible value, with the documented code. */
 Test(api_contract, config_values)
 {
-	static const int cpus[1] = {-1};
+	static const int cpus[1] = {-1}, cpus_big[1] = {4096};
 	struct {
 		const char *what;
 		int want;
 		struct kvr_config c;
-	} t[24];
+	} t[32];
 	size_t n = 0;
 #define CASE(what_, want_, stmt)                                                                   \
 	do {                                                                                       \
@@ -449,6 +450,7 @@ Test(api_contract, config_values)
 	CASE("lane_capacity 2^22+1", KVR_ERANGE, c->lane_capacity = (1u << 22) + 1);
 	CASE("lane_soft_depth 2^22+1", KVR_ERANGE, c->lane_soft_depth = (1u << 22) + 1);
 	CASE("cpu_list entry -1", KVR_ERANGE, (c->cpu_list = cpus, c->n_cpus = 1));
+	CASE("cpu_list entry 4096", KVR_ERANGE, (c->cpu_list = cpus_big, c->n_cpus = 1));
 	CASE("booking_lazy_ns 1 ms + 1", KVR_ERANGE, c->booking_lazy_ns = 1000001);
 	CASE("events_max_blocks 0", KVR_ERANGE, c->events_max_blocks = 0);
 	CASE("n_cpus without cpu_list", KVR_EINVAL, c->n_cpus = 2);
@@ -534,6 +536,17 @@ static int event(struct fx *f, struct kvr_router *r, struct kvr_rank_id id, int 
 		e.event_id = 11;
 		e.n_blocks = 2;
 		break;
+	case 12: /* an external hash the rank holds (case 11) for another block */
+		e.event_id = 12;
+		b[0].local_hash = 9;
+		break;
+	case 13: /* removed hashes the rank does not hold: skipped */
+		e.type = KVR_EVENT_REMOVED;
+		e.event_id = 13;
+		rm[0] = 555;
+		e.removed = rm;
+		e.n_removed = 1;
+		break;
 	}
 	return kvr_events_apply(r, id, &e);
 }
@@ -553,6 +566,8 @@ static int event(struct fx *f, struct kvr_router *r, struct kvr_rank_id id, int 
 	X(ev_past_the_bound, KVR_ERANGE, KVR_ERANGE, event(f, f->ev, RANK, 10))                    \
 	X(ev_id_not_above_last, KVR_ESTALE, KVR_ESTALE, event(f, f->ev, RANK, 9))                  \
 	X(ev_within_the_bound, 0, 0, event(f, f->ev, RANK, 11))                                    \
+	X(ev_ext_hash_of_another_block, KVR_EINVAL, KVR_EINVAL, event(f, f->ev, RANK, 12))         \
+	X(ev_removed_not_held, 0, 0, event(f, f->ev, RANK, 13))                                    \
 	X(ev_observe_events_mode, 0, 0, observe(f, f->ev, RANK, KVR_OBSERVE_RESIDENT, INC))
 
 EVENT_ROWS(DEF)
