@@ -387,6 +387,8 @@ static int call(struct kvr_feed *f, struct cmd *c)
 
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
+	if (out)
+		*out = NULL; /* as kvr_router_create and kvr_sync_attach: NULL on every failure */
 	if (!r || !out || r->cfg.mode != KVR_MODE_EVENTS)
 		return KVR_EINVAL;
 	struct kvr_feed_config c;

@@ -795,7 +795,8 @@ struct kvr_feed_stats {
  * defaults.  The feed must be destroyed before the router.
  * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg: a value
  * outside its range above), KVR_ENOMEM, KVR_ENOTSUP (built without zmq, whatever the arguments:
- * kvr_feed_create(NULL, NULL, NULL) tells a program whether the feed is built in).  Context:
+ * kvr_feed_create(NULL, NULL, NULL) tells a program whether the feed is built in).  On every
+ * failure *out is NULL (out not NULL), as kvr_router_create and kvr_sync_attach.  Context:
  * any thread.
  */
 KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg,

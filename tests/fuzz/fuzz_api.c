@@ -1963,10 +1963,14 @@ static void op_feed(struct prog *p)
 	cur_call = "kvr_feed_create";
 	int rc = kvr_feed_create(p->r, k % 7 == 3 ? NULL : &fc, &f);
 #ifdef KVR_HAVE_ZMQ
-	expect(kvr_feed_create(NULL, &fc, &f), KVR_EINVAL, "feed_create(NULL)");
+	struct kvr_feed *probe = (struct kvr_feed *)p; /* a failed create sets it to NULL */
+	expect(kvr_feed_create(NULL, &fc, &probe), KVR_EINVAL, "feed_create(NULL)");
+	CHECK(probe == NULL, "feed_create(NULL) left *out set");
 #else
 	/* Without zmq every feed call says so, whatever its arguments (kvrouter.h). */
-	expect(kvr_feed_create(NULL, &fc, &f), KVR_ENOTSUP, "feed_create(NULL), no zmq");
+	struct kvr_feed *probe = (struct kvr_feed *)p;
+	expect(kvr_feed_create(NULL, &fc, &probe), KVR_ENOTSUP, "feed_create(NULL), no zmq");
+	CHECK(probe == NULL, "feed_create(NULL), no zmq, left *out set");
 #endif
 	if (rc == KVR_ENOTSUP) /* built without zmq */
 		return;

@@ -665,6 +665,8 @@ static int feed_create(struct fx *f, struct kvr_router *r, int which)
 		kvr_feed_destroy(out);
 		return SUCCEEDED;
 	}
+	if (pout)
+		cr_expect_null(out, "kvr_feed_create left *out set on failure (%d)", rc);
 	return rc;
 }
 
