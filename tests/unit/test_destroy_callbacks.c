@@ -20,10 +20,9 @@
 
 #include "kvrouter.h"
 #include "shards/runtime.h"
+#include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
 #include "tests/unit/replica_bus.h"
-
-static const struct kvr_rank_id X = {0, 0};
 
 static uint64_t mono_ns(void)
 {
@@ -40,37 +39,6 @@ static bool came_back(atomic_int *flag)
 		nanosleep(&ts, NULL);
 	}
 	return atomic_load(flag);
-}
-
-static int route_pinned(struct kvr_router *r, uint32_t salt, size_t n, struct kvr_decision *d)
-{
-	static uint32_t t[256];
-	cr_assert(n <= 256);
-	prompt(t, n, salt);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.pinned = &X;
-	q.expected_output_tokens = 16;
-	return kvr_route(r, &q, d);
-}
-
-/* One shard, the queue on (threshold 1.0), rank X with a 100-token budget: a 200-token prompt
- * saturates it and the next request waits. */
-static struct kvr_router *queue_router(void (*on_admit)(void *, uint64_t,
-                                                        const struct kvr_decision *))
-{
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	c.sync_booking = true;
-	c.on_admit = on_admit;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, X, 7, 1000, 100), 0);
-	return r;
 }
 
 /* ---------------------------------------------------------------- the router */

@@ -13,9 +13,9 @@
 
 #include "kvrouter.h"
 #include "shards/runtime.h"
+#include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
 
-static const struct kvr_rank_id X = {0, 0};
 static struct kvr_router *victim;
 static pthread_t frontend;
 static atomic_int armed, returned, on_frontend;
@@ -32,20 +32,6 @@ static uint64_t frontend_clock(void *ctx)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static int route_pinned(struct kvr_router *r, uint32_t salt, size_t n, struct kvr_decision *d)
-{
-	static uint32_t t[256];
-	cr_assert(n <= 256);
-	prompt(t, n, salt);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.pinned = &X;
-	q.expected_output_tokens = 16;
-	return kvr_route(r, &q, d);
 }
 
 static struct kvr_router *clock_router(double queue_threshold)

@@ -17,6 +17,7 @@
 #include "shards/runtime.h"
 #include "sync/rcu.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
 #include "tests/unit/replica_bus.h"
 
@@ -237,38 +238,6 @@ static void on_log_drain(void *ctx, int level, const char *msg)
 	xdrain_rc = kvr_replica_drain(bus.rep[1], 5000);
 	xdrain_ns = mono_ns() - t0;
 	atomic_store(&log_out, 1);
-}
-
-static const struct kvr_rank_id X = {0, 0};
-
-static int route_pinned(struct kvr_router *r, uint32_t salt, size_t n, struct kvr_decision *d)
-{
-	static uint32_t t[256];
-	cr_assert(n <= 256);
-	prompt(t, n, salt);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.pinned = &X;
-	q.expected_output_tokens = 16;
-	return kvr_route(r, &q, d);
-}
-
-/* One shard, the queue on, rank X with a 100-token budget (test_destroy_callbacks' rig). */
-static struct kvr_router *queue_router(void (*on_admit)(void *, uint64_t,
-                                                        const struct kvr_decision *))
-{
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	c.sync_booking = true;
-	c.on_admit = on_admit;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, X, 7, 1000, 100), 0);
-	return r;
 }
 
 Test(feed_crossdestroy, feed_destroyed_from_on_admit_on_a_replica_apply_thread, .timeout = 60)
