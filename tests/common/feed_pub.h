@@ -14,6 +14,7 @@
 #include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/vllm_batch.h"
 
 typedef void (*test_gap_fn)(void *, uint64_t, uint32_t, uint64_t, uint64_t);
 
@@ -66,27 +67,7 @@ static inline void test_pub_subscribed(struct test_pub *p)
 
 static inline void test_pub_send(struct test_pub *p, uint64_t seq, const uint8_t *body, size_t n)
 {
-	uint8_t s[8];
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	cr_assert_eq(zmq_send(p->pub, "", 0, ZMQ_SNDMORE), 0);
-	cr_assert_eq(zmq_send(p->pub, s, 8, ZMQ_SNDMORE), 8);
-	cr_assert_eq(zmq_send(p->pub, body, n, 0), (int)n);
-}
-
-/* {"ts": 1.0, "events": [], "data_parallel_rank": dp} into body[64]; returns its length. */
-static inline size_t test_pub_empty_batch(uint8_t *body, uint32_t dp)
-{
-	static const uint8_t head[] = {0x83, 0xa2, 't', 's', 0xcb, 0x3f, 0xf0, 0,   0,    0,   0, 0,
-	                               0,    0xa6, 'e', 'v', 'e',  'n',  't',  's', 0x90, 0xb2};
-	size_t n = sizeof(head);
-	memcpy(body, head, n);
-	memcpy(body + n, "data_parallel_rank", 18);
-	n += 18;
-	body[n++] = 0xce; /* uint32 */
-	for (int i = 3; i >= 0; i--)
-		body[n++] = (uint8_t)(dp >> (8 * i));
-	return n;
+	cr_assert_eq(test_batch_send(p->pub, seq, body, n), 0, "the publisher sends the batch");
 }
 
 static inline void test_pub_send_empty(struct test_pub *p, uint64_t seq, uint32_t dp)

@@ -21,6 +21,7 @@
 #include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/vllm_batch.h"
 
 static struct kvr_feed *F[2];
 static atomic_int entered[2], returned[2];
@@ -62,23 +63,6 @@ static void on_log(void *ctx, int level, const char *msg)
 	(void)level, (void)msg;
 	if (from_log)
 		destroy_other((int)(intptr_t)ctx);
-}
-
-/* One vLLM batch with no events, dp rank 0: topic, 8-byte big-endian seq, msgpack payload
- * {"ts": 1.0, "events": [], "data_parallel_rank": 0}. */
-static int send_empty(void *pub, uint64_t seq)
-{
-	static const uint8_t body[] = {0x83, 0xa2, 't', 's',  0xcb, 0x3f, 0xf0, 0,   0,   0,   0,
-	                               0,    0,    0,   0xa6, 'e',  'v',  'e',  'n', 't', 's', 0x90,
-	                               0xb2, 'd',  'a', 't',  'a',  '_',  'p',  'a', 'r', 'a', 'l',
-	                               'l',  'e',  'l', '_',  'r',  'a',  'n',  'k', 0};
-	uint8_t s[8];
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	return zmq_send(pub, "", 0, ZMQ_SNDMORE) == 0 && zmq_send(pub, s, 8, ZMQ_SNDMORE) == 8 &&
-	               zmq_send(pub, body, sizeof(body), 0) == (int)sizeof(body)
-	           ? 0
-	           : -1;
 }
 
 static int round_once(int log)
@@ -126,7 +110,8 @@ static int round_once(int log)
 		}
 	}
 	for (int i = 0; i < 2; i++)
-		if (send_empty(pub[i], 0) || send_empty(pub[i], 5)) { /* a gap: both callbacks */
+		if (test_batch_send_empty(pub[i], 0) ||
+		    test_batch_send_empty(pub[i], 5)) { /* a gap: both callbacks */
 			fprintf(stderr, "send\n");
 			return 1;
 		}
