@@ -9,6 +9,7 @@
 
 #include <criterion/criterion.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 #include <zmq.h>
@@ -80,6 +81,23 @@ static inline void test_pub_close(struct test_pub *p)
 {
 	zmq_close(p->pub);
 	zmq_ctx_term(p->zctx);
+}
+
+/* Threads of this process (a feed's thread must be gone in the end). */
+static inline int test_n_threads(void)
+{
+	int n = -1;
+	FILE *f = fopen("/proc/self/stat", "r");
+	if (f) {
+		/* field 20: num_threads; comm (field 2) has no spaces here */
+		cr_assert_eq(fscanf(f,
+		                    "%*d %*s %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u "
+		                    "%*d %*d %*d %*d %d",
+		                    &n),
+		             1);
+		fclose(f);
+	}
+	return n;
 }
 
 #endif

@@ -117,23 +117,6 @@ static void on_log_destroy(void *ctx, int level, const char *msg)
 		destroy_here();
 }
 
-/* Threads of this process (the feed's thread must be gone in the end). */
-static int n_threads(void)
-{
-	int n = -1;
-	FILE *f = fopen("/proc/self/stat", "r");
-	if (f) {
-		/* field 20: num_threads; comm (field 2) has no spaces here */
-		cr_assert_eq(fscanf(f,
-		                    "%*d %*s %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u "
-		                    "%*d %*d %*d %*d %d",
-		                    &n),
-		             1);
-		fclose(f);
-	}
-	return n;
-}
-
 static void destroy_from_callback(int from)
 {
 	destroy_from = from;
@@ -142,7 +125,7 @@ static void destroy_from_callback(int from)
 	struct kvr_router *r = test_events_router(on_gap_destroy);
 	struct test_pub pub;
 	test_pub_open(&pub);
-	int threads0 = n_threads();
+	int threads0 = test_n_threads();
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.log = on_log_destroy;
@@ -155,7 +138,7 @@ static void destroy_from_callback(int from)
 	cr_assert(came_back(&destroy_returned), "kvr_feed_destroy from a callback never returned");
 	/* The feed's thread (and ZeroMQ's, with its context) goes away by itself. */
 	int n = 0;
-	for (int t = 0; t < 1000 && (n = n_threads()) > threads0; t++) {
+	for (int t = 0; t < 1000 && (n = test_n_threads()) > threads0; t++) {
 		struct timespec ts = {0, 10000000};
 		nanosleep(&ts, NULL);
 	}

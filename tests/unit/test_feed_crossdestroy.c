@@ -42,28 +42,11 @@ static bool came_back(atomic_int *flag)
 	return atomic_load(flag);
 }
 
-/* Threads of this process. */
-static int n_threads(void)
-{
-	int n = -1;
-	FILE *f = fopen("/proc/self/stat", "r");
-	if (f) {
-		/* field 20: num_threads; comm (field 2) has no spaces here */
-		cr_assert_eq(fscanf(f,
-		                    "%*d %*s %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u "
-		                    "%*d %*d %*d %*d %d",
-		                    &n),
-		             1);
-		fclose(f);
-	}
-	return n;
-}
-
 /* Waits up to 10 s for the process to be back to at most n threads. */
 static void threads_back_to(int n)
 {
 	int now = 0;
-	for (int t = 0; t < 1000 && (now = n_threads()) > n; t++)
+	for (int t = 0; t < 1000 && (now = test_n_threads()) > n; t++)
 		sleep_ms(10);
 	cr_assert_leq(now, n, "threads: %d, %d before the feeds", now, n);
 }
@@ -133,7 +116,7 @@ static void feed_destroys_feed(int both)
 	struct test_pub pub[2];
 	for (int i = 0; i < 2; i++)
 		test_pub_open(&pub[i]);
-	int threads0 = n_threads();
+	int threads0 = test_n_threads();
 	for (int i = 0; i < 2; i++)
 		feeds[i] = feed_on(r, &pub[i], (uint64_t)i, on_log_other, (void *)(intptr_t)i);
 	for (int i = 0; i < 2; i++) {
@@ -258,7 +241,7 @@ Test(feed_crossdestroy, feed_destroyed_from_on_admit_on_a_replica_apply_thread, 
 	struct kvr_router *ev = test_events_router(NULL);
 	struct test_pub pub;
 	test_pub_open(&pub);
-	int threads0 = n_threads();
+	int threads0 = test_n_threads();
 	xfeed = feed_on(ev, &pub, 0, on_log_drain, NULL);
 	/* A's 200-token request, mirrored on B, saturates X there: B's own request waits. */
 	struct kvr_decision hog, q;
@@ -317,7 +300,7 @@ Test(feed_crossdestroy, feed_destroyed_from_the_clock_on_a_shard, .timeout = 60)
 	cr_assert_eq(kvr_rank_add(r, X, 1, KVR_CAPACITY_NONE, 0), 0);
 	struct test_pub pub;
 	test_pub_open(&pub);
-	int threads0 = n_threads();
+	int threads0 = test_n_threads();
 	sfeed = feed_on(r, &pub, 0, NULL, NULL);
 	atomic_store(&armed, 1);
 	test_pub_send_empty(&pub, 0, 0); /* the feed's post wakes the shard */
