@@ -28,6 +28,9 @@
  *  - a soon task is left only to a park bounded by soon_wake_ns (park_soon set before the
  *    park's announcement, read by the poster after its push and a fence), so it waits at most
  *    that long for a shard that sleeps; any other park is woken by it;
+ *  - a message whose commit was left to a later one (its producer was descheduled between
+ *    reserve and commit: sync/ring.h's tagged slots) is woken for as its own post would have,
+ *    by the post whose commit publishes it;
  *  - shutdown: `closed` is set, then an RCU grace period passes, so no producer is still inside
  *    a post (every post runs in an RCU read section that checks `closed` first); after that
  *    the rings only shrink, each thread drains them and exits, and the memory can go.
@@ -961,6 +964,10 @@ static int pace(struct kvr_shard *sh, unsigned *how)
 	}
 }
 
+/* The wake a post asks for (kvr_lanes_push_wake's level; larger is more urgent): a lazy post
+ * leaves a bounded park asleep, a soon post a soon park, any other post wakes every park. */
+enum { WAKE_LAZY = 0, WAKE_SOON = 1, WAKE_ANY = 2 };
+
 /* Post with an optional bounded wait.  Inside an RCU read section for the whole call, so
  * shutdown's grace period waits for it.  timeout_ns 0 = try once.  deferred non-NULL: a lazy
  * post (kvr_shard_post_lazy), which leaves a shard in a bounded park asleep and says so.  how
@@ -977,8 +984,10 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 	}
 	if (how && !tls_shard && kvr_lanes_over_soft(&sh->lanes, lane) && (rc = pace(sh, how)))
 		goto out;
-	rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload, (uint32_t)len, aux,
-	                    timeout_ns == 0 || tls_shard == sh);
+	/* rc >= 0 after a push: the wake level of other posts' messages its commit published. */
+	uint32_t wake = !deferred ? WAKE_ANY : (aux & MSG_SOON) ? WAKE_SOON : WAKE_LAZY;
+	rc = kvr_lanes_push_wake(&sh->lanes, lane, (void (*)(void))fn, payload, (uint32_t)len, aux,
+	                         timeout_ns == 0 || tls_shard == sh, wake);
 	if (rc == KVR_EAGAIN && timeout_ns && tls_shard != sh) {
 		kvr_lanes_count_stall(&sh->lanes, lane);
 		tls_full_waits++;
@@ -991,8 +1000,8 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 				rc = KVR_ESHUTDOWN;
 				goto out;
 			}
-			rc = kvr_lanes_push(&sh->lanes, lane, (void (*)(void))fn, payload,
-			                    (uint32_t)len, aux, 0);
+			rc = kvr_lanes_push_wake(&sh->lanes, lane, (void (*)(void))fn, payload,
+			                         (uint32_t)len, aux, 0, wake);
 			if (rc != KVR_EAGAIN)
 				break;
 			if (timeout_ns != UINT64_MAX && mono_ns() - start >= timeout_ns) {
@@ -1001,27 +1010,32 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 			}
 		}
 	}
-	if (rc == 0) {
+	if (rc >= 0) {
 		/* The push's commit ended with a locked RMW (kvr_ring_commit_nowait), the barrier
 		 * of the Dekker pairs below on x86, so no second fence there (park.h). */
 		kvr_barrier_after_rmw();
-		if (aux & MSG_SOON) {
-			/* A soon post leaves the shard asleep only in a park bounded by soon_ns.
-			 * Store buffering with the shard's park_soon store before its parker
-			 * announcement: the push, the barrier, then the flag; the shard stores the
-			 * flag, fences (in kvr_parker_prepare*), then checks the lanes.  So a flag
-			 * read as set belongs to the park now entered, or to one whose lanes check
-			 * finds this message; read as clear, the shard is woken as by any post (a
-			 * lazy wake would also leave it in a longer bounded park). */
-			if (__atomic_load_n(&sh->park_soon, __ATOMIC_RELAXED))
-				*deferred = kvr_parker_wake_lazy_fenced(&sh->park);
-			else
-				kvr_parker_wake_fenced(&sh->park);
-		} else if (deferred) {
-			*deferred = kvr_parker_wake_lazy_fenced(&sh->park);
-		} else {
+		/* Our commit may have published other posts' messages, left to it by producers that
+		 * found our slot unpublished (sync/ring.h): their wake checks came before the shard
+		 * could see them, so ours wakes as the most urgent of them would have (an admission
+		 * behind a lazy post would otherwise wait out a bounded park). */
+		if ((uint32_t)rc > wake)
+			wake = (uint32_t)rc;
+		rc = 0;
+		/* A soon post leaves the shard asleep only in a park bounded by soon_ns.  Store
+		 * buffering with the shard's park_soon store before its parker announcement: the
+		 * push, the barrier, then the flag; the shard stores the flag, fences (in
+		 * kvr_parker_prepare*), then checks the lanes.  So a flag read as set belongs to
+		 * the park now entered, or to one whose lanes check finds this message; read as
+		 * clear, the shard is woken as by any post (a lazy wake would also leave it in a
+		 * longer bounded park).  So it does for the soon messages our commit published. */
+		if (wake == WAKE_SOON && !__atomic_load_n(&sh->park_soon, __ATOMIC_RELAXED))
+			wake = WAKE_ANY;
+		/* deferred is non-NULL whenever wake is below WAKE_ANY: only lazy and soon posts
+		 * (which pass it) start there. */
+		if (wake == WAKE_ANY)
 			kvr_parker_wake_fenced(&sh->park);
-		}
+		else
+			*deferred = kvr_parker_wake_lazy_fenced(&sh->park);
 	} else if (rc == KVR_EAGAIN) {
 		kvr_parker_wake(&sh->park); /* a full lane: lazy posts alone may have filled it */
 	}

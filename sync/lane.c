@@ -106,8 +106,9 @@ static __attribute__((noinline, cold)) void wait_trim(struct kvr_lanes *l)
 	}
 }
 
-int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), const void *payload,
-                   uint32_t len, uint32_t aux, int count_stall)
+int kvr_lanes_push_wake(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void),
+                        const void *payload, uint32_t len, uint32_t aux, int count_stall,
+                        uint32_t wake)
 {
 	if ((unsigned)lane >= KVR_LANE_COUNT || len > KVR_MSG_PAYLOAD || (len && !payload))
 		return KVR_EINVAL;
@@ -130,8 +131,7 @@ int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), co
 	}
 	kvr_ring_write(slot, fn, payload, len, aux);
 	/* Never waits for another producer (sync/ring.h): lane posts come from every frontend. */
-	kvr_ring_commit_nowait(r, ticket);
-	return 0;
+	return (int)kvr_ring_commit_nowait(r, ticket, wake);
 }
 
 size_t kvr_lanes_trim(struct kvr_lanes *l)
@@ -139,7 +139,7 @@ size_t kvr_lanes_trim(struct kvr_lanes *l)
 	struct kvr_ring *r = &l->ring[KVR_LANE_ROUTING];
 	if (__atomic_load_n(&l->burst_n, __ATOMIC_RELAXED) || !kvr_ring_unreserved(r))
 		return 0;
-	/* Dekker with kvr_lanes_push: the flag first, then p_head.  A producer whose
+	/* Dekker with kvr_lanes_push_wake: the flag first, then p_head.  A producer whose
 	 * reservation this load misses reads the flag after it. */
 	__atomic_store_n(&l->trimming, 1, __ATOMIC_SEQ_CST);
 	__atomic_thread_fence(__ATOMIC_SEQ_CST); /* a store then a load: x86 and ARM need it */

@@ -181,7 +181,7 @@ enum kvr_lane_soft_step kvr_lanes_soft_check(struct kvr_lanes *l, struct kvr_lan
  * bytes given back, 0 if the lane was not empty.  Context: the single consumer, when idle (the
  * shard runtime calls it with its idle purge).  Ordering: a sequentially consistent store of
  * trimming, then p_head; pairs with the producer's CAS and load of trimming in
- * kvr_lanes_push; the store that clears trimming (release) pairs with that load (acquire).
+ * kvr_lanes_push_wake; the store that clears trimming (release) pairs with that load (acquire).
  */
 size_t kvr_lanes_trim(struct kvr_lanes *l);
 
@@ -189,12 +189,30 @@ size_t kvr_lanes_trim(struct kvr_lanes *l);
 void kvr_lanes_fini(struct kvr_lanes *l);
 
 /*
- * Enqueues one message on a lane (len <= KVR_MSG_PAYLOAD).  Returns 0, KVR_EINVAL (bad lane or
- * len), or KVR_EAGAIN if the lane is full (counted as a stall unless count_stall is 0).
- * Context: any thread.  Ordering: see kvr_ring_enqueue().
+ * Enqueues one message on a lane (len <= KVR_MSG_PAYLOAD).  wake (0 .. KVR_RING_WAKE_MAX) is how
+ * urgently the caller will wake the consumer after the push, larger is more urgent: if the
+ * commit must leave the slot to an earlier producer's commit, whoever publishes it learns that
+ * level (sync/ring.h: the wake a tagged slot needs).  Returns the highest level among the other
+ * producers' slots this push's commit published (0 if none; the caller must wake the consumer at
+ * least that urgently), or KVR_EINVAL (bad lane or len), or KVR_EAGAIN if the lane is full
+ * (counted as a stall unless count_stall is 0).  The level is returned, not stored through a
+ * pointer, because this is every post's path (a pointer cost the post ~5 instructions).
+ * Context: any thread.  Ordering: see kvr_ring_commit_nowait(); the push ends with a locked RMW
+ * (kvr_barrier_after_rmw).
  */
-int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void), const void *payload,
-                   uint32_t len, uint32_t aux, int count_stall);
+int kvr_lanes_push_wake(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void),
+                        const void *payload, uint32_t len, uint32_t aux, int count_stall,
+                        uint32_t wake);
+
+/* Enqueues one message on a lane for a consumer nobody wakes (a bare struct kvr_lanes: tests,
+ * benches): kvr_lanes_push_wake, returning 0 instead of a level.  Returns 0, KVR_EINVAL,
+ * KVR_EAGAIN. */
+static inline int kvr_lanes_push(struct kvr_lanes *l, enum kvr_lane lane, void (*fn)(void),
+                                 const void *payload, uint32_t len, uint32_t aux, int count_stall)
+{
+	int rc = kvr_lanes_push_wake(l, lane, fn, payload, len, aux, count_stall, 0);
+	return rc < 0 ? rc : 0;
+}
 
 /* Counts one stall on a lane (a blocking producer found it full).  Context: any thread. */
 void kvr_lanes_count_stall(struct kvr_lanes *l, enum kvr_lane lane);

@@ -22,9 +22,20 @@
  * every tagged slot that follows (helping, as in the per-slot sequence rings of D. Vyukov's bounded
  * MPMC queue).  So no producer ever waits for another: a descheduled one only keeps the consumer
  * from the slots behind its own until it commits, as before.  p_tail keeps its meaning (every slot
- * before it is published), so the consumer side is ck's.  The tag is (lap & 0x7fffff) | 0x800000 in
- * bits 8..31 of len (a payload is at most 48 bytes); a slot being written holds no tag or its
- * previous lap's, and a zeroed slot (a trimmed page) none.
+ * before it is published), so the consumer side is ck's.  The tag is bit 31 of len and the slot's
+ * lap (& 0x1fffff) in bits 8..28 (a payload is at most 48 bytes); a slot being written holds no
+ * tag or its previous lap's, and a zeroed slot (a trimmed page) none.
+ *
+ * The wake a tagged slot needs.  A producer that tags its slot makes its wake-up call (the shard
+ * runtime's parker) before the consumer can see the message: the consumer, woken, finds p_tail
+ * short of it and may sleep again, in a park its own producer would have ended (an admission
+ * behind a descheduled lifecycle post waited out the shard's 1 ms lazy park).  So the tag also
+ * carries what the producer asks of whoever publishes it: a 2-bit wake level in bits 29..30 of len
+ * (the caller's; larger is more urgent), written with the tag in one exchange, and the commit
+ * that moves p_tail over tagged slots returns the highest level among them, for its caller to
+ * wake as that producer would have.  Each tagged slot is passed by exactly one commit (the CAS
+ * that moves p_tail over it), so exactly one caller hears of it, and only after the message is
+ * visible.
  *
  * Invariants:
  *  - a ring of size S (a power of two) holds at most S - 1 messages (ck_ring keeps one slot
@@ -59,8 +70,12 @@
 #define KVR_MSG_PAYLOAD 48
 
 /* A slot's len while it is in the ring: the payload length in the low byte, the commit's
- * lap tag above it (see the top of the file); dequeued messages carry the length alone. */
+ * lap tag and wake level above it (see the top of the file); dequeued messages carry the length
+ * alone. */
 #define KVR_RING_LEN_MASK 0xffu
+/* The wake level a tagged slot carries (kvr_ring_commit_nowait): bits 29..30 of len. */
+#define KVR_RING_WAKE_SHIFT 29
+#define KVR_RING_WAKE_MAX   3u
 
 /* One message.  fn is stored type-erased; whoever runs it casts it back to the exact type the
  * producer used (the shard runtime uses kvr_task_fn). */
@@ -147,10 +162,11 @@ static inline struct kvr_msg *kvr_ring_reserve(struct kvr_ring *r, uint32_t *tic
 	return slot;
 }
 
-/* The tag a commit of position t leaves in its slot's len (see the top of the file). */
+/* The tag a commit of position t leaves in its slot's len (see the top of the file), without
+ * the wake level. */
 static inline uint32_t kvr_ring_tag(const struct kvr_ring *r, uint32_t t)
 {
-	return (((t >> __builtin_ctz(r->size)) & 0x7fffffu) | 0x800000u) << 8;
+	return (((t >> __builtin_ctz(r->size)) & 0x1fffffu) | 0x800000u) << 8;
 }
 
 /*
@@ -191,24 +207,34 @@ static inline void kvr_ring_commit(struct kvr_ring *r, uint32_t ticket)
  * over the tagged slots behind its own.  When every earlier slot is in (p_tail is our ticket) the
  * commit moves p_tail past its own slot, as ck's did (with a CAS); no helper moves p_tail over an
  * untagged slot, so nothing else moves it meanwhile.  If p_tail does not reach the ticket within
- * the spin, the commit counts (`tagged`) and tags its slot published and leaves p_tail to the
- * earlier producer's commit.  Whoever moves p_tail (and finds `tagged` non-zero) then moves it over
- * the tagged slots that follow.  Store buffering between two commits, each writing its slot (after
- * `tagged`) or p_tail and then reading the other's: every write is a locked RMW and every read
- * after them seq_cst, so of two racing commits at least one sees the other's; a commit that
- * reads `tagged` as 0 after its CAS precedes the other's count, whose commit then reads the
- * moved p_tail.  A tag is never stale by more than a lap: kvr_ring_write (or a caller's own
- * store of len) clears it before the commit.
+ * the spin, the commit counts (`tagged`) and tags its slot published, with wake (0 ..
+ * KVR_RING_WAKE_MAX, the caller's wake level), and leaves p_tail to the earlier producer's
+ * commit.  Whoever moves p_tail (and finds `tagged` non-zero) then moves it over the tagged slots
+ * that follow.  Store buffering between two commits, each writing its slot (after `tagged`) or
+ * p_tail and then reading the other's: every write is a locked RMW and every read after them
+ * seq_cst, so of two racing commits at least one sees the other's; a commit that reads `tagged`
+ * as 0 after its CAS precedes the other's count, whose commit then reads the moved p_tail.  A tag
+ * is never stale by more than a lap: kvr_ring_write (or a caller's own store of len) clears it
+ * before the commit.
+ * Returns the highest wake level among the tagged slots this commit moved p_tail over (its own
+ * included, if it tagged it and then passed it), 0 if none: the caller then wakes the consumer
+ * as the most urgent of their producers would have (see the top of the file).  The level travels
+ * in the same word as the tag, so the helper that reads the tag reads the level; the helper's
+ * wake-up call comes after its CAS on p_tail (a locked RMW), so the consumer's announce-then-check
+ * (sync/park.h) either sees the moved p_tail or is seen parked by that call: the store-buffering
+ * pair of every post, with the helper in the tagger's place.  The tagger's own call, made before
+ * the message is visible, may find the consumer awake and let it park again; the helper's cannot.
  * Ordering: the slot and everything the producer wrote before are visible to the consumer that
  * dequeues it (the CAS, or the exchange then a helper's seq_cst read and CAS, publish them to
  * the consumer's acquire of p_tail in kvr_ring_dequeue*).  A commit ends with a locked RMW
  * (x86: a full barrier; kvr_barrier_after_rmw).  Context: the producer that reserved ticket,
  * once.
  */
-static inline void kvr_ring_commit_nowait(struct kvr_ring *r, uint32_t ticket)
+static inline uint32_t kvr_ring_commit_nowait(struct kvr_ring *r, uint32_t ticket, uint32_t wake)
 {
 	KVR_TSAN_RELEASE(r);
 	KVR_RING_IGNORE_BEGIN();
+	uint32_t woke = 0;
 	unsigned int t;
 	for (unsigned int spins = 0;; spins++) {
 		t = __atomic_load_n(&r->ck.p_tail, __ATOMIC_SEQ_CST);
@@ -230,23 +256,32 @@ static inline void kvr_ring_commit_nowait(struct kvr_ring *r, uint32_t ticket)
 	__atomic_fetch_add(&r->tagged, 1, __ATOMIC_SEQ_CST);
 	struct kvr_msg *s = &r->buf[ticket & r->ck.mask];
 	uint32_t len = __atomic_load_n(&s->len, __ATOMIC_RELAXED) & KVR_RING_LEN_MASK;
-	__atomic_exchange_n(&s->len, len | kvr_ring_tag(r, ticket), __ATOMIC_SEQ_CST);
+	__atomic_exchange_n(&s->len,
+	                    len | kvr_ring_tag(r, ticket) |
+	                        (wake & KVR_RING_WAKE_MAX) << KVR_RING_WAKE_SHIFT,
+	                    __ATOMIC_SEQ_CST);
 	t = __atomic_load_n(&r->ck.p_tail, __ATOMIC_SEQ_CST);
 help:
 	while (t != __atomic_load_n(&r->ck.p_head, __ATOMIC_SEQ_CST)) {
 		s = &r->buf[t & r->ck.mask];
-		if ((__atomic_load_n(&s->len, __ATOMIC_SEQ_CST) & ~KVR_RING_LEN_MASK) !=
+		uint32_t v = __atomic_load_n(&s->len, __ATOMIC_SEQ_CST);
+		if ((v & ~(KVR_RING_LEN_MASK | KVR_RING_WAKE_MAX << KVR_RING_WAKE_SHIFT)) !=
 		    kvr_ring_tag(r, t))
 			break; /* not published yet: its producer's commit goes on from here */
-		/* A failed CAS reloads t: another commit moved p_tail, go on from there. */
+		/* A failed CAS reloads t: another commit moved p_tail, go on from there (the slot's
+		 * wake is that commit's to report). */
 		if (__atomic_compare_exchange_n(&r->ck.p_tail, &t, t + 1, false, __ATOMIC_SEQ_CST,
 		                                __ATOMIC_SEQ_CST)) {
 			__atomic_fetch_sub(&r->tagged, 1, __ATOMIC_SEQ_CST);
+			uint32_t w = v >> KVR_RING_WAKE_SHIFT & KVR_RING_WAKE_MAX;
+			if (w > woke)
+				woke = w;
 			t++;
 		}
 	}
 out:
 	KVR_RING_IGNORE_END();
+	return woke;
 }
 
 /*

@@ -7,7 +7,9 @@
  *    spun and then yielded until the earlier one committed: two frontends on one core made a
  *    convoy of it, docs/measurements.md "Finish tails with two frontends").  A second thread
  *    commits behind the held slot and must return within 2 s; the consumer sees nothing until
- *    the held slot commits, then both in ticket order.
+ *    the held slot commits, then both in ticket order; the held slot's commit, which publishes
+ *    the tagged one, returns the wake level the tagger left (sync/ring.h: the wake a tagged slot
+ *    needs), and the tagger's returns none.
  * 2. Racing commits: P producer threads post numbered messages, a third of them pausing between
  *    reserve and commit (sched_yield, or a 20-50 us sleep), while one consumer drains.  Every
  *    message must arrive exactly once, each producer's in order, with its length and fields
@@ -60,7 +62,9 @@ static void *later_producer(void *arg)
 		return NULL;
 	}
 	kvr_ring_write(slot, NULL, &v, sizeof(v), 2);
-	kvr_ring_commit_nowait(&ring, ticket);
+	/* Left tagged with the most urgent wake level: the held commit must report it. */
+	if (kvr_ring_commit_nowait(&ring, ticket, KVR_RING_WAKE_MAX) != 0)
+		fail("held: a commit that published no other slot reported a wake");
 	__atomic_store_n(&later_done, 1, __ATOMIC_RELEASE);
 	return NULL;
 }
@@ -91,8 +95,10 @@ static void held_reservation(void)
 		fail("held: the consumer took a message past the unpublished slot");
 	uint32_t v = 1;
 	kvr_ring_write(slot, NULL, &v, sizeof(v), 1);
-	kvr_ring_commit_nowait(&ring, ticket);
+	uint32_t woke = kvr_ring_commit_nowait(&ring, ticket, 0);
 	pthread_join(th, NULL);
+	if (__atomic_load_n(&later_done, __ATOMIC_ACQUIRE) && woke != KVR_RING_WAKE_MAX)
+		fail("held: the commit that published a tagged slot did not report its wake");
 	for (uint32_t want = 1; want <= 2; want++) {
 		if (!kvr_ring_dequeue(&ring, &m)) {
 			fail("held: a committed message is missing");
@@ -148,7 +154,9 @@ static void *producer(void *arg)
 		default:
 			break;
 		}
-		kvr_ring_commit_nowait(&ring, ticket);
+		/* Every wake level, so the bits above the tag travel with it (the lengths are
+		 * checked intact at the consumer). */
+		kvr_ring_commit_nowait(&ring, ticket, (uint32_t)(s >> 32) & KVR_RING_WAKE_MAX);
 		seq++;
 	}
 	__atomic_store_n(&sent[p], seq, __ATOMIC_RELEASE);
