@@ -12,13 +12,21 @@
  *     (127: every take reads the lanes' clock for the stamp producers judge a stall by) and
  *     not (0), alternated; take_ns_* is the pop's own time (the fill is not timed), and
  *     stamp_ns their difference, the price of the stamp a task.  --soft-depth N also sets the
- *     shards' soft depth for phases 1-4 (their posts are not paced, so only the stamp differs).
+ *     shards' soft depth for phases 1-4 (their posts are not paced, so only the stamp differs);
+ *  6. a post's own cost: this thread alone posts batches of 1,024 small tasks to shard 0 while
+ *     the shard runs a task that sleeps until the batch ends (so it takes nothing meanwhile and
+ *     counts as awake: the wake check finds it RUNNING), with kvr_shard_post_lazy and
+ *     kvr_shard_post alternated; post_ns_lazy / post_ns_plain are ns a post (the whole call:
+ *     RCU read section, reserve, write, commit, wake check), the best of 8 slices each.  This
+ *     thread is pinned as the first producer: --cpus 0,0 puts it on the shard's CPU, so the
+ *     slots stay in its cache (the instructions' cost), --cpus 0,1 off it (each slot line then
+ *     comes from the shard's cache).  --post-only 1 runs this phase alone.
  * Prints one SUMMARY line; never asserts timings.
  *
  * Runtime and baseline alternate in --rounds rounds; each metric reports its best round.
  *
  * usage: bench_lanes [--producers P] [--shards S] [--ms N per phase, all rounds] [--rounds R]
- *                    [--cap N] [--soft-depth N (0)]
+ *                    [--cap N] [--soft-depth N (0)] [--post-only 1]
  *                    [--cpus 0,1,...]   (shards, then producers, are pinned in this order)
  */
 #include <pthread.h>
@@ -36,7 +44,7 @@
 #define MAX_SAMPLES 400000
 
 static int cpus[MAX_T], n_cpus;
-static uint32_t P = 2, S = 1, CAP = 4096, SOFT = 0;
+static uint32_t P = 2, S = 1, CAP = 4096, SOFT = 0, POST_ONLY = 0;
 static double MS = 1000;
 static int ROUNDS = 5;
 
@@ -383,6 +391,82 @@ static double take_ns(uint32_t soft, double ms)
 	return best;
 }
 
+/* Phase 6: the shard waits in hold_task until the batch is posted; drained counts the batch's
+ * tasks run after it. */
+#define POST_BATCH 1024
+static int holding, hold_release; /* under hold_mu */
+static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
+static uint64_t drained; /* atomic */
+
+/* Sleeps (not spins: with --cpus 0,0 the poster shares the shard's CPU) until released. */
+static void hold_task(struct kvr_shard *sh, void *payload)
+{
+	(void)sh;
+	(void)payload;
+	pthread_mutex_lock(&hold_mu);
+	holding = 1;
+	pthread_cond_broadcast(&hold_cv);
+	while (!hold_release)
+		pthread_cond_wait(&hold_cv, &hold_mu);
+	pthread_mutex_unlock(&hold_mu);
+}
+
+static void hold_set(int *flag, int v)
+{
+	pthread_mutex_lock(&hold_mu);
+	*flag = v;
+	pthread_cond_broadcast(&hold_cv);
+	pthread_mutex_unlock(&hold_mu);
+}
+
+static void drained_task(struct kvr_shard *sh, void *payload)
+{
+	(void)sh;
+	(void)payload;
+	__atomic_fetch_add(&drained, 1, __ATOMIC_RELAXED);
+}
+
+/* ns per post (lazy: kvr_shard_post_lazy, else kvr_shard_post) to a shard held in a task, over
+ * ms milliseconds of batches; the best of 8 slices.  -1 if a post fails. */
+static double post_ns(bool lazy, double ms)
+{
+	struct kvr_shard *sh = kvr_shards_get(rt, 0);
+	unsigned char payload[16] = {0};
+	double best = 1e30;
+	for (int slice = 0; slice < 8; slice++) {
+		uint64_t spent = 0, posts = 0, until = now_ns() + (uint64_t)(ms * 1e6 / 8);
+		while (now_ns() < until) {
+			hold_set(&holding, 0);
+			hold_set(&hold_release, 0);
+			__atomic_store_n(&drained, 0, __ATOMIC_RELAXED);
+			if (kvr_shard_post(sh, KVR_LANE_ROUTING, hold_task, NULL, 0))
+				return -1;
+			pthread_mutex_lock(&hold_mu);
+			while (!holding)
+				pthread_cond_wait(&hold_cv, &hold_mu);
+			pthread_mutex_unlock(&hold_mu);
+			int rc = 0;
+			uint64_t t0 = now_ns();
+			for (int i = 0; i < POST_BATCH; i++)
+				rc |= lazy ? kvr_shard_post_lazy(sh, KVR_LANE_ROUTING, drained_task,
+				                                 payload, sizeof(payload), NULL)
+				           : kvr_shard_post(sh, KVR_LANE_ROUTING, drained_task,
+				                            payload, sizeof(payload));
+			spent += now_ns() - t0;
+			posts += POST_BATCH;
+			hold_set(&hold_release, 1);
+			if (rc)
+				return -1;
+			while (__atomic_load_n(&drained, __ATOMIC_ACQUIRE) < POST_BATCH)
+				sched_yield();
+		}
+		double ns = posts ? (double)spent / (double)posts : 1e30;
+		best = ns < best ? ns : best;
+	}
+	return best;
+}
+
 int main(int argc, char **argv)
 {
 	for (int i = 1; i + 1 < argc; i += 2) {
@@ -398,6 +482,8 @@ int main(int argc, char **argv)
 			CAP = (uint32_t)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--soft-depth"))
 			SOFT = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--post-only"))
+			POST_ONLY = (uint32_t)atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--cpus")) {
 			char *save = NULL, *list = strdup(argv[i + 1]);
 			for (char *t = strtok_r(list, ",", &save); t && n_cpus < MAX_T;
@@ -429,7 +515,7 @@ int main(int argc, char **argv)
 	uint64_t b50 = UINT64_MAX, b99 = UINT64_MAX, bidle99 = UINT64_MAX, stalls_rt = 0;
 	double full_ms = MS;
 	MS = full_ms / ROUNDS;
-	for (int r = 0; r < ROUNDS; r++) {
+	for (int r = 0; r < (POST_ONLY ? 0 : ROUNDS); r++) {
 		for (baseline = 0; baseline < 2; baseline++) {
 			stalls_seen = 0;
 			double t = throughput();
@@ -458,17 +544,37 @@ int main(int argc, char **argv)
 	MS = full_ms;
 	/* Phase 5, on this thread alone (the shards are idle): soft depth on and off alternated. */
 	double take_soft = 1e30, take_none = 1e30;
-	for (int r = 0; r < 2 * ROUNDS; r++) {
+	for (int r = 0; r < (POST_ONLY ? 0 : 2 * ROUNDS); r++) {
 		double t = take_ns(r % 2 ? 0 : 127, MS / (2 * ROUNDS) / 4);
 		if (r % 2)
 			take_none = t < take_none ? t : take_none;
 		else
 			take_soft = t < take_soft ? t : take_soft;
 	}
+	/* Phase 6, on this thread, against shard 0 held in a task: lazy and plain alternated.
+	 * This thread takes the first producer's CPU (--cpus), off the shard's. */
+	pin_self((int)S);
+	double post_lazy = 1e30, post_plain = 1e30;
+	for (int r = 0; r < 2 * ROUNDS; r++) {
+		double t = post_ns(r % 2, MS / (2 * ROUNDS) / 2);
+		if (t < 0) {
+			fprintf(stderr, "phase 6: a post failed\n");
+			break;
+		}
+		if (r % 2)
+			post_lazy = t < post_lazy ? t : post_lazy;
+		else
+			post_plain = t < post_plain ? t : post_plain;
+	}
 	struct kvr_shard_stats st;
 	kvr_shard_get_stats(kvr_shards_get(rt, 0), &st);
 	kvr_shards_destroy(rt);
 	bq_stop();
+	if (POST_ONLY) {
+		printf("SUMMARY bench=lanes_post post_ns_lazy=%.2f post_ns_plain=%.2f\n", post_lazy,
+		       post_plain);
+		return 0;
+	}
 
 	printf("runtime: msgs_s=%.0f stalls=%llu rtt_hot p50=%llu p99=%llu rtt_idle p50=%llu "
 	       "p99=%llu maint_wait_max_us=%.1f (scheduler stat %.1f us, max routing between "
@@ -486,11 +592,11 @@ int main(int argc, char **argv)
 	    "rtt_hot_p99_ns=%llu rtt_idle_p99_ns=%llu maint_wait_max_us=%.1f baseline_msgs_s=%.0f "
 	    "baseline_rtt_p99_ns=%llu baseline_rtt_p50_ns=%llu baseline_maint_wait_max_us=%.1f "
 	    "tput_ratio=%.2f rtt_p99_ratio=%.3f soft_depth=%u take_ns_soft=%.1f take_ns_none=%.1f "
-	    "stamp_ns=%.1f\n",
+	    "stamp_ns=%.1f post_ns_lazy=%.2f post_ns_plain=%.2f\n",
 	    P, S, msgs_s, (unsigned long long)hot50, (unsigned long long)hot99,
 	    (unsigned long long)idle99, maint_us, b_msgs_s, (unsigned long long)b99,
 	    (unsigned long long)b50, b_maint_us, b_msgs_s > 0 ? msgs_s / b_msgs_s : 0.0,
 	    b99 ? (double)hot99 / (double)b99 : 0.0, SOFT, take_soft, take_none,
-	    take_soft - take_none);
+	    take_soft - take_none, post_lazy, post_plain);
 	return 0;
 }
