@@ -7,13 +7,45 @@
  * (add, remove, stats, destroy) send a pointer to a command over an inproc PAIR socket and wait
  * for the answer, under a mutex so commands from several threads take turns.  Stats are
  * therefore exact snapshots, read on the thread that writes them.
+ *
+ * Calls between feeds.  A feed's callbacks (its log, the router's on_event_gap) run on its
+ * thread, which serves nothing while they run.  A call from them on the feed itself is served
+ * inline (reads) or refused (add, remove: KVR_EBUSY).  A call on ANOTHER feed cannot simply wait
+ * for that feed's thread: two feeds' callbacks calling each other (or A -> B -> C -> A) each
+ * waited for a thread that waited for them, for good; and waiting for the target's ctl_lock
+ * could wait for an ordinary caller that itself waits for the calling feed.  So such a call
+ * takes no ctl_lock and uses no socket: it pushes its command onto the target's box (a list
+ * under a leaf lock) and wakes the target through its eventfd; while it waits for the answer
+ * the calling thread serves its OWN box, as a feed thread in a callback can:
+ *  - reads (stats, other medium) at once, as of now (what is pending for the shards is not
+ *    counted yet), as a feed's own callbacks get them;
+ *  - add and remove, which would change the endpoints under the callback's caller, are
+ *    deferred: run when this thread is back in its loop; their caller keeps waiting.  A
+ *    deferred call is an edge of a wait-for graph (the caller's feed blocked_on this one);
+ *    edges are added under one global lock (wait_lock), each after a walk that checks it closes
+ *    no cycle: a deferral that would (A's add waits for B's loop while B's add waits for A's,
+ *    directly or through other feeds) is answered KVR_EBUSY at once instead.
+ * Why this cannot hang: a feed thread waiting in such a call waits only for its answer, and
+ * every feed thread answers what its box holds whenever it is in its loop or in such a wait;
+ * the only answers that wait longer are deferred ones, which wait for the target to get back to
+ * its loop, i.e. for the target's own call to be answered; following these waits from one to
+ * the next never comes back to where it started (the graph is acyclic), so the last one waits
+ * for a feed thread that is in its loop, or running the embedder's code (which is the
+ * embedder's to finish).  Ordinary threads keep the control socket and get exact answers from
+ * the loop; a feed thread waiting in a callback does not serve them (they wait for the callback
+ * to return, as before), and no feed thread waits for them: kvr_feed_destroy from a library
+ * thread marks and wakes through the box too.  A target torn down answers what its box and
+ * deferred list hold with KVR_ESHUTDOWN and closes the box (box_closed) before it is freed.
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "core/alloc.h"
@@ -91,8 +123,9 @@ static void ep_free(struct ep *e)
 
 static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_t *id)
 {
+	/* items: [control, every SUB, every monitor, the box's eventfd] */
 	if (kvr_feed_grow((void **)&f->eps, &f->cap_eps, (uint64_t)f->n_eps + 1, sizeof(*f->eps)) ||
-	    kvr_feed_grow((void **)&f->items, &f->cap_items, 2 * (uint64_t)f->n_eps + 3,
+	    kvr_feed_grow((void **)&f->items, &f->cap_items, 2 * (uint64_t)f->n_eps + 4,
 	                  sizeof(*f->items)))
 		return KVR_ENOMEM;
 	struct ep *e = kvr_calloc(1, sizeof(*e));
@@ -259,6 +292,171 @@ static _Thread_local struct kvr_feed *feed_self;
 
 static void feed_free(struct kvr_feed *f);
 
+/* ---------------------------------------------------------------- calls between feeds */
+
+/* Guards every feed's blocked_on: the wait-for graph of deferred calls (top of file).  Taken
+ * only to add or remove one edge, never with another lock held, nor while waiting. */
+static pthread_mutex_t wait_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Wakes f's thread (its loop's poll, or its wait in call_from_feed).  Context: f->box_lock
+ * held, so f is not freed under the write (its teardown takes the lock after box_closed). */
+static void box_wake(struct kvr_feed *f)
+{
+	uint64_t one = 1;
+	/* EAGAIN only at a count of 2^64 - 2: the fd is readable anyway */
+	(void)!write(f->efd, &one, sizeof(one));
+}
+
+/* Hands c (pushed by another feed's thread) back to its caller with c->rc.  c may be gone once
+ * this returns.  Ordering: done's release pairs with the acquire in call_from_feed; the caller
+ * takes from->box_lock after it saw done, so this thread is out of `from` by then.  Context:
+ * the target feed's thread, no lock held. */
+static void box_answer(struct cmd *c)
+{
+	struct kvr_feed *from = c->from;
+	pthread_mutex_lock(&from->box_lock);
+	__atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);
+	box_wake(from);
+	pthread_mutex_unlock(&from->box_lock);
+}
+
+/* Takes everything f's box holds, oldest first (after clearing the eventfd: a push after the
+ * read writes it again, so nothing pushed is left unseen).  Context: f's thread. */
+static struct cmd *box_take(struct kvr_feed *f)
+{
+	uint64_t n;
+	(void)!read(f->efd, &n, sizeof(n));
+	pthread_mutex_lock(&f->box_lock);
+	struct cmd *c = f->box, *fifo = NULL;
+	f->box = NULL;
+	pthread_mutex_unlock(&f->box_lock);
+	while (c) {
+		struct cmd *next = c->next;
+		c->next = fifo;
+		fifo = c;
+		c = next;
+	}
+	return fifo;
+}
+
+/* The box's commands, f's thread in its loop: run as from an ordinary thread (settled, exact).
+ * Context: f's thread, in feed_main's loop. */
+static void serve_box(struct kvr_feed *f)
+{
+	for (struct cmd *c = box_take(f), *next; c; c = next) {
+		next = c->next;
+		run_cmd(f, c);
+		box_answer(c);
+	}
+}
+
+/* Drops the edge of c's caller (its call is answered now). */
+static void unblock(struct cmd *c)
+{
+	pthread_mutex_lock(&wait_lock);
+	c->from->blocked_on = NULL;
+	pthread_mutex_unlock(&wait_lock);
+}
+
+/* Runs what was deferred while f's thread waited in a callback.  Context: f's thread, back in
+ * feed_main's loop. */
+static void run_deferred(struct kvr_feed *f)
+{
+	while (f->deferred) {
+		struct cmd *c = f->deferred;
+		if (!(f->deferred = c->next))
+			f->deferred_tail = &f->deferred;
+		run_cmd(f, c);
+		unblock(c);
+		box_answer(c);
+	}
+}
+
+/* The box's commands while f's thread, in one of its callbacks, waits for another feed: reads
+ * at once, as a self-call; add and remove deferred to the loop unless that would close a cycle
+ * of deferred calls (then KVR_EBUSY).  Context: f's thread, in call_from_feed. */
+static void serve_waiting(struct kvr_feed *f)
+{
+	for (struct cmd *c = box_take(f), *next; c; c = next) {
+		next = c->next;
+		if (c->op == CMD_STATS || c->op == CMD_OTHER) {
+			exec_cmd(f, c);
+			box_answer(c);
+			continue;
+		}
+		/* c->from would wait for f's loop, which waits for f's own call: for the feed that
+		 * holds it deferred, and so on.  If that chain reaches c->from, nobody would ever
+		 * move.  The graph is acyclic before (every edge was added this way, under the
+		 * lock), so the walk ends. */
+		pthread_mutex_lock(&wait_lock);
+		const struct kvr_feed *x = f;
+		while (x && x != c->from)
+			x = x->blocked_on;
+		if (!x)
+			c->from->blocked_on = f;
+		pthread_mutex_unlock(&wait_lock);
+		if (x) {
+			c->rc = KVR_EBUSY;
+			box_answer(c);
+			continue;
+		}
+		c->next = NULL;
+		*f->deferred_tail = c;
+		f->deferred_tail = &c->next;
+	}
+}
+
+/* f's thread leaves its loop for good: what its box and deferred list hold, and whatever is
+ * pushed later, is answered KVR_ESHUTDOWN.  Context: f's thread, after its loop. */
+static void box_close(struct kvr_feed *f)
+{
+	pthread_mutex_lock(&f->box_lock);
+	f->box_closed = true;
+	pthread_mutex_unlock(&f->box_lock);
+	for (struct cmd *c = box_take(f), *next; c; c = next) {
+		next = c->next;
+		c->rc = KVR_ESHUTDOWN;
+		box_answer(c);
+	}
+	while (f->deferred) {
+		struct cmd *c = f->deferred;
+		f->deferred = c->next;
+		c->rc = KVR_ESHUTDOWN;
+		unblock(c);
+		box_answer(c);
+	}
+	f->deferred_tail = &f->deferred;
+}
+
+/* A call on f from the thread of another feed, self (in one of self's callbacks): pushed to f's
+ * box, its answer awaited while self's box is served (serve_waiting).  Returns c->rc, or
+ * KVR_ESHUTDOWN when f's thread has left its loop.  Context: self's thread. */
+static int call_from_feed(struct kvr_feed *self, struct kvr_feed *f, struct cmd *c)
+{
+	c->from = self;
+	pthread_mutex_lock(&f->box_lock);
+	bool open = !f->box_closed;
+	if (open) {
+		c->next = f->box;
+		f->box = c;
+		box_wake(f);
+	}
+	pthread_mutex_unlock(&f->box_lock);
+	if (!open)
+		return KVR_ESHUTDOWN;
+	struct pollfd p = {.fd = self->efd, .events = POLLIN};
+	/* Ordering: acquire; pairs with box_answer's release. */
+	while (!__atomic_load_n(&c->done, __ATOMIC_ACQUIRE)) {
+		poll(&p, 1, -1); /* EINTR: look again */
+		serve_waiting(self);
+	}
+	/* box_answer sets done under self's box_lock: once this thread has had it, the answering
+	 * thread is out of self and c. */
+	pthread_mutex_lock(&self->box_lock);
+	pthread_mutex_unlock(&self->box_lock);
+	return c->rc;
+}
+
 /* Whether the loop is to end: a kvr_feed_destroy (CMD_STOP, or marked by a destroy that does
  * not wait for this thread). */
 static bool halted(const struct kvr_feed *f)
@@ -273,8 +471,10 @@ static void *feed_main(void *arg)
 	kvr_router_cb_self = f->r; /* kvr_router_destroy refuses to run here */
 	f->mb = kvr_metrics_local(f->r->metrics);
 	while (!halted(f)) {
-		/* [control, every SUB, every SUB's monitor] */
-		uint32_t ne = f->n_eps, n = 2 * ne + 1;
+		/* Other feeds' add / remove that came while a callback of this one waited. */
+		run_deferred(f);
+		/* [control, every SUB, every SUB's monitor, the box] */
+		uint32_t ne = f->n_eps, n = 2 * ne + 2;
 		f->items[0] = (zmq_pollitem_t){.socket = f->ctl_server, .events = ZMQ_POLLIN};
 		for (uint32_t i = 0; i < ne; i++) {
 			f->items[1 + i] =
@@ -282,6 +482,7 @@ static void *feed_main(void *arg)
 			f->items[1 + ne + i] =
 			    (zmq_pollitem_t){.socket = f->eps[i]->mon, .events = ZMQ_POLLIN};
 		}
+		f->items[n - 1] = (zmq_pollitem_t){.fd = f->efd, .events = ZMQ_POLLIN};
 		/* Poll without blocking for idle_spin_ns first: the next batch then costs no
 		 * wake-up of this thread (the shards do the same, shard_idle_spin_ns). */
 		int ready = 0;
@@ -304,6 +505,8 @@ static void *feed_main(void *arg)
 				break;
 			continue;
 		}
+		/* Read now: a command below may grow (move) items. */
+		bool box_ready = f->items[n - 1].revents & ZMQ_POLLIN;
 		/* Endpoints first: a command may remove one and reshuffle the array.  A
 		 * disconnection before the messages (kvr_feed_monitor drains what came before
 		 * it). */
@@ -324,7 +527,11 @@ static void *feed_main(void *arg)
 				zmq_send(f->ctl_server, "", 0, 0);
 			}
 		}
+		if (box_ready && !halted(f))
+			serve_box(f);
 	}
+	/* Other feeds' calls still waiting get KVR_ESHUTDOWN, as do later ones. */
+	box_close(f);
 	if (kvr_feed_dying(f)) {
 		/* Destroyed from one of its callbacks, or from another thread of the library that
 		 * must not wait for this one: nobody joins this thread.  What was posted
@@ -335,10 +542,11 @@ static void *feed_main(void *arg)
 		/* A call from another thread racing the destroy (kvrouter.h forbids it) waits
 		 * inside call() for an answer: it gets KVR_ESHUTDOWN rather than a freed socket.
 		 * Taking ctl_lock also orders every call that returned before the free (the
-		 * inproc pipe's ordering is invisible to ThreadSanitizer). */
+		 * inproc pipe's ordering is invisible to ThreadSanitizer).  (A destroy from a
+		 * library thread is ordered by box_close, which took box_lock after it.) */
 		while (pthread_mutex_trylock(&f->ctl_lock) != 0) {
 			struct cmd *c;
-			/* (mark_dying's wake-up, an empty message, is not a call) */
+			/* (an empty message is not a call) */
 			if (zmq_recv(f->ctl_server, &c, sizeof(c), ZMQ_DONTWAIT) ==
 			        (int)sizeof(c) &&
 			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
@@ -372,6 +580,8 @@ static int call(struct kvr_feed *f, struct cmd *c)
 		exec_cmd(f, c);
 		return c->rc;
 	}
+	if (feed_self)
+		return call_from_feed(feed_self, f, c); /* another feed's callback */
 	pthread_mutex_lock(&f->ctl_lock);
 	int rc = KVR_ESHUTDOWN;
 	char ack;
@@ -406,7 +616,10 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	f->pend = &f->bufs[0];
 	f->cfg = c;
 	pthread_mutex_init(&f->ctl_lock, NULL);
-	if (kvr_feed_grow((void **)&f->items, &f->cap_items, 1, sizeof(*f->items)))
+	pthread_mutex_init(&f->box_lock, NULL);
+	f->deferred_tail = &f->deferred;
+	f->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (f->efd < 0 || kvr_feed_grow((void **)&f->items, &f->cap_items, 2, sizeof(*f->items)))
 		goto fail;
 	if (!(f->zctx = zmq_ctx_new()))
 		goto fail;
@@ -506,16 +719,16 @@ void kvr_feed_destroy(struct kvr_feed *f)
 	if (f->started && on_library_thread()) {
 		/* From another feed's thread, a replica's, a shard's or a router callback: f's
 		 * thread may be waiting for this one (kvrouter.h), so it is not joined either.
-		 * Marked, and its poll woken by an empty message on the control socket (under
-		 * ctl_lock: the socket is the callers'); it tears itself down as above once it is
-		 * back in its loop (at once if idle; after the callback or replay it is running
-		 * otherwise). */
-		pthread_mutex_lock(&f->ctl_lock);
+		 * Marked, and its poll woken through its box's eventfd (under box_lock, a leaf:
+		 * not ctl_lock, which an ordinary caller waiting for f may hold while f waits for
+		 * this thread); it tears itself down as above once it is back in its loop (at once
+		 * if idle; after the callback or replay it is running otherwise). */
+		pthread_mutex_lock(&f->box_lock);
 		if (!kvr_feed_dying(f)) {
 			mark_dying(f);
-			zmq_send(f->ctl_client, "", 0, ZMQ_DONTWAIT);
+			box_wake(f);
 		}
-		pthread_mutex_unlock(&f->ctl_lock);
+		pthread_mutex_unlock(&f->box_lock);
 		return;
 	}
 	if (f->started) {
@@ -544,5 +757,8 @@ static void feed_free(struct kvr_feed *f)
 	kvr_feed_pending_fini(&f->bufs[0]);
 	kvr_feed_pending_fini(&f->bufs[1]);
 	pthread_mutex_destroy(&f->ctl_lock);
+	pthread_mutex_destroy(&f->box_lock);
+	if (f->efd >= 0)
+		close(f->efd);
 	kvr_free(f, sizeof(*f));
 }

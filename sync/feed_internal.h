@@ -106,6 +106,11 @@ struct cmd {
 	uint64_t *out; /* CMD_OTHER: up to cap hashes */
 	size_t cap, n;
 	int rc;
+	/* A call from another feed's thread (one of its callbacks), through the target's box
+	 * instead of the control socket (sync/feed.c, "Calls between feeds"): from is the calling
+	 * feed, woken when done is set; next links the target's box or deferred list. */
+	struct kvr_feed *from;
+	struct cmd *next;
 };
 
 struct kvr_feed {
@@ -136,6 +141,24 @@ struct kvr_feed {
 	 * loop, detached (sync/feed.c).  Atomic: written by whichever thread destroys, read by the
 	 * feed's (kvr_feed_dying). */
 	int dying;
+	/* Calls from other feeds' threads (sync/feed.c, "Calls between feeds").  box: pushed
+	 * commands, newest first, under box_lock, which is a leaf lock held for a few stores only;
+	 * box_closed (under box_lock): the feed's thread left its loop, a push fails with
+	 * KVR_ESHUTDOWN.  efd: an eventfd, in the loop's poll and in this feed's own waits for
+	 * another feed, written under box_lock (a push, a call of this feed's answered, a
+	 * destroy's wake-up), so that whoever writes it is out of the feed once the lock is
+	 * taken after it. */
+	pthread_mutex_t box_lock;
+	struct cmd *box;
+	bool box_closed;
+	int efd;
+	/* feed thread only: add / remove from other feeds that arrived while this feed's thread
+	 * waited in a callback, oldest first, run once it is back in its loop. */
+	struct cmd *deferred, **deferred_tail;
+	/* The feed whose thread holds this feed's call deferred (its caller waits for that feed's
+	 * loop); NULL when none.  Under sync/feed.c's wait_lock: the wait-for graph these edges
+	 * form is kept acyclic. */
+	struct kvr_feed *blocked_on;
 };
 
 /* Whether f is being torn down by its own thread (kvr_feed_destroy deferred): it takes no more

@@ -811,19 +811,31 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * runs (its log, the router's on_event_gap for the gaps it reports), kvr_feed_add and
  * kvr_feed_remove return KVR_EBUSY, kvr_feed_get_stats and kvr_feed_other_medium_blocks answer
  * at once (without what the feed has yet to apply), and kvr_feed_destroy is deferred (see it).
+ * From the callbacks of ANOTHER feed's thread (A's log calling on feed B), these four calls wait
+ * for B's thread as from any thread, but A's thread serves the calls on A meanwhile, so feeds
+ * whose callbacks call each other (A on B while B on A, A -> B -> C -> A, or B's on A while an
+ * ordinary thread waits for A) never wait for each other for good: reads on A are answered at
+ * once (as from A's own callbacks); kvr_feed_add and kvr_feed_remove on A run once A's thread
+ * is back from its callback (their caller waits), except when that wait would close a cycle
+ * (A's callback itself waits, directly or through other feeds' adds and removes, for the
+ * caller's callback to return): that call returns KVR_EBUSY at once.  Such a call whose target
+ * is torn down meanwhile (destroyed from a callback or another library thread, see
+ * kvr_feed_destroy) returns KVR_ESHUTDOWN (one begun after the destroy is still forbidden).
+ * Calls from other threads on A wait until A's callback returned, as before.
  */
 KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
 
 /* Unsubscribes (closes its sockets).  What it applied stays in the index.  Returns 0 or
- * KVR_ENOENT (KVR_EBUSY: see kvr_feed_add).  Context: any thread; one round trip to the feed
- * thread. */
+ * KVR_ENOENT (KVR_EBUSY, KVR_ESHUTDOWN: see kvr_feed_add).  Context: any thread; one round trip
+ * to the feed thread; from feeds' callbacks see kvr_feed_add. */
 KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
 
 /* KVR_FEED_ALL: kvr_feed_get_stats over every endpoint (gauges summed, next_seq 0). */
 #define KVR_FEED_ALL UINT32_MAX
 
-/* A snapshot of one endpoint's counters (or KVR_FEED_ALL).  Returns 0, KVR_ENOENT, KVR_EINVAL.
- * Context: any thread; one round trip to the feed thread (waits while it serves a replay). */
+/* A snapshot of one endpoint's counters (or KVR_FEED_ALL).  Returns 0, KVR_ENOENT, KVR_EINVAL
+ * (KVR_ESHUTDOWN: see kvr_feed_add).  Context: any thread; one round trip to the feed thread
+ * (waits while it serves a replay); from feeds' callbacks see kvr_feed_add (never KVR_EBUSY). */
 KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out);
 
 /*
@@ -831,7 +843,8 @@ KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_
  * connector) for dp rank dp_rank, as engine hashes: up to cap written to out (any order), the
  * total in *n_out (required).  Kept apart from the GPU index; each hash once, however many
  * copies.  Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT (no such
- * endpoint), KVR_EINVAL.  Context: any thread; one round trip to the feed thread.
+ * endpoint), KVR_EINVAL (KVR_ESHUTDOWN: see kvr_feed_add).  Context: any thread; one round trip
+ * to the feed thread; from feeds' callbacks see kvr_feed_add (never KVR_EBUSY).
  */
 KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank,
                                          uint64_t *out, size_t cap, size_t *n_out);
