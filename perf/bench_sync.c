@@ -18,6 +18,8 @@
  *     replicas and the server spend per admission (cpu_us_per_admission_sync: every thread
  *     but the bench's own main thread and prober, from the phase's start until B showed the
  *     last admission, so a pipeline that fell behind is charged all its work).
+ *  --fronts S: only this: two frontend threads route and finish back to back on the attached
+ *     router and on the unattached one, alternated, S seconds each, 4 rounds (fronts_phase).
  * A nats-server is started on a free 127.0.0.1 port and stopped at the end (exit 77 without).
  *     --shard-spin-ns NS: the routers' kvr_config.shard_idle_spin_ns (0: never spin; default:
  *     the library's).  --route-rounds N: N no-peer rounds of part 1 before the in-process one
@@ -25,7 +27,7 @@
  *     locator's migration start (kvr_index_blk_grow_at; the tombstone locator's purges set the tail
  * at 5000/s; the chunked one only migrates to grow or shrink). usage: bench_sync [--tokens N]
  * [--rate R] [--seconds S] [--ranks K] [--capacity BLOCKS]
- *                   [--stages] [--shard-spin-ns NS] [--route-rounds N]
+ *                   [--stages] [--shard-spin-ns NS] [--route-rounds N] [--fronts S]
  */
 #include <pthread.h>
 #include <signal.h>
@@ -50,6 +52,7 @@ static uint32_t n_ranks = 8;
 static uint64_t capacity = 65536; /* blocks per rank: 1M tokens at block size 16 */
 static long shard_spin_ns = -1;   /* -1: the library's default */
 static int route_rounds = 1;      /* rounds of the no-peer route phase (order/warm-up check) */
+static double fronts_s;           /* --fronts S: the two-frontend phase alone (see fronts_phase) */
 
 static uint64_t pct(uint64_t *v, size_t n, double q)
 {
@@ -150,6 +153,106 @@ static void prompt(uint32_t *t, size_t n, uint64_t k)
 {
 	for (size_t i = 0; i < n; i++)
 		t[i] = (uint32_t)(k * 2654435761u + i * 40503u + (i >> 5) * 977u);
+}
+
+/* ---------------------------------------------------------------- --fronts: two frontends
+ *
+ * Two unpinned frontend threads route and finish back to back on one router (their notes go to
+ * the replica sender's ring on the attached router A, whose commit waits for earlier producers),
+ * S seconds a round, 4 rounds, A and the unattached router alternated (A first in even rounds).
+ * Per router: route and finish p50/p99 and the share of calls over 10 us (a frontend's call
+ * that waited for the other, descheduled between its reserve and commit, is tens of us or
+ * more: docs/measurements.md, "Finish tails with two frontends"). */
+#define FRONT_MAX 4000000
+struct front {
+	struct kvr_router *r;
+	uint32_t id;
+	uint64_t *route, *fin;
+	size_t n;
+};
+static int fronts_stop; /* atomic */
+
+static void *front_main(void *arg)
+{
+	struct front *f = arg;
+	uint32_t *t = malloc(tokens * sizeof(uint32_t));
+	for (uint64_t i = 0; !__atomic_load_n(&fronts_stop, __ATOMIC_ACQUIRE) && f->n < FRONT_MAX;
+	     i++) {
+		prompt(t, tokens, (i * 2 + f->id) % 64); /* 64 conversations, as phase 1 */
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = tokens;
+		struct kvr_decision d;
+		uint64_t t0 = now_ns();
+		int rc = kvr_route(f->r, &q, &d);
+		uint64_t t1 = now_ns();
+		if (rc)
+			continue;
+		kvr_request_finish(f->r, d.attempt);
+		uint64_t t2 = now_ns();
+		f->route[f->n] = t1 - t0;
+		f->fin[f->n++] = t2 - t1;
+	}
+	free(t);
+	return NULL;
+}
+
+static size_t over(const uint64_t *v, size_t n, uint64_t ns)
+{
+	size_t k = 0;
+	for (size_t i = 0; i < n; i++)
+		k += v[i] > ns;
+	return k;
+}
+
+static void fronts_phase(struct kvr_router *ra, struct kvr_router *plain)
+{
+	struct front f[2];
+	uint64_t *route = malloc(2 * FRONT_MAX * 8), *fin = malloc(2 * FRONT_MAX * 8);
+	for (int k = 0; k < 2; k++) {
+		f[k].route = malloc(FRONT_MAX * 8);
+		f[k].fin = malloc(FRONT_MAX * 8);
+	}
+	for (int round = 0; round < 4; round++) {
+		for (int j = 0; j < 2; j++) {
+			bool synced = (j == 0) == (round % 2 == 0);
+			__atomic_store_n(&fronts_stop, 0, __ATOMIC_RELEASE);
+			pthread_t th[2];
+			for (int k = 0; k < 2; k++) {
+				f[k].r = synced ? ra : plain;
+				f[k].id = (uint32_t)k;
+				f[k].n = 0;
+				pthread_create(&th[k], NULL, front_main, &f[k]);
+			}
+			usleep((useconds_t)(fronts_s * 1e6));
+			__atomic_store_n(&fronts_stop, 1, __ATOMIC_RELEASE);
+			size_t n = 0;
+			for (int k = 0; k < 2; k++) {
+				pthread_join(th[k], NULL);
+				memcpy(route + n, f[k].route, f[k].n * 8);
+				memcpy(fin + n, f[k].fin, f[k].n * 8);
+				n += f[k].n;
+			}
+			size_t ro = over(route, n, 10000), fo = over(fin, n, 10000);
+			printf(
+			    "SUMMARY bench=sync_fronts attached=%d round=%d tokens=%zu calls=%zu "
+			    "route_p50_ns=%lu route_p99_ns=%lu finish_p50_ns=%lu "
+			    "finish_p99_ns=%lu finish_p999_ns=%lu route_over_10us=%.4f "
+			    "finish_over_10us=%.4f\n",
+			    synced, round, tokens, n, (unsigned long)pct(route, n, 0.5),
+			    (unsigned long)pct(route, n, 0.99), (unsigned long)pct(fin, n, 0.5),
+			    (unsigned long)pct(fin, n, 0.99), (unsigned long)pct(fin, n, 0.999),
+			    n ? (double)ro / (double)n : 0.0, n ? (double)fo / (double)n : 0.0);
+			fflush(stdout);
+		}
+	}
+	for (int k = 0; k < 2; k++) {
+		free(f[k].route);
+		free(f[k].fin);
+	}
+	free(route);
+	free(fin);
 }
 
 /* ---------------------------------------------------------------- 2: propagation */
@@ -497,6 +600,8 @@ int main(int argc, char **argv)
 			route_rounds = atoi(argv[i + 1]) > 0 ? atoi(argv[i + 1]) : 1;
 		else if (!strcmp(argv[i], "--ranks"))
 			n_ranks = (uint32_t)atoi(argv[i + 1]);
+		else if (!strcmp(argv[i], "--fronts"))
+			fronts_s = atof(argv[i + 1]);
 		else if (!strcmp(argv[i], "--blk-grow-at"))
 			kvr_index_blk_grow_at = strtoull(argv[i + 1], NULL, 0);
 		else {
@@ -504,7 +609,8 @@ int main(int argc, char **argv)
 			    stderr,
 			    "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
 			    "[--ranks K] [--capacity BLOCKS] [--stages] "
-			    "[--shard-spin-ns NS] [--route-rounds N] [--blk-grow-at PERMILLE]\n");
+			    "[--shard-spin-ns NS] [--route-rounds N] [--blk-grow-at PERMILLE] "
+			    "[--fronts S]\n");
 			return 2;
 		}
 	}
@@ -531,6 +637,15 @@ int main(int argc, char **argv)
 		fprintf(stderr, "bench_sync: setup failed\n");
 		kvr_test_nats_stop();
 		return 1;
+	}
+	if (fronts_s > 0) {
+		fronts_phase(ra, plain);
+		kvr_sync_detach(sa);
+		kvr_router_destroy(ra);
+		kvr_router_destroy(rb);
+		kvr_router_destroy(plain);
+		kvr_test_nats_stop();
+		return 0;
 	}
 	uint32_t *t = malloc(tokens * sizeof(uint32_t));
 
