@@ -6,9 +6,11 @@
  * A note must cost the routing path as little as possible: what the router did is copied once
  * into a record (an admission's hashes into the record that the tables keep) and pushed into an
  * MPSC ring (sync/ring.h, Concurrency Kit); the sender thread takes the table lock, numbers,
- * encodes and publishes.  Order: ring tickets are committed in ticket order, so a note made
- * after another note returned (an attempt's lifecycle after its admission, on any thread) is
- * dequeued after it, and the sender publishes in dequeue order.  Snapshots stay exact: a
+ * encodes and publishes.  Order: ring tickets are published in ticket order (a note whose
+ * earlier slot is not committed within a short spin tags its own and leaves it to the sender:
+ * sync/ring.h kvr_ring_commit_or_tag), so a note made after another note returned (an attempt's
+ * lifecycle after its admission, on any thread) is dequeued after it, and the sender publishes in
+ * dequeue order.  Snapshots stay exact: a
  * note still in the ring is neither in the tables nor published, so it lands after the fence.
  *
  * The routing thread's cost is what it writes into lines the sender holds (the slab it copies
@@ -310,7 +312,8 @@ void kvr_rep_slab_put(struct kvr_replica *rep, uint64_t slabs)
 
 /* An admission through a staging slab, in this order: take a slab and reserve the ring slot
  * (both locked instructions), copy into the slab (or, with no slab free, into a record), then
- * commit (a plain store) and wake the sender (asymmetric: no fence).  No locked instruction
+ * commit (a plain store; a tag, a locked exchange, only when an earlier note's producer is
+ * slow) and wake the sender (asymmetric: no fence).  No locked instruction
  * follows the copy on this thread, so its stores (into lines the sender read last time) drain
  * while the route goes on instead of stalling it.  Returns 1 (queued), 0 if the ring is full
  * (nothing taken), -1 if no slab was free and no record could be allocated (the slot holds
@@ -345,10 +348,11 @@ static int note_admit_reserved(struct kvr_replica *rep, const struct kvr_repl_ad
 	KVR_RING_IGNORE_BEGIN();
 	slot->fn = NULL;
 	slot->aux = m.aux;
-	slot->len = sizeof(void *);
+	/* Atomic: the sender may read the slot's previous tag meanwhile (kvr_ring_pass_tagged). */
+	__atomic_store_n(&slot->len, sizeof(void *), __ATOMIC_RELAXED);
 	memcpy(slot->payload, m.payload, sizeof(void *));
 	KVR_RING_IGNORE_END();
-	kvr_ring_commit(&rep->outq, ticket);
+	kvr_ring_commit_or_tag(&rep->outq, ticket);
 	kvr_parker_wake_asym(&rep->out_park);
 	return m.aux == OUT_NONE ? -1 : 1;
 }

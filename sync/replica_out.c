@@ -365,6 +365,11 @@ static void *out_main(void *arg)
 			continue;
 		}
 		uint32_t n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
+		/* Notes left tagged by producers that found an earlier slot unpublished: ours to
+		 * pass (sync/ring.h kvr_ring_commit_or_tag), looked at only when the ring seems
+		 * empty. */
+		if (!n && kvr_ring_pass_tagged(&rep->outq))
+			n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
 		bool kept = !n && kvr_rep_keeping(rep); /* the queue is empty: their turn */
 		if (n || kept) {
 			uint64_t ticket = 0;
@@ -407,8 +412,9 @@ static void *out_main(void *arg)
 			continue;
 		}
 		kvr_parker_prepare_asym(&rep->out_park);
-		if (kvr_ring_depth(&rep->outq) || kvr_rep_keeping(rep) ||
-		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
+		/* A tagger wakes after its tag: this re-check sees the tag or its wake sees us. */
+		if (kvr_ring_pass_tagged(&rep->outq) || kvr_ring_depth(&rep->outq) ||
+		    kvr_rep_keeping(rep) || __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
 			kvr_parker_cancel(&rep->out_park);
 			continue;
 		}
@@ -481,6 +487,7 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 	struct kvr_msg m;
 	if (!rep->outq.buf)
 		return;
+	kvr_ring_pass_tagged(&rep->outq); /* every producer is done: the rest are tagged */
 	while (kvr_ring_dequeue(&rep->outq, &m))
 		kvr_rep_out_discard(rep, &m);
 	for (struct kvr_rep_kept *k = rep->kept, *nx; k; k = nx) {

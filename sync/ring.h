@@ -26,6 +26,11 @@
  * lap (& 0x1fffff) in bits 8..28 (a payload is at most 48 bytes); a slot being written holds no
  * tag or its previous lap's, and a zeroed slot (a trimmed page) none.
  *
+ * The replica sender's commit (kvr_ring_commit_or_tag) keeps ck's plain store of p_tail when the
+ * earlier slots are in, and otherwise tags its slot as above and leaves it to the ring's consumer
+ * (kvr_ring_pass_tagged): no producer helps, so no producer needs a locked instruction to
+ * publish, which matters where a producer has just copied kilobytes into lines the consumer reads.
+ *
  * The wake a tagged slot needs.  A producer that tags its slot makes its wake-up call (the shard
  * runtime's parker) before the consumer can see the message: the consumer, woken, finds p_tail
  * short of it and may sleep again, in a park its own producer would have ended (an admission
@@ -174,9 +179,9 @@ static inline uint32_t kvr_ring_tag(const struct kvr_ring *r, uint32_t t)
  * a short spin, because one preempted between its reserve and commit would otherwise have every
  * later producer burn its CPU (oversubscribed cores); ck's own commit then finds p_tail ==
  * ticket at once.  A producer that waits holds its own reservation, so later ones wait for it
- * in turn: the lanes, whose producers are all the frontends, use kvr_ring_commit_nowait.  No
- * locked instruction: stores the producer made since its reserve (the replica sender's staging
- * slabs) drain from the store buffer while it goes on.  Ordering: the slot and everything the
+ * in turn: the lanes, whose producers are all the frontends, use kvr_ring_commit_nowait, and the
+ * replica sender kvr_ring_commit_or_tag.  No locked instruction: stores the producer made since
+ * its reserve drain from the store buffer while it goes on.  Ordering: the slot and everything the
  * producer wrote before are visible to the consumer that dequeues it (ck: store fence then
  * p_tail store; pairs with kvr_ring_dequeue()).  Context: the producer that reserved ticket.
  */
@@ -285,6 +290,73 @@ out:
 }
 
 /*
+ * Publishes a reserved slot in ticket order when the earlier producers are in within
+ * KVR_RING_COMMIT_SPINS pauses (then a plain store of p_tail, as kvr_ring_commit: no locked
+ * instruction, so the stores the producer made since its reserve drain while it goes on), and
+ * otherwise tags the slot published (with wake 0) and leaves it to the consumer, which moves
+ * p_tail over it with kvr_ring_pass_tagged: the replica sender's commit (sync/replica_note.c).
+ * The ordered commit's wait (spin, then sched_yield until the earlier producer commits) made a
+ * convoy of two frontends on one core there as in the lanes (docs/measurements.md, "Finish
+ * tails with two frontends" and "the replica sender's commit"); the lanes' kvr_ring_commit_nowait
+ * avoids it with a CAS on every commit, which drains the producer's stores (the note's copy into
+ * a staging slab) and cost attached routes 2-4 % of their p50.  Here no producer moves p_tail
+ * for another: p_tail at position t is written only by t's producer (its store, when it found
+ * p_tail at t) or, when t's producer tagged instead, by the consumer; the two never both apply to
+ * one t, so neither needs a CAS.  A ring is committed to with this (and kvr_ring_pass_tagged on
+ * the consumer's side) or with one of the others, never a mix.
+ * Ordering: the store path as kvr_ring_commit's; the tag is a seq_cst exchange after the slot's
+ * writes, read by the consumer with an acquire load before it moves p_tail and takes the slot.
+ * A consumer that parks must call kvr_ring_pass_tagged in its re-check (after announcing): the
+ * tagger's wake-up call comes after its tag, so either the re-check sees the tag or the call sees
+ * the park.  Context: the producer that reserved ticket, once.
+ */
+static inline void kvr_ring_commit_or_tag(struct kvr_ring *r, uint32_t ticket)
+{
+	KVR_TSAN_RELEASE(r);
+	KVR_RING_IGNORE_BEGIN();
+	for (unsigned int spins = 0; ck_pr_load_uint(&r->ck.p_tail) != ticket; spins++) {
+		if (spins == KVR_RING_COMMIT_SPINS) {
+			struct kvr_msg *s = &r->buf[ticket & r->ck.mask];
+			uint32_t len =
+			    __atomic_load_n(&s->len, __ATOMIC_RELAXED) & KVR_RING_LEN_MASK;
+			__atomic_exchange_n(&s->len, len | kvr_ring_tag(r, ticket),
+			                    __ATOMIC_SEQ_CST);
+			goto out;
+		}
+		ck_pr_stall();
+	}
+	ck_ring_enqueue_commit_mpsc(&r->ck, ticket);
+out:
+	KVR_RING_IGNORE_END();
+}
+
+/*
+ * Moves p_tail over the tagged slots at it (kvr_ring_commit_or_tag's), so that the dequeues take
+ * them; returns how many.  It stops at the first slot not tagged for its lap (its producer has
+ * not committed yet, or will store p_tail past it).  Context: the ring's single consumer,
+ * on a ring committed to with kvr_ring_commit_or_tag.  Ordering: the acquire load of the tag
+ * pairs with the tagger's exchange; p_tail is stored with release (no producer writes it while
+ * it is at a tagged slot: see kvr_ring_commit_or_tag).
+ */
+static inline uint32_t kvr_ring_pass_tagged(struct kvr_ring *r)
+{
+	KVR_RING_IGNORE_BEGIN();
+	unsigned int t = ck_pr_load_uint(&r->ck.p_tail);
+	uint32_t n = 0;
+	while (t != ck_pr_load_uint(&r->ck.p_head)) {
+		const struct kvr_msg *s = &r->buf[t & r->ck.mask];
+		if ((__atomic_load_n(&s->len, __ATOMIC_ACQUIRE) &
+		     ~(KVR_RING_LEN_MASK | KVR_RING_WAKE_MAX << KVR_RING_WAKE_SHIFT)) !=
+		    kvr_ring_tag(r, t))
+			break;
+		__atomic_store_n(&r->ck.p_tail, ++t, __ATOMIC_RELEASE);
+		n++;
+	}
+	KVR_RING_IGNORE_END();
+	return n;
+}
+
+/*
  * Writes {fn, len, aux, payload[0..len)} (len <= KVR_MSG_PAYLOAD, checked by the caller) into a
  * slot from kvr_ring_reserve().  Context: the producer that reserved it, before its commit.
  */
@@ -302,9 +374,10 @@ static inline void kvr_ring_write(struct kvr_msg *slot, void (*fn)(void), const 
 }
 
 /*
- * Enqueues {fn, len, aux, payload[0..len)} (len <= KVR_MSG_PAYLOAD, checked by the caller).
+ * Enqueues {fn, len, aux, payload[0..len)} (len <= KVR_MSG_PAYLOAD, checked by the caller), with
+ * kvr_ring_commit_or_tag: the consumer passes the tagged slots (kvr_ring_pass_tagged).
  * Returns true, or false if the ring is full (nothing written).
- * Context: any thread (many producers).  Ordering: as kvr_ring_commit().
+ * Context: any thread (many producers).  Ordering: as kvr_ring_commit_or_tag().
  */
 static inline bool kvr_ring_enqueue(struct kvr_ring *r, void (*fn)(void), const void *payload,
                                     uint32_t len, uint32_t aux)
@@ -314,7 +387,7 @@ static inline bool kvr_ring_enqueue(struct kvr_ring *r, void (*fn)(void), const 
 	if (!slot)
 		return false;
 	kvr_ring_write(slot, fn, payload, len, aux);
-	kvr_ring_commit(r, ticket);
+	kvr_ring_commit_or_tag(r, ticket);
 	return true;
 }
 
@@ -376,6 +449,17 @@ static inline uint32_t kvr_ring_dequeue_burst(struct kvr_ring *r, struct kvr_msg
 	KVR_RING_IGNORE_END();
 	if (n)
 		KVR_TSAN_ACQUIRE(r);
+	return n;
+}
+
+/* Slots reserved and not yet dequeued now (a snapshot): published, being written, or tagged and
+ * not yet passed (kvr_ring_commit_or_tag), which kvr_ring_depth does not count.  A full ring has
+ * its capacity reserved.  Context: any thread. */
+static inline uint32_t kvr_ring_reserved(const struct kvr_ring *r)
+{
+	KVR_RING_IGNORE_BEGIN();
+	uint32_t n = ck_pr_load_uint(&r->ck.p_head) - ck_pr_load_uint(&r->ck.c_head);
+	KVR_RING_IGNORE_END();
 	return n;
 }
 

@@ -1,6 +1,6 @@
 /*
- * stress_ring_commit: sync/ring.h's kvr_ring_commit_nowait (the lanes' commit) never waits for
- * another producer.
+ * stress_ring_commit: sync/ring.h's kvr_ring_commit_nowait (the lanes' commit) and
+ * kvr_ring_commit_or_tag (the replica sender's) never wait for another producer.
  *
  * 1. Held reservation: a slot reserved and not yet committed (a producer descheduled between
  *    its reserve and its commit) must not stall a later producer's commit (the ordered commit
@@ -15,7 +15,11 @@
  *    message must arrive exactly once, each producer's in order, with its length and fields
  *    intact, and none may stay behind p_tail once the producers are done (the helping commits'
  *    store-buffering pair: a lost race would leave a published slot unconsumed).
- * argv[1] = duration of part 2 in ms (default 1500).  Exit 0 pass, 1 fail.
+ * Both parts run twice: with the lanes' kvr_ring_commit_nowait, then with the replica sender's
+ * kvr_ring_commit_or_tag, whose consumer passes the tagged slots (kvr_ring_pass_tagged: in part
+ * 1 once the held slot is taken, in part 2 whenever the ring looks empty and after the producers
+ * are done).  The ordered kvr_ring_commit fails part 1 (it waits the 2 s).
+ * argv[1] = duration of part 2 in ms, both runs (default 1500).  Exit 0 pass, 1 fail.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -33,6 +37,9 @@
 
 static struct kvr_ring ring;
 static int stop;
+/* The commit tested: 0 kvr_ring_commit_nowait, 1 kvr_ring_commit_or_tag (the replica sender's,
+ * whose tagged slots the consumer passes).  Written between the runs only. */
+static int or_tag;
 static int failures;
 
 static uint64_t mono_ns(void)
@@ -63,7 +70,9 @@ static void *later_producer(void *arg)
 	}
 	kvr_ring_write(slot, NULL, &v, sizeof(v), 2);
 	/* Left tagged with the most urgent wake level: the held commit must report it. */
-	if (kvr_ring_commit_nowait(&ring, ticket, KVR_RING_WAKE_MAX) != 0)
+	if (or_tag)
+		kvr_ring_commit_or_tag(&ring, ticket);
+	else if (kvr_ring_commit_nowait(&ring, ticket, KVR_RING_WAKE_MAX) != 0)
 		fail("held: a commit that published no other slot reported a wake");
 	__atomic_store_n(&later_done, 1, __ATOMIC_RELEASE);
 	return NULL;
@@ -75,6 +84,7 @@ static void held_reservation(void)
 		fail("held: init");
 		return;
 	}
+	__atomic_store_n(&later_done, 0, __ATOMIC_RELAXED);
 	uint32_t ticket;
 	struct kvr_msg *slot = kvr_ring_reserve(&ring, &ticket);
 	if (!slot) {
@@ -95,11 +105,19 @@ static void held_reservation(void)
 		fail("held: the consumer took a message past the unpublished slot");
 	uint32_t v = 1;
 	kvr_ring_write(slot, NULL, &v, sizeof(v), 1);
-	uint32_t woke = kvr_ring_commit_nowait(&ring, ticket, 0);
+	uint32_t woke = KVR_RING_WAKE_MAX;
+	if (or_tag)
+		kvr_ring_commit_or_tag(&ring, ticket); /* publishes its own slot only */
+	else
+		woke = kvr_ring_commit_nowait(&ring, ticket, 0);
 	pthread_join(th, NULL);
 	if (__atomic_load_n(&later_done, __ATOMIC_ACQUIRE) && woke != KVR_RING_WAKE_MAX)
 		fail("held: the commit that published a tagged slot did not report its wake");
 	for (uint32_t want = 1; want <= 2; want++) {
+		/* The tagged slot is the consumer's to pass (kvr_ring_commit_or_tag). */
+		if (want == 2 && or_tag && !kvr_ring_depth(&ring) &&
+		    kvr_ring_pass_tagged(&ring) != 1)
+			fail("held: the consumer found no tagged slot to pass");
 		if (!kvr_ring_dequeue(&ring, &m)) {
 			fail("held: a committed message is missing");
 			break;
@@ -156,7 +174,11 @@ static void *producer(void *arg)
 		}
 		/* Every wake level, so the bits above the tag travel with it (the lengths are
 		 * checked intact at the consumer). */
-		kvr_ring_commit_nowait(&ring, ticket, (uint32_t)(s >> 32) & KVR_RING_WAKE_MAX);
+		if (or_tag)
+			kvr_ring_commit_or_tag(&ring, ticket);
+		else
+			kvr_ring_commit_nowait(&ring, ticket,
+			                       (uint32_t)(s >> 32) & KVR_RING_WAKE_MAX);
 		seq++;
 	}
 	__atomic_store_n(&sent[p], seq, __ATOMIC_RELEASE);
@@ -170,6 +192,8 @@ static bool take_one(void)
 {
 	struct kvr_msg b[16];
 	uint32_t n = kvr_ring_dequeue_burst(&ring, b, 16);
+	if (!n && or_tag && kvr_ring_pass_tagged(&ring))
+		n = kvr_ring_dequeue_burst(&ring, b, 16);
 	for (uint32_t i = 0; i < n; i++) {
 		struct item it = {0};
 		memcpy(&it, b[i].payload, b[i].len < sizeof(it) ? b[i].len : sizeof(it));
@@ -198,8 +222,12 @@ static void racing_commits(uint64_t ms)
 		fail("race: init");
 		return;
 	}
-	for (int p = 0; p < P; p++)
+	__atomic_store_n(&stop, 0, __ATOMIC_RELAXED);
+	for (int p = 0; p < P; p++) {
 		last[p] = -1;
+		got[p] = 0;
+		sent[p] = 0;
+	}
 	pthread_t th[P];
 	for (int p = 0; p < P; p++)
 		pthread_create(&th[p], NULL, producer, (void *)(uintptr_t)p);
@@ -224,8 +252,8 @@ static void racing_commits(uint64_t ms)
 			fail("race: a message was lost or delivered twice");
 		}
 	}
-	printf("stress_ring_commit: %llu messages from %d producers, capacity %d\n",
-	       (unsigned long long)total, P, CAP);
+	printf("stress_ring_commit: %s: %llu messages from %d producers, capacity %d\n",
+	       or_tag ? "commit_or_tag" : "commit_nowait", (unsigned long long)total, P, CAP);
 	kvr_ring_fini(&ring);
 }
 
@@ -234,7 +262,12 @@ int main(int argc, char **argv)
 	uint64_t ms = argc > 1 ? strtoull(argv[1], NULL, 10) : 1500;
 	held_reservation();
 	if (!failures)
-		racing_commits(ms);
+		racing_commits(ms / 2);
+	or_tag = 1;
+	if (!failures)
+		held_reservation();
+	if (!failures)
+		racing_commits(ms - ms / 2);
 	if (failures) {
 		fprintf(stderr, "stress_ring_commit: FAIL (%d)\n", failures);
 		return 1;

@@ -138,7 +138,9 @@ static void *frontend_main(void *arg)
 		unsigned long kb = __atomic_load_n(&o->kept_bytes, __ATOMIC_RELAXED);
 		for (unsigned long m = atomic_load(&most); kb > m;)
 			atomic_compare_exchange_weak(&most, &m, kb);
-		if (kvr_ring_depth(&o->outq) >= kvr_ring_capacity(&o->outq))
+		/* Reserved, not depth: a note left tagged behind a descheduled one is not in
+		 * the depth until the sender passes it (sync/ring.h kvr_ring_commit_or_tag). */
+		if (kvr_ring_reserved(&o->outq) >= kvr_ring_capacity(&o->outq))
 			__atomic_store_n(&ring_full_seen, true, __ATOMIC_RELAXED);
 		int rc;
 		if (cap &&
