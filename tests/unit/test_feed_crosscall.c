@@ -36,7 +36,7 @@ static bool came_back(atomic_int *flag)
 }
 
 /* What feed i's callback does the first time it runs. */
-enum act { NONE, STATS, OTHER, ADD, REMOVE, STATS_THEN_DESTROY_SELF };
+enum act { NONE, STATS, OTHER, ADD, REMOVE, STATS_THEN_DESTROY_SELF, DESTROY };
 
 static struct kvr_feed *feeds[N_MAX];
 static int n_feeds;
@@ -75,6 +75,10 @@ static void act_once(int i)
 		break;
 	case REMOVE:
 		rc[i] = kvr_feed_remove(to, rm_id[i]);
+		break;
+	case DESTROY:
+		kvr_feed_destroy(to);
+		rc[i] = 0;
 		break;
 	case STATS_THEN_DESTROY_SELF:
 		rc[i] = kvr_feed_get_stats(to, KVR_FEED_ALL, &st[i]);
@@ -404,4 +408,30 @@ Test(feed_crosscall, read_racing_the_targets_destroy, .timeout = 60)
 Test(feed_crosscall, add_racing_the_targets_destroy, .timeout = 60)
 {
 	cross_call_racing_destroy(ADD);
+}
+
+/* Feeds 0 and 1 read each other from their callbacks while feed 2's callback destroys feed 1
+ * (marked, woken through its box: not through its ctl_lock).  Feed 1 is freed only once its
+ * callback returned, which needs feed 0 waiting on it, so feed 0's call is in feed 1's box by
+ * then: answered, or KVR_ESHUTDOWN by the teardown. */
+Test(feed_crosscall, read_cycle_while_a_third_feed_destroys_one, .timeout = 60)
+{
+	kvr_rcu_barrier();
+	int64_t live0 = kvr_alloc_live_bytes();
+	use_gap = false;
+	act[0] = STATS, target[0] = 1;
+	act[1] = STATS, target[1] = 0;
+	act[2] = DESTROY, target[2] = 1;
+	struct test_pub pub[N_MAX];
+	struct kvr_router *r = rig(3, pub);
+	fire(pub, 3);
+	all_back(3);
+	cr_assert(rc[0] == 0 || rc[0] == KVR_ESHUTDOWN, "read of feed 1: %d", rc[0]);
+	cr_assert_eq(rc[1], 0);
+	kvr_feed_destroy(feeds[0]);
+	kvr_feed_destroy(feeds[2]);
+	kvr_router_destroy(r);
+	for (int i = 0; i < 3; i++)
+		test_pub_close(&pub[i]);
+	live_back_to(live0);
 }
