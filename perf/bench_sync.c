@@ -605,12 +605,11 @@ int main(int argc, char **argv)
 		else if (!strcmp(argv[i], "--blk-grow-at"))
 			kvr_index_blk_grow_at = strtoull(argv[i + 1], NULL, 0);
 		else {
-			fprintf(
-			    stderr,
-			    "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
-			    "[--ranks K] [--capacity BLOCKS] [--stages] "
-			    "[--shard-spin-ns NS] [--route-rounds N] [--blk-grow-at PERMILLE] "
-			    "[--fronts S]\n");
+			fprintf(stderr,
+			        "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
+			        "[--ranks K] [--capacity BLOCKS] [--stages] "
+			        "[--shard-spin-ns NS] [--route-rounds N] [--blk-grow-at PERMILLE] "
+			        "[--fronts S]\n");
 			return 2;
 		}
 	}

@@ -9,14 +9,14 @@
  * single consumer copies the slot out and advances c_head.  Producer and consumer indices live
  * on separate cache lines (struct ck_ring does that).
  *
- * Commit without waiting (kvr_ring_commit_nowait, the lanes').  ck's commit (kvr_ring_commit)
- * publishes in ticket order by waiting until p_tail reaches the producer's ticket: a producer
- * descheduled between its reserve and its commit stalls every later producer of the ring, and
- * they wait holding their own reservations.  With more threads than cores that became a convoy: two
- * frontends on one core, each one's post waiting (then sched_yield) for the other's, which had
- * yielded in its own commit; 8-30 % of kvr_request_finish calls took 15-150 us
- * (docs/measurements.md, "Finish tails with two frontends").  Here a commit whose earlier slots are
- * all in (within a spin of under a microsecond) moves p_tail past its own (ck's commit, with a
+ * Commit without waiting (kvr_ring_commit_nowait, the lanes').  ck's commit
+ * (ck_ring_enqueue_commit_mpsc) publishes in ticket order by waiting until p_tail reaches the
+ * producer's ticket: a producer descheduled between its reserve and its commit stalls every later
+ * producer of the ring, and they wait holding their own reservations.  With more threads than cores
+ * that became a convoy: two frontends on one core, each one's post waiting (then sched_yield) for
+ * the other's, which had yielded in its own commit; 8-30 % of kvr_request_finish calls took 15-150
+ * us (docs/measurements.md, "Finish tails with two frontends").  Here a commit whose earlier slots
+ * are all in (within a spin of under a microsecond) moves p_tail past its own (ck's commit, with a
  * CAS); one that finds an earlier slot still unpublished marks its own published instead (a tag
  * naming the slot's lap in the length word) and leaves it: whoever moves p_tail next moves it over
  * every tagged slot that follows (helping, as in the per-slot sequence rings of D. Vyukov's bounded
@@ -62,7 +62,6 @@
 #define KVR_SYNC_RING_H
 
 #include <ck_ring.h>
-#include <sched.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -98,8 +97,8 @@ struct kvr_ring {
 	struct ck_ring ck; /* c_head and p_head/p_tail on separate lines */
 	struct kvr_msg *buf;
 	uint32_t size; /* power of two; usable capacity size - 1 */
-	/* Slots tagged published and not yet passed by p_tail (kvr_ring_commit); its own line,
-	 * written only when a commit finds an earlier slot unpublished. */
+	/* Slots tagged published and not yet passed by p_tail (kvr_ring_commit_nowait); its own
+	 * line, written only when a commit finds an earlier slot unpublished. */
 	_Alignas(64) uint32_t tagged;
 };
 
@@ -153,7 +152,7 @@ static inline uint32_t kvr_ring_capacity(const struct kvr_ring *r)
 /*
  * Claims the next slot for a message the caller writes in place: returns the slot (its
  * ticket in *ticket) or NULL if the ring is full.  Every reserve must be followed by
- * kvr_ring_commit() or kvr_ring_commit_nowait(): the consumer takes no message past an
+ * kvr_ring_commit_nowait() or kvr_ring_commit_or_tag(): the consumer takes no message past an
  * uncommitted slot.  Between the two the caller may also fill memory that the message refers to
  * (the replica sender's staging slabs).  Context: any thread (many producers).
  */
@@ -174,31 +173,6 @@ static inline uint32_t kvr_ring_tag(const struct kvr_ring *r, uint32_t t)
 	return (((t >> __builtin_ctz(r->size)) & 0x1fffffu) | 0x800000u) << 8;
 }
 
-/*
- * Publishes a reserved slot in ticket order: waits for earlier producers first, yielding after
- * a short spin, because one preempted between its reserve and commit would otherwise have every
- * later producer burn its CPU (oversubscribed cores); ck's own commit then finds p_tail ==
- * ticket at once.  A producer that waits holds its own reservation, so later ones wait for it
- * in turn: the lanes, whose producers are all the frontends, use kvr_ring_commit_nowait, and the
- * replica sender kvr_ring_commit_or_tag.  No locked instruction: stores the producer made since
- * its reserve drain from the store buffer while it goes on.  Ordering: the slot and everything the
- * producer wrote before are visible to the consumer that dequeues it (ck: store fence then
- * p_tail store; pairs with kvr_ring_dequeue()).  Context: the producer that reserved ticket.
- */
-static inline void kvr_ring_commit(struct kvr_ring *r, uint32_t ticket)
-{
-	KVR_TSAN_RELEASE(r);
-	KVR_RING_IGNORE_BEGIN();
-	for (unsigned int spins = 0; ck_pr_load_uint(&r->ck.p_tail) != ticket; spins++) {
-		if (spins < 256)
-			ck_pr_stall();
-		else
-			sched_yield();
-	}
-	ck_ring_enqueue_commit_mpsc(&r->ck, ticket);
-	KVR_RING_IGNORE_END();
-}
-
 /* Pauses a commit waits for the earlier producers before it leaves its slot tagged (~23 ns a
  * pause on the EPYC VMs of docs/measurements.md: under a microsecond).  Waiting that long keeps
  * the usual race, two producers a few instructions apart, off the tagging path, whose reads
@@ -208,7 +182,7 @@ static inline void kvr_ring_commit(struct kvr_ring *r, uint32_t ticket)
 /*
  * Publishes a reserved slot without waiting more than KVR_RING_COMMIT_SPINS pauses for earlier
  * producers (the routing and maintenance lanes' commit, sync/lane.c).  A ring is committed to
- * either with this or with kvr_ring_commit, never both: an ordered commit does not move p_tail
+ * either with this or with kvr_ring_commit_or_tag, never both: that one does not move p_tail
  * over the tagged slots behind its own.  When every earlier slot is in (p_tail is our ticket) the
  * commit moves p_tail past its own slot, as ck's did (with a CAS); no helper moves p_tail over an
  * untagged slot, so nothing else moves it meanwhile.  If p_tail does not reach the ticket within
@@ -291,7 +265,7 @@ out:
 
 /*
  * Publishes a reserved slot in ticket order when the earlier producers are in within
- * KVR_RING_COMMIT_SPINS pauses (then a plain store of p_tail, as kvr_ring_commit: no locked
+ * KVR_RING_COMMIT_SPINS pauses (then a plain store of p_tail, as ck's commit: no locked
  * instruction, so the stores the producer made since its reserve drain while it goes on), and
  * otherwise tags the slot published (with wake 0) and leaves it to the consumer, which moves
  * p_tail over it with kvr_ring_pass_tagged: the replica sender's commit (sync/replica_note.c).
@@ -303,12 +277,12 @@ out:
  * for another: p_tail at position t is written only by t's producer (its store, when it found
  * p_tail at t) or, when t's producer tagged instead, by the consumer; the two never both apply to
  * one t, so neither needs a CAS.  A ring is committed to with this (and kvr_ring_pass_tagged on
- * the consumer's side) or with one of the others, never a mix.
- * Ordering: the store path as kvr_ring_commit's; the tag is a seq_cst exchange after the slot's
- * writes, read by the consumer with an acquire load before it moves p_tail and takes the slot.
- * A consumer that parks must call kvr_ring_pass_tagged in its re-check (after announcing): the
- * tagger's wake-up call comes after its tag, so either the re-check sees the tag or the call sees
- * the park.  Context: the producer that reserved ticket, once.
+ * the consumer's side) or with kvr_ring_commit_nowait, never a mix.
+ * Ordering: the store path as ck's commit (a store fence, then p_tail); the tag is a seq_cst
+ * exchange after the slot's writes, read by the consumer with an acquire load before it moves
+ * p_tail and takes the slot. A consumer that parks must call kvr_ring_pass_tagged in its re-check
+ * (after announcing): the tagger's wake-up call comes after its tag, so either the re-check sees
+ * the tag or the call sees the park.  Context: the producer that reserved ticket, once.
  */
 static inline void kvr_ring_commit_or_tag(struct kvr_ring *r, uint32_t ticket)
 {

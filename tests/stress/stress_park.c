@@ -59,7 +59,7 @@ static void *producer(void *arg)
 		slot->aux = 0;
 		memcpy(slot->payload, payload, sizeof(payload));
 		KVR_RING_IGNORE_END();
-		kvr_ring_commit(&ring, ticket);
+		kvr_ring_commit_nowait(&ring, ticket, 0);
 		if (lazy)
 			kvr_parker_wake_lazy(&park);
 		else

@@ -18,7 +18,8 @@
  * Both parts run twice: with the lanes' kvr_ring_commit_nowait, then with the replica sender's
  * kvr_ring_commit_or_tag, whose consumer passes the tagged slots (kvr_ring_pass_tagged: in part
  * 1 once the held slot is taken, in part 2 whenever the ring looks empty and after the producers
- * are done).  The ordered kvr_ring_commit fails part 1 (it waits the 2 s).
+ * are done).  An ordered commit (ck's, waiting for p_tail; the lanes' before lifetail) fails part 1
+ * (it waits the 2 s).
  * argv[1] = duration of part 2 in ms, both runs (default 1500).  Exit 0 pass, 1 fail.
  */
 #include <pthread.h>
