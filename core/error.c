@@ -1,5 +1,33 @@
-/* core/error.c - messages for KVR_* codes. */
+/* core/error.c - messages for KVR_* codes, and the per-call detail (core/error.h). */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "core/error.h"
 #include "kvrouter.h"
+
+/* The calling thread's detail of its latest failing call ("" before the first).  Fixed, so
+ * setting it never allocates; static TLS, so it needs no key, no constructor and no
+ * destructor, and a thread that never fails never touches it. */
+static _Thread_local char detail[KVR_ERROR_DETAIL_MAX];
+
+int kvr_fail(int code, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	(void)vsnprintf(detail, sizeof(detail), fmt, ap); /* truncates; always terminated */
+	va_end(ap);
+	return code;
+}
+
+int kvr_fail_code(int code, const char *fn)
+{
+	return kvr_fail(code, "%s: %s", fn, kvr_strerror(code));
+}
+
+const char *kvr_last_error(void)
+{
+	return detail;
+}
 
 const char *kvr_strerror(int code)
 {

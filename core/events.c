@@ -6,6 +6,7 @@
  * event id cursor and applies the event to the index (shards/rank_owner.c).  Validation is
  * complete before anything is applied, so a malformed event changes nothing.
  */
+#include <inttypes.h>
 #include <pthread.h>
 #include <string.h>
 #include <time.h>
@@ -105,24 +106,105 @@ static int validate(const struct kvr_router *r, const struct kvr_event *ev)
 	}
 }
 
+/* Why validate() refused ev, said again for kvr_events_apply's detail (core/error.h); the
+ * feed's batches (prepare_many) count refusals instead. */
+static __attribute__((cold, noinline)) int invalid_event(const struct kvr_router *r,
+                                                         const struct kvr_event *ev)
+{
+	static const char fn[] = "kvr_events_apply";
+	switch (ev->type) {
+	case KVR_EVENT_STORED:
+		if (ev->n_blocks == 0 || !ev->blocks)
+			return kvr_fail(KVR_EINVAL, "%s: stored event with %s", fn,
+			                ev->n_blocks ? "blocks NULL" : "n_blocks 0");
+		for (size_t i = 0; i < ev->n_blocks; i++) {
+			const struct kvr_event_block *b = &ev->blocks[i];
+			if (b->tokens && b->n_tokens != r->cfg.block_size)
+				return kvr_fail(
+				    KVR_EINVAL,
+				    "%s: stored blocks[%zu].n_tokens %u is not the router's "
+				    "block_size %u",
+				    fn, i, b->n_tokens, r->cfg.block_size);
+			uint64_t parent = i ? ev->blocks[i - 1].ext_hash : ev->parent_ext_hash;
+			if ((i || ev->has_parent) && b->ext_hash == parent)
+				return kvr_fail(KVR_EINVAL,
+				                "%s: stored blocks[%zu].ext_hash %#" PRIx64
+				                " is its own parent's",
+				                fn, i, b->ext_hash);
+		}
+		break;
+	case KVR_EVENT_REMOVED:
+		return kvr_fail(KVR_EINVAL, "%s: removed event with %s", fn,
+		                ev->n_removed ? "removed NULL" : "n_removed 0");
+	default:
+		return kvr_fail(KVR_EINVAL,
+		                "%s: event type %d is not KVR_EVENT_STORED, _REMOVED or _CLEARED",
+		                fn, ev->type);
+	}
+	return kvr_fail_code(KVR_EINVAL, fn);
+}
+
+/* The detail of a code from the rank's lookup (at == 0) or its shard (core/error.h). */
+static __attribute__((cold, noinline)) int event_fail(int rc, struct kvr_rank_id rank,
+                                                      const struct kvr_event *ev, bool shard)
+{
+	static const char fn[] = "kvr_events_apply";
+	switch (rc) {
+	case KVR_ENOENT:
+		if (!shard || ev->type != KVR_EVENT_STORED)
+			return kvr_fail(rc, "%s: no rank (worker %" PRIu64 ", dp %" PRIu32 ")", fn,
+			                rank.worker_id, rank.dp_rank);
+		return kvr_fail(
+		    rc,
+		    "%s: stored event %" PRIu64 ": rank (worker %" PRIu64 ", dp %" PRIu32
+		    ") does not hold parent %#" PRIx64 " (or was removed meanwhile)",
+		    fn, ev->event_id, rank.worker_id, rank.dp_rank, ev->parent_ext_hash);
+	case KVR_ESTALE:
+		return kvr_fail(rc,
+		                "%s: event_id %" PRIu64 " is at or below rank (worker %" PRIu64
+		                ", dp %" PRIu32 ")'s last applied one: dropped",
+		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
+	case KVR_ERANGE:
+		return kvr_fail(rc,
+		                "%s: stored event %" PRIu64 " would take rank (worker %" PRIu64
+		                ", dp %" PRIu32 ") past its stored-block bound: refused",
+		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
+	case KVR_EINVAL: /* the index's: the event contradicts the blocks the rank holds */
+		return kvr_fail(rc,
+		                "%s: stored event %" PRIu64 " contradicts rank (worker %" PRIu64
+		                ", dp %" PRIu32
+		                ")'s blocks: an ext_hash held for another block, or "
+		                "a sequence hash collision; nothing applied",
+		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
+	case KVR_ESHUTDOWN:
+		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+	default:
+		return kvr_fail_code(rc, fn);
+	}
+}
+
 int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct kvr_event *ev)
 {
 	if (!r || !ev)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_events_apply: %s is NULL", !r ? "router" : "ev");
 	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_events_apply: the router is being destroyed");
 	if (r->cfg.mode != KVR_MODE_EVENTS)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_events_apply: the router's mode is %d, not KVR_MODE_EVENTS",
+		                (int)r->cfg.mode);
 	int rc = validate(r, ev);
 	if (rc)
-		return rc;
+		return invalid_event(r, ev);
 	uint32_t slot;
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
-		return rc;
+		return event_fail(rc, rank, ev, false);
 	if (ev->type == KVR_EVENT_STORED) {
 		if (scratch_grow((void **)&scratch_local, &scratch_local_cap, ev->n_blocks,
 		                 sizeof(uint64_t)))
-			return KVR_ENOMEM;
+			return kvr_fail(KVR_ENOMEM,
+			                "kvr_events_apply: out of memory hashing %zu stored blocks",
+			                ev->n_blocks);
 		uint64_t seed = kvr_hash_lora_seed(ev->lora_name);
 		for (size_t i = 0; i < ev->n_blocks; i++) {
 			const struct kvr_event_block *b = &ev->blocks[i];
@@ -137,7 +219,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = scratch_local};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 	report_gaps(r, rank, &a, 1);
-	return rc;
+	return rc ? event_fail(rc, rank, ev, true) : 0;
 }
 
 struct many {

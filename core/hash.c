@@ -36,6 +36,7 @@
 #define STREAM_FENCE()     ((void)0)
 #endif
 
+#include "core/error.h"
 #include "core/hash.h"
 #include "kvrouter.h"
 
@@ -233,10 +234,13 @@ int kvr_hash_extend(const uint64_t *parent_seq, const uint32_t *tokens, size_t n
                     uint64_t *seq_out, size_t *n_blocks_out)
 {
 	if (!n_blocks_out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_hash_extend: n_blocks_out is NULL");
 	*n_blocks_out = 0;
-	if (block_size == 0 || (!tokens && n_tokens > 0))
-		return KVR_EINVAL;
+	if (block_size == 0)
+		return kvr_fail(KVR_EINVAL, "kvr_hash_extend: block_size is 0; it must be >= 1");
+	if (!tokens && n_tokens > 0)
+		return kvr_fail(KVR_EINVAL, "kvr_hash_extend: tokens is NULL with n_tokens %zu",
+		                n_tokens);
 	*n_blocks_out = hash_chain(parent_seq, tokens, n_tokens / block_size, block_size,
 	                           lora_seed(lora_name), local_out, seq_out);
 	return 0;

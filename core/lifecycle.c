@@ -27,6 +27,7 @@
  * kvr_lane_full_drops_total).  Should a claimed end still never reach its shard, the shard's
  * reaper ends the attempt on its next pass (it cleans up claimed leases it still holds).
  */
+#include <inttypes.h>
 #include <string.h>
 
 #include "core/alloc.h"
@@ -86,17 +87,64 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 	return rc;
 }
 
+/* In a progress message's flags beside KVR_PROGRESS_NOT_FINAL, which is all the shard reads
+ * of them: the call was kvr_request_output_ex, for a failure's detail. */
+#define PROGRESS_EX 0x8000u
+_Static_assert((PROGRESS_EX & KVR_PROGRESS_NOT_FINAL) == 0, "PROGRESS_EX is a flag of its own");
+
+/* The detail of a lifecycle call's failure (core/error.h): each code has one cause here but
+ * KVR_EINVAL, whose causes are checked again.  Cold: no work on the calls that succeed. */
+static __attribute__((cold, noinline)) int
+progress_fail(int rc, int op, uint16_t flags, const struct kvr_router *r, uint64_t attempt)
+{
+	const char *fn = op == KVR_OP_FINISH         ? "kvr_request_finish"
+	                 : op == KVR_OP_ABORT        ? "kvr_request_abort"
+	                 : op == KVR_OP_PREFILL_DONE ? "kvr_request_prefill_done"
+	                 : (flags & PROGRESS_EX)     ? "kvr_request_output_ex"
+	                                             : "kvr_request_output";
+	switch (rc) {
+	case KVR_EINVAL:
+		if (!r)
+			return kvr_fail(rc, "%s: router is NULL", fn);
+		if (attempt == 0)
+			return kvr_fail(rc, "%s: attempt is 0, which no decision carries", fn);
+		return kvr_fail(rc, "%s: n_tokens exceeds %" PRIu32, fn, UINT32_MAX);
+	case KVR_ENOENT:
+		return kvr_fail(rc,
+		                "%s: attempt %" PRIu64 " was not issued by this router (its rank "
+		                "slot %" PRIu32 " >= max_ranks %u)",
+		                fn, attempt, kvr_attempt_slot(attempt), r->cfg.max_ranks);
+	case KVR_ESTALE:
+		return kvr_fail(rc,
+		                "%s: attempt %" PRIu64 " has ended (finished, aborted, expired, or "
+		                "its rank was reset or removed) or was never issued",
+		                fn, attempt);
+	case KVR_ESHUTDOWN:
+		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+	case KVR_EAGAIN:
+		return kvr_fail(rc,
+		                "%s: the rank's shard lane stayed full for 10 ms; nothing changed, "
+		                "try again",
+		                fn);
+	case KVR_ENOMEM:
+		return kvr_fail(
+		    rc, "%s: out of memory (copying the tokens, or registering the thread)", fn);
+	default:
+		return kvr_fail_code(rc, fn);
+	}
+}
+
 static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32_t *tokens,
                     size_t n, uint16_t flags)
 {
 	uint32_t slot;
 	int rc = kvr_router_attempt_slot(r, attempt, &slot);
 	if (rc)
-		return rc;
+		return progress_fail(rc, op, flags, r, attempt);
 	if (n > UINT32_MAX)
-		return KVR_EINVAL;
+		return progress_fail(KVR_EINVAL, op, flags, r, attempt);
 	if ((rc = kvr_rcu_thread_online()))
-		return rc;
+		return progress_fail(rc, op, flags, r, attempt);
 	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
 	/* sync_booking: the claim or touch below reads the lease word as the work posted before
 	 * left it.  Of that work, only the shard's lease reaper (a timer, run before each posted
@@ -111,7 +159,7 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	rc = ends ? kvr_lease_claim(r->leases, attempt) : kvr_lease_touch(r->leases, attempt);
 	if (rc) { /* claimed, ended, never issued */
 		kvr_metrics_add(mb, KVR_C_STALE_CALLS, 1);
-		return KVR_ESTALE;
+		return progress_fail(KVR_ESTALE, op, flags, r, attempt);
 	}
 	if (ends)
 		kvr_metrics_add(mb, op == KVR_OP_FINISH ? KVR_C_FINISHED : KVR_C_ABORTED, 1);
@@ -130,9 +178,11 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	if (rc == 0)
 		kvr_repl_note_progress(r, attempt, op, tokens, n,
 		                       (flags & KVR_PROGRESS_NOT_FINAL) != 0); /* replica sync */
-	if (rc == 0 && op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0)
+	if (rc) /* what the failure names, read back from the message: nothing kept live for it */
+		return progress_fail(rc, m.op, m.flags, r, m.attempt);
+	if (op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0)
 		kvr_queue_pump(r);
-	return rc;
+	return 0;
 }
 
 int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt)
@@ -144,17 +194,25 @@ int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *t
                        size_t n_tokens)
 {
 	if (!tokens && n_tokens)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_request_output: tokens is NULL with n_tokens %zu",
+		                n_tokens);
 	return progress(r, attempt, KVR_OP_OUTPUT, tokens, n_tokens, 0);
 }
 
 int kvr_request_output_ex(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
                           size_t n_tokens, uint32_t flags)
 {
-	if ((!tokens && n_tokens) || (flags & ~KVR_OUTPUT_FINAL))
-		return KVR_EINVAL;
+	if (!tokens && n_tokens)
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_request_output_ex: tokens is NULL with n_tokens %zu",
+		                n_tokens);
+	if (flags & ~KVR_OUTPUT_FINAL)
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_request_output_ex: flags 0x%x has unknown bits 0x%x (known: "
+		                "KVR_OUTPUT_FINAL)",
+		                flags, flags & ~KVR_OUTPUT_FINAL);
 	return progress(r, attempt, KVR_OP_OUTPUT, tokens, n_tokens,
-	                (flags & KVR_OUTPUT_FINAL) ? 0 : KVR_PROGRESS_NOT_FINAL);
+	                PROGRESS_EX | ((flags & KVR_OUTPUT_FINAL) ? 0 : KVR_PROGRESS_NOT_FINAL));
 }
 
 int kvr_request_finish(struct kvr_router *r, uint64_t attempt)

@@ -155,7 +155,8 @@ static const struct {
 int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 {
 	if (!r || (!buf && cap))
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_metrics_render: %s",
+		                !r ? "router is NULL" : "buf is NULL with cap > 0");
 	kvr_router_settle(r); /* sync_booking: counting what earlier calls posted */
 	struct out o = {.buf = buf, .cap = cap};
 	const char *last = "";
@@ -207,7 +208,8 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 	    {"kvr_rank_resident_blocks", "Blocks the rank is predicted (or known) to cache"},
 	};
 	if (kvr_rcu_thread_online())
-		return KVR_ENOMEM;
+		return kvr_fail(KVR_ENOMEM,
+		                "kvr_metrics_render: this thread could not register with RCU");
 	for (int g = 0; g < 4; g++) {
 		put(&o, "# HELP %s %s\n# TYPE %s gauge\n", gauges[g][0], gauges[g][1],
 		    gauges[g][0]);
@@ -230,5 +232,10 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 		*len_out = o.len + 1;
 	if (cap)
 		buf[o.len < cap ? o.len : cap - 1] = '\0';
-	return o.len < cap ? 0 : KVR_ERANGE;
+	if (o.len >= cap)
+		return kvr_fail(
+		    KVR_ERANGE,
+		    "kvr_metrics_render: cap %zu is below the %zu bytes needed (*len_out)", cap,
+		    o.len + 1);
+	return 0;
 }

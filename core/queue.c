@@ -17,6 +17,7 @@
  * name) since the caller's buffers are borrowed for the kvr_route call only.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <string.h>
 #include <time.h>
 
@@ -298,19 +299,51 @@ static struct qentry *find(struct kvr_queue *q, uint64_t ticket)
 	return NULL;
 }
 
+/* The detail of a wait that ended without an admission (core/error.h). */
+static __attribute__((cold, noinline)) int wait_failed(int rc, uint64_t ticket,
+                                                       uint64_t deadline_ns)
+{
+	switch (rc) {
+	case KVR_ENOENT:
+		return kvr_fail(rc,
+		                "kvr_route_wait: ticket %" PRIu64
+		                " was collected or cancelled by another thread meanwhile",
+		                ticket);
+	case KVR_ESHUTDOWN:
+		return kvr_fail(rc, "kvr_route_wait: the router is being destroyed");
+	case KVR_ETIMEDOUT:
+		return kvr_fail(rc,
+		                "kvr_route_wait: deadline_ns %" PRIu64 " passed; ticket %" PRIu64
+		                " stays queued",
+		                deadline_ns, ticket);
+	default:
+		return kvr_fail(rc, "kvr_route_wait: ticket %" PRIu64 "'s admission failed: %s",
+		                ticket, kvr_strerror(rc));
+	}
+}
+
 int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
                    struct kvr_decision *d)
 {
 	if (!r || !d || ticket == 0)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_route_wait: %s",
+		                !r   ? "router is NULL"
+		                : !d ? "d is NULL"
+		                     : "ticket is 0");
 	struct kvr_queue *q = r->queue;
 	if (!q)
-		return KVR_ENOENT;
+		return kvr_fail(KVR_ENOENT,
+		                "kvr_route_wait: ticket %" PRIu64
+		                " is unknown: this router has no queue (queue_threshold 0)",
+		                ticket);
 	pthread_mutex_lock(&q->lock);
 	struct qentry *e = find(q, ticket);
 	if (!e) {
 		pthread_mutex_unlock(&q->lock);
-		return KVR_ENOENT;
+		return kvr_fail(KVR_ENOENT,
+		                "kvr_route_wait: ticket %" PRIu64
+		                " is not queued (unknown, collected or cancelled)",
+		                ticket);
 	}
 	e->waited = true;
 	q->waiters++;
@@ -351,16 +384,20 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
-	return rc;
+	return rc ? wait_failed(rc, ticket, deadline_ns) : 0;
 }
 
 int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 {
 	if (!r || ticket == 0)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_route_cancel: %s",
+		                !r ? "router is NULL" : "ticket is 0");
 	struct kvr_queue *q = r->queue;
 	if (!q)
-		return KVR_ENOENT;
+		return kvr_fail(KVR_ENOENT,
+		                "kvr_route_cancel: ticket %" PRIu64
+		                " is unknown: this router has no queue (queue_threshold 0)",
+		                ticket);
 	pthread_mutex_lock(&q->lock);
 	q->waiters++;
 	struct qentry *e;
@@ -378,5 +415,11 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
-	return rc;
+	if (rc)
+		return kvr_fail(rc,
+		                "kvr_route_cancel: ticket %" PRIu64
+		                " is not queued (admitted, failed, cancelled, unknown, or the "
+		                "router is being destroyed)",
+		                ticket);
+	return 0;
 }

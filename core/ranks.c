@@ -9,6 +9,8 @@
  * before its state is torn down, so a decision on a vanishing rank is refused at admission
  * (generation mismatch) instead of touching freed state.
  */
+#include <inttypes.h>
+
 #include "core/limits.h"
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
@@ -18,33 +20,64 @@
 _Static_assert(KVR_LIMIT_MAX_RANKS_MAX <= (1u << KVR_SLOT_BITS),
                "max_ranks limit does not fit the attempt id's slot bits");
 
-static int check(struct kvr_router *r)
+static int check(struct kvr_router *r, const char *fn)
 {
 	if (!r)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "%s: router is NULL", fn);
 	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
+		return kvr_fail(KVR_ESHUTDOWN, "%s: the router is being destroyed", fn);
 	return 0;
+}
+
+/* The detail of a code that came from the rank's lookup or its shard (core/error.h). */
+static __attribute__((cold, noinline)) int rank_fail(int rc, const char *fn,
+                                                     struct kvr_rank_id rank, uint64_t inc)
+{
+	switch (rc) {
+	case KVR_ENOENT:
+		return kvr_fail(rc, "%s: no rank (worker %" PRIu64 ", dp %" PRIu32 ")", fn,
+		                rank.worker_id, rank.dp_rank);
+	case KVR_ESTALE:
+		return kvr_fail(rc,
+		                "%s: incarnation %" PRIu64 " is older than rank (worker %" PRIu64
+		                ", dp %" PRIu32 ")'s current one",
+		                fn, inc, rank.worker_id, rank.dp_rank);
+	case KVR_ESHUTDOWN:
+		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+	default:
+		return kvr_fail(rc, "%s: %s (rank worker %" PRIu64 ", dp %" PRIu32 ")", fn,
+		                kvr_strerror(rc), rank.worker_id, rank.dp_rank);
+	}
 }
 
 int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
                  uint64_t capacity_blocks, uint32_t max_batched_tokens)
 {
-	int rc = check(r);
+	static const char fn[] = "kvr_rank_add";
+	int rc = check(r, fn);
 	if (rc)
 		return rc;
 	uint32_t slot, shard;
 	pthread_mutex_lock(&r->admin_lock);
 	if (kvr_router_find_rank(r, rank, &slot) == 0) {
-		rc = KVR_EEXIST;
+		rc = kvr_fail(KVR_EEXIST,
+		              "%s: rank (worker %" PRIu64 ", dp %" PRIu32 ") already exists", fn,
+		              rank.worker_id, rank.dp_rank);
 		goto out;
 	}
 	if (r->live->n >= r->cfg.max_ranks) {
-		rc = KVR_ERANGE;
+		rc = kvr_fail(KVR_ERANGE, "%s: the router holds max_ranks (%u) ranks already", fn,
+		              r->cfg.max_ranks);
 		goto out;
 	}
-	if ((rc = kvr_shards_place(r->shards, rank.worker_id, &shard)))
+	if ((rc = kvr_shards_place(r->shards, rank.worker_id, &shard))) {
+		rc = rc == KVR_ERANGE ? kvr_fail(rc,
+		                                 "%s: the shards place max_ranks (%u) distinct "
+		                                 "workers already",
+		                                 fn, r->cfg.max_ranks)
+		                      : rank_fail(rc, fn, rank, incarnation);
 		goto out;
+	}
 	struct kvr_rank_args a = {.worker_id = rank.worker_id,
 	                          .dp_rank = rank.dp_rank,
 	                          .max_batched_tokens = max_batched_tokens,
@@ -62,6 +95,9 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	}
 	if (rc) {
 		kvr_shards_unplace(r->shards, rank.worker_id);
+		rc = rc == KVR_ERANGE ? kvr_fail(rc, "%s: no free rank slot (max_ranks %u)", fn,
+		                                 r->cfg.max_ranks)
+		                      : rank_fail(rc, fn, rank, incarnation);
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[a.slot];
@@ -73,6 +109,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
 		               kvr_owner_rank_destroy, &a);
 		kvr_shards_unplace(r->shards, rank.worker_id);
+		rc = rank_fail(rc, fn, rank, incarnation);
 	}
 out:
 	pthread_mutex_unlock(&r->admin_lock);
@@ -86,18 +123,23 @@ out:
 
 int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 {
-	int rc = check(r);
+	static const char fn[] = "kvr_rank_remove";
+	int rc = check(r, fn);
 	if (rc)
 		return rc;
 	uint32_t slot;
 	pthread_mutex_lock(&r->admin_lock);
-	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+	if ((rc = kvr_router_find_rank(r, rank, &slot))) {
+		rc = rank_fail(rc, fn, rank, 0);
 		goto out;
+	}
 	struct kvr_rank_pub *pub = &r->ranks[slot];
 	/* Unroutable first, so no new admission lands while the state goes. */
 	rc = kvr_router_live_update(r, slot, false);
-	if (rc)
+	if (rc) {
+		rc = kvr_fail(rc, "%s: out of memory copying the live rank list", fn);
 		goto out;
+	}
 	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	struct kvr_rank_args a = {.slot = slot};
@@ -111,25 +153,26 @@ out:
 }
 
 /* Runs fn on the rank's shard with the rank's current generation. */
-static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn fn,
-                     struct kvr_rank_args *a)
+static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn call,
+                     struct kvr_rank_args *a, const char *fn)
 {
-	int rc = check(r);
+	int rc = check(r, fn);
 	if (rc)
 		return rc;
 	uint32_t slot;
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
-		return rc;
+		return rank_fail(rc, fn, rank, a->incarnation);
 	a->slot = slot;
 	a->gen = kvr_router_gen_of(r, slot);
-	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, fn, a);
+	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, call, a);
+	return rc ? rank_fail(rc, fn, rank, a->incarnation) : 0;
 }
 
 int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
                           uint64_t capacity_blocks)
 {
 	struct kvr_rank_args a = {.incarnation = incarnation, .capacity = capacity_blocks};
-	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a);
+	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a, "kvr_rank_set_capacity");
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_CAPACITY, rank, incarnation, capacity_blocks,
 		                   0);
@@ -141,7 +184,7 @@ int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_
 int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation)
 {
 	struct kvr_rank_args a = {.incarnation = new_incarnation};
-	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a);
+	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a, "kvr_rank_reset");
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_RESET, rank, new_incarnation, 0, 0);
 	if (rc == 0 && r->queue)
@@ -152,20 +195,24 @@ int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_i
 int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank, struct kvr_rank_stats *out)
 {
 	if (!out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_rank_get_stats: out is NULL");
 	struct kvr_rank_args a = {.stats = out};
-	return rank_call(r, rank, kvr_owner_rank_stats, &a);
+	return rank_call(r, rank, kvr_owner_rank_stats, &a, "kvr_rank_get_stats");
 }
 
 int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out, size_t cap,
                     size_t *n_out)
 {
 	if (!n_out || (!out && cap))
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_rank_blocks: %s",
+		                !n_out ? "n_out is NULL" : "out is NULL with cap > 0");
 	*n_out = 0;
 	struct kvr_rank_args a = {.blocks = out, .cap = cap};
-	int rc = rank_call(r, rank, kvr_owner_rank_blocks, &a);
+	int rc = rank_call(r, rank, kvr_owner_rank_blocks, &a, "kvr_rank_blocks");
 	if (rc == 0 || rc == KVR_ERANGE)
 		*n_out = a.n;
+	if (rc == KVR_ERANGE)
+		return kvr_fail(rc, "kvr_rank_blocks: cap %zu is below the rank's %zu blocks", cap,
+		                a.n);
 	return rc;
 }

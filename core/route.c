@@ -49,6 +49,7 @@
  * by the time its booking is posted (kvr_admit says why that is the waited-for outcome).
  */
 #include <assert.h>
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <string.h>
@@ -218,6 +219,86 @@ static int validate(const struct kvr_router *r, const struct kvr_request *q)
 			return KVR_EINVAL; /* pinned outside the allow-list */
 	}
 	return 0;
+}
+
+/* Why validate() refused q, found again by the same checks one at a time for the detail
+ * (core/error.h).  Apart, so that validate() stays the code it was: spelling the detail's
+ * causes there split its merged tests (n_tokens 0 or above the maximum is one subtraction and
+ * shift) and cost kvr_route 5 instructions (callgrind). */
+static __attribute__((cold, noinline)) int invalid_request(const struct kvr_router *r,
+                                                           const struct kvr_request *q)
+{
+	const uint32_t bs = r->cfg.block_size;
+	if (!q)
+		return kvr_fail(KVR_EINVAL, "kvr_route: req is NULL");
+	if (q->seq_hashes) {
+		if (!q->local_hashes) /* sequence hashes only with their local ones */
+			return kvr_fail(
+			    KVR_EINVAL,
+			    "kvr_route: req.seq_hashes is set but req.local_hashes is NULL");
+		if (q->tokens && q->n_hashes != q->n_tokens / bs) /* with tokens: every complete
+		                                                   * block's */
+			return kvr_fail(
+			    KVR_EINVAL,
+			    "kvr_route: req.n_hashes %zu with tokens and seq_hashes must "
+			    "be n_tokens / block_size = %zu / %u = %zu",
+			    q->n_hashes, q->n_tokens, bs, q->n_tokens / bs);
+	} else if ((q->tokens != NULL) == (q->local_hashes != NULL)) { /* exactly one of them */
+		return kvr_fail(KVR_EINVAL,
+		                q->tokens
+		                    ? "kvr_route: req.tokens and req.local_hashes are both set; "
+		                      "give one (or both with seq_hashes)"
+		                    : "kvr_route: req.tokens and req.local_hashes are both "
+		                      "NULL; give one");
+	}
+	/* An empty prompt, or a length no engine serves (and whose sum over a rank's requests
+	 * could wrap its prefill load). */
+	if (q->n_tokens == 0)
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_route: req.n_tokens is 0; a prompt needs at least one token");
+	if (q->n_tokens > KVR_MAX_PROMPT_TOKENS)
+		return kvr_fail(
+		    KVR_EINVAL,
+		    "kvr_route: req.n_tokens %zu exceeds KVR_MAX_PROMPT_TOKENS (%" PRIu64 ")",
+		    q->n_tokens, (uint64_t)KVR_MAX_PROMPT_TOKENS);
+	if (q->local_hashes && q->n_hashes > q->n_tokens / bs) /* more blocks than the prompt */
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_route: req.n_hashes %zu exceeds the prompt's complete blocks, "
+		                "n_tokens / block_size = %zu / %u = %zu",
+		                q->n_hashes, q->n_tokens, bs, q->n_tokens / bs);
+	if (q->n_allow > 0 && !q->allow)
+		return kvr_fail(KVR_EINVAL, "kvr_route: req.allow is NULL with req.n_allow %zu",
+		                q->n_allow);
+	if (isnan(q->overlap_credit) || isnan(q->prefill_load_scale) || isnan(q->temperature) ||
+	    isinf(q->overlap_credit) || isinf(q->prefill_load_scale) || isinf(q->temperature))
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_route: req.%s is %g; an override must be finite (negative = "
+		                "the router's)",
+		                !isfinite(q->overlap_credit)       ? "overlap_credit"
+		                : !isfinite(q->prefill_load_scale) ? "prefill_load_scale"
+		                                                   : "temperature",
+		                !isfinite(q->overlap_credit)       ? q->overlap_credit
+		                : !isfinite(q->prefill_load_scale) ? q->prefill_load_scale
+		                                                   : q->temperature);
+	if (q->flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT))
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_route: req.flags 0x%x has unknown bits 0x%x (known: "
+		                "KVR_ROUTE_QUERY_ONLY, KVR_ROUTE_WAIT)",
+		                q->flags,
+		                q->flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT));
+	if (q->pinned && q->n_allow > 0) {
+		bool found = false;
+		for (size_t i = 0; i < q->n_allow; i++)
+			if (q->allow[i].worker_id == q->pinned->worker_id &&
+			    q->allow[i].dp_rank == q->pinned->dp_rank)
+				found = true;
+		if (!found)
+			return kvr_fail(KVR_EINVAL,
+			                "kvr_route: req.pinned (worker %" PRIu64
+			                ", dp %u) is not in req.allow (%zu ranks)",
+			                q->pinned->worker_id, q->pinned->dp_rank, q->n_allow);
+	}
+	return kvr_fail_code(KVR_EINVAL, "kvr_route");
 }
 
 void kvr_request_init(struct kvr_request *req)
@@ -692,21 +773,60 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;
 }
 
+/* The detail of a decision that failed after the request was found valid (core/error.h). */
+static __attribute__((cold, noinline)) int route_failed(const struct kvr_router *r,
+                                                        const struct kvr_request *q, int rc)
+{
+	switch (rc) {
+	case KVR_ENOENT:
+		if (q->pinned)
+			return kvr_fail(rc,
+			                "kvr_route: the pinned rank (worker %" PRIu64
+			                ", dp %u) is not a routable rank",
+			                q->pinned->worker_id, q->pinned->dp_rank);
+		if (q->n_allow)
+			return kvr_fail(rc, "kvr_route: none of req.allow's %zu ranks is routable",
+			                q->n_allow);
+		return kvr_fail(rc, "kvr_route: no routable rank (none added, or all removed)");
+	case KVR_EAGAIN:
+		if (r->queue)
+			return kvr_fail(
+			    rc,
+			    "kvr_route: the waiting queue (queue_capacity %u) or the chosen "
+			    "rank's shard lane is full, or 2^20 attempts are live; try again",
+			    r->cfg.queue_capacity);
+		return kvr_fail(rc,
+		                "kvr_route: the chosen rank's shard lane stayed full for 10 ms, "
+		                "or 2^20 attempts are live; try again");
+	case KVR_ENOMEM:
+		return kvr_fail(rc, "kvr_route: out of memory hashing or booking the request");
+	case KVR_ERANGE:
+		return kvr_fail(rc, "kvr_route: the router's 2^46 attempt ids are used up");
+	case KVR_ESHUTDOWN:
+		return kvr_fail(rc, "kvr_route: the router is being destroyed");
+	default:
+		return kvr_fail_code(rc, "kvr_route");
+	}
+}
+
 int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d)
 {
 	if (!r || !d)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_route: %s is NULL", !r ? "router" : "d");
 	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_route: the router is being destroyed");
 	int rc = validate(r, req);
 	if (rc)
-		return rc;
+		return invalid_request(r, req);
 	if ((rc = kvr_rcu_thread_online()))
-		return rc;
+		return kvr_fail(rc, "kvr_route: this thread could not register with RCU: %s",
+		                kvr_strerror(rc));
 	if (r->queue && kvr_queue_depth(r))
 		kvr_queue_pump(r); /* those waiting go first */
 	rc = kvr_route_internal(r, req, d, KVR_QUEUE_IF_SATURATED);
-	if (rc == 0 && d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT))
-		return kvr_route_wait(r, d->ticket, req->deadline_ns, d);
-	return rc;
+	if (rc)
+		return route_failed(r, req, rc);
+	if (d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT))
+		return kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
+	return 0;
 }

@@ -87,21 +87,23 @@ static uint64_t clock_guarded(void *ctx)
 int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 {
 	if (!out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_router_create: out is NULL");
 	*out = NULL;
 	struct kvr_config def;
 	if (!cfg) {
 		kvr_config_init(&def);
 		cfg = &def;
 	}
-	int rc = kvr_config_validate(cfg);
+	int rc = kvr_config_check(cfg, "kvr_router_create");
 	if (rc)
 		return rc;
 	if ((rc = kvr_rcu_thread_online()))
-		return rc;
+		return kvr_fail(rc,
+		                "kvr_router_create: this thread could not register with RCU: %s",
+		                kvr_strerror(rc));
 	struct kvr_router *r = kvr_alloc_aligned(sizeof(*r)); /* zeroed; rng_counter's line */
 	if (!r)
-		return KVR_ENOMEM;
+		return kvr_fail(KVR_ENOMEM, "kvr_router_create: out of memory for the router");
 	r->cfg = *cfg;
 	r->cfg.cpu_list = NULL; /* borrowed for create only: the shard runtime copies it */
 	r->cfg.n_cpus = 0;
@@ -190,7 +192,8 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	return 0;
 fail:
 	kvr_router_destroy(r);
-	return rc;
+	return kvr_fail(rc, "kvr_router_create: %s setting up the router's tables and shards",
+	                kvr_strerror(rc));
 }
 
 _Thread_local const struct kvr_router *kvr_router_cb_self;
@@ -250,7 +253,8 @@ uint64_t kvr_router_now(const struct kvr_router *r)
 int kvr_router_get_config(const struct kvr_router *r, struct kvr_config *out)
 {
 	if (!r || !out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_router_get_config: %s is NULL",
+		                !r ? "router" : "out");
 	*out = r->cfg;
 	return 0;
 }
@@ -266,13 +270,18 @@ void kvr_router_settle(struct kvr_router *r)
 int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
 {
 	if (!r)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_router_sync: router is NULL");
 	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_router_sync: the router is being destroyed");
 	int rc = kvr_shards_quiesce(r->shards, (uint64_t)timeout_ms * 1000000ull);
-	if (rc == 0 && r->queue)
+	if (rc == KVR_ETIMEDOUT)
+		return kvr_fail(rc, "kvr_router_sync: the shards were not idle within %u ms",
+		                timeout_ms);
+	if (rc)
+		return kvr_fail_code(rc, "kvr_router_sync");
+	if (r->queue)
 		kvr_queue_pump(r);
-	return rc;
+	return 0;
 }
 
 int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot)
@@ -291,11 +300,14 @@ int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *
 int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 {
 	if (!r || !out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_router_get_memory: %s is NULL",
+		                !r ? "router" : "out");
 	if (kvr_router_stopping(r))
-		return KVR_ESHUTDOWN;
+		return kvr_fail(KVR_ESHUTDOWN,
+		                "kvr_router_get_memory: the router is being destroyed");
 	if (kvr_rcu_thread_online())
-		return KVR_ENOMEM;
+		return kvr_fail(KVR_ENOMEM,
+		                "kvr_router_get_memory: this thread could not register with RCU");
 	kvr_router_settle(r);
 	memset(out, 0, sizeof(*out));
 	size_t m = r->cfg.max_ranks;
@@ -307,7 +319,8 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 	/* The live slots, copied out of the read section (a shard call blocks). */
 	uint32_t *slot = kvr_alloc(m * sizeof(*slot));
 	if (!slot)
-		return KVR_ENOMEM;
+		return kvr_fail(KVR_ENOMEM, "kvr_router_get_memory: out of memory copying the live "
+		                            "ranks");
 	kvr_rcu_read_lock();
 	const struct kvr_live *live = kvr_rcu_deref(&r->live);
 	uint32_t n = live->n < m ? live->n : (uint32_t)m;

@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "core/clock.h"
+#include "core/error.h"
 #include "core/index.h"
 #include "core/metrics.h"
 #include "kvrouter.h"
@@ -138,6 +139,10 @@ enum kvr_queue_mode {
  * queue pump). */
 int kvr_route_internal(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d,
                        int queue_mode);
+
+/* core/config.c: kvr_config_validate's checks; a failure's detail (kvr_last_error) names fn,
+ * the entry point that asked.  Context: any thread. */
+int kvr_config_check(const struct kvr_config *cfg, const char *fn);
 
 /* core/router.c: replaces the live list (slot added or removed).  Context: under admin_lock. */
 int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add);

@@ -64,6 +64,32 @@ enum kvr_error {
 /* A static, human-readable message for a KVR_* code (or "unknown error"). Never NULL. */
 KVR_API const char *kvr_strerror(int code);
 
+/*
+ * What the calling thread's latest failing kvr_ call found wrong: the function, the argument
+ * or configuration field, the bad value where it is cheap to say, and what is allowed, e.g.
+ * "kvr_route: n_tokens is 0; a prompt needs at least one token" or "kvr_router_create:
+ * config.block_size 0 is out of range [1, 65536]".  Never NULL.
+ *  - Read it right after a call returned a KVR_E* code.  Every failing call of a function in
+ *    this header that returns int sets it (a code with no more to say reads
+ *    "<function>: <kvr_strerror(code)>"); before the thread's first failure it is "".
+ *  - A successful call does not write it (errno's convention: success costs nothing, and
+ *    kvr_route is a microsecond), so it still holds the last failure's detail; do not read it
+ *    to learn whether a call failed.  (A call that makes failing calls inside and succeeds,
+ *    such as kvr_sync_drain applying a peer's finish of an attempt already ended here, may
+ *    have replaced it, as errno may be.)
+ *  - Per thread, in a fixed buffer of the library's (at most 255 bytes, truncated beyond):
+ *    nothing is allocated, so it works after KVR_ENOMEM, inside the router's callbacks (whose
+ *    failing calls replace it) and on any thread; two threads never see each other's.  The
+ *    pointer stays valid until the thread ends; its text changes at the thread's next failure,
+ *    so copy it to keep it.
+ * Why this shape: the detail is the calling thread's, as errno and zmq_errno() are, because
+ * kvr_route runs on many threads at once on one router (a per-handle message, as
+ * sqlite3_errmsg(), would be overwritten by another thread's call) and several failures have
+ * no handle (kvr_router_create, a NULL router); a caller-supplied buffer (libcurl's
+ * CURLOPT_ERRORBUFFER) would be a parameter on every call.
+ */
+KVR_API const char *kvr_last_error(void);
+
 /* ---------------------------------------------------------------- hashing */
 
 /* Seed of every XXH3 call in the block hash chain (Dynamo compatible). */

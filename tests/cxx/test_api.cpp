@@ -31,6 +31,9 @@ int main()
 	kvr_router *r = nullptr;
 	CHECK(kvr_router_create(&cfg, &r) == KVR_ERANGE);
 	CHECK(std::strcmp(kvr_strerror(KVR_ERANGE), "value out of range") == 0);
+	CHECK(std::strcmp(kvr_last_error(),
+	                  "kvr_router_create: config.block_size 0 is out of range [1, 65536]") ==
+	      0);
 	kvr_config_init(&cfg);
 	cfg.n_shards = 2;
 	CHECK(kvr_router_create(&cfg, &r) == KVR_OK && r != nullptr);

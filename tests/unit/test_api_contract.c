@@ -7,11 +7,17 @@
  * no-ops.  The optional subsystems are checked in whichever build this is: with ZeroMQ and NATS
  * their argument checks, without them the stubs' documented KVR_ENOTSUP (sync/feed_none.c,
  * sync/replica_none.c).  Table-driven: one row per (call, bad input); a row lists the codes the
- * header allows for it (two where it says "KVR_ENOENT or KVR_ESTALE").
+ * header allows for it (two where it says "KVR_ENOENT or KVR_ESTALE").  After every failing row
+ * kvr_last_error() must name the function that failed, and two rows that fail one function
+ * with one code for different reasons must say different things (the detail is what tells an
+ * embedder which of a dozen KVR_EINVALs it got).
  */
 #include <criterion/criterion.h>
+#include <ctype.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "kvrouter.h"
@@ -103,10 +109,51 @@ struct row {
 	const char *what;
 	int want, alt; /* alt: a second code the header allows (else the same as want) */
 	int (*call)(struct fx *f);
+	const char *expr; /* the row's call as written: which function it tests */
 };
 
-static void run_rows(struct fx *f, const struct row *rows, size_t n)
+/* The public function a row's expression tests: the last kvr_ call in it, or the one behind
+ * this file's helper it calls. */
+static void row_function(const char *expr, char *fn, size_t cap)
 {
+	static const char *const helpers[][2] = {
+	    {"route_bad(", "kvr_route"},    {"observe(", "kvr_rank_observe"},
+	    {"event(", "kvr_events_apply"}, {"feed_create(", "kvr_feed_create"},
+	    {"feed_add(", "kvr_feed_add"},  {"attach(", "kvr_sync_attach"},
+	};
+	fn[0] = '\0';
+	for (const char *p = expr; (p = strstr(p, "kvr_")); p++) {
+		size_t k = 0;
+		while (isalnum((unsigned char)p[k]) || p[k] == '_')
+			k++;
+		if (p[k] == '(' && k < cap) {
+			memcpy(fn, p, k);
+			fn[k] = '\0';
+		}
+	}
+	for (size_t i = 0; !fn[0] && i < sizeof(helpers) / sizeof(helpers[0]); i++)
+		if (!strncmp(expr, helpers[i][0], strlen(helpers[i][0])))
+			snprintf(fn, cap, "%s", helpers[i][1]);
+	cr_assert(fn[0], "%s: which function does it test?", expr);
+}
+
+/* Checks kvr_last_error() after a failed call of fn: set, naming fn ("fn: ..."). */
+static void expect_detail(const char *fn, const char *what)
+{
+	const char *m = kvr_last_error();
+	cr_assert_not_null(m, "%s: kvr_last_error() is NULL", what);
+	size_t k = strlen(fn);
+	cr_expect(!strncmp(m, fn, k) && m[k] == ':' && strlen(m) > k + 3,
+	          "%s: kvr_last_error() = \"%s\" does not start \"%s: \" and say why", what, m, fn);
+}
+
+static void run_rows(struct fx *f, const struct row *rows, size_t n, bool details)
+{
+	static struct {
+		char fn[64], detail[256];
+		int rc;
+	} seen[256];
+	cr_assert_leq(n, sizeof(seen) / sizeof(seen[0]));
 	for (size_t i = 0; i < n; i++) {
 		int rc = rows[i].call(f);
 		cr_expect_neq(rc, LEFT_OUT_SET, "%s: a failed call left *out set", rows[i].what);
@@ -115,7 +162,25 @@ static void run_rows(struct fx *f, const struct row *rows, size_t n)
 		          "%s: returned %d (%s), the header says %d (%s)", rows[i].what, rc,
 		          kvr_strerror(rc), rows[i].want, kvr_strerror(rows[i].want));
 		expect_message(rc, rows[i].what);
+		row_function(rows[i].expr, seen[i].fn, sizeof(seen[i].fn));
+		seen[i].rc = rc;
+		seen[i].detail[0] = '\0';
+		if (!details || rc == 0 || rc == LEFT_OUT_SET || rc == SUCCEEDED)
+			continue;
+		expect_detail(seen[i].fn, rows[i].what);
+		snprintf(seen[i].detail, sizeof(seen[i].detail), "%s", kvr_last_error());
 	}
+	/* Different causes, different details: every pair of rows failing one function with one
+	 * code.  Exempt: KVR_ENOTSUP (a stub has one cause: it was not built), and a row that
+	 * repeats an earlier one's cause (its name says "again"). */
+	for (size_t i = 0; i < n; i++)
+		for (size_t j = 0; j < i; j++)
+			if (seen[i].detail[0] && seen[j].detail[0] && seen[i].rc == seen[j].rc &&
+			    seen[i].rc != KVR_ENOTSUP && !strcmp(seen[i].fn, seen[j].fn) &&
+			    !strstr(rows[i].what, "again") && !strstr(rows[j].what, "again"))
+				cr_expect_str_neq(seen[i].detail, seen[j].detail,
+				                  "%s and %s: two causes, one detail \"%s\"",
+				                  rows[j].what, rows[i].what, seen[i].detail);
 }
 
 /* ROWS(X) lists X(name, want, alt, expression on f); DEF makes each a function, ENT a row. */
@@ -125,7 +190,7 @@ static void run_rows(struct fx *f, const struct row *rows, size_t n)
 		(void)f;                                                                           \
 		return (expr);                                                                     \
 	}
-#define ENT(name, want, alt, expr) {#name, want, alt, row_##name},
+#define ENT(name, want, alt, expr) {#name, want, alt, row_##name, #expr},
 
 static struct kvr_router *router(enum kvr_mode mode, uint32_t max_ranks, uint64_t events_max)
 {
@@ -383,7 +448,7 @@ Test(api_contract, router_calls)
 {
 	struct fx f;
 	fx_init(&f);
-	run_rows(&f, router_rows, sizeof(router_rows) / sizeof(router_rows[0]));
+	run_rows(&f, router_rows, sizeof(router_rows) / sizeof(router_rows[0]), true);
 	fx_fini(&f);
 }
 
@@ -464,18 +529,34 @@ Test(api_contract, config_values)
 	CASE("lease_scan_interval_ns 0", KVR_EINVAL, c->lease_scan_interval_ns = 0);
 	CASE("maint_every_tasks 0", KVR_EINVAL, c->maint_every_tasks = 0);
 	CASE("maint_every_ns 0", KVR_EINVAL, c->maint_every_ns = 0);
+	static char detail[32][256];
 	for (size_t i = 0; i < n; i++) {
 		cr_expect_eq(kvr_config_validate(&t[i].c), t[i].want, "validate: %s: %d (%s)",
 		             t[i].what, kvr_config_validate(&t[i].c),
 		             kvr_strerror(kvr_config_validate(&t[i].c)));
+		/* The detail names the call and the field: "...: config.<field> ..." */
+		expect_detail("kvr_config_validate", t[i].what);
+		cr_expect(strstr(kvr_last_error(), ": config."), "%s: \"%s\" names no field",
+		          t[i].what, kvr_last_error());
+		snprintf(detail[i], sizeof(detail[i]), "%s", kvr_last_error());
+		for (size_t j = 0; j < i; j++)
+			cr_expect_str_neq(detail[i], detail[j], "%s and %s: one detail", t[j].what,
+			                  t[i].what);
 		struct kvr_router *r = (struct kvr_router *)&t[i];
 		int rc = kvr_router_create(&t[i].c, &r);
 		cr_expect_eq(rc, t[i].want, "create: %s: %d", t[i].what, rc);
 		cr_expect_null(r, "create: %s: *out not NULL", t[i].what);
 		expect_message(rc, t[i].what);
+		expect_detail("kvr_router_create", t[i].what);
+		cr_expect_str_eq(strchr(kvr_last_error(), ':'), strchr(detail[i], ':'),
+		                 "%s: create and validate say different things", t[i].what);
 		if (rc == 0)
 			kvr_router_destroy(r);
 	}
+	/* The example of kvrouter.h. */
+	cr_expect_eq(kvr_router_create(&t[0].c, &(struct kvr_router *){NULL}), KVR_ERANGE);
+	cr_expect_str_eq(kvr_last_error(),
+	                 "kvr_router_create: config.block_size 0 is out of range [1, 65536]");
 }
 
 /* ---------------------------------------------------------------- KV events */
@@ -577,7 +658,7 @@ Test(api_contract, events_calls)
 {
 	struct fx f;
 	fx_init(&f);
-	run_rows(&f, event_rows, sizeof(event_rows) / sizeof(event_rows[0]));
+	run_rows(&f, event_rows, sizeof(event_rows) / sizeof(event_rows[0]), true);
 	fx_fini(&f);
 }
 
@@ -592,18 +673,20 @@ Test(api_contract, hashing)
 	cr_expect_eq(kvr_hash_blocks(t, 32, 0, NULL, l, s), 0, "block_size 0");
 	cr_expect_eq(kvr_hash_blocks(NULL, 0, BS, NULL, NULL, NULL), 0, "nothing to hash");
 	cr_expect_eq(kvr_hash_blocks(t, 32, BS, "", NULL, NULL), 2, "outputs may be NULL");
-	struct {
-		const char *what;
-		int rc;
-	} rows[] = {
-	    {"extend: n_blocks_out NULL", kvr_hash_extend(NULL, t, 32, BS, NULL, l, s, NULL)},
-	    {"extend: tokens NULL with a length",
-	     kvr_hash_extend(NULL, NULL, 32, BS, NULL, l, s, &n)},
-	    {"extend: block_size 0", kvr_hash_extend(NULL, t, 32, 0, NULL, l, s, &n)},
-	};
-	for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
-		cr_expect_eq(rows[i].rc, KVR_EINVAL, "%s: %d", rows[i].what, rows[i].rc);
-		expect_message(rows[i].rc, rows[i].what);
+	static const char *const what[3] = {"extend: n_blocks_out NULL",
+	                                    "extend: tokens NULL with a length",
+	                                    "extend: block_size 0"};
+	char detail[3][256];
+	for (int i = 0; i < 3; i++) {
+		int rc = i == 0   ? kvr_hash_extend(NULL, t, 32, BS, NULL, l, s, NULL)
+		         : i == 1 ? kvr_hash_extend(NULL, NULL, 32, BS, NULL, l, s, &n)
+		                  : kvr_hash_extend(NULL, t, 32, 0, NULL, l, s, &n);
+		cr_expect_eq(rc, KVR_EINVAL, "%s: %d", what[i], rc);
+		expect_message(rc, what[i]);
+		expect_detail("kvr_hash_extend", what[i]);
+		snprintf(detail[i], sizeof(detail[i]), "%s", kvr_last_error());
+		for (int j = 0; j < i; j++)
+			cr_expect_str_neq(detail[i], detail[j]);
 	}
 	cr_expect_eq(kvr_hash_lora_seed(NULL), KVR_HASH_SEED);
 	cr_expect_eq(kvr_hash_lora_seed(""), KVR_HASH_SEED);
@@ -723,7 +806,7 @@ Test(api_contract, feed_calls)
 	struct fx f;
 	fx_init(&f);
 	cr_assert_eq(kvr_feed_create(f.ev, NULL, &the_feed), 0);
-	run_rows(&f, feed_rows, sizeof(feed_rows) / sizeof(feed_rows[0]));
+	run_rows(&f, feed_rows, sizeof(feed_rows) / sizeof(feed_rows[0]), false);
 	kvr_feed_destroy(the_feed);
 	fx_fini(&f);
 }
@@ -856,7 +939,7 @@ Test(api_contract, sync_calls)
 {
 	struct fx f;
 	fx_init(&f);
-	run_rows(&f, sync_rows, sizeof(sync_rows) / sizeof(sync_rows[0]));
+	run_rows(&f, sync_rows, sizeof(sync_rows) / sizeof(sync_rows[0]), false);
 	/* A failed attach leaves the router free to be attached (not KVR_EBUSY) and to route. */
 	struct kvr_decision d;
 	cr_expect_eq(kvr_route(f.r, &f.q, &d), 0);
@@ -895,21 +978,27 @@ Test(api_contract, queue_calls)
 	int rc = kvr_route(r, &q, &d);
 	cr_expect_eq(rc, KVR_EAGAIN, "queue full: %d", rc);
 	expect_message(rc, "route, queue full");
+	expect_detail("kvr_route", "route, queue full");
+	cr_expect(strstr(kvr_last_error(), "queue"), "%s", kvr_last_error());
 	rc = kvr_route_wait(r, ticket, kvr_router_now(r) + 1000000, &d);
 	cr_expect_eq(rc, KVR_ETIMEDOUT, "route_wait past its deadline: %d", rc);
 	expect_message(rc, "route_wait, deadline");
+	expect_detail("kvr_route_wait", "route_wait, deadline");
 	cr_expect_eq(kvr_route_cancel(r, ticket), 0, "still queued after the timeout");
 	rc = kvr_route_cancel(r, ticket);
 	cr_expect_eq(rc, KVR_ENOENT, "cancelled twice: %d", rc);
 	expect_message(rc, "route_cancel, cancelled");
+	expect_detail("kvr_route_cancel", "route_cancel, cancelled");
 	rc = kvr_route_wait(r, ticket, 1, &d);
 	cr_expect_eq(rc, KVR_ENOENT, "waiting on a cancelled ticket: %d", rc);
+	expect_detail("kvr_route_wait", "route_wait, cancelled");
 	/* KVR_ROUTE_WAIT with a deadline: KVR_ETIMEDOUT, d->ticket names the queued request. */
 	q.flags = KVR_ROUTE_WAIT;
 	q.deadline_ns = kvr_router_now(r) + 1000000;
 	memset(&d, 0, sizeof(d));
 	rc = kvr_route(r, &q, &d);
 	cr_expect_eq(rc, KVR_ETIMEDOUT, "KVR_ROUTE_WAIT past its deadline: %d", rc);
+	expect_detail("kvr_route_wait", "KVR_ROUTE_WAIT, deadline");
 	cr_expect_neq(d.ticket, 0);
 	cr_expect_eq(kvr_route_cancel(r, d.ticket), 0, "it stays queued");
 	cr_expect_eq(kvr_request_finish(r, first), 0);
@@ -1009,6 +1098,78 @@ Test(api_contract, calls_from_callbacks)
 	cr_expect_eq(s.finish_rc, 0, "finish from on_admit: %d", s.finish_rc);
 	cr_expect_eq(s.route_rc, 0, "a query-only route from on_admit: %d", s.route_rc);
 	kvr_router_destroy(s.r);
+}
+
+/* ---------------------------------------------------------------- kvr_last_error */
+
+/* kvrouter.h: "" before a thread's first failure; a success writes nothing (the last failure's
+ * detail stays); the pointer is the thread's own. */
+Test(api_contract, last_error_convention)
+{
+	struct fx f;
+	fx_init(&f); /* its calls all succeed */
+	cr_expect_str_eq(kvr_last_error(), "", "before any failure: \"%s\"", kvr_last_error());
+	const char *p = kvr_last_error();
+	cr_expect_eq(route_bad(&f, 2), KVR_EINVAL);
+	cr_expect_str_eq(kvr_last_error(),
+	                 "kvr_route: req.n_tokens is 0; a prompt needs at least one token");
+	cr_expect_eq(kvr_last_error(), p, "one buffer per thread");
+	struct kvr_decision d;
+	struct kvr_request q = f.q;
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	cr_expect_eq(kvr_route(f.r, &q, &d), 0);
+	cr_expect_eq(kvr_request_prefill_done(f.r, f.live), 0);
+	cr_expect_str_eq(kvr_last_error(),
+	                 "kvr_route: req.n_tokens is 0; a prompt needs at least one token",
+	                 "a success changed it: \"%s\"", kvr_last_error());
+	fx_fini(&f);
+}
+
+/* Two threads failing different calls at once: each reads its own detail, every time. */
+struct detail_thread {
+	struct fx *f;
+	int which; /* 0: kvr_route with n_tokens 0; 1: kvr_rank_get_stats of an unknown rank */
+	int mixed, failed;
+	pthread_barrier_t *go;
+};
+
+static void *detail_main(void *arg)
+{
+	struct detail_thread *t = arg;
+	const char *want = t->which ? "kvr_rank_get_stats: no rank (worker 77, dp 3)"
+	                            : "kvr_route: req.n_tokens is 0; a prompt needs at least one "
+	                              "token";
+	pthread_barrier_wait(t->go);
+	for (int i = 0; i < 2000; i++) {
+		struct kvr_rank_stats st;
+		int rc = t->which ? kvr_rank_get_stats(t->f->r, UNK, &st) : route_bad(t->f, 2);
+		t->failed += rc != 0;
+		t->mixed += strcmp(kvr_last_error(), want) != 0;
+	}
+	return NULL;
+}
+
+Test(api_contract, last_error_per_thread)
+{
+	struct fx f;
+	fx_init(&f);
+	pthread_barrier_t go;
+	pthread_barrier_init(&go, NULL, 2);
+	struct detail_thread t[2] = {{&f, 0, 0, 0, &go}, {&f, 1, 0, 0, &go}};
+	pthread_t th[2];
+	for (int i = 0; i < 2; i++)
+		cr_assert_eq(pthread_create(&th[i], NULL, detail_main, &t[i]), 0);
+	for (int i = 0; i < 2; i++)
+		pthread_join(th[i], NULL);
+	for (int i = 0; i < 2; i++) {
+		cr_expect_eq(t[i].failed, 2000, "thread %d: calls failed %d times", i, t[i].failed);
+		cr_expect_eq(t[i].mixed, 0, "thread %d read another's detail %d times", i,
+		             t[i].mixed);
+	}
+	cr_expect_str_eq(kvr_last_error(), "", "the threads' failures showed here: \"%s\"",
+	                 kvr_last_error());
+	pthread_barrier_destroy(&go);
+	fx_fini(&f);
 }
 
 #ifdef KVR_HAVE_NATS
