@@ -54,6 +54,7 @@
 #include "core/router_internal.h"
 #include "kvrouter.h"
 #include "shards/u64map.h"
+#include "sync/feed_config.h"
 #include "sync/feed_decode.h"
 #include "sync/feed_internal.h"
 #include "sync/rcu.h"
@@ -595,12 +596,46 @@ static int call(struct kvr_feed *f, struct cmd *c)
 
 /* ---------------------------------------------------------------- API */
 
+/* The detail of a code the feed's thread answered (core/error.h); ep: kvr_feed_add's. */
+static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uint32_t id,
+                                                     const struct kvr_feed_endpoint *ep)
+{
+	switch (rc) {
+	case KVR_EINVAL: /* add: ZeroMQ refused an address */
+		if (!ep)
+			break;
+		return kvr_fail(rc,
+		                "%s: ZeroMQ refused endpoint \"%s\"%s%s%s (not a tcp://, ipc:// "
+		                "or inproc:// address it can connect to)",
+		                fn, ep->endpoint,
+		                ep->replay_endpoint ? " or replay_endpoint \"" : "",
+		                ep->replay_endpoint ? ep->replay_endpoint : "",
+		                ep->replay_endpoint ? "\"" : "");
+	case KVR_ENOENT:
+		return kvr_fail(rc, "%s: the feed has no endpoint id %" PRIu32, fn, id);
+	case KVR_EBUSY:
+		return kvr_fail(rc,
+		                "%s: called from the feed's own callback, or from another feed's "
+		                "where waiting would close a cycle of calls between feeds' "
+		                "callbacks: endpoints cannot be added or removed there",
+		                fn);
+	case KVR_ESHUTDOWN:
+		return kvr_fail(rc, "%s: the feed is being destroyed (or was, under this call)",
+		                fn);
+	}
+	return kvr_fail_code(rc, fn);
+}
+
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
 	if (out)
 		*out = NULL; /* as kvr_router_create and kvr_sync_attach: NULL on every failure */
 	if (!r || !out || r->cfg.mode != KVR_MODE_EVENTS)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_feed_create: %s",
+		                !r     ? "router is NULL"
+		                : !out ? "out is NULL"
+		                       : "the router's mode is not KVR_MODE_EVENTS (a feed applies "
+		                         "engine events)");
 	struct kvr_feed_config c;
 	if (cfg)
 		c = *cfg;
@@ -608,10 +643,10 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 		kvr_feed_config_init(&c);
 	if (c.replay_timeout_ms == 0 || c.max_msg_bytes < 1024 || c.max_msg_bytes > INT64_MAX ||
 	    c.rcv_hwm == 0)
-		return KVR_EINVAL;
+		return kvr_feed_config_check(&c, "kvr_feed_create");
 	struct kvr_feed *f = kvr_calloc(1, sizeof(*f));
 	if (!f)
-		return KVR_ENOMEM;
+		return kvr_fail(KVR_ENOMEM, "kvr_feed_create: out of memory for the feed");
 	f->r = r;
 	f->pend = &f->bufs[0];
 	f->cfg = c;
@@ -637,46 +672,60 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	return 0;
 fail:
 	kvr_feed_destroy(f);
-	return KVR_ENOMEM;
+	return kvr_fail(KVR_ENOMEM,
+	                "kvr_feed_create: out of memory, or ZeroMQ or the feed's thread could "
+	                "not start");
 }
 
 int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out)
 {
 	if (!f || !ep || !ep->endpoint || !ep->endpoint[0])
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_feed_add: %s",
+		                !f              ? "feed is NULL"
+		                : !ep           ? "ep is NULL"
+		                : !ep->endpoint ? "ep->endpoint is NULL"
+		                                : "ep->endpoint is \"\"");
 	struct cmd c = {.op = CMD_ADD, .ep = ep};
 	int rc = call(f, &c);
 	if (rc == 0 && id_out)
 		*id_out = c.id;
-	return rc;
+	return rc ? feed_fail(rc, "kvr_feed_add", 0, ep) : 0;
 }
 
 int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
 {
 	if (!f)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_feed_remove: feed is NULL");
 	struct cmd c = {.op = CMD_REMOVE, .id = id};
-	return call(f, &c);
+	int rc = call(f, &c);
+	return rc ? feed_fail(rc, "kvr_feed_remove", id, NULL) : 0;
 }
 
 int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out)
 {
 	if (!f || !out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_feed_get_stats: %s is NULL", !f ? "feed" : "out");
 	struct cmd c = {.op = CMD_STATS, .id = id, .stats = out};
-	return call(f, &c);
+	int rc = call(f, &c);
+	return rc ? feed_fail(rc, "kvr_feed_get_stats", id, NULL) : 0;
 }
 
 int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank, uint64_t *out,
                                  size_t cap, size_t *n_out)
 {
 	if (!f || !n_out || (!out && cap))
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_feed_other_medium_blocks: %s",
+		                !f       ? "feed is NULL"
+		                : !n_out ? "n_out is NULL"
+		                         : "out is NULL with cap > 0");
 	struct cmd c = {.op = CMD_OTHER, .id = id, .dp = dp_rank, .out = out, .cap = cap};
 	int rc = call(f, &c);
 	if (rc == 0 || rc == KVR_ERANGE)
 		*n_out = c.n;
-	return rc;
+	if (rc == KVR_ERANGE)
+		return kvr_fail(rc, "kvr_feed_other_medium_blocks: cap %zu is below the %zu blocks",
+		                cap, c.n);
+	return rc ? feed_fail(rc, "kvr_feed_other_medium_blocks", id, NULL) : 0;
 }
 
 /* Hands f's teardown to its own thread (feed_main frees it, detached): counted in the router's

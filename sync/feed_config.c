@@ -3,7 +3,11 @@
  * (sync/feed.c) and without it (sync/feed_none.c), so that a program filling its config sees
  * the same defaults whichever build it links.
  */
+#include <inttypes.h>
+
+#include "core/error.h"
 #include "kvrouter.h"
+#include "sync/feed_config.h"
 
 void kvr_feed_config_init(struct kvr_feed_config *cfg)
 {
@@ -13,4 +17,19 @@ void kvr_feed_config_init(struct kvr_feed_config *cfg)
 	                                .max_msg_bytes = 64u << 20,
 	                                .rcv_hwm = 100000,
 	                                .idle_spin_ns = 0};
+}
+
+int kvr_feed_config_check(const struct kvr_feed_config *c, const char *fn)
+{
+	if (c->replay_timeout_ms == 0)
+		return kvr_fail(KVR_EINVAL, "%s: config.replay_timeout_ms is 0; it must be >= 1",
+		                fn);
+	if (c->max_msg_bytes < 1024 || c->max_msg_bytes > INT64_MAX)
+		return kvr_fail(KVR_EINVAL,
+		                "%s: config.max_msg_bytes %" PRIu64
+		                " is out of range [1024, %" PRId64 "]",
+		                fn, c->max_msg_bytes, INT64_MAX);
+	if (c->rcv_hwm == 0)
+		return kvr_fail(KVR_EINVAL, "%s: config.rcv_hwm is 0; it must be >= 1", fn);
+	return 0;
 }

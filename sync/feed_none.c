@@ -2,6 +2,7 @@
  * sync/feed_none.c - the KV event feed API in a build without ZeroMQ (-Dzmq=disabled): every
  * call says so with KVR_ENOTSUP, so embedders link the same symbols either way.
  */
+#include "core/error.h"
 #include "kvrouter.h"
 
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
@@ -10,7 +11,7 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	(void)cfg;
 	if (out)
 		*out = NULL;
-	return KVR_ENOTSUP;
+	return kvr_fail(KVR_ENOTSUP, "kvr_feed_create: built without ZeroMQ (-Dzmq=disabled)");
 }
 
 int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out)
@@ -18,14 +19,14 @@ int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_
 	(void)f;
 	(void)ep;
 	(void)id_out;
-	return KVR_ENOTSUP;
+	return kvr_fail(KVR_ENOTSUP, "kvr_feed_add: built without ZeroMQ (-Dzmq=disabled)");
 }
 
 int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
 {
 	(void)f;
 	(void)id;
-	return KVR_ENOTSUP;
+	return kvr_fail(KVR_ENOTSUP, "kvr_feed_remove: built without ZeroMQ (-Dzmq=disabled)");
 }
 
 int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out)
@@ -33,7 +34,7 @@ int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *o
 	(void)f;
 	(void)id;
 	(void)out;
-	return KVR_ENOTSUP;
+	return kvr_fail(KVR_ENOTSUP, "kvr_feed_get_stats: built without ZeroMQ (-Dzmq=disabled)");
 }
 
 int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank, uint64_t *out,
@@ -46,7 +47,8 @@ int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_ra
 	(void)cap;
 	if (n_out)
 		*n_out = 0;
-	return KVR_ENOTSUP;
+	return kvr_fail(KVR_ENOTSUP,
+	                "kvr_feed_other_medium_blocks: built without ZeroMQ (-Dzmq=disabled)");
 }
 
 void kvr_feed_destroy(struct kvr_feed *f)

@@ -3,9 +3,12 @@
  * feature (sync/replica_nats.c) and without it (sync/replica_none.c), so that a program filling
  * its config sees the same defaults whichever build it links.
  */
+#include <inttypes.h>
 #include <string.h>
 
+#include "core/error.h"
 #include "kvrouter.h"
+#include "sync/replica_config.h"
 
 void kvr_sync_config_init(struct kvr_sync_config *c)
 {
@@ -17,4 +20,35 @@ void kvr_sync_config_init(struct kvr_sync_config *c)
 	c->heartbeat_ms = 100;
 	c->dead_after = 5;
 	c->snapshot_timeout_ms = 2000;
+}
+
+int kvr_sync_config_check(const struct kvr_sync_config *c, const char *fn)
+{
+	if (!c->replica_id)
+		return kvr_fail(KVR_EINVAL, "%s: config.replica_id is 0; it must be >= 1", fn);
+	if (!c->servers)
+		return kvr_fail(KVR_EINVAL, "%s: config.servers is NULL", fn);
+	/* The cluster names NATS subjects ("<cluster>.stream"): one token of them. */
+	size_t n = c->cluster ? strlen(c->cluster) : 0;
+	if (n < 1 || n > 64)
+		return kvr_fail(KVR_EINVAL, "%s: config.cluster %s%s%s is %zu characters; 1 to 64",
+		                fn, c->cluster ? "\"" : "", c->cluster ? c->cluster : "NULL",
+		                c->cluster ? "\"" : "", n);
+	for (size_t i = 0; i < n; i++) {
+		char ch = c->cluster[i];
+		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+		      (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
+			return kvr_fail(KVR_EINVAL,
+			                "%s: config.cluster \"%s\" has '%c' at %zu; only letters, "
+			                "digits, '_' and '-'",
+			                fn, c->cluster, ch, i);
+	}
+	if (!c->heartbeat_ms || c->heartbeat_ms > 60000)
+		return kvr_fail(KVR_EINVAL,
+		                "%s: config.heartbeat_ms %" PRIu32 " is out of range [1, 60000]",
+		                fn, c->heartbeat_ms);
+	if (c->dead_after < 2)
+		return kvr_fail(KVR_EINVAL, "%s: config.dead_after %" PRIu32 " is below 2", fn,
+		                c->dead_after);
+	return 0;
 }

@@ -12,6 +12,7 @@
  * buffers publishes made while reconnecting; the core does not rely on that (it stops publishing
  * when told of the disconnect and resends its state after the reconnect).
  */
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -21,7 +22,9 @@
 #include <nats/nats.h>
 
 #include "core/alloc.h"
+#include "core/error.h"
 #include "sync/replica.h"
+#include "sync/replica_config.h"
 #include "sync/replica_msg.h"
 
 struct kvr_sync {
@@ -184,20 +187,6 @@ static void t_ready(void *ctx)
 		natsConnection_Flush(s->nc);
 }
 
-static bool cluster_ok(const char *c)
-{
-	size_t n = c ? strlen(c) : 0;
-	if (n < 1 || n > 64)
-		return false;
-	for (size_t i = 0; i < n; i++) {
-		char ch = c[i];
-		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-		      (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
-			return false;
-	}
-	return true;
-}
-
 /* Splits the comma-separated server list into natsOptions_SetServers. */
 static natsStatus set_servers(natsOptions *o, const char *list)
 {
@@ -252,12 +241,18 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 {
 	if (out)
 		*out = NULL; /* on every failure, as kvr_router_create and sync/replica_none.c */
-	if (!r || !c || !out || !c->replica_id || !c->servers || !cluster_ok(c->cluster) ||
-	    !c->heartbeat_ms || c->heartbeat_ms > 60000 || c->dead_after < 2)
-		return KVR_EINVAL;
+	static const char fn[] = "kvr_sync_attach";
+	if (!r || !c || !out)
+		return kvr_fail(KVR_EINVAL, "%s: %s is NULL", fn,
+		                !r   ? "router"
+		                : !c ? "config"
+		                     : "out");
+	int ret = kvr_sync_config_check(c, fn);
+	if (ret)
+		return ret;
 	struct kvr_sync *s = kvr_calloc(1, sizeof(*s));
 	if (!s)
-		return KVR_ENOMEM;
+		return kvr_fail(KVR_ENOMEM, "%s: out of memory for the replica handle", fn);
 	pthread_mutex_init(&s->mu, NULL);
 	pthread_cond_init(&s->cv, NULL);
 	snprintf(s->subj_stream, sizeof(s->subj_stream), "%s.stream", c->cluster);
@@ -278,12 +273,12 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	    .ready = t_ready,
 	    .pending = t_pending,
 	};
-	int ret = kvr_replica_create(r, &rc, &t, &s->rep);
+	ret = kvr_replica_create(r, &rc, &t, &s->rep);
 	if (ret) {
 		pthread_cond_destroy(&s->cv);
 		pthread_mutex_destroy(&s->mu);
 		kvr_free(s, sizeof(*s));
-		return ret;
+		return kvr_fail_code(ret, fn);
 	}
 	natsOptions *o = NULL;
 	char name[64];
@@ -335,14 +330,23 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	if (st != NATS_OK) {
 		natsOptions_Destroy(o);
 		sync_free(s);
-		return st == NATS_NO_MEMORY ? KVR_ENOMEM : KVR_EINVAL;
+		if (st == NATS_NO_MEMORY)
+			return kvr_fail(KVR_ENOMEM, "%s: out of memory setting up the NATS options",
+			                fn);
+		return kvr_fail(KVR_EINVAL,
+		                "%s: NATS refused the options (servers \"%s\", credentials or TLS "
+		                "files): %s",
+		                fn, c->servers, natsStatus_GetText(st));
 	}
 	st = natsConnection_Connect(&s->nc, o);
 	natsOptions_Destroy(o);
 	if (st != NATS_OK) {
 		s->nc = NULL;
 		sync_free(s);
-		return st == NATS_NO_MEMORY ? KVR_ENOMEM : KVR_ETIMEDOUT;
+		if (st == NATS_NO_MEMORY)
+			return kvr_fail(KVR_ENOMEM, "%s: out of memory connecting to NATS", fn);
+		return kvr_fail(KVR_ETIMEDOUT, "%s: could not connect to NATS servers \"%s\": %s",
+		                fn, c->servers, natsStatus_GetText(st));
 	}
 	st = natsConnection_Subscribe(&s->stream_sub, s->nc, s->subj_stream, on_stream, s);
 	if (st == NATS_OK)
@@ -351,11 +355,17 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsConnection_FlushTimeout(s->nc, 2000); /* the server has our subscription */
 	if (st != NATS_OK) {
 		sync_free(s);
-		return KVR_ETIMEDOUT;
+		return kvr_fail(KVR_ETIMEDOUT, "%s: subscribing to \"%s.stream\" on NATS: %s", fn,
+		                c->cluster, natsStatus_GetText(st));
 	}
 	if ((ret = kvr_replica_start(s->rep))) {
 		sync_free(s);
-		return ret;
+		if (ret == KVR_EBUSY)
+			return kvr_fail(ret,
+			                "%s: the router has a replica attached already (or the "
+			                "replica's threads could not start)",
+			                fn);
+		return kvr_fail_code(ret, fn);
 	}
 	*out = s;
 	return 0;
@@ -376,20 +386,39 @@ void kvr_sync_detach(struct kvr_sync *s)
 	sync_free(s);
 }
 
+/* The detail of a wait that failed (core/error.h). */
+static __attribute__((cold, noinline)) int wait_fail(int rc, const char *fn, uint32_t timeout_ms)
+{
+	if (rc == KVR_ETIMEDOUT)
+		return kvr_fail(rc, "%s: not done within timeout_ms %" PRIu32, fn, timeout_ms);
+	if (rc == KVR_EBUSY)
+		return kvr_fail(rc,
+		                "%s: called from a router callback the replica's own thread runs, "
+		                "which this wait would wait for",
+		                fn);
+	return kvr_fail_code(rc, fn);
+}
+
 int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
 {
-	return s ? kvr_replica_wait_ready(s->rep, timeout_ms) : KVR_EINVAL;
+	if (!s)
+		return kvr_fail(KVR_EINVAL, "kvr_sync_wait_ready: s is NULL");
+	int rc = kvr_replica_wait_ready(s->rep, timeout_ms);
+	return rc ? wait_fail(rc, "kvr_sync_wait_ready", timeout_ms) : 0;
 }
 
 int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
 {
-	return s ? kvr_replica_drain(s->rep, timeout_ms) : KVR_EINVAL;
+	if (!s)
+		return kvr_fail(KVR_EINVAL, "kvr_sync_drain: s is NULL");
+	int rc = kvr_replica_drain(s->rep, timeout_ms);
+	return rc ? wait_fail(rc, "kvr_sync_drain", timeout_ms) : 0;
 }
 
 int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 {
 	if (!s || !out)
-		return KVR_EINVAL;
+		return kvr_fail(KVR_EINVAL, "kvr_sync_get_stats: %s is NULL", !s ? "s" : "out");
 	kvr_replica_get_stats(s->rep, out);
 	return 0;
 }
@@ -397,6 +426,10 @@ int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq)
 {
 	if (!s || !seq)
-		return KVR_EINVAL;
-	return kvr_replica_peer_seq(s->rep, replica_id, seq);
+		return kvr_fail(KVR_EINVAL, "kvr_sync_peer_seq: %s is NULL", !s ? "s" : "seq");
+	int rc = kvr_replica_peer_seq(s->rep, replica_id, seq);
+	if (rc == KVR_ENOENT)
+		return kvr_fail(rc, "kvr_sync_peer_seq: replica %" PRIu64 " is not a live peer",
+		                replica_id);
+	return rc ? kvr_fail_code(rc, "kvr_sync_peer_seq") : 0;
 }
