@@ -229,9 +229,14 @@ static inline void idx_run_set_child(struct idx_run *r, const struct idx_run *c)
 	__atomic_store_n(&r->ch, idx_set_lo(r->ch, c), __ATOMIC_RELEASE);
 }
 
+/* Release as well, though only the high bits change: a reader that loads this value follows its
+ * low bits (idx_find_child), and under C11 a relaxed store, by another writer thread than the
+ * one that linked the child, ends the release sequence of idx_run_set_child's store: the
+ * reader would then read the child with no happens-before from its initialisation.  Free on
+ * x86 (a release store is a plain mov). */
 static inline void idx_run_set_mco(struct idx_run *r, uint32_t off)
 {
-	__atomic_store_n(&r->ch, idx_set_hi(r->ch, off), __ATOMIC_RELAXED);
+	__atomic_store_n(&r->ch, idx_set_hi(r->ch, off), __ATOMIC_RELEASE);
 }
 
 /* The run's max child offset as a reader sees it: any value a writer stored (a stale bound, 0

@@ -213,7 +213,12 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r)
 		struct idx_run *p = idx_run_parent(r);
 		unlink_child(p, r);
 		seqs_retire(idx, r);
-		__atomic_store_n(&r->ch, (uint64_t)(uintptr_t)idx->rt.runs, __ATOMIC_RELAXED);
+		/* Release: a reader still inside its read section may load this dead run's word in
+		 * idx_find_child and read the run it links (another run of the batch) before
+		 * comparing; without release nothing orders that run's initialisation, by whichever
+		 * shard thread allocated it, before the reader's read (TSan in stress_router:
+		 * idx_find_child's read of first against kvr_index_run_new's malloc). */
+		__atomic_store_n(&r->ch, (uint64_t)(uintptr_t)idx->rt.runs, __ATOMIC_RELEASE);
 		idx->rt.runs = r;
 		idx->rt.n++;
 		r = p;
