@@ -8,10 +8,13 @@
 #define KVR_TESTS_COMMON_FEED_PUB_H
 
 #include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <zmq.h>
 
 #include "kvrouter.h"
@@ -51,12 +54,7 @@ struct test_pub {
 static inline void test_pub_open(struct test_pub *p)
 {
 	p->zctx = zmq_ctx_new();
-	p->pub = zmq_socket(p->zctx, ZMQ_XPUB);
-	int hwm = 0;
-	zmq_setsockopt(p->pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-	cr_assert_eq(zmq_bind(p->pub, "tcp://127.0.0.1:*"), 0);
-	size_t eplen = sizeof(p->ep);
-	cr_assert_eq(zmq_getsockopt(p->pub, ZMQ_LAST_ENDPOINT, p->ep, &eplen), 0);
+	cr_assert_eq(test_xpub_open(p->zctx, &p->pub, p->ep, sizeof(p->ep)), 0);
 }
 
 /* Waits for the feed's subscription, so nothing sent after it is dropped. */
@@ -81,6 +79,20 @@ static inline void test_pub_close(struct test_pub *p)
 {
 	zmq_close(p->pub);
 	zmq_ctx_term(p->zctx);
+}
+
+static inline void sleep_ms(long ms)
+{
+	struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
+	nanosleep(&ts, NULL);
+}
+
+/* Waits up to 10 s for *flag (a feed's thread came back from a callback). */
+static inline bool came_back(atomic_int *flag)
+{
+	for (int t = 0; t < 1000 && !atomic_load(flag); t++)
+		sleep_ms(10);
+	return atomic_load(flag);
 }
 
 /* Threads of this process (a feed's thread must be gone in the end). */

@@ -1,7 +1,8 @@
 /*
  * tests/common/vllm_batch.h - an empty vLLM KV event batch and its three ZeroMQ frames (topic,
  * 8-byte big-endian seq, msgpack payload), without Criterion: the feed's unit tests reach it
- * through feed_pub.h, the feed's stress tests (no Criterion under TSan) directly.
+ * through feed_pub.h, the feed's stress tests (no Criterion under TSan) directly.  Also the
+ * publisher's socket and a feed subscribed to it.
  */
 #ifndef KVR_TESTS_COMMON_VLLM_BATCH_H
 #define KVR_TESTS_COMMON_VLLM_BATCH_H
@@ -10,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <zmq.h>
+
+#include "kvrouter.h"
 
 /* {"ts": 1.0, "events": [], "data_parallel_rank": dp} into body[64]; returns its length. */
 static inline size_t test_pub_empty_batch(uint8_t *body, uint32_t dp)
@@ -43,6 +46,32 @@ static inline int test_batch_send_empty(void *pub, uint64_t seq)
 {
 	uint8_t body[64];
 	return test_batch_send(pub, seq, body, test_pub_empty_batch(body, 0));
+}
+
+/* An XPUB bound to a free local port, its endpoint in ep[cap], with no send high-water mark
+ * (every batch must reach the feed; XPUB: the feed's subscription can be awaited).  0, or -1. */
+static inline int test_xpub_open(void *zctx, void **pub, char *ep, size_t cap)
+{
+	*pub = zmq_socket(zctx, ZMQ_XPUB);
+	int hwm = 0;
+	if (!*pub || zmq_setsockopt(*pub, ZMQ_SNDHWM, &hwm, sizeof(hwm)) ||
+	    zmq_bind(*pub, "tcp://127.0.0.1:*"))
+		return -1;
+	return zmq_getsockopt(*pub, ZMQ_LAST_ENDPOINT, ep, &cap) ? -1 : 0;
+}
+
+/* A feed on r (config fc) with the endpoint ep of worker, once subscribed to pub, so that nothing
+ * sent after this returns is dropped.  0, or -1. */
+static inline int test_feed_subscribed(struct kvr_router *r, const struct kvr_feed_config *fc,
+                                       void *pub, const char *ep, uint64_t worker,
+                                       struct kvr_feed **out)
+{
+	struct kvr_feed_endpoint fe = {.endpoint = ep, .worker_id = worker};
+	uint8_t sub[64];
+	if (kvr_feed_create(r, fc, out) || kvr_feed_add(*out, &fe, NULL) ||
+	    zmq_recv(pub, sub, sizeof(sub), 0) < 1)
+		return -1;
+	return 0;
 }
 
 #endif

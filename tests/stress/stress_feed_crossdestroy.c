@@ -87,13 +87,8 @@ static int round_once(int log)
 	void *zctx = zmq_ctx_new();
 	void *pub[2];
 	for (int i = 0; i < 2; i++) {
-		pub[i] = zmq_socket(zctx, ZMQ_XPUB);
-		int hwm = 0;
-		zmq_setsockopt(pub[i], ZMQ_SNDHWM, &hwm, sizeof(hwm));
 		char ep[256];
-		size_t eplen = sizeof(ep);
-		if (zmq_bind(pub[i], "tcp://127.0.0.1:*") ||
-		    zmq_getsockopt(pub[i], ZMQ_LAST_ENDPOINT, ep, &eplen)) {
+		if (test_xpub_open(zctx, &pub[i], ep, sizeof(ep))) {
 			fprintf(stderr, "bind\n");
 			return 1;
 		}
@@ -101,10 +96,7 @@ static int round_once(int log)
 		kvr_feed_config_init(&fc);
 		fc.log = on_log;
 		fc.log_ctx = (void *)(intptr_t)i;
-		struct kvr_feed_endpoint fe = {.endpoint = ep, .worker_id = (uint64_t)i};
-		uint8_t sub[64];
-		if (kvr_feed_create(r, &fc, &F[i]) || kvr_feed_add(F[i], &fe, NULL) ||
-		    zmq_recv(pub[i], sub, sizeof(sub), 0) < 1) {
+		if (test_feed_subscribed(r, &fc, pub[i], ep, (uint64_t)i, &F[i])) {
 			fprintf(stderr, "feed\n");
 			return 1;
 		}

@@ -68,23 +68,16 @@ static int round_once(int log)
 		return 1;
 	}
 	void *zctx = zmq_ctx_new();
-	void *pub = zmq_socket(zctx, ZMQ_XPUB);
-	int hwm = 0;
-	zmq_setsockopt(pub, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+	void *pub;
 	char ep[256];
-	size_t eplen = sizeof(ep);
-	if (zmq_bind(pub, "tcp://127.0.0.1:*") ||
-	    zmq_getsockopt(pub, ZMQ_LAST_ENDPOINT, ep, &eplen)) {
+	if (test_xpub_open(zctx, &pub, ep, sizeof(ep))) {
 		fprintf(stderr, "bind\n");
 		return 1;
 	}
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.log = on_log;
-	struct kvr_feed_endpoint fe = {.endpoint = ep};
-	uint8_t sub[64];
-	if (kvr_feed_create(r, &fc, &F) || kvr_feed_add(F, &fe, NULL) ||
-	    zmq_recv(pub, sub, sizeof(sub), 0) < 1 || test_batch_send_empty(pub, 0) ||
+	if (test_feed_subscribed(r, &fc, pub, ep, 0, &F) || test_batch_send_empty(pub, 0) ||
 	    test_batch_send_empty(pub, 5)) {
 		fprintf(stderr, "feed\n");
 		return 1;

@@ -39,16 +39,6 @@ static void on_log(void *ctx, int level, const char *msg)
 	atomic_store(&log_done, 1);
 }
 
-/* Waits up to 10 s for *flag: the feed thread came back from the callback. */
-static bool came_back(atomic_int *flag)
-{
-	for (int t = 0; t < 1000 && !atomic_load(flag); t++) {
-		struct timespec ts = {0, 10000000};
-		nanosleep(&ts, NULL);
-	}
-	return atomic_load(flag);
-}
-
 Test(feed_callbacks, feed_calls_from_its_callbacks, .timeout = 60)
 {
 	struct kvr_router *r = test_events_router(on_gap);

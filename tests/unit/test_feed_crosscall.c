@@ -21,20 +21,6 @@
 
 #define N_MAX 3
 
-static void sleep_ms(long ms)
-{
-	struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
-	nanosleep(&ts, NULL);
-}
-
-/* Waits up to 10 s for *flag. */
-static bool came_back(atomic_int *flag)
-{
-	for (int t = 0; t < 1000 && !atomic_load(flag); t++)
-		sleep_ms(10);
-	return atomic_load(flag);
-}
-
 /* What feed i's callback does the first time it runs. */
 enum act { NONE, STATS, OTHER, ADD, REMOVE, STATS_THEN_DESTROY_SELF, DESTROY };
 

@@ -28,20 +28,6 @@ static uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void sleep_ms(long ms)
-{
-	struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
-	nanosleep(&ts, NULL);
-}
-
-/* Waits up to 10 s for *flag. */
-static bool came_back(atomic_int *flag)
-{
-	for (int t = 0; t < 1000 && !atomic_load(flag); t++)
-		sleep_ms(10);
-	return atomic_load(flag);
-}
-
 /* Waits up to 10 s for the process to be back to at most n threads. */
 static void threads_back_to(int n)
 {

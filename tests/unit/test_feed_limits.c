@@ -22,12 +22,6 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 		atomic_fetch_add(&gaps, 1);
 }
 
-static void sleep_ms(int ms)
-{
-	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-	nanosleep(&ts, NULL);
-}
-
 Test(feed_limits, idle_spin_still_resyncs_added_ranks, .timeout = 60)
 {
 	struct kvr_router *r = test_events_router(on_gap);
