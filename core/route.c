@@ -185,6 +185,16 @@ static inline uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Whether q->pinned is in q->allow (q->n_allow > 0). */
+static bool pinned_allowed(const struct kvr_request *q)
+{
+	for (size_t i = 0; i < q->n_allow; i++)
+		if (q->allow[i].worker_id == q->pinned->worker_id &&
+		    q->allow[i].dp_rank == q->pinned->dp_rank)
+			return true;
+	return false;
+}
+
 static int validate(const struct kvr_router *r, const struct kvr_request *q)
 {
 	if (!q)
@@ -210,12 +220,7 @@ static int validate(const struct kvr_router *r, const struct kvr_request *q)
 	if (q->flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT))
 		return KVR_EINVAL;
 	if (q->pinned && q->n_allow > 0) {
-		bool found = false;
-		for (size_t i = 0; i < q->n_allow; i++)
-			if (q->allow[i].worker_id == q->pinned->worker_id &&
-			    q->allow[i].dp_rank == q->pinned->dp_rank)
-				found = true;
-		if (!found)
+		if (!pinned_allowed(q))
 			return KVR_EINVAL; /* pinned outside the allow-list */
 	}
 	return 0;
@@ -287,12 +292,7 @@ static __attribute__((cold, noinline)) int invalid_request(const struct kvr_rout
 		                q->flags,
 		                q->flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT));
 	if (q->pinned && q->n_allow > 0) {
-		bool found = false;
-		for (size_t i = 0; i < q->n_allow; i++)
-			if (q->allow[i].worker_id == q->pinned->worker_id &&
-			    q->allow[i].dp_rank == q->pinned->dp_rank)
-				found = true;
-		if (!found)
+		if (!pinned_allowed(q))
 			return kvr_fail(KVR_EINVAL,
 			                "kvr_route: req.pinned (worker %" PRIu64
 			                ", dp %u) is not in req.allow (%zu ranks)",
