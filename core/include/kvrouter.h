@@ -76,7 +76,8 @@ KVR_API const char *kvr_strerror(int code);
  *    kvr_route is a microsecond), so it still holds the last failure's detail; do not read it
  *    to learn whether a call failed.  (A call that makes failing calls inside and succeeds,
  *    such as kvr_sync_drain applying a peer's finish of an attempt already ended here, may
- *    have replaced it, as errno may be.)
+ *    have replaced it, as errno may be.  kvr_route with KVR_ROUTE_WAIT reports a failure of
+ *    its wait as kvr_route_wait's, which it calls.)
  *  - Per thread, in a fixed buffer of the library's (at most 255 bytes, truncated beyond):
  *    nothing is allocated, so it works after KVR_ENOMEM, inside the router's callbacks (whose
  *    failing calls replace it) and on any thread; two threads never see each other's.  The
