@@ -340,23 +340,36 @@ static struct cmd *box_take(struct kvr_feed *f)
 	return fifo;
 }
 
-/* The box's commands, f's thread in its loop: run as from an ordinary thread (settled, exact).
- * Context: f's thread, in feed_main's loop. */
-static void serve_box(struct kvr_feed *f)
-{
-	for (struct cmd *c = box_take(f), *next; c; c = next) {
-		next = c->next;
-		run_cmd(f, c);
-		box_answer(c);
-	}
-}
-
 /* Drops the edge of c's caller (its call is answered now). */
 static void unblock(struct cmd *c)
 {
 	pthread_mutex_lock(&wait_lock);
 	c->from->blocked_on = NULL;
 	pthread_mutex_unlock(&wait_lock);
+}
+
+/* The box's commands, f's thread in its loop: run as from an ordinary thread (settled, exact).
+ * Their callers wait for this loop from the moment it takes them, as deferred callers do, and
+ * the graph says so: run_cmd's settle can run f's callbacks (a refusal logged, a loss reported
+ * through on_event_gap), and an add or remove from there on one of these callers must be
+ * refused (KVR_EBUSY), not deferred to a loop that waits for f's answer (it was: both waited
+ * for good; test_feed_crossserve).  No cycle is closed here: f is in its loop, waiting for
+ * nobody (f->blocked_on is NULL).  Context: f's thread, in feed_main's loop. */
+static void serve_box(struct kvr_feed *f)
+{
+	struct cmd *fifo = box_take(f);
+	if (!fifo)
+		return;
+	pthread_mutex_lock(&wait_lock);
+	for (struct cmd *c = fifo; c; c = c->next)
+		c->from->blocked_on = f;
+	pthread_mutex_unlock(&wait_lock);
+	for (struct cmd *c = fifo, *next; c; c = next) {
+		next = c->next;
+		run_cmd(f, c);
+		unblock(c);
+		box_answer(c);
+	}
 }
 
 /* Runs what was deferred while f's thread waited in a callback.  Context: f's thread, back in
