@@ -58,6 +58,7 @@
 #include "sync/feed_decode.h"
 #include "sync/feed_internal.h"
 #include "sync/rcu.h"
+#include "sync/replica_internal.h"
 
 void kvr_feed_log(struct kvr_feed *f, struct ep *e, int kind, int level, const char *fmt, ...)
 {
@@ -295,8 +296,10 @@ static void feed_free(struct kvr_feed *f);
 
 /* ---------------------------------------------------------------- calls between feeds */
 
-/* Guards every feed's blocked_on: the wait-for graph of deferred calls (top of file).  Taken
- * only to add or remove one edge, never with another lock held, nor while waiting. */
+/* Guards every feed's blocked_on: the wait-for graph of deferred calls (top of file), and the
+ * records of waits between feeds' callbacks and replicas ("A feed's callback waiting for a
+ * replica").  Taken only to add or remove one edge or record, never while waiting, and with no
+ * other lock held but, in call(), the target's ctl_lock (taken first). */
 static pthread_mutex_t wait_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* Wakes f's thread (its loop's poll, or its wait in call_from_feed).  Context: f->box_lock
@@ -583,6 +586,77 @@ static void *feed_main(void *arg)
 	return NULL;
 }
 
+/* ---------------------------------------------------------------- a feed's callback waiting for a
+ * replica */
+
+/*
+ * A feed's callback may wait for a replica (kvr_sync_drain, kvr_sync_wait_ready: until the
+ * replica's handling thread has applied what it received), and that thread's callbacks (on_admit
+ * there) may call on the feed: from an ordinary thread, so the call waits for the feed's loop,
+ * i.e. for the callback to return.  Each waited for the other until the drain's timeout.  So both
+ * waits are recorded under wait_lock, each after a look at the other's: the feed's
+ * (waits_replica, by the replica's wait through kvr_feed_wait_replica_begin) and the handling
+ * thread's (a rep_waiter in the target's list, by call()); whichever comes second is refused
+ * with KVR_EBUSY at once, and the first goes on once the second has returned.  Only this cycle of
+ * two is seen: one through other threads (the handling thread's call on feed B, whose callback
+ * calls this feed, whose thread does not serve its box while it waits for the replica) still
+ * waits until the drain's timeout; and kvr_sync_detach, which has no code to return, joins the
+ * handling thread even when it waits for the detaching feed (kvrouter.h forbids it there).
+ */
+struct rep_waiter {
+	const struct kvr_replica *rep; /* whose deliveries the waiting thread handles */
+	struct rep_waiter *next;
+};
+
+int kvr_feed_wait_replica_begin(const struct kvr_replica *rep)
+{
+	struct kvr_feed *f = feed_self;
+	if (!f)
+		return 0;
+	bool busy = false;
+	pthread_mutex_lock(&wait_lock);
+	for (const struct rep_waiter *w = f->rep_waiters; w && !busy; w = w->next)
+		busy = w->rep == rep;
+	if (!busy)
+		f->waits_replica = rep;
+	pthread_mutex_unlock(&wait_lock);
+	return busy ? KVR_EBUSY : 0;
+}
+
+void kvr_feed_wait_replica_end(void)
+{
+	struct kvr_feed *f = feed_self;
+	if (!f)
+		return;
+	pthread_mutex_lock(&wait_lock);
+	f->waits_replica = NULL;
+	pthread_mutex_unlock(&wait_lock);
+}
+
+/* A call on f from a thread handling w->rep's deliveries: refused (false) while f's thread waits
+ * for that replica, else w recorded in f until rep_unwait.  Context: the calling thread. */
+static bool rep_wait(struct kvr_feed *f, struct rep_waiter *w)
+{
+	pthread_mutex_lock(&wait_lock);
+	bool ok = f->waits_replica != w->rep;
+	if (ok) {
+		w->next = f->rep_waiters;
+		f->rep_waiters = w;
+	}
+	pthread_mutex_unlock(&wait_lock);
+	return ok;
+}
+
+static void rep_unwait(struct kvr_feed *f, struct rep_waiter *w)
+{
+	pthread_mutex_lock(&wait_lock);
+	struct rep_waiter **p = &f->rep_waiters;
+	while (*p != w)
+		p = &(*p)->next;
+	*p = w->next;
+	pthread_mutex_unlock(&wait_lock);
+}
+
 static int call(struct kvr_feed *f, struct cmd *c)
 {
 	if (feed_self == f) {
@@ -596,6 +670,11 @@ static int call(struct kvr_feed *f, struct cmd *c)
 	}
 	if (feed_self)
 		return call_from_feed(feed_self, f, c); /* another feed's callback */
+	/* A replica's handling thread (on_admit there): not while f's callback waits for that
+	 * replica ("A feed's callback waiting for a replica" above). */
+	struct rep_waiter w = {.rep = kvr_replica_handling_now()};
+	if (w.rep && !rep_wait(f, &w))
+		return KVR_EBUSY;
 	pthread_mutex_lock(&f->ctl_lock);
 	int rc = KVR_ESHUTDOWN;
 	char ack;
@@ -603,6 +682,9 @@ static int call(struct kvr_feed *f, struct cmd *c)
 	if (zmq_send(f->ctl_client, &c, sizeof(c), 0) == (int)sizeof(c) &&
 	    zmq_recv(f->ctl_client, &ack, 1, 0) >= 0 && __atomic_load_n(&c->done, __ATOMIC_ACQUIRE))
 		rc = c->rc;
+	/* Before ctl_lock: a feed tearing itself down frees f once it has that lock. */
+	if (w.rep)
+		rep_unwait(f, &w);
 	pthread_mutex_unlock(&f->ctl_lock);
 	return rc;
 }
@@ -628,9 +710,10 @@ static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uin
 		return kvr_fail(rc, "%s: the feed has no endpoint id %" PRIu32, fn, id);
 	case KVR_EBUSY:
 		return kvr_fail(rc,
-		                "%s: called from the feed's own callback, or from another feed's "
-		                "where waiting would close a cycle of calls between feeds' "
-		                "callbacks: endpoints cannot be added or removed there",
+		                "%s: waiting would close a cycle: called from the feed's own "
+		                "callback (add or remove), from another feed's whose wait the "
+		                "feed's callback waits for, or from a replica's thread while the "
+		                "feed's callback waits for that replica",
 		                fn);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: the feed is being destroyed (or was, under this call)",

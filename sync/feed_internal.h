@@ -63,6 +63,9 @@ struct pev {
 	uint32_t off, n; /* blocks (stored) or removed hashes */
 };
 
+struct kvr_replica;
+struct rep_waiter;
+
 struct pending {
 	struct ep *ep;
 	uint32_t dp;
@@ -159,6 +162,12 @@ struct kvr_feed {
 	 * loop); NULL when none.  Under sync/feed.c's wait_lock: the wait-for graph these edges
 	 * form is kept acyclic. */
 	struct kvr_feed *blocked_on;
+	/* A replica wait from this feed's callbacks (sync/feed.c, "A feed's callback waiting for
+	 * a replica"), under wait_lock: the replica whose drain or wait_ready this feed's thread
+	 * waits in (NULL: none), and the replicas whose handling thread waits in a call on this
+	 * feed (the callers' records, on their stacks). */
+	const struct kvr_replica *waits_replica;
+	struct rep_waiter *rep_waiters;
 };
 
 /* Whether f is being torn down by its own thread (kvr_feed_destroy deferred): it takes no more

@@ -4,6 +4,7 @@
  */
 #include "core/error.h"
 #include "kvrouter.h"
+#include "sync/replica_internal.h"
 
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
@@ -54,4 +55,15 @@ int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_ra
 void kvr_feed_destroy(struct kvr_feed *f)
 {
 	(void)f;
+}
+
+/* No feed threads: no feed waits for a replica. */
+int kvr_feed_wait_replica_begin(const struct kvr_replica *rep)
+{
+	(void)rep;
+	return 0;
+}
+
+void kvr_feed_wait_replica_end(void)
+{
 }

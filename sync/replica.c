@@ -98,6 +98,11 @@ bool kvr_replica_handling(const struct kvr_replica *rep)
 	return rep && handling_self == rep;
 }
 
+const struct kvr_replica *kvr_replica_handling_now(void)
+{
+	return handling_self;
+}
+
 /* Delivered messages the apply thread takes per wake-up: one qmu round trip and one wake of the
  * drain waiters per batch, and the heartbeat is checked between batches. */
 #define APPLY_BATCH 64
@@ -336,13 +341,28 @@ static int wait_until(struct kvr_replica *rep, uint32_t timeout_ms, bool ready_o
 		pthread_mutex_unlock(&rep->qmu);
 		return ready ? 0 : KVR_EBUSY;
 	}
+	if (ready_only) {
+		pthread_mutex_lock(&rep->qmu);
+		bool ready = rep->ready;
+		pthread_mutex_unlock(&rep->qmu);
+		if (ready)
+			return 0; /* no wait: nothing for the check below to refuse */
+	}
+	/* From a feed's callback: refused while this replica's handling thread waits in a call on
+	 * that feed (which waits for the callback to return), else recorded, so that such a call
+	 * made during the wait is refused instead (sync/feed.c).  Each would otherwise wait for
+	 * the other until this wait's timeout. */
+	int rc = kvr_feed_wait_replica_begin(rep);
+	if (rc)
+		return rc;
 	uint64_t deadline = kvr_rep_mono_ns() + (uint64_t)timeout_ms * 1000000ull;
 	/* Our own notes first: what this router did must be on its way to the peers. */
-	if (!ready_only && kvr_rep_out_flush(rep, deadline))
+	if (!ready_only && kvr_rep_out_flush(rep, deadline)) {
+		kvr_feed_wait_replica_end();
 		return KVR_ETIMEDOUT;
+	}
 	pthread_mutex_lock(&rep->qmu);
 	uint64_t target = rep->q_in;
-	int rc = 0;
 	while (ready_only ? !rep->ready : (rep->q_done < target || !rep->ready || rep->qhead)) {
 		if (!kvr_rep_wait_deadline(&rep->donecv, &rep->qmu, deadline)) {
 			rc = KVR_ETIMEDOUT;
@@ -350,6 +370,7 @@ static int wait_until(struct kvr_replica *rep, uint32_t timeout_ms, bool ready_o
 		}
 	}
 	pthread_mutex_unlock(&rep->qmu);
+	kvr_feed_wait_replica_end();
 	return rc;
 }
 

@@ -426,4 +426,18 @@ int kvr_rep_resync(struct kvr_replica *rep);
  * only what is set at create). */
 void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t chunk);
 
+/* ---------------------------------------------------------------- with the feeds (sync/feed.c) */
+
+/* The replica whose deliveries the calling thread handles now (its apply thread, or a transport
+ * thread inside kvr_replica_deliver_inline), NULL if none.  Context: any thread. */
+const struct kvr_replica *kvr_replica_handling_now(void);
+
+/* A wait for rep (kvr_replica_drain, kvr_replica_wait_ready) begins on the calling thread: on a
+ * feed's thread (one of its callbacks), KVR_EBUSY if rep's handling thread is waiting in a call
+ * on that feed (each would wait for the other: sync/feed.c, "A feed's callback waiting for a
+ * replica"), else recorded, for such a call to see, until kvr_feed_wait_replica_end; 0 on any
+ * other thread.  Defined in sync/feed.c (sync/feed_none.c without ZeroMQ: 0, nothing). */
+int kvr_feed_wait_replica_begin(const struct kvr_replica *rep);
+void kvr_feed_wait_replica_end(void);
+
 #endif

@@ -848,7 +848,13 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * caller's callback to return): that call returns KVR_EBUSY at once.  Such a call whose target
  * is torn down meanwhile (destroyed from a callback or another library thread, see
  * kvr_feed_destroy) returns KVR_ESHUTDOWN (one begun after the destroy is still forbidden).
- * Calls from other threads on A wait until A's callback returned, as before.
+ * Calls from other threads on A wait until A's callback returned, as before, but one: from a
+ * callback a replica's thread runs while applying a peer's message (on_admit there), each of
+ * these four calls returns KVR_EBUSY at once while A's callback waits for that replica
+ * (kvr_sync_drain, kvr_sync_wait_ready), and such a wait from A's callback returns KVR_EBUSY at
+ * once while that replica's thread waits in one of these calls on A: each would wait for the
+ * other (until the drain's timeout).  A longer cycle (that thread's call on feed B, whose
+ * callback calls A while A's waits for the replica) still waits until the drain's timeout.
  */
 KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
 
@@ -861,8 +867,9 @@ KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
 #define KVR_FEED_ALL UINT32_MAX
 
 /* A snapshot of one endpoint's counters (or KVR_FEED_ALL).  Returns 0, KVR_ENOENT, KVR_EINVAL
- * (KVR_ESHUTDOWN: see kvr_feed_add).  Context: any thread; one round trip to the feed thread
- * (waits while it serves a replay); from feeds' callbacks see kvr_feed_add (never KVR_EBUSY). */
+ * (KVR_ESHUTDOWN, KVR_EBUSY: see kvr_feed_add).  Context: any thread; one round trip to the feed
+ * thread (waits while it serves a replay); from feeds' callbacks see kvr_feed_add (never
+ * KVR_EBUSY there). */
 KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out);
 
 /*
@@ -870,8 +877,8 @@ KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_
  * connector) for dp rank dp_rank, as engine hashes: up to cap written to out (any order), the
  * total in *n_out (required).  Kept apart from the GPU index; each hash once, however many
  * copies.  Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT (no such
- * endpoint), KVR_EINVAL (KVR_ESHUTDOWN: see kvr_feed_add).  Context: any thread; one round trip
- * to the feed thread; from feeds' callbacks see kvr_feed_add (never KVR_EBUSY).
+ * endpoint), KVR_EINVAL (KVR_ESHUTDOWN, KVR_EBUSY: see kvr_feed_add).  Context: any thread; one
+ * round trip to the feed thread; from feeds' callbacks see kvr_feed_add (never KVR_EBUSY there).
  */
 KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank,
                                          uint64_t *out, size_t cap, size_t *n_out);
@@ -1015,18 +1022,22 @@ KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *
  * kvr_sync_detach then only disconnects and frees.
  * Context: any thread; not concurrently with other calls on s.  Not from a router callback that
  * the replica's own threads run while applying peers' messages (on_admit there): it would wait
- * for that very call; there it returns at once and does nothing (detach from another thread). */
+ * for that very call; there it returns at once and does nothing (detach from another thread).
+ * Nor from a feed's callback while the replica's threads may call that feed (on_admit calling
+ * kvr_feed_get_stats): it would wait for such a call, which waits for the callback, for good. */
 KVR_API void kvr_sync_detach(struct kvr_sync *s);
 
 /* Waits until the replica has applied its first snapshot (or found no peer).  0,
  * KVR_ETIMEDOUT, KVR_EINVAL; from a callback the replica's own threads run (see
- * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY. */
+ * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY; from a feed's callback, as
+ * kvr_sync_drain. */
 KVR_API int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms);
 
 /* Waits until every message received so far is applied.  0, KVR_ETIMEDOUT, KVR_EINVAL, or
  * KVR_EBUSY at once when called from a router callback that the replica's own threads run while
  * applying a peer's message (on_admit after a peer's finish freed room): the message being
- * applied is among those it would wait for.  For tests and quiet points. */
+ * applied is among those it would wait for; or from a feed's callback while the replica's
+ * thread waits in a call on that feed (see kvr_feed_add).  For tests and quiet points. */
 KVR_API int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms);
 
 /* How far this replica has applied peer replica_id's stream: *seq gets the number of the last

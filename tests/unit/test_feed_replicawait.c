@@ -1,0 +1,133 @@
+/* A feed's callback waiting for a replica (kvr_replica_drain, as kvr_sync_drain) while that
+ * replica's apply thread, in on_admit, calls the feed API on the same feed.  The call waits for
+ * the feed's loop, i.e. for the callback, which waits for the apply thread: before, each waited
+ * for the other until the drain's timeout (5 s here: the drain returned KVR_ETIMEDOUT, then the
+ * call went through).  Now whichever of the two waits comes second is refused with KVR_EBUSY at
+ * once (sync/feed.c, "A feed's callback waiting for a replica"), and the other goes on: the
+ * drain returns 0 once on_admit returned, or the call is answered once the callback returned.
+ * Both orders are tried; which one happens is up to the scheduler, so each test takes either. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrouter.h"
+#include "tests/common/feed_pub.h"
+#include "tests/common/pinned_router.h"
+#include "tests/common/router_prompts.h"
+#include "tests/unit/replica_bus.h"
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static struct kvr_feed *xfeed;
+static atomic_int admit_in, log_in, admit_out, log_out;
+static bool drain_first; /* the order the test asks for (a hint to the scheduler) */
+static int drain_rc = 1, call_rc = 1;
+static uint64_t drain_ns, call_ns;
+static char call_detail[256];
+
+static void on_admit_calls_feed(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx, (void)ticket, (void)d;
+	if (atomic_exchange(&admit_in, 1))
+		return;
+	for (int t = 0; t < 1000 && !atomic_load(&log_in); t++)
+		sleep_ms(10);
+	if (drain_first)
+		sleep_ms(200); /* the feed's callback into its drain */
+	struct kvr_feed_stats st;
+	uint64_t t0 = mono_ns();
+	call_rc = kvr_feed_get_stats(xfeed, KVR_FEED_ALL, &st);
+	call_ns = mono_ns() - t0;
+	snprintf(call_detail, sizeof(call_detail), "%s", kvr_last_error());
+	atomic_store(&admit_out, 1);
+}
+
+static void on_log_drains(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level, (void)msg;
+	if (atomic_exchange(&log_in, 1))
+		return;
+	for (int t = 0; t < 1000 && !atomic_load(&admit_in); t++)
+		sleep_ms(10);
+	if (!drain_first)
+		sleep_ms(200); /* on_admit into its call */
+	uint64_t t0 = mono_ns();
+	drain_rc = kvr_replica_drain(bus.rep[1], 5000);
+	drain_ns = mono_ns() - t0;
+	atomic_store(&log_out, 1);
+}
+
+static void drain_against_call(bool drain_goes_first)
+{
+	drain_first = drain_goes_first;
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	struct kvr_router *r[2];
+	r[0] = queue_router(NULL);
+	r[1] = queue_router(on_admit_calls_feed);
+	bus_attach(0, r[0]);
+	bus_attach(1, r[1]);
+	struct kvr_router *ev = test_events_router(NULL);
+	struct test_pub pub;
+	test_pub_open(&pub);
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.log = on_log_drains;
+	cr_assert_eq(kvr_feed_create(ev, &fc, &xfeed), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
+	cr_assert_eq(kvr_feed_add(xfeed, &fe, NULL), 0);
+	test_pub_subscribed(&pub);
+	/* A's 200-token request, mirrored on B, saturates X there: B's own request waits. */
+	struct kvr_decision hog, q;
+	cr_assert_eq(route_pinned(r[0], 1, 200, &hog), 0);
+	cr_assert_eq(hog.status, KVR_DECIDED);
+	bus_quiet(r, 2);
+	cr_assert_eq(route_pinned(r[1], 2, 64, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED, "B did not see A's load");
+	/* The feed's thread into its log (a gap), B's apply thread into on_admit (A's finish). */
+	test_pub_send_empty(&pub, 0, 0);
+	test_pub_send_empty(&pub, 5, 0);
+	cr_assert_eq(kvr_request_finish(r[0], hog.attempt), 0);
+	cr_assert(came_back(&admit_out), "on_admit's call on the feed never returned");
+	cr_assert(came_back(&log_out), "the feed's log never returned");
+	cr_log_info("drain first %d: drain %d after %lu ms, call %d after %lu ms", drain_first,
+	            drain_rc, (unsigned long)(drain_ns / 1000000), call_rc,
+	            (unsigned long)(call_ns / 1000000));
+	cr_assert_lt(drain_ns, 2000000000ull, "the drain took %lu ms (%d)",
+	             (unsigned long)(drain_ns / 1000000), drain_rc);
+	cr_assert_lt(call_ns, 2000000000ull, "the call took %lu ms (%d)",
+	             (unsigned long)(call_ns / 1000000), call_rc);
+	cr_assert((drain_rc == KVR_EBUSY) != (call_rc == KVR_EBUSY),
+	          "one of the two is refused: drain %d, call %d", drain_rc, call_rc);
+	cr_assert_eq(drain_rc == KVR_EBUSY ? call_rc : drain_rc, 0);
+	if (call_rc == KVR_EBUSY)
+		cr_assert(strstr(call_detail, "kvr_feed_get_stats: ") == call_detail &&
+		              strstr(call_detail, "replica"),
+		          "detail \"%s\"", call_detail);
+	/* Both go on. */
+	struct kvr_feed_stats st;
+	cr_assert_eq(kvr_feed_get_stats(xfeed, 0, &st), 0);
+	cr_assert_eq(st.gaps, 1);
+	cr_assert_eq(kvr_replica_drain(bus.rep[1], 5000), 0);
+	kvr_feed_destroy(xfeed);
+	kvr_router_destroy(ev);
+	test_pub_close(&pub);
+	bus_quiet(r, 2);
+	bus_teardown(r, 2);
+}
+
+Test(feed_replicawait, drain_from_a_feed_log_then_on_admit_calls_the_feed, .timeout = 60)
+{
+	drain_against_call(true);
+}
+
+Test(feed_replicawait, on_admit_calls_the_feed_then_its_log_drains, .timeout = 60)
+{
+	drain_against_call(false);
+}
