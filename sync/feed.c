@@ -24,7 +24,12 @@
  *    deferred call is an edge of a wait-for graph (the caller's feed blocked_on this one);
  *    edges are added under one global lock (wait_lock), each after a walk that checks it closes
  *    no cycle: a deferral that would (A's add waits for B's loop while B's add waits for A's,
- *    directly or through other feeds) is answered KVR_EBUSY at once instead.
+ *    directly or through other feeds) is answered KVR_EBUSY at once instead.  The callers of
+ *    the commands a loop has taken from its box are edges too while they run (serve_box): the
+ *    settle before each may run the feed's callbacks, whose calls then see that wait.
+ * Reads and add / remove from a replica's thread that handles peers' messages (on_admit there)
+ * wait for the feed's loop as from any thread, unless the feed's callback waits for that very
+ * replica: then one of the two is refused ("A feed's callback waiting for a replica" below).
  * Why this cannot hang: a feed thread waiting in such a call waits only for its answer, and
  * every feed thread answers what its box holds whenever it is in its loop or in such a wait;
  * the only answers that wait longer are deferred ones, which wait for the target to get back to
