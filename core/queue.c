@@ -299,6 +299,16 @@ static struct qentry *find(struct kvr_queue *q, uint64_t ticket)
 	return NULL;
 }
 
+/* The detail of a ticket given to fn (kvr_route_wait, kvr_route_cancel) on a router that
+ * queues nothing, so issued no ticket (core/error.h). */
+static __attribute__((cold, noinline)) int no_queue(const char *fn, uint64_t ticket)
+{
+	return kvr_fail(KVR_ENOENT,
+	                "%s: ticket %" PRIu64
+	                " is unknown: this router has no queue (queue_threshold 0)",
+	                fn, ticket);
+}
+
 /* The detail of a wait that ended without an admission (core/error.h). */
 static __attribute__((cold, noinline)) int wait_failed(int rc, uint64_t ticket,
                                                        uint64_t deadline_ns)
@@ -332,10 +342,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		                     : "ticket is 0");
 	struct kvr_queue *q = r->queue;
 	if (!q)
-		return kvr_fail(KVR_ENOENT,
-		                "kvr_route_wait: ticket %" PRIu64
-		                " is unknown: this router has no queue (queue_threshold 0)",
-		                ticket);
+		return no_queue("kvr_route_wait", ticket);
 	pthread_mutex_lock(&q->lock);
 	struct qentry *e = find(q, ticket);
 	if (!e) {
@@ -394,10 +401,7 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 		                !r ? "router is NULL" : "ticket is 0");
 	struct kvr_queue *q = r->queue;
 	if (!q)
-		return kvr_fail(KVR_ENOENT,
-		                "kvr_route_cancel: ticket %" PRIu64
-		                " is unknown: this router has no queue (queue_threshold 0)",
-		                ticket);
+		return no_queue("kvr_route_cancel", ticket);
 	pthread_mutex_lock(&q->lock);
 	q->waiters++;
 	struct qentry *e;
