@@ -137,13 +137,20 @@ static inline int begin(const struct kvr_rank_state *rs, uint64_t incarnation,
 	return fence(rs, incarnation);
 }
 
+/* begin() for a command that brings n blocks at b. */
+static inline int begin_blocks(const struct kvr_rank_state *rs, uint64_t incarnation,
+                               const struct kvr_lru_block *b, size_t n, struct kvr_lru_out *out)
+{
+	if (n > 0 && !b)
+		return KVR_EINVAL;
+	return begin(rs, incarnation, out);
+}
+
 int kvr_rank_state_acquire(struct kvr_rank_state *rs, uint64_t incarnation, uint64_t attempt,
                            const struct kvr_lru_block *b, size_t n, uint32_t private_blocks,
                            uint64_t now, struct kvr_lru_out *out)
 {
-	if (!rs || !out || (n > 0 && !b))
-		return KVR_EINVAL;
-	int rc = begin(rs, incarnation, out);
+	int rc = begin_blocks(rs, incarnation, b, n, out);
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
@@ -163,9 +170,7 @@ int kvr_rank_state_materialize(struct kvr_rank_state *rs, uint64_t incarnation, 
                                uint32_t start_pos, uint32_t private_blocks, uint64_t now,
                                struct kvr_lru_out *out)
 {
-	if (!rs || !out || (n > 0 && !b))
-		return KVR_EINVAL;
-	int rc = begin(rs, incarnation, out);
+	int rc = begin_blocks(rs, incarnation, b, n, out);
 	if (rc)
 		return rc;
 	if (rs->mode == KVR_RANK_LRU)
