@@ -12,6 +12,7 @@
 
 #include "core/alloc.h"
 #include "core/index.h"
+#include "kvrouter.h" /* the KVR_E* codes idx_write_begin returns */
 #include "sync/rcu.h"
 
 #define IDX_CACHELINE 64
@@ -984,6 +985,27 @@ void kvr_index_run_check(struct kvr_index *idx, struct idx_run *r);
 void kvr_index_retire_flush(struct kvr_index *idx, struct idx_retire *rt);
 /* Slot of an active rank, or NULL.  Context: writer (wlock). */
 struct idx_rank *kvr_index_rank_get_active(struct kvr_index *idx, uint32_t slot);
+
+/* How a write of n blocks to slot begins (kvr_index_store and its variants, the removes): the
+ * rank active, something to do, then the caller registered with RCU (retired memory goes
+ * through call_rcu, which needs a registered caller: without one, pthread keys exhausted,
+ * nothing is written) and the writers' lock taken.  Returns 1 with idx->wlock held and *rk the
+ * rank; else nothing done and no lock: 0 for n == 0, KVR_ENOENT (no such active rank),
+ * KVR_ENOMEM (not registered).
+ * Context: a writer (shard thread or owner); not inside idx->wlock. */
+static inline int idx_write_begin(struct kvr_index *idx, uint32_t slot, size_t n,
+                                  struct idx_rank **rk)
+{
+	*rk = kvr_index_rank_get_active(idx, slot);
+	if (!*rk)
+		return KVR_ENOENT;
+	if (n == 0)
+		return 0;
+	if (kvr_rcu_thread_online() != 0)
+		return KVR_ENOMEM;
+	pthread_mutex_lock(&idx->wlock);
+	return 1;
+}
 /* Drops every block of the slot.  Context: writer holding wlock.  Returns blocks dropped. */
 uint64_t kvr_index_clear_locked(struct kvr_index *idx, uint32_t slot);
 /* Frees a run's writer-only records (holds, bitmaps) and the run itself, with no deferral.

@@ -256,16 +256,10 @@ static int remove_common(struct kvr_index *idx, uint32_t slot, const uint64_t *e
 		*n_not_found = 0;
 	if (!idx || (!ext && n > 0) || (!run_len && n_runs > 0))
 		return KVR_EINVAL;
-	struct idx_rank *rk = kvr_index_rank_get_active(idx, slot);
-	if (!rk)
-		return KVR_ENOENT;
-	if (n == 0)
-		return 0;
-	/* Retired memory goes through call_rcu, which needs a registered caller: without one
-	 * (pthread keys exhausted) nothing is removed, as kvr_index_store does. */
-	if (kvr_rcu_thread_online() != 0)
-		return KVR_ENOMEM;
-	pthread_mutex_lock(&idx->wlock);
+	struct idx_rank *rk;
+	int go = idx_write_begin(idx, slot, n, &rk);
+	if (go <= 0)
+		return go;
 	size_t removed = 0, dropped = 0;
 	size_t nf =
 	    kvr_index_remove_locked(idx, rk, slot, ext, n, run_len, n_runs, &removed, &dropped);

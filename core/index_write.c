@@ -213,15 +213,11 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 {
 	if (!idx || (!blocks && n > 0))
 		return KVR_EINVAL;
-	struct idx_rank *rk = kvr_index_rank_get_active(idx, slot);
-	if (!rk)
-		return KVR_ENOENT;
-	if (n == 0)
-		return 0;
-	if (kvr_rcu_thread_online() != 0)
-		return KVR_ENOMEM;
-	pthread_mutex_lock(&idx->wlock);
-	int rc = 0;
+	struct idx_rank *rk;
+	int rc = idx_write_begin(idx, slot, n, &rk);
+	if (rc <= 0)
+		return rc;
+	rc = 0;
 	uint64_t added = 0, copies = 0, nodes = 0;
 	uint64_t *applied = NULL; /* ext hashes added or copied, for a rollback */
 	size_t napplied = 0;
