@@ -365,12 +365,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 				copies++;
 				applied[napplied++] = e;
 			}
-			R = C;
-			p = q;
-			h = ch;
-			prev = e;
-			has_prev = true;
-			continue;
+			goto step;
 		}
 		if (via_e) { /* NEVER: e maps to s, so the rank holds s */
 			rc = KVR_EINVAL;
@@ -529,6 +524,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		}
 		added++;
 		applied[napplied++] = e;
+	step: /* the block is at C's position q (held already, or added): the next one's parent */
 		R = C;
 		p = q;
 		h = ch;
