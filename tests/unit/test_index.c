@@ -697,44 +697,77 @@ static void same_as_before(const struct snap *before, struct snap *after, uint32
 	cr_assert_eq(after->st.copies, before->st.copies, "nth=%lu", (unsigned long)nth);
 }
 
+/* The write of the SQLite-style tests below, which count copies: r1 holds a's 20 blocks (ext
+ * 100.., local 1..), r0 its first `held` (*before: r0 as q sees it, scoring `held`); b (nb
+ * blocks): copies of a's blocks 5 .. held-1, then new ones (ext 5000.., local 1000..) forking
+ * off block held-1, stored below parent ext 104 (block 4); q (nq): a's first 5 local hashes,
+ * then b's. */
+static void oom_write_setup(uint32_t *r0, uint32_t *r1, size_t held, struct kvr_index_block *b,
+                            size_t nb, uint64_t *q, size_t nq, struct snap *before)
+{
+	kvr_index_set_count_copies(idx, true);
+	kvr_index_rank_add(idx, 1, 0, r0);
+	kvr_index_rank_add(idx, 2, 0, r1);
+	struct kvr_index_block a[20];
+	chain(a, 20, 100, 1);
+	cr_assert_eq(kvr_index_store(idx, *r1, NULL, a, 20), 0);
+	cr_assert_eq(kvr_index_store(idx, *r0, NULL, a, held), 0);
+	chain(b, held - 5, 105, 6);
+	chain(b + held - 5, nb - (held - 5), 5000, 1000);
+	for (size_t i = 0; i < 5; i++)
+		q[i] = 1 + (uint64_t)i;
+	for (size_t i = 5; i < nq; i++)
+		q[i] = b[i - 5].local_hash;
+	take(before, *r0, q, nq);
+	cr_assert_eq(before->score, (int)held);
+}
+
+/* Stores b (n blocks, below parent ext 104) into r0 with its nth allocation failed for nth = 1,
+ * 2, ... until it succeeds: every failure must return KVR_ENOMEM, leave r0 as before had it
+ * (same_as_before, which takes *after) and pass also(r0, before, after, nth), the test's own
+ * checks.  Returns the nth that succeeded. */
+static uint64_t store_until_ok(uint32_t r0, const struct kvr_index_block *b, size_t n,
+                               const uint64_t *q, size_t nq, const struct snap *before,
+                               struct snap *after,
+                               void (*also)(uint32_t r0, const struct snap *before,
+                                            const struct snap *after, uint64_t nth))
+{
+	uint64_t nth, parent = 104;
+	int rc = KVR_ENOMEM;
+	for (nth = 1; nth < 1000 && rc != 0; nth++) {
+		kvr_alloc_fail_after(nth);
+		rc = kvr_index_store(idx, r0, &parent, b, n);
+		kvr_alloc_fail_after(0);
+		if (rc == 0)
+			break;
+		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
+		same_as_before(before, after, r0, q, nq, nth);
+		also(r0, before, after, nth);
+	}
+	cr_assert_eq(rc, 0);
+	return nth;
+}
+
+/* out_of_memory_changes_nothing's own checks after a failure: no node, the tree's size. */
+static void nodes_and_size_kept(uint32_t r0, const struct snap *before, const struct snap *after,
+                                uint64_t nth)
+{
+	cr_assert_eq(after->st.nodes, before->st.nodes, "nth=%lu", (unsigned long)nth);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), before->n);
+}
+
 /* SQLite-style: fail the nth allocation of one store that forks a run, adds copies, grows
  * maps, holder sets and the table, for n = 1, 2, ... until it succeeds; every failure must
  * return KVR_ENOMEM and leave the index exactly as it was. */
 Test(index, out_of_memory_changes_nothing)
 {
-	kvr_index_set_count_copies(idx, true);
 	uint32_t r0, r1;
-	kvr_index_rank_add(idx, 1, 0, &r0);
-	kvr_index_rank_add(idx, 2, 0, &r1);
-	struct kvr_index_block a[20], b[40];
-	chain(a, 20, 100, 1);
-	cr_assert_eq(kvr_index_store(idx, r1, NULL, a, 20), 0);
-	cr_assert_eq(kvr_index_store(idx, r0, NULL, a, 10), 0);
-	/* The write: copies of blocks 5..9, then 35 new ones forking off block 9. */
-	chain(b, 5, 105, 6);
-	chain(b + 5, 35, 5000, 1000);
-	uint64_t q[45], parent = 104;
-	for (int i = 0; i < 5; i++)
-		q[i] = 1 + (uint64_t)i;
-	for (int i = 0; i < 40; i++)
-		q[5 + i] = b[i].local_hash;
+	struct kvr_index_block b[40];
+	uint64_t q[45];
 	struct snap before, after;
-	take(&before, r0, q, 45);
-	cr_assert_eq(before.score, 10);
-	uint64_t nth;
-	int rc = KVR_ENOMEM;
-	for (nth = 1; nth < 1000 && rc != 0; nth++) {
-		kvr_alloc_fail_after(nth);
-		rc = kvr_index_store(idx, r0, &parent, b, 40);
-		kvr_alloc_fail_after(0);
-		if (rc == 0)
-			break;
-		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
-		same_as_before(&before, &after, r0, q, 45, nth);
-		cr_assert_eq(after.st.nodes, before.st.nodes, "nth=%lu", (unsigned long)nth);
-		cr_assert_eq(kvr_index_tree_size(idx, r0), before.n);
-	}
-	cr_assert_eq(rc, 0);
+	/* The write: copies of blocks 5..9, then 35 new ones forking off block 9. */
+	oom_write_setup(&r0, &r1, 10, b, 40, q, 45, &before);
+	uint64_t nth = store_until_ok(r0, b, 40, q, 45, &before, &after, nodes_and_size_kept);
 	cr_assert_gt(nth, 4, "the write allocates at several sites");
 	cr_assert_eq(score_of(q, 45, r0), 45);
 	take(&after, r0, q, 45);
@@ -1270,45 +1303,29 @@ Test(index, aliases_refused_and_listed)
 	cr_assert_eq(st.bytes_per_rank, 0, "the ext maps and alias bits freed");
 }
 
+/* out_of_memory_with_aliases_changes_nothing's own check after a failure: the names still
+ * refuse and resolve as before. */
+static void names_kept(uint32_t r0, const struct snap *before, const struct snap *after,
+                       uint64_t nth)
+{
+	(void)before, (void)after, (void)nth;
+	struct kvr_index_block c = {.ext_hash = 100, .local_hash = 4242};
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, &c, 1), KVR_EINVAL);
+}
+
 /* SQLite-style over a write that grows the ext map and the alias bits' map (new records, new
  * bitmap words) while forking and copying: every failure returns KVR_ENOMEM and leaves the
  * rank's blocks, names, score and copies as they were. */
 Test(index, out_of_memory_with_aliases_changes_nothing)
 {
-	kvr_index_set_count_copies(idx, true);
 	uint32_t r0, r1;
-	kvr_index_rank_add(idx, 1, 0, &r0);
-	kvr_index_rank_add(idx, 2, 0, &r1);
-	struct kvr_index_block a[20], b[100];
-	chain(a, 20, 100, 1); /* ext 100.. != the sequence hashes: aliases */
-	cr_assert_eq(kvr_index_store(idx, r1, NULL, a, 20), 0);
-	cr_assert_eq(kvr_index_store(idx, r0, NULL, a, 13), 0);
-	/* copies of 5..12, then 92 new aliased blocks forking off block 12 (two bitmap words) */
-	chain(b, 8, 105, 6);
-	chain(b + 8, 92, 5000, 1000);
-	uint64_t q[100], parent = 104;
-	for (int i = 0; i < 5; i++)
-		q[i] = 1 + (uint64_t)i;
-	for (int i = 0; i < 95; i++)
-		q[5 + i] = b[i].local_hash;
+	struct kvr_index_block b[100];
+	uint64_t q[100];
 	struct snap before, after;
-	take(&before, r0, q, 100);
-	cr_assert_eq(before.score, 13);
-	uint64_t nth;
-	int rc = KVR_ENOMEM;
-	for (nth = 1; nth < 1000 && rc != 0; nth++) {
-		kvr_alloc_fail_after(nth);
-		rc = kvr_index_store(idx, r0, &parent, b, 100);
-		kvr_alloc_fail_after(0);
-		if (rc == 0)
-			break;
-		cr_assert_eq(rc, KVR_ENOMEM, "nth=%lu", (unsigned long)nth);
-		same_as_before(&before, &after, r0, q, 100, nth);
-		/* the names still refuse and resolve as before */
-		struct kvr_index_block c = {.ext_hash = 100, .local_hash = 4242};
-		cr_assert_eq(kvr_index_store(idx, r0, NULL, &c, 1), KVR_EINVAL);
-	}
-	cr_assert_eq(rc, 0);
+	/* a's ext 100.. != the sequence hashes: aliases.  The write: copies of 5..12, then 92 new
+	 * aliased blocks forking off block 12 (two bitmap words). */
+	oom_write_setup(&r0, &r1, 13, b, 100, q, 100, &before);
+	uint64_t nth = store_until_ok(r0, b, 100, q, 100, &before, &after, names_kept);
 	cr_assert_gt(nth, 6, "the write allocates at several sites");
 	take(&after, r0, q, 100);
 	cr_assert_eq(after.n, 13 + 92);
