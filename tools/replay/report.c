@@ -443,6 +443,15 @@ static FILE *plot_file(char *p, size_t cap, const char *dir, const char *name)
 	return fopen(p, "w");
 }
 
+/* The plot command's lines for dat, one per policy (its gnuplot index i): events first and
+ * wide, as approx_lru often lies exactly on it. */
+static void plot_policies(FILE *f, const char *dat, const struct replay_result *res, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		fprintf(f, "%s'%s' index %zu using 1:2 with lines lw %d title '%s'", i ? ", " : "",
+		        dat, i, i == 0 && n > 1 ? 5 : 2, res[i].policy);
+}
+
 int replay_report_plot(const char *dir, const struct replay_result *res, size_t n,
                        const char *title, char *err, size_t errlen)
 {
@@ -528,10 +537,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 	        "plot ",
 	        tt, sep, w, logx ? ", log scale" : "",
 	        logx ? "set logscale x" : "unset logscale x");
-	/* events first and wide: approx_lru often lies exactly on it */
-	for (size_t i = 0; i < n; i++)
-		fprintf(f, "%s'hit_rate.dat' index %zu using 1:2 with lines lw %d title '%s'",
-		        i ? ", " : "", i, i == 0 && n > 1 ? 5 : 2, res[i].policy);
+	plot_policies(f, "hit_rate.dat", res, n);
 	fprintf(
 	    f,
 	    "\nset output 'ttft_cdf.png'\nset xrange [*:*]\n"
@@ -539,9 +545,7 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
 	    "set ylabel 'fraction of requests'\nset yrange [0:1]\n"
 	    "plot ",
 	    tt, sep);
-	for (size_t i = 0; i < n; i++)
-		fprintf(f, "%s'ttft_cdf.dat' index %zu using 1:2 with lines lw %d title '%s'",
-		        i ? ", " : "", i, i == 0 && n > 1 ? 5 : 2, res[i].policy);
+	plot_policies(f, "ttft_cdf.dat", res, n);
 	/* Grouped bars: left, cached share per policy; right, TTFT p50 and p99 per policy. */
 	fprintf(
 	    f,
