@@ -96,6 +96,17 @@ static double wall_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* a (*cap items of sz bytes) doubled, or first items while empty: the new array with *cap
+ * updated, or NULL with a and *cap unchanged. */
+static void *grow(void *a, size_t *cap, size_t first, size_t sz)
+{
+	size_t nc = *cap ? *cap * 2 : first;
+	void *na = realloc(a, nc * sz);
+	if (na)
+		*cap = nc;
+	return na;
+}
+
 /* Remembers the tokens of one complete block. */
 static int learn(struct pf *p, const uint32_t *tok)
 {
@@ -104,12 +115,10 @@ static int learn(struct pf *p, const uint32_t *tok)
 	if (kvr_u64map_find(&p->tokmap, local))
 		return 0;
 	if (p->n_pool == p->cap_pool) {
-		size_t nc = p->cap_pool ? p->cap_pool * 2 : 4096;
-		uint32_t *np = realloc(p->pool, nc * p->bs * sizeof(uint32_t));
+		uint32_t *np = grow(p->pool, &p->cap_pool, 4096, p->bs * sizeof(uint32_t));
 		if (!np)
 			return KVR_ENOMEM;
 		p->pool = np;
-		p->cap_pool = nc;
 	}
 	if (kvr_u64map_reserve(&p->tokmap, 1))
 		return KVR_ENOMEM;
@@ -258,12 +267,10 @@ static struct tail *tail_of(struct pf *p, uint64_t handle, bool create)
 		i++;
 	if (i == p->n_tails) {
 		if (p->n_tails == p->cap_tails) {
-			size_t nc = p->cap_tails ? p->cap_tails * 2 : 256;
-			struct tail *nt = realloc(p->tails, nc * sizeof(*nt));
+			struct tail *nt = grow(p->tails, &p->cap_tails, 256, sizeof(*nt));
 			if (!nt)
 				return NULL;
 			p->tails = nt;
-			p->cap_tails = nc;
 		}
 		p->tails[p->n_tails] = (struct tail){.tok = malloc(p->bs * sizeof(uint32_t))};
 		if (!p->tails[p->n_tails].tok)
@@ -471,12 +478,10 @@ static int pf_kv_event(void *state, const struct sim_kv_event *ev)
 	if (d->head == d->n && publishable(p, ev))
 		return publish(p, ev);
 	if (d->n == d->cap) {
-		size_t nc = d->cap ? d->cap * 2 : 64;
-		struct dev *nq = realloc(d->q, nc * sizeof(*nq));
+		struct dev *nq = grow(d->q, &d->cap, 64, sizeof(*nq));
 		if (!nq)
 			return KVR_ENOMEM;
 		d->q = nq;
-		d->cap = nc;
 	}
 	struct dev *e = &d->q[d->n];
 	e->ev = *ev;
