@@ -289,24 +289,28 @@ void kvr_msg_put_u64(struct kvr_msg_buf *b, uint64_t v)
 	kvr_msg_put_u32(b, (uint32_t)(v >> 32));
 }
 
-void kvr_msg_put_u64s(struct kvr_msg_buf *b, const uint64_t *v, size_t n)
+/* n words of w bytes at v in the wire's order (little-endian): as they are in memory on a
+ * little-endian host, each word's bytes reversed on a big-endian one. */
+static void put_words(struct kvr_msg_buf *b, const void *v, size_t n, size_t w)
 {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-	kvr_msg_put_bytes(b, v, n * 8);
+	kvr_msg_put_bytes(b, v, n * w);
 #else
-	for (size_t i = 0; i < n; i++)
-		kvr_msg_put_u64(b, v[i]);
+	const uint8_t *s = v;
+	for (size_t i = 0; i < n * w; i += w)
+		for (size_t j = w; j-- > 0;)
+			kvr_msg_put_bytes(b, s + i + j, 1);
 #endif
+}
+
+void kvr_msg_put_u64s(struct kvr_msg_buf *b, const uint64_t *v, size_t n)
+{
+	put_words(b, v, n, 8);
 }
 
 void kvr_msg_put_u32s(struct kvr_msg_buf *b, const uint32_t *v, size_t n)
 {
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-	kvr_msg_put_bytes(b, v, n * 4);
-#else
-	for (size_t i = 0; i < n; i++)
-		kvr_msg_put_u32(b, v[i]);
-#endif
+	put_words(b, v, n, 4);
 }
 
 size_t kvr_msg_begin(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
