@@ -48,6 +48,7 @@
 #include "core/hash.h"
 #include "fuzz_api.h"
 #include "kvrouter.h"
+#include "tests/common/fresh_thread.h"
 #include "tests/common/splitmix.h"
 
 /* ---------------------------------------------------------------- failure report */
@@ -2315,19 +2316,12 @@ static void *run_program(void *arg)
 
 void fuzz_api_run(const uint8_t *data, size_t size, uint64_t *calls)
 {
-	/* A fresh thread per program: its thread-local scratch and RCU registration go with it,
-	 * so the allocation counter must be back to its start once it is joined. */
-	int64_t before = kvr_alloc_live_bytes();
 	struct run_arg ra = {.data = data, .size = size};
-	pthread_t th;
-	if (pthread_create(&th, NULL, run_program, &ra) != 0)
-		abort();
-	pthread_join(th, NULL);
-	int64_t after = kvr_alloc_live_bytes();
-	if (after != before) {
+	int64_t leak = kvr_test_run_fresh_thread(run_program, &ra);
+	if (leak) {
 		fprintf(stderr,
 		        "fuzz_api: seed %" PRIu64 ": leak: %" PRId64 " bytes still allocated\n",
-		        fuzz_api_current_seed, after - before);
+		        fuzz_api_current_seed, leak);
 		if (!getenv("FUZZ_API_LEAK_REPORT"))
 			abort(); /* else let LeakSanitizer name the allocation at exit */
 	}

@@ -41,6 +41,7 @@
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "oom_api_threads.h"
+#include "tests/common/fresh_thread.h"
 #include "tests/common/splitmix.h"
 
 #define N_RANKS       4
@@ -741,16 +742,10 @@ static void *run_program(void *arg)
 static void run_seed(uint64_t seed, int ops)
 {
 	cur_seed = seed;
-	int64_t before = kvr_alloc_live_bytes();
 	struct run_arg ra = {.seed = seed, .ops = ops};
-	pthread_t th;
-	if (pthread_create(&th, NULL, run_program, &ra) != 0)
-		abort();
-	pthread_join(th, NULL);
-	int64_t after = kvr_alloc_live_bytes();
-	if (after != before) {
-		fprintf(stderr, "oom_api: seed %" PRIu64 ": leak: %" PRId64 " bytes\n", seed,
-		        after - before);
+	int64_t leak = kvr_test_run_fresh_thread(run_program, &ra);
+	if (leak) {
+		fprintf(stderr, "oom_api: seed %" PRIu64 ": leak: %" PRId64 " bytes\n", seed, leak);
 		abort();
 	}
 }
