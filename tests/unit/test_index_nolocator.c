@@ -460,6 +460,30 @@ Test(index_nolocator, twin_streams_long)
 	run_seeds(LMAX, 3, 120, 1000);
 }
 
+/* A fresh index, the locator on or off, with ranks (0, 0) and (1, 0) at *s0 and *s1. */
+static struct kvr_index *two_ranks(bool locator, uint32_t *s0, uint32_t *s1)
+{
+	struct kvr_index *idx;
+	cr_assert_eq(kvr_index_create(4, &idx), 0);
+	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, s0), 0);
+	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, s1), 0);
+	return idx;
+}
+
+/* b: the chain of n blocks with local hashes 1000, 1001, ..., named by their sequence hashes
+ * s. */
+static void chain_1000(struct kvr_index_block *b, uint64_t *s, size_t n)
+{
+	uint64_t l[200];
+	cr_assert_leq(n, 200);
+	for (size_t i = 0; i < n; i++)
+		l[i] = 1000 + (uint64_t)i;
+	kvr_hash_chain_locals(NULL, l, n, s);
+	for (size_t i = 0; i < n; i++)
+		b[i] = (struct kvr_index_block){s[i], l[i]};
+}
+
 /* A root block's sequence hash is its local hash, so a caller may store a root block whose
  * hash is an interior block's elsewhere (or a 64-bit collision does).  With the locator the
  * store finds that hash in the tree and is rejected; without it only a run's first block is
@@ -476,12 +500,8 @@ struct collide {
 
 static void collide_run(bool locator, int order, struct collide *o)
 {
-	struct kvr_index *idx;
 	uint32_t s0, s1;
-	cr_assert_eq(kvr_index_create(4, &idx), 0);
-	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
+	struct kvr_index *idx = two_ranks(locator, &s0, &s1);
 	uint64_t l[3] = {11, 22, 33}, s[3];
 	kvr_hash_chain_locals(NULL, l, 3, s);
 	const struct kvr_index_block b[3] = {{s[0], l[0]}, {s[1], l[1]}, {s[2], l[2]}};
@@ -541,19 +561,11 @@ Test(index_nolocator, root_store_on_interior_hash)
 static void deep_collide(bool locator)
 {
 	enum { N = 200, X = 100 };
-	struct kvr_index *idx;
 	uint32_t s0, s1;
-	cr_assert_eq(kvr_index_create(4, &idx), 0);
-	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
-	uint64_t l[N], s[N];
+	struct kvr_index *idx = two_ranks(locator, &s0, &s1);
+	uint64_t s[N];
 	struct kvr_index_block b[N];
-	for (int i = 0; i < N; i++)
-		l[i] = 1000 + (uint64_t)i;
-	kvr_hash_chain_locals(NULL, l, N, s);
-	for (int i = 0; i < N; i++)
-		b[i] = (struct kvr_index_block){s[i], l[i]};
+	chain_1000(b, s, N);
 	const struct kvr_index_block x = {s[X], s[X]}; /* rank 1: a root block, local = s[X] */
 	cr_assert_eq(kvr_index_store(idx, s1, NULL, &x, 1), 0);
 	cr_assert_eq(kvr_index_store(idx, s0, NULL, b, N), 0);
@@ -576,10 +588,7 @@ static void deep_collide(bool locator)
 
 	/* Short chain: the crafted root first, then rank 0's 3 blocks (the hash at its position
 	 * 1, a run's end, where the locator looks first); the crafter removes its root. */
-	cr_assert_eq(kvr_index_create(4, &idx), 0);
-	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
+	idx = two_ranks(locator, &s0, &s1);
 	const struct kvr_index_block y = {s[1], s[1]};
 	cr_assert_eq(kvr_index_store(idx, s1, NULL, &y, 1), 0);
 	cr_assert_eq(kvr_index_store(idx, s0, NULL, b, 3), 0);
@@ -620,19 +629,11 @@ Test(index_nolocator, crafted_root_first_deep_interior)
 static void crafted_restore(bool locator, uint32_t n, uint32_t x, uint32_t kids, bool trim)
 {
 	enum { NMAX = 200 };
-	struct kvr_index *idx;
 	uint32_t s0, s1;
-	cr_assert_eq(kvr_index_create(4, &idx), 0);
-	cr_assert_eq(kvr_index_set_locator(idx, locator), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 0, 0, &s0), 0);
-	cr_assert_eq(kvr_index_rank_add(idx, 1, 0, &s1), 0);
-	uint64_t l[NMAX], s[NMAX], cl[4], cs[4];
+	struct kvr_index *idx = two_ranks(locator, &s0, &s1);
+	uint64_t s[NMAX], cl[4], cs[4];
 	struct kvr_index_block b[NMAX], c[4];
-	for (uint32_t i = 0; i < n; i++)
-		l[i] = 1000 + (uint64_t)i;
-	kvr_hash_chain_locals(NULL, l, n, s);
-	for (uint32_t i = 0; i < n; i++)
-		b[i] = (struct kvr_index_block){s[i], l[i]};
+	chain_1000(b, s, n);
 	cl[0] = s[x]; /* rank 1's root: its sequence hash is its local hash */
 	for (uint32_t i = 1; i < 4; i++)
 		cl[i] = 5000 + (uint64_t)i;
