@@ -369,6 +369,16 @@ static void four_cached(struct kvr_router *r, uint32_t *t, struct kvr_request *q
 	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
 }
 
+/* After four_cached: routes another prompt in t through q, 6 new blocks, as b (not prefilled). */
+static void six_new(struct kvr_router *r, uint32_t *t, struct kvr_request *q,
+                    struct kvr_decision *b)
+{
+	for (size_t i = 0; i < 8 * BS; i++)
+		t[i] = 5000u + (uint32_t)i;
+	q->n_tokens = 6 * BS;
+	cr_assert_eq(kvr_route(r, q, b), 0);
+}
+
 /* A routed request the engine has not admitted yet (no first token): its new blocks are in the
  * prediction, not in the engine's count, so a resident count taken then proves nothing about
  * them; it must not evict cached blocks the engine still holds.  Once its prefill is done the
@@ -381,10 +391,7 @@ Test(heal, resident_count_waits_for_unadmitted_requests)
 	struct kvr_request q;
 	struct kvr_decision b;
 	four_cached(r, t, &q);
-	for (size_t i = 0; i < 8 * BS; i++)
-		t[i] = 5000u + (uint32_t)i;
-	q.n_tokens = 6 * BS;
-	cr_assert_eq(kvr_route(r, &q, &b), 0); /* waiting in the engine: 6 new blocks */
+	six_new(r, t, &q, &b); /* waiting in the engine: 6 new blocks */
 	static uint64_t blk[64];
 	size_t n = 0;
 	cr_assert_eq(kvr_rank_blocks(r, id, blk, 64, &n), 0);
@@ -425,10 +432,7 @@ Test(heal, absurd_resident_counts_cost_no_memory_and_evict_nothing)
 	struct kvr_rank_observation ob = {
 	    .flags = KVR_OBSERVE_RESIDENT, .incarnation = 1, .resident_blocks = UINT64_MAX};
 	cr_assert_eq(kvr_rank_observe(r, id, &ob), 0);
-	for (size_t i = 0; i < 8 * BS; i++)
-		t[i] = 5000u + (uint32_t)i;
-	q.n_tokens = 6 * BS;
-	cr_assert_eq(kvr_route(r, &q, &b), 0); /* 6 new blocks, not allocated by the engine yet */
+	six_new(r, t, &q, &b); /* 6 new blocks, not allocated by the engine yet */
 	int64_t before = kvr_alloc_live_bytes();
 	cr_assert_eq(kvr_request_cached(r, b.attempt, 0), 0, "the first answer turns ghosts on");
 	int64_t grown = kvr_alloc_live_bytes() - before;
