@@ -17,16 +17,8 @@ static const struct kvr_rank_id X = {0, 0};
 static inline int route_pinned(struct kvr_router *r, uint32_t salt, size_t n,
                                struct kvr_decision *d)
 {
-	static uint32_t t[256];
 	cr_assert(n <= 256);
-	prompt(t, n, salt);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.pinned = &X;
-	q.expected_output_tokens = 16;
-	return kvr_route(r, &q, d);
+	return route_salt_pinned(r, &X, salt, n, d);
 }
 
 /* One shard, the queue on (threshold 1.0), rank X with a 100-token budget: a 200-token prompt

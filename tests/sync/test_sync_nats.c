@@ -50,6 +50,7 @@
 #include "sync/replica_msg.h"
 #include "sync/replica_trace.h"
 #include "tests/common/nats_server.h"
+#include "tests/common/router_prompts.h"
 #include "tests/common/xorshift.h"
 
 #define N_RANKS 8
@@ -1221,16 +1222,7 @@ static struct kvr_router *cb_router(bool with_cb)
 static int cb_route(struct kvr_router *r, uint32_t salt, size_t n, struct kvr_decision *d)
 {
 	static const struct kvr_rank_id x = {0, 0};
-	uint32_t t[256];
-	for (size_t i = 0; i < n; i++)
-		t[i] = (uint32_t)i * 7u + salt * 1000003u;
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = n;
-	q.pinned = &x;
-	q.expected_output_tokens = 16;
-	return kvr_route(r, &q, d);
+	return route_salt_pinned(r, &x, salt, n, d);
 }
 
 static void test_callbacks(void)
