@@ -331,6 +331,20 @@ Test(replica_oom, output_behind_a_gap_counted_once, .timeout = 60)
 	bus_teardown(r, 2);
 }
 
+/* A bus of one router, r[0], with three long prompts routed and live (2,048 tokens each: records
+ * that make a snapshot's buffers grow), then quiet. */
+static void start_with_long_prompts(struct kvr_router **r)
+{
+	bus_start(r, 1);
+	static uint32_t t[2048];
+	for (int k = 0; k < 3; k++) {
+		for (uint32_t j = 0; j < 2048; j++)
+			t[j] = (uint32_t)k * 100000u + j;
+		route(r[0], t, 2048);
+	}
+	bus_quiet(r, 1);
+}
+
 /* A snapshot served with its Nth allocation failed, N = 1, 2, ...: every chunk that goes out
  * decodes (its records included), and a snapshot that could not be built whole is not finished
  * (no last chunk) but given up (its last chunk says so: the asker asks again) instead of
@@ -339,14 +353,7 @@ Test(replica_oom, output_behind_a_gap_counted_once, .timeout = 60)
 Test(replica_oom, snapshot_served_out_of_memory, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	bus_start(r, 1);
-	static uint32_t t[2048];
-	for (int k = 0; k < 3; k++) { /* long prompts: records that make the buffers grow */
-		for (uint32_t j = 0; j < 2048; j++)
-			t[j] = (uint32_t)k * 100000u + j;
-		route(r[0], t, 2048);
-	}
-	bus_quiet(r, 1);
+	start_with_long_prompts(r);
 	bool fired = true;
 	uint64_t nth, whole = 0;
 	for (nth = 1; nth < 100 && fired; nth++) {
@@ -474,14 +481,7 @@ Test(replica_oom, notes_not_dropped_by_a_full_queue, .timeout = 60)
 Test(replica_oom, snapshot_given_up_asked_again, .timeout = 240)
 {
 	struct kvr_router *r[BUS_N];
-	bus_start(r, 1);
-	static uint32_t t[2048];
-	for (int k = 0; k < 3; k++) { /* long prompts (records that make the buffers grow), live */
-		for (uint32_t j = 0; j < 2048; j++)
-			t[j] = (uint32_t)k * 100000u + j;
-		route(r[0], t, 2048);
-	}
-	bus_quiet(r, 1);
+	start_with_long_prompts(r);
 	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_REPLICA);
 	bool fired = true;
 	uint64_t nth, asked_again = 0;
