@@ -32,6 +32,7 @@
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "tests/common/fresh_thread.h"
 #include "tests/common/splitmix.h"
 
 #define T_RANKS 3
@@ -339,13 +340,8 @@ void oom_api_threads(uint64_t first, uint64_t seeds, int ops, int threads)
 	}
 	for (uint64_t s = first; s < first + seeds; s++) {
 		t_seed = s;
-		int64_t before = kvr_alloc_live_bytes();
 		struct seed_arg a = {.seed = s, .ops = ops, .threads = threads};
-		pthread_t th;
-		if (pthread_create(&th, NULL, seed_main, &a))
-			abort();
-		pthread_join(th, NULL);
-		int64_t after = kvr_alloc_live_bytes();
-		TCHECK(after == before, "leak: %" PRId64 " bytes", after - before);
+		int64_t left = kvr_test_run_fresh_thread(seed_main, &a);
+		TCHECK(left == 0, "leak: %" PRId64 " bytes", left);
 	}
 }
