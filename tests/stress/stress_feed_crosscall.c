@@ -9,7 +9,12 @@
  * Checked: every call returns, with a documented code (reads 0; from a callback add / remove 0 or
  * KVR_EBUSY, from the ordinary thread 0), and an endpoint whose add returned 0 is there until its
  * remove returned 0 (each slot below is owned by one call at a time).  Under TSan this checks
- * the boxes, the deferred lists and the wait-for graph; a hang fails by SIGALRM.
+ * the boxes, the deferred lists and the wait-for graph; a hang fails by SIGALRM.  The ranks are
+ * bounded (events_max_blocks) and every batch stores blocks, with a clear every few: the
+ * refusals are logged and each episode reported (on_event_gap) when the feed next settles, which
+ * it does before every command it runs, so callbacks also run inside other feeds' and the
+ * ordinary thread's calls (test_feed_crossserve: such a callback's add on its caller waited for
+ * good before).
  * Plain program: exit 0 pass, 1 fail, 77 skip.  argv[1]: duration, ms.
  */
 #include <pthread.h>
@@ -23,6 +28,7 @@
 #include <zmq.h>
 
 #include "kvrouter.h"
+#include "sync/feed_encode.h"
 #include "tests/common/vllm_batch.h"
 
 #define NF       4
@@ -165,6 +171,36 @@ static void on_log(void *ctx, int level, const char *msg)
 	random_ops((int)(intptr_t)ctx);
 }
 
+/* Events per rank at most: a third stored batch in a row is refused (BOUND / PER). */
+#define BOUND 4
+#define PER   2
+#define BS    16
+
+static const uint32_t *tokens_of(void *ctx, size_t i)
+{
+	static _Thread_local uint32_t t[BS];
+	const uint64_t *h = ctx;
+	for (uint32_t j = 0; j < BS; j++)
+		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
+	return t;
+}
+
+/* Batch seq for feed i: PER new blocks, or (every eighth) a clear, which ends the episode. */
+static int send_batch(void *pub, struct kvr_fenc *e, uint64_t seq, int i)
+{
+	kvr_fenc_begin(e, 1.0, 1);
+	if (seq % 8 == 7) {
+		kvr_fenc_cleared(e);
+	} else {
+		uint64_t h[PER];
+		for (int k = 0; k < PER; k++)
+			h[k] = ((uint64_t)i << 40) + seq * PER + (uint64_t)k + 1;
+		kvr_fenc_stored(e, h, PER, NULL, BS, tokens_of, h);
+	}
+	kvr_fenc_end(e, 0);
+	return kvr_fenc_send(pub, seq, e->sb.data, e->sb.size);
+}
+
 static atomic_int ord_stop;
 
 static void *ordinary(void *arg)
@@ -185,6 +221,8 @@ static int round_once(uint64_t ms, uint64_t seed)
 	c.mode = KVR_MODE_EVENTS;
 	c.n_shards = 1;
 	c.on_event_gap = on_gap;
+	c.events_max_blocks = BOUND;
+	c.block_size = BS;
 	struct kvr_router *r;
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "router\n");
@@ -224,17 +262,21 @@ static int round_once(uint64_t ms, uint64_t seed)
 		fprintf(stderr, "thread\n");
 		return 1;
 	}
-	/* Batches to every feed, every third seq skipped: a gap, on_event_gap, random calls. */
+	/* Batches to every feed, every third seq skipped: a gap, on_event_gap, random calls; and
+	 * the refusals past the bound (see the top of the file). */
+	struct kvr_fenc enc;
+	kvr_fenc_init(&enc);
 	uint64_t seq = 0, t0 = now_ms();
 	while (now_ms() - t0 < ms && !atomic_load(&failed)) {
 		for (int i = 0; i < NF; i++)
-			if (test_batch_send_empty(pub[i], seq)) {
+			if (send_batch(pub[i], &enc, seq, i)) {
 				fprintf(stderr, "send\n");
 				return 1;
 			}
 		seq += seq % 3 == 2 ? 2 : 1;
 		sleep_us(500);
 	}
+	kvr_fenc_fini(&enc);
 	atomic_store(&ord_stop, 1);
 	pthread_join(ord, NULL);
 	/* No call on a feed may race its destroy (kvrouter.h): the callbacks stop calling, and
