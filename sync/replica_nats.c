@@ -387,15 +387,22 @@ void kvr_sync_detach(struct kvr_sync *s)
 }
 
 /* The detail of a wait that failed (core/error.h). */
-static __attribute__((cold, noinline)) int wait_fail(int rc, const char *fn, uint32_t timeout_ms)
+static __attribute__((cold, noinline)) int wait_fail(const struct kvr_sync *s, int rc,
+                                                     const char *fn, uint32_t timeout_ms)
 {
 	if (rc == KVR_ETIMEDOUT)
 		return kvr_fail(rc, "%s: not done within timeout_ms %" PRIu32, fn, timeout_ms);
-	if (rc == KVR_EBUSY)
+	if (rc == KVR_EBUSY && kvr_replica_handling(s->rep))
 		return kvr_fail(rc,
 		                "%s: called from a router callback the replica's own thread runs, "
 		                "which this wait would wait for",
 		                fn);
+	if (rc == KVR_EBUSY) /* kvr_feed_wait_replica_begin refused it (sync/feed.c) */
+		return kvr_fail(
+		    rc,
+		    "%s: called from a feed's callback while the replica's thread waits "
+		    "in a call on that feed, which waits for this callback to return",
+		    fn);
 	return kvr_fail_code(rc, fn);
 }
 
@@ -404,7 +411,7 @@ int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
 	if (!s)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_wait_ready: s is NULL");
 	int rc = kvr_replica_wait_ready(s->rep, timeout_ms);
-	return rc ? wait_fail(rc, "kvr_sync_wait_ready", timeout_ms) : 0;
+	return rc ? wait_fail(s, rc, "kvr_sync_wait_ready", timeout_ms) : 0;
 }
 
 int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
@@ -412,7 +419,7 @@ int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
 	if (!s)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_drain: s is NULL");
 	int rc = kvr_replica_drain(s->rep, timeout_ms);
-	return rc ? wait_fail(rc, "kvr_sync_drain", timeout_ms) : 0;
+	return rc ? wait_fail(s, rc, "kvr_sync_drain", timeout_ms) : 0;
 }
 
 int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
