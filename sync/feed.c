@@ -675,6 +675,11 @@ static int call(struct kvr_feed *f, struct cmd *c)
 	}
 	if (feed_self)
 		return call_from_feed(feed_self, f, c); /* another feed's callback */
+	/* A shard thread (the router's clock runs there): f's loop settles before every command,
+	 * i.e. waits for the shards to apply what it posted them, this one included, which would
+	 * wait for this call: refused, as a feed's callback's call that would close a cycle. */
+	if (kvr_shard_current())
+		return KVR_EBUSY;
 	/* A replica's handling thread (on_admit there): not while f's callback waits for that
 	 * replica ("A feed's callback waiting for a replica" above). */
 	struct rep_waiter w = {.rep = kvr_replica_handling_now()};
@@ -717,8 +722,9 @@ static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uin
 		return kvr_fail(rc,
 		                "%s: waiting would close a cycle: called from the feed's own "
 		                "callback (add or remove), from another feed's whose wait the "
-		                "feed's callback waits for, or from a replica's thread while the "
-		                "feed's callback waits for that replica",
+		                "feed's callback waits for, from a replica's thread while the "
+		                "feed's callback waits for that replica, or on a shard thread (the "
+		                "router's clock), which the feed's thread may be waiting for",
 		                fn);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: the feed is being destroyed (or was, under this call)",

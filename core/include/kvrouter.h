@@ -189,7 +189,10 @@ struct kvr_config {
 	uint32_t max_ranks;
 	/* Seed of every random choice (tie-breaks, softmax).  Default 0x6b76726f75746572. */
 	uint64_t seed;
-	/* Clock.  Default NULL = CLOCK_MONOTONIC.  clock_ctx is passed to it unchanged. */
+	/* Clock.  Default NULL = CLOCK_MONOTONIC.  clock_ctx is passed to it unchanged.  It is
+	 * called on the callers' threads and on the router's own (its shards), so it should only
+	 * read a time: the feed calls that wait for a feed's thread return KVR_EBUSY on a shard
+	 * (see kvr_feed_add), and kvr_router_destroy from it destroys nothing. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the
@@ -855,6 +858,9 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * once while that replica's thread waits in one of these calls on A: each would wait for the
  * other (until the drain's timeout).  A longer cycle (that thread's call on feed B, whose
  * callback calls A while A's waits for the replica) still waits until the drain's timeout.
+ * On the router's shard threads (where kvr_config.now_ns runs), these four calls return
+ * KVR_EBUSY at once: a feed's thread settles before every call it answers, i.e. waits for the
+ * shards to apply what it posted them, this one included.
  */
 KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
 
