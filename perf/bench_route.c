@@ -88,6 +88,8 @@
 #include "shards/owner.h"
 #include "shards/runtime.h"
 #include "sync/rcu.h"
+#include "tests/common/mono_clock.h"
+#include "tests/common/xorshift.h"
 
 #define MAX_THREADS 8
 
@@ -100,21 +102,6 @@ static atomic_int done;  /* threads that reached --iters */
 static int front_cpus[MAX_THREADS]; /* --cpus: frontend thread t runs on front_cpus[t % n] */
 static int n_front_cpus;            /* 0: not pinned (the scheduler places them) */
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 /* Session-like prompts of len tokens: each keeps a 50-100 % prefix of one of the previous 16. */
 static void make_prompts(size_t len, size_t n)
 {
@@ -125,8 +112,8 @@ static void make_prompts(size_t len, size_t n)
 		uint32_t *p = malloc(len * sizeof(uint32_t));
 		size_t keep = 0;
 		if (i > 0) {
-			size_t from = i - 1 - (size_t)(rnd(&s) % (i < 16 ? i : 16));
-			keep = len / 2 + (size_t)(rnd(&s) % (len / 2 + 1));
+			size_t from = i - 1 - (size_t)(xorshift64(&s) % (i < 16 ? i : 16));
+			keep = len / 2 + (size_t)(xorshift64(&s) % (len / 2 + 1));
 			if (keep > len)
 				keep = len;
 			memcpy(p, prompts[from], keep * sizeof(uint32_t));

@@ -27,6 +27,7 @@
 
 #include "kvrouter.h"
 #include "shards/u64map.h"
+#include "tests/common/mono_clock.h"
 
 #define BS 16
 
@@ -200,13 +201,6 @@ static void check_equal(struct kvr_rank_id rank, const struct engine *m, const c
 			fprintf(stderr, "  %zu: index %016" PRIx64 "  engine %016" PRIx64 "\n", i,
 			        i < n ? got[i] : 0, i < w ? want[i] : 0);
 	}
-}
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
 /* Waits until the endpoint has consumed batch seq (next_seq > seq). */

@@ -18,6 +18,7 @@
 
 #include "kvrouter.h"
 #include "shards/u64map.h"
+#include "tests/common/mono_clock.h"
 
 #define BS     16
 #define RANKS  4
@@ -26,13 +27,6 @@
 static struct kvr_router *R;
 static struct kvr_feed *F;
 static int stop;
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 static void pstr(msgpack_packer *pk, const char *s)
 {

@@ -29,7 +29,9 @@
 
 #include "kvrouter.h"
 #include "sync/feed_encode.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/vllm_batch.h"
+#include "tests/common/xorshift.h"
 
 #define NF       4
 #define SLOTS    3 /* endpoints added per feed at most, besides the publisher's (id 0) */
@@ -45,27 +47,6 @@ static atomic_int active; /* callbacks inside random_ops */
 static atomic_int failed;
 static atomic_ulong n_reads, n_add_ok, n_add_busy, n_rm_ok, n_rm_busy, n_ord;
 
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static void sleep_us(long us)
-{
-	struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-	nanosleep(&ts, NULL);
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
-
 static void fail(const char *what, int from, int to, int rc)
 {
 	fprintf(stderr, "%s from %d on feed %d: %d (%s)\n", what, from, to, rc, kvr_strerror(rc));
@@ -75,13 +56,13 @@ static void fail(const char *what, int from, int to, int rc)
 /* One random call on a random feed; from: the calling feed, or -1 (ordinary thread). */
 static void one_op(int from, uint64_t *s)
 {
-	int t = (int)(rnd(s) % NF);
+	int t = (int)(xorshift64(s) % NF);
 	bool cb = from >= 0;
 	int rc;
-	switch (rnd(s) % 4) {
+	switch (xorshift64(s) % 4) {
 	case 0: {
 		struct kvr_feed_stats st;
-		uint32_t id = rnd(s) & 1 ? KVR_FEED_ALL : 0;
+		uint32_t id = xorshift64(s) & 1 ? KVR_FEED_ALL : 0;
 		if ((rc = kvr_feed_get_stats(F[t], id, &st)) != 0)
 			fail("get_stats", from, t, rc);
 		atomic_fetch_add(&n_reads, 1);
@@ -97,7 +78,7 @@ static void one_op(int from, uint64_t *s)
 		break;
 	}
 	case 2: {
-		int k = (int)(rnd(s) % SLOTS);
+		int k = (int)(xorshift64(s) % SLOTS);
 		unsigned free_ = 0;
 		if (!atomic_compare_exchange_strong(&slot[t][k], &free_, RESERVED))
 			break;
@@ -119,7 +100,7 @@ static void one_op(int from, uint64_t *s)
 		break;
 	}
 	case 3: {
-		int k = (int)(rnd(s) % SLOTS);
+		int k = (int)(xorshift64(s) % SLOTS);
 		unsigned id = atomic_load(&slot[t][k]);
 		if (id == 0 || (id & BUSY) ||
 		    !atomic_compare_exchange_strong(&slot[t][k], &id, id | BUSY))
@@ -151,7 +132,7 @@ static void random_ops(int i)
 	if (!atomic_load(&quiet)) {
 		if (!cb_seed)
 			cb_seed = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1) + round_no;
-		int n = 1 + (int)(rnd(&cb_seed) % 3);
+		int n = 1 + (int)(xorshift64(&cb_seed) % 3);
 		for (int k = 0; k < n; k++)
 			one_op(i, &cb_seed);
 	}

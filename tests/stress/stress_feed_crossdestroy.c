@@ -21,24 +21,12 @@
 #include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/vllm_batch.h"
 
 static struct kvr_feed *F[2];
 static atomic_int entered[2], returned[2];
 static int from_log;
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static void sleep_us(long us)
-{
-	struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-	nanosleep(&ts, NULL);
-}
 
 /* Feed i's callback: the first time, once both feeds are inside a callback, destroys the other. */
 static void destroy_other(int i)

@@ -26,7 +26,9 @@
 
 #include "kvrouter.h"
 #include "sync/replica.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/vllm_batch.h"
+#include "tests/common/xorshift.h"
 
 #define SLOTS    3
 #define BUSY     (1u << 31)
@@ -43,27 +45,6 @@ static atomic_int active;       /* callbacks inside a call */
 static atomic_int failed;
 static _Atomic uint64_t admitted; /* B's attempt on_admit got, for the main thread to end */
 static atomic_ulong n_call_ok, n_call_busy, n_drain_ok, n_drain_busy, n_admits;
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static void sleep_us(long us)
-{
-	struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-	nanosleep(&ts, NULL);
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-	*s ^= *s << 13;
-	*s ^= *s >> 7;
-	*s ^= *s << 17;
-	return *s;
-}
 
 static void fail(const char *what, int rc)
 {
@@ -84,8 +65,8 @@ static void count(int rc, const char *what)
 /* One random call on the feed, from on_admit on B's apply thread. */
 static void one_call(uint64_t *s)
 {
-	int k = (int)(rnd(s) % SLOTS), rc;
-	switch (rnd(s) % 4) {
+	int k = (int)(xorshift64(s) % SLOTS), rc;
+	switch (xorshift64(s) % 4) {
 	case 0: {
 		struct kvr_feed_stats st;
 		count(kvr_feed_get_stats(feed, KVR_FEED_ALL, &st), "get_stats");
@@ -138,7 +119,7 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 		return;
 	atomic_fetch_add(&active, 1);
 	if (!atomic_load(&quiet) && kvr_replica_handling(atomic_load(&rep[1])))
-		for (int n = 1 + (int)(rnd(&seed) % 3); n > 0; n--)
+		for (int n = 1 + (int)(xorshift64(&seed) % 3); n > 0; n--)
 			one_call(&seed);
 	atomic_fetch_add(&active, -1);
 }

@@ -17,18 +17,12 @@
 #include <zmq.h>
 
 #include "kvrouter.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/vllm_batch.h"
 
 static struct kvr_feed *F;
 static atomic_int destroyed;
 static int from_log;
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 static void destroy_feed(void)
 {

@@ -11,6 +11,7 @@
 
 #include "kvrouter.h"
 #include "shards/lease.h"
+#include "tests/common/mono_clock.h"
 
 #define K        512 /* attempts per round */
 #define MINTERS  2
@@ -22,13 +23,6 @@ static int wins[K];
 static int stale_wins;
 static pthread_barrier_t start_b, done_b;
 static int stop;
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 /* Thread roles per round: minters fill cur[] (disjoint halves) before the claim barrier is
  * passed, then everybody claims, touches and ages in its own order. */

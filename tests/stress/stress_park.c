@@ -21,6 +21,7 @@
 
 #include "sync/park.h"
 #include "sync/ring.h"
+#include "tests/common/mono_clock.h"
 
 #define P 3
 
@@ -33,13 +34,6 @@ static uint64_t deadline_ns;
 static int lazy; /* phase 2: written between the phases only */
 
 #define BOUND_NS 50000ull /* the consumer's bounded park in phase 2 */
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void *producer(void *arg)
 {

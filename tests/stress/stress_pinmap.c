@@ -17,6 +17,7 @@
 #include "shards/load.h"
 #include "shards/pinmap.h"
 #include "sync/rcu.h"
+#include "tests/common/mono_clock.h"
 
 #define L      64 /* chain C; D leaves C after 32 blocks; E continues D */
 #define BRANCH 32
@@ -29,13 +30,6 @@ static int stop, failed;
 static uint64_t phase[3];    /* per writer slot: 2 x commands done, +1 while one runs */
 #define CMDS (2 * NOISE + 5) /* commands per cycle */
 static unsigned long reads, cycles;
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 static uint64_t mix(uint64_t x)
 {

@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "sync/ring.h"
+#include "tests/common/mono_clock.h"
 
 #define P 4
 #ifndef CAP
@@ -42,13 +43,6 @@ static int stop;
  * whose tagged slots the consumer passes).  Written between the runs only. */
 static int or_tag;
 static int failures;
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void fail(const char *what)
 {

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "shards/runtime.h"
+#include "tests/common/mono_clock.h"
 
 #define P       3
 #define S       2
@@ -37,13 +38,6 @@ struct msg {
 	uint32_t producer, seq;
 	uint64_t posted_ns;
 };
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 /* Written only by shard s's thread. */
 static int64_t last_seq[S][P];

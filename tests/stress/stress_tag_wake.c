@@ -34,6 +34,7 @@
 
 #include "shards/runtime.h"
 #include "sync/lane.h"
+#include "tests/common/mono_clock.h"
 
 #define ROUNDS    5
 #define LAZY_NS   200000000ull /* the bounded park's bound: unmistakable against a wake */
@@ -45,13 +46,6 @@
 #define BOUND_NS 50000000ull
 
 enum { ID_WARM = 1, ID_HELD = 2, ID_URGENT = 3 };
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void sleep_ms(unsigned ms)
 {

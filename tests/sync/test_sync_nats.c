@@ -49,6 +49,7 @@
 #include "sync/replica.h"
 #include "sync/replica_msg.h"
 #include "sync/replica_trace.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/nats_server.h"
 #include "tests/common/router_prompts.h"
 #include "tests/common/xorshift.h"
@@ -67,13 +68,6 @@ static int fails;
 			fails++;                                                                   \
 		}                                                                                  \
 	} while (0)
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 static void sleep_ms(unsigned ms)
 {

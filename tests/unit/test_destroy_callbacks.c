@@ -20,16 +20,10 @@
 
 #include "kvrouter.h"
 #include "shards/runtime.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
 #include "tests/unit/replica_bus.h"
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 /* Waits up to 10 s for *flag. */
 static bool came_back(atomic_int *flag)

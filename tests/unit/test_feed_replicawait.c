@@ -14,16 +14,10 @@
 
 #include "kvrouter.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
 #include "tests/unit/replica_bus.h"
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static struct kvr_feed *xfeed;
 static atomic_int admit_in, log_in, admit_out, log_out;

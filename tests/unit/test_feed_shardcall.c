@@ -13,6 +13,7 @@
 #include "shards/runtime.h"
 #include "sync/feed_encode.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/mono_clock.h"
 
 enum { BS = 16, PER = 8 };
 
@@ -20,13 +21,6 @@ static struct kvr_feed *xfeed;
 static atomic_int armed, in_clock, sent, out;
 static int call_rc = 1;
 static char call_detail[256];
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 /* The router's clock; once armed, its first call on a shard thread holds the shard until a
  * batch is on its way to it, then asks the feed for its stats. */

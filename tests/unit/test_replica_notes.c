@@ -14,6 +14,7 @@
 #include "kvrouter.h"
 #include "sync/replica.h"
 #include "sync/replica_internal.h"
+#include "tests/common/mono_clock.h"
 #include "tests/unit/replica_bus.h"
 
 static struct kvr_rank_stats rank_stats(struct kvr_router *r, struct kvr_rank_id rk)
@@ -155,13 +156,6 @@ Test(replica_notes, long_output_mirrored_when_its_copy_fails, .timeout = 60)
 	nothing_dropped(fired);
 	cr_log_info("%lu outputs, %lu failed", (unsigned long)ok, (unsigned long)(nth - 1 - ok));
 	bus_teardown(r, 2);
-}
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
 /* The nodes kept aside on rep (its sender stalled: nobody takes them meanwhile), bytes. */

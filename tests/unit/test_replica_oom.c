@@ -14,14 +14,8 @@
 #include "sync/replica.h"
 #include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
+#include "tests/common/mono_clock.h"
 #include "tests/unit/replica_bus.h"
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 static struct kvr_rank_stats rank_stats(struct kvr_router *r, struct kvr_rank_id rk)
 {
