@@ -75,6 +75,34 @@ static inline void test_pub_send_empty(struct test_pub *p, uint64_t seq, uint32_
 	test_pub_send(p, seq, body, test_pub_empty_batch(body, dp));
 }
 
+/* A feed on r whose log is log(ctx), with pub's endpoint as worker w's (dp 0, the feed's first
+ * endpoint: id 0), once subscribed. */
+static inline struct kvr_feed *test_feed_on(struct kvr_router *r, struct test_pub *pub, uint64_t w,
+                                            void (*log)(void *, int, const char *), void *ctx)
+{
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.log = log;
+	fc.log_ctx = ctx;
+	struct kvr_feed *f;
+	cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = pub->ep, .worker_id = w, .dp_rank = 0};
+	uint32_t id;
+	cr_assert_eq(kvr_feed_add(f, &fe, &id), 0);
+	cr_assert_eq(id, 0, "a new feed's first endpoint is id 0");
+	test_pub_subscribed(pub);
+	return f;
+}
+
+/* Blocks the index holds for rank (0, 0), once the router applied what it was given. */
+static inline uint64_t test_indexed_blocks(struct kvr_router *r)
+{
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_router_sync(r, 1000), 0);
+	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){0, 0}, &st), 0);
+	return st.indexed_blocks;
+}
+
 static inline void test_pub_close(struct test_pub *p)
 {
 	zmq_close(p->pub);

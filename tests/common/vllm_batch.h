@@ -60,6 +60,19 @@ static inline int test_xpub_open(void *zctx, void **pub, char *ep, size_t cap)
 	return zmq_getsockopt(*pub, ZMQ_LAST_ENDPOINT, ep, &cap) ? -1 : 0;
 }
 
+/* Tokens of 16-token blocks for kvr_fenc_stored / kvr_fenc_stored_on: block i's are derived
+ * from the i-th of the hashes at ctx (the buffer is the calling thread's, valid until its next
+ * call). */
+#define TEST_BLOCK_TOKENS 16
+static inline const uint32_t *test_block_tokens(void *ctx, size_t i)
+{
+	static _Thread_local uint32_t t[TEST_BLOCK_TOKENS];
+	const uint64_t *h = ctx;
+	for (uint32_t j = 0; j < TEST_BLOCK_TOKENS; j++)
+		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
+	return t;
+}
+
 /* A feed on r (config fc) with the endpoint ep of worker, once subscribed to pub, so that nothing
  * sent after this returns is dropped.  0, or -1. */
 static inline int test_feed_subscribed(struct kvr_router *r, const struct kvr_feed_config *fc,

@@ -155,16 +155,7 @@ static void on_log(void *ctx, int level, const char *msg)
 /* Events per rank at most: a third stored batch in a row is refused (BOUND / PER). */
 #define BOUND 4
 #define PER   2
-#define BS    16
-
-static const uint32_t *tokens_of(void *ctx, size_t i)
-{
-	static _Thread_local uint32_t t[BS];
-	const uint64_t *h = ctx;
-	for (uint32_t j = 0; j < BS; j++)
-		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
-	return t;
-}
+#define BS    TEST_BLOCK_TOKENS
 
 /* Batch seq for feed i: PER new blocks, or (every eighth) a clear, which ends the episode. */
 static int send_batch(void *pub, struct kvr_fenc *e, uint64_t seq, int i)
@@ -176,7 +167,7 @@ static int send_batch(void *pub, struct kvr_fenc *e, uint64_t seq, int i)
 		uint64_t h[PER];
 		for (int k = 0; k < PER; k++)
 			h[k] = ((uint64_t)i << 40) + seq * PER + (uint64_t)k + 1;
-		kvr_fenc_stored(e, h, PER, NULL, BS, tokens_of, h);
+		kvr_fenc_stored(e, h, PER, NULL, BS, test_block_tokens, h);
 	}
 	kvr_fenc_end(e, 0);
 	return kvr_fenc_send(pub, seq, e->sb.data, e->sb.size);

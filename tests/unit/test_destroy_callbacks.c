@@ -23,6 +23,7 @@
 #include "tests/common/mono_clock.h"
 #include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
+#include "tests/unit/bus_hog.h"
 #include "tests/unit/replica_bus.h"
 
 /* Waits up to 10 s for *flag. */
@@ -159,21 +160,12 @@ static void on_admit_apply(void *ctx, uint64_t ticket, const struct kvr_decision
 static void replica_calls_from_on_admit(int destroys)
 {
 	apply_destroys = destroys;
-	memset(&bus.rep, 0, sizeof(bus.rep));
 	struct kvr_router *r[2];
-	r[0] = queue_router(NULL);
-	r[1] = victim = queue_router(on_admit_apply);
-	bus_attach(0, r[0]);
-	bus_attach(1, r[1]);
-	/* A's 200-token request, mirrored on B, saturates X there: B's own request waits. */
-	struct kvr_decision hog, q;
-	cr_assert_eq(route_pinned(r[0], 1, 200, &hog), 0);
-	cr_assert_eq(hog.status, KVR_DECIDED);
-	bus_quiet(r, 2);
-	cr_assert_eq(route_pinned(r[1], 2, 64, &q), 0);
-	cr_assert_eq(q.status, KVR_QUEUED, "B did not see A's load");
+	bus_hog_pair(r, on_admit_apply);
+	victim = r[1];
+	uint64_t hog = bus_hog(r);
 	/* A's finish, applied by B's apply thread, frees room: on_admit there. */
-	cr_assert_eq(kvr_request_finish(r[0], hog.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r[0], hog), 0);
 	cr_assert(came_back(&apply_admitted), "on_admit on the apply thread never returned");
 	cr_assert(apply_named, "on_admit did not run on the apply thread");
 	cr_assert_eq(drain_rc, KVR_EBUSY, "drain from the apply thread: %d", drain_rc);

@@ -34,16 +34,7 @@ static void on_log(void *ctx, int level, const char *msg)
 		atomic_fetch_add(&bound_logs, 1);
 }
 
-enum { BS = 16, PER = 8, BOUND = 64 };
-
-static const uint32_t *tokens_of(void *ctx, size_t i)
-{
-	static uint32_t t[BS];
-	const uint64_t *h = ctx;
-	for (uint32_t j = 0; j < BS; j++)
-		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
-	return t;
-}
+enum { BS = TEST_BLOCK_TOKENS, PER = 8, BOUND = 64 };
 
 /* Sends one batch: a root chain of PER blocks from hash first on medium, or a clear (medium
  * NULL). */
@@ -57,7 +48,7 @@ static void send_on(struct test_pub *p, struct kvr_fenc *e, uint64_t seq, uint64
 	if (!medium)
 		kvr_fenc_cleared(e);
 	else
-		kvr_fenc_stored_on(e, medium, h, PER, NULL, BS, tokens_of, h);
+		kvr_fenc_stored_on(e, medium, h, PER, NULL, BS, test_block_tokens, h);
 	kvr_fenc_end(e, 0);
 	cr_assert_eq(kvr_fenc_send(p->pub, seq, e->sb.data, e->sb.size), 0);
 }
@@ -81,14 +72,6 @@ static struct kvr_feed_stats settled(struct kvr_feed *f, uint32_t id, uint64_t b
 	}
 	cr_assert_eq(st.batches, batches);
 	return st;
-}
-
-static uint64_t indexed(struct kvr_router *r)
-{
-	struct kvr_rank_stats st;
-	cr_assert_eq(kvr_router_sync(r, 1000), 0);
-	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){0, 0}, &st), 0);
-	return st.indexed_blocks;
 }
 
 /* One events-mode router (bound BOUND, rank {0,0} without a capacity) and a feed on one
@@ -135,7 +118,7 @@ Test(feed_bound, publisher_past_the_bound, .timeout = 120)
 	for (int k = 0; k < 40; k++)
 		send_batch(&g.pub, &g.e, seq++, 1 + (uint64_t)k * 100, false);
 	struct kvr_feed_stats st = settled(f, id, seq);
-	cr_assert_eq(indexed(r), BOUND, "the rank stays at its bound");
+	cr_assert_eq(test_indexed_blocks(r), BOUND, "the rank stays at its bound");
 	cr_assert_eq(st.refused, 40 - BOUND / PER, "the feed counts the refused events");
 	cr_assert_eq(st.gaps, 0, "no seq gap");
 	cr_assert_eq(atomic_load(&gap_calls), 1, "one report for the episode");
@@ -147,7 +130,7 @@ Test(feed_bound, publisher_past_the_bound, .timeout = 120)
 	for (int k = 0; k < BOUND / PER + 1; k++)
 		send_batch(&g.pub, &g.e, seq++, 100000 + (uint64_t)k * 100, false);
 	st = settled(f, id, seq);
-	cr_assert_eq(indexed(r), BOUND);
+	cr_assert_eq(test_indexed_blocks(r), BOUND);
 	cr_assert_eq(st.refused, 40 - BOUND / PER + 1);
 	cr_assert_eq(atomic_load(&gap_calls), 2);
 	rig_close(&g);
@@ -167,7 +150,7 @@ Test(feed_bound, other_medium_past_the_bound, .timeout = 120)
 	cr_assert_eq(st.other_medium_blocks, BOUND, "the set stays at the bound");
 	cr_assert_eq(st.refused, 40 - BOUND / PER, "the excess is refused");
 	cr_assert_gt(atomic_load(&bound_logs), 0, "and logged, naming the bound");
-	cr_assert_eq(indexed(g.r), 0, "the GPU index holds none of it");
+	cr_assert_eq(test_indexed_blocks(g.r), 0, "the GPU index holds none of it");
 	cr_assert_eq(atomic_load(&gap_calls), 0);
 	/* A clear empties it: room again. */
 	send_on(&g.pub, &g.e, seq++, 0, NULL);

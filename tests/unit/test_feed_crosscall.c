@@ -108,16 +108,7 @@ static struct kvr_router *rig(int n, struct test_pub *pub)
 		    0);
 	for (int i = 0; i < n; i++) {
 		test_pub_open(&pub[i]);
-		struct kvr_feed_config fc;
-		kvr_feed_config_init(&fc);
-		fc.log = on_log;
-		fc.log_ctx = (void *)(intptr_t)i;
-		cr_assert_eq(kvr_feed_create(r, &fc, &feeds[i]), 0);
-		struct kvr_feed_endpoint fe = {.endpoint = pub[i].ep, .worker_id = (uint64_t)i};
-		uint32_t id;
-		cr_assert_eq(kvr_feed_add(feeds[i], &fe, &id), 0);
-		cr_assert_eq(id, 0);
-		test_pub_subscribed(&pub[i]);
+		feeds[i] = test_feed_on(r, &pub[i], (uint64_t)i, on_log, (void *)(intptr_t)i);
 	}
 	return r;
 }

@@ -20,6 +20,7 @@
 #include "tests/common/mono_clock.h"
 #include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
+#include "tests/unit/bus_hog.h"
 #include "tests/unit/replica_bus.h"
 
 /* Waits up to 10 s for the process to be back to at most n threads. */
@@ -44,21 +45,6 @@ static void live_back_to(int64_t live0)
 }
 
 /* A feed on r for worker w fed by pub, logging to log with ctx. */
-static struct kvr_feed *feed_on(struct kvr_router *r, struct test_pub *pub, uint64_t w,
-                                void (*log)(void *, int, const char *), void *ctx)
-{
-	struct kvr_feed_config fc;
-	kvr_feed_config_init(&fc);
-	fc.log = log;
-	fc.log_ctx = ctx;
-	struct kvr_feed *f;
-	cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = pub->ep, .worker_id = w, .dp_rank = 0};
-	cr_assert_eq(kvr_feed_add(f, &fe, NULL), 0);
-	test_pub_subscribed(pub);
-	return f;
-}
-
 /* ---------------------------------------------------------------- feed against feed */
 
 static struct kvr_feed *feeds[2];
@@ -98,7 +84,7 @@ static void feed_destroys_feed(int both)
 		test_pub_open(&pub[i]);
 	int threads0 = test_n_threads();
 	for (int i = 0; i < 2; i++)
-		feeds[i] = feed_on(r, &pub[i], (uint64_t)i, on_log_other, (void *)(intptr_t)i);
+		feeds[i] = test_feed_on(r, &pub[i], (uint64_t)i, on_log_other, (void *)(intptr_t)i);
 	for (int i = 0; i < 2; i++) {
 		test_pub_send_empty(&pub[i], 0, 0);
 		test_pub_send_empty(&pub[i], 5, 0); /* a gap: logged */
@@ -154,7 +140,7 @@ Test(feed_crossdestroy, router_destroy_right_after_the_feeds_destroyed_each_othe
 	for (int i = 0; i < 2; i++)
 		test_pub_open(&pub[i]);
 	for (int i = 0; i < 2; i++)
-		feeds[i] = feed_on(r, &pub[i], (uint64_t)i, on_log_other, (void *)(intptr_t)i);
+		feeds[i] = test_feed_on(r, &pub[i], (uint64_t)i, on_log_other, (void *)(intptr_t)i);
 	for (int i = 0; i < 2; i++) {
 		test_pub_send_empty(&pub[i], 0, 0);
 		test_pub_send_empty(&pub[i], 5, 0);
@@ -212,28 +198,18 @@ Test(feed_crossdestroy, feed_destroyed_from_on_admit_on_a_replica_apply_thread, 
 	kvr_router_destroy(warm);
 	kvr_rcu_barrier();
 	int64_t live0 = kvr_alloc_live_bytes();
-	memset(&bus.rep, 0, sizeof(bus.rep));
 	struct kvr_router *r[2];
-	r[0] = queue_router(NULL);
-	r[1] = queue_router(on_admit_destroy_feed);
-	bus_attach(0, r[0]);
-	bus_attach(1, r[1]);
+	bus_hog_pair(r, on_admit_destroy_feed);
 	struct kvr_router *ev = test_events_router(NULL);
 	struct test_pub pub;
 	test_pub_open(&pub);
 	int threads0 = test_n_threads();
-	xfeed = feed_on(ev, &pub, 0, on_log_drain, NULL);
-	/* A's 200-token request, mirrored on B, saturates X there: B's own request waits. */
-	struct kvr_decision hog, q;
-	cr_assert_eq(route_pinned(r[0], 1, 200, &hog), 0);
-	cr_assert_eq(hog.status, KVR_DECIDED);
-	bus_quiet(r, 2);
-	cr_assert_eq(route_pinned(r[1], 2, 64, &q), 0);
-	cr_assert_eq(q.status, KVR_QUEUED, "B did not see A's load");
+	xfeed = test_feed_on(ev, &pub, 0, on_log_drain, NULL);
+	uint64_t hog = bus_hog(r);
 	/* The feed's thread into its log (a gap), B's apply thread into on_admit (A's finish). */
 	test_pub_send_empty(&pub, 0, 0);
 	test_pub_send_empty(&pub, 5, 0);
-	cr_assert_eq(kvr_request_finish(r[0], hog.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r[0], hog), 0);
 	cr_assert(came_back(&admit_out), "kvr_feed_destroy from on_admit never returned");
 	cr_assert(came_back(&log_out), "the feed's log never returned");
 	cr_assert_eq(xdrain_rc, 0, "drain from the feed's log: %d after %lu ms", xdrain_rc,
@@ -281,7 +257,7 @@ Test(feed_crossdestroy, feed_destroyed_from_the_clock_on_a_shard, .timeout = 60)
 	struct test_pub pub;
 	test_pub_open(&pub);
 	int threads0 = test_n_threads();
-	sfeed = feed_on(r, &pub, 0, NULL, NULL);
+	sfeed = test_feed_on(r, &pub, 0, NULL, NULL);
 	atomic_store(&armed, 1);
 	test_pub_send_empty(&pub, 0, 0); /* the feed's post wakes the shard */
 	cr_assert_eq(kvr_router_sync(r, 10000), 0);

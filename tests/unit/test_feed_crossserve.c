@@ -15,7 +15,7 @@
 #include "sync/feed_encode.h"
 #include "tests/common/feed_pub.h"
 
-enum { BS = 16, PER = 8 };
+enum { BS = TEST_BLOCK_TOKENS, PER = 8 };
 
 static struct kvr_feed *feeds[2];
 static atomic_int b_calling; /* feed B's callback is in its call on feed A */
@@ -47,23 +47,6 @@ static void on_log(void *ctx, int level, const char *msg)
 	}
 }
 
-static const uint32_t *tokens_of(void *ctx, size_t i)
-{
-	static uint32_t t[BS];
-	const uint64_t *h = ctx;
-	for (uint32_t j = 0; j < BS; j++)
-		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
-	return t;
-}
-
-static uint64_t indexed(struct kvr_router *r)
-{
-	struct kvr_rank_stats st;
-	cr_assert_eq(kvr_router_sync(r, 1000), 0);
-	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){0, 0}, &st), 0);
-	return st.indexed_blocks;
-}
-
 Test(feed_crossserve, callback_in_a_served_call_calls_its_caller, .timeout = 60)
 {
 	/* Rank (0, 0) at most PER blocks: the batch's second chain is refused by the shard, which
@@ -73,15 +56,7 @@ Test(feed_crossserve, callback_in_a_served_call_calls_its_caller, .timeout = 60)
 	struct test_pub pub[2];
 	for (int i = 0; i < 2; i++) {
 		test_pub_open(&pub[i]);
-		struct kvr_feed_config fc;
-		kvr_feed_config_init(&fc);
-		fc.log = on_log;
-		fc.log_ctx = (void *)(intptr_t)i;
-		cr_assert_eq(kvr_feed_create(r, &fc, &feeds[i]), 0);
-		struct kvr_feed_endpoint fe = {.endpoint = pub[i].ep, .worker_id = (uint64_t)i};
-		uint32_t id;
-		cr_assert_eq(kvr_feed_add(feeds[i], &fe, &id), 0);
-		test_pub_subscribed(&pub[i]);
+		feeds[i] = test_feed_on(r, &pub[i], (uint64_t)i, on_log, (void *)(intptr_t)i);
 	}
 	/* One batch, two chains of PER blocks, to feed A: posted by A's drain (the first chain in
 	 * the index shows it), its refusal not yet collected. */
@@ -93,14 +68,14 @@ Test(feed_crossserve, callback_in_a_served_call_calls_its_caller, .timeout = 60)
 		h1[k] = 1001 + (uint64_t)k;
 	}
 	kvr_fenc_begin(&e, 1.0, 2);
-	kvr_fenc_stored_on(&e, "GPU", h0, PER, NULL, BS, tokens_of, h0);
-	kvr_fenc_stored_on(&e, "GPU", h1, PER, NULL, BS, tokens_of, h1);
+	kvr_fenc_stored_on(&e, "GPU", h0, PER, NULL, BS, test_block_tokens, h0);
+	kvr_fenc_stored_on(&e, "GPU", h1, PER, NULL, BS, test_block_tokens, h1);
 	kvr_fenc_end(&e, 0);
 	cr_assert_eq(kvr_fenc_send(pub[0].pub, 0, e.sb.data, e.sb.size), 0);
 	kvr_fenc_fini(&e);
-	for (int t = 0; t < 1000 && indexed(r) < PER; t++)
+	for (int t = 0; t < 1000 && test_indexed_blocks(r) < PER; t++)
 		sleep_ms(10);
-	cr_assert_eq(indexed(r), PER, "feed A posted its batch");
+	cr_assert_eq(test_indexed_blocks(r), PER, "feed A posted its batch");
 	/* Feed B's callback (a gap) reads A's stats; A's loop settles for it, logs the refusal,
 	 * and A's callback adds an endpoint to B, which waits for A's answer. */
 	test_pub_send_empty(&pub[1], 0, 0);

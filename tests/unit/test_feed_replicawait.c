@@ -17,6 +17,7 @@
 #include "tests/common/mono_clock.h"
 #include "tests/common/pinned_router.h"
 #include "tests/common/router_prompts.h"
+#include "tests/unit/bus_hog.h"
 #include "tests/unit/replica_bus.h"
 
 static struct kvr_feed *xfeed;
@@ -61,33 +62,17 @@ static void on_log_drains(void *ctx, int level, const char *msg)
 static void drain_against_call(bool drain_goes_first)
 {
 	drain_first = drain_goes_first;
-	memset(&bus.rep, 0, sizeof(bus.rep));
 	struct kvr_router *r[2];
-	r[0] = queue_router(NULL);
-	r[1] = queue_router(on_admit_calls_feed);
-	bus_attach(0, r[0]);
-	bus_attach(1, r[1]);
+	bus_hog_pair(r, on_admit_calls_feed);
 	struct kvr_router *ev = test_events_router(NULL);
 	struct test_pub pub;
 	test_pub_open(&pub);
-	struct kvr_feed_config fc;
-	kvr_feed_config_init(&fc);
-	fc.log = on_log_drains;
-	cr_assert_eq(kvr_feed_create(ev, &fc, &xfeed), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
-	cr_assert_eq(kvr_feed_add(xfeed, &fe, NULL), 0);
-	test_pub_subscribed(&pub);
-	/* A's 200-token request, mirrored on B, saturates X there: B's own request waits. */
-	struct kvr_decision hog, q;
-	cr_assert_eq(route_pinned(r[0], 1, 200, &hog), 0);
-	cr_assert_eq(hog.status, KVR_DECIDED);
-	bus_quiet(r, 2);
-	cr_assert_eq(route_pinned(r[1], 2, 64, &q), 0);
-	cr_assert_eq(q.status, KVR_QUEUED, "B did not see A's load");
+	xfeed = test_feed_on(ev, &pub, 0, on_log_drains, NULL);
+	uint64_t hog = bus_hog(r);
 	/* The feed's thread into its log (a gap), B's apply thread into on_admit (A's finish). */
 	test_pub_send_empty(&pub, 0, 0);
 	test_pub_send_empty(&pub, 5, 0);
-	cr_assert_eq(kvr_request_finish(r[0], hog.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r[0], hog), 0);
 	cr_assert(came_back(&admit_out), "on_admit's call on the feed never returned");
 	cr_assert(came_back(&log_out), "the feed's log never returned");
 	cr_log_info("drain first %d: drain %d after %lu ms, call %d after %lu ms", drain_first,

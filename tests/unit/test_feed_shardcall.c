@@ -15,7 +15,7 @@
 #include "tests/common/feed_pub.h"
 #include "tests/common/mono_clock.h"
 
-enum { BS = 16, PER = 8 };
+enum { BS = TEST_BLOCK_TOKENS, PER = 8 };
 
 static struct kvr_feed *xfeed;
 static atomic_int armed, in_clock, sent, out;
@@ -39,15 +39,6 @@ static uint64_t clock_asks_feed(void *ctx)
 	return mono_ns();
 }
 
-static const uint32_t *tokens_of(void *ctx, size_t i)
-{
-	static uint32_t t[BS];
-	const uint64_t *h = ctx;
-	for (uint32_t j = 0; j < BS; j++)
-		t[j] = (uint32_t)(h[i] * 2654435761u) + j;
-	return t;
-}
-
 Test(feed_shardcall, stats_from_the_clock_on_a_shard_thread, .timeout = 60)
 {
 	struct kvr_config c;
@@ -60,10 +51,7 @@ Test(feed_shardcall, stats_from_the_clock_on_a_shard_thread, .timeout = 60)
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
 	struct test_pub pub;
 	test_pub_open(&pub);
-	cr_assert_eq(kvr_feed_create(r, NULL, &xfeed), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .worker_id = 0, .dp_rank = 0};
-	cr_assert_eq(kvr_feed_add(xfeed, &fe, NULL), 0);
-	test_pub_subscribed(&pub);
+	xfeed = test_feed_on(r, &pub, 0, NULL, NULL);
 
 	/* A route's booking makes the shard read the clock. */
 	atomic_store(&armed, 1);
@@ -86,7 +74,7 @@ Test(feed_shardcall, stats_from_the_clock_on_a_shard_thread, .timeout = 60)
 	struct kvr_fenc e;
 	kvr_fenc_init(&e);
 	kvr_fenc_begin(&e, 1.0, 1);
-	kvr_fenc_stored_on(&e, "GPU", h, PER, NULL, BS, tokens_of, h);
+	kvr_fenc_stored_on(&e, "GPU", h, PER, NULL, BS, test_block_tokens, h);
 	kvr_fenc_end(&e, 0);
 	cr_assert_eq(kvr_fenc_send(pub.pub, 0, e.sb.data, e.sb.size), 0);
 	atomic_store(&sent, 1);
