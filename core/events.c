@@ -3,7 +3,7 @@
  *
  * The caller's thread validates the event and computes local block hashes from token ids when
  * the event carries tokens (so the shard does no hashing); the rank's shard then checks the
- * event id cursor and applies the event to the index (shards/rank_owner.c).  Validation is
+ * event id cursor and applies the event to the index (shards/owner_events.c).  Validation is
  * complete before anything is applied, so a malformed event changes nothing.
  */
 #include <inttypes.h>

@@ -67,7 +67,7 @@ KVR_API const char *kvr_strerror(int code);
 /*
  * What the calling thread's latest failing kvr_ call found wrong: the function, the argument
  * or configuration field, the bad value where it is cheap to say, and what is allowed, e.g.
- * "kvr_route: n_tokens is 0; a prompt needs at least one token" or "kvr_router_create:
+ * "kvr_route: req.n_tokens is 0; a prompt needs at least one token" or "kvr_router_create:
  * config.block_size 0 is out of range [1, 65536]".  Never NULL.
  *  - Read it right after a call returned a KVR_E* code.  Every failing call of a function in
  *    this header that returns int sets it (a code with no more to say reads
@@ -516,7 +516,9 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
  * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
  * when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL,
  * ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody waits) by
- * on_admit, which also receives failed admissions (status KVR_FAILED). */
+ * on_admit, which also receives failed admissions (status KVR_FAILED).  The deadline is checked
+ * against the router's clock about every millisecond of the wait: with a replaced clock
+ * (kvr_config.now_ns), it passes only when something moves that clock. */
 KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
                            struct kvr_decision *d);
 
