@@ -12,7 +12,9 @@
  * events (well formed and malformed, in every mode), metrics, syncs, virtual clock steps, the
  * hash functions, config validation, and NULL arguments.
  * Every call is executed on a real router (virtual time) and its return code is checked against the
- * set the header documents for that call, and where the model knows the answer exactly (rank
+ * set the header documents for that call, and so is what it left in kvr_last_error() (API(): a
+ * failure's detail names the function, a success leaves the detail as it was; fuzz_api.h,
+ * fuzz_err_verdict), and where the model knows the answer exactly (rank
  * membership, incarnations, attempt state, queue tickets, events-mode block sets), against that
  * answer.  At the end every attempt is finished, every ticket cancelled or collected, the router
  * synced, and then: all load is zero on every rank, resident <= capacity on every capacity-bounded
@@ -75,6 +77,18 @@ bool fuzz_api_limits;           /* fuzz_api_seeds --limits: config values at the
 		if (!(c))                                                                          \
 			FAIL(__VA_ARGS__);                                                         \
 	} while (0)
+
+/* Every int-returning call of the API goes through API(fn, args...) (or API_OR, for a call whose
+ * failure may carry another function's name): it returns fn(args...), after checking what the
+ * call left in kvr_last_error() (fuzz_api.h, fuzz_err_verdict). */
+static int api_checked(const char *fn, const char *alt, int rc)
+{
+	const char *why = fuzz_err_verdict(fn, alt, rc);
+	CHECK(!why, "kvr_last_error(): %s", why);
+	return rc;
+}
+#define API(fn, ...)         api_checked(#fn, NULL, (fuzz_err_arm(#fn, NULL), fn(__VA_ARGS__)))
+#define API_OR(fn, alt, ...) api_checked(#fn, alt, (fuzz_err_arm(#fn, alt), fn(__VA_ARGS__)))
 
 struct fuzz_api_stats fuzz_api_totals;
 
@@ -306,7 +320,7 @@ static void add_attempt_at(struct prog *p, const struct kvr_decision *d, uint64_
 	if (p->n_att == MAX_ATT) {
 		/* the model is full: finish the oldest for real */
 		cur_call = "finish (model full)";
-		int rc = kvr_request_finish(p->r, p->att[0].id);
+		int rc = API(kvr_request_finish, p->r, p->att[0].id);
 		CHECK(rc == 0 || rc == KVR_ESTALE, "rc %d", rc);
 		end_attempt(p, 0);
 	}
@@ -521,7 +535,7 @@ static void check_blocks(struct prog *p, int i)
 	size_t n = 0;
 	size_t cap = u8(&p->in) % 8 == 0 ? u8(&p->in) % 4 : sizeof(out) / sizeof(out[0]);
 	cur_call = "kvr_rank_blocks";
-	int rc = kvr_rank_blocks(p->r, rid(i), cap ? out : NULL, cap, &n);
+	int rc = API(kvr_rank_blocks, p->r, rid(i), cap ? out : NULL, cap, &n);
 	if (!m->present) {
 		expect(rc, KVR_ENOENT, "blocks of an absent rank");
 		return;
@@ -563,7 +577,7 @@ static void op_rank_add(struct prog *p)
 	snprintf(cur_detail, sizeof(cur_detail),
 	         "rank %d inc %" PRIu64 " cap %" PRIu64 " mbt %u mode %d max_ranks %u", i, inc, cap,
 	         mbt, (int)p->cfg.mode, p->cfg.max_ranks);
-	int rc = kvr_rank_add(p->r, rid(i), inc, cap, mbt);
+	int rc = API(kvr_rank_add, p->r, rid(i), inc, cap, mbt);
 	struct mrank *m = &p->rk[i];
 	if (m->present)
 		expect(rc, KVR_EEXIST, "add of a present rank");
@@ -590,7 +604,7 @@ static void op_rank_remove(struct prog *p)
 	int i = gen_rank_index(p);
 	cur_call = "kvr_rank_remove";
 	snprintf(cur_detail, sizeof(cur_detail), "rank %d", i);
-	int rc = kvr_rank_remove(p->r, rid(i));
+	int rc = API(kvr_rank_remove, p->r, rid(i));
 	if (!p->rk[i].present) {
 		expect(rc, KVR_ENOENT, "remove of an absent rank");
 		return;
@@ -613,7 +627,7 @@ static void op_set_capacity(struct prog *p)
 	snprintf(cur_detail, sizeof(cur_detail),
 	         "rank %d inc %" PRIu64 " -> %" PRIu64 " cap %" PRIu64 " -> %" PRIu64 " mode %d", i,
 	         m->inc, inc, m->cap, cap, (int)p->cfg.mode);
-	int rc = kvr_rank_set_capacity(p->r, rid(i), inc, cap);
+	int rc = API(kvr_rank_set_capacity, p->r, rid(i), inc, cap);
 	if (!m->present) {
 		expect(rc, KVR_ENOENT, "set_capacity of an absent rank");
 		return;
@@ -646,7 +660,7 @@ static void op_rank_reset(struct prog *p)
 	cur_call = "kvr_rank_reset";
 	snprintf(cur_detail, sizeof(cur_detail), "rank %d inc %" PRIu64 " -> %" PRIu64, i, m->inc,
 	         inc);
-	int rc = kvr_rank_reset(p->r, rid(i), inc);
+	int rc = API(kvr_rank_reset, p->r, rid(i), inc);
 	if (!m->present) {
 		expect(rc, KVR_ENOENT, "reset of an absent rank");
 		return;
@@ -668,7 +682,7 @@ static void op_stats(struct prog *p)
 	int i = gen_rank_index(p);
 	struct kvr_rank_stats s;
 	cur_call = "kvr_rank_get_stats";
-	int rc = kvr_rank_get_stats(p->r, rid(i), &s);
+	int rc = API(kvr_rank_get_stats, p->r, rid(i), &s);
 	if (!p->rk[i].present) {
 		expect(rc, KVR_ENOENT, "stats of an absent rank");
 		return;
@@ -952,7 +966,9 @@ static void op_route(struct prog *p)
 	    "present %02x pinned %d allow %02x/%d n_allow %zu flags %x ntok %zu nh %zu hashes %d",
 	    present, pinned, aset, asome, q.n_allow, q.flags, q.n_tokens, q.n_hashes,
 	    q.local_hashes != NULL);
-	int rc = kvr_route(p->r, &q, &d);
+	/* With KVR_ROUTE_WAIT a failure of the wait reads as kvr_route_wait's (kvrouter.h) */
+	int rc =
+	    API_OR(kvr_route, q.flags & KVR_ROUTE_WAIT ? "kvr_route_wait" : NULL, p->r, &q, &d);
 	drain_admits(p);
 	(void)erange9; /* allow lists of any length are fine (issue 12 item 9) */
 	if (bad) {
@@ -989,7 +1005,7 @@ static void op_route(struct prog *p)
 		char *o = cur_detail + strlen(cur_detail);
 		for (int i = 0; i < N_IDS; i++) {
 			struct kvr_rank_stats st;
-			int src = kvr_rank_get_stats(p->r, rid(i), &st);
+			int src = API(kvr_rank_get_stats, p->r, rid(i), &st);
 			o += snprintf(o, 8, " %d:%d", i, src);
 		}
 	}
@@ -1057,7 +1073,7 @@ static void op_wait(struct prog *p)
 	struct kvr_decision d;
 	memset(&d, 0xa5, sizeof(d));
 	cur_call = "kvr_route_wait";
-	int rc = kvr_route_wait(p->r, t, p->now ? p->now : 1, &d);
+	int rc = API(kvr_route_wait, p->r, t, p->now ? p->now : 1, &d);
 	drain_admits(p);
 	struct mtick *m = held_ticket(p, t, rc, "wait on");
 	if (!m)
@@ -1081,7 +1097,7 @@ static void op_cancel(struct prog *p)
 {
 	uint64_t t = pick_ticket(p);
 	cur_call = "kvr_route_cancel";
-	int rc = kvr_route_cancel(p->r, t);
+	int rc = API(kvr_route_cancel, p->r, t);
 	drain_admits(p);
 	struct mtick *m = held_ticket(p, t, rc, "cancel of");
 	if (!m)
@@ -1132,7 +1148,7 @@ static void op_lifecycle(struct prog *p, int op)
 	switch (op) {
 	case 0:
 		cur_call = "kvr_request_prefill_done";
-		rc = kvr_request_prefill_done(p->r, a);
+		rc = API(kvr_request_prefill_done, p->r, a);
 		break;
 	case 1:
 		cur_call = "kvr_request_output";
@@ -1142,7 +1158,7 @@ static void op_lifecycle(struct prog *p, int op)
 			p->toks[i] = u16(&p->in);
 		uint8_t how = u8(&p->in);
 		if (how % 4 == 0) {
-			rc = kvr_request_output(p->r, a, null_tokens ? NULL : p->toks, n);
+			rc = API(kvr_request_output, p->r, a, null_tokens ? NULL : p->toks, n);
 			break;
 		}
 		/* finality known: not final, final, or (rarely) an unknown flag */
@@ -1151,15 +1167,15 @@ static void op_lifecycle(struct prog *p, int op)
 		bad_flags = how % 32 == 2;
 		if (bad_flags)
 			flags |= 2u << (how % 31);
-		rc = kvr_request_output_ex(p->r, a, null_tokens ? NULL : p->toks, n, flags);
+		rc = API(kvr_request_output_ex, p->r, a, null_tokens ? NULL : p->toks, n, flags);
 		break;
 	case 2:
 		cur_call = "kvr_request_finish";
-		rc = kvr_request_finish(p->r, a);
+		rc = API(kvr_request_finish, p->r, a);
 		break;
 	default:
 		cur_call = "kvr_request_abort";
-		rc = kvr_request_abort(p->r, a);
+		rc = API(kvr_request_abort, p->r, a);
 		break;
 	}
 	drain_admits(p);
@@ -1217,7 +1233,7 @@ static void op_heal(struct prog *p)
 		snprintf(cur_detail, sizeof(cur_detail),
 		         "attempt %" PRIx64 " k %d cached %" PRIu64 " blocks %" PRIu64, a, k,
 		         cached, req);
-		int rc = kvr_request_cached(p->r, a, cached);
+		int rc = API(kvr_request_cached, p->r, a, cached);
 		drain_admits(p);
 		if (a == 0) {
 			expect(rc, KVR_EINVAL, "cached for attempt 0");
@@ -1270,7 +1286,7 @@ static void op_heal(struct prog *p)
 	         " wm %" PRIx64,
 	         i, o.flags, o.incarnation, m->inc, o.resident_blocks, o.watermark_hash);
 	bool null = u8(&p->in) % 64 == 0;
-	int rc = kvr_rank_observe(p->r, rid(i), null ? NULL : &o);
+	int rc = API(kvr_rank_observe, p->r, rid(i), null ? NULL : &o);
 	drain_admits(p);
 	const uint32_t known = KVR_OBSERVE_RESIDENT | KVR_OBSERVE_WATERMARK;
 	if (null || !(o.flags & known) || (o.flags & ~known)) {
@@ -1511,7 +1527,7 @@ static void op_event(struct prog *p)
 				              " -%" PRIx64, ev.removed[k]);
 		}
 	}
-	int rc = kvr_events_apply(p->r, id, &ev);
+	int rc = API(kvr_events_apply, p->r, id, &ev);
 	if (p->cfg.mode != KVR_MODE_EVENTS) {
 		expect(rc, KVR_EINVAL, "event outside events mode");
 		return;
@@ -1651,7 +1667,7 @@ static void op_ev_probe(struct prog *p)
 	cur_call = "kvr_route (events probe)";
 	snprintf(cur_detail, sizeof(cur_detail), "pinned %d blocks %zu seq0 %" PRIx64, pin, n,
 	         seq[0]);
-	int rc = kvr_route(p->r, &q, &d);
+	int rc = API(kvr_route, p->r, &q, &d);
 	p->routes++;
 	if (pin != NO_IDX && !p->rk[pin].present) {
 		expect(rc, KVR_ENOENT, "probe pinned to an absent rank");
@@ -1693,8 +1709,11 @@ static void op_metrics(struct prog *p)
 	static char buf[1 << 16];
 	size_t len = 0;
 	size_t cap = u8(&p->in) % 4 == 0 ? u8(&p->in) : sizeof(buf);
+	cur_call = "kvr_router_get_memory";
+	struct kvr_memory mem;
+	expect(API(kvr_router_get_memory, p->r, &mem), 0, "get_memory");
 	cur_call = "kvr_metrics_render";
-	int rc = kvr_metrics_render(p->r, cap ? buf : NULL, cap, &len);
+	int rc = API(kvr_metrics_render, p->r, cap ? buf : NULL, cap, &len);
 	/* *len_out is the size the text needs, its NUL included. */
 	if (rc == 0) {
 		CHECK(len >= 1 && len <= cap && buf[len - 1] == 0 && strlen(buf) == len - 1,
@@ -1719,7 +1738,7 @@ static void op_clock(struct prog *p)
 	__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
 	if (u8(&p->in) % 2) {
 		cur_call = "kvr_router_sync";
-		int rc = kvr_router_sync(p->r, 10000);
+		int rc = API(kvr_router_sync, p->r, 10000);
 		drain_admits(p);
 		expect(rc, 0, "sync");
 	}
@@ -1728,7 +1747,7 @@ static void op_clock(struct prog *p)
 static void op_sync(struct prog *p)
 {
 	cur_call = "kvr_router_sync";
-	int rc = kvr_router_sync(p->r, 10000);
+	int rc = API(kvr_router_sync, p->r, 10000);
 	drain_admits(p);
 	expect(rc, 0, "sync");
 }
@@ -1751,7 +1770,7 @@ static void op_hash(struct prog *p)
 	}
 	size_t nb2 = 99;
 	cur_call = "kvr_hash_extend";
-	int rc = kvr_hash_extend(NULL, null_tok ? NULL : p->toks, n, bs, lora, l2, s2, &nb2);
+	int rc = API(kvr_hash_extend, NULL, null_tok ? NULL : p->toks, n, bs, lora, l2, s2, &nb2);
 	if (bs == 0 || null_tok) {
 		expect(rc, KVR_EINVAL, "hash_extend bad arguments");
 	} else {
@@ -1763,14 +1782,15 @@ static void op_hash(struct prog *p)
 			size_t cut = (nb / 2) * bs;
 			size_t nb3;
 			uint64_t l3[256], s3[256];
-			CHECK(kvr_hash_extend(&s1[nb / 2 - 1], p->toks + cut, n - cut, bs, lora, l3,
-			                      s3, &nb3) == 0,
+			CHECK(API(kvr_hash_extend, &s1[nb / 2 - 1], p->toks + cut, n - cut, bs,
+			          lora, l3, s3, &nb3) == 0,
 			      "extend");
 			CHECK(nb3 == nb - nb / 2 && !memcmp(s3, s1 + nb / 2, nb3 * 8),
 			      "extend does not continue the chain");
 		}
 	}
-	CHECK(kvr_hash_extend(NULL, p->toks, n, bs ? bs : 1, lora, NULL, NULL, NULL) == KVR_EINVAL,
+	CHECK(API(kvr_hash_extend, NULL, p->toks, n, bs ? bs : 1, lora, NULL, NULL, NULL) ==
+	          KVR_EINVAL,
 	      "hash_extend without n_blocks_out");
 	uint64_t seed = kvr_hash_lora_seed(lora);
 	if (!lora || !*lora)
@@ -1840,14 +1860,14 @@ static void op_config(struct prog *p)
 		break;
 	}
 	cur_call = "kvr_config_validate";
-	expect(kvr_config_validate(&c), want, "config_validate");
+	expect(API(kvr_config_validate, &c), want, "config_validate");
 	if (want) {
 		struct kvr_router *r = (struct kvr_router *)&c;
 		cur_call = "kvr_router_create (bad config)";
-		expect(kvr_router_create(&c, &r), want, "create with a bad config");
+		expect(API(kvr_router_create, &c, &r), want, "create with a bad config");
 		CHECK(r == NULL, "create failed but *out was not cleared");
 	}
-	expect(kvr_config_validate(NULL), KVR_EINVAL, "validate NULL");
+	expect(API(kvr_config_validate, NULL), KVR_EINVAL, "validate NULL");
 	kvr_config_init(NULL);
 	CHECK(kvr_strerror((int)u8(&p->in) - 200) != NULL, "strerror NULL");
 	CHECK(kvr_version() && !strcmp(kvr_version(), KVR_VERSION_STRING), "version");
@@ -1863,36 +1883,38 @@ static void op_null_args(struct prog *p)
 	cur_call = "NULL arguments";
 	switch (k) {
 	case 0:
-		expect(kvr_route(NULL, NULL, &d), KVR_EINVAL, "route(NULL)");
+		expect(API(kvr_route, NULL, NULL, &d), KVR_EINVAL, "route(NULL)");
 		break;
 	case 1:
-		expect(kvr_route(p->r, NULL, &d), KVR_EINVAL, "route(req NULL)");
+		expect(API(kvr_route, p->r, NULL, &d), KVR_EINVAL, "route(req NULL)");
 		break;
 	case 2: {
 		struct kvr_request q;
 		kvr_request_init(&q);
 		q.tokens = p->toks;
 		q.n_tokens = 1;
-		expect(kvr_route(p->r, &q, NULL), KVR_EINVAL, "route(d NULL)");
+		expect(API(kvr_route, p->r, &q, NULL), KVR_EINVAL, "route(d NULL)");
 		break;
 	}
 	case 3:
-		expect(kvr_rank_get_stats(p->r, rid(0), NULL), KVR_EINVAL, "stats(out NULL)");
+		expect(API(kvr_rank_get_stats, p->r, rid(0), NULL), KVR_EINVAL, "stats(out NULL)");
 		break;
 	case 4:
-		expect(kvr_rank_blocks(p->r, rid(0), NULL, 0, NULL), KVR_EINVAL, "blocks(n NULL)");
-		expect(kvr_rank_blocks(p->r, rid(0), NULL, 4, &n), KVR_EINVAL, "blocks(out NULL)");
+		expect(API(kvr_rank_blocks, p->r, rid(0), NULL, 0, NULL), KVR_EINVAL,
+		       "blocks(n NULL)");
+		expect(API(kvr_rank_blocks, p->r, rid(0), NULL, 4, &n), KVR_EINVAL,
+		       "blocks(out NULL)");
 		break;
 	case 5:
-		expect(kvr_router_get_config(NULL, &c), KVR_EINVAL, "get_config(NULL)");
-		expect(kvr_router_get_config(p->r, NULL), KVR_EINVAL, "get_config(out NULL)");
+		expect(API(kvr_router_get_config, NULL, &c), KVR_EINVAL, "get_config(NULL)");
+		expect(API(kvr_router_get_config, p->r, NULL), KVR_EINVAL, "get_config(out NULL)");
 		break;
 	case 6:
 		CHECK(kvr_router_now(NULL) == 0, "now(NULL)");
 		CHECK(kvr_router_now(p->r) == p->now, "now");
 		break;
 	case 7:
-		expect(kvr_router_get_config(p->r, &c), 0, "get_config");
+		expect(API(kvr_router_get_config, p->r, &c), 0, "get_config");
 		CHECK(c.block_size == p->cfg.block_size && c.mode == p->cfg.mode &&
 		          c.max_ranks == p->cfg.max_ranks &&
 		          c.queue_capacity == p->cfg.queue_capacity &&
@@ -1900,43 +1922,72 @@ static void op_null_args(struct prog *p)
 		      "get_config differs");
 		break;
 	case 8:
-		expect(kvr_route_wait(NULL, 1, 0, &d), KVR_EINVAL, "wait(NULL)");
-		expect(kvr_route_wait(p->r, 1, 0, NULL), KVR_EINVAL, "wait(d NULL)");
-		expect(kvr_route_cancel(NULL, 1), KVR_EINVAL, "cancel(NULL)");
+		expect(API(kvr_route_wait, NULL, 1, 0, &d), KVR_EINVAL, "wait(NULL)");
+		expect(API(kvr_route_wait, p->r, 1, 0, NULL), KVR_EINVAL, "wait(d NULL)");
+		expect(API(kvr_route_cancel, NULL, 1), KVR_EINVAL, "cancel(NULL)");
 		break;
 	case 9:
-		expect(kvr_request_finish(NULL, 1), KVR_EINVAL, "finish(NULL)");
-		expect(kvr_request_prefill_done(NULL, 1), KVR_EINVAL, "prefill_done(NULL)");
-		expect(kvr_request_abort(NULL, 1), KVR_EINVAL, "abort(NULL)");
-		expect(kvr_request_output(NULL, 1, p->toks, 1), KVR_EINVAL, "output(NULL)");
-		expect(kvr_request_output_ex(NULL, 1, p->toks, 1, 0), KVR_EINVAL,
+		expect(API(kvr_request_finish, NULL, 1), KVR_EINVAL, "finish(NULL)");
+		expect(API(kvr_request_prefill_done, NULL, 1), KVR_EINVAL, "prefill_done(NULL)");
+		expect(API(kvr_request_abort, NULL, 1), KVR_EINVAL, "abort(NULL)");
+		expect(API(kvr_request_output, NULL, 1, p->toks, 1), KVR_EINVAL, "output(NULL)");
+		expect(API(kvr_request_output_ex, NULL, 1, p->toks, 1, 0), KVR_EINVAL,
 		       "output_ex(NULL)");
 		break;
 	case 10:
-		expect(kvr_events_apply(p->r, rid(0), NULL), KVR_EINVAL, "events(NULL)");
-		expect(kvr_events_apply(NULL, rid(0), NULL), KVR_EINVAL, "events(r NULL)");
+		expect(API(kvr_events_apply, p->r, rid(0), NULL), KVR_EINVAL, "events(NULL)");
+		expect(API(kvr_events_apply, NULL, rid(0), NULL), KVR_EINVAL, "events(r NULL)");
 		break;
 	case 11:
-		expect(kvr_rank_add(NULL, rid(0), 1, 1, 1), KVR_EINVAL, "add(NULL)");
-		expect(kvr_rank_remove(NULL, rid(0)), KVR_EINVAL, "remove(NULL)");
-		expect(kvr_rank_reset(NULL, rid(0), 1), KVR_EINVAL, "reset(NULL)");
-		expect(kvr_rank_set_capacity(NULL, rid(0), 1, 1), KVR_EINVAL, "set_capacity(NULL)");
-		expect(kvr_rank_get_stats(NULL, rid(0), &s), KVR_EINVAL, "stats(NULL)");
-		expect(kvr_router_sync(NULL, 1), KVR_EINVAL, "sync(NULL)");
+		expect(API(kvr_rank_add, NULL, rid(0), 1, 1, 1), KVR_EINVAL, "add(NULL)");
+		expect(API(kvr_rank_remove, NULL, rid(0)), KVR_EINVAL, "remove(NULL)");
+		expect(API(kvr_rank_reset, NULL, rid(0), 1), KVR_EINVAL, "reset(NULL)");
+		expect(API(kvr_rank_set_capacity, NULL, rid(0), 1, 1), KVR_EINVAL,
+		       "set_capacity(NULL)");
+		expect(API(kvr_rank_get_stats, NULL, rid(0), &s), KVR_EINVAL, "stats(NULL)");
+		expect(API(kvr_router_sync, NULL, 1), KVR_EINVAL, "sync(NULL)");
 		break;
-	case 12:
-		expect(kvr_metrics_render(NULL, NULL, 0, NULL), KVR_EINVAL, "metrics(NULL)");
+	case 12: {
+		expect(API(kvr_metrics_render, NULL, NULL, 0, NULL), KVR_EINVAL, "metrics(NULL)");
+		struct kvr_memory mem;
+		expect(API(kvr_router_get_memory, NULL, &mem), KVR_EINVAL, "get_memory(NULL)");
+		expect(API(kvr_router_get_memory, p->r, NULL), KVR_EINVAL, "get_memory(out NULL)");
 		kvr_router_destroy(NULL);
 		kvr_request_init(NULL);
+		/* The replica calls' refusals (no NATS server here, so no handle): each is a
+		 * function of the header that returns int, so its detail is checked too.  No input
+		 * byte is read: every seed runs the program it ran before. */
+		struct kvr_sync_config sc;
+		kvr_sync_config_init(&sc);
+		sc.replica_id = 0; /* refused before any connection is tried */
+		struct kvr_sync *rs = (struct kvr_sync *)p;
+#ifdef KVR_HAVE_NATS
+		expect(API(kvr_sync_attach, p->r, &sc, &rs), KVR_EINVAL, "sync_attach(replica 0)");
+		CHECK(rs == NULL, "a failed kvr_sync_attach left *out set");
+		expect(API(kvr_sync_attach, p->r, NULL, &rs), KVR_EINVAL,
+		       "sync_attach(config NULL)");
+#else
+		expect(API(kvr_sync_attach, p->r, &sc, &rs), KVR_ENOTSUP, "sync_attach, no nats");
+		CHECK(rs == NULL, "a failed kvr_sync_attach left *out set");
+#endif
+		struct kvr_sync_stats sst;
+		uint64_t seq;
+		expect(API(kvr_sync_wait_ready, NULL, 0), KVR_EINVAL, "sync_wait_ready(NULL)");
+		expect(API(kvr_sync_drain, NULL, 0), KVR_EINVAL, "sync_drain(NULL)");
+		expect(API(kvr_sync_peer_seq, NULL, 1, &seq), KVR_EINVAL, "sync_peer_seq(NULL)");
+		expect(API(kvr_sync_get_stats, NULL, &sst), KVR_EINVAL, "sync_get_stats(NULL)");
+		kvr_sync_detach(NULL);
 		break;
+	}
 	default: {
 		/* unknown rank ids everywhere */
 		struct kvr_rank_id bad = {.worker_id = 1000 + u8(&p->in), .dp_rank = u8(&p->in)};
-		expect(kvr_rank_remove(p->r, bad), KVR_ENOENT, "remove(unknown)");
-		expect(kvr_rank_reset(p->r, bad, 5), KVR_ENOENT, "reset(unknown)");
-		expect(kvr_rank_set_capacity(p->r, bad, 5, 5), KVR_ENOENT, "set_capacity(unknown)");
-		expect(kvr_rank_get_stats(p->r, bad, &s), KVR_ENOENT, "stats(unknown)");
-		expect(kvr_rank_blocks(p->r, bad, NULL, 0, &n), KVR_ENOENT, "blocks(unknown)");
+		expect(API(kvr_rank_remove, p->r, bad), KVR_ENOENT, "remove(unknown)");
+		expect(API(kvr_rank_reset, p->r, bad, 5), KVR_ENOENT, "reset(unknown)");
+		expect(API(kvr_rank_set_capacity, p->r, bad, 5, 5), KVR_ENOENT,
+		       "set_capacity(unknown)");
+		expect(API(kvr_rank_get_stats, p->r, bad, &s), KVR_ENOENT, "stats(unknown)");
+		expect(API(kvr_rank_blocks, p->r, bad, NULL, 0, &n), KVR_ENOENT, "blocks(unknown)");
 		break;
 	}
 	}
@@ -1962,15 +2013,15 @@ static void op_feed(struct prog *p)
 	if (k % 7 == 3) /* NULL: the defaults */
 		want = p->cfg.mode == KVR_MODE_EVENTS ? 0 : KVR_EINVAL;
 	cur_call = "kvr_feed_create";
-	int rc = kvr_feed_create(p->r, k % 7 == 3 ? NULL : &fc, &f);
+	int rc = API(kvr_feed_create, p->r, k % 7 == 3 ? NULL : &fc, &f);
 #ifdef KVR_HAVE_ZMQ
 	struct kvr_feed *probe = (struct kvr_feed *)p; /* a failed create sets it to NULL */
-	expect(kvr_feed_create(NULL, &fc, &probe), KVR_EINVAL, "feed_create(NULL)");
+	expect(API(kvr_feed_create, NULL, &fc, &probe), KVR_EINVAL, "feed_create(NULL)");
 	CHECK(probe == NULL, "feed_create(NULL) left *out set");
 #else
 	/* Without zmq every feed call says so, whatever its arguments (kvrouter.h). */
 	struct kvr_feed *probe = (struct kvr_feed *)p;
-	expect(kvr_feed_create(NULL, &fc, &probe), KVR_ENOTSUP, "feed_create(NULL), no zmq");
+	expect(API(kvr_feed_create, NULL, &fc, &probe), KVR_ENOTSUP, "feed_create(NULL), no zmq");
 	CHECK(probe == NULL, "feed_create(NULL), no zmq, left *out set");
 #endif
 	if (rc == KVR_ENOTSUP) /* built without zmq */
@@ -1986,29 +2037,44 @@ static void op_feed(struct prog *p)
 	                               .worker_id = (uint64_t)(k % 4),
 	                               .dp_rank = k % 3 == 0 ? KVR_FEED_DP_FROM_BATCH : 0};
 	uint32_t id = 77;
-	expect(kvr_feed_add(f, &ep, &id), 0, "feed_add");
-	expect(kvr_feed_add(f, NULL, NULL), KVR_EINVAL, "feed_add(NULL)");
+	expect(API(kvr_feed_add, f, &ep, &id), 0, "feed_add");
+	expect(API(kvr_feed_add, f, NULL, NULL), KVR_EINVAL, "feed_add(NULL)");
 	struct kvr_feed_endpoint bad = {.endpoint = NULL};
-	expect(kvr_feed_add(f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint NULL)");
+	expect(API(kvr_feed_add, f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint NULL)");
 	bad.endpoint = "";
-	expect(kvr_feed_add(f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint empty)");
+	expect(API(kvr_feed_add, f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint empty)");
 	bad.endpoint = "nonsense://x";
-	expect(kvr_feed_add(f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint refused)");
+	expect(API(kvr_feed_add, f, &bad, NULL), KVR_EINVAL, "feed_add(endpoint refused)");
 	struct kvr_feed_stats st;
 	cur_call = "kvr_feed_get_stats";
-	expect(kvr_feed_get_stats(f, id, &st), 0, "feed_get_stats");
+	expect(API(kvr_feed_get_stats, f, id, &st), 0, "feed_get_stats");
 	CHECK(st.batches == 0 && st.events == 0, "feed: events applied without a publisher");
-	expect(kvr_feed_get_stats(f, KVR_FEED_ALL, &st), 0, "feed_get_stats(all)");
-	expect(kvr_feed_get_stats(f, id + 1000, &st), KVR_ENOENT, "feed_get_stats(unknown)");
-	expect(kvr_feed_get_stats(f, id, NULL), KVR_EINVAL, "feed_get_stats(NULL)");
-	expect(kvr_feed_get_stats(NULL, id, &st), KVR_EINVAL, "feed_get_stats(feed NULL)");
+	expect(API(kvr_feed_get_stats, f, KVR_FEED_ALL, &st), 0, "feed_get_stats(all)");
+	expect(API(kvr_feed_get_stats, f, id + 1000, &st), KVR_ENOENT, "feed_get_stats(unknown)");
+	expect(API(kvr_feed_get_stats, f, id, NULL), KVR_EINVAL, "feed_get_stats(NULL)");
+	expect(API(kvr_feed_get_stats, NULL, id, &st), KVR_EINVAL, "feed_get_stats(feed NULL)");
+	/* No publisher: no block on another medium, on any dp rank */
+	uint64_t other[4];
+	size_t n_other = 99;
+	cur_call = "kvr_feed_other_medium_blocks";
+	expect(API(kvr_feed_other_medium_blocks, f, id, k % 2, other, 4, &n_other), 0,
+	       "other_medium_blocks");
+	CHECK(n_other == 0, "other_medium_blocks: %zu blocks without a publisher", n_other);
+	expect(API(kvr_feed_other_medium_blocks, f, id + 1000, 0, other, 4, &n_other), KVR_ENOENT,
+	       "other_medium_blocks(unknown)");
+	expect(API(kvr_feed_other_medium_blocks, f, id, 0, NULL, 4, &n_other), KVR_EINVAL,
+	       "other_medium_blocks(out NULL, cap 4)");
+	expect(API(kvr_feed_other_medium_blocks, f, id, 0, other, 4, NULL), KVR_EINVAL,
+	       "other_medium_blocks(n_out NULL)");
+	expect(API(kvr_feed_other_medium_blocks, NULL, id, 0, other, 4, &n_other), KVR_EINVAL,
+	       "other_medium_blocks(feed NULL)");
 	cur_call = "kvr_feed_remove";
-	expect(kvr_feed_remove(f, id + 1000), KVR_ENOENT, "feed_remove(unknown)");
+	expect(API(kvr_feed_remove, f, id + 1000), KVR_ENOENT, "feed_remove(unknown)");
 	if (k % 3)
-		expect(kvr_feed_remove(f, id), 0, "feed_remove");
+		expect(API(kvr_feed_remove, f, id), 0, "feed_remove");
 	if (k % 3 == 1)
-		expect(kvr_feed_remove(f, id), KVR_ENOENT, "feed_remove twice");
-	expect(kvr_feed_remove(NULL, id), KVR_EINVAL, "feed_remove(NULL)");
+		expect(API(kvr_feed_remove, f, id), KVR_ENOENT, "feed_remove twice");
+	expect(API(kvr_feed_remove, NULL, id), KVR_EINVAL, "feed_remove(NULL)");
 	cur_call = "kvr_feed_destroy";
 	kvr_feed_destroy(f);
 }
@@ -2099,10 +2165,10 @@ static bool make_router(struct prog *p)
 	if (u8(in) % 3)
 		c->on_admit = on_admit;
 	cur_call = "kvr_router_create";
-	int rc = kvr_router_create(c, &p->r);
+	int rc = API(kvr_router_create, c, &p->r);
 	expect(rc, 0, "create");
 	struct kvr_config got;
-	kvr_router_get_config(p->r, &got);
+	API(kvr_router_get_config, p->r, &got);
 	c->n_shards = got.n_shards;
 	return true;
 }
@@ -2113,7 +2179,7 @@ static void quiesce_and_check(struct prog *p)
 	for (int round = 0; round < 64; round++) {
 		while (p->n_att) {
 			cur_call = "finish (end of program)";
-			int rc = kvr_request_finish(p->r, p->att[0].id);
+			int rc = API(kvr_request_finish, p->r, p->att[0].id);
 			CHECK(rc == 0 || (rc == KVR_ESTALE && expiry_possible(p, &p->att[0])),
 			      "finish of a live attempt at the end: rc %d", rc);
 			end_attempt(p, 0);
@@ -2122,8 +2188,8 @@ static void quiesce_and_check(struct prog *p)
 		while (p->n_tix) {
 			uint64_t t = p->tix[0].t;
 			cur_call = "cancel (end of program)";
-			int rc =
-			    p->tix[0].state == T_QUEUED ? kvr_route_cancel(p->r, t) : KVR_ENOENT;
+			int rc = p->tix[0].state == T_QUEUED ? API(kvr_route_cancel, p->r, t)
+			                                     : KVR_ENOENT;
 			drain_admits(p);
 			struct mtick *m = ticket_find(p, t);
 			if (!m)
@@ -2135,7 +2201,7 @@ static void quiesce_and_check(struct prog *p)
 			CHECK(rc == KVR_ENOENT, "cancel rc %d", rc);
 			struct kvr_decision d;
 			cur_call = "wait (end of program)";
-			rc = kvr_route_wait(p->r, m->t, p->now ? p->now : 1, &d);
+			rc = API(kvr_route_wait, p->r, m->t, p->now ? p->now : 1, &d);
 			CHECK(rc != KVR_ETIMEDOUT, "not queued, yet the wait timed out");
 			if (rc == 0)
 				ticket_outcome(p, m, 0, &d, false);
@@ -2146,7 +2212,7 @@ static void quiesce_and_check(struct prog *p)
 			}
 		}
 		cur_call = "sync (end of program)";
-		expect(kvr_router_sync(p->r, 10000), 0, "sync");
+		expect(API(kvr_router_sync, p->r, 10000), 0, "sync");
 		drain_admits(p);
 		if (!p->n_att && !p->n_tix)
 			break;
@@ -2157,7 +2223,7 @@ static void quiesce_and_check(struct prog *p)
 			continue;
 		struct kvr_rank_stats s;
 		cur_call = "stats (idle)";
-		expect(kvr_rank_get_stats(p->r, rid(i), &s), 0, "stats");
+		expect(API(kvr_rank_get_stats, p->r, rid(i), &s), 0, "stats");
 		CHECK(s.active_requests == 0 && s.active_prefill_tokens == 0 &&
 		          s.active_blocks == 0,
 		      "idle rank %d: requests %" PRIu64 " prefill %" PRIu64 " blocks %" PRIu64, i,
@@ -2173,7 +2239,7 @@ static void quiesce_and_check(struct prog *p)
 	/* stale stays stale */
 	for (int k = 0; k < p->n_ended; k++) {
 		cur_call = "finish of an ended attempt (end)";
-		expect(kvr_request_finish(p->r, p->ended[k]), KVR_ESTALE, "ended attempt");
+		expect(API(kvr_request_finish, p->r, p->ended[k]), KVR_ESTALE, "ended attempt");
 	}
 }
 

@@ -6,6 +6,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvrouter.h"
 
 struct fuzz_api_stats {
 	uint64_t calls;
@@ -31,5 +35,76 @@ extern bool fuzz_api_limits;
 void fuzz_api_run(const uint8_t *data, size_t size, uint64_t *calls);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+/*
+ * kvr_last_error()'s contract (kvrouter.h), checked around every int-returning call of the API
+ * fuzzers (fuzz_api.c, oom_api.c, oom_api_threads.c; each wraps these in its own API() macro so
+ * that a violation is reported with its seed):
+ *  - rc < 0: the calling thread's detail begins with "<function>: " and says something after it;
+ *    if what it says is a kvr_strerror() text, it is rc's, not another code's;
+ *  - rc >= 0: the detail is byte for byte what it was before the call (errno's convention).
+ * fuzz_err_arm() runs just before the call: it copies the detail (at most 255 bytes, the
+ * library's buffer) and, when the detail already names the function about to be called (the
+ * same call failing twice in a row), first replaces it by a failure of another, stateless call,
+ * so that a failing call that writes nothing cannot pass on its predecessor's text.  Per thread,
+ * no allocation: it runs with an allocation failure armed too.  Context: the calling thread.
+ */
+static _Thread_local char fuzz_err_before[256];
+static _Thread_local char fuzz_err_why[768];
+
+static inline bool fuzz_err_names(const char *detail, const char *fn)
+{
+	size_t n = strlen(fn);
+	return !strncmp(detail, fn, n) && detail[n] == ':' && detail[n + 1] == ' ';
+}
+
+/* fn: the function about to be called; alt: another function whose name its failure may carry
+ * (kvr_route with KVR_ROUTE_WAIT reports its wait's failure as kvr_route_wait's), or NULL. */
+static inline void fuzz_err_arm(const char *fn, const char *alt)
+{
+	const char *e = kvr_last_error();
+	if (e && (fuzz_err_names(e, fn) || (alt && fuzz_err_names(e, alt)))) {
+		if (strcmp(fn, "kvr_hash_extend"))
+			(void)kvr_hash_extend(NULL, NULL, 0, 0, NULL, NULL, NULL, NULL);
+		else
+			(void)kvr_config_validate(NULL);
+		e = kvr_last_error();
+	}
+	size_t n = e ? strnlen(e, sizeof(fuzz_err_before) - 1) : 0;
+	memcpy(fuzz_err_before, e ? e : "", n);
+	fuzz_err_before[n] = 0;
+}
+
+/* NULL when the detail after the call keeps the contract for rc, else what is wrong. */
+static inline const char *fuzz_err_verdict(const char *fn, const char *alt, int rc)
+{
+	const char *e = kvr_last_error();
+	if (!e)
+		return "kvr_last_error() returned NULL";
+	if (rc >= 0) {
+		if (!strcmp(e, fuzz_err_before))
+			return NULL;
+		snprintf(fuzz_err_why, sizeof(fuzz_err_why),
+		         "%s returned %d, yet kvr_last_error() changed from \"%s\" to \"%s\"", fn,
+		         rc, fuzz_err_before, e);
+		return fuzz_err_why;
+	}
+	const char *name = fuzz_err_names(e, fn) ? fn : alt && fuzz_err_names(e, alt) ? alt : NULL;
+	const char *what = name ? e + strlen(name) + 2 : NULL;
+	const char *wrong = NULL;
+	if (what)
+		for (int c = KVR_ENOTSUP; c < 0 && !wrong; c++)
+			if (c != rc && !strcmp(what, kvr_strerror(c)))
+				wrong = kvr_strerror(c);
+	if (what && *what && !wrong)
+		return NULL;
+	snprintf(fuzz_err_why, sizeof(fuzz_err_why),
+	         "%s returned %d (%s), yet kvr_last_error() is \"%s\" (before the call \"%s\"): %s",
+	         fn, rc, kvr_strerror(rc), e, fuzz_err_before,
+	         !what    ? "it does not begin with the function's name and \": \""
+	         : !*what ? "it says nothing after the function's name"
+	                  : "it gives another code's text");
+	return fuzz_err_why;
+}
 
 #endif

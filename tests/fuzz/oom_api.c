@@ -20,6 +20,8 @@
  * What it checks, from kvrouter.h:
  *  - every return code is one the header documents for that call; KVR_ENOMEM only where it is
  *    documented (reset, remove, finish, abort, prefill_done, stats, sync never need memory);
+ *  - every failing call leaves its detail in kvr_last_error() ("<function>: ...", KVR_ENOMEM's
+ *    too), every succeeding one leaves it as it was (API(); fuzz_api.h, fuzz_err_verdict);
  *  - "nothing was changed" on KVR_ENOMEM: a failed rank_add leaves no rank, a failed
  *    set_capacity leaves incarnation and capacity as they were, a failed create leaks nothing;
  *  - an attempt kvr_route admitted is live until its end: finish or abort is 0 unless its rank
@@ -39,6 +41,7 @@
 #include <time.h>
 
 #include "core/alloc.h"
+#include "fuzz_api.h"
 #include "kvrouter.h"
 #include "oom_api_threads.h"
 #include "tests/common/fresh_thread.h"
@@ -68,6 +71,17 @@ static int cur_op;
 		if (!(c))                                                                          \
 			FAIL(__VA_ARGS__);                                                         \
 	} while (0)
+
+/* Every int-returning call of the API goes through API(fn, args...): it returns fn(args...),
+ * after checking what the call left in kvr_last_error() (fuzz_api.h, fuzz_err_verdict): a
+ * KVR_ENOMEM carries its detail too, and each thread reads only its own. */
+static int api_checked(const char *fn, int rc)
+{
+	const char *why = fuzz_err_verdict(fn, NULL, rc);
+	CHECK(!why, "kvr_last_error(): %s", why);
+	return rc;
+}
+#define API(fn, ...) api_checked(#fn, (fuzz_err_arm(#fn, NULL), fn(__VA_ARGS__)))
 
 struct matt {
 	uint64_t id;
@@ -198,7 +212,7 @@ static void add_attempt(struct prog *p, const struct kvr_decision *d, uint64_t n
 		CHECK(p->att[k].id != d->attempt, "attempt %" PRIu64 " issued twice", d->attempt);
 	if (p->n_att == MAX_ATT) {
 		cur_call = "finish (model full)";
-		int rc = kvr_request_finish(p->r, p->att[0].id);
+		int rc = API(kvr_request_finish, p->r, p->att[0].id);
 		CHECK(rc == 0 || (rc == KVR_ESTALE && may_be_stale(p, &p->att[0])), "rc %d", rc);
 		end_attempt(p, 0);
 	}
@@ -220,7 +234,7 @@ static void op_rank_add(struct prog *p)
 	static const uint64_t caps[] = {KVR_CAPACITY_NONE, 0, 1, 8, 64, 4096};
 	uint64_t cap = caps[rnd(p, 6)], inc = rnd(p, 3);
 	cur_call = "kvr_rank_add";
-	int rc = kvr_rank_add(p->r, rid(i), inc, cap, rnd(p, 2) ? 0 : 64);
+	int rc = API(kvr_rank_add, p->r, rid(i), inc, cap, rnd(p, 2) ? 0 : 64);
 	snprintf(cur_detail, sizeof(cur_detail), "rank %d inc %" PRIu64 " cap %" PRIu64 ": %d", i,
 	         inc, cap, rc);
 	if (p->present[i]) {
@@ -231,7 +245,7 @@ static void op_rank_add(struct prog *p)
 	if (rc == KVR_ENOMEM) {
 		struct kvr_rank_stats s;
 		kvr_alloc_fail_after(0);
-		CHECK(kvr_rank_get_stats(p->r, rid(i), &s) == KVR_ENOENT,
+		CHECK(API(kvr_rank_get_stats, p->r, rid(i), &s) == KVR_ENOENT,
 		      "a failed add left the rank behind");
 		return;
 	}
@@ -257,7 +271,7 @@ static bool rank_command_done(struct prog *p, int i, int rc)
 		return true;
 	struct kvr_rank_stats s;
 	kvr_alloc_fail_after(0);
-	CHECK(kvr_rank_get_stats(p->r, rid(i), &s) == 0, "a failed command removed the rank");
+	CHECK(API(kvr_rank_get_stats, p->r, rid(i), &s) == 0, "a failed command removed the rank");
 	CHECK(s.incarnation == p->inc[i] &&
 	          (s.capacity_blocks == p->cap[i] ||
 	           (p->cap[i] == 0 && s.capacity_blocks == KVR_CAPACITY_NONE)),
@@ -271,7 +285,7 @@ static void op_rank_remove(struct prog *p)
 {
 	int i = (int)rnd(p, N_RANKS);
 	cur_call = "kvr_rank_remove";
-	int rc = kvr_rank_remove(p->r, rid(i));
+	int rc = API(kvr_rank_remove, p->r, rid(i));
 	snprintf(cur_detail, sizeof(cur_detail), "rank %d: %d", i, rc);
 	if (rank_command_done(p, i, rc)) {
 		p->present[i] = false;
@@ -286,7 +300,7 @@ static void op_set_capacity(struct prog *p)
 	uint64_t cap = caps[rnd(p, 6)];
 	uint64_t inc = p->inc[i] + (rnd(p, 4) == 0);
 	cur_call = "kvr_rank_set_capacity";
-	int rc = kvr_rank_set_capacity(p->r, rid(i), inc, cap);
+	int rc = API(kvr_rank_set_capacity, p->r, rid(i), inc, cap);
 	snprintf(cur_detail, sizeof(cur_detail),
 	         "rank %d inc %" PRIu64 " -> %" PRIu64 " cap %" PRIu64 " -> %" PRIu64 ": %d", i,
 	         p->inc[i], inc, p->cap[i], cap, rc);
@@ -304,7 +318,7 @@ static void op_rank_reset(struct prog *p)
 	int i = (int)rnd(p, N_RANKS);
 	uint64_t inc = p->inc[i] + rnd(p, 2);
 	cur_call = "kvr_rank_reset";
-	int rc = kvr_rank_reset(p->r, rid(i), inc);
+	int rc = API(kvr_rank_reset, p->r, rid(i), inc);
 	snprintf(cur_detail, sizeof(cur_detail), "rank %d inc %" PRIu64 " -> %" PRIu64 ": %d", i,
 	         p->inc[i], inc, rc);
 	if (rank_command_done(p, i, rc)) {
@@ -352,7 +366,7 @@ static void op_route(struct prog *p)
 	struct kvr_decision d;
 	memset(&d, 0xa5, sizeof(d));
 	cur_call = "kvr_route";
-	int rc = kvr_route(p->r, &q, &d);
+	int rc = API(kvr_route, p->r, &q, &d);
 	snprintf(cur_detail, sizeof(cur_detail),
 	         "rc %d status %d rank %" PRIu64 " attempt %" PRIx64, rc, d.status,
 	         d.rank.worker_id, d.attempt);
@@ -376,9 +390,9 @@ static void op_route(struct prog *p)
 		CHECK(d.ticket != 0, "queued without a ticket");
 		if (p->n_tix == MAX_TIX) {
 			cur_call = "kvr_route_cancel (model full)";
-			(void)kvr_route_cancel(p->r, d.ticket);
+			(void)API(kvr_route_cancel, p->r, d.ticket);
 			struct kvr_decision w;
-			rc = kvr_route_wait(p->r, d.ticket, p->now ? p->now : 1, &w);
+			rc = API(kvr_route_wait, p->r, d.ticket, p->now ? p->now : 1, &w);
 			if (rc == 0 && w.status == KVR_DECIDED)
 				add_attempt(p, &w, q.n_tokens, true);
 			return;
@@ -412,9 +426,9 @@ static void op_lifecycle(struct prog *p)
 		uint32_t out[40];
 		for (size_t i = 0; i < n; i++)
 			out[i] = (uint32_t)(a->id * 31 + i);
-		rc = rnd(p, 2) ? kvr_request_output(p->r, a->id, out, n)
-		               : kvr_request_output_ex(p->r, a->id, out, n,
-		                                       rnd(p, 2) ? KVR_OUTPUT_FINAL : 0);
+		rc = rnd(p, 2) ? API(kvr_request_output, p->r, a->id, out, n)
+		               : API(kvr_request_output_ex, p->r, a->id, out, n,
+		                     rnd(p, 2) ? KVR_OUTPUT_FINAL : 0);
 		CHECK(rc == 0 || rc == KVR_ENOMEM || rc == KVR_EAGAIN ||
 		          (rc == KVR_ESTALE && may_be_stale(p, a)),
 		      "output: %d", rc);
@@ -422,7 +436,7 @@ static void op_lifecycle(struct prog *p)
 	}
 	if (what < 4) {
 		cur_call = "kvr_request_prefill_done";
-		rc = kvr_request_prefill_done(p->r, a->id);
+		rc = API(kvr_request_prefill_done, p->r, a->id);
 		CHECK(rc == 0 || rc == KVR_EAGAIN || (rc == KVR_ESTALE && may_be_stale(p, a)),
 		      "prefill_done: %d", rc);
 		return;
@@ -430,7 +444,7 @@ static void op_lifecycle(struct prog *p)
 	if (what < 5) {
 		cur_call = "kvr_request_cached";
 		uint64_t cached = rnd(p, (uint32_t)a->ntok + 2);
-		rc = kvr_request_cached(p->r, a->id, cached);
+		rc = API(kvr_request_cached, p->r, a->id, cached);
 		p->healed[a->rank] = true;
 		if (cached > a->ntok)
 			CHECK(rc == KVR_EINVAL || (rc == KVR_ESTALE && may_be_stale(p, a)),
@@ -442,7 +456,7 @@ static void op_lifecycle(struct prog *p)
 		return;
 	}
 	cur_call = what < 7 ? "kvr_request_finish" : "kvr_request_abort";
-	rc = what < 7 ? kvr_request_finish(p->r, a->id) : kvr_request_abort(p->r, a->id);
+	rc = what < 7 ? API(kvr_request_finish, p->r, a->id) : API(kvr_request_abort, p->r, a->id);
 	CHECK(rc == 0 || (rc == KVR_ESTALE && may_be_stale(p, a)), "end: %d", rc);
 	end_attempt(p, k);
 }
@@ -480,7 +494,7 @@ static void op_event(struct prog *p)
 		ev.type = KVR_EVENT_CLEARED;
 	}
 	cur_call = "kvr_events_apply";
-	int rc = kvr_events_apply(p->r, rid(i), &ev);
+	int rc = API(kvr_events_apply, p->r, rid(i), &ev);
 	if (p->cfg.mode != KVR_MODE_EVENTS) {
 		CHECK(rc == KVR_EINVAL, "event outside events mode: %d", rc);
 		return;
@@ -499,7 +513,7 @@ static void op_read(struct prog *p)
 	if (k == 0) {
 		struct kvr_rank_stats s;
 		cur_call = "kvr_rank_get_stats";
-		int rc = kvr_rank_get_stats(p->r, rid(i), &s);
+		int rc = API(kvr_rank_get_stats, p->r, rid(i), &s);
 		CHECK(rc == (p->present[i] ? 0 : KVR_ENOENT), "stats: %d", rc);
 		if (rc == 0)
 			CHECK(s.incarnation == p->inc[i],
@@ -509,19 +523,19 @@ static void op_read(struct prog *p)
 		static char buf[1 << 16];
 		size_t len;
 		cur_call = "kvr_metrics_render";
-		int rc = kvr_metrics_render(p->r, buf, rnd(p, 4) ? sizeof(buf) : 64, &len);
+		int rc = API(kvr_metrics_render, p->r, buf, rnd(p, 4) ? sizeof(buf) : 64, &len);
 		CHECK(rc == 0 || rc == KVR_ERANGE, "metrics: %d", rc);
 	} else if (k == 2) {
 		uint64_t out[64];
 		size_t n;
 		cur_call = "kvr_rank_blocks";
-		int rc = kvr_rank_blocks(p->r, rid(i), out, 64, &n);
+		int rc = API(kvr_rank_blocks, p->r, rid(i), out, 64, &n);
 		CHECK(p->present[i] ? rc == 0 || rc == KVR_ERANGE : rc == KVR_ENOENT,
 		      "blocks (present %d): %d", p->present[i], rc);
 	} else {
 		struct kvr_memory m;
 		cur_call = "kvr_router_get_memory";
-		int rc = kvr_router_get_memory(p->r, &m);
+		int rc = API(kvr_router_get_memory, p->r, &m);
 		CHECK(rc == 0 || rc == KVR_ENOMEM, "get_memory: %d", rc);
 	}
 }
@@ -529,7 +543,7 @@ static void op_read(struct prog *p)
 static void op_sync(struct prog *p)
 {
 	cur_call = "kvr_router_sync";
-	int rc = kvr_router_sync(p->r, 20000);
+	int rc = API(kvr_router_sync, p->r, 20000);
 	CHECK(rc == 0, "sync: %d", rc);
 	if (p->epoch_failed)
 		for (int k = 0; k < p->n_att; k++)
@@ -551,13 +565,13 @@ static void collect_tickets(struct prog *p)
 		p->n_tix--;
 		uint64_t t = p->tix[p->n_tix].t, ntok = p->tix[p->n_tix].ntok;
 		cur_call = "kvr_route_cancel (end)";
-		int rc = kvr_route_cancel(p->r, t);
+		int rc = API(kvr_route_cancel, p->r, t);
 		CHECK(rc == 0 || rc == KVR_ENOENT, "cancel: %d", rc);
 		if (rc == 0)
 			continue;
 		struct kvr_decision d;
 		cur_call = "kvr_route_wait (end)";
-		rc = kvr_route_wait(p->r, t, p->now ? p->now : 1, &d);
+		rc = API(kvr_route_wait, p->r, t, p->now ? p->now : 1, &d);
 		CHECK(rc != KVR_ETIMEDOUT, "not queued, yet the wait timed out");
 		if (rc == 0 && d.status == KVR_DECIDED) {
 			add_attempt(p, &d, ntok, true);
@@ -602,7 +616,7 @@ static void run_ops(struct prog *p, int n_ops)
 			uint64_t t = p->tix[tk].t, ntok = p->tix[tk].ntok;
 			struct kvr_decision d;
 			cur_call = "kvr_route_wait";
-			int rc = kvr_route_wait(p->r, t, p->now ? p->now : 1, &d);
+			int rc = API(kvr_route_wait, p->r, t, p->now ? p->now : 1, &d);
 			snprintf(cur_detail, sizeof(cur_detail),
 			         "ticket %" PRIu64 " rc %d status %d attempt %" PRIx64, t, rc,
 			         d.status, rc == 0 ? d.attempt : 0);
@@ -631,7 +645,7 @@ static void drain_and_check(struct prog *p)
 	collect_tickets(p);
 	while (p->n_att) {
 		cur_call = "finish (end)";
-		int rc = kvr_request_finish(p->r, p->att[0].id);
+		int rc = API(kvr_request_finish, p->r, p->att[0].id);
 		CHECK(rc == 0 || (rc == KVR_ESTALE && may_be_stale(p, &p->att[0])),
 		      "finish of a live attempt at the end: %d", rc);
 		end_attempt(p, 0);
@@ -643,7 +657,7 @@ static void drain_and_check(struct prog *p)
 			continue;
 		struct kvr_rank_stats s;
 		cur_call = "kvr_rank_get_stats (idle)";
-		CHECK(kvr_rank_get_stats(p->r, rid(i), &s) == 0, "stats");
+		CHECK(API(kvr_rank_get_stats, p->r, rid(i), &s) == 0, "stats");
 		CHECK(s.active_requests == 0 && s.active_prefill_tokens == 0 &&
 		          s.active_blocks == 0,
 		      "idle rank %d: requests %" PRIu64 " prefill %" PRIu64 " blocks %" PRIu64, i,
@@ -663,16 +677,16 @@ static void drain_and_check(struct prog *p)
 	q.n_tokens = gen_tokens(p, p->toks, MAX_TOK);
 	struct kvr_decision d;
 	cur_call = "kvr_route (after)";
-	int rc = kvr_route(p->r, &q, &d);
+	int rc = API(kvr_route, p->r, &q, &d);
 	CHECK(rc == 0, "route after the failures: %d", rc);
 	if (d.status == KVR_QUEUED) {
 		cur_call = "kvr_route_cancel (after)";
-		rc = kvr_route_cancel(p->r, d.ticket);
+		rc = API(kvr_route_cancel, p->r, d.ticket);
 		CHECK(rc == 0, "cancel after the failures: %d", rc);
 		return;
 	}
 	cur_call = "kvr_request_finish (after)";
-	rc = kvr_request_finish(p->r, d.attempt);
+	rc = API(kvr_request_finish, p->r, d.attempt);
 	CHECK(rc == 0, "finish after the failures: %d", rc);
 	op_sync(p);
 }
@@ -716,7 +730,7 @@ static void *run_program(void *arg)
 		int64_t before = kvr_alloc_live_bytes();
 		arm(p, 1 + rnd(p, 40)); /* create makes ~30 allocations */
 		cur_call = "kvr_router_create (failing)";
-		int rc = kvr_router_create(&p->cfg, &p->r);
+		int rc = API(kvr_router_create, &p->cfg, &p->r);
 		kvr_alloc_fail_after(0);
 		if (rc) {
 			CHECK(rc == KVR_ENOMEM && p->r == NULL, "create: %d", rc);
@@ -729,7 +743,7 @@ static void *run_program(void *arg)
 		}
 	}
 	cur_call = "kvr_router_create";
-	int rc = kvr_router_create(&p->cfg, &p->r);
+	int rc = API(kvr_router_create, &p->cfg, &p->r);
 	CHECK(rc == 0, "create: %d", rc);
 	run_ops(p, ra->ops);
 	drain_and_check(p);

@@ -16,6 +16,7 @@
  *    removed, reset or given a new incarnation here, and the lease interval is never reached);
  *    with posted bookings (sync_booking off) also for one whose booking the shard dropped for
  *    memory (kvr_route's contract), which no end call then wins;
+ *  - what each call leaves in its own thread's kvr_last_error(), as oom_api.c checks it;
  *  - every attempt is ended exactly once: of all the finish and abort calls made on it, exactly
  *    one returned 0 (at most one with posted bookings, where a dropped booking ended it);
  *  - once the threads are done and the failures stop: every rank's load is zero, the router
@@ -31,6 +32,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "fuzz_api.h"
 #include "kvrouter.h"
 #include "tests/common/fresh_thread.h"
 #include "tests/common/splitmix.h"
@@ -52,6 +54,17 @@ static uint64_t t_seed;
 		if (!(c))                                                                          \
 			TFAIL(__VA_ARGS__);                                                        \
 	} while (0)
+
+/* Every int-returning call of the API goes through API(fn, args...): it returns fn(args...),
+ * after checking what the call left in kvr_last_error() (fuzz_api.h, fuzz_err_verdict): a
+ * KVR_ENOMEM carries its detail too, and each thread reads only its own. */
+static int api_checked(const char *fn, int rc)
+{
+	const char *why = fuzz_err_verdict(fn, NULL, rc);
+	TCHECK(!why, "kvr_last_error(): %s", why);
+	return rc;
+}
+#define API(fn, ...) api_checked(#fn, (fuzz_err_arm(#fn, NULL), fn(__VA_ARGS__)))
 
 struct tatt {
 	uint64_t id;
@@ -131,7 +144,7 @@ static void op_route(struct worker *w)
 	q.n_tokens = n;
 	q.expected_output_tokens = trnd(w, 64);
 	struct kvr_decision d;
-	int rc = kvr_route(s->r, &q, &d);
+	int rc = API(kvr_route, s->r, &q, &d);
 	TCHECK(rc == 0 || rc == KVR_ENOMEM, "route: %d", rc);
 	if (rc)
 		return;
@@ -140,7 +153,7 @@ static void op_route(struct worker *w)
 	pthread_mutex_lock(&s->mu);
 	if (s->n == T_MAX) { /* the model is full: this one is ended at once */
 		pthread_mutex_unlock(&s->mu);
-		rc = kvr_request_finish(s->r, d.attempt);
+		rc = API(kvr_request_finish, s->r, d.attempt);
 		TCHECK(rc == 0 || (rc == KVR_ESTALE && !s->cfg.sync_booking), "finish: %d", rc);
 		return;
 	}
@@ -169,7 +182,7 @@ static void op_end(struct worker *w)
 	pthread_mutex_unlock(&s->mu);
 	__atomic_add_fetch(&a->enders, 1, __ATOMIC_SEQ_CST);
 	bool fin = trnd(w, 2);
-	int rc = fin ? kvr_request_finish(s->r, a->id) : kvr_request_abort(s->r, a->id);
+	int rc = fin ? API(kvr_request_finish, s->r, a->id) : API(kvr_request_abort, s->r, a->id);
 	TCHECK(rc == 0 || rc == KVR_ESTALE, "%s %" PRIx64 ": %d", fin ? "finish" : "abort", a->id,
 	       rc);
 	__atomic_add_fetch(rc == 0 ? &a->wins : &a->stale, 1, __ATOMIC_SEQ_CST);
@@ -191,16 +204,17 @@ static void op_progress(struct worker *w)
 		for (size_t i = 0; i < n; i++)
 			out[i] = (uint32_t)(a->id * 31 + i);
 		call = "output";
-		rc = kvr_request_output_ex(s->r, a->id, out, n, trnd(w, 2) ? KVR_OUTPUT_FINAL : 0);
+		rc = API(kvr_request_output_ex, s->r, a->id, out, n,
+		         trnd(w, 2) ? KVR_OUTPUT_FINAL : 0);
 		TCHECK(rc == 0 || rc == KVR_ENOMEM || rc == KVR_EAGAIN || rc == KVR_ESTALE,
 		       "output: %d", rc);
 	} else if (what < 3) {
 		call = "prefill_done";
-		rc = kvr_request_prefill_done(s->r, a->id);
+		rc = API(kvr_request_prefill_done, s->r, a->id);
 		TCHECK(rc == 0 || rc == KVR_EAGAIN || rc == KVR_ESTALE, "prefill_done: %d", rc);
 	} else {
 		call = "cached";
-		rc = kvr_request_cached(s->r, a->id, trnd(w, 2));
+		rc = API(kvr_request_cached, s->r, a->id, trnd(w, 2));
 		TCHECK(rc == 0 || rc == KVR_ENOMEM || rc == KVR_ESTALE, "cached: %d", rc);
 	}
 	if (rc == KVR_ESTALE) {
@@ -214,7 +228,7 @@ static void op_capacity(struct worker *w)
 {
 	static const uint64_t caps[] = {KVR_CAPACITY_NONE, 8, 64, 4096};
 	struct kvr_rank_id id = {trnd(w, T_RANKS), 0};
-	int rc = kvr_rank_set_capacity(w->s->r, id, 1, caps[trnd(w, 4)]);
+	int rc = API(kvr_rank_set_capacity, w->s->r, id, 1, caps[trnd(w, 4)]);
 	TCHECK(rc == 0 || rc == KVR_ENOMEM, "set_capacity: %d", rc);
 }
 
@@ -261,9 +275,10 @@ static void run_seed(uint64_t seed, int ops, int threads)
 	s->cfg.clock_ctx = &now;
 	s->ops = ops;
 	pthread_mutex_init(&s->mu, NULL);
-	TCHECK(kvr_router_create(&s->cfg, &s->r) == 0, "create");
+	TCHECK(API(kvr_router_create, &s->cfg, &s->r) == 0, "create");
 	for (int i = 0; i < T_RANKS; i++)
-		TCHECK(kvr_rank_add(s->r, (struct kvr_rank_id){(uint64_t)i, 0}, 1, 4096, 0) == 0,
+		TCHECK(API(kvr_rank_add, s->r, (struct kvr_rank_id){(uint64_t)i, 0}, 1, 4096, 0) ==
+		           0,
 		       "rank_add");
 	struct worker w[3];
 	pthread_t th[3];
@@ -281,7 +296,7 @@ static void run_seed(uint64_t seed, int ops, int threads)
 		struct tatt *a = &s->att[i];
 		if (a->enders == 0) {
 			a->enders = 1;
-			int rc = kvr_request_finish(s->r, a->id);
+			int rc = API(kvr_request_finish, s->r, a->id);
 			TCHECK(rc == 0 || (rc == KVR_ESTALE && !s->cfg.sync_booking),
 			       "finish at the end %" PRIx64 ": %d", a->id, rc);
 			a->wins += rc == 0;
@@ -292,10 +307,11 @@ static void run_seed(uint64_t seed, int ops, int threads)
 		       a->enders);
 		dropped += a->wins == 0;
 	}
-	TCHECK(kvr_router_sync(s->r, 20000) == 0, "sync");
+	TCHECK(API(kvr_router_sync, s->r, 20000) == 0, "sync");
 	for (int i = 0; i < T_RANKS; i++) {
 		struct kvr_rank_stats st;
-		TCHECK(kvr_rank_get_stats(s->r, (struct kvr_rank_id){(uint64_t)i, 0}, &st) == 0,
+		TCHECK(API(kvr_rank_get_stats, s->r, (struct kvr_rank_id){(uint64_t)i, 0}, &st) ==
+		           0,
 		       "stats");
 		TCHECK(st.active_requests == 0 && st.active_prefill_tokens == 0 &&
 		           st.active_blocks == 0,
@@ -308,8 +324,8 @@ static void run_seed(uint64_t seed, int ops, int threads)
 	q.tokens = t;
 	q.n_tokens = 8;
 	struct kvr_decision d;
-	TCHECK(kvr_route(s->r, &q, &d) == 0, "route after the failures");
-	TCHECK(kvr_request_finish(s->r, d.attempt) == 0, "finish after the failures");
+	TCHECK(API(kvr_route, s->r, &q, &d) == 0, "route after the failures");
+	TCHECK(API(kvr_request_finish, s->r, d.attempt) == 0, "finish after the failures");
 	kvr_router_destroy(s->r);
 	pthread_mutex_destroy(&s->mu);
 	if (getenv("OOM_API_TRACE"))
