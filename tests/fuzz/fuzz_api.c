@@ -89,6 +89,27 @@ static int api_checked(const char *fn, const char *alt, int rc)
 }
 #define API(fn, ...)         api_checked(#fn, NULL, (fuzz_err_arm(#fn, NULL), fn(__VA_ARGS__)))
 #define API_OR(fn, alt, ...) api_checked(#fn, alt, (fuzz_err_arm(#fn, alt), fn(__VA_ARGS__)))
+/* The calls that return no code (void, a count, a hash) must leave the detail as it was: a
+ * successful call does not write it, and these have no failure to report (kvr_hash_blocks: "use
+ * kvr_hash_extend() to get an error code"). */
+static void api_untouched(const char *fn)
+{
+	const char *why = fuzz_err_untouched(fn);
+	CHECK(!why, "kvr_last_error(): %s", why);
+}
+#define API_VOID(fn, ...)                                                                          \
+	do {                                                                                       \
+		fuzz_err_arm(#fn, NULL);                                                           \
+		fn(__VA_ARGS__);                                                                   \
+		api_untouched(#fn);                                                                \
+	} while (0)
+#define API_VAL(fn, ...)                                                                           \
+	({                                                                                         \
+		fuzz_err_arm(#fn, NULL);                                                           \
+		__typeof__(fn(__VA_ARGS__)) api_v_ = fn(__VA_ARGS__);                              \
+		api_untouched(#fn);                                                                \
+		api_v_;                                                                            \
+	})
 
 struct fuzz_api_stats fuzz_api_totals;
 
@@ -705,8 +726,8 @@ static void craft_hashes(struct prog *p, struct kvr_request *q, size_t n_tok)
 	uint32_t v = u8(&p->in);
 	/* the honest chain of this prompt, remembered for later prompts */
 	static _Thread_local uint64_t l[MAX_TOK], sq[MAX_TOK];
-	size_t nb =
-	    kvr_hash_blocks(p->toks, n_tok < MAX_TOK ? n_tok : MAX_TOK, bs, q->lora_name, l, sq);
+	size_t nb = API_VAL(kvr_hash_blocks, p->toks, n_tok < MAX_TOK ? n_tok : MAX_TOK, bs,
+	                    q->lora_name, l, sq);
 	size_t nh = q->local_hashes ? q->n_hashes : 0;
 	if (nh && p->prev_nb > 1 && p->n_hist) {
 		uint64_t *lh = (uint64_t *)q->local_hashes, *sh = (uint64_t *)q->seq_hashes;
@@ -759,7 +780,7 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
                         struct kvr_rank_id *allow, int *pinned, uint8_t *allow_set,
                         bool *allow_some, int *defect, bool *erange9)
 {
-	kvr_request_init(q);
+	API_VOID(kvr_request_init, q);
 	uint32_t bs = p->cfg.block_size;
 	*defect = 0;
 	*erange9 = false;
@@ -771,7 +792,8 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
 	if (u8(&p->in) % 4 == 0) {
 		/* precomputed local hashes of the same prompt, and sometimes their sequence
 		 * hashes */
-		size_t nb = kvr_hash_blocks(p->toks, n, bs, q->lora_name, p->hashes, p->seqs);
+		size_t nb =
+		    API_VAL(kvr_hash_blocks, p->toks, n, bs, q->lora_name, p->hashes, p->seqs);
 		q->local_hashes = p->hashes;
 		if (u8(&p->in) % 2)
 			q->seq_hashes = p->seqs;
@@ -783,8 +805,8 @@ static void gen_request(struct prog *p, struct kvr_request *q, struct kvr_rank_i
 		q->tokens = p->toks;
 		q->n_tokens = n;
 		if (u8(&p->in) % 8 == 0) { /* tokens with every complete block's hashes */
-			q->n_hashes =
-			    kvr_hash_blocks(p->toks, n, bs, q->lora_name, p->hashes, p->seqs);
+			q->n_hashes = API_VAL(kvr_hash_blocks, p->toks, n, bs, q->lora_name,
+			                      p->hashes, p->seqs);
 			q->local_hashes = p->hashes;
 			q->seq_hashes = p->seqs;
 		}
@@ -1277,8 +1299,9 @@ static void op_heal(struct prog *p)
 	/* p->toks holds the last prompt (or output) drawn: its blocks are often predicted */
 	uint32_t wk = u8(&p->in) % 4;
 	uint64_t sq[64];
-	size_t nb = kvr_hash_blocks(p->toks, 64 * (size_t)bs < MAX_TOK ? 64 * (size_t)bs : MAX_TOK,
-	                            bs, NULL, NULL, sq);
+	size_t nb =
+	    API_VAL(kvr_hash_blocks, p->toks, 64 * (size_t)bs < MAX_TOK ? 64 * (size_t)bs : MAX_TOK,
+	            bs, NULL, NULL, sq);
 	o.watermark_hash = wk < 3 && nb ? sq[u8(&p->in) % nb] : u64(&p->in);
 	cur_call = "kvr_rank_observe";
 	snprintf(cur_detail, sizeof(cur_detail),
@@ -1376,7 +1399,7 @@ static void events_ext(struct prog *p, int i, const struct kvr_event *ev, struct
 	for (size_t k = 0; k < nb; k++) {
 		uint64_t local;
 		if (b[k].tokens)
-			kvr_hash_blocks(b[k].tokens, bs, bs, ev->lora_name, &local, NULL);
+			API_VAL(kvr_hash_blocks, b[k].tokens, bs, bs, ev->lora_name, &local, NULL);
 		else
 			local = b[k].local_hash;
 		uint64_t seq = node_of(parent, local);
@@ -1593,7 +1616,7 @@ static void op_event(struct prog *p)
 	for (size_t k = 0; k < ev.n_blocks; k++) {
 		uint64_t local;
 		if (b[k].tokens)
-			kvr_hash_blocks(b[k].tokens, bs, bs, ev.lora_name, &local, NULL);
+			API_VAL(kvr_hash_blocks, b[k].tokens, bs, bs, ev.lora_name, &local, NULL);
 		else
 			local = b[k].local_hash;
 		uint64_t node = node_of(parent_node, local);
@@ -1654,7 +1677,7 @@ static void op_ev_probe(struct prog *p)
 	int pin = u8(&p->in) % 2 ? gen_rank_index(p) : NO_IDX;
 	struct kvr_rank_id pid = pin == NO_IDX ? rid(0) : rid(pin);
 	struct kvr_request q;
-	kvr_request_init(&q);
+	API_VOID(kvr_request_init, &q);
 	q.local_hashes = local;
 	q.n_hashes = n;
 	if (u8(&p->in) % 2)
@@ -1762,7 +1785,7 @@ static void op_hash(struct prog *p)
 	uint64_t l1[256], s1[256], l2[256], s2[256];
 	bool null_tok = n && u8(&p->in) % 8 == 0;
 	cur_call = "kvr_hash_blocks";
-	size_t nb = kvr_hash_blocks(null_tok ? NULL : p->toks, n, bs, lora, l1, s1);
+	size_t nb = API_VAL(kvr_hash_blocks, null_tok ? NULL : p->toks, n, bs, lora, l1, s1);
 	if (bs == 0 || null_tok) {
 		CHECK(nb == 0, "hash_blocks on bad arguments wrote %zu", nb);
 	} else {
@@ -1792,7 +1815,7 @@ static void op_hash(struct prog *p)
 	CHECK(API(kvr_hash_extend, NULL, p->toks, n, bs ? bs : 1, lora, NULL, NULL, NULL) ==
 	          KVR_EINVAL,
 	      "hash_extend without n_blocks_out");
-	uint64_t seed = kvr_hash_lora_seed(lora);
+	uint64_t seed = API_VAL(kvr_hash_lora_seed, lora);
 	if (!lora || !*lora)
 		CHECK(seed == KVR_HASH_SEED, "lora seed of no adapter");
 }
@@ -1800,7 +1823,7 @@ static void op_hash(struct prog *p)
 static void op_config(struct prog *p)
 {
 	struct kvr_config c;
-	kvr_config_init(&c);
+	API_VOID(kvr_config_init, &c);
 	int want = 0;
 	switch (u8(&p->in) % 14) {
 	case 0:
@@ -1868,7 +1891,7 @@ static void op_config(struct prog *p)
 		CHECK(r == NULL, "create failed but *out was not cleared");
 	}
 	expect(API(kvr_config_validate, NULL), KVR_EINVAL, "validate NULL");
-	kvr_config_init(NULL);
+	API_VOID(kvr_config_init, NULL);
 	CHECK(kvr_strerror((int)u8(&p->in) - 200) != NULL, "strerror NULL");
 	CHECK(kvr_version() && !strcmp(kvr_version(), KVR_VERSION_STRING), "version");
 }
@@ -1890,7 +1913,7 @@ static void op_null_args(struct prog *p)
 		break;
 	case 2: {
 		struct kvr_request q;
-		kvr_request_init(&q);
+		API_VOID(kvr_request_init, &q);
 		q.tokens = p->toks;
 		q.n_tokens = 1;
 		expect(API(kvr_route, p->r, &q, NULL), KVR_EINVAL, "route(d NULL)");
@@ -1910,8 +1933,8 @@ static void op_null_args(struct prog *p)
 		expect(API(kvr_router_get_config, p->r, NULL), KVR_EINVAL, "get_config(out NULL)");
 		break;
 	case 6:
-		CHECK(kvr_router_now(NULL) == 0, "now(NULL)");
-		CHECK(kvr_router_now(p->r) == p->now, "now");
+		CHECK(API_VAL(kvr_router_now, NULL) == 0, "now(NULL)");
+		CHECK(API_VAL(kvr_router_now, p->r) == p->now, "now");
 		break;
 	case 7:
 		expect(API(kvr_router_get_config, p->r, &c), 0, "get_config");
@@ -1952,13 +1975,13 @@ static void op_null_args(struct prog *p)
 		struct kvr_memory mem;
 		expect(API(kvr_router_get_memory, NULL, &mem), KVR_EINVAL, "get_memory(NULL)");
 		expect(API(kvr_router_get_memory, p->r, NULL), KVR_EINVAL, "get_memory(out NULL)");
-		kvr_router_destroy(NULL);
-		kvr_request_init(NULL);
+		API_VOID(kvr_router_destroy, NULL);
+		API_VOID(kvr_request_init, NULL);
 		/* The replica calls' refusals (no NATS server here, so no handle): each is a
 		 * function of the header that returns int, so its detail is checked too.  No input
 		 * byte is read: every seed runs the program it ran before. */
 		struct kvr_sync_config sc;
-		kvr_sync_config_init(&sc);
+		API_VOID(kvr_sync_config_init, &sc);
 		sc.replica_id = 0; /* refused before any connection is tried */
 		struct kvr_sync *rs = (struct kvr_sync *)p;
 #ifdef KVR_HAVE_NATS
@@ -1976,7 +1999,7 @@ static void op_null_args(struct prog *p)
 		expect(API(kvr_sync_drain, NULL, 0), KVR_EINVAL, "sync_drain(NULL)");
 		expect(API(kvr_sync_peer_seq, NULL, 1, &seq), KVR_EINVAL, "sync_peer_seq(NULL)");
 		expect(API(kvr_sync_get_stats, NULL, &sst), KVR_EINVAL, "sync_get_stats(NULL)");
-		kvr_sync_detach(NULL);
+		API_VOID(kvr_sync_detach, NULL);
 		break;
 	}
 	default: {
@@ -1998,8 +2021,8 @@ static void op_null_args(struct prog *p)
 static void op_feed(struct prog *p)
 {
 	struct kvr_feed_config fc;
-	kvr_feed_config_init(NULL);
-	kvr_feed_config_init(&fc);
+	API_VOID(kvr_feed_config_init, NULL);
+	API_VOID(kvr_feed_config_init, &fc);
 	uint32_t k = u8(&p->in);
 	int want = p->cfg.mode == KVR_MODE_EVENTS ? 0 : KVR_EINVAL;
 	if (k % 5 == 0) {
@@ -2028,7 +2051,7 @@ static void op_feed(struct prog *p)
 		return;
 	expect(rc, want, "feed_create");
 	if (rc) {
-		kvr_feed_destroy(NULL);
+		API_VOID(kvr_feed_destroy, NULL);
 		return;
 	}
 	cur_call = "kvr_feed_add";
@@ -2076,7 +2099,7 @@ static void op_feed(struct prog *p)
 		expect(API(kvr_feed_remove, f, id), KVR_ENOENT, "feed_remove twice");
 	expect(API(kvr_feed_remove, NULL, id), KVR_EINVAL, "feed_remove(NULL)");
 	cur_call = "kvr_feed_destroy";
-	kvr_feed_destroy(f);
+	API_VOID(kvr_feed_destroy, f);
 }
 
 /* ---------------------------------------------------------------- program */
@@ -2131,7 +2154,7 @@ static void limit_config(struct prog *p)
 static bool make_router(struct prog *p)
 {
 	struct kvr_config *c = &p->cfg;
-	kvr_config_init(c);
+	API_VOID(kvr_config_init, c);
 	struct src *in = &p->in;
 	static const uint32_t bss[] = {1, 2, 4, 16};
 	c->mode = (enum kvr_mode)(u8(in) % 3);
@@ -2253,6 +2276,9 @@ struct run_arg {
 static void *run_program(void *arg)
 {
 	struct run_arg *ra = arg;
+	/* A fresh thread: its detail is "" before its first failure (kvrouter.h) */
+	CHECK(!strcmp(kvr_last_error(), ""), "kvr_last_error() on a new thread: \"%s\"",
+	      kvr_last_error());
 	struct prog *p = calloc(1, sizeof(*p));
 	if (!p)
 		abort();
@@ -2373,7 +2399,7 @@ static void *run_program(void *arg)
 	}
 	quiesce_and_check(p);
 	cur_call = "kvr_router_destroy";
-	kvr_router_destroy(p->r);
+	API_VOID(kvr_router_destroy, p->r);
 	ra->calls = p->calls;
 	pthread_mutex_destroy(&p->mu);
 	free(p);

@@ -51,6 +51,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
  */
 static _Thread_local char fuzz_err_before[256];
 static _Thread_local char fuzz_err_why[768];
+static _Thread_local const char *fuzz_err_ptr; /* the thread's first kvr_last_error() */
 
 static inline bool fuzz_err_names(const char *detail, const char *fn)
 {
@@ -63,6 +64,8 @@ static inline bool fuzz_err_names(const char *detail, const char *fn)
 static inline void fuzz_err_arm(const char *fn, const char *alt)
 {
 	const char *e = kvr_last_error();
+	if (!fuzz_err_ptr)
+		fuzz_err_ptr = e;
 	if (e && (fuzz_err_names(e, fn) || (alt && fuzz_err_names(e, alt)))) {
 		if (strcmp(fn, "kvr_hash_extend"))
 			(void)kvr_hash_extend(NULL, NULL, 0, 0, NULL, NULL, NULL, NULL);
@@ -75,12 +78,27 @@ static inline void fuzz_err_arm(const char *fn, const char *alt)
 	fuzz_err_before[n] = 0;
 }
 
+/* A function that returns no code (void, a count, a hash) never writes the detail: NULL when it
+ * is as it was, else what is wrong. */
+static inline const char *fuzz_err_untouched(const char *fn)
+{
+	const char *e = kvr_last_error();
+	if (e && !strcmp(e, fuzz_err_before))
+		return NULL;
+	snprintf(fuzz_err_why, sizeof(fuzz_err_why),
+	         "%s (no return code) changed kvr_last_error() from \"%s\" to \"%s\"", fn,
+	         fuzz_err_before, e ? e : "(NULL)");
+	return fuzz_err_why;
+}
+
 /* NULL when the detail after the call keeps the contract for rc, else what is wrong. */
 static inline const char *fuzz_err_verdict(const char *fn, const char *alt, int rc)
 {
 	const char *e = kvr_last_error();
 	if (!e)
 		return "kvr_last_error() returned NULL";
+	if (e != fuzz_err_ptr) /* "The pointer stays valid until the thread ends" */
+		return "kvr_last_error() returned another pointer than before on this thread";
 	if (rc >= 0) {
 		if (!strcmp(e, fuzz_err_before))
 			return NULL;

@@ -719,6 +719,9 @@ struct run_arg {
 static void *run_program(void *arg)
 {
 	struct run_arg *ra = arg;
+	/* A fresh thread: its detail is "" before its first failure (kvrouter.h) */
+	CHECK(!strcmp(kvr_last_error(), ""), "kvr_last_error() on a new thread: \"%s\"",
+	      kvr_last_error());
 	struct prog *p = calloc(1, sizeof(*p));
 	if (!p)
 		abort();
