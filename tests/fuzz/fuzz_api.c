@@ -1732,9 +1732,13 @@ static void op_metrics(struct prog *p)
 	static char buf[1 << 16];
 	size_t len = 0;
 	size_t cap = u8(&p->in) % 4 == 0 ? u8(&p->in) : sizeof(buf);
-	cur_call = "kvr_router_get_memory";
-	struct kvr_memory mem;
-	expect(API(kvr_router_get_memory, p->r, &mem), 0, "get_memory");
+	/* kvr_router_get_memory reads every rank on its shard: in every op_metrics it made the
+	 * suite's fuzz_api runs use a quarter more CPU, so one in eight (no input byte read) */
+	if (p->calls % 8 == 0) {
+		cur_call = "kvr_router_get_memory";
+		struct kvr_memory mem;
+		expect(API(kvr_router_get_memory, p->r, &mem), 0, "get_memory");
+	}
 	cur_call = "kvr_metrics_render";
 	int rc = API(kvr_metrics_render, p->r, cap ? buf : NULL, cap, &len);
 	/* *len_out is the size the text needs, its NUL included. */
