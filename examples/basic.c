@@ -20,17 +20,7 @@
 
 /* README.md excerpt end */
 // clang-format on
-
-static int fails;
-#define CHECK(c, ...)                                                                              \
-	do {                                                                                       \
-		if (!(c)) {                                                                        \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                       \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, " (last error: %s)\n", kvr_last_error());                  \
-			fails++;                                                                   \
-		}                                                                                  \
-	} while (0)
+#include "check.h"
 
 /* The decision the router would take for tokens now, booking nothing (KVR_ROUTE_QUERY_ONLY). */
 static struct kvr_decision query(struct kvr_router *r, const uint32_t *tokens, size_t n)

@@ -12,16 +12,7 @@
 
 #include <kvrouter.h>
 
-static int fails;
-#define CHECK(c, ...)                                                                              \
-	do {                                                                                       \
-		if (!(c)) {                                                                        \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                       \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, " (last error: %s)\n", kvr_last_error());                  \
-			fails++;                                                                   \
-		}                                                                                  \
-	} while (0)
+#include "check.h"
 
 /* What on_event_gap was told last (it runs on the thread that called kvr_events_apply). */
 static int gaps;

@@ -13,16 +13,7 @@
 
 #include <kvrouter.h>
 
-static int fails;
-#define CHECK(c, ...)                                                                              \
-	do {                                                                                       \
-		if (!(c)) {                                                                        \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                       \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, " (last error: %s)\n", kvr_last_error());                  \
-			fails++;                                                                   \
-		}                                                                                  \
-	} while (0)
+#include "check.h"
 
 /* The simulation's clock: nanoseconds that move only when the simulation says so. */
 struct sim {

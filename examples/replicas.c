@@ -16,18 +16,9 @@
 
 #include <kvrouter.h>
 
-#include "nats_server.h"
+#include "check.h"
 
-static int fails;
-#define CHECK(c, ...)                                                                              \
-	do {                                                                                       \
-		if (!(c)) {                                                                        \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                       \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, " (last error: %s)\n", kvr_last_error());                  \
-			fails++;                                                                   \
-		}                                                                                  \
-	} while (0)
+#include "nats_server.h"
 
 static const struct kvr_rank_id rank = {.worker_id = 7, .dp_rank = 0};
 
