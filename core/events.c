@@ -178,6 +178,8 @@ static __attribute__((cold, noinline)) int event_fail(int rc, struct kvr_rank_id
 		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+	case KVR_EBUSY:
+		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	default:
 		return kvr_fail_code(rc, fn);
 	}

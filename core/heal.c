@@ -47,6 +47,8 @@ static __attribute__((cold, noinline)) int heal_fail(int rc, const char *fn, uin
 		                fn, value, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+	case KVR_EBUSY:
+		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	default:
 		return kvr_fail_code(rc, fn);
 	}

@@ -170,7 +170,9 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	if (!r->cfg.sync_booking && op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0) {
 		m.tok.borrowed = tokens;
 		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_progress_call, &m);
-		if (ends || rc == KVR_ESTALE)
+		if (rc == KVR_EBUSY) /* not run (a shard's clock, in a cycle): post it, as below */
+			rc = post_progress(r, sh, &m, tokens, ends, mb);
+		else if (ends || rc == KVR_ESTALE)
 			rc = 0; /* the claim (touch) decided; the shard had nothing more to do */
 	} else {
 		rc = post_progress(r, sh, &m, tokens, ends, mb);

@@ -44,6 +44,8 @@ static __attribute__((cold, noinline)) int rank_fail(int rc, const char *fn,
 		                fn, inc, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+	case KVR_EBUSY:
+		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	default:
 		return kvr_fail(rc, "%s: %s (rank worker %" PRIu64 ", dp %" PRIu32 ")", fn,
 		                kvr_strerror(rc), rank.worker_id, rank.dp_rank);
@@ -106,8 +108,8 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	if ((rc = kvr_router_live_update(r, a.slot, true))) {
 		__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 		__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
-		kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
-		               kvr_owner_rank_destroy, &a);
+		kvr_shard_call_always(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
+		                      kvr_owner_rank_destroy, &a);
 		kvr_shards_unplace(r->shards, rank.worker_id);
 		rc = rank_fail(rc, fn, rank, incarnation);
 	}
@@ -143,7 +145,9 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	struct kvr_rank_args a = {.slot = slot};
-	kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
+	/* Unroutable already: the teardown cannot be refused (kvr_shard_call_always). */
+	kvr_shard_call_always(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING,
+	                      kvr_owner_rank_destroy, &a);
 	kvr_shards_unplace(r->shards, rank.worker_id);
 out:
 	pthread_mutex_unlock(&r->admin_lock);

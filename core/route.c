@@ -737,7 +737,7 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		/* No room: the shard must allocate to track it (or an allocation failed there),
 		 * so wait for its answer.  The booking consumes the record whatever it returns. */
 		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_book_call, rec);
-		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL)
+		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL && rc != KVR_EBUSY) /* those: not run */
 			return rc;
 	} else {
 		/* A soon post: a shard that has been booking lately parks for at most
@@ -804,6 +804,8 @@ static __attribute__((cold, noinline)) int route_failed(const struct kvr_router 
 		return kvr_fail(rc, "kvr_route: the router's 2^46 attempt ids are used up");
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "kvr_route: the router is being destroyed");
+	case KVR_EBUSY: /* sync_booking's waited-for booking */
+		return kvr_fail(rc, "kvr_route: %s", KVR_SHARD_CYCLE_DETAIL);
 	default:
 		return kvr_fail_code(rc, "kvr_route");
 	}

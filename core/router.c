@@ -326,15 +326,20 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 	uint32_t n = live->n < m ? live->n : (uint32_t)m;
 	memcpy(slot, live->slot, n * sizeof(*slot));
 	kvr_rcu_read_unlock();
-	for (uint32_t i = 0; i < n; i++) {
+	bool busy = false;
+	for (uint32_t i = 0; i < n && !busy; i++) {
 		struct kvr_rank_args a = {.slot = slot[i], .gen = kvr_router_gen_of(r, slot[i])};
-		if (kvr_shard_call(kvr_router_shard_of(r, slot[i]), KVR_LANE_ROUTING,
-		                   kvr_owner_rank_memory, &a) == 0) {
+		int rc = kvr_shard_call(kvr_router_shard_of(r, slot[i]), KVR_LANE_ROUTING,
+		                        kvr_owner_rank_memory, &a);
+		if (rc == 0) {
 			out->caches += a.cache_bytes; /* a rank removed meanwhile counts nothing */
 			out->load += a.load_bytes;
 		}
+		busy = rc == KVR_EBUSY;
 	}
 	kvr_free(slot, m * sizeof(*slot));
+	if (busy)
+		return kvr_fail(KVR_EBUSY, "kvr_router_get_memory: %s", KVR_SHARD_CYCLE_DETAIL);
 	out->index = kvr_index_memory_bytes(r->index);
 	int64_t lib = kvr_alloc_live_bytes();
 	out->library = lib > 0 ? (uint64_t)lib : 0;

@@ -26,6 +26,12 @@
 /* The bounded wait for room in a full shard lane (kvr_route's booking, lifecycle work). */
 #define KVR_LANE_FULL_WAIT_NS UINT64_C(10000000) /* 10 ms */
 
+/* The detail of a KVR_EBUSY from kvr_shard_call: a call on a shard thread (a callback there, the
+ * clock) whose wait would close a cycle of shards waiting for each other. */
+#define KVR_SHARD_CYCLE_DETAIL                                                                     \
+	"called on a shard thread (the router's clock), waiting for another shard would close a "  \
+	"cycle of shards waiting for each other; nothing done"
+
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>

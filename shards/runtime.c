@@ -129,6 +129,10 @@ struct kvr_shard {
 	uint32_t park_soon;  /* atomic: the park being entered is bounded by soon_ns (see post) */
 	bool has_held;       /* shard thread: held is the next message (see shard_loop) */
 	uint64_t time_hw;    /* shard thread: the latest router time its timers and tasks ran at */
+	/* The shard whose reply this shard's thread waits for in kvr_shard_call (a router callback
+	 * on it, the clock, calling the API), NULL otherwise.  Written by the thread, read by other
+	 * shards' threads looking for a cycle (wait_edge_add); seq_cst both. */
+	struct kvr_shard *waits_for;
 	struct kvr_msg held;
 	/* Timed posts (kvr_shard_post_at): counted by producers before the push, by the shard
 	 * after the task ran (or by a producer whose push failed); kvr_shard_settle compares. */
@@ -1203,16 +1207,53 @@ static void call_learn(struct call_kind *k, kvr_call_fn fn, uint64_t delay_ns)
 	__atomic_store_n(&k->delay_ns, avg, __ATOMIC_RELAXED);
 }
 
-int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
+/*
+ * A shard's thread about to wait for sh's reply (a callback on it called the API): records the
+ * edge, then follows the edges from sh.  Reaching self is a cycle (A waits for B waits for A, or
+ * longer): the edge is dropped and the call refused, KVR_EBUSY.  Why this cannot miss one: the
+ * stores and loads are seq_cst, so of the threads whose edges close a cycle, the one whose store
+ * comes last in that single order reads every other edge of it afterwards (each is still there:
+ * its thread waits), and refuses.  Two may both refuse (each saw the other's edge first); a
+ * cycle that already broke up while it was followed may be refused too: a spurious KVR_EBUSY,
+ * never a wait for good.  Edges that cross routers are followed like any (they are shards).
+ */
+static int wait_edge_add(struct kvr_shard *self, struct kvr_shard *sh)
+{
+	__atomic_store_n(&self->waits_for, sh, __ATOMIC_SEQ_CST);
+	struct kvr_shard *p = sh;
+	/* Bounded: a cycle ahead that does not run through self is some other thread's to find. */
+	for (uint32_t i = 0; p && i < 4u * KVR_LIMIT_SHARDS_MAX; i++) {
+		if (p == self) {
+			__atomic_store_n(&self->waits_for, NULL, __ATOMIC_SEQ_CST);
+			return KVR_EBUSY;
+		}
+		p = __atomic_load_n(&p->waits_for, __ATOMIC_SEQ_CST);
+	}
+	return 0;
+}
+
+static void wait_edge_drop(struct kvr_shard *self)
+{
+	if (self)
+		__atomic_store_n(&self->waits_for, NULL, __ATOMIC_SEQ_CST);
+}
+
+static int shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg,
+                      bool refuse_cycles)
 {
 	int rc = check_post(sh, lane, (const void *)fn, NULL, 0);
 	if (rc)
 		return rc;
-	if (tls_shard == sh) {
+	struct kvr_shard *self = tls_shard;
+	if (self == sh) {
 		/* Inline: queueing behind ourselves would deadlock. */
 		__atomic_store_n(&sh->calls_inline, sh->calls_inline + 1, __ATOMIC_RELAXED);
 		return fn(sh, arg);
 	}
+	if (self && !refuse_cycles) /* the edge, so that the others in a cycle refuse */
+		__atomic_store_n(&self->waits_for, sh, __ATOMIC_SEQ_CST);
+	else if (self && (rc = wait_edge_add(self, sh)))
+		return rc;
 	struct call_rec c = {.fn = fn, .arg = arg};
 	struct call_rec *cp = &c;
 	kvr_reply_init(&c.reply);
@@ -1224,11 +1265,24 @@ int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, voi
 		spin = 0;
 	uint64_t t0 = mono_ns();
 	rc = post(sh, lane, call_task, &cp, sizeof(cp), 0, UINT64_MAX, NULL, NULL);
-	if (rc)
+	if (rc) {
+		wait_edge_drop(self);
 		return rc;
+	}
 	rc = kvr_reply_wait(&c.reply, spin, NULL);
+	wait_edge_drop(self);
 	call_learn(kind, fn, c.done_ns > t0 ? c.done_ns - t0 : 0);
 	return rc;
+}
+
+int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
+{
+	return shard_call(sh, lane, fn, arg, true);
+}
+
+int kvr_shard_call_always(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
+{
+	return shard_call(sh, lane, fn, arg, false);
 }
 
 static int settle_call(struct kvr_shard *sh, void *arg)

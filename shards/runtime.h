@@ -315,10 +315,23 @@ int kvr_shard_settle_timers(struct kvr_shard *sh);
  * have lately taken longer than call_spin_ns (a moving average per shard) spins only
  * call_spin_ns / 16 before it sleeps.  Returns fn's result, or
  * KVR_EINVAL / KVR_ESHUTDOWN (not run).  Calls queued when shutdown begins still run.
- * Context: any thread.  Shard-to-shard calls must not form a cycle (A waits for B waits for A);
- * use posts for that.
+ * From another shard's thread (a router callback there, the clock, calling the API), a call
+ * that would close a cycle of shards waiting for each other (A waits for B waits for A, or
+ * longer, across routers too) is refused: KVR_EBUSY, not run (see wait_edge_add; a cycle that
+ * broke up while it was being followed may be refused as well).  Use posts between shards.
+ * Context: any thread.
  */
 int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
+
+/*
+ * kvr_shard_call for a step that cannot be refused once begun (a removal's teardown, a
+ * rollback): from another shard's thread it waits even when that closes a cycle.  Its edge is
+ * recorded, so a kvr_shard_call that closes the cycle after it is refused; one already waiting
+ * when this call closes it waits for good with it, as every call did before cycles were refused
+ * (the router's rule for its clock is to read a time only).
+ * Context: as kvr_shard_call.
+ */
+int kvr_shard_call_always(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
 
 /*
  * Schedules fn(shard, arg) on the shard at deadline_ns of the router clock.  Returns 0 and

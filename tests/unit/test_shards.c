@@ -1107,3 +1107,122 @@ Test(runtime, unusable_cpu_runs_unpinned)
 	cr_assert(st.pinned);
 	kvr_shards_destroy(s);
 }
+
+/* ------------------------------------------------------------------ calls between shards */
+
+/* Each shard's task waits until every shard of the ring is in its task, then calls the next
+ * one (i -> i + step): a cycle of shards waiting for each other when step closes one.  Before
+ * kvr_shard_call refused such cycles, every shard waited for good. */
+enum { RING_MAX = 4 };
+struct ring {
+	struct kvr_shards *s;
+	uint32_t n, step;
+	int arrived, done;
+	int rc[RING_MAX];
+	bool always[RING_MAX];  /* that shard calls through kvr_shard_call_always */
+	bool chain;             /* the last shard calls nobody: a chain, not a cycle */
+	int hold_ms;            /* the last shard's task holds it this long */
+	int delay_ms[RING_MAX]; /* that shard waits this long before its call */
+};
+
+static int answer(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	return 7 + (int)kvr_shard_index(sh);
+}
+
+static void ring_task(struct kvr_shard *sh, void *p)
+{
+	struct ring *g;
+	memcpy(&g, p, sizeof(g));
+	uint32_t i = kvr_shard_index(sh);
+	__atomic_add_fetch(&g->arrived, 1, __ATOMIC_SEQ_CST);
+	for (int t = 0; t < 5000 && __atomic_load_n(&g->arrived, __ATOMIC_SEQ_CST) < (int)g->n; t++)
+		nanosleep(&(struct timespec){0, 1000000}, NULL);
+	struct kvr_shard *next = kvr_shards_get(g->s, (i + g->step) % g->n);
+	nanosleep(&(struct timespec){0, (long)g->delay_ms[i] * 1000000}, NULL);
+	if (g->chain && i == g->n - 1) {
+		nanosleep(&(struct timespec){0, (long)g->hold_ms * 1000000}, NULL);
+		g->rc[i] = 0;
+	} else if (g->always[i]) {
+		g->rc[i] = kvr_shard_call_always(next, KVR_LANE_ROUTING, answer, NULL);
+	} else {
+		g->rc[i] = kvr_shard_call(next, KVR_LANE_ROUTING, answer, NULL);
+	}
+	__atomic_add_fetch(&g->done, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Runs the ring; false if some shard's task never finished within 10 s. */
+static bool ring_run(struct ring *g)
+{
+	g->s = make(g->n, 64, NULL, NULL);
+	struct ring *p = g;
+	for (uint32_t i = 0; i < g->n; i++)
+		cr_assert_eq(kvr_shard_post(kvr_shards_get(g->s, i), KVR_LANE_ROUTING, ring_task,
+		                            &p, sizeof(p)),
+		             0);
+	for (int t = 0; t < 10000 && __atomic_load_n(&g->done, __ATOMIC_SEQ_CST) < (int)g->n; t++)
+		nanosleep(&(struct timespec){0, 1000000}, NULL);
+	return __atomic_load_n(&g->done, __ATOMIC_SEQ_CST) == (int)g->n;
+}
+
+/* Every call answered (next shard's 7 + index) or refused; at least one refused. */
+static void ring_check_cycle(const struct ring *g)
+{
+	int refused = 0;
+	for (uint32_t i = 0; i < g->n; i++) {
+		int want = 7 + (int)((i + g->step) % g->n);
+		cr_assert(g->rc[i] == want || g->rc[i] == KVR_EBUSY, "shard %u's call returned %d",
+		          i, g->rc[i]);
+		refused += g->rc[i] == KVR_EBUSY;
+	}
+	cr_assert_geq(refused, 1, "a cycle of %u shards with no call refused", g->n);
+}
+
+Test(calls, two_shards_calling_each_other_one_refused, .timeout = 60)
+{
+	for (int round = 0; round < 20; round++) {
+		struct ring g = {.n = 2, .step = 1};
+		cr_assert(ring_run(&g), "round %d: the shards waited for each other for good",
+		          round);
+		ring_check_cycle(&g);
+		kvr_shards_destroy(g.s);
+	}
+}
+
+Test(calls, longer_cycles_one_refused, .timeout = 60)
+{
+	for (uint32_t n = 3; n <= RING_MAX; n++)
+		for (int round = 0; round < 10; round++) {
+			struct ring g = {.n = n, .step = 1};
+			cr_assert(ring_run(&g), "%u shards, round %d: waited for good", n, round);
+			ring_check_cycle(&g);
+			kvr_shards_destroy(g.s);
+		}
+}
+
+/* A chain is no cycle: 0 -> 1 -> 2 -> 3, the last one busy for a while; nobody is refused. */
+Test(calls, chain_waits_without_refusal, .timeout = 60)
+{
+	struct ring g = {.n = RING_MAX, .step = 1, .chain = true, .hold_ms = 200};
+	cr_assert(ring_run(&g), "a chain waited for good");
+	for (uint32_t i = 0; i + 1 < g.n; i++)
+		cr_assert_eq(g.rc[i], 7 + (int)i + 1, "shard %u's call returned %d", i, g.rc[i]);
+	kvr_shards_destroy(g.s);
+}
+
+/* A teardown step that cannot be refused (kvr_shard_call_always) still records its edge, so
+ * the other shard's refusable call in the cycle is refused when it closes it later. */
+Test(calls, always_call_waits_and_the_other_is_refused, .timeout = 60)
+{
+	for (int round = 0; round < 10; round++) {
+		struct ring g = {.n = 2, .step = 1};
+		g.always[0] = true;
+		g.delay_ms[1] = 50; /* shard 0's edge first */
+		cr_assert(ring_run(&g), "round %d: waited for good", round);
+		cr_assert_eq(g.rc[1], KVR_EBUSY, "round %d: shard 1's call returned %d", round,
+		             g.rc[1]);
+		cr_assert_eq(g.rc[0], 8, "round %d: the always call returned %d", round, g.rc[0]);
+		kvr_shards_destroy(g.s);
+	}
+}

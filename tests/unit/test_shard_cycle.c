@@ -1,0 +1,126 @@
+/* Router callbacks on two shards calling the API on each other's ranks.  The router's clock
+ * (kvr_config.now_ns) runs on the shards; a clock on shard 0 that applies an event to a rank of
+ * shard 1 waits for shard 1, whose clock meanwhile waits for shard 0: before, both shards
+ * waited for good (the header's rule, "the clock should only read a time", was the only
+ * guard).  Now kvr_shard_call refuses the call that closes the cycle (shards/runtime.c,
+ * wait_edge_add): KVR_EBUSY with its detail, nothing applied; the other call goes through. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvrouter.h"
+#include "shards/runtime.h"
+#include "tests/common/mono_clock.h"
+
+static struct kvr_router *xr;
+static atomic_int armed, arrived, done;
+static atomic_int entered[2];
+static int call_rc[2] = {1, 1};
+static char call_detail[2][256];
+static int (*cross_call)(unsigned shard);
+
+static bool wait_for(atomic_int *v, int want, int ms)
+{
+	for (int t = 0; t < ms && atomic_load(v) < want; t++)
+		sleep_us(1000);
+	return atomic_load(v) >= want;
+}
+
+/* Shard s's call on the other shard's rank (worker 1 - s: one worker a shard, placed in order). */
+static int apply_on_other(unsigned s)
+{
+	struct kvr_event_block b = {.ext_hash = 500 + s, .local_hash = 900 + s};
+	struct kvr_event ev = {.type = KVR_EVENT_STORED, .blocks = &b, .n_blocks = 1};
+	return kvr_events_apply(xr, (struct kvr_rank_id){1 - s, 0}, &ev);
+}
+
+static int stats_of_other(unsigned s)
+{
+	struct kvr_rank_stats st;
+	return kvr_rank_get_stats(xr, (struct kvr_rank_id){1 - s, 0}, &st);
+}
+
+/* The clock: once armed, its first call on each shard waits until both shards are in it, then
+ * calls the API on the other shard's rank. */
+static uint64_t clock_calls_other_shard(void *ctx)
+{
+	(void)ctx;
+	struct kvr_shard *sh = kvr_shard_current();
+	if (atomic_load(&armed) && sh) {
+		unsigned s = kvr_shard_index(sh);
+		if (s < 2 && !atomic_exchange(&entered[s], 1)) {
+			atomic_fetch_add(&arrived, 1);
+			wait_for(&arrived, 2, 5000);
+			call_rc[s] = cross_call(s);
+			snprintf(call_detail[s], sizeof(call_detail[s]), "%s", kvr_last_error());
+			atomic_fetch_add(&done, 1);
+		}
+	}
+	return mono_ns();
+}
+
+static void run(int (*call)(unsigned), const char *fn)
+{
+	cross_call = call;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 2;
+	c.now_ns = clock_calls_other_shard;
+	cr_assert_eq(kvr_router_create(&c, &xr), 0);
+	for (uint64_t w = 0; w < 2; w++)
+		cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE, 0),
+		             0);
+
+	/* A route's booking makes its rank's shard read the clock: one route pinned to each. */
+	atomic_store(&armed, 1);
+	uint32_t tok[64];
+	for (uint32_t i = 0; i < 64; i++)
+		tok[i] = 7 * i + 1;
+	struct kvr_decision d[2];
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_id pin = {w, 0};
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = 64;
+		q.pinned = &pin;
+		cr_assert_eq(kvr_route(xr, &q, &d[w]), 0);
+	}
+	cr_assert(wait_for(&arrived, 2, 10000), "the shards never both read the clock");
+	cr_assert(wait_for(&done, 2, 10000),
+	          "the clocks' calls on each other's shard never returned (%d of 2)",
+	          atomic_load(&done));
+	atomic_store(&armed, 0);
+	int refused = 0;
+	for (int s = 0; s < 2; s++) {
+		if (call_rc[s] == KVR_EBUSY) {
+			refused++;
+			cr_assert(strstr(call_detail[s], fn) == call_detail[s] &&
+			              strstr(call_detail[s], "cycle of shards"),
+			          "detail \"%s\"", call_detail[s]);
+		} else {
+			cr_assert_eq(call_rc[s], 0, "shard %d's call returned %d (%s)", s,
+			             call_rc[s], call_detail[s]);
+		}
+	}
+	cr_assert_geq(refused, 1);
+	/* The router goes on: both attempts end, and the shards answer. */
+	for (int w = 0; w < 2; w++)
+		cr_assert_eq(kvr_request_finish(xr, d[w].attempt), 0);
+	cr_assert_eq(kvr_router_sync(xr, 5000), 0);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){0, 0}, &st), 0);
+	kvr_router_destroy(xr);
+}
+
+Test(shard_cycle, clocks_apply_events_on_each_others_rank, .timeout = 60)
+{
+	run(apply_on_other, "kvr_events_apply: ");
+}
+
+Test(shard_cycle, clocks_read_each_others_rank_stats, .timeout = 60)
+{
+	run(stats_of_other, "kvr_rank_get_stats: ");
+}
