@@ -14,7 +14,8 @@
 #include "tests/common/mono_clock.h"
 
 static struct kvr_router *xr;
-static atomic_int armed, arrived, done;
+static atomic_int armed, ready, arrived, done;
+static uint64_t attempts[2]; /* the pinned routes' attempts, set before ready */
 static atomic_int entered[2];
 static int call_rc[2] = {1, 1};
 static char call_detail[2][256];
@@ -41,6 +42,13 @@ static int stats_of_other(unsigned s)
 	return kvr_rank_get_stats(xr, (struct kvr_rank_id){1 - s, 0}, &st);
 }
 
+/* With requests waiting, a finish first asks the attempt's shard to apply it (so that the
+ * admission pass sees the load gone): that call, refused, is posted instead; the finish counts. */
+static int finish_other(unsigned s)
+{
+	return kvr_request_finish(xr, attempts[1 - s]);
+}
+
 /* The clock: once armed, its first call on each shard waits until both shards are in it, then
  * calls the API on the other shard's rank. */
 static uint64_t clock_calls_other_shard(void *ctx)
@@ -52,6 +60,7 @@ static uint64_t clock_calls_other_shard(void *ctx)
 		if (s < 2 && !atomic_exchange(&entered[s], 1)) {
 			atomic_fetch_add(&arrived, 1);
 			wait_for(&arrived, 2, 5000);
+			wait_for(&ready, 1, 5000);
 			call_rc[s] = cross_call(s);
 			snprintf(call_detail[s], sizeof(call_detail[s]), "%s", kvr_last_error());
 			atomic_fetch_add(&done, 1);
@@ -60,7 +69,9 @@ static uint64_t clock_calls_other_shard(void *ctx)
 	return mono_ns();
 }
 
-static void run(int (*call)(unsigned), const char *fn)
+/* queued: ranks with a 16-token step budget and queue_threshold 1, so that the two pinned
+ * 64-token prompts saturate both and a third request waits (the finish case). */
+static void run(int (*call)(unsigned), const char *fn, bool queued)
 {
 	cross_call = call;
 	struct kvr_config c;
@@ -68,9 +79,12 @@ static void run(int (*call)(unsigned), const char *fn)
 	c.mode = KVR_MODE_EVENTS;
 	c.n_shards = 2;
 	c.now_ns = clock_calls_other_shard;
+	if (queued)
+		c.queue_threshold = 1.0;
 	cr_assert_eq(kvr_router_create(&c, &xr), 0);
 	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE, 0),
+		cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE,
+		                          queued ? 16 : 0),
 		             0);
 
 	/* A route's booking makes its rank's shard read the clock: one route pinned to each. */
@@ -87,7 +101,18 @@ static void run(int (*call)(unsigned), const char *fn)
 		q.n_tokens = 64;
 		q.pinned = &pin;
 		cr_assert_eq(kvr_route(xr, &q, &d[w]), 0);
+		attempts[w] = d[w].attempt;
 	}
+	struct kvr_decision waiting = {0};
+	if (queued) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = 64;
+		cr_assert_eq(kvr_route(xr, &q, &waiting), 0);
+		cr_assert_eq(waiting.status, KVR_QUEUED);
+	}
+	atomic_store(&ready, 1);
 	cr_assert(wait_for(&arrived, 2, 10000), "the shards never both read the clock");
 	cr_assert(wait_for(&done, 2, 10000),
 	          "the clocks' calls on each other's shard never returned (%d of 2)",
@@ -105,22 +130,45 @@ static void run(int (*call)(unsigned), const char *fn)
 			             call_rc[s], call_detail[s]);
 		}
 	}
-	cr_assert_geq(refused, 1);
-	/* The router goes on: both attempts end, and the shards answer. */
-	for (int w = 0; w < 2; w++)
-		cr_assert_eq(kvr_request_finish(xr, d[w].attempt), 0);
+	if (queued) {
+		/* Both finishes counted (a refused load call posts the work): the waiting request
+		 * is admitted once the load is gone, and all load ends at zero. */
+		cr_assert_eq(refused, 0, "a finish returned KVR_EBUSY");
+		for (int w = 0; w < 2; w++)
+			cr_assert_eq(kvr_request_finish(xr, d[w].attempt), KVR_ESTALE);
+		struct kvr_decision late;
+		cr_assert_eq(kvr_route_wait(xr, waiting.ticket, mono_ns() + 10000000000ull, &late),
+		             0, "%s", kvr_last_error());
+		cr_assert_eq(late.status, KVR_DECIDED);
+		cr_assert_eq(kvr_request_finish(xr, late.attempt), 0);
+	} else {
+		cr_assert_geq(refused, 1);
+		/* The router goes on: both attempts end, and the shards answer. */
+		for (int w = 0; w < 2; w++)
+			cr_assert_eq(kvr_request_finish(xr, d[w].attempt), 0);
+	}
 	cr_assert_eq(kvr_router_sync(xr, 5000), 0);
-	struct kvr_rank_stats st;
-	cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){0, 0}, &st), 0);
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats st;
+		cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){w, 0}, &st), 0);
+		cr_assert_eq(st.active_requests, 0, "rank %u: %u live attempts", (unsigned)w,
+		             (unsigned)st.active_requests);
+		cr_assert_eq(st.active_prefill_tokens, 0);
+	}
 	kvr_router_destroy(xr);
 }
 
 Test(shard_cycle, clocks_apply_events_on_each_others_rank, .timeout = 60)
 {
-	run(apply_on_other, "kvr_events_apply: ");
+	run(apply_on_other, "kvr_events_apply: ", false);
 }
 
 Test(shard_cycle, clocks_read_each_others_rank_stats, .timeout = 60)
 {
-	run(stats_of_other, "kvr_rank_get_stats: ");
+	run(stats_of_other, "kvr_rank_get_stats: ", false);
+}
+
+Test(shard_cycle, clocks_finish_each_others_attempts_with_requests_waiting, .timeout = 60)
+{
+	run(finish_other, "kvr_request_finish: ", true);
 }
