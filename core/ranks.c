@@ -136,18 +136,27 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[slot];
+	/* From a shard's thread (its clock): the teardown below waits for the rank's shard and
+	 * cannot be refused once the rank is unroutable, so a cycle of shards waiting for each
+	 * other is refused here, before anything changes, and the wait is recorded from now on. */
+	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
+	if ((rc = kvr_shard_wait_intent(sh))) {
+		rc = rank_fail(rc, fn, rank, 0);
+		goto out;
+	}
 	/* Unroutable first, so no new admission lands while the state goes. */
 	rc = kvr_router_live_update(r, slot, false);
 	if (rc) {
+		kvr_shard_wait_intent_end();
 		rc = kvr_fail(rc, "%s: out of memory copying the live rank list", fn);
 		goto out;
 	}
 	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	struct kvr_rank_args a = {.slot = slot};
-	/* Unroutable already: the teardown cannot be refused (kvr_shard_call_always). */
-	kvr_shard_call_always(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING,
-	                      kvr_owner_rank_destroy, &a);
+	/* Unroutable already: the teardown cannot be refused (kvr_shard_call_always; it ends the
+	 * intent). */
+	kvr_shard_call_always(sh, KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
 	kvr_shards_unplace(r->shards, rank.worker_id);
 out:
 	pthread_mutex_unlock(&r->admin_lock);

@@ -1238,6 +1238,17 @@ static void wait_edge_drop(struct kvr_shard *self)
 		__atomic_store_n(&self->waits_for, NULL, __ATOMIC_SEQ_CST);
 }
 
+int kvr_shard_wait_intent(struct kvr_shard *sh)
+{
+	struct kvr_shard *self = tls_shard;
+	return self && sh && self != sh ? wait_edge_add(self, sh) : 0;
+}
+
+void kvr_shard_wait_intent_end(void)
+{
+	wait_edge_drop(tls_shard);
+}
+
 static int shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg,
                       bool refuse_cycles)
 {

@@ -324,8 +324,19 @@ int kvr_shard_settle_timers(struct kvr_shard *sh);
 int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
 
 /*
- * kvr_shard_call for a step that cannot be refused once begun (a removal's teardown, a
- * rollback): from another shard's thread it waits even when that closes a cycle.  Its edge is
+ * From a shard's thread: records that this thread is about to wait for sh (a kvr_shard_call_always
+ * to come, after work that must not begin if that wait closes a cycle): KVR_EBUSY when it would,
+ * nothing recorded; else 0, and the edge stays until the call ends (or
+ * kvr_shard_wait_intent_end), so that a kvr_shard_call closing a cycle with it meanwhile is the
+ * one refused.  0 at once on other threads and for the thread's own shard.  Context: any thread.
+ */
+int kvr_shard_wait_intent(struct kvr_shard *sh);
+void kvr_shard_wait_intent_end(void);
+
+/*
+ * kvr_shard_call for a step that cannot be refused once begun (a removal's teardown after
+ * kvr_shard_wait_intent, a rollback): from another shard's thread it waits even when that
+ * closes a cycle.  Its edge is
  * recorded, so a kvr_shard_call that closes the cycle after it is refused; one already waiting
  * when this call closes it waits for good with it, as every call did before cycles were refused
  * (the router's rule for its clock is to read a time only).

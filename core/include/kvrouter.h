@@ -194,8 +194,8 @@ struct kvr_config {
 	 * read a time: the feed calls that wait for a feed's thread return KVR_EBUSY on a shard
 	 * (see kvr_feed_add), a call that waits for another shard returns KVR_EBUSY (nothing done)
 	 * when that shard waits for this one, directly or through others (two shards' clocks
-	 * calling kvr_events_apply on each other's ranks; kvr_rank_remove is not refused and
-	 * may still wait for good there), and kvr_router_destroy from it destroys nothing. */
+	 * calling kvr_events_apply or kvr_rank_remove on each other's ranks), and
+	 * kvr_router_destroy from it destroys nothing. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the

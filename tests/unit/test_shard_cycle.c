@@ -172,3 +172,84 @@ Test(shard_cycle, clocks_finish_each_others_attempts_with_requests_waiting, .tim
 {
 	run(finish_other, "kvr_request_finish: ", true);
 }
+
+/* Shard 0's clock removes rank 1 (on shard 1) while shard 1's clock reads rank 0's stats.
+ * kvr_rank_remove's teardown cannot be refused once the rank is unroutable, so the remove
+ * records its wait first (kvr_shard_wait_intent) and is the one refused if the stats call
+ * waits already; else the stats call is.  Before, the teardown recorded its wait only when it
+ * began, and a stats call already waiting made both wait for good (about half the rounds). */
+static int remove_or_stats(unsigned s)
+{
+	return s == 0 ? kvr_rank_remove(xr, (struct kvr_rank_id){1, 0}) : stats_of_other(s);
+}
+
+Test(shard_cycle, a_clock_removes_a_rank_whose_shard_waits_for_it, .timeout = 120)
+{
+	for (int round = 0; round < 10; round++) {
+		atomic_store(&armed, 0);
+		atomic_store(&ready, 0);
+		atomic_store(&arrived, 0);
+		atomic_store(&done, 0);
+		atomic_store(&entered[0], 0);
+		atomic_store(&entered[1], 0);
+		cross_call = remove_or_stats;
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.mode = KVR_MODE_EVENTS;
+		c.n_shards = 2;
+		c.now_ns = clock_calls_other_shard;
+		cr_assert_eq(kvr_router_create(&c, &xr), 0);
+		for (uint64_t w = 0; w < 2; w++)
+			cr_assert_eq(
+			    kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE, 0),
+			    0);
+		atomic_store(&armed, 1);
+		uint32_t tok[64];
+		for (uint32_t i = 0; i < 64; i++)
+			tok[i] = 7 * i + 1 + (uint32_t)round;
+		struct kvr_decision d[2];
+		for (uint64_t w = 0; w < 2; w++) {
+			struct kvr_rank_id pin = {w, 0};
+			struct kvr_request q;
+			kvr_request_init(&q);
+			q.tokens = tok;
+			q.n_tokens = 64;
+			q.pinned = &pin;
+			cr_assert_eq(kvr_route(xr, &q, &d[w]), 0);
+		}
+		atomic_store(&ready, 1);
+		cr_assert(wait_for(&arrived, 2, 10000),
+		          "round %d: the shards never both read the "
+		          "clock",
+		          round);
+		cr_assert(wait_for(&done, 2, 10000),
+		          "round %d: the clocks' calls never returned (%d of 2)", round,
+		          atomic_load(&done));
+		atomic_store(&armed, 0);
+		static const char *const fn[2] = {"kvr_rank_remove: ", "kvr_rank_get_stats: "};
+		int refused = 0;
+		for (int s = 0; s < 2; s++) {
+			if (call_rc[s] == KVR_EBUSY) {
+				refused++;
+				cr_assert(strstr(call_detail[s], fn[s]) == call_detail[s] &&
+				              strstr(call_detail[s], "cycle of shards"),
+				          "detail \"%s\"", call_detail[s]);
+			} else {
+				cr_assert_eq(call_rc[s], 0,
+				             "round %d: shard %d's call returned %d (%s)", round, s,
+				             call_rc[s], call_detail[s]);
+			}
+		}
+		cr_assert_geq(refused, 1);
+		bool removed = call_rc[0] == 0;
+		struct kvr_rank_stats st;
+		cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){1, 0}, &st),
+		             removed ? KVR_ENOENT : 0);
+		cr_assert_eq(kvr_request_finish(xr, d[0].attempt), 0);
+		cr_assert_eq(kvr_request_finish(xr, d[1].attempt), removed ? KVR_ESTALE : 0);
+		cr_assert_eq(kvr_router_sync(xr, 5000), 0);
+		cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){0, 0}, &st), 0);
+		cr_assert_eq(st.active_requests, 0);
+		kvr_router_destroy(xr);
+	}
+}
