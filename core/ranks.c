@@ -85,17 +85,26 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	                          .max_batched_tokens = max_batched_tokens,
 	                          .incarnation = incarnation,
 	                          .capacity = capacity_blocks};
-	rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
-	                    kvr_owner_rank_create, &a);
+	struct kvr_shard *sh = kvr_shards_get(r->shards, shard);
+	/* From a shard's thread (its clock): the rollback below waits for the rank's shard and
+	 * cannot be refused once the rank was created, so a cycle of shards waiting for each
+	 * other is refused here, before anything is created, and the wait is recorded until the
+	 * end (through the create calls). */
+	if ((rc = kvr_shard_wait_intent(sh))) {
+		kvr_shards_unplace(r->shards, rank.worker_id);
+		rc = rank_fail(rc, fn, rank, incarnation);
+		goto out;
+	}
+	rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_rank_create, &a);
 	if (rc == KVR_ERANGE) {
 		/* Fewer than max_ranks ranks are present (checked above), so every free slot is
 		 * one a remove released and the index hands back only after a grace period.  Wait
 		 * for the deferred releases queued so far, then try once more. */
 		kvr_rcu_barrier();
-		rc = kvr_shard_call(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
-		                    kvr_owner_rank_create, &a);
+		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_rank_create, &a);
 	}
 	if (rc) {
+		kvr_shard_wait_intent_end();
 		kvr_shards_unplace(r->shards, rank.worker_id);
 		rc = rc == KVR_ERANGE ? kvr_fail(rc, "%s: no free rank slot (max_ranks %u)", fn,
 		                                 r->cfg.max_ranks)
@@ -108,11 +117,11 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	if ((rc = kvr_router_live_update(r, a.slot, true))) {
 		__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 		__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
-		kvr_shard_call_always(kvr_shards_get(r->shards, shard), KVR_LANE_ROUTING,
-		                      kvr_owner_rank_destroy, &a);
+		kvr_shard_call_always(sh, KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
 		kvr_shards_unplace(r->shards, rank.worker_id);
 		rc = rank_fail(rc, fn, rank, incarnation);
 	}
+	kvr_shard_wait_intent_end();
 out:
 	pthread_mutex_unlock(&r->admin_lock);
 	if (rc == 0)
@@ -154,9 +163,9 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	struct kvr_rank_args a = {.slot = slot};
-	/* Unroutable already: the teardown cannot be refused (kvr_shard_call_always; it ends the
-	 * intent). */
+	/* Unroutable already: the teardown cannot be refused (kvr_shard_call_always). */
 	kvr_shard_call_always(sh, KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
+	kvr_shard_wait_intent_end();
 	kvr_shards_unplace(r->shards, rank.worker_id);
 out:
 	pthread_mutex_unlock(&r->admin_lock);

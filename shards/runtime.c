@@ -190,6 +190,10 @@ struct kvr_shards {
 };
 
 static _Thread_local struct kvr_shard *tls_shard;
+/* The shard this (shard) thread said it will wait for (kvr_shard_wait_intent), until
+ * kvr_shard_wait_intent_end: the edge every call in between leaves behind when it ends. */
+static _Thread_local struct kvr_shard *tls_intent;
+static _Thread_local uint32_t tls_intent_depth; /* intents begun on this thread, not ended */
 /* This thread's posts that found a lane full and waited, paced posts that waited at the soft
  * depth or spilled past it, and the sleeps of those waits. */
 static _Thread_local uint64_t tls_full_waits, tls_wait_sleeps, tls_throttles, tls_spills;
@@ -1224,7 +1228,7 @@ static int wait_edge_add(struct kvr_shard *self, struct kvr_shard *sh)
 	/* Bounded: a cycle ahead that does not run through self is some other thread's to find. */
 	for (uint32_t i = 0; p && i < 4u * KVR_LIMIT_SHARDS_MAX; i++) {
 		if (p == self) {
-			__atomic_store_n(&self->waits_for, NULL, __ATOMIC_SEQ_CST);
+			__atomic_store_n(&self->waits_for, tls_intent, __ATOMIC_SEQ_CST);
 			return KVR_EBUSY;
 		}
 		p = __atomic_load_n(&p->waits_for, __ATOMIC_SEQ_CST);
@@ -1232,20 +1236,33 @@ static int wait_edge_add(struct kvr_shard *self, struct kvr_shard *sh)
 	return 0;
 }
 
+/* A call's edge goes when the call ends, back to the intent's edge while one is held. */
 static void wait_edge_drop(struct kvr_shard *self)
 {
 	if (self)
-		__atomic_store_n(&self->waits_for, NULL, __ATOMIC_SEQ_CST);
+		__atomic_store_n(&self->waits_for, tls_intent, __ATOMIC_SEQ_CST);
 }
 
 int kvr_shard_wait_intent(struct kvr_shard *sh)
 {
 	struct kvr_shard *self = tls_shard;
-	return self && sh && self != sh ? wait_edge_add(self, sh) : 0;
+	if (!self)
+		return 0;
+	if (tls_intent_depth == 0 && sh && self != sh) {
+		int rc = wait_edge_add(self, sh);
+		if (rc)
+			return rc;
+		tls_intent = sh;
+	}
+	tls_intent_depth++; /* a nested one keeps the outer edge */
+	return 0;
 }
 
 void kvr_shard_wait_intent_end(void)
 {
+	if (!tls_shard || tls_intent_depth == 0 || --tls_intent_depth > 0)
+		return;
+	tls_intent = NULL;
 	wait_edge_drop(tls_shard);
 }
 

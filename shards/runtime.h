@@ -324,11 +324,16 @@ int kvr_shard_settle_timers(struct kvr_shard *sh);
 int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
 
 /*
- * From a shard's thread: records that this thread is about to wait for sh (a kvr_shard_call_always
- * to come, after work that must not begin if that wait closes a cycle): KVR_EBUSY when it would,
- * nothing recorded; else 0, and the edge stays until the call ends (or
- * kvr_shard_wait_intent_end), so that a kvr_shard_call closing a cycle with it meanwhile is the
- * one refused.  0 at once on other threads and for the thread's own shard.  Context: any thread.
+ * From a shard's thread: records that this thread may wait for sh from now on (a
+ * kvr_shard_call_always to come, e.g. a rollback, after work that must not begin if that wait
+ * closes a cycle): KVR_EBUSY when it would, nothing recorded; else 0, and the edge stays until
+ * kvr_shard_wait_intent_end, through the calls made in between (each call's own edge goes back
+ * to it when the call ends), so that a kvr_shard_call closing a cycle with it meanwhile is the
+ * one refused.  The calls in between should be to sh: a thread records one edge, and while a
+ * call to another shard waits, that call's edge stands in for the intent's.  0 at once, nothing
+ * recorded, on other threads and for the thread's own shard; nested in another intent, 0 and
+ * the outer edge stays.  Context: any thread; every 0 is matched by one
+ * kvr_shard_wait_intent_end on the same thread (a no-op on other threads).
  */
 int kvr_shard_wait_intent(struct kvr_shard *sh);
 void kvr_shard_wait_intent_end(void);

@@ -10,6 +10,12 @@
  *  - a round without one must see no call refused (no edge set can form a cycle), and every
  *    call answered by its target;
  *  - the outside threads' calls are never refused (they are no shard) and always answered.
+ * A quarter of the callers go the way kvr_rank_add does: an intent (kvr_shard_wait_intent),
+ * a refusable call, then a call that cannot be refused (kvr_shard_call_always, its rollback),
+ * then the intent's end.  Between the two calls the caller posts its target a task that calls
+ * the caller back: that call closes a cycle with the intent and must be refused (the intent's
+ * edge stands through the first call; before, the first call's end dropped it, the late call
+ * waited for the caller and the caller's second call for the late call's shard, for good).
  * The test fails if a round does not finish within 5 s.  argv[1] = duration in ms (default
  * 1500).  Exit 0 pass, 1 fail.
  */
@@ -35,6 +41,8 @@ struct round {
 	uint32_t who[N];      /* their indexes */
 	int target[N];        /* per shard index: the shard it calls, -1 none */
 	uint32_t delay_us[N]; /* per shard index: before its call */
+	bool intent[N];       /* per shard index: calls under an intent, then calls always */
+	int late_rc[N];       /* per shard index: the intent caller's target calling it back */
 	int arrived, done;    /* atomic */
 	int rc[N];            /* per shard index; read after done == k (acquire) */
 };
@@ -43,6 +51,21 @@ static int answer(struct kvr_shard *sh, void *arg)
 {
 	(void)arg;
 	return 100 + (int)kvr_shard_index(sh);
+}
+
+/* Posted by an intent caller to its target: calls the caller back (a cycle with the intent). */
+struct late_call {
+	struct round *g;
+	uint32_t caller;
+};
+
+static void late_task(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	struct late_call lc;
+	memcpy(&lc, p, sizeof(lc));
+	lc.g->late_rc[lc.caller] =
+	    kvr_shard_call(kvr_shards_get(shards, lc.caller), KVR_LANE_ROUTING, answer, NULL);
 }
 
 static void round_task(struct kvr_shard *sh, void *p)
@@ -57,9 +80,28 @@ static void round_task(struct kvr_shard *sh, void *p)
 	if (g->delay_us[i])
 		sleep_us(g->delay_us[i]);
 	int rc = 0;
-	if (g->target[i] >= 0)
-		rc = kvr_shard_call(kvr_shards_get(shards, (uint32_t)g->target[i]),
-		                    KVR_LANE_ROUTING, answer, NULL);
+	struct kvr_shard *t =
+	    g->target[i] >= 0 ? kvr_shards_get(shards, (uint32_t)g->target[i]) : NULL;
+	if (t && g->intent[i]) {
+		/* Refused at the intent or at the first call (then nothing more), else both calls
+		 * answered. */
+		if ((rc = kvr_shard_wait_intent(t)) == 0) {
+			rc = kvr_shard_call(t, KVR_LANE_ROUTING, answer, NULL);
+			if (rc != KVR_EBUSY) {
+				/* Lanes are FIFO: the late call has run when the second call is
+				 * answered. */
+				const struct late_call lc = {g, i};
+				if (kvr_shard_post(t, KVR_LANE_ROUTING, late_task, &lc, sizeof(lc)))
+					g->late_rc[i] = -1; /* "not KVR_EBUSY": reported */
+				int again =
+				    kvr_shard_call_always(t, KVR_LANE_ROUTING, answer, NULL);
+				rc = again == rc ? rc : -1000 - again;
+			}
+			kvr_shard_wait_intent_end();
+		}
+	} else if (t) {
+		rc = kvr_shard_call(t, KVR_LANE_ROUTING, answer, NULL);
+	}
 	g->rc[i] = rc;
 	__atomic_add_fetch(&g->done, 1, __ATOMIC_RELEASE);
 }
@@ -121,8 +163,10 @@ int main(int argc, char **argv)
 		}
 		rnd = rnd * 1103515245u + 12345u;
 		g->k = 2 + (rnd >> 16) % (N - 1);
-		for (uint32_t i = 0; i < N; i++)
+		for (uint32_t i = 0; i < N; i++) {
 			g->target[i] = -1;
+			g->late_rc[i] = KVR_EBUSY; /* no late call: nothing to report */
+		}
 		for (uint32_t a = 0; a < g->k; a++) {
 			g->who[a] = perm[a];
 			rnd = rnd * 1103515245u + 12345u;
@@ -132,6 +176,7 @@ int main(int argc, char **argv)
 				g->target[perm[a]] = (int)perm[b];
 			}
 			g->delay_us[perm[a]] = (r >> 8) % 3 ? 0 : (r >> 10) % 300;
+			g->intent[perm[a]] = (r >> 4) % 4 == 0;
 		}
 		bool has_cycle = cyclic(g);
 		struct round *p = g;
@@ -153,6 +198,13 @@ int main(int argc, char **argv)
 		for (uint32_t a = 0; a < g->k; a++) {
 			uint32_t i = g->who[a];
 			int want = g->target[i] < 0 ? 0 : 100 + g->target[i];
+			if (g->late_rc[i] != KVR_EBUSY) {
+				fprintf(stderr,
+				        "FAIL: shard %u's target calling it back under its intent "
+				        "returned %d\n",
+				        i, g->late_rc[i]);
+				__atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+			}
 			if (g->rc[i] == KVR_EBUSY && g->target[i] >= 0)
 				refused++;
 			else if (g->rc[i] != want) {

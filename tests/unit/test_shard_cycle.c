@@ -222,3 +222,37 @@ Test(shard_cycle, a_clock_removes_a_rank_whose_shard_waits_for_it, .timeout = 12
 		kvr_router_destroy(xr);
 	}
 }
+
+/* Shard 0's clock adds rank {1, 1} (worker 1's: shard 1) while shard 1's clock reads rank 0's
+ * stats.  kvr_rank_add's rollback (out of memory after the create) cannot be refused, so the
+ * add records its wait before creating anything, as the remove does; one of the two calls is
+ * refused, and a refused add leaves nothing behind (the rank can be added afterwards). */
+static int add_or_stats(unsigned s)
+{
+	return s == 0 ? kvr_rank_add(xr, (struct kvr_rank_id){1, 1}, 1, KVR_CAPACITY_NONE, 0)
+	              : stats_of_other(s);
+}
+
+Test(shard_cycle, a_clock_adds_a_rank_on_a_shard_that_waits_for_it, .timeout = 120)
+{
+	for (uint32_t round = 0; round < 10; round++) {
+		struct kvr_decision d[2];
+		start(add_or_stats, false, round, d, NULL);
+		cr_assert_geq(
+		    refusals((const char *const[2]){"kvr_rank_add: ", "kvr_rank_get_stats: "}), 1);
+		const struct kvr_rank_id added = {1, 1};
+		struct kvr_rank_stats st;
+		if (call_rc[0] == 0) {
+			cr_assert_eq(kvr_rank_get_stats(xr, added, &st), 0);
+		} else {
+			cr_assert_eq(kvr_rank_get_stats(xr, added, &st), KVR_ENOENT);
+			cr_assert_eq(kvr_rank_add(xr, added, 1, KVR_CAPACITY_NONE, 0), 0, "%s",
+			             kvr_last_error());
+		}
+		for (int w = 0; w < 2; w++)
+			cr_assert_eq(kvr_request_finish(xr, d[w].attempt), 0);
+		cr_assert_eq(kvr_rank_remove(xr, added), 0);
+		cr_assert_eq(kvr_router_sync(xr, 5000), 0);
+		kvr_router_destroy(xr);
+	}
+}

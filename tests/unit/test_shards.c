@@ -1226,3 +1226,71 @@ Test(calls, always_call_waits_and_the_other_is_refused, .timeout = 60)
 		kvr_shards_destroy(g.s);
 	}
 }
+
+/* An intent (kvr_shard_wait_intent) stays recorded through the calls made inside it: shard 0
+ * says it may wait for shard 1, calls shard 1 once (as kvr_rank_add's create does before its
+ * rollback), then lets shard 1 call shard 0, then waits for shard 1 (the rollback,
+ * kvr_shard_call_always).  Shard 1's call closes the cycle and is refused.  Before, the first
+ * call's end dropped the intent's edge: shard 1's call waited for shard 0, and shard 0's
+ * rollback for shard 1, for good. */
+struct intent_case {
+	struct kvr_shards *s;
+	int first_rc, other_rc, last_rc, done;
+	int other_ran;
+};
+
+static void intent_other_task(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	struct intent_case *g;
+	memcpy(&g, p, sizeof(g));
+	g->other_rc = kvr_shard_call(kvr_shards_get(g->s, 0), KVR_LANE_ROUTING, answer, NULL);
+	__atomic_store_n(&g->other_ran, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&g->done, 1, __ATOMIC_SEQ_CST);
+}
+
+static void intent_task(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	struct intent_case *g;
+	memcpy(&g, p, sizeof(g));
+	struct kvr_shard *one = kvr_shards_get(g->s, 1);
+	cr_assert_eq(kvr_shard_wait_intent(one), 0);
+	g->first_rc = kvr_shard_call(one, KVR_LANE_ROUTING, answer, NULL);
+	cr_assert_eq(kvr_shard_post(one, KVR_LANE_ROUTING, intent_other_task, &g, sizeof(g)), 0);
+	/* Shard 1's call returns at once when refused; give it 2 s either way. */
+	for (int t = 0; t < 2000 && !__atomic_load_n(&g->other_ran, __ATOMIC_SEQ_CST); t++)
+		nanosleep(&(struct timespec){0, 1000000}, NULL);
+	g->last_rc = kvr_shard_call_always(one, KVR_LANE_ROUTING, answer, NULL);
+	kvr_shard_wait_intent_end();
+	__atomic_add_fetch(&g->done, 1, __ATOMIC_SEQ_CST);
+}
+
+Test(calls, an_intent_outlives_the_calls_inside_it, .timeout = 60)
+{
+	for (int round = 0; round < 10; round++) {
+		struct intent_case g = {.s = make(2, 64, NULL, NULL)};
+		struct intent_case *p = &g;
+		cr_assert_eq(kvr_shard_post(kvr_shards_get(g.s, 0), KVR_LANE_ROUTING, intent_task,
+		                            &p, sizeof(p)),
+		             0);
+		for (int t = 0; t < 10000 && __atomic_load_n(&g.done, __ATOMIC_SEQ_CST) < 2; t++)
+			nanosleep(&(struct timespec){0, 1000000}, NULL);
+		cr_assert_eq(__atomic_load_n(&g.done, __ATOMIC_SEQ_CST), 2,
+		             "round %d: the shards waited for each other for good", round);
+		cr_assert_eq(g.first_rc, 8);
+		cr_assert_eq(g.other_rc, KVR_EBUSY, "round %d: shard 1's call returned %d", round,
+		             g.other_rc);
+		cr_assert_eq(g.last_rc, 8);
+		/* The intent ended: shard 1 calls shard 0 again and is answered. */
+		struct intent_case h = {.s = g.s};
+		struct intent_case *hp = &h;
+		cr_assert_eq(kvr_shard_post(kvr_shards_get(g.s, 1), KVR_LANE_ROUTING,
+		                            intent_other_task, &hp, sizeof(hp)),
+		             0);
+		for (int t = 0; t < 10000 && __atomic_load_n(&h.done, __ATOMIC_SEQ_CST) < 1; t++)
+			nanosleep(&(struct timespec){0, 1000000}, NULL);
+		cr_assert_eq(h.other_rc, 7, "round %d: after the intent, %d", round, h.other_rc);
+		kvr_shards_destroy(g.s);
+	}
+}
