@@ -10,6 +10,7 @@
  * (generation mismatch) instead of touching freed state.
  */
 #include <inttypes.h>
+#include <time.h>
 
 #include "core/limits.h"
 #include "core/replica_hooks.h"
@@ -19,6 +20,48 @@
 /* Attempt ids carry the slot in KVR_SLOT_BITS bits: every slot max_ranks allows must fit. */
 _Static_assert(KVR_LIMIT_MAX_RANKS_MAX <= (1u << KVR_SLOT_BITS),
                "max_ranks limit does not fit the attempt id's slot bits");
+
+/* The admin calls' serialization.  On a shard's thread (a router callback there: its clock, or
+ * an on_admit the clock's finish pumped) the holder may be waiting for this very shard in a
+ * call it makes under the lock (kvr_rank_add's create, a removal's teardown): waiting for the
+ * lock would wait for good.  There the lock is tried, and while it is taken the shard its
+ * holder waits for (admin_waits) is checked: KVR_EBUSY when that shard waits for this one,
+ * directly or through others; else tried again (the holder lets it go, or starts waiting for
+ * this shard, which the next look sees: it is stored before the call is posted). */
+static int admin_lock(struct kvr_router *r, const char *fn)
+{
+	if (!kvr_shard_current()) {
+		pthread_mutex_lock(&r->admin_lock);
+		return 0;
+	}
+	while (pthread_mutex_trylock(&r->admin_lock) != 0) {
+		struct kvr_shard *t = __atomic_load_n(&r->admin_waits, __ATOMIC_SEQ_CST);
+		if (t && kvr_shard_waits_for_current(t))
+			return kvr_fail(KVR_EBUSY,
+			                "%s: called on a shard's thread (a router callback there) "
+			                "while another rank add or remove waits for this shard",
+			                fn);
+		/* A grace period the holder waits for waits for this thread's read section. */
+		if (__atomic_load_n(&r->admin_barrier, __ATOMIC_SEQ_CST) && kvr_rcu_read_ongoing())
+			return kvr_fail(KVR_EBUSY,
+			                "%s: called inside an RCU read section on a shard's thread "
+			                "while another rank add waits for a grace period",
+			                fn);
+		nanosleep(&(struct timespec){0, 20000}, NULL);
+	}
+	return 0;
+}
+
+/* A call on sh under admin_lock, published as the holder's wait (admin_lock above). */
+static int admin_call(struct kvr_router *r, struct kvr_shard *sh, kvr_call_fn fn,
+                      struct kvr_rank_args *a, bool always)
+{
+	__atomic_store_n(&r->admin_waits, sh, __ATOMIC_SEQ_CST);
+	int rc = always ? kvr_shard_call_always(sh, KVR_LANE_ROUTING, fn, a)
+	                : kvr_shard_call(sh, KVR_LANE_ROUTING, fn, a);
+	__atomic_store_n(&r->admin_waits, NULL, __ATOMIC_SEQ_CST);
+	return rc;
+}
 
 static int check(struct kvr_router *r, const char *fn)
 {
@@ -60,7 +103,8 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	if (rc)
 		return rc;
 	uint32_t slot, shard;
-	pthread_mutex_lock(&r->admin_lock);
+	if ((rc = admin_lock(r, fn)))
+		return rc;
 	if (kvr_router_find_rank(r, rank, &slot) == 0) {
 		rc = kvr_fail(KVR_EEXIST,
 		              "%s: rank (worker %" PRIu64 ", dp %" PRIu32 ") already exists", fn,
@@ -95,13 +139,15 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		rc = rank_fail(rc, fn, rank, incarnation);
 		goto out;
 	}
-	rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_rank_create, &a);
+	rc = admin_call(r, sh, kvr_owner_rank_create, &a, false);
 	if (rc == KVR_ERANGE) {
 		/* Fewer than max_ranks ranks are present (checked above), so every free slot is
 		 * one a remove released and the index hands back only after a grace period.  Wait
 		 * for the deferred releases queued so far, then try once more. */
+		__atomic_store_n(&r->admin_barrier, 1, __ATOMIC_SEQ_CST);
 		kvr_rcu_barrier();
-		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_rank_create, &a);
+		__atomic_store_n(&r->admin_barrier, 0, __ATOMIC_SEQ_CST);
+		rc = admin_call(r, sh, kvr_owner_rank_create, &a, false);
 	}
 	if (rc) {
 		kvr_shard_wait_intent_end();
@@ -117,7 +163,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	if ((rc = kvr_router_live_update(r, a.slot, true))) {
 		__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
 		__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
-		kvr_shard_call_always(sh, KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
+		admin_call(r, sh, kvr_owner_rank_destroy, &a, true);
 		kvr_shards_unplace(r->shards, rank.worker_id);
 		rc = rank_fail(rc, fn, rank, incarnation);
 	}
@@ -139,12 +185,19 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	if (rc)
 		return rc;
 	uint32_t slot;
-	pthread_mutex_lock(&r->admin_lock);
+	if ((rc = admin_lock(r, fn)))
+		return rc;
 	if ((rc = kvr_router_find_rank(r, rank, &slot))) {
 		rc = rank_fail(rc, fn, rank, 0);
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[slot];
+	/* From the rank's own shard (its clock, inside a task that may hold the rank's state):
+	 * the teardown would free it under that task. */
+	if (kvr_shard_is_current(kvr_router_shard_of(r, slot))) {
+		rc = rank_fail(KVR_EBUSY, fn, rank, 0);
+		goto out;
+	}
 	/* From a shard's thread (its clock): the teardown below waits for the rank's shard and
 	 * cannot be refused once the rank is unroutable, so a cycle of shards waiting for each
 	 * other is refused here, before anything changes, and the wait is recorded from now on. */
@@ -164,7 +217,7 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	struct kvr_rank_args a = {.slot = slot};
 	/* Unroutable already: the teardown cannot be refused (kvr_shard_call_always). */
-	kvr_shard_call_always(sh, KVR_LANE_ROUTING, kvr_owner_rank_destroy, &a);
+	admin_call(r, sh, kvr_owner_rank_destroy, &a, true);
 	kvr_shard_wait_intent_end();
 	kvr_shards_unplace(r->shards, rank.worker_id);
 out:
@@ -175,8 +228,10 @@ out:
 }
 
 /* Runs fn on the rank's shard with the rank's current generation. */
+/* read: call only reads the rank's state (it may run inline inside a task of the rank's
+ * shard, kvr_shard_call_read). */
 static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn call,
-                     struct kvr_rank_args *a, const char *fn)
+                     struct kvr_rank_args *a, const char *fn, bool read)
 {
 	int rc = check(r, fn);
 	if (rc)
@@ -186,7 +241,9 @@ static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn 
 		return rank_fail(rc, fn, rank, a->incarnation);
 	a->slot = slot;
 	a->gen = kvr_router_gen_of(r, slot);
-	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, call, a);
+	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
+	rc = read ? kvr_shard_call_read(sh, KVR_LANE_ROUTING, call, a)
+	          : kvr_shard_call(sh, KVR_LANE_ROUTING, call, a);
 	return rc ? rank_fail(rc, fn, rank, a->incarnation) : 0;
 }
 
@@ -194,7 +251,7 @@ int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_
                           uint64_t capacity_blocks)
 {
 	struct kvr_rank_args a = {.incarnation = incarnation, .capacity = capacity_blocks};
-	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a, "kvr_rank_set_capacity");
+	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a, "kvr_rank_set_capacity", false);
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_CAPACITY, rank, incarnation, capacity_blocks,
 		                   0);
@@ -206,7 +263,7 @@ int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_
 int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation)
 {
 	struct kvr_rank_args a = {.incarnation = new_incarnation};
-	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a, "kvr_rank_reset");
+	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a, "kvr_rank_reset", false);
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_RESET, rank, new_incarnation, 0, 0);
 	if (rc == 0 && r->queue)
@@ -219,7 +276,7 @@ int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank, struct kvr
 	if (!out)
 		return kvr_fail(KVR_EINVAL, "kvr_rank_get_stats: out is NULL");
 	struct kvr_rank_args a = {.stats = out};
-	return rank_call(r, rank, kvr_owner_rank_stats, &a, "kvr_rank_get_stats");
+	return rank_call(r, rank, kvr_owner_rank_stats, &a, "kvr_rank_get_stats", true);
 }
 
 int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out, size_t cap,
@@ -230,7 +287,7 @@ int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out
 		                !n_out ? "n_out is NULL" : "out is NULL with cap > 0");
 	*n_out = 0;
 	struct kvr_rank_args a = {.blocks = out, .cap = cap};
-	int rc = rank_call(r, rank, kvr_owner_rank_blocks, &a, "kvr_rank_blocks");
+	int rc = rank_call(r, rank, kvr_owner_rank_blocks, &a, "kvr_rank_blocks", true);
 	if (rc == 0 || rc == KVR_ERANGE)
 		*n_out = a.n;
 	if (rc == KVR_ERANGE)

@@ -329,8 +329,8 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 	bool busy = false;
 	for (uint32_t i = 0; i < n && !busy; i++) {
 		struct kvr_rank_args a = {.slot = slot[i], .gen = kvr_router_gen_of(r, slot[i])};
-		int rc = kvr_shard_call(kvr_router_shard_of(r, slot[i]), KVR_LANE_ROUTING,
-		                        kvr_owner_rank_memory, &a);
+		int rc = kvr_shard_call_read(kvr_router_shard_of(r, slot[i]), KVR_LANE_ROUTING,
+		                             kvr_owner_rank_memory, &a);
 		if (rc == 0) {
 			out->caches += a.cache_bytes; /* a rank removed meanwhile counts nothing */
 			out->load += a.load_bytes;

@@ -30,7 +30,8 @@
  * clock) whose wait would close a cycle of shards waiting for each other. */
 #define KVR_SHARD_CYCLE_DETAIL                                                                     \
 	"called on a shard thread (the router's clock), waiting for another shard would close a "  \
-	"cycle of shards waiting for each other; nothing done"
+	"cycle of shards waiting for each other, or the call would change its own shard's state "  \
+	"under the task that read the clock; nothing done"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -98,6 +99,11 @@ struct kvr_router {
 	pthread_mutex_t admin_lock;    /* rank add / remove / reset, live list writers */
 	struct kvr_queue *queue;       /* NULL unless queue_threshold > 0 */
 	uint32_t shutting_down;        /* atomic */
+	/* The shard admin_lock's holder is calling (waiting for), else NULL; admin_barrier: the
+	 * holder waits in kvr_rcu_barrier.  A shard's thread that finds the lock taken refuses
+	 * instead of waiting when either waits for it (core/ranks.c admin_lock).  seq_cst. */
+	struct kvr_shard *admin_waits;
+	uint32_t admin_barrier;
 	/* Feeds destroyed from their own thread (sync/feed.c) whose thread still tears them down
 	 * (atomic): kvr_router_destroy waits for them, as it may be called as soon as
 	 * kvr_feed_destroy returned. */

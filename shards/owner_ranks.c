@@ -500,7 +500,10 @@ int kvr_owner_rank_reset(struct kvr_shard *sh, void *arg)
 
 int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 {
-	kvr_owner_retry_releases(sh); /* resident_blocks counts what an owed release frees */
+	/* resident_blocks counts what an owed release frees; not inside another task (a clock
+	 * reading the stats of its own shard's rank), which may hold what the retry frees. */
+	if (!kvr_shard_in_inline_call())
+		kvr_owner_retry_releases(sh);
 	struct kvr_rank_args *a = arg;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;

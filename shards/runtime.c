@@ -194,6 +194,7 @@ static _Thread_local struct kvr_shard *tls_shard;
  * kvr_shard_wait_intent_end: the edge every call in between leaves behind when it ends. */
 static _Thread_local struct kvr_shard *tls_intent;
 static _Thread_local uint32_t tls_intent_depth; /* intents begun on this thread, not ended */
+static _Thread_local uint32_t tls_inline_calls; /* calls run inline, inside a task, not ended */
 /* This thread's posts that found a lane full and waited, paced posts that waited at the soft
  * depth or spilled past it, and the sleeps of those waits. */
 static _Thread_local uint64_t tls_full_waits, tls_wait_sleeps, tls_throttles, tls_spills;
@@ -1243,6 +1244,20 @@ static void wait_edge_drop(struct kvr_shard *self)
 		__atomic_store_n(&self->waits_for, tls_intent, __ATOMIC_SEQ_CST);
 }
 
+bool kvr_shard_waits_for_current(struct kvr_shard *sh)
+{
+	struct kvr_shard *self = tls_shard, *p = sh;
+	if (!self)
+		return false;
+	/* Bounded as in wait_edge_add: a cycle ahead without self is not this thread's. */
+	for (uint32_t i = 0; p && i < 4u * KVR_LIMIT_SHARDS_MAX; i++) {
+		if (p == self)
+			return true;
+		p = __atomic_load_n(&p->waits_for, __ATOMIC_SEQ_CST);
+	}
+	return false;
+}
+
 int kvr_shard_wait_intent(struct kvr_shard *sh)
 {
 	struct kvr_shard *self = tls_shard;
@@ -1266,17 +1281,28 @@ void kvr_shard_wait_intent_end(void)
 	wait_edge_drop(tls_shard);
 }
 
+enum call_kind_flags { CALL_REFUSE_CYCLES = 1, CALL_READ = 2 };
+
 static int shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg,
-                      bool refuse_cycles)
+                      unsigned how)
 {
+	const bool refuse_cycles = how & CALL_REFUSE_CYCLES;
 	int rc = check_post(sh, lane, (const void *)fn, NULL, 0);
 	if (rc)
 		return rc;
 	struct kvr_shard *self = tls_shard;
 	if (self == sh) {
-		/* Inline: queueing behind ourselves would deadlock. */
+		/* Inline: queueing behind ourselves would deadlock.  The shard is inside a task
+		 * (the call comes from a router callback it runs: its clock), which holds pointers
+		 * into the state fn would change (a booking reading the clock, then its rank,
+		 * which the clock's kvr_rank_remove freed): only reads run here. */
+		if (refuse_cycles && !(how & CALL_READ))
+			return KVR_EBUSY;
 		__atomic_store_n(&sh->calls_inline, sh->calls_inline + 1, __ATOMIC_RELAXED);
-		return fn(sh, arg);
+		tls_inline_calls++;
+		rc = fn(sh, arg);
+		tls_inline_calls--;
+		return rc;
 	}
 	if (self && !refuse_cycles) /* the edge, so that the others in a cycle refuse */
 		__atomic_store_n(&self->waits_for, sh, __ATOMIC_SEQ_CST);
@@ -1305,12 +1331,27 @@ static int shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, 
 
 int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
 {
-	return shard_call(sh, lane, fn, arg, true);
+	return shard_call(sh, lane, fn, arg, CALL_REFUSE_CYCLES);
+}
+
+int kvr_shard_call_read(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
+{
+	return shard_call(sh, lane, fn, arg, CALL_REFUSE_CYCLES | CALL_READ);
 }
 
 int kvr_shard_call_always(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg)
 {
-	return shard_call(sh, lane, fn, arg, false);
+	return shard_call(sh, lane, fn, arg, 0);
+}
+
+bool kvr_shard_is_current(const struct kvr_shard *sh)
+{
+	return sh && tls_shard == sh;
+}
+
+bool kvr_shard_in_inline_call(void)
+{
+	return tls_inline_calls > 0;
 }
 
 static int settle_call(struct kvr_shard *sh, void *arg)

@@ -309,7 +309,9 @@ int kvr_shard_settle_timers(struct kvr_shard *sh);
 
 /*
  * Runs fn(shard, arg) on the shard thread and returns its result; arg is borrowed for the call.
- * From the shard's own thread it runs inline.  Otherwise it posts (waiting for room like
+ * From the shard's own thread it is KVR_EBUSY, not run: that thread is inside a task (a router
+ * callback there calls the API), and fn would change state under it (kvr_shard_call_read runs
+ * a fn that only reads inline there).  Otherwise it posts (waiting for room like
  * kvr_shard_post_wait with no timeout, unless shutdown), then spins call_spin_ns on a reply
  * slot (no syscall on a busy shard) and then sleeps on a futex; a call function whose replies
  * have lately taken longer than call_spin_ns (a moving average per shard) spins only
@@ -322,6 +324,15 @@ int kvr_shard_settle_timers(struct kvr_shard *sh);
  * Context: any thread.
  */
 int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
+/* kvr_shard_call for a fn that only reads the shard's state: from the shard's own thread it
+ * runs inline (queueing behind itself would deadlock). */
+int kvr_shard_call_read(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, void *arg);
+/* Whether the calling thread is sh's (then a kvr_shard_call on sh is refused). */
+bool kvr_shard_is_current(const struct kvr_shard *sh);
+/* Whether this thread runs a call inline inside another task (kvr_shard_call_read or
+ * kvr_shard_call_always from the shard's own thread): a fn there must not change what that
+ * task may hold. */
+bool kvr_shard_in_inline_call(void);
 
 /*
  * From a shard's thread: records that this thread may wait for sh from now on (a
@@ -336,6 +347,11 @@ int kvr_shard_call(struct kvr_shard *sh, enum kvr_lane lane, kvr_call_fn fn, voi
  * kvr_shard_wait_intent_end on the same thread (a no-op on other threads).
  */
 int kvr_shard_wait_intent(struct kvr_shard *sh);
+/* On a shard's thread: whether sh is that shard, or waits for it through the recorded edges
+ * (sh waits for a shard that waits ... for it).  false on other threads.  For a thread that
+ * waits for sh outside the edges (a lock held across a call to sh) to tell that this shard
+ * must not wait for it.  Context: any thread.  Ordering: seq_cst loads of the edges. */
+bool kvr_shard_waits_for_current(struct kvr_shard *sh);
 void kvr_shard_wait_intent_end(void);
 
 /*

@@ -194,8 +194,13 @@ struct kvr_config {
 	 * read a time: the feed calls that wait for a feed's thread return KVR_EBUSY on a shard
 	 * (see kvr_feed_add), a call that waits for another shard returns KVR_EBUSY (nothing done)
 	 * when that shard waits for this one, directly or through others (two shards' clocks
-	 * calling kvr_events_apply or kvr_rank_remove on each other's ranks), and
-	 * kvr_router_destroy from it destroys nothing. */
+	 * calling kvr_events_apply or kvr_rank_remove on each other's ranks), so does a
+	 * kvr_rank_add / kvr_rank_remove on a shard while another thread's add or remove waits
+	 * for that shard, and so does a call that would change the state of the shard the clock
+	 * runs on (it runs inside one of that shard's tasks: kvr_rank_remove of one of its ranks,
+	 * kvr_events_apply, kvr_rank_reset or _set_capacity on one; reads such as
+	 * kvr_rank_get_stats run, lifecycle calls post their work); kvr_router_destroy from it
+	 * destroys nothing. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the
@@ -357,7 +362,9 @@ struct kvr_rank_id {
  * max_batched_tokens: the engine's token budget per step (queue threshold; 0 = unknown).
  * capacity_blocks: its KV cache size in blocks for approx_lru, or KVR_CAPACITY_NONE; in events
  * mode it bounds what the rank's events may store (kvr_events_apply).
- * Returns 0, KVR_EEXIST, KVR_ERANGE (max_ranks reached), KVR_ENOMEM, KVR_EINVAL.
+ * Returns 0, KVR_EEXIST, KVR_ERANGE (max_ranks reached), KVR_ENOMEM, KVR_EINVAL, KVR_EBUSY
+ * (only from a router callback on a shard's thread, where it would wait for good: see
+ * kvr_config.now_ns; nothing added).
  * Context: any thread.
  */
 KVR_API int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
@@ -368,17 +375,19 @@ KVR_API int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t
  * the same incarnation, a switch between TTL retention and a finite capacity (either way)
  * forgets the rank's predicted cache; its live attempts stay live (their later output is
  * tracked for load only).
- * Returns 0, KVR_ENOENT, KVR_ESTALE, KVR_ENOMEM. */
+ * Returns 0, KVR_ENOENT, KVR_ESTALE, KVR_ENOMEM, KVR_EBUSY (as kvr_rank_add). */
 KVR_API int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank,
                                   uint64_t incarnation, uint64_t capacity_blocks);
 
 /* Forgets everything known about the rank's cache and requests (its attempts become stale) and
  * continues with new_incarnation.  Returns 0, KVR_ENOENT, KVR_ESTALE (new_incarnation older),
- * KVR_ENOMEM (the new, empty predicted cache could not be made: nothing changed). */
+ * KVR_ENOMEM (the new, empty predicted cache could not be made: nothing changed), KVR_EBUSY (as
+ * kvr_rank_add). */
 KVR_API int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation);
 
-/* Removes the rank; its attempts become stale.  Returns 0, KVR_ENOENT or KVR_ENOMEM (the copy of
- * the routable-rank list without it could not be made: nothing changed, the rank still routes). */
+/* Removes the rank; its attempts become stale.  Returns 0, KVR_ENOENT, KVR_ENOMEM (the copy of
+ * the routable-rank list without it could not be made: nothing changed, the rank still routes)
+ * or KVR_EBUSY (as kvr_rank_add; nothing changed). */
 KVR_API int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank);
 
 struct kvr_rank_stats {

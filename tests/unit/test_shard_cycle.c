@@ -5,6 +5,7 @@
  * guard).  Now kvr_shard_call refuses the call that closes the cycle (shards/runtime.c,
  * wait_edge_add): KVR_EBUSY with its detail, nothing applied; the other call goes through. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -255,4 +256,100 @@ Test(shard_cycle, a_clock_adds_a_rank_on_a_shard_that_waits_for_it, .timeout = 1
 		cr_assert_eq(kvr_router_sync(xr, 5000), 0);
 		kvr_router_destroy(xr);
 	}
+}
+
+/* A frontend thread's kvr_rank_add holds the router's admin lock while it waits for shard 1
+ * (the rank's create); shard 1's clock meanwhile calls kvr_rank_remove, which needs that lock.
+ * The lock is no edge between shards, so nothing saw the cycle: both waited for good.  Now an
+ * admin call on a shard's thread tries the lock and, while it is taken, refuses when the
+ * holder waits for this shard (core/ranks.c admin_lock): KVR_EBUSY, and the add completes. */
+static atomic_int lock_in_clock, lock_go, lock_clock_done, lock_add_done;
+static int lock_clock_rc = 1, lock_add_rc = 1;
+static char lock_clock_detail[256];
+
+static uint64_t clock_removes_under_lock(void *ctx)
+{
+	(void)ctx;
+	struct kvr_shard *sh = kvr_shard_current();
+	if (atomic_load(&armed) && sh && kvr_shard_index(sh) == 1 &&
+	    !atomic_exchange(&entered[1], 1)) {
+		atomic_store(&lock_in_clock, 1);
+		wait_for(&lock_go, 1, 10000);
+		lock_clock_rc = kvr_rank_remove(xr, (struct kvr_rank_id){0, 0});
+		snprintf(lock_clock_detail, sizeof(lock_clock_detail), "%s", kvr_last_error());
+		atomic_store(&lock_clock_done, 1);
+	}
+	return mono_ns();
+}
+
+static void *add_on_shard_1(void *arg)
+{
+	(void)arg;
+	lock_add_rc = kvr_rank_add(xr, (struct kvr_rank_id){1, 1}, 1, KVR_CAPACITY_NONE, 0);
+	atomic_store(&lock_add_done, 1);
+	return NULL;
+}
+
+Test(shard_cycle, a_clock_admin_call_while_an_admin_call_waits_for_its_shard, .timeout = 120)
+{
+	int refused = 0;
+	for (uint32_t round = 0; round < 5; round++) {
+		atomic_store(&armed, 0);
+		atomic_store(&entered[1], 0);
+		atomic_store(&lock_in_clock, 0);
+		atomic_store(&lock_go, 0);
+		atomic_store(&lock_clock_done, 0);
+		atomic_store(&lock_add_done, 0);
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.mode = KVR_MODE_EVENTS;
+		c.n_shards = 2;
+		c.now_ns = clock_removes_under_lock;
+		cr_assert_eq(kvr_router_create(&c, &xr), 0);
+		for (uint64_t w = 0; w < 2; w++)
+			cr_assert_eq(
+			    kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE, 0),
+			    0);
+		atomic_store(&armed, 1);
+		uint32_t tok[64];
+		for (uint32_t i = 0; i < 64; i++)
+			tok[i] = 5 * i + 3 + round;
+		struct kvr_rank_id pin = {1, 0};
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = 64;
+		q.pinned = &pin;
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(xr, &q, &d), 0);
+		cr_assert(wait_for(&lock_in_clock, 1, 10000), "shard 1 never read the clock");
+		pthread_t t;
+		cr_assert_eq(pthread_create(&t, NULL, add_on_shard_1, NULL), 0);
+		sleep_us(100000); /* the add takes the lock and waits for shard 1 */
+		atomic_store(&lock_go, 1);
+		cr_assert(
+		    wait_for(&lock_clock_done, 1, 10000) && wait_for(&lock_add_done, 1, 10000),
+		    "round %u: the clock's remove and the frontend's add waited for good", round);
+		pthread_join(t, NULL);
+		atomic_store(&armed, 0);
+		cr_assert_eq(lock_add_rc, 0, "%d", lock_add_rc);
+		/* Refused when the add was waiting for shard 1 (nearly always after 100 ms); else
+		 * the remove went first. */
+		struct kvr_rank_stats st;
+		if (lock_clock_rc == KVR_EBUSY) {
+			cr_assert(strstr(lock_clock_detail,
+			                 "kvr_rank_remove: called on a shard's thread") ==
+			              lock_clock_detail,
+			          "detail \"%s\"", lock_clock_detail);
+			cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){0, 0}, &st), 0);
+			refused++;
+		} else {
+			cr_assert_eq(lock_clock_rc, 0, "%d (%s)", lock_clock_rc, lock_clock_detail);
+		}
+		cr_assert_eq(kvr_rank_get_stats(xr, (struct kvr_rank_id){1, 1}, &st), 0);
+		cr_assert_eq(kvr_request_finish(xr, d.attempt), 0);
+		cr_assert_eq(kvr_router_sync(xr, 5000), 0);
+		kvr_router_destroy(xr);
+	}
+	cr_assert_geq(refused, 1, "the add never waited for shard 1 while the clock called");
 }

@@ -1,0 +1,181 @@
+/*
+ * stress_admin_clock: rank administration from the router's clock on its shards (a router
+ * callback there) while an admin thread adds and removes other ranks and frontends route and
+ * finish.  The clock calls kvr_rank_add / kvr_rank_remove on one of a few extra ranks now and
+ * then, on whichever shard reads it; the admin thread holds the router's admin lock while it
+ * waits for a shard (a create, a teardown), which may be the very shard whose clock is asking
+ * for the lock: before core/ranks.c's admin_lock, both waited for good.
+ * Checks: nothing waits for good (alarm), every admin call returns 0, KVR_EEXIST, KVR_ENOENT or
+ * (on a shard) KVR_EBUSY, and at the end every attempt ended and all load is back to zero.
+ *
+ * usage: stress_admin_clock [duration_ms]   exit 0 pass, 1 fail
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+#include "shards/runtime.h"
+#include "tests/common/mono_clock.h"
+#include "tests/common/xorshift.h"
+
+enum { BASE = 4, EXTRA = 4, ADMIN_RANKS = 4, FRONTENDS = 2 };
+
+static struct kvr_router *r;
+static atomic_int armed, stop, failed;
+static atomic_long clock_calls, clock_ok, clock_busy, admin_calls, routes, busy_routes;
+
+static bool admin_rc_ok(int rc, bool on_shard)
+{
+	return rc == 0 || rc == KVR_EEXIST || rc == KVR_ENOENT || (on_shard && rc == KVR_EBUSY);
+}
+
+static void fail(const char *what, int rc)
+{
+	fprintf(stderr, "FAIL: %s returned %d (%s)\n", what, rc, kvr_last_error());
+	atomic_store(&failed, 1);
+}
+
+/* One in 32 reads on a shard adds or removes one of the extra ranks (workers 100..). */
+static uint64_t admin_clock(void *ctx)
+{
+	(void)ctx;
+	static _Thread_local uint64_t rnd;
+	static _Thread_local bool inside; /* the admin call reads the clock too */
+	struct kvr_shard *sh = kvr_shard_current();
+	if (sh && !inside && atomic_load_explicit(&armed, memory_order_relaxed)) {
+		if (!rnd)
+			rnd = 0x9e3779b97f4a7c15ull * (kvr_shard_index(sh) + 1);
+		uint64_t x = xorshift64(&rnd);
+		if (x % 32 == 0) {
+			inside = true;
+			struct kvr_rank_id id = {100 + (x >> 8) % EXTRA, 0};
+			bool add = (x >> 16) & 1;
+			int rc = add ? kvr_rank_add(r, id, 1, 256, 0) : kvr_rank_remove(r, id);
+			atomic_fetch_add(&clock_calls, 1);
+			atomic_fetch_add(rc == KVR_EBUSY ? &clock_busy : &clock_ok, 1);
+			if (!admin_rc_ok(rc, true))
+				fail(add ? "a clock's kvr_rank_add" : "a clock's kvr_rank_remove",
+				     rc);
+			inside = false;
+		}
+	}
+	return mono_ns();
+}
+
+static void *admin(void *arg)
+{
+	(void)arg;
+	uint64_t rnd = 77;
+	while (!atomic_load(&stop)) {
+		uint64_t x = xorshift64(&rnd);
+		struct kvr_rank_id id = {200 + x % ADMIN_RANKS, 0};
+		int rc = (x >> 8) & 1 ? kvr_rank_add(r, id, 1, 256, 0) : kvr_rank_remove(r, id);
+		if (!admin_rc_ok(rc, false))
+			fail("the admin thread's add or remove", rc);
+		atomic_fetch_add(&admin_calls, 1);
+		if ((x >> 12) % 4 == 0)
+			sleep_us(200);
+	}
+	return NULL;
+}
+
+static void *frontend(void *arg)
+{
+	uint64_t rnd = 1000 + (uintptr_t)arg;
+	uint32_t tok[256];
+	while (!atomic_load(&stop)) {
+		uint64_t x = xorshift64(&rnd);
+		uint32_t n = 64 + (uint32_t)(x % 192);
+		for (uint32_t i = 0; i < n; i++)
+			tok[i] =
+			    i < 64 ? i : (uint32_t)(x >> 20) + i; /* a shared 64-token prefix */
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = n;
+		struct kvr_decision d;
+		int rc = kvr_route(r, &q, &d);
+		if (rc == KVR_EAGAIN || rc == KVR_ENOENT) { /* a full lane; every rank gone */
+			atomic_fetch_add(&busy_routes, 1);
+			continue;
+		}
+		if (rc) {
+			fail("kvr_route", rc);
+			break;
+		}
+		atomic_fetch_add(&routes, 1);
+		rc = kvr_request_finish(r, d.attempt);
+		if (rc && rc != KVR_ESTALE) /* stale: its rank was removed meanwhile */
+			fail("kvr_request_finish", rc);
+	}
+	return NULL;
+}
+
+int main(int argc, char **argv)
+{
+	long ms = argc > 1 ? atol(argv[1]) : 2000;
+	alarm((unsigned)(ms / 1000 + 60)); /* a wait for good becomes a failure */
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.now_ns = admin_clock;
+	c.lease_scan_interval_ns = 2000000; /* the reapers read the clock too */
+	if (kvr_router_create(&c, &r)) {
+		fprintf(stderr, "FAIL: kvr_router_create: %s\n", kvr_last_error());
+		return 1;
+	}
+	for (uint64_t w = 0; w < BASE; w++)
+		if (kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, 256, 0)) {
+			fprintf(stderr, "FAIL: kvr_rank_add: %s\n", kvr_last_error());
+			return 1;
+		}
+	atomic_store(&armed, 1);
+	pthread_t a, f[FRONTENDS];
+	pthread_create(&a, NULL, admin, NULL);
+	for (uintptr_t i = 0; i < FRONTENDS; i++)
+		pthread_create(&f[i], NULL, frontend, (void *)i);
+	sleep_us(ms * 1000);
+	atomic_store(&stop, 1);
+	pthread_join(a, NULL);
+	for (int i = 0; i < FRONTENDS; i++)
+		pthread_join(f[i], NULL);
+	atomic_store(&armed, 0);
+	if (kvr_router_sync(r, 10000))
+		fail("kvr_router_sync", -1);
+	struct kvr_rank_id ids[BASE + EXTRA + ADMIN_RANKS];
+	size_t n = 0;
+	for (uint64_t w = 0; w < BASE; w++)
+		ids[n++] = (struct kvr_rank_id){w, 0};
+	for (uint64_t w = 0; w < EXTRA; w++)
+		ids[n++] = (struct kvr_rank_id){100 + w, 0};
+	for (uint64_t w = 0; w < ADMIN_RANKS; w++)
+		ids[n++] = (struct kvr_rank_id){200 + w, 0};
+	for (size_t i = 0; i < n; i++) {
+		struct kvr_rank_stats st;
+		int rc = kvr_rank_get_stats(r, ids[i], &st);
+		if (rc == KVR_ENOENT)
+			continue;
+		if (rc)
+			fail("kvr_rank_get_stats", rc);
+		else if (st.active_requests || st.active_prefill_tokens) {
+			fprintf(stderr, "FAIL: rank %llu: %u live attempts, %llu prefill tokens\n",
+			        (unsigned long long)ids[i].worker_id, (unsigned)st.active_requests,
+			        (unsigned long long)st.active_prefill_tokens);
+			atomic_store(&failed, 1);
+		}
+	}
+	kvr_router_destroy(r);
+	printf("stress_admin_clock: %ld routes (%ld refused), %ld admin-thread calls, %ld clock "
+	       "calls (%ld done, %ld KVR_EBUSY)\n",
+	       atomic_load(&routes), atomic_load(&busy_routes), atomic_load(&admin_calls),
+	       atomic_load(&clock_calls), atomic_load(&clock_ok), atomic_load(&clock_busy));
+	if (!atomic_load(&failed) && atomic_load(&clock_calls) == 0) {
+		fprintf(stderr, "FAIL: the clock made no admin call\n");
+		return 1;
+	}
+	return atomic_load(&failed) ? 1 : 0;
+}
