@@ -1,13 +1,16 @@
 /*
- * stress_admin_clock: rank administration from the router's clock on its shards (a router
- * callback there) while an admin thread adds and removes other ranks and frontends route and
- * finish.  The clock calls kvr_rank_add / kvr_rank_remove on one of a few extra ranks now and
- * then, on whichever shard reads it; the admin thread holds the router's admin lock while it
- * waits for a shard (a create, a teardown), which may be the very shard whose clock is asking
- * for the lock: before core/ranks.c's admin_lock, both waited for good.
- * Checks: nothing waits for good (alarm), every admin call returns 0, KVR_EEXIST, KVR_ENOENT or
- * KVR_EBUSY (from a clock), and at the end every attempt ended and all load is back to zero.
- *
+ * stress_admin_clock: the router's clock calling the API (a router callback on the shards'
+ * threads, inside their tasks, and on the frontends') while an admin thread adds and removes
+ * ranks and frontends route and finish.  On one read in 32 the clock makes one call of 13 kinds
+ * (rank add / remove / reset / set_capacity / blocks / stats, events, a route and its finish, a
+ * recent attempt's finish or cached tokens, router sync, memory, metrics) on one of a few extra
+ * ranks or a recent attempt.  Before core/ranks.c's admin_lock the admin thread, holding the
+ * router's admin lock while it waited for a shard, and that shard's clock asking for the lock
+ * waited for good; before kvr_shard_call refused a call on the thread's own shard, a clock's
+ * kvr_rank_remove freed the rank under the booking that read the clock (ASan:
+ * heap-use-after-free in book()).
+ * Checks: nothing waits for good (alarm), every call returns one of its documented codes or
+ * KVR_EBUSY (refused there), and at the end every attempt ended and all load is back to zero.
  * The clock acts on the frontends' threads too (their calls read it with sync_booking).
  * Environment: SAC_SYNC=1 books synchronously, SAC_EVENTS=1 runs an events-mode router.
  *
@@ -31,9 +34,9 @@ static struct kvr_router *r;
 static atomic_int armed, stop, failed;
 static atomic_long clock_calls, clock_ok, clock_busy, admin_calls, routes, busy_routes;
 
-static bool admin_rc_ok(int rc, bool from_clock)
+static bool admin_rc_ok(int rc)
 {
-	return rc == 0 || rc == KVR_EEXIST || rc == KVR_ENOENT || (from_clock && rc == KVR_EBUSY);
+	return rc == 0 || rc == KVR_EEXIST || rc == KVR_ENOENT;
 }
 
 static void fail(const char *what, int rc)
@@ -42,27 +45,130 @@ static void fail(const char *what, int rc)
 	atomic_store(&failed, 1);
 }
 
-/* One in 32 reads adds or removes one of the extra ranks (workers 100..). */
+/* Attempts the frontends routed lately, for the clock's lifecycle and heal calls. */
+enum { RECENT = 64 };
+static _Atomic uint64_t recent[RECENT];
+
+/* The return codes a clock's call may give: its documented ones, KVR_EBUSY (refused there)
+ * and, for a rank the admin thread or another clock removed meanwhile, KVR_ENOENT /
+ * KVR_ESTALE. */
+static bool clock_rc_ok(int rc, unsigned op)
+{
+	if (rc == 0 || rc == KVR_EBUSY || rc == KVR_ENOENT || rc == KVR_ESTALE)
+		return true;
+	switch (op) {
+	case 0:
+		return rc == KVR_EEXIST; /* add */
+	case 4:
+		return rc == KVR_ERANGE; /* rank blocks, cap too small */
+	case 6:
+		return rc == KVR_EINVAL || rc == KVR_ERANGE; /* events: approx mode, bound */
+	case 7:
+		return rc == KVR_EAGAIN; /* route: a lane full */
+	case 9:
+		return rc == KVR_ETIMEDOUT || rc == KVR_EINVAL; /* router sync: none from a shard */
+	case 11:
+		return rc == KVR_EINVAL; /* cached tokens past the prompt */
+	default:
+		return false;
+	}
+}
+
+static const char *const op_name[] = {
+    "kvr_rank_add",       "kvr_rank_remove",    "kvr_rank_reset",        "kvr_rank_set_capacity",
+    "kvr_rank_blocks",    "kvr_rank_get_stats", "kvr_events_apply",      "kvr_route",
+    "kvr_request_finish", "kvr_router_sync",    "kvr_router_get_memory", "kvr_request_cached",
+    "kvr_metrics_render"};
+enum { OPS = sizeof(op_name) / sizeof(op_name[0]) };
+
+/* One API call of kind op on one of the extra ranks (workers 100..) or a recent attempt. */
+static int clock_call(unsigned op, uint64_t x)
+{
+	struct kvr_rank_id id = {100 + (x >> 8) % EXTRA, 0};
+	uint64_t att = atomic_load_explicit(&recent[(x >> 24) % RECENT], memory_order_relaxed);
+	switch (op) {
+	case 0:
+		return kvr_rank_add(r, id, 1, 256, 0);
+	case 1:
+		return kvr_rank_remove(r, id);
+	case 2:
+		return kvr_rank_reset(r, id, 1 + (x >> 30) % 2);
+	case 3:
+		return kvr_rank_set_capacity(r, id, 1, (x >> 30) % 2 ? 128 : 256);
+	case 4: {
+		uint64_t b[8];
+		size_t n;
+		return kvr_rank_blocks(r, id, b, 8, &n);
+	}
+	case 5: {
+		struct kvr_rank_stats st;
+		return kvr_rank_get_stats(r, id, &st);
+	}
+	case 6: {
+		struct kvr_event_block blk = {.ext_hash = 1000 + (x >> 32) % 64,
+		                              .local_hash = 5000 + (x >> 32) % 64};
+		struct kvr_event ev = {.type = (x >> 40) % 4 ? KVR_EVENT_STORED : KVR_EVENT_REMOVED,
+		                       .blocks = &blk,
+		                       .n_blocks = 1};
+		return kvr_events_apply(r, id, &ev);
+	}
+	case 7: {
+		uint32_t tok[32];
+		for (uint32_t i = 0; i < 32; i++)
+			tok[i] = i + (uint32_t)(x >> 48);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = 32;
+		struct kvr_decision d;
+		int rc = kvr_route(r, &q, &d);
+		if (rc == 0 && d.status == KVR_DECIDED) {
+			int f = kvr_request_finish(r, d.attempt);
+			if (f && f != KVR_ESTALE)
+				return f;
+		}
+		return rc;
+	}
+	case 8:
+		return att ? kvr_request_finish(r, att) : 0;
+	case 9:
+		return kvr_router_sync(r, 0);
+	case 10: {
+		struct kvr_memory m;
+		return kvr_router_get_memory(r, &m);
+	}
+	case 11:
+		return att ? kvr_request_cached(r, att, 16 * ((x >> 30) % 8)) : 0;
+	default: {
+		char buf[256];
+		size_t len;
+		int rc = kvr_metrics_render(r, buf, sizeof(buf), &len);
+		return rc == KVR_ERANGE ? 0 : rc; /* buf too small: expected */
+	}
+	}
+}
+
+/* One in 32 reads calls the API (clock_call), on a shard's thread or a frontend's. */
 static uint64_t admin_clock(void *ctx)
 {
 	(void)ctx;
 	static _Thread_local uint64_t rnd;
-	static _Thread_local bool inside; /* the admin call reads the clock too */
-	struct kvr_shard *sh = kvr_shard_current();
+	static _Thread_local bool inside; /* the calls read the clock too */
 	if (!inside && atomic_load_explicit(&armed, memory_order_relaxed)) {
 		if (!rnd)
 			rnd = 0x9e3779b97f4a7c15ull * ((uintptr_t)&rnd | 1);
 		uint64_t x = xorshift64(&rnd);
 		if (x % 32 == 0) {
 			inside = true;
-			struct kvr_rank_id id = {100 + (x >> 8) % EXTRA, 0};
-			bool add = (x >> 16) & 1;
-			int rc = add ? kvr_rank_add(r, id, 1, 256, 0) : kvr_rank_remove(r, id);
+			unsigned op = (unsigned)((x >> 5) % OPS);
+			int rc = clock_call(op, x);
 			atomic_fetch_add(&clock_calls, 1);
 			atomic_fetch_add(rc == KVR_EBUSY ? &clock_busy : &clock_ok, 1);
-			if (!admin_rc_ok(rc, true))
-				fail(add ? "a clock's kvr_rank_add" : "a clock's kvr_rank_remove",
-				     rc);
+			if (!clock_rc_ok(rc, op)) {
+				char what[64];
+				snprintf(what, sizeof(what), "a clock's %s", op_name[op]);
+				fail(what, rc);
+			}
 			inside = false;
 		}
 	}
@@ -77,7 +183,7 @@ static void *admin(void *arg)
 		uint64_t x = xorshift64(&rnd);
 		struct kvr_rank_id id = {200 + x % ADMIN_RANKS, 0};
 		int rc = (x >> 8) & 1 ? kvr_rank_add(r, id, 1, 256, 0) : kvr_rank_remove(r, id);
-		if (!admin_rc_ok(rc, false))
+		if (!admin_rc_ok(rc))
 			fail("the admin thread's add or remove", rc);
 		atomic_fetch_add(&admin_calls, 1);
 		if ((x >> 12) % 4 == 0)
@@ -111,6 +217,7 @@ static void *frontend(void *arg)
 			break;
 		}
 		atomic_fetch_add(&routes, 1);
+		atomic_store_explicit(&recent[x % RECENT], d.attempt, memory_order_relaxed);
 		rc = kvr_request_finish(r, d.attempt);
 		if (rc && rc != KVR_ESTALE) /* stale: its rank was removed meanwhile */
 			fail("kvr_request_finish", rc);
