@@ -605,8 +605,9 @@ static void *feed_main(void *arg)
  * with KVR_EBUSY at once, and the first goes on once the second has returned.  Only this cycle of
  * two is seen: one through other threads (the handling thread's call on feed B, whose callback
  * calls this feed, whose thread does not serve its box while it waits for the replica) still
- * waits until the drain's timeout; and kvr_sync_detach, which has no code to return, joins the
- * handling thread even when it waits for the detaching feed (kvrouter.h forbids it there).
+ * waits until the drain's timeout.  kvr_sync_detach and kvr_replica_stop / _destroy, which have
+ * no code to return, record the same wait and do nothing when it is refused (sync/replica.c
+ * stop_begin).
  */
 struct rep_waiter {
 	const struct kvr_replica *rep; /* whose deliveries the waiting thread handles */

@@ -67,11 +67,15 @@ int kvr_replica_start(struct kvr_replica *rep);
 /* Says goodbye, stops the thread, detaches, releases the peers' attempts mirrored on the
  * router.  Idempotent.  Deliveries after it are queued and freed by destroy.
  * Context: any thread but one handling rep's deliveries (kvr_replica_handling: from a router
- * callback there, e.g. on_admit, it does nothing: it would join or wait for that thread). */
+ * callback there, e.g. on_admit, it does nothing: it would join or wait for that thread).  On a
+ * feed's thread (its callback) while a thread handling rep's deliveries waits in a call on that
+ * feed, it does nothing either (it would join that thread, which waits for this callback);
+ * otherwise such calls on the feed are refused (KVR_EBUSY) while it stops. */
 void kvr_replica_stop(struct kvr_replica *rep);
 
 /* kvr_replica_stop, then frees.  The transport must deliver nothing once this starts.
- * NULL is a no-op; so is a call on a thread handling rep's deliveries (as kvr_replica_stop). */
+ * NULL is a no-op; so is a call where kvr_replica_stop does nothing (a thread handling rep's
+ * deliveries, a feed's thread one of them waits for). */
 void kvr_replica_destroy(struct kvr_replica *rep);
 
 /* Whether the calling thread is handling rep's deliveries (rep's apply thread, or a transport

@@ -25,6 +25,7 @@
 #include "core/error.h"
 #include "sync/replica.h"
 #include "sync/replica_config.h"
+#include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
 
 struct kvr_sync {
@@ -383,7 +384,13 @@ void kvr_sync_detach(struct kvr_sync *s)
 	 * call that runs the callback.  kvrouter.h: it does nothing there. */
 	if (s && kvr_replica_handling(s->rep))
 		return;
+	/* From a feed's callback while a replica thread waits in a call on that feed: joining it
+	 * would wait for good, so nothing is done (kvrouter.h); else that thread's calls on the
+	 * feed are refused until the replica is down (kvr_feed_wait_replica_begin). */
+	if (s && kvr_feed_wait_replica_begin(s->rep))
+		return;
 	sync_free(s);
+	kvr_feed_wait_replica_end();
 }
 
 /* The detail of a wait that failed (core/error.h). */

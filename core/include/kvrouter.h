@@ -1043,8 +1043,10 @@ KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *
  * Context: any thread; not concurrently with other calls on s.  Not from a router callback that
  * the replica's own threads run while applying peers' messages (on_admit there): it would wait
  * for that very call; there it returns at once and does nothing (detach from another thread).
- * Nor from a feed's callback while the replica's threads may call that feed (on_admit calling
- * kvr_feed_get_stats): it would wait for such a call, which waits for the callback, for good. */
+ * From a feed's callback (its log, on_event_gap on a feed's thread): while a replica thread
+ * waits in a call on that feed (on_admit calling kvr_feed_get_stats), which waits for the
+ * callback, it returns at once and does nothing as well; otherwise it detaches, and such calls
+ * on that feed meanwhile return KVR_EBUSY. */
 KVR_API void kvr_sync_detach(struct kvr_sync *s);
 
 /* Waits until the replica has applied its first snapshot (or found no peer).  0,

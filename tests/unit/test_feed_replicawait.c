@@ -44,6 +44,8 @@ static void on_admit_calls_feed(void *ctx, uint64_t ticket, const struct kvr_dec
 	atomic_store(&admit_out, 1);
 }
 
+static bool stop_instead; /* the log stops the replica (as kvr_sync_detach) instead */
+
 static void on_log_drains(void *ctx, int level, const char *msg)
 {
 	(void)ctx, (void)level, (void)msg;
@@ -54,7 +56,12 @@ static void on_log_drains(void *ctx, int level, const char *msg)
 	if (!drain_first)
 		sleep_ms(200); /* on_admit into its call */
 	uint64_t t0 = mono_ns();
-	drain_rc = kvr_replica_drain(bus.rep[1], 5000);
+	if (stop_instead) {
+		kvr_replica_stop(bus.rep[1]);
+		drain_rc = 0;
+	} else {
+		drain_rc = kvr_replica_drain(bus.rep[1], 5000);
+	}
 	drain_ns = mono_ns() - t0;
 	atomic_store(&log_out, 1);
 }
@@ -62,6 +69,7 @@ static void on_log_drains(void *ctx, int level, const char *msg)
 static void drain_against_call(bool drain_goes_first)
 {
 	drain_first = drain_goes_first;
+	stop_instead = false;
 	struct kvr_router *r[2];
 	bus_hog_pair(r, on_admit_calls_feed);
 	struct kvr_router *ev = test_events_router(NULL);
@@ -109,4 +117,55 @@ Test(feed_replicawait, drain_from_a_feed_log_then_on_admit_calls_the_feed, .time
 Test(feed_replicawait, on_admit_calls_the_feed_then_its_log_drains, .timeout = 60)
 {
 	drain_against_call(false);
+}
+
+/* The feed's log stops replica B (kvr_replica_stop, which kvr_sync_detach begins with) while
+ * B's apply thread, in on_admit, calls the feed.  The stop joins the apply thread, which waits
+ * for the feed's loop, i.e. for the log: before, both waited for good.  Now a stop that finds
+ * the apply thread waiting in a call on the feed does nothing (it returns at once), and one that
+ * comes first makes that call KVR_EBUSY and stops the replica. */
+static void stop_against_call(bool stop_goes_first)
+{
+	drain_first = stop_goes_first;
+	stop_instead = true;
+	struct kvr_router *r[2];
+	bus_hog_pair(r, on_admit_calls_feed);
+	struct kvr_router *ev = test_events_router(NULL);
+	struct test_pub pub;
+	test_pub_open(&pub);
+	xfeed = test_feed_on(ev, &pub, 0, on_log_drains, NULL);
+	uint64_t hog = bus_hog(r);
+	test_pub_send_empty(&pub, 0, 0);
+	test_pub_send_empty(&pub, 5, 0);
+	cr_assert_eq(kvr_request_finish(r[0], hog), 0);
+	cr_assert(came_back(&admit_out), "on_admit's call on the feed never returned");
+	cr_assert(came_back(&log_out), "the feed's log (its stop) never returned");
+	cr_log_info("stop first %d: stop after %lu ms, call %d after %lu ms", drain_first,
+	            (unsigned long)(drain_ns / 1000000), call_rc,
+	            (unsigned long)(call_ns / 1000000));
+	cr_assert_lt(call_ns, 2000000000ull, "the call took %lu ms (%d)",
+	             (unsigned long)(call_ns / 1000000), call_rc);
+	cr_assert(call_rc == 0 || call_rc == KVR_EBUSY, "the call returned %d", call_rc);
+	if (call_rc == KVR_EBUSY)
+		cr_assert(strstr(call_detail, "kvr_feed_get_stats: ") == call_detail &&
+		              strstr(call_detail, "replica"),
+		          "detail \"%s\"", call_detail);
+	else /* the stop found the call waiting and did nothing: it returned at once */
+		cr_assert_lt(drain_ns, 2000000000ull, "the stop took %lu ms",
+		             (unsigned long)(drain_ns / 1000000));
+	/* Stopped or not, B's replica goes down from this thread, and everything is freed. */
+	kvr_feed_destroy(xfeed);
+	kvr_router_destroy(ev);
+	test_pub_close(&pub);
+	bus_teardown(r, 2);
+}
+
+Test(feed_replicawait, stop_from_a_feed_log_then_on_admit_calls_the_feed, .timeout = 60)
+{
+	stop_against_call(true);
+}
+
+Test(feed_replicawait, on_admit_calls_the_feed_then_its_log_stops_the_replica, .timeout = 60)
+{
+	stop_against_call(false);
 }
