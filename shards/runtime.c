@@ -1222,19 +1222,26 @@ static void call_learn(struct call_kind *k, kvr_call_fn fn, uint64_t delay_ns)
  * cycle that already broke up while it was followed may be refused too: a spurious KVR_EBUSY,
  * never a wait for good.  Edges that cross routers are followed like any (they are shards).
  */
-static int wait_edge_add(struct kvr_shard *self, struct kvr_shard *sh)
+/* Whether following the recorded edges from sh (sh itself first) reaches self. */
+static bool edges_reach(struct kvr_shard *sh, const struct kvr_shard *self)
 {
-	__atomic_store_n(&self->waits_for, sh, __ATOMIC_SEQ_CST);
 	struct kvr_shard *p = sh;
 	/* Bounded: a cycle ahead that does not run through self is some other thread's to find. */
 	for (uint32_t i = 0; p && i < 4u * KVR_LIMIT_SHARDS_MAX; i++) {
-		if (p == self) {
-			__atomic_store_n(&self->waits_for, tls_intent, __ATOMIC_SEQ_CST);
-			return KVR_EBUSY;
-		}
+		if (p == self)
+			return true;
 		p = __atomic_load_n(&p->waits_for, __ATOMIC_SEQ_CST);
 	}
-	return 0;
+	return false;
+}
+
+static int wait_edge_add(struct kvr_shard *self, struct kvr_shard *sh)
+{
+	__atomic_store_n(&self->waits_for, sh, __ATOMIC_SEQ_CST);
+	if (!edges_reach(sh, self))
+		return 0;
+	__atomic_store_n(&self->waits_for, tls_intent, __ATOMIC_SEQ_CST);
+	return KVR_EBUSY;
 }
 
 /* A call's edge goes when the call ends, back to the intent's edge while one is held. */
@@ -1246,16 +1253,7 @@ static void wait_edge_drop(struct kvr_shard *self)
 
 bool kvr_shard_waits_for_current(struct kvr_shard *sh)
 {
-	struct kvr_shard *self = tls_shard, *p = sh;
-	if (!self)
-		return false;
-	/* Bounded as in wait_edge_add: a cycle ahead without self is not this thread's. */
-	for (uint32_t i = 0; p && i < 4u * KVR_LIMIT_SHARDS_MAX; i++) {
-		if (p == self)
-			return true;
-		p = __atomic_load_n(&p->waits_for, __ATOMIC_SEQ_CST);
-	}
-	return false;
+	return tls_shard && edges_reach(sh, tls_shard);
 }
 
 int kvr_shard_wait_intent(struct kvr_shard *sh)

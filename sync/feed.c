@@ -606,8 +606,7 @@ static void *feed_main(void *arg)
  * two is seen: one through other threads (the handling thread's call on feed B, whose callback
  * calls this feed, whose thread does not serve its box while it waits for the replica) still
  * waits until the drain's timeout.  kvr_sync_detach and kvr_replica_stop / _destroy, which have
- * no code to return, record the same wait and do nothing when it is refused (sync/replica.c
- * stop_begin).
+ * no code to return, record the same wait and do nothing when it is refused (sync/replica.c).
  */
 struct rep_waiter {
 	const struct kvr_replica *rep; /* whose deliveries the waiting thread handles */

@@ -628,35 +628,26 @@ static void router_destroyed(void *ctx)
 }
 
 /* On a feed's thread (its callback) the teardown joins the threads handling rep's deliveries,
- * which may be waiting in a call on that feed, i.e. for this callback: refused (false) then;
- * else the wait is recorded, so that their calls on the feed meanwhile are refused instead
- * (sync/feed.c, "A feed's callback waiting for a replica"), until stop_end. */
-static bool stop_begin(const struct kvr_replica *rep)
-{
-	return kvr_feed_wait_replica_begin(rep) == 0;
-}
-
-static void stop_end(void)
-{
-	kvr_feed_wait_replica_end();
-}
-
+ * which may be waiting in a call on that feed, i.e. for this callback: kvr_feed_wait_replica_begin
+ * refuses then, and the stop does nothing; else the wait is recorded, so that their calls on the
+ * feed meanwhile are refused instead (sync/feed.c, "A feed's callback waiting for a replica"). */
 void kvr_replica_stop(struct kvr_replica *rep)
 {
-	if (!rep || handling_self == rep || !stop_begin(rep))
+	if (!rep || handling_self == rep || kvr_feed_wait_replica_begin(rep))
 		return;
 	teardown(rep, true);
-	stop_end();
+	kvr_feed_wait_replica_end();
 }
 
 void kvr_replica_destroy(struct kvr_replica *rep)
 {
 	/* On a thread handling rep's deliveries it would join that thread, or wait for hmu, which
 	 * this thread holds, then free what the handling still uses: nothing is done there
-	 * (replica.h); nor on a feed's thread while that thread waits in a call on the feed. */
-	if (!rep || handling_self == rep || !stop_begin(rep))
+	 * (replica.h); nor on a feed's thread while a handling thread waits in a call on that feed.
+	 */
+	if (!rep || handling_self == rep || kvr_feed_wait_replica_begin(rep))
 		return;
 	teardown(rep, true);
-	stop_end();
+	kvr_feed_wait_replica_end();
 	free_all(rep);
 }

@@ -26,6 +26,7 @@
 #include "kvrouter.h"
 #include "shards/runtime.h"
 #include "tests/common/mono_clock.h"
+#include "tests/common/router_prompts.h"
 #include "tests/common/xorshift.h"
 
 enum { BASE = 4, EXTRA = 4, ADMIN_RANKS = 4, FRONTENDS = 2 };
@@ -113,15 +114,8 @@ static int clock_call(unsigned op, uint64_t x)
 		return kvr_events_apply(r, id, &ev);
 	}
 	case 7: {
-		uint32_t tok[32];
-		for (uint32_t i = 0; i < 32; i++)
-			tok[i] = i + (uint32_t)(x >> 48);
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = 32;
 		struct kvr_decision d;
-		int rc = kvr_route(r, &q, &d);
+		int rc = route_salt_pinned(r, NULL, (uint32_t)(x >> 48), 32, &d);
 		if (rc == 0 && d.status == KVR_DECIDED) {
 			int f = kvr_request_finish(r, d.attempt);
 			if (f && f != KVR_ESTALE)

@@ -66,47 +66,67 @@ static void on_log_drains(void *ctx, int level, const char *msg)
 	atomic_store(&log_out, 1);
 }
 
-static void drain_against_call(bool drain_goes_first)
-{
-	drain_first = drain_goes_first;
-	stop_instead = false;
-	struct kvr_router *r[2];
-	bus_hog_pair(r, on_admit_calls_feed);
-	struct kvr_router *ev = test_events_router(NULL);
+/* Replicas A and B on the bus (B's request waiting behind A's), an events router with a feed
+ * whose log drains or stops (stop) B: B's apply thread goes into on_admit (A's finish) while the
+ * feed's thread is in its log (a gap), log_first hinting which of the two waits comes first. */
+struct rig {
+	struct kvr_router *r[2], *ev;
 	struct test_pub pub;
-	test_pub_open(&pub);
-	xfeed = test_feed_on(ev, &pub, 0, on_log_drains, NULL);
-	uint64_t hog = bus_hog(r);
-	/* The feed's thread into its log (a gap), B's apply thread into on_admit (A's finish). */
-	test_pub_send_empty(&pub, 0, 0);
-	test_pub_send_empty(&pub, 5, 0);
-	cr_assert_eq(kvr_request_finish(r[0], hog), 0);
+};
+
+static void rig_run(struct rig *g, bool log_first, bool stop)
+{
+	drain_first = log_first;
+	stop_instead = stop;
+	bus_hog_pair(g->r, on_admit_calls_feed);
+	g->ev = test_events_router(NULL);
+	test_pub_open(&g->pub);
+	xfeed = test_feed_on(g->ev, &g->pub, 0, on_log_drains, NULL);
+	uint64_t hog = bus_hog(g->r);
+	test_pub_send_empty(&g->pub, 0, 0);
+	test_pub_send_empty(&g->pub, 5, 0);
+	cr_assert_eq(kvr_request_finish(g->r[0], hog), 0);
 	cr_assert(came_back(&admit_out), "on_admit's call on the feed never returned");
-	cr_assert(came_back(&log_out), "the feed's log never returned");
-	cr_log_info("drain first %d: drain %d after %lu ms, call %d after %lu ms", drain_first,
-	            drain_rc, (unsigned long)(drain_ns / 1000000), call_rc,
+	cr_assert(came_back(&log_out), "the feed's log (its %s) never returned",
+	          stop ? "stop" : "drain");
+	cr_log_info("%s first %d: %s %d after %lu ms, call %d after %lu ms",
+	            stop ? "stop" : "drain", drain_first, stop ? "stop" : "drain", drain_rc,
+	            (unsigned long)(drain_ns / 1000000), call_rc,
 	            (unsigned long)(call_ns / 1000000));
-	cr_assert_lt(drain_ns, 2000000000ull, "the drain took %lu ms (%d)",
-	             (unsigned long)(drain_ns / 1000000), drain_rc);
 	cr_assert_lt(call_ns, 2000000000ull, "the call took %lu ms (%d)",
 	             (unsigned long)(call_ns / 1000000), call_rc);
-	cr_assert((drain_rc == KVR_EBUSY) != (call_rc == KVR_EBUSY),
-	          "one of the two is refused: drain %d, call %d", drain_rc, call_rc);
-	cr_assert_eq(drain_rc == KVR_EBUSY ? call_rc : drain_rc, 0);
 	if (call_rc == KVR_EBUSY)
 		cr_assert(strstr(call_detail, "kvr_feed_get_stats: ") == call_detail &&
 		              strstr(call_detail, "replica"),
 		          "detail \"%s\"", call_detail);
+}
+
+/* Everything goes, from the test's thread; quiet: the bus drained first (both replicas up). */
+static void rig_close(struct rig *g, bool quiet)
+{
+	kvr_feed_destroy(xfeed);
+	kvr_router_destroy(g->ev);
+	test_pub_close(&g->pub);
+	if (quiet)
+		bus_quiet(g->r, 2);
+	bus_teardown(g->r, 2);
+}
+
+static void drain_against_call(bool drain_goes_first)
+{
+	struct rig g;
+	rig_run(&g, drain_goes_first, false);
+	cr_assert_lt(drain_ns, 2000000000ull, "the drain took %lu ms (%d)",
+	             (unsigned long)(drain_ns / 1000000), drain_rc);
+	cr_assert((drain_rc == KVR_EBUSY) != (call_rc == KVR_EBUSY),
+	          "one of the two is refused: drain %d, call %d", drain_rc, call_rc);
+	cr_assert_eq(drain_rc == KVR_EBUSY ? call_rc : drain_rc, 0);
 	/* Both go on. */
 	struct kvr_feed_stats st;
 	cr_assert_eq(kvr_feed_get_stats(xfeed, 0, &st), 0);
 	cr_assert_eq(st.gaps, 1);
 	cr_assert_eq(kvr_replica_drain(bus.rep[1], 5000), 0);
-	kvr_feed_destroy(xfeed);
-	kvr_router_destroy(ev);
-	test_pub_close(&pub);
-	bus_quiet(r, 2);
-	bus_teardown(r, 2);
+	rig_close(&g, true);
 }
 
 Test(feed_replicawait, drain_from_a_feed_log_then_on_admit_calls_the_feed, .timeout = 60)
@@ -126,38 +146,14 @@ Test(feed_replicawait, on_admit_calls_the_feed_then_its_log_drains, .timeout = 6
  * comes first makes that call KVR_EBUSY and stops the replica. */
 static void stop_against_call(bool stop_goes_first)
 {
-	drain_first = stop_goes_first;
-	stop_instead = true;
-	struct kvr_router *r[2];
-	bus_hog_pair(r, on_admit_calls_feed);
-	struct kvr_router *ev = test_events_router(NULL);
-	struct test_pub pub;
-	test_pub_open(&pub);
-	xfeed = test_feed_on(ev, &pub, 0, on_log_drains, NULL);
-	uint64_t hog = bus_hog(r);
-	test_pub_send_empty(&pub, 0, 0);
-	test_pub_send_empty(&pub, 5, 0);
-	cr_assert_eq(kvr_request_finish(r[0], hog), 0);
-	cr_assert(came_back(&admit_out), "on_admit's call on the feed never returned");
-	cr_assert(came_back(&log_out), "the feed's log (its stop) never returned");
-	cr_log_info("stop first %d: stop after %lu ms, call %d after %lu ms", drain_first,
-	            (unsigned long)(drain_ns / 1000000), call_rc,
-	            (unsigned long)(call_ns / 1000000));
-	cr_assert_lt(call_ns, 2000000000ull, "the call took %lu ms (%d)",
-	             (unsigned long)(call_ns / 1000000), call_rc);
+	struct rig g;
+	rig_run(&g, stop_goes_first, true);
 	cr_assert(call_rc == 0 || call_rc == KVR_EBUSY, "the call returned %d", call_rc);
-	if (call_rc == KVR_EBUSY)
-		cr_assert(strstr(call_detail, "kvr_feed_get_stats: ") == call_detail &&
-		              strstr(call_detail, "replica"),
-		          "detail \"%s\"", call_detail);
-	else /* the stop found the call waiting and did nothing: it returned at once */
+	if (call_rc == 0) /* the stop found the call waiting and did nothing: it returned at once */
 		cr_assert_lt(drain_ns, 2000000000ull, "the stop took %lu ms",
 		             (unsigned long)(drain_ns / 1000000));
 	/* Stopped or not, B's replica goes down from this thread, and everything is freed. */
-	kvr_feed_destroy(xfeed);
-	kvr_router_destroy(ev);
-	test_pub_close(&pub);
-	bus_teardown(r, 2);
+	rig_close(&g, false);
 }
 
 Test(feed_replicawait, stop_from_a_feed_log_then_on_admit_calls_the_feed, .timeout = 60)

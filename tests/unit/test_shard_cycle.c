@@ -13,6 +13,7 @@
 #include "kvrouter.h"
 #include "shards/runtime.h"
 #include "tests/common/mono_clock.h"
+#include "tests/common/router_prompts.h"
 
 static struct kvr_router *xr;
 static atomic_int armed, ready, arrived, done;
@@ -70,6 +71,23 @@ static uint64_t clock_calls_other_shard(void *ctx)
 	return mono_ns();
 }
 
+/* An events-mode router on two shards with ranks {0, 0} and {1, 0} (one a shard), each with a
+ * step budget of budget tokens, reading the clock clk; armed once made. */
+static void make_router(kvr_clock_fn clk, double queue_threshold, uint32_t budget)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 2;
+	c.now_ns = clk;
+	c.queue_threshold = queue_threshold;
+	cr_assert_eq(kvr_router_create(&c, &xr), 0);
+	for (uint64_t w = 0; w < 2; w++)
+		cr_assert_eq(
+		    kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE, budget), 0);
+	atomic_store(&armed, 1);
+}
+
 /* Starts a round: an events-mode router on two shards with ranks {0, 0} and {1, 0} (one a
  * shard), one 64-token route pinned to each (a booking makes its rank's shard read the clock),
  * then waits until both clocks made their call.  queued: ranks with a 16-token step budget and
@@ -85,37 +103,14 @@ static void start(int (*call)(unsigned), bool queued, uint32_t salt, struct kvr_
 	atomic_store(&entered[0], 0);
 	atomic_store(&entered[1], 0);
 	cross_call = call;
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.mode = KVR_MODE_EVENTS;
-	c.n_shards = 2;
-	c.now_ns = clock_calls_other_shard;
-	if (queued)
-		c.queue_threshold = 1.0;
-	cr_assert_eq(kvr_router_create(&c, &xr), 0);
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE,
-		                          queued ? 16 : 0),
-		             0);
-	atomic_store(&armed, 1);
-	uint32_t tok[64];
-	for (uint32_t i = 0; i < 64; i++)
-		tok[i] = 7 * i + 1 + salt;
-	struct kvr_request q;
+	make_router(clock_calls_other_shard, queued ? 1.0 : 0, queued ? 16 : 0);
 	for (uint64_t w = 0; w < 2; w++) {
-		struct kvr_rank_id pin = {w, 0};
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = 64;
-		q.pinned = &pin;
-		cr_assert_eq(kvr_route(xr, &q, &d[w]), 0);
+		const struct kvr_rank_id pin = {w, 0};
+		cr_assert_eq(route_salt_pinned(xr, &pin, salt, 64, &d[w]), 0);
 		attempts[w] = d[w].attempt;
 	}
 	if (queued) {
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = 64;
-		cr_assert_eq(kvr_route(xr, &q, waiting), 0);
+		cr_assert_eq(route_salt_pinned(xr, NULL, salt, 64, waiting), 0);
 		cr_assert_eq(waiting->status, KVR_QUEUED);
 	}
 	atomic_store(&ready, 1);
@@ -300,28 +295,10 @@ Test(shard_cycle, a_clock_admin_call_while_an_admin_call_waits_for_its_shard, .t
 		atomic_store(&lock_go, 0);
 		atomic_store(&lock_clock_done, 0);
 		atomic_store(&lock_add_done, 0);
-		struct kvr_config c;
-		kvr_config_init(&c);
-		c.mode = KVR_MODE_EVENTS;
-		c.n_shards = 2;
-		c.now_ns = clock_removes_under_lock;
-		cr_assert_eq(kvr_router_create(&c, &xr), 0);
-		for (uint64_t w = 0; w < 2; w++)
-			cr_assert_eq(
-			    kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, KVR_CAPACITY_NONE, 0),
-			    0);
-		atomic_store(&armed, 1);
-		uint32_t tok[64];
-		for (uint32_t i = 0; i < 64; i++)
-			tok[i] = 5 * i + 3 + round;
-		struct kvr_rank_id pin = {1, 0};
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = 64;
-		q.pinned = &pin;
+		make_router(clock_removes_under_lock, 0, 0);
+		const struct kvr_rank_id pin = {1, 0};
 		struct kvr_decision d;
-		cr_assert_eq(kvr_route(xr, &q, &d), 0);
+		cr_assert_eq(route_salt_pinned(xr, &pin, 100 + round, 64, &d), 0);
 		cr_assert(wait_for(&lock_in_clock, 1, 10000), "shard 1 never read the clock");
 		pthread_t t;
 		cr_assert_eq(pthread_create(&t, NULL, add_on_shard_1, NULL), 0);
