@@ -29,7 +29,9 @@
  *    settle before each may run the feed's callbacks, whose calls then see that wait.
  * Reads and add / remove from a replica's thread that handles peers' messages (on_admit there)
  * wait for the feed's loop as from any thread, unless the feed's callback waits for that very
- * replica: then one of the two is refused ("A feed's callback waiting for a replica" below).
+ * replica, directly or through other feeds: then the wait that closes the cycle is refused ("A
+ * feed's callback waiting for a replica" below); a feed's callback waiting for a replica serves
+ * nothing, so a call on it from another feed's callback waits for that replica too.
  * Why this cannot hang: a feed thread waiting in such a call waits only for its answer, and
  * every feed thread answers what its box holds whenever it is in its loop or in such a wait;
  * the only answers that wait longer are deferred ones, which wait for the target to get back to
@@ -307,6 +309,54 @@ static void feed_free(struct kvr_feed *f);
  * other lock held but, in call(), the target's ctl_lock (taken first). */
 static pthread_mutex_t wait_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* A replica's handling thread (on_admit there) waiting in a call on feed; on its stack, in
+ * rep_waiters while it waits.  A replica may have several such threads. */
+struct rep_waiter {
+	const struct kvr_replica *rep;
+	const struct kvr_feed *feed;
+	struct rep_waiter *next;
+};
+static struct rep_waiter *rep_waiters; /* under wait_lock */
+
+/* Steps a walk of the graph takes at most.  Every edge a walk follows was added after a walk
+ * that found it closes no cycle, so walks end; the bound only makes sure of it (a walk cut
+ * short answers "not reached": whatever cycle lies ahead is another thread's to find). */
+#define WAIT_WALK_MAX 4096u
+
+static bool feed_waits_for(const struct kvr_feed *x, const void *target, unsigned *steps);
+
+/* Whether a thread handling rep's deliveries waits, through the recorded edges, for target (a
+ * feed's thread or a replica's handling).  Context: wait_lock held. */
+static bool rep_waits_for(const struct kvr_replica *rep, const void *target, unsigned *steps)
+{
+	if ((const void *)rep == target)
+		return true;
+	for (const struct rep_waiter *w = rep_waiters; w && *steps < WAIT_WALK_MAX; w = w->next)
+		if (w->rep == rep && feed_waits_for(w->feed, target, steps))
+			return true;
+	return false;
+}
+
+/* Whether x's thread waits, through the recorded edges, for target.  A feed's thread waits for
+ * the replica it drains or stops; for the feed that holds its call (blocked_on: deferred, or
+ * taken by that feed's loop); for the feed its call is pushed to, unless the call is a read and
+ * that feed waits in a call of its own (serve_waiting answers reads at once).  Context:
+ * wait_lock held. */
+static bool feed_waits_for(const struct kvr_feed *x, const void *target, unsigned *steps)
+{
+	while (x && ++*steps < WAIT_WALK_MAX) {
+		if ((const void *)x == target)
+			return true;
+		if (x->waits_replica)
+			return rep_waits_for(x->waits_replica, target, steps);
+		const struct kvr_feed *next = x->blocked_on;
+		if (!next && (next = x->calling) && x->calling_read && next->calling)
+			return false;
+		x = next;
+	}
+	return false;
+}
+
 /* Wakes f's thread (its loop's poll, or its wait in call_from_feed).  Context: f->box_lock
  * held, so f is not freed under the write (its teardown takes the lock after box_closed). */
 static void box_wake(struct kvr_feed *f)
@@ -323,6 +373,11 @@ static void box_wake(struct kvr_feed *f)
 static void box_answer(struct cmd *c)
 {
 	struct kvr_feed *from = c->from;
+	/* Its caller waits for nobody now: the edge goes before the answer can be seen (once
+	 * answered, this feed may be freed, and no walk may follow an edge to it). */
+	pthread_mutex_lock(&wait_lock);
+	from->calling = NULL;
+	pthread_mutex_unlock(&wait_lock);
 	pthread_mutex_lock(&from->box_lock);
 	__atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);
 	box_wake(from);
@@ -411,13 +466,12 @@ static void serve_waiting(struct kvr_feed *f)
 		 * move.  The graph is acyclic before (every edge was added this way, under the
 		 * lock), so the walk ends. */
 		pthread_mutex_lock(&wait_lock);
-		const struct kvr_feed *x = f;
-		while (x && x != c->from)
-			x = x->blocked_on;
-		if (!x)
+		unsigned steps = 0;
+		bool cycle = feed_waits_for(f, c->from, &steps);
+		if (!cycle)
 			c->from->blocked_on = f;
 		pthread_mutex_unlock(&wait_lock);
-		if (x) {
+		if (cycle) {
 			c->rc = KVR_EBUSY;
 			box_answer(c);
 			continue;
@@ -450,22 +504,9 @@ static void box_close(struct kvr_feed *f)
 	f->deferred_tail = &f->deferred;
 }
 
-/* A call on f from the thread of another feed, self (in one of self's callbacks): pushed to f's
- * box, its answer awaited while self's box is served (serve_waiting).  Returns c->rc, or
- * KVR_ESHUTDOWN when f's thread has left its loop.  Context: self's thread. */
-static int call_from_feed(struct kvr_feed *self, struct kvr_feed *f, struct cmd *c)
+/* call_from_feed's wait for c's answer, serving self's box meanwhile. */
+static int call_wait(struct kvr_feed *self, struct cmd *c)
 {
-	c->from = self;
-	pthread_mutex_lock(&f->box_lock);
-	bool open = !f->box_closed;
-	if (open) {
-		c->next = f->box;
-		f->box = c;
-		box_wake(f);
-	}
-	pthread_mutex_unlock(&f->box_lock);
-	if (!open)
-		return KVR_ESHUTDOWN;
 	struct pollfd p = {.fd = self->efd, .events = POLLIN};
 	/* Ordering: acquire; pairs with box_answer's release. */
 	while (!__atomic_load_n(&c->done, __ATOMIC_ACQUIRE)) {
@@ -477,6 +518,44 @@ static int call_from_feed(struct kvr_feed *self, struct kvr_feed *f, struct cmd 
 	pthread_mutex_lock(&self->box_lock);
 	pthread_mutex_unlock(&self->box_lock);
 	return c->rc;
+}
+
+/* A call on f from the thread of another feed, self (in one of self's callbacks): pushed to f's
+ * box, its answer awaited while self's box is served (serve_waiting).  Returns c->rc, or
+ * KVR_ESHUTDOWN when f's thread has left its loop.  Context: self's thread. */
+static int call_from_feed(struct kvr_feed *self, struct kvr_feed *f, struct cmd *c)
+{
+	c->from = self;
+	/* The edge first, and refused if it closes a cycle: f waits for a replica whose handling
+	 * thread waits for this feed, directly or through other feeds.  A read that f, waiting in a
+	 * call of its own, answers at once waits for nobody. */
+	bool read = c->op == CMD_STATS || c->op == CMD_OTHER;
+	pthread_mutex_lock(&wait_lock);
+	self->calling = f;
+	self->calling_read = read;
+	unsigned steps = 0;
+	bool cycle = !(read && f->calling) && feed_waits_for(f, self, &steps);
+	if (cycle)
+		self->calling = NULL;
+	pthread_mutex_unlock(&wait_lock);
+	if (cycle)
+		return KVR_EBUSY;
+	pthread_mutex_lock(&f->box_lock);
+	bool open = !f->box_closed;
+	if (open) {
+		c->next = f->box;
+		f->box = c;
+		box_wake(f);
+	} else {
+		/* f may be freed once box_lock is let go: the edge goes first (box_answer drops it
+		 * for a call that was pushed).  The only place wait_lock is taken under another
+		 * feed lock than ctl_lock. */
+		pthread_mutex_lock(&wait_lock);
+		self->calling = NULL;
+		pthread_mutex_unlock(&wait_lock);
+	}
+	pthread_mutex_unlock(&f->box_lock);
+	return open ? call_wait(self, c) : KVR_ESHUTDOWN;
 }
 
 /* Whether the loop is to end: a kvr_feed_destroy (CMD_STOP, or marked by a destroy that does
@@ -596,32 +675,31 @@ static void *feed_main(void *arg)
 
 /*
  * A feed's callback may wait for a replica (kvr_sync_drain, kvr_sync_wait_ready: until the
- * replica's handling thread has applied what it received), and that thread's callbacks (on_admit
- * there) may call on the feed: from an ordinary thread, so the call waits for the feed's loop,
- * i.e. for the callback to return.  Each waited for the other until the drain's timeout.  So both
- * waits are recorded under wait_lock, each after a look at the other's: the feed's
- * (waits_replica, by the replica's wait through kvr_feed_wait_replica_begin) and the handling
- * thread's (a rep_waiter in the target's list, by call()); whichever comes second is refused
- * with KVR_EBUSY at once, and the first goes on once the second has returned.  Only this cycle of
- * two is seen: one through other threads (the handling thread's call on feed B, whose callback
- * calls this feed, whose thread does not serve its box while it waits for the replica) still
- * waits until the drain's timeout.  kvr_sync_detach and kvr_replica_stop / _destroy, which have
- * no code to return, record the same wait and do nothing when it is refused (sync/replica.c).
+ * replica's handling thread has applied what it received; kvr_sync_detach, kvr_replica_stop /
+ * _destroy: until it has ended), and that thread's callbacks (on_admit there) may call on a
+ * feed: from an ordinary thread, so the call waits for that feed's loop.  On this feed, it waits
+ * for the callback to return: each waited for the other until the drain's timeout (for good:
+ * the stop).  Through other feeds too: the handling thread's call on feed G waits for G's loop
+ * while G's callback calls this feed, whose thread serves nothing while it waits for the
+ * replica (test_feed_replicacycle).  So these waits are edges of the wait-for graph the deferred
+ * calls form (top of file), under wait_lock: a feed's thread waiting for a replica
+ * (waits_replica), a handling thread waiting in a call on a feed (a rep_waiter), and a feed's
+ * thread waiting in a call on another feed (calling; not an edge when it is a read and that
+ * feed waits in a call of its own, which answers reads).  Each is added after a walk from its
+ * target (feed_waits_for): one that would reach the waiting thread again is refused with
+ * KVR_EBUSY at once, and the others go on once it has returned.  A replica's thread waiting for
+ * anything else (another replica, a shard) is not an edge here.  kvr_sync_detach and
+ * kvr_replica_stop / _destroy, which have no code to return, do nothing when refused
+ * (sync/replica.c).
  */
-struct rep_waiter {
-	const struct kvr_replica *rep; /* whose deliveries the waiting thread handles */
-	struct rep_waiter *next;
-};
-
 int kvr_feed_wait_replica_begin(const struct kvr_replica *rep)
 {
 	struct kvr_feed *f = feed_self;
 	if (!f)
 		return 0;
-	bool busy = false;
 	pthread_mutex_lock(&wait_lock);
-	for (const struct rep_waiter *w = f->rep_waiters; w && !busy; w = w->next)
-		busy = w->rep == rep;
+	unsigned steps = 0;
+	bool busy = rep_waits_for(rep, f, &steps);
 	if (!busy)
 		f->waits_replica = rep;
 	pthread_mutex_unlock(&wait_lock);
@@ -638,24 +716,26 @@ void kvr_feed_wait_replica_end(void)
 	pthread_mutex_unlock(&wait_lock);
 }
 
-/* A call on f from a thread handling w->rep's deliveries: refused (false) while f's thread waits
- * for that replica, else w recorded in f until rep_unwait.  Context: the calling thread. */
-static bool rep_wait(struct kvr_feed *f, struct rep_waiter *w)
+/* A call on w->feed from a thread handling w->rep's deliveries: refused (false) while that
+ * feed's thread waits for the replica, directly or through other feeds and replicas, else w
+ * recorded until rep_unwait.  Context: the calling thread. */
+static bool rep_wait(struct rep_waiter *w)
 {
 	pthread_mutex_lock(&wait_lock);
-	bool ok = f->waits_replica != w->rep;
+	unsigned steps = 0;
+	bool ok = !feed_waits_for(w->feed, w->rep, &steps);
 	if (ok) {
-		w->next = f->rep_waiters;
-		f->rep_waiters = w;
+		w->next = rep_waiters;
+		rep_waiters = w;
 	}
 	pthread_mutex_unlock(&wait_lock);
 	return ok;
 }
 
-static void rep_unwait(struct kvr_feed *f, struct rep_waiter *w)
+static void rep_unwait(struct rep_waiter *w)
 {
 	pthread_mutex_lock(&wait_lock);
-	struct rep_waiter **p = &f->rep_waiters;
+	struct rep_waiter **p = &rep_waiters;
 	while (*p != w)
 		p = &(*p)->next;
 	*p = w->next;
@@ -682,8 +762,8 @@ static int call(struct kvr_feed *f, struct cmd *c)
 		return KVR_EBUSY;
 	/* A replica's handling thread (on_admit there): not while f's callback waits for that
 	 * replica ("A feed's callback waiting for a replica" above). */
-	struct rep_waiter w = {.rep = kvr_replica_handling_now()};
-	if (w.rep && !rep_wait(f, &w))
+	struct rep_waiter w = {.rep = kvr_replica_handling_now(), .feed = f};
+	if (w.rep && !rep_wait(&w))
 		return KVR_EBUSY;
 	pthread_mutex_lock(&f->ctl_lock);
 	int rc = KVR_ESHUTDOWN;
@@ -694,7 +774,7 @@ static int call(struct kvr_feed *f, struct cmd *c)
 		rc = c->rc;
 	/* Before ctl_lock: a feed tearing itself down frees f once it has that lock. */
 	if (w.rep)
-		rep_unwait(f, &w);
+		rep_unwait(&w);
 	pthread_mutex_unlock(&f->ctl_lock);
 	return rc;
 }
@@ -720,11 +800,10 @@ static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uin
 		return kvr_fail(rc, "%s: the feed has no endpoint id %" PRIu32, fn, id);
 	case KVR_EBUSY:
 		return kvr_fail(rc,
-		                "%s: waiting would close a cycle: called from the feed's own "
-		                "callback (add or remove), from another feed's whose wait the "
-		                "feed's callback waits for, from a replica's thread while the "
-		                "feed's callback waits for that replica, or on a shard thread (the "
-		                "router's clock), which the feed's thread may be waiting for",
+		                "%s: waiting would close a cycle: from the feed's own callback "
+		                "(add, remove), from a thread its callback waits for (a feed's "
+		                "callback, a replica's thread, directly or not), or on a shard "
+		                "thread (the router's clock)",
 		                fn);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: the feed is being destroyed (or was, under this call)",

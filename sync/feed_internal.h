@@ -162,12 +162,14 @@ struct kvr_feed {
 	 * loop); NULL when none.  Under sync/feed.c's wait_lock: the wait-for graph these edges
 	 * form is kept acyclic. */
 	struct kvr_feed *blocked_on;
-	/* A replica wait from this feed's callbacks (sync/feed.c, "A feed's callback waiting for
-	 * a replica"), under wait_lock: the replica whose drain or wait_ready this feed's thread
-	 * waits in (NULL: none), and the replicas whose handling thread waits in a call on this
-	 * feed (the callers' records, on their stacks). */
+	/* Under wait_lock, the other edges of that graph (sync/feed.c, "A feed's callback waiting
+	 * for a replica"): the feed this feed's thread waits on in call_from_feed (NULL: none) and
+	 * whether that call is a read (served even while the target waits in such a call of its
+	 * own); the replica whose drain, wait_ready or stop this feed's thread waits in (NULL:
+	 * none). */
+	struct kvr_feed *calling;
+	bool calling_read;
 	const struct kvr_replica *waits_replica;
-	struct rep_waiter *rep_waiters;
 };
 
 /* Whether f is being torn down by its own thread (kvr_feed_destroy deferred): it takes no more

@@ -408,7 +408,8 @@ static __attribute__((cold, noinline)) int wait_fail(const struct kvr_sync *s, i
 		return kvr_fail(
 		    rc,
 		    "%s: called from a feed's callback while the replica's thread waits "
-		    "in a call on that feed, which waits for this callback to return",
+		    "in a call on that feed (or on another feed whose callback waits for "
+		    "this one), which waits for this callback to return",
 		    fn);
 	return kvr_fail_code(rc, fn);
 }

@@ -870,8 +870,11 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * these four calls returns KVR_EBUSY at once while A's callback waits for that replica
  * (kvr_sync_drain, kvr_sync_wait_ready), and such a wait from A's callback returns KVR_EBUSY at
  * once while that replica's thread waits in one of these calls on A: each would wait for the
- * other (until the drain's timeout).  A longer cycle (that thread's call on feed B, whose
- * callback calls A while A's waits for the replica) still waits until the drain's timeout.
+ * other (until the drain's timeout).  Longer cycles through other feeds likewise: of the
+ * waits that close one (that thread's call on feed B, B's callback's call on A, A's callback's
+ * wait for the replica), the one that would close it returns KVR_EBUSY at once, whichever it
+ * is; only there do kvr_feed_get_stats and kvr_feed_other_medium_blocks from another feed's
+ * callback return KVR_EBUSY.
  * On the router's shard threads (where kvr_config.now_ns runs), these four calls return
  * KVR_EBUSY at once: a feed's thread settles before every call it answers, i.e. waits for the
  * shards to apply what it posted them, this one included.
@@ -888,8 +891,8 @@ KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
 
 /* A snapshot of one endpoint's counters (or KVR_FEED_ALL).  Returns 0, KVR_ENOENT, KVR_EINVAL
  * (KVR_ESHUTDOWN, KVR_EBUSY: see kvr_feed_add).  Context: any thread; one round trip to the feed
- * thread (waits while it serves a replay); from feeds' callbacks see kvr_feed_add (never
- * KVR_EBUSY there). */
+ * thread (waits while it serves a replay); from feeds' callbacks see kvr_feed_add (KVR_EBUSY
+ * there only to break a cycle through a replica). */
 KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out);
 
 /*
@@ -898,7 +901,8 @@ KVR_API int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_
  * total in *n_out (required).  Kept apart from the GPU index; each hash once, however many
  * copies.  Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT (no such
  * endpoint), KVR_EINVAL (KVR_ESHUTDOWN, KVR_EBUSY: see kvr_feed_add).  Context: any thread; one
- * round trip to the feed thread; from feeds' callbacks see kvr_feed_add (never KVR_EBUSY there).
+ * round trip to the feed thread; from feeds' callbacks see kvr_feed_add (KVR_EBUSY there only
+ * to break a cycle through a replica).
  */
 KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank,
                                          uint64_t *out, size_t cap, size_t *n_out);
@@ -1044,9 +1048,9 @@ KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *
  * the replica's own threads run while applying peers' messages (on_admit there): it would wait
  * for that very call; there it returns at once and does nothing (detach from another thread).
  * From a feed's callback (its log, on_event_gap on a feed's thread): while a replica thread
- * waits in a call on that feed (on_admit calling kvr_feed_get_stats), which waits for the
- * callback, it returns at once and does nothing as well; otherwise it detaches, and such calls
- * on that feed meanwhile return KVR_EBUSY. */
+ * waits in a call on that feed (on_admit calling kvr_feed_get_stats), or on another feed whose
+ * callback waits, directly or through other feeds, for this callback, it returns at once and
+ * does nothing as well; otherwise it detaches, and such calls meanwhile return KVR_EBUSY. */
 KVR_API void kvr_sync_detach(struct kvr_sync *s);
 
 /* Waits until the replica has applied its first snapshot (or found no peer).  0,
@@ -1059,7 +1063,8 @@ KVR_API int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms);
  * KVR_EBUSY at once when called from a router callback that the replica's own threads run while
  * applying a peer's message (on_admit after a peer's finish freed room): the message being
  * applied is among those it would wait for; or from a feed's callback while the replica's
- * thread waits in a call on that feed (see kvr_feed_add).  For tests and quiet points. */
+ * thread waits in a call on that feed, directly or through other feeds' callbacks (see
+ * kvr_feed_add).  For tests and quiet points. */
 KVR_API int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms);
 
 /* How far this replica has applied peer replica_id's stream: *seq gets the number of the last

@@ -7,12 +7,15 @@
  * with a queue and rank X on a 100-token budget; the main thread routes a 200-token request on A,
  * which B mirrors, routes one on B, which waits, and finishes A's: B's apply thread admits B's in
  * on_admit.  Meanwhile a publisher's batches, every third seq skipped, run the feed's log and
- * on_event_gap, each of which drains B's replica.
- * Checked: every call returns (a hang fails by SIGALRM), with a documented code (on_admit's: 0 or
- * KVR_EBUSY; the drains: 0 or KVR_EBUSY, never KVR_ETIMEDOUT, which a missed cycle would give),
- * and an endpoint whose add returned 0 is there until its remove returned 0.  Under TSan this
- * checks the records of the two waits (the feed's waits_replica, the callers' rep_waiter on their
- * stacks) against each other and against the feed's loop.
+ * on_event_gap, each of which drains B's replica.  A second feed, G (another events router,
+ * another publisher), closes longer cycles: its callbacks call the first feed at random (reads,
+ * add, remove), and on_admit's calls go to either feed (reads only on G): B's call on G waits for
+ * G's callback, whose call on the first feed waits for that feed's drain of B.
+ * Checked: every call returns (a hang fails by SIGALRM), with a documented code (on_admit's and
+ * G's: 0 or KVR_EBUSY; the drains: 0 or KVR_EBUSY, never KVR_ETIMEDOUT, which a missed cycle
+ * would give), and an endpoint whose add returned 0 is there until its remove returned 0.  Under
+ * TSan this checks the records of the waits (the feed's waits_replica, the callers' rep_waiter
+ * on their stacks, G's calling) against each other and against the feeds' loops.
  * Plain program: exit 0 pass, 1 fail, 77 skip.  argv[1]: duration, ms.
  */
 #include <stdatomic.h>
@@ -38,13 +41,14 @@
 static const struct kvr_rank_id X = {0, 0};
 static struct kvr_replica *_Atomic rep[2];
 static int port[2] = {0, 1};
-static struct kvr_feed *feed;
+static struct kvr_feed *feed, *feed_g;
 static atomic_uint slot[SLOTS]; /* 0 free, RESERVED, an added id, or id | BUSY */
 static atomic_int quiet;        /* the callbacks call nothing */
 static atomic_int active;       /* callbacks inside a call */
 static atomic_int failed;
 static _Atomic uint64_t admitted; /* B's attempt on_admit got, for the main thread to end */
-static atomic_ulong n_call_ok, n_call_busy, n_drain_ok, n_drain_busy, n_admits;
+static atomic_ulong n_call_ok, n_call_busy, n_drain_ok, n_drain_busy, n_admits, n_g_ok, n_g_busy;
+static _Thread_local bool on_g; /* this thread runs G's callbacks */
 
 static void fail(const char *what, int rc)
 {
@@ -55,27 +59,28 @@ static void fail(const char *what, int rc)
 static void count(int rc, const char *what)
 {
 	if (rc == 0)
-		atomic_fetch_add(&n_call_ok, 1);
+		atomic_fetch_add(on_g ? &n_g_ok : &n_call_ok, 1);
 	else if (rc == KVR_EBUSY)
-		atomic_fetch_add(&n_call_busy, 1);
+		atomic_fetch_add(on_g ? &n_g_busy : &n_call_busy, 1);
 	else
 		fail(what, rc);
 }
 
-/* One random call on the feed, from on_admit on B's apply thread. */
-static void one_call(uint64_t *s)
+/* One random call on feed f (the first feed, or G: reads only), from on_admit on B's apply
+ * thread or from G's callbacks. */
+static void one_call(uint64_t *s, struct kvr_feed *f)
 {
 	int k = (int)(xorshift64(s) % SLOTS), rc;
-	switch (xorshift64(s) % 4) {
+	switch (xorshift64(s) % (f == feed ? 4 : 2)) {
 	case 0: {
 		struct kvr_feed_stats st;
-		count(kvr_feed_get_stats(feed, KVR_FEED_ALL, &st), "get_stats");
+		count(kvr_feed_get_stats(f, KVR_FEED_ALL, &st), "get_stats");
 		break;
 	}
 	case 1: {
 		size_t n;
 		uint64_t out[4];
-		count(kvr_feed_other_medium_blocks(feed, 0, 0, out, 4, &n), "other_medium_blocks");
+		count(kvr_feed_other_medium_blocks(f, 0, 0, out, 4, &n), "other_medium_blocks");
 		break;
 	}
 	case 2: {
@@ -120,8 +125,36 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 	atomic_fetch_add(&active, 1);
 	if (!atomic_load(&quiet) && kvr_replica_handling(atomic_load(&rep[1])))
 		for (int n = 1 + (int)(xorshift64(&seed) % 3); n > 0; n--)
-			one_call(&seed);
+			one_call(&seed, xorshift64(&seed) % 2 ? feed : feed_g);
 	atomic_fetch_add(&active, -1);
+}
+
+/* G's callbacks: calls on the first feed. */
+static void g_calls(void)
+{
+	static _Thread_local uint64_t seed;
+	if (!seed)
+		seed = 0x2545f4914f6cdd1dull;
+	if (atomic_load(&quiet))
+		return;
+	atomic_fetch_add(&active, 1);
+	on_g = true;
+	if (!atomic_load(&quiet))
+		for (int n = 1 + (int)(xorshift64(&seed) % 2); n > 0; n--)
+			one_call(&seed, feed);
+	atomic_fetch_add(&active, -1);
+}
+
+static void on_log_g(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level, (void)msg;
+	g_calls();
+}
+
+static void on_gap_g(void *ctx, uint64_t w, uint32_t dp, uint64_t from, uint64_t to)
+{
+	(void)ctx, (void)w, (void)dp, (void)from, (void)to;
+	g_calls();
 }
 
 /* The feed's callbacks: drain B's replica. */
@@ -229,18 +262,25 @@ int main(int argc, char **argv)
 	c.mode = KVR_MODE_EVENTS;
 	c.n_shards = 1;
 	c.on_event_gap = on_gap;
-	struct kvr_router *ev;
+	struct kvr_router *ev, *evg;
 	if (kvr_router_create(&c, &ev) || kvr_rank_add(ev, X, 1, KVR_CAPACITY_NONE, 0))
 		return 1;
+	c.on_event_gap = on_gap_g;
+	if (kvr_router_create(&c, &evg) || kvr_rank_add(evg, X, 1, KVR_CAPACITY_NONE, 0))
+		return 1;
 	void *zctx = zmq_ctx_new();
-	void *pub;
-	char ep[256];
-	if (test_xpub_open(zctx, &pub, ep, sizeof(ep)))
+	void *pub, *pubg;
+	char ep[256], epg[256];
+	if (test_xpub_open(zctx, &pub, ep, sizeof(ep)) ||
+	    test_xpub_open(zctx, &pubg, epg, sizeof(epg)))
 		return 77;
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.log = on_log;
 	if (test_feed_subscribed(ev, &fc, pub, ep, 0, &feed))
+		return 1;
+	fc.log = on_log_g;
+	if (test_feed_subscribed(evg, &fc, pubg, epg, 0, &feed_g))
 		return 1;
 	uint64_t t0 = now_ms(), seq = 0, rounds = 0, not_queued = 0;
 	uint32_t salt = 1;
@@ -264,6 +304,7 @@ int main(int argc, char **argv)
 		/* Gaps for the feed's callbacks while B's apply thread admits. */
 		for (int k = 0; k < 3; k++) {
 			test_batch_send_empty(pub, seq);
+			test_batch_send_empty(pubg, seq);
 			seq += seq % 3 == 2 ? 2 : 1;
 		}
 		if (kvr_request_finish(r[0], hog.attempt))
@@ -284,8 +325,11 @@ int main(int argc, char **argv)
 	atomic_store(&quiet, 1);
 	while (atomic_load(&active))
 		sleep_us(1000);
+	kvr_feed_destroy(feed_g);
 	kvr_feed_destroy(feed);
+	kvr_router_destroy(evg);
 	kvr_router_destroy(ev);
+	zmq_close(pubg);
 	zmq_close(pub);
 	zmq_ctx_term(zctx);
 	for (int i = 0; i < 2; i++)
@@ -295,10 +339,12 @@ int main(int argc, char **argv)
 		atomic_store(&rep[i], NULL);
 		kvr_router_destroy(r[i]);
 	}
-	printf("stress_feed_replicawait: %lu rounds (%lu not queued), %lu admits; on_admit's "
-	       "calls ok %lu busy %lu; the feed's drains ok %lu busy %lu; %s\n",
-	       (unsigned long)rounds, (unsigned long)not_queued, atomic_load(&n_admits),
-	       atomic_load(&n_call_ok), atomic_load(&n_call_busy), atomic_load(&n_drain_ok),
-	       atomic_load(&n_drain_busy), atomic_load(&failed) ? "FAILED" : "ok");
+	printf(
+	    "stress_feed_replicawait: %lu rounds (%lu not queued), %lu admits; on_admit's "
+	    "calls ok %lu busy %lu; G's ok %lu busy %lu; the feed's drains ok %lu busy %lu; %s\n",
+	    (unsigned long)rounds, (unsigned long)not_queued, atomic_load(&n_admits),
+	    atomic_load(&n_call_ok), atomic_load(&n_call_busy), atomic_load(&n_g_ok),
+	    atomic_load(&n_g_busy), atomic_load(&n_drain_ok), atomic_load(&n_drain_busy),
+	    atomic_load(&failed) ? "FAILED" : "ok");
 	return atomic_load(&failed);
 }
