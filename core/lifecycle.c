@@ -55,9 +55,16 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 		memcpy(m->tok.inl, tokens, n * sizeof(uint32_t));
 	}
 	int rc;
+	/* A claimed end on a shard's thread (the router's clock) never waits for room: the full
+	 * lane may be its own (which it would wait for) or that of a shard that waits for this
+	 * one; it is kept and posted from the shard's loop (kvr_shard_post_later). */
+	bool later = ends && kvr_shard_current();
 	if (r->cfg.sync_booking) {
 		rc = kvr_shard_post_at(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m, sizeof(*m),
 		                       kvr_clock_now(&r->clock));
+		if (later && (rc == KVR_EAGAIN || rc == KVR_EBUSY))
+			rc = kvr_shard_post_later(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
+			                          sizeof(*m));
 	} else {
 		/* Lazy: a shard that parked lately (a bounded park) is left asleep and applies the
 		 * work within KVR_DEFAULT_SHARD_LAZY_WAKE_NS, sparing this caller the FUTEX_WAKE.
@@ -71,9 +78,13 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
 			/* An end is claimed already: it waits for room (never dropped); progress
 			 * waits a bounded time. */
-			rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
-			                         sizeof(*m),
-			                         ends ? UINT64_MAX : KVR_LANE_FULL_WAIT_NS);
+			if (later)
+				rc = kvr_shard_post_later(sh, KVR_LANE_ROUTING,
+				                          kvr_owner_progress_task, m, sizeof(*m));
+			else
+				rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING,
+				                         kvr_owner_progress_task, m, sizeof(*m),
+				                         ends ? UINT64_MAX : KVR_LANE_FULL_WAIT_NS);
 			if (rc)
 				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
 		}
@@ -84,6 +95,8 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 		rc = KVR_EAGAIN;
 	if (rc == KVR_ESHUTDOWN && ends)
 		rc = 0; /* claimed; the router is going away with everything it holds */
+	if (rc == KVR_ENOMEM && later)
+		rc = 0; /* claimed; the lease reaper ends it (kvr_owner_reaper_fire) */
 	return rc;
 }
 
@@ -123,9 +136,11 @@ progress_fail(int rc, int op, uint16_t flags, const struct kvr_router *r, uint64
 		return kvr_fail(rc, "%s: the router is being destroyed", fn);
 	case KVR_EAGAIN:
 		return kvr_fail(rc,
-		                "%s: the rank's shard lane stayed full for 10 ms; nothing changed, "
-		                "try again",
+		                "%s: the rank's shard lane stayed full for 10 ms (or is full, on "
+		                "that shard's own thread); nothing changed, try again",
 		                fn);
+	case KVR_EBUSY: /* progress from a shard's thread on a full lane */
+		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	case KVR_ENOMEM:
 		return kvr_fail(
 		    rc, "%s: out of memory (copying the tokens, or registering the thread)", fn);

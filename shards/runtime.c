@@ -102,6 +102,17 @@ struct call_kind {
 	uint64_t delay_ns; /* moving average, 1/8 weight per call */
 };
 
+/* A post a shard's thread made on a full lane and must neither drop nor wait for
+ * (kvr_shard_post_later): kept by that thread, oldest first, and pushed from its loop. */
+struct later_post {
+	struct later_post *next;
+	struct kvr_shard *to;
+	enum kvr_lane lane;
+	kvr_task_fn fn;
+	uint32_t len;
+	unsigned char payload[KVR_SHARD_PAYLOAD];
+};
+
 struct kvr_shard {
 	/* read by producers on every post; written once at shutdown */
 	_Alignas(64) struct kvr_shards *rt;
@@ -134,6 +145,7 @@ struct kvr_shard {
 	 * shards' threads looking for a cycle (wait_edge_add); seq_cst both. */
 	struct kvr_shard *waits_for;
 	struct kvr_msg held;
+	struct later_post *later, *later_last; /* shard thread: kvr_shard_post_later's */
 	/* Timed posts (kvr_shard_post_at): counted by producers before the push, by the shard
 	 * after the task ran (or by a producer whose push failed); kvr_shard_settle compares. */
 	_Alignas(64) uint64_t timed_posted;
@@ -373,6 +385,11 @@ static uint64_t idle_purge(struct kvr_shard *sh)
 	return 0;
 }
 
+static bool later_flush(struct kvr_shard *self);
+
+/* How long a shard with posts kept on full lanes parks at most before it tries them again. */
+#define LATER_RETRY_NS 20000u
+
 static void shard_loop(struct kvr_shard *sh)
 {
 	struct kvr_shards *rt = sh->rt;
@@ -415,6 +432,9 @@ static void shard_loop(struct kvr_shard *sh)
 		}
 		if (__atomic_load_n(&sh->stopping, __ATOMIC_ACQUIRE))
 			return;
+		/* Posts kept on full lanes (kvr_shard_post_later): while some are left, parks
+		 * are short (the full shard may be waiting for this one's answer meanwhile). */
+		bool owed = sh->later && later_flush(sh);
 		if (n) {
 			sh->worked = true;
 			sh->self_woke = false;
@@ -484,6 +504,8 @@ static void shard_loop(struct kvr_shard *sh)
 			timeout = rt->lazy_ns;
 		if (soon && rt->soon_ns < timeout)
 			timeout = rt->soon_ns;
+		if (owed && timeout > LATER_RETRY_NS)
+			timeout = LATER_RETRY_NS;
 		bool woken = kvr_parker_wait(&sh->park, timeout);
 		sh->self_woke = !woken;
 		if (soon)
@@ -537,6 +559,12 @@ static void *shard_main(void *arg)
 			run_timed(sh, &m);
 		else
 			run_msg(sh, &m);
+	}
+	/* Posts kept on full lanes: pushed, or dropped once their shard is closed (as every
+	 * shard is by now, whose posts fail: the router goes away with their work). */
+	while (sh->later && later_flush(sh)) {
+		struct timespec ts = {0, 10000};
+		nanosleep(&ts, NULL);
 	}
 	if (rt->on_stop)
 		rt->on_stop(sh, rt->ctx);
@@ -977,6 +1005,9 @@ static int pace(struct kvr_shard *sh, unsigned *how)
  * leaves a bounded park asleep, a soon post a soon park, any other post wakes every park. */
 enum { WAKE_LAZY = 0, WAKE_SOON = 1, WAKE_ANY = 2 };
 
+static int wait_edge_add(struct kvr_shard *self, struct kvr_shard *sh);
+static void wait_edge_drop(struct kvr_shard *self);
+
 /* Post with an optional bounded wait.  Inside an RCU read section for the whole call, so
  * shutdown's grace period waits for it.  timeout_ns 0 = try once.  deferred non-NULL: a lazy
  * post (kvr_shard_post_lazy), which leaves a shard in a bounded park asleep and says so.  how
@@ -1001,13 +1032,26 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 		kvr_lanes_count_stall(&sh->lanes, lane);
 		tls_full_waits++;
 		kvr_parker_wake(&sh->park); /* lazy posts alone may have filled it */
+		/* On a shard's thread (a router callback there, the clock) this waits for sh as a
+		 * call does: sh may be waiting for this very shard (its clock's call here), and
+		 * then neither would ever move (stress_admin_clock: a finish waited for room in
+		 * shard B's lane while B's clock waited for A's answer).  Recorded as a call's
+		 * edge, and refused with KVR_EBUSY when it closes a cycle (see wait_edge_add). */
+		struct kvr_shard *self = tls_shard;
+		/* (kvr_shard_call's post, or an intent's, has the edge already: kept as it is) */
+		if (self && __atomic_load_n(&self->waits_for, __ATOMIC_SEQ_CST) == sh)
+			self = NULL;
+		if (self && wait_edge_add(self, sh)) {
+			rc = KVR_EBUSY;
+			goto out;
+		}
 		uint64_t start = mono_ns();
 		uint64_t sleep_ns = 1000;
 		for (uint32_t k = 0;; k++) {
 			wait_step(k, &sleep_ns, 100000);
 			if (__atomic_load_n(&sh->closed, __ATOMIC_ACQUIRE)) {
 				rc = KVR_ESHUTDOWN;
-				goto out;
+				break;
 			}
 			rc = kvr_lanes_push_wake(&sh->lanes, lane, (void (*)(void))fn, payload,
 			                         (uint32_t)len, aux, 0, wake);
@@ -1015,9 +1059,12 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 				break;
 			if (timeout_ns != UINT64_MAX && mono_ns() - start >= timeout_ns) {
 				rc = KVR_ETIMEDOUT;
-				goto out;
+				break;
 			}
 		}
+		wait_edge_drop(self);
+		if (rc == KVR_ESHUTDOWN || rc == KVR_ETIMEDOUT)
+			goto out;
 	}
 	if (rc >= 0) {
 		/* The push's commit ended with a locked RMW (kvr_ring_commit_nowait), the barrier
@@ -1108,6 +1155,51 @@ int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 		return rc;
 	rc = post(sh, lane, fn, payload, len, 0, timeout_ns ? timeout_ns : 1, NULL, NULL);
 	return rc;
+}
+
+int kvr_shard_post_later(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                         const void *payload, size_t len)
+{
+	int rc = check_post(sh, lane, (const void *)fn, payload, len);
+	if (rc)
+		return rc;
+	struct kvr_shard *self = tls_shard;
+	if (!self)
+		return post(sh, lane, fn, payload, len, 0, UINT64_MAX, NULL, NULL);
+	/* Behind what this thread keeps already: posts to one shard land in order. */
+	if (!self->later) {
+		rc = post(sh, lane, fn, payload, len, 0, 0, NULL, NULL);
+		if (rc != KVR_EAGAIN)
+			return rc;
+	}
+	struct later_post *p = kvr_alloc_transient(sizeof(*p));
+	if (!p)
+		return KVR_ENOMEM;
+	*p = (struct later_post){.to = sh, .lane = lane, .fn = fn, .len = (uint32_t)len};
+	if (len)
+		memcpy(p->payload, payload, len);
+	if (self->later)
+		self->later_last->next = p;
+	else
+		self->later = p;
+	self->later_last = p;
+	return 0;
+}
+
+/* Pushes what kvr_shard_post_later kept, in order, until a lane is full; a post to a shard that
+ * stopped is dropped with it (its work goes with the router).  Returns whether some are left.
+ * Context: the shard's thread, between tasks. */
+static bool later_flush(struct kvr_shard *self)
+{
+	while (self->later) {
+		struct later_post *p = self->later;
+		int rc = post(p->to, p->lane, p->fn, p->payload, p->len, 0, 0, NULL, NULL);
+		if (rc == KVR_EAGAIN)
+			return true;
+		self->later = p->next;
+		kvr_free_transient(p, sizeof(*p));
+	}
+	return false;
 }
 
 int kvr_shard_post_at(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,

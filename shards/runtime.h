@@ -261,11 +261,24 @@ int kvr_shard_post_soon(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn
 /*
  * Like kvr_shard_post, but if the lane is full waits (spin, yield, then short sleeps) up to
  * timeout_ns for room: KVR_ETIMEDOUT then.  A wait counts one stall.  From the shard's own thread
- * it does not wait (it would wait for itself): KVR_EAGAIN.  Context: as kvr_shard_post; while
+ * it does not wait (it would wait for itself): KVR_EAGAIN.  From another shard's thread (a
+ * router callback there) the wait is recorded as kvr_shard_call's is, and refused with KVR_EBUSY
+ * when sh waits for that shard, directly or through others.  Context: as kvr_shard_post; while
  * waiting the caller is in an RCU read section, delaying grace periods by at most timeout_ns.
  */
 int kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
                         const void *payload, size_t len, uint64_t timeout_ns);
+
+/*
+ * A post that must neither be dropped nor wait, from a shard's thread (a claimed finish or abort
+ * from a router callback there): pushed now if the lane has room and this thread keeps no
+ * earlier one, else kept by this thread and pushed from its loop, in order, once there is room
+ * (the full shard may be waiting for this one).  Returns 0 (posted or kept), KVR_ENOMEM (not
+ * kept), KVR_ESHUTDOWN, KVR_EINVAL.  Off a shard's thread it is kvr_shard_post_wait without a
+ * timeout.  Context: any thread.
+ */
+int kvr_shard_post_later(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn,
+                         const void *payload, size_t len);
 
 /*
  * Posts fn(shard, copy of payload) to run as if at router time at_ns, for a poster that would

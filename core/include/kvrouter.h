@@ -199,8 +199,9 @@ struct kvr_config {
 	 * for that shard, and so does a call that would change the state of the shard the clock
 	 * runs on (it runs inside one of that shard's tasks: kvr_rank_remove of one of its ranks,
 	 * kvr_events_apply, kvr_rank_reset or _set_capacity on one; reads such as
-	 * kvr_rank_get_stats run, lifecycle calls post their work); kvr_router_destroy from it
-	 * destroys nothing. */
+	 * kvr_rank_get_stats run, lifecycle calls post their work, and on a full lane never wait
+	 * for room: see the lifecycle calls, above kvr_request_prefill_done); kvr_router_destroy
+	 * from it destroys nothing. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the
@@ -558,7 +559,12 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * that waits: while requests are queued (finish/abort/prefill_done apply before the queue's
  * admission pass).  A full lane (overload): finish/abort wait for room (they are claimed
  * already); prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed;
- * with sync_booking every call waits for room).  Output may also return KVR_ENOMEM (copying
+ * with sync_booking every call waits for room).  On the router's shard threads (a router
+ * callback there, the clock) none waits for room: finish/abort return 0 and the shard thread
+ * posts their work once there is room (a kvr_router_sync begun meanwhile may return before it
+ * is applied); prefill_done/output return KVR_EAGAIN when the lane is the calling shard's own
+ * and KVR_EBUSY when its shard waits for the calling one (nothing changed either way), and
+ * otherwise wait as above.  Output may also return KVR_ENOMEM (copying
  * more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE; r
  * NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens > UINT32_MAX:
  * KVR_EINVAL (README.md, "Bad input"). */
