@@ -64,7 +64,6 @@ struct pev {
 };
 
 struct kvr_replica;
-struct rep_waiter;
 
 struct pending {
 	struct ep *ep;
