@@ -146,6 +146,7 @@ struct kvr_shard {
 	struct kvr_shard *waits_for;
 	struct kvr_msg held;
 	struct later_post *later, *later_last; /* shard thread: kvr_shard_post_later's */
+	uint32_t later_n; /* atomic: how many (written by the shard thread; quiesce reads it) */
 	/* Timed posts (kvr_shard_post_at): counted by producers before the push, by the shard
 	 * after the task ran (or by a producer whose push failed); kvr_shard_settle compares. */
 	_Alignas(64) uint64_t timed_posted;
@@ -1183,6 +1184,7 @@ int kvr_shard_post_later(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn f
 	else
 		self->later = p;
 	self->later_last = p;
+	__atomic_store_n(&self->later_n, self->later_n + 1, __ATOMIC_RELEASE);
 	return 0;
 }
 
@@ -1198,6 +1200,9 @@ static bool later_flush(struct kvr_shard *self)
 			return true;
 		self->later = p->next;
 		kvr_free_transient(p, sizeof(*p));
+		/* Ordering: release, after the push; kvr_shards_quiesce's acquire load of it, then
+		 * of the target's lanes, sees the message there (or its task run). */
+		__atomic_store_n(&self->later_n, self->later_n - 1, __ATOMIC_RELEASE);
 	}
 	return false;
 }
@@ -1522,7 +1527,9 @@ static bool idle_after(struct kvr_shard *sh, uint64_t g, uint64_t *sum)
 	bool seen = __atomic_load_n(&sh->seen_kick, __ATOMIC_ACQUIRE) >= g;
 	*sum += __atomic_load_n(&sh->lanes.run[0], __ATOMIC_RELAXED) +
 	        __atomic_load_n(&sh->lanes.run[1], __ATOMIC_RELAXED);
-	return parked && seen && kvr_lanes_empty(&sh->lanes);
+	/* Posts it keeps (kvr_shard_post_later) are work not yet in any lane. */
+	return parked && seen && __atomic_load_n(&sh->later_n, __ATOMIC_ACQUIRE) == 0 &&
+	       kvr_lanes_empty(&sh->lanes);
 }
 
 int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns)

@@ -12,7 +12,10 @@
  * Checks: nothing waits for good (alarm), every call returns one of its documented codes or
  * KVR_EBUSY (refused there), and at the end every attempt ended and all load is back to zero.
  * The clock acts on the frontends' threads too (their calls read it with sync_booking).
- * Environment: SAC_SYNC=1 books synchronously, SAC_EVENTS=1 runs an events-mode router.
+ * Environment: SAC_SYNC=1 books synchronously, SAC_EVENTS=1 runs an events-mode router,
+ * SAC_LANE=n gives each shard a routing lane of n messages and no soft depth (full lanes: a
+ * clock's finish on a full lane is kept by its shard thread, a shard thread's wait for room in
+ * another's lane is a wait edge; shards/runtime.c).
  *
  * usage: stress_admin_clock [duration_ms]   exit 0 pass, 1 fail
  */
@@ -232,6 +235,10 @@ int main(int argc, char **argv)
 		c.sync_booking = true;
 	if (getenv("SAC_EVENTS"))
 		c.mode = KVR_MODE_EVENTS;
+	if (getenv("SAC_LANE")) {
+		c.lane_capacity = (uint32_t)atoi(getenv("SAC_LANE"));
+		c.lane_soft_depth = 0;
+	}
 	if (kvr_router_create(&c, &r)) {
 		fprintf(stderr, "FAIL: kvr_router_create: %s\n", kvr_last_error());
 		return 1;
