@@ -561,12 +561,11 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * already); prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed;
  * with sync_booking every call waits for room).  On the router's shard threads (a router
  * callback there, the clock) none waits for room: finish/abort return 0 and the shard thread
- * posts their work once there is room (a kvr_router_sync begun meanwhile may return before it
- * is applied); prefill_done/output return KVR_EAGAIN when the lane is the calling shard's own
- * and KVR_EBUSY when its shard waits for the calling one (nothing changed either way), and
- * otherwise wait as above.  Output may also return KVR_ENOMEM (copying
- * more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE; r
- * NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens > UINT32_MAX:
+ * posts their work once there is room (kvr_router_sync waits for it); prefill_done/output return
+ * KVR_EAGAIN when the lane is the calling shard's own and KVR_EBUSY when its shard waits for the
+ * calling one (nothing changed either way), and otherwise wait as above.  Output may also return
+ * KVR_ENOMEM (copying more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or
+ * KVR_ESTALE; r NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens > UINT32_MAX:
  * KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
