@@ -55,14 +55,14 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 		memcpy(m->tok.inl, tokens, n * sizeof(uint32_t));
 	}
 	int rc;
-	/* A claimed end on a shard's thread (the router's clock) never waits for room: the full
-	 * lane may be its own (which it would wait for) or that of a shard that waits for this
-	 * one; it is kept and posted from the shard's loop (kvr_shard_post_later). */
-	bool later = ends && kvr_shard_current();
+	/* A claimed end is never dropped: kvr_shard_post_later waits for room, or on a shard's
+	 * thread (the router's clock), where the full lane may be its own or that of a shard
+	 * waiting for this one, keeps the post for the shard's loop. */
 	if (r->cfg.sync_booking) {
 		rc = kvr_shard_post_at(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m, sizeof(*m),
 		                       kvr_clock_now(&r->clock));
-		if (later && (rc == KVR_EAGAIN || rc == KVR_EBUSY))
+		/* (refused only on a shard's thread: its own lane full, or a cycle) */
+		if (ends && (rc == KVR_EAGAIN || rc == KVR_EBUSY))
 			rc = kvr_shard_post_later(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
 			                          sizeof(*m));
 	} else {
@@ -76,15 +76,14 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 			kvr_metrics_add(mb, KVR_C_SHARD_WAKES_DEFERRED, 1);
 		if (rc == KVR_EAGAIN) {
 			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
-			/* An end is claimed already: it waits for room (never dropped); progress
-			 * waits a bounded time. */
-			if (later)
+			/* Progress waits a bounded time. */
+			if (ends)
 				rc = kvr_shard_post_later(sh, KVR_LANE_ROUTING,
 				                          kvr_owner_progress_task, m, sizeof(*m));
 			else
 				rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING,
 				                         kvr_owner_progress_task, m, sizeof(*m),
-				                         ends ? UINT64_MAX : KVR_LANE_FULL_WAIT_NS);
+				                         KVR_LANE_FULL_WAIT_NS);
 			if (rc)
 				kvr_metrics_add(mb, KVR_C_LANE_FULL_DROPS, 1);
 		}
@@ -95,8 +94,8 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 		rc = KVR_EAGAIN;
 	if (rc == KVR_ESHUTDOWN && ends)
 		rc = 0; /* claimed; the router is going away with everything it holds */
-	if (rc == KVR_ENOMEM && later)
-		rc = 0; /* claimed; the lease reaper ends it (kvr_owner_reaper_fire) */
+	if (rc == KVR_ENOMEM && ends)
+		rc = 0; /* not kept: claimed, the lease reaper ends it (kvr_owner_reaper_fire) */
 	return rc;
 }
 

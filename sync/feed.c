@@ -323,16 +323,16 @@ static struct rep_waiter *rep_waiters; /* under wait_lock */
  * short answers "not reached": whatever cycle lies ahead is another thread's to find). */
 #define WAIT_WALK_MAX 4096u
 
-static bool feed_waits_for(const struct kvr_feed *x, const void *target, unsigned *steps);
+static bool feed_walk(const struct kvr_feed *x, const void *target, unsigned *steps);
 
 /* Whether a thread handling rep's deliveries waits, through the recorded edges, for target (a
  * feed's thread or a replica's handling).  Context: wait_lock held. */
-static bool rep_waits_for(const struct kvr_replica *rep, const void *target, unsigned *steps)
+static bool rep_walk(const struct kvr_replica *rep, const void *target, unsigned *steps)
 {
 	if ((const void *)rep == target)
 		return true;
 	for (const struct rep_waiter *w = rep_waiters; w && *steps < WAIT_WALK_MAX; w = w->next)
-		if (w->rep == rep && feed_waits_for(w->feed, target, steps))
+		if (w->rep == rep && feed_walk(w->feed, target, steps))
 			return true;
 	return false;
 }
@@ -342,19 +342,37 @@ static bool rep_waits_for(const struct kvr_replica *rep, const void *target, uns
  * taken by that feed's loop); for the feed its call is pushed to, unless the call is a read and
  * that feed waits in a call of its own (serve_waiting answers reads at once).  Context:
  * wait_lock held. */
-static bool feed_waits_for(const struct kvr_feed *x, const void *target, unsigned *steps)
+static bool feed_walk(const struct kvr_feed *x, const void *target, unsigned *steps)
 {
 	while (x && ++*steps < WAIT_WALK_MAX) {
 		if ((const void *)x == target)
 			return true;
 		if (x->waits_replica)
-			return rep_waits_for(x->waits_replica, target, steps);
+			return rep_walk(x->waits_replica, target, steps);
 		const struct kvr_feed *next = x->blocked_on;
 		if (!next && (next = x->calling) && x->calling_read && next->calling)
 			return false;
 		x = next;
 	}
 	return false;
+}
+
+static bool feed_waits_for(const struct kvr_feed *x, const void *target)
+{
+	unsigned steps = 0;
+	return feed_walk(x, target, &steps);
+}
+
+static bool rep_waits_for(const struct kvr_replica *rep, const void *target)
+{
+	unsigned steps = 0;
+	return rep_walk(rep, target, &steps);
+}
+
+/* Reads (stats, other medium) are answered even by a feed waiting in a call of its own. */
+static bool cmd_is_read(const struct cmd *c)
+{
+	return c->op == CMD_STATS || c->op == CMD_OTHER;
 }
 
 /* Wakes f's thread (its loop's poll, or its wait in call_from_feed).  Context: f->box_lock
@@ -456,7 +474,7 @@ static void serve_waiting(struct kvr_feed *f)
 {
 	for (struct cmd *c = box_take(f), *next; c; c = next) {
 		next = c->next;
-		if (c->op == CMD_STATS || c->op == CMD_OTHER) {
+		if (cmd_is_read(c)) {
 			exec_cmd(f, c);
 			box_answer(c);
 			continue;
@@ -466,8 +484,7 @@ static void serve_waiting(struct kvr_feed *f)
 		 * move.  The graph is acyclic before (every edge was added this way, under the
 		 * lock), so the walk ends. */
 		pthread_mutex_lock(&wait_lock);
-		unsigned steps = 0;
-		bool cycle = feed_waits_for(f, c->from, &steps);
+		bool cycle = feed_waits_for(f, c->from);
 		if (!cycle)
 			c->from->blocked_on = f;
 		pthread_mutex_unlock(&wait_lock);
@@ -529,12 +546,11 @@ static int call_from_feed(struct kvr_feed *self, struct kvr_feed *f, struct cmd 
 	/* The edge first, and refused if it closes a cycle: f waits for a replica whose handling
 	 * thread waits for this feed, directly or through other feeds.  A read that f, waiting in a
 	 * call of its own, answers at once waits for nobody. */
-	bool read = c->op == CMD_STATS || c->op == CMD_OTHER;
+	bool read = cmd_is_read(c);
 	pthread_mutex_lock(&wait_lock);
 	self->calling = f;
 	self->calling_read = read;
-	unsigned steps = 0;
-	bool cycle = !(read && f->calling) && feed_waits_for(f, self, &steps);
+	bool cycle = !(read && f->calling) && feed_waits_for(f, self);
 	if (cycle)
 		self->calling = NULL;
 	pthread_mutex_unlock(&wait_lock);
@@ -698,8 +714,7 @@ int kvr_feed_wait_replica_begin(const struct kvr_replica *rep)
 	if (!f)
 		return 0;
 	pthread_mutex_lock(&wait_lock);
-	unsigned steps = 0;
-	bool busy = rep_waits_for(rep, f, &steps);
+	bool busy = rep_waits_for(rep, f);
 	if (!busy)
 		f->waits_replica = rep;
 	pthread_mutex_unlock(&wait_lock);
@@ -722,8 +737,7 @@ void kvr_feed_wait_replica_end(void)
 static bool rep_wait(struct rep_waiter *w)
 {
 	pthread_mutex_lock(&wait_lock);
-	unsigned steps = 0;
-	bool ok = !feed_waits_for(w->feed, w->rep, &steps);
+	bool ok = !feed_waits_for(w->feed, w->rep);
 	if (ok) {
 		w->next = rep_waiters;
 		rep_waiters = w;
@@ -748,7 +762,7 @@ static int call(struct kvr_feed *f, struct cmd *c)
 		/* From one of its callbacks: waiting for the feed thread would wait for ever.
 		 * Reads run here, as of now (what is pending for the shards not yet counted);
 		 * add and remove would change the endpoints under the caller's feet. */
-		if (c->op != CMD_STATS && c->op != CMD_OTHER)
+		if (!cmd_is_read(c))
 			return KVR_EBUSY;
 		exec_cmd(f, c);
 		return c->rc;

@@ -63,7 +63,9 @@ static uint32_t active(uint64_t w)
 	return st.active_requests;
 }
 
-static void full_lane(unsigned target)
+/* A router on two shards with rank {w, 0} on shard w, lanes of 16 messages, the victim routed
+ * to rank {target, 0} and booked; then the clocks are armed. */
+static void begin(unsigned target, bool sync)
 {
 	atomic_store(&armed, 0);
 	atomic_store(&a_in, 0);
@@ -76,17 +78,24 @@ static void full_lane(unsigned target)
 	kvr_config_init(&c);
 	c.n_shards = 2;
 	c.now_ns = clk;
+	c.sync_booking = sync;
 	c.lane_capacity = 16;
 	c.lane_soft_depth = 0;
 	cr_assert_eq(kvr_router_create(&c, &xr), 0);
-	for (uint64_t w = 0; w < 2; w++) /* rank {w, 0} on shard w */
+	for (uint64_t w = 0; w < 2; w++)
 		cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, 4096, 0), 0);
-	const struct kvr_rank_id on[2] = {{0, 0}, {1, 0}};
 	struct kvr_decision d;
-	cr_assert_eq(route_salt_pinned(xr, &on[target], 1, 64, &d), 0);
+	cr_assert_eq(route_salt_pinned(xr, &(struct kvr_rank_id){target, 0}, 1, 64, &d), 0);
 	victim = d.attempt;
 	cr_assert_eq(kvr_router_sync(xr, 5000), 0);
 	atomic_store(&armed, 1);
+}
+
+static void full_lane(unsigned target)
+{
+	begin(target, false);
+	const struct kvr_rank_id on[2] = {{0, 0}, {1, 0}};
+	struct kvr_decision d;
 	/* Shard 0 into its clock (a booking reads it), where it waits for the go. */
 	cr_assert_eq(route_salt_pinned(xr, &on[0], 2, 64, &d), 0);
 	uint64_t trigger = d.attempt;
@@ -177,28 +186,7 @@ static uint64_t stalls(unsigned w)
 
 static void full_lane_sync(unsigned target)
 {
-	atomic_store(&armed, 0);
-	atomic_store(&a_in, 0);
-	atomic_store(&a_go, 0);
-	atomic_store(&a_done, 0);
-	atomic_store(&b_calling, 0);
-	atomic_store(&b_done, 0);
-	finish_shard = target;
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 2;
-	c.now_ns = clk;
-	c.sync_booking = true;
-	c.lane_capacity = 16;
-	cr_assert_eq(kvr_router_create(&c, &xr), 0);
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(xr, (struct kvr_rank_id){w, 0}, 1, 4096, 0), 0);
-	const struct kvr_rank_id on = {target, 0};
-	struct kvr_decision d;
-	cr_assert_eq(route_salt_pinned(xr, &on, 1, 64, &d), 0);
-	victim = d.attempt;
-	cr_assert_eq(kvr_router_sync(xr, 5000), 0);
-	atomic_store(&armed, 1);
+	begin(target, true);
 	pthread_t t[2], f[FILL];
 	cr_assert_eq(pthread_create(&t[0], NULL, stats_of, (void *)0), 0);
 	cr_assert(wait_for(&a_in, 10000), "shard 0 never read the clock");
