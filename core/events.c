@@ -145,7 +145,8 @@ static __attribute__((cold, noinline)) int invalid_event(const struct kvr_router
 }
 
 /* The detail of a code from the rank's lookup (at == 0) or its shard (core/error.h). */
-static __attribute__((cold, noinline)) int event_fail(int rc, struct kvr_rank_id rank,
+static __attribute__((cold, noinline)) int event_fail(const struct kvr_router *r, int rc,
+                                                      struct kvr_rank_id rank,
                                                       const struct kvr_event *ev, bool shard)
 {
 	static const char fn[] = "kvr_events_apply";
@@ -177,7 +178,7 @@ static __attribute__((cold, noinline)) int event_fail(int rc, struct kvr_rank_id
 		                "a sequence hash collision; nothing applied",
 		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
-		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+		return kvr_fail(rc, "%s: %s", fn, kvr_router_gone(r));
 	case KVR_EBUSY:
 		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	default:
@@ -190,7 +191,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	if (!r || !ev)
 		return kvr_fail(KVR_EINVAL, "kvr_events_apply: %s is NULL", !r ? "router" : "ev");
 	if (kvr_router_stopping(r))
-		return kvr_fail(KVR_ESHUTDOWN, "kvr_events_apply: the router is being destroyed");
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_events_apply: %s", kvr_router_gone(r));
 	if (r->cfg.mode != KVR_MODE_EVENTS)
 		return kvr_fail(KVR_EINVAL,
 		                "kvr_events_apply: the router's mode is %d, not KVR_MODE_EVENTS",
@@ -200,7 +201,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 		return invalid_event(r, ev);
 	uint32_t slot;
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
-		return event_fail(rc, rank, ev, false);
+		return event_fail(r, rc, rank, ev, false);
 	if (ev->type == KVR_EVENT_STORED) {
 		if (scratch_grow((void **)&scratch_local, &scratch_local_cap, ev->n_blocks,
 		                 sizeof(uint64_t)))
@@ -221,7 +222,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = scratch_local};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 	report_gaps(r, rank, &a, 1);
-	return rc ? event_fail(rc, rank, ev, true) : 0;
+	return rc ? event_fail(r, rc, rank, ev, true) : 0;
 }
 
 struct many {

@@ -13,7 +13,8 @@
 
 /* The detail of a failure found below the argument checks (core/error.h): every code has one
  * cause per call here. */
-static __attribute__((cold, noinline)) int heal_fail(int rc, const char *fn, uint64_t attempt,
+static __attribute__((cold, noinline)) int heal_fail(const struct kvr_router *r, int rc,
+                                                     const char *fn, uint64_t attempt,
                                                      struct kvr_rank_id rank, uint64_t value)
 {
 	const bool cached = attempt != 0; /* kvr_request_cached; else kvr_rank_observe */
@@ -46,7 +47,7 @@ static __attribute__((cold, noinline)) int heal_fail(int rc, const char *fn, uin
 		                ", dp %" PRIu32 ")'s current incarnation",
 		                fn, value, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
-		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+		return kvr_fail(rc, "%s: %s", fn, kvr_router_gone(r));
 	case KVR_EBUSY:
 		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	default:
@@ -65,16 +66,16 @@ int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_t
 	uint32_t slot;
 	int rc = kvr_router_attempt_slot(r, attempt, &slot);
 	if (rc || (rc = kvr_rcu_thread_online()))
-		return heal_fail(rc, fn, attempt, none, cached_tokens);
+		return heal_fail(r, rc, fn, attempt, none, cached_tokens);
 	kvr_router_settle(r); /* sync_booking: the lease word as earlier calls left it */
 	if (kvr_lease_touch(r->leases, attempt)) { /* claimed, ended, never issued */
 		kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_STALE_CALLS, 1);
-		return heal_fail(KVR_ESTALE, fn, attempt, none, cached_tokens);
+		return heal_fail(r, KVR_ESTALE, fn, attempt, none, cached_tokens);
 	}
 	struct kvr_heal_args a = {.attempt = attempt, .cached_tokens = cached_tokens};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_cached_call,
 	                    &a);
-	return rc ? heal_fail(rc, fn, attempt, none, cached_tokens) : 0;
+	return rc ? heal_fail(r, rc, fn, attempt, none, cached_tokens) : 0;
 }
 
 int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
@@ -92,9 +93,9 @@ int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
 	uint32_t slot;
 	int rc = kvr_router_enter_rank(r, rank, &slot);
 	if (rc)
-		return heal_fail(rc, fn, 0, rank, obs->incarnation);
+		return heal_fail(r, rc, fn, 0, rank, obs->incarnation);
 	struct kvr_heal_args a = {.slot = slot, .gen = kvr_router_gen_of(r, slot), .obs = obs};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_observe_call,
 	                    &a);
-	return rc ? heal_fail(rc, fn, 0, rank, obs->incarnation) : 0;
+	return rc ? heal_fail(r, rc, fn, 0, rank, obs->incarnation) : 0;
 }

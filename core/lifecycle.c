@@ -132,7 +132,7 @@ progress_fail(int rc, int op, uint16_t flags, const struct kvr_router *r, uint64
 		                "its rank was reset or removed) or was never issued",
 		                fn, attempt);
 	case KVR_ESHUTDOWN:
-		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+		return kvr_fail(rc, "%s: %s", fn, kvr_router_gone(r));
 	case KVR_EAGAIN:
 		return kvr_fail(rc,
 		                "%s: the rank's shard lane stayed full for 10 ms (or is full, on "

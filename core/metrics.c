@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/fork.h"
 #include "kvrouter.h"
 
 struct kvr_metrics {
@@ -62,6 +63,27 @@ static void on_thread_exit(void *unused)
 static void make_key(void)
 {
 	pthread_key_create(&exit_key, on_thread_exit);
+}
+
+void kvr_metrics_fork(bool before)
+{
+	if (before)
+		pthread_mutex_lock(&live_lock);
+	else
+		pthread_mutex_unlock(&live_lock);
+}
+
+void kvr_metrics_fork_forget(struct kvr_metrics *m)
+{
+	/* live_lock is this thread's (kvr_metrics_fork(true) before the fork): a thread exiting
+	 * in the child then hands its blocks of m to no one, where m's lock may have been copied
+	 * held by a thread of the parent. */
+	for (struct kvr_metrics **pp = &live; *pp; pp = &(*pp)->live_next) {
+		if (*pp == m) {
+			*pp = m->live_next;
+			return;
+		}
+	}
 }
 
 int kvr_metrics_create(struct kvr_metrics **out)

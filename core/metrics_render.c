@@ -157,6 +157,8 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 	if (!r || (!buf && cap))
 		return kvr_fail(KVR_EINVAL, "kvr_metrics_render: %s",
 		                !r ? "router is NULL" : "buf is NULL with cap > 0");
+	if (kvr_fork_inherited(r)) /* its registries' locks may be held by threads of the parent */
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_metrics_render: %s", kvr_router_gone(r));
 	kvr_router_settle(r); /* sync_booking: counting what earlier calls posted */
 	struct out o = {.buf = buf, .cap = cap};
 	const char *last = "";

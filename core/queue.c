@@ -310,8 +310,8 @@ static __attribute__((cold, noinline)) int no_queue(const char *fn, uint64_t tic
 }
 
 /* The detail of a wait that ended without an admission (core/error.h). */
-static __attribute__((cold, noinline)) int wait_failed(int rc, uint64_t ticket,
-                                                       uint64_t deadline_ns)
+static __attribute__((cold, noinline)) int wait_failed(const struct kvr_router *r, int rc,
+                                                       uint64_t ticket, uint64_t deadline_ns)
 {
 	switch (rc) {
 	case KVR_ENOENT:
@@ -320,7 +320,7 @@ static __attribute__((cold, noinline)) int wait_failed(int rc, uint64_t ticket,
 		                " was collected or cancelled by another thread meanwhile",
 		                ticket);
 	case KVR_ESHUTDOWN:
-		return kvr_fail(rc, "kvr_route_wait: the router is being destroyed");
+		return kvr_fail(rc, "kvr_route_wait: %s", kvr_router_gone(r));
 	case KVR_ETIMEDOUT:
 		return kvr_fail(rc,
 		                "kvr_route_wait: deadline_ns %" PRIu64 " passed; ticket %" PRIu64
@@ -340,6 +340,8 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		                !r   ? "router is NULL"
 		                : !d ? "d is NULL"
 		                     : "ticket is 0");
+	if (kvr_fork_inherited(r)) /* its queue's lock may be held by a thread of the parent */
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_route_wait: %s", kvr_router_gone(r));
 	struct kvr_queue *q = r->queue;
 	if (!q)
 		return no_queue("kvr_route_wait", ticket);
@@ -391,7 +393,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
-	return rc ? wait_failed(rc, ticket, deadline_ns) : 0;
+	return rc ? wait_failed(r, rc, ticket, deadline_ns) : 0;
 }
 
 int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
@@ -399,6 +401,8 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 	if (!r || ticket == 0)
 		return kvr_fail(KVR_EINVAL, "kvr_route_cancel: %s",
 		                !r ? "router is NULL" : "ticket is 0");
+	if (kvr_fork_inherited(r))
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_route_cancel: %s", kvr_router_gone(r));
 	struct kvr_queue *q = r->queue;
 	if (!q)
 		return no_queue("kvr_route_cancel", ticket);

@@ -68,13 +68,13 @@ static int check(struct kvr_router *r, const char *fn)
 	if (!r)
 		return kvr_fail(KVR_EINVAL, "%s: router is NULL", fn);
 	if (kvr_router_stopping(r))
-		return kvr_fail(KVR_ESHUTDOWN, "%s: the router is being destroyed", fn);
+		return kvr_fail(KVR_ESHUTDOWN, "%s: %s", fn, kvr_router_gone(r));
 	return 0;
 }
 
 /* The detail of a code that came from the rank's lookup or its shard (core/error.h). */
-static __attribute__((cold, noinline)) int rank_fail(int rc, const char *fn,
-                                                     struct kvr_rank_id rank, uint64_t inc)
+static __attribute__((cold, noinline)) int
+rank_fail(const struct kvr_router *r, int rc, const char *fn, struct kvr_rank_id rank, uint64_t inc)
 {
 	switch (rc) {
 	case KVR_ENOENT:
@@ -86,7 +86,7 @@ static __attribute__((cold, noinline)) int rank_fail(int rc, const char *fn,
 		                ", dp %" PRIu32 ")'s current one",
 		                fn, inc, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
-		return kvr_fail(rc, "%s: the router is being destroyed", fn);
+		return kvr_fail(rc, "%s: %s", fn, kvr_router_gone(r));
 	case KVR_EBUSY:
 		return kvr_fail(rc, "%s: %s", fn, KVR_SHARD_CYCLE_DETAIL);
 	default:
@@ -121,7 +121,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		                                 "%s: the shards place max_ranks (%u) distinct "
 		                                 "workers already",
 		                                 fn, r->cfg.max_ranks)
-		                      : rank_fail(rc, fn, rank, incarnation);
+		                      : rank_fail(r, rc, fn, rank, incarnation);
 		goto out;
 	}
 	struct kvr_rank_args a = {.worker_id = rank.worker_id,
@@ -136,7 +136,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	 * end (through the create calls). */
 	if ((rc = kvr_shard_wait_intent(sh))) {
 		kvr_shards_unplace(r->shards, rank.worker_id);
-		rc = rank_fail(rc, fn, rank, incarnation);
+		rc = rank_fail(r, rc, fn, rank, incarnation);
 		goto out;
 	}
 	rc = admin_call(r, sh, kvr_owner_rank_create, &a, false);
@@ -154,7 +154,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		kvr_shards_unplace(r->shards, rank.worker_id);
 		rc = rc == KVR_ERANGE ? kvr_fail(rc, "%s: no free rank slot (max_ranks %u)", fn,
 		                                 r->cfg.max_ranks)
-		                      : rank_fail(rc, fn, rank, incarnation);
+		                      : rank_fail(r, rc, fn, rank, incarnation);
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[a.slot];
@@ -165,7 +165,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 		admin_call(r, sh, kvr_owner_rank_destroy, &a, true);
 		kvr_shards_unplace(r->shards, rank.worker_id);
-		rc = rank_fail(rc, fn, rank, incarnation);
+		rc = rank_fail(r, rc, fn, rank, incarnation);
 	}
 	kvr_shard_wait_intent_end();
 out:
@@ -188,14 +188,14 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	if ((rc = admin_lock(r, fn)))
 		return rc;
 	if ((rc = kvr_router_find_rank(r, rank, &slot))) {
-		rc = rank_fail(rc, fn, rank, 0);
+		rc = rank_fail(r, rc, fn, rank, 0);
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[slot];
 	/* From the rank's own shard (its clock, inside a task that may hold the rank's state):
 	 * the teardown would free it under that task. */
 	if (kvr_shard_is_current(kvr_router_shard_of(r, slot))) {
-		rc = rank_fail(KVR_EBUSY, fn, rank, 0);
+		rc = rank_fail(r, KVR_EBUSY, fn, rank, 0);
 		goto out;
 	}
 	/* From a shard's thread (its clock): the teardown below waits for the rank's shard and
@@ -203,7 +203,7 @@ int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 	 * other is refused here, before anything changes, and the wait is recorded from now on. */
 	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
 	if ((rc = kvr_shard_wait_intent(sh))) {
-		rc = rank_fail(rc, fn, rank, 0);
+		rc = rank_fail(r, rc, fn, rank, 0);
 		goto out;
 	}
 	/* Unroutable first, so no new admission lands while the state goes. */
@@ -238,13 +238,13 @@ static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn 
 		return rc;
 	uint32_t slot;
 	if ((rc = kvr_router_find_rank(r, rank, &slot)))
-		return rank_fail(rc, fn, rank, a->incarnation);
+		return rank_fail(r, rc, fn, rank, a->incarnation);
 	a->slot = slot;
 	a->gen = kvr_router_gen_of(r, slot);
 	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
 	rc = read ? kvr_shard_call_read(sh, KVR_LANE_ROUTING, call, a)
 	          : kvr_shard_call(sh, KVR_LANE_ROUTING, call, a);
-	return rc ? rank_fail(rc, fn, rank, a->incarnation) : 0;
+	return rc ? rank_fail(r, rc, fn, rank, a->incarnation) : 0;
 }
 
 int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,

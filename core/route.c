@@ -803,7 +803,7 @@ static __attribute__((cold, noinline)) int route_failed(const struct kvr_router 
 	case KVR_ERANGE:
 		return kvr_fail(rc, "kvr_route: the router's 2^46 attempt ids are used up");
 	case KVR_ESHUTDOWN:
-		return kvr_fail(rc, "kvr_route: the router is being destroyed");
+		return kvr_fail(rc, "kvr_route: %s", kvr_router_gone(r));
 	case KVR_EBUSY: /* sync_booking's waited-for booking */
 		return kvr_fail(rc, "kvr_route: %s", KVR_SHARD_CYCLE_DETAIL);
 	default:
@@ -816,7 +816,7 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	if (!r || !d)
 		return kvr_fail(KVR_EINVAL, "kvr_route: %s is NULL", !r ? "router" : "d");
 	if (kvr_router_stopping(r))
-		return kvr_fail(KVR_ESHUTDOWN, "kvr_route: the router is being destroyed");
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_route: %s", kvr_router_gone(r));
 	int rc = validate(r, req);
 	if (rc)
 		return invalid_request(r, req);

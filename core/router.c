@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/fork.h"
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
@@ -104,6 +105,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	struct kvr_router *r = kvr_alloc_aligned(sizeof(*r)); /* zeroed; rng_counter's line */
 	if (!r)
 		return kvr_fail(KVR_ENOMEM, "kvr_router_create: out of memory for the router");
+	kvr_fork_track(r); /* before its threads: a child forked from now on inherits it */
 	r->cfg = *cfg;
 	r->cfg.cpu_list = NULL; /* borrowed for create only: the shard runtime copies it */
 	r->cfg.n_cpus = 0;
@@ -212,6 +214,10 @@ void kvr_router_destroy(struct kvr_router *r)
 {
 	if (!r)
 		return;
+	/* Created before this process forked (core/fork.h): the parent's threads and memory; the
+	 * call returns and leaves it, as every other call on it does. */
+	if (kvr_fork_inherited(r))
+		return;
 	/* From r's own callbacks or threads: the destroy would join or wait for this thread (a
 	 * shard, the replica's apply thread, a feed waiting in kvr_router_destroy for its own
 	 * teardown) or free the router under the call that runs the callback.  kvrouter.h forbids
@@ -224,6 +230,7 @@ void kvr_router_destroy(struct kvr_router *r)
 		struct timespec ts = {0, 1000000};
 		nanosleep(&ts, NULL);
 	}
+	kvr_fork_untrack(r);
 	kvr_repl_router_destroy(r); /* an attached replica layer lets go first */
 	__atomic_store_n(&r->shutting_down, 1, __ATOMIC_RELEASE);
 	if (r->queue)
@@ -272,7 +279,7 @@ int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
 	if (!r)
 		return kvr_fail(KVR_EINVAL, "kvr_router_sync: router is NULL");
 	if (kvr_router_stopping(r))
-		return kvr_fail(KVR_ESHUTDOWN, "kvr_router_sync: the router is being destroyed");
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_router_sync: %s", kvr_router_gone(r));
 	int rc = kvr_shards_quiesce(r->shards, (uint64_t)timeout_ms * 1000000ull);
 	if (rc == KVR_ETIMEDOUT)
 		return kvr_fail(rc, "kvr_router_sync: the shards were not idle within %u ms",
@@ -303,8 +310,7 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 		return kvr_fail(KVR_EINVAL, "kvr_router_get_memory: %s is NULL",
 		                !r ? "router" : "out");
 	if (kvr_router_stopping(r))
-		return kvr_fail(KVR_ESHUTDOWN,
-		                "kvr_router_get_memory: the router is being destroyed");
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_router_get_memory: %s", kvr_router_gone(r));
 	if (kvr_rcu_thread_online())
 		return kvr_fail(KVR_ENOMEM,
 		                "kvr_router_get_memory: this thread could not register with RCU");

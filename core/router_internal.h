@@ -39,6 +39,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/fork.h"
 #include "core/index.h"
 #include "core/metrics.h"
 #include "kvrouter.h"
@@ -108,6 +109,10 @@ struct kvr_router {
 	 * (atomic): kvr_router_destroy waits for them, as it may be called as soon as
 	 * kvr_feed_destroy returned. */
 	uint32_t feeds_closing;
+	/* core/fork.c: the process generation r was created in, and its link in the list of live
+	 * routers a fork's child marks inherited (under fork.c's lock). */
+	uint32_t fork_gen;
+	struct kvr_router *fork_next;
 	struct kvr_repl_hooks *repl; /* replica sync hooks, NULL = none (RCU, acquire) */
 	/* Per-decision random stream (atomic): written by every decision, so last, on a line of
 	 * its own (the struct's size rounds up to it), away from what shard threads read on every

@@ -773,6 +773,16 @@ void kvr_shards_shutdown(struct kvr_shards *s)
 	pthread_mutex_unlock(&s->shut_mu);
 }
 
+void kvr_shards_orphan(struct kvr_shards *s)
+{
+	if (!s)
+		return;
+	/* No grace period, no join: the threads are not in this process, and nothing else is. */
+	__atomic_store_n(&s->closed, 1, __ATOMIC_SEQ_CST);
+	for (uint32_t i = 0; i < s->n; i++)
+		__atomic_store_n(&s->shard[i]->closed, 1, __ATOMIC_SEQ_CST);
+}
+
 void kvr_shards_destroy(struct kvr_shards *s)
 {
 	if (!s)

@@ -153,6 +153,14 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
  */
 void kvr_shards_shutdown(struct kvr_shards *s);
 
+/*
+ * In a child process forked while s was live: its threads stayed in the parent, so every later
+ * post and call fails with KVR_ESHUTDOWN at once (a call would wait for a reply for good).
+ * Nothing is joined or freed: s is the parent's copy, left as it is.
+ * Context: core/fork.c's child handler (the child's only thread).
+ */
+void kvr_shards_orphan(struct kvr_shards *s);
+
 /* kvr_shards_shutdown() then frees everything.  NULL is a no-op.  Context: as shutdown. */
 void kvr_shards_destroy(struct kvr_shards *s);
 

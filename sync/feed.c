@@ -57,6 +57,7 @@
 
 #include "core/alloc.h"
 #include "core/events.h"
+#include "core/fork.h"
 #include "core/metrics.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
@@ -308,6 +309,14 @@ static void feed_free(struct kvr_feed *f);
  * replica").  Taken only to add or remove one edge or record, never while waiting, and with no
  * other lock held but, in call(), the target's ctl_lock (taken first). */
 static pthread_mutex_t wait_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void kvr_feed_fork(bool before)
+{
+	if (before)
+		pthread_mutex_lock(&wait_lock);
+	else
+		pthread_mutex_unlock(&wait_lock);
+}
 
 /* A replica's handling thread (on_admit there) waiting in a call on feed; on its stack, in
  * rep_waiters while it waits.  A replica may have several such threads. */
@@ -826,6 +835,15 @@ static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uin
 	return kvr_fail_code(rc, fn);
 }
 
+/* The detail of a call on a feed inherited through fork (core/fork.h). */
+static __attribute__((cold, noinline)) int feed_inherited(const char *fn)
+{
+	return kvr_fail(KVR_ESHUTDOWN,
+	                "%s: the feed was created before this process forked (its threads stayed "
+	                "in the parent): a forked child creates its own router and feed",
+	                fn);
+}
+
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
 	if (out)
@@ -836,6 +854,8 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 		                : !out ? "out is NULL"
 		                       : "the router's mode is not KVR_MODE_EVENTS (a feed applies "
 		                         "engine events)");
+	if (kvr_router_stopping(r))
+		return kvr_fail(KVR_ESHUTDOWN, "kvr_feed_create: %s", kvr_router_gone(r));
 	struct kvr_feed_config c;
 	if (cfg)
 		c = *cfg;
@@ -885,6 +905,8 @@ int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_
 		                : !ep           ? "ep is NULL"
 		                : !ep->endpoint ? "ep->endpoint is NULL"
 		                                : "ep->endpoint is \"\"");
+	if (kvr_fork_inherited(f->r))
+		return feed_inherited("kvr_feed_add");
 	struct cmd c = {.op = CMD_ADD, .ep = ep};
 	int rc = call(f, &c);
 	if (rc == 0 && id_out)
@@ -896,6 +918,8 @@ int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
 {
 	if (!f)
 		return kvr_fail(KVR_EINVAL, "kvr_feed_remove: feed is NULL");
+	if (kvr_fork_inherited(f->r))
+		return feed_inherited("kvr_feed_remove");
 	struct cmd c = {.op = CMD_REMOVE, .id = id};
 	int rc = call(f, &c);
 	return rc ? feed_fail(rc, "kvr_feed_remove", id, NULL) : 0;
@@ -905,6 +929,8 @@ int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *o
 {
 	if (!f || !out)
 		return kvr_fail(KVR_EINVAL, "kvr_feed_get_stats: %s is NULL", !f ? "feed" : "out");
+	if (kvr_fork_inherited(f->r))
+		return feed_inherited("kvr_feed_get_stats");
 	struct cmd c = {.op = CMD_STATS, .id = id, .stats = out};
 	int rc = call(f, &c);
 	return rc ? feed_fail(rc, "kvr_feed_get_stats", id, NULL) : 0;
@@ -918,6 +944,8 @@ int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_ra
 		                !f       ? "feed is NULL"
 		                : !n_out ? "n_out is NULL"
 		                         : "out is NULL with cap > 0");
+	if (kvr_fork_inherited(f->r))
+		return feed_inherited("kvr_feed_other_medium_blocks");
 	struct cmd c = {.op = CMD_OTHER, .id = id, .dp = dp_rank, .out = out, .cap = cap};
 	int rc = call(f, &c);
 	if (rc == 0 || rc == KVR_ERANGE)
@@ -953,6 +981,10 @@ static bool on_library_thread(void)
 void kvr_feed_destroy(struct kvr_feed *f)
 {
 	if (!f)
+		return;
+	/* Created before this process forked (core/fork.h): its thread and ZeroMQ's stayed in
+	 * the parent; left as it is, as its router is. */
+	if (kvr_fork_inherited(f->r))
 		return;
 	if (feed_self == f) {
 		/* From one of its callbacks, on its own thread: it cannot join itself, and its

@@ -3,6 +3,7 @@
  * call says so with KVR_ENOTSUP, so embedders link the same symbols either way.
  */
 #include "core/error.h"
+#include "core/fork.h"
 #include "kvrouter.h"
 #include "sync/replica_internal.h"
 
@@ -66,4 +67,9 @@ int kvr_feed_wait_replica_begin(const struct kvr_replica *rep)
 
 void kvr_feed_wait_replica_end(void)
 {
+}
+
+void kvr_feed_fork(bool before)
+{
+	(void)before; /* no feeds: no lock to hold */
 }

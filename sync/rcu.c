@@ -1,9 +1,10 @@
 /*
- * sync/rcu.c - reader registration and deferred free on urcu-memb (see rcu.h for the why).
+ * sync/rcu.c - reader registration and deferred free on urcu-bp (see rcu.h for the why).
  */
 #include "sync/rcu.h"
 
 #include <pthread.h>
+#include <sched.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
@@ -28,7 +29,7 @@ static void thread_exit_offline(void *unused)
 {
 	(void)unused;
 	if (kvr_rcu_self.online) {
-		urcu_memb_unregister_thread();
+		urcu_bp_unregister_thread();
 		kvr_rcu_self.online = 0;
 	}
 }
@@ -48,7 +49,7 @@ int kvr_rcu_thread_register(void)
 	/* Any non-NULL value makes the destructor run at thread exit. */
 	if (pthread_setspecific(online_key, &kvr_rcu_self) != 0)
 		return KVR_ENOMEM;
-	urcu_memb_register_thread();
+	urcu_bp_register_thread();
 	kvr_rcu_self.online = 1;
 	return 0;
 }
@@ -57,7 +58,7 @@ void kvr_rcu_thread_offline(void)
 {
 	if (!kvr_rcu_self.online)
 		return;
-	urcu_memb_unregister_thread();
+	urcu_bp_unregister_thread();
 	kvr_rcu_self.online = 0;
 	pthread_setspecific(online_key, NULL);
 }
@@ -80,23 +81,103 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 	struct deferred *d = kvr_rcu_thread_online() == 0 ? kvr_alloc(sizeof(*d)) : NULL;
 	if (!d) {
 		/* No memory for the record: pay a grace period here instead of leaking. */
-		urcu_memb_synchronize_rcu();
+		urcu_bp_synchronize_rcu();
 		KVR_TSAN_ACQUIRE(&kvr_rcu_tsan_token);
 		free_fn(mem);
 		return;
 	}
 	d->mem = mem;
 	d->free_fn = free_fn;
+	kvr_rcu_call(&d->head, run_deferred);
+}
+
+/* Enqueues under way (each holds one) and whether a fork holds new ones off (kvr_rcu_fork_
+ * enqueues).  seq_cst, as a Dekker pair: an enqueuer counts itself, then reads forking; the
+ * fork sets forking, then reads the count, so one of the two sees the other. */
+static uint32_t enq_count, enq_forking;
+
+void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
+{
+	/* The hand-off to liburcu's call_rcu thread is invisible to TSan: publish our writes. */
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
-	urcu_memb_call_rcu(&d->head, run_deferred);
+	for (;;) {
+		__atomic_add_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
+		if (__builtin_expect(!__atomic_load_n(&enq_forking, __ATOMIC_SEQ_CST), 1))
+			break;
+		__atomic_sub_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
+		/* A call_rcu thread's callback enqueuing: the fork waits for that thread to pause,
+		 * which it does after this callback (so after this enqueue), never during it. */
+		if (urcu_bp_get_thread_call_rcu_data()) {
+			urcu_bp_call_rcu(head, fn);
+			return;
+		}
+		while (__atomic_load_n(&enq_forking, __ATOMIC_SEQ_CST))
+			sched_yield();
+	}
+	urcu_bp_call_rcu(head, fn);
+	__atomic_sub_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
+}
+
+void kvr_rcu_fork_enqueues(enum kvr_fork_phase phase)
+{
+	switch (phase) {
+	case KVR_FORK_PREPARE:
+		__atomic_store_n(&enq_forking, 1, __ATOMIC_SEQ_CST);
+		while (__atomic_load_n(&enq_count, __ATOMIC_SEQ_CST))
+			sched_yield();
+		break;
+	case KVR_FORK_PARENT:
+		__atomic_store_n(&enq_forking, 0, __ATOMIC_SEQ_CST);
+		break;
+	case KVR_FORK_CHILD:
+		/* The parent's enqueuers are not here; none was under way. */
+		__atomic_store_n(&enq_count, 0, __ATOMIC_SEQ_CST);
+		__atomic_store_n(&enq_forking, 0, __ATOMIC_SEQ_CST);
+		break;
+	}
 }
 
 void kvr_rcu_synchronize(void)
 {
-	urcu_memb_synchronize_rcu();
+	urcu_bp_synchronize_rcu();
 }
 
 void kvr_rcu_barrier(void)
 {
-	urcu_memb_barrier();
+	urcu_bp_barrier();
+}
+
+void kvr_rcu_fork_callbacks(enum kvr_fork_phase phase)
+{
+	switch (phase) {
+	case KVR_FORK_PREPARE:
+		urcu_bp_call_rcu_before_fork();
+		break;
+	case KVR_FORK_PARENT:
+		urcu_bp_call_rcu_after_fork_parent();
+		break;
+	case KVR_FORK_CHILD:
+		urcu_bp_call_rcu_after_fork_child();
+		break;
+	}
+}
+
+void kvr_rcu_fork_registry(enum kvr_fork_phase phase)
+{
+	switch (phase) {
+	case KVR_FORK_PREPARE:
+		urcu_bp_before_fork();
+		break;
+	case KVR_FORK_PARENT:
+		urcu_bp_after_fork_parent();
+		break;
+	case KVR_FORK_CHILD:
+		urcu_bp_after_fork_child();
+		break;
+	}
+}
+
+void kvr_rcu_fork_ready(void)
+{
+	(void)urcu_bp_get_default_call_rcu_data();
 }

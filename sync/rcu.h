@@ -1,16 +1,28 @@
 /*
  * sync/rcu.h - the one place kvrouter touches liburcu.
  *
- * Flavour: urcu-memb (liburcu-memb).  Why not the others:
+ * Flavour: urcu-bp (liburcu-bp).  Why not the others:
  *  - QSBR has the cheapest read side, but every registered thread must announce quiescent
  *    states, and a reader that goes idle without doing so stalls every grace period.  Our
  *    readers are the embedder's frontend threads; we cannot impose that contract on them.
  *  - urcu-mb puts a full memory barrier in every rcu_read_lock(); urcu-signal takes a signal
- *    from the embedder's process; urcu-bp auto-registers but pays a heavier read side.
- *  - urcu-memb reads cost two thread-local updates and compiler barriers; the writer pays with
- *    the membarrier(2) syscall, and writers (shard threads) are off the request path.
- * Reader threads must be registered: kvr_rcu_thread_online() does it lazily, once per thread,
- * and a pthread key unregisters the thread when it exits.
+ *    from the embedder's process.
+ *  - urcu-memb (the flavour until 2026-12-04) reads as cheaply, but its registry links each
+ *    reader's thread-local record: after fork(2) the child keeps the records of the parent's
+ *    other threads, glibc hands their stacks (and the records in them) to the child's new
+ *    threads, a new registration links a record twice, and the child's first grace period
+ *    loops for good (a pre-fork server creating its router in each worker hung in
+ *    kvr_router_destroy; liburcu's README: every registration must end before a fork, except
+ *    with urcu-bp).  urcu-bp keeps the records in its own arena and prunes the other threads'
+ *    from a forked child (urcu_bp_after_fork_child, run from core/fork.c's handlers).
+ *  - urcu-bp reads cost one thread-local pointer load more than urcu-memb (the record is
+ *    reached through it) and the same updates; with membarrier(2) (checked at start) neither
+ *    fences; the writer pays with the syscall, and writers (shard threads) are off the request
+ *    path.  Measured: kvr_route 14,040 instructions a call against urcu-memb's 14,078 (the
+ *    same within a run's spread); docs/measurements.md, "Fork".
+ * Reader threads register themselves on their first read section; kvr_rcu_thread_online()
+ * does it once per thread (and keeps kvrouter's own per-thread state), and liburcu-bp
+ * unregisters a thread when it exits.
  *
  * ThreadSanitizer: TSan cannot see the ordering that membarrier(2) and liburcu's inline
  * assembly provide.  So (1) kvrouter publishes and reads RCU pointers with C11-style atomics
@@ -31,7 +43,7 @@
 #ifdef KVR_URCU_INLINE
 #define _LGPL_SOURCE 1
 #endif
-#include <urcu/urcu-memb.h>
+#include <urcu/urcu-bp.h>
 
 #if defined(__SANITIZE_THREAD__)
 #define KVR_TSAN 1
@@ -69,9 +81,10 @@ void kvr_rcu_thread_offline(void);
 
 /* The calling thread's read-side nesting depth (kvr_rcu_read_lock) and whether it is registered
  * (kvr_rcu_thread_online).  Ours, not liburcu's: liburcu keeps its reader state in a
- * thread-local of liburcu-memb.so, reached only through its out-of-line urcu_memb_read_lock /
- * unlock, each a call and a __tls_get_addr (~25 instructions a lock, ~50 an unlock: callgrind,
- * bench_route at 2k tokens).  Counting the nesting here makes every section opened inside
+ * thread-local of liburcu-bp.so, reached only through its out-of-line urcu_bp_read_lock /
+ * unlock, each a call and a __tls_get_addr (~22 instructions a lock and ~18 an unlock, their
+ * own, plus the __tls_get_addr; urcu-memb's were ~16 and ~29: callgrind, bench_route at 2k
+ * tokens).  Counting the nesting here makes every section opened inside
  * another a thread-local increment and decrement, so a caller can open one real section around
  * a stretch of work whose callees open their own (kvr_route: the lookup, the choice and the
  * post).  Initial-exec: one %fs-relative access even in libkvrouter.so (the default model
@@ -85,10 +98,10 @@ struct kvr_rcu_thread {
 extern _Thread_local struct kvr_rcu_thread kvr_rcu_self __attribute__((tls_model("initial-exec")));
 
 /* Read-side critical section.  Nestable: only the outermost lock and unlock reach liburcu
- * (urcu_memb_read_lock / unlock, which nest too: the counts are the same).  Context: a thread
+ * (urcu_bp_read_lock / unlock, which nest too: the counts are the same).  Context: a thread
  * made online.
  *
- * liburcu's inline forms of these (_LGPL_SOURCE, urcu/static/urcu-memb.h) stay behind meson's
+ * liburcu's inline forms of these (_LGPL_SOURCE, urcu/static/urcu-bp.h) stay behind meson's
  * urcu_inline option, off: kvrouter is Apache-2.0, and liburcu's README asks for _LGPL_SOURCE
  * only from LGPL- or GPL-compatible code (URCU_INLINE_SMALL_FUNCTIONS, allowed under any
  * licence, inlines rcu_dereference and rcu_assign_pointer only).  So the outermost section
@@ -96,7 +109,7 @@ extern _Thread_local struct kvr_rcu_thread kvr_rcu_self __attribute__((tls_model
 static inline void kvr_rcu_read_lock(void)
 {
 	if (kvr_rcu_self.nest++ == 0)
-		urcu_memb_read_lock();
+		urcu_bp_read_lock();
 }
 
 static inline void kvr_rcu_read_unlock(void)
@@ -105,7 +118,7 @@ static inline void kvr_rcu_read_unlock(void)
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 #endif
 	if (--kvr_rcu_self.nest == 0)
-		urcu_memb_read_unlock();
+		urcu_bp_read_unlock();
 }
 
 /* Whether the calling thread is inside a read-side section (kvr_rcu_read_lock).  For asserts.
@@ -137,12 +150,7 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *));
  * with KVR_RCU_CALLBACK_ENTER() so ThreadSanitizer sees the grace period.
  * Context: a registered thread (shard threads are), outside a read-side section.
  */
-static inline void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
-{
-	/* The hand-off to liburcu's call_rcu thread is invisible to TSan: publish our writes. */
-	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
-	urcu_memb_call_rcu(head, fn);
-}
+void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *));
 #define KVR_RCU_CALLBACK_ENTER() KVR_TSAN_ACQUIRE(&kvr_rcu_tsan_token)
 
 /* Waits for a grace period.  Context: registered or not, outside a read-side section. */
@@ -151,5 +159,29 @@ void kvr_rcu_synchronize(void);
 /* Waits until every deferred free queued so far has run (used at shutdown and in tests).
  * Context: outside a read-side section. */
 void kvr_rcu_barrier(void);
+
+/*
+ * liburcu-bp's part of fork(2), in the order core/fork.c runs them (its handlers):
+ *  - kvr_rcu_fork_callbacks: before, the call_rcu threads pause between callbacks (they free
+ *    kvrouter's memory and must not hold an allocator's lock across the fork); after, the
+ *    parent's resume, and the child gets a new call_rcu thread (callbacks queued in the parent
+ *    run there).
+ *  - kvr_rcu_fork_registry: the grace-period and registry locks held across the fork; the
+ *    child's registry keeps the forking thread only.
+ *  - kvr_rcu_fork_enqueues: before (first of all), kvrouter's call_rcu enqueues are held off
+ *    and the ones under way finish.  liburcu's callback queue is wait-free: an enqueue swaps
+ *    the tail, then links the previous node; a fork between the two left the child's copy of
+ *    the queue with a node never linked, and the child's call_rcu thread (which inherits the
+ *    parent's leftover callbacks) waited for that link for good (test_fork: the child's
+ *    kvr_router_destroy in rcu_barrier, ~1 run in 10 of 12 forks each).  After, released.
+ * Context: core/fork.c's pthread_atfork handlers only.
+ */
+enum kvr_fork_phase { KVR_FORK_PREPARE, KVR_FORK_PARENT, KVR_FORK_CHILD };
+void kvr_rcu_fork_callbacks(enum kvr_fork_phase phase);
+void kvr_rcu_fork_registry(enum kvr_fork_phase phase);
+void kvr_rcu_fork_enqueues(enum kvr_fork_phase phase);
+/* Creates liburcu-bp's default call_rcu thread now if it is not there (an enqueue would, under
+ * the lock kvr_rcu_fork_callbacks holds across a fork).  Context: before the handlers exist. */
+void kvr_rcu_fork_ready(void);
 
 #endif /* KVR_SYNC_RCU_H */

@@ -23,6 +23,8 @@
 
 #include "core/alloc.h"
 #include "core/error.h"
+#include "core/fork.h"
+#include "core/router_internal.h"
 #include "sync/replica.h"
 #include "sync/replica_config.h"
 #include "sync/replica_internal.h"
@@ -251,6 +253,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	int ret = kvr_sync_config_check(c, fn);
 	if (ret)
 		return ret;
+	if (kvr_router_stopping(r))
+		return kvr_fail(KVR_ESHUTDOWN, "%s: %s", fn, kvr_router_gone(r));
 	struct kvr_sync *s = kvr_calloc(1, sizeof(*s));
 	if (!s)
 		return kvr_fail(KVR_ENOMEM, "%s: out of memory for the replica handle", fn);
@@ -377,8 +381,27 @@ struct kvr_replica *kvr_sync_replica(struct kvr_sync *s)
 	return s ? s->rep : NULL;
 }
 
+/* Whether s was attached before this process forked (core/fork.h): its connection's and
+ * apply threads stayed in the parent. */
+static bool inherited(const struct kvr_sync *s)
+{
+	return s && kvr_fork_inherited(s->rep->r);
+}
+
+/* The detail of a call on such a replica. */
+static __attribute__((cold, noinline)) int sync_inherited(const char *fn)
+{
+	return kvr_fail(
+	    KVR_ESHUTDOWN,
+	    "%s: the replica was attached before this process forked (its threads "
+	    "stayed in the parent): a forked child creates its own router and attaches it",
+	    fn);
+}
+
 void kvr_sync_detach(struct kvr_sync *s)
 {
+	if (inherited(s))
+		return; /* left as it is, as its router is */
 	/* From a router callback the replica's apply thread or nats.c's subscription thread runs
 	 * (on_admit): closing the connection and joining the apply thread would wait for the very
 	 * call that runs the callback.  kvrouter.h: it does nothing there. */
@@ -418,6 +441,8 @@ int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
 {
 	if (!s)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_wait_ready: s is NULL");
+	if (inherited(s))
+		return sync_inherited("kvr_sync_wait_ready");
 	int rc = kvr_replica_wait_ready(s->rep, timeout_ms);
 	return rc ? wait_fail(s, rc, "kvr_sync_wait_ready", timeout_ms) : 0;
 }
@@ -426,6 +451,8 @@ int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
 {
 	if (!s)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_drain: s is NULL");
+	if (inherited(s))
+		return sync_inherited("kvr_sync_drain");
 	int rc = kvr_replica_drain(s->rep, timeout_ms);
 	return rc ? wait_fail(s, rc, "kvr_sync_drain", timeout_ms) : 0;
 }
@@ -434,6 +461,8 @@ int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 {
 	if (!s || !out)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_get_stats: %s is NULL", !s ? "s" : "out");
+	if (inherited(s))
+		return sync_inherited("kvr_sync_get_stats");
 	kvr_replica_get_stats(s->rep, out);
 	return 0;
 }
@@ -442,6 +471,8 @@ int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq)
 {
 	if (!s || !seq)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_peer_seq: %s is NULL", !s ? "s" : "seq");
+	if (inherited(s))
+		return sync_inherited("kvr_sync_peer_seq");
 	int rc = kvr_replica_peer_seq(s->rep, replica_id, seq);
 	if (rc == KVR_ENOENT)
 		return kvr_fail(rc, "kvr_sync_peer_seq: replica %" PRIu64 " is not a live peer",

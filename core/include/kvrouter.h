@@ -325,6 +325,16 @@ struct kvr_router;
  * Creates a router.  cfg is borrowed (copied); NULL means all defaults.
  * Returns 0 and *out, or KVR_EINVAL (out NULL, bad config), KVR_ERANGE, KVR_ENOMEM.
  * Context: any thread; starts the shard threads.
+ *
+ * fork(2): a process may fork at any time, with routers live and threads calling them (the
+ * library holds its own locks and liburcu's across the fork: pthread_atfork handlers, registered
+ * with the first router).  In the child, a router created before the fork is the parent's: its
+ * threads are not in the child, so every call on it returns KVR_ESHUTDOWN at once ("... was
+ * created before this process forked"), kvr_router_destroy returns leaving it (its memory is the
+ * parent's copy), and so do the feeds and replica handles attached to it (kvr_feed_destroy,
+ * kvr_sync_detach).  A router the child creates is the child's and works as any (a pre-fork
+ * server: one router per worker process).  An embedder that also uses liburcu-bp's call_rcu
+ * must not register liburcu's own fork handlers as well.
  */
 KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out);
 

@@ -1,0 +1,364 @@
+/*
+ * tests/unit/test_fork.c - routers across fork(2) (core/fork.h).
+ *
+ * A pre-fork server creates its router (or used one) and forks workers, each of which creates
+ * its own.  Before: with liburcu-memb the child's RCU registry kept the records of the parent's
+ * other threads (shard threads, frontends), glibc gave their stacks to the child's new threads,
+ * a new registration linked a record twice, and the child's first grace period looped for good
+ * (kvr_router_destroy never returned: on 8b1898f `a_child_of_a_process_whose_routers_are_gone`
+ * was killed by its alarm; a child creating its router while the parent's was live hung the same
+ * way).  The router inherited from the parent was worse: kvr_route "worked" (booked on shards
+ * that are not in the child), kvr_router_sync timed out, kvr_router_destroy hung (all three
+ * cases here failed on 8b1898f).  Now
+ * (liburcu-bp, core/fork.c's handlers) a child's own router works while the parent keeps
+ * routing, every call on an inherited router returns KVR_ESHUTDOWN at once saying why, its
+ * destroy returns, and the parent is unaffected.
+ */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+#include "tests/common/mono_clock.h"
+
+#define RANKS 8
+#define FORKS 12
+
+static uint32_t prompt[4096];
+
+static struct kvr_router *make_router(enum kvr_mode mode)
+{
+	struct kvr_config cfg;
+	kvr_config_init(&cfg);
+	cfg.n_shards = 2;
+	cfg.mode = mode;
+	struct kvr_router *r = NULL;
+	if (kvr_router_create(&cfg, &r) != 0)
+		return NULL;
+	for (uint64_t w = 0; w < RANKS; w++)
+		if (kvr_rank_add(r, (struct kvr_rank_id){.worker_id = w}, 1, 65536, 8192) != 0) {
+			kvr_router_destroy(r);
+			return NULL;
+		}
+	return r;
+}
+
+/* n routes and their finishes on r: 0, or the first failing code. */
+static int route_finish(struct kvr_router *r, int n, unsigned salt)
+{
+	for (int k = 0; k < n; k++) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		uint32_t local[4096];
+		memcpy(local, prompt, sizeof(local));
+		local[0] = salt * 131u + (unsigned)k % 7u;
+		q.tokens = local;
+		q.n_tokens = 256 + (size_t)(k % 16) * 200;
+		struct kvr_decision d;
+		int rc = kvr_route(r, &q, &d);
+		if (rc)
+			return rc;
+		if ((rc = kvr_request_finish(r, d.attempt)))
+			return rc;
+	}
+	return 0;
+}
+
+static uint64_t active_requests(struct kvr_router *r)
+{
+	uint64_t sum = 0;
+	for (uint64_t w = 0; w < RANKS; w++) {
+		struct kvr_rank_stats st;
+		if (kvr_rank_get_stats(r, (struct kvr_rank_id){.worker_id = w}, &st) == 0)
+			sum += st.active_requests;
+	}
+	return sum;
+}
+
+/* ------------------------------------------------------------------ the parent's frontends */
+
+static struct kvr_router *parent_r;
+static atomic_int stop, front_err;
+static atomic_ullong live_attempt; /* an attempt live at some moment: the child ends it */
+
+static void *frontend(void *arg)
+{
+	unsigned id = (unsigned)(uintptr_t)arg;
+	for (unsigned k = 0; !atomic_load(&stop); k++) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		uint32_t local[4096];
+		memcpy(local, prompt, sizeof(local));
+		local[0] = id * 1000u + k % 11u;
+		q.tokens = local;
+		q.n_tokens = 512 + (size_t)(k % 8) * 400;
+		struct kvr_decision d;
+		int rc = kvr_route(parent_r, &q, &d);
+		if (rc) {
+			atomic_store(&front_err, rc);
+			break;
+		}
+		atomic_store(&live_attempt, d.attempt);
+		if ((rc = kvr_request_finish(parent_r, d.attempt))) {
+			atomic_store(&front_err, rc);
+			break;
+		}
+	}
+	return NULL;
+}
+
+/* ------------------------------------------------------------------ the child */
+
+/* Child exit codes: 0 ok, else the check that failed (printed by the parent). */
+enum {
+	C_OK,
+	C_INHERITED_ROUTE,
+	C_INHERITED_DETAIL,
+	C_INHERITED_FINISH,
+	C_INHERITED_SYNC,
+	C_INHERITED_RANKS,
+	C_INHERITED_READS,
+	C_INHERITED_QUEUE,
+	C_CREATE,
+	C_ROUTE,
+	C_THREAD,
+	C_SYNC,
+	C_LOAD,
+	C_COUNT
+};
+static const char *const child_what[C_COUNT] = {
+    "ok",
+    "kvr_route on the inherited router did not return KVR_ESHUTDOWN",
+    "the inherited router's detail does not say it was forked",
+    "lifecycle calls on the inherited router did not return KVR_ESHUTDOWN",
+    "kvr_router_sync on the inherited router did not return KVR_ESHUTDOWN",
+    "rank calls on the inherited router did not return KVR_ESHUTDOWN",
+    "stats / metrics / memory on the inherited router did not return KVR_ESHUTDOWN",
+    "kvr_route_wait / kvr_route_cancel on the inherited router did not return KVR_ESHUTDOWN",
+    "the child could not create its own router",
+    "routing on the child's own router failed",
+    "a second thread routing on the child's own router failed",
+    "kvr_router_sync on the child's own router failed",
+    "load left on the child's own router",
+};
+
+static int child_new_rc;
+static struct kvr_router *child_r;
+static void *child_frontend(void *arg)
+{
+	(void)arg;
+	child_new_rc = route_finish(child_r, 300, 77);
+	return NULL;
+}
+
+/* Everything the child checks; its exit code. */
+static int child_main(struct kvr_router *inherited, uint64_t attempt)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = prompt;
+	q.n_tokens = 1024;
+	struct kvr_decision d;
+	if (kvr_route(inherited, &q, &d) != KVR_ESHUTDOWN)
+		return C_INHERITED_ROUTE;
+	if (!strstr(kvr_last_error(), "forked"))
+		return C_INHERITED_DETAIL;
+	if (kvr_request_finish(inherited, attempt) != KVR_ESHUTDOWN ||
+	    kvr_request_abort(inherited, attempt) != KVR_ESHUTDOWN ||
+	    kvr_request_prefill_done(inherited, attempt) != KVR_ESHUTDOWN)
+		return C_INHERITED_FINISH;
+	if (kvr_router_sync(inherited, 5000) != KVR_ESHUTDOWN)
+		return C_INHERITED_SYNC;
+	struct kvr_rank_stats st;
+	struct kvr_rank_id rank0 = {.worker_id = 0};
+	if (kvr_rank_add(inherited, (struct kvr_rank_id){.worker_id = 100}, 1, 100, 100) !=
+	        KVR_ESHUTDOWN ||
+	    kvr_rank_remove(inherited, rank0) != KVR_ESHUTDOWN ||
+	    kvr_rank_reset(inherited, rank0, 2) != KVR_ESHUTDOWN ||
+	    kvr_rank_set_capacity(inherited, rank0, 1, 10) != KVR_ESHUTDOWN)
+		return C_INHERITED_RANKS;
+	struct kvr_memory mem;
+	char buf[64];
+	size_t len;
+	if (kvr_rank_get_stats(inherited, rank0, &st) != KVR_ESHUTDOWN ||
+	    kvr_router_get_memory(inherited, &mem) != KVR_ESHUTDOWN ||
+	    kvr_metrics_render(inherited, buf, sizeof(buf), &len) != KVR_ESHUTDOWN)
+		return C_INHERITED_READS;
+	if (kvr_route_wait(inherited, 1, 0, &d) != KVR_ESHUTDOWN ||
+	    kvr_route_cancel(inherited, 1) != KVR_ESHUTDOWN)
+		return C_INHERITED_QUEUE;
+	kvr_router_destroy(inherited); /* returns, leaving the parent's copy */
+
+	if (!(child_r = make_router(KVR_MODE_APPROX_LRU)))
+		return C_CREATE;
+	/* A new thread here reuses a stack of one of the parent's threads (glibc's cache): with
+	 * urcu-memb its registration corrupted the registry. */
+	pthread_t t;
+	if (pthread_create(&t, NULL, child_frontend, NULL) != 0)
+		return C_THREAD;
+	int rc = route_finish(child_r, 300, 5);
+	pthread_join(t, NULL);
+	if (rc)
+		return C_ROUTE;
+	if (child_new_rc)
+		return C_THREAD;
+	if (kvr_router_sync(child_r, 10000) != 0)
+		return C_SYNC;
+	if (active_requests(child_r) != 0)
+		return C_LOAD;
+	kvr_router_destroy(child_r);
+	return C_OK;
+}
+
+/* Forks; the child runs child_main under an alarm.  Returns the wait status. */
+static int fork_child(struct kvr_router *inherited, uint64_t attempt)
+{
+	pid_t pid = fork();
+	cr_assert_geq(pid, 0, "fork failed");
+	if (pid == 0) {
+		alarm(30); /* a wait for good ends the child with SIGALRM */
+		_exit(child_main(inherited, attempt));
+	}
+	int st = 0;
+	cr_assert_eq(waitpid(pid, &st, 0), pid);
+	return st;
+}
+
+static void expect_child_ok(int st, int round)
+{
+	if (WIFSIGNALED(st))
+		cr_assert_fail("fork %d: the child was killed by signal %d%s", round, WTERMSIG(st),
+		               WTERMSIG(st) == SIGALRM ? " (its alarm: a call waited for good)"
+		                                       : "");
+	cr_assert(WIFEXITED(st));
+	int code = WEXITSTATUS(st);
+	cr_assert_eq(code, C_OK, "fork %d: %s", round,
+	             code < C_COUNT ? child_what[code] : "unknown exit code");
+}
+
+static void fill_prompt(void)
+{
+	for (size_t i = 0; i < sizeof(prompt) / sizeof(prompt[0]); i++)
+		prompt[i] = (uint32_t)(i * 31u + 7u);
+}
+
+/* AddressSanitizer's allocator (GCC 12's libsanitizer) takes no lock across fork: a child forked
+ * while another thread allocates can find its lock held for good, in malloc, before any
+ * kvrouter code runs (seen: a child's new shard thread waiting in asan's GetFromAllocator).  The
+ * case with threads allocating at the forks runs in the plain build only. */
+#if defined(__SANITIZE_ADDRESS__)
+#define BUSY_FORKS_OK 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define BUSY_FORKS_OK 0
+#endif
+#endif
+#ifndef BUSY_FORKS_OK
+#define BUSY_FORKS_OK 1
+#endif
+
+Test(fork, child_routes_on_its_own_router_while_the_parent_routes, .timeout = 240)
+{
+	if (!BUSY_FORKS_OK)
+		cr_skip_test(
+		    "AddressSanitizer's allocator is not fork-safe with threads allocating");
+	fill_prompt();
+	parent_r = make_router(KVR_MODE_APPROX_LRU);
+	cr_assert_not_null(parent_r, "%s", kvr_last_error());
+	cr_assert_eq(route_finish(parent_r, 200, 1), 0);
+	pthread_t fronts[2];
+	for (uintptr_t i = 0; i < 2; i++)
+		cr_assert_eq(pthread_create(&fronts[i], NULL, frontend, (void *)i), 0);
+	while (!atomic_load(&live_attempt) && !atomic_load(&front_err))
+		sleep_us(100);
+	/* Forks while two frontends route and the shards book: threads of the parent are inside
+	 * read sections, posts and grace periods at the forks. */
+	for (int i = 0; i < FORKS; i++) {
+		sleep_us(500 + 700 * (i % 5));
+		expect_child_ok(fork_child(parent_r, atomic_load(&live_attempt)), i);
+	}
+	atomic_store(&stop, 1);
+	for (int i = 0; i < 2; i++)
+		pthread_join(fronts[i], NULL);
+	cr_assert_eq(atomic_load(&front_err), 0, "a parent frontend failed: %d",
+	             atomic_load(&front_err));
+	/* The parent is unaffected: it routes, settles and ends every attempt. */
+	cr_assert_eq(route_finish(parent_r, 200, 2), 0, "%s", kvr_last_error());
+	cr_assert_eq(kvr_router_sync(parent_r, 10000), 0);
+	cr_assert_eq(active_requests(parent_r), 0);
+	kvr_router_destroy(parent_r);
+}
+
+Test(fork, a_child_of_a_process_whose_routers_are_gone, .timeout = 120)
+{
+	/* The parent's router destroyed before the fork: nothing inherited, liburcu's call_rcu
+	 * thread the only one left of it (with urcu-memb and no handlers this hung too). */
+	fill_prompt();
+	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
+	cr_assert_not_null(r);
+	cr_assert_eq(route_finish(r, 300, 3), 0);
+	kvr_router_destroy(r);
+	pid_t pid = fork();
+	cr_assert_geq(pid, 0);
+	if (pid == 0) {
+		alarm(30);
+		struct kvr_router *c = make_router(KVR_MODE_APPROX_LRU);
+		if (!c)
+			_exit(C_CREATE);
+		if (route_finish(c, 300, 4))
+			_exit(C_ROUTE);
+		if (kvr_router_sync(c, 10000))
+			_exit(C_SYNC);
+		kvr_router_destroy(c);
+		_exit(C_OK);
+	}
+	int st = 0;
+	cr_assert_eq(waitpid(pid, &st, 0), pid);
+	expect_child_ok(st, 0);
+}
+
+#ifdef KVR_HAVE_ZMQ
+Test(fork, an_inherited_feed_is_refused_and_left, .timeout = 120)
+{
+	struct kvr_router *r = make_router(KVR_MODE_EVENTS);
+	cr_assert_not_null(r);
+	struct kvr_feed *f = NULL;
+	cr_assert_eq(kvr_feed_create(r, NULL, &f), 0, "%s", kvr_last_error());
+	pid_t pid = fork();
+	cr_assert_geq(pid, 0);
+	if (pid == 0) {
+		alarm(30);
+		struct kvr_feed_stats fs;
+		if (kvr_feed_get_stats(f, 0, &fs) != KVR_ESHUTDOWN ||
+		    !strstr(kvr_last_error(), "forked"))
+			_exit(C_INHERITED_READS);
+		struct kvr_feed *g = NULL;
+		if (kvr_feed_create(r, NULL, &g) != KVR_ESHUTDOWN || g)
+			_exit(C_INHERITED_RANKS);
+		kvr_feed_destroy(f);   /* returns: its thread and ZeroMQ's are the parent's */
+		kvr_router_destroy(r); /* likewise */
+		struct kvr_router *c = make_router(KVR_MODE_EVENTS);
+		if (!c)
+			_exit(C_CREATE);
+		if (kvr_feed_create(c, NULL, &g) != 0)
+			_exit(C_CREATE);
+		kvr_feed_destroy(g);
+		kvr_router_destroy(c);
+		_exit(C_OK);
+	}
+	int st = 0;
+	cr_assert_eq(waitpid(pid, &st, 0), pid);
+	expect_child_ok(st, 0);
+	/* The parent's feed and router work on. */
+	struct kvr_feed_stats fs;
+	int rc = kvr_feed_get_stats(f, 0, &fs);
+	cr_assert(rc == 0 || rc == KVR_ENOENT, "parent's feed: %d %s", rc, kvr_last_error());
+	kvr_feed_destroy(f);
+	kvr_router_destroy(r);
+}
+#endif
