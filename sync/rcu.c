@@ -91,10 +91,26 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 	kvr_rcu_call(&d->head, run_deferred);
 }
 
-/* Enqueues under way (each holds one) and whether a fork holds new ones off (kvr_rcu_fork_
- * enqueues).  seq_cst, as a Dekker pair: an enqueuer counts itself, then reads forking; the
- * fork sets forking, then reads the count, so one of the two sees the other. */
-static uint32_t enq_count, enq_forking;
+/* Enqueues under way (each holds one), and the fork's state (enum below).  seq_cst, as a Dekker
+ * pair: an enqueuer counts itself, then reads the state; the fork sets the state, then reads
+ * the count, so one of the two sees the other. */
+enum { ENQ_OPEN, ENQ_FORKING, ENQ_CHILD, ENQ_CHILD_SETTLING };
+static uint32_t enq_count, enq_state;
+
+/* A forked child's first use of call_rcu: liburcu's after-fork step for its call_rcu threads
+ * (kvr_rcu_fork_callbacks says why it waits until now).  Context: any thread of the child. */
+static void settle_child(void)
+{
+	uint32_t st = ENQ_CHILD;
+	if (__atomic_compare_exchange_n(&enq_state, &st, ENQ_CHILD_SETTLING, false,
+	                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+		urcu_bp_call_rcu_after_fork_child();
+		__atomic_store_n(&enq_state, ENQ_OPEN, __ATOMIC_SEQ_CST);
+		return;
+	}
+	while (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) == ENQ_CHILD_SETTLING)
+		sched_yield();
+}
 
 void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
 {
@@ -102,16 +118,21 @@ void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
 	for (;;) {
 		__atomic_add_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
-		if (__builtin_expect(!__atomic_load_n(&enq_forking, __ATOMIC_SEQ_CST), 1))
+		uint32_t st = __atomic_load_n(&enq_state, __ATOMIC_SEQ_CST);
+		if (__builtin_expect(st == ENQ_OPEN, 1))
 			break;
 		__atomic_sub_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
+		if (st != ENQ_FORKING) {
+			settle_child();
+			continue;
+		}
 		/* A call_rcu thread's callback enqueuing: the fork waits for that thread to pause,
 		 * which it does after this callback (so after this enqueue), never during it. */
 		if (urcu_bp_get_thread_call_rcu_data()) {
 			urcu_bp_call_rcu(head, fn);
 			return;
 		}
-		while (__atomic_load_n(&enq_forking, __ATOMIC_SEQ_CST))
+		while (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) == ENQ_FORKING)
 			sched_yield();
 	}
 	urcu_bp_call_rcu(head, fn);
@@ -122,17 +143,17 @@ void kvr_rcu_fork_enqueues(enum kvr_fork_phase phase)
 {
 	switch (phase) {
 	case KVR_FORK_PREPARE:
-		__atomic_store_n(&enq_forking, 1, __ATOMIC_SEQ_CST);
+		__atomic_store_n(&enq_state, ENQ_FORKING, __ATOMIC_SEQ_CST);
 		while (__atomic_load_n(&enq_count, __ATOMIC_SEQ_CST))
 			sched_yield();
 		break;
 	case KVR_FORK_PARENT:
-		__atomic_store_n(&enq_forking, 0, __ATOMIC_SEQ_CST);
+		__atomic_store_n(&enq_state, ENQ_OPEN, __ATOMIC_SEQ_CST);
 		break;
 	case KVR_FORK_CHILD:
-		/* The parent's enqueuers are not here; none was under way. */
+		/* The parent's enqueuers are not here, and none was under way. */
 		__atomic_store_n(&enq_count, 0, __ATOMIC_SEQ_CST);
-		__atomic_store_n(&enq_forking, 0, __ATOMIC_SEQ_CST);
+		__atomic_store_n(&enq_state, ENQ_CHILD, __ATOMIC_SEQ_CST);
 		break;
 	}
 }
@@ -144,6 +165,8 @@ void kvr_rcu_synchronize(void)
 
 void kvr_rcu_barrier(void)
 {
+	if (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) >= ENQ_CHILD)
+		settle_child(); /* the barrier takes liburcu's lock the settling releases */
 	urcu_bp_barrier();
 }
 
@@ -151,14 +174,17 @@ void kvr_rcu_fork_callbacks(enum kvr_fork_phase phase)
 {
 	switch (phase) {
 	case KVR_FORK_PREPARE:
+		/* A child forking again before its first call_rcu: liburcu's lock is still held
+		 * from the first fork; settle first. */
+		if (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) >= ENQ_CHILD)
+			settle_child();
 		urcu_bp_call_rcu_before_fork();
 		break;
 	case KVR_FORK_PARENT:
 		urcu_bp_call_rcu_after_fork_parent();
 		break;
 	case KVR_FORK_CHILD:
-		urcu_bp_call_rcu_after_fork_child();
-		break;
+		break; /* at the child's first call_rcu or barrier (settle_child) */
 	}
 }
 

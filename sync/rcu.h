@@ -164,8 +164,11 @@ void kvr_rcu_barrier(void);
  * liburcu-bp's part of fork(2), in the order core/fork.c runs them (its handlers):
  *  - kvr_rcu_fork_callbacks: before, the call_rcu threads pause between callbacks (they free
  *    kvrouter's memory and must not hold an allocator's lock across the fork); after, the
- *    parent's resume, and the child gets a new call_rcu thread (callbacks queued in the parent
- *    run there).
+ *    parent's resume.  The child gets a new call_rcu thread (callbacks queued in the parent
+ *    run there) at its first call_rcu or barrier, not in the handler: a child that only execs
+ *    (fork + exec of a helper) would start a thread for nothing, and ThreadSanitizer kills a
+ *    child of a threaded process that starts one (test_feed's publisher did).  liburcu's
+ *    call_rcu lock stays held meanwhile; nothing of kvrouter takes it before that settling.
  *  - kvr_rcu_fork_registry: the grace-period and registry locks held across the fork; the
  *    child's registry keeps the forking thread only.
  *  - kvr_rcu_fork_enqueues: before (first of all), kvrouter's call_rcu enqueues are held off

@@ -238,7 +238,7 @@ static void expect_child_ok(int st, int round)
 	cr_assert(WIFEXITED(st));
 	int code = WEXITSTATUS(st);
 	cr_assert_eq(code, C_OK, "fork %d: %s", round,
-	             code < C_COUNT ? child_what[code] : "unknown exit code");
+	             code < C_COUNT ? child_what[code] : "the grandchild did not exit (a signal)");
 }
 
 static void fill_prompt(void)
@@ -362,3 +362,52 @@ Test(fork, an_inherited_feed_is_refused_and_left, .timeout = 120)
 	kvr_router_destroy(r);
 }
 #endif
+
+/* A child forks again before using call_rcu (liburcu's lock still held from the first fork,
+ * its call_rcu thread not yet started: kvr_rcu_fork_callbacks): the grandchild and then the
+ * child each create, use and destroy a router of their own. */
+static int grandchild_round(void)
+{
+	struct kvr_router *c = make_router(KVR_MODE_APPROX_LRU);
+	if (!c)
+		return C_CREATE;
+	if (route_finish(c, 200, 9))
+		return C_ROUTE;
+	if (kvr_router_sync(c, 10000))
+		return C_SYNC;
+	if (active_requests(c) != 0)
+		return C_LOAD;
+	kvr_router_destroy(c);
+	return C_OK;
+}
+
+Test(fork, a_child_forks_again_before_its_first_router, .timeout = 120)
+{
+	fill_prompt();
+	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
+	cr_assert_not_null(r);
+	cr_assert_eq(route_finish(r, 300, 6), 0);
+	pid_t pid = fork();
+	cr_assert_geq(pid, 0);
+	if (pid == 0) {
+		alarm(60);
+		pid_t g = fork();
+		if (g < 0)
+			_exit(C_CREATE);
+		if (g == 0) {
+			alarm(30);
+			_exit(grandchild_round());
+		}
+		int gst = 0;
+		if (waitpid(g, &gst, 0) != g || !WIFEXITED(gst))
+			_exit(C_COUNT + 1);
+		if (WEXITSTATUS(gst) != C_OK)
+			_exit(WEXITSTATUS(gst));
+		_exit(grandchild_round());
+	}
+	int st = 0;
+	cr_assert_eq(waitpid(pid, &st, 0), pid);
+	expect_child_ok(st, 0);
+	cr_assert_eq(route_finish(r, 100, 8), 0);
+	kvr_router_destroy(r);
+}
