@@ -7,15 +7,16 @@
  *            the metrics registries, the feeds' wait-for graph), then liburcu-bp's
  *            grace-period and registry locks (a thread holding one of ours may be waiting for
  *            a grace period, never the other way round), last kvrouter's call_rcu enqueues
- *            held off and the ones under way finished (last: shard threads enqueue all the
- *            time, and held off before the steps above, which wait milliseconds for the
- *            call_rcu threads to pause, they stalled long enough for frontends' bounded lane
- *            waits to fail; an enqueue takes none of those locks once liburcu's default
- *            call_rcu thread exists, which register_handlers makes sure of);
+ *            held (kept aside until after the fork, nobody waiting) and the ones under way
+ *            finished (an enqueue under way takes none of the locks above once liburcu's
+ *            default call_rcu thread exists, which register_handlers makes sure of; a first
+ *            version made enqueuers wait instead, and shards waiting out a fork (~10-20 ms)
+ *            filled their lanes until frontends' bounded waits failed with KVR_EAGAIN);
  *   parent:  all of it released in the reverse order;
  *   child:   liburcu-bp's registry pruned to this thread and its locks released, every router
  *            live at the fork marked inherited (its shards refuse every post), kvrouter's locks
- *            released, a new call_rcu thread, enqueues let through.
+ *            released; liburcu's call_rcu threads and the held enqueues are settled at the
+ *            child's first call_rcu or barrier (sync/rcu.h says why).
  * glibc runs these prepare handlers before it takes its allocator's locks for the fork, and
  * jemalloc's (registered before ours, at its initialisation) after ours, so a paused call_rcu
  * thread never holds an allocator lock the fork needs.

@@ -96,15 +96,41 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
  * the count, so one of the two sees the other. */
 enum { ENQ_OPEN, ENQ_FORKING, ENQ_CHILD, ENQ_CHILD_SETTLING };
 static uint32_t enq_count, enq_state;
+/* Callbacks enqueued while a fork was under way, kept here instead (a stack linked through
+ * their rcu_head's queue word, pushed with one compare-and-swap: consistent at every instant,
+ * so in the child too), handed to liburcu after the fork. */
+static struct rcu_head *held;
+
+static void hold(struct rcu_head *head, void (*fn)(struct rcu_head *))
+{
+	head->func = fn;
+	struct rcu_head *top = __atomic_load_n(&held, __ATOMIC_RELAXED);
+	do
+		head->next.next = (struct cds_wfcq_node *)top;
+	while (!__atomic_compare_exchange_n(&held, &top, head, true, __ATOMIC_RELEASE,
+	                                    __ATOMIC_RELAXED));
+}
+
+static void release_held(void)
+{
+	struct rcu_head *h = __atomic_exchange_n(&held, NULL, __ATOMIC_ACQUIRE);
+	while (h) {
+		struct rcu_head *next = (struct rcu_head *)h->next.next;
+		urcu_bp_call_rcu(h, h->func);
+		h = next;
+	}
+}
 
 /* A forked child's first use of call_rcu: liburcu's after-fork step for its call_rcu threads
- * (kvr_rcu_fork_callbacks says why it waits until now).  Context: any thread of the child. */
+ * (kvr_rcu_fork_callbacks says why it waits until now), then what was held at the fork.
+ * Context: any thread of the child. */
 static void settle_child(void)
 {
 	uint32_t st = ENQ_CHILD;
 	if (__atomic_compare_exchange_n(&enq_state, &st, ENQ_CHILD_SETTLING, false,
 	                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
 		urcu_bp_call_rcu_after_fork_child();
+		release_held();
 		__atomic_store_n(&enq_state, ENQ_OPEN, __ATOMIC_SEQ_CST);
 		return;
 	}
@@ -132,8 +158,10 @@ void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
 			urcu_bp_call_rcu(head, fn);
 			return;
 		}
-		while (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) == ENQ_FORKING)
-			sched_yield();
+		/* Nobody waits for the fork (a shard waiting here stalled its lanes for the
+		 * fork's ~10-20 ms, and frontends' bounded waits failed with KVR_EAGAIN). */
+		hold(head, fn);
+		return;
 	}
 	urcu_bp_call_rcu(head, fn);
 	__atomic_sub_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
@@ -144,11 +172,12 @@ void kvr_rcu_fork_enqueues(enum kvr_fork_phase phase)
 	switch (phase) {
 	case KVR_FORK_PREPARE:
 		__atomic_store_n(&enq_state, ENQ_FORKING, __ATOMIC_SEQ_CST);
-		while (__atomic_load_n(&enq_count, __ATOMIC_SEQ_CST))
+		while (__atomic_load_n(&enq_count, __ATOMIC_SEQ_CST)) /* a few instructions each */
 			sched_yield();
 		break;
 	case KVR_FORK_PARENT:
 		__atomic_store_n(&enq_state, ENQ_OPEN, __ATOMIC_SEQ_CST);
+		release_held();
 		break;
 	case KVR_FORK_CHILD:
 		/* The parent's enqueuers are not here, and none was under way. */

@@ -75,8 +75,10 @@ extern char kvr_rcu_tsan_token;
 /* The first kvr_rcu_thread_online of a thread (out of line). */
 int kvr_rcu_thread_register(void);
 
-/* Unregisters the calling thread now (it is also done automatically at thread exit).
- * Context: outside a read-side section. */
+/* Takes the calling thread offline now (it is also done automatically at thread exit): the next
+ * kvr_rcu_thread_online registers it again.  liburcu-bp keeps its own record of the thread
+ * until the thread exits (urcu_bp_unregister_thread does nothing); outside a read section that
+ * record holds up no grace period.  Context: outside a read-side section. */
 void kvr_rcu_thread_offline(void);
 
 /* The calling thread's read-side nesting depth (kvr_rcu_read_lock) and whether it is registered
@@ -171,12 +173,14 @@ void kvr_rcu_barrier(void);
  *    call_rcu lock stays held meanwhile; nothing of kvrouter takes it before that settling.
  *  - kvr_rcu_fork_registry: the grace-period and registry locks held across the fork; the
  *    child's registry keeps the forking thread only.
- *  - kvr_rcu_fork_enqueues: before (first of all), kvrouter's call_rcu enqueues are held off
- *    and the ones under way finish.  liburcu's callback queue is wait-free: an enqueue swaps
- *    the tail, then links the previous node; a fork between the two left the child's copy of
- *    the queue with a node never linked, and the child's call_rcu thread (which inherits the
- *    parent's leftover callbacks) waited for that link for good (test_fork: the child's
- *    kvr_router_destroy in rcu_barrier, ~1 run in 10 of 12 forks each).  After, released.
+ *  - kvr_rcu_fork_enqueues: before (last of all), kvrouter's call_rcu enqueues are held
+ *    (kept on a list of kvrouter's, nobody waiting) and the ones under way finish.  liburcu's
+ *    callback queue is wait-free: an enqueue swaps the tail, then links the previous node; a
+ *    fork between the two left the child's copy of the queue with a node never linked, and the
+ *    child's call_rcu thread (which inherits the parent's leftover callbacks) waited for that
+ *    link for good (test_fork: the child's kvr_router_destroy in rcu_barrier, ~1 run in 10 of
+ *    12 forks each).  After, the held callbacks go to liburcu (in the child, at its first
+ *    call_rcu or barrier).
  * Context: core/fork.c's pthread_atfork handlers only.
  */
 enum kvr_fork_phase { KVR_FORK_PREPARE, KVR_FORK_PARENT, KVR_FORK_CHILD };
