@@ -12,7 +12,8 @@
  *            default call_rcu thread exists, which register_handlers makes sure of; a first
  *            version made enqueuers wait instead, and shards waiting out a fork (~10-20 ms)
  *            filled their lanes until frontends' bounded waits failed with KVR_EAGAIN);
- *   parent:  all of it released in the reverse order;
+ *   parent:  all of it released in the reverse order, but liburcu-bp's locks before the held
+ *            enqueues (handing them over may register the forking thread, under its lock);
  *   child:   liburcu-bp's registry pruned to this thread and its locks released, every router
  *            live at the fork marked inherited (its shards refuse every post), kvrouter's locks
  *            released; liburcu's call_rcu threads and the held enqueues are settled at the
@@ -47,8 +48,10 @@ static void on_prepare(void)
 
 static void on_parent(void)
 {
-	kvr_rcu_fork_enqueues(KVR_FORK_PARENT);
+	/* The registry's lock first: handing the held callbacks to liburcu may register this
+	 * thread with liburcu-bp (a thread that never called kvrouter), which takes that lock. */
 	kvr_rcu_fork_registry(KVR_FORK_PARENT);
+	kvr_rcu_fork_enqueues(KVR_FORK_PARENT);
 	kvr_feed_fork(false);
 	kvr_metrics_fork(false);
 	pthread_mutex_unlock(&fork_lock);

@@ -19,11 +19,13 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "sync/rcu.h"
 #include "tests/common/mono_clock.h"
 
 #define RANKS 8
@@ -99,6 +101,11 @@ static void *frontend(void *arg)
 		q.n_tokens = 512 + (size_t)(k % 8) * 400;
 		struct kvr_decision d;
 		int rc = kvr_route(parent_r, &q, &d);
+		/* A fork stalls the parent's threads while the kernel copies its address space
+		 * (~10-20 ms under load: page faults wait for it); a full lane then answers
+		 * KVR_EAGAIN, "try again", as documented. */
+		if (rc == KVR_EAGAIN)
+			continue;
 		if (rc) {
 			atomic_store(&front_err, rc);
 			break;
@@ -410,4 +417,72 @@ Test(fork, a_child_forks_again_before_its_first_router, .timeout = 120)
 	expect_child_ok(st, 0);
 	cr_assert_eq(route_finish(r, 100, 8), 0);
 	kvr_router_destroy(r);
+}
+
+/* The fork from a thread that never called kvrouter (so liburcu-bp has no record of it) while
+ * another thread queues deferred frees: callbacks queued during the fork are kept aside and
+ * handed to liburcu in the parent's handler, which registers the forking thread with
+ * liburcu-bp; done before the handler released liburcu-bp's registry lock (37790f2..288ed36's
+ * order), that registration waited for the lock the same thread held. */
+static atomic_int frees_queued, frees_run, freeing_stop;
+
+static void count_free(void *p)
+{
+	free(p);
+	atomic_fetch_add(&frees_run, 1);
+}
+
+static void *freeing_loop(void *arg)
+{
+	(void)arg;
+	while (!atomic_load(&freeing_stop)) {
+		void *p = malloc(16);
+		if (!p)
+			continue;
+		kvr_rcu_defer_free(p, count_free);
+		atomic_fetch_add(&frees_queued, 1);
+	}
+	return NULL;
+}
+
+static atomic_int forks_done;
+
+static void *forking_thread(void *arg)
+{
+	(void)arg;
+	for (int i = 0; i < 10; i++) {
+		pid_t pid = fork();
+		if (pid == 0)
+			_exit(0); /* nothing else: no allocation in the child */
+		if (pid > 0)
+			waitpid(pid, NULL, 0);
+		atomic_fetch_add(&forks_done, 1);
+	}
+	return NULL;
+}
+
+Test(fork, a_thread_new_to_the_library_forks_while_frees_are_queued, .timeout = 60)
+{
+	/* The handlers exist once a router was created. */
+	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
+	cr_assert_not_null(r);
+	kvr_router_destroy(r);
+	pthread_t e, c;
+	cr_assert_eq(pthread_create(&e, NULL, freeing_loop, NULL), 0);
+	while (atomic_load(&frees_queued) < 1000)
+		sleep_us(100);
+	cr_assert_eq(pthread_create(&c, NULL, forking_thread, NULL), 0);
+	uint64_t t0 = now_ms();
+	while (atomic_load(&forks_done) < 10 && now_ms() - t0 < 20000)
+		sleep_us(1000);
+	int done = atomic_load(&forks_done);
+	atomic_store(&freeing_stop, 1);
+	cr_assert_eq(done, 10,
+	             "the forking thread finished %d of 10 forks in 20 s (a wait for good)", done);
+	pthread_join(c, NULL);
+	pthread_join(e, NULL);
+	kvr_rcu_barrier();
+	cr_assert_eq(atomic_load(&frees_run), atomic_load(&frees_queued),
+	             "%d of %d deferred frees ran", atomic_load(&frees_run),
+	             atomic_load(&frees_queued));
 }
