@@ -49,7 +49,9 @@ static void on_prepare(void)
 static void on_parent(void)
 {
 	/* The registry's lock first: handing the held callbacks to liburcu may register this
-	 * thread with liburcu-bp (a thread that never called kvrouter), which takes that lock. */
+	 * thread with liburcu-bp (a thread that never called kvrouter), which takes that lock.
+	 * And they are handed over before liburcu's call_rcu lock is released (the last step): a
+	 * kvr_rcu_barrier that waits for that lock comes after them. */
 	kvr_rcu_fork_registry(KVR_FORK_PARENT);
 	kvr_rcu_fork_enqueues(KVR_FORK_PARENT);
 	kvr_feed_fork(false);

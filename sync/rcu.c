@@ -152,14 +152,9 @@ void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
 			settle_child();
 			continue;
 		}
-		/* A call_rcu thread's callback enqueuing: the fork waits for that thread to pause,
-		 * which it does after this callback (so after this enqueue), never during it. */
-		if (urcu_bp_get_thread_call_rcu_data()) {
-			urcu_bp_call_rcu(head, fn);
-			return;
-		}
 		/* Nobody waits for the fork (a shard waiting here stalled its lanes for the
-		 * fork's ~10-20 ms, and frontends' bounded waits failed with KVR_EAGAIN). */
+		 * fork's ~10-20 ms, and frontends' bounded waits failed with KVR_EAGAIN).  No
+		 * call_rcu thread gets here: they are paused before the state is set. */
 		hold(head, fn);
 		return;
 	}
