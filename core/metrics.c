@@ -73,17 +73,23 @@ void kvr_metrics_fork(bool before)
 		pthread_mutex_unlock(&live_lock);
 }
 
-void kvr_metrics_fork_forget(struct kvr_metrics *m)
+/* Takes m off the live list.  Context: live_lock held. */
+static void unlink_live(struct kvr_metrics *m)
 {
-	/* live_lock is this thread's (kvr_metrics_fork(true) before the fork): a thread exiting
-	 * in the child then hands its blocks of m to no one, where m's lock may have been copied
-	 * held by a thread of the parent. */
 	for (struct kvr_metrics **pp = &live; *pp; pp = &(*pp)->live_next) {
 		if (*pp == m) {
 			*pp = m->live_next;
 			return;
 		}
 	}
+}
+
+void kvr_metrics_fork_forget(struct kvr_metrics *m)
+{
+	/* live_lock is this thread's (kvr_metrics_fork(true) before the fork): a thread exiting
+	 * in the child then hands its blocks of m to no one, where m's lock may have been copied
+	 * held by a thread of the parent. */
+	unlink_live(m);
 }
 
 int kvr_metrics_create(struct kvr_metrics **out)
@@ -107,12 +113,7 @@ void kvr_metrics_destroy(struct kvr_metrics *m)
 	if (!m)
 		return;
 	pthread_mutex_lock(&live_lock);
-	for (struct kvr_metrics **pp = &live; *pp; pp = &(*pp)->live_next) {
-		if (*pp == m) {
-			*pp = m->live_next;
-			break;
-		}
-	}
+	unlink_live(m);
 	pthread_mutex_unlock(&live_lock);
 	struct kvr_metrics_block *b = m->blocks;
 	while (b) {
