@@ -1,6 +1,7 @@
 /*
- * core/alloc.c - see alloc.h.  With KVR_HAVE_JEMALLOC the library uses jemalloc's non-standard
- * API (mallocx/sdallocx) on two arenas of its own, created once; otherwise the C library.
+ * core/alloc.c - see alloc.h.  With KVR_HAVE_JEMALLOC, and jemalloc in the process (below), the
+ * library uses jemalloc's non-standard API (mallocx/sdallocx) on two arenas of its own, created
+ * once; otherwise the C library.
  */
 #include "core/alloc.h"
 #include "kvrouter.h"
@@ -14,6 +15,18 @@
 
 #ifdef KVR_HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
+/* Weak: libkvrouter.so does not depend on libjemalloc.so.2, so that it can be loaded with
+ * dlopen (plugins, FFI): Debian's jemalloc keeps 2.6 KiB of thread-locals in the initial-exec
+ * model, more than glibc's reserve of static TLS for libraries loaded after startup, and a
+ * dlopen of anything that needs it fails ("cannot allocate memory in static TLS block").  The
+ * library uses jemalloc when the process has it in its global scope (linked into the executable,
+ * as `pkg-config --libs kvrouter` does, or preloaded), else the C library (kvr_alloc_name).  The
+ * choice is made once, at the first allocation, and never changes. */
+#pragma weak mallocx
+#pragma weak rallocx
+#pragma weak sdallocx
+#pragma weak nallocx
+#pragma weak mallctl
 #endif
 
 enum { LONG, TRANSIENT }; /* the arenas (alloc.h) */
@@ -50,6 +63,7 @@ static int64_t live_bytes;
 static unsigned arena_ind[2];
 static int arena_flags[2]; /* 0 until the arenas exist: then MALLOCX_ARENA(arena_ind[k]) */
 static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+static bool je_on; /* jemalloc's API is in the process (the weak references above resolved) */
 /* The calling thread's explicit caches: MALLOCX_TCACHE(index) per arena, or 0 (none). */
 static __thread int thread_tc[2];
 static __thread unsigned thread_tc_ind[2];
@@ -129,6 +143,9 @@ static inline size_t ask(int k, size_t size)
 static void make_arenas(void)
 {
 	unsigned ind[2];
+	je_on = mallocx && rallocx && sdallocx && nallocx && mallctl;
+	if (!je_on)
+		return;
 	find_large();
 	for (int k = 0; k < 2; k++) {
 		size_t sz = sizeof(ind[k]);
@@ -139,6 +156,13 @@ static void make_arenas(void)
 		arena_ind[k] = ind[k];
 		arena_flags[k] = MALLOCX_ARENA(ind[k]);
 	}
+}
+
+/* Whether the library allocates from jemalloc (else the C library); decided at the first call. */
+static inline bool je(void)
+{
+	pthread_once(&arena_once, make_arenas);
+	return je_on;
 }
 
 /* The flags of an allocation from arena k (LONG, TRANSIENT). */
@@ -197,13 +221,13 @@ static void *alloc_in(int k, size_t size, bool zero)
 		size = 1;
 	if (should_fail())
 		return NULL;
+	void *p;
 #ifdef KVR_HAVE_JEMALLOC
-	int f = flags(k);
-	void *p = mallocx(ask(k, size), f | big(size) | (zero ? MALLOCX_ZERO : 0));
-#else
-	(void)k;
-	void *p = zero ? calloc(1, size) : malloc(size);
+	if (je())
+		p = mallocx(ask(k, size), flags(k) | big(size) | (zero ? MALLOCX_ZERO : 0));
+	else
 #endif
+		p = zero ? calloc(1, size) : malloc(size);
 	if (p)
 		count((int64_t)size);
 	return p;
@@ -217,12 +241,14 @@ static void free_in(int k, void *mem, size_t size)
 		size = 1;
 	count(-(int64_t)size);
 #ifdef KVR_HAVE_JEMALLOC
-	int f = free_flags(k, size); /* first: it makes the arenas (and large_min) */
-	sdallocx(mem, ask(k, size), f | big(size));
-#else
+	if (je()) {
+		int f = free_flags(k, size); /* first: it makes the arenas (and large_min) */
+		sdallocx(mem, ask(k, size), f | big(size));
+		return;
+	}
+#endif
 	(void)k;
 	free(mem);
-#endif
 }
 
 void *kvr_alloc(size_t size)
@@ -261,15 +287,19 @@ void *kvr_alloc_aligned(size_t size)
 		rounded = 64;
 	if (should_fail())
 		return NULL;
+	void *p;
 #ifdef KVR_HAVE_JEMALLOC
-	int f = flags(LONG);
-	int align = big(rounded) ? big(rounded) : MALLOCX_ALIGN(64);
-	void *p = mallocx(rounded, f | align | MALLOCX_ZERO);
-#else
-	void *p = aligned_alloc(64, rounded);
-	if (p)
-		memset(p, 0, rounded);
+	if (je()) {
+		int f = flags(LONG);
+		int align = big(rounded) ? big(rounded) : MALLOCX_ALIGN(64);
+		p = mallocx(rounded, f | align | MALLOCX_ZERO);
+	} else
 #endif
+	{
+		p = aligned_alloc(64, rounded);
+		if (p)
+			memset(p, 0, rounded);
+	}
 	if (p)
 		count((int64_t)size);
 	return p;
@@ -283,12 +313,13 @@ void *kvr_realloc(void *mem, size_t old_size, size_t new_size)
 		new_size = 1;
 	if (should_fail())
 		return NULL;
+	void *p;
 #ifdef KVR_HAVE_JEMALLOC
-	int f = flags(LONG);
-	void *p = rallocx(mem, long_class(new_size), f | big(new_size));
-#else
-	void *p = realloc(mem, new_size);
+	if (je())
+		p = rallocx(mem, long_class(new_size), flags(LONG) | big(new_size));
+	else
 #endif
+		p = realloc(mem, new_size);
 	if (p)
 		count((int64_t)new_size - (int64_t)(old_size ? old_size : 1));
 	return p;
@@ -299,12 +330,12 @@ size_t kvr_alloc_real_size(size_t size)
 	if (size == 0)
 		return 0;
 #ifdef KVR_HAVE_JEMALLOC
-	int f = flags(LONG);
-	size_t r = nallocx(long_class(size), f | big(size));
-	return r ? r : size;
-#else
-	return size;
+	if (je()) {
+		size_t r = nallocx(long_class(size), flags(LONG) | big(size));
+		return r ? r : size;
+	}
 #endif
+	return size;
 }
 
 size_t kvr_alloc_real_size_aligned(size_t size)
@@ -313,12 +344,13 @@ size_t kvr_alloc_real_size_aligned(size_t size)
 		return 0;
 	size_t rounded = (size + 63) & ~(size_t)63;
 #ifdef KVR_HAVE_JEMALLOC
-	int f = flags(LONG);
-	size_t r = nallocx(rounded, f | (big(rounded) ? big(rounded) : MALLOCX_ALIGN(64)));
-	return r ? r : rounded;
-#else
-	return rounded;
+	if (je()) {
+		int f = flags(LONG);
+		size_t r = nallocx(rounded, f | (big(rounded) ? big(rounded) : MALLOCX_ALIGN(64)));
+		return r ? r : rounded;
+	}
 #endif
+	return rounded;
 }
 
 size_t kvr_alloc_discard(void *mem, size_t len)
@@ -346,13 +378,24 @@ void kvr_free_aligned(void *mem, size_t size)
 		return;
 	count(-(int64_t)size);
 #ifdef KVR_HAVE_JEMALLOC
-	size_t rounded = (size + 63) & ~(size_t)63;
-	rounded = rounded ? rounded : 64;
-	int f = free_flags(LONG, rounded);
-	sdallocx(mem, rounded, f | (big(rounded) ? big(rounded) : MALLOCX_ALIGN(64)));
-#else
-	free(mem);
+	if (je()) {
+		size_t rounded = (size + 63) & ~(size_t)63;
+		rounded = rounded ? rounded : 64;
+		int f = free_flags(LONG, rounded);
+		sdallocx(mem, rounded, f | (big(rounded) ? big(rounded) : MALLOCX_ALIGN(64)));
+		return;
+	}
 #endif
+	free(mem);
+}
+
+const char *kvr_alloc_name(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	if (je())
+		return "jemalloc";
+#endif
+	return "libc";
 }
 
 void kvr_alloc_fail_after(uint64_t nth)

@@ -2,8 +2,9 @@
  * core/alloc.h - kvrouter's allocator seam.
  *
  * Every allocation the library makes goes through these functions so that
- *  - with jemalloc (meson feature, on by default) the library's structures live in private
- *    jemalloc arenas, away from the embedder's heap, and frees are sized (sdallocx);
+ *  - with jemalloc (meson feature, on by default; used when the process has it, alloc.c) the
+ *    library's structures live in private jemalloc arenas, away from the embedder's heap, and
+ *    frees are sized (sdallocx);
  *  - tests can fail the Nth allocation (SQLite-style out-of-memory loops) and count live bytes.
  * Sizes must be passed back to kvr_free() exactly as allocated.
  *
@@ -59,6 +60,11 @@ size_t kvr_alloc_real_size_aligned(size_t size);
  * doubling, 16 at least.  Returns 0 or KVR_ENOMEM (then *p and *cap are unchanged).
  * Context: the array's owner. */
 int kvr_grow(void **p, size_t *cap, size_t need, size_t elem);
+
+/* The allocator the library's structures come from: "jemalloc" (built with it, and the process
+ * has it: alloc.c says why it must be the process's) or "libc".  Fixed at the first allocation.
+ * Context: any thread. */
+const char *kvr_alloc_name(void);
 
 /* Test hooks: fail the nth allocation from now (1 = the next one); 0 disables.
  * Counts live bytes allocated through this seam.  Context: tests, single-threaded setup. */

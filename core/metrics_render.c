@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
@@ -203,6 +204,12 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 	}
 	put(&o, "# HELP kvr_queue_depth Requests waiting\n# TYPE kvr_queue_depth gauge\n");
 	put(&o, "kvr_queue_depth %zu\n", kvr_queue_depth(r));
+	/* Which allocator: a process that loaded the library with dlopen, or did not link jemalloc,
+	 * runs on the C library's, with about twice the memory per tracked block (README). */
+	put(&o,
+	    "# HELP kvr_allocator The allocator the library's structures come from (info)\n"
+	    "# TYPE kvr_allocator gauge\nkvr_allocator{name=\"%s\"} 1\n",
+	    kvr_alloc_name());
 	static const char *gauges[][2] = {
 	    {"kvr_rank_active_blocks", "Distinct blocks pinned by in-flight requests"},
 	    {"kvr_rank_active_prefill_tokens", "Prefill tokens in flight"},

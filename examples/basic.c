@@ -179,13 +179,27 @@ int main(void)
 	CHECK(rc == KVR_ERANGE && len > 1, "size query: %d, len %zu", rc, len);
 	char *text = malloc(len);
 	CHECK(text && kvr_metrics_render(r, text, len, &len) == 0, "metrics render");
-	static const char *const series[] = {
-	    "kvr_route_hash_seconds",       "kvr_route_match_seconds",  "kvr_events_total",
-	    "kvr_evictions_total",          "kvr_lease_expiries_total", "kvr_queue_depth",
-	    "kvr_queue_wait_seconds",       "kvr_rank_active_requests", "kvr_lane_full_waits_total",
-	    "kvr_lane_soft_throttles_total"};
+	static const char *const series[] = {"kvr_route_hash_seconds",
+	                                     "kvr_route_match_seconds",
+	                                     "kvr_events_total",
+	                                     "kvr_evictions_total",
+	                                     "kvr_lease_expiries_total",
+	                                     "kvr_queue_depth",
+	                                     "kvr_queue_wait_seconds",
+	                                     "kvr_rank_active_requests",
+	                                     "kvr_lane_full_waits_total",
+	                                     "kvr_lane_soft_throttles_total",
+	                                     "kvr_allocator"};
 	for (size_t i = 0; text && i < sizeof(series) / sizeof(series[0]); i++)
 		CHECK(strstr(text, series[i]) != NULL, "metric %s missing", series[i]);
+	/* The allocator the link line gave the library (meson and link_installed.sh say which to
+	 * expect: jemalloc where the build has it, README.md "Link after `meson install`"). */
+	const char *alloc_want = getenv("KVR_EXPECT_ALLOCATOR");
+	if (text && alloc_want) {
+		char line[64];
+		snprintf(line, sizeof(line), "kvr_allocator{name=\"%s\"} 1\n", alloc_want);
+		CHECK(strstr(text, line) != NULL, "metrics: no %s", line);
+	}
 	free(text);
 
 	// clang-format off

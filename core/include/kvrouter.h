@@ -1097,6 +1097,10 @@ KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
  * NUL-terminated when cap > 0).  *len_out (may be NULL) gets the full length; when it does not
  * fit, returns KVR_ERANGE and *len_out tells the size needed (buf NULL with cap 0 asks only
  * that).  Other returns: KVR_EINVAL (buf NULL with cap > 0), KVR_ENOMEM.  Context: any thread.
+ * Among them kvr_allocator{name="jemalloc"} 1 (or "libc"): the allocator the library's
+ * structures come from, jemalloc when the process has it (linked as `pkg-config --libs
+ * kvrouter` links it, or preloaded), else the C library's (a process that loaded the library
+ * with dlopen; README.md, "Link after `meson install`").
  */
 KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out);
 
@@ -1123,7 +1127,7 @@ struct kvr_memory {
 	 * retired but not yet past its RCU grace period) less the size-class rounding the parts
 	 * include. */
 	uint64_t library;
-	/* With jemalloc (0 otherwise): the bytes allocated in the library's own arena at their
+	/* On jemalloc (kvr_allocator, kvr_metrics_render; 0 otherwise): the bytes allocated in the library's own arena at their
 	 * size classes (every router in the process), and of those, freed objects parked in the
 	 * threads' caches (tcaches), which jemalloc still counts as allocated. */
 	uint64_t arena, arena_cached;
