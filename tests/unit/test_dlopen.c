@@ -39,18 +39,18 @@
 		}                                                                                  \
 	} while (0)
 
-/* The calls used, resolved from the handle. */
+/* The calls used, resolved from the handle (typed from the header's declarations). */
 struct api {
-	void (*config_init)(struct kvr_config *);
-	int (*router_create)(const struct kvr_config *, struct kvr_router **);
-	void (*router_destroy)(struct kvr_router *);
-	int (*rank_add)(struct kvr_router *, struct kvr_rank_id, uint64_t, uint64_t);
-	void (*request_init)(struct kvr_request *);
-	int (*route)(struct kvr_router *, const struct kvr_request *, struct kvr_decision *);
-	int (*finish)(struct kvr_router *, uint64_t);
-	int (*router_sync)(struct kvr_router *, uint32_t);
-	int (*metrics_render)(struct kvr_router *, char *, size_t, size_t *);
-	const char *(*last_error)(void);
+	__typeof__(kvr_config_init) *config_init;
+	__typeof__(kvr_router_create) *router_create;
+	__typeof__(kvr_router_destroy) *router_destroy;
+	__typeof__(kvr_rank_add) *rank_add;
+	__typeof__(kvr_request_init) *request_init;
+	__typeof__(kvr_route) *route;
+	__typeof__(kvr_request_finish) *finish;
+	__typeof__(kvr_router_sync) *router_sync;
+	__typeof__(kvr_metrics_render) *metrics_render;
+	__typeof__(kvr_last_error) *last_error;
 };
 
 static void *sym(void *h, const char *name)
@@ -87,7 +87,7 @@ static struct kvr_router *make_router(const struct api *a)
 	CHECK(rc == 0, "kvr_router_create: %d (%s)", rc, a->last_error());
 	for (uint32_t w = 0; w < 4; w++) {
 		struct kvr_rank_id id = {.worker_id = w, .dp_rank = 0};
-		rc = a->rank_add(r, id, 1, 4096);
+		rc = a->rank_add(r, id, 1, 4096, 8192);
 		CHECK(rc == 0, "kvr_rank_add: %d (%s)", rc, a->last_error());
 	}
 	return r;
