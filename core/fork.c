@@ -2,25 +2,21 @@
  * core/fork.c - routers across fork(2): see fork.h.
  *
  * The handlers (pthread_atfork, registered with the first router) in the order they must run:
- *   prepare: liburcu-bp's call_rcu threads paused (they run kvrouter's deferred frees, which
+ *   prepare: kvrouter's RCU reclaimer between batches (sync/rcu.c: the deferred frees it runs
  *            may need the locks below), then kvrouter's process-wide locks (this file's list,
  *            the metrics registries, the feeds' wait-for graph), then liburcu-bp's
  *            grace-period and registry locks (a thread holding one of ours may be waiting for
- *            a grace period, never the other way round), last kvrouter's call_rcu enqueues
- *            held (kept aside until after the fork, nobody waiting) and the ones under way
- *            finished (an enqueue under way takes none of the locks above once liburcu's
- *            default call_rcu thread exists, which register_handlers makes sure of; a first
- *            version made enqueuers wait instead, and shards waiting out a fork (~10-20 ms)
- *            filled their lanes until frontends' bounded waits failed with KVR_EAGAIN);
- *   parent:  all of it released in the reverse order, but liburcu-bp's locks before the held
- *            enqueues (handing them over may register the forking thread, under its lock);
+ *            a grace period, never the other way round);
+ *   parent:  all of it released in the reverse order;
  *   child:   liburcu-bp's registry pruned to this thread and its locks released, every router
  *            live at the fork marked inherited (its shards refuse every post), kvrouter's locks
- *            released; liburcu's call_rcu threads and the held enqueues are settled at the
- *            child's first call_rcu or barrier (sync/rcu.h says why).
+ *            released, the reclaimer's state reset (its thread stayed in the parent; the child
+ *            starts its own with its first router, or its first deferred free).
  * glibc runs these prepare handlers before it takes its allocator's locks for the fork, and
- * jemalloc's (registered before ours, at its initialisation) after ours, so a paused call_rcu
- * thread never holds an allocator lock the fork needs.
+ * jemalloc's (registered before ours, at its initialisation) after ours, so the reclaimer, held
+ * between batches, never holds an allocator lock the fork needs.  A thread queueing a deferred
+ * free meanwhile does not wait: its one compare-and-swap leaves the queue whole in both
+ * processes.
  */
 #include "core/fork.h"
 
@@ -38,26 +34,20 @@ static uint32_t fork_gen;
 
 static void on_prepare(void)
 {
-	kvr_rcu_fork_callbacks(KVR_FORK_PREPARE);
+	kvr_rcu_fork_reclaimer(KVR_FORK_PREPARE);
 	pthread_mutex_lock(&fork_lock);
 	kvr_metrics_fork(true);
 	kvr_feed_fork(true);
 	kvr_rcu_fork_registry(KVR_FORK_PREPARE);
-	kvr_rcu_fork_enqueues(KVR_FORK_PREPARE);
 }
 
 static void on_parent(void)
 {
-	/* The registry's lock first: handing the held callbacks to liburcu may register this
-	 * thread with liburcu-bp (a thread that never called kvrouter), which takes that lock.
-	 * And they are handed over before liburcu's call_rcu lock is released (the last step): a
-	 * kvr_rcu_barrier that waits for that lock comes after them. */
 	kvr_rcu_fork_registry(KVR_FORK_PARENT);
-	kvr_rcu_fork_enqueues(KVR_FORK_PARENT);
 	kvr_feed_fork(false);
 	kvr_metrics_fork(false);
 	pthread_mutex_unlock(&fork_lock);
-	kvr_rcu_fork_callbacks(KVR_FORK_PARENT);
+	kvr_rcu_fork_reclaimer(KVR_FORK_PARENT);
 }
 
 static void on_child(void)
@@ -73,13 +63,11 @@ static void on_child(void)
 	kvr_feed_fork(false);
 	kvr_metrics_fork(false);
 	pthread_mutex_unlock(&fork_lock);
-	kvr_rcu_fork_callbacks(KVR_FORK_CHILD);
-	kvr_rcu_fork_enqueues(KVR_FORK_CHILD);
+	kvr_rcu_fork_reclaimer(KVR_FORK_CHILD);
 }
 
 static void register_handlers(void)
 {
-	kvr_rcu_fork_ready();
 	/* Fails only without memory for glibc's handler record; a process that never forks does
 	 * not need them, and one that does finds its inherited routers unmarked (as before). */
 	(void)pthread_atfork(on_prepare, on_parent, on_child);

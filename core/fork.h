@@ -1,7 +1,7 @@
 /*
  * core/fork.h - routers across fork(2).
  *
- * A router's shard threads (and liburcu-bp's call_rcu thread) are not copied into a child: a
+ * A router's shard threads (and the library's RCU reclaimer) are not copied into a child: a
  * router live at the fork is the parent's, and in the child every call on it fails with
  * KVR_ESHUTDOWN at once (a call would otherwise wait for a shard that is not there, or book
  * work nobody runs), and kvr_router_destroy leaves it (its memory is the parent's copy; joining

@@ -102,6 +102,13 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 		return kvr_fail(rc,
 		                "kvr_router_create: this thread could not register with RCU: %s",
 		                kvr_strerror(rc));
+	/* The deferred frees' thread (sync/rcu.c), once per process: the one thread a router
+	 * shares with others, and liburcu's would abort() where it cannot be started. */
+	int err = kvr_rcu_start();
+	if (err)
+		return kvr_fail(KVR_ENOMEM,
+		                "kvr_router_create: could not start the RCU reclaimer thread: %s",
+		                strerror(err));
 	struct kvr_router *r = kvr_alloc_aligned(sizeof(*r)); /* zeroed; rng_counter's line */
 	if (!r)
 		return kvr_fail(KVR_ENOMEM, "kvr_router_create: out of memory for the router");
@@ -181,8 +188,14 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .on_idle = kvr_owner_shard_idle,
 	    .ctx = &r->owner,
 	};
-	if ((rc = kvr_shards_create(&sc, &r->shards)))
-		goto fail;
+	if ((rc = kvr_shards_create(&sc, &r->shards))) {
+		if (rc != KVR_EAGAIN)
+			goto fail;
+		kvr_router_destroy(r);
+		return kvr_fail(KVR_ENOMEM,
+		                "kvr_router_create: a shard thread could not be started "
+		                "(pthread_create failed: the process's thread limit?)");
+	}
 	for (uint32_t i = 0; i < kvr_shards_count(r->shards); i++) {
 		if (!kvr_shard_userdata(kvr_shards_get(r->shards, i))) {
 			rc = KVR_ENOMEM; /* a shard could not set up its state */

@@ -729,7 +729,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 	for (uint32_t i = 0; i < n; i++) {
 		if (pthread_create(&s->shard[i]->thread, NULL, shard_main, s->shard[i]) != 0) {
 			kvr_shards_destroy(s);
-			return KVR_EBUSY;
+			return KVR_EAGAIN; /* the process's thread limit, most likely */
 		}
 		s->shard[i]->started = true;
 	}

@@ -139,8 +139,8 @@ typedef kvr_timer_fn kvr_shard_timer_fn; /* void (*)(struct kvr_shard *, void *a
 /*
  * Starts the shard threads.  cfg is borrowed.  Returns 0 and *out, or KVR_EINVAL (NULL args),
  * KVR_ERANGE (too many shards, bad capacity), KVR_ENOMEM (also: a shard thread could not be
- * registered as an RCU reader), or KVR_EBUSY (a thread could not be created).  Context: any thread.
- * The threads have called on_thread_start when it returns.
+ * registered as an RCU reader), or KVR_EAGAIN (a thread could not be created).  Context: any
+ * thread. The threads have called on_thread_start when it returns.
  */
 int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **out);
 

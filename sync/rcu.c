@@ -1,13 +1,16 @@
 /*
- * sync/rcu.c - reader registration and deferred free on urcu-bp (see rcu.h for the why).
+ * sync/rcu.c - reader registration on urcu-bp, and deferred frees on a reclaimer thread of our
+ * own (see rcu.h for the why).
  */
 #include "sync/rcu.h"
 
 #include <pthread.h>
-#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
+#include "sync/park.h"
 
 #ifdef KVR_TSAN
 char kvr_rcu_tsan_token;
@@ -91,95 +94,135 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 	kvr_rcu_call(&d->head, run_deferred);
 }
 
-/* Enqueues under way (each holds one), and the fork's state (enum below).  seq_cst, as a Dekker
- * pair: an enqueuer counts itself, then reads the state; the fork sets the state, then reads
- * the count, so one of the two sees the other. */
-enum { ENQ_OPEN, ENQ_FORKING, ENQ_CHILD, ENQ_CHILD_SETTLING };
-static uint32_t enq_count, enq_state;
-/* Callbacks enqueued while a fork was under way, kept here instead (a stack linked through
- * their rcu_head's queue word, pushed with one compare-and-swap: consistent at every instant,
- * so in the child too), handed to liburcu after the fork. */
-static struct rcu_head *held;
+/*
+ * The reclaimer: one thread per process, kvrouter's own, runs the deferred callbacks after a
+ * grace period.  liburcu's call_rcu did until 2026-12-05; why not any more:
+ *  - liburcu creates its call_rcu threads itself and calls abort() when pthread_create fails
+ *    (urcu_die): a process at its thread limit (a container's pids.max) died in the first
+ *    kvr_router_create instead of getting an error, and a forked child at its first free.
+ *    Here kvr_router_create starts the thread (kvr_rcu_start) and reports a failure; a callback
+ *    queued while no thread runs waits for the next start, and kvr_rcu_barrier runs the queue
+ *    itself when no thread can be started.
+ *  - Across fork(2) liburcu's call_rcu threads pause between callbacks after their 10 ms
+ *    gathering sleep, which a fork waited for (fork() of a busy parent 8-9 -> 20-23 ms), and
+ *    its wait-free queue can be copied half-linked (rcu.h, kvr_rcu_fork_reclaimer): both took
+ *    a dance of their own.  Here the queue is a stack pushed with one compare-and-swap
+ *    (consistent at every instant, so in a child too) and a fork waits only for a batch under
+ *    way (the lock rec_run).
+ * What is kept from liburcu's: one grace period per batch (urcu_bp_synchronize_rcu), callbacks
+ * run oldest first, and batches gathered for REC_GATHER_NS after each (so a busy router pays a
+ * grace period per 10 ms, not per free); the wake-up is kvrouter's parker (sync/park.h): a
+ * queueing thread wakes the reclaimer only when it sleeps without a bound.
+ */
+#define REC_GATHER_NS 10000000ull
 
-static void hold(struct rcu_head *head, void (*fn)(struct rcu_head *))
+enum { REC_NONE, REC_RUNNING };
+static struct rcu_head *pending;   /* queued callbacks, newest first, linked through next */
+static struct kvr_parker rec_park; /* the reclaimer sleeps here */
+static uint32_t rec_state;         /* REC_*: a reclaimer thread runs in this process */
+/* Held across a batch (so a fork finds no callback running) and by a barrier that runs the
+ * queue itself; rec_start serialises starts.  Both are re-made in a forked child. */
+static pthread_mutex_t rec_run = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t rec_start = PTHREAD_MUTEX_INITIALIZER;
+
+static void push(struct rcu_head *head, void (*fn)(struct rcu_head *))
 {
 	head->func = fn;
-	struct rcu_head *top = __atomic_load_n(&held, __ATOMIC_RELAXED);
+	struct rcu_head *top = __atomic_load_n(&pending, __ATOMIC_RELAXED);
 	do
 		head->next.next = (struct cds_wfcq_node *)top;
-	while (!__atomic_compare_exchange_n(&held, &top, head, true, __ATOMIC_RELEASE,
+	while (!__atomic_compare_exchange_n(&pending, &top, head, true, __ATOMIC_SEQ_CST,
 	                                    __ATOMIC_RELAXED));
 }
 
-static void release_held(void)
+/* Runs what is queued now, oldest first, after one grace period; false if nothing was.
+ * Context: holds rec_run, outside a read-side section. */
+static bool run_batch(void)
 {
-	struct rcu_head *h = __atomic_exchange_n(&held, NULL, __ATOMIC_ACQUIRE);
+	struct rcu_head *h = __atomic_exchange_n(&pending, NULL, __ATOMIC_ACQUIRE);
+	if (!h)
+		return false;
+	urcu_bp_synchronize_rcu();
+	struct rcu_head *fifo = NULL;
 	while (h) {
 		struct rcu_head *next = (struct rcu_head *)h->next.next;
-		urcu_bp_call_rcu(h, h->func);
+		h->next.next = (struct cds_wfcq_node *)fifo;
+		fifo = h;
 		h = next;
 	}
+	while (fifo) {
+		struct rcu_head *next = (struct rcu_head *)fifo->next.next; /* fifo may be freed */
+		fifo->func(fifo);
+		fifo = next;
+	}
+	return true;
 }
 
-/* A forked child's first use of call_rcu: liburcu's after-fork step for its call_rcu threads
- * (kvr_rcu_fork_callbacks says why it waits until now), then what was held at the fork.
- * Context: any thread of the child. */
-static void settle_child(void)
+static void *reclaimer_main(void *arg)
 {
-	uint32_t st = ENQ_CHILD;
-	if (__atomic_compare_exchange_n(&enq_state, &st, ENQ_CHILD_SETTLING, false,
-	                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-		urcu_bp_call_rcu_after_fork_child();
-		release_held();
-		__atomic_store_n(&enq_state, ENQ_OPEN, __ATOMIC_SEQ_CST);
-		return;
+	(void)arg;
+	for (;;) {
+		pthread_mutex_lock(&rec_run);
+		bool ran = run_batch();
+		pthread_mutex_unlock(&rec_run);
+		if (ran) { /* gather the next batch; a barrier's wake ends this early */
+			kvr_parker_prepare_bounded(&rec_park);
+			(void)kvr_parker_wait(&rec_park, REC_GATHER_NS);
+			continue;
+		}
+		kvr_parker_prepare(&rec_park);
+		if (__atomic_load_n(&pending, __ATOMIC_SEQ_CST)) {
+			kvr_parker_cancel(&rec_park);
+			continue;
+		}
+		(void)kvr_parker_wait(&rec_park, UINT64_MAX);
 	}
-	while (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) == ENQ_CHILD_SETTLING)
-		sched_yield();
+	return NULL;
+}
+
+int kvr_rcu_start(void)
+{
+	if (__atomic_load_n(&rec_state, __ATOMIC_ACQUIRE) == REC_RUNNING)
+		return 0;
+	int err = 0;
+	pthread_mutex_lock(&rec_start);
+	if (__atomic_load_n(&rec_state, __ATOMIC_RELAXED) != REC_RUNNING) {
+		kvr_parker_init(&rec_park);
+		/* Every signal blocked in the thread: the embedder's handlers run on its own. */
+		sigset_t all, old;
+		sigfillset(&all);
+		pthread_sigmask(SIG_SETMASK, &all, &old);
+		pthread_attr_t attr;
+		pthread_t th;
+		err = pthread_attr_init(&attr);
+		if (!err) {
+			(void)pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+			err = pthread_create(&th, &attr, reclaimer_main, NULL);
+			pthread_attr_destroy(&attr);
+		}
+		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		if (!err)
+			__atomic_store_n(&rec_state, REC_RUNNING, __ATOMIC_RELEASE);
+	}
+	pthread_mutex_unlock(&rec_start);
+	return err;
 }
 
 void kvr_rcu_call(struct rcu_head *head, void (*fn)(struct rcu_head *))
 {
-	/* The hand-off to liburcu's call_rcu thread is invisible to TSan: publish our writes. */
+	/* The hand-off to the reclaimer passes through a grace period TSan cannot see. */
 	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
-	for (;;) {
-		__atomic_add_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
-		uint32_t st = __atomic_load_n(&enq_state, __ATOMIC_SEQ_CST);
-		if (__builtin_expect(st == ENQ_OPEN, 1))
-			break;
-		__atomic_sub_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
-		if (st != ENQ_FORKING) {
-			settle_child();
-			continue;
-		}
-		/* Nobody waits for the fork (a shard waiting here stalled its lanes for the
-		 * fork's ~10-20 ms, and frontends' bounded waits failed with KVR_EAGAIN).  No
-		 * call_rcu thread gets here: they are paused before the state is set. */
-		hold(head, fn);
+	push(head, fn);
+	if (__builtin_expect(__atomic_load_n(&rec_state, __ATOMIC_ACQUIRE) == REC_RUNNING, 1)) {
+		kvr_barrier_after_rmw(); /* the push's compare-and-swap */
+		(void)kvr_parker_wake_lazy_fenced(&rec_park);
 		return;
 	}
-	urcu_bp_call_rcu(head, fn);
-	__atomic_sub_fetch(&enq_count, 1, __ATOMIC_SEQ_CST);
-}
-
-void kvr_rcu_fork_enqueues(enum kvr_fork_phase phase)
-{
-	switch (phase) {
-	case KVR_FORK_PREPARE:
-		__atomic_store_n(&enq_state, ENQ_FORKING, __ATOMIC_SEQ_CST);
-		while (__atomic_load_n(&enq_count, __ATOMIC_SEQ_CST)) /* a few instructions each */
-			sched_yield();
-		break;
-	case KVR_FORK_PARENT:
-		__atomic_store_n(&enq_state, ENQ_OPEN, __ATOMIC_SEQ_CST);
-		release_held();
-		break;
-	case KVR_FORK_CHILD:
-		/* The parent's enqueuers are not here, and none was under way. */
-		__atomic_store_n(&enq_count, 0, __ATOMIC_SEQ_CST);
-		__atomic_store_n(&enq_state, ENQ_CHILD, __ATOMIC_SEQ_CST);
-		break;
-	}
+	/* No reclaimer in this process yet (the index used without a router, or a forked child
+	 * before its first router): start one.  If that fails the callback waits in the queue for
+	 * the next start or barrier. */
+	if (kvr_rcu_start() == 0)
+		kvr_parker_wake(&rec_park);
 }
 
 void kvr_rcu_synchronize(void)
@@ -187,28 +230,54 @@ void kvr_rcu_synchronize(void)
 	urcu_bp_synchronize_rcu();
 }
 
-void kvr_rcu_barrier(void)
+struct barrier_head {
+	struct rcu_head head;
+	struct kvr_reply done;
+};
+
+static void barrier_cb(struct rcu_head *h)
 {
-	if (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) >= ENQ_CHILD)
-		settle_child(); /* the barrier takes liburcu's lock the settling releases */
-	urcu_bp_barrier();
+	struct barrier_head *b = caa_container_of(h, struct barrier_head, head);
+	kvr_reply_post(&b->done, 0); /* b is the waiter's: not touched after this */
 }
 
-void kvr_rcu_fork_callbacks(enum kvr_fork_phase phase)
+void kvr_rcu_barrier(void)
+{
+	struct barrier_head b;
+	kvr_reply_init(&b.done);
+	KVR_TSAN_RELEASE(&kvr_rcu_tsan_token);
+	push(&b.head, barrier_cb); /* runs after everything queued before it */
+	if (kvr_rcu_start() == 0) {
+		kvr_parker_wake(&rec_park); /* also from its gathering sleep */
+	} else {
+		/* No thread can be started: run the queue here (what is queued from now on waits
+		 * for a later start). */
+		pthread_mutex_lock(&rec_run);
+		(void)run_batch();
+		pthread_mutex_unlock(&rec_run);
+	}
+	(void)kvr_reply_wait(&b.done, 0, NULL);
+}
+
+void kvr_rcu_fork_reclaimer(enum kvr_fork_phase phase)
 {
 	switch (phase) {
 	case KVR_FORK_PREPARE:
-		/* A child forking again before its first call_rcu: liburcu's lock is still held
-		 * from the first fork; settle first. */
-		if (__atomic_load_n(&enq_state, __ATOMIC_SEQ_CST) >= ENQ_CHILD)
-			settle_child();
-		urcu_bp_call_rcu_before_fork();
+		pthread_mutex_lock(&rec_start);
+		pthread_mutex_lock(&rec_run);
 		break;
 	case KVR_FORK_PARENT:
-		urcu_bp_call_rcu_after_fork_parent();
+		pthread_mutex_unlock(&rec_run);
+		pthread_mutex_unlock(&rec_start);
 		break;
 	case KVR_FORK_CHILD:
-		break; /* at the child's first call_rcu or barrier (settle_child) */
+		/* The reclaimer stayed in the parent; the queue (the parent's callbacks not yet
+		 * run) is whole, and runs when this process starts its own. */
+		pthread_mutex_init(&rec_run, NULL);
+		pthread_mutex_init(&rec_start, NULL);
+		kvr_parker_init(&rec_park);
+		__atomic_store_n(&rec_state, REC_NONE, __ATOMIC_RELAXED);
+		break;
 	}
 }
 
@@ -225,9 +294,4 @@ void kvr_rcu_fork_registry(enum kvr_fork_phase phase)
 		urcu_bp_after_fork_child();
 		break;
 	}
-}
-
-void kvr_rcu_fork_ready(void)
-{
-	(void)urcu_bp_get_default_call_rcu_data();
 }

@@ -29,8 +29,8 @@
  * (kvr_rcu_publish / kvr_rcu_deref: release store / acquire load, which compile to plain moves
  * on x86), and (2) every read-side unlock and every call_rcu hand-off is a TSan release on one
  * token and every deferred callback starts with an acquire on it, which is exactly the
- * grace-period guarantee (and the queue hand-off to liburcu's callback thread).  Without TSan the
- * annotations compile to nothing.
+ * grace-period guarantee (and the queue hand-off to the reclaimer thread, sync/rcu.c).  Without
+ * TSan the annotations compile to nothing.
  *
  * Licence note: liburcu's static-inline fast paths (_LGPL_SOURCE) are not used by default, so
  * the library only links against LGPL code; meson option urcu_inline=true turns them on.
@@ -148,7 +148,9 @@ static inline int kvr_rcu_thread_online(void)
 void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *));
 
 /*
- * call_rcu on an rcu_head embedded in the caller's object (no extra allocation).  fn must start
+ * call_rcu on an rcu_head embedded in the caller's object (no extra allocation), run by
+ * kvrouter's reclaimer thread (sync/rcu.c; not liburcu's call_rcu: it aborts where it cannot
+ * start a thread), oldest first, after a grace period.  Never waits.  fn must start
  * with KVR_RCU_CALLBACK_ENTER() so ThreadSanitizer sees the grace period.
  * Context: a registered thread (shard threads are), outside a read-side section.
  */
@@ -163,32 +165,26 @@ void kvr_rcu_synchronize(void);
 void kvr_rcu_barrier(void);
 
 /*
- * liburcu-bp's part of fork(2), in the order core/fork.c runs them (its handlers):
- *  - kvr_rcu_fork_callbacks: before, the call_rcu threads pause between callbacks (they free
+ * Starts the reclaimer, the thread that runs kvr_rcu_call's callbacks (sync/rcu.c says why it is
+ * kvrouter's, not liburcu's call_rcu), if this process has none yet; kvr_rcu_call and
+ * kvr_rcu_barrier start it too when needed.  Returns 0 or pthread_create's error (nothing
+ * started; what is queued waits for a later start, or a barrier runs it).
+ * Context: any thread, outside a read-side section.
+ */
+int kvr_rcu_start(void);
+
+/*
+ * fork(2), in the order core/fork.c runs them (its handlers):
+ *  - kvr_rcu_fork_reclaimer: before, the reclaimer is held between batches (the callbacks free
  *    kvrouter's memory and must not hold an allocator's lock across the fork); after, the
- *    parent's resume.  The child gets a new call_rcu thread (callbacks queued in the parent
- *    run there) at its first call_rcu or barrier, not in the handler: a child that only execs
- *    (fork + exec of a helper) would start a thread for nothing, and ThreadSanitizer kills a
- *    child of a threaded process that starts one (test_feed's publisher did).  liburcu's
- *    call_rcu lock stays held meanwhile; nothing of kvrouter takes it before that settling.
- *  - kvr_rcu_fork_registry: the grace-period and registry locks held across the fork; the
- *    child's registry keeps the forking thread only.
- *  - kvr_rcu_fork_enqueues: before (last of all), kvrouter's call_rcu enqueues are held
- *    (kept on a list of kvrouter's, nobody waiting) and the ones under way finish.  liburcu's
- *    callback queue is wait-free: an enqueue swaps the tail, then links the previous node; a
- *    fork between the two left the child's copy of the queue with a node never linked, and the
- *    child's call_rcu thread (which inherits the parent's leftover callbacks) waited for that
- *    link for good (test_fork: the child's kvr_router_destroy in rcu_barrier, ~1 run in 10 of
- *    12 forks each).  After, the held callbacks go to liburcu (in the child, at its first
- *    call_rcu or barrier).
+ *    parent's goes on, and the child's state is reset (no reclaimer there: the child starts one
+ *    with its first router or deferred free; the callbacks queued in the parent and not run run
+ *    there).  Queueing threads never wait: the queue is pushed with one compare-and-swap.
+ *  - kvr_rcu_fork_registry: liburcu-bp's grace-period and registry locks held across the fork;
+ *    the child's registry keeps the forking thread only.
  * Context: core/fork.c's pthread_atfork handlers only.
  */
 enum kvr_fork_phase { KVR_FORK_PREPARE, KVR_FORK_PARENT, KVR_FORK_CHILD };
-void kvr_rcu_fork_callbacks(enum kvr_fork_phase phase);
+void kvr_rcu_fork_reclaimer(enum kvr_fork_phase phase);
 void kvr_rcu_fork_registry(enum kvr_fork_phase phase);
-void kvr_rcu_fork_enqueues(enum kvr_fork_phase phase);
-/* Creates liburcu-bp's default call_rcu thread now if it is not there (an enqueue would, under
- * the lock kvr_rcu_fork_callbacks holds across a fork).  Context: before the handlers exist. */
-void kvr_rcu_fork_ready(void);
-
 #endif /* KVR_SYNC_RCU_H */

@@ -544,14 +544,16 @@ int kvr_replica_start(struct kvr_replica *rep)
 			kvr_rep_note_rank(rep, KVR_REPL_RANK_ADD, ids[i], s.incarnation,
 			                  s.capacity_blocks, mbt[i]);
 	}
+	/* A thread that cannot be started (the process's thread limit): KVR_ENOMEM, as for
+	 * memory (KVR_EBUSY says "already attached"). */
 	if (kvr_rep_out_start(rep)) {
 		kvr_repl_set_hooks(r, NULL);
-		return KVR_EBUSY;
+		return KVR_ENOMEM;
 	}
 	if (pthread_create(&rep->thread, NULL, apply_main, rep)) {
 		kvr_repl_set_hooks(r, NULL);
 		kvr_rep_out_stop(rep);
-		return KVR_EBUSY;
+		return KVR_ENOMEM;
 	}
 	rep->thread_started = true;
 	return 0;

@@ -283,6 +283,9 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		pthread_cond_destroy(&s->cv);
 		pthread_mutex_destroy(&s->mu);
 		kvr_free(s, sizeof(*s));
+		if (ret == KVR_ENOMEM)
+			return kvr_fail(
+			    ret, "%s: out of memory, or a replica thread could not start", fn);
 		return kvr_fail_code(ret, fn);
 	}
 	natsOptions *o = NULL;

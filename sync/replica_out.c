@@ -449,7 +449,7 @@ int kvr_rep_out_init(struct kvr_replica *rep)
 int kvr_rep_out_start(struct kvr_replica *rep)
 {
 	if (pthread_create(&rep->out_thread, NULL, out_main, rep))
-		return KVR_EBUSY;
+		return KVR_ENOMEM;
 	rep->out_started = true;
 	return 0;
 }

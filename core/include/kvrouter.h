@@ -323,8 +323,10 @@ struct kvr_router;
 
 /*
  * Creates a router.  cfg is borrowed (copied); NULL means all defaults.
- * Returns 0 and *out, or KVR_EINVAL (out NULL, bad config), KVR_ERANGE, KVR_ENOMEM.
- * Context: any thread; starts the shard threads.
+ * Returns 0 and *out, or KVR_EINVAL (out NULL, bad config), KVR_ERANGE, KVR_ENOMEM (out of
+ * memory, or a thread could not be started: the process's thread limit; the detail says which).
+ * Context: any thread; starts the shard threads (and, with the process's first router, the
+ * thread that runs the library's deferred frees, shared by every router).
  *
  * fork(2): a process may fork at any time, with routers live and threads calling them (the
  * library holds its own locks and liburcu's across the fork: pthread_atfork handlers, registered
@@ -333,8 +335,9 @@ struct kvr_router;
  * created before this process forked"), kvr_router_destroy returns leaving it (its memory is the
  * parent's copy), and so do the feeds and replica handles attached to it (kvr_feed_destroy,
  * kvr_sync_detach).  A router the child creates is the child's and works as any (a pre-fork
- * server: one router per worker process).  An embedder that also uses liburcu-bp's call_rcu
- * must not register liburcu's own fork handlers as well.
+ * server: one router per worker process).  The library's handlers take liburcu-bp's locks
+ * across the fork (urcu_bp_before_fork and its pair): an embedder that also uses liburcu-bp
+ * must not call those as well.
  */
 KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out);
 

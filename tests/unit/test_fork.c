@@ -346,8 +346,8 @@ Test(fork, child_routes_on_its_own_router_while_the_parent_routes, .timeout = 24
 
 Test(fork, a_child_of_a_process_whose_routers_are_gone, .timeout = 120)
 {
-	/* The parent's router destroyed before the fork: nothing inherited, liburcu's call_rcu
-	 * thread the only one left of it (with urcu-memb and no handlers this hung too). */
+	/* The parent's router destroyed before the fork: nothing inherited, the RCU reclaimer
+	 * the only thread left of it (with urcu-memb and no handlers this hung too). */
 	fill_prompt();
 	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
 	cr_assert_not_null(r);
@@ -399,9 +399,9 @@ Test(fork, an_inherited_feed_is_refused_and_left, .timeout = 120)
 }
 #endif
 
-/* A child forks again before using call_rcu (liburcu's lock still held from the first fork,
- * its call_rcu thread not yet started: kvr_rcu_fork_callbacks): the grandchild and then the
- * child each create, use and destroy a router of their own.  (No Criterion assertion in a
+/* A child forks again before its first router or deferred free (no reclaimer started there
+ * yet; with liburcu's call_rcu, its lock was still held from the first fork): the grandchild and
+ * then the child each create, use and destroy a router of their own.  (No Criterion assertion in a
  * child: its own fork is spelled out.) */
 static int fork_again(void *arg)
 {
@@ -432,10 +432,13 @@ Test(fork, a_child_forks_again_before_its_first_router, .timeout = 120)
 }
 
 /* The fork from a thread that never called kvrouter (so liburcu-bp has no record of it) while
- * another thread queues deferred frees: callbacks queued during the fork are kept aside and
- * handed to liburcu in the parent's handler, which registers the forking thread with
- * liburcu-bp; done before the handler released liburcu-bp's registry lock (37790f2..288ed36's
- * order), that registration waited for the lock the same thread held. */
+ * another thread queues deferred frees.  With liburcu's call_rcu, callbacks queued during the
+ * fork were kept aside and handed to liburcu in the parent's handler, which registered the
+ * forking thread with liburcu-bp; done before the handler released liburcu-bp's registry lock
+ * (37790f2..288ed36's order), that registration waited for the lock the same thread held.  And
+ * a callback kept aside just after the handler had handed the others over stayed aside until
+ * the next fork ("526759 of 526760 deferred frees ran", CI on 4c8741c): the reclaimer's queue
+ * (sync/rcu.c) keeps nothing aside. */
 static atomic_int frees_queued, frees_run, freeing_stop;
 
 static void count_free(void *p)

@@ -1,0 +1,196 @@
+/*
+ * tests/unit/test_thread_limit.c - the library in a process that cannot start another thread
+ * (a container at its pids.max, RLIMIT_NPROC): every call that starts one returns an error, and
+ * nothing aborts, hangs or leaks.
+ *
+ * The test interposes pthread_create (this program's definition comes first in the lookup) and
+ * fails, in a forked child each time, either the nth thread the library tries to start
+ * ("once") or the nth and every one after it ("from").  The child creates a router, routes and
+ * finishes requests, creates an events-mode router with a KV event feed, and destroys both; a
+ * create that fails must say KVR_ENOMEM with a detail naming the thread, and the same create
+ * again (once) must succeed.  With every thread refused, the library's deferred frees must
+ * still run (kvr_rcu_barrier runs them on the caller's thread).
+ *
+ * ZeroMQ's threads are not refused: libzmq aborts when it cannot start its I/O thread (the
+ * header says so at kvr_feed_create).
+ *
+ * Before: the first thread the library starts in a process was liburcu's call_rcu thread, and
+ * liburcu calls abort() when pthread_create fails (the child died of SIGABRT in
+ * kvr_router_create); a shard thread refused gave KVR_EBUSY, a code kvr_router_create does not
+ * document, with "busy setting up the router's tables and shards".
+ *
+ * Exit 0 pass, 1 fail.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+#include "sync/rcu.h"
+
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		if (!(cond)) {                                                                     \
+			fprintf(stderr, "test_thread_limit: line %d: ", __LINE__);                 \
+			fprintf(stderr, __VA_ARGS__);                                              \
+			fputc('\n', stderr);                                                       \
+			_exit(1);                                                                  \
+		}                                                                                  \
+	} while (0)
+
+/* The injection: 0 = off; else the nth pthread_create from arming fails, and with
+ * fail_persist every later one too.  Counted with atomics: the library's threads start
+ * threads too (none today, but the count must not race). */
+static unsigned fail_nth, fail_persist, calls, refused;
+
+int pthread_create(pthread_t *t, const pthread_attr_t *a, void *(*fn)(void *), void *arg)
+{
+	static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+	if (!real)
+		*(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+	unsigned nth = __atomic_load_n(&fail_nth, __ATOMIC_RELAXED);
+	/* ZeroMQ's own threads (its I/O and reaper threads, started with a feed's sockets) are
+	 * left alone: libzmq aborts when it cannot start one (kvrouter.h, kvr_feed_create). */
+	Dl_info who;
+	if (nth && dladdr((void *)fn, &who) && who.dli_fname && strstr(who.dli_fname, "libzmq"))
+		nth = 0;
+	if (nth) {
+		unsigned c = __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
+		if (c == nth || (fail_persist && c > nth)) {
+			__atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED);
+			return EAGAIN;
+		}
+	}
+	return real(t, a, fn, arg);
+}
+
+/* A create that failed must have failed for a thread, cleanly. */
+static void check_refused(int rc, const char *what)
+{
+	CHECK(rc == KVR_ENOMEM, "%s returned %d (%s), not KVR_ENOMEM", what, rc, kvr_last_error());
+	CHECK(strstr(kvr_last_error(), "thread") != NULL, "%s: the detail names no thread: %s",
+	      what, kvr_last_error());
+}
+
+static struct kvr_router *router(enum kvr_mode mode, bool persist)
+{
+	struct kvr_config cfg;
+	kvr_config_init(&cfg);
+	cfg.n_shards = 2;
+	cfg.mode = mode;
+	struct kvr_router *r = NULL;
+	int rc = kvr_router_create(&cfg, &r);
+	if (rc) {
+		check_refused(rc, "kvr_router_create");
+		CHECK(r == NULL, "a failed create set *out");
+		if (persist)
+			return NULL;
+		rc = kvr_router_create(&cfg, &r); /* the limit is gone */
+		CHECK(rc == 0, "kvr_router_create again: %d (%s)", rc, kvr_last_error());
+	}
+	for (uint32_t w = 0; w < 8; w++) {
+		struct kvr_rank_id id = {.worker_id = w, .dp_rank = 0};
+		rc = kvr_rank_add(r, id, 1, 4096, 8192);
+		CHECK(rc == 0, "kvr_rank_add: %d (%s)", rc, kvr_last_error());
+	}
+	return r;
+}
+
+static void route_some(struct kvr_router *r)
+{
+	uint32_t tok[1024];
+	for (int i = 0; i < 64; i++) {
+		for (int t = 0; t < 1024; t++)
+			tok[t] = t < 512 ? (uint32_t)t : (uint32_t)(i * 7919 + t);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = 1024;
+		struct kvr_decision d;
+		int rc = kvr_route(r, &q, &d);
+		CHECK(rc == 0, "kvr_route: %d (%s)", rc, kvr_last_error());
+		rc = kvr_request_finish(r, d.attempt);
+		CHECK(rc == 0, "kvr_request_finish: %d (%s)", rc, kvr_last_error());
+	}
+	CHECK(kvr_router_sync(r, 10000) == 0, "kvr_router_sync: %s", kvr_last_error());
+}
+
+static int freed;
+static void count_free(void *p)
+{
+	(void)p;
+	__atomic_add_fetch(&freed, 1, __ATOMIC_RELAXED);
+}
+
+/* One child's run; returns 0, or 3 when nothing was refused (n past the last thread). */
+static int scenario(unsigned nth, bool persist)
+{
+	__atomic_store_n(&fail_persist, persist, __ATOMIC_RELAXED);
+	__atomic_store_n(&fail_nth, nth, __ATOMIC_RELAXED);
+	struct kvr_router *r = router(KVR_MODE_APPROX_LRU, persist);
+	if (r) {
+		route_some(r);
+		kvr_router_destroy(r);
+	}
+	struct kvr_router *ev = router(KVR_MODE_EVENTS, persist);
+	if (ev) {
+		struct kvr_feed *f = NULL;
+		int rc = kvr_feed_create(ev, NULL, &f);
+		if (rc != KVR_ENOTSUP) {
+			if (rc)
+				check_refused(rc, "kvr_feed_create");
+			else
+				kvr_feed_destroy(f);
+		}
+		kvr_router_destroy(ev);
+	}
+	if (persist) {
+		/* No thread at all from here: a deferred free still runs at the barrier. */
+		CHECK(kvr_rcu_thread_online() == 0, "RCU registration");
+		int before = __atomic_load_n(&freed, __ATOMIC_RELAXED);
+		kvr_rcu_defer_free(&freed, count_free);
+		kvr_rcu_barrier();
+		CHECK(__atomic_load_n(&freed, __ATOMIC_RELAXED) == before + 1,
+		      "a deferred free did not run at the barrier");
+	}
+	return __atomic_load_n(&refused, __ATOMIC_RELAXED) ? 0 : 3;
+}
+
+/* Runs scenario(nth, persist) in a child; returns its exit status (3: nothing refused). */
+static int in_child(unsigned nth, bool persist)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		alarm(60); /* a hang fails by SIGALRM */
+		_exit(scenario(nth, persist));
+	}
+	int st = 0;
+	CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	CHECK(WIFEXITED(st), "%s %u: the child died of signal %d", persist ? "from" : "once", nth,
+	      WIFSIGNALED(st) ? WTERMSIG(st) : -1);
+	CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3, "%s %u: the child failed (%d)",
+	      persist ? "from" : "once", nth, WEXITSTATUS(st));
+	return WEXITSTATUS(st);
+}
+
+int main(void)
+{
+	unsigned runs = 0;
+	for (int persist = 0; persist < 2; persist++) {
+		unsigned nth = 1;
+		for (; nth <= 64; nth++, runs++)
+			if (in_child(nth, persist) == 3)
+				break;
+		CHECK(nth > 1 && nth <= 64, "%s: %u threads", persist ? "from" : "once", nth);
+	}
+	printf("test_thread_limit: ok (%u children, each refused a thread)\n", runs);
+	return 0;
+}
