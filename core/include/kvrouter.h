@@ -856,8 +856,10 @@ struct kvr_feed_stats {
  * Creates a feed on r (an events-mode router) and starts its thread.  cfg is copied; NULL =
  * defaults.  The feed must be destroyed before the router.
  * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg: a value
- * outside its range above), KVR_ENOMEM, KVR_ENOTSUP (built without zmq, whatever the arguments:
- * kvr_feed_create(NULL, NULL, NULL) tells a program whether the feed is built in).  On every
+ * outside its range above), KVR_ENOMEM (also: the feed's thread could not be started), KVR_ENOTSUP
+ * (built without zmq, whatever the arguments: kvr_feed_create(NULL, NULL, NULL) tells a program
+ * whether the feed is built in).  Beware: libzmq calls abort() when it cannot start its own I/O
+ * thread (at the feed's first socket), so a process at its thread limit dies there.  On every
  * failure *out is NULL (out not NULL), as kvr_router_create and kvr_sync_attach.  Context:
  * any thread.
  */
@@ -1051,9 +1053,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * added are announced; a live peer's snapshot is asked for in the background
  * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
  * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config), KVR_EBUSY (already attached),
- * KVR_ENOMEM, KVR_ETIMEDOUT (no server reachable), KVR_ENOTSUP (built without the `nats`
- * feature); *out is NULL after any failure.
- * Context: any thread.
+ * KVR_ENOMEM (also: a replica thread could not be started), KVR_ETIMEDOUT (no server reachable),
+ * KVR_ENOTSUP (built without the `nats` feature); *out is NULL after any failure. Context: any
+ * thread.
  */
 KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c,
                             struct kvr_sync **out);
@@ -1130,9 +1132,10 @@ struct kvr_memory {
 	 * retired but not yet past its RCU grace period) less the size-class rounding the parts
 	 * include. */
 	uint64_t library;
-	/* On jemalloc (kvr_allocator, kvr_metrics_render; 0 otherwise): the bytes allocated in the library's own arena at their
-	 * size classes (every router in the process), and of those, freed objects parked in the
-	 * threads' caches (tcaches), which jemalloc still counts as allocated. */
+	/* On jemalloc (kvr_allocator, kvr_metrics_render; 0 otherwise): the bytes allocated in the
+	 * library's own arena at their size classes (every router in the process), and of those,
+	 * freed objects parked in the threads' caches (tcaches), which jemalloc still counts as
+	 * allocated. */
 	uint64_t arena, arena_cached;
 	/* Recycled attempt records kept for the next admissions (at most 4.25 MB of hashes, real
 	 * sizes; none once the router has been idle 100 ms), and the pool itself.  Last, so that
