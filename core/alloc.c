@@ -222,6 +222,7 @@ static void *alloc_in(int k, size_t size, bool zero)
 	if (should_fail())
 		return NULL;
 	void *p;
+	(void)k; /* the arena: jemalloc's only */
 #ifdef KVR_HAVE_JEMALLOC
 	if (je())
 		p = mallocx(ask(k, size), flags(k) | big(size) | (zero ? MALLOCX_ZERO : 0));
