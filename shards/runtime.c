@@ -67,6 +67,7 @@
 #include "core/clock.h"
 #include "core/limits.h"
 #include "sync/park.h"
+#include "sync/thread.h"
 #include "sync/rcu.h"
 
 #define MAX_SHARDS      KVR_LIMIT_SHARDS_MAX
@@ -727,7 +728,7 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		kvr_lanes_set_soft_depth(&sh->lanes, cfg->lane_soft_depth);
 	}
 	for (uint32_t i = 0; i < n; i++) {
-		if (pthread_create(&s->shard[i]->thread, NULL, shard_main, s->shard[i]) != 0) {
+		if (kvr_thread_start(&s->shard[i]->thread, false, shard_main, s->shard[i]) != 0) {
 			kvr_shards_destroy(s);
 			return KVR_EAGAIN; /* the process's thread limit, most likely */
 		}

@@ -67,6 +67,7 @@
 #include "sync/feed_internal.h"
 #include "sync/rcu.h"
 #include "sync/replica_internal.h"
+#include "sync/thread.h"
 
 void kvr_feed_log(struct kvr_feed *f, struct ep *e, int kind, int level, const char *fmt, ...)
 {
@@ -885,7 +886,7 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	if (!f->ctl_server || !f->ctl_client || zmq_bind(f->ctl_server, name) != 0 ||
 	    zmq_connect(f->ctl_client, name) != 0)
 		goto fail;
-	if (pthread_create(&f->thread, NULL, feed_main, f) != 0)
+	if (kvr_thread_start(&f->thread, false, feed_main, f) != 0)
 		goto fail;
 	f->started = true;
 	*out = f;

@@ -5,12 +5,12 @@
 #include "sync/rcu.h"
 
 #include <pthread.h>
-#include <signal.h>
 #include <stdint.h>
 
 #include "core/alloc.h"
 #include "kvrouter.h"
 #include "sync/park.h"
+#include "sync/thread.h"
 
 #ifdef KVR_TSAN
 char kvr_rcu_tsan_token;
@@ -188,19 +188,8 @@ int kvr_rcu_start(void)
 	pthread_mutex_lock(&rec_start);
 	if (__atomic_load_n(&rec_state, __ATOMIC_RELAXED) != REC_RUNNING) {
 		kvr_parker_init(&rec_park);
-		/* Every signal blocked in the thread: the embedder's handlers run on its own. */
-		sigset_t all, old;
-		sigfillset(&all);
-		pthread_sigmask(SIG_SETMASK, &all, &old);
-		pthread_attr_t attr;
 		pthread_t th;
-		err = pthread_attr_init(&attr);
-		if (!err) {
-			(void)pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-			err = pthread_create(&th, &attr, reclaimer_main, NULL);
-			pthread_attr_destroy(&attr);
-		}
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		err = kvr_thread_start(&th, true, reclaimer_main, NULL);
 		if (!err)
 			__atomic_store_n(&rec_state, REC_RUNNING, __ATOMIC_RELEASE);
 	}

@@ -86,6 +86,7 @@
 #include "core/alloc.h"
 #include "sync/rcu.h"
 #include "sync/replica_internal.h"
+#include "sync/thread.h"
 
 /* The replica whose deliveries the calling thread handles: its apply thread, or a transport
  * thread inside kvr_replica_deliver_inline.  Router callbacks made while applying (on_admit)
@@ -550,7 +551,7 @@ int kvr_replica_start(struct kvr_replica *rep)
 		kvr_repl_set_hooks(r, NULL);
 		return KVR_ENOMEM;
 	}
-	if (pthread_create(&rep->thread, NULL, apply_main, rep)) {
+	if (kvr_thread_start(&rep->thread, false, apply_main, rep)) {
 		kvr_repl_set_hooks(r, NULL);
 		kvr_rep_out_stop(rep);
 		return KVR_ENOMEM;

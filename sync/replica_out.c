@@ -12,6 +12,7 @@
 
 #include "core/alloc.h"
 #include "sync/replica_internal.h"
+#include "sync/thread.h"
 
 void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
                             uint64_t seq, const struct kvr_rep_rec *x, bool finished)
@@ -448,7 +449,7 @@ int kvr_rep_out_init(struct kvr_replica *rep)
 
 int kvr_rep_out_start(struct kvr_replica *rep)
 {
-	if (pthread_create(&rep->out_thread, NULL, out_main, rep))
+	if (kvr_thread_start(&rep->out_thread, false, out_main, rep))
 		return KVR_ENOMEM;
 	rep->out_started = true;
 	return 0;

@@ -1,0 +1,193 @@
+/*
+ * tests/unit/test_signals.c - process-directed signals go to the embedder's threads, never to
+ * the library's own (sync/thread.h).
+ *
+ * In a forked child: routers (approx_lru; events mode with a KV event feed where built) are
+ * created first, with every thread's signals unblocked, as when a library initialises before the
+ * program sets up its signals.  Then the program does what a server does:
+ *  - it blocks SIGTERM and SIGUSR1 and takes them with sigtimedwait (the signalfd / sigwait
+ *    pattern); each kill(2) of the process must reach it;
+ *  - it blocks SIGUSR2 in the main thread and leaves a thread of its own to take it with a
+ *    handler; the handler must run on that thread, every time.
+ * Before: the library's threads did not block signals, so the kernel gave the blocked ones to a
+ * shard thread (the default action of SIGTERM / SIGUSR1 ended the process: the child died of
+ * the signal) and ran the SIGUSR2 handler there.
+ *
+ * Exit 0 pass, 1 fail.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		if (!(cond)) {                                                                     \
+			fprintf(stderr, "test_signals: line %d: ", __LINE__);                      \
+			fprintf(stderr, __VA_ARGS__);                                              \
+			fputc('\n', stderr);                                                       \
+			_exit(1);                                                                  \
+		}                                                                                  \
+	} while (0)
+
+#define ROUNDS 50
+
+static pid_t gettid_(void)
+{
+	return (pid_t)syscall(SYS_gettid);
+}
+
+static struct kvr_router *router(enum kvr_mode mode)
+{
+	struct kvr_config cfg;
+	kvr_config_init(&cfg);
+	cfg.n_shards = 2;
+	cfg.mode = mode;
+	struct kvr_router *r = NULL;
+	int rc = kvr_router_create(&cfg, &r);
+	CHECK(rc == 0, "kvr_router_create: %d (%s)", rc, kvr_last_error());
+	for (uint32_t w = 0; w < 8; w++) {
+		struct kvr_rank_id id = {.worker_id = w, .dp_rank = 0};
+		rc = kvr_rank_add(r, id, 1, 4096, 8192);
+		CHECK(rc == 0, "kvr_rank_add: %d (%s)", rc, kvr_last_error());
+	}
+	return r;
+}
+
+static void route_some(struct kvr_router *r, int n)
+{
+	uint32_t tok[512];
+	for (int i = 0; i < n; i++) {
+		for (int t = 0; t < 512; t++)
+			tok[t] = t < 256 ? (uint32_t)t : (uint32_t)(i * 7919 + t);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = tok;
+		q.n_tokens = 512;
+		struct kvr_decision d;
+		int rc = kvr_route(r, &q, &d);
+		CHECK(rc == 0, "kvr_route: %d (%s)", rc, kvr_last_error());
+		CHECK(kvr_request_finish(r, d.attempt) == 0, "kvr_request_finish");
+	}
+}
+
+static volatile sig_atomic_t handled_tid, handled_n;
+static void on_usr2(int sig)
+{
+	(void)sig;
+	handled_tid = gettid_();
+	handled_n++;
+}
+
+static volatile sig_atomic_t taker_tid, taker_stop;
+static void *taker(void *arg)
+{
+	(void)arg;
+	taker_tid = gettid_();
+	while (!taker_stop)
+		usleep(1000);
+	return NULL;
+}
+
+static int child(void)
+{
+	/* The library first, every signal unblocked. */
+	struct kvr_router *r = router(KVR_MODE_APPROX_LRU);
+	struct kvr_router *ev = router(KVR_MODE_EVENTS);
+	struct kvr_feed *f = NULL;
+	int rc = kvr_feed_create(ev, NULL, &f);
+	CHECK(rc == 0 || rc == KVR_ENOTSUP, "kvr_feed_create: %d (%s)", rc, kvr_last_error());
+	route_some(r, 100);
+
+	/* The program's signal set-up, after. */
+	sigset_t waited;
+	sigemptyset(&waited);
+	sigaddset(&waited, SIGTERM);
+	sigaddset(&waited, SIGUSR1);
+	CHECK(pthread_sigmask(SIG_BLOCK, &waited, NULL) == 0, "pthread_sigmask");
+	struct timespec timeout = {.tv_sec = 2};
+	for (int i = 0; i < ROUNDS; i++) {
+		int sig = i % 2 ? SIGTERM : SIGUSR1;
+		CHECK(kill(getpid(), sig) == 0, "kill");
+		int got = sigtimedwait(&waited, NULL, &timeout);
+		CHECK(got == sig, "round %d: sigtimedwait got %d, not %d", i, got, sig);
+		route_some(r, 5); /* the shards busy meanwhile */
+	}
+	kvr_feed_destroy(f);
+	kvr_router_destroy(ev);
+	kvr_router_destroy(r);
+	return 0;
+}
+
+/* The SIGUSR2 half runs in the taker's set-up: the taker unblocks it itself. */
+static void *taker_unblocking(void *arg)
+{
+	sigset_t usr2;
+	sigemptyset(&usr2);
+	sigaddset(&usr2, SIGUSR2);
+	pthread_sigmask(SIG_UNBLOCK, &usr2, NULL);
+	return taker(arg);
+}
+
+static int child_handler(void)
+{
+	struct kvr_router *r = router(KVR_MODE_APPROX_LRU);
+	route_some(r, 100);
+	sigset_t usr2;
+	sigemptyset(&usr2);
+	sigaddset(&usr2, SIGUSR2);
+	CHECK(pthread_sigmask(SIG_BLOCK, &usr2, NULL) == 0, "pthread_sigmask");
+	struct sigaction sa;
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_usr2;
+	CHECK(sigaction(SIGUSR2, &sa, NULL) == 0, "sigaction");
+	pthread_t th;
+	CHECK(pthread_create(&th, NULL, taker_unblocking, NULL) == 0, "pthread_create");
+	while (!taker_tid)
+		usleep(100);
+	for (int i = 0; i < ROUNDS; i++) {
+		int before = handled_n;
+		CHECK(kill(getpid(), SIGUSR2) == 0, "kill");
+		for (int w = 0; handled_n == before && w < 2000; w++)
+			usleep(1000);
+		CHECK(handled_n != before, "round %d: the handler did not run", i);
+		CHECK(handled_tid == taker_tid, "round %d: the handler ran on thread %d, not %d", i,
+		      (int)handled_tid, (int)taker_tid);
+		route_some(r, 5);
+	}
+	taker_stop = 1;
+	pthread_join(th, NULL);
+	kvr_router_destroy(r);
+	return 0;
+}
+
+static void run(int (*fn)(void), const char *what)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		alarm(60);
+		_exit(fn());
+	}
+	int st = 0;
+	CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	CHECK(WIFEXITED(st), "%s: the child died of signal %d (%s)", what,
+	      WIFSIGNALED(st) ? WTERMSIG(st) : -1, WIFSIGNALED(st) ? strsignal(WTERMSIG(st)) : "");
+	CHECK(WEXITSTATUS(st) == 0, "%s: the child failed", what);
+}
+
+int main(void)
+{
+	run(child, "sigtimedwait");
+	run(child_handler, "handler");
+	printf("test_signals: ok (%d signals each way)\n", ROUNDS);
+	return 0;
+}
