@@ -326,7 +326,9 @@ struct kvr_router;
  * Returns 0 and *out, or KVR_EINVAL (out NULL, bad config), KVR_ERANGE, KVR_ENOMEM (out of
  * memory, or a thread could not be started: the process's thread limit; the detail says which).
  * Context: any thread; starts the shard threads (and, with the process's first router, the
- * thread that runs the library's deferred frees, shared by every router).
+ * thread that runs the library's deferred frees, shared by every router).  The library's
+ * threads block the asynchronous signals (all but SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP,
+ * SIGSYS), so a signal sent to the process reaches one of the program's threads.
  *
  * fork(2): a process may fork at any time, with routers live and threads calling them (the
  * library holds its own locks and liburcu's across the fork: pthread_atfork handlers, registered
