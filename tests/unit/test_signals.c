@@ -17,6 +17,7 @@
  */
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,7 +79,9 @@ static void route_some(struct kvr_router *r, int n)
 	}
 }
 
-static volatile sig_atomic_t handled_tid, handled_n;
+/* Written by the handler (on the taker) and read by the main thread: lock-free atomics, which a
+ * handler may use. */
+static atomic_int handled_tid, handled_n;
 static void on_usr2(int sig)
 {
 	(void)sig;
@@ -86,7 +89,7 @@ static void on_usr2(int sig)
 	handled_n++;
 }
 
-static volatile sig_atomic_t taker_tid, taker_stop;
+static atomic_int taker_tid, taker_stop;
 static void *taker(void *arg)
 {
 	(void)arg;
