@@ -165,10 +165,10 @@ static inline bool je(void)
 	return je_on;
 }
 
-/* The flags of an allocation from arena k (LONG, TRANSIENT). */
+/* The flags of an allocation from arena k (LONG, TRANSIENT).  Context: after je() (which
+ * makes the arenas, once). */
 static inline int flags(int k)
 {
-	pthread_once(&arena_once, make_arenas);
 	if (!arena_flags[k])
 		return 0;
 	return arena_flags[k] | (thread_tc[k] ? thread_tc[k] : MALLOCX_TCACHE_NONE);
@@ -243,7 +243,7 @@ static void free_in(int k, void *mem, size_t size)
 	count(-(int64_t)size);
 #ifdef KVR_HAVE_JEMALLOC
 	if (je()) {
-		int f = free_flags(k, size); /* first: it makes the arenas (and large_min) */
+		int f = free_flags(k, size);
 		sdallocx(mem, ask(k, size), f | big(size));
 		return;
 	}
@@ -450,7 +450,7 @@ bool kvr_alloc_arena_bytes(uint64_t *allocated, uint64_t *cached)
 {
 	*allocated = *cached = 0;
 #ifdef KVR_HAVE_JEMALLOC
-	if (!flags(LONG))
+	if (!je() || !flags(LONG))
 		return false;
 	uint64_t epoch = 1;
 	size_t sz = sizeof(epoch);
@@ -496,7 +496,7 @@ void kvr_alloc_purge_idle(uint64_t now_ns)
 	static uint64_t last_ns;
 	uint64_t last = __atomic_load_n(&last_ns, __ATOMIC_RELAXED);
 	bool own = thread_tc[LONG] || thread_tc[TRANSIENT];
-	if (!flags(LONG) || (!own && last && now_ns - last < KVR_ALLOC_PURGE_GAP_NS) ||
+	if (!je() || !flags(LONG) || (!own && last && now_ns - last < KVR_ALLOC_PURGE_GAP_NS) ||
 	    !__atomic_compare_exchange_n(&last_ns, &last, now_ns ? now_ns : 1, false,
 	                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
 		return;
@@ -520,7 +520,7 @@ void kvr_alloc_purge_idle(uint64_t now_ns)
 void kvr_alloc_purge(void)
 {
 #ifdef KVR_HAVE_JEMALLOC
-	if (!flags(LONG))
+	if (!je() || !flags(LONG))
 		return;
 	for (int k = 0; k < 2; k++) {
 		char name[48];
@@ -533,7 +533,7 @@ void kvr_alloc_purge(void)
 void kvr_alloc_thread_cache_begin(void)
 {
 #ifdef KVR_HAVE_JEMALLOC
-	if (!flags(LONG))
+	if (!je() || !flags(LONG))
 		return;
 	for (int k = 0; k < 2; k++) {
 		unsigned ind;

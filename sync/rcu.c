@@ -96,7 +96,7 @@ void kvr_rcu_defer_free(void *mem, void (*free_fn)(void *))
 
 /*
  * The reclaimer: one thread per process, kvrouter's own, runs the deferred callbacks after a
- * grace period.  liburcu's call_rcu did until 2026-12-05; why not any more:
+ * grace period.  liburcu's call_rcu did until 2026-12-04; why not any more:
  *  - liburcu creates its call_rcu threads itself and calls abort() when pthread_create fails
  *    (urcu_die): a process at its thread limit (a container's pids.max) died in the first
  *    kvr_router_create instead of getting an error, and a forked child at its first free.

@@ -27,17 +27,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "tests/common/exit_check.h"
 #include "kvrouter.h"
-
-#define CHECK(cond, ...)                                                                           \
-	do {                                                                                       \
-		if (!(cond)) {                                                                     \
-			fprintf(stderr, "test_dlopen: line %d: ", __LINE__);                       \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fputc('\n', stderr);                                                       \
-			exit(1);                                                                   \
-		}                                                                                  \
-	} while (0)
 
 /* The calls used, resolved from the handle (typed from the header's declarations). */
 struct api {

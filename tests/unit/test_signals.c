@@ -26,17 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tests/common/exit_check.h"
 #include "kvrouter.h"
-
-#define CHECK(cond, ...)                                                                           \
-	do {                                                                                       \
-		if (!(cond)) {                                                                     \
-			fprintf(stderr, "test_signals: line %d: ", __LINE__);                      \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fputc('\n', stderr);                                                       \
-			_exit(1);                                                                  \
-		}                                                                                  \
-	} while (0)
 
 #define ROUNDS 50
 
@@ -62,23 +53,6 @@ static struct kvr_router *router(enum kvr_mode mode)
 	return r;
 }
 
-static void route_some(struct kvr_router *r, int n)
-{
-	uint32_t tok[512];
-	for (int i = 0; i < n; i++) {
-		for (int t = 0; t < 512; t++)
-			tok[t] = t < 256 ? (uint32_t)t : (uint32_t)(i * 7919 + t);
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = 512;
-		struct kvr_decision d;
-		int rc = kvr_route(r, &q, &d);
-		CHECK(rc == 0, "kvr_route: %d (%s)", rc, kvr_last_error());
-		CHECK(kvr_request_finish(r, d.attempt) == 0, "kvr_request_finish");
-	}
-}
-
 /* Written by the handler (on the taker) and read by the main thread: lock-free atomics, which a
  * handler may use. */
 static atomic_int handled_tid, handled_n;
@@ -99,15 +73,16 @@ static void *taker(void *arg)
 	return NULL;
 }
 
-static int child(void)
+static int child(void *arg)
 {
+	(void)arg;
 	/* The library first, every signal unblocked. */
 	struct kvr_router *r = router(KVR_MODE_APPROX_LRU);
 	struct kvr_router *ev = router(KVR_MODE_EVENTS);
 	struct kvr_feed *f = NULL;
 	int rc = kvr_feed_create(ev, NULL, &f);
 	CHECK(rc == 0 || rc == KVR_ENOTSUP, "kvr_feed_create: %d (%s)", rc, kvr_last_error());
-	route_some(r, 100);
+	kvr_test_route_finish(r, 100, 512);
 
 	/* The program's signal set-up, after. */
 	sigset_t waited;
@@ -121,7 +96,7 @@ static int child(void)
 		CHECK(kill(getpid(), sig) == 0, "kill");
 		int got = sigtimedwait(&waited, NULL, &timeout);
 		CHECK(got == sig, "round %d: sigtimedwait got %d, not %d", i, got, sig);
-		route_some(r, 5); /* the shards busy meanwhile */
+		kvr_test_route_finish(r, 5, 512); /* the shards busy meanwhile */
 	}
 	kvr_feed_destroy(f);
 	kvr_router_destroy(ev);
@@ -139,10 +114,11 @@ static void *taker_unblocking(void *arg)
 	return taker(arg);
 }
 
-static int child_handler(void)
+static int child_handler(void *arg)
 {
+	(void)arg;
 	struct kvr_router *r = router(KVR_MODE_APPROX_LRU);
-	route_some(r, 100);
+	kvr_test_route_finish(r, 100, 512);
 	sigset_t usr2;
 	sigemptyset(&usr2);
 	sigaddset(&usr2, SIGUSR2);
@@ -163,7 +139,7 @@ static int child_handler(void)
 		CHECK(handled_n != before, "round %d: the handler did not run", i);
 		CHECK(handled_tid == taker_tid, "round %d: the handler ran on thread %d, not %d", i,
 		      (int)handled_tid, (int)taker_tid);
-		route_some(r, 5);
+		kvr_test_route_finish(r, 5, 512);
 	}
 	taker_stop = 1;
 	pthread_join(th, NULL);
@@ -171,17 +147,9 @@ static int child_handler(void)
 	return 0;
 }
 
-static void run(int (*fn)(void), const char *what)
+static void run(int (*fn)(void *), const char *what)
 {
-	fflush(NULL);
-	pid_t pid = fork();
-	CHECK(pid >= 0, "fork");
-	if (pid == 0) {
-		alarm(60);
-		_exit(fn());
-	}
-	int st = 0;
-	CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	int st = kvr_test_run_child(fn, NULL);
 	CHECK(WIFEXITED(st), "%s: the child died of signal %d (%s)", what,
 	      WIFSIGNALED(st) ? WTERMSIG(st) : -1, WIFSIGNALED(st) ? strsignal(WTERMSIG(st)) : "");
 	CHECK(WEXITSTATUS(st) == 0, "%s: the child failed", what);

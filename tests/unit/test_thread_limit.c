@@ -31,18 +31,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "tests/common/exit_check.h"
 #include "kvrouter.h"
 #include "sync/rcu.h"
-
-#define CHECK(cond, ...)                                                                           \
-	do {                                                                                       \
-		if (!(cond)) {                                                                     \
-			fprintf(stderr, "test_thread_limit: line %d: ", __LINE__);                 \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fputc('\n', stderr);                                                       \
-			_exit(1);                                                                  \
-		}                                                                                  \
-	} while (0)
 
 /* The injection: 0 = off; else the nth pthread_create from arming fails, and with
  * fail_persist every later one too.  Counted with atomics: the library's threads start
@@ -102,25 +93,6 @@ static struct kvr_router *router(enum kvr_mode mode, bool persist)
 	return r;
 }
 
-static void route_some(struct kvr_router *r)
-{
-	uint32_t tok[1024];
-	for (int i = 0; i < 64; i++) {
-		for (int t = 0; t < 1024; t++)
-			tok[t] = t < 512 ? (uint32_t)t : (uint32_t)(i * 7919 + t);
-		struct kvr_request q;
-		kvr_request_init(&q);
-		q.tokens = tok;
-		q.n_tokens = 1024;
-		struct kvr_decision d;
-		int rc = kvr_route(r, &q, &d);
-		CHECK(rc == 0, "kvr_route: %d (%s)", rc, kvr_last_error());
-		rc = kvr_request_finish(r, d.attempt);
-		CHECK(rc == 0, "kvr_request_finish: %d (%s)", rc, kvr_last_error());
-	}
-	CHECK(kvr_router_sync(r, 10000) == 0, "kvr_router_sync: %s", kvr_last_error());
-}
-
 static int freed;
 static void count_free(void *p)
 {
@@ -135,7 +107,8 @@ static int scenario(unsigned nth, bool persist)
 	__atomic_store_n(&fail_nth, nth, __ATOMIC_RELAXED);
 	struct kvr_router *r = router(KVR_MODE_APPROX_LRU, persist);
 	if (r) {
-		route_some(r);
+		kvr_test_route_finish(r, 64, 1024);
+		CHECK(kvr_router_sync(r, 10000) == 0, "kvr_router_sync: %s", kvr_last_error());
 		kvr_router_destroy(r);
 	}
 	struct kvr_router *ev = router(KVR_MODE_EVENTS, persist);
@@ -162,18 +135,22 @@ static int scenario(unsigned nth, bool persist)
 	return __atomic_load_n(&refused, __ATOMIC_RELAXED) ? 0 : 3;
 }
 
+struct run {
+	unsigned nth;
+	bool persist;
+};
+
+static int scenario_of(void *arg)
+{
+	const struct run *c = arg;
+	return scenario(c->nth, c->persist);
+}
+
 /* Runs scenario(nth, persist) in a child; returns its exit status (3: nothing refused). */
 static int in_child(unsigned nth, bool persist)
 {
-	fflush(NULL);
-	pid_t pid = fork();
-	CHECK(pid >= 0, "fork");
-	if (pid == 0) {
-		alarm(60); /* a hang fails by SIGALRM */
-		_exit(scenario(nth, persist));
-	}
-	int st = 0;
-	CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	struct run c = {nth, persist};
+	int st = kvr_test_run_child(scenario_of, &c);
 	CHECK(WIFEXITED(st), "%s %u: the child died of signal %d", persist ? "from" : "once", nth,
 	      WIFSIGNALED(st) ? WTERMSIG(st) : -1);
 	CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3, "%s %u: the child failed (%d)",
