@@ -201,7 +201,12 @@ struct kvr_config {
 	 * kvr_events_apply, kvr_rank_reset or _set_capacity on one; reads such as
 	 * kvr_rank_get_stats run, lifecycle calls post their work, and on a full lane never wait
 	 * for room: see the lifecycle calls, above kvr_request_prefill_done); kvr_router_destroy
-	 * from it destroys nothing. */
+	 * from it destroys nothing.  It should not go back, but a clock that does (a wall clock
+	 * set back, a rewound virtual clock) loses, leaks or double-ends nothing: lease scans,
+	 * TTL expiry and queue deadlines go by its readings as they come, so a lease may expire
+	 * up to the step back sooner than one lease_scan_interval_ns after its last progress
+	 * (its scan was armed from a reading ahead of the clock); tests/fuzz/fuzz_api.c,
+	 * --clock-back. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the

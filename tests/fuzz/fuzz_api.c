@@ -63,6 +63,7 @@ uint64_t fuzz_api_current_seed; /* set by the seeded driver, printed on failure 
 bool fuzz_api_craft;            /* fuzz_api_seeds --craft: crafted hash-given prompts */
 bool fuzz_api_events;           /* fuzz_api_seeds --events: events mode as vLLM feeds it */
 bool fuzz_api_limits;           /* fuzz_api_seeds --limits: config values at their limits */
+bool fuzz_api_clock_back;       /* fuzz_api_seeds --clock-back: the clock also steps back */
 
 #define FAIL(...)                                                                                  \
 	do {                                                                                       \
@@ -1762,7 +1763,19 @@ static void op_clock(struct prog *p)
 	                        : p->cfg.ttl_ns + 1;
 	if (p->now + step < p->now)
 		step = 0; /* --limits: a ttl or scan interval near 2^64; the clock never wraps */
-	__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
+	if (fuzz_api_clock_back && u8(&p->in) % 3 == 0) {
+		/* Back by the step, never below the start (queue deadlines are now - 1, which must
+		 * not become 0 = forever).  The reaper armed its next scan one interval after its
+		 * last reading, which may now lie ahead of the clock: a lease may expire up to the
+		 * step sooner than one interval after its last progress (kvrouter.h, now_ns), so
+		 * every live attempt may now be found expired. */
+		uint64_t back = p->now - 1000 < step ? p->now - 1000 : step;
+		__atomic_store_n(&p->now, p->now - back, __ATOMIC_RELAXED);
+		for (int k = 0; k < p->n_att; k++)
+			p->att[k].maybe_stale = true;
+	} else {
+		__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
+	}
 	if (u8(&p->in) % 2) {
 		cur_call = "kvr_router_sync";
 		int rc = API(kvr_router_sync, p->r, 10000);
@@ -2302,6 +2315,8 @@ static void *run_program(void *arg)
 		fuzz_api_events = true;
 	if (getenv("FUZZ_API_LIMITS"))
 		fuzz_api_limits = true;
+	if (getenv("FUZZ_API_CLOCK_BACK"))
+		fuzz_api_clock_back = true;
 	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
 		uint32_t op = u8(&p->in) % 32;
 		if (trace)

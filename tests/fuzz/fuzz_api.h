@@ -29,6 +29,12 @@ extern bool fuzz_api_events;
  * sizes 3..65536, lanes of 2-4 messages, scheduler and time settings of 1 ns or near 2^64, one or
  * 65536 ranks, extreme selection weights.  Off by default, like fuzz_api_craft. */
 extern bool fuzz_api_limits;
+/* A clock that also steps back (fuzz_api.c, op_clock; also FUZZ_API_CLOCK_BACK=1): a third of the
+ * clock steps go back instead of forward, as a wall clock or a rewound virtual clock would.  The
+ * model then expects nothing of when leases expire, and everything else as before: nothing lost
+ * or leaked, every attempt ended once, all load back to zero.  Off by default, like
+ * fuzz_api_craft. */
+extern bool fuzz_api_clock_back;
 
 /* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
  * NULL) is increased by the number of API operations it ran. */
