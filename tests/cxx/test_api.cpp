@@ -1,8 +1,17 @@
-// The public header from C++: compiles as C++17, links the shared library only, calls the API.
+// The public header from C++: compiles as C++17, links the shared library only (as README's
+// pkg-config line does), calls the API.  Also a C++ program's own new and delete, on two threads,
+// with a router alive: the link line once put jemalloc's operator new (Debian's libjemalloc
+// exports the C++ operators) ahead of libstdc++'s while the program's free stayed glibc's, and
+// jemalloc's operator delete calls free, so the first std::string or std::vector freed aborted
+// with "free(): invalid pointer".
 #include <kvrouter.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
 #include <vector>
 
 static int failures;
@@ -14,8 +23,39 @@ static int failures;
 		}                                                                                  \
 	} while (0)
 
+// new/delete of many sizes (jemalloc's size classes, small to huge), arrays, and malloc/free
+// beside them; returns a checksum so nothing is optimised away.
+static size_t churn(unsigned seed)
+{
+	size_t sum = 0;
+	for (unsigned i = 0; i < 2000; i++) {
+		size_t n = 1 + (size_t)((seed * 2654435761u + i * 40503u) %
+		                        (i % 97 == 0 ? 3u << 20 : 5000u));
+		std::string s(n, 'x');
+		std::vector<char> v(n / 2 + 1, 'y');
+		std::unique_ptr<int[]> a(new int[n / 8 + 1]());
+		std::unique_ptr<std::string> p(new std::string(s.substr(0, n / 3)));
+		void *m = std::malloc(n);
+		CHECK(m != nullptr);
+		std::memset(m, 1, n);
+		std::free(m);
+		sum += s.size() + v.size() + (size_t)a[0] + p->size();
+	}
+	return sum;
+}
+
 int main()
 {
+	{
+		kvr_router *r0 = nullptr;
+		CHECK(kvr_router_create(nullptr, &r0) == KVR_OK);
+		size_t a = 0, b = 0;
+		std::thread t([&a] { a = churn(1); });
+		b = churn(2);
+		t.join();
+		CHECK(a > 0 && b > 0);
+		kvr_router_destroy(r0);
+	}
 	std::vector<uint32_t> tok = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
 	std::vector<uint64_t> local(3), seq(3);
 	CHECK(kvr_hash_blocks(tok.data(), tok.size(), 4, nullptr, local.data(), seq.data()) == 3);
