@@ -56,6 +56,7 @@
  * readers use acquire loads only, so it is well defined in C11 and visible to TSan).
  */
 #include "shards/runtime.h"
+#include "shards/cpu_quota.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -652,8 +653,14 @@ int kvr_shards_create(const struct kvr_shards_config *cfg, struct kvr_shards **o
 		n_cpus = n_dcpus;
 	}
 	uint32_t n = cfg->n_shards;
-	if (!n)
-		n = n_dcpus ? (n_dcpus > MAX_SHARDS ? MAX_SHARDS : n_dcpus) : 1;
+	if (!n) {
+		/* One per CPU listed or in the affinity mask, but no more than the cgroups' CPU
+		 * quota (cpu_quota.h says why; before, a given cpu_list made it one shard). */
+		uint32_t quota = kvr_cpu_quota_at(kvr_cpu_quota_root);
+		n = n_cpus ? (uint32_t)(n_cpus > MAX_SHARDS ? MAX_SHARDS : n_cpus) : 1;
+		if (quota && quota < n)
+			n = quota;
+	}
 
 	struct kvr_shards *s = kvr_alloc_aligned(sizeof(*s));
 	if (!s)

@@ -150,7 +150,12 @@ typedef uint64_t (*kvr_clock_fn)(void *ctx);
 struct kvr_config {
 	/* Tokens per block.  Default 16.  Range 1..65536. */
 	uint32_t block_size;
-	/* Shard threads.  Default 0 = one per CPU available to the process.  Max 256. */
+	/* Shard threads.  Default 0 = one per CPU: per CPU of cpu_list when given, else of the
+	 * process's affinity mask, but no more than the CPU time its cgroups allow (cgroup v2
+	 * cpu.max or v1 cpu.cfs_quota_us / cpu.cfs_period_us, the smallest along its cgroup's
+	 * path, rounded up: a container limited to 2 CPUs on a 64-CPU host gets 2 shards, not 64
+	 * threads sharing 2 CPUs' worth of time).  kvr_router_get_config tells the count.
+	 * Max 256. */
 	uint32_t n_shards;
 	/* CPUs to pin shard i to (cpu_list[i % n_cpus]); borrowed, copied at create.
 	 * Default NULL = CPUs of the process affinity mask, in order. */
