@@ -45,6 +45,7 @@
  * deferred list hold with KVR_ESHUTDOWN and closes the box (box_closed) before it is freed.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
@@ -845,6 +846,28 @@ static __attribute__((cold, noinline)) int feed_inherited(const char *fn)
 	                fn);
 }
 
+/*
+ * Descriptors ZeroMQ takes when a context starts (at its first socket): its term, reaper and I/O
+ * thread mailboxes (eventfds), the reaper's and the I/O thread's epoll, the feed's two control
+ * sockets' mailboxes: 7 with libzmq 4.3, and some room for other versions.  libzmq calls abort()
+ * when its poller's epoll_create1 fails ("Too many open files (src/epoll.cpp:65)"): a process at
+ * its RLIMIT_NOFILE died in kvr_feed_create (tests/unit/test_fd_limit.c).
+ */
+#define ZMQ_START_FDS 12
+
+/* True if ZMQ_START_FDS more descriptors can be opened now (each a dup of fd, all closed again).
+ * Another thread may take them before ZeroMQ does: this turns a process that is at its limit
+ * into an error, not every race with one that is reaching it. */
+static bool spare_fds(int fd)
+{
+	int dup[ZMQ_START_FDS], n = 0;
+	while (n < ZMQ_START_FDS && (dup[n] = fcntl(fd, F_DUPFD_CLOEXEC, 0)) >= 0)
+		n++;
+	for (int i = 0; i < n; i++)
+		close(dup[i]);
+	return n == ZMQ_START_FDS;
+}
+
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
 	if (out)
@@ -875,6 +898,15 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	pthread_mutex_init(&f->box_lock, NULL);
 	f->deferred_tail = &f->deferred;
 	f->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if ((f->efd < 0 && (errno == EMFILE || errno == ENFILE)) ||
+	    (f->efd >= 0 && !spare_fds(f->efd))) {
+		kvr_feed_destroy(f);
+		return kvr_fail(KVR_ENOMEM,
+		                "kvr_feed_create: too many open file descriptors (the process's "
+		                "RLIMIT_NOFILE, or the system's): a feed takes %d (ZeroMQ's start, "
+		                "which aborts without them, and its own)",
+		                ZMQ_START_FDS + 1);
+	}
 	if (f->efd < 0 || kvr_feed_grow((void **)&f->items, &f->cap_items, 2, sizeof(*f->items)))
 		goto fail;
 	if (!(f->zctx = zmq_ctx_new()))

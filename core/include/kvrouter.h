@@ -868,7 +868,9 @@ struct kvr_feed_stats {
  * Creates a feed on r (an events-mode router) and starts its thread.  cfg is copied; NULL =
  * defaults.  The feed must be destroyed before the router.
  * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg: a value
- * outside its range above), KVR_ENOMEM (also: the feed's thread could not be started), KVR_ENOTSUP
+ * outside its range above), KVR_ENOMEM (also: the feed's thread could not be started, or fewer
+ * than 13 file descriptors are left under the process's limit: ZeroMQ calls abort() when its
+ * start runs out of them, so the feed makes sure they are there first), KVR_ENOTSUP
  * (built without zmq, whatever the arguments: kvr_feed_create(NULL, NULL, NULL) tells a program
  * whether the feed is built in).  Beware: libzmq calls abort() when it cannot start its own I/O
  * thread (at the feed's first socket), so a process at its thread limit dies there.  On every
