@@ -868,6 +868,36 @@ static bool spare_fds(int fd)
 	return n == ZMQ_START_FDS;
 }
 
+/* ZeroMQ's reaper and I/O threads, started with its context: libzmq calls abort() when
+ * pthread_create fails for one ("Resource temporarily unavailable (src/thread.cpp:...)"), so a
+ * process at its thread limit (a container's pids.max) died in kvr_feed_create. */
+#define ZMQ_START_THREADS 2
+
+static void *probe_main(void *arg)
+{
+	pthread_mutex_t *m = arg; /* held by spare_threads until every probe has started */
+	pthread_mutex_lock(m);
+	pthread_mutex_unlock(m);
+	return NULL;
+}
+
+/* True if ZMQ_START_THREADS more threads can run at once now: started together, held until all
+ * are up, then joined.  Like spare_fds, it catches a process at its limit, not a race. */
+static bool spare_threads(void)
+{
+	pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+	pthread_t t[ZMQ_START_THREADS];
+	int n = 0;
+	pthread_mutex_lock(&m);
+	while (n < ZMQ_START_THREADS && kvr_thread_start(&t[n], false, probe_main, &m) == 0)
+		n++;
+	pthread_mutex_unlock(&m);
+	for (int i = 0; i < n; i++)
+		pthread_join(t[i], NULL);
+	pthread_mutex_destroy(&m);
+	return n == ZMQ_START_THREADS;
+}
+
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
 	if (out)
@@ -909,6 +939,13 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	}
 	if (f->efd < 0 || kvr_feed_grow((void **)&f->items, &f->cap_items, 2, sizeof(*f->items)))
 		goto fail;
+	if (!spare_threads()) {
+		kvr_feed_destroy(f);
+		return kvr_fail(KVR_ENOMEM,
+		                "kvr_feed_create: could not start a thread (the process's thread "
+		                "limit): ZeroMQ's start takes %d, and aborts without them",
+		                ZMQ_START_THREADS);
+	}
 	if (!(f->zctx = zmq_ctx_new()))
 		goto fail;
 	char name[64];

@@ -872,8 +872,10 @@ struct kvr_feed_stats {
  * than 13 file descriptors are left under the process's limit: ZeroMQ calls abort() when its
  * start runs out of them, so the feed makes sure they are there first), KVR_ENOTSUP
  * (built without zmq, whatever the arguments: kvr_feed_create(NULL, NULL, NULL) tells a program
- * whether the feed is built in).  Beware: libzmq calls abort() when it cannot start its own I/O
- * thread (at the feed's first socket), so a process at its thread limit dies there.  On every
+ * whether the feed is built in).  libzmq calls abort() when it cannot start its reaper and I/O
+ * threads (at the feed's first socket), so the feed first checks that two more threads can run
+ * (KVR_ENOMEM if not); a thread limit reached by another thread between that check and
+ * ZeroMQ's start is still fatal there.  On every
  * failure *out is NULL (out not NULL), as kvr_router_create and kvr_sync_attach.  Context:
  * any thread.
  */

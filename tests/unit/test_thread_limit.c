@@ -11,8 +11,13 @@
  * again (once) must succeed.  With every thread refused, the library's deferred frees must
  * still run (kvr_rcu_barrier runs them on the caller's thread).
  *
- * ZeroMQ's threads are not refused: libzmq aborts when it cannot start its I/O thread (the
- * header says so at kvr_feed_create).
+ * ZeroMQ's threads are not refused by count (libzmq aborts when it cannot start one, and the nth
+ * start after the feed's check would be refused however many threads run).  A third injection
+ * caps the live threads instead, ZeroMQ's counted, as a container's pids.max does: for every
+ * cap an events router and a feed are created; each create works or fails cleanly.  Before,
+ * the caps that left room for the router but not for ZeroMQ's reaper or I/O thread died of
+ * SIGABRT in kvr_feed_create ("Resource temporarily unavailable (src/thread.cpp:269)"); now the
+ * feed checks that two more threads can run before ZeroMQ starts (sync/feed.c, spare_threads).
  *
  * Before: the first thread the library starts in a process was liburcu's call_rcu thread, and
  * liburcu calls abort() when pthread_create fails (the child died of SIGABRT in
@@ -39,12 +44,47 @@
  * fail_persist every later one too.  Counted with atomics: the library's threads start
  * threads too (none today, but the count must not race). */
 static unsigned fail_nth, fail_persist, calls, refused;
+/* The other injection, a capacity (a container's pids.max): with cap_on, a thread is refused
+ * while `cap` threads started through pthread_create are alive, ZeroMQ's included. */
+static unsigned cap_on, cap, live;
+
+struct tramp {
+	void *(*fn)(void *);
+	void *arg;
+};
+
+static void *tramp_main(void *p)
+{
+	struct tramp t = *(struct tramp *)p;
+	free(p);
+	void *ret = t.fn(t.arg);
+	__atomic_sub_fetch(&live, 1, __ATOMIC_RELAXED);
+	return ret;
+}
 
 int pthread_create(pthread_t *t, const pthread_attr_t *a, void *(*fn)(void *), void *arg)
 {
 	static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
 	if (!real)
 		*(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+	if (__atomic_load_n(&cap_on, __ATOMIC_RELAXED)) {
+		if (__atomic_add_fetch(&live, 1, __ATOMIC_RELAXED) > cap) {
+			__atomic_sub_fetch(&live, 1, __ATOMIC_RELAXED);
+			__atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED);
+			return EAGAIN;
+		}
+		struct tramp *tr = malloc(sizeof(*tr));
+		if (tr) {
+			tr->fn = fn;
+			tr->arg = arg;
+		}
+		int rc = tr ? real(t, a, tramp_main, tr) : EAGAIN;
+		if (rc) {
+			free(tr);
+			__atomic_sub_fetch(&live, 1, __ATOMIC_RELAXED);
+		}
+		return rc;
+	}
 	unsigned nth = __atomic_load_n(&fail_nth, __ATOMIC_RELAXED);
 	/* ZeroMQ's own threads (its I/O and reaper threads, started with a feed's sockets) are
 	 * left alone: libzmq aborts when it cannot start one (kvrouter.h, kvr_feed_create). */
@@ -135,6 +175,37 @@ static int scenario(unsigned nth, bool persist)
 	return __atomic_load_n(&refused, __ATOMIC_RELAXED) ? 0 : 3;
 }
 
+/* An events router and a feed under a cap of live threads (ZeroMQ's counted): every create
+ * either works or fails cleanly.  Before, with a cap that left room for the router but not for
+ * ZeroMQ's reaper or I/O thread, libzmq aborted in kvr_feed_create. */
+static int cap_scenario(void *arg)
+{
+	__atomic_store_n(&cap, (unsigned)(uintptr_t)arg, __ATOMIC_RELAXED);
+	__atomic_store_n(&cap_on, 1, __ATOMIC_RELAXED);
+	struct kvr_config cfg;
+	kvr_config_init(&cfg);
+	cfg.n_shards = 2;
+	cfg.mode = KVR_MODE_EVENTS;
+	struct kvr_router *ev = NULL;
+	int rc = kvr_router_create(&cfg, &ev);
+	if (rc) {
+		check_refused(rc, "kvr_router_create");
+		return 0;
+	}
+	struct kvr_feed *f = NULL;
+	rc = kvr_feed_create(ev, NULL, &f);
+	if (rc == KVR_ENOTSUP) {
+		kvr_router_destroy(ev);
+		return 3;
+	}
+	if (rc)
+		check_refused(rc, "kvr_feed_create");
+	else
+		kvr_feed_destroy(f);
+	kvr_router_destroy(ev);
+	return __atomic_load_n(&refused, __ATOMIC_RELAXED) ? 0 : 3;
+}
+
 struct run {
 	unsigned nth;
 	bool persist;
@@ -168,6 +239,17 @@ int main(void)
 				break;
 		CHECK(nth > 1 && nth <= 64, "%s: %u threads", persist ? "from" : "once", nth);
 	}
+	unsigned c = 0;
+	for (; c <= 64; c++, runs++) {
+		int st = kvr_test_run_child(cap_scenario, (void *)(uintptr_t)c);
+		CHECK(WIFEXITED(st), "cap %u: the child died of signal %d", c,
+		      WIFSIGNALED(st) ? WTERMSIG(st) : -1);
+		CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3, "cap %u: the child failed (%d)",
+		      c, WEXITSTATUS(st));
+		if (WEXITSTATUS(st) == 3)
+			break;
+	}
+	CHECK(c > 1 && c <= 64, "cap: %u threads", c);
 	printf("test_thread_limit: ok (%u children, each refused a thread)\n", runs);
 	return 0;
 }
