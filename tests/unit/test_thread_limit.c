@@ -140,6 +140,21 @@ static void count_free(void *p)
 	__atomic_add_fetch(&freed, 1, __ATOMIC_RELAXED);
 }
 
+/* Creates a feed on ev and destroys it, or checks that the create failed for a thread.
+ * Returns false when the feed is not built in. */
+static bool feed_once(struct kvr_router *ev)
+{
+	struct kvr_feed *f = NULL;
+	int rc = kvr_feed_create(ev, NULL, &f);
+	if (rc == KVR_ENOTSUP)
+		return false;
+	if (rc)
+		check_refused(rc, "kvr_feed_create");
+	else
+		kvr_feed_destroy(f);
+	return true;
+}
+
 /* One child's run; returns 0, or 3 when nothing was refused (n past the last thread). */
 static int scenario(unsigned nth, bool persist)
 {
@@ -153,14 +168,7 @@ static int scenario(unsigned nth, bool persist)
 	}
 	struct kvr_router *ev = router(KVR_MODE_EVENTS, persist);
 	if (ev) {
-		struct kvr_feed *f = NULL;
-		int rc = kvr_feed_create(ev, NULL, &f);
-		if (rc != KVR_ENOTSUP) {
-			if (rc)
-				check_refused(rc, "kvr_feed_create");
-			else
-				kvr_feed_destroy(f);
-		}
+		feed_once(ev);
 		kvr_router_destroy(ev);
 	}
 	if (persist) {
@@ -182,28 +190,12 @@ static int cap_scenario(void *arg)
 {
 	__atomic_store_n(&cap, (unsigned)(uintptr_t)arg, __ATOMIC_RELAXED);
 	__atomic_store_n(&cap_on, 1, __ATOMIC_RELAXED);
-	struct kvr_config cfg;
-	kvr_config_init(&cfg);
-	cfg.n_shards = 2;
-	cfg.mode = KVR_MODE_EVENTS;
-	struct kvr_router *ev = NULL;
-	int rc = kvr_router_create(&cfg, &ev);
-	if (rc) {
-		check_refused(rc, "kvr_router_create");
-		return 0;
-	}
-	struct kvr_feed *f = NULL;
-	rc = kvr_feed_create(ev, NULL, &f);
-	if (rc == KVR_ENOTSUP) {
-		kvr_router_destroy(ev);
-		return 3;
-	}
-	if (rc)
-		check_refused(rc, "kvr_feed_create");
-	else
-		kvr_feed_destroy(f);
+	struct kvr_router *ev = router(KVR_MODE_EVENTS, true);
+	if (!ev)
+		return 0; /* refused cleanly (router checks) */
+	bool built = feed_once(ev);
 	kvr_router_destroy(ev);
-	return __atomic_load_n(&refused, __ATOMIC_RELAXED) ? 0 : 3;
+	return built && __atomic_load_n(&refused, __ATOMIC_RELAXED) ? 0 : 3;
 }
 
 struct run {
@@ -217,16 +209,21 @@ static int scenario_of(void *arg)
 	return scenario(c->nth, c->persist);
 }
 
+/* Checks a child's wait status: it exited, with 0 or 3 (nothing refused); returns the code. */
+static int child_code(int st, const char *what, unsigned n)
+{
+	CHECK(WIFEXITED(st), "%s %u: the child died of signal %d", what, n,
+	      WIFSIGNALED(st) ? WTERMSIG(st) : -1);
+	CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3, "%s %u: the child failed (%d)", what, n,
+	      WEXITSTATUS(st));
+	return WEXITSTATUS(st);
+}
+
 /* Runs scenario(nth, persist) in a child; returns its exit status (3: nothing refused). */
 static int in_child(unsigned nth, bool persist)
 {
 	struct run c = {nth, persist};
-	int st = kvr_test_run_child(scenario_of, &c);
-	CHECK(WIFEXITED(st), "%s %u: the child died of signal %d", persist ? "from" : "once", nth,
-	      WIFSIGNALED(st) ? WTERMSIG(st) : -1);
-	CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3, "%s %u: the child failed (%d)",
-	      persist ? "from" : "once", nth, WEXITSTATUS(st));
-	return WEXITSTATUS(st);
+	return child_code(kvr_test_run_child(scenario_of, &c), persist ? "from" : "once", nth);
 }
 
 int main(void)
@@ -240,15 +237,10 @@ int main(void)
 		CHECK(nth > 1 && nth <= 64, "%s: %u threads", persist ? "from" : "once", nth);
 	}
 	unsigned c = 0;
-	for (; c <= 64; c++, runs++) {
-		int st = kvr_test_run_child(cap_scenario, (void *)(uintptr_t)c);
-		CHECK(WIFEXITED(st), "cap %u: the child died of signal %d", c,
-		      WIFSIGNALED(st) ? WTERMSIG(st) : -1);
-		CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3, "cap %u: the child failed (%d)",
-		      c, WEXITSTATUS(st));
-		if (WEXITSTATUS(st) == 3)
+	for (; c <= 64; c++, runs++)
+		if (child_code(kvr_test_run_child(cap_scenario, (void *)(uintptr_t)c), "cap", c) ==
+		    3)
 			break;
-	}
 	CHECK(c > 1 && c <= 64, "cap: %u threads", c);
 	printf("test_thread_limit: ok (%u children, each refused a thread)\n", runs);
 	return 0;
