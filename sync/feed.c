@@ -860,11 +860,11 @@ static __attribute__((cold, noinline)) int feed_inherited(const char *fn)
  * into an error, not every race with one that is reaching it. */
 static bool spare_fds(int fd)
 {
-	int dup[ZMQ_START_FDS], n = 0;
-	while (n < ZMQ_START_FDS && (dup[n] = fcntl(fd, F_DUPFD_CLOEXEC, 0)) >= 0)
+	int fds[ZMQ_START_FDS], n = 0;
+	while (n < ZMQ_START_FDS && (fds[n] = fcntl(fd, F_DUPFD_CLOEXEC, 0)) >= 0)
 		n++;
 	for (int i = 0; i < n; i++)
-		close(dup[i]);
+		close(fds[i]);
 	return n == ZMQ_START_FDS;
 }
 
