@@ -13,7 +13,8 @@
  *    per-call lists leave it out; README.md, "Bad input", has every case).
  *  - pointer parameters are borrowed for the duration of the call unless documented otherwise.
  *  - whatever the library allocates, the library frees; destroy(NULL) is a no-op.
- *  - usable from C11 and C++ (extern "C"); no third-party type appears here.
+ *  - usable from C99 and C++98 on (extern "C"; tests/header/ builds both pedantic); no
+ *    third-party type appears here.
  */
 #ifndef KVROUTER_H
 #define KVROUTER_H
@@ -58,7 +59,7 @@ enum kvr_error {
 	KVR_ERANGE = -8,     /* a value is outside its allowed range (too many ranks, too long) */
 	KVR_ETIMEDOUT = -9,  /* a deadline passed before the operation could complete */
 	KVR_ESHUTDOWN = -10, /* the router or shard runtime is being destroyed */
-	KVR_ENOTSUP = -11,   /* not built in (e.g. the KV event feed without -Dzmq) */
+	KVR_ENOTSUP = -11    /* not built in (e.g. the KV event feed without -Dzmq) */
 };
 
 /* A static, human-readable message for a KVR_* code (or "unknown error"). Never NULL. */
@@ -135,13 +136,13 @@ struct kvr_decision;
 enum kvr_mode {
 	KVR_MODE_APPROX_LRU = 0, /* predict: capacity-bounded LRU mirroring vLLM (default) */
 	KVR_MODE_APPROX_TTL = 1, /* predict: forget a routed block after ttl_ns */
-	KVR_MODE_EVENTS = 2,     /* workers publish KV events (kvr_events_apply) */
+	KVR_MODE_EVENTS = 2      /* workers publish KV events (kvr_events_apply) */
 };
 
 /* Order in which queued requests are admitted when every rank is saturated. */
 enum kvr_queue_policy {
 	KVR_QUEUE_FCFS = 0, /* first come, first served */
-	KVR_QUEUE_WSPT = 1, /* weighted shortest processing time: fewest uncached tokens first */
+	KVR_QUEUE_WSPT = 1  /* weighted shortest processing time: fewest uncached tokens first */
 };
 
 /* The router's clock: monotonic nanoseconds.  Replace it for virtual time. */
@@ -447,7 +448,7 @@ KVR_API int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint6
 
 enum kvr_route_flags {
 	KVR_ROUTE_QUERY_ONLY = 1u << 0, /* decide, book nothing (no attempt, no index change) */
-	KVR_ROUTE_WAIT = 1u << 1,       /* if queued, block until admitted or deadline_ns */
+	KVR_ROUTE_WAIT = 1u << 1        /* if queued, block until admitted or deadline_ns */
 };
 
 /* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL). */
@@ -496,7 +497,7 @@ KVR_API void kvr_request_init(struct kvr_request *req);
 enum kvr_decision_status {
 	KVR_DECIDED = 0, /* admitted: rank and attempt are valid */
 	KVR_QUEUED = 1,  /* waiting: ticket is valid; on_admit or KVR_ROUTE_WAIT tells the rest */
-	KVR_FAILED = 2,  /* a queued request could not be admitted (its pinned or allowed ranks
+	KVR_FAILED = 2   /* a queued request could not be admitted (its pinned or allowed ranks
 	                  * went away, no memory): error says why; given to on_admit and by
 	                  * kvr_route_wait, which then also returns error */
 };
@@ -703,11 +704,7 @@ KVR_API int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
 
 /* ---------------------------------------------------------------- KV events */
 
-enum kvr_event_type {
-	KVR_EVENT_STORED = 0,
-	KVR_EVENT_REMOVED = 1,
-	KVR_EVENT_CLEARED = 2,
-};
+enum kvr_event_type { KVR_EVENT_STORED = 0, KVR_EVENT_REMOVED = 1, KVR_EVENT_CLEARED = 2 };
 
 struct kvr_event_block {
 	uint64_t ext_hash;      /* the engine's hash of the block */
@@ -798,11 +795,7 @@ struct kvr_feed;
 #define KVR_FEED_DP_FROM_BATCH UINT32_MAX
 
 /* Log levels of kvr_feed_config.log. */
-enum kvr_log_level {
-	KVR_LOG_ERROR = 0,
-	KVR_LOG_WARN = 1,
-	KVR_LOG_INFO = 2,
-};
+enum kvr_log_level { KVR_LOG_ERROR = 0, KVR_LOG_WARN = 1, KVR_LOG_INFO = 2 };
 
 struct kvr_feed_config {
 	/* Longest wait for one replay, ms; the feed thread serves nothing else meanwhile.
