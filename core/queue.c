@@ -23,6 +23,7 @@
 
 #include "core/alloc.h"
 #include "core/router_internal.h"
+#include "sync/cond.h"
 #include "sync/rcu.h"
 
 /* Q_WAITING -> Q_ADMITTING (the pump routes it with the lock dropped) -> Q_ADMITTED, or back to
@@ -66,7 +67,7 @@ int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out)
 	q->r = r;
 	q->next_ticket = 1;
 	pthread_mutex_init(&q->lock, NULL);
-	pthread_cond_init(&q->cond, NULL);
+	kvr_cond_init(&q->cond); /* its waits are timed (kvr_route_wait) */
 	*out = q;
 	return 0;
 }
@@ -381,14 +382,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 			break;
 		}
 		/* The router clock may be virtual: wake every millisecond to re-read it. */
-		struct timespec ts;
-		clock_gettime(CLOCK_REALTIME, &ts);
-		ts.tv_nsec += 1000000;
-		if (ts.tv_nsec >= 1000000000) {
-			ts.tv_sec++;
-			ts.tv_nsec -= 1000000000;
-		}
-		pthread_cond_timedwait(&q->cond, &q->lock, &ts);
+		kvr_cond_wait_ns(&q->cond, &q->lock, 1000000);
 	}
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);

@@ -512,11 +512,8 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 	pthread_mutex_init(&rep->mu, NULL);
 	pthread_mutex_init(&rep->hmu, NULL);
 	pthread_mutex_init(&rep->qmu, NULL);
-	pthread_condattr_t ca;
-	pthread_condattr_init(&ca);
-	pthread_cond_init(&rep->qcv, &ca);
-	pthread_cond_init(&rep->donecv, &ca);
-	pthread_condattr_destroy(&ca);
+	kvr_cond_init(&rep->qcv);
+	kvr_cond_init(&rep->donecv);
 	rep->hooks = (struct kvr_repl_hooks){
 	    .ctx = rep,
 	    .admitted = kvr_rep_note_admit,

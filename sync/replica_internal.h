@@ -22,6 +22,7 @@
 
 #include "core/replica_hooks.h"
 #include "kvrouter.h"
+#include "sync/cond.h"
 #include "sync/park.h"
 #include "sync/replica.h"
 #include "sync/replica_msg.h"
@@ -207,16 +208,11 @@ static inline uint64_t kvr_rep_mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Waits on cv (mu held) at most wait_ns; callers loop and re-check.  CLOCK_REALTIME: the
- * condition variables use the default clock. */
+/* Waits on cv (kvr_cond_init: on CLOCK_MONOTONIC, so a wall clock stepped back does not stop
+ * the heartbeats; mu held) at most wait_ns; callers loop and re-check. */
 static inline void kvr_rep_timedwait(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t wait_ns)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns;
-	ts.tv_sec += (time_t)(ns / 1000000000ull);
-	ts.tv_nsec = (long)(ns % 1000000000ull);
-	pthread_cond_timedwait(cv, mu, &ts);
+	kvr_cond_wait_ns(cv, mu, wait_ns);
 }
 
 /* For a wait with a deadline (CLOCK_MONOTONIC ns): false when it has passed, else waits on cv

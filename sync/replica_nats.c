@@ -225,11 +225,9 @@ static void sync_free(struct kvr_sync *s)
 	if (s->nc) {
 		natsConnection_Close(s->nc);
 		/* Bounded: a closed callback that never comes must not hang the caller. */
-		struct timespec dl;
-		clock_gettime(CLOCK_REALTIME, &dl);
-		dl.tv_sec += 5;
+		uint64_t dl = kvr_rep_mono_ns() + 5000000000ull;
 		pthread_mutex_lock(&s->mu);
-		while (!s->closed && pthread_cond_timedwait(&s->cv, &s->mu, &dl) == 0)
+		while (!s->closed && kvr_rep_wait_deadline(&s->cv, &s->mu, dl))
 			;
 		pthread_mutex_unlock(&s->mu);
 		natsConnection_Destroy(s->nc);
@@ -259,7 +257,7 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	if (!s)
 		return kvr_fail(KVR_ENOMEM, "%s: out of memory for the replica handle", fn);
 	pthread_mutex_init(&s->mu, NULL);
-	pthread_cond_init(&s->cv, NULL);
+	kvr_cond_init(&s->cv);
 	snprintf(s->subj_stream, sizeof(s->subj_stream), "%s.stream", c->cluster);
 	snprintf(s->subj_snap, sizeof(s->subj_snap), "%s.snap", c->cluster);
 	struct kvr_replica_config rc = {
