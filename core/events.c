@@ -16,6 +16,7 @@
 #include "core/alloc.h"
 #include "core/hash.h"
 #include "core/router_internal.h"
+#include "sync/nocancel.h"
 
 /* Thread-local scratch of kvr_events_apply and kvr_events_apply_many (shard call arguments,
  * local hashes), grown and kept for the thread's next call, freed when it exits.  One set
@@ -188,6 +189,7 @@ static __attribute__((cold, noinline)) int event_fail(const struct kvr_router *r
 
 int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct kvr_event *ev)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!r || !ev)
 		return kvr_fail(KVR_EINVAL, "kvr_events_apply: %s is NULL", !r ? "router" : "ev");
 	if (kvr_router_stopping(r))

@@ -10,6 +10,7 @@
 
 #include "core/router_internal.h"
 #include "sync/rcu.h"
+#include "sync/nocancel.h"
 
 /* The detail of a failure found below the argument checks (core/error.h): every code has one
  * cause per call here. */
@@ -57,6 +58,7 @@ static __attribute__((cold, noinline)) int heal_fail(const struct kvr_router *r,
 
 int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_tokens)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	static const char fn[] = "kvr_request_cached";
 	if (!r)
 		return kvr_fail(KVR_EINVAL, "%s: router is NULL", fn);
@@ -81,6 +83,7 @@ int kvr_request_cached(struct kvr_router *r, uint64_t attempt, uint64_t cached_t
 int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
                      const struct kvr_rank_observation *obs)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	static const char fn[] = "kvr_rank_observe";
 	if (!r || !obs)
 		return kvr_fail(KVR_EINVAL, "%s: %s is NULL", fn, !r ? "router" : "obs");

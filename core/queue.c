@@ -25,6 +25,7 @@
 #include "core/router_internal.h"
 #include "sync/cond.h"
 #include "sync/rcu.h"
+#include "sync/nocancel.h"
 
 /* Q_WAITING -> Q_ADMITTING (the pump routes it with the lock dropped) -> Q_ADMITTED, or back to
  * Q_WAITING when its candidates are still saturated.  An entry in Q_ADMITTING belongs to the
@@ -222,6 +223,7 @@ static void unlink_entry(struct kvr_queue *q, struct qentry *e)
 
 void kvr_queue_pump(struct kvr_router *r)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	struct kvr_queue *q = r->queue;
 	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 	/* The pump routes on this thread, inside RCU read sections: the thread must be a reader
@@ -336,6 +338,7 @@ static __attribute__((cold, noinline)) int wait_failed(const struct kvr_router *
 int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
                    struct kvr_decision *d)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!r || !d || ticket == 0)
 		return kvr_fail(KVR_EINVAL, "kvr_route_wait: %s",
 		                !r   ? "router is NULL"
@@ -392,6 +395,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 
 int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!r || ticket == 0)
 		return kvr_fail(KVR_EINVAL, "kvr_route_cancel: %s",
 		                !r ? "router is NULL" : "ticket is 0");

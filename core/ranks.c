@@ -16,6 +16,7 @@
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
+#include "sync/nocancel.h"
 
 /* Attempt ids carry the slot in KVR_SLOT_BITS bits: every slot max_ranks allows must fit. */
 _Static_assert(KVR_LIMIT_MAX_RANKS_MAX <= (1u << KVR_SLOT_BITS),
@@ -98,6 +99,7 @@ rank_fail(const struct kvr_router *r, int rc, const char *fn, struct kvr_rank_id
 int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
                  uint64_t capacity_blocks, uint32_t max_batched_tokens)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	static const char fn[] = "kvr_rank_add";
 	int rc = check(r, fn);
 	if (rc)
@@ -180,6 +182,7 @@ out:
 
 int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	static const char fn[] = "kvr_rank_remove";
 	int rc = check(r, fn);
 	if (rc)
@@ -250,6 +253,7 @@ static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn 
 int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarnation,
                           uint64_t capacity_blocks)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	struct kvr_rank_args a = {.incarnation = incarnation, .capacity = capacity_blocks};
 	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a, "kvr_rank_set_capacity", false);
 	if (rc == 0)
@@ -262,6 +266,7 @@ int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_
 
 int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	struct kvr_rank_args a = {.incarnation = new_incarnation};
 	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a, "kvr_rank_reset", false);
 	if (rc == 0)
@@ -273,6 +278,7 @@ int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_i
 
 int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank, struct kvr_rank_stats *out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!out)
 		return kvr_fail(KVR_EINVAL, "kvr_rank_get_stats: out is NULL");
 	struct kvr_rank_args a = {.stats = out};
@@ -282,6 +288,7 @@ int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank, struct kvr
 int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out, size_t cap,
                     size_t *n_out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!n_out || (!out && cap))
 		return kvr_fail(KVR_EINVAL, "kvr_rank_blocks: %s",
 		                !n_out ? "n_out is NULL" : "out is NULL with cap > 0");

@@ -10,6 +10,7 @@
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
+#include "sync/nocancel.h"
 
 /* The shards' maintenance lanes: the router posts nothing there (every call and post takes the
  * routing lane; TTL and lease timers run in the shard loop), so a ring of 256 slots (16 KiB)
@@ -87,6 +88,7 @@ static uint64_t clock_guarded(void *ctx)
 
 int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!out)
 		return kvr_fail(KVR_EINVAL, "kvr_router_create: out is NULL");
 	*out = NULL;
@@ -225,6 +227,7 @@ static bool on_own_shard(struct kvr_router *r)
 
 void kvr_router_destroy(struct kvr_router *r)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!r)
 		return;
 	/* Created before this process forked (core/fork.h): the parent's threads and memory; the
@@ -289,6 +292,7 @@ void kvr_router_settle(struct kvr_router *r)
 
 int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!r)
 		return kvr_fail(KVR_EINVAL, "kvr_router_sync: router is NULL");
 	if (kvr_router_stopping(r))
@@ -319,6 +323,7 @@ int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *
 
 int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!r || !out)
 		return kvr_fail(KVR_EINVAL, "kvr_router_get_memory: %s is NULL",
 		                !r ? "router" : "out");

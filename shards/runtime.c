@@ -70,6 +70,7 @@
 #include "sync/park.h"
 #include "sync/thread.h"
 #include "sync/rcu.h"
+#include "sync/nocancel.h"
 
 #define MAX_SHARDS      KVR_LIMIT_SHARDS_MAX
 #define BATCH           64
@@ -966,7 +967,11 @@ static void wait_step(uint32_t k, uint64_t *sleep_ns, uint64_t sleep_cap_ns)
 	} else {
 		struct timespec ts = {0, (long)*sleep_ns};
 		tls_wait_sleeps++;
+		/* Not a cancellation point here: a poster (kvr_route, a lifecycle call) sleeps
+		 * inside its RCU read section with an attempt half booked (sync/nocancel.h). */
+		int old = kvr_nocancel_begin();
 		nanosleep(&ts, NULL);
+		kvr_nocancel_end(&old);
 		if (*sleep_ns < sleep_cap_ns)
 			*sleep_ns *= 2;
 	}

@@ -69,6 +69,7 @@
 #include "sync/rcu.h"
 #include "sync/replica_internal.h"
 #include "sync/thread.h"
+#include "sync/nocancel.h"
 
 void kvr_feed_log(struct kvr_feed *f, struct ep *e, int kind, int level, const char *fmt, ...)
 {
@@ -900,6 +901,7 @@ static bool spare_threads(void)
 
 int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, struct kvr_feed **out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (out)
 		*out = NULL; /* as kvr_router_create and kvr_sync_attach: NULL on every failure */
 	if (!r || !out || r->cfg.mode != KVR_MODE_EVENTS)
@@ -969,6 +971,7 @@ fail:
 
 int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f || !ep || !ep->endpoint || !ep->endpoint[0])
 		return kvr_fail(KVR_EINVAL, "kvr_feed_add: %s",
 		                !f              ? "feed is NULL"
@@ -986,6 +989,7 @@ int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_
 
 int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f)
 		return kvr_fail(KVR_EINVAL, "kvr_feed_remove: feed is NULL");
 	if (kvr_fork_inherited(f->r))
@@ -997,6 +1001,7 @@ int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
 
 int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f || !out)
 		return kvr_fail(KVR_EINVAL, "kvr_feed_get_stats: %s is NULL", !f ? "feed" : "out");
 	if (kvr_fork_inherited(f->r))
@@ -1009,6 +1014,7 @@ int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *o
 int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_rank, uint64_t *out,
                                  size_t cap, size_t *n_out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f || !n_out || (!out && cap))
 		return kvr_fail(KVR_EINVAL, "kvr_feed_other_medium_blocks: %s",
 		                !f       ? "feed is NULL"
@@ -1050,6 +1056,7 @@ static bool on_library_thread(void)
 
 void kvr_feed_destroy(struct kvr_feed *f)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f)
 		return;
 	/* Created before this process forked (core/fork.h): its thread and ZeroMQ's stayed in

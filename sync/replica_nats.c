@@ -29,6 +29,7 @@
 #include "sync/replica_config.h"
 #include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
+#include "sync/nocancel.h"
 
 struct kvr_sync {
 	struct kvr_replica *rep;
@@ -240,6 +241,7 @@ static void sync_free(struct kvr_sync *s)
 
 int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struct kvr_sync **out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (out)
 		*out = NULL; /* on every failure, as kvr_router_create and sync/replica_none.c */
 	static const char fn[] = "kvr_sync_attach";
@@ -401,6 +403,7 @@ static __attribute__((cold, noinline)) int sync_inherited(const char *fn)
 
 void kvr_sync_detach(struct kvr_sync *s)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (inherited(s))
 		return; /* left as it is, as its router is */
 	/* From a router callback the replica's apply thread or nats.c's subscription thread runs
@@ -440,6 +443,7 @@ static __attribute__((cold, noinline)) int wait_fail(const struct kvr_sync *s, i
 
 int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!s)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_wait_ready: s is NULL");
 	if (inherited(s))
@@ -450,6 +454,7 @@ int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
 
 int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!s)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_drain: s is NULL");
 	if (inherited(s))
@@ -460,6 +465,7 @@ int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
 
 int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!s || !out)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_get_stats: %s is NULL", !s ? "s" : "out");
 	if (inherited(s))
@@ -470,6 +476,7 @@ int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 
 int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq)
 {
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!s || !seq)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_peer_seq: %s is NULL", !s ? "s" : "seq");
 	if (inherited(s))
