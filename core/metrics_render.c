@@ -4,6 +4,7 @@
  * `le` bounds (the fine log-linear buckets merged), which keeps the text short and stable.
  */
 #include <inttypes.h>
+#include <locale.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 #include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/rcu.h"
+#include "sync/nocancel.h"
 
 struct out {
 	char *buf;
@@ -153,7 +155,7 @@ static const struct {
     {KVR_H_FEED_LAG_NS, "kvr_feed_lag_seconds", "KV event feed: publish to applied", 1e-9},
 };
 
-int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
+static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 {
 	if (!r || (!buf && cap))
 		return kvr_fail(KVR_EINVAL, "kvr_metrics_render: %s",
@@ -247,4 +249,21 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 		    "kvr_metrics_render: cap %zu is below the %zu bytes needed (*len_out)", cap,
 		    o.len + 1);
 	return 0;
+}
+
+/* Prometheus' text format takes "0.5" only, and printf writes the process's locale's decimal
+ * point: a program that called setlocale(LC_ALL, "") in a de_DE environment rendered le="1,6e-08"
+ * bounds and "0,000123" sums, and its scrapes failed (tests/unit/test_locale.c).  The render
+ * formats under the C locale, on this thread only (uselocale), whatever the process's is. */
+int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
+{
+	KVR_NOCANCEL(); /* sync/nocancel.h */
+	locale_t c = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
+	if (!c)
+		return kvr_fail(KVR_ENOMEM, "kvr_metrics_render: out of memory for the C locale");
+	locale_t was = uselocale(c);
+	int rc = render(r, buf, cap, len_out);
+	uselocale(was);
+	freelocale(c);
+	return rc;
 }

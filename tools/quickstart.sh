@@ -18,6 +18,8 @@ packages=(build-essential pkg-config meson ninja-build
 	libjansson-dev systemtap-sdt-dev gnuplot-nox
 	libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack
 	libnats-dev nats-server)
+# The tests also build a locale with a decimal comma (tests/unit/test_locale.c) from its data.
+[ "$mode" = test ] && packages+=(locales)
 missing=()
 for p in "${packages[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -15,6 +15,10 @@
  *  - whatever the library allocates, the library frees; destroy(NULL) is a no-op.
  *  - usable from C99 and C++98 on (extern "C"; tests/header/ builds both pedantic); no
  *    third-party type appears here.
+ *  - no call is a cancellation point: a thread cancelled (pthread_cancel) inside one acts on
+ *    it at its next cancellation point after the call returns, with the call's work done.  So
+ *    a kvr_route_wait (or KVR_ROUTE_WAIT) without a deadline cannot be cancelled while it
+ *    waits: give it a deadline, or kvr_route_cancel its ticket from another thread.
  */
 #ifndef KVROUTER_H
 #define KVROUTER_H
@@ -1114,7 +1118,8 @@ KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
  * Among them kvr_allocator{name="jemalloc"} 1 (or "libc"): the allocator the library's
  * structures come from, jemalloc when the process has it (linked as `pkg-config --libs
  * kvrouter` links it, or preloaded), else the C library's (a process that loaded the library
- * with dlopen; README.md, "Link after `meson install`").
+ * with dlopen; README.md, "Link after `meson install`").  Numbers are written as Prometheus
+ * reads them ("0.5") whatever the process's locale (setlocale) says.
  */
 KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out);
 
