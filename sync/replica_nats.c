@@ -12,12 +12,15 @@
  * buffers publishes made while reconnecting; the core does not rely on that (it stops publishing
  * when told of the disconnect and resends its state after the reconnect).
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <nats/nats.h>
 
@@ -239,6 +242,19 @@ static void sync_free(struct kvr_sync *s)
 	kvr_free(s, sizeof(*s));
 }
 
+/* Whether the process is out of file descriptors (its RLIMIT_NOFILE, or the system's): nats.c
+ * reports a socket it could not open as "No server available for connection", which read as a
+ * server that was down (KVR_ETIMEDOUT). */
+static bool fds_exhausted(void)
+{
+	int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	if (fd >= 0) {
+		close(fd);
+		return false;
+	}
+	return errno == EMFILE || errno == ENFILE;
+}
+
 int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struct kvr_sync **out)
 {
 	KVR_NOCANCEL(); /* sync/nocancel.h */
@@ -353,6 +369,12 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		sync_free(s);
 		if (st == NATS_NO_MEMORY)
 			return kvr_fail(KVR_ENOMEM, "%s: out of memory connecting to NATS", fn);
+		if (fds_exhausted())
+			return kvr_fail(
+			    KVR_ENOMEM,
+			    "%s: too many open file descriptors (the process's "
+			    "RLIMIT_NOFILE, or the system's): the NATS connection needs one",
+			    fn);
 		return kvr_fail(KVR_ETIMEDOUT, "%s: could not connect to NATS servers \"%s\": %s",
 		                fn, c->servers, natsStatus_GetText(st));
 	}

@@ -1066,7 +1066,8 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * added are announced; a live peer's snapshot is asked for in the background
  * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
  * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config), KVR_EBUSY (already attached),
- * KVR_ENOMEM (also: a replica thread could not be started), KVR_ETIMEDOUT (no server reachable),
+ * KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was left for
+ * the connection), KVR_ETIMEDOUT (no server reachable),
  * KVR_ENOTSUP (built without the `nats` feature); *out is NULL after any failure. Context: any
  * thread.
  */

@@ -29,6 +29,9 @@
  *  6. on_admit on the thread that applies a peer's finish (nats.c's subscription thread, handling
  *     inline, or the apply thread): kvr_sync_drain there returns KVR_EBUSY at once,
  *     kvr_sync_wait_ready 0, and kvr_sync_detach and kvr_router_destroy do nothing there.
+ *  7. an attach at the process's file-descriptor limit (forked children leaving 0-3 descriptors
+ *     free): it works, or fails with KVR_ENOMEM naming the limit; before, nats.c's "No server
+ *     available for connection" came back as KVR_ETIMEDOUT, as if the server were down.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <fcntl.h>
@@ -38,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1264,6 +1268,52 @@ static void test_callbacks(void)
 	}
 }
 
+/* 7: in forked children, before this process starts nats.c (its threads would not follow). */
+static void test_fd_limit(void)
+{
+	for (int spare = 0; spare < 4; spare++) {
+		fflush(stdout);
+		pid_t p = fork();
+		if (p == 0) {
+			struct kvr_router *r = make_router();
+			if (!r)
+				_exit(2);
+			/* Every descriptor number up to the limit taken, then `spare` given back.
+			 */
+			struct rlimit rl;
+			getrlimit(RLIMIT_NOFILE, &rl);
+			rl.rlim_cur = 256;
+			if (setrlimit(RLIMIT_NOFILE, &rl))
+				_exit(3);
+			int held[256], n = 0, fd;
+			while (n < 256 && (fd = open("/dev/null", O_RDONLY)) >= 0)
+				held[n++] = fd;
+			for (int j = 0; j < spare && n > 0; j++)
+				close(held[--n]);
+			struct kvr_sync_config c;
+			kvr_sync_config_init(&c);
+			c.servers = kvr_test_nats_url();
+			c.cluster = "fd";
+			c.replica_id = 1;
+			struct kvr_sync *s;
+			int rc = kvr_sync_attach(r, &c, &s);
+			const char *why = rc ? kvr_last_error() : "attached";
+			printf("fd_limit: %d spare: %s (%s)\n", spare, kvr_strerror(rc), why);
+			int ok = rc == 0 || (rc == KVR_ENOMEM && strstr(why, "file descriptors"));
+			if (rc == 0)
+				kvr_sync_detach(s);
+			kvr_router_destroy(r);
+			fflush(stdout);
+			_exit(ok ? 0 : 1);
+		}
+		int st = 0;
+		if (p < 0 || waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+			printf("FAIL fd_limit: %d spare: status %d\n", spare, st);
+			fails++;
+		}
+	}
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 1)
@@ -1281,6 +1331,8 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	printf("seed %lu, nats-server on %s\n", (unsigned long)rng, kvr_test_nats_url());
+	if (!(argc > 3) || strcmp(argv[3], "fd_limit") == 0)
+		test_fd_limit();
 	if (kill_fork()) {
 		fprintf(stderr, "fork failed\n");
 		kvr_test_nats_stop();
