@@ -593,6 +593,42 @@ static bool halted(const struct kvr_feed *f)
 	return f->stop || kvr_feed_dying(f);
 }
 
+/* ZeroMQ's blocking calls return -1 with EINTR when a signal interrupts them, having done
+ * nothing: on an embedder's thread that takes signals (a profiler's SIGPROF at 100 Hz or more,
+ * a SIGALRM timer), call() took that for an answer.  A stop never sent left kvr_feed_destroy
+ * joining a thread that never stopped; an answer never read left the feed's thread writing the
+ * reply into the caller's returned stack frame, and the next call reading the stale answer
+ * (tests/unit/test_signal_storm.c).  These retry. */
+static int z_send(void *sock, const void *buf, size_t len)
+{
+	int n;
+	do
+		n = zmq_send(sock, buf, len, 0);
+	while (n < 0 && zmq_errno() == EINTR);
+	return n;
+}
+
+/* zmq_bind or zmq_connect (op), which first process the socket's pending commands and return
+ * EINTR, having bound nothing, when a signal interrupts that: kvr_feed_create failed under
+ * signals as if ZeroMQ could not start. */
+static int z_bind(void *sock, const char *addr, int (*op)(void *, const char *))
+{
+	int rc;
+	do
+		rc = op(sock, addr);
+	while (rc != 0 && zmq_errno() == EINTR);
+	return rc;
+}
+
+static int z_recv(void *sock, void *buf, size_t len, int flags)
+{
+	int n;
+	do
+		n = zmq_recv(sock, buf, len, flags);
+	while (n < 0 && zmq_errno() == EINTR);
+	return n;
+}
+
 static void *feed_main(void *arg)
 {
 	struct kvr_feed *f = arg;
@@ -649,11 +685,11 @@ static void *feed_main(void *arg)
 			kvr_feed_resync_added(f);
 		if (f->items[0].revents & ZMQ_POLLIN && !halted(f)) {
 			struct cmd *c;
-			if (zmq_recv(f->ctl_server, &c, sizeof(c), 0) == (int)sizeof(c) &&
+			if (z_recv(f->ctl_server, &c, sizeof(c), 0) == (int)sizeof(c) &&
 			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
 				run_cmd(f, c);
 				__atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);
-				zmq_send(f->ctl_server, "", 0, 0);
+				z_send(f->ctl_server, "", 0);
 			}
 		}
 		if (box_ready && !halted(f))
@@ -676,12 +712,11 @@ static void *feed_main(void *arg)
 		while (pthread_mutex_trylock(&f->ctl_lock) != 0) {
 			struct cmd *c;
 			/* (an empty message is not a call) */
-			if (zmq_recv(f->ctl_server, &c, sizeof(c), ZMQ_DONTWAIT) ==
-			        (int)sizeof(c) &&
+			if (z_recv(f->ctl_server, &c, sizeof(c), ZMQ_DONTWAIT) == (int)sizeof(c) &&
 			    __atomic_load_n(&c->posted, __ATOMIC_ACQUIRE)) {
 				c->rc = KVR_ESHUTDOWN;
 				__atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);
-				zmq_send(f->ctl_server, "", 0, 0);
+				z_send(f->ctl_server, "", 0);
 			}
 			struct timespec ts = {0, 1000000};
 			nanosleep(&ts, NULL);
@@ -795,8 +830,8 @@ static int call(struct kvr_feed *f, struct cmd *c)
 	int rc = KVR_ESHUTDOWN;
 	char ack;
 	__atomic_store_n(&c->posted, 1, __ATOMIC_RELEASE);
-	if (zmq_send(f->ctl_client, &c, sizeof(c), 0) == (int)sizeof(c) &&
-	    zmq_recv(f->ctl_client, &ack, 1, 0) >= 0 && __atomic_load_n(&c->done, __ATOMIC_ACQUIRE))
+	if (z_send(f->ctl_client, &c, sizeof(c)) == (int)sizeof(c) &&
+	    z_recv(f->ctl_client, &ack, 1, 0) >= 0 && __atomic_load_n(&c->done, __ATOMIC_ACQUIRE))
 		rc = c->rc;
 	/* Before ctl_lock: a feed tearing itself down frees f once it has that lock. */
 	if (w.rep)
@@ -954,8 +989,8 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	snprintf(name, sizeof(name), "inproc://kvr-feed-%p", (void *)f);
 	f->ctl_server = zmq_socket(f->zctx, ZMQ_PAIR);
 	f->ctl_client = zmq_socket(f->zctx, ZMQ_PAIR);
-	if (!f->ctl_server || !f->ctl_client || zmq_bind(f->ctl_server, name) != 0 ||
-	    zmq_connect(f->ctl_client, name) != 0)
+	if (!f->ctl_server || !f->ctl_client || z_bind(f->ctl_server, name, zmq_bind) != 0 ||
+	    z_bind(f->ctl_client, name, zmq_connect) != 0)
 		goto fail;
 	if (kvr_thread_start(&f->thread, false, feed_main, f) != 0)
 		goto fail;
@@ -1106,8 +1141,9 @@ static void feed_free(struct kvr_feed *f)
 		zmq_close(f->ctl_client);
 	if (f->ctl_server)
 		zmq_close(f->ctl_server);
-	if (f->zctx)
-		zmq_ctx_term(f->zctx);
+	/* Restartable: EINTR under a signal left the context (its two threads) behind. */
+	while (f->zctx && zmq_ctx_term(f->zctx) != 0 && zmq_errno() == EINTR)
+		;
 	kvr_feed_batch_fini(&f->live);
 	kvr_feed_batch_fini(&f->rep);
 	kvr_free(f->eps, (size_t)f->cap_eps * sizeof(*f->eps));
