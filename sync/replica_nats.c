@@ -33,6 +33,7 @@
 #include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
 #include "sync/nocancel.h"
+#include "sync/thread.h"
 
 struct kvr_sync {
 	struct kvr_replica *rep;
@@ -220,6 +221,8 @@ static void sync_free(struct kvr_sync *s)
 	if (!s)
 		return;
 	kvr_replica_stop(s->rep);
+	sigset_t sigs; /* nats.c's flush and close, as the attach's connect */
+	kvr_thread_defer_signals(&sigs);
 	if (s->nc)
 		natsConnection_FlushTimeout(s->nc, 500);
 	if (s->snap_sub)
@@ -236,6 +239,7 @@ static void sync_free(struct kvr_sync *s)
 		pthread_mutex_unlock(&s->mu);
 		natsConnection_Destroy(s->nc);
 	}
+	kvr_thread_restore_signals(&sigs);
 	kvr_replica_destroy(s->rep);
 	pthread_cond_destroy(&s->cv);
 	pthread_mutex_destroy(&s->mu);
@@ -362,9 +366,25 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		                "files): %s",
 		                fn, c->servers, natsStatus_GetText(st));
 	}
+	/* nats.c's connect, subscribe and flush block in I/O on this thread, and nats.c takes an
+	 * EINTR there for a broken connection: under a profiler's SIGPROF, 18 of 20 attaches failed
+	 * with "IO Error" or "Protocol Error" (docs/measurements.md).  The caller's asynchronous
+	 * signals wait until they are done (at most the 2 s connect and 2 s flush timeouts), and
+	 * the threads nats.c starts here inherit the blocked mask, as the library's own do
+	 * (sync/thread.h: a process-directed signal must not land on them). */
+	sigset_t sigs;
+	kvr_thread_defer_signals(&sigs);
 	st = natsConnection_Connect(&s->nc, o);
 	natsOptions_Destroy(o);
-	if (st != NATS_OK) {
+	bool connected = st == NATS_OK;
+	if (st == NATS_OK)
+		st = natsConnection_Subscribe(&s->stream_sub, s->nc, s->subj_stream, on_stream, s);
+	if (st == NATS_OK)
+		natsSubscription_SetPendingLimits(s->stream_sub, 1 << 22, 1 << 30);
+	if (st == NATS_OK)
+		st = natsConnection_FlushTimeout(s->nc, 2000); /* the server has our subscription */
+	kvr_thread_restore_signals(&sigs);
+	if (!connected) {
 		s->nc = NULL;
 		sync_free(s);
 		if (st == NATS_NO_MEMORY)
@@ -378,11 +398,6 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		return kvr_fail(KVR_ETIMEDOUT, "%s: could not connect to NATS servers \"%s\": %s",
 		                fn, c->servers, natsStatus_GetText(st));
 	}
-	st = natsConnection_Subscribe(&s->stream_sub, s->nc, s->subj_stream, on_stream, s);
-	if (st == NATS_OK)
-		natsSubscription_SetPendingLimits(s->stream_sub, 1 << 22, 1 << 30);
-	if (st == NATS_OK)
-		st = natsConnection_FlushTimeout(s->nc, 2000); /* the server has our subscription */
 	if (st != NATS_OK) {
 		sync_free(s);
 		return kvr_fail(KVR_ETIMEDOUT, "%s: subscribing to \"%s.stream\" on NATS: %s", fn,

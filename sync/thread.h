@@ -17,11 +17,20 @@
 #define KVR_SYNC_THREAD_H
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 
 /* pthread_create(t, attributes: detached or joinable, fn, arg) with the signals above blocked
  * in the new thread (the caller's mask is restored before this returns).  Returns 0 or
  * pthread_create's error.  Context: any thread. */
 int kvr_thread_start(pthread_t *t, bool detached, void *(*fn)(void *), void *arg);
+
+/* Blocks the asynchronous signals on the calling thread (*old gets its mask) around a
+ * third-party library's blocking I/O that does not retry EINTR: nats.c's connect took a
+ * profiler's SIGPROF for a broken connection ("IO Error", "Protocol Error").  What arrives
+ * meanwhile stays pending and is delivered at kvr_thread_restore_signals (one of each kind).
+ * Context: any thread. */
+void kvr_thread_defer_signals(sigset_t *old);
+void kvr_thread_restore_signals(const sigset_t *old);
 
 #endif
