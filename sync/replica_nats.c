@@ -308,6 +308,15 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 			    ret, "%s: out of memory, or a replica thread could not start", fn);
 		return kvr_fail_code(ret, fn);
 	}
+	/* nats.c's connect, subscribe and flush block in I/O on this thread, and nats.c takes an
+	 * EINTR there for a broken connection: under a profiler's SIGPROF, 18 of 20 attaches failed
+	 * with "IO Error" or "Protocol Error" (docs/measurements.md).  The caller's asynchronous
+	 * signals wait until they are done (at most the 2 s connect and 2 s flush timeouts), and
+	 * the threads nats.c starts meanwhile (its library threads at the first natsOptions_Create,
+	 * then the connection's) inherit the blocked mask, as the library's own do (sync/thread.h:
+	 * a process-directed signal must not land on them). */
+	sigset_t sigs;
+	kvr_thread_defer_signals(&sigs);
 	natsOptions *o = NULL;
 	char name[64];
 	snprintf(name, sizeof(name), "kvr-%s-%llu", c->cluster, (unsigned long long)c->replica_id);
@@ -357,6 +366,7 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsOptions_LoadCertificatesChain(o, c->tls_cert_file, c->tls_key_file);
 	if (st != NATS_OK) {
 		natsOptions_Destroy(o);
+		kvr_thread_restore_signals(&sigs);
 		sync_free(s);
 		if (st == NATS_NO_MEMORY)
 			return kvr_fail(KVR_ENOMEM, "%s: out of memory setting up the NATS options",
@@ -366,14 +376,6 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		                "files): %s",
 		                fn, c->servers, natsStatus_GetText(st));
 	}
-	/* nats.c's connect, subscribe and flush block in I/O on this thread, and nats.c takes an
-	 * EINTR there for a broken connection: under a profiler's SIGPROF, 18 of 20 attaches failed
-	 * with "IO Error" or "Protocol Error" (docs/measurements.md).  The caller's asynchronous
-	 * signals wait until they are done (at most the 2 s connect and 2 s flush timeouts), and
-	 * the threads nats.c starts here inherit the blocked mask, as the library's own do
-	 * (sync/thread.h: a process-directed signal must not land on them). */
-	sigset_t sigs;
-	kvr_thread_defer_signals(&sigs);
 	st = natsConnection_Connect(&s->nc, o);
 	natsOptions_Destroy(o);
 	bool connected = st == NATS_OK;

@@ -1069,7 +1069,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was left for
  * the connection), KVR_ETIMEDOUT (no server reachable),
  * KVR_ENOTSUP (built without the `nats` feature); *out is NULL after any failure. Context: any
- * thread.
+ * thread.  The calling thread's asynchronous signals are held (blocked, then delivered) while
+ * nats.c connects, subscribes and flushes, at most ~4 s, and in kvr_sync_detach while it
+ * closes: nats.c takes an interrupted system call for a broken connection.
  */
 KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c,
                             struct kvr_sync **out);
