@@ -15,6 +15,9 @@
  *  - whatever the library allocates, the library frees; destroy(NULL) is a no-op.
  *  - usable from C99 and C++98 on (extern "C"; tests/header/ builds both pedantic); no
  *    third-party type appears here.
+ *  - callbacks (the clock, on_admit, the thread and log hooks) must return normally: a C++
+ *    exception or a longjmp out of one unwinds through the library's frames without releasing
+ *    what they hold (on a library thread, std::terminate).  Catch inside the callback.
  *  - no call is a cancellation point: a thread cancelled (pthread_cancel) inside one acts on
  *    it at its next cancellation point after the call returns, with the call's work done.  So
  *    a kvr_route_wait (or KVR_ROUTE_WAIT) without a deadline cannot be cancelled while it
