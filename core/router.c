@@ -121,6 +121,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	r->clock.fn = cfg->now_ns ? clock_guarded : kvr_clock_monotonic;
 	r->clock.ctx = cfg->now_ns ? (void *)r : NULL;
 	pthread_mutex_init(&r->admin_lock, NULL);
+	pthread_mutex_init(&r->feeds_lock, NULL);
 	rc = KVR_ENOMEM;
 	r->ranks = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->ranks));
 	r->load = kvr_alloc_aligned((size_t)cfg->max_ranks * sizeof(*r->load));
@@ -240,6 +241,9 @@ void kvr_router_destroy(struct kvr_router *r)
 	 * it; it returns at once and destroys nothing, rather than hang or use freed memory. */
 	if (kvr_router_cb_self == r || on_own_shard(r))
 		return;
+	/* Feeds left alive (kvrouter.h asks for them to go first): stopped and released, all but
+	 * their handles, before anything they use goes (sync/feed.c). */
+	kvr_feeds_orphan(r);
 	/* Ordering: acquire; pairs with the release decrement in sync/feed.c's feed_main, after
 	 * which the feed's thread no longer touches the router. */
 	while (__atomic_load_n(&r->feeds_closing, __ATOMIC_ACQUIRE) != 0) {
@@ -265,6 +269,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_free_aligned(r->load, (size_t)r->cfg.max_ranks * sizeof(*r->load));
 	kvr_free_aligned(r->prov, (size_t)r->cfg.max_ranks * sizeof(*r->prov));
 	pthread_mutex_destroy(&r->admin_lock);
+	pthread_mutex_destroy(&r->feeds_lock);
 	kvr_free_aligned(r, sizeof(*r));
 }
 

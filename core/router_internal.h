@@ -109,6 +109,10 @@ struct kvr_router {
 	 * (atomic): kvr_router_destroy waits for them, as it may be called as soon as
 	 * kvr_feed_destroy returned. */
 	uint32_t feeds_closing;
+	/* Feeds not destroyed yet (sync/feed.c, linked through kvr_feed.live_next; under
+	 * feeds_lock): kvr_router_destroy stops and releases those left (kvr_feeds_orphan). */
+	pthread_mutex_t feeds_lock;
+	struct kvr_feed *feeds;
 	/* core/fork.c: the process generation r was created in, and its link in the list of live
 	 * routers a fork's child marks inherited (under fork.c's lock). */
 	uint32_t fork_gen;
@@ -228,5 +232,10 @@ static inline struct kvr_shard *kvr_router_shard_of(struct kvr_router *r, uint32
  * Context: any thread but a shard's (it would wait for itself: it returns then).
  */
 void kvr_router_settle(struct kvr_router *r);
+
+/* Stops and releases the feeds of r not destroyed yet, all but their handles, which
+ * kvr_feed_destroy still frees (sync/feed.c; nothing in a build without ZeroMQ).  Context:
+ * kvr_router_destroy, before the shards stop. */
+void kvr_feeds_orphan(struct kvr_router *r);
 
 #endif

@@ -304,6 +304,9 @@ static void run_cmd(struct kvr_feed *f, struct cmd *c)
 static _Thread_local struct kvr_feed *feed_self;
 
 static void feed_free(struct kvr_feed *f);
+static int feed_orphaned(const char *fn);
+static void live_link(struct kvr_router *r, struct kvr_feed *f);
+static void live_unlink(struct kvr_router *r, struct kvr_feed *f);
 
 /* ---------------------------------------------------------------- calls between feeds */
 
@@ -995,6 +998,7 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 	if (kvr_thread_start(&f->thread, false, feed_main, f) != 0)
 		goto fail;
 	f->started = true;
+	live_link(r, f);
 	*out = f;
 	return 0;
 fail:
@@ -1013,6 +1017,8 @@ int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_
 		                : !ep           ? "ep is NULL"
 		                : !ep->endpoint ? "ep->endpoint is NULL"
 		                                : "ep->endpoint is \"\"");
+	if (f->orphaned)
+		return feed_orphaned("kvr_feed_add");
 	if (kvr_fork_inherited(f->r))
 		return feed_inherited("kvr_feed_add");
 	struct cmd c = {.op = CMD_ADD, .ep = ep};
@@ -1027,6 +1033,8 @@ int kvr_feed_remove(struct kvr_feed *f, uint32_t id)
 	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f)
 		return kvr_fail(KVR_EINVAL, "kvr_feed_remove: feed is NULL");
+	if (f->orphaned)
+		return feed_orphaned("kvr_feed_remove");
 	if (kvr_fork_inherited(f->r))
 		return feed_inherited("kvr_feed_remove");
 	struct cmd c = {.op = CMD_REMOVE, .id = id};
@@ -1039,6 +1047,8 @@ int kvr_feed_get_stats(struct kvr_feed *f, uint32_t id, struct kvr_feed_stats *o
 	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f || !out)
 		return kvr_fail(KVR_EINVAL, "kvr_feed_get_stats: %s is NULL", !f ? "feed" : "out");
+	if (f->orphaned)
+		return feed_orphaned("kvr_feed_get_stats");
 	if (kvr_fork_inherited(f->r))
 		return feed_inherited("kvr_feed_get_stats");
 	struct cmd c = {.op = CMD_STATS, .id = id, .stats = out};
@@ -1055,6 +1065,8 @@ int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_ra
 		                !f       ? "feed is NULL"
 		                : !n_out ? "n_out is NULL"
 		                         : "out is NULL with cap > 0");
+	if (f->orphaned)
+		return feed_orphaned("kvr_feed_other_medium_blocks");
 	if (kvr_fork_inherited(f->r))
 		return feed_inherited("kvr_feed_other_medium_blocks");
 	struct cmd c = {.op = CMD_OTHER, .id = id, .dp = dp_rank, .out = out, .cap = cap};
@@ -1094,10 +1106,15 @@ void kvr_feed_destroy(struct kvr_feed *f)
 	KVR_NOCANCEL(); /* sync/nocancel.h */
 	if (!f)
 		return;
+	if (f->orphaned) { /* released by kvr_router_destroy: the handle is all that is left */
+		kvr_free(f, sizeof(*f));
+		return;
+	}
 	/* Created before this process forked (core/fork.h): its thread and ZeroMQ's stayed in
 	 * the parent; left as it is, as its router is. */
 	if (kvr_fork_inherited(f->r))
 		return;
+	live_unlink(f->r, f);
 	if (feed_self == f) {
 		/* From one of its callbacks, on its own thread: it cannot join itself, and its
 		 * caller still runs on f.  So mark it; the thread stops taking messages and
@@ -1132,8 +1149,8 @@ void kvr_feed_destroy(struct kvr_feed *f)
 	feed_free(f);
 }
 
-/* Everything but the thread (stopped, or this one exiting). */
-static void feed_free(struct kvr_feed *f)
+/* Everything but the thread (stopped, or this one exiting) and the handle itself. */
+static void feed_release(struct kvr_feed *f)
 {
 	for (uint32_t i = 0; i < f->n_eps; i++)
 		ep_free(f->eps[i]);
@@ -1154,5 +1171,68 @@ static void feed_free(struct kvr_feed *f)
 	pthread_mutex_destroy(&f->box_lock);
 	if (f->efd >= 0)
 		close(f->efd);
+}
+
+static void feed_free(struct kvr_feed *f)
+{
+	feed_release(f);
 	kvr_free(f, sizeof(*f));
+}
+
+/* f joins (r: its router) or leaves the router's list of feeds not destroyed yet. */
+static void live_link(struct kvr_router *r, struct kvr_feed *f)
+{
+	pthread_mutex_lock(&r->feeds_lock);
+	f->live_next = r->feeds;
+	if (r->feeds)
+		r->feeds->live_pprev = &f->live_next;
+	f->live_pprev = &r->feeds;
+	r->feeds = f;
+	pthread_mutex_unlock(&r->feeds_lock);
+}
+
+static void live_unlink(struct kvr_router *r, struct kvr_feed *f)
+{
+	pthread_mutex_lock(&r->feeds_lock);
+	if (f->live_pprev) {
+		*f->live_pprev = f->live_next;
+		if (f->live_next)
+			f->live_next->live_pprev = f->live_pprev;
+		f->live_pprev = NULL;
+		f->live_next = NULL;
+	}
+	pthread_mutex_unlock(&r->feeds_lock);
+}
+
+/* Its stop, as kvr_feed_destroy's from an ordinary thread (what it posted is applied first,
+ * run_cmd), then everything but the handle.  Before, a feed left alive read the freed router
+ * (its metrics, its shards) and kvr_feed_destroy read it too (tests/unit/test_feed_orphan.c). */
+void kvr_feeds_orphan(struct kvr_router *r)
+{
+	for (;;) {
+		pthread_mutex_lock(&r->feeds_lock);
+		struct kvr_feed *f = r->feeds;
+		pthread_mutex_unlock(&r->feeds_lock);
+		if (!f)
+			return;
+		live_unlink(r, f);
+		if (f->started) {
+			struct cmd c = {.op = CMD_STOP};
+			call(f, &c);
+			pthread_join(f->thread, NULL);
+			f->started = false;
+		}
+		feed_release(f);
+		f->r = NULL;
+		f->orphaned = true;
+	}
+}
+
+/* The detail of a call on a feed whose router was destroyed first (core/error.h). */
+static __attribute__((cold, noinline)) int feed_orphaned(const char *fn)
+{
+	return kvr_fail(KVR_ESHUTDOWN,
+	                "%s: the feed's router was destroyed before it (its thread is stopped); "
+	                "only kvr_feed_destroy may follow",
+	                fn);
 }

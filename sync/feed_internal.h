@@ -169,6 +169,11 @@ struct kvr_feed {
 	struct kvr_feed *calling;
 	bool calling_read;
 	const struct kvr_replica *waits_replica;
+	/* The router's list of feeds not yet destroyed (under r->feeds_lock); orphaned: the router
+	 * was destroyed first and released everything but this handle (kvr_feeds_orphan), r is
+	 * NULL and every call but kvr_feed_destroy returns KVR_ESHUTDOWN. */
+	struct kvr_feed *live_next, **live_pprev;
+	bool orphaned;
 };
 
 /* Whether f is being torn down by its own thread (kvr_feed_destroy deferred): it takes no more

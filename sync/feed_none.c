@@ -73,3 +73,8 @@ void kvr_feed_fork(bool before)
 {
 	(void)before; /* no feeds: no lock to hold */
 }
+
+void kvr_feeds_orphan(struct kvr_router *r)
+{
+	(void)r; /* no feed can be created here */
+}

@@ -369,7 +369,8 @@ KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **
  * replica's thread of this router (their callbacks): it would wait for, or free under, the call
  * that runs the callback; there it returns at once and destroys nothing (call it from another
  * thread once the callback returned).  It waits for feeds
- * destroyed from callbacks or library threads to finish their teardown (kvr_feed_destroy). */
+ * destroyed from callbacks or library threads to finish their teardown (kvr_feed_destroy), and
+ * stops the feeds not destroyed yet (see kvr_feed_create). */
 KVR_API void kvr_router_destroy(struct kvr_router *router);
 
 /* The router's current time on its clock, ns (0 for router NULL). */
@@ -866,7 +867,9 @@ struct kvr_feed_stats {
 
 /*
  * Creates a feed on r (an events-mode router) and starts its thread.  cfg is copied; NULL =
- * defaults.  The feed must be destroyed before the router.
+ * defaults.  Destroy the feed before the router; a feed left alive is stopped and released by
+ * kvr_router_destroy but for its handle, on which every call then returns KVR_ESHUTDOWN and
+ * kvr_feed_destroy frees.
  * Returns 0 and *out, KVR_EINVAL (r or out NULL, r not in KVR_MODE_EVENTS, bad cfg: a value
  * outside its range above), KVR_ENOMEM (also: the feed's thread could not be started, or fewer
  * than 13 file descriptors are left under the process's limit: ZeroMQ calls abort() when its
