@@ -427,7 +427,18 @@ struct kvr_replica *kvr_sync_replica(struct kvr_sync *s)
  * apply threads stayed in the parent. */
 static bool inherited(const struct kvr_sync *s)
 {
-	return s && kvr_fork_inherited(s->rep->r);
+	return s && s->rep->r && kvr_fork_inherited(s->rep->r);
+}
+
+/* kvr_router_destroy ran first (kvrouter.h allows it: it stopped the replica's use of the
+ * router, which left rep->r NULL): only kvr_sync_detach may follow.  Before, every call on s
+ * then read the NULL router (kvr_fork_inherited) and crashed, kvr_sync_detach included. */
+static __attribute__((cold, noinline)) int sync_router_gone(const char *fn)
+{
+	return kvr_fail(KVR_ESHUTDOWN,
+	                "%s: the replica's router was destroyed (only kvr_sync_detach, which "
+	                "disconnects and frees, may follow)",
+	                fn);
 }
 
 /* The detail of a call on such a replica. */
@@ -487,6 +498,8 @@ int kvr_sync_wait_ready(struct kvr_sync *s, uint32_t timeout_ms)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_wait_ready: s is NULL");
 	if (inherited(s))
 		return sync_inherited("kvr_sync_wait_ready");
+	if (!s->rep->r)
+		return sync_router_gone("kvr_sync_wait_ready");
 	int rc = kvr_replica_wait_ready(s->rep, timeout_ms);
 	return rc ? wait_fail(s, rc, "kvr_sync_wait_ready", timeout_ms) : 0;
 }
@@ -498,6 +511,8 @@ int kvr_sync_drain(struct kvr_sync *s, uint32_t timeout_ms)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_drain: s is NULL");
 	if (inherited(s))
 		return sync_inherited("kvr_sync_drain");
+	if (!s->rep->r)
+		return sync_router_gone("kvr_sync_drain");
 	int rc = kvr_replica_drain(s->rep, timeout_ms);
 	return rc ? wait_fail(s, rc, "kvr_sync_drain", timeout_ms) : 0;
 }
@@ -509,6 +524,8 @@ int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_get_stats: %s is NULL", !s ? "s" : "out");
 	if (inherited(s))
 		return sync_inherited("kvr_sync_get_stats");
+	if (!s->rep->r)
+		return sync_router_gone("kvr_sync_get_stats");
 	kvr_replica_get_stats(s->rep, out);
 	return 0;
 }
@@ -520,6 +537,8 @@ int kvr_sync_peer_seq(struct kvr_sync *s, uint64_t replica_id, uint64_t *seq)
 		return kvr_fail(KVR_EINVAL, "kvr_sync_peer_seq: %s is NULL", !s ? "s" : "seq");
 	if (inherited(s))
 		return sync_inherited("kvr_sync_peer_seq");
+	if (!s->rep->r)
+		return sync_router_gone("kvr_sync_peer_seq");
 	int rc = kvr_replica_peer_seq(s->rep, replica_id, seq);
 	if (rc == KVR_ENOENT)
 		return kvr_fail(rc, "kvr_sync_peer_seq: replica %" PRIu64 " is not a live peer",

@@ -36,6 +36,9 @@
  *     profiler's SIGPROF, a SIGALRM): every call answers as without them.  Before, nats.c took
  *     the EINTR in its connect for a broken connection: 18 of 20 attaches failed ("IO Error",
  *     "Protocol Error"); and the threads nats.c started then took process-directed signals.
+ *  9. the router destroyed before its replica's handle (kvrouter.h allows it): the calls on the
+ *     handle return KVR_ESHUTDOWN and kvr_sync_detach disconnects and frees; a peer sees the
+ *     goodbye.  Before, every call on the handle, the detach included, read the NULL router.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
@@ -1405,6 +1408,43 @@ static void test_signals(void)
 	fails += bad;
 }
 
+/* 9 */
+static void test_router_first(void)
+{
+	struct replica x[2] = {{0}};
+	for (int i = 0; i < 2; i++) {
+		x[i].r = make_router();
+		if (!x[i].r || attach(&x[i], 90 + (uint64_t)i)) {
+			printf("FAIL router_first: attach\n");
+			fails++;
+			return;
+		}
+	}
+	stream(x, 2, 100);
+	kvr_router_destroy(x[0].r); /* with its replica attached, live attempts and all */
+	struct kvr_sync_stats st;
+	uint64_t seq;
+	int rc[4] = {kvr_sync_get_stats(x[0].s, &st), kvr_sync_drain(x[0].s, 100),
+	             kvr_sync_wait_ready(x[0].s, 100), kvr_sync_peer_seq(x[0].s, 91, &seq)};
+	for (int k = 0; k < 4; k++)
+		if (rc[k] != KVR_ESHUTDOWN) {
+			printf("FAIL router_first: call %d on the handle: %s\n", k,
+			       kvr_strerror(rc[k]));
+			fails++;
+		}
+	kvr_sync_detach(x[0].s);
+	/* The peer heard the goodbye: it mirrors nothing of replica 90 any more. */
+	drain_all(&x[1], 1);
+	int q = quiet(&x[1], 1);
+	if (q) {
+		printf("FAIL router_first: the survivor did not settle (%d)\n", q);
+		fails++;
+	}
+	kvr_sync_detach(x[1].s);
+	kvr_router_destroy(x[1].r);
+	printf("router_first: ok unless said\n");
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 1)
@@ -1447,6 +1487,7 @@ int main(int argc, char **argv)
 	RUN(wire);
 	RUN(callbacks);
 	RUN(signals);
+	RUN(router_first);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
