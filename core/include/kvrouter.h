@@ -1084,8 +1084,8 @@ KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *
 
 /* Says goodbye (peers release this replica's attempts at once), stops, releases the peers'
  * attempts mirrored on the router, disconnects, frees.  NULL is a no-op.  The router may be
- * destroyed first: kvr_router_destroy stops the replica's use of it (goodbye included), and
- * kvr_sync_detach then only disconnects and frees.
+ * destroyed first: kvr_router_destroy stops the replica's use of it (goodbye included), the
+ * other calls on s then return KVR_ESHUTDOWN, and kvr_sync_detach only disconnects and frees.
  * Context: any thread; not concurrently with other calls on s.  Not from a router callback that
  * the replica's own threads run while applying peers' messages (on_admit there): it would wait
  * for that very call; there it returns at once and does nothing (detach from another thread).
