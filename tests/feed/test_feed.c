@@ -26,21 +26,11 @@
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "tests/common/check.h"
 #include "shards/u64map.h"
 #include "tests/common/mono_clock.h"
 
 #define BS 16
-
-static int failures;
-#define CHECK(cond, ...)                                                                           \
-	do {                                                                                       \
-		if (!(cond)) {                                                                     \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);            \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, "\n");                                                     \
-			failures++;                                                                \
-		}                                                                                  \
-	} while (0)
 
 /* ---------------------------------------------------------------- the publisher process */
 

@@ -1,6 +1,7 @@
 /* The public header from C99 built with -pedantic-errors (tests/header/cxx98.cpp is the C++98
  * twin): the library is C11, but the header promises no more than C99 to the programs that
- * include it.  The program also routes once, so the header's declarations link. */
+ * include it.  The program also routes once, so the header's declarations link; cxx98.cpp
+ * compiles this same file. */
 #include <kvrouter.h>
 
 #include <stdio.h>

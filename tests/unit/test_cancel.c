@@ -22,26 +22,9 @@
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "tests/common/check.h"
 
 static struct kvr_router *r;
-static int failures;
-#define CHECK(cond, ...)                                                                           \
-	do {                                                                                       \
-		if (!(cond)) {                                                                     \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);            \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, "\n");                                                     \
-			failures++;                                                                \
-		}                                                                                  \
-	} while (0)
-
-static void on_alarm(int sig)
-{
-	(void)sig;
-	static const char m[] = "FAIL: a call waited for good after a thread was cancelled\n";
-	(void)!write(2, m, sizeof(m) - 1);
-	_exit(1);
-}
 
 /* What the worker has live: written before the call that could leave it live returns to the
  * worker's code, so a cancel anywhere after leaves it here for main to end. */
@@ -108,8 +91,7 @@ __attribute__((no_sanitize_address)) static void *worker(void *arg)
 
 int main(void)
 {
-	signal(SIGALRM, on_alarm);
-	alarm(60);
+	check_deadline(60);
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.n_shards = 2;

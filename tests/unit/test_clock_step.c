@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "tests/common/check.h"
 #include "sync/replica.h"
 
 static _Atomic uint64_t ahead_ns;
@@ -48,26 +49,6 @@ static uint64_t mono_ns(void)
 }
 
 #define STEP_NS (10ull * 1000000000ull) /* a step of 10 s: before, each wait below took it all */
-
-static int failures;
-#define CHECK(cond, ...)                                                                           \
-	do {                                                                                       \
-		if (!(cond)) {                                                                     \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);            \
-			fprintf(stderr, __VA_ARGS__);                                              \
-			fprintf(stderr, "\n");                                                     \
-			failures++;                                                                \
-		}                                                                                  \
-	} while (0)
-
-/* A waiter whose thread never returns would hang the program: give the whole run a bound. */
-static void on_alarm(int sig)
-{
-	(void)sig;
-	static const char m[] = "FAIL: a wait outlasted the 60 s bound (it waits out the step)\n";
-	(void)!write(2, m, sizeof(m) - 1);
-	_exit(1);
-}
 
 /* kvr_route_wait re-reads its deadline about every millisecond: it returns KVR_ETIMEDOUT soon
  * after a 50 ms deadline, whatever the wall clock does. */
@@ -160,8 +141,7 @@ static void replica_heartbeats(void)
 
 int main(void)
 {
-	signal(SIGALRM, on_alarm);
-	alarm(60);
+	check_deadline(60);
 	queue_wait();
 	replica_heartbeats();
 	if (failures)
