@@ -1206,7 +1206,11 @@ static void live_unlink(struct kvr_router *r, struct kvr_feed *f)
 
 /* Its stop, as kvr_feed_destroy's from an ordinary thread (what it posted is applied first,
  * run_cmd), then everything but the handle.  Before, a feed left alive read the freed router
- * (its metrics, its shards) and kvr_feed_destroy read it too (tests/unit/test_feed_orphan.c). */
+ * (its metrics, its shards) and kvr_feed_destroy read it too (tests/unit/test_feed_orphan.c).
+ * Left: a router destroyed from another router's feed callback with feeds of its own still
+ * alive joins them from that feed's thread, which one of them may be waiting for (two
+ * contract breaches at once; kvr_feed_destroy there hands the teardown to the feed's thread
+ * instead, which frees the handle, so it cannot serve here). */
 void kvr_feeds_orphan(struct kvr_router *r)
 {
 	for (;;) {
