@@ -22,6 +22,19 @@
  * O(1) with no table of attempts, which is what lets kvr_route mint on the caller's thread and
  * post the booking without waiting for the shard.
  *
+ * Ids differ between routers.  Every table counts its own sequence from 1, so two routers of
+ * one process (one per model, or a router and the one created to replace it) minted the same
+ * ids, and a finish given the wrong router's handle ended that router's own attempt with the
+ * same id (tests/unit/test_router.c: attempts_of_another_router_are_refused).  So the n-th
+ * table created in the process (n from 0) XORs its SALT, n's 46 bits reversed, into the
+ * sequence number of every id it mints (the word stays the sequence number's: the salt only
+ * renames the ids).  Two tables whose creation numbers first differ in bit k have salts whose
+ * XOR has bit 45 - k as its highest, so their ids cannot meet before one of them has minted
+ * 2^(45-k) ids: 2^45 (a year at a million routes a second) for a router and the next one
+ * created, 2^42 among the first 16 routers.  Beyond that a foreign id is still refused unless
+ * it happens to name a live attempt.  The first table's salt is 0: a process with one router
+ * mints the ids it always did.
+ *
  * Memory safety for other threads: words live in fixed 4096-word chunks that are never moved or
  * freed before the table is destroyed; a chunk is allocated by the first minter that reaches it
  * and published with a CAS (a loser frees its copy); readers load the directory entry with
@@ -61,11 +74,24 @@
 #define SWEEP_LAG   8u /* chunks between the minter and the chunk it sweeps */
 
 struct kvr_leases {
-	_Alignas(64) uint64_t next_seq;       /* atomic; its own cache line (every mint adds) */
-	_Alignas(64) uint64_t sweep_gen;      /* atomic; odd while a sweep runs (minters read it) */
-	uint32_t sweeping;                    /* atomic; 1 while a thread sweeps (one at a time) */
-	_Alignas(64) uint64_t *dir[N_CHUNKS]; /* published once each (CAS), read with acquire */
+	_Alignas(64) uint64_t next_seq;  /* atomic; its own cache line (every mint adds) */
+	_Alignas(64) uint64_t sweep_gen; /* atomic; odd while a sweep runs (minters read it) */
+	uint32_t sweeping;               /* atomic; 1 while a thread sweeps (one at a time) */
+	_Alignas(64) uint64_t salt;      /* XORed into the ids' sequence numbers; constant */
+	uint64_t *dir[N_CHUNKS];         /* published once each (CAS), read with acquire */
 };
+
+/* Tables created in this process so far: the next one's creation number. */
+static uint64_t tables_created;
+
+/* The salt of the n-th table: n's low 46 bits in reverse order. */
+static uint64_t salt_of(uint64_t n)
+{
+	uint64_t r = 0;
+	for (unsigned b = 0; b < 46; b++)
+		r |= ((n >> b) & 1) << (45 - b);
+	return r;
+}
 
 int kvr_leases_create(struct kvr_leases **out)
 {
@@ -76,6 +102,7 @@ int kvr_leases_create(struct kvr_leases **out)
 		return KVR_ENOMEM;
 	memset(t, 0, sizeof(*t));
 	t->next_seq = 1;
+	t->salt = salt_of(__atomic_fetch_add(&tables_created, 1, __ATOMIC_RELAXED));
 	*out = t;
 	return 0;
 }
@@ -98,7 +125,7 @@ static inline bool valid(uint64_t attempt)
  * Ordering: acquire load of the directory entry; pairs with the CAS in chunk_of(). */
 static uint64_t *word_of(struct kvr_leases *t, uint64_t attempt)
 {
-	uint64_t i = (attempt >> KVR_LEASE_TAG_BITS) & (KVR_LEASE_WORDS - 1);
+	uint64_t i = ((attempt >> KVR_LEASE_TAG_BITS) ^ t->salt) & (KVR_LEASE_WORDS - 1);
 	uint64_t *chunk = __atomic_load_n(&t->dir[i >> CHUNK_SHIFT], __ATOMIC_ACQUIRE);
 	return chunk ? &chunk[i & (CHUNK_WORDS - 1)] : NULL;
 }
@@ -203,7 +230,10 @@ int kvr_lease_mint(struct kvr_leases *t, uint32_t tag, uint64_t *attempt)
 			sweep(t, (uint32_t)((i >> CHUNK_SHIFT) + N_CHUNKS - SWEEP_LAG) % N_CHUNKS);
 			__atomic_store_n(&t->sweeping, 0, __ATOMIC_RELEASE);
 		}
-		uint64_t id = (seq << KVR_LEASE_TAG_BITS) | tag, free_word = 0;
+		const uint64_t named = seq ^ t->salt; /* the id's sequence part */
+		if (named == 0)
+			continue; /* it would make an id below 2^16, which is not one */
+		uint64_t id = (named << KVR_LEASE_TAG_BITS) | tag, free_word = 0;
 		uint64_t *w = &chunk[i & (CHUNK_WORDS - 1)], live = (id << 2) | KVR_LEASE_TOUCHED;
 		uint64_t g0 = __atomic_load_n(&t->sweep_gen, __ATOMIC_SEQ_CST);
 		if (__atomic_compare_exchange_n(w, &free_word, live, false, __ATOMIC_SEQ_CST,

@@ -599,8 +599,12 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * KVR_EAGAIN when the lane is the calling shard's own and KVR_EBUSY when its shard waits for the
  * calling one (nothing changed either way), and otherwise wait as above.  Output may also return
  * KVR_ENOMEM (copying more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or
- * KVR_ESTALE; r NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens > UINT32_MAX:
- * KVR_EINVAL (README.md, "Bad input"). */
+ * KVR_ESTALE.  That includes another router's ids: each router of a process renames its ids
+ * (shards/lease.c), so a call given the wrong router's handle (or a router created to replace
+ * the one that issued the id) is refused instead of ending the attempt that router issued
+ * under the same number; the ids of a router and the next one created cannot meet before one
+ * has issued 2^45.  r NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens >
+ * UINT32_MAX: KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);

@@ -173,3 +173,35 @@ Test(lease, pages_of_free_words_are_given_back)
 		}
 	kvr_leases_destroy(ct);
 }
+
+/* Tables of one process (one per router) mint different ids from the same sequence numbers, and
+ * one table does not take another's id for its own: a router given another router's attempt id
+ * must not end its own attempt that carries the same number.  The 16 tables are what 16 routers
+ * created in a row get (shards/lease.c: their ids cannot meet before one has minted 2^42). */
+#define XT     16
+#define XT_PER 2000
+static uint64_t xt_ids[XT * XT_PER];
+Test(lease, tables_of_one_process_mint_different_ids)
+{
+	struct kvr_leases *t[XT];
+	for (int k = 0; k < XT; k++) {
+		cr_assert_eq(kvr_leases_create(&t[k]), 0);
+		for (int i = 0; i < XT_PER; i++)
+			cr_assert_eq(kvr_lease_mint(t[k], 1, &xt_ids[k * XT_PER + i]), 0);
+	}
+	for (int k = 0; k < XT; k++)
+		for (int j = 0; j < XT * XT_PER; j++) {
+			int st = kvr_lease_state(t[k], xt_ids[j]);
+			if (j / XT_PER == k)
+				cr_assert_eq(st, KVR_LEASE_TOUCHED, "table %d, its own id %d", k,
+				             j);
+			else
+				cr_assert_eq(st, KVR_ESTALE, "table %d took id %d of table %d", k,
+				             j, j / XT_PER);
+		}
+	qsort(xt_ids, XT * XT_PER, sizeof(uint64_t), cmp64);
+	for (int i = 1; i < XT * XT_PER; i++)
+		cr_assert_neq(xt_ids[i], xt_ids[i - 1]);
+	for (int k = 0; k < XT; k++)
+		kvr_leases_destroy(t[k]);
+}

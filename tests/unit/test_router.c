@@ -187,6 +187,61 @@ Test(router, stale_attempts)
 	kvr_router_destroy(r);
 }
 
+/* Two routers of one process (one per model, or a router and the one created to replace it)
+ * with the same ranks: a finish given the wrong handle must be refused, not end the other
+ * router's attempt that happens to carry the same id (every router counted its ids from 1). */
+#define XR_N 64
+static int refused(int rc)
+{
+	return rc == KVR_ESTALE || rc == KVR_ENOENT;
+}
+
+static void route_all(struct kvr_router *r, uint64_t *ids)
+{
+	uint32_t t[64];
+	for (int i = 0; i < XR_N; i++) {
+		prompt(t, 64, 100 + (uint32_t)i);
+		ids[i] = route(r, t, 64, 0).attempt;
+	}
+}
+
+static void check_refuses(struct kvr_router *r, const uint64_t *foreign, uint64_t live)
+{
+	uint32_t t[16];
+	prompt(t, 16, 5);
+	for (int i = 0; i < XR_N; i++) {
+		cr_assert(refused(kvr_request_prefill_done(r, foreign[i])), "prefill_done %d", i);
+		cr_assert(refused(kvr_request_output(r, foreign[i], t, 16)), "output %d", i);
+		cr_assert(refused(kvr_request_finish(r, foreign[i])), "finish %d", i);
+		cr_assert(refused(kvr_request_abort(r, foreign[i])), "abort %d", i);
+	}
+	cr_assert_eq(stats(r, 0).active_requests + stats(r, 1).active_requests, live,
+	             "another router's ids ended attempts here");
+}
+
+Test(router, attempts_of_another_router_are_refused)
+{
+	struct kvr_router *a = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
+	struct kvr_router *b = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
+	uint64_t ia[XR_N], ib[XR_N], ic[XR_N];
+	route_all(a, ia);
+	route_all(b, ib);
+	check_refuses(b, ia, XR_N);
+	check_refuses(a, ib, XR_N);
+	for (int i = 0; i < XR_N; i++)
+		cr_assert_eq(kvr_request_finish(b, ib[i]), 0, "b's own attempt %d", i);
+	/* a is replaced by c while a's requests are still in flight: their late calls reach c. */
+	kvr_router_destroy(a);
+	struct kvr_router *c = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
+	route_all(c, ic);
+	check_refuses(c, ia, XR_N);
+	check_refuses(c, ib, XR_N);
+	for (int i = 0; i < XR_N; i++)
+		cr_assert_eq(kvr_request_finish(c, ic[i]), 0, "c's own attempt %d", i);
+	kvr_router_destroy(b);
+	kvr_router_destroy(c);
+}
+
 Test(router, output_blocks_extend_the_prefix)
 {
 	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 3, 100000, 0);
