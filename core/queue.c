@@ -15,6 +15,13 @@
  * The frontend learns the outcome through on_admit (called without any router lock held) or by
  * collecting the ticket with kvr_route_wait.  Requests are copied in (tokens, allow list, LoRA
  * name) since the caller's buffers are borrowed for the kvr_route call only.
+ *
+ * Tickets are numbered by one counter for the whole process, not per queue: with a count per
+ * queue, two routers (one per model, or a router and the one created to replace it) issued the
+ * same tickets, and a cancel or wait given the wrong router's handle cancelled or collected that
+ * router's own request (tests/unit/test_router.c: tickets_of_another_router_are_refused).  The
+ * counter is taken under the queue's lock, so each queue's tickets still grow in enqueue order,
+ * and it is touched only when a request queues.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -54,11 +61,13 @@ struct kvr_queue {
 	/* Entries in Q_WAITING or Q_ADMITTING.  Written under lock (atomic store), read anywhere
 	 * (atomic load). */
 	size_t waiting;
-	uint64_t next_ticket;
 	uint32_t waiters; /* threads inside kvr_route_wait */
 	bool pumping;
 	bool closing;
 };
+
+/* Tickets issued in this process (every router's queue): the last one. */
+static uint64_t tickets_issued;
 
 int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out)
 {
@@ -66,7 +75,6 @@ int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out)
 	if (!q)
 		return KVR_ENOMEM;
 	q->r = r;
-	q->next_ticket = 1;
 	pthread_mutex_init(&q->lock, NULL);
 	kvr_cond_init(&q->cond); /* its waits are timed (kvr_route_wait) */
 	*out = q;
@@ -178,7 +186,7 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 		kvr_metrics_add(mb, KVR_C_QUEUE_REJECTED, 1);
 		return rc;
 	}
-	e->ticket = q->next_ticket++;
+	e->ticket = __atomic_add_fetch(&tickets_issued, 1, __ATOMIC_RELAXED);
 	e->waited = (req->flags & KVR_ROUTE_WAIT) != 0;
 	struct qentry **pp = &q->head;
 	while (*pp)

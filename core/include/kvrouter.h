@@ -558,8 +558,9 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
  * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued, and
  * the caller's to collect: on_admit never reports a ticket once waited on, so wait again or
  * cancel it, or its admission is reported to nobody),
- * KVR_ENOENT (unknown ticket, already collected - by on_admit too - or cancelled meanwhile; d
- * is then not written), KVR_ESHUTDOWN, or
+ * KVR_ENOENT (unknown ticket - another router's too: the routers of a process issue different
+ * tickets -, already collected - by on_admit too - or cancelled meanwhile; d is then not
+ * written), KVR_ESHUTDOWN, or
  * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
  * when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL,
  * ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody waits) by
@@ -570,9 +571,9 @@ KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadl
                            struct kvr_decision *d);
 
 /* Cancels a queued request.  Returns 0 or KVR_ENOENT (not queued any more: admitted, failed,
- * cancelled, or unknown); KVR_EINVAL for r NULL or ticket 0.  If the request is being admitted
- * at that moment, it waits for the outcome (one routing decision): a cancel that returns 0
- * guarantees the request is never admitted. */
+ * cancelled, or unknown, as another router's ticket is); KVR_EINVAL for r NULL or ticket 0.  If the
+ * request is being admitted at that moment, it waits for the outcome (one routing decision): a
+ * cancel that returns 0 guarantees the request is never admitted. */
 KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 
 /* ---------------------------------------------------------------- request lifecycle */

@@ -754,6 +754,46 @@ Test(router, queue_wait_deadline_cancel_and_full)
 	kvr_router_destroy(r);
 }
 
+/* A ticket given to the wrong router (or to the one created to replace the router that issued
+ * it) must not cancel or collect that router's own queued request: every router numbered its
+ * tickets from 1. */
+static struct kvr_router *queue_router(uint64_t *ticket)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 0.5;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 100), 0);
+	uint32_t t[200];
+	prompt(t, 200, 51);
+	route(r, t, 200, 0); /* saturates the rank */
+	struct kvr_decision d = route(r, t, 200, 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	*ticket = d.ticket;
+	return r;
+}
+
+Test(router, tickets_of_another_router_are_refused)
+{
+	uint64_t ta, tb, tc;
+	struct kvr_router *a = queue_router(&ta), *b = queue_router(&tb);
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route_cancel(b, ta), KVR_ENOENT, "a's ticket cancelled b's request");
+	cr_assert_eq(kvr_route_wait(b, ta, vnow + 1, &d), KVR_ENOENT, "a's ticket on b");
+	cr_assert_eq(kvr_route_cancel(a, tb), KVR_ENOENT, "b's ticket cancelled a's request");
+	kvr_router_destroy(a); /* a's queued request is dropped; its ticket may still be around */
+	struct kvr_router *c = queue_router(&tc);
+	cr_assert_eq(kvr_route_cancel(c, ta), KVR_ENOENT, "the replaced router's ticket");
+	cr_assert_eq(kvr_route_cancel(c, tb), KVR_ENOENT);
+	cr_assert_eq(kvr_route_cancel(b, tb), 0, "b's own request was still queued");
+	cr_assert_eq(kvr_route_cancel(c, tc), 0, "c's own request was still queued");
+	kvr_router_destroy(b);
+	kvr_router_destroy(c);
+}
+
 Test(router, bad_input)
 {
 	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
