@@ -134,6 +134,20 @@ static void ep_free(struct ep *e)
 	kvr_free(e, sizeof(*e));
 }
 
+/* Endpoints added to any feed of this process: the next one's id. */
+static uint32_t endpoints_added;
+
+static struct ep *ep_find(struct kvr_feed *f, uint32_t id, uint32_t *at)
+{
+	for (uint32_t i = 0; i < f->n_eps; i++)
+		if (f->eps[i]->id == id) {
+			if (at)
+				*at = i;
+			return f->eps[i];
+		}
+	return NULL;
+}
+
 static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_t *id)
 {
 	/* items: [control, every SUB, every monitor, the box's eventfd] */
@@ -195,21 +209,16 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
 		e->dealer = d;
 	}
-	e->id = f->next_id++;
+	/* One count for the whole process, not per feed: with a count per feed, two feeds numbered
+	 * their endpoints alike and a remove given the wrong feed's handle removed that feed's own
+	 * endpoint (test_api_contract endpoint_ids_of_another_feed_are_refused).  After 2^32 adds
+	 * the count wraps: an id still in use by this feed is skipped, and so is KVR_FEED_ALL. */
+	do
+		e->id = __atomic_fetch_add(&endpoints_added, 1, __ATOMIC_RELAXED);
+	while (e->id == KVR_FEED_ALL || ep_find(f, e->id, NULL));
 	f->eps[f->n_eps++] = e;
 	*id = e->id;
 	return 0;
-}
-
-static struct ep *ep_find(struct kvr_feed *f, uint32_t id, uint32_t *at)
-{
-	for (uint32_t i = 0; i < f->n_eps; i++)
-		if (f->eps[i]->id == id) {
-			if (at)
-				*at = i;
-			return f->eps[i];
-		}
-	return NULL;
 }
 
 static void stats_of(const struct ep *e, struct kvr_feed_stats *st)

@@ -126,7 +126,6 @@ struct kvr_feed {
 	/* feed thread only */
 	struct ep **eps;
 	uint32_t n_eps, cap_eps;
-	uint32_t next_id;
 	uint64_t n_monitors; /* names the SUB sockets' monitors */
 	zmq_pollitem_t *items;
 	uint32_t cap_items;

@@ -48,6 +48,7 @@ struct test_pub {
 	void *zctx;
 	void *pub;    /* XPUB: the feed's subscription can be awaited (test_pub_subscribed) */
 	char ep[256]; /* the endpoint it is bound to, for kvr_feed_endpoint.endpoint */
+	uint32_t id;  /* its endpoint's id in the feed test_feed_on subscribed */
 };
 
 /* No send high-water mark: every batch must reach the feed. */
@@ -75,8 +76,8 @@ static inline void test_pub_send_empty(struct test_pub *p, uint64_t seq, uint32_
 	test_pub_send(p, seq, body, test_pub_empty_batch(body, dp));
 }
 
-/* A feed on r whose log is log(ctx), with pub's endpoint as worker w's (dp 0, the feed's first
- * endpoint: id 0), once subscribed. */
+/* A feed on r whose log is log(ctx), with pub's endpoint as worker w's (dp 0; its id in
+ * pub->id), once subscribed. */
 static inline struct kvr_feed *test_feed_on(struct kvr_router *r, struct test_pub *pub, uint64_t w,
                                             void (*log)(void *, int, const char *), void *ctx)
 {
@@ -87,9 +88,7 @@ static inline struct kvr_feed *test_feed_on(struct kvr_router *r, struct test_pu
 	struct kvr_feed *f;
 	cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
 	struct kvr_feed_endpoint fe = {.endpoint = pub->ep, .worker_id = w, .dp_rank = 0};
-	uint32_t id;
-	cr_assert_eq(kvr_feed_add(f, &fe, &id), 0);
-	cr_assert_eq(id, 0, "a new feed's first endpoint is id 0");
+	cr_assert_eq(kvr_feed_add(f, &fe, &pub->id), 0);
 	test_pub_subscribed(pub);
 	return f;
 }

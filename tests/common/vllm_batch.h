@@ -77,11 +77,11 @@ static inline const uint32_t *test_block_tokens(void *ctx, size_t i)
  * sent after this returns is dropped.  0, or -1. */
 static inline int test_feed_subscribed(struct kvr_router *r, const struct kvr_feed_config *fc,
                                        void *pub, const char *ep, uint64_t worker,
-                                       struct kvr_feed **out)
+                                       struct kvr_feed **out, uint32_t *id_out)
 {
 	struct kvr_feed_endpoint fe = {.endpoint = ep, .worker_id = worker};
 	uint8_t sub[64];
-	if (kvr_feed_create(r, fc, out) || kvr_feed_add(*out, &fe, NULL) ||
+	if (kvr_feed_create(r, fc, out) || kvr_feed_add(*out, &fe, id_out) ||
 	    zmq_recv(pub, sub, sizeof(sub), 0) < 1)
 		return -1;
 	return 0;

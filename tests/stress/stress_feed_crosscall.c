@@ -34,13 +34,14 @@
 #include "tests/common/xorshift.h"
 
 #define NF       4
-#define SLOTS    3 /* endpoints added per feed at most, besides the publisher's (id 0) */
+#define SLOTS    3 /* endpoints added per feed at most, besides the publisher's (pub_id) */
 #define BUSY     (1u << 31)
 #define RESERVED BUSY
 
 static struct kvr_feed *F[NF];
+static uint32_t pub_id[NF]; /* the id of feed i's publisher endpoint */
 /* Per feed, the ids of endpoints added: 0 free, RESERVED (an add in flight), id, or id | BUSY
- * (a remove in flight).  Ids of added endpoints start at 1. */
+ * (a remove in flight).  The publishers' endpoints were added first, so added ones are >= 1. */
 static atomic_uint slot[NF][SLOTS];
 static atomic_int quiet;  /* the callbacks call nothing */
 static atomic_int active; /* callbacks inside random_ops */
@@ -62,7 +63,7 @@ static void one_op(int from, uint64_t *s)
 	switch (xorshift64(s) % 4) {
 	case 0: {
 		struct kvr_feed_stats st;
-		uint32_t id = xorshift64(s) & 1 ? KVR_FEED_ALL : 0;
+		uint32_t id = xorshift64(s) & 1 ? KVR_FEED_ALL : pub_id[t];
 		if ((rc = kvr_feed_get_stats(F[t], id, &st)) != 0)
 			fail("get_stats", from, t, rc);
 		atomic_fetch_add(&n_reads, 1);
@@ -71,7 +72,7 @@ static void one_op(int from, uint64_t *s)
 	case 1: {
 		size_t n;
 		uint64_t out[4];
-		rc = kvr_feed_other_medium_blocks(F[t], 0, 0, out, 4, &n);
+		rc = kvr_feed_other_medium_blocks(F[t], pub_id[t], 0, out, 4, &n);
 		if (rc != 0)
 			fail("other_medium_blocks", from, t, rc);
 		atomic_fetch_add(&n_reads, 1);
@@ -222,7 +223,7 @@ static int round_once(uint64_t ms, uint64_t seed)
 		kvr_feed_config_init(&fc);
 		fc.log = on_log;
 		fc.log_ctx = (void *)(intptr_t)i;
-		if (test_feed_subscribed(r, &fc, pub[i], ep, (uint64_t)i, &F[i])) {
+		if (test_feed_subscribed(r, &fc, pub[i], ep, (uint64_t)i, &F[i], &pub_id[i])) {
 			fprintf(stderr, "feed\n");
 			return 1;
 		}

@@ -84,7 +84,7 @@ static int round_once(int log)
 		kvr_feed_config_init(&fc);
 		fc.log = on_log;
 		fc.log_ctx = (void *)(intptr_t)i;
-		if (test_feed_subscribed(r, &fc, pub[i], ep, (uint64_t)i, &F[i])) {
+		if (test_feed_subscribed(r, &fc, pub[i], ep, (uint64_t)i, &F[i], NULL)) {
 			fprintf(stderr, "feed\n");
 			return 1;
 		}

@@ -42,9 +42,10 @@ static const struct kvr_rank_id X = {0, 0};
 static struct kvr_replica *_Atomic rep[2];
 static int port[2] = {0, 1};
 static struct kvr_feed *feed, *feed_g;
-static atomic_uint slot[SLOTS]; /* 0 free, RESERVED, an added id, or id | BUSY */
-static atomic_int quiet;        /* the callbacks call nothing */
-static atomic_int active;       /* callbacks inside a call */
+static uint32_t feed_pub_id, feed_g_pub_id; /* their publishers' endpoint ids */
+static atomic_uint slot[SLOTS];             /* 0 free, RESERVED, an added id, or id | BUSY */
+static atomic_int quiet;                    /* the callbacks call nothing */
+static atomic_int active;                   /* callbacks inside a call */
 static atomic_int failed;
 static _Atomic uint64_t admitted; /* B's attempt on_admit got, for the main thread to end */
 static atomic_ulong n_call_ok, n_call_busy, n_drain_ok, n_drain_busy, n_admits, n_g_ok, n_g_busy;
@@ -80,7 +81,9 @@ static void one_call(uint64_t *s, struct kvr_feed *f)
 	case 1: {
 		size_t n;
 		uint64_t out[4];
-		count(kvr_feed_other_medium_blocks(f, 0, 0, out, 4, &n), "other_medium_blocks");
+		count(kvr_feed_other_medium_blocks(f, f == feed ? feed_pub_id : feed_g_pub_id, 0,
+		                                   out, 4, &n),
+		      "other_medium_blocks");
 		break;
 	}
 	case 2: {
@@ -277,10 +280,10 @@ int main(int argc, char **argv)
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.log = on_log;
-	if (test_feed_subscribed(ev, &fc, pub, ep, 0, &feed))
+	if (test_feed_subscribed(ev, &fc, pub, ep, 0, &feed, &feed_pub_id))
 		return 1;
 	fc.log = on_log_g;
-	if (test_feed_subscribed(evg, &fc, pubg, epg, 0, &feed_g))
+	if (test_feed_subscribed(evg, &fc, pubg, epg, 0, &feed_g, &feed_g_pub_id))
 		return 1;
 	uint64_t t0 = now_ms(), seq = 0, rounds = 0, not_queued = 0;
 	uint32_t salt = 1;

@@ -71,7 +71,7 @@ static int round_once(int log)
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.log = on_log;
-	if (test_feed_subscribed(r, &fc, pub, ep, 0, &F) || test_batch_send_empty(pub, 0) ||
+	if (test_feed_subscribed(r, &fc, pub, ep, 0, &F, NULL) || test_batch_send_empty(pub, 0) ||
 	    test_batch_send_empty(pub, 5)) {
 		fprintf(stderr, "feed\n");
 		return 1;

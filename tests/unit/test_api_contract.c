@@ -810,6 +810,31 @@ Test(api_contract, feed_calls)
 	kvr_feed_destroy(the_feed);
 	fx_fini(&f);
 }
+
+/* An endpoint id given to the wrong feed (of this router or another) must not remove or report
+ * that feed's own endpoint: every feed numbered its endpoints from 0. */
+Test(api_contract, endpoint_ids_of_another_feed_are_refused)
+{
+	struct fx f;
+	fx_init(&f);
+	struct kvr_feed *f1, *f2;
+	cr_assert_eq(kvr_feed_create(f.ev, NULL, &f1), 0);
+	cr_assert_eq(kvr_feed_create(f.ev, NULL, &f2), 0);
+	struct kvr_feed_endpoint e1 = {.endpoint = "tcp://127.0.0.1:1", .worker_id = 1};
+	struct kvr_feed_endpoint e2 = {.endpoint = "tcp://127.0.0.1:2", .worker_id = 2};
+	uint32_t id1, id2;
+	cr_assert_eq(kvr_feed_add(f1, &e1, &id1), 0);
+	cr_assert_eq(kvr_feed_add(f2, &e2, &id2), 0);
+	struct kvr_feed_stats st;
+	cr_expect_eq(kvr_feed_get_stats(f2, id1, &st), KVR_ENOENT, "f1's id named f2's endpoint");
+	cr_expect_eq(kvr_feed_remove(f2, id1), KVR_ENOENT, "f1's id removed f2's endpoint");
+	cr_expect_eq(kvr_feed_remove(f1, id2), KVR_ENOENT, "f2's id removed f1's endpoint");
+	cr_expect_eq(kvr_feed_remove(f1, id1), 0);
+	cr_expect_eq(kvr_feed_remove(f2, id2), 0);
+	kvr_feed_destroy(f1);
+	kvr_feed_destroy(f2);
+	fx_fini(&f);
+}
 #else
 /* Without ZeroMQ (sync/feed_none.c): every call says KVR_ENOTSUP, and the outputs it could
  * leave half-set are cleared. */

@@ -31,6 +31,8 @@ static int target[N_MAX];
 static uint32_t rm_id[N_MAX]; /* REMOVE: the endpoint of target[i] it removes */
 static int rc[N_MAX];
 static uint32_t add_id[N_MAX];
+static uint32_t pub_id[N_MAX]; /* feed i's publisher endpoint */
+#define NOT_ISSUED 0x7fffff00u /* an endpoint id no feed of the test gives */
 static struct kvr_feed_stats st[N_MAX];
 static atomic_int entered[N_MAX], returned[N_MAX];
 static atomic_int go; /* the callbacks wait for this (all entered, or later) */
@@ -54,7 +56,7 @@ static void act_once(int i)
 		rc[i] = kvr_feed_get_stats(to, KVR_FEED_ALL, &st[i]);
 		break;
 	case OTHER:
-		rc[i] = kvr_feed_other_medium_blocks(to, 0, 0, NULL, 0, &n);
+		rc[i] = kvr_feed_other_medium_blocks(to, pub_id[target[i]], 0, NULL, 0, &n);
 		break;
 	case ADD:
 		rc[i] = kvr_feed_add(to, &fe, &add_id[i]);
@@ -95,7 +97,7 @@ static struct kvr_router *rig(int n, struct test_pub *pub)
 	for (int i = 0; i < N_MAX; i++) {
 		feeds[i] = NULL;
 		rc[i] = 1;
-		add_id[i] = UINT32_MAX;
+		add_id[i] = NOT_ISSUED;
 		memset(&st[i], 0, sizeof(st[i]));
 		atomic_store(&entered[i], 0);
 		atomic_store(&returned[i], 0);
@@ -109,6 +111,7 @@ static struct kvr_router *rig(int n, struct test_pub *pub)
 	for (int i = 0; i < n; i++) {
 		test_pub_open(&pub[i]);
 		feeds[i] = test_feed_on(r, &pub[i], (uint64_t)i, on_log, (void *)(intptr_t)i);
+		pub_id[i] = pub[i].id;
 	}
 	return r;
 }
@@ -179,7 +182,7 @@ static void read_cycle(int n, enum act a, bool gap)
 	/* The feeds go on as before. */
 	struct kvr_feed_stats s;
 	for (int i = 0; i < n; i++) {
-		cr_assert_eq(kvr_feed_get_stats(feeds[i], 0, &s), 0);
+		cr_assert_eq(kvr_feed_get_stats(feeds[i], pub[i].id, &s), 0);
 		cr_assert_eq(s.batches, 2);
 	}
 	teardown(r, pub, n);
@@ -219,10 +222,10 @@ Test(feed_crosscall, add_waits_for_the_targets_loop, .timeout = 60)
 	all_back(2);
 	cr_assert_eq(rc[0], 0, "add from feed 0's log on feed 1: %d", rc[0]);
 	cr_assert_eq(rc[1], 0);
-	cr_assert_eq(add_id[0], 1);
+	cr_assert_neq(add_id[0], NOT_ISSUED);
 	struct kvr_feed_stats s;
-	cr_assert_eq(kvr_feed_get_stats(feeds[1], 1, &s), 0, "the endpoint is there");
-	cr_assert_eq(kvr_feed_remove(feeds[1], 1), 0);
+	cr_assert_eq(kvr_feed_get_stats(feeds[1], add_id[0], &s), 0, "the endpoint is there");
+	cr_assert_eq(kvr_feed_remove(feeds[1], add_id[0]), 0);
 	teardown(r, pub, 2);
 }
 
@@ -237,7 +240,7 @@ static void write_cycle(int n, enum act a)
 	for (int i = 0; i < n; i++) {
 		act[i] = a;
 		target[i] = (i + 1) % n;
-		rm_id[i] = 1;
+		rm_id[i] = NOT_ISSUED;
 	}
 	struct test_pub pub[N_MAX];
 	struct kvr_router *r = rig(n, pub);
@@ -246,7 +249,7 @@ static void write_cycle(int n, enum act a)
 			struct kvr_feed_endpoint fe = {.endpoint = dead_end[i], .worker_id = 7};
 			uint32_t id;
 			cr_assert_eq(kvr_feed_add(feeds[i], &fe, &id), 0);
-			cr_assert_eq(id, 1);
+			rm_id[(i + n - 1) % n] = id; /* feed i - 1 removes it */
 		}
 	fire(pub, n);
 	all_back(n);
@@ -260,7 +263,8 @@ static void write_cycle(int n, enum act a)
 	/* Each call that returned 0 was done, the refused one was not. */
 	struct kvr_feed_stats s;
 	for (int i = 0; i < n; i++) {
-		int there = kvr_feed_get_stats(feeds[target[i]], 1, &s);
+		int there =
+		    kvr_feed_get_stats(feeds[target[i]], a == ADD ? add_id[i] : rm_id[i], &s);
 		if (a == ADD)
 			cr_assert_eq(there, rc[i] == 0 ? 0 : KVR_ENOENT, "feed %d's add", i);
 		else
@@ -290,7 +294,8 @@ Test(feed_crosscall, three_feeds_add_in_a_cycle, .timeout = 60)
  * feed 1 waited for that lock, the thread for feed 0, feed 0 for feed 1.  Now feed 1 needs no
  * lock of feed 0's; the ordinary call is answered once feed 0 is back in its loop. */
 static struct kvr_feed *ord_target;
-static int ord_op; /* 0 stats, 1 add */
+static uint32_t ord_id; /* ord_target's publisher endpoint */
+static int ord_op;      /* 0 stats, 1 add */
 static int ord_rc = 1;
 static atomic_int ord_in, ord_out;
 
@@ -300,8 +305,8 @@ static void *ordinary(void *arg)
 	atomic_store(&ord_in, 1);
 	struct kvr_feed_stats s;
 	struct kvr_feed_endpoint fe = {.endpoint = "tcp://127.0.0.1:11", .worker_id = 7};
-	ord_rc =
-	    ord_op ? kvr_feed_add(ord_target, &fe, NULL) : kvr_feed_get_stats(ord_target, 0, &s);
+	ord_rc = ord_op ? kvr_feed_add(ord_target, &fe, NULL)
+	                : kvr_feed_get_stats(ord_target, ord_id, &s);
 	atomic_store(&ord_out, 1);
 	return NULL;
 }
@@ -318,6 +323,7 @@ static void ordinary_holds_the_lock(int op)
 	test_pub_send_empty(&pub[0], 5, 0);
 	cr_assert(came_back(&entered[0]));
 	ord_target = feeds[0];
+	ord_id = pub[0].id;
 	ord_op = op;
 	atomic_store(&ord_in, 0);
 	atomic_store(&ord_out, 0);

@@ -89,7 +89,7 @@ Test(feed_crossserve, callback_in_a_served_call_calls_its_caller, .timeout = 60)
 	cr_assert_eq(a_rc, KVR_EBUSY, "A's add on B, which waits for A: %d", a_rc);
 	/* Both feeds go on. */
 	struct kvr_feed_stats st;
-	cr_assert_eq(kvr_feed_get_stats(feeds[0], 0, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(feeds[0], pub[0].id, &st), 0);
 	cr_assert_eq(st.refused, 1);
 	cr_assert_eq(kvr_feed_get_stats(feeds[1], KVR_FEED_ALL, &st), 0);
 	cr_assert_eq(st.gaps, 1);

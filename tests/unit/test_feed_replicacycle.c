@@ -145,9 +145,9 @@ static void cycle(enum who hinted_last, bool stop)
 	          (unsigned long)(took_ns[G_CALL] / 1000000));
 	/* The feeds go on: each serves an ordinary call. */
 	struct kvr_feed_stats st;
-	cr_assert_eq(kvr_feed_get_stats(feed_f, 0, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(feed_f, pub_f.id, &st), 0);
 	cr_assert_eq(st.gaps, 1);
-	cr_assert_eq(kvr_feed_get_stats(feed_g, 0, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(feed_g, pub_g.id, &st), 0);
 	cr_assert_eq(st.gaps, 1);
 	if (!stop)
 		cr_assert_eq(kvr_replica_drain(bus.rep[1], 5000), 0);
