@@ -2213,9 +2213,68 @@ static bool make_router(struct prog *p)
 	return true;
 }
 
+/* Another router's handle given this router's ids, and this router given the other's: every
+ * call must be refused and change nothing (the routers of a process issue different attempt
+ * ids and tickets; each once counted from 1, and a finish given the wrong router's handle ended
+ * the attempt that router had issued under the same number).  In one program in four (drawn
+ * from the seed: no input is read, so every program's bytes decode as before), before the end. */
+static bool foreign_refused(int rc)
+{
+	return rc == KVR_ESTALE || rc == KVR_ENOENT;
+}
+
+static void check_foreign_handles(struct prog *p)
+{
+	if ((p->cfg.seed >> 4) % 4 != 0)
+		return;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = p->cfg.mode;
+	c.block_size = p->cfg.block_size;
+	c.n_shards = 1;
+	c.shard_idle_spin_ns = 0;
+	struct kvr_router *o;
+	cur_call = "kvr_router_create (foreign)";
+	expect(API(kvr_router_create, &c, &o), 0, "the other router");
+	cur_call = "kvr_rank_add (foreign)";
+	expect(API(kvr_rank_add, o, (struct kvr_rank_id){0, 0}, 1, 4096, 0), 0, "its rank");
+	uint32_t toks[64];
+	for (uint32_t i = 0; i < 64; i++)
+		toks[i] = i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = toks;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	cur_call = "kvr_route (foreign)";
+	expect(API(kvr_route, o, &q, &d), 0, "a route on the other router");
+	for (int k = 0; k < p->n_att; k++) {
+		const uint64_t a = p->att[k].id;
+		cur_call = "this router's attempt on the other";
+		CHECK(foreign_refused(API(kvr_request_prefill_done, o, a)), "prefill_done");
+		CHECK(foreign_refused(API(kvr_request_output, o, a, toks, 16)), "output");
+		CHECK(foreign_refused(API(kvr_request_finish, o, a)), "finish");
+		CHECK(foreign_refused(API(kvr_request_abort, o, a)), "abort");
+	}
+	for (int k = 0; k < p->n_tix; k++) {
+		struct kvr_decision w;
+		cur_call = "this router's ticket on the other";
+		CHECK(API(kvr_route_cancel, o, p->tix[k].t) == KVR_ENOENT, "cancel");
+		CHECK(API(kvr_route_wait, o, p->tix[k].t, 1, &w) == KVR_ENOENT, "wait");
+	}
+	cur_call = "the other router's attempt here";
+	CHECK(foreign_refused(API(kvr_request_prefill_done, p->r, d.attempt)), "prefill_done");
+	CHECK(foreign_refused(API(kvr_request_finish, p->r, d.attempt)), "finish");
+	CHECK(foreign_refused(API(kvr_request_abort, p->r, d.attempt)), "abort");
+	cur_call = "the other router's own finish";
+	expect(API(kvr_request_finish, o, d.attempt), 0, "its attempt was left alone");
+	kvr_router_destroy(o);
+}
+
 /* Finish everything, empty the queue, sync; then every invariant of an idle router. */
 static void quiesce_and_check(struct prog *p)
 {
+	check_foreign_handles(p);
 	for (int round = 0; round < 64; round++) {
 		while (p->n_att) {
 			cur_call = "finish (end of program)";
