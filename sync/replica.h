@@ -24,12 +24,14 @@ struct kvr_replica_transport {
 	int (*reply)(void *ctx, const char *to, const void *buf, size_t len);
 	/* Asks any ready peer for a snapshot (req is a SNAP_REQ) and passes each reply message to
 	 * on_chunk until it returns 1 (last chunk) or an error, or timeout_ns passes; poll is
-	 * called between waits (the core serves its own pending snapshot requests there).  Returns
-	 * 0, KVR_ENOENT (no peer answered: nobody ready), KVR_ETIMEDOUT, or on_chunk's error.  NULL
-	 * = no snapshots (in-process bus: every replica starts together). */
+	 * called between waits, at least every 20 ms (the core serves its own pending snapshot
+	 * requests there), and when it returns true the replica is stopping: return
+	 * KVR_ESHUTDOWN at once.  Returns 0, KVR_ENOENT (no peer answered: nobody ready),
+	 * KVR_ETIMEDOUT, KVR_ESHUTDOWN, or on_chunk's error.  NULL = no snapshots (in-process
+	 * bus: every replica starts together). */
 	int (*request)(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
 	               int (*on_chunk)(void *cb, const void *buf, size_t len),
-	               void (*poll)(void *cb), void *cb);
+	               bool (*poll)(void *cb), void *cb);
 	/* This replica is ready: start answering snapshot requests.  May be NULL. */
 	void (*ready)(void *ctx);
 	/* How many stream messages the transport holds for this replica, received but not yet

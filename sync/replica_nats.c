@@ -124,7 +124,7 @@ static uint64_t mono_ns(void)
 }
 
 static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
-                     int (*on_chunk)(void *cb, const void *buf, size_t len), void (*poll)(void *cb),
+                     int (*on_chunk)(void *cb, const void *buf, size_t len), bool (*poll)(void *cb),
                      void *cb)
 {
 	struct kvr_sync *s = ctx;
@@ -144,13 +144,24 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 		natsMsg *msg = NULL;
 		natsStatus st = natsSubscription_NextMsg(&msg, sub, 20);
 		if (st == NATS_TIMEOUT) {
-			if (poll)
-				poll(cb);
+			if (poll && poll(cb)) {
+				rc = KVR_ESHUTDOWN; /* a detach or router destroy waits for this
+				                       thread */
+				break;
+			}
 			if (mono_ns() >= deadline) {
 				rc = KVR_ETIMEDOUT;
 				break;
 			}
 			continue;
+		}
+		if (st == NATS_NO_RESPONDERS) {
+			/* No subscriber took the request (nats.c gives the server's "no responders"
+			 * as this status): no peer is ready.  It was taken for a failed try and
+			 * asked again for the whole snapshot_timeout_ms, so a lone replica was
+			 * ready only after it (test_sync_nats snapshot_wait). */
+			rc = KVR_ENOENT;
+			break;
 		}
 		if (st != NATS_OK) {
 			rc = KVR_EAGAIN;

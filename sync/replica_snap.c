@@ -229,7 +229,7 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 	pthread_mutex_unlock(&rep->mu);
 }
 
-static void poll_requests(void *cb);
+static bool poll_requests(void *cb);
 
 /* Asks a peer for a snapshot once, waiting at most timeout_ns between chunks, and applies it.
  * Returns 0 (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the provider gave it up),
@@ -288,7 +288,8 @@ int kvr_rep_resync(struct kvr_replica *rep)
 			return rc;
 		struct snap_rx rx = {.rep = rep};
 		for (uint64_t now; (now = kvr_rep_mono_ns()) < until;) {
-			poll_requests(&rx);
+			if (poll_requests(&rx))
+				return KVR_ESHUTDOWN;
 			uint64_t step = until - now < 2000000 ? until - now : 2000000;
 			struct timespec ts = {0, (long)step};
 			nanosleep(&ts, NULL);
@@ -297,8 +298,10 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	}
 }
 
-/* Serves the snapshot requests waiting in the queue (while this replica waits for its own). */
-static void poll_requests(void *cb)
+/* Serves the snapshot requests waiting in the queue (while this replica waits for its own).
+ * Returns true when the replica is stopping (kvr_sync_detach, kvr_router_destroy): the wait
+ * ends then instead of running out its snapshot_timeout_ms while they wait for this thread. */
+static bool poll_requests(void *cb)
 {
 	struct kvr_replica *rep = ((struct snap_rx *)cb)->rep;
 	for (;;) {
@@ -319,9 +322,10 @@ static void poll_requests(void *cb)
 				break;
 			}
 		}
+		bool stop = rep->stop;
 		pthread_mutex_unlock(&rep->qmu);
 		if (!found)
-			return;
+			return stop;
 		kvr_rep_handle(rep, found->data, found->len, found->reply);
 		pthread_mutex_lock(&rep->qmu);
 		rep->q_done++;

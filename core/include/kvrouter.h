@@ -1010,7 +1010,8 @@ struct kvr_sync_config {
 	 * load.  Too small a bound for the machine makes false deaths frequent (each costs a
 	 * re-announce of the peer's live and recently finished attempts). */
 	uint32_t dead_after;
-	/* Snapshot request deadline, ms.  Default 2000. */
+	/* Snapshot request deadline, ms (between chunks of the snapshot: a peer that takes the
+	 * request and sends nothing for this long is given up).  Default 2000. */
 	uint32_t snapshot_timeout_ms;
 	/* Blocks of recently finished attempts remembered per rank for snapshots.  Default 0 =
 	 * twice the rank's capacity (65536 without capacity). */
@@ -1101,7 +1102,10 @@ KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *
  * does nothing as well; otherwise it detaches, and such calls meanwhile return KVR_EBUSY. */
 KVR_API void kvr_sync_detach(struct kvr_sync *s);
 
-/* Waits until the replica has applied its first snapshot (or found no peer).  0,
+/* Waits until the replica has applied its first snapshot (or found no peer: a replica alone in
+ * its cluster is ready as soon as the server says nobody answers, within milliseconds; a peer
+ * that does not answer is waited for up to snapshot_timeout_ms, a wait kvr_sync_detach and
+ * kvr_router_destroy cut short).  0,
  * KVR_ETIMEDOUT, KVR_EINVAL; from a callback the replica's own threads run (see
  * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY; from a feed's callback, as
  * kvr_sync_drain. */

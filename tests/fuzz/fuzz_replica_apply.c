@@ -47,7 +47,7 @@ static int t_reply(void *ctx, const char *to, const void *buf, size_t len)
 }
 
 static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
-                     int (*on_chunk)(void *cb, const void *buf, size_t len), void (*poll)(void *cb),
+                     int (*on_chunk)(void *cb, const void *buf, size_t len), bool (*poll)(void *cb),
                      void *cb)
 {
 	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)poll;

@@ -39,6 +39,12 @@
  *  9. the router destroyed before its replica's handle (kvrouter.h allows it): the calls on the
  *     handle return KVR_ESHUTDOWN and kvr_sync_detach disconnects and frees; a peer sees the
  *     goodbye.  Before, every call on the handle, the detach included, read the NULL router.
+ * 10. the snapshot wait at attach: a replica alone in its cluster is ready at once (nats.c says
+ *     "no responders" as a status, which was taken for a failed try and retried for the whole
+ *     snapshot_timeout_ms: 1.93 s at the default, 14 retries), and a detach or router destroy
+ *     while a peer that never answers is asked returns without waiting the wait out (it sat
+ *     out the whole snapshot_timeout_ms).  snapshot_timeout_ms is 20 s here; each call must
+ *     return within 8.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
@@ -1445,6 +1451,79 @@ static void test_router_first(void)
 	printf("router_first: ok unless said\n");
 }
 
+/* 10 */
+static double mono_ms(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+static int attach_slow_snapshots(struct kvr_router *r, const char *cluster, struct kvr_sync **s)
+{
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = cluster;
+	c.replica_id = 1;
+	c.snapshot_timeout_ms = 20000;
+	return kvr_sync_attach(r, &c, s);
+}
+
+static void test_snapshot_wait(void)
+{
+	/* Alone: ready at once, after one request. */
+	struct kvr_router *r = make_router();
+	struct kvr_sync *s = NULL;
+	CHECK(r && attach_slow_snapshots(r, "lone", &s) == 0, "attach alone");
+	if (!s)
+		return;
+	double t0 = mono_ms();
+	int rc = kvr_sync_wait_ready(s, 8000);
+	double ready_ms = mono_ms() - t0;
+	struct kvr_sync_stats st;
+	kvr_sync_get_stats(s, &st);
+	CHECK(rc == 0, "a lone replica not ready after 8 s: %s", kvr_strerror(rc));
+	CHECK(st.resyncs == 1, "a lone replica asked %llu times", (unsigned long long)st.resyncs);
+	kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	/* A peer that takes snapshot requests and never answers (a raw subscription). */
+	natsConnection *nc = NULL;
+	natsSubscription *mute = NULL;
+	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK, "raw connection");
+	if (!nc)
+		return;
+	CHECK(natsConnection_SubscribeSync(&mute, nc, "mute.snap") == NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "the mute peer");
+	double took[2] = {0, 0};
+	for (int how = 0; how < 2; how++) { /* 0: detach, 1: router destroy, then detach */
+		r = make_router();
+		s = NULL;
+		CHECK(r && attach_slow_snapshots(r, "mute", &s) == 0,
+		      "attach beside the mute peer");
+		if (!s)
+			break;
+		t0 = mono_ms();
+		if (how == 0)
+			kvr_sync_detach(s);
+		else
+			kvr_router_destroy(r);
+		took[how] = mono_ms() - t0;
+		CHECK(took[how] < 8000, "%s waited %.0f ms for the mute peer",
+		      how ? "kvr_router_destroy" : "kvr_sync_detach", took[how]);
+		if (how == 0)
+			kvr_router_destroy(r);
+		else
+			kvr_sync_detach(s);
+	}
+	natsSubscription_Destroy(mute);
+	natsConnection_Destroy(nc);
+	printf("snapshot_wait: alone ready in %.1f ms; beside a mute peer detach %.1f ms, router "
+	       "destroy %.1f ms\n",
+	       ready_ms, took[0], took[1]);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 1)
@@ -1488,6 +1567,7 @@ int main(int argc, char **argv)
 	RUN(callbacks);
 	RUN(signals);
 	RUN(router_first);
+	RUN(snapshot_wait);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);

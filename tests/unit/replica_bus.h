@@ -127,7 +127,7 @@ static inline struct bus_chunk *bus_take(int i)
 
 static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
                               int (*on_chunk)(void *cb, const void *buf, size_t len),
-                              void (*poll)(void *cb), void *cb)
+                              bool (*poll)(void *cb), void *cb)
 {
 	int i = *(int *)ctx, peer = -1;
 	pthread_mutex_lock(&bus.mu);
@@ -142,7 +142,8 @@ static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t t
 	for (uint64_t waited = 0; waited < timeout_ns; waited += 10000000) {
 		struct bus_chunk *c = bus_take(i);
 		if (!c) {
-			poll(cb);
+			if (poll(cb))
+				return KVR_ESHUTDOWN;
 			continue;
 		}
 		int rc = on_chunk(cb, c->data, c->len);
