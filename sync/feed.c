@@ -1152,6 +1152,7 @@ void kvr_feed_destroy(struct kvr_feed *f)
 	}
 	if (f->started) {
 		struct cmd c = {.op = CMD_STOP};
+		__atomic_store_n(&f->stopping, 1, __ATOMIC_RELEASE); /* ends a replay wait */
 		call(f, &c);
 		pthread_join(f->thread, NULL);
 	}
@@ -1231,6 +1232,8 @@ void kvr_feeds_orphan(struct kvr_router *r)
 		live_unlink(r, f);
 		if (f->started) {
 			struct cmd c = {.op = CMD_STOP};
+			__atomic_store_n(&f->stopping, 1,
+			                 __ATOMIC_RELEASE); /* ends a replay wait */
 			call(f, &c);
 			pthread_join(f->thread, NULL);
 			f->started = false;

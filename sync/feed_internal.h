@@ -135,7 +135,11 @@ struct kvr_feed {
 	struct kvr_metrics_block *mb;
 	uint32_t n_missed; /* ranks with rstate.missed, all endpoints */
 	bool in_replay;    /* a replay is being read (no other may start) */
-	uint64_t seq;      /* the batch kvr_feed_apply_batch is applying */
+	/* A destroy (kvr_feed_destroy, or kvr_router_destroy of a feed still alive) waits for the
+	 * thread: a replay wait gives up at once (sync/feed_seq.c).  Atomic: set by the destroying
+	 * thread, read by the feed's. */
+	int stopping;
+	uint64_t seq; /* the batch kvr_feed_apply_batch is applying */
 	bool stop;
 	/* kvr_feed_destroy was called from this feed's own thread (one of its callbacks) or from
 	 * another thread the library runs: the feed's thread frees the feed itself once back in its

@@ -222,7 +222,9 @@ void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
  * each batch goes through the sequence rules (a gap being healed).  Else (a resync) only the
  * batches before next_seq for rank *only_dp are applied, the rest ignored (the live stream
  * brings them).  *first (if given): the first seq the answer held, END_SEQ if none.  Returns 0
- * when the end marker came, -1 on no answer within replay_timeout_ms or a socket failure. */
+ * when the end marker came, -1 on no answer within replay_timeout_ms or a socket failure, or
+ * once a destroy waits for this thread: it waited out the whole replay_timeout_ms before
+ * (test_feed_replay_stop); the wait is looked at every 20 ms. */
 static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32_t *only_dp,
                   uint64_t *first)
 {
@@ -257,8 +259,17 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 		uint64_t now = kvr_feed_wall_ns();
 		if (now >= deadline)
 			goto fail;
+		if (__atomic_load_n(&f->stopping, __ATOMIC_ACQUIRE) || kvr_feed_dying(f)) {
+			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+			             "replay from %" PRIu64
+			             " abandoned: the feed is being destroyed",
+			             start);
+			goto drop;
+		}
 		zmq_pollitem_t it = {.socket = e->dealer, .events = ZMQ_POLLIN};
 		long ms = (long)((deadline - now + 999999) / 1000000);
+		if (ms > 20)
+			ms = 20;
 		if (zmq_poll(&it, 1, ms) < 0 && zmq_errno() != EINTR)
 			goto fail;
 		if (!(it.revents & ZMQ_POLLIN))
@@ -303,10 +314,11 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 		close_frames(fr, n);
 	}
 fail:
-	/* No answer in time (or the socket failed): drop the socket so a late answer cannot be
-	 * taken for the next request's. */
 	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN, "replay from %" PRIu64 " failed or timed out",
 	             start);
+drop:
+	/* No answer in time, a socket failure or a destroy: drop the socket so that a late answer
+	 * cannot be taken for the next request's. */
 	zmq_close(e->dealer);
 	e->dealer = NULL;
 	f->in_replay = false;

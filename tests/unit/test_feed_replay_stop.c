@@ -1,0 +1,83 @@
+/* A feed destroyed while it waits for a replay that does not come.
+ *
+ * A gap makes the feed's thread ask the publisher's replay endpoint and wait for the answer,
+ * replay_timeout_ms at most, serving nothing else.  kvr_feed_destroy (and kvr_router_destroy,
+ * which stops the feeds still alive) waited that whole time for the thread: a second at the
+ * default, and as long as the embedder configured (20 s here).  Now the wait gives up as soon
+ * as a destroy waits for it, as it would at its timeout (the gap is reported, the rank
+ * cleared).  Each destroy must return within 8 s. */
+#include <criterion/criterion.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrouter.h"
+#include "tests/common/feed_pub.h"
+
+static double mono_ms(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+static int gaps;
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, uint64_t got)
+{
+	(void)ctx, (void)worker, (void)dp, (void)expected, (void)got;
+	__atomic_add_fetch(&gaps, 1, __ATOMIC_RELAXED);
+}
+
+/* A feed on r whose replay endpoint takes requests and never answers, waiting for one. */
+static struct kvr_feed *feed_in_a_replay(struct kvr_router *r, struct test_pub *pub, void **mute)
+{
+	*mute = zmq_socket(pub->zctx, ZMQ_ROUTER);
+	cr_assert_not_null(*mute);
+	cr_assert_eq(zmq_bind(*mute, "tcp://127.0.0.1:*"), 0);
+	char rep[256];
+	size_t cap = sizeof(rep);
+	cr_assert_eq(zmq_getsockopt(*mute, ZMQ_LAST_ENDPOINT, rep, &cap), 0);
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.replay_timeout_ms = 20000;
+	struct kvr_feed *f;
+	cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = pub->ep, .replay_endpoint = rep, .worker_id = 0};
+	cr_assert_eq(kvr_feed_add(f, &fe, NULL), 0);
+	test_pub_subscribed(pub);
+	test_pub_send_empty(pub, 0, 0);
+	test_pub_send_empty(pub, 5, 0); /* a gap: the feed asks the mute endpoint */
+	/* The request reached the mute endpoint: the feed's thread now waits for its answer. */
+	zmq_msg_t m;
+	zmq_msg_init(&m);
+	cr_assert_geq(zmq_msg_recv(&m, *mute, 0), 0);
+	zmq_msg_close(&m);
+	return f;
+}
+
+Test(feed_replay_stop, destroy_ends_a_replay_wait, .timeout = 60)
+{
+	for (int how = 0; how < 2; how++) { /* 0: kvr_feed_destroy; 1: the router first */
+		gaps = 0;
+		struct test_pub pub;
+		test_pub_open(&pub);
+		struct kvr_router *r = test_events_router(on_gap);
+		void *mute;
+		struct kvr_feed *f = feed_in_a_replay(r, &pub, &mute);
+		double t0 = mono_ms();
+		if (how == 0)
+			kvr_feed_destroy(f);
+		else
+			kvr_router_destroy(r);
+		double took = mono_ms() - t0;
+		cr_expect_lt(took, 8000, "%s waited %.0f ms for the replay",
+		             how ? "kvr_router_destroy" : "kvr_feed_destroy", took);
+		cr_expect_eq(__atomic_load_n(&gaps, __ATOMIC_RELAXED), 1,
+		             "the gap is reported as at a timeout");
+		if (how == 0)
+			kvr_router_destroy(r);
+		else
+			kvr_feed_destroy(f);
+		zmq_close(mute);
+		test_pub_close(&pub);
+	}
+}
