@@ -427,12 +427,18 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 		pthread_mutex_unlock(&rep->mu);
 		return;
 	}
-	if (p->epoch && m.h.epoch < p->epoch) { /* an older life of the peer */
+	/* An epoch is the wall clock at the replica's creation, so a new life's may be smaller
+	 * than the last one's (a clock behind: another node, a step back between two short lives).
+	 * While the life we know is heard, a smaller epoch is an older life's; once it is gone
+	 * (goodbye, or given up), any other epoch is a new life.  Before, a smaller one was always
+	 * dropped, and a replica back with a clock behind was never heard again
+	 * (tests/unit/test_replica_epoch.c). */
+	if (p->epoch && m.h.epoch < p->epoch && !p->lost) { /* an older life of the peer */
 		rep->st.duplicates++;
 		pthread_mutex_unlock(&rep->mu);
 		return;
 	}
-	bool new_life = p->epoch && m.h.epoch > p->epoch;
+	bool new_life = p->epoch && m.h.epoch != p->epoch;
 	pthread_mutex_unlock(&rep->mu);
 	if (new_life) /* the peer restarted: what it had is gone */
 		peer_gone(rep, p);
