@@ -376,8 +376,10 @@ KVR_API void kvr_router_destroy(struct kvr_router *router);
 /* The router's current time on its clock, ns (0 for router NULL). */
 KVR_API uint64_t kvr_router_now(const struct kvr_router *router);
 
-/* Copies the router's effective configuration (defaults resolved) into *out.  Returns 0 or
- * KVR_EINVAL (router or out NULL). */
+/* Copies the router's effective configuration (defaults resolved) into *out.  cpu_list comes
+ * back NULL and n_cpus 0 (the list is borrowed for the create only): a router created from this
+ * copy pins its shards by the default rule, not by the list.  Returns 0 or KVR_EINVAL (router or
+ * out NULL). */
 KVR_API int kvr_router_get_config(const struct kvr_router *router, struct kvr_config *out);
 
 /* ---------------------------------------------------------------- ranks */
