@@ -2,14 +2,14 @@
  * tests/unit/test_clock_step.c - the library's timed waits do not stretch when the wall clock
  * is stepped back.
  *
- * The program defines clock_gettime, so the library's calls (linked in statically) come here:
- * with `ahead_ns` set, CLOCK_REALTIME reads that much ahead of the kernel's, which is what a
- * thread sees when the wall clock is stepped back by that much just after it read it (NTP
- * stepping an offset, `date -s`, a VM resumed from a snapshot).  A condition variable timed on
- * CLOCK_REALTIME then waits that much longer than asked; one on CLOCK_MONOTONIC does not.
- * Before sync/cond.h, a kvr_route_wait with a 50 ms deadline waited the whole step (10 s
- * here) and a replica sent no heartbeat for as long, so its peers gave it up.
- * A plain program: exit 0 pass, 1 fail.
+ * The program defines clock_gettime (tests/common/realtime_shift.h), so the library's calls
+ * (linked in statically) come there: with the shift set, CLOCK_REALTIME reads that much ahead
+ * of the kernel's, which is what a thread sees when the wall clock is stepped back by that much
+ * just after it read it (NTP stepping an offset, `date -s`, a VM resumed from a snapshot).  A
+ * condition variable timed on CLOCK_REALTIME then waits that much longer than asked; one on
+ * CLOCK_MONOTONIC does not. Before sync/cond.h, a kvr_route_wait with a 50 ms deadline waited the
+ * whole step (10 s here) and a replica sent no heartbeat for as long, so its peers gave it up. A
+ * plain program: exit 0 pass, 1 fail.
  */
 #include <dlfcn.h>
 #include <signal.h>
@@ -24,22 +24,7 @@
 #include "tests/common/check.h"
 #include "sync/replica.h"
 
-static _Atomic uint64_t ahead_ns;
-
-int clock_gettime(clockid_t id, struct timespec *ts)
-{
-	static int (*real)(clockid_t, struct timespec *);
-	if (!real)
-		real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
-	int rc = real(id, ts);
-	uint64_t a = atomic_load(&ahead_ns);
-	if (rc == 0 && a && id == CLOCK_REALTIME) {
-		uint64_t ns = (uint64_t)ts->tv_nsec + a % 1000000000ull;
-		ts->tv_sec += (time_t)(a / 1000000000ull + ns / 1000000000ull);
-		ts->tv_nsec = (long)(ns % 1000000000ull);
-	}
-	return rc;
-}
+#include "tests/common/realtime_shift.h"
 
 static uint64_t mono_ns(void)
 {
@@ -72,11 +57,11 @@ static void queue_wait(void)
 	CHECK(kvr_route(r, &q, &d1) == 0 && d1.status == KVR_DECIDED, "first route");
 	tok[0] = 99999; /* another prompt: the rank is saturated now, it queues */
 	CHECK(kvr_route(r, &q, &d2) == 0 && d2.status == KVR_QUEUED, "second route queues");
-	atomic_store(&ahead_ns, STEP_NS);
+	atomic_store(&kvr_test_realtime_shift_ns, (int64_t)STEP_NS);
 	uint64_t t0 = mono_ns();
 	int rc = kvr_route_wait(r, d2.ticket, t0 + 50000000ull, &d2);
 	uint64_t took = mono_ns() - t0;
-	atomic_store(&ahead_ns, 0);
+	atomic_store(&kvr_test_realtime_shift_ns, 0);
 	CHECK(rc == KVR_ETIMEDOUT, "kvr_route_wait: %s", kvr_strerror(rc));
 	CHECK(took < 5000000000ull, "a 50 ms deadline took %.3f s", took / 1e9);
 	printf("queue_wait: a 50 ms deadline returned after %.1f ms\n", took / 1e6);
@@ -126,12 +111,12 @@ static void replica_heartbeats(void)
 	CHECK(kvr_replica_start(rep) == 0, "replica_start");
 	CHECK(kvr_replica_wait_ready(rep, 10000) == 0, "ready");
 	usleep(60000); /* settle: the thread's current wait was timed before the step */
-	atomic_store(&ahead_ns, STEP_NS);
+	atomic_store(&kvr_test_realtime_shift_ns, (int64_t)STEP_NS);
 	usleep(60000);
 	unsigned before = atomic_load(&published);
 	usleep(400000);
 	unsigned sent = atomic_load(&published) - before;
-	atomic_store(&ahead_ns, 0);
+	atomic_store(&kvr_test_realtime_shift_ns, 0);
 	/* 20 periods; a loaded machine may lose some, but not most. */
 	CHECK(sent >= 8, "%u heartbeats in 400 ms of 20 ms periods", sent);
 	printf("replica_heartbeats: %u messages in 400 ms (20 ms heartbeats)\n", sent);

@@ -10,31 +10,11 @@
  * when the life the peer knew is gone (it said goodbye or was given up); while that life is
  * heard, a smaller epoch is still an older one.
  *
- * The program defines clock_gettime (the library is linked in statically): with `behind_ns`
- * set, CLOCK_REALTIME reads that much behind the kernel's.  Over the in-process bus
+ * CLOCK_REALTIME is moved by tests/common/realtime_shift.h.  Over the in-process bus
  * (tests/unit/replica_bus.h).
  */
-#include <dlfcn.h>
-#include <stdatomic.h>
-
+#include "tests/common/realtime_shift.h"
 #include "tests/unit/replica_bus.h"
-
-static _Atomic uint64_t behind_ns;
-
-int clock_gettime(clockid_t id, struct timespec *ts)
-{
-	static int (*real)(clockid_t, struct timespec *);
-	if (!real)
-		real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
-	int rc = real(id, ts);
-	uint64_t b = atomic_load(&behind_ns);
-	if (rc == 0 && b && id == CLOCK_REALTIME) {
-		uint64_t ns = (uint64_t)ts->tv_sec * 1000000000ull + (uint64_t)ts->tv_nsec - b;
-		ts->tv_sec = (time_t)(ns / 1000000000ull);
-		ts->tv_nsec = (long)(ns % 1000000000ull);
-	}
-	return rc;
-}
 
 Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
 {
@@ -50,7 +30,7 @@ Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
 	bus.rep[0] = NULL;
 	kvr_router_destroy(r[0]);
 	bus.ready[0] = false;
-	atomic_store(&behind_ns, 3600ull * 1000000000ull);
+	atomic_store(&kvr_test_realtime_shift_ns, -3600ll * 1000000000ll);
 	r[0] = make();
 	for (uint64_t w = 0; w < 2; w++)
 		cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
@@ -62,7 +42,7 @@ Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
 	                                  .request = bus_request,
 	                                  .ready = bus_ready};
 	cr_assert_eq(kvr_replica_create(r[0], &c, &t, &bus.rep[0]), 0); /* the epoch is read here */
-	atomic_store(&behind_ns, 0);
+	atomic_store(&kvr_test_realtime_shift_ns, 0);
 	cr_assert_eq(kvr_replica_start(bus.rep[0]), 0);
 	cr_assert_eq(kvr_replica_wait_ready(bus.rep[0], 10000), 0);
 	/* Its admissions reach replica 2. */
