@@ -1100,6 +1100,17 @@ static void mark_dying(struct kvr_feed *f)
 	__atomic_store_n(&f->dying, 1, __ATOMIC_RELEASE);
 }
 
+/* Stops f's thread (what it posted is applied first) and joins it.  The flag ends a replay it
+ * may be waiting for, which does not read the stop command (sync/feed_seq.c).  Context: a
+ * thread the library does not run (the destroy's caller). */
+static void stop_and_join(struct kvr_feed *f)
+{
+	__atomic_store_n(&f->stopping, 1, __ATOMIC_RELEASE);
+	struct cmd c = {.op = CMD_STOP};
+	call(f, &c);
+	pthread_join(f->thread, NULL);
+}
+
 /* Whether the calling thread is one the library runs (a feed's, a replica's, a shard's) or is
  * inside a router callback.  A destroy there must not wait for a feed's thread: that thread may
  * be waiting for this one (two feeds' callbacks destroying each other; a feed thread's callback
@@ -1150,12 +1161,8 @@ void kvr_feed_destroy(struct kvr_feed *f)
 		pthread_mutex_unlock(&f->box_lock);
 		return;
 	}
-	if (f->started) {
-		struct cmd c = {.op = CMD_STOP};
-		__atomic_store_n(&f->stopping, 1, __ATOMIC_RELEASE); /* ends a replay wait */
-		call(f, &c);
-		pthread_join(f->thread, NULL);
-	}
+	if (f->started)
+		stop_and_join(f);
 	feed_free(f);
 }
 
@@ -1231,11 +1238,7 @@ void kvr_feeds_orphan(struct kvr_router *r)
 			return;
 		live_unlink(r, f);
 		if (f->started) {
-			struct cmd c = {.op = CMD_STOP};
-			__atomic_store_n(&f->stopping, 1,
-			                 __ATOMIC_RELEASE); /* ends a replay wait */
-			call(f, &c);
-			pthread_join(f->thread, NULL);
+			stop_and_join(f);
 			f->started = false;
 		}
 		feed_release(f);

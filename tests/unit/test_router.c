@@ -219,6 +219,12 @@ static void check_refuses(struct kvr_router *r, const uint64_t *foreign, uint64_
 	             "another router's ids ended attempts here");
 }
 
+static void finish_all(struct kvr_router *r, const uint64_t *ids)
+{
+	for (int i = 0; i < XR_N; i++)
+		cr_assert_eq(kvr_request_finish(r, ids[i]), 0, "own attempt %d", i);
+}
+
 Test(router, attempts_of_another_router_are_refused)
 {
 	struct kvr_router *a = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
@@ -228,16 +234,14 @@ Test(router, attempts_of_another_router_are_refused)
 	route_all(b, ib);
 	check_refuses(b, ia, XR_N);
 	check_refuses(a, ib, XR_N);
-	for (int i = 0; i < XR_N; i++)
-		cr_assert_eq(kvr_request_finish(b, ib[i]), 0, "b's own attempt %d", i);
+	finish_all(b, ib);
 	/* a is replaced by c while a's requests are still in flight: their late calls reach c. */
 	kvr_router_destroy(a);
 	struct kvr_router *c = make(KVR_MODE_APPROX_LRU, 2, 100000, 0);
 	route_all(c, ic);
 	check_refuses(c, ia, XR_N);
 	check_refuses(c, ib, XR_N);
-	for (int i = 0; i < XR_N; i++)
-		cr_assert_eq(kvr_request_finish(c, ic[i]), 0, "c's own attempt %d", i);
+	finish_all(c, ic);
 	kvr_router_destroy(b);
 	kvr_router_destroy(c);
 }
