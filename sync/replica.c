@@ -446,6 +446,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_messages_total{what=\"duplicate\"} %" PRIu64 "\n"
 	    "kvr_sync_messages_total{what=\"refused\"} %" PRIu64 "\n"
 	    "kvr_sync_messages_total{what=\"orphan\"} %" PRIu64 "\n"
+	    "kvr_sync_messages_total{what=\"block_size_mismatch\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_batches_total Transport messages the published stream went out in\n"
 	    "# TYPE kvr_sync_batches_total counter\nkvr_sync_batches_total %" PRIu64 "\n"
 	    "# HELP kvr_sync_events_total Replica sync events\n"
@@ -474,10 +475,10 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "# HELP kvr_sync_connected 1 while connected to NATS\n"
 	    "# TYPE kvr_sync_connected gauge\nkvr_sync_connected %d\n",
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
-	    s.refused, s.orphans, s.batches, s.gaps, s.resyncs, s.snapshots_applied,
-	    s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost, s.released, s.early_lost,
-	    s.notes_over_cap, s.ends_reconciled, s.output_dropped, s.peers_alive, s.mirrored,
-	    s.lag_messages, s.connected ? 1 : 0);
+	    s.refused, s.orphans, s.block_size_mismatch, s.batches, s.gaps, s.resyncs,
+	    s.snapshots_applied, s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost,
+	    s.released, s.early_lost, s.notes_over_cap, s.ends_reconciled, s.output_dropped,
+	    s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }
 

@@ -160,9 +160,31 @@ static void refused(struct kvr_replica *rep, uint64_t origin, int rc)
 	pthread_mutex_unlock(&rep->mu);
 }
 
+/* Whether admission m was cut into blocks of bs tokens.  The wire has no block size, but an
+ * admission shows its sender's: a known chain is n_blocks x bs + tail_n tokens with tail_n < bs
+ * (kvr_route's own and kvr_repl_admit's rule), and an unknown one (hashes the caller gave) has
+ * no more blocks than its prompt holds.  A prompt shorter than either block size fits both:
+ * it has no block to get wrong. */
+static bool fits_block_size(const struct kvr_wmsg *m, uint32_t bs)
+{
+	const uint64_t full = (uint64_t)m->n_blocks * bs;
+	if (m->tail_n >= bs)
+		return false;
+	return m->flags & KVR_MSG_F_CHAIN_KNOWN ? full + m->tail_n == m->prompt_tokens
+	                                        : full <= m->prompt_tokens;
+}
+
 /* A peer's admission (live) or a ghost (finished: replay its blocks, then release). */
 void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 {
+	if (!fits_block_size(m, rep->bs)) {
+		/* Booked, its hashes would name other prefixes here and its load count other
+		 * blocks; its lifecycle messages then find no attempt (orphans). */
+		pthread_mutex_lock(&rep->mu);
+		rep->st.block_size_mismatch++;
+		pthread_mutex_unlock(&rep->mu);
+		return;
+	}
 	struct kvr_rep_rec *x = rec_from_msg(m);
 	if (!x) {
 		refused(rep, m->h.replica, KVR_ENOMEM);

@@ -993,7 +993,8 @@ struct kvr_sync_config {
 	 * for the call.  Default "nats://127.0.0.1:4222". */
 	const char *servers;
 	/* Subject prefix shared by the replicas of one cluster: [A-Za-z0-9_-], 1..64 chars.
-	 * Default "kvr". */
+	 * Default "kvr".  The routers of one cluster must use one block_size: a peer's admission
+	 * cut into blocks of another size is not mirrored (kvr_sync_stats.block_size_mismatch). */
 	const char *cluster;
 	/* This replica's id: nonzero, unique in the cluster.  No default (0 is KVR_EINVAL). */
 	uint64_t replica_id;
@@ -1072,6 +1073,11 @@ struct kvr_sync_stats {
 	 * (counted in unpublished too), and own attempts whose end was among them, published as
 	 * aborts once the sender ran again. */
 	uint64_t notes_over_cap, ends_reconciled;
+	/* Peer admissions not mirrored because they show another block size than this router's
+	 * (a known chain of n blocks and t tail tokens that is not n x block_size + t tokens long,
+	 * or a chain longer than its prompt): replicas of one cluster must share block_size.  Not
+	 * counted in refused. */
+	uint64_t block_size_mismatch;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */
