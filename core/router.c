@@ -116,7 +116,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 		return kvr_fail(KVR_ENOMEM, "kvr_router_create: out of memory for the router");
 	kvr_fork_track(r); /* before its threads: a child forked from now on inherits it */
 	r->cfg = *cfg;
-	r->cfg.cpu_list = NULL; /* borrowed for create only: the shard runtime copies it */
+	r->cfg.cpu_list = NULL; /* the router's own copy, below: the caller's is borrowed */
 	r->cfg.n_cpus = 0;
 	r->clock.fn = cfg->now_ns ? clock_guarded : kvr_clock_monotonic;
 	r->clock.ctx = cfg->now_ns ? (void *)r : NULL;
@@ -129,6 +129,14 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	r->live = live_alloc(0);
 	if (!r->ranks || !r->load || !r->prov || !r->live)
 		goto fail;
+	if (cfg->n_cpus) { /* kept for kvr_router_get_config: a router made from it pins alike */
+		int *cpus = kvr_alloc(cfg->n_cpus * sizeof(int));
+		if (!cpus)
+			goto fail;
+		memcpy(cpus, cfg->cpu_list, cfg->n_cpus * sizeof(int));
+		r->cfg.cpu_list = cpus;
+		r->cfg.n_cpus = cfg->n_cpus;
+	}
 	if ((rc = kvr_metrics_create(&r->metrics)))
 		goto fail;
 	if ((rc = kvr_index_create(cfg->max_ranks, &r->index)))
@@ -268,6 +276,8 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_free_aligned(r->ranks, (size_t)r->cfg.max_ranks * sizeof(*r->ranks));
 	kvr_free_aligned(r->load, (size_t)r->cfg.max_ranks * sizeof(*r->load));
 	kvr_free_aligned(r->prov, (size_t)r->cfg.max_ranks * sizeof(*r->prov));
+	if (r->cfg.cpu_list)
+		kvr_free((void *)r->cfg.cpu_list, r->cfg.n_cpus * sizeof(int));
 	pthread_mutex_destroy(&r->admin_lock);
 	pthread_mutex_destroy(&r->feeds_lock);
 	kvr_free_aligned(r, sizeof(*r));

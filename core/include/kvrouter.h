@@ -165,7 +165,8 @@ struct kvr_config {
 	 * threads sharing 2 CPUs' worth of time).  kvr_router_get_config tells the count.
 	 * Max 256. */
 	uint32_t n_shards;
-	/* CPUs to pin shard i to (cpu_list[i % n_cpus]); borrowed, copied at create.
+	/* CPUs to pin shard i to (cpu_list[i % n_cpus]); borrowed, copied at create (the
+	 * copy is what kvr_router_get_config gives back).
 	 * Default NULL = CPUs of the process affinity mask, in order. */
 	const int *cpu_list;
 	size_t n_cpus;
@@ -376,10 +377,10 @@ KVR_API void kvr_router_destroy(struct kvr_router *router);
 /* The router's current time on its clock, ns (0 for router NULL). */
 KVR_API uint64_t kvr_router_now(const struct kvr_router *router);
 
-/* Copies the router's effective configuration (defaults resolved) into *out.  cpu_list comes
- * back NULL and n_cpus 0 (the list is borrowed for the create only): a router created from this
- * copy pins its shards by the default rule, not by the list.  Returns 0 or KVR_EINVAL (router or
- * out NULL). */
+/* Copies the router's effective configuration (defaults resolved) into *out.  cpu_list points
+ * at the router's own copy of the list it was created with (valid until kvr_router_destroy;
+ * NULL and n_cpus 0 when none was given), so a router created from *out pins its shards alike.
+ * Returns 0 or KVR_EINVAL (router or out NULL). */
 KVR_API int kvr_router_get_config(const struct kvr_router *router, struct kvr_config *out);
 
 /* ---------------------------------------------------------------- ranks */

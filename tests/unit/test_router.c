@@ -4,6 +4,7 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
 #include <string.h>
 
@@ -1521,4 +1522,40 @@ Test(router, hot_prefix_burst_stays_until_its_load_outweighs_the_recompute)
 	for (int w = 0; w < 2; w++)
 		cr_assert_eq(stats(r, w).active_blocks, 0);
 	kvr_router_destroy(r);
+}
+
+/* A router made from another's kvr_router_get_config pins its shards to the same CPUs.  Before,
+ * get_config gave cpu_list NULL and n_cpus 0 (the list was borrowed for the create only), so a
+ * configuration read back to make a replacement router (a reload) lost the pinning. */
+Test(router, config_read_back_keeps_the_cpu_list)
+{
+	cpu_set_t set;
+	cr_assert_eq(sched_getaffinity(0, sizeof(set), &set), 0);
+	int cpus[2], n = 0;
+	for (int c = CPU_SETSIZE - 1; c >= 0 && n < 2; c--) /* the mask's last CPUs, reversed */
+		if (CPU_ISSET(c, &set))
+			cpus[n++] = c;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.cpu_list = cpus;
+	c.n_cpus = (size_t)n;
+	c.n_shards = 2;
+	struct kvr_router *a, *b;
+	cr_assert_eq(kvr_router_create(&c, &a), 0, "%s", kvr_last_error());
+	cpus[0] = cpus[1] = -1; /* borrowed for the create only */
+	struct kvr_config got;
+	cr_assert_eq(kvr_router_get_config(a, &got), 0);
+	cr_assert_eq(got.n_cpus, (size_t)n);
+	cr_assert_not_null(got.cpu_list);
+	cr_assert_eq(kvr_router_create(&got, &b), 0, "%s", kvr_last_error());
+	for (uint32_t i = 0; i < 2; i++) {
+		struct kvr_shard_stats sa, sb;
+		kvr_shard_get_stats(kvr_shards_get(a->shards, i), &sa);
+		kvr_shard_get_stats(kvr_shards_get(b->shards, i), &sb);
+		cr_assert_eq(sb.cpu, sa.cpu, "shard %u: cpu %d, the original's %d", i, sb.cpu,
+		             sa.cpu);
+		cr_assert_eq(got.cpu_list[i % (uint32_t)n], sa.cpu);
+	}
+	kvr_router_destroy(b);
+	kvr_router_destroy(a);
 }
