@@ -21,11 +21,11 @@
  *
  * The table: F14-style chunks (folly's F14 hash tables, "F14: a fast, memory-efficient hash
  * table", Bronson and Shi, 2019).  Slots come in chunks of IDX_BLK_CH = 16 entries, one 64-byte
- * line; the home CHUNK is fastrange of the hash's high half, an entry goes to the first chunk
- * with an empty slot on its WALK (home, home + d, home + 2d, ... modulo the number of chunks,
- * which is prime; the step d comes from the entry's tag, F14's double hashing), and each chunk
- * has an overflow byte: how many entries' walks went on past it.  A lookup compares the 16 tags
- * of a chunk at once (SSE2), tries the runs whose tag matches, and stops at the first chunk on
+ * line; the home CHUNK is fastrange of the keyed hash's high half (core/place.h), an entry goes to
+ * the first chunk with an empty slot on its WALK (home, home + d, home + 2d, ... modulo the number
+ * of chunks, which is prime; the step d comes from the entry's tag, F14's double hashing), and each
+ * chunk has an overflow byte: how many entries' walks went on past it.  A lookup compares the 16
+ * tags of a chunk at once (SSE2), tries the runs whose tag matches, and stops at the first chunk on
  * its walk whose overflow is 0.  (The walk was linear, d = 1: its clusters made a put visit 2.07
  * chunks at load 0.81-0.86, 1.57 now; a simulation of both at load 0.85 plus a 0.05 burst, 2.83
  * and 1.90;

@@ -12,6 +12,7 @@
 
 #include "core/alloc.h"
 #include "core/index.h"
+#include "core/place.h"
 #include "kvrouter.h" /* the KVR_E* codes idx_write_begin returns */
 #include "sync/rcu.h"
 
@@ -486,11 +487,12 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 #define IDX_ID_BITS 25
 #define IDX_BLK_CH  16u
 
-/* The home slot of seq in a locator of cap slots (fastrange of the hash's high half); also the
+/* The home slot of seq in a locator of cap slots (fastrange of the keyed hash's high half,
+ * core/place.h); also the
  * home chunk with cap = the number of chunks (the same chunk as the home slot's). */
 static inline uint64_t idx_blk_home(uint64_t seq, uint64_t cap)
 {
-	return ((seq >> 32) * cap) >> 32;
+	return ((kvr_place(seq) >> 32) * cap) >> 32;
 }
 
 /* Bytes of a locator array of cap slots: the entries, then one overflow byte per chunk. */
@@ -547,7 +549,7 @@ static inline uintptr_t idx_tab_code(uint64_t cap)
 
 static inline uint64_t idx_tab_home(uint64_t seq, uint64_t cap)
 {
-	return ((seq * 0x9e3779b97f4a7c15ull) >> 32) * cap >> 32;
+	return (kvr_place(seq) >> 32) * cap >> 32;
 }
 
 /* One of IDX_SEGS open-addressing tables; the segment is seq's top bits.  Writers use tab (under
@@ -798,7 +800,7 @@ extern uint64_t kvr_index_blk_grow_to;
 extern uint64_t kvr_index_xmap_grow_to;
 static inline uint64_t idx_xhome(const struct idx_xmap *m, uint64_t key)
 {
-	return ((key * 0x9e3779b97f4a7c15ull) >> 32) * m->cap >> 32;
+	return (kvr_place(key) >> 32) * m->cap >> 32;
 }
 
 /* How far slot i is from key's home (probing wraps around). */

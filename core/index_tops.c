@@ -52,7 +52,7 @@
 
 static inline uint64_t t_mix(uint64_t seq)
 {
-	return seq * 0x9e3779b97f4a7c15ull;
+	return kvr_place(seq);
 }
 
 static inline uint32_t t_home(uint64_t seq, uint32_t cap)

@@ -139,7 +139,7 @@ static inline uint64_t *seq_of(const struct kvr_lru *lru, const struct seg *g)
 static inline size_t kvr_lru_heads_home(const struct kvr_lru_heads *m, uint64_t h)
 {
 	h ^= h >> 29;
-	return (size_t)((h * 0x9E3779B97F4A7C15ull) >> m->shift);
+	return (size_t)(kvr_place(h) >> m->shift);
 }
 /* The head hash of segment i. */
 static inline uint64_t kvr_lru_head_hash(const struct kvr_lru *lru, uint32_t i)

@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/place.h"
 #include "kvrouter.h"
 #include "shards/chain.h"
 
@@ -65,7 +66,7 @@ struct kvr_pinmap {
 static inline uint64_t home(uint64_t h)
 {
 	h ^= h >> 29;
-	return h * 0x9E3779B97F4A7C15ull >> 17;
+	return kvr_place(h) >> 17;
 }
 
 static size_t tab_bytes(uint64_t cap)

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "core/alloc.h"
+#include "core/place.h"
 #include "kvrouter.h"
 
 #define KVR_U64MAP_EMPTY UINT32_MAX
@@ -53,11 +54,12 @@ static inline void kvr_u64map_fini(struct kvr_u64map *m)
 	kvr_u64map_init(m);
 }
 
-/* Fibonacci hashing after a fold: the keys are often XXH3 outputs, but tests use 1, 2, 3. */
+/* Multiply-shift by the process's placement key (core/place.h: the keys are often block hashes
+ * a prompt chooses) after a fold (tests use 1, 2, 3). */
 static inline size_t kvr_u64map_home(const struct kvr_u64map *m, uint64_t key)
 {
 	key ^= key >> 29;
-	return (size_t)((key * 0x9E3779B97F4A7C15ull) >> m->shift);
+	return (size_t)(kvr_place(key) >> m->shift);
 }
 
 /* The slot of key (its value and spare word), or NULL.  Valid until the next insert, remove or

@@ -197,8 +197,7 @@ static void check_tops(struct kvr_index *idx, unsigned seed, int step)
 			kvr_index_tops_key(h, &k);
 			cr_assert((e & 1) ? k.has_lo : k.has_top, "seed=%u step=%d: a stale entry",
 			          seed, step);
-			const uint64_t key = (e & 1) ? k.lo : k.top,
-			               mix = key * 0x9e3779b97f4a7c15ull;
+			const uint64_t key = (e & 1) ? k.lo : k.top, mix = kvr_place(key);
 			cr_assert_eq(e >> 48, (mix >> 16) & 0xffff, "seed=%u step=%d: a stale key",
 			             seed, step);
 			uint32_t x = (uint32_t)(((mix >> 32) * m->cap) >> 32);
