@@ -141,14 +141,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	struct kvr_sync_stats st;
 	if (getenv("FUZZ_REPLICA_APPLY_TRACE")) { /* what the input did, for writing corpora */
 		kvr_replica_get_stats(rep, &st);
-		fprintf(stderr,
-		        "applied %lu dropped %lu refused %lu orphans %lu gaps %lu duplicates %lu "
-		        "snapshots %lu released %lu mirrored %u output_dropped %lu\n",
-		        (unsigned long)st.applied, (unsigned long)st.dropped,
-		        (unsigned long)st.refused, (unsigned long)st.orphans,
-		        (unsigned long)st.gaps, (unsigned long)st.duplicates,
-		        (unsigned long)st.snapshots_applied, (unsigned long)st.released,
-		        st.mirrored, (unsigned long)st.output_dropped);
+		fprintf(
+		    stderr,
+		    "applied %lu dropped %lu refused %lu orphans %lu gaps %lu duplicates %lu "
+		    "snapshots %lu released %lu mirrored %u output_dropped %lu "
+		    "block_size_mismatch %lu\n",
+		    (unsigned long)st.applied, (unsigned long)st.dropped, (unsigned long)st.refused,
+		    (unsigned long)st.orphans, (unsigned long)st.gaps, (unsigned long)st.duplicates,
+		    (unsigned long)st.snapshots_applied, (unsigned long)st.released, st.mirrored,
+		    (unsigned long)st.output_dropped, (unsigned long)st.block_size_mismatch);
 	}
 	kvr_rep_release_mirrors(rep, 0);
 	kvr_replica_get_stats(rep, &st);

@@ -9,8 +9,13 @@ import os, struct, sys
 def msg(t, body, replica=7, epoch=99, seq=1, version=2):
     return struct.pack('<HBBIQQQ', 0x534b, version, t, len(body), replica, epoch, seq) + body
 
-def admit(t=1, flags=1, n=3, tail=2, nout=0, seq=1, attempt=0x10001, worker=5, replica=7, base=0x1111):
-    body = struct.pack('<QIIQQQQIIIIII', worker, 0, flags, 1, attempt, 100, 1337, 1, 64, n, tail, nout, 0)
+def admit(t=1, flags=1, n=3, tail=2, nout=0, seq=1, attempt=0x10001, worker=5, replica=7, base=0x1111,
+          prompt=None):
+    """An ADMIT (t=1) or ATTEMPT (t=12); prompt_tokens defaults to n blocks of 16 tokens and the
+    tail, as a peer with the fuzz router's block size sends (one of another size is not booked)."""
+    if prompt is None:
+        prompt = n * 16 + tail
+    body = struct.pack('<QIIQQQQIIIIII', worker, 0, flags, 1, attempt, prompt, 1337, 1, 64, n, tail, nout, 0)
     body += b''.join(struct.pack('<Q', base * (i + 1)) for i in range(n))
     body += b''.join(struct.pack('<I', 40 + i) for i in range(tail))
     body += b''.join(struct.pack('<I', 90 + i) for i in range(nout))
