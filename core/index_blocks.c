@@ -421,13 +421,13 @@ bool kvr_index_blk_clash(const struct kvr_index *idx, const struct idx_run *r)
 }
 
 /* Puts entry v for seq into e (cap slots, one free at least): the first empty slot of the first
- * chunk from seq's home that has one, counting the chunks passed as overflowed. */
-static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
+ * chunk from seq's home chunk (home) that has one, counting the chunks passed as overflowed. */
+static void put_at(uint32_t *e, uint64_t cap, uint64_t home, uint64_t seq, uint32_t v)
 {
 	const uint64_t nch = cap / IDX_BLK_CH;
 	uint8_t *ovf = blk_ovf(e, cap);
 	const uint64_t d = blk_step(seq, nch);
-	for (uint64_t c = idx_blk_home(seq, nch);; c = blk_next(c, d, nch)) {
+	for (uint64_t c = home;; c = blk_next(c, d, nch)) {
 		uint32_t *ch = e + c * IDX_BLK_CH;
 		const uint32_t m = chunk_eq(ch, ~0u, BLK_EMPTY);
 		if (m) {
@@ -439,19 +439,30 @@ static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
 	}
 }
 
+static void put(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
+{
+	put_at(e, cap, idx_blk_home(seq, cap / IDX_BLK_CH), seq, v);
+}
+
 /* put() of seq[0..k) for run id, the home chunks prefetched a few blocks ahead: they are random
  * lines of a table much larger than the caches (a store's new blocks, a run moved by a
- * migration). */
+ * migration).  Each home is computed once, with the key read once (core/place.h). */
 static void put_many(uint32_t *e, uint64_t cap, const uint64_t *seq, size_t k, uint32_t id)
 {
-	enum { AHEAD = 6 };
-	const uint64_t nch = cap / IDX_BLK_CH;
-	for (size_t j = 0; j < k && j < AHEAD; j++)
-		__builtin_prefetch(e + idx_blk_home(seq[j], nch) * IDX_BLK_CH, 1);
+	enum { AHEAD = 6, RING = 8 };
+	const uint64_t nch = cap / IDX_BLK_CH, key = kvr_place_key();
+	uint64_t home[RING];
+	for (size_t j = 0; j < k && j < AHEAD; j++) {
+		home[j] = idx_blk_home_k(seq[j], nch, key);
+		__builtin_prefetch(e + home[j] * IDX_BLK_CH, 1);
+	}
 	for (size_t j = 0; j < k; j++) {
-		if (j + AHEAD < k)
-			__builtin_prefetch(e + idx_blk_home(seq[j + AHEAD], nch) * IDX_BLK_CH, 1);
-		put(e, cap, seq[j], blk_ent(seq[j], id));
+		if (j + AHEAD < k) {
+			const uint64_t h = idx_blk_home_k(seq[j + AHEAD], nch, key);
+			home[(j + AHEAD) % RING] = h;
+			__builtin_prefetch(e + h * IDX_BLK_CH, 1);
+		}
+		put_at(e, cap, home[j % RING], seq[j], blk_ent(seq[j], id));
 	}
 }
 
@@ -462,10 +473,9 @@ static void put_many(uint32_t *e, uint64_t cap, const uint64_t *seq, size_t k, u
  * come out exact when the walks do not wrap around the whole array, too high (lookups walk a
  * little further, harmless) when they do: a walk never passes the first equal entry, so no
  * count ends below what the entries left need. */
-static bool del(uint32_t *e, uint64_t cap, uint64_t seq, uint32_t v)
+static bool del(uint32_t *e, uint64_t cap, uint64_t home, uint64_t seq, uint32_t v)
 {
-	const uint64_t nch = cap / IDX_BLK_CH, home = idx_blk_home(seq, nch),
-	               d = blk_step(seq, nch);
+	const uint64_t nch = cap / IDX_BLK_CH, d = blk_step(seq, nch);
 	uint8_t *ovf = blk_ovf(e, cap);
 	uint64_t c = home;
 	for (uint64_t n = 0;; n++, c = blk_next(c, d, nch)) {
@@ -720,11 +730,20 @@ void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r)
 	const uint64_t cap = old ? b->old_cap : b->cap;
 	const uint64_t *s = idx_run_seqs(r);
 	uint64_t n = 0;
-	const uint64_t nch = cap / IDX_BLK_CH;
+	enum { AHEAD = 6, RING = 8 };
+	const uint64_t nch = cap / IDX_BLK_CH, key = kvr_place_key();
+	uint64_t home[RING];
+	for (uint32_t p = 1; p < hw && p <= AHEAD; p++) {
+		home[p % RING] = idx_blk_home_k(s[p], nch, key);
+		__builtin_prefetch(e + home[p % RING] * IDX_BLK_CH, 1);
+	}
 	for (uint32_t p = 1; p < hw; p++) {
-		if (p + 6 < hw) /* random lines, as in put_many */
-			__builtin_prefetch(e + idx_blk_home(s[p + 6], nch) * IDX_BLK_CH, 1);
-		n += del(e, cap, s[p], blk_ent(s[p], id));
+		if (p + AHEAD < hw) { /* random lines, as in put_many */
+			const uint64_t h = idx_blk_home_k(s[p + AHEAD], nch, key);
+			home[(p + AHEAD) % RING] = h;
+			__builtin_prefetch(e + h * IDX_BLK_CH, 1);
+		}
+		n += del(e, cap, home[p % RING], s[p], blk_ent(s[p], id));
 	}
 	if (old) {
 		b->old_count -= n;

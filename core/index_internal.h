@@ -490,9 +490,14 @@ static inline struct idx_run *idx_ent_run(uint64_t e)
 /* The home slot of seq in a locator of cap slots (fastrange of the keyed hash's high half,
  * core/place.h); also the
  * home chunk with cap = the number of chunks (the same chunk as the home slot's). */
+static inline uint64_t idx_blk_home_k(uint64_t seq, uint64_t cap, uint64_t key)
+{
+	return ((kvr_place_k(seq, key) >> 32) * cap) >> 32;
+}
+
 static inline uint64_t idx_blk_home(uint64_t seq, uint64_t cap)
 {
-	return ((kvr_place(seq) >> 32) * cap) >> 32;
+	return idx_blk_home_k(seq, cap, kvr_place_key());
 }
 
 /* Bytes of a locator array of cap slots: the entries, then one overflow byte per chunk. */

@@ -226,6 +226,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 	uint32_t p = 0;
 	struct idx_hold *h = NULL; /* slot's record of R (cached) */
 	uint64_t pseq = 0, prev = 0;
+	const uint64_t key = kvr_place_key(); /* the prefetches' homes, below */
 	bool has_prev = parent_ext != NULL;
 	if (has_prev) {
 		prev = *parent_ext;
@@ -282,7 +283,8 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 		}
 		const uint64_t e = blocks[i].ext_hash, s = seq[i];
 		if (i + 8 < n && idx->blk.e)
-			__builtin_prefetch(&idx->blk.e[idx_blk_home(seq[i + 8], idx->blk.cap)]);
+			__builtin_prefetch(
+			    &idx->blk.e[idx_blk_home_k(seq[i + 8], idx->blk.cap, key)]);
 		if (has_prev && e == prev) {
 			rc = KVR_EINVAL; /* self-parent */
 			break;

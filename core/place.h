@@ -39,4 +39,11 @@ static inline uint64_t kvr_place(uint64_t h)
 	return h * kvr_place_key();
 }
 
+/* kvr_place with the key read once by the caller: loops over many hashes hoist it themselves
+ * (a compiler keeps an atomic load inside the loop). */
+static inline uint64_t kvr_place_k(uint64_t h, uint64_t key)
+{
+	return h * key;
+}
+
 #endif
