@@ -52,14 +52,33 @@ static void route_hashes(struct kvr_router *r, uint32_t seed, size_t n, size_t n
 	cr_assert_eq(kvr_route(r, &q, &d), 0);
 }
 
+/* Replicas 1 and 2 on an emptied bus, their routers (block sizes bs0, bs1) in r. */
+static void pair(struct kvr_router **r, uint32_t bs0, uint32_t bs1)
+{
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = make_bs(bs0);
+	bus_attach(0, r[0]);
+	r[1] = make_bs(bs1);
+	bus_attach(1, r[1]);
+}
+
+/* r's active blocks and predicted blocks over both ranks. */
+static void totals(struct kvr_router *r, uint64_t *active, size_t *blocks)
+{
+	*active = 0;
+	*blocks = 0;
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats rs;
+		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &rs), 0);
+		*active += rs.active_blocks;
+		*blocks += n_blocks(r, (struct kvr_rank_id){w, 0});
+	}
+}
+
 Test(replica_geometry, a_peer_with_another_block_size_is_not_mirrored, .timeout = 60)
 {
 	struct kvr_router *r[2];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = make_bs(16);
-	bus_attach(0, r[0]);
-	r[1] = make_bs(5);
-	bus_attach(1, r[1]);
+	pair(r, 16, 5);
 
 	/* Token prompts of 20..210 tokens, every one with a block under either size; then hash
 	 * prompts whose chain the sender did not know (n_tokens not a multiple): 16 x 8 blocks
@@ -68,14 +87,9 @@ Test(replica_geometry, a_peer_with_another_block_size_is_not_mirrored, .timeout 
 		bus_route(r[1], 200 + k, 20 + 10 * k);
 	route_hashes(r[1], 300, 45, 8);
 	bus_quiet(r, 2);
-	uint64_t own_active = 0;
-	size_t own_blocks = 0;
-	for (uint64_t w = 0; w < 2; w++) {
-		struct kvr_rank_stats rs;
-		cr_assert_eq(kvr_rank_get_stats(r[1], (struct kvr_rank_id){w, 0}, &rs), 0);
-		own_active += rs.active_blocks;
-		own_blocks += n_blocks(r[1], (struct kvr_rank_id){w, 0});
-	}
+	uint64_t own_active, active;
+	size_t own_blocks, blocks;
+	totals(r[1], &own_active, &own_blocks);
 	for (uint32_t k = 0; k < 20; k++)
 		bus_route(r[0], 100 + k, 20 + 10 * k);
 	bus_quiet(r, 2);
@@ -93,14 +107,7 @@ Test(replica_geometry, a_peer_with_another_block_size_is_not_mirrored, .timeout 
 	cr_assert_eq(s1.refused, 0);
 	/* Nothing of the other geometry was booked: replica 2's load and predictions are its
 	 * own. */
-	uint64_t active = 0;
-	size_t blocks = 0;
-	for (uint64_t w = 0; w < 2; w++) {
-		struct kvr_rank_stats rs;
-		cr_assert_eq(kvr_rank_get_stats(r[1], (struct kvr_rank_id){w, 0}, &rs), 0);
-		active += rs.active_blocks;
-		blocks += n_blocks(r[1], (struct kvr_rank_id){w, 0});
-	}
+	totals(r[1], &active, &blocks);
 	cr_assert_eq(active, own_active, "active blocks %lu, its own %lu", (unsigned long)active,
 	             (unsigned long)own_active);
 	cr_assert_eq(blocks, own_blocks, "predicted blocks %zu, its own %zu", blocks, own_blocks);
@@ -116,11 +123,7 @@ Test(replica_geometry, a_peer_with_another_block_size_is_not_mirrored, .timeout 
 Test(replica_geometry, peers_with_the_same_block_size_mirror_everything, .timeout = 60)
 {
 	struct kvr_router *r[2];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	r[0] = make_bs(5);
-	bus_attach(0, r[0]);
-	r[1] = make_bs(5);
-	bus_attach(1, r[1]);
+	pair(r, 5, 5);
 	for (uint32_t k = 0; k < 20; k++)
 		bus_route(r[0], 100 + k, 20 + 10 * k);
 	route_hashes(r[0], 300, 45, 8); /* unknown chain, 40 <= 45 tokens: fits */
