@@ -32,6 +32,7 @@
 #include "sync/replica_config.h"
 #include "sync/replica_internal.h"
 #include "sync/replica_msg.h"
+#include "sync/nats_cloexec.h"
 #include "sync/nocancel.h"
 #include "sync/thread.h"
 
@@ -95,8 +96,8 @@ static void on_closed(natsConnection *nc, void *closure)
 
 static void on_reconnected(natsConnection *nc, void *closure)
 {
-	(void)nc;
 	struct kvr_sync *s = closure;
+	kvr_nats_cloexec(nc); /* a new socket, opened as the first without FD_CLOEXEC */
 	if (s->rep)
 		kvr_replica_reconnected(s->rep);
 }
@@ -390,6 +391,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	st = natsConnection_Connect(&s->nc, o);
 	natsOptions_Destroy(o);
 	bool connected = st == NATS_OK;
+	if (connected)
+		kvr_nats_cloexec(s->nc); /* before a program the host spawns can inherit it */
 	if (st == NATS_OK)
 		st = natsConnection_Subscribe(&s->stream_sub, s->nc, s->subj_stream, on_stream, s);
 	if (st == NATS_OK)

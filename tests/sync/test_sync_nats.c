@@ -20,7 +20,8 @@
  *  2b. a replica's lease reaper expires its idle attempts: its peers release their mirrors at
  *     once (told, as for an abort), and a replica attached afterwards does not mirror them.
  *  3. nats-server is stopped and restarted mid-stream: no crash, the counters show the outage
- *     (disconnects, reconnects, unpublished), and loads and predictions agree again.
+ *     (disconnects, reconnects, unpublished), and loads and predictions agree again; the new
+ *     connections' sockets have FD_CLOEXEC as the first ones (test 11).
  *  4. stage tracing (sync/replica_trace.h, what bench_sync --stages reads): with replica A
  *     traced, each of A's admissions carries all six stamps, in pipeline order; untraced ones
  *     carry none.
@@ -45,17 +46,27 @@
  *     while a peer that never answers is asked returns without waiting the wait out (it sat
  *     out the whole snapshot_timeout_ms).  snapshot_timeout_ms is 20 s here; each call must
  *     return within 8.
+ * 11. a program the host spawns while a replica is attached (system, posix_spawn) does not keep
+ *     the replica's server connection: a replica process spawns `sleep 30` and dies of SIGKILL;
+ *     a replica attached afterwards in its cluster is ready at once (no one answers for the dead
+ *     one).  Before, nats.c's sockets had no FD_CLOEXEC: the sleep held the dead replica's
+ *     connection, its snapshot subscription with it, the server kept routing snapshot requests
+ *     there and the new replica waited the whole snapshot_timeout_ms (20 s here; the check
+ *     allows 8).  Also: an attach leaves no socket without FD_CLOEXEC in this process.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -92,6 +103,24 @@ static void sleep_ms(unsigned ms)
 {
 	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
 	nanosleep(&ts, NULL);
+}
+
+/* Sockets of this process without FD_CLOEXEC. */
+static int sockets_inherited(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	if (!d)
+		return -1;
+	int n = 0;
+	for (struct dirent *e; (e = readdir(d));) {
+		int fd = atoi(e->d_name);
+		struct stat sb;
+		if (e->d_name[0] != '.' && fd != dirfd(d) && fstat(fd, &sb) == 0 &&
+		    S_ISSOCK(sb.st_mode) && !(fcntl(fd, F_GETFD) & FD_CLOEXEC))
+			n++;
+	}
+	closedir(d);
+	return n;
 }
 
 /* ---------------------------------------------------------------- replicas */
@@ -990,6 +1019,7 @@ static void test_expire(void)
 static void test_outage(void)
 {
 	struct replica xs[3] = {0};
+	int inherited = sockets_inherited();
 	for (int i = 0; i < 3; i++) {
 		xs[i].r = make_router();
 		CHECK(attach(&xs[i], (uint64_t)i + 21) == 0, "attach %d", i);
@@ -1013,6 +1043,10 @@ static void test_outage(void)
 	}
 	stream(xs, 3, 300);
 	CHECK(quiet(xs, 3) == 0, "quiet after the outage");
+	CHECK(
+	    sockets_inherited() == inherited,
+	    "the reconnected sockets lack FD_CLOEXEC (%d sockets more a spawned program inherits)",
+	    sockets_inherited() - inherited);
 	for (int i = 0; i < 3; i++) {
 		struct kvr_sync_stats s;
 		kvr_sync_get_stats(xs[i].s, &s);
@@ -1524,8 +1558,93 @@ static void test_snapshot_wait(void)
 	       ready_ms, took[0], took[1]);
 }
 
+extern char **environ;
+
+/* The replica process of test_spawn (test_sync_nats --spawn-victim URL): attaches alone in
+ * cluster "spawn", spawns `sleep 30` as a host would run a program, prints its pid and dies. */
+static int spawn_victim(const char *url)
+{
+	struct kvr_router *r = make_router();
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = url;
+	c.cluster = "spawn";
+	c.replica_id = 7;
+	struct kvr_sync *s = NULL;
+	if (!r || kvr_sync_attach(r, &c, &s) != 0 || kvr_sync_wait_ready(s, 8000) != 0)
+		return 1;
+	pid_t kid;
+	char *av[] = {"sleep", "30", NULL};
+	if (posix_spawnp(&kid, "sleep", NULL, NULL, av, environ) != 0)
+		return 1;
+	printf("%d\n", (int)kid);
+	fflush(stdout);
+	raise(SIGKILL);
+	return 1;
+}
+
+static void test_spawn(void)
+{
+	int before = sockets_inherited();
+	struct kvr_router *r = make_router();
+	struct kvr_sync *s = NULL;
+	CHECK(r && attach_slow_snapshots(r, "spawn-self", &s) == 0, "attach");
+	int after = sockets_inherited();
+	CHECK(after == before, "the attach left %d sockets a spawned program inherits",
+	      after - before);
+	kvr_sync_detach(s);
+	kvr_router_destroy(r);
+
+	int p[2];
+	CHECK(pipe(p) == 0, "pipe");
+	posix_spawn_file_actions_t fa;
+	posix_spawn_file_actions_init(&fa);
+	posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+	posix_spawn_file_actions_addclose(&fa, p[0]);
+	char *av[] = {"test_sync_nats", "--spawn-victim", (char *)kvr_test_nats_url(), NULL};
+	pid_t victim;
+	int rc = posix_spawn(&victim, "/proc/self/exe", &fa, NULL, av, environ);
+	posix_spawn_file_actions_destroy(&fa);
+	close(p[1]);
+	CHECK(rc == 0, "spawn the replica process: %s", strerror(rc));
+	if (rc) {
+		close(p[0]);
+		return;
+	}
+	FILE *f = fdopen(p[0], "r");
+	int kid = 0;
+	bool got = f && fscanf(f, "%d", &kid) == 1 && kid > 0;
+	if (f)
+		fclose(f);
+	int ws = 0;
+	waitpid(victim, &ws, 0);
+	CHECK(got && WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL,
+	      "the replica process spawned its program and died (status %#x)", ws);
+	if (!got)
+		return;
+	r = make_router();
+	s = NULL;
+	double took = -1;
+	CHECK(r && attach_slow_snapshots(r, "spawn", &s) == 0, "attach after the dead one");
+	if (s) {
+		double t0 = mono_ms();
+		rc = kvr_sync_wait_ready(s, 8000);
+		took = mono_ms() - t0;
+		CHECK(rc == 0, "not ready after 8 s beside the dead replica's spawned program: %s",
+		      kvr_strerror(rc));
+		kvr_sync_detach(s);
+	}
+	kvr_router_destroy(r);
+	kill(kid, SIGKILL);
+	printf("spawn: %d sockets inherited after an attach; ready beside a dead replica's spawned "
+	       "program in %.1f ms\n",
+	       after - before, took);
+}
+
 int main(int argc, char **argv)
 {
+	if (argc > 2 && strcmp(argv[1], "--spawn-victim") == 0)
+		return spawn_victim(argv[2]);
 	if (argc > 1)
 		rng = strtoull(argv[1], NULL, 0) | 1;
 	if (argc > 2)
@@ -1568,6 +1687,7 @@ int main(int argc, char **argv)
 	RUN(signals);
 	RUN(router_first);
 	RUN(snapshot_wait);
+	RUN(spawn);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
