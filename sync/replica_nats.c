@@ -7,6 +7,9 @@
  *              One subject, so NATS's per-publisher order covers everything one replica sends.
  *   C.snap     snapshot requests, a queue group ("kvr-snap") of the replicas that are ready:
  *              exactly one of them answers, with chunks sent to the requester's inbox.
+ *   C.id.N     replica N answers every request here: an attach asks it first (id_check), so a
+ *              second replica under an id in use is refused instead of joining the cluster
+ *              as a forger of the first's messages.
  * The connection uses no echo (a replica never hears itself: a message with our id is forged),
  * unlimited reconnects every 100 ms, and a 1 s ping so a dead server is noticed quickly.  nats.c
  * buffers publishes made while reconnecting; the core does not rely on that (it stops publishing
@@ -39,8 +42,8 @@
 struct kvr_sync {
 	struct kvr_replica *rep;
 	natsConnection *nc;
-	natsSubscription *stream_sub, *snap_sub;
-	char subj_stream[96], subj_snap[96];
+	natsSubscription *stream_sub, *snap_sub, *id_sub;
+	char subj_stream[96], subj_snap[96], subj_id[96];
 	/* nats.c delivers connection callbacks on its own thread, in order, the closed callback
 	 * last, and natsConnection_Destroy does not wait for them: detach waits for `closed` before
 	 * it frees what the callbacks touch (ASan found on_disconnected reading freed memory). */
@@ -73,6 +76,17 @@ static void on_snapreq(natsConnection *nc, natsSubscription *sub, natsMsg *msg, 
 	if (reply)
 		kvr_replica_deliver(s->rep, natsMsg_GetData(msg),
 		                    (size_t)natsMsg_GetDataLength(msg), reply);
+	natsMsg_Destroy(msg);
+}
+
+/* "Replica N is here": any answer will do, the asker only looks at whether one came. */
+static void on_idreq(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
+{
+	(void)sub;
+	(void)closure;
+	const char *reply = natsMsg_GetReply(msg);
+	if (reply)
+		natsConnection_Publish(nc, reply, "", 0);
 	natsMsg_Destroy(msg);
 }
 
@@ -241,6 +255,8 @@ static void sync_free(struct kvr_sync *s)
 		natsSubscription_Destroy(s->snap_sub);
 	if (s->stream_sub)
 		natsSubscription_Destroy(s->stream_sub);
+	if (s->id_sub)
+		natsSubscription_Destroy(s->id_sub);
 	if (s->nc) {
 		natsConnection_Close(s->nc);
 		/* Bounded: a closed callback that never comes must not hang the caller. */
@@ -256,6 +272,35 @@ static void sync_free(struct kvr_sync *s)
 	pthread_cond_destroy(&s->cv);
 	pthread_mutex_destroy(&s->mu);
 	kvr_free(s, sizeof(*s));
+}
+
+/* Whether another connection holds C.id.N (our own does not hear itself: no echo).  Asked once
+ * our subscription is on the server, so of two replicas attaching under one id at once each sees
+ * the other (both are refused) rather than neither.  The server says "no responders" at once when
+ * nobody holds it; a holder that does not answer within two tries of 1 s (a stopped process whose
+ * connection the server has not dropped yet) holds it all the same.  A server without headers
+ * cannot say "no responders": there silence is no holder. */
+static natsStatus id_check(struct kvr_sync *s, bool *taken, bool *answered)
+{
+	*taken = *answered = false;
+	for (int t = 0; t < 2; t++) {
+		natsMsg *m = NULL;
+		natsStatus st = natsConnection_Request(&m, s->nc, s->subj_id, "", 0, 1000);
+		if (st == NATS_NO_RESPONDERS) {
+			*taken = false; /* the holder that did not answer has gone */
+			return NATS_OK;
+		}
+		if (st == NATS_TIMEOUT) {
+			*taken = natsConnection_HasHeaderSupport(s->nc) == NATS_OK;
+			continue;
+		}
+		if (st != NATS_OK)
+			return st;
+		*taken = *answered = !natsMsg_IsNoResponders(m);
+		natsMsg_Destroy(m);
+		return NATS_OK;
+	}
+	return NATS_OK;
 }
 
 /* Whether the process is out of file descriptors (its RLIMIT_NOFILE, or the system's): nats.c
@@ -294,6 +339,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	kvr_cond_init(&s->cv);
 	snprintf(s->subj_stream, sizeof(s->subj_stream), "%s.stream", c->cluster);
 	snprintf(s->subj_snap, sizeof(s->subj_snap), "%s.snap", c->cluster);
+	snprintf(s->subj_id, sizeof(s->subj_id), "%s.id.%llu", c->cluster,
+	         (unsigned long long)c->replica_id);
 	struct kvr_replica_config rc = {
 	    .replica_id = c->replica_id,
 	    .heartbeat_ms = c->heartbeat_ms,
@@ -394,11 +441,16 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	if (connected)
 		kvr_nats_cloexec(s->nc); /* before a program the host spawns can inherit it */
 	if (st == NATS_OK)
+		st = natsConnection_Subscribe(&s->id_sub, s->nc, s->subj_id, on_idreq, NULL);
+	if (st == NATS_OK)
 		st = natsConnection_Subscribe(&s->stream_sub, s->nc, s->subj_stream, on_stream, s);
 	if (st == NATS_OK)
 		natsSubscription_SetPendingLimits(s->stream_sub, 1 << 22, 1 << 30);
 	if (st == NATS_OK)
 		st = natsConnection_FlushTimeout(s->nc, 2000); /* the server has our subscription */
+	bool taken = false, answered = false;
+	if (st == NATS_OK)
+		st = id_check(s, &taken, &answered);
 	kvr_thread_restore_signals(&sigs);
 	if (!connected) {
 		s->nc = NULL;
@@ -418,6 +470,16 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		sync_free(s);
 		return kvr_fail(KVR_ETIMEDOUT, "%s: subscribing to \"%s.stream\" on NATS: %s", fn,
 		                c->cluster, natsStatus_GetText(st));
+	}
+	if (taken) {
+		sync_free(s);
+		return kvr_fail(KVR_EEXIST,
+		                "%s: replica id %llu is in use in cluster \"%s\" (%s): ids must be "
+		                "unique in a cluster",
+		                fn, (unsigned long long)c->replica_id, c->cluster,
+		                answered
+		                    ? "a replica attached under it answered"
+		                    : "a connection holds its subject and did not answer in 2 s");
 	}
 	if ((ret = kvr_replica_start(s->rep))) {
 		sync_free(s);

@@ -997,7 +997,8 @@ struct kvr_sync_config {
 	 * Default "kvr".  The routers of one cluster must use one block_size: a peer's admission
 	 * cut into blocks of another size is not mirrored (kvr_sync_stats.block_size_mismatch). */
 	const char *cluster;
-	/* This replica's id: nonzero, unique in the cluster.  No default (0 is KVR_EINVAL). */
+	/* This replica's id: nonzero, unique in the cluster (kvr_sync_attach refuses one in use:
+	 * KVR_EEXIST).  No default (0 is KVR_EINVAL). */
 	uint64_t replica_id;
 	/* Credentials and TLS, passed to nats.c unchanged; NULL = not used. */
 	const char *user, *password, *token;
@@ -1089,12 +1090,15 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * added are announced; a live peer's snapshot is asked for in the background
  * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
  * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config), KVR_EBUSY (already attached),
- * KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was left for
- * the connection), KVR_ETIMEDOUT (no server reachable),
+ * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
+ * holding that id's subject did not answer for 2 s; two attaching under one id at once may both
+ * get it), KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was
+ * left for the connection), KVR_ETIMEDOUT (no server reachable),
  * KVR_ENOTSUP (built without the `nats` feature); *out is NULL after any failure. Context: any
  * thread.  The calling thread's asynchronous signals are held (blocked, then delivered) while
- * nats.c connects, subscribes and flushes, at most ~4 s, and in kvr_sync_detach while it
- * closes: nats.c takes an interrupted system call for a broken connection.
+ * nats.c connects, subscribes, flushes and asks who holds the id, at most ~6 s, and in
+ * kvr_sync_detach while it closes: nats.c takes an interrupted system call for a broken
+ * connection.
  */
 KVR_API int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c,
                             struct kvr_sync **out);

@@ -53,6 +53,12 @@
  *     connection, its snapshot subscription with it, the server kept routing snapshot requests
  *     there and the new replica waited the whole snapshot_timeout_ms (20 s here; the check
  *     allows 8).  Also: an attach leaves no socket without FD_CLOEXEC in this process.
+ * 12. a replica id already in use in the cluster: kvr_sync_attach returns KVR_EEXIST naming it
+ *     (the holder answers on C.id.<id>), *out NULL, nothing left behind; a connection holding
+ *     the id's subject that does not answer counts as a holder; the same id in another cluster,
+ *     or once the holder detached, attaches.  Before, both attached and each dropped the
+ *     other's messages as forged, and a third replica took the two streams for one peer's
+ *     (its mirrored attempts and loads wrong, a detach of one releasing the other's).
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
@@ -103,6 +109,16 @@ static void sleep_ms(unsigned ms)
 {
 	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
 	nanosleep(&ts, NULL);
+}
+
+static int attach_id(struct kvr_router *r, const char *cluster, uint64_t id, struct kvr_sync **s)
+{
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = cluster;
+	c.replica_id = id;
+	return kvr_sync_attach(r, &c, s);
 }
 
 /* Sockets of this process without FD_CLOEXEC. */
@@ -1558,6 +1574,47 @@ static void test_snapshot_wait(void)
 	       ready_ms, took[0], took[1]);
 }
 
+static void test_dup_id(void)
+{
+	struct kvr_router *a = make_router(), *b = make_router();
+	struct kvr_sync *sa = NULL, *sb = (struct kvr_sync *)1;
+	CHECK(a && b && attach_id(a, "dupid", 5, &sa) == 0, "attach the first replica 5");
+	int rc = attach_id(b, "dupid", 5, &sb);
+	CHECK(rc == KVR_EEXIST && sb == NULL, "a second replica 5 in the cluster: %s (%s)",
+	      kvr_strerror(rc), kvr_last_error());
+	CHECK(rc != KVR_EEXIST || strstr(kvr_last_error(), "5"), "the detail names the id: %s",
+	      kvr_last_error());
+	if (rc == 0)
+		kvr_sync_detach(sb);
+	sb = NULL;
+	CHECK(attach_id(b, "dupid2", 5, &sb) == 0, "replica 5 in another cluster");
+	kvr_sync_detach(sb);
+	sb = NULL;
+	kvr_sync_detach(sa);
+	CHECK(attach_id(b, "dupid", 5, &sb) == 0, "replica 5 again once the first detached");
+	kvr_sync_detach(sb);
+	/* A connection that holds the id's subject and never answers. */
+	natsConnection *nc = NULL;
+	natsSubscription *mute = NULL;
+	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
+	          natsConnection_SubscribeSync(&mute, nc, "dupid.id.9") == NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "the mute holder");
+	sb = NULL;
+	double t0 = mono_ms();
+	rc = attach_id(b, "dupid", 9, &sb);
+	double took = mono_ms() - t0;
+	CHECK(rc == KVR_EEXIST && sb == NULL, "replica 9 beside a mute holder: %s",
+	      kvr_strerror(rc));
+	if (rc == 0)
+		kvr_sync_detach(sb);
+	natsSubscription_Destroy(mute);
+	natsConnection_Destroy(nc);
+	kvr_router_destroy(a);
+	kvr_router_destroy(b);
+	printf("dup_id: refused beside a mute holder in %.0f ms\n", took);
+}
+
 extern char **environ;
 
 /* The replica process of test_spawn (test_sync_nats --spawn-victim URL): attaches alone in
@@ -1688,6 +1745,7 @@ int main(int argc, char **argv)
 	RUN(router_first);
 	RUN(snapshot_wait);
 	RUN(spawn);
+	RUN(dup_id);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
