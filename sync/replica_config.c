@@ -28,6 +28,21 @@ int kvr_sync_config_check(const struct kvr_sync_config *c, const char *fn)
 		return kvr_fail(KVR_EINVAL, "%s: config.replica_id is 0; it must be >= 1", fn);
 	if (!c->servers)
 		return kvr_fail(KVR_EINVAL, "%s: config.servers is NULL", fn);
+	size_t len = strlen(c->servers), urls = 0;
+	if (len >= KVR_SYNC_SERVERS_LEN)
+		return kvr_fail(KVR_EINVAL, "%s: config.servers is %zu characters; at most %d", fn,
+		                len, KVR_SYNC_SERVERS_LEN - 1);
+	for (const char *p = c->servers; *p;) { /* as replica_nats.c's set_servers splits it */
+		while (*p == ' ')
+			p++;
+		urls += *p && *p != ',';
+		while (*p && *p != ',')
+			p++;
+		p += *p == ',';
+	}
+	if (urls < 1 || urls > KVR_SYNC_SERVERS_MAX)
+		return kvr_fail(KVR_EINVAL, "%s: config.servers \"%s\" lists %zu URLs; 1 to %d", fn,
+		                c->servers, urls, KVR_SYNC_SERVERS_MAX);
 	/* The cluster names NATS subjects ("<cluster>.stream"): one token of them. */
 	size_t n = c->cluster ? strlen(c->cluster) : 0;
 	if (n < 1 || n > 64)

@@ -224,13 +224,13 @@ static void t_ready(void *ctx)
 /* Splits the comma-separated server list into natsOptions_SetServers. */
 static natsStatus set_servers(natsOptions *o, const char *list)
 {
-	char buf[2048];
-	const char *v[32];
+	char buf[KVR_SYNC_SERVERS_LEN];
+	const char *v[KVR_SYNC_SERVERS_MAX];
 	int n = 0;
 	if (strlen(list) >= sizeof(buf))
 		return NATS_INVALID_ARG;
 	strcpy(buf, list);
-	for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && n < 32;
+	for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && n < KVR_SYNC_SERVERS_MAX;
 	     t = strtok_r(NULL, ",", &save)) {
 		while (*t == ' ')
 			t++;

@@ -872,6 +872,8 @@ Test(api_contract, feed_not_built)
 
 /* ---------------------------------------------------------------- replica sync */
 
+static char many_servers[33 * 24];
+
 /* kvr_sync_attach with its config spoiled one way (which); a nothing-listens server otherwise
  * (port 1: refused at once), so a config that passes its checks fails with KVR_ETIMEDOUT. */
 static int attach(struct fx *f, struct kvr_router *r, int which)
@@ -914,6 +916,12 @@ static int attach(struct fx *f, struct kvr_router *r, int which)
 	case 9:
 		c.dead_after = 1;
 		break;
+	case 10:
+		c.servers = " , ";
+		break;
+	case 11: /* 33 servers: nats.c took the first 32, the rest were dropped unsaid */
+		c.servers = many_servers;
+		break;
 	}
 	int rc = kvr_sync_attach(r, pc, ps);
 	if (rc == 0) {
@@ -949,6 +957,8 @@ static uint64_t sseq;
 	X(sync_attach_heartbeat_0, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 7))           \
 	X(sync_attach_heartbeat_60001, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 8))       \
 	X(sync_attach_dead_after_1, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 9))          \
+	X(sync_attach_servers_blank, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 10))        \
+	X(sync_attach_servers_33, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 11))           \
 	X(sync_attach_unreachable, SYNC_UNREACHABLE, SYNC_UNREACHABLE, attach(f, f->r, -1))        \
 	X(sync_attach_unreachable_again, SYNC_UNREACHABLE, SYNC_UNREACHABLE, attach(f, f->r, -1))  \
 	X(sync_wait_ready_null, KVR_EINVAL, KVR_EINVAL, kvr_sync_wait_ready(NULL, 10))             \
@@ -963,6 +973,10 @@ Test(api_contract, sync_calls)
 {
 	struct fx f;
 	fx_init(&f);
+	for (int i = 0; i < 33; i++) /* nothing listens on port 1 */
+		snprintf(many_servers + strlen(many_servers),
+		         sizeof(many_servers) - strlen(many_servers), "%snats://127.0.0.%d:1",
+		         i ? "," : "", i + 1);
 	run_rows(&f, sync_rows, sizeof(sync_rows) / sizeof(sync_rows[0]));
 	/* A failed attach leaves the router free to be attached (not KVR_EBUSY) and to route. */
 	struct kvr_decision d;
