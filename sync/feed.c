@@ -1026,6 +1026,12 @@ int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_
 		                : !ep           ? "ep is NULL"
 		                : !ep->endpoint ? "ep->endpoint is NULL"
 		                                : "ep->endpoint is \"\"");
+	int bad = kvr_feed_endpoint_check(ep->endpoint, "ep->endpoint", "kvr_feed_add");
+	if (!bad)
+		bad = kvr_feed_endpoint_check(ep->replay_endpoint, "ep->replay_endpoint",
+		                              "kvr_feed_add");
+	if (bad)
+		return bad;
 	if (f->orphaned)
 		return feed_orphaned("kvr_feed_add");
 	if (kvr_fork_inherited(f->r))

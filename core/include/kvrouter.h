@@ -899,7 +899,8 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * kvr_feed_remove / kvr_feed_get_stats; the feeds of a process give different ids, so another
  * feed's id is KVR_ENOENT there.  The socket connects in the background and reconnects
  * by itself; the publisher may start before or after.
- * Returns 0, KVR_EINVAL (NULL endpoint, an endpoint ZeroMQ refuses), KVR_ENOMEM.
+ * Returns 0, KVR_EINVAL (NULL endpoint, an endpoint ZeroMQ refuses, a tcp:// port that is not
+ * a number in 1..65535, which ZeroMQ would cut to another port), KVR_ENOMEM.
  * Context: any thread; one round trip to the feed thread.  From the callbacks the feed thread
  * runs (its log, the router's on_event_gap for the gaps it reports), kvr_feed_add and
  * kvr_feed_remove return KVR_EBUSY, kvr_feed_get_stats and kvr_feed_other_medium_blocks answer

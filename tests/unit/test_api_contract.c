@@ -778,6 +778,14 @@ static struct kvr_feed_stats fstats;
 	X(feed_add_endpoint_empty, KVR_EINVAL, KVR_EINVAL, feed_add(f, the_feed, "", false))       \
 	X(feed_add_endpoint_refused, KVR_EINVAL, KVR_EINVAL,                                       \
 	  feed_add(f, the_feed, "bogus://x", false))                                               \
+	X(feed_add_port_99999, KVR_EINVAL, KVR_EINVAL,                                             \
+	  feed_add(f, the_feed, "tcp://127.0.0.1:99999", false))                                   \
+	X(feed_add_port_0, KVR_EINVAL, KVR_EINVAL,                                                 \
+	  feed_add(f, the_feed, "tcp://127.0.0.1:0", false))                                       \
+	X(feed_add_port_5x, KVR_EINVAL, KVR_EINVAL,                                                \
+	  feed_add(f, the_feed, "tcp://127.0.0.1:5x", false))                                      \
+	X(feed_add_port_source_70000, KVR_EINVAL, KVR_EINVAL,                                      \
+	  feed_add(f, the_feed, "tcp://127.0.0.1:70000;127.0.0.1:5557", false))                    \
 	X(feed_remove_f_null, KVR_EINVAL, KVR_EINVAL, kvr_feed_remove(NULL, 0))                    \
 	X(feed_remove_unknown, KVR_ENOENT, KVR_ENOENT, kvr_feed_remove(the_feed, 99))              \
 	X(feed_stats_f_null, KVR_EINVAL, KVR_EINVAL, kvr_feed_get_stats(NULL, 0, &fstats))         \
