@@ -992,8 +992,8 @@ struct kvr_sync;
 
 struct kvr_sync_config {
 	/* NATS server URLs, comma separated ("nats://host:4222,nats://other:4222"): 1 to 32 of
-	 * them, at most 2047 characters (else KVR_EINVAL); borrowed for the call.  Default
-	 * "nats://127.0.0.1:4222". */
+	 * them, at most 2047 characters, ports 1..65535 (else KVR_EINVAL); borrowed for the call.
+	 * Default "nats://127.0.0.1:4222". */
 	const char *servers;
 	/* Subject prefix shared by the replicas of one cluster: [A-Za-z0-9_-], 1..64 chars.
 	 * Default "kvr".  The routers of one cluster must use one block_size: a peer's admission

@@ -930,6 +930,12 @@ static int attach(struct fx *f, struct kvr_router *r, int which)
 	case 11: /* 33 servers: nats.c took the first 32, the rest were dropped unsaid */
 		c.servers = many_servers;
 		break;
+	case 12: /* nats.c connected to port 34463 (the low 16 bits) */
+		c.servers = "nats://127.0.0.1:1, nats://u:p@127.0.0.1:99999";
+		break;
+	case 13:
+		c.servers = "tls://[::1]:0";
+		break;
 	}
 	int rc = kvr_sync_attach(r, pc, ps);
 	if (rc == 0) {
@@ -967,6 +973,8 @@ static uint64_t sseq;
 	X(sync_attach_dead_after_1, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 9))          \
 	X(sync_attach_servers_blank, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 10))        \
 	X(sync_attach_servers_33, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 11))           \
+	X(sync_attach_servers_port_99999, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 12))   \
+	X(sync_attach_servers_port_0, SYNC_ATTACH_BAD, SYNC_ATTACH_BAD, attach(f, f->r, 13))       \
 	X(sync_attach_unreachable, SYNC_UNREACHABLE, SYNC_UNREACHABLE, attach(f, f->r, -1))        \
 	X(sync_attach_unreachable_again, SYNC_UNREACHABLE, SYNC_UNREACHABLE, attach(f, f->r, -1))  \
 	X(sync_wait_ready_null, KVR_EINVAL, KVR_EINVAL, kvr_sync_wait_ready(NULL, 10))             \
