@@ -463,6 +463,19 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 			    "%s: too many open file descriptors (the process's "
 			    "RLIMIT_NOFILE, or the system's): the NATS connection needs one",
 			    fn);
+		/* The server answered and refused us: retrying the same config will not help, so
+		 * not KVR_ETIMEDOUT ("no server reachable"). */
+		if (st == NATS_CONNECTION_AUTH_FAILED || st == NATS_NOT_PERMITTED)
+			return kvr_fail(KVR_EINVAL,
+			                "%s: NATS servers \"%s\" refused the credentials (config "
+			                "user, password, token or creds_file): %s",
+			                fn, c->servers, natsStatus_GetText(st));
+		if (st == NATS_SECURE_CONNECTION_WANTED || st == NATS_SECURE_CONNECTION_REQUIRED ||
+		    st == NATS_SSL_ERROR)
+			return kvr_fail(KVR_EINVAL,
+			                "%s: TLS with NATS servers \"%s\" failed (config tls, "
+			                "tls_ca_file, tls_cert_file, tls_key_file): %s",
+			                fn, c->servers, natsStatus_GetText(st));
 		return kvr_fail(KVR_ETIMEDOUT, "%s: could not connect to NATS servers \"%s\": %s",
 		                fn, c->servers, natsStatus_GetText(st));
 	}

@@ -1091,7 +1091,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * Connects router r to NATS as replica c->replica_id and starts sharing.  The ranks already
  * added are announced; a live peer's snapshot is asked for in the background
  * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
- * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config), KVR_EBUSY (already attached),
+ * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config; the server refused the
+ * credentials, or TLS failed: wanted and not offered, required and not wanted, a certificate
+ * refused), KVR_EBUSY (already attached),
  * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
  * holding that id's subject did not answer for 2 s; two attaching under one id at once may both
  * get it), KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was

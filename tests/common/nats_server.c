@@ -20,6 +20,13 @@
 static pid_t server_pid;
 static int port = -1;
 static char url[64];
+static const char *auth_user, *auth_pass;
+
+void kvr_test_nats_auth(const char *user, const char *pass)
+{
+	auth_user = user;
+	auth_pass = pass;
+}
 
 static int free_port(void)
 {
@@ -75,7 +82,12 @@ int kvr_test_nats_start(void)
 			dn = open("/dev/null", O_WRONLY);
 		dup2(dn, 1);
 		dup2(dn, 2);
-		execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, (char *)NULL);
+		if (auth_user)
+			execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, "--user",
+			       auth_user, "--pass", auth_pass, (char *)NULL);
+		else
+			execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps,
+			       (char *)NULL);
 		_exit(127);
 	}
 	for (int i = 0; i < 300; i++) {

@@ -59,6 +59,10 @@
  *     or once the holder detached, attaches.  Before, both attached and each dropped the
  *     other's messages as forged, and a third replica took the two streams for one peer's
  *     (its mirrored attempts and loads wrong, a detach of one releasing the other's).
+ * 13. a server that refuses the credentials (nats-server --user/--pass): kvr_sync_attach without
+ *     them or with a wrong password returns KVR_EINVAL naming the credentials, with them 0.
+ *     Also tls asked of a server without TLS: KVR_EINVAL naming TLS.  Before, KVR_ETIMEDOUT
+ *     ("no server reachable") for all of them, which reads as worth retrying.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
@@ -1615,6 +1619,51 @@ static void test_dup_id(void)
 	printf("dup_id: refused beside a mute holder in %.0f ms\n", took);
 }
 
+static void test_auth(void)
+{
+	kvr_test_nats_stop();
+	kvr_test_nats_auth("kvr", "secret");
+	CHECK(kvr_test_nats_start() == 0, "nats-server with a password");
+	struct kvr_router *r = make_router();
+	const char *pass[] = {NULL, "wrong", "secret"};
+	for (int i = 0; i < 3; i++) {
+		struct kvr_sync_config c;
+		kvr_sync_config_init(&c);
+		c.servers = kvr_test_nats_url();
+		c.cluster = "auth";
+		c.replica_id = 1;
+		c.user = pass[i] ? "kvr" : NULL;
+		c.password = pass[i];
+		struct kvr_sync *s = NULL;
+		int rc = kvr_sync_attach(r, &c, &s);
+		int want = i < 2 ? KVR_EINVAL : 0;
+		CHECK(rc == want && (rc != KVR_EINVAL || strstr(kvr_last_error(), "credentials")),
+		      "attach %s: %s (%s), want %s", pass[i] ? pass[i] : "without credentials",
+		      kvr_strerror(rc), rc ? kvr_last_error() : "", kvr_strerror(want));
+		if (rc == 0)
+			kvr_sync_detach(s);
+	}
+	kvr_router_destroy(r);
+	kvr_test_nats_stop();
+	kvr_test_nats_auth(NULL, NULL);
+	CHECK(kvr_test_nats_start() == 0, "nats-server restarted without a password");
+	/* TLS asked of a server that offers none. */
+	r = make_router();
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = "auth";
+	c.replica_id = 1;
+	c.tls = true;
+	struct kvr_sync *s = NULL;
+	int rc = kvr_sync_attach(r, &c, &s);
+	CHECK(rc == KVR_EINVAL && strstr(kvr_last_error(), "TLS"), "attach with tls: %s (%s)",
+	      kvr_strerror(rc), rc ? kvr_last_error() : "");
+	if (rc == 0)
+		kvr_sync_detach(s);
+	kvr_router_destroy(r);
+}
+
 extern char **environ;
 
 /* The replica process of test_spawn (test_sync_nats --spawn-victim URL): attaches alone in
@@ -1746,6 +1795,7 @@ int main(int argc, char **argv)
 	RUN(snapshot_wait);
 	RUN(spawn);
 	RUN(dup_id);
+	RUN(auth);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
