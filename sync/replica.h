@@ -105,6 +105,10 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 
 /* Connection state changes seen by the transport.  Context: transport threads. */
 void kvr_replica_disconnected(struct kvr_replica *rep);
+
+/* The transport's server refused a publish or subscription for lack of permission (counted:
+ * kvr_sync_stats.denied).  Context: transport threads. */
+void kvr_replica_denied(struct kvr_replica *rep);
 void kvr_replica_reconnected(struct kvr_replica *rep);
 
 /* Waits until the first snapshot (or the decision that there is none) is applied.

@@ -90,6 +90,18 @@ static void on_idreq(natsConnection *nc, natsSubscription *sub, natsMsg *msg, vo
 	natsMsg_Destroy(msg);
 }
 
+/* nats.c's asynchronous errors: a permission violation (the server's -ERR for a publish or
+ * subscription it does not permit) is counted; the others it handles itself (slow consumer:
+ * counted by the stream's gaps; a broken connection: reconnects). */
+static void on_error(natsConnection *nc, natsSubscription *sub, natsStatus err, void *closure)
+{
+	(void)nc;
+	(void)sub;
+	struct kvr_sync *s = closure;
+	if (err == NATS_NOT_PERMITTED && s->rep)
+		kvr_replica_denied(s->rep);
+}
+
 static void on_disconnected(natsConnection *nc, void *closure)
 {
 	(void)nc;
@@ -291,6 +303,9 @@ static natsStatus id_check(struct kvr_sync *s, bool *taken, bool *answered)
 			return NATS_OK;
 		}
 		if (st == NATS_TIMEOUT) {
+			const char *why;
+			if (natsConnection_GetLastError(s->nc, &why) == NATS_NOT_PERMITTED)
+				return NATS_NOT_PERMITTED; /* the question itself was refused */
 			*taken = natsConnection_HasHeaderSupport(s->nc) == NATS_OK;
 			continue;
 		}
@@ -411,6 +426,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsOptions_SetReconnectedCB(o, on_reconnected, s);
 	if (st == NATS_OK)
 		st = natsOptions_SetClosedCB(o, on_closed, s);
+	if (st == NATS_OK)
+		st = natsOptions_SetErrorHandler(o, on_error, s);
 	if (st == NATS_OK && (c->user || c->password))
 		st = natsOptions_SetUserInfo(o, c->user, c->password);
 	if (st == NATS_OK && c->token)
@@ -448,9 +465,17 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		natsSubscription_SetPendingLimits(s->stream_sub, 1 << 22, 1 << 30);
 	if (st == NATS_OK)
 		st = natsConnection_FlushTimeout(s->nc, 2000); /* the server has our subscription */
+	/* The server refuses a subscription it does not permit with an asynchronous -ERR, which
+	 * comes before the flush's PONG; nats.c keeps it as the connection's last error.  A
+	 * replica that cannot hear the stream would run deaf. */
+	const char *why = NULL;
+	if (st == NATS_OK && natsConnection_GetLastError(s->nc, &why) == NATS_NOT_PERMITTED)
+		st = NATS_NOT_PERMITTED;
 	bool taken = false, answered = false;
 	if (st == NATS_OK)
 		st = id_check(s, &taken, &answered);
+	if (st == NATS_NOT_PERMITTED)
+		natsConnection_GetLastError(s->nc, &why);
 	kvr_thread_restore_signals(&sigs);
 	if (!connected) {
 		s->nc = NULL;
@@ -478,6 +503,16 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 			                fn, c->servers, natsStatus_GetText(st));
 		return kvr_fail(KVR_ETIMEDOUT, "%s: could not connect to NATS servers \"%s\": %s",
 		                fn, c->servers, natsStatus_GetText(st));
+	}
+	if (st == NATS_NOT_PERMITTED) {
+		char detail[256];
+		snprintf(detail, sizeof(detail), "%s", why ? why : natsStatus_GetText(st));
+		sync_free(s);
+		return kvr_fail(KVR_EINVAL,
+		                "%s: the NATS server does not permit this user what a replica of "
+		                "cluster \"%s\" needs (publish and subscribe %s.>, subscribe "
+		                "_INBOX.>): %s",
+		                fn, c->cluster, c->cluster, detail);
 	}
 	if (st != NATS_OK) {
 		sync_free(s);

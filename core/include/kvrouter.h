@@ -1082,6 +1082,10 @@ struct kvr_sync_stats {
 	 * or a chain longer than its prompt): replicas of one cluster must share block_size.  Not
 	 * counted in refused. */
 	uint64_t block_size_mismatch;
+	/* Publishes and subscriptions the NATS server refused for lack of permission after the
+	 * attach (which checks the subscriptions and the id question: KVR_EINVAL): e.g. a user
+	 * that may not publish on <cluster>.stream, whose peers then never hear it. */
+	uint64_t denied;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */
@@ -1093,7 +1097,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * (kvr_sync_wait_ready).  c is borrowed for the call.  One attachment per router.
  * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config; the server refused the
  * credentials, or TLS failed: wanted and not offered, required and not wanted, a certificate
- * refused), KVR_EBUSY (already attached),
+ * refused; the user may not subscribe to <cluster>.stream, <cluster>.id.<id> or _INBOX.>, or
+ * publish on <cluster>.id.<id>: later refusals are counted, kvr_sync_stats.denied),
+ * KVR_EBUSY (already attached),
  * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
  * holding that id's subject did not answer for 2 s; two attaching under one id at once may both
  * get it), KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was

@@ -20,12 +20,11 @@
 static pid_t server_pid;
 static int port = -1;
 static char url[64];
-static const char *auth_user, *auth_pass;
+static const char *conf;
 
-void kvr_test_nats_auth(const char *user, const char *pass)
+void kvr_test_nats_conf(const char *path)
 {
-	auth_user = user;
-	auth_pass = pass;
+	conf = path;
 }
 
 static int free_port(void)
@@ -82,9 +81,9 @@ int kvr_test_nats_start(void)
 			dn = open("/dev/null", O_WRONLY);
 		dup2(dn, 1);
 		dup2(dn, 2);
-		if (auth_user)
-			execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps, "--user",
-			       auth_user, "--pass", auth_pass, (char *)NULL);
+		if (conf) /* -p after -c: the port on the command line wins */
+			execlp("nats-server", "nats-server", "-c", conf, "-a", "127.0.0.1", "-p",
+			       ps, (char *)NULL);
 		else
 			execlp("nats-server", "nats-server", "-a", "127.0.0.1", "-p", ps,
 			       (char *)NULL);

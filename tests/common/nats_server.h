@@ -17,9 +17,10 @@ bool kvr_test_nats_installed(void);
  * not be forked. */
 int kvr_test_nats_start(void);
 
-/* The next kvr_test_nats_start's server takes only clients with this user and password (NULL:
- * anyone, the default).  The strings must outlive that start.  Context: the main thread. */
-void kvr_test_nats_auth(const char *user, const char *pass);
+/* The next kvr_test_nats_start's server reads this configuration file (users, permissions;
+ * NULL: none, the default); its address and port stay the helper's.  The path must outlive
+ * that start.  Context: the main thread. */
+void kvr_test_nats_conf(const char *path);
 
 /* Kills the server (SIGKILL) and reaps it.  No-op when none runs.  Context: the main thread. */
 void kvr_test_nats_stop(void);

@@ -59,8 +59,12 @@
  *     or once the holder detached, attaches.  Before, both attached and each dropped the
  *     other's messages as forged, and a third replica took the two streams for one peer's
  *     (its mirrored attempts and loads wrong, a detach of one releasing the other's).
- * 13. a server that refuses the credentials (nats-server --user/--pass): kvr_sync_attach without
- *     them or with a wrong password returns KVR_EINVAL naming the credentials, with them 0.
+ * 13. a server that refuses the credentials (a nats-server with users): kvr_sync_attach without
+ *     them or with a wrong password returns KVR_EINVAL naming the credentials, with them 0; a
+ *     user the server does not permit to subscribe to the stream, to publish on the id
+ *     subject, or to subscribe to reply inboxes: KVR_EINVAL saying so (before, the first two
+ *     attached deaf or came back KVR_EEXIST, the third attached without snapshots); a user that
+ *     may not publish on the stream attaches, and its refused publishes are counted (denied).
  *     Also tls asked of a server without TLS: KVR_EINVAL naming TLS.  Before, KVR_ETIMEDOUT
  *     ("no server reachable") for all of them, which reads as worth retrying.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
@@ -1619,49 +1623,100 @@ static void test_dup_id(void)
 	printf("dup_id: refused beside a mute holder in %.0f ms\n", took);
 }
 
-static void test_auth(void)
+/* One attach to the current server in cluster "auth" as user (NULL: none) with pass. */
+static int attach_as(const char *user, const char *pass, bool tls)
 {
-	kvr_test_nats_stop();
-	kvr_test_nats_auth("kvr", "secret");
-	CHECK(kvr_test_nats_start() == 0, "nats-server with a password");
 	struct kvr_router *r = make_router();
-	const char *pass[] = {NULL, "wrong", "secret"};
-	for (int i = 0; i < 3; i++) {
-		struct kvr_sync_config c;
-		kvr_sync_config_init(&c);
-		c.servers = kvr_test_nats_url();
-		c.cluster = "auth";
-		c.replica_id = 1;
-		c.user = pass[i] ? "kvr" : NULL;
-		c.password = pass[i];
-		struct kvr_sync *s = NULL;
-		int rc = kvr_sync_attach(r, &c, &s);
-		int want = i < 2 ? KVR_EINVAL : 0;
-		CHECK(rc == want && (rc != KVR_EINVAL || strstr(kvr_last_error(), "credentials")),
-		      "attach %s: %s (%s), want %s", pass[i] ? pass[i] : "without credentials",
-		      kvr_strerror(rc), rc ? kvr_last_error() : "", kvr_strerror(want));
-		if (rc == 0)
-			kvr_sync_detach(s);
-	}
-	kvr_router_destroy(r);
-	kvr_test_nats_stop();
-	kvr_test_nats_auth(NULL, NULL);
-	CHECK(kvr_test_nats_start() == 0, "nats-server restarted without a password");
-	/* TLS asked of a server that offers none. */
-	r = make_router();
 	struct kvr_sync_config c;
 	kvr_sync_config_init(&c);
 	c.servers = kvr_test_nats_url();
 	c.cluster = "auth";
 	c.replica_id = 1;
-	c.tls = true;
+	c.user = user;
+	c.password = pass;
+	c.tls = tls;
 	struct kvr_sync *s = NULL;
 	int rc = kvr_sync_attach(r, &c, &s);
-	CHECK(rc == KVR_EINVAL && strstr(kvr_last_error(), "TLS"), "attach with tls: %s (%s)",
-	      kvr_strerror(rc), rc ? kvr_last_error() : "");
 	if (rc == 0)
 		kvr_sync_detach(s);
 	kvr_router_destroy(r);
+	return rc;
+}
+
+static void test_auth(void)
+{
+	static const char conf[] =
+	    "authorization {\n"
+	    "  users = [\n"
+	    "    {user: kvr, password: secret}\n"
+	    "    {user: deaf, password: p, permissions: {subscribe: {deny: [\"auth.stream\"]}}}\n"
+	    "    {user: mute, password: p, permissions: {publish: {deny: [\"auth.id.>\"]}}}\n"
+	    "    {user: noinbox, password: p, permissions: {subscribe: {deny: [\"_INBOX.>\"]}}}\n"
+	    "    {user: hoarse, password: p, permissions: {publish: {deny: [\"auth.stream\"]}}}\n"
+	    "  ]\n"
+	    "}\n";
+	char path[] = "/tmp/kvr-nats-auth-XXXXXX";
+	int fd = mkstemp(path);
+	CHECK(fd >= 0 && write(fd, conf, sizeof(conf) - 1) == (ssize_t)(sizeof(conf) - 1),
+	      "the server's configuration");
+	if (fd >= 0)
+		close(fd);
+	kvr_test_nats_stop();
+	kvr_test_nats_conf(path);
+	CHECK(kvr_test_nats_start() == 0, "nats-server with users");
+	static const struct {
+		const char *user, *pass, *detail;
+	} cases[] = {
+	    {NULL, NULL, "credentials"},         {"kvr", "wrong", "credentials"},
+	    {"deaf", "p", "does not permit"},    {"mute", "p", "does not permit"},
+	    {"noinbox", "p", "does not permit"}, {"kvr", "secret", NULL},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		double t0 = mono_ms();
+		int rc = attach_as(cases[i].user, cases[i].pass, false);
+		double took = mono_ms() - t0;
+		int want = cases[i].detail ? KVR_EINVAL : 0;
+		CHECK(rc == want && (!rc || strstr(kvr_last_error(), cases[i].detail)),
+		      "attach as %s/%s: %s (%s), want %s", cases[i].user ? cases[i].user : "nobody",
+		      cases[i].pass ? cases[i].pass : "-", kvr_strerror(rc),
+		      rc ? kvr_last_error() : "", kvr_strerror(want));
+		printf("auth: as %s/%s: %s in %.0f ms\n", cases[i].user ? cases[i].user : "nobody",
+		       cases[i].pass ? cases[i].pass : "-", kvr_strerror(rc), took);
+	}
+	/* Publishing on the stream refused after the attach: counted. */
+	struct kvr_router *r = make_router();
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = "auth";
+	c.replica_id = 2;
+	c.user = "hoarse";
+	c.password = "p";
+	struct kvr_sync *s = NULL;
+	CHECK(r && kvr_sync_attach(r, &c, &s) == 0, "attach as hoarse: %s", kvr_last_error());
+	struct kvr_sync_stats st = {0};
+	for (int k = 0; s && k < 250 && !st.denied; k++) {
+		sleep_ms(20); /* its heartbeats are refused */
+		kvr_sync_get_stats(s, &st);
+	}
+	CHECK(st.denied >= 1, "publishes the server refused not counted (%llu)",
+	      (unsigned long long)st.denied);
+	static char page[1 << 20];
+	size_t len = 0;
+	CHECK(kvr_metrics_render(r, page, sizeof(page), &len) == 0 &&
+	          strstr(page, "kvr_sync_events_total{what=\"denied\"} "),
+	      "the metrics page shows denied");
+	printf("auth: as hoarse: %llu publishes refused, counted\n", (unsigned long long)st.denied);
+	kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	kvr_test_nats_stop();
+	kvr_test_nats_conf(NULL);
+	unlink(path);
+	CHECK(kvr_test_nats_start() == 0, "nats-server restarted without users");
+	/* TLS asked of a server that offers none. */
+	int rc = attach_as(NULL, NULL, true);
+	CHECK(rc == KVR_EINVAL && strstr(kvr_last_error(), "TLS"), "attach with tls: %s (%s)",
+	      kvr_strerror(rc), rc ? kvr_last_error() : "");
 }
 
 extern char **environ;
