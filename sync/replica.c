@@ -310,6 +310,13 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 	pthread_mutex_unlock(&rep->qmu);
 }
 
+void kvr_replica_set_max_msg(struct kvr_replica *rep, size_t bytes)
+{
+	pthread_mutex_lock(&rep->mu);
+	rep->max_msg = bytes;
+	pthread_mutex_unlock(&rep->mu);
+}
+
 void kvr_replica_denied(struct kvr_replica *rep)
 {
 	pthread_mutex_lock(&rep->mu);
@@ -470,6 +477,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_events_total{what=\"note_over_cap\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"end_reconciled\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"denied\"} %" PRIu64 "\n"
+	    "kvr_sync_events_total{what=\"oversized\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_output_dropped_tokens_total Peers' output tokens not applied here "
 	    "(memory, a full lane): their attempts wait for a re-announce\n"
 	    "# TYPE kvr_sync_output_dropped_tokens_total counter\n"
@@ -485,7 +493,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
 	    s.refused, s.orphans, s.block_size_mismatch, s.batches, s.gaps, s.resyncs,
 	    s.snapshots_applied, s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost,
-	    s.released, s.early_lost, s.notes_over_cap, s.ends_reconciled, s.denied,
+	    s.released, s.early_lost, s.notes_over_cap, s.ends_reconciled, s.denied, s.oversized,
 	    s.output_dropped, s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }

@@ -106,6 +106,12 @@ void kvr_replica_deliver_inline(struct kvr_replica *rep, const void *buf, size_t
 /* Connection state changes seen by the transport.  Context: transport threads. */
 void kvr_replica_disconnected(struct kvr_replica *rep);
 
+/* The largest message the transport carries (NATS: the server's max_payload; 0: no limit).
+ * Stream batches and snapshot chunks are cut to fit, output is split, and a message that
+ * cannot fit alone (an admission of a prompt with more blocks than fit) is not sent and counted
+ * (kvr_sync_stats.oversized).  Context: any thread, e.g. the transport after a (re)connect. */
+void kvr_replica_set_max_msg(struct kvr_replica *rep, size_t bytes);
+
 /* The transport's server refused a publish or subscription for lack of permission (counted:
  * kvr_sync_stats.denied).  Context: transport threads. */
 void kvr_replica_denied(struct kvr_replica *rep);

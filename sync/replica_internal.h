@@ -137,6 +137,8 @@ struct kvr_replica {
 	struct kvr_msg_buf obuf; /* one message outside the stream (heartbeat, goodbye, requests) */
 	struct kvr_msg_buf sbuf; /* stream messages not sent yet (sync/replica_out.c: a batch) */
 	uint32_t sbatch_n;       /* how many; each already took its sequence number */
+	size_t sbuf_mark;        /* where the last message appended to sbuf starts */
+	size_t max_msg;          /* the transport's largest message (0: no limit) */
 	struct kvr_rep_rec **map;
 	size_t map_cap, map_n;
 	struct kvr_rep_rec *live_head, *live_tail;
@@ -300,9 +302,9 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e);
 /* Sends the stream messages waiting in sbuf as one transport message (published += n), or
- * counts them unpublished and gives their sequence numbers back.  Context: mu held; every
- * writer of the stream calls it before releasing mu. */
-void kvr_rep_stream_flush(struct kvr_replica *rep);
+ * counts them unpublished and gives their sequence numbers back; true when sent (or none
+ * waited).  Context: mu held; every writer of the stream calls it before releasing mu. */
+bool kvr_rep_stream_flush(struct kvr_replica *rep);
 /* The router's notes (struct kvr_repl_hooks): copied into the outbound queue for the sender
  * thread.  Context: frontend or shard threads, inside the router's RCU read section; no lock,
  * no syscall unless the sender is parked (or the queue is full). */

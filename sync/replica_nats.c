@@ -120,10 +120,19 @@ static void on_closed(natsConnection *nc, void *closure)
 	pthread_mutex_unlock(&s->mu);
 }
 
+/* The server's max_payload (nats.c refuses a larger publish): what a replica message may be. */
+static size_t max_payload(natsConnection *nc)
+{
+	int64_t m = natsConnection_GetMaxPayload(nc);
+	return m > 0 ? (size_t)m : 0;
+}
+
 static void on_reconnected(natsConnection *nc, void *closure)
 {
 	struct kvr_sync *s = closure;
 	kvr_nats_cloexec(nc); /* a new socket, opened as the first without FD_CLOEXEC */
+	if (s->rep)           /* maybe another server of the cluster, with another limit */
+		kvr_replica_set_max_msg(s->rep, max_payload(nc));
 	if (s->rep)
 		kvr_replica_reconnected(s->rep);
 }
@@ -455,8 +464,10 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	st = natsConnection_Connect(&s->nc, o);
 	natsOptions_Destroy(o);
 	bool connected = st == NATS_OK;
-	if (connected)
+	if (connected) {
 		kvr_nats_cloexec(s->nc); /* before a program the host spawns can inherit it */
+		kvr_replica_set_max_msg(s->rep, max_payload(s->nc));
+	}
 	if (st == NATS_OK)
 		st = natsConnection_Subscribe(&s->id_sub, s->nc, s->subj_id, on_idreq, NULL);
 	if (st == NATS_OK)

@@ -56,16 +56,18 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 
 #define STREAM_BATCH_BYTES (256u * 1024u)
 
-void kvr_rep_stream_flush(struct kvr_replica *rep)
+bool kvr_rep_stream_flush(struct kvr_replica *rep)
 {
 	uint32_t n = rep->sbatch_n;
+	bool sent = true;
 	if (!n)
-		return;
+		goto out;
 	if (rep->connected && !rep->sbuf.oom &&
 	    rep->t.publish(rep->t.ctx, rep->sbuf.p, rep->sbuf.len) == 0) {
 		rep->st.published += n;
 		rep->st.batches++;
 	} else {
+		sent = false;
 		rep->st.unpublished += n;
 		rep->seq -= n;
 		/* Connected, yet not sent (no memory to encode, the transport refused): the peers
@@ -75,16 +77,48 @@ void kvr_rep_stream_flush(struct kvr_replica *rep)
 		if (rep->connected)
 			rep->want_reannounce = true;
 	}
+out:
 	rep->sbuf.len = 0;
 	rep->sbuf.oom = false;
 	rep->sbatch_n = 0;
+	rep->sbuf_mark = 0;
+	return sent;
 }
 
-/* The message just appended to sbuf (its header says seq + 1) is the next of the stream. */
+/* The message just appended to sbuf (at sbuf_mark; its header says seq + 1) is the next of the
+ * stream.  With a transport limit (max_msg): a message over it on its own is taken back, not
+ * sent and counted (it could never go, and a send that fails is re-announced, where it would
+ * fail again, for ever: a server with max_payload 64 KiB and a 128k-token admission published
+ * 2 of 119 messages in 3 s); one that would take its batch over it sends the batch before it
+ * first. */
 static void stream_added(struct kvr_replica *rep)
 {
+	size_t at = rep->sbuf_mark, len = rep->sbuf.len - at;
+	if (rep->max_msg && !rep->sbuf.oom && len > rep->max_msg) {
+		rep->sbuf.len = at;
+		rep->st.oversized++;
+		return;
+	}
 	rep->seq++;
 	rep->sbatch_n++;
+	rep->sbuf_mark = rep->sbuf.len;
+	if (rep->max_msg && !rep->sbuf.oom && rep->sbuf.len > rep->max_msg) {
+		/* The batch before it goes alone; if it cannot, the message goes down with it
+		 * (the numbers given back, a re-announce asked), as in one failed send. */
+		rep->sbuf.len = at;
+		rep->sbatch_n--;
+		rep->sbuf_mark = at;
+		bool sent = kvr_rep_stream_flush(rep);
+		if (!sent) {
+			rep->seq--;
+			rep->st.unpublished++;
+			return;
+		}
+		memmove(rep->sbuf.p, rep->sbuf.p + at, len);
+		rep->sbuf.len = len;
+		rep->sbuf_mark = len;
+		rep->sbatch_n = 1;
+	}
 	if (rep->sbuf.len >= STREAM_BATCH_BYTES)
 		kvr_rep_stream_flush(rep);
 }
@@ -181,6 +215,31 @@ static void out_end(struct kvr_replica *rep, struct kvr_rep_rec *x, unsigned typ
 	kvr_rep_journal_add(rep, x);
 }
 
+/* OUTPUT messages of at most max_msg bytes each: a cut between two parts needs no flag (the
+ * last token of a part is held back until the next part's first comes, as between two calls),
+ * the last part has the call's. */
+static void send_output(struct kvr_replica *rep, uint64_t attempt, const uint32_t *tokens, size_t n,
+                        bool not_final)
+{
+	size_t per = n;
+	if (rep->max_msg > KVR_MSG_HEADER + 16 + 4)
+		per = (rep->max_msg - KVR_MSG_HEADER - 16) / 4;
+	do {
+		size_t k = n < per ? n : per;
+		bool last = k == n;
+		size_t off = kvr_msg_begin(&rep->sbuf, KVR_MSG_OUTPUT, rep->c.replica_id,
+		                           rep->epoch, rep->seq + 1);
+		kvr_msg_put_u64(&rep->sbuf, attempt);
+		kvr_msg_put_u32(&rep->sbuf, (uint32_t)k);
+		kvr_msg_put_u32(&rep->sbuf, last && not_final ? KVR_MSG_OUT_NOT_FINAL : 0);
+		kvr_msg_put_u32s(&rep->sbuf, tokens, k);
+		kvr_msg_end(&rep->sbuf, off);
+		stream_added(rep);
+		tokens += k;
+		n -= k;
+	} while (n);
+}
+
 static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, const uint32_t *tokens,
                          size_t n, bool not_final)
 {
@@ -210,14 +269,7 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		     !x->out_short && kvr_rep_rec_append_out(x, tokens, n, not_final);)
 			if (!sender_pause(rep, &tries))
 				x->out_short = true;
-		size_t off = kvr_msg_begin(&rep->sbuf, KVR_MSG_OUTPUT, rep->c.replica_id,
-		                           rep->epoch, rep->seq + 1);
-		kvr_msg_put_u64(&rep->sbuf, attempt);
-		kvr_msg_put_u32(&rep->sbuf, (uint32_t)n);
-		kvr_msg_put_u32(&rep->sbuf, not_final ? KVR_MSG_OUT_NOT_FINAL : 0);
-		kvr_msg_put_u32s(&rep->sbuf, tokens, n);
-		kvr_msg_end(&rep->sbuf, off);
-		stream_added(rep);
+		send_output(rep, attempt, tokens, n, not_final);
 		break;
 	default: /* finish, abort (a lease expiry comes as an abort: kvr_repl_note_expire) */
 		out_end(rep, x, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT);

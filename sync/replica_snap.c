@@ -38,7 +38,14 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 	uint32_t n_chunk = 0, n_rec = 0;
 	bool failed = false;
 	pthread_mutex_lock(&rep->mu);
-	/* One record at a time into rec1, appended framed into recs; a full recs is sent. */
+	/* A chunk's records take at most `room` bytes: CHUNK_BYTES, or less to fit the transport's
+	 * largest message with the chunk's header and fields (a chunk over it was refused, the
+	 * snapshot given up and asked for again, for ever). */
+	size_t room = CHUNK_BYTES;
+	if (rep->max_msg && rep->max_msg < CHUNK_BYTES + KVR_MSG_HEADER + 16)
+		room = rep->max_msg > KVR_MSG_HEADER + 16 ? rep->max_msg - KVR_MSG_HEADER - 16 : 0;
+		/* One record at a time into rec1, appended framed into recs; a full recs is sent.
+		 */
 #define FLUSH(last)                                                                                \
 	do {                                                                                       \
 		chunk.len = 0;                                                                     \
@@ -63,7 +70,12 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 			failed = true;                                                             \
 			break;                                                                     \
 		}                                                                                  \
-		if (recs.len + rec1.len + 4 > CHUNK_BYTES && n_rec)                                \
+		if (rec1.len + 4 > room) { /* alone over the transport's limit: left out */        \
+			rep->st.oversized++;                                                       \
+			rec1.len = 0;                                                              \
+			break;                                                                     \
+		}                                                                                  \
+		if (recs.len + rec1.len + 4 > room && n_rec)                                       \
 			FLUSH(false);                                                              \
 		kvr_msg_put_u32(&recs, (uint32_t)rec1.len);                                        \
 		kvr_msg_put_bytes(&recs, rec1.p, rec1.len);                                        \

@@ -1086,6 +1086,11 @@ struct kvr_sync_stats {
 	 * attach (which checks the subscriptions and the id question: KVR_EINVAL): e.g. a user
 	 * that may not publish on <cluster>.stream, whose peers then never hear it. */
 	uint64_t denied;
+	/* Own messages larger than the NATS server's max_payload on their own, not sent: an
+	 * admission (or a re-announced attempt) of a prompt with more blocks than fit.  Peers do
+	 * not mirror that attempt (its later messages are orphans there).  Batches, snapshot
+	 * chunks and output are cut to fit and never counted here. */
+	uint64_t oversized;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */

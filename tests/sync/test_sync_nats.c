@@ -67,6 +67,13 @@
  *     may not publish on the stream attaches, and its refused publishes are counted (denied).
  *     Also tls asked of a server without TLS: KVR_EINVAL naming TLS.  Before, KVR_ETIMEDOUT
  *     ("no server reachable") for all of them, which reads as worth retrying.
+ * 14. a server with max_payload 64 KiB: eight admissions of 2,500 blocks (20 KB each) routed at
+ *     once, and 40,000 output tokens in one call, reach the peer (batches and output cut to fit;
+ *     per-rank active blocks equal); an admission of 8,192 blocks (over 64 KiB alone) is not
+ *     sent, counted oversized, and the stream goes on; a replica attached afterwards gets a
+ *     snapshot (chunks cut to fit, the attempt too big for one left out and counted).  Before,
+ *     every batch over the limit failed, was re-announced and failed again, for ever: the peer
+ *     mirrored nothing and the joiner was never ready.
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
@@ -1719,6 +1726,114 @@ static void test_auth(void)
 	      kvr_strerror(rc), rc ? kvr_last_error() : "");
 }
 
+static uint64_t active_blocks(struct kvr_router *r, uint64_t *reqs)
+{
+	uint64_t b = 0;
+	*reqs = 0;
+	for (uint64_t w = 0; w < N_RANKS; w++) {
+		struct kvr_rank_stats st;
+		if (kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &st) == 0) {
+			b += st.active_blocks;
+			*reqs += st.active_requests;
+		}
+	}
+	return b;
+}
+
+static void test_max_payload(void)
+{
+	static const char conf[] = "max_payload: 65536\n";
+	char path[] = "/tmp/kvr-nats-maxp-XXXXXX";
+	int fd = mkstemp(path);
+	CHECK(fd >= 0 && write(fd, conf, sizeof(conf) - 1) == (ssize_t)(sizeof(conf) - 1),
+	      "the server's configuration");
+	if (fd >= 0)
+		close(fd);
+	kvr_test_nats_stop();
+	kvr_test_nats_conf(path);
+	CHECK(kvr_test_nats_start() == 0, "nats-server with max_payload 64 KiB");
+	struct replica xs[3] = {0};
+	for (int i = 0; i < 2; i++) {
+		xs[i].r = make_router();
+		CHECK(attach(&xs[i], (uint64_t)i + 81) == 0, "attach %d", i);
+	}
+	static uint32_t t[131072], out[40000];
+	uint64_t att[10] = {0};
+	struct kvr_request q;
+	struct kvr_decision d;
+	for (int k = 0; k < 8; k++) { /* 2,500 blocks each: one batch of them is 160 KB */
+		prompt(t, 40000, 9100u + (uint32_t)k);
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 40000;
+		CHECK(kvr_route(xs[0].r, &q, &d) == 0, "route %d", k);
+		att[k] = d.attempt;
+	}
+	for (size_t i = 0; i < 40000; i++)
+		out[i] = 500000u + (uint32_t)i;
+	CHECK(kvr_request_output(xs[0].r, att[0], out, 40000) == 0, "40,000 output tokens");
+	CHECK(kvr_sync_drain(xs[0].s, 5000) == 0 && kvr_router_sync(xs[0].r, 5000) == 0, "drain A");
+	uint64_t ra = 0, rb = 0, ba = 0, bb = 0;
+	for (int k = 0; k < 250; k++) {
+		kvr_sync_drain(xs[1].s, 100);
+		kvr_router_sync(xs[1].r, 1000);
+		ba = active_blocks(xs[0].r, &ra);
+		bb = active_blocks(xs[1].r, &rb);
+		if (ra == rb && ba == bb)
+			break;
+		sleep_ms(20);
+	}
+	CHECK(ra == 8 && rb == 8 && ba == bb,
+	      "the peer's load: A %llu requests %llu blocks, B %llu requests %llu blocks",
+	      (unsigned long long)ra, (unsigned long long)ba, (unsigned long long)rb,
+	      (unsigned long long)bb);
+	/* 8,192 blocks: 64 KiB of hashes alone. */
+	prompt(t, 131072, 9200u);
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 131072;
+	CHECK(kvr_route(xs[0].r, &q, &d) == 0, "route the big one");
+	att[8] = d.attempt;
+	prompt(t, 64, 9300u);
+	q.n_tokens = 64;
+	CHECK(kvr_route(xs[0].r, &q, &d) == 0, "route a small one after it");
+	att[9] = d.attempt;
+	struct kvr_sync_stats sa = {0}, sb = {0};
+	for (int k = 0; k < 250 && sb.mirrored < 9; k++) {
+		sleep_ms(20);
+		kvr_sync_get_stats(xs[0].s, &sa);
+		kvr_sync_get_stats(xs[1].s, &sb);
+	}
+	CHECK(sa.oversized >= 1 && sb.mirrored == 9,
+	      "the big admission: A oversized %llu, B mirrors %u (want 9)",
+	      (unsigned long long)sa.oversized, sb.mirrored);
+	/* A joiner's snapshot: attempt 0 (20 KB of hashes and 160 KB of output) fits no chunk. */
+	xs[2].r = make_router();
+	double t0 = mono_ms();
+	int rc = attach(&xs[2], 83);
+	double took = mono_ms() - t0;
+	struct kvr_sync_stats sc = {0};
+	if (rc == 0)
+		kvr_sync_get_stats(xs[2].s, &sc);
+	CHECK(rc == 0 && sc.mirrored == 8, "the joiner: %s, mirrors %u (want 8)", kvr_strerror(rc),
+	      sc.mirrored);
+	printf("max_payload: peer mirrors %u, %llu blocks on both; big one oversized %llu; joiner "
+	       "ready in %.0f ms mirroring %u\n",
+	       sb.mirrored, (unsigned long long)bb, (unsigned long long)sa.oversized, took,
+	       sc.mirrored);
+	for (int k = 0; k < 10; k++)
+		kvr_request_finish(xs[0].r, att[k]);
+	for (int i = 0; i < 3; i++) {
+		if (xs[i].s)
+			kvr_sync_detach(xs[i].s);
+		kvr_router_destroy(xs[i].r);
+	}
+	kvr_test_nats_stop();
+	kvr_test_nats_conf(NULL);
+	unlink(path);
+	CHECK(kvr_test_nats_start() == 0, "nats-server restarted");
+}
+
 extern char **environ;
 
 /* The replica process of test_spawn (test_sync_nats --spawn-victim URL): attaches alone in
@@ -1851,6 +1966,7 @@ int main(int argc, char **argv)
 	RUN(spawn);
 	RUN(dup_id);
 	RUN(auth);
+	RUN(max_payload);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
