@@ -1046,7 +1046,9 @@ struct kvr_sync_stats {
 	uint64_t dropped;     /* malformed, unknown version, truncated, forged, or lost for memory
 	                       * on arrival: not applied (a lost message shows as a gap at the
 	                       * sender's next heartbeat, and its sender re-announces) */
-	uint64_t forged;      /* of those: carrying this replica's id */
+	uint64_t forged;      /* of those: carrying this replica's id: another replica uses it
+	                       * (kvr_sync_attach refuses an id in use, but cannot see one whose
+	                       * holder is reconnecting meanwhile); detach one of them */
 	uint64_t duplicates;  /* stream messages at or below a peer's position (not applied) */
 	uint64_t refused;     /* peer admissions the router refused (unknown rank, stale) */
 	uint64_t orphans;     /* lifecycle messages for attempts this replica does not mirror */
