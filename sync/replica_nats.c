@@ -356,6 +356,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		return ret;
 	if (kvr_router_stopping(r))
 		return kvr_fail(KVR_ESHUTDOWN, "%s: %s", fn, kvr_router_gone(r));
+	/* Before connecting: a second attach of one router under its own id would otherwise meet
+	 * its first in the id check (KVR_EEXIST) instead of being told it is attached already
+	 * (kvr_replica_start's check below stays for two attaches at once). */
+	if (__atomic_load_n(&r->repl, __ATOMIC_ACQUIRE))
+		return kvr_fail(KVR_EBUSY, "%s: the router has a replica attached already", fn);
 	struct kvr_sync *s = kvr_calloc(1, sizeof(*s));
 	if (!s)
 		return kvr_fail(KVR_ENOMEM, "%s: out of memory for the replica handle", fn);

@@ -1602,6 +1602,10 @@ static void test_dup_id(void)
 	if (rc == 0)
 		kvr_sync_detach(sb);
 	sb = NULL;
+	struct kvr_sync *again = (struct kvr_sync *)1;
+	rc = attach_id(a, "dupid", 5, &again);
+	CHECK(rc == KVR_EBUSY && again == NULL, "the first router attached again: %s (%s)",
+	      kvr_strerror(rc), kvr_last_error());
 	CHECK(attach_id(b, "dupid2", 5, &sb) == 0, "replica 5 in another cluster");
 	kvr_sync_detach(sb);
 	sb = NULL;
