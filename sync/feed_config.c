@@ -4,11 +4,11 @@
  * the same defaults whichever build it links.
  */
 #include <inttypes.h>
-#include <stdbool.h>
 #include <string.h>
 
 #include "core/error.h"
 #include "kvrouter.h"
+#include "sync/addr.h"
 #include "sync/feed_config.h"
 
 void kvr_feed_config_init(struct kvr_feed_config *cfg)
@@ -36,30 +36,6 @@ int kvr_feed_config_check(const struct kvr_feed_config *c, const char *fn)
 	return 0;
 }
 
-/* Whether the port of address [a, end) ("host:port") is a decimal number in lo..65535 (or '*'
- * when star).  No ':' at all is left to ZeroMQ (which refuses it). */
-static bool port_ok(const char *a, const char *end, unsigned lo, bool star)
-{
-	const char *c = NULL;
-	for (const char *p = a; p < end; p++)
-		if (*p == ':')
-			c = p;
-	if (!c)
-		return true;
-	const char *d = c + 1;
-	if (star && end - d == 1 && *d == '*')
-		return true;
-	if (d == end || end - d > 5)
-		return false;
-	unsigned v = 0;
-	for (; d < end; d++) {
-		if (*d < '0' || *d > '9')
-			return false;
-		v = v * 10 + (unsigned)(*d - '0');
-	}
-	return v >= lo && v <= 65535;
-}
-
 int kvr_feed_endpoint_check(const char *endpoint, const char *what, const char *fn)
 {
 	static const char tcp[] = "tcp://";
@@ -67,8 +43,9 @@ int kvr_feed_endpoint_check(const char *endpoint, const char *what, const char *
 		return 0;
 	const char *a = endpoint + sizeof(tcp) - 1, *semi = strchr(a, ';');
 	const char *end = a + strlen(a);
-	bool ok = semi ? port_ok(a, semi, 0, true) && port_ok(semi + 1, end, 1, false)
-	               : port_ok(a, end, 1, false);
+	bool ok =
+	    semi ? kvr_addr_port_ok(a, semi, 0, true) && kvr_addr_port_ok(semi + 1, end, 1, false)
+	         : kvr_addr_port_ok(a, end, 1, false);
 	if (!ok)
 		return kvr_fail(KVR_EINVAL,
 		                "%s: %s \"%s\" has a port that is not a number in 1..65535 (ZeroMQ "

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "kvrouter.h"
+#include "sync/addr.h"
 #include "sync/replica_config.h"
 
 void kvr_sync_config_init(struct kvr_sync_config *c)
@@ -23,10 +24,9 @@ void kvr_sync_config_init(struct kvr_sync_config *c)
 	c->snapshot_timeout_ms = 2000;
 }
 
-/* Whether the URL [u, end) ("[scheme://][user[:password]@]host[:port]", host maybe "[v6]") has
- * no port or a decimal one in 1..65535: nats.c takes "host:99999" for port 34463 (the low 16
- * bits) and connects there. */
-static bool port_ok(const char *u, const char *end)
+/* Whether the URL [u, end) ("[scheme://][user[:password]@]host[:port]") has no port or a
+ * decimal one in 1..65535 (sync/addr.h: nats.c takes "host:99999" for port 34463). */
+static bool url_port_ok(const char *u, const char *end)
 {
 	for (const char *p = u; p + 2 < end; p++)
 		if (p[0] == ':' && p[1] == '/' && p[2] == '/') {
@@ -38,27 +38,9 @@ static bool port_ok(const char *u, const char *end)
 			u = p;
 			break;
 		}
-	if (u < end && *u == '[') { /* an IPv6 literal: the port follows its ']' */
-		while (u < end && *u != ']')
-			u++;
-	}
-	const char *c = NULL;
-	for (const char *p = u; p < end; p++)
-		if (*p == ':')
-			c = p;
-	if (!c)
-		return true;
-	while (end > c + 1 && end[-1] == ' ') /* blanks after a URL, before the comma */
+	while (end > u && end[-1] == ' ') /* blanks after a URL, before the comma */
 		end--;
-	if (end == c + 1 || end - c - 1 > 5)
-		return false;
-	unsigned v = 0;
-	for (const char *d = c + 1; d < end; d++) {
-		if (*d < '0' || *d > '9')
-			return false;
-		v = v * 10 + (unsigned)(*d - '0');
-	}
-	return v >= 1 && v <= 65535;
+	return kvr_addr_port_ok(u, end, 1, false);
 }
 
 int kvr_sync_config_check(const struct kvr_sync_config *c, const char *fn)
@@ -77,7 +59,7 @@ int kvr_sync_config_check(const struct kvr_sync_config *c, const char *fn)
 		const char *u = p;
 		while (*p && *p != ',')
 			p++;
-		if (u != p && ++urls && !port_ok(u, p))
+		if (u != p && ++urls && !url_port_ok(u, p))
 			return kvr_fail(
 			    KVR_EINVAL,
 			    "%s: config.servers \"%s\": URL %zu has a port that is not a "

@@ -1634,6 +1634,29 @@ static void test_dup_id(void)
 	printf("dup_id: refused beside a mute holder in %.0f ms\n", took);
 }
 
+/* Restarts the test's nats-server with this configuration, written to a temporary file whose
+ * name goes to path (restart_plain removes it).  Returns whether it runs with it. */
+static bool restart_with(const char *conf, char path[32])
+{
+	strcpy(path, "/tmp/kvr-nats-conf-XXXXXX");
+	int fd = mkstemp(path);
+	size_t n = strlen(conf);
+	bool ok = fd >= 0 && write(fd, conf, n) == (ssize_t)n;
+	if (fd >= 0)
+		close(fd);
+	kvr_test_nats_stop();
+	kvr_test_nats_conf(ok ? path : NULL);
+	return kvr_test_nats_start() == 0 && ok;
+}
+
+static void restart_plain(const char *path)
+{
+	kvr_test_nats_stop();
+	kvr_test_nats_conf(NULL);
+	unlink(path);
+	CHECK(kvr_test_nats_start() == 0, "nats-server restarted without a configuration");
+}
+
 /* One attach to the current server in cluster "auth" as user (NULL: none) with pass. */
 static int attach_as(const char *user, const char *pass, bool tls)
 {
@@ -1666,15 +1689,8 @@ static void test_auth(void)
 	    "    {user: hoarse, password: p, permissions: {publish: {deny: [\"auth.stream\"]}}}\n"
 	    "  ]\n"
 	    "}\n";
-	char path[] = "/tmp/kvr-nats-auth-XXXXXX";
-	int fd = mkstemp(path);
-	CHECK(fd >= 0 && write(fd, conf, sizeof(conf) - 1) == (ssize_t)(sizeof(conf) - 1),
-	      "the server's configuration");
-	if (fd >= 0)
-		close(fd);
-	kvr_test_nats_stop();
-	kvr_test_nats_conf(path);
-	CHECK(kvr_test_nats_start() == 0, "nats-server with users");
+	char path[32];
+	CHECK(restart_with(conf, path), "nats-server with users");
 	static const struct {
 		const char *user, *pass, *detail;
 	} cases[] = {
@@ -1720,10 +1736,7 @@ static void test_auth(void)
 	printf("auth: as hoarse: %llu publishes refused, counted\n", (unsigned long long)st.denied);
 	kvr_sync_detach(s);
 	kvr_router_destroy(r);
-	kvr_test_nats_stop();
-	kvr_test_nats_conf(NULL);
-	unlink(path);
-	CHECK(kvr_test_nats_start() == 0, "nats-server restarted without users");
+	restart_plain(path);
 	/* TLS asked of a server that offers none. */
 	int rc = attach_as(NULL, NULL, true);
 	CHECK(rc == KVR_EINVAL && strstr(kvr_last_error(), "TLS"), "attach with tls: %s (%s)",
@@ -1747,15 +1760,8 @@ static uint64_t active_blocks(struct kvr_router *r, uint64_t *reqs)
 static void test_max_payload(void)
 {
 	static const char conf[] = "max_payload: 65536\n";
-	char path[] = "/tmp/kvr-nats-maxp-XXXXXX";
-	int fd = mkstemp(path);
-	CHECK(fd >= 0 && write(fd, conf, sizeof(conf) - 1) == (ssize_t)(sizeof(conf) - 1),
-	      "the server's configuration");
-	if (fd >= 0)
-		close(fd);
-	kvr_test_nats_stop();
-	kvr_test_nats_conf(path);
-	CHECK(kvr_test_nats_start() == 0, "nats-server with max_payload 64 KiB");
+	char path[32];
+	CHECK(restart_with(conf, path), "nats-server with max_payload 64 KiB");
 	struct replica xs[3] = {0};
 	for (int i = 0; i < 2; i++) {
 		xs[i].r = make_router();
@@ -1832,10 +1838,7 @@ static void test_max_payload(void)
 			kvr_sync_detach(xs[i].s);
 		kvr_router_destroy(xs[i].r);
 	}
-	kvr_test_nats_stop();
-	kvr_test_nats_conf(NULL);
-	unlink(path);
-	CHECK(kvr_test_nats_start() == 0, "nats-server restarted");
+	restart_plain(path);
 }
 
 extern char **environ;
