@@ -1657,17 +1657,23 @@ static void restart_plain(const char *path)
 	CHECK(kvr_test_nats_start() == 0, "nats-server restarted without a configuration");
 }
 
-/* One attach to the current server in cluster "auth" as user (NULL: none) with pass. */
+/* A replica of cluster "auth" on the current server, as user (NULL: none) with pass. */
+static void auth_config(struct kvr_sync_config *c, uint64_t id, const char *user, const char *pass)
+{
+	kvr_sync_config_init(c);
+	c->servers = kvr_test_nats_url();
+	c->cluster = "auth";
+	c->replica_id = id;
+	c->user = user;
+	c->password = pass;
+}
+
+/* One attach as replica 1 of cluster "auth" (auth_config). */
 static int attach_as(const char *user, const char *pass, bool tls)
 {
 	struct kvr_router *r = make_router();
 	struct kvr_sync_config c;
-	kvr_sync_config_init(&c);
-	c.servers = kvr_test_nats_url();
-	c.cluster = "auth";
-	c.replica_id = 1;
-	c.user = user;
-	c.password = pass;
+	auth_config(&c, 1, user, pass);
 	c.tls = tls;
 	struct kvr_sync *s = NULL;
 	int rc = kvr_sync_attach(r, &c, &s);
@@ -1713,12 +1719,7 @@ static void test_auth(void)
 	/* Publishing on the stream refused after the attach: counted. */
 	struct kvr_router *r = make_router();
 	struct kvr_sync_config c;
-	kvr_sync_config_init(&c);
-	c.servers = kvr_test_nats_url();
-	c.cluster = "auth";
-	c.replica_id = 2;
-	c.user = "hoarse";
-	c.password = "p";
+	auth_config(&c, 2, "hoarse", "p");
 	struct kvr_sync *s = NULL;
 	CHECK(r && kvr_sync_attach(r, &c, &s) == 0, "attach as hoarse: %s", kvr_last_error());
 	struct kvr_sync_stats st = {0};
