@@ -862,13 +862,18 @@ static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uin
 	case KVR_EINVAL: /* add: ZeroMQ refused an address */
 		if (!ep)
 			break;
-		return kvr_fail(rc,
-		                "%s: ZeroMQ refused endpoint \"%s\"%s%s%s (not a tcp://, ipc:// "
-		                "or inproc:// address it can connect to)",
-		                fn, ep->endpoint,
-		                ep->replay_endpoint ? " or replay_endpoint \"" : "",
-		                ep->replay_endpoint ? ep->replay_endpoint : "",
-		                ep->replay_endpoint ? "\"" : "");
+		return kvr_fail(
+		    rc,
+		    "%s: ZeroMQ refused endpoint \"%s\"%s%s%s (not a tcp://, ipc:// "
+		    "or inproc:// address it can connect to%s)",
+		    fn, ep->endpoint, ep->replay_endpoint ? " or replay_endpoint \"" : "",
+		    ep->replay_endpoint ? ep->replay_endpoint : "", ep->replay_endpoint ? "\"" : "",
+		    /* vLLM binds its publisher to tcp://(star):5557 by default */
+		    strstr(ep->endpoint, "://*") ||
+		            (ep->replay_endpoint && strstr(ep->replay_endpoint, "://*"))
+		        ? "; '*' is where a publisher binds: connect to the worker's "
+		          "host, e.g. tcp://HOST:5557"
+		        : "");
 	case KVR_ENOENT:
 		return kvr_fail(rc, "%s: the feed has no endpoint id %" PRIu32, fn, id);
 	case KVR_EBUSY:

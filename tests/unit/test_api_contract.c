@@ -815,6 +815,10 @@ Test(api_contract, feed_calls)
 	fx_init(&f);
 	cr_assert_eq(kvr_feed_create(f.ev, NULL, &the_feed), 0);
 	run_rows(&f, feed_rows, sizeof(feed_rows) / sizeof(feed_rows[0]));
+	/* vLLM's default endpoint is where its publisher binds: the detail says what to connect. */
+	cr_expect_eq(feed_add(&f, the_feed, "tcp://*:5557", false), KVR_EINVAL);
+	cr_expect(strstr(kvr_last_error(), "tcp://HOST:5557") != NULL, "detail: %s",
+	          kvr_last_error());
 	kvr_feed_destroy(the_feed);
 	fx_fini(&f);
 }
