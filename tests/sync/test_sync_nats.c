@@ -74,6 +74,8 @@
  *     snapshot (chunks cut to fit, the attempt too big for one left out and counted).  Before,
  *     every batch over the limit failed, was re-announced and failed again, for ever: the peer
  *     mirrored nothing and the joiner was never ready.
+ * 15. kvr_sync_detach while the server is down: no flush wait (it waited 500 ms for a flush that
+ *     could not happen; the check allows 450).
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
  */
 #include <dirent.h>
@@ -1842,6 +1844,27 @@ static void test_max_payload(void)
 	restart_plain(path);
 }
 
+static void test_detach_down(void)
+{
+	struct replica x = {0};
+	x.r = make_router();
+	CHECK(attach(&x, 91) == 0, "attach");
+	kvr_test_nats_stop();
+	struct kvr_sync_stats st = {.connected = true};
+	for (int k = 0; k < 250 && st.connected; k++) {
+		sleep_ms(20);
+		kvr_sync_get_stats(x.s, &st);
+	}
+	CHECK(!st.connected, "the replica saw the server go");
+	double t0 = mono_ms();
+	kvr_sync_detach(x.s);
+	double took = mono_ms() - t0;
+	CHECK(took < 450, "kvr_sync_detach with the server down took %.0f ms", took);
+	kvr_router_destroy(x.r);
+	CHECK(kvr_test_nats_start() == 0, "nats-server restarted");
+	printf("detach_down: %.1f ms\n", took);
+}
+
 extern char **environ;
 
 /* The replica process of test_spawn (test_sync_nats --spawn-victim URL): attaches alone in
@@ -1975,6 +1998,7 @@ int main(int argc, char **argv)
 	RUN(dup_id);
 	RUN(auth);
 	RUN(max_payload);
+	RUN(detach_down);
 #undef RUN
 	kvr_test_nats_stop();
 	printf("%s (%d failures)\n", fails ? "FAIL" : "PASS", fails);
