@@ -131,10 +131,11 @@ static void on_reconnected(natsConnection *nc, void *closure)
 {
 	struct kvr_sync *s = closure;
 	kvr_nats_cloexec(nc); /* a new socket, opened as the first without FD_CLOEXEC */
-	if (s->rep)           /* maybe another server of the cluster, with another limit */
+	if (s->rep) {
+		/* maybe another server of the cluster, with another limit */
 		kvr_replica_set_max_msg(s->rep, max_payload(nc));
-	if (s->rep)
 		kvr_replica_reconnected(s->rep);
+	}
 }
 
 static int t_publish(void *ctx, const void *buf, size_t len)
@@ -490,10 +491,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	if (st == NATS_OK && natsConnection_GetLastError(s->nc, &why) == NATS_NOT_PERMITTED)
 		st = NATS_NOT_PERMITTED;
 	bool taken = false, answered = false;
-	if (st == NATS_OK)
-		st = id_check(s, &taken, &answered);
-	if (st == NATS_NOT_PERMITTED)
-		natsConnection_GetLastError(s->nc, &why);
+	if (st == NATS_OK && (st = id_check(s, &taken, &answered)) == NATS_NOT_PERMITTED)
+		natsConnection_GetLastError(s->nc, &why); /* the id question's refusal */
 	kvr_thread_restore_signals(&sigs);
 	if (!connected) {
 		s->nc = NULL;

@@ -1636,11 +1636,10 @@ static void test_dup_id(void)
 	printf("dup_id: refused beside a mute holder in %.0f ms\n", took);
 }
 
-/* Restarts the test's nats-server with this configuration, written to a temporary file whose
- * name goes to path (restart_plain removes it).  Returns whether it runs with it. */
-static bool restart_with(const char *conf, char path[32])
+/* Restarts the test's nats-server with this configuration, written to a temporary file made
+ * from the mkstemp template path (restart_plain removes it).  Returns whether it runs with it. */
+static bool restart_with(const char *conf, char *path)
 {
-	strcpy(path, "/tmp/kvr-nats-conf-XXXXXX");
 	int fd = mkstemp(path);
 	size_t n = strlen(conf);
 	bool ok = fd >= 0 && write(fd, conf, n) == (ssize_t)n;
@@ -1697,7 +1696,7 @@ static void test_auth(void)
 	    "    {user: hoarse, password: p, permissions: {publish: {deny: [\"auth.stream\"]}}}\n"
 	    "  ]\n"
 	    "}\n";
-	char path[32];
+	char path[] = "/tmp/kvr-nats-conf-XXXXXX";
 	CHECK(restart_with(conf, path), "nats-server with users");
 	static const struct {
 		const char *user, *pass, *detail;
@@ -1763,7 +1762,7 @@ static uint64_t active_blocks(struct kvr_router *r, uint64_t *reqs)
 static void test_max_payload(void)
 {
 	static const char conf[] = "max_payload: 65536\n";
-	char path[32];
+	char path[] = "/tmp/kvr-nats-conf-XXXXXX";
 	CHECK(restart_with(conf, path), "nats-server with max_payload 64 KiB");
 	struct replica xs[3] = {0};
 	for (int i = 0; i < 2; i++) {
