@@ -161,13 +161,17 @@ static void *apply_main(void *arg)
 			first = false;
 			kvr_rep_resync(
 			    rep); /* KVR_ENOENT: no peer, we start the cluster's knowledge */
+			pthread_mutex_unlock(&rep->hmu);
+			/* Answering snapshot requests before kvr_replica_wait_ready returns: a
+			 * joiner attached after it finds this replica.  It came after, and a test
+			 * that stopped the server once ready saw its detach wait for this
+			 * callback's flush (test_sync_nats detach_down). */
+			if (rep->t.ready)
+				rep->t.ready(rep->t.ctx);
 			pthread_mutex_lock(&rep->qmu);
 			rep->ready = true;
 			pthread_cond_broadcast(&rep->donecv);
 			pthread_mutex_unlock(&rep->qmu);
-			pthread_mutex_unlock(&rep->hmu);
-			if (rep->t.ready)
-				rep->t.ready(rep->t.ctx);
 			continue;
 		}
 		pthread_mutex_unlock(&rep->hmu);

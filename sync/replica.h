@@ -32,7 +32,9 @@ struct kvr_replica_transport {
 	int (*request)(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
 	               int (*on_chunk)(void *cb, const void *buf, size_t len),
 	               bool (*poll)(void *cb), void *cb);
-	/* This replica is ready: start answering snapshot requests.  May be NULL. */
+	/* This replica is about to be ready: start answering snapshot requests.  Called on the
+	 * apply thread before kvr_replica_wait_ready returns; a stop joins that thread, so it
+	 * waits a bounded time at most.  May be NULL. */
 	void (*ready)(void *ctx);
 	/* How many stream messages the transport holds for this replica, received but not yet
 	 * delivered (nats.c's subscription queue).  While some wait, no peer is given up: the

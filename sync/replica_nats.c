@@ -173,9 +173,11 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 	if (natsConnection_SubscribeSync(&sub, s->nc, inbox) != NATS_OK)
 		goto out;
 	natsSubscription_SetPendingLimits(sub, 1 << 20, 1 << 30);
+	/* No flush: the inbox's subscription goes before the request on this connection, and
+	 * the wait below polls for a stop.  nats.c's flush of a request made while reconnecting
+	 * waited its whole 10 s default for a PONG no server would send, and a detach with it. */
 	if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req, (int)len) != NATS_OK)
 		goto out;
-	natsConnection_Flush(s->nc);
 	uint64_t deadline = mono_ns() + timeout_ns;
 	for (;;) {
 		natsMsg *msg = NULL;
@@ -235,12 +237,29 @@ static size_t t_pending(void *ctx)
 	return msgs > 0 ? (size_t)msgs : 0;
 }
 
+/* Waits at most limit_ms for the server to have what was sent, and only while connected.
+ * nats.c wakes a flush when the connection drops, but one begun while it reconnects (the PING
+ * kept for the next server) waits its whole timeout: a replica's first flush after the server
+ * went down held its apply thread, and a detach joining it, for nats.c's 10 s default (CI,
+ * test_sync_nats detach_down).  Slices of 50 ms bound what a drop between the check and the
+ * PING costs. */
+static void flush_while_connected(natsConnection *nc, int64_t limit_ms)
+{
+	for (int64_t spent = 0; spent < limit_ms; spent += 50) {
+		if (natsConnection_Status(nc) != NATS_CONN_STATUS_CONNECTED)
+			return;
+		natsStatus st = natsConnection_FlushTimeout(nc, 50);
+		if (st != NATS_TIMEOUT)
+			return;
+	}
+}
+
 static void t_ready(void *ctx)
 {
 	struct kvr_sync *s = ctx;
 	if (natsConnection_QueueSubscribe(&s->snap_sub, s->nc, s->subj_snap, "kvr-snap", on_snapreq,
 	                                  s) == NATS_OK)
-		natsConnection_Flush(s->nc);
+		flush_while_connected(s->nc, 1000); /* a joiner's request finds us from now on */
 }
 
 /* Splits the comma-separated server list into natsOptions_SetServers. */
@@ -273,8 +292,8 @@ static void sync_free(struct kvr_sync *s)
 	kvr_thread_defer_signals(&sigs);
 	/* The goodbye out before the close; not while reconnecting, where nothing can go and the
 	 * flush waited its whole 500 ms (a detach with the server down took 501 ms, 1 now). */
-	if (s->nc && natsConnection_Status(s->nc) == NATS_CONN_STATUS_CONNECTED)
-		natsConnection_FlushTimeout(s->nc, 500);
+	if (s->nc)
+		flush_while_connected(s->nc, 500);
 	if (s->snap_sub)
 		natsSubscription_Destroy(s->snap_sub);
 	if (s->stream_sub)
