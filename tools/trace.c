@@ -172,8 +172,13 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 		;
 	uint32_t session = t->n_sessions++;
 	if (c == EOF) {
+		/* A read error (a directory: EISDIR) was reported as an empty file. */
+		int e = ferror(f) ? errno : 0;
 		fclose(f);
-		seterr(err, errlen, "%s:1: empty file", path);
+		if (e)
+			seterr(err, errlen, "%s: %s", path, strerror(e));
+		else
+			seterr(err, errlen, "%s:1: empty file", path);
 		return -1;
 	}
 	rewind(f);
@@ -267,6 +272,12 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 			t->n_bad++;
 		}
 		json_decref(o);
+	}
+	/* getline's -1 is an end or a read error: a trace cut short by one was replayed as if it
+	 * ended there. */
+	if (ret == 0 && ferror(f)) {
+		seterr(err, errlen, "%s:%zu: %s", path, lineno + 1, strerror(errno));
+		ret = -1;
 	}
 	free(line);
 	fclose(f);

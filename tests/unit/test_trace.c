@@ -86,5 +86,8 @@ Test(trace, session_namespaces_and_block_size_mismatch)
 	cr_assert_eq(trace_load_mem(&e, "empty", "", 0, false, 0, err, 256), -1);
 	cr_assert_eq(trace_load(&e, "/nonexistent/x.jsonl", false, 0, err, 256), -1);
 	cr_assert(strstr(err, "/nonexistent/x.jsonl") != NULL);
+	/* A directory given for a file: named as such, not "empty file". */
+	cr_assert_eq(trace_load(&e, "/", false, 0, err, 256), -1);
+	cr_assert(strstr(err, "directory") != NULL, "%s", err);
 	trace_free(&e);
 }
