@@ -482,6 +482,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_events_total{what=\"end_reconciled\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"denied\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"oversized\"} %" PRIu64 "\n"
+	    "kvr_sync_events_total{what=\"truncated\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_output_dropped_tokens_total Peers' output tokens not applied here "
 	    "(memory, a full lane): their attempts wait for a re-announce\n"
 	    "# TYPE kvr_sync_output_dropped_tokens_total counter\n"
@@ -498,7 +499,8 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    s.refused, s.orphans, s.block_size_mismatch, s.batches, s.gaps, s.resyncs,
 	    s.snapshots_applied, s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost,
 	    s.released, s.early_lost, s.notes_over_cap, s.ends_reconciled, s.denied, s.oversized,
-	    s.output_dropped, s.peers_alive, s.mirrored, s.lag_messages, s.connected ? 1 : 0);
+	    s.truncated, s.output_dropped, s.peers_alive, s.mirrored, s.lag_messages,
+	    s.connected ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }
 

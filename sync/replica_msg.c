@@ -10,11 +10,9 @@
 #include "kvrouter.h"
 #include "sync/replica_msg.h"
 
-#define ADMIT_FIXED  72u
-#define OUTPUT_FIXED 16u
-#define RANK_FIXED   40u
-#define CHUNK_FIXED  16u
-#define FENCE_FIXED  24u
+#define RANK_FIXED  40u
+#define CHUNK_FIXED 16u
+#define FENCE_FIXED 24u
 
 static uint64_t rd64(const uint8_t *p)
 {
@@ -52,7 +50,7 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 	switch (m->h.type) {
 	case KVR_MSG_ADMIT:
 	case KVR_MSG_ATTEMPT: {
-		if (bl < ADMIT_FIXED)
+		if (bl < KVR_MSG_ADMIT_FIXED)
 			return KVR_EINVAL;
 		m->worker_id = rd64(b);
 		m->dp_rank = rd32(b + 8);
@@ -77,27 +75,28 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 			return KVR_EINVAL;
 		if (m->tail_n && !(m->flags & KVR_MSG_F_CHAIN_KNOWN))
 			return KVR_EINVAL;
-		uint64_t need = ADMIT_FIXED + (uint64_t)m->n_blocks * 8 + (uint64_t)m->tail_n * 4 +
-		                (uint64_t)m->n_out * 4;
+		uint64_t need = KVR_MSG_ADMIT_FIXED + (uint64_t)m->n_blocks * 8 +
+		                (uint64_t)m->tail_n * 4 + (uint64_t)m->n_out * 4;
 		if (need != bl)
 			return KVR_EINVAL;
-		m->blocks = b + ADMIT_FIXED;
+		m->blocks = b + KVR_MSG_ADMIT_FIXED;
 		m->tail = m->blocks + (size_t)m->n_blocks * 8;
 		m->out = m->tail + (size_t)m->tail_n * 4;
 		return 0;
 	}
 	case KVR_MSG_OUTPUT:
-		if (bl < OUTPUT_FIXED)
+		if (bl < KVR_MSG_OUTPUT_FIXED)
 			return KVR_EINVAL;
 		m->attempt = rd64(b);
 		m->n_out = rd32(b + 8);
 		m->flags = rd32(b + 12);
 		if (m->flags & ~KVR_MSG_OUT_NOT_FINAL || m->attempt == 0 ||
-		    m->n_out > KVR_MSG_MAX_BLOCKS || OUTPUT_FIXED + (uint64_t)m->n_out * 4 != bl)
+		    m->n_out > KVR_MSG_MAX_BLOCKS ||
+		    KVR_MSG_OUTPUT_FIXED + (uint64_t)m->n_out * 4 != bl)
 			return KVR_EINVAL;
 		if ((m->flags & KVR_MSG_OUT_NOT_FINAL) && m->n_out == 0)
 			return KVR_EINVAL;
-		m->out = b + OUTPUT_FIXED;
+		m->out = b + KVR_MSG_OUTPUT_FIXED;
 		return 0;
 	case KVR_MSG_PREFILL_DONE:
 	case KVR_MSG_FINISH:

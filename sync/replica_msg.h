@@ -76,6 +76,9 @@
 #define KVR_MSG_HEADER     32u
 #define KVR_MSG_MAX_BLOCKS (1u << 24)
 #define KVR_MSG_MAX_TAIL   65535u
+/* The fixed part of a body before its arrays: ADMIT / ATTEMPT, OUTPUT. */
+#define KVR_MSG_ADMIT_FIXED  72u
+#define KVR_MSG_OUTPUT_FIXED 16u
 
 enum kvr_msg_type {
 	KVR_MSG_ADMIT = 1,

@@ -14,33 +14,54 @@
 #include "sync/replica_internal.h"
 #include "sync/thread.h"
 
-void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
-                            uint64_t seq, const struct kvr_rep_rec *x, bool finished)
+bool kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
+                            uint64_t seq, const struct kvr_rep_rec *x, bool finished,
+                            size_t max_len)
 {
+	const bool attempt = type == KVR_MSG_ATTEMPT;
+	uint32_t n_blocks = x->n_blocks, tail_n = x->tail_n, n_out = attempt ? x->n_out : 0;
+	bool chain_known = x->chain_known;
+	const uint64_t whole = KVR_MSG_HEADER + KVR_MSG_ADMIT_FIXED + (uint64_t)n_blocks * 8 +
+	                       (uint64_t)tail_n * 4 + (uint64_t)n_out * 4;
+	/* Over the transport's limit (a server's max_payload: 8,179 blocks at 64 KiB), the whole
+	 * message could never go: it was not sent, and peers did not mirror the attempt at all
+	 * (no load, no prefix).  Cut, it is an admission whose chain the caller gave (as with
+	 * seq_hashes): the prefix and the load are mirrored, the output's blocks are not hashed
+	 * there (their chain's start is not known), and no peer over-credits the rank. */
+	const bool cut =
+	    max_len && whole > max_len && max_len >= KVR_MSG_HEADER + KVR_MSG_ADMIT_FIXED;
+	if (cut) {
+		size_t fit = (max_len - KVR_MSG_HEADER - KVR_MSG_ADMIT_FIXED) / 8;
+		n_blocks = fit < n_blocks ? (uint32_t)fit : n_blocks;
+		tail_n = 0;
+		n_out = 0;
+		chain_known = false;
+	}
 	size_t off = kvr_msg_begin(b, type, replica, epoch, seq);
 	kvr_msg_put_u64(b, x->rank.worker_id);
 	kvr_msg_put_u32(b, x->rank.dp_rank);
-	uint32_t flags = (x->chain_known ? KVR_MSG_F_CHAIN_KNOWN : 0);
-	if (type == KVR_MSG_ATTEMPT)
+	uint32_t flags = (chain_known ? KVR_MSG_F_CHAIN_KNOWN : 0);
+	if (attempt)
 		flags |= (x->prefilled ? KVR_MSG_F_PREFILLED : 0) |
 		         (finished ? KVR_MSG_F_FINISHED : 0) |
-		         (x->out_counted && x->n_out ? KVR_MSG_F_OUT_COUNTED : 0);
+		         (x->out_counted && n_out ? KVR_MSG_F_OUT_COUNTED : 0);
 	kvr_msg_put_u32(b, flags);
 	kvr_msg_put_u64(b, x->incarnation);
 	kvr_msg_put_u64(b, x->oattempt);
 	kvr_msg_put_u64(b, x->prompt_tokens);
 	kvr_msg_put_u64(b, x->lora_seed);
-	kvr_msg_put_u32(b, x->overlap);
+	kvr_msg_put_u32(b, x->overlap > n_blocks ? n_blocks : x->overlap);
 	kvr_msg_put_u32(b, x->expected);
-	kvr_msg_put_u32(b, x->n_blocks);
-	kvr_msg_put_u32(b, x->tail_n);
-	kvr_msg_put_u32(b, type == KVR_MSG_ATTEMPT ? x->n_out : 0);
+	kvr_msg_put_u32(b, n_blocks);
+	kvr_msg_put_u32(b, tail_n);
+	kvr_msg_put_u32(b, n_out);
 	kvr_msg_put_u32(b, 0);
-	kvr_msg_put_u64s(b, x->blocks, x->n_blocks);
-	kvr_msg_put_u32s(b, x->tail, x->tail_n);
-	if (type == KVR_MSG_ATTEMPT)
-		kvr_msg_put_u32s(b, x->out, x->n_out);
+	kvr_msg_put_u64s(b, x->blocks, n_blocks);
+	kvr_msg_put_u32s(b, x->tail, tail_n);
+	if (attempt)
+		kvr_msg_put_u32s(b, x->out, n_out);
 	kvr_msg_end(b, off);
+	return cut;
 }
 
 /* ---------------------------------------------------------------- the stream batch
@@ -197,8 +218,9 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 		}
 	}
 	kvr_rep_live_link(rep, x);
-	kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
-	                       rep->seq + 1, x, false);
+	if (kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
+	                           rep->seq + 1, x, false, rep->max_msg))
+		rep->st.truncated++;
 	if (kvr_rep_tracing(rep->c.replica_id)) {
 		kvr_rep_trace_stamp(x->oattempt, KVR_TR_POP, rep->burst_ns);
 		kvr_rep_trace_stamp(x->oattempt, KVR_TR_ENCODED, 0);
@@ -222,8 +244,8 @@ static void send_output(struct kvr_replica *rep, uint64_t attempt, const uint32_
                         bool not_final)
 {
 	size_t per = n;
-	if (rep->max_msg > KVR_MSG_HEADER + 16 + 4)
-		per = (rep->max_msg - KVR_MSG_HEADER - 16) / 4;
+	if (rep->max_msg > KVR_MSG_HEADER + KVR_MSG_OUTPUT_FIXED + 4)
+		per = (rep->max_msg - KVR_MSG_HEADER - KVR_MSG_OUTPUT_FIXED) / 4;
 	do {
 		size_t k = n < per ? n : per;
 		bool last = k == n;
@@ -591,16 +613,18 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 		for (struct kvr_rep_rec *x = rep->ranks[i].jhead; x; x = x->next) {
 			if (!since_ns || x->origin != rep->c.replica_id || x->fin_ns < since_ns)
 				continue;
-			kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
-			                       rep->epoch, rep->seq + 1, x, true);
+			if (kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
+			                           rep->epoch, rep->seq + 1, x, true, rep->max_msg))
+				rep->st.truncated++;
 			stream_added(rep);
 		}
 	}
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next) {
 		if (x->origin != rep->c.replica_id)
 			continue;
-		kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id, rep->epoch,
-		                       rep->seq + 1, x, false);
+		if (kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
+		                           rep->epoch, rep->seq + 1, x, false, rep->max_msg))
+			rep->st.truncated++;
 		stream_added(rep);
 	}
 	kvr_rep_stream_flush(rep);

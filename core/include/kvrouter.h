@@ -1088,11 +1088,16 @@ struct kvr_sync_stats {
 	 * attach (which checks the subscriptions and the id question: KVR_EINVAL): e.g. a user
 	 * that may not publish on <cluster>.stream, whose peers then never hear it. */
 	uint64_t denied;
-	/* Own messages larger than the NATS server's max_payload on their own, not sent: an
-	 * admission (or a re-announced attempt) of a prompt with more blocks than fit.  Peers do
+	/* Own messages larger than the NATS server's max_payload on their own, not sent: only a
+	 * server limit under 104 bytes leaves one (an admission too long is cut, below).  Peers do
 	 * not mirror that attempt (its later messages are orphans there).  Batches, snapshot
 	 * chunks and output are cut to fit and never counted here. */
 	uint64_t oversized;
+	/* Admissions (and attempts re-announced or in snapshots served) longer than the server's
+	 * max_payload, sent with the first blocks of their chain that fit (8,179 at 64 KiB,
+	 * 131,059 at the default 1 MiB) as a chain the caller gave: peers mirror the attempt, its
+	 * load and that prefix, but predict no blocks for its output (before: not sent at all). */
+	uint64_t truncated;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */

@@ -69,11 +69,13 @@
  *     ("no server reachable") for all of them, which reads as worth retrying.
  * 14. a server with max_payload 64 KiB: eight admissions of 2,500 blocks (20 KB each) routed at
  *     once, and 40,000 output tokens in one call, reach the peer (batches and output cut to fit;
- *     per-rank active blocks equal); an admission of 8,192 blocks (over 64 KiB alone) is not
- *     sent, counted oversized, and the stream goes on; a replica attached afterwards gets a
- *     snapshot (chunks cut to fit, the attempt too big for one left out and counted).  Before,
- *     every batch over the limit failed, was re-announced and failed again, for ever: the peer
- *     mirrored nothing and the joiner was never ready.
+ *     per-rank active blocks equal); an admission of 8,192 blocks (over 64 KiB alone) goes
+ *     with the 8,179 blocks that fit as an unknown chain (counted truncated): the peer mirrors
+ *     it, its load and that prefix; a replica attached afterwards gets a snapshot (chunks cut to
+ *     fit; the attempt with 160 KB of output, too big for one chunk, goes cut too) and mirrors
+ *     all ten.  Before, every batch over the limit failed, was re-announced and failed again,
+ *     for ever: the peer mirrored nothing and the joiner was never ready; and later the big
+ *     admission was not sent at all (counted oversized: no load, no prefix on the peers).
  * 15. kvr_sync_detach while the server is down: no flush wait (it waited 500 ms for a flush that
  *     could not happen; the check allows 450).
  * usage: test_sync_nats [seed [pace_us [test]]]  (test: three, pressure, false_death, kill, ...)
@@ -1811,15 +1813,31 @@ static void test_max_payload(void)
 	CHECK(kvr_route(xs[0].r, &q, &d) == 0, "route a small one after it");
 	att[9] = d.attempt;
 	struct kvr_sync_stats sa = {0}, sb = {0};
-	for (int k = 0; k < 250 && sb.mirrored < 9; k++) {
+	for (int k = 0; k < 250 && sb.mirrored < 10; k++) {
 		sleep_ms(20);
 		kvr_sync_get_stats(xs[0].s, &sa);
 		kvr_sync_get_stats(xs[1].s, &sb);
 	}
-	CHECK(sa.oversized >= 1 && sb.mirrored == 9,
-	      "the big admission: A oversized %llu, B mirrors %u (want 9)",
-	      (unsigned long long)sa.oversized, sb.mirrored);
-	/* A joiner's snapshot: attempt 0 (20 KB of hashes and 160 KB of output) fits no chunk. */
+	CHECK(sa.truncated == 1 && sa.oversized == 0 && sb.mirrored == 10,
+	      "the big admission: A truncated %llu oversized %llu, B mirrors %u (want 10)",
+	      (unsigned long long)sa.truncated, (unsigned long long)sa.oversized, sb.mirrored);
+	static char page[1 << 20];
+	size_t plen = 0;
+	CHECK(kvr_metrics_render(xs[0].r, page, sizeof(page), &plen) == 0 &&
+	          strstr(page, "kvr_sync_events_total{what=\"truncated\"} 1\n"),
+	      "A's metrics page shows the truncated admission");
+	/* What B holds of it: the prefix that fit, no more (an unknown chain: no tail). */
+	uint64_t ra2 = 0, rb2 = 0;
+	kvr_router_sync(xs[1].r, 1000);
+	uint64_t ba2 = active_blocks(xs[0].r, &ra2), bb2 = active_blocks(xs[1].r, &rb2);
+	const uint64_t fit = (65536 - 32 - 72) / 8; /* 8,179 */
+	CHECK(ra2 == 10 && rb2 == 10 && bb2 == ba2 - (8192 - fit),
+	      "after the big one: A %llu requests %llu blocks, B %llu requests %llu blocks (want "
+	      "A's less %llu)",
+	      (unsigned long long)ra2, (unsigned long long)ba2, (unsigned long long)rb2,
+	      (unsigned long long)bb2, (unsigned long long)(8192 - fit));
+	/* A joiner's snapshot: attempt 0 (20 KB of hashes and 160 KB of output) and the big one
+	 * fit no chunk whole. */
 	xs[2].r = make_router();
 	double t0 = mono_ms();
 	int rc = attach(&xs[2], 83);
@@ -1827,14 +1845,27 @@ static void test_max_payload(void)
 	struct kvr_sync_stats sc = {0};
 	if (rc == 0)
 		kvr_sync_get_stats(xs[2].s, &sc);
-	CHECK(rc == 0 && sc.mirrored == 8, "the joiner: %s, mirrors %u (want 8)", kvr_strerror(rc),
-	      sc.mirrored);
-	printf("max_payload: peer mirrors %u, %llu blocks on both; big one oversized %llu; joiner "
-	       "ready in %.0f ms mirroring %u\n",
-	       sb.mirrored, (unsigned long long)bb, (unsigned long long)sa.oversized, took,
-	       sc.mirrored);
+	CHECK(rc == 0 && sc.mirrored == 10, "the joiner: %s, mirrors %u (want 10)",
+	      kvr_strerror(rc), sc.mirrored);
+	printf("max_payload: peer mirrors %u, %llu blocks on both before the big one (%llu of A's "
+	       "%llu after it); big one truncated %llu; joiner ready in %.0f ms mirroring %u\n",
+	       sb.mirrored, (unsigned long long)bb, (unsigned long long)bb2,
+	       (unsigned long long)ba2, (unsigned long long)sa.truncated, took, sc.mirrored);
 	for (int k = 0; k < 10; k++)
 		kvr_request_finish(xs[0].r, att[k]);
+	/* Every attempt, cut or whole, ends on the peers as on A. */
+	uint64_t left[3] = {1, 1, 1}, lb[3] = {0};
+	for (int k = 0; k < 250 && (left[1] || left[2]); k++) {
+		sleep_ms(20);
+		for (int i = 1; i < 3; i++) {
+			kvr_router_sync(xs[i].r, 1000);
+			lb[i] = active_blocks(xs[i].r, &left[i]);
+		}
+	}
+	CHECK(left[1] == 0 && left[2] == 0 && lb[1] == 0 && lb[2] == 0,
+	      "after the finishes: B %llu requests %llu blocks, the joiner %llu, %llu",
+	      (unsigned long long)left[1], (unsigned long long)lb[1], (unsigned long long)left[2],
+	      (unsigned long long)lb[2]);
 	for (int i = 0; i < 3; i++) {
 		if (xs[i].s)
 			kvr_sync_detach(xs[i].s);
