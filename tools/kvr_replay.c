@@ -60,10 +60,11 @@ static void usage(FILE *f)
 	    "feed\n"
 	    "                         (vLLM msgpack over ZeroMQ on loopback, real lag; -Dzmq "
 	    "builds)\n"
-	    "  --ranks N              simulated ranks (default 8)\n"
+	    "  --ranks N              simulated ranks, 1..65536 (default 8)\n"
 	    "  --blocks-per-rank N    GPU KV blocks per rank (default: chosen for capacity "
 	    "pressure, printed)\n"
-	    "  --block-size N         router and engine block size, tokens (default 16)\n"
+	    "  --block-size N         router and engine block size, tokens, 1..65536 (default "
+	    "16)\n"
 	    "  --max-requests N       replay only the first N requests\n"
 	    "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
 	    "default 1)\n"
@@ -241,13 +242,15 @@ int main(int argc, char **argv)
 			policies = optarg;
 			break;
 		case 'r':
-			bad = parse_u32(optarg, &cfg.n_ranks) || cfg.n_ranks == 0;
+			bad = parse_u32(optarg, &cfg.n_ranks) || cfg.n_ranks == 0 ||
+			      cfg.n_ranks > 65536; /* the router's max_ranks limit */
 			break;
 		case 'B':
 			bad = parse_u32(optarg, &cfg.blocks_per_rank) || cfg.blocks_per_rank == 0;
 			break;
 		case 'b':
-			bad = parse_u32(optarg, &cfg.block_size) || cfg.block_size == 0;
+			bad = parse_u32(optarg, &cfg.block_size) || cfg.block_size == 0 ||
+			      cfg.block_size > 65536; /* the router's block_size limit */
 			break;
 		case 'n':
 			bad = parse_u64(optarg, &max_req);

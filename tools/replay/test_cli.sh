@@ -100,6 +100,15 @@ if "$bin" --quiet "$bad" 2>"$tmp/err"; then
 fi
 grep -q "bad.jsonl:2" "$tmp/err" || fail "error does not name file:line: $(cat "$tmp/err")"
 "$bin" --skip-bad --policies round_robin "$bad" >"$tmp/skip.txt" || fail "--skip-bad"
+# A directory for a trace, and more ranks than a router takes: said before anything runs.
+if "$bin" --quiet "$tmp" 2>"$tmp/err"; then
+	fail "a directory was accepted as a trace"
+fi
+grep -q "Is a directory" "$tmp/err" || fail "a directory: $(cat "$tmp/err")"
+if "$bin" --quiet --ranks 65537 "$sample" 2>"$tmp/err"; then
+	fail "--ranks 65537 was accepted"
+fi
+grep -q "bad value for --ranks" "$tmp/err" || fail "--ranks 65537: $(cat "$tmp/err")"
 grep -q "(1 malformed skipped)" "$tmp/skip.txt" || fail "--skip-bad did not count: $(cat "$tmp/skip.txt")"
 
 if command -v gnuplot >/dev/null 2>&1; then
