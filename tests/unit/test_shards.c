@@ -1028,11 +1028,17 @@ Test(runtime, soon_post_rides_short_parks_and_wakes_after_a_lull)
 	qsort(d, (size_t)deferrals, sizeof(d[0]), cmp_u64);
 	cr_assert_lt(d[deferrals / 2], lazy / 3, "median delay %llu ns",
 	             (unsigned long long)d[deferrals / 2]);
-	/* 10 ms after the last soon message the parks are lazy_wake_ns long again: woken. */
+	/* 10 ms after the last soon message the parks are lazy_wake_ns long again: woken.  A
+	 * shard thread the loaded machine did not run during the lull still shows its last short
+	 * park, and the post rides it (correctly: that park has run out); so up to five lulls
+	 * (CI, ASan stage beside other jobs: one failed once). */
 	struct timespec lull = {0, 30000000};
-	nanosleep(&lull, NULL);
-	soon_delay(sh, &deferred);
-	cr_assert_not(deferred, "a soon post after the lull was left to a long park");
+	int tries = 0;
+	do {
+		nanosleep(&lull, NULL);
+		soon_delay(sh, &deferred);
+	} while (deferred && ++tries < 5);
+	cr_assert_not(deferred, "a soon post after each of 5 lulls was left to a long park");
 	kvr_shards_destroy(s);
 
 	/* soon_wake_ns = 0: soon posts wake like paced ones, and no park is short. */
