@@ -1141,7 +1141,8 @@ KVR_API void kvr_sync_detach(struct kvr_sync *s);
 /* Waits until the replica has applied its first snapshot (or found no peer: a replica alone in
  * its cluster is ready as soon as the server says nobody answers, within milliseconds; a peer
  * that does not answer is waited for up to snapshot_timeout_ms, a wait kvr_sync_detach and
- * kvr_router_destroy cut short).  0,
+ * kvr_router_destroy cut short).  Once ready it also answers its peers' snapshot requests, so
+ * a replica attached after this returned finds it.  0,
  * KVR_ETIMEDOUT, KVR_EINVAL; from a callback the replica's own threads run (see
  * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY; from a feed's callback, as
  * kvr_sync_drain. */
