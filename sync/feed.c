@@ -1000,12 +1000,21 @@ int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *cfg, str
 		                "limit): ZeroMQ's start takes %d, and aborts without them",
 		                ZMQ_START_THREADS);
 	}
-	if (!(f->zctx = zmq_ctx_new()))
-		goto fail;
+	/* ZeroMQ starts its I/O and reaper threads at the context's first socket, with this
+	 * thread's signal mask, and blocks signals only once each runs: a process-directed signal
+	 * meanwhile (the embedder's SIGTERM, blocked on its own threads) could land on one and end
+	 * the process (test_signals, once in CI on a loaded machine).  Started with every
+	 * asynchronous signal blocked instead, as the library's own threads (sync/thread.h). */
+	sigset_t sigs;
+	kvr_thread_defer_signals(&sigs);
+	f->zctx = zmq_ctx_new();
 	char name[64];
 	snprintf(name, sizeof(name), "inproc://kvr-feed-%p", (void *)f);
-	f->ctl_server = zmq_socket(f->zctx, ZMQ_PAIR);
-	f->ctl_client = zmq_socket(f->zctx, ZMQ_PAIR);
+	f->ctl_server = f->zctx ? zmq_socket(f->zctx, ZMQ_PAIR) : NULL;
+	f->ctl_client = f->zctx ? zmq_socket(f->zctx, ZMQ_PAIR) : NULL;
+	kvr_thread_restore_signals(&sigs);
+	if (!f->zctx)
+		goto fail;
 	if (!f->ctl_server || !f->ctl_client || z_bind(f->ctl_server, name, zmq_bind) != 0 ||
 	    z_bind(f->ctl_client, name, zmq_connect) != 0)
 		goto fail;

@@ -15,6 +15,7 @@
  *
  * Exit 0 pass, 1 fail.
  */
+#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -73,6 +74,38 @@ static void *taker(void *arg)
 	return NULL;
 }
 
+/* The threads of this process, but the calling one, that do not block SIGTERM or SIGUSR1 now
+ * (/proc/self/task/TID/status, SigBlk), their count; -1 when /proc cannot be read. */
+static int threads_taking_signals(void)
+{
+	DIR *d = opendir("/proc/self/task");
+	if (!d)
+		return -1;
+	int n = 0;
+	const unsigned long long want = (1ull << (SIGTERM - 1)) | (1ull << (SIGUSR1 - 1));
+	for (struct dirent *e; (e = readdir(d));) {
+		if (e->d_name[0] == '.' || atoi(e->d_name) == (int)gettid_())
+			continue;
+		char path[300], line[256];
+		snprintf(path, sizeof(path), "/proc/self/task/%s/status", e->d_name);
+		FILE *f = fopen(path, "r");
+		if (!f)
+			continue; /* gone meanwhile */
+		unsigned long long blk = ~0ull;
+		while (fgets(line, sizeof(line), f))
+			if (sscanf(line, "SigBlk: %llx", &blk) == 1)
+				break;
+		fclose(f);
+		if ((blk & want) != want) {
+			fprintf(stderr, "thread %s does not block SIGTERM/SIGUSR1 (SigBlk %llx)\n",
+			        e->d_name, blk);
+			n++;
+		}
+	}
+	closedir(d);
+	return n;
+}
+
 static int child(void *arg)
 {
 	(void)arg;
@@ -82,6 +115,10 @@ static int child(void *arg)
 	struct kvr_feed *f = NULL;
 	int rc = kvr_feed_create(ev, NULL, &f);
 	CHECK(rc == 0 || rc == KVR_ENOTSUP, "kvr_feed_create: %d (%s)", rc, kvr_last_error());
+	/* At once, not only once ZeroMQ's threads have run: they start with the signals blocked
+	 * (they blocked them only once running, and a signal before that ended the process). */
+	int open_threads = threads_taking_signals();
+	CHECK(open_threads == 0, "%d threads would take a process-directed SIGTERM", open_threads);
 	kvr_test_route_finish(r, 100, 512);
 
 	/* The program's signal set-up, after. */
