@@ -297,11 +297,11 @@ bool kvr_rep_early_take(struct kvr_replica *rep, uint64_t a);
 /* Appends x as an ADMIT or ATTEMPT message to b (finished: the ATTEMPT's finished flag).  With
  * max_len (0: none) a message that would be longer carries only the chain's first blocks that
  * fit, as an unknown chain (no tail, no output): peers then mirror the attempt, its load and that
- * prefix, rather than nothing; returns true when it did so.  Context: the owner of b (mu held
- * when b is rep->obuf). */
-bool kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
+ * prefix, rather than nothing; *truncated counts it.  Context: the owner of b and of *truncated
+ * (mu held for rep->st). */
+void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
                             uint64_t seq, const struct kvr_rep_rec *x, bool finished,
-                            size_t max_len);
+                            size_t max_len, uint64_t *truncated);
 /* Appends a RANK message (op, e's fields) to b.  Context: as kvr_rep_encode_attempt. */
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e);

@@ -246,10 +246,8 @@ static size_t t_pending(void *ctx)
 static void flush_while_connected(natsConnection *nc, int64_t limit_ms)
 {
 	for (int64_t spent = 0; spent < limit_ms; spent += 50) {
-		if (natsConnection_Status(nc) != NATS_CONN_STATUS_CONNECTED)
-			return;
-		natsStatus st = natsConnection_FlushTimeout(nc, 50);
-		if (st != NATS_TIMEOUT)
+		if (natsConnection_Status(nc) != NATS_CONN_STATUS_CONNECTED ||
+		    natsConnection_FlushTimeout(nc, 50) != NATS_TIMEOUT)
 			return;
 	}
 }

@@ -14,9 +14,9 @@
 #include "sync/replica_internal.h"
 #include "sync/thread.h"
 
-bool kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
+void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
                             uint64_t seq, const struct kvr_rep_rec *x, bool finished,
-                            size_t max_len)
+                            size_t max_len, uint64_t *truncated)
 {
 	const bool attempt = type == KVR_MSG_ATTEMPT;
 	uint32_t n_blocks = x->n_blocks, tail_n = x->tail_n, n_out = attempt ? x->n_out : 0;
@@ -36,6 +36,7 @@ bool kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 		tail_n = 0;
 		n_out = 0;
 		chain_known = false;
+		(*truncated)++;
 	}
 	size_t off = kvr_msg_begin(b, type, replica, epoch, seq);
 	kvr_msg_put_u64(b, x->rank.worker_id);
@@ -61,7 +62,6 @@ bool kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
 	if (attempt)
 		kvr_msg_put_u32s(b, x->out, n_out);
 	kvr_msg_end(b, off);
-	return cut;
 }
 
 /* ---------------------------------------------------------------- the stream batch
@@ -218,9 +218,8 @@ static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 		}
 	}
 	kvr_rep_live_link(rep, x);
-	if (kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
-	                           rep->seq + 1, x, false, rep->max_msg))
-		rep->st.truncated++;
+	kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ADMIT, rep->c.replica_id, rep->epoch,
+	                       rep->seq + 1, x, false, rep->max_msg, &rep->st.truncated);
 	if (kvr_rep_tracing(rep->c.replica_id)) {
 		kvr_rep_trace_stamp(x->oattempt, KVR_TR_POP, rep->burst_ns);
 		kvr_rep_trace_stamp(x->oattempt, KVR_TR_ENCODED, 0);
@@ -613,18 +612,17 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 		for (struct kvr_rep_rec *x = rep->ranks[i].jhead; x; x = x->next) {
 			if (!since_ns || x->origin != rep->c.replica_id || x->fin_ns < since_ns)
 				continue;
-			if (kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
-			                           rep->epoch, rep->seq + 1, x, true, rep->max_msg))
-				rep->st.truncated++;
+			kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
+			                       rep->epoch, rep->seq + 1, x, true, rep->max_msg,
+			                       &rep->st.truncated);
 			stream_added(rep);
 		}
 	}
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next) {
 		if (x->origin != rep->c.replica_id)
 			continue;
-		if (kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
-		                           rep->epoch, rep->seq + 1, x, false, rep->max_msg))
-			rep->st.truncated++;
+		kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id, rep->epoch,
+		                       rep->seq + 1, x, false, rep->max_msg, &rep->st.truncated);
 		stream_added(rep);
 	}
 	kvr_rep_stream_flush(rep);

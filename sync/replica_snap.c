@@ -46,8 +46,7 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 		room = rep->max_msg > KVR_MSG_HEADER + 16 ? rep->max_msg - KVR_MSG_HEADER - 16 : 0;
 	/* An attempt's record takes its 4-byte length too; one over it alone goes cut. */
 	const size_t rec_max = room > 4 ? room - 4 : 1;
-	/* One record at a time into rec1, appended framed into recs; a full recs is sent.
-	 */
+	/* One record at a time into rec1, appended framed into recs; a full recs is sent. */
 #define FLUSH(last)                                                                                \
 	do {                                                                                       \
 		chunk.len = 0;                                                                     \
@@ -103,16 +102,14 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 		kvr_rep_encode_rank(&rec1, rep->c.replica_id, rep->epoch, 0, KVR_REPL_RANK_ADD, e);
 		ADD_REC();
 		for (struct kvr_rep_rec *x = e->jhead; x && !failed; x = x->next) {
-			if (kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0,
-			                           x, true, rec_max))
-				rep->st.truncated++;
+			kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0, x,
+			                       true, rec_max, &rep->st.truncated);
 			ADD_REC();
 		}
 	}
 	for (struct kvr_rep_rec *x = rep->live_head; x && !failed; x = x->next) {
-		if (kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0, x,
-		                           false, rec_max))
-			rep->st.truncated++;
+		kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0, x, false,
+		                       rec_max, &rep->st.truncated);
 		ADD_REC();
 	}
 	if (!failed)

@@ -1900,12 +1900,7 @@ static void test_detach_down(void)
 	for (int round = 0; round < 8; round++) {
 		struct replica y = {0};
 		y.r = make_router();
-		struct kvr_sync_config c;
-		kvr_sync_config_init(&c);
-		c.servers = kvr_test_nats_url();
-		c.cluster = "t";
-		c.replica_id = 92;
-		CHECK(y.r && kvr_sync_attach(y.r, &c, &y.s) == 0, "attach");
+		CHECK(y.r && attach_id(y.r, "t", 92, &y.s) == 0, "attach");
 		sleep_ms(round / 2); /* 0-3 ms: before, during and after its first request */
 		kvr_test_nats_stop();
 		t0 = mono_ms();
