@@ -226,7 +226,7 @@ static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 		    gauges[g][0]);
 		kvr_rcu_read_lock();
 		const struct kvr_live *live = kvr_rcu_deref(&r->live);
-		for (uint32_t i = 0; i < live->n; i++) {
+		for (uint32_t i = 0, n = kvr_live_n(live); i < n; i++) {
 			const struct kvr_rank_pub *p = &r->ranks[live->slot[i]];
 			const uint64_t *f[] = {&p->active_blocks, &p->prefill_tokens,
 			                       &p->active_requests, &p->resident_blocks};

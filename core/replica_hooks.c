@@ -164,7 +164,7 @@ size_t kvr_repl_list_ranks(struct kvr_router *r, struct kvr_rank_id *ids, uint32
 		return 0;
 	kvr_rcu_read_lock();
 	const struct kvr_live *live = kvr_rcu_deref(&r->live);
-	size_t n = live->n;
+	size_t n = kvr_live_n(live);
 	for (size_t i = 0; i < n && i < cap; i++) {
 		const struct kvr_rank_pub *p = &r->ranks[live->slot[i]];
 		ids[i].worker_id = __atomic_load_n(&p->worker_id, __ATOMIC_RELAXED);

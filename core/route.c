@@ -83,7 +83,9 @@ struct scratch {
 	double *cost; /* by candidate */
 	size_t cost_cap;
 	uint32_t routes; /* decisions on this thread: every STAGE_SAMPLE-th is timed */
-	const struct kvr_live *live_seen; /* the live list last scored (compared, never read) */
+	const struct kvr_live *live_seen; /* the live list last scored (compared, never read; a
+	                                   * reused address only mis-aims prefetch hints) */
+	size_t live_n;                    /* its length then (a list grows in place) */
 	uint32_t slot_hw;                 /* 1 + its highest slot: the load lines to prefetch */
 };
 static _Thread_local struct scratch tls;
@@ -364,12 +366,16 @@ static int choose(struct kvr_router *r, const struct kvr_request *q,
 	const struct kvr_live *live = kvr_rcu_deref(&r->live);
 	const uint32_t *cs = live->slot;
 	const uint64_t *cg = live->gen;
-	size_t n = live->n;
-	if (live != tls.live_seen) { /* a new list (admin changes): where its load lines end */
-		uint32_t hw = 0;
-		for (size_t i = 0; i < n; i++)
+	size_t n = kvr_live_n(live);
+	if (live != tls.live_seen || n != tls.live_n) {
+		/* Admin changes: where its load lines end.  A list grows in place
+		 * (router_internal.h): only its new entries need a look. */
+		size_t from = live == tls.live_seen && n > tls.live_n ? tls.live_n : 0;
+		uint32_t hw = from ? tls.slot_hw : 0;
+		for (size_t i = from; i < n; i++)
 			hw = cs[i] >= hw ? cs[i] + 1 : hw;
 		tls.live_seen = live;
+		tls.live_n = n;
 		tls.slot_hw = hw;
 	}
 	if (q->pinned || q->n_allow) {

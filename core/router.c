@@ -17,48 +17,62 @@
  * whatever lane_capacity is. */
 #define ROUTER_MAINT_CAPACITY 255u
 
-static size_t live_bytes(uint32_t n)
+static size_t live_bytes(uint32_t cap)
 {
-	return sizeof(struct kvr_live) + (size_t)n * (sizeof(uint64_t) + sizeof(uint32_t));
+	return sizeof(struct kvr_live) + (size_t)cap * (sizeof(uint64_t) + sizeof(uint32_t));
 }
 
 static void live_free(void *p)
 {
 	struct kvr_live *l = p;
-	kvr_free(l, live_bytes(l->n));
+	kvr_free(l, live_bytes(l->cap));
 }
 
-static struct kvr_live *live_alloc(uint32_t n)
+static struct kvr_live *live_alloc(uint32_t cap)
 {
-	struct kvr_live *l = kvr_alloc(live_bytes(n));
+	struct kvr_live *l = kvr_alloc(live_bytes(cap));
 	if (l) {
-		l->n = n;
-		l->slot = (uint32_t *)(void *)(l->gen + n);
+		l->n = 0;
+		l->cap = cap;
+		l->slot = (uint32_t *)(void *)(l->gen + cap);
 	}
 	return l;
 }
 
-/* Replaces the live list with one that has slot added (add) or removed (!add).
- * Context: under admin_lock.  Ordering: release publish; pairs with kvr_rcu_deref in route. */
+/* Adds slot to the live list (add; the slot is not in it) or removes it (!add).  An add appends
+ * in place while the list has room (entry first, then n: release); a removal, or an add to a
+ * full list, publishes a copy (room doubled for adds, so n adds copy O(n) entries in all).
+ * Context: under admin_lock.  Ordering: the release store of n or the release publish; pairs
+ * with kvr_live_n / kvr_rcu_deref in the readers. */
 int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
 {
 	struct kvr_live *old = r->live;
-	/* Sized exactly: live_free() frees by n (a sized free must name the size allocated). */
-	uint32_t keep = 0;
-	for (uint32_t i = 0; i < old->n; i++)
-		keep += old->slot[i] != slot;
-	struct kvr_live *nl = live_alloc(keep + (add ? 1 : 0));
+	uint32_t n = old->n; /* only admin_lock's holder writes it */
+	uint64_t gen = add ? __atomic_load_n(&r->ranks[slot].gen, __ATOMIC_RELAXED) : 0;
+	if (add && n < old->cap) {
+		old->gen[n] = gen;
+		old->slot[n] = slot;
+		__atomic_store_n(&old->n, n + 1, __ATOMIC_RELEASE);
+		return 0;
+	}
+	uint32_t cap = old->cap;
+	if (add) {
+		uint64_t want = n < 8 ? 16 : 2 * (uint64_t)n;
+		cap = want < r->cfg.max_ranks ? (uint32_t)want : r->cfg.max_ranks;
+		cap = cap > n ? cap : n + 1; /* never short of the entry it adds */
+	}
+	struct kvr_live *nl = live_alloc(cap);
 	if (!nl)
 		return KVR_ENOMEM;
 	uint32_t k = 0;
-	for (uint32_t i = 0; i < old->n; i++) {
+	for (uint32_t i = 0; i < n; i++) {
 		if (old->slot[i] != slot) {
 			nl->gen[k] = old->gen[i];
 			nl->slot[k++] = old->slot[i];
 		}
 	}
 	if (add) {
-		nl->gen[k] = __atomic_load_n(&r->ranks[slot].gen, __ATOMIC_RELAXED);
+		nl->gen[k] = gen;
 		nl->slot[k++] = slot;
 	}
 	nl->n = k;
@@ -362,7 +376,8 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 		                            "ranks");
 	kvr_rcu_read_lock();
 	const struct kvr_live *live = kvr_rcu_deref(&r->live);
-	uint32_t n = live->n < m ? live->n : (uint32_t)m;
+	uint32_t n = kvr_live_n(live);
+	n = n < m ? n : (uint32_t)m;
 	memcpy(slot, live->slot, n * sizeof(*slot));
 	kvr_rcu_read_unlock();
 	bool busy = false;

@@ -2,6 +2,7 @@
  * reset, events vs approx_lru agreement, the queue, TTL and lease expiry on virtual time, and
  * every bad input the API can be given. */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -1558,4 +1559,34 @@ Test(router, config_read_back_keeps_the_cpu_list)
 	}
 	kvr_router_destroy(b);
 	kvr_router_destroy(a);
+}
+
+/* The live list grows in place (core/router_internal.h, struct kvr_live): every rank added is
+ * routable at the very next decision, on the thread that scored the list before it grew, across
+ * the list's growths and after removals copied it.  Each rank keeps one request in prefill, so
+ * the rank just added, the only idle one, must win. */
+Test(router, each_rank_added_is_routable_at_once)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 0, 100000, 0);
+	uint32_t t[64];
+	uint64_t att[200];
+	for (uint64_t w = 0; w < 200; w++) {
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, 100000, 1024), 0);
+		prompt(t, 64, (int)w + 1);
+		struct kvr_decision d = route(r, t, 64, 0);
+		cr_assert_eq(d.rank.worker_id, w, "rank %" PRIu64 " added, routed to %" PRIu64, w,
+		             d.rank.worker_id);
+		att[w] = d.attempt;
+	}
+	for (uint64_t w = 0; w < 200; w += 3)
+		cr_assert_eq(kvr_rank_remove(r, (struct kvr_rank_id){w, 0}), 0);
+	for (uint64_t w = 0; w < 200; w += 3) {
+		cr_assert_eq(kvr_request_finish(r, att[w]), KVR_ESTALE);
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 2, 100000, 1024), 0);
+		prompt(t, 64, 1000 + (int)w);
+		struct kvr_decision d = route(r, t, 64, 0);
+		cr_assert_eq(d.rank.worker_id, w, "rank %" PRIu64 " re-added, routed to %" PRIu64,
+		             w, d.rank.worker_id);
+	}
+	kvr_router_destroy(r);
 }
