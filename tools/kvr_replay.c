@@ -79,6 +79,7 @@ static void usage(FILE *f)
 	    "  --skip-bad             skip malformed trace entries (counted)\n"
 	    "router settings (router-backed policies; default: the router's own):\n"
 	    "  --overlap-credit X     weight of a cached block against a prefill block (1)\n"
+	    "  --prefill-load-scale X weight of the prefill term against decode blocks (1)\n"
 	    "  --temperature X        softmax selection temperature (0 = argmin)\n"
 	    "  --ttl S                approx_ttl retention, seconds (120)\n"
 	    "  --queue-threshold X    hold requests while every rank's prefill exceeds X x its "
@@ -97,7 +98,8 @@ static void usage(FILE *f)
 	    "  --sweep NAME=v1,v2,... replay every policy at each value; repeat for a grid.\n"
 	    "                         NAME: blocks, capacity_factor, overlap_credit, "
 	    "temperature, ttl,\n"
-	    "                         queue_threshold, time_scale, foreign_traffic\n"
+	    "                         queue_threshold, time_scale, foreign_traffic,\n"
+	    "                         prefill_load_scale\n"
 	    "  --jobs N               replays run at once, each on its own thread (default 1)\n"
 	    "  --label TEXT           name of the trace in the verdict and chart titles\n"
 	    "  --routers N            N router replicas (arrivals round-robin): approx_lru (one\n"
@@ -179,6 +181,7 @@ int main(int argc, char **argv)
 		O_NOTIME,
 		O_OUTEVERY,
 		O_CREDIT,
+		O_PLS,
 		O_TEMP,
 		O_TTL,
 		O_QTHR,
@@ -219,6 +222,7 @@ int main(int argc, char **argv)
 	                                     {"no-timing", no_argument, 0, O_NOTIME},
 	                                     {"output-every", required_argument, 0, O_OUTEVERY},
 	                                     {"overlap-credit", required_argument, 0, O_CREDIT},
+	                                     {"prefill-load-scale", required_argument, 0, O_PLS},
 	                                     {"temperature", required_argument, 0, O_TEMP},
 	                                     {"ttl", required_argument, 0, O_TTL},
 	                                     {"queue-threshold", required_argument, 0, O_QTHR},
@@ -305,6 +309,9 @@ int main(int argc, char **argv)
 			break;
 		case O_CREDIT:
 			bad = parse_double(optarg, &cfg.overlap_credit);
+			break;
+		case O_PLS:
+			bad = parse_double(optarg, &cfg.prefill_load_scale);
 			break;
 		case O_TEMP:
 			bad = parse_double(optarg, &cfg.temperature);
@@ -474,13 +481,15 @@ int main(int argc, char **argv)
 		       "seed %llu\n",
 		       cfg.max_batched_tokens, cfg.step_base_ns / 1e6, cfg.step_per_token_ns / 1e3,
 		       cfg.time_scale, (unsigned long long)cfg.seed);
-		if (!isnan(cfg.overlap_credit) || !isnan(cfg.temperature) || !isnan(cfg.ttl_s) ||
-		    !isnan(cfg.queue_threshold) || cfg.capacity_factor != 1)
-			printf("  router: overlap_credit %g, temperature %g, ttl %g s, "
-			       "queue_threshold "
-			       "%g, capacity_factor %g (nan = the router's default)\n",
-			       cfg.overlap_credit, cfg.temperature, cfg.ttl_s, cfg.queue_threshold,
-			       cfg.capacity_factor);
+		if (!isnan(cfg.overlap_credit) || !isnan(cfg.prefill_load_scale) ||
+		    !isnan(cfg.temperature) || !isnan(cfg.ttl_s) || !isnan(cfg.queue_threshold) ||
+		    cfg.capacity_factor != 1)
+			printf(
+			    "  router: overlap_credit %g, prefill_load_scale %g, temperature %g, "
+			    "ttl %g s, queue_threshold %g, capacity_factor %g (nan = the router's "
+			    "default)\n",
+			    cfg.overlap_credit, cfg.prefill_load_scale, cfg.temperature, cfg.ttl_s,
+			    cfg.queue_threshold, cfg.capacity_factor);
 		if (cfg.foreign_share > 0)
 			printf(
 			    "  foreign traffic: %.0f %% of the arrivals (the same ones for every "

@@ -39,6 +39,7 @@ struct replay_env {
 	uint64_t seed;
 	/* Router settings (replay_config's; NAN = the router's default). */
 	double overlap_credit, temperature, ttl_s, queue_threshold, capacity_factor;
+	double prefill_load_scale;
 	/* The simulator's virtual clock, ns. */
 	uint64_t (*now_ns)(void *ctx);
 	void *clock_ctx;

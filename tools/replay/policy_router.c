@@ -21,7 +21,8 @@
  * kvr_router_sync() so TTL expiry and the lease reaper fire as virtual time advances.
  * Happenings map to the request lifecycle: first token -> kvr_request_prefill_done, output
  * tokens -> kvr_request_output, finished -> kvr_request_finish, refused -> kvr_request_abort.
- * Router settings from the environment (overlap_credit, temperature, ttl, queue_threshold)
+ * Router settings from the environment (overlap_credit, prefill_load_scale, temperature, ttl,
+ * queue_threshold)
  * override the router's defaults.  With queue_threshold > 0 a decision may be KVR_QUEUED: the
  * request is parked with its ticket, on_admit (run by the router on the thread that pumps the
  * queue, here always the replay's) moves it to a ready list, and dequeue() hands it to the
@@ -243,6 +244,8 @@ static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **st
 		c.overlap_credit = env->overlap_credit;
 	if (!isnan(env->temperature))
 		c.temperature = env->temperature;
+	if (!isnan(env->prefill_load_scale))
+		c.prefill_load_scale = env->prefill_load_scale;
 	if (!isnan(env->ttl_s))
 		c.ttl_ns = (uint64_t)llround(env->ttl_s * 1e9);
 	if (!isnan(env->queue_threshold))

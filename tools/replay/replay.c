@@ -468,6 +468,7 @@ void replay_config_init(struct replay_config *cfg)
 	cfg->n_buckets = 40;
 	cfg->output_every = 1;
 	cfg->overlap_credit = cfg->temperature = cfg->ttl_s = cfg->queue_threshold = NAN;
+	cfg->prefill_load_scale = NAN;
 	cfg->capacity_factor = 1.0;
 }
 
@@ -613,6 +614,7 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	                         .temperature = cfg->temperature,
 	                         .ttl_s = cfg->ttl_s,
 	                         .queue_threshold = cfg->queue_threshold,
+	                         .prefill_load_scale = cfg->prefill_load_scale,
 	                         .capacity_factor = cfg->capacity_factor};
 	run.t = t;
 	run.cpu_ns = cpu_ns;

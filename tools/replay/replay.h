@@ -51,7 +51,7 @@ struct replay_config {
 	 * default) leaves the router's own default.  ttl_s: approx_ttl retention, seconds.
 	 * queue_threshold > 0 lets the router hold requests back while every rank is saturated:
 	 * the replay submits a queued request when the router admits it (on_admit). */
-	double overlap_credit, temperature, ttl_s, queue_threshold;
+	double overlap_credit, temperature, ttl_s, queue_threshold, prefill_load_scale;
 	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
 	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
 	double capacity_factor;

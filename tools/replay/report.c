@@ -271,6 +271,7 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 		const char *k;
 		double v;
 	} knobs[] = {{"overlap_credit", c->overlap_credit},
+	             {"prefill_load_scale", c->prefill_load_scale},
 	             {"temperature", c->temperature},
 	             {"ttl_s", c->ttl_s},
 	             {"queue_threshold", c->queue_threshold}};

@@ -34,6 +34,7 @@ static const struct {
     [SWEEP_QUEUE_THRESHOLD] = {"queue_threshold", "x max batched tokens", 0, 1e6, false, false},
     [SWEEP_TIME_SCALE] = {"time_scale", "x arrival times", 0, 1e6, true, false},
     [SWEEP_FOREIGN] = {"foreign_traffic", "share of arrivals", 0, 0.99, false, false},
+    [SWEEP_PREFILL_LOAD_SCALE] = {"prefill_load_scale", "", 0, 1e6, false, false},
 };
 
 const char *sweep_param_name(enum sweep_param p)
@@ -171,6 +172,9 @@ void sweep_apply(const struct sweep *s, size_t point, struct replay_config *cfg,
 			break;
 		case SWEEP_FOREIGN:
 			cfg->foreign_share = x;
+			break;
+		case SWEEP_PREFILL_LOAD_SCALE:
+			cfg->prefill_load_scale = x;
 			break;
 		default:
 			break;

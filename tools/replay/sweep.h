@@ -12,6 +12,7 @@
  *   blocks           blocks/rank  the engines' GPU KV blocks, and the capacity approx_lru registers
  *   capacity_factor  x            approx_lru registers factor x blocks (mis-registered capacity)
  *   overlap_credit   -            kvr_config.overlap_credit (cached block vs prefill block)
+ *   prefill_load_scale -          kvr_config.prefill_load_scale (prefill term vs decode blocks)
  *   temperature      -            kvr_config.temperature (softmax selection; 0 = argmin)
  *   ttl              s            kvr_config.ttl_ns (approx_ttl retention)
  *   queue_threshold  x budget     kvr_config.queue_threshold (0 = never queue)
@@ -39,6 +40,7 @@ enum sweep_param {
 	SWEEP_QUEUE_THRESHOLD,
 	SWEEP_TIME_SCALE,
 	SWEEP_FOREIGN, /* foreign_traffic: replay_config.foreign_share */
+	SWEEP_PREFILL_LOAD_SCALE,
 	SWEEP_N_PARAMS
 };
 

@@ -81,6 +81,7 @@ bad_sweep "overlap_credit=1,abc" "'abc' is not a number"
 bad_sweep "blocks=100.5" "out of range"
 bad_sweep "time_scale=0" "out of range"
 bad_sweep "temperature" "expected NAME=v1,v2"
+bad_sweep "prefill_load_scale=-1" "out of range"
 # A short grid: 2 x 2 points x 2 policies.
 "$bin" --max-requests 120 --policies approx_lru,round_robin --jobs 2 --blocks-per-rank 4000 \
 	--sweep overlap_credit=0,1 --sweep time_scale=0.5,1 --csv "$tmp/s.csv" --out "$tmp/s.json" \
@@ -94,6 +95,12 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['runs'
 [ "$(cut -d, -f1-3 "$tmp/s.csv" | tail -n +2 | tr '\n' ' ')" = \
 	"0,0.5,approx_lru 0,0.5,round_robin 0,1,approx_lru 0,1,round_robin 1,0.5,approx_lru 1,0.5,round_robin 1,1,approx_lru 1,1,round_robin " ] ||
 	fail "sweep grid order: $(cut -d, -f1-3 "$tmp/s.csv" | tr '\n' ' ')"
+
+# --prefill-load-scale reaches the router's config and the report.
+"$bin" --quiet --max-requests 120 --policies approx_lru --blocks-per-rank 4000 \
+	--prefill-load-scale 4 --out "$tmp/pls.json" "$sample" || fail "--prefill-load-scale 4"
+python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['config']['prefill_load_scale'] == 4" "$tmp/pls.json" ||
+	fail "--prefill-load-scale is not in the report's config"
 
 if "$bin" --quiet "$bad" 2>"$tmp/err"; then
 	fail "a malformed trace was accepted"

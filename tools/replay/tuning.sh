@@ -52,6 +52,14 @@ for s in 1 2 3; do
 done
 run credit-sessions-2r --ranks 2 --blocks-per-rank 25600 --policies approx_lru \
 	--sweep overlap_credit=1,2,4,8 "${S[@]}"
+for s in 1 2 3; do
+	run "scale-mooncake-s$s" --blocks-per-rank 25600 --policies approx_lru --seed "$s" \
+		--sweep overlap_credit=1,4 --sweep prefill_load_scale=1,2,4,8 --sweep time_scale=0.5,1 "$M"
+done
+run scale-hot --blocks-per-rank 8000 --policies approx_lru --sweep overlap_credit=1,4 \
+	--sweep prefill_load_scale=1,2,4,8 --sweep time_scale=0.7,1 "$H"
+run scale-sessions-2r --ranks 2 --blocks-per-rank 25600 --policies approx_lru \
+	--sweep overlap_credit=1,4 --sweep prefill_load_scale=1,2,4,8 "${S[@]}"
 # 4. queue threshold
 run queue-mooncake --blocks-per-rank 25600 --policies approx_lru \
 	--sweep queue_threshold=0,0.5,1,2,4 --sweep time_scale=0.3,0.5,1 "$M"
