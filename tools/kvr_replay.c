@@ -72,6 +72,8 @@ static void usage(FILE *f)
 	    "  --max-batched-tokens N engine token budget per step (default 8192)\n"
 	    "  --step-base-ms X       engine step time a (default 5 ms)\n"
 	    "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
+	    "  --step-per-kv-block-us X engine step time c per KV block its attention reads\n"
+	    "                         (default 0; ~0.6 for an 8B model on an H100)\n"
 	    "  --sample-every N       approx_lru agreement sample every N requests (default "
 	    "500, 0 = off)\n"
 	    "  --serial               one request at a time (agreement after every request)\n"
@@ -175,6 +177,7 @@ int main(int argc, char **argv)
 		O_BATCH = 256,
 		O_BASE,
 		O_PER_TOK,
+		O_PER_KV,
 		O_SAMPLE,
 		O_SERIAL,
 		O_PATHRUNS,
@@ -201,42 +204,44 @@ int main(int argc, char **argv)
 	uint32_t jobs = 1;
 	const char *label = NULL;
 	char serr[512];
-	static const struct option opts[] = {{"policies", required_argument, 0, 'p'},
-	                                     {"ranks", required_argument, 0, 'r'},
-	                                     {"blocks-per-rank", required_argument, 0, 'B'},
-	                                     {"block-size", required_argument, 0, 'b'},
-	                                     {"max-requests", required_argument, 0, 'n'},
-	                                     {"time-scale", required_argument, 0, 't'},
-	                                     {"seed", required_argument, 0, 's'},
-	                                     {"skip-bad", no_argument, 0, 'k'},
-	                                     {"out", required_argument, 0, 'o'},
-	                                     {"csv", required_argument, 0, 'c'},
-	                                     {"plot", required_argument, 0, 'P'},
-	                                     {"quiet", no_argument, 0, 'q'},
-	                                     {"max-batched-tokens", required_argument, 0, O_BATCH},
-	                                     {"step-base-ms", required_argument, 0, O_BASE},
-	                                     {"step-per-token-us", required_argument, 0, O_PER_TOK},
-	                                     {"sample-every", required_argument, 0, O_SAMPLE},
-	                                     {"serial", no_argument, 0, O_SERIAL},
-	                                     {"path-runs", no_argument, 0, O_PATHRUNS},
-	                                     {"no-timing", no_argument, 0, O_NOTIME},
-	                                     {"output-every", required_argument, 0, O_OUTEVERY},
-	                                     {"overlap-credit", required_argument, 0, O_CREDIT},
-	                                     {"prefill-load-scale", required_argument, 0, O_PLS},
-	                                     {"temperature", required_argument, 0, O_TEMP},
-	                                     {"ttl", required_argument, 0, O_TTL},
-	                                     {"queue-threshold", required_argument, 0, O_QTHR},
-	                                     {"capacity-factor", required_argument, 0, O_CAPF},
-	                                     {"foreign-traffic", required_argument, 0, O_FOREIGN},
-	                                     {"foreign-as", required_argument, 0, O_FOREIGN_AS},
-	                                     {"decisions", required_argument, 0, O_DECISIONS},
-	                                     {"sweep", required_argument, 0, O_SWEEP},
-	                                     {"jobs", required_argument, 0, O_JOBS},
-	                                     {"label", required_argument, 0, O_LABEL},
-	                                     {"routers", required_argument, 0, O_ROUTERS},
-	                                     {"no-sync", no_argument, 0, O_NOSYNC},
-	                                     {"help", no_argument, 0, 'h'},
-	                                     {0, 0, 0, 0}};
+	static const struct option opts[] = {
+	    {"policies", required_argument, 0, 'p'},
+	    {"ranks", required_argument, 0, 'r'},
+	    {"blocks-per-rank", required_argument, 0, 'B'},
+	    {"block-size", required_argument, 0, 'b'},
+	    {"max-requests", required_argument, 0, 'n'},
+	    {"time-scale", required_argument, 0, 't'},
+	    {"seed", required_argument, 0, 's'},
+	    {"skip-bad", no_argument, 0, 'k'},
+	    {"out", required_argument, 0, 'o'},
+	    {"csv", required_argument, 0, 'c'},
+	    {"plot", required_argument, 0, 'P'},
+	    {"quiet", no_argument, 0, 'q'},
+	    {"max-batched-tokens", required_argument, 0, O_BATCH},
+	    {"step-base-ms", required_argument, 0, O_BASE},
+	    {"step-per-token-us", required_argument, 0, O_PER_TOK},
+	    {"step-per-kv-block-us", required_argument, 0, O_PER_KV},
+	    {"sample-every", required_argument, 0, O_SAMPLE},
+	    {"serial", no_argument, 0, O_SERIAL},
+	    {"path-runs", no_argument, 0, O_PATHRUNS},
+	    {"no-timing", no_argument, 0, O_NOTIME},
+	    {"output-every", required_argument, 0, O_OUTEVERY},
+	    {"overlap-credit", required_argument, 0, O_CREDIT},
+	    {"prefill-load-scale", required_argument, 0, O_PLS},
+	    {"temperature", required_argument, 0, O_TEMP},
+	    {"ttl", required_argument, 0, O_TTL},
+	    {"queue-threshold", required_argument, 0, O_QTHR},
+	    {"capacity-factor", required_argument, 0, O_CAPF},
+	    {"foreign-traffic", required_argument, 0, O_FOREIGN},
+	    {"foreign-as", required_argument, 0, O_FOREIGN_AS},
+	    {"decisions", required_argument, 0, O_DECISIONS},
+	    {"sweep", required_argument, 0, O_SWEEP},
+	    {"jobs", required_argument, 0, O_JOBS},
+	    {"label", required_argument, 0, O_LABEL},
+	    {"routers", required_argument, 0, O_ROUTERS},
+	    {"no-sync", no_argument, 0, O_NOSYNC},
+	    {"help", no_argument, 0, 'h'},
+	    {0, 0, 0, 0}};
 	int c;
 	double d;
 	while ((c = getopt_long(argc, argv, "p:r:B:b:n:t:s:ko:c:P:qh", opts, NULL)) != -1) {
@@ -291,6 +296,10 @@ int main(int argc, char **argv)
 		case O_PER_TOK:
 			bad = parse_double(optarg, &d);
 			cfg.step_per_token_ns = d * 1e3;
+			break;
+		case O_PER_KV:
+			bad = parse_double(optarg, &d);
+			cfg.step_per_kv_block_ns = d * 1e3;
 			break;
 		case O_SAMPLE:
 			bad = parse_u32(optarg, &cfg.sample_every);
@@ -477,10 +486,12 @@ int main(int argc, char **argv)
 			printf("  GPU blocks per rank: %s\n", why);
 		else
 			printf("  GPU blocks per rank: %u (given)\n", cfg.blocks_per_rank);
-		printf("  engine: %u tokens/step, step = %.2f ms + %.1f us/token; time scale %g; "
-		       "seed %llu\n",
-		       cfg.max_batched_tokens, cfg.step_base_ns / 1e6, cfg.step_per_token_ns / 1e3,
-		       cfg.time_scale, (unsigned long long)cfg.seed);
+		printf("  engine: %u tokens/step, step = %.2f ms + %.1f us/token",
+		       cfg.max_batched_tokens, cfg.step_base_ns / 1e6, cfg.step_per_token_ns / 1e3);
+		if (cfg.step_per_kv_block_ns > 0)
+			printf(" + %.2f us/KV block read", cfg.step_per_kv_block_ns / 1e3);
+		printf("; time scale %g; seed %llu\n", cfg.time_scale,
+		       (unsigned long long)cfg.seed);
 		if (!isnan(cfg.overlap_credit) || !isnan(cfg.prefill_load_scale) ||
 		    !isnan(cfg.temperature) || !isnan(cfg.ttl_s) || !isnan(cfg.queue_threshold) ||
 		    cfg.capacity_factor != 1)

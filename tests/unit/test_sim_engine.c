@@ -217,6 +217,29 @@ Test(sim_engine, step_time_and_ttft_single_request)
 	sim_cluster_destroy(c);
 }
 
+/* The KV read term: each step also costs c per KV block its scheduled requests' attention
+ * reads, up to the end of what each computes in the step (4 blocks for the 64-token prefill,
+ * 5 for each decode step past token 64). */
+Test(sim_engine, step_time_counts_the_kv_blocks_read)
+{
+	static struct rec r;
+	struct sim_cluster_config cfg = small_cfg(1, 64, 16);
+	cfg.engine.step_per_kv_block_ns = 100;
+	struct sim_cluster *c = start(&r, &cfg);
+	uint32_t p[64];
+	fill(p, 64, 1);
+	struct sim_request q = req(7, p, 64, 3);
+	cr_assert_eq(sim_cluster_submit(c, 0, &q), 0);
+	cr_assert_eq(sim_cluster_drain(c), 0);
+	cr_assert_eq(r.n_first, 1);
+	cr_assert_eq(r.first_t[0], 1000 + 64 * 10 + 4 * 100);
+	const struct sim_finish_info *f = fin_of(&r, 7);
+	cr_assert_eq(f->finish_ns, 2040 + 2 * (1000 + 10 + 5 * 100));
+	sim_cluster_destroy(c);
+	cfg.engine.step_per_kv_block_ns = -1;
+	cr_assert_eq(sim_cluster_create(&cfg, NULL, &c), KVR_EINVAL);
+}
+
 /* A request arriving during a step waits for the step boundary, then shares a step. */
 Test(sim_engine, arrival_during_step_waits_for_boundary)
 {

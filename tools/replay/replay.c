@@ -463,6 +463,7 @@ void replay_config_init(struct replay_config *cfg)
 	cfg->max_batched_tokens = 8192;
 	cfg->step_base_ns = 5e6;
 	cfg->step_per_token_ns = 5e4;
+	cfg->step_per_kv_block_ns = 0;
 	cfg->time_scale = 1.0;
 	cfg->seed = 1;
 	cfg->n_buckets = 40;
@@ -590,6 +591,7 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	scfg.engine.max_batched_tokens = cfg->max_batched_tokens;
 	scfg.engine.step_base_ns = cfg->step_base_ns;
 	scfg.engine.step_per_token_ns = cfg->step_per_token_ns;
+	scfg.engine.step_per_kv_block_ns = cfg->step_per_kv_block_ns;
 	scfg.engine.dedup_events = ops->wants_events;
 	scfg.engine.seed = cfg->seed;
 	struct sim_callbacks cb = {.ctx = &run,

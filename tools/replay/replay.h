@@ -36,6 +36,7 @@ struct replay_config {
 	uint32_t max_batched_tokens; /* default 8192 */
 	double step_base_ns;         /* default 5e6 */
 	double step_per_token_ns;    /* default 5e4 */
+	double step_per_kv_block_ns; /* default 0 (tools/sim/engine.h) */
 	double time_scale;           /* arrival times are multiplied by it; default 1 */
 	uint64_t seed;               /* policies and simulator; default 1 */
 	uint32_t sample_every;       /* agreement sample interval, requests; 0 = off */

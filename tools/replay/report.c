@@ -262,6 +262,7 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_object_set_new(cfg, "max_batched_tokens", json_integer(c->max_batched_tokens));
 	json_object_set_new(cfg, "step_base_ns", json_real(c->step_base_ns));
 	json_object_set_new(cfg, "step_per_token_ns", json_real(c->step_per_token_ns));
+	json_object_set_new(cfg, "step_per_kv_block_ns", json_real(c->step_per_kv_block_ns));
 	json_object_set_new(cfg, "time_scale", json_real(c->time_scale));
 	json_object_set_new(cfg, "seed", json_integer((json_int_t)c->seed));
 	json_object_set_new(cfg, "sample_every", json_integer(c->sample_every));

@@ -101,6 +101,20 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['runs'
 	--prefill-load-scale 4 --out "$tmp/pls.json" "$sample" || fail "--prefill-load-scale 4"
 python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['config']['prefill_load_scale'] == 4" "$tmp/pls.json" ||
 	fail "--prefill-load-scale is not in the report's config"
+# --step-per-kv-block-us: the engine charges the KV its steps read, so the same decisions take
+# longer (an end-to-end median above the plain engine's).
+"$bin" --quiet --max-requests 120 --policies round_robin --blocks-per-rank 4000 \
+	--step-per-kv-block-us 0.6 --out "$tmp/kv.json" "$sample" || fail "--step-per-kv-block-us"
+"$bin" --quiet --max-requests 120 --policies round_robin --blocks-per-rank 4000 \
+	--out "$tmp/nokv.json" "$sample" || fail "the same replay without the KV term"
+python3 - "$tmp/kv.json" "$tmp/nokv.json" <<'PY' || fail "--step-per-kv-block-us changed nothing"
+import json, sys
+kv, plain = (json.load(open(f)) for f in sys.argv[1:3])
+assert kv["config"]["step_per_kv_block_ns"] == 600, kv["config"]
+assert plain["config"]["step_per_kv_block_ns"] == 0, plain["config"]
+e2e = lambda d: d["policies"][0]["e2e_p50_ms"]
+assert e2e(kv) > e2e(plain), (e2e(kv), e2e(plain))
+PY
 
 if "$bin" --quiet "$bad" 2>"$tmp/err"; then
 	fail "a malformed trace was accepted"

@@ -52,14 +52,24 @@ for s in 1 2 3; do
 done
 run credit-sessions-2r --ranks 2 --blocks-per-rank 25600 --policies approx_lru \
 	--sweep overlap_credit=1,2,4,8 "${S[@]}"
-for s in 1 2 3; do
-	run "scale-mooncake-s$s" --blocks-per-rank 25600 --policies approx_lru --seed "$s" \
-		--sweep overlap_credit=1,4 --sweep prefill_load_scale=1,2,4,8 --sweep time_scale=0.5,1 "$M"
+# prefill_load_scale, without and with the KV read charged (kv)
+for kv in 0 0.6; do
+	for s in 1 2 3; do
+		run "scale-kv$kv-mooncake-s$s" --step-per-kv-block-us "$kv" --blocks-per-rank 25600 \
+			--policies approx_lru --seed "$s" --sweep overlap_credit=1,4 \
+			--sweep prefill_load_scale=1,2,4,8 --sweep time_scale=0.5,1 "$M"
+	done
+	run "scale-kv$kv-mooncake-base" --step-per-kv-block-us "$kv" --blocks-per-rank 25600 \
+		--policies least_loaded,round_robin --sweep time_scale=0.5,1 "$M"
+	run "scale-kv$kv-hot" --step-per-kv-block-us "$kv" --blocks-per-rank 8000 \
+		--policies approx_lru --sweep overlap_credit=1,4 --sweep prefill_load_scale=1,2,4,8 \
+		--sweep time_scale=0.7,1 "$H"
+	run "scale-kv$kv-hot-base" --step-per-kv-block-us "$kv" --blocks-per-rank 8000 \
+		--policies least_loaded --sweep time_scale=0.7,1 "$H"
+	run "scale-kv$kv-sessions-2r" --step-per-kv-block-us "$kv" --ranks 2 \
+		--blocks-per-rank 25600 --policies approx_lru,least_loaded --sweep overlap_credit=1,4 \
+		--sweep prefill_load_scale=1,2,4,8 "${S[@]}"
 done
-run scale-hot --blocks-per-rank 8000 --policies approx_lru --sweep overlap_credit=1,4 \
-	--sweep prefill_load_scale=1,2,4,8 --sweep time_scale=0.7,1 "$H"
-run scale-sessions-2r --ranks 2 --blocks-per-rank 25600 --policies approx_lru \
-	--sweep overlap_credit=1,4 --sweep prefill_load_scale=1,2,4,8 "${S[@]}"
 # 4. queue threshold
 run queue-mooncake --blocks-per-rank 25600 --policies approx_lru \
 	--sweep queue_threshold=0,0.5,1,2,4 --sweep time_scale=0.3,0.5,1 "$M"

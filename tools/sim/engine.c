@@ -78,6 +78,7 @@ struct sim_engine {
 	size_t w_head, w_len, w_cap;
 	struct req **running;
 	size_t n_running;
+	uint64_t step_kv; /* KV blocks the step being scheduled reads */
 	/* scratch, n_blocks each */
 	struct sim_evicted *evicted;
 	uint64_t *ev_seq, *ev_local;
@@ -97,6 +98,7 @@ void sim_engine_config_init(struct sim_engine_config *cfg)
 	    .chunked_prefill = true,
 	    .step_base_ns = 5e6,
 	    .step_per_token_ns = 5e4,
+	    .step_per_kv_block_ns = 0,
 	    .dedup_events = false,
 	    .seed = 0x73696d,
 	};
@@ -274,6 +276,7 @@ static uint32_t schedule_running(struct sim_engine *e, uint32_t budget, bool *pr
 			e->st.prefill_tokens += want;
 		r->sched = want;
 		r->num_computed = total;
+		e->step_kv += cdiv(total, bs);
 		used += want;
 	}
 	return used;
@@ -314,6 +317,7 @@ static uint32_t schedule_waiting(struct sim_engine *e, uint32_t budget)
 		cache_blocks(e, r, total);
 		r->num_computed = total;
 		r->sched = want;
+		e->step_kv += cdiv(total, bs);
 		used += want;
 		e->st.prefill_tokens += want;
 		e->running[e->n_running++] = r;
@@ -346,12 +350,14 @@ static void schedule(struct sim_engine *e)
 {
 	for (;;) {
 		bool preempted = false;
+		e->step_kv = 0;
 		uint32_t budget = e->cfg.max_batched_tokens;
 		uint32_t used = schedule_running(e, budget, &preempted);
 		if (!preempted)
 			used += schedule_waiting(e, budget - used);
 		if (used > 0) {
-			double d = e->cfg.step_base_ns + e->cfg.step_per_token_ns * used;
+			double d = e->cfg.step_base_ns + e->cfg.step_per_token_ns * used +
+			           e->cfg.step_per_kv_block_ns * (double)e->step_kv;
 			uint64_t dns = (uint64_t)llround(d);
 			if (dns == 0)
 				dns = 1;
@@ -454,7 +460,7 @@ int sim_engine_create(const struct sim_engine_config *cfg, uint32_t rank,
 {
 	if (!cfg || !out || cfg->n_blocks == 0 || cfg->block_size == 0 ||
 	    cfg->max_batched_tokens == 0 || cfg->max_num_seqs == 0 || !(cfg->step_base_ns >= 0) ||
-	    !(cfg->step_per_token_ns >= 0))
+	    !(cfg->step_per_token_ns >= 0) || !(cfg->step_per_kv_block_ns >= 0))
 		return KVR_EINVAL;
 	struct sim_engine *e = kvr_calloc(1, sizeof(*e));
 	if (!e)

@@ -7,7 +7,10 @@
  * hashes are the router's sequence hashes), queues it, and runs steps: each step schedules
  * running requests first (decode, or the next prefill chunk), then admits waiting requests
  * (prefix-cache hit at admission, chunked prefill), under a token budget.  A step lasts
- * step_base_ns + step_per_token_ns * scheduled tokens.  When blocks run out, the newest running
+ * step_base_ns + step_per_token_ns * scheduled tokens + step_per_kv_block_ns * the KV blocks
+ * the scheduled requests' attention reads (each one's blocks up to the end of what it computes
+ * in the step: what makes a GPU's decode step slower as contexts grow; 0 by default, so the
+ * guide's figures stay comparable).  When blocks run out, the newest running
  * request is preempted: its blocks are freed and it recomputes later.  Output tokens extend the
  * sequence and complete new blocks, which are hashed (kvr_hash_extend) and cached.
  *
@@ -46,6 +49,9 @@ struct sim_engine_config {
 	bool chunked_prefill;        /* split prefills over steps.  Default true (vLLM v1). */
 	double step_base_ns;         /* a: fixed cost of a step, ns.  Default 5e6. */
 	double step_per_token_ns;    /* b: cost per scheduled token, ns.  Default 5e4. */
+	double step_per_kv_block_ns; /* c: cost per KV block read in a step, ns.  Default 0.  An
+	                              * 8B model on an H100 (2 MiB of KV per 16-token block, 3.35
+	                              * TB/s): ~600. */
 	/* false (default, vLLM): one stored event per physical copy cached and one removed
 	 * event per physical copy evicted.  true: stored only for a hash's first copy, removed
 	 * only when its last copy goes, so a set-semantics consumer stays exact. */
