@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reruns every sweep that tools/replay/TUNING.md quotes, in the guide's order, and writes each
-# sweep's table (.txt), CSV and charts (DIR/NAME/sweep_*.png) under DIR.  About 8 minutes of
-# CPU with --jobs 2 on 2 cores.
+# sweep's table (.txt), CSV and charts (DIR/NAME/sweep_*.png) under DIR.  About 3.3 minutes
+# with --jobs 2 on 2 cores (5 min of CPU; 5 Dec 2026).
 #   usage: tools/replay/tuning.sh [DIR]        (default build/tuning; run from the repo root)
 # Environment: BUILD_DIR (default build), JOBS (default 2).
 set -euo pipefail
@@ -52,6 +52,18 @@ for s in 1 2 3; do
 done
 run credit-sessions-2r --ranks 2 --blocks-per-rank 25600 --policies approx_lru \
 	--sweep overlap_credit=1,2,4,8 "${S[@]}"
+# overlap_credit rechecked over capacities and rates, without and with the KV read charged
+for kv in 0 0.6; do
+	for s in 1 2 3; do
+		run "credit-kv$kv-mooncake-s$s" --step-per-kv-block-us "$kv" --policies approx_lru \
+			--seed "$s" --sweep overlap_credit=1,2,4 --sweep blocks=12800,25600 \
+			--sweep time_scale=0.5,1 "$M"
+	done
+	run "credit-kv$kv-hot" --step-per-kv-block-us "$kv" --policies approx_lru \
+		--sweep overlap_credit=1,2,4 --sweep blocks=4000,8000 --sweep time_scale=0.7,1 "$H"
+	run "credit-kv$kv-sessions-2r" --step-per-kv-block-us "$kv" --ranks 2 --policies approx_lru \
+		--sweep overlap_credit=1,2,4 --sweep blocks=12800,25600 --sweep time_scale=0.5,1 "${S[@]}"
+done
 # prefill_load_scale, without and with the KV read charged (kv)
 for kv in 0 0.6; do
 	for s in 1 2 3; do
