@@ -201,6 +201,7 @@ struct mtick {
 	bool allow_some;      /* an allow list was given */
 	uint64_t enq;         /* virtual time it was queued: the earliest its admission can be */
 	uint64_t life[N_IDS]; /* each rank's life when it was queued */
+	bool clock_back;      /* the clock stepped back while it was pending (op_clock) */
 };
 
 struct prog {
@@ -404,7 +405,10 @@ static void ticket_outcome(struct prog *p, struct mtick *m, int rc, const struct
 					p->n_ended++;
 			} else {
 				add_attempt_at(p, d, m->enq);
-				if (p->rk[ri].life != m->life[ri])
+				/* Admitted at a reading the clock may since have gone below: as
+				 * for the attempts live at the step (op_clock), the reaper may
+				 * find it expired sooner than one interval after now. */
+				if (p->rk[ri].life != m->life[ri] || m->clock_back)
 					p->att[p->n_att - 1].maybe_stale = true;
 			}
 		}
@@ -1773,6 +1777,8 @@ static void op_clock(struct prog *p)
 		__atomic_store_n(&p->now, p->now - back, __ATOMIC_RELAXED);
 		for (int k = 0; k < p->n_att; k++)
 			p->att[k].maybe_stale = true;
+		for (int k = 0; k < p->n_tix; k++)
+			p->tix[k].clock_back = true; /* admitted before the step, maybe */
 	} else {
 		__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
 	}
