@@ -158,7 +158,7 @@ static int parse_double(const char *s, double *out)
 {
 	char *end;
 	double v = strtod(s, &end);
-	if (end == s || *end || !(v >= 0))
+	if (end == s || *end || !(v >= 0) || !isfinite(v))
 		return -1;
 	*out = v;
 	return 0;

@@ -6,6 +6,7 @@
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include "core/alloc.h"
@@ -238,6 +239,14 @@ Test(sim_engine, step_time_counts_the_kv_blocks_read)
 	sim_cluster_destroy(c);
 	cfg.engine.step_per_kv_block_ns = -1;
 	cr_assert_eq(sim_cluster_create(&cfg, NULL, &c), KVR_EINVAL);
+	/* A longest step over an hour (virtual time is 64-bit nanoseconds): refused. */
+	cfg.engine.step_per_kv_block_ns = 3.6e12 / 64; /* 64 blocks: 3.6e12 + a + b x 8192 */
+	cr_assert_eq(sim_cluster_create(&cfg, NULL, &c), KVR_EINVAL);
+	cfg.engine.step_per_kv_block_ns = INFINITY;
+	cr_assert_eq(sim_cluster_create(&cfg, NULL, &c), KVR_EINVAL);
+	cfg.engine.step_per_kv_block_ns = 1e9; /* 64 s: allowed */
+	cr_assert_eq(sim_cluster_create(&cfg, NULL, &c), 0);
+	sim_cluster_destroy(c);
 }
 
 /* A request arriving during a step waits for the step boundary, then shares a step. */

@@ -600,6 +600,15 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	                           .first_token = on_first_token,
 	                           .finished = on_finished,
 	                           .output_token = on_output_token};
+	if (!(sim_engine_longest_step_ns(&scfg.engine) <= SIM_STEP_MAX_NS)) {
+		snprintf(
+		    err, errlen,
+		    "simulator: the longest engine step (step base + per token x %u tokens + per "
+		    "KV block x %u blocks) is %.3g s, over an hour of virtual time",
+		    scfg.engine.max_batched_tokens, scfg.engine.n_blocks,
+		    sim_engine_longest_step_ns(&scfg.engine) / 1e9);
+		goto out;
+	}
 	rc = sim_cluster_create(&scfg, &cb, &run.sim);
 	if (rc) {
 		snprintf(err, errlen, "simulator: %s", kvr_strerror(rc));

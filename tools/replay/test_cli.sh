@@ -130,6 +130,19 @@ if "$bin" --quiet --ranks 65537 "$sample" 2>"$tmp/err"; then
 	fail "--ranks 65537 was accepted"
 fi
 grep -q "bad value for --ranks" "$tmp/err" || fail "--ranks 65537: $(cat "$tmp/err")"
+# Engine step times that overflow virtual time (a step of 1e308 ns wrapped the 64-bit clock
+# and printed TTFTs of 9e12 ms) are refused, with what the longest step would be.
+for f in "--step-per-token-us 1e308" "--step-base-ms 3600001" "--step-per-kv-block-us 1e9"; do
+	# shellcheck disable=SC2086
+	if "$bin" --quiet --max-requests 5 --policies round_robin $f "$sample" 2>"$tmp/err"; then
+		fail "$f was accepted"
+	fi
+	grep -q "over an hour of virtual time" "$tmp/err" || fail "$f: $(cat "$tmp/err")"
+done
+if "$bin" --quiet --step-per-kv-block-us inf "$sample" 2>"$tmp/err"; then
+	fail "--step-per-kv-block-us inf was accepted"
+fi
+grep -q "bad value for --step-per-kv-block-us" "$tmp/err" || fail "inf: $(cat "$tmp/err")"
 grep -q "(1 malformed skipped)" "$tmp/skip.txt" || fail "--skip-bad did not count: $(cat "$tmp/skip.txt")"
 
 if command -v gnuplot >/dev/null 2>&1; then

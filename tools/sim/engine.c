@@ -455,12 +455,21 @@ static void complete_step(struct sim_engine *e)
 
 /* ---------------------------------------------------------------- public */
 
+double sim_engine_longest_step_ns(const struct sim_engine_config *cfg)
+{
+	double a = cfg->step_base_ns, b = cfg->step_per_token_ns, c = cfg->step_per_kv_block_ns;
+	if (!(a >= 0) || !(b >= 0) || !(c >= 0)) /* NaN or negative */
+		return NAN;
+	/* A step schedules at most max_batched_tokens and its requests hold at most the pool. */
+	return a + b * (double)cfg->max_batched_tokens + c * (double)cfg->n_blocks;
+}
+
 int sim_engine_create(const struct sim_engine_config *cfg, uint32_t rank,
                       const struct sim_callbacks *cb, struct sim_engine **out)
 {
 	if (!cfg || !out || cfg->n_blocks == 0 || cfg->block_size == 0 ||
-	    cfg->max_batched_tokens == 0 || cfg->max_num_seqs == 0 || !(cfg->step_base_ns >= 0) ||
-	    !(cfg->step_per_token_ns >= 0) || !(cfg->step_per_kv_block_ns >= 0))
+	    cfg->max_batched_tokens == 0 || cfg->max_num_seqs == 0 ||
+	    !(sim_engine_longest_step_ns(cfg) <= SIM_STEP_MAX_NS))
 		return KVR_EINVAL;
 	struct sim_engine *e = kvr_calloc(1, sizeof(*e));
 	if (!e)

@@ -52,12 +52,22 @@ struct sim_engine_config {
 	double step_per_kv_block_ns; /* c: cost per KV block read in a step, ns.  Default 0.  An
 	                              * 8B model on an H100 (2 MiB of KV per 16-token block, 3.35
 	                              * TB/s): ~600. */
+	/* a, b, c >= 0 and the longest step they allow (a + b x max_batched_tokens + c x n_blocks)
+	 * at most SIM_STEP_MAX_NS, or sim_engine_create refuses them (KVR_EINVAL): virtual time is
+	 * 64-bit nanoseconds, and a step of 1e308 ns wrapped it. */
 	/* false (default, vLLM): one stored event per physical copy cached and one removed
 	 * event per physical copy evicted.  true: stored only for a hash's first copy, removed
 	 * only when its last copy goes, so a set-semantics consumer stays exact. */
 	bool dedup_events;
 	uint64_t seed; /* seeds the default output tokens.  Default 0x73696d. */
 };
+
+/* The longest engine step a configuration may allow: an hour of virtual time. */
+#define SIM_STEP_MAX_NS 3.6e12
+
+/* a + b x max_batched_tokens + c x n_blocks: the longest step cfg allows, ns (NaN when a step
+ * time is negative or NaN). */
+double sim_engine_longest_step_ns(const struct sim_engine_config *cfg);
 
 enum sim_event_kind {
 	SIM_EV_STORED = 0,  /* blocks cached, a chain extending parent_seq */
