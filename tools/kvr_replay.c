@@ -326,7 +326,9 @@ int main(int argc, char **argv)
 			bad = parse_double(optarg, &cfg.temperature);
 			break;
 		case O_TTL:
-			bad = parse_double(optarg, &cfg.ttl_s) || cfg.ttl_s == 0;
+			/* the router's ttl_ns: at least 1 ns, and within 64 bits */
+			bad = parse_double(optarg, &cfg.ttl_s) || !(cfg.ttl_s >= 1e-9) ||
+			      cfg.ttl_s > 9e9;
 			break;
 		case O_QTHR:
 			bad = parse_double(optarg, &cfg.queue_threshold);

@@ -560,6 +560,15 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	res->jaccard_min = 1.0;
 	res->n_buckets = cfg->n_buckets;
 	double last_arr = t->n ? t->reqs[t->n - 1].arrival_s * cfg->time_scale : 0;
+	/* Arrivals are 64-bit nanoseconds of virtual time: a time scale of 1e308 put every one at
+	 * the same saturated instant. */
+	if (!(last_arr <= 3.2e9)) {
+		snprintf(err, errlen,
+		         "bad replay configuration: the last arrival at time scale %g is %.3g s, "
+		         "over 100 years of virtual time",
+		         cfg->time_scale, last_arr);
+		return KVR_EINVAL;
+	}
 	res->bucket_s = last_arr > 0 ? last_arr / (double)cfg->n_buckets * 1.0001 : 1.0;
 	res->bucket_prompt = calloc(cfg->n_buckets, sizeof(uint64_t));
 	res->bucket_hit = calloc(cfg->n_buckets, sizeof(uint64_t));

@@ -143,6 +143,14 @@ if "$bin" --quiet --step-per-kv-block-us inf "$sample" 2>"$tmp/err"; then
 	fail "--step-per-kv-block-us inf was accepted"
 fi
 grep -q "bad value for --step-per-kv-block-us" "$tmp/err" || fail "inf: $(cat "$tmp/err")"
+if "$bin" --quiet --time-scale 1e308 "$sample" 2>"$tmp/err"; then
+	fail "--time-scale 1e308 was accepted"
+fi
+grep -q "over 100 years of virtual time" "$tmp/err" || fail "--time-scale 1e308: $(cat "$tmp/err")"
+if "$bin" --quiet --ttl 1e-12 "$sample" 2>"$tmp/err"; then
+	fail "--ttl 1e-12 (0 ns) was accepted"
+fi
+grep -q "bad value for --ttl" "$tmp/err" || fail "--ttl 1e-12: $(cat "$tmp/err")"
 grep -q "(1 malformed skipped)" "$tmp/skip.txt" || fail "--skip-bad did not count: $(cat "$tmp/skip.txt")"
 
 if command -v gnuplot >/dev/null 2>&1; then
