@@ -56,6 +56,7 @@ enum kvr_counter {
 	KVR_C_STALE_BOOKINGS,           /* admissions whose rank went away before the booking */
 	KVR_C_SHARD_WAKES_DEFERRED,     /* lifecycle posts that left an idle shard asleep */
 	KVR_C_BOOKING_WAITS,            /* sync_booking admissions that waited for their shard */
+	KVR_C_OUTPUT_OVER_BOUND,        /* attempts whose output reached the attempt bound */
 	KVR_C_FEED_MESSAGES,            /* sync/feed.c: vLLM KV event feeds */
 	KVR_C_FEED_BATCHES,
 	KVR_C_FEED_EVENTS,

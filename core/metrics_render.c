@@ -96,6 +96,10 @@ static const struct {
      "sync_booking admissions that waited for their shard's answer (no room made to track them "
      "without allocating)",
      ""},
+    {KVR_C_OUTPUT_OVER_BOUND, "kvr_output_over_bound_total",
+     "Attempts whose output reached twice their rank's capacity plus 1,024 blocks (approx_lru): "
+     "the rest of their output is not predicted",
+     ""},
     {KVR_C_FEED_MESSAGES, "kvr_feed_messages_total", "KV event feed: messages received live", ""},
     {KVR_C_FEED_BATCHES, "kvr_feed_batches_total", "KV event feed: batches applied", ""},
     {KVR_C_FEED_EVENTS, "kvr_feed_events_total", "KV event feed: events applied", ""},

@@ -31,6 +31,7 @@
 
 #include "core/alloc.h"
 #include "core/hash.h"
+#include "core/limits.h"
 #include "core/probes.h"
 #include "shards/load.h"
 #include "shards/owner_internal.h"
@@ -693,13 +694,39 @@ int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
  * dropped, so a block only the final token would complete is never predicted, and the tail
  * (computed tokens only) keeps the private block vLLM holds for it: after P prompt and O output
  * tokens the rank holds ceil((P+O-1)/B) blocks and caches floor((P+O-1)/B), as vLLM does. */
+/* The attempt bound: the most blocks one attempt's prediction may reach through its output on
+ * a rank of the LRU kind, twice the rank's capacity (the larger of the registered one and the
+ * estimate, shards/lru_cap.c) plus KVR_EVENTS_BOUND_FLOOR_BLOCKS.  An engine cannot hold one
+ * request larger than its KV cache (vLLM refuses to start with a max_model_len that does not
+ * fit), so no honest stream reaches it; the slack is for a capacity registered low, as in
+ * events mode's stored-block bound (owner_events.c).  Without it an attempt's pinned blocks
+ * were never evicted and a prediction above the capacity reads as an under-registered capacity:
+ * a frontend that kept reporting output (a runaway generation, a bug, a hostile client) grew the
+ * rank's prediction, load and index without limit while the attempt lived (160,000 output
+ * tokens on a 100-block rank held 10,009 blocks, ~35 B each in caches and load plus the
+ * index's).  A rank of the TTL kind needs none: its blocks expire whether or not an attempt
+ * lives.  A prompt past the bound is booked whole (its size is the caller's own input), and
+ * its output is not predicted. */
+static uint64_t attempt_bound(const struct kvr_rank_owned *own)
+{
+	if (kvr_rank_state_mode(own->rs) != KVR_RANK_LRU)
+		return UINT64_MAX;
+	struct kvr_lru_stats st;
+	kvr_lru_stats(kvr_rank_state_lru(own->rs), &st);
+	uint64_t cap = own->capacity > st.capacity ? own->capacity : st.capacity;
+	if (cap > (UINT64_MAX - KVR_EVENTS_BOUND_FLOOR_BLOCKS) / 2)
+		return UINT64_MAX;
+	return 2 * cap + KVR_EVENTS_BOUND_FLOOR_BLOCKS;
+}
+
 static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_attempt *rec,
                   const uint32_t *tok, size_t n, bool not_final)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
 	uint32_t bs = c->block_size;
-	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation)
+	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation ||
+	    rec->over_bound)
 		return 0; /* tracked for liveness only */
 	/* Computed now: the held-back token, then all new tokens but the last, which is held unless
 	 * it is known not to be the final one. */
@@ -740,6 +767,13 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 		rec->has_pending = true;
 	} else if (joined) {
 		rec->has_pending = false; /* it joined the tail */
+	}
+	uint64_t bound = attempt_bound(own);
+	if (rec->n_blocks + (uint64_t)nb > bound) {
+		/* Cut at the bound; the rest of its output is not predicted (see attempt_bound). */
+		nb = bound > rec->n_blocks ? (size_t)(bound - rec->n_blocks) : 0;
+		rec->over_bound = true;
+		kvr_metrics_add(kvr_owner_mb(c), KVR_C_OUTPUT_OVER_BOUND, 1);
 	}
 	uint32_t priv = rec->tail_n > 0 ? 1 : 0;
 	int rc = kvr_rank_state_materialize(own->rs, own->incarnation, rec->attempt, parent, b, nb,

@@ -630,7 +630,14 @@ KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
  * one block fewer than predicted when that allocation evicted one (kvr_request_output_ex,
  * told which token is final, has no such step).  Sending tokens in batches adds to this unless
  * each batch ends one token past a block boundary (with kvr_request_output_ex: at a block
- * boundary; tools/replay/replay.c, "When a batch goes out"). */
+ * boundary; tools/replay/replay.c, "When a batch goes out").
+ * Bound (approx_lru, a rank with a capacity): one attempt's predicted blocks grow through its
+ * output up to twice the rank's capacity (the larger of the registered one and the estimate)
+ * plus 1,024 blocks.  No engine holds one request larger than its KV cache, so an honest
+ * stream never gets there; past it (a runaway generation, a bug) the rest of the attempt's
+ * output is not predicted (its liveness still is), counted once in
+ * kvr_output_over_bound_total, so that it cannot grow the router's memory without limit while
+ * the attempt lives.  TTL retention has no such bound: its blocks expire anyway. */
 KVR_API int kvr_request_output(struct kvr_router *r, uint64_t attempt, const uint32_t *tokens,
                                size_t n_tokens);
 

@@ -160,3 +160,63 @@ Test(owner_attempts, a_burst_of_2k_records_is_recycled_whole)
 	cr_assert_eq(second, 0, "the second burst's records came from the pool");
 	kvr_router_destroy(r);
 }
+
+/* Reports `rounds` x 1,600 output tokens for one 160-token prompt on a rank of `capacity`
+ * blocks (KVR_CAPACITY_NONE: TTL retention); returns the most blocks the rank held meanwhile,
+ * and its resident blocks after the finish in *after. */
+static uint64_t long_output(uint64_t capacity, int rounds, uint64_t *after)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, capacity, 0), 0);
+	static uint32_t p[160], out[1600];
+	for (uint32_t i = 0; i < 160; i++)
+		p[i] = i + 1;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = p;
+	q.n_tokens = 160;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	uint64_t most = 0;
+	for (int k = 0; k < rounds; k++) {
+		for (uint32_t i = 0; i < 1600; i++)
+			out[i] = 1000000u + (uint32_t)k * 1600u + i;
+		cr_assert_eq(kvr_request_output(r, d.attempt, out, 1600), 0);
+		struct kvr_rank_stats s;
+		cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+		if (s.resident_blocks > most)
+			most = s.resident_blocks;
+	}
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+	*after = s.resident_blocks;
+	cr_assert_eq(s.active_blocks, 0);
+	cr_assert_eq(kvr_test_metric(r, "kvr_output_over_bound_total"), capacity == 100 ? 1 : 0);
+	kvr_router_destroy(r);
+	return most;
+}
+
+/* One attempt's output stops being predicted at the attempt bound, twice the rank's capacity
+ * plus 1,024 blocks (shards/owner_attempts.c, attempt_bound): 160,000 output tokens on a
+ * 100-block rank held 10,009 blocks while the attempt lived (pinned blocks are never evicted),
+ * now 1,224; counted once.  A rank large enough predicts every block, and a TTL rank (whose
+ * blocks expire whether or not an attempt lives) has no bound. */
+Test(owner_attempts, output_past_the_attempt_bound_is_not_predicted)
+{
+	uint64_t after;
+	cr_assert_eq(long_output(100, 100, &after), 2 * 100 + 1024);
+	cr_assert_eq(after, 100, "the finish released it down to the capacity");
+	/* the blocks the 160 + 160,000 tokens fill, less the last one held back (no KV yet) */
+	uint64_t big = long_output(100000, 100, &after);
+	cr_assert_eq(big, (160 + 160000 - 1) / 16, "%llu", (unsigned long long)big);
+	big = long_output(KVR_CAPACITY_NONE, 100, &after);
+	cr_assert_eq(big, (160 + 160000 - 1) / 16, "%llu", (unsigned long long)big);
+}
