@@ -414,6 +414,8 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	out->notes_over_cap = __atomic_load_n(&rep->over_cap, __ATOMIC_RELAXED);
 	out->peers_alive = 0;
 	out->lag_messages = 0;
+	out->displaced =
+	    rep->displaced_ns && kvr_rep_mono_ns() - rep->displaced_ns <= kvr_rep_silence_bound(rep);
 	for (size_t i = 0; i < rep->n_peers; i++) {
 		const struct kvr_rep_peer *p = &rep->peers[i];
 		if (!p->alive)
@@ -483,6 +485,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_events_total{what=\"denied\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"oversized\"} %" PRIu64 "\n"
 	    "kvr_sync_events_total{what=\"truncated\"} %" PRIu64 "\n"
+	    "kvr_sync_events_total{what=\"displaced\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_output_dropped_tokens_total Peers' output tokens not applied here "
 	    "(memory, a full lane): their attempts wait for a re-announce\n"
 	    "# TYPE kvr_sync_output_dropped_tokens_total counter\n"
@@ -494,13 +497,16 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "# HELP kvr_sync_lag_messages Stream messages peers sent that are not applied yet\n"
 	    "# TYPE kvr_sync_lag_messages gauge\nkvr_sync_lag_messages %" PRIu64 "\n"
 	    "# HELP kvr_sync_connected 1 while connected to NATS\n"
-	    "# TYPE kvr_sync_connected gauge\nkvr_sync_connected %d\n",
+	    "# TYPE kvr_sync_connected gauge\nkvr_sync_connected %d\n"
+	    "# HELP kvr_sync_displaced 1 while a newer replica holds this one's id (peers follow "
+	    "it)\n"
+	    "# TYPE kvr_sync_displaced gauge\nkvr_sync_displaced %d\n",
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
 	    s.refused, s.orphans, s.block_size_mismatch, s.batches, s.gaps, s.resyncs,
 	    s.snapshots_applied, s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost,
 	    s.released, s.early_lost, s.notes_over_cap, s.ends_reconciled, s.denied, s.oversized,
-	    s.truncated, s.output_dropped, s.peers_alive, s.mirrored, s.lag_messages,
-	    s.connected ? 1 : 0);
+	    s.truncated, s.displacements, s.output_dropped, s.peers_alive, s.mirrored,
+	    s.lag_messages, s.connected ? 1 : 0, s.displaced ? 1 : 0);
 	return n > 0 ? (size_t)n : 0;
 }
 

@@ -371,6 +371,20 @@ static void peer_gone(struct kvr_replica *rep, struct kvr_rep_peer *p)
 	pthread_mutex_unlock(&rep->mu);
 }
 
+/* A message in our own id from a newer life (a larger epoch) was heard: another replica holds
+ * our id, one that kvr_sync_attach could not see (its holder was reconnecting when the other
+ * attached, or both attached at once).  Peers follow the larger epoch and drop an older life's
+ * messages (kvr_rep_handle's epoch check below), so this replica's decisions and load no longer
+ * reach them: kvr_sync_stats.displaced says so while the newer life is heard, and clears at its
+ * goodbye or after the liveness bound without it (then peers take this one up again).  mu
+ * held. */
+static void note_displaced(struct kvr_replica *rep, bool heard)
+{
+	if (heard && !rep->displaced_ns)
+		rep->st.displacements++;
+	rep->displaced_ns = heard ? kvr_rep_mono_ns() | 1 : 0;
+}
+
 /* Handles one decoded message (rc: its decoding error, or 0).  mu held on entry; released. */
 static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const char *reply);
 
@@ -390,16 +404,22 @@ void kvr_rep_handle(struct kvr_replica *rep, const uint8_t *data, size_t len, co
 	int rc = kvr_msg_batch_check(data, len, &n);
 	uint64_t from = 0;
 	bool forged = false;
+	int newer = 0;
 	while (rc == 0 && kvr_msg_batch_next(data, len, &pos, &m) == 1) {
 		if (!from)
 			from = m.h.replica;
 		if (m.h.replica != from || m.h.type == KVR_MSG_SNAP_CHUNK ||
-		    m.h.type == KVR_MSG_FENCE)
+		    m.h.type == KVR_MSG_FENCE) {
 			rc = KVR_EINVAL; /* one sender per batch; not stream messages */
-		else if (m.h.replica == rep->c.replica_id)
+		} else if (m.h.replica == rep->c.replica_id) {
 			forged = true; /* our id, not from us (no echo) */
+			if (m.h.epoch > rep->epoch)
+				newer = m.h.type == KVR_MSG_GOODBYE ? -1 : 1;
+		}
 	}
 	pthread_mutex_lock(&rep->mu);
+	if (rc == 0 && newer)
+		note_displaced(rep, newer > 0);
 	if (rc || forged) {
 		rep->st.received++;
 		rep->st.forged += forged;
@@ -420,6 +440,8 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 {
 	if (rc == 0 && m.h.replica == rep->c.replica_id) {
 		rep->st.forged++; /* our id, not from us (no echo) */
+		if (m.h.epoch > rep->epoch)
+			note_displaced(rep, m.h.type != KVR_MSG_GOODBYE);
 		rc = KVR_EINVAL;
 	}
 	if (rc == 0 && (m.h.type == KVR_MSG_SNAP_CHUNK || m.h.type == KVR_MSG_FENCE))
@@ -573,12 +595,8 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns)
 		if (!rep->obuf.oom)
 			rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 	}
-	/* Saturating, and twice it too: dead_after x heartbeat_ms ns overflows 64 bits for allowed
-	 * settings (3,782,740,474 x 43,889 ms wrapped to 35 us: every peer given up at once;
-	 * test_replica_hooks silence_bound_does_not_wrap). */
-	unsigned __int128 b128 =
-	    (unsigned __int128)rep->c.dead_after * rep->c.heartbeat_ms * 1000000u;
-	uint64_t bound = b128 > UINT64_MAX / 2 ? UINT64_MAX / 2 : (uint64_t)b128;
+	/* Saturating, and twice it too (kvr_rep_silence_bound). */
+	uint64_t bound = kvr_rep_silence_bound(rep);
 	struct kvr_rep_peer *dead[MAX_PEERS];
 	size_t nd = 0;
 	for (size_t i = 0; i < rep->n_peers; i++) {

@@ -134,6 +134,9 @@ struct kvr_replica {
 	pthread_mutex_t mu; /* everything below up to the queue */
 	uint64_t seq;       /* own stream position */
 	bool connected;
+	/* When a newer life of our own id (a forged message with a larger epoch) was last heard,
+	 * kvr_rep_mono_ns; 0: none, or it said goodbye (kvr_sync_stats.displaced). */
+	uint64_t displaced_ns;
 	struct kvr_msg_buf obuf; /* one message outside the stream (heartbeat, goodbye, requests) */
 	struct kvr_msg_buf sbuf; /* stream messages not sent yet (sync/replica_out.c: a batch) */
 	uint32_t sbatch_n;       /* how many; each already took its sequence number */
@@ -208,6 +211,15 @@ static inline uint64_t kvr_rep_mono_ns(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* dead_after x heartbeat_ms in ns, saturating at half of 64 bits: the product overflows 64
+ * bits for allowed settings (3,782,740,474 x 43,889 ms wrapped to 35 us: every peer given up at
+ * once; test_replica_hooks silence_bound_does_not_wrap). */
+static inline uint64_t kvr_rep_silence_bound(const struct kvr_replica *rep)
+{
+	unsigned __int128 b = (unsigned __int128)rep->c.dead_after * rep->c.heartbeat_ms * 1000000u;
+	return b > UINT64_MAX / 2 ? UINT64_MAX / 2 : (uint64_t)b;
 }
 
 /* Waits on cv (kvr_cond_init: on CLOCK_MONOTONIC, so a wall clock stepped back does not stop

@@ -1055,7 +1055,8 @@ struct kvr_sync_stats {
 	                       * sender's next heartbeat, and its sender re-announces) */
 	uint64_t forged;      /* of those: carrying this replica's id: another replica uses it
 	                       * (kvr_sync_attach refuses an id in use, but cannot see one whose
-	                       * holder is reconnecting meanwhile); detach one of them */
+	                       * holder is reconnecting meanwhile); detach one of them (see
+	                       * displaced for which) */
 	uint64_t duplicates;  /* stream messages at or below a peer's position (not applied) */
 	uint64_t refused;     /* peer admissions the router refused (unknown rank, stale) */
 	uint64_t orphans;     /* lifecycle messages for attempts this replica does not mirror */
@@ -1105,6 +1106,15 @@ struct kvr_sync_stats {
 	 * 131,059 at the default 1 MiB) as a chain the caller gave: peers mirror the attempt, its
 	 * load and that prefix, but predict no blocks for its output (before: not sent at all). */
 	uint64_t truncated;
+	/* True while another replica holding this one's id with a newer life (a larger epoch: the
+	 * wall clock at its attach) is heard: peers follow the newer life and drop this replica's
+	 * messages, so its decisions and load no longer reach them (it still mirrors theirs).  The
+	 * one to detach (and attach again under a free id).  False again at the other's goodbye
+	 * or once it has been silent for dead_after heartbeats; then peers take this replica up
+	 * again (they ask it to re-announce).  The other replica only counts forged messages.
+	 * displacements counts the times it became true. */
+	bool displaced;
+	uint64_t displacements;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */
@@ -1121,7 +1131,8 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * KVR_EBUSY (already attached),
  * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
  * holding that id's subject did not answer for 2 s; two attaching under one id at once may both
- * get it), KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was
+ * get it, and so may one attaching while the id's holder is reconnecting: the one with the
+ * older life then reports kvr_sync_stats.displaced), KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was
  * left for the connection), KVR_ETIMEDOUT (no server reachable),
  * KVR_ENOTSUP (built without the `nats` feature); *out is NULL after any failure. Context: any
  * thread.  The calling thread's asynchronous signals are held (blocked, then delivered) while
