@@ -1132,8 +1132,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
  * holding that id's subject did not answer for 2 s; two attaching under one id at once may both
  * get it, and so may one attaching while the id's holder is reconnecting: the one with the
- * older life then reports kvr_sync_stats.displaced), KVR_ENOMEM (also: a replica thread could not be started, or no file descriptor was
- * left for the connection), KVR_ETIMEDOUT (no server reachable),
+ * older life then reports kvr_sync_stats.displaced), KVR_ENOMEM (also: a replica thread could
+ * not be started, or no file descriptor was left for the connection), KVR_ETIMEDOUT (no server
+ * reachable),
  * KVR_ENOTSUP (built without the `nats` feature); *out is NULL after any failure. Context: any
  * thread.  The calling thread's asynchronous signals are held (blocked, then delivered) while
  * nats.c connects, subscribes, flushes and asks who holds the id, at most ~6 s, and in
