@@ -414,8 +414,8 @@ void kvr_replica_get_stats(struct kvr_replica *rep, struct kvr_sync_stats *out)
 	out->notes_over_cap = __atomic_load_n(&rep->over_cap, __ATOMIC_RELAXED);
 	out->peers_alive = 0;
 	out->lag_messages = 0;
-	out->displaced =
-	    rep->displaced_ns && kvr_rep_mono_ns() - rep->displaced_ns <= kvr_rep_silence_bound(rep);
+	out->displaced = rep->displaced_ns &&
+	                 kvr_rep_mono_ns() - rep->displaced_ns <= kvr_rep_silence_bound(rep);
 	for (size_t i = 0; i < rep->n_peers; i++) {
 		const struct kvr_rep_peer *p = &rep->peers[i];
 		if (!p->alive)
