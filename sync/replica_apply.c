@@ -442,6 +442,15 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 		rep->st.forged++; /* our id, not from us (no echo) */
 		if (m.h.epoch > rep->epoch)
 			note_displaced(rep, m.h.type != KVR_MSG_GOODBYE);
+		if (m.h.type == KVR_MSG_SNAP_REQ && reply) {
+			/* A twin under our id asks (note_displaced): decline at once, so that it
+			 * asks again and the queue group may pick another replica, rather than
+			 * waiting out its snapshot_timeout_ms for an answer that never comes. */
+			rep->st.dropped++;
+			pthread_mutex_unlock(&rep->mu);
+			kvr_rep_snapshot_give_up(rep, reply, 0);
+			return;
+		}
 		rc = KVR_EINVAL;
 	}
 	if (rc == 0 && (m.h.type == KVR_MSG_SNAP_CHUNK || m.h.type == KVR_MSG_FENCE))

@@ -137,7 +137,11 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 {
 	struct snap_rx *rx = cb;
 	struct kvr_wmsg m;
-	if (kvr_msg_decode(buf, len, &m) || m.h.type != KVR_MSG_SNAP_CHUNK || m.chunk != rx->next ||
+	int bad = kvr_msg_decode(buf, len, &m);
+	if (!bad && m.h.type == KVR_MSG_SNAP_CHUNK && m.chunk == 0 && rx->next == 0 &&
+	    (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) && m.h.replica == rx->rep->c.replica_id)
+		return KVR_EAGAIN; /* a twin under our id declined (replica_apply.c): ask again */
+	if (bad || m.h.type != KVR_MSG_SNAP_CHUNK || m.chunk != rx->next ||
 	    (rx->next && m.h.replica != rx->provider) || m.h.replica == rx->rep->c.replica_id) {
 		pthread_mutex_lock(&rx->rep->mu);
 		rx->rep->st.dropped++;
