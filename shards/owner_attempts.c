@@ -609,6 +609,7 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred)
 		drop_booking(ss, rec);
 		return KVR_ENOMEM;
 	}
+	kvr_owner_wake_reaper(sh);
 	/* The load before the predicted cache: the one step after track() that can fail and must
 	 * not (an attempt without its load was routed as if it were not there, and with
 	 * sync_booking kvr_route returned 0 for it), so it fails the booking whole, as track()

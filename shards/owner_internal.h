@@ -140,8 +140,11 @@ void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own);
 /* What failed for lack of memory and is retried at the start of the shard's next call: owed
  * releases (kvr_owner_retry_releases), timers.  Context: the shard's thread. */
 void kvr_owner_retry_timers(struct kvr_shard *sh);
-/* The lease reaper has run: its next scan one interval from now. */
+/* The lease reaper has run: its next scan one interval from now, if the shard has attempts. */
 void kvr_owner_rearm_reaper(struct kvr_shard *sh);
+/* Arms the lease reaper one interval from now unless it is pending (a booking: the reaper
+ * sleeps while the shard has no attempts). */
+void kvr_owner_wake_reaper(struct kvr_shard *sh);
 /* The rank's owned state if the slot still holds generation gen, else NULL. */
 struct kvr_rank_owned *kvr_owner_rank(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t gen);
 

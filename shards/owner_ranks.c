@@ -227,12 +227,26 @@ static uint64_t reaper_next(const struct kvr_owner_ctx *c)
 	return t < now ? UINT64_MAX : t;
 }
 
-/* Called by the reaper when it has run: the next scan one interval later. */
+/* Called by the reaper when it has run: the next scan one interval later, while the shard has
+ * attempts to scan (or releases to retry).  A reaper that re-armed itself for ever kept an idle
+ * shard waking every interval, and at a short one (lease_scan_interval_ns 1: a timer always
+ * due) never let it park: kvr_router_sync timed out with no work left and the shard's thread
+ * spun (a probe: 20,000 routes finished, then 5 s of KVR_ETIMEDOUT).  The next booking arms it
+ * again (kvr_owner_wake_reaper): its first scan comes one interval after it, so an idle attempt
+ * still expires one to two intervals after its last call. */
 void kvr_owner_rearm_reaper(struct kvr_shard *sh)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	ss->reaper_armed = false;
-	arm_reaper(sh, reaper_next(ss->c));
+	if (ss->n_recs || ss->releases_owed)
+		arm_reaper(sh, reaper_next(ss->c));
+}
+
+void kvr_owner_wake_reaper(struct kvr_shard *sh)
+{
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (!ss->reaper_armed && !ss->timers_broken)
+		arm_reaper(sh, reaper_next(ss->c));
 }
 
 /* Re-arms what a failed timer allocation left unarmed.  Called at the top of every shard-side
@@ -263,7 +277,6 @@ void kvr_owner_shard_start(struct kvr_shard *sh, void *ctx)
 	kvr_u64map_init(&ss->by_id);
 	kvr_shard_set_userdata(sh, ss);
 	kvr_owner_room_prepare(ss);
-	arm_reaper(sh, reaper_next(c));
 }
 
 void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx)

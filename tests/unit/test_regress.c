@@ -463,3 +463,57 @@ Test(regress, lease_scan_interval_near_2_to_64_never_expires)
 		kvr_router_destroy(r);
 	}
 }
+
+/* Waits up to 5 s for rank id to have no live attempt. */
+static bool no_attempt_within_5s(struct kvr_router *r, struct kvr_rank_id id)
+{
+	struct kvr_rank_stats s;
+	for (int i = 0; i < 5000; i++) {
+		cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+		if (s.active_requests == 0)
+			return true;
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	return false;
+}
+
+/* The lease reaper re-armed itself whatever its shard held, so at lease_scan_interval_ns 1 its
+ * timer was always due: the shard never parked, kvr_router_sync timed out with no work left
+ * (KVR_ETIMEDOUT after 5 s, 20,000 routes all finished) and the shard's thread spun.  It now
+ * sleeps while its shard has no attempt, and a booking wakes it: attempts left alone still
+ * expire, before and after such an idle spell. */
+Test(regress, the_lease_reaper_sleeps_on_an_idle_shard)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.lease_scan_interval_ns = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 1000, 0), 0);
+	uint32_t t[64];
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	for (uint32_t k = 0; k < 100; k++) {
+		prompt(t, 64, k);
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		int rc = kvr_request_finish(r, d.attempt);
+		cr_assert(rc == 0 || rc == KVR_ESTALE); /* it may have expired already */
+	}
+	cr_assert_eq(kvr_router_sync(r, 5000), 0, "the shard never went idle: %s",
+	             kvr_last_error());
+	for (int round = 0; round < 2; round++) {
+		prompt(t, 64, 1000 + (uint32_t)round);
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		cr_assert(no_attempt_within_5s(r, id), "round %d: the attempt never expired",
+		          round);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE);
+		cr_assert_eq(kvr_router_sync(r, 5000), 0, "round %d: %s", round, kvr_last_error());
+	}
+	kvr_router_destroy(r);
+}
