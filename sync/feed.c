@@ -190,6 +190,8 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 	zmq_setsockopt(e->sub, ZMQ_LINGER, &zero, sizeof(zero));
 	zmq_setsockopt(e->sub, ZMQ_RCVHWM, &hwm, sizeof(hwm));
 	zmq_setsockopt(e->sub, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
+	const int ivl_max = FEED_RECONNECT_IVL_MAX_MS;
+	zmq_setsockopt(e->sub, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
 	if (zmq_setsockopt(e->sub, ZMQ_SUBSCRIBE, e->topic, strlen(e->topic)) != 0 ||
 	    zmq_connect(e->sub, e->endpoint) != 0) {
 		ep_free(e);
@@ -199,6 +201,7 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		/* Check the address now (the socket itself is made on the first gap). */
 		void *d = zmq_socket(f->zctx, ZMQ_DEALER);
 		int ok = d && zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof(zero)) == 0 &&
+		         zmq_setsockopt(d, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max)) == 0 &&
 		         zmq_connect(d, e->replay) == 0;
 		if (!ok) {
 			if (d)

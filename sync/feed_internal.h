@@ -31,6 +31,16 @@ struct rstate {
 	uint64_t missed_from;
 };
 
+/* The longest wait between a SUB's or DEALER's connection attempts to an absent publisher, ms
+ * (ZMQ_RECONNECT_IVL_MAX: ZeroMQ doubles the wait from ZMQ_RECONNECT_IVL, 100 ms, up to it).
+ * Without it every socket to a publisher that is down tries again every 100 ms for as long as
+ * it is down: /tmp/lead/probe/feedidle3.c, 64 silent endpoints (128 sockets), 115 ms of CPU in
+ * 3 s of an otherwise idle process (~0.3 ms a second per socket, ZeroMQ's I/O thread), which
+ * a cluster with hundreds of workers down would make a core's worth.  The cost: a publisher
+ * back after a long absence is connected up to 1 s later, and what it sent before that is
+ * replayed or reported as a gap, as for any first connection (feed_seq.c). */
+#define FEED_RECONNECT_IVL_MAX_MS 1000
+
 /* Ranks unknown to the router tracked per endpoint (a publisher naming dp ranks the router
  * never adds cannot grow the feed's state without bound). */
 #define MISSED_MAX 64

@@ -238,7 +238,9 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 		int zero = 0;
 		if (!e->dealer)
 			return -1;
+		const int ivl_max = FEED_RECONNECT_IVL_MAX_MS;
 		zmq_setsockopt(e->dealer, ZMQ_LINGER, &zero, sizeof(zero));
+		zmq_setsockopt(e->dealer, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
 		zmq_setsockopt(e->dealer, ZMQ_MAXMSGSIZE, &f->cfg.max_msg_bytes,
 		               sizeof(f->cfg.max_msg_bytes));
 		if (zmq_connect(e->dealer, e->replay) != 0) {
