@@ -905,7 +905,8 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * Subscribes to one publisher (its strings are copied).  *id_out (may be NULL) names it for
  * kvr_feed_remove / kvr_feed_get_stats; the feeds of a process give different ids, so another
  * feed's id is KVR_ENOENT there.  The socket connects in the background and reconnects
- * by itself; the publisher may start before or after.
+ * by itself; the publisher may start before or after (an absent publisher is tried again
+ * after 100 ms, then ever less often, at least once a second).
  * Returns 0, KVR_EINVAL (NULL endpoint, an endpoint ZeroMQ refuses, a tcp:// port that is not
  * a number in 1..65535, which ZeroMQ would cut to another port), KVR_ENOMEM.
  * Context: any thread; one round trip to the feed thread.  From the callbacks the feed thread
