@@ -596,7 +596,13 @@ void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t windo
 }
 
 /* After a reconnect: RESET, then every own live attempt and every own attempt finished since
- * the outage began, so peers rebuild what they hold of us. */
+ * the outage began, so peers rebuild what they hold of us.  Own means of this life: a fresh
+ * replica takes the finished attempts of its id's earlier lives from a snapshot as history
+ * (apply_snapshot), stamped finished as it applies them, and announced them again as its own:
+ * every restart under one id sent its peers the whole journal (~500 attempts a restart with
+ * 1,000-block ranks), which they booked, finished and journaled again as new, so old history
+ * came back as the most recent in their LRUs (test_replica_epoch
+ * a_new_life_does_not_announce_its_earlier_lives_history). */
 void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 {
 	pthread_mutex_lock(&rep->mu);
@@ -610,7 +616,8 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		send_rank(rep, KVR_REPL_RANK_ADD, &rep->ranks[i]);
 		for (struct kvr_rep_rec *x = rep->ranks[i].jhead; x; x = x->next) {
-			if (!since_ns || x->origin != rep->c.replica_id || x->fin_ns < since_ns)
+			if (!since_ns || x->origin != rep->c.replica_id ||
+			    x->oepoch != rep->epoch || x->fin_ns < since_ns)
 				continue;
 			kvr_rep_encode_attempt(&rep->sbuf, KVR_MSG_ATTEMPT, rep->c.replica_id,
 			                       rep->epoch, rep->seq + 1, x, true, rep->max_msg,

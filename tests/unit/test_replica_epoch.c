@@ -52,3 +52,45 @@ Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
 	all_agree(r, 2, "the life with the clock behind");
 	bus_teardown(r, 2);
 }
+
+/* A replica back under its id (a new life) takes the finished attempts of its earlier lives
+ * from a peer's snapshot as history, and must not announce them as its own when it
+ * re-announces (after a reconnect, or when a peer asks): it did, so every restart under one id
+ * sent the peers the whole journal, which they booked, finished and journaled again as new
+ * (a probe over NATS: ~460 attempts a restart, 46,052 in 100 restarts; their old blocks came
+ * back as the most recent in the peers' LRUs). */
+Test(replica_epoch, a_new_life_does_not_announce_its_earlier_lives_history, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	for (uint32_t k = 0; k < 20; k++) {
+		struct kvr_decision d = bus_route(r[1], 100 + k, 64);
+		cr_assert_eq(kvr_request_finish(r[1], d.attempt), 0);
+	}
+	bus_quiet(r, 2);
+	const char *ended = "kvr_requests_ended_total{how=\"finish\"} ";
+	cr_assert_eq(metric(r[0], ended), 20);
+	/* Replica 2 goes (goodbye) and a new life of it joins: a fresh replica, it applies
+	 * replica 1's snapshot, history included. */
+	kvr_replica_stop(bus.rep[1]);
+	kvr_replica_destroy(bus.rep[1]);
+	bus.rep[1] = NULL;
+	kvr_router_destroy(r[1]);
+	bus.ready[1] = false;
+	r[1] = bus_router(1);
+	bus_quiet(r, 2);
+	all_agree(r, 2, "the new life took the history");
+	uint64_t before = metric(r[0], ended);
+	/* It reconnects: it re-announces what it did in this life, which is nothing. */
+	kvr_replica_disconnected(bus.rep[1]);
+	kvr_replica_reconnected(bus.rep[1]);
+	bus_quiet(r, 2);
+	struct kvr_decision d = bus_route(r[1], 999, 64); /* a marker behind the re-announce */
+	cr_assert_eq(kvr_request_finish(r[1], d.attempt), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(metric(r[0], ended), before + 1,
+	             "replica 1 was told %llu attempts, only the marker is new",
+	             (unsigned long long)(metric(r[0], ended) - before));
+	all_agree(r, 2, "after the re-announce");
+	bus_teardown(r, 2);
+}
