@@ -290,7 +290,8 @@ void kvr_rep_journal_clear(struct kvr_rep_rank *e);
 /* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);
 struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id);
-struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep, uint64_t id); /* NULL when full */
+struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep,
+                                      uint64_t id); /* NULL: MAX_PEERS alive */
 
 /* ---------------------------------------------------------------- sync/replica_early.c */
 

@@ -237,12 +237,29 @@ struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id)
 	return NULL;
 }
 
+/* A peer's entry, made if the table has room.  Full, the entry of the peer gone longest ago
+ * (goodbye, or given up: its mirrored attempts are released, and its id's later messages would
+ * be a new life anyway) is taken over.  Entries used to be kept for good, so a replica that had
+ * heard MAX_PEERS ids in its life (replicas restarted under new ids: 256 restarts) dropped every
+ * message of any id after them, for ever (test_replica_epoch
+ * peers_gone_make_room_for_new_ones).  Context: the thread handling deliveries (hmu), mu held:
+ * the entries' addresses held across an unlock (peer_gone) are this thread's. */
 struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep, uint64_t id)
 {
 	struct kvr_rep_peer *p = kvr_rep_peer_find(rep, id);
-	if (p || rep->n_peers == MAX_PEERS)
+	if (p)
 		return p;
-	p = &rep->peers[rep->n_peers++];
+	if (rep->n_peers < MAX_PEERS) {
+		p = &rep->peers[rep->n_peers++];
+	} else {
+		for (size_t i = 0; i < rep->n_peers; i++) {
+			struct kvr_rep_peer *q = &rep->peers[i];
+			if (!q->alive && (!p || q->lost_ns < p->lost_ns))
+				p = q;
+		}
+		if (!p)
+			return NULL; /* MAX_PEERS peers alive at once */
+	}
 	memset(p, 0, sizeof(*p));
 	p->id = id;
 	return p;

@@ -1053,7 +1053,9 @@ struct kvr_sync_stats {
 	uint64_t applied;     /* peers' stream messages applied */
 	uint64_t dropped;     /* malformed, unknown version, truncated, forged, or lost for memory
 	                       * on arrival: not applied (a lost message shows as a gap at the
-	                       * sender's next heartbeat, and its sender re-announces) */
+	                       * sender's next heartbeat, and its sender re-announces); also every
+	                       * message of a 257th peer while 256 others are alive (a replica
+	                       * hears at most 256 at once; a gone peer's place is reused) */
 	uint64_t forged;      /* of those: carrying this replica's id: another replica uses it
 	                       * (kvr_sync_attach refuses an id in use, but cannot see one whose
 	                       * holder is reconnecting meanwhile); detach one of them (see

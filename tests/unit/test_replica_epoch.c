@@ -14,6 +14,7 @@
  * (tests/unit/replica_bus.h).
  */
 #include "tests/common/realtime_shift.h"
+#include "sync/replica_msg.h"
 #include "tests/unit/replica_bus.h"
 
 Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
@@ -93,4 +94,57 @@ Test(replica_epoch, a_new_life_does_not_announce_its_earlier_lives_history, .tim
 	             (unsigned long long)(metric(r[0], ended) - before));
 	all_agree(r, 2, "after the re-announce");
 	bus_teardown(r, 2);
+}
+
+/* Appends one message from replica `id` (epoch 1) to b: a HEARTBEAT, a GOODBYE, or a RANK add of
+ * worker w at stream position 1. */
+static void put_msg(struct kvr_msg_buf *b, unsigned type, uint64_t id, uint64_t w)
+{
+	size_t off = kvr_msg_begin(b, type, id, 1, type == KVR_MSG_RANK ? 1 : 0);
+	if (type == KVR_MSG_HEARTBEAT)
+		kvr_msg_put_u64(b, 0);
+	if (type == KVR_MSG_RANK) {
+		kvr_msg_put_u32(b, 1); /* add */
+		kvr_msg_put_u32(b, 8192);
+		kvr_msg_put_u64(b, w);
+		kvr_msg_put_u32(b, 0);
+		kvr_msg_put_u32(b, 0);
+		kvr_msg_put_u64(b, 1);
+		kvr_msg_put_u64(b, 1000);
+	}
+	kvr_msg_end(b, off);
+}
+
+static void deliver(struct kvr_replica *rep, unsigned type, uint64_t id, uint64_t w)
+{
+	struct kvr_msg_buf b = {0};
+	put_msg(&b, type, id, w);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	kvr_msg_buf_fini(&b);
+}
+
+/* A replica keeps an entry per peer id it has heard (256 at most).  They were kept for good:
+ * once it had heard 256 ids in its life (replicas restarted under new ids, each saying goodbye),
+ * every message of a new id was dropped, for ever.  Now the entry of a peer gone longest ago is
+ * taken over. */
+Test(replica_epoch, peers_gone_make_room_for_new_ones, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	for (uint64_t id = 100; id < 100 + 300; id++) { /* 300 lives of new ids, each gone */
+		deliver(rep, KVR_MSG_HEARTBEAT, id, 0);
+		deliver(rep, KVR_MSG_GOODBYE, id, 0);
+	}
+	deliver(rep, KVR_MSG_RANK, 1000, 77); /* a new replica's first message: rank 77 added */
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r[0], (struct kvr_rank_id){77, 0}, &s), 0,
+	             "the 301st replica's rank add was dropped");
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.peers_lost, 300);
+	bus_teardown(r, 1);
 }
