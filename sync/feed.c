@@ -148,6 +148,18 @@ static struct ep *ep_find(struct kvr_feed *f, uint32_t id, uint32_t *at)
 	return NULL;
 }
 
+/* Why ZeroMQ failed to make a socket or to connect one: no socket or descriptor left (its
+ * context's ZMQ_MAX_SOCKETS, 1,023, which a burst of adds and removes can reach since ZeroMQ
+ * closes a removed endpoint's sockets in the background; the process's RLIMIT_NOFILE) is
+ * KVR_ENOMEM, anything else an address it refuses (KVR_EINVAL).  Both were reported as a
+ * refused address ("not a tcp://, ipc:// or inproc:// address"): 1,577 adds and removes of a
+ * valid tcp:// endpoint in a tight loop failed so. */
+static int zmq_fail_code(void)
+{
+	int e = zmq_errno();
+	return e == EMFILE || e == ENFILE || e == ENOMEM || e == ENOBUFS ? KVR_ENOMEM : KVR_EINVAL;
+}
+
 static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_t *id)
 {
 	/* items: [control, every SUB, every monitor, the box's eventfd] */
@@ -194,8 +206,9 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 	zmq_setsockopt(e->sub, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
 	if (zmq_setsockopt(e->sub, ZMQ_SUBSCRIBE, e->topic, strlen(e->topic)) != 0 ||
 	    zmq_connect(e->sub, e->endpoint) != 0) {
+		int rc = zmq_fail_code();
 		ep_free(e);
-		return KVR_EINVAL;
+		return rc;
 	}
 	if (e->replay) {
 		/* Check the address now (the socket itself is made on the first gap). */
@@ -204,10 +217,11 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		         zmq_setsockopt(d, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max)) == 0 &&
 		         zmq_connect(d, e->replay) == 0;
 		if (!ok) {
+			int rc = d ? zmq_fail_code() : KVR_ENOMEM;
 			if (d)
 				zmq_close(d);
 			ep_free(e);
-			return KVR_EINVAL;
+			return rc;
 		}
 		zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
 		e->dealer = d;
@@ -877,6 +891,14 @@ static __attribute__((cold, noinline)) int feed_fail(int rc, const char *fn, uin
 		        ? "; '*' is where a publisher binds: connect to the worker's "
 		          "host, e.g. tcp://HOST:5557"
 		        : "");
+	case KVR_ENOMEM: /* add: memory, or ZeroMQ's sockets (zmq_fail_code) */
+		if (!ep)
+			break;
+		return kvr_fail(rc,
+		                "%s: out of memory or of sockets: ZeroMQ allows 1,023 a feed (it "
+		                "closes removed endpoints' in the background: retry), within the "
+		                "process's descriptor limit (RLIMIT_NOFILE)",
+		                fn);
 	case KVR_ENOENT:
 		return kvr_fail(rc, "%s: the feed has no endpoint id %" PRIu32, fn, id);
 	case KVR_EBUSY:

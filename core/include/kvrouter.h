@@ -908,7 +908,9 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  * by itself; the publisher may start before or after (an absent publisher is tried again
  * after 100 ms, then ever less often, at least once a second).
  * Returns 0, KVR_EINVAL (NULL endpoint, an endpoint ZeroMQ refuses, a tcp:// port that is not
- * a number in 1..65535, which ZeroMQ would cut to another port), KVR_ENOMEM.
+ * a number in 1..65535, which ZeroMQ would cut to another port), KVR_ENOMEM (also: no socket
+ * left: a feed's ZeroMQ context allows 1,023, four an endpoint with a replay address, and
+ * closes removed endpoints' in the background, or the process's descriptor limit).
  * Context: any thread; one round trip to the feed thread.  From the callbacks the feed thread
  * runs (its log, the router's on_event_gap for the gaps it reports), kvr_feed_add and
  * kvr_feed_remove return KVR_EBUSY, kvr_feed_get_stats and kvr_feed_other_medium_blocks answer

@@ -8,6 +8,8 @@
  * ends after 10 ms while ranks wait. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
 #include <time.h>
 
 #include "kvrouter.h"
@@ -57,5 +59,46 @@ Test(feed_limits, idle_spin_still_resyncs_added_ranks, .timeout = 60)
 	             "rank (0, 1), added while the publisher was quiet, was not resynced in 2 s");
 	kvr_feed_destroy(f);
 	test_pub_close(&pub);
+	kvr_router_destroy(r);
+}
+
+/* A feed's ZeroMQ context allows 1,023 sockets, and an endpoint with a replay address takes
+ * four (SUB, DEALER, the monitor's pair): adds past that fail, and must say why.  They failed
+ * as "out of memory" with no word of sockets, or, when the DEALER or a connect was the one
+ * refused, as a refused address (KVR_EINVAL, "not a tcp://, ipc:// or inproc:// address"),
+ * which a burst of adds and removes of one good endpoint also met (ZeroMQ closes removed
+ * sockets in the background): 1,577 in a tight loop.  Now KVR_ENOMEM naming the sockets, and
+ * a removal makes room again. */
+Test(feed_limits, running_out_of_sockets_is_not_a_bad_address, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.n_shards = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_feed *f;
+	cr_assert_eq(kvr_feed_create(r, NULL, &f), 0);
+	static uint32_t ids[1024];
+	int n = 0, rc = 0;
+	for (; n < 1024; n++) {
+		char ep[64], rep[64];
+		snprintf(ep, sizeof(ep), "tcp://127.0.0.1:%d", 20000 + n);
+		snprintf(rep, sizeof(rep), "tcp://127.0.0.1:%d", 30000 + n);
+		struct kvr_feed_endpoint e = {.endpoint = ep, .replay_endpoint = rep};
+		if ((rc = kvr_feed_add(f, &e, &ids[n])) != 0)
+			break;
+	}
+	cr_assert(n > 100 && n < 1024, "%d endpoints added", n);
+	cr_assert_eq(rc, KVR_ENOMEM, "add %d: %s (%s)", n, kvr_strerror(rc), kvr_last_error());
+	cr_assert(strstr(kvr_last_error(), "sockets"), "%s", kvr_last_error());
+	cr_assert_eq(kvr_feed_remove(f, ids[0]), 0);
+	struct kvr_feed_endpoint e = {.endpoint = "tcp://127.0.0.1:19999"};
+	for (int k = 0; k < 200 && (rc = kvr_feed_add(f, &e, NULL)) == KVR_ENOMEM; k++) {
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL); /* the removed endpoint's sockets close in the background */
+	}
+	cr_assert_eq(rc, 0, "room after a removal: %s", kvr_last_error());
+	kvr_feed_destroy(f);
 	kvr_router_destroy(r);
 }
