@@ -106,6 +106,7 @@
 #include "sync/replica_trace.h"
 #include "tests/common/mono_clock.h"
 #include "tests/common/nats_server.h"
+#include "tests/common/replica_wire.h"
 #include "tests/common/router_prompts.h"
 #include "tests/common/xorshift.h"
 
@@ -1188,15 +1189,7 @@ static void test_trace(void)
 /* Appends a RANK add of worker w from replica `from` to b (stream position seq). */
 static void put_rank(struct kvr_msg_buf *b, uint64_t from, uint64_t seq, uint64_t w)
 {
-	size_t off = kvr_msg_begin(b, KVR_MSG_RANK, from, 5, seq);
-	kvr_msg_put_u32(b, 1); /* add */
-	kvr_msg_put_u32(b, 8192);
-	kvr_msg_put_u64(b, w);
-	kvr_msg_put_u32(b, 0);
-	kvr_msg_put_u32(b, 0);
-	kvr_msg_put_u64(b, 1);
-	kvr_msg_put_u64(b, 1000);
-	kvr_msg_end(b, off);
+	kvr_test_put_rank(b, from, 5, seq, w);
 }
 
 static bool has_rank(struct kvr_router *r, uint64_t w)

@@ -161,11 +161,12 @@ static inline void bus_ready(void *ctx)
 	pthread_mutex_unlock(&bus.mu);
 }
 
-/* Attaches replica i (bus.rep[i], on port i) to router r, started and ready. */
-static inline void bus_attach(int i, struct kvr_router *r)
+/* Creates replica `id` on port i (bus.rep[i]) for router r, not started (its epoch, the wall
+ * clock, is read here). */
+static inline void bus_create_as(int i, struct kvr_router *r, uint64_t id)
 {
 	struct kvr_replica_config c = {
-	    .replica_id = (uint64_t)i + 1,
+	    .replica_id = id,
 	    .heartbeat_ms = 50,
 	    .dead_after = 1000, /* nobody is given up during the test */
 	    .snapshot_timeout_ms = 5000,
@@ -177,15 +178,34 @@ static inline void bus_attach(int i, struct kvr_router *r)
 	                                  .request = bus_request,
 	                                  .ready = bus_ready};
 	cr_assert_eq(kvr_replica_create(r, &c, &t, &bus.rep[i]), 0);
+}
+
+/* Starts replica i and waits until it is ready. */
+static inline void bus_start_one(int i)
+{
 	cr_assert_eq(kvr_replica_start(bus.rep[i]), 0);
 	cr_assert_eq(kvr_replica_wait_ready(bus.rep[i], 10000), 0);
 }
 
-static inline struct kvr_router *bus_router(int i)
+/* Attaches replica i + 1 (bus.rep[i], on port i) to router r, started and ready. */
+static inline void bus_attach(int i, struct kvr_router *r)
+{
+	bus_create_as(i, r, (uint64_t)i + 1);
+	bus_start_one(i);
+}
+
+/* A router with the bus's two ranks (workers 0 and 1, incarnation 7). */
+static inline struct kvr_router *bus_ranks_router(void)
 {
 	struct kvr_router *r = make();
 	for (uint64_t w = 0; w < 2; w++)
 		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
+	return r;
+}
+
+static inline struct kvr_router *bus_router(int i)
+{
+	struct kvr_router *r = bus_ranks_router();
 	bus_attach(i, r);
 	return r;
 }

@@ -32,19 +32,9 @@ Test(replica_displaced, the_older_life_of_an_id_says_so, .timeout = 60)
 	bus_start(r, 2); /* A: replica 1 on port 0; C: replica 2 on port 1 */
 	struct timespec ts = {0, 2 * 1000 * 1000};
 	nanosleep(&ts, NULL); /* B's epoch (the wall clock at its creation) is A's + 2 ms */
-	r[2] = make();
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(r[2], (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
-	struct kvr_replica_config c = {
-	    .replica_id = 1, .heartbeat_ms = 50, .dead_after = 1000, .snapshot_timeout_ms = 5000};
-	struct kvr_replica_transport t = {.ctx = &port[2],
-	                                  .publish = bus_publish,
-	                                  .reply = bus_reply,
-	                                  .request = bus_request,
-	                                  .ready = bus_ready};
-	cr_assert_eq(kvr_replica_create(r[2], &c, &t, &bus.rep[2]), 0);
-	cr_assert_eq(kvr_replica_start(bus.rep[2]), 0);
-	cr_assert_eq(kvr_replica_wait_ready(bus.rep[2], 10000), 0);
+	r[2] = bus_ranks_router();
+	bus_create_as(2, r[2], 1); /* B: replica 1 again, on port 2 */
+	bus_start_one(2);
 
 	cr_assert(wait_displaced(0, true), "A never said it was displaced");
 	struct kvr_sync_stats a = stats(0), b = stats(2);

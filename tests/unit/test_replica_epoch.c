@@ -14,7 +14,7 @@
  * (tests/unit/replica_bus.h).
  */
 #include "tests/common/realtime_shift.h"
-#include "sync/replica_msg.h"
+#include "tests/common/replica_wire.h"
 #include "tests/unit/replica_bus.h"
 
 Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
@@ -32,20 +32,10 @@ Test(replica_epoch, a_new_life_with_a_clock_behind_is_heard, .timeout = 60)
 	kvr_router_destroy(r[0]);
 	bus.ready[0] = false;
 	atomic_store(&kvr_test_realtime_shift_ns, -3600ll * 1000000000ll);
-	r[0] = make();
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){w, 0}, 7, 1000, 4096), 0);
-	struct kvr_replica_config c = {
-	    .replica_id = 1, .heartbeat_ms = 50, .dead_after = 1000, .snapshot_timeout_ms = 5000};
-	struct kvr_replica_transport t = {.ctx = &port[0],
-	                                  .publish = bus_publish,
-	                                  .reply = bus_reply,
-	                                  .request = bus_request,
-	                                  .ready = bus_ready};
-	cr_assert_eq(kvr_replica_create(r[0], &c, &t, &bus.rep[0]), 0); /* the epoch is read here */
+	r[0] = bus_ranks_router();
+	bus_create_as(0, r[0], 1); /* the epoch is read here */
 	atomic_store(&kvr_test_realtime_shift_ns, 0);
-	cr_assert_eq(kvr_replica_start(bus.rep[0]), 0);
-	cr_assert_eq(kvr_replica_wait_ready(bus.rep[0], 10000), 0);
+	bus_start_one(0);
 	/* Its admissions reach replica 2. */
 	for (uint32_t k = 0; k < 4; k++)
 		bus_route(r[0], 20 + k, 64);
@@ -100,18 +90,13 @@ Test(replica_epoch, a_new_life_does_not_announce_its_earlier_lives_history, .tim
  * worker w at stream position 1. */
 static void put_msg(struct kvr_msg_buf *b, unsigned type, uint64_t id, uint64_t w)
 {
-	size_t off = kvr_msg_begin(b, type, id, 1, type == KVR_MSG_RANK ? 1 : 0);
+	if (type == KVR_MSG_RANK) {
+		kvr_test_put_rank(b, id, 1, 1, w);
+		return;
+	}
+	size_t off = kvr_msg_begin(b, type, id, 1, 0);
 	if (type == KVR_MSG_HEARTBEAT)
 		kvr_msg_put_u64(b, 0);
-	if (type == KVR_MSG_RANK) {
-		kvr_msg_put_u32(b, 1); /* add */
-		kvr_msg_put_u32(b, 8192);
-		kvr_msg_put_u64(b, w);
-		kvr_msg_put_u32(b, 0);
-		kvr_msg_put_u32(b, 0);
-		kvr_msg_put_u64(b, 1);
-		kvr_msg_put_u64(b, 1000);
-	}
 	kvr_msg_end(b, off);
 }
 
