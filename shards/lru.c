@@ -661,6 +661,11 @@ bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt)
 	return lru && kvr_u64map_find(&lru->by_attempt, attempt) != NULL;
 }
 
+uint64_t kvr_lru_capacity(const struct kvr_lru *lru)
+{
+	return lru ? lru->capacity : 0;
+}
+
 void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st)
 {
 	memset(st, 0, sizeof(*st));

@@ -216,6 +216,8 @@ bool kvr_lru_has_lease(const struct kvr_lru *lru, uint64_t attempt);
 
 /* Fills *st.  Cheap (counters). */
 void kvr_lru_stats(const struct kvr_lru *lru, struct kvr_lru_stats *st);
+/* The capacity eviction keeps to now (the estimate, lru_cap.c); 0 for NULL. */
+uint64_t kvr_lru_capacity(const struct kvr_lru *lru);
 
 /* Bytes of memory the instance holds (segments, hash arrays, maps, leases, scratch arrays), as
  * allocated: the allocator's size classes (kvr_alloc_real_size).

@@ -31,7 +31,6 @@
 
 #include "core/alloc.h"
 #include "core/hash.h"
-#include "core/limits.h"
 #include "core/probes.h"
 #include "shards/load.h"
 #include "shards/owner_internal.h"
@@ -712,12 +711,8 @@ static uint64_t attempt_bound(const struct kvr_rank_owned *own)
 {
 	if (kvr_rank_state_mode(own->rs) != KVR_RANK_LRU)
 		return UINT64_MAX;
-	struct kvr_lru_stats st;
-	kvr_lru_stats(kvr_rank_state_lru(own->rs), &st);
-	uint64_t cap = own->capacity > st.capacity ? own->capacity : st.capacity;
-	if (cap > (UINT64_MAX - KVR_EVENTS_BOUND_FLOOR_BLOCKS) / 2)
-		return UINT64_MAX;
-	return 2 * cap + KVR_EVENTS_BOUND_FLOOR_BLOCKS;
+	uint64_t est = kvr_lru_capacity(kvr_rank_state_lru(own->rs));
+	return kvr_owner_capacity_bound(own->capacity > est ? own->capacity : est);
 }
 
 static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_attempt *rec,

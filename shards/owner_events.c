@@ -45,9 +45,7 @@ static uint64_t bound(const struct kvr_owner_ctx *c, const struct kvr_rank_owned
 	uint64_t cap = own->capacity;
 	if (cap == 0 || cap == KVR_CAPACITY_NONE)
 		return c->events_max_blocks;
-	if (cap > (UINT64_MAX - KVR_EVENTS_BOUND_FLOOR_BLOCKS) / 2)
-		return UINT64_MAX;
-	return 2 * cap + KVR_EVENTS_BOUND_FLOOR_BLOCKS;
+	return kvr_owner_capacity_bound(cap);
 }
 
 /* Whether a store of n blocks must be refused: the rank would hold more than its bound if each

@@ -6,6 +6,7 @@
 #ifndef KVR_SHARDS_OWNER_INTERNAL_H
 #define KVR_SHARDS_OWNER_INTERNAL_H
 
+#include "core/limits.h"
 #include "shards/lru.h"
 #include "shards/owner.h"
 #include "shards/u64map.h"
@@ -142,6 +143,15 @@ void kvr_owner_arm_ttl(struct kvr_shard *sh, struct kvr_rank_owned *own);
 void kvr_owner_retry_timers(struct kvr_shard *sh);
 /* The lease reaper has run: its next scan one interval from now, if the shard has attempts. */
 void kvr_owner_rearm_reaper(struct kvr_shard *sh);
+/* Twice a capacity plus KVR_EVENTS_BOUND_FLOOR_BLOCKS, saturating: what a rank may hold in events
+ * mode (owner_events.c, "The stored-block bound") and one attempt in approx_lru
+ * (owner_attempts.c, attempt_bound), beyond anything an honest engine of that capacity holds. */
+static inline uint64_t kvr_owner_capacity_bound(uint64_t cap)
+{
+	if (cap > (UINT64_MAX - KVR_EVENTS_BOUND_FLOOR_BLOCKS) / 2)
+		return UINT64_MAX;
+	return 2 * cap + KVR_EVENTS_BOUND_FLOOR_BLOCKS;
+}
 /* Arms the lease reaper one interval from now unless it is pending (a booking: the reaper
  * sleeps while the shard has no attempts). */
 void kvr_owner_wake_reaper(struct kvr_shard *sh);
