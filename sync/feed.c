@@ -160,6 +160,25 @@ static int zmq_fail_code(void)
 	return e == EMFILE || e == ENFILE || e == ENOMEM || e == ENOBUFS ? KVR_ENOMEM : KVR_EINVAL;
 }
 
+int kvr_feed_dealer_open(struct kvr_feed *f, struct ep *e)
+{
+	void *d = zmq_socket(f->zctx, ZMQ_DEALER);
+	if (!d)
+		return KVR_ENOMEM;
+	const int zero = 0, ivl_max = FEED_RECONNECT_IVL_MAX_MS;
+	const int64_t maxsz = (int64_t)f->cfg.max_msg_bytes;
+	zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(d, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
+	zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
+	if (zmq_connect(d, e->replay) != 0) {
+		int rc = zmq_fail_code();
+		zmq_close(d);
+		return rc;
+	}
+	e->dealer = d;
+	return 0;
+}
+
 static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_t *id)
 {
 	/* items: [control, every SUB, every monitor, the box's eventfd] */
@@ -210,21 +229,12 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		ep_free(e);
 		return rc;
 	}
-	if (e->replay) {
-		/* Check the address now (the socket itself is made on the first gap). */
-		void *d = zmq_socket(f->zctx, ZMQ_DEALER);
-		int ok = d && zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof(zero)) == 0 &&
-		         zmq_setsockopt(d, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max)) == 0 &&
-		         zmq_connect(d, e->replay) == 0;
-		if (!ok) {
-			int rc = d ? zmq_fail_code() : KVR_ENOMEM;
-			if (d)
-				zmq_close(d);
+	if (e->replay) { /* checks the address now (its socket may be remade by a replay) */
+		int rc = kvr_feed_dealer_open(f, e);
+		if (rc) {
 			ep_free(e);
 			return rc;
 		}
-		zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
-		e->dealer = d;
 	}
 	/* One count for the whole process, not per feed: with a count per feed, two feeds numbered
 	 * their endpoints alike and a remove given the wrong feed's handle removed that feed's own

@@ -41,6 +41,12 @@ struct rstate {
  * replayed or reported as a gap, as for any first connection (feed_seq.c). */
 #define FEED_RECONNECT_IVL_MAX_MS 1000
 
+struct kvr_feed;
+struct ep;
+/* Makes e's replay DEALER (e->dealer) and connects it to e->replay.  0, KVR_ENOMEM (no socket
+ * or descriptor left) or KVR_EINVAL (an address ZeroMQ refuses).  Context: the feed's thread. */
+int kvr_feed_dealer_open(struct kvr_feed *f, struct ep *e);
+
 /* Ranks unknown to the router tracked per endpoint (a publisher naming dp ranks the router
  * never adds cannot grow the feed's state without bound). */
 #define MISSED_MAX 64

@@ -233,22 +233,8 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 	if (f->in_replay)
 		return -1; /* one at a time: the DEALER carries one answer */
 	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
-	if (!e->dealer) {
-		e->dealer = zmq_socket(f->zctx, ZMQ_DEALER);
-		int zero = 0;
-		if (!e->dealer)
-			return -1;
-		const int ivl_max = FEED_RECONNECT_IVL_MAX_MS;
-		zmq_setsockopt(e->dealer, ZMQ_LINGER, &zero, sizeof(zero));
-		zmq_setsockopt(e->dealer, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
-		zmq_setsockopt(e->dealer, ZMQ_MAXMSGSIZE, &f->cfg.max_msg_bytes,
-		               sizeof(f->cfg.max_msg_bytes));
-		if (zmq_connect(e->dealer, e->replay) != 0) {
-			zmq_close(e->dealer);
-			e->dealer = NULL;
-			return -1;
-		}
-	}
+	if (!e->dealer && kvr_feed_dealer_open(f, e) != 0)
+		return -1;
 	f->in_replay = true;
 	uint8_t req[8];
 	for (int i = 0; i < 8; i++)
