@@ -25,16 +25,20 @@ static uint64_t next_id = 1;
 static _Thread_local uint64_t tls_id;
 static _Thread_local struct kvr_metrics_block *tls_block;
 
-/* The blocks this thread took, to hand back at thread exit. */
+/* The blocks this thread took, to hand back at thread exit: one per registry (router) it
+ * recorded into.  Grown as needed: a thread of a gateway may route through any number of
+ * routers (at a fixed 8, the ninth router's calls from that thread went uncounted). */
 struct owned_ref {
 	struct kvr_metrics *m;
 	uint64_t id;
 	struct kvr_metrics_block *b;
 };
 static _Thread_local struct owned {
-	struct owned_ref r[8];
-	int n;
+	struct owned_ref *r; /* kvr_alloc'd, cap entries */
+	uint32_t n, cap;
 } tls_owned;
+
+#define OWNED_MIN 8u
 static pthread_key_t exit_key;
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
@@ -42,7 +46,7 @@ static void on_thread_exit(void *unused)
 {
 	(void)unused;
 	pthread_mutex_lock(&live_lock);
-	for (int i = 0; i < tls_owned.n; i++) {
+	for (uint32_t i = 0; i < tls_owned.n; i++) {
 		struct owned_ref *o = &tls_owned.r[i];
 		for (struct kvr_metrics *m = live; m; m = m->live_next) {
 			if (m != o->m || m->id != o->id)
@@ -55,7 +59,9 @@ static void on_thread_exit(void *unused)
 		}
 	}
 	pthread_mutex_unlock(&live_lock);
-	tls_owned.n = 0;
+	kvr_free(tls_owned.r, (size_t)tls_owned.cap * sizeof(*tls_owned.r));
+	tls_owned.r = NULL;
+	tls_owned.n = tls_owned.cap = 0;
 	tls_id = 0;
 	tls_block = NULL;
 }
@@ -125,12 +131,42 @@ void kvr_metrics_destroy(struct kvr_metrics *m)
 	kvr_free(m, sizeof(*m));
 }
 
+/* Makes room for one more ref in tls_owned: drops the refs whose registry is gone (destroyed
+ * routers), else doubles the array.  False: no memory. */
+static bool owned_room(void)
+{
+	pthread_mutex_lock(&live_lock);
+	uint32_t k = 0;
+	for (uint32_t i = 0; i < tls_owned.n; i++) {
+		for (struct kvr_metrics *l = live; l; l = l->live_next) {
+			if (l == tls_owned.r[i].m && l->id == tls_owned.r[i].id) {
+				tls_owned.r[k++] = tls_owned.r[i];
+				break;
+			}
+		}
+	}
+	tls_owned.n = k;
+	pthread_mutex_unlock(&live_lock);
+	/* Half full after the drop: grow anyway, so that a thread cycling through routers does
+	 * not walk the live list at every new one. */
+	if (k < tls_owned.cap / 2)
+		return true;
+	uint32_t nc = tls_owned.cap ? tls_owned.cap * 2 : OWNED_MIN;
+	struct owned_ref *q =
+	    kvr_realloc(tls_owned.r, (size_t)tls_owned.cap * sizeof(*q), (size_t)nc * sizeof(*q));
+	if (!q)
+		return k < tls_owned.cap;
+	tls_owned.r = q;
+	tls_owned.cap = nc;
+	return true;
+}
+
 struct kvr_metrics_block *kvr_metrics_local(struct kvr_metrics *m)
 {
 	if (__builtin_expect(tls_id == m->id, 1))
 		return tls_block;
 	/* Slow path: this thread's block for m, or a new one.  Forget refs to dead registries. */
-	for (int i = 0; i < tls_owned.n; i++) {
+	for (uint32_t i = 0; i < tls_owned.n; i++) {
 		struct owned_ref *o = &tls_owned.r[i];
 		if (o->m == m && o->id == m->id) {
 			tls_id = m->id;
@@ -138,23 +174,8 @@ struct kvr_metrics_block *kvr_metrics_local(struct kvr_metrics *m)
 			return o->b;
 		}
 	}
-	if (tls_owned.n == (int)(sizeof(tls_owned.r) / sizeof(tls_owned.r[0]))) {
-		/* Drop refs whose registry is gone (destroyed routers). */
-		pthread_mutex_lock(&live_lock);
-		int k = 0;
-		for (int i = 0; i < tls_owned.n; i++) {
-			for (struct kvr_metrics *l = live; l; l = l->live_next) {
-				if (l == tls_owned.r[i].m && l->id == tls_owned.r[i].id) {
-					tls_owned.r[k++] = tls_owned.r[i];
-					break;
-				}
-			}
-		}
-		tls_owned.n = k;
-		pthread_mutex_unlock(&live_lock);
-		if (k == (int)(sizeof(tls_owned.r) / sizeof(tls_owned.r[0])))
-			return NULL; /* recording into more than 8 live routers: not counted */
-	}
+	if (tls_owned.n == tls_owned.cap && !owned_room())
+		return NULL; /* no memory for the ref: this call is not counted */
 	pthread_mutex_lock(&m->lock);
 	struct kvr_metrics_block *b = m->free;
 	if (b) {

@@ -62,3 +62,37 @@ Test(metrics, threads_sum_and_churn)
 	cr_assert_eq(kvr_metrics_counter(M, KVR_C_ROUTES), 10000);
 	kvr_metrics_destroy(M);
 }
+
+/* A thread recording into many registries (a gateway routing for many models, a router each)
+ * counts in every one: with a fixed 8 per thread, the ninth and later counted nothing. */
+static void *many_registries(void *arg)
+{
+	struct kvr_metrics **m = arg;
+	for (int round = 0; round < 3; round++)
+		for (int i = 0; i < 40; i++)
+			kvr_metrics_add(kvr_metrics_local(m[i]), KVR_C_ROUTES, 1);
+	return NULL;
+}
+
+Test(metrics, a_thread_counts_in_any_number_of_registries)
+{
+	struct kvr_metrics *m[40];
+	for (int i = 0; i < 40; i++)
+		cr_assert_eq(kvr_metrics_create(&m[i]), 0);
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, many_registries, m), 0);
+	cr_assert_eq(pthread_join(t, NULL), 0);
+	for (int i = 0; i < 40; i++)
+		cr_assert_eq(kvr_metrics_counter(m[i], KVR_C_ROUTES), 3, "registry %d", i);
+	/* Registries destroyed between a thread's uses make room for new ones. */
+	for (int i = 0; i < 40; i++) {
+		kvr_metrics_destroy(m[i]);
+		cr_assert_eq(kvr_metrics_create(&m[i]), 0);
+	}
+	cr_assert_eq(pthread_create(&t, NULL, many_registries, m), 0);
+	cr_assert_eq(pthread_join(t, NULL), 0);
+	for (int i = 0; i < 40; i++) {
+		cr_assert_eq(kvr_metrics_counter(m[i], KVR_C_ROUTES), 3, "registry %d", i);
+		kvr_metrics_destroy(m[i]);
+	}
+}
