@@ -202,7 +202,8 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	if (rc)
 		return invalid_event(r, ev);
 	uint32_t slot;
-	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+	uint64_t gen;
+	if ((rc = kvr_router_find_rank_gen(r, rank, &slot, &gen)))
 		return event_fail(r, rc, rank, ev, false);
 	if (ev->type == KVR_EVENT_STORED) {
 		if (scratch_grow((void **)&scratch_local, &scratch_local_cap, ev->n_blocks,
@@ -220,8 +221,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 				scratch_local[i] = b->local_hash;
 		}
 	}
-	struct kvr_event_args a = {
-	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = ev, .local = scratch_local};
+	struct kvr_event_args a = {.slot = slot, .gen = gen, .ev = ev, .local = scratch_local};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 	report_gaps(r, rank, &a, 1);
 	return rc ? event_fail(r, rc, rank, ev, true) : 0;
@@ -263,7 +263,8 @@ static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const str
 	if (n == 0)
 		return 0;
 	uint32_t slot;
-	int rc = kvr_router_find_rank(r, rank, &slot);
+	uint64_t gen;
+	int rc = kvr_router_find_rank_gen(r, rank, &slot, &gen);
 	if (rc)
 		return rc;
 	size_t nblk = 0;
@@ -273,7 +274,6 @@ static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const str
 	if (grow((void **)args, cap_args, n ? n : 1, sizeof(**args)) ||
 	    grow((void **)local, cap_local, nblk ? nblk : 1, sizeof(uint64_t)))
 		return KVR_ENOMEM;
-	uint64_t gen = kvr_router_gen_of(r, slot);
 	size_t off = 0;
 	for (size_t i = 0; i < n; i++) {
 		const struct kvr_event *ev = &evs[i];
@@ -396,11 +396,11 @@ int kvr_events_clear_rank(struct kvr_router *r, struct kvr_rank_id rank)
 	if (r->cfg.mode != KVR_MODE_EVENTS)
 		return KVR_EINVAL;
 	uint32_t slot;
-	int rc = kvr_router_find_rank(r, rank, &slot);
+	uint64_t gen;
+	int rc = kvr_router_find_rank_gen(r, rank, &slot, &gen);
 	if (rc)
 		return rc;
 	struct kvr_event ev = {.type = KVR_EVENT_CLEARED};
-	struct kvr_event_args a = {
-	    .slot = slot, .gen = kvr_router_gen_of(r, slot), .ev = &ev, .rank_only = true};
+	struct kvr_event_args a = {.slot = slot, .gen = gen, .ev = &ev, .rank_only = true};
 	return kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 }

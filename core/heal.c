@@ -94,10 +94,11 @@ int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
 		                "KVR_OBSERVE_WATERMARK and no other bit",
 		                fn, obs->flags);
 	uint32_t slot;
-	int rc = kvr_router_enter_rank(r, rank, &slot);
+	uint64_t gen;
+	int rc = kvr_router_enter_rank(r, rank, &slot, &gen);
 	if (rc)
 		return heal_fail(r, rc, fn, 0, rank, obs->incarnation);
-	struct kvr_heal_args a = {.slot = slot, .gen = kvr_router_gen_of(r, slot), .obs = obs};
+	struct kvr_heal_args a = {.slot = slot, .gen = gen, .obs = obs};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_observe_call,
 	                    &a);
 	return rc ? heal_fail(r, rc, fn, 0, rank, obs->incarnation) : 0;

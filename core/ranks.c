@@ -240,10 +240,9 @@ static int rank_call(struct kvr_router *r, struct kvr_rank_id rank, kvr_call_fn 
 	if (rc)
 		return rc;
 	uint32_t slot;
-	if ((rc = kvr_router_find_rank(r, rank, &slot)))
+	if ((rc = kvr_router_find_rank_gen(r, rank, &slot, &a->gen)))
 		return rank_fail(r, rc, fn, rank, a->incarnation);
 	a->slot = slot;
-	a->gen = kvr_router_gen_of(r, slot);
 	struct kvr_shard *sh = kvr_router_shard_of(r, slot);
 	rc = read ? kvr_shard_call_read(sh, KVR_LANE_ROUTING, call, a)
 	          : kvr_shard_call(sh, KVR_LANE_ROUTING, call, a);

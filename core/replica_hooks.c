@@ -41,11 +41,11 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	    m->tail_n >= r->cfg.block_size)
 		return KVR_EINVAL;
 	uint32_t slot;
-	int rc = kvr_router_enter_rank(r, m->rank, &slot);
+	uint64_t gen;
+	int rc = kvr_router_enter_rank(r, m->rank, &slot, &gen);
 	if (rc)
 		return rc;
 	struct kvr_rank_pub *pub = &r->ranks[slot];
-	uint64_t gen = kvr_router_gen_of(r, slot);
 	if (__atomic_load_n(&pub->incarnation, __ATOMIC_RELAXED) != m->incarnation)
 		return KVR_ESTALE;
 	size_t n = m->n;

@@ -337,17 +337,36 @@ int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
 	return 0;
 }
 
-int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot)
+int kvr_router_find_rank_gen(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot,
+                             uint64_t *gen)
 {
 	uint32_t s;
 	if (kvr_rcu_thread_online())
 		return KVR_ENOMEM;
-	if (kvr_index_rank_find(r->index, id.worker_id, id.dp_rank, &s) != 0)
-		return KVR_ENOENT;
-	if (s >= r->cfg.max_ranks || !__atomic_load_n(&r->ranks[s].live, __ATOMIC_ACQUIRE))
-		return KVR_ENOENT;
-	*slot = s;
-	return 0;
+	/* The lookup and the generation in one read section: the index hands a removed rank's
+	 * slot to the next rank added only after a grace period, so the generation read here is
+	 * the found rank's (live, or already removed: the shard's check refuses that), never the
+	 * generation of another rank that took the slot meanwhile.  Read apart, a call naming a
+	 * removed rank acted on the rank added into its slot (its reset, capacity, events). */
+	kvr_rcu_read_lock();
+	int rc = KVR_ENOENT;
+	if (kvr_index_rank_find(r->index, id.worker_id, id.dp_rank, &s) == 0 &&
+	    s < r->cfg.max_ranks) {
+		uint64_t g = kvr_router_gen_of(r, s);
+		if (__atomic_load_n(&r->ranks[s].live, __ATOMIC_ACQUIRE)) {
+			*slot = s;
+			if (gen)
+				*gen = g;
+			rc = 0;
+		}
+	}
+	kvr_rcu_read_unlock();
+	return rc;
+}
+
+int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot)
+{
+	return kvr_router_find_rank_gen(r, id, slot, NULL);
 }
 
 int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)

@@ -181,6 +181,11 @@ int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add);
 
 /* The rank behind a (worker, dp); 0 and *slot or KVR_ENOENT.  Context: any thread. */
 int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot);
+/* The same, and *gen (may be NULL) the slot's generation as the found rank had it, for a shard
+ * call's stale check: a rank removed and another added into its slot between the lookup and a
+ * later kvr_router_gen_of would hand the call to the other rank.  Context: any thread. */
+int kvr_router_find_rank_gen(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot,
+                             uint64_t *gen);
 
 static inline bool kvr_router_stopping(const struct kvr_router *r)
 {
@@ -207,16 +212,18 @@ static inline int kvr_router_attempt_slot(const struct kvr_router *r, uint64_t a
 }
 
 /* The rank behind id for a call that reads the index: KVR_ESHUTDOWN, KVR_ENOMEM (this thread
- * could not become an RCU reader), or kvr_router_find_rank's answer.  Context: any thread but a
- * shard's, outside a read-side section. */
-static inline int kvr_router_enter_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot)
+ * could not become an RCU reader), or kvr_router_find_rank_gen's answer (*gen: the slot's
+ * generation for the shard call).  Context: any thread but a shard's, outside a read-side
+ * section. */
+static inline int kvr_router_enter_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot,
+                                        uint64_t *gen)
 {
 	if (kvr_router_stopping(r))
 		return KVR_ESHUTDOWN;
 	int rc = kvr_rcu_thread_online();
 	if (rc)
 		return rc;
-	return kvr_router_find_rank(r, id, slot);
+	return kvr_router_find_rank_gen(r, id, slot, gen);
 }
 
 /* slot's generation, for the shard call's stale check.  Ordering: acquire, pairs with the
