@@ -694,12 +694,12 @@ static void *feed_main(void *arg)
 			/* At most until the next look for added ranks (below), and saturated: a
 			 * spin of hours, which the setting allows, kept ranks added while the
 			 * publisher was quiet from their resync (test_feed_limits). */
-			uint64_t spin = f->cfg.idle_spin_ns, t0 = kvr_feed_wall_ns();
+			uint64_t spin = f->cfg.idle_spin_ns, t0 = kvr_feed_mono_ns();
 			if (f->n_missed && spin > 10000000u)
 				spin = 10000000u;
 			uint64_t end = t0 + spin < t0 ? UINT64_MAX : t0 + spin;
 			while ((ready = zmq_poll(f->items, (int)n, 0)) == 0 &&
-			       kvr_feed_wall_ns() < end)
+			       kvr_feed_mono_ns() < end)
 				;
 		}
 		/* While ranks wait to be added, look every 10 ms (kvr_rank_add tells the feed

@@ -228,11 +228,22 @@ static inline void kvr_feed_count(struct kvr_feed *f, enum kvr_counter c, uint64
 	kvr_metrics_add(f->mb, c, v);
 }
 
-/* CLOCK_REALTIME, ns: vLLM stamps batches with the publisher's wall clock. */
+/* CLOCK_REALTIME, ns: vLLM stamps batches with the publisher's wall clock (the lag is measured
+ * on it, nothing else). */
 static inline uint64_t kvr_feed_wall_ns(void)
 {
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* CLOCK_MONOTONIC, ns: for the feed thread's own deadlines (a replay's wait, the idle spin),
+ * which a wall clock stepped back would stretch by the step, the thread serving nothing
+ * meanwhile. */
+static inline uint64_t kvr_feed_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 

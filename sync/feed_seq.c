@@ -242,9 +242,9 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 	if (zmq_send(e->dealer, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
 	    zmq_send(e->dealer, req, 8, ZMQ_DONTWAIT) < 0)
 		goto fail;
-	uint64_t deadline = kvr_feed_wall_ns() + (uint64_t)f->cfg.replay_timeout_ms * 1000000u;
+	uint64_t deadline = kvr_feed_mono_ns() + (uint64_t)f->cfg.replay_timeout_ms * 1000000u;
 	for (;;) {
-		uint64_t now = kvr_feed_wall_ns();
+		uint64_t now = kvr_feed_mono_ns();
 		if (now >= deadline)
 			goto fail;
 		if (__atomic_load_n(&f->stopping, __ATOMIC_ACQUIRE) || kvr_feed_dying(f)) {

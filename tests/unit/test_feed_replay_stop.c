@@ -12,6 +12,7 @@
 
 #include "kvrouter.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/realtime_shift.h"
 
 static double mono_ms(void)
 {
@@ -27,8 +28,11 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, u
 	__atomic_add_fetch(&gaps, 1, __ATOMIC_RELAXED);
 }
 
+static uint32_t ep_id; /* feed_in_a_replay's endpoint */
+
 /* A feed on r whose replay endpoint takes requests and never answers, waiting for one. */
-static struct kvr_feed *feed_in_a_replay(struct kvr_router *r, struct test_pub *pub, void **mute)
+static struct kvr_feed *feed_in_a_replay(struct kvr_router *r, struct test_pub *pub, void **mute,
+                                         uint32_t timeout_ms)
 {
 	*mute = zmq_socket(pub->zctx, ZMQ_ROUTER);
 	cr_assert_not_null(*mute);
@@ -38,11 +42,11 @@ static struct kvr_feed *feed_in_a_replay(struct kvr_router *r, struct test_pub *
 	cr_assert_eq(zmq_getsockopt(*mute, ZMQ_LAST_ENDPOINT, rep, &cap), 0);
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
-	fc.replay_timeout_ms = 20000;
+	fc.replay_timeout_ms = timeout_ms;
 	struct kvr_feed *f;
 	cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
 	struct kvr_feed_endpoint fe = {.endpoint = pub->ep, .replay_endpoint = rep, .worker_id = 0};
-	cr_assert_eq(kvr_feed_add(f, &fe, NULL), 0);
+	cr_assert_eq(kvr_feed_add(f, &fe, &ep_id), 0);
 	test_pub_subscribed(pub);
 	test_pub_send_empty(pub, 0, 0);
 	test_pub_send_empty(pub, 5, 0); /* a gap: the feed asks the mute endpoint */
@@ -62,7 +66,7 @@ Test(feed_replay_stop, destroy_ends_a_replay_wait, .timeout = 60)
 		test_pub_open(&pub);
 		struct kvr_router *r = test_events_router(on_gap);
 		void *mute;
-		struct kvr_feed *f = feed_in_a_replay(r, &pub, &mute);
+		struct kvr_feed *f = feed_in_a_replay(r, &pub, &mute, 20000);
 		double t0 = mono_ms();
 		if (how == 0)
 			kvr_feed_destroy(f);
@@ -80,4 +84,29 @@ Test(feed_replay_stop, destroy_ends_a_replay_wait, .timeout = 60)
 		zmq_close(mute);
 		test_pub_close(&pub);
 	}
+}
+
+/* The replay's wait is timed on the monotonic clock: the wall clock stepped back during it (NTP,
+ * `date -s`, a VM resumed) stretched it by the step, the feed's thread serving nothing (no other
+ * endpoint, no kvr_feed_get_stats) for as long: 15.3 s here for a 300 ms timeout. */
+Test(feed_replay_stop, a_wall_clock_step_does_not_stretch_the_wait, .timeout = 60)
+{
+	gaps = 0;
+	struct test_pub pub;
+	test_pub_open(&pub);
+	struct kvr_router *r = test_events_router(on_gap);
+	void *mute;
+	struct kvr_feed *f = feed_in_a_replay(r, &pub, &mute, 300);
+	atomic_store(&kvr_test_realtime_shift_ns, -15ll * 1000000000ll);
+	double t0 = mono_ms();
+	struct kvr_feed_stats st;
+	cr_assert_eq(kvr_feed_get_stats(f, ep_id, &st), 0); /* served once the replay gave up */
+	double took = mono_ms() - t0;
+	atomic_store(&kvr_test_realtime_shift_ns, 0);
+	cr_expect_lt(took, 5000, "the stats waited %.0f ms behind a 300 ms replay", took);
+	cr_expect_eq(__atomic_load_n(&gaps, __ATOMIC_RELAXED), 1, "the gap is reported");
+	kvr_feed_destroy(f);
+	kvr_router_destroy(r);
+	zmq_close(mute);
+	test_pub_close(&pub);
 }
