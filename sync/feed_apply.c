@@ -314,11 +314,15 @@ static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,
 			             e->worker_id, s->dp, f->seq);
 			return;
 		}
+		/* A copy count saturates (one that wrapped would forget copies) one below the
+		 * map's free-slot mark: at the mark (UINT32_MAX, after 2^32 - 1 copies of one hash)
+		 * the slot read as free under the map's count, the hash was inserted again and
+		 * other_medium_blocks stayed wrong for good. */
 		for (uint32_t i = 0; i < v->n_hashes; i++) {
 			uint32_t *c = kvr_u64map_find(&s->other, h[i]);
 			if (!c)
 				kvr_u64map_insert(&s->other, h[i], 1);
-			else if (*c < UINT32_MAX) /* saturates: a count that wrapped would forget */
+			else if (*c < KVR_U64MAP_EMPTY - 1)
 				++*c;
 		}
 		kvr_feed_count(f, KVR_C_FEED_OTHER_MEDIUM, v->n_hashes);
