@@ -464,6 +464,7 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 			return;
 		}
 		kvr_feed_resync(f, e, s);
+		f->seq = seq; /* the replay's batches set theirs: this batch's losses name it */
 		if (!(s = kvr_feed_rstate(e, dp)))
 			return;
 	}

@@ -52,8 +52,16 @@
 
 /* ---------------------------------------------------------------- the sequence rules */
 
-static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32_t *only_dp,
-                  uint64_t *first);
+/* A resync's replay (kvr_feed_resync): the rank added late, the batches it missed, and how far
+ * the answer has brought them whole. */
+struct resync {
+	uint32_t dp;
+	uint64_t to;   /* the batches before to are the replay's; the live stream brings the rest */
+	uint64_t next; /* the next seq the answer must bring for the range to stay whole */
+	bool held;     /* a batch of the rank was applied since the rank was last cleared */
+};
+
+static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, struct resync *rs);
 
 static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint64_t got,
                        const struct kvr_feed_batch *b)
@@ -117,7 +125,7 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 	uint64_t expected = e->have_seq ? e->next_seq : 0;
 	/* A gap, or this batch lost for memory: the replay brings it again (decoded anew). */
 	if ((seq > expected || oom) && !replayed && e->replay) {
-		replay(f, e, expected, NULL, NULL);
+		replay(f, e, expected, NULL);
 		if (e->have_seq && seq < e->next_seq)
 			return; /* the replay applied it */
 		expected = e->have_seq ? e->next_seq : 0;
@@ -218,18 +226,37 @@ void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
 	}
 }
 
-/* Asks e's replay endpoint for every batch from start on and reads the answer.  only_dp NULL:
- * each batch goes through the sequence rules (a gap being healed).  Else (a resync) only the
- * batches before next_seq for rank *only_dp are applied, the rest ignored (the live stream
- * brings them).  *first (if given): the first seq the answer held, END_SEQ if none.  Returns 0
- * when the end marker came, -1 on no answer within replay_timeout_ms or a socket failure, or
- * once a destroy waits for this thread: it waited out the whole replay_timeout_ms before
- * (test_feed_replay_stop); the wait is looked at every 20 ms. */
-static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32_t *only_dp,
-                  uint64_t *first)
+/* What a resync's replay did not bring, [rs->next, got): counted and reported as a gap; if the
+ * rank took batches before it, it is cleared (what it holds may have been removed in the hole),
+ * and what comes after the hole rebuilds it: a subset of the engine's cache, never more. */
+static void resync_hole(struct kvr_feed *f, struct ep *e, struct resync *rs, uint64_t got)
 {
-	if (first)
-		*first = END_SEQ;
+	e->st.gaps++;
+	kvr_feed_count(f, KVR_C_FEED_GAPS, 1);
+	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+	             "rank (%" PRIu64 ", %u) missed seq %" PRIu64 "..%" PRIu64
+	             " before it was added, and no replay has them%s",
+	             e->worker_id, rs->dp, rs->next, got, rs->held ? "; rank cleared" : "");
+	if (f->r->cfg.on_event_gap)
+		f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, rs->dp, rs->next, got);
+	struct rstate *s = rs->held ? kvr_feed_rstate(e, rs->dp) : NULL;
+	if (s)
+		kvr_feed_clear_rank(f, e, s);
+	else if (rs->held)
+		kvr_feed_lost_batch(f, e, got,
+		                    &rs->dp); /* no state to queue it on: cleared directly */
+	rs->held = false;
+}
+
+/* Asks e's replay endpoint for every batch from start on and reads the answer.  rs NULL: each
+ * batch goes through the sequence rules (a gap being healed).  Else (a resync) only the batches
+ * before rs->to for rank rs->dp are applied, the rest ignored (the live stream brings them), and
+ * a batch missing from the answer is a hole (resync_hole).  Returns 0 when the end marker came,
+ * -1 on no answer within replay_timeout_ms or a socket failure, or once a destroy waits for this
+ * thread: it waited out the whole replay_timeout_ms before (test_feed_replay_stop); the wait is
+ * looked at every 20 ms. */
+static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, struct resync *rs)
+{
 	if (f->in_replay)
 		return -1; /* one at a time: the DEALER carries one answer */
 	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
@@ -281,17 +308,27 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, const uint32
 			f->in_replay = false;
 			return 0;
 		}
-		if (first && *first == END_SEQ)
-			*first = seq;
 		bool oom;
 		const struct kvr_feed_batch *b = decode(f, e, &f->rep, &fr[si + 1], &oom);
-		bool before = e->have_seq && seq < e->next_seq, applies = !before;
-		if (only_dp) {
-			applies = before && b && kvr_feed_dp_of(e, b) == *only_dp;
-			if (applies)
-				kvr_feed_apply_batch(f, e, seq, b);
-			else if (before && oom) /* it may have been the rank's */
-				kvr_feed_lost_batch(f, e, seq, only_dp);
+		bool applies = !(e->have_seq && seq < e->next_seq);
+		if (rs) {
+			/* In order and whole: a batch skipped (a replayer that dropped one, or
+			 * answered from later on) is a hole, and one at or below a batch taken is
+			 * not taken twice. */
+			applies = false;
+			if (seq < rs->to && seq >= rs->next) {
+				if (seq > rs->next)
+					resync_hole(f, e, rs, seq);
+				rs->next = seq + 1;
+				applies = b && kvr_feed_dp_of(e, b) == rs->dp;
+				if (applies) {
+					kvr_feed_apply_batch(f, e, seq, b);
+					rs->held = true;
+				} else if (oom) { /* it may have been the rank's: cleared */
+					kvr_feed_lost_batch(f, e, seq, &rs->dp);
+					rs->held = false;
+				}
+			}
 		} else {
 			on_batch(f, e, seq, b, true, oom);
 		}
@@ -316,7 +353,7 @@ drop:
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 {
 	uint32_t dp = s->dp;
-	uint64_t from = s->missed_from, to = e->have_seq ? e->next_seq : 0, first = END_SEQ;
+	uint64_t from = s->missed_from, to = e->have_seq ? e->next_seq : 0;
 	s->missed = false;
 	f->n_missed--;
 	kvr_feed_log(f, e, LK_RANK, KVR_LOG_INFO,
@@ -325,21 +362,15 @@ void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	kvr_feed_clear_rank(f, e, s); /* anything of an earlier life of the rank */
 	if (from >= to)
 		return;
-	int rc = e->replay ? replay(f, e, from, &dp, &first) : -1;
+	/* The rank holds what the answer brought whole: from its start, or from the last hole
+	 * on (a subset of the engine's cache: stores and removals alike from there on).  The
+	 * answer's end short of `to` (a timeout, a replayer that stopped early) is a hole too:
+	 * before, the batches it had brought stayed, and the removals after them were lost. */
+	struct resync rs = {.dp = dp, .to = to, .next = from};
+	int rc = e->replay ? replay(f, e, from, &rs) : -1;
+	if (rc != 0 || rs.next < to)
+		resync_hole(f, e, &rs, to);
 	kvr_feed_flush(f);
-	if (rc == 0 && first <= from)
-		return;
-	/* The replay does not reach back to from: the rank holds what came after (a subset of
-	 * the engine's cache: stores and removals alike from `first` on). */
-	uint64_t got = rc == 0 && first < to ? first : to;
-	e->st.gaps++;
-	kvr_feed_count(f, KVR_C_FEED_GAPS, 1);
-	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
-	             "rank (%" PRIu64 ", %u) missed seq %" PRIu64 "..%" PRIu64
-	             " before it was added, and no replay has them",
-	             e->worker_id, dp, from, got);
-	if (f->r->cfg.on_event_gap)
-		f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, dp, from, got);
 }
 
 void kvr_feed_resync_added(struct kvr_feed *f)
