@@ -28,7 +28,7 @@
  * batches on top of the old stream's state.  So a monitor on the SUB socket reports
  * disconnections (ZMQ_EVENT_DISCONNECTED; what the old connection delivered is applied first),
  * and the first live batch after one decides: exactly next_seq continues the old stream (the
- * same publisher, nothing lost); above it is taken for a restart: the ranks are cleared and
+ * same publisher, nothing lost); any other is taken for a restart: the ranks are cleared and
  * the stream starts over from 0 (a replay from 0 then rebuilds the new publisher's state, or
  * the gap is reported).  The cost of that choice: the same publisher losing messages during a
  * network outage is also cleared and rebuilt, from 0, if its replay buffer still reaches back
@@ -98,7 +98,12 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 {
 	if (!replayed) {
 		bool back = e->have_live && seq <= e->last_live;
-		bool ahead = e->reconnected && e->have_seq && seq > e->next_seq;
+		/* After a reconnection the same publisher goes on at next_seq (it published
+		 * every batch before it, live or replayed); anything else is a new one, below
+		 * next_seq too when a replay ran ahead of the live stream (it was taken for
+		 * duplicates: the new stream's first batches dropped, the rest applied on the
+		 * old stream's state). */
+		bool ahead = e->reconnected && e->have_seq && seq != e->next_seq;
 		e->reconnected = false;
 		if (back || ahead) {
 			e->st.restarts++;
