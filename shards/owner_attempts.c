@@ -715,6 +715,16 @@ static uint64_t attempt_bound(const struct kvr_rank_owned *own)
 	return kvr_owner_capacity_bound(own->capacity > est ? own->capacity : est);
 }
 
+/* Output that could not be taken for memory: its tokens are gone (the tail already took them),
+ * so every later block would be hashed on a chain that skips them, and predicted where no prompt
+ * will match it, evicting real blocks: the attempt's output is no longer predicted (its liveness
+ * still renews; what it predicted stays).  Counted by the caller (kvr_shard_errors_total). */
+static int output_lost(struct kvr_attempt *rec)
+{
+	rec->output_off = true;
+	return KVR_ENOMEM;
+}
+
 static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_attempt *rec,
                   const uint32_t *tok, size_t n, bool not_final)
 {
@@ -722,7 +732,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	const struct kvr_owner_ctx *c = ss->c;
 	uint32_t bs = c->block_size;
 	if (!rec->chain_known || !own->rs || !rec->booked || rec->incarnation != own->incarnation ||
-	    rec->over_bound)
+	    rec->output_off)
 		return 0; /* tracked for liveness only */
 	/* Computed now: the held-back token, then all new tokens but the last, which is held unless
 	 * it is known not to be the final one. */
@@ -732,7 +742,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	n -= hold ? 1 : 0;
 	size_t max_blocks = (rec->tail_n + n + (held ? 1 : 0)) / bs;
 	if (kvr_grow((void **)&ss->lb, &ss->lb_cap, max_blocks ? max_blocks : 1, sizeof(*ss->lb)))
-		return KVR_ENOMEM;
+		return output_lost(rec);
 	struct kvr_lru_block *b = ss->lb;
 	size_t nb = 0;
 	uint64_t parent = rec->last_seq;
@@ -768,7 +778,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 	if (rec->n_blocks + (uint64_t)nb > bound) {
 		/* Cut at the bound; the rest of its output is not predicted (see attempt_bound). */
 		nb = bound > rec->n_blocks ? (size_t)(bound - rec->n_blocks) : 0;
-		rec->over_bound = true;
+		rec->output_off = true;
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_OUTPUT_OVER_BOUND, 1);
 	}
 	uint32_t priv = rec->tail_n > 0 ? 1 : 0;
@@ -779,7 +789,7 @@ static int output(struct kvr_shard *sh, struct kvr_rank_owned *own, struct kvr_a
 		return 0;
 	}
 	if (rc)
-		return rc;
+		return output_lost(rec);
 	kvr_owner_apply_removals(ss, own, &ss->out);
 	if (nb) {
 		kvr_owner_store_runs(ss, own, has_parent ? &parent : NULL, b, &ss->out);

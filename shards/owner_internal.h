@@ -35,7 +35,9 @@ struct kvr_attempt {
 	bool load_missing;
 	bool chain_known;
 	bool in_prefill;
-	bool over_bound;   /* its blocks reached the attempt bound: output no longer predicted */
+	/* Output no longer predicted: its blocks reached the attempt bound, or some of its output
+	 * could not be taken (memory), after which its chain is not known (owner_attempts.c). */
+	bool output_off;
 	int8_t pool_class; /* capacity 2^pool_class blocks, recycled; -1: exact size, freed */
 	struct kvr_attempt *prev, *next; /* the rank's live attempts */
 	uint32_t tail[]; /* block_size tokens, then the prompt's blocks (kvr_attempt_blocks) */

@@ -4,6 +4,7 @@
 #include <criterion/criterion.h>
 #include <time.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
 #include "shards/owner.h"
 #include "tests/common/metric.h"
@@ -219,4 +220,49 @@ Test(owner_attempts, output_past_the_attempt_bound_is_not_predicted)
 	cr_assert_eq(big, (160 + 160000 - 1) / 16, "%llu", (unsigned long long)big);
 	big = long_output(KVR_CAPACITY_NONE, 100, &after);
 	cr_assert_eq(big, (160 + 160000 - 1) / 16, "%llu", (unsigned long long)big);
+}
+
+/* Output the shard could not take for memory (here its first, whose block buffer it could not
+ * make): its tokens are gone, so the attempt's later blocks, hashed on a chain that skips them,
+ * were predicted where no prompt will match them, taking the rank's capacity from real blocks.
+ * Now the attempt's output is no longer predicted once some of it was lost (counted in
+ * kvr_shard_errors_total); the attempt lives on and ends as before. */
+Test(owner_attempts, output_lost_for_memory_stops_predicting_the_attempt)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 0), 0);
+	static uint32_t p[32], out[45];
+	for (uint32_t i = 0; i < 32; i++)
+		p[i] = i + 1;
+	for (uint32_t i = 0; i < 45; i++)
+		out[i] = 5000 + i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = p;
+	q.n_tokens = 32;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	kvr_alloc_fail_after(1); /* the shard's first output allocation */
+	cr_assert_eq(kvr_request_output(r, d.attempt, out, 5), 0); /* inline: posted as is */
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(kvr_alloc_fail_pending(), 0, "the failure fired");
+	kvr_alloc_fail_after(0);
+	cr_assert_eq(kvr_test_metric(r, "kvr_shard_errors_total{what=\"index_write\"}"), 1,
+	             "in the output");
+	cr_assert_eq(kvr_request_output(r, d.attempt, out + 5, 40), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &s), 0);
+	cr_assert_eq(s.resident_blocks, 2, "the prompt's blocks only, not %llu",
+	             (unsigned long long)s.resident_blocks);
+	cr_assert_eq(s.active_blocks, 0);
+	kvr_router_destroy(r);
 }
