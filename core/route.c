@@ -739,6 +739,7 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 				return KVR_ENOENT; /* (an RMW: the latest generation, no fence) */
 			return 0;
 		}
+		kvr_owner_book_room_give(sh); /* not posted: the shard never takes it up */
 	} else if (sync) {
 		/* No room: the shard must allocate to track it (or an allocation failed there),
 		 * so wait for its answer.  The booking consumes the record whatever it returns. */

@@ -248,6 +248,9 @@ int kvr_owner_book_call(struct kvr_shard *sh, void *rec);
  */
 void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload);
 bool kvr_owner_book_room_take(struct kvr_shard *sh);
+/* Gives back the room a poster took for a deferred booking it could not post (the shard never
+ * sees it, so only the poster can: the room was lost for good).  Context: any thread. */
+void kvr_owner_book_room_give(struct kvr_shard *sh);
 
 enum kvr_progress_op {
 	KVR_OP_PREFILL_DONE,

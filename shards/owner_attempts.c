@@ -425,6 +425,11 @@ bool kvr_owner_book_room_take(struct kvr_shard *sh)
 	return false;
 }
 
+void kvr_owner_book_room_give(struct kvr_shard *sh)
+{
+	__atomic_add_fetch(&kvr_owner_state(sh)->book_room, 1, __ATOMIC_RELAXED);
+}
+
 static struct kvr_attempt *find(struct kvr_shard_state *ss, uint64_t attempt)
 {
 	uint32_t *i = kvr_u64map_find(&ss->by_id, attempt);
