@@ -193,7 +193,25 @@ void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	bool ghost = m->flags & KVR_MSG_F_FINISHED;
 	pthread_mutex_lock(&rep->mu);
 	struct kvr_rep_rec *old = ghost ? NULL : kvr_rep_map_find(rep, x->origin, x->oattempt);
+	bool other_life = old && old->oepoch != x->oepoch;
+	if (other_life) {
+		/* The map's key has no epoch, and a restarted peer reuses attempt ids: a record of
+		 * its earlier life (one that no new-life check released) is not this attempt.
+		 * Caught up, this attempt was never booked on its own rank, and the old one's load
+		 * stayed on the old rank. */
+		kvr_rep_map_remove(rep, old);
+		kvr_rep_live_unlink(rep, old);
+		rep->st.mirrored--;
+		rep->st.released++;
+	}
 	pthread_mutex_unlock(&rep->mu);
+	if (other_life) {
+		APPLYING(kvr_request_abort(rep->r, old->local));
+		pthread_mutex_lock(&rep->mu);
+		kvr_rep_journal_add(rep, old);
+		pthread_mutex_unlock(&rep->mu);
+		old = NULL;
+	}
 	if (old) { /* known already (resync, re-announce): catch up on what it did since */
 		bool pre = !old->prefilled && x->prefilled;
 		uint32_t have = old->n_out;

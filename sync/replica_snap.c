@@ -220,9 +220,18 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 				struct kvr_rep_peer *p = kvr_rep_peer_find(rep, m.fence_replica);
 				bool ok = !p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||
 				          (p->epoch == m.fence_epoch && p->last_seq <= m.fence_seq);
+				bool new_life = false;
 				if (ok && (p || (p = kvr_rep_peer_get(rep, m.fence_replica)))) {
 					if (p->epoch != m.fence_epoch || p->last_seq < m.fence_seq)
 						jump[n_jump++] = m.fence_replica;
+					/* The peer restarted while we did not hear it: what we
+					 * mirror of its earlier life is gone with that life, as at
+					 * a new life on the stream (handle_one).  Kept, its records
+					 * would take the new life's attempts that reuse their ids
+					 * (a new process mints the same ids) for themselves. */
+					new_life = p->epoch && p->epoch != m.fence_epoch;
+					if (new_life)
+						p->hb_seq = 0; /* the old life's position */
 					p->epoch = m.fence_epoch;
 					p->last_seq = m.fence_seq;
 					if (p->hb_seq < p->last_seq)
@@ -233,6 +242,14 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 					take[n_take++] = m.fence_replica;
 				}
 				pthread_mutex_unlock(&rep->mu);
+				/* FENCE records come first: released before any record of the
+				 * new life is applied. */
+				if (new_life) {
+					uint64_t k = kvr_rep_release_mirrors(rep, m.fence_replica);
+					pthread_mutex_lock(&rep->mu);
+					rep->st.released += k;
+					pthread_mutex_unlock(&rep->mu);
+				}
 			}
 		}
 	}

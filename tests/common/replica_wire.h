@@ -23,4 +23,61 @@ static inline void kvr_test_put_rank(struct kvr_msg_buf *b, uint64_t from, uint6
 	kvr_msg_end(b, off);
 }
 
+/* Appends a RANK message (op: KVR_REPL_RANK_*) of worker w (dp rank 0, 8,192 max batched
+ * tokens) with incarnation inc and capacity cap from replica `from`, life `epoch`, at stream
+ * position seq to b. */
+static inline void kvr_test_put_rank_op(struct kvr_msg_buf *b, uint64_t from, uint64_t epoch,
+                                        uint64_t seq, uint32_t op, uint64_t w, uint64_t inc,
+                                        uint64_t cap)
+{
+	size_t off = kvr_msg_begin(b, KVR_MSG_RANK, from, epoch, seq);
+	kvr_msg_put_u32(b, op);
+	kvr_msg_put_u32(b, 8192);
+	kvr_msg_put_u64(b, w);
+	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u64(b, inc);
+	kvr_msg_put_u64(b, cap);
+	kvr_msg_end(b, off);
+}
+
+/* Appends an ADMIT or a live ATTEMPT (type) from replica `from`, life `epoch`, at stream position
+ * seq to b: origin attempt id `attempt` on worker w (dp rank 0, incarnation inc), four blocks
+ * given as hashes (an unknown chain: seed x 1000 + 1..4) of a prompt of four blocks of bs
+ * tokens, 64 expected output tokens. */
+static inline void kvr_test_put_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t from,
+                                        uint64_t epoch, uint64_t seq, uint64_t attempt, uint64_t w,
+                                        uint64_t inc, uint64_t seed, uint32_t bs)
+{
+	size_t off = kvr_msg_begin(b, type, from, epoch, seq);
+	kvr_msg_put_u64(b, w);
+	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u32(b, 0); /* flags */
+	kvr_msg_put_u64(b, inc);
+	kvr_msg_put_u64(b, attempt);
+	kvr_msg_put_u64(b, 4ull * bs); /* prompt tokens */
+	kvr_msg_put_u64(b, 0);         /* lora seed */
+	kvr_msg_put_u32(b, 0);         /* overlap */
+	kvr_msg_put_u32(b, 64);        /* expected output */
+	kvr_msg_put_u32(b, 4);         /* blocks */
+	kvr_msg_put_u32(b, 0);         /* tail */
+	kvr_msg_put_u32(b, 0);         /* output */
+	kvr_msg_put_u32(b, 0);
+	for (uint64_t i = 0; i < 4; i++)
+		kvr_msg_put_u64(b, seed * 1000 + i + 1);
+	kvr_msg_end(b, off);
+}
+
+/* Appends a snapshot's FENCE record (provider `from`, life `epoch`) to b: origin id is at
+ * (life ep, stream position sq). */
+static inline void kvr_test_put_fence(struct kvr_msg_buf *b, uint64_t from, uint64_t epoch,
+                                      uint64_t id, uint64_t ep, uint64_t sq)
+{
+	size_t off = kvr_msg_begin(b, KVR_MSG_FENCE, from, epoch, 0);
+	kvr_msg_put_u64(b, id);
+	kvr_msg_put_u64(b, ep);
+	kvr_msg_put_u64(b, sq);
+	kvr_msg_end(b, off);
+}
+
 #endif

@@ -133,3 +133,133 @@ Test(replica_epoch, peers_gone_make_room_for_new_ones, .timeout = 60)
 	cr_assert_eq(st.peers_lost, 300);
 	bus_teardown(r, 1);
 }
+
+/* A snapshot served to this replica, crafted: one chunk, the last, holding recs (n records). */
+static struct kvr_msg_buf snap_chunk;
+
+static int snap_publish(void *ctx, const void *buf, size_t len)
+{
+	(void)ctx, (void)buf, (void)len;
+	return 0;
+}
+
+static int snap_reply(void *ctx, const char *to, const void *buf, size_t len)
+{
+	(void)ctx, (void)to, (void)buf, (void)len;
+	return 0;
+}
+
+static int snap_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+                        int (*on_chunk)(void *cb, const void *buf, size_t len),
+                        bool (*poll)(void *cb), void *cb)
+{
+	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)poll;
+	if (!snap_chunk.len)
+		return KVR_ENOENT; /* no peer yet */
+	int rc = on_chunk(cb, snap_chunk.p, snap_chunk.len);
+	return rc == 1 ? 0 : rc;
+}
+
+static void snap_add(struct kvr_msg_buf *recs, uint32_t *n, struct kvr_msg_buf *rec)
+{
+	cr_assert(!rec->oom);
+	kvr_msg_put_u32(recs, (uint32_t)rec->len);
+	kvr_msg_put_bytes(recs, rec->p, rec->len);
+	rec->len = 0;
+	(*n)++;
+}
+
+static struct kvr_rank_stats rank_stats(struct kvr_router *r, uint64_t w)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
+	return s;
+}
+
+/* A peer restarted while this replica was cut off (an outage shorter than the liveness bound),
+ * and its new life reuses an attempt id of its old one (a new process mints the same ids) on
+ * another rank.  The snapshot taken after the reconnect names the new life (its FENCE's epoch)
+ * and that attempt on its new rank.  It was applied without releasing what this replica
+ * mirrored of the old life, and the map's key (origin, attempt) has no epoch: the new attempt
+ * was taken for the old one, only caught up on, and never booked on its rank; the old one's
+ * load stayed on the old rank until the new life ended the attempt. */
+Test(replica_epoch, a_snapshot_with_a_peers_new_life_releases_its_old_one, .timeout = 60)
+{
+	enum { P = 5, Q = 9 };
+	const uint64_t A = 0x10000;
+	struct kvr_router *r = bus_ranks_router();
+	struct kvr_config g;
+	kvr_router_get_config(r, &g);
+	struct kvr_replica_config c = {
+	    .replica_id = 1, .heartbeat_ms = 50, .dead_after = 1000, .snapshot_timeout_ms = 5000};
+	struct kvr_replica_transport t = {
+	    .publish = snap_publish, .reply = snap_reply, .request = snap_request};
+	struct kvr_replica *rep;
+	snap_chunk.len = 0;
+	cr_assert_eq(kvr_replica_create(r, &c, &t, &rep), 0);
+	cr_assert_eq(kvr_replica_start(rep), 0);
+	cr_assert_eq(kvr_replica_wait_ready(rep, 10000), 0);
+	/* P's old life (epoch 100) admits A on rank 0. */
+	struct kvr_msg_buf b = {0};
+	kvr_test_put_attempt(&b, KVR_MSG_ADMIT, P, 100, 1, A, 0, 7, 1, g.block_size);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(rank_stats(r, 0).active_requests, 1);
+	/* Cut off, then back: Q's snapshot has P's new life (epoch 200) with A live on rank 1. */
+	struct kvr_msg_buf recs = {0}, rec = {0};
+	uint32_t n = 0;
+	kvr_test_put_fence(&rec, Q, 300, Q, 300, 0);
+	snap_add(&recs, &n, &rec);
+	kvr_test_put_fence(&rec, Q, 300, P, 200, 1);
+	snap_add(&recs, &n, &rec);
+	kvr_test_put_attempt(&rec, KVR_MSG_ATTEMPT, P, 200, 0, A, 1, 7, 2, g.block_size);
+	snap_add(&recs, &n, &rec);
+	size_t off = kvr_msg_begin(&snap_chunk, KVR_MSG_SNAP_CHUNK, Q, 300, 0);
+	kvr_msg_put_u32(&snap_chunk, 0);
+	kvr_msg_put_u32(&snap_chunk, KVR_MSG_CHUNK_LAST);
+	kvr_msg_put_u32(&snap_chunk, n);
+	kvr_msg_put_u32(&snap_chunk, 0);
+	kvr_msg_put_bytes(&snap_chunk, recs.p, recs.len);
+	kvr_msg_end(&snap_chunk, off);
+	cr_assert(!snap_chunk.oom && !recs.oom);
+	kvr_replica_disconnected(rep);
+	kvr_replica_reconnected(rep);
+	struct kvr_sync_stats st;
+	for (int i = 0; i < 1000; i++) { /* the resync runs on the apply thread */
+		kvr_replica_get_stats(rep, &st);
+		if (st.snapshots_applied)
+			break;
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_eq(st.snapshots_applied, 1);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.mirrored, 1);
+	cr_assert_eq(st.released, 1, "the old life's A is released");
+	cr_assert_eq(rank_stats(r, 0).active_requests, 0, "the old life's A still loads rank 0");
+	cr_assert_eq(rank_stats(r, 1).active_requests, 1,
+	             "the new life's A is not booked on rank 1");
+	/* The new life finishes A: rank 1 keeps its blocks, nothing stays live. */
+	b.len = 0;
+	off = kvr_msg_begin(&b, KVR_MSG_FINISH, P, 200, 2);
+	kvr_msg_put_u64(&b, A);
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(rank_stats(r, 0).active_requests, 0);
+	cr_assert_eq(rank_stats(r, 1).active_requests, 0);
+	cr_assert_eq(rank_stats(r, 1).resident_blocks, 4);
+	kvr_replica_stop(rep);
+	kvr_replica_destroy(rep);
+	kvr_router_destroy(r);
+	kvr_msg_buf_fini(&b);
+	kvr_msg_buf_fini(&recs);
+	kvr_msg_buf_fini(&rec);
+	kvr_msg_buf_fini(&snap_chunk);
+}
