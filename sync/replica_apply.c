@@ -316,9 +316,16 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 		}
 		break;
 	}
-	case KVR_REPL_RANK_REMOVE:
-		rc = APPLYING(kvr_rank_remove(r, id));
+	case KVR_REPL_RANK_REMOVE: {
+		/* A removal told late (re-announced after its origin's outage) must not remove a
+		 * newer life of the rank, added meanwhile. */
+		struct kvr_rank_stats s;
+		if (kvr_rank_get_stats(r, id, &s) == 0 && s.incarnation > m->incarnation)
+			rc = KVR_ESTALE;
+		else
+			rc = APPLYING(kvr_rank_remove(r, id));
 		break;
+	}
 	case KVR_REPL_RANK_CAPACITY:
 		rc = APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
 		break;
@@ -330,7 +337,8 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	bool present = kvr_rank_get_stats(r, id, &s) == 0;
 	pthread_mutex_lock(&rep->mu);
 	if (!present) {
-		kvr_rep_rank_drop(rep, id);
+		if (kvr_rep_rank_find(rep, id)) /* a tombstone stays: our removal is to be told */
+			kvr_rep_rank_drop(rep, id);
 	} else {
 		bool known = kvr_rep_rank_find(rep, id) != NULL;
 		struct kvr_rep_rank *e = kvr_rep_rank_get(rep, id);

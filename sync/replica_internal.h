@@ -98,6 +98,13 @@ struct kvr_rep_rank {
 	uint32_t mbt;
 	struct kvr_rep_rec *jhead, *jtail; /* finished attempts, oldest first */
 	uint64_t jblocks;
+	/* Own changes the peers may not have heard (their publish failed: disconnected, or the
+	 * transport refused), which the re-announce's RANK adds cannot say: a removal (the entry
+	 * is kept as a tombstone, no rank: kvr_rep_rank_find skips it) and a reset (one keeping
+	 * the incarnation reads, in an add, as nothing new).  The re-announce tells them and
+	 * clears them once sent (sync/replica_out.c). */
+	bool removed;
+	bool reset_unsent;
 };
 
 struct kvr_rep_peer {
@@ -282,9 +289,11 @@ void kvr_rep_map_remove(struct kvr_replica *rep, struct kvr_rep_rec *x);
 /* The live list, oldest first (what snapshots and re-announces walk). */
 void kvr_rep_live_link(struct kvr_replica *rep, struct kvr_rep_rec *x);
 void kvr_rep_live_unlink(struct kvr_replica *rep, struct kvr_rep_rec *x);
-/* Ranks known to the cluster and their journals of finished attempts. */
+/* Ranks known to the cluster and their journals of finished attempts.  find: the rank's entry,
+ * NULL if none or a tombstone (kvr_rep_rank.removed); get: the same, made (or a tombstone made a
+ * rank again) if need be, NULL for memory; drop: forgets the entry, tombstone or not. */
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id);
-struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id); /* or NULL */
+struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_journal_clear(struct kvr_rep_rank *e);
 /* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
@@ -346,8 +355,9 @@ void kvr_rep_out_fini(struct kvr_replica *rep);
 /* Asks peer id on the stream to re-announce (RESET + its attempts, finished ones of the last
  * window_ms too).  Context: mu held. */
 void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms);
-/* Sends RESET, the ranks, own attempts finished since since_ns (0: none) and own live attempts.
- * Context: the apply thread; takes mu. */
+/* Sends RESET, the ranks (with the removals and resets whose publish failed), own attempts
+ * finished since since_ns (0: none) and own live attempts.  Context: the apply thread; takes
+ * mu. */
 void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns);
 
 /* ---------------------------------------------------------------- sync/replica_note.c

@@ -298,6 +298,13 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 	}
 }
 
+/* An own rank change: the table, then the stream.  A removal or a reset is sent at once (rank
+ * changes are rare), so that whether it went is known: one that did not is kept in the table
+ * (kvr_rep_rank.removed, .reset_unsent) for the re-announce to tell.  Before, the re-announce
+ * after an outage or a failed publish sent an add for each rank still in the table: a removed
+ * one was gone from it, and a reset keeping the incarnation read as nothing new, so the peers
+ * routed to a removed worker for good and kept a reset rank's predicted cache
+ * (test_replica_ranks). */
 static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, uint64_t incarnation,
                      uint64_t capacity, uint32_t mbt)
 {
@@ -316,11 +323,26 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
 	} else if (op == KVR_REPL_RANK_RESET) {
 		kvr_rep_journal_clear(e);
 		e->incarnation = incarnation;
+	} else if (op == KVR_REPL_RANK_REMOVE) {
+		kvr_rep_journal_clear(e);
 	}
 	struct kvr_rep_rank copy = *e;
-	if (op == KVR_REPL_RANK_REMOVE)
-		kvr_rep_rank_drop(rep, rank);
+	if (op != KVR_REPL_RANK_REMOVE && op != KVR_REPL_RANK_RESET) {
+		send_rank(rep, (unsigned)op, &copy);
+		return;
+	}
+	/* A failure on the way counts every message it loses, this one included. */
+	uint64_t lost = rep->st.unpublished;
 	send_rank(rep, (unsigned)op, &copy);
+	bool sent = kvr_rep_stream_flush(rep) && rep->st.unpublished == lost;
+	if (op == KVR_REPL_RANK_RESET) {
+		e->reset_unsent = !sent;
+	} else if (sent) {
+		kvr_rep_rank_drop(rep, rank);
+	} else {
+		e->removed = true;
+		e->reset_unsent = false;
+	}
 }
 
 static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
@@ -595,7 +617,8 @@ void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t windo
 		rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 }
 
-/* After a reconnect: RESET, then every own live attempt and every own attempt finished since
+/* After a reconnect: RESET, the ranks (an add each, and the removals and resets that did not go
+ * out: out_rank), then every own live attempt and every own attempt finished since
  * the outage began, so peers rebuild what they hold of us.  Own means of this life: a fresh
  * replica takes the finished attempts of its id's earlier lives from a snapshot as history
  * (apply_snapshot), stamped finished as it applies them, and announced them again as its own:
@@ -609,12 +632,24 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 	rep->want_reannounce = false;
 	rep->reannounce_ms = 0;
 	rep->connected = true;
+	uint64_t lost = rep->st.unpublished;
 	size_t off =
 	    kvr_msg_begin(&rep->sbuf, KVR_MSG_RESET, rep->c.replica_id, rep->epoch, rep->seq + 1);
 	kvr_msg_end(&rep->sbuf, off);
 	stream_added(rep);
+	bool told = false; /* tombstones or resets told */
 	for (size_t i = 0; i < rep->n_ranks; i++) {
-		send_rank(rep, KVR_REPL_RANK_ADD, &rep->ranks[i]);
+		const struct kvr_rep_rank *e = &rep->ranks[i];
+		if (e->removed) { /* its journal went with it */
+			send_rank(rep, KVR_REPL_RANK_REMOVE, e);
+			told = true;
+			continue;
+		}
+		if (e->reset_unsent) {
+			send_rank(rep, KVR_REPL_RANK_RESET, e);
+			told = true;
+		}
+		send_rank(rep, KVR_REPL_RANK_ADD, e);
 		for (struct kvr_rep_rec *x = rep->ranks[i].jhead; x; x = x->next) {
 			if (!since_ns || x->origin != rep->c.replica_id ||
 			    x->oepoch != rep->epoch || x->fin_ns < since_ns)
@@ -632,6 +667,13 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 		                       rep->seq + 1, x, false, rep->max_msg, &rep->st.truncated);
 		stream_added(rep);
 	}
-	kvr_rep_stream_flush(rep);
+	/* Told once sent; a failure keeps them for the next re-announce (which it asks). */
+	if (kvr_rep_stream_flush(rep) && rep->st.unpublished == lost && told) {
+		for (size_t i = rep->n_ranks; i-- > 0;) {
+			rep->ranks[i].reset_unsent = false;
+			if (rep->ranks[i].removed)
+				kvr_rep_rank_drop(rep, rep->ranks[i].id);
+		}
+	}
 	pthread_mutex_unlock(&rep->mu);
 }

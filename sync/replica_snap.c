@@ -99,6 +99,8 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 	}
 	for (size_t i = 0; i < rep->n_ranks && !failed; i++) {
 		struct kvr_rep_rank *e = &rep->ranks[i];
+		if (e->removed) /* a tombstone: no rank */
+			continue;
 		kvr_rep_encode_rank(&rec1, rep->c.replica_id, rep->epoch, 0, KVR_REPL_RANK_ADD, e);
 		ADD_REC();
 		for (struct kvr_rep_rec *x = e->jhead; x && !failed; x = x->next) {

@@ -142,7 +142,8 @@ int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, b
 	return 0;
 }
 
-struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id)
+/* The rank's entry, a tombstone included. */
+static struct kvr_rep_rank *rank_entry(struct kvr_replica *rep, struct kvr_rank_id id)
 {
 	for (size_t i = 0; i < rep->n_ranks; i++)
 		if (rep->ranks[i].id.worker_id == id.worker_id &&
@@ -151,11 +152,22 @@ struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_
 	return NULL;
 }
 
+struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	struct kvr_rep_rank *e = rank_entry(rep, id);
+	return e && !e->removed ? e : NULL;
+}
+
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
-	if (e)
+	struct kvr_rep_rank *e = rank_entry(rep, id);
+	if (e) {
+		if (e->removed) { /* the rank is back: its removal is old news */
+			e->removed = false;
+			e->reset_unsent = false;
+		}
 		return e;
+	}
 	if (rep->n_ranks == rep->ranks_cap) {
 		size_t nc = rep->ranks_cap ? rep->ranks_cap * 2 : 16;
 		struct kvr_rep_rank *p =
@@ -184,7 +196,7 @@ void kvr_rep_journal_clear(struct kvr_rep_rank *e)
 
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	struct kvr_rep_rank *e = rank_entry(rep, id);
 	if (!e)
 		return;
 	kvr_rep_journal_clear(e);

@@ -76,10 +76,14 @@ static struct bus {
 static int port[BUS_N] = {0, 1, 2};
 /* kept_bytes_max of the replicas bus_router makes (0: the default). */
 static uint64_t bus_kept_max;
+/* Replica i's publishes fail (KVR_EAGAIN: a transport that refuses) while bus_down[i]. */
+static bool bus_down[BUS_N];
 
 static inline int bus_publish(void *ctx, const void *buf, size_t len)
 {
 	int i = *(int *)ctx;
+	if (__atomic_load_n(&bus_down[i], __ATOMIC_ACQUIRE))
+		return KVR_EAGAIN;
 	for (int j = 0; j < BUS_N; j++)
 		if (j != i && bus.rep[j])
 			kvr_replica_deliver(bus.rep[j], buf, len, NULL);
