@@ -595,6 +595,20 @@ static void teardown(struct kvr_replica *rep, bool router_alive)
 	/* No note after this; what was noted goes out before the goodbye. */
 	kvr_repl_set_hooks(rep->r, NULL);
 	kvr_rep_out_stop(rep);
+	pthread_mutex_lock(&rep->qmu);
+	rep->stop = true;
+	pthread_cond_signal(&rep->qcv);
+	pthread_mutex_unlock(&rep->qmu);
+	if (rep->thread_started)
+		pthread_join(rep->thread, NULL);
+	/* A transport thread still handling a message inline finishes first (later ones see
+	 * `stop` and are only queued). */
+	pthread_mutex_lock(&rep->hmu);
+	pthread_mutex_unlock(&rep->hmu);
+	/* The goodbye is the last word: sent before the handling threads stopped, a heartbeat
+	 * or a re-announce made meanwhile (waiting for mu while it went out) followed it, and the
+	 * peers took this replica up again, and its live attempts with a re-announce, until the
+	 * liveness bound (test_replica_epoch nothing_follows_the_goodbye). */
 	pthread_mutex_lock(&rep->mu);
 	if (rep->connected) {
 		rep->obuf.len = 0;
@@ -606,16 +620,6 @@ static void teardown(struct kvr_replica *rep, bool router_alive)
 			rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 	}
 	pthread_mutex_unlock(&rep->mu);
-	pthread_mutex_lock(&rep->qmu);
-	rep->stop = true;
-	pthread_cond_signal(&rep->qcv);
-	pthread_mutex_unlock(&rep->qmu);
-	if (rep->thread_started)
-		pthread_join(rep->thread, NULL);
-	/* A transport thread still handling a message inline finishes first (later ones see
-	 * `stop` and are only queued). */
-	pthread_mutex_lock(&rep->hmu);
-	pthread_mutex_unlock(&rep->hmu);
 	if (router_alive)
 		kvr_rep_release_mirrors(rep, 0);
 	rep->r = NULL;

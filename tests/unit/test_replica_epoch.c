@@ -263,3 +263,52 @@ Test(replica_epoch, a_snapshot_with_a_peers_new_life_releases_its_old_one, .time
 	kvr_msg_buf_fini(&rec);
 	kvr_msg_buf_fini(&snap_chunk);
 }
+
+/* What a replica publishes after its goodbye (counted by gb_publish). */
+static int gb_said, gb_after;
+
+static int gb_publish(void *ctx, const void *buf, size_t len)
+{
+	(void)ctx;
+	const uint8_t *b = buf;
+	if (len < KVR_MSG_HEADER)
+		return 0;
+	if (b[3] != KVR_MSG_GOODBYE) {
+		if (__atomic_load_n(&gb_said, __ATOMIC_ACQUIRE))
+			__atomic_add_fetch(&gb_after, 1, __ATOMIC_RELAXED);
+		return 0;
+	}
+	__atomic_store_n(&gb_said, 1, __ATOMIC_RELEASE);
+	struct timespec ts = {0, 3000000}; /* a slow write: the heartbeat comes due meanwhile */
+	nanosleep(&ts, NULL);
+	return 0;
+}
+
+/* A replica's goodbye went out before its apply thread was stopped: a heartbeat (or a
+ * re-announce) made meanwhile waited for the lock the goodbye was sent under and followed it,
+ * and the peers took the replica up again (and its live attempts, with the re-announce they
+ * then ask for) until the liveness bound.  Heartbeats every 1 ms and a goodbye that takes 3 ms
+ * to write: before, nearly every stop sent a heartbeat after it. */
+Test(replica_epoch, nothing_follows_the_goodbye, .timeout = 60)
+{
+	struct kvr_router *r = make();
+	for (int i = 0; i < 20; i++) {
+		struct kvr_replica_config c = {.replica_id = 1,
+		                               .heartbeat_ms = 1,
+		                               .dead_after = 1000,
+		                               .snapshot_timeout_ms = 100};
+		struct kvr_replica_transport t = {.publish = gb_publish};
+		struct kvr_replica *rep;
+		gb_said = gb_after = 0;
+		cr_assert_eq(kvr_replica_create(r, &c, &t, &rep), 0);
+		cr_assert_eq(kvr_replica_start(rep), 0);
+		cr_assert_eq(kvr_replica_wait_ready(rep, 10000), 0);
+		struct timespec ts = {0, 2000000};
+		nanosleep(&ts, NULL);
+		kvr_replica_stop(rep);
+		cr_assert_eq(gb_said, 1);
+		cr_assert_eq(gb_after, 0, "stop %d: %d messages after the goodbye", i, gb_after);
+		kvr_replica_destroy(rep);
+	}
+	kvr_router_destroy(r);
+}
