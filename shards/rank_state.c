@@ -178,6 +178,13 @@ int kvr_rank_state_materialize(struct kvr_rank_state *rs, uint64_t incarnation, 
 		                           private_blocks, out);
 	if (!kvr_u64map_find(&rs->ttl_attempts, attempt))
 		return KVR_ENOENT;
+	/* Output below a parent that expired meanwhile (a decode that outlived its prompt's TTL):
+	 * not predicted, as no prompt can match it without the prefix.  Entered, the store held it
+	 * while the index could not (no parent there to hang it below), and a later prompt that
+	 * entered the prefix again only refreshed it: the index never got it (an overlap of 2
+	 * where the store held 3). */
+	if (n > 0 && start_pos > 0 && !kvr_ttl_holds_at(rs->ttl, parent_seq, start_pos - 1))
+		return 0;
 	return kvr_ttl_record(rs->ttl, b, n, start_pos, now, out);
 }
 

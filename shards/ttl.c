@@ -695,6 +695,12 @@ size_t kvr_ttl_overlap(const struct kvr_ttl *t, const uint64_t *seq, size_t n)
 	return k;
 }
 
+bool kvr_ttl_holds_at(const struct kvr_ttl *t, uint64_t seq, uint32_t pos)
+{
+	uint32_t ix;
+	return t && locate(t, seq, pos, &ix) != NIL;
+}
+
 size_t kvr_ttl_count(const struct kvr_ttl *t)
 {
 	return t ? t->live : 0;

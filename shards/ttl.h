@@ -54,6 +54,9 @@ uint64_t kvr_ttl_next_expiry(const struct kvr_ttl *ttl);
 /* How many leading hashes of seq[0..n) are present. */
 size_t kvr_ttl_overlap(const struct kvr_ttl *ttl, const uint64_t *seq, size_t n);
 
+/* Whether the block seq is present at position pos of its chain (O(1) with the position). */
+bool kvr_ttl_holds_at(const struct kvr_ttl *ttl, uint64_t seq, uint32_t pos);
+
 /* Entries present. */
 size_t kvr_ttl_count(const struct kvr_ttl *ttl);
 

@@ -483,6 +483,38 @@ Test(router, ttl_mode_forgets_on_virtual_time)
 	kvr_router_destroy(r);
 }
 
+/* Output completed after its prompt's blocks expired (a decode that outlived the TTL) is not
+ * predicted: no prompt can match it without its prefix.  Before, the TTL store took it while the
+ * index could not (no parent there to hang it below), and a later prompt that entered the prefix
+ * again only refreshed it in the store: the index held 4 of the 5 blocks the store held, and the
+ * decision saw an overlap of 4. */
+Test(router, ttl_output_after_its_prefix_expired)
+{
+	vnow = 1000;
+	struct kvr_config c;
+	sync_config(&c, KVR_MODE_APPROX_TTL, vclock);
+	c.ttl_ns = 1000000000ull;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1024), 0);
+	uint32_t t[80];
+	prompt(t, 80, 12);
+	struct kvr_decision d = route(r, t, 64, 0); /* 4 blocks */
+	cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
+	__atomic_store_n(&vnow, vnow + 1300000000ull, __ATOMIC_RELAXED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(stats(r, 0).indexed_blocks, 0, "the prompt expired");
+	cr_assert_eq(kvr_request_output(r, d.attempt, t + 64, 17), 0); /* completes block 5 */
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(stats(r, 0).indexed_blocks, 0);
+	d = route(r, t, 80, 0); /* the whole chain again */
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(route(r, t, 80, KVR_ROUTE_QUERY_ONLY).overlap_blocks, 5);
+	cr_assert_eq(stats(r, 0).indexed_blocks, 5);
+	kvr_router_destroy(r);
+}
+
 /* A clock that holds every thread but the test's while the gate is up (at most 5 s): the shard
  * reads it at the top of its loop, so it is held before it runs what the test posts. */
 static int clock_gate;
