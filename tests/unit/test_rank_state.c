@@ -262,14 +262,21 @@ static void rank_seed(uint64_t seed, int steps)
 			uint64_t parent = m.has_last[a] ? m.last[a] : 99;
 			if (splitmix64(&r) % 6 == 0)
 				parent = 98;
-			rc = kvr_rank_state_materialize(rs, inc, a, parent, b, n, 3, 0, now, &out);
+			/* The first block's position is its depth, as the router gives it (hash
+			 * h sits at depth log2(h)). */
+			uint32_t sp = n ? (uint32_t)(63 - __builtin_clzll(b[0].seq)) : 0;
+			rc = kvr_rank_state_materialize(rs, inc, a, parent, b, n, sp, 0, now, &out);
+			/* TTL: output below a parent no longer held is not predicted. */
+			bool orphan = m.mode == KVR_RANK_TTL && n && sp &&
+			              (parent >= H || !m.present[parent]);
 			if (fenced)
 				want = fence_rc;
 			else if (!m.live[a] ||
 			         (m.mode == KVR_RANK_LRU && m.has_last[a] && m.last[a] != parent))
 				want = KVR_ENOENT;
 			else {
-				ns = m_add(&m, b, n, now, stored);
+				if (!orphan)
+					ns = m_add(&m, b, n, now, stored);
 				if (n) {
 					m.has_last[a] = true;
 					m.last[a] = b[n - 1].seq;
