@@ -255,6 +255,8 @@ void kvr_queue_pump(struct kvr_router *r)
 		pthread_mutex_unlock(&q->lock);
 		struct kvr_decision d;
 		int rc = kvr_route_internal(r, &e->req, &d, KVR_QUEUE_FROM_PUMP);
+		/* Read off the lock: a clock that makes a lifecycle call pumps, which takes it. */
+		uint64_t now = rc == 0 ? kvr_clock_now(&r->clock) : 0;
 		pthread_mutex_lock(&q->lock);
 		if (rc == KVR_EAGAIN) {
 			e->state = Q_WAITING;
@@ -275,7 +277,6 @@ void kvr_queue_pump(struct kvr_router *r)
 		e->d.ticket = e->ticket;
 		__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
 		if (rc == 0) {
-			uint64_t now = kvr_clock_now(&r->clock);
 			kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS,
 			                    now > e->enq_ns ? now - e->enq_ns : 0);
 			kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
@@ -322,8 +323,12 @@ static __attribute__((cold, noinline)) int no_queue(const char *fn, uint64_t tic
 
 /* The detail of a wait that ended without an admission (core/error.h). */
 static __attribute__((cold, noinline)) int wait_failed(const struct kvr_router *r, int rc,
-                                                       uint64_t ticket, uint64_t deadline_ns)
+                                                       uint64_t ticket, uint64_t deadline_ns,
+                                                       bool admission)
 {
+	if (admission) /* its own code (its ranks went away: KVR_ENOENT, no memory) */
+		return kvr_fail(rc, "kvr_route_wait: ticket %" PRIu64 "'s admission failed: %s",
+		                ticket, kvr_strerror(rc));
 	switch (rc) {
 	case KVR_ENOENT:
 		return kvr_fail(rc,
@@ -357,6 +362,9 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 	struct kvr_queue *q = r->queue;
 	if (!q)
 		return no_queue("kvr_route_wait", ticket);
+	/* The clock is read off the queue's lock: a clock that makes a lifecycle call pumps the
+	 * queue, which takes the lock (it waited for itself). */
+	bool late = deadline_ns && kvr_clock_now(&r->clock) >= deadline_ns;
 	pthread_mutex_lock(&q->lock);
 	struct qentry *e = find(q, ticket);
 	if (!e) {
@@ -369,6 +377,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 	e->waited = true;
 	q->waiters++;
 	int rc;
+	bool admission = false;
 	for (;;) {
 		/* Found again after every sleep: another waiter may have collected the ticket or a
 		 * cancel freed it meanwhile. */
@@ -379,6 +388,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		if (e->state == Q_ADMITTED) {
 			*d = e->d;
 			rc = e->rc;
+			admission = rc != 0;
 			unlink_entry(q, e);
 			entry_free(e);
 			break;
@@ -387,18 +397,29 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 			rc = KVR_ESHUTDOWN;
 			break;
 		}
-		if (deadline_ns && kvr_clock_now(&r->clock) >= deadline_ns) {
+		if (late) {
 			rc = KVR_ETIMEDOUT;
 			kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_QUEUE_TIMEOUTS, 1);
 			break;
 		}
 		/* The router clock may be virtual: wake every millisecond to re-read it. */
 		kvr_cond_wait_ns(&q->cond, &q->lock, 1000000);
+		/* And pump: the shards lower load on their own threads (a finish applied after
+		 * its call returned, a lease expired, a rank removed), which pump nothing, so a
+		 * request stayed queued on an idle rank until some later call pumped (a finish
+		 * then a route at once: the wait timed out every time). */
+		pthread_mutex_unlock(&q->lock);
+		kvr_queue_pump(r);
+		late = deadline_ns && kvr_clock_now(&r->clock) >= deadline_ns;
+		pthread_mutex_lock(&q->lock);
 	}
+	/* The detail is written while this wait still holds the router: a destroy frees it once
+	 * the last waiter has left (it read the freed router for KVR_ESHUTDOWN's detail). */
+	int ret = rc ? wait_failed(r, rc, ticket, deadline_ns, admission) : 0;
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
-	return rc ? wait_failed(r, rc, ticket, deadline_ns) : 0;
+	return ret;
 }
 
 int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)

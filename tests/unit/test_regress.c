@@ -517,3 +517,47 @@ Test(regress, the_lease_reaper_sleeps_on_an_idle_shard)
 	}
 	kvr_router_destroy(r);
 }
+
+/* A request queued right after a finish (whose release the shard applies after the call
+ * returned) is admitted by its waiter once the rank is idle: the shards lower load on their own
+ * threads, which pump nothing, and kvr_route_wait did not pump either, so the ticket stayed
+ * queued on an idle rank until some later call pumped (the 200 ms wait timed out in 20 of 20
+ * rounds).  The wait pumps while it waits now. */
+Test(regress, a_waiter_is_admitted_once_the_shard_lowered_the_load, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	struct kvr_router *r;
+	struct kvr_rank_id rk = {1, 0};
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 16), 0);
+	static uint32_t tok[64];
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	int queued = 0;
+	for (int it = 0; it < 10; it++) {
+		for (int i = 0; i < 64; i++)
+			tok[i] = (uint32_t)(it * 1000 + i);
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0); /* 64 prefill tokens > 16: saturated */
+		cr_assert_eq(d.status, KVR_DECIDED);
+		cr_assert_eq(kvr_router_sync(r, 1000), 0);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		tok[0] ^= 0x55555;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		if (d.status == KVR_QUEUED) {
+			queued++;
+			int rc = kvr_route_wait(r, d.ticket, kvr_router_now(r) + 2000000000ull, &d);
+			cr_assert_eq(rc, 0, "round %d: %s", it, kvr_last_error());
+		}
+		cr_assert_eq(d.status, KVR_DECIDED);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		cr_assert_eq(kvr_router_sync(r, 1000), 0);
+	}
+	cr_log_info("queued in %d of 10 rounds", queued);
+	kvr_router_destroy(r);
+}
