@@ -356,7 +356,12 @@ long kvr_select_pick(const struct kvr_select_params *p, const double *cost, size
 	double lo = s->lo, hi = s->hi;
 	size_t first = s->first, ties = s->ties;
 	double range = hi - lo;
-	if (p->temperature <= 0.0 || range <= 0.0) {
+	/* A temperature so small that 1 / (range x temperature) overflows is the argmin's limit:
+	 * computed, the best rank's weight was NaN (inf x 0), and so the total, and the first
+	 * candidate was picked whatever its cost. */
+	double inv =
+	    p->temperature > 0.0 && range > 0.0 ? 1.0 / (range * p->temperature) : INFINITY;
+	if (!(inv < INFINITY)) {
 		/* argmin; uniform among ties: ONE draw picks the j-th tie (multiply-shift, no
 		 * division; idle ranks all tie, and a division per tie cost more than the rest of
 		 * the selection at 64 candidates). */
@@ -368,7 +373,7 @@ long kvr_select_pick(const struct kvr_select_params *p, const double *cost, size
 				return (long)i;
 	}
 	/* softmax over normalised negative cost: weights in (0, 1], the best rank weighs 1. */
-	double inv = 1.0 / (range * p->temperature), total = 0.0;
+	double total = 0.0;
 	for (size_t i = 0; i < n; i++)
 		total += exp(-(cost[i] - lo) * inv);
 	double u = kvr_rand_unit(rng) * total, acc = 0.0;

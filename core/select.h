@@ -80,7 +80,11 @@ static inline struct kvr_select_coef kvr_select_coef_of(const struct kvr_select_
 	return (struct kvr_select_coef){.prompt = (double)p->prompt_tokens,
 	                                .bs = (double)b,
 	                                .inv_bs = 1.0 / (double)b,
-	                                .credit = p->overlap_credit,
+	                                /* No prefill weight, no credit: 0 x (t - inf) was NaN
+	                                 * for a credit whose product overflows, and the scan
+	                                 * passed such a rank over. */
+	                                .credit =
+	                                    p->prefill_load_scale != 0.0 ? p->overlap_credit : 0.0,
 	                                .scale = p->prefill_load_scale,
 	                                .pow2 = (b & (b - 1)) == 0};
 }

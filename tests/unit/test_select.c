@@ -224,3 +224,29 @@ Test(select, implementations_agree)
 	}
 #undef NEXT
 }
+
+/* Extreme but valid weights: a temperature so small that 1 / (range x temperature) overflows
+ * is the argmin (the best rank's weight was NaN, and the first candidate was picked whatever its
+ * cost: the loaded one 200 times of 200); an overlap credit whose product overflows, with no
+ * prefill weight, costs nothing (0 x -inf was NaN, and the scan passed that rank over). */
+Test(select, extreme_weights_pick_the_best)
+{
+	uint64_t rng = 11;
+	struct kvr_select_params q = P;
+	q.temperature = 1e-310;
+	for (int i = 0; i < 50; i++)
+		cr_assert_eq(select_of(&q,
+		                       (struct cand[]){{.potential_decode_blocks = 10},
+		                                       {.potential_decode_blocks = 0}},
+		                       2, &rng),
+		             1);
+	q = P;
+	q.overlap_credit = 1e308;
+	q.prefill_load_scale = 0.0;
+	cr_assert_eq(
+	    select_of(&q,
+	              (struct cand[]){{.overlap_blocks = 0, .potential_decode_blocks = 80},
+	                              {.overlap_blocks = 16, .potential_decode_blocks = 16}},
+	              2, &rng),
+	    1);
+}
