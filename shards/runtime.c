@@ -1550,9 +1550,12 @@ static bool idle_after(struct kvr_shard *sh, uint64_t g, uint64_t *sum)
 	bool seen = __atomic_load_n(&sh->seen_kick, __ATOMIC_ACQUIRE) >= g;
 	*sum += __atomic_load_n(&sh->lanes.run[0], __ATOMIC_RELAXED) +
 	        __atomic_load_n(&sh->lanes.run[1], __ATOMIC_RELAXED);
-	/* Posts it keeps (kvr_shard_post_later) are work not yet in any lane. */
+	/* Posts it keeps (kvr_shard_post_later) are work not yet in any lane, and so is a post
+	 * whose commit was tagged behind another producer's reservation: it returned, but the
+	 * lane counts it only once that producer commits, and a sync then returned before it ran
+	 * (unreserved, not empty). */
 	return parked && seen && __atomic_load_n(&sh->later_n, __ATOMIC_ACQUIRE) == 0 &&
-	       kvr_lanes_empty(&sh->lanes);
+	       kvr_lanes_unreserved(&sh->lanes);
 }
 
 int kvr_shards_quiesce(struct kvr_shards *s, uint64_t timeout_ns)

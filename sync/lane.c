@@ -239,6 +239,12 @@ int kvr_lanes_empty(const struct kvr_lanes *l)
 	       kvr_ring_depth(&l->ring[0]) == 0 && kvr_ring_depth(&l->ring[1]) == 0;
 }
 
+int kvr_lanes_unreserved(const struct kvr_lanes *l)
+{
+	return __atomic_load_n(&l->burst_n, __ATOMIC_RELAXED) == 0 &&
+	       kvr_ring_reserved(&l->ring[0]) == 0 && kvr_ring_reserved(&l->ring[1]) == 0;
+}
+
 uint32_t kvr_lanes_depth(const struct kvr_lanes *l, enum kvr_lane lane)
 {
 	if ((unsigned)lane >= KVR_LANE_COUNT)

@@ -226,6 +226,12 @@ int kvr_lanes_pop(struct kvr_lanes *l, struct kvr_msg *out);
 /* True if both lanes are empty (a snapshot).  Context: any thread. */
 int kvr_lanes_empty(const struct kvr_lanes *l);
 
+/* True if no slot of either lane is reserved (a snapshot): empty, and no post in flight, nor
+ * one whose commit was left tagged behind an earlier producer's reservation (its post returned,
+ * and the message is not in kvr_lanes_empty's count until that producer commits).  Context:
+ * any thread. */
+int kvr_lanes_unreserved(const struct kvr_lanes *l);
+
 /* Messages queued on a lane now (a snapshot).  Context: any thread. */
 uint32_t kvr_lanes_depth(const struct kvr_lanes *l, enum kvr_lane lane);
 

@@ -192,6 +192,17 @@ static int run_case(bool soon)
 			        name, rc, tagged, __atomic_load_n(&n_ran, __ATOMIC_RELAXED));
 			bad = 1;
 		}
+		/* A quiesce (kvr_router_sync) must not call the shard idle while a post that
+		 * returned waits, tagged, behind the held reservation: it returned 0 here (the
+		 * lanes' published depth was 0) with the urgent message not run. */
+		if (!soon && kvr_shards_quiesce(rt, 50000000ull) == 0 &&
+		    !__atomic_load_n(&ran_ns[ID_URGENT], __ATOMIC_ACQUIRE)) {
+			fprintf(stderr,
+			        "stress_tag_wake: %s: kvr_shards_quiesce returned 0 before the "
+			        "tagged message ran\n",
+			        name);
+			bad = 1;
+		}
 		uint64_t t_release = mono_ns();
 		__atomic_store_n(&release, 1, __ATOMIC_RELEASE);
 		pthread_join(th, NULL);
