@@ -609,6 +609,34 @@ static void rtab_purge(struct kvr_index *idx)
 	idx_defer(&cb);
 }
 
+/* Where an insert of (worker, dp) goes: the first tombstone or empty entry on its probe path.
+ * Context: rank_lock held. */
+static uint32_t rtab_slot_for(const struct idx_rtab *t, uint64_t worker_id, uint32_t dp_rank)
+{
+	uint32_t i = (uint32_t)rank_hash(worker_id, dp_rank) & t->mask;
+	while (t->e[i] != 0 && t->e[i] != UINT32_MAX)
+		i = (i + 1) & t->mask;
+	return i;
+}
+
+/* Whether (worker, dp) may be inserted into *t: past 3/4 of the table in use (entries and
+ * tombstones), the tombstones are purged first (*t then the new table); with no memory for
+ * that, only an insert that reuses a tombstone may go, so that a quarter of the table stays
+ * empty.  Before, an insert took an empty entry all the same: a churn of adds and removes under
+ * a lasting allocation failure used every empty entry up, and a lookup of an absent rank (which
+ * stops only at one) spun for good, under the rank lock in rank_add and in the lock-free
+ * rank_find.  Context: rank_lock held. */
+static bool rtab_room(struct kvr_index *idx, struct idx_rtab **t, uint64_t worker_id,
+                      uint32_t dp_rank)
+{
+	const uint32_t most = ((*t)->mask + 1) / 4 * 3;
+	if ((*t)->used + 1 <= most)
+		return true;
+	rtab_purge(idx);
+	*t = idx->rtab;
+	return (*t)->used + 1 <= most || (*t)->e[rtab_slot_for(*t, worker_id, dp_rank)] != 0;
+}
+
 int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank, uint32_t *slot)
 {
 	if (!idx || !slot)
@@ -625,6 +653,8 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		rc = KVR_EEXIST;
 	} else if (idx->free_head == UINT32_MAX && idx->fresh == idx->max_ranks) {
 		rc = KVR_ERANGE;
+	} else if (!rtab_room(idx, &t, worker_id, dp_rank)) {
+		rc = KVR_ENOMEM;
 	} else {
 		/* A released slot first (the most recent), else the next never used one. */
 		uint32_t s = idx->free_head;
@@ -643,13 +673,7 @@ int kvr_index_rank_add(struct kvr_index *idx, uint64_t worker_id, uint32_t dp_ra
 		memset(&r->amap, 0, sizeof(r->amap));
 		memset(&r->cmap, 0, sizeof(r->cmap));
 		memset(&r->tops, 0, sizeof(r->tops));
-		if (t->used + 1 > (t->mask + 1) / 4 * 3) {
-			rtab_purge(idx);
-			t = idx->rtab;
-		}
-		uint32_t i = (uint32_t)rank_hash(worker_id, dp_rank) & t->mask;
-		while (t->e[i] != 0 && t->e[i] != UINT32_MAX)
-			i = (i + 1) & t->mask;
+		uint32_t i = rtab_slot_for(t, worker_id, dp_rank);
 		if (t->e[i] == 0)
 			t->used++;
 		/* Ordering: release; pairs with the acquire in rtab_find(). */

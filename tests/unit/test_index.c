@@ -1399,3 +1399,28 @@ Test(index, all_aliased_rank_turns_mixed)
 	cr_assert_eq(nf, 0);
 	cr_assert_eq(kvr_index_tree_size(idx, r), N + 3);
 }
+
+/* Rank add/remove churn while every allocation fails: the slot table cannot purge its
+ * tombstones, and an add that would take an empty entry is refused (KVR_ENOMEM) so that a
+ * quarter of the table stays empty.  Before, the churn used every empty entry up (145 pairs on
+ * an 8-rank index), and the next lookup of an absent rank spun for good. */
+Test(index, slot_table_keeps_empty_entries_without_memory, .timeout = 30)
+{
+	struct kvr_index *x;
+	cr_assert_eq(kvr_index_create(8, &x), 0);
+	kvr_alloc_fail_from(1);
+	int step = 0, rc = 0;
+	for (; step < 1000; step++) {
+		uint32_t s;
+		if ((rc = kvr_index_rank_add(x, 1000 + (uint64_t)step, 0, &s)) != 0)
+			break;
+		cr_assert_eq(kvr_index_rank_remove(x, s), 0);
+	}
+	kvr_alloc_fail_after(0);
+	cr_assert_eq(rc, KVR_ENOMEM, "churn of %d pairs", step);
+	uint32_t s;
+	cr_assert_eq(kvr_index_rank_find(x, 5, 0, &s), KVR_ENOENT, "an absent rank's lookup ends");
+	cr_assert_eq(kvr_index_rank_add(x, 5, 0, &s), 0, "with memory back, adds go on");
+	cr_assert_eq(kvr_index_rank_find(x, 5, 0, &s), 0);
+	kvr_index_destroy(x);
+}
