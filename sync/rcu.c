@@ -259,14 +259,33 @@ void kvr_rcu_fork_reclaimer(enum kvr_fork_phase phase)
 		pthread_mutex_unlock(&rec_run);
 		pthread_mutex_unlock(&rec_start);
 		break;
-	case KVR_FORK_CHILD:
+	case KVR_FORK_CHILD: {
 		/* The reclaimer stayed in the parent; the queue (the parent's callbacks not yet
-		 * run) is whole, and runs when this process starts its own. */
+		 * run) runs when this process starts its own, but for the barriers in it: each
+		 * lives on the stack of a parent's thread that waits for it, which does not exist
+		 * here, and glibc hands such stacks to the child's new threads, so running one
+		 * later called through a live frame (SIGSEGV) or hung the child's own barrier.
+		 * Every other entry is heap memory the child has its copy of.  Order kept. */
+		struct rcu_head *h = pending, *first = NULL, *last = NULL;
+		while (h) {
+			struct rcu_head *next = (struct rcu_head *)h->next.next;
+			if (h->func != barrier_cb) {
+				h->next.next = NULL;
+				if (last)
+					last->next.next = (struct cds_wfcq_node *)h;
+				else
+					first = h;
+				last = h;
+			}
+			h = next;
+		}
+		pending = first;
 		pthread_mutex_init(&rec_run, NULL);
 		pthread_mutex_init(&rec_start, NULL);
 		kvr_parker_init(&rec_park);
 		__atomic_store_n(&rec_state, REC_NONE, __ATOMIC_RELAXED);
 		break;
+	}
 	}
 }
 
