@@ -1071,8 +1071,19 @@ static int post(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const 
 		}
 		uint64_t start = mono_ns();
 		uint64_t sleep_ns = 1000;
+		/* The waits are made outside the read section when it is this post's own: a
+		 * shard that waits for a grace period (a deferred free or an index callback that
+		 * found no memory, synchronous then) waited for this thread, which waited for
+		 * that shard to make room, and neither ever moved.  Each try enters it again and
+		 * looks at closed again, as the first one did.  (Inside a caller's section the
+		 * waits are bounded: the route's admission, KVR_LANE_FULL_WAIT_NS.) */
+		const bool own = kvr_rcu_read_depth() == 1;
 		for (uint32_t k = 0;; k++) {
+			if (own)
+				kvr_rcu_read_unlock();
 			wait_step(k, &sleep_ns, 100000);
+			if (own)
+				kvr_rcu_read_lock();
 			if (__atomic_load_n(&sh->closed, __ATOMIC_ACQUIRE)) {
 				rc = KVR_ESHUTDOWN;
 				break;

@@ -123,6 +123,13 @@ static inline void kvr_rcu_read_unlock(void)
 		urcu_bp_read_unlock();
 }
 
+/* The calling thread's read-side nesting depth (0: outside any section).  Context: any
+ * thread. */
+static inline unsigned kvr_rcu_read_depth(void)
+{
+	return kvr_rcu_self.nest;
+}
+
 /* Whether the calling thread is inside a read-side section (kvr_rcu_read_lock).  For asserts.
  * Context: any thread. */
 static inline int kvr_rcu_read_ongoing(void)
