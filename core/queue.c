@@ -100,9 +100,24 @@ void kvr_queue_destroy(struct kvr_queue *q)
 	while (q->waiters || q->pumping)
 		pthread_cond_wait(&q->cond, &q->lock);
 	pthread_mutex_unlock(&q->lock);
+	struct kvr_router *r = q->r;
 	while (q->head) {
 		struct qentry *e = q->head;
 		q->head = e->next;
+		/* A request still queued that no waiter collects is answered through on_admit, as
+		 * one that could not be admitted (KVR_ESHUTDOWN): dropped silently, its ticket
+		 * never resolved for a frontend that counts them.  Calls back into the router
+		 * from there return KVR_ESHUTDOWN. */
+		if (e->state == Q_WAITING && !e->waited && r->cfg.on_admit) {
+			struct kvr_decision d;
+			memset(&d, 0, sizeof(d));
+			d.status = KVR_FAILED;
+			d.error = KVR_ESHUTDOWN;
+			d.ticket = e->ticket;
+			const struct kvr_router *prev = kvr_router_callback_enter(r);
+			r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &d);
+			kvr_router_callback_leave(prev);
+		}
 		entry_free(e);
 	}
 	pthread_cond_destroy(&q->cond);

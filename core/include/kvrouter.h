@@ -313,9 +313,12 @@ struct kvr_config {
 	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
 	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
 	uint64_t expected_prefill_ns;
-	/* Called (on a router thread, never under a router lock) when a queued request is
-	 * admitted, or could not be (d->status KVR_FAILED, d->error why), unless a
-	 * kvr_route_wait caller collects it; d is borrowed for the call.  Default NULL. */
+	/* Called (never under a router lock) when a queued request is admitted, or could not be
+	 * (d->status KVR_FAILED, d->error why: KVR_ESHUTDOWN for one still queued when the router
+	 * is destroyed), unless a kvr_route_wait caller collects it; d is borrowed for the call.
+	 * It runs on the thread whose call admitted it: inside kvr_route, a lifecycle call,
+	 * kvr_rank_add, kvr_router_sync, another ticket's kvr_route_wait, or kvr_router_destroy,
+	 * so it must not wait for a lock its caller may hold around those calls.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
 	 * embedder can ask the worker to replay.  Also, once per episode, when a rank reaches its

@@ -561,3 +561,46 @@ Test(regress, a_waiter_is_admitted_once_the_shard_lowered_the_load, .timeout = 6
 	cr_log_info("queued in %d of 10 rounds", queued);
 	kvr_router_destroy(r);
 }
+
+/* A request still queued when the router is destroyed, with no waiter to collect it, is answered
+ * through on_admit (KVR_FAILED, KVR_ESHUTDOWN): it was freed silently, its ticket never
+ * resolved for a frontend that counts what it is owed. */
+static uint64_t shut_ticket;
+static int shut_calls, shut_error;
+static void on_admit_at_shutdown(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	shut_ticket = ticket;
+	shut_error = d->status == KVR_FAILED ? d->error : 0;
+	shut_calls++;
+}
+
+Test(regress, a_request_queued_at_destroy_is_answered)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit_at_shutdown;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){1, 0}, 1, 100000, 16), 0);
+	static uint32_t tok[64];
+	for (int i = 0; i < 64; i++)
+		tok[i] = (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 1000), 0);
+	tok[0] = 99999;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	kvr_router_destroy(r);
+	cr_assert_eq(shut_calls, 1);
+	cr_assert_eq(shut_ticket, d.ticket);
+	cr_assert_eq(shut_error, KVR_ESHUTDOWN);
+}
