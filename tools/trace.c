@@ -18,7 +18,15 @@ static void seterr(char *err, size_t len, const char *fmt, ...)
 	va_end(ap);
 }
 
-static int push_ids(struct trace *t, json_t *arr, size_t *off, uint32_t *n, uint32_t session)
+/* A request's id, namespaced: the file index above ID_BITS bits of the trace's own id.  The file
+ * index stays below 2^14 so bits 62 and 63 stay clear: trace_tokens keys a prompt's blocks past
+ * its last id with bit 63 set and trace_output_token keys output with bit 62, so no namespaced
+ * id can meet either. */
+#define ID_BITS   48
+#define MAX_FILES (1u << 14)
+
+static int push_ids(struct trace *t, json_t *arr, size_t *off, uint32_t *n, uint32_t session,
+                    char *why, size_t whylen)
 {
 	size_t k = json_array_size(arr);
 	if (t->id_len + k > t->id_cap) {
@@ -34,16 +42,26 @@ static int push_ids(struct trace *t, json_t *arr, size_t *off, uint32_t *n, uint
 	*off = t->id_len;
 	for (size_t i = 0; i < k; i++) {
 		json_t *v = json_array_get(arr, i);
-		if (!json_is_integer(v) || json_integer_value(v) < 0)
+		if (!json_is_integer(v) || json_integer_value(v) < 0) {
+			snprintf(why, whylen, "hash_ids must be non-negative integers");
 			return -1;
-		/* Namespaced: the session index in the top 16 bits. */
-		t->id_pool[t->id_len + i] = ((uint64_t)session << 48) |
-		                            ((uint64_t)json_integer_value(v) & ((1ull << 48) - 1));
+		}
+		/* Masking a larger id to ID_BITS made it alias a smaller one: a hit that the trace
+		 * does not hold (2^48 + 5 read as 5). */
+		uint64_t id = (uint64_t)json_integer_value(v);
+		if (id >> ID_BITS) {
+			snprintf(why, whylen, "hash id %llu does not fit in %d bits",
+			         (unsigned long long)id, ID_BITS);
+			return -1;
+		}
+		t->id_pool[t->id_len + i] = ((uint64_t)session << ID_BITS) | id;
 	}
 	t->id_len += k;
 	*n = (uint32_t)k;
 	return 0;
 }
+
+#define WHY_LEN 96 /* a message about one id */
 
 static struct trace_req *new_req(struct trace *t)
 {
@@ -60,18 +78,18 @@ static struct trace_req *new_req(struct trace *t)
 	return r;
 }
 
-/* Appends the request whose blocks are the JSON array ids.  Returns 0, -1 malformed (why set),
- * -2 out of memory; on error t->n is unchanged. */
+/* Appends the request whose blocks are the JSON array ids.  Returns 0, -1 malformed (*why set,
+ * pointing into idwhy when about an id), -2 out of memory; on error t->n is unchanged. */
 static int add_req(struct trace *t, json_t *ids, double arrival_s, uint64_t in, uint64_t out,
-                   uint32_t session, const char **why)
+                   uint32_t session, const char **why, char *idwhy)
 {
 	struct trace_req *r = new_req(t);
 	if (!r)
 		return -2;
 	size_t off;
-	int rc = push_ids(t, ids, &off, &r->n_ids, session);
+	int rc = push_ids(t, ids, &off, &r->n_ids, session, idwhy, WHY_LEN);
 	if (rc)
-		return rc == -1 ? (*why = "hash_ids must be non-negative integers", -1) : rc;
+		return rc == -1 ? (*why = idwhy, -1) : rc;
 	r->arrival_s = arrival_s;
 	r->input_len = (uint32_t)in;
 	r->output_len = (uint32_t)out;
@@ -102,7 +120,8 @@ static int get_num(json_t *o, const char *key, double *out)
 }
 
 /* One Mooncake line.  Returns 0, -1 malformed (why set), -2 out of memory. */
-static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const char **why)
+static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const char **why,
+                         char *idwhy)
 {
 	uint64_t ts, in, out;
 	json_t *ids = json_object_get(o, "hash_ids");
@@ -118,11 +137,11 @@ static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const cha
 		return *why = "missing or bad \"hash_ids\"", -1;
 	if (json_array_size(ids) != (in + t->block_size - 1) / t->block_size)
 		return *why = "len(hash_ids) != ceil(input_length / 512)", -1;
-	return add_req(t, ids, (double)ts / 1000.0, in, out, session, why);
+	return add_req(t, ids, (double)ts / 1000.0, in, out, session, why, idwhy);
 }
 
 static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t session, int depth,
-                        const char **why)
+                        const char **why, char *idwhy)
 {
 	if (!json_is_array(reqs))
 		return *why = "\"requests\" is not an array", -1;
@@ -142,7 +161,7 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 		if (json_is_string(type) && strcmp(json_string_value(type), "subagent") == 0 &&
 		    json_object_get(q, "requests")) {
 			int rc = session_reqs(t, json_object_get(q, "requests"), base + ts, session,
-			                      depth + 1, why);
+			                      depth + 1, why, idwhy);
 			if (rc)
 				return rc;
 			continue;
@@ -156,7 +175,7 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 			return *why = "missing or bad \"hash_ids\"", -1;
 		if (json_array_size(ids) != in / t->block_size)
 			return *why = "len(hash_ids) != floor(in / block_size)", -1;
-		int rc = add_req(t, ids, base + ts, in, out, session, why);
+		int rc = add_req(t, ids, base + ts, in, out, session, why, idwhy);
 		if (rc)
 			return rc;
 	}
@@ -170,7 +189,14 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 	int c;
 	while ((c = fgetc(f)) == ' ' || c == '\n' || c == '\r' || c == '\t')
 		;
+	/* Each file's ids get the file's index above them: past MAX_FILES they would collide. */
+	if (t->n_sessions >= MAX_FILES) {
+		fclose(f);
+		seterr(err, errlen, "%s: too many trace files (%u at most)", path, MAX_FILES);
+		return -1;
+	}
 	uint32_t session = t->n_sessions++;
+	char idwhy[WHY_LEN];
 	if (c == EOF) {
 		/* A read error (a directory: EISDIR) was reported as an empty file. */
 		int e = ferror(f) ? errno : 0;
@@ -203,7 +229,8 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 		}
 		t->block_size = (uint32_t)bs;
 		size_t before = t->n, ids_before = t->id_len;
-		int rc = session_reqs(t, json_object_get(whole, "requests"), 0.0, session, 0, &why);
+		int rc = session_reqs(t, json_object_get(whole, "requests"), 0.0, session, 0, &why,
+		                      idwhy);
 		json_decref(whole);
 		if (rc == -2) {
 			seterr(err, errlen, "%s: out of memory", path);
@@ -254,7 +281,7 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 			why = je.text;
 			rc = -1;
 		} else {
-			rc = mooncake_line(t, o, session, &why);
+			rc = mooncake_line(t, o, session, &why, idwhy);
 		}
 		if (rc == -2) {
 			seterr(err, errlen, "%s:%zu: out of memory", path, lineno);

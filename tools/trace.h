@@ -8,6 +8,8 @@
  *  - Coding-agent session files: one JSON object {"block_size", "requests": [{"t" s, "in", "out",
  *    "hash_ids", "type"}]}; a request of type "subagent" nests "requests" whose t is relative to
  *    its own.  Ids are local to a session: each file gets its own id namespace.
+ * Ids are below 2^48 (a larger one is malformed input, not masked into a smaller one), and a
+ * trace has at most 16,384 files: each namespaced id is the file's index above the id's 48 bits.
  */
 #ifndef KVR_TOOLS_TRACE_H
 #define KVR_TOOLS_TRACE_H

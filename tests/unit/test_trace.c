@@ -91,3 +91,50 @@ Test(trace, session_namespaces_and_block_size_mismatch)
 	cr_assert(strstr(err, "directory") != NULL, "%s", err);
 	trace_free(&e);
 }
+
+/* An id of 2^48 or more was masked to 48 bits: 2^48 + 5 hit the cached 5 of the line above. */
+Test(trace, ids_past_48_bits_are_refused)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *s = "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, "
+	                "\"hash_ids\": [5]}\n"
+	                "{\"timestamp\": 1, \"input_length\": 512, \"output_length\": 1, "
+	                "\"hash_ids\": [281474976710661]}\n"
+	                "{\"timestamp\": 2, \"input_length\": 512, \"output_length\": 1, "
+	                "\"hash_ids\": [281474976710655]}\n";
+	cr_assert_eq(load(&t, s, false, err), -1);
+	cr_assert(strstr(err, "mem:2:") && strstr(err, "281474976710661"), "%s", err);
+	trace_free(&t);
+	struct trace u = {0};
+	cr_assert_eq(load(&u, s, true, err), 0, "%s", err);
+	trace_finish(&u);
+	cr_assert_eq(u.n, 2);
+	cr_assert_eq(u.n_bad, 1);
+	cr_assert_neq(u.reqs[0].ids[0], u.reqs[1].ids[0]);
+	trace_free(&u);
+	const char *sess = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out\": 1, "
+	                   "\"hash_ids\": [281474976710656]}]}";
+	struct trace v = {0};
+	cr_assert_eq(load(&v, sess, false, err), -1);
+	cr_assert(strstr(err, "281474976710656") != NULL, "%s", err);
+	trace_free(&v);
+}
+
+/* The file index sat above the ids with no bound: file 65,536 shared file 0's ids. */
+Test(trace, file_count_is_bounded)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *s = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out\": 1, "
+	                "\"hash_ids\": [1]}]}";
+	size_t i = 0;
+	while (i <= 16384 && load(&t, s, false, err) == 0)
+		i++;
+	cr_assert_eq(i, 16384, "%zu files loaded", i);
+	cr_assert(strstr(err, "too many trace files") != NULL, "%s", err);
+	trace_finish(&t);
+	for (size_t k = 1; k < t.n; k++)
+		cr_assert_neq(t.reqs[k].ids[0], t.reqs[k - 1].ids[0]);
+	trace_free(&t);
+}
