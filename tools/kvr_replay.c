@@ -443,6 +443,8 @@ int main(int argc, char **argv)
 			trace_free(&t);
 			return 1;
 		}
+		if (err[0]) /* a file skipped whole (--skip-bad) */
+			fprintf(stderr, "kvr-replay: %s\n", err);
 	}
 	trace_finish(&t);
 	if (max_req && t.n > max_req)

@@ -119,7 +119,10 @@ static int get_num(json_t *o, const char *key, double *out)
 	return *out >= 0 ? 0 : -1;
 }
 
-/* One Mooncake line.  Returns 0, -1 malformed (why set), -2 out of memory. */
+#define MOONCAKE_BLOCK 512
+
+/* One Mooncake line.  Returns 0, -1 malformed (why set), -2 out of memory, -3 the trace's block
+ * size is another (from a session file before). */
 static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const char **why,
                          char *idwhy)
 {
@@ -135,13 +138,15 @@ static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const cha
 		return *why = "missing or bad \"output_length\"", -1;
 	if (!json_is_array(ids))
 		return *why = "missing or bad \"hash_ids\"", -1;
-	if (json_array_size(ids) != (in + t->block_size - 1) / t->block_size)
+	if (json_array_size(ids) != (in + MOONCAKE_BLOCK - 1) / MOONCAKE_BLOCK)
 		return *why = "len(hash_ids) != ceil(input_length / 512)", -1;
+	if (t->block_size && t->block_size != MOONCAKE_BLOCK)
+		return -3;
 	return add_req(t, ids, (double)ts / 1000.0, in, out, session, why, idwhy);
 }
 
-static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t session, int depth,
-                        const char **why, char *idwhy)
+static int session_reqs(struct trace *t, json_t *reqs, uint32_t bs, double base, uint32_t session,
+                        int depth, const char **why, char *idwhy)
 {
 	if (!json_is_array(reqs))
 		return *why = "\"requests\" is not an array", -1;
@@ -160,8 +165,8 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 		json_t *type = json_object_get(q, "type");
 		if (json_is_string(type) && strcmp(json_string_value(type), "subagent") == 0 &&
 		    json_object_get(q, "requests")) {
-			int rc = session_reqs(t, json_object_get(q, "requests"), base + ts, session,
-			                      depth + 1, why, idwhy);
+			int rc = session_reqs(t, json_object_get(q, "requests"), bs, base + ts,
+			                      session, depth + 1, why, idwhy);
 			if (rc)
 				return rc;
 			continue;
@@ -173,7 +178,7 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 		json_t *ids = json_object_get(q, "hash_ids");
 		if (!json_is_array(ids))
 			return *why = "missing or bad \"hash_ids\"", -1;
-		if (json_array_size(ids) != in / t->block_size)
+		if (json_array_size(ids) != in / bs)
 			return *why = "len(hash_ids) != floor(in / block_size)", -1;
 		int rc = add_req(t, ids, base + ts, in, out, session, why, idwhy);
 		if (rc)
@@ -182,83 +187,96 @@ static int session_reqs(struct trace *t, json_t *reqs, double base, uint32_t ses
 	return 0;
 }
 
-/* Parses one file's content from f (closed here); path names it in messages. */
-static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad, size_t max_reqs,
-                       char *err, size_t errlen)
+/* Whether f (rewound here) is a session file, from its first non-blank line: a line that holds
+ * an object with "requests", or the start of a JSON value that goes on past it (a pretty-printed
+ * session, or a truncated one).  Anything else is JSON lines, one record a line.  Parsing the
+ * whole file first and reading whatever failed as lines took a broken session file for Mooncake
+ * lines: a message about line 1's JSON, and a trace block size of 512 that then rejected the
+ * good session files loaded with it, even under skip_bad. */
+static bool is_session(FILE *f)
 {
-	int c;
-	while ((c = fgetc(f)) == ' ' || c == '\n' || c == '\r' || c == '\t')
-		;
-	/* Each file's ids get the file's index above them: past MAX_FILES they would collide. */
-	if (t->n_sessions >= MAX_FILES) {
-		fclose(f);
-		seterr(err, errlen, "%s: too many trace files (%u at most)", path, MAX_FILES);
-		return -1;
+	char *line = NULL;
+	size_t cap = 0;
+	ssize_t len;
+	bool session = false;
+	while ((len = getline(&line, &cap, f)) >= 0) {
+		size_t k = 0;
+		while (k < (size_t)len &&
+		       (line[k] == ' ' || line[k] == '\n' || line[k] == '\r' || line[k] == '\t'))
+			k++;
+		if (k == (size_t)len)
+			continue;
+		json_error_t je;
+		json_t *o = json_loadb(line, (size_t)len, JSON_DISABLE_EOF_CHECK, &je);
+		session = o ? json_is_object(o) && json_object_get(o, "requests") != NULL
+		            : json_error_code(&je) == json_error_premature_end_of_input;
+		json_decref(o);
+		break;
 	}
-	uint32_t session = t->n_sessions++;
-	char idwhy[WHY_LEN];
-	if (c == EOF) {
-		/* A read error (a directory: EISDIR) was reported as an empty file. */
-		int e = ferror(f) ? errno : 0;
-		fclose(f);
-		if (e)
-			seterr(err, errlen, "%s: %s", path, strerror(e));
-		else
-			seterr(err, errlen, "%s:1: empty file", path);
-		return -1;
-	}
+	free(line);
 	rewind(f);
-	/* A session file is one object with "requests"; JSON lines have one object a line. */
+	return session;
+}
+
+/* One session file (f closed here).  A malformed one is skipped whole under skip_bad (its
+ * requests depend on each other), counted in n_bad and said in err; it sets no block size. */
+static int load_session(struct trace *t, FILE *f, const char *path, uint32_t session, bool skip_bad,
+                        size_t max_reqs, char *err, size_t errlen)
+{
 	json_error_t je;
 	json_t *whole = json_loadf(f, JSON_DISABLE_EOF_CHECK, &je);
-	int is_session = whole && json_is_object(whole) && json_object_get(whole, "requests");
-	if (is_session) {
-		fclose(f);
-		uint64_t bs;
-		const char *why = NULL;
-		if (get_uint(whole, "block_size", 1u << 20, &bs) || bs == 0) {
-			json_decref(whole);
-			seterr(err, errlen, "%s:1: missing or bad \"block_size\"", path);
-			return -1;
-		}
-		if (t->block_size && t->block_size != bs) {
-			json_decref(whole);
-			seterr(err, errlen, "%s:1: block size %llu differs from the trace's %u",
-			       path, (unsigned long long)bs, t->block_size);
-			return -1;
-		}
-		t->block_size = (uint32_t)bs;
-		size_t before = t->n, ids_before = t->id_len;
-		int rc = session_reqs(t, json_object_get(whole, "requests"), 0.0, session, 0, &why,
-		                      idwhy);
+	fclose(f);
+	char idwhy[WHY_LEN];
+	const char *why = NULL;
+	int line = 1, rc = -1;
+	uint64_t bs = 0;
+	size_t before = t->n, ids_before = t->id_len;
+	if (!whole) {
+		why = je.text;
+		line = je.line > 0 ? je.line : 1;
+	} else if (!json_is_object(whole) || !json_object_get(whole, "requests")) {
+		why = "not a session object (with \"requests\")";
+	} else if (get_uint(whole, "block_size", 1u << 20, &bs) || bs == 0) {
+		why = "missing or bad \"block_size\"";
+	} else if (t->block_size && t->block_size != bs) {
 		json_decref(whole);
-		if (rc == -2) {
-			seterr(err, errlen, "%s: out of memory", path);
-			return -1;
-		}
-		if (rc) {
-			if (!skip_bad) {
-				seterr(err, errlen, "%s:1: %s", path, why);
-				return -1;
-			}
-			/* A broken session is skipped whole: its requests depend on each other. */
-			t->n = before;
-			t->id_len = ids_before;
-			t->n_bad++;
-		}
-		if (max_reqs && t->n > max_reqs)
-			t->n = max_reqs;
-		return 0;
+		seterr(err, errlen, "%s:1: block size %llu differs from the trace's %u", path,
+		       (unsigned long long)bs, t->block_size);
+		return -1;
+	} else {
+		rc = session_reqs(t, json_object_get(whole, "requests"), (uint32_t)bs, 0.0, session,
+		                  0, &why, idwhy);
 	}
 	json_decref(whole);
-	rewind(f);
-	if (t->block_size && t->block_size != 512) {
-		fclose(f);
-		seterr(err, errlen, "%s:1: Mooncake block size 512 differs from the trace's %u",
-		       path, t->block_size);
+	if (rc == -2) {
+		t->n = before;
+		t->id_len = ids_before;
+		seterr(err, errlen, "%s: out of memory", path);
 		return -1;
 	}
-	t->block_size = 512;
+	if (rc) {
+		t->n = before;
+		t->id_len = ids_before;
+		if (!skip_bad) {
+			seterr(err, errlen, "%s:%d: bad session file: %s", path, line, why);
+			return -1;
+		}
+		t->n_bad++;
+		seterr(err, errlen, "%s:%d: bad session file, skipped: %s", path, line, why);
+		return 0;
+	}
+	t->block_size = (uint32_t)bs;
+	if (max_reqs && t->n > max_reqs)
+		t->n = max_reqs;
+	return 0;
+}
+
+/* Mooncake JSON lines (f closed here).  The trace's block size becomes 512 with the first
+ * record taken: a file whose every line was skipped sets none. */
+static int load_lines(struct trace *t, FILE *f, const char *path, uint32_t session, bool skip_bad,
+                      size_t max_reqs, char *err, size_t errlen)
+{
+	char idwhy[WHY_LEN];
 	char *line = NULL;
 	size_t cap = 0;
 	ssize_t len;
@@ -275,6 +293,7 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 		if (k == (size_t)len)
 			continue;
 		const char *why = NULL;
+		json_error_t je;
 		json_t *o = json_loadb(line, (size_t)len, 0, &je);
 		int rc;
 		if (!o) {
@@ -283,22 +302,29 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 		} else {
 			rc = mooncake_line(t, o, session, &why, idwhy);
 		}
+		json_decref(o);
 		if (rc == -2) {
 			seterr(err, errlen, "%s:%zu: out of memory", path, lineno);
-			json_decref(o);
+			ret = -1;
+			break;
+		}
+		if (rc == -3) {
+			seterr(err, errlen,
+			       "%s:%zu: Mooncake block size %u differs from the trace's %u", path,
+			       lineno, MOONCAKE_BLOCK, t->block_size);
 			ret = -1;
 			break;
 		}
 		if (rc == -1) {
 			if (!skip_bad) {
 				seterr(err, errlen, "%s:%zu: %s", path, lineno, why);
-				json_decref(o);
 				ret = -1;
 				break;
 			}
 			t->n_bad++;
+			continue;
 		}
-		json_decref(o);
+		t->block_size = MOONCAKE_BLOCK;
 	}
 	/* getline's -1 is an end or a read error: a trace cut short by one was replayed as if it
 	 * ended there. */
@@ -309,6 +335,38 @@ static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad
 	free(line);
 	fclose(f);
 	return ret;
+}
+
+/* Parses one file's content from f (closed here); path names it in messages. */
+static int load_stream(struct trace *t, FILE *f, const char *path, bool skip_bad, size_t max_reqs,
+                       char *err, size_t errlen)
+{
+	if (err && errlen)
+		err[0] = '\0';
+	int c;
+	while ((c = fgetc(f)) == ' ' || c == '\n' || c == '\r' || c == '\t')
+		;
+	/* Each file's ids get the file's index above them: past MAX_FILES they would collide. */
+	if (t->n_sessions >= MAX_FILES) {
+		fclose(f);
+		seterr(err, errlen, "%s: too many trace files (%u at most)", path, MAX_FILES);
+		return -1;
+	}
+	uint32_t session = t->n_sessions++;
+	if (c == EOF) {
+		/* A read error (a directory: EISDIR) was reported as an empty file. */
+		int e = ferror(f) ? errno : 0;
+		fclose(f);
+		if (e)
+			seterr(err, errlen, "%s: %s", path, strerror(e));
+		else
+			seterr(err, errlen, "%s:1: empty file", path);
+		return -1;
+	}
+	rewind(f);
+	if (is_session(f))
+		return load_session(t, f, path, session, skip_bad, max_reqs, err, errlen);
+	return load_lines(t, f, path, session, skip_bad, max_reqs, err, errlen);
 }
 
 int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,

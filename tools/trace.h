@@ -3,7 +3,8 @@
  * turns each id into a deterministic run of token ids (equal ids -> equal tokens), so the router
  * hashes real token sequences with its own block size.
  *
- * Formats (auto-detected from the first non-blank byte):
+ * Formats (detected from the first non-blank line: a session file's is an object with "requests"
+ * or the start of one that goes on past it; anything else is JSON lines):
  *  - Mooncake JSON lines: {"timestamp" ms, "input_length", "output_length", "hash_ids"}; block 512.
  *  - Coding-agent session files: one JSON object {"block_size", "requests": [{"t" s, "in", "out",
  *    "hash_ids", "type"}]}; a request of type "subagent" nests "requests" whose t is relative to
@@ -40,9 +41,13 @@ struct trace {
 	size_t cap;
 };
 
-/* Loads and appends one file.  Every file of one trace must have the same block size.
+/* Loads and appends one file.  Every file of one trace must have the same block size; a file
+ * that contributes no request (every entry skipped) sets none.
  * Returns 0, or -1 with a message "FILE:LINE: why" in err.  With skip_bad, malformed entries are
- * counted in t->n_bad and skipped instead.  max_reqs > 0 stops after that many requests. */
+ * counted in t->n_bad and skipped instead: a Mooncake line alone, a session file whole (its
+ * requests depend on each other), which err then names on the 0 return ("" otherwise: the
+ * caller shows it, the skip being the file's whole content).  max_reqs > 0 stops after that
+ * many requests. */
 int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,
                size_t errlen);
 /* The same from memory (data borrowed); name is used in messages.  For the fuzzer and tests. */

@@ -138,3 +138,39 @@ Test(trace, file_count_is_bounded)
 		cr_assert_neq(t.reqs[k].ids[0], t.reqs[k - 1].ids[0]);
 	trace_free(&t);
 }
+
+/* A truncated session file was read as Mooncake lines: it set the trace's block size to 512, so
+ * the good session files around it were refused for block size, even under --skip-bad. */
+Test(trace, a_broken_session_file_is_one)
+{
+	const char *good = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, "
+	                   "\"out\": 1, \"hash_ids\": [1]}]}";
+	const char *cut = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out";
+	const char *pretty_cut = "{\n  \"block_size\": 64,\n  \"requests\": [\n";
+	const char *bad_lines = "not json\n{\"timestamp\": 0}\n";
+	char err[256];
+	struct trace t = {0};
+	cr_assert_eq(load(&t, cut, false, err), -1);
+	cr_assert(strstr(err, "mem:1: bad session file") != NULL, "%s", err);
+	cr_assert_eq(t.block_size, 0);
+	cr_assert_eq(load(&t, pretty_cut, false, err), -1);
+	cr_assert(strstr(err, "bad session file") != NULL, "%s", err);
+	trace_free(&t);
+	for (int order = 0; order < 2; order++) {
+		struct trace u = {0};
+		if (order == 0) {
+			cr_assert_eq(load(&u, good, true, err), 0, "%s", err);
+			cr_assert_str_empty(err);
+		}
+		cr_assert_eq(load(&u, cut, true, err), 0, "%s", err);
+		cr_assert(strstr(err, "bad session file, skipped") != NULL, "%s", err);
+		cr_assert_eq(load(&u, pretty_cut, true, err), 0, "%s", err);
+		cr_assert_eq(load(&u, bad_lines, true, err), 0, "%s", err);
+		if (order == 1)
+			cr_assert_eq(load(&u, good, true, err), 0, "%s", err);
+		cr_assert_eq(u.block_size, 64);
+		cr_assert_eq(u.n, 1);
+		cr_assert_eq(u.n_bad, 4);
+		trace_free(&u);
+	}
+}
