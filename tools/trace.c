@@ -223,8 +223,10 @@ static bool is_session(FILE *f)
 static int load_session(struct trace *t, FILE *f, const char *path, uint32_t session, bool skip_bad,
                         size_t max_reqs, char *err, size_t errlen)
 {
+	/* The object must be all the file holds: a file of two sessions back to back was read as
+	 * its first, silently. */
 	json_error_t je;
-	json_t *whole = json_loadf(f, JSON_DISABLE_EOF_CHECK, &je);
+	json_t *whole = json_loadf(f, 0, &je);
 	fclose(f);
 	char idwhy[WHY_LEN];
 	const char *why = NULL;
@@ -232,7 +234,9 @@ static int load_session(struct trace *t, FILE *f, const char *path, uint32_t ses
 	uint64_t bs = 0;
 	size_t before = t->n, ids_before = t->id_len;
 	if (!whole) {
-		why = je.text;
+		why = json_error_code(&je) == json_error_end_of_input_expected
+		          ? "content after the session object"
+		          : je.text;
 		line = je.line > 0 ? je.line : 1;
 	} else if (!json_is_object(whole) || !json_object_get(whole, "requests")) {
 		why = "not a session object (with \"requests\")";

@@ -174,3 +174,26 @@ Test(trace, a_broken_session_file_is_one)
 		trace_free(&u);
 	}
 }
+
+/* Two session objects back to back were read as the first alone, silently. */
+Test(trace, content_after_the_session_object_is_malformed)
+{
+	const char *two = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, "
+	                  "\"out\": 1, \"hash_ids\": [1]}]}"
+	                  "{\"block_size\": 64, \"requests\": [{\"t\": 1, \"in\": 64, "
+	                  "\"out\": 1, \"hash_ids\": [2]}]}";
+	const char *trailing_blank = "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, "
+	                             "\"out\": 1, \"hash_ids\": [1]}]}\n\n  \n";
+	char err[256];
+	struct trace t = {0};
+	cr_assert_eq(load(&t, two, false, err), -1);
+	cr_assert(strstr(err, "content after the session object") != NULL, "%s", err);
+	cr_assert_eq(t.n, 0);
+	cr_assert_eq(load(&t, two, true, err), 0, "%s", err);
+	cr_assert(strstr(err, "skipped") != NULL, "%s", err);
+	cr_assert_eq(t.n, 0);
+	cr_assert_eq(t.n_bad, 1);
+	cr_assert_eq(load(&t, trailing_blank, false, err), 0, "%s", err);
+	cr_assert_eq(t.n, 1);
+	trace_free(&t);
+}
