@@ -104,6 +104,7 @@ struct replay_result {
 	double imbalance_busy, imbalance_tokens; /* max / mean over ranks */
 	uint64_t preemptions;
 	uint64_t evicted_blocks; /* simulator, copies included */
+	/* route()'s CPU time over the decisions it made (foreign arrivals make none). */
 	double route_cpu_ns_mean, route_cpu_ns_p99;
 	/* The rest of the router's CPU per decision (policies with a cpu hook: has_cpu): the
 	 * happenings on the replay's thread, its own threads busy and idle-polling (struct
