@@ -606,12 +606,7 @@ int main(int argc, char **argv)
 				pc.progress = progress_cb;
 				pc.progress_ctx = &pr;
 			}
-			/* Agreement sampling is for approx_lru and its healing variants (the
-			 * question the tool answers). */
-			if (sel[i] != &replay_policy_approx_lru &&
-			    sel[i] != &replay_policy_approx_lru_feedback &&
-			    sel[i] != &replay_policy_approx_lru_watermark &&
-			    sel[i] != &replay_policy_approx_lru_chain && !cfg.serial)
+			if (!replay_samples_agreement(sel[i], &cfg))
 				pc.sample_every = 0;
 			if (replay_run(&t, sel[i], &pc, &res[i], err, sizeof(err))) {
 				fprintf(stderr, "kvr-replay: %s\n", err);

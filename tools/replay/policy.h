@@ -90,6 +90,7 @@ struct replay_policy_ops {
 	const char *name;
 	bool predicts;     /* predicted_blocks is meaningful */
 	bool wants_events; /* kv_event is used: the simulator runs with dedup_events = true */
+	bool sampled;      /* agreement sampled every sample_every (replay_samples_agreement) */
 	int (*create)(const struct replay_env *env, void **state);
 	void (*destroy)(void *state);
 	int (*route)(void *state, const struct replay_route_req *q, struct replay_route_out *out);

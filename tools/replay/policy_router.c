@@ -639,27 +639,28 @@ struct kvr_router *replay_policy_router(void *state)
 	return ((struct rp *)state)->r;
 }
 
-/* ADMITTED / OBSERVE: the healing variants' extra hooks (NULL for the plain policies). */
-#define ROUTER_POLICY(NAME, CREATE, EVENTS, ADMITTED, OBSERVE)                                     \
+/* ADMITTED / OBSERVE: the healing variants' extra hooks (NULL for the plain policies).  SAMPLED:
+ * approx_lru and its variants, whose prediction is the question the tool answers. */
+#define ROUTER_POLICY(NAME, CREATE, EVENTS, SAMPLED, ADMITTED, OBSERVE)                            \
 	{                                                                                          \
-		.name = NAME, .predicts = true, .wants_events = EVENTS, .create = CREATE,          \
-		.destroy = rp_destroy, .route = rp_route, .kv_event = rp_kv_event,                 \
-		.admitted = ADMITTED, .observe = OBSERVE, .first_token = rp_first_token,           \
-		.output = rp_output, .finished = rp_finished, .aborted = rp_aborted,               \
-		.sync = rp_sync, .dequeue = rp_dequeue, .resident = rp_resident,                   \
-		.predict = rp_predict, .blocks = rp_blocks, .cpu = rp_cpu,                         \
-		.path_runs = rp_path_runs,                                                         \
+		.name = NAME, .predicts = true, .wants_events = EVENTS, .sampled = SAMPLED,        \
+		.create = CREATE, .destroy = rp_destroy, .route = rp_route,                        \
+		.kv_event = rp_kv_event, .admitted = ADMITTED, .observe = OBSERVE,                 \
+		.first_token = rp_first_token, .output = rp_output, .finished = rp_finished,       \
+		.aborted = rp_aborted, .sync = rp_sync, .dequeue = rp_dequeue,                     \
+		.resident = rp_resident, .predict = rp_predict, .blocks = rp_blocks,               \
+		.cpu = rp_cpu, .path_runs = rp_path_runs,                                          \
 	}
 
 const struct replay_policy_ops replay_policy_events =
-    ROUTER_POLICY("events", events_create, true, NULL, NULL);
+    ROUTER_POLICY("events", events_create, true, false, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_lru =
-    ROUTER_POLICY("approx_lru", lru_create, false, NULL, NULL);
+    ROUTER_POLICY("approx_lru", lru_create, false, true, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_ttl =
-    ROUTER_POLICY("approx_ttl", ttl_create, false, NULL, NULL);
+    ROUTER_POLICY("approx_ttl", ttl_create, false, false, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_lru_feedback =
-    ROUTER_POLICY("approx_lru+feedback", lru_create, false, rp_admitted, NULL);
+    ROUTER_POLICY("approx_lru+feedback", lru_create, false, true, rp_admitted, NULL);
 const struct replay_policy_ops replay_policy_approx_lru_chain =
-    ROUTER_POLICY("approx_lru+chain", chain_create, false, NULL, NULL);
+    ROUTER_POLICY("approx_lru+chain", chain_create, false, true, NULL, NULL);
 const struct replay_policy_ops replay_policy_approx_lru_watermark =
-    ROUTER_POLICY("approx_lru+watermark", lru_create, false, rp_admitted, rp_observe);
+    ROUTER_POLICY("approx_lru+watermark", lru_create, false, true, rp_admitted, rp_observe);

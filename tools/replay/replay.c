@@ -473,6 +473,11 @@ void replay_config_init(struct replay_config *cfg)
 	cfg->capacity_factor = 1.0;
 }
 
+bool replay_samples_agreement(const struct replay_policy_ops *ops, const struct replay_config *cfg)
+{
+	return ops->sampled || cfg->serial;
+}
+
 uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
                                size_t whylen)
 {

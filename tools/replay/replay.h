@@ -151,6 +151,11 @@ struct replay_result {
 
 void replay_config_init(struct replay_config *cfg);
 
+/* Whether a replay of ops keeps cfg's agreement sampling: policies marked sampled (approx_lru and
+ * its healing variants), and every policy with serial.  kvr-replay's sequential and --jobs /
+ * --sweep paths both ask it, so they give the same results. */
+bool replay_samples_agreement(const struct replay_policy_ops *ops, const struct replay_config *cfg);
+
 /* A GPU block budget per rank that puts the trace under capacity pressure and still fits every
  * request: a quarter of the working set (the distinct prompt blocks asked for in the busiest
  * 5 minutes of trace time, at cfg's block size and time scale) spread over the ranks, but at

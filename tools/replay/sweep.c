@@ -236,7 +236,9 @@ int sweep_run(const struct sweep *s, const struct trace *t, const struct replay_
 			c->cfg.progress = NULL;
 			c->cfg.progress_ctx = NULL;
 			c->keep = keep_series;
-			if (strcmp(ops[k]->name, "approx_lru") && !base->serial)
+			/* It kept sampling for "approx_lru" alone: --jobs 2 dropped the healing
+			 * variants' agreement that --jobs 1 reports. */
+			if (!replay_samples_agreement(ops[k], base))
 				c->cfg.sample_every = 0;
 			sweep_apply(s, pt, &c->cfg, c->v);
 		}

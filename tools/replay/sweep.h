@@ -87,10 +87,10 @@ void sweep_apply(const struct sweep *s, size_t point, struct replay_config *cfg,
 /*
  * Replays t with every policy at every point, jobs at a time (>= 1).  *cells_out gets
  * points x n_ops cells (point-major; free with free()).  Agreement sampling (base's
- * sample_every) stays on for approx_lru only, as in a plain kvr-replay run.  keep_series: the
- * cells keep their results' series (the caller frees them with replay_result_free); else only
- * the scalars are kept.  progress (may be NULL) is called with (done, total) from the calling
- * thread only.  Returns 0 (each cell has its own rc), or KVR_ENOMEM.
+ * sample_every) stays on where replay_samples_agreement says, as in a plain kvr-replay run.
+ * keep_series: the cells keep their results' series (the caller frees them with
+ * replay_result_free); else only the scalars are kept.  progress (may be NULL) is called with
+ * (done, total) from the calling thread only.  Returns 0 (each cell has its own rc), or KVR_ENOMEM.
  */
 int sweep_run(const struct sweep *s, const struct trace *t, const struct replay_config *base,
               const struct replay_policy_ops *const *ops, size_t n_ops, unsigned jobs,

@@ -1,7 +1,8 @@
 #!/bin/sh
 # kvr-replay end to end (meson test, suite 'replay'): a short replay of the shipped Mooncake
 # sample with every policy; the same seed gives byte-identical JSON and CSV (timings left
-# out), with --jobs 2 too; the verdict lines are there and agree with the JSON; a malformed
+# out), with --jobs 2 too (the healing variants' agreement samples included); the verdict
+# lines are there and agree with the JSON; a malformed
 # line is reported with file and line, and --skip-bad counts and skips it; --sweep rejects bad
 # input with a clear message and runs a short grid (CSV/JSON rows per point and policy);
 # --plot and tools/replay/heal_curves.sh write PNGs / an SVG when gnuplot is installed.  Foreign traffic: the same arrivals are foreign
@@ -34,6 +35,15 @@ cmp "$tmp/a.csv" "$tmp/b.csv" || fail "same seed, different CSV"
 "$bin" --max-requests 300 --no-timing --sample-every 100 --quiet --jobs 2 --out "$tmp/c.json" \
 	"$sample" || fail "replay with --jobs 2"
 cmp "$tmp/a.json" "$tmp/c.json" || fail "--jobs 2 gives different JSON"
+# The healing variants too: --jobs 2 (and --sweep) kept agreement sampling for approx_lru alone.
+heal=approx_lru,approx_lru+feedback,approx_lru+watermark,approx_lru+chain
+for j in 1 2; do
+	"$bin" --max-requests 200 --no-timing --sample-every 50 --quiet --policies $heal --jobs $j \
+		--out "$tmp/h$j.json" "$sample" || fail "healing variants, --jobs $j"
+done
+cmp "$tmp/h1.json" "$tmp/h2.json" || fail "healing variants: --jobs 2 gives different JSON"
+python3 -c "import json,sys; p=json.load(open(sys.argv[1]))['policies']; assert len(p) == 4 and all(x['agreement']['samples'] > 0 for x in p), [(x['policy'], x.get('agreement')) for x in p]" "$tmp/h2.json" ||
+	fail "healing variants: agreement not sampled"
 
 # The verdict: present, and every figure it prints is the JSON's.
 [ "$(grep -c '^verdict \[conversation_sample.jsonl\]: ' "$tmp/a.txt")" -eq 5 ] ||
