@@ -106,7 +106,8 @@ static void usage(FILE *f)
 	    "  --label TEXT           name of the trace in the verdict and chart titles\n"
 	    "  --routers N            N router replicas (arrivals round-robin): approx_lru (one\n"
 	    "                         router) vs replicas_sync (replica sync, in-process) vs\n"
-	    "                         replicas_nosync; --no-sync leaves replicas_sync out\n"
+	    "                         replicas_nosync; --no-sync leaves replicas_sync out;\n"
+	    "                         not with --policies\n"
 	    "  --out FILE.json  --csv FILE.csv  --plot DIR (PNG charts with gnuplot)\n"
 	    "  --no-timing            leave host-clock timings out of JSON/CSV (reproducible "
 	    "files)\n"
@@ -397,6 +398,17 @@ int main(int argc, char **argv)
 	const struct replay_policy_ops *sel[N_ALL + 3]; /* + events_feed, replicas */
 	size_t n_sel = 0;
 	if (routers > 1) { /* one router vs N replicas synced (unless --no-sync) vs unsynced */
+		/* Its policies are fixed: a list given too was dropped without a word, unknown
+		 * names included. */
+		if (policies) {
+			fprintf(
+			    stderr,
+			    "kvr-replay: --policies does not apply with --routers %u (it replays "
+			    "approx_lru, replicas_sync and replicas_nosync; --no-sync leaves "
+			    "replicas_sync out)\n",
+			    routers);
+			return 2;
+		}
 		replay_n_routers = routers;
 		sel[n_sel++] = &replay_policy_approx_lru;
 		if (!nosync)

@@ -242,6 +242,11 @@ for f, n in (("db", 4), ("s3", 1036), ("s12", 515)):
     q = json.load(open("%s/%s.json" % (sys.argv[1], f)))["policies"][0]["prediction"]
     assert q["requests"] == n and q["exact_share"] == 1.0, (f, q)
 PY
+# --routers N replays its own three policies: a --policies list beside it was dropped silently.
+if "$bin" --quiet --routers 2 --policies round_robin "$sample" 2>"$tmp/err"; then
+	fail "--routers 2 --policies round_robin was accepted"
+fi
+grep -q -- "--policies does not apply with --routers 2" "$tmp/err" || fail "--routers: $(cat "$tmp/err")"
 if "$bin" --quiet --foreign-traffic 0.3 --foreign-as nobody "$sample" 2>/dev/null; then
 	fail "--foreign-as nobody was accepted"
 fi
