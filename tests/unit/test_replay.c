@@ -374,3 +374,29 @@ Test(replay, route_cpu_counts_decisions_only)
 	replay_result_free(&r);
 	trace_free(&t);
 }
+
+/* A request no rank can hold is refused before routing, as vLLM's frontend refuses a prompt over
+ * max_model_len: routed and then aborted, its prompt stayed in approx_lru's predicted cache (the
+ * engine never held it; no lifecycle call takes an admitted request's blocks back), and the
+ * predicted set differed from the engine's from then on. */
+Test(replay, serial_lru_stays_exact_when_requests_are_refused)
+{
+	struct trace t = {0};
+	make_trace_x(&t, 5, 8, 100, true);
+	struct replay_config c = base_cfg();
+	c.n_ranks = 2;
+	c.blocks_per_rank = 200; /* turns of 7 ids and more (224 blocks) never fit */
+	c.serial = true;
+	struct replay_result r;
+	run(&t, &replay_policy_approx_lru, &c, &r);
+	cr_assert_eq(r.n_refused, 15);
+	cr_assert_eq(r.n_refused_routed, 0);
+	cr_assert_eq(r.n_pred, t.n - 15);
+	cr_assert_eq(r.n_exact, r.n_pred);
+	cr_assert_eq(r.agree_samples, (uint64_t)(t.n - 15) * c.n_ranks);
+	cr_assert_eq(r.agree_exact, r.agree_samples, "%llu of %llu sets equal",
+	             (unsigned long long)r.agree_exact, (unsigned long long)r.agree_samples);
+	cr_assert_gt(r.evicted_blocks, 0);
+	replay_result_free(&r);
+	trace_free(&t);
+}

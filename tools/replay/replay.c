@@ -351,9 +351,14 @@ static int submit(struct run *run, size_t i)
 	                         .output_len = q->tr->output_len};
 	int rc = sim_cluster_submit(run->sim, q->rank, &sr);
 	if (rc == KVR_ERANGE || rc == KVR_EINVAL) {
+		/* Not for a request too large for a rank (refused before routing): the router
+		 * keeps an aborted request's prompt blocks as cached, which the engine never
+		 * held, and no lifecycle call takes them back. */
 		run->res->n_refused++;
 		void *ps;
 		const struct replay_policy_ops *o = owner_of(run, q, &ps);
+		if (o == run->ops)
+			run->res->n_refused_routed++;
 		if (o && o->aborted)
 			perr(run, o->aborted(ps, q->handle));
 		return 0;
@@ -731,6 +736,19 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		    (double)(x >> 11) / 9007199254740992.0 < cfg->foreign_share) {
 			q->foreign = true;
 			res->n_foreign++;
+		}
+		/* A request no rank can ever hold is refused before routing, as vLLM's API server
+		 * refuses a prompt over max_model_len (which vLLM sizes to fit the KV cache):
+		 * routed and aborted, its prompt stayed in the router's predicted cache (nothing in
+		 * the library takes back an admitted request's blocks: kvr_request_cached with 0
+		 * and kvr_rank_observe evict the oldest blocks, these are the newest), so the
+		 * prediction diverged from the engines' for good (--serial, 2 ranks x 4,000 blocks,
+		 * the sample's first 150 requests: 265 of 300 sets equal, 5 refused). */
+		if (!sim_engine_fits(&scfg.engine, tr->input_len, tr->output_len)) {
+			res->n_refused++;
+			if (cfg->progress)
+				cfg->progress(cfg->progress_ctx, i + 1, t->n);
+			continue;
 		}
 		if (q->foreign && cfg->foreign_as != REPLAY_FOREIGN_SELF) {
 			q->around = true;

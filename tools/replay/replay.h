@@ -88,7 +88,10 @@ struct replay_config {
 struct replay_result {
 	char policy[32];
 	bool predicts;
-	size_t n_requests, n_refused;       /* refused: the simulator can never fit it */
+	/* refused: the simulator can never fit it (refused before routing); refused_routed: of
+	 * those, the ones the policy under test routed all the same (none unless the simulator
+	 * and sim_engine_fits disagree): the prediction diverges after one */
+	size_t n_requests, n_refused, n_refused_routed;
 	size_t n_queued;                    /* held back by the router's queue (queue_threshold) */
 	uint64_t prompt_tokens, hit_tokens; /* first admissions, tokens (hit: whole blocks) */
 	uint64_t policy_errors;             /* happenings the policy answered with an error */

@@ -119,10 +119,10 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 			    (unsigned long)r->path_runs_n);
 		if (r->n_refused || r->policy_errors)
 			fprintf(f,
-			        "note: %s: %zu requests refused by the simulator, %llu policy "
-			        "errors (first: %d)\n",
-			        r->policy, r->n_refused, (unsigned long long)r->policy_errors,
-			        r->first_policy_error);
+			        "note: %s: %zu requests refused (too large for a rank; %zu of them "
+			        "after routing), %llu policy errors (first: %d)\n",
+			        r->policy, r->n_refused, r->n_refused_routed,
+			        (unsigned long long)r->policy_errors, r->first_policy_error);
 		if (r->n_foreign && r->predicts)
 			fprintf(
 			    f,
@@ -395,13 +395,27 @@ void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, c
 		    compare(o->ttft_p50_ms, r->ttft_p50_ms, c50, sizeof(c50)), r->ttft_p99_ms,
 		    o->ttft_p99_ms, compare(o->ttft_p99_ms, r->ttft_p99_ms, c99, sizeof(c99)));
 	}
-	if (r->n_pred)
+	if (r->n_pred) {
 		fprintf(
 		    f,
 		    "verdict [%s]: %s predicted the cached prefix exactly for %.1f %% of requests "
-		    "(mean error %.2f blocks; over %.1f %%, under %.1f %%)\n",
+		    "(mean error %.2f blocks; over %.1f %%, under %.1f %%)",
 		    label, r->policy, 100 * share(r->n_exact, r->n_pred), r->mae_blocks,
 		    100 * share(r->n_over, r->n_pred), 100 * share(r->n_under, r->n_pred));
+		/* The share counts admitted requests: say what it leaves out. */
+		if (r->n_refused > r->n_refused_routed)
+			fprintf(f,
+			        "; %zu requests too large for a rank were refused before routing, "
+			        "not counted",
+			        r->n_refused - r->n_refused_routed);
+		if (r->n_refused_routed)
+			fprintf(f,
+			        "; %zu refused by the engine after routing, not counted: their "
+			        "blocks stayed in the prediction, which diverges from the engines' "
+			        "from the first",
+			        r->n_refused_routed);
+		fprintf(f, "\n");
+	}
 	/* The plain-words line: the router's gain over the best cache-blind policy. */
 	double best_blind = -1;
 	const char *blind = NULL;

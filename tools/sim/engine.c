@@ -517,6 +517,19 @@ void sim_engine_destroy(struct sim_engine *e)
 	kvr_free(e, sizeof(*e));
 }
 
+bool sim_engine_fits(const struct sim_engine_config *cfg, uint32_t prompt_len, uint32_t output_len)
+{
+	uint32_t bs = cfg->block_size;
+	uint64_t max_tok = (uint64_t)prompt_len + (output_len ? output_len : 1);
+	if (max_tok > UINT32_MAX - bs)
+		return false;
+	/* The last output token is sampled but never computed. */
+	if (cdiv(max_tok - 1, bs) > cfg->n_blocks)
+		return false;
+	/* Without chunked prefill a (re)computation must fit one step's budget. */
+	return cfg->chunked_prefill || max_tok - 1 <= cfg->max_batched_tokens;
+}
+
 int sim_engine_submit(struct sim_engine *e, const struct sim_request *q, uint64_t now_ns)
 {
 	if (!e || !q || !q->prompt || q->prompt_len == 0)
@@ -524,18 +537,13 @@ int sim_engine_submit(struct sim_engine *e, const struct sim_request *q, uint64_
 	/* Time never goes backwards, and a due step must be run before later arrivals. */
 	if (now_ns < e->now || (e->state != IDLE && now_ns > e->t_next))
 		return KVR_EINVAL;
+	if (!sim_engine_fits(&e->cfg, q->prompt_len, q->output_len))
+		return KVR_ERANGE;
 	uint32_t bs = e->cfg.block_size;
 	uint32_t out_len = q->output_len ? q->output_len : 1;
 	uint64_t max_tok = (uint64_t)q->prompt_len + out_len;
-	if (max_tok > UINT32_MAX - bs)
-		return KVR_ERANGE;
 	/* The last output token is sampled but never computed. */
 	uint32_t cap_blocks = cdiv(max_tok - 1, bs);
-	if (cap_blocks > e->cfg.n_blocks)
-		return KVR_ERANGE;
-	/* Without chunked prefill a (re)computation must fit one step's budget. */
-	if (!e->cfg.chunked_prefill && max_tok - 1 > e->cfg.max_batched_tokens)
-		return KVR_ERANGE;
 	uint32_t cap_hashes = (uint32_t)(max_tok / bs);
 	if (e->w_len + 1 >= e->w_cap && waiting_grow(e) != 0)
 		return KVR_ENOMEM;

@@ -178,6 +178,11 @@ void sim_engine_destroy(struct sim_engine *e);
  */
 int sim_engine_submit(struct sim_engine *e, const struct sim_request *req, uint64_t now_ns);
 
+/* Whether an engine configured so could ever run a request of prompt_len (> 0) and output_len
+ * tokens: sim_engine_submit refuses it with KVR_ERANGE when not.  For a frontend that refuses
+ * such a request before routing it, as vLLM's API server refuses a prompt over max_model_len. */
+bool sim_engine_fits(const struct sim_engine_config *cfg, uint32_t prompt_len, uint32_t output_len);
+
 /* When the engine next has something to do (a step to schedule or complete), or UINT64_MAX
  * when idle. */
 uint64_t sim_engine_next_time(const struct sim_engine *e);
