@@ -485,6 +485,36 @@ Test(sim_engine, preemption_newest_first)
 	sim_cluster_destroy(c);
 }
 
+/* Several preemptions in one step each put a request back at the front of the waiting queue;
+ * the queue's ring kept one spare slot, enough for one.  Four decoders on a full 4-block pool
+ * cross a block boundary together: the first preempts the fourth, the second the third, both
+ * while 63 later arrivals fill the ring to its last slot (an assertion failure, and without
+ * asserts a waiting request overwritten: never run). */
+Test(sim_engine, preemptions_in_one_step_keep_every_waiting_request)
+{
+	static struct rec r;
+	struct sim_cluster_config cfg = small_cfg(1, 4, 4);
+	cfg.engine.max_num_seqs = 4;
+	struct sim_cluster *c = start(&r, &cfg);
+	static uint32_t p[67][4];
+	for (uint32_t i = 0; i < 67; i++) {
+		fill(p[i], 4, 1000u * (i + 1));
+		struct sim_request q = req(i, p[i], 4, 6);
+		if (i == 4) /* the first step (4 x 4 tokens) runs until 1160 ns */
+			cr_assert_eq(sim_cluster_run_until(c, 1), 0);
+		cr_assert_eq(sim_cluster_submit(c, 0, &q), 0);
+	}
+	cr_assert_eq(sim_cluster_drain(c), 0);
+	struct sim_engine_stats st;
+	sim_cluster_stats(c, 0, &st);
+	cr_assert_geq(st.preemptions, 2);
+	cr_assert_eq(r.n_fin, 67, "every request finishes once");
+	for (uint64_t i = 0; i < 67; i++)
+		fin_of(&r, i);
+	cr_assert_eq(st.free_blocks, 4);
+	sim_cluster_destroy(c);
+}
+
 Test(sim_engine, oversized_request_and_reset)
 {
 	static struct rec r;

@@ -222,7 +222,9 @@ static void waiting_pop(struct sim_engine *e)
 	e->w_len--;
 }
 
-/* The ring always keeps one spare slot (grown at submit), so this cannot fail. */
+/* The ring has a slot for every request the engine holds, running ones included (grown at
+ * submit, the only place that number grows), so this cannot fail even when one step preempts
+ * several running requests. */
 static void waiting_push_front(struct sim_engine *e, struct req *r)
 {
 	assert(e->w_len < e->w_cap);
@@ -545,7 +547,8 @@ int sim_engine_submit(struct sim_engine *e, const struct sim_request *q, uint64_
 	/* The last output token is sampled but never computed. */
 	uint32_t cap_blocks = cdiv(max_tok - 1, bs);
 	uint32_t cap_hashes = (uint32_t)(max_tok / bs);
-	if (e->w_len + 1 >= e->w_cap && waiting_grow(e) != 0)
+	/* Room for this request and for every running one, which preemption may put back. */
+	if (e->w_len + e->n_running + 1 >= e->w_cap && waiting_grow(e) != 0)
 		return KVR_ENOMEM;
 	size_t size =
 	    sizeof(struct req) + (size_t)cap_hashes * 16 + (size_t)cap_blocks * 4 + (size_t)bs * 4;
