@@ -43,12 +43,15 @@ static void scratch_key_make(void)
 	pthread_key_create(&scratch_key, scratch_free);
 }
 
-/* The capacity a buffer of cap items grows to for need (> cap): 64, doubled until it fits. */
-static size_t grown(size_t cap, size_t need)
+/* The capacity a buffer of cap items of item bytes grows to for need (> cap): 64, doubled until
+ * it fits; 0 when need items do not fit in a size_t of bytes. */
+static size_t grown(size_t cap, size_t need, size_t item)
 {
+	if (need > SIZE_MAX / item)
+		return 0;
 	size_t nc = cap ? cap : 64;
 	while (nc < need)
-		nc *= 2;
+		nc = nc > SIZE_MAX / item / 2 ? need : nc * 2;
 	return nc;
 }
 
@@ -56,8 +59,8 @@ static int scratch_grow(void **p, size_t *cap, size_t need, size_t item)
 {
 	if (need <= *cap)
 		return 0;
-	size_t nc = grown(*cap, need);
-	void *q = kvr_alloc(nc * item);
+	size_t nc = grown(*cap, need, item);
+	void *q = nc ? kvr_alloc(nc * item) : NULL;
 	if (!q)
 		return KVR_ENOMEM;
 	kvr_free(*p, *cap * item);
@@ -267,19 +270,26 @@ static int prepare_many(struct kvr_router *r, struct kvr_rank_id rank, const str
 	int rc = kvr_router_find_rank_gen(r, rank, &slot, &gen);
 	if (rc)
 		return rc;
+	/* The hashes' room from the valid events only: a malformed one's n_blocks (blocks NULL)
+	 * may be anything. */
 	size_t nblk = 0;
-	for (size_t i = 0; i < n; i++)
-		if (evs[i].type == KVR_EVENT_STORED)
+	for (size_t i = 0; i < n; i++) {
+		const int v = validate(r, &evs[i]);
+		if (rcs)
+			rcs[i] = v;
+		if (!v && evs[i].type == KVR_EVENT_STORED) {
+			if (evs[i].n_blocks > SIZE_MAX - nblk)
+				return KVR_ENOMEM;
 			nblk += evs[i].n_blocks;
+		}
+	}
 	if (grow((void **)args, cap_args, n ? n : 1, sizeof(**args)) ||
 	    grow((void **)local, cap_local, nblk ? nblk : 1, sizeof(uint64_t)))
 		return KVR_ENOMEM;
 	size_t off = 0;
 	for (size_t i = 0; i < n; i++) {
 		const struct kvr_event *ev = &evs[i];
-		int v = validate(r, ev);
-		if (rcs)
-			rcs[i] = v;
+		const int v = rcs ? rcs[i] : validate(r, ev);
 		(*args)[i] = (struct kvr_event_args){.slot = slot,
 		                                     .gen = gen,
 		                                     .ev = v ? NULL : ev,
@@ -323,8 +333,8 @@ static int post_grow(void **p, size_t *cap, size_t need, size_t item)
 {
 	if (need <= *cap)
 		return 0;
-	size_t nc = grown(*cap, need);
-	void *q = kvr_realloc(*p, *cap * item, nc * item);
+	size_t nc = grown(*cap, need, item);
+	void *q = nc ? kvr_realloc(*p, *cap * item, nc * item) : NULL;
 	if (!q)
 		return KVR_ENOMEM;
 	*p = q;
