@@ -179,7 +179,7 @@ static __attribute__((cold, noinline)) int event_fail(const struct kvr_router *r
 		                "%s: stored event %" PRIu64 " contradicts rank (worker %" PRIu64
 		                ", dp %" PRIu32
 		                ")'s blocks: an ext_hash held for another block, or "
-		                "a sequence hash collision; nothing applied",
+		                "a sequence hash collision; the blocks before it stay applied",
 		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "%s: %s", fn, kvr_router_gone(r));
