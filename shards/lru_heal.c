@@ -147,8 +147,11 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 		return KVR_ENOENT;
 	if (true_depth > l->nblocks)
 		return KVR_EINVAL;
+	/* The output's room first: it is no state, whereas ghosts turned on by a call that then
+	 * failed would record every later eviction, and the next answer would prove a bound that
+	 * answer alone cannot (KVR_ENOMEM changes nothing). */
 	int rc;
-	if ((rc = kvr_lru_ghosts_fit(lru)) || (rc = kvr_lru_out_reserve(out, 0, lru->n_inactive)))
+	if ((rc = kvr_lru_out_reserve(out, 0, lru->n_inactive)) || (rc = kvr_lru_ghosts_fit(lru)))
 		return rc;
 	/* From here on nothing fails. */
 	res->predicted = l->hit;

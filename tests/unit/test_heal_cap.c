@@ -8,6 +8,7 @@
 #include <criterion/criterion.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "kvrouter.h"
 #include "lru_out_util.h"
 #include "shards/lru.h"
@@ -19,6 +20,7 @@ static struct kvr_lru_heal h;
 static void teardown(void)
 {
 	kvr_lru_destroy(lru);
+	lru = NULL;
 	kvr_lru_out_fini(&out);
 }
 
@@ -156,4 +158,47 @@ Test(heal_cap, never_below_what_live_requests_hold)
 	cr_assert_eq(h.upper, 3);
 	cr_assert_eq(h.capacity, 9);
 	cr_assert_eq(capacity(), 9);
+}
+
+/* An answer that runs out of memory changes nothing, its ghosts included: the output's room
+ * was reserved after the ghosts were turned on, so an answer failing there left them on, they
+ * recorded the evictions that followed, and the next answer proved a lower bound that answer
+ * alone cannot (the estimate rose from 4 to 6). */
+Test(heal_cap, an_answer_out_of_memory_turns_no_ghosts_on)
+{
+	uint64_t want = 0;
+	for (uint64_t nth = 0; nth < 12; nth++) {
+		make(4);
+		acq(9, (uint64_t[]){500, 501}, 2); /* live: answered below */
+		acq(1, (uint64_t[]){100, 101}, 2);
+		rel(1);
+		size_t bytes = kvr_lru_bytes(lru);
+		struct kvr_lru_out o;
+		kvr_lru_out_init(&o);
+		int rc = 0;
+		if (nth) {
+			kvr_alloc_fail_after(nth);
+			rc = kvr_lru_heal_cached(lru, 9, 0, 0, &h, &o);
+			kvr_alloc_fail_after(0);
+			cr_assert(rc == 0 || rc == KVR_ENOMEM, "nth %lu: %d", (unsigned long)nth,
+			          rc);
+			if (rc)
+				cr_assert_eq(kvr_lru_bytes(lru), bytes, "nth %lu",
+				             (unsigned long)nth);
+		}
+		kvr_lru_out_fini(&o);
+		/* 100 101 evicted by 200..203; the engine (larger) still holds them. */
+		acq(2, (uint64_t[]){200, 201, 202, 203}, 4);
+		rel(2);
+		acq(3, (uint64_t[]){100, 101}, 2);
+		cached(3, 2);
+		if (nth == 0)
+			want = capacity(); /* no earlier answer: no ghosts, nothing proven */
+		else if (rc)
+			cr_assert_eq(capacity(), want,
+			             "nth %lu: the failed answer changed the estimate",
+			             (unsigned long)nth);
+		teardown();
+	}
+	cr_assert_eq(want, 4);
 }
