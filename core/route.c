@@ -212,6 +212,8 @@ static int validate(const struct kvr_router *r, const struct kvr_request *q)
 	if (q->n_tokens == 0 || q->n_tokens > KVR_MAX_PROMPT_TOKENS)
 		return KVR_EINVAL; /* an empty prompt, or a length no engine serves (and whose sum
 		                    * over a rank's requests could wrap its prefill load) */
+	if ((uint64_t)q->n_tokens >> 32 >= r->cfg.block_size)
+		return KVR_EINVAL; /* 2^32 blocks (block_size 1): the block counts are 32-bit */
 	if (q->local_hashes && q->n_hashes > q->n_tokens / r->cfg.block_size)
 		return KVR_EINVAL; /* more blocks than the prompt has */
 	if (q->n_allow > 0 && !q->allow)
@@ -268,6 +270,11 @@ static __attribute__((cold, noinline)) int invalid_request(const struct kvr_rout
 		    KVR_EINVAL,
 		    "kvr_route: req.n_tokens %zu exceeds KVR_MAX_PROMPT_TOKENS (%" PRIu64 ")",
 		    q->n_tokens, (uint64_t)KVR_MAX_PROMPT_TOKENS);
+	if ((uint64_t)q->n_tokens >> 32 >= bs) /* n_tokens / bs >= 2^32: block_size 1 */
+		return kvr_fail(KVR_EINVAL,
+		                "kvr_route: req.n_tokens %zu makes 2^32 blocks of block_size %u; "
+		                "a prompt has fewer than 2^32 blocks",
+		                q->n_tokens, bs);
 	if (q->local_hashes && q->n_hashes > q->n_tokens / bs) /* more blocks than the prompt */
 		return kvr_fail(KVR_EINVAL,
 		                "kvr_route: req.n_hashes %zu exceeds the prompt's complete blocks, "

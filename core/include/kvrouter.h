@@ -465,14 +465,16 @@ enum kvr_route_flags {
 	KVR_ROUTE_WAIT = 1u << 1        /* if queued, block until admitted or deadline_ns */
 };
 
-/* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL). */
+/* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL).  Its complete
+ * blocks must also number fewer than 2^32 (the block counts are 32-bit): with block_size 1 the
+ * longest is one token less. */
 #define KVR_MAX_PROMPT_TOKENS (UINT64_C(1) << 32)
 
 struct kvr_request {
 	/* The prompt: tokens (borrowed), or precomputed local block hashes (borrowed) with
 	 * n_tokens still giving the prompt length (n_hashes <= n_tokens / block_size).  Exactly
 	 * one of tokens / local_hashes, or both with seq_hashes (below).
-	 * 1 <= n_tokens <= KVR_MAX_PROMPT_TOKENS. */
+	 * 1 <= n_tokens <= KVR_MAX_PROMPT_TOKENS, and n_tokens / block_size < 2^32. */
 	const uint32_t *tokens;
 	size_t n_tokens;
 	const uint64_t *local_hashes;

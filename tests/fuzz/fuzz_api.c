@@ -971,6 +971,7 @@ static void op_route(struct prog *p)
 	                     ? q.local_hashes && (!q.tokens || q.n_hashes == q.n_tokens / bs)
 	                     : (q.tokens != NULL) != (q.local_hashes != NULL);
 	bool bad = !prompt_ok || q.n_tokens == 0 || q.n_tokens > KVR_MAX_PROMPT_TOKENS ||
+	           q.n_tokens / bs > UINT32_MAX ||
 	           (q.local_hashes && q.n_hashes > q.n_tokens / bs) || (q.n_allow && !q.allow) ||
 	           isnan(q.temperature) || isinf(q.overlap_credit) ||
 	           (q.flags & ~(uint32_t)(KVR_ROUTE_QUERY_ONLY | KVR_ROUTE_WAIT));

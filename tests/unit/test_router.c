@@ -1200,6 +1200,45 @@ Test(router, allow_duplicates_and_prompt_length_bound)
 	kvr_router_destroy(r);
 }
 
+/* A prompt's complete blocks number fewer than 2^32: with block_size 1, KVR_MAX_PROMPT_TOKENS
+ * tokens were 2^32 blocks, accepted, and the 32-bit block counts wrapped (a query of 2^32 hashes
+ * got required_blocks 0; its booking a record of 0 blocks).  Refused now, with a detail that
+ * says why; one token less, or block_size 2, is a prompt like any other. */
+Test(router, block_count_stays_below_2_to_the_32)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.block_size = 1;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id a = {5, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 1000, 0), 0);
+	uint64_t h[2] = {1, 2};
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.local_hashes = h;
+	q.n_hashes = 2;
+	q.n_tokens = (size_t)KVR_MAX_PROMPT_TOKENS;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL);
+	cr_assert(strstr(kvr_last_error(), "2^32 blocks"), "%s", kvr_last_error());
+	q.n_tokens = (size_t)KVR_MAX_PROMPT_TOKENS - 1;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.required_blocks, 2);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	kvr_router_destroy(r);
+
+	c.block_size = 2;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, a, 1, 1000, 0), 0);
+	q.n_tokens = (size_t)KVR_MAX_PROMPT_TOKENS;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	kvr_router_destroy(r);
+}
+
 /* A frontend's own chain (local and sequence hashes, the suffix hashed with kvr_hash_extend)
  * routes exactly as the tokens do; sequence hashes alone are refused. */
 Test(router, precomputed_sequence_hashes)
