@@ -87,6 +87,8 @@ struct scratch {
 	                                   * reused address only mis-aims prefetch hints) */
 	size_t live_n;                    /* its length then (a list grows in place) */
 	uint32_t slot_hw;                 /* 1 + its highest slot: the load lines to prefetch */
+	bool raced; /* kvr_route's KVR_ENOENT: every decision's rank went away before its booking
+	             * (route_failed's detail; set and read only off the hot path) */
 };
 static _Thread_local struct scratch tls;
 static pthread_key_t scratch_key;
@@ -700,6 +702,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		return 0;
 	}
 	kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
+	tls.raced = queue_mode != KVR_QUEUE_FROM_PUMP; /* kvr_route's: it reads the detail */
 	return KVR_ENOENT;
 }
 
@@ -793,6 +796,14 @@ static __attribute__((cold, noinline)) int route_failed(const struct kvr_router 
 {
 	switch (rc) {
 	case KVR_ENOENT:
+		if (tls.raced) {
+			tls.raced = false;
+			return kvr_fail(
+			    rc,
+			    "kvr_route: the chosen rank was removed (or replaced) before "
+			    "its booking at each of %d decisions; nothing admitted",
+			    ROUTE_RETRIES);
+		}
 		if (q->pinned)
 			return kvr_fail(rc,
 			                "kvr_route: the pinned rank (worker %" PRIu64

@@ -1239,6 +1239,52 @@ Test(router, block_count_stays_below_2_to_the_32)
 	kvr_router_destroy(r);
 }
 
+/* sync_booking decides again when the chosen rank goes away before its booking; a rank replaced
+ * (removed and added again) at every decision exhausts the retries, and the KVR_ENOENT's detail
+ * says so: it said "no routable rank (none added, or all removed)" with the rank there. */
+static struct kvr_router *churn_r;
+static bool churn_on;
+static uint64_t churn_inc = 1;
+static uint64_t churn_clock(void *ctx)
+{
+	(void)ctx;
+	if (churn_on) {
+		struct kvr_rank_id a = {1, 0};
+		kvr_rank_remove(churn_r, a);
+		kvr_rank_add(churn_r, a, ++churn_inc, 100, 0);
+	}
+	return 1000;
+}
+
+Test(router, retries_exhausted_by_a_replaced_rank_say_so)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.block_size = 4;
+	c.sync_booking = true;
+	c.now_ns = churn_clock;
+	cr_assert_eq(kvr_router_create(&c, &churn_r), 0);
+	cr_assert_eq(kvr_rank_add(churn_r, (struct kvr_rank_id){1, 0}, 1, 100, 0), 0);
+	uint32_t t[16];
+	prompt(t, 16, 7);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 16;
+	struct kvr_decision d;
+	churn_on = true;
+	int rc = kvr_route(churn_r, &q, &d);
+	churn_on = false;
+	cr_assert_eq(rc, KVR_ENOENT);
+	cr_assert(strstr(kvr_last_error(), "before its booking"), "%s", kvr_last_error());
+	/* The next plain failure names its own cause. */
+	cr_assert_eq(kvr_rank_remove(churn_r, (struct kvr_rank_id){1, 0}), 0);
+	cr_assert_eq(kvr_route(churn_r, &q, &d), KVR_ENOENT);
+	cr_assert(strstr(kvr_last_error(), "no routable rank"), "%s", kvr_last_error());
+	kvr_router_destroy(churn_r);
+}
+
 /* A frontend's own chain (local and sequence hashes, the suffix hashed with kvr_hash_extend)
  * routes exactly as the tokens do; sequence hashes alone are refused. */
 Test(router, precomputed_sequence_hashes)
