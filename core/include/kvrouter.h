@@ -499,7 +499,8 @@ struct kvr_request {
 	const struct kvr_rank_id *allow;  /* candidates restricted to these (duplicates and
 	                                   * unknown ranks are ignored; any length) */
 	size_t n_allow;
-	/* Per-request overrides; a negative value means "the router's". */
+	/* Per-request overrides; a negative value means "the router's"; NaN or infinite (-inf
+	 * too) is KVR_EINVAL. */
 	double overlap_credit;
 	double prefill_load_scale;
 	double temperature;
@@ -522,7 +523,8 @@ struct kvr_decision {
 	int status; /* enum kvr_decision_status */
 	struct kvr_rank_id rank;
 	uint32_t overlap_blocks;  /* predicted cached prefix on the rank, blocks */
-	uint32_t required_blocks; /* complete blocks of the prompt */
+	uint32_t required_blocks; /* the prompt's blocks routed on: n_tokens / block_size, or
+	                           * n_hashes when hashes are given */
 	uint64_t cached_tokens;   /* overlap_blocks * block_size */
 	uint64_t attempt;         /* the attempt id (lease); 0 for query-only */
 	uint64_t ticket;          /* queue ticket when status == KVR_QUEUED */
