@@ -497,8 +497,8 @@ Test(router, ttl_output_after_its_prefix_expired)
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1024), 0);
-	uint32_t t[80];
-	prompt(t, 80, 12);
+	uint32_t t[96];
+	prompt(t, 96, 12);
 	struct kvr_decision d = route(r, t, 64, 0); /* 4 blocks */
 	cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
 	__atomic_store_n(&vnow, vnow + 1300000000ull, __ATOMIC_RELAXED);
