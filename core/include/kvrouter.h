@@ -555,9 +555,9 @@ struct kvr_decision {
  * rank is removed between the decision and the booking, the attempt is stale: nothing is
  * booked and its lifecycle calls return KVR_ESTALE once the rank's shard has seen the booking
  * (kvr_stale_bookings_total); with sync_booking, kvr_route decides again instead when the rank
- * is removed before it returns (see kvr_config.sync_booking for what it waits for; KVR_ENOENT when the rank it chose went
- * away so at each of 4 decisions).  A posted
- * booking that runs out of memory on the shard is dropped the same way (the attempt is stale,
+ * is removed before it returns (see kvr_config.sync_booking for what it waits for), and returns
+ * KVR_ENOENT when the rank it chose went away so at each of 4 decisions.  A posted booking that
+ * runs out of memory on the shard is dropped the same way (the attempt is stale,
  * kvr_shard_errors_total{what="index_write"} counts it); with sync_booking kvr_route returns
  * KVR_ENOMEM when the shard must allocate to track the attempt (it waits for that booking), and
  * a booking whose load the shard cannot record is made without it (the request's load stays
