@@ -416,7 +416,7 @@ int kvr_lru_acquire(struct kvr_lru *lru, uint64_t attempt, const struct kvr_lru_
 	/* From here on nothing fails. */
 	l->attempt = attempt;
 	l->priv = private_blocks;
-	l->nblocks = (uint32_t)n;
+	l->nblocks = l->nprompt = (uint32_t)n;
 	l->last_seq = n ? b[n - 1].seq : 0;
 	kvr_u64map_insert(&lru->by_attempt, attempt, lru->n_leases++);
 	l->hit = (uint32_t)hit;

@@ -163,8 +163,11 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 	uint64_t resident = lru->copies + lru->n_phantom + lru->priv;
 	uint64_t base = sub_sat(resident, unallocated + own);
 	struct ghost_scan gs = {true_depth, NIL, NIL};
+	/* The block at true_depth is the one the engine missed only if it is a prompt block: a
+	 * whole prompt cached says nothing of the output after it, whose first block (a ghost
+	 * once evicted) was taken for a miss and gave a wrong upper bound on the capacity. */
 	if (true_depth >= l->hit)
-		lease_scan(lru, l, l->hit, true_depth < l->nblocks ? true_depth + 1 : true_depth,
+		lease_scan(lru, l, l->hit, true_depth < l->nprompt ? true_depth + 1 : true_depth,
 		           see_ghost, &gs);
 	uint64_t lo = 0, hi = 0;
 	if (gs.proven != NIL)

@@ -79,7 +79,8 @@ struct lease {
 	uint32_t n, cap;
 	uint32_t priv;
 	uint32_t nblocks;
-	uint32_t hit; /* blocks the acquire found present (the predicted depth) */
+	uint32_t nprompt; /* blocks the acquire took (the prompt's; output follows them) */
+	uint32_t hit;     /* blocks the acquire found present (the predicted depth) */
 };
 
 struct cursor {

@@ -290,3 +290,46 @@ Test(lru_heal, fewer_cached_takes_older_private_blocks_only)
 	cr_assert_eq(ov((uint64_t[]){7}, 1), 1);
 	cr_assert_eq(ov((uint64_t[]){1}, 1), 0);
 }
+
+/* A cached-tokens answer covering the whole prompt says nothing of the output after it: the
+ * first output block (a ghost, once evicted) was taken for the block the engine missed, and
+ * gave an upper bound on the capacity (11 here) that the same answer without output does not
+ * give (0: none). */
+static struct kvr_lru_out wo;
+static void wacq(struct kvr_lru *l, uint64_t a, uint64_t v0)
+{
+	struct kvr_lru_block b[2] = {{.local = v0 + 1000, .seq = v0},
+	                             {.local = v0 + 1001, .seq = v0 + 1}};
+	cr_assert_eq(kvr_lru_acquire(l, a, b, 2, 0, &wo), 0);
+}
+
+static uint64_t whole_prompt_upper(bool with_output)
+{
+	struct kvr_lru *l;
+	struct kvr_lru_heal h;
+	kvr_lru_out_init(&wo);
+	cr_assert_eq(kvr_lru_create(4, &l), 0);
+	wacq(l, 1, 100);
+	cr_assert_eq(kvr_lru_heal_cached(l, 1, 0, 0, &h, &wo), 0); /* ghosts on */
+	struct kvr_lru_block ob = {.local = 1102, .seq = 102};
+	cr_assert_eq(kvr_lru_materialize(l, 1, 101, &ob, 1, 2, 0, &wo), 0);
+	cr_assert_eq(kvr_lru_release(l, 1, &wo), 0);
+	for (uint64_t k = 0; k < 3; k++) { /* evict the first attempt's blocks: ghosts */
+		wacq(l, 10 + k, 200 + 10 * k);
+		cr_assert_eq(kvr_lru_release(l, 10 + k, &wo), 0);
+	}
+	wacq(l, 3, 100);
+	if (with_output)
+		cr_assert_eq(kvr_lru_materialize(l, 3, 101, &ob, 1, 2, 0, &wo), 0);
+	cr_assert_eq(kvr_lru_heal_cached(l, 3, 2, 0, &h, &wo), 0); /* the whole prompt cached */
+	kvr_lru_destroy(l);
+	kvr_lru_out_fini(&wo);
+	return h.upper;
+}
+
+Test(lru_heal, a_whole_prompt_cached_says_nothing_of_its_output)
+{
+	uint64_t without = whole_prompt_upper(false);
+	cr_assert_eq(whole_prompt_upper(true), without,
+	             "the output's first block taken for a miss");
+}
