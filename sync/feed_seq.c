@@ -244,12 +244,10 @@ static void resync_hole(struct kvr_feed *f, struct ep *e, struct resync *rs, uin
 	             e->worker_id, rs->dp, rs->next, got, rs->held ? "; rank cleared" : "");
 	if (f->r->cfg.on_event_gap)
 		f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, rs->dp, rs->next, got);
+	/* The resync's own state: found (it exists while the resync runs), never allocated. */
 	struct rstate *s = rs->held ? kvr_feed_rstate(e, rs->dp) : NULL;
 	if (s)
 		kvr_feed_clear_rank(f, e, s);
-	else if (rs->held)
-		kvr_feed_lost_batch(f, e, got,
-		                    &rs->dp); /* no state to queue it on: cleared directly */
 	rs->held = false;
 }
 
