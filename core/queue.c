@@ -5,13 +5,28 @@
  *
  * It is a bounded list under one mutex: it is only touched when the cluster is saturated, never
  * on the unsaturated routing path.  Order: FCFS (ticket order) or WSPT (weighted shortest
- * processing time: fewest predicted uncached prompt tokens first, all weights 1; ties by ticket).
- * The head of the order is admitted as soon as its own candidates are no longer saturated; a
- * later request never overtakes it, so the order is the policy's order exactly.
+ * processing time: fewest predicted uncached prompt tokens first, all weights 1; ties by ticket);
+ * the list is kept in that order.
+ *
+ * A request waits only while every rank it may use (its pin, its allow-list, or every live rank)
+ * is saturated.  A pass of the pump walks the list in order and admits each entry that has a
+ * rank that is not; an entry whose ranks are all saturated is passed over, as it could take
+ * nothing now (before, the pass stopped at it: a request pinned to a busy rank held back every
+ * later request, even one for an idle rank, while a new arrival for that idle rank went straight
+ * in).  Requests that share ranks are still served in the policy's order: an entry passed over
+ * has only saturated ranks, and a later one admitted onto one of them only loads it more.  When
+ * one unrestricted entry (every live rank) is saturated, so is every entry after it, and the pass
+ * ends without looking at them.  Which entries are saturated is read before routing them (the
+ * candidates' load words), so a pass costs one routing decision per admission, not per entry.
+ *
+ * A new request goes straight in only when nobody waiting could be admitted: kvr_route pumps
+ * first, and while another thread is pumping it joins the queue (kvr_queue_pump says so) instead
+ * of taking a rank that the pass has not reached yet; the pass then walks the list again.
  *
  * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
  * (prefill done, finish, abort, a rank added or resized, kvr_router_sync): never on a shard
- * thread, so a shard never waits for this mutex.  One thread pumps at a time; the others return.
+ * thread, so a shard never waits for this mutex.  One thread pumps at a time; another that asks
+ * meanwhile makes it walk the list once more (q->again) and returns.
  * The frontend learns the outcome through on_admit (called without any router lock held) or by
  * collecting the ticket with kvr_route_wait.  Requests are copied in (tokens, allow list, LoRA
  * name) since the caller's buffers are borrowed for the kvr_route call only.
@@ -45,7 +60,8 @@ struct qentry {
 	uint64_t enq_ns;
 	int state;
 	int rc;
-	bool waited; /* a kvr_route_wait caller will collect it */
+	bool waited;     /* a kvr_route_wait caller will collect it */
+	uint64_t passed; /* the pump's pass that found its ranks saturated */
 	struct kvr_decision d;
 	struct kvr_request req;
 	struct kvr_rank_id pinned;
@@ -57,13 +73,15 @@ struct kvr_queue {
 	struct kvr_router *r;
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
-	struct qentry *head; /* every entry, in ticket order */
+	struct qentry *head; /* every entry, in the policy's order */
 	/* Entries in Q_WAITING or Q_ADMITTING.  Written under lock (atomic store), read anywhere
 	 * (atomic load). */
 	size_t waiting;
 	uint32_t waiters; /* threads inside kvr_route_wait */
 	bool pumping;
+	bool again; /* asked to pump while a pass ran: walk the list once more */
 	bool closing;
+	uint64_t pass; /* the pump's passes, counted: an entry passed over keeps its number */
 };
 
 /* Tickets issued in this process (every router's queue): the last one. */
@@ -203,11 +221,16 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	}
 	e->ticket = __atomic_add_fetch(&tickets_issued, 1, __ATOMIC_RELAXED);
 	e->waited = (req->flags & KVR_ROUTE_WAIT) != 0;
+	/* In the policy's order: FCFS at the tail; WSPT before the first larger key (ties stay in
+	 * ticket order). */
 	struct qentry **pp = &q->head;
-	while (*pp)
+	bool wspt = r->cfg.queue_policy == KVR_QUEUE_WSPT;
+	while (*pp && !(wspt && (*pp)->key > key))
 		pp = &(*pp)->next;
+	e->next = *pp;
 	*pp = e;
 	__atomic_store_n(&q->waiting, q->waiting + 1, __ATOMIC_RELAXED);
+	q->again |= q->pumping; /* a running pass may have walked past its place */
 	/* Read under the lock: once it is dropped, a concurrent pump may admit the entry and, with
 	 * on_admit set, free it. */
 	uint64_t ticket = e->ticket;
@@ -219,19 +242,49 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	return 0;
 }
 
-/* The next waiting entry in policy order.  Context: under q->lock. */
-static struct qentry *next_waiting(struct kvr_queue *q)
+/* Whether every rank e may use is saturated, read from the candidates' load words without
+ * routing it.  A request with no routable candidate (its pin or allowed ranks gone, no live
+ * rank) is not: routing it delivers that failure.  Context: under q->lock; the caller is an RCU
+ * reader (kvr_queue_pump). */
+static bool entry_saturated(struct kvr_router *r, const struct qentry *e, bool *unrestricted)
 {
-	struct qentry *best = NULL;
-	for (struct qentry *e = q->head; e; e = e->next) {
-		if (e->state != Q_WAITING)
-			continue;
-		if (q->r->cfg.queue_policy == KVR_QUEUE_FCFS)
-			return e;
-		if (!best || e->key < best->key)
-			best = e;
+	const struct kvr_request *q = &e->req;
+	bool sat = true, any = false;
+	uint32_t s;
+	*unrestricted = !q->pinned && !q->n_allow;
+	kvr_rcu_read_lock();
+	if (q->pinned) {
+		any = kvr_router_find_rank(r, *q->pinned, &s) == 0 &&
+		      __atomic_load_n(&r->ranks[s].live, __ATOMIC_ACQUIRE);
+		sat = any && kvr_queue_saturated(r, &s, 1);
+	} else if (q->n_allow) {
+		for (size_t i = 0; i < q->n_allow && sat; i++) {
+			if (kvr_router_find_rank(r, q->allow[i], &s) ||
+			    !__atomic_load_n(&r->ranks[s].live, __ATOMIC_ACQUIRE))
+				continue;
+			any = true;
+			sat = kvr_queue_saturated(r, &s, 1);
+		}
+	} else {
+		const struct kvr_live *live = kvr_rcu_deref(&r->live);
+		size_t n = kvr_live_n(live);
+		any = n > 0;
+		sat = any && kvr_queue_saturated(r, live->slot, n);
 	}
-	return best;
+	kvr_rcu_read_unlock();
+	return any && sat;
+}
+
+static struct qentry *find(struct kvr_queue *q, uint64_t ticket);
+
+/* The first waiting entry from e on that this pass has not passed over.  Context: under
+ * q->lock. */
+static struct qentry *next_waiting(struct kvr_queue *q, struct qentry *e)
+{
+	for (; e; e = e->next)
+		if (e->state == Q_WAITING && e->passed != q->pass)
+			return e;
+	return NULL;
 }
 
 static void unlink_entry(struct kvr_queue *q, struct qentry *e)
@@ -244,7 +297,7 @@ static void unlink_entry(struct kvr_queue *q, struct qentry *e)
 	}
 }
 
-void kvr_queue_pump(struct kvr_router *r)
+bool kvr_queue_pump(struct kvr_router *r)
 {
 	KVR_NOCANCEL(); /* sync/nocancel.h */
 	struct kvr_queue *q = r->queue;
@@ -253,63 +306,134 @@ void kvr_queue_pump(struct kvr_router *r)
 	 * even when it never called the library before (kvr_router_sync, an admin call).  Without
 	 * memory to register it, leave the queue to the next pump. */
 	if (kvr_rcu_thread_online())
-		return;
+		return true;
 	pthread_mutex_lock(&q->lock);
-	if (q->pumping || q->closing || q->waiting == 0) {
+	if (q->closing || q->waiting == 0) {
 		pthread_mutex_unlock(&q->lock);
-		return;
+		return true;
+	}
+	if (q->pumping) {
+		/* The running pass may have gone past the entries this caller's call made
+		 * admissible (it lowered a load) or added: it walks the list again. */
+		q->again = true;
+		pthread_mutex_unlock(&q->lock);
+		return false;
 	}
 	q->pumping = true;
-	for (;;) {
-		struct qentry *e = next_waiting(q);
-		if (!e)
-			break;
-		/* Ours while the lock is dropped: cancel waits for the outcome (see Q_ADMITTING).
-		 */
-		e->state = Q_ADMITTING;
-		pthread_mutex_unlock(&q->lock);
-		struct kvr_decision d;
-		int rc = kvr_route_internal(r, &e->req, &d, KVR_QUEUE_FROM_PUMP);
-		/* Read off the lock: a clock that makes a lifecycle call pumps, which takes it. */
-		uint64_t now = rc == 0 ? kvr_clock_now(&r->clock) : 0;
-		pthread_mutex_lock(&q->lock);
-		if (rc == KVR_EAGAIN) {
-			e->state = Q_WAITING;
-			pthread_cond_broadcast(&q->cond);
-			break; /* the head is still saturated: nobody overtakes it */
-		}
-		e->state = Q_ADMITTED;
-		e->rc = rc;
-		if (rc == 0) {
-			e->d = d;
-		} else {
-			/* Not admitted (its pinned or allowed ranks went away, no memory): the
-			 * outcome is still delivered, through on_admit or kvr_route_wait. */
-			memset(&e->d, 0, sizeof(e->d));
-			e->d.status = KVR_FAILED;
-			e->d.error = rc;
-		}
-		e->d.ticket = e->ticket;
-		__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
-		if (rc == 0) {
-			kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS,
-			                    now > e->enq_ns ? now - e->enq_ns : 0);
-			kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
-		}
-		if (!e->waited && r->cfg.on_admit) {
-			unlink_entry(q, e);
+	do {
+		q->again = false;
+		q->pass++;
+		/* sync_booking: the saturation read below must see the work posted before (the
+		 * routing itself settles too).  Off the lock: a shard's task may read a clock
+		 * that makes a lifecycle call, which pumps. */
+		if (r->cfg.sync_booking) {
 			pthread_mutex_unlock(&q->lock);
-			const struct kvr_router *prev = kvr_router_callback_enter(r);
-			r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
-			kvr_router_callback_leave(prev);
-			entry_free(e);
+			kvr_router_settle(r);
 			pthread_mutex_lock(&q->lock);
 		}
-		pthread_cond_broadcast(&q->cond);
-	}
+		struct qentry *e = next_waiting(q, q->head);
+		while (e) {
+			bool unrestricted;
+			if (entry_saturated(r, e, &unrestricted)) {
+				if (unrestricted)
+					break; /* every live rank is: so are every later entry's */
+				e->passed = q->pass;
+				e = next_waiting(q, e->next);
+				continue;
+			}
+			/* Ours while the lock is dropped: cancel waits for the outcome (see
+			 * Q_ADMITTING). */
+			e->state = Q_ADMITTING;
+			pthread_mutex_unlock(&q->lock);
+			struct kvr_decision d;
+			int rc = kvr_route_internal(r, &e->req, &d, KVR_QUEUE_FROM_PUMP);
+			/* Read off the lock: a clock that makes a lifecycle call pumps, which takes
+			 * it. */
+			uint64_t now = rc == 0 ? kvr_clock_now(&r->clock) : 0;
+			pthread_mutex_lock(&q->lock);
+			if (rc == KVR_EAGAIN) {
+				/* Saturated after all (load rose meanwhile), or its rank's lane
+				 * stayed full: it waits for a later pass. */
+				e->state = Q_WAITING;
+				e->passed = q->pass;
+				pthread_cond_broadcast(&q->cond);
+				/* From the head again: entries may have been unlinked meanwhile. */
+				e = next_waiting(q, q->head);
+				continue;
+			}
+			e->state = Q_ADMITTED;
+			e->rc = rc;
+			if (rc == 0) {
+				e->d = d;
+			} else {
+				/* Not admitted (its pinned or allowed ranks went away, no memory):
+				 * the outcome is still delivered, through on_admit or
+				 * kvr_route_wait. */
+				memset(&e->d, 0, sizeof(e->d));
+				e->d.status = KVR_FAILED;
+				e->d.error = rc;
+			}
+			e->d.ticket = e->ticket;
+			__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
+			if (rc == 0) {
+				kvr_metrics_observe(mb, KVR_H_QUEUE_WAIT_NS,
+				                    now > e->enq_ns ? now - e->enq_ns : 0);
+				kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
+			}
+			if (!e->waited && r->cfg.on_admit) {
+				unlink_entry(q, e);
+				pthread_mutex_unlock(&q->lock);
+				const struct kvr_router *prev = kvr_router_callback_enter(r);
+				r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
+				kvr_router_callback_leave(prev);
+				entry_free(e);
+				pthread_mutex_lock(&q->lock);
+			}
+			pthread_cond_broadcast(&q->cond);
+			e = next_waiting(q, q->head);
+		}
+	} while (q->again && !q->closing);
 	q->pumping = false;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
+	return true;
+}
+
+bool kvr_queue_admissible(struct kvr_router *r)
+{
+	struct kvr_queue *q = r->queue;
+	bool found = false;
+	kvr_router_settle(r); /* sync_booking: as in a pass */
+	pthread_mutex_lock(&q->lock);
+	for (struct qentry *e = q->head; e && !found; e = e->next) {
+		if (e->state != Q_WAITING && e->state != Q_ADMITTING)
+			continue;
+		bool unrestricted;
+		if (e->state == Q_ADMITTING || !entry_saturated(r, e, &unrestricted))
+			found = true; /* the pump is admitting it, or could */
+		else if (unrestricted)
+			break;
+	}
+	pthread_mutex_unlock(&q->lock);
+	return found;
+}
+
+int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d)
+{
+	struct kvr_queue *q = r->queue;
+	int rc = 0;
+	pthread_mutex_lock(&q->lock);
+	struct qentry *e = find(q, ticket);
+	if (e && e->state == Q_ADMITTED) {
+		*d = e->d;
+		rc = e->rc;
+		unlink_entry(q, e);
+		entry_free(e);
+	} else if (e) {
+		e->waited = wait;
+	}
+	pthread_mutex_unlock(&q->lock);
+	return rc;
 }
 
 size_t kvr_queue_depth(struct kvr_router *r)

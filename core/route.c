@@ -613,7 +613,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		struct kvr_rank_pub *pub = &r->ranks[chosen.slot];
 		uint64_t t3 = timed ? mono_ns() : 0;
 
-		if (sat) {
+		if (sat || queue_mode == KVR_QUEUE_BEHIND) {
 			if (post_inside)
 				kvr_rcu_read_unlock();
 			kvr_owner_attempt_free(&r->owner, rec); /* not admitted now */
@@ -848,11 +848,33 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	if ((rc = kvr_rcu_thread_online()))
 		return kvr_fail(rc, "kvr_route: this thread could not register with RCU: %s",
 		                kvr_strerror(rc));
-	if (r->queue && kvr_queue_depth(r))
-		kvr_queue_pump(r); /* those waiting go first */
-	rc = kvr_route_internal(r, req, d, KVR_QUEUE_IF_SATURATED);
-	if (rc)
-		return route_failed(r, req, rc);
+	/* Those waiting go first.  Another thread's pass may not have reached one that could be
+	 * admitted now: this request then queues behind it rather than take its rank
+	 * (core/queue.c), marked waited so that no on_admit names its ticket before this call
+	 * returns it, and pumps again (that pass may have ended before the push): admitted by then,
+	 * it returns its decision as if it had not queued. */
+	if (r->queue && kvr_queue_depth(r) && !kvr_queue_pump(r) &&
+	    !(req->flags & KVR_ROUTE_QUERY_ONLY) && kvr_queue_admissible(r)) {
+		struct kvr_request behind = *req;
+		behind.flags |= KVR_ROUTE_WAIT;
+		if ((rc = kvr_route_internal(r, &behind, d, KVR_QUEUE_BEHIND)))
+			return route_failed(r, req, rc);
+		if (d->status == KVR_QUEUED) {
+			kvr_queue_pump(r);
+			uint64_t ticket = d->ticket;
+			bool wait = (req->flags & KVR_ROUTE_WAIT) != 0;
+			if ((rc = kvr_queue_settle(r, ticket, wait, d)))
+				return kvr_fail(
+				    rc,
+				    "kvr_route: queued behind a waiting request (ticket "
+				    "%" PRIu64 "), its admission failed: %s",
+				    ticket, kvr_strerror(rc));
+		}
+	} else {
+		rc = kvr_route_internal(r, req, d, KVR_QUEUE_IF_SATURATED);
+		if (rc)
+			return route_failed(r, req, rc);
+	}
 	if (d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT))
 		return kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
 	return 0;

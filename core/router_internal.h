@@ -157,14 +157,25 @@ bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n);
  * d->status KVR_QUEUED, KVR_EAGAIN (full), KVR_ENOMEM, KVR_ESHUTDOWN. */
 int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
                    struct kvr_decision *d);
-/* Tries to admit waiting requests (after load dropped).  Context: any thread, no shard's. */
-void kvr_queue_pump(struct kvr_router *r);
+/* Tries to admit waiting requests (after load dropped), in the policy's order, passing over
+ * those whose ranks are all saturated.  Returns false when another thread was pumping (which then
+ * walks the list again), true otherwise.  Context: any thread, no shard's. */
+bool kvr_queue_pump(struct kvr_router *r);
+/* Whether a waiting request could be admitted now (one of its ranks is not saturated) or is
+ * being admitted: a new request then queues behind it.  Context: any thread, an RCU reader. */
+bool kvr_queue_admissible(struct kvr_router *r);
+/* After kvr_route queued a request marked waited (KVR_QUEUE_BEHIND) and pumped: if it was
+ * admitted meanwhile, its outcome into *d (its admission's return code); else it stays queued,
+ * collected by a waiter only if wait (otherwise on_admit answers it).  Returns 0 or the
+ * admission's code. */
+int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
 
 /* How kvr_route_internal treats saturation. */
 enum kvr_queue_mode {
 	KVR_QUEUE_IF_SATURATED = 0, /* kvr_route: queue the request */
 	KVR_QUEUE_FROM_PUMP = 1,    /* the pump: KVR_EAGAIN, the request stays queued */
+	KVR_QUEUE_BEHIND = 2,       /* kvr_route behind an admissible waiter: queue it anyway */
 };
 
 /* core/route.c: the decision and admission for an already validated request (also used by the

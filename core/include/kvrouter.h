@@ -195,7 +195,12 @@ struct kvr_config {
 	/* Queue when every eligible rank's active prefill tokens exceed threshold * its max
 	 * batched tokens.  Default 0 = never queue.  >= 0. */
 	double queue_threshold;
-	/* Admission order of queued requests.  Default KVR_QUEUE_FCFS. */
+	/* Admission order of queued requests.  Default KVR_QUEUE_FCFS.  A queued request is
+	 * admitted as soon as one of the ranks it may use (its pin, its allow-list, or every live
+	 * rank) is no longer saturated: one whose ranks are all saturated does not hold back a
+	 * later one that has a free rank, and requests that share ranks are admitted in this order.
+	 * A new request goes straight to a rank only when no queued one could be admitted: while
+	 * another thread is admitting queued requests it may queue (KVR_QUEUED) behind them. */
 	enum kvr_queue_policy queue_policy;
 	/* Bound of the waiting queue, requests.  Default 4096; >= 1. */
 	uint32_t queue_capacity;

@@ -758,6 +758,127 @@ Test(router, queue_wspt_order)
 	queue_order(KVR_QUEUE_WSPT, order);
 }
 
+/* Two ranks with a 1000-token budget, threshold 1.0, both saturated by a pinned hog each. */
+static struct kvr_router *two_hogged_ranks(struct kvr_decision *hog0, struct kvr_decision *hog1)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit;
+	c.sync_booking = true;
+	n_admitted = 0;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	static uint32_t hog[2][2000];
+	struct kvr_decision *h[2] = {hog0, hog1};
+	for (uint64_t w = 0; w < 2; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, 100000, 1000), 0);
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_id id = {w, 0};
+		struct kvr_request q;
+		kvr_request_init(&q);
+		prompt(hog[w], 2000, 60 + (uint32_t)w);
+		q.tokens = hog[w];
+		q.n_tokens = 2000;
+		q.pinned = &id;
+		cr_assert_eq(kvr_route(r, &q, h[w]), 0);
+		cr_assert_eq(h[w]->status, KVR_DECIDED);
+	}
+	return r;
+}
+
+/* A request pinned to a saturated rank no longer holds back a later one that an idle rank can
+ * take (before, the pump stopped at the queue's head: B waited behind A while rank 1 idled, and
+ * a new arrival went straight to rank 1 past B). */
+Test(router, queue_passes_over_a_request_whose_ranks_are_saturated)
+{
+	struct kvr_decision hog0, hog1;
+	struct kvr_router *r = two_hogged_ranks(&hog0, &hog1);
+	static uint32_t a[400], b[1600], c[400];
+	prompt(a, 400, 70);
+	prompt(b, 1600, 71);
+	prompt(c, 400, 72);
+	struct kvr_rank_id rank0 = {0, 0};
+	struct kvr_request qa;
+	kvr_request_init(&qa);
+	qa.tokens = a;
+	qa.n_tokens = 400;
+	qa.pinned = &rank0;
+	struct kvr_decision da, db;
+	cr_assert_eq(kvr_route(r, &qa, &da), 0);
+	cr_assert_eq(da.status, KVR_QUEUED);
+	db = route(r, b, 1600, 0);
+	cr_assert_eq(db.status, KVR_QUEUED);
+	cr_assert_eq(kvr_request_prefill_done(r, hog1.attempt), 0); /* rank 1 frees */
+	cr_assert_eq(n_admitted, 1, "B is admitted onto rank 1 past A, pinned to busy rank 0");
+	cr_assert_eq(admitted[0], db.ticket);
+	/* B saturates rank 1 until its prefill ends; then a new request may take rank 1, which A
+	 * cannot use. */
+	cr_assert_eq(kvr_request_prefill_done(r, admitted_attempt[0]), 0);
+	struct kvr_decision dc = route(r, c, 400, 0);
+	cr_assert_eq(dc.status, KVR_DECIDED);
+	cr_assert_eq(dc.rank.worker_id, 1);
+	cr_assert_eq(n_admitted, 1, "A still waits for rank 0");
+	cr_assert_eq(kvr_request_prefill_done(r, hog0.attempt), 0);
+	cr_assert_eq(n_admitted, 2);
+	cr_assert_eq(admitted[1], da.ticket);
+	kvr_router_destroy(r);
+}
+
+/* A request that arrives while another thread's pump is admitting, with a waiting request that
+ * could be admitted too, queues behind it (before, it was decided at once, ahead of it).  The
+ * arrival is made from on_admit, inside the pump. */
+static struct kvr_router *behind_r;
+static uint32_t behind_c[400];
+static struct kvr_decision behind_d;
+static int behind_rc = -1;
+static void on_admit_route(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	on_admit(ctx, ticket, d);
+	if (n_admitted == 1)
+		behind_rc = kvr_route(behind_r,
+		                      &(struct kvr_request){.tokens = behind_c,
+		                                            .n_tokens = 400,
+		                                            .overlap_credit = -1.0,
+		                                            .prefill_load_scale = -1.0,
+		                                            .temperature = -1.0},
+		                      &behind_d);
+}
+
+Test(router, queue_arrival_during_a_pump_goes_behind_the_admissible)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit_route;
+	c.sync_booking = true;
+	n_admitted = 0;
+	cr_assert_eq(kvr_router_create(&c, &behind_r), 0);
+	struct kvr_router *r = behind_r;
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	static uint32_t hog[2000], a[400], b[400];
+	prompt(hog, 2000, 80);
+	prompt(a, 400, 81);
+	prompt(b, 400, 82);
+	prompt(behind_c, 400, 83);
+	struct kvr_decision h = route(r, hog, 2000, 0);
+	struct kvr_decision da = route(r, a, 400, 0), db = route(r, b, 400, 0);
+	cr_assert_eq(da.status, KVR_QUEUED);
+	cr_assert_eq(db.status, KVR_QUEUED);
+	cr_assert_eq(kvr_request_prefill_done(r, h.attempt), 0);
+	cr_assert_eq(behind_rc, 0);
+	cr_assert_eq(behind_d.status, KVR_QUEUED, "the arrival queued behind B");
+	cr_assert_eq(n_admitted, 3);
+	cr_assert_eq(admitted[0], da.ticket);
+	cr_assert_eq(admitted[1], db.ticket, "B before the later arrival");
+	cr_assert_eq(admitted[2], behind_d.ticket);
+	kvr_router_destroy(r);
+}
+
 Test(router, queue_wait_deadline_cancel_and_full)
 {
 	struct kvr_config c;
