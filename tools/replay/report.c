@@ -156,6 +156,10 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	json_object_set_new(o, "policy", json_string(r->policy));
 	json_object_set_new(o, "requests", json_integer((json_int_t)r->n_requests));
 	json_object_set_new(o, "refused", json_integer((json_int_t)r->n_refused));
+	/* Of refused, those the policy under test had routed (its prediction diverges after one):
+	 * the table's note said it, the JSON did not. */
+	json_object_set_new(o, "refused_after_routing",
+	                    json_integer((json_int_t)r->n_refused_routed));
 	json_object_set_new(o, "policy_errors", json_integer((json_int_t)r->policy_errors));
 	json_object_set_new(o, "prompt_blocks", json_integer((json_int_t)r->prompt_blocks));
 	json_object_set_new(o, "hit_blocks", json_integer((json_int_t)r->hit_blocks));

@@ -407,6 +407,8 @@ int sweep_report_json(const char *path, const struct sweep *s, const struct swee
 		json_object_set_new(o, "preemptions", json_integer((json_int_t)r->preemptions));
 		json_object_set_new(o, "queued", json_integer((json_int_t)r->n_queued));
 		json_object_set_new(o, "refused", json_integer((json_int_t)r->n_refused));
+		json_object_set_new(o, "refused_after_routing",
+		                    json_integer((json_int_t)r->n_refused_routed));
 		json_array_append_new(runs, o);
 	}
 	json_object_set_new(root, "runs", runs);

@@ -99,7 +99,7 @@ bad_sweep "prefill_load_scale=-1" "out of range"
 cat "$tmp/s.txt"
 [ "$(wc -l <"$tmp/s.csv")" -eq 9 ] || fail "sweep CSV: expected 8 rows + header"
 [ "$(grep -c ',ok,' "$tmp/s.csv")" -eq 8 ] || fail "a sweep replay failed"
-python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['runs']) == 8 and [a['name'] for a in d['axes']] == ['overlap_credit', 'time_scale']" "$tmp/s.json" ||
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['runs']) == 8 and [a['name'] for a in d['axes']] == ['overlap_credit', 'time_scale'] and all(r['refused_after_routing'] == 0 for r in d['runs'])" "$tmp/s.json" ||
 	fail "sweep JSON"
 # The grid in order (first axis slowest), each point once per policy.
 [ "$(cut -d, -f1-3 "$tmp/s.csv" | tail -n +2 | tr '\n' ' ')" = \
