@@ -437,3 +437,34 @@ Test(replay, json_counts_refused_after_routing)
 	json_decref(root);
 	trace_free(&t);
 }
+
+/* A refused arrival drawn into the foreign share counted in n_foreign and in n_refused both, so
+ * requests - foreign - refused (this router's requests) came out short by those: every arrival
+ * is this router's (and predicted, approx_lru), foreign or refused, exactly once. */
+Test(replay, a_refused_foreign_arrival_counts_once)
+{
+	struct trace t = {0};
+	make_trace_x(&t, 5, 8, 100, true);
+	struct replay_config c = base_cfg();
+	c.n_ranks = 2;
+	c.blocks_per_rank = 200; /* 15 requests never fit */
+	c.foreign_share = 0.3;
+	c.foreign_ops = &replay_policy_approx_lru;
+	const enum replay_foreign_as modes[] = {REPLAY_FOREIGN_CLIENTS, REPLAY_FOREIGN_ROUTER,
+	                                        REPLAY_FOREIGN_SELF};
+	for (size_t m = 0; m < 3; m++) {
+		c.foreign_as = modes[m];
+		struct replay_result r;
+		run(&t, &replay_policy_approx_lru, &c, &r);
+		cr_assert_eq(r.policy_errors, 0);
+		cr_assert_eq(r.n_refused, 15, "mode %zu", m);
+		cr_assert(r.n_foreign > 0, "mode %zu", m);
+		cr_assert_eq(
+		    r.n_pred + r.n_foreign + r.n_refused, (uint64_t)t.n,
+		    "mode %zu: %llu predicted + %llu foreign + %zu refused != %zu arrivals", m,
+		    (unsigned long long)r.n_pred, (unsigned long long)r.n_foreign, r.n_refused,
+		    t.n);
+		replay_result_free(&r);
+	}
+	trace_free(&t);
+}

@@ -124,7 +124,9 @@ struct replay_result {
 	double path_runs_mean;
 	uint64_t path_runs_max, path_runs_n;
 	/* Agreement (see above). */
-	uint64_t n_foreign; /* arrivals in the foreign share (foreign_share) */
+	/* Arrivals in the foreign share (foreign_share), refused ones left out: those count in
+	 * n_refused alone, so n_requests = this router's requests + n_foreign + n_refused. */
+	uint64_t n_foreign;
 	/* First admissions by share, blocks: [0] this router's requests, [1] the foreign ones
 	 * (hit_rate = both together; own_hit_rate = [0]). */
 	uint64_t share_prompt_blocks[2], share_hit_blocks[2];
