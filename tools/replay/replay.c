@@ -122,7 +122,9 @@ static void perr(struct run *run, int rc)
 		run->res->first_policy_error = rc;
 }
 
-/* The policy that routed q and hears of its happenings (NULL: a cache-unaware client). */
+/* The policy that routed q and hears of its happenings (NULL: a cache-unaware client).  Whether
+ * that is the policy under test is !q->around, not o == run->ops: the other router of
+ * --foreign-as router has the same ops (approx_lru) as the policy under test may. */
 static const struct replay_policy_ops *owner_of(const struct run *run, const struct rq *q,
                                                 void **ps)
 {
@@ -242,7 +244,7 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 	/* --decisions: what the healing hooks below evict, and whether the engine still held it. */
 	uint64_t *before = NULL;
 	size_t n_before = 0;
-	bool trace = run->cfg->decisions && o == run->ops && info->preemptions == 0 &&
+	bool trace = run->cfg->decisions && !q->around && info->preemptions == 0 &&
 	             (o->admitted || o->observe);
 	if (trace)
 		perr(run, replay_decisions_before(o, ps, info->rank, &before, &n_before));
@@ -250,7 +252,7 @@ static void on_admitted(void *ctx, const struct sim_admit_info *info)
 		perr(run, o->admitted(ps, q->handle, info));
 	/* The rank's metrics, scraped when the policy under test sees one of its requests admitted.
 	 */
-	if (o == run->ops && run->ops->observe && info->preemptions == 0) {
+	if (!q->around && run->ops->observe && info->preemptions == 0) {
 		uint64_t wm = 0;
 		const struct sim_pool *pool =
 		    sim_engine_pool(sim_cluster_engine(run->sim, info->rank));
@@ -357,7 +359,7 @@ static int submit(struct run *run, size_t i)
 		run->res->n_refused++;
 		void *ps;
 		const struct replay_policy_ops *o = owner_of(run, q, &ps);
-		if (o == run->ops)
+		if (!q->around)
 			run->res->n_refused_routed++;
 		if (o && o->aborted)
 			perr(run, o->aborted(ps, q->handle));
