@@ -24,6 +24,10 @@ static void seterr(char *err, size_t len, const char *fmt, ...)
  * id can meet either. */
 #define ID_BITS   48
 #define MAX_FILES (1u << 14)
+/* A request's prompt and output, tokens, and the requests of one trace, at most: tail_key's
+ * layout depends on both bounds. */
+#define TOKENS_MAX (1u << 30)
+#define REQS_MAX   (1ull << 33)
 
 static int push_ids(struct trace *t, json_t *arr, size_t *off, uint32_t *n, uint32_t session,
                     char *why, size_t whylen)
@@ -83,6 +87,8 @@ static struct trace_req *new_req(struct trace *t)
 static int add_req(struct trace *t, json_t *ids, double arrival_s, uint64_t in, uint64_t out,
                    uint32_t session, const char **why, char *idwhy)
 {
+	if ((uint64_t)t->n >= REQS_MAX)
+		return *why = "more than 2^33 requests in one trace", -1;
 	struct trace_req *r = new_req(t);
 	if (!r)
 		return -2;
@@ -132,9 +138,9 @@ static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const cha
 		return *why = "not a JSON object", -1;
 	if (get_uint(o, "timestamp", UINT64_MAX >> 1, &ts))
 		return *why = "missing or bad \"timestamp\"", -1;
-	if (get_uint(o, "input_length", 1u << 30, &in) || in == 0)
+	if (get_uint(o, "input_length", TOKENS_MAX, &in) || in == 0)
 		return *why = "missing or bad \"input_length\"", -1;
-	if (get_uint(o, "output_length", 1u << 30, &out))
+	if (get_uint(o, "output_length", TOKENS_MAX, &out))
 		return *why = "missing or bad \"output_length\"", -1;
 	if (!json_is_array(ids))
 		return *why = "missing or bad \"hash_ids\"", -1;
@@ -171,9 +177,9 @@ static int session_reqs(struct trace *t, json_t *reqs, uint32_t bs, double base,
 				return rc;
 			continue;
 		}
-		if (get_uint(q, "in", 1u << 30, &in) || in == 0)
+		if (get_uint(q, "in", TOKENS_MAX, &in) || in == 0)
 			return *why = "missing or bad \"in\"", -1;
-		if (get_uint(q, "out", 1u << 30, &out))
+		if (get_uint(q, "out", TOKENS_MAX, &out))
 			return *why = "missing or bad \"out\"", -1;
 		json_t *ids = json_object_get(q, "hash_ids");
 		if (!json_is_array(ids))
@@ -433,12 +439,24 @@ static inline uint64_t mix64(uint64_t x)
 	return x;
 }
 
+/* A prompt block past the request's last id (a session file's partial last block) gets tokens
+ * of its own, keyed by (uid, block index b) with bit 63 set: b's low 20 bits below the uid, its
+ * high bits above it (bits 53-62).  With b ORed whole above the uid's shift, as it was, block
+ * 2^20 + k of request u keyed as block k of request u + 1, and two requests with the same 2^20
+ * ids (uids 2j and 2j + 1) had equal tails: a cache hit the trace does not hold.  Injective since
+ * b < 2^30 (prompts of TOKENS_MAX tokens at most) and uid < 2^33 (REQS_MAX); a key with b below
+ * 2^20 is what it was, so no replay of a trace that never reaches it changes. */
+static uint64_t tail_key(uint64_t uid, uint32_t b)
+{
+	return (1ull << 63) | ((uint64_t)(b >> 20) << 53) | (uid << 20) | (b & 0xfffffu);
+}
+
 void trace_tokens(const struct trace *t, const struct trace_req *r, uint32_t *out)
 {
 	uint32_t bs = t->block_size;
 	for (uint32_t i = 0; i < r->input_len; i++) {
 		uint32_t b = i / bs;
-		uint64_t key = b < r->n_ids ? r->ids[b] : (1ull << 63) | (r->uid << 20) | b;
+		uint64_t key = b < r->n_ids ? r->ids[b] : tail_key(r->uid, b);
 		out[i] = (uint32_t)(mix64(key * 0x9e3779b97f4a7c15ull + (i % bs)) & 0x7fffffff);
 	}
 }

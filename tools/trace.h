@@ -11,6 +11,8 @@
  *    its own.  Ids are local to a session: each file gets its own id namespace.
  * Ids are below 2^48 (a larger one is malformed input, not masked into a smaller one), and a
  * trace has at most 16,384 files: each namespaced id is the file's index above the id's 48 bits.
+ * A request has at most 2^30 prompt and 2^30 output tokens, a trace at most 2^33 requests: the
+ * tokens past a request's last id are keyed by both (trace.c, tail_key).
  */
 #ifndef KVR_TOOLS_TRACE_H
 #define KVR_TOOLS_TRACE_H

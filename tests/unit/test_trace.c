@@ -1,5 +1,7 @@
 /* The trace reader: both formats, errors with file and line, --skip-bad, deterministic tokens. */
 #include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tools/trace.h"
@@ -195,5 +197,43 @@ Test(trace, content_after_the_session_object_is_malformed)
 	cr_assert_eq(t.n_bad, 1);
 	cr_assert_eq(load(&t, trailing_blank, false, err), 0, "%s", err);
 	cr_assert_eq(t.n, 1);
+	trace_free(&t);
+}
+
+/* The tokens past a request's last id were keyed by uid << 20 | block index: block 2^20 + k of
+ * request u keyed as block k of u + 1, so two requests with the same 2^20 ids (uids 0 and 1) had
+ * the same partial last block, a cache hit the trace does not hold. */
+Test(trace, tails_past_block_2_20_stay_distinct)
+{
+	size_t nids = (size_t)1 << 20, cap = nids * 4 + 256, len = 0;
+	char *s = malloc(cap);
+	cr_assert_not_null(s);
+	len += (size_t)snprintf(s + len, cap - len, "{\"block_size\": 2, \"requests\": [");
+	for (int r = 0; r < 2; r++) {
+		len += (size_t)snprintf(s + len, cap - len,
+		                        "%s{\"t\": %d, \"in\": %zu, \"out\": 1, \"hash_ids\": [",
+		                        r ? ", " : "", r, 2 * nids + 1);
+		for (size_t i = 0; i < nids; i++) {
+			s[len++] = i ? ',' : ' ';
+			s[len++] = '7';
+		}
+		len += (size_t)snprintf(s + len, cap - len, "]}");
+	}
+	len += (size_t)snprintf(s + len, cap - len, "]}");
+	struct trace t = {0};
+	char err[256];
+	cr_assert_eq(trace_load_mem(&t, "mem", s, len, false, 0, err, sizeof(err)), 0, "%s", err);
+	free(s);
+	trace_finish(&t);
+	cr_assert_eq(t.n, 2);
+	uint32_t *a = malloc((2 * nids + 1) * sizeof(*a)), *b = malloc((2 * nids + 1) * sizeof(*b));
+	cr_assert(a && b);
+	trace_tokens(&t, &t.reqs[0], a);
+	trace_tokens(&t, &t.reqs[1], b);
+	cr_assert_eq(memcmp(a, b, 2 * nids * sizeof(*a)), 0, "equal ids give equal tokens");
+	cr_assert_neq(a[2 * nids], b[2 * nids],
+	              "the partial block at index 2^20 is each request's own");
+	free(a);
+	free(b);
 	trace_free(&t);
 }
