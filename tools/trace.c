@@ -1,6 +1,8 @@
 /* tools/trace.c - see trace.h.  JSON is parsed with jansson (a well-kept library). */
 #include "tools/trace.h"
+#include "tools/json_line.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <jansson.h>
 #include <stdarg.h>
@@ -151,13 +153,33 @@ static int mooncake_line(struct trace *t, json_t *o, uint32_t session, const cha
 	return add_req(t, ids, (double)ts / 1000.0, in, out, session, why, idwhy);
 }
 
+/* Where in a session file a fault is: the steps from the top object to it (json_line.h), for
+ * the message's line, which jansson's values do not keep.  Nesting stops at depth 8: at most
+ * "requests", then an index and "requests" per level, then an index and a member. */
+#define WHERE_MAX 24
+struct where {
+	struct json_step s[WHERE_MAX];
+	size_t n;
+};
+
+/* w: request i of the array at w->s[0..np), its member field (NULL: the request itself). */
+static void at(struct where *w, size_t np, size_t i, const char *field)
+{
+	w->s[np] = (struct json_step){.idx = i};
+	w->s[np + 1] = (struct json_step){.key = field};
+	w->n = np + 1 + (field != NULL);
+}
+
+/* The requests of the array reqs, which w->s[0..w->n) leads to; on -1 w says where the fault is. */
 static int session_reqs(struct trace *t, json_t *reqs, uint32_t bs, double base, uint32_t session,
-                        int depth, const char **why, char *idwhy)
+                        int depth, struct where *w, const char **why, char *idwhy)
 {
 	if (!json_is_array(reqs))
 		return *why = "\"requests\" is not an array", -1;
 	if (depth > 8)
 		return *why = "subagents nested too deep", -1;
+	const size_t np = w->n;
+	assert(np + 2 <= WHERE_MAX);
 	size_t i;
 	json_t *q;
 	json_array_foreach(reqs, i, q)
@@ -165,32 +187,52 @@ static int session_reqs(struct trace *t, json_t *reqs, uint32_t bs, double base,
 		double ts;
 		uint64_t in, out;
 		if (!json_is_object(q))
-			return *why = "request is not an object", -1;
+			return at(w, np, i, NULL), *why = "request is not an object", -1;
 		if (get_num(q, "t", &ts))
-			return *why = "missing or bad \"t\"", -1;
+			return at(w, np, i, "t"), *why = "missing or bad \"t\"", -1;
 		json_t *type = json_object_get(q, "type");
 		if (json_is_string(type) && strcmp(json_string_value(type), "subagent") == 0 &&
 		    json_object_get(q, "requests")) {
+			at(w, np, i, "requests");
 			int rc = session_reqs(t, json_object_get(q, "requests"), bs, base + ts,
-			                      session, depth + 1, why, idwhy);
+			                      session, depth + 1, w, why, idwhy);
 			if (rc)
 				return rc;
+			w->n = np;
 			continue;
 		}
 		if (get_uint(q, "in", TOKENS_MAX, &in) || in == 0)
-			return *why = "missing or bad \"in\"", -1;
+			return at(w, np, i, "in"), *why = "missing or bad \"in\"", -1;
 		if (get_uint(q, "out", TOKENS_MAX, &out))
-			return *why = "missing or bad \"out\"", -1;
+			return at(w, np, i, "out"), *why = "missing or bad \"out\"", -1;
 		json_t *ids = json_object_get(q, "hash_ids");
 		if (!json_is_array(ids))
-			return *why = "missing or bad \"hash_ids\"", -1;
+			return at(w, np, i, "hash_ids"), *why = "missing or bad \"hash_ids\"", -1;
 		if (json_array_size(ids) != in / bs)
-			return *why = "len(hash_ids) != floor(in / block_size)", -1;
+			return at(w, np, i, "hash_ids"),
+			       *why = "len(hash_ids) != floor(in / block_size)", -1;
 		int rc = add_req(t, ids, base + ts, in, out, session, why, idwhy);
+		if (rc == -1)
+			return at(w, np, i, "hash_ids"), -1;
 		if (rc)
 			return rc;
 	}
 	return 0;
+}
+
+/* "requests[3].requests[0]": the request w names, for a message ("" when w names none). */
+static void where_text(const struct where *w, char *buf, size_t len)
+{
+	size_t last = 0, k = 0;
+	for (size_t i = 0; i < w->n; i++)
+		if (!w->s[i].key)
+			last = i + 1;
+	buf[0] = '\0';
+	for (size_t i = 0; i < last && k < len; i++) {
+		int m = w->s[i].key ? snprintf(buf + k, len - k, "%s%s", i ? "." : "", w->s[i].key)
+		                    : snprintf(buf + k, len - k, "[%zu]", w->s[i].idx);
+		k += m > 0 ? (size_t)m : 0;
+	}
 }
 
 /* Whether f (rewound here) is a session file, from its first non-blank line: a line that holds
@@ -224,57 +266,112 @@ static bool is_session(FILE *f)
 	return session;
 }
 
+/* f's whole content (f left open), NUL-terminated, its length in *len; NULL on a read error
+ * (errno set) or out of memory (errno ENOMEM). */
+static char *slurp(FILE *f, size_t *len)
+{
+	size_t cap = 1 << 16, n = 0;
+	char *buf = malloc(cap);
+	while (buf) {
+		n += fread(buf + n, 1, cap - n - 1, f);
+		if (ferror(f)) {
+			int e = errno;
+			free(buf);
+			errno = e;
+			return NULL;
+		}
+		if (feof(f)) {
+			buf[n] = '\0';
+			*len = n;
+			return buf;
+		}
+		char *b = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
+		if (!b)
+			free(buf);
+		buf = b;
+		cap *= 2;
+	}
+	errno = ENOMEM;
+	return NULL;
+}
+
 /* One session file (f closed here).  A malformed one is skipped whole under skip_bad (its
- * requests depend on each other), counted in n_bad and said in err; it sets no block size. */
+ * requests depend on each other), counted in n_bad and said in err; it sets no block size.
+ * The text is kept until the message is written: a fault found in the parsed values (a bad
+ * request, a block size) is looked for in it again for its line (json_line.h), which the
+ * message said was 1 whatever the line. */
 static int load_session(struct trace *t, FILE *f, const char *path, uint32_t session, bool skip_bad,
                         size_t max_reqs, char *err, size_t errlen)
 {
+	size_t len = 0;
+	char *text = slurp(f, &len);
+	int e = errno;
+	fclose(f);
+	if (!text) {
+		seterr(err, errlen, "%s: %s", path, strerror(e));
+		return -1;
+	}
 	/* The object must be all the file holds: a file of two sessions back to back was read as
 	 * its first, silently. */
 	json_error_t je;
-	json_t *whole = json_loadf(f, 0, &je);
-	fclose(f);
-	char idwhy[WHY_LEN];
+	json_t *whole = json_loadb(text, len, 0, &je);
+	char idwhy[WHY_LEN], entry[160] = "";
 	const char *why = NULL;
-	int line = 1, rc = -1;
+	struct where w = {.n = 0};
+	size_t line = 0; /* 0: from w */
+	int rc = -1;
 	uint64_t bs = 0;
 	size_t before = t->n, ids_before = t->id_len;
 	if (!whole) {
 		why = json_error_code(&je) == json_error_end_of_input_expected
 		          ? "content after the session object"
 		          : je.text;
-		line = je.line > 0 ? je.line : 1;
+		line = je.line > 0 ? (size_t)je.line : 1;
 	} else if (!json_is_object(whole) || !json_object_get(whole, "requests")) {
 		why = "not a session object (with \"requests\")";
 	} else if (get_uint(whole, "block_size", 1u << 20, &bs) || bs == 0) {
 		why = "missing or bad \"block_size\"";
+		w.s[w.n++] = (struct json_step){.key = "block_size"};
 	} else if (t->block_size && t->block_size != bs) {
 		json_decref(whole);
-		seterr(err, errlen, "%s:1: block size %llu differs from the trace's %u", path,
-		       (unsigned long long)bs, t->block_size);
+		w.s[w.n++] = (struct json_step){.key = "block_size"};
+		seterr(err, errlen, "%s:%zu: block size %llu differs from the trace's %u", path,
+		       json_line(text, len, w.s, w.n), (unsigned long long)bs, t->block_size);
+		free(text);
 		return -1;
 	} else {
+		w.s[w.n++] = (struct json_step){.key = "requests"};
 		rc = session_reqs(t, json_object_get(whole, "requests"), (uint32_t)bs, 0.0, session,
-		                  0, &why, idwhy);
+		                  0, &w, &why, idwhy);
 	}
 	json_decref(whole);
 	if (rc == -2) {
+		free(text);
 		t->n = before;
 		t->id_len = ids_before;
 		seterr(err, errlen, "%s: out of memory", path);
 		return -1;
 	}
 	if (rc) {
+		if (!line)
+			line = json_line(text, len, w.s, w.n);
+		free(text);
+		where_text(&w, entry, sizeof(entry) - 2);
+		if (entry[0])
+			strcat(entry, ": ");
 		t->n = before;
 		t->id_len = ids_before;
 		if (!skip_bad) {
-			seterr(err, errlen, "%s:%d: bad session file: %s", path, line, why);
+			seterr(err, errlen, "%s:%zu: bad session file: %s%s", path, line, entry,
+			       why);
 			return -1;
 		}
 		t->n_bad++;
-		seterr(err, errlen, "%s:%d: bad session file, skipped: %s", path, line, why);
+		seterr(err, errlen, "%s:%zu: bad session file, skipped: %s%s", path, line, entry,
+		       why);
 		return 0;
 	}
+	free(text);
 	t->block_size = (uint32_t)bs;
 	if (max_reqs && t->n > max_reqs)
 		t->n = max_reqs;

@@ -45,11 +45,12 @@ struct trace {
 
 /* Loads and appends one file.  Every file of one trace must have the same block size; a file
  * that contributes no request (every entry skipped) sets none.
- * Returns 0, or -1 with a message "FILE:LINE: why" in err.  With skip_bad, malformed entries are
- * counted in t->n_bad and skipped instead: a Mooncake line alone, a session file whole (its
- * requests depend on each other), which err then names on the 0 return ("" otherwise: the
- * caller shows it, the skip being the file's whole content).  max_reqs > 0 stops after that
- * many requests. */
+ * Returns 0, or -1 with a message "FILE:LINE: why" in err (in a session file, LINE is where the
+ * value at fault starts, and why names its request: "requests[2].requests[1]: ...").  With
+ * skip_bad, malformed entries are counted in t->n_bad and skipped instead: a Mooncake line
+ * alone, a session file whole (its requests depend on each other), which err then names on the
+ * 0 return ("" otherwise: the caller shows it, the skip being the file's whole content).
+ * max_reqs > 0 stops after that many requests. */
 int trace_load(struct trace *t, const char *path, bool skip_bad, size_t max_reqs, char *err,
                size_t errlen);
 /* The same from memory (data borrowed); name is used in messages.  For the fuzzer and tests. */

@@ -237,3 +237,60 @@ Test(trace, tails_past_block_2_20_stay_distinct)
 	free(b);
 	trace_free(&t);
 }
+
+/* A fault found in a session file's parsed values (a bad request, its ids, the block size) was
+ * reported at line 1 whatever its line: jansson's values keep no position, so the text is
+ * scanned again down the path to the fault.  The request is named too (a one-line file). */
+Test(trace, session_errors_name_the_line_of_the_entry)
+{
+	static const struct {
+		const char *text, *want;
+	} cases[] = {
+	    /* a subagent's request, line 8 */
+	    {"{\n  \"block_size\": 64,\n  \"requests\": [\n"
+	     "    {\"t\": 0, \"in\": 64, \"out\": 1, \"hash_ids\": [1]},\n"
+	     "    {\"t\": 1, \"in\": 64, \"out\": 1, \"hash_ids\": [1]},\n"
+	     "    {\"t\": 2, \"type\": \"subagent\", \"requests\": [\n"
+	     "      {\"t\": 0, \"in\": 64, \"out\": 1, \"hash_ids\": [1]},\n"
+	     "      {\"t\": 1, \"in\": 0, \"out\": 1, \"hash_ids\": []}\n"
+	     "    ]}\n  ]\n}\n",
+	     "mem:8: bad session file: requests[2].requests[1]: missing or bad \"in\""},
+	    /* the member at fault, on its own line; an id past 48 bits */
+	    {"{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out\": 1,\n"
+	     "\"hash_ids\": [1]}, {\"t\": 1,\n\"in\": 64,\n\"out\": 1,\n"
+	     "\"hash_ids\":\n[281474976710656]}]}",
+	     "mem:6: bad session file: requests[1]: hash id 281474976710656"},
+	    /* a key spelt with an escape, and a duplicate key (jansson keeps the last) */
+	    {"{\"block_size\": 64,\n\"requests\": 5,\n\"requ\\u0065sts\": [\n"
+	     "{\"t\": 0, \"in\": 64, \"out\": 1, \"hash_ids\": [1]},\n{\"t\": -1}]}",
+	     "mem:5: bad session file: requests[1]: missing or bad \"t\""},
+	    /* not an array: the member's line */
+	    {"{\"block_size\": 64,\n\n\"requests\": {}}", "mem:3: bad session file: \"requests\""},
+	    {"\n\n{\"requests\": [],\n\"block_size\": 0}",
+	     "mem:4: bad session file: missing or bad"},
+	    /* one line: line 1, and the request named */
+	    {"{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out\": 1, "
+	     "\"hash_ids\": [1]}, {\"t\": 0, \"in\": 64, \"out\": 1, \"hash_ids\": [1, 2]}]}",
+	     "mem:1: bad session file: requests[1]: len(hash_ids)"},
+	};
+	char err[256];
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		struct trace t = {0};
+		cr_assert_eq(load(&t, cases[i].text, false, err), -1, "case %zu", i);
+		cr_assert(strstr(err, cases[i].want) != NULL, "case %zu: '%s', want '%s'", i, err,
+		          cases[i].want);
+		cr_assert_eq(load(&t, cases[i].text, true, err), 0, "case %zu", i);
+		cr_assert(strstr(err, "bad session file, skipped") != NULL, "case %zu: %s", i, err);
+		trace_free(&t);
+	}
+	/* A block size other than the trace's: the line of "block_size". */
+	struct trace t = {0};
+	cr_assert_eq(load(&t,
+	                  "{\"block_size\": 64, \"requests\": [{\"t\": 0, \"in\": 64, \"out\": 1, "
+	                  "\"hash_ids\": [1]}]}",
+	                  false, err),
+	             0, "%s", err);
+	cr_assert_eq(load(&t, "{\n\"requests\": [],\n\n\"block_size\": 32}", false, err), -1);
+	cr_assert(strstr(err, "mem:4: block size 32 differs") != NULL, "%s", err);
+	trace_free(&t);
+}
