@@ -11,6 +11,7 @@
 #include "sync/replica_msg.h"
 
 #define RANK_FIXED  40u
+#define RANK_VER    56u /* a versioned RANK: the fixed part, clock, writer */
 #define CHUNK_FIXED 16u
 #define FENCE_FIXED 24u
 
@@ -105,8 +106,12 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 			return KVR_EINVAL;
 		m->attempt = rd64(b);
 		return m->attempt ? 0 : KVR_EINVAL;
-	case KVR_MSG_RANK:
-		if (bl != RANK_FIXED)
+	case KVR_MSG_RANK: {
+		if (bl < RANK_FIXED)
+			return KVR_EINVAL;
+		uint32_t flags = rd32(b + 20);
+		if (flags & ~KVR_MSG_RANK_VERSIONED ||
+		    bl != (flags & KVR_MSG_RANK_VERSIONED ? RANK_VER : RANK_FIXED))
 			return KVR_EINVAL;
 		m->op = rd32(b);
 		m->max_batched_tokens = rd32(b + 4);
@@ -114,9 +119,16 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 		m->dp_rank = rd32(b + 16);
 		m->incarnation = rd64(b + 24);
 		m->capacity = rd64(b + 32);
-		if (m->op < 1 || m->op > 4 || rd32(b + 20) != 0)
+		if (flags & KVR_MSG_RANK_VERSIONED) {
+			m->rank_clock = rd64(b + 40);
+			m->rank_writer = rd64(b + 48);
+			if (!m->rank_clock || !m->rank_writer)
+				return KVR_EINVAL;
+		}
+		if (m->op < 1 || m->op > 4)
 			return KVR_EINVAL;
 		return 0;
+	}
 	case KVR_MSG_HEARTBEAT:
 		if (bl != 8)
 			return KVR_EINVAL;

@@ -47,7 +47,21 @@
  *                final token): it is held back until a later one comes.  Only with n_tokens > 0.
  *   PREFILL_DONE, FINISH, ABORT:   0 8 attempt
  *   RANK:        0 4 op (1 add, 2 remove, 3 capacity, 4 reset)  4 4 max_batched_tokens
- *                8 8 worker_id  16 4 dp_rank  20 4 reserved  24 8 incarnation  32 8 capacity
+ *                8 8 worker_id  16 4 dp_rank  20 4 flags  24 8 incarnation  32 8 capacity
+ *                flags bit0 versioned (KVR_MSG_RANK_VERSIONED): 16 more bytes follow,
+ *                40 8 clock  48 8 writer: the change's version, (clock, writer replica id),
+ *                compared clock first, then writer; both nonzero.  Without it (the body is
+ *                exactly 40 bytes) the message is unversioned, as every RANK was before.
+ *                Why versions: a rank's state is a register several replicas write (any may
+ *                add, remove or reset a rank), and what a replica tells again (its
+ *                re-announce after an outage, a snapshot it serves) may be older than what
+ *                the receiver holds: a removal it missed while cut off, a removal its stream
+ *                had not reached when it served.  Without an order, a stale add and a real
+ *                re-add read alike and the removed rank came back; with one, the receiver
+ *                keeps the newer (last writer wins; sync/replica_ranks.c).  The flag took a
+ *                field that had to be 0 (as OUTPUT's flags did): a newer decoder reads an
+ *                older message as unversioned, and an older one drops (and counts) a
+ *                versioned one (with the batch it came in), like any message it cannot read.
  *   HEARTBEAT:   0 8 live attempts of the sender
  *   GOODBYE, RESET (the sender forgets everything peers hold from it; ATTEMPTs follow):  empty
  *   SNAP_REQ:    0 8 target replica.  Sent to the snapshot subject (a queue group, with a reply
@@ -108,6 +122,9 @@ enum kvr_msg_type {
 /* OUTPUT flags */
 #define KVR_MSG_OUT_NOT_FINAL 1u
 
+/* RANK flags */
+#define KVR_MSG_RANK_VERSIONED 1u
+
 struct kvr_msg_header {
 	uint8_t version, type;
 	uint32_t body_len;
@@ -126,9 +143,9 @@ struct kvr_wmsg {
 	const uint8_t *blocks, *tail, *out; /* u64 x n_blocks, u32 x tail_n, u32 x n_out */
 	/* OUTPUT: attempt, n_out/out, flags (KVR_MSG_OUT_*).  PREFILL_DONE, FINISH, ABORT:
 	 * attempt. */
-	/* RANK */
+	/* RANK; rank_clock and rank_writer are 0 in an unversioned one */
 	uint32_t op, max_batched_tokens;
-	uint64_t capacity;
+	uint64_t capacity, rank_clock, rank_writer;
 	/* HEARTBEAT */
 	uint64_t live;
 	/* SNAP_REQ: target; FENCE: fence_replica/epoch/seq */

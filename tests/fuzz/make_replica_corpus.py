@@ -3,7 +3,8 @@
 every type of the replica sync wire format (sync/replica_msg.h, version 2), a batch (version 2
 stream messages back to back), the output finality flags (OUTPUT bit0, ATTEMPT bit3), plus a few
 broken ones (an unknown and the old version 1, a truncated message and batch, an unknown OUTPUT
-flag, ATTEMPT bit3 without output)."""
+flag, ATTEMPT bit3 without output), and versioned RANKs (flags bit0: clock and writer follow),
+valid and not (the flag without the version, the version without the flag)."""
 import os, struct, sys
 
 def msg(t, body, replica=7, epoch=99, seq=1, version=2):
@@ -32,7 +33,8 @@ def main():
 
     fence = msg(13, struct.pack('<QQQ', 3, 4, 5), seq=0)
     rank = msg(6, struct.pack('<IIQIIQQ', 1, 8192, 5, 0, 0, 1, 400))
-    recs = [admit(12, 7, 2, 1, 3), rank, fence]
+    rank_v = msg(6, struct.pack('<IIQIIQQQQ', 2, 8192, 5, 0, 1, 1, 400, 1700000000000000000, 7))
+    recs = [admit(12, 7, 2, 1, 3), rank, rank_v, fence]
     seeds = {
         'admit': admit(),
         'attempt': admit(12, 3, 4, 0, 5),
@@ -48,6 +50,10 @@ def main():
         'finish': msg(4, struct.pack('<Q', 0x10001)),
         'abort': msg(5, struct.pack('<Q', 0x10001)),
         'rank': rank,
+        # RANK flags bit0: versioned, (clock, writer) after the fixed part
+        'rank_versioned': rank_v,
+        'rank_flag_no_version': msg(6, struct.pack('<IIQIIQQ', 1, 8192, 5, 0, 1, 1, 400)),
+        'rank_version_no_flag': msg(6, struct.pack('<IIQIIQQQQ', 1, 8192, 5, 0, 0, 1, 400, 9, 7)),
         'heartbeat': msg(7, struct.pack('<Q', 12), seq=40),
         'goodbye': msg(8, b''),
         'reset': msg(9, b''),
