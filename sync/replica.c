@@ -55,8 +55,10 @@
  *
  * Outage.  While disconnected, notes are not sent (counted as unpublished) and routing goes on
  * on local knowledge.  On reconnect the replica sends RESET (peers drop what they mirror of it),
- * re-announces its live attempts and the attempts it finished during the outage (as ATTEMPTs),
- * then resyncs from a peer's snapshot to learn what it missed.
+ * its rank table, re-announces its live attempts and the attempts it finished during the outage
+ * (as ATTEMPTs), then resyncs from a peer's snapshot to learn what it missed.  Rank changes are
+ * versioned (sync/replica_ranks.c): the table it tells again may be older than the peers' (a
+ * rank removed meanwhile), and so may a snapshot; the newer change wins either way.
  *
  * Threads and locks.  Notes run on frontend threads (inside the router's RCU read section): they
  * copy what happened into a record and push it into a lock-free ring, nothing more.  The sender
@@ -74,7 +76,7 @@
  * Files, one job each (sync/replica_internal.h lists what they share): this one runs the apply
  * thread and the public side; replica_table.c the tables, replica_note.c the notes into the
  * outbound queue, replica_out.c the outbound stream, replica_apply.c the inbound stream and
- * liveness, replica_snap.c snapshots.
+ * liveness, replica_snap.c snapshots, replica_ranks.c the rank table's versions.
  */
 #include <inttypes.h>
 #include <pthread.h>

@@ -55,7 +55,14 @@ struct kvr_replica_config {
 	uint32_t snapshot_timeout_ms;
 	uint64_t journal_blocks; /* 0 = 2 x capacity per rank (65536 without capacity) */
 	uint64_t kept_bytes_max; /* 0 = KVR_REP_KEPT_BYTES_DEFAULT (kvr_sync_config) */
+	/* How long a removed rank's tombstone is kept (sync/replica_ranks.c); 0 =
+	 * KVR_REP_TOMBSTONE_MS_DEFAULT. */
+	uint64_t tombstone_ms;
 };
+
+/* One hour: an outage longer than this may bring back a rank removed meanwhile (every
+ * replica has forgotten the removal when the cut-off one re-announces its older add). */
+#define KVR_REP_TOMBSTONE_MS_DEFAULT 3600000ull
 
 /* Creates the core for router r; nothing is sent or attached yet, but deliveries are queued.
  * t is copied.  Returns 0, KVR_EINVAL, KVR_ENOMEM.  Context: any thread. */

@@ -291,72 +291,6 @@ static void apply_progress(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	}
 }
 
-/* A peer's rank change, applied to the router; then the table takes what the router holds
- * now, not what the message said: a change the router refused (an older incarnation:
- * KVR_ESTALE; an add of a present rank is a capacity change, refused alike) was written into
- * the table all the same, journal cleared, and the snapshots this replica served and its
- * re-announces carried the refused incarnation: a fresh joiner added the rank at it and refused
- * every admission at the rank's real one (test_replica_ranks
- * a_refused_rank_change_is_not_served).  The journal goes with the rank's predicted cache: at a
- * new incarnation, or a reset the router took. */
-void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
-{
-	struct kvr_rank_id id = {m->worker_id, m->dp_rank};
-	struct kvr_router *r = rep->r;
-	int rc = 0;
-	switch (m->op) {
-	case KVR_REPL_RANK_ADD: {
-		rc = APPLYING(
-		    kvr_rank_add(r, id, m->incarnation, m->capacity, m->max_batched_tokens));
-		if (rc == KVR_EEXIST) {
-			struct kvr_rank_stats s;
-			if (kvr_rank_get_stats(r, id, &s) == 0 &&
-			    (s.incarnation != m->incarnation || s.capacity_blocks != m->capacity))
-				APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
-		}
-		break;
-	}
-	case KVR_REPL_RANK_REMOVE: {
-		/* A removal told late (re-announced after its origin's outage) must not remove a
-		 * newer life of the rank, added meanwhile. */
-		struct kvr_rank_stats s;
-		if (kvr_rank_get_stats(r, id, &s) == 0 && s.incarnation > m->incarnation)
-			rc = KVR_ESTALE;
-		else
-			rc = APPLYING(kvr_rank_remove(r, id));
-		break;
-	}
-	case KVR_REPL_RANK_CAPACITY:
-		rc = APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
-		break;
-	case KVR_REPL_RANK_RESET:
-		rc = APPLYING(kvr_rank_reset(r, id, m->incarnation));
-		break;
-	}
-	struct kvr_rank_stats s;
-	bool present = kvr_rank_get_stats(r, id, &s) == 0;
-	pthread_mutex_lock(&rep->mu);
-	if (!present) {
-		if (kvr_rep_rank_find(rep, id)) /* a tombstone stays: our removal is to be told */
-			kvr_rep_rank_drop(rep, id);
-	} else {
-		bool known = kvr_rep_rank_find(rep, id) != NULL;
-		struct kvr_rep_rank *e = kvr_rep_rank_get(rep, id);
-		if (e) {
-			if (e->incarnation != s.incarnation ||
-			    (m->op == KVR_REPL_RANK_RESET && rc == 0))
-				kvr_rep_journal_clear(e);
-			e->incarnation = s.incarnation;
-			e->capacity = s.capacity_blocks;
-			/* The router keeps the first add's; ours too unless the rank is new here.
-			 */
-			if (m->op == KVR_REPL_RANK_ADD && (rc == 0 || !known))
-				e->mbt = m->max_batched_tokens;
-		}
-	}
-	pthread_mutex_unlock(&rep->mu);
-}
-
 /* Releases the attempts mirrored from origin (every origin but self when origin is 0): their
  * blocks stay predicted (journal), their load goes.  Returns how many. */
 uint64_t kvr_rep_release_mirrors(struct kvr_replica *rep, uint64_t origin)
@@ -644,6 +578,7 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns)
 		if (!rep->obuf.oom)
 			rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 	}
+	kvr_rep_ranks_expire(rep, now);
 	/* Saturating, and twice it too (kvr_rep_silence_bound). */
 	uint64_t bound = kvr_rep_silence_bound(rep);
 	struct kvr_rep_peer *dead[MAX_PEERS];

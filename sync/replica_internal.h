@@ -8,6 +8,7 @@
  *   sync/replica_out.c    outbound, the sender: encoding, the stream, re-announces
  *   sync/replica_apply.c  inbound: stream positions, applying peers' messages, liveness
  *   sync/replica_snap.c   snapshots: serving, collecting, applying
+ *   sync/replica_ranks.c  the rank table's versions: own and peers' rank changes, tombstones
  * Locks: `hmu` is held by whoever handles deliveries; `mu` guards the tables, the stream position
  * and the counters; `qmu` the delivery queue.  Order: hmu, then mu or qmu.
  * Router calls are never made under `mu` (see sync/replica.c, "Threads and locks").
@@ -92,19 +93,37 @@ struct kvr_rep_early {
 	uint64_t ns; /* when its end was handled (CLOCK_MONOTONIC) */
 };
 
+/* A rank change's version (sync/replica_ranks.c): a hybrid logical clock (wall-clock ns, or
+ * one past the highest clock made or seen here, whichever is larger) and the replica that made
+ * the change.  Ordered by clock, then writer.  {0, 0}: none (a change an older peer told
+ * unversioned). */
+struct kvr_rep_ver {
+	uint64_t clock, writer;
+};
+
+static inline int kvr_rep_ver_cmp(struct kvr_rep_ver a, struct kvr_rep_ver b)
+{
+	if (a.clock != b.clock)
+		return a.clock < b.clock ? -1 : 1;
+	return a.writer < b.writer ? -1 : a.writer > b.writer;
+}
+
 struct kvr_rep_rank {
 	struct kvr_rank_id id;
 	uint64_t incarnation, capacity;
 	uint32_t mbt;
 	struct kvr_rep_rec *jhead, *jtail; /* finished attempts, oldest first */
 	uint64_t jblocks;
-	/* Own changes the peers may not have heard (their publish failed: disconnected, or the
-	 * transport refused), which the re-announce's RANK adds cannot say: a removal (the entry
-	 * is kept as a tombstone, no rank: kvr_rep_rank_find skips it) and a reset (one keeping
-	 * the incarnation reads, in an add, as nothing new).  The re-announce tells them and
-	 * clears them once sent (sync/replica_out.c). */
+	/* A tombstone: the rank was removed (no rank: kvr_rep_rank_find skips it), at version
+	 * ver, removed_ns (CLOCK_MONOTONIC) ago.  Kept c.tombstone_ms so that an older add told
+	 * again (a cut-off peer's re-announce, a snapshot served before its provider heard the
+	 * removal) loses to it, and told in every re-announce and snapshot meanwhile. */
 	bool removed;
-	bool reset_unsent;
+	uint64_t removed_ns;
+	/* The version of the change that made the entry what it is (an add, a capacity change, a
+	 * reset, a removal), and of the last reset ({0, 0}: none).  The reset has its own: told
+	 * again, it must reset only a replica that has not heard it, whatever came after. */
+	struct kvr_rep_ver ver, reset_ver;
 };
 
 struct kvr_rep_peer {
@@ -157,6 +176,7 @@ struct kvr_replica {
 	struct kvr_rep_peer peers[MAX_PEERS];
 	size_t n_peers;
 	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
+	uint64_t rank_clock;        /* the highest rank version clock made or seen */
 	struct kvr_sync_stats st;
 
 	/* Held by whoever handles deliveries, heartbeats and resyncs: the apply thread, or a
@@ -290,9 +310,11 @@ void kvr_rep_map_remove(struct kvr_replica *rep, struct kvr_rep_rec *x);
 void kvr_rep_live_link(struct kvr_replica *rep, struct kvr_rep_rec *x);
 void kvr_rep_live_unlink(struct kvr_replica *rep, struct kvr_rep_rec *x);
 /* Ranks known to the cluster and their journals of finished attempts.  find: the rank's entry,
- * NULL if none or a tombstone (kvr_rep_rank.removed); get: the same, made (or a tombstone made a
- * rank again) if need be, NULL for memory; drop: forgets the entry, tombstone or not. */
+ * NULL if none or a tombstone (kvr_rep_rank.removed); entry: the same, a tombstone included;
+ * get: the same, made (or a tombstone made a rank again, its versions kept) if need be, NULL
+ * for memory; drop: forgets the entry, tombstone or not. */
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id);
+struct kvr_rep_rank *kvr_rep_rank_entry(struct kvr_replica *rep, struct kvr_rank_id id);
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_journal_clear(struct kvr_rep_rank *e);
@@ -324,7 +346,8 @@ bool kvr_rep_early_take(struct kvr_replica *rep, uint64_t a);
 void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t replica, uint64_t epoch,
                             uint64_t seq, const struct kvr_rep_rec *x, bool finished,
                             size_t max_len, uint64_t *truncated);
-/* Appends a RANK message (op, e's fields) to b.  Context: as kvr_rep_encode_attempt. */
+/* Appends a RANK message (op, e's fields) to b, versioned with e's version (its reset's for a
+ * reset; unversioned when it has none).  Context: as kvr_rep_encode_attempt. */
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e);
 /* Sends the stream messages waiting in sbuf as one transport message (published += n), or
@@ -355,9 +378,9 @@ void kvr_rep_out_fini(struct kvr_replica *rep);
 /* Asks peer id on the stream to re-announce (RESET + its attempts, finished ones of the last
  * window_ms too).  Context: mu held. */
 void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms);
-/* Sends RESET, the ranks (with the removals and resets whose publish failed), own attempts
- * finished since since_ns (0: none) and own live attempts.  Context: the apply thread; takes
- * mu. */
+/* Sends RESET, the rank table (kvr_rep_rank_told: tombstones and resets included, versioned),
+ * own attempts finished since since_ns (0: none) and own live attempts.  Context: the apply
+ * thread; takes mu. */
 void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns);
 
 /* ---------------------------------------------------------------- sync/replica_note.c
@@ -423,7 +446,6 @@ struct kvr_rep_rec *kvr_rep_rec_of_slabs(const struct kvr_replica *rep, uint64_t
 void kvr_rep_handle(struct kvr_replica *rep, const uint8_t *data, size_t len, const char *reply);
 /* Books a peer's ADMIT/ATTEMPT (or catches a known one up; a finished one is replayed). */
 void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m);
-void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m);
 /* Releases the attempts mirrored from origin (every origin but self when 0; with unseen_only
  * only those a snapshot did not name): their blocks stay predicted, their load goes.  Returns
  * how many. */
@@ -450,6 +472,24 @@ int kvr_rep_resync(struct kvr_replica *rep);
  * that refused a chunk may refuse this too; then the asker waits).  Context: any thread (reads
  * only what is set at create). */
 void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t chunk);
+
+/* ---------------------------------------------------------------- sync/replica_ranks.c */
+
+/* A peer's rank change (a stream message, a snapshot's record), applied to the router unless
+ * the entry holds a newer version, then the table follows the router.  Context: the apply
+ * thread, mu not held. */
+void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m);
+/* An own rank change (the router made it): the entry takes it with a new version; the caller
+ * tells it.  Returns the entry, NULL for memory (not told: lost).  Context: the sender, mu
+ * held. */
+struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
+                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt);
+/* The RANK ops that tell entry e whole, in order, into ops[3]; returns how many: a tombstone's
+ * removal; else its add, then its last reset.  Context: mu held. */
+size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3]);
+/* Forgets the tombstones older than c.tombstone_ms (now: CLOCK_MONOTONIC ns).  Context: mu
+ * held. */
+void kvr_rep_ranks_expire(struct kvr_replica *rep, uint64_t now);
 
 /* ---------------------------------------------------------------- with the feeds (sync/feed.c) */
 

@@ -155,14 +155,19 @@ static void send_simple(struct kvr_replica *rep, unsigned type, uint64_t attempt
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e)
 {
+	const struct kvr_rep_ver v = op == KVR_REPL_RANK_RESET ? e->reset_ver : e->ver;
 	size_t off = kvr_msg_begin(b, KVR_MSG_RANK, replica, epoch, seq);
 	kvr_msg_put_u32(b, op);
 	kvr_msg_put_u32(b, e->mbt);
 	kvr_msg_put_u64(b, e->id.worker_id);
 	kvr_msg_put_u32(b, e->id.dp_rank);
-	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u32(b, v.clock ? KVR_MSG_RANK_VERSIONED : 0);
 	kvr_msg_put_u64(b, e->incarnation);
 	kvr_msg_put_u64(b, e->capacity);
+	if (v.clock) {
+		kvr_msg_put_u64(b, v.clock);
+		kvr_msg_put_u64(b, v.writer);
+	}
 	kvr_msg_end(b, off);
 }
 
@@ -298,51 +303,20 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 	}
 }
 
-/* An own rank change: the table, then the stream.  A removal or a reset is sent at once (rank
- * changes are rare), so that whether it went is known: one that did not is kept in the table
- * (kvr_rep_rank.removed, .reset_unsent) for the re-announce to tell.  Before, the re-announce
- * after an outage or a failed publish sent an add for each rank still in the table: a removed
- * one was gone from it, and a reset keeping the incarnation read as nothing new, so the peers
- * routed to a removed worker for good and kept a reset rank's predicted cache
- * (test_replica_ranks). */
+/* An own rank change: the table takes it with a new version (sync/replica_ranks.c), then the
+ * stream tells it.  Whether it went out needs no tracking: every re-announce (after an outage,
+ * a failed publish, or a peer's request) tells the whole table again, tombstones and resets
+ * included, and versions make that harmless.  Before, a removal was dropped from the table once
+ * its publish returned and a reset marked told, so one the connection lost after the publish
+ * (dead, not yet noticed) was never told again (test_replica_ranks
+ * rank_changes_lost_after_their_publish_reach_the_peers). */
 static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, uint64_t incarnation,
                      uint64_t capacity, uint32_t mbt)
 {
-	struct kvr_rep_rank *e = kvr_rep_rank_get(rep, rank);
-	if (!e)
-		return;
-	if (op == KVR_REPL_RANK_ADD) {
-		e->incarnation = incarnation;
-		e->capacity = capacity;
-		e->mbt = mbt;
-	} else if (op == KVR_REPL_RANK_CAPACITY) {
-		if (incarnation != e->incarnation)
-			kvr_rep_journal_clear(e);
-		e->incarnation = incarnation;
-		e->capacity = capacity;
-	} else if (op == KVR_REPL_RANK_RESET) {
-		kvr_rep_journal_clear(e);
-		e->incarnation = incarnation;
-	} else if (op == KVR_REPL_RANK_REMOVE) {
-		kvr_rep_journal_clear(e);
-	}
-	struct kvr_rep_rank copy = *e;
-	if (op != KVR_REPL_RANK_REMOVE && op != KVR_REPL_RANK_RESET) {
-		send_rank(rep, (unsigned)op, &copy);
-		return;
-	}
-	/* A failure on the way counts every message it loses, this one included. */
-	uint64_t lost = rep->st.unpublished;
-	send_rank(rep, (unsigned)op, &copy);
-	bool sent = kvr_rep_stream_flush(rep) && rep->st.unpublished == lost;
-	if (op == KVR_REPL_RANK_RESET) {
-		e->reset_unsent = !sent;
-	} else if (sent) {
-		kvr_rep_rank_drop(rep, rank);
-	} else {
-		e->removed = true;
-		e->reset_unsent = false;
-	}
+	const struct kvr_rep_rank *e =
+	    kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt);
+	if (e)
+		send_rank(rep, (unsigned)op, e);
 }
 
 static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
@@ -617,14 +591,14 @@ void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t windo
 		rep->t.publish(rep->t.ctx, rep->obuf.p, rep->obuf.len);
 }
 
-/* After a reconnect: RESET, the ranks (an add each, and the removals and resets that did not go
- * out: out_rank), then every own live attempt and every own attempt finished since
- * the outage began, so peers rebuild what they hold of us.  Own means of this life: a fresh
- * replica takes the finished attempts of its id's earlier lives from a snapshot as history
- * (apply_snapshot), stamped finished as it applies them, and announced them again as its own:
- * every restart under one id sent its peers the whole journal (~500 attempts a restart with
- * 1,000-block ranks), which they booked, finished and journaled again as new, so old history
- * came back as the most recent in their LRUs (test_replica_epoch
+/* After a reconnect: RESET, the rank table (kvr_rep_rank_told: every entry, tombstones and
+ * resets included, versioned, so that peers ignore what they hold newer), then every own live
+ * attempt and every own attempt finished since the outage began, so peers rebuild what they hold of
+ * us.  Own means of this life: a fresh replica takes the finished attempts of its id's earlier
+ * lives from a snapshot as history (apply_snapshot), stamped finished as it applies them, and
+ * announced them again as its own: every restart under one id sent its peers the whole journal
+ * (~500 attempts a restart with 1,000-block ranks), which they booked, finished and journaled again
+ * as new, so old history came back as the most recent in their LRUs (test_replica_epoch
  * a_new_life_does_not_announce_its_earlier_lives_history). */
 void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 {
@@ -632,25 +606,16 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 	rep->want_reannounce = false;
 	rep->reannounce_ms = 0;
 	rep->connected = true;
-	uint64_t lost = rep->st.unpublished;
 	size_t off =
 	    kvr_msg_begin(&rep->sbuf, KVR_MSG_RESET, rep->c.replica_id, rep->epoch, rep->seq + 1);
 	kvr_msg_end(&rep->sbuf, off);
 	stream_added(rep);
-	bool told = false; /* tombstones or resets told */
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		const struct kvr_rep_rank *e = &rep->ranks[i];
-		if (e->removed) { /* its journal went with it */
-			send_rank(rep, KVR_REPL_RANK_REMOVE, e);
-			told = true;
-			continue;
-		}
-		if (e->reset_unsent) {
-			send_rank(rep, KVR_REPL_RANK_RESET, e);
-			told = true;
-		}
-		send_rank(rep, KVR_REPL_RANK_ADD, e);
-		for (struct kvr_rep_rec *x = rep->ranks[i].jhead; x; x = x->next) {
+		unsigned ops[3];
+		for (size_t k = 0, n = kvr_rep_rank_told(e, ops); k < n; k++)
+			send_rank(rep, ops[k], e);
+		for (struct kvr_rep_rec *x = e->jhead; x; x = x->next) { /* a tombstone has none */
 			if (!since_ns || x->origin != rep->c.replica_id ||
 			    x->oepoch != rep->epoch || x->fin_ns < since_ns)
 				continue;
@@ -667,13 +632,6 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 		                       rep->seq + 1, x, false, rep->max_msg, &rep->st.truncated);
 		stream_added(rep);
 	}
-	/* Told once sent; a failure keeps them for the next re-announce (which it asks). */
-	if (kvr_rep_stream_flush(rep) && rep->st.unpublished == lost && told) {
-		for (size_t i = rep->n_ranks; i-- > 0;) {
-			rep->ranks[i].reset_unsent = false;
-			if (rep->ranks[i].removed)
-				kvr_rep_rank_drop(rep, rep->ranks[i].id);
-		}
-	}
+	kvr_rep_stream_flush(rep); /* a failure asks for the next re-announce */
 	pthread_mutex_unlock(&rep->mu);
 }

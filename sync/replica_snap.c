@@ -97,12 +97,16 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 		kvr_msg_end(&rec1, off);
 		ADD_REC();
 	}
+	/* Every entry: a tombstone as its removal (the asker may hold the rank from an older
+	 * snapshot, or be told its add later by a peer that missed the removal); a rank as its
+	 * add and last reset (sync/replica_ranks.c), then its journal. */
 	for (size_t i = 0; i < rep->n_ranks && !failed; i++) {
 		struct kvr_rep_rank *e = &rep->ranks[i];
-		if (e->removed) /* a tombstone: no rank */
-			continue;
-		kvr_rep_encode_rank(&rec1, rep->c.replica_id, rep->epoch, 0, KVR_REPL_RANK_ADD, e);
-		ADD_REC();
+		unsigned ops[3];
+		for (size_t k = 0, n = kvr_rep_rank_told(e, ops); k < n && !failed; k++) {
+			kvr_rep_encode_rank(&rec1, rep->c.replica_id, rep->epoch, 0, ops[k], e);
+			ADD_REC();
+		}
 		for (struct kvr_rep_rec *x = e->jhead; x && !failed; x = x->next) {
 			kvr_rep_encode_attempt(&rec1, KVR_MSG_ATTEMPT, x->origin, x->oepoch, 0, x,
 			                       true, rec_max, &rep->st.truncated);

@@ -142,8 +142,7 @@ int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, b
 	return 0;
 }
 
-/* The rank's entry, a tombstone included. */
-static struct kvr_rep_rank *rank_entry(struct kvr_replica *rep, struct kvr_rank_id id)
+struct kvr_rep_rank *kvr_rep_rank_entry(struct kvr_replica *rep, struct kvr_rank_id id)
 {
 	for (size_t i = 0; i < rep->n_ranks; i++)
 		if (rep->ranks[i].id.worker_id == id.worker_id &&
@@ -154,18 +153,15 @@ static struct kvr_rep_rank *rank_entry(struct kvr_replica *rep, struct kvr_rank_
 
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = rank_entry(rep, id);
+	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
 	return e && !e->removed ? e : NULL;
 }
 
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = rank_entry(rep, id);
+	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
 	if (e) {
-		if (e->removed) { /* the rank is back: its removal is old news */
-			e->removed = false;
-			e->reset_unsent = false;
-		}
+		e->removed = false; /* the rank is back: the caller sets the version that says so */
 		return e;
 	}
 	if (rep->n_ranks == rep->ranks_cap) {
@@ -196,7 +192,7 @@ void kvr_rep_journal_clear(struct kvr_rep_rank *e)
 
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = rank_entry(rep, id);
+	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
 	if (!e)
 		return;
 	kvr_rep_journal_clear(e);

@@ -41,6 +41,25 @@ static inline void kvr_test_put_rank_op(struct kvr_msg_buf *b, uint64_t from, ui
 	kvr_msg_end(b, off);
 }
 
+/* The same, versioned (sync/replica_msg.h, RANK flags): the change's version is (clock,
+ * writer). */
+static inline void kvr_test_put_rank_ver(struct kvr_msg_buf *b, uint64_t from, uint64_t epoch,
+                                         uint64_t seq, uint32_t op, uint64_t w, uint64_t inc,
+                                         uint64_t cap, uint64_t clock, uint64_t writer)
+{
+	size_t off = kvr_msg_begin(b, KVR_MSG_RANK, from, epoch, seq);
+	kvr_msg_put_u32(b, op);
+	kvr_msg_put_u32(b, 8192);
+	kvr_msg_put_u64(b, w);
+	kvr_msg_put_u32(b, 0);
+	kvr_msg_put_u32(b, KVR_MSG_RANK_VERSIONED);
+	kvr_msg_put_u64(b, inc);
+	kvr_msg_put_u64(b, cap);
+	kvr_msg_put_u64(b, clock);
+	kvr_msg_put_u64(b, writer);
+	kvr_msg_end(b, off);
+}
+
 /* Appends an ADMIT or a live ATTEMPT (type) from replica `from`, life `epoch`, at stream position
  * seq to b: origin attempt id `attempt` on worker w (dp rank 0, incarnation inc), four blocks
  * given as hashes (an unknown chain: seed x 1000 + 1..4) of a prompt of four blocks of bs

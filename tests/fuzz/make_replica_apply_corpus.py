@@ -18,6 +18,11 @@ def frame(data, snapshot=False, fail=None):
 def rank(op=1, worker=5, seq=1, replica=7, inc=1, cap=400):
     return msg(6, struct.pack('<IIQIIQQ', op, 8192, worker, 0, 0, inc, cap), replica=replica, seq=seq)
 
+def rank_v(op, clock, worker=5, seq=1, replica=7, inc=1, cap=400, writer=7):
+    """A versioned RANK (flags bit0): the change's version is (clock, writer)."""
+    return msg(6, struct.pack('<IIQIIQQQQ', op, 8192, worker, 0, 1, inc, cap, clock, writer),
+               replica=replica, seq=seq)
+
 def simple(t, attempt, seq, replica=7):
     return msg(t, struct.pack('<Q', attempt), replica=replica, seq=seq)
 
@@ -47,6 +52,11 @@ seeds = {
     'rank_changes': [rank(seq=1, worker=9), admit(seq=2, attempt=A, worker=9),
                      rank(op=3, worker=9, seq=3, cap=2), rank(op=4, worker=9, seq=4, inc=2),
                      rank(op=2, worker=9, seq=5)],
+    # versioned: a removal, the older add told again (ignored), a reset told twice, a re-add
+    'rank_versions': [rank_v(1, 10, worker=9, seq=1), rank_v(2, 30, worker=9, seq=2),
+                      rank_v(1, 20, worker=9, seq=3), rank_v(1, 40, worker=9, seq=4, inc=2),
+                      rank_v(4, 50, worker=9, seq=5, inc=2), rank_v(4, 50, worker=9, seq=6, inc=2),
+                      (chunk([fence(7, 99, 6), rank_v(2, 60, worker=9)]), True)],
     'snapshot': [(chunk([fence(7, 99, 3), rank(), admit(12, 7, 2, 1, 3, attempt=B),
                          admit(12, 3, 4, 0, 5, attempt=A)]), True), simple(4, A, 4)],
 }

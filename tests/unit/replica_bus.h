@@ -76,16 +76,26 @@ static struct bus {
 static int port[BUS_N] = {0, 1, 2};
 /* kept_bytes_max of the replicas bus_router makes (0: the default). */
 static uint64_t bus_kept_max;
+/* tombstone_ms of the replicas bus_router makes (0: the default). */
+static uint64_t bus_tombstone_ms;
 /* Replica i's publishes fail (KVR_EAGAIN: a transport that refuses) while bus_down[i]. */
 static bool bus_down[BUS_N];
+/* Replica i's publishes are taken and lost (a connection that died unnoticed) while
+ * bus_lose[i]. */
+static bool bus_lose[BUS_N];
+/* Nothing published reaches replica j (cut off, or its stream far behind) while bus_deaf[j];
+ * snapshot requests and replies still go. */
+static bool bus_deaf[BUS_N];
 
 static inline int bus_publish(void *ctx, const void *buf, size_t len)
 {
 	int i = *(int *)ctx;
 	if (__atomic_load_n(&bus_down[i], __ATOMIC_ACQUIRE))
 		return KVR_EAGAIN;
+	if (__atomic_load_n(&bus_lose[i], __ATOMIC_ACQUIRE))
+		return 0;
 	for (int j = 0; j < BUS_N; j++)
-		if (j != i && bus.rep[j])
+		if (j != i && bus.rep[j] && !__atomic_load_n(&bus_deaf[j], __ATOMIC_ACQUIRE))
 			kvr_replica_deliver(bus.rep[j], buf, len, NULL);
 	return 0;
 }
@@ -175,6 +185,7 @@ static inline void bus_create_as(int i, struct kvr_router *r, uint64_t id)
 	    .dead_after = 1000, /* nobody is given up during the test */
 	    .snapshot_timeout_ms = 5000,
 	    .kept_bytes_max = bus_kept_max,
+	    .tombstone_ms = bus_tombstone_ms,
 	};
 	struct kvr_replica_transport t = {.ctx = &port[i],
 	                                  .publish = bus_publish,
@@ -260,9 +271,11 @@ static inline void bus_teardown(struct kvr_router **r, int n)
 		bus.rep[i] = NULL;
 		kvr_router_destroy(r[i]);
 	}
-	for (int i = 0; i < BUS_N; i++)
+	for (int i = 0; i < BUS_N; i++) {
 		for (struct bus_chunk *c; (c = bus_take(i));)
 			free(c);
+		bus_down[i] = bus_lose[i] = bus_deaf[i] = false;
+	}
 }
 
 static inline void all_agree(struct kvr_router **r, int n, const char *when)

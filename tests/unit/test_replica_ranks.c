@@ -4,8 +4,11 @@
  * (tests/unit/replica_bus.h); a peer's words written by hand (tests/common/replica_wire.h).
  */
 #include "core/replica_hooks.h"
+#include "sync/replica_internal.h"
 #include "tests/common/replica_wire.h"
 #include "tests/unit/replica_bus.h"
+
+static bool has_rank(struct kvr_router *r, uint64_t w);
 
 static struct kvr_rank_stats stats_of(struct kvr_router *r, uint64_t w)
 {
@@ -24,6 +27,123 @@ static void peer_rank(struct kvr_replica *rep, uint64_t seq, uint32_t op, uint64
 	cr_assert(!b.oom);
 	kvr_replica_deliver(rep, b.p, b.len, NULL);
 	kvr_msg_buf_fini(&b);
+}
+
+/* The same, versioned (clock, writer 5). */
+static void peer_rank_v(struct kvr_replica *rep, uint64_t seq, uint32_t op, uint64_t w,
+                        uint64_t inc, uint64_t clock)
+{
+	struct kvr_msg_buf b = {0};
+	kvr_test_put_rank_ver(&b, 5, 100, seq, op, w, inc, 1000, clock, 5);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	kvr_msg_buf_fini(&b);
+}
+
+/* A RANK message's version (sync/replica_msg.h): read when flagged, absent (0) in the older
+ * layout, and the two layouts never mixed. */
+Test(replica_ranks, rank_versions_on_the_wire, .timeout = 60)
+{
+	struct kvr_msg_buf b = {0};
+	struct kvr_wmsg m;
+	kvr_test_put_rank_ver(&b, 5, 100, 1, KVR_REPL_RANK_REMOVE, 3, 7, 1000, 12345, 9);
+	cr_assert_eq(b.len, KVR_MSG_HEADER + 56);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), 0);
+	cr_assert_eq(m.op, KVR_REPL_RANK_REMOVE);
+	cr_assert_eq(m.worker_id, 3);
+	cr_assert_eq(m.rank_clock, 12345);
+	cr_assert_eq(m.rank_writer, 9);
+	b.p[KVR_MSG_HEADER + 20] = 0; /* flag cleared, 16 bytes too many */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	b.p[KVR_MSG_HEADER + 20] = 3; /* an unknown flag */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	b.p[KVR_MSG_HEADER + 20] = 1;
+	memset(b.p + KVR_MSG_HEADER + 40, 0, 8); /* clock 0 */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	b.len = 0;
+	kvr_test_put_rank_op(&b, 5, 100, 1, KVR_REPL_RANK_ADD, 3, 7, 1000);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), 0);
+	cr_assert_eq(m.rank_clock, 0);
+	cr_assert_eq(m.rank_writer, 0);
+	b.p[KVR_MSG_HEADER + 20] = 1; /* flagged, the version missing */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	kvr_msg_buf_fini(&b);
+}
+
+/* A peer's versioned rank changes: the newer wins whatever the order they come in; a removal
+ * leaves a tombstone, for a rank this router never had too; a reset told again resets once. */
+Test(replica_ranks, the_newer_rank_change_wins, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1); /* ranks 0 and 1 at incarnation 7 */
+	bus_quiet(r, 1);
+	uint64_t t0 = 0; /* newer than replica 1's own adds (their clock) */
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	for (size_t i = 0; i < bus.rep[0]->n_ranks; i++)
+		if (bus.rep[0]->ranks[i].ver.clock > t0)
+			t0 = bus.rep[0]->ranks[i].ver.clock;
+	pthread_mutex_unlock(&bus.rep[0]->mu);
+	peer_rank_v(bus.rep[0], 1, KVR_REPL_RANK_REMOVE, 0, 7, t0 + 100);
+	peer_rank_v(bus.rep[0], 2, KVR_REPL_RANK_ADD, 0, 7, t0 + 50);     /* stale: told again */
+	peer_rank_v(bus.rep[0], 3, KVR_REPL_RANK_REMOVE, 3, 7, t0 + 100); /* never had it */
+	peer_rank_v(bus.rep[0], 4, KVR_REPL_RANK_ADD, 3, 7, t0 + 50);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert(!has_rank(r[0], 0), "an older add brought the removed rank back");
+	cr_assert(!has_rank(r[0], 3), "an add older than the removal that came first was taken");
+	peer_rank_v(bus.rep[0], 5, KVR_REPL_RANK_ADD, 0, 8, t0 + 200); /* a real re-add */
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(stats_of(r[0], 0).incarnation, 8);
+	/* A reset: applied once, however often told. */
+	struct kvr_decision d = bus_route(r[0], 7, 64);
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	struct kvr_rank_id one = d.rank;
+	cr_assert_gt(n_blocks(r[0], one), 0);
+	peer_rank_v(bus.rep[0], 6, KVR_REPL_RANK_RESET, one.worker_id,
+	            stats_of(r[0], one.worker_id).incarnation, t0 + 300);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	cr_assert_eq(n_blocks(r[0], one), 0);
+	d = bus_route(r[0], 7, 64);
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	cr_assert_eq(d.rank.worker_id, one.worker_id); /* its cached prefix was reset: same cost */
+	size_t kept = n_blocks(r[0], one);
+	cr_assert_gt(kept, 0);
+	peer_rank_v(bus.rep[0], 7, KVR_REPL_RANK_RESET, one.worker_id,
+	            stats_of(r[0], one.worker_id).incarnation, t0 + 300);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	cr_assert_eq(n_blocks(r[0], one), kept, "a reset told again reset the rank again");
+	bus_teardown(r, 1);
+}
+
+/* A tombstone is forgotten tombstone_ms after the removal (the table does not grow for good
+ * with removed ranks); until then it is kept. */
+Test(replica_ranks, tombstones_are_forgotten_after_their_keep, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_tombstone_ms = 300;
+	bus_start(r, 1);
+	bus_tombstone_ms = 0;
+	bus_quiet(r, 1);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){1, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	struct kvr_replica *rep = bus.rep[0];
+	pthread_mutex_lock(&rep->mu);
+	const struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, (struct kvr_rank_id){1, 0});
+	cr_assert(e && e->removed, "no tombstone");
+	pthread_mutex_unlock(&rep->mu);
+	bool gone = false;
+	for (int k = 0; k < 200 && !gone; k++) { /* heartbeats every 50 ms expire it */
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+		pthread_mutex_lock(&rep->mu);
+		gone = !kvr_rep_rank_entry(rep, (struct kvr_rank_id){1, 0});
+		pthread_mutex_unlock(&rep->mu);
+	}
+	cr_assert(gone, "the tombstone outlived its keep");
+	bus_teardown(r, 1);
 }
 
 /* A peer's rank change with an older incarnation is refused by the router (KVR_ESTALE: a
@@ -109,10 +229,16 @@ static void wait_snapshots(int i, uint64_t n)
 	               (unsigned long)st.snapshots_applied, (unsigned long)n);
 }
 
+/* How replica 1's rank changes fail to reach its peer. */
+enum unheard {
+	CUT_OFF, /* down, and it knows (kvr_replica_disconnected): nothing is published */
+	REFUSED, /* the transport refuses the publishes (the bus fails them) */
+	LOST,    /* the transport takes them and loses them (a connection that died unnoticed) */
+};
+
 /* Replica 1 removes rank 2 and resets ranks 0 and 1 keeping their incarnation, while its
- * publishes do not go out: cut off (down: kvr_replica_disconnected) or refused by the transport
- * (the bus fails them).  Returns once they are done on its router. */
-static void change_ranks_unheard(struct kvr_router **r, bool cut_off)
+ * publishes do not reach replica 2 (how).  Returns once they are done on its router. */
+static void change_ranks_unheard(struct kvr_router **r, enum unheard how)
 {
 	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){2, 0}, 7, 1000, 4096), 0);
 	for (uint32_t k = 0; k < 12; k++) {
@@ -126,17 +252,19 @@ static void change_ranks_unheard(struct kvr_router **r, bool cut_off)
 	cr_assert_gt(n_blocks(r[1], (struct kvr_rank_id){0, 0}) +
 	                 n_blocks(r[1], (struct kvr_rank_id){1, 0}),
 	             0);
-	if (cut_off)
+	if (how == CUT_OFF)
 		kvr_replica_disconnected(bus.rep[0]);
 	else
-		__atomic_store_n(&bus_down[0], true, __ATOMIC_RELEASE);
+		__atomic_store_n(how == REFUSED ? &bus_down[0] : &bus_lose[0], true,
+		                 __ATOMIC_RELEASE);
 	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
 	for (uint64_t w = 0; w < 2; w++)
 		cr_assert_eq(kvr_rank_reset(r[0], (struct kvr_rank_id){w, 0}, 7), 0);
 	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0); /* the notes handled, not sent */
 	struct kvr_sync_stats st;
 	kvr_replica_get_stats(bus.rep[0], &st);
-	cr_assert_geq(st.unpublished, 3);
+	if (how != LOST)
+		cr_assert_geq(st.unpublished, 3);
 }
 
 /* Replica 2 holds what replica 1 holds: no rank 2, ranks 0 and 1 empty.  Polled for 10 s at most
@@ -190,7 +318,7 @@ Test(replica_ranks, rank_changes_made_while_cut_off_reach_the_peers, .timeout = 
 {
 	struct kvr_router *r[2];
 	bus_start(r, 2);
-	change_ranks_unheard(r, true);
+	change_ranks_unheard(r, CUT_OFF);
 	kvr_replica_reconnected(bus.rep[0]);
 	wait_snapshots(0, 1);
 	check_heard(r, "after the outage");
@@ -203,10 +331,145 @@ Test(replica_ranks, rank_changes_whose_publish_failed_reach_the_peers, .timeout 
 {
 	struct kvr_router *r[2];
 	bus_start(r, 2);
-	change_ranks_unheard(r, false);
+	change_ranks_unheard(r, REFUSED);
 	__atomic_store_n(&bus_down[0], false, __ATOMIC_RELEASE);
 	check_heard(r, "after the failed publishes");
 	bus_teardown(r, 2);
+}
+
+/* The same with publishes the transport took and lost: the connection died just after them and
+ * the replica noticed only later.  They had gone out as far as it knew, so they were not kept
+ * (the removal's entry dropped, the reset marked told), and the re-announce after the reconnect
+ * did not tell them again: the peer routed to the removed rank for good and kept the reset
+ * ranks' predicted caches. */
+Test(replica_ranks, rank_changes_lost_after_their_publish_reach_the_peers, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	change_ranks_unheard(r, LOST);
+	__atomic_store_n(&bus_lose[0], false, __ATOMIC_RELEASE);
+	kvr_replica_disconnected(bus.rep[0]); /* noticed now */
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_snapshots(0, 1);
+	check_heard(r, "after the unnoticed loss");
+	bus_teardown(r, 2);
+}
+
+static bool has_rank(struct kvr_router *r, uint64_t w)
+{
+	struct kvr_rank_stats s;
+	return kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s) == 0;
+}
+
+/* Polls (10 s at most) until no router of r[0..n-1] has rank w; says which still has it (r[0]
+ * is replica first + 1). */
+static void rank_gone_from(struct kvr_router **r, int first, int n, uint64_t w, const char *how)
+{
+	int left = -1;
+	for (int k = 0; k < 100; k++) {
+		bus_quiet(r, n);
+		left = -1;
+		for (int i = 0; i < n && left < 0; i++)
+			if (has_rank(r[i], w))
+				left = i;
+		if (left < 0)
+			return;
+		struct timespec ts = {0, 100000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_fail("%s: replica %d still has the removed rank %lu", how, first + left + 1,
+	               (unsigned long)w);
+}
+
+static void rank_gone_everywhere(struct kvr_router **r, int n, uint64_t w, const char *how)
+{
+	rank_gone_from(r, 0, n, w, how);
+}
+
+/* Rank 2 added on replica 1 and known to every replica of r[0..n-1]. */
+static void add_rank_2(struct kvr_router **r, int n)
+{
+	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){2, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, n);
+	for (int i = 0; i < n; i++)
+		cr_assert(has_rank(r[i], 2), "replica %d never heard rank 2", i + 1);
+}
+
+/* Replica 2 is cut off (it knows: kvr_replica_disconnected; and it hears nothing) while replica 1
+ * removes rank 2.  Back, it re-announced its rank table, rank 2 included, and replica 1 took the
+ * add for a real one: the rank came back on both.  A stale re-announce and a re-add read alike
+ * without versions; now replica 1's removal is newer than the add replica 2 repeats. */
+Test(replica_ranks, a_rank_removed_while_a_peer_was_cut_off_stays_removed, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	add_rank_2(r, 2);
+	kvr_replica_disconnected(bus.rep[1]);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert(has_rank(r[1], 2));
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	kvr_replica_reconnected(bus.rep[1]);
+	wait_snapshots(1, 2); /* its first at its start */
+	rank_gone_everywhere(r, 2, 2, "after the cut-off peer's reconnect");
+	/* Both still route, and a real re-add (newer) goes through. */
+	cr_assert_eq(kvr_rank_add(r[1], (struct kvr_rank_id){2, 0}, 8, 1000, 4096), 0);
+	bus_quiet(r, 2);
+	cr_assert(has_rank(r[0], 2), "a re-add after the removal did not reach the peer");
+	bus_teardown(r, 2);
+}
+
+/* Replica 3 heard replica 1 remove rank 2 but replica 2 had not yet (its stream far behind) when
+ * replica 3 resynced (an outage of its own) and took replica 2's snapshot, which still listed
+ * the rank: its records were applied whatever the fences said, and the rank came back on
+ * replica 3 for good.  The removal's version now beats the snapshot's older add, whichever
+ * comes first: the removal applied first leaves a tombstone. */
+Test(replica_ranks, a_snapshot_older_than_a_removal_does_not_bring_the_rank_back, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	add_rank_2(r, 3);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[2], 10000), 0);
+	cr_assert(!has_rank(r[2], 2));
+	cr_assert(has_rank(r[1], 2));
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[2], &st);
+	kvr_replica_disconnected(bus.rep[2]);
+	kvr_replica_reconnected(bus.rep[2]); /* the bus asks replica 2 for the snapshot */
+	wait_snapshots(2, st.snapshots_applied + 1);
+	cr_assert_eq(kvr_replica_drain(bus.rep[2], 10000), 0);
+	cr_assert(!has_rank(r[2], 2), "the older snapshot brought the removed rank back");
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	rank_gone_everywhere(r, 3, 2, "once replica 2 caught up");
+	bus_teardown(r, 3);
+}
+
+/* A replica joins after replica 1 removed rank 2 (it never hears the removal) and takes its
+ * snapshot from replica 2, whose stream is behind: the snapshot lists rank 2 and fences
+ * replica 1 before the removal.  The joiner sees the gap at replica 1's next heartbeat and asks
+ * it to re-announce, but replica 1 had dropped the removed rank from its table once the removal
+ * went out, so nothing told the joiner: it kept the rank for good.  Replica 1 keeps the removal
+ * (a tombstone, versioned) and re-announces it. */
+Test(replica_ranks, a_joiner_served_before_a_removal_loses_the_rank, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 2);
+	add_rank_2(r, 2);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	r[2] = make();
+	bus_attach(2, r[2]); /* the bus asks replica 2, the last ready one */
+	cr_assert_eq(kvr_replica_drain(bus.rep[2], 10000), 0);
+	cr_assert(has_rank(r[2], 2), "the snapshot was not the stale one this test needs");
+	rank_gone_from(r + 2, 2, 1, 2, "the joiner");
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	rank_gone_everywhere(r, 3, 2, "once replica 2 caught up");
+	bus_teardown(r, 3);
 }
 
 /* A removal re-announced after its origin's outage may come after the rank was added again with

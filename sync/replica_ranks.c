@@ -1,0 +1,233 @@
+/*
+ * sync/replica_ranks.c - the replica's rank table as a versioned register per rank (issue 14):
+ * own rank changes take a version, peers' are applied only when newer than what the entry
+ * holds, and a removal leaves a tombstone.
+ *
+ * Why.  Any replica may add, remove, reset or resize a rank, and a replica tells its whole rank
+ * table again after an outage or a loss (its re-announce: the changes whose publish may not
+ * have arrived) and in every snapshot it serves.  What it tells may then be older than what the
+ * receiver holds: a replica cut off while another removed a rank re-announced its add, and the
+ * rank came back on every replica; a snapshot served before its provider applied a removal
+ * brought the rank back to the replica that took it (test_replica_ranks).  Without an order, a
+ * stale add and a real re-add read alike.  And without tombstones a removal could not be told
+ * again at all: it was dropped from the table once published, so one lost after the publish (a
+ * connection that died unnoticed) or missed by a joiner stayed lost.
+ *
+ * The idea: last writer wins.  Every entry carries the version of the change that made it what
+ * it is, (clock, writer replica id), ordered by clock then writer; a change told with an older
+ * or equal version than the entry's is ignored, so telling anything again is harmless, and
+ * re-announces and snapshots tell every entry, tombstones included.  A reset has a version of
+ * its own (reset_ver): told again, it resets only a replica that has not heard it, whatever
+ * came after it.  The clock is hybrid (Kulkarni et al., "Logical Physical Clocks", 2014): the
+ * wall clock's ns, or one past the highest clock made or seen here if that is larger.  Lamport's
+ * rule (above everything seen) orders a change after every change its writer had heard of; the
+ * wall clock orders changes made without hearing each other (a replica restarted with a rank in
+ * its router is a real re-add now, not an old add), so what was done last, as far as the clocks
+ * agree, wins.
+ *
+ * Tombstones are kept c.tombstone_ms (an hour by default) after the removal: an outage longer
+ * than that may still bring a removed rank back, since nobody remembers the removal when the
+ * cut-off replica re-announces its add.
+ *
+ * Messages without a version (an older peer's) are applied as before, unconditionally, and
+ * leave the entry's versions as they are.  The router stays the truth of a rank's values: the
+ * entry takes what the router holds after a change, and the change's version only when the
+ * router took it (a refused change would otherwise win over the one the router kept).
+ *
+ * Context: everything here runs with `mu` held, but kvr_rep_apply_rank, which calls the router
+ * without it (sync/replica.c, "Threads and locks").
+ */
+#include <time.h>
+
+#include "sync/replica_internal.h"
+
+/* A new version for an own change.  mu held. */
+static struct kvr_rep_ver ver_next(struct kvr_replica *rep)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	uint64_t wall = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	rep->rank_clock = wall > rep->rank_clock ? wall : rep->rank_clock + 1;
+	return (struct kvr_rep_ver){rep->rank_clock, rep->c.replica_id};
+}
+
+struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
+                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_get(rep, rank);
+	if (!e)
+		return NULL;
+	const struct kvr_rep_ver v = ver_next(rep);
+	e->ver = v;
+	switch (op) {
+	case KVR_REPL_RANK_ADD:
+		e->incarnation = incarnation;
+		e->capacity = capacity;
+		e->mbt = mbt;
+		break;
+	case KVR_REPL_RANK_CAPACITY:
+		if (incarnation != e->incarnation)
+			kvr_rep_journal_clear(e);
+		e->incarnation = incarnation;
+		e->capacity = capacity;
+		break;
+	case KVR_REPL_RANK_RESET:
+		kvr_rep_journal_clear(e);
+		e->incarnation = incarnation;
+		e->reset_ver = v;
+		break;
+	case KVR_REPL_RANK_REMOVE:
+		kvr_rep_journal_clear(e);
+		e->removed = true;
+		e->removed_ns = kvr_rep_mono_ns();
+		break;
+	}
+	return e;
+}
+
+size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3])
+{
+	size_t n = 0;
+	if (e->removed) {
+		ops[n++] = KVR_REPL_RANK_REMOVE;
+		return n;
+	}
+	ops[n++] = KVR_REPL_RANK_ADD;
+	if (e->reset_ver.clock) /* after the add: a replica that lacked the rank has it to reset */
+		ops[n++] = KVR_REPL_RANK_RESET;
+	return n;
+}
+
+void kvr_rep_ranks_expire(struct kvr_replica *rep, uint64_t now)
+{
+	uint64_t keep_ms = rep->c.tombstone_ms ? rep->c.tombstone_ms : KVR_REP_TOMBSTONE_MS_DEFAULT;
+	uint64_t keep = keep_ms > UINT64_MAX / 1000000u ? UINT64_MAX : keep_ms * 1000000u;
+	for (size_t i = rep->n_ranks; i-- > 0;) { /* a drop moves the last entry into i */
+		const struct kvr_rep_rank *e = &rep->ranks[i];
+		if (e->removed && now - e->removed_ns > keep)
+			kvr_rep_rank_drop(rep, e->id);
+	}
+}
+
+/* Whether two capacities are the same setting (0 and KVR_CAPACITY_NONE are both TTL retention;
+ * the router reports the second). */
+static bool same_capacity(uint64_t a, uint64_t b)
+{
+	return a == b || ((a == 0 || a == KVR_CAPACITY_NONE) && (b == 0 || b == KVR_CAPACITY_NONE));
+}
+
+/* Whether the entry of rank id holds a version newer than or equal to v for op: the change is
+ * stale.  A reset is judged by the last reset's version, or by a tombstone's.  mu held. */
+static bool stale(struct kvr_replica *rep, struct kvr_rank_id id, uint32_t op, struct kvr_rep_ver v)
+{
+	const struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
+	if (!e)
+		return false;
+	if (op == KVR_REPL_RANK_RESET && !e->removed)
+		return kvr_rep_ver_cmp(e->reset_ver, v) >= 0;
+	return kvr_rep_ver_cmp(e->ver, v) >= 0;
+}
+
+/* A peer's rank change, applied to the router; then the table takes what the router holds
+ * now, not what the message said: a change the router refused (an older incarnation:
+ * KVR_ESTALE; an add of a present rank is a capacity change, refused alike) was written into
+ * the table all the same, journal cleared, and the snapshots this replica served and its
+ * re-announces carried the refused incarnation: a fresh joiner added the rank at it and refused
+ * every admission at the rank's real one (test_replica_ranks
+ * a_refused_rank_change_is_not_served).  The journal goes with the rank's predicted cache: at a
+ * new incarnation, or a reset the router took. */
+void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
+{
+	struct kvr_rank_id id = {m->worker_id, m->dp_rank};
+	const struct kvr_rep_ver v = {m->rank_clock, m->rank_writer};
+	const bool versioned = v.clock != 0;
+	if (versioned) {
+		pthread_mutex_lock(&rep->mu);
+		if (v.clock > rep->rank_clock)
+			rep->rank_clock = v.clock;
+		bool old = stale(rep, id, m->op, v);
+		pthread_mutex_unlock(&rep->mu);
+		if (old)
+			return;
+	}
+	struct kvr_router *r = rep->r;
+	int rc = 0;
+	switch (m->op) {
+	case KVR_REPL_RANK_ADD: {
+		rc = APPLYING(
+		    kvr_rank_add(r, id, m->incarnation, m->capacity, m->max_batched_tokens));
+		if (rc == KVR_EEXIST) {
+			struct kvr_rank_stats s;
+			if (kvr_rank_get_stats(r, id, &s) == 0 &&
+			    (s.incarnation != m->incarnation || s.capacity_blocks != m->capacity))
+				APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
+		}
+		break;
+	}
+	case KVR_REPL_RANK_REMOVE: {
+		/* A removal told late (re-announced after its origin's outage) must not remove a
+		 * newer life of the rank, added meanwhile. */
+		struct kvr_rank_stats s;
+		if (kvr_rank_get_stats(r, id, &s) == 0 && s.incarnation > m->incarnation)
+			rc = KVR_ESTALE;
+		else
+			rc = APPLYING(kvr_rank_remove(r, id));
+		break;
+	}
+	case KVR_REPL_RANK_CAPACITY:
+		rc = APPLYING(kvr_rank_set_capacity(r, id, m->incarnation, m->capacity));
+		break;
+	case KVR_REPL_RANK_RESET:
+		rc = APPLYING(kvr_rank_reset(r, id, m->incarnation));
+		break;
+	}
+	struct kvr_rank_stats s;
+	bool present = kvr_rank_get_stats(r, id, &s) == 0;
+	pthread_mutex_lock(&rep->mu);
+	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
+	if (!present) {
+		if (versioned && m->op == KVR_REPL_RANK_REMOVE) {
+			/* A tombstone, even for a rank this router never had (a removal that came
+			 * before the snapshot or re-announce still listing the rank): the older
+			 * add told later loses to it. */
+			if (!e)
+				e = kvr_rep_rank_get(rep, id);
+			if (e) {
+				kvr_rep_journal_clear(e);
+				e->removed = true;
+				e->removed_ns = kvr_rep_mono_ns();
+				e->ver = v;
+			}
+		} else if (e && !e->removed) {
+			kvr_rep_rank_drop(rep, id);
+		}
+	} else {
+		bool known = e && !e->removed;
+		e = kvr_rep_rank_get(rep, id);
+		if (e) {
+			if (e->incarnation != s.incarnation ||
+			    (m->op == KVR_REPL_RANK_RESET && rc == 0))
+				kvr_rep_journal_clear(e);
+			e->incarnation = s.incarnation;
+			e->capacity = s.capacity_blocks;
+			/* The router keeps the first add's; ours too unless the rank is new here.
+			 */
+			if (m->op == KVR_REPL_RANK_ADD && (rc == 0 || !known))
+				e->mbt = m->max_batched_tokens;
+			/* The version only with the change: one the router refused (an older
+			 * incarnation) must not win over what it kept. */
+			bool took = m->op == KVR_REPL_RANK_RESET
+			                ? rc == 0
+			                : m->op != KVR_REPL_RANK_REMOVE &&
+			                      s.incarnation == m->incarnation &&
+			                      same_capacity(s.capacity_blocks, m->capacity);
+			if (versioned && took) {
+				if (m->op == KVR_REPL_RANK_RESET)
+					e->reset_ver = v;
+				if (kvr_rep_ver_cmp(v, e->ver) > 0)
+					e->ver = v;
+			}
+		}
+	}
+	pthread_mutex_unlock(&rep->mu);
+}
