@@ -533,7 +533,9 @@ struct kvr_decision {
 	uint64_t cached_tokens;   /* overlap_blocks * block_size */
 	uint64_t attempt;         /* the attempt id (lease); 0 for query-only */
 	uint64_t ticket;          /* queue ticket when status == KVR_QUEUED */
-	double cost;              /* the chosen rank's cost */
+	double cost;              /* the chosen rank's cost (Dynamo's formula, kvr_config's
+	                           * weights); +-inf where finite weights overflow a double
+	                           * (1e308: the choice is still the least cost's) */
 	int error;                /* KVR_FAILED: the KVR_E* code of the failed admission; else 0 */
 };
 
