@@ -597,6 +597,7 @@ int kvr_lru_release(struct kvr_lru *lru, uint64_t attempt, struct kvr_lru_out *o
 		return rc;
 	lru->epoch++;
 	lru->priv -= l->priv;
+	kvr_lru_heal_unghost(lru, l);
 	/* keep_private: the private blocks stay as a phantom, deepest of this release. */
 	if (phantom)
 		kvr_lru_phantom_push(lru, l->priv);

@@ -130,6 +130,20 @@ static void kill_ghost(struct kvr_lru *lru, uint64_t h, uint32_t d, void *ctx)
 	kvr_lru_ghost_kill(lru, h);
 }
 
+/* Not at the acquire: an answer reads the ghosts of the blocks its request brought back (their
+ * recency is what it proves).  But an answer may never come (the engine answers some requests,
+ * or none after one), and until the block is evicted again its ghost stayed live while the
+ * prediction held it: counted twice in the recency of every block evicted before it, which
+ * raised the lower bounds that later answers proved.  So the release kills them too; the blocks
+ * an answer already did are not looked up again. */
+void kvr_lru_heal_unghost(struct kvr_lru *lru, struct lease *l)
+{
+	uint32_t from = l->unghosted > l->hit ? l->unghosted : l->hit;
+	if (lru->gh.cap && from < l->nblocks)
+		lease_scan(lru, l, from, l->nblocks, kill_ghost, NULL);
+	l->unghosted = l->nblocks;
+}
+
 static uint64_t sub_sat(uint64_t a, uint64_t b)
 {
 	return a > b ? a - b : 0;
@@ -211,7 +225,7 @@ int kvr_lru_heal_cached(struct kvr_lru *lru, uint64_t attempt, uint32_t true_dep
 		}
 	}
 	/* The attempt holds its new blocks now: they are no ghosts any more. */
-	lease_scan(lru, l, l->hit, l->nblocks, kill_ghost, NULL);
+	kvr_lru_heal_unghost(lru, l);
 	kvr_lru_cap_bound(lru, lo, hi, out);
 	res->lower = lo;
 	res->upper = hi;

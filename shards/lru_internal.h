@@ -79,8 +79,9 @@ struct lease {
 	uint32_t n, cap;
 	uint32_t priv;
 	uint32_t nblocks;
-	uint32_t nprompt; /* blocks the acquire took (the prompt's; output follows them) */
-	uint32_t hit;     /* blocks the acquire found present (the predicted depth) */
+	uint32_t nprompt;   /* blocks the acquire took (the prompt's; output follows them) */
+	uint32_t hit;       /* blocks the acquire found present (the predicted depth) */
+	uint32_t unghosted; /* its blocks below this depth are no ghosts any more (lru_heal.c) */
 };
 
 struct cursor {
@@ -178,6 +179,10 @@ void kvr_lru_heads_fini(struct kvr_lru *lru);
 
 /* lru.c */
 struct lease *kvr_lru_find_lease(const struct kvr_lru *lru, uint64_t attempt);
+/* lru_heal.c: the lease's blocks stored since its acquire (or its last answer) are no ghosts:
+ * called as it is released, so that a request never answered leaves no ghost of a block it
+ * brought back. */
+void kvr_lru_heal_unghost(struct kvr_lru *lru, struct lease *l);
 
 /* lru_segs.c: the segment store */
 /* Makes room for n new segments.  0, KVR_ERANGE or KVR_ENOMEM. */

@@ -6,6 +6,7 @@
  * that prove nothing drift back toward the registration (or, once an answer proved the
  * registration too small, explore above it); a registration resets it all. */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <string.h>
 
 #include "core/alloc.h"
@@ -201,4 +202,27 @@ Test(heal_cap, an_answer_out_of_memory_turns_no_ghosts_on)
 		teardown();
 	}
 	cr_assert_eq(want, 4);
+}
+
+/* A block brought back by a request that never gets an answer is no ghost once that request
+ * ends: before, its ghost stayed live while the prediction held it again, and every later answer
+ * counted it twice in the recency of the blocks evicted before it (the upper bound below was 7
+ * where the engine can hold at most 6). */
+Test(heal_cap, a_block_brought_back_unanswered_is_no_ghost)
+{
+	make(4);
+	acq(1, (uint64_t[]){1}, 1);
+	cached(1, 0);                            /* ghosts on */
+	rel(1);                                  /* inactive [1] */
+	acq(2, (uint64_t[]){10, 11, 12, 13}, 4); /* 1 goes (ghost 1) */
+	rel(2);                                  /* inactive, oldest first: 13 12 11 10 */
+	acq(3, (uint64_t[]){20}, 1);             /* 13 goes (ghosts 1 13) */
+	rel(3);
+	acq(4, (uint64_t[]){13}, 1); /* 13 back, never answered; 12 goes (ghosts 1 13 12) */
+	rel(4);
+	acq(5, (uint64_t[]){1}, 1); /* 11 goes (ghosts 1 13 12 11) */
+	cached(5, 0);
+	/* The engine missed 1: it holds at most what the router holds (4: 10 20 13 1) and what
+	 * was evicted after 1 and not stored again (12 11): 6. */
+	cr_assert_eq(h.upper, 6, "upper bound %" PRIu64, h.upper);
 }
