@@ -210,7 +210,9 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		ep_free(e);
 		return KVR_ENOMEM;
 	}
-	e->monitored = zmq_socket_monitor(e->sub, mon, ZMQ_EVENT_DISCONNECTED) == 0;
+	e->monitored =
+	    zmq_socket_monitor(e->sub, mon,
+	                       ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED) == 0;
 	if (!e->monitored || !(e->mon = zmq_socket(f->zctx, ZMQ_PAIR)) ||
 	    zmq_connect(e->mon, mon) != 0) {
 		ep_free(e);
@@ -221,7 +223,8 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 	zmq_setsockopt(e->sub, ZMQ_LINGER, &zero, sizeof(zero));
 	zmq_setsockopt(e->sub, ZMQ_RCVHWM, &hwm, sizeof(hwm));
 	zmq_setsockopt(e->sub, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
-	const int ivl_max = FEED_RECONNECT_IVL_MAX_MS;
+	const int ivl = FEED_RECONNECT_IVL_MS, ivl_max = FEED_RECONNECT_IVL_MAX_MS;
+	zmq_setsockopt(e->sub, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
 	zmq_setsockopt(e->sub, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
 	if (zmq_setsockopt(e->sub, ZMQ_SUBSCRIBE, e->topic, strlen(e->topic)) != 0 ||
 	    zmq_connect(e->sub, e->endpoint) != 0) {
@@ -713,7 +716,7 @@ static void *feed_main(void *arg)
 		bool box_ready = f->items[n - 1].revents & ZMQ_POLLIN;
 		/* Endpoints first: a command may remove one and reshuffle the array.  A
 		 * disconnection before the messages (kvr_feed_monitor drains what came before
-		 * it). */
+		 * it; sync/feed_seq.c, "Restarts across a reconnection"). */
 		for (uint32_t i = 0; i < ne && !halted(f); i++) {
 			if (f->items[1 + ne + i].revents & ZMQ_POLLIN)
 				kvr_feed_monitor(f, f->eps[i]);

@@ -41,6 +41,24 @@ struct rstate {
  * replayed or reported as a gap, as for any first connection (feed_seq.c). */
 #define FEED_RECONNECT_IVL_MAX_MS 1000
 
+/* ZMQ_RECONNECT_IVL of a SUB socket, ms (ZeroMQ's default, set explicitly because the feed
+ * relies on it): a new connection's first batch is queued at least this long after the old
+ * one's disconnection is on the monitor, so a look at the monitor every FEED_MON_EVERY_MS
+ * while draining sees the disconnection before any batch of the new connection (feed_seq.c). */
+#define FEED_RECONNECT_IVL_MS 100
+#define FEED_MON_EVERY_MS     20
+_Static_assert(FEED_MON_EVERY_MS * 2 <= FEED_RECONNECT_IVL_MS,
+               "the monitor is read well within a reconnection's wait");
+
+/* ep.reconn (sync/feed_seq.c, "Restarts across a reconnection"). */
+enum {
+	RC_NONE,  /* no disconnection pending */
+	RC_TAIL,  /* disconnected, no new connection yet: what sub holds is the old one's */
+	RC_MIXED, /* disconnected and reconnected before the old tail was read: sub holds the old
+	           * connection's last batches, then the new one's, the boundary unknown */
+	RC_NEXT,  /* the old connection's batches are all read: the next is the new one's first */
+};
+
 struct kvr_feed;
 struct ep;
 /* Makes e's replay DEALER (e->dealer) and connects it to e->replay.  0, KVR_ENOMEM (no socket
@@ -57,9 +75,13 @@ struct ep {
 	uint64_t worker_id;
 	uint32_t dp_rank;
 	void *sub, *dealer;
-	void *mon;        /* PAIR: sub's monitor events (disconnections) */
-	bool monitored;   /* zmq_socket_monitor started on sub */
-	bool reconnected; /* sub lost its connection since the last live batch */
+	void *mon;      /* PAIR: sub's monitor events (disconnections, handshakes) */
+	bool monitored; /* zmq_socket_monitor started on sub */
+	/* Where sub's queue stands against its last disconnection (RC_*, sync/feed_seq.c,
+	 * "Restarts across a reconnection"); mon_ns: when mon was last read (kvr_feed_mono_ns). */
+	uint8_t reconn;
+	bool reconn_judged; /* RC_MIXED: a batch was taken for a restart */
+	uint64_t mon_ns;
 	bool have_seq, have_live;
 	uint64_t next_seq, last_live;
 	struct rstate *rs;
@@ -293,8 +315,9 @@ void kvr_feed_drain(struct kvr_feed *f, struct ep *e);
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s);
 /* Resyncs every missed rank the router knows by now. */
 void kvr_feed_resync_added(struct kvr_feed *f);
-/* Reads e's monitor events: on a disconnection, drains what the old connection delivered,
- * then marks e reconnected (its next live batch decides restart or not). */
+/* Reads e's monitor events (disconnections, new connections' handshakes) into e->reconn, and
+ * after a disconnection drains what the old connection delivered (its first live batch after
+ * those decides restart or not). */
 void kvr_feed_monitor(struct kvr_feed *f, struct ep *e);
 
 #endif

@@ -26,13 +26,39 @@
  * sends before then: the first seq the feed sees from the new publisher may lie above the old
  * one's, which the rules above would take for a gap and "heal" by replaying the new stream's
  * batches on top of the old stream's state.  So a monitor on the SUB socket reports
- * disconnections (ZMQ_EVENT_DISCONNECTED; what the old connection delivered is applied first),
- * and the first live batch after one decides: exactly next_seq continues the old stream (the
- * same publisher, nothing lost); any other is taken for a restart: the ranks are cleared and
- * the stream starts over from 0 (a replay from 0 then rebuilds the new publisher's state, or
- * the gap is reported).  The cost of that choice: the same publisher losing messages during a
- * network outage is also cleared and rebuilt, from 0, if its replay buffer still reaches back
- * that far, else the ranks refill as events come - never a state mixed from two streams.
+ * disconnections (ZMQ_EVENT_DISCONNECTED), and the first live batch of the new connection
+ * decides: exactly next_seq continues the old stream (the same publisher, nothing lost); any
+ * other is taken for a restart: the ranks are cleared and the stream starts over from 0 (a
+ * replay from 0 then rebuilds the new publisher's state, or the gap is reported).  The cost of
+ * that choice: the same publisher losing messages during a network outage is also cleared and
+ * rebuilt, from 0, if its replay buffer still reaches back that far, else the ranks refill as
+ * events come - never a state mixed from two streams.
+ *
+ * Which batch is the new connection's first.  ZeroMQ orders nothing between the monitor and
+ * the SUB socket, and a connect()ed SUB keeps one queue across reconnections: the old
+ * connection's last batches and the new one's first wait in it in order, with no mark between
+ * them.  Before, the feed read the monitor only between drains, so a drain that outlasted the
+ * reconnection (a replay's wait, a slow on_event_gap) applied the new publisher's batches by
+ * the old stream's rules, and the disconnection read afterwards had the new stream's next
+ * batch decide (test_feed_restart a_restart_queued_behind_the_old_streams_tail_is_a_restart).
+ * What libzmq 4.3's engine does give (stream_engine_base.cpp, session_base.cpp):
+ *  1. the old connection's batches are in the queue before its DISCONNECTED is on the monitor
+ *     (each read is flushed to the queue before the engine reads the end of the stream);
+ *  2. the new connection's HANDSHAKE_SUCCEEDED is on the monitor before its first batch is in
+ *     the queue, and that handshake comes at least ZMQ_RECONNECT_IVL after the DISCONNECTED.
+ * So (ep.reconn): while draining, the monitor is read after a batch is received whenever
+ * FEED_MON_EVERY_MS (20 ms, well within the 100 ms of 2.) have passed since the last look: a
+ * batch received before a look that shows no disconnection is the old connection's.  A
+ * DISCONNECTED makes RC_TAIL: what the queue holds is the old connection's (1.), applied by the
+ * rules above, and the monitor is read after every batch; the queue found empty then means the
+ * tail is read: RC_NEXT, and the next batch is the new connection's first, which decides.  A
+ * HANDSHAKE_SUCCEEDED seen in RC_TAIL (the feed read the disconnection only after the
+ * reconnection) makes RC_MIXED: the old tail, then the new connection's batches, the boundary
+ * unknowable from ZeroMQ; until the queue is found empty each batch that does not continue
+ * next_seq is taken for a restart (a continuing one is right under either reading), so that a
+ * new stream is never applied on the old one's state; the price, only after a late read, is an
+ * old tail that itself skipped a batch taken for a restart too (cleared and rebuilt from 0, as
+ * above).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -103,8 +129,14 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 		 * next_seq too when a replay ran ahead of the live stream (it was taken for
 		 * duplicates: the new stream's first batches dropped, the rest applied on the
 		 * old stream's state). */
-		bool ahead = e->reconnected && e->have_seq && seq != e->next_seq;
-		e->reconnected = false;
+		bool ahead = false;
+		if (e->reconn == RC_NEXT || e->reconn == RC_MIXED) {
+			ahead = e->have_seq && seq != e->next_seq;
+			if (e->reconn == RC_NEXT)
+				e->reconn = RC_NONE;
+			else if (ahead)
+				e->reconn_judged = true;
+		}
 		if (back || ahead) {
 			e->st.restarts++;
 			kvr_feed_count(f, KVR_C_FEED_RESTARTS, 1);
@@ -207,9 +239,10 @@ static const struct kvr_feed_batch *decode(struct kvr_feed *f, struct ep *e,
 	return NULL;
 }
 
-/* Asks the replay endpoint for every batch from start on and applies them in order. */
-void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
+/* Reads what e's monitor holds into e->reconn (see the top of the file). */
+static void read_monitor(struct kvr_feed *f, struct ep *e)
 {
+	e->mon_ns = kvr_feed_mono_ns();
 	for (;;) {
 		zmq_msg_t fr[2];
 		int n = recv_frames(e->mon, fr, 2);
@@ -219,16 +252,26 @@ void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
 		if (n == 2 && zmq_msg_size(&fr[0]) >= sizeof(ev))
 			memcpy(&ev, zmq_msg_data(&fr[0]), sizeof(ev));
 		close_frames(fr, n > 2 ? 2 : n);
-		if (ev != ZMQ_EVENT_DISCONNECTED)
-			continue;
-		/* What the old connection delivered is queued ahead of anything a new one can
-		 * bring (the reconnection waits ZMQ_RECONNECT_IVL, 100 ms): apply it by the old
-		 * rules first. */
-		kvr_feed_drain(f, e);
-		e->reconnected = true;
-		kvr_feed_log(f, e, LK_GAP, KVR_LOG_INFO,
-		             "publisher disconnected after seq %" PRIu64, e->last_live);
+		if (ev == ZMQ_EVENT_DISCONNECTED) {
+			/* In RC_MIXED the queue may still hold the old tail: it stays mixed. */
+			if (e->reconn != RC_MIXED)
+				e->reconn = RC_TAIL;
+			kvr_feed_log(f, e, LK_GAP, KVR_LOG_INFO,
+			             "publisher disconnected after seq %" PRIu64, e->last_live);
+		} else if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED && e->reconn == RC_TAIL) {
+			e->reconn = RC_MIXED;
+			e->reconn_judged = false;
+		}
 	}
+}
+
+void kvr_feed_monitor(struct kvr_feed *f, struct ep *e)
+{
+	read_monitor(f, e);
+	/* The old connection's tail, read at once: found empty, the next batch is the new
+	 * connection's first. */
+	if (e->reconn == RC_TAIL || e->reconn == RC_MIXED)
+		kvr_feed_drain(f, e);
 }
 
 /* What a resync's replay did not bring, [rs->next, got): counted and reported as a gap; if the
@@ -399,8 +442,21 @@ static void drain_some(struct kvr_feed *f, struct ep *e)
 	for (int k = 0; k < 256 && !kvr_feed_dying(f); k++) {
 		zmq_msg_t fr[3];
 		int n = recv_frames(e->sub, fr, 3);
-		if (n == 0)
+		if (n == 0) {
+			/* Empty after a disconnection: the old connection's tail is read (1. at the
+			 * top of the file).  After a mixed queue, the next batch is the new
+			 * connection's first unless one was taken for a restart already. */
+			if (e->reconn == RC_TAIL || (e->reconn == RC_MIXED && !e->reconn_judged))
+				e->reconn = RC_NEXT;
+			else if (e->reconn == RC_MIXED)
+				e->reconn = RC_NONE;
 			return;
+		}
+		/* After the receive: a batch received before a look that shows no disconnection,
+		 * or no new connection after one, is the old connection's. */
+		if (e->reconn == RC_TAIL ||
+		    kvr_feed_mono_ns() - e->mon_ns >= FEED_MON_EVERY_MS * 1000000ull)
+			read_monitor(f, e);
 		e->st.messages++;
 		kvr_feed_count(f, KVR_C_FEED_MESSAGES, 1);
 		if (n < 0) {
