@@ -86,8 +86,16 @@ static void report_gaps(const struct kvr_router *r, struct kvr_rank_id rank,
 		}
 }
 
+/* The one event id refused whatever the event: a lost event is reported as (its id, its id + 1)
+ * (on_event_gap), which for UINT64_MAX would be 2^64, so the report at the last id either
+ * wrapped to 0 or, as it was, saturated and named the wrong event (events_bound
+ * refusal_at_the_last_ids).  Taking it from the id space keeps every report exact. */
+#define EVENT_ID_NONE UINT64_MAX
+
 static int validate(const struct kvr_router *r, const struct kvr_event *ev)
 {
+	if (ev->event_id == EVENT_ID_NONE)
+		return KVR_EINVAL;
 	switch (ev->type) {
 	case KVR_EVENT_STORED:
 		if (ev->n_blocks == 0 || !ev->blocks)
@@ -116,6 +124,8 @@ static __attribute__((cold, noinline)) int invalid_event(const struct kvr_router
                                                          const struct kvr_event *ev)
 {
 	static const char fn[] = "kvr_events_apply";
+	if (ev->event_id == EVENT_ID_NONE)
+		return kvr_fail(KVR_EINVAL, "%s: event_id UINT64_MAX is not an event id", fn);
 	switch (ev->type) {
 	case KVR_EVENT_STORED:
 		if (ev->n_blocks == 0 || !ev->blocks)

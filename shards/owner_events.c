@@ -35,6 +35,8 @@
  *    removals came), checked at its next store: so a publisher hovering at the bound, each
  *    removal letting one store through, is reported once, not once per store.
  */
+#include <assert.h>
+
 #include "core/alloc.h"
 #include "core/limits.h"
 #include "shards/owner_internal.h"
@@ -144,15 +146,12 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	}
 	if (report_over) {
 		/* The refused event is lost too: an id gap before it (set above) runs through it,
-		 * else it alone; an unnumbered one reads (0, 1).  The last id saturates. */
+		 * else it alone; an unnumbered one reads (0, 1).  id + 1 does not wrap: UINT64_MAX
+		 * is no event id (core/events.c validate). */
+		assert(ev->event_id < UINT64_MAX);
 		if (!a->gap_to)
 			a->gap_from = ev->event_id;
 		a->gap_to = ev->event_id + 1;
-		if (!a->gap_to) {
-			a->gap_to = UINT64_MAX;
-			if (a->gap_from == UINT64_MAX)
-				a->gap_from = UINT64_MAX - 1;
-		}
 	}
 	kvr_owner_publish(ss, own);
 	return rc;

@@ -753,7 +753,8 @@ struct kvr_event_block {
 
 struct kvr_event {
 	int type;          /* enum kvr_event_type */
-	uint64_t event_id; /* per (worker, dp rank), increasing; 0 = unnumbered */
+	uint64_t event_id; /* per (worker, dp rank), increasing; 0 = unnumbered; UINT64_MAX is
+	                    * KVR_EINVAL (a lost event's report, its id + 1, must not wrap) */
 	bool has_parent;   /* stored: blocks follow parent_ext_hash */
 	uint64_t parent_ext_hash;
 	const struct kvr_event_block *blocks; /* stored (borrowed) */
@@ -767,8 +768,9 @@ struct kvr_event {
  * Applies one KV event of a rank on the rank's shard.  Event ids: an id at or below the last
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
  * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
- * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays),
- * KVR_ERANGE (stored: the rank would exceed its bound, below; nothing applied), KVR_ENOMEM
+ * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays,
+ * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, below; nothing
+ * applied), KVR_ENOMEM
  * (nothing changed, the event id cursor included: the same event may be applied
  * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):

@@ -6,6 +6,7 @@
  * included) is untouched; a rank without a capacity is bounded by
  * kvr_config.events_max_blocks. */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -187,6 +188,37 @@ Test(events_bound, id_gap_and_refusal_merge)
 	cr_assert_eq(stats().event_gaps, 2, "an id gap and an episode");
 	cr_assert_eq(kvr_test_metric(router, "kvr_event_gaps_total"), 1);
 	cr_assert_eq(store_chain(9, 100, 1), KVR_ESTALE, "a refused id is not applied later");
+	kvr_router_destroy(router);
+}
+
+/* At the top of the id space the report is exact.  A refusal at UINT64_MAX - 1 reads
+ * (UINT64_MAX - 1, UINT64_MAX), merged with an id gap before it.  UINT64_MAX itself is no event
+ * id (KVR_EINVAL, nothing applied, nothing reported): its report would need got = 2^64.
+ * Before, a refusal at UINT64_MAX was reported as (UINT64_MAX - 1, UINT64_MAX), an event that
+ * was not lost, and an id gap through it lost the refused event itself. */
+Test(events_bound, refusal_at_the_last_ids)
+{
+	make(KVR_CAPACITY_NONE, 16);
+	cr_assert_eq(store_chain(UINT64_MAX - 3, 1, 16), 0);
+	cr_assert_eq(store_chain(UINT64_MAX, 100, 1), KVR_EINVAL, "UINT64_MAX is no event id");
+	cr_assert_eq(gap_calls, 0, "nothing reported (%" PRIu64 "..%" PRIu64 ")", gap_expected,
+	             gap_got);
+	cr_assert_eq(stats().event_gaps, 0);
+	cr_assert_eq(clear(UINT64_MAX), KVR_EINVAL, "nor for a clear");
+	cr_assert_eq(stats().indexed_blocks, 16, "nothing applied");
+	/* An id gap (UINT64_MAX - 2) and the refused UINT64_MAX - 1: one report, exact. */
+	cr_assert_eq(store_chain(UINT64_MAX - 1, 100, 1), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 1);
+	cr_assert_eq(gap_expected, UINT64_MAX - 2);
+	cr_assert_eq(gap_got, UINT64_MAX, "UINT64_MAX - 2 never came, UINT64_MAX - 1 refused");
+	kvr_router_destroy(router);
+
+	make(KVR_CAPACITY_NONE, 16);
+	cr_assert_eq(store_chain(UINT64_MAX - 2, 1, 16), 0);
+	cr_assert_eq(store_chain(UINT64_MAX - 1, 100, 1), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 1);
+	cr_assert_eq(gap_expected, UINT64_MAX - 1, "the refused event alone");
+	cr_assert_eq(gap_got, UINT64_MAX);
 	kvr_router_destroy(router);
 }
 
