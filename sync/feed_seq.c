@@ -464,9 +464,15 @@ static void drain_some(struct kvr_feed *f, struct ep *e)
 			return;
 		}
 		uint64_t seq;
-		if (n != 3 || !read_seq(&fr[1], &seq)) {
+		/* END_SEQ ends a replay; as a live batch's seq it left next_seq wrapped to 0 (every
+		 * later batch a gap from 0), and a gap or a loss there could not be reported (its
+		 * end, one past it, does not fit). */
+		if (n != 3 || !read_seq(&fr[1], &seq) || seq == END_SEQ) {
 			close_frames(fr, n > 3 ? 3 : n); /* n > 3: the first 3 are held */
-			malformed(f, e, n != 3 ? "not 3 frames" : "seq frame is not 8 bytes");
+			malformed(f, e,
+			          n != 3           ? "not 3 frames"
+			          : seq != END_SEQ ? "seq frame is not 8 bytes"
+			                           : "seq is 2^64 - 1 (a replay's end mark)");
 			continue;
 		}
 		bool oom;
