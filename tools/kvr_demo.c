@@ -5,7 +5,9 @@
  *
  * usage: kvr-demo [--block-size N] [--max N] TRACE...
  */
+#include <errno.h>
 #include <getopt.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +57,20 @@ static int set_add(struct set *s, uint64_t h)
 	return 0;
 }
 
+/* A whole decimal number in [lo, hi] (strtoull alone took "16k" for 16, wrapped "-16" and
+ * 4294967312 into other block sizes, and read "abc" as 0: a silently different run). */
+static int parse_u64(const char *s, unsigned long long lo, unsigned long long hi,
+                     unsigned long long *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (s[0] < '0' || s[0] > '9' || *end || errno || v < lo || v > hi)
+		return -1;
+	*out = v;
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	uint32_t bs = 16;
@@ -67,11 +83,20 @@ int main(int argc, char **argv)
 	while ((c = getopt_long(argc, argv, "b:m:h", opts, NULL)) != -1) {
 		switch (c) {
 		case 'b':
-			bs = (uint32_t)strtoul(optarg, NULL, 10);
+		case 'm': {
+			unsigned long long v;
+			if (parse_u64(optarg, c == 'b' ? 1 : 0, c == 'b' ? 65536 : SIZE_MAX, &v)) {
+				fprintf(stderr, "kvr-demo: --%s %s: expected %s\n",
+				        c == 'b' ? "block-size" : "max", optarg,
+				        c == 'b' ? "a number in 1..65536" : "a number of requests");
+				return 2;
+			}
+			if (c == 'b')
+				bs = (uint32_t)v;
+			else
+				max = (size_t)v;
 			break;
-		case 'm':
-			max = strtoull(optarg, NULL, 10);
-			break;
+		}
 		default:
 			fprintf(stderr, "usage: kvr-demo [--block-size N] [--max N] TRACE...\n");
 			return c == 'h' ? 0 : 2;
@@ -91,7 +116,7 @@ int main(int argc, char **argv)
 		}
 	}
 	trace_finish(&t);
-	if (bs == 0 || t.block_size % bs) {
+	if (t.block_size % bs) {
 		fprintf(stderr, "kvr-demo: block size %u must divide the trace's %u\n", bs,
 		        t.block_size);
 		trace_free(&t);
