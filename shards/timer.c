@@ -2,7 +2,8 @@
  * shards/timer.c - binary min-heap timers with O(1) stale-cancel detection (see timer.h).
  *
  * Id layout: (generation << 32) | (slab index + 1).  A record's generation is bumped whenever
- * it is freed, so an id of a fired or cancelled timer never matches again.
+ * it is freed, so an id of a fired or cancelled timer never matches again; a record at the last
+ * generation is retired instead of freed (remove_at).
  */
 #include "shards/timer.h"
 
@@ -142,10 +143,16 @@ static void remove_at(struct kvr_timers *t, uint32_t pos)
 		sift_up(t, t->rec[last].heap_pos);
 	}
 	struct kvr_timer_rec *rec = &t->rec[r];
-	rec->gen++;
-	if (rec->gen == 0)
-		rec->gen = 1;
 	rec->fn = NULL;
+	/* A record whose generations are used up is retired, not reused: wrapping to 1 gave the
+	 * ids of its first life back after 2^32 - 1 reuses (33 s of add and cancel), and a cancel
+	 * of such a stale id cancelled the live timer that had its number.  One record (40 bytes)
+	 * per 2^32 timers. */
+	if (rec->gen == UINT32_MAX) {
+		rec->heap_pos = NONE;
+		return;
+	}
+	rec->gen++;
 	rec->heap_pos = t->free_head;
 	t->free_head = r;
 }
