@@ -606,6 +606,15 @@ uint64_t kvr_load_prefill_tokens(const struct kvr_load *l, uint64_t now)
 	return sum - q->tokens + kept;
 }
 
+uint64_t kvr_load_decay_end(const struct kvr_load *l)
+{
+	if (!l || l->expected_prefill == 0 || !l->oldest_valid)
+		return 0;
+	const struct req *q = find(l, l->oldest_attempt);
+	uint64_t end = q->start + l->expected_prefill;
+	return end < q->start ? UINT64_MAX : end;
+}
+
 size_t kvr_load_pinned_depth(const struct kvr_load *l, const uint64_t *seq, size_t n)
 {
 	if (!l || !seq)

@@ -73,6 +73,10 @@ int kvr_load_finish(struct kvr_load *load, uint64_t attempt);
 /* Active prefill tokens at time now, with the oldest in-prefill request decayed. */
 uint64_t kvr_load_prefill_tokens(const struct kvr_load *load, uint64_t now);
 
+/* When the oldest in-prefill request's decay ends (its start plus expected_prefill_ns), or 0
+ * when nothing decays (no expected_prefill_ns, nobody in prefill). */
+uint64_t kvr_load_decay_end(const struct kvr_load *load);
+
 /*
  * Potential load if a request with blocks seq[0..n) (borrowed; may be NULL if n == 0) and
  * uncached_tokens were added at time now.  Returns 0 or KVR_EINVAL.

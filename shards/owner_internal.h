@@ -84,6 +84,7 @@ struct kvr_shard_state {
 	size_t lb_cap;
 	struct kvr_rank_owned *ranks; /* every rank this shard owns */
 	bool reaper_armed;            /* the lease reaper's timer is pending */
+	bool decay_armed;             /* the prefill decay's timer is pending (owner_ranks.c) */
 	bool timers_broken;           /* a timer could not be armed: retry on the next call */
 	bool releases_owed;           /* some rank's owed list is not empty */
 };

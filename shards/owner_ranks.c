@@ -53,6 +53,49 @@ void kvr_owner_take_back(const struct kvr_owner_ctx *c, uint32_t slot, uint64_t 
 		                 __ATOMIC_RELEASE);
 }
 
+/* The decay's published steps: a decision reads the oldest prefill's tokens at most this share
+ * of them (plus one) above what they are now. */
+#define DECAY_STEPS 16u
+
+static void arm_decay(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t now);
+
+static void decay_fire(struct kvr_shard *sh, void *arg)
+{
+	(void)arg;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	ss->decay_armed = false;
+	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next)
+		if (kvr_load_decay_end(own->load))
+			kvr_owner_publish(ss, own); /* arms the next step while one decays */
+}
+
+/*
+ * expected_prefill_ns: the oldest prefill counts linearly less as it progresses, but a decision
+ * reads the load the shard last published, so between the rank's events it read the decay frozen
+ * (a 1,024-token prefill at 0 of 1,000 ns still counted whole at 5,000 ns, where
+ * kvr_rank_get_stats, computing at its own time, said 0).  While some rank's oldest prefill
+ * decays, one timer per shard publishes those ranks again every 1/DECAY_STEPS of
+ * expected_prefill_ns: one wake-up a step whatever the shard's rank count (a timer per rank would
+ * wake a parked shard as often as ranks times steps).  A failed arm is retried on the shard's next
+ * call, as the TTL timer's.  Context: own's shard (sh NULL: not on it, nothing armed).
+ */
+static void arm_decay(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t now)
+{
+	if (!sh || kvr_load_decay_end(own->load) <= now)
+		return;
+	struct kvr_shard_state *ss = kvr_owner_state(sh);
+	if (ss->decay_armed)
+		return;
+	uint64_t step = ss->c->expected_prefill_ns / DECAY_STEPS + 1;
+	uint64_t d = now + step < now ? UINT64_MAX - 1 : now + step;
+	if (kvr_shard_timer_add(sh, d, decay_fire, NULL, NULL) == 0) {
+		ss->decay_armed = true;
+	} else {
+		ss->timers_broken = true;
+		kvr_metrics_add(kvr_owner_mb(ss->c), KVR_C_SHARD_TIMER_ERRORS, 1);
+	}
+}
+
 /* Republishes the rank's load snapshot.  Ordering: relaxed stores; single writer. */
 void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own)
 {
@@ -69,8 +112,10 @@ void kvr_owner_publish(struct kvr_shard_state *ss, struct kvr_rank_owned *own)
 	} else {
 		resident = kvr_index_tree_size(c->index, own->slot);
 	}
+	uint64_t now = kvr_owner_now(c);
 	kvr_owner_publish_load(c, own->slot, st.active_blocks,
-	                       kvr_load_prefill_tokens(own->load, kvr_owner_now(c)));
+	                       kvr_load_prefill_tokens(own->load, now));
+	arm_decay(kvr_shard_current(), own, now);
 	__atomic_store_n(&pub->active_requests, st.active_requests, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->resident_blocks, resident, __ATOMIC_RELAXED);
 	__atomic_store_n(&pub->incarnation, own->incarnation, __ATOMIC_RELAXED);
@@ -260,8 +305,10 @@ void kvr_owner_retry_timers(struct kvr_shard *sh)
 	ss->timers_broken = false;
 	if (!ss->reaper_armed)
 		arm_reaper(sh, kvr_owner_now(ss->c));
-	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next)
+	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next) {
 		kvr_owner_arm_ttl(sh, own);
+		arm_decay(sh, own, kvr_owner_now(ss->c));
+	}
 }
 
 /* ---------------------------------------------------------------- shard life */

@@ -1828,3 +1828,47 @@ Test(router, each_rank_added_is_routable_at_once)
 	}
 	kvr_router_destroy(r);
 }
+
+/* With expected_prefill_ns, a decision sees the oldest prefill decay as time passes, not only
+ * at the rank's next event (before, a 1,024-token prefill of 1,000 ns still counted whole at
+ * 5,000 ns: cost 130 where the stats and an idle rank say 66; it is published again every
+ * 1/16 of the time, so at 500 ns it reads within 1/16 of the stats' 512). */
+static double query_cost(struct kvr_router *r)
+{
+	static uint32_t t[16];
+	prompt(t, 16, 90);
+	return route(r, t, 16, KVR_ROUTE_QUERY_ONLY).cost;
+}
+
+Test(router, decisions_see_the_oldest_prefill_decay)
+{
+	for (int sync = 0; sync < 2; sync++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_shards = 1;
+		c.now_ns = vclock;
+		c.expected_prefill_ns = 1000;
+		c.sync_booking = sync;
+		vnow = 1000;
+		struct kvr_router *r;
+		cr_assert_eq(kvr_router_create(&c, &r), 0);
+		struct kvr_rank_id id = {1, 0};
+		cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 0), 0);
+		static uint32_t t[1024];
+		prompt(t, 1024, 91);
+		struct kvr_decision d = route(r, t, 1024, 0);
+		cr_assert_eq(kvr_router_sync(r, 10000), 0);
+		cr_assert_eq(query_cost(r), 130.0, "1024 + 16 tokens of prefill, 2 decode blocks");
+		__atomic_store_n(&vnow, 1500, __ATOMIC_RELAXED);
+		cr_assert_eq(kvr_router_sync(r, 10000), 0);
+		double half = query_cost(r);
+		cr_assert(half >= 98.0 && half <= 98.0 + 64.0 / 16 + 1, "sync %d: cost %f at half",
+		          sync, half);
+		__atomic_store_n(&vnow, 6000, __ATOMIC_RELAXED);
+		cr_assert_eq(kvr_router_sync(r, 10000), 0);
+		cr_assert_eq(query_cost(r), 66.0, "sync %d: the prefill decayed away", sync);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		kvr_router_destroy(r);
+	}
+	vnow = 1000;
+}
