@@ -1,7 +1,13 @@
 /*
  * core/metrics_render.c - kvr_metrics_render: every counter, histogram and per-rank gauge in
- * Prometheus text exposition format (version 0.0.4).  Histograms are emitted with power-of-two
- * `le` bounds (the fine log-linear buckets merged), which keeps the text short and stable.
+ * Prometheus text exposition format (version 0.0.4).  Histograms are emitted with one `le` bound
+ * per power of two (the fine log-linear buckets merged), which keeps the text short and stable.
+ * A bound is inclusive (Prometheus counts the observations <= le), and the fine buckets split at
+ * powers of two, so each cumulative count holds the observations below 2^k, i.e. at most
+ * 2^k - 1 (observations are integers: ns, blocks): that is the bound written.  (It read 2^k,
+ * which left an observation of exactly 2^k out of its own bound: a decision with 1 block of
+ * overlap counted under le="2", not le="1".)  Nanoseconds are written as exact decimal seconds
+ * ("0.000001023"), as are the sums, which %.9g rounded.
  */
 #include <inttypes.h>
 #include <locale.h>
@@ -29,6 +35,26 @@ static void put(struct out *o, const char *fmt, ...)
 	va_end(ap);
 	if (n > 0)
 		o->len += (size_t)n;
+}
+
+/* ns as exact decimal seconds: "1.5", "0.000001023", "0".  Locale-free (no printf float). */
+static void put_ns_seconds(struct out *o, uint64_t ns)
+{
+	char frac[16];
+	snprintf(frac, sizeof(frac), "%09" PRIu64, ns % 1000000000u);
+	size_t n = strlen(frac);
+	while (n > 0 && frac[n - 1] == '0')
+		n--;
+	put(o, "%" PRIu64 "%s%.*s", ns / 1000000000u, n ? "." : "", (int)n, frac);
+}
+
+/* A histogram value v (a bound or the sum) as exposed: ns as seconds, else the integer. */
+static void put_hist_value(struct out *o, bool ns, uint64_t v)
+{
+	if (ns)
+		put_ns_seconds(o, v);
+	else
+		put(o, "%" PRIu64, v);
 }
 
 static const struct {
@@ -142,21 +168,21 @@ static const struct {
 static const struct {
 	enum kvr_hist h;
 	const char *name, *help;
-	double scale; /* value units -> exposed units */
+	bool ns; /* observed in ns, exposed in seconds; else exposed as observed */
 } hists[] = {
     {KVR_H_ROUTE_NS, "kvr_route_seconds",
-     "Whole route decision (sampled: 1 decision in 16 per thread)", 1e-9},
+     "Whole route decision (sampled: 1 decision in 16 per thread)", true},
     {KVR_H_HASH_NS, "kvr_route_hash_seconds",
-     "Route stage: block hashing (sampled: 1 decision in 16 per thread)", 1e-9},
+     "Route stage: block hashing (sampled: 1 decision in 16 per thread)", true},
     {KVR_H_MATCH_NS, "kvr_route_match_seconds",
-     "Route stage: index lookup and pinned depths (sampled: 1 in 16)", 1e-9},
+     "Route stage: index lookup and pinned depths (sampled: 1 in 16)", true},
     {KVR_H_SELECT_NS, "kvr_route_select_seconds",
-     "Route stage: scoring and choice (sampled: 1 in 16)", 1e-9},
+     "Route stage: scoring and choice (sampled: 1 in 16)", true},
     {KVR_H_ADMIT_NS, "kvr_route_admit_seconds",
-     "Route stage: admission, the booking posted (sampled: 1 in 16)", 1e-9},
-    {KVR_H_QUEUE_WAIT_NS, "kvr_queue_wait_seconds", "Time queued before admission", 1e-9},
-    {KVR_H_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks", "Predicted overlap per decision", 1},
-    {KVR_H_FEED_LAG_NS, "kvr_feed_lag_seconds", "KV event feed: publish to applied", 1e-9},
+     "Route stage: admission, the booking posted (sampled: 1 in 16)", true},
+    {KVR_H_QUEUE_WAIT_NS, "kvr_queue_wait_seconds", "Time queued before admission", true},
+    {KVR_H_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks", "Predicted overlap per decision", false},
+    {KVR_H_FEED_LAG_NS, "kvr_feed_lag_seconds", "KV event feed: publish to applied", true},
 };
 
 static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
@@ -189,24 +215,22 @@ static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 		uint64_t acc = 0, total = 0;
 		for (unsigned b = 0; b < KVR_HIST_BUCKETS; b++)
 			total += h[b];
-		/* power-of-two bounds: bucket b holds values < low(b+1); emit at each 2^k */
+		/* Bucket b holds values < low(b+1): the count of those < 2^k, i.e. <= 2^k - 1. */
 		unsigned b = 0;
 		for (unsigned k = 0; k < 40; k++) {
-			uint64_t bound = 1ull << k;
-			while (b < KVR_HIST_BUCKETS && kvr_hist_bucket_low(b + 1) <= bound) {
+			uint64_t below = 1ull << k;
+			while (b < KVR_HIST_BUCKETS && kvr_hist_bucket_low(b + 1) <= below) {
 				acc += h[b];
 				b++;
 			}
-			if (hists[i].scale == 1)
-				put(&o, "%s_bucket{le=\"%" PRIu64 "\"} %" PRIu64 "\n",
-				    hists[i].name, bound, acc);
-			else
-				put(&o, "%s_bucket{le=\"%.9g\"} %" PRIu64 "\n", hists[i].name,
-				    (double)bound * hists[i].scale, acc);
+			put(&o, "%s_bucket{le=\"", hists[i].name);
+			put_hist_value(&o, hists[i].ns, below - 1);
+			put(&o, "\"} %" PRIu64 "\n", acc);
 		}
-		put(&o, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", hists[i].name, total);
-		put(&o, "%s_sum %.9g\n%s_count %" PRIu64 "\n", hists[i].name,
-		    (double)sum * hists[i].scale, hists[i].name, total);
+		put(&o, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum ", hists[i].name, total,
+		    hists[i].name);
+		put_hist_value(&o, hists[i].ns, sum);
+		put(&o, "\n%s_count %" PRIu64 "\n", hists[i].name, total);
 	}
 	put(&o, "# HELP kvr_queue_depth Requests waiting\n# TYPE kvr_queue_depth gauge\n");
 	put(&o, "kvr_queue_depth %zu\n", kvr_queue_depth(r));

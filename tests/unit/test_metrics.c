@@ -96,3 +96,111 @@ Test(metrics, a_thread_counts_in_any_number_of_registries)
 		kvr_metrics_destroy(m[i]);
 	}
 }
+
+/* ---------------------------------------------------------------- the rendered page */
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrouter.h"
+
+/* A page rendered after two decisions: one with no predicted overlap, then one with exactly 1
+ * block (the first prompt's block, finished and cached). */
+static char *render_two_decisions(void)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 1000, 0), 0);
+	uint32_t t[32];
+	for (uint32_t i = 0; i < 32; i++)
+		t[i] = 100 + i;
+	struct kvr_request q;
+	struct kvr_decision d;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 17;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	q.n_tokens = 32;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.overlap_blocks, 1);
+	size_t len = 0;
+	cr_assert_eq(kvr_metrics_render(r, NULL, 0, &len), KVR_ERANGE);
+	char *buf = malloc(len + 4096);
+	cr_assert_eq(kvr_metrics_render(r, buf, len + 4096, NULL), 0);
+	kvr_router_destroy(r);
+	return buf;
+}
+
+/* Prometheus' le is inclusive: bucket{le="x"} counts the observations <= x.  The page's bounds
+ * were powers of two holding the observations BELOW them, so a decision with exactly 1 block of
+ * overlap was missing from le="1" (and 2, 4, 8 ... likewise): the bounds are now the largest
+ * value each cumulative count holds, 2^k - 1. */
+Test(metrics, histogram_le_bounds_are_inclusive)
+{
+	char *buf = render_two_decisions();
+	cr_assert(strstr(buf, "kvr_predicted_overlap_blocks_bucket{le=\"0\"} 1\n"), "%s", buf);
+	cr_assert(strstr(buf, "kvr_predicted_overlap_blocks_bucket{le=\"1\"} 2\n"), "%s", buf);
+	cr_assert(strstr(buf, "kvr_predicted_overlap_blocks_bucket{le=\"3\"} 2\n"));
+	cr_assert(strstr(buf, "kvr_predicted_overlap_blocks_sum 1\n"));
+	cr_assert(strstr(buf, "kvr_predicted_overlap_blocks_count 2\n"));
+	free(buf);
+}
+
+/* Every histogram on the page: le bounds increase, counts are cumulative, +Inf is _count; the
+ * seconds bounds are the exact values (2^k - 1 ns) in decimal. */
+Test(metrics, histograms_are_cumulative_and_consistent)
+{
+	char *buf = render_two_decisions();
+	unsigned hists = 0;
+	for (const char *h = strstr(buf, "# TYPE "); h; h = strstr(h + 1, "# TYPE ")) {
+		char name[128];
+		if (sscanf(h, "# TYPE %127s histogram", name) != 1 || !strstr(h, " histogram\n") ||
+		    strstr(h, " histogram\n") > strchr(h, '\n'))
+			continue;
+		hists++;
+		bool seconds = strstr(name, "_seconds") != NULL;
+		char key[160];
+		snprintf(key, sizeof(key), "%s_bucket{le=\"", name);
+		const char *p = h;
+		uint64_t prev = 0, k = 0;
+		double prev_le = -1;
+		while ((p = strstr(p, key)) != NULL) {
+			p += strlen(key);
+			char *end;
+			if (strncmp(p, "+Inf", 4) == 0) {
+				uint64_t inf = strtoull(p + 6, NULL, 10), count;
+				char ckey[160];
+				snprintf(ckey, sizeof(ckey), "%s_count ", name);
+				const char *c = strstr(p, ckey);
+				cr_assert(c, "%s has a _count", name);
+				count = strtoull(c + strlen(ckey), NULL, 10);
+				cr_assert_eq(inf, count, "%s: +Inf %" PRIu64 ", _count %" PRIu64,
+				             name, inf, count);
+				cr_assert_geq(inf, prev);
+				break;
+			}
+			double le = strtod(p, &end);
+			cr_assert_gt(le, prev_le, "%s: le %g after %g", name, le, prev_le);
+			/* n / 1e9 is correctly rounded, as strtod of the exact decimal is */
+			double want = (double)((UINT64_C(1) << k) - 1) / (seconds ? 1e9 : 1.0);
+			cr_assert_eq(le, want, "%s: bound %" PRIu64 " is %.17g, want %.17g", name,
+			             k, le, want);
+			uint64_t v = strtoull(end + 3, NULL, 10);
+			cr_assert_geq(v, prev, "%s: bucket counts must be cumulative", name);
+			prev = v;
+			prev_le = le;
+			k++;
+		}
+		cr_assert_gt(k, 0, "%s has buckets", name);
+	}
+	cr_assert_eq(hists, 8, "every histogram checked (%u)", hists);
+	free(buf);
+}
