@@ -215,7 +215,8 @@ void kvr_metrics_hist(struct kvr_metrics *m, enum kvr_hist h, uint64_t out[KVR_H
 	     b = b->next) {
 		for (unsigned i = 0; i < KVR_HIST_BUCKETS; i++)
 			out[i] += __atomic_load_n(&b->hist[h][i], __ATOMIC_RELAXED);
-		s += __atomic_load_n(&b->hist_sum[h], __ATOMIC_RELAXED);
+		uint64_t t = s + __atomic_load_n(&b->hist_sum[h], __ATOMIC_RELAXED);
+		s = t < s ? UINT64_MAX : t; /* saturating, as each block's (metrics.h) */
 	}
 	if (sum)
 		*sum = s;

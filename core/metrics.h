@@ -144,11 +144,14 @@ static inline void kvr_metrics_observe(struct kvr_metrics_block *b, enum kvr_his
 	unsigned k = kvr_hist_bucket(v);
 	__atomic_store_n(&b->hist[h][k], __atomic_load_n(&b->hist[h][k], __ATOMIC_RELAXED) + 1,
 	                 __ATOMIC_RELAXED);
-	__atomic_store_n(&b->hist_sum[h], __atomic_load_n(&b->hist_sum[h], __ATOMIC_RELAXED) + v,
-	                 __ATOMIC_RELAXED);
+	/* Saturating: a sum that wrapped would go down on the page (a Prometheus counter reset);
+	 * only absurd observations get there (feed lag from a ts that is not wall-clock time). */
+	uint64_t s = __atomic_load_n(&b->hist_sum[h], __ATOMIC_RELAXED), t = s + v;
+	__atomic_store_n(&b->hist_sum[h], t < s ? UINT64_MAX : t, __ATOMIC_RELAXED);
 }
 
-/* Sums every block.  Context: any thread (a consistent-enough snapshot, see the essay). */
+/* Sums every block.  Context: any thread (a consistent-enough snapshot, see the essay).  A
+ * histogram's *sum saturates at UINT64_MAX, as each block's does. */
 uint64_t kvr_metrics_counter(struct kvr_metrics *m, enum kvr_counter c);
 void kvr_metrics_hist(struct kvr_metrics *m, enum kvr_hist h, uint64_t out[KVR_HIST_BUCKETS],
                       uint64_t *sum);

@@ -204,3 +204,42 @@ Test(metrics, histograms_are_cumulative_and_consistent)
 	cr_assert_eq(hists, 8, "every histogram checked (%u)", hists);
 	free(buf);
 }
+
+static void *observe_big(void *arg)
+{
+	(void)arg;
+	kvr_metrics_observe(kvr_metrics_local(M), KVR_H_FEED_LAG_NS, UINT64_MAX - 5);
+	return NULL;
+}
+
+/* A histogram's sum never goes down.  Feed lag from a publisher whose batch ts is not Unix
+ * wall-clock seconds (a monotonic clock) is ~1.7e18 ns a batch: the uint64 sum wrapped after
+ * 11 of them and the page's _sum fell from 17 s x 1e9 to 0.25 s x 1e9.  It saturates instead. */
+Test(metrics, histogram_sum_never_goes_down)
+{
+	struct kvr_metrics *m;
+	cr_assert_eq(kvr_metrics_create(&m), 0);
+	struct kvr_metrics_block *b = kvr_metrics_local(m);
+	uint64_t h[KVR_HIST_BUCKETS], prev = 0, sum;
+	for (int i = 1; i <= 12; i++) {
+		kvr_metrics_observe(b, KVR_H_FEED_LAG_NS, UINT64_C(1700000000000000000));
+		kvr_metrics_hist(m, KVR_H_FEED_LAG_NS, h, &sum);
+		cr_assert_geq(sum, prev, "after %d observations", i);
+		prev = sum;
+	}
+	cr_assert_eq(sum, UINT64_MAX);
+	kvr_metrics_destroy(m);
+	/* Across threads' blocks too: two blocks near the top sum to the top, not past it. */
+	cr_assert_eq(kvr_metrics_create(&M), 0);
+	pthread_t t;
+	for (int i = 0; i < 2; i++) {
+		cr_assert_eq(pthread_create(&t, NULL, observe_big, NULL), 0);
+		cr_assert_eq(pthread_join(t, NULL), 0);
+		/* the block of a thread gone is reused: make the second thread's a new one */
+		if (i == 0)
+			kvr_metrics_observe(kvr_metrics_local(M), KVR_H_FEED_LAG_NS, 0);
+	}
+	kvr_metrics_hist(M, KVR_H_FEED_LAG_NS, h, &sum);
+	cr_assert_eq(sum, UINT64_MAX);
+	kvr_metrics_destroy(M);
+}
