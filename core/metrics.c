@@ -227,6 +227,8 @@ uint64_t kvr_hist_bucket_low(unsigned i)
 	if (i < 4)
 		return i;
 	unsigned e = i / 4 + 1, sub = i % 4;
+	if (e > 63) /* past bucket 251, which ends at UINT64_MAX (and 1 << 64 is undefined) */
+		return UINT64_MAX;
 	return (1ull << e) + ((uint64_t)sub << (e - 2));
 }
 
@@ -244,8 +246,8 @@ uint64_t kvr_hist_quantile(const uint64_t hist[KVR_HIST_BUCKETS], double q)
 	for (unsigned i = 0; i < KVR_HIST_BUCKETS; i++) {
 		acc += hist[i];
 		if (acc > rank)
-			return i + 1 < KVR_HIST_BUCKETS ? kvr_hist_bucket_low(i + 1) - 1
-			                                : UINT64_MAX;
+			return i < kvr_hist_bucket(UINT64_MAX) ? kvr_hist_bucket_low(i + 1) - 1
+			                                       : UINT64_MAX;
 	}
 	return UINT64_MAX;
 }

@@ -134,7 +134,8 @@ static inline unsigned kvr_hist_bucket(uint64_t v)
 	return (e - 1) * 4 + sub; /* e=2 -> 4..7, max (62)*4+3 = 251 */
 }
 
-/* Smallest value of bucket i (its lower bound). */
+/* Smallest value of bucket i (its lower bound); UINT64_MAX past the last bucket a value maps to
+ * (kvr_hist_bucket(UINT64_MAX) = 251). */
 uint64_t kvr_hist_bucket_low(unsigned i);
 
 static inline void kvr_metrics_observe(struct kvr_metrics_block *b, enum kvr_hist h, uint64_t v)

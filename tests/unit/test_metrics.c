@@ -243,3 +243,16 @@ Test(metrics, histogram_sum_never_goes_down)
 	cr_assert_eq(sum, UINT64_MAX);
 	kvr_metrics_destroy(M);
 }
+
+/* The top bucket's quantile is the largest value, not 0 (its upper bound was computed with a
+ * shift by 64). */
+Test(metrics, quantile_of_the_top_bucket)
+{
+	uint64_t h[KVR_HIST_BUCKETS] = {0};
+	h[kvr_hist_bucket(UINT64_MAX)] = 1;
+	cr_assert_eq(kvr_hist_quantile(h, 0.5), UINT64_MAX);
+	h[kvr_hist_bucket(UINT64_C(1) << 62)] = 1;
+	cr_assert_eq(kvr_hist_quantile(h, 0.0),
+	             kvr_hist_bucket_low(kvr_hist_bucket(UINT64_C(1) << 62) + 1) - 1);
+	cr_assert_eq(kvr_hist_quantile(h, 1.0), UINT64_MAX);
+}
