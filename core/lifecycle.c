@@ -16,7 +16,13 @@
  * kvr_shard_wakes_deferred_total.  A shard idle for longer is woken as before.
  *
  * Waits, only where they buy something: while requests are queued the work runs before the call
- * returns, so the load it lowers is seen by the queue's admission pass that follows.  With
+ * returns, so the load it lowers is seen by the queue's admission pass that follows.  That is
+ * finish, abort and prefill done, and output while the attempt's rank is saturated: an attempt's
+ * first output implies its prefill is done, and a request queued behind that rank waits for
+ * exactly that (before, output ran no pass, and such a request stayed queued on an idle rank
+ * until some other call ran one).  Output on a rank that is not saturated holds no one back,
+ * so it stays a post; on a saturated one each output waits, as the caller cannot tell the
+ * first from the later ones (the shard can).  With
  * sync_booking the work is posted at the call's time and every later call that reads shard state
  * (this file's claims and touches included) first settles (kvr_router_settle): the caller
  * observes exactly what it would have had the call waited (simulation, tests), but the shard
@@ -148,6 +154,15 @@ progress_fail(int rc, int op, uint16_t flags, const struct kvr_router *r, uint64
 	}
 }
 
+/* Whether queued requests may wait for what this call releases, so that its work must be
+ * applied before an admission pass (see the top).  Context: the lifecycle call's thread. */
+static bool queue_waits_on(struct kvr_router *r, int op, uint32_t slot)
+{
+	if (!r->queue || kvr_queue_depth(r) == 0)
+		return false;
+	return op != KVR_OP_OUTPUT || kvr_queue_saturated(r, &slot, 1);
+}
+
 static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32_t *tokens,
                     size_t n, uint16_t flags)
 {
@@ -181,13 +196,15 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	    .attempt = attempt, .op = (int16_t)op, .flags = flags, .n_tokens = (uint32_t)n};
 	/* Requests waiting for load to drop: apply before the admission pass below (with
 	 * sync_booking that pass settles first, so the posted work is applied before it). */
-	if (!r->cfg.sync_booking && op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0) {
+	bool pump = queue_waits_on(r, op, slot);
+	if (!r->cfg.sync_booking && pump) {
 		m.tok.borrowed = tokens;
 		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_progress_call, &m);
 		if (rc == KVR_EBUSY) /* not run (a shard's clock, in a cycle): post it, as below */
 			rc = post_progress(r, sh, &m, tokens, ends, mb);
-		else if (ends || rc == KVR_ESTALE)
-			rc = 0; /* the claim (touch) decided; the shard had nothing more to do */
+		else if (ends || rc == KVR_ESTALE || (op == KVR_OP_OUTPUT && rc == KVR_ENOMEM))
+			rc = 0; /* the claim (touch) decided; the shard had nothing more to do, or
+			         * counted output it could not take (as when posted) */
 	} else {
 		rc = post_progress(r, sh, &m, tokens, ends, mb);
 	}
@@ -196,7 +213,7 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 		                       (flags & KVR_PROGRESS_NOT_FINAL) != 0); /* replica sync */
 	if (rc) /* what the failure names, read back from the message: nothing kept live for it */
 		return progress_fail(rc, m.op, m.flags, r, m.attempt);
-	if (op != KVR_OP_OUTPUT && r->queue && kvr_queue_depth(r) > 0)
+	if (pump && kvr_queue_depth(r) > 0)
 		kvr_queue_pump(r);
 	return 0;
 }

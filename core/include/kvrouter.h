@@ -609,9 +609,11 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * call (kvr_shard_wakes_deferred_total counts these; a shard idle for longer is woken at once,
  * and any later synchronous call or kvr_router_sync() applies it first).  With sync_booking the
  * work is applied before anything later reads it (see kvr_config.sync_booking).  The exception
- * that waits: while requests are queued (finish/abort/prefill_done apply before the queue's
- * admission pass).  A full lane (overload): finish/abort wait for room (they are claimed
- * already); prefill_done/output wait at most 10 ms, then return KVR_EAGAIN (nothing changed;
+ * that waits: while requests are queued, finish/abort/prefill_done, and output while the
+ * attempt's rank is saturated (output implies the prefill is done), apply before the queue's
+ * admission pass, which then runs before the call returns.  A full lane (overload):
+ * finish/abort wait for room (they are claimed already); prefill_done/output wait at most
+ * 10 ms, then return KVR_EAGAIN (nothing changed;
  * with sync_booking every call waits for room).  On the router's shard threads (a router
  * callback there, the clock) none waits for room: finish/abort return 0 and the shard thread
  * posts their work once there is room (kvr_router_sync waits for it); prefill_done/output return
