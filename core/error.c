@@ -1,6 +1,7 @@
 /* core/error.c - messages for KVR_* codes, and the per-call detail (core/error.h). */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "core/error.h"
 #include "kvrouter.h"
@@ -10,12 +11,56 @@
  * destructor, and a thread that never fails never touches it. */
 static _Thread_local char detail[KVR_ERROR_DETAIL_MAX];
 
+/* A detail too long for the buffer keeps its start (the function, the field) and its end
+ * (what is allowed, which details put last), with MIDDLE between, each cut between UTF-8
+ * characters.  Before, the first 255 bytes were kept: a detail quoting a long user string (a
+ * servers list, an endpoint) lost what it said was wrong, and could end inside a character.
+ * HEAD + MIDDLE + TAIL fill the buffer; the formatting room covers the longest quoted input
+ * (kvr_sync_config.servers: 2,047 characters).  On the stack: this path never allocates. */
+#define MIDDLE       " ... "
+#define HEAD         128
+#define TAIL         (KVR_ERROR_DETAIL_MAX - 1 - HEAD - (sizeof(MIDDLE) - 1))
+#define FORMAT_ROOM  4096
+#define CONTINUES(c) (((unsigned char)(c)&0xc0) == 0x80) /* a UTF-8 continuation byte */
+
+/* The length of s[0, len) without a last UTF-8 character that len cuts short. */
+static size_t whole_chars(const char *s, size_t len)
+{
+	size_t start = len;
+	while (start > 0 && CONTINUES(s[start - 1]))
+		start--;
+	if (start == 0)
+		return len;
+	unsigned char lead = (unsigned char)s[start - 1];
+	size_t need = lead < 0xc0 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
+	return len - (start - 1) < need ? start - 1 : len;
+}
+
 int kvr_fail(int code, const char *fmt, ...)
 {
+	char full[FORMAT_ROOM];
 	va_list ap;
 	va_start(ap, fmt);
-	(void)vsnprintf(detail, sizeof(detail), fmt, ap); /* truncates; always terminated */
+	int n = vsnprintf(full, sizeof(full), fmt, ap);
 	va_end(ap);
+	if (n < 0)
+		full[0] = '\0';
+	size_t len = strlen(full);
+	if (n > 0 && (size_t)n >= sizeof(full)) /* cut at the room: no partial last character */
+		len = whole_chars(full, len);
+	full[len] = '\0';
+	if (len < sizeof(detail)) {
+		memcpy(detail, full, len + 1);
+		return code;
+	}
+	size_t head = HEAD, tail = len - TAIL;
+	while (head > 0 && CONTINUES(full[head]))
+		head--; /* full[head] starts a character: the head ends before it */
+	while (tail < len && CONTINUES(full[tail]))
+		tail++;
+	memcpy(detail, full, head);
+	memcpy(detail + head, MIDDLE, sizeof(MIDDLE) - 1);
+	memcpy(detail + head + sizeof(MIDDLE) - 1, full + tail, len - tail + 1);
 	return code;
 }
 

@@ -9,8 +9,9 @@
  * Both functions are cold and noinline: a call site is a branch the success path never takes
  * to a call it never makes, so the success path writes nothing and stays the code it was
  * (callgrind per kvr_route: docs/measurements.md, "per-call error detail").  Nothing here
- * allocates (vsnprintf into the buffer, truncated at KVR_ERROR_DETAIL_MAX - 1 bytes), so a
- * detail can be set on an out-of-memory path, inside a router callback, on any thread.
+ * allocates (vsnprintf into a stack buffer; a detail longer than KVR_ERROR_DETAIL_MAX - 1 bytes
+ * keeps its start and its end, error.c says why), so a detail can be set on an out-of-memory
+ * path, inside a router callback, on any thread.
  *
  * The rule that keeps a detail from outliving its call: every failing return of an API entry
  * point goes through one of the two, a specific kvr_fail() where the entry point knows the

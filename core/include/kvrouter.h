@@ -86,8 +86,9 @@ KVR_API const char *kvr_strerror(int code);
  *    such as kvr_sync_drain applying a peer's finish of an attempt already ended here, may
  *    have replaced it, as errno may be.  kvr_route with KVR_ROUTE_WAIT reports a failure of
  *    its wait as kvr_route_wait's, which it calls.)
- *  - Per thread, in a fixed buffer of the library's (at most 255 bytes, truncated beyond):
- *    nothing is allocated, so it works after KVR_ENOMEM, inside the router's callbacks (whose
+ *  - Per thread, in a fixed buffer of the library's (at most 255 bytes: a longer detail keeps
+ *    its start and its end, " ... " between, cut between UTF-8 characters): nothing is
+ *    allocated, so it works after KVR_ENOMEM, inside the router's callbacks (whose
  *    failing calls replace it) and on any thread; two threads never see each other's.  The
  *    pointer stays valid until the thread ends; its text changes at the thread's next failure,
  *    so copy it to keep it.
