@@ -281,11 +281,19 @@ void kvr_free_transient(void *mem, size_t size)
 	free_in(TRANSIENT, mem, size);
 }
 
+/* size rounded up to whole cache lines (64 for 0), or 0 when that overflows. */
+static inline size_t lines(size_t size)
+{
+	if (size > SIZE_MAX - 63)
+		return 0; /* (size + 63) wrapped: SIZE_MAX - 10 came back as a 64-byte block */
+	return size ? (size + 63) & ~(size_t)63 : 64;
+}
+
 void *kvr_alloc_aligned(size_t size)
 {
-	size_t rounded = (size + 63) & ~(size_t)63;
+	size_t rounded = lines(size);
 	if (rounded == 0)
-		rounded = 64;
+		return NULL;
 	if (should_fail())
 		return NULL;
 	void *p;
@@ -343,7 +351,9 @@ size_t kvr_alloc_real_size_aligned(size_t size)
 {
 	if (size == 0)
 		return 0;
-	size_t rounded = (size + 63) & ~(size_t)63;
+	size_t rounded = lines(size);
+	if (rounded == 0)
+		return size; /* no such allocation */
 #ifdef KVR_HAVE_JEMALLOC
 	if (je()) {
 		int f = flags(LONG);
@@ -380,8 +390,7 @@ void kvr_free_aligned(void *mem, size_t size)
 	count(-(int64_t)size);
 #ifdef KVR_HAVE_JEMALLOC
 	if (je()) {
-		size_t rounded = (size + 63) & ~(size_t)63;
-		rounded = rounded ? rounded : 64;
+		size_t rounded = lines(size);
 		int f = free_flags(LONG, rounded);
 		sdallocx(mem, rounded, f | (big(rounded) ? big(rounded) : MALLOCX_ALIGN(64)));
 		return;
@@ -435,8 +444,12 @@ int kvr_grow(void **p, size_t *cap, size_t need, size_t elem)
 {
 	if (need <= *cap)
 		return 0;
-	size_t nc = *cap * 2 > need ? *cap * 2 : need;
-	if (nc < 16)
+	/* Before, nc * elem could wrap: a small buffer, and 0. */
+	size_t max = elem ? SIZE_MAX / elem : SIZE_MAX;
+	if (need > max)
+		return KVR_ENOMEM;
+	size_t nc = *cap <= max / 2 && *cap * 2 > need ? *cap * 2 : need;
+	if (nc < 16 && max >= 16)
 		nc = 16;
 	void *q = kvr_realloc(*p, *cap * elem, nc * elem);
 	if (!q)
