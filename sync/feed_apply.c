@@ -133,6 +133,11 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		done = kvr_feed_wall_ns();
 	for (uint32_t i = 0; i < p->n_lag; i++) {
 		uint64_t ts = p->lag[i].ts_ns, lag = done > ts ? done - ts : 0;
+		/* vLLM's ts is the publisher's time.time(); one that is not wall-clock seconds (a
+		 * monotonic clock, another epoch) read as ~54 years of lag a batch, which left the
+		 * gauge and the histogram's sum meaningless.  Not a lag, then: skipped. */
+		if (lag > KVR_FEED_LAG_PLAUSIBLE_NS)
+			continue;
 		p->lag[i].ep->st.last_lag_ns = lag;
 		kvr_metrics_observe(f->mb, KVR_H_FEED_LAG_NS, lag);
 	}

@@ -69,6 +69,10 @@ int kvr_feed_dealer_open(struct kvr_feed *f, struct ep *e);
  * never adds cannot grow the feed's state without bound). */
 #define MISSED_MAX 64
 
+/* The most lag a batch's ts may show and still be taken for a lag (feed_apply.c, complete): a
+ * day.  Beyond, the publisher's ts is not this host's wall clock. */
+#define KVR_FEED_LAG_PLAUSIBLE_NS (86400ull * 1000000000ull)
+
 struct ep {
 	uint32_t id;
 	char *endpoint, *topic, *replay; /* owned copies */

@@ -897,7 +897,9 @@ struct kvr_feed_stats {
 	 * keeps a block the engine removed.  Counted in events too when they had been accepted. */
 	uint64_t lost;
 	uint64_t other_medium_blocks; /* gauge: non-GPU blocks held now */
-	uint64_t last_lag_ns;         /* gauge: publish (batch ts) to applied, wall clock */
+	uint64_t last_lag_ns;         /* gauge: publish (batch ts) to applied, wall clock; a
+	                               * ts more than a day behind (not wall-clock seconds)
+	                               * is no lag: left out, here and in the histogram */
 	uint64_t next_seq;            /* gauge: the next seq expected (0 before the first) */
 };
 

@@ -450,6 +450,17 @@ static void scenario_forms(struct pubproc *p, const char *bind, const char *form
 	CHECK(st.unknown_events == 1, "unknown events %" PRIu64, st.unknown_events);
 	CHECK(st.gaps == 0 && st.malformed == 0, "gaps %" PRIu64 " malformed %" PRIu64, st.gaps,
 	      st.malformed);
+	/* a batch whose ts is not wall-clock seconds (a monotonic clock's 12,345 s): no lag of
+	 * 54 years (before, last_lag_ns read ~1.7e18) */
+	char cmd[160];
+	snprintf(cmd, sizeof(cmd),
+	         "{\"op\":\"publish\",\"form\":\"%s\",\"dp\":0,\"drop\":false,\"events\":[],"
+	         "\"ts\":12345.5}",
+	         form);
+	s = json_u64(pub_cmd(p, cmd), "seq");
+	wait_seq(id, s, "ts not wall clock");
+	st = stats(id);
+	CHECK(st.last_lag_ns < 86400ull * 1000000000ull, "last_lag_ns %" PRIu64, st.last_lag_ns);
 	CHECK(kvr_feed_remove(F, id) == 0, "remove");
 	pub_cmd(p, "{\"op\":\"stop\"}");
 	free(e.s);
