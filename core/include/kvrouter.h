@@ -317,7 +317,8 @@ struct kvr_config {
 	 * removal after it returns ends the attempt: KVR_ESTALE). */
 	bool sync_booking;
 	/* Expected prefill duration of a request, ns (0 = unknown, the default): the oldest
-	 * in-prefill request of a rank then counts linearly less prefill load as it progresses. */
+	 * in-prefill request of a rank then counts linearly less prefill load as it progresses
+	 * (decisions read it in steps of 1/16 of this: the shard publishes it again each step). */
 	uint64_t expected_prefill_ns;
 	/* Called (never under a router lock) when a queued request is admitted, or could not be
 	 * (d->status KVR_FAILED, d->error why: KVR_ESHUTDOWN for one still queued when the router
