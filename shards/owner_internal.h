@@ -98,8 +98,8 @@ static inline struct kvr_shard_state *kvr_owner_state(struct kvr_shard *sh)
  * posted at, see kvr_shard_post_at), else the clock's. */
 static inline uint64_t kvr_owner_now(const struct kvr_owner_ctx *c)
 {
-	uint64_t t = kvr_shard_task_time();
-	return t ? t : kvr_clock_now(&c->clock);
+	uint64_t t;
+	return kvr_shard_task_time(&t) ? t : kvr_clock_now(&c->clock);
 }
 
 static inline struct kvr_metrics_block *kvr_owner_mb(const struct kvr_owner_ctx *c)

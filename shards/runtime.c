@@ -214,8 +214,10 @@ static _Thread_local uint32_t tls_inline_calls; /* calls run inline, inside a ta
 /* This thread's posts that found a lane full and waited, paced posts that waited at the soft
  * depth or spilled past it, and the sleeps of those waits. */
 static _Thread_local uint64_t tls_full_waits, tls_wait_sleeps, tls_throttles, tls_spills;
-/* While a timed task (and the timers due before it) runs: its time; 0 otherwise. */
+/* While a timed task (and the timers due before it) runs: its time, and tls_task_timed set (a
+ * flag of its own: with 0 for "none", a task timed at 0, a virtual clock's start, read 1). */
 static _Thread_local uint64_t tls_task_ns;
+static _Thread_local bool tls_task_timed;
 
 /* aux of a timed message: its payload starts with the router time it was posted at. */
 #define MSG_TIMED 1u
@@ -256,7 +258,8 @@ static uint32_t run_timed(struct kvr_shard *sh, struct kvr_msg *m)
 	if (at < sh->time_hw)
 		at = sh->time_hw;
 	sh->time_hw = at;
-	tls_task_ns = at ? at : 1;
+	tls_task_ns = at;
+	tls_task_timed = true;
 	uint32_t fired = 0, f;
 	do {
 		f = kvr_timers_run(&sh->timers, at, sh, TIMER_BATCH);
@@ -266,7 +269,7 @@ static uint32_t run_timed(struct kvr_shard *sh, struct kvr_msg *m)
 		publish_timers(sh);
 	kvr_task_fn fn = (kvr_task_fn)m->fn;
 	fn(sh, m->payload + sizeof(at));
-	tls_task_ns = 0;
+	tls_task_timed = false;
 	/* Release: kvr_shard_settle's acquire load then sees the task's writes. */
 	__atomic_fetch_add(&sh->timed_applied, 1, __ATOMIC_RELEASE);
 	return fired;
@@ -1281,9 +1284,10 @@ void kvr_shard_thread_costs(struct kvr_post_costs *out)
 	out->soft_spills = tls_spills;
 }
 
-uint64_t kvr_shard_task_time(void)
+bool kvr_shard_task_time(uint64_t *at)
 {
-	return tls_task_ns;
+	*at = tls_task_ns;
+	return tls_task_timed;
 }
 
 struct call_rec {

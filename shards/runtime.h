@@ -306,9 +306,9 @@ int kvr_shard_post_later(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn f
 int kvr_shard_post_at(struct kvr_shard *sh, enum kvr_lane lane, kvr_task_fn fn, const void *payload,
                       size_t len, uint64_t at_ns);
 
-/* The time of the timed task (kvr_shard_post_at) or timer the calling shard thread is running
- * for one, else 0.  Context: any thread (0 off a shard thread). */
-uint64_t kvr_shard_task_time(void);
+/* Whether the calling shard thread runs a timed task (kvr_shard_post_at) or a timer for one,
+ * and then its time in *at.  Context: any thread (false off a shard thread). */
+bool kvr_shard_task_time(uint64_t *at);
 
 /*
  * Returns once the shard has run every timed task (kvr_shard_post_at) posted before this call

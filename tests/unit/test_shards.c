@@ -514,7 +514,8 @@ Test(runtime, virtual_time_fires_exactly_due_timers)
 /* ------------------------------------------------------------------ timed posts */
 
 /* What a timed task saw: its time and how many timers had fired. */
-static uint64_t seen_time[4];
+static uint64_t seen_time[4]; /* 0 when not timed */
+static bool seen_timed[4];
 static int seen_fired[4];
 static int n_seen;
 static void see_task(struct kvr_shard *sh, void *p)
@@ -522,7 +523,9 @@ static void see_task(struct kvr_shard *sh, void *p)
 	(void)sh;
 	(void)p;
 	int i = __atomic_fetch_add(&n_seen, 1, __ATOMIC_RELAXED);
-	seen_time[i] = kvr_shard_task_time();
+	uint64_t t;
+	seen_timed[i] = kvr_shard_task_time(&t);
+	seen_time[i] = seen_timed[i] ? t : 0;
 	seen_fired[i] = __atomic_load_n(&n_vfired, __ATOMIC_RELAXED);
 }
 static int see_call(struct kvr_shard *sh, void *arg)
@@ -584,6 +587,22 @@ Test(runtime, timed_posts_run_at_their_time)
 	cr_assert_eq(kvr_shard_settle(sh), 0);
 	cr_assert_eq(seen_time[3], 1010000);
 	kvr_shards_destroy(s);
+}
+
+/* A task timed at 0 (a virtual clock's start) runs at 0, not 1: 0 stood for "not timed". */
+Test(runtime, a_task_timed_at_zero_runs_at_zero)
+{
+	vclock_ns = 0;
+	n_vfired = n_seen = 0;
+	struct kvr_shards *s = make(1, 64, vclock, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 0), 0);
+	cr_assert_eq(kvr_shard_settle(sh), 0);
+	cr_assert_eq(n_seen, 1);
+	cr_assert(seen_timed[0], "the task is timed");
+	cr_assert_eq(seen_time[0], 0);
+	kvr_shards_destroy(s);
+	vclock_ns = 1000000;
 }
 
 /* The lease reaper's settle: timed work queued past the next timer deadline is waited for. */
