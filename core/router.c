@@ -326,6 +326,14 @@ int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms)
 		return kvr_fail(KVR_EINVAL, "kvr_router_sync: router is NULL");
 	if (kvr_router_stopping(r))
 		return kvr_fail(KVR_ESHUTDOWN, "kvr_router_sync: %s", kvr_router_gone(r));
+	/* On a shard's thread (the router's clock) the wait would include that shard, inside the
+	 * task that read the clock: the runtime refuses it, which read as KVR_EINVAL, "invalid
+	 * argument", for a call whose only argument was valid. */
+	if (kvr_shard_current())
+		return kvr_fail(KVR_EBUSY,
+		                "kvr_router_sync: called on a shard thread (the router's clock), "
+		                "where it would wait for that shard to go idle, i.e. for itself; "
+		                "nothing done");
 	int rc = kvr_shards_quiesce(r->shards, (uint64_t)timeout_ms * 1000000ull);
 	if (rc == KVR_ETIMEDOUT)
 		return kvr_fail(rc, "kvr_router_sync: the shards were not idle within %u ms",

@@ -1230,7 +1230,9 @@ KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size
  * Makes the shards re-read the clock and waits until each has run every message posted before
  * the call and every timer due by now (TTL expiry, lease reaper).  For virtual-time simulation
  * and tests; never needed with the real clock.  Returns 0, KVR_ETIMEDOUT (timeout_ms; 0 looks
- * once without waiting, which the shards seldom answer in time) or KVR_ESHUTDOWN.
+ * once without waiting, which the shards seldom answer in time), KVR_ESHUTDOWN, or KVR_EBUSY
+ * (called on a shard thread, i.e. from the router's clock there: it would wait for itself;
+ * nothing done).
  */
 KVR_API int kvr_router_sync(struct kvr_router *r, uint32_t timeout_ms);
 

@@ -330,3 +330,42 @@ Test(shard_cycle, a_clock_admin_call_while_an_admin_call_waits_for_its_shard, .t
 	}
 	cr_assert_geq(refused, 1, "the add never waited for shard 1 while the clock called");
 }
+
+/* kvr_router_sync from the clock on a shard: it would wait for that shard to go idle, inside the
+ * task that read the clock.  Refused with KVR_EBUSY and a detail naming the call; before, the
+ * runtime's refusal came back as KVR_EINVAL, "kvr_router_sync: invalid argument", a code its
+ * header does not list, for a call whose arguments were valid. */
+static atomic_int sync_in_clock;
+static int sync_clock_rc = 1;
+static char sync_clock_detail[256];
+
+static uint64_t clock_syncs(void *ctx)
+{
+	(void)ctx;
+	if (atomic_load(&armed) && kvr_shard_current() && !atomic_exchange(&sync_in_clock, 1)) {
+		sync_clock_rc = kvr_router_sync(xr, 100);
+		snprintf(sync_clock_detail, sizeof(sync_clock_detail), "%s", kvr_last_error());
+		atomic_store(&done, 1);
+	}
+	return mono_ns();
+}
+
+Test(shard_cycle, a_clock_syncing_the_router_is_refused, .timeout = 60)
+{
+	atomic_store(&done, 0);
+	atomic_store(&sync_in_clock, 0);
+	make_router(clock_syncs, 0, 0);
+	const struct kvr_rank_id pin = {0, 0};
+	struct kvr_decision d;
+	cr_assert_eq(route_salt_pinned(xr, &pin, 7, 64, &d), 0);
+	cr_assert(wait_for(&done, 1, 10000), "no shard read the clock");
+	atomic_store(&armed, 0);
+	cr_assert_eq(sync_clock_rc, KVR_EBUSY, "%d (%s)", sync_clock_rc, sync_clock_detail);
+	cr_assert(strstr(sync_clock_detail, "kvr_router_sync: called on a shard thread") ==
+	              sync_clock_detail,
+	          "detail \"%s\"", sync_clock_detail);
+	/* The router goes on. */
+	cr_assert_eq(kvr_request_finish(xr, d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(xr, 5000), 0);
+	kvr_router_destroy(xr);
+}
