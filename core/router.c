@@ -248,6 +248,15 @@ static bool on_own_shard(struct kvr_router *r)
 	return false;
 }
 
+/* A no-op on a shard: once it returns, the task the shard was in when it was posted has returned
+ * (kvr_router_destroy).  Context: the shard's thread. */
+static int shard_passed(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	(void)arg;
+	return 0;
+}
+
 void kvr_router_destroy(struct kvr_router *r)
 {
 	KVR_NOCANCEL(); /* sync/nocancel.h */
@@ -275,8 +284,19 @@ void kvr_router_destroy(struct kvr_router *r)
 	kvr_fork_untrack(r);
 	kvr_repl_router_destroy(r); /* an attached replica layer lets go first */
 	__atomic_store_n(&r->shutting_down, 1, __ATOMIC_RELEASE);
+	/* The router's clock runs on the shards, and a lifecycle or rank call it makes (kvrouter.h
+	 * allows both) may have passed its shutdown check before the flag above was set; it pumps
+	 * the queue when it returns.  The queue was freed while such a call still ran, which then
+	 * read it freed (kvr_queue_depth, then the pump).  A call on each shard, queued behind
+	 * whatever task it is in, returns once that task (and so that call) has returned; every
+	 * later one sees the flag (the post orders it before the shard's next task). */
+	for (uint32_t i = 0, n = r->shards ? kvr_shards_count(r->shards) : 0; i < n; i++)
+		(void)kvr_shard_call(kvr_shards_get(r->shards, i), KVR_LANE_ROUTING, shard_passed,
+		                     NULL);
+	/* Before the shards stop: waiters are woken with KVR_ESHUTDOWN, and a pump in progress
+	 * (a waiter's) finishes its admissions on running shards. */
 	if (r->queue)
-		kvr_queue_destroy(r->queue); /* wakes waiters with KVR_ESHUTDOWN */
+		kvr_queue_destroy(r->queue);
 	/* Stops the shards; each frees the ranks it owns (their index entries, attempts). */
 	kvr_shards_destroy(r->shards);
 	kvr_rcu_barrier();

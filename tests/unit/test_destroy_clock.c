@@ -92,3 +92,80 @@ Test(destroy_clock, router_destroy_from_the_clock_queueing_a_request, .timeout =
 	cr_assert_eq(d[1].status, KVR_QUEUED);
 	still_whole(d, 2);
 }
+
+/* The clock on the shard making a lifecycle call (kvrouter.h allows it: "lifecycle calls post
+ * their work") while kvr_router_destroy runs on another thread: the call began before the
+ * destroy, so it passed its shutdown check, and with requests queued it pumps the queue once
+ * its work is posted.  The destroy freed the queue before it stopped the shards, so that call
+ * read the freed queue (under ASan a heap-use-after-free in kvr_queue_depth; plain, the queued
+ * request was answered KVR_ESHUTDOWN through on_admit while the call still held the queue).
+ * Now the shards are joined first: the queued request is answered only once the call returned
+ * from the queue.  The call is held in its own clock reading (the post's) while the destroy
+ * goes on. */
+static struct kvr_router *shard_victim;
+static uint64_t shard_attempt;
+static atomic_int shard_armed, shard_go, shard_holding, shard_admits, shard_admit_early;
+static _Thread_local bool shard_in_finish;
+
+static uint64_t shard_clock(void *ctx)
+{
+	(void)ctx;
+	if (shard_in_finish) { /* the finish's post reads the clock: the destroy starts now */
+		shard_in_finish = false;
+		atomic_store(&shard_holding, 1);
+		atomic_store(&shard_go, 1);
+		struct timespec hold = {0, 200000000};
+		nanosleep(&hold, NULL);
+		atomic_store(&shard_holding, 0);
+	} else if (kvr_shard_current() && atomic_exchange(&shard_armed, 0)) {
+		shard_in_finish = true;
+		(void)kvr_request_finish(shard_victim, shard_attempt); /* 0 or KVR_ESHUTDOWN */
+		shard_in_finish = false;
+	}
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void shard_on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	(void)ticket;
+	(void)d;
+	atomic_fetch_add(&shard_admits, 1);
+	if (atomic_load(&shard_holding))
+		atomic_store(&shard_admit_early, 1);
+}
+
+Test(destroy_clock, router_destroy_while_the_clock_on_a_shard_finishes_with_requests_queued,
+     .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	c.queue_threshold = 1.0;
+	c.on_admit = shard_on_admit;
+	c.now_ns = shard_clock;
+	c.lease_scan_interval_ns = 2000000; /* the shard reads the clock every few ms */
+	cr_assert_eq(kvr_router_create(&c, &shard_victim), 0);
+	cr_assert_eq(kvr_rank_add(shard_victim, X, 7, 1000, 100), 0);
+	struct kvr_decision d[2];
+	cr_assert_eq(route_pinned(shard_victim, 1, 200, &d[0]), 0); /* saturates X */
+	cr_assert_eq(d[0].status, KVR_DECIDED);
+	cr_assert_eq(route_pinned(shard_victim, 2, 64, &d[1]), 0);
+	cr_assert_eq(d[1].status, KVR_QUEUED);
+	shard_attempt = d[0].attempt;
+	atomic_store(&shard_armed, 1);
+	for (int ms = 0; ms < 10000 && !atomic_load(&shard_go); ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert(atomic_load(&shard_go), "the shard never read the clock");
+	kvr_router_destroy(shard_victim);
+	cr_assert_eq(atomic_load(&shard_admits), 1, "the queued request answered %d times",
+	             atomic_load(&shard_admits));
+	cr_assert_not(atomic_load(&shard_admit_early),
+	              "the destroy answered the queued request (freed the queue) while a call "
+	              "on a shard still used it");
+}
