@@ -1265,7 +1265,9 @@ struct kvr_memory {
 /*
  * Fills *out.  O(ranks + the caches' segments); each rank's part is read on its shard (a
  * synchronous call), so the parts are consistent per rank, not across ranks.  For sizing,
- * monitoring and benchmarks.  Returns 0, KVR_EINVAL, KVR_ENOMEM or KVR_ESHUTDOWN.
+ * monitoring and benchmarks.  Returns 0, KVR_EINVAL, KVR_ENOMEM or KVR_ESHUTDOWN; KVR_EBUSY
+ * when called on a shard thread after all (the router's clock: the read would wait for its own
+ * shard, or close a cycle of shards waiting for each other).
  * Context: any thread except a shard thread (callbacks), outside an RCU read section.
  */
 KVR_API int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out);
