@@ -79,7 +79,8 @@ struct kvr_queue {
 	size_t waiting;
 	uint32_t waiters; /* threads inside kvr_route_wait */
 	bool pumping;
-	bool again; /* asked to pump while a pass ran: walk the list once more */
+	pthread_t pumper; /* the thread running the pass, while pumping */
+	bool again;       /* asked to pump while a pass ran: walk the list once more */
 	bool closing;
 	uint64_t pass; /* the pump's passes, counted: an entry passed over keeps its number */
 };
@@ -320,6 +321,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 		return false;
 	}
 	q->pumping = true;
+	q->pumper = pthread_self();
 	do {
 		q->again = false;
 		q->pass++;
@@ -397,6 +399,15 @@ bool kvr_queue_pump(struct kvr_router *r)
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
 	return true;
+}
+
+bool kvr_queue_pumped_here(struct kvr_router *r)
+{
+	struct kvr_queue *q = r->queue;
+	pthread_mutex_lock(&q->lock);
+	bool here = q->pumping && pthread_equal(q->pumper, pthread_self());
+	pthread_mutex_unlock(&q->lock);
+	return here;
 }
 
 bool kvr_queue_admissible(struct kvr_router *r)

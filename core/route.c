@@ -852,9 +852,14 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	 * admitted now: this request then queues behind it rather than take its rank
 	 * (core/queue.c), marked waited so that no on_admit names its ticket before this call
 	 * returns it, and pumps again (that pass may have ended before the push): admitted by then,
-	 * it returns its decision as if it had not queued. */
+	 * it returns its decision as if it had not queued.  Not a KVR_ROUTE_WAIT from inside the
+	 * pass itself (on_admit): nothing admits its ticket while it waits, the pass being its
+	 * caller (before, it waited out its deadline, forever without one, for a rank that was
+	 * free). */
 	if (r->queue && kvr_queue_depth(r) && !kvr_queue_pump(r) &&
-	    !(req->flags & KVR_ROUTE_QUERY_ONLY) && kvr_queue_admissible(r)) {
+	    !(req->flags & KVR_ROUTE_QUERY_ONLY) &&
+	    !((req->flags & KVR_ROUTE_WAIT) && kvr_queue_pumped_here(r)) &&
+	    kvr_queue_admissible(r)) {
 		struct kvr_request behind = *req;
 		behind.flags |= KVR_ROUTE_WAIT;
 		if ((rc = kvr_route_internal(r, &behind, d, KVR_QUEUE_BEHIND)))

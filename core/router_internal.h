@@ -161,6 +161,10 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
  * those whose ranks are all saturated.  Returns false when another thread was pumping (which then
  * walks the list again), true otherwise.  Context: any thread, no shard's. */
 bool kvr_queue_pump(struct kvr_router *r);
+/* Whether the calling thread runs r's admission pass (it is inside that pass's on_admit or
+ * clock): no other thread pumps until it returns, so a ticket it waits for is admitted by
+ * nobody.  Context: any thread. */
+bool kvr_queue_pumped_here(struct kvr_router *r);
 /* Whether a waiting request could be admitted now (one of its ranks is not saturated) or is
  * being admitted: a new request then queues behind it.  Context: any thread, an RCU reader. */
 bool kvr_queue_admissible(struct kvr_router *r);

@@ -879,6 +879,58 @@ Test(router, queue_arrival_during_a_pump_goes_behind_the_admissible)
 	kvr_router_destroy(r);
 }
 
+/* A KVR_ROUTE_WAIT arrival from on_admit, inside the pass, with a waiting request that could be
+ * admitted: it must not queue behind it, since nothing admits its ticket while the pass waits
+ * for it (before, it waited out its deadline for a free rank, and without one hung).  The
+ * router's own clock, so that the deadline passes. */
+static struct kvr_router *inside_r;
+static struct kvr_decision inside_d;
+static int inside_rc = -1;
+static void on_admit_route_wait(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	on_admit(ctx, ticket, d);
+	if (n_admitted != 1)
+		return;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = behind_c;
+	q.n_tokens = 400;
+	q.flags = KVR_ROUTE_WAIT;
+	q.deadline_ns = kvr_router_now(inside_r) + 2000000000ull; /* 2 s */
+	inside_rc = kvr_route(inside_r, &q, &inside_d);
+}
+
+Test(router, queue_wait_from_on_admit_is_not_queued_behind)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit_route_wait;
+	c.sync_booking = true;
+	n_admitted = 0;
+	inside_rc = -1;
+	cr_assert_eq(kvr_router_create(&c, &inside_r), 0);
+	struct kvr_router *r = inside_r;
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	static uint32_t hog[2000], a[400], b[400];
+	prompt(hog, 2000, 84);
+	prompt(a, 400, 85);
+	prompt(b, 400, 86);
+	prompt(behind_c, 400, 87);
+	struct kvr_decision h = route(r, hog, 2000, 0);
+	struct kvr_decision da = route(r, a, 400, 0), db = route(r, b, 400, 0);
+	cr_assert_eq(da.status, KVR_QUEUED);
+	cr_assert_eq(db.status, KVR_QUEUED);
+	cr_assert_eq(kvr_request_prefill_done(r, h.attempt), 0); /* admits A; B could follow */
+	cr_assert_eq(inside_rc, 0, "the waiting arrival: %d (%s)", inside_rc,
+	             kvr_strerror(inside_rc));
+	cr_assert_eq(inside_d.status, KVR_DECIDED);
+	cr_assert_eq(n_admitted, 2, "A, then B after the callback");
+	cr_assert_eq(admitted[1], db.ticket);
+	kvr_router_destroy(r);
+}
+
 Test(router, queue_wait_deadline_cancel_and_full)
 {
 	struct kvr_config c;
