@@ -416,7 +416,9 @@ bool kvr_queue_admissible(struct kvr_router *r)
 	bool found = false;
 	kvr_router_settle(r); /* sync_booking: as in a pass */
 	pthread_mutex_lock(&q->lock);
-	for (struct qentry *e = q->head; e && !found; e = e->next) {
+	/* A full queue has no room behind anyone: the caller routes as if nobody waited. */
+	for (struct qentry *e = q->waiting < r->cfg.queue_capacity ? q->head : NULL; e && !found;
+	     e = e->next) {
 		if (e->state != Q_WAITING && e->state != Q_ADMITTING)
 			continue;
 		bool unrestricted;

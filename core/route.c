@@ -856,14 +856,23 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	 * pass itself (on_admit): nothing admits its ticket while it waits, the pass being its
 	 * caller (before, it waited out its deadline, forever without one, for a rank that was
 	 * free). */
-	if (r->queue && kvr_queue_depth(r) && !kvr_queue_pump(r) &&
-	    !(req->flags & KVR_ROUTE_QUERY_ONLY) &&
-	    !((req->flags & KVR_ROUTE_WAIT) && kvr_queue_pumped_here(r)) &&
-	    kvr_queue_admissible(r)) {
-		struct kvr_request behind = *req;
-		behind.flags |= KVR_ROUTE_WAIT;
-		if ((rc = kvr_route_internal(r, &behind, d, KVR_QUEUE_BEHIND)))
+	bool behind = r->queue && kvr_queue_depth(r) && !kvr_queue_pump(r) &&
+	              !(req->flags & KVR_ROUTE_QUERY_ONLY) &&
+	              !((req->flags & KVR_ROUTE_WAIT) && kvr_queue_pumped_here(r)) &&
+	              kvr_queue_admissible(r);
+	if (behind) {
+		struct kvr_request q = *req;
+		q.flags |= KVR_ROUTE_WAIT;
+		rc = kvr_route_internal(r, &q, d, KVR_QUEUE_BEHIND);
+		/* The queue filled meanwhile: no room behind, so it is routed as if nobody waited
+		 * (it queues, and is refused, only if its ranks are saturated).  Before, a full
+		 * queue refused it with KVR_EAGAIN though a rank was free for it. */
+		if (rc == KVR_EAGAIN)
+			behind = false;
+		else if (rc)
 			return route_failed(r, req, rc);
+	}
+	if (behind) {
 		if (d->status == KVR_QUEUED) {
 			kvr_queue_pump(r);
 			uint64_t ticket = d->ticket;

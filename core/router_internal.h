@@ -166,7 +166,8 @@ bool kvr_queue_pump(struct kvr_router *r);
  * nobody.  Context: any thread. */
 bool kvr_queue_pumped_here(struct kvr_router *r);
 /* Whether a waiting request could be admitted now (one of its ranks is not saturated) or is
- * being admitted: a new request then queues behind it.  Context: any thread, an RCU reader. */
+ * being admitted, and the queue has room: a new request then queues behind it.  Context: any
+ * thread, an RCU reader. */
 bool kvr_queue_admissible(struct kvr_router *r);
 /* After kvr_route queued a request marked waited (KVR_QUEUE_BEHIND) and pumped: if it was
  * admitted meanwhile, its outcome into *d (its admission's return code); else it stays queued,

@@ -931,6 +931,83 @@ Test(router, queue_wait_from_on_admit_is_not_queued_behind)
 	kvr_router_destroy(r);
 }
 
+/* An arrival during a pass when the queue is full: with no room behind the admissible waiter, it
+ * takes the free rank (before, it was refused with KVR_EAGAIN, "queue full", though rank 0 had
+ * room for it).  From on_admit, inside the pass: A admitted onto rank 0, B could follow; D fills
+ * the queue waiting for rank 1; E may use any rank. */
+static uint32_t full_d[400], full_e[400];
+static int full_rc_d = -1, full_rc_e = -1;
+static struct kvr_decision full_dd, full_de;
+static void on_admit_fill(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	on_admit(ctx, ticket, d);
+	if (n_admitted != 1)
+		return;
+	struct kvr_rank_id rank1 = {1, 0};
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = full_d;
+	q.n_tokens = 400;
+	q.pinned = &rank1;
+	full_rc_d = kvr_route(behind_r, &q, &full_dd);
+	q.tokens = full_e;
+	q.pinned = NULL;
+	full_rc_e = kvr_route(behind_r, &q, &full_de);
+}
+
+Test(router, queue_full_during_a_pump_routes_to_the_free_rank)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.queue_capacity = 3;
+	c.on_admit = on_admit_fill;
+	c.sync_booking = true;
+	n_admitted = 0;
+	cr_assert_eq(kvr_router_create(&c, &behind_r), 0);
+	struct kvr_router *r = behind_r;
+	static uint32_t hog[2][2000], a[400], b[400], w1[400];
+	struct kvr_decision h[2];
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_id id = {w, 0};
+		cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 1000), 0);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		prompt(hog[w], 2000, 100 + (uint32_t)w);
+		q.tokens = hog[w];
+		q.n_tokens = 2000;
+		q.pinned = &id;
+		cr_assert_eq(kvr_route(r, &q, &h[w]), 0);
+		cr_assert_eq(h[w].status, KVR_DECIDED);
+	}
+	prompt(a, 400, 102);
+	prompt(b, 400, 103);
+	prompt(w1, 400, 104);
+	prompt(full_d, 400, 105);
+	prompt(full_e, 400, 106);
+	const uint32_t *t[3] = {a, b, w1};
+	struct kvr_decision dq[3];
+	for (uint64_t k = 0; k < 3; k++) {
+		struct kvr_rank_id id = {k == 2, 0};
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t[k];
+		q.n_tokens = 400;
+		q.pinned = &id;
+		cr_assert_eq(kvr_route(r, &q, &dq[k]), 0);
+		cr_assert_eq(dq[k].status, KVR_QUEUED);
+	}
+	cr_assert_eq(kvr_request_prefill_done(r, h[0].attempt), 0); /* rank 0 frees */
+	cr_assert_eq(full_rc_d, 0);
+	cr_assert_eq(full_dd.status, KVR_QUEUED, "D waits for rank 1; the queue is full");
+	cr_assert_eq(full_rc_e, 0, "E: %d (%s)", full_rc_e, kvr_strerror(full_rc_e));
+	cr_assert_eq(full_de.status, KVR_DECIDED);
+	cr_assert_eq(full_de.rank.worker_id, 0);
+	kvr_router_destroy(r);
+}
+
 Test(router, queue_wait_deadline_cancel_and_full)
 {
 	struct kvr_config c;
