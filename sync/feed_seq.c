@@ -463,7 +463,7 @@ static void drain_some(struct kvr_feed *f, struct ep *e)
 			malformed(f, e, "receive failed");
 			return;
 		}
-		uint64_t seq;
+		uint64_t seq = 0; /* read by the reason below when read_seq fails */
 		/* END_SEQ ends a replay; as a live batch's seq it left next_seq wrapped to 0 (every
 		 * later batch a gap from 0), and a gap or a loss there could not be reported (its
 		 * end, one past it, does not fit). */

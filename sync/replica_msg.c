@@ -122,7 +122,10 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 		if (flags & KVR_MSG_RANK_VERSIONED) {
 			m->rank_clock = rd64(b + 40);
 			m->rank_writer = rd64(b + 48);
-			if (!m->rank_clock || !m->rank_writer)
+			/* A clock past 2^63 (wall-clock ns reach it in 2262) is no peer's: taken,
+			 * it made every later own version of this replica (one past the highest
+			 * seen) wrap to 0, an unversioned change. */
+			if (!m->rank_clock || m->rank_clock > INT64_MAX || !m->rank_writer)
 				return KVR_EINVAL;
 		}
 		if (m->op < 1 || m->op > 4)

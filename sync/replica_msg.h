@@ -50,7 +50,8 @@
  *                8 8 worker_id  16 4 dp_rank  20 4 flags  24 8 incarnation  32 8 capacity
  *                flags bit0 versioned (KVR_MSG_RANK_VERSIONED): 16 more bytes follow,
  *                40 8 clock  48 8 writer: the change's version, (clock, writer replica id),
- *                compared clock first, then writer; both nonzero.  Without it (the body is
+ *                compared clock first, then writer; both nonzero, the clock at most
+ *                2^63 - 1.  Without it (the body is
  *                exactly 40 bytes) the message is unversioned, as every RANK was before.
  *                Why versions: a rank's state is a register several replicas write (any may
  *                add, remove or reset a rank), and what a replica tells again (its

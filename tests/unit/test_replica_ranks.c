@@ -60,6 +60,9 @@ Test(replica_ranks, rank_versions_on_the_wire, .timeout = 60)
 	b.p[KVR_MSG_HEADER + 20] = 1;
 	memset(b.p + KVR_MSG_HEADER + 40, 0, 8); /* clock 0 */
 	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	/* clock 2^64 - 1: the receiver's next own version (one past it) wrapped to 0 */
+	memset(b.p + KVR_MSG_HEADER + 40, 0xff, 8);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
 	b.len = 0;
 	kvr_test_put_rank_op(&b, 5, 100, 1, KVR_REPL_RANK_ADD, 3, 7, 1000);
 	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), 0);
