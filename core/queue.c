@@ -526,6 +526,18 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		                " is not queued (unknown, collected or cancelled)",
 		                ticket);
 	}
+	/* Inside the admission pass (on_admit): only that pass admits it, and it waits for this
+	 * call (before, the wait ran out its deadline, for good without one). */
+	if (e->state != Q_ADMITTED && q->pumping && pthread_equal(q->pumper, pthread_self())) {
+		pthread_mutex_unlock(&q->lock);
+		return kvr_fail(
+		    KVR_EBUSY,
+		    "kvr_route_wait: called inside the queue's admission pass (on_admit): "
+		    "only that pass admits ticket %" PRIu64
+		    ", which stays queued (on_admit tells its outcome unless a wait "
+		    "collects it)",
+		    ticket);
+	}
 	e->waited = true;
 	q->waiters++;
 	int rc;

@@ -889,7 +889,20 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 		if (rc)
 			return route_failed(r, req, rc);
 	}
-	if (d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT))
+	if (d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT)) {
+		/* Inside the admission pass (on_admit), a wait would block the only pass that could
+		 * admit it (before, it waited out its deadline, for good without one). */
+		if (kvr_queue_pumped_here(r)) {
+			uint64_t ticket = d->ticket;
+			(void)kvr_route_cancel(
+			    r, ticket); /* no pass can take it meanwhile: ours waits */
+			return kvr_fail(
+			    KVR_EBUSY,
+			    "kvr_route: KVR_ROUTE_WAIT inside the queue's admission pass "
+			    "(on_admit), with every eligible rank saturated: waiting would "
+			    "block the pass that admits it; not queued");
+		}
 		return kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
+	}
 	return 0;
 }

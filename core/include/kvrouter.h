@@ -551,7 +551,9 @@ struct kvr_decision {
  * added, pinned/allowed rank unknown), KVR_EAGAIN (queue full; or the chosen rank's shard lane
  * stayed full for 10 ms: the router is overloaded, nothing was admitted; or over 2^20 attempts
  * are live), KVR_ETIMEDOUT (KVR_ROUTE_WAIT deadline; d->ticket names the request, which stays
- * queued), KVR_ENOMEM, KVR_ERANGE (the router's 2^46 attempt ids are used up), KVR_ESHUTDOWN.
+ * queued), KVR_ENOMEM, KVR_ERANGE (the router's 2^46 attempt ids are used up), KVR_ESHUTDOWN,
+ * KVR_EBUSY (KVR_ROUTE_WAIT from on_admit, inside the queue's admission pass, with every
+ * eligible rank saturated: only that pass could admit it; nothing queued).
  * Context: any thread, concurrently.  The whole call runs on the caller's thread and never
  * waits for a shard (unless sync_booking): the attempt id is minted lock-free, the request's
  * load is added to the rank's published load at once (the very next decision on any thread
@@ -580,7 +582,8 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
  * cancel it, or its admission is reported to nobody),
  * KVR_ENOENT (unknown ticket - another router's too: the routers of a process issue different
  * tickets -, already collected - by on_admit too - or cancelled meanwhile; d is then not
- * written), KVR_ESHUTDOWN, or
+ * written), KVR_ESHUTDOWN, KVR_EBUSY (called from on_admit, inside the queue's admission pass,
+ * for a ticket not admitted yet: only that pass admits it; it stays queued), or
  * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
  * when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL,
  * ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody waits) by

@@ -2001,3 +2001,65 @@ Test(router, decisions_see_the_oldest_prefill_decay)
 	}
 	vnow = 1000;
 }
+
+/* From on_admit, inside the admission pass: a KVR_ROUTE_WAIT request whose ranks are all
+ * saturated, and kvr_route_wait on a ticket not admitted yet, return KVR_EBUSY at once (only the
+ * pass they would block could admit them; before, both waited for good without a deadline).
+ * The waited-for ticket stays queued and on_admit tells its admission later. */
+static struct kvr_router *inside_r;
+static uint64_t inside_ticket;
+static int inside_route_rc = 1, inside_wait_rc = 1;
+static size_t inside_depth;
+static void on_admit_inside(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	on_admit(ctx, ticket, d);
+	if (n_admitted != 1)
+		return;
+	static uint32_t t[400];
+	prompt(t, 400, 95);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 400;
+	q.flags = KVR_ROUTE_WAIT;
+	struct kvr_decision dd;
+	inside_route_rc = kvr_route(inside_r, &q, &dd);
+	inside_wait_rc = kvr_route_wait(inside_r, inside_ticket, 0, &dd);
+	char text[1 << 16];
+	size_t len;
+	cr_assert_eq(kvr_metrics_render(inside_r, text, sizeof(text), &len), 0);
+	inside_depth = strstr(text, "kvr_queue_depth 1\n") ? 1 : 0;
+}
+
+Test(router, waits_inside_the_admission_pass_are_refused, .timeout = 20)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit_inside;
+	c.sync_booking = true;
+	n_admitted = 0;
+	cr_assert_eq(kvr_router_create(&c, &inside_r), 0);
+	struct kvr_router *r = inside_r;
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	static uint32_t hog[2000], a[1600], b[400];
+	prompt(hog, 2000, 92);
+	prompt(a, 1600, 93);
+	prompt(b, 400, 94);
+	struct kvr_decision h = route(r, hog, 2000, 0);
+	struct kvr_decision da = route(r, a, 1600, 0), db = route(r, b, 400, 0);
+	cr_assert_eq(da.status, KVR_QUEUED);
+	cr_assert_eq(db.status, KVR_QUEUED);
+	inside_ticket = db.ticket;
+	cr_assert_eq(kvr_request_prefill_done(r, h.attempt), 0); /* A admitted; A saturates */
+	cr_assert_eq(n_admitted, 1);
+	cr_assert_eq(inside_route_rc, KVR_EBUSY, "the waited route inside the pass");
+	cr_assert_eq(inside_wait_rc, KVR_EBUSY, "the wait inside the pass");
+	cr_assert_eq(inside_depth, 1, "only B queued: the refused route left nothing");
+	cr_assert_eq(kvr_request_prefill_done(r, admitted_attempt[0]), 0);
+	cr_assert_eq(n_admitted, 2, "B told through on_admit");
+	cr_assert_eq(admitted[1], db.ticket);
+	kvr_router_destroy(r);
+}
