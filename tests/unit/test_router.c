@@ -704,10 +704,10 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 	admitted[n_admitted++] = ticket;
 }
 
-/* One rank with a 1000-token budget and threshold 1.0: it is saturated while more than 1000
- * prefill tokens are in flight.  A hog saturates it, three requests queue, and each prefill_done
- * lets the queue admit in policy order until the rank is saturated again. */
-static void queue_order(enum kvr_queue_policy pol, const uint64_t *expect)
+/* A router that queues while a rank's prefill exceeds its budget (threshold 1.0): one shard,
+ * the virtual clock, sync_booking, on_admit cb, and n ranks (workers 0..n-1) of 1,000 tokens. */
+static struct kvr_router *budget_router(void (*cb)(void *, uint64_t, const struct kvr_decision *),
+                                        enum kvr_queue_policy pol, uint32_t queue_capacity, int n)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
@@ -715,12 +715,25 @@ static void queue_order(enum kvr_queue_policy pol, const uint64_t *expect)
 	c.now_ns = vclock;
 	c.queue_threshold = 1.0;
 	c.queue_policy = pol;
-	c.on_admit = on_admit;
+	if (queue_capacity)
+		c.queue_capacity = queue_capacity;
+	c.on_admit = cb;
 	c.sync_booking = true;
 	n_admitted = 0;
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	for (int w = 0; w < n; w++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){(uint64_t)w, 0}, 1, 100000, 1000),
+		             0);
+	return r;
+}
+
+/* One rank with a 1000-token budget and threshold 1.0: it is saturated while more than 1000
+ * prefill tokens are in flight.  A hog saturates it, three requests queue, and each prefill_done
+ * lets the queue admit in policy order until the rank is saturated again. */
+static void queue_order(enum kvr_queue_policy pol, const uint64_t *expect)
+{
+	struct kvr_router *r = budget_router(on_admit, pol, 0, 1);
 	static uint32_t hog[2000], p[3][1600];
 	prompt(hog, 2000, 40);
 	struct kvr_decision h = route(r, hog, 2000, 0);
@@ -761,20 +774,9 @@ Test(router, queue_wspt_order)
 /* Two ranks with a 1000-token budget, threshold 1.0, both saturated by a pinned hog each. */
 static struct kvr_router *two_hogged_ranks(struct kvr_decision *hog0, struct kvr_decision *hog1)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.now_ns = vclock;
-	c.queue_threshold = 1.0;
-	c.on_admit = on_admit;
-	c.sync_booking = true;
-	n_admitted = 0;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_router *r = budget_router(on_admit, KVR_QUEUE_FCFS, 0, 2);
 	static uint32_t hog[2][2000];
 	struct kvr_decision *h[2] = {hog0, hog1};
-	for (uint64_t w = 0; w < 2; w++)
-		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){w, 0}, 1, 100000, 1000), 0);
 	for (uint64_t w = 0; w < 2; w++) {
 		struct kvr_rank_id id = {w, 0};
 		struct kvr_request q;
@@ -849,17 +851,7 @@ static void on_admit_route(void *ctx, uint64_t ticket, const struct kvr_decision
 
 Test(router, queue_arrival_during_a_pump_goes_behind_the_admissible)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.now_ns = vclock;
-	c.queue_threshold = 1.0;
-	c.on_admit = on_admit_route;
-	c.sync_booking = true;
-	n_admitted = 0;
-	cr_assert_eq(kvr_router_create(&c, &behind_r), 0);
-	struct kvr_router *r = behind_r;
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	struct kvr_router *r = behind_r = budget_router(on_admit_route, KVR_QUEUE_FCFS, 0, 1);
 	static uint32_t hog[2000], a[400], b[400];
 	prompt(hog, 2000, 80);
 	prompt(a, 400, 81);
@@ -2033,17 +2025,7 @@ static void on_admit_inside(void *ctx, uint64_t ticket, const struct kvr_decisio
 
 Test(router, waits_inside_the_admission_pass_are_refused, .timeout = 20)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.now_ns = vclock;
-	c.queue_threshold = 1.0;
-	c.on_admit = on_admit_inside;
-	c.sync_booking = true;
-	n_admitted = 0;
-	cr_assert_eq(kvr_router_create(&c, &inside_r), 0);
-	struct kvr_router *r = inside_r;
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 1000), 0);
+	struct kvr_router *r = inside_r = budget_router(on_admit_inside, KVR_QUEUE_FCFS, 0, 1);
 	static uint32_t hog[2000], a[1600], b[400];
 	prompt(hog, 2000, 92);
 	prompt(a, 1600, 93);
