@@ -158,6 +158,9 @@ static bool owned_room(void)
 		return k < tls_owned.cap;
 	tls_owned.r = q;
 	tls_owned.cap = nc;
+	/* The thread's exit frees the array: registered now, not only once a block is taken (a
+	 * block that then failed to allocate left the array to leak at the thread's exit). */
+	pthread_setspecific(exit_key, &tls_owned);
 	return true;
 }
 
