@@ -81,6 +81,7 @@ struct kvr_queue {
 	bool pumping;
 	pthread_t pumper; /* the thread running the pass, while pumping */
 	bool again;       /* asked to pump while a pass ran: walk the list once more */
+	bool full;        /* a rank went: the next pass looks at every restricted entry */
 	bool closing;
 	uint64_t pass; /* the pump's passes, counted: an entry passed over keeps its number */
 };
@@ -333,12 +334,20 @@ bool kvr_queue_pump(struct kvr_router *r)
 			kvr_router_settle(r);
 			pthread_mutex_lock(&q->lock);
 		}
+		/* Once an unrestricted entry is saturated, every live rank is, and so are every
+		 * later entry's: the pass ends there, unless a rank went since the last full pass,
+		 * when a later entry restricted to ranks that are all gone is routed (it fails, and
+		 * is told so) and every other is passed over. */
+		bool full = q->full, all_saturated = false;
+		q->full = false;
 		struct qentry *e = next_waiting(q, q->head);
 		while (e) {
-			bool unrestricted;
-			if (entry_saturated(r, e, &unrestricted)) {
-				if (unrestricted)
-					break; /* every live rank is: so are every later entry's */
+			bool unrestricted = !e->req.pinned && !e->req.n_allow;
+			if ((all_saturated && unrestricted) ||
+			    entry_saturated(r, e, &unrestricted)) {
+				if (unrestricted && !full)
+					break;
+				all_saturated |= unrestricted;
 				e->passed = q->pass;
 				e = next_waiting(q, e->next);
 				continue;
@@ -410,6 +419,15 @@ bool kvr_queue_pumped_here(struct kvr_router *r)
 	return here;
 }
 
+void kvr_queue_rank_gone(struct kvr_router *r)
+{
+	struct kvr_queue *q = r->queue;
+	pthread_mutex_lock(&q->lock);
+	q->full = true;
+	pthread_mutex_unlock(&q->lock);
+	kvr_queue_pump(r);
+}
+
 bool kvr_queue_admissible(struct kvr_router *r)
 {
 	struct kvr_queue *q = r->queue;
@@ -447,6 +465,17 @@ int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kv
 	}
 	pthread_mutex_unlock(&q->lock);
 	return rc;
+}
+
+uint32_t kvr_queue_waiters(struct kvr_router *r)
+{
+	struct kvr_queue *q = r->queue;
+	if (!q)
+		return 0;
+	pthread_mutex_lock(&q->lock);
+	uint32_t n = q->waiters;
+	pthread_mutex_unlock(&q->lock);
+	return n;
 }
 
 size_t kvr_queue_depth(struct kvr_router *r)

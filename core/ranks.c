@@ -227,6 +227,10 @@ out:
 	pthread_mutex_unlock(&r->admin_lock);
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_REMOVE, rank, 0, 0, 0);
+	/* Queued requests pinned or allowed only to it fail now, not once the cluster's load lets
+	 * the queue's passes reach them. */
+	if (rc == 0 && r->queue)
+		kvr_queue_rank_gone(r);
 	return rc;
 }
 

@@ -169,12 +169,17 @@ bool kvr_queue_pumped_here(struct kvr_router *r);
  * being admitted, and the queue has room: a new request then queues behind it.  Context: any
  * thread, an RCU reader. */
 bool kvr_queue_admissible(struct kvr_router *r);
+/* A rank was removed: pumps with a pass that looks past a saturated unrestricted entry, so that
+ * entries restricted to gone ranks fail now.  Context: as kvr_queue_pump. */
+void kvr_queue_rank_gone(struct kvr_router *r);
 /* After kvr_route queued a request marked waited (KVR_QUEUE_BEHIND) and pumped: if it was
  * admitted meanwhile, its outcome into *d (its admission's return code); else it stays queued,
  * collected by a waiter only if wait (otherwise on_admit answers it).  Returns 0 or the
  * admission's code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
+/* Threads inside kvr_route_wait (or kvr_route_cancel) now.  For tests. */
+uint32_t kvr_queue_waiters(struct kvr_router *r);
 
 /* How kvr_route_internal treats saturation. */
 enum kvr_queue_mode {

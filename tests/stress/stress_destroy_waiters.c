@@ -10,10 +10,12 @@
  * usage: stress_destroy_waiters [rounds (40)]   exit 0 pass, 1 fail
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
+#include "core/router_internal.h"
 #include "kvrouter.h"
 
 #define WAITERS 4
@@ -72,6 +74,11 @@ int main(int argc, char **argv)
 		pthread_t t[WAITERS];
 		for (long i = 0; i < WAITERS; i++)
 			pthread_create(&t[i], NULL, waiter, (void *)i);
+		/* Every waiter inside the wait first: one that enters after the destroy calls on
+		 * a freed router (a use-after-free of the test's own making, which ASan saw on a
+		 * loaded machine when this was a 3 ms sleep). */
+		while (kvr_queue_waiters(router) < WAITERS)
+			sched_yield();
 		struct timespec ts = {0, 3000000}; /* the waiters pump meanwhile */
 		nanosleep(&ts, NULL);
 		kvr_router_destroy(router);

@@ -696,11 +696,13 @@ Test(router, events_cursor_gaps_and_errors)
 }
 
 static uint64_t admitted[16], admitted_attempt[16];
+static int admitted_error[16];
 static int n_admitted;
 static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 {
 	(void)ctx;
 	admitted_attempt[n_admitted] = d->attempt;
+	admitted_error[n_admitted] = d->error;
 	admitted[n_admitted++] = ticket;
 }
 
@@ -826,6 +828,37 @@ Test(router, queue_passes_over_a_request_whose_ranks_are_saturated)
 	cr_assert_eq(kvr_request_prefill_done(r, hog0.attempt), 0);
 	cr_assert_eq(n_admitted, 2);
 	cr_assert_eq(admitted[1], da.ticket);
+	kvr_router_destroy(r);
+}
+
+/* A request pinned to a rank that is removed while every rank is saturated fails at once, told
+ * through on_admit (before, the removal ran no pass, and a pass stopped at the saturated
+ * unrestricted request ahead of it: it learned of its failure only once load eased). */
+Test(router, queue_request_pinned_to_a_removed_rank_fails_at_once)
+{
+	struct kvr_decision hog0, hog1;
+	struct kvr_router *r = two_hogged_ranks(&hog0, &hog1);
+	static uint32_t u[400], p[400];
+	prompt(u, 400, 73);
+	prompt(p, 400, 74);
+	struct kvr_decision du = route(r, u, 400, 0);
+	cr_assert_eq(du.status, KVR_QUEUED);
+	struct kvr_rank_id rank1 = {1, 0};
+	struct kvr_request qp;
+	kvr_request_init(&qp);
+	qp.tokens = p;
+	qp.n_tokens = 400;
+	qp.pinned = &rank1;
+	struct kvr_decision dp;
+	cr_assert_eq(kvr_route(r, &qp, &dp), 0);
+	cr_assert_eq(dp.status, KVR_QUEUED);
+	cr_assert_eq(kvr_rank_remove(r, rank1), 0);
+	cr_assert_eq(n_admitted, 1, "the pinned request is told");
+	cr_assert_eq(admitted[0], dp.ticket);
+	cr_assert_eq(admitted_error[0], KVR_ENOENT);
+	cr_assert_eq(kvr_request_prefill_done(r, hog0.attempt), 0);
+	cr_assert_eq(n_admitted, 2, "the unrestricted one once rank 0 frees");
+	cr_assert_eq(admitted[1], du.ticket);
 	kvr_router_destroy(r);
 }
 
