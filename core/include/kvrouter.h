@@ -324,7 +324,9 @@ struct kvr_config {
 	 * (d->status KVR_FAILED, d->error why: KVR_ESHUTDOWN for one still queued when the router
 	 * is destroyed), unless a kvr_route_wait caller collects it; d is borrowed for the call.
 	 * It runs on the thread whose call admitted it: inside kvr_route, a lifecycle call,
-	 * kvr_rank_add, kvr_router_sync, another ticket's kvr_route_wait, or kvr_router_destroy,
+	 * kvr_rank_add, _remove, _reset or _set_capacity (a removal tells the requests restricted
+	 * to ranks now gone at once), kvr_router_sync, another ticket's kvr_route_wait, or
+	 * kvr_router_destroy,
 	 * so it must not wait for a lock its caller may hold around those calls.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
