@@ -141,6 +141,15 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		rc = rank_fail(r, rc, fn, rank, incarnation);
 		goto out;
 	}
+	/* The live list's room first, so that the rank, once live, never has to be rolled back
+	 * (before, a list copy that ran out of memory after the create left the rank routable
+	 * for an instant: a pinned request could book on it, a stats call read it). */
+	if ((rc = kvr_router_live_reserve(r))) {
+		kvr_shard_wait_intent_end();
+		kvr_shards_unplace(r->shards, rank.worker_id);
+		rc = kvr_fail(rc, "%s: out of memory growing the live rank list", fn);
+		goto out;
+	}
 	rc = admin_call(r, sh, kvr_owner_rank_create, &a, false);
 	if (rc == KVR_ERANGE) {
 		/* Fewer than max_ranks ranks are present (checked above), so every free slot is
@@ -162,13 +171,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	struct kvr_rank_pub *pub = &r->ranks[a.slot];
 	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	__atomic_store_n(&pub->live, 1, __ATOMIC_RELEASE);
-	if ((rc = kvr_router_live_update(r, a.slot, true))) {
-		__atomic_store_n(&pub->live, 0, __ATOMIC_RELEASE);
-		__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
-		admin_call(r, sh, kvr_owner_rank_destroy, &a, true);
-		kvr_shards_unplace(r->shards, rank.worker_id);
-		rc = rank_fail(r, rc, fn, rank, incarnation);
-	}
+	(void)kvr_router_live_update(r, a.slot, true); /* room reserved above: cannot fail */
 	kvr_shard_wait_intent_end();
 out:
 	pthread_mutex_unlock(&r->admin_lock);

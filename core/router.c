@@ -44,23 +44,11 @@ static struct kvr_live *live_alloc(uint32_t cap)
  * full list, publishes a copy (room doubled for adds, so n adds copy O(n) entries in all).
  * Context: under admin_lock.  Ordering: the release store of n or the release publish; pairs
  * with kvr_live_n / kvr_rcu_deref in the readers. */
-int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
+/* Publishes a copy of the live list with cap entries' room, without slot (UINT32_MAX: none). */
+static int live_copy(struct kvr_router *r, uint32_t cap, uint32_t slot)
 {
 	struct kvr_live *old = r->live;
 	uint32_t n = old->n; /* only admin_lock's holder writes it */
-	uint64_t gen = add ? __atomic_load_n(&r->ranks[slot].gen, __ATOMIC_RELAXED) : 0;
-	if (add && n < old->cap) {
-		old->gen[n] = gen;
-		old->slot[n] = slot;
-		__atomic_store_n(&old->n, n + 1, __ATOMIC_RELEASE);
-		return 0;
-	}
-	uint32_t cap = old->cap;
-	if (add) {
-		uint64_t want = n < 8 ? 16 : 2 * (uint64_t)n;
-		cap = want < r->cfg.max_ranks ? (uint32_t)want : r->cfg.max_ranks;
-		cap = cap > n ? cap : n + 1; /* never short of the entry it adds */
-	}
 	struct kvr_live *nl = live_alloc(cap);
 	if (!nl)
 		return KVR_ENOMEM;
@@ -71,13 +59,34 @@ int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
 			nl->slot[k++] = old->slot[i];
 		}
 	}
-	if (add) {
-		nl->gen[k] = gen;
-		nl->slot[k++] = slot;
-	}
 	nl->n = k;
 	kvr_rcu_publish(&r->live, nl);
 	kvr_rcu_defer_free(old, live_free);
+	return 0;
+}
+
+int kvr_router_live_reserve(struct kvr_router *r)
+{
+	uint32_t n = r->live->n;
+	if (n < r->live->cap)
+		return 0;
+	uint64_t want = n < 8 ? 16 : 2 * (uint64_t)n;
+	uint32_t cap = want < r->cfg.max_ranks ? (uint32_t)want : r->cfg.max_ranks;
+	return live_copy(r, cap > n ? cap : n + 1, UINT32_MAX); /* never short of one entry */
+}
+
+int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
+{
+	if (!add)
+		return live_copy(r, r->live->cap, slot);
+	int rc = kvr_router_live_reserve(r);
+	if (rc)
+		return rc;
+	struct kvr_live *l = r->live;
+	uint32_t n = l->n;
+	l->gen[n] = __atomic_load_n(&r->ranks[slot].gen, __ATOMIC_RELAXED);
+	l->slot[n] = slot;
+	__atomic_store_n(&l->n, n + 1, __ATOMIC_RELEASE);
 	return 0;
 }
 

@@ -197,8 +197,12 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *req, stru
  * the entry point that asked.  Context: any thread. */
 int kvr_config_check(const struct kvr_config *cfg, const char *fn);
 
-/* core/router.c: replaces the live list (slot added or removed).  Context: under admin_lock. */
+/* core/router.c: replaces the live list (slot added or removed); an add to a list with room
+ * (kvr_router_live_reserve) cannot fail.  Context: under admin_lock. */
 int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add);
+/* Makes room for one more entry in the live list (a copy published if it is full): 0 or
+ * KVR_ENOMEM.  Context: under admin_lock. */
+int kvr_router_live_reserve(struct kvr_router *r);
 
 /* The rank behind a (worker, dp); 0 and *slot or KVR_ENOENT.  Context: any thread. */
 int kvr_router_find_rank(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot);
