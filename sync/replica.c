@@ -469,6 +469,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "kvr_sync_messages_total{what=\"refused\"} %" PRIu64 "\n"
 	    "kvr_sync_messages_total{what=\"orphan\"} %" PRIu64 "\n"
 	    "kvr_sync_messages_total{what=\"block_size_mismatch\"} %" PRIu64 "\n"
+	    "kvr_sync_messages_total{what=\"rank_stale\"} %" PRIu64 "\n"
 	    "# HELP kvr_sync_batches_total Transport messages the published stream went out in\n"
 	    "# TYPE kvr_sync_batches_total counter\nkvr_sync_batches_total %" PRIu64 "\n"
 	    "# HELP kvr_sync_events_total Replica sync events\n"
@@ -504,7 +505,7 @@ static size_t render(void *ctx, char *buf, size_t room)
 	    "it)\n"
 	    "# TYPE kvr_sync_displaced gauge\nkvr_sync_displaced %d\n",
 	    s.published, s.unpublished, s.received, s.applied, s.dropped, s.forged, s.duplicates,
-	    s.refused, s.orphans, s.block_size_mismatch, s.batches, s.gaps, s.resyncs,
+	    s.refused, s.orphans, s.block_size_mismatch, s.rank_stale, s.batches, s.gaps, s.resyncs,
 	    s.snapshots_applied, s.snapshots_served, s.disconnects, s.reconnects, s.peers_lost,
 	    s.released, s.early_lost, s.notes_over_cap, s.ends_reconciled, s.denied, s.oversized,
 	    s.truncated, s.displacements, s.output_dropped, s.peers_alive, s.mirrored,

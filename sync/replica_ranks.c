@@ -146,6 +146,7 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 		if (v.clock > rep->rank_clock)
 			rep->rank_clock = v.clock;
 		bool old = stale(rep, id, m->op, v);
+		rep->st.rank_stale += old;
 		pthread_mutex_unlock(&rep->mu);
 		if (old)
 			return;

@@ -1148,6 +1148,10 @@ struct kvr_sync_stats {
 	 * displacements counts the times it became true. */
 	bool displaced;
 	uint64_t displacements;
+	/* Peers' rank changes (add, remove, reset, capacity) not applied because this replica holds
+	 * a newer version of that rank (a re-announce or a snapshot telling an older state again:
+	 * harmless, counted so that it shows).  Not counted in refused. */
+	uint64_t rank_stale;
 };
 
 /* Fills *c with the defaults.  NULL is a no-op. */

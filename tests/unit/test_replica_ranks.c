@@ -93,6 +93,9 @@ Test(replica_ranks, the_newer_rank_change_wins, .timeout = 60)
 	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
 	cr_assert(!has_rank(r[0], 0), "an older add brought the removed rank back");
 	cr_assert(!has_rank(r[0], 3), "an add older than the removal that came first was taken");
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	cr_assert_eq(bus.rep[0]->st.rank_stale, 2, "the two older adds counted");
+	pthread_mutex_unlock(&bus.rep[0]->mu);
 	peer_rank_v(bus.rep[0], 5, KVR_REPL_RANK_ADD, 0, 8, t0 + 200); /* a real re-add */
 	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
 	cr_assert_eq(stats_of(r[0], 0).incarnation, 8);
