@@ -172,24 +172,31 @@ static char *slurp(const char *path)
 	return s;
 }
 
+/* The JSON report of result r (freed) of n_requests under c, as text (the caller frees it). */
+static char *json_text(const struct replay_config *c, struct replay_result *r, size_t n_requests)
+{
+	char path[] = "/tmp/test_replay_XXXXXX";
+	int fd = mkstemp(path);
+	cr_assert(fd >= 0);
+	close(fd);
+	const char *names[] = {"synthetic"};
+	struct replay_meta meta = {
+	    .traces = names, .n_traces = 1, .n_requests = n_requests, .cfg = c};
+	char err[256];
+	cr_assert_eq(replay_report_json(path, &meta, r, 1, false, err, sizeof(err)), 0, "%s", err);
+	replay_result_free(r);
+	char *s = slurp(path);
+	unlink(path);
+	return s;
+}
+
 static char *json_of(const struct trace *t, const struct replay_policy_ops *ops, uint64_t seed)
 {
 	struct replay_config c = base_cfg();
 	c.seed = seed;
 	struct replay_result r;
 	run(t, ops, &c, &r);
-	char path[] = "/tmp/test_replay_XXXXXX";
-	int fd = mkstemp(path);
-	cr_assert(fd >= 0);
-	close(fd);
-	const char *names[] = {"synthetic"};
-	struct replay_meta meta = {.traces = names, .n_traces = 1, .n_requests = t->n, .cfg = &c};
-	char err[256];
-	cr_assert_eq(replay_report_json(path, &meta, &r, 1, false, err, sizeof(err)), 0, "%s", err);
-	replay_result_free(&r);
-	char *s = slurp(path);
-	unlink(path);
-	return s;
+	return json_text(&c, &r, t->n);
 }
 
 Test(replay, same_seed_same_json)
@@ -416,18 +423,10 @@ Test(replay, json_counts_refused_after_routing)
 	run(&t, &replay_policy_round_robin, &c, &r);
 	cr_assert_eq(r.n_refused, 15);
 	r.n_refused_routed = 3;
-	char path[] = "/tmp/test_replay_XXXXXX";
-	int fd = mkstemp(path);
-	cr_assert(fd >= 0);
-	close(fd);
-	const char *names[] = {"synthetic"};
-	struct replay_meta meta = {.traces = names, .n_traces = 1, .n_requests = t.n, .cfg = &c};
-	char err[256];
-	cr_assert_eq(replay_report_json(path, &meta, &r, 1, false, err, sizeof(err)), 0, "%s", err);
-	replay_result_free(&r);
+	char *text = json_text(&c, &r, t.n);
 	json_error_t je;
-	json_t *root = json_load_file(path, 0, &je);
-	unlink(path);
+	json_t *root = json_loads(text, 0, &je);
+	free(text);
 	cr_assert_not_null(root, "%s", je.text);
 	json_t *p = json_array_get(json_object_get(root, "policies"), 0);
 	cr_assert_eq(json_integer_value(json_object_get(p, "refused")), 15);
