@@ -449,6 +449,17 @@ bool kvr_queue_admissible(struct kvr_router *r)
 	return found;
 }
 
+/* Takes admitted entry e's outcome into *d and frees it; returns its admission's code.
+ * Context: under q->lock. */
+static int collect(struct kvr_queue *q, struct qentry *e, struct kvr_decision *d)
+{
+	*d = e->d;
+	int rc = e->rc;
+	unlink_entry(q, e);
+	entry_free(e);
+	return rc;
+}
+
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d)
 {
 	struct kvr_queue *q = r->queue;
@@ -456,10 +467,7 @@ int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kv
 	pthread_mutex_lock(&q->lock);
 	struct qentry *e = find(q, ticket);
 	if (e && e->state == Q_ADMITTED) {
-		*d = e->d;
-		rc = e->rc;
-		unlink_entry(q, e);
-		entry_free(e);
+		rc = collect(q, e, d);
 	} else if (e) {
 		e->waited = wait;
 	}
@@ -579,11 +587,8 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 			break;
 		}
 		if (e->state == Q_ADMITTED) {
-			*d = e->d;
-			rc = e->rc;
+			rc = collect(q, e, d);
 			admission = rc != 0;
-			unlink_entry(q, e);
-			entry_free(e);
 			break;
 		}
 		if (q->closing) {
