@@ -100,9 +100,13 @@ static void on_msg(struct kvr_shard *sh, void *payload)
 	(void)sh;
 	uint32_t id;
 	memcpy(&id, payload, sizeof(id));
-	__atomic_store_n(&ran_ns[id], mono_ns(), __ATOMIC_RELEASE);
+	uint64_t now = mono_ns();
+	/* The order first: the main thread reads it once it sees ran_ns (acquire), so ran_ns is
+	 * the release that publishes both.  Stored the other way round, a main thread that saw
+	 * the last message's ran_ns could read its order still 0 (one TSan CI run did). */
 	__atomic_store_n(&order[id], __atomic_add_fetch(&n_ran, 1, __ATOMIC_RELAXED),
-	                 __ATOMIC_RELEASE);
+	                 __ATOMIC_RELAXED);
+	__atomic_store_n(&ran_ns[id], now, __ATOMIC_RELEASE);
 }
 
 static struct kvr_shard *shard;
@@ -226,8 +230,10 @@ static int run_case(bool soon)
 		if (__atomic_load_n(&order[ID_HELD], __ATOMIC_ACQUIRE) != 2 ||
 		    __atomic_load_n(&order[ID_URGENT], __ATOMIC_ACQUIRE) != 3) {
 			fprintf(stderr,
-			        "stress_tag_wake: %s: the messages ran out of ticket order\n",
-			        name);
+			        "stress_tag_wake: %s: the messages ran out of ticket order (held "
+			        "%u, urgent %u)\n",
+			        name, __atomic_load_n(&order[ID_HELD], __ATOMIC_ACQUIRE),
+			        __atomic_load_n(&order[ID_URGENT], __ATOMIC_ACQUIRE));
 			bad = 1;
 		}
 		uint64_t t_run = __atomic_load_n(&ran_ns[ID_URGENT], __ATOMIC_ACQUIRE);
