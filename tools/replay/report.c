@@ -181,8 +181,11 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 		json_object_set_new(p, "mae_blocks", json_real(r->mae_blocks));
 		json_object_set_new(p, "over_share", json_real(share(r->n_over, r->n_pred)));
 		json_object_set_new(p, "under_share", json_real(share(r->n_under, r->n_pred)));
-		json_object_set_new(p, "predicted_hit_rate",
-		                    json_real(share(r->predicted_blocks, r->prompt_blocks)));
+		/* Over this router's requests, which alone it predicts: over every arrival's
+		 * blocks (prompt_blocks), a foreign share of 0.5 halved it. */
+		json_object_set_new(
+		    p, "predicted_hit_rate",
+		    json_real(share(r->predicted_blocks, r->share_prompt_blocks[0])));
 		json_object_set_new(o, "prediction", p);
 	}
 	json_object_set_new(o, "ttft_p50_ms", json_real(r->ttft_p50_ms));

@@ -292,11 +292,14 @@ static double exact_share(const struct replay_result *r)
 	return r->n_pred ? (double)r->n_exact / (double)r->n_pred : NAN;
 }
 
-/* The router's own hit estimate: predicted overlap over prompt blocks (what
- * kvr_predicted_overlap_blocks_total / kvr_routed_blocks_total says in production). */
+/* The router's own hit estimate: predicted overlap over the prompt blocks of the requests it
+ * routed (what kvr_predicted_overlap_blocks_total / kvr_routed_blocks_total says in
+ * production).  Over every arrival's blocks, as it was, foreign traffic scaled it down: at
+ * foreign_traffic 0.5, half the hit rate of an exact prediction. */
 static double pred_rate(const struct replay_result *r)
 {
-	return r->prompt_blocks ? (double)r->predicted_blocks / (double)r->prompt_blocks : NAN;
+	const uint64_t own = r->share_prompt_blocks[0];
+	return own ? (double)r->predicted_blocks / (double)own : NAN;
 }
 
 void sweep_report_table(FILE *f, const struct sweep *s, const struct sweep_cell *c, size_t n)

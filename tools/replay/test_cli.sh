@@ -199,6 +199,21 @@ assert r["self"]["hit_rate"] == r["none"]["hit_rate"], "self is the no-error run
 assert r["self"]["prediction"]["exact_share"] == 1.0, r["self"]["prediction"]
 for m in ("clients", "router", "self"):
     assert 0 < r[m]["own_hit_rate"] < 1, (m, r[m]["own_hit_rate"])
+# The router's own estimate is over the requests it predicts: exact, it is their hit rate (over
+# every arrival's blocks, a foreign share of 0.3 scaled it by 0.7).
+p = r["self"]["prediction"]["predicted_hit_rate"]
+assert abs(p - r["self"]["own_hit_rate"]) < 1e-9, (p, r["self"]["own_hit_rate"])
+PY
+# The same in a sweep over the foreign share (its CSV's pred column).
+"$bin" --max-requests 300 --quiet --policies approx_lru --foreign-as self \
+	--sweep foreign_traffic=0,0.5 --csv "$tmp/fs.csv" "$sample" || fail "foreign_traffic sweep"
+python3 - "$tmp/fs.csv" <<'PY' || fail "foreign_traffic sweep: predicted_hit_rate"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+assert len(rows) == 2, rows
+for x in rows:
+    assert x["status"] == "ok" and x["exact_share"] == "1.000000", x
+    assert x["predicted_hit_rate"] == x["own_hit_rate"], x
 PY
 # --decisions (issue 15): one R line per decision on this router's requests, H lines for healing
 # reports that evicted; tracing changes no decision; decisions.py reads the file.
