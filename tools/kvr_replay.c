@@ -135,12 +135,17 @@ static void progress_cb(void *ctx, size_t done, size_t total)
 		fprintf(stderr, "\r%*s\r", 70, "");
 }
 
+/* A whole decimal number.  strtoull alone skipped leading space, so " -1" passed a check of
+ * s[0] for '-' and wrapped to 2^64 - 1 (--max-requests " -1": no limit), and its base 0 read
+ * "010" as 8. */
 static int parse_u64(const char *s, uint64_t *out)
 {
 	char *end;
 	errno = 0;
-	unsigned long long v = strtoull(s, &end, 0);
-	if (errno || end == s || *end || s[0] == '-')
+	if (s[0] < '0' || s[0] > '9')
+		return -1;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (errno || *end)
 		return -1;
 	*out = v;
 	return 0;
@@ -268,8 +273,8 @@ int main(int argc, char **argv)
 		case 't':
 			bad = parse_double(optarg, &cfg.time_scale) || cfg.time_scale == 0;
 			break;
-		case 's':
-			bad = parse_u64(optarg, &cfg.seed);
+		case 's': /* the JSON report's integers are signed 64-bit: 2^64 - 1 read -1 */
+			bad = parse_u64(optarg, &cfg.seed) || cfg.seed > INT64_MAX;
 			break;
 		case 'k':
 			skip_bad = true;
@@ -461,6 +466,13 @@ int main(int argc, char **argv)
 	trace_finish(&t);
 	if (max_req && t.n > max_req)
 		t.n = (size_t)max_req;
+	/* Nothing to replay is an error: a table of zeros and a verdict of 0.0 % said otherwise. */
+	if (t.n == 0) {
+		fprintf(stderr, "kvr-replay: no requests to replay (%zu malformed skipped)\n",
+		        t.n_bad);
+		trace_free(&t);
+		return 1;
+	}
 	if (t.block_size % cfg.block_size) {
 		fprintf(stderr,
 		        "kvr-replay: --block-size %u must divide the trace's block size %u\n",

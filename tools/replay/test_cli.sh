@@ -257,6 +257,33 @@ for f, n in (("db", 4), ("s3", 1036), ("s12", 515)):
     q = json.load(open("%s/%s.json" % (sys.argv[1], f)))["policies"][0]["prediction"]
     assert q["requests"] == n and q["exact_share"] == 1.0, (f, q)
 PY
+# Whole decimal numbers: a leading space let strtoull wrap " -1" to 2^64 - 1 (--max-requests
+# " -1" replayed everything, --seed " -1" ran seed 2^64 - 1, which the JSON printed as -1), and
+# base 0 read --ranks 010 as 8 ranks.
+for a in "--max-requests= -1" "--seed= -1" "--ranks=+4" "--seed=9223372036854775808"; do
+	if "$bin" --quiet --policies round_robin "$a" "$sample" 2>"$tmp/err"; then
+		fail "$a was accepted"
+	fi
+	grep -q "bad value for --" "$tmp/err" || fail "$a: $(cat "$tmp/err")"
+done
+"$bin" --quiet --no-timing --max-requests 20 --policies round_robin --ranks 010 \
+	--seed 9223372036854775807 --out "$tmp/dec10.json" "$sample" || fail "--ranks 010"
+python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['config']; assert c['ranks'] == 10 and c['seed'] == 2**63 - 1, c" \
+	"$tmp/dec10.json" || fail "--ranks 010 is not 10 ranks, or the seed is not the one given"
+# A trace without a request to replay (every line skipped, an empty session) is an error: it
+# printed a table of zeros and a verdict of 0.0 % with exit 0.
+printf '{"block_size": 16, "requests": []}\n' >"$tmp/none.json"
+if "$bin" --quiet "$tmp/none.json" 2>"$tmp/err"; then
+	fail "an empty session was replayed"
+fi
+grep -q "no requests to replay" "$tmp/err" || fail "empty session: $(cat "$tmp/err")"
+head -n 2 "$bad" | tail -n 1 >"$tmp/allbad.jsonl"
+if "$bin" --skip-bad "$tmp/allbad.jsonl" >"$tmp/out" 2>"$tmp/err"; then
+	fail "a trace whose every line was skipped was replayed"
+fi
+grep -q "no requests to replay (1 malformed skipped)" "$tmp/err" || fail "all skipped: $(cat "$tmp/err")"
+! grep -q "^verdict" "$tmp/out" || fail "all skipped: a verdict was printed"
+
 # --routers N replays its own three policies: a --policies list beside it was dropped silently.
 if "$bin" --quiet --routers 2 --policies round_robin "$sample" 2>"$tmp/err"; then
 	fail "--routers 2 --policies round_robin was accepted"
