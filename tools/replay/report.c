@@ -24,6 +24,36 @@ int replay_json_write(json_t *root, const char *path, char *err, size_t errlen)
 	return 0;
 }
 
+json_t *replay_json_text(const char *s)
+{
+	json_t *j = json_string(s);
+	if (j)
+		return j;
+	size_t len = strlen(s), k = 0;
+	char *buf = malloc(3 * len + 1); /* at most U+FFFD (3 bytes) a byte */
+	if (!buf)
+		return NULL;
+	for (size_t i = 0; i < len;) {
+		unsigned char c = (unsigned char)s[i];
+		size_t n = c < 0x80 ? 1 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 0;
+		/* jansson judges the sequence (overlong forms, surrogates, past U+10FFFF) */
+		json_t *one = n && i + n <= len ? json_stringn(s + i, n) : NULL;
+		if (one) {
+			json_decref(one);
+			memcpy(buf + k, s + i, n);
+			k += n;
+			i += n;
+		} else {
+			memcpy(buf + k, "\xef\xbf\xbd", 3);
+			k += 3;
+			i++;
+		}
+	}
+	j = json_stringn(buf, k);
+	free(buf);
+	return j;
+}
+
 int replay_io_error(const char *what, char *err, size_t errlen)
 {
 	snprintf(err, errlen, "%s: %s", what, strerror(errno));
@@ -254,7 +284,7 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_t *root = json_object();
 	json_t *tr = json_array();
 	for (size_t i = 0; i < meta->n_traces; i++)
-		json_array_append_new(tr, json_string(meta->traces[i]));
+		json_array_append_new(tr, replay_json_text(meta->traces[i]));
 	json_object_set_new(root, "traces", tr);
 	json_object_set_new(root, "requests", json_integer((json_int_t)meta->n_requests));
 	json_object_set_new(root, "skipped_bad", json_integer((json_int_t)meta->n_bad));
@@ -265,7 +295,7 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_object_set_new(cfg, "block_size", json_integer(c->block_size));
 	json_object_set_new(cfg, "blocks_per_rank", json_integer(c->blocks_per_rank));
 	if (meta->blocks_why)
-		json_object_set_new(cfg, "blocks_per_rank_why", json_string(meta->blocks_why));
+		json_object_set_new(cfg, "blocks_per_rank_why", replay_json_text(meta->blocks_why));
 	json_object_set_new(cfg, "max_batched_tokens", json_integer(c->max_batched_tokens));
 	json_object_set_new(cfg, "step_base_ns", json_real(c->step_base_ns));
 	json_object_set_new(cfg, "step_per_token_ns", json_real(c->step_per_token_ns));

@@ -30,6 +30,10 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n);
 struct json_t;
 /* Writes root to path (indented, keys in insertion order, 10 significant digits) and frees it. */
 int replay_json_write(struct json_t *root, const char *path, char *err, size_t errlen);
+/* A JSON string of s (a path, a label, a message) whatever its bytes: each byte that does not
+ * start a valid UTF-8 sequence becomes U+FFFD.  jansson's json_string() returns NULL for such
+ * text, and setting NULL dropped the member without a word.  NULL only out of memory. */
+struct json_t *replay_json_text(const char *s);
 /* "what: strerror(errno)" into err; returns -1. */
 int replay_io_error(const char *what, char *err, size_t errlen);
 /* Creates the chart directory dir (an existing one is fine). */

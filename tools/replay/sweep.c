@@ -366,7 +366,7 @@ int sweep_report_json(const char *path, const struct sweep *s, const struct swee
                       const char *trace_names, char *err, size_t errlen)
 {
 	json_t *root = json_object();
-	json_object_set_new(root, "traces", json_string(trace_names ? trace_names : ""));
+	json_object_set_new(root, "traces", replay_json_text(trace_names ? trace_names : ""));
 	json_t *axes = json_array();
 	for (size_t a = 0; a < s->n_axes; a++) {
 		json_t *ax = json_object();
@@ -389,7 +389,7 @@ int sweep_report_json(const char *path, const struct sweep *s, const struct swee
 		json_object_set_new(o, "policy", json_string(c[i].ops->name));
 		json_object_set_new(o, "blocks_per_rank", json_integer(c[i].cfg.blocks_per_rank));
 		if (c[i].rc) {
-			json_object_set_new(o, "error", json_string(c[i].err));
+			json_object_set_new(o, "error", replay_json_text(c[i].err));
 			json_array_append_new(runs, o);
 			continue;
 		}

@@ -284,6 +284,21 @@ fi
 grep -q "no requests to replay (1 malformed skipped)" "$tmp/err" || fail "all skipped: $(cat "$tmp/err")"
 ! grep -q "^verdict" "$tmp/out" || fail "all skipped: a verdict was printed"
 
+# A trace path or label that is not UTF-8 (a Latin-1 file name) is in the JSON, its bad bytes as
+# U+FFFD: jansson refuses such a string, and the name was left out without a word ("traces": []).
+odd="$tmp/$(printf 'tr\377ce').jsonl"
+head -n 20 "$sample" >"$odd"
+"$bin" --quiet --no-timing --policies round_robin --out "$tmp/odd.json" "$odd" ||
+	fail "a trace named in Latin-1"
+"$bin" --quiet --no-timing --policies round_robin --sweep blocks=4000 \
+	--label "$(printf 'caf\351')" --out "$tmp/odds.json" "$odd" || fail "a sweep labelled in Latin-1"
+python3 - "$tmp/odd.json" "$tmp/odds.json" <<'PY' || fail "a name that is not UTF-8 is not in the JSON"
+import json, sys
+a, b = (json.load(open(f, encoding="utf-8")) for f in sys.argv[1:3])
+assert len(a["traces"]) == 1 and a["traces"][0].endswith("tr\ufffdce.jsonl"), a["traces"]
+assert b["traces"] == "caf\ufffd", b.get("traces")
+PY
+
 # --routers N replays its own three policies: a --policies list beside it was dropped silently.
 if "$bin" --quiet --routers 2 --policies round_robin "$sample" 2>"$tmp/err"; then
 	fail "--routers 2 --policies round_robin was accepted"
