@@ -314,7 +314,8 @@ static int load_session(struct trace *t, FILE *f, const char *path, uint32_t ses
 	/* The object must be all the file holds: a file of two sessions back to back was read as
 	 * its first, silently. */
 	json_error_t je;
-	json_t *whole = json_loadb(text, len, 0, &je);
+	/* A key given twice is malformed: jansson would keep the last value without a word. */
+	json_t *whole = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je);
 	char idwhy[WHY_LEN], entry[160] = "";
 	const char *why = NULL;
 	struct where w = {.n = 0};
@@ -401,7 +402,7 @@ static int load_lines(struct trace *t, FILE *f, const char *path, uint32_t sessi
 			continue;
 		const char *why = NULL;
 		json_error_t je;
-		json_t *o = json_loadb(line, (size_t)len, 0, &je);
+		json_t *o = json_loadb(line, (size_t)len, JSON_REJECT_DUPLICATES, &je);
 		int rc;
 		if (!o) {
 			why = je.text;

@@ -260,10 +260,10 @@ Test(trace, session_errors_name_the_line_of_the_entry)
 	     "\"hash_ids\": [1]}, {\"t\": 1,\n\"in\": 64,\n\"out\": 1,\n"
 	     "\"hash_ids\":\n[281474976710656]}]}",
 	     "mem:6: bad session file: requests[1]: hash id 281474976710656"},
-	    /* a key spelt with an escape, and a duplicate key (jansson keeps the last) */
-	    {"{\"block_size\": 64,\n\"requests\": 5,\n\"requ\\u0065sts\": [\n"
+	    /* a key spelt with an escape (a key given twice is malformed: a_key_given_twice) */
+	    {"{\"block_size\": 64,\n\"requ\\u0065sts\": [\n"
 	     "{\"t\": 0, \"in\": 64, \"out\": 1, \"hash_ids\": [1]},\n{\"t\": -1}]}",
-	     "mem:5: bad session file: requests[1]: missing or bad \"t\""},
+	     "mem:4: bad session file: requests[1]: missing or bad \"t\""},
 	    /* not an array: the member's line */
 	    {"{\"block_size\": 64,\n\n\"requests\": {}}", "mem:3: bad session file: \"requests\""},
 	    {"\n\n{\"requests\": [],\n\"block_size\": 0}",
@@ -292,5 +292,27 @@ Test(trace, session_errors_name_the_line_of_the_entry)
 	             0, "%s", err);
 	cr_assert_eq(load(&t, "{\n\"requests\": [],\n\n\"block_size\": 32}", false, err), -1);
 	cr_assert(strstr(err, "mem:4: block size 32 differs") != NULL, "%s", err);
+	trace_free(&t);
+}
+
+/* A key given twice is malformed: jansson kept the last value without a word, so a line with
+ * "timestamp" twice was replayed at one of them, whichever came last. */
+Test(trace, a_key_given_twice_is_malformed)
+{
+	struct trace t = {0};
+	char err[256];
+	const char *lines = "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, "
+	                    "\"hash_ids\": [7]}\n"
+	                    "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, "
+	                    "\"hash_ids\": [7], \"timestamp\": 9000}\n";
+	cr_assert_eq(load(&t, lines, false, err), -1);
+	cr_assert(strstr(err, "mem:2: ") && strstr(err, "duplicate"), "%s", err);
+	trace_free(&t);
+	const char *session =
+	    "{\"block_size\": 16,\n"
+	    " \"requests\": [{\"t\": 0, \"in\": 16, \"out\": 1, \"hash_ids\": [1]},\n"
+	    "  {\"t\": 1, \"in\": 16, \"in\": 32, \"out\": 1, \"hash_ids\": [1]}]}\n";
+	cr_assert_eq(load(&t, session, false, err), -1);
+	cr_assert(strstr(err, "mem:3: ") && strstr(err, "duplicate"), "%s", err);
 	trace_free(&t);
 }
