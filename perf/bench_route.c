@@ -72,6 +72,7 @@
  *                    0|1]] (instead of the runs above: the booking delay's effect on the next
  *                    decisions, see burst() below)
  */
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <sys/rseq.h>
@@ -777,54 +778,78 @@ static void burst(double ms)
 	kvr_router_destroy(r);
 }
 
+/* The value of option argv[i] (argv[i + 1]) as a number in [lo, hi], or a message and exit 2:
+ * atof and atoi read "abc" as 0 (--ms abc: 0 ms, every figure 0). */
+static double opt_num(int argc, char **argv, int i, double lo, double hi)
+{
+	char *end = NULL;
+	double v = i + 1 < argc ? strtod(argv[i + 1], &end) : NAN;
+	if (i + 1 >= argc || end == argv[i + 1] || *end || !(v >= lo && v <= hi)) {
+		fprintf(stderr, "bench_route: %s needs a number in %g..%g, not '%s'\n", argv[i], lo,
+		        hi, i + 1 < argc ? argv[i + 1] : "");
+		exit(2);
+	}
+	return v;
+}
+
 int main(int argc, char **argv)
 {
 	double ms = 1000;
 	char lengths[256] = "2048,8192,32768,131072";
-	for (int i = 1; i + 1 < argc; i += 2) {
+	/* Every option takes a value; an unknown one, a missing or bad value is an error (they
+	 * were skipped or read as 0: --rate 0 cast an infinite gap to an integer, --threads for
+	 * --threads-max ran the default). */
+#define NUM(lo, hi) opt_num(argc, argv, i, lo, hi)
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--ms"))
-			ms = atof(argv[i + 1]);
-		else if (!strcmp(argv[i], "--lengths"))
+			ms = NUM(1e-3, 1e9);
+		else if (!strcmp(argv[i], "--lengths") && i + 1 < argc)
 			snprintf(lengths, sizeof(lengths), "%s", argv[i + 1]);
 		else if (!strcmp(argv[i], "--ranks"))
-			n_ranks = (uint32_t)atoi(argv[i + 1]);
+			n_ranks = (uint32_t)NUM(1, 65536);
 		else if (!strcmp(argv[i], "--shards"))
-			n_shards = (uint32_t)atoi(argv[i + 1]);
+			n_shards = (uint32_t)NUM(1, 1024);
 		else if (!strcmp(argv[i], "--capacity"))
-			capacity = strtoull(argv[i + 1], NULL, 10);
+			capacity = (uint64_t)NUM(0, 1e15);
 		else if (!strcmp(argv[i], "--sync-booking"))
-			sync_booking = atoi(argv[i + 1]) != 0;
+			sync_booking = NUM(0, 1) != 0;
 		else if (!strcmp(argv[i], "--threads-max"))
-			threads_max = atoi(argv[i + 1]);
+			threads_max = (int)NUM(1, MAX_THREADS);
 		else if (!strcmp(argv[i], "--spin-us"))
-			spin_us = atol(argv[i + 1]);
+			spin_us = (long)NUM(0, 1e9);
 		else if (!strcmp(argv[i], "--lane-capacity"))
-			lane_cap = (uint32_t)atoi(argv[i + 1]);
+			lane_cap = (uint32_t)NUM(0, UINT32_MAX);
 		else if (!strcmp(argv[i], "--soft-depth"))
-			soft_depth = atol(argv[i + 1]);
+			soft_depth = (long)NUM(0, UINT32_MAX);
 		else if (!strcmp(argv[i], "--iters"))
-			iters = strtoull(argv[i + 1], NULL, 10);
+			iters = (uint64_t)NUM(0, 1e15);
 		else if (!strcmp(argv[i], "--booking-lazy-us"))
-			booking_lazy_us = atol(argv[i + 1]);
+			booking_lazy_us = (long)NUM(0, 1e9);
 		else if (!strcmp(argv[i], "--burst"))
-			burst_n = atoi(argv[i + 1]);
+			burst_n = (int)NUM(0, 1e6);
 		else if (!strcmp(argv[i], "--burst-rest-us"))
-			burst_rest_us = atol(argv[i + 1]);
+			burst_rest_us = (long)NUM(0, 1e9);
 		else if (!strcmp(argv[i], "--burst-prefilled"))
-			burst_prefilled = atoi(argv[i + 1]);
+			burst_prefilled = (int)NUM(0, 1);
 		else if (!strcmp(argv[i], "--burst-gap-us"))
-			burst_gap_us = atof(argv[i + 1]);
+			burst_gap_us = NUM(0, 1e9);
 		else if (!strcmp(argv[i], "--sample-us"))
-			sample_us = atol(argv[i + 1]);
+			sample_us = (long)NUM(0, 1e9);
 		else if (!strcmp(argv[i], "--rate"))
-			pace_ns = (uint64_t)(1e9 / atof(argv[i + 1]));
-		else if (!strcmp(argv[i], "--cpus"))
+			pace_ns = (uint64_t)(1e9 / NUM(1e-3, 1e9));
+		else if (!strcmp(argv[i], "--cpus") && i + 1 < argc)
 			for (char *e = argv[i + 1]; *e && n_front_cpus < MAX_THREADS;)
 				front_cpus[n_front_cpus++] =
 				    (int)strtol(*e == ',' ? e + 1 : e, &e, 10);
+		else {
+			fprintf(stderr,
+			        "bench_route: unknown option or no value: %s (see the "
+			        "usage at the top of perf/bench_route.c)\n",
+			        argv[i]);
+			return 2;
+		}
 	}
-	if (threads_max < 1 || threads_max > MAX_THREADS)
-		threads_max = 2;
+#undef NUM
 	switch_ok = switch_probe_ok();
 	for (char *tok = strtok(lengths, ","); tok; tok = strtok(NULL, ",")) {
 		size_t len = (size_t)atol(tok);
