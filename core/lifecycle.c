@@ -22,7 +22,9 @@
  * exactly that (before, output ran no pass, and such a request stayed queued on an idle rank
  * until some other call ran one).  Output on a rank that is not saturated holds no one back,
  * so it stays a post; on a saturated one each output waits, as the caller cannot tell the
- * first from the later ones (the shard can).  With
+ * first from the later ones (the shard can).  A call that saw nothing queued looks again after
+ * its post (a route may have queued meanwhile on the load this work lowers) and then waits for
+ * its work and runs the pass too (core/queue.c).  With
  * sync_booking the work is posted at the call's time and every later call that reads shard state
  * (this file's claims and touches included) first settles (kvr_router_settle): the caller
  * observes exactly what it would have had the call waited (simulation, tests), but the shard
@@ -207,6 +209,16 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 			         * counted output it could not take (as when posted) */
 	} else {
 		rc = post_progress(r, sh, &m, tokens, ends, mb);
+		/* A route that read the load before this work is applied may have queued since
+		 * the look above: looked at again after the post (kvr_queue_catch_up's fence pairs
+		 * with the route's), then the work is waited for and the pass runs, as if it had
+		 * been queued before (before, the request stayed queued on a rank this call freed
+		 * until some later call pumped). */
+		if (rc == 0 && !pump && r->queue) {
+			__atomic_thread_fence(__ATOMIC_SEQ_CST);
+			if ((pump = queue_waits_on(r, op, slot)))
+				kvr_queue_catch_up(r, sh);
+		}
 	}
 	if (rc == 0)
 		kvr_repl_note_progress(r, attempt, op, tokens, n,

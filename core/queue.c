@@ -22,6 +22,11 @@
  * A new request goes straight in only when nobody waiting could be admitted: kvr_route pumps
  * first, and while another thread is pumping it joins the queue (kvr_queue_pump says so) instead
  * of taking a rank that the pass has not reached yet; the pass then walks the list again.
+ * After queueing one, kvr_route pumps once more, after the shards have run the work posted
+ * before it (kvr_queue_catch_up): its saturation read may predate a finish that returned before
+ * it, which the shard applies later, pumping nothing.  A lifecycle call that saw nothing queued
+ * looks again after its post, so one of the two runs a pass that sees both.  Left: load the
+ * shards lower on their own (a lease expiry) is seen by the next call's pass, or a waiter's.
  *
  * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
  * (prefill done, finish, abort, a rank added or resized, kvr_router_sync): never on a shard
@@ -222,7 +227,9 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 		return rc;
 	}
 	e->ticket = __atomic_add_fetch(&tickets_issued, 1, __ATOMIC_RELAXED);
-	e->waited = (req->flags & KVR_ROUTE_WAIT) != 0;
+	/* Held for kvr_route, which pumps after this push and then settles the ticket
+	 * (kvr_queue_settle): no on_admit names it before kvr_route returned it. */
+	e->waited = true;
 	/* In the policy's order: FCFS at the tail; WSPT before the first larger key (ties stay in
 	 * ticket order). */
 	struct qentry **pp = &q->head;
@@ -458,6 +465,34 @@ static int collect(struct kvr_queue *q, struct qentry *e, struct kvr_decision *d
 	unlink_entry(q, e);
 	entry_free(e);
 	return rc;
+}
+
+/* A no-op on a shard: it returns once the shard has run what was posted to its routing lane
+ * before it (lanes are FIFO across producers). */
+static int caught_up(struct kvr_shard *sh, void *arg)
+{
+	(void)sh;
+	(void)arg;
+	return 0;
+}
+
+void kvr_queue_catch_up(struct kvr_router *r, struct kvr_shard *sh)
+{
+	/* Pairs with the same fence on the other side: a route's push then its read of the load
+	 * words (the pump), a lifecycle call's post then its read of the depth.  One of the two
+	 * sees the other's write, so either the lifecycle call pumps after its work is applied or
+	 * the route's catch-up below runs after that work was posted. */
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	if (r->cfg.sync_booking)
+		return; /* the pump settles first (kvr_router_settle) */
+	/* On a shard's thread (the clock, or on_admit there) its own shard refuses the call
+	 * (KVR_EBUSY, not run), as a cycle of shards does: that work then waits for a later
+	 * pump, as before. */
+	for (uint32_t i = 0, n = kvr_shards_count(r->shards); i < n; i++) {
+		struct kvr_shard *s = kvr_shards_get(r->shards, i);
+		if (!sh || s == sh)
+			(void)kvr_shard_call(s, KVR_LANE_ROUTING, caught_up, NULL);
+	}
 }
 
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d)

@@ -172,12 +172,18 @@ bool kvr_queue_admissible(struct kvr_router *r);
 /* A rank was removed: pumps with a pass that looks past a saturated unrestricted entry, so that
  * entries restricted to gone ranks fail now.  Context: as kvr_queue_pump. */
 void kvr_queue_rank_gone(struct kvr_router *r);
-/* After kvr_route queued a request marked waited (KVR_QUEUE_BEHIND) and pumped: if it was
+/* After kvr_route queued a request (marked waited by kvr_queue_push) and pumped: if it was
  * admitted meanwhile, its outcome into *d (its admission's return code); else it stays queued,
  * collected by a waiter only if wait (otherwise on_admit answers it).  Returns 0 or the
  * admission's code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
+/* Before a pump that must see the load lowered by lifecycle work posted before now (a shard
+ * applies it after the call that posted it returned, and pumps nothing): a seq_cst fence (see
+ * its pairing in core/queue.c), then, without sync_booking, a call on sh (NULL: every shard)
+ * that returns once the work posted before it ran.  Context: a frontend thread, no router
+ * lock held, outside RCU read sections (it may wait for a shard). */
+void kvr_queue_catch_up(struct kvr_router *r, struct kvr_shard *sh);
 /* Threads inside kvr_route_wait (or kvr_route_cancel) now.  For tests. */
 uint32_t kvr_queue_waiters(struct kvr_router *r);
 

@@ -7,6 +7,7 @@
  *   8. a queued hash-given prompt with n_hashes = 0 (memcpy from NULL under UBSan).
  * Defect 7 (a data race) has its regression test under TSan: tests/stress/stress_queue.c. */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <string.h>
 #include <time.h>
@@ -603,4 +604,109 @@ Test(regress, a_request_queued_at_destroy_is_answered)
 	cr_assert_eq(shut_calls, 1);
 	cr_assert_eq(shut_ticket, d.ticket);
 	cr_assert_eq(shut_error, KVR_ESHUTDOWN);
+}
+
+/* A request routed right after a finish that freed its only rank, with on_admit and no waiter:
+ * the finish (queue empty) was posted, the route read the rank's load before the shard applied
+ * it and queued the request, and no call pumped after that: it stayed queued on the idle rank
+ * until some later call (20 rounds of 20 in a probe; the last request of a burst, for good).
+ * kvr_route now catches up with the work posted before it and pumps after it queues: the
+ * request is admitted before kvr_route returns. */
+static int lone_admits;
+static void on_admit_count(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	(void)ticket;
+	(void)d;
+	__atomic_add_fetch(&lone_admits, 1, __ATOMIC_RELAXED);
+}
+
+Test(regress, a_request_routed_right_after_a_finish_is_not_left_queued, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit_count;
+	struct kvr_router *r;
+	struct kvr_rank_id rk = {1, 0};
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 16), 0);
+	static uint32_t tok[64];
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	for (int it = 0; it < 20; it++) {
+		prompt(tok, 64, 2000 + (uint32_t)it);
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0); /* 64 prefill tokens > 16: saturated */
+		cr_assert_eq(d.status, KVR_DECIDED);
+		cr_assert_eq(kvr_router_sync(r, 1000), 0);
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0); /* nothing queued: posted */
+		tok[0] ^= 0x55555;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		cr_assert_eq(d.status, KVR_DECIDED,
+		             "round %d: queued (ticket %" PRIu64 ") on a rank the finish freed", it,
+		             d.ticket);
+		cr_assert_eq(lone_admits, 0, "its decision came from kvr_route, not on_admit");
+		cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+		cr_assert_eq(kvr_router_sync(r, 1000), 0);
+	}
+	kvr_router_destroy(r);
+}
+
+/* A route that queues while a finish on another thread is between its look at the queue (empty:
+ * no pass) and its post: the route read the load before the finish's work, and the finish saw
+ * nothing queued, so nobody pumped after the release and the request stayed queued on the freed
+ * rank.  The finish looks at the queue again after its post now.  The interleaving is made
+ * with sync_booking's clock, read by the finish's timed post between the two: there the clock
+ * routes the request. */
+static struct kvr_router *race_r;
+static uint32_t race_tok[64];
+static int race_armed, race_rc = -1;
+static struct kvr_decision race_d;
+static uint64_t race_clock(void *ctx)
+{
+	(void)ctx;
+	if (__atomic_exchange_n(&race_armed, 0, __ATOMIC_RELAXED)) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = race_tok;
+		q.n_tokens = 64;
+		race_rc = kvr_route(race_r, &q, &race_d);
+	}
+	return vclock(NULL);
+}
+
+Test(regress, a_request_queued_while_a_finish_posts_is_admitted_by_it)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.now_ns = race_clock;
+	c.on_admit = on_admit_count;
+	lone_admits = 0;
+	cr_assert_eq(kvr_router_create(&c, &race_r), 0);
+	struct kvr_router *r = race_r;
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){1, 0}, 1, 100000, 16), 0);
+	static uint32_t hog[64];
+	prompt(hog, 64, 3000);
+	prompt(race_tok, 64, 3001);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = hog;
+	q.n_tokens = 64;
+	struct kvr_decision h;
+	cr_assert_eq(kvr_route(r, &q, &h), 0); /* 64 prefill tokens > 16: saturated */
+	cr_assert_eq(h.status, KVR_DECIDED);
+	__atomic_store_n(&race_armed, 1, __ATOMIC_RELAXED);
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+	cr_assert_eq(race_armed, 0, "the finish read the clock");
+	cr_assert_eq(race_rc, 0, "%s", kvr_strerror(race_rc));
+	cr_assert_eq(race_d.status, KVR_QUEUED, "routed inside the finish, before its post");
+	cr_assert_eq(lone_admits, 1, "the finish's release admits the queued request");
+	kvr_router_destroy(r);
 }
