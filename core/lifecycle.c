@@ -22,9 +22,11 @@
  * exactly that (before, output ran no pass, and such a request stayed queued on an idle rank
  * until some other call ran one).  Output on a rank that is not saturated holds no one back,
  * so it stays a post; on a saturated one each output waits, as the caller cannot tell the
- * first from the later ones (the shard can).  A call that saw nothing queued looks again after
- * its post (a route may have queued meanwhile on the load this work lowers) and then waits for
- * its work and runs the pass too (core/queue.c).  With
+ * first from the later ones (the shard can).  Finish, abort and prefill done wait too on a
+ * saturated rank with nothing queued: a route right after the call would read the rank
+ * saturated and queue, and nothing would run a pass once the shard lowered the load.  A call
+ * that saw nothing queued looks again after its post (a route may have queued meanwhile) and
+ * then waits for its work and runs the pass too (core/queue.c).  With
  * sync_booking the work is posted at the call's time and every later call that reads shard state
  * (this file's claims and touches included) first settles (kvr_router_settle): the caller
  * observes exactly what it would have had the call waited (simulation, tests), but the shard
@@ -157,11 +159,17 @@ progress_fail(int rc, int op, uint16_t flags, const struct kvr_router *r, uint64
 }
 
 /* Whether queued requests may wait for what this call releases, so that its work must be
- * applied before an admission pass (see the top).  Context: the lifecycle call's thread. */
+ * applied before an admission pass (see the top), or a route after this call would read the
+ * rank saturated and queue on the load it releases (finish, abort, prefill done on a saturated
+ * rank: the shard applies posted work after the call returned, and pumps nothing, so with
+ * on_admit and no waiter that request stayed queued on the freed rank until some later call).
+ * Context: the lifecycle call's thread. */
 static bool queue_waits_on(struct kvr_router *r, int op, uint32_t slot)
 {
-	if (!r->queue || kvr_queue_depth(r) == 0)
+	if (!r->queue)
 		return false;
+	if (kvr_queue_depth(r) == 0)
+		return op != KVR_OP_OUTPUT && kvr_queue_saturated(r, &slot, 1);
 	return op != KVR_OP_OUTPUT || kvr_queue_saturated(r, &slot, 1);
 }
 
@@ -209,16 +217,16 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 			         * counted output it could not take (as when posted) */
 	} else {
 		rc = post_progress(r, sh, &m, tokens, ends, mb);
-		/* A route that read the load before this work is applied may have queued since
-		 * the look above: looked at again after the post (kvr_queue_catch_up's fence pairs
-		 * with the route's), then the work is waited for and the pass runs, as if it had
-		 * been queued before (before, the request stayed queued on a rank this call freed
-		 * until some later call pumped). */
-		if (rc == 0 && !pump && r->queue) {
-			__atomic_thread_fence(__ATOMIC_SEQ_CST);
-			if ((pump = queue_waits_on(r, op, slot)))
-				kvr_queue_catch_up(r, sh);
-		}
+	}
+	/* A route that read the load before this work was applied may have queued since the
+	 * look above: looked at again (kvr_queue_catch_up's fence pairs with the route's after
+	 * its push), and then the work is waited for and the pass runs, as if the request had
+	 * been queued before.  If this look misses it, its route's own pass after the push sees
+	 * the work (applied already when the rank was saturated). */
+	if (rc == 0 && !pump && r->queue) {
+		__atomic_thread_fence(__ATOMIC_SEQ_CST);
+		if ((pump = queue_waits_on(r, op, slot)))
+			kvr_queue_catch_up(r, sh);
 	}
 	if (rc == 0)
 		kvr_repl_note_progress(r, attempt, op, tokens, n,

@@ -22,11 +22,14 @@
  * A new request goes straight in only when nobody waiting could be admitted: kvr_route pumps
  * first, and while another thread is pumping it joins the queue (kvr_queue_pump says so) instead
  * of taking a rank that the pass has not reached yet; the pass then walks the list again.
- * After queueing one, kvr_route pumps once more, after the shards have run the work posted
- * before it (kvr_queue_catch_up): its saturation read may predate a finish that returned before
- * it, which the shard applies later, pumping nothing.  A lifecycle call that saw nothing queued
- * looks again after its post, so one of the two runs a pass that sees both.  Left: load the
- * shards lower on their own (a lease expiry) is seen by the next call's pass, or a waiter's.
+ * After queueing one, kvr_route pumps once more: the pass that lowered the load may have
+ * ended before the push.  The shards lower load after the lifecycle call that posted the work
+ * returned, and pump nothing: so a finish, abort or prefill done on a saturated rank is applied
+ * before its call returns even with nothing queued, and a lifecycle call that saw nothing
+ * queued looks again after its post (kvr_queue_catch_up; the fences make one of the call and
+ * the route see the other).  Left: load the shards lower on their own (a lease expiry), or an
+ * output's, or a posted release that a third call's booking made matter (the rank was not
+ * saturated when it was posted), is seen by the next call's pass, or a waiter's.
  *
  * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
  * (prefill done, finish, abort, a rank added or resized, kvr_router_sync): never on a shard
@@ -481,18 +484,14 @@ void kvr_queue_catch_up(struct kvr_router *r, struct kvr_shard *sh)
 	/* Pairs with the same fence on the other side: a route's push then its read of the load
 	 * words (the pump), a lifecycle call's post then its read of the depth.  One of the two
 	 * sees the other's write, so either the lifecycle call pumps after its work is applied or
-	 * the route's catch-up below runs after that work was posted. */
+	 * the route's pass runs after that work was posted (applied already when the rank was
+	 * saturated: core/lifecycle.c). */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	if (r->cfg.sync_booking)
-		return; /* the pump settles first (kvr_router_settle) */
-	/* On a shard's thread (the clock, or on_admit there) its own shard refuses the call
-	 * (KVR_EBUSY, not run), as a cycle of shards does: that work then waits for a later
-	 * pump, as before. */
-	for (uint32_t i = 0, n = kvr_shards_count(r->shards); i < n; i++) {
-		struct kvr_shard *s = kvr_shards_get(r->shards, i);
-		if (!sh || s == sh)
-			(void)kvr_shard_call(s, KVR_LANE_ROUTING, caught_up, NULL);
-	}
+	if (!sh || r->cfg.sync_booking)
+		return; /* sync_booking: the pump settles first (kvr_router_settle) */
+	/* On the shard's own thread (the clock, or on_admit there) the call is refused
+	 * (KVR_EBUSY, not run), as a cycle of shards is: the work then waits for a later pass. */
+	(void)kvr_shard_call(sh, KVR_LANE_ROUTING, caught_up, NULL);
 }
 
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d)

@@ -873,21 +873,19 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	if (!behind && (rc = kvr_route_internal(r, req, d, KVR_QUEUE_IF_SATURATED)))
 		return route_failed(r, req, rc);
 	if (d->status == KVR_QUEUED) {
-		/* Queued (held for this call: no on_admit names it yet).  Pumped again, after the
-		 * shards caught up with the work posted before: the saturation this call read may
-		 * predate a finish that returned before it (the shard applies it later and pumps
-		 * nothing: with on_admit and no waiter, the request stayed queued on the idle rank
-		 * until some later call), and a pass that ended before the push did not see it.
-		 * Admitted by then, it returns its decision as if it had not queued. */
+		/* Queued (held for this call: no on_admit names it yet).  Pumped again: the pass of
+		 * a call that lowered the load meanwhile may have ended before the push (with
+		 * on_admit and no waiter, the request then stayed queued on the freed rank until
+		 * some later call; core/queue.c).  Admitted by then, it returns its decision as if
+		 * it had not queued. */
 		uint64_t ticket = d->ticket;
 		bool wait = (req->flags & KVR_ROUTE_WAIT) != 0;
 		kvr_queue_catch_up(r, NULL);
 		kvr_queue_pump(r);
 		if ((rc = kvr_queue_settle(r, ticket, wait, d)))
-			return kvr_fail(rc,
-			                "kvr_route: queued (ticket %" PRIu64
-			                "), its admission failed: %s",
-			                ticket, kvr_strerror(rc));
+			return kvr_fail(
+			    rc, "kvr_route: queued (ticket %" PRIu64 "), its admission failed: %s",
+			    ticket, kvr_strerror(rc));
 	}
 	if (d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT)) {
 		/* Inside the admission pass (on_admit), a wait would block the only pass that could

@@ -178,11 +178,11 @@ void kvr_queue_rank_gone(struct kvr_router *r);
  * admission's code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
-/* Before a pump that must see the load lowered by lifecycle work posted before now (a shard
- * applies it after the call that posted it returned, and pumps nothing): a seq_cst fence (see
- * its pairing in core/queue.c), then, without sync_booking, a call on sh (NULL: every shard)
- * that returns once the work posted before it ran.  Context: a frontend thread, no router
- * lock held, outside RCU read sections (it may wait for a shard). */
+/* Before a pump that must see what the other side of a race did: a seq_cst fence (its pairing:
+ * core/queue.c), then, when sh is given and without sync_booking, a call on sh that returns
+ * once the work posted to it before (a lifecycle call's) ran.  kvr_route passes NULL (it never
+ * waits for a shard).  Context: a frontend thread, no router lock held, outside RCU read
+ * sections (it may wait for sh). */
 void kvr_queue_catch_up(struct kvr_router *r, struct kvr_shard *sh);
 /* Threads inside kvr_route_wait (or kvr_route_cancel) now.  For tests. */
 uint32_t kvr_queue_waiters(struct kvr_router *r);

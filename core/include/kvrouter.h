@@ -618,21 +618,22 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * work is applied before anything later reads it (see kvr_config.sync_booking).  The exception
  * that waits: while requests are queued, finish/abort/prefill_done, and output while the
  * attempt's rank is saturated (output implies the prefill is done), apply before the queue's
- * admission pass, which then runs before the call returns.  A full lane (overload):
- * finish/abort wait for room (they are claimed already); prefill_done/output wait at most
- * 10 ms, then return KVR_EAGAIN (nothing changed;
- * with sync_booking every call waits for room).  On the router's shard threads (a router
- * callback there, the clock) none waits for room: finish/abort return 0 and the shard thread
- * posts their work once there is room (kvr_router_sync waits for it); prefill_done/output return
- * KVR_EAGAIN when the lane is the calling shard's own and KVR_EBUSY when its shard waits for the
- * calling one (nothing changed either way), and otherwise wait as above.  Output may also return
- * KVR_ENOMEM (copying more than 6 tokens).  An attempt id this router never issued: KVR_ENOENT or
- * KVR_ESTALE.  That includes another router's ids: each router of a process renames its ids
- * (shards/lease.c), so a call given the wrong router's handle (or a router created to replace
- * the one that issued the id) is refused instead of ending the attempt that router issued
- * under the same number; the ids of a router and the next one created cannot meet before one
- * has issued 2^45.  r NULL, attempt 0, or output tokens NULL with n_tokens > 0 or n_tokens >
- * UINT32_MAX: KVR_EINVAL (README.md, "Bad input"). */
+ * admission pass, which then runs before the call returns; finish/abort/prefill_done on a
+ * saturated rank of a router that queues also apply before returning when nothing is queued
+ * (a route right after them would otherwise read the rank saturated and queue).  A full lane
+ * (overload): finish/abort wait for room (they are claimed already); prefill_done/output wait at
+ * most 10 ms, then return KVR_EAGAIN (nothing changed; with sync_booking every call waits for
+ * room).  On the router's shard threads (a router callback there, the clock) none waits for room:
+ * finish/abort return 0 and the shard thread posts their work once there is room (kvr_router_sync
+ * waits for it); prefill_done/output return KVR_EAGAIN when the lane is the calling shard's own and
+ * KVR_EBUSY when its shard waits for the calling one (nothing changed either way), and otherwise
+ * wait as above.  Output may also return KVR_ENOMEM (copying more than 6 tokens).  An attempt id
+ * this router never issued: KVR_ENOENT or KVR_ESTALE.  That includes another router's ids: each
+ * router of a process renames its ids (shards/lease.c), so a call given the wrong router's handle
+ * (or a router created to replace the one that issued the id) is refused instead of ending the
+ * attempt that router issued under the same number; the ids of a router and the next one created
+ * cannot meet before one has issued 2^45.  r NULL, attempt 0, or output tokens NULL with n_tokens >
+ * 0 or n_tokens > UINT32_MAX: KVR_EINVAL (README.md, "Bad input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
