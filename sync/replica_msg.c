@@ -159,13 +159,25 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 		m->chunk_flags = rd32(b + 4);
 		m->n_records = rd32(b + 8);
 		if (rd32(b + 12) != 0 ||
-		    m->chunk_flags & ~(KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_GIVEN_UP))
+		    m->chunk_flags &
+		        ~(KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_FLOOR))
 			return KVR_EINVAL;
 		if ((m->chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) &&
 		    (m->chunk_flags != KVR_MSG_CHUNK_GIVEN_UP || m->n_records || bl != CHUNK_FIXED))
 			return KVR_EINVAL; /* given up: nothing else */
-		m->records = b + CHUNK_FIXED;
-		m->records_len = bl - CHUNK_FIXED;
+		size_t fixed = CHUNK_FIXED;
+		if (m->chunk_flags & KVR_MSG_CHUNK_FLOOR) {
+			if (bl < CHUNK_FIXED + 16)
+				return KVR_EINVAL;
+			m->floor_clock = rd64(b + 16);
+			m->floor_writer = rd64(b + 24);
+			/* As a RANK's version (its clock bounded for the same reason). */
+			if (!m->floor_clock || m->floor_clock > INT64_MAX || !m->floor_writer)
+				return KVR_EINVAL;
+			fixed += 16;
+		}
+		m->records = b + fixed;
+		m->records_len = bl - fixed;
 		/* Framing and every record checked now, so applying never meets a bad one. */
 		size_t pos = 0;
 		uint32_t k = 0;

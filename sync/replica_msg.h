@@ -73,7 +73,15 @@
  *                12 4 reserved  16 then n_records x { 4 len, len bytes: one whole message of
  *                type ADMIT, ATTEMPT, RANK or FENCE }.  Given up (KVR_MSG_CHUNK_GIVEN_UP): the
  *                provider could not build the snapshot whole (no memory) and sends no more;
- *                no records, not last; the asker asks again.
+ *                no records, not last; the asker asks again.  Flags bit2 floor
+ *                (KVR_MSG_CHUNK_FLOOR): 16 more bytes follow the fixed part, before the
+ *                records, 16 8 clock  24 8 writer: the provider's rank floor, the newest
+ *                removal whose tombstone it has forgotten (sync/replica_ranks.c, "Forgetting"),
+ *                a version as a RANK's (both nonzero, the clock at most 2^63 - 1); never with
+ *                given up.  Sent (in the last chunk) only by a provider that forgot one, so a
+ *                snapshot of a cluster that forgot nothing reads as before; an older asker
+ *                drops a chunk that carries it (the flag took bits that had to be 0) and goes
+ *                on without the snapshot, as when none came.
  *   FENCE:       0 8 replica  8 8 epoch  16 8 seq   (the snapshot includes that origin's
  *                stream up to seq; the receiver applies only later messages of that origin)
  * A decoder accepts a message only if every length adds up exactly; anything else is an error
@@ -114,6 +122,7 @@ enum kvr_msg_type {
 /* SNAP_CHUNK flags. */
 #define KVR_MSG_CHUNK_LAST     1u
 #define KVR_MSG_CHUNK_GIVEN_UP 2u
+#define KVR_MSG_CHUNK_FLOOR    4u
 
 #define KVR_MSG_F_CHAIN_KNOWN 1u
 #define KVR_MSG_F_PREFILLED   2u
@@ -151,8 +160,9 @@ struct kvr_wmsg {
 	uint64_t live;
 	/* SNAP_REQ: target; FENCE: fence_replica/epoch/seq */
 	uint64_t target, fence_replica, fence_epoch, fence_seq;
-	/* SNAP_CHUNK */
+	/* SNAP_CHUNK; floor_clock and floor_writer are 0 without KVR_MSG_CHUNK_FLOOR */
 	uint32_t chunk, chunk_flags, n_records;
+	uint64_t floor_clock, floor_writer;
 	const uint8_t *records;
 	size_t records_len;
 };

@@ -4,7 +4,8 @@ every type of the replica sync wire format (sync/replica_msg.h, version 2), a ba
 stream messages back to back), the output finality flags (OUTPUT bit0, ATTEMPT bit3), plus a few
 broken ones (an unknown and the old version 1, a truncated message and batch, an unknown OUTPUT
 flag, ATTEMPT bit3 without output), and versioned RANKs (flags bit0: clock and writer follow),
-valid and not (the flag without the version, the version without the flag)."""
+valid and not (the flag without the version, the version without the flag), and a snapshot chunk
+with its provider's rank floor (flags bit2)."""
 import os, struct, sys
 
 def msg(t, body, replica=7, epoch=99, seq=1, version=2):
@@ -22,9 +23,14 @@ def admit(t=1, flags=1, n=3, tail=2, nout=0, seq=1, attempt=0x10001, worker=5, r
     body += b''.join(struct.pack('<I', 90 + i) for i in range(nout))
     return msg(t, body, replica=replica, seq=seq)
 
-def chunk(recs):
-    """A SNAP_CHUNK (the last) holding the records recs."""
-    body = struct.pack('<IIII', 0, 1, len(recs), 0) + b''.join(struct.pack('<I', len(r)) + r for r in recs)
+def chunk(recs, floor=None):
+    """A SNAP_CHUNK (the last) holding the records recs; with floor (clock, writer), flags bit2
+    and the provider's rank floor before the records."""
+    flags = 1 | (4 if floor else 0)
+    body = struct.pack('<IIII', 0, flags, len(recs), 0)
+    if floor:
+        body += struct.pack('<QQ', *floor)
+    body += b''.join(struct.pack('<I', len(r)) + r for r in recs)
     return msg(11, body, seq=0)
 
 def main():
@@ -59,6 +65,8 @@ def main():
         'reset': msg(9, b''),
         'snapreq': msg(10, struct.pack('<Q', 0), seq=0),
         'chunk': chunk(recs),
+        # SNAP_CHUNK flags bit2: the provider's rank floor (clock, writer) before the records
+        'chunk_floor': chunk(recs, (1700000000000000000, 7)),
         'fence': fence,
         'bad_version': msg(4, struct.pack('<Q', 1), version=3),
         'old_version': msg(4, struct.pack('<Q', 1), version=1),

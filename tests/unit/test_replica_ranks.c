@@ -73,6 +73,62 @@ Test(replica_ranks, rank_versions_on_the_wire, .timeout = 60)
 	kvr_msg_buf_fini(&b);
 }
 
+/* A snapshot chunk may carry its provider's floor (sync/replica_msg.h, SNAP_CHUNK flags bit2):
+ * 16 bytes before the records, read when flagged, a version as a RANK's, never with given up. */
+Test(replica_ranks, a_snapshot_chunk_carries_the_floor, .timeout = 60)
+{
+	struct kvr_msg_buf b = {0}, rec = {0};
+	struct kvr_wmsg m;
+	kvr_test_put_rank_ver(&rec, 5, 100, 0, KVR_REPL_RANK_ADD, 3, 7, 1000, 12345, 9);
+	size_t off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, 5, 100, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_FLOOR);
+	kvr_msg_put_u32(&b, 1);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u64(&b, 777);
+	kvr_msg_put_u64(&b, 4);
+	kvr_msg_put_u32(&b, (uint32_t)rec.len);
+	kvr_msg_put_bytes(&b, rec.p, rec.len);
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom && !rec.oom);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), 0);
+	cr_assert_eq(m.floor_clock, 777);
+	cr_assert_eq(m.floor_writer, 4);
+	size_t pos = 0, rl;
+	const uint8_t *rp;
+	cr_assert_eq(kvr_msg_next_record(&m, &pos, &rp, &rl), 1);
+	cr_assert_eq(rl, rec.len);
+	cr_assert_eq(memcmp(rp, rec.p, rl), 0);
+	const size_t flags_at = KVR_MSG_HEADER + 4, floor_at = KVR_MSG_HEADER + 16;
+	b.p[flags_at] = KVR_MSG_CHUNK_LAST; /* the floor read as a record's length */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	b.p[flags_at] = KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_FLOOR;
+	memset(b.p + floor_at, 0, 8); /* clock 0 */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	memset(b.p + floor_at, 0xff, 8); /* past 2^63 */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL);
+	b.len = 0;
+	off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, 5, 100, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_FLOOR);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u64(&b, 777);
+	kvr_msg_put_u64(&b, 4);
+	kvr_msg_end(&b, off);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL, "given up with a floor");
+	b.len = 0;
+	off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, 5, 100, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_FLOOR);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_end(&b, off);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL, "the flag without the floor");
+	kvr_msg_buf_fini(&b);
+	kvr_msg_buf_fini(&rec);
+}
+
 /* A peer's versioned rank changes: the newer wins whatever the order they come in; a removal
  * leaves a tombstone, for a rank this router never had too; a reset told again resets once. */
 Test(replica_ranks, the_newer_rank_change_wins, .timeout = 60)
