@@ -58,7 +58,9 @@
  * its rank table, re-announces its live attempts and the attempts it finished during the outage
  * (as ATTEMPTs), then resyncs from a peer's snapshot to learn what it missed.  Rank changes are
  * versioned (sync/replica_ranks.c): the table it tells again may be older than the peers' (a
- * rank removed meanwhile), and so may a snapshot; the newer change wins either way.
+ * rank removed meanwhile), and so may a snapshot; the newer change wins either way, and after
+ * an outage longer than removals' tombstones are kept, their forgotten versions (a floor that
+ * snapshots carry) still tell an old add from a new one.
  *
  * Threads and locks.  Notes run on frontend threads (inside the router's RCU read section): they
  * copy what happened into a record and push it into a lock-free ring, nothing more.  The sender
@@ -336,6 +338,7 @@ void kvr_replica_disconnected(struct kvr_replica *rep)
 	if (rep->connected) {
 		rep->connected = false;
 		rep->outage_ns = kvr_rep_mono_ns();
+		kvr_rep_ranks_outage(rep);
 		rep->st.disconnects++;
 	}
 	pthread_mutex_unlock(&rep->mu);

@@ -60,8 +60,8 @@ struct kvr_replica_config {
 	uint64_t tombstone_ms;
 };
 
-/* One hour: an outage longer than this may bring back a rank removed meanwhile (every
- * replica has forgotten the removal when the cut-off one re-announces its older add). */
+/* One hour.  What is left of a forgotten tombstone is its version: the floor below which a
+ * rank nobody names is taken for removed (sync/replica_ranks.c, "Forgetting"). */
 #define KVR_REP_TOMBSTONE_MS_DEFAULT 3600000ull
 
 /* Creates the core for router r; nothing is sent or attached yet, but deliveries are queued.

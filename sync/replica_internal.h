@@ -124,6 +124,7 @@ struct kvr_rep_rank {
 	 * reset, a removal), and of the last reset ({0, 0}: none).  The reset has its own: told
 	 * again, it must reset only a replica that has not heard it, whatever came after. */
 	struct kvr_rep_ver ver, reset_ver;
+	bool listed; /* resync: named by the snapshot being applied (sync/replica_snap.c) */
 };
 
 struct kvr_rep_peer {
@@ -177,6 +178,12 @@ struct kvr_replica {
 	size_t n_peers;
 	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
 	uint64_t rank_clock;        /* the highest rank version clock made or seen */
+	/* The newest removal whose tombstone this replica forgot, or a snapshot's provider had
+	 * ({0, 0}: none); and the clock of this replica's own rank changes from its last
+	 * disconnect on (0: none), which a snapshot applied after it does not judge
+	 * (sync/replica_ranks.c, "Forgetting"). */
+	struct kvr_rep_ver rank_floor;
+	uint64_t outage_clock;
 	struct kvr_sync_stats st;
 
 	/* Held by whoever handles deliveries, heartbeats and resyncs: the apply thread, or a
@@ -378,6 +385,9 @@ void kvr_rep_out_fini(struct kvr_replica *rep);
 /* Asks peer id on the stream to re-announce (RESET + its attempts, finished ones of the last
  * window_ms too).  Context: mu held. */
 void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t window_ms);
+/* Appends a RANK message (op, e's fields and version) to the stream.  The caller flushes
+ * (kvr_rep_stream_flush) before releasing mu.  Context: mu held. */
+void kvr_rep_tell_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep_rank *e);
 /* Sends RESET, the rank table (kvr_rep_rank_told: tombstones and resets included, versioned),
  * own attempts finished since since_ns (0: none) and own live attempts.  Context: the apply
  * thread; takes mu. */
@@ -487,9 +497,20 @@ struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struc
 /* The RANK ops that tell entry e whole, in order, into ops[3]; returns how many: a tombstone's
  * removal; else its add, then its last reset.  Context: mu held. */
 size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3]);
-/* Forgets the tombstones older than c.tombstone_ms (now: CLOCK_MONOTONIC ns).  Context: mu
- * held. */
+/* Forgets the tombstones older than c.tombstone_ms (now: CLOCK_MONOTONIC ns), raising
+ * rank_floor to the newest of them.  Context: mu held. */
 void kvr_rep_ranks_expire(struct kvr_replica *rep, uint64_t now);
+/* The start of the next own disconnection: own rank changes from now on are not judged by
+ * the snapshot that follows the reconnect.  Context: mu held. */
+void kvr_rep_ranks_outage(struct kvr_replica *rep);
+/* A snapshot's rank records: begin before applying them (no entry listed), listed for each
+ * record applied (its rank's entry is named), end after them with the provider's floor
+ * ({0, 0}: none): ranks the snapshot does not name and older than the floor are gone, or told
+ * again (sync/replica_ranks.c, "Forgetting").  Context: the apply thread; begin and listed
+ * with mu held, end without (it calls the router). */
+void kvr_rep_ranks_snapshot_begin(struct kvr_replica *rep);
+void kvr_rep_ranks_listed(struct kvr_replica *rep, struct kvr_rank_id id);
+void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floor);
 
 /* ---------------------------------------------------------------- with the feeds (sync/feed.c) */
 

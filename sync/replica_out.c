@@ -171,7 +171,7 @@ void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch
 	kvr_msg_end(b, off);
 }
 
-static void send_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep_rank *e)
+void kvr_rep_tell_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep_rank *e)
 {
 	kvr_rep_encode_rank(&rep->sbuf, rep->c.replica_id, rep->epoch, rep->seq + 1, op, e);
 	stream_added(rep);
@@ -316,7 +316,7 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
 	const struct kvr_rep_rank *e =
 	    kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt);
 	if (e)
-		send_rank(rep, (unsigned)op, e);
+		kvr_rep_tell_rank(rep, (unsigned)op, e);
 }
 
 static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
@@ -614,7 +614,7 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 		const struct kvr_rep_rank *e = &rep->ranks[i];
 		unsigned ops[3];
 		for (size_t k = 0, n = kvr_rep_rank_told(e, ops); k < n; k++)
-			send_rank(rep, ops[k], e);
+			kvr_rep_tell_rank(rep, ops[k], e);
 		for (struct kvr_rep_rec *x = e->jhead; x; x = x->next) { /* a tombstone has none */
 			if (!since_ns || x->origin != rep->c.replica_id ||
 			    x->oepoch != rep->epoch || x->fin_ns < since_ns)

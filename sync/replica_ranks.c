@@ -25,9 +25,32 @@
  * its router is a real re-add now, not an old add), so what was done last, as far as the clocks
  * agree, wins.
  *
- * Tombstones are kept c.tombstone_ms (an hour by default) after the removal: an outage longer
- * than that may still bring a removed rank back, since nobody remembers the removal when the
- * cut-off replica re-announces its add.
+ * Tombstones are kept c.tombstone_ms (an hour by default) after the removal, not for good: the
+ * table would grow with every worker ever removed.
+ *
+ * Forgetting.  Once a tombstone is forgotten nobody remembers the removal, so a replica cut off
+ * for longer than the keep came back and re-announced its older add, which every peer took for
+ * a rank it had not heard of yet; and the snapshot it resynced from, not naming the rank, could
+ * not take it away (test_replica_ranks
+ * a_rank_removed_during_an_outage_longer_than_its_tombstone_stays_removed).  What is left of a
+ * forgotten removal is its version: each replica keeps the newest it forgot, its floor
+ * (rank_floor), and a snapshot carries the provider's (replica_msg.h, SNAP_CHUNK flags bit2),
+ * which the asker adopts, so that a joiner knows what the cluster forgot before it came.  Then:
+ *  - a change no newer than the floor, for a rank this replica holds nothing of, is stale: the
+ *    rank was, as far as anyone can tell, removed after it and forgotten;
+ *  - after a snapshot, a rank it does not name whose version is no newer than the floor was
+ *    known to the cluster (older than a removal the provider heard) and is gone there: removed
+ *    here too.  A rank the snapshot does not name but newer than the floor is one the provider
+ *    has not heard yet (a change made while cut off): kept, as before.
+ * The one ambiguity is a replica's own change made while it was cut off and older than the
+ * floor (made before a removal elsewhere, the outage outlasting the keep): the cluster never
+ * heard it, so the snapshot's silence says nothing of it, and the peers refuse it as too old.
+ * Such a change (made since the replica's last disconnect: outage_clock) is kept and told again
+ * with a new version: it is what this replica's router holds, and nothing the cluster remembers
+ * is newer.  A fresh replica's own ranks count as such (outage_clock 0).
+ * Versions compare wall clocks across replicas, so a writer whose clock runs ahead widens that
+ * window: its removal's floor covers other replicas' changes made up to its lead later; these are
+ * refused or judged gone when they were never heard by the cluster and the floor covers them.
  *
  * Messages without a version (an older peer's) are applied as before, unconditionally, and
  * leave the entry's versions as they are.  The router stays the truth of a rank's values: the
@@ -41,14 +64,27 @@
 
 #include "sync/replica_internal.h"
 
-/* A new version for an own change.  mu held. */
-static struct kvr_rep_ver ver_next(struct kvr_replica *rep)
+static uint64_t wall_ns(void)
 {
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);
-	uint64_t wall = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* A new version for an own change.  mu held. */
+static struct kvr_rep_ver ver_next(struct kvr_replica *rep)
+{
+	uint64_t wall = wall_ns();
 	rep->rank_clock = wall > rep->rank_clock ? wall : rep->rank_clock + 1;
 	return (struct kvr_rep_ver){rep->rank_clock, rep->c.replica_id};
+}
+
+void kvr_rep_ranks_outage(struct kvr_replica *rep)
+{
+	uint64_t wall = wall_ns();
+	if (wall > rep->rank_clock)
+		rep->rank_clock = wall;
+	rep->outage_clock = rep->rank_clock + 1; /* ver_next's next clock, at least */
 }
 
 struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
@@ -104,9 +140,71 @@ void kvr_rep_ranks_expire(struct kvr_replica *rep, uint64_t now)
 	uint64_t keep = keep_ms > UINT64_MAX / 1000000u ? UINT64_MAX : keep_ms * 1000000u;
 	for (size_t i = rep->n_ranks; i-- > 0;) { /* a drop moves the last entry into i */
 		const struct kvr_rep_rank *e = &rep->ranks[i];
-		if (e->removed && now - e->removed_ns > keep)
+		if (e->removed && now - e->removed_ns > keep) {
+			if (kvr_rep_ver_cmp(e->ver, rep->rank_floor) > 0)
+				rep->rank_floor = e->ver;
 			kvr_rep_rank_drop(rep, e->id);
+		}
 	}
+}
+
+void kvr_rep_ranks_snapshot_begin(struct kvr_replica *rep)
+{
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		rep->ranks[i].listed = false;
+}
+
+void kvr_rep_ranks_listed(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
+	if (e)
+		e->listed = true;
+}
+
+/* A rank that the snapshot just applied does not name, versioned no newer than floor f, not yet
+ * judged; NULL if none.  mu held. */
+static struct kvr_rep_rank *unlisted_older(struct kvr_replica *rep, struct kvr_rep_ver f)
+{
+	for (size_t i = 0; i < rep->n_ranks; i++) {
+		struct kvr_rep_rank *e = &rep->ranks[i];
+		if (!e->removed && !e->listed && e->ver.clock && kvr_rep_ver_cmp(e->ver, f) <= 0)
+			return e;
+	}
+	return NULL;
+}
+
+void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floor)
+{
+	pthread_mutex_lock(&rep->mu);
+	if (kvr_rep_ver_cmp(floor, rep->rank_floor) > 0)
+		rep->rank_floor = floor;
+	if (rep->rank_floor.clock > rep->rank_clock) /* own changes from now on are newer */
+		rep->rank_clock = rep->rank_floor.clock;
+	const struct kvr_rep_ver f = rep->rank_floor;
+	for (struct kvr_rep_rank *e; f.clock && (e = unlisted_older(rep, f));) {
+		e->listed = true; /* judged */
+		if (e->ver.clock >= rep->outage_clock) {
+			/* Own, made while cut off: the peers refuse it as older than the floor. */
+			e->ver = ver_next(rep);
+			kvr_rep_tell_rank(rep, KVR_REPL_RANK_ADD, e);
+			continue;
+		}
+		const struct kvr_rank_id id = e->id;
+		const struct kvr_rep_ver v = e->ver;
+		rep->st.rank_stale++;
+		kvr_rep_stream_flush(rep); /* mu is released with the stream flushed */
+		pthread_mutex_unlock(&rep->mu);
+		APPLYING(kvr_rank_remove(rep->r, id));
+		struct kvr_rank_stats s;
+		bool present = kvr_rank_get_stats(rep->r, id, &s) == 0;
+		pthread_mutex_lock(&rep->mu);
+		/* Unless an own change came meanwhile (a re-add: a newer version). */
+		e = kvr_rep_rank_entry(rep, id);
+		if (e && !present && kvr_rep_ver_cmp(e->ver, v) == 0)
+			kvr_rep_rank_drop(rep, id);
+	}
+	kvr_rep_stream_flush(rep);
+	pthread_mutex_unlock(&rep->mu);
 }
 
 /* Whether two capacities are the same setting (0 and KVR_CAPACITY_NONE are both TTL retention;
@@ -117,12 +215,15 @@ static bool same_capacity(uint64_t a, uint64_t b)
 }
 
 /* Whether the entry of rank id holds a version newer than or equal to v for op: the change is
- * stale.  A reset is judged by the last reset's version, or by a tombstone's.  mu held. */
+ * stale.  A reset is judged by the last reset's version, or by a tombstone's.  With no entry,
+ * a change but a removal no newer than the floor is stale ("Forgetting"); a removal leaves a
+ * tombstone.  mu held. */
 static bool stale(struct kvr_replica *rep, struct kvr_rank_id id, uint32_t op, struct kvr_rep_ver v)
 {
 	const struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
 	if (!e)
-		return false;
+		return op != KVR_REPL_RANK_REMOVE && rep->rank_floor.clock &&
+		       kvr_rep_ver_cmp(v, rep->rank_floor) <= 0;
 	if (op == KVR_REPL_RANK_RESET && !e->removed)
 		return kvr_rep_ver_cmp(e->reset_ver, v) >= 0;
 	return kvr_rep_ver_cmp(e->ver, v) >= 0;

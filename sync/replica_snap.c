@@ -42,8 +42,12 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 	 * largest message with the chunk's header and fields (a chunk over it was refused, the
 	 * snapshot given up and asked for again, for ever). */
 	size_t room = CHUNK_BYTES;
-	if (rep->max_msg && rep->max_msg < CHUNK_BYTES + KVR_MSG_HEADER + 16)
-		room = rep->max_msg > KVR_MSG_HEADER + 16 ? rep->max_msg - KVR_MSG_HEADER - 16 : 0;
+	const size_t fixed = 16 + 16; /* the chunk's fields, and the last one's floor */
+	if (rep->max_msg && rep->max_msg < CHUNK_BYTES + KVR_MSG_HEADER + fixed)
+		room = rep->max_msg > KVR_MSG_HEADER + fixed ? rep->max_msg - KVR_MSG_HEADER - fixed
+		                                             : 0;
+	/* The last chunk carries the floor, if any (sync/replica_ranks.c, "Forgetting"). */
+	const struct kvr_rep_ver floor = rep->rank_floor;
 	/* An attempt's record takes its 4-byte length too; one over it alone goes cut. */
 	const size_t rec_max = room > 4 ? room - 4 : 1;
 	/* One record at a time into rec1, appended framed into recs; a full recs is sent. */
@@ -53,9 +57,15 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 		size_t off_ =                                                                      \
 		    kvr_msg_begin(&chunk, KVR_MSG_SNAP_CHUNK, rep->c.replica_id, rep->epoch, 0);   \
 		kvr_msg_put_u32(&chunk, n_chunk++);                                                \
-		kvr_msg_put_u32(&chunk, (last) ? KVR_MSG_CHUNK_LAST : 0u);                         \
+		const bool floor_ = (last) && floor.clock;                                         \
+		kvr_msg_put_u32(&chunk, ((last) ? KVR_MSG_CHUNK_LAST : 0u) |                       \
+		                            (floor_ ? KVR_MSG_CHUNK_FLOOR : 0u));                  \
 		kvr_msg_put_u32(&chunk, n_rec);                                                    \
 		kvr_msg_put_u32(&chunk, 0);                                                        \
+		if (floor_) {                                                                      \
+			kvr_msg_put_u64(&chunk, floor.clock);                                      \
+			kvr_msg_put_u64(&chunk, floor.writer);                                     \
+		}                                                                                  \
 		kvr_msg_put_bytes(&chunk, recs.p, recs.len);                                       \
 		kvr_msg_end(&chunk, off_);                                                         \
 		if (chunk.oom || recs.oom || rep->t.reply(rep->t.ctx, to, chunk.p, chunk.len)) {   \
@@ -192,7 +202,9 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 	 * or that we had given up (we released what we held of them).  FENCE records come first. */
 	uint64_t take[MAX_PEERS], jump[MAX_PEERS];
 	size_t n_take = 0, n_jump = 0;
+	struct kvr_rep_ver floor = {0, 0};
 	pthread_mutex_lock(&rep->mu);
+	kvr_rep_ranks_snapshot_begin(rep);
 	bool fresh =
 	    rep->st.applied == 0 && rep->st.snapshots_applied == 0 && rep->seq <= rep->n_ranks;
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
@@ -202,6 +214,8 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 		struct kvr_wmsg c;
 		if (kvr_msg_decode(it->data, it->len, &c))
 			continue; /* checked in on_chunk */
+		if (c.chunk_flags & KVR_MSG_CHUNK_FLOOR)
+			floor = (struct kvr_rep_ver){c.floor_clock, c.floor_writer};
 		size_t pos = 0, rl;
 		const uint8_t *rp;
 		while (kvr_msg_next_record(&c, &pos, &rp, &rl)) {
@@ -210,6 +224,10 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 				continue; /* checked by the chunk's decode */
 			if (m.h.type == KVR_MSG_RANK) {
 				kvr_rep_apply_rank(rep, &m);
+				pthread_mutex_lock(&rep->mu);
+				kvr_rep_ranks_listed(rep,
+				                     (struct kvr_rank_id){m.worker_id, m.dp_rank});
+				pthread_mutex_unlock(&rep->mu);
 			} else if (m.h.type == KVR_MSG_ATTEMPT) {
 				/* History: all of it on a fresh replica; else only that of origins
 				 * whose fence skips messages we never applied (their finished
@@ -259,6 +277,8 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 			}
 		}
 	}
+	/* Ranks the snapshot does not name: gone, or not heard yet (sync/replica_ranks.c). */
+	kvr_rep_ranks_snapshot_end(rep, floor);
 	pthread_mutex_lock(&rep->mu);
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
 		if (!taken(take, n_take, x->origin))

@@ -1151,7 +1151,10 @@ struct kvr_sync_stats {
 	uint64_t displacements;
 	/* Peers' rank changes (add, remove, reset, capacity) not applied because this replica holds
 	 * a newer version of that rank (a re-announce or a snapshot telling an older state again:
-	 * harmless, counted so that it shows).  Not counted in refused. */
+	 * harmless, counted so that it shows), or, for a rank it holds nothing of, because a
+	 * removal newer than the change was made and its tombstone forgotten since; and ranks
+	 * removed here because a snapshot, newer than them, no longer named them.  Not counted in
+	 * refused. */
 	uint64_t rank_stale;
 };
 

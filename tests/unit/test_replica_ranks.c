@@ -550,3 +550,72 @@ Test(replica_ranks, a_removal_of_an_older_incarnation_is_refused, .timeout = 60)
 	cr_assert_eq(kvr_rank_get_stats(r[0], (struct kvr_rank_id){1, 0}, &s), KVR_ENOENT);
 	bus_teardown(r, 1);
 }
+
+/* Sets whether replica i answers snapshot requests on the bus (a replica cut off from the server
+ * gets none). */
+static void bus_set_ready(int i, bool ready)
+{
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[i] = ready;
+	pthread_mutex_unlock(&bus.mu);
+}
+
+/* Waits (10 s at most) until replica i has forgotten rank w's tombstone. */
+static void wait_forgotten(int i, uint64_t w)
+{
+	struct kvr_replica *rep = bus.rep[i];
+	for (int k = 0; k < 1000; k++) {
+		pthread_mutex_lock(&rep->mu);
+		bool gone = !kvr_rep_rank_entry(rep, (struct kvr_rank_id){w, 0});
+		pthread_mutex_unlock(&rep->mu);
+		if (gone)
+			return;
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_fail("replica %d kept rank %lu's tombstone", i + 1, (unsigned long)w);
+}
+
+/* Replica 2 is cut off longer than the tombstones' keep (300 ms here, an hour by default) while
+ * replica 1 removes rank 2; replica 3 joins meanwhile from replica 1's snapshot.  Back, replica
+ * 2 re-announced rank 2's add and resynced from replica 3: nobody remembered the removal, so the
+ * add was taken for a rank unknown yet (rank 2 back on replicas 1 and 3), and replica 2 kept the
+ * rank the snapshot did not list.  Now a replica remembers the highest removal it forgot (the
+ * floor, inherited with a snapshot): an add older than it for a rank unknown here is refused, and
+ * a rank older than the snapshot's floor that the snapshot does not list is gone.  Rank 3, added
+ * on replica 2 during the outage (before the removal: older than the floor too), is its own
+ * change the cluster never heard, not a forgotten one: it is kept and told again. */
+Test(replica_ranks, a_rank_removed_during_an_outage_longer_than_its_tombstone_stays_removed,
+     .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_tombstone_ms = 300;
+	bus_start(r, 2);
+	add_rank_2(r, 2);
+	kvr_replica_disconnected(bus.rep[1]);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	bus_set_ready(1, false);
+	cr_assert_eq(kvr_rank_add(r[1], (struct kvr_rank_id){3, 0}, 7, 1000, 4096), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[1], 10000), 0);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	wait_forgotten(0, 2);
+	r[2] = make();
+	bus_attach(2, r[2]); /* from replica 1, the only one ready */
+	cr_assert(!has_rank(r[2], 2));
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	bus_set_ready(1, true);
+	kvr_replica_reconnected(bus.rep[1]);
+	wait_snapshots(1, 2); /* from replica 3, the last ready */
+	rank_gone_everywhere(r, 3, 2, "after an outage longer than the tombstone's keep");
+	for (int i = 0; i < 3; i++)
+		cr_assert(has_rank(r[i], 3), "replica %d lacks rank 3, added during the outage",
+		          i + 1);
+	/* A real re-add (newer than every removal) goes through. */
+	cr_assert_eq(kvr_rank_add(r[1], (struct kvr_rank_id){2, 0}, 8, 1000, 4096), 0);
+	bus_quiet(r, 3);
+	for (int i = 0; i < 3; i++)
+		cr_assert(has_rank(r[i], 2), "replica %d refused the re-add", i + 1);
+	bus_tombstone_ms = 0;
+	bus_teardown(r, 3);
+}
