@@ -407,22 +407,23 @@ int main(int argc, char **argv)
 {
 	uint64_t batches = 40000, window = 4096, lag_batches = 20000, rate = 10000, sample = 4;
 	uint64_t spin_us = 0, rt = 0;
-	for (int i = 1; i + 1 < argc; i += 2) {
-		uint64_t v = strtoull(argv[i + 1], NULL, 10);
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--batches"))
-			batches = v;
+			batches = opt_u64(argc, argv, i, 0, 100000000);
 		else if (!strcmp(argv[i], "--window"))
-			window = v;
+			window = opt_u64(argc, argv, i, 1, 1u << 20);
 		else if (!strcmp(argv[i], "--lag-batches"))
-			lag_batches = v;
+			lag_batches = opt_u64(argc, argv, i, 0, 100000000);
 		else if (!strcmp(argv[i], "--rate"))
-			rate = v ? v : 1;
+			rate = opt_u64(argc, argv, i, 1, 1000000000);
 		else if (!strcmp(argv[i], "--sample"))
-			sample = v ? v : 1;
+			sample = opt_u64(argc, argv, i, 1, 1000000000);
 		else if (!strcmp(argv[i], "--spin-us"))
-			spin_us = v;
+			spin_us = opt_u64(argc, argv, i, 0, 1000000000);
 		else if (!strcmp(argv[i], "--rt"))
-			rt = v;
+			rt = opt_u64(argc, argv, i, 0, 99);
+		else
+			opt_unknown(argv, i);
 	}
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);

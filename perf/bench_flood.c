@@ -98,17 +98,16 @@ int main(int argc, char **argv)
 {
 	size_t n = 20000;
 	unsigned bits = 20, rounds = 3;
-	for (int i = 1; i + 1 < argc; i += 2) {
+	/* usage: bench_flood [--n N>0] [--bits 1..32] [--rounds R] */
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--n"))
-			n = strtoul(argv[i + 1], NULL, 10);
+			n = opt_u64(argc, argv, i, 1, 100000000);
 		else if (!strcmp(argv[i], "--bits"))
-			bits = (unsigned)strtoul(argv[i + 1], NULL, 10);
+			bits = (unsigned)opt_u64(argc, argv, i, 1, 32);
 		else if (!strcmp(argv[i], "--rounds"))
-			rounds = (unsigned)strtoul(argv[i + 1], NULL, 10);
-	}
-	if (!n || bits < 1 || bits > 32) {
-		fprintf(stderr, "usage: bench_flood [--n N>0] [--bits 1..32] [--rounds R]\n");
-		return 2;
+			rounds = (unsigned)opt_u64(argc, argv, i, 0, 1000000);
+		else
+			opt_unknown(argv, i);
 	}
 	const uint64_t ginv = inverse(0x9e3779b97f4a7c15ull);
 	uint64_t *crafted = malloc(n * BLOCKS * 8), *random = malloc(n * BLOCKS * 8);

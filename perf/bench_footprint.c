@@ -78,6 +78,7 @@
 #endif
 
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "tests/common/xorshift.h"
 
 #define REF_OLD_BYTES    220.0 /* the brief: before this round's index and cache */
@@ -593,26 +594,22 @@ int main(int argc, char **argv)
 			quick = true;
 		else if (!strcmp(argv[i], "--bins"))
 			bins = true;
-		else if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
-			ranks = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
-			capacity = strtoull(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--churn") && i + 1 < argc)
-			churn = strtod(argv[++i], NULL);
-		else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
-			only_tokens = (size_t)strtoull(argv[++i], NULL, 10);
-		else if (!strcmp(argv[i], "--lane-capacity") && i + 1 < argc)
-			lane_capacity = (uint32_t)strtoul(argv[++i], NULL, 10);
-		else {
-			fprintf(stderr,
-			        "usage: bench_footprint [--quick] [--ranks R] [--capacity C] "
-			        "[--churn F] [--tokens L] [--lane-capacity N] [--bins]\n");
-			return 2;
-		}
-	}
-	if (ranks < 1 || ranks > MAX_RANKS) {
-		fprintf(stderr, "bench_footprint: --ranks 1..%d\n", MAX_RANKS);
-		return 2;
+		else if (!strcmp(argv[i], "--ranks"))
+			ranks = (uint32_t)opt_u64(argc, argv, i++, 1, MAX_RANKS);
+		else if (!strcmp(argv[i], "--capacity"))
+			capacity = opt_u64(argc, argv, i++, 1, 1ull << 32);
+		else if (!strcmp(argv[i], "--churn"))
+			churn = opt_f64(argc, argv, i++, 0, 1e6);
+		else if (!strcmp(argv[i], "--tokens")) {
+			/* a length no shape has ran nothing and said nothing */
+			only_tokens = (size_t)opt_u64(argc, argv, i, 1, 1u << 24);
+			if (only_tokens != 2048 && only_tokens != 32768)
+				opt_bad(argv, i, "2048 or 32768", argv[i + 1]);
+			i++;
+		} else if (!strcmp(argv[i], "--lane-capacity"))
+			lane_capacity = (uint32_t)opt_u64(argc, argv, i++, 0, UINT32_MAX);
+		else
+			opt_unknown(argv, i);
 	}
 	if (capacity == 0)
 		capacity = quick ? 8192 : 25600;

@@ -13,6 +13,7 @@
 #include <xxhash.h>
 
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 
 static double now_s(void)
 {
@@ -27,11 +28,13 @@ int main(int argc, char **argv)
 {
 	double ms = 300;
 	uint32_t bs = 16;
-	for (int i = 1; i + 1 < argc; i += 2) {
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--ms"))
-			ms = atof(argv[i + 1]);
+			ms = opt_f64(argc, argv, i, 1e-3, 1e9);
 		else if (!strcmp(argv[i], "--block-size"))
-			bs = (uint32_t)atoi(argv[i + 1]);
+			bs = (uint32_t)opt_u64(argc, argv, i, 1, 2048);
+		else
+			opt_unknown(argv, i);
 	}
 	static const size_t sizes[] = {2048, 8192, 131072};
 	for (size_t s = 0; s < 3; s++) {

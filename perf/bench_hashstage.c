@@ -44,6 +44,7 @@
 
 #include "core/hash.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 
 #if !defined(__x86_64__)
 int main(void)
@@ -111,14 +112,6 @@ static uint64_t *take(void)
 	}
 }
 
-static void pin(int cpu)
-{
-	cpu_set_t set;
-	CPU_ZERO(&set);
-	CPU_SET(cpu, &set);
-	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
 /* The shard: reads every pair of each record posted, as a booking does, and gives it back. */
 static void *shard(void *arg)
 {
@@ -163,12 +156,6 @@ static void hash_ordinary(const uint32_t *tok, size_t n, uint64_t *out, uint64_t
 		out[2 * i] = seq[n + i];
 		out[2 * i + 1] = seq[i];
 	}
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
 }
 
 static void run(size_t tokens, size_t iters, size_t records)
@@ -277,28 +264,26 @@ static void run(size_t tokens, size_t iters, size_t records)
 int main(int argc, char **argv)
 {
 	size_t iters = 20000, records = 64;
-	char lengths[256] = "2048,8192";
-	for (int i = 1; i + 1 < argc; i += 2) {
+	uint64_t lengths[16] = {2048, 8192};
+	size_t n_lengths = 2;
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--iters"))
-			iters = strtoull(argv[i + 1], NULL, 10);
+			iters = opt_u64(argc, argv, i, 2, 1000000000);
 		else if (!strcmp(argv[i], "--records"))
-			records = strtoull(argv[i + 1], NULL, 10);
+			records = opt_u64(argc, argv, i, 2, 1000000);
 		else if (!strcmp(argv[i], "--lengths"))
-			snprintf(lengths, sizeof(lengths), "%s", argv[i + 1]);
-		else if (!strcmp(argv[i], "--cpus"))
-			sscanf(argv[i + 1], "%d,%d", &cpus[0], &cpus[1]);
+			n_lengths = opt_list(argc, argv, i, 0, 1u << 24, lengths, 16);
+		else if (!strcmp(argv[i], "--cpus")) {
+			uint64_t c[2] = {(uint64_t)cpus[0], (uint64_t)cpus[1]};
+			opt_list(argc, argv, i, 0, 4095, c, 2); /* one: the shard's stays */
+			cpus[0] = (int)c[0];
+			cpus[1] = (int)c[1];
+		} else
+			opt_unknown(argv, i);
 	}
-	if (iters < 2 || records < 2) {
-		fprintf(stderr, "bench_hashstage: --iters and --records must be at least 2\n");
-		return 1;
-	}
-	for (char *p = lengths, *e; *p; p = *e ? e + 1 : e) {
-		size_t len = strtoull(p, &e, 10);
-		if (e == p)
-			break;
-		if (len >= 16 * 2)
-			run(len, iters, records);
-	}
+	for (size_t k = 0; k < n_lengths; k++)
+		if (lengths[k] >= 16 * 2)
+			run(lengths[k], iters, records);
 	return 0;
 }
 #endif

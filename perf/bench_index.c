@@ -427,14 +427,16 @@ int main(int argc, char **argv)
 	size_t max_req = SIZE_MAX;
 	uint64_t witers = 0, riters = 0;
 	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--ms") && i + 1 < argc)
-			ms = atof(argv[++i]);
-		else if (!strcmp(argv[i], "--max-requests") && i + 1 < argc)
-			max_req = (size_t)atoll(argv[++i]);
-		else if (!strcmp(argv[i], "--writer-iters") && i + 1 < argc)
-			witers = (uint64_t)atoll(argv[++i]);
-		else if (!strcmp(argv[i], "--reader-iters") && i + 1 < argc)
-			riters = (uint64_t)atoll(argv[++i]);
+		if (!strcmp(argv[i], "--ms"))
+			ms = opt_f64(argc, argv, i++, 1e-3, 1e9);
+		else if (!strcmp(argv[i], "--max-requests"))
+			max_req = (size_t)opt_u64(argc, argv, i++, 1, SIZE_MAX);
+		else if (!strcmp(argv[i], "--writer-iters"))
+			witers = opt_u64(argc, argv, i++, 0, UINT64_MAX);
+		else if (!strcmp(argv[i], "--reader-iters"))
+			riters = opt_u64(argc, argv, i++, 0, UINT64_MAX);
+		else if (argv[i][0] == '-' || path) /* one trace, options before or after it */
+			opt_unknown(argv, i);
 		else
 			path = argv[i];
 	}

@@ -61,8 +61,9 @@
  * locator's load over its growth cycle shows (mean, min, max), with the default growth policy
  * and the previous defaults, in one run.
  *
- * --no-locator (before the mode): every index without the block locator (kvr_index_set_locator:
- * the approximate modes' index); --mem-only prints both.
+ * --no-locator: every index without the block locator (kvr_index_set_locator: the approximate
+ * modes' index); --mem-only prints both.  Options count wherever they stand (every option is
+ * read before the one mode runs); an unknown option or a bad value is an error, exit 2.
  * usage: bench_index_runs [--ms N] [--quick] [--no-locator] [--ext-hashes]
  *          [--apply-only [--per N] | --rw-only | --cg L PAT
  *          | --tail L PAT [--touch] (what the slow 1 % of the match calls are)
@@ -1408,110 +1409,165 @@ static void bench_churn(int adm, uint64_t step_min, uint64_t grow_at, uint64_t g
 	free(cpu);
 }
 
+/* The pattern letter of a single-pattern mode's option argv[i] (its k-th value), or exit 2. */
+static int opt_pat(int argc, char **argv, int i, int k)
+{
+	const char *v = opt_arg(argc, argv, i, k);
+	if (v[0] < 'a' || v[0] > 'f' || v[1])
+		opt_bad(argv, i, "a pattern a..f after its L", v);
+	return v[0] - 'a';
+}
+
+/* The single mode a command line asks for, run after every option is read (a mode ran where
+ * it stood and what followed was never read: --rw-only --ms 2000 ran 400 ms). */
+enum run_mode {
+	RUN_MAIN,
+	RUN_APPLY,
+	RUN_CG,
+	RUN_DEPTHS_AB,
+	RUN_TPUT,
+	RUN_TAIL,
+	RUN_RW,
+	RUN_CHURN,
+	RUN_MEM,
+	RUN_SCAN,
+	RUN_SWEEP
+};
+
 int main(int argc, char **argv)
 {
 	int ms = 400;
-	bool quick = false, apply_only = false;
-	size_t per = 16;
+	bool quick = false, touch = false, sweep_policy = false;
+	size_t per = 16, L = 0;
+	int pat = 0, adm = 4000;
+	long reps = 20000;
+	uint64_t sweep_at = 0, sweep_to = 0;
+	const char *churn_only = NULL;
+	enum run_mode mode = RUN_MAIN;
 	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--ms") && i + 1 < argc)
-			ms = atoi(argv[++i]);
-		else if (!strcmp(argv[i], "--per") && i + 1 < argc)
-			per = (size_t)atol(argv[++i]);
-		else if (!strcmp(argv[i], "--grow") && i + 2 < argc) {
-			/* the locator's growth policy (per mille) for what follows */
-			kvr_index_blk_grow_at = (uint64_t)atol(argv[i + 1]);
-			kvr_index_blk_grow_to = (uint64_t)atol(argv[i + 2]);
+		const enum run_mode was = mode;
+		if (!strcmp(argv[i], "--ms"))
+			ms = (int)opt_u64(argc, argv, i++, 1, 100000000);
+		else if (!strcmp(argv[i], "--per"))
+			per = (size_t)opt_u64(argc, argv, i++, 1, 1u << 20);
+		else if (!strcmp(argv[i], "--grow")) {
+			/* the locator's growth policy (per mille) */
+			kvr_index_blk_grow_at = opt_arg_u64(argc, argv, i, 1, 1, 1000);
+			kvr_index_blk_grow_to = opt_arg_u64(argc, argv, i, 2, 1, 1000);
 			i += 2;
-		} else if (!strcmp(argv[i], "--xgrow") && i + 1 < argc) {
-			/* the ext maps' growth target (per cent) for what follows */
-			kvr_index_xmap_grow_to = (uint64_t)atol(argv[++i]);
-		} else if (!strcmp(argv[i], "--quick"))
+		} else if (!strcmp(argv[i], "--xgrow")) /* the ext maps' growth target (per cent) */
+			kvr_index_xmap_grow_to = opt_u64(argc, argv, i++, 1, 100);
+		else if (!strcmp(argv[i], "--quick"))
 			quick = true;
 		else if (!strcmp(argv[i], "--no-locator"))
 			no_locator = true; /* every index without the block locator */
 		else if (!strcmp(argv[i], "--ext-hashes"))
 			ext_hashes = true; /* engine hashes: --mem-only, --apply-only */
-		else if (!strcmp(argv[i], "--cg") && i + 2 < argc) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			cg_mode((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a');
-			return 0;
-		} else if (!strcmp(argv[i], "--depths-ab") && i + 2 < argc) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			depths_ab((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a',
-			          i + 3 < argc && argv[i + 3][0] != '-' ? atol(argv[i + 3])
-			                                                : 20000);
-			return 0;
-		} else if (!strcmp(argv[i], "--tput") && i + 2 < argc) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			tput_mode((size_t)atol(argv[i + 1]), argv[i + 2][0] - 'a');
-			return 0;
-		} else if (!strcmp(argv[i], "--tail") && i + 2 < argc) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			const size_t L = (size_t)atol(argv[i + 1]);
-			tail_mode(L, argv[i + 2][0] - 'a', L == 8192 ? 1000 : 5000,
-			          i + 3 < argc && !strcmp(argv[i + 3], "--touch"));
-			return 0;
-		} else if (!strcmp(argv[i], "--rw-only")) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			bench_reader_writer(ms);
-			return 0;
-		} else if (!strcmp(argv[i], "--churn")) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			int adm = i + 1 < argc && argv[i + 1][0] != '-' ? atoi(argv[++i]) : 4000;
-			const char *only = i + 2 < argc && !strcmp(argv[i + 1], "--churn-mode")
-			                       ? argv[i + 2]
-			                       : NULL;
-			const uint64_t dflt = kvr_index_blk_step_min, g = kvr_index_blk_grow_at,
-			               gt = kvr_index_blk_grow_to;
-			if (!only || !strcmp(only, "once"))
-				bench_churn(adm, (uint64_t)1 << 60, g, gt, "once");
-			if (!only || !strcmp(only, "incr"))
-				bench_churn(adm, dflt, g, gt, "incremental");
-			if (!only || !strcmp(only, "old"))
-				bench_churn(adm, 2, 850, 567, "incremental_0.85_to_0.57_step2");
-			return 0;
-		} else if (!strcmp(argv[i], "--mem-only")) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			mem_all(ext_hashes);
-			return 0;
-		} else if (!strcmp(argv[i], "--scan-cost")) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
-			const bool nl = no_locator;
-			for (size_t n = 25600; n <= 409600; n *= 4)
-				for (int m = 0; m < 2; m++) {
-					no_locator = m == 1;
-					bench_scan_cost(n);
-				}
-			no_locator = nl;
-			return 0;
-		} else if (!strcmp(argv[i], "--mem-sweep")) {
-			if (kvr_rcu_thread_online() != 0)
-				return 1;
+		else if (!strcmp(argv[i], "--cg") || !strcmp(argv[i], "--depths-ab") ||
+		         !strcmp(argv[i], "--tput") || !strcmp(argv[i], "--tail")) {
+			mode = argv[i][2] == 'c'   ? RUN_CG
+			       : argv[i][2] == 'd' ? RUN_DEPTHS_AB
+			       : argv[i][3] == 'p' ? RUN_TPUT
+			                           : RUN_TAIL;
+			L = (size_t)opt_arg_u64(argc, argv, i, 1, 1, 1u << 16);
+			pat = opt_pat(argc, argv, i, 2);
+			int j = i;
+			i += 2;
+			if (mode == RUN_DEPTHS_AB && i + 1 < argc && argv[i + 1][0] != '-')
+				reps = (long)opt_arg_u64(argc, argv, j, 3, 1, 1000000000), i++;
+			if (mode == RUN_TAIL && i + 1 < argc && !strcmp(argv[i + 1], "--touch"))
+				touch = true, i++;
+		} else if (!strcmp(argv[i], "--rw-only"))
+			mode = RUN_RW;
+		else if (!strcmp(argv[i], "--churn")) {
+			/* --churn [N] [--churn-mode once|incr|old] */
+			mode = RUN_CHURN;
+			int j = i;
+			if (i + 1 < argc && argv[i + 1][0] != '-')
+				adm = (int)opt_arg_u64(argc, argv, j, 1, 1, 100000000), i++;
+			if (i + 1 < argc && !strcmp(argv[i + 1], "--churn-mode")) {
+				churn_only = opt_str(argc, argv, ++i);
+				if (strcmp(churn_only, "once") && strcmp(churn_only, "incr") &&
+				    strcmp(churn_only, "old"))
+					opt_bad(argv, i, "once, incr or old", churn_only);
+				i++;
+			}
+		} else if (!strcmp(argv[i], "--mem-only"))
+			mode = RUN_MEM;
+		else if (!strcmp(argv[i], "--scan-cost"))
+			mode = RUN_SCAN;
+		else if (!strcmp(argv[i], "--mem-sweep")) {
 			/* --mem-sweep [AT TO]: a growth policy (per mille) to weigh against the
 			 * defaults */
-			if (i + 2 < argc && argv[i + 1][0] != '-') {
-				mem_sweep((uint64_t)atol(argv[i + 1]), (uint64_t)atol(argv[i + 2]),
-				          kvr_index_blk_step_min);
+			mode = RUN_SWEEP;
+			if (i + 1 < argc && argv[i + 1][0] != '-') {
+				sweep_at = opt_arg_u64(argc, argv, i, 1, 1, 1000);
+				sweep_to = opt_arg_u64(argc, argv, i, 2, 1, 1000);
+				sweep_policy = true;
 				i += 2;
 			}
-			mem_sweep(kvr_index_blk_grow_at, kvr_index_blk_grow_to,
-			          kvr_index_blk_step_min);
-			mem_sweep(850, 567, 2); /* the previous defaults */
-			return 0;
 		} else if (!strcmp(argv[i], "--apply-only"))
-			apply_only = true; /* for valgrind --tool=callgrind */
+			mode = RUN_APPLY; /* for valgrind --tool=callgrind */
+		else
+			opt_unknown(argv, i);
+		if (was != RUN_MAIN && mode != was) {
+			fprintf(stderr, "bench_index_runs: one mode at a time (%s)\n", argv[i]);
+			return 2;
+		}
 	}
 	if (kvr_rcu_thread_online() != 0)
 		return 1;
+	switch (mode) {
+	case RUN_MAIN:
+	case RUN_APPLY:
+		break;
+	case RUN_CG:
+		cg_mode(L, pat);
+		return 0;
+	case RUN_DEPTHS_AB:
+		depths_ab(L, pat, reps);
+		return 0;
+	case RUN_TPUT:
+		tput_mode(L, pat);
+		return 0;
+	case RUN_TAIL:
+		tail_mode(L, pat, L == 8192 ? 1000 : 5000, touch);
+		return 0;
+	case RUN_RW:
+		bench_reader_writer(ms);
+		return 0;
+	case RUN_CHURN: {
+		const uint64_t dflt = kvr_index_blk_step_min, g = kvr_index_blk_grow_at,
+		               gt = kvr_index_blk_grow_to;
+		if (!churn_only || !strcmp(churn_only, "once"))
+			bench_churn(adm, (uint64_t)1 << 60, g, gt, "once");
+		if (!churn_only || !strcmp(churn_only, "incr"))
+			bench_churn(adm, dflt, g, gt, "incremental");
+		if (!churn_only || !strcmp(churn_only, "old"))
+			bench_churn(adm, 2, 850, 567, "incremental_0.85_to_0.57_step2");
+		return 0;
+	}
+	case RUN_MEM:
+		mem_all(ext_hashes);
+		return 0;
+	case RUN_SCAN: {
+		const bool nl = no_locator;
+		for (size_t n = 25600; n <= 409600; n *= 4)
+			for (int m = 0; m < 2; m++) {
+				no_locator = m == 1;
+				bench_scan_cost(n);
+			}
+		no_locator = nl;
+		return 0;
+	}
+	case RUN_SWEEP:
+		if (sweep_policy)
+			mem_sweep(sweep_at, sweep_to, kvr_index_blk_step_min);
+		mem_sweep(kvr_index_blk_grow_at, kvr_index_blk_grow_to, kvr_index_blk_step_min);
+		mem_sweep(850, 567, 2); /* the previous defaults */
+		return 0;
+	}
+	const bool apply_only = mode == RUN_APPLY;
 	if (apply_only) {
 		double r = bench_apply(per ? per : 1, ms);
 		if (ext_hashes)

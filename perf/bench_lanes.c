@@ -469,32 +469,28 @@ static double post_ns(bool lazy, double ms)
 
 int main(int argc, char **argv)
 {
-	for (int i = 1; i + 1 < argc; i += 2) {
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--producers"))
-			P = (uint32_t)atoi(argv[i + 1]);
+			P = (uint32_t)opt_u64(argc, argv, i, 1, MAX_T / 2);
 		else if (!strcmp(argv[i], "--shards"))
-			S = (uint32_t)atoi(argv[i + 1]);
+			S = (uint32_t)opt_u64(argc, argv, i, 1, MAX_T / 2);
 		else if (!strcmp(argv[i], "--ms"))
-			MS = atof(argv[i + 1]);
+			MS = opt_f64(argc, argv, i, 1e-3, 1e9);
 		else if (!strcmp(argv[i], "--rounds"))
-			ROUNDS = atoi(argv[i + 1]) > 0 ? atoi(argv[i + 1]) : 1;
+			ROUNDS = (int)opt_u64(argc, argv, i, 1, 1000000);
 		else if (!strcmp(argv[i], "--cap"))
-			CAP = (uint32_t)atoi(argv[i + 1]);
+			CAP = (uint32_t)opt_u64(argc, argv, i, 0, UINT32_MAX);
 		else if (!strcmp(argv[i], "--soft-depth"))
-			SOFT = (uint32_t)atoi(argv[i + 1]);
+			SOFT = (uint32_t)opt_u64(argc, argv, i, 0, UINT32_MAX);
 		else if (!strcmp(argv[i], "--post-only"))
-			POST_ONLY = (uint32_t)atoi(argv[i + 1]);
+			POST_ONLY = (uint32_t)opt_u64(argc, argv, i, 0, 1);
 		else if (!strcmp(argv[i], "--cpus")) {
-			char *save = NULL, *list = strdup(argv[i + 1]);
-			for (char *t = strtok_r(list, ",", &save); t && n_cpus < MAX_T;
-			     t = strtok_r(NULL, ",", &save))
-				cpus[n_cpus++] = atoi(t);
-			free(list);
-		}
-	}
-	if (P < 1 || P > MAX_T / 2 || S < 1 || S > MAX_T / 2) {
-		fprintf(stderr, "bad --producers/--shards\n");
-		return 2;
+			uint64_t c[MAX_T];
+			n_cpus = (int)opt_list(argc, argv, i, 0, CPU_SETSIZE - 1, c, MAX_T);
+			for (int k = 0; k < n_cpus; k++)
+				cpus[k] = (int)c[k];
+		} else
+			opt_unknown(argv, i);
 	}
 	struct kvr_shards_config c = {0};
 	c.n_shards = S;

@@ -31,6 +31,7 @@
 #include <time.h>
 
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "../tests/ref/load_ref.h"
 #include "../tests/ref/lru_ref.h"
 #include "../tests/ref/ttl_ref.h"
@@ -48,11 +49,6 @@ static uint64_t clock_ns(clockid_t clock)
 	struct timespec ts;
 	clock_gettime(clock, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t now_ns(void)
-{
-	return clock_ns(CLOCK_MONOTONIC);
 }
 
 /* The TTL mode's per-call clock: wall time, or with --clock cpu this thread's CPU time (a
@@ -614,24 +610,32 @@ int main(int argc, char **argv)
 	int cpu = -1;
 	const char *only = NULL;
 	uint64_t turns = 0;
-	for (int i = 1; i + 1 < argc; i += 2) {
+	for (int i = 1; i < argc; i += 2) {
+		const char *v = opt_str(argc, argv, i);
 		if (!strcmp(argv[i], "--ms"))
-			ms = atof(argv[i + 1]);
+			ms = opt_f64(argc, argv, i, 1e-3, 1e9);
 		else if (!strcmp(argv[i], "--capacity"))
-			capacity = strtoull(argv[i + 1], NULL, 10);
+			capacity = opt_u64(argc, argv, i, 1, 1ull << 40);
 		else if (!strcmp(argv[i], "--blocks"))
-			nb = strtoull(argv[i + 1], NULL, 10);
+			nb = opt_u64(argc, argv, i, 1, 1u << 24);
 		else if (!strcmp(argv[i], "--inflight"))
-			inflight = strtoull(argv[i + 1], NULL, 10);
+			inflight = opt_u64(argc, argv, i, 1, 1u << 24);
 		else if (!strcmp(argv[i], "--cpu"))
-			cpu = atoi(argv[i + 1]);
+			cpu = (int)opt_u64(argc, argv, i, 0, CPU_SETSIZE - 1);
+		else if (!strcmp(argv[i], "--only") &&
+		         (!strcmp(v, "lru") || !strcmp(v, "load") || !strcmp(v, "ttl") ||
+		          !strcmp(v, "ttl-runs")))
+			only = v;
 		else if (!strcmp(argv[i], "--only"))
-			only = argv[i + 1];
+			opt_bad(argv, i, "lru, load, ttl or ttl-runs", v);
 		else if (!strcmp(argv[i], "--turns"))
-			turns = strtoull(argv[i + 1], NULL, 10);
+			turns = opt_u64(argc, argv, i, 0, 1ull << 40);
+		else if (!strcmp(argv[i], "--clock") && (!strcmp(v, "cpu") || !strcmp(v, "wall")))
+			ttl_clock = !strcmp(v, "cpu") ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
 		else if (!strcmp(argv[i], "--clock"))
-			ttl_clock =
-			    !strcmp(argv[i + 1], "cpu") ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
+			opt_bad(argv, i, "cpu or wall", v);
+		else
+			opt_unknown(argv, i);
 	}
 	if (nb == 0 || inflight == 0 || capacity < nb * inflight) {
 		fprintf(stderr, "need blocks > 0, inflight > 0, capacity >= blocks * inflight\n");

@@ -86,6 +86,7 @@
 #include "core/metrics.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
+#include "perf/bench_util.h"
 #include "shards/owner.h"
 #include "shards/runtime.h"
 #include "sync/rcu.h"
@@ -153,12 +154,6 @@ static void sample(struct samples *s, uint64_t x)
 		s->cap = nc;
 	}
 	s->v[s->n++] = x;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return x < y ? -1 : x > y;
 }
 
 /* Appends src to dst (merging threads), frees src. */
@@ -778,81 +773,64 @@ static void burst(double ms)
 	kvr_router_destroy(r);
 }
 
-/* The value of option argv[i] (argv[i + 1]) as a number in [lo, hi], or a message and exit 2:
- * atof and atoi read "abc" as 0 (--ms abc: 0 ms, every figure 0). */
-static double opt_num(int argc, char **argv, int i, double lo, double hi)
-{
-	char *end = NULL;
-	double v = i + 1 < argc ? strtod(argv[i + 1], &end) : NAN;
-	if (i + 1 >= argc || end == argv[i + 1] || *end || !(v >= lo && v <= hi)) {
-		fprintf(stderr, "bench_route: %s needs a number in %g..%g, not '%s'\n", argv[i], lo,
-		        hi, i + 1 < argc ? argv[i + 1] : "");
-		exit(2);
-	}
-	return v;
-}
-
 int main(int argc, char **argv)
 {
 	double ms = 1000;
-	char lengths[256] = "2048,8192,32768,131072";
 	/* Every option takes a value; an unknown one, a missing or bad value is an error (they
 	 * were skipped or read as 0: --rate 0 cast an infinite gap to an integer, --threads for
 	 * --threads-max ran the default). */
-#define NUM(lo, hi) opt_num(argc, argv, i, lo, hi)
+	uint64_t len_list[16] = {2048, 8192, 32768, 131072};
+	size_t n_lengths = 4;
+#define U(lo, hi) opt_u64(argc, argv, i, lo, hi)
 	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--ms"))
-			ms = NUM(1e-3, 1e9);
-		else if (!strcmp(argv[i], "--lengths") && i + 1 < argc)
-			snprintf(lengths, sizeof(lengths), "%s", argv[i + 1]);
+			ms = opt_f64(argc, argv, i, 1e-3, 1e9);
+		else if (!strcmp(argv[i], "--lengths"))
+			n_lengths = opt_list(argc, argv, i, 0, 1u << 24, len_list, 16);
 		else if (!strcmp(argv[i], "--ranks"))
-			n_ranks = (uint32_t)NUM(1, 65536);
+			n_ranks = (uint32_t)U(1, 65536);
 		else if (!strcmp(argv[i], "--shards"))
-			n_shards = (uint32_t)NUM(1, 1024);
+			n_shards = (uint32_t)U(1, 1024);
 		else if (!strcmp(argv[i], "--capacity"))
-			capacity = (uint64_t)NUM(0, 1e15);
+			capacity = U(0, 1000000000000000ull);
 		else if (!strcmp(argv[i], "--sync-booking"))
-			sync_booking = NUM(0, 1) != 0;
+			sync_booking = U(0, 1) != 0;
 		else if (!strcmp(argv[i], "--threads-max"))
-			threads_max = (int)NUM(1, MAX_THREADS);
+			threads_max = (int)U(1, MAX_THREADS);
 		else if (!strcmp(argv[i], "--spin-us"))
-			spin_us = (long)NUM(0, 1e9);
+			spin_us = (long)U(0, 1000000000);
 		else if (!strcmp(argv[i], "--lane-capacity"))
-			lane_cap = (uint32_t)NUM(0, UINT32_MAX);
+			lane_cap = (uint32_t)U(0, UINT32_MAX);
 		else if (!strcmp(argv[i], "--soft-depth"))
-			soft_depth = (long)NUM(0, UINT32_MAX);
+			soft_depth = (long)U(0, UINT32_MAX);
 		else if (!strcmp(argv[i], "--iters"))
-			iters = (uint64_t)NUM(0, 1e15);
+			iters = U(0, 1000000000000000ull);
 		else if (!strcmp(argv[i], "--booking-lazy-us"))
-			booking_lazy_us = (long)NUM(0, 1e9);
+			booking_lazy_us = (long)U(0, 1000000000);
 		else if (!strcmp(argv[i], "--burst"))
-			burst_n = (int)NUM(0, 1e6);
+			burst_n = (int)U(0, 1000000);
 		else if (!strcmp(argv[i], "--burst-rest-us"))
-			burst_rest_us = (long)NUM(0, 1e9);
+			burst_rest_us = (long)U(0, 1000000000);
 		else if (!strcmp(argv[i], "--burst-prefilled"))
-			burst_prefilled = (int)NUM(0, 1);
+			burst_prefilled = (int)U(0, 1);
 		else if (!strcmp(argv[i], "--burst-gap-us"))
-			burst_gap_us = NUM(0, 1e9);
+			burst_gap_us = opt_f64(argc, argv, i, 0, 1e9);
 		else if (!strcmp(argv[i], "--sample-us"))
-			sample_us = (long)NUM(0, 1e9);
+			sample_us = (long)U(0, 1000000000);
 		else if (!strcmp(argv[i], "--rate"))
-			pace_ns = (uint64_t)(1e9 / NUM(1e-3, 1e9));
-		else if (!strcmp(argv[i], "--cpus") && i + 1 < argc)
-			for (char *e = argv[i + 1]; *e && n_front_cpus < MAX_THREADS;)
-				front_cpus[n_front_cpus++] =
-				    (int)strtol(*e == ',' ? e + 1 : e, &e, 10);
-		else {
-			fprintf(stderr,
-			        "bench_route: unknown option or no value: %s (see the "
-			        "usage at the top of perf/bench_route.c)\n",
-			        argv[i]);
-			return 2;
-		}
+			pace_ns = (uint64_t)(1e9 / opt_f64(argc, argv, i, 1e-3, 1e9));
+		else if (!strcmp(argv[i], "--cpus")) {
+			uint64_t c[MAX_THREADS];
+			n_front_cpus = (int)opt_list(argc, argv, i, 0, 4095, c, MAX_THREADS);
+			for (int k = 0; k < n_front_cpus; k++)
+				front_cpus[k] = (int)c[k];
+		} else
+			opt_unknown(argv, i);
 	}
-#undef NUM
+#undef U
 	switch_ok = switch_probe_ok();
-	for (char *tok = strtok(lengths, ","); tok; tok = strtok(NULL, ",")) {
-		size_t len = (size_t)atol(tok);
+	for (size_t k = 0; k < n_lengths; k++) {
+		size_t len = (size_t)len_list[k];
 		if (len < 32)
 			continue;
 		/* about 64 MiB of prompts at most */

@@ -579,39 +579,33 @@ static void stage_report(size_t n)
 
 int main(int argc, char **argv)
 {
+	/* usage: bench_sync [--tokens N] [--rate R] [--seconds S] [--ranks K]
+	 *                   [--capacity BLOCKS] [--stages] [--shard-spin-ns NS]
+	 *                   [--route-rounds N] [--blk-grow-at PERMILLE] [--fronts S] */
 	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--stages")) {
 			stages = true;
 			i--;
-		} else if (i + 1 >= argc) {
-			fprintf(stderr, "bench_sync: %s needs a value\n", argv[i]);
-			return 2;
 		} else if (!strcmp(argv[i], "--tokens"))
-			tokens = strtoull(argv[i + 1], NULL, 0);
+			tokens = opt_u64(argc, argv, i, 16, 1u << 24);
 		else if (!strcmp(argv[i], "--rate"))
-			rate = atof(argv[i + 1]);
+			rate = opt_f64(argc, argv, i, 1e-3, 1e9);
 		else if (!strcmp(argv[i], "--seconds"))
-			seconds = atof(argv[i + 1]);
+			seconds = opt_f64(argc, argv, i, 1e-3, 1e7);
 		else if (!strcmp(argv[i], "--capacity"))
-			capacity = strtoull(argv[i + 1], NULL, 0);
+			capacity = opt_u64(argc, argv, i, 1, 1ull << 40);
 		else if (!strcmp(argv[i], "--shard-spin-ns"))
-			shard_spin_ns = atol(argv[i + 1]);
+			shard_spin_ns = (long)opt_u64(argc, argv, i, 0, 1000000000);
 		else if (!strcmp(argv[i], "--route-rounds"))
-			route_rounds = atoi(argv[i + 1]) > 0 ? atoi(argv[i + 1]) : 1;
+			route_rounds = (int)opt_u64(argc, argv, i, 1, 1000000);
 		else if (!strcmp(argv[i], "--ranks"))
-			n_ranks = (uint32_t)atoi(argv[i + 1]);
+			n_ranks = (uint32_t)opt_u64(argc, argv, i, 1, 65536);
 		else if (!strcmp(argv[i], "--fronts"))
-			fronts_s = atof(argv[i + 1]);
+			fronts_s = opt_f64(argc, argv, i, 0, 1e7);
 		else if (!strcmp(argv[i], "--blk-grow-at"))
-			kvr_index_blk_grow_at = strtoull(argv[i + 1], NULL, 0);
-		else {
-			fprintf(stderr,
-			        "usage: bench_sync [--tokens N] [--rate R] [--seconds S] "
-			        "[--ranks K] [--capacity BLOCKS] [--stages] "
-			        "[--shard-spin-ns NS] [--route-rounds N] [--blk-grow-at PERMILLE] "
-			        "[--fronts S]\n");
-			return 2;
-		}
+			kvr_index_blk_grow_at = opt_u64(argc, argv, i, 1, 1000);
+		else
+			opt_unknown(argv, i);
 	}
 	if (!kvr_test_nats_installed()) {
 		printf("bench_sync: nats-server not installed: skipped\n");

@@ -271,28 +271,24 @@ int main(int argc, char **argv)
 {
 	double seconds = 60, rate = 1000;
 	int threads = 2, report_s = 60, warmup_s = -1;
-	for (int i = 1; i + 1 < argc; i += 2) {
+	/* usage: soak [--seconds N] [--rate R] [--threads T 1..16] [--ranks K 1..256]
+	 *             [--report-s S] [--warmup-s W] */
+	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--seconds"))
-			seconds = atof(argv[i + 1]);
+			seconds = opt_f64(argc, argv, i, 0, 1e7);
 		else if (!strcmp(argv[i], "--rate"))
-			rate = atof(argv[i + 1]);
+			rate = opt_f64(argc, argv, i, 1e-3, 1e9);
 		else if (!strcmp(argv[i], "--threads"))
-			threads = atoi(argv[i + 1]);
+			threads = (int)opt_u64(argc, argv, i, 1, 16);
 		else if (!strcmp(argv[i], "--ranks"))
-			n_ranks = atoi(argv[i + 1]);
+			n_ranks = (int)opt_u64(argc, argv, i, 1, 256);
 		else if (!strcmp(argv[i], "--report-s"))
-			report_s = atoi(argv[i + 1]);
+			report_s = (int)opt_u64(argc, argv, i, 1, 10000000);
 		else if (!strcmp(argv[i], "--warmup-s"))
-			warmup_s = atoi(argv[i + 1]);
-		else {
-			fprintf(stderr,
-			        "usage: soak [--seconds N] [--rate R] [--threads T] [--ranks K] "
-			        "[--report-s S] [--warmup-s W]\n");
-			return 2;
-		}
+			warmup_s = (int)opt_u64(argc, argv, i, 0, 10000000);
+		else
+			opt_unknown(argv, i);
 	}
-	if (threads < 1 || threads > 16 || n_ranks < 1 || n_ranks > 256 || rate <= 0)
-		return 2;
 	if (warmup_s < 0)
 		warmup_s = seconds >= 600 ? 300 : (int)(seconds / 3);
 	struct kvr_config c;
