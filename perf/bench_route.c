@@ -313,7 +313,6 @@ static void *run(void *arg)
 		uint64_t t2 = mono_ns();
 		uint64_t route_sw = switch_seen(rs);
 		costs_now(&c1, &a1);
-		sample(&w->floor, t1 - t0);
 		if (rc == KVR_EAGAIN) {
 			w->full++;
 			continue;
@@ -322,6 +321,10 @@ static void *run(void *arg)
 			w->errors++;
 			continue;
 		}
+		/* The floor with the route or not at all: its quantiles and the ratios to it are
+		 * over the same iterations (it was sampled before a full lane or an error skipped
+		 * the route's). */
+		sample(&w->floor, t1 - t0);
 		sample(&w->route, t2 - t1);
 		sample(&w->route_why, costs_between(&c0, a0, &c1, a1) | route_sw);
 		switch_arm(rs);
