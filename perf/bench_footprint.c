@@ -543,9 +543,15 @@ static int run_shape(const struct shape *sh, double churn, bool bins)
 	if (end.rss_purged >= 0)
 		snprintf(purged_s, sizeof(purged_s), "%.1f",
 		         per_pair(end.rss_purged, rss0, end.c.resident));
-	uint64_t dp =
-	    full.c.resident > quarter.c.resident ? full.c.resident - quarter.c.resident : 0;
-	double slope_rss_pp = per_pair(full.rss, quarter.rss, dp);
+	/* The slope needs a quarter reading taken before the full one: none (a rank never filled
+	 * to a quarter) divided by rss -1's, and one taken at full (a capacity the first turns
+	 * fill) by no pairs, 0.0; na instead of either. */
+	const bool slope = quarter.rss >= 0 && full.c.resident > quarter.c.resident;
+	const uint64_t dp = slope ? full.c.resident - quarter.c.resident : 0;
+	char slope_rss_s[32] = "na";
+	if (slope)
+		snprintf(slope_rss_s, sizeof(slope_rss_s), "%.1f",
+		         per_pair(full.rss, quarter.rss, dp));
 	if (end.alloc >= 0 && alloc0 >= 0) {
 		double a = per_pair(end.alloc, alloc0, end.c.resident);
 		snprintf(alloc_s, sizeof(alloc_s), "%.1f", a);
@@ -553,8 +559,9 @@ static int run_shape(const struct shape *sh, double churn, bool bins)
 		         per_pair(full.alloc, alloc0, full.c.resident));
 		snprintf(marg_alloc_s, sizeof(marg_alloc_s), "%.1f",
 		         per_pair(end.alloc, empty.alloc, end.c.resident));
-		snprintf(slope_alloc_s, sizeof(slope_alloc_s), "%.1f",
-		         per_pair(full.alloc, quarter.alloc, dp));
+		if (slope && quarter.alloc >= 0)
+			snprintf(slope_alloc_s, sizeof(slope_alloc_s), "%.1f",
+			         per_pair(full.alloc, quarter.alloc, dp));
 		snprintf(ratio_alloc_s, sizeof(ratio_alloc_s), "%.2f", a / REF_TARGET_BYTES);
 	}
 	printf("SUMMARY bench=footprint block_size=%u tokens=%zu ranks=%u capacity=%" PRIu64
@@ -564,12 +571,12 @@ static int run_shape(const struct shape *sh, double churn, bool bins)
 	       " bytes_per_block_rank_rss_purged=%s"
 	       " full_bytes_per_block_rank_rss=%.1f full_bytes_per_block_rank_alloc=%s"
 	       " marginal_bytes_per_block_rank_rss=%.1f marginal_bytes_per_block_rank_alloc=%s"
-	       " slope_bytes_per_block_rank_rss=%.1f slope_bytes_per_block_rank_alloc=%s"
+	       " slope_bytes_per_block_rank_rss=%s slope_bytes_per_block_rank_alloc=%s"
 	       " empty_rss=%ld empty_alloc=%lld ratio_target_rss=%.2f ratio_target_alloc=%s\n",
 	       sh->block_size, sh->len, sh->ranks, sh->capacity, full.c.full ? "yes" : "no",
 	       routes_full, routes, end.c.resident, end.c.indexed, end.c.evictions, end.rss - rss0,
 	       end.alloc >= 0 ? end.alloc - alloc0 : -1LL, rss_pp, alloc_s, purged_s, full_rss_pp,
-	       full_alloc_s, marg_rss_pp, marg_alloc_s, slope_rss_pp, slope_alloc_s,
+	       full_alloc_s, marg_rss_pp, marg_alloc_s, slope_rss_s, slope_alloc_s,
 	       empty.rss - rss0, empty.alloc >= 0 ? empty.alloc - alloc0 : -1LL,
 	       rss_pp / REF_TARGET_BYTES, ratio_alloc_s);
 	print_breakdown(sh, "empty", &empty, end.c.resident, rss0, alloc0, active0, meta0);

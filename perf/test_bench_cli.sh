@@ -70,4 +70,10 @@ refused soak --rate --rate -5
 # A valid line still runs (the shortest there is).
 "$dir/bench_hash" --ms 1 --block-size 16 >"$out" 2>&1 || fail "bench_hash --ms 1: $(cat "$out")"
 grep -q "^SUMMARY bench=hash tokens=2048 block_size=16 " "$out" || fail "bench_hash: $(cat "$out")"
+# bench_footprint's slope needs a quarter reading before the full one: a capacity the first
+# turns fill took both at once and printed a slope of 0.0 (no pairs between them), na now.
+"$dir/bench_footprint" --capacity 16 --ranks 1 --tokens 2048 --churn 0 >"$out" 2>&1 ||
+	fail "bench_footprint --capacity 16: $(cat "$out")"
+grep -q "slope_bytes_per_block_rank_rss=na slope_bytes_per_block_rank_alloc=na" "$out" ||
+	fail "bench_footprint without a quarter reading: $(grep slope "$out")"
 echo "benchmark options: ok"
