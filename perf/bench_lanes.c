@@ -467,6 +467,16 @@ static double post_ns(bool lazy, double ms)
 	return best;
 }
 
+/* buf: v printed with fmt when have, else "na" (no round measured it). */
+#define FIG(buf, have, fmt, v)                                                                     \
+	do {                                                                                       \
+		if (have)                                                                          \
+			snprintf(buf, sizeof(buf), fmt, v);                                        \
+		else                                                                               \
+			snprintf(buf, sizeof(buf), "na");                                          \
+	} while (0)
+#define NS(buf, v) FIG(buf, (v) != UINT64_MAX, "%llu", (unsigned long long)(v))
+
 int main(int argc, char **argv)
 {
 	for (int i = 1; i < argc; i += 2) {
@@ -515,10 +525,13 @@ int main(int argc, char **argv)
 		for (baseline = 0; baseline < 2; baseline++) {
 			stalls_seen = 0;
 			double t = throughput();
+			/* A phase with no sample keeps the metric at its start (na below), not 0 */
 			size_t n = round_trips(0, MS);
-			uint64_t p50 = pct(samples, n, 0.5), p99 = pct(samples, n, 0.99);
+			uint64_t p50 = n ? pct(samples, n, 0.5) : UINT64_MAX;
+			uint64_t p99 = n ? pct(samples, n, 0.99) : UINT64_MAX;
 			n = round_trips(300000, MS);
-			uint64_t i50 = pct(samples, n, 0.5), i99 = pct(samples, n, 0.99);
+			uint64_t i50 = n ? pct(samples, n, 0.5) : UINT64_MAX;
+			uint64_t i99 = n ? pct(samples, n, 0.99) : UINT64_MAX;
 			double mw = maint_delay_us();
 			if (!baseline) {
 				stalls_rt += stalls_seen;
@@ -566,33 +579,48 @@ int main(int argc, char **argv)
 	kvr_shard_get_stats(kvr_shards_get(rt, 0), &st);
 	kvr_shards_destroy(rt);
 	bq_stop();
+	char pl[24], pp[24];
+	FIG(pl, post_lazy < 1e30, "%.2f", post_lazy);
+	FIG(pp, post_plain < 1e30, "%.2f", post_plain);
 	if (POST_ONLY) {
-		printf("SUMMARY bench=lanes_post post_ns_lazy=%.2f post_ns_plain=%.2f\n", post_lazy,
-		       post_plain);
+		printf("SUMMARY bench=lanes_post post_ns_lazy=%s post_ns_plain=%s\n", pl, pp);
 		return 0;
 	}
 
-	printf("runtime: msgs_s=%.0f stalls=%llu rtt_hot p50=%llu p99=%llu rtt_idle p50=%llu "
-	       "p99=%llu maint_wait_max_us=%.1f (scheduler stat %.1f us, max routing between "
-	       "maint %u) parks=%llu wakes=%llu pinned=%d\n",
-	       msgs_s, (unsigned long long)stalls_rt, (unsigned long long)hot50,
-	       (unsigned long long)hot99, (unsigned long long)idle50, (unsigned long long)idle99,
-	       maint_us, st.maint_wait_max_ns / 1e3, st.routing_between_maint_max,
+	/* What no round measured reads na: the starts (UINT64_MAX, 1e30) printed as figures
+	 * (--ms 0.001: take_ns_soft=1000000000000000019884624838656.0, rtt_hot_p99_ns=0). */
+	char h50[24], h99[24], id50[24], id99[24], bb50[24], bb99[24], bid99[24], mw[24], bmw[24];
+	char tr[24], rr[24], ts[24], tn[24], stamp[24];
+	NS(h50, hot50);
+	NS(h99, hot99);
+	NS(id50, idle50);
+	NS(id99, idle99);
+	NS(bb50, b50);
+	NS(bb99, b99);
+	NS(bid99, bidle99);
+	FIG(mw, maint_us < 1e30, "%.1f", maint_us);
+	FIG(bmw, b_maint_us < 1e30, "%.1f", b_maint_us);
+	FIG(tr, b_msgs_s > 0, "%.2f", msgs_s / b_msgs_s);
+	FIG(rr, hot99 != UINT64_MAX && b99 && b99 != UINT64_MAX, "%.3f",
+	    (double)hot99 / (double)b99);
+	FIG(ts, take_soft < 1e30, "%.1f", take_soft);
+	FIG(tn, take_none < 1e30, "%.1f", take_none);
+	FIG(stamp, take_soft < 1e30 && take_none < 1e30, "%.1f", take_soft - take_none);
+	printf("runtime: msgs_s=%.0f stalls=%llu rtt_hot p50=%s p99=%s rtt_idle p50=%s p99=%s "
+	       "maint_wait_max_us=%s (scheduler stat %.1f us, max routing between maint %u) "
+	       "parks=%llu wakes=%llu pinned=%d\n",
+	       msgs_s, (unsigned long long)stalls_rt, h50, h99, id50, id99, mw,
+	       st.maint_wait_max_ns / 1e3, st.routing_between_maint_max,
 	       (unsigned long long)st.parks, (unsigned long long)st.wakes, st.pinned);
-	printf("baseline (mutex+condvar): msgs_s=%.0f rtt_hot p50=%llu p99=%llu rtt_idle p99=%llu "
-	       "maint_wait_max_us=%.1f\n",
-	       b_msgs_s, (unsigned long long)b50, (unsigned long long)b99,
-	       (unsigned long long)bidle99, b_maint_us);
-	printf(
-	    "SUMMARY bench=lanes producers=%u shards=%u msgs_s=%.0f rtt_hot_p50_ns=%llu "
-	    "rtt_hot_p99_ns=%llu rtt_idle_p99_ns=%llu maint_wait_max_us=%.1f baseline_msgs_s=%.0f "
-	    "baseline_rtt_p99_ns=%llu baseline_rtt_p50_ns=%llu baseline_maint_wait_max_us=%.1f "
-	    "tput_ratio=%.2f rtt_p99_ratio=%.3f soft_depth=%u take_ns_soft=%.1f take_ns_none=%.1f "
-	    "stamp_ns=%.1f post_ns_lazy=%.2f post_ns_plain=%.2f\n",
-	    P, S, msgs_s, (unsigned long long)hot50, (unsigned long long)hot99,
-	    (unsigned long long)idle99, maint_us, b_msgs_s, (unsigned long long)b99,
-	    (unsigned long long)b50, b_maint_us, b_msgs_s > 0 ? msgs_s / b_msgs_s : 0.0,
-	    b99 ? (double)hot99 / (double)b99 : 0.0, SOFT, take_soft, take_none,
-	    take_soft - take_none, post_lazy, post_plain);
+	printf("baseline (mutex+condvar): msgs_s=%.0f rtt_hot p50=%s p99=%s rtt_idle p99=%s "
+	       "maint_wait_max_us=%s\n",
+	       b_msgs_s, bb50, bb99, bid99, bmw);
+	printf("SUMMARY bench=lanes producers=%u shards=%u msgs_s=%.0f rtt_hot_p50_ns=%s "
+	       "rtt_hot_p99_ns=%s rtt_idle_p99_ns=%s maint_wait_max_us=%s baseline_msgs_s=%.0f "
+	       "baseline_rtt_p99_ns=%s baseline_rtt_p50_ns=%s baseline_maint_wait_max_us=%s "
+	       "tput_ratio=%s rtt_p99_ratio=%s soft_depth=%u take_ns_soft=%s take_ns_none=%s "
+	       "stamp_ns=%s post_ns_lazy=%s post_ns_plain=%s\n",
+	       P, S, msgs_s, h50, h99, id99, mw, b_msgs_s, bb99, bb50, bmw, tr, rr, SOFT, ts, tn,
+	       stamp, pl, pp);
 	return 0;
 }

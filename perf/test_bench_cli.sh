@@ -76,4 +76,9 @@ grep -q "^SUMMARY bench=hash tokens=2048 block_size=16 " "$out" || fail "bench_h
 	fail "bench_footprint --capacity 16: $(cat "$out")"
 grep -q "slope_bytes_per_block_rank_rss=na slope_bytes_per_block_rank_alloc=na" "$out" ||
 	fail "bench_footprint without a quarter reading: $(grep slope "$out")"
+# bench_lanes: a phase with no sample (a 1 us run) reads na, not its start: 1e30 printed as
+# take_ns_soft=1000000000000000019884624838656.0, or an rtt of 0.
+"$dir/bench_lanes" --ms 0.001 >"$out" 2>&1 || fail "bench_lanes --ms 0.001: $(cat "$out")"
+grep -q "^SUMMARY bench=lanes " "$out" || fail "bench_lanes --ms 0.001: $(cat "$out")"
+! grep -Eq "[0-9]{19}|_ns=0 " "$out" || fail "bench_lanes: a figure no round measured: $(cat "$out")"
 echo "benchmark options: ok"
