@@ -65,7 +65,8 @@ static void usage(FILE *f)
 	    "pressure, printed)\n"
 	    "  --block-size N         router and engine block size, tokens, 1..65536 (default "
 	    "16)\n"
-	    "  --max-requests N       replay only the first N requests\n"
+	    "  --max-requests N       replay only the first N requests, N >= 1 (default: "
+	    "all)\n"
 	    "  --time-scale X         multiply arrival times by X (0.5 = twice the rate; "
 	    "default 1)\n"
 	    "  --seed S               seed of random choices (default 1)\n"
@@ -268,7 +269,8 @@ int main(int argc, char **argv)
 			      cfg.block_size > 65536; /* the router's block_size limit */
 			break;
 		case 'n':
-			bad = parse_u64(optarg, &max_req);
+			/* 0 replayed every request: "the first 0" read as no limit */
+			bad = parse_u64(optarg, &max_req) || max_req == 0;
 			break;
 		case 't':
 			bad = parse_double(optarg, &cfg.time_scale) || cfg.time_scale == 0;
@@ -429,20 +431,28 @@ int main(int argc, char **argv)
 			size_t i = 0;
 			while (i < N_ALL && strcmp(all_policies[i]->name, tok))
 				i++;
+			const struct replay_policy_ops *pick = i < N_ALL ? all_policies[i] : NULL;
 #ifdef KVR_REPLAY_FEED
-			if (i == N_ALL && !strcmp(tok, replay_policy_events_feed.name)) {
-				if (n_sel < N_ALL + 1)
-					sel[n_sel++] = &replay_policy_events_feed;
-				continue;
-			}
+			if (!pick && !strcmp(tok, replay_policy_events_feed.name))
+				pick = &replay_policy_events_feed;
 #endif
-			if (i == N_ALL) {
+			if (!pick) {
 				fprintf(stderr, "kvr-replay: unknown policy '%s'\n", tok);
 				free(list);
 				return 2;
 			}
-			if (n_sel < N_ALL)
-				sel[n_sel++] = all_policies[i];
+			/* Named twice, it ran twice: two rows and two JSON entries of one name
+			 * (and past the array's room, names were dropped without a word). */
+			for (size_t k = 0; k < n_sel; k++)
+				if (sel[k] == pick) {
+					fprintf(
+					    stderr,
+					    "kvr-replay: policy '%s' named twice in --policies\n",
+					    tok);
+					free(list);
+					return 2;
+				}
+			sel[n_sel++] = pick;
 		}
 		free(list);
 		if (!n_sel) {
@@ -644,12 +654,9 @@ int main(int argc, char **argv)
 		replay_report_table(stdout, res, done);
 		replay_report_verdict(stdout, res, done, label);
 	}
-	const char *names[64];
-	size_t nn = 0;
-	for (int i = optind; i < argc && nn < 64; i++)
-		names[nn++] = argv[i];
-	struct replay_meta meta = {.traces = names,
-	                           .n_traces = nn,
+	/* Every trace (past the 64th they were left out of the JSON without a word). */
+	struct replay_meta meta = {.traces = (const char *const *)(argv + optind),
+	                           .n_traces = (size_t)(argc - optind),
 	                           .n_requests = t.n,
 	                           .n_bad = t.n_bad,
 	                           .trace_block_size = t.block_size,

@@ -319,3 +319,23 @@ echo "$line" | grep -Eq 'mean [1-9][0-9.]*, max [1-9][0-9]* over 200 decisions' 
 if grep -q '^lookup path round_robin' "$tmp/pr.txt"; then
 	fail "--path-runs printed for a policy without an index"
 fi
+
+# --max-requests 0 is refused (it replayed every request: "the first 0" read as no limit); a
+# policy named twice is refused (it ran twice: two rows, two JSON entries of one name); every
+# trace named is in the JSON's "traces" (past the 64th they were left out).
+if "$bin" --quiet --max-requests 0 --policies round_robin "$sample" 2>"$tmp/err"; then
+	fail "--max-requests 0 was accepted"
+fi
+grep -q "bad value for --max-requests" "$tmp/err" || fail "--max-requests 0: $(cat "$tmp/err")"
+if "$bin" --quiet --max-requests 5 --policies round_robin,approx_lru,round_robin "$sample" \
+	2>"$tmp/err"; then
+	fail "a policy named twice was accepted"
+fi
+grep -q "policy 'round_robin' named twice in --policies" "$tmp/err" ||
+	fail "policy twice: $(cat "$tmp/err")"
+set --
+for i in $(seq 70); do set -- "$@" "$sample"; done
+"$bin" --quiet --no-timing --max-requests 20 --policies round_robin --out "$tmp/t70.json" "$@" ||
+	fail "70 traces"
+python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['traces']; assert len(t) == 70, len(t)" \
+	"$tmp/t70.json" || fail "70 traces: not all in the JSON"
