@@ -179,9 +179,9 @@ struct kvr_replica {
 	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
 	uint64_t rank_clock;        /* the highest rank version clock made or seen */
 	/* The newest removal whose tombstone this replica forgot, or a snapshot's provider had
-	 * ({0, 0}: none); and the clock of this replica's own rank changes from its last
-	 * disconnect on (0: none), which a snapshot applied after it does not judge
-	 * (sync/replica_ranks.c, "Forgetting"). */
+	 * ({0, 0}: none); and the clock of this replica's own rank changes from OUTAGE_MARGIN_NS
+	 * before its last disconnect on (0: none), which a snapshot applied after it does not
+	 * judge (sync/replica_ranks.c, "Forgetting"). */
 	struct kvr_rep_ver rank_floor;
 	uint64_t outage_clock;
 	struct kvr_sync_stats st;
@@ -500,8 +500,8 @@ size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3]);
 /* Forgets the tombstones older than c.tombstone_ms (now: CLOCK_MONOTONIC ns), raising
  * rank_floor to the newest of them.  Context: mu held. */
 void kvr_rep_ranks_expire(struct kvr_replica *rep, uint64_t now);
-/* The start of the next own disconnection: own rank changes from now on are not judged by
- * the snapshot that follows the reconnect.  Context: mu held. */
+/* The start of the next own disconnection: own rank changes from OUTAGE_MARGIN_NS before now
+ * on are not judged by the snapshot that follows the reconnect.  Context: mu held. */
 void kvr_rep_ranks_outage(struct kvr_replica *rep);
 /* A snapshot's rank records: begin before applying them (no entry listed), listed for each
  * record applied (its rank's entry is named), end after them with the provider's floor

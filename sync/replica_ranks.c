@@ -45,9 +45,14 @@
  * The one ambiguity is a replica's own change made while it was cut off and older than the
  * floor (made before a removal elsewhere, the outage outlasting the keep): the cluster never
  * heard it, so the snapshot's silence says nothing of it, and the peers refuse it as too old.
- * Such a change (made since the replica's last disconnect: outage_clock) is kept and told again
- * with a new version: it is what this replica's router holds, and nothing the cluster remembers
- * is newer.  A fresh replica's own ranks count as such (outage_clock 0).
+ * Such a change (its own, made since OUTAGE_MARGIN_NS before the replica's last disconnect was
+ * noticed: outage_clock) is kept and told again with a new version: it is what this replica's
+ * router holds, and nothing the cluster remembers is newer.  The margin is the re-announce's:
+ * publishes made just before a disconnect is noticed may have died with the connection (before,
+ * an own add made then was judged forgotten and removed from this router, though no peer ever
+ * heard it: test_replica_ranks a_rank_added_just_before_an_unnoticed_disconnect_is_kept).  Own
+ * only (the version's writer): a peer's change held here was heard by the cluster.  A fresh
+ * replica's own ranks count as such (outage_clock 0).
  * Versions compare wall clocks across replicas, so a writer whose clock runs ahead widens that
  * window: its removal's floor covers other replicas' changes made up to its lead later; these are
  * refused or judged gone when they were never heard by the cluster and the floor covers them.
@@ -84,7 +89,10 @@ void kvr_rep_ranks_outage(struct kvr_replica *rep)
 	uint64_t wall = wall_ns();
 	if (wall > rep->rank_clock)
 		rep->rank_clock = wall;
-	rep->outage_clock = rep->rank_clock + 1; /* ver_next's next clock, at least */
+	/* ver_next's next clock, at least, less the margin in which publishes may have been lost
+	 * unnoticed (see "Forgetting"). */
+	const uint64_t next = rep->rank_clock + 1;
+	rep->outage_clock = next > OUTAGE_MARGIN_NS ? next - OUTAGE_MARGIN_NS : 1;
 }
 
 struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
@@ -183,8 +191,9 @@ void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floo
 	const struct kvr_rep_ver f = rep->rank_floor;
 	for (struct kvr_rep_rank *e; f.clock && (e = unlisted_older(rep, f));) {
 		e->listed = true; /* judged */
-		if (e->ver.clock >= rep->outage_clock) {
-			/* Own, made while cut off: the peers refuse it as older than the floor. */
+		if (e->ver.writer == rep->c.replica_id && e->ver.clock >= rep->outage_clock) {
+			/* Own, made while cut off (or just before it was noticed): the peers refuse
+			 * it as older than the floor. */
 			e->ver = ver_next(rep);
 			kvr_rep_tell_rank(rep, KVR_REPL_RANK_ADD, e);
 			continue;

@@ -619,3 +619,39 @@ Test(replica_ranks, a_rank_removed_during_an_outage_longer_than_its_tombstone_st
 	bus_tombstone_ms = 0;
 	bus_teardown(r, 3);
 }
+
+/* Replica 2's connection dies unnoticed (its publishes are lost, it hears nothing) just before
+ * it adds rank 3, and it notices the disconnect a moment later; replica 1 then removes rank 2
+ * and, the outage outlasting the tombstone's keep, forgets the removal.  Back, replica 2's
+ * re-announced add of rank 3 is older than replica 1's floor (refused), and the snapshot does
+ * not list it: rank 3 was judged forgotten and removed from replica 2's own router, though
+ * nobody but replica 2 ever heard of it. */
+Test(replica_ranks, a_rank_added_just_before_an_unnoticed_disconnect_is_kept, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_tombstone_ms = 300;
+	bus_start(r, 2);
+	add_rank_2(r, 2);
+	__atomic_store_n(&bus_lose[1], true, __ATOMIC_RELEASE);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	bus_set_ready(1, false);
+	cr_assert_eq(kvr_rank_add(r[1], (struct kvr_rank_id){3, 0}, 7, 1000, 4096), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[1], 10000), 0); /* published, and lost */
+	kvr_replica_disconnected(bus.rep[1]);                  /* noticed now */
+	__atomic_store_n(&bus_lose[1], false, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	wait_forgotten(0, 2);
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	bus_set_ready(1, true);
+	kvr_replica_reconnected(bus.rep[1]);
+	wait_snapshots(1, 2);
+	rank_gone_everywhere(r, 2, 2, "after an outage longer than the tombstone's keep");
+	bus_quiet(r, 2);
+	for (int i = 2; i-- > 0;)
+		cr_assert(has_rank(r[i], 3),
+		          "replica %d lacks rank 3, added just before the unnoticed disconnect",
+		          i + 1);
+	bus_tombstone_ms = 0;
+	bus_teardown(r, 2);
+}
