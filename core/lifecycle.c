@@ -233,8 +233,14 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 		                       (flags & KVR_PROGRESS_NOT_FINAL) != 0); /* replica sync */
 	if (rc) /* what the failure names, read back from the message: nothing kept live for it */
 		return progress_fail(rc, m.op, m.flags, r, m.attempt);
-	if (pump && kvr_queue_depth(r) > 0)
-		kvr_queue_pump(r);
+	if (pump) {
+		/* The work is applied (the call's reply): this fence pairs with the route's after
+		 * its push (kvr_queue_catch_up), so either this read sees the queued request or
+		 * that route's pass reads the lowered load.  x86's order gave it already. */
+		__atomic_thread_fence(__ATOMIC_SEQ_CST);
+		if (kvr_queue_depth(r) > 0)
+			kvr_queue_pump(r);
+	}
 	return 0;
 }
 

@@ -167,7 +167,8 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 			return KVR_EINVAL; /* given up: nothing else */
 		size_t fixed = CHUNK_FIXED;
 		if (m->chunk_flags & KVR_MSG_CHUNK_FLOOR) {
-			if (bl < CHUNK_FIXED + 16)
+			/* On the last chunk alone, as providers send it: one floor a snapshot. */
+			if (!(m->chunk_flags & KVR_MSG_CHUNK_LAST) || bl < CHUNK_FIXED + 16)
 				return KVR_EINVAL;
 			m->floor_clock = rd64(b + 16);
 			m->floor_writer = rd64(b + 24);

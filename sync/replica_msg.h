@@ -77,11 +77,11 @@
  *                (KVR_MSG_CHUNK_FLOOR): 16 more bytes follow the fixed part, before the
  *                records, 16 8 clock  24 8 writer: the provider's rank floor, the newest
  *                removal whose tombstone it has forgotten (sync/replica_ranks.c, "Forgetting"),
- *                a version as a RANK's (both nonzero, the clock at most 2^63 - 1); never with
- *                given up.  Sent (in the last chunk) only by a provider that forgot one, so a
- *                snapshot of a cluster that forgot nothing reads as before; an older asker
- *                drops a chunk that carries it (the flag took bits that had to be 0) and goes
- *                on without the snapshot, as when none came.
+ *                a version as a RANK's (both nonzero, the clock at most 2^63 - 1); on the
+ *                last chunk alone (malformed elsewhere), never with given up.  Sent only by a
+ *                provider that forgot one, so a snapshot of a cluster that forgot nothing reads
+ *                as before; an older asker drops a chunk that carries it (the flag took bits
+ *                that had to be 0) and goes on without the snapshot, as when none came.
  *   FENCE:       0 8 replica  8 8 epoch  16 8 seq   (the snapshot includes that origin's
  *                stream up to seq; the receiver applies only later messages of that origin)
  * A decoder accepts a message only if every length adds up exactly; anything else is an error

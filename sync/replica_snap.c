@@ -214,8 +214,11 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 		struct kvr_wmsg c;
 		if (kvr_msg_decode(it->data, it->len, &c))
 			continue; /* checked in on_chunk */
-		if (c.chunk_flags & KVR_MSG_CHUNK_FLOOR)
-			floor = (struct kvr_rep_ver){c.floor_clock, c.floor_writer};
+		/* Our providers put it on the last chunk alone; from any other, several floors
+		 * mean the highest (a floor only ever rises), not the last one read. */
+		struct kvr_rep_ver f = {c.floor_clock, c.floor_writer};
+		if ((c.chunk_flags & KVR_MSG_CHUNK_FLOOR) && kvr_rep_ver_cmp(f, floor) > 0)
+			floor = f;
 		size_t pos = 0, rl;
 		const uint8_t *rp;
 		while (kvr_msg_next_record(&c, &pos, &rp, &rl)) {

@@ -120,6 +120,16 @@ Test(replica_ranks, a_snapshot_chunk_carries_the_floor, .timeout = 60)
 	b.len = 0;
 	off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, 5, 100, 0);
 	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_FLOOR);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u64(&b, 777);
+	kvr_msg_put_u64(&b, 4);
+	kvr_msg_end(&b, off);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL, "a floor on a chunk not last");
+	b.len = 0;
+	off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, 5, 100, 0);
+	kvr_msg_put_u32(&b, 0);
 	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_FLOOR);
 	kvr_msg_put_u32(&b, 0);
 	kvr_msg_put_u32(&b, 0);
