@@ -327,7 +327,10 @@ struct kvr_config {
 	 * kvr_rank_add, _remove, _reset or _set_capacity (a removal tells the requests restricted
 	 * to ranks now gone at once), kvr_router_sync, another ticket's kvr_route_wait, or
 	 * kvr_router_destroy,
-	 * so it must not wait for a lock its caller may hold around those calls.  Default NULL. */
+	 * so it must not wait for a lock its caller may hold around those calls.  Load the router
+	 * lowers by itself (an attempt's lease expiring) admits nobody until the next of those
+	 * calls: a frontend whose requests may vanish while others wait calls kvr_router_sync
+	 * now and then (no library thread runs callbacks on a timer).  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
 	 * embedder can ask the worker to replay.  Also, once per episode, when a rank reaches its
