@@ -519,6 +519,28 @@ Test(regress, the_lease_reaper_sleeps_on_an_idle_shard)
 	kvr_router_destroy(r);
 }
 
+/* One shard, the queue on (threshold 1.0), rank {1, 0} with a 16-token budget: a 64-token prompt
+ * saturates it.  clock and lease_ns 0 keep the defaults. */
+static struct kvr_router *
+saturable_router(void (*admit)(void *, uint64_t, const struct kvr_decision *),
+                 uint64_t (*clock)(void *), bool sync_booking, uint64_t lease_ns)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.on_admit = admit;
+	c.sync_booking = sync_booking;
+	if (clock)
+		c.now_ns = clock;
+	if (lease_ns)
+		c.lease_scan_interval_ns = lease_ns;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){1, 0}, 1, 100000, 16), 0);
+	return r;
+}
+
 /* A request queued right after a finish (whose release the shard applies after the call
  * returned) is admitted by its waiter once the rank is idle: the shards lower load on their own
  * threads, which pump nothing, and kvr_route_wait did not pump either, so the ticket stayed
@@ -526,14 +548,7 @@ Test(regress, the_lease_reaper_sleeps_on_an_idle_shard)
  * rounds).  The wait pumps while it waits now. */
 Test(regress, a_waiter_is_admitted_once_the_shard_lowered_the_load, .timeout = 60)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	struct kvr_router *r;
-	struct kvr_rank_id rk = {1, 0};
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 16), 0);
+	struct kvr_router *r = saturable_router(NULL, NULL, false, 0);
 	static uint32_t tok[64];
 	struct kvr_request q;
 	kvr_request_init(&q);
@@ -623,15 +638,7 @@ static void on_admit_count(void *ctx, uint64_t ticket, const struct kvr_decision
 
 Test(regress, a_request_routed_right_after_a_finish_is_not_left_queued, .timeout = 60)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	c.on_admit = on_admit_count;
-	struct kvr_router *r;
-	struct kvr_rank_id rk = {1, 0};
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 16), 0);
+	struct kvr_router *r = saturable_router(on_admit_count, NULL, false, 0);
 	static uint32_t tok[64];
 	struct kvr_request q;
 	kvr_request_init(&q);
@@ -681,17 +688,9 @@ static uint64_t race_clock(void *ctx)
 
 Test(regress, a_request_queued_while_a_finish_posts_is_admitted_by_it)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	c.sync_booking = true;
-	c.now_ns = race_clock;
-	c.on_admit = on_admit_count;
 	lone_admits = 0;
-	cr_assert_eq(kvr_router_create(&c, &race_r), 0);
+	race_r = saturable_router(on_admit_count, race_clock, true, 0);
 	struct kvr_router *r = race_r;
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){1, 0}, 1, 100000, 16), 0);
 	static uint32_t hog[64];
 	prompt(hog, 64, 3000);
 	prompt(race_tok, 64, 3001);
@@ -726,16 +725,9 @@ static void on_admit_expiry(void *ctx, uint64_t ticket, const struct kvr_decisio
 
 Test(regress, a_request_queued_behind_an_expired_lease_is_admitted_by_the_next_sync, .timeout = 60)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	c.on_admit = on_admit_expiry;
-	c.lease_scan_interval_ns = 20000000; /* idle attempts expire after 20 to 40 ms */
-	struct kvr_router *r;
+	/* idle attempts expire after 20 to 40 ms */
+	struct kvr_router *r = saturable_router(on_admit_expiry, NULL, false, 20000000);
 	struct kvr_rank_id rk = {1, 0};
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 16), 0);
 	static uint32_t tok[64];
 	prompt(tok, 64, 7000);
 	struct kvr_request q;
