@@ -6,7 +6,8 @@
  * literally (core/index.h).  Random stored / removed / cleared / clear-rank / remove-rank
  * operations over a tiny universe of hashes (so conflicts, duplicates, self-parents and missing
  * parents are frequent) run against both; after every step, random queries must get the same
- * (rank, score, tree size) sets.  The seed is printed on failure.
+ * (rank, score, tree size) sets, and the counters (copies, nodes, memory) must be exact
+ * (check_stats).  The seed is printed on failure; KVR_SEED=N reruns one seed.
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
@@ -21,7 +22,8 @@
 #include "sync/rcu.h"
 #include "tests/common/xorshift.h"
 
-enum { NR = 4, MAXP = 16384, MAXX = 1024, LONGN = 130 };
+/* DEEPN: the deep mode's longest store, past a run's IDX_RUN_MAX blocks. */
+enum { NR = 4, MAXP = 1 << 17, MAXX = 8192, LONGN = 130, DEEPN = 2300 };
 
 struct path {
 	int parent; /* -1 = root */
@@ -42,7 +44,14 @@ struct mrank {
 	uint64_t last_rm_ext;
 };
 static bool count_copies;
-static bool longc;  /* long chains: stores of up to LONGN blocks, holes refilled */
+static bool longc;      /* long chains: stores of up to LONGN blocks, holes refilled */
+static bool deep;       /* with longc: stores of up to DEEPN blocks, runs at their longest, tails
+                         * removed */
+static int maxx = 1024; /* blocks a rank of the model holds at most (MAXX in deep mode) */
+static uint8_t mheld[NR][MAXP]; /* mheld[rank][path id]: the rank holds it (mholds in O(1)) */
+/* (parent, local) -> path id + 1: open addressing, so that intern is O(1) for deep chains. */
+enum { PH = 1 << 18 };
+static int phash[PH];
 static bool no_loc; /* the index without its block locator (kvr_index_set_locator) */
 static struct mrank mr[NR];
 
@@ -54,13 +63,18 @@ static uint32_t rnd(uint32_t n)
 
 static int intern(int parent, uint64_t local, bool create)
 {
-	for (int i = 0; i < npaths; i++)
-		if (paths[i].parent == parent && paths[i].local == local)
-			return i;
+	uint64_t x = ((uint64_t)(uint32_t)parent << 32 ^ local) * 0x9e3779b97f4a7c15ull;
+	uint32_t i = (uint32_t)(x >> 46) & (PH - 1);
+	for (; phash[i]; i = (i + 1) & (PH - 1)) {
+		const int id = phash[i] - 1;
+		if (paths[id].parent == parent && paths[id].local == local)
+			return id;
+	}
 	if (!create)
 		return -2;
 	cr_assert_lt(npaths, MAXP);
 	paths[npaths] = (struct path){parent, local};
+	phash[i] = npaths + 1;
 	return npaths++;
 }
 
@@ -74,10 +88,14 @@ static int mfind(const struct mrank *r, uint64_t ext)
 
 static bool mholds(const struct mrank *r, int node)
 {
+	return mheld[r - mr][node];
+}
+
+static void mclear(struct mrank *r)
+{
 	for (int i = 0; i < r->nx; i++)
-		if (r->node[i] == node)
-			return true;
-	return false;
+		mheld[r - mr][r->node[i]] = 0;
+	r->nx = 0;
 }
 
 static int mstore(struct mrank *r, const uint64_t *parent, const struct kvr_index_block *b,
@@ -107,7 +125,8 @@ static int mstore(struct mrank *r, const uint64_t *parent, const struct kvr_inde
 		} else {
 			if (mholds(r, c))
 				return KVR_EINVAL;
-			cr_assert_lt(r->nx, MAXX);
+			cr_assert_lt(r->nx, maxx);
+			mheld[r - mr][c] = 1;
 			r->ext[r->nx] = b[i].ext_hash;
 			r->copies[r->nx] = 1;
 			r->node[r->nx++] = c;
@@ -131,6 +150,7 @@ static size_t mremove(struct mrank *r, const uint64_t *ext, size_t n)
 		if (--r->copies[k] > 0)
 			continue;
 		r->last_rm = r->node[k];
+		mheld[r - mr][r->node[k]] = 0;
 		r->last_rm_ext = r->ext[k];
 		r->ext[k] = r->ext[r->nx - 1];
 		r->copies[k] = r->copies[r->nx - 1];
@@ -164,7 +184,7 @@ static uint64_t mseq(int id)
 	return out;
 }
 
-enum { QMAX = LONGN + 40 };
+enum { QMAX = DEEPN + 40 };
 
 static int cmp_u64(const void *a, const void *b)
 {
@@ -209,16 +229,53 @@ static void check_tops(struct kvr_index *idx, unsigned seed, int step)
 	}
 }
 
+/* The counters after every operation: copies as the model has them, stored - removed == copies,
+ * nodes == the positions of the live runs (a walk of the run table), the ranks; and with every
+ * deferred free done, the memory counters equal to what the allocator has handed out for the
+ * index (kvr_alloc_live_bytes minus the index's fixed part and its scratch array, which
+ * kvr_index_memory_bytes leaves out), the same difference as right after create.  That last
+ * check only where the allocator's real sizes are the sizes asked (no jemalloc: the counters
+ * count size classes, kvr_alloc_live_bytes the sizes asked). */
+static int64_t live_base; /* live bytes minus the counters, right after create */
+static void check_stats(struct kvr_index *idx, unsigned seed, int step, bool quiesced)
+{
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	uint64_t copies = 0;
+	for (int i = 0; i < NR; i++)
+		for (int j = 0; j < mr[i].nx; j++)
+			copies += count_copies ? (uint64_t)mr[i].copies[j] : 1;
+	cr_assert_eq(st.copies, copies, "seed=%u step=%d: copies %lu vs %lu", seed, step,
+	             (unsigned long)st.copies, (unsigned long)copies);
+	cr_assert_eq(st.stored_blocks - st.removed_blocks, st.copies, "seed=%u step=%d", seed,
+	             step);
+	cr_assert_eq(st.ranks, (uint64_t)NR, "seed=%u step=%d", seed, step);
+	uint64_t nodes = 0;
+	for (uint32_t g = 0; g < IDX_SEGS; g++)
+		for (uint64_t j = 0; idx->seg[g].tab && j < idx->seg[g].cap; j++)
+			if (idx->seg[g].tab[j] > IDX_TOMB)
+				nodes += idx_run_len(idx_ent_run(idx->seg[g].tab[j]));
+	cr_assert_eq(st.nodes, nodes, "seed=%u step=%d: nodes %lu vs %lu", seed, step,
+	             (unsigned long)st.nodes, (unsigned long)nodes);
+	if (!quiesced || kvr_alloc_real_size(72) != 72 || kvr_alloc_real_size(136) != 136)
+		return;
+	const int64_t d = kvr_alloc_live_bytes() - (int64_t)(st.bytes_shared + st.bytes_per_rank) -
+	                  (int64_t)(idx->scratch_cap * sizeof(uint64_t));
+	cr_assert_eq(d, live_base, "seed=%u step=%d: live bytes - counters %ld vs %ld", seed, step,
+	             (long)d, (long)live_base);
+}
+
 static void check(struct kvr_index *idx, unsigned seed, int step)
 {
 	if (no_loc)
 		check_tops(idx, seed, step);
 	for (int t = 0; t < 4; t++) {
-		uint64_t q[QMAX];
+		static uint64_t q[QMAX];
 		size_t n = 0;
 		const struct mrank *hr = &mr[rnd(NR)];
 		if (t % 2 == 0 && hr->nx > 0) { /* a held path, then a random tail */
-			int stack[QMAX], d = 0;
+			static int stack[QMAX];
+			int d = 0;
 			for (int id = hr->node[rnd((uint32_t)hr->nx)]; id >= 0 && d < QMAX - 4;
 			     id = paths[id].parent)
 				stack[d++] = id;
@@ -235,7 +292,7 @@ static void check(struct kvr_index *idx, unsigned seed, int step)
 		struct kvr_index_match out[NR];
 		size_t k;
 		kvr_rcu_read_lock();
-		uint64_t qs[QMAX];
+		static uint64_t qs[QMAX];
 		kvr_hash_chain_locals(NULL, q, n, qs);
 		int rc = kvr_index_find_matches(idx, qs, n, NULL, out, NR, &k);
 		/* find_depths: the same scores, by slot. */
@@ -312,10 +369,19 @@ static void run(unsigned seed, int steps)
 	cr_assert_eq(kvr_index_set_locator(idx, !no_loc), 0);
 	rng = seed * 2654435761u + 1;
 	npaths = 0;
+	memset(phash, 0, sizeof(phash));
+	memset(mheld, 0, sizeof(mheld));
+	maxx = deep ? MAXX : 1024;
 	for (int i = 0; i < NR; i++) {
 		mr[i] =
 		    (struct mrank){.worker = (uint64_t)i / 2, .dp = (uint32_t)i % 2, .last_rm = -1};
 		cr_assert_eq(kvr_index_rank_add(idx, mr[i].worker, mr[i].dp, &mr[i].slot), 0);
+	}
+	{
+		struct kvr_index_stats st0;
+		kvr_index_stats_get(idx, &st0);
+		live_base =
+		    kvr_alloc_live_bytes() - (int64_t)(st0.bytes_shared + st0.bytes_per_rank);
 	}
 	for (int step = 0; step < steps; step++) {
 		struct mrank *r = &mr[rnd(NR)];
@@ -342,11 +408,12 @@ static void run(unsigned seed, int steps)
 			}
 		}
 		if (op < 55) {
-			struct kvr_index_block b[LONGN];
-			size_t n = longc && rnd(8) == 0 ? rnd(LONGN)
-			           : rnd(8) == 0        ? rnd(24)
-			                                : rnd(6);
-			if (r->nx + n >= MAXX)
+			static struct kvr_index_block b[DEEPN];
+			size_t n = deep && rnd(4) == 0    ? rnd(DEEPN)
+			           : longc && rnd(8) == 0 ? rnd(LONGN)
+			           : rnd(8) == 0          ? rnd(24)
+			                                  : rnd(6);
+			if (r->nx + (int)n >= maxx || npaths + (int)n >= MAXP)
 				n = 0;
 			uint64_t pext = 1 + rnd(xr);
 			bool root = rnd(3) == 0 || r->nx == 0;
@@ -376,11 +443,11 @@ static void run(unsigned seed, int steps)
 			int got;
 			if (plain && !root && pnode >= 0 && pext == mseq(pnode) && rnd(2)) {
 				/* The parent named by its path from the root. */
-				uint64_t path[QMAX + LONGN];
+				static uint64_t path[MAXP];
 				size_t np = 0;
 				for (int id = pnode; id >= 0; id = paths[id].parent)
 					np++;
-				cr_assert_lt(np, QMAX + LONGN);
+				cr_assert_lt(np, MAXP);
 				size_t d = np;
 				for (int id = pnode; id >= 0; id = paths[id].parent)
 					path[--d] = mseq(id);
@@ -397,6 +464,32 @@ static void run(unsigned seed, int steps)
 				             "seed=%u step=%d store (locator %d) got %d want %d",
 				             seed, step, !no_loc, got, want);
 			}
+		} else if (op < 90 && deep && r->nx > 0 && rnd(3) == 0) {
+			/* A chain's tail (or all of it) evicted, in chain order: the held blocks
+			 * above a held block, up to 600 of them (a cut lowered across a run's end,
+			 * a run trimmed at IDX_RUN_MAX). */
+			static uint64_t e[600];
+			size_t n = 0, nf;
+			for (int id = r->node[rnd((uint32_t)r->nx)]; id >= 0 && n < 600;
+			     id = paths[id].parent) {
+				int k = 0;
+				while (k < r->nx && r->node[k] != id)
+					k++;
+				if (k == r->nx)
+					break;
+				e[n++] = r->ext[k];
+			}
+			for (size_t i = 0; i < n / 2; i++) {
+				const uint64_t t = e[i];
+				e[i] = e[n - 1 - i];
+				e[n - 1 - i] = t;
+			}
+			const size_t cut = rnd((uint32_t)n), nf_m = mremove(r, e + cut, n - cut);
+			const uint32_t rl = (uint32_t)(n - cut);
+			cr_assert_eq(
+			    kvr_index_remove_runs(idx, r->slot, e + cut, n - cut, &rl, 1, &nf), 0);
+			cr_assert_eq(nf, nf_m, "seed=%u step=%d tail (locator %d)", seed, step,
+			             !no_loc);
 		} else if (op < 90) {
 			uint64_t e[5];
 			size_t n = rnd(5);
@@ -421,15 +514,15 @@ static void run(unsigned seed, int steps)
 			             !no_loc);
 		} else if (op < 94) {
 			cr_assert_eq(kvr_index_clear_rank(idx, r->slot), 0);
-			r->nx = 0;
+			mclear(r);
 		} else if (op < 97) {
 			cr_assert_eq(kvr_index_clear_worker(idx, r->worker), 0);
 			for (int i = 0; i < NR; i++)
 				if (mr[i].worker == r->worker)
-					mr[i].nx = 0;
+					mclear(&mr[i]);
 		} else {
 			cr_assert_eq(kvr_index_rank_remove(idx, r->slot), 0);
-			r->nx = 0;
+			mclear(r);
 			int rc = kvr_index_rank_add(idx, r->worker, r->dp, &r->slot);
 			if (rc == KVR_ERANGE) { /* every spare slot waits for its grace period */
 				kvr_index_quiesce(idx);
@@ -439,6 +532,10 @@ static void run(unsigned seed, int steps)
 		}
 		if (!longc || step % 8 == 0)
 			check(idx, seed, step);
+		const bool q = step % 256 == 0;
+		if (q)
+			kvr_index_quiesce(idx);
+		check_stats(idx, seed, step, q);
 	}
 	/* Everything dropped -> no node left, memory back. */
 	for (int i = 0; i < NR; i++)
@@ -478,6 +575,28 @@ Test(index_diff, long_chains)
 	}
 	for (unsigned seed = 1; seed <= 8; seed++)
 		run(seed, 1500);
+}
+
+/* Deep chains: stores of up to DEEPN blocks, so runs reach IDX_RUN_MAX and chain on in a child at
+ * its end; holes, refills and tails evicted across that boundary, with and without the
+ * locator.  KVR_SEED=N reruns one seed (KVR_STEPS steps). */
+Test(index_diff, deep_chains, .timeout = 600)
+{
+	cr_assert_eq(kvr_rcu_thread_online(), 0);
+	longc = deep = true;
+	const char *env = getenv("KVR_SEED"), *st = getenv("KVR_STEPS");
+	const int steps = st ? atoi(st) : 300;
+	if (env) {
+		run((unsigned)strtoul(env, NULL, 10), steps);
+		no_loc = true;
+		run((unsigned)strtoul(env, NULL, 10), steps);
+		return;
+	}
+	for (unsigned seed = 1; seed <= 4; seed++)
+		run(seed, steps);
+	no_loc = true;
+	for (unsigned seed = 1; seed <= 4; seed++)
+		run(seed, steps);
 }
 
 /* The block locator's resizes migrate a slice per writer call; with nothing on top of
