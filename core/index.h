@@ -179,8 +179,10 @@ int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id);
  * BlockRemoved per copy).  When on, a store of an ext hash the rank already holds (same block)
  * adds a copy, a remove drops one copy, and the block leaves the rank when its last copy goes;
  * stored_blocks / removed_blocks / copies count copies, tree_size counts distinct blocks.
- * Off (the default, approximate modes): re-storing is a no-op and one remove drops the block.
- * Context: before the index is shared (right after create), or by the only writer.
+ * Off (the default, approximate modes): re-storing is a no-op and one remove drops the block;
+ * switching it off drops every extra copy held (counted in removed_blocks).
+ * Context: before the index is shared (right after create), or by the only writer (takes the
+ * writer mutex).
  */
 void kvr_index_set_count_copies(struct kvr_index *idx, bool on);
 

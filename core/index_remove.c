@@ -371,8 +371,32 @@ int kvr_index_clear_worker(struct kvr_index *idx, uint64_t worker_id)
 
 void kvr_index_set_count_copies(struct kvr_index *idx, bool on)
 {
-	if (idx)
-		idx->count_copies = on;
+	if (!idx)
+		return;
+	pthread_mutex_lock(&idx->wlock);
+	if (idx->count_copies && !on) {
+		/* Counting off, a held block is one copy: the extras go now (counted removed, as
+		 * a removal of them would be).  Left in the copy maps they kept the copies gauge
+		 * above what is held, and outlived their records once the block went (one removal
+		 * drops it, copy_dec unasked), so a record later allocated at the same address
+		 * would have inherited them. */
+		uint64_t extra = 0;
+		const uint32_t used = __atomic_load_n(&idx->fresh, __ATOMIC_RELAXED);
+		for (uint32_t s = 0; s < used; s++) {
+			struct idx_rank *rk = &idx->rank[s];
+			if (__atomic_load_n(&rk->state, __ATOMIC_RELAXED) != SLOT_ACTIVE)
+				continue; /* cleared when it was removed */
+			for (uint64_t i = 0; rk->cmap.e && i < rk->cmap.cap; i++)
+				if (idx_xused(&rk->cmap.e[i]))
+					extra += rk->cmap.e[i].val;
+			rk->cmap.count = 0;
+			kvr_index_xmap_shrink(idx, &rk->cmap); /* frees it */
+		}
+		idx_count(&idx->c_removed, (int64_t)extra);
+		idx_count(&idx->c_copies, -(int64_t)extra);
+	}
+	idx->count_copies = on;
+	pthread_mutex_unlock(&idx->wlock);
 }
 
 size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out, size_t cap)

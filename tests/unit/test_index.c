@@ -425,6 +425,51 @@ Test(index, count_copies)
 	cr_assert_eq(st.copies, 0, "clear drops every copy");
 }
 
+/* Copy counting switched off by the only writer while blocks have extra copies: a block is then
+ * one copy (the extras are dropped and counted removed), so one removal drops it and the gauges
+ * say nothing is left; switched on again, a block stored once goes with one removal (no extra
+ * copy survives its record).  Before, the extras stayed in the rank's copy map: copies stayed 1
+ * with nothing held, and the entry outlived its record. */
+Test(index, count_copies_switched_off_drops_extra_copies)
+{
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	uint64_t q[2] = {1, 2}, e[2] = {100, 101};
+	struct kvr_index_block b[2];
+	chain(b, 2, 100, 1);
+	kvr_index_set_count_copies(idx, true);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 2), 0);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 2), 0);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 1), 0);
+	struct kvr_index_stats st;
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 5);
+	kvr_index_set_count_copies(idx, false);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 2, "one copy a block");
+	cr_assert_eq(st.stored_blocks - st.removed_blocks, st.copies);
+	size_t nf;
+	cr_assert_eq(kvr_index_remove(idx, r0, &e[1], 1, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(score_of(q, 2, r0), 1);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 1);
+	cr_assert_eq(st.stored_blocks - st.removed_blocks, st.copies);
+	/* On again: block 1 stored once goes with one removal; block 0 with one as well. */
+	kvr_index_set_count_copies(idx, true);
+	cr_assert_eq(kvr_index_store(idx, r0, &e[0], &b[1], 1), 0);
+	cr_assert_eq(kvr_index_remove(idx, r0, e, 2, &nf), 0);
+	cr_assert_eq(nf, 0);
+	cr_assert_eq(score_of(q, 2, r0), -1, "nothing held");
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.copies, 0);
+	cr_assert_eq(st.nodes, 0);
+	cr_assert_eq(kvr_index_tree_size(idx, r0), 0);
+	kvr_index_quiesce(idx);
+	kvr_index_stats_get(idx, &st);
+	cr_assert_eq(st.bytes_per_rank, 0, "no copy map left");
+}
+
 /* A run's first holder's record lives in the run header; when that holder leaves and one with
  * a record of its own stays, the stayer moves into the header (its bitmap, its copy counts):
  * the index then takes what it takes with the stayer alone, and the stayer's holes, copies and
