@@ -436,10 +436,11 @@ static void run(unsigned seed, int steps)
 						b[i].ext_hash = mseq(pn);
 				}
 			}
-			/* Sometimes fail the k-th allocation: a failed store changes nothing. */
+			/* Sometimes fail the k-th allocation: a failed store changes nothing (deep
+			 * stores allocate at more sites: bitmaps and hash arrays grow). */
 			bool oom = rnd(6) == 0;
 			if (oom)
-				kvr_alloc_fail_after(1 + rnd(8));
+				kvr_alloc_fail_after(1 + rnd(deep ? 64 : 8));
 			int got;
 			if (plain && !root && pnode >= 0 && pext == mseq(pnode) && rnd(2)) {
 				/* The parent named by its path from the root. */
