@@ -500,10 +500,14 @@ int kvr_index_create(uint32_t max_ranks, struct kvr_index **out)
 	idx->tsize = kvr_calloc(max_ranks, sizeof(uint64_t));
 	uint32_t cap = rtab_cap(max_ranks);
 	idx->rtab = kvr_calloc(1, rtab_bytes(cap - 1));
-	if (!idx->rank || !idx->tsize || !idx->rtab || pthread_mutex_init(&idx->wlock, NULL) != 0) {
+	idx->scratch = kvr_alloc(IDX_SCRATCH_MIN * sizeof(uint64_t));
+	idx->scratch_cap = idx->scratch ? IDX_SCRATCH_MIN : 0;
+	if (!idx->rank || !idx->tsize || !idx->rtab || !idx->scratch ||
+	    pthread_mutex_init(&idx->wlock, NULL) != 0) {
 		kvr_free_aligned(idx->rank, sizeof(struct idx_rank) * max_ranks);
 		kvr_free(idx->tsize, idx->tsize ? max_ranks * sizeof(uint64_t) : 0);
 		kvr_free(idx->rtab, idx->rtab ? rtab_bytes(cap - 1) : 0);
+		kvr_free(idx->scratch, idx->scratch_cap * sizeof(uint64_t));
 		kvr_free_aligned(idx, sizeof(*idx));
 		return KVR_ENOMEM;
 	}
@@ -800,8 +804,11 @@ uint64_t kvr_index_memory_bytes(const struct kvr_index *idx)
 {
 	if (!idx)
 		return 0;
-	/* Allocator-real sizes, as the counters (index_internal.h: idx_real). */
+	/* Allocator-real sizes, as the counters (index_internal.h: idx_real); the writers'
+	 * store scratch too (core/index_write.c). */
+	const size_t scratch = __atomic_load_n(&idx->scratch_cap, __ATOMIC_RELAXED);
 	return ld(&idx->bytes_shared) + ld(&idx->bytes_rank) +
+	       kvr_alloc_real_size(scratch * sizeof(uint64_t)) +
 	       kvr_alloc_real_size_aligned(sizeof(*idx)) +
 	       kvr_alloc_real_size_aligned(sizeof(struct idx_rank) * idx->max_ranks) +
 	       kvr_alloc_real_size(sizeof(uint64_t) * idx->max_ranks) +

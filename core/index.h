@@ -253,7 +253,8 @@ size_t kvr_index_rank_blocks(struct kvr_index *idx, uint32_t slot, uint64_t *out
 /* A snapshot of the counters.  Context: any thread. */
 void kvr_index_stats_get(const struct kvr_index *idx, struct kvr_index_stats *st);
 
-/* Bytes the index holds now (nodes, tables, rank sets, ext maps, slot table), each allocation
+/* Bytes the index holds now (nodes, tables, rank sets, ext maps, slot table, the writers' store
+ * scratch), each allocation
  * at the allocator's real size (its size class, core/alloc.h: a 144-byte array takes 160).
  * Context: any thread; memory retired but not yet past its grace period is still counted. */
 uint64_t kvr_index_memory_bytes(const struct kvr_index *idx);

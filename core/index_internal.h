@@ -652,8 +652,9 @@ struct kvr_index {
 	 * evicted back to front), found there without a locator probe. */
 	struct idx_run *last_run;
 	uint32_t last_pos;
-	uint64_t *scratch; /* store's sequence hashes (wlock) */
-	size_t scratch_cap;
+	uint64_t *scratch;  /* store's sequence hashes and rollback list (wlock; IDX_SCRATCH_MIN
+	                     * words from create on, so short stores leave memory_bytes as it was) */
+	size_t scratch_cap; /* its words (atomic relaxed: kvr_index_memory_bytes reads it) */
 	/* counters (atomic relaxed) */
 	uint64_t c_parent_nf, c_block_nf, c_invalid, c_stored, c_removed, c_nodes, c_copies;
 	uint64_t c_rank_scans; /* no locator: lookups that scanned a rank's records */
@@ -1116,6 +1117,9 @@ size_t kvr_index_remove_locked(struct kvr_index *idx, struct idx_rank *rk, uint3
  * 1/64 (1.6 %) above, and exact again after kvr_index_quiesce.
  */
 #define IDX_TSIZE_SLACK 64u
+
+/* Words of the writers' store scratch made at create (a store of n blocks needs 2n). */
+#define IDX_SCRATCH_MIN 256u
 
 /* The slot's exact size becomes size; published when it is off by more than the slack.
  * Context: writer (wlock).  Ordering: relaxed (counts, no content behind them). */

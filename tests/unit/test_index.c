@@ -425,6 +425,34 @@ Test(index, count_copies)
 	cr_assert_eq(st.copies, 0, "clear drops every copy");
 }
 
+/* One store of a very long chain (100,000 blocks): kvr_index_memory_bytes counts the store's
+ * scratch array while the index keeps it, and it is not kept past the call (before, the 2 MiB
+ * array stayed for the index's life, counted nowhere). */
+Test(index, long_store_scratch_given_back)
+{
+	enum { N = 100000 };
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	struct kvr_index_block *b = malloc(N * sizeof(*b));
+	cr_assert_not_null(b);
+	chain(b, N, 1000000, 1);
+	const int64_t live0 = kvr_alloc_live_bytes();
+	const uint64_t mem0 = kvr_index_memory_bytes(idx);
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, N), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+	kvr_index_quiesce(idx);
+	const int64_t live1 = kvr_alloc_live_bytes();
+	const uint64_t mem1 = kvr_index_memory_bytes(idx);
+	cr_assert_lt(live1, live0 + 64 * 1024, "kept %ld bytes", (long)(live1 - live0));
+	cr_assert_lt(mem1, mem0 + 64 * 1024);
+	/* A short store keeps its scratch, and memory_bytes has it. */
+	cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 100), 0);
+	cr_assert_eq(kvr_index_clear_rank(idx, r0), 0);
+	kvr_index_quiesce(idx);
+	cr_assert_geq(kvr_index_memory_bytes(idx), mem1 + 200 * sizeof(uint64_t));
+	free(b);
+}
+
 /* Copy counting switched off by the only writer while blocks have extra copies: a block is then
  * one copy (the extras are dropped and counted removed), so one removal drops it and the gauges
  * say nothing is left; switched on again, a block stored once goes with one removal (no extra

@@ -231,12 +231,11 @@ static void check_tops(struct kvr_index *idx, unsigned seed, int step)
 
 /* The counters after every operation: copies as the model has them, stored - removed == copies,
  * nodes == the positions of the live runs (a walk of the run table), the ranks; and with every
- * deferred free done, the memory counters equal to what the allocator has handed out for the
- * index (kvr_alloc_live_bytes minus the index's fixed part and its scratch array, which
- * kvr_index_memory_bytes leaves out), the same difference as right after create.  That last
- * check only where the allocator's real sizes are the sizes asked (no jemalloc: the counters
- * count size classes, kvr_alloc_live_bytes the sizes asked). */
-static int64_t live_base; /* live bytes minus the counters, right after create */
+ * deferred free done, kvr_index_memory_bytes equal to what the allocator has handed out (the
+ * same difference as right after create).  That last check only where the allocator's real
+ * sizes are the sizes asked (no jemalloc: the counters count size classes, kvr_alloc_live_bytes
+ * the sizes asked). */
+static int64_t live_base; /* live bytes minus kvr_index_memory_bytes, right after create */
 static void check_stats(struct kvr_index *idx, unsigned seed, int step, bool quiesced)
 {
 	struct kvr_index_stats st;
@@ -259,10 +258,9 @@ static void check_stats(struct kvr_index *idx, unsigned seed, int step, bool qui
 	             (unsigned long)st.nodes, (unsigned long)nodes);
 	if (!quiesced || kvr_alloc_real_size(72) != 72 || kvr_alloc_real_size(136) != 136)
 		return;
-	const int64_t d = kvr_alloc_live_bytes() - (int64_t)(st.bytes_shared + st.bytes_per_rank) -
-	                  (int64_t)(idx->scratch_cap * sizeof(uint64_t));
-	cr_assert_eq(d, live_base, "seed=%u step=%d: live bytes - counters %ld vs %ld", seed, step,
-	             (long)d, (long)live_base);
+	const int64_t d = kvr_alloc_live_bytes() - (int64_t)kvr_index_memory_bytes(idx);
+	cr_assert_eq(d, live_base, "seed=%u step=%d: live bytes - memory_bytes %ld vs %ld", seed,
+	             step, (long)d, (long)live_base);
 }
 
 static void check(struct kvr_index *idx, unsigned seed, int step)
@@ -377,12 +375,7 @@ static void run(unsigned seed, int steps)
 		    (struct mrank){.worker = (uint64_t)i / 2, .dp = (uint32_t)i % 2, .last_rm = -1};
 		cr_assert_eq(kvr_index_rank_add(idx, mr[i].worker, mr[i].dp, &mr[i].slot), 0);
 	}
-	{
-		struct kvr_index_stats st0;
-		kvr_index_stats_get(idx, &st0);
-		live_base =
-		    kvr_alloc_live_bytes() - (int64_t)(st0.bytes_shared + st0.bytes_per_rank);
-	}
+	live_base = kvr_alloc_live_bytes() - (int64_t)kvr_index_memory_bytes(idx);
 	for (int step = 0; step < steps; step++) {
 		struct mrank *r = &mr[rnd(NR)];
 		uint32_t op = rnd(100);
