@@ -230,11 +230,13 @@ static void check_tops(struct kvr_index *idx, unsigned seed, int step)
 }
 
 /* The counters after every operation: copies as the model has them, stored - removed == copies,
- * nodes == the positions of the live runs (a walk of the run table), the ranks; and with every
+ * the rejections (parent not found, invalid, block not found) as the model counts them, nodes ==
+ * the positions of the live runs (a walk of the run table), the ranks; and with every
  * deferred free done, kvr_index_memory_bytes equal to what the allocator has handed out (the
  * same difference as right after create).  That last check only where the allocator's real
  * sizes are the sizes asked (no jemalloc: the counters count size classes, kvr_alloc_live_bytes
  * the sizes asked). */
+static uint64_t m_pnf, m_inv, m_bnf; /* the model's parent_not_found, invalid, block_not_found */
 static int64_t live_base; /* live bytes minus kvr_index_memory_bytes, right after create */
 static void check_stats(struct kvr_index *idx, unsigned seed, int step, bool quiesced)
 {
@@ -249,6 +251,9 @@ static void check_stats(struct kvr_index *idx, unsigned seed, int step, bool qui
 	cr_assert_eq(st.stored_blocks - st.removed_blocks, st.copies, "seed=%u step=%d", seed,
 	             step);
 	cr_assert_eq(st.ranks, (uint64_t)NR, "seed=%u step=%d", seed, step);
+	cr_assert_eq(st.parent_not_found, m_pnf, "seed=%u step=%d", seed, step);
+	cr_assert_eq(st.invalid, m_inv, "seed=%u step=%d", seed, step);
+	cr_assert_eq(st.block_not_found, m_bnf, "seed=%u step=%d", seed, step);
 	uint64_t nodes = 0;
 	for (uint32_t g = 0; g < IDX_SEGS; g++)
 		for (uint64_t j = 0; idx->seg[g].tab && j < idx->seg[g].cap; j++)
@@ -376,6 +381,7 @@ static void run(unsigned seed, int steps)
 		cr_assert_eq(kvr_index_rank_add(idx, mr[i].worker, mr[i].dp, &mr[i].slot), 0);
 	}
 	live_base = kvr_alloc_live_bytes() - (int64_t)kvr_index_memory_bytes(idx);
+	m_pnf = m_inv = m_bnf = 0;
 	for (int step = 0; step < steps; step++) {
 		struct mrank *r = &mr[rnd(NR)];
 		uint32_t op = rnd(100);
@@ -394,6 +400,7 @@ static void run(unsigned seed, int steps)
 				                             paths[c].local};
 				int got = kvr_index_store(idx, r->slot, &r->ext[k], &b1, 1);
 				int want = mstore(r, &r->ext[k], &b1, 1);
+				m_inv += want == KVR_EINVAL;
 				cr_assert_eq(got, want, "seed=%u step=%d refill", seed, step);
 				if (step % 8 == 0)
 					check(idx, seed, step);
@@ -454,6 +461,8 @@ static void run(unsigned seed, int steps)
 				cr_assert(oom, "seed=%u step=%d", seed, step);
 			} else {
 				int want = mstore(r, root ? NULL : &pext, b, n);
+				m_pnf += want == KVR_ENOENT;
+				m_inv += want == KVR_EINVAL;
 				cr_assert_eq(got, want,
 				             "seed=%u step=%d store (locator %d) got %d want %d",
 				             seed, step, !no_loc, got, want);
@@ -479,6 +488,7 @@ static void run(unsigned seed, int steps)
 				e[n - 1 - i] = t;
 			}
 			const size_t cut = rnd((uint32_t)n), nf_m = mremove(r, e + cut, n - cut);
+			m_bnf += nf_m;
 			const uint32_t rl = (uint32_t)(n - cut);
 			cr_assert_eq(
 			    kvr_index_remove_runs(idx, r->slot, e + cut, n - cut, &rl, 1, &nf), 0);
@@ -491,6 +501,7 @@ static void run(unsigned seed, int steps)
 				e[i] =
 				    (r->nx && rnd(3)) ? r->ext[rnd((uint32_t)r->nx)] : 1 + rnd(xr);
 			size_t nf_m = mremove(r, e, n), nf;
+			m_bnf += nf_m;
 			kvr_alloc_fail_after(rnd(4)); /* a removal never needs memory */
 			if (rnd(2)) {
 				uint32_t rl[5] = {0}, nr = 0;
