@@ -47,6 +47,7 @@
 #include "shards/owner.h"
 #include "shards/pinmap.h"
 #include "shards/runtime.h"
+#include "sync/park.h"
 #include "sync/rcu.h"
 
 /* The router whose own machinery runs the calling thread: set around the embedder's callbacks
@@ -91,7 +92,18 @@ static inline uint32_t kvr_live_n(const struct kvr_live *l)
 	return __atomic_load_n(&l->n, __ATOMIC_ACQUIRE);
 }
 
-struct kvr_queue;      /* core/queue.c */
+struct kvr_queue; /* core/queue.c */
+
+/* The admission thread (core/queue_thread.c), a router with a queue only: it runs the admission
+ * pass for load a lease expiry lowered.  wanted and stop are atomic; the rest is
+ * kvr_router_create's and kvr_router_destroy's. */
+struct kvr_admitter {
+	struct kvr_parker park; /* the thread sleeps here */
+	uint32_t wanted;        /* an expiry lowered load while requests were queued */
+	uint32_t stop;          /* kvr_router_destroy: the thread returns */
+	bool started;
+	pthread_t thread;
+};
 struct kvr_repl_hooks; /* core/replica_hooks.h */
 
 struct kvr_router {
@@ -128,7 +140,8 @@ struct kvr_router {
 	 * routers a fork's child marks inherited (under fork.c's lock). */
 	uint32_t fork_gen;
 	struct kvr_router *fork_next;
-	struct kvr_repl_hooks *repl; /* replica sync hooks, NULL = none (RCU, acquire) */
+	struct kvr_repl_hooks *repl;  /* replica sync hooks, NULL = none (RCU, acquire) */
+	struct kvr_admitter admitter; /* started only with a queue */
 	/* Per-decision random stream (atomic): written by every decision, so last, on a line of
 	 * its own (the struct's size rounds up to it), away from what shard threads read on every
 	 * task (the owner context) and routers read on every decision. */
@@ -178,6 +191,20 @@ void kvr_queue_rank_gone(struct kvr_router *r);
  * admission's code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
+
+/* core/queue_thread.c.  Starts r's admission thread: 0 or pthread_create's error.  Context:
+ * kvr_router_create, after the queue and the shards. */
+int kvr_admitter_start(struct kvr_router *r);
+/* Stops and joins it (nothing if it never started).  Context: kvr_router_destroy, after no
+ * shard runs the expiry hook past its shutdown check, before the queue is freed; never on the
+ * thread itself. */
+void kvr_admitter_stop(struct kvr_router *r);
+/* The shards' expiry hook (kvr_owner_ctx.on_expire, ctx: the router) of a router with a queue:
+ * kvr_repl_note_expire, then a wake of the admission thread when requests are queued.  Never
+ * blocks, allocates or takes a lock.  Context: r's shard threads.  Ordering: a seq_cst fence
+ * between the expiry's load release and the read of the depth; pairs with the route's fence
+ * after its push (kvr_queue_catch_up). */
+void kvr_admitter_note_expire(void *ctx, uint64_t attempt);
 /* Before a pump that must see what the other side of a race did: a seq_cst fence (its pairing:
  * core/queue.c), then, when sh is given and without sync_booking, a call on sh that returns
  * once the work posted to it before (a lifecycle call's) ran.  kvr_route passes NULL (it never

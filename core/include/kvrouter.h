@@ -326,11 +326,11 @@ struct kvr_config {
 	 * It runs on the thread whose call admitted it: inside kvr_route, a lifecycle call,
 	 * kvr_rank_add, _remove, _reset or _set_capacity (a removal tells the requests restricted
 	 * to ranks now gone at once), kvr_router_sync, another ticket's kvr_route_wait, or
-	 * kvr_router_destroy,
-	 * so it must not wait for a lock its caller may hold around those calls.  Load the router
-	 * lowers by itself (an attempt's lease expiring) admits nobody until the next of those
-	 * calls: a frontend whose requests may vanish while others wait calls kvr_router_sync
-	 * now and then (no library thread runs callbacks on a timer).  Default NULL. */
+	 * kvr_router_destroy, so it must not wait for a lock its caller may hold around those
+	 * calls; or, for load the router lowers by itself (an attempt's lease expiring), on the
+	 * router's admission thread (one per router with a queue, started by kvr_router_create),
+	 * so a request queued behind an attempt that vanished is admitted with no further call.
+	 * Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
 	 * embedder can ask the worker to replay.  Also, once per episode, when a rank reaches its
@@ -359,8 +359,9 @@ struct kvr_router;
  * Creates a router.  cfg is borrowed (copied); NULL means all defaults.
  * Returns 0 and *out, or KVR_EINVAL (out NULL, bad config), KVR_ERANGE, KVR_ENOMEM (out of
  * memory, or a thread could not be started: the process's thread limit; the detail says which).
- * Context: any thread; starts the shard threads (and, with the process's first router, the
- * thread that runs the library's deferred frees, shared by every router).  The library's
+ * Context: any thread; starts the shard threads, with a queue (queue_threshold > 0) the
+ * admission thread (see on_admit), and, with the process's first router, the thread that runs
+ * the library's deferred frees, shared by every router.  The library's
  * threads block the asynchronous signals (all but SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP,
  * SIGSYS), so a signal sent to the process reaches one of the program's threads.
  *
@@ -377,11 +378,11 @@ struct kvr_router;
  */
 KVR_API int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out);
 
-/* Stops the shard threads, frees everything.  NULL is a no-op.  Like any destroy, it must not
- * race with other calls on the router: stop (join) the threads that use it first.  Threads
- * blocked in kvr_route_wait are woken with KVR_ESHUTDOWN before anything is freed.  It must not
- * be called from the router's own callbacks (on_admit, on_event_gap, the clock, on whichever
- * thread: a shard's, or the caller's inside kvr_route and the like) nor from a feed's or
+/* Stops the shard threads (and the admission thread), frees everything.  NULL is a no-op.  Like any
+ * destroy, it must not race with other calls on the router: stop (join) the threads that use it
+ * first.  Threads blocked in kvr_route_wait are woken with KVR_ESHUTDOWN before anything is freed.
+ * It must not be called from the router's own callbacks (on_admit, on_event_gap, the clock, on
+ * whichever thread: a shard's, or the caller's inside kvr_route and the like) nor from a feed's or
  * replica's thread of this router (their callbacks): it would wait for, or free under, the call
  * that runs the callback; there it returns at once and destroys nothing (call it from another
  * thread once the callback returned).  It waits for feeds

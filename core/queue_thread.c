@@ -1,0 +1,101 @@
+/*
+ * core/queue_thread.c - the router's admission thread: the admission pass (kvr_queue_pump) for
+ * load the shards lower by themselves.
+ *
+ * Queued requests are admitted by a pass that frontend threads run, inside the calls that lower
+ * load (finish, abort, prefill done, rank changes, kvr_router_sync) or route.  A lease expiry
+ * lowers load on a shard's thread, in no call: with nothing else happening the request waited
+ * on an idle rank until the embedder's next call, for good on a quiet system.  The shard cannot
+ * run the pass itself: the pass takes the queue's mutex and runs on_admit, and a frontend that
+ * holds a lock on_admit wants may be waiting for that very shard (a finish waits for its
+ * shard's catch-up).  So the shard's expiry hook only raises a flag and wakes this thread, which
+ * runs the pass as any frontend would.
+ *
+ * The wake is a Dekker pair twice over.  Against a route: the shard lowers the load, fences and
+ * reads the queue's depth; a route pushes, fences (kvr_queue_catch_up) and reads the load in its
+ * pass; one of them sees the other, so either the route admits the request itself or the hook
+ * sees it queued.  Against the thread's park: the hook stores `wanted` and then kvr_parker_wake
+ * (full barrier, loads the state); the thread announces its park (full barrier) and then reads
+ * `wanted` (sync/park.h).  The hook never blocks, allocates or takes a lock: a flag, a fence, a
+ * load, and a FUTEX_WAKE only when the thread sleeps.
+ *
+ * Started only for a router with a queue (kvr_config.queue_threshold > 0): a router without one
+ * installs the plain expiry hook and has no thread.  Shutdown: kvr_router_destroy sets the
+ * router's shutdown flag and waits for a call on every shard, after which no hook runs past its
+ * shutdown check, then stops and joins this thread before the queue goes.  The thread runs with
+ * kvr_router_cb_self set (as a feed's and a replica's threads do): a destroy from its on_admit
+ * or clock returns at once instead of joining the thread that calls it.
+ */
+#include <stdbool.h>
+
+#include "core/replica_hooks.h"
+#include "core/router_internal.h"
+#include "sync/nocancel.h"
+#include "sync/rcu.h"
+#include "sync/thread.h"
+
+static void *admitter_main(void *arg)
+{
+	struct kvr_router *r = arg;
+	struct kvr_admitter *a = &r->admitter;
+	kvr_router_cb_self = r; /* kvr_router_destroy refuses to run here */
+	for (;;) {
+		/* Ordering: acquire; pairs with the release store in kvr_admitter_stop. */
+		if (__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE))
+			break;
+		/* Cleared before the pass: an expiry during it raises the flag again and the pass
+		 * runs once more.  Ordering: seq_cst, after the park's barrier below. */
+		if (__atomic_exchange_n(&a->wanted, 0, __ATOMIC_SEQ_CST)) {
+			kvr_queue_pump(r); /* false: another thread's pass walks the list again */
+			continue;
+		}
+		kvr_parker_prepare(&a->park);
+		if (__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE) ||
+		    __atomic_load_n(&a->wanted, __ATOMIC_SEQ_CST)) {
+			kvr_parker_cancel(&a->park);
+			continue;
+		}
+		(void)kvr_parker_wait(&a->park, UINT64_MAX);
+	}
+	kvr_rcu_thread_offline(); /* the pass made this thread a reader */
+	return NULL;
+}
+
+int kvr_admitter_start(struct kvr_router *r)
+{
+	kvr_parker_init(&r->admitter.park);
+	int err = kvr_thread_start(&r->admitter.thread, false, admitter_main, r);
+	if (err)
+		return err;
+	r->admitter.started = true;
+	return 0;
+}
+
+void kvr_admitter_stop(struct kvr_router *r)
+{
+	struct kvr_admitter *a = &r->admitter;
+	if (!a->started)
+		return;
+	__atomic_store_n(&a->stop, 1, __ATOMIC_RELEASE);
+	kvr_parker_wake(&a->park);
+	pthread_join(a->thread, NULL);
+	a->started = false;
+}
+
+void kvr_admitter_note_expire(void *ctx, uint64_t attempt)
+{
+	struct kvr_router *r = ctx;
+	kvr_repl_note_expire(ctx, attempt);
+	/* Past kvr_router_destroy's call on this shard, the queue may be freed: the flag is set
+	 * before that call, which orders it before this shard's later tasks. */
+	if (kvr_router_stopping(r))
+		return;
+	/* The expired attempt's load is off its rank (end_attempt stored it); pairs with the
+	 * route's fence between its push and its pass (kvr_queue_catch_up). */
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	if (kvr_queue_depth(r) == 0)
+		return;
+	__atomic_store_n(&r->admitter.wanted, 1, __ATOMIC_SEQ_CST);
+	kvr_parker_wake(&r->admitter.park); /* a full barrier, then the state; no syscall unless
+	                                       the thread sleeps */
+}
