@@ -27,18 +27,19 @@
  * returned, and pump nothing: so a finish, abort or prefill done on a saturated rank is applied
  * before its call returns even with nothing queued, and a lifecycle call that saw nothing
  * queued looks again after its post (kvr_queue_catch_up; the fences make one of the call and
- * the route see the other).  Load the shards lower on their own (a lease expiry) wakes the
- * router's admission thread, which pumps (core/queue_thread.c).  Left: an output's load, or a
- * posted release that a third call's booking made matter (the rank was not saturated when it
- * was posted), is seen by the next call's pass, or a waiter's.
+ * the route see the other).  Load the shards lower on their own (a lease expiry, a decay
+ * step) wakes the router's admission thread, which pumps (core/queue_thread.c).  Left: an
+ * output's load, or a posted release that a third call's booking made matter (the rank was not
+ * saturated when it was posted), is seen by the next call's pass, or a waiter's.
  *
  * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
  * (prefill done, finish, abort, a rank added or resized, kvr_router_sync) and by the admission
- * thread after a lease expiry: never on a shard thread, so a shard never waits for this mutex.  One
- * thread pumps at a time; another that asks meanwhile makes it walk the list once more (q->again)
- * and returns. The frontend learns the outcome through on_admit (called without any router lock
- * held) or by collecting the ticket with kvr_route_wait.  Requests are copied in (tokens, allow
- * list, LoRA name) since the caller's buffers are borrowed for the kvr_route call only.
+ * thread after a shard lowered load by itself: never on a shard thread, so a shard never waits for
+ * this mutex.  One thread pumps at a time; another that asks meanwhile makes it walk the list once
+ * more (q->again) and returns. The frontend learns the outcome through on_admit (called without any
+ * router lock held) or by collecting the ticket with kvr_route_wait.  Requests are copied in
+ * (tokens, allow list, LoRA name) since the caller's buffers are borrowed for the kvr_route call
+ * only.
  *
  * Tickets are numbered by one counter for the whole process, not per queue: with a count per
  * queue, two routers (one per model, or a router and the one created to replace it) issued the

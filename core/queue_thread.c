@@ -3,32 +3,33 @@
  * load the shards lower by themselves.
  *
  * Queued requests are admitted by a pass that frontend threads run, inside the calls that lower
- * load (finish, abort, prefill done, rank changes, kvr_router_sync) or route.  A lease expiry
- * lowers load on a shard's thread, in no call: with nothing else happening the request waited
- * on an idle rank until the embedder's next call, for good on a quiet system.  The shard cannot
- * run the pass itself: the pass takes the queue's mutex and runs on_admit, and a frontend that
- * holds a lock on_admit wants may be waiting for that very shard (a finish waits for its
- * shard's catch-up).  So the shard's expiry hook only raises a flag and wakes this thread, which
- * runs the pass as any frontend would.
+ * load (finish, abort, prefill done, rank changes, kvr_router_sync) or route.  A shard also
+ * lowers load in no call at all: a lease expiry (an attempt that vanished), the end of an
+ * attempt whose ending call's work never came, a booking dropped for memory, a step of the
+ * prefill decay (expected_prefill_ns).  With nothing else happening the request then waited on
+ * an idle rank until the embedder's next call, for good on a quiet system.  The shard cannot run
+ * the pass itself: the pass takes the queue's mutex and runs on_admit, and a frontend that holds
+ * a lock on_admit wants may be waiting for that very shard (a finish waits for its shard's
+ * catch-up).  So the shard's hook (kvr_owner_ctx.on_unloaded) only raises a flag and wakes this
+ * thread, which runs the pass as any frontend would.
  *
- * The wake is a Dekker pair twice over.  Against a route: the shard lowers the load, fences and
- * reads the queue's depth; a route pushes, fences (kvr_queue_catch_up) and reads the load in its
- * pass; one of them sees the other, so either the route admits the request itself or the hook
- * sees it queued.  Against the thread's park: the hook stores `wanted` and then kvr_parker_wake
- * (full barrier, loads the state); the thread announces its park (full barrier) and then reads
- * `wanted` (sync/park.h).  The hook never blocks, allocates or takes a lock: a flag, a fence, a
- * load, and a FUTEX_WAKE only when the thread sleeps.
+ * The wake is a Dekker pair twice over.  Against a route: the shard publishes the lowered load,
+ * fences and reads the queue's depth; a route pushes, fences (kvr_queue_catch_up) and reads the
+ * load in its pass; one of them sees the other, so either the route admits the request itself or
+ * the hook sees it queued.  Against the thread's park: the hook stores `wanted` and then
+ * kvr_parker_wake (full barrier, loads the state); the thread announces its park (full barrier)
+ * and then reads `wanted` (sync/park.h).  The hook never blocks, allocates or takes a lock: a
+ * fence, a load, and with requests queued a store and a FUTEX_WAKE only when the thread sleeps.
  *
  * Started only for a router with a queue (kvr_config.queue_threshold > 0): a router without one
- * installs the plain expiry hook and has no thread.  Shutdown: kvr_router_destroy sets the
- * router's shutdown flag and waits for a call on every shard, after which no hook runs past its
- * shutdown check, then stops and joins this thread before the queue goes.  The thread runs with
+ * installs no hook and has no thread.  Shutdown: kvr_router_destroy sets the router's shutdown
+ * flag and waits for a call on every shard, after which no hook runs past its shutdown check,
+ * then stops and joins this thread before the queue goes.  The thread runs with
  * kvr_router_cb_self set (as a feed's and a replica's threads do): a destroy from its on_admit
  * or clock returns at once instead of joining the thread that calls it.
  */
 #include <stdbool.h>
 
-#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "sync/nocancel.h"
 #include "sync/rcu.h"
@@ -82,16 +83,15 @@ void kvr_admitter_stop(struct kvr_router *r)
 	a->started = false;
 }
 
-void kvr_admitter_note_expire(void *ctx, uint64_t attempt)
+void kvr_admitter_note_unloaded(void *ctx)
 {
 	struct kvr_router *r = ctx;
-	kvr_repl_note_expire(ctx, attempt);
 	/* Past kvr_router_destroy's call on this shard, the queue may be freed: the flag is set
-	 * before that call, which orders it before this shard's later tasks. */
+	 * before that call, which orders it before this shard's later tasks and timers. */
 	if (kvr_router_stopping(r))
 		return;
-	/* The expired attempt's load is off its rank (end_attempt stored it); pairs with the
-	 * route's fence between its push and its pass (kvr_queue_catch_up). */
+	/* The lowered load is published (relaxed stores); pairs with the route's fence between
+	 * its push and its pass (kvr_queue_catch_up). */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	if (kvr_queue_depth(r) == 0)
 		return;

@@ -185,9 +185,10 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .events_max_blocks = cfg->events_max_blocks,
 	    .on_event_gap = cfg->on_event_gap,
 	    .callback_ctx = cfg->callback_ctx,
-	    /* With a queue, an expiry also wakes the admission thread (core/queue_thread.c);
-	     * without one, nothing more than replica sync's note. */
-	    .on_expire = cfg->queue_threshold > 0 ? kvr_admitter_note_expire : kvr_repl_note_expire,
+	    .on_expire = kvr_repl_note_expire,
+	    /* With a queue, load a shard lowers by itself wakes the admission thread
+	     * (core/queue_thread.c); without one there is nobody to tell. */
+	    .on_unloaded = cfg->queue_threshold > 0 ? kvr_admitter_note_unloaded : NULL,
 	    .expire_ctx = r,
 	    .clock = r->clock,
 	    .index = r->index,
@@ -312,8 +313,8 @@ void kvr_router_destroy(struct kvr_router *r)
 	for (uint32_t i = 0, n = r->shards ? kvr_shards_count(r->shards) : 0; i < n; i++)
 		(void)kvr_shard_call(kvr_shards_get(r->shards, i), KVR_LANE_ROUTING, shard_passed,
 		                     NULL);
-	/* After the calls above no shard's expiry hook wakes it, and before the queue goes: the
-	 * admission thread's pass ends on running shards. */
+	/* After the calls above no shard's hook (on_unloaded) wakes it, and before the queue goes:
+	 * the admission thread's pass ends on running shards. */
 	kvr_admitter_stop(r);
 	/* Before the shards stop: waiters are woken with KVR_ESHUTDOWN, and a pump in progress
 	 * (a waiter's) finishes its admissions on running shards. */

@@ -196,15 +196,15 @@ size_t kvr_queue_depth(struct kvr_router *r);
  * kvr_router_create, after the queue and the shards. */
 int kvr_admitter_start(struct kvr_router *r);
 /* Stops and joins it (nothing if it never started).  Context: kvr_router_destroy, after no
- * shard runs the expiry hook past its shutdown check, before the queue is freed; never on the
- * thread itself. */
+ * shard runs its hook (on_unloaded) past its shutdown check, before the queue is freed; never on
+ * the thread itself. */
 void kvr_admitter_stop(struct kvr_router *r);
-/* The shards' expiry hook (kvr_owner_ctx.on_expire, ctx: the router) of a router with a queue:
- * kvr_repl_note_expire, then a wake of the admission thread when requests are queued.  Never
+/* The shards' hook for load they lowered by themselves (kvr_owner_ctx.on_unloaded, ctx: the
+ * router) of a router with a queue: wakes the admission thread when requests are queued.  Never
  * blocks, allocates or takes a lock.  Context: r's shard threads.  Ordering: a seq_cst fence
- * between the expiry's load release and the read of the depth; pairs with the route's fence
- * after its push (kvr_queue_catch_up). */
-void kvr_admitter_note_expire(void *ctx, uint64_t attempt);
+ * between the shard's publication of the lowered load and the read of the depth; pairs with the
+ * route's fence after its push (kvr_queue_catch_up). */
+void kvr_admitter_note_unloaded(void *ctx);
 /* Before a pump that must see what the other side of a race did: a seq_cst fence (its pairing:
  * core/queue.c), then, when sh is given and without sync_booking, a call on sh that returns
  * once the work posted to it before (a lifecycle call's) ran.  kvr_route passes NULL (it never

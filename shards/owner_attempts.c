@@ -665,8 +665,12 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 	 * stale here, so its finish returns KVR_ESTALE and notes nothing: told as an expiry (an
 	 * abort), or every peer kept its mirror live for good (test_sync_nats test_oom). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
-	if (book(sh, rec, false) == KVR_ENOMEM && c->on_expire)
-		c->on_expire(c->expire_ctx, attempt);
+	if (book(sh, rec, false) == KVR_ENOMEM) {
+		if (c->on_expire)
+			c->on_expire(c->expire_ctx, attempt);
+		if (c->on_unloaded) /* its provisional load is gone */
+			c->on_unloaded(c->expire_ctx);
+	}
 }
 
 void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
@@ -881,6 +885,7 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 	kvr_owner_retry_releases(sh);
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
+	bool ended = false;
 	for (size_t i = ss->n_recs; i-- > 0;) {
 		if (i >= ss->n_recs)
 			continue;
@@ -891,6 +896,7 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 			KVR_PROBE2(lease_expire, rec->slot, attempt);
 			kvr_metrics_add(kvr_owner_mb(c), KVR_C_LEASE_EXPIRIES, 1);
 			end_attempt(sh, rec, true);
+			ended = true;
 			if (c->on_expire)
 				c->on_expire(c->expire_ctx, attempt);
 		} else if (st == 0) {
@@ -898,7 +904,10 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 			 * queued, or given up on a full lane): end it now; the message, if it
 			 * comes, finds nothing. */
 			end_attempt(sh, rec, true);
+			ended = true;
 		}
 	}
+	if (ended && c->on_unloaded)
+		c->on_unloaded(c->expire_ctx);
 	kvr_owner_rearm_reaper(sh);
 }

@@ -64,9 +64,15 @@ static void decay_fire(struct kvr_shard *sh, void *arg)
 	(void)arg;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	ss->decay_armed = false;
-	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next)
-		if (kvr_load_decay_end(own->load))
+	bool lowered = false;
+	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next) {
+		if (kvr_load_decay_end(own->load)) {
 			kvr_owner_publish(ss, own); /* arms the next step while one decays */
+			lowered = true;
+		}
+	}
+	if (lowered && ss->c->on_unloaded) /* a step of a decay lowered the load */
+		ss->c->on_unloaded(ss->c->expire_ctx);
 }
 
 /*

@@ -10,10 +10,11 @@
  * such call running a pass of its own.  Then the frontends stop and nothing calls the router:
  * every queued ticket must be admitted through on_admit (by the admission thread, as the
  * expiries free the ranks), exactly once, within a bound (10 s against expiries of ~20 ms: a
- * hang, not a timing), and every rank's load must return to zero.  A last round destroys the
- * router while expiries still wake the admission thread and requests still wait: each ticket is
- * answered exactly once (admitted, or KVR_ESHUTDOWN).  Before the admission thread, the first
- * check failed: the queued requests stayed queued on idle ranks.  Exit 0 pass, 1 fail.
+ * hang, not a timing), and every rank's load must return to zero.  A second such round adds
+ * expected_prefill_ns, whose decay steps (a shard timer) lower load as well.  A last round
+ * destroys the router while expiries still wake the admission thread and requests still wait:
+ * each ticket is answered exactly once (admitted, or KVR_ESHUTDOWN).  Before the admission thread,
+ * the first check failed: the queued requests stayed queued on idle ranks.  Exit 0 pass, 1 fail.
  * argv[1]: duration in ms of each round (default 400); argv[2]: frontend threads (3).
  */
 #include <pthread.h>
@@ -142,7 +143,7 @@ static void *frontend(void *arg)
 	return NULL;
 }
 
-static int make_router(void)
+static int make_router(uint64_t expected_prefill_ns)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
@@ -150,6 +151,7 @@ static int make_router(void)
 	c.queue_threshold = 1.0;
 	c.on_admit = on_admit;
 	c.lease_scan_interval_ns = 10000000; /* idle attempts expire after 10 to 20 ms */
+	c.expected_prefill_ns = expected_prefill_ns;
 	if (kvr_router_create(&c, &R)) {
 		fprintf(stderr, "kvr_router_create: %s\n", kvr_last_error());
 		return 1;
@@ -229,17 +231,14 @@ static int learn_base(void)
 	return 0;
 }
 
-int main(int argc, char **argv)
+/* Frontends for ms, then no call on the router: every queued ticket is admitted by the
+ * admission thread, once, and the load returns to zero.  Returns 1 on failure. */
+static int drain_round(const char *round, unsigned nthreads, unsigned ms,
+                       uint64_t expected_prefill_ns)
 {
-	unsigned ms = argc > 1 ? (unsigned)atoi(argv[1]) : 400;
-	unsigned nthreads = argc > 2 ? (unsigned)atoi(argv[2]) : 3;
-	if (nthreads < 1 || nthreads > 16)
-		nthreads = 3;
 	int fail = 0;
-
-	/* Round 1: drain by expiries alone. */
 	reset_counts();
-	if (learn_base() || make_router())
+	if (learn_base() || make_router(expected_prefill_ns))
 		return 1;
 	run_frontends(nthreads, ms);
 	uint64_t t0 = mono_ms();
@@ -249,19 +248,19 @@ int main(int argc, char **argv)
 		sleep_ms(2); /* no call on the router: only its own threads admit */
 	uint64_t nq = __atomic_load_n(&n_queued, __ATOMIC_SEQ_CST);
 	uint64_t nr = __atomic_load_n(&n_resolved, __ATOMIC_SEQ_CST);
-	printf("drain: %llu queued, %llu admitted in %llu ms with no call on the router\n",
+	printf("%s: %llu queued, %llu admitted in %llu ms with no call on the router\n", round,
 	       (unsigned long long)nq, (unsigned long long)nr,
 	       (unsigned long long)(mono_ms() - t0));
 	if (nr != nq) {
-		fprintf(stderr, "drain: %llu of %llu queued requests never admitted\n",
+		fprintf(stderr, "%s: %llu of %llu queued requests never admitted\n", round,
 		        (unsigned long long)(nq - nr), (unsigned long long)nq);
 		fail = 1;
 	}
 	if (nq == 0) {
-		fprintf(stderr, "drain: nothing queued: the test tested nothing\n");
+		fprintf(stderr, "%s: nothing queued: the test tested nothing\n", round);
 		fail = 1;
 	}
-	fail |= check_tickets("drain");
+	fail |= check_tickets(round);
 	/* Every admitted attempt vanishes or was ended: all load returns to zero. */
 	t0 = mono_ms();
 	uint64_t load;
@@ -276,19 +275,35 @@ int main(int argc, char **argv)
 			sleep_ms(2);
 	} while (load && mono_ms() - t0 < 10000);
 	if (load) {
-		fprintf(stderr, "drain: load %llu left on the ranks\n", (unsigned long long)load);
+		fprintf(stderr, "%s: load %llu left on the ranks\n", round,
+		        (unsigned long long)load);
 		fail = 1;
 	}
 	if (n_shut) {
-		fprintf(stderr, "drain: %llu answered KVR_ESHUTDOWN before the destroy\n",
+		fprintf(stderr, "%s: %llu answered KVR_ESHUTDOWN before the destroy\n", round,
 		        (unsigned long long)n_shut);
 		fail = 1;
 	}
 	kvr_router_destroy(R);
+	return fail;
+}
 
-	/* Round 2: destroyed while expiries wake the admission thread. */
+int main(int argc, char **argv)
+{
+	unsigned ms = argc > 1 ? (unsigned)atoi(argv[1]) : 400;
+	unsigned nthreads = argc > 2 ? (unsigned)atoi(argv[2]) : 3;
+	if (nthreads < 1 || nthreads > 16)
+		nthreads = 3;
+	int fail = 0;
+
+	/* Round 1: drained by lease expiries alone; round 2: by expiries and the prefill decay's
+	 * steps (expected_prefill_ns). */
+	fail |= drain_round("drain", nthreads, ms, 0);
+	fail |= drain_round("drain_decay", nthreads, ms, 5000000);
+
+	/* Round 3: destroyed while expiries wake the admission thread. */
 	reset_counts();
-	if (learn_base() || make_router())
+	if (learn_base() || make_router(0))
 		return 1;
 	run_frontends(nthreads, ms);
 	sleep_ms(15); /* some leases expire, some are still to */

@@ -760,3 +760,53 @@ Test(regress, a_request_queued_behind_an_expired_lease_is_admitted_with_no_furth
 	cr_assert_eq(kvr_route(r, &q, &d), 0);
 	kvr_router_destroy(r);
 }
+
+/* The same for load a shard lowers on a timer of its own: with expected_prefill_ns the oldest
+ * prefill counts less as it goes, and the shard publishes each step.  Once the decay took the
+ * rank below the threshold, the request queued behind the prefill waited for the embedder's next
+ * call (probe: 0 admitted 500 ms later with a prefill of 100 ms; the sync admitted it).  The step
+ * wakes the admission thread now.  No lease expires here (a minute's interval). */
+static int decay_admits;
+static void on_admit_decay(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	(void)ticket;
+	if (d->status == KVR_DECIDED)
+		__atomic_add_fetch(&decay_admits, 1, __ATOMIC_SEQ_CST);
+}
+
+Test(regress, a_request_queued_behind_a_decaying_prefill_is_admitted_with_no_further_call,
+     .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit_decay;
+	c.expected_prefill_ns = 50000000;          /* 50 ms */
+	c.lease_scan_interval_ns = 60000000000ull; /* no expiry */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){1, 0}, 1, 100000, 16), 0);
+	static uint32_t tok[64];
+	prompt(tok, 64, 7100);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0); /* 64 prefill tokens > 16: saturated */
+	cr_assert_eq(d.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 1000000000), 0);
+	tok[0] ^= 0x55555;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	/* The first attempt never reports: nothing calls the router until the admission came. */
+	for (int i = 0; i < 10000 && !__atomic_load_n(&decay_admits, __ATOMIC_SEQ_CST); i++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_eq(__atomic_load_n(&decay_admits, __ATOMIC_SEQ_CST), 1,
+	             "the decay of the first prefill admitted nobody");
+	kvr_router_destroy(r);
+}
