@@ -31,7 +31,6 @@
 #include <stdbool.h>
 
 #include "core/router_internal.h"
-#include "sync/nocancel.h"
 #include "sync/rcu.h"
 #include "sync/thread.h"
 
@@ -44,8 +43,8 @@ static void *admitter_main(void *arg)
 		/* Ordering: acquire; pairs with the release store in kvr_admitter_stop. */
 		if (__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE))
 			break;
-		/* Cleared before the pass: an expiry during it raises the flag again and the pass
-		 * runs once more.  Ordering: seq_cst, after the park's barrier below. */
+		/* Cleared before the pass: load a shard lowers during it raises the flag again and
+		 * the pass runs once more.  Ordering: seq_cst, after the park's barrier below. */
 		if (__atomic_exchange_n(&a->wanted, 0, __ATOMIC_SEQ_CST)) {
 			kvr_queue_pump(r); /* false: another thread's pass walks the list again */
 			continue;

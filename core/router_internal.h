@@ -95,11 +95,11 @@ static inline uint32_t kvr_live_n(const struct kvr_live *l)
 struct kvr_queue; /* core/queue.c */
 
 /* The admission thread (core/queue_thread.c), a router with a queue only: it runs the admission
- * pass for load a lease expiry lowered.  wanted and stop are atomic; the rest is
- * kvr_router_create's and kvr_router_destroy's. */
+ * pass for load a shard lowered by itself (a lease expiry, a decay step).  wanted and stop are
+ * atomic; the rest is kvr_router_create's and kvr_router_destroy's. */
 struct kvr_admitter {
 	struct kvr_parker park; /* the thread sleeps here */
-	uint32_t wanted;        /* an expiry lowered load while requests were queued */
+	uint32_t wanted;        /* a shard lowered load by itself while requests were queued */
 	uint32_t stop;          /* kvr_router_destroy: the thread returns */
 	bool started;
 	pthread_t thread;
