@@ -665,12 +665,14 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 	 * stale here, so its finish returns KVR_ESTALE and notes nothing: told as an expiry (an
 	 * abort), or every peer kept its mirror live for good (test_sync_nats test_oom). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
-	if (book(sh, rec, false) == KVR_ENOMEM) {
-		if (c->on_expire)
-			c->on_expire(c->expire_ctx, attempt);
-		if (c->on_unloaded) /* its provisional load is gone */
-			c->on_unloaded(c->expire_ctx);
-	}
+	int rc = book(sh, rec, false);
+	if (rc == KVR_ENOMEM && c->on_expire)
+		c->on_expire(c->expire_ctx, attempt);
+	/* Its provisional load is gone.  Also for a rank removed meanwhile (KVR_ENOENT): the
+	 * load words are the slot's, and a rank added since in the same slot read this booking's
+	 * load until now, so a request may have queued behind it. */
+	if (rc && c->on_unloaded)
+		c->on_unloaded(c->expire_ctx);
 }
 
 void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
