@@ -28,9 +28,9 @@
  * before its call returns even with nothing queued, and a lifecycle call that saw nothing
  * queued looks again after its post (kvr_queue_catch_up; the fences make one of the call and
  * the route see the other).  Load the shards lower on their own (a lease expiry, a decay
- * step) wakes the router's admission thread, which pumps (core/queue_thread.c).  Left: an
- * output's load, or a posted release that a third call's booking made matter (the rank was not
- * saturated when it was posted), is seen by the next call's pass, or a waiter's.
+ * step), and every posted lifecycle message once applied (an output's end of the prefill, a
+ * release that a third call's booking made matter: the rank was not saturated when it was
+ * posted), wake the router's admission thread, which pumps (core/queue_thread.c).
  *
  * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
  * (prefill done, finish, abort, a rank added or resized, kvr_router_sync) and by the admission

@@ -6,7 +6,9 @@
  * load (finish, abort, prefill done, rank changes, kvr_router_sync) or route.  A shard also
  * lowers load in no call at all: a lease expiry (an attempt that vanished), the end of an
  * attempt whose ending call's work never came, a booking dropped for memory, a step of the
- * prefill decay (expected_prefill_ns).  With nothing else happening the request then waited on
+ * prefill decay (expected_prefill_ns); and posted lifecycle work is applied after its call
+ * returned, which pumped before it (an output on a saturated rank is posted, not waited for).
+ * With nothing else happening the request then waited on
  * an idle rank until the embedder's next call, for good on a quiet system.  The shard cannot run
  * the pass itself: the pass takes the queue's mutex and runs on_admit, and a frontend that holds
  * a lock on_admit wants may be waiting for that very shard (a finish waits for its shard's

@@ -139,10 +139,11 @@ struct kvr_owner_ctx {
 	void *expire_ctx;
 	/* The shard lowered load by itself, in no call of the router's: a lease expiry, the end of
 	 * an attempt whose ending call's work never came, a booking dropped for memory, a decay
-	 * step (expected_prefill_ns).  Called on the shard thread after the lowered load is
-	 * published, once per timer fire or task; it must not block, allocate or take a lock (the
-	 * router wakes its admission thread: core/queue_thread.c).  ctx: expire_ctx.  NULL: nothing
-	 * to tell (a router without a queue). */
+	 * step (expected_prefill_ns); or applied a posted lifecycle message (its call returned
+	 * without waiting for it, and pumped nothing after it).  Called on the shard thread after
+	 * the lowered load is published, once per timer fire or task; it must not block, allocate
+	 * or take a lock (the router wakes its admission thread: core/queue_thread.c).  ctx:
+	 * expire_ctx.  NULL: nothing to tell (a router without a queue). */
 	void (*on_unloaded)(void *ctx);
 	/* shared objects */
 	struct kvr_clock clock;

@@ -866,9 +866,15 @@ void kvr_owner_progress_task(struct kvr_shard *sh, void *payload)
 	struct kvr_progress_msg m;
 	memcpy(&m, payload, sizeof(m));
 	bool heap = m.op == KVR_OP_OUTPUT && m.n_tokens > KVR_PROGRESS_INLINE;
-	progress(sh, &m, heap ? m.tok.heap : m.tok.inl);
+	int rc = progress(sh, &m, heap ? m.tok.heap : m.tok.inl);
 	if (heap)
 		kvr_free_transient(m.tok.heap, m.n_tokens * sizeof(uint32_t));
+	/* A posted release has no pass behind it when its call saw no reason to wait (an output,
+	 * or a rank saturated only since, by a third call's booking): a route that read the load
+	 * before it may have queued meanwhile.  The hook looks (a router with a queue). */
+	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
+	if (rc == 0 && c->on_unloaded)
+		c->on_unloaded(c->expire_ctx);
 }
 
 int kvr_owner_progress_call(struct kvr_shard *sh, void *msg)

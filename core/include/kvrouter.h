@@ -328,9 +328,11 @@ struct kvr_config {
 	 * to ranks now gone at once), kvr_router_sync, another ticket's kvr_route_wait, or
 	 * kvr_router_destroy, so it must not wait for a lock its caller may hold around those
 	 * calls; or, for load the router lowers by itself (an attempt's lease expiring, a step of
-	 * the expected_prefill_ns decay), on the router's admission thread (one per router with a
-	 * queue, started by kvr_router_create), so a request queued behind an attempt that
-	 * vanished is admitted with no further call.  Default NULL. */
+	 * the expected_prefill_ns decay) or once a posted lifecycle call's work is applied (an
+	 * output, say, which implies its prefill is done), on the router's admission thread (one
+	 * per router with a queue, started by kvr_router_create), so a request queued behind an
+	 * attempt that vanished, or routed just before such work was applied, is admitted with no
+	 * further call.  Default NULL. */
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
 	 * embedder can ask the worker to replay.  Also, once per episode, when a rank reaches its

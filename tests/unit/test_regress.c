@@ -810,3 +810,66 @@ Test(regress, a_request_queued_behind_a_decaying_prefill_is_admitted_with_no_fur
 	             "the decay of the first prefill admitted nobody");
 	kvr_router_destroy(r);
 }
+
+/* An output ends its attempt's prefill (the output implies it), and on a saturated rank with
+ * nothing queued it is posted, not waited for (outputs are frequent).  A route right after it
+ * reads the load before the shard applied the output, and queues; the shard then lowers the
+ * load and, before, pumped nothing: the request waited for the embedder's next call.  Now a
+ * posted release wakes the admission thread once applied.  Rounds where the shard was quicker
+ * than the route do not queue; every round that queued must be admitted with no call. */
+static int output_admits;
+static uint64_t output_admitted; /* the attempt on_admit was given */
+static void on_admit_output(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	(void)ticket;
+	if (d->status == KVR_DECIDED) {
+		__atomic_store_n(&output_admitted, d->attempt, __ATOMIC_SEQ_CST);
+		__atomic_add_fetch(&output_admits, 1, __ATOMIC_SEQ_CST);
+	}
+}
+
+Test(regress, a_request_queued_behind_a_posted_output_is_admitted_with_no_further_call,
+     .timeout = 120)
+{
+	struct kvr_router *r = saturable_router(on_admit_output, NULL, false, 0);
+	static uint32_t tok[64];
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	int queued = 0;
+	for (int it = 0; it < 50; it++) {
+		prompt(tok, 64, 9000 + (uint32_t)it);
+		struct kvr_decision a, b;
+		cr_assert_eq(kvr_route(r, &q, &a), 0); /* 64 prefill tokens > 16: saturated */
+		cr_assert_eq(a.status, KVR_DECIDED);
+		cr_assert_eq(kvr_router_sync(r, 1000000000), 0);
+		const uint32_t out[1] = {7};
+		cr_assert_eq(kvr_request_output(r, a.attempt, out, 1), 0); /* posted */
+		tok[0] ^= 0x55555;
+		cr_assert_eq(kvr_route(r, &q, &b), 0);
+		if (b.status == KVR_QUEUED) {
+			queued++;
+			int want = queued;
+			for (int i = 0;
+			     i < 10000 && __atomic_load_n(&output_admits, __ATOMIC_SEQ_CST) < want;
+			     i++) {
+				struct timespec ts = {0, 1000000};
+				nanosleep(&ts, NULL);
+			}
+			cr_assert_eq(__atomic_load_n(&output_admits, __ATOMIC_SEQ_CST), want,
+			             "round %d: queued behind the output, admitted nobody in 10 s",
+			             it);
+			cr_assert_eq(kvr_request_finish(
+			                 r, __atomic_load_n(&output_admitted, __ATOMIC_SEQ_CST)),
+			             0);
+		} else {
+			cr_assert_eq(kvr_request_finish(r, b.attempt), 0);
+		}
+		cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+		cr_assert_eq(kvr_router_sync(r, 1000000000), 0);
+	}
+	cr_log_info("queued behind the output in %d of 50 rounds", queued);
+	kvr_router_destroy(r);
+}
