@@ -112,7 +112,8 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 /* In a progress message's flags beside KVR_PROGRESS_NOT_FINAL, which is all the shard reads
  * of them: the call was kvr_request_output_ex, for a failure's detail. */
 #define PROGRESS_EX 0x8000u
-_Static_assert((PROGRESS_EX & KVR_PROGRESS_NOT_FINAL) == 0, "PROGRESS_EX is a flag of its own");
+_Static_assert((PROGRESS_EX & (KVR_PROGRESS_NOT_FINAL | KVR_PROGRESS_WAKE)) == 0,
+               "PROGRESS_EX is a flag of its own");
 
 /* The detail of a lifecycle call's failure (core/error.h): each code has one cause here but
  * KVR_EINVAL, whose causes are checked again.  Cold: no work on the calls that succeed. */
@@ -202,8 +203,13 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	}
 	if (ends)
 		kvr_metrics_add(mb, op == KVR_OP_FINISH ? KVR_C_FINISHED : KVR_C_ABORTED, 1);
-	struct kvr_progress_msg m = {
-	    .attempt = attempt, .op = (int16_t)op, .flags = flags, .n_tokens = (uint32_t)n};
+	/* A router with a queue and without sync_booking: the shard wakes the admission thread
+	 * once the posted work is applied (KVR_PROGRESS_WAKE). */
+	const uint16_t wake = r->queue && !r->cfg.sync_booking ? KVR_PROGRESS_WAKE : 0;
+	struct kvr_progress_msg m = {.attempt = attempt,
+	                             .op = (int16_t)op,
+	                             .flags = (uint16_t)(flags | wake),
+	                             .n_tokens = (uint32_t)n};
 	/* Requests waiting for load to drop: apply before the admission pass below (with
 	 * sync_booking that pass settles first, so the posted work is applied before it). */
 	bool pump = queue_waits_on(r, op, slot);

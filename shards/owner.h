@@ -275,6 +275,10 @@ enum kvr_progress_op {
  * (kvr_request_output_ex without KVR_OUTPUT_FINAL): its KV is computed in the engine's next
  * step, so it is not held back. */
 #define KVR_PROGRESS_NOT_FINAL 1u
+/* The posted message, once applied, calls on_unloaded: a route may have read the load before it
+ * and queued (core/queue.c).  Not with sync_booking, where every call settles posted work before
+ * it reads: its admissions stay on the simulation's own calls, in order. */
+#define KVR_PROGRESS_WAKE 2u
 
 /* A lifecycle message (exactly one lane payload). */
 struct kvr_progress_msg {

@@ -873,7 +873,7 @@ void kvr_owner_progress_task(struct kvr_shard *sh, void *payload)
 	 * or a rank saturated only since, by a third call's booking): a route that read the load
 	 * before it may have queued meanwhile.  The hook looks (a router with a queue). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
-	if (rc == 0 && c->on_unloaded)
+	if (rc == 0 && (m.flags & KVR_PROGRESS_WAKE) && c->on_unloaded)
 		c->on_unloaded(c->expire_ctx);
 }
 
