@@ -451,10 +451,22 @@ void kvr_index_retire_flush(struct kvr_index *idx, struct idx_retire *rt)
 	memset(rt, 0, sizeof(*rt));
 }
 
+void kvr_index_flush_retired(struct kvr_index *idx)
+{
+	if (!idx)
+		return;
+	pthread_mutex_lock(&idx->wlock); /* the batch is the writers' */
+	kvr_index_retire_flush(idx, &idx->rt);
+	pthread_mutex_unlock(&idx->wlock);
+}
+
 void kvr_index_quiesce(struct kvr_index *idx)
 {
 	if (!idx)
 		return;
+	/* What the writers retired since their last full batch, or the wait below would not
+	 * cover it and the counters would stay above what is live. */
+	kvr_index_flush_retired(idx);
 	/* Ordering: acquire; pairs with the release decrement in idx_cb_fn(). */
 	while (__atomic_load_n(&idx->pending, __ATOMIC_ACQUIRE) != 0) {
 		struct timespec ts = {0, 100000};

@@ -235,9 +235,22 @@ size_t kvr_index_find_depths(const struct kvr_index *idx, const uint64_t *seq, s
 size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, size_t n);
 
 /*
- * Waits until every deferred free and slot release this index queued so far has run (memory
- * counters are then exact, released slots reusable), and makes the tree sizes find_matches
- * reports exact.  Polls; no rcu_barrier().
+ * Hands what the writers retired and have not handed to RCU yet to call_rcu now.  Writers
+ * gather retired objects (runs, hash arrays, holder sets) into one batch and hand it over at
+ * IDX_RETIRE_BATCH objects, so an index that goes idle after a burst of writes kept up to 255
+ * of them (about 4 MB of hash arrays at worst) in its memory counter and in RSS until some later
+ * write: this is the idle hook's call (the router's shards make it when idle, shards/owner_ranks.c
+ * kvr_owner_shard_idle).  One mutex and at most one call_rcu; readers never see it.
+ * Context: a writer thread (registered with RCU: kvr_rcu_thread_online(); an unregistered one
+ * waits out a grace period here instead), outside a read section; takes the writers' mutex.
+ */
+void kvr_index_flush_retired(struct kvr_index *idx);
+
+/*
+ * Hands the writers' pending retired objects to RCU (kvr_index_flush_retired), then waits until
+ * every deferred free and slot release this index queued so far has run (memory counters are
+ * then exact, released slots reusable), and makes the tree sizes find_matches reports exact.
+ * Polls; no rcu_barrier().
  * Context: any registered thread outside a read section, no writer of this index concurrently.
  */
 void kvr_index_quiesce(struct kvr_index *idx);

@@ -644,7 +644,9 @@ struct kvr_index {
 	 * relaxed: kvr_index_clear_worker reads it without rank_lock). */
 	uint32_t fresh;
 	uint64_t active_ranks;
-	struct idx_retire rt;  /* retired under wlock, not yet handed to call_rcu */
+	struct idx_retire rt;  /* retired under wlock, not yet handed to call_rcu: at a full
+	                        * batch (idx_flush_if_due), or when the writers go idle
+	                        * (kvr_index_flush_retired) */
 	struct idx_blocks blk; /* the writers' block locator */
 	/* Where the last successful store or removal ended (NULL: unknown; cleared when that run
 	 * dies): the next store's parent is most often that block (a chain stored event by event,

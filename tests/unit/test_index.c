@@ -453,6 +453,60 @@ Test(index, long_store_scratch_given_back)
 	free(b);
 }
 
+/* Retired objects gathered below a full batch are handed to RCU by kvr_index_flush_retired (the
+ * router's idle hook) and by kvr_index_quiesce, whose counters are then exact: 40 of 1,040
+ * 8-block chains removed, the memory counter and the live bytes fall by their runs and hash
+ * arrays.  Before, the 80 retired objects waited in the batch for the next write, and a quiesce
+ * left memory_bytes and kvr_alloc_live_bytes where they were before the removals. */
+static void store_chains(uint32_t r0, int from, int to)
+{
+	struct kvr_index_block b[8];
+	for (int k = from; k < to; k++) {
+		chain(b, 8, 1000003ull * (uint64_t)(k + 1), 77ull * (uint64_t)(k + 1));
+		cr_assert_eq(kvr_index_store(idx, r0, NULL, b, 8), 0);
+	}
+}
+
+static void remove_chains(uint32_t r0, int from, int to)
+{
+	uint64_t h[8];
+	for (int k = from; k < to; k++) {
+		for (int i = 0; i < 8; i++)
+			h[i] = 1000003ull * (uint64_t)(k + 1) + (uint64_t)i;
+		size_t nf = 1;
+		cr_assert_eq(kvr_index_remove(idx, r0, h, 8, &nf), 0);
+		cr_assert_eq(nf, 0);
+	}
+}
+
+Test(index, retired_below_a_full_batch_are_freed_when_idle)
+{
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	store_chains(r0, 0, 1040);
+	kvr_index_quiesce(idx);
+	const uint64_t mem0 = kvr_index_memory_bytes(idx);
+	const int64_t live0 = kvr_alloc_live_bytes();
+	remove_chains(r0, 1000, 1040);
+	kvr_index_flush_retired(idx);
+	kvr_index_flush_retired(idx); /* nothing left: a no-op */
+	kvr_index_quiesce(idx);
+	/* 40 runs and 40 hash arrays of 8 words at least */
+	const uint64_t gone = 40 * (64 + 64);
+	cr_assert_leq(kvr_index_memory_bytes(idx) + gone, mem0, "memory_bytes %llu -> %llu",
+	              (unsigned long long)mem0, (unsigned long long)kvr_index_memory_bytes(idx));
+	cr_assert_leq(kvr_alloc_live_bytes() + (int64_t)gone, live0, "live %lld -> %lld",
+	              (long long)live0, (long long)kvr_alloc_live_bytes());
+	/* The same through quiesce alone. */
+	const uint64_t mem1 = kvr_index_memory_bytes(idx);
+	remove_chains(r0, 960, 1000);
+	kvr_index_quiesce(idx);
+	cr_assert_leq(kvr_index_memory_bytes(idx) + gone, mem1, "memory_bytes %llu -> %llu",
+	              (unsigned long long)mem1, (unsigned long long)kvr_index_memory_bytes(idx));
+	cr_assert_eq(kvr_index_tree_size(idx, r0), 960 * 8);
+	kvr_index_flush_retired(NULL); /* a no-op */
+}
+
 /* Copy counting switched off by the only writer while blocks have extra copies: a block is then
  * one copy (the extras are dropped and counted removed), so one removal drops it and the gauges
  * say nothing is left; switched on again, a block stored once goes with one removal (no extra
