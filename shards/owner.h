@@ -360,7 +360,10 @@ void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx);
  * The pool serves bursts of admissions (bench_route's tails); idle, it held up to ~1.8 MB and
  * pinned slabs of the transient arena (bench_footprint, 8 ranks: 0.7 / 5.7 B per tracked
  * (block, rank) kept at 2k / 32k prompts, and ~2 B of half-empty slabs).  The next burst
- * allocates its first records again (one per class and frontend in flight). */
+ * allocates its first records again (one per class and frontend in flight).  And the index's
+ * retired objects still waiting for a full batch go to RCU (kvr_index_flush_retired): up to 255
+ * of them (~4 MB of hash arrays at worst) waited for the next write, for good on an idle
+ * router. */
 void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx);
 
 #endif /* KVR_SHARDS_OWNER_H */

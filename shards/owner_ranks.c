@@ -133,6 +133,10 @@ void kvr_owner_apply_removals(struct kvr_shard_state *ss, struct kvr_rank_owned 
                               const struct kvr_lru_out *out)
 {
 	const struct kvr_owner_ctx *c = ss->c;
+	/* A timer's removals (TTL expiry, the reaper's releases) retire index objects long after
+	 * the shard's idle hook ran: it must run again, or they wait for the next write. */
+	if (out->cleared || out->n_evicted)
+		kvr_shard_note_work(kvr_shard_current());
 	if (out->cleared)
 		kvr_index_clear_rank(c->index, own->slot);
 	if (out->n_evicted) {
@@ -337,6 +341,9 @@ void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx)
 	(void)sh;
 	const struct kvr_owner_ctx *c = ctx;
 	kvr_attempt_pool_trim(c->pool);
+	/* Under the index's writer mutex, as every write: the batch may hold what other shards'
+	 * ranks retired too, and they may be writing now. */
+	kvr_index_flush_retired(c->index);
 }
 
 void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx)

@@ -828,6 +828,12 @@ struct kvr_shard *kvr_shard_current(void)
 	return tls_shard;
 }
 
+void kvr_shard_note_work(struct kvr_shard *sh)
+{
+	if (sh)
+		sh->worked = true; /* read by idle_purge, on this thread */
+}
+
 void *kvr_shard_userdata(struct kvr_shard *sh)
 {
 	return sh->userdata;
