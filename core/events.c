@@ -161,7 +161,8 @@ static __attribute__((cold, noinline)) int invalid_event(const struct kvr_router
 /* The detail of a code from the rank's lookup (at == 0) or its shard (core/error.h). */
 static __attribute__((cold, noinline)) int event_fail(const struct kvr_router *r, int rc,
                                                       struct kvr_rank_id rank,
-                                                      const struct kvr_event *ev, bool shard)
+                                                      const struct kvr_event *ev, bool shard,
+                                                      bool index_full)
 {
 	static const char fn[] = "kvr_events_apply";
 	switch (rc) {
@@ -180,6 +181,12 @@ static __attribute__((cold, noinline)) int event_fail(const struct kvr_router *r
 		                ", dp %" PRIu32 ")'s last applied one: dropped",
 		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
 	case KVR_ERANGE:
+		if (index_full)
+			return kvr_fail(rc,
+			                "%s: stored event %" PRIu64
+			                " refused: the index holds the most "
+			                "runs it can name (2^25 - 1); nothing applied",
+			                fn, ev->event_id);
 		return kvr_fail(rc,
 		                "%s: stored event %" PRIu64 " would take rank (worker %" PRIu64
 		                ", dp %" PRIu32 ") past its stored-block bound: refused",
@@ -217,7 +224,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	uint32_t slot;
 	uint64_t gen;
 	if ((rc = kvr_router_find_rank_gen(r, rank, &slot, &gen)))
-		return event_fail(r, rc, rank, ev, false);
+		return event_fail(r, rc, rank, ev, false, false);
 	if (ev->type == KVR_EVENT_STORED) {
 		if (scratch_grow((void **)&scratch_local, &scratch_local_cap, ev->n_blocks,
 		                 sizeof(uint64_t)))
@@ -237,7 +244,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	struct kvr_event_args a = {.slot = slot, .gen = gen, .ev = ev, .local = scratch_local};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 	report_gaps(r, rank, &a, 1);
-	return rc ? event_fail(r, rc, rank, ev, true) : 0;
+	return rc ? event_fail(r, rc, rank, ev, true, a.index_full) : 0;
 }
 
 struct many {

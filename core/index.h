@@ -121,7 +121,10 @@ int kvr_index_rank_remove(struct kvr_index *idx, uint32_t slot);
  * below the root, else XXH3(parent seq, local)), computed here from local_hash; find_matches is
  * given the same sequence hashes.
  * n == 0 is a no-op (0).  KVR_ENOMEM: nothing of this call is applied (a failed write
- * changes nothing: what the call applied before the failure is taken back).
+ * changes nothing: what the call applied before the failure is taken back).  KVR_ERANGE: the
+ * index holds the most runs it can name (2^25 - 1 runs of two blocks or more that the block
+ * locator finds; ids of dead runs are reused), nothing of this call applied, as KVR_ENOMEM; a
+ * retry succeeds only once runs have died.
  * Context: the slot's writer thread, outside a read section.
  */
 int kvr_index_store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ext,

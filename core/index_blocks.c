@@ -766,11 +766,15 @@ int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r)
 	if (idx_seqs_inline(r))
 		return KVR_ENOMEM; /* NEVER: a run past one position has its own hash array */
 	if (!b->dir_free) {
+		const uint32_t max = b->id_limit ? b->id_limit : BLK_ID_MAX;
 		uint32_t ocap = b->dir_cap, ncap = ocap ? ocap + ocap / 2 : 64;
-		if (ocap > BLK_ID_MAX)
-			return KVR_ENOMEM; /* 2^25 runs: the id space is full */
-		if (ncap > BLK_ID_MAX + 1)
-			ncap = BLK_ID_MAX + 1;
+		/* Every id in use (2^25 - 1 located runs, ~4 GB of index): no memory would help,
+		 * and KVR_ENOMEM would say it could, so the store is refused as out of range
+		 * (and taken back whole: index_write.c).  Ids of dead runs are reused. */
+		if (ocap > max)
+			return KVR_ERANGE;
+		if (ncap > max + 1)
+			ncap = max + 1;
 		struct idx_run **d = kvr_alloc((size_t)ncap * sizeof(*d));
 		if (!d)
 			return KVR_ENOMEM;

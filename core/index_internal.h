@@ -524,6 +524,9 @@ struct idx_blocks {
 	uint32_t dir_cap;            /* ids 1..dir_cap-1 exist (0 is never used) */
 	uint32_t dir_free;           /* first free id, 0 = none */
 	uint32_t live;               /* ids in use */
+	/* The most ids the directory hands out (0: 2^IDX_ID_BITS - 1, the entry's field).  Only
+	 * tests lower it, to reach the full id space without 2^25 runs (~4 GB). */
+	uint32_t id_limit;
 };
 
 /*
@@ -784,7 +787,8 @@ uint64_t kvr_index_blk_reserve_upto(struct kvr_index *idx, uint64_t k);
 /* Deletes the entries of r's positions [1, hw) and frees its id (never fails; may shrink the
  * locator when memory allows). */
 void kvr_index_blk_drop_run(struct kvr_index *idx, struct idx_run *r);
-/* Gives r (whose hashes have their own array) an id.  Returns 0 or KVR_ENOMEM. */
+/* Gives r (whose hashes have their own array) an id.  Returns 0, KVR_ENOMEM, or KVR_ERANGE when
+ * every id is in use (blk.id_limit). */
 int kvr_index_blk_id_new(struct kvr_index *idx, struct idx_run *r);
 /* Frees r's id (its entries deleted first). */
 void kvr_index_blk_id_free(struct kvr_index *idx, struct idx_run *r);

@@ -440,7 +440,7 @@ static int store(struct kvr_index *idx, uint32_t slot, const uint64_t *parent_ex
 				idr = t;
 			if (e2) {
 				kvr_index_blk_unreserve(idx);
-				rc = KVR_ENOMEM;
+				rc = e2; /* KVR_ENOMEM, or KVR_ERANGE: no run id left */
 				break;
 			}
 		}
@@ -561,7 +561,7 @@ out:
 		idx_size_set(idx, rk, slot, rk->size + added);
 	if (nodes) /* once per call: an atomic add per block cost more than the block */
 		idx_count(&idx->c_nodes, (int64_t)nodes);
-	if (rc == KVR_ENOMEM) {
+	if (rc == KVR_ENOMEM || rc == KVR_ERANGE) {
 		/* A failed write changes nothing: take back what this call applied, newest
 		 * first (a removal never needs memory), and the map room it reserved. */
 		size_t removed = 0, dropped = 0;

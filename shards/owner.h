@@ -325,6 +325,9 @@ struct kvr_event_args {
 	/* Out: the event ids skipped (gap_from..gap_to-1; gap_to 0: none), for the caller to
 	 * report through on_event_gap on its own thread once the call returns. */
 	uint64_t gap_from, gap_to;
+	/* Out: the index refused the stored event for want of a run id (KVR_ERANGE from
+	 * kvr_index_store, not the rank's bound), for the caller's detail. */
+	bool index_full;
 };
 
 /* Engine ground truth (issue 15; shards/owner_heal.c).  Context: the rank's shard thread. */

@@ -71,6 +71,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	kvr_owner_retry_timers(sh);
 	struct kvr_event_args *a = arg;
 	a->gap_to = 0;
+	a->index_full = false;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	if (!ss)
 		return KVR_ENOMEM;
@@ -109,6 +110,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		                    ss->blk, ev->n_blocks);
 		if (rc == KVR_ENOENT)
 			kvr_metrics_add(mb, KVR_C_EV_PARENT_NOT_FOUND, 1);
+		a->index_full = rc == KVR_ERANGE;
 		kvr_metrics_add(mb, rc ? KVR_C_EV_STORED_ERR : KVR_C_EV_STORED_OK, 1);
 		break;
 	case KVR_EVENT_REMOVED: {

@@ -785,8 +785,9 @@ struct kvr_event {
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
  * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
  * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays,
- * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, below; nothing
- * applied), KVR_ENOMEM
+ * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, below, or the
+ * index holds the most runs it can name, 2^25 - 1 of two blocks or more; nothing applied),
+ * KVR_ENOMEM
  * (nothing changed, the event id cursor included: the same event may be applied
  * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):

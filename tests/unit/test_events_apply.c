@@ -5,6 +5,9 @@
 #include <string.h>
 
 #include "core/events.h"
+#include "core/hash.h"
+#include "core/index_internal.h"
+#include "core/router_internal.h"
 #include "kvrouter.h"
 
 static struct kvr_router *router;
@@ -78,4 +81,31 @@ Test(events_apply, malformed_event_size_does_not_wrap_the_batch_buffer)
 Test(events_apply, malformed_event_size_does_not_hang_the_batch, .timeout = 20)
 {
 	batch_with_malformed(SIZE_MAX - 8);
+}
+
+/* A stored event the index cannot name a run for (its run ids all in use; lowered to 3 here,
+ * 2^25 - 1 in use) is KVR_ERANGE with a detail that says so, not the rank's bound, and nothing
+ * of it is held.  Runs get ids when blocks are named by their sequence hash, as here. */
+Test(events_apply, full_run_id_space_is_erange_not_the_bound)
+{
+	make();
+	router->index->blk.id_limit = 3; /* before any store: the shard's next write reads it */
+	for (uint64_t k = 1; k <= 4; k++) {
+		uint64_t local[2] = {100 * k, 100 * k + 1}, seq[2];
+		kvr_hash_chain_locals(NULL, local, 2, seq);
+		struct kvr_event_block b[2] = {{.ext_hash = seq[0], .local_hash = local[0]},
+		                               {.ext_hash = seq[1], .local_hash = local[1]}};
+		struct kvr_event ev = {
+		    .type = KVR_EVENT_STORED, .event_id = k, .blocks = b, .n_blocks = 2};
+		int rc = kvr_events_apply(router, R0, &ev);
+		if (k <= 3) {
+			cr_assert_eq(rc, 0, "event %llu", (unsigned long long)k);
+			continue;
+		}
+		cr_assert_eq(rc, KVR_ERANGE);
+		cr_assert_not_null(strstr(kvr_last_error(), "the most runs it can name"), "%s",
+		                   kvr_last_error());
+	}
+	cr_assert_eq(held(), 6);
+	kvr_router_destroy(router);
 }
