@@ -66,14 +66,19 @@
  *   HEARTBEAT:   0 8 live attempts of the sender
  *   GOODBYE, RESET (the sender forgets everything peers hold from it; ATTEMPTs follow):  empty
  *   SNAP_REQ:    0 8 target replica.  Sent to the snapshot subject (a queue group, with a reply
- *                inbox): asks for a snapshot, target 0.  Sent on the stream: asks replica
+ *                inbox): asks for a snapshot, the field then flags: bit0
+ *                (KVR_MSG_SNAP_ASKER_SERVES) the asker serves snapshots itself (it resyncs
+ *                after a reconnect, not at its join); older askers send 0, which a provider
+ *                reads as a joiner's (sync/replica_snap.c, "Serving while resyncing").  Sent on
+ *                the stream: asks replica
  *                `target` to send RESET and its live attempts again (it was thought gone, or
  *                messages were lost), plus the attempts it finished in the last `seq` ms.
  *   SNAP_CHUNK:  0 4 chunk index  4 4 flags (bit0 last, bit1 given up)  8 4 n_records
  *                12 4 reserved  16 then n_records x { 4 len, len bytes: one whole message of
  *                type ADMIT, ATTEMPT, RANK or FENCE }.  Given up (KVR_MSG_CHUNK_GIVEN_UP): the
- *                provider could not build the snapshot whole (no memory) and sends no more;
- *                no records, not last; the asker asks again.  Flags bit2 floor
+ *                provider could not build the snapshot whole (no memory), or declines a
+ *                joiner while it resyncs itself, and sends no more; no records, not last; the
+ *                asker asks again.  Flags bit2 floor
  *                (KVR_MSG_CHUNK_FLOOR): 16 more bytes follow the fixed part, before the
  *                records, 16 8 clock  24 8 writer: the provider's rank floor, the newest
  *                removal whose tombstone it has forgotten (sync/replica_ranks.c, "Forgetting"),
@@ -118,6 +123,9 @@ enum kvr_msg_type {
 	KVR_MSG_ATTEMPT = 12,
 	KVR_MSG_FENCE = 13,
 };
+
+/* SNAP_REQ flags (a snapshot request's). */
+#define KVR_MSG_SNAP_ASKER_SERVES 1u
 
 /* SNAP_CHUNK flags. */
 #define KVR_MSG_CHUNK_LAST     1u

@@ -3,6 +3,22 @@
  * and live ATTEMPTs, built under `mu` so it is exactly every origin's stream up to its fence,
  * sent in chunks to the asker's inbox), and asking for one, collecting every chunk (never
  * half-applied) and applying it.  See sync/replica.c, "Snapshots".
+ *
+ * Serving while resyncing.  A replica resyncing after a reconnect waits for its provider's
+ * chunks on its apply thread and serves the snapshot requests that come meanwhile
+ * (poll_requests): its table is then the one from before the outage it is resyncing for.  A
+ * joiner takes everything from its snapshot (history too), so one served then started with a
+ * table the cluster had moved on from (a rank removed meanwhile still there, the attempts
+ * finished meanwhile missing: test_replica_serve
+ * a_joiner_is_not_served_a_table_from_before_the_providers_resync).  Such a replica declines a
+ * joiner's request (a given-up chunk): the joiner asks again after a pause, reaching another
+ * peer of the queue group or this one once its resync is over.  A request from a replica that
+ * serves snapshots itself (it resyncs after its own reconnect: KVR_MSG_SNAP_ASKER_SERVES) is
+ * answered at once, with what this replica has: both hold tables of their own, which the
+ * fences and the rank versions keep from going back; and refusing them could not end when every
+ * replica resyncs at once (the server came back), each waiting for the others
+ * (replicas_resyncing_from_each_other_all_get_a_snapshot).  So only joiners wait, and nobody
+ * waits for a joiner (it serves nothing before it is ready): no cycle of refusals.
  */
 #include <string.h>
 
@@ -300,12 +316,15 @@ static bool poll_requests(void *cb);
  * KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out of place). */
 static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns)
 {
+	pthread_mutex_lock(&rep->qmu);
+	const uint64_t flags = rep->ready ? KVR_MSG_SNAP_ASKER_SERVES : 0; /* a reconnect's */
+	pthread_mutex_unlock(&rep->qmu);
 	pthread_mutex_lock(&rep->mu);
 	rep->st.resyncs++;
 	rep->obuf.len = 0;
 	rep->obuf.oom = false;
 	size_t off = kvr_msg_begin(&rep->obuf, KVR_MSG_SNAP_REQ, rep->c.replica_id, rep->epoch, 0);
-	kvr_msg_put_u64(&rep->obuf, 0);
+	kvr_msg_put_u64(&rep->obuf, flags);
 	kvr_msg_end(&rep->obuf, off);
 	struct kvr_msg_buf req = {0};
 	kvr_msg_put_bytes(&req, rep->obuf.p, rep->obuf.len);
@@ -362,14 +381,16 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	}
 }
 
-/* Serves the snapshot requests waiting in the queue (while this replica waits for its own).
- * Returns true when the replica is stopping (kvr_sync_detach, kvr_router_destroy): the wait
- * ends then instead of running out its snapshot_timeout_ms while they wait for this thread. */
+/* Serves the snapshot requests waiting in the queue (while this replica waits for its own), but
+ * a joiner's, declined (see "Serving while resyncing" above).  Returns true when the replica is
+ * stopping (kvr_sync_detach, kvr_router_destroy): the wait ends then instead of running out its
+ * snapshot_timeout_ms while they wait for this thread. */
 static bool poll_requests(void *cb)
 {
 	struct kvr_replica *rep = ((struct snap_rx *)cb)->rep;
 	for (;;) {
 		struct kvr_rep_item *found = NULL;
+		bool joiner = false;
 		pthread_mutex_lock(&rep->qmu);
 		for (struct kvr_rep_item **pp = &rep->qhead; *pp; pp = &(*pp)->next) {
 			struct kvr_wmsg m;
@@ -377,6 +398,7 @@ static bool poll_requests(void *cb)
 			    (*pp)->data[3] == KVR_MSG_SNAP_REQ &&
 			    kvr_msg_decode((*pp)->data, (*pp)->len, &m) == 0) {
 				found = *pp;
+				joiner = !(m.target & KVR_MSG_SNAP_ASKER_SERVES);
 				*pp = found->next;
 				if (rep->qtail == found) {
 					rep->qtail = NULL;
@@ -390,7 +412,14 @@ static bool poll_requests(void *cb)
 		pthread_mutex_unlock(&rep->qmu);
 		if (!found)
 			return stop;
-		kvr_rep_handle(rep, found->data, found->len, found->reply);
+		if (joiner) {
+			pthread_mutex_lock(&rep->mu);
+			rep->st.received++;
+			pthread_mutex_unlock(&rep->mu);
+			kvr_rep_snapshot_give_up(rep, found->reply, 0);
+		} else {
+			kvr_rep_handle(rep, found->data, found->len, found->reply);
+		}
 		pthread_mutex_lock(&rep->qmu);
 		rep->q_done++;
 		pthread_cond_broadcast(&rep->donecv);

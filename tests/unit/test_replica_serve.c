@@ -1,0 +1,114 @@
+/*
+ * Snapshots served by a replica that is resyncing itself (after a reconnect): a joiner must not
+ * get the table from before that resync, and replicas resyncing from each other must not wait
+ * for each other.  Over the in-process bus (tests/unit/replica_bus.h).
+ */
+#include "sync/replica_internal.h"
+#include "tests/unit/replica_bus.h"
+
+static bool has_rank(struct kvr_router *r, uint64_t w)
+{
+	struct kvr_rank_stats s;
+	return kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s) == 0;
+}
+
+static struct kvr_sync_stats stats(int i)
+{
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[i], &st);
+	return st;
+}
+
+/* Waits (10 s at most) until replica i has asked for `n` snapshots and applied `applied`. */
+static void wait_resyncs(int i, uint64_t n, uint64_t applied)
+{
+	struct kvr_sync_stats st = {0};
+	for (int k = 0; k < 1000; k++) {
+		st = stats(i);
+		if (st.resyncs >= n && st.snapshots_applied >= applied)
+			return;
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_fail("replica %d asked %lu snapshots and applied %lu, not %lu and %lu", i + 1,
+	               (unsigned long)st.resyncs, (unsigned long)st.snapshots_applied,
+	               (unsigned long)n, (unsigned long)applied);
+}
+
+/* Replica 2 is cut off while replica 1 removes rank 2; back, it resyncs from replica 1, which
+ * does not answer yet (this thread holds its handling lock, as a busy apply thread would).  A
+ * joiner asking meanwhile is served by replica 2 (the bus asks the last ready one): it got
+ * replica 2's table from before its resync, rank 2 included. */
+Test(replica_serve, a_joiner_is_not_served_a_table_from_before_the_providers_resync, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 2);
+	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){2, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, 2);
+	cr_assert(has_rank(r[1], 2));
+	kvr_replica_disconnected(bus.rep[1]);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert(has_rank(r[1], 2));
+	pthread_mutex_lock(&bus.rep[0]->hmu); /* replica 1 handles nothing until released */
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	uint64_t asked = stats(1).resyncs, applied = stats(1).snapshots_applied;
+	kvr_replica_reconnected(bus.rep[1]);
+	wait_resyncs(1, asked + 1, 0);
+	/* While its resync waits, replica 2 handles snapshot requests only: the next one it
+	 * takes in (counted received) is the joiner's. */
+	uint64_t received = stats(1).received;
+	r[2] = make();
+	bus_create_as(2, r[2], 3);
+	cr_assert_eq(kvr_replica_start(bus.rep[2]), 0);
+	for (int k = 0; k < 1000 && stats(1).received == received; k++) {
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_gt(stats(1).received, received, "replica 2 never took the joiner's request");
+	cr_assert_eq(stats(1).snapshots_applied, applied, "replica 2's resync did not wait");
+	pthread_mutex_unlock(&bus.rep[0]->hmu);
+	cr_assert_eq(kvr_replica_wait_ready(bus.rep[2], 10000), 0);
+	cr_assert(!has_rank(r[2], 2), "the joiner got its provider's table from before its resync");
+	bus_quiet(r, 3);
+	for (int i = 0; i < 3; i++)
+		cr_assert(!has_rank(r[i], 2), "replica %d has the removed rank", i + 1);
+	all_agree(r, 3, "after the join");
+	bus_teardown(r, 3);
+}
+
+/* Every replica reconnects at once (the server came back): each resyncs, asking a peer that is
+ * resyncing too.  None may hold another's request until its own resync ends: replicas 2 and 3
+ * ask each other (the bus asks the last ready one), and both would wait out their
+ * snapshot_timeout_ms and apply nothing. */
+Test(replica_serve, replicas_resyncing_from_each_other_all_get_a_snapshot, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	for (uint32_t k = 0; k < 6; k++) {
+		struct kvr_decision d = bus_route(r[k % 3], 40 + k, 64);
+		if (k % 2)
+			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
+	}
+	bus_quiet(r, 3);
+	uint64_t applied[3];
+	for (int i = 0; i < 3; i++) {
+		applied[i] = stats(i).snapshots_applied;
+		kvr_replica_disconnected(bus.rep[i]);
+	}
+	/* Held while all are told of the reconnect (this thread holds their handling locks):
+	 * each then resyncs before it handles anything else, so every request finds its
+	 * provider resyncing. */
+	for (int i = 0; i < 3; i++)
+		pthread_mutex_lock(&bus.rep[i]->hmu);
+	for (int i = 0; i < 3; i++)
+		kvr_replica_reconnected(bus.rep[i]);
+	for (int i = 0; i < 3; i++)
+		pthread_mutex_unlock(&bus.rep[i]->hmu);
+	for (int i = 0; i < 3; i++)
+		wait_resyncs(i, 0, applied[i] + 1);
+	bus_quiet(r, 3);
+	all_agree(r, 3, "after every replica resynced at once");
+	bus_teardown(r, 3);
+}
