@@ -51,7 +51,8 @@
  *                flags bit0 versioned (KVR_MSG_RANK_VERSIONED): 16 more bytes follow,
  *                40 8 clock  48 8 writer: the change's version, (clock, writer replica id),
  *                compared clock first, then writer; both nonzero, the clock at most
- *                2^63 - 1.  Without it (the body is
+ *                2^63 - 1 (and a receiver refuses one over an hour ahead of its wall clock:
+ *                sync/replica_ranks.c, "A clock far ahead").  Without it (the body is
  *                exactly 40 bytes) the message is unversioned, as every RANK was before.
  *                Why versions: a rank's state is a register several replicas write (any may
  *                add, remove or reset a rank), and what a replica tells again (its

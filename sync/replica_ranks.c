@@ -57,6 +57,23 @@
  * window: its removal's floor covers other replicas' changes made up to its lead later; these are
  * refused or judged gone when they were never heard by the cluster and the floor covers them.
  *
+ * A clock far ahead.  The wire takes clocks up to 2^63 - 1, and a replica's own clock runs one
+ * past the highest it has seen: a faulty peer's change versioned 2^63 - 1 (or a snapshot's floor
+ * that high) made every own version after it 2^63, which peers refuse as malformed (with the
+ * batch it came in), so no rank change of that replica reached anyone any more (test_replica_ranks
+ * a_version_at_the_clock_limit_does_not_stop_the_rank_changes).  Saturating would not do: own
+ * changes would tie, and a tie is stale.  So a version whose clock is over CLOCK_AHEAD_MAX_NS
+ * ahead of this replica's wall clock is a faulty clock's: the change is refused (counted in
+ * dropped, as a malformed message) and a floor that high is not adopted, and neither moves the
+ * local clock.  Clocks then stay within that lead of the wall clock (plus one per change), 2^63
+ * ns being the year 2262.  An hour is far beyond the skew of clocks kept by NTP, and bounds how
+ * far a faulty peer pushes the cluster's clocks ahead (which widens the window described above,
+ * and which the wall clocks catch up within that hour).  The price: a replica whose wall clock
+ * runs more than an hour ahead of a peer's has its rank changes refused by that peer (counted,
+ * so that it shows); and one whose clock a faulty peer pushed to just under the bound makes
+ * versions just over a slower peer's bound for as long as their skew (its next changes fall
+ * inside once the peer's wall clock moved on).
+ *
  * Messages without a version (an older peer's) are applied as before, unconditionally, and
  * leave the entry's versions as they are.  The router stays the truth of a rank's values: the
  * entry takes what the router holds after a change, and the change's version only when the
@@ -74,6 +91,15 @@ static uint64_t wall_ns(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* See "A clock far ahead". */
+#define CLOCK_AHEAD_MAX_NS (3600ull * 1000000000ull)
+
+/* Whether a peer's version clock is within reach of ours (not a faulty clock's). */
+static bool clock_plausible(uint64_t clock)
+{
+	return clock <= wall_ns() + CLOCK_AHEAD_MAX_NS;
 }
 
 /* A new version for an own change.  mu held. */
@@ -184,6 +210,11 @@ static struct kvr_rep_rank *unlisted_older(struct kvr_replica *rep, struct kvr_r
 void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floor)
 {
 	pthread_mutex_lock(&rep->mu);
+	if (floor.clock && !clock_plausible(floor.clock)) {
+		rep->st
+		    .dropped++; /* a faulty provider's floor: ours judges ("A clock far ahead") */
+		floor = (struct kvr_rep_ver){0, 0};
+	}
 	if (kvr_rep_ver_cmp(floor, rep->rank_floor) > 0)
 		rep->rank_floor = floor;
 	if (rep->rank_floor.clock > rep->rank_clock) /* own changes from now on are newer */
@@ -253,6 +284,11 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	const bool versioned = v.clock != 0;
 	if (versioned) {
 		pthread_mutex_lock(&rep->mu);
+		if (!clock_plausible(v.clock)) { /* "A clock far ahead" */
+			rep->st.dropped++;
+			pthread_mutex_unlock(&rep->mu);
+			return;
+		}
 		if (v.clock > rep->rank_clock)
 			rep->rank_clock = v.clock;
 		bool old = stale(rep, id, m->op, v);

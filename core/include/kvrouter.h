@@ -1093,7 +1093,9 @@ struct kvr_sync_stats {
 	                       * on arrival: not applied (a lost message shows as a gap at the
 	                       * sender's next heartbeat, and its sender re-announces); also every
 	                       * message of a 257th peer while 256 others are alive (a replica
-	                       * hears at most 256 at once; a gone peer's place is reused) */
+	                       * hears at most 256 at once; a gone peer's place is reused), and
+	                       * every rank change (or snapshot's removal floor) versioned over an
+	                       * hour ahead of this replica's wall clock: a faulty clock's */
 	uint64_t forged;      /* of those: carrying this replica's id: another replica uses it
 	                       * (kvr_sync_attach refuses an id in use, but cannot see one whose
 	                       * holder is reconnecting meanwhile); detach one of them (see

@@ -665,3 +665,47 @@ Test(replica_ranks, a_rank_added_just_before_an_unnoticed_disconnect_is_kept, .t
 	bus_tombstone_ms = 0;
 	bus_teardown(r, 2);
 }
+
+/* Replica 1's rank entries all named by the snapshot being applied, then its end with floor f,
+ * as the apply thread runs it (this thread holds the handling lock meanwhile). */
+static void snapshot_end_with_floor(struct kvr_replica *rep, struct kvr_rep_ver f)
+{
+	pthread_mutex_lock(&rep->hmu);
+	pthread_mutex_lock(&rep->mu);
+	kvr_rep_ranks_snapshot_begin(rep);
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		kvr_rep_ranks_listed(rep, rep->ranks[i].id);
+	pthread_mutex_unlock(&rep->mu);
+	kvr_rep_ranks_snapshot_end(rep, f);
+	pthread_mutex_unlock(&rep->hmu);
+}
+
+/* A faulty peer tells a rank change versioned 2^63 - 1, the largest clock the wire takes (or a
+ * snapshot's floor that high): replica 1's clock took it, its next own version was 2^63, which
+ * every peer refuses as malformed (with the batch it came in), so none of its rank changes
+ * reached them any more.  A version that far ahead of the wall clock is refused and counted. */
+Test(replica_ranks, a_version_at_the_clock_limit_does_not_stop_the_rank_changes, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	bus_quiet(r, 2);
+	struct kvr_sync_stats st0, st;
+	kvr_replica_get_stats(bus.rep[0], &st0);
+	peer_rank_v(bus.rep[0], 1, KVR_REPL_RANK_ADD, 3, 7, (uint64_t)INT64_MAX);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){4, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, 2);
+	cr_assert(has_rank(r[1], 4), "replica 1's add after the faulty version never arrived");
+	cr_assert(!has_rank(r[0], 3), "the faulty peer's add was taken");
+	kvr_replica_get_stats(bus.rep[0], &st);
+	cr_assert_eq(st.dropped, st0.dropped + 1, "the faulty version not counted");
+	snapshot_end_with_floor(bus.rep[0], (struct kvr_rep_ver){(uint64_t)INT64_MAX, 5});
+	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){5, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, 2);
+	cr_assert(has_rank(r[1], 5), "replica 1's add after the faulty floor never arrived");
+	kvr_replica_get_stats(bus.rep[0], &st);
+	cr_assert_eq(st.dropped, st0.dropped + 2, "the faulty floor not counted");
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.dropped, 0, "replica 2 dropped %lu messages", (unsigned long)st.dropped);
+	bus_teardown(r, 2);
+}
