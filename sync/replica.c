@@ -158,6 +158,7 @@ static void *apply_main(void *arg)
 		pthread_mutex_lock(&rep->hmu);
 		if (now >= next_hb) {
 			kvr_rep_heartbeat(rep, now, deaf);
+			kvr_rep_ranks_retry(rep);
 			deaf = 0;
 			next_hb = now + hb_ns;
 		}

@@ -125,6 +125,10 @@ struct kvr_rep_rank {
 	 * again, it must reset only a replica that has not heard it, whatever came after. */
 	struct kvr_rep_ver ver, reset_ver;
 	bool listed; /* resync: named by the snapshot being applied (sync/replica_snap.c) */
+	/* A snapshot judged the rank gone at this version and its removal from the router failed
+	 * (no memory): the heartbeats try again while ver is still this ({0, 0}: none;
+	 * sync/replica_ranks.c, remove_judged). */
+	struct kvr_rep_ver doomed;
 };
 
 struct kvr_rep_peer {
@@ -511,6 +515,10 @@ void kvr_rep_ranks_outage(struct kvr_replica *rep);
 void kvr_rep_ranks_snapshot_begin(struct kvr_replica *rep);
 void kvr_rep_ranks_listed(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floor);
+/* Tries again to remove the ranks a snapshot judged gone whose removal failed (no memory),
+ * unchanged since; each counted in rank_stale once gone.  Context: the apply thread (its
+ * heartbeat), mu not held (it calls the router). */
+void kvr_rep_ranks_retry(struct kvr_replica *rep);
 
 /* ---------------------------------------------------------------- with the feeds (sync/feed.c) */
 

@@ -3,6 +3,7 @@
  * and its re-announces send) follows what its router holds.  Over the in-process bus
  * (tests/unit/replica_bus.h); a peer's words written by hand (tests/common/replica_wire.h).
  */
+#include "core/alloc.h"
 #include "core/replica_hooks.h"
 #include "sync/replica_internal.h"
 #include "tests/common/replica_wire.h"
@@ -666,17 +667,35 @@ Test(replica_ranks, a_rank_added_just_before_an_unnoticed_disconnect_is_kept, .t
 	bus_teardown(r, 2);
 }
 
-/* Replica 1's rank entries all named by the snapshot being applied, then its end with floor f,
- * as the apply thread runs it (this thread holds the handling lock meanwhile). */
-static void snapshot_end_with_floor(struct kvr_replica *rep, struct kvr_rep_ver f)
+/* The end of a snapshot with floor f that names every rank entry of rep but worker `unnamed`'s
+ * (UINT64_MAX: none), as the apply thread runs it; the caller holds the handling lock (hmu).
+ * With nth, this thread's nth allocation from the end's start fails. */
+static void snapshot_end_without(struct kvr_replica *rep, struct kvr_rep_ver f, uint64_t unnamed,
+                                 uint64_t nth)
 {
-	pthread_mutex_lock(&rep->hmu);
 	pthread_mutex_lock(&rep->mu);
 	kvr_rep_ranks_snapshot_begin(rep);
 	for (size_t i = 0; i < rep->n_ranks; i++)
-		kvr_rep_ranks_listed(rep, rep->ranks[i].id);
+		if (rep->ranks[i].id.worker_id != unnamed)
+			kvr_rep_ranks_listed(rep, rep->ranks[i].id);
 	pthread_mutex_unlock(&rep->mu);
+	if (nth) {
+		kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
+		kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER);
+		kvr_alloc_fail_after(nth);
+	}
 	kvr_rep_ranks_snapshot_end(rep, f);
+	if (nth) {
+		kvr_alloc_fail_after(0);
+		kvr_alloc_fail_scope(0);
+		kvr_alloc_thread_role(0);
+	}
+}
+
+static void snapshot_end_with_floor(struct kvr_replica *rep, struct kvr_rep_ver f)
+{
+	pthread_mutex_lock(&rep->hmu);
+	snapshot_end_without(rep, f, UINT64_MAX, 0);
 	pthread_mutex_unlock(&rep->hmu);
 }
 
@@ -708,4 +727,63 @@ Test(replica_ranks, a_version_at_the_clock_limit_does_not_stop_the_rank_changes,
 	kvr_replica_get_stats(bus.rep[1], &st);
 	cr_assert_eq(st.dropped, 0, "replica 2 dropped %lu messages", (unsigned long)st.dropped);
 	bus_teardown(r, 2);
+}
+
+/* A snapshot that no longer names a peer's rank older than its floor removes it from the router
+ * (counted in rank_stale); the removal may fail for memory (kvr_rank_remove: KVR_ENOMEM), and was
+ * counted all the same: rank_stale said removed of a rank the router still routed to.  Failing
+ * each allocation of the judgement in turn (SQLite-style), until one fails the removal: a rank is
+ * counted once it is gone, and one that stayed is removed (and counted) by a later heartbeat. */
+Test(replica_ranks, a_stale_rank_whose_removal_failed_is_not_counted, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	bus_quiet(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	uint64_t t0 = 0; /* newer than replica 1's own adds (their clock) */
+	pthread_mutex_lock(&rep->mu);
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		if (rep->ranks[i].ver.clock > t0)
+			t0 = rep->ranks[i].ver.clock;
+	pthread_mutex_unlock(&rep->mu);
+	const struct kvr_rank_id three = {3, 0};
+	bool failed = false;
+	struct kvr_sync_stats after; /* the last round's */
+	for (uint64_t nth = 1; nth < 200 && !failed; nth++) {
+		if (!has_rank(r[0], 3)) { /* removed by the last round: added again */
+			peer_rank_v(rep, nth, KVR_REPL_RANK_ADD, 3, 7, t0 + 10 * nth);
+			cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+			cr_assert(has_rank(r[0], 3));
+		}
+		struct kvr_sync_stats a, b;
+		pthread_mutex_lock(&rep->hmu); /* no heartbeat meanwhile */
+		kvr_replica_get_stats(rep, &a);
+		snapshot_end_without(rep, (struct kvr_rep_ver){t0 + 10 * nth + 5, 5}, 3, nth);
+		kvr_replica_get_stats(rep, &b);
+		bool gone = !has_rank(r[0], 3);
+		pthread_mutex_lock(&rep->mu);
+		bool entry = kvr_rep_rank_entry(rep, three) != NULL;
+		pthread_mutex_unlock(&rep->mu);
+		pthread_mutex_unlock(&rep->hmu);
+		after = b;
+		cr_assert_eq(b.rank_stale - a.rank_stale, gone ? 1 : 0,
+		             "allocation %lu failed: rank 3 %s, rank_stale counted %lu",
+		             (unsigned long)nth, gone ? "removed" : "still routed",
+		             (unsigned long)(b.rank_stale - a.rank_stale));
+		cr_assert_eq(entry, !gone, "rank 3's entry %s", gone ? "kept" : "dropped");
+		failed = !gone;
+	}
+	cr_assert(failed, "no removal failed: the test missed its path");
+	struct kvr_sync_stats b;
+	for (int k = 0; k < 1000 && has_rank(r[0], 3); k++) {
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert(!has_rank(r[0], 3), "the rank whose removal failed was never removed");
+	kvr_replica_get_stats(rep, &b);
+	cr_assert_eq(b.rank_stale, after.rank_stale + 1);
+	pthread_mutex_lock(&rep->mu);
+	cr_assert_null(kvr_rep_rank_entry(rep, three), "its entry kept");
+	pthread_mutex_unlock(&rep->mu);
+	bus_teardown(r, 1);
 }
