@@ -247,8 +247,8 @@ void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floo
 {
 	pthread_mutex_lock(&rep->mu);
 	if (floor.clock && !clock_plausible(floor.clock)) {
-		rep->st
-		    .dropped++; /* a faulty provider's floor: ours judges ("A clock far ahead") */
+		/* A faulty provider's floor: ours judges ("A clock far ahead"). */
+		rep->st.dropped++;
 		floor = (struct kvr_rep_ver){0, 0};
 	}
 	if (kvr_rep_ver_cmp(floor, rep->rank_floor) > 0)
