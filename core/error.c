@@ -69,6 +69,13 @@ int kvr_fail_code(int code, const char *fn)
 	return kvr_fail(code, "%s: %s", fn, kvr_strerror(code));
 }
 
+void kvr_error_restore(const char *saved)
+{
+	size_t len = strnlen(saved, sizeof(detail) - 1);
+	memmove(detail, saved, len);
+	detail[len] = '\0';
+}
+
 const char *kvr_last_error(void)
 {
 	return detail;

@@ -33,4 +33,10 @@ __attribute__((cold, noinline, format(printf, 2, 3))) int kvr_fail(int code, con
  * passes up without knowing more.  Context: as kvr_fail. */
 __attribute__((cold, noinline)) int kvr_fail_code(int code, const char *fn);
 
+/* Puts back a detail copied from kvr_last_error() before an inner API call: an entry point that
+ * returns 0 although a call it made failed (kvr_route_cancel's abort of an attempt that expired
+ * meanwhile) leaves the caller's detail as it was, as every successful call does.  Context: the
+ * thread that saved it. */
+__attribute__((cold, noinline)) void kvr_error_restore(const char *saved);
+
 #endif

@@ -234,6 +234,9 @@ static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 	}
 	put(&o, "# HELP kvr_queue_depth Requests waiting\n# TYPE kvr_queue_depth gauge\n");
 	put(&o, "kvr_queue_depth %zu\n", kvr_queue_depth(r));
+	put(&o, "# HELP kvr_queue_uncollected Queued requests admitted or failed whose outcome "
+	        "kvr_route_wait has not collected\n# TYPE kvr_queue_uncollected gauge\n");
+	put(&o, "kvr_queue_uncollected %zu\n", kvr_queue_uncollected(r));
 	/* Which allocator: a process that loaded the library with dlopen, or did not link jemalloc,
 	 * runs on the C library's, with about twice the memory per tracked block (README). */
 	put(&o,

@@ -41,6 +41,22 @@
  * (tokens, allow list, LoRA name) since the caller's buffers are borrowed for the kvr_route call
  * only.
  *
+ * An outcome nobody collects.  An admission reported to nobody stays in the list for its
+ * collector: a kvr_route_wait, its own kvr_route, or (with no on_admit) a caller that never
+ * waited.  The common way to give up (wait with a deadline, then cancel) used to leave one record
+ * per lost race for good: the admission landed between the timeout and the cancel, the cancel
+ * said KVR_ENOENT, and its attempt held the rank's load until its lease expired (probe: 500
+ * rounds left 500 records and 174 live attempts).  Two rules bound it now, and end every attempt
+ * exactly once.  A cancel that finds the request admitted and uncollected takes the outcome
+ * and aborts the attempt (the lease's claim makes it exactly once against the reaper), and
+ * returns 0: nobody was told the attempt, so nobody else can end it, and its caller has said it
+ * does not want it.  An outcome nobody collects is freed once of no use (reap): an admission
+ * once its attempt ended (its lease expired, its rank went: every call on it is KVR_ESTALE), a
+ * failed one after two lease scan intervals (as long as an idle attempt lives).  The reap runs
+ * on every push (where the list grows) and on the admission thread, which a shard's expiry
+ * wakes while outcomes wait (kvr_queue_uncollected); so the admitted records number at most the
+ * live leases, and each keeps its decision only (the request's copies go at admission).
+ *
  * Tickets are numbered by one counter for the whole process, not per queue: with a count per
  * queue, two routers (one per model, or a router and the one created to replace it) issued the
  * same tickets, and a cancel or wait given the wrong router's handle cancelled or collected that
@@ -70,8 +86,11 @@ struct qentry {
 	uint64_t enq_ns;
 	int state;
 	int rc;
-	bool waited;     /* a kvr_route_wait caller will collect it */
-	uint64_t passed; /* the pump's pass that found its ranks saturated */
+	bool waited;      /* a kvr_route_wait caller will collect it */
+	bool held;        /* held for its kvr_route until kvr_queue_settle: never reclaimed */
+	uint32_t watched; /* kvr_route_wait calls inside their loop for it: never reclaimed */
+	uint64_t done_ns; /* Q_ADMITTED: when (router clock), for a failed outcome's reclaim */
+	uint64_t passed;  /* the pump's pass that found its ranks saturated */
 	struct kvr_decision d;
 	struct kvr_request req;
 	struct kvr_rank_id pinned;
@@ -87,6 +106,8 @@ struct kvr_queue {
 	/* Entries in Q_WAITING or Q_ADMITTING.  Written under lock (atomic store), read anywhere
 	 * (atomic load). */
 	size_t waiting;
+	/* Entries in Q_ADMITTED (outcomes nobody collected yet); the same discipline. */
+	size_t uncollected;
 	uint32_t waiters; /* threads inside kvr_route_wait */
 	bool pumping;
 	pthread_t pumper; /* the thread running the pass, while pumping */
@@ -111,12 +132,24 @@ int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out)
 	return 0;
 }
 
-static void entry_free(struct qentry *e)
+/* Frees e's copy of its request: once admitted, only its outcome (e->d) is kept, so that an
+ * outcome waiting to be collected holds one record, not the prompt. */
+static void drop_request(struct qentry *e)
 {
 	kvr_free((void *)e->req.tokens, e->tok_bytes);
 	kvr_free((void *)e->req.local_hashes, e->hash_bytes);
 	kvr_free((void *)e->req.allow, e->allow_bytes);
 	kvr_free((void *)e->req.lora_name, e->lora_bytes);
+	e->req.tokens = NULL;
+	e->req.local_hashes = NULL;
+	e->req.allow = NULL;
+	e->req.lora_name = NULL;
+	e->tok_bytes = e->hash_bytes = e->allow_bytes = e->lora_bytes = 0;
+}
+
+static void entry_free(struct qentry *e)
+{
+	drop_request(e);
 	kvr_free(e, sizeof(*e));
 }
 
@@ -181,6 +214,8 @@ static void *dup_bytes(const void *src, size_t bytes)
 	return p;
 }
 
+static void reap(struct kvr_queue *q, uint64_t now);
+
 int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
                    struct kvr_decision *d)
 {
@@ -224,6 +259,7 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->enq_ns = kvr_clock_now(&r->clock);
 	e->state = Q_WAITING;
 	pthread_mutex_lock(&q->lock);
+	reap(q, e->enq_ns); /* the list grows here: outcomes nobody will collect go first */
 	if (q->closing || q->waiting >= r->cfg.queue_capacity) {
 		int rc = q->closing ? KVR_ESHUTDOWN : KVR_EAGAIN;
 		pthread_mutex_unlock(&q->lock);
@@ -235,6 +271,7 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	/* Held for kvr_route, which pumps after this push and then settles the ticket
 	 * (kvr_queue_settle): no on_admit names it before kvr_route returned it. */
 	e->waited = true;
+	e->held = true;
 	/* In the policy's order: FCFS at the tail; WSPT before the first larger key (ties stay in
 	 * ticket order). */
 	struct qentry **pp = &q->head;
@@ -311,6 +348,54 @@ static void unlink_entry(struct kvr_queue *q, struct qentry *e)
 	}
 }
 
+/* Whether admitted entry e's outcome can be of no use to anyone any more: its attempt ended
+ * (its lease expired, its rank was removed or reset: every call on it is KVR_ESTALE), or, a
+ * failed admission (no attempt), it is older than keep_ns.  Context: under q->lock. */
+static bool outcome_stale(struct kvr_router *r, const struct qentry *e, uint64_t now,
+                          uint64_t keep_ns)
+{
+	if (e->rc == 0) {
+		int st = kvr_lease_state(r->leases, e->d.attempt);
+		return st < 0 || st == KVR_LEASE_CLAIMED; /* claimed: its end is under way */
+	}
+	return now >= e->done_ns && now - e->done_ns >= keep_ns;
+}
+
+/* Frees the outcomes nobody will collect (see the top): an admission once its attempt ended, a
+ * failed one after two lease scan intervals (as long as an idle attempt lives).  Never one held
+ * for its kvr_route.  Context: under q->lock; now is the router clock read off it. */
+static void reap(struct kvr_queue *q, uint64_t now)
+{
+	if (q->uncollected == 0)
+		return;
+	uint64_t scan = q->r->cfg.lease_scan_interval_ns;
+	uint64_t keep = scan > UINT64_MAX / 2 ? UINT64_MAX : 2 * scan;
+	for (struct qentry **pp = &q->head; *pp;) {
+		struct qentry *e = *pp;
+		if (e->state != Q_ADMITTED || e->held || e->watched ||
+		    !outcome_stale(q->r, e, now, keep)) {
+			pp = &e->next;
+			continue;
+		}
+		*pp = e->next;
+		__atomic_store_n(&q->uncollected, q->uncollected - 1, __ATOMIC_RELAXED);
+		entry_free(e);
+	}
+}
+
+void kvr_queue_reap(struct kvr_router *r)
+{
+	struct kvr_queue *q = r->queue;
+	if (kvr_queue_uncollected(r) == 0)
+		return;
+	/* Off the lock: a clock that makes a lifecycle call pumps, which takes it. */
+	uint64_t now = kvr_clock_now(&r->clock);
+	pthread_mutex_lock(&q->lock);
+	if (!q->closing)
+		reap(q, now);
+	pthread_mutex_unlock(&q->lock);
+}
+
 bool kvr_queue_pump(struct kvr_router *r)
 {
 	KVR_NOCANCEL(); /* sync/nocancel.h */
@@ -372,7 +457,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 			int rc = kvr_route_internal(r, &e->req, &d, KVR_QUEUE_FROM_PUMP);
 			/* Read off the lock: a clock that makes a lifecycle call pumps, which takes
 			 * it. */
-			uint64_t now = rc == 0 ? kvr_clock_now(&r->clock) : 0;
+			uint64_t now = kvr_clock_now(&r->clock);
 			pthread_mutex_lock(&q->lock);
 			if (rc == KVR_EAGAIN) {
 				/* Saturated after all (load rose meanwhile), or its rank's lane
@@ -386,6 +471,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 			}
 			e->state = Q_ADMITTED;
 			e->rc = rc;
+			e->done_ns = now;
 			if (rc == 0) {
 				e->d = d;
 			} else {
@@ -411,6 +497,12 @@ bool kvr_queue_pump(struct kvr_router *r)
 				kvr_router_callback_leave(prev);
 				entry_free(e);
 				pthread_mutex_lock(&q->lock);
+			} else {
+				/* Kept for its collector (kvr_route_wait, kvr_route_cancel, or its
+				 * own kvr_route), or reclaimed once useless (reap). */
+				drop_request(e);
+				__atomic_store_n(&q->uncollected, q->uncollected + 1,
+				                 __ATOMIC_RELAXED);
 			}
 			pthread_cond_broadcast(&q->cond);
 			e = next_waiting(q, q->head);
@@ -438,6 +530,7 @@ void kvr_queue_rank_gone(struct kvr_router *r)
 	q->full = true;
 	pthread_mutex_unlock(&q->lock);
 	kvr_queue_pump(r);
+	kvr_queue_reap(r); /* the rank's attempts ended with it */
 }
 
 bool kvr_queue_admissible(struct kvr_router *r)
@@ -468,6 +561,7 @@ static int collect(struct kvr_queue *q, struct qentry *e, struct kvr_decision *d
 	*d = e->d;
 	int rc = e->rc;
 	unlink_entry(q, e);
+	__atomic_store_n(&q->uncollected, q->uncollected - 1, __ATOMIC_RELAXED);
 	entry_free(e);
 	return rc;
 }
@@ -506,6 +600,7 @@ int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kv
 		rc = collect(q, e, d);
 	} else if (e) {
 		e->waited = wait;
+		e->held = false;
 	}
 	pthread_mutex_unlock(&q->lock);
 	return rc;
@@ -520,6 +615,12 @@ uint32_t kvr_queue_waiters(struct kvr_router *r)
 	uint32_t n = q->waiters;
 	pthread_mutex_unlock(&q->lock);
 	return n;
+}
+
+size_t kvr_queue_uncollected(struct kvr_router *r)
+{
+	/* No lock: the shards' hook asks (kvr_admitter_note_unloaded). */
+	return r->queue ? __atomic_load_n(&r->queue->uncollected, __ATOMIC_RELAXED) : 0;
 }
 
 size_t kvr_queue_depth(struct kvr_router *r)
@@ -558,7 +659,8 @@ static __attribute__((cold, noinline)) int wait_failed(const struct kvr_router *
 	case KVR_ENOENT:
 		return kvr_fail(rc,
 		                "kvr_route_wait: ticket %" PRIu64
-		                " was collected or cancelled by another thread meanwhile",
+		                " was collected or cancelled by another thread meanwhile, or its "
+		                "attempt ended before anyone collected its admission",
 		                ticket);
 	case KVR_ESHUTDOWN:
 		return kvr_fail(rc, "kvr_route_wait: %s", kvr_router_gone(r));
@@ -596,7 +698,8 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		pthread_mutex_unlock(&q->lock);
 		return kvr_fail(KVR_ENOENT,
 		                "kvr_route_wait: ticket %" PRIu64
-		                " is not queued (unknown, collected or cancelled)",
+		                " is not queued (unknown, collected, cancelled, or its admission "
+		                "dropped uncollected once its attempt ended)",
 		                ticket);
 	}
 	/* Inside the admission pass (on_admit): only that pass admits it, and it waits for this
@@ -612,6 +715,7 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		    ticket);
 	}
 	e->waited = true;
+	e->watched++; /* its outcome is this wait's (or another's) to collect: kept till then */
 	q->waiters++;
 	int rc;
 	bool admission = false;
@@ -628,10 +732,12 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 			break;
 		}
 		if (q->closing) {
+			e->watched--;
 			rc = KVR_ESHUTDOWN;
 			break;
 		}
 		if (late) {
+			e->watched--;
 			rc = KVR_ETIMEDOUT;
 			kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_QUEUE_TIMEOUTS, 1);
 			break;
@@ -675,20 +781,40 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 	while ((e = find(q, ticket)) && e->state == Q_ADMITTING && !q->closing)
 		pthread_cond_wait(&q->cond, &q->lock);
 	int rc = KVR_ENOENT;
+	struct kvr_decision d;
+	bool end = false;
 	if (e && e->state == Q_WAITING && !q->closing) {
 		unlink_entry(q, e);
 		__atomic_store_n(&q->waiting, q->waiting - 1, __ATOMIC_RELAXED);
 		entry_free(e);
 		rc = 0;
+	} else if (e && e->state == Q_ADMITTED && !q->closing) {
+		/* Admitted, and nobody collected it: its caller gave up on it (a wait timed out,
+		 * then the admission won the race with this cancel).  Nobody was told its attempt,
+		 * so the cancel takes the outcome and ends the attempt, instead of leaving both for
+		 * a collection that the cancel's caller will not make (the record stayed in the
+		 * list for good, the attempt's load until its lease expired). */
+		end = collect(q, e, &d) == 0;
+		rc = 0;
 	}
 	q->waiters--;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
+	/* Off the lock: an abort pumps the queue.  It ends the attempt unless its lease expired
+	 * or its rank went meanwhile (KVR_ESTALE: ended already), exactly once either way; a
+	 * failure to post (no memory to register this thread) leaves it to its lease's expiry. */
+	if (end) {
+		char saved[KVR_ERROR_DETAIL_MAX];
+		memcpy(saved, kvr_last_error(), sizeof(saved));
+		if (kvr_request_abort(r, d.attempt)) /* its detail is not this call's */
+			kvr_error_restore(saved);
+	}
 	if (rc)
 		return kvr_fail(rc,
 		                "kvr_route_cancel: ticket %" PRIu64
-		                " is not queued (admitted, failed, cancelled, unknown, or the "
-		                "router is being destroyed)",
+		                " is not queued (its outcome told to on_admit or collected, "
+		                "cancelled, dropped uncollected, unknown, or the router is being "
+		                "destroyed)",
 		                ticket);
 	return 0;
 }

@@ -49,6 +49,9 @@ static void *admitter_main(void *arg)
 		 * the pass runs once more.  Ordering: seq_cst, after the park's barrier below. */
 		if (__atomic_exchange_n(&a->wanted, 0, __ATOMIC_SEQ_CST)) {
 			kvr_queue_pump(r); /* false: another thread's pass walks the list again */
+			/* A lease expiry may have ended attempts whose admissions nobody collected:
+			 * their records go, so the list is bounded by the live leases. */
+			kvr_queue_reap(r);
 			continue;
 		}
 		kvr_parker_prepare(&a->park);
@@ -94,7 +97,7 @@ void kvr_admitter_note_unloaded(void *ctx)
 	/* The lowered load is published (relaxed stores); pairs with the route's fence between
 	 * its push and its pass (kvr_queue_catch_up). */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	if (kvr_queue_depth(r) == 0)
+	if (kvr_queue_depth(r) == 0 && kvr_queue_uncollected(r) == 0)
 		return;
 	__atomic_store_n(&r->admitter.wanted, 1, __ATOMIC_SEQ_CST);
 	kvr_parker_wake(&r->admitter.park); /* a full barrier, then the state; no syscall unless

@@ -191,6 +191,14 @@ void kvr_queue_rank_gone(struct kvr_router *r);
  * admission's code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
+/* Queued requests admitted (or failed) whose outcome nobody collected yet.  Context: any thread,
+ * no lock (a relaxed load). */
+size_t kvr_queue_uncollected(struct kvr_router *r);
+/* Frees the uncollected outcomes that can be of no use any more: an admission whose attempt
+ * ended (its lease expired: the list is bounded by the live leases), a failed one older than two
+ * lease scan intervals.  Context: any thread but a shard's, no router lock held (reads the
+ * clock); the admission thread after a shard lowered load, kvr_queue_rank_gone. */
+void kvr_queue_reap(struct kvr_router *r);
 
 /* core/queue_thread.c.  Starts r's admission thread: 0 or pthread_create's error.  Context:
  * kvr_router_create, after the queue and the shards. */

@@ -587,24 +587,35 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
 /* Waits for a queued request (ticket from a KVR_QUEUED decision) until deadline_ns (router
  * clock; 0 = forever).  Returns 0 with d filled, KVR_ETIMEDOUT (the request stays queued, and
  * the caller's to collect: on_admit never reports a ticket once waited on, so wait again or
- * cancel it, or its admission is reported to nobody),
+ * cancel it, or its admission is reported to nobody: it is then kept until its attempt's lease
+ * expires, as an idle attempt's does, and dropped with it; a failed admission is kept two
+ * lease_scan_interval_ns),
  * KVR_ENOENT (unknown ticket - another router's too: the routers of a process issue different
- * tickets -, already collected - by on_admit too - or cancelled meanwhile; d is then not
- * written), KVR_ESHUTDOWN, KVR_EBUSY (called from on_admit, inside the queue's admission pass,
- * for a ticket not admitted yet: only that pass admits it; it stays queued), or
- * the error of a failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT
- * when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL,
- * ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody waits) by
- * on_admit, which also receives failed admissions (status KVR_FAILED).  The deadline is checked
- * against the router's clock about every millisecond of the wait: with a replaced clock
+ * tickets -, already collected - by on_admit too -, cancelled meanwhile, or its admission
+ * dropped uncollected as above; d is then not written), KVR_ESHUTDOWN, KVR_EBUSY (called from
+ * on_admit, inside the queue's admission pass, for a ticket not admitted yet: only that pass admits
+ * it; it stays queued), or the error of a failed admission (d->status KVR_FAILED, d->error the same
+ * code: KVR_ENOENT when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r
+ * or d NULL, ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody
+ * waits) by on_admit, which also receives failed admissions (status KVR_FAILED).  The deadline is
+ * checked against the router's clock about every millisecond of the wait: with a replaced clock
  * (kvr_config.now_ns), it passes only when something moves that clock. */
 KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
                            struct kvr_decision *d);
 
-/* Cancels a queued request.  Returns 0 or KVR_ENOENT (not queued any more: admitted, failed,
- * cancelled, or unknown, as another router's ticket is); KVR_EINVAL for r NULL or ticket 0.  If the
- * request is being admitted at that moment, it waits for the outcome (one routing decision): a
- * cancel that returns 0 guarantees the request is never admitted. */
+/* Cancels a queued request: after 0 the request holds nothing and its ticket is gone.  If it was
+ * admitted (or failed) meanwhile and nobody collected the outcome yet (a kvr_route_wait that
+ * timed out, then lost the race to the admission), the cancel takes the outcome and ends the
+ * attempt as kvr_request_abort does (exactly once: a lease expiry may have ended it already), so
+ * the usual way to give up (wait with a deadline, then cancel) leaves no attempt and no load
+ * behind; a caller that would rather take a late admission collects it first (kvr_route_wait
+ * with a past deadline returns it at once).  Returns 0 or KVR_ENOENT (not queued and nothing
+ * to take: reported to on_admit or collected by kvr_route_wait already, cancelled, dropped
+ * uncollected (see kvr_route_wait), or unknown, as another router's ticket is); KVR_EINVAL for
+ * r NULL or ticket 0.  If the request is being admitted at that moment, it waits for the
+ * outcome (one routing decision): a cancel that returns 0 guarantees the request is never
+ * served (never admitted, or its admission ended before anyone was told of it).  Context: any
+ * thread; an abort of a taken admission runs as the lifecycle calls' (it may pump the queue). */
 KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 
 /* ---------------------------------------------------------------- request lifecycle */

@@ -156,7 +156,7 @@ static uint64_t u64(struct src *s)
 #define BAD_PIN (-2) /* pinned to a rank id outside the model's: never eligible */
 
 enum { A_LIVE, A_ENDED };
-enum { T_QUEUED, T_ADMITTED_UNCOLLECTED, T_DONE };
+enum { T_QUEUED, T_DONE };
 
 struct mblk {
 	uint64_t ext, node; /* node: the router's sequence hash of the block (its whole prefix) */
@@ -1106,6 +1106,14 @@ static void op_wait(struct prog *p)
 	struct mtick *m = held_ticket(p, t, rc, "wait on");
 	if (!m)
 		return;
+	if (rc == KVR_ENOENT && d.status == (int)0xa5a5a5a5) {
+		/* Its outcome, kept for a collector, was reclaimed: its attempt ended (lease
+		 * expiry, its rank's end) or, failed, it outlived two lease intervals. */
+		CHECK(m->waited || !p->cfg.on_admit,
+		      "ticket %" PRIu64 " vanished though on_admit was to tell it", t);
+		ticket_drop(p, m);
+		return;
+	}
 	m->waited = true;
 	if (rc == KVR_ETIMEDOUT) {
 		CHECK(m->state == T_QUEUED, "timed out on an admitted ticket");
@@ -1130,17 +1138,17 @@ static void op_cancel(struct prog *p)
 	struct mtick *m = held_ticket(p, t, rc, "cancel of");
 	if (!m)
 		return;
+	/* 0: queued, or admitted (or failed) with nobody told: the cancel ended that attempt. */
 	if (rc == 0) {
-		CHECK(m->state == T_QUEUED, "cancelled an admitted ticket");
 		ticket_drop(p, m);
 		return;
 	}
 	expect(rc, KVR_ENOENT, "cancel");
-	/* Not queued any more: admitted or failed, to be collected by kvr_route_wait (an on_admit
-	 * report would have come already: every pump finishes within the call that ran it). */
+	/* Gone while held for a collector (an on_admit report would have come already: every
+	 * pump finishes within the call that ran it): its outcome was reclaimed, as in op_wait. */
 	CHECK(m->waited || !p->cfg.on_admit,
 	      "cancel says not queued but on_admit never told ticket %" PRIu64, t);
-	m->state = T_ADMITTED_UNCOLLECTED;
+	ticket_drop(p, m);
 }
 
 static uint64_t pick_attempt(struct prog *p, int *k_out)
@@ -2294,28 +2302,16 @@ static void quiesce_and_check(struct prog *p)
 		while (p->n_tix) {
 			uint64_t t = p->tix[0].t;
 			cur_call = "cancel (end of program)";
-			int rc = p->tix[0].state == T_QUEUED ? API(kvr_route_cancel, p->r, t)
-			                                     : KVR_ENOENT;
+			int rc = API(kvr_route_cancel, p->r, t);
 			drain_admits(p);
 			struct mtick *m = ticket_find(p, t);
 			if (!m)
 				continue; /* reported by on_admit during the cancel's pump */
-			if (rc == 0) {
-				ticket_drop(p, m);
-				continue;
-			}
-			CHECK(rc == KVR_ENOENT, "cancel rc %d", rc);
-			struct kvr_decision d;
-			cur_call = "wait (end of program)";
-			rc = API(kvr_route_wait, p->r, m->t, p->now ? p->now : 1, &d);
-			CHECK(rc != KVR_ETIMEDOUT, "not queued, yet the wait timed out");
-			if (rc == 0)
-				ticket_outcome(p, m, 0, &d, false);
-			else {
-				CHECK(admission_error_ok(rc) && d.status == KVR_FAILED,
-				      "collect: rc %d", rc);
-				ticket_outcome(p, m, rc, &d, false);
-			}
+			/* 0: queued, or admitted with nobody told (the cancel ended the attempt);
+			 * KVR_ENOENT: its outcome was reclaimed (see op_wait). */
+			CHECK(rc == 0 || (rc == KVR_ENOENT && (m->waited || !p->cfg.on_admit)),
+			      "cancel rc %d", rc);
+			ticket_drop(p, m);
 		}
 		cur_call = "sync (end of program)";
 		expect(API(kvr_router_sync, p->r, 10000), 0, "sync");

@@ -873,3 +873,154 @@ Test(regress, a_request_queued_behind_a_posted_output_is_admitted_with_no_furthe
 	cr_log_info("queued behind the output in %d of 50 rounds", queued);
 	kvr_router_destroy(r);
 }
+
+/* ---------------------------------------------------------------- uncollected admissions */
+
+/* The kvr_queue_uncollected gauge: admissions (or failures) waiting in the queue's list for a
+ * kvr_route_wait to collect them; -1 when the metrics do not have it. */
+static long uncollected(struct kvr_router *r)
+{
+	static char text[1 << 17];
+	cr_assert_eq(kvr_metrics_render(r, text, sizeof(text), NULL), 0);
+	const char *p = strstr(text, "\nkvr_queue_uncollected ");
+	return p ? strtol(p + strlen("\nkvr_queue_uncollected "), NULL, 10) : -1;
+}
+
+/* The documented way to give up on a queued request: wait with a deadline, cancel, move on.
+ * When the admission lands between the wait's timeout and the cancel, the cancel said KVR_ENOENT
+ * and the admission stayed in the queue's list for a collection that never came, its attempt
+ * holding the rank's load until its lease expired (probe: 500 rounds, 500 records left, 174
+ * attempts still active at the end; here the second round's request queued behind the first
+ * round's leaked load).  The cancel takes the outcome and ends the attempt now: 0, nothing held,
+ * the ticket gone. */
+Test(regress, a_cancel_that_loses_the_race_to_admission_ends_the_attempt)
+{
+	struct kvr_router *r = make_queue_router(NULL, 16);
+	struct kvr_rank_id id = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, KVR_CAPACITY_NONE, 100), 0);
+	static uint32_t hog[200], t[200];
+	for (int it = 0; it < 50; it++) {
+		prompt(hog, 200, 5000 + 2 * (uint32_t)it);
+		prompt(t, 200, 5001 + 2 * (uint32_t)it);
+		struct kvr_decision h, q, d;
+		cr_assert_eq(route_tokens(r, hog, 200, NULL, &h), 0);
+		cr_assert_eq(h.status, KVR_DECIDED, "it %d: nothing else holds the rank", it);
+		cr_assert_eq(route_tokens(r, t, 200, NULL, &q), 0);
+		cr_assert_eq(q.status, KVR_QUEUED, "it %d: saturated by the hog", it);
+		/* The caller gives up (vnow is past deadline 1)... */
+		cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT);
+		/* ...the hog's finish admits the request meanwhile... */
+		cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+		/* ...and its cancel loses the race. */
+		cr_assert_eq(kvr_route_cancel(r, q.ticket), 0, "it %d", it);
+		memset(&d, 0x5a, sizeof(d));
+		cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ENOENT, "it %d: gone", it);
+		cr_assert_eq(d.status, 0x5a5a5a5a, "d not written");
+		cr_assert_eq(kvr_router_sync(r, 10000), 0);
+		struct kvr_rank_stats st;
+		cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+		cr_assert_eq(st.active_requests, 0, "it %d: the admission was ended", it);
+		cr_assert_eq(st.active_prefill_tokens, 0, "it %d", it);
+		cr_assert_eq(uncollected(r), 0, "it %d", it);
+	}
+	kvr_router_destroy(r);
+}
+
+/* A caller that gives up without cancelling (the header's "or its admission is reported to
+ * nobody") left each admission in the queue's list for good, with no bound: once its attempt's
+ * lease expired, collecting it gave a stale attempt (probe: 500 records, all stale, 400 ms past
+ * the last lease).  An admission nobody collected is reclaimed once its attempt ended, by the
+ * admission thread the expiry wakes, with no further call: the list is bounded by the live
+ * leases, and the load and the list both return to zero. */
+Test(regress, admissions_nobody_collects_go_when_their_leases_expire, .timeout = 60)
+{
+	enum { N = 32 };
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.lease_scan_interval_ns = 200000000; /* idle attempts expire after 200 to 400 ms */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	for (uint64_t i = 0; i < N; i++)
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){i + 1, 0}, 1, 100000, 16), 0);
+	uint64_t tickets[N];
+	static uint32_t tok[64];
+	for (int i = 0; i < N; i++) {
+		struct kvr_rank_id id = {(uint64_t)i + 1, 0};
+		struct kvr_decision h, q, d;
+		prompt(tok, 64, 9000 + 2 * (uint32_t)i);
+		cr_assert_eq(route_tokens(r, tok, 64, &id, &h), 0); /* 64 tokens > 16: saturated */
+		cr_assert_eq(h.status, KVR_DECIDED);
+		cr_assert_eq(kvr_router_sync(r, 10000), 0);
+		prompt(tok, 64, 9001 + 2 * (uint32_t)i);
+		cr_assert_eq(route_tokens(r, tok, 64, &id, &q), 0);
+		cr_assert_eq(q.status, KVR_QUEUED, "round %d", i);
+		tickets[i] = q.ticket;
+		cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* gives up */
+		cr_assert_eq(kvr_request_finish(r, h.attempt), 0);               /* admits it */
+		if (i == 0) {
+			/* While its attempt lives, an admission waits for its collector. */
+			cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), 0);
+			cr_assert_eq(d.status, KVR_DECIDED);
+			cr_assert_eq(kvr_request_finish(r, d.attempt), 0, "a live attempt");
+		}
+	}
+	/* No call on the router from here but reads: the expiries alone must do it. */
+	bool done = false;
+	for (int ms = 0; ms < 20000 && !done; ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+		uint64_t active = 0;
+		for (uint64_t i = 0; i < N; i++) {
+			struct kvr_rank_stats st;
+			cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){i + 1, 0}, &st), 0);
+			active += st.active_requests + st.active_prefill_tokens;
+		}
+		done = active == 0 && uncollected(r) == 0;
+	}
+	for (int i = 0; i < N; i++) {
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route_wait(r, tickets[i], 1, &d), KVR_ENOENT,
+		             "round %d: its record outlived its attempt", i);
+	}
+	cr_assert_eq(uncollected(r), 0, "the expired admissions' records were reclaimed");
+	kvr_router_destroy(r);
+}
+
+/* A failed admission (its pinned rank removed) that nobody collects (no on_admit, no wait) has
+ * no attempt to expire: it is reclaimed two lease scan intervals after it failed, as long as an
+ * idle attempt lives (before, it stayed for good, and a wait a day later still collected it). */
+Test(regress, a_failed_admission_nobody_collects_goes_after_two_lease_intervals)
+{
+	struct kvr_router *r = make_queue_router(NULL, 16);
+	struct kvr_rank_id gone = {3, 0}, other = {4, 0};
+	cr_assert_eq(kvr_rank_add(r, gone, 1, 1000, 100), 0);
+	cr_assert_eq(kvr_rank_add(r, other, 1, 1000, 100), 0);
+	uint64_t ticket = queue_pinned_then_remove(r, gone);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(uncollected(r), 1, "failed, kept for its collector");
+	struct kvr_config c;
+	cr_assert_eq(kvr_router_get_config(r, &c), 0);
+	__atomic_add_fetch(&vnow, 2 * c.lease_scan_interval_ns - 1, __ATOMIC_RELAXED);
+	/* A request queued: the list grows, and reclaims what is of no use first. */
+	static uint32_t hog[200], t[64];
+	prompt(hog, 200, 17);
+	prompt(t, 64, 18);
+	struct kvr_decision h, q, d;
+	cr_assert_eq(route_tokens(r, hog, 200, &other, &h), 0);
+	cr_assert_eq(route_tokens(r, t, 64, &other, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(uncollected(r), 1, "not yet two intervals old");
+	cr_assert_eq(kvr_route_cancel(r, q.ticket), 0);
+	__atomic_add_fetch(&vnow, 1, __ATOMIC_RELAXED);
+	cr_assert_eq(route_tokens(r, t, 64, &other, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(uncollected(r), 0, "two intervals old: reclaimed");
+	memset(&d, 0x5a, sizeof(d));
+	cr_assert_eq(kvr_route_wait(r, ticket, 1, &d), KVR_ENOENT);
+	cr_assert_eq(d.status, 0x5a5a5a5a, "nothing collected");
+	cr_assert_eq(kvr_route_cancel(r, q.ticket), 0);
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+	kvr_router_destroy(r);
+}
