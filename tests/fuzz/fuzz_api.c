@@ -45,6 +45,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "core/alloc.h"
 #include "core/hash.h"
@@ -64,6 +66,8 @@ bool fuzz_api_craft;            /* fuzz_api_seeds --craft: crafted hash-given pr
 bool fuzz_api_events;           /* fuzz_api_seeds --events: events mode as vLLM feeds it */
 bool fuzz_api_limits;           /* fuzz_api_seeds --limits: config values at their limits */
 bool fuzz_api_clock_back;       /* fuzz_api_seeds --clock-back: the clock also steps back */
+bool fuzz_api_slow_admit;       /* fuzz_api_seeds --slow-admit: on_admit off the program's thread
+                                   takes a millisecond */
 
 #define FAIL(...)                                                                                  \
 	do {                                                                                       \
@@ -202,6 +206,7 @@ struct mtick {
 	uint64_t enq;         /* virtual time it was queued: the earliest its admission can be */
 	uint64_t life[N_IDS]; /* each rank's life when it was queued */
 	bool clock_back;      /* the clock stepped back while it was pending (op_clock) */
+	bool told;            /* wait or cancel found it gone: on_admit's report is on its way */
 };
 
 struct prog {
@@ -221,7 +226,9 @@ struct prog {
 	pthread_mutex_t mu;
 	uint64_t adm_ticket[MAX_TIX];
 	struct kvr_decision adm_d[MAX_TIX];
+	bool adm_late[MAX_TIX]; /* reported off the program's thread (the admission thread) */
 	int n_adm;
+	pthread_t self; /* the thread that runs the program */
 	uint64_t gaps_reported;
 	uint32_t toks[MAX_TOK];
 	uint64_t hashes[MAX_TOK];
@@ -265,12 +272,22 @@ static uint64_t vclock(void *ctx)
 	return __atomic_load_n((uint64_t *)ctx, __ATOMIC_RELAXED);
 }
 
+/* A report on the program's thread comes from the call that just returned, which admitted it
+ * after the model's change (drain_admits); one on another thread, the router's admission thread,
+ * from a pass that a shard woke at any time since the request was queued, and that may still be
+ * running when the program's next call returns: the report comes late, told with the model's
+ * state of a later call.  --slow-admit makes those late on purpose, as a slow embedder's
+ * callback would (or a preemption between the admission and the report). */
 static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 {
 	struct prog *p = ctx;
+	bool late = !pthread_equal(pthread_self(), p->self);
+	if (late && fuzz_api_slow_admit)
+		usleep(1000);
 	pthread_mutex_lock(&p->mu);
 	CHECK(p->n_adm < MAX_TIX, "on_admit: more reports than tickets");
 	p->adm_ticket[p->n_adm] = ticket;
+	p->adm_late[p->n_adm] = late;
 	p->adm_d[p->n_adm++] = *d;
 	pthread_mutex_unlock(&p->mu);
 }
@@ -380,8 +397,10 @@ static bool admission_error_ok(int rc)
 	return rc == KVR_ENOENT || rc == KVR_ENOMEM || rc == KVR_ERANGE;
 }
 
-/* A queued request's outcome (from on_admit, at once, or kvr_route_wait: then the admission may
- * have happened any time since it was queued, and its lease has been running since). */
+/* A queued request's outcome: `now` when the call that just returned admitted it (on_admit on the
+ * program's thread); else (kvr_route_wait, or on_admit on the admission thread: see on_admit) the
+ * admission may have happened any time since it was queued, on a rank eligible then, and its
+ * lease has been running since. */
 static void ticket_outcome(struct prog *p, struct mtick *m, int rc, const struct kvr_decision *d,
                            bool now)
 {
@@ -435,18 +454,47 @@ static void drain_admits(struct prog *p)
 		      "on_admit for ticket %" PRIu64 " in state %d waited %d", m->t, m->state,
 		      m->waited);
 		ticket_outcome(p, m, p->adm_d[k].status == KVR_FAILED ? p->adm_d[k].error : 0,
-		               &p->adm_d[k], true);
+		               &p->adm_d[k], !p->adm_late[k]);
 	}
 }
 
 /* Can the admission of queued requests be unknown to the model right now?  (Then per-rank
- * active counts cannot be compared.) */
+ * active counts cannot be compared.)  Whenever one is held: besides a waited or uncollected one,
+ * the admission thread may be admitting any of them this moment (a shard woke it: a lease
+ * expiry, a posted lifecycle message applied), its attempt counted before on_admit tells it. */
 static bool admissions_unknown(const struct prog *p)
 {
-	for (int k = 0; k < p->n_tix; k++)
-		if (p->tix[k].waited || !p->cfg.on_admit || p->tix[k].state != T_QUEUED)
-			return true;
+	return p->n_tix > 0;
+}
+
+/* Ticket m is gone from the queue (wait or cancel said KVR_ENOENT) with nobody waiting on it:
+ * with on_admit, only because the admission thread took it to report (it unlinks an entry before
+ * on_admit runs, off the queue's lock), and the report comes later; without, its outcome, kept
+ * for a collector, was reclaimed (its attempt ended, or, failed, it outlived two lease
+ * intervals).  Returns true when the model is to drop it. */
+static bool ticket_gone(struct prog *p, struct mtick *m)
+{
+	if (m->waited || !p->cfg.on_admit)
+		return true;
+	m->told = true;
 	return false;
+}
+
+/* The report of ticket t, told to on_admit on the admission thread (ticket_gone), is drained
+ * once it comes.  An on_admit that never comes would be a lost outcome: a generous bound
+ * instead of a hang. */
+static void await_report(struct prog *p, uint64_t t)
+{
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (;;) {
+		drain_admits(p);
+		if (!ticket_find(p, t))
+			return;
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		CHECK(t1.tv_sec - t0.tv_sec < 30, "on_admit never told ticket %" PRIu64, t);
+		usleep(100);
+	}
 }
 
 /* --limits' lanes of a few messages: a posted call may find its lane full for 10 ms while
@@ -997,7 +1045,12 @@ static void op_route(struct prog *p)
 	/* With KVR_ROUTE_WAIT a failure of the wait reads as kvr_route_wait's (kvrouter.h) */
 	int rc =
 	    API_OR(kvr_route, q.flags & KVR_ROUTE_WAIT ? "kvr_route_wait" : NULL, p->r, &q, &d);
-	drain_admits(p);
+	/* A queued request's own report may already be in: the admission thread (its pass running
+	 * when the request was pushed) admits it at once.  It is drained once the ticket is held.
+	 */
+	bool queued = rc == 0 && d.status == KVR_QUEUED;
+	if (!queued)
+		drain_admits(p);
 	(void)erange9; /* allow lists of any length are fine (issue 12 item 9) */
 	if (bad) {
 		expect(rc, KVR_EINVAL, "malformed request");
@@ -1014,7 +1067,7 @@ static void op_route(struct prog *p)
 	if (rc == KVR_EAGAIN) {
 		int open = 0;
 		for (int k = 0; k < p->n_tix; k++)
-			open += p->tix[k].state != T_DONE;
+			open += p->tix[k].state != T_DONE && !p->tix[k].told;
 		CHECK(queue_on && !qo, "KVR_EAGAIN without a queue");
 		CHECK(open >= (int)p->cfg.queue_capacity, "KVR_EAGAIN with at most %d of %u queued",
 		      open, p->cfg.queue_capacity);
@@ -1047,6 +1100,7 @@ static void op_route(struct prog *p)
 		p->max_ticket = d.ticket;
 		CHECK(p->n_tix < MAX_TIX, "model tickets full");
 		ticket_new(p, d.ticket, false, pinned, aset, asome);
+		drain_admits(p);
 		return;
 	}
 	CHECK(d.status == KVR_DECIDED, "status %d", d.status);
@@ -1106,12 +1160,13 @@ static void op_wait(struct prog *p)
 	struct mtick *m = held_ticket(p, t, rc, "wait on");
 	if (!m)
 		return;
+	if (m->told) {
+		expect(rc, KVR_ENOENT, "wait on a ticket told to on_admit");
+		return;
+	}
 	if (rc == KVR_ENOENT && d.status == (int)0xa5a5a5a5) {
-		/* Its outcome, kept for a collector, was reclaimed: its attempt ended (lease
-		 * expiry, its rank's end) or, failed, it outlived two lease intervals. */
-		CHECK(m->waited || !p->cfg.on_admit,
-		      "ticket %" PRIu64 " vanished though on_admit was to tell it", t);
-		ticket_drop(p, m);
+		if (ticket_gone(p, m))
+			ticket_drop(p, m);
 		return;
 	}
 	m->waited = true;
@@ -1138,17 +1193,18 @@ static void op_cancel(struct prog *p)
 	struct mtick *m = held_ticket(p, t, rc, "cancel of");
 	if (!m)
 		return;
+	if (m->told) {
+		expect(rc, KVR_ENOENT, "cancel of a ticket told to on_admit");
+		return;
+	}
 	/* 0: queued, or admitted (or failed) with nobody told: the cancel ended that attempt. */
 	if (rc == 0) {
 		ticket_drop(p, m);
 		return;
 	}
 	expect(rc, KVR_ENOENT, "cancel");
-	/* Gone while held for a collector (an on_admit report would have come already: every
-	 * pump finishes within the call that ran it): its outcome was reclaimed, as in op_wait. */
-	CHECK(m->waited || !p->cfg.on_admit,
-	      "cancel says not queued but on_admit never told ticket %" PRIu64, t);
-	ticket_drop(p, m);
+	if (ticket_gone(p, m))
+		ticket_drop(p, m);
 }
 
 static uint64_t pick_attempt(struct prog *p, int *k_out)
@@ -2308,10 +2364,13 @@ static void quiesce_and_check(struct prog *p)
 			if (!m)
 				continue; /* reported by on_admit during the cancel's pump */
 			/* 0: queued, or admitted with nobody told (the cancel ended the attempt);
-			 * KVR_ENOENT: its outcome was reclaimed (see op_wait). */
-			CHECK(rc == 0 || (rc == KVR_ENOENT && (m->waited || !p->cfg.on_admit)),
-			      "cancel rc %d", rc);
-			ticket_drop(p, m);
+			 * KVR_ENOENT: its outcome was reclaimed, or is being told to on_admit
+			 * (ticket_gone). */
+			CHECK(rc == KVR_ENOENT || (rc == 0 && !m->told), "cancel rc %d", rc);
+			if (rc == 0 || ticket_gone(p, m))
+				ticket_drop(p, m);
+			else
+				await_report(p, t);
 		}
 		cur_call = "sync (end of program)";
 		expect(API(kvr_router_sync, p->r, 10000), 0, "sync");
@@ -2364,6 +2423,7 @@ static void *run_program(void *arg)
 	p->in = (struct src){.p = ra->data, .n = ra->size};
 	p->now = 1000;
 	pthread_mutex_init(&p->mu, NULL);
+	p->self = pthread_self();
 	make_router(p);
 	/* FUZZ_API_MAX_OPS cuts a program short (to bisect a failure); FUZZ_API_TRACE prints the
 	 * operation codes. */
@@ -2379,6 +2439,8 @@ static void *run_program(void *arg)
 		fuzz_api_limits = true;
 	if (getenv("FUZZ_API_CLOCK_BACK"))
 		fuzz_api_clock_back = true;
+	if (getenv("FUZZ_API_SLOW_ADMIT"))
+		fuzz_api_slow_admit = true;
 	for (cur_op = 0; !src_done(&p->in) && cur_op < max_ops; cur_op++) {
 		uint32_t op = u8(&p->in) % 32;
 		if (trace)

@@ -35,6 +35,11 @@ extern bool fuzz_api_limits;
  * or leaked, every attempt ended once, all load back to zero.  Off by default, like
  * fuzz_api_craft. */
 extern bool fuzz_api_clock_back;
+/* A slow on_admit off the program's thread (fuzz_api.c, on_admit; also FUZZ_API_SLOW_ADMIT=1): it
+ * sleeps 1 ms before it reports, so the admission thread's reports come after later calls, as an
+ * embedder's slow callback or a preemption makes them.  The same programs as without it; the
+ * model must not tell them apart. */
+extern bool fuzz_api_slow_admit;
 
 /* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
  * NULL) is increased by the number of API operations it ran. */

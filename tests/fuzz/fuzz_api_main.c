@@ -4,7 +4,7 @@
  * with a short run, so it runs in every build, ASan+UBSan and TSan included.
  *
  *   fuzz_api_seeds [--first S] [--seeds N] [--seconds T] [--bytes B] [--write FILE] [--craft]
- *                  [--events] [--limits] [--clock-back]
+ *                  [--events] [--limits] [--clock-back] [--slow-admit]
  *   fuzz_api_seeds FILE...        (program files: a libFuzzer input, tests/fuzz/corpus/api/)
  *
  * A failure prints its seed; `--first S --seeds 1` replays it alone, and `--write FILE` saves
@@ -13,7 +13,8 @@
  * programs than without it, so a seed replays with the same flag.  --events likewise: every router
  * in events mode, engine hashes as vLLM sends them, and probes of the overlap (fuzz_api.h).
  * --limits: configuration values at the ends of their ranges (fuzz_api.h).  --clock-back: the
- * router's clock also steps back (fuzz_api.h).
+ * router's clock also steps back (fuzz_api.h).  --slow-admit: on_admit on the admission thread
+ * reports late (fuzz_api.h); the same programs as without it.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -87,12 +88,15 @@ int main(int argc, char **argv)
 			fuzz_api_limits = true;
 		else if (!strcmp(argv[i], "--clock-back"))
 			fuzz_api_clock_back = true;
+		else if (!strcmp(argv[i], "--slow-admit"))
+			fuzz_api_slow_admit = true;
 		else if (argv[i][0] != '-')
 			return run_files(argc - i, argv + i);
 		else {
 			fprintf(stderr,
 			        "usage: %s [--first S] [--seeds N] [--seconds T] [--bytes B] "
-			        "[--write FILE] [--craft] [--events] [--limits] [--clock-back]\n",
+			        "[--write FILE] [--craft] [--events] [--limits] [--clock-back] "
+			        "[--slow-admit]\n",
 			        argv[0]);
 			return 2;
 		}
