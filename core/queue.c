@@ -54,8 +54,10 @@
  * once its attempt ended (its lease expired, its rank went: every call on it is KVR_ESTALE), a
  * failed one after two lease scan intervals (as long as an idle attempt lives).  The reap runs
  * on every push (where the list grows) and on the admission thread, which a shard's expiry
- * wakes while outcomes wait (kvr_queue_uncollected); so the admitted records number at most the
- * live leases, and each keeps its decision only (the request's copies go at admission).
+ * wakes while outcomes wait (kvr_queue_uncollected), and which times its own wake for the
+ * failed ones, whose reclaim no expiry marks (an idle router kept one for good); so the
+ * admitted records number at most the live leases, and each keeps its decision only (the
+ * request's copies go at admission).
  *
  * Tickets are numbered by one counter for the whole process, not per queue: with a count per
  * queue, two routers (one per model, or a router and the one created to replace it) issued the
@@ -214,7 +216,7 @@ static void *dup_bytes(const void *src, size_t bytes)
 	return p;
 }
 
-static void reap(struct kvr_queue *q, uint64_t now);
+static uint64_t reap(struct kvr_queue *q, uint64_t now);
 
 int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
                    struct kvr_decision *d)
@@ -259,7 +261,7 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->enq_ns = kvr_clock_now(&r->clock);
 	e->state = Q_WAITING;
 	pthread_mutex_lock(&q->lock);
-	reap(q, e->enq_ns); /* the list grows here: outcomes nobody will collect go first */
+	(void)reap(q, e->enq_ns); /* the list grows here: outcomes nobody will collect go first */
 	if (q->closing || q->waiting >= r->cfg.queue_capacity) {
 		int rc = q->closing ? KVR_ESHUTDOWN : KVR_EAGAIN;
 		pthread_mutex_unlock(&q->lock);
@@ -363,17 +365,27 @@ static bool outcome_stale(struct kvr_router *r, const struct qentry *e, uint64_t
 
 /* Frees the outcomes nobody will collect (see the top): an admission once its attempt ended, a
  * failed one after two lease scan intervals (as long as an idle attempt lives).  Never one held
- * for its kvr_route.  Context: under q->lock; now is the router clock read off it. */
-static void reap(struct kvr_queue *q, uint64_t now)
+ * for its kvr_route.  Returns when (router clock) the next failed outcome left comes due, now
+ * for one due but held or watched (its holder collects it soon), UINT64_MAX for none: nothing
+ * else wakes anyone for it (kvr_queue_reap).  Context: under q->lock; now is the router clock
+ * read off it. */
+static uint64_t reap(struct kvr_queue *q, uint64_t now)
 {
+	uint64_t next = UINT64_MAX;
 	if (q->uncollected == 0)
-		return;
+		return next;
 	uint64_t scan = q->r->cfg.lease_scan_interval_ns;
 	uint64_t keep = scan > UINT64_MAX / 2 ? UINT64_MAX : 2 * scan;
 	for (struct qentry **pp = &q->head; *pp;) {
 		struct qentry *e = *pp;
 		if (e->state != Q_ADMITTED || e->held || e->watched ||
 		    !outcome_stale(q->r, e, now, keep)) {
+			if (e->state == Q_ADMITTED && e->rc != 0) {
+				uint64_t due =
+				    e->done_ns > UINT64_MAX - keep ? UINT64_MAX : e->done_ns + keep;
+				due = due < now ? now : due;
+				next = due < next ? due : next;
+			}
 			pp = &e->next;
 			continue;
 		}
@@ -381,19 +393,23 @@ static void reap(struct kvr_queue *q, uint64_t now)
 		__atomic_store_n(&q->uncollected, q->uncollected - 1, __ATOMIC_RELAXED);
 		entry_free(e);
 	}
+	return next;
 }
 
-void kvr_queue_reap(struct kvr_router *r)
+uint64_t kvr_queue_reap(struct kvr_router *r, uint64_t *now_out)
 {
 	struct kvr_queue *q = r->queue;
 	if (kvr_queue_uncollected(r) == 0)
-		return;
+		return UINT64_MAX;
 	/* Off the lock: a clock that makes a lifecycle call pumps, which takes it. */
-	uint64_t now = kvr_clock_now(&r->clock);
+	uint64_t now = kvr_clock_now(&r->clock), next = UINT64_MAX;
 	pthread_mutex_lock(&q->lock);
 	if (!q->closing)
-		reap(q, now);
+		next = reap(q, now);
 	pthread_mutex_unlock(&q->lock);
+	if (now_out)
+		*now_out = now;
+	return next;
 }
 
 bool kvr_queue_pump(struct kvr_router *r)
@@ -420,6 +436,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 	}
 	q->pumping = true;
 	q->pumper = pthread_self();
+	bool kept_failed = false;
 	do {
 		q->again = false;
 		q->pass++;
@@ -503,6 +520,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 				drop_request(e);
 				__atomic_store_n(&q->uncollected, q->uncollected + 1,
 				                 __ATOMIC_RELAXED);
+				kept_failed |= rc != 0;
 			}
 			pthread_cond_broadcast(&q->cond);
 			e = next_waiting(q, q->head);
@@ -511,6 +529,10 @@ bool kvr_queue_pump(struct kvr_router *r)
 	q->pumping = false;
 	pthread_cond_broadcast(&q->cond);
 	pthread_mutex_unlock(&q->lock);
+	/* No attempt's expiry wakes anyone for a failed one: the admission thread times its reap
+	 * (on an idle router nothing else would, and it stayed for good). */
+	if (kept_failed)
+		kvr_admitter_note_failed(r);
 	return true;
 }
 
@@ -530,7 +552,7 @@ void kvr_queue_rank_gone(struct kvr_router *r)
 	q->full = true;
 	pthread_mutex_unlock(&q->lock);
 	kvr_queue_pump(r);
-	kvr_queue_reap(r); /* the rank's attempts ended with it */
+	(void)kvr_queue_reap(r, NULL); /* the rank's attempts ended with it */
 }
 
 bool kvr_queue_admissible(struct kvr_router *r)

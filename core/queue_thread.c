@@ -23,6 +23,11 @@
  * and then reads `wanted` (sync/park.h).  The hook never blocks, allocates or takes a lock: a
  * fence, a load, and with requests queued a store and a FUTEX_WAKE only when the thread sleeps.
  *
+ * It also reclaims a failed admission nobody collects once it is due (two lease scan intervals
+ * after it failed, core/queue.c): a pass that keeps one raises `failed` and wakes it, and while
+ * one waits the thread parks with a timeout (REAP_PARK_MAX_NS at most), reading the clock again
+ * after each; nothing else came back for it on an idle router, where it stayed for good.
+ *
  * Started only for a router with a queue (kvr_config.queue_threshold > 0): a router without one
  * installs no hook and has no thread.  Shutdown: kvr_router_destroy sets the router's shutdown
  * flag and waits for a call on every shard, after which no hook runs past its shutdown check,
@@ -36,31 +41,57 @@
 #include "sync/rcu.h"
 #include "sync/thread.h"
 
+/* The longest park while a failed outcome waits for its reclaim: the router clock may be
+ * virtual (kvr_config.now_ns), and only reading it again tells how far it moved.  As the
+ * shards' own timers do (shards/runtime.c, PARK_MAX_NS). */
+#define REAP_PARK_MAX_NS 1000000000ull
+/* The park while a due one is held or watched: its holder collects it at once, so this only
+ * keeps the thread from spinning meanwhile. */
+#define REAP_HELD_NS 1000000ull
+
+/* How long to park for a failed outcome due at due (router clock), read at now. */
+static uint64_t reap_park_ns(uint64_t due, uint64_t now)
+{
+	if (due <= now)
+		return REAP_HELD_NS;
+	return due - now < REAP_PARK_MAX_NS ? due - now : REAP_PARK_MAX_NS;
+}
+
 static void *admitter_main(void *arg)
 {
 	struct kvr_router *r = arg;
 	struct kvr_admitter *a = &r->admitter;
 	kvr_router_cb_self = r; /* kvr_router_destroy refuses to run here */
+	/* UINT64_MAX while no failed outcome waits: the park then costs nothing but the wakes. */
+	uint64_t park_ns = UINT64_MAX;
 	for (;;) {
 		/* Ordering: acquire; pairs with the release store in kvr_admitter_stop. */
 		if (__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE))
 			break;
 		/* Cleared before the pass: load a shard lowers during it raises the flag again and
 		 * the pass runs once more.  Ordering: seq_cst, after the park's barrier below. */
-		if (__atomic_exchange_n(&a->wanted, 0, __ATOMIC_SEQ_CST)) {
+		bool pass = __atomic_exchange_n(&a->wanted, 0, __ATOMIC_SEQ_CST);
+		if (pass)
 			kvr_queue_pump(r); /* false: another thread's pass walks the list again */
-			/* A lease expiry may have ended attempts whose admissions nobody collected:
-			 * their records go, so the list is bounded by the live leases. */
-			kvr_queue_reap(r);
-			continue;
+		/* After a pass, a lease expiry may have ended attempts whose admissions nobody
+		 * collected: their records go, so the list is bounded by the live leases.  And a
+		 * failed outcome, which no expiry marks, goes once due: this thread is the one
+		 * that comes back for it (the flag says a pass kept one; the same ordering). */
+		if (pass || __atomic_exchange_n(&a->failed, 0, __ATOMIC_SEQ_CST) ||
+		    park_ns != UINT64_MAX) {
+			uint64_t now = 0, due = kvr_queue_reap(r, &now);
+			park_ns = due == UINT64_MAX ? UINT64_MAX : reap_park_ns(due, now);
 		}
+		if (pass)
+			continue;
 		kvr_parker_prepare(&a->park);
 		if (__atomic_load_n(&a->stop, __ATOMIC_ACQUIRE) ||
-		    __atomic_load_n(&a->wanted, __ATOMIC_SEQ_CST)) {
+		    __atomic_load_n(&a->wanted, __ATOMIC_SEQ_CST) ||
+		    __atomic_load_n(&a->failed, __ATOMIC_SEQ_CST)) {
 			kvr_parker_cancel(&a->park);
 			continue;
 		}
-		(void)kvr_parker_wait(&a->park, UINT64_MAX);
+		(void)kvr_parker_wait(&a->park, park_ns);
 	}
 	kvr_rcu_thread_offline(); /* the pass made this thread a reader */
 	return NULL;
@@ -102,4 +133,13 @@ void kvr_admitter_note_unloaded(void *ctx)
 	__atomic_store_n(&r->admitter.wanted, 1, __ATOMIC_SEQ_CST);
 	kvr_parker_wake(&r->admitter.park); /* a full barrier, then the state; no syscall unless
 	                                       the thread sleeps */
+}
+
+void kvr_admitter_note_failed(struct kvr_router *r)
+{
+	/* Past kvr_router_destroy's stop the thread is gone (a waiter's pass may still run). */
+	if (kvr_router_stopping(r))
+		return;
+	__atomic_store_n(&r->admitter.failed, 1, __ATOMIC_SEQ_CST);
+	kvr_parker_wake(&r->admitter.park);
 }

@@ -100,6 +100,7 @@ struct kvr_queue; /* core/queue.c */
 struct kvr_admitter {
 	struct kvr_parker park; /* the thread sleeps here */
 	uint32_t wanted;        /* a shard lowered load by itself while requests were queued */
+	uint32_t failed;        /* a pass kept a failed admission: time its reclaim */
 	uint32_t stop;          /* kvr_router_destroy: the thread returns */
 	bool started;
 	pthread_t thread;
@@ -196,9 +197,11 @@ size_t kvr_queue_depth(struct kvr_router *r);
 size_t kvr_queue_uncollected(struct kvr_router *r);
 /* Frees the uncollected outcomes that can be of no use any more: an admission whose attempt
  * ended (its lease expired: the list is bounded by the live leases), a failed one older than two
- * lease scan intervals.  Context: any thread but a shard's, no router lock held (reads the
- * clock); the admission thread after a shard lowered load, kvr_queue_rank_gone. */
-void kvr_queue_reap(struct kvr_router *r);
+ * lease scan intervals.  Returns when (router clock) the next failed outcome left comes due
+ * (UINT64_MAX: none), and with one, the clock it read in *now (may be NULL).  Context: any
+ * thread but a shard's, no router lock held (reads the clock); the admission thread (after a
+ * shard lowered load, and when a failed outcome comes due), kvr_queue_rank_gone. */
+uint64_t kvr_queue_reap(struct kvr_router *r, uint64_t *now);
 
 /* core/queue_thread.c.  Starts r's admission thread: 0 or pthread_create's error.  Context:
  * kvr_router_create, after the queue and the shards. */
@@ -213,6 +216,11 @@ void kvr_admitter_stop(struct kvr_router *r);
  * between the shard's publication of the lowered load and the read of the depth; pairs with the
  * route's fence after its push (kvr_queue_catch_up). */
 void kvr_admitter_note_unloaded(void *ctx);
+/* A pass kept a failed admission nobody collects: wakes the admission thread, which then
+ * reclaims it when due (kvr_queue_reap).  Never blocks, allocates or takes a lock.  Context: the
+ * thread that ran the pass, off the queue's lock.  Ordering: the flag's seq_cst store, then
+ * kvr_parker_wake's barrier; pairs with the thread's park (sync/park.h). */
+void kvr_admitter_note_failed(struct kvr_router *r);
 /* Before a pump that must see what the other side of a race did: a seq_cst fence (its pairing:
  * core/queue.c), then, when sh is given and without sync_booking, a call on sh that returns
  * once the work posted to it before (a lifecycle call's) ran.  kvr_route passes NULL (it never

@@ -1024,3 +1024,54 @@ Test(regress, a_failed_admission_nobody_collects_goes_after_two_lease_intervals)
 	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
 	kvr_router_destroy(r);
 }
+
+/* The same failed admission on an idle router: after a wait that timed out (so on_admit does not
+ * report it) its pinned rank goes, and nothing is called after.  Before, only a push or a rank
+ * removal reclaimed it, and it stayed for good (kvr_queue_uncollected 1 after 20 s); the
+ * admission thread reclaims it now once its two intervals are over.  The clock is virtual: the
+ * reclaim can only come from the admission thread reading it again by itself. */
+Test(regress, a_failed_admission_nobody_collects_goes_on_an_idle_router)
+{
+	struct seen s;
+	memset(&s, 0, sizeof(s));
+	pthread_mutex_init(&s.mu, NULL);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.max_ranks = 16;
+	c.lease_scan_interval_ns = 1000000; /* 1 ms of the virtual clock */
+	c.on_admit = on_admit;
+	c.callback_ctx = &s;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id gone = {3, 0};
+	cr_assert_eq(kvr_rank_add(r, gone, 1, 1000, 100), 0);
+	static uint32_t hog[200], t[64];
+	prompt(hog, 200, 27);
+	prompt(t, 64, 28);
+	struct kvr_decision h, q, d;
+	cr_assert_eq(route_tokens(r, hog, 200, &gone, &h), 0);
+	cr_assert_eq(h.status, KVR_DECIDED);
+	cr_assert_eq(route_tokens(r, t, 64, &gone, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* vnow is past 1 */
+	cr_assert_eq(kvr_rank_remove(r, gone), 0);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(uncollected(r), 1, "failed, kept for the wait's caller");
+	cr_assert_eq(seen_find(&s, q.ticket, NULL), 0, "waited on: not reported");
+	__atomic_add_fetch(&vnow, 2 * c.lease_scan_interval_ns, __ATOMIC_RELAXED);
+	/* Reads only from here. */
+	long left = 1;
+	for (int ms = 0; ms < 20000 && left != 0; ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+		left = uncollected(r);
+	}
+	cr_assert_eq(left, 0, "the failed admission outlived its two intervals on an idle router");
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ENOENT);
+	kvr_router_destroy(r);
+	pthread_mutex_destroy(&s.mu);
+}
