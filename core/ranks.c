@@ -183,18 +183,29 @@ out:
 	return rc;
 }
 
-int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
+/* kvr_rank_remove, of the rank's life (life_slot, life_gen) only when life is set: KVR_ESTALE,
+ * nothing changed, when the id names another life now (removed and added again since). */
+static int rank_remove(struct kvr_router *r, struct kvr_rank_id rank, const char *fn, bool life,
+                       uint32_t life_slot, uint64_t life_gen)
 {
-	KVR_NOCANCEL(); /* sync/nocancel.h */
-	static const char fn[] = "kvr_rank_remove";
 	int rc = check(r, fn);
 	if (rc)
 		return rc;
 	uint32_t slot;
+	uint64_t gen;
 	if ((rc = admin_lock(r, fn)))
 		return rc;
-	if ((rc = kvr_router_find_rank(r, rank, &slot))) {
+	/* Under admin_lock the generation is the rank's for the whole call (every add and
+	 * remove takes it). */
+	if ((rc = kvr_router_find_rank_gen(r, rank, &slot, &gen))) {
 		rc = rank_fail(r, rc, fn, rank, 0);
+		goto out;
+	}
+	if (life && (slot != life_slot || gen != life_gen)) {
+		rc = kvr_fail(KVR_ESTALE,
+		              "%s: rank (worker %" PRIu64 ", dp %" PRIu32
+		              ") was removed and added again since it was named",
+		              fn, rank.worker_id, rank.dp_rank);
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[slot];
@@ -235,6 +246,26 @@ out:
 	if (rc == 0 && r->queue)
 		kvr_queue_rank_gone(r);
 	return rc;
+}
+
+int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank)
+{
+	KVR_NOCANCEL(); /* sync/nocancel.h */
+	return rank_remove(r, rank, "kvr_rank_remove", false, 0, 0);
+}
+
+int kvr_repl_rank_life(struct kvr_router *r, struct kvr_rank_id rank, uint32_t *slot, uint64_t *gen)
+{
+	if (kvr_router_stopping(r))
+		return KVR_ESHUTDOWN;
+	return kvr_router_find_rank_gen(r, rank, slot, gen);
+}
+
+int kvr_repl_rank_remove_life(struct kvr_router *r, struct kvr_rank_id rank, uint32_t slot,
+                              uint64_t gen)
+{
+	KVR_NOCANCEL(); /* sync/nocancel.h */
+	return rank_remove(r, rank, "kvr_rank_remove", true, slot, gen);
 }
 
 /* Runs fn on the rank's shard with the rank's current generation. */

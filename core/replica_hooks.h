@@ -87,6 +87,20 @@ int kvr_repl_set_hooks(struct kvr_router *r, struct kvr_repl_hooks *hooks);
  */
 int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *a);
 
+/* The life of rank id in r now, for kvr_repl_rank_remove_life: its slot and the slot's
+ * generation (kvr_router_find_rank_gen; a removal bumps it).  Returns 0, KVR_ENOENT (no such
+ * rank), KVR_ENOMEM (this thread could not become an RCU reader), KVR_ESHUTDOWN.  Context: any
+ * thread outside an RCU read section; no lock taken. */
+int kvr_repl_rank_life(struct kvr_router *r, struct kvr_rank_id rank, uint32_t *slot,
+                       uint64_t *gen);
+/* kvr_rank_remove of the life (slot, gen) kvr_repl_rank_life read, and of no other: a rank
+ * removed and added again since (another life under the same id) is left alone, KVR_ESTALE.
+ * For a removal decided on what the caller read earlier (a snapshot's judgement, told with its
+ * lock released: sync/replica_ranks.c).  Returns as kvr_rank_remove, and KVR_ESTALE.  Context:
+ * as kvr_rank_remove. */
+int kvr_repl_rank_remove_life(struct kvr_router *r, struct kvr_rank_id rank, uint32_t slot,
+                              uint64_t gen);
+
 /* The notes: called by route.c, lifecycle.c and ranks.c after a successful call. */
 void kvr_repl_note_admit_slow(struct kvr_router *r, const struct kvr_repl_admission *a);
 void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,

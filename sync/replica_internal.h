@@ -127,8 +127,11 @@ struct kvr_rep_rank {
 	bool listed; /* resync: named by the snapshot being applied (sync/replica_snap.c) */
 	/* A snapshot judged the rank gone at this version and its removal from the router failed
 	 * (no memory): the heartbeats try again while ver is still this ({0, 0}: none;
-	 * sync/replica_ranks.c, remove_judged). */
+	 * sync/replica_ranks.c, remove_judged), of the router's life of the rank it judged
+	 * (kvr_repl_rank_life) and of no other. */
 	struct kvr_rep_ver doomed;
+	uint32_t doomed_slot;
+	uint64_t doomed_gen;
 };
 
 struct kvr_rep_peer {

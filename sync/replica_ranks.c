@@ -84,6 +84,7 @@
  */
 #include <time.h>
 
+#include "sync/rcu.h"
 #include "sync/replica_internal.h"
 
 static uint64_t wall_ns(void)
@@ -213,6 +214,18 @@ static bool doomed(const struct kvr_rep_rank *e)
 	return e->doomed.clock && !e->removed && kvr_rep_ver_cmp(e->doomed, e->ver) == 0;
 }
 
+/* The router's life of the rank of entry e, which a snapshot judges gone now.  A rank the router
+ * lacks gets a slot no rank has: its removal then says KVR_ENOENT, or KVR_ESTALE for a rank added
+ * since.  mu held (the router's lookup takes no lock). */
+static void judged_life(struct kvr_replica *rep, const struct kvr_rep_rank *e, uint32_t *slot,
+                        uint64_t *gen)
+{
+	if (kvr_repl_rank_life(rep->r, e->id, slot, gen)) {
+		*slot = UINT32_MAX;
+		*gen = 0;
+	}
+}
+
 /* Removes the rank of entry e, which a snapshot judged gone, from the router, then forgets the
  * entry unless an own change came meanwhile (a re-add: a newer version).  Counted in rank_stale
  * once the rank is gone, not before: kvr_rank_remove may fail (KVR_ENOMEM, the rank left as it
@@ -220,31 +233,53 @@ static bool doomed(const struct kvr_rep_rank *e)
  * a_stale_rank_whose_removal_failed_is_not_counted).  Such an entry is marked (doomed) and
  * the heartbeats try again (kvr_rep_ranks_retry), as long as it holds the judged version: the
  * next snapshot alone would have left it until the next reconnect, served meanwhile in this
- * replica's snapshots and re-announces.  mu held, released meanwhile (the router is called
- * without it, the stream flushed first); e is not valid after. */
-static void remove_judged(struct kvr_replica *rep, struct kvr_rep_rank *e)
+ * replica's snapshots and re-announces.
+ *
+ * Only the life of the rank judged (slot, gen: judged_life, read with mu held) is removed.  The
+ * router is called with mu released, and this router's own remove and re-add of the rank may
+ * land meanwhile (its notes reach the table only after the router's change, with mu taken
+ * then): a removal by id removed the new life, which nobody judged, and every heartbeat's retry
+ * opened that window again (test_replica_ranks
+ * a_stale_rank_removed_and_added_again_meanwhile_keeps_its_new_life).  The new life is left
+ * alone (KVR_ESTALE), not counted: the judged one went by another hand, whose note follows.
+ * mu held, released meanwhile (the router is called without it, the stream flushed first); e
+ * is not valid after. */
+static void remove_judged(struct kvr_replica *rep, struct kvr_rep_rank *e, uint32_t slot,
+                          uint64_t gen)
 {
 	const struct kvr_rank_id id = e->id;
 	const struct kvr_rep_ver v = e->ver;
 	kvr_rep_stream_flush(rep);
 	pthread_mutex_unlock(&rep->mu);
-	APPLYING(kvr_rank_remove(rep->r, id));
-	struct kvr_rank_stats s;
-	bool present = kvr_rank_get_stats(rep->r, id, &s) == 0;
+	int rc = APPLYING(kvr_repl_rank_remove_life(rep->r, id, slot, gen));
+	uint32_t now_slot;
+	uint64_t now_gen;
+	int lr = kvr_repl_rank_life(rep->r, id, &now_slot, &now_gen);
+	/* The judged life still routed; a lookup that could not tell (no memory) says so too. */
+	bool present = lr == 0 ? now_slot == slot && now_gen == gen : lr != KVR_ENOENT;
 	pthread_mutex_lock(&rep->mu);
 	e = kvr_rep_rank_entry(rep, id);
 	bool same = e && kvr_rep_ver_cmp(e->ver, v) == 0;
-	if (!present) {
+	if (rc == KVR_ESTALE) {
+		if (same)
+			e->doomed = (struct kvr_rep_ver){0, 0}; /* that life is gone */
+	} else if (!present) {
 		rep->st.rank_stale++;
 		if (same)
 			kvr_rep_rank_drop(rep, id);
 	} else if (same) {
 		e->doomed = v;
+		e->doomed_slot = slot;
+		e->doomed_gen = gen;
 	}
 }
 
 void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floor)
 {
+	/* judged_life reads the router with mu held: registering this thread there would wait
+	 * for liburcu's registry, which a grace period holds while it waits for readers, and a
+	 * reader inside a note waits for mu.  (The apply thread is online already: a no-op.) */
+	(void)kvr_rcu_thread_online();
 	pthread_mutex_lock(&rep->mu);
 	if (floor.clock && !clock_plausible(floor.clock)) {
 		/* A faulty provider's floor: ours judges ("A clock far ahead"). */
@@ -265,7 +300,10 @@ void kvr_rep_ranks_snapshot_end(struct kvr_replica *rep, struct kvr_rep_ver floo
 			kvr_rep_tell_rank(rep, KVR_REPL_RANK_ADD, e);
 			continue;
 		}
-		remove_judged(rep, e);
+		uint32_t slot;
+		uint64_t gen;
+		judged_life(rep, e, &slot, &gen);
+		remove_judged(rep, e, slot, gen);
 	}
 	kvr_rep_stream_flush(rep);
 	pthread_mutex_unlock(&rep->mu);
@@ -284,7 +322,7 @@ void kvr_rep_ranks_retry(struct kvr_replica *rep)
 	for (size_t i = 0; i < n; i++) {
 		struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, ids[i]);
 		if (e && doomed(e))
-			remove_judged(rep, e);
+			remove_judged(rep, e, e->doomed_slot, e->doomed_gen);
 	}
 	kvr_rep_stream_flush(rep);
 	pthread_mutex_unlock(&rep->mu);

@@ -787,3 +787,49 @@ Test(replica_ranks, a_stale_rank_whose_removal_failed_is_not_counted, .timeout =
 	pthread_mutex_unlock(&rep->mu);
 	bus_teardown(r, 1);
 }
+
+/* A snapshot judged rank 3 gone and its removal failed for memory (doomed: the heartbeats try
+ * again); meanwhile this replica's router removed rank 3 and added it again, a new life, whose
+ * notes have not reached the table yet (they come after the router's change, with the table's
+ * lock released: emulated by skipping them, kvr_repl_applying).  The retry removed by id, so
+ * the new life went: rank 3 gone from the router, though no snapshot ever judged that life.
+ * Now the removal names the life the snapshot judged, and another is left alone. */
+Test(replica_ranks, a_stale_rank_removed_and_added_again_meanwhile_keeps_its_new_life,
+     .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	bus_quiet(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	uint64_t t0 = 0; /* newer than replica 1's own adds (their clock) */
+	pthread_mutex_lock(&rep->mu);
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		if (rep->ranks[i].ver.clock > t0)
+			t0 = rep->ranks[i].ver.clock;
+	pthread_mutex_unlock(&rep->mu);
+	const struct kvr_rank_id three = {3, 0};
+	bool failed = false;
+	for (uint64_t nth = 1; nth < 200 && !failed; nth++) {
+		if (!has_rank(r[0], 3)) {
+			peer_rank_v(rep, nth, KVR_REPL_RANK_ADD, 3, 7, t0 + 10 * nth);
+			cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+			cr_assert(has_rank(r[0], 3));
+		}
+		pthread_mutex_lock(&rep->hmu); /* no heartbeat (no retry) but the test's */
+		snapshot_end_without(rep, (struct kvr_rep_ver){t0 + 10 * nth + 5, 5}, 3, nth);
+		failed = has_rank(r[0], 3);
+		if (!failed)
+			pthread_mutex_unlock(&rep->hmu);
+	}
+	cr_assert(failed, "no removal failed: the test missed its path"); /* hmu held */
+	cr_assert_eq(stats_of(r[0], 3).incarnation, 7);
+	kvr_repl_applying = true; /* the router's change, its notes not arrived yet */
+	cr_assert_eq(kvr_rank_remove(r[0], three), 0);
+	cr_assert_eq(kvr_rank_add(r[0], three, 8, 1000, 4096), 0);
+	kvr_repl_applying = false;
+	kvr_rep_ranks_retry(rep); /* a heartbeat's */
+	pthread_mutex_unlock(&rep->hmu);
+	cr_assert(has_rank(r[0], 3), "the retry of the judged removal removed rank 3's new life");
+	cr_assert_eq(stats_of(r[0], 3).incarnation, 8);
+	bus_teardown(r, 1);
+}
