@@ -460,6 +460,17 @@ void kvr_index_flush_retired(struct kvr_index *idx)
 	pthread_mutex_unlock(&idx->wlock);
 }
 
+bool kvr_index_flush_retired_try(struct kvr_index *idx)
+{
+	if (!idx)
+		return true;
+	if (pthread_mutex_trylock(&idx->wlock) != 0)
+		return false; /* its holder flushes when it goes idle (index.h says why) */
+	kvr_index_retire_flush(idx, &idx->rt);
+	pthread_mutex_unlock(&idx->wlock);
+	return true;
+}
+
 void kvr_index_quiesce(struct kvr_index *idx)
 {
 	if (!idx)

@@ -248,6 +248,18 @@ size_t kvr_index_path_runs(const struct kvr_index *idx, const uint64_t *seq, siz
  * waits out a grace period here instead), outside a read section; takes the writers' mutex.
  */
 void kvr_index_flush_retired(struct kvr_index *idx);
+/*
+ * kvr_index_flush_retired if the writers' mutex is free now, for an idle hook: true when it
+ * flushed (or idx is NULL), false, nothing done, when a writer holds the mutex.  The idle hook
+ * took the mutex, so an idle shard waited behind another shard's long write and was late for
+ * its next message.  Leaving the batch to the holder is safe only because every writer of a
+ * router's index is a shard task (bookings, events, rank changes, and timers that note their
+ * removals as work: shards/owner_ranks.c), so its shard goes idle after it and flushes then;
+ * the last writer finds the mutex free.  A writer that never goes idle (a test, a tool) calls
+ * kvr_index_flush_retired or kvr_index_quiesce, which wait.
+ * Context: as kvr_index_flush_retired, but it never waits.
+ */
+bool kvr_index_flush_retired_try(struct kvr_index *idx);
 
 /*
  * Hands the writers' pending retired objects to RCU (kvr_index_flush_retired), then waits until

@@ -364,9 +364,10 @@ void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx);
  * pinned slabs of the transient arena (bench_footprint, 8 ranks: 0.7 / 5.7 B per tracked
  * (block, rank) kept at 2k / 32k prompts, and ~2 B of half-empty slabs).  The next burst
  * allocates its first records again (one per class and frontend in flight).  And the index's
- * retired objects still waiting for a full batch go to RCU (kvr_index_flush_retired): up to 255
- * of them (~4 MB of hash arrays at worst) waited for the next write, for good on an idle
- * router. */
+ * retired objects still waiting for a full batch go to RCU (kvr_index_flush_retired_try): up to
+ * 255 of them (~4 MB of hash arrays at worst) waited for the next write, for good on an idle
+ * router; with the writers' mutex held by another shard's write, that shard's own idle hook
+ * flushes them instead of this one waiting. */
 void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx);
 
 #endif /* KVR_SHARDS_OWNER_H */

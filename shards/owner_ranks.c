@@ -342,8 +342,10 @@ void kvr_owner_shard_idle(struct kvr_shard *sh, void *ctx)
 	const struct kvr_owner_ctx *c = ctx;
 	kvr_attempt_pool_trim(c->pool);
 	/* Under the index's writer mutex, as every write: the batch may hold what other shards'
-	 * ranks retired too, and they may be writing now. */
-	kvr_index_flush_retired(c->index);
+	 * ranks retired too, and they may be writing now.  Tried, not waited for: a shard behind
+	 * another's long write was late for its next message; that writer is a shard task too,
+	 * and flushes when its shard goes idle (kvr_index_flush_retired_try). */
+	(void)kvr_index_flush_retired_try(c->index);
 }
 
 void kvr_owner_shard_stop(struct kvr_shard *sh, void *ctx)

@@ -10,6 +10,7 @@
 #include "core/index.h"
 #include "core/index_internal.h"
 #include "kvrouter.h"
+#include "shards/owner.h"
 #include "sync/rcu.h"
 
 static struct kvr_index *idx;
@@ -506,6 +507,66 @@ Test(index, retired_below_a_full_batch_are_freed_when_idle)
 	              (unsigned long long)mem1, (unsigned long long)kvr_index_memory_bytes(idx));
 	cr_assert_eq(kvr_index_tree_size(idx, r0), 960 * 8);
 	kvr_index_flush_retired(NULL); /* a no-op */
+}
+
+/* Holds the index writers' lock, as another shard's long write does, until told to let go. */
+struct writer_hold {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool held, release;
+};
+
+static void *hold_writers_lock(void *p)
+{
+	struct writer_hold *h = p;
+	pthread_mutex_lock(&idx->wlock);
+	pthread_mutex_lock(&h->mu);
+	h->held = true;
+	pthread_cond_broadcast(&h->cv);
+	while (!h->release)
+		pthread_cond_wait(&h->cv, &h->mu);
+	pthread_mutex_unlock(&h->mu);
+	pthread_mutex_unlock(&idx->wlock);
+	return NULL;
+}
+
+/* A shard's idle hook (kvr_owner_shard_idle) flushes the retired batch, which is the writers':
+ * it took their mutex, so an idle shard waited behind another shard's write, however long, and
+ * was late for its next message (here: for good, the write never ends until the hook returns;
+ * the test's timeout fails it).  The hook only tries the lock now: the writer holding it goes
+ * idle after its write and flushes then (every writer of a router's index is a shard task).
+ * kvr_index_flush_retired and kvr_index_quiesce still wait for it. */
+Test(index, the_idle_hook_does_not_wait_for_a_writer, .timeout = 30)
+{
+	uint32_t r0;
+	kvr_index_rank_add(idx, 1, 0, &r0);
+	store_chains(r0, 0, 1040);
+	kvr_index_quiesce(idx);
+	const uint64_t mem0 = kvr_index_memory_bytes(idx);
+	remove_chains(r0, 1000, 1040); /* 80 retired objects: below a full batch */
+	struct kvr_owner_ctx c = {.index = idx};
+	struct writer_hold h = {.held = false};
+	pthread_mutex_init(&h.mu, NULL);
+	pthread_cond_init(&h.cv, NULL);
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, hold_writers_lock, &h), 0);
+	pthread_mutex_lock(&h.mu);
+	while (!h.held)
+		pthread_cond_wait(&h.cv, &h.mu);
+	pthread_mutex_unlock(&h.mu);
+	kvr_owner_shard_idle(NULL, &c); /* returns: the batch stays for a later idle period */
+	cr_assert_gt(idx->rt.n, 0, "the hook flushed under another writer's lock");
+	pthread_mutex_lock(&h.mu);
+	h.release = true;
+	pthread_cond_broadcast(&h.cv);
+	pthread_mutex_unlock(&h.mu);
+	pthread_join(t, NULL);
+	kvr_owner_shard_idle(NULL, &c); /* the lock free: flushed */
+	cr_assert_eq(idx->rt.n, 0);
+	kvr_index_quiesce(idx);
+	cr_assert_lt(kvr_index_memory_bytes(idx), mem0);
+	pthread_cond_destroy(&h.cv);
+	pthread_mutex_destroy(&h.mu);
 }
 
 /* A full run-id space (2^25 - 1 located runs of two blocks or more; lowered here to 100 through
