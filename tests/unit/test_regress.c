@@ -1075,3 +1075,67 @@ Test(regress, a_failed_admission_nobody_collects_goes_on_an_idle_router)
 	kvr_router_destroy(r);
 	pthread_mutex_destroy(&s.mu);
 }
+
+/* Clock reads off the test's thread, for the next test. */
+static pthread_t clock_owner;
+static uint64_t clock_reads_off_owner;
+static uint64_t counting_clock(void *ctx)
+{
+	if (!pthread_equal(pthread_self(), clock_owner))
+		__atomic_add_fetch(&clock_reads_off_owner, 1, __ATOMIC_RELAXED);
+	return vclock(ctx);
+}
+
+/* The same failed admission, the virtual clock stopped 1 us short of its due time (a paused
+ * simulation).  The admission thread parked for the gap left, in ns, again and again: ~12,000
+ * wakes (clock reads) and ~20% of a core per second.  Now it parks 1 ms at least and backs off
+ * while the clock stands still.  Only a spinning thread reads more: a slow machine reads less. */
+Test(regress, a_stopped_virtual_clock_short_of_a_reclaim_does_not_spin_the_admission_thread)
+{
+	clock_owner = pthread_self();
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = counting_clock;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.max_ranks = 16;
+	c.lease_scan_interval_ns = 1000000; /* 1 ms of the virtual clock */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id gone = {3, 0};
+	cr_assert_eq(kvr_rank_add(r, gone, 1, 1000, 100), 0);
+	static uint32_t hog[200], t[64];
+	prompt(hog, 200, 29);
+	prompt(t, 64, 30);
+	struct kvr_decision h, q, d;
+	cr_assert_eq(route_tokens(r, hog, 200, &gone, &h), 0);
+	cr_assert_eq(h.status, KVR_DECIDED);
+	cr_assert_eq(route_tokens(r, t, 64, &gone, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* vnow is past 1 */
+	cr_assert_eq(kvr_rank_remove(r, gone), 0);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(uncollected(r), 1, "failed, kept for the wait's caller");
+	/* Due two intervals after it failed, at the vnow read then: stop 1 us short. */
+	__atomic_add_fetch(&vnow, 2 * c.lease_scan_interval_ns - 1000, __ATOMIC_RELAXED);
+	struct timespec settle = {0, 50000000}, span = {0, 500000000};
+	nanosleep(&settle, NULL);
+	uint64_t r0 = __atomic_load_n(&clock_reads_off_owner, __ATOMIC_RELAXED);
+	nanosleep(&span, NULL);
+	uint64_t reads = __atomic_load_n(&clock_reads_off_owner, __ATOMIC_RELAXED) - r0;
+	cr_assert_lt(reads, 400,
+	             "the router's threads read the stopped clock %" PRIu64
+	             " times in 0.5 s: a spin",
+	             reads);
+	cr_assert_eq(uncollected(r), 1, "not due: the clock stopped short");
+	__atomic_add_fetch(&vnow, 1000, __ATOMIC_RELAXED); /* due now: still reclaimed */
+	long left = 1;
+	for (int ms = 0; ms < 20000 && left != 0; ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+		left = uncollected(r);
+	}
+	cr_assert_eq(left, 0, "the failed admission outlived its due time once the clock moved");
+	kvr_router_destroy(r);
+}
