@@ -105,6 +105,7 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 	if (rc)
 		return rc;
 	uint32_t slot, shard;
+	struct kvr_rank_life life = {0, 0}; /* the life made, for the replica's note */
 	if ((rc = admin_lock(r, fn)))
 		return rc;
 	if (kvr_router_find_rank(r, rank, &slot) == 0) {
@@ -169,7 +170,8 @@ int kvr_rank_add(struct kvr_router *r, struct kvr_rank_id rank, uint64_t incarna
 		goto out;
 	}
 	struct kvr_rank_pub *pub = &r->ranks[a.slot];
-	__atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
+	life.slot = a.slot;
+	life.gen = __atomic_add_fetch(&pub->gen, 1, __ATOMIC_RELEASE);
 	__atomic_store_n(&pub->live, 1, __ATOMIC_RELEASE);
 	(void)kvr_router_live_update(r, a.slot, true); /* room reserved above: cannot fail */
 	kvr_shard_wait_intent_end();
@@ -177,7 +179,7 @@ out:
 	pthread_mutex_unlock(&r->admin_lock);
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_ADD, rank, incarnation, capacity_blocks,
-		                   max_batched_tokens);
+		                   max_batched_tokens, life);
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r); /* a new rank may take queued requests */
 	return rc;
@@ -240,7 +242,8 @@ static int rank_remove(struct kvr_router *r, struct kvr_rank_id rank, const char
 out:
 	pthread_mutex_unlock(&r->admin_lock);
 	if (rc == 0)
-		kvr_repl_note_rank(r, KVR_REPL_RANK_REMOVE, rank, 0, 0, 0);
+		kvr_repl_note_rank(r, KVR_REPL_RANK_REMOVE, rank, 0, 0, 0,
+		                   (struct kvr_rank_life){0, 0});
 	/* Queued requests pinned or allowed only to it fail now, not once the cluster's load lets
 	 * the queue's passes reach them. */
 	if (rc == 0 && r->queue)
@@ -294,8 +297,8 @@ int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank, uint64_
 	struct kvr_rank_args a = {.incarnation = incarnation, .capacity = capacity_blocks};
 	int rc = rank_call(r, rank, kvr_owner_rank_capacity, &a, "kvr_rank_set_capacity", false);
 	if (rc == 0)
-		kvr_repl_note_rank(r, KVR_REPL_RANK_CAPACITY, rank, incarnation, capacity_blocks,
-		                   0);
+		kvr_repl_note_rank(r, KVR_REPL_RANK_CAPACITY, rank, incarnation, capacity_blocks, 0,
+		                   (struct kvr_rank_life){0, 0});
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r);
 	return rc;
@@ -307,7 +310,8 @@ int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_i
 	struct kvr_rank_args a = {.incarnation = new_incarnation};
 	int rc = rank_call(r, rank, kvr_owner_rank_reset, &a, "kvr_rank_reset", false);
 	if (rc == 0)
-		kvr_repl_note_rank(r, KVR_REPL_RANK_RESET, rank, new_incarnation, 0, 0);
+		kvr_repl_note_rank(r, KVR_REPL_RANK_RESET, rank, new_incarnation, 0, 0,
+		                   (struct kvr_rank_life){0, 0});
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r);
 	return rc;

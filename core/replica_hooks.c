@@ -122,12 +122,13 @@ void kvr_repl_note_expire(void *ctx, uint64_t attempt)
 }
 
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,
-                             uint64_t incarnation, uint64_t capacity, uint32_t mbt)
+                             uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                             struct kvr_rank_life life)
 {
 	kvr_rcu_read_lock();
 	struct kvr_repl_hooks *h = kvr_rcu_deref(&r->repl);
 	if (h && h->rank_changed)
-		h->rank_changed(h->ctx, op, rank, incarnation, capacity, mbt);
+		h->rank_changed(h->ctx, op, rank, incarnation, capacity, mbt, life);
 	kvr_rcu_read_unlock();
 }
 

@@ -50,13 +50,25 @@ enum kvr_repl_rank_op {
 /* Progress ops are enum kvr_progress_op (core/router_internal.h).  progressed's not_final: an
  * output call's last token is known not to be the final one (kvr_request_output_ex without
  * KVR_OUTPUT_FINAL), so the router counted its KV slot at once; false for every other call. */
+/* One life of a rank in a router: its slot and the slot's generation (bumped on every add and
+ * remove).  gen 0: none known. */
+struct kvr_rank_life {
+	uint32_t slot;
+	uint64_t gen;
+};
+
 struct kvr_repl_hooks {
 	void *ctx;
 	void (*admitted)(void *ctx, const struct kvr_repl_admission *a);
 	void (*progressed)(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
 	                   bool not_final);
+	/* life: for an add, the life the router made (its slot and the slot's generation, as
+	 * kvr_repl_rank_life reads them), read under the router's rank lock, so that the table's
+	 * entry names the life its note describes even when later changes overtook the note;
+	 * {0, 0} for the other ops. */
 	void (*rank_changed)(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
-	                     uint64_t capacity, uint32_t max_batched_tokens);
+	                     uint64_t capacity, uint32_t max_batched_tokens,
+	                     struct kvr_rank_life life);
 	/* Appends Prometheus text at buf (room bytes, snprintf semantics); returns the length it
 	 * needs.  May be NULL. */
 	size_t (*render)(void *ctx, char *buf, size_t room);
@@ -110,7 +122,8 @@ void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
  * layer drops its record of the attempt. */
 void kvr_repl_note_expire(void *ctx, uint64_t attempt);
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,
-                             uint64_t incarnation, uint64_t capacity, uint32_t mbt);
+                             uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                             struct kvr_rank_life life);
 /* Whether a note would reach anyone.  Ordering: acquire; pairs with kvr_repl_set_hooks. */
 static inline bool kvr_repl_attached(const struct kvr_router *r)
 {
@@ -133,10 +146,11 @@ static inline void kvr_repl_note_progress(struct kvr_router *r, uint64_t attempt
 		kvr_repl_note_progress_slow(r, attempt, op, tokens, n, not_final);
 }
 static inline void kvr_repl_note_rank(struct kvr_router *r, int op, struct kvr_rank_id rank,
-                                      uint64_t incarnation, uint64_t capacity, uint32_t mbt)
+                                      uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                                      struct kvr_rank_life life)
 {
 	if (kvr_repl_attached(r))
-		kvr_repl_note_rank_slow(r, op, rank, incarnation, capacity, mbt);
+		kvr_repl_note_rank_slow(r, op, rank, incarnation, capacity, mbt, life);
 }
 
 /* Whether own attempt `attempt` has ended on r (finished, aborted, expired: its lease is

@@ -574,9 +574,12 @@ int kvr_replica_start(struct kvr_replica *rep)
 	size_t n_ids = kvr_repl_list_ranks(r, ids, mbt, 256);
 	for (size_t i = 0; i < n_ids && i < 256; i++) {
 		struct kvr_rank_stats s;
+		struct kvr_rank_life life = {0, 0};
+		if (kvr_repl_rank_life(r, ids[i], &life.slot, &life.gen))
+			life = (struct kvr_rank_life){0, 0}; /* judged by the router's then */
 		if (kvr_rank_get_stats(r, ids[i], &s) == 0)
 			kvr_rep_note_rank(rep, KVR_REPL_RANK_ADD, ids[i], s.incarnation,
-			                  s.capacity_blocks, mbt[i]);
+			                  s.capacity_blocks, mbt[i], life);
 	}
 	/* A thread that cannot be started (the process's thread limit): KVR_ENOMEM, as for
 	 * memory (KVR_EBUSY says "already attached"). */

@@ -132,6 +132,10 @@ struct kvr_rep_rank {
 	struct kvr_rep_ver doomed;
 	uint32_t doomed_slot;
 	uint64_t doomed_gen;
+	/* The router's life of the rank this entry describes (its add's, told by the add's note or
+	 * read after a peer's add was applied); gen 0: not known (judged_life reads the router's
+	 * then).  Context: mu held. */
+	struct kvr_rank_life life;
 };
 
 struct kvr_rep_peer {
@@ -375,7 +379,7 @@ void kvr_rep_note_admit(void *ctx, const struct kvr_repl_admission *a);
 void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
                            bool not_final);
 void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
-                       uint64_t capacity, uint32_t mbt);
+                       uint64_t capacity, uint32_t mbt, struct kvr_rank_life life);
 /* Makes the outbound queue and the staging slabs.  0 or KVR_ENOMEM.  Context: create. */
 int kvr_rep_out_init(struct kvr_replica *rep);
 /* Starts the sender thread.  0 or KVR_EBUSY.  Context: kvr_replica_start. */
@@ -426,8 +430,8 @@ struct kvr_rep_out_progress {
 };
 
 struct kvr_rep_out_rank {
-	uint64_t worker_id, incarnation, capacity;
-	uint32_t dp_rank, mbt;
+	uint64_t worker_id, incarnation, capacity, life_gen;
+	uint32_t dp_rank, mbt, life_slot;
 	int32_t op;
 };
 
@@ -500,7 +504,8 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m);
  * tells it.  Returns the entry, NULL for memory (not told: lost).  Context: the sender, mu
  * held. */
 struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
-                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt);
+                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                                          struct kvr_rank_life life);
 /* The RANK ops that tell entry e whole, in order, into ops[3]; returns how many: a tombstone's
  * removal; else its add, then its last reset.  Context: mu held. */
 size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3]);

@@ -474,15 +474,17 @@ void kvr_rep_note_progress(void *ctx, uint64_t attempt, int op, const uint32_t *
 }
 
 void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t incarnation,
-                       uint64_t capacity, uint32_t mbt)
+                       uint64_t capacity, uint32_t mbt, struct kvr_rank_life life)
 {
 	struct kvr_replica *rep = ctx;
 	struct kvr_rep_out_rank k = {
 	    .worker_id = rank.worker_id,
 	    .incarnation = incarnation,
 	    .capacity = capacity,
+	    .life_gen = life.gen,
 	    .dp_rank = rank.dp_rank,
 	    .mbt = mbt,
+	    .life_slot = life.slot,
 	    .op = op,
 	};
 	kvr_rep_out_push(rep, OUT_RANK, &k, sizeof(k));

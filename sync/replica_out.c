@@ -311,10 +311,10 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
  * (dead, not yet noticed) was never told again (test_replica_ranks
  * rank_changes_lost_after_their_publish_reach_the_peers). */
 static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, uint64_t incarnation,
-                     uint64_t capacity, uint32_t mbt)
+                     uint64_t capacity, uint32_t mbt, struct kvr_rank_life life)
 {
 	const struct kvr_rep_rank *e =
-	    kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt);
+	    kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt, life);
 	if (e)
 		kvr_rep_tell_rank(rep, (unsigned)op, e);
 }
@@ -405,7 +405,7 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 		struct kvr_rep_out_rank k;
 		memcpy(&k, m->payload, sizeof(k));
 		out_rank(rep, k.op, (struct kvr_rank_id){k.worker_id, k.dp_rank}, k.incarnation,
-		         k.capacity, k.mbt);
+		         k.capacity, k.mbt, (struct kvr_rank_life){k.life_slot, k.life_gen});
 		return 0;
 	}
 	case OUT_NONE:

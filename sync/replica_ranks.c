@@ -123,7 +123,8 @@ void kvr_rep_ranks_outage(struct kvr_replica *rep)
 }
 
 struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
-                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt)
+                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                                          struct kvr_rank_life life)
 {
 	struct kvr_rep_rank *e = kvr_rep_rank_get(rep, rank);
 	if (!e)
@@ -135,6 +136,7 @@ struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struc
 		e->incarnation = incarnation;
 		e->capacity = capacity;
 		e->mbt = mbt;
+		e->life = life;
 		break;
 	case KVR_REPL_RANK_CAPACITY:
 		if (incarnation != e->incarnation)
@@ -151,6 +153,7 @@ struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struc
 		kvr_rep_journal_clear(e);
 		e->removed = true;
 		e->removed_ns = kvr_rep_mono_ns();
+		e->life = (struct kvr_rank_life){0, 0};
 		break;
 	}
 	return e;
@@ -214,12 +217,23 @@ static bool doomed(const struct kvr_rep_rank *e)
 	return e->doomed.clock && !e->removed && kvr_rep_ver_cmp(e->doomed, e->ver) == 0;
 }
 
-/* The router's life of the rank of entry e, which a snapshot judges gone now.  A rank the router
- * lacks gets a slot no rank has: its removal then says KVR_ENOENT, or KVR_ESTALE for a rank added
- * since.  mu held (the router's lookup takes no lock). */
+/* The router's life of the rank of entry e, which a snapshot judges gone now: the one the entry
+ * describes (its add's note said which, or it was read after a peer's add), not the router's
+ * now.  A remove and re-add of this router whose notes had not reached the table yet is
+ * already the new life in the router, which nobody judged: read from there, the removal took
+ * it (test_replica_ranks a_rank_added_again_before_the_judgement_keeps_its_new_life); the
+ * entry's names the old one, which its removal finds gone (KVR_ESTALE).  An entry whose life is
+ * not known (an add whose life could not be read) takes the router's now.  A rank the router
+ * lacks gets a slot no rank has: its removal then says KVR_ENOENT, or KVR_ESTALE for a rank
+ * added since.  mu held (the router's lookup takes no lock). */
 static void judged_life(struct kvr_replica *rep, const struct kvr_rep_rank *e, uint32_t *slot,
                         uint64_t *gen)
 {
+	if (e->life.gen) {
+		*slot = e->life.slot;
+		*gen = e->life.gen;
+		return;
+	}
 	if (kvr_repl_rank_life(rep->r, e->id, slot, gen)) {
 		*slot = UINT32_MAX;
 		*gen = 0;
@@ -411,6 +425,11 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	}
 	struct kvr_rank_stats s;
 	bool present = kvr_rank_get_stats(r, id, &s) == 0;
+	/* The life the entry describes from now on (see judged_life): read after the change, so a
+	 * local remove and re-add landing in between names the new life until its notes come. */
+	struct kvr_rank_life life = {0, 0};
+	if (present && kvr_repl_rank_life(r, id, &life.slot, &life.gen))
+		life = (struct kvr_rank_life){0, 0};
 	pthread_mutex_lock(&rep->mu);
 	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
 	if (!present) {
@@ -425,6 +444,7 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 				e->removed = true;
 				e->removed_ns = kvr_rep_mono_ns();
 				e->ver = v;
+				e->life = (struct kvr_rank_life){0, 0};
 			}
 		} else if (e && !e->removed) {
 			kvr_rep_rank_drop(rep, id);
@@ -438,6 +458,8 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 				kvr_rep_journal_clear(e);
 			e->incarnation = s.incarnation;
 			e->capacity = s.capacity_blocks;
+			if ((m->op == KVR_REPL_RANK_ADD && rc == 0) || !e->life.gen)
+				e->life = life;
 			/* The router keeps the first add's; ours too unless the rank is new here.
 			 */
 			if (m->op == KVR_REPL_RANK_ADD && (rc == 0 || !known))

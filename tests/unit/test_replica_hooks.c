@@ -65,8 +65,9 @@ static void on_progress(void *ctx, uint64_t attempt, int op, const uint32_t *t, 
 }
 
 static void on_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t inc, uint64_t cap,
-                    uint32_t mbt)
+                    uint32_t mbt, struct kvr_rank_life life)
 {
+	(void)life;
 	struct mirror *m = ctx;
 	m->notes++;
 	kvr_repl_applying = true;

@@ -835,13 +835,12 @@ Test(replica_ranks, a_stale_rank_removed_and_added_again_meanwhile_keeps_its_new
 }
 
 /* As above, the router's remove and re-add of rank 3 landing before the snapshot's judgement
- * (their notes still on their way to the table, waiting for its lock the judgement holds:
- * emulated by skipping them): the life the judgement read from the router is already the new
- * one, which no snapshot judged.  NOT FIXED YET (review of d6fceeb): fails with "the judgement
- * removed rank 3's new life"; the life must be the one the table's entry describes, e.g. read
- * only while no add or remove of the router awaits its note.  Enable with the fix. */
-Test(replica_ranks, a_rank_added_again_before_the_judgement_keeps_its_new_life, .timeout = 60,
-     .disabled = true)
+ * (their notes still on their way to the table: queued for the replica's sender, emulated by
+ * skipping them): the life the judgement read from the router was already the new one, which
+ * no snapshot judged, and it was removed ("the judgement removed rank 3's new life").  The
+ * judgement now removes the life the table's entry describes (here the one the peer's add
+ * made), gone already. */
+Test(replica_ranks, a_rank_added_again_before_the_judgement_keeps_its_new_life, .timeout = 60)
 {
 	struct kvr_router *r[1];
 	bus_start(r, 1);
