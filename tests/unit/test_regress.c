@@ -1025,6 +1025,48 @@ Test(regress, a_failed_admission_nobody_collects_goes_after_two_lease_intervals)
 	kvr_router_destroy(r);
 }
 
+/* The lease scan interval of failed_uncollected's routers: 1 ms of the virtual clock. */
+#define FAILED_SCAN_NS 1000000ull
+
+/* A router (one shard, a queue, sync_booking, the clock now_ns) holding one failed admission
+ * nobody collects: a request queued behind a hog pinned to a rank, waited on until its deadline
+ * passed (so on_admit, when s is given, does not report it), then the rank removed.  *ticket:
+ * the request's; seed: the prompts'. */
+static struct kvr_router *failed_uncollected(kvr_clock_fn now_ns, struct seen *s, uint32_t seed,
+                                             uint64_t *ticket)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = now_ns;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.max_ranks = 16;
+	c.lease_scan_interval_ns = FAILED_SCAN_NS;
+	if (s) {
+		c.on_admit = on_admit;
+		c.callback_ctx = s;
+	}
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id gone = {3, 0};
+	cr_assert_eq(kvr_rank_add(r, gone, 1, 1000, 100), 0);
+	static uint32_t hog[200], t[64];
+	prompt(hog, 200, seed);
+	prompt(t, 64, seed + 1);
+	struct kvr_decision h, q, d;
+	cr_assert_eq(route_tokens(r, hog, 200, &gone, &h), 0);
+	cr_assert_eq(h.status, KVR_DECIDED);
+	cr_assert_eq(route_tokens(r, t, 64, &gone, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* vnow is past 1 */
+	cr_assert_eq(kvr_rank_remove(r, gone), 0);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(uncollected(r), 1, "failed, kept for the wait's caller");
+	*ticket = q.ticket;
+	return r;
+}
+
 /* The same failed admission on an idle router: after a wait that timed out (so on_admit does not
  * report it) its pinned rank goes, and nothing is called after.  Before, only a push or a rank
  * removal reclaimed it, and it stayed for good (kvr_queue_uncollected 1 after 20 s); the
@@ -1035,34 +1077,11 @@ Test(regress, a_failed_admission_nobody_collects_goes_on_an_idle_router)
 	struct seen s;
 	memset(&s, 0, sizeof(s));
 	pthread_mutex_init(&s.mu, NULL);
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.now_ns = vclock;
-	c.queue_threshold = 1.0;
-	c.sync_booking = true;
-	c.max_ranks = 16;
-	c.lease_scan_interval_ns = 1000000; /* 1 ms of the virtual clock */
-	c.on_admit = on_admit;
-	c.callback_ctx = &s;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	struct kvr_rank_id gone = {3, 0};
-	cr_assert_eq(kvr_rank_add(r, gone, 1, 1000, 100), 0);
-	static uint32_t hog[200], t[64];
-	prompt(hog, 200, 27);
-	prompt(t, 64, 28);
-	struct kvr_decision h, q, d;
-	cr_assert_eq(route_tokens(r, hog, 200, &gone, &h), 0);
-	cr_assert_eq(h.status, KVR_DECIDED);
-	cr_assert_eq(route_tokens(r, t, 64, &gone, &q), 0);
-	cr_assert_eq(q.status, KVR_QUEUED);
-	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* vnow is past 1 */
-	cr_assert_eq(kvr_rank_remove(r, gone), 0);
-	cr_assert_eq(kvr_router_sync(r, 10000), 0);
-	cr_assert_eq(uncollected(r), 1, "failed, kept for the wait's caller");
-	cr_assert_eq(seen_find(&s, q.ticket, NULL), 0, "waited on: not reported");
-	__atomic_add_fetch(&vnow, 2 * c.lease_scan_interval_ns, __ATOMIC_RELAXED);
+	uint64_t ticket;
+	struct kvr_router *r = failed_uncollected(vclock, &s, 27, &ticket);
+	struct kvr_decision d;
+	cr_assert_eq(seen_find(&s, ticket, NULL), 0, "waited on: not reported");
+	__atomic_add_fetch(&vnow, 2 * FAILED_SCAN_NS, __ATOMIC_RELAXED);
 	/* Reads only from here. */
 	long left = 1;
 	for (int ms = 0; ms < 20000 && left != 0; ms++) {
@@ -1071,7 +1090,7 @@ Test(regress, a_failed_admission_nobody_collects_goes_on_an_idle_router)
 		left = uncollected(r);
 	}
 	cr_assert_eq(left, 0, "the failed admission outlived its two intervals on an idle router");
-	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ENOENT);
+	cr_assert_eq(kvr_route_wait(r, ticket, 1, &d), KVR_ENOENT);
 	kvr_router_destroy(r);
 	pthread_mutex_destroy(&s.mu);
 }
@@ -1093,32 +1112,11 @@ static uint64_t counting_clock(void *ctx)
 Test(regress, a_stopped_virtual_clock_short_of_a_reclaim_does_not_spin_the_admission_thread)
 {
 	clock_owner = pthread_self();
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.now_ns = counting_clock;
-	c.queue_threshold = 1.0;
-	c.sync_booking = true;
-	c.max_ranks = 16;
-	c.lease_scan_interval_ns = 1000000; /* 1 ms of the virtual clock */
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	struct kvr_rank_id gone = {3, 0};
-	cr_assert_eq(kvr_rank_add(r, gone, 1, 1000, 100), 0);
-	static uint32_t hog[200], t[64];
-	prompt(hog, 200, 29);
-	prompt(t, 64, 30);
-	struct kvr_decision h, q, d;
-	cr_assert_eq(route_tokens(r, hog, 200, &gone, &h), 0);
-	cr_assert_eq(h.status, KVR_DECIDED);
-	cr_assert_eq(route_tokens(r, t, 64, &gone, &q), 0);
-	cr_assert_eq(q.status, KVR_QUEUED);
-	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* vnow is past 1 */
-	cr_assert_eq(kvr_rank_remove(r, gone), 0);
-	cr_assert_eq(kvr_router_sync(r, 10000), 0);
-	cr_assert_eq(uncollected(r), 1, "failed, kept for the wait's caller");
+	uint64_t ticket;
+	struct kvr_router *r = failed_uncollected(counting_clock, NULL, 29, &ticket);
+	(void)ticket;
 	/* Due two intervals after it failed, at the vnow read then: stop 1 us short. */
-	__atomic_add_fetch(&vnow, 2 * c.lease_scan_interval_ns - 1000, __ATOMIC_RELAXED);
+	__atomic_add_fetch(&vnow, 2 * FAILED_SCAN_NS - 1000, __ATOMIC_RELAXED);
 	struct timespec settle = {0, 50000000}, span = {0, 500000000};
 	nanosleep(&settle, NULL);
 	uint64_t r0 = __atomic_load_n(&clock_reads_off_owner, __ATOMIC_RELAXED);
