@@ -729,6 +729,18 @@ Test(replica_ranks, a_version_at_the_clock_limit_does_not_stop_the_rank_changes,
 	bus_teardown(r, 2);
 }
 
+/* The newest version clock in rep's table (its own adds'), for peers' changes made after them. */
+static uint64_t newest_clock(struct kvr_replica *rep)
+{
+	uint64_t t = 0;
+	pthread_mutex_lock(&rep->mu);
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		if (rep->ranks[i].ver.clock > t)
+			t = rep->ranks[i].ver.clock;
+	pthread_mutex_unlock(&rep->mu);
+	return t;
+}
+
 /* A snapshot that no longer names a peer's rank older than its floor removes it from the router
  * (counted in rank_stale); the removal may fail for memory (kvr_rank_remove: KVR_ENOMEM), and was
  * counted all the same: rank_stale said removed of a rank the router still routed to.  Failing
@@ -740,12 +752,7 @@ Test(replica_ranks, a_stale_rank_whose_removal_failed_is_not_counted, .timeout =
 	bus_start(r, 1);
 	bus_quiet(r, 1);
 	struct kvr_replica *rep = bus.rep[0];
-	uint64_t t0 = 0; /* newer than replica 1's own adds (their clock) */
-	pthread_mutex_lock(&rep->mu);
-	for (size_t i = 0; i < rep->n_ranks; i++)
-		if (rep->ranks[i].ver.clock > t0)
-			t0 = rep->ranks[i].ver.clock;
-	pthread_mutex_unlock(&rep->mu);
+	const uint64_t t0 = newest_clock(rep); /* peers' versions newer than its own adds */
 	const struct kvr_rank_id three = {3, 0};
 	bool failed = false;
 	struct kvr_sync_stats after; /* the last round's */
@@ -801,12 +808,7 @@ Test(replica_ranks, a_stale_rank_removed_and_added_again_meanwhile_keeps_its_new
 	bus_start(r, 1);
 	bus_quiet(r, 1);
 	struct kvr_replica *rep = bus.rep[0];
-	uint64_t t0 = 0; /* newer than replica 1's own adds (their clock) */
-	pthread_mutex_lock(&rep->mu);
-	for (size_t i = 0; i < rep->n_ranks; i++)
-		if (rep->ranks[i].ver.clock > t0)
-			t0 = rep->ranks[i].ver.clock;
-	pthread_mutex_unlock(&rep->mu);
+	const uint64_t t0 = newest_clock(rep); /* peers' versions newer than its own adds */
 	const struct kvr_rank_id three = {3, 0};
 	bool failed = false;
 	for (uint64_t nth = 1; nth < 200 && !failed; nth++) {
@@ -846,12 +848,7 @@ Test(replica_ranks, a_rank_added_again_before_the_judgement_keeps_its_new_life, 
 	bus_start(r, 1);
 	bus_quiet(r, 1);
 	struct kvr_replica *rep = bus.rep[0];
-	uint64_t t0 = 0;
-	pthread_mutex_lock(&rep->mu);
-	for (size_t i = 0; i < rep->n_ranks; i++)
-		if (rep->ranks[i].ver.clock > t0)
-			t0 = rep->ranks[i].ver.clock;
-	pthread_mutex_unlock(&rep->mu);
+	const uint64_t t0 = newest_clock(rep); /* peers' versions newer than its own adds */
 	const struct kvr_rank_id three = {3, 0};
 	peer_rank_v(rep, 1, KVR_REPL_RANK_ADD, 3, 7, t0 + 10);
 	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
