@@ -180,10 +180,11 @@ struct kvr_shards *kvr_shard_runtime(struct kvr_shard *sh);
 struct kvr_shard *kvr_shard_current(void);
 
 /* Says the calling shard did work outside a message (a timer callback that freed or retired
- * memory: a TTL expiry's index removals), so its idle hook and purge run once it has been idle
- * IDLE_PURGE_NS, as after a message.  Timers alone do not count: a shard whose only work was an
- * expiry long after its last message had run its idle hook already, and what the expiry retired
- * waited for the next message (NULL is a no-op).  Context: the shard's own thread. */
+ * memory: a TTL expiry's index removals; or its idle hook left work for the next idle period), so
+ * its idle hook and purge run once it has been idle IDLE_PURGE_NS, as after a message.  Timers
+ * alone do not count: a shard whose only work was an expiry long after its last message had run its
+ * idle hook already, and what the expiry retired waited for the next message (NULL is a no-op).
+ * Context: the shard's own thread. */
 void kvr_shard_note_work(struct kvr_shard *sh);
 
 /* Owner state pointer (the router's per-shard state).  Set it from on_thread_start or a task;
