@@ -15,18 +15,19 @@
  * that much later (plus the shard's scheduling delay).  Counted in
  * kvr_shard_wakes_deferred_total.  A shard idle for longer is woken as before.
  *
- * Waits, only where they buy something: while requests are queued the work runs before the call
- * returns, so the load it lowers is seen by the queue's admission pass that follows.  That is
- * finish, abort and prefill done, and output while the attempt's rank is saturated: an attempt's
- * first output implies its prefill is done, and a request queued behind that rank waits for
- * exactly that (before, output ran no pass, and such a request stayed queued on an idle rank
- * until some other call ran one).  Output on a rank that is not saturated holds no one back,
- * so it stays a post; on a saturated one each output waits, as the caller cannot tell the
- * first from the later ones (the shard can).  Finish, abort and prefill done wait too on a
- * saturated rank with nothing queued: a route right after the call would read the rank
- * saturated and queue, and nothing would run a pass once the shard lowered the load.  A call
- * that saw nothing queued looks again after its post (a route may have queued meanwhile) and
- * then waits for its work and runs the pass too (core/queue.c).  With
+ * A router that queues (kvr_config.queue_threshold): the shard applies the work and then its
+ * hook (KVR_PROGRESS_WAKE) wakes the router's admission thread, which runs the queue's pass
+ * (core/queue_thread.c); the caller waits for neither.  Where queued requests may wait for what
+ * the call releases (finish, abort, prefill done while requests are queued or the rank is
+ * saturated; output while the rank is saturated: an attempt's first output implies its prefill
+ * is done) the post is eager, so the shard is woken at once instead of within the lazy bound.
+ * A route that read the load before the work was applied and queued is admitted by that pass
+ * or by its own after its push: the hook fences and reads the queue's depth, the route pushes,
+ * fences and reads the load.  Before, these calls waited one round trip to the shard and ran
+ * the pass themselves (the only pass then; the admission thread came later), so a caller's
+ * finish p99 on a saturated rank was the shard's whole backlog.  What changed for the caller:
+ * a route right after a finish on a saturated rank may queue and be admitted a moment later
+ * (on_admit, kvr_route_wait) instead of at once; sync_booking keeps the exact order.  With
  * sync_booking the work is posted at the call's time and every later call that reads shard state
  * (this file's claims and touches included) first settles (kvr_router_settle): the caller
  * observes exactly what it would have had the call waited (simulation, tests), but the shard
@@ -52,7 +53,8 @@
  * the full lane's bounded wait.  Returns 0, KVR_ENOMEM (the copy), KVR_EAGAIN (progress on a
  * full lane), KVR_ESHUTDOWN (not for a claimed end). */
 static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_progress_msg *m,
-                         const uint32_t *tokens, bool ends, struct kvr_metrics_block *mb)
+                         const uint32_t *tokens, bool ends, bool eager,
+                         struct kvr_metrics_block *mb)
 {
 	size_t n = m->n_tokens;
 	bool heap = m->op == KVR_OP_OUTPUT && n > KVR_PROGRESS_INLINE;
@@ -78,10 +80,13 @@ static int post_progress(struct kvr_router *r, struct kvr_shard *sh, struct kvr_
 	} else {
 		/* Lazy: a shard that parked lately (a bounded park) is left asleep and applies the
 		 * work within KVR_DEFAULT_SHARD_LAZY_WAKE_NS, sparing this caller the FUTEX_WAKE.
-		 */
-		bool deferred;
-		rc = kvr_shard_post_lazy(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
-		                         sizeof(*m), &deferred);
+		 * Eager where queued requests wait for what it releases: the shard is woken at
+		 * once, and its hook wakes the admission thread once the work is applied. */
+		bool deferred = false;
+		rc = eager ? kvr_shard_post(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
+		                            sizeof(*m))
+		           : kvr_shard_post_lazy(sh, KVR_LANE_ROUTING, kvr_owner_progress_task, m,
+		                                 sizeof(*m), &deferred);
 		if (deferred)
 			kvr_metrics_add(mb, KVR_C_SHARD_WAKES_DEFERRED, 1);
 		if (rc == KVR_EAGAIN) {
@@ -159,12 +164,10 @@ progress_fail(int rc, int op, uint16_t flags, const struct kvr_router *r, uint64
 	}
 }
 
-/* Whether queued requests may wait for what this call releases, so that its work must be
- * applied before an admission pass (see the top), or a route after this call would read the
- * rank saturated and queue on the load it releases (finish, abort, prefill done on a saturated
- * rank: the shard applies posted work after the call returned, and pumps nothing, so with
- * on_admit and no waiter that request stayed queued on the freed rank until some later call).
- * Context: the lifecycle call's thread. */
+/* Whether queued requests may wait for what this call releases (or a route right after it
+ * may read the rank saturated and queue: finish, abort, prefill done on a saturated rank), so
+ * that the shard must apply the work at once and an admission pass run after it (see the
+ * top).  Context: the lifecycle call's thread. */
 static bool queue_waits_on(struct kvr_router *r, int op, uint32_t slot)
 {
 	if (!r->queue)
@@ -210,41 +213,26 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	                             .op = (int16_t)op,
 	                             .flags = (uint16_t)(flags | wake),
 	                             .n_tokens = (uint32_t)n};
-	/* Requests waiting for load to drop: apply before the admission pass below (with
-	 * sync_booking that pass settles first, so the posted work is applied before it). */
+	/* Queued requests may wait for what this call releases: the shard is woken for the work
+	 * (an eager post), applies it, and its hook (KVR_PROGRESS_WAKE) wakes the admission
+	 * thread, which runs the pass; this caller waits for neither.  A route that reads the
+	 * load before the work is applied and queues is admitted by that pass or by its own
+	 * after its push (the hook's fence and the route's pair up: core/queue_thread.c).
+	 * sync_booking: the pass below settles first, so the posted work is applied before it. */
 	bool pump = queue_waits_on(r, op, slot);
-	if (!r->cfg.sync_booking && pump) {
-		m.tok.borrowed = tokens;
-		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_progress_call, &m);
-		if (rc == KVR_EBUSY) /* not run (a shard's clock, in a cycle): post it, as below */
-			rc = post_progress(r, sh, &m, tokens, ends, mb);
-		else if (ends || rc == KVR_ESTALE || (op == KVR_OP_OUTPUT && rc == KVR_ENOMEM))
-			rc = 0; /* the claim (touch) decided; the shard had nothing more to do, or
-			         * counted output it could not take (as when posted) */
-	} else {
-		rc = post_progress(r, sh, &m, tokens, ends, mb);
-	}
-	/* A route that read the load before this work was applied may have queued since the
-	 * look above: looked at again (kvr_queue_catch_up's fence pairs with the route's after
-	 * its push), and then the work is waited for and the pass runs, as if the request had
-	 * been queued before.  If this look misses it, its route's own pass after the push sees
-	 * the work (applied already when the rank was saturated). */
-	if (rc == 0 && !pump && r->queue) {
-		__atomic_thread_fence(__ATOMIC_SEQ_CST);
-		if ((pump = queue_waits_on(r, op, slot)))
-			kvr_queue_catch_up(r, sh);
-	}
+	rc = post_progress(r, sh, &m, tokens, ends, pump, mb);
 	if (rc == 0)
 		kvr_repl_note_progress(r, attempt, op, tokens, n,
 		                       (flags & KVR_PROGRESS_NOT_FINAL) != 0); /* replica sync */
 	if (rc) /* what the failure names, read back from the message: nothing kept live for it */
 		return progress_fail(rc, m.op, m.flags, r, m.attempt);
-	if (pump) {
-		/* The work is applied (the call's reply): this fence pairs with the route's after
-		 * its push (kvr_queue_catch_up), so either this read sees the queued request or
-		 * that route's pass reads the lowered load.  x86's order gave it already. */
+	if (r->cfg.sync_booking && r->queue) {
+		/* No hook wakes anyone (the work is timed, applied on the next settle): the pass
+		 * runs here.  A route may have queued since the look above: this fence pairs with
+		 * its own after the push (kvr_queue_catch_up), so either this look sees it or its
+		 * pass, which settles first, sees this work. */
 		__atomic_thread_fence(__ATOMIC_SEQ_CST);
-		if (kvr_queue_depth(r) > 0)
+		if ((pump || queue_waits_on(r, op, slot)) && kvr_queue_depth(r) > 0)
 			kvr_queue_pump(r);
 	}
 	return 0;

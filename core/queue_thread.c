@@ -2,18 +2,19 @@
  * core/queue_thread.c - the router's admission thread: the admission pass (kvr_queue_pump) for
  * load the shards lower by themselves.
  *
- * Queued requests are admitted by a pass that frontend threads run, inside the calls that lower
- * load (finish, abort, prefill done, rank changes, kvr_router_sync) or route.  A shard also
- * lowers load in no call at all: a lease expiry (an attempt that vanished), the end of an
- * attempt whose ending call's work never came, a booking dropped for memory, a step of the
- * prefill decay (expected_prefill_ns); and posted lifecycle work is applied after its call
- * returned, which pumped before it (an output on a saturated rank is posted, not waited for).
- * With nothing else happening the request then waited on
- * an idle rank until the embedder's next call, for good on a quiet system.  The shard cannot run
- * the pass itself: the pass takes the queue's mutex and runs on_admit, and a frontend that holds
- * a lock on_admit wants may be waiting for that very shard (a finish waits for its shard's
- * catch-up).  So the shard's hook (kvr_owner_ctx.on_unloaded) only raises a flag and wakes this
- * thread, which runs the pass as any frontend would.
+ * Queued requests are admitted by a pass that frontend threads run inside the calls that route
+ * or change ranks (rank changes, kvr_router_sync), and by this thread.  The load that lets a
+ * request in is lowered on a shard, after the call that asked for it returned: a lifecycle
+ * call's posted work (finish, abort, prefill done, an output that ends the prefill; none of them
+ * waits for its shard, a router that queues included), a lease expiry (an attempt that
+ * vanished), the end of an attempt whose ending call's work never came, a booking dropped for
+ * memory, a step of the prefill decay (expected_prefill_ns).  With nothing else happening the
+ * request then waited on an idle rank until the embedder's next call, for good on a quiet
+ * system.  The shard cannot run the pass itself: the pass takes the queue's mutex and runs
+ * on_admit, and a frontend that holds a lock on_admit wants may be waiting for that very shard
+ * (a synchronous call such as kvr_rank_get_stats).  So the shard's hook
+ * (kvr_owner_ctx.on_unloaded) only raises a flag and wakes this thread, which runs the pass as
+ * any frontend would.
  *
  * The wake is a Dekker pair twice over.  Against a route: the shard publishes the lowered load,
  * fences and reads the queue's depth; a route pushes, fences (kvr_queue_catch_up) and reads the

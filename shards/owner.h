@@ -288,18 +288,15 @@ struct kvr_progress_msg {
 	uint32_t n_tokens;
 	union {
 		uint32_t inl[KVR_PROGRESS_INLINE];
-		uint32_t *heap; /* kvr_alloc'd copy, freed by the shard (task form only) */
-		const uint32_t *borrowed; /* call form */
+		uint32_t *heap; /* kvr_alloc'd copy, freed by the shard */
 	} tok;
 };
 _Static_assert(sizeof(struct kvr_progress_msg) <= KVR_SHARD_TIMED_PAYLOAD, "one timed payload");
 
-/* Applies a lifecycle message on the attempt's shard.  An attempt the shard does not hold (it
- * ended, or its booking was stale) is a no-op.  The task form frees a heap token copy; the call
- * form (msg borrowed, tokens in tok.borrowed) returns 0, KVR_ESTALE (not held here) or
- * KVR_ENOMEM (output).  Context: the attempt's shard thread (routing lane). */
+/* Applies a lifecycle message on the attempt's shard, and frees its heap token copy.  An attempt
+ * the shard does not hold (it ended, or its booking was stale) is a no-op.  Context: the
+ * attempt's shard thread (routing lane). */
 void kvr_owner_progress_task(struct kvr_shard *sh, void *payload);
-int kvr_owner_progress_call(struct kvr_shard *sh, void *msg);
 
 /* Arguments of the synchronous rank operations. */
 struct kvr_rank_args {

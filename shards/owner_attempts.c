@@ -869,18 +869,11 @@ void kvr_owner_progress_task(struct kvr_shard *sh, void *payload)
 	int rc = progress(sh, &m, heap ? m.tok.heap : m.tok.inl);
 	if (heap)
 		kvr_free_transient(m.tok.heap, m.n_tokens * sizeof(uint32_t));
-	/* A posted release has no pass behind it when its call saw no reason to wait (an output,
-	 * or a rank saturated only since, by a third call's booking): a route that read the load
-	 * before it may have queued meanwhile.  The hook looks (a router with a queue). */
+	/* No lifecycle call runs the queue's admission pass (none waits for this work): the hook
+	 * wakes the router's admission thread if requests are queued (a router with a queue). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
 	if (rc == 0 && (m.flags & KVR_PROGRESS_WAKE) && c->on_unloaded)
 		c->on_unloaded(c->expire_ctx);
-}
-
-int kvr_owner_progress_call(struct kvr_shard *sh, void *msg)
-{
-	const struct kvr_progress_msg *m = msg;
-	return progress(sh, m, m->tok.borrowed);
 }
 
 /* ---------------------------------------------------------------- reaper */

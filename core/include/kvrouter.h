@@ -632,12 +632,14 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * released shows in decisions at most 1 ms (plus the shard thread's scheduling delay) after the
  * call (kvr_shard_wakes_deferred_total counts these; a shard idle for longer is woken at once,
  * and any later synchronous call or kvr_router_sync() applies it first).  With sync_booking the
- * work is applied before anything later reads it (see kvr_config.sync_booking).  The exception
- * that waits: while requests are queued, finish/abort/prefill_done, and output while the
- * attempt's rank is saturated (output implies the prefill is done), apply before the queue's
- * admission pass, which then runs before the call returns; finish/abort/prefill_done on a
- * saturated rank of a router that queues also apply before returning when nothing is queued
- * (a route right after them would otherwise read the rank saturated and queue).  A full lane
+ * work is applied before anything later reads it (see kvr_config.sync_booking).  A router that
+ * queues: where queued requests may wait for what the call releases (finish/abort/prefill_done
+ * while requests are queued or the rank is saturated; output while the rank is saturated), the
+ * shard is woken for the work at once, and once it has applied it the router's admission thread
+ * runs the queue's admission pass; the call returns without waiting for either.  So a route
+ * right after a finish on a saturated rank may queue and be admitted a moment later (on_admit,
+ * kvr_route_wait), where before the finish waited for its shard and admitted it first; with
+ * sync_booking the work is applied, and the pass run, before the call returns.  A full lane
  * (overload): finish/abort wait for room (they are claimed already); prefill_done/output wait at
  * most 10 ms, then return KVR_EAGAIN (nothing changed; with sync_booking every call waits for
  * room).  On the router's shard threads (a router callback there, the clock) none waits for room:
