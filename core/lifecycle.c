@@ -21,6 +21,10 @@
  * the call releases (finish, abort, prefill done while requests are queued or the rank is
  * saturated; output while the rank is saturated: an attempt's first output implies its prefill
  * is done) the post is eager, so the shard is woken at once instead of within the lazy bound.
+ * A call that saw no one waiting posts lazily: should a route queue behind its rank meanwhile
+ * (the rank saturated since, by a third call's booking), that request is admitted once the
+ * shard applies the work, within the lazy bound (before, the call looked again after its post
+ * and then waited for the shard).
  * A route that read the load before the work was applied and queued is admitted by that pass
  * or by its own after its push: the hook fences and reads the queue's depth, the route pushes,
  * fences and reads the load.  Before, these calls waited one round trip to the shard and ran
