@@ -615,7 +615,8 @@ KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadl
  * r NULL or ticket 0.  If the request is being admitted at that moment, it waits for the
  * outcome (one routing decision): a cancel that returns 0 guarantees the request is never
  * served (never admitted, or its admission ended before anyone was told of it).  Context: any
- * thread; an abort of a taken admission runs as the lifecycle calls' (it may pump the queue). */
+ * thread; an abort of a taken admission runs as kvr_request_abort (it does not wait for the
+ * rank's shard either). */
 KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 
 /* ---------------------------------------------------------------- request lifecycle */
