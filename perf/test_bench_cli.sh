@@ -28,7 +28,7 @@ refused() {
 }
 
 for b in bench_feed bench_flood bench_footprint bench_hash bench_hashstage bench_index \
-	bench_index_runs bench_lanes bench_lru bench_route bench_sync soak; do
+	bench_index_runs bench_lanes bench_lru bench_queue bench_route bench_sync soak; do
 	refused $b --bogus --bogus 1
 	refused $b -x -x
 done
@@ -59,6 +59,8 @@ refused bench_lanes --cpus --cpus 0,x
 refused bench_lru --ms --ms
 refused bench_lru --only --only lur
 refused bench_lru --clock --clock cycles
+refused bench_queue --depths --depths 1000,,4000
+refused bench_queue --policy --policy lifo
 refused bench_route --rate --rate 0
 refused bench_route --cpus --cpus 1,,2
 refused bench_route --threads-max --threads-max 1.5
