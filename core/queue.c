@@ -8,6 +8,27 @@
  * processing time: fewest predicted uncached prompt tokens first, all weights 1; ties by ticket);
  * the list is kept in that order.
  *
+ * What a queued route costs.  Every frontend that queues while the cluster is saturated takes
+ * this mutex for a push, a pass before and after it, and a settle by ticket; so none of those
+ * may walk the queue (they did: ~0.5 ms a queued route at 8,000 waiting, 0.8-2 ms at 16,000,
+ * perf/bench_queue).  So an entry is on one of three lists, on its next/prev links: the waiting
+ * list (Q_WAITING and Q_ADMITTING, in the policy's order: the one the pass walks), the admitted
+ * outcomes nobody collected yet (admission order), or the failed ones (done_ns order); and every
+ * entry is in a ticket table (chained, doubled at a load of one), so a wait, a cancel or a settle
+ * finds its ticket in O(1).  The waiting list is a skip list (Pugh 1990) whose level 0 is that
+ * doubly linked list: under FCFS every entry has level 0 only and goes at the tail (O(1)), under
+ * WSPT an entry has another level with odds 1/4 each, so its insertion is O(log n) expected and
+ * it still walks in order.  An unlink is O(1) at level 0 (every FCFS entry, 3 in 4 WSPT ones)
+ * and O(log n) otherwise.  Why not a library: the build has liburcu and ck, whose hash tables
+ * are concurrent (RCU, SPMC) and none of whose structures is ordered; shards/u64map.h holds
+ * 32-bit values and reserves before it inserts; an intrusive skip list and chain need no
+ * allocation beyond the entry's own (its levels are allocated with it), so a push fails only
+ * where it did (KVR_ENOMEM before anything changed), and a table that cannot grow just has
+ * longer chains.  A pass still starts from the head each time (an admission drops the lock, and
+ * a WSPT push may land before the entry it routed); what it skips there is only entries it
+ * passed over this pass (restricted to saturated ranks: O(such entries) a pass, as before), not
+ * the outcomes waiting for their collector, which are on their own lists now.
+ *
  * A request waits only while every rank it may use (its pin, its allow-list, or every live rank)
  * is saturated.  A pass of the pump walks the list in order and admits each entry that has a
  * rank that is not; an entry whose ranks are all saturated is passed over, as it could take
@@ -57,7 +78,13 @@
  * wakes while outcomes wait (kvr_queue_uncollected), and which times its own wake for the
  * failed ones, whose reclaim no expiry marks (an idle router kept one for good); so the
  * admitted records number at most the live leases, and each keeps its decision only (the
- * request's copies go at admission).
+ * request's copies go at admission).  A push's reap looks only where one can be due: the
+ * failed ones due are a prefix of their list (done_ns order), and the admitted ones end in
+ * about admission order (each idle from its admission, claimed at the CLOCK hand's second
+ * scan), so it checks the oldest until a live one, plus two at a cursor that goes round the
+ * list for those that ended out of order (another shard's scan first, a rank reset): O(1)
+ * amortised.  The admission thread's reap (and a rank's removal) checks every admitted one, as
+ * before, off the routing path (see reap()).
  *
  * Tickets are numbered by one counter for the whole process, not per queue: with a count per
  * queue, two routers (one per model, or a router and the one created to replace it) issued the
@@ -66,6 +93,7 @@
  * counter is taken under the queue's lock, so each queue's tickets still grow in enqueue order,
  * and it is touched only when a request queues.
  */
+#include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <string.h>
@@ -73,6 +101,7 @@
 
 #include "core/alloc.h"
 #include "core/router_internal.h"
+#include "core/select.h"
 #include "sync/cond.h"
 #include "sync/rcu.h"
 #include "sync/nocancel.h"
@@ -82,6 +111,10 @@
  * pump: kvr_route_cancel waits for the outcome instead of freeing it under the pump's feet. */
 enum { Q_WAITING, Q_ADMITTING, Q_ADMITTED };
 
+/* Levels of the WSPT skip list: with a level's odds 1/4, 4^16 entries before the top one
+ * crowds (the queue holds queue_capacity, a uint32_t, waiting at most). */
+#define QLEVELS 16
+
 struct qentry {
 	uint64_t ticket;
 	uint64_t key; /* WSPT: predicted uncached tokens */
@@ -90,6 +123,7 @@ struct qentry {
 	int rc;
 	bool waited;      /* a kvr_route_wait caller will collect it */
 	bool held;        /* held for its kvr_route until kvr_queue_settle: never reclaimed */
+	uint8_t height;   /* its levels in the waiting list's skip list (1: level 0 only) */
 	uint32_t watched; /* kvr_route_wait calls inside their loop for it: never reclaimed */
 	uint64_t done_ns; /* Q_ADMITTED: when (router clock), for a failed outcome's reclaim */
 	uint64_t passed;  /* the pump's pass that found its ranks saturated */
@@ -97,14 +131,34 @@ struct qentry {
 	struct kvr_request req;
 	struct kvr_rank_id pinned;
 	size_t tok_bytes, hash_bytes, allow_bytes, lora_bytes;
-	struct qentry *next;
+	/* Level 0 of the list it is on: the waiting list (Q_WAITING, Q_ADMITTING) or, once
+	 * Q_ADMITTED, the admitted or the failed outcomes'. */
+	struct qentry *next, *prev;
+	struct qentry *hnext; /* the ticket table's chain */
+	struct qentry *up[];  /* levels 1 .. height - 1 of the waiting list */
+};
+
+/* A list of outcomes waiting for their collector, on the entries' next/prev. */
+struct olist {
+	struct qentry *head, *tail;
 };
 
 struct kvr_queue {
 	struct kvr_router *r;
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
-	struct qentry *head; /* every entry, in the policy's order */
+	/* The waiting entries (Q_WAITING, Q_ADMITTING) in the policy's order: level 0 of a skip
+	 * list (levels above it only under WSPT), its ends, and the heads of levels 1 and up. */
+	struct qentry *head, *tail;
+	struct qentry *top[QLEVELS - 1];
+	struct olist ok;      /* admitted outcomes nobody collected yet, in admission order */
+	struct olist bad;     /* failed ones, in done_ns order (then admission order) */
+	struct qentry *sweep; /* where a push's reap looks next in ok (NULL: its head) */
+	/* Every entry by ticket: chains of hnext, 2^(64 - tab_shift) of them. */
+	struct qentry **tab;
+	unsigned tab_shift;
+	size_t tab_n;
+	uint64_t coins; /* the WSPT levels' draws (splitmix64 of a counter) */
 	/* Entries in Q_WAITING or Q_ADMITTING.  Written under lock (atomic store), read anywhere
 	 * (atomic load). */
 	size_t waiting;
@@ -122,16 +176,41 @@ struct kvr_queue {
 /* Tickets issued in this process (every router's queue): the last one. */
 static uint64_t tickets_issued;
 
+/* The ticket table's first size (chains), and how to place a ticket: tickets are consecutive,
+ * and Fibonacci hashing spreads a run of them over every chain. */
+#define TAB_MIN_SHIFT (64 - 6)
+
+static size_t tab_slot(uint64_t ticket, unsigned shift)
+{
+	return (size_t)((ticket * 0x9e3779b97f4a7c15ull) >> shift);
+}
+
+static size_t tab_size(unsigned shift)
+{
+	return (size_t)1 << (64 - shift);
+}
+
 int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out)
 {
 	struct kvr_queue *q = kvr_calloc(1, sizeof(*q));
 	if (!q)
 		return KVR_ENOMEM;
+	q->tab_shift = TAB_MIN_SHIFT;
+	q->tab = kvr_calloc(tab_size(q->tab_shift), sizeof(*q->tab));
+	if (!q->tab) {
+		kvr_free(q, sizeof(*q));
+		return KVR_ENOMEM;
+	}
 	q->r = r;
 	pthread_mutex_init(&q->lock, NULL);
 	kvr_cond_init(&q->cond); /* its waits are timed (kvr_route_wait) */
 	*out = q;
 	return 0;
+}
+
+static size_t entry_size(unsigned height)
+{
+	return sizeof(struct qentry) + (height - 1) * sizeof(struct qentry *);
 }
 
 /* Frees e's copy of its request: once admitted, only its outcome (e->d) is kept, so that an
@@ -152,7 +231,164 @@ static void drop_request(struct qentry *e)
 static void entry_free(struct qentry *e)
 {
 	drop_request(e);
-	kvr_free(e, sizeof(*e));
+	kvr_free(e, entry_size(e->height));
+}
+
+/* The ticket table.  Context: all three under q->lock. */
+static void tab_insert(struct kvr_queue *q, struct qentry *e)
+{
+	if (q->tab_n >= tab_size(q->tab_shift) && q->tab_shift > 1) {
+		/* Doubled at a load of one (amortised O(1) a push).  Without the memory the chains
+		 * grow longer instead: slower, never wrong. */
+		unsigned shift = q->tab_shift - 1;
+		struct qentry **t = kvr_calloc(tab_size(shift), sizeof(*t));
+		if (t) {
+			for (size_t i = 0; i < tab_size(q->tab_shift); i++) {
+				for (struct qentry *x = q->tab[i], *n; x; x = n) {
+					n = x->hnext;
+					size_t s = tab_slot(x->ticket, shift);
+					x->hnext = t[s];
+					t[s] = x;
+				}
+			}
+			kvr_free(q->tab, tab_size(q->tab_shift) * sizeof(*q->tab));
+			q->tab = t;
+			q->tab_shift = shift;
+		}
+	}
+	size_t s = tab_slot(e->ticket, q->tab_shift);
+	e->hnext = q->tab[s];
+	q->tab[s] = e;
+	q->tab_n++;
+}
+
+static void tab_remove(struct kvr_queue *q, struct qentry *e)
+{
+	struct qentry **pp = &q->tab[tab_slot(e->ticket, q->tab_shift)];
+	while (*pp != e)
+		pp = &(*pp)->hnext;
+	*pp = e->hnext;
+	q->tab_n--;
+}
+
+static struct qentry *find(struct kvr_queue *q, uint64_t ticket)
+{
+	struct qentry *e = q->tab[tab_slot(ticket, q->tab_shift)];
+	while (e && e->ticket != ticket)
+		e = e->hnext;
+	return e;
+}
+
+/* The waiting list: a skip list (Pugh, "Skip lists: a probabilistic alternative to balanced
+ * trees", CACM 1990) on (key, ticket) under WSPT, whose level 0 is doubly linked and is the
+ * order the pass walks; under FCFS every entry has level 0 only and goes at the tail.  So a
+ * push is O(1) (FCFS) or O(log n) expected (WSPT), an unlink O(1) for a level-0 entry (every
+ * FCFS one, 3 in 4 WSPT ones) and O(log n) for the others.  The link of level l after p, the
+ * list's head for p NULL.  Context: these three under q->lock. */
+static struct qentry **wlink(struct kvr_queue *q, struct qentry *p, unsigned l)
+{
+	if (!p)
+		return l ? &q->top[l - 1] : &q->head;
+	return l ? &p->up[l - 1] : &p->next;
+}
+
+/* After every waiting entry whose key is not larger: ties stay in ticket order, as e's ticket
+ * is the newest. */
+static void wait_link(struct kvr_queue *q, struct qentry *e)
+{
+	struct qentry *p = q->tail;
+	if (q->r->cfg.queue_policy == KVR_QUEUE_WSPT) {
+		p = NULL;
+		for (unsigned l = QLEVELS; l-- > 0;) {
+			struct qentry *n;
+			while ((n = *wlink(q, p, l)) && n->key <= e->key)
+				p = n;
+			if (l > 0 && l < e->height) {
+				e->up[l - 1] = n;
+				*wlink(q, p, l) = e;
+			}
+		}
+	}
+	e->prev = p;
+	e->next = *wlink(q, p, 0);
+	*wlink(q, p, 0) = e;
+	if (e->next)
+		e->next->prev = e;
+	else
+		q->tail = e;
+}
+
+static void wait_unlink(struct kvr_queue *q, struct qentry *e)
+{
+	if (e->height > 1) {
+		/* Its predecessors on the upper levels, found from the top: the list is in (key,
+		 * ticket) order. */
+		struct qentry *p = NULL;
+		for (unsigned l = QLEVELS - 1; l > 0; l--) {
+			struct qentry *n;
+			while ((n = *wlink(q, p, l)) && n != e &&
+			       (n->key < e->key || (n->key == e->key && n->ticket < e->ticket)))
+				p = n;
+			if (l < e->height) {
+				assert(n == e);
+				*wlink(q, p, l) = e->up[l - 1];
+			}
+		}
+	}
+	*wlink(q, e->prev, 0) = e->next;
+	if (e->next)
+		e->next->prev = e->prev;
+	else
+		q->tail = e->prev;
+	e->next = e->prev = NULL;
+}
+
+/* The outcome lists.  Context: under q->lock. */
+static void olist_unlink(struct olist *l, struct qentry *e)
+{
+	if (e->prev)
+		e->prev->next = e->next;
+	else
+		l->head = e->next;
+	if (e->next)
+		e->next->prev = e->prev;
+	else
+		l->tail = e->prev;
+	e->next = e->prev = NULL;
+}
+
+/* Admitted entry e, kept for its collector, onto its outcome list: an admission at the tail of
+ * ok, a failure into bad by done_ns, looked for from the tail (where it goes unless the router's
+ * clock went back).  Context: under q->lock. */
+static void outcome_link(struct kvr_queue *q, struct qentry *e)
+{
+	struct olist *l = e->rc == 0 ? &q->ok : &q->bad;
+	struct qentry *p = l->tail;
+	while (e->rc != 0 && p && p->done_ns > e->done_ns)
+		p = p->prev;
+	e->prev = p;
+	e->next = p ? p->next : l->head;
+	if (p)
+		p->next = e;
+	else
+		l->head = e;
+	if (e->next)
+		e->next->prev = e;
+	else
+		l->tail = e;
+}
+
+/* Takes e off whatever list holds it and out of the ticket table.  Context: under q->lock. */
+static void unlink_entry(struct kvr_queue *q, struct qentry *e)
+{
+	if (e->state != Q_ADMITTED) {
+		wait_unlink(q, e);
+	} else {
+		if (q->sweep == e)
+			q->sweep = e->next;
+		olist_unlink(e->rc == 0 ? &q->ok : &q->bad, e);
+	}
+	tab_remove(q, e);
 }
 
 void kvr_queue_destroy(struct kvr_queue *q)
@@ -166,9 +402,16 @@ void kvr_queue_destroy(struct kvr_queue *q)
 		pthread_cond_wait(&q->cond, &q->lock);
 	pthread_mutex_unlock(&q->lock);
 	struct kvr_router *r = q->r;
-	while (q->head) {
+	for (;;) {
+		/* Off every list and the ticket table before on_admit: a wait or a cancel it makes
+		 * finds the ticket gone (KVR_ENOENT), as it found it off the list before. */
+		pthread_mutex_lock(&q->lock);
 		struct qentry *e = q->head;
-		q->head = e->next;
+		if (e)
+			unlink_entry(q, e);
+		pthread_mutex_unlock(&q->lock);
+		if (!e)
+			break;
 		/* A request still queued that no waiter collects is answered through on_admit, as
 		 * one that could not be admitted (KVR_ESHUTDOWN): dropped silently, its ticket
 		 * never resolved for a frontend that counts them.  Calls back into the router
@@ -185,6 +428,15 @@ void kvr_queue_destroy(struct kvr_queue *q)
 		}
 		entry_free(e);
 	}
+	/* Outcomes nobody collected: nobody is told (nobody was before either). */
+	struct olist *lists[] = {&q->ok, &q->bad};
+	for (size_t i = 0; i < 2; i++) {
+		for (struct qentry *e = lists[i]->head, *n; e; e = n) {
+			n = e->next;
+			entry_free(e);
+		}
+	}
+	kvr_free(q->tab, tab_size(q->tab_shift) * sizeof(*q->tab));
 	pthread_cond_destroy(&q->cond);
 	pthread_mutex_destroy(&q->lock);
 	kvr_free(q, sizeof(*q));
@@ -216,16 +468,25 @@ static void *dup_bytes(const void *src, size_t bytes)
 	return p;
 }
 
-static uint64_t reap(struct kvr_queue *q, uint64_t now);
+static uint64_t reap(struct kvr_queue *q, uint64_t now, bool all);
 
 int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
                    struct kvr_decision *d)
 {
 	struct kvr_queue *q = r->queue;
 	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
-	struct qentry *e = kvr_calloc(1, sizeof(*e));
+	/* Its levels in the WSPT skip list: one more with odds 1/4 each (drawn off the lock, from
+	 * a counter's splitmix64, so the entry is allocated with them). */
+	unsigned height = 1;
+	if (r->cfg.queue_policy == KVR_QUEUE_WSPT) {
+		uint64_t coin = __atomic_add_fetch(&q->coins, 1, __ATOMIC_RELAXED);
+		for (uint64_t x = kvr_rand64(&coin); height < QLEVELS && (x & 3) == 0; x >>= 2)
+			height++;
+	}
+	struct qentry *e = kvr_calloc(1, entry_size(height));
 	if (!e)
 		return KVR_ENOMEM;
+	e->height = (uint8_t)height;
 	e->req = *req;
 	e->req.flags &= ~(uint32_t)KVR_ROUTE_WAIT;
 	e->tok_bytes = req->tokens ? req->n_tokens * sizeof(uint32_t) : 0;
@@ -261,7 +522,8 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->enq_ns = kvr_clock_now(&r->clock);
 	e->state = Q_WAITING;
 	pthread_mutex_lock(&q->lock);
-	(void)reap(q, e->enq_ns); /* the list grows here: outcomes nobody will collect go first */
+	/* The list grows here: outcomes nobody will collect go first (those that can be due). */
+	(void)reap(q, e->enq_ns, false);
 	if (q->closing || q->waiting >= r->cfg.queue_capacity) {
 		int rc = q->closing ? KVR_ESHUTDOWN : KVR_EAGAIN;
 		pthread_mutex_unlock(&q->lock);
@@ -276,12 +538,8 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->held = true;
 	/* In the policy's order: FCFS at the tail; WSPT before the first larger key (ties stay in
 	 * ticket order). */
-	struct qentry **pp = &q->head;
-	bool wspt = r->cfg.queue_policy == KVR_QUEUE_WSPT;
-	while (*pp && !(wspt && (*pp)->key > key))
-		pp = &(*pp)->next;
-	e->next = *pp;
-	*pp = e;
+	wait_link(q, e);
+	tab_insert(q, e);
 	__atomic_store_n(&q->waiting, q->waiting + 1, __ATOMIC_RELAXED);
 	q->again |= q->pumping; /* a running pass may have walked past its place */
 	/* Read under the lock: once it is dropped, a concurrent pump may admit the entry and, with
@@ -328,8 +586,6 @@ static bool entry_saturated(struct kvr_router *r, const struct qentry *e, bool *
 	return any && sat;
 }
 
-static struct qentry *find(struct kvr_queue *q, uint64_t ticket);
-
 /* The first waiting entry from e on that this pass has not passed over.  Context: under
  * q->lock. */
 static struct qentry *next_waiting(struct kvr_queue *q, struct qentry *e)
@@ -338,16 +594,6 @@ static struct qentry *next_waiting(struct kvr_queue *q, struct qentry *e)
 		if (e->state == Q_WAITING && e->passed != q->pass)
 			return e;
 	return NULL;
-}
-
-static void unlink_entry(struct kvr_queue *q, struct qentry *e)
-{
-	for (struct qentry **pp = &q->head; *pp; pp = &(*pp)->next) {
-		if (*pp == e) {
-			*pp = e->next;
-			return;
-		}
-	}
 }
 
 /* Whether admitted entry e's outcome can be of no use to anyone any more: its attempt ended
@@ -363,35 +609,70 @@ static bool outcome_stale(struct kvr_router *r, const struct qentry *e, uint64_t
 	return now >= e->done_ns && now - e->done_ns >= keep_ns;
 }
 
+/* Frees admitted entry e, an outcome nobody will collect.  Context: under q->lock. */
+static void drop_outcome(struct kvr_queue *q, struct qentry *e)
+{
+	unlink_entry(q, e);
+	__atomic_store_n(&q->uncollected, q->uncollected - 1, __ATOMIC_RELAXED);
+	entry_free(e);
+}
+
+/* Admitted outcomes a push's reap checks where its cursor stands, besides the oldest ones. */
+#define REAP_SWEEP_STEP 2
+
 /* Frees the outcomes nobody will collect (see the top): an admission once its attempt ended, a
  * failed one after two lease scan intervals (as long as an idle attempt lives).  Never one held
  * for its kvr_route.  Returns when (router clock) the next failed outcome left comes due, now
  * for one due but held or watched (its holder collects it soon), UINT64_MAX for none: nothing
- * else wakes anyone for it (kvr_queue_reap).  Context: under q->lock; now is the router clock
- * read off it. */
-static uint64_t reap(struct kvr_queue *q, uint64_t now)
+ * else wakes anyone for it (kvr_queue_reap).
+ *
+ * The failed ones are in done_ns order, so those due are a prefix of their list: exact, and
+ * O(1 + freed + due but held).  The admitted ones end by their lease's expiry (nobody was told
+ * their attempts, so nothing else ends them, but a rank's removal or reset): in about admission
+ * order, as every one is idle from its admission and the CLOCK hand claims an idle lease at its
+ * second scan.  With all false (a push) the oldest are checked until a live one, and
+ * REAP_SWEEP_STEP more at a cursor that goes round the list, for the ones that ended out of
+ * order (another shard's scan first, a reset rank): O(1 + freed) amortised, every ended one
+ * found within (admitted outcomes / REAP_SWEEP_STEP) pushes.  With all true (the admission
+ * thread, after a shard lowered load; a rank's removal) every admitted one is checked, as
+ * before: that keeps their number at most the live leases, off the routing path.
+ * Context: under q->lock; now is the router clock read off it. */
+static uint64_t reap(struct kvr_queue *q, uint64_t now, bool all)
 {
 	uint64_t next = UINT64_MAX;
 	if (q->uncollected == 0)
 		return next;
-	uint64_t scan = q->r->cfg.lease_scan_interval_ns;
+	struct kvr_router *r = q->r;
+	uint64_t scan = r->cfg.lease_scan_interval_ns;
 	uint64_t keep = scan > UINT64_MAX / 2 ? UINT64_MAX : 2 * scan;
-	for (struct qentry **pp = &q->head; *pp;) {
-		struct qentry *e = *pp;
-		if (e->state != Q_ADMITTED || e->held || e->watched ||
-		    !outcome_stale(q->r, e, now, keep)) {
-			if (e->state == Q_ADMITTED && e->rc != 0) {
-				uint64_t due =
-				    e->done_ns > UINT64_MAX - keep ? UINT64_MAX : e->done_ns + keep;
-				due = due < now ? now : due;
-				next = due < next ? due : next;
-			}
-			pp = &e->next;
-			continue;
+	for (struct qentry *e = q->bad.head, *n; e; e = n) {
+		n = e->next;
+		if (!outcome_stale(r, e, now, keep)) {
+			uint64_t due =
+			    e->done_ns > UINT64_MAX - keep ? UINT64_MAX : e->done_ns + keep;
+			due = due < now ? now : due;
+			next = due < next ? due : next;
+			break;
 		}
-		*pp = e->next;
-		__atomic_store_n(&q->uncollected, q->uncollected - 1, __ATOMIC_RELAXED);
-		entry_free(e);
+		if (e->held || e->watched)
+			next = now;
+		else
+			drop_outcome(q, e);
+	}
+	for (struct qentry *e = q->ok.head, *n; e; e = n) {
+		n = e->next;
+		if (e->held || e->watched)
+			continue;
+		if (outcome_stale(r, e, now, keep))
+			drop_outcome(q, e);
+		else if (!all)
+			break;
+	}
+	for (unsigned k = 0; !all && k < REAP_SWEEP_STEP && q->ok.head; k++) {
+		struct qentry *e = q->sweep ? q->sweep : q->ok.head;
+		q->sweep = e->next;
+		if (!e->held && !e->watched && outcome_stale(r, e, now, keep))
+			drop_outcome(q, e);
 	}
 	return next;
 }
@@ -405,7 +686,7 @@ uint64_t kvr_queue_reap(struct kvr_router *r, uint64_t *now_out)
 	uint64_t now = kvr_clock_now(&r->clock), next = UINT64_MAX;
 	pthread_mutex_lock(&q->lock);
 	if (!q->closing)
-		next = reap(q, now);
+		next = reap(q, now, true);
 	pthread_mutex_unlock(&q->lock);
 	if (now_out)
 		*now_out = now;
@@ -486,6 +767,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 				e = next_waiting(q, q->head);
 				continue;
 			}
+			wait_unlink(q, e); /* off the waiting list, before it is Q_ADMITTED */
 			e->state = Q_ADMITTED;
 			e->rc = rc;
 			e->done_ns = now;
@@ -507,7 +789,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 				kvr_metrics_add(mb, KVR_C_QUEUE_ADMITTED, 1);
 			}
 			if (!e->waited && r->cfg.on_admit) {
-				unlink_entry(q, e);
+				tab_remove(q, e);
 				pthread_mutex_unlock(&q->lock);
 				const struct kvr_router *prev = kvr_router_callback_enter(r);
 				r->cfg.on_admit(r->cfg.callback_ctx, e->ticket, &e->d);
@@ -518,6 +800,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 				/* Kept for its collector (kvr_route_wait, kvr_route_cancel, or its
 				 * own kvr_route), or reclaimed once useless (reap). */
 				drop_request(e);
+				outcome_link(q, e);
 				__atomic_store_n(&q->uncollected, q->uncollected + 1,
 				                 __ATOMIC_RELAXED);
 				kept_failed |= rc != 0;
@@ -564,8 +847,6 @@ bool kvr_queue_admissible(struct kvr_router *r)
 	/* A full queue has no room behind anyone: the caller routes as if nobody waited. */
 	for (struct qentry *e = q->waiting < r->cfg.queue_capacity ? q->head : NULL; e && !found;
 	     e = e->next) {
-		if (e->state != Q_WAITING && e->state != Q_ADMITTING)
-			continue;
 		bool unrestricted;
 		if (e->state == Q_ADMITTING || !entry_saturated(r, e, &unrestricted))
 			found = true; /* the pump is admitting it, or could */
@@ -649,14 +930,6 @@ size_t kvr_queue_depth(struct kvr_router *r)
 {
 	/* No lock: kvr_route asks on every call whether anyone is waiting. */
 	return r->queue ? __atomic_load_n(&r->queue->waiting, __ATOMIC_RELAXED) : 0;
-}
-
-static struct qentry *find(struct kvr_queue *q, uint64_t ticket)
-{
-	for (struct qentry *e = q->head; e; e = e->next)
-		if (e->ticket == ticket)
-			return e;
-	return NULL;
 }
 
 /* The detail of a ticket given to fn (kvr_route_wait, kvr_route_cancel) on a router that
