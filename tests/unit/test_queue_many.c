@@ -1,0 +1,317 @@
+/*
+ * tests/unit/test_queue_many.c - the admission queue with thousands of entries: the policy's
+ * order, and every outcome told exactly once, through the lists and the ticket table that keep
+ * a queued route O(1) (FCFS) or O(log n) (WSPT) (core/queue.c).
+ *
+ * One rank A takes the unrestricted requests; a second rank B, saturated for good by a pinned
+ * hog, holds requests pinned to it (passed over by every pass) until it is removed half-way,
+ * when they fail.  Requests queue behind A's hog with four prompt lengths (WSPT ties by the
+ * hundreds), of four kinds: reported by on_admit; waited on past a deadline, then collected by
+ * kvr_route_wait; waited on, then cancelled (whether admitted meanwhile or not: both give 0);
+ * cancelled while queued, half before the first admission and half in the middle.  The test
+ * then ends every admitted request it learns of (each end pumps) until all are resolved.
+ *
+ * Checked: the admissions seen (on_admit or a wait) come in the policy's order, told by their
+ * attempt ids, which are minted in admission order (FCFS: tickets; WSPT: prompt length, then
+ * ticket); each ticket's outcome is told once, and never to on_admit for a ticket waited on; a
+ * cancel's 0 means never told, its KVR_ENOENT told already; a pinned request fails once B goes;
+ * afterwards nothing is queued or uncollected and A has no live request (the cancels of admitted
+ * requests ended their attempts).
+ */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrouter.h"
+#include "tests/common/router_prompts.h"
+
+#define N 1600
+
+enum kind { TOLD, COLLECTED, WAIT_CANCEL, CANCELLED };
+
+struct req {
+	uint64_t ticket;
+	size_t len;
+	enum kind kind;
+	bool pinned;   /* to rank B */
+	int told;      /* outcomes seen: on_admit or a wait */
+	bool admitted; /* told KVR_DECIDED */
+	bool failed;   /* told KVR_FAILED */
+	bool gone;     /* cancelled with 0 */
+	bool ended;    /* finished by the test */
+	uint64_t attempt;
+};
+
+static struct req reqs[N];
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t told_tickets[N];
+static struct kvr_decision told_d[N];
+static size_t n_told;
+
+static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	pthread_mutex_lock(&mu);
+	if (n_told < N) {
+		told_tickets[n_told] = ticket;
+		told_d[n_told] = *d;
+	}
+	n_told++;
+	pthread_mutex_unlock(&mu);
+}
+
+static struct req *by_ticket(uint64_t ticket)
+{
+	for (size_t i = 0; i < N; i++)
+		if (reqs[i].ticket == ticket)
+			return &reqs[i];
+	cr_assert_fail("ticket %llu was never issued", (unsigned long long)ticket);
+	return NULL;
+}
+
+static void outcome(struct req *q, const struct kvr_decision *d)
+{
+	q->told++;
+	cr_assert_eq(q->told, 1, "ticket %llu told twice", (unsigned long long)q->ticket);
+	cr_assert_eq(d->ticket, q->ticket);
+	if (d->status == KVR_DECIDED) {
+		cr_assert(!q->pinned, "pinned to B, admitted");
+		q->admitted = true;
+		q->attempt = d->attempt;
+	} else {
+		cr_assert_eq(d->status, KVR_FAILED);
+		cr_assert(q->pinned, "an unrestricted request failed: error %d", d->error);
+		q->failed = true;
+	}
+}
+
+static long gauge(struct kvr_router *r, const char *name)
+{
+	static char text[1 << 17];
+	cr_assert_eq(kvr_metrics_render(r, text, sizeof(text), NULL), 0);
+	char key[64];
+	snprintf(key, sizeof(key), "\n%s ", name);
+	const char *p = strstr(text, key);
+	return p ? strtol(p + strlen(key), NULL, 10) : -1;
+}
+
+static int route_len(struct kvr_router *r, size_t n, uint32_t salt, const struct kvr_rank_id *pin,
+                     struct kvr_decision *d)
+{
+	static uint32_t t[2048];
+	prompt(t, n, salt);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.pinned = pin;
+	q.expected_output_tokens = 16;
+	return kvr_route(r, &q, d);
+}
+
+/* reqs[a] comes before reqs[b] in the policy's order. */
+static bool before(enum kvr_queue_policy pol, const struct req *a, const struct req *b)
+{
+	if (pol == KVR_QUEUE_WSPT && a->len != b->len)
+		return a->len < b->len;
+	return a->ticket < b->ticket;
+}
+
+static int by_attempt(const void *x, const void *y)
+{
+	const struct req *a = *(struct req *const *)x, *b = *(struct req *const *)y;
+	return a->attempt < b->attempt ? -1 : a->attempt > b->attempt;
+}
+
+/* Takes the outcomes on_admit told since last time; ends the admitted ones.  Returns how many. */
+static size_t drain_told(struct kvr_router *r, size_t *seen)
+{
+	size_t got = 0;
+	for (;;) {
+		pthread_mutex_lock(&mu);
+		cr_assert(n_told <= N);
+		bool any = *seen < n_told;
+		uint64_t t = any ? told_tickets[*seen] : 0;
+		struct kvr_decision d = any ? told_d[*seen] : (struct kvr_decision){0};
+		pthread_mutex_unlock(&mu);
+		if (!any)
+			return got;
+		(*seen)++;
+		got++;
+		struct req *q = by_ticket(t);
+		cr_assert(q->kind == TOLD || q->kind == CANCELLED,
+		          "on_admit told ticket %llu, which was waited on", (unsigned long long)t);
+		cr_assert(!q->gone, "told after its cancel returned 0");
+		outcome(q, &d);
+		if (q->admitted) {
+			cr_assert_eq(kvr_request_finish(r, q->attempt), 0);
+			q->ended = true;
+		}
+	}
+}
+
+static void many(enum kvr_queue_policy pol)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.queue_policy = pol;
+	c.queue_capacity = N + 16;
+	c.on_admit = on_admit;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 1000000, 1000), 0);
+	cr_assert_eq(kvr_rank_add(r, b, 1, 1000000, 1000), 0);
+	struct kvr_decision ha, hb, d;
+	cr_assert_eq(route_len(r, 2000, 1, &a, &ha), 0);
+	cr_assert_eq(route_len(r, 2000, 2, &b, &hb), 0);
+	cr_assert_eq(ha.status, KVR_DECIDED);
+	cr_assert_eq(hb.status, KVR_DECIDED);
+	memset(reqs, 0, sizeof(reqs));
+	n_told = 0;
+	uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(pol + 1);
+	for (size_t i = 0; i < N; i++) {
+		struct req *q = &reqs[i];
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		q->len = 128 * (1 + x % 4);
+		q->pinned = (x >> 8) % 10 == 0;
+		unsigned k = (unsigned)((x >> 16) % 16);
+		q->kind = k < 9 ? TOLD : k < 12 ? COLLECTED : k < 14 ? WAIT_CANCEL : CANCELLED;
+		if (q->pinned && q->kind != COLLECTED)
+			q->kind = TOLD;
+		cr_assert_eq(route_len(r, q->len, 100 + (uint32_t)i, q->pinned ? &b : NULL, &d), 0);
+		cr_assert_eq(d.status, KVR_QUEUED, "request %zu", i);
+		q->ticket = d.ticket;
+		if (q->kind == COLLECTED || q->kind == WAIT_CANCEL)
+			cr_assert_eq(kvr_route_wait(r, q->ticket, 1, &d), KVR_ETIMEDOUT);
+	}
+	cr_assert_eq(gauge(r, "kvr_queue_depth"), N);
+	/* Half the cancels before anything is admitted: all queued still. */
+	for (size_t i = 0; i < N; i += 2) {
+		if (reqs[i].kind == CANCELLED) {
+			cr_assert_eq(kvr_route_cancel(r, reqs[i].ticket), 0);
+			reqs[i].gone = true;
+		}
+	}
+	cr_assert_eq(kvr_request_finish(r, ha.attempt), 0);
+	size_t seen = 0, resolved_target = N, stalls = 0;
+	bool b_gone = false, late_cancels = false;
+	for (;;) {
+		size_t progress = drain_told(r, &seen);
+		size_t admitted = 0, resolved = 0;
+		for (size_t i = 0; i < N; i++) {
+			admitted += reqs[i].admitted;
+			resolved += reqs[i].told || reqs[i].gone;
+		}
+		if (resolved == resolved_target)
+			break;
+		if (!late_cancels && admitted >= N / 4) {
+			/* The other half of the cancels, in the middle: a request admitted already
+			 * was told (KVR_ENOENT), one still queued never is (0). */
+			late_cancels = true;
+			for (size_t i = 1; i < N; i += 2) {
+				if (reqs[i].kind != CANCELLED)
+					continue;
+				int rc = kvr_route_cancel(r, reqs[i].ticket);
+				progress += drain_told(r, &seen);
+				if (rc == 0)
+					reqs[i].gone = true;
+				else
+					cr_assert(rc == KVR_ENOENT && reqs[i].told == 1, "rc %d",
+					          rc);
+			}
+		}
+		if (!b_gone && admitted >= N / 2) {
+			b_gone = true;
+			cr_assert_eq(kvr_rank_remove(r, b), 0);
+			cr_assert_eq(kvr_router_sync(r, 10000), 0);
+			progress++;
+		}
+		if (progress)
+			continue;
+		/* On_admit told nothing new: A is held by admissions nobody collected yet. */
+		for (size_t i = 0; i < N && !progress; i++) {
+			struct req *q = &reqs[i];
+			if (q->kind != COLLECTED || q->told)
+				continue;
+			int rc = kvr_route_wait(r, q->ticket, 1, &d);
+			if (rc == KVR_ETIMEDOUT)
+				continue;
+			cr_assert(rc == 0 || q->pinned, "ticket %zu: rc %d", i, rc);
+			outcome(q, &d);
+			if (q->admitted) {
+				cr_assert_eq(kvr_request_finish(r, q->attempt), 0);
+				q->ended = true;
+			}
+			progress++;
+		}
+		/* Else one waited on and given up on: the first in the policy's order, admitted
+		 * (its cancel ends the attempt) or not. */
+		struct req *first = NULL;
+		for (size_t i = 0; i < N && !progress; i++) {
+			struct req *q = &reqs[i];
+			if (q->kind == WAIT_CANCEL && !q->gone && (!first || before(pol, q, first)))
+				first = q;
+		}
+		if (first) {
+			cr_assert_eq(kvr_route_cancel(r, first->ticket), 0);
+			first->gone = true;
+			cr_assert_eq(kvr_route_wait(r, first->ticket, 1, &d), KVR_ENOENT);
+			progress++;
+		}
+		if (!progress) {
+			/* The admission thread's pass may still be on its way. */
+			cr_assert(++stalls < 5000, "stuck: %zu of %zu resolved", resolved, N);
+			cr_assert_eq(kvr_router_sync(r, 10000), 0);
+			struct timespec ts = {0, 1000000};
+			nanosleep(&ts, NULL);
+		} else {
+			stalls = 0;
+		}
+	}
+	/* The admissions seen, by attempt (minted in admission order): the policy's order. */
+	static struct req *adm[N];
+	size_t n = 0;
+	for (size_t i = 0; i < N; i++) {
+		const struct req *q = &reqs[i];
+		cr_assert(q->told + q->gone == 1, "request %zu: told %d, cancelled %d", i, q->told,
+		          q->gone);
+		cr_assert(!q->pinned || q->failed, "pinned request %zu did not fail", i);
+		if (q->kind == TOLD || q->kind == COLLECTED)
+			cr_assert(q->told == 1, "request %zu never told", i);
+		if (q->admitted)
+			adm[n++] = &reqs[i];
+	}
+	cr_assert_gt(n, N / 2);
+	qsort(adm, n, sizeof(adm[0]), by_attempt);
+	for (size_t k = 1; k < n; k++)
+		cr_assert(before(pol, adm[k - 1], adm[k]),
+		          "admission %zu (ticket %llu, %zu tokens) before %zu (ticket %llu, %zu)",
+		          k - 1, (unsigned long long)adm[k - 1]->ticket, adm[k - 1]->len, k,
+		          (unsigned long long)adm[k]->ticket, adm[k]->len);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(gauge(r, "kvr_queue_depth"), 0);
+	cr_assert_eq(gauge(r, "kvr_queue_uncollected"), 0);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(r, a, &st), 0);
+	cr_assert_eq(st.active_requests, 0, "attempts left live: %llu",
+	             (unsigned long long)st.active_requests);
+	kvr_router_destroy(r);
+}
+
+Test(queue_many, fcfs_order_and_outcomes)
+{
+	many(KVR_QUEUE_FCFS);
+}
+
+Test(queue_many, wspt_order_with_ties_and_outcomes)
+{
+	many(KVR_QUEUE_WSPT);
+}
