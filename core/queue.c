@@ -44,18 +44,18 @@
  * first, and while another thread is pumping it joins the queue (kvr_queue_pump says so) instead
  * of taking a rank that the pass has not reached yet; the pass then walks the list again.
  * After queueing one, kvr_route pumps once more: the pass that lowered the load may have
- * ended before the push.  The shards lower load after the lifecycle call that posted the work
- * returned, and pump nothing: so a finish, abort or prefill done on a saturated rank is applied
- * before its call returns even with nothing queued, and a lifecycle call that saw nothing
- * queued looks again after its post (kvr_queue_catch_up; the fences make one of the call and
- * the route see the other).  Load the shards lower on their own (a lease expiry, a decay
- * step), and every posted lifecycle message once applied (an output's end of the prefill, a
- * release that a third call's booking made matter: the rank was not saturated when it was
- * posted), wake the router's admission thread, which pumps (core/queue_thread.c).
+ * ended before the push.  The shards lower load after the call that asked for it returned (no
+ * lifecycle call waits for its shard, core/lifecycle.c) and pump nothing: every posted lifecycle
+ * message once applied, and load the shards lower on their own (a lease expiry, a decay step),
+ * wake the router's admission thread, which pumps (core/queue_thread.c).  A route that read the
+ * load before such work was applied and queued meets the shard's hook in a Dekker pair
+ * (kvr_queue_catch_up's fence after the push against the hook's after the load): either its own
+ * pass sees the lowered load or the hook sees it queued.
  *
- * Admission happens in kvr_queue_pump(), run by the frontend threads whose calls lowered load
- * (prefill done, finish, abort, a rank added or resized, kvr_router_sync) and by the admission
- * thread after a shard lowered load by itself: never on a shard thread, so a shard never waits for
+ * Admission happens in kvr_queue_pump(), run by the frontend threads that route or change ranks
+ * (a rank added or resized, kvr_router_sync), by a lifecycle call with sync_booking (its work is
+ * applied before the pass), and by the admission thread after a shard lowered load: never on a
+ * shard thread, so a shard never waits for
  * this mutex.  One thread pumps at a time; another that asks meanwhile makes it walk the list once
  * more (q->again) and returns. The frontend learns the outcome through on_admit (called without any
  * router lock held) or by collecting the ticket with kvr_route_wait.  Requests are copied in
@@ -869,28 +869,13 @@ static int collect(struct kvr_queue *q, struct qentry *e, struct kvr_decision *d
 	return rc;
 }
 
-/* A no-op on a shard: it returns once the shard has run what was posted to its routing lane
- * before it (lanes are FIFO across producers). */
-static int caught_up(struct kvr_shard *sh, void *arg)
+void kvr_queue_catch_up(void)
 {
-	(void)sh;
-	(void)arg;
-	return 0;
-}
-
-void kvr_queue_catch_up(struct kvr_router *r, struct kvr_shard *sh)
-{
-	/* Pairs with the same fence on the other side: a route's push then its read of the load
-	 * words (the pump), a lifecycle call's post then its read of the depth.  One of the two
-	 * sees the other's write, so either the lifecycle call pumps after its work is applied or
-	 * the route's pass runs after that work was posted (applied already when the rank was
-	 * saturated: core/lifecycle.c). */
+	/* Pairs with the shard hook's fence between the lowered load and its read of the depth
+	 * (kvr_admitter_note_unloaded), and with a sync_booking lifecycle call's after its post:
+	 * either this route's pass reads the lowered load or the other side sees the request
+	 * queued and pumps. */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	if (!sh || r->cfg.sync_booking)
-		return; /* sync_booking: the pump settles first (kvr_router_settle) */
-	/* On the shard's own thread (the clock, or on_admit there) the call is refused
-	 * (KVR_EBUSY, not run), as a cycle of shards is: the work then waits for a later pass. */
-	(void)kvr_shard_call(sh, KVR_LANE_ROUTING, caught_up, NULL);
 }
 
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d)

@@ -880,7 +880,7 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 		 * it had not queued. */
 		uint64_t ticket = d->ticket;
 		bool wait = (req->flags & KVR_ROUTE_WAIT) != 0;
-		kvr_queue_catch_up(r, NULL);
+		kvr_queue_catch_up();
 		kvr_queue_pump(r);
 		if ((rc = kvr_queue_settle(r, ticket, wait, d)))
 			return kvr_fail(

@@ -221,12 +221,9 @@ void kvr_admitter_note_unloaded(void *ctx);
  * thread that ran the pass, off the queue's lock.  Ordering: the flag's seq_cst store, then
  * kvr_parker_wake's barrier; pairs with the thread's park (sync/park.h). */
 void kvr_admitter_note_failed(struct kvr_router *r);
-/* Before a pump that must see what the other side of a race did: a seq_cst fence (its pairing:
- * core/queue.c), then, when sh is given and without sync_booking, a call on sh that returns
- * once the work posted to it before (a lifecycle call's) ran.  kvr_route passes NULL (it never
- * waits for a shard).  Context: a frontend thread, no router lock held, outside RCU read
- * sections (it may wait for sh). */
-void kvr_queue_catch_up(struct kvr_router *r, struct kvr_shard *sh);
+/* After a route's push, before its pump: a seq_cst fence that pairs with the shard hook's (its
+ * pairing: core/queue.c).  Context: the routing thread. */
+void kvr_queue_catch_up(void);
 /* Threads inside kvr_route_wait (or kvr_route_cancel) now.  For tests. */
 uint32_t kvr_queue_waiters(struct kvr_router *r);
 
