@@ -1216,3 +1216,59 @@ Test(regress, a_stopped_virtual_clock_short_of_a_timer_does_not_spin_the_shard)
 	cr_assert_eq(kvr_request_finish(r, d.attempt), KVR_ESTALE);
 	kvr_router_destroy(r);
 }
+
+/* An admission nobody collects whose attempt a rank reset (or a capacity call naming a new
+ * incarnation) ended: every call on the attempt is KVR_ESTALE from then on, so its outcome is of
+ * no use, but no lease is left to expire and wake the admission thread for it, and the reset's
+ * own pump returns at once with nothing queued.  On an idle router it stayed for good
+ * (kvr_queue_uncollected 1). */
+static void admitted_uncollected_then_new_life(bool reset)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.lease_scan_interval_ns = 60ull * 1000000000ull; /* no expiry within the test */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 16), 0);
+	static uint32_t tok[64];
+	struct kvr_decision h, q, d;
+	prompt(tok, 64, 31000);
+	cr_assert_eq(route_tokens(r, tok, 64, &id, &h), 0); /* 64 tokens > 16: saturated */
+	cr_assert_eq(h.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	prompt(tok, 64, 31001);
+	cr_assert_eq(route_tokens(r, tok, 64, &id, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* gives up */
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);               /* admits it */
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	cr_assert_eq(uncollected(r), 1, "admitted, kept for its collector");
+	if (reset)
+		cr_assert_eq(kvr_rank_reset(r, id, 2), 0);
+	else
+		cr_assert_eq(kvr_rank_set_capacity(r, id, 2, 100000), 0);
+	/* Reads only from here. */
+	long left = 1;
+	for (int ms = 0; ms < 2000 && left != 0; ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+		left = uncollected(r);
+	}
+	cr_assert_eq(left, 0, "the admission outlived its attempt, which the %s ended",
+	             reset ? "reset" : "new incarnation");
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ENOENT);
+	kvr_router_destroy(r);
+}
+
+Test(regress, an_uncollected_admission_goes_when_a_reset_ends_its_attempt)
+{
+	admitted_uncollected_then_new_life(true);
+}
+
+Test(regress, an_uncollected_admission_goes_when_a_new_incarnation_ends_its_attempt)
+{
+	admitted_uncollected_then_new_life(false);
+}
