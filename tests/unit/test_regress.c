@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "core/alloc.h"
+#include "core/router_internal.h"
 #include "kvrouter.h"
 #include "tests/common/router_prompts.h"
 
@@ -1271,4 +1272,78 @@ Test(regress, an_uncollected_admission_goes_when_a_reset_ends_its_attempt)
 Test(regress, an_uncollected_admission_goes_when_a_new_incarnation_ends_its_attempt)
 {
 	admitted_uncollected_then_new_life(false);
+}
+
+/* A clock that, armed, lets the lease of the attempt the test thread's admission pass just made
+ * expire inside the pass's clock read that follows the admission (queue.c reads it after
+ * kvr_route_internal, off its lock, before it counts the outcome as uncollected): it steps the
+ * virtual time one lease interval at a time and lets the shard's reaper run. */
+static struct kvr_router *pass_router;
+static pthread_t pass_thread;
+static int pass_armed, pass_danced;
+#define PASS_SCAN_NS 1000000ull
+static uint64_t pass_clock(void *ctx)
+{
+	if (__atomic_load_n(&pass_armed, __ATOMIC_ACQUIRE) &&
+	    pthread_equal(pthread_self(), pass_thread) && kvr_queue_pumped_here(pass_router)) {
+		pass_danced++;
+		for (int k = 0; k < 8; k++) {
+			__atomic_add_fetch(&vnow, PASS_SCAN_NS, __ATOMIC_RELAXED);
+			struct timespec ts = {0, 20000000};
+			nanosleep(&ts, NULL);
+		}
+	}
+	return vclock(ctx);
+}
+
+/* An admission nobody collects (its wait timed out) whose lease expires between the pass's
+ * admission and the pass's count of it as uncollected (the pass reads the clock in between, off
+ * the queue's lock; a slow clock, a preempted thread, a virtual clock a simulation steps).  The
+ * expiry's hook (kvr_admitter_note_unloaded) reads the queue's depth, still 1, and wakes the
+ * admission thread, whose pass finds the test thread's running (again) and whose reap finds
+ * nothing uncollected yet; then the count rises, and no expiry is left to wake anyone: the record
+ * stays in the list for good on an idle router (kvr_queue_uncollected 1), its attempt long
+ * ended.  core/queue.c's defect (not fixed here: another engineer's file); enable once it is. */
+Test(regress, an_admission_whose_lease_expires_inside_its_pass_is_still_reclaimed, .disabled = true)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = pass_clock;
+	c.queue_threshold = 1.0;
+	c.sync_booking = true;
+	c.lease_scan_interval_ns = PASS_SCAN_NS;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	pass_router = r;
+	pass_thread = pthread_self();
+	struct kvr_rank_id id = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 16), 0);
+	static uint32_t tok[64];
+	struct kvr_decision h, q, d;
+	prompt(tok, 64, 33000);
+	cr_assert_eq(route_tokens(r, tok, 64, &id, &h), 0); /* 64 tokens > 16: saturated */
+	cr_assert_eq(h.status, KVR_DECIDED);
+	prompt(tok, 64, 33001);
+	cr_assert_eq(route_tokens(r, tok, 64, &id, &q), 0);
+	cr_assert_eq(q.status, KVR_QUEUED);
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ETIMEDOUT); /* gives up */
+	__atomic_store_n(&pass_armed, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0); /* admits it, in this thread's pass */
+	__atomic_store_n(&pass_armed, 0, __ATOMIC_RELEASE);
+	cr_assert_gt(pass_danced, 0, "the pass read the clock");
+	cr_assert_eq(kvr_router_sync(r, 10000), 0);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+	cr_assert_eq(st.active_requests, 0, "the admission's lease expired in its pass");
+	/* Reads only from here. */
+	long left = 1;
+	for (int ms = 0; ms < 2000 && left != 0; ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+		left = uncollected(r);
+	}
+	cr_assert_eq(left, 0, "the admission outlived its expired attempt on an idle router");
+	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ENOENT);
+	kvr_router_destroy(r);
 }
