@@ -804,6 +804,15 @@ bool kvr_queue_pump(struct kvr_router *r)
 				__atomic_store_n(&q->uncollected, q->uncollected + 1,
 				                 __ATOMIC_RELAXED);
 				kept_failed |= rc != 0;
+				/* Its lease may have expired since the admission (the clock read
+				 * above runs off the lock): that expiry's hook saw nothing
+				 * uncollected yet, and no later one comes for it, so it is judged
+				 * now.  The fence pairs with the hook's (after the lease ended,
+				 * before it reads the count): one of the two sees the other. */
+				__atomic_thread_fence(__ATOMIC_SEQ_CST);
+				if (rc == 0 && !e->held && !e->watched &&
+				    outcome_stale(r, e, now, UINT64_MAX))
+					drop_outcome(q, e);
 			}
 			pthread_cond_broadcast(&q->cond);
 			e = next_waiting(q, q->head);
