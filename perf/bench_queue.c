@@ -19,7 +19,21 @@
  *
  * Usage: bench_queue [--depths 1000,4000,8000,16000] [--window 512] [--policy fcfs|wspt|both]
  *                    [--uncollected 0|1|both]
+ *
+ * --life-ms MS runs the lifecycle mode instead: what the lifecycle calls cost on a saturated
+ * router that queues, and how long queued requests wait.  --fronts frontend threads (4) loop
+ * over: route a 2,048-token prompt of its own with KVR_ROUTE_WAIT, sleep --prefill-us (200,
+ * the engine's prefill), prefill done, three outputs, sleep --decode-us (500), finish; every call
+ * timed.  --ranks ranks (2) of 1,024 batched tokens each, so one prompt saturates a rank.
+ * Prints the calls' p50/p99, the routes that queued and their wait, and the routes per second.
+ * Lifecycle calls used to wait one round trip to their shard on such a router (prefill done
+ * p99 0.4-2.6 ms on this project's 2-vCPU VM); they post now (docs/measurements.md).
+ *
+ * Usage: bench_queue --life-ms 3000 [--fronts 4] [--ranks 2] [--prefill-us 200]
+ *                    [--decode-us 500]
  */
+#include <pthread.h>
+#include <time.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -148,8 +162,155 @@ static void run(bool wspt, bool uncollected, const uint64_t *depths, size_t n_de
 	kvr_router_destroy(r);
 }
 
+/* ---------------------------------------------------------------- lifecycle mode */
+
+enum { L_ROUTE, L_QUEUED, L_PREFILL, L_OUTPUT, L_FINISH, L_KINDS };
+static const char *const life_name[L_KINDS] = {"route", "queued_route", "prefill_done", "output",
+                                               "finish"};
+#define LIFE_MAX 4000000 /* samples kept per kind and thread (later ones overwrite) */
+
+struct life_front {
+	struct kvr_router *r;
+	int id;
+	uint64_t prefill_ns, decode_ns;
+	const int *stop;
+	uint64_t *v[L_KINDS];
+	size_t n[L_KINDS];
+	uint64_t errors;
+};
+
+static void life_sleep(uint64_t ns)
+{
+	if (ns)
+		nanosleep(&(struct timespec){(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)},
+		          NULL);
+}
+
+static void life_note(struct life_front *f, int k, uint64_t ns)
+{
+	f->v[k][f->n[k]++ % LIFE_MAX] = ns;
+}
+
+static void *life_main(void *arg)
+{
+	struct life_front *f = arg;
+	static _Thread_local uint32_t t[2048];
+	uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(f->id + 1);
+	while (!__atomic_load_n(f->stop, __ATOMIC_RELAXED)) {
+		for (size_t i = 0; i < 2048; i++) {
+			x = x * 6364136223846793005ull + 1442695040888963407ull;
+			t[i] = (uint32_t)(x >> 33);
+		}
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 2048;
+		q.flags |= KVR_ROUTE_WAIT;
+		q.deadline_ns = kvr_router_now(f->r) + 5000000000ull;
+		struct kvr_decision d;
+		uint64_t t0 = now_ns();
+		int rc = kvr_route(f->r, &q, &d);
+		uint64_t t1 = now_ns();
+		if (rc || d.status != KVR_DECIDED) {
+			f->errors++;
+			continue;
+		}
+		life_note(f, L_ROUTE, t1 - t0);
+		if (d.ticket) /* queued first */
+			life_note(f, L_QUEUED, t1 - t0);
+		life_sleep(f->prefill_ns);
+		t0 = now_ns();
+		f->errors += kvr_request_prefill_done(f->r, d.attempt) != 0;
+		life_note(f, L_PREFILL, now_ns() - t0);
+		uint32_t tok = 7;
+		for (int k = 0; k < 3; k++) {
+			t0 = now_ns();
+			f->errors += kvr_request_output(f->r, d.attempt, &tok, 1) != 0;
+			life_note(f, L_OUTPUT, now_ns() - t0);
+		}
+		life_sleep(f->decode_ns);
+		t0 = now_ns();
+		f->errors += kvr_request_finish(f->r, d.attempt) != 0;
+		life_note(f, L_FINISH, now_ns() - t0);
+	}
+	return NULL;
+}
+
+static void run_life(uint64_t ms, int fronts, int ranks, uint64_t prefill_us, uint64_t decode_us)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.queue_capacity = 4096;
+	struct kvr_router *r;
+	int rc;
+	if ((rc = kvr_router_create(&c, &r)))
+		die("kvr_router_create", rc);
+	for (int i = 0; i < ranks; i++)
+		if ((rc = kvr_rank_add(r, (struct kvr_rank_id){(uint64_t)i, 0}, 1, 100000, 1024)))
+			die("kvr_rank_add", rc);
+	int stop = 0;
+	struct life_front *f = calloc((size_t)fronts, sizeof(*f));
+	pthread_t *th = calloc((size_t)fronts, sizeof(*th));
+	if (!f || !th)
+		die("calloc", KVR_ENOMEM);
+	for (int i = 0; i < fronts; i++) {
+		f[i] = (struct life_front){.r = r,
+		                           .id = i,
+		                           .prefill_ns = prefill_us * 1000,
+		                           .decode_ns = decode_us * 1000,
+		                           .stop = &stop};
+		for (int k = 0; k < L_KINDS; k++)
+			if (!(f[i].v[k] = malloc(LIFE_MAX * sizeof(uint64_t))))
+				die("malloc", KVR_ENOMEM);
+		if (pthread_create(&th[i], NULL, life_main, &f[i]))
+			die("pthread_create", KVR_ENOMEM);
+	}
+	life_sleep(ms * 1000000);
+	__atomic_store_n(&stop, 1, __ATOMIC_RELAXED);
+	uint64_t errors = 0;
+	for (int i = 0; i < fronts; i++) {
+		pthread_join(th[i], NULL);
+		errors += f[i].errors;
+	}
+	for (int k = 0; k < L_KINDS; k++) {
+		size_t n = 0;
+		for (int i = 0; i < fronts; i++)
+			n += f[i].n[k] < LIFE_MAX ? f[i].n[k] : LIFE_MAX;
+		uint64_t *all = malloc((n ? n : 1) * sizeof(*all));
+		if (!all)
+			die("malloc", KVR_ENOMEM);
+		size_t m = 0;
+		for (int i = 0; i < fronts; i++) {
+			size_t c2 = f[i].n[k] < LIFE_MAX ? f[i].n[k] : LIFE_MAX;
+			memcpy(all + m, f[i].v[k], c2 * sizeof(*all));
+			m += c2;
+		}
+		if (k == L_ROUTE)
+			printf("SUMMARY bench=queue_life fronts=%d ranks=%d prefill_us=%" PRIu64
+			       " decode_us=%" PRIu64 " routes_s=%.0f errors=%" PRIu64 "\n",
+			       fronts, ranks, prefill_us, decode_us,
+			       (double)n * 1000.0 / (double)ms, errors);
+		if (n)
+			printf("SUMMARY bench=queue_life call=%s n=%zu p50_us=%.2f p99_us=%.2f "
+			       "max_us=%.2f\n",
+			       life_name[k], n, pct(all, n, 0.5), pct(all, n, 0.99),
+			       pct(all, n, 1.0));
+		free(all);
+	}
+	for (int i = 0; i < fronts; i++)
+		for (int k = 0; k < L_KINDS; k++)
+			free(f[i].v[k]);
+	free(f);
+	free(th);
+	kvr_router_destroy(r);
+}
+
 int main(int argc, char **argv)
 {
+	uint64_t life_ms = 0, prefill_us = 200, decode_us = 500;
+	int fronts = 4, ranks = 2;
 	uint64_t depths[MAX_DEPTHS] = {1000, 4000, 8000, 16000};
 	size_t n_depths = 4;
 	uint64_t window = 512;
@@ -179,9 +340,23 @@ int main(int argc, char **argv)
 				unc = 2;
 			else
 				opt_bad(argv, i, "0, 1 or both", s);
+		} else if (!strcmp(argv[i], "--life-ms")) {
+			life_ms = opt_u64(argc, argv, i, 1, 3600000);
+		} else if (!strcmp(argv[i], "--fronts")) {
+			fronts = (int)opt_u64(argc, argv, i, 1, 64);
+		} else if (!strcmp(argv[i], "--ranks")) {
+			ranks = (int)opt_u64(argc, argv, i, 1, 64);
+		} else if (!strcmp(argv[i], "--prefill-us")) {
+			prefill_us = opt_u64(argc, argv, i, 0, 1000000);
+		} else if (!strcmp(argv[i], "--decode-us")) {
+			decode_us = opt_u64(argc, argv, i, 0, 1000000);
 		} else {
 			opt_unknown(argv, i);
 		}
+	}
+	if (life_ms) {
+		run_life(life_ms, fronts, ranks, prefill_us, decode_us);
+		return 0;
 	}
 	/* Ascending, so that one fill serves every depth. */
 	qsort(depths, n_depths, sizeof(depths[0]), cmp_u64);

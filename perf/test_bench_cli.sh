@@ -61,6 +61,7 @@ refused bench_lru --only --only lur
 refused bench_lru --clock --clock cycles
 refused bench_queue --depths --depths 1000,,4000
 refused bench_queue --policy --policy lifo
+refused bench_queue --fronts --life-ms 100 --fronts 0
 refused bench_route --rate --rate 0
 refused bench_route --cpus --cpus 1,,2
 refused bench_route --threads-max --threads-max 1.5
