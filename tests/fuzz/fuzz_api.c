@@ -16,10 +16,13 @@
  * failure's detail names the function, a success leaves the detail as it was; fuzz_api.h,
  * fuzz_err_verdict), and where the model knows the answer exactly (rank
  * membership, incarnations, attempt state, queue tickets, events-mode block sets), against that
- * answer.  At the end every attempt is finished, every ticket cancelled or collected, the router
- * synced, and then: all load is zero on every rank, resident <= capacity on every capacity-bounded
- * LRU rank, every ended attempt is still stale, and after destroy the library's allocation counter
- * is back where it started (no leak).
+ * answer.  The outcomes the queue keeps for a collector nobody calls (kvr_queue_uncollected)
+ * never outnumber the model's tickets that may have one, and go by themselves once of no use:
+ * after a call that left every such admission's attempt ended (track_uncollected).  At the end
+ * every attempt is finished, every ticket cancelled or collected, the router synced, and then: all
+ * load is zero on every rank, resident <= capacity on every capacity-bounded LRU rank, every ended
+ * attempt is still stale, and after destroy the library's allocation counter is back where it
+ * started (no leak).
  *
  * What the model does not predict, it bounds: which rank a decision picks (it must be eligible),
  * whether a request queues (only when the queue is on), when a lease expires (never before one
@@ -50,6 +53,7 @@
 
 #include "core/alloc.h"
 #include "core/hash.h"
+#include "core/router_internal.h" /* kvr_queue_depth, kvr_queue_uncollected: the gauges */
 #include "fuzz_api.h"
 #include "kvrouter.h"
 #include "tests/common/fresh_thread.h"
@@ -207,6 +211,8 @@ struct mtick {
 	uint64_t life[N_IDS]; /* each rank's life when it was queued */
 	bool clock_back;      /* the clock stepped back while it was pending (op_clock) */
 	bool told;            /* wait or cancel found it gone: on_admit's report is on its way */
+	bool settled;         /* out of the waiting list (the queue's depth read 0 since) */
+	bool may_fail;        /* kept (kept_outcome) and had no eligible rank while waiting */
 };
 
 struct prog {
@@ -222,6 +228,8 @@ struct prog {
 	struct mtick tix[MAX_TIX];
 	int n_tix;
 	uint64_t max_ticket, max_attempt_seen;
+	/* A kept outcome's attempt may live on the rank's current life (see track_uncollected) */
+	bool kept_live[N_IDS];
 	/* on_admit reports, drained after every call */
 	pthread_mutex_t mu;
 	uint64_t adm_ticket[MAX_TIX];
@@ -314,6 +322,7 @@ static void end_attempt(struct prog *p, int k)
 static void rank_new_life(struct prog *p, int i)
 {
 	p->rk[i].life++;
+	p->kept_live[i] = false; /* track_uncollected sets it again for a ticket still waiting */
 	for (int k = 0; k < p->n_att;)
 		if (p->att[k].rank == i)
 			end_attempt(p, k);
@@ -495,6 +504,90 @@ static void await_report(struct prog *p, uint64_t t)
 		CHECK(t1.tv_sec - t0.tv_sec < 30, "on_admit never told ticket %" PRIu64, t);
 		usleep(100);
 	}
+}
+
+/* ---------------------------------------------------------------- outcomes nobody collects */
+
+/* Whether ticket m's outcome, once admitted (or failed), is kept in the queue for a collector
+ * (core/queue.c, "An outcome nobody collects"): a kvr_route_wait caller's (one that timed out),
+ * or anyone's without on_admit.  Those are what kvr_queue_uncollected counts; an on_admit
+ * report is not kept. */
+static bool kept_outcome(const struct prog *p, const struct mtick *m)
+{
+	return !m->told && (m->waited || !p->cfg.on_admit);
+}
+
+static double real_s(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Polls kvr_queue_uncollected, with nothing else called, until it reads 0 or `seconds` of real
+ * time passed; returns its last reading. */
+static size_t uncollected_after(struct prog *p, double seconds)
+{
+	size_t n = kvr_queue_uncollected(p->r);
+	for (double t0 = real_s(); n && real_s() - t0 < seconds; n = kvr_queue_uncollected(p->r))
+		usleep(1000);
+	return n;
+}
+
+/* After every call, on a router with a queue: what the model knows of the outcomes kept for a
+ * collector (kept_outcome), and, where it knows each has become of no use, that the queue let
+ * them go.  An admitted one is of no use once its attempt ended (nobody was told the attempt,
+ * so only a lease expiry or a new life of its rank ends it); kvr_queue_uncollected must then
+ * come back to 0 on an idle router, where nothing else comes back for it (a reset that left one
+ * for good: test_regress an_uncollected_admission_goes_when_a_reset_ends_its_attempt).  The
+ * model does not know when a waiting ticket is admitted, nor on which rank: while a kept one
+ * waits (not `settled`), an admission may put an attempt on the current life of each rank
+ * eligible for it (kept_live); a new life of the rank ends it (rank_new_life); a reading of the
+ * queue's depth at 0 settles every ticket.  A kept ticket that had no eligible rank may have
+ * failed, and a failed outcome is kept two lease scan intervals: no check while one is held.
+ * So with the depth at 0, no kept_live rank and no such ticket, every kept outcome is of no
+ * use, and the gauge must read 0 (at once, as a rank's new life reclaims them; a bounded poll
+ * for margin).  And always, every kept outcome is one of the model's tickets: the gauge never
+ * exceeds their number. */
+static void track_uncollected(struct prog *p)
+{
+	if (!(p->cfg.queue_threshold > 0))
+		return;
+	int kept = 0;
+	bool may_fail = false;
+	for (int k = 0; k < p->n_tix; k++) {
+		struct mtick *m = &p->tix[k];
+		if (!kept_outcome(p, m))
+			continue;
+		kept++;
+		if (!m->settled) {
+			for (int i = 0; i < N_IDS; i++)
+				if (eligible(p, i, m->pinned, m->allow, m->allow_some))
+					p->kept_live[i] = true;
+			if (!any_eligible(p, m->pinned, m->allow, m->allow_some))
+				m->may_fail = true;
+		}
+		may_fail |= m->may_fail;
+	}
+	/* The depth first: an outcome counted uncollected was waiting before (one lock section) */
+	size_t depth = kvr_queue_depth(p->r);
+	size_t n = kvr_queue_uncollected(p->r);
+	CHECK(n <= (size_t)kept, "kvr_queue_uncollected %zu with %d outcomes kept for a collector",
+	      n, kept);
+	if (depth != 0)
+		return;
+	for (int k = 0; k < p->n_tix; k++)
+		p->tix[k].settled = true;
+	if (may_fail || n == 0)
+		return;
+	for (int i = 0; i < N_IDS; i++)
+		if (p->kept_live[i])
+			return;
+	n = uncollected_after(p, 2.0);
+	CHECK(n == 0,
+	      "kvr_queue_uncollected %zu on an idle router after every kept admission's attempt "
+	      "ended (%d kept)",
+	      n, kept);
 }
 
 /* --limits' lanes of a few messages: a posted call may find its lane full for 10 ms while
@@ -2533,6 +2626,7 @@ static void *run_program(void *arg)
 			break;
 		}
 		drain_admits(p); /* any call may have pumped the queue */
+		track_uncollected(p);
 		p->calls++;
 		if (trace)
 			fprintf(stderr, " %s rc %d [%s]\n", cur_call, last_rc, cur_detail);
