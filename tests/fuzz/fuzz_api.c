@@ -452,18 +452,26 @@ static void ticket_outcome(struct prog *p, struct mtick *m, int rc, const struct
  * not been reported before. */
 static void drain_admits(struct prog *p)
 {
+	/* Copied under the lock: the admission thread's next report goes to slot 0 as soon as
+	 * the count is reset, and read in place it overwrote one not judged yet (seen under
+	 * ASan: --craft seed 271, "attempt id ... issued twice", 1 run in ~50). */
+	uint64_t ticket[MAX_TIX];
+	struct kvr_decision d[MAX_TIX];
+	bool late[MAX_TIX];
 	pthread_mutex_lock(&p->mu);
 	int n = p->n_adm;
 	p->n_adm = 0;
+	memcpy(ticket, p->adm_ticket, (size_t)n * sizeof(ticket[0]));
+	memcpy(d, p->adm_d, (size_t)n * sizeof(d[0]));
+	memcpy(late, p->adm_late, (size_t)n * sizeof(late[0]));
 	pthread_mutex_unlock(&p->mu);
 	for (int k = 0; k < n; k++) {
-		struct mtick *m = ticket_find(p, p->adm_ticket[k]);
-		CHECK(m, "on_admit for ticket %" PRIu64 " that is not queued", p->adm_ticket[k]);
+		struct mtick *m = ticket_find(p, ticket[k]);
+		CHECK(m, "on_admit for ticket %" PRIu64 " that is not queued", ticket[k]);
 		CHECK(m->state == T_QUEUED && !m->waited,
 		      "on_admit for ticket %" PRIu64 " in state %d waited %d", m->t, m->state,
 		      m->waited);
-		ticket_outcome(p, m, p->adm_d[k].status == KVR_FAILED ? p->adm_d[k].error : 0,
-		               &p->adm_d[k], !p->adm_late[k]);
+		ticket_outcome(p, m, d[k].status == KVR_FAILED ? d[k].error : 0, &d[k], !late[k]);
 	}
 }
 
