@@ -50,6 +50,16 @@ static int pop(uint64_t *a, size_t *n, unsigned *seed, uint64_t *v)
 	pthread_mutex_unlock(&mu);
 	return ok;
 }
+/* The count of a, under the lock: the admission thread's on_admit still pushes attempts
+ * while the drain below reads it (every finish is applied on its shard later, whose hook wakes
+ * that thread: core/queue_thread.c). */
+static size_t count(const size_t *n)
+{
+	pthread_mutex_lock(&mu);
+	size_t v = *n;
+	pthread_mutex_unlock(&mu);
+	return v;
+}
 static void resolve(uint64_t t)
 {
 	if (t - base_ticket >= MAXT) {
@@ -203,7 +213,7 @@ static int run(int ms, int nthr, enum kvr_queue_policy pol)
 			kvr_request_finish(R, a);
 		}
 		kvr_router_sync(R, 1000);
-		size_t n = n_pend;
+		size_t n = count(&n_pend);
 		for (size_t k = 0; k < n && pop(pend, &n_pend, &seed, &p); k++) {
 			uint64_t tk = p & ~(1ull << 63);
 			if (!(p >> 63))
@@ -218,7 +228,7 @@ static int run(int ms, int nthr, enum kvr_queue_policy pol)
 				resolve(tk);
 			}
 		}
-		if (!n_att && !n_pend) {
+		if (!count(&n_att) && !count(&n_pend)) {
 			size_t left = 0;
 			for (uint64_t t = 0; t < MAXT; t++)
 				left += queued[t] && !res[t];
