@@ -367,7 +367,9 @@ static uint64_t pass_cost(size_t passed, size_t admit)
  * of CPU (66 times as long as with none; 0.5 s of wall time behind 8,000 in a probe), all of
  * it under the queue's lock that every queued route and waiter takes.  It goes on from the
  * entry it admitted now (1.3 times).  Compared with the same pass behind no pinned request, in
- * the same process (the best of three each). */
+ * the same process (the best of three each, thread CPU time): a guard against the walk's
+ * order of growth, not a speed target, so the bound is loose (10 times plus 50 ms: the
+ * defect was 66 times) for shared, noisy and sanitized builds. */
 Test(queue_many, a_pass_does_not_walk_again_over_what_it_passed_over, .timeout = 120)
 {
 	uint64_t base = UINT64_MAX, behind = UINT64_MAX;
@@ -377,7 +379,7 @@ Test(queue_many, a_pass_does_not_walk_again_over_what_it_passed_over, .timeout =
 		t = pass_cost(16000, 1000);
 		behind = t < behind ? t : behind;
 	}
-	cr_assert_lt(behind, 4 * base + 20000000,
+	cr_assert_lt(behind, 10 * base + 50000000,
 	             "1,000 admissions behind 16,000 passed over: %llu us of CPU, %llu us behind "
 	             "none",
 	             (unsigned long long)(behind / 1000), (unsigned long long)(base / 1000));
