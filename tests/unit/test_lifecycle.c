@@ -24,8 +24,9 @@ static bool admitted_soon(int n)
 }
 
 /* One rank with a 16-token budget at queue_threshold 1: A (64 prompt tokens) saturates it and B
- * queues behind it.  Returns A's attempt; *r the router. */
-static uint64_t saturate(bool sync, struct kvr_router **r)
+ * queues behind it.  clock: the router's (NULL: the default), with the lease scan every 20 ms
+ * (the shard reads it at least that often).  Returns A's attempt; *r the router. */
+static uint64_t saturate_clocked(bool sync, uint64_t (*clock)(void *), struct kvr_router **r)
 {
 	admitted = 0;
 	struct kvr_config c;
@@ -34,6 +35,10 @@ static uint64_t saturate(bool sync, struct kvr_router **r)
 	c.sync_booking = sync;
 	c.queue_threshold = 1.0;
 	c.on_admit = on_admit;
+	if (clock) {
+		c.now_ns = clock;
+		c.lease_scan_interval_ns = 20000000;
+	}
 	cr_assert_eq(kvr_router_create(&c, r), 0);
 	cr_assert_eq(kvr_rank_add(*r, (struct kvr_rank_id){0, 0}, 1, 1000, 16), 0);
 	static uint32_t t[64], u[64];
@@ -52,6 +57,11 @@ static uint64_t saturate(bool sync, struct kvr_router **r)
 	cr_assert_eq(b.status, KVR_QUEUED);
 	cr_assert_eq(admitted, 0);
 	return a.attempt;
+}
+
+static uint64_t saturate(bool sync, struct kvr_router **r)
+{
+	return saturate_clocked(sync, NULL, r);
 }
 
 /* Output implies the prefill is done: the attempt's prefill tokens leave its rank's load, as at
@@ -132,32 +142,9 @@ static void *release_later(void *arg)
 
 Test(lifecycle, finish_on_a_saturated_rank_does_not_wait_for_its_shard, .timeout = 60)
 {
-	admitted = 0;
 	test_thread = pthread_self();
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.queue_threshold = 1.0;
-	c.on_admit = on_admit;
-	c.now_ns = holding_clock;
-	c.lease_scan_interval_ns = 20000000; /* the shard reads the clock at least this often */
 	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 1000, 16), 0);
-	static uint32_t t[64], u[64];
-	for (uint32_t i = 0; i < 64; i++)
-		t[i] = 5 + i, u[i] = 900 + i;
-	struct kvr_request q;
-	struct kvr_decision a, b;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = 64;
-	cr_assert_eq(kvr_route(r, &q, &a), 0);
-	cr_assert_eq(a.status, KVR_DECIDED);
-	cr_assert_eq(kvr_router_sync(r, 5000), 0);
-	q.tokens = u;
-	cr_assert_eq(kvr_route(r, &q, &b), 0);
-	cr_assert_eq(b.status, KVR_QUEUED);
+	uint64_t a = saturate_clocked(false, holding_clock, &r);
 	/* Hold the shard in the clock, released 2 s later by another thread (so that a call that
 	 * waits for the shard returns too, late, and the test reports it instead of hanging). */
 	__atomic_store_n(&clock_hold, 1, __ATOMIC_RELEASE);
@@ -165,7 +152,7 @@ Test(lifecycle, finish_on_a_saturated_rank_does_not_wait_for_its_shard, .timeout
 		nanosleep(&(struct timespec){0, 100000}, NULL);
 	pthread_t rel;
 	cr_assert_eq(pthread_create(&rel, NULL, release_later, NULL), 0);
-	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, a), 0);
 	bool held = __atomic_load_n(&clock_hold, __ATOMIC_ACQUIRE);
 	int early = __atomic_load_n(&admitted, __ATOMIC_RELAXED);
 	pthread_join(rel, NULL);
