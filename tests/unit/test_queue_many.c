@@ -153,7 +153,11 @@ static size_t drain_told(struct kvr_router *r, size_t *seen)
 	}
 }
 
-static void many(enum kvr_queue_policy pol)
+/* A router of one shard queueing at threshold 1 (sync_booking, the virtual clock, on_admit),
+ * ranks a = {0, 0} and b = {1, 0} of 1,000 batched tokens each saturated by a 2,000-token
+ * request pinned there: *ha and *hb. */
+static struct kvr_router *two_saturated(enum kvr_queue_policy pol, uint32_t capacity,
+                                        struct kvr_decision *ha, struct kvr_decision *hb)
 {
 	struct kvr_config c;
 	kvr_config_init(&c);
@@ -161,19 +165,26 @@ static void many(enum kvr_queue_policy pol)
 	c.now_ns = vclock;
 	c.queue_threshold = 1.0;
 	c.queue_policy = pol;
-	c.queue_capacity = N + 16;
+	c.queue_capacity = capacity;
 	c.on_admit = on_admit;
 	c.sync_booking = true;
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
 	struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	cr_assert_eq(kvr_rank_add(r, a, 1, 1000000, 1000), 0);
-	cr_assert_eq(kvr_rank_add(r, b, 1, 1000000, 1000), 0);
+	cr_assert_eq(kvr_rank_add(r, a, 1, 100000000, 1000), 0);
+	cr_assert_eq(kvr_rank_add(r, b, 1, 100000000, 1000), 0);
+	cr_assert_eq(route_len(r, 2000, 1, &a, ha), 0);
+	cr_assert_eq(route_len(r, 2000, 2, &b, hb), 0);
+	cr_assert_eq(ha->status, KVR_DECIDED);
+	cr_assert_eq(hb->status, KVR_DECIDED);
+	return r;
+}
+
+static void many(enum kvr_queue_policy pol)
+{
+	struct kvr_rank_id a = {0, 0}, b = {1, 0};
 	struct kvr_decision ha, hb, d;
-	cr_assert_eq(route_len(r, 2000, 1, &a, &ha), 0);
-	cr_assert_eq(route_len(r, 2000, 2, &b, &hb), 0);
-	cr_assert_eq(ha.status, KVR_DECIDED);
-	cr_assert_eq(hb.status, KVR_DECIDED);
+	struct kvr_router *r = two_saturated(pol, N + 16, &ha, &hb);
 	memset(reqs, 0, sizeof(reqs));
 	n_told = 0;
 	uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(pol + 1);
@@ -331,22 +342,10 @@ static uint64_t thread_cpu_ns(void)
  * (the setup is O(passed), not quadratic). */
 static uint64_t pass_cost(size_t passed, size_t admit)
 {
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 1;
-	c.now_ns = vclock;
-	c.queue_threshold = 1.0;
-	c.queue_capacity = (uint32_t)(passed + admit + 16);
-	c.on_admit = on_admit;
-	c.sync_booking = true;
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
-	struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	cr_assert_eq(kvr_rank_add(r, a, 1, 100000000, 1000), 0);
-	cr_assert_eq(kvr_rank_add(r, b, 1, 100000000, 1000), 0);
+	struct kvr_rank_id b = {1, 0};
 	struct kvr_decision ha, hb, d;
-	cr_assert_eq(route_len(r, 2000, 1, &a, &ha), 0);
-	cr_assert_eq(route_len(r, 2000, 2, &b, &hb), 0);
+	struct kvr_router *r =
+	    two_saturated(KVR_QUEUE_FCFS, (uint32_t)(passed + admit + 16), &ha, &hb);
 	n_told = 0;
 	cr_assert_eq(route_len(r, 1, 3, NULL, &d), 0);
 	cr_assert_eq(d.status, KVR_QUEUED);
