@@ -787,6 +787,10 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		__atomic_fetch_sub(&l->blocks, a->pend_blocks, __ATOMIC_RELAXED);
 	kvr_lease_unmint(r->leases, a->attempt);
 	kvr_owner_attempt_free(&r->owner, rec);
+	/* A request may have queued behind that load, and no shard will lower it: wake the
+	 * admission thread as the shards' hook does (before, it stayed queued on an idle rank). */
+	if (r->queue)
+		kvr_admitter_note_unloaded(r);
 	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;
 }
 

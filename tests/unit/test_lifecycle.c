@@ -5,11 +5,12 @@
 
 #include "kvrouter.h"
 
-static int admitted;
+static int admitted, reported;
 static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 {
 	(void)ctx;
 	(void)ticket;
+	__atomic_add_fetch(&reported, 1, __ATOMIC_RELAXED);
 	if (d->status == KVR_DECIDED)
 		__atomic_add_fetch(&admitted, 1, __ATOMIC_RELAXED);
 }
@@ -118,10 +119,11 @@ Test(lifecycle, prefill_done_admits_queued)
  * once the shard has applied it. */
 static int clock_hold, clock_held;
 static pthread_t test_thread;
+static _Thread_local bool never_held; /* the test's own threads */
 static uint64_t holding_clock(void *ctx)
 {
 	(void)ctx;
-	if (!pthread_equal(pthread_self(), test_thread) &&
+	if (!pthread_equal(pthread_self(), test_thread) && !never_held &&
 	    __atomic_load_n(&clock_hold, __ATOMIC_ACQUIRE)) {
 		__atomic_store_n(&clock_held, 1, __ATOMIC_RELEASE);
 		while (__atomic_load_n(&clock_hold, __ATOMIC_ACQUIRE))
@@ -160,4 +162,102 @@ Test(lifecycle, finish_on_a_saturated_rank_does_not_wait_for_its_shard, .timeout
 	cr_assert_eq(early, 0, "admitted while the shard was held");
 	cr_assert(admitted_soon(1), "the queued request is admitted once the shard applied it");
 	kvr_router_destroy(r);
+}
+
+/* A booking whose post fails (its shard's lane stayed full) takes its provisional load back
+ * on the routing thread, and that load may be what a request queued behind: B, routed to X
+ * while A's load was on it, queued; A's post then failed and its load went.  Nothing else lowers
+ * X's load, so only that take-back can wake the admission thread.  Before, it did not: B stayed
+ * queued on an idle rank for good (on_admit never came).  The lane is filled with bookings for Y
+ * while the shard is held in the router's clock. */
+static struct kvr_router *tb_router;
+static int tb_rc[2], tb_status[2];
+static void *tb_route_x(void *arg)
+{
+	int i = (int)(intptr_t)arg;
+	never_held = true;
+	static uint32_t t[2][64];
+	for (uint32_t k = 0; k < 64; k++)
+		t[i][k] = 7000u * (uint32_t)(i + 1) + k;
+	struct kvr_rank_id x = {0, 0};
+	struct kvr_request q;
+	struct kvr_decision d;
+	kvr_request_init(&q);
+	q.tokens = t[i];
+	q.n_tokens = 64;
+	q.pinned = &x;
+	tb_rc[i] = kvr_route(tb_router, &q, &d);
+	tb_status[i] = tb_rc[i] == 0 ? (int)d.status : -1;
+	return NULL;
+}
+
+Test(lifecycle, a_failed_booking_post_wakes_the_admission_of_what_queued_behind_it, .timeout = 60)
+{
+	test_thread = pthread_self();
+	bool shown = false;
+	for (int round = 0; round < 20 && !shown; round++) {
+		admitted = 0;
+		reported = 0;
+		clock_held = 0;
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.n_shards = 1;
+		c.lane_capacity = 2;
+		c.lane_soft_depth = 0;
+		c.queue_threshold = 1.0;
+		c.on_admit = on_admit;
+		c.now_ns = holding_clock;
+		c.lease_scan_interval_ns = 60000000000ull; /* no expiry lowers X's load meanwhile */
+		cr_assert_eq(kvr_router_create(&c, &tb_router), 0);
+		struct kvr_rank_id x = {0, 0}, y = {1, 0};
+		cr_assert_eq(kvr_rank_add(tb_router, x, 1, 1000, 16), 0);
+		cr_assert_eq(kvr_rank_add(tb_router, y, 1, 1000000, 1 << 20), 0);
+		cr_assert_eq(kvr_router_sync(tb_router, 5000), 0);
+		/* The first booking for Y holds the shard in the clock; the next ones fill its
+		 * routing lane. */
+		__atomic_store_n(&clock_hold, 1, __ATOMIC_RELEASE);
+		static uint32_t u[16];
+		struct kvr_request q;
+		struct kvr_decision d;
+		int rc = 0;
+		for (uint32_t n = 0; n < 64 && rc == 0; n++) {
+			while (n == 1 && !__atomic_load_n(&clock_held, __ATOMIC_ACQUIRE))
+				nanosleep(&(struct timespec){0, 100000}, NULL);
+			for (uint32_t k = 0; k < 16; k++)
+				u[k] = 100000u + 16u * n + k;
+			kvr_request_init(&q);
+			q.tokens = u;
+			q.n_tokens = 16;
+			q.pinned = &y;
+			rc = kvr_route(tb_router, &q, &d);
+		}
+		cr_assert_eq(rc, KVR_EAGAIN, "the held shard's lane filled");
+		/* Two routes to X at once: the first to publish its load saturates X, so the other
+		 * queues behind it; the first's post then fails on the full lane. */
+		pthread_t th[2];
+		for (int i = 0; i < 2; i++)
+			cr_assert_eq(pthread_create(&th[i], NULL, tb_route_x, (void *)(intptr_t)i),
+			             0);
+		for (int i = 0; i < 2; i++)
+			pthread_join(th[i], NULL);
+		__atomic_store_n(&clock_hold, 0, __ATOMIC_RELEASE);
+		int queued = (tb_status[0] == KVR_QUEUED) + (tb_status[1] == KVR_QUEUED);
+		int failed = (tb_rc[0] == KVR_EAGAIN) + (tb_rc[1] == KVR_EAGAIN);
+		if (queued == 1 && failed == 1) {
+			shown = true;
+			/* Any outcome will do (its own booking may find the lane still full): what
+			 * matters is that the queued request is not left waiting on an idle rank.
+			 */
+			bool told = false;
+			for (int i = 0; i < 50000 && !told; i++) {
+				told = __atomic_load_n(&reported, __ATOMIC_RELAXED) > 0;
+				if (!told)
+					nanosleep(&(struct timespec){0, 100000}, NULL);
+			}
+			cr_assert(told, "the request queued behind the failed booking's load is "
+			                "still queued on an idle rank");
+		}
+		kvr_router_destroy(tb_router);
+	}
+	cr_assert(shown, "no round had one route queue behind another's failed post");
 }
