@@ -244,7 +244,8 @@ static void judged_life(struct kvr_replica *rep, const struct kvr_rep_rank *e, u
  * entry unless an own change came meanwhile (a re-add: a newer version).  Counted in rank_stale
  * once the rank is gone, not before: kvr_rank_remove may fail (KVR_ENOMEM, the rank left as it
  * was), and the count said removed of a rank still routed to (test_replica_ranks
- * a_stale_rank_whose_removal_failed_is_not_counted).  Such an entry is marked (doomed) and
+ * a_stale_rank_whose_removal_failed_is_not_counted); and only when this removal took it, not
+ * when the rank was gone already (KVR_ENOENT).  Such an entry is marked (doomed) and
  * the heartbeats try again (kvr_rep_ranks_retry), as long as it holds the judged version: the
  * next snapshot alone would have left it until the next reconnect, served meanwhile in this
  * replica's snapshots and re-announces.
@@ -278,7 +279,10 @@ static void remove_judged(struct kvr_replica *rep, struct kvr_rep_rank *e, uint3
 		if (same)
 			e->doomed = (struct kvr_rep_ver){0, 0}; /* that life is gone */
 	} else if (!present) {
-		rep->st.rank_stale++;
+		/* Counted only when this removal took it: a rank already gone (KVR_ENOENT: removed
+		 * by another hand, its note on its way) was not removed because of the snapshot
+		 * (test_replica_ranks a_judged_rank_already_gone_is_not_counted). */
+		rep->st.rank_stale += rc == 0;
 		if (same)
 			kvr_rep_rank_drop(rep, id);
 	} else if (same) {

@@ -864,3 +864,50 @@ Test(replica_ranks, a_rank_added_again_before_the_judgement_keeps_its_new_life, 
 	cr_assert_eq(stats_of(r[0], 3).incarnation, 8);
 	bus_teardown(r, 1);
 }
+
+/* A snapshot judges rank 3 gone while this replica's router has removed it already (by another
+ * hand: an admin call whose note has not reached the table yet, emulated by skipping it).  The
+ * judgement's removal finds the rank gone (KVR_ENOENT): nothing was removed here because of the
+ * snapshot, so rank_stale ("ranks removed here because a snapshot, newer than them, no longer
+ * named them") must not count it; it counted it as removed.  The entry goes all the same (the
+ * router holds no such rank). */
+Test(replica_ranks, a_judged_rank_already_gone_is_not_counted, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	bus_quiet(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	const uint64_t t0 = newest_clock(rep); /* peers' versions newer than its own adds */
+	const struct kvr_rank_id three = {3, 0};
+	peer_rank_v(rep, 1, KVR_REPL_RANK_ADD, 3, 7, t0 + 10);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	cr_assert(has_rank(r[0], 3));
+	struct kvr_sync_stats a, b;
+	pthread_mutex_lock(&rep->hmu); /* no heartbeat meanwhile */
+	kvr_replica_get_stats(rep, &a);
+	kvr_repl_applying = true; /* the router's change, its note not arrived yet */
+	cr_assert_eq(kvr_rank_remove(r[0], three), 0);
+	kvr_repl_applying = false;
+	snapshot_end_without(rep, (struct kvr_rep_ver){t0 + 15, 5}, 3, 0);
+	kvr_replica_get_stats(rep, &b);
+	pthread_mutex_lock(&rep->mu);
+	bool entry = kvr_rep_rank_entry(rep, three) != NULL;
+	pthread_mutex_unlock(&rep->mu);
+	pthread_mutex_unlock(&rep->hmu);
+	cr_assert(!has_rank(r[0], 3));
+	cr_assert_eq(b.rank_stale, a.rank_stale,
+	             "a rank removed by another hand counted as removed by the snapshot (%lu)",
+	             (unsigned long)(b.rank_stale - a.rank_stale));
+	cr_assert(!entry, "the entry of a rank the router no longer holds was kept");
+	/* A judged rank this replica does remove is still counted. */
+	peer_rank_v(rep, 2, KVR_REPL_RANK_ADD, 4, 7, t0 + 20);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	cr_assert(has_rank(r[0], 4));
+	pthread_mutex_lock(&rep->hmu);
+	snapshot_end_without(rep, (struct kvr_rep_ver){t0 + 25, 5}, 4, 0);
+	kvr_replica_get_stats(rep, &a);
+	pthread_mutex_unlock(&rep->hmu);
+	cr_assert(!has_rank(r[0], 4));
+	cr_assert_eq(a.rank_stale, b.rank_stale + 1, "the judged removal not counted");
+	bus_teardown(r, 1);
+}
