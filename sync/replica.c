@@ -562,24 +562,86 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 	return 0;
 }
 
+/* The ranks r holds now, read for kvr_replica_start's announce into rep->boot (an add each).
+ * Returns 0 or KVR_ENOMEM.  Context: kvr_replica_start, the sender not started yet. */
+static int read_boot_ranks(struct kvr_replica *rep)
+{
+	struct kvr_router *r = rep->r;
+	kvr_free(rep->boot, rep->n_boot * sizeof(*rep->boot)); /* a failed start's */
+	rep->boot = NULL;
+	rep->n_boot = 0;
+	struct kvr_rank_id *ids = NULL;
+	uint32_t *mbt = NULL;
+	size_t cap = 0, n;
+	/* Every rank (before, the first 256 only: test_replica_start
+	 * every_rank_is_announced_past_256); ranks added meanwhile make the list longer. */
+	while ((n = kvr_repl_list_ranks(r, ids, mbt, cap)) > cap) {
+		kvr_free(ids, cap * sizeof(*ids));
+		kvr_free(mbt, cap * sizeof(*mbt));
+		cap = n + 16;
+		ids = kvr_alloc(cap * sizeof(*ids));
+		mbt = kvr_alloc(cap * sizeof(*mbt));
+		if (!ids || !mbt) {
+			kvr_free(ids, ids ? cap * sizeof(*ids) : 0);
+			kvr_free(mbt, mbt ? cap * sizeof(*mbt) : 0);
+			return KVR_ENOMEM;
+		}
+	}
+	struct kvr_rep_out_rank *boot = n ? kvr_alloc(n * sizeof(*boot)) : NULL;
+	if (n && !boot) {
+		kvr_free(ids, cap * sizeof(*ids));
+		kvr_free(mbt, cap * sizeof(*mbt));
+		return KVR_ENOMEM;
+	}
+	size_t k = 0;
+	for (size_t i = 0; i < n; i++) {
+		struct kvr_rank_stats s;
+		struct kvr_rank_life life = {0, 0};
+		if (kvr_repl_rank_life(r, ids[i], &life.slot, &life.gen))
+			life = (struct kvr_rank_life){0, 0}; /* judged by the router's then */
+		if (kvr_rank_get_stats(r, ids[i], &s) == 0)
+			boot[k++] = (struct kvr_rep_out_rank){
+			    .worker_id = ids[i].worker_id,
+			    .incarnation = s.incarnation,
+			    .capacity = s.capacity_blocks,
+			    .life_gen = life.gen,
+			    .dp_rank = ids[i].dp_rank,
+			    .mbt = mbt[i],
+			    .life_slot = life.slot,
+			    .op = KVR_REPL_RANK_ADD,
+			};
+	}
+	kvr_free(ids, cap * sizeof(*ids));
+	kvr_free(mbt, cap * sizeof(*mbt));
+	rep->boot = boot;
+	rep->n_boot = n; /* the allocation's count: the sender frees that much */
+	for (size_t i = k; i < n; i++)
+		boot[i].op = 0; /* gone between the list and its stats: not told */
+	return 0;
+}
+
+/*
+ * The ranks the router holds already are announced (an add each).  The router's own rank
+ * changes go on meanwhile: their notes (the hooks are installed first) are pushed to the sender
+ * as they land, and each carries what the change made.  The ranks are read after a marker
+ * (OUT_BOOT) is pushed, and the sender tells them at the marker's place, so a note pushed after
+ * it is told after them: a change that landed before the read is in the read (its note, told
+ * before or after, says the same again), one that landed after it is told after the read.
+ * Before, each rank's add was pushed after its read, and a change landing between the two (an
+ * admin thread's remove or reset) was told first, then overwritten by the older read with a
+ * newer version: a removed rank told added, a reset's incarnation lost (test_replica_start).
+ */
 int kvr_replica_start(struct kvr_replica *rep)
 {
 	struct kvr_router *r = rep->r;
 	int rc_ = kvr_repl_set_hooks(r, &rep->hooks);
 	if (rc_)
 		return rc_;
-	/* The ranks the router has already: known to peers from the start. */
-	struct kvr_rank_id ids[256];
-	uint32_t mbt[256];
-	size_t n_ids = kvr_repl_list_ranks(r, ids, mbt, 256);
-	for (size_t i = 0; i < n_ids && i < 256; i++) {
-		struct kvr_rank_stats s;
-		struct kvr_rank_life life = {0, 0};
-		if (kvr_repl_rank_life(r, ids[i], &life.slot, &life.gen))
-			life = (struct kvr_rank_life){0, 0}; /* judged by the router's then */
-		if (kvr_rank_get_stats(r, ids[i], &s) == 0)
-			kvr_rep_note_rank(rep, KVR_REPL_RANK_ADD, ids[i], s.incarnation,
-			                  s.capacity_blocks, mbt[i], life);
+	const uint64_t marker = 0;
+	kvr_rep_out_push(rep, OUT_BOOT, &marker, sizeof(marker));
+	if (read_boot_ranks(rep)) {
+		kvr_repl_set_hooks(r, NULL);
+		return KVR_ENOMEM;
 	}
 	/* A thread that cannot be started (the process's thread limit): KVR_ENOMEM, as for
 	 * memory (KVR_EBUSY says "already attached"). */
@@ -653,6 +715,7 @@ static void free_all(struct kvr_replica *rep)
 	kvr_free(rep->map, rep->map_cap * sizeof(*rep->map));
 	kvr_msg_buf_fini(&rep->obuf);
 	kvr_msg_buf_fini(&rep->sbuf);
+	kvr_free(rep->boot, rep->n_boot * sizeof(*rep->boot)); /* a start that failed after it */
 	kvr_rep_out_fini(rep);
 	pthread_mutex_destroy(&rep->mu);
 	pthread_mutex_destroy(&rep->hmu);

@@ -69,10 +69,11 @@ struct kvr_replica_config {
 int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
                        const struct kvr_replica_transport *t, struct kvr_replica **out);
 
-/* Attaches to the router (notes), announces its ranks, starts the apply thread, which first
+/* Attaches to the router (notes), announces its ranks (every one, read in order with the
+ * router's own rank changes meanwhile: sync/replica.c), starts the apply thread, which first
  * asks for a snapshot.  The transport must already deliver the stream (subscribe first, so
  * nothing after the snapshot's fences is missed).  Returns 0, KVR_EBUSY (router already
- * attached, or no thread).  Context: any thread. */
+ * attached), KVR_ENOMEM (no memory for the ranks' list, or no thread).  Context: any thread. */
 int kvr_replica_start(struct kvr_replica *rep);
 
 /* Says goodbye, stops the thread, detaches, releases the peers' attempts mirrored on the

@@ -235,6 +235,11 @@ struct kvr_replica {
 	struct kvr_rep_kept *kept_spare; /* [KEPT_SPARE] */
 	uint64_t kept_spare_free;        /* atomic: a bit per free one */
 	struct kvr_rep_slab *slabs;      /* [OUT_SLABS] */
+	/* The ranks the router held at kvr_replica_start, read after its OUT_BOOT marker was
+	 * pushed, each told as an add by the sender at the marker's place (sync/replica.c); written
+	 * before the sender starts, then the sender's, which frees them. */
+	struct kvr_rep_out_rank *boot;
+	size_t n_boot;
 	/* Under mu (the sender): own attempts whose end was noted before their admission (a
 	 * posted booking the shard dropped at once, told as an expiry while the routing thread
 	 * had yet to note the admission), so that the admission is not published; a set that
@@ -413,7 +418,8 @@ enum {
 	OUT_RANK = 3,
 	OUT_FLUSH = 4,
 	OUT_ADMIT_SLAB = 5,
-	OUT_NONE = 6 /* a reserved slot left empty (no memory: the note went through the slabs) */
+	OUT_NONE = 6, /* a reserved slot left empty (no memory: the note went through the slabs) */
+	OUT_BOOT = 7  /* kvr_replica_start's announce of the ranks held before (kvr_replica.boot) */
 };
 
 #define OUT_INLINE 8 /* output tokens carried in the ring message itself */

@@ -410,6 +410,19 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 	}
 	case OUT_NONE:
 		return 0;
+	case OUT_BOOT: /* the ranks read after the marker, at its place (kvr_replica_start) */
+		for (size_t i = 0; i < rep->n_boot; i++) {
+			const struct kvr_rep_out_rank *k = &rep->boot[i];
+			if (k->op != KVR_REPL_RANK_ADD)
+				continue; /* gone between the list and its stats */
+			out_rank(rep, k->op, (struct kvr_rank_id){k->worker_id, k->dp_rank},
+			         k->incarnation, k->capacity, k->mbt,
+			         (struct kvr_rank_life){k->life_slot, k->life_gen});
+		}
+		kvr_free(rep->boot, rep->n_boot * sizeof(*rep->boot));
+		rep->boot = NULL;
+		rep->n_boot = 0;
+		return 0;
 	case OUT_FLUSH: {
 		uint64_t ticket;
 		memcpy(&ticket, m->payload, sizeof(ticket));
