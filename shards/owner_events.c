@@ -34,6 +34,17 @@
  *  - An episode ends once the rank holds at most half its bound (a resync cleared it, or
  *    removals came), checked at its next store: so a publisher hovering at the bound, each
  *    removal letting one store through, is reported once, not once per store.
+ *
+ * A full run-id space.  The index names each run of two blocks or more that its block locator
+ * tracks (blocks named by the router's own sequence hash) by an id, 2^25 - 1 of them at most
+ * (~4 GB of index; core/index_blocks.c kvr_index_blk_id_new).  A store that needs one more is
+ * refused whole (KVR_ERANGE from kvr_index_store, a->index_full for the caller's detail):
+ * memory would not help, and the rank's bound has nothing to do with it.  The event is lost as
+ * at the bound, so it is reported the same way: on_event_gap (its id, id + 1, merged with an
+ * id gap of the same event), the rank's event_gaps, counted per event under
+ * kvr_events_total{status="index_full"}.  Once per episode: refusals in a row are one, ended by
+ * the rank's next applied store (the index had room again) or a clear or reset (a resync), so
+ * an index that stays full does not call on_event_gap for every store of every rank.
  */
 #include <assert.h>
 
@@ -86,7 +97,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		return KVR_ESTALE;
 	}
 	int rc = 0;
-	bool report_over = false;
+	bool report_over = false, report_lost = false;
 	switch (ev->type) {
 	case KVR_EVENT_STORED:
 		if (over_bound(c, own, ev->n_blocks, &report_over)) {
@@ -95,6 +106,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 			kvr_metrics_add(mb, KVR_C_EV_OVER_BLOCKS, ev->n_blocks);
 			if (report_over) {
 				own->gaps++;
+				report_lost = true;
 				kvr_metrics_add(mb, KVR_C_EV_OVER_EPISODES, 1);
 			}
 			break;
@@ -110,7 +122,18 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		                    ss->blk, ev->n_blocks);
 		if (rc == KVR_ENOENT)
 			kvr_metrics_add(mb, KVR_C_EV_PARENT_NOT_FOUND, 1);
-		a->index_full = rc == KVR_ERANGE;
+		if (rc == KVR_ERANGE) { /* no run id left (see the top of the file) */
+			a->index_full = true;
+			kvr_metrics_add(mb, KVR_C_EV_STORED_FULL, 1);
+			if (!own->index_full) {
+				own->index_full = true;
+				own->gaps++;
+				report_lost = true;
+			}
+			break;
+		}
+		if (!rc)
+			own->index_full = false;
 		kvr_metrics_add(mb, rc ? KVR_C_EV_STORED_ERR : KVR_C_EV_STORED_OK, 1);
 		break;
 	case KVR_EVENT_REMOVED: {
@@ -123,6 +146,8 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	case KVR_EVENT_CLEARED:
 		rc = a->rank_only ? kvr_index_clear_rank(c->index, a->slot)
 		                  : kvr_index_clear_worker(c->index, c->ranks[a->slot].worker_id);
+		if (!rc)
+			own->index_full = false; /* resynced: the next refusal is news */
 		kvr_metrics_add(mb, rc ? KVR_C_EV_CLEARED_ERR : KVR_C_EV_CLEARED_OK, 1);
 		break;
 	default:
@@ -146,7 +171,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		own->have_event = true;
 		own->last_event_id = ev->event_id;
 	}
-	if (report_over) {
+	if (report_lost) {
 		/* The refused event is lost too: an id gap before it (set above) runs through it,
 		 * else it alone; an unnumbered one reads (0, 1).  id + 1 does not wrap: UINT64_MAX
 		 * is no event id (core/events.c validate). */

@@ -51,6 +51,7 @@ struct kvr_rank_owned {
 	uint64_t last_event_id;
 	bool have_event;
 	bool over_bound; /* events mode: an episode at the stored-block bound (owner_events.c) */
+	bool index_full; /* events mode: an episode of stores refused for run ids (same file) */
 	uint64_t gaps;
 	uint64_t evictions;
 	struct kvr_attempt *attempts;

@@ -506,6 +506,7 @@ static int new_life(struct kvr_shard *sh, struct kvr_rank_owned *own, uint64_t i
 	own->incarnation = incarnation;
 	own->capacity = capacity;
 	own->have_event = false;
+	own->index_full = false; /* resynced: the next refusal is news */
 	return 0;
 }
 

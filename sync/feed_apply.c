@@ -110,7 +110,18 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		if (!r)
 			continue;
 		refuse(f, p->ep);
-		if (r == KVR_ERANGE && p->ev[i].type == KVR_EVENT_STORED) {
+		/* Both refusals of a store are KVR_ERANGE; the shard says which (kvr_event_args
+		 * .index_full, valid when the post was made).  Each is reported lost through
+		 * on_event_gap once per episode by the shard (kvr_events_post_wait). */
+		if (r == KVR_ERANGE && !p->post_rc && p->post.args[i].index_full) {
+			kvr_feed_log(f, p->ep, LK_RUN_IDS, KVR_LOG_ERROR,
+			             "BlockStored for rank (%" PRIu64
+			             ", %u) not applied: the index holds the most runs it can "
+			             "name (2^25 - 1 of two blocks or more; kvr_events_apply)",
+			             p->ep->worker_id, p->dp);
+			continue;
+		}
+		if (r == KVR_ERANGE && !p->post_rc && p->ev[i].type == KVR_EVENT_STORED) {
 			kvr_feed_log(f, p->ep, LK_BOUND, KVR_LOG_WARN,
 			             "BlockStored for rank (%" PRIu64
 			             ", %u) not applied: the rank is at "

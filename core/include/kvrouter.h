@@ -336,9 +336,11 @@ struct kvr_config {
 	void (*on_admit)(void *ctx, uint64_t ticket, const struct kvr_decision *d);
 	/* Called when a rank's KV event ids skip ahead: events expected..got-1 were lost, so the
 	 * embedder can ask the worker to replay.  Also, once per episode, when a rank reaches its
-	 * stored-block bound (events_max_blocks; kvr_events_apply): the refused event is reported
-	 * lost (expected = its id, got = its id + 1; 0 and 1 when unnumbered) and the rank is out
-	 * of sync until resynced (a cleared event, kvr_rank_reset): replaying will not help.
+	 * stored-block bound (events_max_blocks; kvr_events_apply), or a stored event of the rank
+	 * is refused because the index holds the most runs it can name (kvr_events_apply): the
+	 * refused event is reported lost (expected = its id, got = its id + 1; 0 and 1 when
+	 * unnumbered, as a feed's are) and the rank is out of sync until resynced (a cleared event,
+	 * kvr_rank_reset): replaying will not help.
 	 * Called once the event is applied, on the thread
 	 * that called kvr_events_apply (a feed's thread for a feed), with no router lock held: the
 	 * API may be called from it (see kvr_feed_add for a feed's calls).  Default NULL. */
@@ -456,7 +458,8 @@ struct kvr_rank_stats {
 	uint64_t active_requests; /* live attempts */
 	uint64_t evictions;
 	uint64_t event_id;   /* last applied KV event id (events mode) */
-	uint64_t event_gaps; /* event id gaps, and episodes at the stored-block bound */
+	uint64_t event_gaps; /* event id gaps, episodes at the stored-block bound or with the
+	                      * index's run ids used up (kvr_events_apply) */
 };
 
 /* A snapshot of one rank's state.  Returns 0 or KVR_ENOENT. */
@@ -799,9 +802,9 @@ struct kvr_event {
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
  * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
  * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays,
- * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, below, or the
- * index holds the most runs it can name, 2^25 - 1 of two blocks or more; nothing applied),
- * KVR_ENOMEM
+ * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, or the index
+ * holds the most runs it can name, 2^25 - 1; see Bound and Run ids below; nothing applied, the
+ * event id cursor moves past it; kvr_last_error says which), KVR_ENOMEM
  * (nothing changed, the event id cursor included: the same event may be applied
  * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):
@@ -819,6 +822,13 @@ struct kvr_event {
  * kvr_event_over_bound_episodes_total count it.  Nothing held is dropped: the embedder
  * resyncs (a cleared event, kvr_rank_reset).  An episode ends when the rank is down to half
  * its bound (after a clear, or removals).  Removed and cleared events are never refused.
+ * Run ids: the index names each run of two blocks or more that are named by the router's own
+ * sequence hashes (as kvr_hash_blocks gives them; engines' own hashes need none) with an id, at
+ * most 2^25 - 1 live at once (~4 GB of index).  A stored event that needs one more is refused
+ * whole (KVR_ERANGE), counted (kvr_events_total{type="stored", status="index_full"}) and
+ * reported lost as at the bound: on_event_gap, event_gaps, once per episode (refusals of the
+ * rank in a row; its next applied store, a cleared event or kvr_rank_reset ends it).  Ids come
+ * back as runs die (removals, clears).
  * Context: any thread.  Meant for KVR_MODE_EVENTS; in other modes it is KVR_EINVAL.
  */
 KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
@@ -844,6 +854,10 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  *    per block, else the event is refused (counted, logged); lora_name seeds the local hashes
  *    like kvr_request.lora_name; an event with a lora_id but no lora_name is refused (its
  *    adapter cannot be named, and crediting its blocks to base-model prompts would be wrong).
+ *    One the index refuses (kvr_events_apply: the rank's stored-block bound, the index's run
+ *    ids used up, a parent not held, blocks that contradict the rank's) is counted in refused
+ *    and logged with its reason; the first two are also reported lost through on_event_gap
+ *    once per episode, as kvr_events_apply says (0 and 1: the feed's events are unnumbered).
  *  - medium other than "GPU" (nil = GPU): counted and kept in a separate per-rank set, not in
  *    the GPU index, of at most kvr_config.events_max_blocks hashes (an offload tier's size is
  *    not registered): a BlockStored that could take it past is refused (counted, logged), and

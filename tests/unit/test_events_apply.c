@@ -9,9 +9,22 @@
 #include "core/index_internal.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
+#include "tests/common/metric.h"
 
 static struct kvr_router *router;
 static const struct kvr_rank_id R0 = {7, 0};
+
+/* on_event_gap's calls and its last report. */
+static int gap_calls;
+static uint64_t gap_expected, gap_got;
+
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, uint64_t got)
+{
+	(void)ctx, (void)worker, (void)dp;
+	gap_calls++;
+	gap_expected = expected;
+	gap_got = got;
+}
 
 static void make(void)
 {
@@ -19,6 +32,7 @@ static void make(void)
 	kvr_config_init(&c);
 	c.mode = KVR_MODE_EVENTS;
 	c.n_shards = 1;
+	c.on_event_gap = on_gap;
 	cr_assert_eq(kvr_router_create(&c, &router), 0);
 	cr_assert_eq(kvr_rank_add(router, R0, 1, KVR_CAPACITY_NONE, 0), 0);
 }
@@ -107,5 +121,114 @@ Test(events_apply, full_run_id_space_is_erange_not_the_bound)
 		                   kvr_last_error());
 	}
 	cr_assert_eq(held(), 6);
+	kvr_router_destroy(router);
+}
+
+/* Stores event id a root chain of 2 blocks named by their sequence hashes (they take a run id)
+ * from local hashes key, key + 1. */
+static int store_plain(uint64_t id, uint64_t key)
+{
+	uint64_t local[2] = {key, key + 1}, seq[2];
+	kvr_hash_chain_locals(NULL, local, 2, seq);
+	struct kvr_event_block b[2] = {{.ext_hash = seq[0], .local_hash = local[0]},
+	                               {.ext_hash = seq[1], .local_hash = local[1]}};
+	struct kvr_event ev = {
+	    .type = KVR_EVENT_STORED, .event_id = id, .blocks = b, .n_blocks = 2};
+	return kvr_events_apply(router, R0, &ev);
+}
+
+static struct kvr_rank_stats stats(void)
+{
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(router, R0, &st), 0);
+	return st;
+}
+
+/* kvr_events_total{type="stored",status=...}. */
+static uint64_t stored_events(const char *status)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	cr_assert_eq(kvr_metrics_render(router, buf, sizeof(buf), &len), 0);
+	char key[128];
+	snprintf(key, sizeof(key), "\nkvr_events_total{type=\"stored\",status=\"%s\"} ", status);
+	const char *p = strstr(buf, key);
+	cr_assert(p, "%s rendered", key + 1);
+	return strtoull(p + strlen(key), NULL, 10);
+}
+
+/* A stored event refused for a full run-id space is an event lost, as one refused at the bound:
+ * reported through on_event_gap (its id, its id + 1) once per episode, counted in the rank's
+ * event_gaps and under its own status (kvr_events_total{status="index_full"}, not "error").
+ * Refusals in a row are one episode; the rank's next applied store ends it (the index had room
+ * again), as does a cleared event.  Before, nothing but the return code said the event was
+ * lost, which a feed's embedder never sees. */
+Test(events_apply, full_run_id_space_is_reported_lost_once_per_episode)
+{
+	make();
+	router->index->blk.id_limit = 3; /* before any store: the shard's next write reads it */
+	uint64_t id = 0;
+	for (uint64_t k = 1; k <= 3; k++)
+		cr_assert_eq(store_plain(++id, 100 * k), 0);
+	cr_assert_eq(store_plain(++id, 400), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 1, "the refused event reported lost");
+	cr_assert_eq(gap_expected, id);
+	cr_assert_eq(gap_got, id + 1);
+	cr_assert_eq(store_plain(++id, 500), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 1, "the same episode");
+	cr_assert_eq(stats().event_gaps, 1);
+	cr_assert_eq(stats().event_id, id, "the cursor moved past the refused events");
+	cr_assert_eq(stored_events("index_full"), 2);
+	cr_assert_eq(stored_events("error"), 0, "not counted as another error");
+	cr_assert_eq(stored_events("over_bound"), 0);
+	/* A store that needs no new id is applied (a block below a held one): the episode ends,
+	 * and the next refusal is reported again. */
+	uint64_t local = 100, seq;
+	kvr_hash_chain_locals(NULL, &local, 1, &seq);
+	struct kvr_event_block one = {.ext_hash = seq, .local_hash = 100};
+	cr_assert_eq(kvr_events_apply(router, R0,
+	                              &(struct kvr_event){.type = KVR_EVENT_STORED,
+	                                                  .event_id = ++id,
+	                                                  .blocks = &one,
+	                                                  .n_blocks = 1}),
+	             0);
+	cr_assert_eq(store_plain(++id, 600), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 2, "a new episode");
+	cr_assert_eq(gap_expected, id);
+	/* After a cleared event too (its runs die: their ids are free again). */
+	cr_assert_eq(
+	    kvr_events_apply(router, R0,
+	                     &(struct kvr_event){.type = KVR_EVENT_CLEARED, .event_id = ++id}),
+	    0);
+	for (uint64_t k = 7; k <= 9; k++)
+		cr_assert_eq(store_plain(++id, 100 * k), 0);
+	cr_assert_eq(store_plain(++id, 1000), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 3);
+	cr_assert_eq(stats().event_gaps, 3);
+	/* And after kvr_rank_reset: another rank holding every id, R0's next store is refused
+	 * straight after the reset, a new episode. */
+	const struct kvr_rank_id R1 = {8, 0};
+	cr_assert_eq(kvr_rank_add(router, R1, 1, KVR_CAPACITY_NONE, 0), 0);
+	cr_assert_eq(
+	    kvr_events_apply(router, R0,
+	                     &(struct kvr_event){.type = KVR_EVENT_CLEARED, .event_id = ++id}),
+	    0);
+	for (uint64_t k = 11; k <= 13; k++) {
+		uint64_t l[2] = {100 * k, 100 * k + 1}, s2[2];
+		kvr_hash_chain_locals(NULL, l, 2, s2);
+		struct kvr_event_block b[2] = {{.ext_hash = s2[0], .local_hash = l[0]},
+		                               {.ext_hash = s2[1], .local_hash = l[1]}};
+		cr_assert_eq(
+		    kvr_events_apply(
+		        router, R1,
+		        &(struct kvr_event){.type = KVR_EVENT_STORED, .blocks = b, .n_blocks = 2}),
+		    0);
+	}
+	cr_assert_eq(store_plain(++id, 1400), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 4);
+	cr_assert_eq(kvr_rank_reset(router, R0, 2), 0);
+	cr_assert_eq(store_plain(1, 1500), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 5, "a reset resyncs: the next refusal is reported");
+	cr_assert_eq(gap_expected, 1);
 	kvr_router_destroy(router);
 }

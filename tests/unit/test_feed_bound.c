@@ -3,15 +3,19 @@
  * kvr_config.events_max_blocks, the feed counts the refused events (kvr_feed_stats.refused), and
  * on_event_gap is called once per episode on the feed's thread (an unnumbered event: (0, 1)),
  * again after the publisher's AllBlocksCleared and a new excess.  The feed's own set of blocks on
- * another medium (CPU offload) has the same bound. */
+ * another medium (CPU offload) has the same bound.  A store the index refuses because its run-id
+ * space is full is told apart from the bound: its own log line, metric and report. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
 
+#include "core/index_internal.h"
+#include "core/router_internal.h"
 #include "kvrouter.h"
 #include "sync/feed_encode.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/metric.h"
 
 static atomic_int gap_calls;
 static atomic_uint_fast64_t gap_from, gap_to;
@@ -24,14 +28,16 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 	atomic_fetch_add(&gap_calls, 1);
 }
 
-/* How many log lines named the bound. */
-static atomic_int bound_logs;
+/* How many log lines named the bound, and the index's full run-id space. */
+static atomic_int bound_logs, full_logs;
 
 static void on_log(void *ctx, int level, const char *msg)
 {
 	(void)ctx, (void)level;
 	if (strstr(msg, "bound"))
 		atomic_fetch_add(&bound_logs, 1);
+	if (strstr(msg, "the most runs it can name"))
+		atomic_fetch_add(&full_logs, 1);
 }
 
 enum { BS = TEST_BLOCK_TOKENS, PER = 8, BOUND = 64 };
@@ -157,5 +163,70 @@ Test(feed_bound, other_medium_past_the_bound, .timeout = 120)
 	send_on(&g.pub, &g.e, seq++, 5000, "CPU");
 	st = settled(g.f, g.id, seq);
 	cr_assert_eq(st.other_medium_blocks, PER);
+	rig_close(&g);
+}
+
+/* Token ids of block i of a chain: ctx is the chain's first key (any value), so that the test
+ * can name each block by the router's own sequence hash of them. */
+static const uint32_t *key_tokens(void *ctx, size_t i)
+{
+	static _Thread_local uint32_t t[BS];
+	const uint64_t *key = ctx;
+	for (uint32_t j = 0; j < BS; j++)
+		t[j] = (uint32_t)(*key * 2654435761u + i * 7919u) + j;
+	return t;
+}
+
+/* Sends a batch of one root chain of 2 blocks whose hashes are the router's sequence hashes of
+ * their tokens, as kvr_route would name them: such runs take a run id in the index (the block
+ * locator's; core/index_blocks.c), aliased ones (vLLM's own hashes) do not. */
+static void send_plain(struct rig *g, uint64_t seq, uint64_t key)
+{
+	uint32_t tok[2 * BS];
+	for (size_t i = 0; i < 2; i++)
+		memcpy(tok + i * BS, key_tokens(&key, i), sizeof(uint32_t) * BS);
+	uint64_t seqh[2];
+	cr_assert_eq(kvr_hash_blocks(tok, 2 * BS, BS, NULL, NULL, seqh), 2);
+	kvr_fenc_begin(&g->e, 1.0, 1);
+	kvr_fenc_stored(&g->e, seqh, 2, NULL, BS, key_tokens, &key);
+	kvr_fenc_end(&g->e, 0);
+	cr_assert_eq(kvr_fenc_send(g->pub.pub, seq, g->e.sb.data, g->e.sb.size), 0);
+}
+
+/* kvr_events_total{type="stored",status="index_full"}. */
+static uint64_t index_full_events(struct kvr_router *r)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), &len), 0);
+	const char *key = "\nkvr_events_total{type=\"stored\",status=\"index_full\"} ";
+	const char *p = strstr(buf, key);
+	cr_assert(p, "index_full status rendered");
+	return strtoull(p + strlen(key), NULL, 10);
+}
+
+/* A stored event the index refuses because every run id is in use (2^25 - 1 runs; lowered to 3
+ * here through the directory's id_limit, which only tests set) is not the rank's bound: the
+ * feed logged it as "at its stored-block bound" and nothing reported it lost.  Now the log says
+ * why, it is counted as refused and under its own status, and on_event_gap reports it lost
+ * once (an unnumbered event: (0, 1)), as at the bound; further refusals in a row are the same
+ * episode. */
+Test(feed_bound, full_run_id_space_is_not_the_bound, .timeout = 120)
+{
+	struct rig g;
+	rig_open(&g);
+	g.r->index->blk.id_limit = 3; /* before any store: the shard's next write reads it */
+	uint64_t seq = 0;
+	for (uint64_t k = 1; k <= 5; k++)
+		send_plain(&g, seq++, k);
+	struct kvr_feed_stats st = settled(g.f, g.id, seq);
+	cr_assert_eq(test_indexed_blocks(g.r), 6, "three runs of two blocks");
+	cr_assert_eq(st.refused, 2, "the fourth and fifth stores are refused");
+	cr_assert_eq(atomic_load(&bound_logs), 0, "not the stored-block bound");
+	cr_assert_gt(atomic_load(&full_logs), 0, "the log says the index is full");
+	cr_assert_eq(index_full_events(g.r), 2);
+	cr_assert_eq(atomic_load(&gap_calls), 1, "reported lost, once for the episode");
+	cr_assert_eq(atomic_load(&gap_from), 0);
+	cr_assert_eq(atomic_load(&gap_to), 1);
 	rig_close(&g);
 }
