@@ -95,6 +95,57 @@ static void post_pending(struct kvr_feed *f, struct pending *p)
 	                                  p->n_ev, p->rcs, &p->post);
 }
 
+/* Logs why the shard refused p's stored event i (code r), in the words of kvr_events_apply's
+ * detail (core/events.c event_fail): kvr_strerror's would say "no such rank" for a parent the
+ * rank does not hold, "invalid argument" for blocks that contradict the rank's.  The refusals
+ * that leave the rank out of sync (its bound, the index's run ids) are reported lost through
+ * on_event_gap by the shard, once per episode (kvr_events_post_wait).  Valid only when the post
+ * was made (p->post.args). */
+static void refused_store(struct kvr_feed *f, const struct pending *p, uint32_t i, int r)
+{
+	const struct pev *v = &p->ev[i];
+	const uint64_t w = p->ep->worker_id;
+	const uint32_t dp = p->dp;
+	/* Both refusals for room are KVR_ERANGE; the shard says which (index_full). */
+	if (r == KVR_ERANGE && p->post.args[i].index_full)
+		kvr_feed_log(f, p->ep, LK_RUN_IDS, KVR_LOG_ERROR,
+		             "BlockStored for rank (%" PRIu64
+		             ", %u) not applied: the index holds the most runs it can name "
+		             "(2^25 - 1 of two blocks or more; kvr_events_apply)",
+		             w, dp);
+	else if (r == KVR_ERANGE)
+		kvr_feed_log(f, p->ep, LK_BOUND, KVR_LOG_WARN,
+		             "BlockStored for rank (%" PRIu64
+		             ", %u) not applied: the rank is at its stored-block bound "
+		             "(kvr_events_apply)",
+		             w, dp);
+	else if (r == KVR_ENOENT && v->has_parent)
+		/* Its own kind: after a gap or a lost store it repeats, and would thin out the
+		 * other index refusals' lines. */
+		kvr_feed_log(f, p->ep, LK_PARENT, KVR_LOG_WARN,
+		             "BlockStored for rank (%" PRIu64
+		             ", %u) not applied: the rank does not hold its parent %#" PRIx64
+		             " (never stored, refused or lost before, or the rank was removed "
+		             "meanwhile)",
+		             w, dp, v->parent);
+	else if (r == KVR_EINVAL && !p->post.args[i].ev) /* validate()'s, before the shard */
+		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,
+		             "BlockStored for rank (%" PRIu64
+		             ", %u) refused: a block hash is its own parent's (repeated)",
+		             w, dp);
+	else if (r == KVR_EINVAL)
+		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,
+		             "BlockStored for rank (%" PRIu64
+		             ", %u) not applied: it contradicts the rank's blocks (a hash held for "
+		             "another block, or a sequence hash collision); the blocks before it "
+		             "stay applied",
+		             w, dp);
+	else
+		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,
+		             "BlockStored for rank (%" PRIu64 ", %u) not applied: %s", w, dp,
+		             kvr_strerror(r));
+}
+
 /* Waits for p's post (if any), counts and logs what the shard refused, takes the lag of the
  * batches it completed, and empties p for reuse. */
 static void complete(struct kvr_feed *f, struct pending *p)
@@ -110,23 +161,8 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		if (!r)
 			continue;
 		refuse(f, p->ep);
-		/* Both refusals of a store are KVR_ERANGE; the shard says which (kvr_event_args
-		 * .index_full, valid when the post was made).  Each is reported lost through
-		 * on_event_gap once per episode by the shard (kvr_events_post_wait). */
-		if (r == KVR_ERANGE && !p->post_rc && p->post.args[i].index_full) {
-			kvr_feed_log(f, p->ep, LK_RUN_IDS, KVR_LOG_ERROR,
-			             "BlockStored for rank (%" PRIu64
-			             ", %u) not applied: the index holds the most runs it can "
-			             "name (2^25 - 1 of two blocks or more; kvr_events_apply)",
-			             p->ep->worker_id, p->dp);
-			continue;
-		}
-		if (r == KVR_ERANGE && !p->post_rc && p->ev[i].type == KVR_EVENT_STORED) {
-			kvr_feed_log(f, p->ep, LK_BOUND, KVR_LOG_WARN,
-			             "BlockStored for rank (%" PRIu64
-			             ", %u) not applied: the rank is at "
-			             "its stored-block bound (kvr_events_apply)",
-			             p->ep->worker_id, p->dp);
+		if (!p->post_rc && p->ev[i].type == KVR_EVENT_STORED) {
+			refused_store(f, p, i, r);
 			continue;
 		}
 		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,

@@ -91,7 +91,7 @@ struct ep {
 	struct rstate *rs;
 	uint32_t n_rs, cap_rs;
 	struct kvr_feed_stats st;
-	uint64_t logged[10]; /* per log kind (LK_COUNT): last count logged (powers of two) */
+	uint64_t logged[11]; /* per log kind (LK_COUNT): last count logged (powers of two) */
 };
 
 /* Events accepted for one rank and not yet applied: everything one drain of the sockets
@@ -240,6 +240,7 @@ enum log_kind {
 	LK_MEMORY,
 	LK_BOUND,
 	LK_RUN_IDS, /* the index's run-id space is full */
+	LK_PARENT,  /* a stored event's parent not held */
 	LK_COUNT
 };
 _Static_assert(sizeof(((struct ep *)0)->logged) == LK_COUNT * sizeof(uint64_t),

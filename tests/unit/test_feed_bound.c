@@ -28,8 +28,12 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 	atomic_fetch_add(&gap_calls, 1);
 }
 
-/* How many log lines named the bound, and the index's full run-id space. */
+/* How many log lines named the bound, and the index's full run-id space; the lines
+ * themselves (the first LOGS). */
 static atomic_int bound_logs, full_logs;
+enum { LOGS = 32 };
+static char logs[LOGS][512];
+static atomic_int n_logs;
 
 static void on_log(void *ctx, int level, const char *msg)
 {
@@ -38,6 +42,20 @@ static void on_log(void *ctx, int level, const char *msg)
 		atomic_fetch_add(&bound_logs, 1);
 	if (strstr(msg, "the most runs it can name"))
 		atomic_fetch_add(&full_logs, 1);
+	int k = atomic_load(&n_logs);
+	if (k < LOGS) {
+		snprintf(logs[k], sizeof(logs[k]), "%s", msg);
+		atomic_store(&n_logs, k + 1); /* the feed thread is the only writer */
+	}
+}
+
+/* Whether a log line holds both a and b. */
+static bool logged(const char *a, const char *b)
+{
+	for (int k = 0; k < atomic_load(&n_logs); k++)
+		if (strstr(logs[k], a) && strstr(logs[k], b))
+			return true;
+	return false;
 }
 
 enum { BS = TEST_BLOCK_TOKENS, PER = 8, BOUND = 64 };
@@ -228,5 +246,50 @@ Test(feed_bound, full_run_id_space_is_not_the_bound, .timeout = 120)
 	cr_assert_eq(atomic_load(&gap_calls), 1, "reported lost, once for the episode");
 	cr_assert_eq(atomic_load(&gap_from), 0);
 	cr_assert_eq(atomic_load(&gap_to), 1);
+	rig_close(&g);
+}
+
+/* Each store the index refuses is logged with its own reason, as kvr_events_apply's detail gives
+ * it, not kvr_strerror's generic words: a parent the rank does not hold read "no such rank,
+ * attempt, block or object" (the rank was there), a block named as its own parent and one that
+ * contradicts the rank's blocks both read "invalid argument". */
+Test(feed_bound, refused_stores_name_their_reason, .timeout = 120)
+{
+	struct rig g;
+	rig_open(&g);
+	uint64_t seq = 0, h[2] = {10, 11}, key = 1;
+	/* Applied: 10 <- 11. */
+	kvr_fenc_begin(&g.e, 1.0, 1);
+	kvr_fenc_stored(&g.e, h, 2, NULL, BS, key_tokens, &key);
+	kvr_fenc_end(&g.e, 0);
+	cr_assert_eq(kvr_fenc_send(g.pub.pub, seq++, g.e.sb.data, g.e.sb.size), 0);
+	/* 11 again as a root block of other tokens: a hash the rank holds for another block. */
+	key = 2;
+	kvr_fenc_begin(&g.e, 1.0, 1);
+	kvr_fenc_stored(&g.e, &h[1], 1, NULL, BS, key_tokens, &key);
+	kvr_fenc_end(&g.e, 0);
+	cr_assert_eq(kvr_fenc_send(g.pub.pub, seq++, g.e.sb.data, g.e.sb.size), 0);
+	/* 20 <- 20: a block its own parent's. */
+	uint64_t self[2] = {20, 20};
+	kvr_fenc_begin(&g.e, 1.0, 1);
+	kvr_fenc_stored(&g.e, self, 2, NULL, BS, key_tokens, &key);
+	kvr_fenc_end(&g.e, 0);
+	cr_assert_eq(kvr_fenc_send(g.pub.pub, seq++, g.e.sb.data, g.e.sb.size), 0);
+	/* 31 below 30, which the rank does not hold. */
+	uint64_t parent = 30, child = 31;
+	kvr_fenc_begin(&g.e, 1.0, 1);
+	kvr_fenc_stored(&g.e, &child, 1, &parent, BS, key_tokens, &key);
+	kvr_fenc_end(&g.e, 0);
+	cr_assert_eq(kvr_fenc_send(g.pub.pub, seq++, g.e.sb.data, g.e.sb.size), 0);
+	struct kvr_feed_stats st = settled(g.f, g.id, seq);
+	cr_assert_eq(st.refused, 3);
+	cr_assert_eq(test_indexed_blocks(g.r), 2);
+	for (int k = 0; k < atomic_load(&n_logs); k++)
+		cr_log_info("log: %s", logs[k]);
+	cr_assert(logged("BlockStored", "contradicts the rank's blocks"), "held for another block");
+	cr_assert(logged("BlockStored", "its own parent"), "self-parent");
+	cr_assert(logged("BlockStored", "does not hold its parent 0x1e"), "parent not held");
+	cr_assert(!logged("not applied", "no such rank"));
+	cr_assert(!logged("not applied", "invalid argument"));
 	rig_close(&g);
 }
