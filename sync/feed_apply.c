@@ -324,6 +324,12 @@ void kvr_feed_lost_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const u
 	/* Its dp rank is in the payload that could not be read: any rank of e's. */
 	for (uint32_t i = 0; i < e->n_rs; i++)
 		lost_rank(f, e, e->rs[i].dp, seq, seq, false);
+	if (!e->n_rs) /* none yet: nothing to clear or report, but the loss is said */
+		kvr_feed_log(f, e, LK_MEMORY, KVR_LOG_ERROR,
+		             "batch of seq %" PRIu64
+		             " not applied for lack of memory; its dp rank is unknown (in the "
+		             "payload not decoded) and this endpoint has fed none yet",
+		             seq);
 }
 
 static void apply_stored(struct kvr_feed *f, struct ep *e, struct rstate *s,

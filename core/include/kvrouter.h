@@ -936,7 +936,10 @@ struct kvr_feed_stats {
 	/* Events (or batches, when their payload could not be decoded) not applied for lack of
 	 * memory, not brought back by a replay: their rank is cleared and on_event_gap called
 	 * (expected..got-1: the batches they came from), as after a gap, so the index never
-	 * keeps a block the engine removed.  Counted in events too when they had been accepted. */
+	 * keeps a block the engine removed.  Counted in events too when they had been accepted.
+	 * Logged only, with no rank to clear: an other-medium BlockStored (that set can then only
+	 * fall short), and a batch whose dp rank was in the payload that could not be decoded
+	 * while its endpoint (KVR_FEED_DP_FROM_BATCH) had fed no rank yet. */
 	uint64_t lost;
 	uint64_t other_medium_blocks; /* gauge: non-GPU blocks held now */
 	uint64_t last_lag_ns;         /* gauge: publish (batch ts) to applied, wall clock; a
