@@ -31,6 +31,19 @@
  *
  * Usage: bench_queue --life-ms 3000 [--fronts 4] [--ranks 2] [--prefill-us 200]
  *                    [--decode-us 500]
+ *
+ * --restricted pin|allow runs the restricted mode instead: what a queued route costs while N
+ * requests restricted to a saturated rank wait (pinned to it, or allow-listed to it alone),
+ * for N in --depths.  Every route made while requests wait runs an admission pass and the
+ * admissible check, and both used to look at each such request (~318 us a route at 8,000).
+ * Per N, a fresh router: ranks A and B of 1,000 batched tokens, each saturated by a pinned
+ * 2,000-token request; a one-token unrestricted request queued first (every pass ends at it,
+ * so the N restricted requests queue in O(N)) and then cancelled; then --window unrestricted
+ * routes, each timed (longer prompts: they queue behind the restricted ones, whose ranks are
+ * all saturated).
+ * Prints their p50/p99 for each N and the p50's ratio to N = 0, run first in the same process.
+ *
+ * Usage: bench_queue --restricted pin [--depths 1000,8000] [--window 512] [--policy fcfs]
  */
 #include <pthread.h>
 #include <time.h>
@@ -67,8 +80,8 @@ static void prompt(uint32_t *t, size_t n, uint32_t salt)
 		t[i] = (uint32_t)(i * 7 + salt * 1000003u);
 }
 
-static int route(struct kvr_router *r, uint32_t salt, size_t n, const struct kvr_rank_id *pin,
-                 struct kvr_decision *d)
+static int route_allow(struct kvr_router *r, uint32_t salt, size_t n, const struct kvr_rank_id *pin,
+                       const struct kvr_rank_id *allow, struct kvr_decision *d)
 {
 	static uint32_t t[2048];
 	prompt(t, n, salt);
@@ -77,8 +90,16 @@ static int route(struct kvr_router *r, uint32_t salt, size_t n, const struct kvr
 	q.tokens = t;
 	q.n_tokens = n;
 	q.pinned = pin;
+	q.allow = allow;
+	q.n_allow = allow ? 1 : 0;
 	q.expected_output_tokens = 16;
 	return kvr_route(r, &q, d);
+}
+
+static int route(struct kvr_router *r, uint32_t salt, size_t n, const struct kvr_rank_id *pin,
+                 struct kvr_decision *d)
+{
+	return route_allow(r, salt, n, pin, NULL, d);
 }
 
 static void die(const char *what, int rc)
@@ -160,6 +181,77 @@ static void run(bool wspt, bool uncollected, const uint64_t *depths, size_t n_de
 	free(tmp);
 	free(ns);
 	kvr_router_destroy(r);
+}
+
+/* ---------------------------------------------------------------- restricted mode */
+
+/* The p50 and p99 (us) of `window` unrestricted queued routes made while n requests restricted
+ * to a saturated rank wait (see the top). */
+static void restricted_cost(bool wspt, bool allow, uint64_t n, uint64_t window, double *p50,
+                            double *p99)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = frozen;
+	c.queue_threshold = 1.0;
+	c.queue_policy = wspt ? KVR_QUEUE_WSPT : KVR_QUEUE_FCFS;
+	c.queue_capacity = (uint32_t)(n + window + 16);
+	struct kvr_router *r;
+	int rc;
+	if ((rc = kvr_router_create(&c, &r)))
+		die("kvr_router_create", rc);
+	struct kvr_rank_id a = {1, 0}, b = {2, 0};
+	struct kvr_decision d, marker;
+	uint32_t salt = 1;
+	if ((rc = kvr_rank_add(r, a, 1, 1000000, 1000)) ||
+	    (rc = kvr_rank_add(r, b, 1, 1000000, 1000)))
+		die("kvr_rank_add", rc);
+	if ((rc = route(r, salt++, 2000, &a, &d)) || d.status != KVR_DECIDED ||
+	    (rc = route(r, salt++, 2000, &b, &d)) || d.status != KVR_DECIDED)
+		die("the hogs", rc ? rc : KVR_EINVAL);
+	if ((rc = route(r, salt++, 1, NULL, &marker)) || marker.status != KVR_QUEUED)
+		die("the marker", rc ? rc : KVR_EINVAL);
+	for (uint64_t i = 0; i < n; i++) {
+		size_t len = 64 + (size_t)(rnd() % (MAX_TOKENS - 128));
+		rc = route_allow(r, salt++, len, allow ? NULL : &b, allow ? &b : NULL, &d);
+		if (rc || d.status != KVR_QUEUED)
+			die("a restricted route", rc ? rc : KVR_EINVAL);
+	}
+	if ((rc = kvr_route_cancel(r, marker.ticket)))
+		die("the marker's cancel", rc);
+	uint64_t *ns = calloc(window, sizeof(*ns));
+	if (!ns)
+		die("calloc", KVR_ENOMEM);
+	for (uint64_t i = 0; i < window; i++) {
+		/* Longer than every restricted one: under WSPT too, they all come first. */
+		uint64_t t0 = now_ns();
+		rc = route(r, salt++, MAX_TOKENS - 1, NULL, &d);
+		ns[i] = now_ns() - t0;
+		if (rc || d.status != KVR_QUEUED)
+			die("a queued route", rc ? rc : KVR_EINVAL);
+	}
+	*p50 = pct(ns, window, 0.5);
+	*p99 = pct(ns, window, 0.99);
+	free(ns);
+	kvr_router_destroy(r);
+}
+
+static void run_restricted(bool wspt, bool allow, const uint64_t *depths, size_t n_depths,
+                           uint64_t window)
+{
+	double base, p50, p99;
+	restricted_cost(wspt, allow, 0, window, &base, &p99);
+	printf("policy=%s restricted=%s n=0 window=%" PRIu64 " p50_us=%.2f p99_us=%.2f\n",
+	       wspt ? "wspt" : "fcfs", allow ? "allow" : "pin", window, base, p99);
+	for (size_t k = 0; k < n_depths; k++) {
+		restricted_cost(wspt, allow, depths[k], window, &p50, &p99);
+		printf("SUMMARY bench=queue_restricted policy=%s restricted=%s n=%" PRIu64
+		       " p50_us=%.2f p99_us=%.2f p50_ratio_to_n0=%.2f\n",
+		       wspt ? "wspt" : "fcfs", allow ? "allow" : "pin", depths[k], p50, p99,
+		       base > 0 ? p50 / base : 0.0);
+		fflush(stdout);
+	}
 }
 
 /* ---------------------------------------------------------------- lifecycle mode */
@@ -315,6 +407,7 @@ int main(int argc, char **argv)
 	size_t n_depths = 4;
 	uint64_t window = 512;
 	int policy = 2, unc = 2; /* 0, 1 or both */
+	int restricted = -1;     /* 0 pin, 1 allow */
 	for (int i = 1; i < argc; i += 2) {
 		if (!strcmp(argv[i], "--depths")) {
 			n_depths = opt_list(argc, argv, i, 1, 1000000, depths, MAX_DEPTHS);
@@ -340,6 +433,14 @@ int main(int argc, char **argv)
 				unc = 2;
 			else
 				opt_bad(argv, i, "0, 1 or both", s);
+		} else if (!strcmp(argv[i], "--restricted")) {
+			const char *s = opt_str(argc, argv, i);
+			if (!strcmp(s, "pin"))
+				restricted = 0;
+			else if (!strcmp(s, "allow"))
+				restricted = 1;
+			else
+				opt_bad(argv, i, "pin or allow", s);
 		} else if (!strcmp(argv[i], "--life-ms")) {
 			life_ms = opt_u64(argc, argv, i, 1, 3600000);
 		} else if (!strcmp(argv[i], "--fronts")) {
@@ -356,6 +457,12 @@ int main(int argc, char **argv)
 	}
 	if (life_ms) {
 		run_life(life_ms, fronts, ranks, prefill_us, decode_us);
+		return 0;
+	}
+	if (restricted >= 0) {
+		for (int p = 0; p < 2; p++)
+			if (policy == 2 || policy == p)
+				run_restricted(p == 1, restricted == 1, depths, n_depths, window);
 		return 0;
 	}
 	/* Ascending, so that one fill serves every depth. */
