@@ -456,6 +456,46 @@ Test(queue_many, a_route_does_not_walk_the_requests_allowed_one_saturated_rank, 
 	routes_do_not_walk_the_restricted(KVR_QUEUE_WSPT, true);
 }
 
+/* The library's memory now (every router in the process: this test's only). */
+static uint64_t library_bytes(struct kvr_router *r)
+{
+	struct kvr_memory m;
+	cr_assert_eq(kvr_router_get_memory(r, &m), 0);
+	return m.library;
+}
+
+/* The ticket table doubled as requests queued and never shrank: after a burst of 16,000 queued
+ * and gone, 256 KB of chains stayed for the router's life.  It halves now once a quarter full
+ * (hysteresis: it doubles again only at a load of one), as the groups' table does: after the
+ * burst the queue holds what it held before it, within 16 KB. */
+Test(queue_many, the_queue_gives_back_a_bursts_memory, .timeout = 120)
+{
+	struct kvr_rank_id b = {1, 0};
+	struct kvr_decision ha, hb, d, marker;
+	struct kvr_router *r = two_saturated(KVR_QUEUE_FCFS, 20000, &ha, &hb);
+	static uint64_t tickets[16000];
+	for (int round = 0; round < 2; round++) {
+		uint64_t before = library_bytes(r);
+		cr_assert_eq(route_len(r, 1, 3, NULL, &marker), 0); /* every pass ends at it */
+		cr_assert_eq(marker.status, KVR_QUEUED);
+		for (size_t i = 0; i < 16000; i++) {
+			cr_assert_eq(route_len(r, 2, 10 + (uint32_t)i, i % 2 ? &b : NULL, &d), 0);
+			cr_assert_eq(d.status, KVR_QUEUED, "request %zu", i);
+			tickets[i] = d.ticket;
+		}
+		uint64_t full = library_bytes(r);
+		for (size_t i = 0; i < 16000; i++)
+			cr_assert_eq(kvr_route_cancel(r, tickets[i]), 0);
+		cr_assert_eq(kvr_route_cancel(r, marker.ticket), 0);
+		uint64_t after = library_bytes(r);
+		cr_assert_lt(after, before + 16384,
+		             "round %d: %llu bytes before the burst, %llu during, %llu after",
+		             round, (unsigned long long)before, (unsigned long long)full,
+		             (unsigned long long)after);
+	}
+	kvr_router_destroy(r);
+}
+
 /* The on_admit of the WSPT order test below: at the first admission, a one-token request
  * queues (a rank is free, but requests wait that the pass has not reached) in front of every
  * longer one still waiting. */
