@@ -20,7 +20,8 @@
 
 #define MAXT (1u << 20)
 static struct kvr_router *R;
-static unsigned char res[MAXT]; /* resolutions per ticket */
+/* Resolutions per ticket: atomic, as on_admit runs on the admission thread meanwhile. */
+static unsigned char res[MAXT];
 static unsigned char queued[MAXT];
 static volatile int stop;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -231,7 +232,7 @@ static int run(int ms, int nthr, enum kvr_queue_policy pol)
 		if (!count(&n_att) && !count(&n_pend)) {
 			size_t left = 0;
 			for (uint64_t t = 0; t < MAXT; t++)
-				left += queued[t] && !res[t];
+				left += queued[t] && !__atomic_load_n(&res[t], __ATOMIC_RELAXED);
 			if (!left)
 				break;
 		}
@@ -243,7 +244,7 @@ static int run(int ms, int nthr, enum kvr_queue_policy pol)
 		if (!queued[t])
 			continue;
 		nq++;
-		if (!res[t] && ++lost < 5)
+		if (!__atomic_load_n(&res[t], __ATOMIC_RELAXED) && ++lost < 5)
 			fprintf(stderr, "stress_queue_pump: ticket %lu never resolved\n",
 			        (unsigned long)(t + base_ticket));
 	}
