@@ -37,6 +37,7 @@
  * or clock returns at once instead of joining the thread that calls it.
  */
 #include <stdbool.h>
+#include <sys/prctl.h>
 
 #include "core/router_internal.h"
 #include "sync/rcu.h"
@@ -69,7 +70,8 @@ static void *admitter_main(void *arg)
 {
 	struct kvr_router *r = arg;
 	struct kvr_admitter *a = &r->admitter;
-	kvr_router_cb_self = r; /* kvr_router_destroy refuses to run here */
+	kvr_router_cb_self = r;          /* kvr_router_destroy refuses to run here */
+	prctl(PR_SET_NAME, "kvr-admit"); /* for top, perf and the tests (as replica threads) */
 	/* UINT64_MAX while no failed outcome waits: the park then costs nothing but the wakes. */
 	uint64_t park_ns = UINT64_MAX, reap_now = 0;
 	for (;;) {
@@ -81,11 +83,15 @@ static void *admitter_main(void *arg)
 		bool pass = __atomic_exchange_n(&a->wanted, 0, __ATOMIC_SEQ_CST);
 		if (pass)
 			kvr_queue_pump(r); /* false: another thread's pass walks the list again */
-		/* After a pass, a lease expiry may have ended attempts whose admissions nobody
-		 * collected: their records go, so the list is bounded by the live leases.  And a
-		 * failed outcome, which no expiry marks, goes once due: this thread is the one
-		 * that comes back for it (the flag says a pass kept one; the same ordering). */
-		if (pass || __atomic_exchange_n(&a->failed, 0, __ATOMIC_SEQ_CST) ||
+		/* Attempts that ended with no call (a lease expiry, a dropped booking: `ended`)
+		 * may be those of admissions nobody collected: their records go, so the list is
+		 * bounded by the live leases.  And a failed outcome, which no expiry marks, goes
+		 * once due: this thread is the one that comes back for it (`failed` says a pass
+		 * kept one; the same ordering).  Not after every pass, as before: a pass ends no
+		 * attempt whose outcome waits (nobody collected it, so nobody knows its attempt to
+		 * end it), and a reap looks at every outcome kept. */
+		bool ended = __atomic_exchange_n(&a->ended, 0, __ATOMIC_SEQ_CST);
+		if (ended || __atomic_exchange_n(&a->failed, 0, __ATOMIC_SEQ_CST) ||
 		    park_ns != UINT64_MAX) {
 			uint64_t now = 0, due = kvr_queue_reap(r, &now);
 			park_ns = due == UINT64_MAX ? UINT64_MAX
@@ -128,17 +134,27 @@ void kvr_admitter_stop(struct kvr_router *r)
 	a->started = false;
 }
 
-void kvr_admitter_note_unloaded(void *ctx)
+void kvr_admitter_note_unloaded(void *ctx, bool ended)
 {
 	struct kvr_router *r = ctx;
 	/* Past kvr_router_destroy's call on this shard, the queue may be freed: the flag is set
 	 * before that call, which orders it before this shard's later tasks and timers. */
 	if (kvr_router_stopping(r))
 		return;
+	/* Raised before the fence: a pass that counts an outcome after it and then judges it
+	 * (core/queue.c, the fence after outcome_link) sees the attempt ended, or this reads the
+	 * count and wakes the thread, whose reap then sees it. */
+	if (ended)
+		__atomic_store_n(&r->admitter.ended, 1, __ATOMIC_RELAXED);
 	/* The lowered load is published (relaxed stores); pairs with the route's fence between
 	 * its push and its pass (kvr_queue_catch_up). */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	if (kvr_queue_depth(r) == 0 && kvr_queue_uncollected(r) == 0)
+	/* An outcome nobody collected ends only with its attempt (an expiry, a reset or removal
+	 * of its rank, which reap themselves): with nothing queued, a lifecycle message's work
+	 * is no news for it.  Before, every one woke the thread to look at them all again, for
+	 * as long as one waited (two lease scan intervals: test_lifecycle
+	 * an_uncollected_outcome_does_not_wake_the_admission_thread_per_call). */
+	if (kvr_queue_depth(r) == 0 && (!ended || kvr_queue_uncollected(r) == 0))
 		return;
 	__atomic_store_n(&r->admitter.wanted, 1, __ATOMIC_SEQ_CST);
 	kvr_parker_wake(&r->admitter.park); /* a full barrier, then the state; no syscall unless

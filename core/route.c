@@ -790,7 +790,7 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 	/* A request may have queued behind that load, and no shard will lower it: wake the
 	 * admission thread as the shards' hook does (before, it stayed queued on an idle rank). */
 	if (r->queue)
-		kvr_admitter_note_unloaded(r);
+		kvr_admitter_note_unloaded(r, false);
 	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;
 }
 

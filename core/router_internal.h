@@ -101,6 +101,7 @@ struct kvr_admitter {
 	struct kvr_parker park; /* the thread sleeps here */
 	uint32_t wanted;        /* a shard lowered load by itself while requests were queued */
 	uint32_t failed;        /* a pass kept a failed admission: time its reclaim */
+	uint32_t ended;         /* attempts ended with no call: reap the outcomes kept */
 	uint32_t stop;          /* kvr_router_destroy: the thread returns */
 	bool started;
 	pthread_t thread;
@@ -215,7 +216,7 @@ void kvr_admitter_stop(struct kvr_router *r);
  * blocks, allocates or takes a lock.  Context: r's shard threads.  Ordering: a seq_cst fence
  * between the shard's publication of the lowered load and the read of the depth; pairs with the
  * route's fence after its push (kvr_queue_catch_up). */
-void kvr_admitter_note_unloaded(void *ctx);
+void kvr_admitter_note_unloaded(void *ctx, bool ended);
 /* A pass kept a failed admission nobody collects: wakes the admission thread, which then
  * reclaims it when due (kvr_queue_reap).  Never blocks, allocates or takes a lock.  Context: the
  * thread that ran the pass, off the queue's lock.  Ordering: the flag's seq_cst store, then

@@ -143,8 +143,11 @@ struct kvr_owner_ctx {
 	 * without waiting for it, and pumped nothing after it).  Called on the shard thread after
 	 * the lowered load is published, once per timer fire or task; it must not block, allocate
 	 * or take a lock (the router wakes its admission thread: core/queue_thread.c).  ctx:
-	 * expire_ctx.  NULL: nothing to tell (a router without a queue). */
-	void (*on_unloaded)(void *ctx);
+	 * expire_ctx; ended: attempts ended with no call of the router's (an expiry, a claimed
+	 * attempt whose end never came, a booking dropped), so an outcome of the router's queue
+	 * that nobody collected may have ended with them.  NULL: nothing to tell (a router
+	 * without a queue). */
+	void (*on_unloaded)(void *ctx, bool ended);
 	/* shared objects */
 	struct kvr_clock clock;
 	struct kvr_index *index;       /* cached blocks per rank */

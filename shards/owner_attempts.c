@@ -672,7 +672,7 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 	 * load words are the slot's, and a rank added since in the same slot read this booking's
 	 * load until now, so a request may have queued behind it. */
 	if (rc && c->on_unloaded)
-		c->on_unloaded(c->expire_ctx);
+		c->on_unloaded(c->expire_ctx, true);
 }
 
 void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
@@ -873,7 +873,7 @@ void kvr_owner_progress_task(struct kvr_shard *sh, void *payload)
 	 * wakes the router's admission thread if requests are queued (a router with a queue). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
 	if (rc == 0 && (m.flags & KVR_PROGRESS_WAKE) && c->on_unloaded)
-		c->on_unloaded(c->expire_ctx);
+		c->on_unloaded(c->expire_ctx, false);
 }
 
 /* ---------------------------------------------------------------- reaper */
@@ -909,6 +909,6 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 		}
 	}
 	if (ended && c->on_unloaded)
-		c->on_unloaded(c->expire_ctx);
+		c->on_unloaded(c->expire_ctx, true);
 	kvr_owner_rearm_reaper(sh);
 }

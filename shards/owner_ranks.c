@@ -72,7 +72,7 @@ static void decay_fire(struct kvr_shard *sh, void *arg)
 		}
 	}
 	if (lowered && ss->c->on_unloaded) /* a step of a decay lowered the load */
-		ss->c->on_unloaded(ss->c->expire_ctx);
+		ss->c->on_unloaded(ss->c->expire_ctx, false);
 }
 
 /*

@@ -1,8 +1,12 @@
 /* Lifecycle calls (core/lifecycle.c) and the admission queue. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <string.h>
 #include <time.h>
 
+#include "core/router_internal.h"
 #include "kvrouter.h"
 
 static int admitted, reported;
@@ -260,4 +264,98 @@ Test(lifecycle, a_failed_booking_post_wakes_the_admission_of_what_queued_behind_
 		kvr_router_destroy(tb_router);
 	}
 	cr_assert(shown, "no round had one route queue behind another's failed post");
+}
+
+/* An outcome nobody collects (a queued request admitted while nobody waits for it and no
+ * on_admit is set) lives until its lease expires, two lease scan intervals (4 minutes by
+ * default).  Meanwhile, with nothing queued, the shard's hook woke the admission thread after
+ * every lifecycle message, to look at that outcome again (its attempt can only end by an
+ * expiry or its rank's reset or removal, which reap themselves): a FUTEX_WAKE and a pass over
+ * every uncollected outcome per call.  Now the hook wakes it only when requests are queued or
+ * an attempt ended without a call (an expiry, a booking dropped).  Counted as the admission
+ * thread's voluntary context switches ("kvr-admit" in /proc/self/task). */
+static long admitter_switches(void)
+{
+	DIR *d = opendir("/proc/self/task");
+	if (!d)
+		return -1;
+	long n = -1;
+	struct dirent *de;
+	while ((de = readdir(d)) && n < 0) {
+		char path[288], buf[64] = {0};
+		snprintf(path, sizeof(path), "/proc/self/task/%s/comm", de->d_name);
+		FILE *f = fopen(path, "r");
+		if (!f)
+			continue;
+		bool ours = fgets(buf, sizeof(buf), f) && strncmp(buf, "kvr-admit", 9) == 0;
+		fclose(f);
+		if (!ours)
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/status", de->d_name);
+		if (!(f = fopen(path, "r")))
+			continue;
+		char line[256];
+		while (fgets(line, sizeof(line), f))
+			if (sscanf(line, "voluntary_ctxt_switches: %ld", &n) == 1)
+				break;
+		fclose(f);
+	}
+	closedir(d);
+	return n;
+}
+
+Test(lifecycle, an_uncollected_outcome_does_not_wake_the_admission_thread_per_call, .timeout = 60)
+{
+	admitted = 0;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id x = {0, 0}, y = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, x, 1, 1000, 16), 0);
+	cr_assert_eq(kvr_rank_add(r, y, 1, 1000000, 1 << 20), 0);
+	static uint32_t t[64], u[64], v[16];
+	for (uint32_t i = 0; i < 64; i++)
+		t[i] = 5 + i, u[i] = 900 + i;
+	struct kvr_request q;
+	struct kvr_decision a, b, e;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 64;
+	q.pinned = &x;
+	cr_assert_eq(kvr_route(r, &q, &a), 0);
+	cr_assert_eq(a.status, KVR_DECIDED);
+	q.tokens = u;
+	cr_assert_eq(kvr_route(r, &q, &b), 0);
+	cr_assert_eq(b.status, KVR_QUEUED);
+	/* B is admitted once A is done, and nobody collects it. */
+	cr_assert_eq(kvr_request_finish(r, a.attempt), 0);
+	for (int i = 0; i < 50000 && kvr_queue_depth(r) > 0; i++)
+		nanosleep(&(struct timespec){0, 100000}, NULL);
+	cr_assert_eq(kvr_queue_depth(r), 0);
+	cr_assert_eq(kvr_queue_uncollected(r), 1);
+	nanosleep(&(struct timespec){0, 20000000}, NULL);
+	long s0 = admitter_switches();
+	cr_assert_geq(s0, 0, "no kvr-admit thread");
+	for (uint32_t n = 0; n < 100; n++) {
+		for (uint32_t k = 0; k < 16; k++)
+			v[k] = 100000u + 16u * n + k;
+		kvr_request_init(&q);
+		q.tokens = v;
+		q.n_tokens = 16;
+		q.pinned = &y;
+		cr_assert_eq(kvr_route(r, &q, &e), 0);
+		cr_assert_eq(e.status, KVR_DECIDED);
+		cr_assert_eq(kvr_request_finish(r, e.attempt), 0);
+		nanosleep(&(struct timespec){0, 1000000}, NULL); /* the shard applies it */
+	}
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	long s1 = admitter_switches();
+	cr_assert_lt(s1 - s0, 20,
+	             "the admission thread woke %ld times for 100 finishes with nothing queued",
+	             s1 - s0);
+	cr_assert_eq(kvr_queue_uncollected(r), 1, "the outcome stays until its lease ends");
+	kvr_router_destroy(r);
 }
