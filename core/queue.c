@@ -183,6 +183,7 @@ struct qgroup {
 	uint64_t passed; /* the pump's pass that found its ranks saturated */
 	size_t n;        /* its waiting entries */
 	bool pinned;     /* ids[0] is the pin; else ids are the allow-list */
+	bool listed;     /* on the running pass's list of groups (anext) */
 	size_t n_ids;
 	struct kvr_rank_id ids[];
 };
@@ -218,6 +219,7 @@ struct kvr_queue {
 	bool pumping;
 	pthread_t pumper; /* the thread running the pass, while pumping */
 	bool again;       /* asked to pump while a pass ran: walk the list once more */
+	uint64_t wakes;   /* those asks, counted: the pass looks again at the groups passed over */
 	/* Where the pass stands on q->w (see kvr_queue_pump): while `resume` is set (the pass
 	 * runs), an unlink of `cursor` moves it to its successor and a push that lands before it
 	 * raises `restart` (the pass then walks from the head, skipping what it passed over). */
@@ -862,6 +864,31 @@ static struct qentry *next_waiting(struct kvr_queue *q, struct qentry *e)
 	return NULL;
 }
 
+/* Puts on the running pass's list of groups (*active) every group with waiting entries whose
+ * ranks are not saturated now, and marks every other one passed over by this pass.  At the
+ * pass's start, and again after a call that may have lowered a load asked for a pump while the
+ * pass ran (q->wakes): a group passed over is then looked at again, so that one unloaded before
+ * its turn is admitted at its turn, ahead of the later requests that share its ranks.
+ * Context: under q->lock; the caller is an RCU reader (kvr_queue_pump). */
+static void groups_look(struct kvr_queue *q, struct qgroup **active)
+{
+	for (struct qgroup *g = q->groups; g; g = g->next) {
+		bool unrestricted;
+		if (g->listed && g->passed != q->pass)
+			continue; /* on the list, not passed over */
+		if (g->w.head && !entry_saturated(q->r, g->w.head, &unrestricted)) {
+			g->passed = 0; /* no pass's number */
+			if (!g->listed) {
+				g->anext = *active;
+				*active = g;
+				g->listed = true;
+			}
+		} else {
+			g->passed = q->pass;
+		}
+	}
+}
+
 /* Whether admitted entry e's outcome can be of no use to anyone any more: its attempt ended
  * (its lease expired, its rank was removed or reset: every call on it is KVR_ESTALE), or, a
  * failed admission (no attempt), it is older than keep_ns.  Context: under q->lock. */
@@ -978,6 +1005,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 		/* The running pass may have gone past the entries this caller's call made
 		 * admissible (it lowered a load) or added: it walks the list again. */
 		q->again = true;
+		q->wakes++;
 		pthread_mutex_unlock(&q->lock);
 		return false;
 	}
@@ -1009,21 +1037,20 @@ bool kvr_queue_pump(struct kvr_router *r)
 		 * behind none; perf/bench_queue --restricted pin, test_queue_many:
 		 * a_route_does_not_walk_the_requests_pinned_to_a_saturated_rank.)  A group found
 		 * saturated (at the pass's start, at its turn, or by its entry's KVR_EAGAIN) is
-		 * passed over for the rest of the pass, as each of its entries was: load a shard
-		 * lowers meanwhile makes the pass run again (the shard's hook wakes the admission
-		 * thread, whose pump sets q->again), and so does a push. */
+		 * passed over until a call that may have lowered a load asks for a pump while the
+		 * pass runs (q->wakes: a lifecycle call, on_admit's included, a rank change, the
+		 * admission thread after a shard's hook): the pass then looks at the groups it
+		 * passed over again before its next admission (groups_look), so a group read
+		 * saturated at the start is not overtaken at its turn by a later request onto its
+		 * unloaded rank.  The ask also makes the pass run again (q->again), and so does a
+		 * push. */
 		bool full = q->full, all_saturated = false;
 		q->full = false;
 		struct qgroup *active = NULL;
-		for (struct qgroup *g = q->groups; g; g = g->next) {
-			bool unrestricted;
-			if (g->w.head && !entry_saturated(r, g->w.head, &unrestricted)) {
-				g->anext = active;
-				active = g;
-			} else {
-				g->passed = q->pass;
-			}
-		}
+		for (struct qgroup *g = q->groups; g; g = g->next)
+			g->listed = false;
+		groups_look(q, &active);
+		uint64_t wakes = q->wakes;
 		/* Where the pass stands on q->w: the entry it routes, or the next one it looks
 		 * at.  While `resume` is set an unlink of it moves it to its successor, and a push
 		 * that lands before it raises `restart` (the pass then looks from q->w's head, over
@@ -1036,6 +1063,18 @@ bool kvr_queue_pump(struct kvr_router *r)
 				q->restart = false;
 				q->cursor = q->w.head;
 			}
+			/* A call that may have lowered a load asked for a pump while the lock was
+			 * dropped (on_admit's own calls included): what this pass read saturated
+			 * may not be any more.  The groups it passed over are looked at again
+			 * before anything later is admitted, as a pass that looked at each entry at
+			 * its turn did (before, a group read saturated at the pass's start stayed
+			 * passed over, and a later request took its unloaded rank first:
+			 * test_queue_many *_a_group_unloaded_before_its_turn_goes_first). */
+			if (q->wakes != wakes) {
+				wakes = q->wakes;
+				all_saturated = false;
+				groups_look(q, &active);
+			}
 			q->cursor = next_waiting(q, q->cursor);
 			/* The first of q->w's and the active groups' first entries. */
 			struct qentry *e = q->cursor;
@@ -1043,6 +1082,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 			for (struct qgroup **pg = &active, *g; (g = *pg);) {
 				if (g->passed == q->pass || !g->w.head) {
 					*pg = g->anext; /* passed over, or left empty */
+					g->listed = false;
 					continue;
 				}
 				if (!e || before(q, g->w.head, e)) {

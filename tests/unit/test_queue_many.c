@@ -551,3 +551,78 @@ Test(queue_many, a_shorter_request_queued_during_a_wspt_pass_goes_first)
 	             "admitted after every longer request that was waiting with it");
 	kvr_router_destroy(r);
 }
+
+/* The on_admit of the order test below: at t1's admission, rank A's hog ends and the shard has
+ * applied it (kvr_router_sync) before the pass goes on. */
+static struct kvr_router *unload_router;
+static uint64_t unload_ticket, unload_attempt, admit_order[3];
+static size_t n_admit_order;
+
+static void unload_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	cr_assert_eq(d->status, KVR_DECIDED);
+	if (n_admit_order < 3)
+		admit_order[n_admit_order] = ticket;
+	n_admit_order++;
+	if (ticket == unload_ticket) {
+		cr_assert_eq(kvr_request_finish(unload_router, unload_attempt), 0);
+		cr_assert_eq(kvr_router_sync(unload_router, 5000), 0);
+	}
+}
+
+/* A group whose rank was saturated when the pass began, and unloaded before its turn (here
+ * from on_admit, by a finish the shard applied), is admitted at its turn, before the later
+ * requests that share its rank: t2 (pinned to A) before t3 (unrestricted), as a pass that
+ * looked at each entry at its turn did.  Before, the pass read the group saturated once at
+ * its start and passed it over for the rest of the pass: t3 went first. */
+static void a_group_unloaded_before_its_turn(enum kvr_queue_policy pol)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.queue_policy = pol;
+	c.on_admit = unload_admit;
+	c.sync_booking = true;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	unload_router = r;
+	n_admit_order = 0;
+	struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 100000000, 1000), 0);
+	cr_assert_eq(kvr_rank_add(r, b, 1, 100000000, 1000), 0);
+	struct kvr_decision ha, hb, d;
+	cr_assert_eq(route_len(r, 2000, 1, &a, &ha), 0);
+	cr_assert_eq(route_len(r, 2000, 2, &b, &hb), 0);
+	unload_attempt = ha.attempt;
+	uint64_t t[3];
+	const struct kvr_rank_id *pin[3] = {&b, &a, NULL};
+	for (int i = 0; i < 3; i++) {
+		cr_assert_eq(route_len(r, 128, 10 + (uint32_t)i, pin[i], &d), 0);
+		cr_assert_eq(d.status, KVR_QUEUED);
+		t[i] = d.ticket;
+	}
+	unload_ticket = t[0];
+	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0); /* its pass admits all three */
+	cr_assert_eq(n_admit_order, 3, "%zu of 3 admitted", n_admit_order);
+	for (int i = 0; i < 3; i++)
+		cr_assert_eq(admit_order[i], t[i],
+		             "admission %d was ticket %llu, not %llu (t1 %llu, t2 pinned to the "
+		             "unloaded rank %llu, t3 unrestricted %llu)",
+		             i + 1, (unsigned long long)admit_order[i], (unsigned long long)t[i],
+		             (unsigned long long)t[0], (unsigned long long)t[1],
+		             (unsigned long long)t[2]);
+	kvr_router_destroy(r);
+}
+
+Test(queue_many, fcfs_a_group_unloaded_before_its_turn_goes_first)
+{
+	a_group_unloaded_before_its_turn(KVR_QUEUE_FCFS);
+}
+
+Test(queue_many, wspt_a_group_unloaded_before_its_turn_goes_first)
+{
+	a_group_unloaded_before_its_turn(KVR_QUEUE_WSPT);
+}
