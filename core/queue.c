@@ -1073,6 +1073,11 @@ bool kvr_queue_pump(struct kvr_router *r)
 			if (q->wakes != wakes) {
 				wakes = q->wakes;
 				all_saturated = false;
+				if (r->cfg.sync_booking) { /* as at the pass's start */
+					pthread_mutex_unlock(&q->lock);
+					kvr_router_settle(r);
+					pthread_mutex_lock(&q->lock);
+				}
 				groups_look(q, &active);
 			}
 			q->cursor = next_waiting(q, q->cursor);
