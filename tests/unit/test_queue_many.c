@@ -637,3 +637,270 @@ Test(queue_many, a_group_unloaded_by_a_posted_finish_before_its_turn_goes_first)
 	for (int i = 0; i < 20; i++)
 		a_group_unloaded_before_its_turn(i % 2 ? KVR_QUEUE_WSPT : KVR_QUEUE_FCFS, false);
 }
+
+/* Random programs of restricted and unrestricted requests against a model of which ranks are
+ * saturated.  Four ranks of 1,000 batched tokens, each saturated by a 2,000-token hog while it
+ * lives; the queued requests (4, 8 or 12 tokens, never enough to saturate a rank) are
+ * unrestricted, pinned, or allowed one of a few repeated lists or a list of their own.  Ops:
+ * route one (it queues exactly when every rank it may use is present and hogged), end a hog,
+ * hog a free rank again, remove a rank, cancel a waiting one; and from on_admit, at random,
+ * end a hog or cancel another waiting ticket.  Checked at every admission (on_admit, on the
+ * pass's thread): its rank may be used and is free, and no ticket waiting before it in the
+ * policy's order could be admitted (a free rank of its own, or none left: it fails); after every
+ * op: no waiting ticket could be admitted (nothing is left waiting on a free rank), and a
+ * failure names a ticket whose ranks are all gone. */
+#define RP_RANKS 4
+#define RP_MAX   48
+
+struct rp_req {
+	uint64_t ticket;
+	size_t len;
+	uint8_t ranks; /* the ranks it may use (bit i: rank i) */
+	bool waiting;
+};
+
+static struct {
+	struct kvr_router *r;
+	enum kvr_queue_policy pol;
+	struct rp_req q[RP_MAX];
+	int n;
+	bool present[RP_RANKS], hogged[RP_RANKS];
+	uint64_t hog[RP_RANKS];
+	uint64_t x;   /* xorshift */
+	bool closing; /* kvr_router_destroy tells what waits KVR_ESHUTDOWN */
+} rp;
+
+static uint64_t rp_rand(void)
+{
+	rp.x ^= rp.x << 13, rp.x ^= rp.x >> 7, rp.x ^= rp.x << 17;
+	return rp.x;
+}
+
+static bool rp_admissible(const struct rp_req *q)
+{
+	bool any = false;
+	for (int i = 0; i < RP_RANKS; i++) {
+		if (!(q->ranks & (1u << i)) || !rp.present[i])
+			continue;
+		any = true;
+		if (!rp.hogged[i])
+			return true;
+	}
+	return !any; /* no rank left: routed, and fails */
+}
+
+static bool rp_before(const struct rp_req *a, const struct rp_req *b)
+{
+	if (rp.pol == KVR_QUEUE_WSPT && a->len != b->len)
+		return a->len < b->len;
+	return a->ticket < b->ticket;
+}
+
+static void rp_end_hog(int i)
+{
+	rp.hogged[i] = false; /* before: its pass tells on_admit */
+	cr_assert_eq(kvr_request_finish(rp.r, rp.hog[i]), 0);
+}
+
+static void rp_cancel_one(void)
+{
+	int w = (int)(rp_rand() % (unsigned)rp.n);
+	if (!rp.q[w].waiting)
+		return;
+	cr_assert_eq(kvr_route_cancel(rp.r, rp.q[w].ticket), 0, "cancel of waiting ticket %llu",
+	             (unsigned long long)rp.q[w].ticket);
+	rp.q[w].waiting = false;
+}
+
+static void rp_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	struct rp_req *q = NULL;
+	for (int k = 0; k < rp.n; k++)
+		if (rp.q[k].ticket == ticket)
+			q = &rp.q[k];
+	cr_assert(q && q->waiting, "on_admit told ticket %llu, not waiting",
+	          (unsigned long long)ticket);
+	q->waiting = false;
+	if (rp.closing) {
+		cr_assert(d->status == KVR_FAILED && d->error == KVR_ESHUTDOWN);
+		return;
+	}
+	if (d->status == KVR_DECIDED) {
+		int i = (int)d->rank.worker_id;
+		cr_assert(i < RP_RANKS && (q->ranks & (1u << i)) && rp.present[i] && !rp.hogged[i],
+		          "ticket %llu admitted on rank %d: may use %02x, present %d hogged %d",
+		          (unsigned long long)ticket, i, q->ranks, i < RP_RANKS && rp.present[i],
+		          i < RP_RANKS && rp.hogged[i]);
+	} else {
+		cr_assert_eq(d->status, KVR_FAILED);
+		for (int i = 0; i < RP_RANKS; i++)
+			cr_assert(!(q->ranks & (1u << i)) || !rp.present[i],
+			          "ticket %llu failed (%d) with rank %d present",
+			          (unsigned long long)ticket, d->error, i);
+	}
+	for (int k = 0; k < rp.n; k++) {
+		const struct rp_req *w = &rp.q[k];
+		cr_assert(!w->waiting || !rp_before(w, q) || !rp_admissible(w),
+		          "ticket %llu (ranks %02x, len %zu) admitted while ticket %llu (ranks "
+		          "%02x, len %zu), before it, could be",
+		          (unsigned long long)ticket, q->ranks, q->len,
+		          (unsigned long long)w->ticket, w->ranks, w->len);
+	}
+	/* At random, calls back: a hog ends (its rank may take what waits for it), or another
+	 * waiting ticket is cancelled. */
+	uint64_t c = rp_rand() % 8;
+	if (c == 0) {
+		int i = (int)(rp_rand() % RP_RANKS);
+		if (rp.present[i] && rp.hogged[i])
+			rp_end_hog(i);
+	} else if (c == 1 && rp.n) {
+		rp_cancel_one();
+	}
+}
+
+static void rp_check_idle(const char *after)
+{
+	for (int k = 0; k < rp.n; k++)
+		cr_assert(!rp.q[k].waiting || !rp_admissible(&rp.q[k]),
+		          "after %s: ticket %llu (ranks %02x) waits, and a rank it may use is free "
+		          "(present/hogged: %d%d %d%d %d%d %d%d)",
+		          after, (unsigned long long)rp.q[k].ticket, rp.q[k].ranks, rp.present[0],
+		          rp.hogged[0], rp.present[1], rp.hogged[1], rp.present[2], rp.hogged[2],
+		          rp.present[3], rp.hogged[3]);
+}
+
+static void rp_route(void)
+{
+	static const uint8_t lists[3][3] = {{0, 1, 0xff}, {1, 2, 3}, {3, 0, 0xff}};
+	struct kvr_rank_id ids[3];
+	struct kvr_request q;
+	static uint32_t t[16];
+	struct rp_req *m = &rp.q[rp.n];
+	memset(m, 0, sizeof(*m));
+	m->len = 4 * (1 + rp_rand() % 3);
+	prompt(t, m->len, 5000 + (uint32_t)rp.n + 100 * (uint32_t)(rp.x % 1000));
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = m->len;
+	q.expected_output_tokens = 1;
+	uint64_t kind = rp_rand() % 6;
+	size_t n = 0;
+	if (kind == 1 || kind == 2) { /* pinned */
+		ids[n++] = (struct kvr_rank_id){rp_rand() % RP_RANKS, 0};
+		q.pinned = &ids[0];
+	} else if (kind == 3 || kind == 4) { /* a repeated list */
+		const uint8_t *l = lists[rp_rand() % 3];
+		for (int k = 0; k < 3 && l[k] != 0xff; k++)
+			ids[n++] = (struct kvr_rank_id){l[k], 0};
+	} else if (kind == 5) { /* a list of its own: 1-3 ranks in any order */
+		size_t want = 1 + rp_rand() % 3;
+		while (n < want) {
+			uint64_t i = rp_rand() % RP_RANKS;
+			ids[n++] = (struct kvr_rank_id){i, 0};
+		}
+	}
+	if (kind >= 3) {
+		q.allow = ids;
+		q.n_allow = n;
+	}
+	for (size_t k = 0; k < n; k++)
+		m->ranks |= (uint8_t)(1u << ids[k].worker_id);
+	if (!n)
+		m->ranks = (1u << RP_RANKS) - 1;
+	bool any = false;
+	for (int i = 0; i < RP_RANKS; i++)
+		any |= (m->ranks & (1u << i)) && rp.present[i];
+	struct kvr_decision d;
+	int rc = kvr_route(rp.r, &q, &d);
+	if (!any) {
+		cr_assert_eq(rc, KVR_ENOENT);
+		return;
+	}
+	cr_assert_eq(rc, 0);
+	if (rp_admissible(m)) {
+		cr_assert_eq(d.status, KVR_DECIDED, "ranks %02x free, queued", m->ranks);
+		int i = (int)d.rank.worker_id;
+		cr_assert((m->ranks & (1u << i)) && !rp.hogged[i]);
+		return;
+	}
+	cr_assert_eq(d.status, KVR_QUEUED, "ranks %02x all hogged, not queued", m->ranks);
+	m->ticket = d.ticket;
+	m->waiting = true;
+	rp.n++;
+}
+
+static void rp_hog(int i)
+{
+	struct kvr_decision d;
+	struct kvr_rank_id id = {(uint64_t)i, 0};
+	cr_assert_eq(route_len(rp.r, 2000, 90000 + (uint32_t)(rp_rand() % 100000), &id, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	rp.hog[i] = d.attempt;
+	rp.hogged[i] = true;
+}
+
+static void rp_program(enum kvr_queue_policy pol, uint64_t seed)
+{
+	memset(&rp, 0, sizeof(rp));
+	rp.pol = pol;
+	rp.x = seed * 0x9e3779b97f4a7c15ull + 1;
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.now_ns = vclock;
+	c.queue_threshold = 1.0;
+	c.queue_policy = pol;
+	c.on_admit = rp_admit;
+	c.sync_booking = true;
+	cr_assert_eq(kvr_router_create(&c, &rp.r), 0);
+	for (int i = 0; i < RP_RANKS; i++) {
+		cr_assert_eq(
+		    kvr_rank_add(rp.r, (struct kvr_rank_id){(uint64_t)i, 0}, 1, 100000000, 1000),
+		    0);
+		rp.present[i] = true;
+		rp_hog(i);
+	}
+	for (int op = 0; op < 120 && rp.n < RP_MAX; op++) {
+		uint64_t o = rp_rand() % 16;
+		int i = (int)(rp_rand() % RP_RANKS);
+		const char *what = "a route";
+		if (o < 9) {
+			rp_route();
+		} else if (o < 12) {
+			what = "a hog's end";
+			if (rp.present[i] && rp.hogged[i])
+				rp_end_hog(i);
+		} else if (o < 14) {
+			what = "a hog";
+			if (rp.present[i] && !rp.hogged[i])
+				rp_hog(i);
+		} else if (o < 15) {
+			what = "a cancel";
+			if (rp.n)
+				rp_cancel_one();
+		} else {
+			what = "a rank's removal";
+			int left = 0;
+			for (int k = 0; k < RP_RANKS; k++)
+				left += rp.present[k];
+			if (rp.present[i] && left > 1) {
+				rp.present[i] = false; /* before: its pass tells on_admit */
+				rp.hogged[i] = false;
+				cr_assert_eq(
+				    kvr_rank_remove(rp.r, (struct kvr_rank_id){(uint64_t)i, 0}), 0);
+			}
+		}
+		rp_check_idle(what);
+	}
+	rp.closing = true;
+	kvr_router_destroy(rp.r);
+}
+
+Test(queue_many, random_restrictions_keep_the_order_and_leave_nobody_on_a_free_rank, .timeout = 300)
+{
+	for (uint64_t seed = 1; seed <= 300; seed++) {
+		rp_program(KVR_QUEUE_FCFS, seed);
+		rp_program(KVR_QUEUE_WSPT, seed);
+	}
+}
