@@ -86,6 +86,11 @@ static bool bus_lose[BUS_N];
 /* Nothing published reaches replica j (cut off, or its stream far behind) while bus_deaf[j];
  * snapshot requests and replies still go. */
 static bool bus_deaf[BUS_N];
+/* While bus_spread, replica i's snapshot requests go to the ready peers in turn (the last ready
+ * one first, then the one before it, ...), as a NATS queue group spreads them among its
+ * members; else always to the last ready one.  bus_turn[i]: replica i's requests so far. */
+static bool bus_spread;
+static unsigned bus_turn[BUS_N];
 
 static inline int bus_publish(void *ctx, const void *buf, size_t len)
 {
@@ -143,11 +148,13 @@ static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t t
                               int (*on_chunk)(void *cb, const void *buf, size_t len),
                               bool (*poll)(void *cb), void *cb)
 {
-	int i = *(int *)ctx, peer = -1;
+	int i = *(int *)ctx, peer = -1, ready[BUS_N], n = 0;
 	pthread_mutex_lock(&bus.mu);
-	for (int j = 0; j < BUS_N; j++) /* the last ready one: a replica serving its mirrors */
+	for (int j = BUS_N - 1; j >= 0; j--) /* the last ready one: a replica serving its mirrors */
 		if (j != i && bus.rep[j] && bus.ready[j])
-			peer = j;
+			ready[n++] = j;
+	if (n)
+		peer = ready[bus_spread ? bus_turn[i]++ % (unsigned)n : 0];
 	pthread_mutex_unlock(&bus.mu);
 	if (peer < 0)
 		return KVR_ENOENT;
@@ -275,7 +282,9 @@ static inline void bus_teardown(struct kvr_router **r, int n)
 		for (struct bus_chunk *c; (c = bus_take(i));)
 			free(c);
 		bus_down[i] = bus_lose[i] = bus_deaf[i] = false;
+		bus_turn[i] = 0;
 	}
+	bus_spread = false;
 }
 
 static inline void all_agree(struct kvr_router **r, int n, const char *when)

@@ -112,3 +112,51 @@ Test(replica_serve, replicas_resyncing_from_each_other_all_get_a_snapshot, .time
 	all_agree(r, 3, "after every replica resynced at once");
 	bus_teardown(r, 3);
 }
+
+/* Replicas 2 and 3 are cut off together (and stay deaf to the stream: only a snapshot can tell
+ * them what they missed) while replica 1 removes rank 2.  Back at once, each resyncs, asking
+ * the other first (the bus asks the last ready one), then the ready peers in turn (bus_spread,
+ * as a NATS queue group spreads requests).  Each was served the other's table from before
+ * its resync, rank 2 included, and took it for what the cluster holds: the removed rank stayed
+ * routable on both until their stream told them (a re-announce's tombstone, ~100 ms later). */
+Test(replica_serve, resyncing_replicas_do_not_serve_each_other_a_stale_table, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){2, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, 3);
+	for (int i = 0; i < 3; i++)
+		cr_assert(has_rank(r[i], 2));
+	for (int i = 1; i < 3; i++) {
+		kvr_replica_disconnected(bus.rep[i]);
+		__atomic_store_n(&bus_deaf[i], true, __ATOMIC_RELEASE);
+	}
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert(has_rank(r[1], 2) && has_rank(r[2], 2));
+	bus_spread = true;
+	uint64_t applied[3];
+	/* Both told of the reconnect before either handles anything: each resyncs while the
+	 * other does, so each one's first request finds its provider resyncing. */
+	for (int i = 1; i < 3; i++) {
+		applied[i] = stats(i).snapshots_applied;
+		pthread_mutex_lock(&bus.rep[i]->hmu);
+	}
+	for (int i = 1; i < 3; i++)
+		kvr_replica_reconnected(bus.rep[i]);
+	for (int i = 1; i < 3; i++)
+		pthread_mutex_unlock(&bus.rep[i]->hmu);
+	for (int i = 1; i < 3; i++)
+		wait_resyncs(i, 0, applied[i] + 1);
+	for (int i = 1; i < 3; i++)
+		cr_assert(!has_rank(r[i], 2),
+		          "replica %d took a resyncing peer's table: the removed rank is routable",
+		          i + 1);
+	for (int i = 1; i < 3; i++)
+		__atomic_store_n(&bus_deaf[i], false, __ATOMIC_RELEASE);
+	bus_quiet(r, 3);
+	for (int i = 0; i < 3; i++)
+		cr_assert(!has_rank(r[i], 2), "replica %d has the removed rank", i + 1);
+	all_agree(r, 3, "after both resynced");
+	bus_teardown(r, 3);
+}
