@@ -159,11 +159,15 @@ static int decode(const uint8_t *p, size_t len, struct kvr_wmsg *m, int depth)
 		m->chunk_flags = rd32(b + 4);
 		m->n_records = rd32(b + 8);
 		if (rd32(b + 12) != 0 ||
-		    m->chunk_flags &
-		        ~(KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_FLOOR))
+		    m->chunk_flags & ~(KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_GIVEN_UP |
+		                       KVR_MSG_CHUNK_FLOOR | KVR_MSG_CHUNK_RESYNCING))
 			return KVR_EINVAL;
+		if ((m->chunk_flags & KVR_MSG_CHUNK_RESYNCING) &&
+		    !(m->chunk_flags & KVR_MSG_CHUNK_GIVEN_UP))
+			return KVR_EINVAL; /* why a snapshot is given up: only with given up */
 		if ((m->chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) &&
-		    (m->chunk_flags != KVR_MSG_CHUNK_GIVEN_UP || m->n_records || bl != CHUNK_FIXED))
+		    ((m->chunk_flags & ~KVR_MSG_CHUNK_RESYNCING) != KVR_MSG_CHUNK_GIVEN_UP ||
+		     m->n_records || bl != CHUNK_FIXED))
 			return KVR_EINVAL; /* given up: nothing else */
 		size_t fixed = CHUNK_FIXED;
 		if (m->chunk_flags & KVR_MSG_CHUNK_FLOOR) {

@@ -70,7 +70,13 @@
  *                inbox): asks for a snapshot, the field then flags: bit0
  *                (KVR_MSG_SNAP_ASKER_SERVES) the asker serves snapshots itself (it resyncs
  *                after a reconnect, not at its join); older askers send 0, which a provider
- *                reads as a joiner's (sync/replica_snap.c, "Serving while resyncing").  Sent on
+ *                reads as a joiner's (sync/replica_snap.c, "Serving while resyncing").  Bit1
+ *                (KVR_MSG_SNAP_SETTLED_ONLY, with bit0): the asker wants a table from a
+ *                replica that is not resyncing itself; one that is declines it (a given-up
+ *                chunk with KVR_MSG_CHUNK_RESYNCING) instead of serving its table from before
+ *                its own resync.  Clear (older askers, or an asker that every peer declined
+ *                so), a provider serves what it has.  An older provider ignores the bit (it
+ *                read the field as flags, bit0 alone) and serves at once, as before.  Sent on
  *                the stream: asks replica
  *                `target` to send RESET and its live attempts again (it was thought gone, or
  *                messages were lost), plus the attempts it finished in the last `seq` ms.
@@ -79,7 +85,10 @@
  *                type ADMIT, ATTEMPT, RANK or FENCE }.  Given up (KVR_MSG_CHUNK_GIVEN_UP): the
  *                provider could not build the snapshot whole (no memory), or declines a
  *                joiner while it resyncs itself, and sends no more; no records, not last; the
- *                asker asks again.  Flags bit2 floor
+ *                asker asks again.  Flags bit3 resyncing (KVR_MSG_CHUNK_RESYNCING), only with
+ *                given up: the provider declines because it resyncs itself, and was asked
+ *                with KVR_MSG_SNAP_SETTLED_ONLY (so only by an asker that reads the bit: an
+ *                older one is never sent it).  Flags bit2 floor
  *                (KVR_MSG_CHUNK_FLOOR): 16 more bytes follow the fixed part, before the
  *                records, 16 8 clock  24 8 writer: the provider's rank floor, the newest
  *                removal whose tombstone it has forgotten (sync/replica_ranks.c, "Forgetting"),
@@ -127,11 +136,13 @@ enum kvr_msg_type {
 
 /* SNAP_REQ flags (a snapshot request's). */
 #define KVR_MSG_SNAP_ASKER_SERVES 1u
+#define KVR_MSG_SNAP_SETTLED_ONLY 2u
 
 /* SNAP_CHUNK flags. */
-#define KVR_MSG_CHUNK_LAST     1u
-#define KVR_MSG_CHUNK_GIVEN_UP 2u
-#define KVR_MSG_CHUNK_FLOOR    4u
+#define KVR_MSG_CHUNK_LAST      1u
+#define KVR_MSG_CHUNK_GIVEN_UP  2u
+#define KVR_MSG_CHUNK_FLOOR     4u
+#define KVR_MSG_CHUNK_RESYNCING 8u
 
 #define KVR_MSG_F_CHAIN_KNOWN 1u
 #define KVR_MSG_F_PREFILLED   2u

@@ -13,12 +13,26 @@
  * a_joiner_is_not_served_a_table_from_before_the_providers_resync).  Such a replica declines a
  * joiner's request (a given-up chunk): the joiner asks again after a pause, reaching another
  * peer of the queue group or this one once its resync is over.  A request from a replica that
- * serves snapshots itself (it resyncs after its own reconnect: KVR_MSG_SNAP_ASKER_SERVES) is
- * answered at once, with what this replica has: both hold tables of their own, which the
- * fences and the rank versions keep from going back; and refusing them could not end when every
- * replica resyncs at once (the server came back), each waiting for the others
- * (replicas_resyncing_from_each_other_all_get_a_snapshot).  So only joiners wait, and nobody
- * waits for a joiner (it serves nothing before it is ready): no cycle of refusals.
+ * serves snapshots itself (it resyncs after its own reconnect: KVR_MSG_SNAP_ASKER_SERVES) was
+ * answered at once, with what this replica had: both hold tables of their own, which the
+ * fences and the rank versions keep from going back.  But the asker takes the snapshot for what
+ * the cluster holds: a rank it names is kept, one it does not name is judged gone.  Two
+ * replicas cut off together and back together served each other their tables from before the
+ * outage, and a rank removed meanwhile stayed routable on both until their streams told them,
+ * ~100 ms later (resyncing_replicas_do_not_serve_each_other_a_stale_table).
+ *
+ * So a resyncing asker asks for a settled table first (KVR_MSG_SNAP_SETTLED_ONLY): a provider
+ * resyncing itself declines it, saying why (KVR_MSG_CHUNK_RESYNCING), and the asker asks again
+ * after BUSY_PAUSE_NS; the queue group spreads its requests over the ready peers, so one that
+ * is not resyncing, if any, answers soon.  Refusals alone could not end when every replica
+ * resyncs at once (the server came back): each would wait for the others
+ * (replicas_resyncing_from_each_other_all_get_a_snapshot).  So once every peer it knows (live
+ * or given up) has declined as resyncing, or after BUSY_ROUNDS such declines (a peer it knows
+ * may have left the queue group, and the group picks at random), the asker asks without the
+ * flag and takes what a resyncing provider has: nobody has better then, and the fences and rank
+ * versions keep it from going back (replicas_all_resyncing_settle_once_every_peer_declined).
+ * Joiners still wait for a provider's resync to end, and nobody waits for a joiner (it serves
+ * nothing before it is ready): no cycle of refusals.
  */
 #include <string.h>
 
@@ -29,19 +43,31 @@
  * again after RETRY_FIRST_NS, doubling up to RETRY_MAX_NS, within snapshot_timeout_ms. */
 #define RETRY_FIRST_NS 5000000ull
 #define RETRY_MAX_NS   200000000ull
+/* A resyncing asker declined by resyncing providers (KVR_MSG_CHUNK_RESYNCING) asks again after
+ * BUSY_PAUSE_NS, and takes a resyncing provider's table once every peer it knows declined so,
+ * or after BUSY_ROUNDS such declines: ~8 rounds of a pause and a provider's poll (10 ms on
+ * the bus, 20 ms over NATS) before a cluster that resyncs all at once settles for what it has. */
+#define BUSY_PAUSE_NS 10000000ull
+#define BUSY_ROUNDS   8u
 
-void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t chunk)
+/* A given-up chunk, with `why` (0 or KVR_MSG_CHUNK_RESYNCING) in its flags. */
+static void give_up(struct kvr_replica *rep, const char *to, uint32_t chunk, uint32_t why)
 {
 	uint8_t mem[KVR_MSG_HEADER + 16];
 	struct kvr_msg_buf b = {.p = mem, .cap = sizeof(mem)}; /* never grows: never freed */
 	size_t off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, rep->c.replica_id, rep->epoch, 0);
 	kvr_msg_put_u32(&b, chunk);
-	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_GIVEN_UP);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_GIVEN_UP | why);
 	kvr_msg_put_u32(&b, 0);
 	kvr_msg_put_u32(&b, 0);
 	kvr_msg_end(&b, off);
 	if (!b.oom)
 		(void)rep->t.reply(rep->t.ctx, to, b.p, b.len);
+}
+
+void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t chunk)
+{
+	give_up(rep, to, chunk, 0);
 }
 
 /* Serves a snapshot to `to`: FENCEs, RANKs, ghosts, live attempts, in chunks; or, if it cannot
@@ -163,6 +189,7 @@ struct snap_rx {
 	struct kvr_rep_item *chunks, *tail;
 	uint32_t next;
 	uint64_t provider;
+	bool busy; /* the provider declined: it resyncs itself (KVR_MSG_CHUNK_RESYNCING) */
 };
 
 static int on_chunk(void *cb, const void *buf, size_t len)
@@ -181,8 +208,11 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		return KVR_EINVAL;
 	}
 	rx->provider = m.h.replica;
-	if (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP)
-		return KVR_EAGAIN; /* the provider could not build it: ask again */
+	if (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) {
+		/* the provider could not build it, or resyncs itself: ask again */
+		rx->busy = m.chunk_flags & KVR_MSG_CHUNK_RESYNCING;
+		return KVR_EAGAIN;
+	}
 	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
 	if (!it)
 		return KVR_ENOMEM;
@@ -311,13 +341,19 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 
 static bool poll_requests(void *cb);
 
-/* Asks a peer for a snapshot once, waiting at most timeout_ns between chunks, and applies it.
- * Returns 0 (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the provider gave it up),
- * KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out of place). */
-static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns)
+/* Asks a peer for a snapshot once, waiting at most timeout_ns between chunks, and applies it;
+ * a reconnect's request asks for a settled provider's table if `settled_only`.  Returns 0
+ * (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the provider gave it up; *busy_from: its id if it
+ * declined because it resyncs itself, else 0), KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out
+ * of place). */
+static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, bool settled_only,
+                       uint64_t *busy_from)
 {
+	*busy_from = 0;
 	pthread_mutex_lock(&rep->qmu);
-	const uint64_t flags = rep->ready ? KVR_MSG_SNAP_ASKER_SERVES : 0; /* a reconnect's */
+	const uint64_t flags = rep->ready ? KVR_MSG_SNAP_ASKER_SERVES | /* a reconnect's */
+	                                        (settled_only ? KVR_MSG_SNAP_SETTLED_ONLY : 0)
+	                                  : 0;
 	pthread_mutex_unlock(&rep->qmu);
 	pthread_mutex_lock(&rep->mu);
 	rep->st.resyncs++;
@@ -335,6 +371,8 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns)
 		rc = rep->t.request(rep->t.ctx, req.p, req.len, timeout_ns, on_chunk, poll_requests,
 		                    &rx);
 	kvr_msg_buf_fini(&req);
+	if (rc == KVR_EAGAIN && rx.busy)
+		*busy_from = rx.provider;
 	if (rc == 0) {
 		apply_snapshot(rep, rx.chunks);
 		pthread_mutex_lock(&rep->mu);
@@ -349,24 +387,57 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns)
 	return rc;
 }
 
+/* Whether every peer this replica knows, live or given up, is among the n ids in `busy` (all
+ * declined as resyncing themselves).  Given-up ones count: a replica cut off for long gave up
+ * every peer, the settled ones too, and must not settle for a resyncing one's table because
+ * it heard only that one.  Context: the asker (hmu held). */
+static bool all_busy(struct kvr_replica *rep, const uint64_t *busy, size_t n)
+{
+	bool all = true;
+	pthread_mutex_lock(&rep->mu);
+	for (size_t i = 0; i < rep->n_peers && all; i++)
+		if ((rep->peers[i].alive || rep->peers[i].lost) &&
+		    !taken(busy, n, rep->peers[i].id))
+			all = false;
+	pthread_mutex_unlock(&rep->mu);
+	return all;
+}
+
 /* Asks a peer for a snapshot and applies it.  A snapshot given up by its provider (it could not
  * build it whole) or lost here for memory is asked for again after a short pause (serving the
  * snapshot requests waiting meanwhile), within snapshot_timeout_ms in all: before, a given-up
  * snapshot sent nothing more and the asker waited out the whole timeout, then went on without
- * it (test_replica_oom snapshot_given_up_asked_again).  Returns 0 (applied), KVR_ENOENT (no
- * peer), or the last attempt's failure. */
+ * it (test_replica_oom snapshot_given_up_asked_again).  A reconnect's resync asks for a settled
+ * provider's table until resyncing providers have declined it enough (see "Serving while
+ * resyncing" above).  Returns 0 (applied), KVR_ENOENT (no peer), or the last attempt's
+ * failure. */
 int kvr_rep_resync(struct kvr_replica *rep)
 {
 	if (!rep->t.request)
 		return KVR_ENOENT;
 	uint64_t timeout = (uint64_t)rep->c.snapshot_timeout_ms * 1000000ull;
 	uint64_t start = kvr_rep_mono_ns(), pause = RETRY_FIRST_NS;
+	uint64_t busy[MAX_PEERS];
+	size_t n_busy = 0;
+	unsigned busy_rounds = 0;
+	bool settled_only = true;
 	for (;;) {
-		uint64_t spent = kvr_rep_mono_ns() - start;
-		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1);
+		uint64_t spent = kvr_rep_mono_ns() - start, busy_from;
+		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1, settled_only,
+		                     &busy_from);
 		if (rc != KVR_EAGAIN && rc != KVR_ENOMEM)
 			return rc;
-		uint64_t until = kvr_rep_mono_ns() + pause;
+		uint64_t wait = pause;
+		if (busy_from) { /* declined: it resyncs too */
+			if (!taken(busy, n_busy, busy_from) && n_busy < MAX_PEERS)
+				busy[n_busy++] = busy_from;
+			if (++busy_rounds >= BUSY_ROUNDS || all_busy(rep, busy, n_busy))
+				settled_only = false; /* nobody has better: take what they have */
+			wait = BUSY_PAUSE_NS;
+		} else {
+			pause = pause * 2 < RETRY_MAX_NS ? pause * 2 : RETRY_MAX_NS;
+		}
+		uint64_t until = kvr_rep_mono_ns() + wait;
 		if (until - start >= timeout)
 			return rc;
 		struct snap_rx rx = {.rep = rep};
@@ -377,20 +448,19 @@ int kvr_rep_resync(struct kvr_replica *rep)
 			struct timespec ts = {0, (long)step};
 			nanosleep(&ts, NULL);
 		}
-		pause = pause * 2 < RETRY_MAX_NS ? pause * 2 : RETRY_MAX_NS;
 	}
 }
 
 /* Serves the snapshot requests waiting in the queue (while this replica waits for its own), but
- * a joiner's, declined (see "Serving while resyncing" above).  Returns true when the replica is
- * stopping (kvr_sync_detach, kvr_router_destroy): the wait ends then instead of running out its
- * snapshot_timeout_ms while they wait for this thread. */
+ * a joiner's and a settled-only asker's, declined (see "Serving while resyncing" above).
+ * Returns true when the replica is stopping (kvr_sync_detach, kvr_router_destroy): the wait ends
+ * then instead of running out its snapshot_timeout_ms while they wait for this thread. */
 static bool poll_requests(void *cb)
 {
 	struct kvr_replica *rep = ((struct snap_rx *)cb)->rep;
 	for (;;) {
 		struct kvr_rep_item *found = NULL;
-		bool joiner = false;
+		bool joiner = false, settled_only = false;
 		pthread_mutex_lock(&rep->qmu);
 		for (struct kvr_rep_item **pp = &rep->qhead; *pp; pp = &(*pp)->next) {
 			struct kvr_wmsg m;
@@ -399,6 +469,7 @@ static bool poll_requests(void *cb)
 			    kvr_msg_decode((*pp)->data, (*pp)->len, &m) == 0) {
 				found = *pp;
 				joiner = !(m.target & KVR_MSG_SNAP_ASKER_SERVES);
+				settled_only = m.target & KVR_MSG_SNAP_SETTLED_ONLY;
 				*pp = found->next;
 				if (rep->qtail == found) {
 					rep->qtail = NULL;
@@ -412,11 +483,11 @@ static bool poll_requests(void *cb)
 		pthread_mutex_unlock(&rep->qmu);
 		if (!found)
 			return stop;
-		if (joiner) {
+		if (joiner || settled_only) {
 			pthread_mutex_lock(&rep->mu);
 			rep->st.received++;
 			pthread_mutex_unlock(&rep->mu);
-			kvr_rep_snapshot_give_up(rep, found->reply, 0);
+			give_up(rep, found->reply, 0, joiner ? 0 : KVR_MSG_CHUNK_RESYNCING);
 		} else {
 			kvr_rep_handle(rep, found->data, found->len, found->reply);
 		}

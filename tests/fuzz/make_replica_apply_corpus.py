@@ -4,11 +4,12 @@ deliveries and snapshots from peers, in the target's framing (a config byte, the
 [kind u8][len u16 LE][bytes], an odd kind a snapshot).  The messages are the wire format of
 sync/replica_msg.h (version 2), built with make_replica_corpus.py's helpers: a peer's rank,
 admissions with output, prefill done, finish and abort; a batch; a gap; a heartbeat ahead of the
-stream; a reset; a goodbye; a new life of the peer; a snapshot with a live attempt and a ghost."""
+stream; a reset; a goodbye; a new life of the peer; a snapshot with a live attempt and a ghost;
+a snapshot declined by a provider that resyncs itself, then one served."""
 import os, struct, sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_replica_corpus import admit, chunk, msg  # noqa: E402
+from make_replica_corpus import admit, chunk, given_up, msg  # noqa: E402
 
 def frame(data, snapshot=False, fail=None):
     """A frame; fail=N: handled with its Nth allocation failed (N >= 1)."""
@@ -59,6 +60,10 @@ seeds = {
                       (chunk([fence(7, 99, 6), rank_v(2, 60, worker=9)]), True)],
     'snapshot': [(chunk([fence(7, 99, 3), rank(), admit(12, 7, 2, 1, 3, attempt=B),
                          admit(12, 3, 4, 0, 5, attempt=A)]), True), simple(4, A, 4)],
+    # declined (given up, flags bit3: the provider resyncs itself), then served
+    'snapshot_declined': [(given_up(8), True),
+                          (chunk([fence(7, 99, 3), rank(), admit(12, 3, 4, 0, 5, attempt=A)]), True),
+                          simple(4, A, 4)],
 }
 
 def main():

@@ -4,8 +4,9 @@ every type of the replica sync wire format (sync/replica_msg.h, version 2), a ba
 stream messages back to back), the output finality flags (OUTPUT bit0, ATTEMPT bit3), plus a few
 broken ones (an unknown and the old version 1, a truncated message and batch, an unknown OUTPUT
 flag, ATTEMPT bit3 without output), and versioned RANKs (flags bit0: clock and writer follow),
-valid and not (the flag without the version, the version without the flag), and a snapshot chunk
-with its provider's rank floor (flags bit2)."""
+valid and not (the flag without the version, the version without the flag), a snapshot chunk
+with its provider's rank floor (flags bit2), a given-up chunk with and without why (flags bit3,
+resyncing: valid only with given up), and a snapshot request that wants a settled table (bit1)."""
 import os, struct, sys
 
 def msg(t, body, replica=7, epoch=99, seq=1, version=2):
@@ -23,15 +24,19 @@ def admit(t=1, flags=1, n=3, tail=2, nout=0, seq=1, attempt=0x10001, worker=5, r
     body += b''.join(struct.pack('<I', 90 + i) for i in range(nout))
     return msg(t, body, replica=replica, seq=seq)
 
-def chunk(recs, floor=None):
+def chunk(recs, floor=None, more=0):
     """A SNAP_CHUNK (the last) holding the records recs; with floor (clock, writer), flags bit2
-    and the provider's rank floor before the records."""
-    flags = 1 | (4 if floor else 0)
+    and the provider's rank floor before the records; more: other flags."""
+    flags = 1 | (4 if floor else 0) | more
     body = struct.pack('<IIII', 0, flags, len(recs), 0)
     if floor:
         body += struct.pack('<QQ', *floor)
     body += b''.join(struct.pack('<I', len(r)) + r for r in recs)
     return msg(11, body, seq=0)
+
+def given_up(why=0):
+    """A given-up SNAP_CHUNK (flags bit1), with why (bit3 resyncing) or not: no records."""
+    return msg(11, struct.pack('<IIII', 0, 2 | why, 0, 0), seq=0)
 
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), 'corpus', 'replica')
@@ -67,6 +72,12 @@ def main():
         'chunk': chunk(recs),
         # SNAP_CHUNK flags bit2: the provider's rank floor (clock, writer) before the records
         'chunk_floor': chunk(recs, (1700000000000000000, 7)),
+        # SNAP_CHUNK flags bit1 given up; bit3: because the provider resyncs itself (only
+        # with given up); SNAP_REQ bit1: the asker wants a provider that is not resyncing
+        'chunk_given_up': given_up(),
+        'chunk_given_up_resyncing': given_up(8),
+        'chunk_resyncing_not_given_up': chunk(recs, more=8),
+        'snapreq_settled': msg(10, struct.pack('<Q', 3), seq=0),
         'fence': fence,
         'bad_version': msg(4, struct.pack('<Q', 1), version=3),
         'old_version': msg(4, struct.pack('<Q', 1), version=1),

@@ -1,7 +1,8 @@
 /*
  * Snapshots served by a replica that is resyncing itself (after a reconnect): a joiner must not
- * get the table from before that resync, and replicas resyncing from each other must not wait
- * for each other.  Over the in-process bus (tests/unit/replica_bus.h).
+ * get the table from before that resync, nor a replica resyncing too while a settled peer can
+ * serve it; and replicas that all resync at once must not wait for each other for ever.  Over
+ * the in-process bus (tests/unit/replica_bus.h).
  */
 #include "sync/replica_internal.h"
 #include "tests/unit/replica_bus.h"
@@ -159,4 +160,130 @@ Test(replica_serve, resyncing_replicas_do_not_serve_each_other_a_stale_table, .t
 		cr_assert(!has_rank(r[i], 2), "replica %d has the removed rank", i + 1);
 	all_agree(r, 3, "after both resynced");
 	bus_teardown(r, 3);
+}
+
+/* The first chunk that comes to port i's inbox within 10 s, decoded into *m (its copy in *keep,
+ * which the caller frees). */
+static void take_chunk(int i, struct kvr_wmsg *m, struct bus_chunk **keep)
+{
+	struct bus_chunk *c = NULL;
+	for (int k = 0; k < 1000 && !c; k++)
+		c = bus_take(i);
+	cr_assert_not_null(c, "no answer came to port %d", i);
+	cr_assert_eq(kvr_msg_decode(c->data, c->len, m), 0);
+	cr_assert_eq(m->h.type, KVR_MSG_SNAP_CHUNK);
+	*keep = c;
+}
+
+/* What a resyncing replica answers a snapshot request: an asker after its own reconnect that
+ * wants a settled table (KVR_MSG_SNAP_SETTLED_ONLY) is declined, and told why
+ * (KVR_MSG_CHUNK_RESYNCING); one that does not ask so (an older replica, which sends bit0
+ * alone, or an asker every peer declined) is served at once, as before; a joiner is declined
+ * without the flag (an older joiner could not read it). */
+Test(replica_serve, a_resyncing_provider_declines_an_asker_that_wants_a_settled_table,
+     .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	pthread_mutex_lock(&bus.rep[0]->hmu); /* replica 1 handles nothing: 2's resync waits */
+	uint64_t asked = stats(1).resyncs;
+	kvr_replica_disconnected(bus.rep[1]);
+	kvr_replica_reconnected(bus.rep[1]);
+	wait_resyncs(1, asked + 1, 0);
+	const uint64_t flags[3] = {KVR_MSG_SNAP_ASKER_SERVES | KVR_MSG_SNAP_SETTLED_ONLY,
+	                           KVR_MSG_SNAP_ASKER_SERVES, 0};
+	const uint32_t want[3] = {KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_RESYNCING, 0,
+	                          KVR_MSG_CHUNK_GIVEN_UP};
+	for (int k = 0; k < 3; k++) {
+		struct kvr_msg_buf b = {0};
+		size_t off = kvr_msg_begin(&b, KVR_MSG_SNAP_REQ, 9, 1, 0); /* replica 9 asks */
+		kvr_msg_put_u64(&b, flags[k]);
+		kvr_msg_end(&b, off);
+		cr_assert(!b.oom);
+		kvr_replica_deliver(bus.rep[1], b.p, b.len, "2"); /* answered to port 2 */
+		kvr_msg_buf_fini(&b);
+		struct kvr_wmsg m;
+		struct bus_chunk *c;
+		take_chunk(2, &m, &c);
+		cr_assert_eq(m.h.replica, 2);
+		cr_assert_eq(m.chunk_flags & ~(uint32_t)KVR_MSG_CHUNK_LAST, want[k],
+		             "request flags %lu: chunk flags %u, not %u", (unsigned long)flags[k],
+		             m.chunk_flags, want[k]);
+		while (!(m.chunk_flags & (KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_GIVEN_UP))) {
+			free(c);
+			take_chunk(2, &m, &c);
+		}
+		free(c);
+	}
+	pthread_mutex_unlock(&bus.rep[0]->hmu);
+	bus_quiet(r, 2);
+	bus_teardown(r, 2);
+}
+
+/* Every replica reconnects at once, its requests spread over its peers (bus_spread): once both
+ * peers declined as resyncing, an asker takes a resyncing peer's table (nobody has better), 3
+ * requests at most; it does not wait out its rounds of declines (BUSY_ROUNDS, 8, in
+ * sync/replica_snap.c) as when a peer it knows never answered. */
+Test(replica_serve, replicas_all_resyncing_settle_once_every_peer_declined, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	for (uint32_t k = 0; k < 6; k++) {
+		struct kvr_decision d = bus_route(r[k % 3], 60 + k, 64);
+		if (k % 2)
+			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
+	}
+	bus_quiet(r, 3);
+	bus_spread = true;
+	uint64_t applied[3], asked[3];
+	for (int i = 0; i < 3; i++) {
+		applied[i] = stats(i).snapshots_applied;
+		asked[i] = stats(i).resyncs;
+		kvr_replica_disconnected(bus.rep[i]);
+	}
+	for (int i = 0; i < 3; i++)
+		pthread_mutex_lock(&bus.rep[i]->hmu);
+	for (int i = 0; i < 3; i++)
+		kvr_replica_reconnected(bus.rep[i]);
+	for (int i = 0; i < 3; i++)
+		pthread_mutex_unlock(&bus.rep[i]->hmu);
+	for (int i = 0; i < 3; i++)
+		wait_resyncs(i, 0, applied[i] + 1);
+	for (int i = 0; i < 3; i++)
+		cr_assert_leq(stats(i).resyncs - asked[i], 3, "replica %d asked %lu times", i + 1,
+		              (unsigned long)(stats(i).resyncs - asked[i]));
+	bus_quiet(r, 3);
+	all_agree(r, 3, "after every replica resynced at once");
+	bus_teardown(r, 3);
+}
+
+/* A given-up chunk may say why (sync/replica_msg.h, SNAP_CHUNK flags bit3: the provider resyncs
+ * itself): read with given up, and only with it; nothing else comes with either. */
+Test(replica_serve, a_resyncing_decline_on_the_wire, .timeout = 60)
+{
+	struct kvr_msg_buf b = {0};
+	struct kvr_wmsg m;
+	size_t off = kvr_msg_begin(&b, KVR_MSG_SNAP_CHUNK, 5, 100, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_RESYNCING);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_put_u32(&b, 0);
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom);
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), 0);
+	cr_assert_eq(m.chunk_flags, KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_RESYNCING);
+	const size_t flags_at = KVR_MSG_HEADER + 4;
+	const uint8_t bad[] = {
+	    KVR_MSG_CHUNK_RESYNCING,                      /* alone */
+	    KVR_MSG_CHUNK_LAST | KVR_MSG_CHUNK_RESYNCING, /* on a snapshot */
+	    KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_RESYNCING | KVR_MSG_CHUNK_LAST, /* and last */
+	    KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_RESYNCING | 16, /* an unknown flag */
+	};
+	for (size_t k = 0; k < sizeof(bad); k++) {
+		b.p[flags_at] = bad[k];
+		cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), KVR_EINVAL, "flags %u", bad[k]);
+	}
+	b.p[flags_at] = KVR_MSG_CHUNK_GIVEN_UP; /* given up, no reason: as before */
+	cr_assert_eq(kvr_msg_decode(b.p, b.len, &m), 0);
+	kvr_msg_buf_fini(&b);
 }
