@@ -223,6 +223,113 @@ static int child_code(int st, const char *what, unsigned n)
 	return WEXITSTATUS(st);
 }
 
+/*
+ * Two barriers on the callers' threads (no reclaimer can start) and a fork between two slices
+ * of the first one's batch: the first barrier's caller lets the fork in (sync/rcu.c, run_batch)
+ * and the second caller, already waiting for the lock, gets it before the fork does.  Before,
+ * the second caller took its own batch over the first one's rest (in_hand): the rest never ran
+ * and the first caller waited for its barrier for good.
+ */
+enum { SPLIT_FREES = 2000 };
+static int split_stage, split_freed;
+static void split_wait(int stage)
+{
+	while (__atomic_load_n(&split_stage, __ATOMIC_ACQUIRE) < stage)
+		usleep(1000);
+}
+static void split_set(int stage)
+{
+	__atomic_store_n(&split_stage, stage, __ATOMIC_RELEASE);
+}
+static void split_first(void *p)
+{
+	(void)p;
+	split_set(1); /* the batch is under way, the lock held */
+	split_wait(4);
+	__atomic_add_fetch(&split_freed, 1, __ATOMIC_RELAXED);
+}
+static void split_count(void *p)
+{
+	(void)p;
+	__atomic_add_fetch(&split_freed, 1, __ATOMIC_RELAXED);
+}
+static int split_b_done, split_a_done;
+static void *split_a(void *arg)
+{
+	(void)arg;
+	split_wait(0);
+	kvr_rcu_defer_free(&split_freed, split_first);
+	for (int i = 1; i < SPLIT_FREES; i++)
+		kvr_rcu_defer_free(&split_freed, split_count);
+	kvr_rcu_barrier(); /* runs the batch here */
+	__atomic_store_n(&split_a_done, 1, __ATOMIC_RELEASE);
+	return NULL;
+}
+static void *split_b(void *arg)
+{
+	(void)arg;
+	split_wait(2);
+	kvr_rcu_defer_free(&split_freed, split_count);
+	kvr_rcu_barrier(); /* waits for the lock the first barrier's caller holds */
+	__atomic_store_n(&split_b_done, 1, __ATOMIC_RELEASE);
+	return NULL;
+}
+static void *split_fork(void *arg)
+{
+	(void)arg;
+	split_wait(3);
+	pid_t pid = fork(); /* waits for the lock too, after the second caller */
+	if (pid == 0)
+		_exit(0);
+	int st = 0;
+	if (pid > 0)
+		waitpid(pid, &st, 0);
+	return NULL;
+}
+static int split_scenario(void *arg)
+{
+	(void)arg;
+	/* Threads first (this child's); then no thread may start, the reclaimer's included. */
+	pthread_t t[3];
+	void *(*fn[3])(void *) = {split_a, split_b, split_fork};
+	for (int i = 0; i < 3; i++)
+		CHECK(pthread_create(&t[i], NULL, fn[i], NULL) == 0, "pthread_create");
+	__atomic_store_n(&calls, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&fail_persist, 1, __ATOMIC_RELAXED);
+	__atomic_store_n(&fail_nth, 1, __ATOMIC_RELAXED);
+	split_wait(1);
+	split_set(2);
+	usleep(100000); /* the second caller waits for the lock */
+	split_set(3);
+	usleep(100000); /* the fork waits for it, after the second caller */
+	split_set(4);
+	for (int i = 0; i < 1000 && !(__atomic_load_n(&split_a_done, __ATOMIC_ACQUIRE) &&
+	                              __atomic_load_n(&split_b_done, __ATOMIC_ACQUIRE));
+	     i++)
+		usleep(10000);
+	CHECK(__atomic_load_n(&split_a_done, __ATOMIC_ACQUIRE),
+	      "the first barrier never returned (%d of %d frees ran)",
+	      __atomic_load_n(&split_freed, __ATOMIC_RELAXED), SPLIT_FREES + 1);
+	CHECK(__atomic_load_n(&split_b_done, __ATOMIC_ACQUIRE),
+	      "the second barrier never returned");
+	for (int i = 0; i < 3; i++)
+		pthread_join(t[i], NULL);
+	CHECK(__atomic_load_n(&split_freed, __ATOMIC_RELAXED) == SPLIT_FREES + 1,
+	      "%d of %d deferred frees ran", __atomic_load_n(&split_freed, __ATOMIC_RELAXED),
+	      SPLIT_FREES + 1);
+	return 0;
+}
+
+/* A router first (the fork handlers are registered with it), then, in a child of this process
+ * (no reclaimer there), the split batch. */
+static int split_outer(void *arg)
+{
+	(void)arg;
+	struct kvr_router *r = router(KVR_MODE_APPROX_LRU, false);
+	kvr_router_destroy(r);
+	return child_code(kvr_test_run_child(split_scenario, NULL), "split", 0);
+}
+
 /* Runs scenario(nth, persist) in a child; returns its exit status (3: nothing refused). */
 static int in_child(unsigned nth, bool persist)
 {
@@ -233,6 +340,8 @@ static int in_child(unsigned nth, bool persist)
 int main(void)
 {
 	unsigned runs = 0;
+	for (unsigned i = 0; i < 5; i++, runs++)
+		child_code(kvr_test_run_child(split_outer, NULL), "split", i);
 	for (int persist = 0; persist < 2; persist++) {
 		unsigned nth = 1;
 		for (; nth <= 64; nth++, runs++)
