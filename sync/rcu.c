@@ -145,25 +145,15 @@ static struct rcu_head *in_hand;
 /* Forks waiting for rec_run (atomic): the reclaimer lets them in between slices. */
 static uint32_t forks_waiting;
 
-/* Runs what is queued now, oldest first, after one grace period; false if nothing was.  A
- * batch is run in slices of REC_SLICE callbacks, rec_run released between two slices when a
- * fork waits for it: before, a fork waited for the whole batch, which grows while the reclaimer
- * lags (probe: a thread queueing frees flat out, fork() p50 350-385 ms, max 0.9 s).
- * Context: holds rec_run, outside a read-side section. */
-static bool run_batch(void)
+/* Runs the batch under way (in_hand) to its end, in slices of REC_SLICE callbacks, rec_run
+ * released between two slices when a fork waits for it: before, a fork waited for the whole
+ * batch, which grows while the reclaimer lags (probe: a thread queueing frees flat out, fork()
+ * p50 350-385 ms, max 0.9 s).  Whoever holds rec_run next goes on with in_hand: the thread that
+ * let the fork in, or another thread that runs batches (a barrier's caller with no reclaimer),
+ * which must finish this older batch before it takes its own.
+ * Context: holds rec_run (released and taken back), outside a read-side section. */
+static void run_in_hand(void)
 {
-	struct rcu_head *h = __atomic_exchange_n(&pending, NULL, __ATOMIC_ACQUIRE);
-	if (!h)
-		return false;
-	urcu_bp_synchronize_rcu();
-	struct rcu_head *fifo = NULL;
-	while (h) {
-		struct rcu_head *next = (struct rcu_head *)h->next.next;
-		h->next.next = (struct cds_wfcq_node *)fifo;
-		fifo = h;
-		h = next;
-	}
-	in_hand = fifo;
 	for (unsigned n = 1; in_hand; n++) {
 		struct rcu_head *cur = in_hand;
 		in_hand = (struct rcu_head *)cur->next.next; /* cur may be freed */
@@ -178,6 +168,29 @@ static bool run_batch(void)
 			pthread_mutex_lock(&rec_run);
 		}
 	}
+}
+
+/* Runs what is queued now, oldest first, after one grace period; false if nothing was.  First
+ * the rest of a batch another thread left for a fork (run_in_hand): it is older, and a barrier
+ * in it waits for its caller's thread, which may now wait for rec_run behind this one.
+ * Context: holds rec_run, outside a read-side section. */
+static bool run_batch(void)
+{
+	bool ran = in_hand != NULL;
+	run_in_hand();
+	struct rcu_head *h = __atomic_exchange_n(&pending, NULL, __ATOMIC_ACQUIRE);
+	if (!h)
+		return ran;
+	urcu_bp_synchronize_rcu();
+	struct rcu_head *fifo = NULL;
+	while (h) {
+		struct rcu_head *next = (struct rcu_head *)h->next.next;
+		h->next.next = (struct cds_wfcq_node *)fifo;
+		fifo = h;
+		h = next;
+	}
+	in_hand = fifo;
+	run_in_hand();
 	return true;
 }
 
