@@ -1374,3 +1374,166 @@ Test(regress, an_admission_whose_lease_expires_inside_its_pass_is_still_reclaime
 	cr_assert_eq(kvr_route_wait(r, q.ticket, 1, &d), KVR_ENOENT);
 	kvr_router_destroy(r);
 }
+
+/* A request restricted to a rank (pinned, or allow-listed to it and to ranks that do not exist)
+ * whose rank goes between kvr_route's look at it (live and saturated: it queues) and its push:
+ * the removal's pass (kvr_queue_rank_gone's, full) runs before the entry is on the list, and
+ * every later pass ends at the first saturated unrestricted entry, which waits ahead of it.  It
+ * stayed queued (on_admit told nothing, kvr_route_wait ran out) until that entry was admitted or
+ * another rank went.  Now it fails at once (KVR_ENOENT, as if the rank had gone before the
+ * call), or, queued, is failed within the wait and reported once.  The removal runs on another
+ * thread inside the routing thread's first clock read after the look (the push's). */
+static struct kvr_router *gone_r;
+static struct kvr_rank_id gone_rank;
+static pthread_t gone_thread;
+static int gone_armed, gone_fired, gone_rc = -1, gone_ticking;
+
+static void *gone_remove(void *p)
+{
+	(void)p;
+	gone_rc = kvr_rank_remove(gone_r, gone_rank);
+	return NULL;
+}
+
+static uint64_t gone_clock(void *ctx)
+{
+	if (pthread_equal(pthread_self(), gone_thread) &&
+	    __atomic_exchange_n(&gone_armed, 0, __ATOMIC_ACQ_REL)) {
+		pthread_t t;
+		cr_assert_eq(pthread_create(&t, NULL, gone_remove, NULL), 0);
+		pthread_join(t, NULL);
+		gone_fired = 1;
+	}
+	return vclock(ctx);
+}
+
+/* Moves the virtual clock 1 ms a real ms while gone_ticking, so that a wait's deadline passes. */
+static void *gone_ticker(void *p)
+{
+	(void)p;
+	while (__atomic_load_n(&gone_ticking, __ATOMIC_ACQUIRE)) {
+		__atomic_add_fetch(&vnow, 1000000, __ATOMIC_RELAXED);
+		nanosleep(&(struct timespec){0, 1000000}, NULL);
+	}
+	return NULL;
+}
+
+static void restricted_to_a_rank_removed_before_its_push(bool allow, bool wait,
+                                                         enum kvr_queue_policy policy)
+{
+	struct seen s;
+	memset(&s, 0, sizeof(s));
+	pthread_mutex_init(&s.mu, NULL);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = gone_clock;
+	c.queue_threshold = 1.0;
+	c.queue_policy = policy;
+	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hogs stay */
+	if (!wait) {
+		c.on_admit = on_admit;
+		c.callback_ctx = &s;
+	}
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id a = {1, 0}, b = {2, 0}, never = {3, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 100000, 16), 0);
+	cr_assert_eq(kvr_rank_add(r, b, 1, 100000, 16), 0);
+	struct kvr_decision ha, hb, u, d;
+	/* 64 prefill tokens > 16: each rank saturated, for good (no lease expires). */
+	cr_assert_eq(route_salt_pinned(r, &a, 34000, 64, &ha), 0);
+	cr_assert_eq(route_salt_pinned(r, &b, 34001, 64, &hb), 0);
+	cr_assert_eq(ha.status, KVR_DECIDED);
+	cr_assert_eq(hb.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	/* An unrestricted request waits: every live rank is saturated. */
+	static uint32_t tu[64], tp[128];
+	prompt(tu, 64, 34002);
+	cr_assert_eq(route_tokens(r, tu, 64, NULL, &u), 0);
+	cr_assert_eq(u.status, KVR_QUEUED);
+	/* Then one for rank a only (under WSPT after u too: more uncached tokens), a removed
+	 * inside its push. */
+	prompt(tp, 128, 34003);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tp;
+	q.n_tokens = 128;
+	const struct kvr_rank_id list[2] = {a, never};
+	if (allow) {
+		q.allow = list;
+		q.n_allow = 2;
+	} else {
+		q.pinned = &a;
+	}
+	pthread_t ticker;
+	if (wait) {
+		q.flags |= KVR_ROUTE_WAIT;
+		q.deadline_ns = vclock(NULL) + 5000000000ull; /* 5 s of the ticking clock */
+		__atomic_store_n(&gone_ticking, 1, __ATOMIC_RELEASE);
+		cr_assert_eq(pthread_create(&ticker, NULL, gone_ticker, NULL), 0);
+	}
+	gone_r = r;
+	gone_rank = a;
+	gone_thread = pthread_self();
+	gone_fired = 0;
+	gone_rc = -1;
+	__atomic_store_n(&gone_armed, 1, __ATOMIC_RELEASE);
+	int rc = kvr_route(r, &q, &d);
+	__atomic_store_n(&gone_armed, 0, __ATOMIC_RELEASE);
+	if (wait) {
+		__atomic_store_n(&gone_ticking, 0, __ATOMIC_RELEASE);
+		pthread_join(ticker, NULL);
+	}
+	cr_assert_eq(gone_fired, 1, "the route read the clock");
+	cr_assert_eq(gone_rc, 0, "the removal: %s", kvr_strerror(gone_rc));
+	if (rc == 0 && !wait) {
+		/* Queued: its failure is reported through on_admit, once, within 5 s. */
+		cr_assert_eq(d.status, KVR_QUEUED);
+		int found = 0;
+		for (int ms = 0; ms < 5000 && !found; ms++) {
+			nanosleep(&(struct timespec){0, 1000000}, NULL);
+			found = seen_find(&s, d.ticket, NULL);
+		}
+		cr_assert_eq(found, 1,
+		             "the request for the removed rank stayed queued (ticket %" PRIu64
+		             ") behind a saturated unrestricted one",
+		             d.ticket);
+		nanosleep(&(struct timespec){0, 20000000}, NULL);
+		struct kvr_decision o;
+		cr_assert_eq(seen_find(&s, d.ticket, &o), 1, "reported once");
+		cr_assert_eq(o.status, KVR_FAILED);
+		cr_assert_eq(o.error, KVR_ENOENT);
+	} else {
+		cr_assert_eq(rc, KVR_ENOENT, "%s: %s", kvr_strerror(rc), kvr_last_error());
+	}
+	/* Only the unrestricted request waits, still saturated; nobody was told anything. */
+	cr_assert_eq(kvr_queue_depth(r), 1);
+	cr_assert_eq(seen_find(&s, u.ticket, NULL), 0);
+	pthread_mutex_lock(&s.mu);
+	int told = s.n;
+	pthread_mutex_unlock(&s.mu);
+	cr_assert_eq(told, rc == 0 && !wait ? 1 : 0);
+	kvr_router_destroy(r);
+}
+
+Test(regress, a_request_pinned_to_a_rank_removed_before_its_push_fails_at_once, .timeout = 60)
+{
+	restricted_to_a_rank_removed_before_its_push(false, false, KVR_QUEUE_FCFS);
+}
+
+Test(regress, a_waiter_allowed_only_a_rank_removed_before_its_push_fails_at_once, .timeout = 60)
+{
+	restricted_to_a_rank_removed_before_its_push(true, true, KVR_QUEUE_FCFS);
+}
+
+Test(regress, a_request_allowed_only_a_rank_removed_before_its_push_fails_at_once_wspt,
+     .timeout = 60)
+{
+	restricted_to_a_rank_removed_before_its_push(true, false, KVR_QUEUE_WSPT);
+}
+
+Test(regress, a_waiter_pinned_to_a_rank_removed_before_its_push_fails_at_once_wspt, .timeout = 60)
+{
+	restricted_to_a_rank_removed_before_its_push(false, true, KVR_QUEUE_WSPT);
+}
