@@ -711,6 +711,20 @@ static void *dup_bytes(const void *src, size_t bytes)
 
 static uint64_t reap(struct kvr_queue *q, uint64_t now, bool all);
 
+/* Whether restricted request q (pinned, or allow-listed) names a live rank: one index lookup a
+ * named rank, until one is found.  Context: under q->lock (kvr_queue_push says why); the caller
+ * is registered with RCU. */
+static bool restriction_live(struct kvr_router *r, const struct kvr_request *q)
+{
+	uint32_t s;
+	if (q->pinned)
+		return kvr_router_find_rank(r, *q->pinned, &s) == 0;
+	for (size_t i = 0; i < q->n_allow; i++)
+		if (kvr_router_find_rank(r, q->allow[i], &s) == 0)
+			return true;
+	return false;
+}
+
 int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
                    struct kvr_decision *d)
 {
@@ -788,6 +802,23 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 			kvr_free(spare, group_bytes(spare->n_ids));
 		kvr_metrics_add(mb, KVR_C_QUEUE_REJECTED, 1);
 		return rc;
+	}
+	/* kvr_route found its ranks live, but they may have gone since, and with them the pass
+	 * that fails the requests restricted to them (kvr_queue_rank_gone's, which looks past a
+	 * saturated unrestricted entry): every later pass ends at such an entry, so a request
+	 * pushed after it waited there until that entry was admitted or another rank went
+	 * (test_regress: *_removed_before_its_push_fails_at_once).  It fails now instead, as if
+	 * its ranks had gone before the call.  Looked at under the lock, in the critical section
+	 * that links it: kvr_rank_remove clears the rank's live word before kvr_queue_rank_gone
+	 * takes this lock to ask for that pass, so either this look comes after (it sees the rank
+	 * gone) or the entry is on the list before that pass starts (which fails it).  A
+	 * restricted request's own ranks only: no walk of the queue. */
+	if (spare && !restriction_live(r, &e->req)) {
+		pthread_mutex_unlock(&q->lock);
+		entry_free(e);
+		kvr_free(spare, group_bytes(spare->n_ids));
+		kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
+		return KVR_ENOENT;
 	}
 	e->ticket = __atomic_add_fetch(&tickets_issued, 1, __ATOMIC_RELAXED);
 	/* Held for kvr_route, which pumps after this push and then settles the ticket
@@ -1026,7 +1057,9 @@ bool kvr_queue_pump(struct kvr_router *r)
 		/* Once an unrestricted entry is saturated, every live rank is, and so are every
 		 * later entry's: the pass ends there, unless a rank went since the last full pass,
 		 * when a later entry restricted to ranks that are all gone is routed (it fails, and
-		 * is told so) and every other is passed over.
+		 * is told so) and every other is passed over.  (A request whose ranks went after
+		 * kvr_route looked at them, and before its push, is refused by the push: it may
+		 * come after that pass.)
 		 *
 		 * The restricted entries wait in groups by restriction (struct qgroup), each in
 		 * the policy's order, the unrestricted ones on q->w: the pass merges q->w with the
