@@ -139,7 +139,8 @@ struct qentry {
 	int state;
 	int rc;
 	bool waited;          /* a kvr_route_wait caller will collect it */
-	bool held;            /* held for its kvr_route until kvr_queue_settle: never reclaimed */
+	bool held;            /* held for its kvr_route until kvr_queue_settle, or a waiting one
+	                       * until its kvr_route_wait watches it: never reclaimed */
 	uint8_t height;       /* its levels in the waiting list's skip list (1: level 0 only) */
 	uint32_t watched;     /* kvr_route_wait calls inside their loop for it: never reclaimed */
 	uint64_t done_ns;     /* Q_ADMITTED: when (router clock), for a failed outcome's reclaim */
@@ -1318,8 +1319,12 @@ int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kv
 	if (e && e->state == Q_ADMITTED) {
 		rc = collect(q, e, d);
 	} else if (e) {
+		/* A KVR_ROUTE_WAIT request stays held until kvr_route's own wait watches it: a pass
+		 * may admit it meanwhile and a reset or removal end its attempt, and the reap took
+		 * such an outcome from the call about to collect it (kvr_route returned KVR_ENOENT,
+		 * "not queued", with d still KVR_QUEUED: test_route_wait_held). */
 		e->waited = wait;
-		e->held = false;
+		e->held = wait;
 	}
 	pthread_mutex_unlock(&q->lock);
 	return rc;
@@ -1426,7 +1431,8 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		    ticket);
 	}
 	e->waited = true;
-	e->watched++; /* its outcome is this wait's (or another's) to collect: kept till then */
+	e->watched++;    /* its outcome is this wait's (or another's) to collect: kept till then */
+	e->held = false; /* a KVR_ROUTE_WAIT's: watched now (kvr_queue_settle) */
 	q->waiters++;
 	int rc;
 	bool admission = false;

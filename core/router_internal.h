@@ -190,8 +190,9 @@ bool kvr_queue_admissible(struct kvr_router *r);
 void kvr_queue_rank_gone(struct kvr_router *r);
 /* After kvr_route queued a request (marked waited by kvr_queue_push) and pumped: if it was
  * admitted meanwhile, its outcome into *d (its admission's return code); else it stays queued,
- * collected by a waiter only if wait (otherwise on_admit answers it).  Returns 0 or the
- * admission's code. */
+ * collected by a waiter only if wait (otherwise on_admit answers it), and with wait held (never
+ * reclaimed) until the caller's kvr_route_wait watches it.  Returns 0 or the admission's
+ * code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
 /* Queued requests admitted (or failed) whose outcome nobody collected yet.  Context: any thread,
