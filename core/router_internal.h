@@ -214,7 +214,8 @@ int kvr_admitter_start(struct kvr_router *r);
  * the thread itself. */
 void kvr_admitter_stop(struct kvr_router *r);
 /* The shards' hook for load they lowered by themselves (kvr_owner_ctx.on_unloaded, ctx: the
- * router) of a router with a queue: wakes the admission thread when requests are queued.  Never
+ * router) of a router with a queue: wakes the admission thread when requests are queued, or when
+ * attempts ended with no call (ended) while outcomes wait uncollected (it reaps them).  Never
  * blocks, allocates or takes a lock.  Context: r's shard threads.  Ordering: a seq_cst fence
  * between the shard's publication of the lowered load and the read of the depth; pairs with the
  * route's fence after its push (kvr_queue_catch_up). */
