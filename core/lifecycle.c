@@ -198,9 +198,10 @@ static int progress(struct kvr_router *r, uint64_t attempt, int op, const uint32
 	 * task whose time it is due by) changes what the claim or touch returns: an end only
 	 * releases a word its caller claimed (stale either way), and a booking is dropped only
 	 * when its rank went away under another thread.  So this waits only when the reaper may
-	 * run in the work still queued. */
-	if (r->cfg.sync_booking)
-		(void)kvr_shard_settle_timers(sh); /* 0, or stopping */
+	 * run in the work still queued, armed already or by a queued booking (one scan interval
+	 * after the booking's time: kvr_owner_wake_reaper). */
+	if (r->cfg.sync_booking) /* 0, or stopping */
+		(void)kvr_shard_settle_timers(sh, r->cfg.lease_scan_interval_ns);
 	struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 	bool ends = op == KVR_OP_FINISH || op == KVR_OP_ABORT;
 	rc = ends ? kvr_lease_claim(r->leases, attempt) : kvr_lease_touch(r->leases, attempt);

@@ -313,8 +313,10 @@ void kvr_owner_retry_timers(struct kvr_shard *sh)
 	if (!ss || !ss->timers_broken)
 		return;
 	ss->timers_broken = false;
+	/* One interval on, as a booking arms it: sync_booking's lifecycle calls count on no scan
+	 * coming sooner after the time of the work that arms the reaper (core/lifecycle.c). */
 	if (!ss->reaper_armed)
-		arm_reaper(sh, kvr_owner_now(ss->c));
+		arm_reaper(sh, reaper_next(ss->c));
 	for (struct kvr_rank_owned *own = ss->ranks; own; own = own->next) {
 		kvr_owner_arm_ttl(sh, own);
 		arm_decay(sh, own, kvr_owner_now(ss->c));

@@ -150,7 +150,9 @@ struct kvr_shard {
 	uint64_t soon_last;  /* shard thread: mono_ns() when it went idle after one, 0 = never */
 	uint32_t park_soon;  /* atomic: the park being entered is bounded by soon_ns (see post) */
 	bool has_held;       /* shard thread: held is the next message (see shard_loop) */
-	uint64_t time_hw;    /* shard thread: the latest router time its timers and tasks ran at */
+	/* The latest router time its timers and tasks ran at: written by the shard thread, read
+	 * (atomic) by kvr_shard_settle_timers, where it bounds what queued work may run at. */
+	uint64_t time_hw;
 	/* The shard whose reply this shard's thread waits for in kvr_shard_call (a router callback
 	 * on it, the clock, calling the API), NULL otherwise.  Written by the thread, read by other
 	 * shards' threads looking for a cycle (wait_edge_add); seq_cst both. */
@@ -265,7 +267,7 @@ static uint32_t run_timed(struct kvr_shard *sh, struct kvr_msg *m)
 	memcpy(&at, m->payload, sizeof(at));
 	if (at < sh->time_hw)
 		at = sh->time_hw;
-	sh->time_hw = at;
+	__atomic_store_n(&sh->time_hw, at, __ATOMIC_RELEASE);
 	tls_task_ns = at;
 	tls_task_timed = true;
 	uint32_t fired = 0, f;
@@ -423,7 +425,7 @@ static void shard_loop(struct kvr_shard *sh)
 			if (fired)
 				publish_timers(sh);
 			if (now > sh->time_hw)
-				sh->time_hw = now;
+				__atomic_store_n(&sh->time_hw, now, __ATOMIC_RELEASE);
 			__atomic_store_n(&sh->seen_kick, g, __ATOMIC_RELEASE);
 		}
 		uint32_t n = 0;
@@ -1549,7 +1551,14 @@ int kvr_shard_settle(struct kvr_shard *sh)
 	return rc == KVR_ESHUTDOWN ? 0 : rc; /* stopping: the drain runs what is left */
 }
 
-int kvr_shard_settle_timers(struct kvr_shard *sh)
+/* Why the shard's time bounds what queued work arms: every task still queued runs at its own
+ * time or the shard's, whichever is later (run_timed), so at or after the shard's time as read
+ * here (it only grows), and at or before the later of that and the latest time posted.  Timers
+ * fire in that work only at those times: one already armed if its deadline is within them, one
+ * the work arms (at least armed_after_ns after its task's time) only if the shard's time plus
+ * armed_after_ns is.  Reading the deadline after the shard's time pairs the two: a task that
+ * armed a timer and then let the shard's time move published the deadline first. */
+int kvr_shard_settle_timers(struct kvr_shard *sh, uint64_t armed_after_ns)
 {
 	if (!sh)
 		return KVR_EINVAL;
@@ -1558,7 +1567,10 @@ int kvr_shard_settle_timers(struct kvr_shard *sh)
 		return 0;
 	/* Read after the count: covers every post counted (each records its time first). */
 	uint64_t last = __atomic_load_n(&sh->timed_last_at, __ATOMIC_RELAXED);
-	if (last < __atomic_load_n(&sh->timer_next, __ATOMIC_ACQUIRE))
+	uint64_t hw = __atomic_load_n(&sh->time_hw, __ATOMIC_ACQUIRE);
+	uint64_t end = last > hw ? last : hw;
+	uint64_t armed = hw + armed_after_ns < hw ? UINT64_MAX : hw + armed_after_ns;
+	if (end < __atomic_load_n(&sh->timer_next, __ATOMIC_ACQUIRE) && end < armed)
 		return 0;
 	return kvr_shard_settle(sh);
 }

@@ -328,13 +328,16 @@ bool kvr_shard_task_time(uint64_t *at);
 int kvr_shard_settle(struct kvr_shard *sh);
 
 /*
- * kvr_shard_settle for a caller that reads only what a periodic timer of the shard writes (the
- * lease reaper: armed again only as it fires), not what its tasks write: it also returns at once
- * when every timed task still queued is timed before the shard's next timer deadline as last
- * published, so that no timer armed before that work fires in it (one the work arms itself may,
- * which such a caller does not read).  Context: as kvr_shard_settle.
+ * kvr_shard_settle for a caller that reads only what a timer of the shard writes (the lease
+ * reaper), not what its tasks write: it also returns at once when no timer can fire in the timed
+ * work still queued, that is when that work runs at times before the shard's next timer deadline
+ * as last published and before the shard's time plus armed_after_ns, the least delay after its
+ * own time at which a task of that work may arm such a timer (the reaper: one scan interval).
+ * Before it counted only the published deadline, and a queued booking arms the reaper itself:
+ * a touch then succeeded ahead of scans due before it (test_owner_attempts,
+ * sync_booking_calls_see_the_scans_queued_work_makes_due).  Context: as kvr_shard_settle.
  */
-int kvr_shard_settle_timers(struct kvr_shard *sh);
+int kvr_shard_settle_timers(struct kvr_shard *sh, uint64_t armed_after_ns);
 
 /*
  * Runs fn(shard, arg) on the shard thread and returns its result; arg is borrowed for the call.

@@ -2,6 +2,7 @@
  * admission wait or allocate, counted (kvr_booking_waits_total, the thread's record
  * allocations), not timed. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <time.h>
 
 #include "core/alloc.h"
@@ -264,5 +265,108 @@ Test(owner_attempts, output_lost_for_memory_stops_predicting_the_attempt)
 	cr_assert_eq(s.resident_blocks, 2, "the prompt's blocks only, not %llu",
 	             (unsigned long long)s.resident_blocks);
 	cr_assert_eq(s.active_blocks, 0);
+	kvr_router_destroy(r);
+}
+
+/* sync_booking's lifecycle calls see the lease as the work posted before them left it, the
+ * reaper's scans due meanwhile included.  Before, a touch or claim waited only when queued work
+ * was timed past the shard's next timer deadline as published, and a booking still queued had
+ * not armed the reaper yet (no deadline at all): the fuzzer's seed 8801369 --limits, an output
+ * at t1 succeeded while the booking (t0) and a prefill done (t0 + 1) were queued, then those ran
+ * and the scans they made due (t0 + 1, t0 + 2) expired the attempt, so the next call at the same
+ * t1 returned KVR_ESTALE.  The shard is held in the router's clock while the calls are made. */
+static uint64_t hc_now = 1000;
+static int hc_hold, hc_held;
+static pthread_t hc_test_thread;
+static _Thread_local bool hc_never_held; /* the test's syncing thread */
+static uint64_t holding_vclock(void *ctx)
+{
+	(void)ctx;
+	if (!pthread_equal(pthread_self(), hc_test_thread) && !hc_never_held &&
+	    __atomic_load_n(&hc_hold, __ATOMIC_ACQUIRE)) {
+		__atomic_store_n(&hc_held, 1, __ATOMIC_RELEASE);
+		while (__atomic_load_n(&hc_hold, __ATOMIC_ACQUIRE))
+			nanosleep(&(struct timespec){0, 100000}, NULL);
+	}
+	return __atomic_load_n(&hc_now, __ATOMIC_ACQUIRE);
+}
+
+static void *hc_sync(void *arg)
+{
+	hc_never_held = true;
+	(void)kvr_router_sync(arg, 5000); /* returns once the shard is let go */
+	return NULL;
+}
+
+static void *hc_release_later(void *arg)
+{
+	(void)arg;
+	nanosleep(&(struct timespec){0, 200000000}, NULL);
+	__atomic_store_n(&hc_hold, 0, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+Test(owner_attempts, sync_booking_calls_see_the_scans_queued_work_makes_due, .timeout = 60)
+{
+	hc_test_thread = pthread_self();
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	c.now_ns = holding_vclock;
+	c.lease_scan_interval_ns = 1;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id id = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, id, 1, 100000, 0), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	static uint32_t w[16], p[32];
+	for (uint32_t i = 0; i < 16; i++)
+		w[i] = 900 + i;
+	for (uint32_t i = 0; i < 32; i++)
+		p[i] = i + 1;
+	struct kvr_request q;
+	struct kvr_decision d;
+	/* An attempt routed and finished, and its scan run: the reaper is disarmed (nothing to
+	 * scan), so nothing but a booking arms it again. */
+	kvr_request_init(&q);
+	q.tokens = w;
+	q.n_tokens = 16;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(kvr_request_finish(r, d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	__atomic_store_n(&hc_now, 1001, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	/* Another thread's sync wakes the shard, which then stays in the clock. */
+	__atomic_store_n(&hc_hold, 1, __ATOMIC_RELEASE);
+	pthread_t syncer;
+	cr_assert_eq(pthread_create(&syncer, NULL, hc_sync, r), 0);
+	while (!__atomic_load_n(&hc_held, __ATOMIC_ACQUIRE))
+		nanosleep(&(struct timespec){0, 100000}, NULL);
+	pthread_t rel;
+	cr_assert_eq(pthread_create(&rel, NULL, hc_release_later, NULL), 0);
+	/* The attempt: booked at t0 = 1001, prefill done at t0 + 1, then the clock jumps. */
+	q.tokens = p;
+	q.n_tokens = 32;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	__atomic_store_n(&hc_now, 1002, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_request_prefill_done(r, d.attempt), 0);
+	__atomic_store_n(&hc_now, 2000000, __ATOMIC_RELEASE);
+	static const uint32_t out[1] = {77};
+	int rc = kvr_request_output(r, d.attempt, out, 1);
+	/* Idle for far more than two scan intervals: KVR_ESTALE is right here, and so is 0 if no
+	 * scan has run; but once the output succeeded at this time, the attempt is live at it. */
+	if (rc == 0)
+		cr_assert_eq(kvr_request_output(r, d.attempt, out, 1), 0,
+		             "an output succeeded at this time, then the next found it expired");
+	else
+		cr_assert_eq(rc, KVR_ESTALE);
+	pthread_join(rel, NULL);
+	pthread_join(syncer, NULL);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	int again = kvr_request_finish(r, d.attempt);
+	cr_assert(rc == 0 ? again == 0 : again == KVR_ESTALE,
+	          "output %d, then a finish at the same time %d", rc, again);
 	kvr_router_destroy(r);
 }

@@ -566,7 +566,7 @@ Test(runtime, timed_posts_run_at_their_time)
 	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1000500), 0);
 	/* Nothing queued is timed at or past the first deadline (1001000): no wait, although
 	 * none of it ran. */
-	cr_assert_eq(kvr_shard_settle_timers(sh), 0);
+	cr_assert_eq(kvr_shard_settle_timers(sh, UINT64_MAX), 0);
 	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 0);
 	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1002500), 0);
 	__atomic_store_n(&vclock_ns, 1010000, __ATOMIC_RELEASE); /* every timer due now */
@@ -619,9 +619,35 @@ Test(runtime, settle_timers_waits_for_work_past_a_deadline)
 	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1001000), 0);
 	pthread_t t;
 	cr_assert_eq(pthread_create(&t, NULL, open_gate_later, &gate), 0);
-	cr_assert_eq(kvr_shard_settle_timers(sh), 0);
+	cr_assert_eq(kvr_shard_settle_timers(sh, UINT64_MAX), 0);
 	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 1);
 	cr_assert_eq(seen_fired[0], 1, "timer 1 (due at 1001000) ran before the task");
+	pthread_join(t, NULL);
+	kvr_shards_destroy(s);
+}
+
+/* ... and so is timed work in which a timer armed by an earlier task of it may fire: with no
+ * timer armed at all, tasks queued at +100 and +600 wait for a settle whose timers may be armed
+ * 500 after a task's time (the lease reaper, armed by a queued booking), not for one whose
+ * timers come 1,000 after. */
+Test(runtime, settle_timers_waits_for_work_that_may_arm_a_timer_due_in_it)
+{
+	vclock_ns = 1000000;
+	n_vfired = n_seen = 0;
+	struct kvr_shards *s = make(1, 64, vclock, NULL);
+	struct kvr_shard *sh = kvr_shards_get(s, 0);
+	cr_assert_eq(kvr_shard_call(sh, KVR_LANE_ROUTING, see_call, NULL), 0); /* time 1000000 */
+	int gate = 0, *gp = &gate;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, gate_task, &gp, sizeof(gp)), 0);
+	wait_inside_gate(sh);
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1000100), 0);
+	cr_assert_eq(kvr_shard_post_at(sh, KVR_LANE_ROUTING, see_task, NULL, 0, 1000600), 0);
+	cr_assert_eq(kvr_shard_settle_timers(sh, 1000), 0);
+	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 1, "no wait");
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, open_gate_later, &gate), 0);
+	cr_assert_eq(kvr_shard_settle_timers(sh, 500), 0);
+	cr_assert_eq(__atomic_load_n(&n_seen, __ATOMIC_ACQUIRE), 3, "waited for both tasks");
 	pthread_join(t, NULL);
 	kvr_shards_destroy(s);
 }
