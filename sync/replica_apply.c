@@ -330,11 +330,13 @@ uint64_t kvr_rep_release_mirrors_if(struct kvr_replica *rep, uint64_t origin, bo
 	}
 }
 
-static void peer_gone(struct kvr_replica *rep, struct kvr_rep_peer *p)
+/* Gives peer p up (left: it said goodbye), releasing what it mirrored here. */
+static void peer_gone(struct kvr_replica *rep, struct kvr_rep_peer *p, bool left)
 {
 	pthread_mutex_lock(&rep->mu);
 	p->alive = false;
 	p->lost = true;
+	p->left = left;
 	p->lost_ns = kvr_rep_mono_ns();
 	uint64_t id = p->id;
 	pthread_mutex_unlock(&rep->mu);
@@ -468,7 +470,7 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 	bool new_life = p->epoch && m.h.epoch != p->epoch;
 	pthread_mutex_unlock(&rep->mu);
 	if (new_life) /* the peer restarted: what it had is gone */
-		peer_gone(rep, p);
+		peer_gone(rep, p, false);
 	pthread_mutex_lock(&rep->mu);
 	if (new_life || !p->epoch) {
 		p->epoch = m.h.epoch;
@@ -476,6 +478,7 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 	}
 	bool revived = !p->alive && p->lost;
 	p->alive = true;
+	p->left = false;
 	p->last_seen = kvr_rep_mono_ns();
 	if (m.h.type == KVR_MSG_HEARTBEAT) {
 		p->hb_seq = m.h.seq;
@@ -500,7 +503,7 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 	}
 	if (m.h.type == KVR_MSG_GOODBYE) {
 		pthread_mutex_unlock(&rep->mu);
-		peer_gone(rep, p);
+		peer_gone(rep, p, true);
 		return;
 	}
 	/* A stream message. */
@@ -597,5 +600,5 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns)
 	}
 	pthread_mutex_unlock(&rep->mu);
 	for (size_t i = 0; i < nd; i++)
-		peer_gone(rep, dead[i]);
+		peer_gone(rep, dead[i], false);
 }

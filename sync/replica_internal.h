@@ -141,6 +141,9 @@ struct kvr_rep_rank {
 struct kvr_rep_peer {
 	uint64_t id, epoch, last_seq, hb_seq, last_seen;
 	bool alive, lost;
+	/* Lost by its goodbye: it left the cluster, so a resync no longer waits for its answer
+	 * (sync/replica_snap.c, all_busy); cleared when its id is heard again (a new life). */
+	bool left;
 	uint64_t lost_ns; /* when it was given up */
 	uint64_t live;
 	uint64_t heal_ns;  /* when it was last asked to re-announce for a loss (rate limit) */

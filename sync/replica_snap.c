@@ -27,10 +27,11 @@
  * is not resyncing, if any, answers soon.  Refusals alone could not end when every replica
  * resyncs at once (the server came back): each would wait for the others
  * (replicas_resyncing_from_each_other_all_get_a_snapshot).  So once every peer it knows (live
- * or given up) has declined as resyncing, or after BUSY_ROUNDS such declines (a peer it knows
- * may have left the queue group, and the group picks at random), the asker asks without the
- * flag and takes what a resyncing provider has: nobody has better then, and the fences and rank
- * versions keep it from going back (replicas_all_resyncing_settle_once_every_peer_declined).
+ * or given up, but not one that said goodbye: it left) has declined as resyncing, or after
+ * BUSY_ROUNDS such declines (a peer it knows may have left the queue group, and the group picks
+ * at random), the asker asks without the flag and takes what a resyncing provider has: nobody
+ * has better then, and the fences and rank versions keep it from going back
+ * (replicas_all_resyncing_settle_once_every_peer_declined).
  * Joiners still wait for a provider's resync to end, and nobody waits for a joiner (it serves
  * nothing before it is ready): no cycle of refusals.
  */
@@ -311,6 +312,7 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 						p->hb_seq = p->last_seq;
 					p->alive = true;
 					p->lost = false;
+					p->left = false;
 					p->last_seen = kvr_rep_mono_ns();
 					take[n_take++] = m.fence_replica;
 				}
@@ -390,13 +392,16 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, bool settle
 /* Whether every peer this replica knows, live or given up, is among the n ids in `busy` (all
  * declined as resyncing themselves).  Given-up ones count: a replica cut off for long gave up
  * every peer, the settled ones too, and must not settle for a resyncing one's table because
- * it heard only that one.  Context: the asker (hmu held). */
+ * it heard only that one.  One that said goodbye does not: it left, and will never answer;
+ * counted, every asker of a cluster resyncing at once waited out BUSY_ROUNDS declines
+ * (test_replica_serve a_peer_that_left_is_not_waited_for_one_back_is).  Context: the asker
+ * (hmu held). */
 static bool all_busy(struct kvr_replica *rep, const uint64_t *busy, size_t n)
 {
 	bool all = true;
 	pthread_mutex_lock(&rep->mu);
 	for (size_t i = 0; i < rep->n_peers && all; i++)
-		if ((rep->peers[i].alive || rep->peers[i].lost) &&
+		if ((rep->peers[i].alive || (rep->peers[i].lost && !rep->peers[i].left)) &&
 		    !taken(busy, n, rep->peers[i].id))
 			all = false;
 	pthread_mutex_unlock(&rep->mu);
