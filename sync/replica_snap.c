@@ -292,8 +292,15 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 			           m.fence_replica != rep->c.replica_id && n_take < MAX_PEERS) {
 				pthread_mutex_lock(&rep->mu);
 				struct kvr_rep_peer *p = kvr_rep_peer_find(rep, m.fence_replica);
-				bool ok = !p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||
-				          (p->epoch == m.fence_epoch && p->last_seq <= m.fence_seq);
+				/* A life whose goodbye we heard has ended, whatever a provider that
+				 * has not heard it yet says: taken, it was a live peer here again
+				 * and its attempts were booked again, until the liveness bound gave
+				 * it up (a_snapshot_does_not_bring_back_a_peer_that_left). */
+				bool ended = p && p->left && p->epoch == m.fence_epoch;
+				bool ok =
+				    !ended &&
+				    (!p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||
+				     (p->epoch == m.fence_epoch && p->last_seq <= m.fence_seq));
 				bool new_life = false;
 				if (ok && (p || (p = kvr_rep_peer_get(rep, m.fence_replica)))) {
 					if (p->epoch != m.fence_epoch || p->last_seq < m.fence_seq)

@@ -375,3 +375,49 @@ Test(replica_serve, a_peer_that_left_is_not_waited_for_one_back_is, .timeout = 6
 	pthread_mutex_unlock(&bus.mu);
 	bus_teardown(r, 3);
 }
+
+static uint64_t active(struct kvr_router *r)
+{
+	uint64_t n = 0;
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats s;
+		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
+		n += s.active_blocks;
+	}
+	return n;
+}
+
+/* Replica 3 leaves with an attempt in flight; replica 1 hears its goodbye and releases the
+ * attempt's load, replica 2 does not (cut off then: it gives replica 3 up only after the
+ * liveness bound).  Replica 1 then resyncs from replica 2, whose snapshot still names replica 3
+ * alive at the life whose goodbye replica 1 heard.  Taken, it made replica 3 a live peer again
+ * and booked its attempt again on replica 1, for one more liveness bound. */
+Test(replica_serve, a_snapshot_does_not_bring_back_a_peer_that_left, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	bus_route(r[2], 90, 64); /* not finished: in flight when replica 3 leaves */
+	bus_quiet(r, 3);
+	cr_assert_gt(active(r[0]), 0);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	kvr_replica_stop(bus.rep[2]);
+	kvr_replica_destroy(bus.rep[2]);
+	pthread_mutex_lock(&bus.mu);
+	bus.rep[2] = NULL;
+	bus.ready[2] = false;
+	pthread_mutex_unlock(&bus.mu);
+	kvr_router_destroy(r[2]);
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	bus_quiet(r, 2);
+	cr_assert_eq(stats(0).peers_alive, 1);
+	cr_assert_eq(active(r[0]), 0, "replica 3's attempt still booked after its goodbye");
+	cr_assert_eq(stats(1).peers_alive, 2, "replica 2 heard the goodbye");
+	uint64_t applied = stats(0).snapshots_applied;
+	kvr_replica_disconnected(bus.rep[0]);
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, 0, applied + 1);
+	bus_quiet(r, 2);
+	cr_assert_eq(stats(0).peers_alive, 1, "replica 3 is alive again after the snapshot");
+	cr_assert_eq(active(r[0]), 0, "replica 3's attempt booked again by the snapshot");
+	bus_teardown(r, 2);
+}
