@@ -47,7 +47,15 @@
 /* A resyncing asker declined by resyncing providers (KVR_MSG_CHUNK_RESYNCING) asks again after
  * BUSY_PAUSE_NS, and takes a resyncing provider's table once every peer it knows declined so,
  * or after BUSY_ROUNDS such declines: ~8 rounds of a pause and a provider's poll (10 ms on
- * the bus, 20 ms over NATS) before a cluster that resyncs all at once settles for what it has. */
+ * the bus, 20 ms over NATS) before a cluster that resyncs all at once settles for what it has.
+ * The rounds are what bounds a miss while a settled peer exists, and over NATS they bound it
+ * less than a fair pick would: nats-server (2.9) picks a queue member from a random start and
+ * walks on past the asker's own subscription (no echo), so the member after the asker in the
+ * group's list takes its share too.  Measured with 3 members: 2/3 and 1/3 of one asker's
+ * requests, not 1/2 each; an asker whose next member resyncs misses the settled third 8 times
+ * with (2/3)^8, ~4%, not 1/256.  The group cannot be steered (asking a chosen peer would take a
+ * request subject per peer, which the protocol does not have), so only more rounds lower it,
+ * at the cost of a longer wait when a peer it knows never answers. */
 #define BUSY_PAUSE_NS 10000000ull
 #define BUSY_ROUNDS   8u
 
