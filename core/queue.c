@@ -795,16 +795,12 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	pthread_mutex_lock(&q->lock);
 	/* The list grows here: outcomes nobody will collect go first (those that can be due). */
 	(void)reap(q, e->enq_ns, false);
-	if (q->closing || q->waiting >= r->cfg.queue_capacity) {
-		int rc = q->closing ? KVR_ESHUTDOWN : KVR_EAGAIN;
-		pthread_mutex_unlock(&q->lock);
-		entry_free(e);
-		if (spare)
-			kvr_free(spare, group_bytes(spare->n_ids));
-		kvr_metrics_add(mb, KVR_C_QUEUE_REJECTED, 1);
-		return rc;
-	}
-	/* kvr_route found its ranks live, but they may have gone since, and with them the pass
+	/* Refused in this order: a closing router first; then a request whose ranks are gone,
+	 * which has nothing to wait for, KVR_ENOENT whatever room the queue has (before, a full
+	 * queue's KVR_EAGAIN told it to try again, and the retry got KVR_ENOENT: test_regress
+	 * *_removed_before_its_push_into_a_full_queue_fails_enoent); then a full queue.
+	 *
+	 * kvr_route found its ranks live, but they may have gone since, and with them the pass
 	 * that fails the requests restricted to them (kvr_queue_rank_gone's, which looks past a
 	 * saturated unrestricted entry): every later pass ends at such an entry, so a request
 	 * pushed after it waited there until that entry was admitted or another rank went
@@ -814,12 +810,21 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	 * takes this lock to ask for that pass, so either this look comes after (it sees the rank
 	 * gone) or the entry is on the list before that pass starts (which fails it).  A
 	 * restricted request's own ranks only: no walk of the queue. */
-	if (spare && !restriction_live(r, &e->req)) {
+	int refused = 0;
+	if (q->closing)
+		refused = KVR_ESHUTDOWN;
+	else if (spare && !restriction_live(r, &e->req))
+		refused = KVR_ENOENT;
+	else if (q->waiting >= r->cfg.queue_capacity)
+		refused = KVR_EAGAIN;
+	if (refused) {
 		pthread_mutex_unlock(&q->lock);
 		entry_free(e);
-		kvr_free(spare, group_bytes(spare->n_ids));
-		kvr_metrics_add(mb, KVR_C_ROUTE_ERRORS, 1);
-		return KVR_ENOENT;
+		if (spare)
+			kvr_free(spare, group_bytes(spare->n_ids));
+		kvr_metrics_add(
+		    mb, refused == KVR_ENOENT ? KVR_C_ROUTE_ERRORS : KVR_C_QUEUE_REJECTED, 1);
+		return refused;
 	}
 	e->ticket = __atomic_add_fetch(&tickets_issued, 1, __ATOMIC_RELAXED);
 	/* Held for kvr_route, which pumps after this push and then settles the ticket

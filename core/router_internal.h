@@ -169,8 +169,9 @@ void kvr_queue_destroy(struct kvr_queue *q);
 /* Whether every eligible rank is saturated (see kvr_config.queue_threshold). */
 bool kvr_queue_saturated(struct kvr_router *r, const uint32_t *slots, size_t n);
 /* Queues a copy of req (key: WSPT weight, predicted uncached tokens).  Returns 0 with
- * d->status KVR_QUEUED, KVR_EAGAIN (full), KVR_ENOENT (pinned or allow-listed, and none of its
- * ranks is live any more: nothing queued), KVR_ENOMEM, KVR_ESHUTDOWN. */
+ * d->status KVR_QUEUED, KVR_ENOENT (pinned or allow-listed, and none of its ranks is live any
+ * more: nothing queued, whether or not the queue is full), KVR_EAGAIN (full), KVR_ENOMEM,
+ * KVR_ESHUTDOWN. */
 int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t key,
                    struct kvr_decision *d);
 /* Tries to admit waiting requests (after load dropped), in the policy's order, passing over

@@ -1419,7 +1419,7 @@ static void *gone_ticker(void *p)
 }
 
 static void restricted_to_a_rank_removed_before_its_push(bool allow, bool wait,
-                                                         enum kvr_queue_policy policy)
+                                                         enum kvr_queue_policy policy, bool full)
 {
 	struct seen s;
 	memset(&s, 0, sizeof(s));
@@ -1431,6 +1431,8 @@ static void restricted_to_a_rank_removed_before_its_push(bool allow, bool wait,
 	c.queue_threshold = 1.0;
 	c.queue_policy = policy;
 	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hogs stay */
+	if (full)
+		c.queue_capacity = 1; /* the unrestricted request below fills it */
 	if (!wait) {
 		c.on_admit = on_admit;
 		c.callback_ctx = &s;
@@ -1487,7 +1489,7 @@ static void restricted_to_a_rank_removed_before_its_push(bool allow, bool wait,
 	}
 	cr_assert_eq(gone_fired, 1, "the route read the clock");
 	cr_assert_eq(gone_rc, 0, "the removal: %s", kvr_strerror(gone_rc));
-	if (rc == 0 && !wait) {
+	if (rc == 0 && !wait && !full) {
 		/* Queued: its failure is reported through on_admit, once, within 5 s. */
 		cr_assert_eq(d.status, KVR_QUEUED);
 		int found = 0;
@@ -1519,21 +1521,36 @@ static void restricted_to_a_rank_removed_before_its_push(bool allow, bool wait,
 
 Test(regress, a_request_pinned_to_a_rank_removed_before_its_push_fails_at_once, .timeout = 60)
 {
-	restricted_to_a_rank_removed_before_its_push(false, false, KVR_QUEUE_FCFS);
+	restricted_to_a_rank_removed_before_its_push(false, false, KVR_QUEUE_FCFS, false);
 }
 
 Test(regress, a_waiter_allowed_only_a_rank_removed_before_its_push_fails_at_once, .timeout = 60)
 {
-	restricted_to_a_rank_removed_before_its_push(true, true, KVR_QUEUE_FCFS);
+	restricted_to_a_rank_removed_before_its_push(true, true, KVR_QUEUE_FCFS, false);
 }
 
 Test(regress, a_request_allowed_only_a_rank_removed_before_its_push_fails_at_once_wspt,
      .timeout = 60)
 {
-	restricted_to_a_rank_removed_before_its_push(true, false, KVR_QUEUE_WSPT);
+	restricted_to_a_rank_removed_before_its_push(true, false, KVR_QUEUE_WSPT, false);
 }
 
 Test(regress, a_waiter_pinned_to_a_rank_removed_before_its_push_fails_at_once_wspt, .timeout = 60)
 {
-	restricted_to_a_rank_removed_before_its_push(false, true, KVR_QUEUE_WSPT);
+	restricted_to_a_rank_removed_before_its_push(false, true, KVR_QUEUE_WSPT, false);
+}
+
+/* The same with the queue full: the push refused it with KVR_EAGAIN ("try again"), and the
+ * retry got KVR_ENOENT.  Nothing it could wait for: its ranks are gone, so KVR_ENOENT at once,
+ * whatever room the queue has. */
+Test(regress, a_request_pinned_to_a_rank_removed_before_its_push_into_a_full_queue_fails_enoent,
+     .timeout = 60)
+{
+	restricted_to_a_rank_removed_before_its_push(false, false, KVR_QUEUE_FCFS, true);
+}
+
+Test(regress, a_waiter_allowed_only_a_rank_removed_before_its_push_into_a_full_queue_fails_enoent,
+     .timeout = 60)
+{
+	restricted_to_a_rank_removed_before_its_push(true, true, KVR_QUEUE_WSPT, true);
 }
