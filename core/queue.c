@@ -777,22 +777,29 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	e->key = key;
 	e->enq_ns = kvr_clock_now(&r->clock);
 	e->state = Q_WAITING;
-	/* A restricted request waits in its restriction's group: one made here, off the lock, in
-	 * case it is the first (freed below if not), so that the push fails for memory before
-	 * anything changed. */
+	/* A restricted request waits in its restriction's group, made for the first of it off the
+	 * lock (the lock is dropped for the allocation, and the group looked for again after), so
+	 * that the push fails for memory before anything changed.  Looked for first: a push into a
+	 * group that exists allocates nothing for it (it made one before the lock and freed it
+	 * then, an allocation and a free a restricted queued route: test_queue_alloc). */
 	bool pin;
 	const struct kvr_rank_id *ids;
 	size_t n_ids;
 	uint64_t gh = 0;
-	struct qgroup *spare = NULL;
-	if (restriction(&e->req, &pin, &ids, &n_ids)) {
+	struct qgroup *g = NULL, *spare = NULL;
+	const bool restricted = restriction(&e->req, &pin, &ids, &n_ids);
+	if (restricted)
 		gh = restriction_hash(pin, ids, n_ids);
+	pthread_mutex_lock(&q->lock);
+	if (restricted && !(g = group_find(q, &e->req, gh))) {
+		pthread_mutex_unlock(&q->lock);
 		if (!(spare = group_make(&e->req, gh))) {
 			entry_free(e);
 			return KVR_ENOMEM;
 		}
+		pthread_mutex_lock(&q->lock);
+		g = group_find(q, &e->req, gh); /* made meanwhile: the spare goes */
 	}
-	pthread_mutex_lock(&q->lock);
 	/* The list grows here: outcomes nobody will collect go first (those that can be due). */
 	(void)reap(q, e->enq_ns, false);
 	/* Refused in this order: a closing router first; then a request whose ranks are gone,
@@ -813,7 +820,7 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	int refused = 0;
 	if (q->closing)
 		refused = KVR_ESHUTDOWN;
-	else if (spare && !restriction_live(r, &e->req))
+	else if (restricted && !restriction_live(r, &e->req))
 		refused = KVR_ENOENT;
 	else if (q->waiting >= r->cfg.queue_capacity)
 		refused = KVR_EAGAIN;
@@ -831,13 +838,14 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	 * (kvr_queue_settle): no on_admit names it before kvr_route returned it. */
 	e->waited = true;
 	e->held = true;
-	if (spare) {
-		e->group = group_find(q, &e->req, gh);
-		if (!e->group) {
+	if (restricted) {
+		/* Found above, under the lock held since: a group is freed under it only. */
+		if (!g) {
 			group_insert(q, spare);
-			e->group = spare;
+			g = spare;
 			spare = NULL;
 		}
+		e->group = g;
 	}
 	/* In the policy's order: FCFS at the tail; WSPT before the first larger key (ties stay in
 	 * ticket order). */
