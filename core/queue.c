@@ -1128,8 +1128,10 @@ bool kvr_queue_pump(struct kvr_router *r)
 				groups_look(q, &active);
 			}
 			q->cursor = next_waiting(q, q->cursor);
-			/* The first of q->w's and the active groups' first entries. */
-			struct qentry *e = q->cursor;
+			/* The first of q->w's and the active groups' first entries: of the groups'
+			 * only while every live rank is read saturated (the cursor then waits at
+			 * the first unrestricted entry for a wake, see below). */
+			struct qentry *e = all_saturated ? NULL : q->cursor;
 			struct qgroup *eg = NULL;
 			for (struct qgroup **pg = &active, *g; (g = *pg);) {
 				if (g->passed == q->pass || !g->w.head) {
@@ -1145,18 +1147,24 @@ bool kvr_queue_pump(struct kvr_router *r)
 			}
 			if (!e)
 				break;
-			bool unrestricted = !eg;
-			if ((all_saturated && unrestricted) ||
-			    entry_saturated(r, e, &unrestricted)) {
+			bool unrestricted;
+			if (entry_saturated(r, e, &unrestricted)) {
 				if (eg) {
 					eg->passed = q->pass;
 					continue;
 				}
 				if (!full)
 					break;
+				/* Every live rank is saturated, so is every unrestricted entry: the
+				 * pass goes on with the groups only, the cursor left at e, which a
+				 * wake (all_saturated cleared) makes the merge's again at its turn.
+				 * Before, e and every unrestricted entry after it were marked
+				 * passed over until the next pass: after an unload before a later
+				 * entry's turn, that entry (unrestricted, or restricted to one of
+				 * e's ranks) took the rank first and e waited behind it
+				 * (test_queue_many:
+				 * *_an_unrestricted_request_unloaded_in_a_full_pass_goes_first). */
 				all_saturated = true;
-				e->passed = q->pass;
-				q->cursor = e->next;
 				continue;
 			}
 			/* Ours while the lock is dropped: cancel waits for the outcome (see
