@@ -1187,7 +1187,17 @@ bool kvr_queue_pump(struct kvr_router *r)
 			q->admitting = NULL;
 			if (rc == KVR_EAGAIN) {
 				/* Saturated after all (load rose meanwhile), or its rank's lane
-				 * stayed full: it waits for a later pass, and so does its group. */
+				 * stayed full: it waits for a later pass, and so does its group.
+				 * Never left on a free rank past this pass: a full lane's failed
+				 * post wakes the admission thread (kvr_admit), whose pump makes
+				 * this pass run again or runs the next; load that rose leaves its
+				 * ranks saturated until an unload, and every unload asks for a
+				 * pump.  An unrestricted one is passed over for the rest of the
+				 * pass (a group passed over is looked at again on a wake): a later
+				 * entry can go first only if the load that refused it falls again
+				 * before the pass ends, a race of three threads; looking at it
+				 * again on every wake would also retry a full lane every 10 ms
+				 * ahead of everyone else. */
 				e->state = Q_WAITING;
 				if (e->group)
 					e->group->passed = q->pass;
