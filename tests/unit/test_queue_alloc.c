@@ -16,7 +16,6 @@
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "core/alloc.h"
 #include "core/router_internal.h"
