@@ -43,8 +43,9 @@
  * at the bound, so it is reported the same way: on_event_gap (its id, id + 1, merged with an
  * id gap of the same event), the rank's event_gaps, counted per event under
  * kvr_events_total{status="index_full"}.  Once per episode: refusals in a row are one, ended by
- * the rank's next applied store (the index had room again) or a clear or reset (a resync), so
- * an index that stays full does not call on_event_gap for every store of every rank.
+ * the rank's next applied store (the index had room again) or a clear or reset (a resync; a
+ * cleared event of kvr_events_apply clears, and so ends, every dp rank's), so an index that stays
+ * full does not call on_event_gap for every store of every rank.
  */
 #include <assert.h>
 
@@ -75,6 +76,19 @@ static bool over_bound(const struct kvr_owner_ctx *c, struct kvr_rank_owned *own
 	*report = !own->over_bound;
 	own->over_bound = true;
 	return true;
+}
+
+/* A cleared event for the whole worker cleared every dp rank of it, and each of them is
+ * resynced: each one's run-id episode ends, so its next refusal is reported again (ending the
+ * named rank's alone left the others' refusals after the clear unreported).  The worker's ranks
+ * all live on this shard (core/ranks.c places by worker id), so they are all in ss->ranks.
+ * O(ranks of the shard), once per worker-wide clear. */
+static void worker_resynced(struct kvr_shard_state *ss, uint64_t worker_id)
+{
+	const struct kvr_owner_ctx *c = ss->c;
+	for (struct kvr_rank_owned *o = ss->ranks; o; o = o->next)
+		if (c->ranks[o->slot].worker_id == worker_id)
+			o->index_full = false;
 }
 
 int kvr_owner_event(struct kvr_shard *sh, void *arg)
@@ -144,10 +158,15 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		break;
 	}
 	case KVR_EVENT_CLEARED:
-		rc = a->rank_only ? kvr_index_clear_rank(c->index, a->slot)
-		                  : kvr_index_clear_worker(c->index, c->ranks[a->slot].worker_id);
-		if (!rc)
-			own->index_full = false; /* resynced: the next refusal is news */
+		if (a->rank_only) {
+			rc = kvr_index_clear_rank(c->index, a->slot);
+			if (!rc)
+				own->index_full = false; /* resynced: the next refusal is news */
+		} else {
+			rc = kvr_index_clear_worker(c->index, c->ranks[a->slot].worker_id);
+			if (!rc)
+				worker_resynced(ss, c->ranks[a->slot].worker_id);
+		}
 		kvr_metrics_add(mb, rc ? KVR_C_EV_CLEARED_ERR : KVR_C_EV_CLEARED_OK, 1);
 		break;
 	default:

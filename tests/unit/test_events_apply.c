@@ -16,14 +16,17 @@ static const struct kvr_rank_id R0 = {7, 0};
 
 /* on_event_gap's calls and its last report. */
 static int gap_calls;
-static uint64_t gap_expected, gap_got;
+static uint64_t gap_expected, gap_got, gap_worker;
+static uint32_t gap_dp;
 
 static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t expected, uint64_t got)
 {
-	(void)ctx, (void)worker, (void)dp;
+	(void)ctx;
 	gap_calls++;
 	gap_expected = expected;
 	gap_got = got;
+	gap_worker = worker;
+	gap_dp = dp;
 }
 
 static void make(void)
@@ -124,9 +127,9 @@ Test(events_apply, full_run_id_space_is_erange_not_the_bound)
 	kvr_router_destroy(router);
 }
 
-/* Stores event id a root chain of 2 blocks named by their sequence hashes (they take a run id)
- * from local hashes key, key + 1. */
-static int store_plain(uint64_t id, uint64_t key)
+/* Stores event id of rank: a root chain of 2 blocks named by their sequence hashes (they take a
+ * run id) from local hashes key, key + 1. */
+static int store_on(struct kvr_rank_id rank, uint64_t id, uint64_t key)
 {
 	uint64_t local[2] = {key, key + 1}, seq[2];
 	kvr_hash_chain_locals(NULL, local, 2, seq);
@@ -134,7 +137,12 @@ static int store_plain(uint64_t id, uint64_t key)
 	                               {.ext_hash = seq[1], .local_hash = local[1]}};
 	struct kvr_event ev = {
 	    .type = KVR_EVENT_STORED, .event_id = id, .blocks = b, .n_blocks = 2};
-	return kvr_events_apply(router, R0, &ev);
+	return kvr_events_apply(router, rank, &ev);
+}
+
+static int store_plain(uint64_t id, uint64_t key)
+{
+	return store_on(R0, id, key);
 }
 
 static struct kvr_rank_stats stats(void)
@@ -230,5 +238,44 @@ Test(events_apply, full_run_id_space_is_reported_lost_once_per_episode)
 	cr_assert_eq(store_plain(1, 1500), KVR_ERANGE);
 	cr_assert_eq(gap_calls, 5, "a reset resyncs: the next refusal is reported");
 	cr_assert_eq(gap_expected, 1);
+	kvr_router_destroy(router);
+}
+
+/* kvr_events_apply's cleared event clears every dp rank of the worker (kvr_index_clear_worker),
+ * so it resyncs each of them: each one's run-id episode ends, and its next refusal is reported
+ * again.  Before, only the named rank's episode ended: another dp rank it had cleared stayed in
+ * its old episode, and its refusals after the clear (the index still full of another worker's
+ * runs) were lost without a word. */
+Test(events_apply, worker_wide_clear_ends_the_run_id_episode_of_every_rank_it_clears)
+{
+	make();
+	const struct kvr_rank_id R1 = {7, 1}, other = {8, 0};
+	cr_assert_eq(kvr_rank_add(router, R1, 1, KVR_CAPACITY_NONE, 0), 0);
+	cr_assert_eq(kvr_rank_add(router, other, 1, KVR_CAPACITY_NONE, 0), 0);
+	router->index->blk.id_limit = 3;  /* before any store: the shard's next write reads it */
+	for (uint64_t k = 1; k <= 3; k++) /* another worker holds every run id */
+		cr_assert_eq(store_on(other, 0, 100 * k), 0);
+	cr_assert_eq(store_on(R1, 0, 400), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 1);
+	cr_assert_eq(gap_dp, 1, "dp rank 1's episode");
+	cr_assert_eq(store_plain(1, 500), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 2);
+	cr_assert_eq(gap_dp, 0, "dp rank 0's episode");
+	/* Named by dp rank 0, the clear clears dp rank 1 too. */
+	cr_assert_eq(kvr_events_apply(
+	                 router, R0, &(struct kvr_event){.type = KVR_EVENT_CLEARED, .event_id = 2}),
+	             0);
+	cr_assert_eq(store_plain(3, 600), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 3, "dp rank 0 resynced: its next refusal is news");
+	cr_assert_eq(store_on(R1, 0, 700), KVR_ERANGE);
+	cr_assert_eq(gap_calls, 4, "dp rank 1 was cleared too: its next refusal is news as well");
+	cr_assert_eq(gap_worker, 7);
+	cr_assert_eq(gap_dp, 1);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(router, R1, &st), 0);
+	cr_assert_eq(st.event_gaps, 2);
+	/* The other worker was not cleared: its episode, had it one, is not ours to end. */
+	cr_assert_eq(kvr_rank_get_stats(router, other, &st), 0);
+	cr_assert_eq(st.indexed_blocks, 6);
 	kvr_router_destroy(router);
 }
