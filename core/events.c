@@ -158,30 +158,37 @@ static __attribute__((cold, noinline)) int invalid_event(const struct kvr_router
 	return kvr_fail_code(KVR_EINVAL, fn);
 }
 
-/* The detail of a code from the rank's lookup (at == 0) or its shard (core/error.h). */
+/* The detail of a code from the rank's lookup (a NULL) or its shard (a: what the shard said of
+ * it; core/error.h). */
 static __attribute__((cold, noinline)) int event_fail(const struct kvr_router *r, int rc,
                                                       struct kvr_rank_id rank,
-                                                      const struct kvr_event *ev, bool shard,
-                                                      bool index_full)
+                                                      const struct kvr_event *ev,
+                                                      const struct kvr_event_args *a)
 {
 	static const char fn[] = "kvr_events_apply";
 	switch (rc) {
 	case KVR_ENOENT:
-		if (!shard || ev->type != KVR_EVENT_STORED)
+		if (a && a->rank_gone)
+			return kvr_fail(rc,
+			                "%s: rank (worker %" PRIu64 ", dp %" PRIu32
+			                ") was removed while the event was on its way: nothing "
+			                "applied",
+			                fn, rank.worker_id, rank.dp_rank);
+		if (!a || ev->type != KVR_EVENT_STORED)
 			return kvr_fail(rc, "%s: no rank (worker %" PRIu64 ", dp %" PRIu32 ")", fn,
 			                rank.worker_id, rank.dp_rank);
-		return kvr_fail(
-		    rc,
-		    "%s: stored event %" PRIu64 ": rank (worker %" PRIu64 ", dp %" PRIu32
-		    ") does not hold parent %#" PRIx64 " (or was removed meanwhile)",
-		    fn, ev->event_id, rank.worker_id, rank.dp_rank, ev->parent_ext_hash);
+		return kvr_fail(rc,
+		                "%s: stored event %" PRIu64 ": rank (worker %" PRIu64
+		                ", dp %" PRIu32 ") does not hold parent %#" PRIx64,
+		                fn, ev->event_id, rank.worker_id, rank.dp_rank,
+		                ev->parent_ext_hash);
 	case KVR_ESTALE:
 		return kvr_fail(rc,
 		                "%s: event_id %" PRIu64 " is at or below rank (worker %" PRIu64
 		                ", dp %" PRIu32 ")'s last applied one: dropped",
 		                fn, ev->event_id, rank.worker_id, rank.dp_rank);
 	case KVR_ERANGE:
-		if (index_full)
+		if (a && a->index_full)
 			return kvr_fail(rc,
 			                "%s: stored event %" PRIu64
 			                " refused: the index holds the most "
@@ -224,7 +231,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	uint32_t slot;
 	uint64_t gen;
 	if ((rc = kvr_router_find_rank_gen(r, rank, &slot, &gen)))
-		return event_fail(r, rc, rank, ev, false, false);
+		return event_fail(r, rc, rank, ev, NULL);
 	if (ev->type == KVR_EVENT_STORED) {
 		if (scratch_grow((void **)&scratch_local, &scratch_local_cap, ev->n_blocks,
 		                 sizeof(uint64_t)))
@@ -244,7 +251,7 @@ int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank, const struct
 	struct kvr_event_args a = {.slot = slot, .gen = gen, .ev = ev, .local = scratch_local};
 	rc = kvr_shard_call(kvr_router_shard_of(r, slot), KVR_LANE_ROUTING, kvr_owner_event, &a);
 	report_gaps(r, rank, &a, 1);
-	return rc ? event_fail(r, rc, rank, ev, true, a.index_full) : 0;
+	return rc ? event_fail(r, rc, rank, ev, &a) : 0;
 }
 
 struct many {

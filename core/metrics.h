@@ -37,6 +37,7 @@ enum kvr_counter {
 	KVR_C_EV_OVER_BLOCKS,   /* ... their blocks */
 	KVR_C_EV_OVER_EPISODES, /* times a rank reached its bound (on_event_gap once each) */
 	KVR_C_EV_STORED_FULL,   /* stored events refused: the index's run ids are all in use */
+	KVR_C_EV_RANK_GONE,     /* events whose rank was removed after the call found it */
 	KVR_C_EVICTIONS,
 	KVR_C_TTL_EXPIRIES,
 	KVR_C_LEASE_EXPIRIES,

@@ -76,6 +76,7 @@ static const struct {
     {KVR_C_EV_STALE, "kvr_events_total", NULL, "type=\"any\",status=\"stale\""},
     {KVR_C_EV_STORED_OVER, "kvr_events_total", NULL, "type=\"stored\",status=\"over_bound\""},
     {KVR_C_EV_STORED_FULL, "kvr_events_total", NULL, "type=\"stored\",status=\"index_full\""},
+    {KVR_C_EV_RANK_GONE, "kvr_events_total", NULL, "type=\"any\",status=\"rank_gone\""},
     {KVR_C_EV_GAPS, "kvr_event_gaps_total", "Jumps in a rank's KV event ids", ""},
     {KVR_C_EV_BLOCK_NOT_FOUND, "kvr_event_block_not_found_total",
      "Removed hashes the rank did not hold", ""},

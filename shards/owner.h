@@ -328,6 +328,10 @@ struct kvr_event_args {
 	/* Out: the index refused the stored event for want of a run id (KVR_ERANGE from
 	 * kvr_index_store, not the rank's bound), for the caller's detail. */
 	bool index_full;
+	/* Out: KVR_ENOENT because the rank was removed (or its slot's generation moved on) after
+	 * the caller found it, not a stored event's parent the rank does not hold: both are
+	 * KVR_ENOENT to the API, the caller's detail and log say which. */
+	bool rank_gone;
 };
 
 /* Engine ground truth (issue 15; shards/owner_heal.c).  Context: the rank's shard thread. */

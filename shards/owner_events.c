@@ -97,6 +97,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	struct kvr_event_args *a = arg;
 	a->gap_to = 0;
 	a->index_full = false;
+	a->rank_gone = false;
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	if (!ss)
 		return KVR_ENOMEM;
@@ -104,8 +105,13 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 	struct kvr_rank_owned *own = kvr_owner_rank(c, a->slot, a->gen);
 	const struct kvr_event *ev = a->ev;
 	struct kvr_metrics_block *mb = kvr_owner_mb(c);
-	if (!own)
+	if (!own) {
+		/* Removed since the caller found it.  Told apart from a parent not held (also
+		 * KVR_ENOENT, from the index below) for the caller's detail and the feed's log. */
+		a->rank_gone = true;
+		kvr_metrics_add(mb, KVR_C_EV_RANK_GONE, 1);
 		return KVR_ENOENT;
+	}
 	if (ev->event_id && own->have_event && ev->event_id <= own->last_event_id) {
 		kvr_metrics_add(mb, KVR_C_EV_STALE, 1);
 		return KVR_ESTALE;

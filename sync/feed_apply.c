@@ -121,12 +121,11 @@ static void refused_store(struct kvr_feed *f, const struct pending *p, uint32_t 
 		             w, dp);
 	else if (r == KVR_ENOENT && v->has_parent)
 		/* Its own kind: after a gap or a lost store it repeats, and would thin out the
-		 * other index refusals' lines. */
+		 * other index refusals' lines.  (A rank removed meanwhile is complete()'s.) */
 		kvr_feed_log(f, p->ep, LK_PARENT, KVR_LOG_WARN,
 		             "BlockStored for rank (%" PRIu64
 		             ", %u) not applied: the rank does not hold its parent %#" PRIx64
-		             " (never stored, refused or lost before, or the rank was removed "
-		             "meanwhile)",
+		             " (never stored, or refused or lost before)",
 		             w, dp, v->parent);
 	else if (r == KVR_EINVAL && !p->post.args[i].ev) /* validate()'s, before the shard */
 		kvr_feed_log(f, p->ep, LK_INDEX, KVR_LOG_WARN,
@@ -161,6 +160,19 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		if (!r)
 			continue;
 		refuse(f, p->ep);
+		if (!p->post_rc && r == KVR_ENOENT && p->post.args[i].rank_gone) {
+			/* Said apart from a parent not held (also KVR_ENOENT), which it read as
+			 * before; counted on the router too (kvr_events_total{status="rank_gone"}).
+			 */
+			kvr_feed_log(f, p->ep, LK_RANK, KVR_LOG_WARN,
+			             "%s for rank (%" PRIu64
+			             ", %u) not applied: the rank was removed meanwhile",
+			             p->ev[i].type == KVR_EVENT_STORED    ? "BlockStored"
+			             : p->ev[i].type == KVR_EVENT_REMOVED ? "BlockRemoved"
+			                                                  : "clear",
+			             p->ep->worker_id, p->dp);
+			continue;
+		}
 		if (!p->post_rc && p->ev[i].type == KVR_EVENT_STORED) {
 			refused_store(f, p, i, r);
 			continue;

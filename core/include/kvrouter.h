@@ -800,8 +800,9 @@ struct kvr_event {
 /*
  * Applies one KV event of a rank on the rank's shard.  Event ids: an id at or below the last
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
- * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank; stored: parent not
- * held, nothing applied), KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays,
+ * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank, or one removed while
+ * the call ran; stored: parent not held, nothing applied; kvr_last_error says which),
+ * KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays,
  * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, or the index
  * holds the most runs it can name, 2^25 - 1; see Bound and Run ids below; nothing applied, the
  * event id cursor moves past it; kvr_last_error says which), KVR_ENOMEM

@@ -11,9 +11,11 @@
  * for a grace period, and add Y, which then takes X's slot if the index has released it.
  */
 #include <criterion/criterion.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "kvrouter.h"
+#include "tests/common/metric.h"
 
 struct kvr_index;
 int __real_kvr_index_rank_find(const struct kvr_index *idx, uint64_t worker_id, uint32_t dp_rank,
@@ -115,5 +117,60 @@ Test(rank_slot_reuse, an_event_of_a_removed_rank_is_not_the_new_ones)
 	cr_assert_eq(kvr_rank_get_stats(R, Y, &s), 0);
 	cr_assert_eq(s.indexed_blocks, 1);
 	cr_assert_eq(s.event_id, 1);
+	kvr_router_destroy(R);
+}
+
+/* The router's lookup wrapped too: with gone_armed, the rank it found (X) is removed right after
+ * it returns, before the call reaches the rank's shard (no slot reuse: the shard's own check
+ * sees the rank gone). */
+struct kvr_router;
+int __real_kvr_router_find_rank_gen(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot,
+                                    uint64_t *gen);
+int __wrap_kvr_router_find_rank_gen(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot,
+                                    uint64_t *gen);
+static bool gone_armed;
+
+int __wrap_kvr_router_find_rank_gen(struct kvr_router *r, struct kvr_rank_id id, uint32_t *slot,
+                                    uint64_t *gen)
+{
+	int rc = __real_kvr_router_find_rank_gen(r, id, slot, gen);
+	if (gone_armed && id.worker_id == X.worker_id && rc == 0) {
+		gone_armed = false;
+		cr_assert_eq(kvr_rank_remove(R, X), 0);
+	}
+	return rc;
+}
+
+/* A stored event refused with KVR_ENOENT by the rank's shard says why: the rank was removed
+ * after the call found it, or the rank does not hold the event's parent.  Both are KVR_ENOENT
+ * (kvrouter.h); kvr_last_error and the counters now tell them apart (the removal's own,
+ * kvr_events_total{type="any",status="rank_gone"}, and kvr_event_parent_not_found_total only
+ * for a parent).  Before, the detail named both ("does not hold parent ... (or was removed
+ * meanwhile)") and a removed rank's event counted nothing. */
+Test(rank_slot_reuse, a_stored_event_of_a_removed_rank_says_the_rank_went_not_the_parent)
+{
+	setup(KVR_MODE_EVENTS);
+	armed = false; /* the index lookup's window is not this test's */
+	gone_armed = true;
+	struct kvr_event_block blk = {.ext_hash = 0xa1, .local_hash = 11};
+	struct kvr_event ev = {.type = KVR_EVENT_STORED,
+	                       .event_id = 1,
+	                       .has_parent = true,
+	                       .parent_ext_hash = 0x99,
+	                       .blocks = &blk,
+	                       .n_blocks = 1};
+	cr_assert_eq(kvr_events_apply(R, X, &ev), KVR_ENOENT);
+	cr_assert(!gone_armed, "the window was not forced");
+	const char *why = kvr_last_error();
+	cr_assert(strstr(why, "removed") && !strstr(why, "parent"), "%s", why);
+	cr_assert_eq(kvr_test_metric(R, "kvr_events_total{type=\"any\",status=\"rank_gone\"}"), 1);
+	cr_assert_eq(kvr_test_metric(R, "kvr_event_parent_not_found_total"), 0);
+	/* A parent a live rank does not hold: that, and nothing about a removal. */
+	cr_assert_eq(kvr_rank_add(R, Y, 1, 100, 4096), 0);
+	cr_assert_eq(kvr_events_apply(R, Y, &ev), KVR_ENOENT);
+	why = kvr_last_error();
+	cr_assert(strstr(why, "does not hold parent") && !strstr(why, "removed"), "%s", why);
+	cr_assert_eq(kvr_test_metric(R, "kvr_event_parent_not_found_total"), 1);
+	cr_assert_eq(kvr_test_metric(R, "kvr_events_total{type=\"any\",status=\"rank_gone\"}"), 1);
 	kvr_router_destroy(R);
 }
