@@ -511,3 +511,77 @@ Test(feed_oom, lost_batch_of_an_unknown_rank_is_logged, .timeout = 60)
 	pub_close(&p);
 	kvr_router_destroy(r);
 }
+
+/* Log lines that said an other-medium store was lost for memory. */
+static int other_lost_logs;
+
+static void other_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx, (void)level;
+	if (strstr(msg, "other-medium BlockStored") && strstr(msg, "lack of memory"))
+		__atomic_add_fetch(&other_lost_logs, 1, __ATOMIC_RELAXED);
+}
+
+/* A BlockStored on another medium (CPU offload) lost for memory is counted in lost and logged,
+ * and is no gap: on_event_gap is not called and the rank's GPU index is kept whole, as
+ * kvrouter.h says (kvr_feed_stats.lost: "Logged only, with no rank to clear"; the medium rule:
+ * "the GPU view is untouched, so no gap is reported", as for its bound, feed_bound
+ * other_medium_past_the_bound).  The other-medium set is only short by it, never holds a block
+ * the engine dropped.  The batch's Nth allocation fails for N = 1, 2, ...; the test needs one N
+ * that hit the set's growth (the others may lose the whole batch: a gap, tested above). */
+Test(feed_oom, other_medium_store_lost_for_memory_is_no_gap, .timeout = 120)
+{
+	static const uint64_t A[4] = {0xa1, 0xa2, 0xa3, 0xa4}, X[4] = {0xf1, 0xf2, 0xf3, 0xf4};
+	int hits = 0;
+	bool fired = true;
+	for (uint64_t nth = 1; nth < 100 && fired; nth++) {
+		struct kvr_config c;
+		kvr_config_init(&c);
+		c.mode = KVR_MODE_EVENTS;
+		c.n_shards = 1;
+		c.block_size = FB;
+		c.on_event_gap = on_gap;
+		struct kvr_router *r = NULL;
+		cr_assert_eq(kvr_router_create(&c, &r), 0);
+		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
+		             0);
+		struct kvr_feed_config fc;
+		kvr_feed_config_init(&fc);
+		fc.log = other_log;
+		struct kvr_feed *f = NULL;
+		cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
+		static struct pub p;
+		uint32_t id;
+		pub_open(&p, f, false, &id);
+		struct model m = {0};
+		kvr_fenc_begin(&p.enc, 1.0, 1); /* the GPU cache */
+		stored(&p, &m, A, 4, NULL);
+		kvr_fenc_end(&p.enc, 0);
+		publish(&p);
+		settled(f, id, &p);
+		const int gaps0 = __atomic_load_n(&gaps_seen, __ATOMIC_RELAXED);
+		const int logs0 = __atomic_load_n(&other_lost_logs, __ATOMIC_RELAXED);
+		kvr_fenc_begin(&p.enc, 1.0, 1); /* then blocks offloaded to the CPU */
+		kvr_fenc_stored_on(&p.enc, "CPU", X, 4, NULL, FB, tokens_of, (void *)X);
+		kvr_fenc_end(&p.enc, 0);
+		kvr_alloc_fail_after(nth);
+		publish(&p);
+		struct kvr_feed_stats st = settled(f, id, &p);
+		fired = kvr_alloc_fail_pending() == 0;
+		kvr_alloc_fail_after(0);
+		if (__atomic_load_n(&other_lost_logs, __ATOMIC_RELAXED) > logs0) {
+			hits++;
+			cr_assert_eq(st.lost, 1, "nth %lu: counted lost", (unsigned long)nth);
+			cr_assert_eq(st.other_medium_blocks, 0, "nth %lu", (unsigned long)nth);
+			cr_assert_eq(__atomic_load_n(&gaps_seen, __ATOMIC_RELAXED), gaps0,
+			             "nth %lu: no gap reported", (unsigned long)nth);
+			cr_assert_eq(kvr_router_sync(r, 5000), 0);
+			index_within(r, &m, true, nth, "the GPU index kept whole");
+		}
+		kvr_feed_destroy(f);
+		pub_close(&p);
+		kvr_router_destroy(r);
+	}
+	cr_assert(!fired, "the allocations ran past 100");
+	cr_assert_gt(hits, 0, "no failure hit the other medium's set");
+}
