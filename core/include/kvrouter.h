@@ -810,7 +810,9 @@ struct kvr_event {
  * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):
  * storing a block the rank already holds adds a copy, a removal drops one, and the block leaves
- * the rank with its last copy; a cleared event drops them all.
+ * the rank with its last copy; a cleared event drops them all, on every dp rank of the
+ * rank's worker (a feed's AllBlocksCleared, which one engine sends for itself, clears its own
+ * dp rank only), and ends the run-id episode (below) of each.
  * Bound: a rank holds at most twice its capacity plus 1,024 distinct blocks
  * (kvr_config.events_max_blocks without a capacity), so that lost removals or a wrong
  * publisher cannot exhaust the router's memory.  An engine no larger than its registered
