@@ -303,8 +303,14 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 				/* A life whose goodbye we heard has ended, whatever a provider that
 				 * has not heard it yet says: taken, it was a live peer here again
 				 * and its attempts were booked again, until the liveness bound gave
-				 * it up (a_snapshot_does_not_bring_back_a_peer_that_left). */
-				bool ended = p && p->left && p->epoch == m.fence_epoch;
+				 * it up (a_snapshot_does_not_bring_back_a_peer_that_left).  So has
+				 * every life before it (one id, one life at a time): a provider cut
+				 * off through the later life named an earlier one alive, and it
+				 * came back the same way (..._an_earlier_life_of_a_peer_that_left).
+				 * A new life whose epoch is smaller (a clock behind) is not taken
+				 * from here either: its stream, once heard, is a new life
+				 * (handle_one), which asks it to announce its attempts again. */
+				bool ended = p && p->left && m.fence_epoch <= p->epoch;
 				bool ok =
 				    !ended &&
 				    (!p || !p->epoch || p->lost || p->epoch < m.fence_epoch ||

@@ -421,3 +421,51 @@ Test(replica_serve, a_snapshot_does_not_bring_back_a_peer_that_left, .timeout = 
 	cr_assert_eq(active(r[0]), 0, "replica 3's attempt booked again by the snapshot");
 	bus_teardown(r, 2);
 }
+
+/* Stops replica 3 (its goodbye goes out) and destroys it and its router. */
+static void replica3_leaves(struct kvr_router **r)
+{
+	kvr_replica_stop(bus.rep[2]);
+	kvr_replica_destroy(bus.rep[2]);
+	pthread_mutex_lock(&bus.mu);
+	bus.rep[2] = NULL;
+	bus.ready[2] = false;
+	pthread_mutex_unlock(&bus.mu);
+	kvr_router_destroy(r[2]);
+	r[2] = NULL;
+}
+
+/* The same for a life before the one whose goodbye was heard: replica 3 leaves with an attempt
+ * in flight, comes back under its id (a new life, a later epoch) and leaves again; replica 1
+ * hears all of it, replica 2 none (cut off meanwhile: it still names the first life alive).
+ * Replica 1 then resyncs from replica 2.  The first life ended before the second began (one id,
+ * one life at a time): taken, it made replica 3 a live peer again on replica 1 and booked its
+ * attempt again, for one more liveness bound, as the very life whose goodbye was heard did. */
+Test(replica_serve, a_snapshot_does_not_bring_back_an_earlier_life_of_a_peer_that_left,
+     .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	bus_route(r[2], 91, 64); /* not finished: in flight when replica 3 leaves */
+	bus_quiet(r, 3);
+	cr_assert_gt(active(r[0]), 0);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	replica3_leaves(r);
+	r[2] = bus_router(2); /* id 3 again, a new epoch */
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(stats(0).peers_alive, 2, "replica 1 did not hear replica 3 back");
+	replica3_leaves(r);
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	bus_quiet(r, 2);
+	cr_assert_eq(stats(0).peers_alive, 1);
+	cr_assert_eq(active(r[0]), 0, "replica 3's attempt still booked after its goodbye");
+	cr_assert_eq(stats(1).peers_alive, 2, "replica 2 heard a goodbye");
+	uint64_t applied = stats(0).snapshots_applied;
+	kvr_replica_disconnected(bus.rep[0]);
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, 0, applied + 1);
+	bus_quiet(r, 2);
+	cr_assert_eq(stats(0).peers_alive, 1, "replica 3's first life is alive again");
+	cr_assert_eq(active(r[0]), 0, "replica 3's first life's attempt booked again");
+	bus_teardown(r, 2);
+}
