@@ -78,6 +78,9 @@ static int port[BUS_N] = {0, 1, 2};
 static uint64_t bus_kept_max;
 /* tombstone_ms of the replicas bus_router makes (0: the default). */
 static uint64_t bus_tombstone_ms;
+/* dead_after of the replicas bus_router makes (0: 1000, nobody given up for silence during a
+ * test unless the test judges its peers itself). */
+static uint32_t bus_dead_after;
 /* Replica i's publishes fail (KVR_EAGAIN: a transport that refuses) while bus_down[i]. */
 static bool bus_down[BUS_N];
 /* Replica i's publishes are taken and lost (a connection that died unnoticed) while
@@ -189,7 +192,7 @@ static inline void bus_create_as(int i, struct kvr_router *r, uint64_t id)
 	struct kvr_replica_config c = {
 	    .replica_id = id,
 	    .heartbeat_ms = 50,
-	    .dead_after = 1000, /* nobody is given up during the test */
+	    .dead_after = bus_dead_after ? bus_dead_after : 1000,
 	    .snapshot_timeout_ms = 5000,
 	    .kept_bytes_max = bus_kept_max,
 	    .tombstone_ms = bus_tombstone_ms,
