@@ -339,6 +339,7 @@ void kvr_replica_disconnected(struct kvr_replica *rep)
 	if (rep->connected) {
 		rep->connected = false;
 		rep->outage_ns = kvr_rep_mono_ns();
+		rep->outage_heard_ns = rep->heard_ns;
 		kvr_rep_ranks_outage(rep);
 		rep->st.disconnects++;
 	}

@@ -480,6 +480,7 @@ static void handle_one(struct kvr_replica *rep, struct kvr_wmsg m, int rc, const
 	p->alive = true;
 	p->left = false;
 	p->last_seen = kvr_rep_mono_ns();
+	rep->heard_ns = p->last_seen;
 	if (m.h.type == KVR_MSG_HEARTBEAT) {
 		p->hb_seq = m.h.seq;
 		p->live = m.live;

@@ -144,7 +144,7 @@ struct kvr_rep_peer {
 	/* Lost by its goodbye: it left the cluster, so a resync no longer waits for its answer
 	 * (sync/replica_snap.c, all_busy); cleared when its id is heard again (a new life). */
 	bool left;
-	uint64_t lost_ns; /* when it was given up */
+	uint64_t lost_ns; /* when it was given up (a resync weighs it: sync/replica_snap.c) */
 	uint64_t live;
 	uint64_t heal_ns;  /* when it was last asked to re-announce for a loss (rate limit) */
 	bool heal_pending; /* asked, and its RESET has not come yet */
@@ -192,6 +192,12 @@ struct kvr_replica {
 	size_t n_peers;
 	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
 	uint64_t rank_clock;        /* the highest rank version clock made or seen */
+	/* When a peer's message was last handled (0: never), and what that was when the last
+	 * disconnect was seen: when this replica last heard the cluster before its own outage,
+	 * which a reconnect's resync weighs its given-up peers against (sync/replica_snap.c,
+	 * all_busy).  Not outage_ns: a connection that died unnoticed is found only by the
+	 * client's pings, long after the silence began and the peers were given up for it. */
+	uint64_t heard_ns, outage_heard_ns;
 	/* The newest removal whose tombstone this replica forgot, or a snapshot's provider had
 	 * ({0, 0}: none); and the clock of this replica's own rank changes from OUTAGE_MARGIN_NS
 	 * before its last disconnect on (0: none), which a snapshot applied after it does not

@@ -26,10 +26,10 @@
  * after BUSY_PAUSE_NS; the queue group spreads its requests over the ready peers, so one that
  * is not resyncing, if any, answers soon.  Refusals alone could not end when every replica
  * resyncs at once (the server came back): each would wait for the others
- * (replicas_resyncing_from_each_other_all_get_a_snapshot).  So once every peer it knows (live
- * or given up, but not one that said goodbye: it left) has declined as resyncing, or after
- * BUSY_ROUNDS such declines (a peer it knows may have left the queue group, and the group picks
- * at random), the asker asks without the flag and takes what a resyncing provider has: nobody
+ * (replicas_resyncing_from_each_other_all_get_a_snapshot).  So once every peer it knows (live,
+ * or given up in its own outage: all_busy) has declined as resyncing, or after BUSY_ROUNDS
+ * such declines (a peer it knows may have left the queue group, and the group picks at
+ * random), the asker asks without the flag and takes what a resyncing provider has: nobody
  * has better then, and the fences and rank versions keep it from going back
  * (replicas_all_resyncing_settle_once_every_peer_declined).
  * Joiners still wait for a provider's resync to end, and nobody waits for a joiner (it serves
@@ -410,21 +410,33 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, bool settle
 	return rc;
 }
 
-/* Whether every peer this replica knows, live or given up, is among the n ids in `busy` (all
- * declined as resyncing themselves).  Given-up ones count: a replica cut off for long gave up
- * every peer, the settled ones too, and must not settle for a resyncing one's table because
- * it heard only that one.  One that said goodbye does not: it left, and will never answer;
- * counted, every asker of a cluster resyncing at once waited out BUSY_ROUNDS declines
- * (test_replica_serve a_peer_that_left_is_not_waited_for_one_back_is).  Context: the asker
- * (hmu held). */
+/* Whether every peer this replica knows is among the n ids in `busy` (all declined as resyncing
+ * themselves).  Known: alive, or given up in this replica's own outage.  Those count: a
+ * replica cut off for long gave up every peer, the settled ones too, and must not settle for a
+ * resyncing one's table because it heard only that one
+ * (test_replica_serve a_replica_cut_off_waits_for_the_peers_it_gave_up_in_its_outage).
+ * A peer given up before the outage, while this replica went on hearing the others, does not:
+ * it crashed or is cut off itself, and this replica knows no more of its table than of a peer
+ * it never heard.  Counted, it made every asker of a cluster resyncing at once wait out
+ * BUSY_ROUNDS declines until its slot was reused
+ * (a_peer_crashed_before_the_outage_is_not_waited_for).  Nor does one that said goodbye: it
+ * left (a_peer_that_left_is_not_waited_for_one_back_is).  In the outage means given up at most
+ * one liveness bound before this replica last heard the cluster (outage_heard_ns): those
+ * silenced by the outage were given up a bound after it, and the slack takes in a peer the
+ * same trouble silenced a little before the others.  With no disconnect seen, every give-up
+ * counts, as before.  Context: the asker (hmu held). */
 static bool all_busy(struct kvr_replica *rep, const uint64_t *busy, size_t n)
 {
 	bool all = true;
 	pthread_mutex_lock(&rep->mu);
-	for (size_t i = 0; i < rep->n_peers && all; i++)
-		if ((rep->peers[i].alive || (rep->peers[i].lost && !rep->peers[i].left)) &&
-		    !taken(busy, n, rep->peers[i].id))
+	const uint64_t heard = rep->outage_heard_ns, slack = kvr_rep_silence_bound(rep);
+	const uint64_t since = heard > slack ? heard - slack : 0;
+	for (size_t i = 0; i < rep->n_peers && all; i++) {
+		const struct kvr_rep_peer *p = &rep->peers[i];
+		bool known = p->alive || (p->lost && !p->left && p->lost_ns >= since);
+		if (known && !taken(busy, n, p->id))
 			all = false;
+	}
 	pthread_mutex_unlock(&rep->mu);
 	return all;
 }

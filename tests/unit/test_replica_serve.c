@@ -404,6 +404,46 @@ static void wait_lost(int i, uint64_t id)
 /* The liveness bound of the replicas of the tests below: 6 heartbeats of 50 ms. */
 #define BOUND_MS 300
 
+/* Replica 3 crashes (no goodbye: what it publishes is lost, it takes no request) and replicas 1
+ * and 2 give it up for silence; they go on hearing each other for three liveness bounds, then
+ * reconnect at once (the server came back), each resyncing and asking the other, which
+ * declines.  Given up, replica 3 counted among the peers that must decline before an asker
+ * settles, as a peer given up in the asker's own outage must: it will never answer, and each
+ * waited out BUSY_ROUNDS declines (9 requests) instead of settling after the other's decline (3
+ * at most). */
+Test(replica_serve, a_peer_crashed_before_the_outage_is_not_waited_for, .timeout = 60)
+{
+	bus_dead_after = BOUND_MS / 50;
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	for (uint32_t k = 0; k < 6; k++) {
+		struct kvr_decision d = bus_route(r[k % 3], 100 + k, 64);
+		if (k % 2)
+			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
+	}
+	bus_quiet(r, 3);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[2] = false;
+	pthread_mutex_unlock(&bus.mu);
+	__atomic_store_n(&bus_lose[2], true, __ATOMIC_RELEASE);
+	for (int i = 0; i < 2; i++)
+		wait_lost(i, 3);
+	sleep_ms(3 * BOUND_MS);
+	for (int i = 0; i < 2; i++)
+		cr_assert(peer_lost(i, 3), "replica %d heard replica 3 again", i + 1);
+	bus_spread = true;
+	uint64_t most = both_reconnect();
+	cr_assert_leq(most, 3, "a replica asked %lu times: it waited for the peer that crashed",
+	              (unsigned long)most);
+	bus_quiet(r, 2);
+	all_agree(r, 2, "after both resynced");
+	__atomic_store_n(&bus_lose[2], false, __ATOMIC_RELEASE);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[2] = true;
+	pthread_mutex_unlock(&bus.mu);
+	bus_teardown(r, 3);
+}
+
 /* Replica 1 is cut off without noticing (nothing reaches it, what it publishes is lost: a
  * connection that died unnoticed) until it has given up both peers, the settled ones too; the
  * disconnect is noticed three liveness bounds later (as NATS's pings find it).  Back, replica 1
