@@ -46,18 +46,23 @@
 #define RETRY_MAX_NS   200000000ull
 /* A resyncing asker declined by resyncing providers (KVR_MSG_CHUNK_RESYNCING) asks again after
  * BUSY_PAUSE_NS, and takes a resyncing provider's table once every peer it knows declined so,
- * or after BUSY_ROUNDS such declines: ~8 rounds of a pause and a provider's poll (10 ms on
- * the bus, 20 ms over NATS) before a cluster that resyncs all at once settles for what it has.
- * The rounds are what bounds a miss while a settled peer exists, and over NATS they bound it
- * less than a fair pick would: nats-server (2.9) picks a queue member from a random start and
- * walks on past the asker's own subscription (no echo), so the member after the asker in the
- * group's list takes its share too.  Measured with 3 members: 2/3 and 1/3 of one asker's
- * requests, not 1/2 each; an asker whose next member resyncs misses the settled third 8 times
- * with (2/3)^8, ~4%, not 1/256.  The group cannot be steered (asking a chosen peer would take a
- * request subject per peer, which the protocol does not have), so only more rounds lower it,
- * at the cost of a longer wait when a peer it knows never answers. */
+ * or after BUSY_ROUNDS such declines.  The rounds are what bounds a miss while a settled peer
+ * exists, and over NATS they bound it less than a fair pick would: nats-server (2.9) picks a
+ * queue member from a random start and walks on past the asker's own subscription (no echo),
+ * so the member after the asker in the group's list takes its share too.  Measured with 3
+ * members: 2/3 and 1/3 of one asker's requests, not 1/2 each; an asker whose next member
+ * resyncs misses the settled third with (2/3)^rounds: ~4% at 8 rounds, ~1 in 17,000 at 24
+ * (with k peers picked fairly, one settled: ((k-1)/k)^rounds, 10% at 8 for k = 4, 0.1% at 24).
+ * The group cannot be steered (asking a chosen peer would take a request subject per peer,
+ * which the protocol does not have), so only more rounds lower it.  They cost time only while
+ * a peer the asker knows does not answer, or while many peers resync at once (every one must
+ * have declined: some 8 rounds for 4 peers, 18 for 7, picked fairly), and since a peer given
+ * up before the asker's own outage no longer counts (all_busy), that is a peer lost in the
+ * outage itself that is gone, or a cluster resyncing whole.  A round is the pause and a
+ * resyncing provider's answer: all 24 rounds measured 500 ms on the in-process bus (8: 173
+ * ms), and a round over NATS 25-33 ms (nats.c's request polls every 20 ms), ~0.6-0.8 s for 24. */
 #define BUSY_PAUSE_NS 10000000ull
-#define BUSY_ROUNDS   8u
+#define BUSY_ROUNDS   24u
 
 /* A given-up chunk, with `why` (0 or KVR_MSG_CHUNK_RESYNCING) in its flags. */
 static void give_up(struct kvr_replica *rep, const char *to, uint32_t chunk, uint32_t why)

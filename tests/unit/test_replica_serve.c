@@ -222,7 +222,7 @@ Test(replica_serve, a_resyncing_provider_declines_an_asker_that_wants_a_settled_
 
 /* Every replica reconnects at once, its requests spread over its peers (bus_spread): once both
  * peers declined as resyncing, an asker takes a resyncing peer's table (nobody has better), 3
- * requests at most; it does not wait out its rounds of declines (BUSY_ROUNDS, 8, in
+ * requests at most; it does not wait out its rounds of declines (BUSY_ROUNDS, 24, in
  * sync/replica_snap.c) as when a peer it knows never answered. */
 Test(replica_serve, replicas_all_resyncing_settle_once_every_peer_declined, .timeout = 60)
 {
@@ -315,7 +315,7 @@ static uint64_t both_reconnect(void)
 /* Replica 3 leaves (its goodbye heard), then replicas 1 and 2 reconnect at once: each asks the
  * other, the only peer left, which declines (it resyncs too).  Replica 3 will never answer,
  * yet it was counted among the peers that must decline before an asker settles, so each waited
- * out BUSY_ROUNDS (8) declines, 9 requests, instead of settling after the other's decline (3
+ * out BUSY_ROUNDS (8 then) declines, 9 requests, instead of settling after the other's decline (3
  * at most).  Replica 3 then comes back (its id, a new life) and is cut off (neither heard nor
  * taking requests) long enough for both to give it up: given up, not gone, it may hold a
  * settled table once heard again, so it counts as before it left, and the askers must not
@@ -409,8 +409,8 @@ static void wait_lost(int i, uint64_t id)
  * reconnect at once (the server came back), each resyncing and asking the other, which
  * declines.  Given up, replica 3 counted among the peers that must decline before an asker
  * settles, as a peer given up in the asker's own outage must: it will never answer, and each
- * waited out BUSY_ROUNDS declines (9 requests) instead of settling after the other's decline (3
- * at most). */
+ * waited out BUSY_ROUNDS declines (9 requests at 8) instead of settling after the other's
+ * decline (3 at most). */
 Test(replica_serve, a_peer_crashed_before_the_outage_is_not_waited_for, .timeout = 60)
 {
 	bus_dead_after = BOUND_MS / 50;
