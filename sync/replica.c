@@ -211,17 +211,26 @@ static void *apply_main(void *arg)
 				rep->qtail = NULL;
 		}
 		pthread_mutex_unlock(&rep->qmu);
+		uint64_t disconnects = 0; /* those seen before this reconnect's resync */
 		if (rec) {
 			rep->reconnect_ns = kvr_rep_mono_ns();
 			pthread_mutex_lock(&rep->mu);
 			uint64_t since = rep->outage_ns > OUTAGE_MARGIN_NS
 			                     ? rep->outage_ns - OUTAGE_MARGIN_NS
 			                     : 1;
+			disconnects = rep->st.disconnects;
 			pthread_mutex_unlock(&rep->mu);
 			kvr_rep_reannounce(rep, since);
 		}
 		if (rec) {
-			kvr_rep_resync(rep);
+			/* The outage ends with a snapshot applied, and only if no disconnect came
+			 * meanwhile (outage_open, sync/replica_internal.h). */
+			if (kvr_rep_resync(rep) == 0) {
+				pthread_mutex_lock(&rep->mu);
+				if (rep->st.disconnects == disconnects)
+					rep->outage_open = false;
+				pthread_mutex_unlock(&rep->mu);
+			}
 			pthread_mutex_unlock(&rep->hmu);
 			continue;
 		}
@@ -339,7 +348,9 @@ void kvr_replica_disconnected(struct kvr_replica *rep)
 	if (rep->connected) {
 		rep->connected = false;
 		rep->outage_ns = kvr_rep_mono_ns();
-		rep->outage_heard_ns = rep->heard_ns;
+		if (!rep->outage_open) /* else a reconnect between did not resync: one outage */
+			rep->outage_heard_ns = rep->heard_ns;
+		rep->outage_open = true;
 		kvr_rep_ranks_outage(rep);
 		rep->st.disconnects++;
 	}

@@ -196,8 +196,15 @@ struct kvr_replica {
 	 * disconnect was seen: when this replica last heard the cluster before its own outage,
 	 * which a reconnect's resync weighs its given-up peers against (sync/replica_snap.c,
 	 * all_busy).  Not outage_ns: a connection that died unnoticed is found only by the
-	 * client's pings, long after the silence began and the peers were given up for it. */
+	 * client's pings, long after the silence began and the peers were given up for it.
+	 * outage_heard_ns is kept while outage_open: from a disconnect until a reconnect's resync
+	 * applied a snapshot with no disconnect between.  A connection back for a moment (its
+	 * resync found nobody, or the link dropped during it) did not end the outage; taken again
+	 * at the next disconnect, after a peer was heard in that moment, it made the peers given
+	 * up in the outage too old to count (test_replica_serve
+	 * a_flapping_reconnect_still_waits_for_the_peers_given_up_in_the_outage). */
 	uint64_t heard_ns, outage_heard_ns;
+	bool outage_open;
 	/* The newest removal whose tombstone this replica forgot, or a snapshot's provider had
 	 * ({0, 0}: none); and the clock of this replica's own rank changes from OUTAGE_MARGIN_NS
 	 * before its last disconnect on (0: none), which a snapshot applied after it does not

@@ -504,6 +504,81 @@ Test(replica_serve, a_replica_cut_off_waits_for_the_peers_it_gave_up_in_its_outa
 	bus_teardown(r, 3);
 }
 
+/* As above, but the connection comes back only for a moment: replica 1 is told of the reconnect,
+ * its resync finds no provider (the link dropped again: nobody answers), and the second
+ * disconnect is noticed after it heard replica 2 again.  The outage it must resync for began
+ * before the first disconnect: replica 3, given up in it, still counts among the peers that
+ * must decline.  Weighed against when replica 1 last heard a peer before the second disconnect
+ * (replica 2, just now), replica 3's give-up was too old to count, and replica 1 settled for
+ * replica 2's table (3 requests at most). */
+Test(replica_serve, a_flapping_reconnect_still_waits_for_the_peers_given_up_in_the_outage,
+     .timeout = 60)
+{
+	bus_dead_after = BOUND_MS / 50;
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	for (uint32_t k = 0; k < 6; k++) {
+		struct kvr_decision d = bus_route(r[k % 3], 130 + k, 64);
+		if (k % 2)
+			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
+	}
+	bus_quiet(r, 3);
+	__atomic_store_n(&bus_deaf[0], true, __ATOMIC_RELEASE);
+	__atomic_store_n(&bus_lose[0], true, __ATOMIC_RELEASE);
+	for (uint64_t id = 2; id <= 3; id++)
+		wait_lost(0, id);
+	sleep_ms(3 * BOUND_MS);
+	kvr_replica_disconnected(bus.rep[0]);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[2] = false;
+	pthread_mutex_unlock(&bus.mu);
+	__atomic_store_n(&bus_lose[2], true, __ATOMIC_RELEASE);
+	__atomic_store_n(&bus_deaf[0], false, __ATOMIC_RELEASE);
+	for (int k = 0; k < 1000 && peer_lost(0, 2); k++)
+		sleep_ms(10);
+	cr_assert(!peer_lost(0, 2), "replica 1 never heard replica 2 again");
+	cr_assert(peer_lost(0, 3));
+	/* Back for a moment: the resync finds nobody to ask, then the link drops again. */
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[1] = false;
+	pthread_mutex_unlock(&bus.mu);
+	uint64_t asked = stats(0).resyncs, applied[2] = {stats(0).snapshots_applied};
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, asked + 1, 0);
+	pthread_mutex_lock(&bus.rep[0]->hmu); /* held by the resync until it ends */
+	pthread_mutex_unlock(&bus.rep[0]->hmu);
+	cr_assert_eq(stats(0).snapshots_applied, applied[0], "the first resync applied nothing");
+	sleep_ms(BOUND_MS); /* replica 2 heard meanwhile */
+	kvr_replica_disconnected(bus.rep[0]);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[1] = true;
+	pthread_mutex_unlock(&bus.mu);
+	cr_assert(!peer_lost(0, 2));
+	cr_assert(peer_lost(0, 3));
+	bus_spread = true;
+	asked = stats(0).resyncs;
+	kvr_replica_disconnected(bus.rep[1]);
+	for (int i = 0; i < 2; i++) {
+		applied[i] = stats(i).snapshots_applied;
+		pthread_mutex_lock(&bus.rep[i]->hmu);
+	}
+	for (int i = 0; i < 2; i++)
+		kvr_replica_reconnected(bus.rep[i]);
+	for (int i = 0; i < 2; i++)
+		pthread_mutex_unlock(&bus.rep[i]->hmu);
+	for (int i = 0; i < 2; i++)
+		wait_resyncs(i, 0, applied[i] + 1);
+	cr_assert_gt(stats(0).resyncs - asked, 3,
+	             "replica 1 settled for replica 2's table, replica 3 not heard");
+	__atomic_store_n(&bus_lose[0], false, __ATOMIC_RELEASE);
+	__atomic_store_n(&bus_lose[2], false, __ATOMIC_RELEASE);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[2] = true;
+	pthread_mutex_unlock(&bus.mu);
+	bus_quiet(r, 3);
+	bus_teardown(r, 3);
+}
+
 static uint64_t active(struct kvr_router *r)
 {
 	uint64_t n = 0;
