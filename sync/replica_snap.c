@@ -60,7 +60,9 @@
  * up before the asker's own outage no longer counts (all_busy), that is a peer lost in the
  * outage itself that is gone, or a cluster resyncing whole.  A round is the pause and a
  * resyncing provider's answer: all 24 rounds measured 500 ms on the in-process bus (8: 173
- * ms), and a round over NATS 25-33 ms (nats.c's request polls every 20 ms), ~0.6-0.8 s for 24. */
+ * ms), and a round over NATS 25-33 ms (nats.c's request polls every 20 ms), ~0.6-0.8 s for 24.
+ * Within half of snapshot_timeout_ms at most: past it the asker settles too, whatever the rounds
+ * (a shorter setting than the rounds take gave the resync up with nothing applied). */
 #define BUSY_PAUSE_NS 10000000ull
 #define BUSY_ROUNDS   24u
 
@@ -474,7 +476,11 @@ int kvr_rep_resync(struct kvr_replica *rep)
 		if (busy_from) { /* declined: it resyncs too */
 			if (!taken(busy, n_busy, busy_from) && n_busy < MAX_PEERS)
 				busy[n_busy++] = busy_from;
-			if (++busy_rounds >= BUSY_ROUNDS || all_busy(rep, busy, n_busy))
+			/* Or once half the deadline went on declines: BUSY_ROUNDS rounds need not
+			 * fit a short snapshot_timeout_ms (24 of 20-33 ms over NATS), and running
+			 * out of it applied nothing, not even a resyncing provider's table. */
+			if (++busy_rounds >= BUSY_ROUNDS || all_busy(rep, busy, n_busy) ||
+			    kvr_rep_mono_ns() - start >= timeout / 2)
 				settled_only = false; /* nobody has better: take what they have */
 			wait = BUSY_PAUSE_NS;
 		} else {

@@ -81,6 +81,8 @@ static uint64_t bus_tombstone_ms;
 /* dead_after of the replicas bus_router makes (0: 1000, nobody given up for silence during a
  * test unless the test judges its peers itself). */
 static uint32_t bus_dead_after;
+/* snapshot_timeout_ms of the replicas bus_router makes (0: 5000). */
+static uint32_t bus_snapshot_ms;
 /* Replica i's publishes fail (KVR_EAGAIN: a transport that refuses) while bus_down[i]. */
 static bool bus_down[BUS_N];
 /* Replica i's publishes are taken and lost (a connection that died unnoticed) while
@@ -193,7 +195,7 @@ static inline void bus_create_as(int i, struct kvr_router *r, uint64_t id)
 	    .replica_id = id,
 	    .heartbeat_ms = 50,
 	    .dead_after = bus_dead_after ? bus_dead_after : 1000,
-	    .snapshot_timeout_ms = 5000,
+	    .snapshot_timeout_ms = bus_snapshot_ms ? bus_snapshot_ms : 5000,
 	    .kept_bytes_max = bus_kept_max,
 	    .tombstone_ms = bus_tombstone_ms,
 	};

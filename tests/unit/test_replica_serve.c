@@ -672,3 +672,44 @@ Test(replica_serve, a_snapshot_does_not_bring_back_an_earlier_life_of_a_peer_tha
 	cr_assert_eq(active(r[0]), 0, "replica 3's first life's attempt booked again");
 	bus_teardown(r, 2);
 }
+
+/* Replicas 1 and 2 reconnect at once, each resyncing, with replica 3 given up in their outage
+ * (it may hold a settled table) and out of the queue group: each waits for its answer until its
+ * rounds of declines run out (BUSY_ROUNDS, ~0.5 s on the bus).  With a snapshot_timeout_ms
+ * shorter than that (400 ms), the rounds ran past it, and a replica gave its resync up with
+ * nothing applied; the rounds now end once half the deadline went on declines. */
+Test(replica_serve, rounds_of_declines_end_within_a_short_snapshot_timeout, .timeout = 60)
+{
+	bus_snapshot_ms = 400;
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	for (uint32_t k = 0; k < 6; k++) {
+		struct kvr_decision d = bus_route(r[k % 3], 150 + k, 64);
+		if (k % 2)
+			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
+	}
+	bus_quiet(r, 3);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[2] = false;
+	pthread_mutex_unlock(&bus.mu);
+	__atomic_store_n(&bus_lose[2], true, __ATOMIC_RELEASE);
+	/* Each judges its peers past the liveness bound (as its apply thread would, holding its
+	 * handling lock): both are given up, replica 2 heard again soon. */
+	for (int i = 0; i < 2; i++) {
+		uint64_t lost = stats(i).peers_lost;
+		pthread_mutex_lock(&bus.rep[i]->hmu);
+		kvr_rep_heartbeat(bus.rep[i],
+		                  kvr_rep_mono_ns() + 3 * kvr_rep_silence_bound(bus.rep[i]), 0);
+		pthread_mutex_unlock(&bus.rep[i]->hmu);
+		cr_assert_eq(stats(i).peers_lost, lost + 2);
+	}
+	bus_spread = true;
+	uint64_t most = both_reconnect();
+	cr_assert_gt(most, 3, "a replica settled for the other's table, replica 3 not heard");
+	__atomic_store_n(&bus_lose[2], false, __ATOMIC_RELEASE);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[2] = true;
+	pthread_mutex_unlock(&bus.mu);
+	bus_snapshot_ms = 0;
+	bus_teardown(r, 3);
+}
