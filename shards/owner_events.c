@@ -80,15 +80,21 @@ static bool over_bound(const struct kvr_owner_ctx *c, struct kvr_rank_owned *own
 
 /* A cleared event for the whole worker cleared every dp rank of it, and each of them is
  * resynced: each one's run-id episode ends, so its next refusal is reported again (ending the
- * named rank's alone left the others' refusals after the clear unreported).  The worker's ranks
- * all live on this shard (core/ranks.c places by worker id), so they are all in ss->ranks.
+ * named rank's alone left the others' refusals after the clear unreported), and each one's
+ * snapshot is published (the caller publishes own's: the others' resident_blocks gauge kept
+ * what they held before the clear until their next event).  The worker's ranks all live on
+ * this shard (core/ranks.c places by worker id), so they are all in ss->ranks.
  * O(ranks of the shard), once per worker-wide clear. */
-static void worker_resynced(struct kvr_shard_state *ss, uint64_t worker_id)
+static void worker_resynced(struct kvr_shard_state *ss, const struct kvr_rank_owned *own,
+                            uint64_t worker_id)
 {
 	const struct kvr_owner_ctx *c = ss->c;
 	for (struct kvr_rank_owned *o = ss->ranks; o; o = o->next)
-		if (c->ranks[o->slot].worker_id == worker_id)
+		if (c->ranks[o->slot].worker_id == worker_id) {
 			o->index_full = false;
+			if (o != own)
+				kvr_owner_publish(ss, o);
+		}
 }
 
 int kvr_owner_event(struct kvr_shard *sh, void *arg)
@@ -171,7 +177,7 @@ int kvr_owner_event(struct kvr_shard *sh, void *arg)
 		} else {
 			rc = kvr_index_clear_worker(c->index, c->ranks[a->slot].worker_id);
 			if (!rc)
-				worker_resynced(ss, c->ranks[a->slot].worker_id);
+				worker_resynced(ss, own, c->ranks[a->slot].worker_id);
 		}
 		kvr_metrics_add(mb, rc ? KVR_C_EV_CLEARED_ERR : KVR_C_EV_CLEARED_OK, 1);
 		break;

@@ -279,3 +279,27 @@ Test(events_apply, worker_wide_clear_ends_the_run_id_episode_of_every_rank_it_cl
 	cr_assert_eq(st.indexed_blocks, 6);
 	kvr_router_destroy(router);
 }
+
+/* A worker-wide clear empties every dp rank of the worker, and the resident-blocks gauge of each
+ * says so at once: the named rank's was published after the clear, the other dp ranks' kept
+ * what they held before it until their next event. */
+Test(events_apply, worker_wide_clear_publishes_every_cleared_ranks_resident_blocks)
+{
+	make();
+	const struct kvr_rank_id R1 = {7, 1};
+	cr_assert_eq(kvr_rank_add(router, R1, 1, KVR_CAPACITY_NONE, 0), 0);
+	cr_assert_eq(store_on(R1, 1, 100), 0);
+	cr_assert_eq(store_plain(1, 200), 0);
+	const char *g1 = "kvr_rank_resident_blocks{worker=\"7\",dp_rank=\"1\"}";
+	cr_assert_eq(kvr_test_metric(router, g1), 2);
+	cr_assert_eq(kvr_events_apply(
+	                 router, R0, &(struct kvr_event){.type = KVR_EVENT_CLEARED, .event_id = 2}),
+	             0);
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(router, R1, &st), 0);
+	cr_assert_eq(st.indexed_blocks, 0, "dp rank 1 cleared too");
+	cr_assert_eq(
+	    kvr_test_metric(router, "kvr_rank_resident_blocks{worker=\"7\",dp_rank=\"0\"}"), 0);
+	cr_assert_eq(kvr_test_metric(router, g1), 0, "dp rank 1's gauge after the clear");
+	kvr_router_destroy(router);
+}
