@@ -1098,8 +1098,10 @@ struct kvr_sync_config {
 	 * load.  Too small a bound for the machine makes false deaths frequent (each costs a
 	 * re-announce of the peer's live and recently finished attempts). */
 	uint32_t dead_after;
-	/* Snapshot request deadline, ms (between chunks of the snapshot: a peer that takes the
-	 * request and sends nothing for this long is given up).  Default 2000. */
+	/* Snapshot request deadline, ms: between chunks of the snapshot (a peer that takes the
+	 * request and sends nothing for this long is given up), and a whole resync's, its retries
+	 * included (one declined by resyncing peers for half of it takes a resyncing peer's
+	 * table).  Default 2000. */
 	uint32_t snapshot_timeout_ms;
 	/* Blocks of recently finished attempts remembered per rank for snapshots.  Default 0 =
 	 * twice the rank's capacity (65536 without capacity). */
