@@ -347,11 +347,12 @@ void kvr_replica_disconnected(struct kvr_replica *rep)
 	pthread_mutex_lock(&rep->mu);
 	if (rep->connected) {
 		rep->connected = false;
-		rep->outage_ns = kvr_rep_mono_ns();
-		if (!rep->outage_open) /* else a reconnect between did not resync: one outage */
+		if (!rep->outage_open) { /* else a reconnect between did not resync: one outage */
+			rep->outage_ns = kvr_rep_mono_ns();
 			rep->outage_heard_ns = rep->heard_ns;
+			kvr_rep_ranks_outage(rep);
+		}
 		rep->outage_open = true;
-		kvr_rep_ranks_outage(rep);
 		rep->st.disconnects++;
 	}
 	pthread_mutex_unlock(&rep->mu);

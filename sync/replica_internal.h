@@ -190,8 +190,17 @@ struct kvr_replica {
 	size_t n_ranks, ranks_cap;
 	struct kvr_rep_peer peers[MAX_PEERS];
 	size_t n_peers;
-	uint64_t fin_no, outage_ns; /* outage_ns: when the last disconnect was seen */
-	uint64_t rank_clock;        /* the highest rank version clock made or seen */
+	/* outage_ns: when the disconnect that began the open outage was seen (see outage_open).
+	 * A reconnect re-announces the attempts finished from OUTAGE_MARGIN_NS before it: notes
+	 * made while disconnected are not sent, so that is how peers learn of them.  Taken again
+	 * at a second disconnect after a connection back for a moment (its re-announce lost, its
+	 * resync applying nothing), it left out those finished before it, which the peers then
+	 * held released as aborted or never saw (test_replica_serve
+	 * a_flapping_reconnect_still_reannounces_what_was_finished_in_the_outage).  The price of
+	 * keeping it: an outage left open by a resync that found nobody (a lone replica) is
+	 * re-announced whole at the first reconnect that has peers, again to any that heard it. */
+	uint64_t fin_no, outage_ns;
+	uint64_t rank_clock; /* the highest rank version clock made or seen */
 	/* When a peer's message was last handled (0: never), and what that was when the last
 	 * disconnect was seen: when this replica last heard the cluster before its own outage,
 	 * which a reconnect's resync weighs its given-up peers against (sync/replica_snap.c,
@@ -207,8 +216,8 @@ struct kvr_replica {
 	bool outage_open;
 	/* The newest removal whose tombstone this replica forgot, or a snapshot's provider had
 	 * ({0, 0}: none); and the clock of this replica's own rank changes from OUTAGE_MARGIN_NS
-	 * before its last disconnect on (0: none), which a snapshot applied after it does not
-	 * judge (sync/replica_ranks.c, "Forgetting"). */
+	 * before the disconnect that began the open outage on (0: none; kept as outage_ns is),
+	 * which a snapshot applied after it does not judge (sync/replica_ranks.c, "Forgetting"). */
 	struct kvr_rep_ver rank_floor;
 	uint64_t outage_clock;
 	struct kvr_sync_stats st;

@@ -45,14 +45,16 @@
  * The one ambiguity is a replica's own change made while it was cut off and older than the
  * floor (made before a removal elsewhere, the outage outlasting the keep): the cluster never
  * heard it, so the snapshot's silence says nothing of it, and the peers refuse it as too old.
- * Such a change (its own, made since OUTAGE_MARGIN_NS before the replica's last disconnect was
- * noticed: outage_clock) is kept and told again with a new version: it is what this replica's
- * router holds, and nothing the cluster remembers is newer.  The margin is the re-announce's:
- * publishes made just before a disconnect is noticed may have died with the connection (before,
- * an own add made then was judged forgotten and removed from this router, though no peer ever
- * heard it: test_replica_ranks a_rank_added_just_before_an_unnoticed_disconnect_is_kept).  Own
- * only (the version's writer): a peer's change held here was heard by the cluster.  A fresh
- * replica's own ranks count as such (outage_clock 0).
+ * Such a change (its own, made since OUTAGE_MARGIN_NS before the disconnect that began its
+ * outage was noticed: outage_clock; a connection back for a moment whose resync applied nothing
+ * does not end the outage, its re-announce may have died with it) is kept and told again with a
+ * new version: it is what this replica's router holds, and nothing the cluster remembers is
+ * newer.  The margin is the re-announce's: publishes made just before a disconnect is noticed
+ * may have died with the connection (before, an own add made then was judged forgotten and
+ * removed from this router, though no peer ever heard it: test_replica_ranks
+ * a_rank_added_just_before_an_unnoticed_disconnect_is_kept).  Own only (the version's writer): a
+ * peer's change held here was heard by the cluster.  A fresh replica's own ranks count as such
+ * (outage_clock 0).
  * Versions compare wall clocks across replicas, so a writer whose clock runs ahead widens that
  * window: its removal's floor covers other replicas' changes made up to its lead later; these are
  * refused or judged gone when they were never heard by the cluster and the floor covers them.

@@ -713,3 +713,49 @@ Test(replica_serve, rounds_of_declines_end_within_a_short_snapshot_timeout, .tim
 	bus_snapshot_ms = 0;
 	bus_teardown(r, 3);
 }
+
+/* Replica 1 is cut off (what it publishes is lost: a connection that died unnoticed) and finishes
+ * an attempt its peer mirrors and one its peer never heard of.  The connection comes back for a
+ * moment: its re-announce is lost too and its resync finds nobody; then the second disconnect,
+ * more than the re-announce's margin after those finishes, and the real reconnect.  Its
+ * re-announce is what tells replica 2 of them (notes made while disconnected are not sent); taken
+ * from the second disconnect, it left them out: replica 2 released the first as aborted and never
+ * predicted the second's blocks. */
+Test(replica_serve, a_flapping_reconnect_still_reannounces_what_was_finished_in_the_outage,
+     .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	struct kvr_decision d[2];
+	d[0] = bus_route(r[0], 170, 64);
+	bus_quiet(r, 2);
+	cr_assert_gt(active(r[1]), 0);
+	__atomic_store_n(&bus_lose[0], true, __ATOMIC_RELEASE);
+	kvr_replica_disconnected(bus.rep[0]);
+	cr_assert_eq(kvr_request_finish(r[0], d[0].attempt), 0);
+	d[1] = bus_route(r[0], 171, 64);
+	cr_assert_eq(kvr_request_finish(r[0], d[1].attempt), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	sleep_ms((long)(OUTAGE_MARGIN_NS / 1000000) + 100);
+	/* Back for a moment: the re-announce is lost, the resync finds nobody to ask. */
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[1] = false;
+	pthread_mutex_unlock(&bus.mu);
+	uint64_t asked = stats(0).resyncs, applied = stats(0).snapshots_applied;
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, asked + 1, 0);
+	pthread_mutex_lock(&bus.rep[0]->hmu); /* held by the resync until it ends */
+	pthread_mutex_unlock(&bus.rep[0]->hmu);
+	cr_assert_eq(stats(0).snapshots_applied, applied, "the first resync applied nothing");
+	kvr_replica_disconnected(bus.rep[0]);
+	pthread_mutex_lock(&bus.mu);
+	bus.ready[1] = true;
+	pthread_mutex_unlock(&bus.mu);
+	__atomic_store_n(&bus_lose[0], false, __ATOMIC_RELEASE);
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, 0, applied + 1);
+	bus_quiet(r, 2);
+	cr_assert_eq(active(r[1]), 0);
+	all_agree(r, 2, "after the flapping reconnect");
+	bus_teardown(r, 2);
+}
