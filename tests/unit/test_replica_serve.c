@@ -759,3 +759,33 @@ Test(replica_serve, a_flapping_reconnect_still_reannounces_what_was_finished_in_
 	all_agree(r, 2, "after the flapping reconnect");
 	bus_teardown(r, 2);
 }
+
+/* A reconnect whose resync applied a snapshot ends the outage: the next one re-announces only
+ * what was finished since its own disconnect, not the earlier outage's attempts again (each
+ * re-announced finish is booked again by the peers, as their most recent). */
+Test(replica_serve, a_reconnect_after_a_resync_starts_a_new_outage_window, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	kvr_replica_disconnected(bus.rep[0]);
+	struct kvr_decision d = bus_route(r[0], 172, 64);
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
+	bus_quiet(r, 2);
+	uint64_t sent[2], applied = stats(0).snapshots_applied;
+	for (int k = 0; k < 2; k++) {
+		uint64_t before = stats(0).published;
+		kvr_replica_reconnected(bus.rep[0]);
+		wait_resyncs(0, 0, ++applied);
+		bus_quiet(r, 2);
+		sent[k] = stats(0).published - before;
+		if (!k) {
+			sleep_ms((long)(OUTAGE_MARGIN_NS / 1000000) + 100);
+			kvr_replica_disconnected(bus.rep[0]);
+		}
+	}
+	cr_assert_eq(sent[1] + 1, sent[0], "re-announced %lu, then %lu", (unsigned long)sent[0],
+	             (unsigned long)sent[1]);
+	all_agree(r, 2, "after the second reconnect");
+	bus_teardown(r, 2);
+}
