@@ -444,23 +444,16 @@ Test(replica_serve, a_peer_crashed_before_the_outage_is_not_waited_for, .timeout
 	bus_teardown(r, 3);
 }
 
-/* Replica 1 is cut off without noticing (nothing reaches it, what it publishes is lost: a
- * connection that died unnoticed) until it has given up both peers, the settled ones too; the
- * disconnect is noticed three liveness bounds later (as NATS's pings find it).  Back, replica 1
- * hears replica 2 before it is told of the reconnect (nats.c delivers on the subscription's
- * thread, and calls back on another), not replica 3 yet; then it and replica 2 resync at once.
- * Replica 3 is settled, but the queue group does not pick it (not ready).  Replica 1 must not
- * settle for replica 2's table once replica 2 alone has declined: replica 3, given up in replica
- * 1's own outage, may hold a settled table.  Had the give-ups been weighed against when the
- * disconnect was noticed, or when a peer was last heard at the resync, replica 3's would have
- * been too old to count, and replica 1 settled (3 requests at most). */
-Test(replica_serve, a_replica_cut_off_waits_for_the_peers_it_gave_up_in_its_outage, .timeout = 60)
+/* Three replicas, attempts routed and some finished (salt names the prompts).  Replica 1 then
+ * goes deaf and unheard until it gave up both peers, notices its disconnect three bounds later,
+ * and hears replica 2 again (not replica 3, now out of the queue group and unheard) before any
+ * reconnect. */
+static void cut_off_hearing_replica_2_again(struct kvr_router **r, uint32_t salt)
 {
 	bus_dead_after = BOUND_MS / 50;
-	struct kvr_router *r[3];
 	bus_start(r, 3);
 	for (uint32_t k = 0; k < 6; k++) {
-		struct kvr_decision d = bus_route(r[k % 3], 110 + k, 64);
+		struct kvr_decision d = bus_route(r[k % 3], salt + k, 64);
 		if (k % 2)
 			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
 	}
@@ -480,6 +473,22 @@ Test(replica_serve, a_replica_cut_off_waits_for_the_peers_it_gave_up_in_its_outa
 		sleep_ms(10);
 	cr_assert(!peer_lost(0, 2), "replica 1 never heard replica 2 again");
 	cr_assert(peer_lost(0, 3));
+}
+
+/* Replica 1 is cut off without noticing (nothing reaches it, what it publishes is lost: a
+ * connection that died unnoticed) until it has given up both peers, the settled ones too; the
+ * disconnect is noticed three liveness bounds later (as NATS's pings find it).  Back, replica 1
+ * hears replica 2 before it is told of the reconnect (nats.c delivers on the subscription's
+ * thread, and calls back on another), not replica 3 yet; then it and replica 2 resync at once.
+ * Replica 3 is settled, but the queue group does not pick it (not ready).  Replica 1 must not
+ * settle for replica 2's table once replica 2 alone has declined: replica 3, given up in replica
+ * 1's own outage, may hold a settled table.  Had the give-ups been weighed against when the
+ * disconnect was noticed, or when a peer was last heard at the resync, replica 3's would have
+ * been too old to count, and replica 1 settled (3 requests at most). */
+Test(replica_serve, a_replica_cut_off_waits_for_the_peers_it_gave_up_in_its_outage, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	cut_off_hearing_replica_2_again(r, 110);
 	bus_spread = true;
 	uint64_t asked = stats(0).resyncs, applied[2];
 	kvr_replica_disconnected(bus.rep[1]);
@@ -514,30 +523,8 @@ Test(replica_serve, a_replica_cut_off_waits_for_the_peers_it_gave_up_in_its_outa
 Test(replica_serve, a_flapping_reconnect_still_waits_for_the_peers_given_up_in_the_outage,
      .timeout = 60)
 {
-	bus_dead_after = BOUND_MS / 50;
 	struct kvr_router *r[3];
-	bus_start(r, 3);
-	for (uint32_t k = 0; k < 6; k++) {
-		struct kvr_decision d = bus_route(r[k % 3], 130 + k, 64);
-		if (k % 2)
-			cr_assert_eq(kvr_request_finish(r[k % 3], d.attempt), 0);
-	}
-	bus_quiet(r, 3);
-	__atomic_store_n(&bus_deaf[0], true, __ATOMIC_RELEASE);
-	__atomic_store_n(&bus_lose[0], true, __ATOMIC_RELEASE);
-	for (uint64_t id = 2; id <= 3; id++)
-		wait_lost(0, id);
-	sleep_ms(3 * BOUND_MS);
-	kvr_replica_disconnected(bus.rep[0]);
-	pthread_mutex_lock(&bus.mu);
-	bus.ready[2] = false;
-	pthread_mutex_unlock(&bus.mu);
-	__atomic_store_n(&bus_lose[2], true, __ATOMIC_RELEASE);
-	__atomic_store_n(&bus_deaf[0], false, __ATOMIC_RELEASE);
-	for (int k = 0; k < 1000 && peer_lost(0, 2); k++)
-		sleep_ms(10);
-	cr_assert(!peer_lost(0, 2), "replica 1 never heard replica 2 again");
-	cr_assert(peer_lost(0, 3));
+	cut_off_hearing_replica_2_again(r, 130);
 	/* Back for a moment: the resync finds nobody to ask, then the link drops again. */
 	pthread_mutex_lock(&bus.mu);
 	bus.ready[1] = false;
