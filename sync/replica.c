@@ -211,18 +211,15 @@ static void *apply_main(void *arg)
 				rep->qtail = NULL;
 		}
 		pthread_mutex_unlock(&rep->qmu);
-		uint64_t disconnects = 0; /* those seen before this reconnect's resync */
 		if (rec) {
 			rep->reconnect_ns = kvr_rep_mono_ns();
 			pthread_mutex_lock(&rep->mu);
 			uint64_t since = rep->outage_ns > OUTAGE_MARGIN_NS
 			                     ? rep->outage_ns - OUTAGE_MARGIN_NS
 			                     : 1;
-			disconnects = rep->st.disconnects;
+			const uint64_t disconnects = rep->st.disconnects; /* before the resync */
 			pthread_mutex_unlock(&rep->mu);
 			kvr_rep_reannounce(rep, since);
-		}
-		if (rec) {
 			/* The outage ends with a snapshot applied, and only if no disconnect came
 			 * meanwhile (outage_open, sync/replica_internal.h). */
 			if (kvr_rep_resync(rep) == 0) {
