@@ -754,8 +754,17 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 		/* No room: the shard must allocate to track it (or an allocation failed there),
 		 * so wait for its answer.  The booking consumes the record whatever it returns. */
 		rc = kvr_shard_call(sh, KVR_LANE_ROUTING, kvr_owner_book_call, rec);
-		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL && rc != KVR_EBUSY) /* those: not run */
+		/* KVR_ESHUTDOWN, KVR_EINVAL, KVR_EBUSY: not run. */
+		if (rc != KVR_ESHUTDOWN && rc != KVR_EINVAL && rc != KVR_EBUSY) {
+			/* Failed there (memory, a rank gone): the shard took its provisional load
+			 * back, and a request may have queued behind it.  Woken as for a load
+			 * taken back below: else it waited on an idle rank for the embedder's
+			 * next call (test_owner_attempts
+			 * sync_booking_waited_booking_failed_for_memory_wakes_the_queue). */
+			if (rc && r->queue)
+				kvr_admitter_note_unloaded(r, false);
 			return rc;
+		}
 	} else {
 		/* A soon post: a shard that has been booking lately parks for at most
 		 * booking_lazy_ns and is left asleep (no FUTEX_WAKE on this thread); the first

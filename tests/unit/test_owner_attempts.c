@@ -3,9 +3,12 @@
  * allocations), not timed. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <sched.h>
+#include <string.h>
 #include <time.h>
 
 #include "core/alloc.h"
+#include "core/router_internal.h"
 #include "kvrouter.h"
 #include "shards/owner.h"
 #include "tests/common/metric.h"
@@ -368,5 +371,130 @@ Test(owner_attempts, sync_booking_calls_see_the_scans_queued_work_makes_due, .ti
 	int again = kvr_request_finish(r, d.attempt);
 	cr_assert(rc == 0 ? again == 0 : again == KVR_ESTALE,
 	          "output %d, then a finish at the same time %d", rc, again);
+	kvr_router_destroy(r);
+}
+
+/* ---------------------------------------------------------------- a waited-for booking fails */
+
+struct gate {
+	int held; /* the shard thread is inside stall() */
+	int open; /* stall() may return */
+};
+
+/* Holds the shard thread until the test opens the gate.  It tags the shard thread so that the
+ * armed allocation failures fail its allocations only (core/alloc.h). */
+static void stall(struct kvr_shard *sh, void *payload)
+{
+	(void)sh;
+	struct gate *g;
+	memcpy(&g, payload, sizeof(g));
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
+	__atomic_store_n(&g->held, 1, __ATOMIC_RELEASE);
+	while (!__atomic_load_n(&g->open, __ATOMIC_ACQUIRE))
+		sched_yield();
+}
+
+struct admits {
+	int n;
+	uint64_t ticket;
+};
+
+static void count_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)d;
+	struct admits *a = ctx;
+	__atomic_store_n(&a->ticket, ticket, __ATOMIC_RELAXED);
+	__atomic_add_fetch(&a->n, 1, __ATOMIC_RELEASE);
+}
+
+struct routed {
+	struct kvr_router *r;
+	const uint32_t *t;
+	int rc;
+};
+
+static void *route_thread(void *p)
+{
+	struct routed *x = p;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = x->t;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	x->rc = kvr_route(x->r, &q, &d);
+	return NULL;
+}
+
+/* With sync_booking, a booking that finds no room waits for its shard (kvr_owner_book_call); if
+ * it fails there for memory, the shard takes its provisional load back and kvr_route returns
+ * KVR_ENOMEM.  A request queued behind that load was left queued on an idle rank until the
+ * embedder's next call: nothing woke the admission thread, as a posted booking's failure does
+ * (the shard's hook).  Here: the shard held, its booking room used up and its allocations
+ * failing, one thread's route waits for its booking while the test queues a second request
+ * behind the first one's provisional load; then the shard runs the booking, which fails. */
+Test(owner_attempts, sync_booking_waited_booking_failed_for_memory_wakes_the_queue, .timeout = 60)
+{
+	struct admits seen = {0};
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = true;
+	c.queue_threshold = 1.0;
+	c.on_admit = count_admit;
+	c.callback_ctx = &seen;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	/* A prefill budget of 32 tokens: one uncached 64-token prompt saturates the rank. */
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 32), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	struct kvr_shard *sh = kvr_shards_get(r->shards, 0);
+	struct gate g = {0};
+	struct gate *gp = &g;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, stall, &gp, sizeof(gp)), 0);
+	while (!__atomic_load_n(&g.held, __ATOMIC_ACQUIRE))
+		sched_yield();
+	long taken = 0;
+	while (kvr_owner_book_room_take(sh))
+		taken++;
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER);
+	kvr_alloc_fail_from(1);
+
+	static uint32_t a[64], b[64];
+	for (uint32_t i = 0; i < 64; i++) {
+		a[i] = 1000 + i;
+		b[i] = 5000 + i;
+	}
+	struct routed x = {.r = r, .t = a};
+	pthread_t th;
+	cr_assert_eq(pthread_create(&th, NULL, route_thread, &x), 0);
+	/* Its provisional load is published before its booking waits. */
+	while (!__atomic_load_n(&r->prov[0].prefill_tokens, __ATOMIC_ACQUIRE))
+		sched_yield();
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = b;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED, "saturated by the first request's provisional load");
+
+	__atomic_store_n(&g.open, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(pthread_join(th, NULL), 0);
+	kvr_alloc_fail_after(0);
+	kvr_alloc_fail_scope(0);
+	cr_assert_eq(x.rc, KVR_ENOMEM, "the waited-for booking failed on the shard");
+	for (long i = 0; i < taken; i++)
+		kvr_owner_book_room_give(sh);
+	/* No call on the router from here: only the admission thread can admit it. */
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	do {
+		struct timespec ms = {0, 1000000};
+		nanosleep(&ms, NULL);
+		clock_gettime(CLOCK_MONOTONIC, &t);
+	} while (!__atomic_load_n(&seen.n, __ATOMIC_ACQUIRE) && t.tv_sec - t0.tv_sec < 5);
+	cr_assert_eq(__atomic_load_n(&seen.n, __ATOMIC_ACQUIRE), 1,
+	             "the queued request stayed queued on an idle rank");
+	cr_assert_eq(seen.ticket, d.ticket);
 	kvr_router_destroy(r);
 }
