@@ -40,6 +40,14 @@ extern bool fuzz_api_clock_back;
  * embedder's slow callback or a preemption makes them.  The same programs as without it; the
  * model must not tell them apart. */
 extern bool fuzz_api_slow_admit;
+/* A stalled admission (fuzz_api.c, vclock; also FUZZ_API_STALL_ADMIT=1): the router's clock, read
+ * on its admission thread, sleeps 1 ms, so the pass holds an admission it made for that long
+ * before it counts the request out of the queue; and the program pauses 3 ms after a route that
+ * returned KVR_EAGAIN, so that admission's report comes before the model judges the refusal.  The
+ * preemptions of both threads a loaded machine makes, rarely together (--limits seed 62208646:
+ * "KVR_EAGAIN with at most 0 of 1 queued", once in some 500 runs).  The same programs as without
+ * it. */
+extern bool fuzz_api_stall_admit;
 
 /* Runs one program (on a fresh thread); aborts with a message on any violation.  *calls (may be
  * NULL) is increased by the number of API operations it ran. */

@@ -3,18 +3,21 @@
  * each seed expands (splitmix64) into one program for fuzz_api.c.  Registered in meson test
  * with a short run, so it runs in every build, ASan+UBSan and TSan included.
  *
- *   fuzz_api_seeds [--first S] [--seeds N] [--seconds T] [--bytes B] [--write FILE] [--craft]
- *                  [--events] [--limits] [--clock-back] [--slow-admit]
+ *   fuzz_api_seeds [--first S] [--seeds N] [--runs R] [--seconds T] [--bytes B] [--write FILE]
+ *                  [--craft] [--events] [--limits] [--clock-back] [--slow-admit] [--stall-admit]
  *   fuzz_api_seeds FILE...        (program files: a libFuzzer input, tests/fuzz/corpus/api/)
  *
- * A failure prints its seed; `--first S --seeds 1` replays it alone, and `--write FILE` saves
+ * A failure prints its seed; `--first S --seeds 1` replays it alone (`--runs R`: R times, for a
+ * failure that depends on timing), and `--write FILE` saves
  * that seed's program bytes as a libFuzzer input (build-fuzz/tests/fuzz/fuzz_api FILE).
  * --craft (before FILE... too) crafts hash-given prompts (fuzz_api.c, craft_hashes): other
  * programs than without it, so a seed replays with the same flag.  --events likewise: every router
  * in events mode, engine hashes as vLLM sends them, and probes of the overlap (fuzz_api.h).
  * --limits: configuration values at the ends of their ranges (fuzz_api.h).  --clock-back: the
  * router's clock also steps back (fuzz_api.h).  --slow-admit: on_admit on the admission thread
- * reports late (fuzz_api.h); the same programs as without it.
+ * reports late (fuzz_api.h); the same programs as without it.  --stall-admit: the admission
+ * thread's clock reads stall and the program pauses after a refused route (fuzz_api.h); the same
+ * programs too.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -64,7 +67,7 @@ static int run_files(int n, char **paths)
 
 int main(int argc, char **argv)
 {
-	uint64_t first = 1, seeds = 20;
+	uint64_t first = 1, seeds = 20, runs = 1;
 	double seconds = 0;
 	size_t max_bytes = 6000;
 	const char *write = NULL;
@@ -74,6 +77,8 @@ int main(int argc, char **argv)
 			first = strtoull(argv[++i], NULL, 0);
 		else if (!strcmp(argv[i], "--seeds") && v)
 			seeds = strtoull(argv[++i], NULL, 0);
+		else if (!strcmp(argv[i], "--runs") && v)
+			runs = strtoull(argv[++i], NULL, 0);
 		else if (!strcmp(argv[i], "--seconds") && v)
 			seconds = atof(argv[++i]);
 		else if (!strcmp(argv[i], "--bytes") && v)
@@ -90,13 +95,15 @@ int main(int argc, char **argv)
 			fuzz_api_clock_back = true;
 		else if (!strcmp(argv[i], "--slow-admit"))
 			fuzz_api_slow_admit = true;
+		else if (!strcmp(argv[i], "--stall-admit"))
+			fuzz_api_stall_admit = true;
 		else if (argv[i][0] != '-')
 			return run_files(argc - i, argv + i);
 		else {
 			fprintf(stderr,
-			        "usage: %s [--first S] [--seeds N] [--seconds T] [--bytes B] "
-			        "[--write FILE] [--craft] [--events] [--limits] [--clock-back] "
-			        "[--slow-admit]\n",
+			        "usage: %s [--first S] [--seeds N] [--runs R] [--seconds T] "
+			        "[--bytes B] [--write FILE] [--craft] [--events] [--limits] "
+			        "[--clock-back] [--slow-admit] [--stall-admit]\n",
 			        argv[0]);
 			return 2;
 		}
@@ -119,7 +126,8 @@ int main(int argc, char **argv)
 			fclose(f);
 		}
 		fuzz_api_current_seed = s;
-		fuzz_api_run(buf, n, &fuzz_api_totals.calls);
+		for (uint64_t k = 0; k < runs; k++)
+			fuzz_api_run(buf, n, &fuzz_api_totals.calls);
 		done++;
 		if (seconds > 0 && mono_s() - t0 >= seconds)
 			break;
