@@ -597,7 +597,9 @@ int kvr_owner_rank_stats(struct kvr_shard *sh, void *arg)
 	kvr_load_stats(own->load, &ls);
 	memset(st, 0, sizeof(*st));
 	st->incarnation = own->incarnation;
-	st->capacity_blocks = own->capacity;
+	/* 0 is registered as "no capacity", as KVR_CAPACITY_NONE is (kvr_rank_add): the stats
+	 * say so the one way the header gives. */
+	st->capacity_blocks = own->capacity ? own->capacity : KVR_CAPACITY_NONE;
 	st->indexed_blocks = kvr_index_tree_size(c->index, a->slot);
 	st->resident_blocks = st->indexed_blocks;
 	if (own->rs && kvr_rank_state_lru(own->rs)) {

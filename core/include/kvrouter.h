@@ -450,7 +450,11 @@ KVR_API int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank);
 
 struct kvr_rank_stats {
 	uint64_t incarnation;
-	uint64_t capacity_blocks; /* KVR_CAPACITY_NONE for TTL retention */
+	uint64_t capacity_blocks; /* as registered (kvr_rank_add, _set_capacity; not raised by
+	                           * kvr_rank_observe); KVR_CAPACITY_NONE for a rank without one
+	                           * (registered with KVR_CAPACITY_NONE or 0: TTL retention in
+	                           * approx_lru).  approx_ttl keeps every rank by TTL whatever it
+	                           * reads */
 	uint64_t resident_blocks; /* predicted (approx_lru) or indexed blocks */
 	uint64_t indexed_blocks;  /* blocks the index holds for the rank */
 	uint64_t active_blocks;   /* distinct blocks pinned by in-flight requests */

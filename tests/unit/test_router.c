@@ -1399,6 +1399,31 @@ Test(router, capacity_none_or_zero_to_finite_same_incarnation)
 	}
 }
 
+/* kvr_rank_stats.capacity_blocks is KVR_CAPACITY_NONE for a rank without a capacity, and 0 is
+ * documented as the same "no capacity" as KVR_CAPACITY_NONE (kvr_rank_add, _set_capacity): a
+ * rank registered or set with 0 read back 0, which a caller comparing with KVR_CAPACITY_NONE
+ * took for a finite, zero-block cache. */
+Test(router, stats_capacity_of_a_rank_without_one_reads_none)
+{
+	for (int mode = 0; mode < 2; mode++) {
+		struct kvr_router *r = make(mode ? KVR_MODE_EVENTS : KVR_MODE_APPROX_LRU, 0, 0, 0);
+		struct kvr_rank_id a = {0, 0}, b = {1, 0};
+		cr_assert_eq(kvr_rank_add(r, a, 1, 0, 0), 0);
+		cr_assert_eq(kvr_rank_add(r, b, 1, 8, 0), 0);
+		cr_assert_eq(stats(r, 0).capacity_blocks, KVR_CAPACITY_NONE,
+		             "mode %d: added with 0", mode);
+		cr_assert_eq(kvr_rank_set_capacity(r, b, 1, 0), 0);
+		cr_assert_eq(stats(r, 1).capacity_blocks, KVR_CAPACITY_NONE, "mode %d: set to 0",
+		             mode);
+		cr_assert_eq(kvr_rank_set_capacity(r, b, 2, 0), 0);
+		cr_assert_eq(stats(r, 1).capacity_blocks, KVR_CAPACITY_NONE,
+		             "mode %d: a new life with 0", mode);
+		cr_assert_eq(kvr_rank_set_capacity(r, a, 1, 4), 0);
+		cr_assert_eq(stats(r, 0).capacity_blocks, 4, "mode %d", mode);
+		kvr_router_destroy(r);
+	}
+}
+
 /* Issue 12 item 5: set_capacity (same incarnation) moving an LRU rank to TTL retention keeps its
  * live attempts live: output must not say KVR_ENOENT. */
 Test(router, output_after_capacity_moved_to_ttl)
