@@ -671,18 +671,19 @@ KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
  * next one, so a block counts as cached only after a token AFTER it has been reported.  At
  * finish or abort the last reported token never got KV: a block that only it completes is not
  * predicted, and the partial block of computed tokens is held (not cached) until the end, as in
- * vLLM.  After P prompt and O output tokens with block size B the rank holds ceil((P+O-1)/B)
- * blocks and caches floor((P+O-1)/B) (B = 16: prompt 10 + 6 output caches nothing, 10 + 7
- * caches one block).  Not mirrored: with vLLM's async scheduling a request that stops on a stop
- * token has already been given one more slot, which can allocate (and evict) one extra block
- * at the very end; the prediction follows the synchronous scheduler.  One step behind while
- * the request runs: vLLM allocates (and caches up to) the last sampled token's slot as it
- * schedules the next step, the router only once a later token is reported (it cannot tell that
- * the last one is not the final one), so a request routed to the rank within that step finds
- * one block fewer than predicted when that allocation evicted one (kvr_request_output_ex,
- * told which token is final, has no such step).  Sending tokens in batches adds to this unless
- * each batch ends one token past a block boundary (with kvr_request_output_ex: at a block
- * boundary; tools/replay/replay.c, "When a batch goes out").
+ * vLLM.  After P prompt and O >= 1 output tokens with block size B the rank holds
+ * ceil((P+O-1)/B) blocks and caches floor((P+O-1)/B) (B = 16: prompt 10 + 6 output caches
+ * nothing, 10 + 7 caches one block); with no output, what the prefill computed: every prompt
+ * token has KV, so it caches floor(P/B) (prompt 32: two blocks).  Not mirrored: with vLLM's
+ * async scheduling a request that stops on a stop token has already been given one more slot,
+ * which can allocate (and evict) one extra block at the very end; the prediction follows the
+ * synchronous scheduler.  One step behind while the request runs: vLLM allocates (and caches
+ * up to) the last sampled token's slot as it schedules the next step, the router only once a
+ * later token is reported (it cannot tell that the last one is not the final one), so a request
+ * routed to the rank within that step finds one block fewer than predicted when that allocation
+ * evicted one (kvr_request_output_ex, told which token is final, has no such step).  Sending
+ * tokens in batches adds to this unless each batch ends one token past a block boundary (with
+ * kvr_request_output_ex: at a block boundary; tools/replay/replay.c, "When a batch goes out").
  * Bound (approx_lru, a rank with a capacity): one attempt's predicted blocks grow through its
  * output up to twice the rank's capacity (the larger of the registered one and the estimate)
  * plus 1,024 blocks.  No engine holds one request larger than its KV cache, so an honest

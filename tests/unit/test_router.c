@@ -303,6 +303,8 @@ Test(router, vllm_final_token_has_no_kv)
 	vllm_rule(10, 7, 1, 0);  /* 16 tokens have KV: one block */
 	vllm_rule(10, 6, 0, 1);  /* abort drops the final token the same way */
 	vllm_rule(32, 1, 2, 0);  /* prompt blocks are computed by the prefill */
+	vllm_rule(32, 0, 2, 0);  /* with no output too: floor(P / B), not floor((P - 1) / B) */
+	vllm_rule(32, 0, 2, 1);  /* and at an abort */
 	vllm_rule(32, 16, 2, 0); /* 47 tokens with KV */
 	vllm_rule(32, 17, 3, 0); /* 48 */
 	vllm_rule(5, 60, 4, 0);  /* 64 */
