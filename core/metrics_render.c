@@ -62,7 +62,10 @@ static const struct {
 	const char *name, *help, *labels;
 } counters[] = {
     {KVR_C_ROUTES, "kvr_routes_total", "Requests routed and admitted", ""},
-    {KVR_C_ROUTE_ERRORS, "kvr_route_errors_total", "Route calls that failed", ""},
+    {KVR_C_ROUTE_ERRORS, "kvr_route_errors_total",
+     "Route calls that failed, bad requests included (a full queue's refusals: "
+     "kvr_queue_rejected_total)",
+     ""},
     {KVR_C_ROUTES_QUERY_ONLY, "kvr_routes_query_only_total", "Query-only decisions", ""},
     {KVR_C_ROUTED_BLOCKS, "kvr_routed_blocks_total", "Prompt blocks of admitted requests", ""},
     {KVR_C_PREDICTED_OVERLAP_BLOCKS, "kvr_predicted_overlap_blocks_total",

@@ -849,18 +849,32 @@ static __attribute__((cold, noinline)) int route_failed(const struct kvr_router 
 	}
 }
 
+/* kvr_route_errors_total counts every failed call on a live router: a refused request too, not
+ * only the decisions that failed (kvr_route_internal counts those). */
+static __attribute__((cold, noinline)) void count_refused(struct kvr_router *r)
+{
+	kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_ROUTE_ERRORS, 1);
+}
+
 int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_decision *d)
 {
-	if (!r || !d)
+	if (!r || !d) {
+		if (r && !kvr_router_stopping(r))
+			count_refused(r);
 		return kvr_fail(KVR_EINVAL, "kvr_route: %s is NULL", !r ? "router" : "d");
+	}
 	if (kvr_router_stopping(r))
 		return kvr_fail(KVR_ESHUTDOWN, "kvr_route: %s", kvr_router_gone(r));
 	int rc = validate(r, req);
-	if (rc)
+	if (rc) {
+		count_refused(r);
 		return invalid_request(r, req);
-	if ((rc = kvr_rcu_thread_online()))
+	}
+	if ((rc = kvr_rcu_thread_online())) {
+		count_refused(r);
 		return kvr_fail(rc, "kvr_route: this thread could not register with RCU: %s",
 		                kvr_strerror(rc));
+	}
 	/* Those waiting go first.  Another thread's pass may not have reached one that could be
 	 * admitted now: this request then queues behind it rather than take its rank
 	 * (core/queue.c), marked waited so that no on_admit names its ticket before this call

@@ -8,6 +8,7 @@
 #include <sched.h>
 #include <time.h>
 #include <string.h>
+#include <stdlib.h>
 
 #include "kvrouter.h"
 #include "tests/common/router_prompts.h"
@@ -1179,6 +1180,50 @@ Test(router, metrics_render_prometheus)
 	cr_assert(strstr(buf, "kvr_route_seconds_count 1\n"));
 	cr_assert(strstr(buf, "kvr_rank_resident_blocks{worker=\"0\",dp_rank=\"0\"}") ||
 	          strstr(buf, "kvr_rank_resident_blocks{worker=\"1\",dp_rank=\"0\"} 4"));
+	kvr_router_destroy(r);
+}
+
+static uint64_t route_errors(struct kvr_router *r)
+{
+	static char buf[1 << 16];
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), NULL), 0);
+	const char *p = strstr(buf, "\nkvr_route_errors_total ");
+	cr_assert(p);
+	return strtoull(p + strlen("\nkvr_route_errors_total "), NULL, 10);
+}
+
+/* kvr_route_errors_total ("Route calls that failed") counts a call refused for a bad request
+ * as well as one that found no rank: it counted only the failures after the request was found
+ * valid, so a frontend sending empty prompts or NaN overrides saw KVR_EINVAL on every call
+ * and the counter stayed at 0. */
+Test(router, route_errors_count_bad_requests)
+{
+	struct kvr_router *r = make(KVR_MODE_APPROX_LRU, 1, 1000, 0);
+	uint32_t t[40];
+	prompt(t, 40, 61);
+	struct kvr_request q;
+	struct kvr_decision d;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 40;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(route_errors(r), 0);
+	q.n_tokens = 0;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "empty prompt");
+	q.n_tokens = 40;
+	q.temperature = NAN;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_EINVAL, "NaN override");
+	q.temperature = -1;
+	cr_assert_eq(kvr_route(r, &q, NULL), KVR_EINVAL, "d NULL");
+	cr_assert_eq(kvr_route(r, NULL, &d), KVR_EINVAL, "req NULL");
+	cr_assert_eq(route_errors(r), 4, "every refused call counts");
+	struct kvr_rank_id unk = {7, 7};
+	q.pinned = &unk;
+	cr_assert_eq(kvr_route(r, &q, &d), KVR_ENOENT);
+	cr_assert_eq(route_errors(r), 5);
+	q.pinned = NULL;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(route_errors(r), 5, "a decision is no error");
 	kvr_router_destroy(r);
 }
 
