@@ -17,6 +17,7 @@
 #include "tools/replay/policy.h"
 #include "tools/replay/replay.h"
 #include "tools/replay/report.h"
+#include "tools/replay/sweep.h"
 #include "tools/trace.h"
 
 /* sessions x turns requests; turn k of session s holds 2 + k ids (s's own), arrival gap_ms
@@ -466,4 +467,21 @@ Test(replay, a_refused_foreign_arrival_counts_once)
 		replay_result_free(&r);
 	}
 	trace_free(&t);
+}
+
+/* --sweep's refusal of a value out of range names the whole range: "ttl: 1e30 is out of range
+ * (> 0)" named only the lower bound, which 1e30 is well within, and left the user guessing at
+ * the upper one. */
+Test(replay, sweep_range_error_names_both_bounds)
+{
+	struct sweep s = {0};
+	char err[256];
+	cr_assert_eq(sweep_parse(&s, "ttl=1e30", err, sizeof(err)), -1);
+	cr_assert(strstr(err, "1e30 is out of range (> 0 and <= 1000000000)"), "%s", err);
+	cr_assert_eq(sweep_parse(&s, "blocks=0", err, sizeof(err)), -1);
+	cr_assert(strstr(err, "0 is out of range (>= 1 and <= 4294967295, a whole number)"), "%s",
+	          err);
+	cr_assert_eq(sweep_parse(&s, "foreign_traffic=1", err, sizeof(err)), -1);
+	cr_assert(strstr(err, "(>= 0 and <= 0.99)"), "%s", err);
+	cr_assert_eq(sweep_parse(&s, "ttl=30,60", err, sizeof(err)), 0);
 }

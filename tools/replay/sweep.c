@@ -113,9 +113,10 @@ int sweep_parse(struct sweep *s, const char *arg, char *err, size_t errlen)
 		}
 		if (x < params[p].lo || (params[p].lo_open && x == params[p].lo) ||
 		    x > params[p].hi || (params[p].integer && x != floor(x))) {
-			snprintf(err, errlen, "--sweep %s: %s is out of range (%s %g%s)",
+			snprintf(err, errlen,
+			         "--sweep %s: %s is out of range (%s %.10g and <= %.10g%s)",
 			         params[p].name, tok, params[p].lo_open ? ">" : ">=", params[p].lo,
-			         params[p].integer ? ", a whole number" : "");
+			         params[p].hi, params[p].integer ? ", a whole number" : "");
 			return -1;
 		}
 		if (ax.n == SWEEP_MAX_VALUES) {
