@@ -167,7 +167,9 @@ struct kvr_config {
 	 * Max 256. */
 	uint32_t n_shards;
 	/* CPUs to pin shard i to (cpu_list[i % n_cpus]); borrowed, copied at create (the
-	 * copy is what kvr_router_get_config gives back).
+	 * copy is what kvr_router_get_config gives back).  A CPU the thread cannot be pinned to
+	 * (absent, offline, outside the process's affinity mask or cgroup cpuset) does not fail
+	 * the create: that shard runs unpinned, wherever the scheduler puts it.
 	 * Default NULL = CPUs of the process affinity mask, in order. */
 	const int *cpu_list;
 	size_t n_cpus;
@@ -483,8 +485,11 @@ KVR_API int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint6
 /* ---------------------------------------------------------------- routing */
 
 enum kvr_route_flags {
-	KVR_ROUTE_QUERY_ONLY = 1u << 0, /* decide, book nothing (no attempt, no index change) */
-	KVR_ROUTE_WAIT = 1u << 1        /* if queued, block until admitted or deadline_ns */
+	/* Decide, book nothing (no attempt, no index change).  It advances no random stream
+	 * either, so asking never changes a later decision: with temperature > 0 (or ties),
+	 * repeated queries on an unchanged router give the same rank, not a sample. */
+	KVR_ROUTE_QUERY_ONLY = 1u << 0,
+	KVR_ROUTE_WAIT = 1u << 1 /* if queued, block until admitted or deadline_ns */
 };
 
 /* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL).  Its complete
