@@ -223,6 +223,7 @@ struct prog {
 	struct kvr_router *r;
 	struct kvr_config cfg;
 	uint64_t now;
+	uint64_t now_hw; /* the highest reading the clock gave (--clock-back steps below it) */
 	struct src in;
 	struct mrank rk[N_IDS];
 	struct matt att[MAX_ATT];
@@ -1986,6 +1987,8 @@ static void op_clock(struct prog *p)
 			p->tix[k].clock_back = true; /* admitted before the step, maybe */
 	} else {
 		__atomic_store_n(&p->now, p->now + step, __ATOMIC_RELAXED);
+		if (p->now > p->now_hw)
+			p->now_hw = p->now;
 	}
 	if (u8(&p->in) % 2) {
 		cur_call = "kvr_router_sync";
@@ -2513,6 +2516,19 @@ static void check_uncollected_end(struct prog *p)
 		return;
 	uint64_t scan = p->cfg.lease_scan_interval_ns;
 	uint64_t step = scan < 1000000 ? 1000000 : scan + 1;
+	/* --clock-back: the shards' time never goes back (shards/runtime.c: a timed task runs at
+	 * the highest reading its shard ran at, time_hw), so a reaper scan armed one interval after
+	 * a reading the clock has since gone below fires only once the clock passes that reading
+	 * again: the leases the scans expire wait up to the step back more (kvrouter.h, now_ns,
+	 * says lease scans go by the clock's readings as they come).  Steps back are as large as
+	 * the steps forward were (op_clock): with --limits, a ttl_ns + 1 near 2^62 ns, which a scan
+	 * interval a millisecond would take 2^62 / scan_interval ms to make up (seed 3200002410
+	 * --limits --clock-back: "after 10 s with the clock moving: kvr_queue_uncollected 3").  So
+	 * the clock moves forward to its highest reading first, then a scan interval a
+	 * millisecond: the expiry that the check waits for is then one or two intervals away, as
+	 * on a clock that never went back. */
+	if (p->now < p->now_hw)
+		__atomic_store_n(&p->now, p->now_hw, __ATOMIC_RELAXED);
 	if (scan > ((uint64_t)1 << 40) || p->now > UINT64_MAX / 2)
 		return;
 	double t0 = real_s();
@@ -2609,7 +2625,7 @@ static void *run_program(void *arg)
 	if (!p)
 		abort();
 	p->in = (struct src){.p = ra->data, .n = ra->size};
-	p->now = 1000;
+	p->now = p->now_hw = 1000;
 	pthread_mutex_init(&p->mu, NULL);
 	p->self = pthread_self();
 	make_router(p);
