@@ -712,12 +712,19 @@ static void *dup_bytes(const void *src, size_t bytes)
 
 static uint64_t reap(struct kvr_queue *q, uint64_t now, bool all);
 
-/* Whether restricted request q (pinned, or allow-listed) names a live rank: one index lookup a
- * named rank, until one is found.  Context: under q->lock (kvr_queue_push says why); the caller
- * is registered with RCU. */
-static bool restriction_live(struct kvr_router *r, const struct kvr_request *q)
+/* Whether request q may use a live rank: restricted (pinned, or allow-listed), one index lookup
+ * a named rank until one is found; unrestricted, whether the live list holds any (every live
+ * rank is its).  Context: under q->lock (kvr_queue_push says why); the caller is registered
+ * with RCU. */
+static bool request_live(struct kvr_router *r, const struct kvr_request *q, bool restricted)
 {
 	uint32_t s;
+	if (!restricted) {
+		kvr_rcu_read_lock();
+		bool any = kvr_live_n(kvr_rcu_deref(&r->live)) > 0;
+		kvr_rcu_read_unlock();
+		return any;
+	}
 	if (q->pinned)
 		return kvr_router_find_rank(r, *q->pinned, &s) == 0;
 	for (size_t i = 0; i < q->n_allow; i++)
@@ -805,7 +812,9 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	/* Refused in this order: a closing router first; then a request whose ranks are gone,
 	 * which has nothing to wait for, KVR_ENOENT whatever room the queue has (before, a full
 	 * queue's KVR_EAGAIN told it to try again, and the retry got KVR_ENOENT: test_regress
-	 * *_removed_before_its_push_into_a_full_queue_fails_enoent); then a full queue.
+	 * *_removed_before_its_push_into_a_full_queue_fails_enoent, and for an unrestricted one
+	 * whose every rank went, an_unrestricted_request_whose_ranks_all_went_*); then a full
+	 * queue.
 	 *
 	 * kvr_route found its ranks live, but they may have gone since, and with them the pass
 	 * that fails the requests restricted to them (kvr_queue_rank_gone's, which looks past a
@@ -813,14 +822,18 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
 	 * pushed after it waited there until that entry was admitted or another rank went
 	 * (test_regress: *_removed_before_its_push_fails_at_once).  It fails now instead, as if
 	 * its ranks had gone before the call.  Looked at under the lock, in the critical section
-	 * that links it: kvr_rank_remove clears the rank's live word before kvr_queue_rank_gone
-	 * takes this lock to ask for that pass, so either this look comes after (it sees the rank
-	 * gone) or the entry is on the list before that pass starts (which fails it).  A
-	 * restricted request's own ranks only: no walk of the queue. */
+	 * that links it: kvr_rank_remove takes the rank off the live list and clears its live
+	 * word before kvr_queue_rank_gone takes this lock to ask for that pass, so either this
+	 * look comes after (it sees the rank gone) or the entry is on the list before that pass
+	 * starts (which fails it).  The request's own ranks only (an unrestricted one's: the live
+	 * list's length): no walk of the queue.  An unrestricted request finds the queue full
+	 * with its ranks all gone only while that removal runs (its pass fails every waiting
+	 * request, none of which has a rank left), but it was then told to try again for a retry
+	 * that could only get KVR_ENOENT. */
 	int refused = 0;
 	if (q->closing)
 		refused = KVR_ESHUTDOWN;
-	else if (restricted && !restriction_live(r, &e->req))
+	else if (!request_live(r, &e->req, restricted))
 		refused = KVR_ENOENT;
 	else if (q->waiting >= r->cfg.queue_capacity)
 		refused = KVR_EAGAIN;

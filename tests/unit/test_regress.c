@@ -9,6 +9,7 @@
 #include <criterion/criterion.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -1553,4 +1554,151 @@ Test(regress, a_waiter_allowed_only_a_rank_removed_before_its_push_into_a_full_q
      .timeout = 60)
 {
 	restricted_to_a_rank_removed_before_its_push(true, true, KVR_QUEUE_WSPT, true);
+}
+
+/* An unrestricted request whose every rank goes between kvr_route's look (live and saturated:
+ * it queues) and its push, while the queue is full: a full queue with no rank left lasts only
+ * while the removal runs (its pass, kvr_queue_rank_gone's, then fails every waiting request,
+ * none of which has a rank left), and a push inside that window was refused KVR_EAGAIN ("try
+ * again"), for a retry that could only get KVR_ENOENT.  As for a restricted request (above):
+ * KVR_ENOENT at once, whatever room the queue has.  The window is held open: the routing
+ * thread's push reads the clock, where the rank's shard is stalled by a task of the test and
+ * the removal started on another thread; that removal takes the rank off the live list and then
+ * waits for the stalled shard (its teardown), before its pass.  The push goes on once the rank's
+ * live word is clear. */
+static struct kvr_router *all_r;
+static struct kvr_rank_id all_rank;
+static uint32_t all_slot;
+static pthread_t all_thread, all_remover;
+static int all_armed, all_fired, all_stalled, all_go, all_rc = -1;
+
+static void all_stall(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	(void)p;
+	__atomic_store_n(&all_stalled, 1, __ATOMIC_RELEASE);
+	while (!__atomic_load_n(&all_go, __ATOMIC_ACQUIRE))
+		nanosleep(&(struct timespec){0, 100000}, NULL);
+}
+
+static void *all_remove(void *p)
+{
+	(void)p;
+	all_rc = kvr_rank_remove(all_r, all_rank);
+	return NULL;
+}
+
+static uint64_t all_clock(void *ctx)
+{
+	if (pthread_equal(pthread_self(), all_thread) &&
+	    __atomic_exchange_n(&all_armed, 0, __ATOMIC_ACQ_REL)) {
+		struct kvr_shard *sh = kvr_router_shard_of(all_r, all_slot);
+		cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, all_stall, NULL, 0), 0);
+		for (int ms = 0; ms < 10000 && !__atomic_load_n(&all_stalled, __ATOMIC_ACQUIRE);
+		     ms++)
+			nanosleep(&(struct timespec){0, 1000000}, NULL);
+		cr_assert(__atomic_load_n(&all_stalled, __ATOMIC_ACQUIRE), "the shard stalled");
+		cr_assert_eq(pthread_create(&all_remover, NULL, all_remove, NULL), 0);
+		for (int ms = 0;
+		     ms < 10000 && __atomic_load_n(&all_r->ranks[all_slot].live, __ATOMIC_ACQUIRE);
+		     ms++)
+			nanosleep(&(struct timespec){0, 1000000}, NULL);
+		cr_assert_eq(__atomic_load_n(&all_r->ranks[all_slot].live, __ATOMIC_ACQUIRE), 0,
+		             "the removal took the rank off");
+		cr_assert_eq(kvr_queue_depth(all_r), 1, "the waiting request is not failed yet");
+		all_fired = 1;
+	}
+	return vclock(ctx);
+}
+
+static void
+unrestricted_whose_ranks_all_went_before_its_push_into_a_full_queue(enum kvr_queue_policy policy,
+                                                                    bool wait)
+{
+	struct seen s;
+	memset(&s, 0, sizeof(s));
+	pthread_mutex_init(&s.mu, NULL);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = all_clock;
+	c.queue_threshold = 1.0;
+	c.queue_policy = policy;
+	c.queue_capacity = 1; /* the first unrestricted request fills it */
+	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hog stays */
+	c.on_admit = on_admit;
+	c.callback_ctx = &s;
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_rank_id a = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 100000, 16), 0);
+	struct kvr_decision h, u, d;
+	cr_assert_eq(route_salt_pinned(r, &a, 35000, 64, &h), 0); /* 64 > 16: saturated */
+	cr_assert_eq(h.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	static uint32_t tu[64], tq[128];
+	prompt(tu, 64, 35001);
+	cr_assert_eq(route_tokens(r, tu, 64, NULL, &u), 0);
+	cr_assert_eq(u.status, KVR_QUEUED);
+	cr_assert_eq(kvr_queue_depth(r), 1);
+	/* Another unrestricted request: the only rank is saturated, so it queues; the rank goes
+	 * inside its push. */
+	prompt(tq, 128, 35002);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tq;
+	q.n_tokens = 128;
+	if (wait)
+		q.flags |= KVR_ROUTE_WAIT; /* no deadline: queued, it would wait for good */
+	all_r = r;
+	all_rank = a;
+	cr_assert_eq(kvr_router_find_rank(r, a, &all_slot), 0);
+	all_thread = pthread_self();
+	all_fired = 0;
+	all_stalled = 0;
+	all_go = 0;
+	all_rc = -1;
+	__atomic_store_n(&all_armed, 1, __ATOMIC_RELEASE);
+	int rc = kvr_route(r, &q, &d);
+	char detail[256];
+	snprintf(detail, sizeof(detail), "%s", kvr_last_error());
+	__atomic_store_n(&all_armed, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&all_go, 1, __ATOMIC_RELEASE);
+	if (all_fired)
+		pthread_join(all_remover, NULL);
+	cr_assert_eq(all_fired, 1, "the push read the clock");
+	cr_assert_eq(all_rc, 0, "the removal: %s", kvr_strerror(all_rc));
+	cr_assert_eq(rc, KVR_ENOENT, "%s: %s", kvr_strerror(rc), detail);
+	/* The removal's pass failed the waiting one (no rank left), told once. */
+	int found = 0;
+	for (int ms = 0; ms < 5000 && !found; ms++) {
+		nanosleep(&(struct timespec){0, 1000000}, NULL);
+		found = seen_find(&s, u.ticket, NULL);
+	}
+	cr_assert_eq(found, 1, "the waiting request was never failed");
+	struct kvr_decision o;
+	cr_assert_eq(seen_find(&s, u.ticket, &o), 1);
+	cr_assert_eq(o.status, KVR_FAILED);
+	cr_assert_eq(o.error, KVR_ENOENT);
+	cr_assert_eq(kvr_queue_depth(r), 0);
+	pthread_mutex_lock(&s.mu);
+	int told = s.n;
+	pthread_mutex_unlock(&s.mu);
+	cr_assert_eq(told, 1, "only the waiting request was told anything");
+	kvr_router_destroy(r);
+}
+
+Test(regress,
+     an_unrestricted_request_whose_ranks_all_went_before_its_push_into_a_full_queue_fails_enoent,
+     .timeout = 60)
+{
+	unrestricted_whose_ranks_all_went_before_its_push_into_a_full_queue(KVR_QUEUE_FCFS, false);
+}
+
+Test(
+    regress,
+    an_unrestricted_waiter_whose_ranks_all_went_before_its_push_into_a_full_queue_fails_enoent_wspt,
+    .timeout = 60)
+{
+	unrestricted_whose_ranks_all_went_before_its_push_into_a_full_queue(KVR_QUEUE_WSPT, true);
 }
