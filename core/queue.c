@@ -54,8 +54,10 @@
  * in).  Requests that share ranks are still served in the policy's order: an entry passed over
  * has only saturated ranks, and a later one admitted onto one of them only loads it more.  When
  * one unrestricted entry (every live rank) is saturated, so is every entry after it, and the pass
- * ends without looking at them.  Which entries are saturated is read before routing them (the
- * candidates' load words), so a pass costs one routing decision per admission, not per entry.
+ * ends without looking at them; one whose booking was refused (its chosen rank's lane stayed
+ * full) ends it too, as every later entry could only take a rank it may use.  Which entries are
+ * saturated is read before routing them (the candidates' load words), so a pass costs one routing
+ * decision per admission, not per entry.
  *
  * A new request goes straight in only when nobody waiting could be admitted: kvr_route pumps
  * first, and while another thread is pumping it joins the queue (kvr_queue_pump says so) instead
@@ -1198,25 +1200,40 @@ bool kvr_queue_pump(struct kvr_router *r)
 			uint64_t now = kvr_clock_now(&r->clock);
 			pthread_mutex_lock(&q->lock);
 			q->admitting = NULL;
-			if (rc == KVR_EAGAIN) {
-				/* Saturated after all (load rose meanwhile), or its rank's lane
-				 * stayed full: it waits for a later pass, and so does its group.
-				 * Never left on a free rank past this pass: a full lane's failed
-				 * post wakes the admission thread (kvr_admit), whose pump makes
-				 * this pass run again or runs the next; load that rose leaves its
-				 * ranks saturated until an unload, and every unload asks for a
-				 * pump.  An unrestricted one is passed over for the rest of the
-				 * pass (a group passed over is looked at again on a wake): a later
-				 * entry can go first only if the load that refused it falls again
-				 * before the pass ends, a race of three threads; looking at it
-				 * again on every wake would also retry a full lane every 10 ms
-				 * ahead of everyone else. */
+			if (rc == KVR_QUEUE_SATURATED || rc == KVR_EAGAIN) {
+				/* Saturated after all (load rose meanwhile: KVR_QUEUE_SATURATED),
+				 * or its booking refused (its rank's lane stayed full for 10 ms, or
+				 * too many attempts live: KVR_EAGAIN): it waits for a later pass.
+				 * Never left on a free rank past this pass: a refused booking wakes
+				 * the admission thread (kvr_admit), whose pump makes this pass run
+				 * again or runs the next; load that rose leaves its ranks saturated
+				 * until an unload, and every unload asks for a pump.
+				 *
+				 * A group is passed over for the rest of the pass (looked at again
+				 * on a wake), and so is an unrestricted entry saturated after all:
+				 * a later entry can go first only if the load that refused it falls
+				 * again before the pass ends, a race of three threads.  An
+				 * unrestricted entry whose booking was refused ends the pass
+				 * instead, the next one starting from it: it may use every live
+				 * rank (only its chosen one's lane was full), so any entry admitted
+				 * after it in this pass took a rank it could have had.  Before, it
+				 * was passed over, and a later entry went to another shard's free
+				 * rank first (test_queue_lane:
+				 * *_a_full_lane_does_not_let_a_later_request_go_first).  Its retry
+				 * comes with the next pass, as before, and the entries after it
+				 * wait for it, as behind a saturated one.  A removal's pass (full)
+				 * hands its look at every group on to the next, so that those
+				 * whose ranks all went still fail then. */
 				e->state = Q_WAITING;
+				pthread_cond_broadcast(&q->cond);
+				if (!e->group && rc == KVR_EAGAIN) {
+					q->full |= full;
+					break;
+				}
 				if (e->group)
 					e->group->passed = q->pass;
 				else
 					e->passed = q->pass;
-				pthread_cond_broadcast(&q->cond);
 				continue;
 			}
 			wait_unlink(q, e); /* off the waiting list, before it is Q_ADMITTED */

@@ -618,7 +618,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 				kvr_rcu_read_unlock();
 			kvr_owner_attempt_free(&r->owner, rec); /* not admitted now */
 			if (queue_mode == KVR_QUEUE_FROM_PUMP)
-				return KVR_EAGAIN;
+				return KVR_QUEUE_SATURATED;
 			uint64_t cached = (uint64_t)best * bs;
 			return kvr_queue_push(r, q, q->n_tokens > cached ? q->n_tokens - cached : 0,
 			                      d);

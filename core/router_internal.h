@@ -235,9 +235,14 @@ uint32_t kvr_queue_waiters(struct kvr_router *r);
 /* How kvr_route_internal treats saturation. */
 enum kvr_queue_mode {
 	KVR_QUEUE_IF_SATURATED = 0, /* kvr_route: queue the request */
-	KVR_QUEUE_FROM_PUMP = 1,    /* the pump: KVR_EAGAIN, the request stays queued */
+	KVR_QUEUE_FROM_PUMP = 1,    /* the pump: KVR_QUEUE_SATURATED, the request stays queued */
 	KVR_QUEUE_BEHIND = 2,       /* kvr_route behind an admissible waiter: queue it anyway */
 };
+
+/* kvr_route_internal's return to the pump (KVR_QUEUE_FROM_PUMP) for a request whose eligible
+ * ranks are all saturated: it stays queued.  Positive, never a kvr_strerror code: the pump tells
+ * it from KVR_EAGAIN, a booking refused (its rank's lane stayed full, too many live attempts). */
+#define KVR_QUEUE_SATURATED 1
 
 /* core/route.c: the decision and admission for an already validated request (also used by the
  * queue pump). */

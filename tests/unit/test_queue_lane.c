@@ -1,0 +1,219 @@
+/*
+ * tests/unit/test_queue_lane.c - the admission pass and a shard's full routing lane.
+ *
+ * A queued request's booking posts to its chosen rank's shard as any route's does; a lane that
+ * stays full for 10 ms refuses it (KVR_EAGAIN inside the pass, core/route.c kvr_admit), and the
+ * request stays queued for a later pass.  What the pass does next decides the order: an
+ * unrestricted request may use every live rank, so a later request admitted in the same pass,
+ * on another shard's rank, took a rank the first could have had (kvrouter.h, queue_policy:
+ * requests that share ranks are admitted in the policy's order).
+ *
+ * The scene, on two shards: rank A (shard of worker 0) and B (worker 1), each saturated by a
+ * pinned hog.  Queued, in ticket order (and, all fully cached, WSPT's: every key 0): p, pinned
+ * to B with a prefix of B's hog's prompt; u1, unrestricted, with A's hog's prompt (cached on
+ * A); u2, unrestricted, with B's hog's prompt.  B's hog ends: the admission thread's pass
+ * admits p onto B and stops in on_admit, told p.  Meanwhile A's hog ends, and A's shard is
+ * stalled by a task of the test, its routing lane then filled.  on_admit returns: the pass
+ * looks at u1 (A free, its prompt cached there: it chooses A), whose booking waits 10 ms on
+ * the full lane and is refused; then u2 (B free: B, its prompt's rank).  The lane is released
+ * after 300 ms.  u1 must be admitted before u2.
+ */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/router_internal.h"
+#include "kvrouter.h"
+#include "shards/runtime.h"
+#include "tests/common/router_prompts.h"
+
+static struct {
+	pthread_mutex_t mu;
+	uint64_t ticket[8];
+	struct kvr_decision d[8];
+	int n;
+	uint64_t hold; /* on_admit told this ticket waits for `go` */
+	int in, go;    /* atomics */
+	int stalled, release;
+} lt = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void sleep_ms(int ms)
+{
+	nanosleep(&(struct timespec){ms / 1000, (long)(ms % 1000) * 1000000}, NULL);
+}
+
+static bool wait_flag(int *v, int ms)
+{
+	for (int t = 0; t < ms && !__atomic_load_n(v, __ATOMIC_ACQUIRE); t++)
+		sleep_ms(1);
+	return __atomic_load_n(v, __ATOMIC_ACQUIRE);
+}
+
+static void lt_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	pthread_mutex_lock(&lt.mu);
+	if (lt.n < 8) {
+		lt.ticket[lt.n] = ticket;
+		lt.d[lt.n] = *d;
+	}
+	lt.n++;
+	pthread_mutex_unlock(&lt.mu);
+	if (ticket == lt.hold) {
+		__atomic_store_n(&lt.in, 1, __ATOMIC_RELEASE);
+		wait_flag(&lt.go, 10000);
+	}
+}
+
+/* Where ticket was told in on_admit's order (its decision in *d), or -1. */
+static int told_at(uint64_t ticket, struct kvr_decision *d)
+{
+	int at = -1;
+	pthread_mutex_lock(&lt.mu);
+	for (int i = 0; i < lt.n && i < 8; i++)
+		if (lt.ticket[i] == ticket) {
+			at = i;
+			if (d)
+				*d = lt.d[i];
+		}
+	pthread_mutex_unlock(&lt.mu);
+	return at;
+}
+
+static void stall(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	(void)p;
+	__atomic_store_n(&lt.stalled, 1, __ATOMIC_RELEASE);
+	while (!__atomic_load_n(&lt.release, __ATOMIC_ACQUIRE))
+		sleep_ms(1);
+}
+
+static void noop(struct kvr_shard *sh, void *p)
+{
+	(void)sh;
+	(void)p;
+}
+
+static uint64_t active(struct kvr_router *r, struct kvr_rank_id id)
+{
+	struct kvr_rank_stats st;
+	cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
+	return st.active_requests;
+}
+
+static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_policy pol)
+{
+	pthread_mutex_lock(&lt.mu);
+	lt.n = 0;
+	lt.hold = 0;
+	pthread_mutex_unlock(&lt.mu);
+	__atomic_store_n(&lt.in, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.go, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.stalled, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.release, 0, __ATOMIC_RELEASE);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.queue_threshold = 1.0;
+	c.queue_policy = pol;
+	c.on_admit = lt_admit;
+	c.lane_capacity = 16;
+	c.lane_soft_depth = 0;
+	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hogs stay */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	cr_assert_eq(kvr_rank_add(r, a, 1, 100000, 16), 0);
+	cr_assert_eq(kvr_rank_add(r, b, 1, 100000, 16), 0);
+	uint32_t sa, sb;
+	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
+	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
+	struct kvr_shard *sha = kvr_router_shard_of(r, sa);
+	cr_assert_neq(kvr_shard_index(sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
+	              "A and B on different shards");
+	/* 64 prefill tokens > 16: each rank saturated until its hog ends. */
+	struct kvr_decision ha, hb, d;
+	cr_assert_eq(route_salt_pinned(r, &a, 41000, 64, &ha), 0);
+	cr_assert_eq(route_salt_pinned(r, &b, 41001, 64, &hb), 0);
+	cr_assert_eq(ha.status, KVR_DECIDED);
+	cr_assert_eq(hb.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	/* p (B's hog's first block, pinned to B), u1 (A's hog's prompt), u2 (B's). */
+	static uint32_t tp[16], tu1[64], tu2[64];
+	prompt(tp, 16, 41001);
+	prompt(tu1, 64, 41000);
+	prompt(tu2, 64, 41001);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tp;
+	q.n_tokens = 16;
+	q.pinned = &b;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	const uint64_t tkp = d.ticket;
+	kvr_request_init(&q);
+	q.tokens = tu1;
+	q.n_tokens = 64;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	const uint64_t tk1 = d.ticket;
+	q.tokens = tu2;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	const uint64_t tk2 = d.ticket;
+	pthread_mutex_lock(&lt.mu);
+	lt.hold = tkp;
+	pthread_mutex_unlock(&lt.mu);
+	/* B's hog ends: a pass admits p and stops in on_admit. */
+	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
+	cr_assert(wait_flag(&lt.in, 10000), "p was never admitted");
+	/* A's hog ends (applied: the call below runs after it on A's shard), then A's shard
+	 * stalls and its routing lane fills. */
+	cr_assert_eq(kvr_request_finish(r, ha.attempt), 0);
+	cr_assert_eq(active(r, a), 0);
+	cr_assert_eq(kvr_shard_post(sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
+	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
+	int n = 0, rc = 0;
+	while (n < 100000 && (rc = kvr_shard_post(sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
+		n++;
+	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+	/* The pass goes on: u1's booking on A is refused (10 ms), u2 may use B. */
+	__atomic_store_n(&lt.go, 1, __ATOMIC_RELEASE);
+	sleep_ms(300);
+	int early = told_at(tk2, NULL);
+	__atomic_store_n(&lt.release, 1, __ATOMIC_RELEASE);
+	int at1 = -1, at2 = -1;
+	for (int ms = 0; ms < 10000 && (at1 < 0 || at2 < 0); ms++) {
+		sleep_ms(1);
+		at1 = told_at(tk1, NULL);
+		at2 = told_at(tk2, NULL);
+	}
+	struct kvr_decision d1, d2;
+	cr_assert_geq(at1, 0, "u1 was never admitted");
+	cr_assert_geq(at2, 0, "u2 was never admitted");
+	(void)told_at(tk1, &d1);
+	(void)told_at(tk2, &d2);
+	cr_assert_eq(d1.status, KVR_DECIDED);
+	cr_assert_eq(d2.status, KVR_DECIDED);
+	cr_assert_eq(d1.rank.worker_id, a.worker_id, "u1 chose A, where its prompt is cached");
+	cr_assert_eq(d2.rank.worker_id, b.worker_id, "u2 chose B, where its prompt is cached");
+	cr_assert_lt(at1, at2,
+	             "u2 (ticket %llu) was admitted on B %s u1 (ticket %llu), before it, whose "
+	             "booking on A found the lane full",
+	             (unsigned long long)tk2,
+	             early >= 0 ? "while A's lane stayed full, ahead of" : "ahead of",
+	             (unsigned long long)tk1);
+	kvr_router_destroy(r);
+}
+
+Test(queue_lane, fcfs_a_full_lane_does_not_let_a_later_request_go_first, .timeout = 60)
+{
+	a_full_lane_does_not_let_a_later_request_go_first(KVR_QUEUE_FCFS);
+}
+
+Test(queue_lane, wspt_a_full_lane_does_not_let_a_later_request_go_first, .timeout = 60)
+{
+	a_full_lane_does_not_let_a_later_request_go_first(KVR_QUEUE_WSPT);
+}
