@@ -992,8 +992,13 @@ static void rp_program(enum kvr_queue_policy pol, uint64_t seed)
 Test(queue_many, random_restrictions_keep_the_order_and_leave_nobody_on_a_free_rank, .timeout = 300)
 {
 	/* 1,000: seed 324 (FCFS) is the first to pass over an unrestricted request in a removal's
-	 * pass and unload its rank before a later one's turn (see above). */
-	for (uint64_t seed = 1; seed <= 1000; seed++) {
+	 * pass and unload its rank before a later one's turn (see above).  A longer run:
+	 * KVR_RP_SEEDS=FIRST-LAST (e.g. 1-29000). */
+	unsigned long long first = 1, last = 1000;
+	const char *env = getenv("KVR_RP_SEEDS");
+	if (env)
+		cr_assert_eq(sscanf(env, "%llu-%llu", &first, &last), 2, "KVR_RP_SEEDS=%s", env);
+	for (uint64_t seed = first; seed <= last; seed++) {
 		rp_program(KVR_QUEUE_FCFS, seed);
 		rp_program(KVR_QUEUE_WSPT, seed);
 	}
