@@ -227,8 +227,10 @@ struct kvr_config {
 	 * set back, a rewound virtual clock) loses, leaks or double-ends nothing: lease scans,
 	 * TTL expiry and queue deadlines go by its readings as they come, so a lease may expire
 	 * up to the step back sooner than one lease_scan_interval_ns after its last progress
-	 * (its scan was armed from a reading ahead of the clock); tests/fuzz/fuzz_api.c,
-	 * --clock-back. */
+	 * (its scan was armed from a reading ahead of the clock), and the lease scans and TTL
+	 * expiries armed before the step come due only once the clock is back at
+	 * the readings they were armed from, up to the step back later than the clock says
+	 * (a shard's time never goes back); tests/fuzz/fuzz_api.c, --clock-back. */
 	kvr_clock_fn now_ns;
 	void *clock_ctx;
 	/* Capacity of each shard's routing lane ring, messages (bookings and lifecycle work): the
