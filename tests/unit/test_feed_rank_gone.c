@@ -44,6 +44,30 @@ int __wrap_kvr_shard_post_wait(struct kvr_shard *sh, enum kvr_lane lane, kvr_tas
 	return __real_kvr_shard_post_wait(sh, lane, fn, payload, size, timeout_ns);
 }
 
+/* The earlier window: after the feed took a BlockStored for the rank it found (its local hashes
+ * are computed then, sync/feed_apply.c apply_stored) and before the event path looks the rank
+ * up to post it.  ARM_REMOVE: the rank is removed there (the post finds no rank); ARM_BACK:
+ * removed and added back (the post finds another life of it, empty). */
+enum { ARM_NONE, ARM_REMOVE, ARM_BACK };
+static atomic_int armed_hash;
+
+size_t __real_kvr_hash_blocks(const uint32_t *tokens, size_t n_tokens, uint32_t block_size,
+                              const char *lora_name, uint64_t *local_out, uint64_t *seq_out);
+size_t __wrap_kvr_hash_blocks(const uint32_t *tokens, size_t n_tokens, uint32_t block_size,
+                              const char *lora_name, uint64_t *local_out, uint64_t *seq_out);
+size_t __wrap_kvr_hash_blocks(const uint32_t *tokens, size_t n_tokens, uint32_t block_size,
+                              const char *lora_name, uint64_t *local_out, uint64_t *seq_out)
+{
+	int how = atomic_exchange(&armed_hash, ARM_NONE);
+	if (how != ARM_NONE)
+		cr_assert_eq(kvr_rank_remove(armed_router, (struct kvr_rank_id){0, 0}), 0);
+	if (how == ARM_BACK)
+		cr_assert_eq(
+		    kvr_rank_add(armed_router, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
+		    0);
+	return __real_kvr_hash_blocks(tokens, n_tokens, block_size, lora_name, local_out, seq_out);
+}
+
 /* The feed's log lines (the first LOGS), written by its thread only. */
 enum { LOGS = 32 };
 static char logs[LOGS][512];
@@ -335,12 +359,58 @@ Test(feed_rank_gone, a_rank_removed_while_its_events_were_on_their_way_is_rebuil
 	cr_assert_eq(kvr_test_metric(w.r, "kvr_events_total{type=\"any\",status=\"rank_gone\"}"),
 	             1);
 	back_add(&w);
+	/* Rebuilt with no further batch (the publisher may be quiet for long): the feed knows the
+	 * rank went from its refused events, and looks for it to come back. */
+	uint64_t n = back_indexed(&w, 5);
+	cr_assert_eq(n, 5, "the engine holds A and B (5 blocks); the rank added back %" PRIu64, n);
 	/* The engine goes on below B: once added back, the rank must hold B for C to apply. */
 	back_store(&w, 2, C, 1, &B[2]);
 	back_caught_up(&w);
-	uint64_t n = back_indexed(&w, 6);
+	n = back_indexed(&w, 6);
 	cr_assert_eq(n, 6, "the engine holds A, B and C (6 blocks); the rank added back %" PRIu64,
 	             n);
+	cr_assert_eq(atomic_load(&gap_calls), 0);
+	back_close(&w);
+}
+
+/* The rank removed after the feed took B for it but before the event path looked it up: the
+ * post finds no rank (B refused, not posted). */
+Test(feed_rank_gone, a_rank_removed_before_its_events_were_posted_is_rebuilt_once_added_back,
+     .timeout = 120)
+{
+	struct back w;
+	back_open(&w, true);
+	back_store(&w, 0, A, 2, NULL);
+	back_caught_up(&w);
+	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	atomic_store(&armed_hash, ARM_REMOVE);
+	back_store(&w, 1, B, 3, &A[1]);
+	struct kvr_feed_stats st = back_caught_up(&w);
+	cr_assert_eq(atomic_load(&armed_hash), ARM_NONE, "the window was not forced");
+	cr_assert_eq(st.refused, 1);
+	back_add(&w);
+	uint64_t n = back_indexed(&w, 5);
+	cr_assert_eq(n, 5, "the engine holds A and B (5 blocks); the rank added back %" PRIu64, n);
+	cr_assert_eq(atomic_load(&gap_calls), 0);
+	back_close(&w);
+}
+
+/* Removed and added back in that window: B goes to the rank's new life, which is empty (B is
+ * refused there for its parent), and no batch follows to tell the feed. */
+Test(feed_rank_gone, a_rank_removed_and_added_back_before_its_events_were_posted_is_rebuilt,
+     .timeout = 120)
+{
+	struct back w;
+	back_open(&w, true);
+	back_store(&w, 0, A, 2, NULL);
+	back_caught_up(&w);
+	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	atomic_store(&armed_hash, ARM_BACK);
+	back_store(&w, 1, B, 3, &A[1]);
+	back_caught_up(&w);
+	cr_assert_eq(atomic_load(&armed_hash), ARM_NONE, "the window was not forced");
+	uint64_t n = back_indexed(&w, 5);
+	cr_assert_eq(n, 5, "the engine holds A and B (5 blocks); the rank added back %" PRIu64, n);
 	cr_assert_eq(atomic_load(&gap_calls), 0);
 	back_close(&w);
 }
