@@ -52,7 +52,7 @@ struct rstate *kvr_feed_rstate(struct ep *e, uint32_t dp)
 	if (kvr_feed_grow((void **)&e->rs, &e->cap_rs, (uint64_t)e->n_rs + 1, sizeof(*e->rs)))
 		return NULL;
 	s = &e->rs[e->n_rs++];
-	*s = (struct rstate){.dp = dp};
+	*s = (struct rstate){.dp = dp, .since = SINCE_NONE};
 	kvr_u64map_init(&s->other);
 	return s;
 }
@@ -145,12 +145,32 @@ static void refused_store(struct kvr_feed *f, const struct pending *p, uint32_t 
 		             kvr_strerror(r));
 }
 
+/* Whether p's events went to a life of their rank other than the one the feed fed (removed
+ * and added back between kvr_feed_apply_batch's lookup and the post's), or found it gone at the
+ * post.  Valid after kvr_events_post_wait. */
+static bool post_missed_life(const struct pending *p, const struct rstate *s)
+{
+	if (!p->n_ev || !s)
+		return false;
+	if (p->post_rc)
+		return p->post_rc == KVR_ENOENT;
+	const struct kvr_event_args *a = &p->post.args[0];
+	return s->has_life && (a->slot != s->slot || a->gen != s->gen);
+}
+
 /* Waits for p's post (if any), counts and logs what the shard refused, takes the lag of the
- * batches it completed, and empties p for reuse. */
+ * batches it completed, and empties p for reuse.  A rank whose events found it removed (or
+ * another life of it) is remembered as missed from where what its index held began
+ * (kvr_feed_note_missed), so that it is rebuilt by replay if it is added back: before, those
+ * events were lost for good, and the rank added back held neither them nor anything before. */
 static void complete(struct kvr_feed *f, struct pending *p)
 {
 	kvr_events_post_wait(&p->post);
 	uint64_t done = p->post.done_ns, n_lost = 0;
+	/* Found, never made: a caller up the stack (kvr_feed_apply_batch) may hold a state of
+	 * p->ep, which growing the array would move. */
+	struct rstate *s = p->n_ev ? rstate_find(p->ep, p->dp) : NULL;
+	bool gone = post_missed_life(p, s);
 	for (uint32_t i = 0; i < p->n_ev; i++) {
 		int r = p->post_rc ? p->post_rc : p->rcs[i];
 		if (r == KVR_ENOMEM) {
@@ -160,13 +180,16 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		if (!r)
 			continue;
 		refuse(f, p->ep);
-		if (!p->post_rc && r == KVR_ENOENT && p->post.args[i].rank_gone) {
+		if (r == KVR_ENOENT && (p->post_rc || p->post.args[i].rank_gone)) {
 			/* Said apart from a parent not held (also KVR_ENOENT), which it read as
-			 * before; counted on the router too (kvr_events_total{status="rank_gone"}).
-			 */
+			 * before; counted on the router too (kvr_events_total{status="rank_gone"})
+			 * when the shard found it gone, not when the post did (post_rc: the rank
+			 * kvr_feed_apply_batch found was gone by the post's lookup). */
+			gone = true;
 			kvr_feed_log(f, p->ep, LK_RANK, KVR_LOG_WARN,
 			             "%s for rank (%" PRIu64
-			             ", %u) not applied: the rank was removed meanwhile",
+			             ", %u) not applied: the rank was removed meanwhile; if it is "
+			             "added back, what it held is replayed",
 			             p->ev[i].type == KVR_EVENT_STORED    ? "BlockStored"
 			             : p->ev[i].type == KVR_EVENT_REMOVED ? "BlockRemoved"
 			                                                  : "clear",
@@ -184,6 +207,8 @@ static void complete(struct kvr_feed *f, struct pending *p)
 		                                                  : "clear",
 		             p->ep->worker_id, p->dp, kvr_strerror(r));
 	}
+	if (gone && s)
+		kvr_feed_note_missed(f, p->ep, p->dp, p->seq0); /* s exists: nothing made */
 	/* Everything accepted is posted by now (kvr_feed_flush posts before it completes the
 	 * other buffer): the rank is cleared after all of it, without queueing. */
 	if (n_lost)
@@ -236,8 +261,9 @@ static struct pev *pend_event(struct kvr_feed *f, struct ep *e, uint32_t dp, uin
 }
 
 /* Forgets the rank: the index's blocks for it (after what is pending), its other medium. */
-void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
+void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s, uint64_t since)
 {
+	s->since = since;
 	kvr_u64map_clear(&s->other);
 	if (s->missed)
 		return; /* nothing of it in the index (its resync clears it first) */
@@ -257,12 +283,12 @@ void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s)
 }
 
 /* The ranks the endpoint feeds now: the fixed one, or every dp rank seen so far. */
-void kvr_feed_clear_all(struct kvr_feed *f, struct ep *e)
+void kvr_feed_clear_all(struct kvr_feed *f, struct ep *e, uint64_t since)
 {
 	if (e->dp_rank != KVR_FEED_DP_FROM_BATCH && !kvr_feed_rstate(e, e->dp_rank))
 		return;
 	for (uint32_t i = 0; i < e->n_rs; i++)
-		kvr_feed_clear_rank(f, e, &e->rs[i]);
+		kvr_feed_clear_rank(f, e, &e->rs[i], since);
 }
 
 uint32_t kvr_feed_dp_of(const struct ep *e, const struct kvr_feed_batch *b)
@@ -298,10 +324,14 @@ static void lost_rank(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t se
 	struct rstate *s = rstate_find(e, dp);
 	if (s && s->missed)
 		return; /* nothing of it in the index (its resync clears it first) */
+	/* Rebuilt (a rank removed and added back) from the lost batches on: a replay may bring
+	 * them. */
 	if (s && !direct) {
-		kvr_feed_clear_rank(f, e, s);
+		kvr_feed_clear_rank(f, e, s, seq0);
 		return;
 	}
+	if (s)
+		s->since = seq0;
 	if (!direct)
 		kvr_feed_flush(f);
 	int rc = kvr_events_clear_rank(f->r, (struct kvr_rank_id){e->worker_id, dp});
@@ -505,7 +535,9 @@ void kvr_feed_note_missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_
 		             e->worker_id, dp);
 	if (s && !s->missed) {
 		s->missed = true;
-		s->missed_from = from;
+		/* A rank the feed fed was removed: its blocks went with it, so it missed everything
+		 * from where they began, not only the batches after the removal. */
+		s->missed_from = s->since < from ? s->since : from;
 		f->n_missed++;
 	}
 }
@@ -515,7 +547,8 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 {
 	uint32_t dp = kvr_feed_dp_of(e, b);
 	uint32_t slot;
-	if (kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot)) {
+	uint64_t gen;
+	if (kvr_router_find_rank_gen(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot, &gen)) {
 		missed(f, e, dp, seq);
 		return;
 	}
@@ -525,6 +558,10 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 		kvr_feed_lost_batch(f, e, seq, &dp);
 		return;
 	}
+	/* Another life than the one fed: the rank was removed and added back since its last
+	 * batch, and its removal took its blocks (the feed saw no batch while it was gone). */
+	if (!s->missed && s->has_life && (s->slot != slot || s->gen != gen))
+		kvr_feed_note_missed(f, e, dp, seq);
 	if (s->missed) {
 		/* Added since it missed batches: those first (not from inside another replay:
 		 * this batch then counts as missed too, and the feed loop resyncs the rank). */
@@ -538,6 +575,11 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 		if (!(s = kvr_feed_rstate(e, dp)))
 			return;
 	}
+	if (s->since == SINCE_NONE)
+		s->since = seq; /* first fed here: the batches before were none of its */
+	s->has_life = true;
+	s->slot = slot;
+	s->gen = gen;
 	for (uint32_t i = 0; i < b->n_ev; i++) {
 		const struct kvr_fev *v = &b->ev[i];
 		switch (v->type) {
@@ -548,7 +590,7 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 			apply_removed(f, e, s, b, v);
 			break;
 		case KVR_FEV_CLEARED:
-			kvr_feed_clear_rank(f, e, s);
+			kvr_feed_clear_rank(f, e, s, seq);
 			e->st.events++;
 			kvr_feed_count(f, KVR_C_FEED_EVENTS, 1);
 			break;

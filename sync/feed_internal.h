@@ -29,7 +29,24 @@ struct rstate {
 	 * on were dropped, and the rank is resynced by replay once it is added (feed_seq.c). */
 	bool missed;
 	uint64_t missed_from;
+	/* Where what the index holds of the rank began: the batches from since on, replayed onto
+	 * the rank emptied, bring back at least that much.  Its last clear (an AllBlocksCleared,
+	 * the end of a gap or of a resync's hole, a restart's new stream, events lost for memory:
+	 * from their batch) or a resync's start; else the batch that first fed it; SINCE_NONE
+	 * before any.  A removal takes the rank's blocks out of the index: a rank the feed fed is
+	 * then missed from here, not from the first batch it missed (kvr_feed_note_missed), and
+	 * rebuilt by the resync once added back. */
+	uint64_t since;
+	/* The rank's life the feed's events go to (kvr_router_find_rank_gen: slot and
+	 * generation, as kvr_feed_apply_batch found it); has_life false before the first batch
+	 * and from a resync's start.  Another life found, or events refused because the rank went
+	 * (rank_gone), means removed (and maybe added back) meanwhile: missed from since. */
+	bool has_life;
+	uint32_t slot;
+	uint64_t gen;
 };
+
+#define SINCE_NONE UINT64_MAX
 
 /* The longest wait between a SUB's or DEALER's connection attempts to an absent publisher, ms
  * (ZMQ_RECONNECT_IVL_MAX: ZeroMQ doubles the wait from ZMQ_RECONNECT_IVL, 100 ms, up to it).
@@ -290,8 +307,10 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
                           const struct kvr_feed_batch *b);
 /* Ranks of e with rstate.missed. */
 uint32_t kvr_feed_missed(const struct ep *e);
-/* Remembers rank dp of e, which the router does not know, as missed from batch `from` on (at
- * most MISSED_MAX ranks; one already remembered keeps its start), for a resync once added. */
+/* Remembers rank dp of e, which the router does not know (or no longer knows as the life the
+ * feed fed), as missed from batch `from` on, or from its since if the feed fed it (its blocks
+ * went with its removal), for a resync once added (at most MISSED_MAX ranks not fed before; one
+ * already remembered keeps its start).  Allocates only for a rank e has no state of. */
 void kvr_feed_note_missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_t from);
 /* Batch seq of e could not be decoded or applied for memory (its events unknown) and no replay
  * brought it: counted (lost), reported through on_event_gap, and the rank cleared (*dp; NULL:
@@ -304,10 +323,10 @@ void kvr_feed_flush(struct kvr_feed *f);
  * it (before every API command, replay and destroy). */
 void kvr_feed_settle(struct kvr_feed *f);
 /* Forgets rank s of e (queued after what is pending): its blocks in the index, its other
- * medium. */
-void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s);
+ * medium; what follows fills it from batch since on (rstate.since). */
+void kvr_feed_clear_rank(struct kvr_feed *f, struct ep *e, struct rstate *s, uint64_t since);
 /* Every rank e feeds now: the fixed one, or every dp rank seen so far. */
-void kvr_feed_clear_all(struct kvr_feed *f, struct ep *e);
+void kvr_feed_clear_all(struct kvr_feed *f, struct ep *e, uint64_t since);
 /* Frees the pending buffers (kvr_feed_destroy). */
 void kvr_feed_pending_fini(struct pending *p);
 

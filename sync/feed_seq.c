@@ -113,7 +113,7 @@ static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint
 		if (f->r->cfg.on_event_gap)
 			f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, e->rs[i].dp,
 			                       expected, got);
-		kvr_feed_clear_rank(f, e, &e->rs[i]);
+		kvr_feed_clear_rank(f, e, &e->rs[i], got);
 	}
 }
 
@@ -144,7 +144,7 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 			             "publisher restarted (seq %" PRIu64 " after %" PRIu64
 			             "%s); rank cleared",
 			             seq, e->last_live, back ? "" : ", across a reconnection");
-			kvr_feed_clear_all(f, e);
+			kvr_feed_clear_all(f, e, 0); /* the new stream's, from its start */
 			e->have_seq = false;
 			for (uint32_t i = 0; i < e->n_rs; i++)
 				if (e->rs[i].missed)
@@ -287,10 +287,14 @@ static void resync_hole(struct kvr_feed *f, struct ep *e, struct resync *rs, uin
 	             e->worker_id, rs->dp, rs->next, got, rs->held ? "; rank cleared" : "");
 	if (f->r->cfg.on_event_gap)
 		f->r->cfg.on_event_gap(f->r->cfg.callback_ctx, e->worker_id, rs->dp, rs->next, got);
-	/* The resync's own state: found (it exists while the resync runs), never allocated. */
-	struct rstate *s = rs->held ? kvr_feed_rstate(e, rs->dp) : NULL;
-	if (s)
-		kvr_feed_clear_rank(f, e, s);
+	/* The resync's own state: found (it exists while the resync runs), never allocated.  What
+	 * it holds begins after the hole either way (held or not, a replay from before would
+	 * report the hole again). */
+	struct rstate *s = kvr_feed_rstate(e, rs->dp);
+	if (s && rs->held)
+		kvr_feed_clear_rank(f, e, s, got);
+	else if (s)
+		s->since = got;
 	rs->held = false;
 }
 
@@ -399,13 +403,18 @@ drop:
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 {
 	uint32_t dp = s->dp;
+	/* What was posted for the rank before is collected first: events of its earlier life
+	 * refused because it went (complete()) must not mark it missed again once the resync has
+	 * begun.  complete() makes no state, so s stays where it is. */
+	kvr_feed_settle(f);
 	uint64_t from = s->missed_from, to = e->have_seq ? e->next_seq : 0;
 	s->missed = false;
+	s->has_life = false; /* the replay's first batch finds the life it rebuilds */
 	f->n_missed--;
 	kvr_feed_log(f, e, LK_RANK, KVR_LOG_INFO,
 	             "rank (%" PRIu64 ", %u) added: replaying what it missed from seq %" PRIu64,
 	             e->worker_id, dp, from);
-	kvr_feed_clear_rank(f, e, s); /* anything of an earlier life of the rank */
+	kvr_feed_clear_rank(f, e, s, from); /* anything of an earlier life of the rank */
 	if (from >= to)
 		return;
 	/* The rank holds what the answer brought whole: from its start, or from the last hole

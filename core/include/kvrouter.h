@@ -447,9 +447,10 @@ KVR_API int kvr_rank_set_capacity(struct kvr_router *r, struct kvr_rank_id rank,
  * kvr_rank_add). */
 KVR_API int kvr_rank_reset(struct kvr_router *r, struct kvr_rank_id rank, uint64_t new_incarnation);
 
-/* Removes the rank; its attempts become stale.  Returns 0, KVR_ENOENT, KVR_ENOMEM (the copy of
- * the routable-rank list without it could not be made: nothing changed, the rank still routes)
- * or KVR_EBUSY (as kvr_rank_add; nothing changed). */
+/* Removes the rank; its attempts become stale, and in events mode its blocks leave the index (a
+ * feed rebuilds a rank it fed if it is added back: see the feed's rules).  Returns 0,
+ * KVR_ENOENT, KVR_ENOMEM (the copy of the routable-rank list without it could not be made:
+ * nothing changed, the rank still routes) or KVR_EBUSY (as kvr_rank_add; nothing changed). */
 KVR_API int kvr_rank_remove(struct kvr_router *r, struct kvr_rank_id rank);
 
 struct kvr_rank_stats {
@@ -887,6 +888,16 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  *    through kvr_config.on_event_gap (expected/got are seqs) and the rank is cleared.  The first
  *    message of a stream with seq > 0 (router started after the publisher) is a gap from 0.
  *  - seq not above the last one received live: the publisher restarted; the rank is cleared.
+ *  - a batch for a rank the router does not have is dropped (unknown_rank); once the rank is
+ *    added, the feed asks the replay endpoint for what it missed, applies that rank's batches,
+ *    and reports what the replay cannot bring through on_event_gap, as for a gap.  A rank the
+ *    feed fed and the router then removed lost its blocks with the removal (its engine keeps
+ *    them): added back (same worker_id and dp_rank), it is rebuilt the same way from where
+ *    what the index held of it began (the stream's start or its last clear), not only from
+ *    the batches it missed.  The feed learns of the removal from a batch for the missing rank,
+ *    from its events refused because it went meanwhile (kvr_events_total{status="rank_gone"};
+ *    counted in refused), or from another life of the rank found by its next batch or post
+ *    (removed and added back between two batches: rebuilt at the next one).
  */
 
 struct kvr_feed;
