@@ -1072,6 +1072,14 @@ bool kvr_queue_pump(struct kvr_router *r)
 	q->pumping = true;
 	q->pumper = pthread_self();
 	bool kept_failed = false;
+	/* A booking refused on a frontend's pass (kvr_route, a lifecycle or rank call): the pass
+	 * ends there and does not run again for q->again; the admission thread (woken) takes the
+	 * retry.  Each refusal waited 10 ms on a full lane, and every call that asked for a pump
+	 * meanwhile (another route, the admission thread woken by the refusal) made the pass run
+	 * again: the frontend retried the lane every 10 ms for as long as it stayed full (issue 11:
+	 * routing never waits without bound on a shard; test_queue_lane
+	 * a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_full: 1,000 ms before). */
+	bool hand_off = false;
 	do {
 		q->again = false;
 		q->pass++;
@@ -1226,7 +1234,8 @@ bool kvr_queue_pump(struct kvr_router *r)
 				 * whose ranks all went still fail then. */
 				e->state = Q_WAITING;
 				pthread_cond_broadcast(&q->cond);
-				if (!e->group && rc == KVR_EAGAIN) {
+				hand_off = rc == KVR_EAGAIN && !kvr_admitter_here;
+				if ((!e->group && rc == KVR_EAGAIN) || hand_off) {
 					q->full |= full;
 					break;
 				}
@@ -1287,7 +1296,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 		}
 		q->resume = false;
 		q->cursor = NULL;
-	} while (q->again && !q->closing);
+	} while (q->again && !q->closing && !hand_off);
 	/* The groups left empty while the pass ran (its active groups pointed at them). */
 	for (struct qgroup *g = q->groups, *n; g; g = n) {
 		n = g->next;
@@ -1301,6 +1310,10 @@ bool kvr_queue_pump(struct kvr_router *r)
 	 * (on an idle router nothing else would, and it stayed for good). */
 	if (kept_failed)
 		kvr_admitter_note_failed(r);
+	/* The refusal woke it, but its pump may have found this pass running (q->again) and
+	 * parked since: woken again, it runs the next pass. */
+	if (hand_off)
+		kvr_admitter_wake(r);
 	return true;
 }
 

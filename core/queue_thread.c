@@ -66,10 +66,13 @@ static uint64_t reap_park_ns(uint64_t due, uint64_t now, uint64_t prev_now, uint
 	return p < REAP_PARK_MAX_NS ? p : REAP_PARK_MAX_NS;
 }
 
+_Thread_local bool kvr_admitter_here;
+
 static void *admitter_main(void *arg)
 {
 	struct kvr_router *r = arg;
 	struct kvr_admitter *a = &r->admitter;
+	kvr_admitter_here = true;
 	kvr_router_cb_self = r;          /* kvr_router_destroy refuses to run here */
 	prctl(PR_SET_NAME, "kvr-admit"); /* for top, perf and the tests (as replica threads) */
 	/* UINT64_MAX while no failed outcome waits: the park then costs nothing but the wakes. */
@@ -167,5 +170,13 @@ void kvr_admitter_note_failed(struct kvr_router *r)
 	if (kvr_router_stopping(r))
 		return;
 	__atomic_store_n(&r->admitter.failed, 1, __ATOMIC_SEQ_CST);
+	kvr_parker_wake(&r->admitter.park);
+}
+
+void kvr_admitter_wake(struct kvr_router *r)
+{
+	if (kvr_router_stopping(r)) /* as kvr_admitter_note_failed */
+		return;
+	__atomic_store_n(&r->admitter.wanted, 1, __ATOMIC_SEQ_CST);
 	kvr_parker_wake(&r->admitter.park);
 }

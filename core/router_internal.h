@@ -226,6 +226,12 @@ void kvr_admitter_note_unloaded(void *ctx, bool ended);
  * thread that ran the pass, off the queue's lock.  Ordering: the flag's seq_cst store, then
  * kvr_parker_wake's barrier; pairs with the thread's park (sync/park.h). */
 void kvr_admitter_note_failed(struct kvr_router *r);
+/* A frontend's pass ended at a refused booking and left the retry to the admission thread:
+ * wakes it for a pass.  Never blocks, allocates or takes a lock.  Context: the thread that ran
+ * the pass, off the queue's lock. */
+void kvr_admitter_wake(struct kvr_router *r);
+/* True on a router's admission thread (it takes the retries of refused bookings). */
+extern _Thread_local bool kvr_admitter_here;
 /* After a route's push, before its pump: a seq_cst fence that pairs with the shard hook's (its
  * pairing: core/queue.c).  Context: the routing thread. */
 void kvr_queue_catch_up(void);

@@ -217,3 +217,170 @@ Test(queue_lane, wspt_a_full_lane_does_not_let_a_later_request_go_first, .timeou
 {
 	a_full_lane_does_not_let_a_later_request_go_first(KVR_QUEUE_WSPT);
 }
+
+/* Issue 11: routing never waits without bound on a shard.  A frontend's kvr_route that holds
+ * the pump (its pass is the one running) met an unrestricted request whose chosen rank's lane
+ * stays full: its booking waits 10 ms and is refused, which ends the pass; but any call that
+ * asked for a pump meanwhile (another frontend's route, the admission thread woken by the
+ * refusal) makes the pass run again (q->again), so the route retried the full lane every 10 ms
+ * for as long as it stayed full.  The retry is the admission thread's: the route returns after
+ * one refused booking.
+ *
+ * The scene: rank A (shard X) and B (shard Y), each saturated by a pinned hog; p (pinned to B)
+ * and u (unrestricted, A's hog's prompt) queued.  The admission thread is stopped while B's hog
+ * ends, so that the pass that admits p is this thread's kvr_route, held in on_admit; it is
+ * started again, A's hog ends, A's shard stalls and its lane fills, a second frontend routes
+ * (query only) in a loop, and on_admit returns.  The route's pass then tries u on A: it must
+ * return within a bounded time while the lane stays full (1 s). */
+static struct {
+	struct kvr_router *r;
+	struct kvr_shard *sha;
+	struct kvr_rank_id a;
+	struct kvr_decision ha;
+	const uint32_t *tokens;
+	int stop;                   /* atomic: the hammer returns */
+	uint64_t go_ns, release_ns; /* atomics */
+	long routes;
+} fr;
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void *hammer(void *arg)
+{
+	(void)arg;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = fr.tokens;
+	q.n_tokens = 64;
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	while (!__atomic_load_n(&fr.stop, __ATOMIC_ACQUIRE)) {
+		struct kvr_decision d;
+		(void)kvr_route(fr.r, &q, &d);
+		fr.routes++;
+	}
+	return NULL;
+}
+
+/* While main's route is held in on_admit: A's hog ends, A's lane fills, the hammer starts; then
+ * on_admit is let go, and the lane stays full for 1 s. */
+static void *scene(void *arg)
+{
+	pthread_t *h = arg;
+	cr_assert(wait_flag(&lt.in, 10000), "p was never admitted");
+	cr_assert_eq(kvr_admitter_start(fr.r), 0);
+	cr_assert_eq(kvr_request_finish(fr.r, fr.ha.attempt), 0);
+	cr_assert_eq(active(fr.r, fr.a), 0);
+	cr_assert_eq(kvr_shard_post(fr.sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
+	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
+	int n = 0, rc = 0;
+	while (n < 100000 && (rc = kvr_shard_post(fr.sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
+		n++;
+	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+	cr_assert_eq(pthread_create(h, NULL, hammer, NULL), 0);
+	sleep_ms(20);
+	__atomic_store_n(&fr.go_ns, mono_ns(), __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.go, 1, __ATOMIC_RELEASE);
+	sleep_ms(1000);
+	__atomic_store_n(&fr.release_ns, mono_ns(), __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.release, 1, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_full, .timeout = 60)
+{
+	pthread_mutex_lock(&lt.mu);
+	lt.n = 0;
+	lt.hold = 0;
+	pthread_mutex_unlock(&lt.mu);
+	__atomic_store_n(&lt.in, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.go, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.stalled, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&lt.release, 0, __ATOMIC_RELEASE);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.queue_threshold = 1.0;
+	c.on_admit = lt_admit;
+	c.lane_capacity = 16;
+	c.lane_soft_depth = 0;
+	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hogs stay */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	fr.r = r;
+	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	fr.a = a;
+	cr_assert_eq(kvr_rank_add(r, a, 1, 100000, 16), 0);
+	cr_assert_eq(kvr_rank_add(r, b, 1, 100000, 16), 0);
+	uint32_t sa, sb;
+	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
+	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
+	fr.sha = kvr_router_shard_of(r, sa);
+	cr_assert_neq(kvr_shard_index(fr.sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
+	              "A and B on different shards");
+	struct kvr_decision hb, d;
+	cr_assert_eq(route_salt_pinned(r, &a, 41000, 64, &fr.ha), 0);
+	cr_assert_eq(route_salt_pinned(r, &b, 41001, 64, &hb), 0);
+	cr_assert_eq(fr.ha.status, KVR_DECIDED);
+	cr_assert_eq(hb.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	static uint32_t tp[16], tu[64], tq[64];
+	prompt(tp, 16, 41001);
+	prompt(tu, 64, 41000);
+	prompt(tq, 64, 41002);
+	fr.tokens = tq;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tp;
+	q.n_tokens = 16;
+	q.pinned = &b;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	pthread_mutex_lock(&lt.mu);
+	lt.hold = d.ticket;
+	pthread_mutex_unlock(&lt.mu);
+	kvr_request_init(&q);
+	q.tokens = tu;
+	q.n_tokens = 64;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	const uint64_t tku = d.ticket;
+	/* No admission thread while B's hog ends: the next pass is this thread's route's. */
+	kvr_admitter_stop(r);
+	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
+	cr_assert_eq(active(r, b), 0);
+	pthread_t sc, h;
+	cr_assert_eq(pthread_create(&sc, NULL, scene, &h), 0);
+	kvr_request_init(&q);
+	q.tokens = tq;
+	q.n_tokens = 64;
+	q.flags = KVR_ROUTE_QUERY_ONLY;
+	cr_assert_eq(kvr_route(r, &q, &d), 0); /* pumps: admits p, held in on_admit */
+	uint64_t back = mono_ns();
+	pthread_join(sc, NULL);
+	__atomic_store_n(&fr.stop, 1, __ATOMIC_RELEASE);
+	pthread_join(h, NULL);
+	uint64_t go = __atomic_load_n(&fr.go_ns, __ATOMIC_ACQUIRE);
+	uint64_t rel = __atomic_load_n(&fr.release_ns, __ATOMIC_ACQUIRE);
+	cr_log_info("route back %.1f ms after on_admit returned (lane released at %.1f ms), "
+	            "%ld hammer routes",
+	            (back - go) / 1e6, (rel - go) / 1e6, fr.routes);
+	cr_assert_lt(
+	    back, go + 200000000ull,
+	    "the route came back %.1f ms after on_admit returned, with A's lane full for "
+	    "%.1f ms: it retried u's booking on the full lane for as long as it stayed full",
+	    (back - go) / 1e6, (rel - go) / 1e6);
+	/* u is admitted once the lane is free (the admission thread's retry, or this pump). */
+	for (int ms = 0; ms < 10000 && told_at(tku, NULL) < 0; ms++) {
+		sleep_ms(1);
+		if (ms % 100 == 0)
+			(void)kvr_router_sync(r, 5000);
+	}
+	cr_assert_geq(told_at(tku, NULL), 0, "u was never admitted");
+	kvr_router_destroy(r);
+}
