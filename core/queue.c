@@ -1234,7 +1234,7 @@ bool kvr_queue_pump(struct kvr_router *r)
 				 * whose ranks all went still fail then. */
 				e->state = Q_WAITING;
 				pthread_cond_broadcast(&q->cond);
-				hand_off = rc == KVR_EAGAIN && !kvr_admitter_here;
+				hand_off = rc == KVR_EAGAIN && kvr_admitter_of != r;
 				if ((!e->group && rc == KVR_EAGAIN) || hand_off) {
 					q->full |= full;
 					break;

@@ -66,13 +66,13 @@ static uint64_t reap_park_ns(uint64_t due, uint64_t now, uint64_t prev_now, uint
 	return p < REAP_PARK_MAX_NS ? p : REAP_PARK_MAX_NS;
 }
 
-_Thread_local bool kvr_admitter_here;
+_Thread_local const struct kvr_router *kvr_admitter_of;
 
 static void *admitter_main(void *arg)
 {
 	struct kvr_router *r = arg;
 	struct kvr_admitter *a = &r->admitter;
-	kvr_admitter_here = true;
+	kvr_admitter_of = r;
 	kvr_router_cb_self = r;          /* kvr_router_destroy refuses to run here */
 	prctl(PR_SET_NAME, "kvr-admit"); /* for top, perf and the tests (as replica threads) */
 	/* UINT64_MAX while no failed outcome waits: the park then costs nothing but the wakes. */

@@ -230,8 +230,10 @@ void kvr_admitter_note_failed(struct kvr_router *r);
  * wakes it for a pass.  Never blocks, allocates or takes a lock.  Context: the thread that ran
  * the pass, off the queue's lock. */
 void kvr_admitter_wake(struct kvr_router *r);
-/* True on a router's admission thread (it takes the retries of refused bookings). */
-extern _Thread_local bool kvr_admitter_here;
+/* On a router's admission thread, that router (it takes the retries of refused bookings);
+ * else NULL.  A router, not a flag: an on_admit that routes on another router runs that
+ * router's pass as a frontend would. */
+extern _Thread_local const struct kvr_router *kvr_admitter_of;
 /* After a route's push, before its pump: a seq_cst fence that pairs with the shard hook's (its
  * pairing: core/queue.c).  Context: the routing thread. */
 void kvr_queue_catch_up(void);
