@@ -262,6 +262,16 @@ static struct kvr_feed_stats back_caught_up(struct back *w)
 	return st;
 }
 
+/* The start of every rebuild test: a feed with a replay endpoint, and batch 0 (A, 2 blocks)
+ * applied to the rank. */
+static void back_open_holding_a(struct back *w)
+{
+	back_open(w, true);
+	back_store(w, 0, A, 2, NULL);
+	back_caught_up(w);
+	cr_assert_eq(test_indexed_blocks(w->r), 2);
+}
+
 /* The blocks the index holds for rank (0, 0) once it reaches want (the feed resyncs a rank
  * added back from its own loop, at its next look), or after 5 s. */
 static uint64_t back_indexed(struct back *w, uint64_t want)
@@ -305,10 +315,7 @@ Test(feed_rank_gone, a_rank_added_back_after_missing_batches_holds_what_its_engi
      .timeout = 120)
 {
 	struct back w;
-	back_open(&w, true);
-	back_store(&w, 0, A, 2, NULL);
-	back_caught_up(&w);
-	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	back_open_holding_a(&w);
 	back_remove(&w);
 	back_store(&w, 1, B, 3, &A[1]); /* for a rank the router does not have */
 	struct kvr_feed_stats st = back_caught_up(&w);
@@ -328,10 +335,7 @@ Test(feed_rank_gone, a_rank_removed_and_added_back_between_two_batches_holds_wha
      .timeout = 120)
 {
 	struct back w;
-	back_open(&w, true);
-	back_store(&w, 0, A, 2, NULL);
-	back_caught_up(&w);
-	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	back_open_holding_a(&w);
 	back_remove(&w);
 	back_add(&w); /* the feed saw nothing of either */
 	cr_assert_eq(test_indexed_blocks(w.r), 0, "the removal took the rank's blocks");
@@ -347,10 +351,7 @@ Test(feed_rank_gone, a_rank_removed_while_its_events_were_on_their_way_is_rebuil
      .timeout = 120)
 {
 	struct back w;
-	back_open(&w, true);
-	back_store(&w, 0, A, 2, NULL);
-	back_caught_up(&w);
-	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	back_open_holding_a(&w);
 	atomic_store(&armed, true);
 	back_store(&w, 1, B, 3, &A[1]); /* refused: the rank went as it was posted */
 	struct kvr_feed_stats st = back_caught_up(&w);
@@ -379,10 +380,7 @@ Test(feed_rank_gone, a_rank_removed_before_its_events_were_posted_is_rebuilt_onc
      .timeout = 120)
 {
 	struct back w;
-	back_open(&w, true);
-	back_store(&w, 0, A, 2, NULL);
-	back_caught_up(&w);
-	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	back_open_holding_a(&w);
 	atomic_store(&armed_hash, ARM_REMOVE);
 	back_store(&w, 1, B, 3, &A[1]);
 	struct kvr_feed_stats st = back_caught_up(&w);
@@ -401,10 +399,7 @@ Test(feed_rank_gone, a_rank_removed_and_added_back_before_its_events_were_posted
      .timeout = 120)
 {
 	struct back w;
-	back_open(&w, true);
-	back_store(&w, 0, A, 2, NULL);
-	back_caught_up(&w);
-	cr_assert_eq(test_indexed_blocks(w.r), 2);
+	back_open_holding_a(&w);
 	atomic_store(&armed_hash, ARM_BACK);
 	back_store(&w, 1, B, 3, &A[1]);
 	back_caught_up(&w);

@@ -104,7 +104,10 @@ static uint64_t active(struct kvr_router *r, struct kvr_rank_id id)
 	return st.active_requests;
 }
 
-static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_policy pol)
+/* The scene both tests share: the test's state reset, a router of two shards whose lanes hold
+ * 16 messages and whose leases never expire (the hogs stay), and ranks a = (0, 0) and b = (1, 0),
+ * each with a 16-token prefill budget. */
+static struct kvr_router *lane_scene(enum kvr_queue_policy pol)
 {
 	pthread_mutex_lock(&lt.mu);
 	lt.n = 0;
@@ -122,12 +125,18 @@ static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_pol
 	c.on_admit = lt_admit;
 	c.lane_capacity = 16;
 	c.lane_soft_depth = 0;
-	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hogs stay */
+	c.lease_scan_interval_ns = 1000000000000000ull;
 	struct kvr_router *r;
 	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, 100000, 16), 0);
+	cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){1, 0}, 1, 100000, 16), 0);
+	return r;
+}
+
+static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_policy pol)
+{
+	struct kvr_router *r = lane_scene(pol);
 	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	cr_assert_eq(kvr_rank_add(r, a, 1, 100000, 16), 0);
-	cr_assert_eq(kvr_rank_add(r, b, 1, 100000, 16), 0);
 	uint32_t sa, sb;
 	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
 	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
@@ -294,29 +303,10 @@ static void *scene(void *arg)
 
 Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_full, .timeout = 60)
 {
-	pthread_mutex_lock(&lt.mu);
-	lt.n = 0;
-	lt.hold = 0;
-	pthread_mutex_unlock(&lt.mu);
-	__atomic_store_n(&lt.in, 0, __ATOMIC_RELEASE);
-	__atomic_store_n(&lt.go, 0, __ATOMIC_RELEASE);
-	__atomic_store_n(&lt.stalled, 0, __ATOMIC_RELEASE);
-	__atomic_store_n(&lt.release, 0, __ATOMIC_RELEASE);
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 2;
-	c.queue_threshold = 1.0;
-	c.on_admit = lt_admit;
-	c.lane_capacity = 16;
-	c.lane_soft_depth = 0;
-	c.lease_scan_interval_ns = 1000000000000000ull; /* no lease expires: the hogs stay */
-	struct kvr_router *r;
-	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	struct kvr_router *r = lane_scene(KVR_QUEUE_FCFS);
 	fr.r = r;
 	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
 	fr.a = a;
-	cr_assert_eq(kvr_rank_add(r, a, 1, 100000, 16), 0);
-	cr_assert_eq(kvr_rank_add(r, b, 1, 100000, 16), 0);
 	uint32_t sa, sb;
 	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
 	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
