@@ -1173,10 +1173,10 @@ struct ring {
 	uint32_t n, step;
 	int arrived, done;
 	int rc[RING_MAX];
-	bool always[RING_MAX];  /* that shard calls through kvr_shard_call_always */
-	bool chain;             /* the last shard calls nobody: a chain, not a cycle */
-	int hold_ms;            /* the last shard's task holds it this long */
-	int delay_ms[RING_MAX]; /* that shard waits this long before its call */
+	bool always[RING_MAX];     /* that shard calls through kvr_shard_call_always */
+	bool chain;                /* the last shard calls nobody: a chain, not a cycle */
+	int hold_ms;               /* the last shard's task holds it this long */
+	bool after_edge[RING_MAX]; /* that shard calls once the one it calls waits for it */
 };
 
 static int answer(struct kvr_shard *sh, void *arg)
@@ -1194,7 +1194,10 @@ static void ring_task(struct kvr_shard *sh, void *p)
 	for (int t = 0; t < 5000 && __atomic_load_n(&g->arrived, __ATOMIC_SEQ_CST) < (int)g->n; t++)
 		nanosleep(&(struct timespec){0, 1000000}, NULL);
 	struct kvr_shard *next = kvr_shards_get(g->s, (i + g->step) % g->n);
-	nanosleep(&(struct timespec){0, (long)g->delay_ms[i] * 1000000}, NULL);
+	/* Waits for the other shard's edge itself, not a fixed time: under load a shard thread
+	 * can be off its CPU for longer than any sleep. */
+	for (int t = 0; g->after_edge[i] && t < 10000 && !kvr_shard_waits_for_current(next); t++)
+		nanosleep(&(struct timespec){0, 1000000}, NULL);
 	if (g->chain && i == g->n - 1) {
 		nanosleep(&(struct timespec){0, (long)g->hold_ms * 1000000}, NULL);
 		g->rc[i] = 0;
@@ -1272,7 +1275,7 @@ Test(calls, always_call_waits_and_the_other_is_refused, .timeout = 60)
 	for (int round = 0; round < 10; round++) {
 		struct ring g = {.n = 2, .step = 1};
 		g.always[0] = true;
-		g.delay_ms[1] = 50; /* shard 0's edge first */
+		g.after_edge[1] = true; /* shard 0's edge first */
 		cr_assert(ring_run(&g), "round %d: waited for good", round);
 		cr_assert_eq(g.rc[1], KVR_EBUSY, "round %d: shard 1's call returned %d", round,
 		             g.rc[1]);
