@@ -27,10 +27,14 @@ struct kvr_replica_transport {
 	 * called between waits, at least every 20 ms (the core serves its own pending snapshot
 	 * requests there), and when it returns true the replica is stopping: return
 	 * KVR_ESHUTDOWN at once.  Returns 0, KVR_ENOENT (no peer answered: nobody ready),
-	 * KVR_ETIMEDOUT, KVR_ESHUTDOWN, or on_chunk's error.  NULL = no snapshots (in-process
-	 * bus: every replica starts together). */
+	 * KVR_ETIMEDOUT, KVR_ESHUTDOWN, or on_chunk's error.  While no reply has come, the
+	 * request is sent again every hedge_ns (0: never) with the same reply subject, so that
+	 * another peer may take it (a queue group picks one at random) when the first one picked
+	 * is alive but does not answer; on_chunk takes the first provider that answers and
+	 * ignores the others.  A transport that cannot may send it once.  NULL = no snapshots
+	 * (in-process bus: every replica starts together). */
 	int (*request)(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
-	               int (*on_chunk)(void *cb, const void *buf, size_t len),
+	               uint64_t hedge_ns, int (*on_chunk)(void *cb, const void *buf, size_t len),
 	               bool (*poll)(void *cb), void *cb);
 	/* This replica is about to be ready: start answering snapshot requests.  Called on the
 	 * apply thread before kvr_replica_wait_ready returns; a stop joins that thread, so it

@@ -160,7 +160,7 @@ static uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns, uint64_t hedge_ns,
                      int (*on_chunk)(void *cb, const void *buf, size_t len), bool (*poll)(void *cb),
                      void *cb)
 {
@@ -179,6 +179,7 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 	if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req, (int)len) != NATS_OK)
 		goto out;
 	uint64_t deadline = mono_ns() + timeout_ns;
+	uint64_t hedge_at = hedge_ns ? mono_ns() + hedge_ns : UINT64_MAX; /* till a reply */
 	for (;;) {
 		natsMsg *msg = NULL;
 		natsStatus st = natsSubscription_NextMsg(&msg, sub, 20);
@@ -188,12 +189,21 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 				                       thread */
 				break;
 			}
-			if (mono_ns() >= deadline) {
+			uint64_t now = mono_ns();
+			if (now >= deadline) {
 				rc = KVR_ETIMEDOUT;
 				break;
 			}
+			/* Nobody answered yet: the group may pick another member this time.  A
+			 * failed send is the next hedge's to make up. */
+			if (now >= hedge_at) {
+				(void)natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req,
+				                                    (int)len);
+				hedge_at = now + hedge_ns;
+			}
 			continue;
 		}
+		hedge_at = UINT64_MAX;
 		if (st == NATS_NO_RESPONDERS) {
 			/* No subscriber took the request (nats.c gives the server's "no responders"
 			 * as this status): no peer is ready.  It was taken for a failed try and

@@ -65,6 +65,13 @@
  * (a shorter setting than the rounds take gave the resync up with nothing applied). */
 #define BUSY_PAUSE_NS 10000000ull
 #define BUSY_ROUNDS   24u
+/* A snapshot request that no reply answered within 1/HEDGE_PART of snapshot_timeout_ms (and
+ * HEDGE_MIN_NS) is sent again with the same reply subject (kvr_rep_resync).  The price: a
+ * provider that answers later than that (its apply thread queued behind other work) may be
+ * asked again, and builds the snapshot once more for nobody; one that answers sooner, the
+ * usual case (a few ms over NATS), costs nothing more. */
+#define HEDGE_PART   8u
+#define HEDGE_MIN_NS 20000000ull
 
 /* A given-up chunk, with `why` (0 or KVR_MSG_CHUNK_RESYNCING) in its flags. */
 static void give_up(struct kvr_replica *rep, const char *to, uint32_t chunk, uint32_t why)
@@ -216,6 +223,11 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 	if (!bad && m.h.type == KVR_MSG_SNAP_CHUNK && m.chunk == 0 && rx->next == 0 &&
 	    (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) && m.h.replica == rx->rep->c.replica_id)
 		return KVR_EAGAIN; /* a twin under our id declined (replica_apply.c): ask again */
+	/* Another provider's answer to the same request sent again (the transport's hedge):
+	 * the first one to answer is taken, whole. */
+	if (!bad && m.h.type == KVR_MSG_SNAP_CHUNK && rx->next && m.h.replica != rx->provider &&
+	    m.h.replica != rx->rep->c.replica_id)
+		return 0;
 	if (bad || m.h.type != KVR_MSG_SNAP_CHUNK || m.chunk != rx->next ||
 	    (rx->next && m.h.replica != rx->provider) || m.h.replica == rx->rep->c.replica_id) {
 		pthread_mutex_lock(&rx->rep->mu);
@@ -376,8 +388,8 @@ static bool poll_requests(void *cb);
  * (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the provider gave it up; *busy_from: its id if it
  * declined because it resyncs itself, else 0), KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out
  * of place). */
-static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, bool settled_only,
-                       uint64_t *busy_from)
+static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, uint64_t hedge_ns,
+                       bool settled_only, uint64_t *busy_from)
 {
 	*busy_from = 0;
 	pthread_mutex_lock(&rep->qmu);
@@ -398,8 +410,8 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, bool settle
 	int rc = KVR_ENOMEM;
 	struct snap_rx rx = {.rep = rep};
 	if (!req.oom)
-		rc = rep->t.request(rep->t.ctx, req.p, req.len, timeout_ns, on_chunk, poll_requests,
-		                    &rx);
+		rc = rep->t.request(rep->t.ctx, req.p, req.len, timeout_ns, hedge_ns, on_chunk,
+		                    poll_requests, &rx);
 	kvr_msg_buf_fini(&req);
 	if (rc == KVR_EAGAIN && rx.busy)
 		*busy_from = rx.provider;
@@ -461,6 +473,13 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	if (!rep->t.request)
 		return KVR_ENOENT;
 	uint64_t timeout = (uint64_t)rep->c.snapshot_timeout_ms * 1000000ull;
+	/* A request nobody answered within HEDGE_PART of the budget is sent again, up to
+	 * HEDGE_PART - 1 times: the queue group picks at random, and a peer alive but stuck
+	 * (its apply thread busy for longer than the budget) took the whole budget when picked
+	 * and the resync applied nothing (test_replica_serve
+	 * a_peer_that_does_not_answer_does_not_cost_the_whole_resync). */
+	const uint64_t hedge =
+	    timeout / HEDGE_PART > HEDGE_MIN_NS ? timeout / HEDGE_PART : HEDGE_MIN_NS;
 	uint64_t start = kvr_rep_mono_ns(), pause = RETRY_FIRST_NS;
 	uint64_t busy[MAX_PEERS];
 	size_t n_busy = 0;
@@ -468,8 +487,8 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	bool settled_only = true;
 	for (;;) {
 		uint64_t spent = kvr_rep_mono_ns() - start, busy_from;
-		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1, settled_only,
-		                     &busy_from);
+		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1, hedge,
+		                     settled_only, &busy_from);
 		if (rc != KVR_EAGAIN && rc != KVR_ENOMEM)
 			return rc;
 		uint64_t wait = pause;

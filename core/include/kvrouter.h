@@ -1124,7 +1124,9 @@ struct kvr_sync_config {
 	/* Snapshot request deadline, ms: between chunks of the snapshot (a peer that takes the
 	 * request and sends nothing for this long is given up), and a whole resync's, its retries
 	 * included (one declined by resyncing peers for half of it takes a resyncing peer's
-	 * table).  Default 2000. */
+	 * table).  A request nobody answered within an eighth of it (20 ms at least) is sent
+	 * again, up to 7 times, so that the queue group may pick another peer than one alive but
+	 * stuck; the first peer to answer is taken.  Default 2000. */
 	uint32_t snapshot_timeout_ms;
 	/* Blocks of recently finished attempts remembered per rank for snapshots.  Default 0 =
 	 * twice the rank's capacity (65536 without capacity). */
@@ -1268,9 +1270,9 @@ KVR_API void kvr_sync_detach(struct kvr_sync *s);
 
 /* Waits until the replica has applied its first snapshot (or found no peer: a replica alone in
  * its cluster is ready as soon as the server says nobody answers, within milliseconds; a peer
- * that does not answer is waited for up to snapshot_timeout_ms, a wait kvr_sync_detach and
- * kvr_router_destroy cut short).  Once ready it also answers its peers' snapshot requests, so
- * a replica attached after this returned finds it.  0,
+ * that does not answer is waited for up to snapshot_timeout_ms, the request sent again to the
+ * queue group meanwhile; a wait kvr_sync_detach and kvr_router_destroy cut short).  Once ready it
+ * also answers its peers' snapshot requests, so a replica attached after this returned finds it. 0,
  * KVR_ETIMEDOUT, KVR_EINVAL; from a callback the replica's own threads run (see
  * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY; from a feed's callback, as
  * kvr_sync_drain. */

@@ -46,11 +46,11 @@ static int t_reply(void *ctx, const char *to, const void *buf, size_t len)
 	return 0;
 }
 
-static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns, uint64_t hedge_ns,
                      int (*on_chunk)(void *cb, const void *buf, size_t len), bool (*poll)(void *cb),
                      void *cb)
 {
-	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)poll;
+	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)hedge_ns, (void)poll;
 	int rc = on_chunk(cb, snap, snap_len);
 	return rc == 1 ? 0 : rc ? rc : KVR_ETIMEDOUT;
 }

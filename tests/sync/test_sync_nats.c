@@ -1580,10 +1580,45 @@ static void test_snapshot_wait(void)
 			kvr_sync_detach(s);
 	}
 	natsSubscription_Destroy(mute);
+	/* A member of the snapshot queue group that never answers, alone in it: the request is
+	 * sent again (same inbox) every eighth of the budget while nobody answers, so that the
+	 * group may pick another member.  Before, it was sent once and the budget waited out. */
+	mute = NULL;
+	CHECK(natsConnection_QueueSubscribeSync(&mute, nc, "hedge.snap", "kvr-snap") == NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "the mute member");
+	r = make_router();
+	s = NULL;
+	struct kvr_sync_config hc;
+	kvr_sync_config_init(&hc);
+	hc.servers = kvr_test_nats_url();
+	hc.cluster = "hedge";
+	hc.replica_id = 1;
+	hc.snapshot_timeout_ms = 1600; /* sent again every 200 ms */
+	CHECK(r && mute && kvr_sync_attach(r, &hc, &s) == 0, "attach beside the mute member");
+	int asked = 0, inboxes = 0;
+	char first[128] = "";
+	for (double h0 = mono_ms(); s && mono_ms() - h0 < 1400;) {
+		natsMsg *m = NULL;
+		if (natsSubscription_NextMsg(&m, mute, 50) != NATS_OK)
+			continue;
+		const char *to = natsMsg_GetReply(m);
+		if (to && !first[0])
+			snprintf(first, sizeof(first), "%s", to);
+		asked++;
+		inboxes += !to || strcmp(to, first) != 0;
+		natsMsg_Destroy(m);
+	}
+	CHECK(asked >= 4, "the mute member was asked %d times in 1.4 s of a 1.6 s budget", asked);
+	CHECK(inboxes == 0, "%d of the requests sent again had another inbox", inboxes);
+	if (s)
+		kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	natsSubscription_Destroy(mute);
 	natsConnection_Destroy(nc);
 	printf("snapshot_wait: alone ready in %.1f ms; beside a mute peer detach %.1f ms, router "
-	       "destroy %.1f ms\n",
-	       ready_ms, took[0], took[1]);
+	       "destroy %.1f ms; a mute member alone asked %d times in 1.4 s\n",
+	       ready_ms, took[0], took[1], asked);
 }
 
 static void test_dup_id(void)

@@ -9,6 +9,7 @@
 
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -72,6 +73,8 @@ static struct bus {
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	struct bus_chunk *inbox[BUS_N]; /* snapshot chunks for replica i, newest first */
+	unsigned asking[BUS_N];         /* replica i's snapshot request waiting, 0 if none */
+	unsigned asked;                 /* snapshot requests so far */
 } bus = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 static int port[BUS_N] = {0, 1, 2};
 /* kept_bytes_max of the replicas bus_router makes (0: the default). */
@@ -119,6 +122,13 @@ static inline int bus_reply(void *ctx, const char *to, const void *buf, size_t l
 	c->len = len;
 	memcpy(c->data, buf, len);
 	pthread_mutex_lock(&bus.mu);
+	/* "<i>.<n>" is bus_request's n-th request's own inbox, gone once it returned (as a NATS
+	 * request's inbox is); a bare "<i>" (a test's own delivery) always takes the chunk. */
+	if (to[1] == '.' && strtoul(to + 2, NULL, 10) != bus.asking[j]) {
+		pthread_mutex_unlock(&bus.mu);
+		free(c);
+		return 0;
+	}
 	c->next = bus.inbox[j];
 	bus.inbox[j] = c;
 	pthread_cond_broadcast(&bus.cv);
@@ -149,11 +159,10 @@ static inline struct bus_chunk *bus_take(int i)
 	return c;
 }
 
-static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
-                              int (*on_chunk)(void *cb, const void *buf, size_t len),
-                              bool (*poll)(void *cb), void *cb)
+/* The ready peer replica i's next snapshot request goes to, -1 if none. */
+static inline int bus_pick(int i)
 {
-	int i = *(int *)ctx, peer = -1, ready[BUS_N], n = 0;
+	int peer = -1, ready[BUS_N], n = 0;
 	pthread_mutex_lock(&bus.mu);
 	for (int j = BUS_N - 1; j >= 0; j--) /* the last ready one: a replica serving its mirrors */
 		if (j != i && bus.rep[j] && bus.ready[j])
@@ -161,23 +170,60 @@ static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t t
 	if (n)
 		peer = ready[bus_spread ? bus_turn[i]++ % (unsigned)n : 0];
 	pthread_mutex_unlock(&bus.mu);
+	return peer;
+}
+
+/* Replica i's inbox emptied; what comes to it later for request n is dropped (n = 0: all). */
+static inline void bus_asking(int i, unsigned n)
+{
+	pthread_mutex_lock(&bus.mu);
+	bus.asking[i] = n;
+	for (struct bus_chunk *c; (c = bus.inbox[i]);) {
+		bus.inbox[i] = c->next;
+		free(c);
+	}
+	pthread_mutex_unlock(&bus.mu);
+}
+
+static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+                              uint64_t hedge_ns,
+                              int (*on_chunk)(void *cb, const void *buf, size_t len),
+                              bool (*poll)(void *cb), void *cb)
+{
+	int i = *(int *)ctx, peer = bus_pick(i), rc = KVR_ETIMEDOUT;
 	if (peer < 0)
 		return KVR_ENOENT;
-	char inbox[2] = {(char)('0' + i), 0};
+	unsigned n = __atomic_add_fetch(&bus.asked, 1, __ATOMIC_RELAXED);
+	char inbox[16];
+	snprintf(inbox, sizeof(inbox), "%d.%u", i, n);
+	bus_asking(i, n);
 	kvr_replica_deliver(bus.rep[peer], req, len, inbox);
-	for (uint64_t waited = 0; waited < timeout_ns; waited += 10000000) {
+	bool answered = false;
+	for (uint64_t waited = 0, hedged = 0; waited < timeout_ns; waited += 10000000) {
 		struct bus_chunk *c = bus_take(i);
 		if (!c) {
-			if (poll(cb))
-				return KVR_ESHUTDOWN;
+			if (poll(cb)) {
+				rc = KVR_ESHUTDOWN;
+				break;
+			}
+			/* As a NATS queue group would, the request sent again may reach another. */
+			if (!answered && hedge_ns && waited - hedged >= hedge_ns &&
+			    (peer = bus_pick(i)) >= 0) {
+				kvr_replica_deliver(bus.rep[peer], req, len, inbox);
+				hedged = waited;
+			}
 			continue;
 		}
-		int rc = on_chunk(cb, c->data, c->len);
+		answered = true;
+		int r = on_chunk(cb, c->data, c->len);
 		free(c);
-		if (rc)
-			return rc == 1 ? 0 : rc;
+		if (r) {
+			rc = r == 1 ? 0 : r;
+			break;
+		}
 	}
-	return KVR_ETIMEDOUT;
+	bus_asking(i, 0);
+	return rc;
 }
 
 static inline void bus_ready(void *ctx)

@@ -87,11 +87,12 @@ static int no_reply(void *ctx, const char *to, const void *buf, size_t len)
 	return 0;
 }
 
-static int no_peer(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
+static int no_peer(void *ctx, const void *req, size_t len, uint64_t timeout_ns, uint64_t hedge_ns,
                    int (*on_chunk)(void *cb, const void *buf, size_t len), bool (*poll)(void *cb),
                    void *cb)
 {
-	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)on_chunk, (void)poll, (void)cb;
+	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)hedge_ns, (void)on_chunk,
+	    (void)poll, (void)cb;
 	return KVR_ENOENT; /* nobody else: this replica starts the cluster's knowledge */
 }
 

@@ -150,10 +150,10 @@ static int snap_reply(void *ctx, const char *to, const void *buf, size_t len)
 }
 
 static int snap_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
-                        int (*on_chunk)(void *cb, const void *buf, size_t len),
+                        uint64_t hedge_ns, int (*on_chunk)(void *cb, const void *buf, size_t len),
                         bool (*poll)(void *cb), void *cb)
 {
-	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)poll;
+	(void)ctx, (void)req, (void)len, (void)timeout_ns, (void)hedge_ns, (void)poll;
 	if (!snap_chunk.len)
 		return KVR_ENOENT; /* no peer yet */
 	int rc = on_chunk(cb, snap_chunk.p, snap_chunk.len);

@@ -79,6 +79,51 @@ Test(replica_serve, a_joiner_is_not_served_a_table_from_before_the_providers_res
 	bus_teardown(r, 3);
 }
 
+/* Replica 3 is cut off while replica 1 removes rank 2; back, it resyncs, and its first request
+ * goes to replica 2, alive but stuck (this thread holds its handling lock, as an apply thread
+ * busy for longer than the snapshot budget would).  The request is sent again once an eighth
+ * of the budget went by without an answer, the bus spreads it to replica 1, which answers:
+ * the resync applies replica 1's table long before the budget is out.  Before, the asker
+ * waited the whole snapshot_timeout_ms for replica 2 and applied nothing, the removed rank
+ * still routable on it. */
+Test(replica_serve, a_peer_that_does_not_answer_does_not_cost_the_whole_resync, .timeout = 60)
+{
+	bus_snapshot_ms = 4000;
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){2, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, 3);
+	cr_assert(has_rank(r[2], 2));
+	kvr_replica_disconnected(bus.rep[2]);
+	__atomic_store_n(&bus_deaf[2], true, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[1], 10000), 0);
+	cr_assert(has_rank(r[2], 2));
+	bus_spread = true; /* replica 3's requests: replica 2 first, then replica 1 */
+	pthread_mutex_lock(&bus.rep[1]->hmu);
+	__atomic_store_n(&bus_deaf[2], false, __ATOMIC_RELEASE);
+	uint64_t applied = stats(2).snapshots_applied;
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	kvr_replica_reconnected(bus.rep[2]);
+	for (int k = 0; k < 300 && stats(2).snapshots_applied == applied; k++)
+		nanosleep(&(struct timespec){0, 10000000}, NULL);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	const double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+	const bool got = stats(2).snapshots_applied > applied, gone = !has_rank(r[2], 2);
+	pthread_mutex_unlock(&bus.rep[1]->hmu);
+	cr_assert(got,
+	          "no snapshot applied in %.0f ms of a 4,000 ms budget while replica 2 is "
+	          "stuck",
+	          ms);
+	cr_assert(gone, "replica 3 still has the removed rank after its resync");
+	bus_quiet(r, 3);
+	all_agree(r, 3, "after the resync");
+	bus_teardown(r, 3);
+	bus_snapshot_ms = 0;
+}
+
 /* Every replica reconnects at once (the server came back): each resyncs, asking a peer that is
  * resyncing too.  None may hold another's request until its own resync ends: replicas 2 and 3
  * ask each other (the bus asks the last ready one), and both would wait out their
