@@ -926,6 +926,9 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			uint64_t ticket = d->ticket;
 			(void)kvr_route_cancel(
 			    r, ticket); /* no pass can take it meanwhile: ours waits */
+			/* A failed call, counted as every other refusal is (it was not: test_router
+			 * a_wait_refused_inside_the_admission_pass_counts_as_a_route_error). */
+			count_refused(r);
 			return kvr_fail(
 			    KVR_EBUSY,
 			    "kvr_route: KVR_ROUTE_WAIT inside the queue's admission pass "

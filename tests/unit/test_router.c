@@ -1227,6 +1227,62 @@ Test(router, route_errors_count_bad_requests)
 	kvr_router_destroy(r);
 }
 
+/* kvr_route_errors_total ("Route calls that failed") counts the KVR_ROUTE_WAIT route refused
+ * with KVR_EBUSY inside the admission pass (on_admit), as it counts every other refused call;
+ * it did not (the refusal returned without a count).  A route from on_admit that queues (0,
+ * KVR_QUEUED) is no failed call and is not counted. */
+static uint64_t pass_errors[3];
+static int pass_wait_rc = 1, pass_queue_rc = 1, pass_queue_status = -1;
+static void on_admit_counted(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	on_admit(ctx, ticket, d);
+	if (n_admitted != 1)
+		return;
+	static uint32_t t[400];
+	prompt(t, 400, 97);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 400;
+	q.flags = KVR_ROUTE_WAIT;
+	struct kvr_decision dd;
+	pass_errors[0] = route_errors(inside_r);
+	pass_wait_rc = kvr_route(inside_r, &q, &dd);
+	pass_errors[1] = route_errors(inside_r);
+	q.flags = 0;
+	pass_queue_rc = kvr_route(inside_r, &q, &dd);
+	pass_queue_status = dd.status;
+	pass_errors[2] = route_errors(inside_r);
+	if (pass_queue_rc == 0 && dd.status == KVR_QUEUED)
+		cr_assert_eq(kvr_route_cancel(inside_r, dd.ticket), 0);
+}
+
+Test(router, a_wait_refused_inside_the_admission_pass_counts_as_a_route_error, .timeout = 20)
+{
+	struct kvr_router *r = inside_r = budget_router(on_admit_counted, KVR_QUEUE_FCFS, 0, 1);
+	static uint32_t hog[2000], a[1600];
+	prompt(hog, 2000, 92);
+	prompt(a, 1600, 96);
+	struct kvr_decision h = route(r, hog, 2000, 0);
+	struct kvr_decision da = route(r, a, 1600, 0);
+	cr_assert_eq(da.status, KVR_QUEUED);
+	cr_assert_eq(route_errors(r), 0);
+	cr_assert_eq(kvr_request_prefill_done(r, h.attempt), 0); /* A admitted; A saturates */
+	cr_assert_eq(n_admitted, 1);
+	cr_assert_eq(pass_wait_rc, KVR_EBUSY, "the waited route inside the pass");
+	cr_assert_eq(pass_errors[1], pass_errors[0] + 1,
+	             "kvr_route_errors_total %llu before the refused route, %llu after",
+	             (unsigned long long)pass_errors[0], (unsigned long long)pass_errors[1]);
+	cr_assert_eq(pass_queue_rc, 0);
+	cr_assert_eq(pass_queue_status, KVR_QUEUED);
+	cr_assert_eq(pass_errors[2], pass_errors[1], "a queued route is no failed call");
+	cr_assert_eq(route_errors(r), 1, "the one refused call");
+	cr_assert_eq(kvr_request_finish(r, admitted_attempt[0]), 0);
+	cr_assert_eq(kvr_request_finish(r, h.attempt), 0);
+	cr_assert_eq(route_errors(r), 1);
+	kvr_router_destroy(r);
+}
+
 Test(router, async_booking_becomes_visible)
 {
 	struct kvr_config c;
