@@ -1074,7 +1074,10 @@ bool kvr_queue_pump(struct kvr_router *r)
 	bool kept_failed = false;
 	/* A booking refused on a frontend's pass (kvr_route, a lifecycle or rank call): the pass
 	 * ends there and does not run again for q->again; the admission thread (woken) takes the
-	 * retry.  Each refusal waited 10 ms on a full lane, and every call that asked for a pump
+	 * retry.  Such a booking is refused at once on a full lane now (kvr_admit's full_wait: only
+	 * the admission thread's retry waits, the bounded 10 ms; test_queue_lane
+	 * a_route_that_pumps_*: the route paid that wait, 10.3-21.2 ms).  Before this hand-off,
+	 * each refusal waited 10 ms on a full lane, and every call that asked for a pump
 	 * meanwhile (another route, the admission thread woken by the refusal) made the pass run
 	 * again: the frontend retried the lane every 10 ms for as long as it stayed full (issue 11:
 	 * routing never waits without bound on a shard; test_queue_lane
@@ -1210,10 +1213,11 @@ bool kvr_queue_pump(struct kvr_router *r)
 			q->admitting = NULL;
 			if (rc == KVR_QUEUE_SATURATED || rc == KVR_EAGAIN) {
 				/* Saturated after all (load rose meanwhile: KVR_QUEUE_SATURATED),
-				 * or its booking refused (its rank's lane stayed full for 10 ms, or
-				 * too many attempts live: KVR_EAGAIN): it waits for a later pass.
-				 * Never left on a free rank past this pass: a refused booking wakes
-				 * the admission thread (kvr_admit), whose pump makes this pass run
+				 * or its booking refused (its rank's lane stayed full for 10 ms on
+				 * the admission thread's pass, was full on a frontend's, or too
+				 * many attempts live: KVR_EAGAIN): it waits for a later pass. Never
+				 * left on a free rank past this pass: a refused booking wakes the
+				 * admission thread (kvr_admit), whose pump makes this pass run
 				 * again or runs the next; load that rose leaves its ranks saturated
 				 * until an unload, and every unload asks for a pump.
 				 *

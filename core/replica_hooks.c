@@ -70,7 +70,7 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	/* Posted like kvr_route's own admissions (waited for only with sync_booking): the lane is
 	 * FIFO, so the peer's later lifecycle calls for this attempt are applied after the
 	 * booking, and the apply thread goes on with the next message while the shard books. */
-	rc = kvr_admit(r, &a, r->cfg.sync_booking);
+	rc = kvr_admit(r, &a, r->cfg.sync_booking, true);
 	kvr_free(seq, (n ? n : 1) * sizeof(uint64_t));
 	if (rc == 0)
 		m->attempt = a.attempt;

@@ -665,7 +665,15 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		const bool in_rec = rec != NULL; /* hashed into it (seq: the scratch copy) */
 		a.reserved = rec;
 		a.in_record = in_rec;
-		rc = kvr_admit(r, &a, cfg->sync_booking); /* consumes rec */
+		/* A frontend's admission pass does not wait on a full lane: the booking is refused
+		 * at once, the pass ends there and hands the retry, with its bounded wait, to the
+		 * admission thread (kvr_queue_pump: hand_off).  Waited, it cost the route that
+		 * happened to pump 10 ms (issue 11; test_queue_lane
+		 * a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_full).  The pass
+		 * ends at a refusal whatever the wait, so the order is the same: only the wait
+		 * moved to the thread that retries. */
+		const bool full_wait = queue_mode != KVR_QUEUE_FROM_PUMP || kvr_admitter_of == r;
+		rc = kvr_admit(r, &a, cfg->sync_booking, full_wait); /* consumes rec */
 		rec = NULL;
 		if (post_inside)
 			kvr_rcu_read_unlock();
@@ -711,7 +719,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 	return KVR_ENOENT;
 }
 
-int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
+int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync, bool full_wait)
 {
 	struct kvr_rank_pub *pub = &r->ranks[a->slot];
 	int rc = kvr_lease_mint(r->leases, a->slot, &a->attempt);
@@ -783,7 +791,9 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync)
 			                !!(how & KVR_POST_THROTTLED));
 			kvr_metrics_add(mb, KVR_C_LANE_SOFT_SPILLS, !!(how & KVR_POST_SPILLED));
 		}
-		if (rc == KVR_EAGAIN) {
+		/* !full_wait: no wait, so neither counted; the admission thread's retry, which the
+		 * refusal wakes below, waits and counts as any other post. */
+		if (rc == KVR_EAGAIN && full_wait) {
 			struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);
 			rc = kvr_shard_post_wait(sh, KVR_LANE_ROUTING, kvr_owner_book_task, &rec,

@@ -155,13 +155,15 @@ struct kvr_router {
  * decision; the replica layer for a peer's admission).  Mints the attempt id lock-free into
  * a->attempt, adds the request to the rank's provisional load (a->pend_blocks set by the
  * caller; a->pend_prefill_tokens filled here), and posts the booking to the rank's shard
- * (routing lane); with sync, waits for the booking instead.
+ * (routing lane); with sync, waits for the booking instead.  full_wait (without sync): a full
+ * lane is waited on for KVR_LANE_FULL_WAIT_NS (counted); false: refused at once, uncounted
+ * (a frontend's admission pass, whose retry is the admission thread's).
  * Returns 0; KVR_ENOENT (sync: the rank went away since the decision; nothing booked);
- * KVR_EAGAIN (the lane stayed full for KVR_LANE_FULL_WAIT_NS, or too many live attempts);
- * KVR_ERANGE (attempt ids used up); KVR_ENOMEM; KVR_ESHUTDOWN.
+ * KVR_EAGAIN (the lane stayed full for KVR_LANE_FULL_WAIT_NS, or was full and !full_wait, or
+ * too many live attempts); KVR_ERANGE (attempt ids used up); KVR_ENOMEM; KVR_ESHUTDOWN.
  * Context: any thread but a shard's, outside a read section.
  */
-int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync);
+int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync, bool full_wait);
 
 /* core/queue.c */
 int kvr_queue_create(struct kvr_router *r, struct kvr_queue **out);

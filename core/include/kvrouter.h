@@ -582,7 +582,10 @@ struct kvr_decision {
  * load is added to the rank's published load at once (the very next decision on any thread
  * sees it), and the booking (predicted cache, index writes, exact load) is posted to the rank's
  * shard.  A full lane is waited on for at most 10 ms (kvr_lane_full_waits_total counts the
- * waits, kvr_lane_full_drops_total the give-ups).  Because the booking is posted, a decision
+ * waits, kvr_lane_full_drops_total the give-ups); without sync_booking, a queued request's
+ * booking in an admission pass that a call runs on the caller's thread (see on_admit) does not
+ * wait at all: refused at once, the request stays queued and the router's admission thread
+ * retries it, with that bounded wait (counted there).  Because the booking is posted, a decision
  * taken microseconds later may not see this prompt's blocks yet (it does see its load); a
  * shard that booked within the last 10 ms and sleeps is not woken for it, and applies it
  * within kvr_config.booking_lazy_ns (250 us by default) plus its scheduling delay.  If the
