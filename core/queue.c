@@ -1318,7 +1318,11 @@ bool kvr_queue_pump(struct kvr_router *r)
 	 * parked since: woken again, it runs the next pass. */
 	if (hand_off)
 		kvr_admitter_wake(r);
-	return true;
+	/* Handed off: the refused entry may still be admissible (only its rank's lane was full),
+	 * so a kvr_route that pumped asks (kvr_queue_admissible) and queues behind it, as behind
+	 * another thread's pass, instead of taking a rank the entry may use first (test_queue_lane
+	 * *_a_route_whose_pass_met_a_full_lane_queues_behind). */
+	return !hand_off;
 }
 
 bool kvr_queue_pumped_here(struct kvr_router *r)

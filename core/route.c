@@ -891,8 +891,9 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 		                kvr_strerror(rc));
 	}
 	/* Those waiting go first.  Another thread's pass may not have reached one that could be
-	 * admitted now: this request then queues behind it rather than take its rank
-	 * (core/queue.c), marked waited so that no on_admit names its ticket before this call
+	 * admitted now, or this thread's pass ended at one whose booking a full lane refused (the
+	 * admission thread retries it): this request then queues behind it rather than take its
+	 * rank (core/queue.c), marked waited so that no on_admit names its ticket before this call
 	 * returns it, and pumps again (that pass may have ended before the push): admitted by then,
 	 * it returns its decision as if it had not queued.  Not a KVR_ROUTE_WAIT from inside the
 	 * pass itself (on_admit): nothing admits its ticket while it waits, the pass being its

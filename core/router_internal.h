@@ -178,7 +178,9 @@ int kvr_queue_push(struct kvr_router *r, const struct kvr_request *req, uint64_t
                    struct kvr_decision *d);
 /* Tries to admit waiting requests (after load dropped), in the policy's order, passing over
  * those whose ranks are all saturated.  Returns false when another thread was pumping (which then
- * walks the list again), true otherwise.  Context: any thread, no shard's. */
+ * walks the list again), or when this pass ended at a refused booking and left its retry to the
+ * admission thread (the request may still be admissible); true otherwise.  Context: any thread,
+ * no shard's. */
 bool kvr_queue_pump(struct kvr_router *r);
 /* Whether the calling thread runs r's admission pass (it is inside that pass's on_admit or
  * clock): no other thread pumps until it returns, so a ticket it waits for is admitted by

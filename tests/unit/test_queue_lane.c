@@ -399,3 +399,94 @@ Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_fu
 	             "kvr_route_errors_total %llu, with %ld route calls failed", errors, fr.failed);
 	kvr_router_destroy(r);
 }
+
+/* A frontend's pass that ends at a refused booking (its chosen rank's lane full) hands the
+ * retry to the admission thread; the same kvr_route then routed its own request as if nobody
+ * waited (its pump ran, so it did not ask whether a waiting request could be admitted), and
+ * that later request took another shard's free rank while the earlier one, which may use it
+ * too, waited (kvrouter.h, queue_policy: requests that share ranks are admitted in the
+ * policy's order).  It queues behind it now.  (With the 10 ms wait the pass made before the
+ * refusal, a lane that drained within it let the pass admit the earlier one first; refused at
+ * once, only the order of the queue keeps it first.)
+ *
+ * The scene: rank A (shard X) and B (shard Y), each saturated by a pinned hog; u queued
+ * (unrestricted, A's hog's prompt: it chooses A).  No admission thread, so that the next pass
+ * is this thread's kvr_route.  Both hogs end, A's shard stalls and its lane fills.  A new
+ * request v (unrestricted, B's hog's prompt: it would choose B) is routed: its pass refuses u's
+ * booking on A, and v must queue behind u, which is admitted first once the lane is free. */
+static void a_route_whose_pass_met_a_full_lane_queues_behind(enum kvr_queue_policy pol)
+{
+	struct kvr_router *r = lane_scene(pol);
+	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	uint32_t sa, sb;
+	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
+	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
+	struct kvr_shard *sha = kvr_router_shard_of(r, sa);
+	cr_assert_neq(kvr_shard_index(sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
+	              "A and B on different shards");
+	struct kvr_decision ha, hb, d;
+	cr_assert_eq(route_salt_pinned(r, &a, 41000, 64, &ha), 0);
+	cr_assert_eq(route_salt_pinned(r, &b, 41001, 64, &hb), 0);
+	cr_assert_eq(ha.status, KVR_DECIDED);
+	cr_assert_eq(hb.status, KVR_DECIDED);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	static uint32_t tu[64], tv[64];
+	prompt(tu, 64, 41000);
+	prompt(tv, 64, 41001);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tu;
+	q.n_tokens = 64;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	const uint64_t tku = d.ticket;
+	/* No admission thread while the hogs end: the next pass is this thread's route's. */
+	kvr_admitter_stop(r);
+	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_request_finish(r, ha.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
+	cr_assert_eq(active(r, a), 0);
+	cr_assert_eq(active(r, b), 0);
+	cr_assert_eq(kvr_shard_post(sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
+	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
+	int n = 0, rc = 0;
+	while (n < 100000 && (rc = kvr_shard_post(sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
+		n++;
+	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+	q.tokens = tv;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	const int v_status = d.status;
+	const uint64_t tkv = d.ticket;
+	const struct kvr_rank_id v_rank = d.rank;
+	const uint64_t v_attempt = d.attempt;
+	cr_assert_lt(told_at(tku, NULL), 0, "u was admitted on A with its lane full");
+	/* The lane frees; the admission thread (started again) retries u. */
+	cr_assert_eq(kvr_admitter_start(r), 0);
+	__atomic_store_n(&lt.release, 1, __ATOMIC_RELEASE);
+	kvr_admitter_wake(r);
+	for (int ms = 0; ms < 10000 && (told_at(tku, NULL) < 0 ||
+	                                (v_status == KVR_QUEUED && told_at(tkv, NULL) < 0));
+	     ms++)
+		sleep_ms(1);
+	int atu = told_at(tku, NULL);
+	cr_assert_geq(atu, 0, "u was never admitted");
+	cr_assert_eq(v_status, KVR_QUEUED,
+	             "v, routed after u, was decided at once (on worker %llu) while u waited for "
+	             "A's full lane: it went first",
+	             (unsigned long long)v_rank.worker_id);
+	int atv = told_at(tkv, NULL);
+	cr_assert_geq(atv, 0, "v was never admitted");
+	cr_assert_lt(atu, atv, "u before v");
+	(void)v_attempt;
+	kvr_router_destroy(r);
+}
+
+Test(queue_lane, fcfs_a_route_whose_pass_met_a_full_lane_queues_behind, .timeout = 60)
+{
+	a_route_whose_pass_met_a_full_lane_queues_behind(KVR_QUEUE_FCFS);
+}
+
+Test(queue_lane, wspt_a_route_whose_pass_met_a_full_lane_queues_behind, .timeout = 60)
+{
+	a_route_whose_pass_met_a_full_lane_queues_behind(KVR_QUEUE_WSPT);
+}
