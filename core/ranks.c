@@ -180,6 +180,8 @@ out:
 	if (rc == 0)
 		kvr_repl_note_rank(r, KVR_REPL_RANK_ADD, rank, incarnation, capacity_blocks,
 		                   max_batched_tokens, life);
+	if (rc == 0)
+		kvr_feeds_rank_added(r); /* a rank they fed may be back: they rebuild it */
 	if (rc == 0 && r->queue)
 		kvr_queue_pump(r); /* a new rank may take queued requests */
 	return rc;

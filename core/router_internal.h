@@ -349,4 +349,11 @@ void kvr_router_settle(struct kvr_router *r);
  * kvr_router_destroy, before the shards stop. */
 void kvr_feeds_orphan(struct kvr_router *r);
 
+/* A rank was added to r: wakes every feed of r not destroyed yet, which then looks for the ranks
+ * it fed that are another life now (removed and added back while their publisher was quiet:
+ * their removal took their blocks) and rebuilds them by replay (sync/feed_seq.c,
+ * kvr_feed_note_lives).  Nothing in a build without ZeroMQ.  Context: kvr_rank_add, no lock
+ * held; takes r->feeds_lock (a leaf here: held for an eventfd write per feed). */
+void kvr_feeds_rank_added(struct kvr_router *r);
+
 #endif

@@ -693,7 +693,10 @@ static void *feed_main(void *arg)
 		/* Poll without blocking for idle_spin_ns first: the next batch then costs no
 		 * wake-up of this thread (the shards do the same, shard_idle_spin_ns). */
 		int ready = 0;
-		if (f->cfg.idle_spin_ns) {
+		/* A rank added since the last look: no blocking (its eventfd count may have been
+		 * taken by another read of efd). */
+		bool added = __atomic_load_n(&f->ranks_added, __ATOMIC_ACQUIRE) != 0;
+		if (f->cfg.idle_spin_ns && !added) {
 			/* At most until the next look for added ranks (below), and saturated: a
 			 * spin of hours, which the setting allows, kept ranks added while the
 			 * publisher was quiet from their resync (test_feed_limits). */
@@ -705,9 +708,11 @@ static void *feed_main(void *arg)
 			       kvr_feed_mono_ns() < end)
 				;
 		}
-		/* While ranks wait to be added, look every 10 ms (kvr_rank_add tells the feed
-		 * nothing). */
-		if (ready == 0 && zmq_poll(f->items, (int)n, f->n_missed ? 10 : -1) < 0) {
+		/* While ranks wait to be added, look every 10 ms too: an add wakes the feed
+		 * (kvr_feeds_rank_added); the look is the fallback it was before, and costs only
+		 * while some rank is missed. */
+		long wait_ms = added ? 0 : f->n_missed ? 10 : -1;
+		if (ready == 0 && zmq_poll(f->items, (int)n, wait_ms) < 0) {
 			if (zmq_errno() == ETERM)
 				break;
 			continue;
@@ -723,6 +728,12 @@ static void *feed_main(void *arg)
 			if (f->items[1 + i].revents & ZMQ_POLLIN)
 				kvr_feed_drain(f, f->eps[i]);
 		}
+		/* Ranks removed and added back while their publisher was quiet: nothing but the
+		 * add tells the feed (the flag taken before the look: an add during it sets it
+		 * again, and the next poll does not block). */
+		if (__atomic_load_n(&f->ranks_added, __ATOMIC_RELAXED) &&
+		    __atomic_exchange_n(&f->ranks_added, 0, __ATOMIC_ACQUIRE) && !halted(f))
+			kvr_feed_note_lives(f);
 		if (f->n_missed && !halted(f))
 			kvr_feed_resync_added(f);
 		if (f->items[0].revents & ZMQ_POLLIN && !halted(f)) {
@@ -1275,6 +1286,20 @@ static void live_unlink(struct kvr_router *r, struct kvr_feed *f)
 			f->live_next->live_pprev = f->live_pprev;
 		f->live_pprev = NULL;
 		f->live_next = NULL;
+	}
+	pthread_mutex_unlock(&r->feeds_lock);
+}
+
+/* A feed in r's list is not released yet (kvr_feed_destroy and kvr_feeds_orphan unlink it
+ * before): its efd is open while feeds_lock is held. */
+void kvr_feeds_rank_added(struct kvr_router *r)
+{
+	pthread_mutex_lock(&r->feeds_lock);
+	for (struct kvr_feed *f = r->feeds; f; f = f->live_next) {
+		__atomic_store_n(&f->ranks_added, 1, __ATOMIC_RELEASE);
+		uint64_t one = 1;
+		/* EAGAIN only at a count of 2^64 - 2: the fd is readable anyway */
+		(void)!write(f->efd, &one, sizeof(one));
 	}
 	pthread_mutex_unlock(&r->feeds_lock);
 }

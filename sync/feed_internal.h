@@ -236,6 +236,12 @@ struct kvr_feed {
 	 * NULL and every call but kvr_feed_destroy returns KVR_ESHUTDOWN. */
 	struct kvr_feed *live_next, **live_pprev;
 	bool orphaned;
+	/* A rank was added to the router since the feed's thread last looked (kvr_feeds_rank_added:
+	 * set, then efd written).  Ordering: the release store there pairs with the acquire load
+	 * and exchange in feed_main, which polls without blocking while it is set, so that a
+	 * wake-up whose eventfd count another read took (serve_box, a wait in call_from_feed) is
+	 * not lost. */
+	int ranks_added;
 };
 
 /* Whether f is being torn down by its own thread (kvr_feed_destroy deferred): it takes no more
@@ -340,6 +346,12 @@ void kvr_feed_drain(struct kvr_feed *f, struct ep *e);
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s);
 /* Resyncs every missed rank the router knows by now. */
 void kvr_feed_resync_added(struct kvr_feed *f);
+/* After a rank add (kvr_feeds_rank_added): every rank the feed fed that the router holds as
+ * another life than the one fed (removed and added back with nothing of it in between: no batch,
+ * no refusal) is remembered as missed from where what the index held of it began, for
+ * kvr_feed_resync_added to rebuild.  A rank the router does not hold is left as it is (its add
+ * wakes the feed again). */
+void kvr_feed_note_lives(struct kvr_feed *f);
 /* Reads e's monitor events (disconnections, new connections' handshakes) into e->reconn, and
  * after a disconnection drains what the old connection delivered (its first live batch after
  * those decides restart or not). */

@@ -78,3 +78,8 @@ void kvr_feeds_orphan(struct kvr_router *r)
 {
 	(void)r; /* no feed can be created here */
 }
+
+void kvr_feeds_rank_added(struct kvr_router *r)
+{
+	(void)r; /* no feed to tell */
+}

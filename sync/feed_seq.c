@@ -443,6 +443,26 @@ void kvr_feed_resync_added(struct kvr_feed *f)
 	}
 }
 
+void kvr_feed_note_lives(struct kvr_feed *f)
+{
+	for (uint32_t i = 0; i < f->n_eps; i++) {
+		struct ep *e = f->eps[i];
+		for (uint32_t k = 0; k < e->n_rs; k++) {
+			struct rstate *s = &e->rs[k];
+			uint32_t slot;
+			uint64_t gen;
+			/* (A rank never fed, or missed already, has no life to compare.) */
+			if (s->missed || !s->has_life ||
+			    kvr_router_find_rank_gen(
+			        f->r, (struct kvr_rank_id){e->worker_id, s->dp}, &slot, &gen) ||
+			    (slot == s->slot && gen == s->gen))
+				continue;
+			/* s exists: nothing made, so e->rs stays where it is. */
+			kvr_feed_note_missed(f, e, s->dp, s->since);
+		}
+	}
+}
+
 /* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve
  * the others or the control socket); nothing once the feed is destroyed (a callback of the
  * batch just applied may have done it). */

@@ -899,8 +899,9 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  *    what the index held of it began (the stream's start or its last clear), not only from
  *    the batches it missed.  The feed learns of the removal from a batch for the missing rank,
  *    from its events refused because it went meanwhile (kvr_events_total{status="rank_gone"};
- *    counted in refused), or from another life of the rank found by its next batch or post
- *    (removed and added back between two batches: rebuilt at the next one).
+ *    counted in refused), from another life of the rank found by its next batch or post, or
+ *    from kvr_rank_add, which wakes the router's feeds: a rank removed and added back while its
+ *    publisher is quiet is rebuilt then, without waiting for the publisher's next batch.
  */
 
 struct kvr_feed;

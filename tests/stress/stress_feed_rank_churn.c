@@ -12,9 +12,11 @@
  * batches per rank, the feed caught up) every rank's index must equal what its engine holds
  * (the publisher's model), with no gap reported, nothing malformed, no restart.
  *
- * SFC_QUIET=1: the publisher goes quiet first and the admin keeps removing and adding ranks
- * back for 100 ms after: a rank added back then gets no batch that would tell the feed its
- * removal took its blocks.  SFC_DEBUG=1: the feed's log and the replay requests on stderr.
+ * SFC_QUIET=1: the publisher goes quiet and the feed takes all it sent; then the admin removes
+ * and adds ranks back for 100 ms more: a rank added back then gets no batch, and nothing is in
+ * flight, that would tell the feed its removal took its blocks; only the add does
+ * (kvr_rank_add wakes the router's feeds).  SFC_DEBUG=1: the feed's log and the replay requests on
+ * stderr.
  *
  * Run under TSan (no race) and ASan (no leak) in CI.
  * Plain program: exit 0 pass, 1 fail, 77 skip (built without zmq).  argv[1]: duration, ms.
@@ -313,6 +315,20 @@ static bool rank_matches(uint32_t r, size_t *got, size_t *want)
 	return ok;
 }
 
+/* Rank r's endpoint stats once the feed took every batch published and the index equals the
+ * engine (a resync of a rank added back may still be replaying), or after a minute and 30 s. */
+static struct kvr_feed_stats caught_up(uint32_t r)
+{
+	struct kvr_feed_stats st = {0};
+	size_t n = atomic_load(&W[r].n), got, want;
+	uint64_t end = now_ms() + 60000;
+	while (now_ms() < end && kvr_feed_get_stats(F, W[r].id, &st) == 0 && st.next_seq < n)
+		usleep(1000);
+	for (end = now_ms() + 30000; !rank_matches(r, &got, &want) && now_ms() < end;)
+		usleep(5000);
+	return st;
+}
+
 int main(int argc, char **argv)
 {
 	uint64_t ms = argc > 1 ? strtoull(argv[1], NULL, 10) : 1500;
@@ -374,18 +390,24 @@ int main(int argc, char **argv)
 	for (int i = 0; i < 2; i++)
 		pthread_create(&ut[i], NULL, router_user, (void *)(uintptr_t)(now_ms() * 31 + i));
 	usleep((useconds_t)(ms * 1000));
+	/* The admin stops (every rank present). */
+	atomic_store(&admin_stop, true);
+	pthread_join(at, NULL);
 	if (quiet) {
-		/* The publisher quiet first; ranks removed and added back after its last batch. */
+		/* The publisher quiet, and the feed through with everything it sent; then ranks
+		 * removed and added back for 100 ms with no batch after. */
 		atomic_store(&pub_stop, true);
 		pthread_join(pt, NULL);
+		for (uint32_t r = 0; r < RANKS; r++)
+			caught_up(r);
+		atomic_store(&admin_stop, false);
+		pthread_create(&at, NULL, admin, (void *)(uintptr_t)(now_ms() * 7));
 		usleep(100000);
 		atomic_store(&admin_stop, true);
 		pthread_join(at, NULL);
 	} else {
-		/* The admin stops (every rank present); then a few more batches for every rank,
-		 * so that each rank's last removal shows in a batch after it. */
-		atomic_store(&admin_stop, true);
-		pthread_join(at, NULL);
+		/* A few more batches for every rank, so that each rank's last removal shows in a
+		 * batch after it. */
 		size_t n0 = atomic_load(&W[RANKS - 1].n);
 		for (uint64_t end = now_ms() + 60000;
 		     atomic_load(&W[RANKS - 1].n) < n0 + 8 && n0 + 8 <= MAXB && now_ms() < end;)
@@ -403,15 +425,8 @@ int main(int argc, char **argv)
 		struct worker *w = &W[r];
 		size_t n = atomic_load(&w->n), got = 0, want = 0;
 		total += n;
-		struct kvr_feed_stats st = {0};
-		uint64_t end = now_ms() + 60000;
-		while (now_ms() < end && kvr_feed_get_stats(F, w->id, &st) == 0 && st.next_seq < n)
-			usleep(1000);
-		/* Caught up; a resync of a rank added back may still be replaying. */
-		bool ok = false;
-		for (end = now_ms() + 30000;
-		     !(ok = rank_matches(r, &got, &want)) && now_ms() < end;)
-			usleep(5000);
+		struct kvr_feed_stats st = caught_up(r);
+		bool ok = rank_matches(r, &got, &want);
 		if (!ok || st.next_seq != n || st.malformed || st.gaps || st.restarts ||
 		    st.duplicates || st.lost) {
 			fprintf(stderr,
