@@ -160,6 +160,7 @@ struct back {
 	atomic_int asks;             /* replay requests answered */
 	_Atomic uint64_t first_from; /* the first request's start seq */
 	atomic_bool stop;
+	atomic_bool no_end; /* answers without the end marker (a replayer that dropped it) */
 	pthread_t th;
 	struct kvr_router *r;
 	struct kvr_feed *f;
@@ -193,7 +194,7 @@ static void *serve_replays(void *arg)
 		if (atomic_fetch_add(&w->asks, 1) == 0)
 			atomic_store(&w->first_from, from);
 		uint64_t n = (uint64_t)atomic_load(&w->n_sent);
-		for (uint64_t q = from; q <= n; q++) {
+		for (uint64_t q = from; q <= n - atomic_load(&w->no_end); q++) {
 			zmq_msg_t to;
 			zmq_msg_init(&to);
 			zmq_msg_copy(&to, &id);
@@ -460,5 +461,34 @@ Test(feed_rank_gone, a_rank_removed_and_added_back_while_its_publisher_is_quiet_
 	back_caught_up(&w);
 	cr_assert_eq(back_indexed(&w, 6), 6);
 	cr_assert_eq(atomic_load(&gap_calls), 0);
+	back_close(&w);
+}
+
+/* The replay's answer brought every batch the rank missed but not its end marker (a replayer's
+ * ROUTER past its send bound drops what follows, stress_feed_rank_churn SFC_ROUTER_HWM=1): the
+ * rank holds all it missed, so nothing is reported and it stays as rebuilt.  Before, the replay's
+ * timeout was taken for a hole even with nothing missing ("missed seq 2..2"): on_event_gap was
+ * called and the rebuilt rank cleared, though its engine held A and B. */
+Test(feed_rank_gone, a_rebuild_whose_answer_lacks_only_its_end_marker_is_whole, .timeout = 120)
+{
+	struct back w;
+	back_open_holding_a(&w);
+	back_store(&w, 1, B, 3, &A[1]);
+	back_caught_up(&w);
+	cr_assert_eq(back_indexed(&w, 5), 5);
+	atomic_store(&w.no_end, true);
+	back_remove(&w);
+	back_add(&w);
+	cr_assert_eq(back_indexed(&w, 5), 5);
+	/* The replay waits out replay_timeout_ms (1 s) for the end marker; then no gap. */
+	sleep_ms(1500);
+	struct kvr_feed_stats st;
+	cr_assert_eq(kvr_feed_get_stats(w.f, w.pub.id, &st), 0);
+	cr_assert_eq(atomic_load(&w.asks), 1);
+	cr_assert_eq(atomic_load(&gap_calls), 0, "a gap of %" PRIu64 "..%" PRIu64 " reported",
+	             atomic_load(&gap_from), atomic_load(&gap_to));
+	cr_assert_eq(st.gaps, 0);
+	uint64_t n = test_indexed_blocks(w.r);
+	cr_assert_eq(n, 5, "the engine holds A and B (5 blocks); the rank %" PRIu64, n);
 	back_close(&w);
 }
