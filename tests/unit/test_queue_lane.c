@@ -144,23 +144,51 @@ static struct kvr_router *lane_scene(enum kvr_queue_policy pol)
 	return r;
 }
 
-static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_policy pol)
+/* lane_scene with rank A ({0, 0}) and B ({1, 0}) on different shards, each saturated by a
+ * pinned hog (64 prefill tokens > 16) until it ends; the hogs' bookings applied. */
+struct lane_hogs {
+	struct kvr_rank_id a, b;
+	struct kvr_shard *sha; /* A's */
+	struct kvr_decision ha, hb;
+};
+
+static struct kvr_router *lane_scene_hogs(enum kvr_queue_policy pol, struct lane_hogs *h)
 {
 	struct kvr_router *r = lane_scene(pol);
-	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	h->a = (struct kvr_rank_id){0, 0};
+	h->b = (struct kvr_rank_id){1, 0};
 	uint32_t sa, sb;
-	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
-	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
-	struct kvr_shard *sha = kvr_router_shard_of(r, sa);
-	cr_assert_neq(kvr_shard_index(sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
+	cr_assert_eq(kvr_router_find_rank(r, h->a, &sa), 0);
+	cr_assert_eq(kvr_router_find_rank(r, h->b, &sb), 0);
+	h->sha = kvr_router_shard_of(r, sa);
+	cr_assert_neq(kvr_shard_index(h->sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
 	              "A and B on different shards");
-	/* 64 prefill tokens > 16: each rank saturated until its hog ends. */
-	struct kvr_decision ha, hb, d;
-	cr_assert_eq(route_salt_pinned(r, &a, 41000, 64, &ha), 0);
-	cr_assert_eq(route_salt_pinned(r, &b, 41001, 64, &hb), 0);
-	cr_assert_eq(ha.status, KVR_DECIDED);
-	cr_assert_eq(hb.status, KVR_DECIDED);
+	cr_assert_eq(route_salt_pinned(r, &h->a, 41000, 64, &h->ha), 0);
+	cr_assert_eq(route_salt_pinned(r, &h->b, 41001, 64, &h->hb), 0);
+	cr_assert_eq(h->ha.status, KVR_DECIDED);
+	cr_assert_eq(h->hb.status, KVR_DECIDED);
 	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	return r;
+}
+
+/* A's shard stalls (until lt.release) and its routing lane fills. */
+static void stall_and_fill(struct kvr_shard *sha)
+{
+	cr_assert_eq(kvr_shard_post(sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
+	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
+	int n = 0, rc = 0;
+	while (n < 100000 && (rc = kvr_shard_post(sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
+		n++;
+	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+}
+
+static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_policy pol)
+{
+	struct lane_hogs h;
+	struct kvr_router *r = lane_scene_hogs(pol, &h);
+	const struct kvr_rank_id a = h.a, b = h.b;
+	struct kvr_shard *sha = h.sha;
+	struct kvr_decision ha = h.ha, hb = h.hb, d;
 	/* p (B's hog's first block, pinned to B), u1 (A's hog's prompt), u2 (B's). */
 	static uint32_t tp[16], tu1[64], tu2[64];
 	prompt(tp, 16, 41001);
@@ -194,12 +222,7 @@ static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_pol
 	 * stalls and its routing lane fills. */
 	cr_assert_eq(kvr_request_finish(r, ha.attempt), 0);
 	cr_assert_eq(active(r, a), 0);
-	cr_assert_eq(kvr_shard_post(sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
-	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
-	int n = 0, rc = 0;
-	while (n < 100000 && (rc = kvr_shard_post(sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
-		n++;
-	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+	stall_and_fill(sha);
 	/* The pass goes on: u1's booking on A is refused (10 ms), u2 may use B. */
 	__atomic_store_n(&lt.go, 1, __ATOMIC_RELEASE);
 	sleep_ms(300);
@@ -293,12 +316,7 @@ static void *scene(void *arg)
 	cr_assert_eq(kvr_admitter_start(fr.r), 0);
 	cr_assert_eq(kvr_request_finish(fr.r, fr.ha.attempt), 0);
 	cr_assert_eq(active(fr.r, fr.a), 0);
-	cr_assert_eq(kvr_shard_post(fr.sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
-	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
-	int n = 0, rc = 0;
-	while (n < 100000 && (rc = kvr_shard_post(fr.sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
-		n++;
-	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+	stall_and_fill(fr.sha);
 	cr_assert_eq(pthread_create(h, NULL, hammer, NULL), 0);
 	sleep_ms(20);
 	__atomic_store_n(&fr.go_ns, mono_ns(), __ATOMIC_RELEASE);
@@ -311,22 +329,14 @@ static void *scene(void *arg)
 
 Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_full, .timeout = 60)
 {
-	struct kvr_router *r = lane_scene(KVR_QUEUE_FCFS);
+	struct lane_hogs hogs;
+	struct kvr_router *r = lane_scene_hogs(KVR_QUEUE_FCFS, &hogs);
 	fr.r = r;
-	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	fr.a = a;
-	uint32_t sa, sb;
-	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
-	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
-	fr.sha = kvr_router_shard_of(r, sa);
-	cr_assert_neq(kvr_shard_index(fr.sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
-	              "A and B on different shards");
-	struct kvr_decision hb, d;
-	cr_assert_eq(route_salt_pinned(r, &a, 41000, 64, &fr.ha), 0);
-	cr_assert_eq(route_salt_pinned(r, &b, 41001, 64, &hb), 0);
-	cr_assert_eq(fr.ha.status, KVR_DECIDED);
-	cr_assert_eq(hb.status, KVR_DECIDED);
-	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	fr.a = hogs.a;
+	fr.sha = hogs.sha;
+	fr.ha = hogs.ha;
+	const struct kvr_rank_id b = hogs.b;
+	struct kvr_decision hb = hogs.hb, d;
 	static uint32_t tp[16], tu[64], tq[64];
 	prompt(tp, 16, 41001);
 	prompt(tu, 64, 41000);
@@ -416,20 +426,11 @@ Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_fu
  * booking on A, and v must queue behind u, which is admitted first once the lane is free. */
 static void a_route_whose_pass_met_a_full_lane_queues_behind(enum kvr_queue_policy pol)
 {
-	struct kvr_router *r = lane_scene(pol);
-	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	uint32_t sa, sb;
-	cr_assert_eq(kvr_router_find_rank(r, a, &sa), 0);
-	cr_assert_eq(kvr_router_find_rank(r, b, &sb), 0);
-	struct kvr_shard *sha = kvr_router_shard_of(r, sa);
-	cr_assert_neq(kvr_shard_index(sha), kvr_shard_index(kvr_router_shard_of(r, sb)),
-	              "A and B on different shards");
-	struct kvr_decision ha, hb, d;
-	cr_assert_eq(route_salt_pinned(r, &a, 41000, 64, &ha), 0);
-	cr_assert_eq(route_salt_pinned(r, &b, 41001, 64, &hb), 0);
-	cr_assert_eq(ha.status, KVR_DECIDED);
-	cr_assert_eq(hb.status, KVR_DECIDED);
-	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	struct lane_hogs h;
+	struct kvr_router *r = lane_scene_hogs(pol, &h);
+	const struct kvr_rank_id a = h.a, b = h.b;
+	struct kvr_shard *sha = h.sha;
+	struct kvr_decision ha = h.ha, hb = h.hb, d;
 	static uint32_t tu[64], tv[64];
 	prompt(tu, 64, 41000);
 	prompt(tv, 64, 41001);
@@ -447,12 +448,7 @@ static void a_route_whose_pass_met_a_full_lane_queues_behind(enum kvr_queue_poli
 	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
 	cr_assert_eq(active(r, a), 0);
 	cr_assert_eq(active(r, b), 0);
-	cr_assert_eq(kvr_shard_post(sha, KVR_LANE_ROUTING, stall, NULL, 0), 0);
-	cr_assert(wait_flag(&lt.stalled, 10000), "A's shard never ran the stall");
-	int n = 0, rc = 0;
-	while (n < 100000 && (rc = kvr_shard_post(sha, KVR_LANE_ROUTING, noop, NULL, 0)) == 0)
-		n++;
-	cr_assert_eq(rc, KVR_EAGAIN, "A's lane never filled (%d posts)", n);
+	stall_and_fill(sha);
 	q.tokens = tv;
 	cr_assert_eq(kvr_route(r, &q, &d), 0);
 	const int v_status = d.status;
