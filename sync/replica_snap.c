@@ -232,7 +232,7 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 	if (!bad && m.h.type == KVR_MSG_SNAP_CHUNK && rx->next && m.h.replica != rx->provider)
 		return 0;
 	if (bad || m.h.type != KVR_MSG_SNAP_CHUNK || m.chunk != rx->next ||
-	    (rx->next && m.h.replica != rx->provider) || m.h.replica == rx->rep->c.replica_id) {
+	    m.h.replica == rx->rep->c.replica_id) {
 		pthread_mutex_lock(&rx->rep->mu);
 		rx->rep->st.dropped++;
 		pthread_mutex_unlock(&rx->rep->mu);
@@ -476,10 +476,10 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	if (!rep->t.request)
 		return KVR_ENOENT;
 	uint64_t timeout = (uint64_t)rep->c.snapshot_timeout_ms * 1000000ull;
-	/* A request nobody answered within HEDGE_PART of the budget is sent again, up to
-	 * HEDGE_PART - 1 times: the queue group picks at random, and a peer alive but stuck
-	 * (its apply thread busy for longer than the budget) took the whole budget when picked
-	 * and the resync applied nothing (test_replica_serve
+	/* A request nobody answered within 1/HEDGE_PART of the budget is sent again, up to
+	 * HEDGE_PART - 1 times a request: the queue group picks at random, and a peer alive but
+	 * stuck (its apply thread busy for longer than the budget) took the whole budget when
+	 * picked and the resync applied nothing (test_replica_serve
 	 * a_peer_that_does_not_answer_does_not_cost_the_whole_resync). */
 	const uint64_t hedge =
 	    timeout / HEDGE_PART > HEDGE_MIN_NS ? timeout / HEDGE_PART : HEDGE_MIN_NS;
