@@ -16,6 +16,15 @@ struct kvr_replica;
 
 /* What the core needs from a transport.  Every function may be called from the core's apply
  * thread; publish also from any frontend thread (under the core's lock). */
+/* What on_chunk (struct kvr_replica_transport's request) makes of one reply. */
+enum {
+	KVR_REP_CHUNK_MORE = 0,     /* a chunk taken, more to come: the timeout starts again */
+	KVR_REP_CHUNK_LAST = 1,     /* the last chunk taken: the request is done */
+	KVR_REP_CHUNK_DECLINED = 2, /* a provider declined its copy: wait on while other copies
+	                               are out (one slower may still answer), else KVR_EAGAIN */
+	KVR_REP_CHUNK_IGNORED = 3,  /* another provider's reply once one was taken */
+};
+
 struct kvr_replica_transport {
 	void *ctx;
 	/* Sends one message on the cluster's stream subject.  0 or a negative error. */
@@ -23,16 +32,18 @@ struct kvr_replica_transport {
 	/* Sends one message to a reply subject (a snapshot chunk). */
 	int (*reply)(void *ctx, const char *to, const void *buf, size_t len);
 	/* Asks any ready peer for a snapshot (req is a SNAP_REQ) and passes each reply message to
-	 * on_chunk until it returns 1 (last chunk) or an error, or timeout_ns passes; poll is
-	 * called between waits, at least every 20 ms (the core serves its own pending snapshot
-	 * requests there), and when it returns true the replica is stopping: return
-	 * KVR_ESHUTDOWN at once.  Returns 0, KVR_ENOENT (no peer answered: nobody ready),
-	 * KVR_ETIMEDOUT, KVR_ESHUTDOWN, or on_chunk's error.  While no reply has come, the
-	 * request is sent again every hedge_ns (0: never) with the same reply subject, so that
-	 * another peer may take it (a queue group picks one at random) when the first one picked
-	 * is alive but does not answer; on_chunk takes the first provider that answers and
-	 * ignores the others.  A transport that cannot may send it once.  NULL = no snapshots
-	 * (in-process bus: every replica starts together). */
+	 * on_chunk, which returns a KVR_REP_CHUNK_* code or an error (below); poll is called
+	 * between waits, at least every 20 ms (the core serves its own pending snapshot requests
+	 * there), and when it returns true the replica is stopping: return KVR_ESHUTDOWN at once.
+	 * While no provider has been taken, the request is sent again every hedge_ns (0: never)
+	 * with the same reply subject, so that another peer may take it (a queue group picks one
+	 * at random) when the first one picked is alive but does not answer; on_chunk takes the
+	 * first provider that answers and ignores the others.  A transport that cannot may send
+	 * it once.  Ends with 0 (on_chunk said LAST), KVR_ENOENT (no peer answered: nobody
+	 * ready), KVR_EAGAIN (every copy sent was DECLINED), KVR_ETIMEDOUT (timeout_ns passed
+	 * with no chunk taken: IGNORED and DECLINED replies do not restart it), KVR_ESHUTDOWN, or
+	 * on_chunk's error.  NULL = no snapshots (in-process bus: every replica starts
+	 * together). */
 	int (*request)(void *ctx, const void *req, size_t len, uint64_t timeout_ns,
 	               uint64_t hedge_ns, int (*on_chunk)(void *cb, const void *buf, size_t len),
 	               bool (*poll)(void *cb), void *cb);

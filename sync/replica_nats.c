@@ -179,7 +179,8 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 	if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req, (int)len) != NATS_OK)
 		goto out;
 	uint64_t deadline = mono_ns() + timeout_ns;
-	uint64_t hedge_at = hedge_ns ? mono_ns() + hedge_ns : UINT64_MAX; /* till a reply */
+	uint64_t hedge_at = hedge_ns ? mono_ns() + hedge_ns : UINT64_MAX; /* till one is taken */
+	unsigned sent = 1, declined = 0;
 	for (;;) {
 		natsMsg *msg = NULL;
 		natsStatus st = natsSubscription_NextMsg(&msg, sub, 20);
@@ -197,13 +198,13 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 			/* Nobody answered yet: the group may pick another member this time.  A
 			 * failed send is the next hedge's to make up. */
 			if (now >= hedge_at) {
-				(void)natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req,
-				                                    (int)len);
+				if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req,
+				                                  (int)len) == NATS_OK)
+					sent++;
 				hedge_at = now + hedge_ns;
 			}
 			continue;
 		}
-		hedge_at = UINT64_MAX;
 		if (st == NATS_NO_RESPONDERS) {
 			/* No subscriber took the request (nats.c gives the server's "no responders"
 			 * as this status): no peer is ready.  It was taken for a failed try and
@@ -223,10 +224,21 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 		}
 		int r = on_chunk(cb, natsMsg_GetData(msg), (size_t)natsMsg_GetDataLength(msg));
 		natsMsg_Destroy(msg);
-		if (r != 0) {
-			rc = r == 1 ? 0 : r;
+		if (r == KVR_REP_CHUNK_IGNORED)
+			continue; /* not the taken provider's: its deadline stands */
+		if (r == KVR_REP_CHUNK_DECLINED) {
+			/* A copy declined: another may be with a peer that answers later.  The
+			 * hedge goes on; the deadline stands. */
+			if (++declined < sent)
+				continue;
+			rc = KVR_EAGAIN;
 			break;
 		}
+		if (r != KVR_REP_CHUNK_MORE) {
+			rc = r == KVR_REP_CHUNK_LAST ? 0 : r;
+			break;
+		}
+		hedge_at = UINT64_MAX;
 		deadline = mono_ns() + timeout_ns; /* progress: the deadline is per chunk */
 	}
 out:

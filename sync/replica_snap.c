@@ -207,12 +207,26 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 	kvr_msg_buf_fini(&chunk);
 }
 
+static bool taken(const uint64_t *t, size_t n, uint64_t id)
+{
+	for (size_t i = 0; i < n; i++)
+		if (t[i] == id)
+			return true;
+	return false;
+}
+
+/* Providers that declined one request's copies as resyncing themselves, at most this many kept
+ * (a request sends at most HEDGE_PART + 1 copies). */
+#define DECLINERS_MAX 16u
+
 struct snap_rx {
 	struct kvr_replica *rep;
 	struct kvr_rep_item *chunks, *tail;
 	uint32_t next;
 	uint64_t provider;
-	bool busy; /* the provider declined: it resyncs itself (KVR_MSG_CHUNK_RESYNCING) */
+	/* Those that declined because they resync themselves (KVR_MSG_CHUNK_RESYNCING). */
+	uint64_t busy[DECLINERS_MAX];
+	uint32_t n_busy;
 };
 
 static int on_chunk(void *cb, const void *buf, size_t len)
@@ -220,17 +234,30 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 	struct snap_rx *rx = cb;
 	struct kvr_wmsg m;
 	int bad = kvr_msg_decode(buf, len, &m);
+	/* A decline of one copy: the transport waits on while other copies are out.  Taken for
+	 * the end of the try, a resyncing peer's quick decline of a copy sent again lost the
+	 * answer of a settled peer slower than the hedge, try after try, and the asker settled for
+	 * the resyncing peer's table (test_replica_serve
+	 * a_quick_decline_does_not_lose_a_slower_settled_providers_answer). */
 	if (!bad && m.h.type == KVR_MSG_SNAP_CHUNK && m.chunk == 0 && rx->next == 0 &&
-	    (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) && m.h.replica == rx->rep->c.replica_id)
-		return KVR_EAGAIN; /* a twin under our id declined (replica_apply.c): ask again */
+	    (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP)) {
+		/* A twin under our id (replica_apply.c), or the provider could not build it, or
+		 * it resyncs itself: ask again. */
+		if (m.h.replica != rx->rep->c.replica_id &&
+		    (m.chunk_flags & KVR_MSG_CHUNK_RESYNCING) && rx->n_busy < DECLINERS_MAX &&
+		    !taken(rx->busy, rx->n_busy, m.h.replica))
+			rx->busy[rx->n_busy++] = m.h.replica;
+		return KVR_REP_CHUNK_DECLINED;
+	}
 	/* Another provider's answer to the same request sent again (the transport's hedge):
 	 * the first one to answer is taken, whole.  A twin under our id reached by a copy
-	 * declines it (above) too, maybe between the taken provider's chunks: not one of its
-	 * chunks out of place (the provider is never us), ignored as well.  Taken for one, it
-	 * ended the resync with KVR_EINVAL and nothing applied (test_replica_hedge
-	 * a_twins_decline_between_the_providers_chunks_is_ignored). */
+	 * declines it too, maybe between the taken provider's chunks: not one of its chunks out
+	 * of place (the provider is never us), ignored as well.  Taken for one, it ended the
+	 * resync with KVR_EINVAL and nothing applied (test_replica_hedge
+	 * a_twins_decline_between_the_providers_chunks_is_ignored).  Ignored, it does not
+	 * restart the transport's wait for the taken provider's next chunk. */
 	if (!bad && m.h.type == KVR_MSG_SNAP_CHUNK && rx->next && m.h.replica != rx->provider)
-		return 0;
+		return KVR_REP_CHUNK_IGNORED;
 	if (bad || m.h.type != KVR_MSG_SNAP_CHUNK || m.chunk != rx->next ||
 	    m.h.replica == rx->rep->c.replica_id) {
 		pthread_mutex_lock(&rx->rep->mu);
@@ -239,11 +266,6 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		return KVR_EINVAL;
 	}
 	rx->provider = m.h.replica;
-	if (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP) {
-		/* the provider could not build it, or resyncs itself: ask again */
-		rx->busy = m.chunk_flags & KVR_MSG_CHUNK_RESYNCING;
-		return KVR_EAGAIN;
-	}
 	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
 	if (!it)
 		return KVR_ENOMEM;
@@ -257,21 +279,13 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		rx->chunks = it;
 	rx->tail = it;
 	rx->next++;
-	return (m.chunk_flags & KVR_MSG_CHUNK_LAST) ? 1 : 0;
+	return (m.chunk_flags & KVR_MSG_CHUNK_LAST) ? KVR_REP_CHUNK_LAST : KVR_REP_CHUNK_MORE;
 }
 
 /* Applies a complete snapshot: ranks; ghosts (only on a fresh replica: one that has routed or
  * applied anything already holds that history, and replaying it again would only reorder its
  * LRU); live attempts reconciled with the mirrors held (kept if named, caught up on output,
  * booked if missing, released if the snapshot does not name them); then the fences. */
-static bool taken(const uint64_t *t, size_t n, uint64_t id)
-{
-	for (size_t i = 0; i < n; i++)
-		if (t[i] == id)
-			return true;
-	return false;
-}
-
 static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 {
 	/* Origins whose part of the snapshot is taken: those where the snapshot is not behind
@@ -388,13 +402,13 @@ static bool poll_requests(void *cb);
 
 /* Asks a peer for a snapshot once, waiting at most timeout_ns between chunks, and applies it;
  * a reconnect's request asks for a settled provider's table if `settled_only`.  Returns 0
- * (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the provider gave it up; *busy_from: its id if it
- * declined because it resyncs itself, else 0), KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out
- * of place). */
+ * (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the providers gave it up; *busy_seen if one
+ * declined because it resyncs itself, such providers added to the n_busy ids in busy, at most
+ * MAX_PEERS), KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out of place). */
 static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, uint64_t hedge_ns,
-                       bool settled_only, uint64_t *busy_from)
+                       bool settled_only, bool *busy_seen, uint64_t *busy, size_t *n_busy)
 {
-	*busy_from = 0;
+	*busy_seen = false;
 	pthread_mutex_lock(&rep->qmu);
 	const uint64_t flags = rep->ready ? KVR_MSG_SNAP_ASKER_SERVES | /* a reconnect's */
 	                                        (settled_only ? KVR_MSG_SNAP_SETTLED_ONLY : 0)
@@ -416,8 +430,17 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, uint64_t he
 		rc = rep->t.request(rep->t.ctx, req.p, req.len, timeout_ns, hedge_ns, on_chunk,
 		                    poll_requests, &rx);
 	kvr_msg_buf_fini(&req);
-	if (rc == KVR_EAGAIN && rx.busy)
-		*busy_from = rx.provider;
+	if (rc > 0) /* not a code a transport returns (sync/replica.h): a transport that does not
+	               know DECLINED or IGNORED sent the request once */
+		rc = rc == KVR_REP_CHUNK_LAST       ? 0
+		     : rc == KVR_REP_CHUNK_DECLINED ? KVR_EAGAIN
+		                                    : KVR_ETIMEDOUT;
+	if (rc == KVR_EAGAIN && rx.n_busy) {
+		*busy_seen = true;
+		for (uint32_t i = 0; i < rx.n_busy; i++)
+			if (!taken(busy, *n_busy, rx.busy[i]) && *n_busy < MAX_PEERS)
+				busy[(*n_busy)++] = rx.busy[i];
+	}
 	if (rc == 0) {
 		apply_snapshot(rep, rx.chunks);
 		pthread_mutex_lock(&rep->mu);
@@ -489,15 +512,14 @@ int kvr_rep_resync(struct kvr_replica *rep)
 	unsigned busy_rounds = 0;
 	bool settled_only = true;
 	for (;;) {
-		uint64_t spent = kvr_rep_mono_ns() - start, busy_from;
+		uint64_t spent = kvr_rep_mono_ns() - start;
+		bool busy_seen;
 		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1, hedge,
-		                     settled_only, &busy_from);
+		                     settled_only, &busy_seen, busy, &n_busy);
 		if (rc != KVR_EAGAIN && rc != KVR_ENOMEM)
 			return rc;
 		uint64_t wait = pause;
-		if (busy_from) { /* declined: it resyncs too */
-			if (!taken(busy, n_busy, busy_from) && n_busy < MAX_PEERS)
-				busy[n_busy++] = busy_from;
+		if (busy_seen) { /* declined: they resync too */
 			/* Or once half the deadline went on declines: BUSY_ROUNDS rounds need not
 			 * fit a short snapshot_timeout_ms (24 of 20-33 ms over NATS), and running
 			 * out of it applied nothing, not even a resyncing provider's table. */

@@ -99,4 +99,27 @@ static inline void kvr_test_put_fence(struct kvr_msg_buf *b, uint64_t from, uint
 	kvr_msg_end(b, off);
 }
 
+/* Appends a snapshot chunk from `from` (life `epoch`) to b: number `chunk`, flags
+ * (KVR_MSG_CHUNK_*), then n records, recs (each a u32 length and the record), if any. */
+static inline void kvr_test_put_chunk(struct kvr_msg_buf *b, uint64_t from, uint64_t epoch,
+                                      uint32_t chunk, uint32_t flags,
+                                      const struct kvr_msg_buf *recs, uint32_t n)
+{
+	size_t off = kvr_msg_begin(b, KVR_MSG_SNAP_CHUNK, from, epoch, 0);
+	kvr_msg_put_u32(b, chunk);
+	kvr_msg_put_u32(b, flags);
+	kvr_msg_put_u32(b, n);
+	kvr_msg_put_u32(b, 0);
+	if (recs)
+		kvr_msg_put_bytes(b, recs->p, recs->len);
+	kvr_msg_end(b, off);
+}
+
+/* Appends record rec to recs as a snapshot chunk carries it (its length, then it). */
+static inline void kvr_test_put_record(struct kvr_msg_buf *recs, const struct kvr_msg_buf *rec)
+{
+	kvr_msg_put_u32(recs, (uint32_t)rec->len);
+	kvr_msg_put_bytes(recs, rec->p, rec->len);
+}
+
 #endif

@@ -83,6 +83,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
@@ -1657,6 +1658,165 @@ static void test_snapshot_wait(void)
 	       ready_ms, took[0], took[1], asked);
 }
 
+/* Replies chunk c (flags, records recs: n of them) from provider 7 to `to`. */
+static void reply_chunk(natsConnection *nc, const char *to, uint32_t c, uint32_t flags,
+                        const struct kvr_msg_buf *recs, uint32_t n)
+{
+	struct kvr_msg_buf b = {0};
+	kvr_test_put_chunk(&b, 7, 300, c, flags, recs, n);
+	CHECK(!b.oom && natsConnection_Publish(nc, to, b.p, (int)b.len) == NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "reply chunk %u", c);
+	kvr_msg_buf_fini(&b);
+}
+
+/* A joiner's snapshot request reaches the one member of the queue group (a raw subscription),
+ * which answers late: the copy sent again after an eighth of the budget reaches it too, and
+ * it declines that copy at once (as a provider resyncing itself declines a joiner), then
+ * answers the first with a snapshot naming worker 55.  The decline does not end the request:
+ * the snapshot is applied.  Before, the decline ended it, the answer went to an inbox nobody
+ * read, and the member, asked again, said nothing more: the budget ran out with nothing
+ * applied. */
+static void test_snapshot_decline(void)
+{
+	natsConnection *nc = NULL;
+	natsSubscription *m = NULL;
+	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
+	          natsConnection_QueueSubscribeSync(&m, nc, "decline.snap", "kvr-snap") ==
+	              NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "the member");
+	struct kvr_router *r = make_router();
+	struct kvr_sync *s = NULL;
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = "decline";
+	c.replica_id = 1;
+	c.snapshot_timeout_ms = 1600; /* sent again every 200 ms */
+	CHECK(m && r && kvr_sync_attach(r, &c, &s) == 0, "attach");
+	char first[128] = "";
+	int copies = 0;
+	for (double t0 = mono_ms(); s && copies < 2 && mono_ms() - t0 < 1400;) {
+		natsMsg *q = NULL;
+		if (natsSubscription_NextMsg(&q, m, 50) != NATS_OK)
+			continue;
+		const char *to = natsMsg_GetReply(q);
+		if (to && copies++ == 0)
+			snprintf(first, sizeof(first), "%s", to);
+		else if (to)
+			reply_chunk(nc, to, 0, KVR_MSG_CHUNK_GIVEN_UP, NULL, 0);
+		natsMsg_Destroy(q);
+	}
+	CHECK(copies == 2, "the member got %d copies", copies);
+	if (copies == 2) {
+		struct timespec ts = {0, 100000000};
+		nanosleep(&ts, NULL);
+		struct kvr_msg_buf recs = {0}, rec = {0};
+		kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
+		kvr_test_put_record(&recs, &rec);
+		reply_chunk(nc, first, 0, 0, &recs, 1);
+		recs.len = rec.len = 0;
+		kvr_test_put_rank(&rec, 7, 300, 0, 55);
+		kvr_test_put_record(&recs, &rec);
+		reply_chunk(nc, first, 1, KVR_MSG_CHUNK_LAST, &recs, 1);
+		kvr_msg_buf_fini(&recs);
+		kvr_msg_buf_fini(&rec);
+	}
+	int rc = s ? kvr_sync_wait_ready(s, 5000) : KVR_EINVAL;
+	struct kvr_sync_stats st = {0};
+	if (s)
+		kvr_sync_get_stats(s, &st);
+	struct kvr_rank_stats rs;
+	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
+	CHECK(st.snapshots_applied == 1, "%llu snapshots applied",
+	      (unsigned long long)st.snapshots_applied);
+	CHECK(r && kvr_rank_get_stats(r, (struct kvr_rank_id){55, 0}, &rs) == 0,
+	      "the snapshot's rank is missing");
+	if (s)
+		kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	natsSubscription_Destroy(m);
+	natsConnection_Destroy(nc);
+}
+
+struct spam {
+	natsConnection *nc;
+	char to[128];
+	atomic_bool stop;
+};
+
+/* Provider 8's first chunk to the inbox, every 50 ms until stopped: a provider not taken. */
+static void *spam_chunks(void *arg)
+{
+	struct spam *sp = arg;
+	struct kvr_msg_buf b = {0};
+	kvr_test_put_chunk(&b, 8, 300, 0, 0, NULL, 0);
+	while (!atomic_load(&sp->stop) && !b.oom) {
+		natsConnection_Publish(sp->nc, sp->to, b.p, (int)b.len);
+		struct timespec ts = {0, 50000000};
+		nanosleep(&ts, NULL);
+	}
+	kvr_msg_buf_fini(&b);
+	return NULL;
+}
+
+/* The member answers a joiner's request with a first chunk, then nothing more; another
+ * provider's chunks keep coming to the same inbox (ignored: provider 7 was taken).  They do
+ * not restart the wait for provider 7's next chunk: the request ends within the budget.
+ * Before, each of them restarted it, and the joiner waited as long as they came. */
+static void test_snapshot_ignored(void)
+{
+	natsConnection *nc = NULL;
+	natsSubscription *m = NULL;
+	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
+	          natsConnection_QueueSubscribeSync(&m, nc, "ignored.snap", "kvr-snap") ==
+	              NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "the member");
+	struct kvr_router *r = make_router();
+	struct kvr_sync *s = NULL;
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = "ignored";
+	c.replica_id = 1;
+	c.snapshot_timeout_ms = 1000;
+	CHECK(m && r && kvr_sync_attach(r, &c, &s) == 0, "attach");
+	natsMsg *q = NULL;
+	CHECK(s && natsSubscription_NextMsg(&q, m, 2000) == NATS_OK && natsMsg_GetReply(q),
+	      "no request");
+	struct spam sp = {.nc = nc};
+	pthread_t th;
+	bool spamming = false;
+	double t0 = mono_ms();
+	if (q && natsMsg_GetReply(q)) {
+		snprintf(sp.to, sizeof(sp.to), "%s", natsMsg_GetReply(q));
+		struct kvr_msg_buf recs = {0}, rec = {0};
+		kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
+		kvr_test_put_record(&recs, &rec);
+		reply_chunk(nc, sp.to, 0, 0, &recs, 1);
+		kvr_msg_buf_fini(&recs);
+		kvr_msg_buf_fini(&rec);
+		spamming = pthread_create(&th, NULL, spam_chunks, &sp) == 0;
+	}
+	natsMsg_Destroy(q);
+	int rc = s ? kvr_sync_wait_ready(s, 10000) : KVR_EINVAL;
+	double ms = mono_ms() - t0;
+	atomic_store(&sp.stop, true);
+	if (spamming)
+		pthread_join(th, NULL);
+	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
+	/* The budget is 1 s; the spam goes on for as long as the joiner waits. */
+	CHECK(ms < 4000, "ready after %.0f ms of another provider's chunks", ms);
+	if (s)
+		kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	natsSubscription_Destroy(m);
+	natsConnection_Destroy(nc);
+	printf("snapshot_ignored: ready %.0f ms after the first chunk of a 1,000 ms budget\n", ms);
+}
+
 static void test_dup_id(void)
 {
 	struct kvr_router *a = make_router(), *b = make_router();
@@ -2109,6 +2269,8 @@ int main(int argc, char **argv)
 	RUN(signals);
 	RUN(router_first);
 	RUN(snapshot_wait);
+	RUN(snapshot_decline);
+	RUN(snapshot_ignored);
 	RUN(spawn);
 	RUN(dup_id);
 	RUN(auth);

@@ -99,6 +99,12 @@ static bool bus_deaf[BUS_N];
  * members; else always to the last ready one.  bus_turn[i]: replica i's requests so far. */
 static bool bus_spread;
 static unsigned bus_turn[BUS_N];
+/* A snapshot request's copy picked for replica j reaches it bus_slow_ms[j] after it was sent
+ * (a peer slow to answer, every time), if the asker still waits then. */
+static unsigned bus_slow_ms[BUS_N];
+/* Replica i's snapshot requests reach nobody while bus_unheard[i] (its resync waits out its
+ * snapshot_timeout_ms, serving the others' requests meanwhile as a resyncing replica does). */
+static bool bus_unheard[BUS_N];
 
 static inline int bus_publish(void *ctx, const void *buf, size_t len)
 {
@@ -197,9 +203,23 @@ static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t t
 	char inbox[16];
 	snprintf(inbox, sizeof(inbox), "%d.%u", i, n);
 	bus_asking(i, n);
-	kvr_replica_deliver(bus.rep[peer], req, len, inbox);
-	bool answered = false;
+	/* Copies sent, declined, and each one's peer and when it reaches it (ns of the wait). */
+	enum { COPIES = 64 };
+	int to[COPIES];
+	uint64_t due[COPIES];
+	bool delivered[COPIES] = {false};
+	unsigned sent = 0, declined = 0;
+	const bool unheard = __atomic_load_n(&bus_unheard[i], __ATOMIC_ACQUIRE);
+	to[sent] = peer;
+	due[sent++] = (uint64_t)bus_slow_ms[peer] * 1000000;
+	bool taken = false;
 	for (uint64_t waited = 0, hedged = 0; waited < timeout_ns; waited += 10000000) {
+		for (unsigned k = 0; k < sent; k++)
+			if (!delivered[k] && due[k] <= waited) {
+				delivered[k] = true;
+				if (!unheard)
+					kvr_replica_deliver(bus.rep[to[k]], req, len, inbox);
+			}
 		struct bus_chunk *c = bus_take(i);
 		if (!c) {
 			if (poll(cb)) {
@@ -207,20 +227,29 @@ static inline int bus_request(void *ctx, const void *req, size_t len, uint64_t t
 				break;
 			}
 			/* As a NATS queue group would, the request sent again may reach another. */
-			if (!answered && hedge_ns && waited - hedged >= hedge_ns &&
+			if (!taken && hedge_ns && waited - hedged >= hedge_ns && sent < COPIES &&
 			    (peer = bus_pick(i)) >= 0) {
-				kvr_replica_deliver(bus.rep[peer], req, len, inbox);
+				to[sent] = peer;
+				due[sent++] = waited + (uint64_t)bus_slow_ms[peer] * 1000000;
 				hedged = waited;
 			}
 			continue;
 		}
-		answered = true;
 		int r = on_chunk(cb, c->data, c->len);
 		free(c);
-		if (r) {
-			rc = r == 1 ? 0 : r;
+		if (r == KVR_REP_CHUNK_IGNORED)
+			continue;
+		if (r == KVR_REP_CHUNK_DECLINED) {
+			if (++declined < sent)
+				continue;
+			rc = KVR_EAGAIN;
 			break;
 		}
+		if (r != KVR_REP_CHUNK_MORE) {
+			rc = r == KVR_REP_CHUNK_LAST ? 0 : r;
+			break;
+		}
+		taken = true;
 	}
 	bus_asking(i, 0);
 	return rc;
@@ -334,6 +363,8 @@ static inline void bus_teardown(struct kvr_router **r, int n)
 			free(c);
 		bus_down[i] = bus_lose[i] = bus_deaf[i] = false;
 		bus_turn[i] = 0;
+		bus_slow_ms[i] = 0;
+		bus_unheard[i] = false;
 	}
 	bus_spread = false;
 }

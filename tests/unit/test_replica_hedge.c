@@ -37,30 +37,24 @@ static int h_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 	size_t n = __atomic_load_n(&n_script, __ATOMIC_ACQUIRE);
 	if (!n)
 		return KVR_ENOENT;
+	/* A decline with more of the script to come: a copy was declined, others are out. */
 	int rc = KVR_ETIMEDOUT;
 	for (size_t i = 0; i < n; i++) {
 		int r = on_chunk(cb, script[i].p, script[i].len);
-		if (r) {
-			rc = r == 1 ? 0 : r;
-			break;
-		}
+		if (r == KVR_REP_CHUNK_MORE || r == KVR_REP_CHUNK_IGNORED ||
+		    (r == KVR_REP_CHUNK_DECLINED && i + 1 < n))
+			continue;
+		rc = r == KVR_REP_CHUNK_LAST ? 0 : r == KVR_REP_CHUNK_DECLINED ? KVR_EAGAIN : r;
+		break;
 	}
 	__atomic_add_fetch(&played, 1, __ATOMIC_RELEASE);
 	return rc;
 }
 
-/* A chunk from `from` (life `epoch`): number `chunk`, flags, its records recs (n of them). */
 static void put_chunk(struct kvr_msg_buf *b, uint64_t from, uint64_t epoch, uint32_t chunk,
                       uint32_t flags, const struct kvr_msg_buf *recs, uint32_t n)
 {
-	size_t off = kvr_msg_begin(b, KVR_MSG_SNAP_CHUNK, from, epoch, 0);
-	kvr_msg_put_u32(b, chunk);
-	kvr_msg_put_u32(b, flags);
-	kvr_msg_put_u32(b, n);
-	kvr_msg_put_u32(b, 0);
-	if (recs)
-		kvr_msg_put_bytes(b, recs->p, recs->len);
-	kvr_msg_end(b, off);
+	kvr_test_put_chunk(b, from, epoch, chunk, flags, recs, n);
 	cr_assert(!b->oom);
 }
 
@@ -69,13 +63,11 @@ static void put_snapshot(struct kvr_msg_buf *c0, struct kvr_msg_buf *c1, uint64_
 {
 	struct kvr_msg_buf recs = {0}, rec = {0};
 	kvr_test_put_fence(&rec, from, 300, from, 300, 0);
-	kvr_msg_put_u32(&recs, (uint32_t)rec.len);
-	kvr_msg_put_bytes(&recs, rec.p, rec.len);
+	kvr_test_put_record(&recs, &rec);
 	put_chunk(c0, from, 300, 0, 0, &recs, 1);
 	recs.len = rec.len = 0;
 	kvr_test_put_rank(&rec, from, 300, 0, w);
-	kvr_msg_put_u32(&recs, (uint32_t)rec.len);
-	kvr_msg_put_bytes(&recs, rec.p, rec.len);
+	kvr_test_put_record(&recs, &rec);
 	put_chunk(c1, from, 300, 1, KVR_MSG_CHUNK_LAST, &recs, 1);
 	cr_assert(!recs.oom && !rec.oom);
 	kvr_msg_buf_fini(&recs);
@@ -187,5 +179,24 @@ Test(replica_hedge, two_providers_chunks_are_not_mixed, .timeout = 60)
 	cr_assert_eq(st.snapshots_applied, 1);
 	cr_assert(has_worker(r, 77), "P's rank missing");
 	cr_assert(!has_worker(r, 99), "Q's rank taken from a snapshot that was not applied");
+	done(r, rep);
+}
+
+/* Q, reached by one copy, declines as resyncing itself before P, reached by another, answers:
+ * the transport waits on (a copy is still out), and P's snapshot is applied.  Before, the
+ * decline ended the request and P's answer was lost, request after request (test_replica_serve
+ * a_quick_decline_does_not_lose_a_slower_settled_providers_answer over the bus). */
+Test(replica_hedge, a_decline_while_another_copy_is_out_does_not_end_the_request, .timeout = 60)
+{
+	put_chunk(&script[0], Q, 300, 0, KVR_MSG_CHUNK_GIVEN_UP | KVR_MSG_CHUNK_RESYNCING, NULL, 0);
+	put_snapshot(&script[1], &script[2], P, 77);
+	n_script = 3;
+	struct kvr_router *r;
+	struct kvr_replica *rep;
+	resync_with_script(&r, &rep);
+	struct kvr_sync_stats st = h_stats(rep);
+	cr_assert_eq(st.snapshots_applied, 1, "P's snapshot not applied after Q's decline");
+	cr_assert_eq(st.dropped, 0);
+	cr_assert(has_worker(r, 77));
 	done(r, rep);
 }

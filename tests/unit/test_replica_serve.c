@@ -124,6 +124,53 @@ Test(replica_serve, a_peer_that_does_not_answer_does_not_cost_the_whole_resync, 
 	bus_snapshot_ms = 0;
 }
 
+/* Replicas 1 and 3 are cut off while replica 2 removes rank 2; replica 1 comes back first and
+ * resyncs, its requests reaching nobody, so it declines every settled-only request meanwhile.
+ * Replica 3 then resyncs: its request goes to replica 2, settled but slow (each request reaches
+ * it 700 ms late), the copy sent again after 500 ms (an eighth of the budget) to replica 1,
+ * which declines it at once.  That decline does not end the try: replica 2's answer comes and
+ * is applied.  Before, the decline ended every try before replica 2 answered, and once half the
+ * budget had gone on declines replica 3 settled for replica 1's table from before the outage:
+ * the removed rank stayed routable on it. */
+Test(replica_serve, a_quick_decline_does_not_lose_a_slower_settled_providers_answer, .timeout = 60)
+{
+	bus_snapshot_ms = 4000;
+	struct kvr_router *r[3];
+	bus_start(r, 3);
+	cr_assert_eq(kvr_rank_add(r[1], (struct kvr_rank_id){2, 0}, 7, 1000, 4096), 0);
+	bus_quiet(r, 3);
+	cr_assert(has_rank(r[0], 2) && has_rank(r[2], 2));
+	for (int i = 0; i < 3; i += 2) {
+		kvr_replica_disconnected(bus.rep[i]);
+		__atomic_store_n(&bus_deaf[i], true, __ATOMIC_RELEASE);
+	}
+	cr_assert_eq(kvr_rank_remove(r[1], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[1], 10000), 0);
+	cr_assert(has_rank(r[0], 2) && has_rank(r[2], 2));
+	__atomic_store_n(&bus_unheard[0], true, __ATOMIC_RELEASE);
+	bus_slow_ms[1] = 700;
+	bus_spread = true; /* replica 3's requests: replica 2 first, then replica 1 */
+	const uint64_t asked = stats(0).resyncs, applied0 = stats(0).snapshots_applied;
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, asked + 1, 0);
+	/* Replica 3 stays deaf to the stream: what it holds of rank 2 is the snapshot's word. */
+	uint64_t applied = stats(2).snapshots_applied;
+	kvr_replica_reconnected(bus.rep[2]);
+	for (int k = 0; k < 500 && stats(2).snapshots_applied == applied; k++)
+		nanosleep(&(struct timespec){0, 10000000}, NULL);
+	const bool stale = has_rank(r[2], 2);
+	cr_assert_gt(stats(2).snapshots_applied, applied, "no snapshot applied");
+	cr_assert(!stale, "replica 3 took replica 1's table from before the outage");
+	cr_assert_eq(stats(0).snapshots_applied, applied0, "replica 1's resync was answered");
+	for (int i = 0; i < 3; i++) {
+		__atomic_store_n(&bus_unheard[i], false, __ATOMIC_RELEASE);
+		__atomic_store_n(&bus_deaf[i], false, __ATOMIC_RELEASE);
+	}
+	bus_spread = false;
+	bus_teardown(r, 3);
+	bus_snapshot_ms = 0;
+}
+
 /* Every replica reconnects at once (the server came back): each resyncs, asking a peer that is
  * resyncing too.  None may hold another's request until its own resync ends: replicas 2 and 3
  * ask each other (the bus asks the last ready one), and both would wait out their
