@@ -166,8 +166,18 @@ int kvr_feed_dealer_open(struct kvr_feed *f, struct ep *e)
 	if (!d)
 		return KVR_ENOMEM;
 	const int zero = 0, ivl_max = FEED_RECONNECT_IVL_MAX_MS;
+	const int hwm = (int)(f->cfg.rcv_hwm > INT32_MAX ? INT32_MAX : f->cfg.rcv_hwm);
 	const int64_t maxsz = (int64_t)f->cfg.max_msg_bytes;
 	zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof(zero));
+	/* A replay answer's bound, the SUB's (ZeroMQ's default, 1,000, before): a DEALER that
+	 * stops reading its connection at its bound leaves the rest of a long answer in the
+	 * publisher's ROUTER, whose own bound (ZMQ_SNDHWM, 1,000, which vLLM keeps) drops it
+	 * without a word.  Not enough alone: the ROUTER learns what was taken from its queue only
+	 * every half bound (libzmq's pipe low-water mark), and in stress_feed_rank_churn with
+	 * SFC_ROUTER_HWM=1 it still dropped (5 runs of 6 failed with this alone), so replay() asks
+	 * again for what a hole lost (sync/feed_seq.c).  The feed's thread reads an answer as it
+	 * comes: the bound costs memory only while that thread is slower than the answer. */
+	zmq_setsockopt(d, ZMQ_RCVHWM, &hwm, sizeof(hwm));
 	zmq_setsockopt(d, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
 	zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
 	if (zmq_connect(d, e->replay) != 0) {

@@ -919,8 +919,9 @@ struct kvr_feed_config {
 	uint32_t replay_timeout_ms;
 	/* Largest message accepted, bytes (ZMQ_MAXMSGSIZE).  Default 64 MiB; 1024..INT64_MAX. */
 	uint64_t max_msg_bytes;
-	/* Messages queued per endpoint before ZeroMQ drops (ZMQ_RCVHWM).  Default 100000; >= 1
-	 * (ZeroMQ's 0, no limit, is KVR_EINVAL: the feed's memory would have no bound). */
+	/* Messages queued per endpoint before ZeroMQ drops (ZMQ_RCVHWM), and per replay answer
+	 * before the publisher's side must hold the rest.  Default 100000; >= 1 (ZeroMQ's 0, no
+	 * limit, is KVR_EINVAL: the feed's memory would have no bound). */
 	uint32_t rcv_hwm;
 	/* After its sockets run dry the feed thread polls this long before it blocks, so the next
 	 * batch costs no thread wake-up (lag), at the price of up to this much CPU per idle
