@@ -67,6 +67,17 @@ struct rstate {
 _Static_assert(FEED_MON_EVERY_MS * 2 <= FEED_RECONNECT_IVL_MS,
                "the monitor is read well within a reconnection's wait");
 
+/* Asks for one replay, at most (sync/feed_seq.c, replay()): an answer with a hole inside it or
+ * short of its end is asked for again from the first batch missing, as long as the answer
+ * brought something; what the last ask still lacks is reported as a gap. */
+#define FEED_REPLAY_ASKS 8
+/* An answer that brought what a replay needs, or part of it, and then nothing for this long
+ * lost its tail (end marker and all): the wait ends before replay_timeout_ms, and what is
+ * missing is asked for again.  A publisher sends an answer in one go (vLLM: one loop of
+ * send_multipart); one that pauses longer mid-answer costs an ask, never a gap (the last ask
+ * waits the whole replay_timeout_ms for what it lacks). */
+#define FEED_REPLAY_QUIET_MS 100
+
 /* ep.reconn (sync/feed_seq.c, "Restarts across a reconnection"). */
 enum {
 	RC_NONE,  /* no disconnection pending */
@@ -108,7 +119,7 @@ struct ep {
 	struct rstate *rs;
 	uint32_t n_rs, cap_rs;
 	struct kvr_feed_stats st;
-	uint64_t logged[11]; /* per log kind (LK_COUNT): last count logged (powers of two) */
+	uint64_t logged[12]; /* per log kind (LK_COUNT): last count logged (powers of two) */
 };
 
 /* Events accepted for one rank and not yet applied: everything one drain of the sockets
@@ -264,6 +275,7 @@ enum log_kind {
 	LK_BOUND,
 	LK_RUN_IDS, /* the index's run-id space is full */
 	LK_PARENT,  /* a stored event's parent not held */
+	LK_REASK,   /* a replay answer with a hole asked for again */
 	LK_COUNT
 };
 _Static_assert(sizeof(((struct ep *)0)->logged) == LK_COUNT * sizeof(uint64_t),

@@ -87,7 +87,8 @@ struct resync {
 	bool held;     /* a batch of the rank was applied since the rank was last cleared */
 };
 
-static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, struct resync *rs);
+static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
+                  struct resync *rs);
 
 static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint64_t got,
                        const struct kvr_feed_batch *b)
@@ -162,7 +163,9 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 	uint64_t expected = e->have_seq ? e->next_seq : 0;
 	/* A gap, or this batch lost for memory: the replay brings it again (decoded anew). */
 	if ((seq > expected || oom) && !replayed && e->replay) {
-		replay(f, e, expected, NULL);
+		/* The answer must bring every batch before this one, and this one too if it
+		 * could not be decoded. */
+		replay(f, e, expected, oom ? seq + 1 : seq, NULL);
 		if (e->have_seq && seq < e->next_seq)
 			return; /* the replay applied it */
 		expected = e->have_seq ? e->next_seq : 0;
@@ -298,51 +301,77 @@ static void resync_hole(struct kvr_feed *f, struct ep *e, struct resync *rs, uin
 	rs->held = false;
 }
 
+/* How one answer to a replay request ended. */
+enum answer_end {
+	ANS_END,   /* its end marker came */
+	ANS_HOLE,  /* a batch inside it was missing: nothing after the hole was taken */
+	ANS_LATE,  /* no end marker within replay_timeout_ms */
+	ANS_QUIET, /* nothing more for FEED_REPLAY_QUIET_MS after it brought something */
+	ANS_FAIL,  /* the request could not be sent, or the socket failed */
+	ANS_DROP,  /* a destroy waits for this thread */
+};
+
+/* The next seq a replay must bring for what it applied to stay whole. */
+static uint64_t replay_at(const struct ep *e, const struct resync *rs)
+{
+	return rs ? rs->next : e->have_seq ? e->next_seq : 0;
+}
+
 /* Asks e's replay endpoint for every batch from start on and reads the answer.  rs NULL: each
  * batch goes through the sequence rules (a gap being healed).  Else (a resync) only the batches
  * before rs->to for rank rs->dp are applied, the rest ignored (the live stream brings them), and
- * a batch missing from the answer is a hole (resync_hole).  Returns 0 when the end marker came,
- * -1 on no answer within replay_timeout_ms or a socket failure, or once a destroy waits for this
- * thread: it waited out the whole replay_timeout_ms before (test_feed_replay_stop); the wait is
- * looked at every 20 ms. */
-static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, struct resync *rs)
+ * a batch missing from the answer is a hole (resync_hole).  A batch missing inside the answer
+ * (not at its start: there the publisher's buffer begins later, a gap no ask mends) ends the
+ * read when stop_at_hole, the batches after it not taken (ANS_HOLE: the caller asks again);
+ * else the hole is reported and what follows applied.  An answer that brought every batch
+ * before target, or (when stop_at_hole) some of them, and then nothing for FEED_REPLAY_QUIET_MS
+ * ends the read (ANS_QUIET): its tail, end marker and all, was dropped (a publisher sends an
+ * answer at once); else the wait goes on to replay_timeout_ms.  Before, an answer that lacked
+ * only its end marker held the feed's thread for the whole replay_timeout_ms (a minute in
+ * stress_feed_rank_churn, whose catching up then failed with SFC_ROUTER_HWM=1).  A destroy
+ * waiting for this thread ends the wait at once: it waited out the whole replay_timeout_ms
+ * before (test_feed_replay_stop); the wait is looked at every 20 ms. */
+static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t start,
+                                   uint64_t target, struct resync *rs, bool stop_at_hole)
 {
-	if (f->in_replay)
-		return -1; /* one at a time: the DEALER carries one answer */
-	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
 	if (!e->dealer && kvr_feed_dealer_open(f, e) != 0)
-		return -1;
-	f->in_replay = true;
+		return ANS_FAIL;
 	uint8_t req[8];
 	for (int i = 0; i < 8; i++)
 		req[i] = (uint8_t)(start >> (56 - 8 * i));
 	if (zmq_send(e->dealer, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
 	    zmq_send(e->dealer, req, 8, ZMQ_DONTWAIT) < 0)
-		goto fail;
-	uint64_t deadline = kvr_feed_mono_ns() + (uint64_t)f->cfg.replay_timeout_ms * 1000000u;
+		return ANS_FAIL;
+	uint64_t last = kvr_feed_mono_ns(),
+	         deadline = last + (uint64_t)f->cfg.replay_timeout_ms * 1000000u;
+	bool first = true;
 	for (;;) {
-		uint64_t now = kvr_feed_mono_ns();
+		uint64_t now = kvr_feed_mono_ns(), at = replay_at(e, rs);
 		if (now >= deadline)
-			goto fail;
+			return ANS_LATE;
+		if ((at >= target || (stop_at_hole && at > start)) &&
+		    now - last >= FEED_REPLAY_QUIET_MS * 1000000ull)
+			return ANS_QUIET;
 		if (__atomic_load_n(&f->stopping, __ATOMIC_ACQUIRE) || kvr_feed_dying(f)) {
 			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
 			             "replay from %" PRIu64
 			             " abandoned: the feed is being destroyed",
 			             start);
-			goto drop;
+			return ANS_DROP;
 		}
 		zmq_pollitem_t it = {.socket = e->dealer, .events = ZMQ_POLLIN};
 		long ms = (long)((deadline - now + 999999) / 1000000);
 		if (ms > 20)
 			ms = 20;
 		if (zmq_poll(&it, 1, ms) < 0 && zmq_errno() != EINTR)
-			goto fail;
+			return ANS_FAIL;
 		if (!(it.revents & ZMQ_POLLIN))
 			continue;
 		zmq_msg_t fr[4];
 		int n = recv_frames(e->dealer, fr, 4);
 		if (n <= 0)
 			continue;
+		last = kvr_feed_mono_ns();
 		uint64_t seq;
 		/* ["", seq, payload] or ["", topic, seq, payload] */
 		int si = n == 3 ? 1 : 2;
@@ -355,8 +384,18 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, struct resyn
 			close_frames(fr, n);
 			e->st.replays++;
 			kvr_feed_count(f, KVR_C_FEED_REPLAYS, 1);
-			f->in_replay = false;
-			return 0;
+			return ANS_END;
+		}
+		/* Past the next seq the replay needs, after the answer's first batch: a ROUTER
+		 * past its send bound drops what it cannot queue, without a word (ZeroMQ's
+		 * default ZMQ_SNDHWM, 1,000, which vLLM's publisher keeps), while the publisher
+		 * still holds the batch.  For a resync, only before rs->to. */
+		at = replay_at(e, rs);
+		bool hole = !first && seq > at && (!rs || at < rs->to);
+		first = false;
+		if (hole && stop_at_hole) {
+			close_frames(fr, n);
+			return ANS_HOLE;
 		}
 		bool oom;
 		const struct kvr_feed_batch *b = decode(f, e, &f->rep, &fr[si + 1], &oom);
@@ -388,16 +427,57 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, struct resyn
 		}
 		close_frames(fr, n);
 	}
-fail:
-	kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN, "replay from %" PRIu64 " failed or timed out",
-	             start);
-drop:
-	/* No answer in time, a socket failure or a destroy: drop the socket so that a late answer
-	 * cannot be taken for the next request's. */
-	zmq_close(e->dealer);
-	e->dealer = NULL;
+}
+
+/* A replay of the batches from start on until the one before target (see read_answer for rs).
+ * An answer with a hole inside it, or short of target (its end marker, or its wait, came first),
+ * is asked for again from the first batch missing, up to FEED_REPLAY_ASKS asks, each after an
+ * answer that brought something: a ROUTER drops at its send bound what the publisher still holds
+ * (stress_feed_rank_churn 1500 with SFC_ROUTER_HWM=1: before, 6 runs of 10 failed, a gap
+ * reported inside a long answer or the feed's thread waiting out the replay timeout for a
+ * dropped tail; asking again, and ending the wait once an answer goes quiet, none of 8).
+ * Before, such a hole was reported and the rank cleared (test_feed_replay_reask).  Each ask
+ * waits replay_timeout_ms at most.  What the last ask lacks is a hole as before: reported once,
+ * the batches after it applied.  An answer that starts later than asked is the publisher's
+ * buffer beginning later: reported, never asked for again.  Returns 0
+ * when the last answer's end marker came, -1 on no answer within replay_timeout_ms, a socket
+ * failure, or a destroy waiting for this thread.  Context: the feed's thread. */
+static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
+                  struct resync *rs)
+{
+	if (f->in_replay)
+		return -1; /* one at a time: the DEALER carries one answer */
+	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
+	f->in_replay = true;
+	enum answer_end a;
+	for (int ask = 1;; ask++) {
+		uint64_t from = ask == 1 ? start : replay_at(e, rs);
+		a = read_answer(f, e, from, target, rs, ask < FEED_REPLAY_ASKS);
+		if (a == ANS_LATE || a == ANS_FAIL)
+			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+			             "replay from %" PRIu64 " failed or timed out", from);
+		/* Anything but the end marker: the socket goes, so that what is still on its
+		 * way of this answer cannot be taken for the next request's. */
+		if (a != ANS_END && e->dealer) {
+			zmq_close(e->dealer);
+			e->dealer = NULL;
+		}
+		uint64_t at = replay_at(e, rs);
+		if (a == ANS_FAIL || a == ANS_DROP || at >= target || at <= from ||
+		    ask == FEED_REPLAY_ASKS)
+			break;
+		kvr_feed_log(f, e, LK_REASK, KVR_LOG_INFO,
+		             "replay from %" PRIu64 " %s at seq %" PRIu64 " of %" PRIu64
+		             "; asking again",
+		             from,
+		             a == ANS_HOLE    ? "skipped a batch"
+		             : a == ANS_END   ? "ended"
+		             : a == ANS_QUIET ? "went quiet"
+		                              : "timed out",
+		             at, target);
+	}
 	f->in_replay = false;
-	return -1;
+	return a == ANS_END ? 0 : -1;
 }
 
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
@@ -427,7 +507,7 @@ void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	 * hole.  Before, its timeout was reported as a gap of nothing (to..to) and the rank,
 	 * rebuilt whole, cleared (test_feed_rank_gone, ..._lacks_only_its_end_marker_is_whole). */
 	if (e->replay)
-		(void)replay(f, e, from, &rs);
+		(void)replay(f, e, from, to, &rs);
 	if (rs.next < to)
 		resync_hole(f, e, &rs, to);
 	kvr_feed_flush(f);

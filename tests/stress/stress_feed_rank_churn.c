@@ -16,9 +16,10 @@
  * and adds ranks back for 100 ms more: a rank added back then gets no batch, and nothing is in
  * flight, that would tell the feed its removal took its blocks; only the add does
  * (kvr_rank_add wakes the router's feeds).  SFC_DEBUG=1: the feed's log and the replay requests
- * on stderr.  SFC_ROUTER_HWM=1: the replay ROUTERs keep ZeroMQ's default send bound (1,000), past
- * which a ROUTER drops: long answers then have holes, reported as gaps (the publisher's loss; not
- * run by meson).
+ * on stderr.  SFC_ROUTER_HWM=1: the replay ROUTERs keep ZeroMQ's default send bound (1,000), as
+ * vLLM's publisher does, past which a ROUTER drops: long answers then have holes, or lose their
+ * tail, which the feed asks for again (sync/feed_seq.c, replay()); before, they were reported as
+ * gaps, or the feed's thread waited out the replay timeout for a dropped end marker.
  *
  * Run under TSan (no race) and ASan (no leak) in CI.
  * Plain program: exit 0 pass, 1 fail, 77 skip (built without zmq).  argv[1]: duration, ms.
@@ -371,7 +372,7 @@ int main(int argc, char **argv)
 		w->rep = zmq_socket(zctx, ZMQ_ROUTER);
 		size_t cap = sizeof(w->rep_ep);
 		/* No send high-water mark: a ROUTER drops what goes past it, and an answer of
-		 * thousands of batches would then have holes (reported as gaps). */
+		 * thousands of batches would then have holes (asked for again: SFC_ROUTER_HWM). */
 		if (!w->rep || zmq_setsockopt(w->rep, ZMQ_LINGER, &zero, sizeof(zero)) ||
 		    (!getenv("SFC_ROUTER_HWM") &&
 		     zmq_setsockopt(w->rep, ZMQ_SNDHWM, &zero, sizeof(zero))) ||

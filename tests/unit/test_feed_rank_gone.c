@@ -480,7 +480,8 @@ Test(feed_rank_gone, a_rebuild_whose_answer_lacks_only_its_end_marker_is_whole, 
 	back_remove(&w);
 	back_add(&w);
 	cr_assert_eq(back_indexed(&w, 5), 5);
-	/* The replay waits out replay_timeout_ms (1 s) for the end marker; then no gap. */
+	/* The replay waits for the end marker until the answer is quiet (FEED_REPLAY_QUIET_MS;
+	 * replay_timeout_ms, 1 s, before); then no gap. */
 	sleep_ms(1500);
 	struct kvr_feed_stats st;
 	cr_assert_eq(kvr_feed_get_stats(w.f, w.pub.id, &st), 0);

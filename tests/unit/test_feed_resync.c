@@ -5,11 +5,14 @@
  * holds B.  Before, a replay that stalled or ended after seq 0, or skipped seq 1, left A indexed
  * (removed by the engine), the second with no gap reported.  Now a batch missing from the answer
  * is a hole: reported through on_event_gap, the rank cleared if it took batches before it, and
- * rebuilt from the batches after it.
+ * rebuilt from the batches after it - once the feed has asked again from the hole and the
+ * publisher still lacks it (an answer that brought something and has a hole inside it, or ends
+ * short, is asked for again: test_feed_replay_reask).
  *
- * The test answers the feed's replay request itself (the feed's thread waits for the answer).
+ * The test answers the feed's replay requests itself (the feed's thread waits for the answer).
  */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <zmq.h>
@@ -39,6 +42,25 @@ struct world {
 	uint32_t id;
 	zmq_msg_t asker; /* the feed's DEALER identity, from its request */
 };
+
+/* The feed's next replay request (within 5 s), from seq from. */
+static void asked(struct world *w, uint64_t from)
+{
+	int to = 5000;
+	zmq_setsockopt(w->router, ZMQ_RCVTIMEO, &to, sizeof(to));
+	zmq_msg_close(&w->asker);
+	zmq_msg_init(&w->asker);
+	cr_assert_geq(zmq_msg_recv(&w->asker, w->router, 0), 0,
+	              "the feed asks for a replay from seq %" PRIu64, from);
+	uint8_t empty[8], start[8];
+	cr_assert_eq(zmq_recv(w->router, empty, sizeof(empty), 0), 0);
+	cr_assert_eq(zmq_recv(w->router, start, sizeof(start), 0), 8);
+	uint64_t got = 0;
+	for (int i = 0; i < 8; i++)
+		got = got << 8 | start[i];
+	cr_assert_eq(got, from, "the replay is asked from seq %" PRIu64 ", not %" PRIu64, got,
+	             from);
+}
 
 /* The three batches sent before rank (0, 0) exists, then the rank added; returns once the feed
  * asked for the replay from seq 0. */
@@ -87,14 +109,7 @@ static void setup(struct world *w, uint32_t replay_timeout_ms)
 	cr_assert_eq(st.next_seq, 3);
 	cr_assert_eq(kvr_rank_add(w->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
 	zmq_msg_init(&w->asker);
-	int to = 5000;
-	zmq_setsockopt(w->router, ZMQ_RCVTIMEO, &to, sizeof(to));
-	cr_assert_geq(zmq_msg_recv(&w->asker, w->router, 0), 0, "the feed asks for a replay");
-	uint8_t empty[8], start[8];
-	cr_assert_eq(zmq_recv(w->router, empty, sizeof(empty), 0), 0);
-	cr_assert_eq(zmq_recv(w->router, start, sizeof(start), 0), 8);
-	for (int i = 0; i < 8; i++)
-		cr_assert_eq(start[i], 0, "the replay is asked from seq 0");
+	asked(w, 0);
 }
 
 /* One message of the replay answer: batch seq, or the end marker (seq UINT64_MAX). */
@@ -166,6 +181,10 @@ Test(feed_resync, a_replay_that_ends_early_is_a_gap, .timeout = 60)
 	setup(&w, 5000);
 	answer(&w, 0);
 	answer(&w, UINT64_MAX);
+	/* Short of what the publisher had sent: asked again (test_feed_replay_reask), and it has
+	 * nothing more. */
+	asked(&w, 1);
+	answer(&w, UINT64_MAX);
 	cr_assert_eq(settled(&w), 0, "A was removed by the engine");
 	cr_assert_eq(atomic_load(&gap_calls), 1, "the batches not brought are reported");
 	cr_assert_eq(gap_from, 1);
@@ -179,6 +198,10 @@ Test(feed_resync, a_replay_that_skips_a_batch_keeps_what_follows, .timeout = 60)
 	setup(&w, 5000);
 	answer(&w, 0);
 	answer(&w, 2); /* seq 1 (A removed) missing */
+	answer(&w, UINT64_MAX);
+	/* Asked again from the hole (a ROUTER may have dropped it): the publisher lacks it. */
+	asked(&w, 1);
+	answer(&w, 2);
 	answer(&w, UINT64_MAX);
 	cr_assert_eq(settled(&w), 3, "cleared at the hole, B after it");
 	cr_assert_eq(atomic_load(&gap_calls), 1, "the hole is reported");

@@ -1,0 +1,374 @@
+/*
+ * A replay answer with a hole the publisher may not have meant: a ROUTER past its send bound
+ * (ZMQ_SNDHWM, ZeroMQ's default 1,000, which vLLM's publisher keeps) drops what it cannot queue,
+ * without a word, so a long answer can skip batches or stop short of its end while the
+ * publisher's buffer holds every one of them (stress_feed_rank_churn SFC_ROUTER_HWM=1).  Before,
+ * such a hole was reported through on_event_gap and the rank cleared, for a loss that asking
+ * again would have mended.  Now the feed asks again from the first batch missing (at most
+ * FEED_REPLAY_ASKS asks per replay, each after an answer that brought something), applies
+ * nothing of an answer past its hole (the rank's state follows the engine's order), and only
+ * what the last ask still lacks is reported, once.
+ *
+ * The engine: batch i stores block S(i) and removes S(i - 2): after N batches it holds
+ * S(N - 2) and S(N - 1).  A batch applied out of order, or skipped, leaves a block the engine
+ * removed.  Two paths ask for a replay: a rank added after its batches went by (the resync,
+ * kvr_feed_resync) and a gap in the live stream (healed through the sequence rules).  The test
+ * answers the feed's replay requests itself, as a scripted replayer.
+ */
+#include <criterion/criterion.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "kvrouter.h"
+#include "sync/feed_encode.h"
+#include "sync/feed_internal.h"
+#include "tests/common/feed_pub.h"
+#include "tests/common/mono_clock.h"
+
+enum { N = 24 };
+
+static atomic_int gap_calls;
+static _Atomic uint64_t gap_from, gap_to; /* the last gap reported */
+static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint64_t to)
+{
+	(void)ctx, (void)worker, (void)dp;
+	atomic_store(&gap_from, from);
+	atomic_store(&gap_to, to);
+	atomic_fetch_add(&gap_calls, 1);
+}
+
+static uint64_t block_of(uint64_t i)
+{
+	return 0x5000 + i;
+}
+
+struct world {
+	struct test_pub pub;
+	void *router; /* the replay endpoint: the test answers it */
+	struct kvr_fenc enc[N];
+	struct kvr_router *r;
+	struct kvr_feed *f;
+	uint32_t id;
+	zmq_msg_t asker; /* the identity of the DEALER that asked last */
+	int asks;
+};
+
+/* A router with no rank, a feed with a replay endpoint (replay_timeout_ms), the N batches
+ * encoded. */
+static void open_world(struct world *w, uint32_t replay_timeout_ms)
+{
+	atomic_store(&gap_calls, 0);
+	memset(w, 0, sizeof(*w));
+	test_pub_open(&w->pub);
+	w->router = zmq_socket(w->pub.zctx, ZMQ_ROUTER);
+	cr_assert_eq(zmq_bind(w->router, "tcp://127.0.0.1:*"), 0);
+	char rep[256];
+	size_t cap = sizeof(rep);
+	cr_assert_eq(zmq_getsockopt(w->router, ZMQ_LAST_ENDPOINT, rep, &cap), 0);
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.mode = KVR_MODE_EVENTS;
+	c.block_size = TEST_BLOCK_TOKENS;
+	c.n_shards = 1;
+	c.on_event_gap = on_gap;
+	cr_assert_eq(kvr_router_create(&c, &w->r), 0);
+	struct kvr_feed_config fc;
+	kvr_feed_config_init(&fc);
+	fc.replay_timeout_ms = replay_timeout_ms;
+	cr_assert_eq(kvr_feed_create(w->r, &fc, &w->f), 0);
+	struct kvr_feed_endpoint fe = {.endpoint = w->pub.ep, .replay_endpoint = rep};
+	cr_assert_eq(kvr_feed_add(w->f, &fe, &w->id), 0);
+	test_pub_subscribed(&w->pub);
+	for (uint64_t i = 0; i < N; i++) {
+		uint64_t s = block_of(i), old = block_of(i - 2);
+		kvr_fenc_init(&w->enc[i]);
+		kvr_fenc_begin(&w->enc[i], 1.0, i >= 2 ? 2 : 1);
+		kvr_fenc_stored(&w->enc[i], &s, 1, NULL, TEST_BLOCK_TOKENS, test_block_tokens, &s);
+		if (i >= 2)
+			kvr_fenc_removed(&w->enc[i], &old, 1);
+		kvr_fenc_end(&w->enc[i], 0);
+	}
+	zmq_msg_init(&w->asker);
+}
+
+static void live(struct world *w, uint64_t seq)
+{
+	test_pub_send(&w->pub, seq, (const uint8_t *)w->enc[seq].sb.data, w->enc[seq].sb.size);
+}
+
+/* Waits until the feed took every batch before seq next. */
+static void feed_at(struct world *w, uint64_t next)
+{
+	struct kvr_feed_stats st;
+	for (int k = 0; k < 500; k++) {
+		cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+		if (st.next_seq == next)
+			return;
+		sleep_ms(10);
+	}
+	cr_assert_fail("the feed took %" PRIu64 " batches, not %" PRIu64, st.next_seq, next);
+}
+
+static void add_rank(struct world *w)
+{
+	cr_assert_eq(kvr_rank_add(w->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+}
+
+/* The resync path: all N batches go by before rank (0, 0) exists, then it is added: the feed
+ * asks for seq 0 on. */
+static void open_resync(struct world *w, uint32_t replay_timeout_ms)
+{
+	open_world(w, replay_timeout_ms);
+	for (uint64_t i = 0; i < N; i++)
+		live(w, i);
+	feed_at(w, N);
+	add_rank(w);
+}
+
+/* The healing path: rank (0, 0) takes batch 0, then the live stream skips to N - 1: the feed
+ * asks for seq 1 on (and holds N - 1 itself). */
+static void open_heal(struct world *w, uint32_t replay_timeout_ms)
+{
+	open_world(w, replay_timeout_ms);
+	add_rank(w);
+	live(w, 0);
+	feed_at(w, 1);
+	live(w, N - 1);
+}
+
+/* The next replay request, within ms; its start in *from.  false: none came. */
+static bool next_ask(struct world *w, int ms, uint64_t *from)
+{
+	zmq_setsockopt(w->router, ZMQ_RCVTIMEO, &ms, sizeof(ms));
+	zmq_msg_close(&w->asker);
+	zmq_msg_init(&w->asker);
+	if (zmq_msg_recv(&w->asker, w->router, 0) < 0)
+		return false;
+	uint8_t empty[8], start[8];
+	cr_assert_eq(zmq_recv(w->router, empty, sizeof(empty), 0), 0);
+	cr_assert_eq(zmq_recv(w->router, start, sizeof(start), 0), 8);
+	*from = 0;
+	for (int i = 0; i < 8; i++)
+		*from = *from << 8 | start[i];
+	w->asks++;
+	return true;
+}
+
+/* Asserts that the feed asks (again) from seq from. */
+static void asked_from(struct world *w, uint64_t from)
+{
+	uint64_t got = UINT64_MAX;
+	cr_assert(next_ask(w, 5000, &got), "expected ask %d, from seq %" PRIu64, w->asks + 1, from);
+	cr_assert_eq(got, from, "ask %d is from seq %" PRIu64 ", not %" PRIu64, w->asks, got, from);
+}
+
+/* One message of the answer to the last ask: batch seq, or the end marker (UINT64_MAX). */
+static void answer(struct world *w, uint64_t seq)
+{
+	zmq_msg_t id;
+	zmq_msg_init(&id);
+	zmq_msg_copy(&id, &w->asker);
+	cr_assert_geq(zmq_msg_send(&id, w->router, ZMQ_SNDMORE), 0);
+	uint8_t s[8];
+	for (int i = 0; i < 8; i++)
+		s[i] = (uint8_t)(seq >> (56 - 8 * i));
+	zmq_send(w->router, "", 0, ZMQ_SNDMORE);
+	zmq_send(w->router, s, 8, ZMQ_SNDMORE);
+	if (seq == UINT64_MAX)
+		zmq_send(w->router, "", 0, 0);
+	else
+		zmq_send(w->router, w->enc[seq].sb.data, w->enc[seq].sb.size, 0);
+}
+
+/* Batches from..N-1 but those in skip[0..n_skip), then the end marker if end. */
+static void answer_from(struct world *w, uint64_t from, const uint64_t *skip, int n_skip, bool end)
+{
+	for (uint64_t q = from; q < N; q++) {
+		bool skipped = false;
+		for (int k = 0; k < n_skip; k++)
+			skipped |= skip[k] == q;
+		if (!skipped)
+			answer(w, q);
+	}
+	if (end)
+		answer(w, UINT64_MAX);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Asserts that rank (0, 0) holds what the engine does, S(N - 2) and S(N - 1), once the feed is
+ * through (a stats call waits for the feed's thread, which is in the replay until it ends). */
+static void rank_is_engine(struct world *w)
+{
+	struct kvr_feed_stats st;
+	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+	cr_assert_eq(st.next_seq, N);
+	cr_assert_eq(kvr_router_sync(w->r, 1000), 0);
+	uint64_t got[N];
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(w->r, (struct kvr_rank_id){0, 0}, got, N, &n), 0);
+	qsort(got, n, sizeof(*got), cmp_u64);
+	char s[256] = "";
+	for (size_t i = 0; i < n && strlen(s) < 200; i++)
+		snprintf(s + strlen(s), sizeof(s) - strlen(s), " S(%" PRIu64 ")", got[i] - 0x5000);
+	cr_assert(n == 2 && got[0] == block_of(N - 2) && got[1] == block_of(N - 1),
+	          "the engine holds S(%d) S(%d); the rank holds%s", N - 2, N - 1, s);
+}
+
+static void close_world(struct world *w)
+{
+	kvr_feed_destroy(w->f);
+	kvr_router_destroy(w->r);
+	zmq_msg_close(&w->asker);
+	zmq_close(w->router);
+	for (int i = 0; i < N; i++)
+		kvr_fenc_fini(&w->enc[i]);
+	test_pub_close(&w->pub);
+}
+
+/* No more asks (within 300 ms) and no gap: the rank is its engine. */
+static void whole(struct world *w)
+{
+	uint64_t from;
+	cr_assert(!next_ask(w, 300, &from), "no ask after the whole answer (one from %" PRIu64 ")",
+	          from);
+	rank_is_engine(w);
+	cr_assert_eq(atomic_load(&gap_calls), 0, "a gap %" PRIu64 "..%" PRIu64 " reported",
+	             atomic_load(&gap_from), atomic_load(&gap_to));
+}
+
+Test(feed_replay_reask, a_resync_answer_with_dropped_batches_is_asked_again, .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 5000);
+	asked_from(&w, 0);
+	answer_from(&w, 0, (const uint64_t[]){5, 6, 11}, 3, true);
+	asked_from(&w, 5); /* the first batch missing; what came after it was not taken */
+	answer_from(&w, 5, NULL, 0, true);
+	whole(&w);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_healing_answer_with_dropped_batches_is_asked_again, .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 5000);
+	asked_from(&w, 1);
+	answer_from(&w, 1, (const uint64_t[]){4, 9}, 2, true);
+	asked_from(&w, 4);
+	answer_from(&w, 4, NULL, 0, true);
+	whole(&w);
+	close_world(&w);
+}
+
+/* The tail dropped, end marker and all: once the answer goes quiet (FEED_REPLAY_QUIET_MS), well
+ * before replay_timeout_ms (a minute here), what is missing is asked for again. */
+Test(feed_replay_reask, a_resync_answer_cut_short_without_its_end_is_asked_again, .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 60000);
+	asked_from(&w, 0);
+	for (uint64_t q = 0; q < 10; q++)
+		answer(&w, q);
+	asked_from(&w, 10);
+	answer_from(&w, 10, NULL, 0, true);
+	whole(&w);
+	close_world(&w);
+}
+
+/* Every batch the resync needs came, but not the end marker (the ROUTER dropped it): the feed
+ * is through once the answer goes quiet, not after replay_timeout_ms (a minute here; before, the
+ * feed's thread waited it out), with no gap and no second ask. */
+Test(feed_replay_reask, a_whole_answer_without_its_end_holds_the_feed_no_longer_than_its_quiet,
+     .timeout = 120)
+{
+	struct world w;
+	open_resync(&w, 60000);
+	asked_from(&w, 0);
+	uint64_t t0 = now_ms();
+	answer_from(&w, 0, NULL, 0, false);
+	struct kvr_feed_stats st; /* returns once the feed's thread is out of the replay */
+	cr_assert_eq(kvr_feed_get_stats(w.f, w.id, &st), 0);
+	uint64_t ms = now_ms() - t0;
+	cr_assert_lt(ms, 5000, "the feed's thread waited %" PRIu64 " ms for the end marker", ms);
+	whole(&w);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_healing_answer_ending_short_is_asked_again, .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 5000);
+	asked_from(&w, 1);
+	for (uint64_t q = 1; q < 7; q++)
+		answer(&w, q);
+	answer(&w, UINT64_MAX);
+	asked_from(&w, 7);
+	answer_from(&w, 7, NULL, 0, true);
+	whole(&w);
+	close_world(&w);
+}
+
+/* A replayer that drops the second batch of every answer: each ask brings one batch more, and
+ * the feed stops after FEED_REPLAY_ASKS asks; the last answer's hole is reported once, as a gap
+ * always was (the rank cleared, what follows the hole applied), and nothing is asked after. */
+static void keeps_dropping(struct world *w, uint64_t start)
+{
+	for (int k = 0; k < FEED_REPLAY_ASKS; k++) {
+		asked_from(w, start + (uint64_t)k);
+		answer_from(w, start + (uint64_t)k, (const uint64_t[]){start + (uint64_t)k + 1}, 1,
+		            true);
+	}
+	uint64_t from;
+	cr_assert(!next_ask(w, 500, &from), "no ask %d (one from %" PRIu64 ")",
+	          FEED_REPLAY_ASKS + 1, from);
+	rank_is_engine(w);
+	cr_assert_eq(atomic_load(&gap_calls), 1, "the hole left is reported once");
+	cr_assert_eq(atomic_load(&gap_from), start + FEED_REPLAY_ASKS);
+	cr_assert_eq(atomic_load(&gap_to), start + FEED_REPLAY_ASKS + 1);
+}
+
+Test(feed_replay_reask, a_resync_replayer_that_keeps_dropping_is_asked_a_bounded_number_of_times,
+     .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 5000);
+	keeps_dropping(&w, 0);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_healing_replayer_that_keeps_dropping_is_asked_a_bounded_number_of_times,
+     .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 5000);
+	keeps_dropping(&w, 1);
+	close_world(&w);
+}
+
+/* A replayer that has nothing more when asked again: one more ask, then the gap, once. */
+Test(feed_replay_reask, an_answer_short_of_what_the_publisher_has_left_is_reported_once,
+     .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 5000);
+	asked_from(&w, 0);
+	answer_from(&w, 0, (const uint64_t[]){7, 8}, 2, true);
+	asked_from(&w, 7);
+	answer(&w, 9); /* the publisher's buffer now starts at 9: a real gap */
+	answer_from(&w, 10, NULL, 0, true);
+	uint64_t from;
+	cr_assert(!next_ask(&w, 300, &from), "no third ask (one from %" PRIu64 ")", from);
+	rank_is_engine(&w);
+	cr_assert_eq(atomic_load(&gap_calls), 1);
+	cr_assert_eq(atomic_load(&gap_from), 7);
+	cr_assert_eq(atomic_load(&gap_to), 9);
+	close_world(&w);
+}
