@@ -265,6 +265,12 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		pthread_mutex_unlock(&rx->rep->mu);
 		return KVR_EINVAL;
 	}
+	/* The taken provider gave it up midway (it could not build the rest, or a reply failed:
+	 * a given-up chunk numbered past 0, kvr_rep_serve_snapshot): nothing more comes, ask
+	 * again.  Taken for its next chunk, the transport waited out its timeout for more
+	 * (test_replica_serve a_snapshot_given_up_midway_is_asked_again). */
+	if (m.chunk_flags & KVR_MSG_CHUNK_GIVEN_UP)
+		return KVR_EAGAIN;
 	rx->provider = m.h.replica;
 	struct kvr_rep_item *it = kvr_alloc(sizeof(*it) + len);
 	if (!it)

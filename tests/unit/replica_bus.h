@@ -105,6 +105,9 @@ static unsigned bus_slow_ms[BUS_N];
 /* Replica i's snapshot requests reach nobody while bus_unheard[i] (its resync waits out its
  * snapshot_timeout_ms, serving the others' requests meanwhile as a resyncing replica does). */
 static bool bus_unheard[BUS_N];
+/* Replica j's bus_reply_fail[j]-th reply from now fails (KVR_EAGAIN: a transport that refuses
+ * it), once; 0: none. */
+static unsigned bus_reply_fail[BUS_N];
 
 static inline int bus_publish(void *ctx, const void *buf, size_t len)
 {
@@ -121,7 +124,10 @@ static inline int bus_publish(void *ctx, const void *buf, size_t len)
 
 static inline int bus_reply(void *ctx, const char *to, const void *buf, size_t len)
 {
-	(void)ctx;
+	int from = *(int *)ctx;
+	if (__atomic_load_n(&bus_reply_fail[from], __ATOMIC_ACQUIRE) &&
+	    __atomic_sub_fetch(&bus_reply_fail[from], 1, __ATOMIC_ACQ_REL) == 0)
+		return KVR_EAGAIN;
 	int j = to[0] - '0';
 	struct bus_chunk *c = malloc(sizeof(*c) + len);
 	cr_assert(c && j >= 0 && j < BUS_N);
@@ -365,6 +371,7 @@ static inline void bus_teardown(struct kvr_router **r, int n)
 		bus_turn[i] = 0;
 		bus_slow_ms[i] = 0;
 		bus_unheard[i] = false;
+		bus_reply_fail[i] = 0;
 	}
 	bus_spread = false;
 }

@@ -200,3 +200,26 @@ Test(replica_hedge, a_decline_while_another_copy_is_out_does_not_end_the_request
 	cr_assert(has_worker(r, 77));
 	done(r, rep);
 }
+
+/* P, taken, gives its snapshot up after its first chunk (it could not build the rest: a
+ * given-up chunk numbered 1, kvr_rep_serve_snapshot).  The request ends and the snapshot is
+ * asked for again.  Before, the given-up chunk was taken for the snapshot's next chunk and the
+ * request waited on for one that never came (over NATS or the bus: its whole timeout), nothing
+ * applied and not asked again. */
+Test(replica_hedge, a_providers_give_up_after_its_first_chunk_ends_the_request, .timeout = 60)
+{
+	struct kvr_msg_buf last = {0};
+	put_snapshot(&script[0], &last, P, 77);
+	kvr_msg_buf_fini(&last);
+	put_chunk(&script[1], P, 300, 1, KVR_MSG_CHUNK_GIVEN_UP, NULL, 0);
+	n_script = 2;
+	struct kvr_router *r;
+	struct kvr_replica *rep;
+	resync_with_script(&r, &rep);
+	struct kvr_sync_stats st = h_stats(rep);
+	cr_assert_eq(st.snapshots_applied, 0);
+	cr_assert_gt(__atomic_load_n(&played, __ATOMIC_ACQUIRE), 1,
+	             "the snapshot given up after its first chunk was not asked for again");
+	cr_assert(!has_worker(r, 77));
+	done(r, rep);
+}

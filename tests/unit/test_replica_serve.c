@@ -171,6 +171,33 @@ Test(replica_serve, a_quick_decline_does_not_lose_a_slower_settled_providers_ans
 	bus_snapshot_ms = 0;
 }
 
+/* Replica 1 serves a snapshot of several chunks (a small transport limit) and a reply fails
+ * after the first one: it gives the snapshot up with a given-up chunk numbered 1, not 0
+ * (kvr_rep_serve_snapshot).  Replica 2 asks again after a pause and applies the snapshot
+ * served then.  Taken for a chunk of the snapshot, that give-up left replica 2 waiting out its
+ * whole snapshot_timeout_ms for a chunk that never came, then ready with nothing applied. */
+Test(replica_serve, a_snapshot_given_up_midway_is_asked_again, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[0] = bus_router(0);
+	/* Room for one record a chunk: the fence, then each rank's records, a chunk each. */
+	kvr_replica_set_max_msg(bus.rep[0], KVR_MSG_HEADER + 32 + 100);
+	__atomic_store_n(&bus_reply_fail[0], 2, __ATOMIC_RELEASE);
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	r[1] = bus_router(1);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	const long ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+	cr_assert_eq(__atomic_load_n(&bus_reply_fail[0], __ATOMIC_ACQUIRE), 0,
+	             "no reply of replica 1 failed");
+	cr_assert_geq(stats(1).snapshots_applied, 1, "no snapshot applied (ready after %ld ms)",
+	              ms);
+	cr_assert_geq(stats(1).resyncs, 2, "the given-up snapshot was not asked for again");
+	cr_assert_lt(ms, 2500, "ready after %ld ms", ms);
+	bus_teardown(r, 2);
+}
+
 /* Every replica reconnects at once (the server came back): each resyncs, asking a peer that is
  * resyncing too.  None may hold another's request until its own resync ends: replicas 2 and 3
  * ask each other (the bus asks the last ready one), and both would wait out their
