@@ -227,6 +227,8 @@ struct snap_rx {
 	/* Those that declined because they resync themselves (KVR_MSG_CHUNK_RESYNCING). */
 	uint64_t busy[DECLINERS_MAX];
 	uint32_t n_busy;
+	/* From then on (kvr_rep_mono_ns) a decline ends the request (kvr_rep_resync settles). */
+	uint64_t settle_at;
 };
 
 static int on_chunk(void *cb, const void *buf, size_t len)
@@ -247,6 +249,13 @@ static int on_chunk(void *cb, const void *buf, size_t len)
 		    (m.chunk_flags & KVR_MSG_CHUNK_RESYNCING) && rx->n_busy < DECLINERS_MAX &&
 		    !taken(rx->busy, rx->n_busy, m.h.replica))
 			rx->busy[rx->n_busy++] = m.h.replica;
+		/* Past half the resync's budget the asker no longer waits for a settled table
+		 * (kvr_rep_resync): the decline ends the request, and the asker settles.  Waited
+		 * on, a copy held by a peer that never answers (stuck, or gone with it) ran out the
+		 * whole budget, nothing applied (test_replica_serve
+		 * a_stuck_peer_does_not_keep_a_resync_from_settling). */
+		if (kvr_rep_mono_ns() >= rx->settle_at)
+			return KVR_EAGAIN;
 		return KVR_REP_CHUNK_DECLINED;
 	}
 	/* Another provider's answer to the same request sent again (the transport's hedge):
@@ -407,12 +416,14 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 static bool poll_requests(void *cb);
 
 /* Asks a peer for a snapshot once, waiting at most timeout_ns between chunks, and applies it;
- * a reconnect's request asks for a settled provider's table if `settled_only`.  Returns 0
+ * a reconnect's request asks for a settled provider's table if `settled_only`.  A decline from
+ * settle_at on (kvr_rep_mono_ns) ends the request, copies out or not.  Returns 0
  * (applied), KVR_ENOENT (no peer), KVR_EAGAIN (the providers gave it up; *busy_seen if one
  * declined because it resyncs itself, such providers added to the n_busy ids in busy, at most
  * MAX_PEERS), KVR_ENOMEM, KVR_ETIMEDOUT, KVR_EINVAL (a chunk out of place). */
 static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, uint64_t hedge_ns,
-                       bool settled_only, bool *busy_seen, uint64_t *busy, size_t *n_busy)
+                       uint64_t settle_at, bool settled_only, bool *busy_seen, uint64_t *busy,
+                       size_t *n_busy)
 {
 	*busy_seen = false;
 	pthread_mutex_lock(&rep->qmu);
@@ -431,7 +442,7 @@ static int resync_once(struct kvr_replica *rep, uint64_t timeout_ns, uint64_t he
 	kvr_msg_put_bytes(&req, rep->obuf.p, rep->obuf.len);
 	pthread_mutex_unlock(&rep->mu);
 	int rc = KVR_ENOMEM;
-	struct snap_rx rx = {.rep = rep};
+	struct snap_rx rx = {.rep = rep, .settle_at = settle_at};
 	if (!req.oom)
 		rc = rep->t.request(rep->t.ctx, req.p, req.len, timeout_ns, hedge_ns, on_chunk,
 		                    poll_requests, &rx);
@@ -521,7 +532,7 @@ int kvr_rep_resync(struct kvr_replica *rep)
 		uint64_t spent = kvr_rep_mono_ns() - start;
 		bool busy_seen;
 		int rc = resync_once(rep, timeout > spent ? timeout - spent : 1, hedge,
-		                     settled_only, &busy_seen, busy, &n_busy);
+		                     start + timeout / 2, settled_only, &busy_seen, busy, &n_busy);
 		if (rc != KVR_EAGAIN && rc != KVR_ENOMEM)
 			return rc;
 		uint64_t wait = pause;

@@ -198,6 +198,52 @@ Test(replica_serve, a_snapshot_given_up_midway_is_asked_again, .timeout = 60)
 	bus_teardown(r, 2);
 }
 
+/* Replicas 1 and 3 are cut off and come back; replica 1 resyncs first, its requests reaching
+ * nobody (for longer than replica 3's whole budget), so it declines every settled-only request
+ * meanwhile.  Replica 3 then resyncs: its requests go to replica 2, alive but stuck (this
+ * thread holds its handling lock), and to replica 1, in turn.  Replica 2 answers no copy, so
+ * not every copy sent is ever declined; once half the budget went on declines, replica 3
+ * settles for what replica 1 has (kvr_rep_resync), as it did before copies were waited for.
+ * Before, a decline no longer ended the request while replica 2 held a copy: it ran out the
+ * whole budget and applied nothing. */
+Test(replica_serve, a_stuck_peer_does_not_keep_a_resync_from_settling, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	bus_snapshot_ms = 20000; /* replica 1's resync outlasts replica 3's */
+	r[0] = bus_router(0);
+	bus_snapshot_ms = 4000;
+	r[1] = bus_router(1);
+	r[2] = bus_router(2);
+	bus_quiet(r, 3);
+	for (int i = 0; i < 3; i += 2)
+		kvr_replica_disconnected(bus.rep[i]);
+	__atomic_store_n(&bus_unheard[0], true, __ATOMIC_RELEASE);
+	const uint64_t asked = stats(0).resyncs;
+	kvr_replica_reconnected(bus.rep[0]);
+	wait_resyncs(0, asked + 1, 0);
+	bus_spread = true; /* replica 3's requests: replica 2 first, then replica 1 */
+	pthread_mutex_lock(&bus.rep[1]->hmu);
+	const uint64_t applied = stats(2).snapshots_applied, resyncs = stats(2).resyncs;
+	kvr_replica_reconnected(bus.rep[2]);
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int k = 0; k < 500 && stats(2).snapshots_applied == applied; k++)
+		nanosleep(&(struct timespec){0, 10000000}, NULL);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	const long ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+	const struct kvr_sync_stats st = stats(2);
+	pthread_mutex_unlock(&bus.rep[1]->hmu);
+	cr_assert_gt(st.snapshots_applied, applied,
+	             "no snapshot applied in %ld ms of a 4,000 ms budget (%lu requests)", ms,
+	             (unsigned long)(st.resyncs - resyncs));
+	cr_assert_lt(ms, 4000, "applied after %ld ms", ms);
+	__atomic_store_n(&bus_unheard[0], false, __ATOMIC_RELEASE);
+	bus_spread = false;
+	bus_teardown(r, 3);
+	bus_snapshot_ms = 0;
+}
+
 /* Every replica reconnects at once (the server came back): each resyncs, asking a peer that is
  * resyncing too.  None may hold another's request until its own resync ends: replicas 2 and 3
  * ask each other (the bus asks the last ready one), and both would wait out their
