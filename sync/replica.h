@@ -39,8 +39,9 @@ struct kvr_replica_transport {
 	 * with the same reply subject, so that another peer may take it (a queue group picks one
 	 * at random) when the first one picked is alive but does not answer; on_chunk takes the
 	 * first provider that answers and ignores the others.  A transport that cannot may send
-	 * it once.  Ends with 0 (on_chunk said LAST), KVR_ENOENT (no peer answered: nobody
-	 * ready), KVR_EAGAIN (every copy sent was DECLINED), KVR_ETIMEDOUT (timeout_ns passed
+	 * it once.  Ends with 0 (on_chunk said LAST), KVR_ENOENT (every copy sent reached
+	 * nobody: nobody ready), KVR_EAGAIN (every copy sent was DECLINED or reached nobody, one
+	 * at least DECLINED), KVR_ETIMEDOUT (timeout_ns passed
 	 * with no chunk taken: IGNORED and DECLINED replies do not restart it), KVR_ESHUTDOWN, or
 	 * on_chunk's error.  NULL = no snapshots (in-process bus: every replica starts
 	 * together). */

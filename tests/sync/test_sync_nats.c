@@ -1740,6 +1740,69 @@ static void test_snapshot_decline(void)
 	natsConnection_Destroy(nc);
 }
 
+/* A joiner's snapshot request reaches the one member of the queue group (a raw subscription),
+ * which then leaves the group before answering: the copy sent again after an eighth of the
+ * budget finds nobody (the server's "no responders").  The first copy is still with the member,
+ * which answers it with a snapshot naming worker 56: applied.  Before, the copy that found
+ * nobody ended the request with KVR_ENOENT ("no peer is ready"), and the joiner started the
+ * cluster's knowledge alone, the answer going to an inbox nobody read. */
+static void test_snapshot_no_responders(void)
+{
+	natsConnection *nc = NULL;
+	natsSubscription *m = NULL;
+	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
+	          natsConnection_QueueSubscribeSync(&m, nc, "nobody.snap", "kvr-snap") == NATS_OK &&
+	          natsConnection_Flush(nc) == NATS_OK,
+	      "the member");
+	struct kvr_router *r = make_router();
+	struct kvr_sync *s = NULL;
+	struct kvr_sync_config c;
+	kvr_sync_config_init(&c);
+	c.servers = kvr_test_nats_url();
+	c.cluster = "nobody";
+	c.replica_id = 1;
+	c.snapshot_timeout_ms = 1600; /* sent again every 200 ms */
+	CHECK(m && r && kvr_sync_attach(r, &c, &s) == 0, "attach");
+	natsMsg *q = NULL;
+	CHECK(s && natsSubscription_NextMsg(&q, m, 2000) == NATS_OK && natsMsg_GetReply(q),
+	      "no request");
+	if (q && natsMsg_GetReply(q)) {
+		char to[128];
+		snprintf(to, sizeof(to), "%s", natsMsg_GetReply(q));
+		CHECK(natsSubscription_Unsubscribe(m) == NATS_OK &&
+		          natsConnection_Flush(nc) == NATS_OK,
+		      "the member leaves");
+		struct timespec ts = {0, 400000000}; /* past the copy sent again */
+		nanosleep(&ts, NULL);
+		struct kvr_msg_buf recs = {0}, rec = {0};
+		kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
+		kvr_test_put_record(&recs, &rec);
+		reply_chunk(nc, to, 0, 0, &recs, 1);
+		recs.len = rec.len = 0;
+		kvr_test_put_rank(&rec, 7, 300, 0, 56);
+		kvr_test_put_record(&recs, &rec);
+		reply_chunk(nc, to, 1, KVR_MSG_CHUNK_LAST, &recs, 1);
+		kvr_msg_buf_fini(&recs);
+		kvr_msg_buf_fini(&rec);
+	}
+	natsMsg_Destroy(q);
+	int rc = s ? kvr_sync_wait_ready(s, 5000) : KVR_EINVAL;
+	struct kvr_sync_stats st = {0};
+	if (s)
+		kvr_sync_get_stats(s, &st);
+	struct kvr_rank_stats rs;
+	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
+	CHECK(st.snapshots_applied == 1, "%llu snapshots applied",
+	      (unsigned long long)st.snapshots_applied);
+	CHECK(r && kvr_rank_get_stats(r, (struct kvr_rank_id){56, 0}, &rs) == 0,
+	      "the snapshot's rank is missing");
+	if (s)
+		kvr_sync_detach(s);
+	kvr_router_destroy(r);
+	natsSubscription_Destroy(m);
+	natsConnection_Destroy(nc);
+}
+
 struct spam {
 	natsConnection *nc;
 	char to[128];
@@ -2270,6 +2333,7 @@ int main(int argc, char **argv)
 	RUN(router_first);
 	RUN(snapshot_wait);
 	RUN(snapshot_decline);
+	RUN(snapshot_no_responders);
 	RUN(snapshot_ignored);
 	RUN(spawn);
 	RUN(dup_id);
