@@ -53,6 +53,7 @@ enum kvr_counter {
 	KVR_C_SHARD_RELEASE_ERRORS,     /* predicted-cache releases out of memory (retried) */
 	KVR_C_LANE_FULL_WAITS,          /* posts that found a shard lane full and waited */
 	KVR_C_LANE_FULL_DROPS,          /* posts given up after the bounded wait */
+	KVR_C_LANE_FULL_REFUSALS,       /* a frontend pass's bookings refused at once (full lane) */
 	KVR_C_LANE_SOFT_THROTTLES,      /* admissions that waited at a lane's soft depth */
 	KVR_C_LANE_SOFT_SPILLS,         /* admissions posted past it (the shard had stalled) */
 	KVR_C_STALE_BOOKINGS,           /* admissions whose rank went away before the booking */

@@ -111,6 +111,11 @@ static const struct {
      "Posts given up after the bounded wait (admission refused with KVR_EAGAIN, or lifecycle work "
      "left to the lease reaper)",
      ""},
+    {KVR_C_LANE_FULL_REFUSALS, "kvr_lane_full_refusals_total",
+     "Queued requests' bookings that a frontend's admission pass found on a full lane and refused "
+     "at once, without the bounded wait (the request stays queued; the admission thread retries "
+     "it, and its retry counts as any post)",
+     ""},
     {KVR_C_LANE_SOFT_THROTTLES, "kvr_lane_soft_throttles_total",
      "Admissions that waited at a routing lane's soft depth while its shard was taking work", ""},
     {KVR_C_LANE_SOFT_SPILLS, "kvr_lane_soft_spills_total",

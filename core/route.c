@@ -17,8 +17,10 @@
  *      finds the booking within that bound, and the caller makes no FUTEX_WAKE; the first
  *      booking after a lull wakes it, kvr_shard_post_soon).  The caller never
  *      waits for a shard, except on a full lane (a bounded wait, KVR_LANE_FULL_WAIT_NS, counted
- *      in kvr_lane_full_waits_total) and, briefly, at the lane's soft depth while the shard
- *      is making progress (kvr_shard_post_paced, kvr_lane_soft_throttles_total).  With
+ *      in kvr_lane_full_waits_total; a queued request's booking in a frontend's admission pass
+ *      does not wait, refused at once, kvr_lane_full_refusals_total) and, briefly, at the
+ *      lane's soft depth while the shard is making progress (kvr_shard_post_paced,
+ *      kvr_lane_soft_throttles_total).  With
  *      sync_booking the booking is a timed post (kvr_shard_post_at: applied at this
  *      decision's time) and the next decision settles first (kvr_router_settle), so
  *      back-to-back decisions are exact without a round trip per booking; only a booking the
@@ -791,8 +793,13 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync, bool fu
 			                !!(how & KVR_POST_THROTTLED));
 			kvr_metrics_add(mb, KVR_C_LANE_SOFT_SPILLS, !!(how & KVR_POST_SPILLED));
 		}
-		/* !full_wait: no wait, so neither counted; the admission thread's retry, which the
-		 * refusal wakes below, waits and counts as any other post. */
+		/* !full_wait: refused at once, counted on its own (no wait, nothing dropped: the
+		 * request stays queued); the admission thread's retry, which the refusal wakes
+		 * below, waits and counts as any other post.  Before, counted nowhere: a lane that
+		 * drained before the retry left no sign that it was ever full (test_queue_lane
+		 * a_frontends_refused_booking_on_a_full_lane_is_counted). */
+		if (rc == KVR_EAGAIN && !full_wait)
+			kvr_metrics_add(kvr_metrics_local(r->metrics), KVR_C_LANE_FULL_REFUSALS, 1);
 		if (rc == KVR_EAGAIN && full_wait) {
 			struct kvr_metrics_block *mb = kvr_metrics_local(r->metrics);
 			kvr_metrics_add(mb, KVR_C_LANE_FULL_WAITS, 1);

@@ -156,8 +156,10 @@ struct kvr_router {
  * a->attempt, adds the request to the rank's provisional load (a->pend_blocks set by the
  * caller; a->pend_prefill_tokens filled here), and posts the booking to the rank's shard
  * (routing lane); with sync, waits for the booking instead.  full_wait (without sync): a full
- * lane is waited on for KVR_LANE_FULL_WAIT_NS (counted); false: refused at once, uncounted
- * (a frontend's admission pass, whose retry is the admission thread's).
+ * lane is waited on for KVR_LANE_FULL_WAIT_NS (counted in KVR_C_LANE_FULL_WAITS, and
+ * KVR_C_LANE_FULL_DROPS when it stays full); false: refused at once, counted in
+ * KVR_C_LANE_FULL_REFUSALS (a frontend's admission pass, whose retry is the admission
+ * thread's).
  * Returns 0; KVR_ENOENT (sync: the rank went away since the decision; nothing booked);
  * KVR_EAGAIN (the lane stayed full for KVR_LANE_FULL_WAIT_NS, or was full and !full_wait, or
  * too many live attempts); KVR_ERANGE (attempt ids used up); KVR_ENOMEM; KVR_ESHUTDOWN.

@@ -21,6 +21,7 @@
  */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -485,4 +486,81 @@ Test(queue_lane, fcfs_a_route_whose_pass_met_a_full_lane_queues_behind, .timeout
 Test(queue_lane, wspt_a_route_whose_pass_met_a_full_lane_queues_behind, .timeout = 60)
 {
 	a_route_whose_pass_met_a_full_lane_queues_behind(KVR_QUEUE_WSPT);
+}
+
+/* A frontend's pass refuses a queued request's booking on a full lane at once (no wait), and
+ * the admission thread retries it.  That refusal was counted nowhere: not in
+ * kvr_lane_full_waits_total (it did not wait) nor in kvr_lane_full_drops_total (nothing was
+ * given up after the bounded wait).  Had the lane drained before the admission thread's retry,
+ * which then found room and waited for nothing, an operator saw no sign that a lane was ever
+ * full.  It is kvr_lane_full_refusals_total's.
+ *
+ * The scene of a_route_whose_pass_met_a_full_lane_queues_behind: u queued (it chooses A), no
+ * admission thread, both hogs end, A's shard stalls and its lane fills; v's route runs the
+ * pass, which refuses u's booking.  The lane is released and drained before the admission
+ * thread starts again, so that its retry finds room. */
+static uint64_t metric_or_zero(const char *buf, const char *name)
+{
+	char key[128];
+	snprintf(key, sizeof(key), "\n%s ", name);
+	const char *p = strstr(buf, key);
+	return p ? strtoull(p + strlen(key), NULL, 10) : 0;
+}
+
+Test(queue_lane, a_frontends_refused_booking_on_a_full_lane_is_counted, .timeout = 60)
+{
+	struct lane_hogs h;
+	struct kvr_router *r = lane_scene_hogs(KVR_QUEUE_FCFS, &h);
+	struct kvr_decision d;
+	static uint32_t tu[64], tv[64];
+	static char buf[1 << 16];
+	prompt(tu, 64, 41000);
+	prompt(tv, 64, 41001);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tu;
+	q.n_tokens = 64;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	const uint64_t tku = d.ticket;
+	kvr_admitter_stop(r);
+	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_request_finish(r, h.ha.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, h.hb.attempt), 0);
+	cr_assert_eq(active(r, h.a), 0);
+	cr_assert_eq(active(r, h.b), 0);
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), NULL), 0);
+	const uint64_t refused0 = metric_or_zero(buf, "kvr_lane_full_refusals_total");
+	stall_and_fill(h.sha);
+	q.tokens = tv;
+	cr_assert_eq(kvr_route(r, &q, &d), 0); /* its pass refuses u's booking on A */
+	cr_assert_eq(d.status, KVR_QUEUED, "v queued behind u");
+	cr_assert_lt(told_at(tku, NULL), 0, "u was admitted on A with its lane full");
+	/* The lane drains (the sync runs after the stall and every filler), then the admission
+	 * thread retries u and finds room. */
+	__atomic_store_n(&lt.release, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	cr_assert_eq(kvr_admitter_start(r), 0);
+	kvr_admitter_wake(r);
+	for (int ms = 0; ms < 10000 && told_at(tku, NULL) < 0; ms++)
+		sleep_ms(1);
+	cr_assert_geq(told_at(tku, NULL), 0, "u was never admitted");
+	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), NULL), 0);
+	const uint64_t waits = metric_or_zero(buf, "kvr_lane_full_waits_total");
+	const uint64_t drops = metric_or_zero(buf, "kvr_lane_full_drops_total");
+	const uint64_t refused = metric_or_zero(buf, "kvr_lane_full_refusals_total") - refused0;
+	cr_log_info("lane full: %llu refusals, %llu waits, %llu drops", (unsigned long long)refused,
+	            (unsigned long long)waits, (unsigned long long)drops);
+	cr_assert_eq(refused0, 0);
+	cr_assert_geq(refused, 1,
+	              "u's booking, refused at once on A's full lane in v's pass, was counted "
+	              "nowhere (kvr_lane_full_refusals_total %llu, kvr_lane_full_waits_total %llu, "
+	              "kvr_lane_full_drops_total %llu)",
+	              (unsigned long long)refused, (unsigned long long)waits,
+	              (unsigned long long)drops);
+	/* One refusal a pass that met the full lane: v's route ran at most two (before and
+	 * after its push). */
+	cr_assert_leq(refused, 2);
+	cr_assert_eq(drops, 0, "nothing was given up");
+	kvr_router_destroy(r);
 }
