@@ -1670,137 +1670,141 @@ static void reply_chunk(natsConnection *nc, const char *to, uint32_t c, uint32_t
 	kvr_msg_buf_fini(&b);
 }
 
-/* A joiner's snapshot request reaches the one member of the queue group (a raw subscription),
- * which answers late: the copy sent again after an eighth of the budget reaches it too, and
- * it declines that copy at once (as a provider resyncing itself declines a joiner), then
- * answers the first with a snapshot naming worker 55.  The decline does not end the request:
- * the snapshot is applied.  Before, the decline ended it, the answer went to an inbox nobody
- * read, and the member, asked again, said nothing more: the budget ran out with nothing
- * applied. */
-static void test_snapshot_decline(void)
+/* A joiner (replica 1 of `cluster`, snapshot_timeout_ms budget_ms) beside one member of the
+ * snapshot queue group, a raw subscription on its own connection: the member's answers are the
+ * test's to write. */
+struct member_scene {
+	natsConnection *nc;
+	natsSubscription *m;
+	struct kvr_router *r;
+	struct kvr_sync *s;
+};
+
+static void member_scene_open(struct member_scene *sc, const char *cluster, uint32_t budget_ms)
 {
-	natsConnection *nc = NULL;
-	natsSubscription *m = NULL;
-	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
-	          natsConnection_QueueSubscribeSync(&m, nc, "decline.snap", "kvr-snap") ==
-	              NATS_OK &&
-	          natsConnection_Flush(nc) == NATS_OK,
+	*sc = (struct member_scene){0};
+	char subj[64];
+	snprintf(subj, sizeof(subj), "%s.snap", cluster);
+	CHECK(natsConnection_ConnectTo(&sc->nc, kvr_test_nats_url()) == NATS_OK &&
+	          natsConnection_QueueSubscribeSync(&sc->m, sc->nc, subj, "kvr-snap") == NATS_OK &&
+	          natsConnection_Flush(sc->nc) == NATS_OK,
 	      "the member");
-	struct kvr_router *r = make_router();
-	struct kvr_sync *s = NULL;
+	sc->r = make_router();
 	struct kvr_sync_config c;
 	kvr_sync_config_init(&c);
 	c.servers = kvr_test_nats_url();
-	c.cluster = "decline";
+	c.cluster = cluster;
 	c.replica_id = 1;
-	c.snapshot_timeout_ms = 1600; /* sent again every 200 ms */
-	CHECK(m && r && kvr_sync_attach(r, &c, &s) == 0, "attach");
+	c.snapshot_timeout_ms = budget_ms;
+	CHECK(sc->m && sc->r && kvr_sync_attach(sc->r, &c, &sc->s) == 0, "attach");
+}
+
+/* The joiner's next request's reply inbox, copied to `to` (false: none within 2 s). */
+static bool member_scene_request(struct member_scene *sc, char *to, size_t cap)
+{
+	natsMsg *q = NULL;
+	bool got =
+	    sc->s && natsSubscription_NextMsg(&q, sc->m, 2000) == NATS_OK && natsMsg_GetReply(q);
+	if (got)
+		snprintf(to, cap, "%s", natsMsg_GetReply(q));
+	natsMsg_Destroy(q);
+	CHECK(got, "no request");
+	return got;
+}
+
+/* Provider 7's snapshot to `to`: its fence, then a RANK add of worker w (the last chunk). */
+static void reply_snapshot(natsConnection *nc, const char *to, uint64_t w)
+{
+	struct kvr_msg_buf recs = {0}, rec = {0};
+	kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
+	kvr_test_put_record(&recs, &rec);
+	reply_chunk(nc, to, 0, 0, &recs, 1);
+	recs.len = rec.len = 0;
+	kvr_test_put_rank(&rec, 7, 300, 0, w);
+	kvr_test_put_record(&recs, &rec);
+	reply_chunk(nc, to, 1, KVR_MSG_CHUNK_LAST, &recs, 1);
+	kvr_msg_buf_fini(&recs);
+	kvr_msg_buf_fini(&rec);
+}
+
+/* The joiner is ready, with provider 7's snapshot applied (worker w on its router). */
+static void member_scene_applied(struct member_scene *sc, uint64_t w)
+{
+	int rc = sc->s ? kvr_sync_wait_ready(sc->s, 5000) : KVR_EINVAL;
+	struct kvr_sync_stats st = {0};
+	if (sc->s)
+		kvr_sync_get_stats(sc->s, &st);
+	struct kvr_rank_stats rs;
+	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
+	CHECK(st.snapshots_applied == 1, "%llu snapshots applied",
+	      (unsigned long long)st.snapshots_applied);
+	CHECK(sc->r && kvr_rank_get_stats(sc->r, (struct kvr_rank_id){w, 0}, &rs) == 0,
+	      "the snapshot's rank is missing");
+}
+
+static void member_scene_close(struct member_scene *sc)
+{
+	if (sc->s)
+		kvr_sync_detach(sc->s);
+	kvr_router_destroy(sc->r);
+	natsSubscription_Destroy(sc->m);
+	natsConnection_Destroy(sc->nc);
+}
+
+/* A joiner's snapshot request reaches the one member of the queue group, which answers late:
+ * the copy sent again after an eighth of the budget reaches it too, and it declines that copy
+ * at once (as a provider resyncing itself declines a joiner), then answers the first with a
+ * snapshot naming worker 55.  The decline does not end the request: the snapshot is applied.
+ * Before, the decline ended it, the answer went to an inbox nobody read, and the member, asked
+ * again, said nothing more: the budget ran out with nothing applied. */
+static void test_snapshot_decline(void)
+{
+	struct member_scene sc;
+	member_scene_open(&sc, "decline", 1600); /* sent again every 200 ms */
 	char first[128] = "";
 	int copies = 0;
-	for (double t0 = mono_ms(); s && copies < 2 && mono_ms() - t0 < 1400;) {
+	for (double t0 = mono_ms(); sc.s && copies < 2 && mono_ms() - t0 < 1400;) {
 		natsMsg *q = NULL;
-		if (natsSubscription_NextMsg(&q, m, 50) != NATS_OK)
+		if (natsSubscription_NextMsg(&q, sc.m, 50) != NATS_OK)
 			continue;
 		const char *to = natsMsg_GetReply(q);
 		if (to && copies++ == 0)
 			snprintf(first, sizeof(first), "%s", to);
 		else if (to)
-			reply_chunk(nc, to, 0, KVR_MSG_CHUNK_GIVEN_UP, NULL, 0);
+			reply_chunk(sc.nc, to, 0, KVR_MSG_CHUNK_GIVEN_UP, NULL, 0);
 		natsMsg_Destroy(q);
 	}
 	CHECK(copies == 2, "the member got %d copies", copies);
 	if (copies == 2) {
 		struct timespec ts = {0, 100000000};
 		nanosleep(&ts, NULL);
-		struct kvr_msg_buf recs = {0}, rec = {0};
-		kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
-		kvr_test_put_record(&recs, &rec);
-		reply_chunk(nc, first, 0, 0, &recs, 1);
-		recs.len = rec.len = 0;
-		kvr_test_put_rank(&rec, 7, 300, 0, 55);
-		kvr_test_put_record(&recs, &rec);
-		reply_chunk(nc, first, 1, KVR_MSG_CHUNK_LAST, &recs, 1);
-		kvr_msg_buf_fini(&recs);
-		kvr_msg_buf_fini(&rec);
+		reply_snapshot(sc.nc, first, 55);
 	}
-	int rc = s ? kvr_sync_wait_ready(s, 5000) : KVR_EINVAL;
-	struct kvr_sync_stats st = {0};
-	if (s)
-		kvr_sync_get_stats(s, &st);
-	struct kvr_rank_stats rs;
-	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
-	CHECK(st.snapshots_applied == 1, "%llu snapshots applied",
-	      (unsigned long long)st.snapshots_applied);
-	CHECK(r && kvr_rank_get_stats(r, (struct kvr_rank_id){55, 0}, &rs) == 0,
-	      "the snapshot's rank is missing");
-	if (s)
-		kvr_sync_detach(s);
-	kvr_router_destroy(r);
-	natsSubscription_Destroy(m);
-	natsConnection_Destroy(nc);
+	member_scene_applied(&sc, 55);
+	member_scene_close(&sc);
 }
 
-/* A joiner's snapshot request reaches the one member of the queue group (a raw subscription),
- * which then leaves the group before answering: the copy sent again after an eighth of the
- * budget finds nobody (the server's "no responders").  The first copy is still with the member,
- * which answers it with a snapshot naming worker 56: applied.  Before, the copy that found
- * nobody ended the request with KVR_ENOENT ("no peer is ready"), and the joiner started the
- * cluster's knowledge alone, the answer going to an inbox nobody read. */
+/* A joiner's snapshot request reaches the one member of the queue group, which then leaves the
+ * group before answering: the copy sent again after an eighth of the budget finds nobody (the
+ * server's "no responders").  The first copy is still with the member, which answers it with a
+ * snapshot naming worker 56: applied.  Before, the copy that found nobody ended the request
+ * with KVR_ENOENT ("no peer is ready"), and the joiner started the cluster's knowledge alone,
+ * the answer going to an inbox nobody read. */
 static void test_snapshot_no_responders(void)
 {
-	natsConnection *nc = NULL;
-	natsSubscription *m = NULL;
-	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
-	          natsConnection_QueueSubscribeSync(&m, nc, "nobody.snap", "kvr-snap") == NATS_OK &&
-	          natsConnection_Flush(nc) == NATS_OK,
-	      "the member");
-	struct kvr_router *r = make_router();
-	struct kvr_sync *s = NULL;
-	struct kvr_sync_config c;
-	kvr_sync_config_init(&c);
-	c.servers = kvr_test_nats_url();
-	c.cluster = "nobody";
-	c.replica_id = 1;
-	c.snapshot_timeout_ms = 1600; /* sent again every 200 ms */
-	CHECK(m && r && kvr_sync_attach(r, &c, &s) == 0, "attach");
-	natsMsg *q = NULL;
-	CHECK(s && natsSubscription_NextMsg(&q, m, 2000) == NATS_OK && natsMsg_GetReply(q),
-	      "no request");
-	if (q && natsMsg_GetReply(q)) {
-		char to[128];
-		snprintf(to, sizeof(to), "%s", natsMsg_GetReply(q));
-		CHECK(natsSubscription_Unsubscribe(m) == NATS_OK &&
-		          natsConnection_Flush(nc) == NATS_OK,
+	struct member_scene sc;
+	member_scene_open(&sc, "nobody", 1600); /* sent again every 200 ms */
+	char to[128];
+	if (member_scene_request(&sc, to, sizeof(to))) {
+		CHECK(natsSubscription_Unsubscribe(sc.m) == NATS_OK &&
+		          natsConnection_Flush(sc.nc) == NATS_OK,
 		      "the member leaves");
 		struct timespec ts = {0, 400000000}; /* past the copy sent again */
 		nanosleep(&ts, NULL);
-		struct kvr_msg_buf recs = {0}, rec = {0};
-		kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
-		kvr_test_put_record(&recs, &rec);
-		reply_chunk(nc, to, 0, 0, &recs, 1);
-		recs.len = rec.len = 0;
-		kvr_test_put_rank(&rec, 7, 300, 0, 56);
-		kvr_test_put_record(&recs, &rec);
-		reply_chunk(nc, to, 1, KVR_MSG_CHUNK_LAST, &recs, 1);
-		kvr_msg_buf_fini(&recs);
-		kvr_msg_buf_fini(&rec);
+		reply_snapshot(sc.nc, to, 56);
 	}
-	natsMsg_Destroy(q);
-	int rc = s ? kvr_sync_wait_ready(s, 5000) : KVR_EINVAL;
-	struct kvr_sync_stats st = {0};
-	if (s)
-		kvr_sync_get_stats(s, &st);
-	struct kvr_rank_stats rs;
-	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
-	CHECK(st.snapshots_applied == 1, "%llu snapshots applied",
-	      (unsigned long long)st.snapshots_applied);
-	CHECK(r && kvr_rank_get_stats(r, (struct kvr_rank_id){56, 0}, &rs) == 0,
-	      "the snapshot's rank is missing");
-	if (s)
-		kvr_sync_detach(s);
-	kvr_router_destroy(r);
-	natsSubscription_Destroy(m);
-	natsConnection_Destroy(nc);
+	member_scene_applied(&sc, 56);
+	member_scene_close(&sc);
 }
 
 struct spam {
@@ -1830,41 +1834,22 @@ static void *spam_chunks(void *arg)
  * Before, each of them restarted it, and the joiner waited as long as they came. */
 static void test_snapshot_ignored(void)
 {
-	natsConnection *nc = NULL;
-	natsSubscription *m = NULL;
-	CHECK(natsConnection_ConnectTo(&nc, kvr_test_nats_url()) == NATS_OK &&
-	          natsConnection_QueueSubscribeSync(&m, nc, "ignored.snap", "kvr-snap") ==
-	              NATS_OK &&
-	          natsConnection_Flush(nc) == NATS_OK,
-	      "the member");
-	struct kvr_router *r = make_router();
-	struct kvr_sync *s = NULL;
-	struct kvr_sync_config c;
-	kvr_sync_config_init(&c);
-	c.servers = kvr_test_nats_url();
-	c.cluster = "ignored";
-	c.replica_id = 1;
-	c.snapshot_timeout_ms = 1000;
-	CHECK(m && r && kvr_sync_attach(r, &c, &s) == 0, "attach");
-	natsMsg *q = NULL;
-	CHECK(s && natsSubscription_NextMsg(&q, m, 2000) == NATS_OK && natsMsg_GetReply(q),
-	      "no request");
-	struct spam sp = {.nc = nc};
+	struct member_scene sc;
+	member_scene_open(&sc, "ignored", 1000);
+	struct spam sp = {.nc = sc.nc};
 	pthread_t th;
 	bool spamming = false;
 	double t0 = mono_ms();
-	if (q && natsMsg_GetReply(q)) {
-		snprintf(sp.to, sizeof(sp.to), "%s", natsMsg_GetReply(q));
+	if (member_scene_request(&sc, sp.to, sizeof(sp.to))) {
 		struct kvr_msg_buf recs = {0}, rec = {0};
 		kvr_test_put_fence(&rec, 7, 300, 7, 300, 0);
 		kvr_test_put_record(&recs, &rec);
-		reply_chunk(nc, sp.to, 0, 0, &recs, 1);
+		reply_chunk(sc.nc, sp.to, 0, 0, &recs, 1);
 		kvr_msg_buf_fini(&recs);
 		kvr_msg_buf_fini(&rec);
 		spamming = pthread_create(&th, NULL, spam_chunks, &sp) == 0;
 	}
-	natsMsg_Destroy(q);
-	int rc = s ? kvr_sync_wait_ready(s, 10000) : KVR_EINVAL;
+	int rc = sc.s ? kvr_sync_wait_ready(sc.s, 10000) : KVR_EINVAL;
 	double ms = mono_ms() - t0;
 	atomic_store(&sp.stop, true);
 	if (spamming)
@@ -1872,11 +1857,7 @@ static void test_snapshot_ignored(void)
 	CHECK(rc == 0, "not ready: %s", kvr_strerror(rc));
 	/* The budget is 1 s; the spam goes on for as long as the joiner waits. */
 	CHECK(ms < 4000, "ready after %.0f ms of another provider's chunks", ms);
-	if (s)
-		kvr_sync_detach(s);
-	kvr_router_destroy(r);
-	natsSubscription_Destroy(m);
-	natsConnection_Destroy(nc);
+	member_scene_close(&sc);
 	printf("snapshot_ignored: ready %.0f ms after the first chunk of a 1,000 ms budget\n", ms);
 }
 
