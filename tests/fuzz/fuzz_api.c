@@ -216,7 +216,8 @@ struct mtick {
 	bool clock_back;      /* the clock stepped back while it was pending (op_clock) */
 	bool told;            /* wait or cancel found it gone: on_admit's report is on its way */
 	bool settled;         /* out of the waiting list (the queue's depth read 0 since) */
-	bool may_fail;        /* kept (kept_outcome) and had no eligible rank while waiting */
+	bool may_fail;        /* had no eligible rank while waiting (kept or not then): a failed
+	                         outcome may be kept for it (track_uncollected) */
 };
 
 struct prog {
@@ -585,8 +586,18 @@ static size_t uncollected_after(struct prog *p, double seconds)
  * model does not know when a waiting ticket is admitted, nor on which rank: while a kept one
  * waits (not `settled`), an admission may put an attempt on the current life of each rank
  * eligible for it (kept_live); a new life of the rank ends it (rank_new_life); a reading of the
- * queue's depth at 0 settles every ticket.  A kept ticket that had no eligible rank may have
- * failed, and a failed outcome is kept two lease scan intervals: no check while one is held.
+ * queue's depth at 0 settles every ticket.  A ticket that had no eligible rank while it waited
+ * may have failed, and a failed outcome is kept two lease scan intervals: no check while a kept
+ * one may be held.  Kept or not at that moment: with on_admit, a ticket nobody waited on yet
+ * is not kept, but a pass may decide its failure then (no rank left) and link the outcome only
+ * after its clock read, off the queue's lock, with the depth still counting it; a
+ * kvr_route_wait that times out meanwhile, after a rank came back, makes it a kept one.  The
+ * model marked only kept tickets, so it took that failure (kept at its done_ns, the virtual
+ * clock standing still) for an admission whose attempt a later removal had ended: --limits seed
+ * 20, "kvr_queue_uncollected 1 on an idle router after every kept admission's attempt ended"
+ * once on a loaded machine (the pass's thread preempted between its decision at op 41's
+ * removal of the only rank and its link after op 53), every few hundred runs with sleeps in
+ * the pass.
  * So with the depth at 0, no kept_live rank and no such ticket, every kept outcome is of no
  * use, and the gauge must read 0 (at once, as a rank's new life reclaims them; a bounded poll
  * for margin).  And always, every kept outcome is one of the model's tickets: the gauge never
@@ -599,16 +610,18 @@ static void track_uncollected(struct prog *p)
 	bool may_fail = false;
 	for (int k = 0; k < p->n_tix; k++) {
 		struct mtick *m = &p->tix[k];
+		/* Whether kept or not yet: a pass that found no eligible rank decides the failure
+		 * then, and links it only after its clock read, off the queue's lock; a wait that
+		 * comes meanwhile makes the outcome a kept one (see above). */
+		if (!m->settled && !any_eligible(p, m->pinned, m->allow, m->allow_some))
+			m->may_fail = true;
 		if (!kept_outcome(p, m))
 			continue;
 		kept++;
-		if (!m->settled) {
+		if (!m->settled)
 			for (int i = 0; i < N_IDS; i++)
 				if (eligible(p, i, m->pinned, m->allow, m->allow_some))
 					p->kept_live[i] = true;
-			if (!any_eligible(p, m->pinned, m->allow, m->allow_some))
-				m->may_fail = true;
-		}
 		may_fail |= m->may_fail;
 	}
 	/* The depth first: an outcome counted uncollected was waiting before (one lock section) */
