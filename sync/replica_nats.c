@@ -160,6 +160,39 @@ static uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* A snapshot request's wait (t_request): its deadline, when the next copy is due, when the
+ * deadline and a stop were last looked at, and the copies sent. */
+struct wait {
+	uint64_t deadline, hedge_at, checked;
+	unsigned sent;
+};
+
+#define WAIT_STEP_NS 20000000ull /* the deadline and a stop are looked at this often */
+
+/* What the wait does when no reply came for WAIT_STEP_NS, or every WAIT_STEP_NS while replies
+ * that are no progress keep coming: KVR_ESHUTDOWN when poll says the replica stops (a detach or
+ * router destroy waits for this thread), KVR_ETIMEDOUT past the deadline, else 0, a copy of the
+ * request sent again if one is due. */
+static int between_waits(struct kvr_sync *s, const char *inbox, const void *req, size_t len,
+                         uint64_t hedge_ns, bool (*poll)(void *cb), void *cb, struct wait *w)
+{
+	if (poll && poll(cb))
+		return KVR_ESHUTDOWN;
+	uint64_t now = mono_ns();
+	w->checked = now;
+	if (now >= w->deadline)
+		return KVR_ETIMEDOUT;
+	/* Nobody answered yet: the group may pick another member this time.  A failed send is
+	 * the next hedge's to make up. */
+	if (now >= w->hedge_at) {
+		if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req, (int)len) ==
+		    NATS_OK)
+			w->sent++;
+		w->hedge_at = now + hedge_ns;
+	}
+	return 0;
+}
+
 static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns, uint64_t hedge_ns,
                      int (*on_chunk)(void *cb, const void *buf, size_t len), bool (*poll)(void *cb),
                      void *cb)
@@ -178,32 +211,18 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 	 * waited its whole 10 s default for a PONG no server would send, and a detach with it. */
 	if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req, (int)len) != NATS_OK)
 		goto out;
-	uint64_t deadline = mono_ns() + timeout_ns;
-	uint64_t hedge_at = hedge_ns ? mono_ns() + hedge_ns : UINT64_MAX; /* till one is taken */
-	/* Copies sent, declined, and found by nobody (no responders). */
-	unsigned sent = 1, declined = 0, unheard = 0;
+	struct wait w = {.deadline = mono_ns() + timeout_ns,
+	                 .hedge_at = hedge_ns ? mono_ns() + hedge_ns : UINT64_MAX,
+	                 .checked = mono_ns(),
+	                 .sent = 1};
+	/* Copies declined, and found by nobody (no responders). */
+	unsigned declined = 0, unheard = 0;
 	for (;;) {
 		natsMsg *msg = NULL;
 		natsStatus st = natsSubscription_NextMsg(&msg, sub, 20);
 		if (st == NATS_TIMEOUT) {
-			if (poll && poll(cb)) {
-				rc = KVR_ESHUTDOWN; /* a detach or router destroy waits for this
-				                       thread */
+			if ((rc = between_waits(s, inbox, req, len, hedge_ns, poll, cb, &w)))
 				break;
-			}
-			uint64_t now = mono_ns();
-			if (now >= deadline) {
-				rc = KVR_ETIMEDOUT;
-				break;
-			}
-			/* Nobody answered yet: the group may pick another member this time.  A
-			 * failed send is the next hedge's to make up. */
-			if (now >= hedge_at) {
-				if (natsConnection_PublishRequest(s->nc, s->subj_snap, inbox, req,
-				                                  (int)len) == NATS_OK)
-					sent++;
-				hedge_at = now + hedge_ns;
-			}
 			continue;
 		}
 		bool nobody = st == NATS_NO_RESPONDERS;
@@ -220,7 +239,7 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 			 * member that left the group since, its answer still to come: ended at
 			 * once, the asker started alone and the answer was lost (test_sync_nats
 			 * snapshot_no_responders). */
-			if (declined + ++unheard < sent)
+			if (declined + ++unheard < w.sent)
 				continue;
 			rc = declined ? KVR_EAGAIN : KVR_ENOENT;
 			break;
@@ -231,22 +250,28 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 		}
 		int r = on_chunk(cb, natsMsg_GetData(msg), (size_t)natsMsg_GetDataLength(msg));
 		natsMsg_Destroy(msg);
-		if (r == KVR_REP_CHUNK_IGNORED)
-			continue; /* not the taken provider's: its deadline stands */
-		if (r == KVR_REP_CHUNK_DECLINED) {
-			/* A copy declined: another may be with a peer that answers later.  The
-			 * hedge goes on; the deadline stands. */
-			if (++declined + unheard < sent)
-				continue;
+		if (r == KVR_REP_CHUNK_DECLINED && ++declined + unheard >= w.sent) {
 			rc = KVR_EAGAIN;
 			break;
 		}
-		if (r != KVR_REP_CHUNK_MORE) {
+		if (r != KVR_REP_CHUNK_MORE && r != KVR_REP_CHUNK_IGNORED &&
+		    r != KVR_REP_CHUNK_DECLINED) {
 			rc = r == KVR_REP_CHUNK_LAST ? 0 : r;
 			break;
 		}
-		hedge_at = UINT64_MAX;
-		deadline = mono_ns() + timeout_ns; /* progress: the deadline is per chunk */
+		/* Only a chunk taken is progress: neither a reply not taken (IGNORED) nor a copy
+		 * declined while another may be with a peer that answers later (DECLINED) moves
+		 * the deadline, and the hedge goes on after them. */
+		if (r == KVR_REP_CHUNK_MORE) {
+			w.hedge_at = UINT64_MAX;
+			w.deadline = mono_ns() + timeout_ns; /* the deadline is per chunk */
+		}
+		/* And the deadline and a stop are looked at every WAIT_STEP_NS whatever comes: an
+		 * unbroken stream of replies held both off for as long as it lasted (test_sync_nats
+		 * snapshot_ignored, another provider's reply every 5 ms). */
+		if (mono_ns() - w.checked >= WAIT_STEP_NS &&
+		    (rc = between_waits(s, inbox, req, len, hedge_ns, poll, cb, &w)))
+			break;
 	}
 out:
 	if (sub) {
