@@ -32,12 +32,15 @@ enum { N = 24 };
 
 static atomic_int gap_calls;
 static _Atomic uint64_t gap_from, gap_to; /* the last gap reported */
+static atomic_int gap_sleep_ms;           /* how long on_gap holds the feed's thread */
 static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint64_t to)
 {
 	(void)ctx, (void)worker, (void)dp;
 	atomic_store(&gap_from, from);
 	atomic_store(&gap_to, to);
 	atomic_fetch_add(&gap_calls, 1);
+	if (atomic_load(&gap_sleep_ms))
+		sleep_ms(atomic_load(&gap_sleep_ms));
 }
 
 static uint64_t block_of(uint64_t i)
@@ -61,6 +64,7 @@ struct world {
 static void open_world(struct world *w, uint32_t replay_timeout_ms)
 {
 	atomic_store(&gap_calls, 0);
+	atomic_store(&gap_sleep_ms, 0);
 	memset(w, 0, sizeof(*w));
 	test_pub_open(&w->pub);
 	w->router = zmq_socket(w->pub.zctx, ZMQ_ROUTER);
@@ -370,5 +374,46 @@ Test(feed_replay_reask, an_answer_short_of_what_the_publisher_has_left_is_report
 	cr_assert_eq(atomic_load(&gap_calls), 1);
 	cr_assert_eq(atomic_load(&gap_from), 7);
 	cr_assert_eq(atomic_load(&gap_to), 9);
+	close_world(&w);
+}
+
+/* The answer's quiet is the publisher's, not the feed's own time: an answer whose every batch
+ * already waits on the DEALER while the feed's thread is held (here on_event_gap, for the real
+ * gap at the answer's start, takes 250 ms; a descheduled thread or a large batch alike) is read
+ * to its end, not cut and asked for again.  Before, the quiet rule looked at the time since the
+ * last batch was received, whatever the socket held: the answer was dropped (the DEALER closed)
+ * and asked for again - a publisher whose buffer moved on meanwhile, or that does not answer as
+ * here, then had a second gap reported and the rank cleared, for batches the feed had in hand. */
+static void slow_feed_whole_answer(struct world *w, uint64_t asked, uint64_t gap_from_seq)
+{
+	atomic_store(&gap_sleep_ms, 250);
+	asked_from(w, asked);
+	answer_from(w, 3, NULL, 0, true); /* the buffer begins at 3: a real gap, reported */
+	uint64_t from;
+	cr_assert(!next_ask(w, 1000, &from),
+	          "no second ask: the whole answer was waiting (one from %" PRIu64 ")", from);
+	rank_is_engine(w);
+	cr_assert_eq(atomic_load(&gap_calls), 1,
+	             "one gap, not %d (the last %" PRIu64 "..%" PRIu64 ")", atomic_load(&gap_calls),
+	             atomic_load(&gap_from), atomic_load(&gap_to));
+	cr_assert_eq(atomic_load(&gap_from), gap_from_seq);
+	cr_assert_eq(atomic_load(&gap_to), 3);
+}
+
+Test(feed_replay_reask, a_resync_answer_waiting_while_the_feed_is_slow_is_not_asked_again,
+     .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 2000);
+	slow_feed_whole_answer(&w, 0, 0);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_healing_answer_waiting_while_the_feed_is_slow_is_not_asked_again,
+     .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 2000);
+	slow_feed_whole_answer(&w, 1, 1);
 	close_world(&w);
 }
