@@ -29,6 +29,8 @@
 #include "core/router_internal.h"
 #include "kvrouter.h"
 #include "shards/runtime.h"
+#include "tests/common/metric.h"
+#include "tests/common/mono_clock.h"
 #include "tests/common/router_prompts.h"
 
 static struct {
@@ -42,16 +44,9 @@ static struct {
 	uint64_t left_ns; /* atomic: when on_admit told `hold` returned (CLOCK_MONOTONIC) */
 } lt = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void sleep_ms(int ms)
 {
-	nanosleep(&(struct timespec){ms / 1000, (long)(ms % 1000) * 1000000}, NULL);
+	sleep_us((long)ms * 1000);
 }
 
 static bool wait_flag(int *v, int ms)
@@ -93,6 +88,27 @@ static int told_at(uint64_t ticket, struct kvr_decision *d)
 	return at;
 }
 
+/* Waits up to 10 s until each of the n tickets tk[] was told in on_admit. */
+static void wait_told(int n, const uint64_t *tk)
+{
+	for (int ms = 0; ms < 10000; ms++) {
+		int i = 0;
+		while (i < n && told_at(tk[i], NULL) >= 0)
+			i++;
+		if (i == n)
+			return;
+		sleep_ms(1);
+	}
+}
+
+/* on_admit, told `ticket`, waits for lt.go. */
+static void hold_in_on_admit(uint64_t ticket)
+{
+	pthread_mutex_lock(&lt.mu);
+	lt.hold = ticket;
+	pthread_mutex_unlock(&lt.mu);
+}
+
 static void stall(struct kvr_shard *sh, void *p)
 {
 	(void)sh;
@@ -113,6 +129,38 @@ static uint64_t active(struct kvr_router *r, struct kvr_rank_id id)
 	struct kvr_rank_stats st;
 	cr_assert_eq(kvr_rank_get_stats(r, id, &st), 0);
 	return st.active_requests;
+}
+
+/* Routes the prompt tokens[0, n) (pinned to *pinned unless NULL, with flags): kvr_route's code,
+ * its decision in *d. */
+static int route_tokens(struct kvr_router *r, const uint32_t *tokens, size_t n,
+                        const struct kvr_rank_id *pinned, uint32_t flags, struct kvr_decision *d)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tokens;
+	q.n_tokens = n;
+	q.pinned = pinned;
+	q.flags = flags;
+	return kvr_route(r, &q, d);
+}
+
+/* route_tokens that must queue: the request's ticket. */
+static uint64_t queue_tokens(struct kvr_router *r, const uint32_t *tokens, size_t n,
+                             const struct kvr_rank_id *pinned)
+{
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r, tokens, n, pinned, 0, &d), 0);
+	cr_assert_eq(d.status, KVR_QUEUED);
+	return d.ticket;
+}
+
+/* The admission thread stopped, so that the next pass is the calling thread's route's; it
+ * can be started again (kvr_admitter_start). */
+static void admitter_pause(struct kvr_router *r)
+{
+	kvr_admitter_stop(r);
+	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
 }
 
 /* The scene both tests share: the test's state reset, a router of two shards whose lanes hold
@@ -172,6 +220,23 @@ static struct kvr_router *lane_scene_hogs(enum kvr_queue_policy pol, struct lane
 	return r;
 }
 
+/* A hog ends: its request finished, its rank's load back to 0 (the read runs after the finish on
+ * the rank's shard). */
+static void hog_ends(struct kvr_router *r, const struct kvr_decision *hog, struct kvr_rank_id id)
+{
+	cr_assert_eq(kvr_request_finish(r, hog->attempt), 0);
+	cr_assert_eq(active(r, id), 0);
+}
+
+/* Both hogs end (A's, then B's), then both ranks' loads are back to 0. */
+static void both_hogs_end(struct kvr_router *r, const struct lane_hogs *h)
+{
+	cr_assert_eq(kvr_request_finish(r, h->ha.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, h->hb.attempt), 0);
+	cr_assert_eq(active(r, h->a), 0);
+	cr_assert_eq(active(r, h->b), 0);
+}
+
 /* A's shard stalls (until lt.release) and its routing lane fills. */
 static void stall_and_fill(struct kvr_shard *sha)
 {
@@ -187,63 +252,36 @@ static void a_full_lane_does_not_let_a_later_request_go_first(enum kvr_queue_pol
 {
 	struct lane_hogs h;
 	struct kvr_router *r = lane_scene_hogs(pol, &h);
-	const struct kvr_rank_id a = h.a, b = h.b;
-	struct kvr_shard *sha = h.sha;
-	struct kvr_decision ha = h.ha, hb = h.hb, d;
 	/* p (B's hog's first block, pinned to B), u1 (A's hog's prompt), u2 (B's). */
 	static uint32_t tp[16], tu1[64], tu2[64];
 	prompt(tp, 16, 41001);
 	prompt(tu1, 64, 41000);
 	prompt(tu2, 64, 41001);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = tp;
-	q.n_tokens = 16;
-	q.pinned = &b;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	const uint64_t tkp = d.ticket;
-	kvr_request_init(&q);
-	q.tokens = tu1;
-	q.n_tokens = 64;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	const uint64_t tk1 = d.ticket;
-	q.tokens = tu2;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	const uint64_t tk2 = d.ticket;
-	pthread_mutex_lock(&lt.mu);
-	lt.hold = tkp;
-	pthread_mutex_unlock(&lt.mu);
+	const uint64_t tkp = queue_tokens(r, tp, 16, &h.b);
+	const uint64_t tk1 = queue_tokens(r, tu1, 64, NULL);
+	const uint64_t tk2 = queue_tokens(r, tu2, 64, NULL);
+	hold_in_on_admit(tkp);
 	/* B's hog ends: a pass admits p and stops in on_admit. */
-	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r, h.hb.attempt), 0);
 	cr_assert(wait_flag(&lt.in, 10000), "p was never admitted");
 	/* A's hog ends (applied: the call below runs after it on A's shard), then A's shard
 	 * stalls and its routing lane fills. */
-	cr_assert_eq(kvr_request_finish(r, ha.attempt), 0);
-	cr_assert_eq(active(r, a), 0);
-	stall_and_fill(sha);
+	hog_ends(r, &h.ha, h.a);
+	stall_and_fill(h.sha);
 	/* The pass goes on: u1's booking on A is refused (10 ms), u2 may use B. */
 	__atomic_store_n(&lt.go, 1, __ATOMIC_RELEASE);
 	sleep_ms(300);
 	int early = told_at(tk2, NULL);
 	__atomic_store_n(&lt.release, 1, __ATOMIC_RELEASE);
-	int at1 = -1, at2 = -1;
-	for (int ms = 0; ms < 10000 && (at1 < 0 || at2 < 0); ms++) {
-		sleep_ms(1);
-		at1 = told_at(tk1, NULL);
-		at2 = told_at(tk2, NULL);
-	}
+	wait_told(2, (const uint64_t[]){tk1, tk2});
 	struct kvr_decision d1, d2;
+	int at1 = told_at(tk1, &d1), at2 = told_at(tk2, &d2);
 	cr_assert_geq(at1, 0, "u1 was never admitted");
 	cr_assert_geq(at2, 0, "u2 was never admitted");
-	(void)told_at(tk1, &d1);
-	(void)told_at(tk2, &d2);
 	cr_assert_eq(d1.status, KVR_DECIDED);
 	cr_assert_eq(d2.status, KVR_DECIDED);
-	cr_assert_eq(d1.rank.worker_id, a.worker_id, "u1 chose A, where its prompt is cached");
-	cr_assert_eq(d2.rank.worker_id, b.worker_id, "u2 chose B, where its prompt is cached");
+	cr_assert_eq(d1.rank.worker_id, h.a.worker_id, "u1 chose A, where its prompt is cached");
+	cr_assert_eq(d2.rank.worker_id, h.b.worker_id, "u2 chose B, where its prompt is cached");
 	cr_assert_lt(at1, at2,
 	             "u2 (ticket %llu) was admitted on B %s u1 (ticket %llu), before it, whose "
 	             "booking on A found the lane full",
@@ -283,9 +321,7 @@ Test(queue_lane, wspt_a_full_lane_does_not_let_a_later_request_go_first, .timeou
  * loaded machine) while the lane stays full (1 s). */
 static struct {
 	struct kvr_router *r;
-	struct kvr_shard *sha;
-	struct kvr_rank_id a;
-	struct kvr_decision ha;
+	struct lane_hogs h;
 	const uint32_t *tokens;
 	int stop;                   /* atomic: the hammer returns */
 	uint64_t go_ns, release_ns; /* atomics */
@@ -295,14 +331,9 @@ static struct {
 static void *hammer(void *arg)
 {
 	(void)arg;
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = fr.tokens;
-	q.n_tokens = 64;
-	q.flags = KVR_ROUTE_QUERY_ONLY;
 	while (!__atomic_load_n(&fr.stop, __ATOMIC_ACQUIRE)) {
 		struct kvr_decision d;
-		fr.failed += kvr_route(fr.r, &q, &d) != 0;
+		fr.failed += route_tokens(fr.r, fr.tokens, 64, NULL, KVR_ROUTE_QUERY_ONLY, &d) != 0;
 		fr.routes++;
 	}
 	return NULL;
@@ -315,9 +346,8 @@ static void *scene(void *arg)
 	pthread_t *h = arg;
 	cr_assert(wait_flag(&lt.in, 10000), "p was never admitted");
 	cr_assert_eq(kvr_admitter_start(fr.r), 0);
-	cr_assert_eq(kvr_request_finish(fr.r, fr.ha.attempt), 0);
-	cr_assert_eq(active(fr.r, fr.a), 0);
-	stall_and_fill(fr.sha);
+	hog_ends(fr.r, &fr.h.ha, fr.h.a);
+	stall_and_fill(fr.h.sha);
 	cr_assert_eq(pthread_create(h, NULL, hammer, NULL), 0);
 	sleep_ms(20);
 	__atomic_store_n(&fr.go_ns, mono_ns(), __ATOMIC_RELEASE);
@@ -330,47 +360,23 @@ static void *scene(void *arg)
 
 Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_full, .timeout = 60)
 {
-	struct lane_hogs hogs;
-	struct kvr_router *r = lane_scene_hogs(KVR_QUEUE_FCFS, &hogs);
+	struct kvr_router *r = lane_scene_hogs(KVR_QUEUE_FCFS, &fr.h);
 	fr.r = r;
-	fr.a = hogs.a;
-	fr.sha = hogs.sha;
-	fr.ha = hogs.ha;
-	const struct kvr_rank_id b = hogs.b;
-	struct kvr_decision hb = hogs.hb, d;
 	static uint32_t tp[16], tu[64], tq[64];
 	prompt(tp, 16, 41001);
 	prompt(tu, 64, 41000);
 	prompt(tq, 64, 41002);
 	fr.tokens = tq;
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = tp;
-	q.n_tokens = 16;
-	q.pinned = &b;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	pthread_mutex_lock(&lt.mu);
-	lt.hold = d.ticket;
-	pthread_mutex_unlock(&lt.mu);
-	kvr_request_init(&q);
-	q.tokens = tu;
-	q.n_tokens = 64;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	const uint64_t tku = d.ticket;
+	hold_in_on_admit(queue_tokens(r, tp, 16, &fr.h.b));
+	const uint64_t tku = queue_tokens(r, tu, 64, NULL);
 	/* No admission thread while B's hog ends: the next pass is this thread's route's. */
-	kvr_admitter_stop(r);
-	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
-	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
-	cr_assert_eq(active(r, b), 0);
+	admitter_pause(r);
+	hog_ends(r, &fr.h.hb, fr.h.b);
 	pthread_t sc, h;
 	cr_assert_eq(pthread_create(&sc, NULL, scene, &h), 0);
-	kvr_request_init(&q);
-	q.tokens = tq;
-	q.n_tokens = 64;
-	q.flags = KVR_ROUTE_QUERY_ONLY;
-	cr_assert_eq(kvr_route(r, &q, &d), 0); /* pumps: admits p, held in on_admit */
+	/* This route pumps: it admits p, held in on_admit. */
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r, tq, 64, NULL, KVR_ROUTE_QUERY_ONLY, &d), 0);
 	uint64_t back = mono_ns();
 	pthread_join(sc, NULL);
 	__atomic_store_n(&fr.stop, 1, __ATOMIC_RELEASE);
@@ -401,11 +407,7 @@ Test(queue_lane, a_route_that_pumps_does_not_retry_a_full_lane_while_it_stays_fu
 	/* Every route call above returned 0 (the hammer's: fr.failed): a pass's refused bookings
 	 * are no failed calls for kvr_route_errors_total ("Route calls that failed"); each
 	 * counted before (~90 in this second). */
-	static char buf[1 << 16];
-	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), NULL), 0);
-	const char *m = strstr(buf, "\nkvr_route_errors_total ");
-	cr_assert(m);
-	unsigned long long errors = strtoull(m + strlen("\nkvr_route_errors_total "), NULL, 10);
+	unsigned long long errors = kvr_test_metric(r, "kvr_route_errors_total");
 	cr_assert_eq(errors, (unsigned long long)fr.failed,
 	             "kvr_route_errors_total %llu, with %ld route calls failed", errors, fr.failed);
 	kvr_router_destroy(r);
@@ -429,42 +431,25 @@ static void a_route_whose_pass_met_a_full_lane_queues_behind(enum kvr_queue_poli
 {
 	struct lane_hogs h;
 	struct kvr_router *r = lane_scene_hogs(pol, &h);
-	const struct kvr_rank_id a = h.a, b = h.b;
-	struct kvr_shard *sha = h.sha;
-	struct kvr_decision ha = h.ha, hb = h.hb, d;
 	static uint32_t tu[64], tv[64];
 	prompt(tu, 64, 41000);
 	prompt(tv, 64, 41001);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = tu;
-	q.n_tokens = 64;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	const uint64_t tku = d.ticket;
+	const uint64_t tku = queue_tokens(r, tu, 64, NULL);
 	/* No admission thread while the hogs end: the next pass is this thread's route's. */
-	kvr_admitter_stop(r);
-	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
-	cr_assert_eq(kvr_request_finish(r, ha.attempt), 0);
-	cr_assert_eq(kvr_request_finish(r, hb.attempt), 0);
-	cr_assert_eq(active(r, a), 0);
-	cr_assert_eq(active(r, b), 0);
-	stall_and_fill(sha);
-	q.tokens = tv;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	admitter_pause(r);
+	both_hogs_end(r, &h);
+	stall_and_fill(h.sha);
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r, tv, 64, NULL, 0, &d), 0);
 	const int v_status = d.status;
 	const uint64_t tkv = d.ticket;
 	const struct kvr_rank_id v_rank = d.rank;
-	const uint64_t v_attempt = d.attempt;
 	cr_assert_lt(told_at(tku, NULL), 0, "u was admitted on A with its lane full");
 	/* The lane frees; the admission thread (started again) retries u. */
 	cr_assert_eq(kvr_admitter_start(r), 0);
 	__atomic_store_n(&lt.release, 1, __ATOMIC_RELEASE);
 	kvr_admitter_wake(r);
-	for (int ms = 0; ms < 10000 && (told_at(tku, NULL) < 0 ||
-	                                (v_status == KVR_QUEUED && told_at(tkv, NULL) < 0));
-	     ms++)
-		sleep_ms(1);
+	wait_told(v_status == KVR_QUEUED ? 2 : 1, (const uint64_t[]){tku, tkv});
 	int atu = told_at(tku, NULL);
 	cr_assert_geq(atu, 0, "u was never admitted");
 	cr_assert_eq(v_status, KVR_QUEUED,
@@ -474,7 +459,6 @@ static void a_route_whose_pass_met_a_full_lane_queues_behind(enum kvr_queue_poli
 	int atv = told_at(tkv, NULL);
 	cr_assert_geq(atv, 0, "v was never admitted");
 	cr_assert_lt(atu, atv, "u before v");
-	(void)v_attempt;
 	kvr_router_destroy(r);
 }
 
@@ -511,29 +495,19 @@ Test(queue_lane, a_frontends_refused_booking_on_a_full_lane_is_counted, .timeout
 {
 	struct lane_hogs h;
 	struct kvr_router *r = lane_scene_hogs(KVR_QUEUE_FCFS, &h);
-	struct kvr_decision d;
 	static uint32_t tu[64], tv[64];
 	static char buf[1 << 16];
 	prompt(tu, 64, 41000);
 	prompt(tv, 64, 41001);
-	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = tu;
-	q.n_tokens = 64;
-	cr_assert_eq(kvr_route(r, &q, &d), 0);
-	cr_assert_eq(d.status, KVR_QUEUED);
-	const uint64_t tku = d.ticket;
-	kvr_admitter_stop(r);
-	__atomic_store_n(&r->admitter.stop, 0, __ATOMIC_RELEASE);
-	cr_assert_eq(kvr_request_finish(r, h.ha.attempt), 0);
-	cr_assert_eq(kvr_request_finish(r, h.hb.attempt), 0);
-	cr_assert_eq(active(r, h.a), 0);
-	cr_assert_eq(active(r, h.b), 0);
+	const uint64_t tku = queue_tokens(r, tu, 64, NULL);
+	admitter_pause(r);
+	both_hogs_end(r, &h);
 	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), NULL), 0);
 	const uint64_t refused0 = metric_or_zero(buf, "kvr_lane_full_refusals_total");
 	stall_and_fill(h.sha);
-	q.tokens = tv;
-	cr_assert_eq(kvr_route(r, &q, &d), 0); /* its pass refuses u's booking on A */
+	/* v's route: its pass refuses u's booking on A. */
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r, tv, 64, NULL, 0, &d), 0);
 	cr_assert_eq(d.status, KVR_QUEUED, "v queued behind u");
 	cr_assert_lt(told_at(tku, NULL), 0, "u was admitted on A with its lane full");
 	/* The lane drains (the sync runs after the stall and every filler), then the admission
@@ -542,8 +516,7 @@ Test(queue_lane, a_frontends_refused_booking_on_a_full_lane_is_counted, .timeout
 	cr_assert_eq(kvr_router_sync(r, 5000), 0);
 	cr_assert_eq(kvr_admitter_start(r), 0);
 	kvr_admitter_wake(r);
-	for (int ms = 0; ms < 10000 && told_at(tku, NULL) < 0; ms++)
-		sleep_ms(1);
+	wait_told(1, &tku);
 	cr_assert_geq(told_at(tku, NULL), 0, "u was never admitted");
 	cr_assert_eq(kvr_metrics_render(r, buf, sizeof(buf), NULL), 0);
 	const uint64_t waits = metric_or_zero(buf, "kvr_lane_full_waits_total");
