@@ -51,25 +51,59 @@ static struct kvr_router *make_router(enum kvr_mode mode)
 	return r;
 }
 
+/* Routes the prompt's first n_tokens with its first token replaced by first: kvr_route's code,
+ * the decision in *d. */
+static int route_prompt(struct kvr_router *r, uint32_t first, size_t n_tokens,
+                        struct kvr_decision *d)
+{
+	struct kvr_request q;
+	kvr_request_init(&q);
+	uint32_t local[4096];
+	memcpy(local, prompt, sizeof(local));
+	local[0] = first;
+	q.tokens = local;
+	q.n_tokens = n_tokens;
+	return kvr_route(r, &q, d);
+}
+
 /* n routes and their finishes on r: 0, or the first failing code. */
 static int route_finish(struct kvr_router *r, int n, unsigned salt)
 {
 	for (int k = 0; k < n; k++) {
-		struct kvr_request q;
-		kvr_request_init(&q);
-		uint32_t local[4096];
-		memcpy(local, prompt, sizeof(local));
-		local[0] = salt * 131u + (unsigned)k % 7u;
-		q.tokens = local;
-		q.n_tokens = 256 + (size_t)(k % 16) * 200;
 		struct kvr_decision d;
-		int rc = kvr_route(r, &q, &d);
+		int rc = route_prompt(r, salt * 131u + (unsigned)k % 7u,
+		                      256 + (size_t)(k % 16) * 200, &d);
 		if (rc)
 			return rc;
 		if ((rc = kvr_request_finish(r, d.attempt)))
 			return rc;
 	}
 	return 0;
+}
+
+static void fill_prompt(void)
+{
+	for (size_t i = 0; i < sizeof(prompt) / sizeof(prompt[0]); i++)
+		prompt[i] = (uint32_t)(i * 31u + 7u);
+}
+
+/* A router of the test's own (the prompt filled first), used by n routes and their finishes
+ * (route_finish's salt). */
+static struct kvr_router *used_router(int n, unsigned salt)
+{
+	fill_prompt();
+	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
+	cr_assert_not_null(r, "%s", kvr_last_error());
+	cr_assert_eq(route_finish(r, n, salt), 0);
+	return r;
+}
+
+/* core/fork.c's handlers in place (they are once a router was created), no router left. */
+static void install_fork_handlers(void)
+{
+	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
+	cr_assert_not_null(r);
+	kvr_router_destroy(r);
 }
 
 static uint64_t active_requests(struct kvr_router *r)
@@ -127,15 +161,9 @@ static void *frontend(void *arg)
 	unsigned id = (unsigned)(uintptr_t)arg;
 	for (unsigned k = 0; !atomic_load(&stop); k++) {
 		pause_point();
-		struct kvr_request q;
-		kvr_request_init(&q);
-		uint32_t local[4096];
-		memcpy(local, prompt, sizeof(local));
-		local[0] = id * 1000u + k % 11u;
-		q.tokens = local;
-		q.n_tokens = 512 + (size_t)(k % 8) * 400;
 		struct kvr_decision d;
-		int rc = kvr_route(parent_r, &q, &d);
+		int rc =
+		    route_prompt(parent_r, id * 1000u + k % 11u, 512 + (size_t)(k % 8) * 400, &d);
 		/* A fork stalls the parent's threads while the kernel copies its address space
 		 * (~10-20 ms under load: page faults wait for it); a full lane then answers
 		 * KVR_EAGAIN, "try again", as documented. */
@@ -198,6 +226,18 @@ static void *child_frontend(void *arg)
 	return NULL;
 }
 
+/* A router of the child's own synced, checked idle and destroyed: C_OK, or the check that failed
+ * (the router left as it is). */
+static int settle_and_destroy(struct kvr_router *c)
+{
+	if (kvr_router_sync(c, 10000) != 0)
+		return C_SYNC;
+	if (active_requests(c) != 0)
+		return C_LOAD;
+	kvr_router_destroy(c);
+	return C_OK;
+}
+
 /* Everything the child checks; its exit code. */
 static int child_main(struct kvr_router *inherited, uint64_t attempt)
 {
@@ -249,26 +289,31 @@ static int child_main(struct kvr_router *inherited, uint64_t attempt)
 		return C_ROUTE;
 	if (child_new_rc)
 		return C_THREAD;
-	if (kvr_router_sync(child_r, 10000) != 0)
-		return C_SYNC;
-	if (active_requests(child_r) != 0)
-		return C_LOAD;
-	kvr_router_destroy(child_r);
-	return C_OK;
+	return settle_and_destroy(child_r);
 }
 
 /* Forks; the child returns body(arg) as its exit code, under an alarm (a wait for good ends it
- * with SIGALRM).  Returns the wait status. */
-static int in_child(int (*body)(void *), void *arg)
+ * with SIGALRM).  The wait status in *st; 0, -1 if fork failed, -2 if waitpid did.  No Criterion
+ * assertion: a child calls it too (fork_again). */
+static int run_child(int (*body)(void *), void *arg, int *st)
 {
 	pid_t pid = fork();
-	cr_assert_geq(pid, 0, "fork failed");
+	if (pid < 0)
+		return -1;
 	if (pid == 0) {
 		alarm(30);
 		_exit(body(arg));
 	}
-	int st = 0;
-	cr_assert_eq(waitpid(pid, &st, 0), pid);
+	*st = 0;
+	return waitpid(pid, st, 0) == pid ? 0 : -2;
+}
+
+/* run_child for the test's process: the wait status. */
+static int in_child(int (*body)(void *), void *arg)
+{
+	int st = 0, rc = run_child(body, arg, &st);
+	cr_assert_neq(rc, -1, "fork failed");
+	cr_assert_eq(rc, 0, "waitpid failed");
 	return st;
 }
 
@@ -287,12 +332,7 @@ static int own_router_round(void *arg)
 		return C_CREATE;
 	if (route_finish(c, 200, 9))
 		return C_ROUTE;
-	if (kvr_router_sync(c, 10000))
-		return C_SYNC;
-	if (active_requests(c) != 0)
-		return C_LOAD;
-	kvr_router_destroy(c);
-	return C_OK;
+	return settle_and_destroy(c);
 }
 
 static void expect_child_ok(int st, int round)
@@ -307,18 +347,9 @@ static void expect_child_ok(int st, int round)
 	             code < C_COUNT ? child_what[code] : "the grandchild did not exit (a signal)");
 }
 
-static void fill_prompt(void)
-{
-	for (size_t i = 0; i < sizeof(prompt) / sizeof(prompt[0]); i++)
-		prompt[i] = (uint32_t)(i * 31u + 7u);
-}
-
 Test(fork, child_routes_on_its_own_router_while_the_parent_routes, .timeout = 240)
 {
-	fill_prompt();
-	parent_r = make_router(KVR_MODE_APPROX_LRU);
-	cr_assert_not_null(parent_r, "%s", kvr_last_error());
-	cr_assert_eq(route_finish(parent_r, 200, 1), 0);
+	parent_r = used_router(200, 1);
 	pthread_t fronts[2];
 	for (uintptr_t i = 0; i < 2; i++)
 		cr_assert_eq(pthread_create(&fronts[i], NULL, frontend, (void *)i), 0);
@@ -353,11 +384,7 @@ Test(fork, a_child_of_a_process_whose_routers_are_gone, .timeout = 120)
 {
 	/* The parent's router destroyed before the fork: nothing inherited, the RCU reclaimer
 	 * the only thread left of it (with urcu-memb and no handlers this hung too). */
-	fill_prompt();
-	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
-	cr_assert_not_null(r);
-	cr_assert_eq(route_finish(r, 300, 3), 0);
-	kvr_router_destroy(r);
+	kvr_router_destroy(used_router(300, 3));
 	expect_child_ok(in_child(own_router_round, NULL), 0);
 }
 
@@ -411,18 +438,13 @@ Test(fork, an_inherited_feed_is_refused_and_left, .timeout = 120)
 /* A child forks again before its first router or deferred free (no reclaimer started there
  * yet; with liburcu's call_rcu, its lock was still held from the first fork): the grandchild and
  * then the child each create, use and destroy a router of their own.  (No Criterion assertion in a
- * child: its own fork is spelled out.) */
+ * child: it forks with run_child, not in_child.) */
 static int fork_again(void *arg)
 {
-	pid_t g = fork();
-	if (g < 0)
+	int gst = 0, rc = run_child(own_router_round, arg, &gst);
+	if (rc == -1)
 		return C_CREATE;
-	if (g == 0) {
-		alarm(30);
-		_exit(own_router_round(arg));
-	}
-	int gst = 0;
-	if (waitpid(g, &gst, 0) != g || !WIFEXITED(gst))
+	if (rc != 0 || !WIFEXITED(gst))
 		return C_COUNT + 1;
 	if (WEXITSTATUS(gst) != C_OK)
 		return WEXITSTATUS(gst);
@@ -431,10 +453,7 @@ static int fork_again(void *arg)
 
 Test(fork, a_child_forks_again_before_its_first_router, .timeout = 120)
 {
-	fill_prompt();
-	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
-	cr_assert_not_null(r);
-	cr_assert_eq(route_finish(r, 300, 6), 0);
+	struct kvr_router *r = used_router(300, 6);
 	if (QUIET_FORKS) /* the shards done with what was posted (QUIET_FORKS says why) */
 		cr_assert_eq(kvr_router_sync(r, 10000), 0);
 	expect_child_ok(in_child(fork_again, NULL), 0);
@@ -450,7 +469,10 @@ Test(fork, a_child_forks_again_before_its_first_router, .timeout = 120)
  * a callback kept aside just after the handler had handed the others over stayed aside until
  * the next fork ("526759 of 526760 deferred frees ran", CI on 4c8741c): the reclaimer's queue
  * (sync/rcu.c) keeps nothing aside. */
-static atomic_int frees_queued, frees_run, freeing_stop;
+static atomic_int frees_queued, freeing_stop;
+
+/* The deferred frees run (count_free's; the tests below reset it). */
+static atomic_int frees_run;
 
 static void count_free(void *p)
 {
@@ -489,10 +511,8 @@ static void *forking_thread(void *arg)
 
 Test(fork, a_thread_new_to_the_library_forks_while_frees_are_queued, .timeout = 60)
 {
-	/* The handlers exist once a router was created. */
-	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU);
-	cr_assert_not_null(r);
-	kvr_router_destroy(r);
+	install_fork_handlers();
+	atomic_store(&frees_run, 0);
 	pthread_t e, c;
 	cr_assert_eq(pthread_create(&e, NULL, freeing_loop, NULL), 0);
 	while (atomic_load(&frees_queued) < 1000)
@@ -525,28 +545,42 @@ Test(fork, a_thread_new_to_the_library_forks_while_frees_are_queued, .timeout = 
  * a callback while BACKLOG frees are queued, then the fork comes: the child counts the page
  * faults it took up to its return from fork() (copy-on-write copies among them). */
 #define BACKLOG 400000
-static atomic_int backlog_first_running, backlog_forking, backlog_run, backlog_barrier_in;
+static atomic_int held_running, held_forking, backlog_barrier_in;
 
-static void backlog_first(void *p)
+/* The reclaimer held (in the first callback of a batch) until the test forks: the scene of
+ * backlog_fork and of the sliced batch's test below.  hold_reset readies it after a barrier (no
+ * callback of before left), hold_first is the callback, wait_held waits up to 10 s for it to
+ * run (what: the message's subject). */
+static void hold_reset(void)
+{
+	kvr_rcu_barrier();
+	atomic_store(&held_running, 0);
+	atomic_store(&held_forking, 0);
+	atomic_store(&frees_run, 0);
+}
+
+static void hold_first(void *p)
 {
 	free(p);
-	atomic_store(&backlog_first_running, 1);
-	while (!atomic_load(&backlog_forking))
+	atomic_store(&held_running, 1);
+	while (!atomic_load(&held_forking))
 		sleep_us(100);
 	sleep_us(20000); /* the forking thread is in the fork's handler by now */
 }
 
-static void backlog_free(void *p)
+static void wait_held(const char *what)
 {
-	free(p);
-	atomic_fetch_add(&backlog_run, 1);
+	uint64_t t0 = now_ms();
+	while (!atomic_load(&held_running) && now_ms() - t0 < 10000)
+		sleep_us(100);
+	cr_assert(atomic_load(&held_running), "%s did not start in 10 s", what);
 }
 
 static void *backlog_barrier(void *arg)
 {
 	(void)arg;
 	atomic_store(&backlog_barrier_in, 1);
-	kvr_rcu_barrier(); /* queued behind backlog_first: returns once the reclaimer goes on */
+	kvr_rcu_barrier(); /* queued behind hold_first: returns once the reclaimer goes on */
 	return NULL;
 }
 
@@ -556,28 +590,32 @@ struct backlog_child {
 	int run;     /* the parent's callbacks run in the child by its own barrier */
 };
 
+/* backlog_fork's child: reports on the pipe's write end *arg, after its own barrier. */
+static int backlog_report(void *arg)
+{
+	struct backlog_child c = {-1, -1};
+	struct rusage ru;
+	if (getrusage(RUSAGE_SELF, &ru) == 0)
+		c.faults = ru.ru_minflt + ru.ru_majflt;
+	kvr_rcu_barrier();
+	c.run = atomic_load(&frees_run);
+	return write(*(int *)arg, &c, sizeof(c)) == (ssize_t)sizeof(c) ? 0 : 1;
+}
+
 /* Forks while BACKLOG deferred frees are queued behind a callback that holds the reclaimer
  * (and, with barrier, a parent's thread's barrier among them); the child reports, then runs
  * its own barrier (the inherited queue with it, but for the parent's barrier). */
 static struct backlog_child backlog_fork(bool barrier)
 {
-	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU); /* the handlers */
-	cr_assert_not_null(r);
-	kvr_router_destroy(r);
-	kvr_rcu_barrier();
-	atomic_store(&backlog_first_running, 0);
-	atomic_store(&backlog_forking, 0);
-	atomic_store(&backlog_run, 0);
+	install_fork_handlers();
+	hold_reset();
 	atomic_store(&backlog_barrier_in, 0);
-	kvr_rcu_defer_free(malloc(16), backlog_first);
-	uint64_t t0 = now_ms();
-	while (!atomic_load(&backlog_first_running) && now_ms() - t0 < 10000)
-		sleep_us(100);
-	cr_assert(atomic_load(&backlog_first_running), "the reclaimer did not start in 10 s");
-	/* Held in backlog_first: all of these stay queued across the fork. */
+	kvr_rcu_defer_free(malloc(16), hold_first);
+	wait_held("the reclaimer");
+	/* Held in hold_first: all of these stay queued across the fork. */
 	pthread_t b;
 	for (int i = 0; i < BACKLOG; i++) {
-		kvr_rcu_defer_free(malloc(16), backlog_free);
+		kvr_rcu_defer_free(malloc(16), count_free);
 		if (barrier && i == BACKLOG / 2)
 			cr_assert_eq(pthread_create(&b, NULL, backlog_barrier, NULL), 0);
 	}
@@ -588,31 +626,18 @@ static struct backlog_child backlog_fork(bool barrier)
 	}
 	int fd[2];
 	cr_assert_eq(pipe(fd), 0);
-	atomic_store(&backlog_forking, 1);
-	pid_t pid = fork();
-	if (pid == 0) {
-		struct backlog_child c = {-1, -1};
-		struct rusage ru;
-		if (getrusage(RUSAGE_SELF, &ru) == 0)
-			c.faults = ru.ru_minflt + ru.ru_majflt;
-		alarm(30);
-		kvr_rcu_barrier();
-		c.run = atomic_load(&backlog_run);
-		_exit(write(fd[1], &c, sizeof(c)) == (ssize_t)sizeof(c) ? 0 : 1);
-	}
-	cr_assert(pid > 0);
+	atomic_store(&held_forking, 1);
+	int st = in_child(backlog_report, &fd[1]);
 	close(fd[1]);
 	struct backlog_child c = {-1, -1};
 	ssize_t got = read(fd[0], &c, sizeof(c));
 	close(fd[0]);
-	int st = 0;
-	cr_assert_eq(waitpid(pid, &st, 0), pid);
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0 && got == (ssize_t)sizeof(c),
 	          "the child did not report (status %d: its barrier hung, or it crashed)", st);
 	if (barrier)
 		pthread_join(b, NULL);
 	kvr_rcu_barrier();
-	cr_assert_eq(atomic_load(&backlog_run), BACKLOG);
+	cr_assert_eq(atomic_load(&frees_run), BACKLOG);
 	cr_assert_eq(c.run, BACKLOG, "the child ran %d of the %d callbacks it inherited", c.run,
 	             BACKLOG);
 	return c;
@@ -652,63 +677,44 @@ Test(fork, a_child_drops_an_inherited_barrier_and_copies_little, .timeout = 60)
  * fork is under way, and the child reports how many of the batch had run when it was made: all
  * of them before. */
 #define SLICED_BATCH 100000
-static atomic_int sliced_first_running, sliced_forking, sliced_run;
 
+/* The batch's first callback: it holds the reclaimer, and counts as one of the batch. */
 static void sliced_first(void *p)
 {
-	free(p);
-	atomic_store(&sliced_first_running, 1);
-	while (!atomic_load(&sliced_forking))
-		sleep_us(100);
-	sleep_us(20000); /* the forking thread is in the fork's handler by now */
-	atomic_fetch_add(&sliced_run, 1);
+	hold_first(p);
+	atomic_fetch_add(&frees_run, 1);
 }
 
-static void sliced_count(void *p)
+/* The child: frees_run as the fork found it (the reclaimer was held); then the rest of the
+ * batch, handed to the child's queue, runs in the child too.  Exits 0 if under half of the batch
+ * had run at the fork, 1 if more, 2 if the rest did not run. */
+static int sliced_child(void *arg)
 {
-	free(p);
-	atomic_fetch_add(&sliced_run, 1);
+	(void)arg;
+	int at_fork = atomic_load(&frees_run);
+	kvr_rcu_barrier();
+	return atomic_load(&frees_run) != SLICED_BATCH ? 2 : at_fork < SLICED_BATCH / 2 ? 0 : 1;
 }
 
 Test(fork, a_fork_does_not_wait_for_the_whole_batch_of_deferred_frees, .timeout = 60)
 {
-	struct kvr_router *r = make_router(KVR_MODE_APPROX_LRU); /* the handlers */
-	cr_assert_not_null(r);
-	kvr_router_destroy(r);
+	install_fork_handlers();
 	bool shown = false;
 	for (int round = 0; round < 5 && !shown; round++) {
 		/* Right after a batch the reclaimer gathers the next for 10 ms: the pushes below
 		 * make one batch unless they outlast that. */
-		kvr_rcu_barrier();
-		atomic_store(&sliced_first_running, 0);
-		atomic_store(&sliced_forking, 0);
-		atomic_store(&sliced_run, 0);
+		hold_reset();
 		kvr_rcu_defer_free(malloc(16), sliced_first);
 		for (int i = 1; i < SLICED_BATCH; i++)
-			kvr_rcu_defer_free(malloc(16), sliced_count);
-		uint64_t t0 = now_ms();
-		while (!atomic_load(&sliced_first_running) && now_ms() - t0 < 10000)
-			sleep_us(100);
-		cr_assert(atomic_load(&sliced_first_running), "the batch did not start in 10 s");
-		atomic_store(&sliced_forking, 1);
-		pid_t pid = fork();
-		if (pid == 0) {
-			/* sliced_run as the fork found it (the reclaimer was held); then the rest
-			 * of the batch, handed to the child's queue, runs in the child too. */
-			int at_fork = atomic_load(&sliced_run);
-			kvr_rcu_barrier();
-			_exit(atomic_load(&sliced_run) != SLICED_BATCH ? 2
-			      : at_fork < SLICED_BATCH / 2             ? 0
-			                                               : 1);
-		}
-		cr_assert(pid > 0);
-		int st = 0;
-		cr_assert_eq(waitpid(pid, &st, 0), pid);
+			kvr_rcu_defer_free(malloc(16), count_free);
+		wait_held("the batch");
+		atomic_store(&held_forking, 1);
+		int st = in_child(sliced_child, NULL);
 		cr_assert(WIFEXITED(st));
 		cr_assert_neq(WEXITSTATUS(st), 2, "the rest of the batch did not run in the child");
 		kvr_rcu_barrier();
-		cr_assert_eq(atomic_load(&sliced_run), SLICED_BATCH, "%d of %d callbacks ran",
-		             atomic_load(&sliced_run), SLICED_BATCH);
+		cr_assert_eq(atomic_load(&frees_run), SLICED_BATCH, "%d of %d callbacks ran",
+		             atomic_load(&frees_run), SLICED_BATCH);
 		/* A batch the pushes split (this machine was slow) proves nothing: again. */
 		if (WEXITSTATUS(st) == 0)
 			shown = true;
