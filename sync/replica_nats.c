@@ -401,6 +401,28 @@ static natsStatus id_check(struct kvr_sync *s, bool *taken, bool *answered)
 	return NATS_OK;
 }
 
+/* Whether the server lets this user publish on a reply inbox (_INBOX.>): a replica answers its
+ * peers' snapshot requests and id questions on the asker's inbox.  Refused, every peer that asks
+ * it for a snapshot waits its whole snapshot_timeout_ms and is then ready without the table,
+ * and only this side's denied counter says why.  A server's "allow_responses" does not permit
+ * this probe (it is no answer to a request), nor would it let a snapshot of several chunks
+ * through (one response by default).  The refusal, like a subscription's, is an asynchronous
+ * -ERR that comes before the flush's PONG. */
+static natsStatus reply_check(struct kvr_sync *s)
+{
+	natsInbox *inbox = NULL;
+	natsStatus st = natsInbox_Create(&inbox);
+	if (st == NATS_OK)
+		st = natsConnection_Publish(s->nc, inbox, NULL, 0); /* nobody listens there */
+	if (st == NATS_OK)
+		st = natsConnection_FlushTimeout(s->nc, 2000);
+	natsInbox_Destroy(inbox);
+	const char *why;
+	if (st == NATS_OK && natsConnection_GetLastError(s->nc, &why) == NATS_NOT_PERMITTED)
+		st = NATS_NOT_PERMITTED;
+	return st;
+}
+
 /* Whether the process is out of file descriptors (its RLIMIT_NOFILE, or the system's): nats.c
  * reports a socket it could not open as "No server available for connection", which read as a
  * server that was down (KVR_ETIMEDOUT). */
@@ -564,6 +586,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	bool taken = false, answered = false;
 	if (st == NATS_OK && (st = id_check(s, &taken, &answered)) == NATS_NOT_PERMITTED)
 		natsConnection_GetLastError(s->nc, &why); /* the id question's refusal */
+	if (st == NATS_OK && !taken && (st = reply_check(s)) == NATS_NOT_PERMITTED)
+		natsConnection_GetLastError(s->nc, &why); /* a reply's refusal */
 	kvr_thread_restore_signals(&sigs);
 	if (!connected) {
 		s->nc = NULL;
@@ -596,11 +620,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		char detail[256];
 		snprintf(detail, sizeof(detail), "%s", why ? why : natsStatus_GetText(st));
 		sync_free(s);
-		return kvr_fail(KVR_EINVAL,
-		                "%s: the NATS server does not permit this user what a replica of "
-		                "cluster \"%s\" needs (publish and subscribe %s.>, subscribe "
-		                "_INBOX.>): %s",
-		                fn, c->cluster, c->cluster, detail);
+		return kvr_fail(
+		    KVR_EINVAL,
+		    "%s: the NATS server does not permit this user what a replica of "
+		    "cluster \"%s\" needs (publish and subscribe %s.> and _INBOX.>): %s",
+		    fn, c->cluster, c->cluster, detail);
 	}
 	if (st != NATS_OK) {
 		sync_free(s);

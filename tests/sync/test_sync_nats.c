@@ -62,8 +62,10 @@
  * 13. a server that refuses the credentials (a nats-server with users): kvr_sync_attach without
  *     them or with a wrong password returns KVR_EINVAL naming the credentials, with them 0; a
  *     user the server does not permit to subscribe to the stream, to publish on the id
- *     subject, or to subscribe to reply inboxes: KVR_EINVAL saying so (before, the first two
- *     attached deaf or came back KVR_EEXIST, the third attached without snapshots); a user that
+ *     subject, to subscribe to reply inboxes or to publish on them (its answers to peers'
+ *     snapshot requests): KVR_EINVAL saying so (before, the first two attached deaf or came
+ *     back KVR_EEXIST, the third attached without snapshots, the fourth attached and every
+ *     peer that asked it for a snapshot waited its whole budget, then went on without); a user that
  *     may not publish on the stream attaches, and its refused publishes are counted (denied).
  *     Also tls asked of a server without TLS: KVR_EINVAL naming TLS.  Before, KVR_ETIMEDOUT
  *     ("no server reachable") for all of them, which reads as worth retrying.
@@ -1965,6 +1967,7 @@ static void test_auth(void)
 	    "    {user: mute, password: p, permissions: {publish: {deny: [\"auth.id.>\"]}}}\n"
 	    "    {user: noinbox, password: p, permissions: {subscribe: {deny: [\"_INBOX.>\"]}}}\n"
 	    "    {user: hoarse, password: p, permissions: {publish: {deny: [\"auth.stream\"]}}}\n"
+	    "    {user: noreply, password: p, permissions: {publish: {deny: [\"_INBOX.>\"]}}}\n"
 	    "  ]\n"
 	    "}\n";
 	char path[] = "/tmp/kvr-nats-conf-XXXXXX";
@@ -1972,9 +1975,13 @@ static void test_auth(void)
 	static const struct {
 		const char *user, *pass, *detail;
 	} cases[] = {
-	    {NULL, NULL, "credentials"},         {"kvr", "wrong", "credentials"},
-	    {"deaf", "p", "does not permit"},    {"mute", "p", "does not permit"},
-	    {"noinbox", "p", "does not permit"}, {"kvr", "secret", NULL},
+	    {NULL, NULL, "credentials"},
+	    {"kvr", "wrong", "credentials"},
+	    {"deaf", "p", "does not permit"},
+	    {"mute", "p", "does not permit"},
+	    {"noinbox", "p", "does not permit"},
+	    {"noreply", "p", "does not permit"},
+	    {"kvr", "secret", NULL},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		double t0 = mono_ms();
