@@ -6,7 +6,7 @@
  * overloading anyone.  Prompts are cut into fixed-size token blocks; each block gets a chained
  * 64-bit XXH3 hash, so one hash names one whole prefix (compatible with NVIDIA Dynamo's router).
  *
- * Conventions (see STYLE.md):
+ * Conventions:
  *  - every function that can fail returns 0 (KVR_OK) or a negative KVR_E* code;
  *    kvr_strerror() explains a code.  Nothing aborts, exits or prints on bad input.  A NULL
  *    router, feed or replica handle is KVR_EINVAL for every call below that returns int (the
@@ -1243,7 +1243,9 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * Returns 0 and *out, KVR_EINVAL (r, c or out NULL, bad config; the server refused the
  * credentials, or TLS failed: wanted and not offered, required and not wanted, a certificate
  * refused; the user may not subscribe to <cluster>.stream, <cluster>.id.<id> or _INBOX.>, or
- * publish on <cluster>.id.<id>: later refusals are counted, kvr_sync_stats.denied),
+ * publish on <cluster>.id.<id> or _INBOX.> (a replica answers peers' snapshot requests on the
+ * asker's inbox; a server's allow_responses is not enough, a snapshot goes in several
+ * chunks): later refusals are counted, kvr_sync_stats.denied),
  * KVR_EBUSY (already attached),
  * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
  * holding that id's subject did not answer for 2 s; two attaching under one id at once may both
@@ -1303,14 +1305,14 @@ KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
 
 /*
  * Writes every metric in Prometheus text exposition format into buf (cap bytes, always
- * NUL-terminated when cap > 0).  *len_out (may be NULL) gets the full length; when it does not
- * fit, returns KVR_ERANGE and *len_out tells the size needed (buf NULL with cap 0 asks only
- * that).  Other returns: KVR_EINVAL (buf NULL with cap > 0), KVR_ENOMEM.  Context: any thread.
- * Among them kvr_allocator{name="jemalloc"} 1 (or "libc"): the allocator the library's
- * structures come from, jemalloc when the process has it (linked as `pkg-config --libs
- * kvrouter` links it, or preloaded), else the C library's (a process that loaded the library
- * with dlopen; README.md, "Link after `meson install`").  Numbers are written as Prometheus
- * reads them ("0.5") whatever the process's locale (setlocale) says.
+ * NUL-terminated when cap > 0).  *len_out (may be NULL) gets the size the text needs with its
+ * NUL (its strlen + 1), on success too; when it does not fit, returns KVR_ERANGE and *len_out
+ * tells that size (buf NULL with cap 0 asks only that).  Other returns: KVR_EINVAL (buf NULL with
+ * cap > 0), KVR_ENOMEM.  Context: any thread. Among them kvr_allocator{name="jemalloc"} 1 (or
+ * "libc"): the allocator the library's structures come from, jemalloc when the process has it
+ * (linked as `pkg-config --libs kvrouter` links it, or preloaded), else the C library's (a process
+ * that loaded the library with dlopen; README.md, "Link after `meson install`").  Numbers are
+ * written as Prometheus reads them ("0.5") whatever the process's locale (setlocale) says.
  */
 KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out);
 
