@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reruns every sweep that tools/replay/TUNING.md quotes, in the guide's order, and writes each
 # sweep's table (.txt), CSV and charts (DIR/NAME/sweep_*.png) under DIR.  About 3.3 minutes
-# with --jobs 2 on 2 cores (5 min of CPU; 5 Dec 2026).
+# with --jobs 2 on 2 quiet cores (5 min of CPU; 5 Dec 2026), 8.5 on 2 cores shared with other
+# jobs (8.9 min of CPU; 7 Dec 2026).
 #   usage: tools/replay/tuning.sh [DIR]        (default build/tuning; run from the repo root)
 # Environment: BUILD_DIR (default build), JOBS (default 2).
 set -euo pipefail
