@@ -1512,6 +1512,20 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		    "collects it)",
 		    ticket);
 	}
+	/* From inside the router (its clock, a callback, one of its threads or shards): a wait
+	 * there can wait for the very call it runs in: the admission pass that read the clock,
+	 * the finish whose pass would admit the ticket, the shard a sync_booking pass waits for
+	 * (before, each waited for good without a deadline; test_queue_clock_calls).  It takes an
+	 * outcome that is there and honours a deadline that has passed; it never sleeps. */
+	if (e->state != Q_ADMITTED && !late && kvr_router_runs_thread(r)) {
+		pthread_mutex_unlock(&q->lock);
+		return kvr_fail(
+		    KVR_EBUSY,
+		    "kvr_route_wait: called inside the router (its clock, a callback, or "
+		    "one of its threads), where a wait could wait for the call it runs "
+		    "in: ticket %" PRIu64 " is not admitted yet and stays queued",
+		    ticket);
+	}
 	e->waited = true;
 	e->watched++;    /* its outcome is this wait's (or another's) to collect: kept till then */
 	e->held = false; /* a KVR_ROUTE_WAIT's: watched now (kvr_queue_settle) */
@@ -1572,9 +1586,23 @@ int kvr_route_cancel(struct kvr_router *r, uint64_t ticket)
 	struct kvr_queue *q = r->queue;
 	if (!q)
 		return no_queue("kvr_route_cancel", ticket);
+	const bool inside = kvr_router_runs_thread(r);
 	pthread_mutex_lock(&q->lock);
+	struct qentry *e = find(q, ticket);
+	/* Being admitted, and called inside the router (its clock read by the pass that admits
+	 * the ticket, or by the shard a sync_booking pass waits for): waiting for the outcome
+	 * would wait for itself (before, it did, for good; test_queue_clock_calls). */
+	if (e && e->state == Q_ADMITTING && !q->closing && inside) {
+		pthread_mutex_unlock(&q->lock);
+		return kvr_fail(
+		    KVR_EBUSY,
+		    "kvr_route_cancel: ticket %" PRIu64
+		    " is being admitted and the call comes from inside the router (its "
+		    "clock, a callback, or one of its threads), which that admission may "
+		    "be waiting for: nothing cancelled",
+		    ticket);
+	}
 	q->waiters++;
-	struct qentry *e;
 	/* The pump is routing it right now: wait for the outcome (one routing decision).  Admitted,
 	 * it is not queued any more (KVR_ENOENT); still saturated, it is waiting again. */
 	while ((e = find(q, ticket)) && e->state == Q_ADMITTING && !q->closing)

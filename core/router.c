@@ -259,13 +259,18 @@ fail:
 _Thread_local const struct kvr_router *kvr_router_cb_self;
 
 /* Whether the calling thread is one of r's shard threads (the clock callback runs there). */
-static bool on_own_shard(struct kvr_router *r)
+static bool on_own_shard(const struct kvr_router *r)
 {
 	struct kvr_shard *cur = kvr_shard_current();
 	for (uint32_t i = 0, n = cur && r->shards ? kvr_shards_count(r->shards) : 0; i < n; i++)
 		if (kvr_shards_get(r->shards, i) == cur)
 			return true;
 	return false;
+}
+
+bool kvr_router_runs_thread(const struct kvr_router *r)
+{
+	return kvr_router_cb_self == r || on_own_shard(r);
 }
 
 /* A no-op on a shard: once it returns, the task the shard was in when it was posted has returned
@@ -290,7 +295,7 @@ void kvr_router_destroy(struct kvr_router *r)
 	 * shard, the replica's apply thread, a feed waiting in kvr_router_destroy for its own
 	 * teardown) or free the router under the call that runs the callback.  kvrouter.h forbids
 	 * it; it returns at once and destroys nothing, rather than hang or use freed memory. */
-	if (kvr_router_cb_self == r || on_own_shard(r))
+	if (kvr_router_runs_thread(r))
 		return;
 	/* Feeds left alive (kvrouter.h asks for them to go first): stopped and released, all but
 	 * their handles, before anything they use goes (sync/feed.c). */

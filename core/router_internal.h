@@ -71,6 +71,12 @@ static inline void kvr_router_callback_leave(const struct kvr_router *prev)
 	kvr_router_cb_self = prev;
 }
 
+/* Whether the calling thread runs inside r: one of its callbacks (its clock, on_admit,
+ * on_event_gap), one of the threads that set kvr_router_cb_self, or one of its shards.  A call
+ * that waits for r's progress there can wait for the very call it runs in.  Context: any
+ * thread. */
+bool kvr_router_runs_thread(const struct kvr_router *r);
+
 /* The routable slots and the generation each had when it became routable (a decision taken on
  * this list books with that generation, so a rank removed since is a stale booking).  gen[]
  * first, slot[] after it in the same allocation, both cap long.  An add appends in place: the

@@ -612,12 +612,15 @@ KVR_API int kvr_route(struct kvr_router *r, const struct kvr_request *req, struc
  * tickets -, already collected - by on_admit too -, cancelled meanwhile, or its admission
  * dropped uncollected as above; d is then not written), KVR_ESHUTDOWN, KVR_EBUSY (called from
  * on_admit, inside the queue's admission pass, for a ticket not admitted yet: only that pass admits
- * it; it stays queued), or the error of a failed admission (d->status KVR_FAILED, d->error the same
- * code: KVR_ENOENT when its pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r
- * or d NULL, ticket 0.  A ticket is collected once, by kvr_route_wait or (when set and nobody
- * waits) by on_admit, which also receives failed admissions (status KVR_FAILED).  The deadline is
- * checked against the router's clock about every millisecond of the wait: with a replaced clock
- * (kvr_config.now_ns), it passes only when something moves that clock. */
+ * it; or called inside the router - its clock, a callback, one of its threads or shards - for a
+ * ticket not admitted yet and a deadline not passed: a wait there could wait for the call it runs
+ * in, such as the pass that reads the clock; it stays queued, nothing waited), or the error of a
+ * failed admission (d->status KVR_FAILED, d->error the same code: KVR_ENOENT when its
+ * pinned/allowed ranks are gone, KVR_ENOMEM, KVR_ERANGE).  KVR_EINVAL: r or d NULL, ticket 0.  A
+ * ticket is collected once, by kvr_route_wait or (when set and nobody waits) by on_admit, which
+ * also receives failed admissions (status KVR_FAILED).  The deadline is checked against the
+ * router's clock about every millisecond of the wait: with a replaced clock (kvr_config.now_ns), it
+ * passes only when something moves that clock. */
 KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
                            struct kvr_decision *d);
 
@@ -630,11 +633,13 @@ KVR_API int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadl
  * with a past deadline returns it at once).  Returns 0 or KVR_ENOENT (not queued and nothing
  * to take: reported to on_admit or collected by kvr_route_wait already, cancelled, dropped
  * uncollected (see kvr_route_wait), or unknown, as another router's ticket is); KVR_EINVAL for
- * r NULL or ticket 0.  If the request is being admitted at that moment, it waits for the
- * outcome (one routing decision): a cancel that returns 0 guarantees the request is never
- * served (never admitted, or its admission ended before anyone was told of it).  Context: any
- * thread; an abort of a taken admission runs as kvr_request_abort (it does not wait for the
- * rank's shard either). */
+ * r NULL or ticket 0; KVR_ESHUTDOWN; KVR_EBUSY (nothing cancelled) when the request is being
+ * admitted at that moment and the call comes from inside the router (its clock, a callback, one
+ * of its threads or shards), which that admission may be waiting for.  Otherwise, if the request
+ * is being admitted at that moment, it waits for the outcome (one routing decision): a cancel that
+ * returns 0 guarantees the request is never served (never admitted, or its admission ended before
+ * anyone was told of it).  Context: any thread; an abort of a taken admission runs as
+ * kvr_request_abort (it does not wait for the rank's shard either). */
 KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
 
 /* ---------------------------------------------------------------- request lifecycle */

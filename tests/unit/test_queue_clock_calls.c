@@ -1,0 +1,159 @@
+/* The router's clock calling the queue's blocking calls on a ticket that is being admitted.
+ *
+ * An admission pass reads the clock while its entry is being admitted (in kvr_admit, and
+ * between entries), on the thread that runs the pass; with sync_booking the pass then waits
+ * for the chosen rank's shard, whose tasks read the clock too.  kvr_route_cancel waits for an
+ * entry being admitted to come out of its admission, and kvr_route_wait waits for an outcome:
+ * from the pass's own thread, or from the shard the pass waits for, each waited for itself.
+ * Before, a clock that cancelled on its K-th reading after the finish that runs the pass hung
+ * at K = 2 and 3 (the audit's probe: gdb showed kvr_route_cancel's condition wait under
+ * clock <- kvr_admit <- kvr_queue_pump).  Now both calls return KVR_EBUSY there (nothing done:
+ * the ticket stays as it is).  Every K runs in a child under an alarm, so a hang fails that K
+ * instead of the whole binary. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvrouter.h"
+
+enum call { CALL_CANCEL, CALL_WAIT };
+
+static struct kvr_router *R;
+static uint64_t ticket;
+static pthread_t runner;
+static enum call which;
+static bool on_shard; /* the clock calls from the shards' threads, not the pass's */
+static atomic_int armed, readings, in_call, rcs_seen;
+static int at_reading;
+static int call_rc = 1;
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t clock_calls_queue(void *ctx)
+{
+	(void)ctx;
+	bool mine = pthread_equal(pthread_self(), runner);
+	if (atomic_load(&armed) && mine != on_shard &&
+	    atomic_fetch_add(&readings, 1) + 1 == at_reading && !atomic_exchange(&in_call, 1)) {
+		struct kvr_decision d;
+		call_rc = which == CALL_CANCEL ? kvr_route_cancel(R, ticket)
+		                               : kvr_route_wait(R, ticket, 0, &d);
+		atomic_store(&rcs_seen, 1);
+	}
+	return mono_ns();
+}
+
+/* One router (one shard, one rank that takes one request), a request admitted and a second one
+ * queued behind it; the finish of the first runs the pass that admits the second, with the
+ * clock armed.  The child's exit code: 0, or the step that failed. */
+static int scene(void)
+{
+	runner = pthread_self();
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = clock_calls_queue;
+	c.sync_booking = true;
+	c.queue_threshold = 1.0;
+	if (kvr_router_create(&c, &R))
+		return 10;
+	if (kvr_rank_add(R, (struct kvr_rank_id){7, 0}, 1, 1000, 16))
+		return 11;
+	uint32_t toks[64];
+	for (int i = 0; i < 64; i++)
+		toks[i] = (uint32_t)i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = toks;
+	q.n_tokens = 64;
+	struct kvr_decision a, b;
+	if (kvr_route(R, &q, &a) || a.status != KVR_DECIDED)
+		return 12;
+	toks[0] = 999;
+	if (kvr_route(R, &q, &b) || b.status != KVR_QUEUED)
+		return 13;
+	ticket = b.ticket;
+	atomic_store(&armed, 1);
+	int rc = kvr_request_finish(R, a.attempt);
+	atomic_store(&armed, 0);
+	if (rc)
+		return 14;
+	if (kvr_router_sync(R, 10000))
+		return 15;
+	/* What the clock's call said is what happened: cancelled (never served), refused (the
+	 * ticket as it was: admitted by the pass, its outcome still to collect), collected by the
+	 * wait, or not queued any more. */
+	struct kvr_decision d;
+	int after = kvr_route_wait(R, ticket, 1, &d);
+	if (atomic_load(&rcs_seen)) {
+		if (call_rc == 0 && which == CALL_CANCEL && after != KVR_ENOENT)
+			return 16; /* cancelled, yet its ticket is still there */
+		if (call_rc == KVR_EBUSY && after != 0)
+			return 17; /* refused, so the pass admitted it: its outcome is there */
+		if (call_rc != 0 && call_rc != KVR_EBUSY && call_rc != KVR_ENOENT)
+			return 18;
+	}
+	if (after == 0 && d.status == KVR_DECIDED)
+		kvr_request_finish(R, d.attempt);
+	kvr_router_destroy(R);
+	return 0;
+}
+
+static void each_reading(enum call w, bool shard)
+{
+	which = w;
+	on_shard = shard;
+	int hung = 0, failed = 0;
+	for (at_reading = 1; at_reading <= 12; at_reading++) {
+		fflush(NULL);
+		pid_t pid = fork();
+		cr_assert_geq(pid, 0, "fork failed");
+		if (pid == 0) {
+			alarm(5);
+			_exit(scene());
+		}
+		int st = 0;
+		cr_assert_eq(waitpid(pid, &st, 0), pid);
+		if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM) {
+			hung++;
+			fprintf(stderr, "%s from the %s: the clock's reading %d: hung\n",
+			        w == CALL_CANCEL ? "kvr_route_cancel" : "kvr_route_wait",
+			        shard ? "shard" : "pass's thread", at_reading);
+		} else if (!WIFEXITED(st) || WEXITSTATUS(st)) {
+			failed++;
+			fprintf(stderr, "reading %d: child status %d\n", at_reading, st);
+		}
+	}
+	cr_expect_eq(hung, 0, "%d of 12 scenes hung", hung);
+	cr_expect_eq(failed, 0, "%d of 12 scenes failed", failed);
+}
+
+Test(queue_clock_calls, a_cancel_from_the_clock_of_the_pass_that_admits_the_ticket, .timeout = 120)
+{
+	each_reading(CALL_CANCEL, false);
+}
+
+Test(queue_clock_calls, a_wait_from_the_clock_of_the_pass_that_admits_the_ticket, .timeout = 120)
+{
+	each_reading(CALL_WAIT, false);
+}
+
+Test(queue_clock_calls, a_cancel_from_the_clock_of_the_shard_the_pass_waits_for, .timeout = 120)
+{
+	each_reading(CALL_CANCEL, true);
+}
+
+Test(queue_clock_calls, a_wait_from_the_clock_of_the_shard_the_pass_waits_for, .timeout = 120)
+{
+	each_reading(CALL_WAIT, true);
+}
