@@ -462,9 +462,6 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t tar
 	for (int ask = 1;; ask++) {
 		uint64_t from = ask == 1 ? start : replay_at(e, rs);
 		a = read_answer(f, e, from, target, rs, ask < FEED_REPLAY_ASKS);
-		if (a == ANS_LATE || a == ANS_FAIL)
-			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
-			             "replay from %" PRIu64 " failed or timed out", from);
 		/* Anything but the end marker: the socket goes, so that what is still on its
 		 * way of this answer cannot be taken for the next request's. */
 		if (a != ANS_END && e->dealer) {
@@ -473,8 +470,19 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t tar
 		}
 		uint64_t at = replay_at(e, rs);
 		if (a == ANS_FAIL || a == ANS_DROP || at >= target || at <= from ||
-		    ask == FEED_REPLAY_ASKS)
+		    ask == FEED_REPLAY_ASKS) {
+			/* A warning only when the replay is given up short of target (what it
+			 * lacks becomes a gap); an ask that the next one mends is told at INFO,
+			 * below.  Before, every ask that failed or timed out was a warning, also
+			 * when the next ask healed it (test_feed_replay_reask,
+			 * ..._logs_no_warning). */
+			if (a == ANS_LATE || a == ANS_FAIL)
+				kvr_feed_log(
+				    f, e, LK_GAP, at < target ? KVR_LOG_WARN : KVR_LOG_INFO,
+				    "replay from %" PRIu64 " failed or timed out%s", from,
+				    at < target ? "" : " after it brought every batch it needed");
 			break;
+		}
 		kvr_feed_log(f, e, LK_REASK, KVR_LOG_INFO,
 		             "replay from %" PRIu64 " %s at seq %" PRIu64 " of %" PRIu64
 		             "; asking again",

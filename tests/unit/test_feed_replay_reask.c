@@ -17,7 +17,10 @@
  */
 #include <criterion/criterion.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
@@ -41,6 +44,35 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 	atomic_fetch_add(&gap_calls, 1);
 	if (atomic_load(&gap_sleep_ms))
 		sleep_ms(atomic_load(&gap_sleep_ms));
+}
+
+/* The feed's log since the world's replay began (log_reset): how many WARN lines, all of them
+ * kept (as far as they fit), and whether an ask was logged as having timed out. */
+static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
+static int log_warns;
+static bool log_timed_out;
+static char log_warn_text[2048];
+static void on_log(void *ctx, int level, const char *msg)
+{
+	(void)ctx;
+	pthread_mutex_lock(&log_mu);
+	if (level <= KVR_LOG_WARN) {
+		log_warns++;
+		size_t n = strlen(log_warn_text);
+		snprintf(log_warn_text + n, sizeof(log_warn_text) - n, "[%s] ", msg);
+	}
+	if (strstr(msg, "timed out"))
+		log_timed_out = true;
+	pthread_mutex_unlock(&log_mu);
+}
+
+static void log_reset(void)
+{
+	pthread_mutex_lock(&log_mu);
+	log_warns = 0;
+	log_timed_out = false;
+	log_warn_text[0] = 0;
+	pthread_mutex_unlock(&log_mu);
 }
 
 static uint64_t block_of(uint64_t i)
@@ -82,6 +114,7 @@ static void open_world(struct world *w, uint32_t replay_timeout_ms)
 	struct kvr_feed_config fc;
 	kvr_feed_config_init(&fc);
 	fc.replay_timeout_ms = replay_timeout_ms;
+	fc.log = on_log;
 	cr_assert_eq(kvr_feed_create(w->r, &fc, &w->f), 0);
 	struct kvr_feed_endpoint fe = {.endpoint = w->pub.ep, .replay_endpoint = rep};
 	cr_assert_eq(kvr_feed_add(w->f, &fe, &w->id), 0);
@@ -129,6 +162,7 @@ static void open_resync(struct world *w, uint32_t replay_timeout_ms)
 	for (uint64_t i = 0; i < N; i++)
 		live(w, i);
 	feed_at(w, N);
+	log_reset(); /* the batches for a rank the router lacks are logged */
 	add_rank(w);
 }
 
@@ -140,6 +174,7 @@ static void open_heal(struct world *w, uint32_t replay_timeout_ms)
 	add_rank(w);
 	live(w, 0);
 	feed_at(w, 1);
+	log_reset();
 	live(w, N - 1);
 }
 
@@ -415,5 +450,84 @@ Test(feed_replay_reask, a_healing_answer_waiting_while_the_feed_is_slow_is_not_a
 	struct world w;
 	open_heal(&w, 2000);
 	slow_feed_whole_answer(&w, 1, 1);
+	close_world(&w);
+}
+
+/* An ask that times out after bringing something is asked again; when the next ask brings the
+ * rest, nothing was lost and nothing is logged as a warning (the ask's timeout is told at INFO).
+ * Before, every ask that timed out logged "replay from X failed or timed out" at WARN, though
+ * the next one healed it.  The answer trickles in (a batch every 20 ms, well inside
+ * FEED_REPLAY_QUIET_MS) so that it times out (replay_timeout_ms 300) rather than go quiet. */
+static void timed_out_then_whole(struct world *w, uint64_t start)
+{
+	asked_from(w, start);
+	uint64_t q = start, from;
+	for (;;) { /* (next_ask forgets the asker when none comes) */
+		zmq_pollitem_t it = {.socket = w->router, .events = ZMQ_POLLIN};
+		cr_assert_geq(zmq_poll(&it, 1, 20), 0);
+		if (it.revents & ZMQ_POLLIN)
+			break;
+		cr_assert_lt(q, N, "no second ask after the first answer timed out");
+		answer(w, q++);
+	}
+	cr_assert(next_ask(w, 1000, &from));
+	cr_assert_gt(from, start, "the second ask is from the first batch missing");
+	answer_from(w, from, NULL, 0, true);
+	whole(w);
+	pthread_mutex_lock(&log_mu);
+	bool timed_out = log_timed_out;
+	int warns = log_warns;
+	pthread_mutex_unlock(&log_mu);
+	cr_assert(timed_out, "the first ask timed out (and it is logged)");
+	cr_assert_eq(warns, 0, "nothing lost, yet %d warnings: %s", warns, log_warn_text);
+}
+
+Test(feed_replay_reask, a_resync_ask_timed_out_then_healed_logs_no_warning, .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 300);
+	timed_out_then_whole(&w, 0);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_healing_ask_timed_out_then_healed_logs_no_warning, .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 300);
+	timed_out_then_whole(&w, 1);
+	close_world(&w);
+}
+
+/* A replay given up (the replayer never answers) is still a warning, naming the replay. */
+static void never_answered(struct world *w, uint64_t start)
+{
+	asked_from(w, start);
+	uint64_t from;
+	cr_assert(!next_ask(w, 1000, &from),
+	          "no second ask after an empty answer (one from %" PRIu64 ")", from);
+	struct kvr_feed_stats st; /* the feed's thread is through with the replay */
+	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+	cr_assert_eq(atomic_load(&gap_calls), 1, "the gap is reported");
+	char want[64];
+	snprintf(want, sizeof(want), "replay from %" PRIu64, start);
+	pthread_mutex_lock(&log_mu);
+	bool warned = strstr(log_warn_text, want) != NULL;
+	pthread_mutex_unlock(&log_mu);
+	cr_assert(warned, "a WARN names the replay given up; the warnings: %s", log_warn_text);
+}
+
+Test(feed_replay_reask, a_resync_replay_given_up_logs_a_warning, .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 300);
+	never_answered(&w, 0);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_healing_replay_given_up_logs_a_warning, .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 300);
+	never_answered(&w, 1);
 	close_world(&w);
 }
