@@ -87,8 +87,26 @@ struct resync {
 	bool held;     /* a batch of the rank was applied since the rank was last cleared */
 };
 
-static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
-                  struct resync *rs);
+/* How one answer to a replay request ended. */
+enum answer_end {
+	ANS_END,   /* its end marker came */
+	ANS_HOLE,  /* a batch inside it was missing: nothing after the hole was taken */
+	ANS_LATE,  /* no end marker within replay_timeout_ms */
+	ANS_QUIET, /* nothing more for FEED_REPLAY_QUIET_MS after it brought something */
+	ANS_FAIL,  /* the request could not be sent, or the socket failed */
+	ANS_DROP,  /* a destroy waits for this thread */
+};
+
+static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
+                              struct resync *rs);
+
+/* Whether a destroy waits for the feed's thread (kvr_feed_destroy, kvr_router_destroy, or one
+ * from a callback): a replay then ends at once, and what it did not bring is no gap.
+ * Context: the feed's thread. */
+static bool going(const struct kvr_feed *f)
+{
+	return __atomic_load_n(&f->stopping, __ATOMIC_ACQUIRE) || kvr_feed_dying(f);
+}
 
 static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint64_t got,
                        const struct kvr_feed_batch *b)
@@ -165,7 +183,8 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 	if ((seq > expected || oom) && !replayed && e->replay) {
 		/* The answer must bring every batch before this one, and this one too if it
 		 * could not be decoded. */
-		replay(f, e, expected, oom ? seq + 1 : seq, NULL);
+		if (replay(f, e, expected, oom ? seq + 1 : seq, NULL) == ANS_DROP)
+			return; /* the feed is going away: no gap, nothing applied past it */
 		if (e->have_seq && seq < e->next_seq)
 			return; /* the replay applied it */
 		expected = e->have_seq ? e->next_seq : 0;
@@ -301,16 +320,6 @@ static void resync_hole(struct kvr_feed *f, struct ep *e, struct resync *rs, uin
 	rs->held = false;
 }
 
-/* How one answer to a replay request ended. */
-enum answer_end {
-	ANS_END,   /* its end marker came */
-	ANS_HOLE,  /* a batch inside it was missing: nothing after the hole was taken */
-	ANS_LATE,  /* no end marker within replay_timeout_ms */
-	ANS_QUIET, /* nothing more for FEED_REPLAY_QUIET_MS after it brought something */
-	ANS_FAIL,  /* the request could not be sent, or the socket failed */
-	ANS_DROP,  /* a destroy waits for this thread */
-};
-
 /* The next seq a replay must bring for what it applied to stay whole. */
 static uint64_t replay_at(const struct ep *e, const struct resync *rs)
 {
@@ -349,8 +358,8 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
 		uint64_t now = kvr_feed_mono_ns();
 		if (now >= deadline)
 			return ANS_LATE;
-		if (__atomic_load_n(&f->stopping, __ATOMIC_ACQUIRE) || kvr_feed_dying(f)) {
-			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+		if (going(f)) {
+			kvr_feed_log(f, e, LK_GAP, KVR_LOG_INFO,
 			             "replay from %" PRIu64
 			             " abandoned: the feed is being destroyed",
 			             start);
@@ -448,14 +457,20 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
  * Before, such a hole was reported and the rank cleared (test_feed_replay_reask).  Each ask
  * waits replay_timeout_ms at most.  What the last ask lacks is a hole as before: reported once,
  * the batches after it applied.  An answer that starts later than asked is the publisher's
- * buffer beginning later: reported, never asked for again.  Returns 0
- * when the last answer's end marker came, -1 on no answer within replay_timeout_ms, a socket
- * failure, or a destroy waiting for this thread.  Context: the feed's thread. */
-static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
-                  struct resync *rs)
+ * buffer beginning later: reported, never asked for again.  Returns how the last answer ended:
+ * ANS_END when its end marker came; ANS_DROP when a destroy waits for this thread (then the
+ * caller reports no gap: the feed going away missed nothing of the publisher's, and before,
+ * its abandoned replay was reported through on_event_gap and counted, the rank cleared:
+ * test_feed_replay_stop); ANS_FAIL also when another replay is being read.  Context: the
+ * feed's thread. */
+static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
+                              struct resync *rs)
 {
 	if (f->in_replay)
-		return -1; /* one at a time: the DEALER carries one answer */
+		return ANS_FAIL; /* one at a time: the DEALER carries one answer */
+	/* A later gap of the same drain, once a destroy waits: not even asked. */
+	if (going(f))
+		return ANS_DROP;
 	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
 	f->in_replay = true;
 	enum answer_end a;
@@ -494,7 +509,7 @@ static int replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t tar
 		             at, target);
 	}
 	f->in_replay = false;
-	return a == ANS_END ? 0 : -1;
+	return a;
 }
 
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
@@ -519,12 +534,15 @@ void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	 * answer's end short of `to` (a timeout, a replayer that stopped early) is a hole too:
 	 * before, the batches it had brought stayed, and the removals after them were lost. */
 	struct resync rs = {.dp = dp, .to = to, .next = from};
-	/* Whatever replay() returns: an answer whose end marker did not come (a replayer's ROUTER
-	 * past its send bound drops what follows) but that brought every batch up to `to` left no
-	 * hole.  Before, its timeout was reported as a gap of nothing (to..to) and the rank,
-	 * rebuilt whole, cleared (test_feed_rank_gone, ..._lacks_only_its_end_marker_is_whole). */
-	if (e->replay)
-		(void)replay(f, e, from, to, &rs);
+	/* Whatever else replay() returns: an answer whose end marker did not come (a replayer's
+	 * ROUTER past its send bound drops what follows) but that brought every batch up to `to`
+	 * left no hole.  Before, its timeout was reported as a gap of nothing (to..to) and the
+	 * rank, rebuilt whole, cleared (test_feed_rank_gone,
+	 * ..._lacks_only_its_end_marker_is_whole). */
+	if (e->replay && replay(f, e, from, to, &rs) == ANS_DROP) {
+		kvr_feed_flush(f); /* the feed is going away: no hole reported for it */
+		return;
+	}
 	if (rs.next < to)
 		resync_hole(f, e, &rs, to);
 	kvr_feed_flush(f);
