@@ -74,7 +74,9 @@ enum kvr_counter {
 	KVR_C_FEED_REPLAYS,
 	KVR_C_FEED_REPLAYED_BATCHES,
 	KVR_C_FEED_RESTARTS,
-	KVR_C_FEED_LOST,       /* events or batches not applied for lack of memory (rank cleared) */
+	KVR_C_FEED_LOST, /* events or batches not applied for lack of memory (rank cleared) */
+	/* replay requests asked again (sync/feed_seq.c, replay()) */
+	KVR_C_FEED_REPLAY_REASKS,
 	KVR_C_HEAL_FEEDBACK,   /* core/heal.c: kvr_request_cached calls applied */
 	KVR_C_HEAL_OVER,       /* ... whose prediction was above the engine's cached depth */
 	KVR_C_HEAL_UNDER,      /* ... below it */

@@ -157,6 +157,8 @@ static const struct {
      "KV event feed: publisher restarts (rank cleared)", ""},
     {KVR_C_FEED_LOST, "kvr_feed_lost_total",
      "KV event feed: events or batches not applied for lack of memory (rank cleared)", ""},
+    {KVR_C_FEED_REPLAY_REASKS, "kvr_feed_replay_reasks_total",
+     "KV event feed: replay requests asked again (an answer with a hole or cut short)", ""},
     {KVR_C_HEAL_FEEDBACK, "kvr_heal_feedback_total",
      "Engine cached-token reports applied (kvr_request_cached)", ""},
     {KVR_C_HEAL_OVER, "kvr_heal_over_predictions_total",

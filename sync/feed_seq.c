@@ -498,6 +498,8 @@ static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, 
 				    at < target ? "" : " after it brought every batch it needed");
 			break;
 		}
+		e->st.reasks++;
+		kvr_feed_count(f, KVR_C_FEED_REPLAY_REASKS, 1);
 		kvr_feed_log(f, e, LK_REASK, KVR_LOG_INFO,
 		             "replay from %" PRIu64 " %s at seq %" PRIu64 " of %" PRIu64
 		             "; asking again",

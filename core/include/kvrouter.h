@@ -982,6 +982,7 @@ struct kvr_feed_stats {
 	                               * ts more than a day behind (not wall-clock seconds)
 	                               * is no lag: left out, here and in the histogram */
 	uint64_t next_seq;            /* gauge: the next seq expected (0 before the first) */
+	uint64_t reasks; /* replay requests asked again: an answer with a hole or cut short */
 };
 
 /*

@@ -272,6 +272,21 @@ static void close_world(struct world *w)
 	test_pub_close(&w->pub);
 }
 
+/* The replays were asked again n times in all: the endpoint's stats (reasks) and the router's
+ * metrics (kvr_feed_replay_reasks_total) say so. */
+static void reasked(struct world *w, uint64_t n)
+{
+	struct kvr_feed_stats st;
+	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+	cr_assert_eq(st.reasks, n, "reasks %" PRIu64 ", not %" PRIu64, st.reasks, n);
+	static char text[1 << 16];
+	size_t len;
+	cr_assert_eq(kvr_metrics_render(w->r, text, sizeof(text), &len), 0);
+	char want[64];
+	snprintf(want, sizeof(want), "\nkvr_feed_replay_reasks_total %" PRIu64 "\n", n);
+	cr_assert_not_null(strstr(text, want), "the metrics lack \"%s\"", want + 1);
+}
+
 /* No more asks (within 300 ms) and no gap: the rank is its engine. */
 static void whole(struct world *w)
 {
@@ -292,6 +307,7 @@ Test(feed_replay_reask, a_resync_answer_with_dropped_batches_is_asked_again, .ti
 	asked_from(&w, 5); /* the first batch missing; what came after it was not taken */
 	answer_from(&w, 5, NULL, 0, true);
 	whole(&w);
+	reasked(&w, 1);
 	close_world(&w);
 }
 
@@ -304,6 +320,7 @@ Test(feed_replay_reask, a_healing_answer_with_dropped_batches_is_asked_again, .t
 	asked_from(&w, 4);
 	answer_from(&w, 4, NULL, 0, true);
 	whole(&w);
+	reasked(&w, 1);
 	close_world(&w);
 }
 
@@ -372,6 +389,7 @@ static void keeps_dropping(struct world *w, uint64_t start)
 	cr_assert_eq(atomic_load(&gap_calls), 1, "the hole left is reported once");
 	cr_assert_eq(atomic_load(&gap_from), start + FEED_REPLAY_ASKS);
 	cr_assert_eq(atomic_load(&gap_to), start + FEED_REPLAY_ASKS + 1);
+	reasked(w, FEED_REPLAY_ASKS - 1);
 }
 
 Test(feed_replay_reask, a_resync_replayer_that_keeps_dropping_is_asked_a_bounded_number_of_times,
@@ -480,6 +498,7 @@ static void timed_out_then_whole(struct world *w, uint64_t start)
 	pthread_mutex_unlock(&log_mu);
 	cr_assert(timed_out, "the first ask timed out (and it is logged)");
 	cr_assert_eq(warns, 0, "nothing lost, yet %d warnings: %s", warns, log_warn_text);
+	reasked(w, 1);
 }
 
 Test(feed_replay_reask, a_resync_ask_timed_out_then_healed_logs_no_warning, .timeout = 60)
@@ -514,6 +533,7 @@ static void never_answered(struct world *w, uint64_t start)
 	bool warned = strstr(log_warn_text, want) != NULL;
 	pthread_mutex_unlock(&log_mu);
 	cr_assert(warned, "a WARN names the replay given up; the warnings: %s", log_warn_text);
+	reasked(w, 0); /* an ask that brought nothing is not asked again */
 }
 
 Test(feed_replay_reask, a_resync_replay_given_up_logs_a_warning, .timeout = 60)
