@@ -160,15 +160,24 @@ static int zmq_fail_code(void)
 	return e == EMFILE || e == ENFILE || e == ENOMEM || e == ENOBUFS ? KVR_ENOMEM : KVR_EINVAL;
 }
 
+/* What the feed's receiving sockets (the SUB, the replay DEALER) share: no linger, the
+ * receive bound cfg.rcv_hwm (a uint32_t, clamped to ZeroMQ's int), the message size bound
+ * cfg.max_msg_bytes.  Context: the feed's thread. */
+static void set_rcv_bounds(const struct kvr_feed *f, void *sock)
+{
+	const int zero = 0, hwm = (int)(f->cfg.rcv_hwm > INT32_MAX ? INT32_MAX : f->cfg.rcv_hwm);
+	const int64_t maxsz = (int64_t)f->cfg.max_msg_bytes;
+	zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
+	zmq_setsockopt(sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+	zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
+}
+
 int kvr_feed_dealer_open(struct kvr_feed *f, struct ep *e)
 {
 	void *d = zmq_socket(f->zctx, ZMQ_DEALER);
 	if (!d)
 		return KVR_ENOMEM;
-	const int zero = 0, ivl_max = FEED_RECONNECT_IVL_MAX_MS;
-	const int hwm = (int)(f->cfg.rcv_hwm > INT32_MAX ? INT32_MAX : f->cfg.rcv_hwm);
-	const int64_t maxsz = (int64_t)f->cfg.max_msg_bytes;
-	zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof(zero));
+	const int ivl_max = FEED_RECONNECT_IVL_MAX_MS;
 	/* A replay answer's bound, the SUB's (ZeroMQ's default, 1,000, before): a DEALER that
 	 * stops reading its connection at its bound leaves the rest of a long answer in the
 	 * publisher's ROUTER, whose own bound (ZMQ_SNDHWM, 1,000, which vLLM keeps) drops it
@@ -177,9 +186,8 @@ int kvr_feed_dealer_open(struct kvr_feed *f, struct ep *e)
 	 * SFC_ROUTER_HWM=1 it still dropped (5 runs of 6 failed with this alone), so replay() asks
 	 * again for what a hole lost (sync/feed_seq.c).  The feed's thread reads an answer as it
 	 * comes: the bound costs memory only while that thread is slower than the answer. */
-	zmq_setsockopt(d, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+	set_rcv_bounds(f, d);
 	zmq_setsockopt(d, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
-	zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
 	if (zmq_connect(d, e->replay) != 0) {
 		int rc = zmq_fail_code();
 		zmq_close(d);
@@ -228,11 +236,7 @@ static int ep_add(struct kvr_feed *f, const struct kvr_feed_endpoint *p, uint32_
 		ep_free(e);
 		return KVR_ENOMEM;
 	}
-	int zero = 0, hwm = (int)(f->cfg.rcv_hwm > INT32_MAX ? INT32_MAX : f->cfg.rcv_hwm);
-	int64_t maxsz = (int64_t)f->cfg.max_msg_bytes;
-	zmq_setsockopt(e->sub, ZMQ_LINGER, &zero, sizeof(zero));
-	zmq_setsockopt(e->sub, ZMQ_RCVHWM, &hwm, sizeof(hwm));
-	zmq_setsockopt(e->sub, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
+	set_rcv_bounds(f, e->sub);
 	const int ivl = FEED_RECONNECT_IVL_MS, ivl_max = FEED_RECONNECT_IVL_MAX_MS;
 	zmq_setsockopt(e->sub, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
 	zmq_setsockopt(e->sub, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
