@@ -445,9 +445,9 @@ int main(int argc, char **argv)
 		}
 		printf("stress_feed_rank_churn: rank %u: %zu batches, %zu blocks held, %" PRIu64
 		       " refused, %" PRIu64 " unknown-rank batches, %d replays (longest %zu "
-		       "batches), %" PRIu64 " replayed batches\n",
+		       "batches, %" PRIu64 " asked again), %" PRIu64 " replayed batches\n",
 		       r, n, want, st.refused, st.unknown_rank, atomic_load(&w->replays),
-		       atomic_load(&w->max_reply), st.replayed_batches);
+		       atomic_load(&w->max_reply), st.reasks, st.replayed_batches);
 	}
 	if (atomic_load(&gap_calls))
 		bad = 1;
