@@ -29,6 +29,7 @@
 #include "sync/feed_encode.h"
 #include "sync/feed_internal.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/feed_replayer.h"
 #include "tests/common/mono_clock.h"
 
 enum { N = 24 };
@@ -81,14 +82,8 @@ static uint64_t block_of(uint64_t i)
 }
 
 struct world {
-	struct test_pub pub;
-	void *router; /* the replay endpoint: the test answers it */
+	struct test_replayer t; /* the publisher, the replay endpoint the test answers, r, f */
 	struct kvr_fenc enc[N];
-	struct kvr_router *r;
-	struct kvr_feed *f;
-	uint32_t id;
-	zmq_msg_t asker; /* the identity of the DEALER that asked last */
-	int asks;
 };
 
 /* A router with no rank, a feed with a replay endpoint (replay_timeout_ms), the N batches
@@ -98,27 +93,7 @@ static void open_world(struct world *w, uint32_t replay_timeout_ms)
 	atomic_store(&gap_calls, 0);
 	atomic_store(&gap_sleep_ms, 0);
 	memset(w, 0, sizeof(*w));
-	test_pub_open(&w->pub);
-	w->router = zmq_socket(w->pub.zctx, ZMQ_ROUTER);
-	cr_assert_eq(zmq_bind(w->router, "tcp://127.0.0.1:*"), 0);
-	char rep[256];
-	size_t cap = sizeof(rep);
-	cr_assert_eq(zmq_getsockopt(w->router, ZMQ_LAST_ENDPOINT, rep, &cap), 0);
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.mode = KVR_MODE_EVENTS;
-	c.block_size = TEST_BLOCK_TOKENS;
-	c.n_shards = 1;
-	c.on_event_gap = on_gap;
-	cr_assert_eq(kvr_router_create(&c, &w->r), 0);
-	struct kvr_feed_config fc;
-	kvr_feed_config_init(&fc);
-	fc.replay_timeout_ms = replay_timeout_ms;
-	fc.log = on_log;
-	cr_assert_eq(kvr_feed_create(w->r, &fc, &w->f), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = w->pub.ep, .replay_endpoint = rep};
-	cr_assert_eq(kvr_feed_add(w->f, &fe, &w->id), 0);
-	test_pub_subscribed(&w->pub);
+	test_replayer_open(&w->t, on_gap, replay_timeout_ms, on_log);
 	for (uint64_t i = 0; i < N; i++) {
 		uint64_t s = block_of(i), old = block_of(i - 2);
 		kvr_fenc_init(&w->enc[i]);
@@ -128,30 +103,22 @@ static void open_world(struct world *w, uint32_t replay_timeout_ms)
 			kvr_fenc_removed(&w->enc[i], &old, 1);
 		kvr_fenc_end(&w->enc[i], 0);
 	}
-	zmq_msg_init(&w->asker);
 }
 
 static void live(struct world *w, uint64_t seq)
 {
-	test_pub_send(&w->pub, seq, (const uint8_t *)w->enc[seq].sb.data, w->enc[seq].sb.size);
+	test_pub_send(&w->t.pub, seq, (const uint8_t *)w->enc[seq].sb.data, w->enc[seq].sb.size);
 }
 
 /* Waits until the feed took every batch before seq next. */
 static void feed_at(struct world *w, uint64_t next)
 {
-	struct kvr_feed_stats st;
-	for (int k = 0; k < 500; k++) {
-		cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
-		if (st.next_seq == next)
-			return;
-		sleep_ms(10);
-	}
-	cr_assert_fail("the feed took %" PRIu64 " batches, not %" PRIu64, st.next_seq, next);
+	test_replayer_feed_at(&w->t, next);
 }
 
 static void add_rank(struct world *w)
 {
-	cr_assert_eq(kvr_rank_add(w->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	cr_assert_eq(kvr_rank_add(w->t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
 }
 
 /* The resync path: all N batches go by before rank (0, 0) exists, then it is added: the feed
@@ -181,45 +148,26 @@ static void open_heal(struct world *w, uint32_t replay_timeout_ms)
 /* The next replay request, within ms; its start in *from.  false: none came. */
 static bool next_ask(struct world *w, int ms, uint64_t *from)
 {
-	zmq_setsockopt(w->router, ZMQ_RCVTIMEO, &ms, sizeof(ms));
-	zmq_msg_close(&w->asker);
-	zmq_msg_init(&w->asker);
-	if (zmq_msg_recv(&w->asker, w->router, 0) < 0)
-		return false;
-	uint8_t empty[8], start[8];
-	cr_assert_eq(zmq_recv(w->router, empty, sizeof(empty), 0), 0);
-	cr_assert_eq(zmq_recv(w->router, start, sizeof(start), 0), 8);
-	*from = 0;
-	for (int i = 0; i < 8; i++)
-		*from = *from << 8 | start[i];
-	w->asks++;
-	return true;
+	return test_replayer_next_ask(&w->t, ms, from);
 }
 
 /* Asserts that the feed asks (again) from seq from. */
 static void asked_from(struct world *w, uint64_t from)
 {
 	uint64_t got = UINT64_MAX;
-	cr_assert(next_ask(w, 5000, &got), "expected ask %d, from seq %" PRIu64, w->asks + 1, from);
-	cr_assert_eq(got, from, "ask %d is from seq %" PRIu64 ", not %" PRIu64, w->asks, got, from);
+	cr_assert(next_ask(w, 5000, &got), "expected ask %d, from seq %" PRIu64, w->t.asks + 1,
+	          from);
+	cr_assert_eq(got, from, "ask %d is from seq %" PRIu64 ", not %" PRIu64, w->t.asks, got,
+	             from);
 }
 
 /* One message of the answer to the last ask: batch seq, or the end marker (UINT64_MAX). */
 static void answer(struct world *w, uint64_t seq)
 {
-	zmq_msg_t id;
-	zmq_msg_init(&id);
-	zmq_msg_copy(&id, &w->asker);
-	cr_assert_geq(zmq_msg_send(&id, w->router, ZMQ_SNDMORE), 0);
-	uint8_t s[8];
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	zmq_send(w->router, "", 0, ZMQ_SNDMORE);
-	zmq_send(w->router, s, 8, ZMQ_SNDMORE);
 	if (seq == UINT64_MAX)
-		zmq_send(w->router, "", 0, 0);
+		test_replayer_answer(&w->t, seq, NULL, 0);
 	else
-		zmq_send(w->router, w->enc[seq].sb.data, w->enc[seq].sb.size, 0);
+		test_replayer_answer(&w->t, seq, w->enc[seq].sb.data, w->enc[seq].sb.size);
 }
 
 /* Batches from..N-1 but those in skip[0..n_skip), then the end marker if end. */
@@ -247,12 +195,12 @@ static int cmp_u64(const void *a, const void *b)
 static void rank_is_engine(struct world *w)
 {
 	struct kvr_feed_stats st;
-	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(w->t.f, w->t.id, &st), 0);
 	cr_assert_eq(st.next_seq, N);
-	cr_assert_eq(kvr_router_sync(w->r, 1000), 0);
+	cr_assert_eq(kvr_router_sync(w->t.r, 1000), 0);
 	uint64_t got[N];
 	size_t n = 0;
-	cr_assert_eq(kvr_rank_blocks(w->r, (struct kvr_rank_id){0, 0}, got, N, &n), 0);
+	cr_assert_eq(kvr_rank_blocks(w->t.r, (struct kvr_rank_id){0, 0}, got, N, &n), 0);
 	qsort(got, n, sizeof(*got), cmp_u64);
 	char s[256] = "";
 	for (size_t i = 0; i < n && strlen(s) < 200; i++)
@@ -263,13 +211,9 @@ static void rank_is_engine(struct world *w)
 
 static void close_world(struct world *w)
 {
-	kvr_feed_destroy(w->f);
-	kvr_router_destroy(w->r);
-	zmq_msg_close(&w->asker);
-	zmq_close(w->router);
+	test_replayer_close(&w->t);
 	for (int i = 0; i < N; i++)
 		kvr_fenc_fini(&w->enc[i]);
-	test_pub_close(&w->pub);
 }
 
 /* The replays were asked again n times in all: the endpoint's stats (reasks) and the router's
@@ -277,11 +221,11 @@ static void close_world(struct world *w)
 static void reasked(struct world *w, uint64_t n)
 {
 	struct kvr_feed_stats st;
-	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(w->t.f, w->t.id, &st), 0);
 	cr_assert_eq(st.reasks, n, "reasks %" PRIu64 ", not %" PRIu64, st.reasks, n);
 	static char text[1 << 16];
 	size_t len;
-	cr_assert_eq(kvr_metrics_render(w->r, text, sizeof(text), &len), 0);
+	cr_assert_eq(kvr_metrics_render(w->t.r, text, sizeof(text), &len), 0);
 	char want[64];
 	snprintf(want, sizeof(want), "\nkvr_feed_replay_reasks_total %" PRIu64 "\n", n);
 	cr_assert_not_null(strstr(text, want), "the metrics lack \"%s\"", want + 1);
@@ -351,7 +295,7 @@ Test(feed_replay_reask, a_whole_answer_without_its_end_holds_the_feed_no_longer_
 	uint64_t t0 = now_ms();
 	answer_from(&w, 0, NULL, 0, false);
 	struct kvr_feed_stats st; /* returns once the feed's thread is out of the replay */
-	cr_assert_eq(kvr_feed_get_stats(w.f, w.id, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(w.t.f, w.t.id, &st), 0);
 	uint64_t ms = now_ms() - t0;
 	cr_assert_lt(ms, 5000, "the feed's thread waited %" PRIu64 " ms for the end marker", ms);
 	whole(&w);
@@ -481,7 +425,7 @@ static void timed_out_then_whole(struct world *w, uint64_t start)
 	asked_from(w, start);
 	uint64_t q = start, from;
 	for (;;) { /* (next_ask forgets the asker when none comes) */
-		zmq_pollitem_t it = {.socket = w->router, .events = ZMQ_POLLIN};
+		zmq_pollitem_t it = {.socket = w->t.router, .events = ZMQ_POLLIN};
 		cr_assert_geq(zmq_poll(&it, 1, 20), 0);
 		if (it.revents & ZMQ_POLLIN)
 			break;
@@ -525,7 +469,7 @@ static void never_answered(struct world *w, uint64_t start)
 	cr_assert(!next_ask(w, 1000, &from),
 	          "no second ask after an empty answer (one from %" PRIu64 ")", from);
 	struct kvr_feed_stats st; /* the feed's thread is through with the replay */
-	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
+	cr_assert_eq(kvr_feed_get_stats(w->t.f, w->t.id, &st), 0);
 	cr_assert_eq(atomic_load(&gap_calls), 1, "the gap is reported");
 	char want[64];
 	snprintf(want, sizeof(want), "replay from %" PRIu64, start);

@@ -14,6 +14,7 @@
 
 #include "kvrouter.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/feed_replayer.h"
 #include "tests/common/realtime_shift.h"
 
 static double mono_ms(void)
@@ -121,54 +122,28 @@ Test(feed_replay_stop, destroy_during_a_resync_reports_no_gap, .timeout = 60)
 {
 	for (int how = 0; how < 2; how++) { /* 0: kvr_feed_destroy; 1: the router first */
 		gaps = 0;
-		struct test_pub pub;
-		test_pub_open(&pub);
-		struct kvr_config c;
-		kvr_config_init(&c);
-		c.mode = KVR_MODE_EVENTS;
-		c.n_shards = 1;
-		c.on_event_gap = on_gap;
-		struct kvr_router *r;
-		cr_assert_eq(kvr_router_create(&c, &r), 0); /* rank (0, 0) not there yet */
-		void *mute = zmq_socket(pub.zctx, ZMQ_ROUTER);
-		cr_assert_eq(zmq_bind(mute, "tcp://127.0.0.1:*"), 0);
-		char rep[256];
-		size_t cap = sizeof(rep);
-		cr_assert_eq(zmq_getsockopt(mute, ZMQ_LAST_ENDPOINT, rep, &cap), 0);
-		struct kvr_feed_config fc;
-		kvr_feed_config_init(&fc);
-		fc.replay_timeout_ms = 20000;
-		struct kvr_feed *f;
-		cr_assert_eq(kvr_feed_create(r, &fc, &f), 0);
-		struct kvr_feed_endpoint fe = {.endpoint = pub.ep, .replay_endpoint = rep};
-		cr_assert_eq(kvr_feed_add(f, &fe, &ep_id), 0);
-		test_pub_subscribed(&pub);
+		struct test_replayer t; /* its ROUTER never answers; rank (0, 0) not there yet */
+		test_replayer_open(&t, on_gap, 20000, NULL);
 		for (uint64_t s = 0; s < 3; s++)
-			test_pub_send_empty(&pub, s, 0);
-		struct kvr_feed_stats st = {0};
-		for (int k = 0; k < 500 && st.next_seq != 3; k++) {
-			cr_assert_eq(kvr_feed_get_stats(f, ep_id, &st), 0);
-			sleep_ms(10);
-		}
-		cr_assert_eq(st.next_seq, 3, "the feed took the batches");
-		cr_assert_eq(kvr_rank_add(r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
+			test_pub_send_empty(&t.pub, s, 0);
+		test_replayer_feed_at(&t, 3);
+		cr_assert_eq(kvr_rank_add(t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
 		             0);
-		zmq_msg_t m; /* the resync's request: the feed's thread waits for its answer */
-		zmq_msg_init(&m);
-		cr_assert_geq(zmq_msg_recv(&m, mute, 0), 0);
-		zmq_msg_close(&m);
+		uint64_t from; /* the resync's request: the feed's thread waits for its answer */
+		cr_assert(test_replayer_next_ask(&t, 5000, &from));
 		if (how == 0)
-			kvr_feed_destroy(f);
+			kvr_feed_destroy(t.f);
 		else
-			kvr_router_destroy(r);
+			kvr_router_destroy(t.r);
 		cr_expect_eq(__atomic_load_n(&gaps, __ATOMIC_RELAXED), 0,
 		             "%s: a gap reported for a replay the destroy ended",
 		             how ? "kvr_router_destroy" : "kvr_feed_destroy");
 		if (how == 0)
-			kvr_router_destroy(r);
+			kvr_router_destroy(t.r);
 		else
-			kvr_feed_destroy(f);
-		zmq_close(mute);
-		test_pub_close(&pub);
+			kvr_feed_destroy(t.f);
+		zmq_msg_close(&t.asker);
+		zmq_close(t.router);
+		test_pub_close(&t.pub);
 	}
 }

@@ -20,6 +20,7 @@
 #include "kvrouter.h"
 #include "sync/feed_encode.h"
 #include "tests/common/feed_pub.h"
+#include "tests/common/feed_replayer.h"
 
 static atomic_int gap_calls;
 static uint64_t gap_from, gap_to; /* the last gap reported */
@@ -34,30 +35,16 @@ static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint6
 static const uint64_t A[2] = {0xa1, 0xa2}, B[3] = {0xb1, 0xb2, 0xb3};
 
 struct world {
-	struct test_pub pub;
-	void *router;           /* the replay endpoint: the test answers it */
+	struct test_replayer t; /* the publisher, the replay endpoint the test answers, r, f */
 	struct kvr_fenc enc[3]; /* the batches of seq 0, 1, 2 */
-	struct kvr_router *r;
-	struct kvr_feed *f;
-	uint32_t id;
-	zmq_msg_t asker; /* the feed's DEALER identity, from its request */
 };
 
 /* The feed's next replay request (within 5 s), from seq from. */
 static void asked(struct world *w, uint64_t from)
 {
-	int to = 5000;
-	zmq_setsockopt(w->router, ZMQ_RCVTIMEO, &to, sizeof(to));
-	zmq_msg_close(&w->asker);
-	zmq_msg_init(&w->asker);
-	cr_assert_geq(zmq_msg_recv(&w->asker, w->router, 0), 0,
-	              "the feed asks for a replay from seq %" PRIu64, from);
-	uint8_t empty[8], start[8];
-	cr_assert_eq(zmq_recv(w->router, empty, sizeof(empty), 0), 0);
-	cr_assert_eq(zmq_recv(w->router, start, sizeof(start), 0), 8);
-	uint64_t got = 0;
-	for (int i = 0; i < 8; i++)
-		got = got << 8 | start[i];
+	uint64_t got = UINT64_MAX;
+	cr_assert(test_replayer_next_ask(&w->t, 5000, &got),
+	          "the feed asks for a replay from seq %" PRIu64, from);
 	cr_assert_eq(got, from, "the replay is asked from seq %" PRIu64 ", not %" PRIu64, got,
 	             from);
 }
@@ -67,25 +54,7 @@ static void asked(struct world *w, uint64_t from)
 static void setup(struct world *w, uint32_t replay_timeout_ms)
 {
 	atomic_store(&gap_calls, 0);
-	test_pub_open(&w->pub);
-	w->router = zmq_socket(w->pub.zctx, ZMQ_ROUTER);
-	cr_assert_eq(zmq_bind(w->router, "tcp://127.0.0.1:*"), 0);
-	char rep[256];
-	size_t cap = sizeof(rep);
-	cr_assert_eq(zmq_getsockopt(w->router, ZMQ_LAST_ENDPOINT, rep, &cap), 0);
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.mode = KVR_MODE_EVENTS;
-	c.n_shards = 1;
-	c.on_event_gap = on_gap;
-	cr_assert_eq(kvr_router_create(&c, &w->r), 0);
-	struct kvr_feed_config fc;
-	kvr_feed_config_init(&fc);
-	fc.replay_timeout_ms = replay_timeout_ms;
-	cr_assert_eq(kvr_feed_create(w->r, &fc, &w->f), 0);
-	struct kvr_feed_endpoint fe = {.endpoint = w->pub.ep, .replay_endpoint = rep};
-	cr_assert_eq(kvr_feed_add(w->f, &fe, &w->id), 0);
-	test_pub_subscribed(&w->pub);
+	test_replayer_open(&w->t, on_gap, replay_timeout_ms, NULL);
 	for (int i = 0; i < 3; i++) {
 		kvr_fenc_init(&w->enc[i]);
 		kvr_fenc_begin(&w->enc[i], 1.0, 1);
@@ -96,58 +65,36 @@ static void setup(struct world *w, uint32_t replay_timeout_ms)
 		else
 			kvr_fenc_stored(&w->enc[i], B, 3, NULL, 16, test_block_tokens, (void *)B);
 		kvr_fenc_end(&w->enc[i], 0);
-		test_pub_send(&w->pub, (uint64_t)i, (const uint8_t *)w->enc[i].sb.data,
+		test_pub_send(&w->t.pub, (uint64_t)i, (const uint8_t *)w->enc[i].sb.data,
 		              w->enc[i].sb.size);
 	}
-	struct kvr_feed_stats st;
-	for (int k = 0; k < 500; k++) { /* the three batches seen, for an unknown rank */
-		cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
-		if (st.next_seq == 3)
-			break;
-		sleep_ms(10);
-	}
-	cr_assert_eq(st.next_seq, 3);
-	cr_assert_eq(kvr_rank_add(w->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-	zmq_msg_init(&w->asker);
+	test_replayer_feed_at(&w->t, 3); /* the three batches seen, for an unknown rank */
+	cr_assert_eq(kvr_rank_add(w->t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
 	asked(w, 0);
 }
 
 /* One message of the replay answer: batch seq, or the end marker (seq UINT64_MAX). */
 static void answer(struct world *w, uint64_t seq)
 {
-	zmq_msg_t id;
-	zmq_msg_init(&id);
-	zmq_msg_copy(&id, &w->asker);
-	cr_assert_geq(zmq_msg_send(&id, w->router, ZMQ_SNDMORE), 0);
-	uint8_t s[8];
-	for (int i = 0; i < 8; i++)
-		s[i] = (uint8_t)(seq >> (56 - 8 * i));
-	zmq_send(w->router, "", 0, ZMQ_SNDMORE);
-	zmq_send(w->router, s, 8, ZMQ_SNDMORE);
 	if (seq == UINT64_MAX)
-		zmq_send(w->router, "", 0, 0);
+		test_replayer_answer(&w->t, seq, NULL, 0);
 	else
-		zmq_send(w->router, w->enc[seq].sb.data, w->enc[seq].sb.size, 0);
+		test_replayer_answer(&w->t, seq, w->enc[seq].sb.data, w->enc[seq].sb.size);
 }
-
 /* What the index holds for the rank once the resync is over (a stats call waits for the feed's
  * thread, which is in the replay until it ends). */
 static uint64_t settled(struct world *w)
 {
 	struct kvr_feed_stats st;
-	cr_assert_eq(kvr_feed_get_stats(w->f, w->id, &st), 0);
-	return test_indexed_blocks(w->r);
+	cr_assert_eq(kvr_feed_get_stats(w->t.f, w->t.id, &st), 0);
+	return test_indexed_blocks(w->t.r);
 }
 
 static void teardown(struct world *w)
 {
-	kvr_feed_destroy(w->f);
-	kvr_router_destroy(w->r);
-	zmq_msg_close(&w->asker);
-	zmq_close(w->router);
+	test_replayer_close(&w->t);
 	for (int i = 0; i < 3; i++)
 		kvr_fenc_fini(&w->enc[i]);
-	test_pub_close(&w->pub);
 }
 
 Test(feed_resync, a_whole_replay_rebuilds_the_rank, .timeout = 60)
