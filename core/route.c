@@ -953,6 +953,12 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			    "(on_admit), with every eligible rank saturated: waiting would "
 			    "block the pass that admits it; not queued");
 		}
+		/* Elsewhere inside the router (its clock, a callback, one of its threads or
+		 * shards), kvr_route_wait would refuse to sleep (it could wait for the call it runs
+		 * in: core/queue.c): the request stays queued and is returned as such, its ticket
+		 * the caller's, as without the flag. */
+		if (kvr_router_runs_thread(r))
+			return 0;
 		return kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
 	}
 	return 0;

@@ -492,7 +492,9 @@ enum kvr_route_flags {
 	 * either, so asking never changes a later decision: with temperature > 0 (or ties),
 	 * repeated queries on an unchanged router give the same rank, not a sample. */
 	KVR_ROUTE_QUERY_ONLY = 1u << 0,
-	KVR_ROUTE_WAIT = 1u << 1 /* if queued, block until admitted or deadline_ns */
+	KVR_ROUTE_WAIT = 1u << 1 /* if queued, block until admitted or deadline_ns (not inside
+	                          * the router - its clock, a callback, one of its threads: a
+	                          * queued request comes back KVR_QUEUED there, see kvr_route) */
 };
 
 /* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL).  Its complete

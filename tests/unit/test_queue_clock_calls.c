@@ -8,12 +8,15 @@
  * Before, a clock that cancelled on its K-th reading after the finish that runs the pass hung
  * at K = 2 and 3 (the audit's probe: gdb showed kvr_route_cancel's condition wait under
  * clock <- kvr_admit <- kvr_queue_pump).  Now both calls return KVR_EBUSY there (nothing done:
- * the ticket stays as it is).  Every K runs in a child under an alarm, so a hang fails that K
+ * the ticket stays as it is), and kvr_route with KVR_ROUTE_WAIT there returns a request that
+ * queues as KVR_QUEUED with its ticket (the wait's refusal alone left it queued for nobody:
+ * a queue depth of 1 at the end).  Every K runs in a child under an alarm, so a hang fails that K
  * instead of the whole binary. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -21,7 +24,7 @@
 
 #include "kvrouter.h"
 
-enum call { CALL_CANCEL, CALL_WAIT };
+enum call { CALL_CANCEL, CALL_WAIT, CALL_ROUTE_WAIT };
 
 static struct kvr_router *R;
 static uint64_t ticket;
@@ -31,6 +34,8 @@ static bool on_shard; /* the clock calls from the shards' threads, not the pass'
 static atomic_int armed, readings, in_call, rcs_seen;
 static int at_reading;
 static int call_rc = 1;
+static struct kvr_decision routed; /* CALL_ROUTE_WAIT's decision */
+static uint32_t third[64];         /* CALL_ROUTE_WAIT's prompt */
 
 static uint64_t mono_ns(void)
 {
@@ -46,11 +51,30 @@ static uint64_t clock_calls_queue(void *ctx)
 	if (atomic_load(&armed) && mine != on_shard &&
 	    atomic_fetch_add(&readings, 1) + 1 == at_reading && !atomic_exchange(&in_call, 1)) {
 		struct kvr_decision d;
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = third;
+		q.n_tokens = 64;
+		q.flags = KVR_ROUTE_WAIT;
 		call_rc = which == CALL_CANCEL ? kvr_route_cancel(R, ticket)
-		                               : kvr_route_wait(R, ticket, 0, &d);
+		          : which == CALL_WAIT ? kvr_route_wait(R, ticket, 0, &d)
+		                               : kvr_route(R, &q, &routed);
 		atomic_store(&rcs_seen, 1);
 	}
 	return mono_ns();
+}
+
+/* An unlabelled gauge of R as kvr_metrics_render prints it; UINT64_MAX if not there. */
+static uint64_t gauge(const char *name)
+{
+	static char buf[1 << 16];
+	size_t len = 0;
+	char key[128];
+	snprintf(key, sizeof(key), "\n%s ", name);
+	if (kvr_metrics_render(R, buf, sizeof(buf), &len))
+		return UINT64_MAX;
+	const char *p = strstr(buf, key);
+	return p ? strtoull(p + strlen(key), NULL, 10) : UINT64_MAX;
 }
 
 /* One router (one shard, one rank that takes one request), a request admitted and a second one
@@ -95,7 +119,12 @@ static int scene(void)
 	 * wait, or not queued any more. */
 	struct kvr_decision d;
 	int after = kvr_route_wait(R, ticket, 1, &d);
-	if (atomic_load(&rcs_seen)) {
+	if (atomic_load(&rcs_seen) && which == CALL_ROUTE_WAIT) {
+		/* Routed (admitted, or queued with its ticket: the wait does not sleep there), or
+		 * refused inside the pass that would admit it, nothing queued. */
+		if (call_rc != 0 && call_rc != KVR_EBUSY)
+			return 19;
+	} else if (atomic_load(&rcs_seen)) {
 		if (call_rc == 0 && which == CALL_CANCEL && after != KVR_ENOENT)
 			return 16; /* cancelled, yet its ticket is still there */
 		if (call_rc == KVR_EBUSY && after != 0)
@@ -105,6 +134,18 @@ static int scene(void)
 	}
 	if (after == 0 && d.status == KVR_DECIDED)
 		kvr_request_finish(R, d.attempt);
+	if (atomic_load(&rcs_seen) && which == CALL_ROUTE_WAIT && call_rc == 0) {
+		if (routed.status == KVR_QUEUED &&
+		    kvr_route_wait(R, routed.ticket, kvr_router_now(R) + 5000000000ull, &routed))
+			return 21;
+		kvr_request_finish(R, routed.attempt);
+	}
+	if (kvr_router_sync(R, 10000))
+		return 15;
+	/* Nothing left queued or uncollected: a refusal queued nothing, a queued request's
+	 * ticket was the caller's. */
+	if (gauge("kvr_queue_depth") != 0 || gauge("kvr_queue_uncollected") != 0)
+		return 20;
 	kvr_router_destroy(R);
 	return 0;
 }
@@ -114,6 +155,8 @@ static void each_reading(enum call w, bool shard)
 	which = w;
 	on_shard = shard;
 	int hung = 0, failed = 0;
+	for (int i = 0; i < 64; i++)
+		third[i] = 5000u + (uint32_t)i;
 	for (at_reading = 1; at_reading <= 12; at_reading++) {
 		fflush(NULL);
 		pid_t pid = fork();
@@ -127,7 +170,9 @@ static void each_reading(enum call w, bool shard)
 		if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM) {
 			hung++;
 			fprintf(stderr, "%s from the %s: the clock's reading %d: hung\n",
-			        w == CALL_CANCEL ? "kvr_route_cancel" : "kvr_route_wait",
+			        w == CALL_CANCEL ? "kvr_route_cancel"
+			        : w == CALL_WAIT ? "kvr_route_wait"
+			                         : "kvr_route with KVR_ROUTE_WAIT",
 			        shard ? "shard" : "pass's thread", at_reading);
 		} else if (!WIFEXITED(st) || WEXITSTATUS(st)) {
 			failed++;
@@ -156,4 +201,15 @@ Test(queue_clock_calls, a_cancel_from_the_clock_of_the_shard_the_pass_waits_for,
 Test(queue_clock_calls, a_wait_from_the_clock_of_the_shard_the_pass_waits_for, .timeout = 120)
 {
 	each_reading(CALL_WAIT, true);
+}
+
+Test(queue_clock_calls, a_waited_route_from_the_clock_of_the_pass, .timeout = 120)
+{
+	each_reading(CALL_ROUTE_WAIT, false);
+}
+
+Test(queue_clock_calls, a_waited_route_from_the_clock_of_the_shard_the_pass_waits_for,
+     .timeout = 120)
+{
+	each_reading(CALL_ROUTE_WAIT, true);
 }
