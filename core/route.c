@@ -825,10 +825,22 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync, bool fu
 	return rc == KVR_ETIMEDOUT ? KVR_EAGAIN : rc;
 }
 
+/* What d says of a call that failed after the request was found valid.  d may hold the
+ * decision whose booking failed (status KVR_DECIDED, its rank and cost): a caller that read d
+ * before rc took a refused request for an admitted one (the header-contract audit). */
+static __attribute__((cold, noinline)) void decision_failed(struct kvr_decision *d, int rc)
+{
+	memset(d, 0, sizeof(*d));
+	d->status = KVR_FAILED;
+	d->error = rc;
+}
+
 /* The detail of a decision that failed after the request was found valid (core/error.h). */
 static __attribute__((cold, noinline)) int route_failed(const struct kvr_router *r,
-                                                        const struct kvr_request *q, int rc)
+                                                        const struct kvr_request *q,
+                                                        struct kvr_decision *d, int rc)
 {
+	decision_failed(d, rc);
 	switch (rc) {
 	case KVR_ENOENT:
 		if (tls.raced) {
@@ -885,8 +897,10 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			count_refused(r);
 		return kvr_fail(KVR_EINVAL, "kvr_route: %s is NULL", !r ? "router" : "d");
 	}
-	if (kvr_router_stopping(r))
+	if (kvr_router_stopping(r)) {
+		decision_failed(d, KVR_ESHUTDOWN);
 		return kvr_fail(KVR_ESHUTDOWN, "kvr_route: %s", kvr_router_gone(r));
+	}
 	int rc = validate(r, req);
 	if (rc) {
 		count_refused(r);
@@ -894,6 +908,7 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	}
 	if ((rc = kvr_rcu_thread_online())) {
 		count_refused(r);
+		decision_failed(d, rc);
 		return kvr_fail(rc, "kvr_route: this thread could not register with RCU: %s",
 		                kvr_strerror(rc));
 	}
@@ -918,10 +933,10 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 		if (rc == KVR_EAGAIN)
 			behind = false;
 		else if (rc)
-			return route_failed(r, req, rc);
+			return route_failed(r, req, d, rc);
 	}
 	if (!behind && (rc = kvr_route_internal(r, req, d, KVR_QUEUE_IF_SATURATED)))
-		return route_failed(r, req, rc);
+		return route_failed(r, req, d, rc);
 	if (d->status == KVR_QUEUED) {
 		/* Queued (held for this call: no on_admit names it yet).  Pumped again: the pass of
 		 * a call that lowered the load meanwhile may have ended before the push (with
@@ -947,6 +962,7 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			/* A failed call, counted as every other refusal is (it was not: test_router
 			 * a_wait_refused_inside_the_admission_pass_counts_as_a_route_error). */
 			count_refused(r);
+			decision_failed(d, KVR_EBUSY); /* its ticket is gone */
 			return kvr_fail(
 			    KVR_EBUSY,
 			    "kvr_route: KVR_ROUTE_WAIT inside the queue's admission pass "

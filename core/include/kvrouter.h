@@ -578,7 +578,11 @@ struct kvr_decision {
  * are live), KVR_ETIMEDOUT (KVR_ROUTE_WAIT deadline; d->ticket names the request, which stays
  * queued), KVR_ENOMEM, KVR_ERANGE (the router's 2^46 attempt ids are used up), KVR_ESHUTDOWN,
  * KVR_EBUSY (KVR_ROUTE_WAIT from on_admit, inside the queue's admission pass, with every
- * eligible rank saturated: only that pass could admit it; nothing queued).
+ * eligible rank saturated: only that pass could admit it; nothing queued; also a sync_booking
+ * booking from the router's clock on a shard that the chosen rank's shard waits for).  On a
+ * failure other than KVR_EINVAL, KVR_ETIMEDOUT and a failed queued admission (whose d is the
+ * outcome's, as kvr_route_wait's), d is zeroed with status KVR_FAILED and error the code: a
+ * decision whose booking failed is not left reading KVR_DECIDED.
  * Context: any thread, concurrently.  The whole call runs on the caller's thread and never
  * waits for a shard (unless sync_booking): the attempt id is minted lock-free, the request's
  * load is added to the rank's published load at once (the very next decision on any thread

@@ -236,6 +236,11 @@ Test(lifecycle, a_failed_booking_post_wakes_the_admission_of_what_queued_behind_
 			rc = kvr_route(tb_router, &q, &d);
 		}
 		cr_assert_eq(rc, KVR_EAGAIN, "the held shard's lane filled");
+		/* The refused decision does not read as admitted (it read KVR_DECIDED with its
+		 * rank: the header-contract audit). */
+		cr_assert(d.status == KVR_FAILED && d.error == KVR_EAGAIN && d.attempt == 0,
+		          "a refused route's decision reads status %d error %d attempt %llu",
+		          d.status, d.error, (unsigned long long)d.attempt);
 		/* Two routes to X at once: the first to publish its load saturates X, so the other
 		 * queues behind it; the first's post then fails on the full lane. */
 		pthread_t th[2];
