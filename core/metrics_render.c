@@ -261,9 +261,12 @@ static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 	    {"kvr_rank_active_requests", "Live attempts"},
 	    {"kvr_rank_resident_blocks", "Blocks the rank is predicted (or known) to cache"},
 	};
-	if (kvr_rcu_thread_online())
+	if (kvr_rcu_thread_online()) {
+		if (cap) /* the header promises a terminated buffer whenever cap > 0 */
+			buf[o.len < cap ? o.len : cap - 1] = '\0';
 		return kvr_fail(KVR_ENOMEM,
 		                "kvr_metrics_render: this thread could not register with RCU");
+	}
 	for (int g = 0; g < 4; g++) {
 		put(&o, "# HELP %s %s\n# TYPE %s gauge\n", gauges[g][0], gauges[g][1],
 		    gauges[g][0]);

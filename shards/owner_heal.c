@@ -117,8 +117,16 @@ int kvr_owner_observe_call(struct kvr_shard *sh, void *arg)
 		bool raised = false;
 		rc = kvr_rank_state_heal_resident(own->rs, own->incarnation, obs->resident_blocks,
 		                                  unallocated(own), &ev, &raised, &ss->out);
-		if (rc)
-			return rc; /* the watermark part stays applied: it was true on its own */
+		if (rc) {
+			/* The watermark part stays applied (it was true on its own), and is
+			 * published as on success: before, its evictions waited for the rank's
+			 * next publish to show in the decisions' view. */
+			if (evicted) {
+				kvr_metrics_add(mb, KVR_C_HEAL_EVICTED, evicted);
+				kvr_owner_publish(ss, own);
+			}
+			return rc;
+		}
 		if (raised)
 			kvr_metrics_add(mb, KVR_C_HEAL_CAP_RAISED, 1);
 		evicted += ss->out.n_evicted;

@@ -1157,6 +1157,7 @@ int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32_t dp_ra
 		                !f       ? "feed is NULL"
 		                : !n_out ? "n_out is NULL"
 		                         : "out is NULL with cap > 0");
+	*n_out = 0; /* as kvr_rank_blocks and the build without ZeroMQ: none on a failure */
 	if (f->orphaned)
 		return feed_orphaned("kvr_feed_other_medium_blocks");
 	if (kvr_fork_inherited(f->r))

@@ -42,7 +42,9 @@ Test(feed_orphan, router_destroyed_before_its_feeds, .timeout = 60)
 	cr_expect(strstr(kvr_last_error(), "router was destroyed"), "%s", kvr_last_error());
 	cr_expect_eq(kvr_feed_add(g, &fe, &id), KVR_ESHUTDOWN);
 	cr_expect_eq(kvr_feed_remove(f, 0), KVR_ESHUTDOWN);
+	n = 12345;
 	cr_expect_eq(kvr_feed_other_medium_blocks(f, 0, 0, out, 4, &n), KVR_ESHUTDOWN);
+	cr_expect_eq(n, 0, "*n_out on a failure: %zu (left as it was)", n);
 	kvr_feed_destroy(f);
 	kvr_feed_destroy(g);
 	test_pub_close(&pub);

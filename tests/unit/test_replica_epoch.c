@@ -122,6 +122,11 @@ Test(replica_epoch, peers_gone_make_room_for_new_ones, .timeout = 60)
 		deliver(rep, KVR_MSG_HEARTBEAT, id, 0);
 		deliver(rep, KVR_MSG_GOODBYE, id, 0);
 	}
+	/* A peer gone is no position: *seq untouched, as for an unknown peer (it was written). */
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	uint64_t seq = 7;
+	cr_assert_eq(kvr_replica_peer_seq(rep, 399, &seq), KVR_ENOENT);
+	cr_assert_eq(seq, 7, "a gone peer's seq written: %llu", (unsigned long long)seq);
 	deliver(rep, KVR_MSG_RANK, 1000, 77); /* a new replica's first message: rank 77 added */
 	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
 	cr_assert_eq(kvr_router_sync(r[0], 5000), 0);
