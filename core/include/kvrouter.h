@@ -10,7 +10,10 @@
  *  - every function that can fail returns 0 (KVR_OK) or a negative KVR_E* code;
  *    kvr_strerror() explains a code.  Nothing aborts, exits or prints on bad input.  A NULL
  *    router, feed or replica handle is KVR_EINVAL for every call below that returns int (the
- *    per-call lists leave it out; README.md, "Bad input", has every case).
+ *    per-call lists leave it out; README.md, "Bad input", has every case).  So is
+ *    KVR_ESHUTDOWN: a call on a router being destroyed, or made in a forked child on a router
+ *    (feed, replica) its parent created, returns it whether or not its list names it
+ *    (kvr_router_get_config, a read of the copied memory, returns 0 there).
  *  - pointer parameters are borrowed for the duration of the call unless documented otherwise.
  *  - whatever the library allocates, the library frees; destroy(NULL) is a no-op.
  *  - usable from C99 and C++98 on (extern "C"; tests/header/ builds both pedantic); no
@@ -169,7 +172,8 @@ struct kvr_config {
 	/* CPUs to pin shard i to (cpu_list[i % n_cpus]); borrowed, copied at create (the
 	 * copy is what kvr_router_get_config gives back).  A CPU the thread cannot be pinned to
 	 * (absent, offline, outside the process's affinity mask or cgroup cpuset) does not fail
-	 * the create: that shard runs unpinned, wherever the scheduler puts it.
+	 * the create: that shard runs unpinned, wherever the scheduler puts it.  An entry outside
+	 * 0..4095 is a bad config (KVR_ERANGE).
 	 * Default NULL = CPUs of the process affinity mask, in order. */
 	const int *cpu_list;
 	size_t n_cpus;
@@ -471,7 +475,9 @@ struct kvr_rank_stats {
 	                      * index's run ids used up (kvr_events_apply) */
 };
 
-/* A snapshot of one rank's state.  Returns 0 or KVR_ENOENT. */
+/* A snapshot of one rank's state.  Returns 0, KVR_ENOENT, KVR_EINVAL (out NULL), KVR_EBUSY
+ * (from the router's clock on a shard that the rank's shard waits for), KVR_ENOMEM (the calling
+ * thread's first call, see the lifecycle calls). */
 KVR_API int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank,
                                struct kvr_rank_stats *out);
 
@@ -479,7 +485,8 @@ KVR_API int kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank,
  * The blocks the router believes the rank caches (approx modes: predicted; events mode: as the
  * engine reported), as external hashes (the sequence hashes of kvr_hash_blocks in approx
  * modes).  Writes up to cap hashes to out (any order); *n_out (required) gets the total.
- * Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT, KVR_EINVAL.
+ * Returns 0, KVR_ERANGE (cap too small: *n_out says how many), KVR_ENOENT, KVR_EINVAL,
+ * KVR_EBUSY and KVR_ENOMEM (as kvr_rank_get_stats).
  * Context: any thread; one round trip to the rank's shard.  For observability and tests.
  */
 KVR_API int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint64_t *out,
@@ -488,7 +495,9 @@ KVR_API int kvr_rank_blocks(struct kvr_router *r, struct kvr_rank_id rank, uint6
 /* ---------------------------------------------------------------- routing */
 
 enum kvr_route_flags {
-	/* Decide, book nothing (no attempt, no index change).  It advances no random stream
+	/* Decide, book nothing (no attempt, no index change; with requests queued, the call may
+	 * still run the queue's admission pass, as any call does, admitting those).  It advances
+	 * no random stream
 	 * either, so asking never changes a later decision: with temperature > 0 (or ties),
 	 * repeated queries on an unchanged router give the same rank, not a sample. */
 	KVR_ROUTE_QUERY_ONLY = 1u << 0,
@@ -676,13 +685,16 @@ KVR_API int kvr_route_cancel(struct kvr_router *r, uint64_t ticket);
  * finish/abort return 0 and the shard thread posts their work once there is room (kvr_router_sync
  * waits for it); prefill_done/output return KVR_EAGAIN when the lane is the calling shard's own and
  * KVR_EBUSY when its shard waits for the calling one (nothing changed either way), and otherwise
- * wait as above.  Output may also return KVR_ENOMEM (copying more than 6 tokens).  An attempt id
- * this router never issued: KVR_ENOENT or KVR_ESTALE.  That includes another router's ids: each
- * router of a process renames its ids (shards/lease.c), so a call given the wrong router's handle
- * (or a router created to replace the one that issued the id) is refused instead of ending the
- * attempt that router issued under the same number; the ids of a router and the next one created
- * cannot meet before one has issued 2^45.  r NULL, attempt 0, or output tokens NULL with n_tokens >
- * 0 or n_tokens > UINT32_MAX: KVR_EINVAL (README.md, "Bad input"). */
+ * wait as above.  Output may also return KVR_ENOMEM (copying more than 6 tokens), and every one of
+ * them when it is the calling thread's first call into the library and the thread cannot be
+ * registered with RCU (the process used up its pthread keys, or memory): nothing changed, the
+ * attempt not claimed.  An attempt id this router never issued: KVR_ENOENT or KVR_ESTALE.  That
+ * includes another router's ids: each router of a process renames its ids (shards/lease.c), so a
+ * call given the wrong router's handle (or a router created to replace the one that issued the id)
+ * is refused instead of ending the attempt that router issued under the same number; the ids of a
+ * router and the next one created cannot meet before one has issued 2^45.  r NULL, attempt 0, or
+ * output tokens NULL with n_tokens > 0 or n_tokens > UINT32_MAX: KVR_EINVAL (README.md, "Bad
+ * input"). */
 
 /* The prompt is prefilled: its prefill tokens leave the rank's load. */
 KVR_API int kvr_request_prefill_done(struct kvr_router *r, uint64_t attempt);
@@ -746,8 +758,11 @@ KVR_API int kvr_request_abort(struct kvr_router *r, uint64_t attempt);
  * recently released first, deepest block first), so one fact about a block the engine no longer
  * holds proves that everything released before it went too, and all of it leaves the
  * prediction (and the index) at once.  Only blocks no live request holds are ever evicted this
- * way.  Events mode has nothing to heal (its index is the engine's report): these calls return
- * 0 and change nothing.  Both calls wait for the rank's shard (feedback, not the routing path).
+ * way.  Events mode has nothing to heal (its index is the engine's report): these calls change
+ * nothing there and return 0 once their checks pass (an unknown rank, a stale attempt or
+ * incarnation, a bad argument are refused as in the other modes; kvr_request_cached still
+ * marks a live attempt alive, as any call on it does).  Both calls wait for the rank's shard
+ * (feedback, not the routing path).
  */
 
 /*
@@ -795,7 +810,9 @@ struct kvr_rank_observation {
  * the capacity the prediction evicts at to that count (counted in
  * kvr_heal_capacity_raised_total): the engine holding it proves it fits.  Returns 0; KVR_EINVAL
  * (NULL, no or unknown flags); KVR_ENOENT (no such rank); KVR_ESTALE (obs->incarnation is not the
- * rank's current one); KVR_ESHUTDOWN; KVR_ENOMEM. Nothing changes on error.
+ * rank's current one); KVR_ESHUTDOWN; KVR_ENOMEM.  Nothing changes on error, but for a
+ * KVR_ENOMEM of the resident part with both flags given: the watermark's evictions, true on
+ * their own, stay applied.  In events mode the checks above still run (KVR_ENOENT, KVR_ESTALE).
  */
 KVR_API int kvr_rank_observe(struct kvr_router *r, struct kvr_rank_id rank,
                              const struct kvr_rank_observation *obs);
@@ -828,13 +845,16 @@ struct kvr_event {
  * Applies one KV event of a rank on the rank's shard.  Event ids: an id at or below the last
  * applied one is dropped (KVR_ESTALE); a jump ahead is applied, counted as a gap and reported
  * through on_event_gap.  Returns 0, KVR_ESTALE, KVR_ENOENT (unknown rank, or one removed while
- * the call ran; stored: parent not held, nothing applied; kvr_last_error says which),
- * KVR_EINVAL (malformed: block size mismatch, self-parent, NULL arrays,
- * event_id UINT64_MAX), KVR_ERANGE (stored: the rank would exceed its bound, or the index
- * holds the most runs it can name, 2^25 - 1; see Bound and Run ids below; nothing applied, the
- * event id cursor moves past it; kvr_last_error says which), KVR_ENOMEM
- * (nothing changed, the event id cursor included: the same event may be applied
- * again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
+ * the call ran; stored: parent not held, nothing applied, the event id cursor moves past it, so
+ * a parent's event sent after its child's is KVR_ESTALE; kvr_last_error says which),
+ * KVR_EINVAL (malformed, nothing applied: block size mismatch, self-parent, NULL arrays, an
+ * empty stored or removed list, event_id UINT64_MAX; or a stored block that contradicts the
+ * rank's - an external hash it holds for another block, or a block it holds under another
+ * hash -: the blocks before it stay applied and the event id cursor moves past it), KVR_ERANGE
+ * (stored: the rank would exceed its bound, or the index holds the most runs it can name, 2^25 - 1;
+ * see Bound and Run ids below; nothing applied, the event id cursor moves past it; kvr_last_error
+ * says which), KVR_ENOMEM (nothing changed, the event id cursor included: the same event may be
+ * applied again).  Removed hashes the rank does not hold are counted and skipped.  Copies count (as
  * in vLLM, which may hold two physical copies of one hash and sends one removal per copy):
  * storing a block the rank already holds adds a copy, a removal drops one, and the block leaves
  * the rank with its last copy; a cleared event drops them all, on every dp rank of the
@@ -1056,7 +1076,8 @@ KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep,
  * to the feed thread; from feeds' callbacks see kvr_feed_add. */
 KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
 
-/* KVR_FEED_ALL: kvr_feed_get_stats over every endpoint (gauges summed, next_seq 0). */
+/* KVR_FEED_ALL: kvr_feed_get_stats over every endpoint (counters and other_medium_blocks
+ * summed, last_lag_ns the largest, next_seq 0). */
 #define KVR_FEED_ALL UINT32_MAX
 
 /* A snapshot of one endpoint's counters (or KVR_FEED_ALL).  Returns 0, KVR_ENOENT, KVR_EINVAL
@@ -1143,7 +1164,7 @@ struct kvr_sync_config {
 	 * included (one declined by resyncing peers for half of it takes a resyncing peer's
 	 * table).  A request nobody answered within an eighth of it (20 ms at least) is sent
 	 * again, up to 7 times, so that the queue group may pick another peer than one alive but
-	 * stuck; the first peer to answer is taken.  Default 2000. */
+	 * stuck; the first peer to answer is taken.  Default 2000 (0 reads as the default). */
 	uint32_t snapshot_timeout_ms;
 	/* Blocks of recently finished attempts remembered per rank for snapshots.  Default 0 =
 	 * twice the rank's capacity (65536 without capacity). */
@@ -1369,7 +1390,8 @@ struct kvr_memory {
  * synchronous call), so the parts are consistent per rank, not across ranks.  For sizing,
  * monitoring and benchmarks.  Returns 0, KVR_EINVAL, KVR_ENOMEM or KVR_ESHUTDOWN; KVR_EBUSY
  * when called on a shard thread after all (the router's clock: the read would wait for its own
- * shard, or close a cycle of shards waiting for each other).
+ * shard, or close a cycle of shards waiting for each other).  On a failure *out may hold the
+ * parts read before it: not a total.
  * Context: any thread except a shard thread (callbacks), outside an RCU read section.
  */
 KVR_API int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out);
