@@ -245,6 +245,13 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 
 static const struct kvr_decision unwritten = {.status = 99};
 
+/* A kvr_route refused before anything queued: d zeroed, KVR_FAILED with the code, no ticket
+ * (kvrouter.h; it was left unwritten, or reading the decision whose booking failed). */
+static bool refused(const struct kvr_decision *d, int rc)
+{
+	return d->status == KVR_FAILED && d->ticket == 0 && d->error == rc && d->attempt == 0;
+}
+
 static void *frontend(void *arg)
 {
 	uint64_t seed = (uint64_t)(uintptr_t)arg * 0x9e3779b97f4a7c15ull + 1;
@@ -327,13 +334,13 @@ static void *frontend(void *arg)
 			if (d.error != rc)
 				FAIL("kvr_route: rc %d, error %d", rc, d.error);
 			resolve(d.ticket, R_ROUTE_FAIL, rc);
-		} else if (rc == KVR_ENOENT && d.status == unwritten.status) {
+		} else if (rc == KVR_ENOENT && refused(&d, rc)) {
 			/* Its pin or allowed ranks are gone (looked at by kvr_route, or by the
 			 * push: 110c098); never an unrestricted one (a worker of 1-4 is live). */
 			if (!code)
 				FAIL("unrestricted kvr_route: KVR_ENOENT (%s)", kvr_last_error());
 			atomic_fetch_add(&n_refused_gone, 1);
-		} else if (rc == KVR_EAGAIN && d.status == unwritten.status) {
+		} else if (rc == KVR_EAGAIN && refused(&d, rc)) {
 			atomic_fetch_add(&n_full, 1);
 		} else {
 			FAIL("kvr_route: rc %d (%s), status %d, ticket %" PRIu64, rc,
