@@ -937,6 +937,16 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	}
 	if (!behind && (rc = kvr_route_internal(r, req, d, KVR_QUEUE_IF_SATURATED)))
 		return route_failed(r, req, d, rc);
+	bool wait = (req->flags & KVR_ROUTE_WAIT) != 0;
+	/* Inside the router (its clock, a callback, one of its threads or shards) but not the
+	 * admission pass itself (on_admit: refused below), kvr_route_wait would refuse to sleep
+	 * (it could wait for the call it runs in: core/queue.c): a request that queues there is
+	 * returned KVR_QUEUED with its ticket, and is the caller's as without the flag (on_admit
+	 * tells it, or kvr_route_wait collects it).  Settled as waited, on_admit never named it and
+	 * its outcome was held for a wait that never came. */
+	if (wait && d->status == KVR_QUEUED && !kvr_queue_pumped_here(r) &&
+	    kvr_router_runs_thread(r))
+		wait = false;
 	if (d->status == KVR_QUEUED) {
 		/* Queued (held for this call: no on_admit names it yet).  Pumped again: the pass of
 		 * a call that lowered the load meanwhile may have ended before the push (with
@@ -944,7 +954,6 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 		 * some later call; core/queue.c).  Admitted by then, it returns its decision as if
 		 * it had not queued. */
 		uint64_t ticket = d->ticket;
-		bool wait = (req->flags & KVR_ROUTE_WAIT) != 0;
 		kvr_queue_catch_up();
 		kvr_queue_pump(r);
 		if ((rc = kvr_queue_settle(r, ticket, wait, d)))
@@ -952,7 +961,7 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			    rc, "kvr_route: queued (ticket %" PRIu64 "), its admission failed: %s",
 			    ticket, kvr_strerror(rc));
 	}
-	if (d->status == KVR_QUEUED && (req->flags & KVR_ROUTE_WAIT)) {
+	if (d->status == KVR_QUEUED && wait) {
 		/* Inside the admission pass (on_admit), a wait would block the only pass that could
 		 * admit it (before, it waited out its deadline, for good without one). */
 		if (kvr_queue_pumped_here(r)) {
@@ -969,12 +978,6 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			    "(on_admit), with every eligible rank saturated: waiting would "
 			    "block the pass that admits it; not queued");
 		}
-		/* Elsewhere inside the router (its clock, a callback, one of its threads or
-		 * shards), kvr_route_wait would refuse to sleep (it could wait for the call it runs
-		 * in: core/queue.c): the request stays queued and is returned as such, its ticket
-		 * the caller's, as without the flag. */
-		if (kvr_router_runs_thread(r))
-			return 0;
 		return kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
 	}
 	return 0;

@@ -64,6 +64,47 @@ static uint64_t clock_calls_queue(void *ctx)
 	return mono_ns();
 }
 
+static uint64_t gauge(const char *name);
+
+/* on_admit (CALL_ROUTE_WAIT's scenes): the tickets told, and their attempts to finish. */
+static _Atomic uint64_t told_ticket[8], told_attempt[8];
+static atomic_int n_told;
+
+static void told(void *ctx, uint64_t t, const struct kvr_decision *d)
+{
+	(void)ctx;
+	int i = atomic_fetch_add(&n_told, 1);
+	if (i < 8) {
+		atomic_store(&told_attempt[i], d->status == KVR_DECIDED ? d->attempt : 0);
+		atomic_store(&told_ticket[i], t);
+	}
+}
+
+/* Finishes what on_admit told until nothing is queued or uncollected and, when the clock's
+ * route queued, its ticket was told: 0, or the step that failed. */
+static int drain_told(void)
+{
+	int finished = 0;
+	for (int k = 0; k < 5000; k++) {
+		for (; finished < atomic_load(&n_told) && finished < 8; finished++) {
+			while (!atomic_load(&told_ticket[finished]))
+				;
+			uint64_t at = atomic_load(&told_attempt[finished]);
+			if (at)
+				kvr_request_finish(R, at);
+		}
+		bool seen = !(call_rc == 0 && routed.status == KVR_QUEUED);
+		for (int i = 0; i < finished; i++)
+			seen |= atomic_load(&told_ticket[i]) == routed.ticket;
+		if (kvr_router_sync(R, 10000))
+			return 15;
+		if (seen && gauge("kvr_queue_depth") == 0 && gauge("kvr_queue_uncollected") == 0)
+			return 0;
+		usleep(1000);
+	}
+	return 22; /* the clock's queued route was never told (held for a wait that never came) */
+}
+
 /* An unlabelled gauge of R as kvr_metrics_render prints it; UINT64_MAX if not there. */
 static uint64_t gauge(const char *name)
 {
@@ -89,6 +130,8 @@ static int scene(void)
 	c.now_ns = clock_calls_queue;
 	c.sync_booking = true;
 	c.queue_threshold = 1.0;
+	if (which == CALL_ROUTE_WAIT)
+		c.on_admit = told;
 	if (kvr_router_create(&c, &R))
 		return 10;
 	if (kvr_rank_add(R, (struct kvr_rank_id){7, 0}, 1, 1000, 16))
@@ -117,14 +160,23 @@ static int scene(void)
 	/* What the clock's call said is what happened: cancelled (never served), refused (the
 	 * ticket as it was: admitted by the pass, its outcome still to collect), collected by the
 	 * wait, or not queued any more. */
+	if (which == CALL_ROUTE_WAIT) {
+		/* Routed (admitted, or queued with its ticket and told by on_admit as without the
+		 * flag: the wait does not sleep there), or refused inside the pass that would admit
+		 * it, nothing queued. */
+		if (atomic_load(&rcs_seen) && call_rc != 0 && call_rc != KVR_EBUSY)
+			return 19;
+		if (atomic_load(&rcs_seen) && call_rc == 0 && routed.status == KVR_DECIDED)
+			kvr_request_finish(R, routed.attempt);
+		int rc2 = drain_told();
+		if (rc2)
+			return rc2;
+		kvr_router_destroy(R);
+		return 0;
+	}
 	struct kvr_decision d;
 	int after = kvr_route_wait(R, ticket, 1, &d);
-	if (atomic_load(&rcs_seen) && which == CALL_ROUTE_WAIT) {
-		/* Routed (admitted, or queued with its ticket: the wait does not sleep there), or
-		 * refused inside the pass that would admit it, nothing queued. */
-		if (call_rc != 0 && call_rc != KVR_EBUSY)
-			return 19;
-	} else if (atomic_load(&rcs_seen)) {
+	if (atomic_load(&rcs_seen)) {
 		if (call_rc == 0 && which == CALL_CANCEL && after != KVR_ENOENT)
 			return 16; /* cancelled, yet its ticket is still there */
 		if (call_rc == KVR_EBUSY && after != 0)
@@ -134,16 +186,9 @@ static int scene(void)
 	}
 	if (after == 0 && d.status == KVR_DECIDED)
 		kvr_request_finish(R, d.attempt);
-	if (atomic_load(&rcs_seen) && which == CALL_ROUTE_WAIT && call_rc == 0) {
-		if (routed.status == KVR_QUEUED &&
-		    kvr_route_wait(R, routed.ticket, kvr_router_now(R) + 5000000000ull, &routed))
-			return 21;
-		kvr_request_finish(R, routed.attempt);
-	}
 	if (kvr_router_sync(R, 10000))
 		return 15;
-	/* Nothing left queued or uncollected: a refusal queued nothing, a queued request's
-	 * ticket was the caller's. */
+	/* Nothing left queued or uncollected. */
 	if (gauge("kvr_queue_depth") != 0 || gauge("kvr_queue_uncollected") != 0)
 		return 20;
 	kvr_router_destroy(R);
