@@ -946,7 +946,8 @@ enum kvr_log_level { KVR_LOG_ERROR = 0, KVR_LOG_WARN = 1, KVR_LOG_INFO = 2 };
 struct kvr_feed_config {
 	/* Longest wait for one replay, ms; the feed thread serves nothing else meanwhile, but a
 	 * kvr_feed_destroy or kvr_router_destroy does not wait it out: the replay is given up at
-	 * once, as at its timeout (the gap reported, the rank cleared).  Default 1000; >= 1. */
+	 * once, and what it did not bring is no gap (not reported, no rank cleared: the feed going
+	 * away missed nothing of the publisher's).  Default 1000; >= 1. */
 	uint32_t replay_timeout_ms;
 	/* Largest message accepted, bytes (ZMQ_MAXMSGSIZE).  Default 64 MiB; 1024..INT64_MAX. */
 	uint64_t max_msg_bytes;
