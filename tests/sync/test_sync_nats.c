@@ -1968,6 +1968,9 @@ static void test_auth(void)
 	    "    {user: noinbox, password: p, permissions: {subscribe: {deny: [\"_INBOX.>\"]}}}\n"
 	    "    {user: hoarse, password: p, permissions: {publish: {deny: [\"auth.stream\"]}}}\n"
 	    "    {user: noreply, password: p, permissions: {publish: {deny: [\"_INBOX.>\"]}}}\n"
+	    "    {user: responder, password: p, permissions: {publish: {allow: [\"auth.>\"]}, "
+	    "subscribe: {allow: [\"auth.>\", \"_INBOX.>\"]}, "
+	    "allow_responses: {max: 100000, expires: \"1m\"}}}\n"
 	    "  ]\n"
 	    "}\n";
 	char path[] = "/tmp/kvr-nats-conf-XXXXXX";
@@ -1981,6 +1984,9 @@ static void test_auth(void)
 	    {"mute", "p", "does not permit"},
 	    {"noinbox", "p", "does not permit"},
 	    {"noreply", "p", "does not permit"},
+	    /* May answer what it is asked (allow_responses, up to 100,000 messages an ask: a
+	     * snapshot's chunks), never publish on an inbox unasked: what a replica needs. */
+	    {"responder", "p", NULL},
 	    {"kvr", "secret", NULL},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
