@@ -401,13 +401,94 @@ static natsStatus id_check(struct kvr_sync *s, bool *taken, bool *answered)
 	return NATS_OK;
 }
 
+/* The servers, credentials and TLS of c: the replica's connection's, and the answer probe's. */
+static natsStatus set_identity(natsOptions *o, const struct kvr_sync_config *c)
+{
+	natsStatus st = set_servers(o, c->servers);
+	if (st == NATS_OK && (c->user || c->password))
+		st = natsOptions_SetUserInfo(o, c->user, c->password);
+	if (st == NATS_OK && c->token)
+		st = natsOptions_SetToken(o, c->token);
+	if (st == NATS_OK && c->creds_file)
+		st = natsOptions_SetUserCredentialsFromFiles(o, c->creds_file, NULL);
+	if (st == NATS_OK && c->tls)
+		st = natsOptions_SetSecure(o, true);
+	if (st == NATS_OK && c->tls_ca_file)
+		st = natsOptions_LoadCATrustedCertificates(o, c->tls_ca_file);
+	if (st == NATS_OK && (c->tls_cert_file || c->tls_key_file))
+		st = natsOptions_LoadCertificatesChain(o, c->tls_cert_file, c->tls_key_file);
+	return st;
+}
+
+/* The answer probe's responder: answers each question with PROBE_ANSWERS messages. */
+#define PROBE_ANSWERS 2
+static void on_probe(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
+{
+	(void)sub;
+	(void)closure;
+	const char *reply = natsMsg_GetReply(msg);
+	for (int i = 0; reply && i < PROBE_ANSWERS; i++)
+		natsConnection_Publish(nc, reply, "", 0);
+	natsMsg_Destroy(msg);
+}
+
+/* Whether this user may answer what it is asked with more than one message, when it may not
+ * publish on inboxes at will: a server's allow_responses permits a connection to publish on the
+ * reply subject of a message it was delivered (up to its max, one by default), which is all a
+ * replica needs if it lets a snapshot's chunks through.  A second connection of the same user
+ * (ours has no echo: it cannot ask itself) answers our question on <cluster>.probe.<id> with
+ * PROBE_ANSWERS messages; both must come.  Only a user refused the plain probe pays for it. */
+static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config *c)
+{
+	natsOptions *o = NULL;
+	natsConnection *nc = NULL;
+	natsSubscription *sub = NULL, *inbox_sub = NULL;
+	natsInbox *inbox = NULL;
+	char subj[128];
+	snprintf(subj, sizeof(subj), "%s.probe.%llu", c->cluster,
+	         (unsigned long long)c->replica_id);
+	natsStatus st = natsOptions_Create(&o);
+	if (st == NATS_OK)
+		st = set_identity(o, c);
+	if (st == NATS_OK)
+		st = natsOptions_SetTimeout(o, 2000);
+	if (st == NATS_OK)
+		st = natsOptions_SetAllowReconnect(o, false);
+	if (st == NATS_OK)
+		st = natsConnection_Connect(&nc, o);
+	if (st == NATS_OK)
+		kvr_nats_cloexec(nc);
+	if (st == NATS_OK)
+		st = natsConnection_Subscribe(&sub, nc, subj, on_probe, NULL);
+	if (st == NATS_OK)
+		st = natsConnection_FlushTimeout(nc, 2000);
+	if (st == NATS_OK)
+		st = natsInbox_Create(&inbox);
+	if (st == NATS_OK)
+		st = natsConnection_SubscribeSync(&inbox_sub, s->nc, inbox);
+	if (st == NATS_OK)
+		st = natsConnection_PublishRequest(s->nc, subj, inbox, "", 0);
+	for (int i = 0; st == NATS_OK && i < PROBE_ANSWERS; i++) {
+		natsMsg *m = NULL;
+		st = natsSubscription_NextMsg(&m, inbox_sub, 1000);
+		natsMsg_Destroy(m);
+	}
+	if (st == NATS_TIMEOUT)
+		st = NATS_NOT_PERMITTED; /* an answer the server did not let through */
+	natsSubscription_Destroy(inbox_sub);
+	natsInbox_Destroy(inbox);
+	natsSubscription_Destroy(sub);
+	natsConnection_Destroy(nc);
+	natsOptions_Destroy(o);
+	return st;
+}
+
 /* Whether the server lets this user publish on a reply inbox (_INBOX.>): a replica answers its
  * peers' snapshot requests and id questions on the asker's inbox.  Refused, every peer that asks
  * it for a snapshot waits its whole snapshot_timeout_ms and is then ready without the table,
  * and only this side's denied counter says why.  A server's "allow_responses" does not permit
- * this probe (it is no answer to a request), nor would it let a snapshot of several chunks
- * through (one response by default).  The refusal, like a subscription's, is an asynchronous
- * -ERR that comes before the flush's PONG. */
+ * this probe (it is no answer to a request): answer_check then asks the way a peer would.  The
+ * refusal, like a subscription's, is an asynchronous -ERR that comes before the flush's PONG. */
 static natsStatus reply_check(struct kvr_sync *s)
 {
 	natsInbox *inbox = NULL;
@@ -506,8 +587,6 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	snprintf(name, sizeof(name), "kvr-%s-%llu", c->cluster, (unsigned long long)c->replica_id);
 	natsStatus st = natsOptions_Create(&o);
 	if (st == NATS_OK)
-		st = set_servers(o, c->servers);
-	if (st == NATS_OK)
 		st = natsOptions_SetName(o, name);
 	if (st == NATS_OK)
 		st = natsOptions_SetNoEcho(o, true);
@@ -538,18 +617,8 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		st = natsOptions_SetClosedCB(o, on_closed, s);
 	if (st == NATS_OK)
 		st = natsOptions_SetErrorHandler(o, on_error, s);
-	if (st == NATS_OK && (c->user || c->password))
-		st = natsOptions_SetUserInfo(o, c->user, c->password);
-	if (st == NATS_OK && c->token)
-		st = natsOptions_SetToken(o, c->token);
-	if (st == NATS_OK && c->creds_file)
-		st = natsOptions_SetUserCredentialsFromFiles(o, c->creds_file, NULL);
-	if (st == NATS_OK && c->tls)
-		st = natsOptions_SetSecure(o, true);
-	if (st == NATS_OK && c->tls_ca_file)
-		st = natsOptions_LoadCATrustedCertificates(o, c->tls_ca_file);
-	if (st == NATS_OK && (c->tls_cert_file || c->tls_key_file))
-		st = natsOptions_LoadCertificatesChain(o, c->tls_cert_file, c->tls_key_file);
+	if (st == NATS_OK)
+		st = set_identity(o, c);
 	if (st != NATS_OK) {
 		natsOptions_Destroy(o);
 		kvr_thread_restore_signals(&sigs);
@@ -586,8 +655,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	bool taken = false, answered = false;
 	if (st == NATS_OK && (st = id_check(s, &taken, &answered)) == NATS_NOT_PERMITTED)
 		natsConnection_GetLastError(s->nc, &why); /* the id question's refusal */
-	if (st == NATS_OK && !taken && (st = reply_check(s)) == NATS_NOT_PERMITTED)
+	if (st == NATS_OK && !taken && (st = reply_check(s)) == NATS_NOT_PERMITTED) {
 		natsConnection_GetLastError(s->nc, &why); /* a reply's refusal */
+		if (answer_check(s, c) == NATS_OK)        /* allow_responses lets answers through */
+			st = NATS_OK;
+	}
 	kvr_thread_restore_signals(&sigs);
 	if (!connected) {
 		s->nc = NULL;
@@ -620,11 +692,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		char detail[256];
 		snprintf(detail, sizeof(detail), "%s", why ? why : natsStatus_GetText(st));
 		sync_free(s);
-		return kvr_fail(
-		    KVR_EINVAL,
-		    "%s: the NATS server does not permit this user what a replica of "
-		    "cluster \"%s\" needs (publish and subscribe %s.> and _INBOX.>): %s",
-		    fn, c->cluster, c->cluster, detail);
+		return kvr_fail(KVR_EINVAL,
+		                "%s: the NATS server does not permit this user what a replica of "
+		                "cluster \"%s\" needs (publish and subscribe %s.> and _INBOX.>, or "
+		                "allow_responses with more than one response): %s",
+		                fn, c->cluster, c->cluster, detail);
 	}
 	if (st != NATS_OK) {
 		sync_free(s);

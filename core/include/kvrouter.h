@@ -1278,8 +1278,8 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * credentials, or TLS failed: wanted and not offered, required and not wanted, a certificate
  * refused; the user may not subscribe to <cluster>.stream, <cluster>.id.<id> or _INBOX.>, or
  * publish on <cluster>.id.<id> or _INBOX.> (a replica answers peers' snapshot requests on the
- * asker's inbox; a server's allow_responses is not enough, a snapshot goes in several
- * chunks): later refusals are counted, kvr_sync_stats.denied),
+ * asker's inbox; a server's allow_responses instead does, with a max of more than one
+ * response: a snapshot goes in chunks): later refusals are counted, kvr_sync_stats.denied),
  * KVR_EBUSY (already attached),
  * KVR_EEXIST (a replica attached under c->replica_id in this cluster answered, or a connection
  * holding that id's subject did not answer for 2 s; two attaching under one id at once may both

@@ -1971,6 +1971,8 @@ static void test_auth(void)
 	    "    {user: responder, password: p, permissions: {publish: {allow: [\"auth.>\"]}, "
 	    "subscribe: {allow: [\"auth.>\", \"_INBOX.>\"]}, "
 	    "allow_responses: {max: 100000, expires: \"1m\"}}}\n"
+	    "    {user: oneanswer, password: p, permissions: {publish: {allow: [\"auth.>\"]}, "
+	    "subscribe: {allow: [\"auth.>\", \"_INBOX.>\"]}, allow_responses: true}}\n"
 	    "  ]\n"
 	    "}\n";
 	char path[] = "/tmp/kvr-nats-conf-XXXXXX";
@@ -1987,6 +1989,9 @@ static void test_auth(void)
 	    /* May answer what it is asked (allow_responses, up to 100,000 messages an ask: a
 	     * snapshot's chunks), never publish on an inbox unasked: what a replica needs. */
 	    {"responder", "p", NULL},
+	    /* allow_responses: true is one message an ask: a snapshot of two chunks would lose
+	     * its second. */
+	    {"oneanswer", "p", "does not permit"},
 	    {"kvr", "secret", NULL},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
