@@ -202,8 +202,13 @@ static int render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out)
 	if (!r || (!buf && cap))
 		return kvr_fail(KVR_EINVAL, "kvr_metrics_render: %s",
 		                !r ? "router is NULL" : "buf is NULL with cap > 0");
-	if (kvr_fork_inherited(r)) /* its registries' locks may be held by threads of the parent */
+	/* Inherited over a fork: its registries' locks may be held by the parent's threads.  buf
+	 * is still terminated: the header promises it whenever cap > 0. */
+	if (kvr_fork_inherited(r)) {
+		if (cap)
+			buf[0] = '\0';
 		return kvr_fail(KVR_ESHUTDOWN, "kvr_metrics_render: %s", kvr_router_gone(r));
+	}
 	kvr_router_settle(r); /* sync_booking: counting what earlier calls posted */
 	struct out o = {.buf = buf, .cap = cap};
 	const char *last = "";
@@ -305,8 +310,11 @@ int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_
 {
 	KVR_NOCANCEL(); /* sync/nocancel.h */
 	locale_t c = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
-	if (!c)
+	if (!c) {
+		if (buf && cap) /* terminated whenever cap > 0, as render's failures */
+			buf[0] = '\0';
 		return kvr_fail(KVR_ENOMEM, "kvr_metrics_render: out of memory for the C locale");
+	}
 	locale_t was = uselocale(c);
 	int rc = render(r, buf, cap, len_out);
 	uselocale(was);

@@ -978,7 +978,13 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			    "(on_admit), with every eligible rank saturated: waiting would "
 			    "block the pass that admits it; not queued");
 		}
-		return kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
+		rc = kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
+		/* Woken by a destroy (KVR_ESHUTDOWN) or its ticket gone (KVR_ENOENT): d was not
+		 * written and read KVR_QUEUED with a ticket nobody can use.  A timeout keeps the
+		 * ticket; a failed admission's d is its outcome (KVR_FAILED already). */
+		if (rc && rc != KVR_ETIMEDOUT && d->status == KVR_QUEUED)
+			decision_failed(d, rc);
+		return rc;
 	}
 	return 0;
 }

@@ -458,8 +458,8 @@ int kvr_replica_peer_seq(struct kvr_replica *rep, uint64_t id, uint64_t *seq)
 	pthread_mutex_lock(&rep->mu);
 	struct kvr_rep_peer *p = kvr_rep_peer_find(rep, id);
 	int rc = p && p->alive ? 0 : KVR_ENOENT;
-	if (rc ==
-	    0) /* a gone peer's position is no answer: *seq untouched, as for an unknown one */
+	/* A gone peer's position is no answer: *seq untouched, as for an unknown one. */
+	if (rc == 0)
 		*seq = p->last_seq;
 	pthread_mutex_unlock(&rep->mu);
 	return rc;

@@ -1342,11 +1342,12 @@ KVR_API int kvr_sync_get_stats(struct kvr_sync *s, struct kvr_sync_stats *out);
  * NUL-terminated when cap > 0).  *len_out (may be NULL) gets the size the text needs with its
  * NUL (its strlen + 1), on success too; when it does not fit, returns KVR_ERANGE and *len_out
  * tells that size (buf NULL with cap 0 asks only that).  Other returns: KVR_EINVAL (buf NULL with
- * cap > 0), KVR_ENOMEM.  Context: any thread. Among them kvr_allocator{name="jemalloc"} 1 (or
- * "libc"): the allocator the library's structures come from, jemalloc when the process has it
- * (linked as `pkg-config --libs kvrouter` links it, or preloaded), else the C library's (a process
- * that loaded the library with dlopen; README.md, "Link after `meson install`").  Numbers are
- * written as Prometheus reads them ("0.5") whatever the process's locale (setlocale) says.
+ * cap > 0), KVR_ENOMEM, KVR_ESHUTDOWN.  Context: any thread. Among them
+ * kvr_allocator{name="jemalloc"} 1 (or "libc"): the allocator the library's structures come from,
+ * jemalloc when the process has it (linked as `pkg-config --libs kvrouter` links it, or preloaded),
+ * else the C library's (a process that loaded the library with dlopen; README.md, "Link after
+ * `meson install`").  Numbers are written as Prometheus reads them ("0.5") whatever the process's
+ * locale (setlocale) says.
  */
 KVR_API int kvr_metrics_render(struct kvr_router *r, char *buf, size_t cap, size_t *len_out);
 

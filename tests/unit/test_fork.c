@@ -208,7 +208,8 @@ static const char *const child_what[C_COUNT] = {
     "lifecycle calls on the inherited router did not return KVR_ESHUTDOWN",
     "kvr_router_sync on the inherited router did not return KVR_ESHUTDOWN",
     "rank calls on the inherited router did not return KVR_ESHUTDOWN",
-    "stats / metrics / memory on the inherited router did not return KVR_ESHUTDOWN",
+    "stats / metrics / memory on the inherited router did not return KVR_ESHUTDOWN (or a "
+    "metrics buffer was left unterminated)",
     "kvr_route_wait / kvr_route_cancel on the inherited router did not return KVR_ESHUTDOWN",
     "the child could not create its own router",
     "routing on the child's own router failed",
@@ -267,9 +268,12 @@ static int child_main(struct kvr_router *inherited, uint64_t attempt)
 	struct kvr_memory mem;
 	char buf[64];
 	size_t len;
+	memset(buf, 'x', sizeof(buf));
+	/* buf "always NUL-terminated when cap > 0" (kvrouter.h): it was left as it was */
 	if (kvr_rank_get_stats(inherited, rank0, &st) != KVR_ESHUTDOWN ||
 	    kvr_router_get_memory(inherited, &mem) != KVR_ESHUTDOWN ||
-	    kvr_metrics_render(inherited, buf, sizeof(buf), &len) != KVR_ESHUTDOWN)
+	    kvr_metrics_render(inherited, buf, sizeof(buf), &len) != KVR_ESHUTDOWN ||
+	    !memchr(buf, '\0', sizeof(buf)))
 		return C_INHERITED_READS;
 	if (kvr_route_wait(inherited, 1, 0, &d) != KVR_ESHUTDOWN ||
 	    kvr_route_cancel(inherited, 1) != KVR_ESHUTDOWN)

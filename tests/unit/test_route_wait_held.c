@@ -26,7 +26,7 @@ int __real_kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait,
 static struct kvr_router *R;
 static const struct kvr_rank_id X = {7, 0}, Y = {8, 0};
 static uint64_t hog;
-static bool armed, fired, by_removal;
+static bool armed, fired, by_removal, by_cancel;
 
 int __wrap_kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait,
                             struct kvr_decision *d);
@@ -37,6 +37,10 @@ int __wrap_kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait,
 	if (armed && rc == 0 && d->status == KVR_QUEUED) {
 		armed = false;
 		fired = true;
+		if (by_cancel) { /* another thread cancels the ticket before the wait looks */
+			cr_assert_eq(kvr_route_cancel(R, ticket), 0);
+			return rc;
+		}
 		/* Another thread's finish: its pass admits the request (not told to on_admit: it is
 		 * waited on), and the outcome waits for this call's wait. */
 		cr_assert_eq(kvr_request_finish(R, hog), 0);
@@ -112,4 +116,33 @@ Test(route_wait_held, an_admission_ended_by_a_removal_before_the_wait_looks_is_s
 	setup(true);
 	const struct kvr_rank_id allow[2] = {X, Y};
 	route_waiting(allow, 2);
+}
+
+/* The ticket cancelled (by another thread) between the settle and kvr_route's own wait: the wait
+ * finds no ticket (KVR_ENOENT) and does not write d.  kvr_route's failures other than KVR_EINVAL,
+ * KVR_ETIMEDOUT and a failed admission zero d with status KVR_FAILED and error the code
+ * (kvrouter.h); before, d still read KVR_QUEUED with the cancelled ticket.  (A destroy that wakes
+ * the wait, KVR_ESHUTDOWN, took the same path.) */
+Test(route_wait_held, a_route_whose_wait_finds_its_ticket_gone_reads_failed)
+{
+	setup(false);
+	uint32_t t[50];
+	prompt(t, 50, 3);
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 50;
+	q.flags = KVR_ROUTE_WAIT;
+	q.deadline_ns = kvr_router_now(R) + 5000000000ull;
+	struct kvr_decision d;
+	by_cancel = armed = true;
+	int rc = kvr_route(R, &q, &d);
+	cr_assert(fired, "the request did not queue: the window was not forced");
+	cr_assert_eq(rc, KVR_ENOENT, "kvr_route: %d (%s)", rc, kvr_last_error());
+	cr_assert(d.status == KVR_FAILED && d.error == KVR_ENOENT && d.ticket == 0,
+	          "a failed route's d reads status %d error %d ticket %llu", d.status, d.error,
+	          (unsigned long long)d.ticket);
+	cr_assert_eq(kvr_queue_depth(R), 0);
+	cr_assert_eq(kvr_request_finish(R, hog), 0);
+	kvr_router_destroy(R);
 }
