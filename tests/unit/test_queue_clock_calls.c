@@ -32,6 +32,7 @@ static uint64_t ticket;
 static pthread_t runner;
 static enum call which;
 static bool on_shard; /* the clock calls from the shards' threads, not the pass's */
+static bool no_admit; /* CALL_ROUTE_WAIT without on_admit: tickets are collected by waits */
 static atomic_int armed, readings, in_call, rcs_seen;
 static int at_reading;
 static int call_rc = 1;
@@ -81,8 +82,9 @@ static void told(void *ctx, uint64_t t, const struct kvr_decision *d)
 	}
 }
 
-/* Scenes (children) whose clock's route came back KVR_QUEUED and was then told: the path
- * CALL_ROUTE_WAIT's scenes are for, counted across the fork (shared memory). */
+/* Scenes (children) whose clock's route came back KVR_QUEUED and was then told (or, without
+ * on_admit, collected by a wait): the path CALL_ROUTE_WAIT's scenes are for, counted across
+ * the fork (shared memory). */
 static atomic_int *queued_told;
 
 /* Finishes what on_admit told until nothing is queued or uncollected and, when the clock's
@@ -139,7 +141,7 @@ static int scene(void)
 	c.now_ns = clock_calls_queue;
 	c.sync_booking = true;
 	c.queue_threshold = 1.0;
-	if (which == CALL_ROUTE_WAIT)
+	if (which == CALL_ROUTE_WAIT && !no_admit)
 		c.on_admit = told;
 	if (kvr_router_create(&c, &R))
 		return 10;
@@ -169,7 +171,7 @@ static int scene(void)
 	/* What the clock's call said is what happened: cancelled (never served), refused (the
 	 * ticket as it was: admitted by the pass, its outcome still to collect), collected by the
 	 * wait, or not queued any more. */
-	if (which == CALL_ROUTE_WAIT) {
+	if (which == CALL_ROUTE_WAIT && !no_admit) {
 		/* Routed (admitted, or queued with its ticket and told by on_admit as without the
 		 * flag: the wait does not sleep there), or refused inside the pass that would admit
 		 * it, nothing queued. */
@@ -195,6 +197,19 @@ static int scene(void)
 	}
 	if (after == 0 && d.status == KVR_DECIDED)
 		kvr_request_finish(R, d.attempt);
+	if (which == CALL_ROUTE_WAIT && atomic_load(&rcs_seen) && call_rc == 0) {
+		/* Without on_admit, a route that queued inside the router is kept for its collector
+		 * as a plain queued request is: a wait from outside collects it (its attempt alive,
+		 * nothing reclaims it). */
+		if (routed.status == KVR_QUEUED) {
+			if (kvr_route_wait(R, routed.ticket, kvr_router_now(R) + 2000000000ull,
+			                   &routed) ||
+			    routed.status != KVR_DECIDED)
+				return 21;
+			atomic_fetch_add(queued_told, 1);
+		}
+		kvr_request_finish(R, routed.attempt);
+	}
 	if (kvr_router_sync(R, 10000))
 		return 15;
 	/* Nothing left queued or uncollected. */
@@ -276,5 +291,12 @@ Test(queue_clock_calls, a_waited_route_from_the_clock_of_the_pass, .timeout = 12
 Test(queue_clock_calls, a_waited_route_from_the_clock_of_the_shard_the_pass_waits_for,
      .timeout = 120)
 {
+	each_reading(CALL_ROUTE_WAIT, true);
+}
+
+Test(queue_clock_calls, a_waited_route_from_the_clock_without_on_admit_is_collected_by_a_wait,
+     .timeout = 120)
+{
+	no_admit = true; /* each Test runs in its own process */
 	each_reading(CALL_ROUTE_WAIT, true);
 }
