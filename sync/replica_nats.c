@@ -598,7 +598,7 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 	/* nats.c's connect, subscribe and flush block in I/O on this thread, and nats.c takes an
 	 * EINTR there for a broken connection: under a profiler's SIGPROF, 18 of 20 attaches failed
 	 * with "IO Error" or "Protocol Error" (docs/measurements.md).  The caller's asynchronous
-	 * signals wait until they are done (at most the 2 s connect and 2 s flush timeouts), and
+	 * signals wait until they are done (their 2 s timeouts: kvrouter.h gives the bound), and
 	 * the threads nats.c starts meanwhile (its library threads at the first natsOptions_Create,
 	 * then the connection's) inherit the blocked mask, as the library's own do (sync/thread.h:
 	 * a process-directed signal must not land on them). */
