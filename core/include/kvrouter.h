@@ -1314,7 +1314,8 @@ KVR_API void kvr_sync_detach(struct kvr_sync *s);
 /* Waits until the replica has applied its first snapshot (or found no peer: a replica alone in
  * its cluster is ready as soon as the server says nobody answers, within milliseconds; a peer
  * that does not answer is waited for up to snapshot_timeout_ms, the request sent again to the
- * queue group meanwhile; a wait kvr_sync_detach and kvr_router_destroy cut short).  Once ready it
+ * queue group meanwhile; the replica's own wait for a snapshot ends at once when kvr_sync_detach
+ * or kvr_router_destroy begins, which no call on s may run beside).  Once ready it
  * also answers its peers' snapshot requests, so a replica attached after this returned finds it. 0,
  * KVR_ETIMEDOUT, KVR_EINVAL; from a callback the replica's own threads run (see
  * kvr_sync_drain), 0 at once if ready, else KVR_EBUSY; from a feed's callback, as
