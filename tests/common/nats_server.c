@@ -27,7 +27,7 @@ void kvr_test_nats_conf(const char *path)
 	conf = path;
 }
 
-static int free_port(void)
+int kvr_test_free_port(void)
 {
 	int fd = socket(AF_INET, SOCK_STREAM, 0);
 	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -61,7 +61,7 @@ bool kvr_test_nats_installed(void)
 int kvr_test_nats_start(void)
 {
 	if (port < 0) {
-		port = free_port();
+		port = kvr_test_free_port();
 		if (port < 0)
 			return -1;
 		snprintf(url, sizeof(url), "nats://127.0.0.1:%d", port);

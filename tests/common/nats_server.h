@@ -22,6 +22,9 @@ int kvr_test_nats_start(void);
  * that start.  Context: the main thread. */
 void kvr_test_nats_conf(const char *path);
 
+/* A free loopback TCP port (for a second server of a test's own), or -1. */
+int kvr_test_free_port(void);
+
 /* Kills the server (SIGKILL) and reaps it.  No-op when none runs.  Context: the main thread. */
 void kvr_test_nats_stop(void);
 

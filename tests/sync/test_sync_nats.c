@@ -2038,21 +2038,6 @@ static void test_auth(void)
 	      kvr_strerror(rc), rc ? kvr_last_error() : "");
 }
 
-/* A free loopback TCP port (tests/common/nats_server.c keeps its own to itself). */
-static int loopback_port(void)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-	socklen_t l = sizeof(a);
-	int p = -1;
-	if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
-	    !getsockname(fd, (struct sockaddr *)&a, &l))
-		p = ntohs(a.sin_port);
-	if (fd >= 0)
-		close(fd);
-	return p;
-}
-
 /* Whether a message published on server a reaches a subscriber on server b within 5 s: both
  * listen and the route between them is up (as user responder, who may publish and subscribe
  * auth.>). */
@@ -2098,7 +2083,7 @@ static void test_auth_cluster(void)
 	    "allow_responses: {max: 100000, expires: \"1m\"}}}\n"
 	    "  ]\n"
 	    "}\n";
-	int ra = loopback_port(), rb = loopback_port(), pb = loopback_port();
+	int ra = kvr_test_free_port(), rb = kvr_test_free_port(), pb = kvr_test_free_port();
 	CHECK(ra > 0 && rb > 0 && pb > 0, "free ports");
 	char conf_a[1024], conf_b[1024], url_b[64], servers[160];
 	snprintf(conf_a, sizeof(conf_a),

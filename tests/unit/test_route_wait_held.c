@@ -76,20 +76,26 @@ static void setup(bool removal)
 	}
 }
 
+/* A 50-token request over t with KVR_ROUTE_WAIT and a 5 s deadline. */
+static void waiting_request(struct kvr_request *q, uint32_t t[50])
+{
+	prompt(t, 50, 3);
+	kvr_request_init(q);
+	q->tokens = t;
+	q->n_tokens = 50;
+	q->flags = KVR_ROUTE_WAIT;
+	q->deadline_ns = kvr_router_now(R) + 5000000000ull;
+}
+
 /* Routes a 50-token request with KVR_ROUTE_WAIT (allowed X and Y, or unrestricted), the window
  * forced in its settle: it is told its admission, whose attempt the reset or removal ended. */
 static void route_waiting(const struct kvr_rank_id *allow, size_t n_allow)
 {
 	uint32_t t[50];
-	prompt(t, 50, 3);
 	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = 50;
+	waiting_request(&q, t);
 	q.allow = allow;
 	q.n_allow = n_allow;
-	q.flags = KVR_ROUTE_WAIT;
-	q.deadline_ns = kvr_router_now(R) + 5000000000ull;
 	struct kvr_decision d;
 	armed = true;
 	int rc = kvr_route(R, &q, &d);
@@ -127,13 +133,8 @@ Test(route_wait_held, a_route_whose_wait_finds_its_ticket_gone_reads_failed)
 {
 	setup(false);
 	uint32_t t[50];
-	prompt(t, 50, 3);
 	struct kvr_request q;
-	kvr_request_init(&q);
-	q.tokens = t;
-	q.n_tokens = 50;
-	q.flags = KVR_ROUTE_WAIT;
-	q.deadline_ns = kvr_router_now(R) + 5000000000ull;
+	waiting_request(&q, t);
 	struct kvr_decision d;
 	by_cancel = armed = true;
 	int rc = kvr_route(R, &q, &d);
