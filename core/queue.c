@@ -1484,12 +1484,18 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 		                     : "ticket is 0");
 	if (kvr_fork_inherited(r)) /* its queue's lock may be held by a thread of the parent */
 		return kvr_fail(KVR_ESHUTDOWN, "kvr_route_wait: %s", kvr_router_gone(r));
-	struct kvr_queue *q = r->queue;
-	if (!q)
+	if (!r->queue)
 		return no_queue("kvr_route_wait", ticket);
 	/* The clock is read off the queue's lock: a clock that makes a lifecycle call pumps the
 	 * queue, which takes the lock (it waited for itself). */
-	bool late = deadline_ns && kvr_clock_now(&r->clock) >= deadline_ns;
+	return kvr_queue_wait(r, ticket, deadline_ns,
+	                      deadline_ns && kvr_clock_now(&r->clock) >= deadline_ns, d);
+}
+
+int kvr_queue_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns, bool late,
+                   struct kvr_decision *d)
+{
+	struct kvr_queue *q = r->queue;
 	pthread_mutex_lock(&q->lock);
 	struct qentry *e = find(q, ticket);
 	if (!e) {

@@ -943,10 +943,17 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 	 * (it could wait for the call it runs in: core/queue.c): a request that queues there is
 	 * returned KVR_QUEUED with its ticket, and is the caller's as without the flag (on_admit
 	 * tells it, or kvr_route_wait collects it).  Settled as waited, on_admit never named it and
-	 * its outcome was held for a wait that never came. */
+	 * its outcome was held for a wait that never came.  A deadline already passed is
+	 * honoured there as outside (the wait does not sleep): KVR_ETIMEDOUT, the ticket kept for
+	 * a wait (before, KVR_QUEUED as without the flag).  `late` is that one reading, given to
+	 * the wait: read again, a clock gone back would have the wait refuse a ticket settled as
+	 * waited, held for good. */
+	int late = -1; /* not read */
 	if (wait && d->status == KVR_QUEUED && !kvr_queue_pumped_here(r) &&
-	    kvr_router_runs_thread(r))
-		wait = false;
+	    kvr_router_runs_thread(r)) {
+		late = req->deadline_ns && kvr_clock_now(&r->clock) >= req->deadline_ns;
+		wait = late;
+	}
 	if (d->status == KVR_QUEUED) {
 		/* Queued (held for this call: no on_admit names it yet).  Pumped again: the pass of
 		 * a call that lowered the load meanwhile may have ended before the push (with
@@ -978,7 +985,9 @@ int kvr_route(struct kvr_router *r, const struct kvr_request *req, struct kvr_de
 			    "(on_admit), with every eligible rank saturated: waiting would "
 			    "block the pass that admits it; not queued");
 		}
-		rc = kvr_route_wait(r, d->ticket, req->deadline_ns, d); /* its own details */
+		if (late < 0) /* read off the queue's lock, as kvr_route_wait reads it */
+			late = req->deadline_ns && kvr_clock_now(&r->clock) >= req->deadline_ns;
+		rc = kvr_queue_wait(r, d->ticket, req->deadline_ns, late, d); /* its own details */
 		/* Woken by a destroy (KVR_ESHUTDOWN) or its ticket gone (KVR_ENOENT): d was not
 		 * written and read KVR_QUEUED with a ticket nobody can use.  A timeout keeps the
 		 * ticket; a failed admission's d is its outcome (KVR_FAILED already). */

@@ -207,6 +207,12 @@ void kvr_queue_rank_gone(struct kvr_router *r);
  * reclaimed) until the caller's kvr_route_wait watches it.  Returns 0 or the admission's
  * code. */
 int kvr_queue_settle(struct kvr_router *r, uint64_t ticket, bool wait, struct kvr_decision *d);
+/* kvr_route_wait's wait, on a router with a queue: `late` says whether deadline_ns had passed
+ * at the caller's reading of the clock (a wait that is late from the start never sleeps, nor
+ * refuses inside the router; kvr_route reads the clock once for both its check and the wait, as a
+ * clock read again may have gone back).  Context: as kvr_route_wait. */
+int kvr_queue_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns, bool late,
+                   struct kvr_decision *d);
 size_t kvr_queue_depth(struct kvr_router *r);
 /* Queued requests admitted (or failed) whose outcome nobody collected yet.  Context: any thread,
  * no lock (a relaxed load). */

@@ -503,7 +503,8 @@ enum kvr_route_flags {
 	KVR_ROUTE_QUERY_ONLY = 1u << 0,
 	KVR_ROUTE_WAIT = 1u << 1 /* if queued, block until admitted or deadline_ns (not inside
 	                          * the router - its clock, a callback, one of its threads: a
-	                          * queued request comes back KVR_QUEUED there, see kvr_route) */
+	                          * queued request comes back KVR_QUEUED there, KVR_ETIMEDOUT if
+	                          * deadline_ns has passed, see kvr_route) */
 };
 
 /* The longest prompt kvr_route accepts, tokens (a longer n_tokens is KVR_EINVAL).  Its complete

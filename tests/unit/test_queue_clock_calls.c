@@ -300,3 +300,62 @@ Test(queue_clock_calls, a_waited_route_from_the_clock_without_on_admit_is_collec
 	no_admit = true; /* each Test runs in its own process */
 	each_reading(CALL_ROUTE_WAIT, true);
 }
+
+/* KVR_ROUTE_WAIT inside the router with a deadline already passed: the wait would not sleep
+ * (kvr_route_wait honours a passed deadline there), so the route answers as outside:
+ * KVR_ETIMEDOUT, d KVR_QUEUED with its ticket, which stays queued for a later wait.  Before,
+ * it came back 0 with KVR_QUEUED, as a route without the flag. */
+static atomic_int late_armed;
+static int late_rc = 1;
+static struct kvr_decision late_d;
+
+static uint64_t clock_routes_late(void *ctx)
+{
+	(void)ctx;
+	if (atomic_exchange(&late_armed, 0)) {
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = third;
+		q.n_tokens = 64;
+		q.flags = KVR_ROUTE_WAIT;
+		q.deadline_ns = 1; /* passed: the clock reads mono_ns() */
+		late_rc = kvr_route(R, &q, &late_d);
+	}
+	return mono_ns();
+}
+
+Test(queue_clock_calls, a_waited_route_from_the_clock_past_its_deadline_times_out)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.now_ns = clock_routes_late;
+	c.queue_threshold = 1.0;
+	cr_assert_eq(kvr_router_create(&c, &R), 0);
+	cr_assert_eq(kvr_rank_add(R, (struct kvr_rank_id){7, 0}, 1, 1000, 16), 0);
+	uint32_t toks[64];
+	for (int i = 0; i < 64; i++) {
+		toks[i] = (uint32_t)i;
+		third[i] = 5000u + (uint32_t)i;
+	}
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = toks;
+	q.n_tokens = 64;
+	struct kvr_decision a, d;
+	cr_assert_eq(kvr_route(R, &q, &a), 0);
+	cr_assert_eq(a.status, KVR_DECIDED); /* the rank is saturated now */
+	atomic_store(&late_armed, 1);
+	(void)kvr_router_now(R); /* the clock routes, inside the router */
+	cr_assert_eq(atomic_load(&late_armed), 0, "the clock was not read");
+	cr_expect_eq(late_rc, KVR_ETIMEDOUT, "the route returned %d (%s), status %d", late_rc,
+	             kvr_strerror(late_rc), late_d.status);
+	cr_assert_eq(late_d.status, KVR_QUEUED);
+	cr_assert_neq(late_d.ticket, 0);
+	/* It stays queued for a wait: the finish frees the rank, the wait collects it. */
+	cr_assert_eq(kvr_request_finish(R, a.attempt), 0);
+	cr_assert_eq(kvr_route_wait(R, late_d.ticket, kvr_router_now(R) + 5000000000ull, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	cr_assert_eq(kvr_request_finish(R, d.attempt), 0);
+	kvr_router_destroy(R);
+}
