@@ -380,28 +380,15 @@ static inline bool kvr_ring_unreserved(const struct kvr_ring *r)
 }
 
 /*
- * Dequeues the oldest message into *out.  Returns false if the ring is empty.
- * Context: the ring's single consumer.  Ordering: pairs with kvr_ring_enqueue().
- */
-static inline bool kvr_ring_dequeue(struct kvr_ring *r, struct kvr_msg *out)
-{
-	KVR_RING_IGNORE_BEGIN();
-	bool ok = ck_ring_dequeue_mpsc_kvr_msg(&r->ck, r->buf, out);
-	KVR_RING_IGNORE_END();
-	if (ok) {
-		out->len &= KVR_RING_LEN_MASK;
-		KVR_TSAN_ACQUIRE(r);
-	}
-	return ok;
-}
-
-/*
  * Dequeues up to max of the oldest messages into out[0..n) and returns n (0 if empty).
  * ck_ring has no burst dequeue; this is _ck_ring_dequeue_sc for n slots at once, on ck's public
  * ring fields and ck_pr fences: one read of p_tail and one store of c_head per burst instead of
  * per message, so the lines producers write (p_tail) and read (c_head) move between cores once
- * per burst.  Context: the ring's single consumer.  Ordering: as kvr_ring_dequeue(); the
- * release fence keeps the slot reads before the c_head store that lets producers reuse them.
+ * per burst.  Context: the ring's single consumer.  Ordering: the load of p_tail then
+ * ck_pr_fence_load (an acquire) pairs with the producers' commits (kvr_ring_commit_nowait,
+ * kvr_ring_commit_or_tag, kvr_ring_pass_tagged); the release fence keeps the slot reads before
+ * the c_head store that lets producers reuse them (a load before a store: a store fence would
+ * not do, see kvr_ring_dequeue).
  */
 static inline uint32_t kvr_ring_dequeue_burst(struct kvr_ring *r, struct kvr_msg *out, uint32_t max)
 {
@@ -424,6 +411,26 @@ static inline uint32_t kvr_ring_dequeue_burst(struct kvr_ring *r, struct kvr_msg
 	if (n)
 		KVR_TSAN_ACQUIRE(r);
 	return n;
+}
+
+/*
+ * Dequeues the oldest message into *out.  Returns false if the ring is empty.
+ * Context: the ring's single consumer.  Ordering: pairs with kvr_ring_enqueue(); as
+ * kvr_ring_dequeue_burst(), of which it is the one-message case.
+ *
+ * Not ck_ring_dequeue_mpsc: ck 0.7.1's single-consumer dequeue (_ck_ring_dequeue_sc) copies the
+ * slot and then hands it back (the c_head store) behind ck_pr_fence_store, a store-store fence
+ * (AArch64: dmb ishst).  Handing a slot back is a release: the copy's loads must stay before
+ * the store that lets a producer reuse the slot, and a store fence does not order loads before
+ * stores.  On AArch64 the copy's loads may then be satisfied after a producer that read the new
+ * c_head has reserved the slot and written the next lap's message into it (a full ring): the
+ * consumer runs a message half of one post and half of another (its fn with another's
+ * payload).  The burst's fence is ck_pr_fence_release (dmb ish there), and on x86 (TSO) both
+ * fences are compiler barriers: the same instructions.
+ */
+static inline bool kvr_ring_dequeue(struct kvr_ring *r, struct kvr_msg *out)
+{
+	return kvr_ring_dequeue_burst(r, out, 1) == 1;
 }
 
 /* Slots reserved and not yet dequeued now (a snapshot): published, being written, or tagged and
