@@ -1531,19 +1531,30 @@ static int settle_call(struct kvr_shard *sh, void *arg)
 	return 0;
 }
 
-/* Why comparing two counts is enough: every timed post is counted before its push, the shard
- * counts a task after running it, and the lane is FIFO across producers.  Say a post P returned
- * before this settle read timed_posted (want) but P has not run.  Every task that has run was
- * taken from the lane ahead of P, so its push began before P's push ended, and its count came
- * before its push: before this read.  P's count came before this read as well, so fewer than
- * want tasks have run, and the settle waits.  (Posts still in flight when it reads may be
- * waited for too; a failed push counts itself as applied, so nothing waits for it forever.) */
+/* Why comparing two counts is enough: every timed post is counted (timed_posted) before its
+ * push, and counted again (timed_applied, a release) after its task ran, or after its push
+ * failed.  The settle reads timed_applied first (acquire), then timed_posted (want).  Every
+ * count in the applied value it reads happens before its read of want (the release sequence of
+ * the increments; a task's posted count comes before its push, its push before its run, its
+ * run before its applied count), so want counts each of them, and also every post P that
+ * returned before the settle began.  If P has not run, want exceeds what it read as applied,
+ * and the settle waits.  (Posts still in flight when it reads may be waited for too; a failed
+ * push counts itself as applied, so nothing waits for it forever.)
+ * Applied first: read the other way round, the argument needed each run task's posted count
+ * to reach this thread before P's reservation did (the lane being FIFO), and nothing orders
+ * those for another thread: the ring's reservation is ck's CAS, relaxed on weakly ordered
+ * CPUs (AArch64, POWER: ldxr/stxr, lwarx/stwcx. without barriers).  So want could miss a task T
+ * that reserved ahead of P while its count was still in flight (2+2W: P counted before T,
+ * T reserved before P); T then ran, applied reached want, and the settle returned before P
+ * ran: a kvr_router_settle that returned with its booking not yet applied.  The order of the
+ * two loads costs nothing on any CPU. */
 int kvr_shard_settle(struct kvr_shard *sh)
 {
 	if (!sh)
 		return KVR_EINVAL;
+	uint64_t applied = __atomic_load_n(&sh->timed_applied, __ATOMIC_ACQUIRE);
 	uint64_t want = __atomic_load_n(&sh->timed_posted, __ATOMIC_SEQ_CST);
-	if (__atomic_load_n(&sh->timed_applied, __ATOMIC_ACQUIRE) >= want || tls_shard == sh)
+	if (applied >= want || tls_shard == sh)
 		return 0;
 	/* Behind: a call queues behind the timed work (FIFO) and returns once the shard has
 	 * run it, so the wait is the call's (a short spin, then a futex sleep). */
@@ -1562,8 +1573,10 @@ int kvr_shard_settle_timers(struct kvr_shard *sh, uint64_t armed_after_ns)
 {
 	if (!sh)
 		return KVR_EINVAL;
+	/* Applied first, then want: see kvr_shard_settle. */
+	uint64_t applied = __atomic_load_n(&sh->timed_applied, __ATOMIC_ACQUIRE);
 	uint64_t want = __atomic_load_n(&sh->timed_posted, __ATOMIC_SEQ_CST);
-	if (__atomic_load_n(&sh->timed_applied, __ATOMIC_ACQUIRE) >= want)
+	if (applied >= want)
 		return 0;
 	/* Read after the count: covers every post counted (each records its time first). */
 	uint64_t last = __atomic_load_n(&sh->timed_last_at, __ATOMIC_RELAXED);
