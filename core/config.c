@@ -33,6 +33,7 @@ void kvr_config_init(struct kvr_config *cfg)
 	cfg->shard_idle_spin_ns = KVR_DEFAULT_SHARD_IDLE_SPIN_NS;
 	cfg->booking_lazy_ns = KVR_DEFAULT_BOOKING_LAZY_NS;
 	cfg->events_max_blocks = KVR_DEFAULT_EVENTS_MAX_BLOCKS;
+	cfg->free_order = KVR_FREE_FRESH_FIRST;
 }
 
 static int finite_nonneg(double v)
@@ -77,6 +78,11 @@ int kvr_config_check(const struct kvr_config *cfg, const char *fn)
 	if (cfg->lease_scan_interval_ns == 0)
 		return kvr_fail(KVR_EINVAL,
 		                "%s: config.lease_scan_interval_ns is 0; it must be >= 1", fn);
+	if (cfg->free_order != KVR_FREE_FRESH_FIRST && cfg->free_order != KVR_FREE_TAIL_FIRST)
+		return kvr_fail(KVR_EINVAL,
+		                "%s: config.free_order %d is not KVR_FREE_FRESH_FIRST or "
+		                "KVR_FREE_TAIL_FIRST",
+		                fn, (int)cfg->free_order);
 	if (cfg->queue_policy != KVR_QUEUE_FCFS && cfg->queue_policy != KVR_QUEUE_WSPT)
 		return kvr_fail(
 		    KVR_EINVAL,

@@ -179,6 +179,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .block_size = cfg->block_size,
 	    .max_ranks = cfg->max_ranks,
 	    .mode = cfg->mode,
+	    .free_order = cfg->free_order,
 	    .ttl_ns = cfg->ttl_ns,
 	    .lease_scan_interval_ns = cfg->lease_scan_interval_ns,
 	    .expected_prefill_ns = cfg->expected_prefill_ns,

@@ -125,6 +125,7 @@ struct kvr_owner_ctx {
 	uint32_t block_size;
 	uint32_t max_ranks;
 	enum kvr_mode mode;
+	enum kvr_free_order free_order; /* approx_lru: keep_private (shards/lru.c) if TAIL_FIRST */
 	uint64_t ttl_ns;
 	uint64_t lease_scan_interval_ns;
 	uint64_t expected_prefill_ns;

@@ -399,7 +399,9 @@ int kvr_owner_rank_create(struct kvr_shard *sh, void *arg)
 		rc = kvr_rank_state_create(c->ttl_ns, KVR_TTL_BUCKET_NS, &own->rs);
 		if (rc)
 			goto fail;
-		kvr_rank_state_set_keep_private(own->rs, true); /* as vLLM's free queue */
+		/* A 2025 vLLM queues a released partial block behind older cached ones; a current
+		 * one reuses it first, as a free slot (kvrouter.h, kvr_free_order). */
+		kvr_rank_state_set_keep_private(own->rs, c->free_order == KVR_FREE_TAIL_FIRST);
 		rc = kvr_rank_state_set_capacity(own->rs, a->incarnation,
 		                                 initial_capacity(c, a->capacity), &ss->out);
 		if (rc)

@@ -74,6 +74,9 @@ static void usage(FILE *f)
 	    "  --max-batched-tokens N engine token budget per step (default 8192)\n"
 	    "  --step-base-ms X       engine step time a (default 5 ms)\n"
 	    "  --step-per-token-us X  engine step time b per token (default 50 us)\n"
+	    "  --free-order O         where an engine queues a freed block without a hash, as\n"
+	    "                         the router is told (kvr_config.free_order): fresh-first\n"
+	    "                         (vLLM 2026, default) or tail-first (vLLM 2025)\n"
 	    "  --step-per-kv-block-us X engine step time c per KV block its attention reads\n"
 	    "                         (default 0; ~0.6 for an 8B model on an H100)\n"
 	    "  --sample-every N       approx_lru agreement sample every N requests (default "
@@ -204,7 +207,8 @@ int main(int argc, char **argv)
 		O_JOBS,
 		O_LABEL,
 		O_ROUTERS,
-		O_NOSYNC
+		O_NOSYNC,
+		O_FREE_ORDER
 	};
 	uint32_t routers = 1;
 	bool nosync = false;
@@ -229,6 +233,7 @@ int main(int argc, char **argv)
 	    {"step-base-ms", required_argument, 0, O_BASE},
 	    {"step-per-token-us", required_argument, 0, O_PER_TOK},
 	    {"step-per-kv-block-us", required_argument, 0, O_PER_KV},
+	    {"free-order", required_argument, 0, O_FREE_ORDER},
 	    {"sample-every", required_argument, 0, O_SAMPLE},
 	    {"serial", no_argument, 0, O_SERIAL},
 	    {"path-runs", no_argument, 0, O_PATHRUNS},
@@ -309,6 +314,11 @@ int main(int argc, char **argv)
 		case O_PER_KV:
 			bad = parse_double(optarg, &d);
 			cfg.step_per_kv_block_ns = d * 1e3;
+			break;
+		case O_FREE_ORDER:
+			bad =
+			    strcmp(optarg, "fresh-first") != 0 && strcmp(optarg, "tail-first") != 0;
+			cfg.free_tail_first = strcmp(optarg, "tail-first") == 0;
 			break;
 		case O_SAMPLE:
 			bad = parse_u32(optarg, &cfg.sample_every);
@@ -529,8 +539,9 @@ int main(int argc, char **argv)
 		       cfg.max_batched_tokens, cfg.step_base_ns / 1e6, cfg.step_per_token_ns / 1e3);
 		if (cfg.step_per_kv_block_ns > 0)
 			printf(" + %.2f us/KV block read", cfg.step_per_kv_block_ns / 1e3);
-		printf("; time scale %g; seed %llu\n", cfg.time_scale,
-		       (unsigned long long)cfg.seed);
+		printf("; free order %s; time scale %g; seed %llu\n",
+		       cfg.free_tail_first ? "tail-first (vLLM 2025)" : "fresh-first (vLLM 2026)",
+		       cfg.time_scale, (unsigned long long)cfg.seed);
 		if (!isnan(cfg.overlap_credit) || !isnan(cfg.prefill_load_scale) ||
 		    !isnan(cfg.temperature) || !isnan(cfg.ttl_s) || !isnan(cfg.queue_threshold) ||
 		    cfg.capacity_factor != 1)

@@ -156,6 +156,20 @@ enum kvr_queue_policy {
 	KVR_QUEUE_WSPT = 1  /* weighted shortest processing time: fewest uncached tokens first */
 };
 
+/* Where the engine puts a finished request's blocks in its free queue (whose head is reused
+ * first, evicting the prefix it held), which approx_lru mirrors to predict what goes next.  The
+ * two differ only for blocks without a hash (a request's partial last block). */
+enum kvr_free_order {
+	/* vLLM's v1 block pool since its 2026 releases (BlockPool.free_blocks, "fresh blocks go to
+	 * front"): blocks without a hash go to the queue's front and are reused first, evicting
+	 * nothing; cached blocks go to the back, the request's deepest first.  Default. */
+	KVR_FREE_FRESH_FIRST = 0,
+	/* vLLM's v1 block pool of 2025: every freed block appended, the request's deepest first,
+	 * so its partial last block holds a slot until the cached blocks ahead of it are evicted
+	 * (the router's only behaviour before this setting). */
+	KVR_FREE_TAIL_FIRST = 1
+};
+
 /* The router's clock: monotonic nanoseconds.  Replace it for virtual time. */
 typedef uint64_t (*kvr_clock_fn)(void *ctx);
 
@@ -355,6 +369,11 @@ struct kvr_config {
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
 	                     uint64_t got);
 	void *callback_ctx;
+	/* approx_lru: the engine's free-queue order (enum kvr_free_order).  Default
+	 * KVR_FREE_FRESH_FIRST (current vLLM); KVR_FREE_TAIL_FIRST for a vLLM of 2025.  With the
+	 * wrong one, predictions still hold while the ranks have room, and drift under eviction
+	 * (kvr-replay --free-order measures by how much).  Other values: KVR_EINVAL. */
+	enum kvr_free_order free_order;
 };
 
 /* Fills *cfg with the documented defaults.  NULL is a no-op. */

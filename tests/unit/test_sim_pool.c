@@ -231,11 +231,15 @@ static void check_same(const struct sim_pool *p, const struct ref *m, uint64_t s
 		cr_assert_eq(sim_pool_block(p, i)->ref, m->ref[i]);
 }
 
-Test(sim_pool, differential_against_reference_model)
+/* Both free orders (kvrouter.h, enum kvr_free_order): in fresh-first (vLLM's 2026
+ * free_blocks), a release puts its blocks without a hash at the queue's head, deepest first
+ * (prepend_n of the reversed list), and appends the rest; in tail-first all are appended. */
+static void differential(bool tail_first)
 {
 	for (uint64_t seed = 1; seed <= 40; seed++) {
 		uint64_t s = seed * 0x9e3779b97f4a7c15ULL;
 		struct sim_pool *p = mk(RN);
+		sim_pool_set_tail_first(p, tail_first);
 		struct ref m = {.qn = RN};
 		for (uint32_t i = 0; i < RN; i++)
 			m.q[i] = i;
@@ -304,16 +308,71 @@ Test(sim_pool, differential_against_reference_model)
 				}
 				break;
 			}
-			case 3: /* release a request, tail first */
+			case 3: { /* release a request, tail first */
 				sim_pool_release(p, h->ids, h->n);
-				for (size_t i = h->n; i-- > 0;)
-					if (--m.ref[h->ids[i]] == 0)
-						m.q[m.qn++] = h->ids[i];
+				uint32_t fresh[64];
+				size_t nf = 0;
+				for (size_t i = h->n; i-- > 0;) {
+					uint32_t id = h->ids[i];
+					if (--m.ref[id] != 0)
+						continue;
+					if (!tail_first && !m.hashed[id])
+						fresh[nf++] = id;
+					else
+						m.q[m.qn++] = id;
+				}
+				memmove(&m.q[nf], m.q, m.qn * sizeof(m.q[0]));
+				memcpy(m.q, fresh, nf * sizeof(m.q[0]));
+				m.qn += nf;
 				h->n = 0;
 				break;
 			}
+			}
 			check_same(p, &m, seed, op);
 		}
+		sim_pool_destroy(p);
+	}
+}
+
+Test(sim_pool, differential_against_reference_model_fresh_first)
+{
+	differential(false);
+}
+
+Test(sim_pool, differential_against_reference_model_tail_first)
+{
+	differential(true);
+}
+
+/* Fresh-first (the default): a released block without a hash is reused before any cached
+ * one is evicted; tail-first, it waits behind the cached blocks freed before it. */
+Test(sim_pool, a_released_block_without_a_hash_is_reused_first)
+{
+	for (int tf = 0; tf < 2; tf++) {
+		struct sim_pool *p = mk(4);
+		sim_pool_set_tail_first(p, tf);
+		uint32_t a[2], b[2];
+		cr_assert_eq(sim_pool_alloc(p, 2, a, NULL, NULL), 0);
+		cr_assert(sim_pool_cache_block(p, a[0], 100, 200)); /* a[1]: partial, no hash */
+		sim_pool_release(p, a, 2);
+		cr_assert_eq(sim_pool_alloc(p, 2, b, NULL, NULL), 0);
+		cr_assert(sim_pool_cache_block(p, b[0], 101, 201)); /* b[1]: partial */
+		sim_pool_release(p, b, 2);
+		/* Two blocks for a third request: fresh-first takes the two partial ones, and both
+		 * cached blocks stay; tail-first takes the queue's head, a[1] then a[0], evicting
+		 * the first request's cached block. */
+		uint32_t c[2];
+		struct sim_evicted ev[2];
+		size_t ne = 0;
+		cr_assert_eq(sim_pool_alloc(p, 2, c, ev, &ne), 0);
+		if (!tf) {
+			cr_assert_eq(ne, 0, "fresh-first evicted %zu cached blocks", ne);
+			cr_assert_neq(sim_pool_lookup(p, 100), SIM_NO_BLOCK);
+		} else {
+			cr_assert_eq(ne, 1);
+			cr_assert_eq(ev[0].seq, 100);
+		}
+		cr_assert_neq(sim_pool_lookup(p, 101), SIM_NO_BLOCK);
 		sim_pool_destroy(p);
 	}
 }

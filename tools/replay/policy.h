@@ -40,6 +40,7 @@ struct replay_env {
 	/* Router settings (replay_config's; NAN = the router's default). */
 	double overlap_credit, temperature, ttl_s, queue_threshold, capacity_factor;
 	double prefill_load_scale;
+	bool free_tail_first; /* the engines' free order (replay_config) */
 	/* The simulator's virtual clock, ns. */
 	uint64_t (*now_ns)(void *ctx);
 	void *clock_ctx;

@@ -230,6 +230,7 @@ static int rp_create(const struct replay_env *env, enum kvr_mode mode, void **st
 	c.block_size = env->block_size;
 	c.n_shards = 1;
 	c.mode = mode;
+	c.free_order = env->free_tail_first ? KVR_FREE_TAIL_FIRST : KVR_FREE_FRESH_FIRST;
 	c.seed = env->seed;
 	p->vnow = env->now_ns(env->clock_ctx);
 	c.now_ns = rp_clock;

@@ -614,6 +614,7 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	scfg.engine.step_per_token_ns = cfg->step_per_token_ns;
 	scfg.engine.step_per_kv_block_ns = cfg->step_per_kv_block_ns;
 	scfg.engine.dedup_events = ops->wants_events;
+	scfg.engine.free_tail_first = cfg->free_tail_first;
 	scfg.engine.seed = cfg->seed;
 	struct sim_callbacks cb = {.ctx = &run,
 	                           .kv_event = on_kv_event,
@@ -647,7 +648,8 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	                         .ttl_s = cfg->ttl_s,
 	                         .queue_threshold = cfg->queue_threshold,
 	                         .prefill_load_scale = cfg->prefill_load_scale,
-	                         .capacity_factor = cfg->capacity_factor};
+	                         .capacity_factor = cfg->capacity_factor,
+	                         .free_tail_first = cfg->free_tail_first};
 	run.t = t;
 	run.cpu_ns = cpu_ns;
 	rc = ops->create(&env, &run.ps);

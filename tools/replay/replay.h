@@ -53,6 +53,9 @@ struct replay_config {
 	 * queue_threshold > 0 lets the router hold requests back while every rank is saturated:
 	 * the replay submits a queued request when the router admits it (on_admit). */
 	double overlap_credit, temperature, ttl_s, queue_threshold, prefill_load_scale;
+	/* --free-order tail-first: the engines free as vLLM's 2025 block pool did, and the router
+	 * is told so (kvr_config.free_order); default false, both as vLLM's 2026 one. */
+	bool free_tail_first;
 	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
 	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
 	double capacity_factor;

@@ -257,6 +257,25 @@ for f, n in (("db", 4), ("s3", 1036), ("s12", 515)):
     q = json.load(open("%s/%s.json" % (sys.argv[1], f)))["policies"][0]["prediction"]
     assert q["requests"] == n and q["exact_share"] == 1.0, (f, q)
 PY
+# The free order of vLLM's 2025 block pool (--free-order tail-first: engines and router alike)
+# is predicted exactly too, under the same eviction (the default is 2026's, fresh-first).
+"$bin" --no-timing --quiet --policies approx_lru --seed 3 --max-requests 1036 \
+	--free-order tail-first --out "$tmp/t3.json" "$sample" || fail "tail-first replay"
+"$bin" --no-timing --quiet --policies approx_lru --seed 12 --max-requests 515 \
+	--blocks-per-rank 19718 --free-order tail-first --out "$tmp/t12.json" "$sample" ||
+	fail "tail-first replay under eviction"
+python3 - "$tmp" <<'PY' || fail "a free order was not predicted exactly"
+import json, sys
+p = {f: json.load(open("%s/%s.json" % (sys.argv[1], f)))["policies"][0] for f in ("t3", "t12", "s12")}
+for f, q in p.items():
+    assert q["prediction"]["exact_share"] == 1.0, (f, q["prediction"])
+# Under eviction the two orders are two different caches (s12 is fresh-first, the default).
+assert p["t12"]["evicted_blocks"] != p["s12"]["evicted_blocks"], p["t12"]["evicted_blocks"]
+PY
+if "$bin" --quiet --free-order lifo "$sample" 2>"$tmp/fo.err"; then
+	fail "--free-order lifo accepted"
+fi
+grep -q "bad value for --free-order" "$tmp/fo.err" || fail "--free-order lifo: $(cat "$tmp/fo.err")"
 # Whole decimal numbers: a leading space let strtoull wrap " -1" to 2^64 - 1 (--max-requests
 # " -1" replayed everything, --seed " -1" ran seed 2^64 - 1, which the JSON printed as -1), and
 # base 0 read --ranks 010 as 8 ranks.

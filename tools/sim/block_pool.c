@@ -18,8 +18,10 @@
  * Modelled from vLLM: initial queue in block-id order; popleft for allocation; eviction of
  * the hash at pop time with one BlockRemoved per physical copy (the caller emits it; we report
  * whether it was the last copy, so a consumer can choose per-copy or per-hash semantics);
- * touch on hit; free in reverse request order, appended at the tail; several copies per hash;
- * reset only when nothing is held.
+ * touch on hit; free in reverse request order, the blocks with a hash appended at the tail and,
+ * in fresh-first order (vLLM's 2026 free_blocks, the default), those without one put at the
+ * head, reused first (in tail-first order, vLLM's of 2025, appended with the rest); several copies
+ * per hash; reset only when nothing is held.
  * Simplified: no null block (vLLM reserves block 0 as a placeholder for sliding-window and
  * skipped slots; full attention never uses it, so the pool here has all n blocks usable); one
  * KV cache group; no eviction-by-id (KV connectors), no metrics collector.
@@ -49,6 +51,7 @@ struct sim_pool {
 	uint32_t n_blocks;
 	uint32_t n_free;
 	uint32_t q_head, q_tail; /* free queue ends */
+	bool tail_first;         /* a release appends its unhashed blocks too (vLLM of 2025) */
 	struct slot *map;
 	size_t map_mask;
 	size_t n_keys;
@@ -103,6 +106,21 @@ static void queue_push_tail(struct sim_pool *p, uint32_t id)
 	else
 		p->q_head = id;
 	p->q_tail = id;
+	b->queued = true;
+	p->n_free++;
+}
+
+static void queue_push_head(struct sim_pool *p, uint32_t id)
+{
+	struct sim_block *b = &p->blocks[id];
+	assert(!b->queued);
+	b->next = p->q_head;
+	b->prev = NIL;
+	if (p->q_head != NIL)
+		p->blocks[p->q_head].prev = id;
+	else
+		p->q_tail = id;
+	p->q_head = id;
 	b->queued = true;
 	p->n_free++;
 }
@@ -295,12 +313,30 @@ bool sim_pool_cache_block(struct sim_pool *p, uint32_t id, uint64_t seq, uint64_
 
 void sim_pool_release(struct sim_pool *p, const uint32_t *blocks, size_t n)
 {
+	/* vLLM's prepend_n puts the fresh blocks at the head in the order freed: pushed at the head
+	 * in the opposite order (which of them goes first matters to nothing: none holds a hash).
+	 */
+	for (size_t k = 0; k < n; k++) {
+		struct sim_block *b = &p->blocks[blocks[k]];
+		assert(b->ref > 0);
+		if (!p->tail_first && b->ref == 1 && !b->hashed) {
+			b->ref = 0;
+			queue_push_head(p, blocks[k]);
+		}
+	}
 	for (size_t k = n; k-- > 0;) {
 		struct sim_block *b = &p->blocks[blocks[k]];
+		if (b->queued)
+			continue; /* a fresh one, at the head already */
 		assert(b->ref > 0);
 		if (--b->ref == 0)
 			queue_push_tail(p, blocks[k]);
 	}
+}
+
+void sim_pool_set_tail_first(struct sim_pool *p, bool on)
+{
+	p->tail_first = on;
 }
 
 int sim_pool_reset(struct sim_pool *p)

@@ -102,9 +102,15 @@ bool sim_pool_cache_block(struct sim_pool *p, uint32_t id, uint64_t seq, uint64_
 /*
  * Releases one request's blocks (vLLM KVCacheManager.free): ref-- on each, in REVERSE order
  * (blocks[n-1] first), and those reaching 0 are appended to the free-queue tail in that order,
- * keeping their hashes (lazy eviction).  blocks is in the request's order (block 0 first).
+ * keeping their hashes (lazy eviction), except, in fresh-first order, those without a hash,
+ * which go to the head (sim_pool_set_tail_first).  blocks is in the request's order (block 0
+ * first); a block may appear once only.
  */
 void sim_pool_release(struct sim_pool *p, const uint32_t *blocks, size_t n);
+/* The free order of sim_pool_release (kvrouter.h, enum kvr_free_order): false (the default),
+ * vLLM's 2026 block pool, the blocks reaching ref 0 without a hash go to the queue's head,
+ * reused first; true, vLLM's of 2025, appended with the others. */
+void sim_pool_set_tail_first(struct sim_pool *p, bool on);
 
 /*
  * Drops every hash (vLLM reset_prefix_cache, the AllBlocksCleared event) if no block is held.

@@ -484,6 +484,8 @@ int sim_engine_create(const struct sim_engine_config *cfg, uint32_t rank,
 	e->t_next = UINT64_MAX;
 	size_t n = cfg->n_blocks;
 	int rc = sim_pool_create(cfg->n_blocks, &e->pool);
+	if (rc == 0)
+		sim_pool_set_tail_first(e->pool, cfg->free_tail_first);
 	e->running = kvr_alloc(cfg->max_num_seqs * sizeof(*e->running));
 	e->evicted = kvr_alloc(n * sizeof(*e->evicted));
 	e->ev_seq = kvr_alloc(n * sizeof(*e->ev_seq));

@@ -60,6 +60,10 @@ struct sim_engine_config {
 	 * only when its last copy goes, so a set-semantics consumer stays exact. */
 	bool dedup_events;
 	uint64_t seed; /* seeds the default output tokens.  Default 0x73696d. */
+	/* The free order (kvrouter.h, enum kvr_free_order): false (default) vLLM's 2026 block
+	 * pool, a freed block without a hash reused first; true vLLM's of 2025, queued behind the
+	 * older cached blocks (sim_pool_set_tail_first). */
+	bool free_tail_first;
 };
 
 /* The longest engine step a configuration may allow: an hour of virtual time. */
