@@ -136,6 +136,35 @@ static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint
 	}
 }
 
+/* A gap (expected..got-1, or batch got itself lost for memory) whose replay a destroy ended
+ * short of what it needed: not reported (on_event_gap, gaps), since the feed going away missed
+ * nothing of the publisher's; but the ranks report_gap would clear are cleared, silently.  The
+ * index holds them as of batch expected - 1, and the batches the replay did not bring may have
+ * removed blocks: with the feed gone no later event corrects that, and events mode has no TTL,
+ * so the router would credit the rank with those blocks until the embedder removed or cleared
+ * it.  Before, the rank was left as the replay had left it (test_feed_replay_stop
+ * a_heal_a_destroy_ends_leaves_no_removed_block).  The clears go to the shards as any of the
+ * feed's events do, and are applied before the feed's thread ends (kvr_feed_destroy from an
+ * ordinary thread returns after that; kvr_router_destroy stops the feed before the shards).
+ * Context: the feed's thread, a destroy waiting for it. */
+static void abandoned_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint64_t got,
+                          const struct kvr_feed_batch *b)
+{
+	kvr_feed_log(f, e, LK_GAP, KVR_LOG_INFO,
+	             "seq %" PRIu64 "..%" PRIu64
+	             " not replayed: the feed is being destroyed; rank cleared",
+	             expected, got);
+	/* The batch's rank too, as report_gap: one the router has and this feed never fed may
+	 * hold what an earlier feed of the same publisher applied. */
+	if (b || e->dp_rank != KVR_FEED_DP_FROM_BATCH) {
+		uint32_t dp = kvr_feed_dp_of(e, b), slot;
+		if (!kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot))
+			kvr_feed_rstate(e, dp);
+	}
+	for (uint32_t i = 0; i < e->n_rs; i++)
+		kvr_feed_clear_rank(f, e, &e->rs[i], got);
+}
+
 /* One batch (b NULL: its payload was malformed, or with oom could not be decoded for lack of
  * memory) with sequence number seq, from the live SUB socket or from a replay. */
 static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struct kvr_feed_batch *b,
@@ -179,21 +208,28 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 		return;
 	}
 	uint64_t expected = e->have_seq ? e->next_seq : 0;
+	bool dropped = false; /* a destroy ended the replay short of what it needed */
 	/* A gap, or this batch lost for memory: the replay brings it again (decoded anew). */
 	if ((seq > expected || oom) && !replayed && e->replay) {
 		/* The answer must bring every batch before this one, and this one too if it
 		 * could not be decoded. */
-		if (replay(f, e, expected, oom ? seq + 1 : seq, NULL) == ANS_DROP)
-			return; /* the feed is going away: no gap, nothing applied past it */
+		enum answer_end a = replay(f, e, expected, oom ? seq + 1 : seq, NULL);
 		if (e->have_seq && seq < e->next_seq)
 			return; /* the replay applied it */
 		expected = e->have_seq ? e->next_seq : 0;
+		/* A destroy waits: what the replay did not bring is no gap, but the ranks are
+		 * cleared (abandoned_gap).  One that brought everything before this batch left
+		 * nothing missed: the batch is applied as usual.  Before, it was dropped, and a
+		 * rank short of the batches never brought was left as it was. */
+		dropped = a == ANS_DROP && (seq > expected || oom);
 	}
-	if (seq > expected)
+	if (dropped)
+		abandoned_gap(f, e, expected, seq, b);
+	else if (seq > expected)
 		report_gap(f, e, expected, seq, b);
 	if (b)
 		kvr_feed_apply_batch(f, e, seq, b);
-	else if (oom) /* no replay brought it: reported and cleared as a gap of one batch */
+	else if (oom && !dropped) /* no replay brought it: reported and cleared as a gap of one */
 		kvr_feed_lost_batch(f, e, seq, NULL);
 	e->next_seq = seq + 1;
 	e->have_seq = true;
@@ -460,8 +496,9 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
  * buffer beginning later: reported, never asked for again.  Returns how the last answer ended:
  * ANS_END when its end marker came; ANS_DROP when a destroy waits for this thread (then the
  * caller reports no gap: the feed going away missed nothing of the publisher's, and before,
- * its abandoned replay was reported through on_event_gap and counted, the rank cleared:
- * test_feed_replay_stop); ANS_FAIL also when another replay is being read.  Context: the
+ * its abandoned replay was reported through on_event_gap and counted: test_feed_replay_stop;
+ * a rank the replay left short of what the publisher sent is cleared, unreported:
+ * abandoned_gap); ANS_FAIL also when another replay is being read.  Context: the
  * feed's thread. */
 static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
                               struct resync *rs)
@@ -542,7 +579,21 @@ void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	 * rank, rebuilt whole, cleared (test_feed_rank_gone,
 	 * ..._lacks_only_its_end_marker_is_whole). */
 	if (e->replay && replay(f, e, from, to, &rs) == ANS_DROP) {
-		kvr_feed_flush(f); /* the feed is going away: no hole reported for it */
+		/* The feed is going away: no hole reported for what the replay did not bring.  But
+		 * a rank rebuilt in part holds the blocks stored in the batches brought, without
+		 * the removals of those that were not, and no later event of this feed corrects
+		 * it: cleared (abandoned_gap).  Before, it was left half-rebuilt
+		 * (test_feed_replay_stop a_resync_a_destroy_ends_leaves_no_removed_block).  One
+		 * rebuilt whole, or not begun (empty since its clear above), is kept. */
+		struct rstate *t = kvr_feed_rstate(e, dp); /* found (it exists), never made */
+		if (rs.next < to && rs.held && t) {
+			kvr_feed_log(f, e, LK_GAP, KVR_LOG_INFO,
+			             "rank (%" PRIu64 ", %u): seq %" PRIu64 "..%" PRIu64
+			             " not replayed: the feed is being destroyed; rank cleared",
+			             e->worker_id, dp, rs.next, to);
+			kvr_feed_clear_rank(f, e, t, to);
+		}
+		kvr_feed_flush(f);
 		return;
 	}
 	if (rs.next < to)

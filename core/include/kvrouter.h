@@ -966,8 +966,13 @@ enum kvr_log_level { KVR_LOG_ERROR = 0, KVR_LOG_WARN = 1, KVR_LOG_INFO = 2 };
 struct kvr_feed_config {
 	/* Longest wait for one replay, ms; the feed thread serves nothing else meanwhile, but a
 	 * kvr_feed_destroy or kvr_router_destroy does not wait it out: the replay is given up at
-	 * once, and what it did not bring is no gap (not reported, no rank cleared: the feed going
-	 * away missed nothing of the publisher's).  Default 1000; >= 1. */
+	 * once, and what it did not bring is no gap (on_event_gap is not called, gaps not
+	 * counted: the feed going away missed nothing of the publisher's).  A rank the replay
+	 * leaves short of what the publisher had sent (a gap being healed, or a rank added late
+	 * being rebuilt, when some batch it needed did not come) is cleared all the same, as
+	 * after a gap: those batches may have removed blocks, and no later event of this feed
+	 * will say so; the rank refills from the next feed's events.  A rank the replay brought
+	 * up to date, or had not begun to rebuild, is kept as it is.  Default 1000; >= 1. */
 	uint32_t replay_timeout_ms;
 	/* Largest message accepted, bytes (ZMQ_MAXMSGSIZE).  Default 64 MiB; 1024..INT64_MAX. */
 	uint64_t max_msg_bytes;
@@ -1012,7 +1017,8 @@ struct kvr_feed_stats {
 	uint64_t unknown_rank;     /* batches for a rank the router does not have */
 	uint64_t unknown_events;   /* events of an unknown type (skipped) */
 	uint64_t duplicates;       /* batches dropped as already applied */
-	uint64_t gaps;             /* seq jumps not healed (on_event_gap called, rank cleared) */
+	uint64_t gaps;             /* seq jumps not healed (on_event_gap called, rank cleared;
+	                            * not those a destroy ended: see replay_timeout_ms) */
 	uint64_t replays;          /* replay requests answered (up to their end marker) */
 	uint64_t replayed_batches; /* batches applied from replays */
 	uint64_t restarts;         /* publisher restarts (seq went backwards) */
@@ -1132,7 +1138,9 @@ KVR_API int kvr_feed_other_medium_blocks(struct kvr_feed *f, uint32_t id, uint32
  * running returned otherwise) and tears down as above.  Until then f's log may still be running
  * or be called: keep its log_ctx valid until kvr_router_destroy returned.  f must not be used
  * after the call in every case; kvr_router_destroy, which may follow at once (from another
- * thread), waits for such teardowns. */
+ * thread), waits for such teardowns.  A replay in progress is given up, unreported, and a rank
+ * it leaves short of what its publisher sent is cleared (see replay_timeout_ms): from an
+ * ordinary thread, by the time the call returns; otherwise by the end of the teardown. */
 KVR_API void kvr_feed_destroy(struct kvr_feed *f);
 /* ---------------------------------------------------------------- replica sync (NATS) */
 /*
