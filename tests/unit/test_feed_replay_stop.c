@@ -390,3 +390,30 @@ Test(feed_replay_stop, a_resync_a_destroy_ends_leaves_no_removed_block, .timeout
 			kvr_fenc_fini(&enc[i]);
 	}
 }
+
+/* The same resync whose answer brought seq 0..2 before the destroy: rebuilt whole, kept. */
+Test(feed_replay_stop, a_resync_that_brought_everything_keeps_the_rank, .timeout = 60)
+{
+	gaps = 0;
+	struct test_replayer t;
+	test_replayer_open(&t, on_gap, 20000, log_destroys);
+	struct kvr_fenc enc[3];
+	batch(&enc[0], true, A, 2);
+	batch(&enc[1], false, A, 2);
+	batch(&enc[2], true, B, 3);
+	for (uint64_t s = 0; s < 3; s++)
+		send_batch(&t, s, &enc[s]);
+	test_replayer_feed_at(&t, 3);
+	cr_assert_eq(kvr_rank_add(t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	expect_ask(&t, 0);
+	struct ending x = arm(&t, 1);
+	for (uint64_t s = 0; s < 3; s++)
+		answer_batch(&t, s, &enc[s]);
+	destroy_mid_replay(&t, x, 0);
+	cr_expect(!holds(t.r, A[0]), "A was removed by seq 1");
+	cr_expect(holds(t.r, B[0]) && holds(t.r, B[2]), "the rebuilt rank is kept");
+	cr_expect_eq(__atomic_load_n(&gaps, __ATOMIC_RELAXED), 0, "no gap reported");
+	close_replayer(&t);
+	for (int i = 0; i < 3; i++)
+		kvr_fenc_fini(&enc[i]);
+}
