@@ -1495,6 +1495,9 @@ int kvr_route_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns,
 int kvr_queue_wait(struct kvr_router *r, uint64_t ticket, uint64_t deadline_ns, bool late,
                    struct kvr_decision *d)
 {
+	/* Its own, for kvr_route's wait: the condition wait below is a cancellation point, and a
+	 * thread cancelled there ended holding the queue's lock (test_cancel hung). */
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	struct kvr_queue *q = r->queue;
 	pthread_mutex_lock(&q->lock);
 	struct qentry *e = find(q, ticket);
