@@ -28,7 +28,7 @@ refused() {
 }
 
 for b in bench_feed bench_flood bench_footprint bench_hash bench_hashstage bench_index \
-	bench_index_runs bench_lanes bench_lru bench_queue bench_route bench_sync soak; do
+	bench_index_runs bench_lanes bench_lru bench_queue bench_route bench_sync soak soak_router; do
 	refused $b --bogus --bogus 1
 	refused $b -x -x
 done
@@ -69,6 +69,7 @@ refused bench_sync --tokens --tokens 0x10
 refused bench_sync --seconds --seconds nan
 refused soak --threads --threads 0
 refused soak --rate --rate -5
+refused soak_router --routes --routes 0
 
 # A valid line still runs (the shortest there is).
 "$dir/bench_hash" --ms 1 --block-size 16 >"$out" 2>&1 || fail "bench_hash --ms 1: $(cat "$out")"
