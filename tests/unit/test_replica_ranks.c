@@ -919,3 +919,105 @@ Test(replica_ranks, a_judged_rank_already_gone_is_not_counted, .timeout = 60)
 	cr_assert_eq(a.rank_stale, b.rank_stale + 1, "the judged removal not counted");
 	bus_teardown(r, 1);
 }
+
+/* Own live records of replica i (attempts it routed and has not seen end), and the records of
+ * every kind in its attempt map (own and mirrored). */
+static size_t own_live(int i, size_t *in_map)
+{
+	struct kvr_replica *rep = bus.rep[i];
+	size_t n = 0;
+	pthread_mutex_lock(&rep->mu);
+	for (const struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
+		n += x->origin == rep->c.replica_id;
+	*in_map = rep->map_n;
+	pthread_mutex_unlock(&rep->mu);
+	return n;
+}
+
+/* A rank removed (or reset) with attempts live on it ends them (KVR_ESTALE from then on), with
+ * no lifecycle call and no lease expiry to tell the replica: their records stayed in its
+ * attempt map and live list (blocks, tail and output arrays) until the replica went, and were
+ * told to every joiner in its snapshots.  A frontend whose workers come and go for weeks, each
+ * leaving with requests in flight, grew the replica by every such attempt
+ * (perf/soak_router --phases ranks,replica: +1.3 KB a cycle).  Each lap here routes attempts
+ * onto a rank, removes the rank (or resets it) and adds it back: no record may stay. */
+Test(replica_ranks, attempts_ended_by_a_rank_removal_or_reset_leave_no_record, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t inc = 7;
+	for (uint32_t lap = 0; lap < 40; lap++) {
+		struct kvr_request q;
+		uint32_t t[64];
+		for (uint32_t k = 0; k < 4; k++) {
+			for (int j = 0; j < 64; j++)
+				t[j] = (lap * 4 + k) * 1000003u + (uint32_t)j;
+			kvr_request_init(&q);
+			q.tokens = t;
+			q.n_tokens = 64;
+			q.pinned = &rk;
+			struct kvr_decision d;
+			cr_assert_eq(kvr_route(r[0], &q, &d), 0);
+			cr_assert_eq(d.status, KVR_DECIDED);
+		}
+		if (lap % 2) {
+			cr_assert_eq(kvr_rank_reset(r[0], rk, ++inc), 0);
+		} else {
+			cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+			cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
+		}
+	}
+	bus_quiet(r, 2);
+	/* The records go at a heartbeat (every 50 ms here): 2 s at most. */
+	size_t map0 = 0, map1 = 0, own = 0;
+	struct kvr_sync_stats st;
+	for (int k = 0; k < 200; k++) {
+		own = own_live(0, &map0);
+		(void)own_live(1, &map1);
+		kvr_replica_get_stats(bus.rep[1], &st);
+		if (!own && !map0 && !map1 && !st.mirrored)
+			break;
+		nanosleep(&(struct timespec){0, 10000000}, NULL);
+	}
+	cr_expect_eq(own, 0, "%zu records of attempts whose rank went stayed live", own);
+	cr_expect_eq(map0, 0, "the origin's attempt map kept %zu records", map0);
+	cr_expect_eq(st.mirrored, 0, "the peer mirrors %u attempts whose rank went",
+	             (unsigned)st.mirrored);
+	cr_expect_eq(map1, 0, "the peer's attempt map kept %zu records", map1);
+	/* Only the attempts that ended go: two routed on the rank's new life, right after its
+	 * removal and re-add (before or after the heartbeat that sweeps the rank), stay mirrored
+	 * until they finish. */
+	uint64_t a[2];
+	uint32_t t[64];
+	for (uint32_t k = 0; k < 2; k++) {
+		for (int j = 0; j < 64; j++)
+			t[j] = (9000 + k) * 1000003u + (uint32_t)j;
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 64;
+		q.pinned = &rk;
+		struct kvr_decision d;
+		if (k == 0) {
+			cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+			cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
+		}
+		cr_assert_eq(kvr_route(r[0], &q, &d), 0);
+		a[k] = d.attempt;
+	}
+	bus_quiet(r, 2);
+	nanosleep(&(struct timespec){0, 200000000}, NULL); /* 4 heartbeats */
+	own = own_live(0, &map0);
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_expect_eq(own, 2, "%zu of the new life's 2 attempts left", own);
+	cr_expect_eq(st.mirrored, 2, "the peer mirrors %u of the new life's 2 attempts",
+	             (unsigned)st.mirrored);
+	for (int k = 0; k < 2; k++)
+		cr_assert_eq(kvr_request_finish(r[0], a[k]), 0);
+	bus_quiet(r, 2);
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_expect_eq(own_live(0, &map0), 0);
+	cr_expect_eq(st.mirrored, 0);
+	bus_teardown(r, 2);
+}
