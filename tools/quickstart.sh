@@ -78,15 +78,8 @@ run)
 	echo "== Verdict"
 	grep -h '^verdict' "$out/mooncake.txt" "$out/sessions.txt"
 	for t in mooncake sessions; do
-		# approx_lru minus approx_ttl hit rate at each capacity (CSV: blocks,policy,...,hit_rate)
-		awk -F, -v t="$t" 'NR > 1 && !($1 in seen) { seen[$1] = 1; cap[++n] = $1 }
-			NR > 1 { hit[$1, $2] = 100 * $5 }
-			END { printf "verdict [%s, capacity sweep]: hit rate approx_lru vs approx_ttl (events):", t
-				for (i = 1; i <= n; i++) {
-					c = cap[i]; d = hit[c, "approx_lru"] - hit[c, "approx_ttl"]
-					printf "%s %s blocks %.1f vs %.1f %% (%.1f), LRU %s%.1f points", (i > 1 ? ";" : ""), c, hit[c, "approx_lru"], hit[c, "approx_ttl"], hit[c, "events"], (d >= 0 ? "+" : ""), d
-				}
-				printf "\n" }' "$out/capacity-$t.csv"
+		# approx_lru minus approx_ttl block hit rate at each capacity (a failed replay: "failed")
+		awk -F, -v t="$t" -f tools/replay/capacity_verdict.awk "$out/capacity-$t.csv"
 	done
 	echo
 	echo "Charts (PNG): $out/mooncake/ and $out/sessions/ (summary, hit_rate, ttft_cdf),"

@@ -77,6 +77,30 @@ gain = 100 * (pol["approx_lru"]["cached_token_share"] -
 assert ("pays off" in v[4]) == (gain >= 5), (v[4], gain)
 PY
 
+# tools/quickstart.sh's capacity-sweep line reads the CSV's columns by their header names, and a
+# failed replay (status error, its hit_rate empty) prints "failed", not 0.0.
+"$bin" --max-requests 60 --quiet --policies events,approx_lru,approx_ttl --sweep blocks=3000,6000 \
+	--csv "$tmp/cap.csv" "$sample" || fail "capacity sweep"
+awk -F, -v t=x -f "$root/tools/replay/capacity_verdict.awk" "$tmp/cap.csv" >"$tmp/cap.txt" ||
+	fail "capacity_verdict.awk"
+python3 - "$tmp/cap.csv" "$tmp/cap.txt" <<'PY' || fail "capacity_verdict.awk: figures"
+import csv, sys
+rows = {(r["blocks"], r["policy"]): r for r in csv.DictReader(open(sys.argv[1]))}
+line = open(sys.argv[2]).read()
+for c in ("3000", "6000"):
+    h = {p: 100 * float(rows[c, p]["hit_rate"]) for p in ("events", "approx_lru", "approx_ttl")}
+    d = h["approx_lru"] - h["approx_ttl"]
+    want = "%s blocks %.1f vs %.1f %% (%.1f), LRU %s%.1f points" % (
+        c, h["approx_lru"], h["approx_ttl"], h["events"], "+" if d >= 0 else "", d)
+    assert want in line, (want, line)
+PY
+sed 's/^\(3000,approx_ttl\),ok,\([0-9]*\),[^,]*,/\1,error,\2,,/' "$tmp/cap.csv" >"$tmp/caperr.csv"
+grep -q '^3000,approx_ttl,error,3000,,' "$tmp/caperr.csv" || fail "could not make a failed row"
+awk -F, -v t=x -f "$root/tools/replay/capacity_verdict.awk" "$tmp/caperr.csv" >"$tmp/caperr.txt" ||
+	fail "capacity_verdict.awk on a failed row"
+grep -q '3000 blocks [0-9.]* vs failed % ([0-9.]*), LRU n/a points' "$tmp/caperr.txt" ||
+	fail "a failed replay read as a figure: $(cat "$tmp/caperr.txt")"
+
 # --sweep: bad input is refused with a message naming the problem, exit 2.
 bad_sweep() {
 	if "$bin" --quiet --sweep "$1" "$sample" 2>"$tmp/serr"; then
