@@ -485,3 +485,48 @@ Test(replay, sweep_range_error_names_both_bounds)
 	cr_assert(strstr(err, "(>= 0 and <= 0.99)"), "%s", err);
 	cr_assert_eq(sweep_parse(&s, "ttl=30,60", err, sizeof(err)), 0);
 }
+
+/* The verdict's text for results res[0..n), as one string (freed by the
+ * caller). */
+static char *verdict_of(const struct replay_result *res, size_t n)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *f = open_memstream(&buf, &len);
+	cr_assert_not_null(f);
+	replay_report_verdict(f, res, n, "t");
+	fclose(f);
+	return buf;
+}
+
+static void fake(struct replay_result *r, const char *name, bool predicts, uint64_t hit, double p50,
+                 double p99)
+{
+	memset(r, 0, sizeof(*r));
+	snprintf(r->policy, sizeof(r->policy), "%s", name);
+	r->predicts = predicts;
+	r->prompt_tokens = 1000;
+	r->hit_tokens = hit;
+	r->ttft_p50_ms = p50;
+	r->ttft_p99_ms = p99;
+}
+
+/* TTFTs 1 % apart (approx_lru vs least_loaded p99 on the Mooncake sample read "1.01x faster" at
+ * seed 1, "1.01x slower" at seed 2): "about the same", the ratio kept; 10 % apart: a
+ * direction.  Before, anything past 0.5 % was "faster" or "slower". */
+Test(replay, verdict_calls_a_ttft_within_noise_the_same)
+{
+	struct replay_result r[3];
+	fake(&r[0], "approx_lru", true, 100, 100.0, 1000.0);
+	fake(&r[1], "round_robin", false, 50, 110.0, 1010.0);
+	fake(&r[2], "least_loaded", false, 60, 99.0, 990.0);
+	char *v = verdict_of(r, 3);
+	cr_assert(strstr(v, "p50 100.0 ms vs 110.0 ms (1.10x faster)"), "%s", v);
+	cr_assert(
+	    strstr(v, "p99 1000.0 ms vs 1010.0 ms (about the same: 1.01x faster, within 3 %)"),
+	    "%s", v);
+	cr_assert(strstr(v, "p99 1000.0 ms vs 990.0 ms (about the same: 1.01x slower, within 3 %)"),
+	          "%s", v);
+	cr_assert(strstr(v, "p50 100.0 ms vs 99.0 ms (about the same: 1.01x slower"), "%s", v);
+	free(v);
+}

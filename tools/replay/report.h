@@ -23,6 +23,14 @@ struct replay_meta {
 	const struct replay_config *cfg;
 };
 
+/* The verdict's thresholds.  REPLAY_SAME_WITHIN: two TTFT percentiles closer than this (a
+ * ratio under 1.03) are "about the same".  round_robin and least_loaded do not depend on the
+ * seed; approx_lru does (its tie-breaks): on the Mooncake sample at 8 ranks x 25,600 blocks
+ * (tools/quickstart.sh's main job), seeds 1, 2 and 3 gave approx_lru TTFT p50 480.4, 470.1,
+ * 479.6 ms (2.2 % apart) and p99 4975.0, 5059.2, 4989.1 ms (1.7 % apart), so its p99 against
+ * least_loaded's 5011.5 ms read 1.01x faster, 1.01x slower, 1.00x.  3 % is above that spread. */
+#define REPLAY_SAME_WITHIN 0.03
+
 void replay_report_table(FILE *f, const struct replay_result *res, size_t n);
 
 /* The plumbing every writer of kvr-replay's files shares (this file's and tools/replay/sweep.c's);
@@ -54,7 +62,8 @@ int replay_report_plot(const char *dir, const struct replay_result *res, size_t 
                        const char *title, char *err, size_t errlen);
 /* The plain-words verdict, lines starting "verdict [label]: ": the share of prompt tokens
  * served from cache per policy (highest first), TTFT p50/p99 of approx_lru (else the first
- * predicting policy) against round_robin and least_loaded, its prediction exactness, and
+ * predicting policy) against round_robin and least_loaded (a direction claimed only past
+ * REPLAY_SAME_WITHIN, the ratio printed either way), its prediction exactness, and
  * whether cache-aware routing pays off (>= 5 points over the best cache-blind policy). */
 void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label);
 

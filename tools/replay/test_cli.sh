@@ -60,14 +60,23 @@ for name, x in share.items():
     want = "%.1f" % (100 * pol[name]["cached_token_share"])
     assert x == want, (name, x, want)
 for line, other in ((v[1], "round_robin"), (v[2], "least_loaded")):
-    m = re.search(r"with approx_lru vs (\w+): p50 ([0-9.]+) ms vs ([0-9.]+) ms .*p99 ([0-9.]+) ms "
-                  r"vs ([0-9.]+) ms", line)
+    m = re.search(r"with approx_lru vs (\w+): p50 ([0-9.]+) ms vs ([0-9.]+) ms \((.*)\), p99 "
+                  r"([0-9.]+) ms vs ([0-9.]+) ms \((.*)\)$", line)
     assert m and m.group(1) == other, line
     lru, o = pol["approx_lru"], pol[other]
-    got = [m.group(i) for i in range(2, 6)]
+    got = [m.group(i) for i in (2, 3, 5, 6)]
     want = ["%.1f" % x for x in (lru["ttft_p50_ms"], o["ttft_p50_ms"], lru["ttft_p99_ms"],
                                  o["ttft_p99_ms"])]
     assert got == want, (got, want)
+    # A direction only past 3 % (the spread between seeds); the ratio printed either way.
+    for said, k in ((m.group(4), "ttft_p50_ms"), (m.group(7), "ttft_p99_ms")):
+        a, b = lru[k], o[k]
+        r = max(a, b) / min(a, b)
+        way = "faster" if b >= a else "slower"
+        if r < 1.03:
+            assert said == "about the same: %.2fx %s, within 3 %%" % (r, way), (said, r)
+        else:
+            assert said == "%.2fx %s" % (r, way), (said, r)
 m = re.search(r"exactly for ([0-9.]+) % of requests \(mean error ([0-9.]+) blocks", v[3])
 p = pol["approx_lru"]["prediction"]
 assert m and m.group(1) == "%.1f" % (100 * p["exact_share"]), v[3]
