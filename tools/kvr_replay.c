@@ -662,9 +662,14 @@ int main(int argc, char **argv)
 			done++;
 		}
 	}
+	/* The trace's reuse ceiling, for the verdict's cause and the JSON: over every arrival, so
+	 * not with foreign traffic (the shares then count this router's requests alone). */
+	struct replay_ceiling ceil;
+	bool has_ceil =
+	    done && cfg.foreign_share == 0 && replay_reuse_ceiling(&t, &cfg, &ceil) == 0;
 	if (!quiet && done) {
 		replay_report_table(stdout, res, done);
-		replay_report_verdict(stdout, res, done, label);
+		replay_report_verdict(stdout, res, done, label, has_ceil ? &ceil : NULL);
 	}
 	/* Every trace (past the 64th they were left out of the JSON without a word). */
 	struct replay_meta meta = {.traces = (const char *const *)(argv + optind),
@@ -673,7 +678,8 @@ int main(int argc, char **argv)
 	                           .n_bad = t.n_bad,
 	                           .trace_block_size = t.block_size,
 	                           .blocks_why = chosen ? why : NULL,
-	                           .cfg = &cfg};
+	                           .cfg = &cfg,
+	                           .ceiling = has_ceil ? &ceil : NULL};
 	if (done && out && replay_report_json(out, &meta, res, done, timing, err, sizeof(err))) {
 		fprintf(stderr, "kvr-replay: %s\n", err);
 		status = 1;

@@ -462,6 +462,83 @@ static int drain_all(struct run *run, char *err, size_t errlen)
 	return 0;
 }
 
+/* The engine configuration replay_run gives every rank (ops: the policy, for its events). */
+static void engine_config(const struct replay_config *cfg, bool events,
+                          struct sim_cluster_config *scfg)
+{
+	sim_cluster_config_init(scfg);
+	scfg->n_ranks = cfg->n_ranks;
+	scfg->engine.n_blocks = cfg->blocks_per_rank;
+	scfg->engine.block_size = cfg->block_size;
+	scfg->engine.max_batched_tokens = cfg->max_batched_tokens;
+	scfg->engine.step_base_ns = cfg->step_base_ns;
+	scfg->engine.step_per_token_ns = cfg->step_per_token_ns;
+	scfg->engine.step_per_kv_block_ns = cfg->step_per_kv_block_ns;
+	scfg->engine.dedup_events = events;
+	scfg->engine.free_tail_first = cfg->free_tail_first;
+	scfg->engine.seed = cfg->seed;
+}
+
+int replay_reuse_ceiling(const struct trace *t, const struct replay_config *cfg,
+                         struct replay_ceiling *out)
+{
+	memset(out, 0, sizeof(*out));
+	struct sim_cluster_config scfg;
+	engine_config(cfg, false, &scfg);
+	uint32_t bs = cfg->block_size;
+	struct replay_chains seen = {0};
+	uint32_t *tok = NULL;
+	uint64_t *hl = NULL, *hs = NULL;
+	size_t tcap = 0, hcap = 0;
+	int rc = 0;
+	for (size_t i = 0; i < t->n && !rc; i++) {
+		const struct trace_req *tr = &t->reqs[i];
+		if (!sim_engine_fits(&scfg.engine, tr->input_len, tr->output_len))
+			continue;
+		size_t nb = tr->input_len / bs;
+		if (tr->input_len > tcap) {
+			uint32_t *a = realloc(tok, tr->input_len * sizeof(*a));
+			if (!a) {
+				rc = KVR_ENOMEM;
+				break;
+			}
+			tok = a;
+			tcap = tr->input_len;
+		}
+		if (nb > hcap) {
+			uint64_t *a = realloc(hl, nb * sizeof(*a)), *b;
+			if (a)
+				hl = a;
+			b = a ? realloc(hs, nb * sizeof(*b)) : NULL;
+			if (!b) {
+				rc = KVR_ENOMEM;
+				break;
+			}
+			hs = b;
+			hcap = nb;
+		}
+		trace_tokens(t, tr, tok);
+		if (nb)
+			kvr_hash_blocks(tok, tr->input_len, bs, NULL, hl, hs);
+		/* As the engine: at most (prompt - 1) / bs blocks hit, a prefix. */
+		size_t max_hit = (tr->input_len - 1) / bs, hit = 0;
+		while (hit < max_hit && hit < nb && replay_chains_get(&seen, hs[hit]))
+			hit++;
+		for (size_t b = 0; b < nb && !rc; b++)
+			rc = replay_chains_put(&seen, hs[b], 0, 0);
+		out->n_requests++;
+		out->prompt_tokens += tr->input_len;
+		out->hit_tokens += (uint64_t)hit * bs;
+		out->prompt_blocks += nb; /* full blocks, as the engine counts */
+		out->hit_blocks += hit;
+	}
+	replay_chains_free(&seen);
+	free(tok);
+	free(hl);
+	free(hs);
+	return rc;
+}
+
 void replay_config_init(struct replay_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
@@ -605,17 +682,7 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 	run.chains = (cfg->sample_every > 0 || cfg->serial) && ops->predict && ops->resident;
 
 	struct sim_cluster_config scfg;
-	sim_cluster_config_init(&scfg);
-	scfg.n_ranks = cfg->n_ranks;
-	scfg.engine.n_blocks = cfg->blocks_per_rank;
-	scfg.engine.block_size = cfg->block_size;
-	scfg.engine.max_batched_tokens = cfg->max_batched_tokens;
-	scfg.engine.step_base_ns = cfg->step_base_ns;
-	scfg.engine.step_per_token_ns = cfg->step_per_token_ns;
-	scfg.engine.step_per_kv_block_ns = cfg->step_per_kv_block_ns;
-	scfg.engine.dedup_events = ops->wants_events;
-	scfg.engine.free_tail_first = cfg->free_tail_first;
-	scfg.engine.seed = cfg->seed;
+	engine_config(cfg, ops->wants_events, &scfg);
 	struct sim_callbacks cb = {.ctx = &run,
 	                           .kv_event = on_kv_event,
 	                           .admitted = on_admitted,

@@ -172,6 +172,21 @@ bool replay_samples_agreement(const struct replay_policy_ops *ops, const struct 
 uint32_t replay_default_blocks(const struct trace *t, const struct replay_config *cfg, char *why,
                                size_t whylen);
 
+/* The trace's reuse ceiling: what one unbounded prefix cache would have served.  In arrival
+ * order, over the requests a replay admits (those that fit a rank), a prompt
+ * block (cfg's block size, chained hash) is a hit when an earlier prompt held it, a miss the
+ * first time; hits are a prefix capped as the engine's are (the last prompt token is always
+ * computed).  Output blocks are never asked for again (their tokens are unique to a request),
+ * so they add nothing.  Policy-independent: an upper bound for every policy's cached share. */
+struct replay_ceiling {
+	uint64_t prompt_tokens, hit_tokens; /* hit: whole blocks, as replay_result's */
+	uint64_t prompt_blocks, hit_blocks;
+	size_t n_requests; /* admitted (not refused) */
+};
+/* Returns 0, or KVR_ENOMEM. */
+int replay_reuse_ceiling(const struct trace *t, const struct replay_config *cfg,
+                         struct replay_ceiling *out);
+
 /*
  * Replays t (finished, borrowed) with ops.  Returns 0 and fills *res (free with
  * replay_result_free), or a negative KVR_E* code (bad config, out of memory, a route() error)

@@ -90,8 +90,9 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 	fprintf(f, "%-13s %7s %6s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "policy",
 	        "hit%", "all%", "exact%", "MAE", "over%", "under%", "TTFTp50", "TTFTp99", "E2Ep50",
 	        "E2Ep99", "tok/s", "imbal", "cpu_us", "jaccard");
-	fprintf(f, "%-13s %7s %6s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "", "", "",
-	        "", "blocks", "", "", "ms", "ms", "ms", "ms", "virtual", "busy", "/route", "mean");
+	fprintf(f, "%-13s %7s %6s %7s %6s %6s %6s %9s %9s %9s %9s %9s %6s %8s %8s\n", "", "blocks",
+	        "blocks", "", "blocks", "", "", "ms", "ms", "ms", "ms", "virtual", "busy", "/route",
+	        "mean");
 	for (size_t i = 0; i < n; i++) {
 		const struct replay_result *r = &res[i];
 		char exact[16] = "-", mae[16] = "-", over[16] = "-", under[16] = "-", jac[16] = "-";
@@ -317,6 +318,20 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 		if (!isnan(knobs[i].v)) /* else the router's default */
 			json_object_set_new(cfg, knobs[i].k, json_real(knobs[i].v));
 	json_object_set_new(root, "config", cfg);
+	if (meta->ceiling) { /* replay_reuse_ceiling: what an unbounded cache would serve */
+		const struct replay_ceiling *ce = meta->ceiling;
+		json_t *rc = json_object();
+		json_object_set_new(rc, "requests", json_integer((json_int_t)ce->n_requests));
+		json_object_set_new(rc, "prompt_tokens",
+		                    json_integer((json_int_t)ce->prompt_tokens));
+		json_object_set_new(rc, "cached_tokens", json_integer((json_int_t)ce->hit_tokens));
+		json_object_set_new(rc, "cached_token_share",
+		                    json_real(share(ce->hit_tokens, ce->prompt_tokens)));
+		json_object_set_new(rc, "prompt_blocks",
+		                    json_integer((json_int_t)ce->prompt_blocks));
+		json_object_set_new(rc, "hit_blocks", json_integer((json_int_t)ce->hit_blocks));
+		json_object_set_new(root, "reuse_ceiling", rc);
+	}
 	json_t *pol = json_array();
 	for (size_t i = 0; i < n; i++)
 		json_array_append_new(pol, result_json(&res[i], timing));
@@ -392,7 +407,8 @@ static const char *compare(double base, double x, char *buf, size_t len)
 	return buf;
 }
 
-void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label)
+void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label,
+                           const struct replay_ceiling *ceil)
 {
 	if (!n)
 		return;
@@ -402,7 +418,7 @@ void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, c
 		if (res[i].predicts)
 			rt = (int)i;
 	int rr = find_policy(res, n, "round_robin"), ll = find_policy(res, n, "least_loaded");
-	fprintf(f, "verdict [%s]: share of prompt tokens served from cache:", label);
+	fprintf(f, "verdict [%s]: share of prompt tokens (not blocks) served from cache:", label);
 	size_t order[64];
 	size_t m = n < 64 ? n : 64;
 	for (size_t i = 0; i < m; i++)
@@ -459,40 +475,60 @@ void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, c
 			        r->n_refused_routed);
 		fprintf(f, "\n");
 	}
-	/* The plain-words line: the router's gain over the best cache-blind policy. */
+	/* The plain-words line: what was measured (the router against the best cache-blind
+	 * policy, in points and as a ratio) and, when the trace's reuse ceiling is known, whether
+	 * the shortfall is the traffic's (the ceiling itself low) or the cluster's (the best
+	 * policy far under the ceiling: blocks evicted, or cached on another rank).  A cause is
+	 * named only from these measures. */
 	double best_blind = -1;
 	const char *blind = NULL;
+	int best = 0;
 	for (size_t i = 0; i < n; i++) {
 		double x = share(res[i].hit_tokens, res[i].prompt_tokens);
 		if (!res[i].predicts && x > best_blind) {
 			best_blind = x;
 			blind = res[i].policy;
 		}
+		if (x > share(res[best].hit_tokens, res[best].prompt_tokens))
+			best = (int)i;
 	}
 	double mine = share(r->hit_tokens, r->prompt_tokens);
 	if (!blind)
 		return;
 	double gain = 100 * (mine - best_blind);
-	if (gain >= 5)
-		fprintf(
-		    f,
-		    "verdict [%s]: cache-aware routing pays off here: %s serves %.1f points more "
-		    "of the prompt from cache than the best cache-blind policy (%s).\n",
-		    label, r->policy, gain, blind);
-	else if (mine < 0.5)
-		fprintf(
-		    f,
-		    "verdict [%s]: cache-aware routing buys little here (%+.1f points over %s): "
-		    "this traffic shares few prefixes, so even %s finds only %.1f %% of prompt "
-		    "tokens cached.\n",
-		    label, gain, blind, r->policy, 100 * mine);
+	char ratio[48] = "";
+	if (best_blind > 0)
+		snprintf(ratio, sizeof(ratio), ", %.2fx", mine / best_blind);
+	fprintf(f,
+	        "verdict [%s]: cache-aware routing %s here: %s %.1f %% vs %s %.1f %% (the best "
+	        "cache-blind policy): %+.1f points%s",
+	        label, gain >= REPLAY_PAYS_OFF_POINTS ? "pays off" : "buys little", r->policy,
+	        100 * mine, blind, 100 * best_blind, gain, ratio);
+	const struct replay_result *b = &res[best];
+	double top = share(b->hit_tokens, b->prompt_tokens);
+	double c = ceil ? share(ceil->hit_tokens, ceil->prompt_tokens) : NAN;
+	if (isnan(c)) {
+		fprintf(f, "; the trace's reuse ceiling was not measured, so no cause is named\n");
+		return;
+	}
+	fprintf(f,
+	        "; an unbounded cache would serve %.1f %% (the trace's reuse ceiling), the best "
+	        "policy (%s) %.1f %%",
+	        100 * c, b->policy, 100 * top);
+	if (c <= 0)
+		fprintf(f,
+		        ": no prompt repeats an earlier one's prefix, the traffic shares none\n");
+	else if (top >= REPLAY_NEAR_CEILING * c)
+		fprintf(f,
+		        ": %.0f %% of the ceiling, so what limits the share is the traffic's "
+		        "reuse, not capacity\n",
+		        100 * top / c);
 	else
-		fprintf(
-		    f,
-		    "verdict [%s]: cache-aware routing buys little here (%+.1f points over %s): "
-		    "the shared prefixes stay cached on every rank, so cache-blind routing "
-		    "already finds %.1f %% of prompt tokens cached.\n",
-		    label, gain, blind, 100 * best_blind);
+		fprintf(f,
+		        ": %.0f %% of the ceiling, so the shortfall is capacity or placement "
+		        "(%llu blocks evicted under %s; or a prefix cached on another rank), not "
+		        "the traffic\n",
+		        100 * top / c, (unsigned long long)b->evicted_blocks, b->policy);
 }
 
 /* Opens dir/name for writing, its path left in p (what the error message names). */

@@ -21,6 +21,7 @@ struct replay_meta {
 	uint32_t trace_block_size;
 	const char *blocks_why; /* how blocks_per_rank was chosen, or NULL (given) */
 	const struct replay_config *cfg;
+	const struct replay_ceiling *ceiling; /* replay_reuse_ceiling, or NULL (not measured) */
 };
 
 /* The verdict's thresholds.  REPLAY_SAME_WITHIN: two TTFT percentiles closer than this (a
@@ -28,8 +29,14 @@ struct replay_meta {
  * seed; approx_lru does (its tie-breaks): on the Mooncake sample at 8 ranks x 25,600 blocks
  * (tools/quickstart.sh's main job), seeds 1, 2 and 3 gave approx_lru TTFT p50 480.4, 470.1,
  * 479.6 ms (2.2 % apart) and p99 4975.0, 5059.2, 4989.1 ms (1.7 % apart), so its p99 against
- * least_loaded's 5011.5 ms read 1.01x faster, 1.01x slower, 1.00x.  3 % is above that spread. */
-#define REPLAY_SAME_WITHIN 0.03
+ * least_loaded's 5011.5 ms read 1.01x faster, 1.01x slower, 1.00x.  3 % is above that spread.
+ * REPLAY_PAYS_OFF_POINTS: the router's cached share this many points over the best cache-blind
+ * policy's "pays off".  REPLAY_NEAR_CEILING: the best policy's share at this fraction of the
+ * trace's reuse ceiling or more puts the limit on the traffic, under it on capacity or
+ * placement. */
+#define REPLAY_SAME_WITHIN     0.03
+#define REPLAY_PAYS_OFF_POINTS 5.0
+#define REPLAY_NEAR_CEILING    0.8
 
 void replay_report_table(FILE *f, const struct replay_result *res, size_t n);
 
@@ -60,11 +67,15 @@ int replay_report_csv(const char *path, const struct replay_result *res, size_t 
  * gnuplot.  title (may be NULL) prefixes each chart's title (the trace's name). */
 int replay_report_plot(const char *dir, const struct replay_result *res, size_t n,
                        const char *title, char *err, size_t errlen);
-/* The plain-words verdict, lines starting "verdict [label]: ": the share of prompt tokens
- * served from cache per policy (highest first), TTFT p50/p99 of approx_lru (else the first
- * predicting policy) against round_robin and least_loaded (a direction claimed only past
- * REPLAY_SAME_WITHIN, the ratio printed either way), its prediction exactness, and
- * whether cache-aware routing pays off (>= 5 points over the best cache-blind policy). */
-void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label);
+/* The plain-words verdict, five lines starting "verdict [label]: ": the share of prompt tokens
+ * (not blocks) served from cache per policy (highest first); TTFT p50/p99 of approx_lru (else
+ * the first predicting policy) against round_robin and least_loaded, a direction claimed only
+ * past REPLAY_SAME_WITHIN; its prediction exactness; and what was measured of cache-aware
+ * routing: its share against the best cache-blind policy's (points and ratio; "pays off" at
+ * REPLAY_PAYS_OFF_POINTS or more) and, with ceil (may be NULL: then no cause is named), the
+ * trace's reuse ceiling against the best policy's share, which names the limit: the traffic
+ * (at REPLAY_NEAR_CEILING of the ceiling or more) or capacity/placement. */
+void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, const char *label,
+                           const struct replay_ceiling *ceil);
 
 #endif /* KVR_TOOLS_REPLAY_REPORT_H */

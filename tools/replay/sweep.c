@@ -307,8 +307,8 @@ void sweep_report_table(FILE *f, const struct sweep *s, const struct sweep_cell 
 {
 	for (size_t a = 0; a < s->n_axes; a++)
 		fprintf(f, "%-16s ", params[s->ax[a].param].name);
-	fprintf(f, "%-13s %7s %6s %7s %8s %7s %10s %10s %6s %7s\n", "policy", "hit%", "all%",
-	        "pred%", "cached%", "exact%", "TTFTp50ms", "TTFTp99ms", "queued", "refused");
+	fprintf(f, "%-13s %7s %6s %7s %8s %7s %10s %10s %6s %7s\n", "policy", "blkhit%", "blkall%",
+	        "pred%", "tokhit%", "exact%", "TTFTp50ms", "TTFTp99ms", "queued", "refused");
 	for (size_t i = 0; i < n; i++) {
 		for (size_t a = 0; a < s->n_axes; a++)
 			fprintf(f, "%-16g ", c[i].v[a]);

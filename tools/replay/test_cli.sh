@@ -84,7 +84,28 @@ assert m.group(2) == "%.2f" % p["mae_blocks"], v[3]
 gain = 100 * (pol["approx_lru"]["cached_token_share"] -
               max(pol[n]["cached_token_share"] for n in ("round_robin", "random", "least_loaded")))
 assert ("pays off" in v[4]) == (gain >= 5), (v[4], gain)
+# The last line's figures: the router's share and the best cache-blind one's, the difference in
+# points and as a ratio, the trace's reuse ceiling (the JSON's) and the best policy's share; the
+# cause named is the one the ceiling gives.
+blind = max(("round_robin", "random", "least_loaded"), key=lambda n: pol[n]["cached_token_share"])
+lru, bl = pol["approx_lru"]["cached_token_share"], pol[blind]["cached_token_share"]
+best = max(pol, key=lambda n: pol[n]["cached_token_share"])
+ceil = json.load(open(sys.argv[1]))["reuse_ceiling"]["cached_token_share"]
+top = pol[best]["cached_token_share"]
+assert "approx_lru %.1f %% vs %s %.1f %% (the best cache-blind policy): %+.1f points, %.2fx; " % (
+    100 * lru, blind, 100 * bl, 100 * (lru - bl), lru / bl) in v[4], v[4]
+assert "an unbounded cache would serve %.1f %% (the trace's reuse ceiling), the best policy " \
+    "(%s) %.1f %%: %.0f %% of the ceiling, so " % (100 * ceil, best, 100 * top, 100 * top / ceil) in v[4], v[4]
+assert top <= ceil + 1e-12, (top, ceil)
+assert ("the traffic's reuse, not capacity" in v[4]) == (top >= 0.8 * ceil), v[4]
+assert ("capacity or placement (%d blocks evicted under %s" % (pol[best]["evicted_blocks"], best)
+        in v[4]) == (top < 0.8 * ceil), v[4]
+assert "few prefixes" not in v[4] and "stay cached on every rank" not in v[4], v[4]
 PY
+# The table's hit% is a block hit rate, the verdict's share one of tokens: both say so.
+grep -q '^ *blocks *blocks ' "$tmp/a.txt" || fail "the table's hit% and all% are not labelled blocks"
+grep -q "share of prompt tokens (not blocks) served from cache" "$tmp/a.txt" ||
+	fail "the verdict's share is not labelled tokens"
 
 # tools/quickstart.sh's capacity-sweep line reads the CSV's columns by their header names, and a
 # failed replay (status error, its hit_rate empty) prints "failed", not 0.0.
