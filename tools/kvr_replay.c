@@ -92,6 +92,9 @@ static void usage(FILE *f)
 	    "  --queue-threshold X    hold requests while every rank's prefill exceeds X x its "
 	    "token budget (0 = never)\n"
 	    "  --capacity-factor X    approx_lru registers X x the engine's blocks (1)\n"
+	    "  --max-model-len N      refuse before routing a request whose prompt + output\n"
+	    "                         tokens exceed N, as vLLM's max_model_len (0 = no limit but\n"
+	    "                         a rank's KV pool; default)\n"
 	    "  --foreign-traffic F    a share F (0..1) of arrivals bypasses the policy (0)\n"
 	    "  --foreign-as MODE      how that share is sent: clients (cache-unaware, a random\n"
 	    "                         rank; default), router (another approx_lru router this one\n"
@@ -208,6 +211,7 @@ int main(int argc, char **argv)
 		O_LABEL,
 		O_ROUTERS,
 		O_NOSYNC,
+		O_MAXLEN,
 		O_FREE_ORDER
 	};
 	uint32_t routers = 1;
@@ -253,6 +257,7 @@ int main(int argc, char **argv)
 	    {"label", required_argument, 0, O_LABEL},
 	    {"routers", required_argument, 0, O_ROUTERS},
 	    {"no-sync", no_argument, 0, O_NOSYNC},
+	    {"max-model-len", required_argument, 0, O_MAXLEN},
 	    {"help", no_argument, 0, 'h'},
 	    {0, 0, 0, 0}};
 	int c;
@@ -387,6 +392,9 @@ int main(int argc, char **argv)
 			break;
 		case O_ROUTERS:
 			bad = parse_u32(optarg, &routers) || routers == 0 || routers > 16;
+			break;
+		case O_MAXLEN:
+			bad = parse_u32(optarg, &cfg.max_model_len);
 			break;
 		case O_NOSYNC:
 			nosync = true;
@@ -551,6 +559,10 @@ int main(int argc, char **argv)
 			    "default)\n",
 			    cfg.overlap_credit, cfg.prefill_load_scale, cfg.temperature, cfg.ttl_s,
 			    cfg.queue_threshold, cfg.capacity_factor);
+		if (cfg.max_model_len)
+			printf("  max_model_len %u: a request whose prompt + output exceed it is "
+			       "refused before routing\n",
+			       cfg.max_model_len);
 		if (cfg.foreign_share > 0)
 			printf(
 			    "  foreign traffic: %.0f %% of the arrivals (the same ones for every "

@@ -384,10 +384,11 @@ Test(replay, route_cpu_counts_decisions_only)
 	trace_free(&t);
 }
 
-/* A request no rank can hold is refused before routing, as vLLM's frontend refuses a prompt over
- * max_model_len: routed and then aborted, its prompt stayed in approx_lru's predicted cache (the
- * engine never held it; no lifecycle call takes an admitted request's blocks back), and the
- * predicted set differed from the engine's from then on. */
+/* A request no rank can hold is refused before routing, as vLLM's frontend refuses one over
+ * max_model_len (kvr-replay --max-model-len adds that check): routed and then aborted, its prompt
+ * stayed in approx_lru's predicted cache (the engine never held it; no lifecycle call takes an
+ * admitted request's blocks back), and the predicted set differed from the engine's from then on.
+ */
 Test(replay, serial_lru_stays_exact_when_requests_are_refused)
 {
 	struct trace t = {0};
@@ -574,8 +575,10 @@ Test(replay, verdict_names_a_cause_only_from_the_ceiling)
 
 /* The reuse ceiling of the synthetic trace (turn k of a session repeats turn k - 1's prompt, and
  * each prompt is a whole number of blocks): every earlier turn's blocks hit, the first turn's
- * none; one rank that never evicts, one request at a time, serves exactly that. */
-Test(replay, reuse_ceiling)
+ * none; one rank that never evicts, one request at a time, serves exactly that.  With
+ * max_model_len, the requests over it are refused before routing by the replay and left out of
+ * the ceiling; without it the same requests are served. */
+Test(replay, reuse_ceiling_and_max_model_len)
 {
 	struct trace t = {0};
 	make_trace_x(&t, 3, 4, 100, true);
@@ -598,6 +601,17 @@ Test(replay, reuse_ceiling)
 	             (unsigned long long)ce.hit_tokens);
 	cr_assert_eq(r.prompt_tokens, ce.prompt_tokens);
 	replay_result_free(&r);
+	/* Turns 2 and 3 (4 and 5 ids: 2,048 - 96 and 2,560 - 96 prompt tokens, + 17 output) are
+	 * over 1,900 tokens, turn 1 (1,440 + 17) is not. */
+	c.max_model_len = 1900;
+	run(&t, &replay_policy_round_robin, &c, &r);
+	cr_assert_eq(r.n_refused, 6);
+	cr_assert_eq(r.n_refused_len, 6);
+	cr_assert_eq(r.n_ttft, 6);
+	cr_assert_eq(replay_reuse_ceiling(&t, &c, &ce), 0);
+	cr_assert_eq(ce.n_requests, 6);
+	cr_assert_eq(ce.hit_blocks, 3 * (uint64_t)(2 * 32 - 6));
+	cr_assert_eq(r.hit_tokens, ce.hit_tokens);
 	replay_result_free(&r);
 	trace_free(&t);
 }

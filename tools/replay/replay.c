@@ -462,6 +462,12 @@ static int drain_all(struct run *run, char *err, size_t errlen)
 	return 0;
 }
 
+static bool over_max_model_len(const struct replay_config *cfg, const struct trace_req *tr)
+{
+	return cfg->max_model_len &&
+	       (uint64_t)tr->input_len + tr->output_len > (uint64_t)cfg->max_model_len;
+}
+
 /* The engine configuration replay_run gives every rank (ops: the policy, for its events). */
 static void engine_config(const struct replay_config *cfg, bool events,
                           struct sim_cluster_config *scfg)
@@ -493,7 +499,8 @@ int replay_reuse_ceiling(const struct trace *t, const struct replay_config *cfg,
 	int rc = 0;
 	for (size_t i = 0; i < t->n && !rc; i++) {
 		const struct trace_req *tr = &t->reqs[i];
-		if (!sim_engine_fits(&scfg.engine, tr->input_len, tr->output_len))
+		if (over_max_model_len(cfg, tr) ||
+		    !sim_engine_fits(&scfg.engine, tr->input_len, tr->output_len))
 			continue;
 		size_t nb = tr->input_len / bs;
 		if (tr->input_len > tcap) {
@@ -800,15 +807,19 @@ int replay_run(const struct trace *t, const struct replay_policy_ops *ops,
 		                              .now_ns = at,
 		                              .session = tr->session};
 		struct replay_route_out ro = {0};
-		/* A request no rank can ever hold is refused before routing, as vLLM's API server
-		 * refuses a prompt over max_model_len (which vLLM sizes to fit the KV cache):
+		/* A request no rank can ever hold, or one over --max-model-len, is refused before
+		 * routing, as vLLM's API server refuses a prompt + max_tokens over max_model_len
+		 * (which defaults to the model's context length: vLLM does not size it to the KV
+		 * cache, it only refuses to start when one max_model_len request would not fit):
 		 * routed and aborted, its prompt stayed in the router's predicted cache (nothing in
 		 * the library takes back an admitted request's blocks: kvr_request_cached with 0
 		 * and kvr_rank_observe evict the oldest blocks, these are the newest), so the
 		 * prediction diverged from the engines' for good (--serial, 2 ranks x 4,000 blocks,
 		 * the sample's first 150 requests: 265 of 300 sets equal, 5 refused). */
-		if (!sim_engine_fits(&scfg.engine, tr->input_len, tr->output_len)) {
+		if (over_max_model_len(cfg, tr) ||
+		    !sim_engine_fits(&scfg.engine, tr->input_len, tr->output_len)) {
 			res->n_refused++;
+			res->n_refused_len += over_max_model_len(cfg, tr);
 			if (cfg->progress)
 				cfg->progress(cfg->progress_ctx, i + 1, t->n);
 			continue;

@@ -56,6 +56,10 @@ struct replay_config {
 	/* --free-order tail-first: the engines free as vLLM's 2025 block pool did, and the router
 	 * is told so (kvr_config.free_order); default false, both as vLLM's 2026 one. */
 	bool free_tail_first;
+	/* --max-model-len: a request whose prompt + output tokens exceed it is refused before
+	 * routing, as vLLM's API server refuses one over max_model_len (which defaults to the
+	 * model's context length, not to the KV pool).  0 (default) = no limit but the pool. */
+	uint32_t max_model_len;
 	/* approx_lru registers capacity_factor x blocks_per_rank blocks per rank, while the engine
 	 * has blocks_per_rank (a mis-registered capacity).  Default 1. */
 	double capacity_factor;
@@ -95,7 +99,8 @@ struct replay_result {
 	 * those, the ones the policy under test routed all the same (none unless the simulator
 	 * and sim_engine_fits disagree): the prediction diverges after one */
 	size_t n_requests, n_refused, n_refused_routed;
-	size_t n_queued;                    /* held back by the router's queue (queue_threshold) */
+	size_t n_refused_len; /* of n_refused, those over max_model_len (a rank could hold them) */
+	size_t n_queued;      /* held back by the router's queue (queue_threshold) */
 	uint64_t prompt_tokens, hit_tokens; /* first admissions, tokens (hit: whole blocks) */
 	uint64_t policy_errors;             /* happenings the policy answered with an error */
 	int first_policy_error;
@@ -173,7 +178,7 @@ uint32_t replay_default_blocks(const struct trace *t, const struct replay_config
                                size_t whylen);
 
 /* The trace's reuse ceiling: what one unbounded prefix cache would have served.  In arrival
- * order, over the requests a replay admits (those that fit a rank), a prompt
+ * order, over the requests a replay admits (those that fit a rank and max_model_len), a prompt
  * block (cfg's block size, chained hash) is a hit when an earlier prompt held it, a miss the
  * first time; hits are a prefix capped as the engine's are (the last prompt token is always
  * computed).  Output blocks are never asked for again (their tokens are unique to a request),

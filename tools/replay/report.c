@@ -150,9 +150,10 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 			    (unsigned long)r->path_runs_n);
 		if (r->n_refused || r->policy_errors)
 			fprintf(f,
-			        "note: %s: %zu requests refused (too large for a rank; %zu of them "
-			        "after routing), %llu policy errors (first: %d)\n",
-			        r->policy, r->n_refused, r->n_refused_routed,
+			        "note: %s: %zu requests refused (too large for a rank or over "
+			        "--max-model-len (%zu); %zu of them after routing), %llu policy "
+			        "errors (first: %d)\n",
+			        r->policy, r->n_refused, r->n_refused_len, r->n_refused_routed,
 			        (unsigned long long)r->policy_errors, r->first_policy_error);
 		if (r->n_foreign && r->predicts)
 			fprintf(
@@ -191,6 +192,8 @@ static json_t *result_json(const struct replay_result *r, bool timing)
 	 * the table's note said it, the JSON did not. */
 	json_object_set_new(o, "refused_after_routing",
 	                    json_integer((json_int_t)r->n_refused_routed));
+	json_object_set_new(o, "refused_over_max_model_len",
+	                    json_integer((json_int_t)r->n_refused_len));
 	json_object_set_new(o, "policy_errors", json_integer((json_int_t)r->policy_errors));
 	json_object_set_new(o, "prompt_blocks", json_integer((json_int_t)r->prompt_blocks));
 	json_object_set_new(o, "hit_blocks", json_integer((json_int_t)r->hit_blocks));
@@ -306,6 +309,7 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_object_set_new(cfg, "sample_every", json_integer(c->sample_every));
 	json_object_set_new(cfg, "output_every", json_integer(c->output_every));
 	json_object_set_new(cfg, "capacity_factor", json_real(c->capacity_factor));
+	json_object_set_new(cfg, "max_model_len", json_integer(c->max_model_len));
 	const struct {
 		const char *k;
 		double v;
@@ -462,11 +466,16 @@ void replay_report_verdict(FILE *f, const struct replay_result *res, size_t n, c
 		    label, r->policy, 100 * share(r->n_exact, r->n_pred), r->mae_blocks,
 		    100 * share(r->n_over, r->n_pred), 100 * share(r->n_under, r->n_pred));
 		/* The share counts admitted requests: say what it leaves out. */
-		if (r->n_refused > r->n_refused_routed)
+		if (r->n_refused > r->n_refused_routed + r->n_refused_len)
 			fprintf(f,
 			        "; %zu requests too large for a rank were refused before routing, "
 			        "not counted",
-			        r->n_refused - r->n_refused_routed);
+			        r->n_refused - r->n_refused_routed - r->n_refused_len);
+		if (r->n_refused_len)
+			fprintf(f,
+			        "; %zu requests over --max-model-len were refused before routing, "
+			        "not counted",
+			        r->n_refused_len);
 		if (r->n_refused_routed)
 			fprintf(f,
 			        "; %zu refused by the engine after routing, not counted: their "

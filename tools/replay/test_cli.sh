@@ -107,6 +107,33 @@ grep -q '^ *blocks *blocks ' "$tmp/a.txt" || fail "the table's hit% and all% are
 grep -q "share of prompt tokens (not blocks) served from cache" "$tmp/a.txt" ||
 	fail "the verdict's share is not labelled tokens"
 
+# --max-model-len N refuses before routing every request whose prompt + output exceed N (the
+# trace's own lengths say which), counted and said; without it the same requests are served.
+"$bin" --max-requests 100 --no-timing --policies approx_lru,round_robin --max-model-len 8000 \
+	--out "$tmp/ml.json" "$sample" >"$tmp/ml.txt" || fail "--max-model-len 8000"
+"$bin" --max-requests 100 --no-timing --quiet --policies approx_lru,round_robin \
+	--out "$tmp/noml.json" "$sample" || fail "the same replay without --max-model-len"
+python3 - "$tmp/ml.json" "$tmp/noml.json" "$sample" "$tmp/ml.txt" <<'PY' || fail "--max-model-len"
+import json, sys
+ml, noml = (json.load(open(f)) for f in sys.argv[1:3])
+reqs = [json.loads(l) for l in open(sys.argv[3]) if l.strip()][:100]
+over = sum(1 for r in reqs if r["input_length"] + r["output_length"] > 8000)
+assert 0 < over < 100, over
+assert ml["config"]["max_model_len"] == 8000 and noml["config"]["max_model_len"] == 0
+for p, q in zip(ml["policies"], noml["policies"]):
+    assert p["refused"] == p["refused_over_max_model_len"] == over, (p["policy"], p["refused"], over)
+    assert q["refused"] == q["refused_over_max_model_len"] == 0, (q["policy"], q["refused"])
+    assert p["requests"] == q["requests"] == 100
+assert ml["reuse_ceiling"]["requests"] == 100 - over and noml["reuse_ceiling"]["requests"] == 100
+text = open(sys.argv[4]).read()
+assert "%d requests over --max-model-len were refused before routing, not counted" % over in text, text
+assert "max_model_len 8000: a request whose prompt + output exceed it is refused" in text
+PY
+if "$bin" --quiet --max-model-len -5 "$sample" 2>"$tmp/err"; then
+	fail "--max-model-len -5 was accepted"
+fi
+grep -q "bad value for --max-model-len" "$tmp/err" || fail "--max-model-len -5: $(cat "$tmp/err")"
+
 # tools/quickstart.sh's capacity-sweep line reads the CSV's columns by their header names, and a
 # failed replay (status error, its hit_rate empty) prints "failed", not 0.0.
 "$bin" --max-requests 60 --quiet --policies events,approx_lru,approx_ttl --sweep blocks=3000,6000 \

@@ -31,9 +31,10 @@
  * Simplified against vLLM: no long_prefill_token_threshold, no speculative decoding, no
  * priority scheduling, no structured output / encoder inputs, no async scheduling (the next
  * schedule waits for the step to end), no KV connector, no max_model_len check beyond "fits
- * in the pool"; events are delivered synchronously when vLLM would queue them (at schedule
- * time), not batched per step; token ids are not carried in events; the step time is linear
- * in scheduled tokens (real kernels are not: attention grows with context).
+ * in the pool" (the frontend's: kvr-replay --max-model-len); events are delivered synchronously
+ * when vLLM would queue them (at schedule time), not batched per step; token ids are not carried in
+ * events; the step time is linear in scheduled tokens (real kernels are not: attention grows with
+ * context).
  */
 #include "tools/sim/engine.h"
 

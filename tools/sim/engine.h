@@ -184,7 +184,10 @@ int sim_engine_submit(struct sim_engine *e, const struct sim_request *req, uint6
 
 /* Whether an engine configured so could ever run a request of prompt_len (> 0) and output_len
  * tokens: sim_engine_submit refuses it with KVR_ERANGE when not.  For a frontend that refuses
- * such a request before routing it, as vLLM's API server refuses a prompt over max_model_len. */
+ * such a request before routing it.  This is the pool's bound, not vLLM's max_model_len (the
+ * model's context length by default, which the API server checks; vLLM only refuses to start
+ * when one max_model_len request would not fit the pool): kvr-replay --max-model-len adds that
+ * check (tools/replay/replay.h). */
 bool sim_engine_fits(const struct sim_engine_config *cfg, uint32_t prompt_len, uint32_t output_len);
 
 /* When the engine next has something to do (a step to schedule or complete), or UINT64_MAX
