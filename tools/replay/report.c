@@ -148,13 +148,19 @@ void replay_report_table(FILE *f, const struct replay_result *res, size_t n)
 			    "--path-runs): mean %.1f, max %lu over %lu decisions\n",
 			    r->policy, r->path_runs_mean, (unsigned long)r->path_runs_max,
 			    (unsigned long)r->path_runs_n);
-		if (r->n_refused || r->policy_errors)
-			fprintf(f,
-			        "note: %s: %zu requests refused (too large for a rank or over "
-			        "--max-model-len (%zu); %zu of them after routing), %llu policy "
-			        "errors (first: %d)\n",
-			        r->policy, r->n_refused, r->n_refused_len, r->n_refused_routed,
-			        (unsigned long long)r->policy_errors, r->first_policy_error);
+		if (r->n_refused || r->policy_errors) {
+			char why[96] = "too large for a rank";
+			if (r->n_refused_len)
+				snprintf(why, sizeof(why),
+				         "%zu over --max-model-len, %zu too large for a rank",
+				         r->n_refused_len, r->n_refused - r->n_refused_len);
+			fprintf(
+			    f,
+			    "note: %s: %zu requests refused (%s; %zu of them after routing), %llu "
+			    "policy errors (first: %d)\n",
+			    r->policy, r->n_refused, why, r->n_refused_routed,
+			    (unsigned long long)r->policy_errors, r->first_policy_error);
+		}
 		if (r->n_foreign && r->predicts)
 			fprintf(
 			    f,
@@ -392,10 +398,11 @@ static int find_policy(const struct replay_result *res, size_t n, const char *na
 }
 
 /* "2.35x faster" / "1.10x slower" (lower is better), or within REPLAY_SAME_WITHIN of each
- * other "about the same (1.01x faster, within 3 %)": the ratio stays visible, its direction is
- * not claimed.  approx_lru vs least_loaded TTFT p99 on the Mooncake sample (8 ranks x 25,600
- * blocks) read 1.01x faster at seed 1 and 1.01x slower at seed 2: a difference under the
- * spread between seeds (report.h) is noise, not a result. */
+ * other "about the same: 1.012x faster, within 3 %": the ratio stays visible (to 3 decimals, so
+ * that 1.025 does not read 1.03 "within 3 %"), its direction is not claimed.  approx_lru vs
+ * least_loaded TTFT p99 on the Mooncake sample (8 ranks x 25,600 blocks) read 1.01x faster at
+ * seed 1 and 1.01x slower at seed 2: a difference under the spread between seeds (report.h) is
+ * noise, not a result. */
 static const char *compare(double base, double x, char *buf, size_t len)
 {
 	if (!(x > 0) || !(base > 0))
@@ -405,7 +412,7 @@ static const char *compare(double base, double x, char *buf, size_t len)
 	else if (x / base >= 1 + REPLAY_SAME_WITHIN)
 		snprintf(buf, len, "%.2fx slower", x / base);
 	else
-		snprintf(buf, len, "about the same: %.2fx %s, within %.0f %%",
+		snprintf(buf, len, "about the same: %.3fx %s, within %.0f %%",
 		         base >= x ? base / x : x / base, base >= x ? "faster" : "slower",
 		         100 * REPLAY_SAME_WITHIN);
 	return buf;

@@ -74,7 +74,7 @@ for line, other in ((v[1], "round_robin"), (v[2], "least_loaded")):
         r = max(a, b) / min(a, b)
         way = "faster" if b >= a else "slower"
         if r < 1.03:
-            assert said == "about the same: %.2fx %s, within 3 %%" % (r, way), (said, r)
+            assert said == "about the same: %.3fx %s, within 3 %%" % (r, way), (said, r)
         else:
             assert said == "%.2fx %s" % (r, way), (said, r)
 m = re.search(r"exactly for ([0-9.]+) % of requests \(mean error ([0-9.]+) blocks", v[3])
@@ -128,6 +128,8 @@ assert ml["reuse_ceiling"]["requests"] == 100 - over and noml["reuse_ceiling"]["
 text = open(sys.argv[4]).read()
 assert "%d requests over --max-model-len were refused before routing, not counted" % over in text, text
 assert "max_model_len 8000: a request whose prompt + output exceed it is refused" in text
+assert "note: round_robin: %d requests refused (%d over --max-model-len, 0 too large for a rank; " \
+    "0 of them after routing)" % (over, over) in text, text
 PY
 if "$bin" --quiet --max-model-len -5 "$sample" 2>"$tmp/err"; then
 	fail "--max-model-len -5 was accepted"
