@@ -569,7 +569,6 @@ void kvr_rep_heartbeat(struct kvr_replica *rep, uint64_t now, uint64_t deaf_ns)
 	if (!waiting && rep->t.pending)
 		waiting = rep->t.pending(rep->t.ctx) > 0;
 	pthread_mutex_lock(&rep->mu);
-	kvr_rep_sweep_ended(rep); /* before the count: the attempts of ranks gone are no more */
 	uint64_t live = 0;
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
 		live += x->origin == rep->c.replica_id;

@@ -31,7 +31,6 @@
 #include "sync/ring.h"
 
 #define MAX_PEERS   256
-#define ENDED_MAX   32 /* ranks whose life ended, swept at the next heartbeat */
 #define CHUNK_BYTES (256u * 1024u)
 /* After an outage a replica re-announces the attempts it finished since this long before the
  * disconnect was noticed: messages written to the socket just before the server went may never
@@ -221,13 +220,6 @@ struct kvr_replica {
 	 * which a snapshot applied after it does not judge (sync/replica_ranks.c, "Forgetting"). */
 	struct kvr_rep_ver rank_floor;
 	uint64_t outage_clock;
-	/* Ranks whose life ended (removed, reset, a new incarnation) since the last heartbeat,
-	 * own changes and peers' alike, whose records of attempts that ended with it the next
-	 * heartbeat drops (kvr_rep_life_ended, kvr_rep_sweep_ended); ended_all: more than
-	 * ENDED_MAX came, every record of an ended attempt goes. */
-	struct kvr_rank_id ended[ENDED_MAX];
-	uint32_t n_ended;
-	bool ended_all;
 	struct kvr_sync_stats st;
 
 	/* Held by whoever handles deliveries, heartbeats and resyncs: the apply thread, or a
@@ -376,15 +368,6 @@ void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_journal_clear(struct kvr_rep_rank *e);
 /* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);
-/* The life of rank id ended on this router (removed, reset, or given a new incarnation: its
- * attempts were ended with it, KVR_ESTALE from then on).  No lifecycle call and no lease expiry
- * will tell the records of those attempts, own or mirrored, so the next heartbeat drops them
- * (kvr_rep_sweep_ended).  mu held. */
-void kvr_rep_life_ended(struct kvr_replica *rep, struct kvr_rank_id id);
-/* Drops the live records (own and mirrored) on the ranks kvr_rep_life_ended named whose local
- * attempt has ended; returns how many.  Context: the thread handling deliveries (the apply
- * thread's heartbeat: mirrors are used there with mu released), mu held. */
-size_t kvr_rep_sweep_ended(struct kvr_replica *rep);
 struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id);
 struct kvr_rep_peer *kvr_rep_peer_get(struct kvr_replica *rep,
                                       uint64_t id); /* NULL: MAX_PEERS alive */

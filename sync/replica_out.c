@@ -313,12 +313,6 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, uint64_t incarnation,
                      uint64_t capacity, uint32_t mbt, struct kvr_rank_life life)
 {
-	/* The router's change ended the rank's attempts when it removed or reset the rank or gave
-	 * it a new incarnation: their records go at the next heartbeat (kvr_rep_life_ended). */
-	const struct kvr_rep_rank *was = kvr_rep_rank_find(rep, rank);
-	if (op == KVR_REPL_RANK_REMOVE || op == KVR_REPL_RANK_RESET ||
-	    (op == KVR_REPL_RANK_CAPACITY && was && was->incarnation != incarnation))
-		kvr_rep_life_ended(rep, rank);
 	const struct kvr_rep_rank *e =
 	    kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt, life);
 	if (e)

@@ -275,8 +275,6 @@ static void remove_judged(struct kvr_replica *rep, struct kvr_rep_rank *e, uint3
 	/* The judged life still routed; a lookup that could not tell (no memory) says so too. */
 	bool present = lr == 0 ? now_slot == slot && now_gen == gen : lr != KVR_ENOENT;
 	pthread_mutex_lock(&rep->mu);
-	if (!present)
-		kvr_rep_life_ended(rep, id);
 	e = kvr_rep_rank_entry(rep, id);
 	bool same = e && kvr_rep_ver_cmp(e->ver, v) == 0;
 	if (rc == KVR_ESTALE) {
@@ -440,11 +438,6 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 		life = (struct kvr_rank_life){0, 0};
 	pthread_mutex_lock(&rep->mu);
 	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
-	/* The rank gone, reset, or in a new incarnation here: the attempts live on it ended with
-	 * it, and their records go at the next heartbeat (kvr_rep_life_ended). */
-	if (!present || (m->op == KVR_REPL_RANK_RESET && rc == 0) ||
-	    (e && !e->removed && e->incarnation != s.incarnation))
-		kvr_rep_life_ended(rep, id);
 	if (!present) {
 		if (versioned && m->op == KVR_REPL_RANK_REMOVE) {
 			/* A tombstone, even for a rank this router never had (a removal that came

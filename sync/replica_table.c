@@ -237,54 +237,6 @@ void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 	}
 }
 
-void kvr_rep_life_ended(struct kvr_replica *rep, struct kvr_rank_id id)
-{
-	for (uint32_t i = 0; i < rep->n_ended; i++)
-		if (rep->ended[i].worker_id == id.worker_id && rep->ended[i].dp_rank == id.dp_rank)
-			return;
-	if (rep->n_ended < ENDED_MAX)
-		rep->ended[rep->n_ended++] = id;
-	else
-		rep->ended_all = true;
-}
-
-/* Why a sweep.  A rank removed or reset (or given a new incarnation) ends every attempt live on
- * it: their leases are claimed by the router, so the frontend's finish or abort returns
- * KVR_ESTALE and tells no replica, and no lease expiry comes either.  Their records stayed in the
- * map and the live list (with their blocks, tail and output) until the replica went: a
- * frontend whose workers come and go with requests in flight grew by each such attempt, on the
- * origin and on every peer (test_replica_ranks
- * attempts_ended_by_a_rank_removal_or_reset_leave_no_record; perf/soak_router --phases
- * ranks,replica).  Every replica applies the same rank changes, so each drops its own records
- * and its mirrors by itself, nothing published: an end note of an own attempt still on its way
- * then finds no record (kept in the early set, which forgets it), and the peers, having ended
- * their mirror with the rank, drop theirs.  No journal: the rank's journal went with its life.
- * Only attempts whose lease has ended go: one booked on the rank's new life stays. */
-size_t kvr_rep_sweep_ended(struct kvr_replica *rep)
-{
-	if (!rep->n_ended && !rep->ended_all)
-		return 0;
-	size_t n = 0;
-	for (struct kvr_rep_rec *x = rep->live_head, *nx; x; x = nx) {
-		nx = x->next;
-		bool named = rep->ended_all;
-		for (uint32_t i = 0; i < rep->n_ended && !named; i++)
-			named = rep->ended[i].worker_id == x->rank.worker_id &&
-			        rep->ended[i].dp_rank == x->rank.dp_rank;
-		if (!named || !kvr_repl_attempt_ended(rep->r, x->local))
-			continue;
-		kvr_rep_map_remove(rep, x);
-		kvr_rep_live_unlink(rep, x);
-		if (x->origin != rep->c.replica_id)
-			rep->st.mirrored--;
-		kvr_rep_rec_free(x);
-		n++;
-	}
-	rep->n_ended = 0;
-	rep->ended_all = false;
-	return n;
-}
-
 struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id)
 {
 	for (size_t i = 0; i < rep->n_peers; i++)
