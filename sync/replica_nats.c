@@ -420,22 +420,6 @@ static natsStatus set_identity(natsOptions *o, const struct kvr_sync_config *c)
 	return st;
 }
 
-/* The answer probe's secret: what its answers carry and its question does not, so that
- * another client subscribed over the probe's subject that answers it cannot pass for this user.
- * The process's (a NUID drawn once): a callback nats.c runs late never reads freed memory. */
-static char probe_secret[64];
-static pthread_once_t probe_secret_once = PTHREAD_ONCE_INIT;
-
-static void probe_secret_draw(void)
-{
-	natsInbox *in = NULL;
-	if (natsInbox_Create(&in) == NATS_OK)
-		snprintf(probe_secret, sizeof(probe_secret), "%s", in);
-	else /* no memory: the probe works, only without the secret */
-		snprintf(probe_secret, sizeof(probe_secret), "kvr-probe");
-	natsInbox_Destroy(in);
-}
-
 /* The answer probe's responder: answers each question with PROBE_ANSWERS messages. */
 #define PROBE_ANSWERS 2
 static void on_probe(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
@@ -444,16 +428,8 @@ static void on_probe(natsConnection *nc, natsSubscription *sub, natsMsg *msg, vo
 	(void)closure;
 	const char *reply = natsMsg_GetReply(msg);
 	for (int i = 0; reply && i < PROBE_ANSWERS; i++)
-		natsConnection_Publish(nc, reply, probe_secret, (int)strlen(probe_secret));
+		natsConnection_Publish(nc, reply, "", 0);
 	natsMsg_Destroy(msg);
-}
-
-/* Whether m is one of on_probe's answers (its data the secret). */
-static bool probe_answer(natsMsg *m)
-{
-	size_t n = strlen(probe_secret);
-	return natsMsg_GetDataLength(m) == (int)n &&
-	       memcmp(natsMsg_GetData(m), probe_secret, n) == 0;
 }
 
 /* Whether this user may answer what it is asked with more than one message, when it may not
@@ -471,7 +447,6 @@ static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config 
 	char subj[128];
 	snprintf(subj, sizeof(subj), "%s.probe.%llu", c->cluster,
 	         (unsigned long long)c->replica_id);
-	pthread_once(&probe_secret_once, probe_secret_draw);
 	natsStatus st = natsOptions_Create(&o);
 	if (st == NATS_OK)
 		st = set_identity(o, c);
@@ -511,13 +486,12 @@ static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config 
 		st = natsSubscription_NextMsg(&m, inbox_sub, (int64_t)((end - now) / 1000000) + 1);
 		bool nobody =
 		    st == NATS_NO_RESPONDERS || (st == NATS_OK && natsMsg_IsNoResponders(m));
-		bool ours = st == NATS_OK && !nobody && probe_answer(m);
 		natsMsg_Destroy(m);
 		if (nobody) {
 			struct timespec ts = {0, 10000000L}; /* 10 ms: a route's round trip */
 			nanosleep(&ts, NULL);
 			st = natsConnection_PublishRequest(s->nc, subj, inbox, "", 0);
-		} else if (ours) {
+		} else if (st == NATS_OK) {
 			got++;
 		}
 	}

@@ -1961,17 +1961,6 @@ static int attach_as(const char *user, const char *pass, bool tls)
 	return rc;
 }
 
-/* A third party's responder: answers every question with two messages. */
-static void answer_twice(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
-{
-	(void)sub;
-	(void)closure;
-	const char *reply = natsMsg_GetReply(msg);
-	for (int i = 0; reply && i < 2; i++)
-		natsConnection_PublishString(nc, reply, "not the probe's");
-	natsMsg_Destroy(msg);
-}
-
 static void test_auth(void)
 {
 	static const char conf[] =
@@ -2020,34 +2009,6 @@ static void test_auth(void)
 		      rc ? kvr_last_error() : "", kvr_strerror(want));
 		printf("auth: as %s/%s: %s in %.0f ms\n", cases[i].user ? cases[i].user : "nobody",
 		       cases[i].pass ? cases[i].pass : "-", kvr_strerror(rc), took);
-	}
-	/* Another client subscribed over the probe's subject that answers what it is asked (two
-	 * messages, as the probe's own responder does): its answers are not this user's.  Before,
-	 * they let oneanswer (allow_responses: true, one message an ask) pass the probe. */
-	{
-		natsOptions *o = NULL;
-		natsConnection *nc = NULL;
-		natsSubscription *sub = NULL;
-		CHECK(natsOptions_Create(&o) == NATS_OK &&
-		          natsOptions_SetUserInfo(o, "kvr", "secret") == NATS_OK &&
-		          natsOptions_SetURL(o, kvr_test_nats_url()) == NATS_OK &&
-		          natsConnection_Connect(&nc, o) == NATS_OK &&
-		          natsConnection_Subscribe(&sub, nc, "auth.probe.>", answer_twice, NULL) ==
-		              NATS_OK &&
-		          natsConnection_FlushTimeout(nc, 2000) == NATS_OK,
-		      "a third-party responder on auth.probe.>");
-		int one = attach_as("oneanswer", "p", false);
-		CHECK(one == KVR_EINVAL && strstr(kvr_last_error(), "does not permit"),
-		      "attach as oneanswer beside a third-party responder: %s (%s), want %s",
-		      kvr_strerror(one), one ? kvr_last_error() : "", kvr_strerror(KVR_EINVAL));
-		int resp = attach_as("responder", "p", false);
-		CHECK(resp == 0, "attach as responder beside a third-party responder: %s (%s)",
-		      kvr_strerror(resp), resp ? kvr_last_error() : "");
-		printf("auth: beside a third-party responder: oneanswer %s, responder %s\n",
-		       kvr_strerror(one), kvr_strerror(resp));
-		natsSubscription_Destroy(sub);
-		natsConnection_Destroy(nc);
-		natsOptions_Destroy(o);
 	}
 	/* Publishing on the stream refused after the attach: counted. */
 	struct kvr_router *r = make_router();
