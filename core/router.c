@@ -102,6 +102,12 @@ int kvr_router_live_update(struct kvr_router *r, uint32_t slot, bool add)
  */
 static uint64_t clock_guarded(void *ctx)
 {
+	/* A replaced clock may be a cancellation point (a sleep, a log write): read with
+	 * cancellation disabled, as every call of the library runs, or a cancel pending at the
+	 * reading took effect inside the call that read it (kvr_route's queue push and its waited
+	 * route's deadline check read it outside any guard: test_cancel, cancel_inside_the_clock).
+	 * Two setcancelstate calls a reading, a replaced clock's only. */
+	KVR_NOCANCEL(); /* sync/nocancel.h */
 	const struct kvr_router *r = ctx;
 	const struct kvr_router *prev = kvr_router_callback_enter(r);
 	uint64_t t = r->cfg.now_ns(r->cfg.clock_ctx);

@@ -69,8 +69,10 @@
  * keep_private on, a release turns its private blocks into a PHANTOM: unhashed, inactive,
  * deepest of its release; evicting it emits nothing.  Phantoms are (order, count) entries of a
  * FIFO beside the inactive list, merged with it by order (lru_segs.c), not segments.  The router
- * runs in this mode (measured: it makes the serial replay exact under eviction with partial
- * blocks).
+ * runs in this mode for kvr_config.free_order KVR_FREE_TAIL_FIRST, vLLM's 2025 block pool
+ * (measured: it makes the serial replay exact under eviction with partial blocks), and with it
+ * off for KVR_FREE_FRESH_FIRST (the default, vLLM's 2026 pool puts a freed block without a hash at
+ * the queue's head: reused first, as a free slot is).
  *
  * Invariants: a segment is on the inactive list iff no lease holds it (its refcount would be 0:
  * the record then keeps its release order and list links in the refcount's place); copies == sum of

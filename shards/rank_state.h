@@ -35,8 +35,9 @@ struct kvr_rank_state;
 /* Creates an ABSENT rank slot.  ttl_ns (> 0) and bucket_ns configure TTL mode (see
  * shards/ttl.h).  Returns 0, KVR_EINVAL or KVR_ENOMEM. */
 int kvr_rank_state_create(uint64_t ttl_ns, uint64_t bucket_ns, struct kvr_rank_state **out);
-/* LRUs this rank creates from now on run in keep_private mode (see shards/lru.c): how vLLM
- * treats a request's partial block at release.  The router turns it on. */
+/* LRUs this rank creates from now on run in keep_private mode (see shards/lru.c): how vLLM's
+ * 2025 block pool treats a request's partial block at release.  The router turns it on for
+ * kvr_config.free_order KVR_FREE_TAIL_FIRST only. */
 void kvr_rank_state_set_keep_private(struct kvr_rank_state *rs, bool on);
 
 /* NULL is a no-op. */

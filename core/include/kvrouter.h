@@ -1167,7 +1167,9 @@ struct kvr_sync_config {
 	const char *servers;
 	/* Subject prefix shared by the replicas of one cluster: [A-Za-z0-9_-], 1..64 chars.
 	 * Default "kvr".  The routers of one cluster must use one block_size: a peer's admission
-	 * cut into blocks of another size is not mirrored (kvr_sync_stats.block_size_mismatch). */
+	 * cut into blocks of another size is not mirrored (kvr_sync_stats.block_size_mismatch).
+	 * They should share free_order too (not checked): with two orders their predicted caches
+	 * drift apart once ranks evict. */
 	const char *cluster;
 	/* This replica's id: nonzero, unique in the cluster (kvr_sync_attach refuses one in use:
 	 * KVR_EEXIST).  No default (0 is KVR_EINVAL). */

@@ -15,6 +15,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,9 +90,84 @@ __attribute__((no_sanitize_address)) static void *worker(void *arg)
 	return NULL;
 }
 
+/* A replaced clock that is a cancellation point (it may sleep, log, or read a file): a cancel
+ * pending when kvr_route reads it took effect inside the call (the clock read outside any
+ * cancellation guard: the queue's push, and since 59efad3 the waited route's deadline check),
+ * the thread gone with its ticket settled and nothing recorded.  Now the library reads a
+ * replaced clock with cancellation disabled, and the cancel takes effect after the call. */
+static _Thread_local bool cancel_in_clock;
+static atomic_int routed_and_returned;
+
+static uint64_t cancelling_clock(void *ctx)
+{
+	(void)ctx;
+	if (cancel_in_clock) {
+		cancel_in_clock = false;
+		pthread_cancel(pthread_self());
+		pthread_testcancel(); /* a cancellation point, as a clock's sleep or write is */
+	}
+	return mono_ns();
+}
+
+static struct kvr_router *rc_router;
+
+__attribute__((no_sanitize_address)) static void *clock_worker(void *arg)
+{
+	(void)arg;
+	static _Thread_local uint32_t tok[64];
+	for (unsigned i = 0; i < 64; i++)
+		tok[i] = 7000 + i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = tok;
+	q.n_tokens = 64;
+	q.flags = KVR_ROUTE_WAIT;
+	q.deadline_ns = 1; /* passed: the wait reads the clock and returns */
+	struct kvr_decision d;
+	cancel_in_clock = true;
+	int rc = kvr_route(rc_router, &q, &d);
+	atomic_store(&routed_and_returned, 1);
+	if (rc == KVR_ETIMEDOUT)
+		kvr_route_cancel(rc_router, d.ticket);
+	else if (rc == 0 && d.status == KVR_DECIDED)
+		kvr_request_finish(rc_router, d.attempt);
+	pthread_testcancel();
+	return NULL;
+}
+
+static void cancel_inside_the_clock(void)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.queue_threshold = 1.0;
+	c.now_ns = cancelling_clock;
+	CHECK(kvr_router_create(&c, &rc_router) == 0, "create (replaced clock)");
+	CHECK(kvr_rank_add(rc_router, (struct kvr_rank_id){9, 0}, 1, 4096, 16) == 0, "rank_add");
+	/* The rank saturated, so the worker's route queues and its wait reads the clock. */
+	uint32_t busy[64];
+	for (unsigned i = 0; i < 64; i++)
+		busy[i] = i;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = busy;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	CHECK(kvr_route(rc_router, &q, &d) == 0 && d.status == KVR_DECIDED, "the first route");
+	pthread_t t;
+	CHECK(pthread_create(&t, NULL, clock_worker, NULL) == 0, "thread");
+	pthread_join(t, NULL);
+	CHECK(atomic_load(&routed_and_returned),
+	      "the thread was cancelled inside kvr_route, in the router's clock");
+	CHECK(kvr_request_finish(rc_router, d.attempt) == 0, "finish");
+	CHECK(kvr_router_sync(rc_router, 10000) == 0, "sync after the cancel");
+	kvr_router_destroy(rc_router);
+}
+
 int main(void)
 {
 	check_deadline(60);
+	cancel_inside_the_clock();
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.n_shards = 2;

@@ -1,11 +1,11 @@
 /* Two differential tests.
  * 1. segments_against_ref: shards/lru (segments) against tests/ref/lru_ref.c (the per-block
- *    LRU it replaced, the oracle), in BOTH keep_private modes (the router runs it on), on
- *    chained hashes as the router produces them: prompts from a few documents with divergence,
- *    duplicate attempts, output blocks from a 2-token alphabet so that several leases make
- *    several copies of one hash.  Every command's return code, stored blocks, evicted hashes in
- *    exact per-block eviction order, stats and overlap must agree, and every evicted run must be
- *    a chain (parent first).  Rerun one seed with LRU_SEG_SEED=<seed> LRU_SEG_KEEP=0|1.
+ *    LRU it replaced, the oracle), in BOTH keep_private modes (the router runs either:
+ * kvr_config.free_order), on chained hashes as the router produces them: prompts from a few
+ * documents with divergence, duplicate attempts, output blocks from a 2-token alphabet so that
+ * several leases make several copies of one hash.  Every command's return code, stored blocks,
+ * evicted hashes in exact per-block eviction order, stats and overlap must agree, and every evicted
+ * run must be a chain (parent first).  Rerun one seed with LRU_SEG_SEED=<seed> LRU_SEG_KEEP=0|1.
  * 2. ref_against_model: the oracle itself against an obviously-correct reference model: plain
  * arrays, linear scans, eviction by searching the minimum of (epoch asc, position desc, copy id
  * asc). Random sequences of acquire / materialize / release / set_capacity / reset; every command's

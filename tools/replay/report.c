@@ -315,6 +315,8 @@ int replay_report_json(const char *path, const struct replay_meta *meta,
 	json_object_set_new(cfg, "sample_every", json_integer(c->sample_every));
 	json_object_set_new(cfg, "output_every", json_integer(c->output_every));
 	json_object_set_new(cfg, "capacity_factor", json_real(c->capacity_factor));
+	json_object_set_new(cfg, "free_order",
+	                    json_string(c->free_tail_first ? "tail-first" : "fresh-first"));
 	json_object_set_new(cfg, "max_model_len", json_integer(c->max_model_len));
 	const struct {
 		const char *k;
