@@ -121,23 +121,6 @@ static long rss_bytes(void)
 	return rss_bytes_file(NULL);
 }
 
-/* Bytes live in jemalloc (all arenas), or -1 without jemalloc. */
-static long long alloc_bytes(void)
-{
-#ifdef KVR_HAVE_JEMALLOC
-	uint64_t epoch = 1;
-	size_t sz = sizeof(epoch);
-	mallctl("epoch", &epoch, &sz, &epoch, sz);
-	size_t allocated = 0;
-	sz = sizeof(allocated);
-	if (mallctl("stats.allocated", &allocated, &sz, NULL, 0) != 0)
-		return -1;
-	return (long long)allocated;
-#else
-	return -1;
-#endif
-}
-
 /* A jemalloc stat ("stats.active", "stats.metadata"), or -1. */
 static long long je_stat(const char *name)
 {
@@ -323,7 +306,7 @@ static int read_now(struct kvr_router *r, const struct shape *sh, struct reading
 {
 	quiesce(r);
 	rd->rss = rss_bytes_file(&rd->rss_file);
-	rd->alloc = alloc_bytes(); /* refreshes the epoch for the two below */
+	rd->alloc = bench_jemalloc_allocated(); /* refreshes the epoch for the two below */
 	rd->active = je_stat("stats.active");
 	rd->metadata = je_stat("stats.metadata");
 	rd->rss_purged = purge && purge_all() ? rss_bytes() : -1;
@@ -473,7 +456,7 @@ static int run_shape(const struct shape *sh, double churn, bool bins)
 		return 1;
 	}
 	long rss0 = rss_bytes_file(&rss_file0);
-	long long alloc0 = alloc_bytes();
+	long long alloc0 = bench_jemalloc_allocated();
 	long long active0 = je_stat("stats.active"), meta0 = je_stat("stats.metadata");
 
 	struct kvr_config cfg;
@@ -630,7 +613,7 @@ int main(int argc, char **argv)
 	};
 	printf("# bench_footprint: approx_lru router, session prompts, capacity %" PRIu64
 	       " blocks per rank, churn %.2f x capacity, jemalloc %s\n",
-	       capacity, churn, alloc_bytes() >= 0 ? "yes" : "no");
+	       capacity, churn, bench_jemalloc_allocated() >= 0 ? "yes" : "no");
 	printf("SUMMARY bench=footprint_reference old_bytes_per_block_rank=%.0f "
 	       "target_bytes_per_block_rank=%.0f\n",
 	       REF_OLD_BYTES, REF_TARGET_BYTES);

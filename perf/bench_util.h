@@ -16,6 +16,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifdef KVR_HAVE_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
+
 /* CLOCK_MONOTONIC in ns: wall time, for latencies and durations. */
 static inline uint64_t now_ns(void)
 {
@@ -169,6 +173,21 @@ bad:;
 	snprintf(want, sizeof(want), "1 to %zu comma-separated whole numbers in %llu..%llu", max,
 	         (unsigned long long)lo, (unsigned long long)hi);
 	opt_bad(argv, i, want, s);
+}
+
+/* Bytes live in jemalloc (all arenas, its statistics refreshed first), or -1 without jemalloc. */
+static inline long long bench_jemalloc_allocated(void)
+{
+#ifdef KVR_HAVE_JEMALLOC
+	uint64_t epoch = 1;
+	size_t sz = sizeof(epoch);
+	mallctl("epoch", &epoch, &sz, &epoch, sz);
+	size_t allocated = 0;
+	sz = sizeof(allocated);
+	if (mallctl("stats.allocated", &allocated, &sz, NULL, 0) == 0)
+		return (long long)allocated;
+#endif
+	return -1;
 }
 
 #endif

@@ -132,20 +132,6 @@ static long rss_kib(void)
 	return res < 0 ? -1 : res * (sysconf(_SC_PAGESIZE) / 1024);
 }
 
-static long long je_allocated(void)
-{
-#ifdef KVR_HAVE_JEMALLOC
-	uint64_t epoch = 1;
-	size_t sz = sizeof(epoch);
-	mallctl("epoch", &epoch, &sz, &epoch, sz);
-	size_t allocated = 0;
-	sz = sizeof(allocated);
-	if (mallctl("stats.allocated", &allocated, &sz, NULL, 0) == 0)
-		return (long long)allocated;
-#endif
-	return -1;
-}
-
 struct fig {
 	const char *name;
 	double v[4096]; /* per cycle */
@@ -860,7 +846,7 @@ static void report(int cycle, double t)
 	size_t ta = render(A.r, &la), tb = render(B.r, &lb);
 	struct sums sa = rank_sums(&A), sb = rank_sums(&B);
 	long rss = rss_kib();
-	long long je = je_allocated();
+	long long je = bench_jemalloc_allocated();
 	int64_t live = kvr_alloc_live_bytes();
 	int f = 0;
 	rec(f++, "rss_kib", (double)rss);
@@ -1029,7 +1015,7 @@ int main(int argc, char **argv)
 	       " routes a cycle, %d ranks on A, %d on B, warm-up %" PRIu64 " cycles, feed %s, "
 	       "jemalloc stats %s\n",
 	       seconds, max_cycles, routes, n_ranks, n_ranks / 2, warmup, feed ? "on" : "off",
-	       je_allocated() >= 0 ? "on" : "off");
+	       bench_jemalloc_allocated() >= 0 ? "on" : "off");
 	uint64_t t0 = now_ns();
 	int cycle = 0;
 	for (;; cycle++) {

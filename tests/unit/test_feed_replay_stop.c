@@ -357,6 +357,24 @@ Test(feed_replay_stop, a_heal_that_brought_everything_keeps_the_rank, .timeout =
 	heal_close(&w);
 }
 
+/* The publisher sends seq 0..2 (the engine stores A, removes A, stores B), the feed sees them
+ * for a rank the router does not have, the rank is added and the feed asks for a replay from
+ * seq 0: the ending `how` armed, the answer still to give. */
+static struct ending late_rank_resync(struct test_replayer *t, struct kvr_fenc enc[3], int how)
+{
+	gaps = 0;
+	test_replayer_open(t, on_gap, 20000, log_destroys);
+	batch(&enc[0], true, A, 2);
+	batch(&enc[1], false, A, 2);
+	batch(&enc[2], true, B, 3);
+	for (uint64_t s = 0; s < 3; s++)
+		send_batch(t, s, &enc[s]);
+	test_replayer_feed_at(t, 3); /* seen, for a rank the router does not have */
+	cr_assert_eq(kvr_rank_add(t->r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
+	expect_ask(t, 0);
+	return arm(t, how);
+}
+
 /* A rank added late, rebuilt by replay from seq 0: the engine stores A (0), removes A (1),
  * stores B (2); it holds B.  The answer brings seq 0 only, then the destroy: the half-rebuilt
  * rank held A. */
@@ -364,20 +382,9 @@ Test(feed_replay_stop, a_resync_a_destroy_ends_leaves_no_removed_block, .timeout
 {
 	static const uint64_t engine[] = {0xb1, 0xb2, 0xb3};
 	for (int how = 0; how < 2; how++) {
-		gaps = 0;
 		struct test_replayer t;
-		test_replayer_open(&t, on_gap, 20000, log_destroys);
 		struct kvr_fenc enc[3];
-		batch(&enc[0], true, A, 2);
-		batch(&enc[1], false, A, 2);
-		batch(&enc[2], true, B, 3);
-		for (uint64_t s = 0; s < 3; s++)
-			send_batch(&t, s, &enc[s]);
-		test_replayer_feed_at(&t, 3); /* seen, for a rank the router does not have */
-		cr_assert_eq(kvr_rank_add(t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0),
-		             0);
-		expect_ask(&t, 0);
-		struct ending x = arm(&t, how);
+		struct ending x = late_rank_resync(&t, enc, how);
 		answer_batch(&t, 0, &enc[0]);
 		destroy_mid_replay(&t, x, 1);
 		cr_expect(!holds(t.r, A[0]) && !holds(t.r, A[1]),
@@ -394,19 +401,9 @@ Test(feed_replay_stop, a_resync_a_destroy_ends_leaves_no_removed_block, .timeout
 /* The same resync whose answer brought seq 0..2 before the destroy: rebuilt whole, kept. */
 Test(feed_replay_stop, a_resync_that_brought_everything_keeps_the_rank, .timeout = 60)
 {
-	gaps = 0;
 	struct test_replayer t;
-	test_replayer_open(&t, on_gap, 20000, log_destroys);
 	struct kvr_fenc enc[3];
-	batch(&enc[0], true, A, 2);
-	batch(&enc[1], false, A, 2);
-	batch(&enc[2], true, B, 3);
-	for (uint64_t s = 0; s < 3; s++)
-		send_batch(&t, s, &enc[s]);
-	test_replayer_feed_at(&t, 3);
-	cr_assert_eq(kvr_rank_add(t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-	expect_ask(&t, 0);
-	struct ending x = arm(&t, 1);
+	struct ending x = late_rank_resync(&t, enc, 1);
 	for (uint64_t s = 0; s < 3; s++)
 		answer_batch(&t, s, &enc[s]);
 	destroy_mid_replay(&t, x, 0);
