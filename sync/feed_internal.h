@@ -67,10 +67,15 @@ struct rstate {
 _Static_assert(FEED_MON_EVERY_MS * 2 <= FEED_RECONNECT_IVL_MS,
                "the monitor is read well within a reconnection's wait");
 
-/* Asks for one replay, at most (sync/feed_seq.c, replay()): an answer with a hole inside it or
- * short of its end is asked for again from the first batch missing, as long as the answer
- * brought something; what the last ask still lacks is reported as a gap. */
-#define FEED_REPLAY_ASKS 8
+/* Asks for one replay that bring little (sync/feed_seq.c, replay()): an answer with a hole inside
+ * it or short of its end is asked for again from the first batch missing, as long as the answer
+ * brought something; what the last ask still lacks is reported as a gap.  Only an ask that
+ * brought fewer than FEED_REPLAY_ASK_GAIN batches counts: a ROUTER past its send bound (ZeroMQ's
+ * default 1,000, vLLM's) brings about that bound each time, so an answer of thousands of batches
+ * takes as many asks as it needs, each one at least FEED_REPLAY_ASK_GAIN batches nearer its end
+ * (the feed's thread in one replay: at most its length / FEED_REPLAY_ASK_GAIN asks more). */
+#define FEED_REPLAY_ASKS     8
+#define FEED_REPLAY_ASK_GAIN 64
 /* An answer that brought what a replay needs, or part of it, and then nothing for this long
  * lost its tail (end marker and all): the wait ends before replay_timeout_ms, and what is
  * missing is asked for again.  A publisher sends an answer in one go (vLLM: one loop of

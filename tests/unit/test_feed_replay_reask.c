@@ -4,8 +4,9 @@
  * without a word, so a long answer can skip batches or stop short of its end while the
  * publisher's buffer holds every one of them (stress_feed_rank_churn SFC_ROUTER_HWM=1).  Before,
  * such a hole was reported through on_event_gap and the rank cleared, for a loss that asking
- * again would have mended.  Now the feed asks again from the first batch missing (at most
- * FEED_REPLAY_ASKS asks per replay, each after an answer that brought something), applies
+ * again would have mended.  Now the feed asks again from the first batch missing (each ask after an
+ * answer that brought something; at most FEED_REPLAY_ASKS asks per replay that brought fewer
+ * than FEED_REPLAY_ASK_GAIN batches), applies
  * nothing of an answer past its hole (the rank's state follows the engine's order), and only
  * what the last ask still lacks is reported, once.
  *
@@ -32,7 +33,10 @@
 #include "tests/common/feed_replayer.h"
 #include "tests/common/mono_clock.h"
 
-enum { N = 24 };
+/* Long enough for an answer that a bound cuts into more than FEED_REPLAY_ASKS asks of
+ * FEED_REPLAY_ASK_GAIN batches each. */
+enum { N = 640 };
+_Static_assert(N > (FEED_REPLAY_ASKS + 1) * FEED_REPLAY_ASK_GAIN, "N spans more asks than the cap");
 
 static atomic_int gap_calls;
 static _Atomic uint64_t gap_from, gap_to; /* the last gap reported */
@@ -313,6 +317,46 @@ Test(feed_replay_reask, a_healing_answer_ending_short_is_asked_again, .timeout =
 	asked_from(&w, 7);
 	answer_from(&w, 7, NULL, 0, true);
 	whole(&w);
+	close_world(&w);
+}
+
+/* A replayer behind a ROUTER whose send bound is FEED_REPLAY_ASK_GAIN batches: each answer
+ * brings that many and then nothing, end marker and all, so the replay takes more than
+ * FEED_REPLAY_ASKS asks; every ask brought a bound's worth, so none counts toward the cap and
+ * the rank is rebuilt whole.  Before, the eighth ask was the last and the rest a gap (in CI,
+ * stress_feed_rank_churn_router_hwm: 10,563 batches behind ZeroMQ's default bound, 1,000,
+ * gap 9000..10561). */
+static void cut_at_a_bound(struct world *w, uint64_t start)
+{
+	int asks = 0;
+	for (uint64_t from = start;; from += FEED_REPLAY_ASK_GAIN) {
+		asked_from(w, from);
+		asks++;
+		if (from + FEED_REPLAY_ASK_GAIN >= N) {
+			answer_from(w, from, NULL, 0, true);
+			break;
+		}
+		for (uint64_t q = from; q < from + FEED_REPLAY_ASK_GAIN; q++)
+			answer(w, q);
+	}
+	cr_assert_gt(asks, FEED_REPLAY_ASKS);
+	whole(w);
+	reasked(w, (uint64_t)asks - 1);
+}
+
+Test(feed_replay_reask, a_long_resync_answer_cut_at_a_bound_is_asked_until_whole, .timeout = 60)
+{
+	struct world w;
+	open_resync(&w, 60000);
+	cut_at_a_bound(&w, 0);
+	close_world(&w);
+}
+
+Test(feed_replay_reask, a_long_healing_answer_cut_at_a_bound_is_asked_until_whole, .timeout = 60)
+{
+	struct world w;
+	open_heal(&w, 60000);
+	cut_at_a_bound(&w, 1);
 	close_world(&w);
 }
 
