@@ -575,8 +575,14 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 		if (!(s = kvr_feed_rstate(e, dp)))
 			return;
 	}
+	/* First fed by this endpoint: what the rank holds came from elsewhere (an earlier feed or
+	 * endpoint of the same publisher, whose stores this stream brings again from the
+	 * publisher's start, or kvr_events_apply), and events mode counts copies: cleared, so that
+	 * the stream rebuilds it.  Before, a successor's replay from 0 counted every block twice
+	 * and a block the engine then removed stayed credited (test_feed_successor). */
 	if (s->since == SINCE_NONE)
-		s->since = seq; /* first fed here: the batches before were none of its */
+		kvr_feed_clear_rank(f, e, s,
+		                    seq); /* since = seq: the batches before were none of its */
 	s->has_life = true;
 	s->slot = slot;
 	s->gen = gen;

@@ -942,6 +942,10 @@ KVR_API int kvr_events_apply(struct kvr_router *r, struct kvr_rank_id rank,
  *    through kvr_config.on_event_gap (expected/got are seqs) and the rank is cleared.  The first
  *    message of a stream with seq > 0 (router started after the publisher) is a gap from 0.
  *  - seq not above the last one received live: the publisher restarted; the rank is cleared.
+ *  - a rank an endpoint feeds for the first time is cleared before its first batch applies:
+ *    what it held came from elsewhere (an earlier feed or endpoint of the same publisher, whose
+ *    stores the stream brings again from its start, or kvr_events_apply), and the stream
+ *    rebuilds it.  Feed each rank from one endpoint at a time.
  *  - a batch for a rank the router does not have is dropped (unknown_rank); once the rank is
  *    added, the feed asks the replay endpoint for what it missed, applies that rank's batches,
  *    and reports what the replay cannot bring through on_event_gap, as for a gap.  A rank the
@@ -1098,7 +1102,8 @@ KVR_API int kvr_feed_create(struct kvr_router *r, const struct kvr_feed_config *
  */
 KVR_API int kvr_feed_add(struct kvr_feed *f, const struct kvr_feed_endpoint *ep, uint32_t *id_out);
 
-/* Unsubscribes (closes its sockets).  What it applied stays in the index.  Returns 0 or
+/* Unsubscribes (closes its sockets).  What it applied stays in the index (until a later endpoint
+ * feeds the rank: cleared, then rebuilt from its stream, see the wire rules).  Returns 0 or
  * KVR_ENOENT (KVR_EBUSY, KVR_ESHUTDOWN: see kvr_feed_add).  Context: any thread; one round trip
  * to the feed thread; from feeds' callbacks see kvr_feed_add. */
 KVR_API int kvr_feed_remove(struct kvr_feed *f, uint32_t id);
