@@ -420,24 +420,20 @@ static natsStatus set_identity(natsOptions *o, const struct kvr_sync_config *c)
 	return st;
 }
 
-/* The answer probe's responder: answers each question with PROBE_ANSWERS messages. */
 #define PROBE_ANSWERS 2
-static void on_probe(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure)
-{
-	(void)sub;
-	(void)closure;
-	const char *reply = natsMsg_GetReply(msg);
-	for (int i = 0; reply && i < PROBE_ANSWERS; i++)
-		natsConnection_Publish(nc, reply, "", 0);
-	natsMsg_Destroy(msg);
-}
 
 /* Whether this user may answer what it is asked with more than one message, when it may not
  * publish on inboxes at will: a server's allow_responses permits a connection to publish on the
  * reply subject of a message it was delivered (up to its max, one by default), which is all a
  * replica needs if it lets a snapshot's chunks through.  A second connection of the same user
- * (ours has no echo: it cannot ask itself) answers our question on <cluster>.probe.<id> with
- * PROBE_ANSWERS messages; both must come.  Only a user refused the plain probe pays for it. */
+ * (ours has no echo: it cannot ask itself) takes our question on <cluster>.probe.<id> and
+ * answers it with PROBE_ANSWERS messages; the server's verdict is its own: a refused answer is an
+ * asynchronous -ERR that comes before its flush's PONG.  Before, the asker counted the answers it
+ * received, so a third party answering on the probe's subject made up for the ones the server
+ * refused, and a user under allow_responses: true (one message an ask) attached (test_sync_nats
+ * auth).  A question whose reply subject is not our inbox (a third party's) is not answered.
+ * One thread does both sides (synchronous subscriptions): no callback outlives the check.  Only
+ * a user refused the plain probe pays for it. */
 static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config *c)
 {
 	natsOptions *o = NULL;
@@ -459,7 +455,7 @@ static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config 
 	if (st == NATS_OK)
 		kvr_nats_cloexec(nc);
 	if (st == NATS_OK)
-		st = natsConnection_Subscribe(&sub, nc, subj, on_probe, NULL);
+		st = natsConnection_SubscribeSync(&sub, nc, subj);
 	if (st == NATS_OK)
 		st = natsConnection_FlushTimeout(nc, 2000);
 	if (st == NATS_OK)
@@ -468,35 +464,53 @@ static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config 
 		st = natsConnection_SubscribeSync(&inbox_sub, s->nc, inbox);
 	if (st == NATS_OK)
 		st = natsConnection_PublishRequest(s->nc, subj, inbox, "", 0);
-	/* The answers, within 1 s.  Asked again while the server says nobody holds the subject:
+	/* Our question, within 1 s.  Asked again while the server says nobody holds the subject:
 	 * the second connection may be on another server of the cluster, whose subscription
 	 * reaches ours over their route a moment after its own server has it (the flush above
 	 * waits for that server only).  Before, that "no responders" refused a user that works
-	 * (test_sync_nats auth_cluster: 4 to 7 of 600 attaches on two servers).  A question the
-	 * server found nobody for was answered by nobody, so the answers counted are one
-	 * question's. */
-	int got = 0;
-	for (uint64_t end = mono_ns() + 1000000000ull; st == NATS_OK && got < PROBE_ANSWERS;) {
-		uint64_t now = mono_ns();
-		if (now >= end) {
+	 * (test_sync_nats auth_cluster: 4 to 7 of 600 attaches on two servers). */
+	bool answered = false;
+	for (uint64_t end = mono_ns() + 1000000000ull; st == NATS_OK && !answered;) {
+		if (mono_ns() >= end) {
 			st = NATS_TIMEOUT;
 			break;
 		}
+		natsMsg *q = NULL;
+		natsStatus qs = natsSubscription_NextMsg(&q, sub, 10);
+		if (qs == NATS_OK) {
+			const char *reply = natsMsg_GetReply(q);
+			if (reply && strcmp(reply, inbox) == 0) {
+				for (int i = 0; st == NATS_OK && i < PROBE_ANSWERS; i++)
+					st = natsConnection_Publish(nc, reply, "", 0);
+				if (st == NATS_OK)
+					st = natsConnection_FlushTimeout(nc, 2000);
+				const char *why;
+				if (st == NATS_OK &&
+				    natsConnection_GetLastError(nc, &why) == NATS_NOT_PERMITTED)
+					st = NATS_NOT_PERMITTED;
+				answered = true;
+			}
+			natsMsg_Destroy(q);
+			continue;
+		}
+		if (qs != NATS_TIMEOUT) {
+			st = qs;
+			break;
+		}
 		natsMsg *m = NULL;
-		st = natsSubscription_NextMsg(&m, inbox_sub, (int64_t)((end - now) / 1000000) + 1);
+		natsStatus ms = natsSubscription_NextMsg(&m, inbox_sub, 1);
 		bool nobody =
-		    st == NATS_NO_RESPONDERS || (st == NATS_OK && natsMsg_IsNoResponders(m));
+		    ms == NATS_NO_RESPONDERS || (ms == NATS_OK && natsMsg_IsNoResponders(m));
 		natsMsg_Destroy(m);
 		if (nobody) {
 			struct timespec ts = {0, 10000000L}; /* 10 ms: a route's round trip */
 			nanosleep(&ts, NULL);
 			st = natsConnection_PublishRequest(s->nc, subj, inbox, "", 0);
-		} else if (st == NATS_OK) {
-			got++;
 		}
 	}
 	if (st == NATS_TIMEOUT)
-		st = NATS_NOT_PERMITTED; /* an answer the server did not let through */
+		st =
+		    NATS_NOT_PERMITTED; /* the question never reached the user's other connection */
 	natsSubscription_Destroy(inbox_sub);
 	natsInbox_Destroy(inbox);
 	natsSubscription_Destroy(sub);

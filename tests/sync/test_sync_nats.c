@@ -1961,6 +1961,17 @@ static int attach_as(const char *user, const char *pass, bool tls)
 	return rc;
 }
 
+/* A third party's answers to every question on the answer probe's subject (test_auth). */
+static void third_party_answers(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                                void *closure)
+{
+	(void)sub, (void)closure;
+	const char *reply = natsMsg_GetReply(msg);
+	for (int i = 0; reply && i < 2; i++)
+		natsConnection_Publish(nc, reply, "", 0);
+	natsMsg_Destroy(msg);
+}
+
 static void test_auth(void)
 {
 	static const char conf[] =
@@ -2009,6 +2020,37 @@ static void test_auth(void)
 		      rc ? kvr_last_error() : "", kvr_strerror(want));
 		printf("auth: as %s/%s: %s in %.0f ms\n", cases[i].user ? cases[i].user : "nobody",
 		       cases[i].pass ? cases[i].pass : "-", kvr_strerror(rc), took);
+	}
+	/* A third party that answers the attach's answer probe (any connection allowed to
+	 * subscribe on <cluster>.probe.> and publish on inboxes): its answers must not stand in
+	 * for the ones the server refused the user.  Before, the probe counted the answers it
+	 * received, and one of ours plus one of the third party's let a user under
+	 * allow_responses: true (one message an ask) attach. */
+	{
+		natsOptions *o = NULL;
+		natsConnection *tp = NULL;
+		natsSubscription *sub = NULL;
+		CHECK(natsOptions_Create(&o) == NATS_OK &&
+		          natsOptions_SetUserInfo(o, "kvr", "secret") == NATS_OK &&
+		          natsOptions_SetURL(o, kvr_test_nats_url()) == NATS_OK &&
+		          natsConnection_Connect(&tp, o) == NATS_OK &&
+		          natsConnection_Subscribe(&sub, tp, "auth.probe.>", third_party_answers,
+		                                   NULL) == NATS_OK &&
+		          natsConnection_FlushTimeout(tp, 2000) == NATS_OK,
+		      "the third party listens on the probe's subject");
+		int rc = attach_as("oneanswer", "p", false);
+		CHECK(rc == KVR_EINVAL && strstr(kvr_last_error(), "does not permit"),
+		      "attach as oneanswer with a third party answering the probe: %s (%s)",
+		      kvr_strerror(rc), rc ? kvr_last_error() : "");
+		rc = attach_as("responder", "p", false);
+		CHECK(rc == 0,
+		      "attach as responder with a third party answering the probe: %s (%s)",
+		      kvr_strerror(rc), rc ? kvr_last_error() : "");
+		printf("auth: with a third party answering the probe: oneanswer refused, responder "
+		       "attached\n");
+		natsSubscription_Destroy(sub);
+		natsConnection_Destroy(tp);
+		natsOptions_Destroy(o);
 	}
 	/* Publishing on the stream refused after the attach: counted. */
 	struct kvr_router *r = make_router();
