@@ -377,8 +377,10 @@ static uint64_t replay_at(const struct ep *e, const struct resync *rs)
  * waiting for this thread ends the wait at once: it waited out the whole replay_timeout_ms
  * before (test_feed_replay_stop); the wait is looked at every 20 ms. */
 static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t start,
-                                   uint64_t target, struct resync *rs, bool stop_at_hole)
+                                   uint64_t target, struct resync *rs, bool stop_at_hole,
+                                   uint64_t until, uint64_t *brought)
 {
+	*brought = 0;
 	if (!e->dealer && kvr_feed_dealer_open(f, e) != 0)
 		return ANS_FAIL;
 	uint8_t req[8];
@@ -389,6 +391,8 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
 		return ANS_FAIL;
 	uint64_t last = kvr_feed_mono_ns(),
 	         deadline = last + (uint64_t)f->cfg.replay_timeout_ms * 1000000u;
+	if (deadline > until)
+		deadline = until; /* the replay's own end (replay()) */
 	bool first = true;
 	for (;;) {
 		uint64_t now = kvr_feed_mono_ns();
@@ -416,7 +420,8 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
 			 * batches in hand (test_feed_replay_reask,
 			 * ..._waiting_while_the_feed_is_slow_...). */
 			uint64_t at = replay_at(e, rs);
-			if ((at >= target || (stop_at_hole && at > start)) &&
+			if ((at >= target ||
+			     ((stop_at_hole || *brought >= FEED_REPLAY_ASK_GAIN) && at > start)) &&
 			    kvr_feed_mono_ns() - last >= FEED_REPLAY_QUIET_MS * 1000000ull)
 				return ANS_QUIET;
 			continue;
@@ -445,6 +450,8 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
 		 * default ZMQ_SNDHWM, 1,000, which vLLM's publisher keeps), while the publisher
 		 * still holds the batch.  For a resync, only before rs->to. */
 		at = replay_at(e, rs);
+		if (seq == at && (!rs || seq < rs->to))
+			++*brought; /* the next one needed: progress, not a jump */
 		bool hole = !first && seq > at && (!rs || at < rs->to);
 		first = false;
 		if (hole && stop_at_hole) {
@@ -487,23 +494,23 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
  * An answer with a hole inside it, or short of target (its end marker, or its wait, came first),
  * is asked for again from the first batch missing, each ask after an answer that brought
  * something, up to FEED_REPLAY_ASKS asks that brought fewer than FEED_REPLAY_ASK_GAIN batches
- * (before, any 8 asks: behind a ROUTER at the default bound, 1,000, an answer of 10,563 batches
- * ended in a gap after 8 asks of 1,000 each, stress_feed_rank_churn_router_hwm in CI, and
- * test_feed_replay_reask a_long_*_answer_cut_at_a_bound_is_asked_until_whole failed): a ROUTER
- * drops at its send bound what the publisher still holds
- * (stress_feed_rank_churn 1500 with SFC_ROUTER_HWM=1: before, 6 runs of 10 failed, a gap
- * reported inside a long answer or the feed's thread waiting out the replay timeout for a
- * dropped tail; asking again, and ending the wait once an answer goes quiet, none of 8).
- * Before, such a hole was reported and the rank cleared (test_feed_replay_reask).  Each ask
- * waits replay_timeout_ms at most.  What the last ask lacks is a hole as before: reported once,
- * the batches after it applied.  An answer that starts later than asked is the publisher's
- * buffer beginning later: reported, never asked for again.  Returns how the last answer ended:
- * ANS_END when its end marker came; ANS_DROP when a destroy waits for this thread (then the
- * caller reports no gap: the feed going away missed nothing of the publisher's, and before,
- * its abandoned replay was reported through on_event_gap and counted: test_feed_replay_stop;
- * a rank the replay left short of what the publisher sent is cleared, unreported:
- * abandoned_gap); ANS_FAIL also when another replay is being read.  Context: the
- * feed's thread. */
+ * in order or timed out, and within FEED_REPLAY_ASKS x replay_timeout_ms in all (before, any 8
+ * asks: behind a ROUTER at the default bound, 1,000, an answer of 10,563 batches ended in a gap
+ * after 8 asks of 1,000 each, stress_feed_rank_churn_router_hwm in CI, and test_feed_replay_reask
+ * a_long_*_answer_cut_at_a_bound_is_asked_until_whole failed): a ROUTER drops at its send bound
+ * what the publisher still holds (stress_feed_rank_churn 1500 with SFC_ROUTER_HWM=1: before, 6 runs
+ * of 10 failed, a gap reported inside a long answer or the feed's thread waiting out the replay
+ * timeout for a dropped tail; asking again, and ending the wait once an answer goes quiet, none of
+ * 8). Before, such a hole was reported and the rank cleared (test_feed_replay_reask).  Each ask
+ * waits replay_timeout_ms at most.  Once FEED_REPLAY_ASKS - 1 asks brought little, what an ask
+ * lacks is a hole as before: reported once, the batches after it applied.  An answer that starts
+ * later than asked is the publisher's buffer beginning later: reported, never asked for again.
+ * Returns how the last answer ended: ANS_END when its end marker came; ANS_DROP when a destroy
+ * waits for this thread (then the caller reports no gap: the feed going away missed nothing of the
+ * publisher's, and before, its abandoned replay was reported through on_event_gap and counted:
+ * test_feed_replay_stop; a rank the replay left short of what the publisher sent is cleared,
+ * unreported: abandoned_gap); ANS_FAIL also when another replay is being read.  Context: the feed's
+ * thread. */
 static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, uint64_t target,
                               struct resync *rs)
 {
@@ -516,12 +523,21 @@ static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, 
 	f->in_replay = true;
 	enum answer_end a;
 	int small = 0; /* asks that brought fewer than FEED_REPLAY_ASK_GAIN batches */
+	/* However much each ask brings, the replay holds the feed's thread no longer than the
+	 * 8 asks of replay_timeout_ms it could before asks that bring much were free: without
+	 * it a replayer answering a little each time (or slowly) held it for as long as it
+	 * went on (test_feed_replay_bound). */
+	const uint64_t until = kvr_feed_mono_ns() + (uint64_t)FEED_REPLAY_ASKS *
+	                                                (uint64_t)f->cfg.replay_timeout_ms *
+	                                                1000000u;
 	for (int ask = 1;; ask++) {
 		uint64_t from = ask == 1 ? start : replay_at(e, rs);
 		/* The ask that would be the last small one reads past a hole: what it lacks is
 		 * reported, what follows applied (an ask that brings a lot all the same is
 		 * followed by another, from where it ended). */
-		a = read_answer(f, e, from, target, rs, small < FEED_REPLAY_ASKS - 1);
+		uint64_t brought;
+		a = read_answer(f, e, from, target, rs, small < FEED_REPLAY_ASKS - 1, until,
+		                &brought);
 		/* Anything but the end marker: the socket goes, so that what is still on its
 		 * way of this answer cannot be taken for the next request's. */
 		if (a != ANS_END && e->dealer) {
@@ -529,10 +545,10 @@ static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, 
 			e->dealer = NULL;
 		}
 		uint64_t at = replay_at(e, rs);
-		if (at > from && at - from < FEED_REPLAY_ASK_GAIN)
+		if (at > from && (brought < FEED_REPLAY_ASK_GAIN || a == ANS_LATE))
 			small++;
 		if (a == ANS_FAIL || a == ANS_DROP || at >= target || at <= from ||
-		    small == FEED_REPLAY_ASKS) {
+		    small == FEED_REPLAY_ASKS || kvr_feed_mono_ns() >= until) {
 			/* A warning only when the replay is given up short of target (what it
 			 * lacks becomes a gap); an ask that the next one mends is told at INFO,
 			 * below.  Before, every ask that failed or timed out was a warning, also
