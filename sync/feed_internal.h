@@ -70,13 +70,15 @@ _Static_assert(FEED_MON_EVERY_MS * 2 <= FEED_RECONNECT_IVL_MS,
 /* Asks for one replay that bring little (sync/feed_seq.c, replay()): an answer with a hole inside
  * it or short of its end is asked for again from the first batch missing, as long as the answer
  * brought something; what the last ask still lacks is reported as a gap.  Only an ask that
- * brought fewer than FEED_REPLAY_ASK_GAIN batches in order (each the next one needed), or timed
- * out, counts: a ROUTER past its send bound (ZeroMQ's default 1,000, vLLM's) brings about that
- * bound each time, so an answer of thousands of batches takes as many asks as it needs.  The
- * whole replay ends within FEED_REPLAY_ASKS x replay_timeout_ms, however much each ask brings,
- * the longest it could hold the feed's thread before asks that bring much were free. */
-#define FEED_REPLAY_ASKS     8
-#define FEED_REPLAY_ASK_GAIN 64
+ * brought fewer than FEED_REPLAY_ASK_GAIN batches in order (each the next one needed) counts: a
+ * ROUTER past its send bound (ZeroMQ's default 1,000, vLLM's) brings about that bound each time, so
+ * an answer of thousands of batches takes as many asks as it needs.  The whole replay ends within
+ * FEED_REPLAY_ASKS x replay_timeout_ms (x FEED_REPLAY_END_MIN_MS for a shorter timeout), however
+ * much each ask brings: the longest it could hold the feed's thread before asks that bring much
+ * were free. */
+#define FEED_REPLAY_ASKS       8
+#define FEED_REPLAY_ASK_GAIN   64
+#define FEED_REPLAY_END_MIN_MS 1000
 /* An answer that brought what a replay needs, or part of it (FEED_REPLAY_ASK_GAIN batches in
  * order at least, or anything while asks that bring little may still follow), and then nothing
  * for this long lost its tail (end marker and all): the wait ends before replay_timeout_ms, and

@@ -494,7 +494,7 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
  * An answer with a hole inside it, or short of target (its end marker, or its wait, came first),
  * is asked for again from the first batch missing, each ask after an answer that brought
  * something, up to FEED_REPLAY_ASKS asks that brought fewer than FEED_REPLAY_ASK_GAIN batches
- * in order or timed out, and within FEED_REPLAY_ASKS x replay_timeout_ms in all (before, any 8
+ * in order, and within FEED_REPLAY_ASKS x replay_timeout_ms in all (before, any 8
  * asks: behind a ROUTER at the default bound, 1,000, an answer of 10,563 batches ended in a gap
  * after 8 asks of 1,000 each, stress_feed_rank_churn_router_hwm in CI, and test_feed_replay_reask
  * a_long_*_answer_cut_at_a_bound_is_asked_until_whole failed): a ROUTER drops at its send bound
@@ -524,12 +524,16 @@ static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, 
 	enum answer_end a;
 	int small = 0; /* asks that brought fewer than FEED_REPLAY_ASK_GAIN batches */
 	/* However much each ask brings, the replay holds the feed's thread no longer than the
-	 * 8 asks of replay_timeout_ms it could before asks that bring much were free: without
-	 * it a replayer answering a little each time (or slowly) held it for as long as it
-	 * went on (test_feed_replay_bound). */
-	const uint64_t until = kvr_feed_mono_ns() + (uint64_t)FEED_REPLAY_ASKS *
-	                                                (uint64_t)f->cfg.replay_timeout_ms *
-	                                                1000000u;
+	 * 8 asks of replay_timeout_ms it could before asks that bring much were free (or 8 s,
+	 * for a timeout below FEED_REPLAY_END_MIN_MS: an ask cut at a send bound costs
+	 * FEED_REPLAY_QUIET_MS whatever the timeout, and with 100 ms an honest answer of 10,000
+	 * batches behind a bound of 1,000 was cut at 8,000).  Without an end, a replayer
+	 * answering a little each time (or slowly) held it for as long as it went on
+	 * (test_feed_replay_bound). */
+	uint64_t per_ask_ms = f->cfg.replay_timeout_ms > FEED_REPLAY_END_MIN_MS
+	                          ? f->cfg.replay_timeout_ms
+	                          : FEED_REPLAY_END_MIN_MS;
+	const uint64_t until = kvr_feed_mono_ns() + FEED_REPLAY_ASKS * per_ask_ms * 1000000u;
 	for (int ask = 1;; ask++) {
 		uint64_t from = ask == 1 ? start : replay_at(e, rs);
 		/* The ask that would be the last small one reads past a hole: what it lacks is
@@ -545,7 +549,7 @@ static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, 
 			e->dealer = NULL;
 		}
 		uint64_t at = replay_at(e, rs);
-		if (at > from && (brought < FEED_REPLAY_ASK_GAIN || a == ANS_LATE))
+		if (at > from && brought < FEED_REPLAY_ASK_GAIN)
 			small++;
 		if (a == ANS_FAIL || a == ANS_DROP || at >= target || at <= from ||
 		    small == FEED_REPLAY_ASKS || kvr_feed_mono_ns() >= until) {
