@@ -134,12 +134,9 @@ Test(feed_takeover, remove_then_add_the_same_endpoint_rebuilds_exactly, .timeout
 	rank_holds_engine(&w, 0, 10);
 	cr_assert_eq(kvr_feed_remove(w.t.f, w.t.id), 0);
 	struct kvr_feed_endpoint fe = {.endpoint = w.t.pub.ep, .replay_endpoint = rep};
+	test_pub_verbose(&w.t.pub);
 	cr_assert_eq(kvr_feed_add(w.t.f, &fe, &w.t.id), 0);
-	uint8_t sub[64];
-	int n;
-	do
-		n = zmq_recv(w.t.pub.pub, sub, sizeof(sub), 0);
-	while (n >= 1 && sub[0] != 1);
+	test_pub_resubscribed(&w.t.pub);
 	live_as(&w, 12, 12);
 	uint64_t from;
 	cr_assert(test_replayer_next_ask(&w.t, 5000, &from));
@@ -231,12 +228,9 @@ static void dp_feed(struct world *w, bool with_replay)
 	struct kvr_feed_endpoint fe = {.endpoint = w->t.pub.ep,
 	                               .replay_endpoint = with_replay ? rep : NULL,
 	                               .dp_rank = KVR_FEED_DP_FROM_BATCH};
+	test_pub_verbose(&w->t.pub);
 	cr_assert_eq(kvr_feed_add(w->t.f, &fe, &w->t.id), 0);
-	uint8_t sub[64];
-	int n;
-	do
-		n = zmq_recv(w->t.pub.pub, sub, sizeof(sub), 0);
-	while (n >= 1 && sub[0] != 1);
+	test_pub_resubscribed(&w->t.pub);
 }
 
 /* Rank (0, dp) holds exactly the blocks S(want[0..n_want)). */
