@@ -422,6 +422,35 @@ static natsStatus set_identity(natsOptions *o, const struct kvr_sync_config *c)
 
 #define PROBE_ANSWERS 2
 
+/* Takes every message queued on sub (non-blocking); returns whether one had reply subject
+ * `reply` (NULL: none looked for). */
+static bool drain_queued(natsSubscription *sub, const char *reply)
+{
+	bool seen = false;
+	uint64_t n = 0;
+	while (natsSubscription_QueuedMsgs(sub, &n) == NATS_OK && n > 0) {
+		natsMsg *m = NULL;
+		if (natsSubscription_NextMsg(&m, sub, 1) != NATS_OK)
+			break;
+		const char *r = natsMsg_GetReply(m);
+		seen |= reply && r && strcmp(r, reply) == 0;
+		natsMsg_Destroy(m);
+	}
+	return seen;
+}
+
+/* Unsubscribes, lets the server confirm it (a flush), then destroys: nats.c 3.4.1's read loop
+ * can take a message for a subscription being destroyed at that moment (nats.c#637) and crash
+ * (SEGV in natsConn_processMsg: test_sync_nats auth_cluster under ASan, 4 runs of 8, when the
+ * answers crossing a route back to us were still on their way).  After the flush's PONG
+ * nothing more comes for it. */
+static void sub_close(natsConnection *nc, natsSubscription *sub)
+{
+	if (sub && natsSubscription_Unsubscribe(sub) == NATS_OK)
+		natsConnection_FlushTimeout(nc, 2000);
+	natsSubscription_Destroy(sub);
+}
+
 /* Whether this user may answer what it is asked with more than one message, when it may not
  * publish on inboxes at will: a server's allow_responses permits a connection to publish on the
  * reply subject of a message it was delivered (up to its max, one by default), which is all a
@@ -431,16 +460,27 @@ static natsStatus set_identity(natsOptions *o, const struct kvr_sync_config *c)
  * asynchronous -ERR that comes before its flush's PONG.  Before, the asker counted the answers it
  * received, so a third party answering on the probe's subject made up for the ones the server
  * refused, and a user under allow_responses: true (one message an ask) attached (test_sync_nats
- * auth).  A question whose reply subject is not our inbox (a third party's) is not answered.
- * One thread does both sides (synchronous subscriptions): no callback outlives the check.  Only
- * a user refused the plain probe pays for it. */
+ * auth).  Questions whose reply is not one of our inbox's are not answered.  The server renews a
+ * reply's allowance each time it delivers a message with that reply, so a copy of our question
+ * delivered between our answers (a third party republishing it) would let the second through:
+ * copies already queued are dropped before we answer, and one queued by the flush's PONG (the
+ * server delivered it before it read our PING, so maybe between the answers) leaves no verdict:
+ * refused (a third party that copies our questions can keep a user from attaching, never let
+ * one in).  The question is asked again every PROBE_REASK_MS with a new reply subject until it
+ * arrives: the second connection's interest may reach our server over a route a moment after
+ * its own server has it, and a third party's interest in the subject would hide that no one of
+ * ours was there yet (a valid user refused 2 attaches of 200 on two servers).  One thread does
+ * both sides (synchronous subscriptions): no callback outlives the check.  Returns NATS_OK,
+ * NATS_NOT_PERMITTED, or what failed otherwise.  Only a user refused the plain probe pays for
+ * it. */
+#define PROBE_REASK_MS 20
 static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config *c)
 {
 	natsOptions *o = NULL;
 	natsConnection *nc = NULL;
 	natsSubscription *sub = NULL, *inbox_sub = NULL;
 	natsInbox *inbox = NULL;
-	char subj[128];
+	char subj[128], wild[160], reply[160];
 	snprintf(subj, sizeof(subj), "%s.probe.%llu", c->cluster,
 	         (unsigned long long)c->replica_id);
 	natsStatus st = natsOptions_Create(&o);
@@ -458,62 +498,63 @@ static natsStatus answer_check(struct kvr_sync *s, const struct kvr_sync_config 
 		st = natsConnection_SubscribeSync(&sub, nc, subj);
 	if (st == NATS_OK)
 		st = natsConnection_FlushTimeout(nc, 2000);
+	const char *why;
+	if (st == NATS_OK && natsConnection_GetLastError(nc, &why) == NATS_NOT_PERMITTED)
+		st = NATS_NOT_PERMITTED; /* may not hear the probe's subject */
 	if (st == NATS_OK)
 		st = natsInbox_Create(&inbox);
-	if (st == NATS_OK)
-		st = natsConnection_SubscribeSync(&inbox_sub, s->nc, inbox);
-	if (st == NATS_OK)
-		st = natsConnection_PublishRequest(s->nc, subj, inbox, "", 0);
-	/* Our question, within 1 s.  Asked again while the server says nobody holds the subject:
-	 * the second connection may be on another server of the cluster, whose subscription
-	 * reaches ours over their route a moment after its own server has it (the flush above
-	 * waits for that server only).  Before, that "no responders" refused a user that works
-	 * (test_sync_nats auth_cluster: 4 to 7 of 600 attaches on two servers). */
+	size_t plen = inbox ? strlen(inbox) + 1 : 0; /* "<inbox>." */
+	if (st == NATS_OK) {
+		snprintf(wild, sizeof(wild), "%s.*", inbox);
+		st = natsConnection_SubscribeSync(&inbox_sub, s->nc, wild);
+	}
 	bool answered = false;
-	for (uint64_t end = mono_ns() + 1000000000ull; st == NATS_OK && !answered;) {
-		if (mono_ns() >= end) {
+	uint64_t t0 = mono_ns(), end = t0 + 1000000000ull, next_ask = t0;
+	for (unsigned k = 0; st == NATS_OK && !answered;) {
+		uint64_t now = mono_ns();
+		if (now >= end) {
 			st = NATS_TIMEOUT;
 			break;
 		}
-		natsMsg *q = NULL;
-		natsStatus qs = natsSubscription_NextMsg(&q, sub, 10);
-		if (qs == NATS_OK) {
-			const char *reply = natsMsg_GetReply(q);
-			if (reply && strcmp(reply, inbox) == 0) {
-				for (int i = 0; st == NATS_OK && i < PROBE_ANSWERS; i++)
-					st = natsConnection_Publish(nc, reply, "", 0);
-				if (st == NATS_OK)
-					st = natsConnection_FlushTimeout(nc, 2000);
-				const char *why;
-				if (st == NATS_OK &&
-				    natsConnection_GetLastError(nc, &why) == NATS_NOT_PERMITTED)
-					st = NATS_NOT_PERMITTED;
-				answered = true;
-			}
-			natsMsg_Destroy(q);
+		if (now >= next_ask) {
+			snprintf(reply, sizeof(reply), "%s.%u", inbox, k++);
+			st = natsConnection_PublishRequest(s->nc, subj, reply, "", 0);
+			next_ask = now + PROBE_REASK_MS * 1000000ull;
+			drain_queued(inbox_sub, NULL); /* answers, "no responders": not looked at */
 			continue;
 		}
-		if (qs != NATS_TIMEOUT) {
+		natsMsg *q = NULL;
+		natsStatus qs = natsSubscription_NextMsg(&q, sub, 5);
+		if (qs == NATS_TIMEOUT)
+			continue;
+		if (qs != NATS_OK) {
 			st = qs;
 			break;
 		}
-		natsMsg *m = NULL;
-		natsStatus ms = natsSubscription_NextMsg(&m, inbox_sub, 1);
-		bool nobody =
-		    ms == NATS_NO_RESPONDERS || (ms == NATS_OK && natsMsg_IsNoResponders(m));
-		natsMsg_Destroy(m);
-		if (nobody) {
-			struct timespec ts = {0, 10000000L}; /* 10 ms: a route's round trip */
-			nanosleep(&ts, NULL);
-			st = natsConnection_PublishRequest(s->nc, subj, inbox, "", 0);
+		const char *r = natsMsg_GetReply(q);
+		if (r && strlen(r) < sizeof(reply) && strncmp(r, wild, plen) == 0) {
+			char mine[160];
+			snprintf(mine, sizeof(mine), "%s", r);
+			drain_queued(sub, NULL); /* copies so far renewed nothing yet to be used */
+			for (int i = 0; st == NATS_OK && i < PROBE_ANSWERS; i++)
+				st = natsConnection_Publish(nc, mine, "", 0);
+			if (st == NATS_OK)
+				st = natsConnection_FlushTimeout(nc, 2000);
+			if (st == NATS_OK &&
+			    natsConnection_GetLastError(nc, &why) == NATS_NOT_PERMITTED)
+				st = NATS_NOT_PERMITTED;
+			if (st == NATS_OK && drain_queued(sub, mine))
+				st = NATS_NOT_PERMITTED; /* a copy may have renewed the allowance */
+			answered = true;
 		}
+		natsMsg_Destroy(q);
 	}
-	if (st == NATS_TIMEOUT)
+	if (st == NATS_TIMEOUT && !answered)
 		st =
 		    NATS_NOT_PERMITTED; /* the question never reached the user's other connection */
-	natsSubscription_Destroy(inbox_sub);
+	sub_close(s->nc, inbox_sub);
 	natsInbox_Destroy(inbox);
-	natsSubscription_Destroy(sub);
+	sub_close(nc, sub);
 	natsConnection_Destroy(nc);
 	natsOptions_Destroy(o);
 	return st;
@@ -693,8 +734,11 @@ int kvr_sync_attach(struct kvr_router *r, const struct kvr_sync_config *c, struc
 		natsConnection_GetLastError(s->nc, &why); /* the id question's refusal */
 	if (st == NATS_OK && !taken && (st = reply_check(s)) == NATS_NOT_PERMITTED) {
 		natsConnection_GetLastError(s->nc, &why); /* a reply's refusal */
-		if (answer_check(s, c) == NATS_OK)        /* allow_responses lets answers through */
-			st = NATS_OK;
+		/* allow_responses lets answers through (NATS_OK), or not; anything else (a server
+		 * that did not answer a flush, no memory) is told as itself, not as a refusal. */
+		natsStatus ac = answer_check(s, c);
+		if (ac != NATS_NOT_PERMITTED)
+			st = ac;
 	}
 	kvr_thread_restore_signals(&sigs);
 	if (!connected) {

@@ -1972,6 +1972,19 @@ static void third_party_answers(natsConnection *nc, natsSubscription *sub, natsM
 	natsMsg_Destroy(msg);
 }
 
+/* A third party that republishes every question it sees on the answer probe's subject, with
+ * its reply subject, 2,000 times (test_auth): each copy delivered to the answering connection
+ * renews the server's allowance for that reply. */
+static void third_party_copies(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                               void *closure)
+{
+	(void)sub, (void)closure;
+	const char *reply = natsMsg_GetReply(msg);
+	for (int i = 0; reply && i < 2000; i++)
+		natsConnection_PublishRequest(nc, natsMsg_GetSubject(msg), reply, "", 0);
+	natsMsg_Destroy(msg);
+}
+
 static void test_auth(void)
 {
 	static const char conf[] =
@@ -2048,6 +2061,25 @@ static void test_auth(void)
 		      kvr_strerror(rc), rc ? kvr_last_error() : "");
 		printf("auth: with a third party answering the probe: oneanswer refused, responder "
 		       "attached\n");
+		/* One that copies our questions instead: a copy delivered between the two answers
+		 * renewed the allowance, and before, 9 of 50 attaches as oneanswer went through
+		 * (the review's probe); now a copy seen leaves no verdict (refused). */
+		natsSubscription_Destroy(sub);
+		sub = NULL;
+		CHECK(natsConnection_Subscribe(&sub, tp, "auth.probe.>", third_party_copies,
+		                               NULL) == NATS_OK &&
+		          natsConnection_FlushTimeout(tp, 2000) == NATS_OK,
+		      "the copier listens");
+		int let_in = 0;
+		for (int i = 0; i < 30; i++)
+			let_in += attach_as("oneanswer", "p", false) == 0;
+		CHECK(let_in == 0,
+		      "a third party copying the probe's questions let oneanswer attach "
+		      "%d times of 30",
+		      let_in);
+		printf(
+		    "auth: with a third party copying the probe's questions: oneanswer attached 0 "
+		    "of 30\n");
 		natsSubscription_Destroy(sub);
 		natsConnection_Destroy(tp);
 		natsOptions_Destroy(o);
