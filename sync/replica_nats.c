@@ -169,6 +169,19 @@ struct wait {
 
 #define WAIT_STEP_NS 20000000ull /* the deadline and a stop are looked at this often */
 
+/* Unsubscribes, lets the server confirm it (a flush), then destroys: nats.c 3.4.1's read loop
+ * can take a message for a subscription being destroyed at that moment (nats.c#637) and crash
+ * (SEGV in natsConn_processMsg: test_sync_nats auth_cluster under ASan, 4 runs of 8, when the
+ * answers crossing a route back to us were still on their way).  After the flush's PONG
+ * nothing more comes for it. */
+static void sub_close(natsConnection *nc, natsSubscription *sub)
+{
+	if (sub && natsSubscription_Unsubscribe(sub) == NATS_OK &&
+	    natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED) /* else no read loop runs */
+		natsConnection_FlushTimeout(nc, 2000);
+	natsSubscription_Destroy(sub);
+}
+
 /* What the wait does when no reply came for WAIT_STEP_NS, or every WAIT_STEP_NS while replies
  * that are no progress keep coming: KVR_ESHUTDOWN when poll says the replica stops (a detach or
  * router destroy waits for this thread), KVR_ETIMEDOUT past the deadline, else 0, a copy of the
@@ -274,10 +287,7 @@ static int t_request(void *ctx, const void *req, size_t len, uint64_t timeout_ns
 			break;
 	}
 out:
-	if (sub) {
-		natsSubscription_Unsubscribe(sub);
-		natsSubscription_Destroy(sub);
-	}
+	sub_close(s->nc, sub); /* replies of other providers may still be on their way */
 	natsInbox_Destroy(inbox);
 	return rc;
 }
@@ -344,6 +354,13 @@ static void sync_free(struct kvr_sync *s)
 	kvr_thread_defer_signals(&sigs);
 	/* The goodbye out before the close; not while reconnecting, where nothing can go and the
 	 * flush waited its whole 500 ms (a detach with the server down took 501 ms, 1 now). */
+	/* Unsubscribed before that flush, destroyed after it: a message the server sent before
+	 * it read the unsubscription is read before the flush's PONG, and none comes after
+	 * (nats.c 3.4.1's read loop can take one for a subscription being destroyed: sub_close). */
+	natsSubscription *subs[] = {s->snap_sub, s->stream_sub, s->id_sub};
+	for (size_t i = 0; s->nc && i < sizeof(subs) / sizeof(subs[0]); i++)
+		if (subs[i])
+			natsSubscription_Unsubscribe(subs[i]);
 	if (s->nc)
 		flush_while_connected(s->nc, 500);
 	if (s->snap_sub)
@@ -437,18 +454,6 @@ static bool drain_queued(natsSubscription *sub, const char *reply)
 		natsMsg_Destroy(m);
 	}
 	return seen;
-}
-
-/* Unsubscribes, lets the server confirm it (a flush), then destroys: nats.c 3.4.1's read loop
- * can take a message for a subscription being destroyed at that moment (nats.c#637) and crash
- * (SEGV in natsConn_processMsg: test_sync_nats auth_cluster under ASan, 4 runs of 8, when the
- * answers crossing a route back to us were still on their way).  After the flush's PONG
- * nothing more comes for it. */
-static void sub_close(natsConnection *nc, natsSubscription *sub)
-{
-	if (sub && natsSubscription_Unsubscribe(sub) == NATS_OK)
-		natsConnection_FlushTimeout(nc, 2000);
-	natsSubscription_Destroy(sub);
 }
 
 /* Whether this user may answer what it is asked with more than one message, when it may not
