@@ -66,6 +66,7 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	    .lora_seed = m->lora_seed,
 	    .overlap = m->overlap,
 	    .pend_blocks = n,
+	    .peer = true, /* its end is the origin's to tell (kvr_owner_ctx.on_rank_end) */
 	};
 	/* Posted like kvr_route's own admissions (waited for only with sync_booking): the lane is
 	 * FIFO, so the peer's later lifecycle calls for this attempt are applied after the
@@ -119,6 +120,11 @@ void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
 void kvr_repl_note_expire(void *ctx, uint64_t attempt)
 {
 	kvr_repl_note_progress(ctx, attempt, KVR_OP_ABORT, NULL, 0, false);
+}
+
+void kvr_repl_note_rank_end(void *ctx, uint64_t attempt)
+{
+	kvr_repl_note_progress(ctx, attempt, KVR_OP_RANK_ENDED, NULL, 0, false);
 }
 
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,

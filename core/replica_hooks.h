@@ -121,6 +121,11 @@ void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
  * as an abort, so peers release their mirror at once instead of on their own reaper, and the
  * layer drops its record of the attempt. */
 void kvr_repl_note_expire(void *ctx, uint64_t attempt);
+/* The shard ended one of this router's own attempts with its rank's life, or dropped its posted
+ * booking for the rank gone (shard thread; ctx is the router; kvr_owner_ctx.on_rank_end): told
+ * as progress op KVR_OP_RANK_ENDED, which the layer publishes as an abort, so that its record
+ * and its peers' mirrors end (no call and no expiry ever will). */
+void kvr_repl_note_rank_end(void *ctx, uint64_t attempt);
 void kvr_repl_note_rank_slow(struct kvr_router *r, int op, struct kvr_rank_id rank,
                              uint64_t incarnation, uint64_t capacity, uint32_t mbt,
                              struct kvr_rank_life life);

@@ -193,6 +193,7 @@ int kvr_router_create(const struct kvr_config *cfg, struct kvr_router **out)
 	    .on_event_gap = cfg->on_event_gap,
 	    .callback_ctx = cfg->callback_ctx,
 	    .on_expire = kvr_repl_note_expire,
+	    .on_rank_end = kvr_repl_note_rank_end,
 	    /* With a queue, load a shard lowers by itself wakes the admission thread
 	     * (core/queue_thread.c); without one there is nobody to tell. */
 	    .on_unloaded = cfg->queue_threshold > 0 ? kvr_admitter_note_unloaded : NULL,

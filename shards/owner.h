@@ -138,6 +138,13 @@ struct kvr_owner_ctx {
 	 * abort).  NULL: nothing to tell. */
 	void (*on_expire)(void *ctx, uint64_t attempt);
 	void *expire_ctx;
+	/* The shard ended `attempt` because its rank's life ended (a removal, a reset, a new
+	 * incarnation: kvr_owner_end_all_attempts) or dropped its posted booking for the rank
+	 * gone, and won its lease's claim: no lifecycle call and no expiry will ever tell it.
+	 * Called on the shard thread, after the attempt ended, for this router's own attempts
+	 * only (not those booked for a peer replica: kvr_admit_args.peer, whose origin tells
+	 * their end).  ctx: expire_ctx.  NULL: nothing to tell. */
+	void (*on_rank_end)(void *ctx, uint64_t attempt);
 	/* The shard lowered load by itself, in no call of the router's: a lease expiry, the end of
 	 * an attempt whose ending call's work never came, a booking dropped for memory, a decay
 	 * step (expected_prefill_ns); or applied a posted lifecycle message (its call returned
@@ -183,6 +190,9 @@ struct kvr_admit_args {
 	/* the reserved record holds the hashes already (written by the caller); local and seq
 	 * may then be copies elsewhere, read for nothing but the last sequence hash */
 	bool in_record;
+	/* booked for a peer replica's attempt (kvr_repl_admit): its end is not told from here
+	 * (kvr_owner_ctx.on_rank_end) */
+	bool peer;
 };
 
 struct kvr_attempt; /* the shard's record of an attempt (shards/owner_attempts.c) */
@@ -269,6 +279,10 @@ enum kvr_progress_op {
 	KVR_OP_OUTPUT,
 	KVR_OP_FINISH, /* the caller claimed the lease */
 	KVR_OP_ABORT,  /* the caller claimed the lease */
+	/* Only in a replica note (kvr_owner_ctx.on_rank_end), never posted to a shard: the shard
+	 * ended the attempt when its rank's life ended (removed, reset, a new incarnation) or
+	 * dropped its booking for the rank gone, winning the claim. */
+	KVR_OP_RANK_ENDED,
 };
 
 /* Inline output tokens in a posted message; more go through a heap copy.  Six, so that the

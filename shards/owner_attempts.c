@@ -274,6 +274,7 @@ void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 	rec->last_seq = a->n > 0 ? a->seq[a->n - 1] : 0;
 	rec->lora_seed = a->lora_seed;
 	rec->chain_known = a->chain_known;
+	rec->peer = a->peer;
 	rec->in_prefill = true;
 	rec->pend_prefill_tokens = a->pend_prefill_tokens;
 	rec->pend_blocks = a->pend_blocks;
@@ -545,27 +546,44 @@ void kvr_owner_drop_owed(struct kvr_shard *sh, struct kvr_rank_owned *own)
 	}
 }
 
+/* An own attempt whose end this shard claimed when its rank's life ended: replica sync tells
+ * it (an abort), or no one would: the frontend's finish then returns KVR_ESTALE and no lease
+ * expiry comes, so its record stayed on this replica and its mirror (with its load) on every
+ * peer until the replica went (test_replica_ranks
+ * attempts_ended_by_a_rank_removal_or_reset_leave_no_record).  A claim a caller won is told by
+ * that caller's note; a peer's attempt by its origin. */
+static void tell_rank_end(const struct kvr_owner_ctx *c, uint64_t attempt, bool won, bool peer)
+{
+	if (won && !peer && c->on_rank_end)
+		c->on_rank_end(c->expire_ctx, attempt);
+}
+
 void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
 {
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
 	while (own->attempts) {
 		struct kvr_attempt *rec = own->attempts;
-		kvr_lease_claim(c->leases, rec->attempt); /* lost if a caller claimed first: fine */
+		uint64_t attempt = rec->attempt; /* rec is recycled by end_attempt */
+		bool peer = rec->peer;
+		/* lost if a caller claimed first: fine, its call ends the attempt */
+		bool won = kvr_lease_claim(c->leases, attempt) == 0;
 		end_attempt(sh, rec, false);
+		tell_rank_end(c, attempt, won, peer);
 	}
 }
 
 /* ---------------------------------------------------------------- booking */
 
 /* A booking that cannot be made: the attempt is stale (its lease claimed if nobody has, then
- * released) and its provisional load goes back. */
-static void drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
+ * released) and its provisional load goes back.  Returns whether this claimed it. */
+static bool drop_booking(struct kvr_shard_state *ss, struct kvr_attempt *rec)
 {
 	const struct kvr_owner_ctx *c = ss->c;
-	kvr_lease_claim(c->leases, rec->attempt);
+	bool won = kvr_lease_claim(c->leases, rec->attempt) == 0;
 	kvr_lease_release(c->leases, rec->attempt);
 	unprovision(c, rec, false);
 	kvr_owner_attempt_free(c, rec);
+	return won;
 }
 
 /* The routing thread wrote the record's blocks with streaming stores (core/hash.h): they are in
@@ -590,8 +608,10 @@ static void prefetch_blocks(const struct kvr_lru_block *b, size_t n)
  * returned 0 already: it cannot fail for the record's tracking (its poster took room), and if
  * the load cannot be recorded for memory it is booked without it, its load left provisional
  * (load_missing), rather than dropped as the posted booking is: the waited-for booking would
- * have failed kvr_route instead, and an attempt kvr_route returned must live until its end. */
-static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred)
+ * have failed kvr_route instead, and an attempt kvr_route returned must live until its end.
+ * posted: a posted booking (deferred or not), whose attempt its router returned and noted; a
+ * waited one (kvr_owner_book_call) fails its admission instead. */
+static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bool posted)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
 	const struct kvr_owner_ctx *c = ss->c;
@@ -600,7 +620,13 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred)
 	struct kvr_rank_owned *own = kvr_owner_rank(c, rec->slot, rec->gen);
 	if (!own) {
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_STALE_BOOKINGS, 1);
-		drop_booking(ss, rec);
+		uint64_t attempt = rec->attempt;
+		bool peer = rec->peer;
+		bool won = drop_booking(ss, rec);
+		/* A posted booking: kvr_route returned the attempt and noted it; a waited one
+		 * (kvr_owner_book_call) fails its kvr_admit instead, noted nowhere. */
+		if (posted)
+			tell_rank_end(c, attempt, won, peer);
 		return KVR_ENOENT;
 	}
 	uint32_t bs = c->block_size;
@@ -665,7 +691,7 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 	 * stale here, so its finish returns KVR_ESTALE and notes nothing: told as an expiry (an
 	 * abort), or every peer kept its mirror live for good (test_sync_nats test_oom). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
-	int rc = book(sh, rec, false);
+	int rc = book(sh, rec, false, true);
 	if (rc == KVR_ENOMEM && c->on_expire)
 		c->on_expire(c->expire_ctx, attempt);
 	/* Its provisional load is gone.  Also for a rank removed meanwhile (KVR_ENOENT): the
@@ -681,7 +707,7 @@ void kvr_owner_book_deferred_task(struct kvr_shard *sh, void *payload)
 	struct kvr_attempt *rec;
 	memcpy(&rec, payload, sizeof(rec));
 	ss->room_taken++; /* its poster took one: a track uses it, a stale drop gives it back */
-	book(sh, rec, true);
+	book(sh, rec, true, true);
 	room_sync(ss);
 }
 
@@ -690,7 +716,7 @@ int kvr_owner_book_call(struct kvr_shard *sh, void *rec)
 	/* A sync_booking booking waited for: its poster found no room (kvr_owner_book_room_take).
 	 */
 	kvr_metrics_add(kvr_owner_mb(kvr_owner_state(sh)->c), KVR_C_BOOKING_WAITS, 1);
-	return book(sh, rec, false);
+	return book(sh, rec, false, false);
 }
 
 /* ---------------------------------------------------------------- lifecycle */

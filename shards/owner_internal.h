@@ -38,6 +38,7 @@ struct kvr_attempt {
 	/* Output no longer predicted: its blocks reached the attempt bound, or some of its output
 	 * could not be taken (memory), after which its chain is not known (owner_attempts.c). */
 	bool output_off;
+	bool peer;         /* kvr_admit_args.peer */
 	int8_t pool_class; /* capacity 2^pool_class blocks, recycled; -1: exact size, freed */
 	struct kvr_attempt *prev, *next; /* the rank's live attempts */
 	uint32_t tail[]; /* block_size tokens, then the prompt's blocks (kvr_attempt_blocks) */

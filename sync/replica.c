@@ -20,6 +20,14 @@
  * send RESET and its live attempts again, plus what it finished during its last outage.  NATS keeps
  * one publisher's order on one subject, so in a healthy cluster there are no gaps.
  *
+ * Attempts a rank's end ended.  A rank removed, reset or given a new incarnation ends every
+ * attempt live on it (their calls return KVR_ESTALE from then on, no lease expiry comes).  The
+ * shard that ends one of this router's own attempts that way, having won its lease's claim,
+ * notes it (KVR_OP_RANK_ENDED); the sender publishes an ABORT and drops the record
+ * (sync/replica_out.c, out_rank_ended), and each peer ends its mirror when the ABORT arrives.
+ * Attempts a caller finished first are told by the caller's own note, and a peer never drops a
+ * mirror on its own reading of a rank change, only on its origin's word.
+ *
  * Snapshots.  A new replica subscribes to the stream first, then asks any ready peer (a NATS
  * queue group) for a snapshot: FENCE records (each origin's stream position the snapshot
  * includes), RANK records, ghost ATTEMPTs (recently finished attempts, per rank in release

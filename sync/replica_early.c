@@ -6,9 +6,12 @@
  * the admission (core/route.c).  A posted booking the shard drops for memory is told to replica
  * sync at once, on the shard thread, as an expiry (shards/owner_attempts.c,
  * kvr_owner_book_task); its ring ticket can be taken while the routing thread has yet to take
- * the admission's.  The sender then sees the end with no record, and the admission later: had
- * it published the admission, every peer would have mirrored the attempt for good.  So the end
- * is remembered here and the admission, when it comes, takes it out and is not published.
+ * the admission's; so can a rank's end that ended the attempt, booked or not (a rank removed,
+ * reset or given a new incarnation: kvr_owner_ctx.on_rank_end, KVR_OP_RANK_ENDED) while the
+ * routing thread had yet to note it.  The sender then sees the end with no record, and the
+ * admission later: had it published the admission, every peer would have mirrored the attempt for
+ * good.  So the end is remembered here and the admission, when it comes, takes it out and is not
+ * published.
  *
  * How many can be pending.  One per routing thread at most (a thread is in that window for one
  * route at a time), and routing threads are the embedder's: there is no bound to size a table

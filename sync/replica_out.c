@@ -241,6 +241,30 @@ static void out_end(struct kvr_replica *rep, struct kvr_rep_rec *x, unsigned typ
 	kvr_rep_journal_add(rep, x);
 }
 
+/* Own attempt x ended with its rank's life (a removal, a reset, a new incarnation), or its
+ * posted booking was dropped for the rank gone: the shard that ended it won its lease's claim
+ * and said so (kvr_owner_ctx.on_rank_end, KVR_OP_RANK_ENDED), since the frontend's finish now
+ * returns KVR_ESTALE and no lease expiry comes.  Before, no message ever ended it: its record
+ * stayed in the map and the live list (told in every snapshot, re-announce and heartbeat
+ * count) until the replica went, and every peer kept its mirror (test_replica_ranks
+ * attempts_ended_by_a_rank_removal_or_reset_leave_no_record; perf/soak_router --phases
+ * ranks,replica).  Told as an abort, so that each peer ends its mirror when it arrives: a peer
+ * never drops a mirror on its own reading of a rank change, which may differ from the origin's
+ * (a change the origin refused for an older version; an admission on the rank's new life
+ * crossing it), only on the origin's word.  Ended here, on the sender, where every record of an
+ * own attempt is made and freed (never under a record the sender holds across sender_pause),
+ * and in the notes' order: a finish or abort a caller won before the rank's end was noted
+ * before it and went out as itself (test_replica_ranks
+ * an_attempt_finished_before_its_ranks_removal_still_tells_its_finish).  Not journaled: the
+ * life it ran on ended, its blocks with it, on every replica that applies the change. */
+static void out_rank_ended(struct kvr_replica *rep, struct kvr_rep_rec *x)
+{
+	send_simple(rep, KVR_MSG_ABORT, x->oattempt);
+	kvr_rep_map_remove(rep, x);
+	kvr_rep_live_unlink(rep, x);
+	kvr_rep_rec_free(x);
+}
+
 /* OUTPUT messages of at most max_msg bytes each: a cut between two parts needs no flag (the
  * last token of a part is held back until the next part's first comes, as between two calls),
  * the last part has the call's. */
@@ -271,7 +295,7 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 {
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
 	if (!x) { /* admitted before attach (peers never saw it), or its admission is to come */
-		if (op == KVR_OP_FINISH || op == KVR_OP_ABORT)
+		if (op == KVR_OP_FINISH || op == KVR_OP_ABORT || op == KVR_OP_RANK_ENDED)
 			kvr_rep_early_add(rep, attempt, kvr_rep_mono_ns());
 		return;
 	}
@@ -296,6 +320,9 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 			if (!sender_pause(rep, &tries))
 				x->out_short = true;
 		send_output(rep, attempt, tokens, n, not_final);
+		break;
+	case KVR_OP_RANK_ENDED:
+		out_rank_ended(rep, x);
 		break;
 	default: /* finish, abort (a lease expiry comes as an abort: kvr_repl_note_expire) */
 		out_end(rep, x, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT);

@@ -919,3 +919,237 @@ Test(replica_ranks, a_judged_rank_already_gone_is_not_counted, .timeout = 60)
 	cr_assert_eq(a.rank_stale, b.rank_stale + 1, "the judged removal not counted");
 	bus_teardown(r, 1);
 }
+
+/* Own live records of replica i (attempts it routed and has not seen end), and the records of
+ * every kind in its attempt map (own and mirrored). */
+static size_t own_live(int i, size_t *in_map)
+{
+	struct kvr_replica *rep = bus.rep[i];
+	size_t n = 0;
+	pthread_mutex_lock(&rep->mu);
+	for (const struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
+		n += x->origin == rep->c.replica_id;
+	*in_map = rep->map_n;
+	pthread_mutex_unlock(&rep->mu);
+	return n;
+}
+
+/* Whether replica i's journal of rank rk holds the record of the attempt origin told as oa. */
+static bool journaled(int i, struct kvr_rank_id rk, uint64_t origin, uint64_t oa)
+{
+	struct kvr_replica *rep = bus.rep[i];
+	bool found = false;
+	pthread_mutex_lock(&rep->mu);
+	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, rk);
+	for (const struct kvr_rep_rec *x = e ? e->jhead : NULL; x && !found; x = x->next)
+		found = x->origin == origin && x->oattempt == oa;
+	pthread_mutex_unlock(&rep->mu);
+	return found;
+}
+
+/* Routes a 64-token prompt (seed s) pinned to rank rk on r; returns the attempt. */
+static uint64_t route_on(struct kvr_router *r, struct kvr_rank_id rk, uint32_t s)
+{
+	uint32_t t[64];
+	for (int j = 0; j < 64; j++)
+		t[j] = s * 1000003u + (uint32_t)j;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 64;
+	q.pinned = &rk;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	return d.attempt;
+}
+
+/* Waits (2 s at most) until replica 0 holds want own live records and replica 1 mirrors want
+ * attempts, with nothing else in either map; false if that never came. */
+static bool records_settle(size_t want)
+{
+	for (int k = 0; k < 200; k++) {
+		size_t map0, map1;
+		size_t own = own_live(0, &map0);
+		(void)own_live(1, &map1);
+		struct kvr_sync_stats st;
+		kvr_replica_get_stats(bus.rep[1], &st);
+		if (own == want && map0 == want && map1 == want && st.mirrored == want)
+			return true;
+		nanosleep(&(struct timespec){0, 10000000}, NULL);
+	}
+	return false;
+}
+
+static void expect_records(size_t want, const char *what)
+{
+	bool ok = records_settle(want);
+	size_t map0, map1;
+	size_t own = own_live(0, &map0);
+	(void)own_live(1, &map1);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_expect(ok,
+	          "%s: origin %zu own live, %zu in its map; the peer mirrors %u, %zu in its map "
+	          "(want %zu each)",
+	          what, own, map0, (unsigned)st.mirrored, map1, want);
+}
+
+/* A rank removed (or reset) with attempts live on it ends them (KVR_ESTALE from then on), with
+ * no lifecycle call and no lease expiry to tell the replica: their records stayed in its
+ * attempt map and live list (blocks, tail and output arrays) until the replica went, told to
+ * every joiner in its snapshots, and every peer kept its mirror.  A frontend whose workers come
+ * and go for weeks, each leaving with requests in flight, grew every replica by each such
+ * attempt (perf/soak_router --phases ranks,replica).  Each lap here routes attempts onto a
+ * rank, removes the rank (or resets it) and adds it back: no record may stay, and the attempts
+ * of the rank's new life stay until they finish. */
+Test(replica_ranks, attempts_ended_by_a_rank_removal_or_reset_leave_no_record, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t inc = 7;
+	for (uint32_t lap = 0; lap < 40; lap++) {
+		for (uint32_t k = 0; k < 4; k++)
+			(void)route_on(r[0], rk, lap * 4 + k);
+		if (lap % 2) {
+			cr_assert_eq(kvr_rank_reset(r[0], rk, ++inc), 0);
+		} else {
+			cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+			cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
+		}
+	}
+	bus_quiet(r, 2);
+	expect_records(0, "after 40 removals and resets");
+	/* Only the attempts that ended go: two routed on the rank's new life, right after its
+	 * removal and re-add, stay mirrored until they finish. */
+	uint64_t a[2];
+	cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+	cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
+	for (uint32_t k = 0; k < 2; k++)
+		a[k] = route_on(r[0], rk, 9000 + k);
+	bus_quiet(r, 2);
+	nanosleep(&(struct timespec){0, 200000000}, NULL); /* 4 heartbeats */
+	expect_records(2, "the new life's attempts");
+	for (int k = 0; k < 2; k++)
+		cr_assert_eq(kvr_request_finish(r[0], a[k]), 0);
+	bus_quiet(r, 2);
+	expect_records(0, "the new life's attempts finished");
+	bus_teardown(r, 2);
+}
+
+/* An attempt a caller finished just before its rank's removal (the rank's end found its lease
+ * claimed) is told by its own FINISH, and one finished on the rank's new life as well: the
+ * rank's end tells only the attempts it ended.  The review's probe of b1a33d1: its heartbeat
+ * sweep dropped own records of ended attempts on a changed rank before their FINISH was
+ * published, so the peers kept those mirrors and their load for good ("peer mirrored=1
+ * map=1").  Finished ones join their rank's journal on the origin (an attempt the rank's end
+ * ended does not: its blocks went with the rank's life). */
+Test(replica_ranks, an_attempt_finished_before_its_ranks_removal_still_tells_its_finish,
+     .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t inc = 7;
+	for (uint32_t lap = 0; lap < 20; lap++) {
+		uint64_t a = route_on(r[0], rk, 100 + lap);
+		uint64_t gone = route_on(r[0], rk, 200 + lap);
+		if (lap % 2)
+			bus_quiet(r, 2); /* half the laps: the peer mirrors them first */
+		cr_assert_eq(kvr_request_finish(r[0], a), 0);
+		if (lap % 4 < 2) {
+			cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+			cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
+		} else {
+			cr_assert_eq(kvr_rank_reset(r[0], rk, ++inc), 0);
+		}
+		cr_assert_eq(kvr_request_finish(r[0], gone), KVR_ESTALE);
+		/* one on the new life, finished at once, before the sender has caught up */
+		uint64_t b = route_on(r[0], rk, 300 + lap);
+		cr_assert_eq(kvr_request_finish(r[0], b), 0);
+		bus_quiet(r, 2);
+		expect_records(0, "a lap");
+		cr_assert(journaled(0, rk, 1, b),
+		          "lap %u: the new life's finished attempt was not "
+		          "journaled (not ended by its FINISH)",
+		          lap);
+		cr_assert(!journaled(0, rk, 1, gone), "lap %u: the ended attempt was journaled",
+		          lap);
+	}
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_expect_eq(st.orphans, 0, "%lu ends reached the peer for attempts it did not mirror",
+	             (unsigned long)st.orphans);
+	bus_teardown(r, 2);
+}
+
+/* Many ranks changed at once (more than the 32 b1a33d1's sweep could name before it swept
+ * every rank) end only their own attempts: the attempts of a rank left alone stay live and
+ * mirrored, and those of it finished meanwhile are told by their FINISH (the review's probe:
+ * the "every rank" fallback dropped them unpublished, the peers kept their mirrors). */
+Test(replica_ranks, many_rank_changes_at_once_leave_the_other_ranks_records, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	const struct kvr_rank_id live = {1, 0};
+	uint64_t keep[4], done[4];
+	for (uint32_t k = 0; k < 4; k++) {
+		keep[k] = route_on(r[0], live, 400 + k);
+		done[k] = route_on(r[0], live, 500 + k);
+	}
+	for (uint64_t w = 100; w < 140; w++)
+		cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){w, 0}, 1, 1000, 4096), 0);
+	for (uint64_t w = 100; w < 140; w++)
+		(void)route_on(r[0], (struct kvr_rank_id){w, 0}, 600 + (uint32_t)w);
+	bus_quiet(r, 2);
+	expect_records(48, "before the changes");
+	for (uint32_t k = 0; k < 4; k++)
+		cr_assert_eq(kvr_request_finish(r[0], done[k]), 0);
+	for (uint64_t w = 100; w < 140; w++) {
+		struct kvr_rank_id id = {w, 0};
+		cr_assert_eq(w % 2 ? kvr_rank_reset(r[0], id, 2) : kvr_rank_remove(r[0], id), 0);
+	}
+	bus_quiet(r, 2);
+	nanosleep(&(struct timespec){0, 200000000}, NULL); /* 4 heartbeats */
+	expect_records(4, "after 40 rank changes");
+	for (uint32_t k = 0; k < 4; k++)
+		cr_expect(journaled(0, live, 1, done[k]), "finished attempt %u not journaled", k);
+	for (uint32_t k = 0; k < 4; k++)
+		cr_assert_eq(kvr_request_finish(r[0], keep[k]), 0);
+	bus_quiet(r, 2);
+	expect_records(0, "all finished");
+	bus_teardown(r, 2);
+}
+
+/* An own record the sender holds across sender_pause (its output's copy failing for memory:
+ * the sender sleeps with mu released) while the attempt's rank is removed: the record is ended
+ * by the sender itself, after the pause, never freed under it (the review's probe of b1a33d1:
+ * its heartbeat sweep freed it there, ASan's heap-use-after-free in out_progress).  Run under
+ * ASan (meson test --suite unit with -Db_sanitize=address). */
+Test(replica_ranks, a_record_the_sender_holds_across_a_pause_outlives_its_ranks_end, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t inc = 7;
+	uint32_t out[200];
+	for (uint32_t lap = 0; lap < 12; lap++) {
+		uint64_t a = route_on(r[0], rk, 700 + lap);
+		bus_quiet(r, 2);
+		for (uint32_t j = 0; j < 200; j++)
+			out[j] = lap * 7919u + 888000u + j;
+		kvr_alloc_fail_scope(KVR_ALLOC_ROLE_REPLICA);
+		kvr_alloc_fail_from(1);
+		cr_assert_eq(kvr_request_output(r[0], a, out, 200), 0);
+		nanosleep(&(struct timespec){0, 2000000}, NULL); /* the sender in its pause */
+		cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+		nanosleep(&(struct timespec){0, 60000000}, NULL); /* a heartbeat meanwhile */
+		kvr_alloc_fail_after(0);
+		kvr_alloc_fail_scope(0);
+		cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
+		bus_quiet(r, 2);
+		expect_records(0, "after the pause");
+	}
+	bus_teardown(r, 2);
+}
