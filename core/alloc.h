@@ -78,6 +78,10 @@ void kvr_alloc_fail_from(uint64_t nth);
 #define KVR_ALLOC_ROLE_CALLER (1u << 0) /* a caller's thread, tagged by a test */
 /* Replica sync's sender and apply threads, and nats.c's subscription thread while it applies. */
 #define KVR_ALLOC_ROLE_REPLICA (1u << 1)
+/* Replica sync's sender alone (it carries KVR_ALLOC_ROLE_REPLICA too): a test that holds the
+ * sender in its out-of-memory pause while the apply thread goes on (test_replica_ranks
+ * a_record_the_sender_holds_across_a_pause_outlives_its_ranks_end). */
+#define KVR_ALLOC_ROLE_SENDER (1u << 2)
 /* Tags the calling thread with role (KVR_ALLOC_ROLE_* bits; 0: untagged, the default).
  * Context: the thread itself. */
 void kvr_alloc_thread_role(unsigned role);

@@ -465,7 +465,8 @@ static void *out_main(void *arg)
 	/* Poll sleeps of OUT_POLL_NS, not the default 50 us of slack on top. */
 	prctl(PR_SET_TIMERSLACK, 1000UL);
 	prctl(PR_SET_NAME, "kvr-sync-out");
-	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA); /* scoped test failures (core/alloc.h) */
+	/* scoped test failures (core/alloc.h) */
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA | KVR_ALLOC_ROLE_SENDER);
 	struct kvr_msg batch[OUT_BURST];
 	uint64_t idle_since = 0;
 	for (;;) {

@@ -1038,13 +1038,24 @@ Test(replica_ranks, attempts_ended_by_a_rank_removal_or_reset_leave_no_record, .
 	bus_teardown(r, 2);
 }
 
+/* Holds replica 0's threads (sender and apply thread) for 60 ms, then lets them race: the apply
+ * thread's heartbeat is due at once, the sender has notes waiting.  A heartbeat that dropped
+ * records of ended attempts (b1a33d1's sweep) then ran before the sender's ends about half the
+ * time. */
+static void stall_then_race(void)
+{
+	kvr_replica_stall(bus.rep[0], 60, true);
+}
+
 /* An attempt a caller finished just before its rank's removal (the rank's end found its lease
- * claimed) is told by its own FINISH, and one finished on the rank's new life as well: the
- * rank's end tells only the attempts it ended.  The review's probe of b1a33d1: its heartbeat
- * sweep dropped own records of ended attempts on a changed rank before their FINISH was
- * published, so the peers kept those mirrors and their load for good ("peer mirrored=1
- * map=1").  Finished ones join their rank's journal on the origin (an attempt the rank's end
- * ended does not: its blocks went with the rank's life). */
+ * claimed), and one finished on the rank's new life, are told by their own FINISH: the rank's
+ * end tells only the attempts it ended.  The review's probe of b1a33d1: its heartbeat sweep
+ * dropped own records of ended attempts on a rank changed since the last heartbeat, those that
+ * ended normally too, before their FINISH was published, so the peers kept those mirrors and
+ * their load for good ("peer mirrored=1 map=1").  Here the finishes wait behind a stall of the
+ * origin, after which its heartbeat races its sender.  Finished ones join their rank's journal
+ * on the origin (an attempt the rank's end ended does not: its blocks went with the rank's
+ * life). */
 Test(replica_ranks, an_attempt_finished_before_its_ranks_removal_still_tells_its_finish,
      .timeout = 60)
 {
@@ -1055,24 +1066,26 @@ Test(replica_ranks, an_attempt_finished_before_its_ranks_removal_still_tells_its
 	for (uint32_t lap = 0; lap < 20; lap++) {
 		uint64_t a = route_on(r[0], rk, 100 + lap);
 		uint64_t gone = route_on(r[0], rk, 200 + lap);
-		if (lap % 2)
-			bus_quiet(r, 2); /* half the laps: the peer mirrors them first */
+		bus_quiet(r, 2); /* the peer mirrors them */
 		cr_assert_eq(kvr_request_finish(r[0], a), 0);
-		if (lap % 4 < 2) {
+		if (lap % 2) {
 			cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
 			cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
 		} else {
 			cr_assert_eq(kvr_rank_reset(r[0], rk, ++inc), 0);
 		}
 		cr_assert_eq(kvr_request_finish(r[0], gone), KVR_ESTALE);
-		/* one on the new life, finished at once, before the sender has caught up */
+		/* one on the new life, mirrored, then finished while the origin is held */
 		uint64_t b = route_on(r[0], rk, 300 + lap);
+		bus_quiet(r, 2);
+		stall_then_race();
 		cr_assert_eq(kvr_request_finish(r[0], b), 0);
+		nanosleep(&(struct timespec){0, 80000000}, NULL);
 		bus_quiet(r, 2);
 		expect_records(0, "a lap");
 		cr_assert(journaled(0, rk, 1, b),
-		          "lap %u: the new life's finished attempt was not "
-		          "journaled (not ended by its FINISH)",
+		          "lap %u: the new life's finished attempt was not journaled (not ended by "
+		          "its FINISH)",
 		          lap);
 		cr_assert(!journaled(0, rk, 1, gone), "lap %u: the ended attempt was journaled",
 		          lap);
@@ -1084,37 +1097,47 @@ Test(replica_ranks, an_attempt_finished_before_its_ranks_removal_still_tells_its
 	bus_teardown(r, 2);
 }
 
-/* Many ranks changed at once (more than the 32 b1a33d1's sweep could name before it swept
- * every rank) end only their own attempts: the attempts of a rank left alone stay live and
+/* Many ranks changed at once (more than the 32 b1a33d1's sweep could name before it fell back
+ * to every rank) end only their own attempts: the attempts of a rank left alone stay live and
  * mirrored, and those of it finished meanwhile are told by their FINISH (the review's probe:
- * the "every rank" fallback dropped them unpublished, the peers kept their mirrors). */
+ * the "every rank" fallback dropped them unpublished when the heartbeat came first, and the
+ * peers kept their mirrors).  Each lap: 40 ranks added, routed to and removed or reset, then
+ * two of the live rank's attempts finished while the origin is held. */
 Test(replica_ranks, many_rank_changes_at_once_leave_the_other_ranks_records, .timeout = 60)
 {
 	struct kvr_router *r[2];
 	bus_start(r, 2);
 	const struct kvr_rank_id live = {1, 0};
-	uint64_t keep[4], done[4];
-	for (uint32_t k = 0; k < 4; k++) {
+	uint64_t keep[4];
+	for (uint32_t k = 0; k < 4; k++)
 		keep[k] = route_on(r[0], live, 400 + k);
-		done[k] = route_on(r[0], live, 500 + k);
+	for (uint32_t lap = 0; lap < 8; lap++) {
+		uint64_t done[2];
+		for (uint32_t k = 0; k < 2; k++)
+			done[k] = route_on(r[0], live, 500 + lap * 2 + k);
+		for (uint64_t w = 100; w < 140; w++)
+			cr_assert_eq(
+			    kvr_rank_add(r[0], (struct kvr_rank_id){w, 0}, 1 + lap, 1000, 4096), 0);
+		for (uint64_t w = 100; w < 140; w++)
+			(void)route_on(r[0], (struct kvr_rank_id){w, 0}, 600 + (uint32_t)w);
+		bus_quiet(r, 2);
+		expect_records(46, "before the changes");
+		for (uint64_t w = 100; w < 140; w++) {
+			struct kvr_rank_id id = {w, 0};
+			cr_assert_eq(w % 2 ? kvr_rank_reset(r[0], id, 100 + lap) : 0, 0);
+			cr_assert_eq(kvr_rank_remove(r[0], id), 0);
+		}
+		bus_quiet(r, 2);
+		stall_then_race();
+		for (uint32_t k = 0; k < 2; k++)
+			cr_assert_eq(kvr_request_finish(r[0], done[k]), 0);
+		nanosleep(&(struct timespec){0, 80000000}, NULL);
+		bus_quiet(r, 2);
+		expect_records(4, "after 40 rank changes");
+		for (uint32_t k = 0; k < 2; k++)
+			cr_assert(journaled(0, live, 1, done[k]),
+			          "lap %u: finished attempt %u not journaled", lap, k);
 	}
-	for (uint64_t w = 100; w < 140; w++)
-		cr_assert_eq(kvr_rank_add(r[0], (struct kvr_rank_id){w, 0}, 1, 1000, 4096), 0);
-	for (uint64_t w = 100; w < 140; w++)
-		(void)route_on(r[0], (struct kvr_rank_id){w, 0}, 600 + (uint32_t)w);
-	bus_quiet(r, 2);
-	expect_records(48, "before the changes");
-	for (uint32_t k = 0; k < 4; k++)
-		cr_assert_eq(kvr_request_finish(r[0], done[k]), 0);
-	for (uint64_t w = 100; w < 140; w++) {
-		struct kvr_rank_id id = {w, 0};
-		cr_assert_eq(w % 2 ? kvr_rank_reset(r[0], id, 2) : kvr_rank_remove(r[0], id), 0);
-	}
-	bus_quiet(r, 2);
-	nanosleep(&(struct timespec){0, 200000000}, NULL); /* 4 heartbeats */
-	expect_records(4, "after 40 rank changes");
-	for (uint32_t k = 0; k < 4; k++)
-		cr_expect(journaled(0, live, 1, done[k]), "finished attempt %u not journaled", k);
 	for (uint32_t k = 0; k < 4; k++)
 		cr_assert_eq(kvr_request_finish(r[0], keep[k]), 0);
 	bus_quiet(r, 2);
@@ -1122,31 +1145,40 @@ Test(replica_ranks, many_rank_changes_at_once_leave_the_other_ranks_records, .ti
 	bus_teardown(r, 2);
 }
 
-/* An own record the sender holds across sender_pause (its output's copy failing for memory:
- * the sender sleeps with mu released) while the attempt's rank is removed: the record is ended
- * by the sender itself, after the pause, never freed under it (the review's probe of b1a33d1:
- * its heartbeat sweep freed it there, ASan's heap-use-after-free in out_progress).  Run under
- * ASan (meson test --suite unit with -Db_sanitize=address). */
+/* Own records the sender holds across sender_pause (their output's copy failing for memory:
+ * the sender sleeps with mu released, the apply thread goes on) while a peer's removal of their
+ * rank is applied and heartbeats pass: they are ended by the sender itself, after the pause,
+ * never freed under it (the review's probe of b1a33d1: its heartbeat sweep freed the held one,
+ * ASan's heap-use-after-free in out_progress).  Run under ASan (-Db_sanitize=address). */
 Test(replica_ranks, a_record_the_sender_holds_across_a_pause_outlives_its_ranks_end, .timeout = 60)
 {
 	struct kvr_router *r[2];
 	bus_start(r, 2);
 	const struct kvr_rank_id rk = {1, 0};
-	uint64_t inc = 7;
+	uint64_t inc = 7, seq = 0;
 	uint32_t out[200];
-	for (uint32_t lap = 0; lap < 12; lap++) {
-		uint64_t a = route_on(r[0], rk, 700 + lap);
+	for (uint32_t lap = 0; lap < 8; lap++) {
+		uint64_t a[5];
+		for (uint32_t k = 0; k < 5; k++)
+			a[k] = route_on(r[0], rk, 700 + lap * 5 + k);
 		bus_quiet(r, 2);
-		for (uint32_t j = 0; j < 200; j++)
-			out[j] = lap * 7919u + 888000u + j;
-		kvr_alloc_fail_scope(KVR_ALLOC_ROLE_REPLICA);
+		pthread_mutex_lock(&bus.rep[0]->mu);
+		uint64_t clock = bus.rep[0]->rank_clock + 1000;
+		pthread_mutex_unlock(&bus.rep[0]->mu);
+		kvr_alloc_fail_scope(KVR_ALLOC_ROLE_SENDER);
 		kvr_alloc_fail_from(1);
-		cr_assert_eq(kvr_request_output(r[0], a, out, 200), 0);
-		nanosleep(&(struct timespec){0, 2000000}, NULL); /* the sender in its pause */
-		cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
-		nanosleep(&(struct timespec){0, 60000000}, NULL); /* a heartbeat meanwhile */
+		for (uint32_t k = 0; k < 5; k++) { /* 5 pauses of 10 ms each */
+			for (uint32_t j = 0; j < 200; j++)
+				out[j] = (lap * 5 + k) * 7919u + 888000u + j;
+			cr_assert_eq(kvr_request_output(r[0], a[k], out, 200), 0);
+		}
+		/* a peer (5) removes the rank: applied by the origin's apply thread */
+		peer_rank_v(bus.rep[0], ++seq, KVR_REPL_RANK_REMOVE, rk.worker_id, inc, clock);
+		nanosleep(&(struct timespec){0, 80000000}, NULL); /* a heartbeat meanwhile */
 		kvr_alloc_fail_after(0);
 		kvr_alloc_fail_scope(0);
+		cr_assert(!has_rank(r[0], rk.worker_id), "lap %u: the peer's removal not applied",
+		          lap);
 		cr_assert_eq(kvr_rank_add(r[0], rk, ++inc, 1000, 4096), 0);
 		bus_quiet(r, 2);
 		expect_records(0, "after the pause");
