@@ -34,7 +34,7 @@
 #define FRONTENDS 4 /* two a router */
 #define RANKS     3
 #define LIVE      8   /* attempts a thread holds at once */
-#define CHANGES   300 /* rank changes made (or tried) before the threads stop */
+#define CHANGES   200 /* rank changes made (or tried) before the threads stop */
 #define CHURN_NS  1000000L
 
 static struct kvr_replica *_Atomic rep[2];
