@@ -494,7 +494,8 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
  * An answer with a hole inside it, or short of target (its end marker, or its wait, came first),
  * is asked for again from the first batch missing, each ask after an answer that brought
  * something, up to FEED_REPLAY_ASKS asks that brought fewer than FEED_REPLAY_ASK_GAIN batches
- * in order, and within FEED_REPLAY_ASKS x replay_timeout_ms in all (before, any 8
+ * in order, and within FEED_REPLAY_ASKS x max(replay_timeout_ms, FEED_REPLAY_END_MIN_MS) in all
+ * (before, any 8
  * asks: behind a ROUTER at the default bound, 1,000, an answer of 10,563 batches ended in a gap
  * after 8 asks of 1,000 each, stress_feed_rank_churn_router_hwm in CI, and test_feed_replay_reask
  * a_long_*_answer_cut_at_a_bound_is_asked_until_whole failed): a ROUTER drops at its send bound

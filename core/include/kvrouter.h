@@ -1328,7 +1328,7 @@ KVR_API void kvr_sync_config_init(struct kvr_sync_config *c);
  * thread.  The calling thread's asynchronous signals are held (blocked, then delivered) while
  * nats.c connects, subscribes, flushes, asks who holds the id and probes the inbox permission:
  * at most ~8 s with one server, 2 s more for each further server it must try, and for a user
- * refused the inbox probe a second connection's ~5 s more (its answer probe); and in
+ * refused the inbox probe a second connection's ~8 s more (its answer probe); and in
  * kvr_sync_detach while it closes: nats.c takes an interrupted system call for a broken
  * connection.
  */
