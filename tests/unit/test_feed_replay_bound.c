@@ -25,80 +25,10 @@
 #include "kvrouter.h"
 #include "sync/feed_encode.h"
 #include "sync/feed_internal.h"
+#include "tests/common/feed_engine.h"
 #include "tests/common/feed_pub.h"
 #include "tests/common/feed_replayer.h"
 #include "tests/common/mono_clock.h"
-
-enum { N = 640 };
-
-static atomic_int gap_calls;
-static _Atomic uint64_t gap_from, gap_to;
-static void on_gap(void *ctx, uint64_t worker, uint32_t dp, uint64_t from, uint64_t to)
-{
-	(void)ctx, (void)worker, (void)dp;
-	atomic_store(&gap_from, from);
-	atomic_store(&gap_to, to);
-	atomic_fetch_add(&gap_calls, 1);
-}
-
-static uint64_t block_of(uint64_t i)
-{
-	return 0x5000 + i;
-}
-
-struct world {
-	struct test_replayer t;
-	struct kvr_fenc enc[N];
-};
-
-/* dp_of(i): the batch's data_parallel_rank, or -1 for none. */
-static void encode(struct world *w, int (*dp_of)(uint64_t))
-{
-	for (uint64_t i = 0; i < N; i++) {
-		uint64_t s = block_of(i), old = block_of(i - 2);
-		kvr_fenc_init(&w->enc[i]);
-		kvr_fenc_begin(&w->enc[i], 1.0, i >= 2 ? 2 : 1);
-		kvr_fenc_stored(&w->enc[i], &s, 1, NULL, TEST_BLOCK_TOKENS, test_block_tokens, &s);
-		if (i >= 2)
-			kvr_fenc_removed(&w->enc[i], &old, 1);
-		kvr_fenc_end(&w->enc[i], dp_of ? dp_of(i) : 0);
-	}
-}
-
-static void open_world(struct world *w, uint32_t replay_timeout_ms)
-{
-	atomic_store(&gap_calls, 0);
-	memset(w, 0, sizeof(*w));
-	test_replayer_open(&w->t, on_gap, replay_timeout_ms, NULL);
-	encode(w, NULL);
-}
-
-static void close_world(struct world *w)
-{
-	test_replayer_close(&w->t);
-	for (int i = 0; i < N; i++)
-		kvr_fenc_fini(&w->enc[i]);
-}
-
-static void live_as(struct world *w, uint64_t seq, uint64_t payload_of)
-{
-	test_pub_send(&w->t.pub, seq, (const uint8_t *)w->enc[payload_of].sb.data,
-	              w->enc[payload_of].sb.size);
-}
-
-static void answer_as(struct world *w, uint64_t seq, uint64_t payload_of)
-{
-	if (seq == UINT64_MAX)
-		test_replayer_answer(&w->t, seq, NULL, 0);
-	else
-		test_replayer_answer(&w->t, seq, w->enc[payload_of].sb.data,
-		                     w->enc[payload_of].sb.size);
-}
-
-static void add_rank(struct world *w)
-{
-	cr_assert_eq(kvr_rank_add(w->t.r, (struct kvr_rank_id){0, 0}, 1, KVR_CAPACITY_NONE, 0), 0);
-}
 
 /* A replayer whose every answer is one batch, 100 seqs past what was asked (its first batch, so
  * never a hole inside the answer), then its end marker: the cursor moves 101 seqs an ask, but no
