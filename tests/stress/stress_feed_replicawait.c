@@ -30,6 +30,7 @@
 #include "kvrouter.h"
 #include "sync/replica.h"
 #include "tests/common/mono_clock.h"
+#include "tests/common/replica_pair.h"
 #include "tests/common/vllm_batch.h"
 #include "tests/common/xorshift.h"
 
@@ -39,8 +40,6 @@
 #define DRAIN_MS 5000
 
 static const struct kvr_rank_id X = {0, 0};
-static struct kvr_replica *_Atomic rep[2];
-static int port[2] = {0, 1};
 static struct kvr_feed *feed, *feed_g;
 static uint32_t feed_pub_id, feed_g_pub_id; /* their publishers' endpoint ids */
 static atomic_uint slot[SLOTS];             /* 0 free, RESERVED, an added id, or id | BUSY */
@@ -126,7 +125,7 @@ static void on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
 	if (atomic_load(&quiet))
 		return;
 	atomic_fetch_add(&active, 1);
-	if (!atomic_load(&quiet) && kvr_replica_handling(atomic_load(&rep[1])))
+	if (!atomic_load(&quiet) && kvr_replica_handling(atomic_load(&pair_rep[1])))
 		for (int n = 1 + (int)(xorshift64(&seed) % 3); n > 0; n--)
 			one_call(&seed, xorshift64(&seed) % 2 ? feed : feed_g);
 	atomic_fetch_add(&active, -1);
@@ -166,7 +165,7 @@ static void drain_b(void)
 	if (atomic_load(&quiet))
 		return;
 	atomic_fetch_add(&active, 1);
-	struct kvr_replica *b = atomic_load(&rep[1]);
+	struct kvr_replica *b = atomic_load(&pair_rep[1]);
 	if (!atomic_load(&quiet) && b) {
 		int rc = kvr_replica_drain(b, DRAIN_MS);
 		if (rc == 0)
@@ -191,14 +190,6 @@ static void on_gap(void *ctx, uint64_t w, uint32_t dp, uint64_t from, uint64_t t
 	drain_b();
 }
 
-static int publish(void *ctx, const void *buf, size_t len)
-{
-	struct kvr_replica *to = atomic_load(&rep[1 - *(int *)ctx]);
-	if (to)
-		kvr_replica_deliver(to, buf, len, NULL);
-	return 0;
-}
-
 /* One shard, the queue on, rank X with a 100-token budget: a 200-token request saturates it. */
 static struct kvr_router *queue_router(bool b)
 {
@@ -212,23 +203,6 @@ static struct kvr_router *queue_router(bool b)
 	if (kvr_router_create(&c, &x) || kvr_rank_add(x, X, 7, 1000, 100))
 		exit(1);
 	return x;
-}
-
-static void attach(int i, struct kvr_router *x)
-{
-	struct kvr_replica_config c = {
-	    .replica_id = (uint64_t)i + 1,
-	    .heartbeat_ms = 50,
-	    .dead_after = 100000, /* nobody is given up on a loaded machine */
-	    .snapshot_timeout_ms = 1000,
-	};
-	struct kvr_replica_transport t = {.ctx = &port[i], .publish = publish};
-	struct kvr_replica *p;
-	if (kvr_replica_create(x, &c, &t, &p))
-		exit(1);
-	atomic_store(&rep[i], p);
-	if (kvr_replica_start(p) || kvr_replica_wait_ready(p, 10000))
-		exit(1);
 }
 
 static int route(struct kvr_router *x, uint32_t salt, size_t n, struct kvr_decision *d)
@@ -248,7 +222,8 @@ static int route(struct kvr_router *x, uint32_t salt, size_t n, struct kvr_decis
 static void quiet_both(struct kvr_router **r)
 {
 	for (int i = 0; i < 2; i++)
-		if (kvr_replica_drain(atomic_load(&rep[i]), 10000) || kvr_router_sync(r[i], 5000))
+		if (kvr_replica_drain(atomic_load(&pair_rep[i]), 10000) ||
+		    kvr_router_sync(r[i], 5000))
 			fail("quiet", 0);
 }
 
@@ -258,8 +233,10 @@ int main(int argc, char **argv)
 	/* A wait that is never refused fails the test (SIGALRM) instead of meson's timeout. */
 	alarm((unsigned)(ms / 1000) + 90);
 	struct kvr_router *r[2] = {queue_router(false), queue_router(true)};
-	attach(0, r[0]);
-	attach(1, r[1]);
+	for (int i = 0; i < 2; i++) {
+		struct kvr_replica_config c = pair_config(i);
+		pair_attach(i, r[i], &c);
+	}
 	struct kvr_config c;
 	kvr_config_init(&c);
 	c.mode = KVR_MODE_EVENTS;
@@ -335,13 +312,9 @@ int main(int argc, char **argv)
 	zmq_close(pubg);
 	zmq_close(pub);
 	zmq_ctx_term(zctx);
+	pair_detach();
 	for (int i = 0; i < 2; i++)
-		kvr_replica_stop(atomic_load(&rep[i]));
-	for (int i = 0; i < 2; i++) {
-		kvr_replica_destroy(atomic_load(&rep[i]));
-		atomic_store(&rep[i], NULL);
 		kvr_router_destroy(r[i]);
-	}
 	printf(
 	    "stress_feed_replicawait: %lu rounds (%lu not queued), %lu admits; on_admit's "
 	    "calls ok %lu busy %lu; G's ok %lu busy %lu; the feed's drains ok %lu busy %lu; %s\n",

@@ -31,6 +31,7 @@
 #include "kvrouter.h"
 #include "sync/replica.h"
 #include "sync/replica_internal.h" /* the outbound ring and the kept notes, to see them fill */
+#include "tests/common/replica_pair.h"
 
 #define FRONTENDS   3
 #define MAX_ATT     64
@@ -42,8 +43,6 @@
 #define CAP_BYTES   16384
 #define END_EVERY   50 /* capped run: a thread ends an attempt (and routes one) every 50 calls */
 
-static struct kvr_replica *_Atomic rep[2];
-static int port[2] = {0, 1};
 static struct kvr_router *r[2];
 static atomic_int failures;
 static atomic_int stop;   /* the threads stop */
@@ -58,14 +57,6 @@ static atomic_ulong most; /* the most kept bytes a thread saw */
 			atomic_fetch_add(&failures, 1);                                            \
 		}                                                                                  \
 	} while (0)
-
-static int publish(void *ctx, const void *buf, size_t len)
-{
-	struct kvr_replica *to = atomic_load(&rep[1 - *(int *)ctx]);
-	if (to)
-		kvr_replica_deliver(to, buf, len, NULL);
-	return 0;
-}
 
 static struct kvr_router *make_router(void)
 {
@@ -84,21 +75,9 @@ static struct kvr_router *make_router(void)
 
 static struct kvr_replica *make_replica(int i)
 {
-	struct kvr_replica_config c = {
-	    .replica_id = (uint64_t)i + 1,
-	    .heartbeat_ms = 50,
-	    .dead_after = 100000, /* nobody is given up during the stall */
-	    .snapshot_timeout_ms = 1000,
-	    .kept_bytes_max = cap,
-	};
-	struct kvr_replica_transport t = {.ctx = &port[i], .publish = publish};
-	struct kvr_replica *x;
-	if (kvr_replica_create(r[i], &c, &t, &x))
-		exit(1);
-	atomic_store(&rep[i], x);
-	if (kvr_replica_start(x) || kvr_replica_wait_ready(x, 10000))
-		exit(1);
-	return x;
+	struct kvr_replica_config c = pair_config(i); /* nobody is given up during the stall */
+	c.kept_bytes_max = cap;
+	return pair_attach(i, r[i], &c);
 }
 
 struct frontend {
@@ -130,7 +109,7 @@ static bool ring_full_seen;
 static void *frontend_main(void *arg)
 {
 	struct frontend *f = arg;
-	struct kvr_replica *o = atomic_load(&rep[0]);
+	struct kvr_replica *o = atomic_load(&pair_rep[0]);
 	uint32_t next = 0;
 	for (uint64_t i = 0; i < MAX_NOTES && !atomic_load(&stop); i++) {
 		if (__atomic_load_n(&o->kept, __ATOMIC_RELAXED))
@@ -219,7 +198,8 @@ static void quiet(void)
 {
 	for (int pass = 0; pass < 2; pass++)
 		for (int i = 0; i < 2; i++)
-			CHECK(kvr_replica_drain(atomic_load(&rep[i]), 60000) == 0, "drain %d", i);
+			CHECK(kvr_replica_drain(atomic_load(&pair_rep[i]), 60000) == 0, "drain %d",
+			      i);
 	for (int i = 0; i < 2; i++)
 		CHECK(kvr_router_sync(r[i], 60000) == 0, "sync %d", i);
 }
@@ -331,12 +311,7 @@ static void run(void)
 	       ", ends reconciled %" PRIu64 ", kept at most %lu bytes, %d failures\n",
 	       cap ? " (capped)" : "", notes, kept, s1.published - s0.published, s1.notes_over_cap,
 	       s1.ends_reconciled, atomic_load(&most), atomic_load(&failures));
-	kvr_replica_stop(p);
-	kvr_replica_stop(o);
-	atomic_store(&rep[0], NULL); /* the next run's first replica publishes to nobody */
-	atomic_store(&rep[1], NULL);
-	kvr_replica_destroy(p);
-	kvr_replica_destroy(o);
+	pair_detach(); /* the next run's first replica publishes to nobody */
 	kvr_router_destroy(r[1]);
 	kvr_router_destroy(r[0]);
 	memset(f, 0, sizeof(f));

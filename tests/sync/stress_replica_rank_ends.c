@@ -30,6 +30,7 @@
 #include "kvrouter.h"
 #include "sync/replica.h"
 #include "sync/replica_internal.h" /* the live list, to count own records */
+#include "tests/common/replica_pair.h"
 
 #define FRONTENDS 4 /* two a router */
 #define RANKS     3
@@ -37,8 +38,6 @@
 #define CHANGES   200 /* rank changes made (or tried) before the threads stop */
 #define CHURN_NS  1000000L
 
-static struct kvr_replica *_Atomic rep[2];
-static int port[2] = {0, 1};
 static struct kvr_router *r[2];
 static atomic_int failures;
 static atomic_int stop;
@@ -54,14 +53,6 @@ static atomic_ulong stale, ended, changes;
 		}                                                                                  \
 	} while (0)
 
-static int publish(void *ctx, const void *buf, size_t len)
-{
-	struct kvr_replica *to = atomic_load(&rep[1 - *(int *)ctx]);
-	if (to)
-		kvr_replica_deliver(to, buf, len, NULL);
-	return 0;
-}
-
 static struct kvr_router *make_router(void)
 {
 	struct kvr_config c;
@@ -74,23 +65,6 @@ static struct kvr_router *make_router(void)
 		if (kvr_rank_add(x, (struct kvr_rank_id){w, 0}, 7, 1u << 16, 4096))
 			exit(1);
 	return x;
-}
-
-static void make_replica(int i)
-{
-	struct kvr_replica_config c = {
-	    .replica_id = (uint64_t)i + 1,
-	    .heartbeat_ms = 50,
-	    .dead_after = 100000, /* nobody is given up under TSan's slowness */
-	    .snapshot_timeout_ms = 1000,
-	};
-	struct kvr_replica_transport t = {.ctx = &port[i], .publish = publish};
-	struct kvr_replica *x;
-	if (kvr_replica_create(r[i], &c, &t, &x))
-		exit(1);
-	atomic_store(&rep[i], x);
-	if (kvr_replica_start(x) || kvr_replica_wait_ready(x, 10000))
-		exit(1);
 }
 
 struct frontend {
@@ -191,7 +165,8 @@ static void quiet(void)
 {
 	for (int pass = 0; pass < 2; pass++)
 		for (int i = 0; i < 2; i++)
-			CHECK(kvr_replica_drain(atomic_load(&rep[i]), 60000) == 0, "drain %d", i);
+			CHECK(kvr_replica_drain(atomic_load(&pair_rep[i]), 60000) == 0, "drain %d",
+			      i);
 	for (int i = 0; i < 2; i++)
 		CHECK(kvr_router_sync(r[i], 60000) == 0, "sync %d", i);
 }
@@ -200,8 +175,10 @@ int main(void)
 {
 	r[0] = make_router();
 	r[1] = make_router();
-	make_replica(0);
-	make_replica(1);
+	for (int i = 0; i < 2; i++) {
+		struct kvr_replica_config c = pair_config(i);
+		pair_attach(i, r[i], &c);
+	}
 	pthread_t th[FRONTENDS], ch;
 	struct frontend f[FRONTENDS];
 	for (int i = 0; i < FRONTENDS; i++) {
@@ -224,8 +201,8 @@ int main(void)
 		quiet();
 		bool clean = true;
 		for (int i = 0; i < 2; i++) {
-			own[i] = own_live(atomic_load(&rep[i]), &map[i]);
-			kvr_replica_get_stats(atomic_load(&rep[i]), &st[i]);
+			own[i] = own_live(atomic_load(&pair_rep[i]), &map[i]);
+			kvr_replica_get_stats(atomic_load(&pair_rep[i]), &st[i]);
 			clean = clean && !own[i] && !map[i] && !st[i].mirrored;
 		}
 		if (clean)
@@ -250,13 +227,7 @@ int main(void)
 	       "changes, %d failures\n",
 	       atomic_load(&ended), atomic_load(&stale), atomic_load(&changes),
 	       atomic_load(&failures));
-	struct kvr_replica *o = atomic_load(&rep[0]), *p = atomic_load(&rep[1]);
-	kvr_replica_stop(p);
-	kvr_replica_stop(o);
-	atomic_store(&rep[0], NULL);
-	atomic_store(&rep[1], NULL);
-	kvr_replica_destroy(p);
-	kvr_replica_destroy(o);
+	pair_detach();
 	kvr_router_destroy(r[1]);
 	kvr_router_destroy(r[0]);
 	return atomic_load(&failures) ? 1 : 0;
