@@ -151,6 +151,19 @@ size_t kvr_repl_render(struct kvr_router *r, char *buf, size_t room)
 	return n;
 }
 
+uint64_t kvr_repl_memory(struct kvr_router *r)
+{
+	uint64_t n = 0;
+	if (kvr_rcu_thread_online())
+		return 0;
+	kvr_rcu_read_lock();
+	struct kvr_repl_hooks *h = kvr_rcu_deref(&r->repl);
+	if (h && h->memory)
+		n = h->memory(h->ctx);
+	kvr_rcu_read_unlock();
+	return n;
+}
+
 void kvr_repl_router_destroy(struct kvr_router *r)
 {
 	struct kvr_repl_hooks *h = __atomic_load_n(&r->repl, __ATOMIC_ACQUIRE);

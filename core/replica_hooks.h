@@ -72,6 +72,8 @@ struct kvr_repl_hooks {
 	/* Appends Prometheus text at buf (room bytes, snprintf semantics); returns the length it
 	 * needs.  May be NULL. */
 	size_t (*render)(void *ctx, char *buf, size_t room);
+	/* The bytes the layer's rank table holds (kvr_memory.replica_ranks).  May be NULL. */
+	uint64_t (*memory)(void *ctx);
 	/* The router is being destroyed: the layer must stop using it.  May be NULL. */
 	void (*router_destroyed)(void *ctx);
 };
@@ -170,6 +172,9 @@ size_t kvr_repl_list_ranks(struct kvr_router *r, struct kvr_rank_id *ids, uint32
 
 /* Prometheus text of the attached layer (0 bytes when none); snprintf semantics. */
 size_t kvr_repl_render(struct kvr_router *r, char *buf, size_t room);
+/* The attached layer's memory hook's answer, 0 if none is attached.  Context: any thread outside
+ * an RCU read section (kvr_router_get_memory). */
+uint64_t kvr_repl_memory(struct kvr_router *r);
 /* Called first thing by kvr_router_destroy. */
 void kvr_repl_router_destroy(struct kvr_router *r);
 

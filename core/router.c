@@ -452,6 +452,7 @@ int kvr_router_get_memory(struct kvr_router *r, struct kvr_memory *out)
 	                   kvr_alloc_real_size_aligned(m * sizeof(*r->prov));
 	out->lanes = kvr_shards_memory_bytes(r->shards);
 	out->attempt_pool = kvr_attempt_pool_bytes(r->pool);
+	out->replica_ranks = kvr_repl_memory(r);
 	/* The live slots, copied out of the read section (a shard call blocks). */
 	uint32_t *slot = kvr_alloc(m * sizeof(*slot));
 	if (!slot)

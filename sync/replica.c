@@ -536,6 +536,17 @@ static size_t render(void *ctx, char *buf, size_t room)
 	return n > 0 ? (size_t)n : 0;
 }
 
+/* kvr_memory.replica_ranks.  Context: kvr_router_get_memory's thread, inside its RCU read
+ * section, as the notes (mu is never held across a grace period). */
+static uint64_t memory(void *ctx)
+{
+	struct kvr_replica *rep = ctx;
+	pthread_mutex_lock(&rep->mu);
+	uint64_t n = kvr_rep_ranks_bytes(rep);
+	pthread_mutex_unlock(&rep->mu);
+	return n;
+}
+
 static void router_destroyed(void *ctx);
 
 int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
@@ -575,6 +586,7 @@ int kvr_replica_create(struct kvr_router *r, const struct kvr_replica_config *c,
 	    .progressed = kvr_rep_note_progress,
 	    .rank_changed = kvr_rep_note_rank,
 	    .render = render,
+	    .memory = memory,
 	    .router_destroyed = router_destroyed,
 	};
 	*out = rep;

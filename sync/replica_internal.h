@@ -365,6 +365,9 @@ struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_
 struct kvr_rep_rank *kvr_rep_rank_entry(struct kvr_replica *rep, struct kvr_rank_id id);
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
+/* The bytes the rank table holds (kvr_memory.replica_ranks): its entries' and tombstones'
+ * arrays at the sizes asked for (the journals' records are not counted).  mu held. */
+uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep);
 void kvr_rep_journal_clear(struct kvr_rep_rank *e);
 /* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);

@@ -197,6 +197,24 @@ void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 		return;
 	kvr_rep_journal_clear(e);
 	*e = rep->ranks[--rep->n_ranks];
+	/* Given back as entries go (a quarter full: halved, not below the first 16): tombstones
+	 * of an hour's churn doubled the array, which kept its largest size for good.  Every
+	 * entry's address changes; callers hold none across a drop (it moved the last one
+	 * already).  Halving may fail for memory: the array is kept as it is. */
+	if (rep->ranks_cap > 16 && rep->n_ranks <= rep->ranks_cap / 4) {
+		size_t nc = rep->ranks_cap / 2;
+		struct kvr_rep_rank *p =
+		    kvr_realloc(rep->ranks, rep->ranks_cap * sizeof(*p), nc * sizeof(*p));
+		if (p) {
+			rep->ranks = p;
+			rep->ranks_cap = nc;
+		}
+	}
+}
+
+uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep)
+{
+	return (uint64_t)rep->ranks_cap * sizeof(*rep->ranks);
 }
 
 static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_rec *x)

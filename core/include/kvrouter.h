@@ -1425,6 +1425,10 @@ struct kvr_memory {
 	 * sizes; none once the router has been idle 100 ms), and the pool itself.  Last, so that
 	 * the earlier fields keep their offsets. */
 	uint64_t attempt_pool;
+	/* Replica sync's rank table (kvr_sync_attach; 0 unattached): an entry per rank and a
+	 * tombstone per rank removed within the last tombstone_ms (an hour by default), at the
+	 * sizes asked for.  After attempt_pool, for the same reason. */
+	uint64_t replica_ranks;
 };
 
 /*
