@@ -871,12 +871,14 @@ static void report(int cycle, double t)
 	rec(f++, "B.metrics_lines", (double)lb);
 	rec(f++, "B.indexed", (double)sb.indexed);
 	rec(f++, "B.active_req", (double)sb.active_req);
+	rec(f++, "A.replica_ranks", (double)ma.replica_ranks);
 	rec(f++, "library", (double)ma.library);
 	/* what no part counts (both routers): leases, pinned-run maps, tickets, metrics... */
-	double other =
-	    (double)ma.library -
-	    (double)(ma.index + ma.caches + ma.load + ma.lanes + ma.rank_tables + ma.attempt_pool) -
-	    (double)(mb.index + mb.caches + mb.load + mb.lanes + mb.rank_tables + mb.attempt_pool);
+	double other = (double)ma.library -
+	               (double)(ma.index + ma.caches + ma.load + ma.lanes + ma.rank_tables +
+	                        ma.attempt_pool + ma.replica_ranks) -
+	               (double)(mb.index + mb.caches + mb.load + mb.lanes + mb.rank_tables +
+	                        mb.attempt_pool + mb.replica_ranks);
 	rec(f++, "unattributed", other);
 	rec(f++, "arena", (double)ma.arena);
 	struct kvr_sync_stats ss = {0};
@@ -889,19 +891,21 @@ static void report(int cycle, double t)
 	if (quiet)
 		return;
 	if (cycle == 0)
-		printf("%5s %6s %8s %11s %11s %10s | %9s %9s %8s %8s %7s %7s %6s %5s %6s %5s | %9s "
+		printf("%5s %6s %8s %11s %11s %10s | %9s %9s %8s %8s %7s %7s %7s %6s %5s %6s %5s | "
+		       "%9s "
 		       "%8s "
 		       "%8s %6s %5s %6s %4s\n",
 		       "cycle", "t_s", "rss_kib", "je_alloc", "lib_live", "unattrib", "A.index",
-		       "A.caches", "A.load", "A.lanes", "A.ranktb", "A.pool", "A.metB", "A.metL",
-		       "A.res", "A.act", "B.index", "B.load", "B.lanes", "B.metB", "B.metL",
-		       "B.idx", "B.act");
+		       "A.caches", "A.load", "A.lanes", "A.ranktb", "A.pool", "A.reprk", "A.metB",
+		       "A.metL", "A.res", "A.act", "B.index", "B.load", "B.lanes", "B.metB",
+		       "B.metL", "B.idx", "B.act");
 	printf("%5d %6.1f %8ld %11lld %11" PRId64 " %10.0f | %9" PRIu64 " %9" PRIu64 " %8" PRIu64
-	       " %8" PRIu64 " %7" PRIu64 " %7" PRIu64 " %6zu %5zu %6" PRIu64 " %5" PRIu64
-	       " | %9" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6zu %5zu %6" PRIu64 " %4" PRIu64 "\n",
+	       " %8" PRIu64 " %7" PRIu64 " %7" PRIu64 " %7" PRIu64 " %6zu %5zu %6" PRIu64
+	       " %5" PRIu64 " | %9" PRIu64 " %8" PRIu64 " %8" PRIu64 " %6zu %5zu %6" PRIu64
+	       " %4" PRIu64 "\n",
 	       cycle, t, rss, je, live, other, ma.index, ma.caches, ma.load, ma.lanes,
-	       ma.rank_tables, ma.attempt_pool, ta, la, sa.resident, sa.active_req, mb.index,
-	       mb.load, mb.lanes, tb, lb, sb.indexed, sb.active_req);
+	       ma.rank_tables, ma.attempt_pool, ma.replica_ranks, ta, la, sa.resident,
+	       sa.active_req, mb.index, mb.load, mb.lanes, tb, lb, sb.indexed, sb.active_req);
 	fflush(stdout);
 }
 
