@@ -114,12 +114,6 @@ struct kvr_rep_rank {
 	uint32_t mbt;
 	struct kvr_rep_rec *jhead, *jtail; /* finished attempts, oldest first */
 	uint64_t jblocks;
-	/* A tombstone: the rank was removed (no rank: kvr_rep_rank_find skips it), at version
-	 * ver, removed_ns (CLOCK_MONOTONIC) ago.  Kept c.tombstone_ms so that an older add told
-	 * again (a cut-off peer's re-announce, a snapshot served before its provider heard the
-	 * removal) loses to it, and told in every re-announce and snapshot meanwhile. */
-	bool removed;
-	uint64_t removed_ns;
 	/* The version of the change that made the entry what it is (an add, a capacity change, a
 	 * reset, a removal), and of the last reset ({0, 0}: none).  The reset has its own: told
 	 * again, it must reset only a replica that has not heard it, whatever came after. */
@@ -136,6 +130,20 @@ struct kvr_rep_rank {
 	 * read after a peer's add was applied); gen 0: not known (judged_life reads the router's
 	 * then).  Context: mu held. */
 	struct kvr_rank_life life;
+};
+
+/* A tombstone: rank id was removed at version ver (incarnation: the removal's, told with it: a
+ * receiver holding a newer life refuses it), removed_ns (CLOCK_MONOTONIC) ago.  Kept
+ * c.tombstone_ms so that an older add told again (a cut-off peer's re-announce, a snapshot
+ * served before its provider heard the removal) loses to it, and told in every re-announce
+ * and snapshot meanwhile.  Only what that needs, and what a re-add of the rank keeps (the
+ * last reset's version, max batched tokens), in a table of its own: an hour of churn's
+ * tombstones were whole entries (168 bytes; 64 now), and the entries' lookups walked them. */
+struct kvr_rep_tomb {
+	uint64_t worker_id;
+	uint32_t dp_rank, mbt;
+	uint64_t incarnation, removed_ns;
+	struct kvr_rep_ver ver, reset_ver;
 };
 
 struct kvr_rep_peer {
@@ -186,8 +194,10 @@ struct kvr_replica {
 	struct kvr_rep_rec **map;
 	size_t map_cap, map_n;
 	struct kvr_rep_rec *live_head, *live_tail;
-	struct kvr_rep_rank *ranks;
+	struct kvr_rep_rank *ranks; /* the ranks (no tombstone) */
 	size_t n_ranks, ranks_cap;
+	struct kvr_rep_tomb *tombs; /* the removals remembered, in no order */
+	size_t n_tombs, tombs_cap;
 	struct kvr_rep_peer peers[MAX_PEERS];
 	size_t n_peers;
 	/* outage_ns: when the disconnect that began the open outage was seen (see outage_open).
@@ -357,14 +367,24 @@ void kvr_rep_map_remove(struct kvr_replica *rep, struct kvr_rep_rec *x);
 /* The live list, oldest first (what snapshots and re-announces walk). */
 void kvr_rep_live_link(struct kvr_replica *rep, struct kvr_rep_rec *x);
 void kvr_rep_live_unlink(struct kvr_replica *rep, struct kvr_rep_rec *x);
-/* Ranks known to the cluster and their journals of finished attempts.  find: the rank's entry,
- * NULL if none or a tombstone (kvr_rep_rank.removed); entry: the same, a tombstone included;
- * get: the same, made (or a tombstone made a rank again, its versions kept) if need be, NULL
- * for memory; drop: forgets the entry, tombstone or not. */
+/* Ranks known to the cluster and their journals of finished attempts, and the tombstones of
+ * those removed.  find: the rank's entry, NULL if none (a tombstone is none); get: the same,
+ * made if need be (from its tombstone, if any: its versions, incarnation and max batched
+ * tokens kept, the tombstone forgotten), NULL for memory (the tombstone kept); drop: forgets
+ * the entry.  tomb_find: the rank's tombstone, NULL if none; bury: the rank's entry becomes
+ * its tombstone at version v, removed now (its incarnation, last reset and max batched tokens
+ * kept; a tombstone there already is renewed; made if neither, at incarnation 0), journal
+ * freed, the tombstone copied into *told (may be NULL): false when it could not be kept for
+ * memory (forgotten at once: rank_floor raised to v, the entry gone all the same); tomb_drop:
+ * forgets the tombstone.  Entries and tombstones move when others go: their addresses last
+ * until the next get, drop, bury or tomb_drop. */
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id);
-struct kvr_rep_rank *kvr_rep_rank_entry(struct kvr_replica *rep, struct kvr_rank_id id);
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
+struct kvr_rep_tomb *kvr_rep_tomb_find(struct kvr_replica *rep, struct kvr_rank_id id);
+bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kvr_rep_ver v,
+                       struct kvr_rep_tomb *told);
+void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 /* The bytes the rank table holds (kvr_memory.replica_ranks): its entries' and tombstones'
  * arrays at the sizes asked for (the journals' records are not counted).  mu held. */
 uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep);
@@ -401,6 +421,10 @@ void kvr_rep_encode_attempt(struct kvr_msg_buf *b, unsigned type, uint64_t repli
  * reset; unversioned when it has none).  Context: as kvr_rep_encode_attempt. */
 void kvr_rep_encode_rank(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
                          unsigned op, const struct kvr_rep_rank *e);
+/* The same for tombstone t: a REMOVE, its capacity KVR_CAPACITY_NONE (a removal's is read by
+ * nobody). */
+void kvr_rep_encode_tomb(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
+                         const struct kvr_rep_tomb *t);
 /* Sends the stream messages waiting in sbuf as one transport message (published += n), or
  * counts them unpublished and gives their sequence numbers back; true when sent (or none
  * waited).  Context: mu held; every writer of the stream calls it before releasing mu. */
@@ -432,6 +456,8 @@ void kvr_rep_ask_reannounce(struct kvr_replica *rep, uint64_t id, uint64_t windo
 /* Appends a RANK message (op, e's fields and version) to the stream.  The caller flushes
  * (kvr_rep_stream_flush) before releasing mu.  Context: mu held. */
 void kvr_rep_tell_rank(struct kvr_replica *rep, unsigned op, const struct kvr_rep_rank *e);
+/* The same for tombstone t: a REMOVE, versioned with t's version. */
+void kvr_rep_tell_tomb(struct kvr_replica *rep, const struct kvr_rep_tomb *t);
 /* Sends RESET, the rank table (kvr_rep_rank_told: tombstones and resets included, versioned),
  * own attempts finished since since_ns (0: none) and own live attempts.  Context: the apply
  * thread; takes mu. */
@@ -534,14 +560,14 @@ void kvr_rep_snapshot_give_up(struct kvr_replica *rep, const char *to, uint32_t 
  * the entry holds a newer version, then the table follows the router.  Context: the apply
  * thread, mu not held. */
 void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m);
-/* An own rank change (the router made it): the entry takes it with a new version; the caller
- * tells it.  Returns the entry, NULL for memory (not told: lost).  Context: the sender, mu
+/* An own rank change (the router made it): the entry (a removal: the tombstone) takes it with
+ * a new version, and the stream tells it; for memory, not (lost).  Context: the sender, mu
  * held. */
-struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
-                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt,
-                                          struct kvr_rank_life life);
-/* The RANK ops that tell entry e whole, in order, into ops[3]; returns how many: a tombstone's
- * removal; else its add, then its last reset.  Context: mu held. */
+void kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
+                          uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                          struct kvr_rank_life life);
+/* The RANK ops that tell entry e whole, in order, into ops[3]; returns how many: its add, then
+ * its last reset (a tombstone is told as its removal: kvr_rep_tell_tomb).  Context: mu held. */
 size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3]);
 /* Forgets the tombstones older than c.tombstone_ms (now: CLOCK_MONOTONIC ns), raising
  * rank_floor to the newest of them.  Context: mu held. */

@@ -177,6 +177,30 @@ void kvr_rep_tell_rank(struct kvr_replica *rep, unsigned op, const struct kvr_re
 	stream_added(rep);
 }
 
+void kvr_rep_encode_tomb(struct kvr_msg_buf *b, uint64_t replica, uint64_t epoch, uint64_t seq,
+                         const struct kvr_rep_tomb *t)
+{
+	size_t off = kvr_msg_begin(b, KVR_MSG_RANK, replica, epoch, seq);
+	kvr_msg_put_u32(b, KVR_REPL_RANK_REMOVE);
+	kvr_msg_put_u32(b, t->mbt);
+	kvr_msg_put_u64(b, t->worker_id);
+	kvr_msg_put_u32(b, t->dp_rank);
+	kvr_msg_put_u32(b, t->ver.clock ? KVR_MSG_RANK_VERSIONED : 0);
+	kvr_msg_put_u64(b, t->incarnation);
+	kvr_msg_put_u64(b, KVR_CAPACITY_NONE);
+	if (t->ver.clock) {
+		kvr_msg_put_u64(b, t->ver.clock);
+		kvr_msg_put_u64(b, t->ver.writer);
+	}
+	kvr_msg_end(b, off);
+}
+
+void kvr_rep_tell_tomb(struct kvr_replica *rep, const struct kvr_rep_tomb *t)
+{
+	kvr_rep_encode_tomb(&rep->sbuf, rep->c.replica_id, rep->epoch, rep->seq + 1, t);
+	stream_added(rep);
+}
+
 /* ---------------------------------------------------------------- the sender (mu held) */
 
 #define OUT_BURST        32
@@ -340,10 +364,7 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, uint64_t incarnation,
                      uint64_t capacity, uint32_t mbt, struct kvr_rank_life life)
 {
-	const struct kvr_rep_rank *e =
-	    kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt, life);
-	if (e)
-		kvr_rep_tell_rank(rep, (unsigned)op, e);
+	kvr_rep_rank_changed(rep, op, rank, incarnation, capacity, mbt, life);
 }
 
 static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
@@ -651,12 +672,14 @@ void kvr_rep_reannounce(struct kvr_replica *rep, uint64_t since_ns)
 	    kvr_msg_begin(&rep->sbuf, KVR_MSG_RESET, rep->c.replica_id, rep->epoch, rep->seq + 1);
 	kvr_msg_end(&rep->sbuf, off);
 	stream_added(rep);
+	for (size_t i = 0; i < rep->n_tombs; i++)
+		kvr_rep_tell_tomb(rep, &rep->tombs[i]);
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		const struct kvr_rep_rank *e = &rep->ranks[i];
 		unsigned ops[3];
 		for (size_t k = 0, n = kvr_rep_rank_told(e, ops); k < n; k++)
 			kvr_rep_tell_rank(rep, ops[k], e);
-		for (struct kvr_rep_rec *x = e->jhead; x; x = x->next) { /* a tombstone has none */
+		for (struct kvr_rep_rec *x = e->jhead; x; x = x->next) {
 			if (!since_ns || x->origin != rep->c.replica_id ||
 			    x->oepoch != rep->epoch || x->fin_ns < since_ns)
 				continue;

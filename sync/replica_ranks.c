@@ -26,7 +26,11 @@
  * agree, wins.
  *
  * Tombstones are kept c.tombstone_ms (an hour by default) after the removal, not for good: the
- * table would grow with every worker ever removed.
+ * table would grow with every worker ever removed.  A tombstone holds what the version check
+ * and its telling need (struct kvr_rep_tomb: 64 bytes; a whole entry is 152), in a table of its
+ * own, so that the ranks' lookups do not walk an hour of removals; both tables are counted in
+ * kvr_memory.replica_ranks and shrink as they empty.  One that cannot be kept for memory is
+ * forgotten at once, as below (kvr_rep_rank_bury).
  *
  * Forgetting.  Once a tombstone is forgotten nobody remembers the removal, so a replica cut off
  * for longer than the keep came back and re-announced its older add, which every peer took for
@@ -124,13 +128,19 @@ void kvr_rep_ranks_outage(struct kvr_replica *rep)
 	rep->outage_clock = next > OUTAGE_MARGIN_NS ? next - OUTAGE_MARGIN_NS : 1;
 }
 
-struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
-                                          uint64_t incarnation, uint64_t capacity, uint32_t mbt,
-                                          struct kvr_rank_life life)
+void kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id rank,
+                          uint64_t incarnation, uint64_t capacity, uint32_t mbt,
+                          struct kvr_rank_life life)
 {
+	if (op == KVR_REPL_RANK_REMOVE) {
+		struct kvr_rep_tomb t;
+		(void)kvr_rep_rank_bury(rep, rank, ver_next(rep), &t); /* told, kept or not */
+		kvr_rep_tell_tomb(rep, &t);
+		return;
+	}
 	struct kvr_rep_rank *e = kvr_rep_rank_get(rep, rank);
 	if (!e)
-		return NULL;
+		return;
 	const struct kvr_rep_ver v = ver_next(rep);
 	e->ver = v;
 	switch (op) {
@@ -151,23 +161,13 @@ struct kvr_rep_rank *kvr_rep_rank_changed(struct kvr_replica *rep, int op, struc
 		e->incarnation = incarnation;
 		e->reset_ver = v;
 		break;
-	case KVR_REPL_RANK_REMOVE:
-		kvr_rep_journal_clear(e);
-		e->removed = true;
-		e->removed_ns = kvr_rep_mono_ns();
-		e->life = (struct kvr_rank_life){0, 0};
-		break;
 	}
-	return e;
+	kvr_rep_tell_rank(rep, (unsigned)op, e);
 }
 
 size_t kvr_rep_rank_told(const struct kvr_rep_rank *e, unsigned ops[3])
 {
 	size_t n = 0;
-	if (e->removed) {
-		ops[n++] = KVR_REPL_RANK_REMOVE;
-		return n;
-	}
 	ops[n++] = KVR_REPL_RANK_ADD;
 	if (e->reset_ver.clock) /* after the add: a replica that lacked the rank has it to reset */
 		ops[n++] = KVR_REPL_RANK_RESET;
@@ -178,12 +178,12 @@ void kvr_rep_ranks_expire(struct kvr_replica *rep, uint64_t now)
 {
 	uint64_t keep_ms = rep->c.tombstone_ms ? rep->c.tombstone_ms : KVR_REP_TOMBSTONE_MS_DEFAULT;
 	uint64_t keep = keep_ms > UINT64_MAX / 1000000u ? UINT64_MAX : keep_ms * 1000000u;
-	for (size_t i = rep->n_ranks; i-- > 0;) { /* a drop moves the last entry into i */
-		const struct kvr_rep_rank *e = &rep->ranks[i];
-		if (e->removed && now - e->removed_ns > keep) {
-			if (kvr_rep_ver_cmp(e->ver, rep->rank_floor) > 0)
-				rep->rank_floor = e->ver;
-			kvr_rep_rank_drop(rep, e->id);
+	for (size_t i = rep->n_tombs; i-- > 0;) { /* a drop moves the last one into i */
+		const struct kvr_rep_tomb *t = &rep->tombs[i];
+		if (now - t->removed_ns > keep) {
+			if (kvr_rep_ver_cmp(t->ver, rep->rank_floor) > 0)
+				rep->rank_floor = t->ver;
+			kvr_rep_tomb_drop(rep, (struct kvr_rank_id){t->worker_id, t->dp_rank});
 		}
 	}
 }
@@ -196,7 +196,7 @@ void kvr_rep_ranks_snapshot_begin(struct kvr_replica *rep)
 
 void kvr_rep_ranks_listed(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
 	if (e)
 		e->listed = true;
 }
@@ -207,7 +207,7 @@ static struct kvr_rep_rank *unlisted_older(struct kvr_replica *rep, struct kvr_r
 {
 	for (size_t i = 0; i < rep->n_ranks; i++) {
 		struct kvr_rep_rank *e = &rep->ranks[i];
-		if (!e->removed && !e->listed && e->ver.clock && kvr_rep_ver_cmp(e->ver, f) <= 0)
+		if (!e->listed && e->ver.clock && kvr_rep_ver_cmp(e->ver, f) <= 0)
 			return e;
 	}
 	return NULL;
@@ -216,7 +216,7 @@ static struct kvr_rep_rank *unlisted_older(struct kvr_replica *rep, struct kvr_r
 /* Whether e is a rank a snapshot judged gone whose removal failed, unchanged since.  mu held. */
 static bool doomed(const struct kvr_rep_rank *e)
 {
-	return e->doomed.clock && !e->removed && kvr_rep_ver_cmp(e->doomed, e->ver) == 0;
+	return e->doomed.clock && kvr_rep_ver_cmp(e->doomed, e->ver) == 0;
 }
 
 /* The router's life of the rank of entry e, which a snapshot judges gone now: the one the entry
@@ -275,7 +275,7 @@ static void remove_judged(struct kvr_replica *rep, struct kvr_rep_rank *e, uint3
 	/* The judged life still routed; a lookup that could not tell (no memory) says so too. */
 	bool present = lr == 0 ? now_slot == slot && now_gen == gen : lr != KVR_ENOENT;
 	pthread_mutex_lock(&rep->mu);
-	e = kvr_rep_rank_entry(rep, id);
+	e = kvr_rep_rank_find(rep, id);
 	bool same = e && kvr_rep_ver_cmp(e->ver, v) == 0;
 	if (rc == KVR_ESTALE) {
 		if (same)
@@ -340,7 +340,7 @@ void kvr_rep_ranks_retry(struct kvr_replica *rep)
 		if (doomed(&rep->ranks[i]))
 			ids[n++] = rep->ranks[i].id;
 	for (size_t i = 0; i < n; i++) {
-		struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, ids[i]);
+		struct kvr_rep_rank *e = kvr_rep_rank_find(rep, ids[i]);
 		if (e && doomed(e))
 			remove_judged(rep, e, e->doomed_slot, e->doomed_gen);
 	}
@@ -361,13 +361,14 @@ static bool same_capacity(uint64_t a, uint64_t b)
  * tombstone.  mu held. */
 static bool stale(struct kvr_replica *rep, struct kvr_rank_id id, uint32_t op, struct kvr_rep_ver v)
 {
-	const struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
-	if (!e)
-		return op != KVR_REPL_RANK_REMOVE && rep->rank_floor.clock &&
-		       kvr_rep_ver_cmp(v, rep->rank_floor) <= 0;
-	if (op == KVR_REPL_RANK_RESET && !e->removed)
-		return kvr_rep_ver_cmp(e->reset_ver, v) >= 0;
-	return kvr_rep_ver_cmp(e->ver, v) >= 0;
+	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	if (e)
+		return kvr_rep_ver_cmp(op == KVR_REPL_RANK_RESET ? e->reset_ver : e->ver, v) >= 0;
+	const struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
+	if (t)
+		return kvr_rep_ver_cmp(t->ver, v) >= 0;
+	return op != KVR_REPL_RANK_REMOVE && rep->rank_floor.clock &&
+	       kvr_rep_ver_cmp(v, rep->rank_floor) <= 0;
 }
 
 /* A peer's rank change, applied to the router; then the table takes what the router holds
@@ -437,26 +438,18 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	if (present && kvr_repl_rank_life(r, id, &life.slot, &life.gen))
 		life = (struct kvr_rank_life){0, 0};
 	pthread_mutex_lock(&rep->mu);
-	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
 	if (!present) {
 		if (versioned && m->op == KVR_REPL_RANK_REMOVE) {
 			/* A tombstone, even for a rank this router never had (a removal that came
 			 * before the snapshot or re-announce still listing the rank): the older
 			 * add told later loses to it. */
-			if (!e)
-				e = kvr_rep_rank_get(rep, id);
-			if (e) {
-				kvr_rep_journal_clear(e);
-				e->removed = true;
-				e->removed_ns = kvr_rep_mono_ns();
-				e->ver = v;
-				e->life = (struct kvr_rank_life){0, 0};
-			}
-		} else if (e && !e->removed) {
+			(void)kvr_rep_rank_bury(rep, id, v, NULL);
+		} else if (e) {
 			kvr_rep_rank_drop(rep, id);
 		}
 	} else {
-		bool known = e && !e->removed;
+		bool known = e != NULL;
 		e = kvr_rep_rank_get(rep, id);
 		if (e) {
 			if (e->incarnation != s.incarnation ||

@@ -175,6 +175,10 @@ void kvr_rep_serve_snapshot(struct kvr_replica *rep, const char *to)
 	/* Every entry: a tombstone as its removal (the asker may hold the rank from an older
 	 * snapshot, or be told its add later by a peer that missed the removal); a rank as its
 	 * add and last reset (sync/replica_ranks.c), then its journal. */
+	for (size_t i = 0; i < rep->n_tombs && !failed; i++) {
+		kvr_rep_encode_tomb(&rec1, rep->c.replica_id, rep->epoch, 0, &rep->tombs[i]);
+		ADD_REC();
+	}
 	for (size_t i = 0; i < rep->n_ranks && !failed; i++) {
 		struct kvr_rep_rank *e = &rep->ranks[i];
 		unsigned ops[3];
@@ -311,8 +315,8 @@ static void apply_snapshot(struct kvr_replica *rep, struct kvr_rep_item *chunks)
 	struct kvr_rep_ver floor = {0, 0};
 	pthread_mutex_lock(&rep->mu);
 	kvr_rep_ranks_snapshot_begin(rep);
-	bool fresh =
-	    rep->st.applied == 0 && rep->st.snapshots_applied == 0 && rep->seq <= rep->n_ranks;
+	bool fresh = rep->st.applied == 0 && rep->st.snapshots_applied == 0 &&
+	             rep->seq <= rep->n_ranks + rep->n_tombs;
 	for (struct kvr_rep_rec *x = rep->live_head; x; x = x->next)
 		x->seen = false;
 	pthread_mutex_unlock(&rep->mu);

@@ -142,42 +142,138 @@ int kvr_rep_rec_append_out(struct kvr_rep_rec *x, const uint32_t *t, size_t n, b
 	return 0;
 }
 
-struct kvr_rep_rank *kvr_rep_rank_entry(struct kvr_replica *rep, struct kvr_rank_id id)
+static bool same_id(struct kvr_rank_id a, struct kvr_rank_id b)
 {
-	for (size_t i = 0; i < rep->n_ranks; i++)
-		if (rep->ranks[i].id.worker_id == id.worker_id &&
-		    rep->ranks[i].id.dp_rank == id.dp_rank)
-			return &rep->ranks[i];
-	return NULL;
+	return a.worker_id == b.worker_id && a.dp_rank == b.dp_rank;
+}
+
+static struct kvr_rank_id tomb_id(const struct kvr_rep_tomb *t)
+{
+	return (struct kvr_rank_id){t->worker_id, t->dp_rank};
 }
 
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
-	return e && !e->removed ? e : NULL;
+	for (size_t i = 0; i < rep->n_ranks; i++)
+		if (same_id(rep->ranks[i].id, id))
+			return &rep->ranks[i];
+	return NULL;
+}
+
+struct kvr_rep_tomb *kvr_rep_tomb_find(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	for (size_t i = 0; i < rep->n_tombs; i++)
+		if (same_id(tomb_id(&rep->tombs[i]), id))
+			return &rep->tombs[i];
+	return NULL;
+}
+
+/* Room for one more of n in *arr (cap entries of size sz, doubling from 16): false for memory,
+ * nothing changed. */
+static bool room(void **arr, size_t n, size_t *cap, size_t sz)
+{
+	if (n < *cap)
+		return true;
+	size_t nc = *cap ? *cap * 2 : 16;
+	void *p = kvr_realloc(*arr, *cap * sz, nc * sz);
+	if (!p)
+		return false;
+	*arr = p;
+	*cap = nc;
+	return true;
+}
+
+/* Given back as entries go (a quarter full: halved, not below the first 16; none: freed): an
+ * hour's churn of tombstones doubled the array, which kept its largest size for good.  Every
+ * entry's address changes; callers hold none across a drop (it moves the last one already).
+ * Halving may fail for memory: the array is kept as it is. */
+static void shrink(void **arr, size_t n, size_t *cap, size_t sz)
+{
+	if (!n) { /* none left: the tombstones of a table that forgot them all */
+		kvr_free(*arr, *cap * sz);
+		*arr = NULL;
+		*cap = 0;
+		return;
+	}
+	if (*cap <= 16 || n > *cap / 4)
+		return;
+	size_t nc = *cap / 2;
+	void *p = kvr_realloc(*arr, *cap * sz, nc * sz);
+	if (p) {
+		*arr = p;
+		*cap = nc;
+	}
 }
 
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
-	if (e) {
-		e->removed = false; /* the rank is back: the caller sets the version that says so */
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	if (e)
 		return e;
-	}
-	if (rep->n_ranks == rep->ranks_cap) {
-		size_t nc = rep->ranks_cap ? rep->ranks_cap * 2 : 16;
-		struct kvr_rep_rank *p =
-		    kvr_realloc(rep->ranks, rep->ranks_cap * sizeof(*p), nc * sizeof(*p));
-		if (!p)
-			return NULL;
-		rep->ranks = p;
-		rep->ranks_cap = nc;
-	}
+	if (!room((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks)))
+		return NULL;
 	e = &rep->ranks[rep->n_ranks++];
 	memset(e, 0, sizeof(*e));
 	e->id = id;
 	e->capacity = KVR_CAPACITY_NONE;
+	const struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
+	if (t) { /* the rank is back: the caller sets the version that says so */
+		e->ver = t->ver;
+		e->reset_ver = t->reset_ver;
+		e->incarnation = t->incarnation;
+		e->mbt = t->mbt;
+		kvr_rep_tomb_drop(rep, id);
+	}
 	return e;
+}
+
+void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	if (!e)
+		return;
+	kvr_rep_journal_clear(e);
+	*e = rep->ranks[--rep->n_ranks];
+	shrink((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks));
+}
+
+bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kvr_rep_ver v,
+                       struct kvr_rep_tomb *told)
+{
+	struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id), made = {0};
+	bool kept =
+	    t || room((void **)&rep->tombs, rep->n_tombs, &rep->tombs_cap, sizeof(*rep->tombs));
+	if (!t) {
+		t = kept ? &rep->tombs[rep->n_tombs++] : &made;
+		memset(t, 0, sizeof(*t));
+		t->worker_id = id.worker_id;
+		t->dp_rank = id.dp_rank;
+	}
+	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	if (e) {
+		t->incarnation = e->incarnation;
+		t->reset_ver = e->reset_ver;
+		t->mbt = e->mbt;
+	}
+	t->ver = v;
+	t->removed_ns = kvr_rep_mono_ns();
+	kvr_rep_rank_drop(rep, id);
+	if (told)
+		*told = *t;
+	/* No room: forgotten at once, as kvr_rep_ranks_expire forgets one (sync/replica_ranks.c,
+	 * "Forgetting"); the entry, kept, would have told the removed rank's add again. */
+	if (!kept && kvr_rep_ver_cmp(v, rep->rank_floor) > 0)
+		rep->rank_floor = v;
+	return kept;
+}
+
+void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id)
+{
+	struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
+	if (!t)
+		return;
+	*t = rep->tombs[--rep->n_tombs];
+	shrink((void **)&rep->tombs, rep->n_tombs, &rep->tombs_cap, sizeof(*rep->tombs));
 }
 
 void kvr_rep_journal_clear(struct kvr_rep_rank *e)
@@ -190,31 +286,10 @@ void kvr_rep_journal_clear(struct kvr_rep_rank *e)
 	e->jblocks = 0;
 }
 
-void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
-{
-	struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
-	if (!e)
-		return;
-	kvr_rep_journal_clear(e);
-	*e = rep->ranks[--rep->n_ranks];
-	/* Given back as entries go (a quarter full: halved, not below the first 16): tombstones
-	 * of an hour's churn doubled the array, which kept its largest size for good.  Every
-	 * entry's address changes; callers hold none across a drop (it moved the last one
-	 * already).  Halving may fail for memory: the array is kept as it is. */
-	if (rep->ranks_cap > 16 && rep->n_ranks <= rep->ranks_cap / 4) {
-		size_t nc = rep->ranks_cap / 2;
-		struct kvr_rep_rank *p =
-		    kvr_realloc(rep->ranks, rep->ranks_cap * sizeof(*p), nc * sizeof(*p));
-		if (p) {
-			rep->ranks = p;
-			rep->ranks_cap = nc;
-		}
-	}
-}
-
 uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep)
 {
-	return (uint64_t)rep->ranks_cap * sizeof(*rep->ranks);
+	return (uint64_t)rep->ranks_cap * sizeof(*rep->ranks) +
+	       (uint64_t)rep->tombs_cap * sizeof(*rep->tombs);
 }
 
 static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_rec *x)

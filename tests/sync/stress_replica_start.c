@@ -64,8 +64,8 @@ static void check_round(struct kvr_replica *rep, int round)
 		struct kvr_rank_id id = {w, 0};
 		struct kvr_rank_stats s;
 		bool has = kvr_rank_get_stats(r, id, &s) == 0;
-		const struct kvr_rep_rank *e = kvr_rep_rank_entry(rep, id);
-		bool listed = e && !e->removed;
+		const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+		bool listed = e != NULL;
 		if (has != listed || (has && e->incarnation != s.incarnation)) {
 			fprintf(stderr,
 			        "stress_replica_start: round %d rank %lu: router %s (incarnation "
