@@ -196,6 +196,8 @@ struct kvr_replica {
 	struct kvr_rep_rec *live_head, *live_tail;
 	struct kvr_rep_rank *ranks; /* the ranks (no tombstone) */
 	size_t n_ranks, ranks_cap;
+	uint32_t *rix; /* their index by id (sync/replica_table.c) */
+	size_t rix_cap;
 	struct kvr_rep_tomb *tombs; /* the removals remembered, in no order */
 	size_t n_tombs, tombs_cap;
 	struct kvr_rep_peer peers[MAX_PEERS];

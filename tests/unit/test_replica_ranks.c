@@ -7,6 +7,7 @@
 #include "core/replica_hooks.h"
 #include "sync/replica_internal.h"
 #include "tests/common/replica_wire.h"
+#include "tests/common/xorshift.h"
 #include "tests/unit/replica_bus.h"
 
 static bool has_rank(struct kvr_router *r, uint64_t w);
@@ -286,6 +287,62 @@ Test(replica_ranks, tombstones_are_counted_in_the_memory_and_given_back, .timeou
 	              (unsigned long)m2, (unsigned long)m0);
 	cr_assert(has_rank(r[0], 0) && has_rank(r[0], 1));
 	bus_teardown(r, 1);
+}
+
+/* The rank table's index (sync/replica_table.c: open addressing over the entries' positions,
+ * shifted back on removal, rebuilt as the array grows and shrinks) against a model: random
+ * gets, drops, burials and forgotten tombstones over 300 ids, every id looked up after each. */
+Test(replica_ranks, the_rank_index_follows_random_changes, .timeout = 60)
+{
+	enum { IDS = 300, OPS = 20000 };
+	struct kvr_replica *rep = kvr_calloc(1, sizeof(*rep));
+	cr_assert(rep);
+	unsigned char st[IDS] = {0}; /* 0 none, 1 rank, 2 tombstone */
+	uint64_t seed = 0x5eed1234ull, x = seed;
+	for (int op = 0; op < OPS; op++) {
+		/* phases that favour growth, then shrinking, so the arrays double and halve */
+		const bool grow = (op / 2500) % 2 == 0;
+		uint32_t k = (uint32_t)(xorshift64(&x) % IDS),
+		         what = (uint32_t)(xorshift64(&x) % 8);
+		struct kvr_rank_id id = {(uint64_t)k * 3 + 1, k % 2};
+		if (what < (grow ? 5u : 2u)) {
+			cr_assert(kvr_rep_rank_get(rep, id), "seed %#lx op %d: get",
+			          (unsigned long)seed, op);
+			st[k] = 1;
+		} else if (what < 6) {
+			kvr_rep_rank_drop(rep, id);
+			st[k] = st[k] == 1 ? 0 : st[k];
+		} else if (what < 7) {
+			cr_assert(kvr_rep_rank_bury(
+			    rep, id, (struct kvr_rep_ver){(uint64_t)op + 1, 1}, NULL));
+			st[k] = 2;
+		} else {
+			kvr_rep_tomb_drop(rep, id);
+			st[k] = st[k] == 2 ? 0 : st[k];
+		}
+		size_t n = 0;
+		for (uint32_t j = 0; j < IDS; j++) {
+			struct kvr_rank_id q = {(uint64_t)j * 3 + 1, j % 2};
+			const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, q);
+			cr_assert_eq(e != NULL, st[j] == 1, "seed %#lx op %d: id %u %s",
+			             (unsigned long)seed, op, j,
+			             e ? "found, not a rank" : "a rank not found");
+			cr_assert(!e ||
+			          (e->id.worker_id == q.worker_id && e->id.dp_rank == q.dp_rank));
+			cr_assert_eq(kvr_rep_tomb_find(rep, q) != NULL, st[j] == 2,
+			             "seed %#lx op %d: id %u's tombstone", (unsigned long)seed, op,
+			             j);
+			n += st[j] == 1;
+		}
+		cr_assert_eq(rep->n_ranks, n);
+	}
+	for (uint32_t j = 0; j < IDS; j++) {
+		kvr_rep_rank_drop(rep, (struct kvr_rank_id){(uint64_t)j * 3 + 1, j % 2});
+		kvr_rep_tomb_drop(rep, (struct kvr_rank_id){(uint64_t)j * 3 + 1, j % 2});
+	}
+	cr_assert_eq(kvr_rep_ranks_bytes(rep), 0, "emptied, the table holds %lu bytes",
+	             (unsigned long)kvr_rep_ranks_bytes(rep));
+	kvr_free(rep, sizeof(*rep));
 }
 
 /* A peer's rank change with an older incarnation is refused by the router (KVR_ESTALE: a
