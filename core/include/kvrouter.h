@@ -1425,9 +1425,11 @@ struct kvr_memory {
 	 * sizes; none once the router has been idle 100 ms), and the pool itself.  Last, so that
 	 * the earlier fields keep their offsets. */
 	uint64_t attempt_pool;
-	/* Replica sync's rank table (kvr_sync_attach; 0 unattached): an entry per rank and a
-	 * tombstone per rank removed within the last tombstone_ms (an hour by default), at the
-	 * sizes asked for.  After attempt_pool, for the same reason. */
+	/* Replica sync's rank table (kvr_sync_attach; 0 unattached): an entry per rank (152
+	 * bytes) and its index (8 bytes), and a tombstone (64 bytes) per rank removed within the
+	 * last hour, at the sizes asked for (arrays that double, and halve as they empty); not
+	 * the journals of finished attempts kept per rank.  After attempt_pool, for the same
+	 * reason. */
 	uint64_t replica_ranks;
 };
 
