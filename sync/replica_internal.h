@@ -372,20 +372,20 @@ void kvr_rep_live_unlink(struct kvr_replica *rep, struct kvr_rep_rec *x);
 /* Ranks known to the cluster and their journals of finished attempts, and the tombstones of
  * those removed.  find: the rank's entry, NULL if none (a tombstone is none); get: the same,
  * made if need be (from its tombstone, if any: its versions, incarnation and max batched
- * tokens kept, the tombstone forgotten), NULL for memory (the tombstone kept); drop: forgets
- * the entry.  tomb_find: the rank's tombstone, NULL if none; bury: the rank's entry becomes
- * its tombstone at version v, removed now (its incarnation, last reset and max batched tokens
- * kept; a tombstone there already is renewed; made if neither, at incarnation 0), journal
- * freed, the tombstone copied into *told (may be NULL): false when it could not be kept for
- * memory (forgotten at once: rank_floor raised to v, the entry gone all the same); tomb_drop:
- * forgets the tombstone.  Entries and tombstones move when others go: their addresses last
- * until the next get, drop, bury or tomb_drop. */
+ * tokens kept, the tombstone forgotten) with room for its own tombstone, NULL for memory (the
+ * tombstone kept); drop: forgets the entry.  tomb_find: the rank's tombstone, NULL if none;
+ * bury: the rank's entry becomes its tombstone at version v, removed now (its last reset and
+ * max batched tokens kept, its incarnation or the removal's, the higher; a tombstone there
+ * already is renewed; made if neither), journal freed, the tombstone copied into *told (may be
+ * NULL): false when it could not be kept for memory, which only a rank with neither can meet
+ * (not kept, nothing else changed); tomb_drop: forgets the tombstone.  Entries and tombstones move
+ * when others go: their addresses last until the next get, drop, bury or tomb_drop. */
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id);
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id);
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 struct kvr_rep_tomb *kvr_rep_tomb_find(struct kvr_replica *rep, struct kvr_rank_id id);
 bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kvr_rep_ver v,
-                       struct kvr_rep_tomb *told);
+                       uint64_t incarnation, struct kvr_rep_tomb *told);
 void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 /* The bytes the rank table holds (kvr_memory.replica_ranks): its entries' and tombstones'
  * arrays at the sizes asked for (the journals' records are not counted).  mu held. */

@@ -29,8 +29,12 @@
  * table would grow with every worker ever removed.  A tombstone holds what the version check
  * and its telling need (struct kvr_rep_tomb: 64 bytes; a whole entry is 152), in a table of its
  * own, so that the ranks' lookups do not walk an hour of removals; both tables are counted in
- * kvr_memory.replica_ranks and shrink as they empty.  One that cannot be kept for memory is
- * forgotten at once, as below (kvr_rep_rank_bury).
+ * kvr_memory.replica_ranks and shrink as they empty.  Each entry holds its tombstone's room in
+ * the tombstones' table (64 bytes a live rank), so that a removal of a rank known here needs no
+ * memory: one that could not be kept was forgotten at once, raising the floor below for every
+ * rank to the removal's version (a peer's add made a moment before and still on its way was
+ * refused for good).  Only a removal of a rank known here by nothing can find no room: not
+ * kept, as a replica that never heard it (kvr_rep_rank_bury).
  *
  * Forgetting.  Once a tombstone is forgotten nobody remembers the removal, so a replica cut off
  * for longer than the keep came back and re-announced its older add, which every peer took for
@@ -134,7 +138,8 @@ void kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id ra
 {
 	if (op == KVR_REPL_RANK_REMOVE) {
 		struct kvr_rep_tomb t;
-		(void)kvr_rep_rank_bury(rep, rank, ver_next(rep), &t); /* told, kept or not */
+		(void)kvr_rep_rank_bury(rep, rank, ver_next(rep), incarnation,
+		                        &t); /* told, kept or not */
 		kvr_rep_tell_tomb(rep, &t);
 		return;
 	}
@@ -444,7 +449,7 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 			/* A tombstone, even for a rank this router never had (a removal that came
 			 * before the snapshot or re-announce still listing the rank): the older
 			 * add told later loses to it. */
-			(void)kvr_rep_rank_bury(rep, id, v, NULL);
+			(void)kvr_rep_rank_bury(rep, id, v, m->incarnation, NULL);
 		} else if (e) {
 			kvr_rep_rank_drop(rep, id);
 		}

@@ -160,11 +160,14 @@ static struct kvr_rank_id tomb_id(const struct kvr_rep_tomb *t)
  * attempt end, under mu) walked every entry: 400 ns at 1,024 ranks, 1.7 us at 4,096 (and,
  * before tombstones had a table of their own, an hour of removals too).
  */
+/* splitmix64's finaliser over both fields: worker ids that differ only in high bits (k << 40)
+ * spread over a small index too (a multiply and one shift left them all in slot 0). */
 static size_t rix_home(struct kvr_rank_id id, size_t cap)
 {
-	uint64_t h =
-	    (id.worker_id * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)id.dp_rank * 0xc2b2ae3d27d4eb4full);
-	h ^= h >> 29;
+	uint64_t h = id.worker_id ^ ((uint64_t)id.dp_rank * 0x9e3779b97f4a7c15ull);
+	h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+	h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+	h ^= h >> 31;
 	return (size_t)(h & (cap - 1));
 }
 
@@ -258,6 +261,22 @@ static bool room(void **arr, size_t n, size_t *cap, size_t sz)
 	return true;
 }
 
+/* Room for `need` elements in all (doubling from 16); false, nothing changed, for memory. */
+static bool reserve(void **arr, size_t need, size_t *cap, size_t sz)
+{
+	if (need <= *cap)
+		return true;
+	size_t nc = *cap ? *cap : 16;
+	while (nc < need)
+		nc *= 2;
+	void *p = kvr_realloc(*arr, *cap * sz, nc * sz);
+	if (!p)
+		return false;
+	*arr = p;
+	*cap = nc;
+	return true;
+}
+
 /* Given back as entries go (a quarter full: halved, not below the first 16; none: freed): an
  * hour's churn of tombstones doubled the array, which kept its largest size for good.  Every
  * entry's address changes; callers hold none across a drop (it moves the last one already).
@@ -285,7 +304,13 @@ struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_i
 	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
 	if (e)
 		return e;
-	if (!room((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks)))
+	/* Every entry has its tombstone's room (n_tombs + n_ranks <= tombs_cap), so that burying
+	 * it needs no memory: a removal whose tombstone could not be kept must be forgotten at once
+	 * (kvr_rep_rank_bury), which raises the floor for every rank to the removal's version, and
+	 * a peer's add made a moment before it and still on its way was refused for good. */
+	if (!reserve((void **)&rep->tombs, rep->n_tombs + rep->n_ranks + 1, &rep->tombs_cap,
+	             sizeof(*rep->tombs)) ||
+	    !room((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks)))
 		return NULL;
 	if (rep->rix_cap < 2 * rep->ranks_cap && !rix_resize(rep, 2 * rep->ranks_cap))
 		return NULL;
@@ -319,37 +344,47 @@ void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 	}
 	rep->n_ranks--;
 	shrink((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks));
+	/* the room its tombstone held, unless bury used it */
+	shrink((void **)&rep->tombs, rep->n_tombs + rep->n_ranks, &rep->tombs_cap,
+	       sizeof(*rep->tombs));
 	if (rep->rix_cap > 2 * rep->ranks_cap)
 		(void)rix_resize(rep, 2 * rep->ranks_cap); /* for memory: the larger one serves */
 }
 
 bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kvr_rep_ver v,
-                       struct kvr_rep_tomb *told)
+                       uint64_t incarnation, struct kvr_rep_tomb *told)
 {
 	struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id), made = {0};
-	bool kept =
-	    t || room((void **)&rep->tombs, rep->n_tombs, &rep->tombs_cap, sizeof(*rep->tombs));
+	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
+	/* An entry's tombstone has its room (kvr_rep_rank_get); one for a rank known here by
+	 * nothing needs room beyond the entries' (n_tombs + n_ranks + 1). */
+	bool kept = t || e ||
+	            reserve((void **)&rep->tombs, rep->n_tombs + rep->n_ranks + 1, &rep->tombs_cap,
+	                    sizeof(*rep->tombs));
 	if (!t) {
 		t = kept ? &rep->tombs[rep->n_tombs++] : &made;
 		memset(t, 0, sizeof(*t));
 		t->worker_id = id.worker_id;
 		t->dp_rank = id.dp_rank;
 	}
-	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
 	if (e) {
 		t->incarnation = e->incarnation;
 		t->reset_ver = e->reset_ver;
 		t->mbt = e->mbt;
 	}
+	/* The removal's own incarnation, at least: told again (a re-announce, a snapshot) at 0, as
+	 * one for a rank never held here was, it is refused by every replica holding the rank at a
+	 * later one (kvr_rep_apply_rank), which then kept the rank for good. */
+	if (incarnation > t->incarnation)
+		t->incarnation = incarnation;
 	t->ver = v;
 	t->removed_ns = kvr_rep_mono_ns();
-	kvr_rep_rank_drop(rep, id);
 	if (told)
 		*told = *t;
-	/* No room: forgotten at once, as kvr_rep_ranks_expire forgets one (sync/replica_ranks.c,
-	 * "Forgetting"); the entry, kept, would have told the removed rank's add again. */
-	if (!kept && kvr_rep_ver_cmp(v, rep->rank_floor) > 0)
-		rep->rank_floor = v;
+	kvr_rep_rank_drop(rep, id); /* t moves (the tombstones' table may shrink) */
+	/* Not kept (no entry here, no memory): nothing here tells the rank's add again, so nothing
+	 * needs the floor raised; an older add of it told later is taken, as a replica that never
+	 * heard the removal takes it. */
 	return kept;
 }
 
@@ -359,7 +394,9 @@ void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 	if (!t)
 		return;
 	*t = rep->tombs[--rep->n_tombs];
-	shrink((void **)&rep->tombs, rep->n_tombs, &rep->tombs_cap, sizeof(*rep->tombs));
+	/* the entries' tombstones keep their room */
+	shrink((void **)&rep->tombs, rep->n_tombs + rep->n_ranks, &rep->tombs_cap,
+	       sizeof(*rep->tombs));
 }
 
 void kvr_rep_journal_clear(struct kvr_rep_rank *e)

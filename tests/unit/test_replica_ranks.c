@@ -291,35 +291,45 @@ Test(replica_ranks, tombstones_are_counted_in_the_memory_and_given_back, .timeou
 
 /* The rank table's index (sync/replica_table.c: open addressing over the entries' positions,
  * shifted back on removal, rebuilt as the array grows and shrinks) against a model: random
- * gets, drops, burials and forgotten tombstones over 300 ids, every id looked up after each. */
-Test(replica_ranks, the_rank_index_follows_random_changes, .timeout = 60)
+ * gets, drops, burials and forgotten tombstones over 300 ids, every id looked up after each;
+ * with `failures`, three calls in four have their first or second allocation fail (a get that
+ * fails changes nothing; a burial of a rank with an entry never fails: its room is held). */
+static void index_model(uint64_t seed, bool failures)
 {
 	enum { IDS = 300, OPS = 20000 };
 	struct kvr_replica *rep = kvr_calloc(1, sizeof(*rep));
 	cr_assert(rep);
 	unsigned char st[IDS] = {0}; /* 0 none, 1 rank, 2 tombstone */
-	uint64_t seed = 0x5eed1234ull, x = seed;
+	uint64_t x = seed;
+	kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
+	kvr_alloc_fail_scope(failures ? KVR_ALLOC_ROLE_CALLER : 0);
 	for (int op = 0; op < OPS; op++) {
 		/* phases that favour growth, then shrinking, so the arrays double and halve */
 		const bool grow = (op / 2500) % 2 == 0;
 		uint32_t k = (uint32_t)(xorshift64(&x) % IDS),
 		         what = (uint32_t)(xorshift64(&x) % 8);
 		struct kvr_rank_id id = {(uint64_t)k * 3 + 1, k % 2};
+		if (failures && xorshift64(&x) % 4 != 0)
+			kvr_alloc_fail_from((xorshift64(&x) % 2) + 1);
 		if (what < (grow ? 5u : 2u)) {
-			cr_assert(kvr_rep_rank_get(rep, id), "seed %#lx op %d: get",
-			          (unsigned long)seed, op);
-			st[k] = 1;
+			bool got = kvr_rep_rank_get(rep, id) != NULL;
+			cr_assert(got || failures, "seed %#lx op %d: get", (unsigned long)seed, op);
+			st[k] = got ? 1 : st[k];
 		} else if (what < 6) {
 			kvr_rep_rank_drop(rep, id);
 			st[k] = st[k] == 1 ? 0 : st[k];
 		} else if (what < 7) {
-			cr_assert(kvr_rep_rank_bury(
-			    rep, id, (struct kvr_rep_ver){(uint64_t)op + 1, 1}, NULL));
-			st[k] = 2;
+			bool held = st[k] != 0;
+			bool kept = kvr_rep_rank_bury(
+			    rep, id, (struct kvr_rep_ver){(uint64_t)op + 1, 1}, 7, NULL);
+			cr_assert(kept || (failures && !held), "seed %#lx op %d: bury (held %d)",
+			          (unsigned long)seed, op, held);
+			st[k] = kept ? 2 : 0;
 		} else {
 			kvr_rep_tomb_drop(rep, id);
 			st[k] = st[k] == 2 ? 0 : st[k];
 		}
+		kvr_alloc_fail_after(0);
 		size_t n = 0;
 		for (uint32_t j = 0; j < IDS; j++) {
 			struct kvr_rank_id q = {(uint64_t)j * 3 + 1, j % 2};
@@ -335,7 +345,13 @@ Test(replica_ranks, the_rank_index_follows_random_changes, .timeout = 60)
 			n += st[j] == 1;
 		}
 		cr_assert_eq(rep->n_ranks, n);
+		cr_assert(rep->rix_cap == 0 || rep->n_ranks * 2 <= rep->rix_cap);
+		cr_assert_leq(rep->n_tombs + rep->n_ranks, rep->tombs_cap,
+		              "seed %#lx op %d: an entry's tombstone has no room",
+		              (unsigned long)seed, op);
 	}
+	kvr_alloc_fail_scope(0);
+	kvr_alloc_thread_role(0);
 	for (uint32_t j = 0; j < IDS; j++) {
 		kvr_rep_rank_drop(rep, (struct kvr_rank_id){(uint64_t)j * 3 + 1, j % 2});
 		kvr_rep_tomb_drop(rep, (struct kvr_rank_id){(uint64_t)j * 3 + 1, j % 2});
@@ -343,6 +359,74 @@ Test(replica_ranks, the_rank_index_follows_random_changes, .timeout = 60)
 	cr_assert_eq(kvr_rep_ranks_bytes(rep), 0, "emptied, the table holds %lu bytes",
 	             (unsigned long)kvr_rep_ranks_bytes(rep));
 	kvr_free(rep, sizeof(*rep));
+}
+
+Test(replica_ranks, the_rank_index_follows_random_changes, .timeout = 60)
+{
+	index_model(0x5eed1234ull, false);
+}
+
+/* The review's probe: the same under allocation failures (gets, shrinks and index rebuilds). */
+Test(replica_ranks, the_rank_index_follows_random_changes_under_allocation_failures, .timeout = 120)
+{
+	for (uint64_t seed = 1; seed <= 8; seed++)
+		index_model(0xfeedbeefull * seed, true);
+}
+
+/* A tombstone for a rank never held here carries the removal's incarnation.  Before, it was at
+ * 0, and told again (a re-announce, a snapshot) its removal was refused by every replica holding
+ * the rank at a later incarnation (kvr_rep_apply_rank). */
+Test(replica_ranks, a_tombstone_of_a_rank_never_held_has_the_removals_incarnation, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	bus_quiet(r, 1);
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	uint64_t t0 = bus.rep[0]->rank_clock;
+	pthread_mutex_unlock(&bus.rep[0]->mu);
+	peer_rank_v(bus.rep[0], 1, KVR_REPL_RANK_REMOVE, 9, 7, t0 + 100);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	const struct kvr_rep_tomb *t = kvr_rep_tomb_find(bus.rep[0], (struct kvr_rank_id){9, 0});
+	uint64_t inc = t ? t->incarnation : 999;
+	pthread_mutex_unlock(&bus.rep[0]->mu);
+	bus_teardown(r, 1);
+	cr_assert_eq(inc, 7, "the tombstone's incarnation is %lu, the removal's 7",
+	             (unsigned long)inc);
+}
+
+/* An own removal whose sender finds no memory (the review's probe).  Before, the tombstone could
+ * not be kept, was forgotten at once and raised the floor to the removal's version: a peer's add
+ * of an unrelated rank made a moment before and still on its way was refused for good.  Now an
+ * entry's tombstone has its room (kvr_rep_rank_get). */
+Test(replica_ranks, a_removal_without_memory_keeps_its_tombstone_and_the_floor, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	bus_quiet(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	pthread_mutex_lock(&rep->mu);
+	uint64_t t0 = rep->rank_clock;
+	pthread_mutex_unlock(&rep->mu);
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_SENDER);
+	kvr_alloc_fail_after(1);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){1, 0}), 0);
+	bus_quiet(r, 1);
+	kvr_alloc_fail_after(0);
+	kvr_alloc_fail_scope(0);
+	pthread_mutex_lock(&rep->mu);
+	bool tomb = kvr_rep_tomb_find(rep, (struct kvr_rank_id){1, 0}) != NULL;
+	struct kvr_rep_ver f = rep->rank_floor;
+	uint64_t t1 = rep->rank_clock;
+	pthread_mutex_unlock(&rep->mu);
+	/* a peer's add of rank 42, made between the quiet and the removal, arrives now */
+	peer_rank_v(rep, 1, KVR_REPL_RANK_ADD, 42, 3, t0 + (t1 - t0) / 2);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	bool has = has_rank(r[0], 42);
+	bus_teardown(r, 1);
+	cr_assert(tomb, "the removal's tombstone was not kept");
+	cr_assert_eq(f.clock, 0, "the floor rose to %lu", (unsigned long)f.clock);
+	cr_assert(has, "a peer's add of an unrelated rank made before the removal was refused");
 }
 
 /* A peer's rank change with an older incarnation is refused by the router (KVR_ESTALE: a
@@ -1310,4 +1394,37 @@ Test(replica_ranks, a_record_the_sender_holds_across_a_pause_outlives_its_ranks_
 		expect_records(0, "after the pause");
 	}
 	bus_teardown(r, 2);
+}
+
+/* End to end (the review's probe): replica 1 removes rank 2 (incarnation 7) while replica 2 is
+ * cut off; replica 3 joins from replica 1's snapshot (it never had the rank).  Replica 1 goes
+ * silent; replica 2, back, resyncs from replica 3, whose snapshot tells the removal.  Before, it
+ * told it at incarnation 0, refused: replica 2 kept rank 2 for good. */
+Test(replica_ranks, a_removal_told_by_a_replica_that_never_held_the_rank_is_taken, .timeout = 60)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 2);
+	add_rank_2(r, 2);
+	kvr_replica_disconnected(bus.rep[1]);
+	__atomic_store_n(&bus_deaf[1], true, __ATOMIC_RELEASE);
+	bus_set_ready(1, false);
+	cr_assert_eq(kvr_rank_remove(r[0], (struct kvr_rank_id){2, 0}), 0);
+	cr_assert_eq(kvr_replica_drain(bus.rep[0], 10000), 0);
+	r[2] = make();
+	bus_attach(2, r[2]); /* served by replica 1 */
+	cr_assert_eq(kvr_replica_drain(bus.rep[2], 10000), 0);
+	cr_assert(!has_rank(r[2], 2));
+	/* replica 1 goes silent (its publishes lost, no snapshots served) */
+	__atomic_store_n(&bus_lose[0], true, __ATOMIC_RELEASE);
+	bus_set_ready(0, false);
+	__atomic_store_n(&bus_deaf[1], false, __ATOMIC_RELEASE);
+	bus_set_ready(1, true);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	kvr_replica_reconnected(bus.rep[1]); /* asks replica 3 */
+	wait_snapshots(1, st.snapshots_applied + 1);
+	cr_assert_eq(kvr_replica_drain(bus.rep[1], 10000), 0);
+	bool kept = has_rank(r[1], 2);
+	bus_teardown(r, 3);
+	cr_assert(!kept, "replica 2 kept rank 2 after resyncing from replica 3");
 }
