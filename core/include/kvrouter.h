@@ -1411,10 +1411,10 @@ struct kvr_memory {
 	uint64_t lanes;       /* shard runtime: lane rings, shard records, worker placement */
 	uint64_t rank_tables; /* the router's per-rank arrays, sized for max_ranks */
 	/* Everything the library has allocated now, asked-for sizes, every router in the process
-	 * together; minus the parts (the fields above it and attempt_pool) leaves what has no
-	 * counter of its own (pinned-run map, leases, attempt records in flight, metrics, memory
-	 * retired but not yet past its RCU grace period) less the size-class rounding the parts
-	 * include. */
+	 * together; minus the parts (the fields above it, attempt_pool and replica_ranks) leaves
+	 * what has no counter of its own (pinned-run map, leases, attempt records in flight,
+	 * metrics, memory retired but not yet past its RCU grace period) less the size-class
+	 * rounding the parts include. */
 	uint64_t library;
 	/* On jemalloc (kvr_allocator, kvr_metrics_render; 0 otherwise): the bytes allocated in the
 	 * library's own arena at their size classes (every router in the process), and of those,
@@ -1426,10 +1426,10 @@ struct kvr_memory {
 	 * the earlier fields keep their offsets. */
 	uint64_t attempt_pool;
 	/* Replica sync's rank table (kvr_sync_attach; 0 unattached): an entry per rank (152
-	 * bytes) and its index (8 bytes), and a tombstone (64 bytes) per rank removed within the
-	 * last hour, at the sizes asked for (arrays that double, and halve as they empty); not
-	 * the journals of finished attempts kept per rank.  After attempt_pool, for the same
-	 * reason. */
+	 * bytes, its index 8, its tombstone's room 64), and a tombstone (64 bytes) per rank
+	 * removed within the last hour, at the sizes asked for (arrays that double, and halve as
+	 * they empty); not the journals of finished attempts kept per rank.  After attempt_pool,
+	 * for the same reason. */
 	uint64_t replica_ranks;
 };
 
