@@ -133,9 +133,10 @@ struct kvr_owner_ctx {
 	void (*on_event_gap)(void *ctx, uint64_t worker_id, uint32_t dp_rank, uint64_t expected,
 	                     uint64_t got);
 	void *callback_ctx;
-	/* The lease reaper expired `attempt`, or its posted booking was dropped for memory (called
-	 * on the shard thread, after the attempt ended; replica sync tells the peers, as for an
-	 * abort).  NULL: nothing to tell. */
+	/* The lease reaper expired `attempt`, or its posted booking was dropped for memory and the
+	 * drop won its lease's claim (called on the shard thread, after the attempt ended; replica
+	 * sync tells the peers, as for an abort).  Not for an attempt booked for a peer replica
+	 * (kvr_admit_args.peer), whose origin tells its end.  NULL: nothing to tell. */
 	void (*on_expire)(void *ctx, uint64_t attempt);
 	void *expire_ctx;
 	/* The shard ended `attempt` because its rank's life ended (a removal, a reset, a new

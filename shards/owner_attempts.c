@@ -558,6 +558,19 @@ static void tell_rank_end(const struct kvr_owner_ctx *c, uint64_t attempt, bool 
 		c->on_rank_end(c->expire_ctx, attempt);
 }
 
+/* A posted booking dropped for memory: kvr_route returned the attempt and noted it to replica
+ * sync, and it is stale here (its finish returns KVR_ESTALE and notes nothing), so it is told as
+ * an expiry (an abort), or every peer kept its mirror live for good (test_sync_nats test_oom).
+ * Only when this drop won the claim: a caller's finish or abort that won it was noted by that
+ * caller, and a second end note reached the sender with no record left, to sit in its early set
+ * (sync/replica_early.c) for 60 s; and not for a peer's attempt, whose end its origin tells
+ * (test_owner_attempts a_booking_dropped_for_memory_tells_one_end_and_none_for_a_mirror). */
+static void tell_dropped(const struct kvr_owner_ctx *c, uint64_t attempt, bool won, bool peer)
+{
+	if (won && !peer && c->on_expire)
+		c->on_expire(c->expire_ctx, attempt);
+}
+
 void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own)
 {
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
@@ -609,8 +622,9 @@ static void prefetch_blocks(const struct kvr_lru_block *b, size_t n)
  * the load cannot be recorded for memory it is booked without it, its load left provisional
  * (load_missing), rather than dropped as the posted booking is: the waited-for booking would
  * have failed kvr_route instead, and an attempt kvr_route returned must live until its end.
- * posted: a posted booking (deferred or not), whose attempt its router returned and noted; a
- * waited one (kvr_owner_book_call) fails its admission instead. */
+ * posted: a posted booking (deferred or not), whose attempt its router returned and noted: a
+ * drop tells its end (tell_rank_end, tell_dropped); a waited one (kvr_owner_book_call) fails
+ * its admission instead. */
 static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bool posted)
 {
 	struct kvr_shard_state *ss = kvr_owner_state(sh);
@@ -636,7 +650,11 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bo
 	const struct kvr_lru_block *b = kvr_attempt_blocks(rec, bs);
 	if (track(ss, rec)) {
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
-		drop_booking(ss, rec);
+		uint64_t attempt = rec->attempt;
+		bool peer = rec->peer;
+		bool won = drop_booking(ss, rec);
+		if (posted)
+			tell_dropped(c, attempt, won, peer);
 		return KVR_ENOMEM;
 	}
 	kvr_owner_wake_reaper(sh);
@@ -651,7 +669,11 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bo
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
 		if (!deferred) {
 			untrack(ss, rec);
-			drop_booking(ss, rec);
+			uint64_t attempt = rec->attempt;
+			bool peer = rec->peer;
+			bool won = drop_booking(ss, rec);
+			if (posted)
+				tell_dropped(c, attempt, won, peer);
 			return KVR_ENOMEM;
 		}
 		rec->load_missing = true;
@@ -686,14 +708,9 @@ void kvr_owner_book_task(struct kvr_shard *sh, void *payload)
 {
 	struct kvr_attempt *rec;
 	memcpy(&rec, payload, sizeof(rec));
-	uint64_t attempt = rec->attempt; /* rec is freed by a dropped booking */
-	/* kvr_route returned this attempt and noted it to replica sync; dropped for memory, it is
-	 * stale here, so its finish returns KVR_ESTALE and notes nothing: told as an expiry (an
-	 * abort), or every peer kept its mirror live for good (test_sync_nats test_oom). */
+	/* Dropped for memory, it is told as an expiry by book() (tell_dropped). */
 	const struct kvr_owner_ctx *c = kvr_owner_state(sh)->c;
 	int rc = book(sh, rec, false, true);
-	if (rc == KVR_ENOMEM && c->on_expire)
-		c->on_expire(c->expire_ctx, attempt);
 	/* Its provisional load is gone.  Also for a rank removed meanwhile (KVR_ENOENT): the
 	 * load words are the slot's, and a rank added since in the same slot read this booking's
 	 * load until now, so a request may have queued behind it. */
@@ -920,11 +937,15 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 		int st = kvr_lease_age(c->leases, rec->attempt);
 		if (st == KVR_LEASE_CLAIMED) {
 			uint64_t attempt = rec->attempt; /* rec is recycled by end_attempt */
+			bool peer = rec->peer;
 			KVR_PROBE2(lease_expire, rec->slot, attempt);
 			kvr_metrics_add(kvr_owner_mb(c), KVR_C_LEASE_EXPIRIES, 1);
 			end_attempt(sh, rec, true);
 			ended = true;
-			if (c->on_expire)
+			/* A mirror's end is its origin's to tell: told, its local id was no record
+			 * of the replica layer's and sat in its early set (sync/replica_early.c).
+			 */
+			if (c->on_expire && !peer)
 				c->on_expire(c->expire_ctx, attempt);
 		} else if (st == 0) {
 			/* A caller claimed it and its finish/abort message has not come (still

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "core/alloc.h"
+#include "core/replica_hooks.h"
 #include "core/router_internal.h"
 #include "kvrouter.h"
 #include "shards/owner.h"
@@ -496,5 +497,179 @@ Test(owner_attempts, sync_booking_waited_booking_failed_for_memory_wakes_the_que
 	cr_assert_eq(__atomic_load_n(&seen.n, __ATOMIC_ACQUIRE), 1,
 	             "the queued request stayed queued on an idle rank");
 	cr_assert_eq(seen.ticket, d.ticket);
+	kvr_router_destroy(r);
+}
+
+/* End notes per attempt, as replica sync would hear them (struct kvr_repl_hooks): every end
+ * (finish, abort, expiry, a rank's end) counted by the attempt's lease sequence number. */
+#define ENDS_MAX 4096
+static struct ends {
+	uint64_t base; /* the first attempt's sequence number */
+	int n[ENDS_MAX];
+} ends;
+
+static void ends_admitted(void *ctx, const struct kvr_repl_admission *a)
+{
+	(void)ctx;
+	(void)a;
+}
+
+static void ends_progressed(void *ctx, uint64_t attempt, int op, const uint32_t *t, size_t n,
+                            bool not_final)
+{
+	(void)ctx;
+	(void)t;
+	(void)n;
+	(void)not_final;
+	if (op == KVR_OP_PREFILL_DONE || op == KVR_OP_OUTPUT)
+		return;
+	uint64_t i = (attempt >> KVR_LEASE_TAG_BITS) - ends.base;
+	if (i < ENDS_MAX)
+		__atomic_add_fetch(&ends.n[i], 1, __ATOMIC_RELAXED);
+}
+
+static int ends_of(uint64_t attempt)
+{
+	return __atomic_load_n(&ends.n[(attempt >> KVR_LEASE_TAG_BITS) - ends.base],
+	                       __ATOMIC_RELAXED);
+}
+
+/* A posted booking dropped for memory is told as an expiry (the attempt's one end note), but
+ * only when the drop won the lease's claim and the attempt is the router's own: a caller whose
+ * abort claimed the lease while the booking was still posted has told its end already, and a
+ * peer's mirror's end is its origin's to tell.  Before, every such drop told an expiry: a
+ * second end note for an aborted attempt, and one for a mirror (an id the replica layer has no
+ * record of), each left in the sender's early set (sync/replica_early.c) for 60 s.  Here: the
+ * shard held, N own attempts routed (the even ones aborted at once) and N mirrors admitted,
+ * then the shard's allocations fail: the bookings past its tracking room are dropped. */
+Test(owner_attempts, a_booking_dropped_for_memory_tells_one_end_and_none_for_a_mirror,
+     .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = false; /* posted bookings */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	const struct kvr_rank_id rk = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 4096), 0);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	memset(&ends, 0, sizeof(ends));
+	struct kvr_repl_hooks h = {.admitted = ends_admitted, .progressed = ends_progressed};
+	cr_assert_eq(kvr_repl_set_hooks(r, &h), 0);
+	struct kvr_shard *sh = kvr_shards_get(r->shards, 0);
+	struct gate g = {0};
+	struct gate *gp = &g;
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, stall, &gp, sizeof(gp)), 0);
+	while (!__atomic_load_n(&g.held, __ATOMIC_ACQUIRE))
+		sched_yield();
+
+	enum { N = 400 };
+	static uint64_t own[N], peer[N];
+	static uint32_t t[64];
+	for (size_t i = 0; i < N; i++) {
+		for (uint32_t k = 0; k < 64; k++)
+			t[k] = (uint32_t)(i * 64 + k);
+		struct kvr_request q;
+		kvr_request_init(&q);
+		q.tokens = t;
+		q.n_tokens = 64;
+		struct kvr_decision d;
+		cr_assert_eq(kvr_route(r, &q, &d), 0);
+		own[i] = d.attempt;
+		if (i == 0)
+			ends.base = own[0] >> KVR_LEASE_TAG_BITS;
+		if (i % 2 == 0)
+			cr_assert_eq(kvr_request_abort(r, own[i]), 0, "the caller claims first");
+		uint64_t local[2] = {0x1000 + i, 0x2000 + i};
+		struct kvr_repl_admission m = {.rank = rk,
+		                               .incarnation = 1,
+		                               .local = local,
+		                               .n = 2,
+		                               .prompt_tokens = 2 * c.block_size,
+		                               .chain_known = false};
+		kvr_repl_applying = true; /* as the apply thread admits a peer's attempt */
+		cr_assert_eq(kvr_repl_admit(r, &m), 0);
+		kvr_repl_applying = false;
+		peer[i] = m.attempt;
+		cr_assert_lt((m.attempt >> KVR_LEASE_TAG_BITS) - ends.base, ENDS_MAX);
+	}
+	kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER); /* the shard thread alone (stall) */
+	kvr_alloc_fail_from(1);
+	__atomic_store_n(&g.open, 1, __ATOMIC_RELEASE);
+	cr_assert_eq(kvr_router_sync(r, 5000), 0);
+	kvr_alloc_fail_after(0);
+	kvr_alloc_fail_scope(0);
+
+	size_t own_dropped = 0;
+	for (size_t i = 0; i < N; i++) {
+		if (i % 2 == 0) {
+			cr_assert_eq(ends_of(own[i]), 1, "aborted attempt %zu: %d end notes", i,
+			             ends_of(own[i]));
+		} else {
+			/* dropped: told once, as an expiry (its abort is stale); booked: its abort
+			 * tells the one end */
+			int before = ends_of(own[i]);
+			int rc = kvr_request_abort(r, own[i]);
+			cr_assert(rc == 0 || rc == KVR_ESTALE);
+			own_dropped += rc == KVR_ESTALE;
+			cr_assert_eq(before, rc == KVR_ESTALE ? 1 : 0, "attempt %zu", i);
+			cr_assert_eq(ends_of(own[i]), 1, "attempt %zu", i);
+		}
+		cr_assert_eq(ends_of(peer[i]), 0, "mirror %zu: %d end notes", i, ends_of(peer[i]));
+	}
+	/* The shard's room (a few dozen attempts) was spent long before the last booking. */
+	cr_assert_gt(own_dropped, N / 4, "bookings dropped for memory: %zu of %d", own_dropped,
+	             N / 2);
+	cr_assert_eq(kvr_repl_set_hooks(r, NULL), 0);
+	kvr_router_destroy(r);
+}
+
+/* The lease reaper's expiry of a peer's mirror tells nothing (its end is its origin's to tell):
+ * told, its local id was no record of the replica layer's and sat in the sender's early set for
+ * 60 s.  An own attempt's expiry is told once (the control). */
+Test(owner_attempts, a_mirrors_lease_expiry_is_not_told, .timeout = 60)
+{
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 1;
+	c.sync_booking = false;
+	c.lease_scan_interval_ns = 2000000; /* idle attempts expire after 2-4 ms */
+	struct kvr_router *r;
+	cr_assert_eq(kvr_router_create(&c, &r), 0);
+	const struct kvr_rank_id rk = {0, 0};
+	cr_assert_eq(kvr_rank_add(r, rk, 1, 100000, 4096), 0);
+	memset(&ends, 0, sizeof(ends));
+	struct kvr_repl_hooks h = {.admitted = ends_admitted, .progressed = ends_progressed};
+	cr_assert_eq(kvr_repl_set_hooks(r, &h), 0);
+	static uint32_t t[64];
+	for (uint32_t k = 0; k < 64; k++)
+		t[k] = k;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = 64;
+	struct kvr_decision d;
+	cr_assert_eq(kvr_route(r, &q, &d), 0);
+	ends.base = d.attempt >> KVR_LEASE_TAG_BITS;
+	uint64_t local[2] = {0x1000, 0x2000};
+	struct kvr_repl_admission m = {.rank = rk,
+	                               .incarnation = 1,
+	                               .local = local,
+	                               .n = 2,
+	                               .prompt_tokens = 2 * c.block_size,
+	                               .chain_known = false};
+	kvr_repl_applying = true;
+	cr_assert_eq(kvr_repl_admit(r, &m), 0);
+	kvr_repl_applying = false;
+	for (int ms = 0; ms < 20000 && kvr_test_metric(r, "kvr_lease_expiries_total") < 2; ms++) {
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	cr_assert_eq(kvr_test_metric(r, "kvr_lease_expiries_total"), 2);
+	cr_assert_eq(ends_of(d.attempt), 1, "the own attempt's expiry: told once");
+	cr_assert_eq(ends_of(m.attempt), 0, "the mirror's expiry: %d end notes",
+	             ends_of(m.attempt));
+	cr_assert_eq(kvr_repl_set_hooks(r, NULL), 0);
 	kvr_router_destroy(r);
 }
