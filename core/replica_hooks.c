@@ -119,7 +119,7 @@ void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
 
 void kvr_repl_note_expire(void *ctx, uint64_t attempt)
 {
-	kvr_repl_note_progress(ctx, attempt, KVR_OP_ABORT, NULL, 0, false);
+	kvr_repl_note_progress(ctx, attempt, KVR_OP_EXPIRED, NULL, 0, false);
 }
 
 void kvr_repl_note_rank_end(void *ctx, uint64_t attempt)

@@ -119,9 +119,10 @@ int kvr_repl_rank_remove_life(struct kvr_router *r, struct kvr_rank_id rank, uin
 void kvr_repl_note_admit_slow(struct kvr_router *r, const struct kvr_repl_admission *a);
 void kvr_repl_note_progress_slow(struct kvr_router *r, uint64_t attempt, int op,
                                  const uint32_t *tokens, size_t n, bool not_final);
-/* The lease reaper expired one of this router's attempts (shard thread; ctx is the router): told
- * as an abort, so peers release their mirror at once instead of on their own reaper, and the
- * layer drops its record of the attempt. */
+/* The lease reaper expired one of this router's attempts, or its posted booking was dropped for
+ * memory (shard thread; ctx is the router; kvr_owner_ctx.on_expire): told as progress op
+ * KVR_OP_EXPIRED, which the layer publishes as an abort, so peers release their mirror at once
+ * instead of on their own reaper, and the layer drops its record of the attempt. */
 void kvr_repl_note_expire(void *ctx, uint64_t attempt);
 /* The shard ended one of this router's own attempts with its rank's life, or dropped its posted
  * booking for the rank gone (shard thread; ctx is the router; kvr_owner_ctx.on_rank_end): told

@@ -284,6 +284,12 @@ enum kvr_progress_op {
 	 * ended the attempt when its rank's life ended (removed, reset, a new incarnation) or
 	 * dropped its booking for the rank gone, winning the claim. */
 	KVR_OP_RANK_ENDED,
+	/* Only in a replica note (kvr_owner_ctx.on_expire), never posted to a shard: the lease
+	 * reaper expired the attempt, or its posted booking was dropped for memory.  Told apart
+	 * from a caller's abort because, like a rank's end, it is told on the shard thread and can
+	 * reach replica sync before the attempt's admission note (sync/replica_early.c); a
+	 * caller's end never can. */
+	KVR_OP_EXPIRED,
 };
 
 /* Inline output tokens in a posted message; more go through a heap copy.  Six, so that the

@@ -15,12 +15,15 @@
  *
  * How many can be pending.  One per routing thread at most (a thread is in that window for one
  * route at a time), and routing threads are the embedder's: there is no bound to size a table
- * by.  What else lands here, never to be taken out: ends of attempts admitted before attach,
- * of attempts whose admission note was lost (no memory, a full ring: out_dropped,
- * unpublished), and lease expiries of mirrors (the reaper tells the local attempt id, which is
- * no own record).  The previous 64-entry ring let such leftovers push a pending end out
- * unseen, and its admission then went out with no end (test_replica_hooks
- * early_ends_overflow: 136 of 200 live on the peer).
+ * by.  Only ends the shard tells land here (KVR_OP_EXPIRED, KVR_OP_RANK_ENDED): a caller's
+ * finish or abort is noted after its admission's note (out_progress), so with no record it is
+ * dropped.  What else lands here, never to be taken out: the shard's ends of attempts admitted
+ * before attach, and of attempts whose admission note was lost (no memory, a full ring:
+ * out_dropped, unpublished).  A caller's ends of attempts admitted before attach used to land
+ * here too (a review's probe: 500 entries), and lease expiries of mirrors (the reaper told the
+ * local attempt id, which is no own record).  The previous 64-entry ring let such leftovers
+ * push a pending end out unseen, and its admission then went out with no end
+ * (test_replica_hooks early_ends_overflow: 136 of 200 live on the peer).
  *
  * So: an open-addressing set (linear probing, backward-shift deletion, load at most one half)
  * that grows instead of overwriting.  Entries older than EARLY_KEEP_NS are dropped only when
@@ -29,7 +32,8 @@
  * times EARLY_KEEP_NS.  Only when the set is full (cap - 1 entries, all younger than
  * EARLY_KEEP_NS) and cannot grow for memory is the oldest entry given up, counted in
  * rep->st.early_lost (kvr_sync_stats): the one case left in which a mirror can stay live on the
- * peers. Context for all: mu held (the sender).
+ * peers.  Emptied, a set that grew gives its storage back (shrink_if_empty).  Context for all:
+ * mu held (the sender).
  */
 #include <string.h>
 
@@ -87,6 +91,21 @@ static void put(struct kvr_rep_early *e, uint32_t cap, uint64_t a, uint64_t ns)
 	e[i].ns = ns;
 }
 
+/* An empty set that grew goes back to EARLY_INIT slots: a burst of leftovers (a rank's end
+ * with thousands of attempts admitted before attach) kept its storage, 16 B a slot, for the
+ * replica's life.  Out of memory it keeps the larger one (empty, and as good). */
+static void shrink_if_empty(struct kvr_replica *rep)
+{
+	if (rep->early_n || rep->early_cap <= EARLY_INIT)
+		return;
+	struct kvr_rep_early *ne = kvr_calloc(EARLY_INIT, sizeof(*ne));
+	if (!ne)
+		return;
+	kvr_free(rep->early, (size_t)rep->early_cap * sizeof(*rep->early));
+	rep->early = ne;
+	rep->early_cap = EARLY_INIT;
+}
+
 /* Drops the entries older than EARLY_KEEP_NS. */
 static void prune(struct kvr_replica *rep, uint64_t now)
 {
@@ -99,6 +118,7 @@ static void prune(struct kvr_replica *rep, uint64_t now)
 		}
 		i++;
 	}
+	shrink_if_empty(rep);
 }
 
 /* Doubles the set; false for memory (nothing changed). */
@@ -155,6 +175,7 @@ bool kvr_rep_early_take(struct kvr_replica *rep, uint64_t a)
 		if (rep->early[i].a == a) {
 			erase_at(rep->early, rep->early_cap, i);
 			rep->early_n--;
+			shrink_if_empty(rep);
 			return true;
 		}
 	return false;

@@ -318,8 +318,17 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
                          size_t n, bool not_final)
 {
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
-	if (!x) { /* admitted before attach (peers never saw it), or its admission is to come */
-		if (op == KVR_OP_FINISH || op == KVR_OP_ABORT || op == KVR_OP_RANK_ENDED)
+	if (!x) {
+		/* An end told by the shard (an expiry, a rank's end) may come before the
+		 * admission's note (sync/replica_early.c): it waits in the early set.  A caller's
+		 * finish or abort never does: the caller had the id from kvr_route (or the queue's
+		 * admission), which noted the admission before it returned, so the end's note is
+		 * dequeued after it (sync/replica_note.c: Order).  With no record, its admission
+		 * was never noted (the attempt was admitted before this replica attached: peers
+		 * never saw it) or made no record (lost, counted unpublished): nothing to end, and
+		 * nothing will take it out of the set, where it sat until the 60 s prune
+		 * (test_replica_hooks ends_of_attempts_admitted_before_attach_are_not_kept). */
+		if (op == KVR_OP_EXPIRED || op == KVR_OP_RANK_ENDED)
 			kvr_rep_early_add(rep, attempt, kvr_rep_mono_ns());
 		return;
 	}
@@ -348,7 +357,7 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 	case KVR_OP_RANK_ENDED:
 		out_rank_ended(rep, x);
 		break;
-	default: /* finish, abort (a lease expiry comes as an abort: kvr_repl_note_expire) */
+	default: /* finish, abort, expiry (told as an abort: kvr_repl_note_expire) */
 		out_end(rep, x, op == KVR_OP_FINISH ? KVR_MSG_FINISH : KVR_MSG_ABORT);
 		break;
 	}

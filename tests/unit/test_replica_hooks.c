@@ -237,7 +237,8 @@ Test(replica_hooks, output_not_final_replicates, .timeout = 60)
 }
 
 /* Own attempts whose end reaches the sender before their admission (a posted booking dropped
- * for memory is told as an expiry at once, sync/replica_early.c): 200 of them pending at once,
+ * for memory is told as an expiry at once, a rank's end as KVR_OP_RANK_ENDED: both on the shard
+ * thread, sync/replica_early.c): 200 of them pending at once,
  * the admissions noted afterwards in reverse order.  None may be published, or the peer mirrors
  * it for good: with the former 64-entry ring 136 stayed live on the peer.  A control attempt
  * noted in order is mirrored, then released by its end. */
@@ -271,8 +272,8 @@ Test(replica_hooks, early_ends_overflow, .timeout = 60)
 	const uint64_t base = 1ull << 40;
 	uint64_t local[2] = {0x1234, 0x5678};
 	for (uint64_t i = 0; i < N; i++)
-		kvr_rep_note_progress(bus.rep[0], base + i, i % 2 ? KVR_OP_ABORT : KVR_OP_FINISH,
-		                      NULL, 0, false);
+		kvr_rep_note_progress(bus.rep[0], base + i,
+		                      i % 2 ? KVR_OP_EXPIRED : KVR_OP_RANK_ENDED, NULL, 0, false);
 	early_note(bus.rep[0], base + N, local); /* the control */
 	for (uint64_t i = N; i-- > 0;)
 		early_note(bus.rep[0], base + i, local);
@@ -291,9 +292,64 @@ Test(replica_hooks, early_ends_overflow, .timeout = 60)
 	bus_teardown(r, 2);
 }
 
+/* Active requests on the bus's two ranks of r. */
+static uint64_t active_requests(struct kvr_router *r)
+{
+	uint64_t n = 0;
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats s;
+		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
+		n += s.active_requests;
+	}
+	return n;
+}
+
+/* Attempts routed before the replica attached were never noted (peers never saw them), so their
+ * ends find no record on the sender.  They were kept in the early set as if their admission
+ * were still to come, for 60 s each (a review's probe: 500 entries): a caller's finish or abort
+ * comes after its admission's note, never before, so with no record it is dropped.  An attempt
+ * routed after the attach is mirrored and released as ever. */
+Test(replica_hooks, ends_of_attempts_admitted_before_attach_are_not_kept, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[1] = bus_router(1);
+	r[0] = bus_ranks_router();
+	enum { N = 200 };
+	static uint64_t pre[N];
+	static uint32_t t[64];
+	for (uint32_t i = 0; i < N; i++) {
+		for (uint32_t k = 0; k < 64; k++)
+			t[k] = i * 64 + k;
+		pre[i] = route(r[0], t, 64).attempt;
+	}
+	bus_attach(0, r[0]);
+	for (uint32_t k = 0; k < 64; k++)
+		t[k] = 900000 + k;
+	uint64_t post = route(r[0], t, 64).attempt;
+	for (uint32_t i = 0; i < N; i++)
+		cr_assert_eq(
+		    i % 2 ? kvr_request_abort(r[0], pre[i]) : kvr_request_finish(r[0], pre[i]), 0);
+	bus_quiet(r, 2);
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	uint32_t left = bus.rep[0]->early_n;
+	pthread_mutex_unlock(&bus.rep[0]->mu);
+	cr_assert_eq(left, 0, "ends of attempts admitted before attach kept: %u", left);
+	cr_assert_eq(active_requests(r[1]), 1, "the one routed after attach is mirrored");
+	cr_assert_eq(kvr_request_finish(r[0], post), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_requests(r[1]), 0);
+	pthread_mutex_lock(&bus.rep[0]->mu);
+	left = bus.rep[0]->early_n;
+	pthread_mutex_unlock(&bus.rep[0]->mu);
+	cr_assert_eq(left, 0);
+	bus_teardown(r, 2);
+}
+
 /* The early-end set itself (sync/replica_early.c), on a bare replica struct: it grows past
- * its first 63 instead of overwriting; leftovers older than 60 s go when it would grow; full
- * and out of memory, it gives up the oldest, counted; every entry kept is found once. */
+ * its first 63 instead of overwriting, and shrinks back once emptied; leftovers older than 60 s
+ * go when it would grow; full and out of memory, it gives up the oldest, counted; every entry
+ * kept is found once. */
 Test(replica_hooks, early_set_bounds)
 {
 	struct kvr_replica *rep = calloc(1, sizeof(*rep));
@@ -310,6 +366,8 @@ Test(replica_hooks, early_set_bounds)
 	for (uint64_t a = 1000; a >= 1; a--)
 		cr_assert(kvr_rep_early_take(rep, a * 8 + 3), "entry %lu", (unsigned long)a);
 	cr_assert_eq(rep->early_n, 0);
+	cr_assert_eq(rep->early_cap, cap0, "emptied, it gives back what it grew: %u slots",
+	             rep->early_cap);
 	cr_assert(!kvr_rep_early_take(rep, 11));
 	/* Leftovers 61 s old are pruned rather than grown over. */
 	uint32_t cap = rep->early_cap;
