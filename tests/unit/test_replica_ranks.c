@@ -1299,6 +1299,14 @@ Test(replica_ranks, an_attempt_finished_before_its_ranks_removal_still_tells_its
 		          lap);
 		cr_assert(!journaled(0, rk, 1, gone), "lap %u: the ended attempt was journaled",
 		          lap);
+		/* The peer journals its mirror at the ABORT the rank's end told (it cannot tell
+		 * it from a caller's), but that ABORT precedes the rank change on the origin's
+		 * stream (told on the shard inside the change's call, the change noted after it
+		 * returned), and the change clears the journal of the life it ended. */
+		cr_assert(!journaled(1, rk, 1, gone),
+		          "lap %u: the ended attempt was journaled on the peer", lap);
+		cr_assert(journaled(1, rk, 1, b), "lap %u: the peer did not journal the finished",
+		          lap);
 	}
 	struct kvr_sync_stats st;
 	kvr_replica_get_stats(bus.rep[1], &st);
