@@ -4,8 +4,8 @@
  *
  * How an end can come first.  kvr_route posts the booking to the shard (kvr_admit), then notes
  * the admission (core/route.c).  A posted booking the shard drops for memory is told to replica
- * sync at once, on the shard thread, as an expiry (shards/owner_attempts.c,
- * kvr_owner_book_task); its ring ticket can be taken while the routing thread has yet to take
+ * sync at once, on the shard thread, as an expiry (KVR_OP_EXPIRED: shards/owner_attempts.c,
+ * tell_dropped); its ring ticket can be taken while the routing thread has yet to take
  * the admission's; so can a rank's end that ended the attempt, booked or not (a rank removed,
  * reset or given a new incarnation: kvr_owner_ctx.on_rank_end, KVR_OP_RANK_ENDED) while the
  * routing thread had yet to note it.  The sender then sees the end with no record, and the
