@@ -378,9 +378,15 @@ static void out_rank(struct kvr_replica *rep, int op, struct kvr_rank_id rank, u
 
 static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m);
 
-/* Handles the kept notes, oldest first, once the queue is empty (every note made before them is
- * handled by then, and every note made after them was kept too).  Returns the highest flush
- * ticket among them (0 if none).  Context: the sender, mu held. */
+/* Handles the kept notes, oldest first, once the queue is empty and no slot of it is reserved
+ * (every note made before them is handled by then, and every note made after them was kept
+ * too).  An empty dequeue alone does not say so: a producer descheduled between its reserve and
+ * its commit holds back the notes committed behind its slot, and a caller's end kept meanwhile
+ * was handled before its own admission, found no record and was dropped, and the admission
+ * then made a record nothing ended (test_replica_notes
+ * a_kept_end_waits_for_its_admission_behind_an_uncommitted_slot).  Once a note is kept every
+ * later one is kept too, so the wait is only for commits already under way.  Returns the highest
+ * flush ticket among them (0 if none).  Context: the sender, mu held. */
 static uint64_t kept_drain(struct kvr_replica *rep)
 {
 	struct kvr_rep_kept *k = __atomic_exchange_n(&rep->kept, NULL, __ATOMIC_ACQUIRE),
@@ -511,7 +517,7 @@ static void *out_main(void *arg)
 		 * empty. */
 		if (!n && kvr_ring_pass_tagged(&rep->outq))
 			n = kvr_ring_dequeue_burst(&rep->outq, batch, OUT_BURST);
-		bool kept = !n && kvr_rep_keeping(rep); /* the queue is empty: their turn */
+		bool kept = !n && kvr_rep_keeping(rep) && kvr_ring_unreserved(&rep->outq);
 		if (n || kept) {
 			uint64_t ticket = 0;
 			if (kvr_rep_tracing(rep->c.replica_id))
@@ -555,7 +561,8 @@ static void *out_main(void *arg)
 		kvr_parker_prepare_asym(&rep->out_park);
 		/* A tagger wakes after its tag: this re-check sees the tag or its wake sees us. */
 		if (kvr_ring_pass_tagged(&rep->outq) || kvr_ring_depth(&rep->outq) ||
-		    kvr_rep_keeping(rep) || __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
+		    (kvr_rep_keeping(rep) && kvr_ring_unreserved(&rep->outq)) ||
+		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
 			kvr_parker_cancel(&rep->out_park);
 			continue;
 		}

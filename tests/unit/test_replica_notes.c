@@ -338,3 +338,60 @@ Test(replica_notes, admission_waits_for_a_slab_when_its_record_fails, .timeout =
 	cr_log_info("%lu failures", (unsigned long)nth - 2);
 	bus_teardown(r, 2);
 }
+
+static uint64_t active_requests(struct kvr_router *r)
+{
+	uint64_t n = 0;
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats s;
+		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
+		n += s.active_requests;
+	}
+	return n;
+}
+
+/* A caller's end kept aside (the ring full) and its attempt's admission note committed in the
+ * ring behind an earlier producer's reserved, uncommitted slot (a routing thread descheduled
+ * between its reserve and its commit): the sender handled the kept notes once its dequeue
+ * returned nothing, i.e. before that admission, so the end found no record.  Dropped (a caller's
+ * end with no record, sync/replica_out.c out_progress), the admission then made a record
+ * nothing ended: the origin and every peer kept the attempt for good (the review's probe).  The
+ * kept notes now wait until no slot is reserved. */
+Test(replica_notes, a_kept_end_waits_for_its_admission_behind_an_uncommitted_slot, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	bus_start(r, 2);
+	struct kvr_replica *rep = bus.rep[0];
+	struct kvr_decision c = bus_route(r[0], 1, 40); /* filler notes' attempt */
+	bus_quiet(r, 2);
+	cr_assert_eq(active_requests(r[1]), 1);
+	kvr_replica_stall(rep, 600000, true); /* ended below */
+	struct kvr_ring *q = &rep->outq;
+	/* P: a producer descheduled between its reserve and its commit. */
+	uint32_t tp;
+	struct kvr_msg *ps = kvr_ring_reserve(q, &tp);
+	cr_assert(ps);
+	/* A: routed; its admission's note commits behind P's slot (tagged). */
+	struct kvr_decision a = bus_route(r[0], 2, 40);
+	while (kvr_ring_reserved(q) < kvr_ring_capacity(q))
+		cr_assert_eq(kvr_request_prefill_done(r[0], c.attempt), 0);
+	cr_assert_eq(kvr_request_prefill_done(r[0], c.attempt), 0); /* kept after 100 ms */
+	cr_assert(__atomic_load_n(&rep->kept, __ATOMIC_ACQUIRE) != NULL);
+	cr_assert_eq(kvr_request_finish(r[0], a.attempt), 0); /* A's end: kept */
+	kvr_replica_stall(rep, 0, true);
+	for (int k = 0; k < 200 && __atomic_load_n(&rep->kept, __ATOMIC_ACQUIRE); k++)
+		usleep(10000);
+	/* P commits (nothing to say). */
+	kvr_ring_write(ps, NULL, NULL, 0, OUT_NONE);
+	kvr_ring_commit_or_tag(q, tp);
+	bus_quiet(r, 2);
+	usleep(200000);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_requests(r[0]), 1);
+	cr_assert_eq(active_requests(r[1]), 1,
+	             "peer mirrors A (finished on the origin) for good: %lu",
+	             (unsigned long)active_requests(r[1]));
+	cr_assert_eq(kvr_request_finish(r[0], c.attempt), 0);
+	bus_quiet(r, 2);
+	bus_teardown(r, 2);
+}
