@@ -232,6 +232,76 @@ Test(feed_takeover, dp_from_batch_successor_without_replay_clears_each_rank_at_i
 	close_world(&w);
 }
 
+/* Two publishers of one worker, one per dp rank as vLLM runs them, each added as
+ * KVR_FEED_DP_FROM_BATCH under worker 0: the first names dp 0 in its batches, the second dp 1.  A
+ * gap on the first (no replay endpoint) clears and reports dp 0 only: dp 1, which the first
+ * never fed, is the second's, and nothing was missed for it.  This is why a gap does not clear
+ * the ranks an endpoint has no state of (sync/feed_seq.c report_gap): (0, 1) is, to the first
+ * endpoint, exactly the rank an earlier feed could have left, and clearing it would wipe a
+ * healthy rank at every sibling's gap. */
+static int dp_one(uint64_t i)
+{
+	(void)i;
+	return 1;
+}
+
+Test(feed_takeover, a_dp_from_batch_gap_leaves_a_sibling_endpoints_rank, .timeout = 60)
+{
+	struct world w;
+	open_dp_world(&w);
+	dp_feed(&w, false);
+	for (uint64_t i = 0; i < N; i++)
+		kvr_fenc_fini(&w.enc[i]);
+	encode(&w, NULL); /* the first publisher: every batch names dp 0 */
+	struct kvr_fenc one[N];
+	struct test_pub sib;
+	test_pub_open(&sib);
+	struct kvr_feed_endpoint fe = {.endpoint = sib.ep, .dp_rank = KVR_FEED_DP_FROM_BATCH};
+	uint32_t sib_id;
+	cr_assert_eq(kvr_feed_add(w.t.f, &fe, &sib_id), 0);
+	test_pub_subscribed(&sib);
+	{
+		struct world *tmp = malloc(sizeof(*tmp));
+		cr_assert_not_null(tmp);
+		encode(tmp, dp_one); /* the sibling: every batch names dp 1 */
+		memcpy(one, tmp->enc, sizeof(one));
+		free(tmp);
+	}
+	for (uint64_t i = 0; i < 10; i++) {
+		live_as(&w, i, i);
+		test_pub_send(&sib, i, (const uint8_t *)one[i].sb.data, one[i].sb.size);
+	}
+	test_replayer_feed_at(&w.t, 10);
+	struct kvr_feed_stats st;
+	for (int k = 0; k < 500; k++) {
+		cr_assert_eq(kvr_feed_get_stats(w.t.f, sib_id, &st), 0);
+		if (st.next_seq == 10)
+			break;
+		sleep_ms(10);
+	}
+	cr_assert_eq(st.next_seq, 10);
+	dp_holds(&w, 0, (const uint64_t[]){8, 9}, 2);
+	dp_holds(&w, 1, (const uint64_t[]){8, 9}, 2);
+	live_as(&w, 12, 12); /* a gap on the first: 10 and 11 lost, nothing to replay them */
+	test_replayer_feed_at(&w.t, 13);
+	cr_assert_eq(atomic_load(&gap_calls), 1, "one gap, for dp 0 only");
+	dp_holds(&w, 0, (const uint64_t[]){12}, 1);
+	dp_holds(&w, 1, (const uint64_t[]){8, 9}, 2); /* the sibling's, untouched */
+	test_pub_send(&sib, 10, (const uint8_t *)one[10].sb.data, one[10].sb.size);
+	for (int k = 0; k < 500; k++) {
+		cr_assert_eq(kvr_feed_get_stats(w.t.f, sib_id, &st), 0);
+		if (st.next_seq == 11)
+			break;
+		sleep_ms(10);
+	}
+	dp_holds(&w, 1, (const uint64_t[]){9, 10}, 2);
+	cr_assert_eq(atomic_load(&gap_calls), 1);
+	for (uint64_t i = 0; i < N; i++)
+		kvr_fenc_fini(&one[i]);
+	close_world(&w);
+	test_pub_close(&sib);
+}
+
 /* The first batch's clear under allocation failure (the clear's pend_event failing:
  * flush, then a direct clear; the rstate not made: the batch lost, the rank cleared).  The Nth
  * allocation fails for N = 1, 2, ... while the feed takes its first batch, which stores A on a
