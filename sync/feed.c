@@ -124,6 +124,8 @@ static void ep_free(struct ep *e)
 		zmq_close(e->sub);
 	if (e->dealer)
 		zmq_close(e->dealer);
+	if (e->held)
+		zmq_msg_close(&e->held_msg);
 	freestr(e->endpoint);
 	freestr(e->topic);
 	freestr(e->replay);
@@ -284,6 +286,14 @@ static void exec_cmd(struct kvr_feed *f, struct cmd *c)
 		if (!(e = ep_find(f, c->id, &at))) {
 			c->rc = KVR_ENOENT;
 			break;
+		}
+		/* A gap held for a replay turn is handled first, as it was before turns (the
+		 * ranks are replayed, or reported and cleared), and what that posts applied
+		 * before e is freed. */
+		if (e->held) {
+			kvr_feed_take_held(f, e);
+			kvr_feed_settle(f);
+			e = ep_find(f, c->id, &at); /* (callbacks cannot add or remove: found) */
 		}
 		f->n_missed -= kvr_feed_missed(e);
 		ep_free(e);
@@ -694,10 +704,16 @@ static void *feed_main(void *arg)
 	while (!halted(f)) {
 		/* Other feeds' add / remove that came while a callback of this one waited. */
 		run_deferred(f);
+		/* A new round, ended by one replay at most (sync/feed_seq.c, "Replays take
+		 * turns"). */
+		f->replayed = false;
 		/* [control, every SUB, every SUB's monitor, the box] */
 		uint32_t ne = f->n_eps, n = 2 * ne + 2;
+		/* A replay waits for its turn (the next round's end): no blocking. */
+		bool held = f->resync_ticket != 0;
 		f->items[0] = (zmq_pollitem_t){.socket = f->ctl_server, .events = ZMQ_POLLIN};
 		for (uint32_t i = 0; i < ne; i++) {
+			held |= f->eps[i]->held;
 			f->items[1 + i] =
 			    (zmq_pollitem_t){.socket = f->eps[i]->sub, .events = ZMQ_POLLIN};
 			f->items[1 + ne + i] =
@@ -710,7 +726,7 @@ static void *feed_main(void *arg)
 		/* A rank added since the last look: no blocking (its eventfd count may have been
 		 * taken by another read of efd). */
 		bool added = __atomic_load_n(&f->ranks_added, __ATOMIC_ACQUIRE) != 0;
-		if (f->cfg.idle_spin_ns && !added) {
+		if (f->cfg.idle_spin_ns && !added && !held) {
 			/* At most until the next look for added ranks (below), and saturated: a
 			 * spin of hours, which the setting allows, kept ranks added while the
 			 * publisher was quiet from their resync (test_feed_limits). */
@@ -725,7 +741,7 @@ static void *feed_main(void *arg)
 		/* While ranks wait to be added, look every 10 ms too: an add wakes the feed
 		 * (kvr_feeds_rank_added); the look is the fallback it was before, and costs only
 		 * while some rank is missed. */
-		long wait_ms = added ? 0 : f->n_missed ? 10 : -1;
+		long wait_ms = added || held ? 0 : f->n_missed ? 10 : -1;
 		if (ready == 0 && zmq_poll(f->items, (int)n, wait_ms) < 0) {
 			if (zmq_errno() == ETERM)
 				break;
@@ -748,7 +764,7 @@ static void *feed_main(void *arg)
 		if (__atomic_load_n(&f->ranks_added, __ATOMIC_RELAXED) &&
 		    __atomic_exchange_n(&f->ranks_added, 0, __ATOMIC_ACQUIRE) && !halted(f))
 			kvr_feed_note_lives(f);
-		if (f->n_missed && !halted(f))
+		if ((f->n_missed || f->resync_ticket) && !halted(f))
 			kvr_feed_resync_added(f);
 		if (f->items[0].revents & ZMQ_POLLIN && !halted(f)) {
 			struct cmd *c;
@@ -761,7 +777,19 @@ static void *feed_main(void *arg)
 		}
 		if (box_ready && !halted(f))
 			serve_box(f);
+		/* Everything served: the round's replay, if one waits (a gap's batch held, ranks
+		 * added late). */
+		if (!halted(f))
+			kvr_feed_turn(f);
 	}
+	/* A gap held for a replay turn: given up as any replay a destroy ends (the ranks it may
+	 * have left short cleared, unreported), and applied before the thread ends, as what a
+	 * stop command found posted was (run_cmd). */
+	for (uint32_t i = 0; i < f->n_eps; i++)
+		if (f->eps[i]->held) {
+			kvr_feed_take_held(f, f->eps[i]);
+			kvr_feed_settle(f);
+		}
 	/* Other feeds' calls still waiting get KVR_ESHUTDOWN, as do later ones. */
 	box_close(f);
 	if (kvr_feed_dying(f)) {

@@ -542,6 +542,24 @@ void kvr_feed_note_missed(struct kvr_feed *f, struct ep *e, uint32_t dp, uint64_
 	}
 }
 
+bool kvr_feed_batch_resyncs(struct kvr_feed *f, struct ep *e, uint64_t seq,
+                            const struct kvr_feed_batch *b)
+{
+	uint32_t dp = kvr_feed_dp_of(e, b), slot;
+	uint64_t gen, from;
+	struct rstate *s = rstate_find(e, dp);
+	if (!e->replay || !s ||
+	    kvr_router_find_rank_gen(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot, &gen))
+		return false;
+	if (s->missed)
+		from = s->missed_from;
+	else if (s->has_life && (s->slot != slot || s->gen != gen))
+		from = s->since < seq ? s->since : seq; /* as kvr_feed_note_missed */
+	else
+		return false;
+	return from < (e->have_seq ? e->next_seq : 0); /* as kvr_feed_resync's replay */
+}
+
 void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
                           const struct kvr_feed_batch *b)
 {
@@ -563,9 +581,12 @@ void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
 	if (!s->missed && s->has_life && (s->slot != slot || s->gen != gen))
 		kvr_feed_note_missed(f, e, dp, seq);
 	if (s->missed) {
-		/* Added since it missed batches: those first (not from inside another replay:
-		 * this batch then counts as missed too, and the feed loop resyncs the rank). */
-		if (f->in_replay) {
+		/* Added since it missed batches: those first (not from inside another replay,
+		 * nor out of its turn, sync/feed_seq.c "Replays take turns": this batch then
+		 * counts as missed too, and the feed loop resyncs the rank, its replay bringing
+		 * this batch; a live batch that needs it is held for its turn instead,
+		 * kvr_feed_batch_resyncs). */
+		if (f->in_replay || kvr_feed_resync_waits(f, e, s)) {
 			e->st.unknown_rank++;
 			kvr_feed_count(f, KVR_C_FEED_UNKNOWN_RANK, 1);
 			return;

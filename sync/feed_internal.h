@@ -127,6 +127,13 @@ struct ep {
 	uint64_t next_seq, last_live;
 	struct rstate *rs;
 	uint32_t n_rs, cap_rs;
+	/* A live batch whose replay waits for its turn (sync/feed_seq.c, "Replays take turns"):
+	 * its seq, ticket, payload (moved out of its message), and whether that payload was found
+	 * malformed (counted already) or could not be decoded for memory (the replay brings it
+	 * again, as it did before turns).  Nothing after it is received before it is taken. */
+	bool held, held_bad, held_oom;
+	uint64_t held_seq, held_ticket;
+	zmq_msg_t held_msg;
 	struct kvr_feed_stats st;
 	uint64_t logged[12]; /* per log kind (LK_COUNT): last count logged (powers of two) */
 };
@@ -214,6 +221,13 @@ struct kvr_feed {
 	struct kvr_metrics_block *mb;
 	uint32_t n_missed; /* ranks with rstate.missed, all endpoints */
 	bool in_replay;    /* a replay is being read (no other may start) */
+	/* Replays take turns (sync/feed_seq.c): turn, the round's turn is running (kvr_feed_turn);
+	 * replayed, a replay was asked for in this round of the feed's loop (cleared by
+	 * feed_main); tickets, the last ticket handed to a replay that waits for its turn
+	 * (ep.held_ticket, or resync_ticket for the ranks added late; 0: none), the oldest served
+	 * first. */
+	bool turn, replayed;
+	uint64_t tickets, resync_ticket;
 	/* A destroy (kvr_feed_destroy, or kvr_router_destroy of a feed still alive) waits for the
 	 * thread: a replay wait gives up at once (sync/feed_seq.c).  Atomic: set by the destroying
 	 * thread, read by the feed's. */
@@ -332,6 +346,11 @@ uint32_t kvr_feed_dp_of(const struct ep *e, const struct kvr_feed_batch *b);
  * for a resync once it is added. */
 void kvr_feed_apply_batch(struct kvr_feed *f, struct ep *e, uint64_t seq,
                           const struct kvr_feed_batch *b);
+/* Whether applying batch seq (b) of e would first resync its rank with a replay
+ * (kvr_feed_apply_batch: a rank missed, or another life than the one fed, now known to the
+ * router), which then waits for its turn: the batch is held. */
+bool kvr_feed_batch_resyncs(struct kvr_feed *f, struct ep *e, uint64_t seq,
+                            const struct kvr_feed_batch *b);
 /* Ranks of e with rstate.missed. */
 uint32_t kvr_feed_missed(const struct ep *e);
 /* Remembers rank dp of e, which the router does not know (or no longer knows as the life the
@@ -365,8 +384,19 @@ void kvr_feed_drain(struct kvr_feed *f, struct ep *e);
  * it missed (missed_from up to next_seq), applying only its own; what the replay cannot cover
  * is reported through on_event_gap. */
 void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s);
-/* Resyncs every missed rank the router knows by now. */
+/* Resyncs every missed rank the router knows by now; those whose replay must wait for its turn
+ * stay missed, resynced in later rounds. */
 void kvr_feed_resync_added(struct kvr_feed *f);
+/* Whether the resync of rank s of e would ask for a replay that must wait for its turn (the
+ * rank then stays missed, resynced by kvr_feed_resync_added at its turn). */
+bool kvr_feed_resync_waits(struct kvr_feed *f, const struct ep *e, const struct rstate *s);
+/* The round's replay turn, after every endpoint and call was served: the oldest replay waiting
+ * (a held gap, or the ranks added late) is asked for, at most one a round. */
+void kvr_feed_turn(struct kvr_feed *f);
+/* e's batch held for the next replay turn, taken through the sequence rules now whatever the
+ * turn (its replay asked for, or given up at once when a destroy waits): before a remove
+ * frees e, and as the thread leaves its loop. */
+void kvr_feed_take_held(struct kvr_feed *f, struct ep *e);
 /* After a rank add (kvr_feeds_rank_added): every rank the feed fed that the router holds as
  * another life than the one fed (removed and added back with nothing of it in between: no batch,
  * no refusal) is remembered as missed from where what the index held of it began, for

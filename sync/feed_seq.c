@@ -59,6 +59,27 @@
  * new stream is never applied on the old one's state; the price, only after a late read, is an
  * old tail that itself skipped a batch taken for a restart too (cleared and rebuilt from 0, as
  * above).
+ *
+ * Replays take turns.  A replay holds the feed's thread until it ends (up to FEED_REPLAY_ASKS x
+ * max(replay_timeout_ms, FEED_REPLAY_END_MIN_MS), 8 s by default), serving no other endpoint
+ * and no call meanwhile.  Before, one round of the loop asked for every replay it found, each
+ * where it was found: each endpoint's gap in its drain, each rank added late in
+ * kvr_feed_resync_added, one after the other, so N slow replayers held the thread N replays'
+ * ends, a live batch on another endpoint and a stats call waiting behind all of them
+ * (test_feed_replay_turns).  Now a round first serves every endpoint's batches and every call,
+ * and ends with one replay at most (kvr_feed_turn): a live batch that needs a replay (its gap,
+ * or its rank's resync: kvr_feed_batch_resyncs) is held (ep.held, nothing after it received
+ * meanwhile) and goes through the sequence rules at its turn, replayed or reported exactly as
+ * it would have been; a rank added late stays missed until its turn (a batch for it the hold
+ * did not foresee is dropped as missed, and the resync's replay brings it:
+ * kvr_feed_apply_batch).  So a batch or a call waits for the replay in progress at most, not N.
+ * Whatever waits takes a ticket (f->tickets), and the turn goes to the oldest, a held gap or
+ * the ranks added late (one ticket for them all, f->resync_ticket), so that an endpoint that
+ * gaps every round, or a row of resyncs, cannot keep another waiting for good; the next round
+ * does not block while any waits.  Nothing is lost by waiting: the gap is the same gap, and a
+ * replay that then does not bring it is reported as before.  A remove of the endpoint and the
+ * thread's end take a held batch at once (kvr_feed_take_held), as the old code handled a gap
+ * before any command.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -120,7 +141,19 @@ static void report_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, uint
 	 * MISSED_MAX such ranks: its resync, once added, replays or reports the gap); remembered
 	 * as fed, every batch naming a new dp rank after a gap added a state kept for good, and
 	 * each later gap reported all of them (test_feed_hostile gaps_naming_unknown_ranks: 600
-	 * batches, 180,300 callbacks). */
+	 * batches, 180,300 callbacks).
+	 *
+	 * An endpoint that takes each batch's dp rank (KVR_FEED_DP_FROM_BATCH) clears only the
+	 * ranks it has state of (fed, or named by this batch): a rank (worker_id, d) it never fed
+	 * cannot be known to be its own.  vLLM runs one publisher per dp rank, and an embedder may
+	 * add each as KVR_FEED_DP_FROM_BATCH under the same worker_id, in this feed or another:
+	 * (worker_id, d) is then a sibling endpoint's, healthy, and clearing it (and reporting a
+	 * gap for it) at every gap of every sibling would wipe ranks nothing was missed for
+	 * (test_feed_takeover a_dp_from_batch_gap_leaves_a_sibling_endpoints_rank).  What the
+	 * rank may hold from an earlier feed of this publisher (which the gap may have removed)
+	 * goes at the first moment the rank is known to be this endpoint's: its first batch from
+	 * it, which clears it before applying (kvr_feed_apply_batch, since == SINCE_NONE;
+	 * test_feed_takeover ..._without_replay_clears_each_rank_at_its_first_batch). */
 	if (b || e->dp_rank != KVR_FEED_DP_FROM_BATCH) {
 		uint32_t dp = kvr_feed_dp_of(e, b), slot;
 		if (kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, dp}, &slot))
@@ -165,57 +198,69 @@ static void abandoned_gap(struct kvr_feed *f, struct ep *e, uint64_t expected, u
 		kvr_feed_clear_rank(f, e, &e->rs[i], got);
 }
 
-/* One batch (b NULL: its payload was malformed, or with oom could not be decoded for lack of
- * memory) with sequence number seq, from the live SUB socket or from a replay. */
-static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struct kvr_feed_batch *b,
-                     bool replayed, bool oom)
+/* A live batch's seq against the stream so far: a restart (seq back, or not next_seq after a
+ * reconnection) clears the ranks and starts the stream over. */
+static void live_seq(struct kvr_feed *f, struct ep *e, uint64_t seq)
 {
-	if (!replayed) {
-		bool back = e->have_live && seq <= e->last_live;
-		/* After a reconnection the same publisher goes on at next_seq (it published
-		 * every batch before it, live or replayed); anything else is a new one, below
-		 * next_seq too when a replay ran ahead of the live stream (it was taken for
-		 * duplicates: the new stream's first batches dropped, the rest applied on the
-		 * old stream's state). */
-		bool ahead = false;
-		if (e->reconn == RC_NEXT || e->reconn == RC_MIXED) {
-			ahead = e->have_seq && seq != e->next_seq;
-			if (e->reconn == RC_NEXT)
-				e->reconn = RC_NONE;
-			else if (ahead)
-				e->reconn_judged = true;
-		}
-		if (back || ahead) {
-			e->st.restarts++;
-			kvr_feed_count(f, KVR_C_FEED_RESTARTS, 1);
-			kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
-			             "publisher restarted (seq %" PRIu64 " after %" PRIu64
-			             "%s); rank cleared",
-			             seq, e->last_live, back ? "" : ", across a reconnection");
-			kvr_feed_clear_all(f, e, 0); /* the new stream's, from its start */
-			e->have_seq = false;
-			for (uint32_t i = 0; i < e->n_rs; i++)
-				if (e->rs[i].missed)
-					e->rs[i].missed_from =
-					    0; /* the new stream's, from its start */
-		}
-		e->have_live = true;
-		e->last_live = seq;
+	bool back = e->have_live && seq <= e->last_live;
+	/* After a reconnection the same publisher goes on at next_seq (it published
+	 * every batch before it, live or replayed); anything else is a new one, below
+	 * next_seq too when a replay ran ahead of the live stream (it was taken for
+	 * duplicates: the new stream's first batches dropped, the rest applied on the
+	 * old stream's state). */
+	bool ahead = false;
+	if (e->reconn == RC_NEXT || e->reconn == RC_MIXED) {
+		ahead = e->have_seq && seq != e->next_seq;
+		if (e->reconn == RC_NEXT)
+			e->reconn = RC_NONE;
+		else if (ahead)
+			e->reconn_judged = true;
 	}
+	if (back || ahead) {
+		e->st.restarts++;
+		kvr_feed_count(f, KVR_C_FEED_RESTARTS, 1);
+		kvr_feed_log(f, e, LK_GAP, KVR_LOG_WARN,
+		             "publisher restarted (seq %" PRIu64 " after %" PRIu64
+		             "%s); rank cleared",
+		             seq, e->last_live, back ? "" : ", across a reconnection");
+		kvr_feed_clear_all(f, e, 0); /* the new stream's, from its start */
+		e->have_seq = false;
+		for (uint32_t i = 0; i < e->n_rs; i++)
+			if (e->rs[i].missed)
+				e->rs[i].missed_from = 0; /* the new stream's, from its start */
+	}
+	e->have_live = true;
+	e->last_live = seq;
+}
+
+/* One batch (b NULL: its payload was malformed, or with oom could not be decoded for lack of
+ * memory) with sequence number seq, from the live SUB socket (live_seq taken already) or from a
+ * replay, by the sequence rules.  false (may_wait only): a live batch that needs a replay (its
+ * gap, or its rank's resync), which waits for the round's turn ("Replays take turns"); nothing
+ * of it done, the caller holds it. */
+static bool seq_rules(struct kvr_feed *f, struct ep *e, uint64_t seq,
+                      const struct kvr_feed_batch *b, bool replayed, bool oom, bool may_wait)
+{
 	if (e->have_seq && seq < e->next_seq) {
 		e->st.duplicates++;
 		kvr_feed_count(f, KVR_C_FEED_DUPLICATES, 1);
-		return;
+		return true;
 	}
 	uint64_t expected = e->have_seq ? e->next_seq : 0;
 	bool dropped = false; /* a destroy ended the replay short of what it needed */
+	/* A replay this batch needs (its gap, or its rank's resync) waits for the round's turn,
+	 * the batch held; a destroy waiting takes it now (replay() gives it up at once,
+	 * abandoned_gap). */
+	if (may_wait && !going(f) &&
+	    (((seq > expected || oom) && e->replay) || (b && kvr_feed_batch_resyncs(f, e, seq, b))))
+		return false;
 	/* A gap, or this batch lost for memory: the replay brings it again (decoded anew). */
 	if ((seq > expected || oom) && !replayed && e->replay) {
 		/* The answer must bring every batch before this one, and this one too if it
 		 * could not be decoded. */
 		enum answer_end a = replay(f, e, expected, oom ? seq + 1 : seq, NULL);
 		if (e->have_seq && seq < e->next_seq)
-			return; /* the replay applied it */
+			return true; /* the replay applied it */
 		expected = e->have_seq ? e->next_seq : 0;
 		/* A destroy waits: what the replay did not bring is no gap, but the ranks are
 		 * cleared (abandoned_gap).  One that brought everything before this batch left
@@ -233,6 +278,7 @@ static void on_batch(struct kvr_feed *f, struct ep *e, uint64_t seq, const struc
 		kvr_feed_lost_batch(f, e, seq, NULL);
 	e->next_seq = seq + 1;
 	e->have_seq = true;
+	return true;
 }
 
 /* Receives one multipart message into frames[0..max); returns the frame count (more frames
@@ -480,7 +526,7 @@ static enum answer_end read_answer(struct kvr_feed *f, struct ep *e, uint64_t st
 				}
 			}
 		} else {
-			on_batch(f, e, seq, b, true, oom);
+			seq_rules(f, e, seq, b, true, oom, false); /* (never held) */
 		}
 		if (applies && b) {
 			e->st.replayed_batches++;
@@ -522,6 +568,7 @@ static enum answer_end replay(struct kvr_feed *f, struct ep *e, uint64_t start, 
 		return ANS_DROP;
 	kvr_feed_flush(f); /* what arrived before the gap is not held back by the wait */
 	f->in_replay = true;
+	f->replayed = true; /* this round's turn ("Replays take turns") */
 	enum answer_end a;
 	int small = 0; /* asks that brought fewer than FEED_REPLAY_ASK_GAIN batches */
 	/* However much each ask brings, the replay holds the feed's thread no longer than the
@@ -604,6 +651,9 @@ void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	 * answer's end short of `to` (a timeout, a replayer that stopped early) is a hole too:
 	 * before, the batches it had brought stayed, and the removals after them were lost. */
 	struct resync rs = {.dp = dp, .to = to, .next = from};
+	/* The ranks added late had their turn: those still waiting take a new ticket. */
+	if (e->replay)
+		f->resync_ticket = 0;
 	/* Whatever else replay() returns: an answer whose end marker did not come (a replayer's
 	 * ROUTER past its send bound drops what follows) but that brought every batch up to `to`
 	 * left no hole.  Before, its timeout was reported as a gap of nothing (to..to) and the
@@ -632,19 +682,46 @@ void kvr_feed_resync(struct kvr_feed *f, struct ep *e, struct rstate *s)
 	kvr_feed_flush(f);
 }
 
+/* Whether the resync of rank s of e asks for a replay: it missed batches the stream has had,
+ * and e has a replay endpoint (else it only clears the rank and reports the hole). */
+static bool resync_replays(const struct ep *e, const struct rstate *s)
+{
+	return e->replay && s->missed_from < (e->have_seq ? e->next_seq : 0);
+}
+
+bool kvr_feed_resync_waits(struct kvr_feed *f, const struct ep *e, const struct rstate *s)
+{
+	return resync_replays(e, s) && !going(f) && (!f->turn || f->replayed);
+}
+
 void kvr_feed_resync_added(struct kvr_feed *f)
 {
+	/* One replay a round: the ranks whose replay must wait stay missed until a later round
+	 * (the loop looks again every 10 ms while any is missed), all under one ticket, taken
+	 * when the first is turned away and given up when one is served (the rest then take a
+	 * new one: after whatever came meanwhile).  A resync that asks for no replay takes no
+	 * turn. */
+	bool waits = false;
 	for (uint32_t i = 0; i < f->n_eps && f->n_missed; i++) {
 		struct ep *e = f->eps[i];
 		for (uint32_t k = 0; k < e->n_rs; k++) {
 			uint32_t slot;
 			struct rstate *s = &e->rs[k];
-			if (s->missed &&
-			    !kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, s->dp},
-			                          &slot))
-				kvr_feed_resync(f, e, s);
+			if (!s->missed ||
+			    kvr_router_find_rank(f->r, (struct kvr_rank_id){e->worker_id, s->dp},
+			                         &slot))
+				continue;
+			if (kvr_feed_resync_waits(f, e, s)) {
+				waits = true;
+				continue;
+			}
+			kvr_feed_resync(f, e, s);
 		}
 	}
+	if (!waits)
+		f->resync_ticket = 0;
+	else if (!f->resync_ticket)
+		f->resync_ticket = ++f->tickets;
 }
 
 void kvr_feed_note_lives(struct kvr_feed *f)
@@ -667,11 +744,68 @@ void kvr_feed_note_lives(struct kvr_feed *f)
 	}
 }
 
+/* Keeps e's live batch seq (its payload m, moved; bad: found malformed; oom: not decoded for
+ * memory) until its replay's turn, with the next ticket. */
+static void hold(struct kvr_feed *f, struct ep *e, uint64_t seq, zmq_msg_t *m, bool bad, bool oom)
+{
+	zmq_msg_init(&e->held_msg);
+	zmq_msg_move(&e->held_msg, m);
+	e->held = true;
+	e->held_bad = bad;
+	e->held_oom = oom;
+	e->held_seq = seq;
+	e->held_ticket = ++f->tickets;
+}
+
+/* e's held batch through the sequence rules, its replay asked for now (decoded anew: the
+ * decode buffer is the next message's). */
+static void take_held(struct kvr_feed *f, struct ep *e)
+{
+	bool oom = e->held_oom;
+	const struct kvr_feed_batch *b =
+	    e->held_bad || oom ? NULL : decode(f, e, &f->live, &e->held_msg, &oom);
+	e->held = false; /* (first: its ticket is served) */
+	seq_rules(f, e, e->held_seq, b, false, oom, false);
+	zmq_msg_close(&e->held_msg);
+	kvr_feed_flush(f);
+}
+
+void kvr_feed_take_held(struct kvr_feed *f, struct ep *e)
+{
+	if (e->held)
+		take_held(f, e); /* (the caller waits as it did before turns) */
+}
+
+void kvr_feed_turn(struct kvr_feed *f)
+{
+	/* One replay a round: one asked for out of turn (a remove taking a held batch) took it. */
+	if (f->replayed)
+		return;
+	struct ep *held = NULL;
+	uint64_t oldest = f->resync_ticket ? f->resync_ticket : UINT64_MAX;
+	for (uint32_t i = 0; i < f->n_eps; i++)
+		if (f->eps[i]->held && f->eps[i]->held_ticket < oldest) {
+			oldest = f->eps[i]->held_ticket;
+			held = f->eps[i];
+		}
+	if (oldest == UINT64_MAX)
+		return;
+	f->turn = true;
+	if (held)
+		take_held(f, held);
+	else
+		kvr_feed_resync_added(f);
+	f->turn = false;
+}
+
 /* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve
  * the others or the control socket); nothing once the feed is destroyed (a callback of the
- * batch just applied may have done it). */
+ * batch just applied may have done it).  A batch held for a replay turn comes first; while it
+ * is held nothing after it is received. */
 static void drain_some(struct kvr_feed *f, struct ep *e)
 {
+	if (e->held)
+		return; /* until its turn (kvr_feed_turn) */
 	for (int k = 0; k < 256 && !kvr_feed_dying(f); k++) {
 		zmq_msg_t fr[3];
 		int n = recv_frames(e->sub, fr, 3);
@@ -710,7 +844,12 @@ static void drain_some(struct kvr_feed *f, struct ep *e)
 		}
 		bool oom;
 		const struct kvr_feed_batch *b = decode(f, e, &f->live, &fr[2], &oom);
-		on_batch(f, e, seq, b, false, oom);
+		live_seq(f, e, seq);
+		if (!seq_rules(f, e, seq, b, false, oom, true)) {
+			hold(f, e, seq, &fr[2], !b && !oom, oom);
+			close_frames(fr, 3); /* (fr[2] moved: empty) */
+			return;
+		}
 		close_frames(fr, 3);
 	}
 }

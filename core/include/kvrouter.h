@@ -970,8 +970,12 @@ enum kvr_log_level { KVR_LOG_ERROR = 0, KVR_LOG_WARN = 1, KVR_LOG_INFO = 2 };
 struct kvr_feed_config {
 	/* Longest wait for one answer of a replay, ms; an answer with a hole or short of its end is
 	 * asked for again from what it lacks, and a replay ends within 8 times this (8 s at least)
-	 * in all, what it still lacks then a gap.  The feed thread serves nothing else meanwhile,
-	 * but a kvr_feed_destroy or kvr_router_destroy does not wait it out: the replay is given up
+	 * in all, what it still lacks then a gap.  The feed thread serves nothing else meanwhile
+	 * (no other endpoint's batches, no call), so replays take turns: one at most is asked for
+	 * before every endpoint and every waiting call is served again, a second gap or rank
+	 * added late waiting for the next turn (it is then replayed, or reported, as it would have
+	 * been), and N slow replays hold the thread one replay's end at a time, not N in a row.
+	 * A kvr_feed_destroy or kvr_router_destroy does not wait it out: the replay is given up
 	 * at once, and what it did not bring is no gap (on_event_gap is not called, gaps not
 	 * counted: the feed going away missed nothing of the publisher's).  A rank the replay
 	 * leaves short of what the publisher had sent (a gap being healed, or a rank added late
