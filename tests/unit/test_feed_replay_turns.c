@@ -294,3 +294,43 @@ Test(feed_replay_turns, a_stats_call_waits_for_one_replay_not_all, .timeout = 12
 	all_gaps_reported(&c, asked);
 	close_scene(&c);
 }
+
+/* Rank (worker, 0) holds exactly block_of(worker, seq). */
+static void holds_only(struct scene *c, uint64_t worker, uint64_t seq)
+{
+	uint64_t got[8];
+	size_t n = 0;
+	cr_assert_eq(kvr_router_sync(c->r, 5000), 0);
+	cr_assert_eq(kvr_rank_blocks(c->r, (struct kvr_rank_id){worker, 0}, got, 8, &n), 0);
+	cr_assert(n == 1 && got[0] == block_of(worker, seq),
+	          "rank (%" PRIu64 ", 0) holds %zu blocks, not only batch %" PRIu64 "'s", worker, n,
+	          seq);
+}
+
+/* The feed destroyed while S2's replay runs and S3's gap waits for its turn: neither is
+ * reported (the feed going away missed nothing of the publisher's), and both ranks are cleared
+ * (what the index held of them from before the gap may have been removed in it; no later event
+ * of this feed would say so), as a replay a destroy ends leaves its rank (test_feed_replay_stop):
+ * the held batch is taken as the thread ends, not dropped with its endpoint. */
+Test(feed_replay_turns, a_gap_waiting_for_its_turn_at_a_destroy_is_cleared_unreported,
+     .timeout = 120)
+{
+	struct scene c;
+	open_scene(&c, true);
+	for (int k = 0; k < NS; k++)
+		send_store(&c.s[k], (uint64_t)k + 1, 0);
+	for (int k = 0; k < NS; k++)
+		feed_at(&c, c.s[k].id, 1);
+	send_store(&c.s[0], 1, 5);
+	cr_assert_eq(next_ask(&c, 10000), 0, "S1's replay is asked for");
+	for (int k = 1; k < NS; k++)
+		send_store(&c.s[k], (uint64_t)k + 1, 5);
+	cr_assert_eq(next_ask(&c, 10000), 1, "S2's replay is asked for, S3's gap waits");
+	cr_assert_eq(atomic_load(&gap_calls), 1, "S1's gap is reported");
+	kvr_feed_destroy(c.f);
+	c.f = NULL;
+	cr_assert_eq(atomic_load(&gap_calls), 1, "a gap the destroy ended is reported");
+	for (uint64_t w = 1; w <= NS; w++)
+		holds_only(&c, w, 5);
+	close_scene(&c);
+}
