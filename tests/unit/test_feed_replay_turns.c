@@ -334,3 +334,33 @@ Test(feed_replay_turns, a_gap_waiting_for_its_turn_at_a_destroy_is_cleared_unrep
 		holds_only(&c, w, 5);
 	close_scene(&c);
 }
+
+/* An endpoint that gaps again during each of its own replays cannot keep another's gap waiting:
+ * the turn goes to the oldest waiting (tickets), not to the first endpoint in the feed.  S1
+ * (before S2 in the feed) jumps at 5, then at 10 and 15 during its replays; S2 jumps at 5 during
+ * S1's first.  The second round holds S1's 10 and S2's 5 (S1's first: it is drained first) and
+ * serves S1; the third holds S1's 15, newer than S2's, and serves S2.  Taken in the feed's order,
+ * S1 would be served every round for as long as it gapped. */
+Test(feed_replay_turns, an_endpoint_that_gaps_every_round_does_not_starve_another, .timeout = 120)
+{
+	struct scene c;
+	open_scene(&c, true);
+	for (int k = 0; k < 2; k++)
+		send_store(&c.s[k], (uint64_t)k + 1, 0);
+	for (int k = 0; k < 2; k++)
+		feed_at(&c, c.s[k].id, 1);
+	send_store(&c.s[0], 1, 5);
+	cr_assert_eq(next_ask(&c, 10000), 0, "S1's first replay");
+	send_store(&c.s[1], 2, 5);
+	send_store(&c.s[0], 1, 10);
+	cr_assert_eq(next_ask(&c, 10000), 0, "S1's second replay (its gap held first)");
+	send_store(&c.s[0], 1, 15);
+	cr_assert_eq(next_ask(&c, 10000), 1, "S2's replay, before S1's third");
+	cr_assert_eq(next_ask(&c, 10000), 0, "then S1's third");
+	for (int t = 0; t < 1000 && atomic_load(&gap_calls) < 4; t++)
+		sleep_ms(10);
+	cr_assert_eq(atomic_load(&gap_calls), 4, "S1's three gaps and S2's reported");
+	holds_only(&c, 1, 15);
+	holds_only(&c, 2, 5);
+	close_scene(&c);
+}
