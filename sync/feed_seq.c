@@ -800,8 +800,8 @@ void kvr_feed_turn(struct kvr_feed *f)
 
 /* Drains what the endpoint's SUB socket holds (bounded, so one busy endpoint cannot starve
  * the others or the control socket); nothing once the feed is destroyed (a callback of the
- * batch just applied may have done it).  A batch held for a replay turn comes first; while it
- * is held nothing after it is received. */
+ * batch just applied may have done it).  Nothing while a batch is held for its replay turn:
+ * what follows it waits in the socket until kvr_feed_turn has taken it. */
 static void drain_some(struct kvr_feed *f, struct ep *e)
 {
 	if (e->held)
