@@ -225,8 +225,9 @@ struct kvr_feed {
 	 * replayed, a replay was asked for in this round of the feed's loop (cleared by
 	 * feed_main); tickets, the last ticket handed to a replay that waits for its turn
 	 * (ep.held_ticket, or resync_ticket for the ranks added late; 0: none), the oldest served
-	 * first. */
-	bool turn, replayed;
+	 * first; forced, a held batch is taken out of turn (kvr_feed_take_held: its endpoint is
+	 * going), so a resync it needs runs now rather than wait for a turn it will not have. */
+	bool turn, replayed, forced;
 	uint64_t tickets, resync_ticket;
 	/* A destroy (kvr_feed_destroy, or kvr_router_destroy of a feed still alive) waits for the
 	 * thread: a replay wait gives up at once (sync/feed_seq.c).  Atomic: set by the destroying

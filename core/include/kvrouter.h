@@ -1024,7 +1024,7 @@ struct kvr_feed_stats {
 	uint64_t blocks_removed;   /* GPU block removals (copies) applied */
 	uint64_t malformed;        /* messages skipped: frames, seq or msgpack payload */
 	uint64_t refused;          /* events refused: block size, token count, lora, index, bound */
-	uint64_t unknown_rank;     /* batches for a rank the router does not have */
+	uint64_t unknown_rank;     /* batches for a rank absent, or whose resync is to come */
 	uint64_t unknown_events;   /* events of an unknown type (skipped) */
 	uint64_t duplicates;       /* batches dropped as already applied */
 	uint64_t gaps;             /* seq jumps not healed (on_event_gap called, rank cleared;

@@ -364,3 +364,39 @@ Test(feed_replay_turns, an_endpoint_that_gaps_every_round_does_not_starve_anothe
 	holds_only(&c, 2, 5);
 	close_scene(&c);
 }
+
+/* An endpoint removed while a live batch of it is held for its rank's resync (the rank removed
+ * and added back) and another endpoint's slow replay has the turn (the review's probe).  Before,
+ * the remove took the held batch outside any turn, its resync waited for one, and the batch was
+ * dropped as unknown_rank with the endpoint: no replay asked, no gap reported, the rank left
+ * without the batch's block.  Now the remove replays it, as it did before turns. */
+Test(feed_replay_turns, an_endpoint_removed_with_a_batch_held_for_its_ranks_resync_replays_it,
+     .timeout = 120)
+{
+	struct scene c;
+	open_scene(&c, true);
+	for (int k = 0; k < 2; k++)
+		send_store(&c.s[k], (uint64_t)k + 1, 0);
+	for (int k = 0; k < 2; k++)
+		feed_at(&c, c.s[k].id, 1);
+	send_store(&c.s[0], 1, 5);
+	cr_assert_eq(next_ask(&c, 10000), 0, "S1's replay (unanswered: it holds the turn)");
+	cr_assert_eq(kvr_rank_remove(c.r, (struct kvr_rank_id){2, 0}), 0);
+	add_rank(&c, 2);
+	send_store(&c.s[1], 2, 1); /* held: its rank resyncs */
+	int gaps0 = atomic_load(&gap_calls);
+	cr_assert_eq(kvr_feed_remove(c.f, c.s[1].id), 0); /* after S1's replay, before the turn */
+	int asked = 0;
+	while (next_ask(&c, 300) >= 0)
+		asked++;
+	cr_assert_eq(kvr_router_sync(c.r, 5000), 0);
+	uint64_t got[8];
+	size_t n = 0;
+	cr_assert_eq(kvr_rank_blocks(c.r, (struct kvr_rank_id){2, 0}, got, 8, &n), 0);
+	int gaps = atomic_load(&gap_calls) - gaps0;
+	close_scene(&c);
+	cr_assert_eq(asked, 1, "S2's resync asked %d replays", asked);
+	cr_assert_geq(gaps, 1, "S2's unanswered resync was not reported");
+	cr_assert(n == 1 && got[0] == block_of(2, 1), "rank (2,0) holds %zu blocks, not batch 1's",
+	          n);
+}
