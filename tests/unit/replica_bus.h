@@ -344,6 +344,18 @@ static inline size_t n_blocks(struct kvr_router *r, struct kvr_rank_id rk)
 	return n;
 }
 
+/* Active requests on r's ranks 0 and 1 (the ranks bus_router adds). */
+static inline uint64_t bus_active_requests(struct kvr_router *r)
+{
+	uint64_t n = 0;
+	for (uint64_t w = 0; w < 2; w++) {
+		struct kvr_rank_stats s;
+		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
+		n += s.active_requests;
+	}
+	return n;
+}
+
 /* Routes a prompt of n tokens (distinct per seed) on r; returns the decision. */
 static inline struct kvr_decision bus_route(struct kvr_router *r, uint32_t seed, size_t n)
 {

@@ -160,6 +160,19 @@ static void feed_at(struct scene *c, uint32_t id, uint64_t next)
 }
 
 /* Whether rank (9, 0) holds L's batch 1 once the shards ran everything posted so far. */
+/* The scene with its first n slow endpoints fed from batch 1 (each publisher's batch 0 stored
+ * before), then S1's jump at 5: its replay, unanswered, holds the feed's turn. */
+static void s1_replaying(struct scene *c, int n)
+{
+	open_scene(c, true);
+	for (int k = 0; k < n; k++)
+		send_store(&c->s[k], (uint64_t)k + 1, 0);
+	for (int k = 0; k < n; k++)
+		feed_at(c, c->s[k].id, 1);
+	send_store(&c->s[0], 1, 5);
+	cr_assert_eq(next_ask(c, 10000), 0, "S1's replay is asked for");
+}
+
 static bool live_batch_indexed(struct scene *c)
 {
 	cr_assert_eq(kvr_router_sync(c->r, 5000), 0);
@@ -316,13 +329,7 @@ Test(feed_replay_turns, a_gap_waiting_for_its_turn_at_a_destroy_is_cleared_unrep
      .timeout = 120)
 {
 	struct scene c;
-	open_scene(&c, true);
-	for (int k = 0; k < NS; k++)
-		send_store(&c.s[k], (uint64_t)k + 1, 0);
-	for (int k = 0; k < NS; k++)
-		feed_at(&c, c.s[k].id, 1);
-	send_store(&c.s[0], 1, 5);
-	cr_assert_eq(next_ask(&c, 10000), 0, "S1's replay is asked for");
+	s1_replaying(&c, NS);
 	for (int k = 1; k < NS; k++)
 		send_store(&c.s[k], (uint64_t)k + 1, 5);
 	cr_assert_eq(next_ask(&c, 10000), 1, "S2's replay is asked for, S3's gap waits");
@@ -344,13 +351,7 @@ Test(feed_replay_turns, a_gap_waiting_for_its_turn_at_a_destroy_is_cleared_unrep
 Test(feed_replay_turns, an_endpoint_that_gaps_every_round_does_not_starve_another, .timeout = 120)
 {
 	struct scene c;
-	open_scene(&c, true);
-	for (int k = 0; k < 2; k++)
-		send_store(&c.s[k], (uint64_t)k + 1, 0);
-	for (int k = 0; k < 2; k++)
-		feed_at(&c, c.s[k].id, 1);
-	send_store(&c.s[0], 1, 5);
-	cr_assert_eq(next_ask(&c, 10000), 0, "S1's first replay");
+	s1_replaying(&c, 2);
 	send_store(&c.s[1], 2, 5);
 	send_store(&c.s[0], 1, 10);
 	cr_assert_eq(next_ask(&c, 10000), 0, "S1's second replay (its gap held first)");
@@ -374,13 +375,7 @@ Test(feed_replay_turns, an_endpoint_removed_with_a_batch_held_for_its_ranks_resy
      .timeout = 120)
 {
 	struct scene c;
-	open_scene(&c, true);
-	for (int k = 0; k < 2; k++)
-		send_store(&c.s[k], (uint64_t)k + 1, 0);
-	for (int k = 0; k < 2; k++)
-		feed_at(&c, c.s[k].id, 1);
-	send_store(&c.s[0], 1, 5);
-	cr_assert_eq(next_ask(&c, 10000), 0, "S1's replay (unanswered: it holds the turn)");
+	s1_replaying(&c, 2);
 	cr_assert_eq(kvr_rank_remove(c.r, (struct kvr_rank_id){2, 0}), 0);
 	add_rank(&c, 2);
 	send_store(&c.s[1], 2, 1); /* held: its rank resyncs */

@@ -292,18 +292,6 @@ Test(replica_hooks, early_ends_overflow, .timeout = 60)
 	bus_teardown(r, 2);
 }
 
-/* Active requests on the bus's two ranks of r. */
-static uint64_t active_requests(struct kvr_router *r)
-{
-	uint64_t n = 0;
-	for (uint64_t w = 0; w < 2; w++) {
-		struct kvr_rank_stats s;
-		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
-		n += s.active_requests;
-	}
-	return n;
-}
-
 /* Attempts routed before the replica attached were never noted (peers never saw them), so their
  * ends find no record on the sender.  They were kept in the early set as if their admission
  * were still to come, for 60 s each (a review's probe: 500 entries): a caller's finish or abort
@@ -335,10 +323,10 @@ Test(replica_hooks, ends_of_attempts_admitted_before_attach_are_not_kept, .timeo
 	uint32_t left = bus.rep[0]->early_n;
 	pthread_mutex_unlock(&bus.rep[0]->mu);
 	cr_assert_eq(left, 0, "ends of attempts admitted before attach kept: %u", left);
-	cr_assert_eq(active_requests(r[1]), 1, "the one routed after attach is mirrored");
+	cr_assert_eq(bus_active_requests(r[1]), 1, "the one routed after attach is mirrored");
 	cr_assert_eq(kvr_request_finish(r[0], post), 0);
 	bus_quiet(r, 2);
-	cr_assert_eq(active_requests(r[1]), 0);
+	cr_assert_eq(bus_active_requests(r[1]), 0);
 	pthread_mutex_lock(&bus.rep[0]->mu);
 	left = bus.rep[0]->early_n;
 	pthread_mutex_unlock(&bus.rep[0]->mu);

@@ -339,17 +339,6 @@ Test(replica_notes, admission_waits_for_a_slab_when_its_record_fails, .timeout =
 	bus_teardown(r, 2);
 }
 
-static uint64_t active_requests(struct kvr_router *r)
-{
-	uint64_t n = 0;
-	for (uint64_t w = 0; w < 2; w++) {
-		struct kvr_rank_stats s;
-		cr_assert_eq(kvr_rank_get_stats(r, (struct kvr_rank_id){w, 0}, &s), 0);
-		n += s.active_requests;
-	}
-	return n;
-}
-
 /* A caller's end kept aside (the ring full) and its attempt's admission note committed in the
  * ring behind an earlier producer's reserved, uncommitted slot (a routing thread descheduled
  * between its reserve and its commit): the sender handled the kept notes once its dequeue
@@ -364,7 +353,7 @@ Test(replica_notes, a_kept_end_waits_for_its_admission_behind_an_uncommitted_slo
 	struct kvr_replica *rep = bus.rep[0];
 	struct kvr_decision c = bus_route(r[0], 1, 40); /* filler notes' attempt */
 	bus_quiet(r, 2);
-	cr_assert_eq(active_requests(r[1]), 1);
+	cr_assert_eq(bus_active_requests(r[1]), 1);
 	kvr_replica_stall(rep, 600000, true); /* ended below */
 	struct kvr_ring *q = &rep->outq;
 	/* P: a producer descheduled between its reserve and its commit. */
@@ -387,10 +376,10 @@ Test(replica_notes, a_kept_end_waits_for_its_admission_behind_an_uncommitted_slo
 	bus_quiet(r, 2);
 	usleep(200000);
 	bus_quiet(r, 2);
-	cr_assert_eq(active_requests(r[0]), 1);
-	cr_assert_eq(active_requests(r[1]), 1,
+	cr_assert_eq(bus_active_requests(r[0]), 1);
+	cr_assert_eq(bus_active_requests(r[1]), 1,
 	             "peer mirrors A (finished on the origin) for good: %lu",
-	             (unsigned long)active_requests(r[1]));
+	             (unsigned long)bus_active_requests(r[1]));
 	cr_assert_eq(kvr_request_finish(r[0], c.attempt), 0);
 	bus_quiet(r, 2);
 	bus_teardown(r, 2);
