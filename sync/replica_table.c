@@ -361,6 +361,7 @@ bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kv
 	bool kept = t || e ||
 	            reserve((void **)&rep->tombs, rep->n_tombs + rep->n_ranks + 1, &rep->tombs_cap,
 	                    sizeof(*rep->tombs));
+	const bool made_here = !t;
 	if (!t) {
 		t = kept ? &rep->tombs[rep->n_tombs++] : &made;
 		memset(t, 0, sizeof(*t));
@@ -377,7 +378,11 @@ bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kv
 	 * later one (kvr_rep_apply_rank), which then kept the rank for good. */
 	if (incarnation > t->incarnation)
 		t->incarnation = incarnation;
-	t->ver = v;
+	/* Never older: a peer's removal is buried after its router call, without mu, and an own
+	 * removal of the rank may have buried it at a newer version meanwhile; lowered, the
+	 * tombstone let an add between the two versions told later bring the rank back. */
+	if (made_here || kvr_rep_ver_cmp(v, t->ver) > 0)
+		t->ver = v;
 	t->removed_ns = kvr_rep_mono_ns();
 	if (told)
 		*told = *t;

@@ -373,6 +373,28 @@ Test(replica_ranks, the_rank_index_follows_random_changes_under_allocation_failu
 		index_model(0xfeedbeefull * seed, true);
 }
 
+/* A removal buried after a newer one of the same rank (a peer's, buried after its router call
+ * without mu, while an own removal buried the rank meanwhile) keeps the newer version: lowered,
+ * an add between the two versions told later was taken and brought the rank back. */
+Test(replica_ranks, a_tombstone_never_goes_back_to_an_older_removal)
+{
+	struct kvr_replica *rep = kvr_calloc(1, sizeof(*rep));
+	cr_assert(rep);
+	const struct kvr_rank_id id = {5, 0};
+	cr_assert(kvr_rep_rank_get(rep, id));
+	cr_assert(kvr_rep_rank_bury(rep, id, (struct kvr_rep_ver){200, 1}, 7, NULL));
+	cr_assert(kvr_rep_rank_bury(rep, id, (struct kvr_rep_ver){100, 2}, 7, NULL));
+	const struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
+	cr_assert(t);
+	cr_assert_eq(t->ver.clock, 200, "the tombstone went back to version %lu",
+	             (unsigned long)t->ver.clock);
+	cr_assert(kvr_rep_rank_bury(rep, id, (struct kvr_rep_ver){300, 2}, 7, NULL));
+	cr_assert_eq(kvr_rep_tomb_find(rep, id)->ver.clock, 300, "a newer removal renews it");
+	kvr_rep_tomb_drop(rep, id);
+	cr_assert_eq(kvr_rep_ranks_bytes(rep), 0);
+	kvr_free(rep, sizeof(*rep));
+}
+
 /* A tombstone for a rank never held here carries the removal's incarnation.  Before, it was at
  * 0, and told again (a re-announce, a snapshot) its removal was refused by every replica holding
  * the rank at a later incarnation (kvr_rep_apply_rank). */
