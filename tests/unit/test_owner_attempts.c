@@ -395,6 +395,14 @@ static void stall(struct kvr_shard *sh, void *payload)
 		sched_yield();
 }
 
+/* Posts stall() to sh and returns once the shard thread is inside it. */
+static void hold(struct kvr_shard *sh, struct gate *g)
+{
+	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, stall, &g, sizeof(g)), 0);
+	while (!__atomic_load_n(&g->held, __ATOMIC_ACQUIRE))
+		sched_yield();
+}
+
 struct admits {
 	int n;
 	uint64_t ticket;
@@ -450,10 +458,7 @@ Test(owner_attempts, sync_booking_waited_booking_failed_for_memory_wakes_the_que
 	cr_assert_eq(kvr_router_sync(r, 5000), 0);
 	struct kvr_shard *sh = kvr_shards_get(r->shards, 0);
 	struct gate g = {0};
-	struct gate *gp = &g;
-	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, stall, &gp, sizeof(gp)), 0);
-	while (!__atomic_load_n(&g.held, __ATOMIC_ACQUIRE))
-		sched_yield();
+	hold(sh, &g);
 	long taken = 0;
 	while (kvr_owner_book_room_take(sh))
 		taken++;
@@ -559,10 +564,7 @@ Test(owner_attempts, a_booking_dropped_for_memory_tells_one_end_and_none_for_a_m
 	cr_assert_eq(kvr_repl_set_hooks(r, &h), 0);
 	struct kvr_shard *sh = kvr_shards_get(r->shards, 0);
 	struct gate g = {0};
-	struct gate *gp = &g;
-	cr_assert_eq(kvr_shard_post(sh, KVR_LANE_ROUTING, stall, &gp, sizeof(gp)), 0);
-	while (!__atomic_load_n(&g.held, __ATOMIC_ACQUIRE))
-		sched_yield();
+	hold(sh, &g);
 
 	enum { N = 400 };
 	static uint64_t own[N], peer[N];
