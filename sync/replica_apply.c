@@ -136,6 +136,7 @@ static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr
 	if (rc)
 		return rc;
 	x->local = a.attempt;
+	x->life = a.life;
 	if (x->prefilled)
 		APPLYING(kvr_request_prefill_done(rep->r, x->local));
 	if (m)

@@ -56,6 +56,9 @@ struct kvr_rep_rec {
 	uint64_t origin, oepoch, oattempt, local;
 	struct kvr_rank_id rank;
 	uint64_t incarnation, prompt_tokens, lora_seed, fin_no, fin_ns;
+	/* The life of its rank this router booked it on (gen 0: not known): a finished attempt
+	 * joins the journal of that life only (kvr_rep_journal_add). */
+	struct kvr_rank_life life;
 	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
 	bool chain_known, prefilled;
 	bool out_counted; /* the last output token's slot is counted (it came as not final) */

@@ -426,12 +426,25 @@ static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_r
 	return x->n_blocks + (x->tail_n + x->n_out) / rep->bs;
 }
 
+/* Whether x was booked on another life of its rank than the one entry e describes (both
+ * known).  An attempt's end can come after its rank's removal and re-add: a posted booking the
+ * shard dropped as stale is told (KVR_OP_RANK_ENDED, as an ABORT) with no order against the
+ * rank's notes, so a peer may hear the REMOVE and the ADD first.  Its blocks went with the life
+ * it ran on; joining the new life's journal, they would be served to joiners as that life's
+ * predicted cache (test_replica_ranks a_mirror_ended_after_its_ranks_new_life_is_not_journaled_
+ * in_it).  The incarnation cannot tell: a rank may come back at the same one. */
+static bool other_life(const struct kvr_rep_rank *e, const struct kvr_rep_rec *x)
+{
+	return x->life.gen && e->life.gen &&
+	       (x->life.gen != e->life.gen || x->life.slot != e->life.slot);
+}
+
 /* A finished attempt joins its rank's journal (the blocks it leaves in the predicted cache);
  * the oldest go when the journal exceeds its budget.  Takes x (freed if it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
 	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, x->rank);
-	if (!e) {
+	if (!e || other_life(e, x)) {
 		kvr_rep_rec_free(x);
 		return;
 	}

@@ -1458,3 +1458,70 @@ Test(replica_ranks, a_removal_told_by_a_replica_that_never_held_the_rank_is_take
 	bus_teardown(r, 3);
 	cr_assert(!kept, "replica 2 kept rank 2 after resyncing from replica 3");
 }
+
+/* Peer 5 says at stream position seq that its attempt oa ended (type: FINISH or ABORT). */
+static void peer_end(struct kvr_replica *rep, uint64_t seq, unsigned type, uint64_t oa)
+{
+	struct kvr_msg_buf b = {0};
+	size_t off = kvr_msg_begin(&b, type, 5, 100, seq);
+	kvr_msg_put_u64(&b, oa);
+	kvr_msg_end(&b, off);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	kvr_msg_buf_fini(&b);
+}
+
+/* A peer's attempt whose end comes after its rank's removal and re-add (the origin's posted
+ * booking dropped as stale: the shard tells that ABORT with no order against the rank's notes,
+ * so the REMOVE and the ADD can precede it) ended with the life it was booked on: its blocks
+ * went with that life, and the new life's journal (what snapshots serve joiners as the rank's
+ * predicted cache) must not take them.  Before, the mirror joined the journal of whatever life
+ * the rank had when the end came.  An attempt finished on the life it was booked on is still
+ * journaled; so is one booked on the new life. */
+Test(replica_ranks, a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_it, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	struct kvr_config g;
+	kvr_router_get_config(r[0], &g);
+	const struct kvr_rank_id rk = {1, 0};
+	pthread_mutex_lock(&rep->mu);
+	uint64_t clock = rep->rank_clock + 1000;
+	pthread_mutex_unlock(&rep->mu);
+	uint64_t seq = 0;
+	struct kvr_msg_buf b = {0};
+	/* 11 finishes on its own life; 12 is live across the removal and re-add */
+	for (uint64_t oa = 11; oa <= 12; oa++) {
+		b.len = 0;
+		kvr_test_put_attempt(&b, KVR_MSG_ADMIT, 5, 100, ++seq, oa, rk.worker_id, 7, oa,
+		                     g.block_size);
+		cr_assert(!b.oom);
+		kvr_replica_deliver(rep, b.p, b.len, NULL);
+	}
+	kvr_msg_buf_fini(&b);
+	peer_end(rep, ++seq, KVR_MSG_FINISH, 11);
+	for (int same_inc = 0; same_inc < 2; same_inc++) {
+		peer_rank_v(rep, ++seq, KVR_REPL_RANK_REMOVE, rk.worker_id, 7 + same_inc, ++clock);
+		peer_rank_v(rep, ++seq, KVR_REPL_RANK_ADD, rk.worker_id, 8, ++clock);
+		cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+		cr_assert(has_rank(r[0], rk.worker_id), "the rank's new life not applied");
+	}
+	peer_end(rep, ++seq, KVR_MSG_ABORT, 12);
+	b = (struct kvr_msg_buf){0};
+	kvr_test_put_attempt(&b, KVR_MSG_ADMIT, 5, 100, ++seq, 13, rk.worker_id, 8, 13,
+	                     g.block_size);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	kvr_msg_buf_fini(&b);
+	peer_end(rep, ++seq, KVR_MSG_FINISH, 13);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.mirrored, 0, "%u mirrors left", (unsigned)st.mirrored);
+	cr_assert_eq(st.orphans, 0, "%lu ends found no mirror", (unsigned long)st.orphans);
+	cr_expect(!journaled(0, rk, 5, 11), "the old life's finished attempt survived the removal");
+	cr_expect(!journaled(0, rk, 5, 12), "the old life's attempt joined the new life's journal");
+	cr_expect(journaled(0, rk, 5, 13), "the new life's finished attempt was not journaled");
+	bus_teardown(r, 1);
+}
