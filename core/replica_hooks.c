@@ -73,10 +73,8 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	 * booking, and the apply thread goes on with the next message while the shard books. */
 	rc = kvr_admit(r, &a, r->cfg.sync_booking, true);
 	kvr_free(seq, (n ? n : 1) * sizeof(uint64_t));
-	if (rc == 0) {
+	if (rc == 0)
 		m->attempt = a.attempt;
-		m->life = (struct kvr_rank_life){slot, gen};
-	}
 	return rc;
 }
 
@@ -105,7 +103,6 @@ void kvr_repl_note_route_slow(struct kvr_router *r, const struct kvr_admit_args 
 	    .tail = a->chain_known ? a->tail : NULL,
 	    .tail_n = a->chain_known ? a->tail_n : 0,
 	    .chain_known = a->chain_known,
-	    .life = {a->slot, a->gen},
 	};
 	kvr_repl_note_admit_slow(r, &m);
 }

@@ -24,13 +24,6 @@
 #include "core/router_internal.h"
 #include "kvrouter.h"
 
-/* One life of a rank in a router: its slot and the slot's generation (bumped on every add and
- * remove).  gen 0: none known. */
-struct kvr_rank_life {
-	uint32_t slot;
-	uint64_t gen;
-};
-
 /* One admission, as kvr_route booked it or as a peer reports it.  Arrays are borrowed. */
 struct kvr_repl_admission {
 	struct kvr_rank_id rank;
@@ -45,9 +38,6 @@ struct kvr_repl_admission {
 	const uint32_t *tail; /* the prompt's partial block (tokens) when chain_known */
 	uint32_t tail_n;
 	bool chain_known;
-	/* The rank's life the attempt was booked on here (out of kvr_repl_admit; in, for notes:
-	 * the route's): its blocks end with that life (sync/replica_table.c, journal_add). */
-	struct kvr_rank_life life;
 };
 
 enum kvr_repl_rank_op {
@@ -60,6 +50,13 @@ enum kvr_repl_rank_op {
 /* Progress ops are enum kvr_progress_op (core/router_internal.h).  progressed's not_final: an
  * output call's last token is known not to be the final one (kvr_request_output_ex without
  * KVR_OUTPUT_FINAL), so the router counted its KV slot at once; false for every other call. */
+/* One life of a rank in a router: its slot and the slot's generation (bumped on every add and
+ * remove).  gen 0: none known. */
+struct kvr_rank_life {
+	uint32_t slot;
+	uint64_t gen;
+};
+
 struct kvr_repl_hooks {
 	void *ctx;
 	void (*admitted)(void *ctx, const struct kvr_repl_admission *a);

@@ -741,7 +741,7 @@ static void free_all(struct kvr_replica *rep)
 		kvr_rep_rec_free(x);
 	}
 	for (size_t i = 0; i < rep->n_ranks; i++)
-		kvr_rep_journal_clear(&rep->ranks[i]);
+		kvr_rep_journal_clear(rep, &rep->ranks[i]);
 	kvr_free(rep->ranks, rep->ranks_cap * sizeof(*rep->ranks));
 	kvr_free(rep->tombs, rep->tombs_cap * sizeof(*rep->tombs));
 	kvr_free(rep->rix, rep->rix_cap * sizeof(*rep->rix));

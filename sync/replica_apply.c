@@ -136,7 +136,6 @@ static int book(struct kvr_replica *rep, struct kvr_rep_rec *x, const struct kvr
 	if (rc)
 		return rc;
 	x->local = a.attempt;
-	x->life = a.life;
 	if (x->prefilled)
 		APPLYING(kvr_request_prefill_done(rep->r, x->local));
 	if (m)
@@ -193,6 +192,14 @@ void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	}
 	bool ghost = m->flags & KVR_MSG_F_FINISHED;
 	pthread_mutex_lock(&rep->mu);
+	/* Read before the booking: a change that ends what it books (a reset, a new incarnation,
+	 * the rank removed and back) then clears the journal after this read, and the attempt
+	 * joins no journal (kvr_rep_journal_add).  Read after it, a change landing in between
+	 * could be missed.  A change made here just before the booking whose note the sender has
+	 * yet to take drops the attempt's blocks from the journal too: a prediction missing, never
+	 * one of blocks nobody holds. */
+	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, x->rank);
+	x->jmark = e ? e->jmark : 0;
 	struct kvr_rep_rec *old = ghost ? NULL : kvr_rep_map_find(rep, x->origin, x->oattempt);
 	bool other_life = old && old->oepoch != x->oepoch;
 	if (other_life) {

@@ -56,9 +56,9 @@ struct kvr_rep_rec {
 	uint64_t origin, oepoch, oattempt, local;
 	struct kvr_rank_id rank;
 	uint64_t incarnation, prompt_tokens, lora_seed, fin_no, fin_ns;
-	/* The life of its rank this router booked it on (gen 0: not known): a finished attempt
-	 * joins the journal of that life only (kvr_rep_journal_add). */
-	struct kvr_rank_life life;
+	/* A peer's attempt: its rank entry's journal mark (kvr_rep_rank.jmark) read before it was
+	 * booked here; ended after a clear of that journal, it joins none (kvr_rep_journal_add). */
+	uint64_t jmark;
 	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
 	bool chain_known, prefilled;
 	bool out_counted; /* the last output token's slot is counted (it came as not final) */
@@ -117,6 +117,9 @@ struct kvr_rep_rank {
 	uint32_t mbt;
 	struct kvr_rep_rec *jhead, *jtail; /* finished attempts, oldest first */
 	uint64_t jblocks;
+	/* Changes on every journal clear (a reset, a new incarnation) and at the entry's making:
+	 * taken from rep->jmarks, so no two marks of any entry are the same. */
+	uint64_t jmark;
 	/* The version of the change that made the entry what it is (an add, a capacity change, a
 	 * reset, a removal), and of the last reset ({0, 0}: none).  The reset has its own: told
 	 * again, it must reset only a replica that has not heard it, whatever came after. */
@@ -215,6 +218,7 @@ struct kvr_replica {
 	 * keeping it: an outage left open by a resync that found nobody (a lone replica) is
 	 * re-announced whole at the first reconnect that has peers, again to any that heard it. */
 	uint64_t fin_no, outage_ns;
+	uint64_t jmarks;     /* the last journal mark handed out (kvr_rep_rank.jmark) */
 	uint64_t rank_clock; /* the highest rank version clock made or seen */
 	/* When a peer's message was last handled (0: never), and what that was when the last
 	 * disconnect was seen: when this replica last heard the cluster before its own outage,
@@ -393,7 +397,7 @@ void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id);
 /* The bytes the rank table holds (kvr_memory.replica_ranks): its entries' and tombstones'
  * arrays at the sizes asked for (the journals' records are not counted).  mu held. */
 uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep);
-void kvr_rep_journal_clear(struct kvr_rep_rank *e);
+void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e);
 /* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);
 struct kvr_rep_peer *kvr_rep_peer_find(struct kvr_replica *rep, uint64_t id);

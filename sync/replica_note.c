@@ -226,7 +226,6 @@ static struct kvr_rep_rec *rec_of(const struct kvr_replica *rep, const struct kv
 	x->oattempt = x->local = a->attempt;
 	x->rank = a->rank;
 	x->incarnation = a->incarnation;
-	x->life = a->life;
 	x->prompt_tokens = a->prompt_tokens;
 	x->lora_seed = a->lora_seed;
 	x->overlap = a->overlap;

@@ -157,12 +157,12 @@ void kvr_rep_rank_changed(struct kvr_replica *rep, int op, struct kvr_rank_id ra
 		break;
 	case KVR_REPL_RANK_CAPACITY:
 		if (incarnation != e->incarnation)
-			kvr_rep_journal_clear(e);
+			kvr_rep_journal_clear(rep, e);
 		e->incarnation = incarnation;
 		e->capacity = capacity;
 		break;
 	case KVR_REPL_RANK_RESET:
-		kvr_rep_journal_clear(e);
+		kvr_rep_journal_clear(rep, e);
 		e->incarnation = incarnation;
 		e->reset_ver = v;
 		break;
@@ -459,7 +459,7 @@ void kvr_rep_apply_rank(struct kvr_replica *rep, const struct kvr_wmsg *m)
 		if (e) {
 			if (e->incarnation != s.incarnation ||
 			    (m->op == KVR_REPL_RANK_RESET && rc == 0))
-				kvr_rep_journal_clear(e);
+				kvr_rep_journal_clear(rep, e);
 			e->incarnation = s.incarnation;
 			e->capacity = s.capacity_blocks;
 			if ((m->op == KVR_REPL_RANK_ADD && rc == 0) || !e->life.gen)

@@ -318,6 +318,7 @@ struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_i
 	e = &rep->ranks[rep->n_ranks++];
 	memset(e, 0, sizeof(*e));
 	e->id = id;
+	e->jmark = ++rep->jmarks;
 	e->capacity = KVR_CAPACITY_NONE;
 	const struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
 	if (t) { /* the rank is back: the caller sets the version that says so */
@@ -336,7 +337,7 @@ void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 	if (slot == SIZE_MAX)
 		return;
 	const size_t i = rep->rix[slot] - 1, last = rep->n_ranks - 1;
-	kvr_rep_journal_clear(&rep->ranks[i]);
+	kvr_rep_journal_clear(rep, &rep->ranks[i]);
 	rix_erase(rep, slot);
 	if (i != last) { /* the last entry moves into i */
 		rep->rix[rix_slot(rep, rep->ranks[last].id)] = (uint32_t)i + 1;
@@ -404,8 +405,9 @@ void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 	       sizeof(*rep->tombs));
 }
 
-void kvr_rep_journal_clear(struct kvr_rep_rank *e)
+void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e)
 {
+	e->jmark = ++rep->jmarks; /* the attempts mirrored before ran on what goes now */
 	for (struct kvr_rep_rec *x = e->jhead, *nx; x; x = nx) {
 		nx = x->next;
 		kvr_rep_rec_free(x);
@@ -426,25 +428,20 @@ static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_r
 	return x->n_blocks + (x->tail_n + x->n_out) / rep->bs;
 }
 
-/* Whether x was booked on another life of its rank than the one entry e describes (both
- * known).  An attempt's end can come after its rank's removal and re-add: a posted booking the
- * shard dropped as stale is told (KVR_OP_RANK_ENDED, as an ABORT) with no order against the
- * rank's notes, so a peer may hear the REMOVE and the ADD first.  Its blocks went with the life
- * it ran on; joining the new life's journal, they would be served to joiners as that life's
- * predicted cache (test_replica_ranks a_mirror_ended_after_its_ranks_new_life_is_not_journaled_
- * in_it).  The incarnation cannot tell: a rank may come back at the same one. */
-static bool other_life(const struct kvr_rep_rank *e, const struct kvr_rep_rec *x)
-{
-	return x->life.gen && e->life.gen &&
-	       (x->life.gen != e->life.gen || x->life.slot != e->life.slot);
-}
-
 /* A finished attempt joins its rank's journal (the blocks it leaves in the predicted cache);
  * the oldest go when the journal exceeds its budget.  Takes x (freed if it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
 	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, x->rank);
-	if (!e || other_life(e, x)) {
+	/* A peer's attempt mirrored before the journal's last clear (a reset, a new incarnation,
+	 * the rank removed and back) ran on blocks that clear dropped: it joining now would serve
+	 * joiners blocks nobody holds (test_replica_ranks
+	 * a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_it,
+	 * a_mirror_ended_by_a_reset_made_here_is_not_journaled and the two after it).  An own
+	 * attempt needs no mark: its end is noted before the change that would end it
+	 * (sync/replica_out.c, out_rank_ended), and one admitted after a change may be noted before
+	 * the change is. */
+	if (!e || (x->origin != rep->c.replica_id && x->jmark != e->jmark)) {
 		kvr_rep_rec_free(x);
 		return;
 	}

@@ -1525,3 +1525,164 @@ Test(replica_ranks, a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_
 	cr_expect(journaled(0, rk, 5, 13), "the new life's finished attempt was not journaled");
 	bus_teardown(r, 1);
 }
+
+/* (The review's probe of the first version of this fix, which compared lives: a reset or a
+ * new incarnation keeps the slot's generation.)  Replica 1 routes an attempt on rk, replica 2
+ * mirrors it; then replica 2 itself ends rk's life as its predicted cache knows it (how: 0 a
+ * reset keeping the incarnation, 1 a capacity change to a new incarnation, 2 a removal and
+ * re-add).  Replica 1 hears the change, its shard ends the attempt and tells it as an ABORT
+ * (KVR_OP_RANK_ENDED), which reaches replica 2 only after its own change: its journal (what its
+ * snapshots serve joiners) must not take the ended attempt's blocks, which its router no longer
+ * predicts.  A joiner served by replica 2 then predicts what replica 2's router does. */
+static void change_on_the_mirror(int how)
+{
+	struct kvr_router *r[3];
+	bus_start(r, 2);
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t gone = route_on(r[0], rk, 700 + (uint32_t)how);
+	bus_quiet(r, 2);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 1, "replica 2 mirrors %u", (unsigned)st.mirrored);
+	if (how == 0) {
+		cr_assert_eq(kvr_rank_reset(r[1], rk, 7), 0);
+	} else if (how == 1) {
+		cr_assert_eq(kvr_rank_set_capacity(r[1], rk, 8, 1000), 0);
+	} else {
+		cr_assert_eq(kvr_rank_remove(r[1], rk), 0);
+		cr_assert_eq(kvr_rank_add(r[1], rk, 7, 1000, 4096), 0);
+	}
+	bus_quiet(r, 2);
+	nanosleep(&(struct timespec){0, 100000000}, NULL);
+	bus_quiet(r, 2);
+	cr_assert_eq(kvr_request_finish(r[0], gone), KVR_ESTALE, "the change did not end it");
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 0, "replica 2 still mirrors %u", (unsigned)st.mirrored);
+	size_t here = n_blocks(r[1], rk), origin = n_blocks(r[0], rk);
+	bool in_journal = journaled(1, rk, 1, gone);
+	r[2] = make();
+	bus_attach(2, r[2]);
+	bus_quiet(r, 3);
+	size_t joiner = n_blocks(r[2], rk);
+	cr_log_info("how %d: blocks replica1 %zu replica2 %zu joiner %zu; journaled on 2: %d", how,
+	            origin, here, joiner, in_journal);
+	cr_expect(!in_journal, "how %d: replica 2 journaled the attempt its own change ended", how);
+	cr_expect_eq(joiner, here,
+	             "how %d: the joiner predicts %zu blocks on the rank, replica 2's router %zu",
+	             how, joiner, here);
+	bus_teardown(r, 3);
+}
+
+Test(replica_ranks, a_mirror_ended_by_a_reset_made_here_is_not_journaled, .timeout = 60)
+{
+	change_on_the_mirror(0);
+}
+
+Test(replica_ranks, a_mirror_ended_by_a_new_incarnation_made_here_is_not_journaled, .timeout = 60)
+{
+	change_on_the_mirror(1);
+}
+
+Test(replica_ranks, a_mirror_ended_by_a_removal_and_readd_made_here_is_not_journaled, .timeout = 60)
+{
+	change_on_the_mirror(2);
+}
+
+/* (The review's probe of the first version of this fix, which compared the record's life with
+ * the table entry's, and dropped these.)  Own rank notes reach the table in the order they
+ * are pushed, after the router's admin lock is released, so one thread's add note can come
+ * after another thread's remove and re-add of the same rank (the first thread preempted between
+ * its add and its note).  The gate holds the next ADD note in the hook, as such a preemption
+ * would. */
+static struct {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool hold_add, held, release;
+	struct kvr_repl_hooks *orig;
+	struct kvr_repl_hooks wrap;
+} gate = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void gated_rank_changed(void *ctx, int op, struct kvr_rank_id rank, uint64_t inc,
+                               uint64_t cap, uint32_t mbt, struct kvr_rank_life life)
+{
+	pthread_mutex_lock(&gate.mu);
+	if (op == KVR_REPL_RANK_ADD && gate.hold_add) {
+		gate.hold_add = false;
+		gate.held = true;
+		pthread_cond_broadcast(&gate.cv);
+		while (!gate.release)
+			pthread_cond_wait(&gate.cv, &gate.mu);
+	}
+	pthread_mutex_unlock(&gate.mu);
+	gate.orig->rank_changed(ctx, op, rank, inc, cap, mbt, life);
+}
+
+static void *gated_add(void *arg)
+{
+	return (void *)(intptr_t)kvr_rank_add(arg, (struct kvr_rank_id){1, 0}, 7, 1000, 4096);
+}
+
+/* One thread adds rank 1 (its note held), another removes it and adds it back (same
+ * incarnation) meanwhile; then the held note goes.  The router holds the rank's latest life:
+ * attempts finished on it, own and mirrored, must join the rank's journal. */
+Test(replica_ranks, a_late_own_add_note_does_not_keep_finished_attempts_out_of_the_journal,
+     .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	const struct kvr_rank_id rk = {1, 0};
+	cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+	gate.orig = __atomic_load_n(&r[0]->repl, __ATOMIC_ACQUIRE);
+	cr_assert(gate.orig);
+	gate.wrap = *gate.orig;
+	gate.wrap.rank_changed = gated_rank_changed;
+	__atomic_store_n(&r[0]->repl, &gate.wrap, __ATOMIC_RELEASE);
+	gate.hold_add = true;
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, gated_add, r[0]), 0);
+	pthread_mutex_lock(&gate.mu);
+	while (!gate.held)
+		pthread_cond_wait(&gate.cv, &gate.mu);
+	pthread_mutex_unlock(&gate.mu);
+	cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+	cr_assert_eq(kvr_rank_add(r[0], rk, 7, 1000, 4096), 0);
+	pthread_mutex_lock(&gate.mu);
+	gate.release = true;
+	pthread_cond_broadcast(&gate.cv);
+	pthread_mutex_unlock(&gate.mu);
+	void *rc;
+	cr_assert_eq(pthread_join(t, &rc), 0);
+	cr_assert_eq((intptr_t)rc, 0);
+	__atomic_store_n(&r[0]->repl, gate.orig, __ATOMIC_RELEASE);
+	bus_quiet(r, 1);
+	/* an own attempt on the rank's life now, finished */
+	uint64_t own = route_on(r[0], rk, 900);
+	cr_assert_eq(kvr_request_finish(r[0], own), 0);
+	/* a peer's, mirrored, finished */
+	struct kvr_config g;
+	kvr_router_get_config(r[0], &g);
+	struct kvr_msg_buf b = {0};
+	kvr_test_put_attempt(&b, KVR_MSG_ADMIT, 5, 100, 1, 31, rk.worker_id, 7, 31, g.block_size);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	kvr_msg_buf_fini(&b);
+	peer_end(rep, 2, KVR_MSG_FINISH, 31);
+	bus_quiet(r, 1);
+	uint32_t slot;
+	uint64_t gen;
+	cr_assert_eq(kvr_repl_rank_life(r[0], rk, &slot, &gen), 0);
+	pthread_mutex_lock(&rep->mu);
+	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, rk);
+	cr_assert(e, "no entry for the rank");
+	struct kvr_rank_life el = e->life;
+	uint64_t inc = e->incarnation;
+	pthread_mutex_unlock(&rep->mu);
+	cr_log_info("router life (%u, %lu); entry life (%u, %lu), incarnation %lu", slot,
+	            (unsigned long)gen, el.slot, (unsigned long)el.gen, (unsigned long)inc);
+	cr_expect(journaled(0, rk, 1, own),
+	          "the own attempt finished on the rank was not journaled");
+	cr_expect(journaled(0, rk, 5, 31),
+	          "the peer's attempt finished on the rank was not journaled");
+	bus_teardown(r, 1);
+}
