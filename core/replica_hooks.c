@@ -66,7 +66,7 @@ int kvr_repl_admit(struct kvr_router *r, struct kvr_repl_admission *m)
 	    .lora_seed = m->lora_seed,
 	    .overlap = m->overlap,
 	    .pend_blocks = n,
-	    .peer = true, /* its end is the origin's to tell (kvr_owner_ctx.on_rank_end) */
+	    .noted = false, /* a mirror: its end is the origin's to tell (on_rank_end) */
 	};
 	/* Posted like kvr_route's own admissions (waited for only with sync_booking): the lane is
 	 * FIFO, so the peer's later lifecycle calls for this attempt are applied after the

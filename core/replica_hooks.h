@@ -47,7 +47,10 @@ enum kvr_repl_rank_op {
 	KVR_REPL_RANK_RESET = 4,
 };
 
-/* Progress ops are enum kvr_progress_op (core/router_internal.h).  progressed's not_final: an
+/* Progress ops are enum kvr_progress_op (shards/owner.h); progressed also hears
+ * KVR_OP_EXPIRED and KVR_OP_RANK_ENDED (the shard's ends of own attempts, possibly before their
+ * admission), and KVR_OP_WITHDRAWN (an own attempt never admitted, whose end the shard tells:
+ * kvr_admit).  progressed's not_final: an
  * output call's last token is known not to be the final one (kvr_request_output_ex without
  * KVR_OUTPUT_FINAL), so the router counted its KV slot at once; false for every other call. */
 /* One life of a rank in a router: its slot and the slot's generation (bumped on every add and
@@ -138,15 +141,12 @@ static inline bool kvr_repl_attached(const struct kvr_router *r)
 	return __atomic_load_n(&r->repl, __ATOMIC_ACQUIRE) != NULL && !kvr_repl_applying;
 }
 
-/* Inline wrappers for the call sites: one acquire load when nothing is attached. */
+/* kvr_route's admission note, made only when kvr_repl_attached(r) was true before the booking
+ * was posted (kvr_admit_args.noted: core/route.c says why it is not read again here).  Context:
+ * the routing thread, outside an RCU read section or inside one (nested). */
 void kvr_repl_note_route_slow(struct kvr_router *r, const struct kvr_admit_args *a,
                               const struct kvr_decision *d, uint32_t expected_output);
-static inline void kvr_repl_note_route(struct kvr_router *r, const struct kvr_admit_args *a,
-                                       const struct kvr_decision *d, uint32_t expected_output)
-{
-	if (kvr_repl_attached(r))
-		kvr_repl_note_route_slow(r, a, d, expected_output);
-}
+/* Inline wrappers for the other call sites: one acquire load when nothing is attached. */
 static inline void kvr_repl_note_progress(struct kvr_router *r, uint64_t attempt, int op,
                                           const uint32_t *tokens, size_t n, bool not_final)
 {

@@ -650,6 +650,20 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			return 0;
 		}
 		size_t tail_n = q->tokens ? q->n_tokens % bs : 0;
+		/* Whether this admission is noted to replica sync, decided once, before the booking
+		 * is posted: the record carries it (kvr_admit_args.noted), the shard tells the
+		 * attempt's end (an expiry, a rank's end) only if so, and the note below is made
+		 * only if so.  So an attempt routed while nothing was attached tells no end (told,
+		 * it found no record on the sender and waited in its early set for its 60 s prune:
+		 * sync/replica_early.c; test_replica_early *_routed_before_attach_*), and one whose
+		 * admission is published always tells its end.  Not read again at the note: a
+		 * replica attached between the two would publish an admission whose end the
+		 * shard, its record saying `not noted`, never tells (a mirror live on every peer
+		 * for good).  A note made on this flag finds no hooks if the replica detached
+		 * since (kvr_repl_note_route_slow reads them under RCU); its end then reaches no
+		 * one, or a replica attached after that: an end with no admission, left to that
+		 * replica's early-set prune (a detach and an attach within one route's window). */
+		const bool noted = kvr_repl_attached(r);
 		struct kvr_admit_args a = {
 		    .slot = chosen.slot,
 		    .gen = chosen.gen,
@@ -663,6 +677,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 		    .lora_seed = seed,
 		    .overlap = chosen.overlap,
 		    .pend_blocks = nb - chosen.pinned, /* the request's new decode blocks there */
+		    .noted = noted,
 		};
 		const bool in_rec = rec != NULL; /* hashed into it (seq: the scratch copy) */
 		a.reserved = rec;
@@ -693,7 +708,7 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			return rc;
 		}
 		d->attempt = a.attempt;
-		if (in_rec && (note_copy || kvr_repl_attached(r))) {
+		if (noted && in_rec) {
 			/* The record is the shard's now (a stale booking frees it at once): the
 			 * note reads the copy kept while hashing (hashing again cost the attached
 			 * route 2.0-2.1 us at 8k tokens, bench_sync), or, attached meanwhile, the
@@ -704,7 +719,8 @@ int kvr_route_internal(struct kvr_router *r, const struct kvr_request *q, struct
 			a.local = tls.local;
 			a.seq = note_copy ? NULL : tls.seq; /* the note reads local only */
 		}
-		kvr_repl_note_route(r, &a, d, q->expected_output_tokens); /* replica sync */
+		if (noted) /* replica sync */
+			kvr_repl_note_route_slow(r, &a, d, q->expected_output_tokens);
 		kvr_metrics_add(mb, KVR_C_ROUTES, 1);
 		kvr_metrics_add(mb, KVR_C_ROUTED_BLOCKS, nb);
 		kvr_metrics_add(mb, KVR_C_PREDICTED_OVERLAP_BLOCKS, chosen.overlap);
@@ -760,8 +776,18 @@ int kvr_admit(struct kvr_router *r, struct kvr_admit_args *a, bool sync, bool fu
 			 * KVR_ESTALE), as a waited-for booking followed by that removal does; if
 			 * not, decide again, as the waited-for booking's KVR_ENOENT did (this one
 			 * is dropped, or made and torn down, and never returned). */
-			if (__atomic_fetch_add(&pub->gen, 0, __ATOMIC_SEQ_CST) != a->gen)
+			if (__atomic_fetch_add(&pub->gen, 0, __ATOMIC_SEQ_CST) != a->gen) {
+				/* Its kvr_route decides again and never notes this attempt, but the
+				 * shard, which alone can claim it, tells its end if it was to be
+				 * noted (a->noted): told with no admission, it waited in the
+				 * sender's early set for its 60 s prune.  The withdrawal pairs with
+				 * it there, whichever comes first (test_replica_early
+				 * a_sync_booking_route_that_decides_again_leaves_nothing_kept). */
+				if (a->noted)
+					kvr_repl_note_progress_slow(r, a->attempt, KVR_OP_WITHDRAWN,
+					                            NULL, 0, false);
 				return KVR_ENOENT; /* (an RMW: the latest generation, no fence) */
+			}
 			return 0;
 		}
 		kvr_owner_book_room_give(sh); /* not posted: the shard never takes it up */

@@ -166,7 +166,9 @@ struct kvr_router {
  * KVR_C_LANE_FULL_DROPS when it stays full); false: refused at once, counted in
  * KVR_C_LANE_FULL_REFUSALS (a frontend's admission pass, whose retry is the admission
  * thread's).
- * Returns 0; KVR_ENOENT (sync: the rank went away since the decision; nothing booked);
+ * Returns 0; KVR_ENOENT (sync: the rank went away since the decision; nothing booked, or a
+ * posted booking the shard drops or ends with the rank, noted as withdrawn if a->noted:
+ * KVR_OP_WITHDRAWN, so the caller must not note its admission);
  * KVR_EAGAIN (the lane stayed full for KVR_LANE_FULL_WAIT_NS, or was full and !full_wait, or
  * too many live attempts); KVR_ERANGE (attempt ids used up); KVR_ENOMEM; KVR_ESHUTDOWN.
  * Context: any thread but a shard's, outside a read section.

@@ -135,16 +135,18 @@ struct kvr_owner_ctx {
 	void *callback_ctx;
 	/* The lease reaper expired `attempt`, or its posted booking was dropped for memory and the
 	 * drop won its lease's claim (called on the shard thread, after the attempt ended; replica
-	 * sync tells the peers, as for an abort).  Not for an attempt booked for a peer replica
-	 * (kvr_admit_args.peer), whose origin tells its end.  NULL: nothing to tell. */
+	 * sync tells the peers, as for an abort).  Only for an attempt whose admission its router
+	 * noted to replica sync (kvr_admit_args.noted): not one booked for a peer replica, whose
+	 * origin tells its end, nor one routed while no replica was attached.  NULL: nothing to
+	 * tell. */
 	void (*on_expire)(void *ctx, uint64_t attempt);
 	void *expire_ctx;
 	/* The shard ended `attempt` because its rank's life ended (a removal, a reset, a new
 	 * incarnation: kvr_owner_end_all_attempts) or dropped its posted booking for the rank
 	 * gone, and won its lease's claim: no lifecycle call and no expiry will ever tell it.
-	 * Called on the shard thread, after the attempt ended, for this router's own attempts
-	 * only (not those booked for a peer replica: kvr_admit_args.peer, whose origin tells
-	 * their end).  ctx: expire_ctx.  NULL: nothing to tell. */
+	 * Called on the shard thread, after the attempt ended, only for an attempt whose admission
+	 * its router noted to replica sync (kvr_admit_args.noted).  ctx: expire_ctx.  NULL:
+	 * nothing to tell. */
 	void (*on_rank_end)(void *ctx, uint64_t attempt);
 	/* The shard lowered load by itself, in no call of the router's: a lease expiry, the end of
 	 * an attempt whose ending call's work never came, a booking dropped for memory, a decay
@@ -191,9 +193,13 @@ struct kvr_admit_args {
 	/* the reserved record holds the hashes already (written by the caller); local and seq
 	 * may then be copies elsewhere, read for nothing but the last sequence hash */
 	bool in_record;
-	/* booked for a peer replica's attempt (kvr_repl_admit): its end is not told from here
-	 * (kvr_owner_ctx.on_rank_end) */
-	bool peer;
+	/* Its admission is noted to replica sync, so the shard tells its end when it ends it
+	 * (kvr_owner_ctx.on_expire, on_rank_end).  Decided by the router before the booking is
+	 * posted, with the note (core/route.c says why): false for an attempt routed while no
+	 * replica was attached, whose end would find no record on the sender and wait in its
+	 * early set for nothing (sync/replica_early.c), and for a peer replica's attempt
+	 * (kvr_repl_admit), whose origin tells its end. */
+	bool noted;
 };
 
 struct kvr_attempt; /* the shard's record of an attempt (shards/owner_attempts.c) */
@@ -290,6 +296,13 @@ enum kvr_progress_op {
 	 * reach replica sync before the attempt's admission note (sync/replica_early.c); a
 	 * caller's end never can. */
 	KVR_OP_EXPIRED,
+	/* Only in a replica note, never posted to a shard: kvr_route gave up a noted attempt
+	 * after posting its booking (sync_booking: the rank's generation moved after the post,
+	 * kvr_admit's KVR_ENOENT; the route decides again), so its admission is never noted,
+	 * while the shard, which alone can claim its lease (nobody else has the id), tells its
+	 * end (KVR_OP_RANK_ENDED, or KVR_OP_EXPIRED) in either order with this note.  The sender
+	 * pairs the two in its early set (sync/replica_early.c). */
+	KVR_OP_WITHDRAWN,
 };
 
 /* Inline output tokens in a posted message; more go through a heap copy.  Six, so that the

@@ -274,7 +274,7 @@ void kvr_owner_attempt_fill(const struct kvr_owner_ctx *c, struct kvr_attempt *r
 	rec->last_seq = a->n > 0 ? a->seq[a->n - 1] : 0;
 	rec->lora_seed = a->lora_seed;
 	rec->chain_known = a->chain_known;
-	rec->peer = a->peer;
+	rec->noted = a->noted;
 	rec->in_prefill = true;
 	rec->pend_prefill_tokens = a->pend_prefill_tokens;
 	rec->pend_blocks = a->pend_blocks;
@@ -551,10 +551,13 @@ void kvr_owner_drop_owed(struct kvr_shard *sh, struct kvr_rank_owned *own)
  * expiry comes, so its record stayed on this replica and its mirror (with its load) on every
  * peer until the replica went (test_replica_ranks
  * attempts_ended_by_a_rank_removal_or_reset_leave_no_record).  A claim a caller won is told by
- * that caller's note; a peer's attempt by its origin. */
-static void tell_rank_end(const struct kvr_owner_ctx *c, uint64_t attempt, bool won, bool peer)
+ * that caller's note; a peer's attempt by its origin; an attempt whose admission was never
+ * noted (routed while no replica was attached: kvr_admit_args.noted) by nobody, since no peer
+ * ever saw it (told, it waited in the sender's early set for its 60 s prune: test_replica_early
+ * rank_ends_of_attempts_routed_before_attach_are_not_kept). */
+static void tell_rank_end(const struct kvr_owner_ctx *c, uint64_t attempt, bool won, bool noted)
 {
-	if (won && !peer && c->on_rank_end)
+	if (won && noted && c->on_rank_end)
 		c->on_rank_end(c->expire_ctx, attempt);
 }
 
@@ -564,10 +567,11 @@ static void tell_rank_end(const struct kvr_owner_ctx *c, uint64_t attempt, bool 
  * Only when this drop won the claim: a caller's finish or abort that won it was noted by that
  * caller, and a second end note reached the sender with no record left, to sit in its early set
  * (sync/replica_early.c) for 60 s; and not for a peer's attempt, whose end its origin tells
- * (test_owner_attempts a_booking_dropped_for_memory_tells_one_end_and_none_for_a_mirror). */
-static void tell_dropped(const struct kvr_owner_ctx *c, uint64_t attempt, bool won, bool peer)
+ * (test_owner_attempts a_booking_dropped_for_memory_tells_one_end_and_none_for_a_mirror); nor
+ * for one whose admission was never noted (kvr_admit_args.noted). */
+static void tell_dropped(const struct kvr_owner_ctx *c, uint64_t attempt, bool won, bool noted)
 {
-	if (won && !peer && c->on_expire)
+	if (won && noted && c->on_expire)
 		c->on_expire(c->expire_ctx, attempt);
 }
 
@@ -577,11 +581,11 @@ void kvr_owner_end_all_attempts(struct kvr_shard *sh, struct kvr_rank_owned *own
 	while (own->attempts) {
 		struct kvr_attempt *rec = own->attempts;
 		uint64_t attempt = rec->attempt; /* rec is recycled by end_attempt */
-		bool peer = rec->peer;
+		bool noted = rec->noted;
 		/* lost if a caller claimed first: fine, its call ends the attempt */
 		bool won = kvr_lease_claim(c->leases, attempt) == 0;
 		end_attempt(sh, rec, false);
-		tell_rank_end(c, attempt, won, peer);
+		tell_rank_end(c, attempt, won, noted);
 	}
 }
 
@@ -635,12 +639,14 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bo
 	if (!own) {
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_STALE_BOOKINGS, 1);
 		uint64_t attempt = rec->attempt;
-		bool peer = rec->peer;
+		bool noted = rec->noted;
 		bool won = drop_booking(ss, rec);
-		/* A posted booking: kvr_route returned the attempt and noted it; a waited one
-		 * (kvr_owner_book_call) fails its kvr_admit instead, noted nowhere. */
+		/* A posted booking: kvr_route returned the attempt and noted it, or (sync_booking,
+		 * the rank's generation moved after the post) noted it withdrawn, which pairs with
+		 * this end (core/route.c, kvr_admit); a waited one (kvr_owner_book_call) fails its
+		 * kvr_admit instead, noted nowhere. */
 		if (posted)
-			tell_rank_end(c, attempt, won, peer);
+			tell_rank_end(c, attempt, won, noted);
 		return KVR_ENOENT;
 	}
 	uint32_t bs = c->block_size;
@@ -651,10 +657,10 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bo
 	if (track(ss, rec)) {
 		kvr_metrics_add(kvr_owner_mb(c), KVR_C_SHARD_INDEX_WRITE_ERRORS, 1);
 		uint64_t attempt = rec->attempt;
-		bool peer = rec->peer;
+		bool noted = rec->noted;
 		bool won = drop_booking(ss, rec);
 		if (posted)
-			tell_dropped(c, attempt, won, peer);
+			tell_dropped(c, attempt, won, noted);
 		return KVR_ENOMEM;
 	}
 	kvr_owner_wake_reaper(sh);
@@ -670,10 +676,10 @@ static int book(struct kvr_shard *sh, struct kvr_attempt *rec, bool deferred, bo
 		if (!deferred) {
 			untrack(ss, rec);
 			uint64_t attempt = rec->attempt;
-			bool peer = rec->peer;
+			bool noted = rec->noted;
 			bool won = drop_booking(ss, rec);
 			if (posted)
-				tell_dropped(c, attempt, won, peer);
+				tell_dropped(c, attempt, won, noted);
 			return KVR_ENOMEM;
 		}
 		rec->load_missing = true;
@@ -937,15 +943,16 @@ void kvr_owner_reaper_fire(struct kvr_shard *sh, void *arg)
 		int st = kvr_lease_age(c->leases, rec->attempt);
 		if (st == KVR_LEASE_CLAIMED) {
 			uint64_t attempt = rec->attempt; /* rec is recycled by end_attempt */
-			bool peer = rec->peer;
+			bool noted = rec->noted;
 			KVR_PROBE2(lease_expire, rec->slot, attempt);
 			kvr_metrics_add(kvr_owner_mb(c), KVR_C_LEASE_EXPIRIES, 1);
 			end_attempt(sh, rec, true);
 			ended = true;
-			/* A mirror's end is its origin's to tell: told, its local id was no record
-			 * of the replica layer's and sat in its early set (sync/replica_early.c).
-			 */
-			if (c->on_expire && !peer)
+			/* A mirror's end is its origin's to tell, and an attempt whose admission
+			 * was never noted has none to tell: told, its id was no record of the
+			 * replica layer's and sat in its early set (sync/replica_early.c;
+			 * test_replica_early expiries_of_attempts_routed_before_attach_*). */
+			if (c->on_expire && noted)
 				c->on_expire(c->expire_ctx, attempt);
 		} else if (st == 0) {
 			/* A caller claimed it and its finish/abort message has not come (still

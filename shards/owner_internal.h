@@ -25,11 +25,11 @@ struct kvr_attempt {
 	uint32_t tail_n;   /* tokens of the partial block (KV computed) */
 	uint32_t pending;  /* the last output token reported: no KV until a later one comes */
 	uint32_t overlap;  /* predicted cached prefix at the decision */
-	/* kvr_admit_args.peer.  Here, in the padding before prompt_tokens: after the bools it
-	 * grew the record from 128 bytes (two lines, tail[] on a line's start) to 136, and
-	 * kvr_route's p50 by 8-10 % (bench_route --lengths 2048 --shards 1 --threads-max 1
-	 * --cpus 1: 1412-1492 ns against 1272-1312). */
-	bool peer;
+	/* kvr_admit_args.noted.  Here, in the padding before prompt_tokens: after the bools it
+	 * (as `peer`, which it replaced) grew the record from 128 bytes (two lines, tail[] on a
+	 * line's start) to 136, and kvr_route's p50 by 8-10 % (bench_route --lengths 2048
+	 * --shards 1 --threads-max 1 --cpus 1: 1412-1492 ns against 1272-1312). */
+	bool noted;
 	uint64_t prompt_tokens;
 	size_t size; /* bytes allocated for this record */
 	bool has_last;

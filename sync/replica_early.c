@@ -13,17 +13,31 @@
  * good.  So the end is remembered here and the admission, when it comes, takes it out and is not
  * published.
  *
+ * A withdrawal.  A sync_booking route whose posted booking found the rank's generation moved
+ * (kvr_admit's KVR_ENOENT after the post) decides again and never notes that attempt, while
+ * the shard, which alone can claim it, tells its end.  The routing thread notes the withdrawal
+ * (KVR_OP_WITHDRAWN) instead of an admission, and whichever of the two comes first waits here
+ * for the other (kvr_rep_early_pair: an entry taken if there, else put): an attempt is either
+ * admitted or withdrawn, never both, and has one end told, so an entry is only ever taken by
+ * its own pair.  Before, the end waited here for an admission that never came, until the prune
+ * (test_replica_early a_sync_booking_route_that_decides_again_leaves_nothing_kept).
+ *
  * How many can be pending.  One per routing thread at most (a thread is in that window for one
  * route at a time), and routing threads are the embedder's: there is no bound to size a table
- * by.  Only ends the shard tells land here (KVR_OP_EXPIRED, KVR_OP_RANK_ENDED): a caller's
- * finish or abort is noted after its admission's note (out_progress), so with no record it is
- * dropped.  What else lands here, never to be taken out: the shard's ends of attempts admitted
- * before attach, and of attempts whose admission note was lost (no memory, a full ring:
- * out_dropped, unpublished).  A caller's ends of attempts admitted before attach used to land
- * here too (a review's probe: 500 entries), and lease expiries of mirrors (the reaper told the
- * local attempt id, which is no own record).  The previous 64-entry ring let such leftovers
- * push a pending end out unseen, and its admission then went out with no end
- * (test_replica_hooks early_ends_overflow: 136 of 200 live on the peer).
+ * by.  Only ends the shard tells land here (KVR_OP_EXPIRED, KVR_OP_RANK_ENDED), and
+ * withdrawals: a caller's finish or abort is noted after its admission's note (out_progress),
+ * so with no record it is dropped.  The shard tells an end only for an attempt whose admission
+ * its router noted, or will (kvr_admit_args.noted, decided before the booking is posted:
+ * core/route.c), so the ends of attempts routed before attach no longer land here either
+ * (they did, one per attempt live at the attach: test_replica_early
+ * *_routed_before_attach_are_not_kept).  What still lands here, never to be taken out: the
+ * shard's ends of attempts whose admission note was lost (no memory, a full ring:
+ * out_dropped, unpublished), and of attempts noted to a replica that detached, when another
+ * attached before their end (core/route.c, `noted`).  A caller's ends of attempts admitted
+ * before attach used to land here too (a review's probe: 500 entries), and lease expiries of
+ * mirrors (the reaper told the local attempt id, which is no own record).  The previous
+ * 64-entry ring let such leftovers push a pending end out unseen, and its admission then went
+ * out with no end (test_replica_hooks early_ends_overflow: 136 of 200 live on the peer).
  *
  * So: an open-addressing set (linear probing, backward-shift deletion, load at most one half)
  * that grows instead of overwriting.  Entries older than EARLY_KEEP_NS are dropped only when
@@ -164,6 +178,12 @@ void kvr_rep_early_add(struct kvr_replica *rep, uint64_t a, uint64_t now)
 	}
 	put(rep->early, rep->early_cap, a, now);
 	rep->early_n++;
+}
+
+void kvr_rep_early_pair(struct kvr_replica *rep, uint64_t a, uint64_t now)
+{
+	if (!kvr_rep_early_take(rep, a))
+		kvr_rep_early_add(rep, a, now);
 }
 
 bool kvr_rep_early_take(struct kvr_replica *rep, uint64_t a)

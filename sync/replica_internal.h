@@ -90,10 +90,11 @@ struct kvr_rep_kept {
  * an end lost then would leave its attempt mirrored on every peer for good. */
 #define KEPT_SPARE 64 /* at most 64: one bit each in kept_spare_free */
 
-/* An own attempt whose end came before its admission (sync/replica_early.c). */
+/* An own attempt whose end came before its admission, or whose withdrawal (KVR_OP_WITHDRAWN)
+ * came before its end (sync/replica_early.c). */
 struct kvr_rep_early {
 	uint64_t a;  /* the attempt; 0: an empty slot */
-	uint64_t ns; /* when its end was handled (CLOCK_MONOTONIC) */
+	uint64_t ns; /* when it was handled (CLOCK_MONOTONIC) */
 };
 
 /* A rank change's version (sync/replica_ranks.c): a hybrid logical clock (wall-clock ns, or
@@ -415,6 +416,10 @@ void kvr_rep_early_fini(struct kvr_replica *rep);
 void kvr_rep_early_add(struct kvr_replica *rep, uint64_t a, uint64_t now);
 /* Whether own attempt a ended already; forgets it.  Context: mu held. */
 bool kvr_rep_early_take(struct kvr_replica *rep, uint64_t a);
+/* One of the two notes of an own attempt that is never admitted (its end with no record, or
+ * its withdrawal, KVR_OP_WITHDRAWN): the other is taken out if it came first, else this one
+ * waits for it.  Context: mu held. */
+void kvr_rep_early_pair(struct kvr_replica *rep, uint64_t a, uint64_t now);
 
 /* ---------------------------------------------------------------- sync/replica_out.c */
 

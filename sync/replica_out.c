@@ -317,6 +317,10 @@ static void send_output(struct kvr_replica *rep, uint64_t attempt, const uint32_
 static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, const uint32_t *tokens,
                          size_t n, bool not_final)
 {
+	if (op == KVR_OP_WITHDRAWN) { /* never admitted: it pairs with its end (replica_early.c) */
+		kvr_rep_early_pair(rep, attempt, kvr_rep_mono_ns());
+		return;
+	}
 	struct kvr_rep_rec *x = kvr_rep_map_find(rep, rep->c.replica_id, attempt);
 	if (!x) {
 		/* An end told by the shard (an expiry, a rank's end) may come before the
@@ -327,9 +331,11 @@ static void out_progress(struct kvr_replica *rep, uint64_t attempt, int op, cons
 		 * was never noted (the attempt was admitted before this replica attached: peers
 		 * never saw it) or made no record (lost, counted unpublished): nothing to end, and
 		 * nothing will take it out of the set, where it sat until the 60 s prune
-		 * (test_replica_hooks ends_of_attempts_admitted_before_attach_are_not_kept). */
+		 * (test_replica_hooks ends_of_attempts_admitted_before_attach_are_not_kept).  A
+		 * shard's end with no record may also be that of a withdrawn attempt, whose
+		 * withdrawal came first: paired, it is taken out. */
 		if (op == KVR_OP_EXPIRED || op == KVR_OP_RANK_ENDED)
-			kvr_rep_early_add(rep, attempt, kvr_rep_mono_ns());
+			kvr_rep_early_pair(rep, attempt, kvr_rep_mono_ns());
 		return;
 	}
 	switch (op) {
