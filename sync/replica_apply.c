@@ -198,8 +198,7 @@ void kvr_rep_apply_attempt(struct kvr_replica *rep, const struct kvr_wmsg *m)
 	 * could be missed.  A change made here just before the booking whose note the sender has
 	 * yet to take drops the attempt's blocks from the journal too: a prediction missing, never
 	 * one of blocks nobody holds. */
-	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, x->rank);
-	x->jmark = e ? e->jmark : 0;
+	x->jmark = rep->jmarks;
 	struct kvr_rep_rec *old = ghost ? NULL : kvr_rep_map_find(rep, x->origin, x->oattempt);
 	bool other_life = old && old->oepoch != x->oepoch;
 	if (other_life) {

@@ -56,8 +56,9 @@ struct kvr_rep_rec {
 	uint64_t origin, oepoch, oattempt, local;
 	struct kvr_rank_id rank;
 	uint64_t incarnation, prompt_tokens, lora_seed, fin_no, fin_ns;
-	/* A peer's attempt: its rank entry's journal mark (kvr_rep_rank.jmark) read before it was
-	 * booked here; ended after a clear of that journal, it joins none (kvr_rep_journal_add). */
+	/* rep->jmarks when it was booked here (a peer's: read before the booking) or its admission
+	 * taken by the sender (an own): ended after a clear of its rank's journal, it joins none
+	 * (kvr_rep_journal_add). */
 	uint64_t jmark;
 	uint32_t overlap, expected, n_blocks, tail_n, n_out, out_cap;
 	bool chain_known, prefilled;
@@ -118,8 +119,8 @@ struct kvr_rep_rank {
 	uint32_t mbt;
 	struct kvr_rep_rec *jhead, *jtail; /* finished attempts, oldest first */
 	uint64_t jblocks;
-	/* Changes on every journal clear (a reset, a new incarnation) and at the entry's making:
-	 * taken from rep->jmarks, so no two marks of any entry are the same. */
+	/* rep->jmarks after the journal's last clear (a reset, a new incarnation) or the entry's
+	 * making for a rank back from a tombstone (0: neither, the rank's first life here). */
 	uint64_t jmark;
 	/* The version of the change that made the entry what it is (an add, a capacity change, a
 	 * reset, a removal), and of the last reset ({0, 0}: none).  The reset has its own: told
@@ -219,7 +220,7 @@ struct kvr_replica {
 	 * keeping it: an outage left open by a resync that found nobody (a lone replica) is
 	 * re-announced whole at the first reconnect that has peers, again to any that heard it. */
 	uint64_t fin_no, outage_ns;
-	uint64_t jmarks;     /* the last journal mark handed out (kvr_rep_rank.jmark) */
+	uint64_t jmarks;     /* journal clears so far, of every rank (kvr_rep_rank.jmark) */
 	uint64_t rank_clock; /* the highest rank version clock made or seen */
 	/* When a peer's message was last handled (0: never), and what that was when the last
 	 * disconnect was seen: when this replica last heard the cluster before its own outage,

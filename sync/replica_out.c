@@ -235,6 +235,7 @@ static bool sender_pause(struct kvr_replica *rep, int *tries)
  * sync/replica_early.c says how). */
 static void out_admit(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
+	x->jmark = rep->jmarks; /* in the notes' order: before a later change's clear */
 	if (kvr_rep_early_take(rep, x->oattempt)) {
 		kvr_rep_rec_free(x);
 		return;

@@ -318,10 +318,10 @@ struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_i
 	e = &rep->ranks[rep->n_ranks++];
 	memset(e, 0, sizeof(*e));
 	e->id = id;
-	e->jmark = ++rep->jmarks;
 	e->capacity = KVR_CAPACITY_NONE;
 	const struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
 	if (t) { /* the rank is back: the caller sets the version that says so */
+		e->jmark = ++rep->jmarks; /* a new life: what was booked before ran on the old */
 		e->ver = t->ver;
 		e->reset_ver = t->reset_ver;
 		e->incarnation = t->incarnation;
@@ -407,7 +407,7 @@ void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 
 void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e)
 {
-	e->jmark = ++rep->jmarks; /* the attempts mirrored before ran on what goes now */
+	e->jmark = ++rep->jmarks; /* the attempts booked before ran on what goes now */
 	for (struct kvr_rep_rec *x = e->jhead, *nx; x; x = nx) {
 		nx = x->next;
 		kvr_rep_rec_free(x);
@@ -433,15 +433,16 @@ static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_r
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 {
 	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, x->rank);
-	/* A peer's attempt mirrored before the journal's last clear (a reset, a new incarnation,
-	 * the rank removed and back) ran on blocks that clear dropped: it joining now would serve
-	 * joiners blocks nobody holds (test_replica_ranks
-	 * a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_it,
-	 * a_mirror_ended_by_a_reset_made_here_is_not_journaled and the two after it).  An own
-	 * attempt needs no mark: its end is noted before the change that would end it
-	 * (sync/replica_out.c, out_rank_ended), and one admitted after a change may be noted before
-	 * the change is. */
-	if (!e || (x->origin != rep->c.replica_id && x->jmark != e->jmark)) {
+	/* An attempt booked before the journal's last clear (a reset, a new incarnation, the rank
+	 * removed and back) ran on blocks that clear dropped: it joining now would serve joiners
+	 * blocks nobody holds.  A peer's end can come after the change (an ABORT a stale-dropped
+	 * booking told, with no order against the rank's notes; a change made here), and so can an
+	 * own finish, noted after the lease's claim with no order against another thread's change
+	 * (test_replica_ranks a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_it, the
+	 * three a_mirror_ended_by_*_made_here and an_own_finish_noted_after_*).  An attempt booked
+	 * on the change's side whose mark was read before the change's note came is dropped too: a
+	 * prediction missing, never one of blocks nobody holds. */
+	if (!e || e->jmark > x->jmark) {
 		kvr_rep_rec_free(x);
 		return;
 	}

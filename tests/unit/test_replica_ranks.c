@@ -1486,8 +1486,15 @@ Test(replica_ranks, a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_
 	struct kvr_config g;
 	kvr_router_get_config(r[0], &g);
 	const struct kvr_rank_id rk = {1, 0};
+	/* Ahead of every own version (the wall clock's ns, or past the last), also of those the
+	 * replica makes after this read: its entries' first versions may come after it. */
+	struct timespec now;
+	clock_gettime(CLOCK_REALTIME, &now);
 	pthread_mutex_lock(&rep->mu);
-	uint64_t clock = rep->rank_clock + 1000;
+	uint64_t clock = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
+	if (rep->rank_clock > clock)
+		clock = rep->rank_clock;
+	clock += 60000000000ull;
 	pthread_mutex_unlock(&rep->mu);
 	uint64_t seq = 0;
 	struct kvr_msg_buf b = {0};
@@ -1519,7 +1526,8 @@ Test(replica_ranks, a_mirror_ended_after_its_ranks_new_life_is_not_journaled_in_
 	struct kvr_sync_stats st;
 	kvr_replica_get_stats(rep, &st);
 	cr_assert_eq(st.mirrored, 0, "%u mirrors left", (unsigned)st.mirrored);
-	cr_assert_eq(st.orphans, 0, "%lu ends found no mirror", (unsigned long)st.orphans);
+	cr_assert_eq(st.orphans, 0, "%lu ends found no mirror (%lu admissions refused)",
+	             (unsigned long)st.orphans, (unsigned long)st.refused);
 	cr_expect(!journaled(0, rk, 5, 11), "the old life's finished attempt survived the removal");
 	cr_expect(!journaled(0, rk, 5, 12), "the old life's attempt joined the new life's journal");
 	cr_expect(journaled(0, rk, 5, 13), "the new life's finished attempt was not journaled");
@@ -1617,9 +1625,12 @@ static void gated_rank_changed(void *ctx, int op, struct kvr_rank_id rank, uint6
 	gate.orig->rank_changed(ctx, op, rank, inc, cap, mbt, life);
 }
 
+static uint64_t gated_worker = 1; /* the worker gated_add adds */
+
 static void *gated_add(void *arg)
 {
-	return (void *)(intptr_t)kvr_rank_add(arg, (struct kvr_rank_id){1, 0}, 7, 1000, 4096);
+	return (void *)(intptr_t)kvr_rank_add(arg, (struct kvr_rank_id){gated_worker, 0}, 7, 1000,
+	                                      4096);
 }
 
 /* One thread adds rank 1 (its note held), another removes it and adds it back (same
@@ -1685,4 +1696,251 @@ Test(replica_ranks, a_late_own_add_note_does_not_keep_finished_attempts_out_of_t
 	cr_expect(journaled(0, rk, 5, 31),
 	          "the peer's attempt finished on the rank was not journaled");
 	bus_teardown(r, 1);
+}
+
+/* (The review's probe of the second version of this fix, which read the mark of the rank's
+ * entry: one not made yet read 0, and every entry's making took a new mark.)  A new worker:
+ * this router adds rank 9 (its ADD note held in the hook, as a preempted adder's is, or just
+ * not yet taken by the sender), and a peer's admission on the rank arrives meanwhile; it is
+ * booked on the rank's only life, which the note then names.  Finished after, it must join the
+ * journal: no clear of the journal came between its booking and its end.  (A rank removed
+ * here before and added back is another matter: its entry, made from the tombstone, is a new
+ * life, and a mirror booked on it before the ADD's note came joins no journal: a prediction
+ * missing, kvr_rep_journal_add.) */
+Test(replica_ranks, a_mirror_booked_on_a_new_rank_before_its_add_note_is_journaled, .timeout = 60)
+{
+	struct kvr_router *r[1];
+	bus_start(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	const struct kvr_rank_id rk = {9, 0};
+	gated_worker = rk.worker_id;
+	gate.orig = __atomic_load_n(&r[0]->repl, __ATOMIC_ACQUIRE);
+	cr_assert(gate.orig);
+	gate.wrap = *gate.orig;
+	gate.wrap.rank_changed = gated_rank_changed;
+	gate.held = gate.release = false;
+	__atomic_store_n(&r[0]->repl, &gate.wrap, __ATOMIC_RELEASE);
+	gate.hold_add = true;
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, gated_add, r[0]), 0);
+	pthread_mutex_lock(&gate.mu);
+	while (!gate.held)
+		pthread_cond_wait(&gate.cv, &gate.mu);
+	pthread_mutex_unlock(&gate.mu);
+	cr_assert(has_rank(r[0], rk.worker_id));
+	struct kvr_config g;
+	kvr_router_get_config(r[0], &g);
+	struct kvr_msg_buf b = {0};
+	kvr_test_put_attempt(&b, KVR_MSG_ADMIT, 5, 100, 1, 41, rk.worker_id, 7, 41, g.block_size);
+	cr_assert(!b.oom);
+	kvr_replica_deliver(rep, b.p, b.len, NULL);
+	kvr_msg_buf_fini(&b);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.mirrored, 1, "the admission was not booked (%u)", (unsigned)st.mirrored);
+	pthread_mutex_lock(&gate.mu);
+	gate.release = true;
+	pthread_cond_broadcast(&gate.cv);
+	pthread_mutex_unlock(&gate.mu);
+	void *rc;
+	cr_assert_eq(pthread_join(t, &rc), 0);
+	cr_assert_eq((intptr_t)rc, 0);
+	__atomic_store_n(&r[0]->repl, gate.orig, __ATOMIC_RELEASE);
+	bus_quiet(r, 1);
+	peer_end(rep, 2, KVR_MSG_FINISH, 41);
+	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
+	bus_quiet(r, 1);
+	kvr_replica_get_stats(rep, &st);
+	cr_assert_eq(st.mirrored, 0);
+	cr_expect(journaled(0, rk, 5, 41),
+	          "a mirror booked on the rank's only life and finished there was not journaled");
+	bus_teardown(r, 1);
+}
+
+/* (The review's probe.)  A joiner: the snapshot's ranks, then their journals (ghosts)
+ * and the live attempts; the live one finishing after must join the joiner's journal, as the
+ * ghost did. */
+Test(replica_ranks, a_joiners_mirrors_finished_after_the_snapshot_are_journaled, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 1);
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t done = route_on(r[0], rk, 811);
+	cr_assert_eq(kvr_request_finish(r[0], done), 0);
+	uint64_t live = route_on(r[0], rk, 812);
+	bus_quiet(r, 1);
+	r[1] = make();
+	bus_attach(1, r[1]);
+	bus_quiet(r, 2);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 1, "the joiner mirrors %u", (unsigned)st.mirrored);
+	cr_assert_eq(kvr_request_finish(r[0], live), 0);
+	bus_quiet(r, 2);
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 0);
+	cr_expect(journaled(1, rk, 1, done), "the ghost was not journaled on the joiner");
+	cr_expect(journaled(1, rk, 1, live),
+	          "the live attempt finished after the snapshot was not journaled on the joiner");
+	bus_teardown(r, 2);
+}
+
+/* (The review's probe of the second version of this fix, which exempted own attempts, saying
+ * an own attempt's end is noted before the change that would end it; main had it too.)  A
+ * caller's finish is noted after its lease claim and
+ * post (core/lifecycle.c), with nothing ordering that note against another thread's reset
+ * note: the finishing thread preempted between its post and its note (the gate holds the
+ * FINISH note in the hook), the reset (rank's blocks dropped) is noted first and clears the
+ * journal; the finish then joins the journal of the rank's new life with blocks nobody holds,
+ * and a joiner served by this replica predicts them. */
+static struct {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	uint64_t hold;
+	bool held, release;
+	struct kvr_repl_hooks *orig;
+	struct kvr_repl_hooks wrap;
+} pgate = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void gated_progressed(void *ctx, uint64_t attempt, int op, const uint32_t *tokens, size_t n,
+                             bool not_final)
+{
+	pthread_mutex_lock(&pgate.mu);
+	if (op == KVR_OP_FINISH && attempt == pgate.hold) {
+		pgate.hold = 0;
+		pgate.held = true;
+		pthread_cond_broadcast(&pgate.cv);
+		while (!pgate.release)
+			pthread_cond_wait(&pgate.cv, &pgate.mu);
+	}
+	pthread_mutex_unlock(&pgate.mu);
+	pgate.orig->progressed(ctx, attempt, op, tokens, n, not_final);
+}
+
+struct finish_arg {
+	struct kvr_router *r;
+	uint64_t attempt;
+};
+
+static void *gated_finish(void *arg)
+{
+	struct finish_arg *f = arg;
+	return (void *)(intptr_t)kvr_request_finish(f->r, f->attempt);
+}
+
+/* how: 0 a reset keeping the incarnation, 1 the rank removed and added back. */
+static void own_finish_noted_after(int how)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 1);
+	struct kvr_replica *rep = bus.rep[0];
+	const struct kvr_rank_id rk = {1, 0};
+	uint64_t own = route_on(r[0], rk, 950);
+	bus_quiet(r, 1);
+	pgate.orig = __atomic_load_n(&r[0]->repl, __ATOMIC_ACQUIRE);
+	cr_assert(pgate.orig);
+	pgate.wrap = *pgate.orig;
+	pgate.wrap.progressed = gated_progressed;
+	pgate.hold = own;
+	__atomic_store_n(&r[0]->repl, &pgate.wrap, __ATOMIC_RELEASE);
+	struct finish_arg fa = {r[0], own};
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, gated_finish, &fa), 0);
+	pthread_mutex_lock(&pgate.mu);
+	while (!pgate.held)
+		pthread_cond_wait(&pgate.cv, &pgate.mu);
+	pthread_mutex_unlock(&pgate.mu);
+	pthread_mutex_lock(&rep->mu);
+	const uint64_t ver0 = kvr_rep_rank_find(rep, rk)->ver.clock;
+	pthread_mutex_unlock(&rep->mu);
+	if (how == 0) {
+		cr_assert_eq(kvr_rank_reset(r[0], rk, 7), 0);
+	} else {
+		cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
+		cr_assert_eq(kvr_rank_add(r[0], rk, 7, 1000, 4096), 0);
+	}
+	/* the change's notes taken by the sender (the entry's journal cleared or made anew) */
+	bool reset_seen = false;
+	for (int i = 0; i < 500 && !reset_seen; i++) {
+		pthread_mutex_lock(&rep->mu);
+		const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, rk);
+		reset_seen = e && e->ver.clock != ver0;
+		pthread_mutex_unlock(&rep->mu);
+		if (!reset_seen)
+			nanosleep(&(struct timespec){0, 10000000}, NULL);
+	}
+	cr_assert(reset_seen, "the change's notes never reached the table");
+	pthread_mutex_lock(&pgate.mu);
+	pgate.release = true;
+	pthread_cond_broadcast(&pgate.cv);
+	pthread_mutex_unlock(&pgate.mu);
+	void *rc;
+	cr_assert_eq(pthread_join(t, &rc), 0);
+	cr_assert_eq((intptr_t)rc, 0, "the finish lost to the reset (%d)", (int)(intptr_t)rc);
+	__atomic_store_n(&r[0]->repl, pgate.orig, __ATOMIC_RELEASE);
+	bus_quiet(r, 1);
+	size_t here = n_blocks(r[0], rk);
+	bool in_journal = journaled(0, rk, 1, own);
+	r[1] = make();
+	bus_attach(1, r[1]);
+	bus_quiet(r, 2);
+	size_t joiner = n_blocks(r[1], rk);
+	cr_log_info("how %d: blocks: router %zu, joiner %zu; journaled: %d", how, here, joiner,
+	            in_journal);
+	cr_expect(!in_journal,
+	          "how %d: the own attempt finished on the rank's old life joined the "
+	          "journal of its life after the change",
+	          how);
+	cr_expect_eq(joiner, here,
+	             "how %d: the joiner predicts %zu blocks on the rank, the router %zu", how,
+	             joiner, here);
+	bus_teardown(r, 2);
+}
+
+Test(replica_ranks, an_own_finish_noted_after_a_reset_is_not_journaled, .timeout = 60)
+{
+	own_finish_noted_after(0);
+}
+
+Test(replica_ranks, an_own_finish_noted_after_a_removal_and_readd_is_not_journaled, .timeout = 60)
+{
+	own_finish_noted_after(1);
+}
+
+/* (The review's probe.)  A resync (reconnect: a snapshot from a peer that lists the
+ * rank as its add and its last reset, heard here already) and the origin's re-announce after
+ * its own outage must not clear the journal under the mirrors: a live mirror finished after
+ * them is journaled. */
+Test(replica_ranks, mirrors_finished_after_a_resync_and_a_reannounce_are_journaled, .timeout = 60)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	const struct kvr_rank_id rk = {1, 0};
+	cr_assert_eq(kvr_rank_reset(r[0], rk, 7), 0);
+	cr_assert_eq(kvr_rank_set_capacity(r[0], rk, 7, 900), 0);
+	bus_quiet(r, 2);
+	uint64_t a = route_on(r[0], rk, 971), b2 = route_on(r[0], rk, 972);
+	bus_quiet(r, 2);
+	struct kvr_sync_stats st;
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 2);
+	kvr_replica_reconnected(bus.rep[1]);
+	wait_snapshots(1, st.snapshots_applied + 1);
+	bus_quiet(r, 2);
+	cr_assert_eq(kvr_request_finish(r[0], a), 0);
+	bus_quiet(r, 2);
+	kvr_replica_disconnected(bus.rep[0]);
+	kvr_replica_reconnected(bus.rep[0]);
+	bus_quiet(r, 2);
+	nanosleep(&(struct timespec){0, 100000000}, NULL);
+	bus_quiet(r, 2);
+	cr_assert_eq(kvr_request_finish(r[0], b2), 0);
+	bus_quiet(r, 2);
+	kvr_replica_get_stats(bus.rep[1], &st);
+	cr_assert_eq(st.mirrored, 0, "%u mirrors left", (unsigned)st.mirrored);
+	cr_expect(journaled(1, rk, 1, a), "the mirror finished after the resync was not journaled");
+	cr_expect(journaled(1, rk, 1, b2),
+	          "the mirror finished after the origin's re-announce was not journaled");
+	bus_teardown(r, 2);
 }
