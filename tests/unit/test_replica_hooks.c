@@ -708,3 +708,75 @@ Test(replica_hooks, journal_budget_does_not_wrap, .timeout = 60)
 	cr_assert_eq(n, 3, "the journal keeps %d of 3 finished attempts", n);
 	bus_teardown(r, 1);
 }
+
+static uint64_t active_on_rank(struct kvr_router *r, struct kvr_rank_id rk)
+{
+	struct kvr_rank_stats s;
+	cr_assert_eq(kvr_rank_get_stats(r, rk, &s), 0);
+	return s.active_requests;
+}
+
+static int route_seeded(struct kvr_router *r, uint32_t seed, size_t n, struct kvr_decision *d)
+{
+	static uint32_t t[4096];
+	cr_assert(n <= 4096);
+	for (size_t j = 0; j < n; j++)
+		t[j] = seed * 1000003u + (uint32_t)j;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.expected_output_tokens = 64;
+	return kvr_route(r, &q, d);
+}
+
+/* An own queued request admitted by a queue pass that a peer's change runs on the replica's
+ * apply thread (kvr_rank_add pumps the queue: core/ranks.c; so do a mirror's finish and abort
+ * with sync_booking) is published like any other: the pass routes this router's own requests,
+ * and kvr_repl_applying, set on that thread for the peer's change, made kvr_route decide not to
+ * note them; no peer carried that load (the review's probe: 0 active on the peer, 1 on the
+ * origin). */
+Test(replica_hooks, a_queued_request_admitted_by_a_peers_rank_add_is_mirrored, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.sync_booking = true;
+	c.queue_threshold = 1.0;
+	cr_assert_eq(kvr_router_create(&c, &r[0]), 0);
+	struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	cr_assert_eq(kvr_rank_add(r[0], a, 7, 100000, 1000), 0);
+	bus_attach(0, r[0]);
+	r[1] = make();
+	bus_attach(1, r[1]);
+	bus_quiet(r, 2);
+	/* Rank a saturated (2000 prefill tokens > 1.0 * 1000): the next request queues. */
+	struct kvr_decision d0, d1;
+	cr_assert_eq(route_seeded(r[0], 1, 2000, &d0), 0);
+	cr_assert_eq(d0.status, KVR_DECIDED);
+	cr_assert_eq(route_seeded(r[0], 2, 64, &d1), 0);
+	cr_assert_eq(d1.status, KVR_QUEUED, "status %d", (int)d1.status);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_on_rank(r[1], a), 1, "the first request is mirrored (control)");
+	/* The peer adds rank b; r[0]'s apply thread adds it there and pumps the queue. */
+	cr_assert_eq(kvr_rank_add(r[1], b, 7, 100000, 1000), 0);
+	bus_quiet(r, 2);
+	/* Admitted already, before any call of this thread's could pump: by r[0]'s apply thread. */
+	cr_assert_eq(active_on_rank(r[0], b), 1, "admitted on rank b by the apply thread's pass");
+	struct kvr_decision w;
+	cr_assert_eq(kvr_route_wait(r[0], d1.ticket, 0, &w), 0);
+	cr_assert_eq(w.status, KVR_DECIDED);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_on_rank(r[0], b), 1, "admitted on rank b");
+	uint64_t m = active_on_rank(r[1], b);
+	cr_assert_eq(m, 1,
+	             "an own attempt admitted by a queue pass run on the apply thread (a peer's "
+	             "rank add) is not mirrored on the peer: %lu active there, 1 on the origin",
+	             (unsigned long)m);
+	cr_assert_eq(kvr_request_finish(r[0], w.attempt), 0);
+	cr_assert_eq(kvr_request_finish(r[0], d0.attempt), 0);
+	bus_quiet(r, 2);
+	bus_teardown(r, 2);
+}
