@@ -744,7 +744,8 @@ static void free_all(struct kvr_replica *rep)
 		kvr_rep_journal_clear(rep, &rep->ranks[i]);
 	kvr_free(rep->ranks, rep->ranks_cap * sizeof(*rep->ranks));
 	kvr_free(rep->tombs, rep->tombs_cap * sizeof(*rep->tombs));
-	kvr_free(rep->rix, rep->rix_cap * sizeof(*rep->rix));
+	kvr_free(rep->rix.slot, rep->rix.cap * sizeof(*rep->rix.slot));
+	kvr_free(rep->tix.slot, rep->tix.cap * sizeof(*rep->tix.slot));
 	kvr_free(rep->map, rep->map_cap * sizeof(*rep->map));
 	kvr_msg_buf_fini(&rep->obuf);
 	kvr_msg_buf_fini(&rep->sbuf);

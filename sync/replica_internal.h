@@ -154,6 +154,13 @@ struct kvr_rep_tomb {
 	struct kvr_rep_ver ver, reset_ver;
 };
 
+/* An index by rank id over a table's positions (sync/replica_table.c): the entries', the
+ * tombstones'. */
+struct kvr_rep_ix {
+	uint32_t *slot; /* a position in the table + 1; 0: empty */
+	size_t cap;     /* slots: a power of two, at least twice the table's elements, or 0 */
+};
+
 struct kvr_rep_peer {
 	uint64_t id, epoch, last_seq, hb_seq, last_seen;
 	bool alive, lost;
@@ -204,10 +211,13 @@ struct kvr_replica {
 	struct kvr_rep_rec *live_head, *live_tail;
 	struct kvr_rep_rank *ranks; /* the ranks (no tombstone) */
 	size_t n_ranks, ranks_cap;
-	uint32_t *rix; /* their index by id (sync/replica_table.c) */
-	size_t rix_cap;
+	struct kvr_rep_ix rix;      /* their index by id (sync/replica_table.c) */
 	struct kvr_rep_tomb *tombs; /* the removals remembered, in no order */
 	size_t n_tombs, tombs_cap;
+	struct kvr_rep_ix tix; /* their index by id: room for every tombstone and entry's */
+	/* What the ranks' journals hold (each record with its arrays, at the sizes asked for),
+	 * kept as records join and leave them so that kvr_memory.replica_ranks costs no walk. */
+	uint64_t jbytes;
 	struct kvr_rep_peer peers[MAX_PEERS];
 	size_t n_peers;
 	/* outage_ns: when the disconnect that began the open outage was seen (see outage_open).
@@ -396,9 +406,10 @@ struct kvr_rep_tomb *kvr_rep_tomb_find(struct kvr_replica *rep, struct kvr_rank_
 bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kvr_rep_ver v,
                        uint64_t incarnation, struct kvr_rep_tomb *told);
 void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id);
-/* The bytes the rank table holds (kvr_memory.replica_ranks): its entries' and tombstones'
- * arrays at the sizes asked for (the journals' records are not counted).  mu held. */
+/* The bytes the rank table holds (kvr_memory.replica_ranks): its entries', tombstones' and
+ * indexes' arrays, and its journals' records, at the sizes asked for.  O(1).  mu held. */
 uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep);
+/* Frees entry e's journal. */
 void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e);
 /* A finished attempt joins its rank's journal (takes x; freed when it has no place). */
 void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x);

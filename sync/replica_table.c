@@ -153,16 +153,32 @@ static struct kvr_rank_id tomb_id(const struct kvr_rep_tomb *t)
 }
 
 /*
- * The ranks' index: open addressing with linear probing over rix (rix_cap slots, a power of
- * two, at least twice ranks_cap: never more than half full), each slot an entry's position in
- * ranks plus one (0: empty); a removal shifts the probe chain back (no tombstones of its own).
- * Positions, not addresses, so the array's reallocations leave it valid.  A lookup (one per
- * attempt end, under mu) walked every entry: 400 ns at 1,024 ranks, 1.7 us at 4,096 (and,
- * before tombstones had a table of their own, an hour of removals too).
+ * The indexes by id, one over the entries (rix) and one over the tombstones (tix): open
+ * addressing with linear probing over ix->slot (ix->cap slots, a power of two, at least twice
+ * the entries there can be: never more than half full), each slot a position in its table plus
+ * one (0: empty); a removal shifts the probe chain back (no tombstones of its own).  Positions,
+ * not addresses, so the arrays' reallocations leave them valid.  A lookup (one per attempt end,
+ * under mu) walked every entry: 400 ns at 1,024 ranks, 1.7 us at 4,096 (and, before tombstones
+ * had a table of their own, an hour of removals too).  The tombstones' lookups walked theirs
+ * (a peer's rank change, a re-add, each tombstone forgotten: an hour's churn of 16,384 removals
+ * took 4-11 us a lookup, and 65 ms under mu to forget them all at once).  One code for both:
+ * each index reads the ids of its own table through `key`.
  */
+typedef struct kvr_rank_id (*ix_key)(const struct kvr_replica *rep, size_t pos);
+
+static struct kvr_rank_id rank_key(const struct kvr_replica *rep, size_t pos)
+{
+	return rep->ranks[pos].id;
+}
+
+static struct kvr_rank_id tomb_key(const struct kvr_replica *rep, size_t pos)
+{
+	return tomb_id(&rep->tombs[pos]);
+}
+
 /* splitmix64's finaliser over both fields: worker ids that differ only in high bits (k << 40)
  * spread over a small index too (a multiply and one shift left them all in slot 0). */
-static size_t rix_home(struct kvr_rank_id id, size_t cap)
+static size_t ix_home(struct kvr_rank_id id, size_t cap)
 {
 	uint64_t h = id.worker_id ^ ((uint64_t)id.dp_rank * 0x9e3779b97f4a7c15ull);
 	h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -172,78 +188,90 @@ static size_t rix_home(struct kvr_rank_id id, size_t cap)
 }
 
 /* The slot holding rank id, or SIZE_MAX. */
-static size_t rix_slot(const struct kvr_replica *rep, struct kvr_rank_id id)
+static size_t ix_slot(const struct kvr_replica *rep, const struct kvr_rep_ix *ix, ix_key key,
+                      struct kvr_rank_id id)
 {
-	if (!rep->rix_cap)
+	if (!ix->cap)
 		return SIZE_MAX;
-	for (size_t i = rix_home(id, rep->rix_cap);; i = (i + 1) & (rep->rix_cap - 1)) {
-		uint32_t v = rep->rix[i];
+	for (size_t i = ix_home(id, ix->cap);; i = (i + 1) & (ix->cap - 1)) {
+		uint32_t v = ix->slot[i];
 		if (!v)
 			return SIZE_MAX;
-		if (same_id(rep->ranks[v - 1].id, id))
+		if (same_id(key(rep, v - 1), id))
 			return i;
 	}
 }
 
-static void rix_put(uint32_t *rix, size_t cap, struct kvr_rank_id id, uint32_t v)
+static void ix_put(uint32_t *slot, size_t cap, struct kvr_rank_id id, uint32_t v)
 {
-	size_t i = rix_home(id, cap);
-	while (rix[i])
+	size_t i = ix_home(id, cap);
+	while (slot[i])
 		i = (i + 1) & (cap - 1);
-	rix[i] = v;
+	slot[i] = v;
 }
 
-/* The index rebuilt with cap slots (0: none) for the entries there are: false for memory (the
- * old one kept). */
-static bool rix_resize(struct kvr_replica *rep, size_t cap)
+/* ix rebuilt with cap slots (0: none) for the n first of its table: false for memory (the old
+ * one kept). */
+static bool ix_resize(const struct kvr_replica *rep, struct kvr_rep_ix *ix, ix_key key, size_t n,
+                      size_t cap)
 {
 	uint32_t *nx = NULL;
 	if (cap) {
 		nx = kvr_calloc(cap, sizeof(*nx));
 		if (!nx)
 			return false;
-		for (size_t i = 0; i < rep->n_ranks; i++)
-			rix_put(nx, cap, rep->ranks[i].id, (uint32_t)i + 1);
+		for (size_t i = 0; i < n; i++)
+			ix_put(nx, cap, key(rep, i), (uint32_t)i + 1);
 	}
-	kvr_free(rep->rix, rep->rix_cap * sizeof(*rep->rix));
-	rep->rix = nx;
-	rep->rix_cap = cap;
+	kvr_free(ix->slot, ix->cap * sizeof(*ix->slot));
+	ix->slot = nx;
+	ix->cap = cap;
 	return true;
 }
 
 /* Empties slot i, shifting back the entries after it that probed past it. */
-static void rix_erase(struct kvr_replica *rep, size_t i)
+static void ix_erase(const struct kvr_replica *rep, struct kvr_rep_ix *ix, ix_key key, size_t i)
 {
-	const size_t mask = rep->rix_cap - 1;
+	const size_t mask = ix->cap - 1;
 	for (size_t j = i;;) {
-		rep->rix[i] = 0;
+		ix->slot[i] = 0;
 		for (;;) {
 			j = (j + 1) & mask;
-			if (!rep->rix[j])
+			if (!ix->slot[j])
 				return;
-			size_t k = rix_home(rep->ranks[rep->rix[j] - 1].id, rep->rix_cap);
+			size_t k = ix_home(key(rep, ix->slot[j] - 1), ix->cap);
 			/* stays if its home is cyclically in (i, j] */
 			if (i <= j ? (i < k && k <= j) : (i < k || k <= j))
 				continue;
-			rep->rix[i] = rep->rix[j];
+			ix->slot[i] = ix->slot[j];
 			i = j;
 			break;
 		}
 	}
 }
 
+/* Forgets the element at ix's slot `slot` of its table of n: returns its position, where the
+ * index now finds the table's last element, which the caller moves there. */
+static size_t ix_remove(const struct kvr_replica *rep, struct kvr_rep_ix *ix, ix_key key,
+                        size_t slot, size_t n)
+{
+	const size_t i = ix->slot[slot] - 1, last = n - 1;
+	ix_erase(rep, ix, key, slot);
+	if (i != last)
+		ix->slot[ix_slot(rep, ix, key, key(rep, last))] = (uint32_t)i + 1;
+	return i;
+}
+
 struct kvr_rep_rank *kvr_rep_rank_find(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	size_t i = rix_slot(rep, id);
-	return i == SIZE_MAX ? NULL : &rep->ranks[rep->rix[i] - 1];
+	size_t i = ix_slot(rep, &rep->rix, rank_key, id);
+	return i == SIZE_MAX ? NULL : &rep->ranks[rep->rix.slot[i] - 1];
 }
 
 struct kvr_rep_tomb *kvr_rep_tomb_find(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	for (size_t i = 0; i < rep->n_tombs; i++)
-		if (same_id(tomb_id(&rep->tombs[i]), id))
-			return &rep->tombs[i];
-	return NULL;
+	size_t i = ix_slot(rep, &rep->tix, tomb_key, id);
+	return i == SIZE_MAX ? NULL : &rep->tombs[rep->tix.slot[i] - 1];
 }
 
 /* Room for one more of n in *arr (cap entries of size sz, doubling from 16): false for memory,
@@ -299,6 +327,28 @@ static void shrink(void **arr, size_t n, size_t *cap, size_t sz)
 	}
 }
 
+/* Room for `need` tombstones: in their array, and in their index (at most half full, as the
+ * entries').  false for memory: the array may have grown, nothing else changed; the index
+ * keeps its room for every tombstone and entry there is (2 x (n_tombs + n_ranks) <= tix.cap),
+ * so that a burial of an entry needs no memory. */
+static bool tomb_room(struct kvr_replica *rep, size_t need)
+{
+	if (!reserve((void **)&rep->tombs, need, &rep->tombs_cap, sizeof(*rep->tombs)))
+		return false;
+	return rep->tix.cap >= 2 * need ||
+	       ix_resize(rep, &rep->tix, tomb_key, rep->n_tombs, 2 * rep->tombs_cap);
+}
+
+/* The tombstones' array and index given back as they empty (see shrink): the index follows the
+ * array down, or keeps its larger size for memory (it serves as well). */
+static void tombs_shrink(struct kvr_replica *rep)
+{
+	shrink((void **)&rep->tombs, rep->n_tombs + rep->n_ranks, &rep->tombs_cap,
+	       sizeof(*rep->tombs));
+	if (rep->tix.cap > 2 * rep->tombs_cap)
+		(void)ix_resize(rep, &rep->tix, tomb_key, rep->n_tombs, 2 * rep->tombs_cap);
+}
+
 struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_id id)
 {
 	struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
@@ -308,13 +358,13 @@ struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_i
 	 * it needs no memory: a removal whose tombstone could not be kept must be forgotten at once
 	 * (kvr_rep_rank_bury), which raises the floor for every rank to the removal's version, and
 	 * a peer's add made a moment before it and still on its way was refused for good. */
-	if (!reserve((void **)&rep->tombs, rep->n_tombs + rep->n_ranks + 1, &rep->tombs_cap,
-	             sizeof(*rep->tombs)) ||
+	if (!tomb_room(rep, rep->n_tombs + rep->n_ranks + 1) ||
 	    !room((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks)))
 		return NULL;
-	if (rep->rix_cap < 2 * rep->ranks_cap && !rix_resize(rep, 2 * rep->ranks_cap))
+	if (rep->rix.cap < 2 * rep->ranks_cap &&
+	    !ix_resize(rep, &rep->rix, rank_key, rep->n_ranks, 2 * rep->ranks_cap))
 		return NULL;
-	rix_put(rep->rix, rep->rix_cap, id, (uint32_t)rep->n_ranks + 1);
+	ix_put(rep->rix.slot, rep->rix.cap, id, (uint32_t)rep->n_ranks + 1);
 	e = &rep->ranks[rep->n_ranks++];
 	memset(e, 0, sizeof(*e));
 	e->id = id;
@@ -333,23 +383,16 @@ struct kvr_rep_rank *kvr_rep_rank_get(struct kvr_replica *rep, struct kvr_rank_i
 
 void kvr_rep_rank_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	size_t slot = rix_slot(rep, id);
+	size_t slot = ix_slot(rep, &rep->rix, rank_key, id);
 	if (slot == SIZE_MAX)
 		return;
-	const size_t i = rep->rix[slot] - 1, last = rep->n_ranks - 1;
-	kvr_rep_journal_clear(rep, &rep->ranks[i]);
-	rix_erase(rep, slot);
-	if (i != last) { /* the last entry moves into i */
-		rep->rix[rix_slot(rep, rep->ranks[last].id)] = (uint32_t)i + 1;
-		rep->ranks[i] = rep->ranks[last];
-	}
-	rep->n_ranks--;
+	kvr_rep_journal_clear(rep, &rep->ranks[rep->rix.slot[slot] - 1]);
+	const size_t i = ix_remove(rep, &rep->rix, rank_key, slot, rep->n_ranks);
+	rep->ranks[i] = rep->ranks[--rep->n_ranks]; /* the last entry moves into i */
 	shrink((void **)&rep->ranks, rep->n_ranks, &rep->ranks_cap, sizeof(*rep->ranks));
-	/* the room its tombstone held, unless bury used it */
-	shrink((void **)&rep->tombs, rep->n_tombs + rep->n_ranks, &rep->tombs_cap,
-	       sizeof(*rep->tombs));
-	if (rep->rix_cap > 2 * rep->ranks_cap)
-		(void)rix_resize(rep, 2 * rep->ranks_cap); /* for memory: the larger one serves */
+	tombs_shrink(rep); /* the room its tombstone held, unless bury used it */
+	if (rep->rix.cap > 2 * rep->ranks_cap) /* for memory: the larger one serves */
+		(void)ix_resize(rep, &rep->rix, rank_key, rep->n_ranks, 2 * rep->ranks_cap);
 }
 
 bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kvr_rep_ver v,
@@ -359,11 +402,11 @@ bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kv
 	const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, id);
 	/* An entry's tombstone has its room (kvr_rep_rank_get); one for a rank known here by
 	 * nothing needs room beyond the entries' (n_tombs + n_ranks + 1). */
-	bool kept = t || e ||
-	            reserve((void **)&rep->tombs, rep->n_tombs + rep->n_ranks + 1, &rep->tombs_cap,
-	                    sizeof(*rep->tombs));
+	bool kept = t || e || tomb_room(rep, rep->n_tombs + rep->n_ranks + 1);
 	const bool made_here = !t;
 	if (!t) {
+		if (kept)
+			ix_put(rep->tix.slot, rep->tix.cap, id, (uint32_t)rep->n_tombs + 1);
 		t = kept ? &rep->tombs[rep->n_tombs++] : &made;
 		memset(t, 0, sizeof(*t));
 		t->worker_id = id.worker_id;
@@ -396,13 +439,19 @@ bool kvr_rep_rank_bury(struct kvr_replica *rep, struct kvr_rank_id id, struct kv
 
 void kvr_rep_tomb_drop(struct kvr_replica *rep, struct kvr_rank_id id)
 {
-	struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, id);
-	if (!t)
+	size_t slot = ix_slot(rep, &rep->tix, tomb_key, id);
+	if (slot == SIZE_MAX)
 		return;
-	*t = rep->tombs[--rep->n_tombs];
-	/* the entries' tombstones keep their room */
-	shrink((void **)&rep->tombs, rep->n_tombs + rep->n_ranks, &rep->tombs_cap,
-	       sizeof(*rep->tombs));
+	const size_t i = ix_remove(rep, &rep->tix, tomb_key, slot, rep->n_tombs);
+	rep->tombs[i] = rep->tombs[--rep->n_tombs];
+	tombs_shrink(rep); /* the entries' tombstones keep their room */
+}
+
+/* What record x holds, as kvr_rep_rec_free gives it back.  A journal's records do not change
+ * (output is appended to live ones only), so what joined the count leaves it. */
+static uint64_t rec_bytes(const struct kvr_rep_rec *x)
+{
+	return x->size + (uint64_t)x->out_cap * sizeof(*x->out);
 }
 
 void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e)
@@ -410,6 +459,7 @@ void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e)
 	e->jmark = ++rep->jmarks; /* the attempts booked before ran on what goes now */
 	for (struct kvr_rep_rec *x = e->jhead, *nx; x; x = nx) {
 		nx = x->next;
+		rep->jbytes -= rec_bytes(x);
 		kvr_rep_rec_free(x);
 	}
 	e->jhead = e->jtail = NULL;
@@ -419,8 +469,9 @@ void kvr_rep_journal_clear(struct kvr_replica *rep, struct kvr_rep_rank *e)
 uint64_t kvr_rep_ranks_bytes(const struct kvr_replica *rep)
 {
 	return (uint64_t)rep->ranks_cap * sizeof(*rep->ranks) +
-	       (uint64_t)rep->rix_cap * sizeof(*rep->rix) +
-	       (uint64_t)rep->tombs_cap * sizeof(*rep->tombs);
+	       (uint64_t)rep->rix.cap * sizeof(*rep->rix.slot) +
+	       (uint64_t)rep->tombs_cap * sizeof(*rep->tombs) +
+	       (uint64_t)rep->tix.cap * sizeof(*rep->tix.slot) + rep->jbytes;
 }
 
 static uint64_t rec_blocks(const struct kvr_replica *rep, const struct kvr_rep_rec *x)
@@ -456,6 +507,7 @@ void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 		e->jhead = x;
 	e->jtail = x;
 	e->jblocks += rec_blocks(rep, x);
+	rep->jbytes += rec_bytes(x);
 	uint64_t budget = rep->c.journal_blocks;
 	if (!budget) /* twice the capacity, saturating (2^63 and above wrapped to 0 or a few) */
 		budget = !e->capacity || e->capacity == KVR_CAPACITY_NONE ? 65536
@@ -466,6 +518,7 @@ void kvr_rep_journal_add(struct kvr_replica *rep, struct kvr_rep_rec *x)
 		e->jhead = o->next;
 		e->jhead->prev = NULL;
 		e->jblocks -= rec_blocks(rep, o);
+		rep->jbytes -= rec_bytes(o);
 		kvr_rep_rec_free(o);
 	}
 }
