@@ -28,12 +28,13 @@
  * Tombstones are kept c.tombstone_ms (an hour by default) after the removal, not for good: the
  * table would grow with every worker ever removed.  A tombstone holds what the version check
  * and its telling need (struct kvr_rep_tomb: 64 bytes; a whole entry is 152), in a table of its
- * own, so that the ranks' lookups do not walk an hour of removals; both tables are counted in
- * kvr_memory.replica_ranks and shrink as they empty.  Each entry holds its tombstone's room in
- * the tombstones' table (64 bytes a live rank), so that a removal of a rank known here needs no
- * memory: one that could not be kept was forgotten at once, raising the floor below for every
- * rank to the removal's version (a peer's add made a moment before and still on its way was
- * refused for good).  Only a removal of a rank known here by nothing can find no room: not
+ * own, so that the ranks' lookups do not walk an hour of removals, with an index by id of its
+ * own (sync/replica_table.c); both tables are counted in kvr_memory.replica_ranks and shrink as
+ * they empty.  Each entry holds its tombstone's room in
+ * the tombstones' table and its index (72 bytes a live rank), so that a removal of a rank known
+ * here needs no memory: one that could not be kept was forgotten at once, raising the floor below
+ * for every rank to the removal's version (a peer's add made a moment before and still on its way
+ * was refused for good).  Only a removal of a rank known here by nothing can find no room: not
  * kept, as a replica that never heard it (kvr_rep_rank_bury).
  *
  * Forgetting.  Once a tombstone is forgotten nobody remembers the removal, so a replica cut off
