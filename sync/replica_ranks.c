@@ -27,7 +27,7 @@
  *
  * Tombstones are kept c.tombstone_ms (an hour by default) after the removal, not for good: the
  * table would grow with every worker ever removed.  A tombstone holds what the version check
- * and its telling need (struct kvr_rep_tomb: 64 bytes; a whole entry is 152), in a table of its
+ * and its telling need (struct kvr_rep_tomb: 64 bytes; a whole entry is 160), in a table of its
  * own, so that the ranks' lookups do not walk an hour of removals, with an index by id of its
  * own (sync/replica_table.c); both tables are counted in kvr_memory.replica_ranks and shrink as
  * they empty.  Each entry holds its tombstone's room in

@@ -1429,11 +1429,11 @@ struct kvr_memory {
 	 * sizes; none once the router has been idle 100 ms), and the pool itself.  Last, so that
 	 * the earlier fields keep their offsets. */
 	uint64_t attempt_pool;
-	/* Replica sync's rank table (kvr_sync_attach; 0 unattached): an entry per rank (152
+	/* Replica sync's rank table (kvr_sync_attach; 0 unattached): an entry per rank (160
 	 * bytes, its index 8, its tombstone's room 64 and that room's index 8), and a tombstone
 	 * (64 bytes, its index 8) per rank removed within the last hour, at the sizes asked for
 	 * (arrays that double, and halve as they empty); and each rank's journal of finished
-	 * attempts (what a snapshot replays to rebuild a joiner's predicted cache: a record of 176
+	 * attempts (what a snapshot replays to rebuild a joiner's predicted cache: a record of 184
 	 * bytes, 8 a block and 4 a tail and an output token each, up to the journal's budget, twice
 	 * the rank's capacity in blocks by default: megabytes for a large rank), given back as the
 	 * rank's life ends (a reset, a removal).  After attempt_pool, for the same reason. */
