@@ -662,6 +662,27 @@ static int read_boot_ranks(struct kvr_replica *rep)
  * admin thread's remove or reset) was told first, then overwritten by the older read with a
  * newer version: a removed rank told added, a reset's incarnation lost (test_replica_start).
  */
+/*
+ * A start that fails has had the hooks set: routes made meanwhile noted their admissions, and
+ * their ends, made once the hooks are gone, are noted nowhere.  Published (by a retried start
+ * that succeeds, or by a sender already running), each admission left its attempt mirrored on
+ * every peer for good (test_replica_start
+ * a_failed_start_retried_publishes_no_admission_without_its_end).  So nothing the window noted
+ * goes out: the sender handles no note until the start has succeeded (kvr_rep_out_go, the last
+ * step, after the apply thread started, so nothing that can fail comes after it), and a failed
+ * start drops the queued and kept notes once the hooks are unset (no note in flight after it).
+ * The sender never ran, so it made no record (attempt map, live list, early set) of them.
+ */
+static void start_failed(struct kvr_replica *rep)
+{
+	kvr_repl_set_hooks(rep->r, NULL);
+	kvr_rep_out_stop(rep); /* if started: it exits without handling a note */
+	kvr_rep_out_drop(rep);
+	kvr_free(rep->boot, rep->n_boot * sizeof(*rep->boot));
+	rep->boot = NULL;
+	rep->n_boot = 0;
+}
+
 int kvr_replica_start(struct kvr_replica *rep)
 {
 	struct kvr_router *r = rep->r;
@@ -670,22 +691,15 @@ int kvr_replica_start(struct kvr_replica *rep)
 		return rc_;
 	const uint64_t marker = 0;
 	kvr_rep_out_push(rep, OUT_BOOT, &marker, sizeof(marker));
-	if (read_boot_ranks(rep)) {
-		kvr_repl_set_hooks(r, NULL);
-		return KVR_ENOMEM;
-	}
 	/* A thread that cannot be started (the process's thread limit): KVR_ENOMEM, as for
 	 * memory (KVR_EBUSY says "already attached"). */
-	if (kvr_rep_out_start(rep)) {
-		kvr_repl_set_hooks(r, NULL);
-		return KVR_ENOMEM;
-	}
-	if (kvr_thread_start(&rep->thread, false, apply_main, rep)) {
-		kvr_repl_set_hooks(r, NULL);
-		kvr_rep_out_stop(rep);
+	if (read_boot_ranks(rep) || kvr_rep_out_start(rep) ||
+	    kvr_thread_start(&rep->thread, false, apply_main, rep)) {
+		start_failed(rep);
 		return KVR_ENOMEM;
 	}
 	rep->thread_started = true;
+	kvr_rep_out_go(rep);
 	return 0;
 }
 

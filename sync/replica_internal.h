@@ -280,10 +280,11 @@ struct kvr_replica {
 	uint64_t burst_ns; /* sender thread: when the current burst was dequeued (tracing) */
 	pthread_t out_thread;
 	bool out_started;
-	bool out_stop;             /* atomic: the sender exits once the ring is empty */
-	uint64_t flush_req;        /* atomic: outbound flush tickets handed out */
-	uint64_t out_dropped;      /* atomic: notes lost before the queue (no memory, ring full) */
-	uint64_t in_dropped;       /* atomic: deliveries lost for memory (kvr_replica_deliver) */
+	bool out_stop;        /* atomic: the sender exits once the ring is empty */
+	bool out_go;          /* atomic: kvr_replica_start succeeded: the sender handles notes */
+	uint64_t flush_req;   /* atomic: outbound flush tickets handed out */
+	uint64_t out_dropped; /* atomic: notes lost before the queue (no memory, ring full) */
+	uint64_t in_dropped;  /* atomic: deliveries lost for memory (kvr_replica_deliver) */
 	struct kvr_rep_kept *kept; /* atomic: notes kept aside (the queue was full), newest first */
 	uint64_t kept_bytes; /* atomic: what they hold (at most c.kept_bytes_max, but ranks) */
 	uint32_t kept_over;  /* atomic: notes are dropped past the cap; the sender heals */
@@ -465,15 +466,21 @@ void kvr_rep_note_rank(void *ctx, int op, struct kvr_rank_id rank, uint64_t inca
                        uint64_t capacity, uint32_t mbt, struct kvr_rank_life life);
 /* Makes the outbound queue and the staging slabs.  0 or KVR_ENOMEM.  Context: create. */
 int kvr_rep_out_init(struct kvr_replica *rep);
-/* Starts the sender thread.  0 or KVR_EBUSY.  Context: kvr_replica_start. */
+/* Starts the sender thread, which handles no note until kvr_rep_out_go.  0 or KVR_ENOMEM.
+ * Context: kvr_replica_start. */
 int kvr_rep_out_start(struct kvr_replica *rep);
-/* Publishes what is queued, then stops the sender.  Context: teardown, after the hooks are gone
- * (nothing is queued any more). */
+/* Lets the started sender handle the notes.  Context: kvr_replica_start, once it succeeded. */
+void kvr_rep_out_go(struct kvr_replica *rep);
+/* Publishes what is queued (once let go: else nothing), then stops the sender.  Context:
+ * teardown or a failed start, after the hooks are gone (nothing is queued any more). */
 void kvr_rep_out_stop(struct kvr_replica *rep);
 /* Waits until every note queued before the call has been handled (published or counted) or
  * deadline_ns (CLOCK_MONOTONIC) passes.  0 or KVR_ETIMEDOUT.  Context: any thread but the
  * sender, not holding mu or qmu. */
 int kvr_rep_out_flush(struct kvr_replica *rep, uint64_t deadline_ns);
+/* Frees the queued and kept notes, and what they own, without handling them.  Context: the
+ * sender not running and no note in flight (the hooks gone). */
+void kvr_rep_out_drop(struct kvr_replica *rep);
 /* Frees what is left in the queue and the queue.  Context: destroy, the sender stopped. */
 void kvr_rep_out_fini(struct kvr_replica *rep);
 /* Asks peer id on the stream to re-announce (RESET + its attempts, finished ones of the last

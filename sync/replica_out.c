@@ -512,6 +512,20 @@ static void *out_main(void *arg)
 	kvr_alloc_thread_role(KVR_ALLOC_ROLE_REPLICA | KVR_ALLOC_ROLE_SENDER);
 	struct kvr_msg batch[OUT_BURST];
 	uint64_t idle_since = 0;
+	/* Nothing handled (so nothing published, no record made) before the start has succeeded:
+	 * a start that fails after this thread started drops the notes instead (kvr_replica_start).
+	 * The wakes are kvr_rep_out_go's and kvr_rep_out_stop's (the notes' wake us in vain). */
+	while (!__atomic_load_n(&rep->out_go, __ATOMIC_ACQUIRE)) {
+		if (__atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE))
+			return NULL;
+		kvr_parker_prepare_asym(&rep->out_park);
+		if (__atomic_load_n(&rep->out_go, __ATOMIC_ACQUIRE) ||
+		    __atomic_load_n(&rep->out_stop, __ATOMIC_ACQUIRE)) {
+			kvr_parker_cancel(&rep->out_park);
+			continue;
+		}
+		kvr_parker_wait(&rep->out_park, UINT64_MAX);
+	}
 	for (;;) {
 		if (kvr_rep_sender_stalled(rep, kvr_rep_mono_ns())) { /* kvr_replica_stall */
 			struct timespec ts = {0, 2000000};
@@ -603,10 +617,19 @@ int kvr_rep_out_init(struct kvr_replica *rep)
 
 int kvr_rep_out_start(struct kvr_replica *rep)
 {
+	/* A failed start's stop left out_stop set: the retried start's sender exited at once. */
+	__atomic_store_n(&rep->out_stop, false, __ATOMIC_RELAXED);
+	__atomic_store_n(&rep->out_go, false, __ATOMIC_RELAXED);
 	if (kvr_thread_start(&rep->out_thread, false, out_main, rep))
 		return KVR_ENOMEM;
 	rep->out_started = true;
 	return 0;
+}
+
+void kvr_rep_out_go(struct kvr_replica *rep)
+{
+	__atomic_store_n(&rep->out_go, true, __ATOMIC_RELEASE);
+	kvr_parker_wake(&rep->out_park);
 }
 
 void kvr_rep_out_stop(struct kvr_replica *rep)
@@ -637,11 +660,9 @@ int kvr_rep_out_flush(struct kvr_replica *rep, uint64_t deadline_ns)
 	return rc;
 }
 
-void kvr_rep_out_fini(struct kvr_replica *rep)
+void kvr_rep_out_drop(struct kvr_replica *rep)
 {
 	struct kvr_msg m;
-	if (!rep->outq.buf)
-		return;
 	kvr_ring_pass_tagged(&rep->outq); /* every producer is done: the rest are tagged */
 	while (kvr_ring_dequeue(&rep->outq, &m))
 		kvr_rep_out_discard(rep, &m);
@@ -651,6 +672,15 @@ void kvr_rep_out_fini(struct kvr_replica *rep)
 		kvr_rep_kept_free(rep, k);
 	}
 	rep->kept = NULL;
+	/* What was dropped past the cap concerned the dropped notes only: nothing to heal. */
+	rep->kept_over = 0;
+}
+
+void kvr_rep_out_fini(struct kvr_replica *rep)
+{
+	if (!rep->outq.buf)
+		return;
+	kvr_rep_out_drop(rep);
 	kvr_ring_fini(&rep->outq);
 	kvr_free_aligned(rep->slabs, OUT_SLABS * sizeof(*rep->slabs));
 	rep->slabs = NULL;

@@ -12,13 +12,18 @@
  * remove it, or reset it to a new incarnation.  Over the in-process bus
  * (tests/unit/replica_bus.h), replica 2 listening.
  */
+#include "core/alloc.h"
+#include "core/router_internal.h"
 #include "sync/replica_internal.h"
+#include "sync/thread.h"
 #include "tests/unit/replica_bus.h"
 
 int __real_kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank,
                               struct kvr_rank_stats *out);
 int __wrap_kvr_rank_get_stats(struct kvr_router *r, struct kvr_rank_id rank,
                               struct kvr_rank_stats *out);
+int __real_kvr_thread_start(pthread_t *t, bool detached, void *(*fn)(void *), void *arg);
+int __wrap_kvr_thread_start(pthread_t *t, bool detached, void *(*fn)(void *), void *arg);
 
 enum change { NONE, REMOVE, RESET };
 static enum change armed;
@@ -128,4 +133,144 @@ Test(replica_start, every_rank_is_announced_past_256, .timeout = 60)
 	cr_assert_eq(missing, 0, "the peer lacks %lu of the 300 ranks (worker %lu first)",
 	             (unsigned long)missing, (unsigned long)first);
 	bus_teardown(r, 2);
+}
+
+/* ---------------------------------------------------------------- a failed start, retried
+ *
+ * kvr_replica_start sets the hooks first, then fails (no memory for the boot ranks, or a thread
+ * that cannot be started) and unsets them.  A route that read kvr_repl_attached as true in that
+ * window noted its admission into the replica's out queue; its caller's finish, made once the
+ * hooks were gone, was noted nowhere.  The admission stayed queued until a later start
+ * succeeded and published it (or, when the apply thread failed to start, the sender already
+ * running published it), and no end ever followed: the peer mirrored the attempt for good.
+ * (The reviewer's probe; it failed 5 of 8 runs.) */
+static struct kvr_router *fs_r;
+static int fs_stop;
+static uint64_t fs_routes, fs_seen_attached;
+/* kvr_thread_start calls made by the thread fs_on to fail: the fs_fail_nth one of each start
+ * (1: the sender, 2: the apply thread); 0: none. */
+static pthread_t fs_on;
+static int fs_fail_nth, fs_calls;
+
+int __wrap_kvr_thread_start(pthread_t *t, bool detached, void *(*fn)(void *), void *arg)
+{
+	if (fs_fail_nth && pthread_equal(pthread_self(), fs_on) && ++fs_calls == fs_fail_nth)
+		return KVR_ENOMEM;
+	return __real_kvr_thread_start(t, detached, fn, arg);
+}
+
+static int route_tokens(struct kvr_router *r, uint32_t seed, size_t n, struct kvr_decision *d)
+{
+	static uint32_t t[64];
+	cr_assert(n <= 64);
+	for (size_t j = 0; j < n; j++)
+		t[j] = seed * 1000003u + (uint32_t)j;
+	struct kvr_request q;
+	kvr_request_init(&q);
+	q.tokens = t;
+	q.n_tokens = n;
+	q.expected_output_tokens = 64;
+	return kvr_route(r, &q, d);
+}
+
+static void *fs_router_thread(void *arg)
+{
+	(void)arg;
+	uint32_t seed = 5000000;
+	while (!__atomic_load_n(&fs_stop, __ATOMIC_ACQUIRE)) {
+		struct kvr_decision d;
+		bool att = __atomic_load_n(&fs_r->repl, __ATOMIC_ACQUIRE) != NULL;
+		if (route_tokens(fs_r, seed++, 64, &d) == 0 && d.status == KVR_DECIDED) {
+			(void)kvr_request_finish(fs_r, d.attempt);
+			fs_routes++;
+			fs_seen_attached += att;
+		}
+	}
+	return NULL;
+}
+
+enum fs_failure { FS_MEMORY, FS_SENDER, FS_APPLY };
+
+/* `starts` failed starts of replica 1 (r[0]) while a thread routes and finishes on its router,
+ * then one that succeeds: the peer must mirror no attempt once all is quiet. */
+static void failed_starts_then_one(enum fs_failure how, int starts)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	fs_stop = 0;
+	fs_routes = fs_seen_attached = 0;
+	r[1] = bus_router(1);
+	r[0] = bus_ranks_router();
+	fs_r = r[0];
+	bus_create_as(0, r[0], 1);
+	pthread_t th;
+	cr_assert_eq(pthread_create(&th, NULL, fs_router_thread, NULL), 0);
+	if (how == FS_MEMORY) {
+		kvr_alloc_fail_scope(KVR_ALLOC_ROLE_CALLER);
+		kvr_alloc_thread_role(KVR_ALLOC_ROLE_CALLER);
+	}
+	fs_on = pthread_self();
+	int failed = 0;
+	for (int i = 0; i < starts; i++) {
+		if (how == FS_MEMORY)
+			kvr_alloc_fail_after(1);
+		fs_calls = 0;
+		fs_fail_nth = how == FS_SENDER ? 1 : how == FS_APPLY ? 2 : 0;
+		int rc = kvr_replica_start(bus.rep[0]);
+		fs_fail_nth = 0;
+		if (how == FS_MEMORY)
+			kvr_alloc_fail_after(0);
+		cr_assert_eq(rc, KVR_ENOMEM, "start %d: rc %d", i, rc);
+		failed++;
+	}
+	__atomic_store_n(&fs_stop, 1, __ATOMIC_RELEASE);
+	pthread_join(th, NULL);
+	if (how == FS_MEMORY) {
+		kvr_alloc_thread_role(0);
+		kvr_alloc_fail_scope(0);
+	}
+	bus_start_one(0);
+	bus_quiet(r, 2);
+	/* Heartbeats (50 ms) and whatever else would reconcile the peer have time to. */
+	struct timespec ts = {1, 0};
+	nanosleep(&ts, NULL);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[0]), 0, "every attempt finished on the origin");
+	uint64_t m = bus_active_requests(r[1]);
+	cr_assert_eq(
+	    m, 0,
+	    "%lu attempts mirrored on the peer for good, finished on the origin (%d failed "
+	    "starts, %lu routes, %lu begun while hooks were set)",
+	    (unsigned long)m, failed, (unsigned long)fs_routes, (unsigned long)fs_seen_attached);
+	/* The retried start works: an attempt routed now is mirrored, and so is its end. */
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r[0], 1, 64, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 1, "an attempt routed after the start is mirrored");
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 0, "and its end");
+	bus_teardown(r, 2);
+}
+
+Test(replica_start, a_failed_start_retried_publishes_no_admission_without_its_end, .timeout = 120)
+{
+	failed_starts_then_one(FS_MEMORY, 20000);
+}
+
+/* The sender could not be started: as above, the admissions waited in the queue. */
+Test(replica_start, a_start_whose_sender_failed_publishes_no_admission_without_its_end,
+     .timeout = 120)
+{
+	failed_starts_then_one(FS_SENDER, 5000);
+}
+
+/* The apply thread could not be started: the sender, started before it with the hooks set,
+ * published the window's admissions at once; and it was stopped for good (a retried start's
+ * sender exited at once). */
+Test(replica_start, a_start_whose_apply_thread_failed_publishes_no_admission_without_its_end,
+     .timeout = 120)
+{
+	failed_starts_then_one(FS_APPLY, 2000);
 }
