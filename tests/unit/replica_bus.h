@@ -116,9 +116,12 @@ static inline int bus_publish(void *ctx, const void *buf, size_t len)
 		return KVR_EAGAIN;
 	if (__atomic_load_n(&bus_lose[i], __ATOMIC_ACQUIRE))
 		return 0;
-	for (int j = 0; j < BUS_N; j++)
-		if (j != i && bus.rep[j] && !__atomic_load_n(&bus_deaf[j], __ATOMIC_ACQUIRE))
-			kvr_replica_deliver(bus.rep[j], buf, len, NULL);
+	for (int j = 0; j < BUS_N; j++) {
+		/* atomic: a test may create a replica while the others publish (bus_create_as) */
+		struct kvr_replica *to = __atomic_load_n(&bus.rep[j], __ATOMIC_ACQUIRE);
+		if (j != i && to && !__atomic_load_n(&bus_deaf[j], __ATOMIC_ACQUIRE))
+			kvr_replica_deliver(to, buf, len, NULL);
+	}
 	return 0;
 }
 
@@ -285,7 +288,9 @@ static inline void bus_create_as(int i, struct kvr_router *r, uint64_t id)
 	                                  .reply = bus_reply,
 	                                  .request = bus_request,
 	                                  .ready = bus_ready};
-	cr_assert_eq(kvr_replica_create(r, &c, &t, &bus.rep[i]), 0);
+	struct kvr_replica *rep;
+	cr_assert_eq(kvr_replica_create(r, &c, &t, &rep), 0);
+	__atomic_store_n(&bus.rep[i], rep, __ATOMIC_RELEASE); /* read by bus_publish */
 }
 
 /* Starts replica i and waits until it is ready. */
