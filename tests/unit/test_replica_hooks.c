@@ -780,3 +780,72 @@ Test(replica_hooks, a_queued_request_admitted_by_a_peers_rank_add_is_mirrored, .
 	bus_quiet(r, 2);
 	bus_teardown(r, 2);
 }
+
+/* The review's probe (s28-rev-jmem): on_admit runs inside the pass, so a pass run on the
+ * replica's apply thread (a peer's rank add) runs the user's callback there.  The user's own
+ * calls in it are the user's, not the peer's: a finish made in on_admit is published like any
+ * other, and the peer's mirror of the attempt it ends goes.  Also the admission on_admit is
+ * told of is mirrored, and is published before that callback's calls. */
+static struct {
+	struct kvr_router *r;
+	uint64_t finish_in_callback;
+	uint64_t admitted;
+	int rc;
+	int calls;
+} probe_cb;
+
+static void probe_on_admit(void *ctx, uint64_t ticket, const struct kvr_decision *d)
+{
+	(void)ctx;
+	(void)ticket;
+	probe_cb.calls++;
+	probe_cb.admitted = d->status == KVR_DECIDED ? d->attempt : 0;
+	probe_cb.rc = kvr_request_finish(probe_cb.r, probe_cb.finish_in_callback);
+}
+
+Test(replica_hooks, review_probe_on_admit_on_the_apply_thread_publishes_the_users_calls,
+     .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	memset(&probe_cb, 0, sizeof(probe_cb));
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.sync_booking = true;
+	c.queue_threshold = 1.0;
+	c.on_admit = probe_on_admit;
+	cr_assert_eq(kvr_router_create(&c, &r[0]), 0);
+	probe_cb.r = r[0];
+	struct kvr_rank_id a = {0, 0}, b = {1, 0};
+	cr_assert_eq(kvr_rank_add(r[0], a, 7, 100000, 1000), 0);
+	bus_attach(0, r[0]);
+	r[1] = make();
+	bus_attach(1, r[1]);
+	bus_quiet(r, 2);
+	struct kvr_decision d0, d1;
+	cr_assert_eq(route_seeded(r[0], 1, 2000, &d0), 0);
+	cr_assert_eq(d0.status, KVR_DECIDED);
+	cr_assert_eq(route_seeded(r[0], 2, 64, &d1), 0);
+	cr_assert_eq(d1.status, KVR_QUEUED, "status %d", (int)d1.status);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_on_rank(r[1], a), 1, "the first request is mirrored (control)");
+	probe_cb.finish_in_callback = d0.attempt; /* the user ends the first one in on_admit */
+	cr_assert_eq(kvr_rank_add(r[1], b, 7, 100000, 1000), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(probe_cb.calls, 1, "on_admit ran %d times", probe_cb.calls);
+	cr_assert_neq(probe_cb.admitted, 0);
+	cr_assert_eq(probe_cb.rc, 0, "the finish in on_admit: %d", probe_cb.rc);
+	cr_assert_eq(active_on_rank(r[0], a), 0);
+	bus_quiet(r, 2);
+	uint64_t left = active_on_rank(r[1], a);
+	cr_assert_eq(left, 0,
+	             "a finish the user made in on_admit, run on the apply thread, is not "
+	             "published: the peer still mirrors %lu on rank a",
+	             (unsigned long)left);
+	cr_assert_eq(active_on_rank(r[1], b), 1, "the admission on_admit was told of is mirrored");
+	cr_assert_eq(kvr_request_finish(r[0], probe_cb.admitted), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_on_rank(r[1], b), 0);
+	bus_teardown(r, 2);
+}

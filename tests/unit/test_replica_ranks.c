@@ -2091,3 +2091,269 @@ Test(replica_ranks, mirrors_finished_after_a_resync_and_a_reannounce_are_journal
 	          "the mirror finished after the origin's re-announce was not journaled");
 	bus_teardown(r, 2);
 }
+
+/* The review's probe (s28-rev-jmem): the rank table against a model with more ids than the
+ * index model (the index wraps, doubles and halves several times), single and persistent
+ * allocation failures, and stricter checks at every step: what kvr_rep_ranks_bytes counts is
+ * exactly what the table holds through the allocator (kvr_alloc_live_bytes, this process's only
+ * allocating thread); a failed get changes no entry or tombstone; a removal (a drop, a
+ * tombstone forgotten, the burial of a held rank) succeeds with every allocation failing; the
+ * entries' and tombstones' contents (an incarnation, a version) follow them through the moves;
+ * a journal's records stay with their rank. */
+static void table_probe(uint64_t seed, int ids, int ops)
+{
+	struct kvr_replica *rep = kvr_calloc(1, sizeof(*rep));
+	cr_assert(rep);
+	rep->bs = 16;
+	rep->c.journal_blocks = 30;
+	const int64_t base = kvr_alloc_live_bytes();
+	unsigned char *st = calloc((size_t)ids, 1);        /* 0 none, 1 rank, 2 tombstone */
+	uint64_t *inc = calloc((size_t)ids, sizeof(*inc)); /* the entry's incarnation */
+	uint64_t *ver = calloc((size_t)ids, sizeof(*ver)); /* the tombstone's version clock */
+	cr_assert(st && inc && ver);
+	uint64_t x = seed;
+	for (int op = 0; op < ops; op++) {
+		const bool grow = (op / (ops / 8)) % 2 == 0;
+		uint32_t k = (uint32_t)(xorshift64(&x) % (uint64_t)ids),
+		         what = (uint32_t)(xorshift64(&x) % 10);
+		/* ids that differ in high bits only, as worker ids k << 40 */
+		struct kvr_rank_id id = {((uint64_t)(k / 2) << 40) | 1, k % 2};
+		const uint32_t fail = (uint32_t)(xorshift64(&x) % 6);
+		const size_t n_ranks0 = rep->n_ranks, n_tombs0 = rep->n_tombs;
+		if (what < (grow ? 5u : 2u)) {
+			if (fail == 1)
+				kvr_alloc_fail_after(1 + xorshift64(&x) % 3);
+			else if (fail == 2)
+				kvr_alloc_fail_from(1 + xorshift64(&x) % 3);
+			struct kvr_rep_rank *e = kvr_rep_rank_get(rep, id);
+			kvr_alloc_fail_after(0);
+			cr_assert(e || fail == 1 || fail == 2, "seed %#lx op %d: get",
+			          (unsigned long)seed, op);
+			if (e) {
+				if (st[k] == 2) /* back from its tombstone: the version it had */
+					cr_assert_eq(
+					    e->ver.clock, ver[k],
+					    "seed %#lx op %d: id %u back at %lu, buried at %lu",
+					    (unsigned long)seed, op, k, (unsigned long)e->ver.clock,
+					    (unsigned long)ver[k]);
+				if (st[k] != 1) {
+					e->incarnation = xorshift64(&x) | 1;
+					inc[k] = e->incarnation;
+				}
+				st[k] = 1;
+			} else {
+				cr_assert_eq(rep->n_ranks, n_ranks0,
+				             "seed %#lx op %d: a failed get", (unsigned long)seed,
+				             op);
+				cr_assert_eq(rep->n_tombs, n_tombs0,
+				             "seed %#lx op %d: a failed get", (unsigned long)seed,
+				             op);
+			}
+		} else if (what < 6) {
+			kvr_alloc_fail_from(1); /* a removal needs no memory */
+			kvr_rep_rank_drop(rep, id);
+			kvr_alloc_fail_after(0);
+			st[k] = st[k] == 1 ? 0 : st[k];
+		} else if (what < 7) {
+			const bool held = st[k] != 0;
+			if (held || fail == 1)
+				kvr_alloc_fail_from(1);
+			const uint64_t clock = (uint64_t)op + 1;
+			const bool kept =
+			    kvr_rep_rank_bury(rep, id, (struct kvr_rep_ver){clock, 1}, 7, NULL);
+			kvr_alloc_fail_after(0);
+			cr_assert(kept || (!held && fail == 1), "seed %#lx op %d: bury (held %d)",
+			          (unsigned long)seed, op, held);
+			if (kept) {
+				/* a tombstone already there keeps the newer version: this one */
+				ver[k] = clock;
+				st[k] = 2;
+			} else {
+				st[k] = 0;
+			}
+		} else if (what < 8) {
+			kvr_alloc_fail_from(1); /* forgetting needs no memory */
+			kvr_rep_tomb_drop(rep, id);
+			kvr_alloc_fail_after(0);
+			st[k] = st[k] == 2 ? 0 : st[k];
+		} else {
+			if (fail == 1)
+				kvr_alloc_fail_after(1 + xorshift64(&x) % 2);
+			struct kvr_rep_rec *y = kvr_rep_rec_new((uint32_t)(xorshift64(&x) % 12),
+			                                        (uint32_t)(xorshift64(&x) % 12));
+			if (y) {
+				y->rank = id;
+				y->incarnation = inc[k];
+				(void)kvr_rep_rec_reserve_out(y, xorshift64(&x) % 300);
+				kvr_rep_journal_add(rep, y);
+			}
+			kvr_alloc_fail_after(0);
+		}
+		const int64_t live = kvr_alloc_live_bytes() - base;
+		cr_assert_eq((int64_t)kvr_rep_ranks_bytes(rep), live,
+		             "seed %#lx op %d: %lu bytes counted, %ld held through the allocator",
+		             (unsigned long)seed, op, (unsigned long)kvr_rep_ranks_bytes(rep),
+		             (long)live);
+		size_t n = 0, nt = 0;
+		for (int j = 0; j < ids; j++) {
+			struct kvr_rank_id q = {((uint64_t)(j / 2) << 40) | 1, (uint32_t)j % 2};
+			const struct kvr_rep_rank *e = kvr_rep_rank_find(rep, q);
+			const struct kvr_rep_tomb *t = kvr_rep_tomb_find(rep, q);
+			cr_assert_eq(e != NULL, st[j] == 1, "seed %#lx op %d: id %d entry",
+			             (unsigned long)seed, op, j);
+			cr_assert_eq(t != NULL, st[j] == 2, "seed %#lx op %d: id %d tombstone",
+			             (unsigned long)seed, op, j);
+			if (e) {
+				cr_assert_eq(e->incarnation, inc[j],
+				             "seed %#lx op %d: id %d's entry", (unsigned long)seed,
+				             op, j);
+				for (const struct kvr_rep_rec *r = e->jhead; r; r = r->next)
+					cr_assert(r->rank.worker_id == q.worker_id &&
+					              r->rank.dp_rank == q.dp_rank &&
+					              r->incarnation == inc[j],
+					          "seed %#lx op %d: id %d's journal holds "
+					          "another's record",
+					          (unsigned long)seed, op, j);
+			}
+			if (t)
+				cr_assert_eq(t->ver.clock, ver[j],
+				             "seed %#lx op %d: id %d's tombstone",
+				             (unsigned long)seed, op, j);
+			n += st[j] == 1;
+			nt += st[j] == 2;
+		}
+		cr_assert_eq(rep->n_ranks, n);
+		cr_assert_eq(rep->n_tombs, nt);
+		cr_assert_leq(2 * (rep->n_tombs + rep->n_ranks), rep->tix.cap,
+		              "seed %#lx op %d: %zu tombstones and %zu entries, %zu index slots",
+		              (unsigned long)seed, op, rep->n_tombs, rep->n_ranks, rep->tix.cap);
+		cr_assert_leq(rep->n_tombs + rep->n_ranks, rep->tombs_cap);
+	}
+	for (int j = 0; j < ids; j++) {
+		struct kvr_rank_id q = {((uint64_t)(j / 2) << 40) | 1, (uint32_t)j % 2};
+		kvr_rep_rank_drop(rep, q);
+		kvr_rep_tomb_drop(rep, q);
+	}
+	cr_assert_eq(kvr_rep_ranks_bytes(rep), 0);
+	cr_assert_eq(kvr_alloc_live_bytes(), base, "emptied, %ld bytes held still",
+	             (long)(kvr_alloc_live_bytes() - base));
+	kvr_free(rep, sizeof(*rep));
+	free(st);
+	free(inc);
+	free(ver);
+}
+
+Test(replica_ranks, review_probe_table_against_model_small, .timeout = 120)
+{
+	for (uint64_t seed = 1; seed <= 6; seed++)
+		table_probe(0x9e3779b97f4a7c15ull * seed, 40, 16000);
+}
+
+Test(replica_ranks, review_probe_table_against_model_large, .timeout = 300)
+{
+	for (uint64_t seed = 1; seed <= 2; seed++)
+		table_probe(0xc2b2ae3d27d4eb4full * seed, 2000, 24000);
+}
+
+/* Replica i's count of its journals (kvr_rep_ranks_bytes less the arrays) against a walk of
+ * them, read at once under mu. */
+static uint64_t probe_max_walked[2];
+
+static void journals_count_matches(int i, int op)
+{
+	struct kvr_replica *rep = bus.rep[i];
+	pthread_mutex_lock(&rep->mu);
+	const uint64_t counted = kvr_rep_ranks_bytes(rep) - arrays_of(rep),
+	               walked = journals_walked(rep);
+	pthread_mutex_unlock(&rep->mu);
+	if (walked > probe_max_walked[i])
+		probe_max_walked[i] = walked;
+	cr_assert_eq(counted, walked, "op %d: replica %d counts %lu bytes of journals, holds %lu",
+	             op, i, (unsigned long)counted, (unsigned long)walked);
+}
+
+/* The review's probe (s28-rev-jmem): the journals' count against a walk on two live replicas
+ * under random own attempts on both routers (output in several calls, finishes and aborts:
+ * journaled on the origin and mirrored on the peer), with small journal budgets (trims), resets,
+ * new incarnations, removals and re-adds: every path where a record joins or leaves a journal,
+ * the apply thread's included, checked after every call and once the bus is quiet. */
+Test(replica_ranks, review_probe_journals_count_under_random_traffic, .timeout = 240)
+{
+	struct kvr_router *r[2];
+	bus_start(r, 2);
+	bus_quiet(r, 2);
+	uint64_t inc[2] = {7, 7};
+	bool present[2] = {true, true};
+	for (int w = 0; w < 2; w++)
+		cr_assert_eq(
+		    kvr_rank_set_capacity(r[0], (struct kvr_rank_id){(uint64_t)w, 0}, 7, 12), 0);
+	bus_quiet(r, 2);
+	enum { LIVE = 16, OPS = 3000 };
+	uint64_t live[2][LIVE];
+	size_t n_live[2] = {0, 0};
+	uint64_t x = 0x1234567ull;
+	for (int op = 0; op < OPS; op++) {
+		const int i = (int)(xorshift64(&x) % 2);
+		const uint32_t what = (uint32_t)(xorshift64(&x) % 100);
+		const int w = (int)(xorshift64(&x) % 2);
+		const struct kvr_rank_id rk = {(uint64_t)w, 0};
+		if (what < 30) {
+			if (n_live[i] == LIVE || !present[w])
+				continue;
+			uint32_t t[64];
+			for (int j = 0; j < 64; j++)
+				t[j] = (uint32_t)(xorshift64(&x) % 50) + (uint32_t)j * 1000u;
+			struct kvr_request q;
+			kvr_request_init(&q);
+			q.tokens = t;
+			q.n_tokens = 16 * (1 + xorshift64(&x) % 4);
+			q.pinned = &rk;
+			struct kvr_decision d;
+			if (kvr_route(r[i], &q, &d) == 0 && d.status == KVR_DECIDED)
+				live[i][n_live[i]++] = d.attempt;
+		} else if (what < 60) {
+			if (!n_live[i])
+				continue;
+			uint32_t out[300];
+			size_t n = 1 + xorshift64(&x) % 300;
+			for (size_t j = 0; j < n; j++)
+				out[j] = (uint32_t)(xorshift64(&x));
+			(void)kvr_request_output(r[i], live[i][xorshift64(&x) % n_live[i]], out, n);
+		} else if (what < 88) {
+			if (!n_live[i])
+				continue;
+			size_t k = xorshift64(&x) % n_live[i];
+			uint64_t a = live[i][k];
+			live[i][k] = live[i][--n_live[i]];
+			(void)(what % 3 ? kvr_request_finish(r[i], a) : kvr_request_abort(r[i], a));
+		} else if (what < 92) {
+			if (present[w])
+				(void)kvr_rank_reset(r[0], rk, ++inc[w]);
+		} else if (what < 95) {
+			if (present[w])
+				(void)kvr_rank_set_capacity(r[0], rk, ++inc[w],
+				                            4 + xorshift64(&x) % 30);
+		} else if (what < 98) {
+			if (present[w] && kvr_rank_remove(r[0], rk) == 0)
+				present[w] = false;
+		} else if (!present[w]) {
+			if (kvr_rank_add(r[0], rk, ++inc[w], 4 + xorshift64(&x) % 30, 4096) == 0)
+				present[w] = true;
+		}
+		if (what >= 88)
+			bus_quiet(r, 2); /* both routers agree on the ranks before the next route */
+		for (int j = 0; j < 2; j++)
+			journals_count_matches(j, op);
+	}
+	for (int i = 0; i < 2; i++)
+		while (n_live[i])
+			(void)kvr_request_finish(r[i], live[i][--n_live[i]]);
+	bus_quiet(r, 2);
+	for (int j = 0; j < 2; j++)
+		journals_count_matches(j, OPS);
+	cr_log_info("journals held at most %lu and %lu bytes", (unsigned long)probe_max_walked[0],
+	            (unsigned long)probe_max_walked[1]);
+	cr_assert_gt(probe_max_walked[0], 0);
+	cr_assert_gt(probe_max_walked[1], 0);
+	bus_teardown(r, 2);
+}
