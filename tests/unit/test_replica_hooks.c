@@ -781,7 +781,7 @@ Test(replica_hooks, a_queued_request_admitted_by_a_peers_rank_add_is_mirrored, .
 	bus_teardown(r, 2);
 }
 
-/* The review's probe (s28-rev-jmem): on_admit runs inside the pass, so a pass run on the
+/* The review's probe: on_admit runs inside the pass, so a pass run on the
  * replica's apply thread (a peer's rank add) runs the user's callback there.  The user's own
  * calls in it are the user's, not the peer's: a finish made in on_admit is published like any
  * other, and the peer's mirror of the attempt it ends goes.  Also the admission on_admit is
@@ -803,8 +803,7 @@ static void probe_on_admit(void *ctx, uint64_t ticket, const struct kvr_decision
 	probe_cb.rc = kvr_request_finish(probe_cb.r, probe_cb.finish_in_callback);
 }
 
-Test(replica_hooks, review_probe_on_admit_on_the_apply_thread_publishes_the_users_calls,
-     .timeout = 60)
+Test(replica_hooks, on_admit_on_the_apply_thread_publishes_the_users_calls, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
 	memset(&bus.rep, 0, sizeof(bus.rep));

@@ -2092,7 +2092,7 @@ Test(replica_ranks, mirrors_finished_after_a_resync_and_a_reannounce_are_journal
 	bus_teardown(r, 2);
 }
 
-/* The review's probe (s28-rev-jmem): the rank table against a model with more ids than the
+/* The review's probe: the rank table against a model with more ids than the
  * index model (the index wraps, doubles and halves several times), single and persistent
  * allocation failures, and stricter checks at every step: what kvr_rep_ranks_bytes counts is
  * exactly what the table holds through the allocator (kvr_alloc_live_bytes, this process's only
@@ -2243,13 +2243,13 @@ static void table_probe(uint64_t seed, int ids, int ops)
 	free(ver);
 }
 
-Test(replica_ranks, review_probe_table_against_model_small, .timeout = 120)
+Test(replica_ranks, table_against_model_small, .timeout = 120)
 {
 	for (uint64_t seed = 1; seed <= 6; seed++)
 		table_probe(0x9e3779b97f4a7c15ull * seed, 40, 16000);
 }
 
-Test(replica_ranks, review_probe_table_against_model_large, .timeout = 300)
+Test(replica_ranks, table_against_model_large, .timeout = 300)
 {
 	for (uint64_t seed = 1; seed <= 2; seed++)
 		table_probe(0xc2b2ae3d27d4eb4full * seed, 2000, 24000);
@@ -2272,12 +2272,12 @@ static void journals_count_matches(int i, int op)
 	             op, i, (unsigned long)counted, (unsigned long)walked);
 }
 
-/* The review's probe (s28-rev-jmem): the journals' count against a walk on two live replicas
+/* The review's probe: the journals' count against a walk on two live replicas
  * under random own attempts on both routers (output in several calls, finishes and aborts:
  * journaled on the origin and mirrored on the peer), with small journal budgets (trims), resets,
  * new incarnations, removals and re-adds: every path where a record joins or leaves a journal,
  * the apply thread's included, checked after every call and once the bus is quiet. */
-Test(replica_ranks, review_probe_journals_count_under_random_traffic, .timeout = 240)
+Test(replica_ranks, journals_count_under_random_traffic, .timeout = 240)
 {
 	struct kvr_router *r[2];
 	bus_start(r, 2);
