@@ -730,6 +730,34 @@ static int route_seeded(struct kvr_router *r, uint32_t seed, size_t n, struct kv
 	return kvr_route(r, &q, d);
 }
 
+/* Two replicas on the bus; r[0] queues (sync_booking, threshold 1.0, on_admit as given) and
+ * holds only rank a, which d0 (2000 prefill tokens > 1.0 x 1000) saturates, so d1 queues. */
+static void one_queued(struct kvr_router **r,
+                       void (*on_admit)(void *, uint64_t, const struct kvr_decision *),
+                       struct kvr_decision *d0, struct kvr_decision *d1)
+{
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	struct kvr_config c;
+	kvr_config_init(&c);
+	c.n_shards = 2;
+	c.sync_booking = true;
+	c.queue_threshold = 1.0;
+	c.on_admit = on_admit;
+	cr_assert_eq(kvr_router_create(&c, &r[0]), 0);
+	const struct kvr_rank_id a = {0, 0};
+	cr_assert_eq(kvr_rank_add(r[0], a, 7, 100000, 1000), 0);
+	bus_attach(0, r[0]);
+	r[1] = make();
+	bus_attach(1, r[1]);
+	bus_quiet(r, 2);
+	cr_assert_eq(route_seeded(r[0], 1, 2000, d0), 0);
+	cr_assert_eq(d0->status, KVR_DECIDED);
+	cr_assert_eq(route_seeded(r[0], 2, 64, d1), 0);
+	cr_assert_eq(d1->status, KVR_QUEUED, "status %d", (int)d1->status);
+	bus_quiet(r, 2);
+	cr_assert_eq(active_on_rank(r[1], a), 1, "the first request is mirrored (control)");
+}
+
 /* An own queued request admitted by a queue pass that a peer's change runs on the replica's
  * apply thread (kvr_rank_add pumps the queue: core/ranks.c; so do a mirror's finish and abort
  * with sync_booking) is published like any other: the pass routes this router's own requests,
@@ -739,27 +767,9 @@ static int route_seeded(struct kvr_router *r, uint32_t seed, size_t n, struct kv
 Test(replica_hooks, a_queued_request_admitted_by_a_peers_rank_add_is_mirrored, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 2;
-	c.sync_booking = true;
-	c.queue_threshold = 1.0;
-	cr_assert_eq(kvr_router_create(&c, &r[0]), 0);
-	struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	cr_assert_eq(kvr_rank_add(r[0], a, 7, 100000, 1000), 0);
-	bus_attach(0, r[0]);
-	r[1] = make();
-	bus_attach(1, r[1]);
-	bus_quiet(r, 2);
-	/* Rank a saturated (2000 prefill tokens > 1.0 * 1000): the next request queues. */
 	struct kvr_decision d0, d1;
-	cr_assert_eq(route_seeded(r[0], 1, 2000, &d0), 0);
-	cr_assert_eq(d0.status, KVR_DECIDED);
-	cr_assert_eq(route_seeded(r[0], 2, 64, &d1), 0);
-	cr_assert_eq(d1.status, KVR_QUEUED, "status %d", (int)d1.status);
-	bus_quiet(r, 2);
-	cr_assert_eq(active_on_rank(r[1], a), 1, "the first request is mirrored (control)");
+	one_queued(r, NULL, &d0, &d1);
+	const struct kvr_rank_id b = {1, 0};
 	/* The peer adds rank b; r[0]'s apply thread adds it there and pumps the queue. */
 	cr_assert_eq(kvr_rank_add(r[1], b, 7, 100000, 1000), 0);
 	bus_quiet(r, 2);
@@ -806,29 +816,11 @@ static void probe_on_admit(void *ctx, uint64_t ticket, const struct kvr_decision
 Test(replica_hooks, on_admit_on_the_apply_thread_publishes_the_users_calls, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
-	memset(&bus.rep, 0, sizeof(bus.rep));
 	memset(&probe_cb, 0, sizeof(probe_cb));
-	struct kvr_config c;
-	kvr_config_init(&c);
-	c.n_shards = 2;
-	c.sync_booking = true;
-	c.queue_threshold = 1.0;
-	c.on_admit = probe_on_admit;
-	cr_assert_eq(kvr_router_create(&c, &r[0]), 0);
-	probe_cb.r = r[0];
-	struct kvr_rank_id a = {0, 0}, b = {1, 0};
-	cr_assert_eq(kvr_rank_add(r[0], a, 7, 100000, 1000), 0);
-	bus_attach(0, r[0]);
-	r[1] = make();
-	bus_attach(1, r[1]);
-	bus_quiet(r, 2);
 	struct kvr_decision d0, d1;
-	cr_assert_eq(route_seeded(r[0], 1, 2000, &d0), 0);
-	cr_assert_eq(d0.status, KVR_DECIDED);
-	cr_assert_eq(route_seeded(r[0], 2, 64, &d1), 0);
-	cr_assert_eq(d1.status, KVR_QUEUED, "status %d", (int)d1.status);
-	bus_quiet(r, 2);
-	cr_assert_eq(active_on_rank(r[1], a), 1, "the first request is mirrored (control)");
+	one_queued(r, probe_on_admit, &d0, &d1);
+	probe_cb.r = r[0];
+	const struct kvr_rank_id a = {0, 0}, b = {1, 0};
 	probe_cb.finish_in_callback = d0.attempt; /* the user ends the first one in on_admit */
 	cr_assert_eq(kvr_rank_add(r[1], b, 7, 100000, 1000), 0);
 	bus_quiet(r, 2);

@@ -1780,6 +1780,39 @@ static void *gated_add(void *arg)
 	                                      4096);
 }
 
+/* Adds worker w on r from another thread, its ADD note held in the hook until gate_release. */
+static pthread_t gate_add(struct kvr_router *r, uint64_t w)
+{
+	gated_worker = w;
+	gate.orig = __atomic_load_n(&r->repl, __ATOMIC_ACQUIRE);
+	cr_assert(gate.orig);
+	gate.wrap = *gate.orig;
+	gate.wrap.rank_changed = gated_rank_changed;
+	gate.held = gate.release = false;
+	__atomic_store_n(&r->repl, &gate.wrap, __ATOMIC_RELEASE);
+	gate.hold_add = true;
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, gated_add, r), 0);
+	pthread_mutex_lock(&gate.mu);
+	while (!gate.held)
+		pthread_cond_wait(&gate.cv, &gate.mu);
+	pthread_mutex_unlock(&gate.mu);
+	return t;
+}
+
+/* Lets the held ADD note go; the add returned 0. */
+static void gate_release(struct kvr_router *r, pthread_t t)
+{
+	pthread_mutex_lock(&gate.mu);
+	gate.release = true;
+	pthread_cond_broadcast(&gate.cv);
+	pthread_mutex_unlock(&gate.mu);
+	void *rc;
+	cr_assert_eq(pthread_join(t, &rc), 0);
+	cr_assert_eq((intptr_t)rc, 0);
+	__atomic_store_n(&r->repl, gate.orig, __ATOMIC_RELEASE);
+}
+
 /* One thread adds rank 1 (its note held), another removes it and adds it back (same
  * incarnation) meanwhile; then the held note goes.  The router holds the rank's latest life:
  * attempts finished on it, own and mirrored, must join the rank's journal. */
@@ -1791,28 +1824,10 @@ Test(replica_ranks, a_late_own_add_note_does_not_keep_finished_attempts_out_of_t
 	struct kvr_replica *rep = bus.rep[0];
 	const struct kvr_rank_id rk = {1, 0};
 	cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
-	gate.orig = __atomic_load_n(&r[0]->repl, __ATOMIC_ACQUIRE);
-	cr_assert(gate.orig);
-	gate.wrap = *gate.orig;
-	gate.wrap.rank_changed = gated_rank_changed;
-	__atomic_store_n(&r[0]->repl, &gate.wrap, __ATOMIC_RELEASE);
-	gate.hold_add = true;
-	pthread_t t;
-	cr_assert_eq(pthread_create(&t, NULL, gated_add, r[0]), 0);
-	pthread_mutex_lock(&gate.mu);
-	while (!gate.held)
-		pthread_cond_wait(&gate.cv, &gate.mu);
-	pthread_mutex_unlock(&gate.mu);
+	pthread_t t = gate_add(r[0], rk.worker_id);
 	cr_assert_eq(kvr_rank_remove(r[0], rk), 0);
 	cr_assert_eq(kvr_rank_add(r[0], rk, 7, 1000, 4096), 0);
-	pthread_mutex_lock(&gate.mu);
-	gate.release = true;
-	pthread_cond_broadcast(&gate.cv);
-	pthread_mutex_unlock(&gate.mu);
-	void *rc;
-	cr_assert_eq(pthread_join(t, &rc), 0);
-	cr_assert_eq((intptr_t)rc, 0);
-	__atomic_store_n(&r[0]->repl, gate.orig, __ATOMIC_RELEASE);
+	gate_release(r[0], t);
 	bus_quiet(r, 1);
 	/* an own attempt on the rank's life now, finished */
 	uint64_t own = route_on(r[0], rk, 900);
@@ -1860,20 +1875,7 @@ Test(replica_ranks, a_mirror_booked_on_a_new_rank_before_its_add_note_is_journal
 	bus_start(r, 1);
 	struct kvr_replica *rep = bus.rep[0];
 	const struct kvr_rank_id rk = {9, 0};
-	gated_worker = rk.worker_id;
-	gate.orig = __atomic_load_n(&r[0]->repl, __ATOMIC_ACQUIRE);
-	cr_assert(gate.orig);
-	gate.wrap = *gate.orig;
-	gate.wrap.rank_changed = gated_rank_changed;
-	gate.held = gate.release = false;
-	__atomic_store_n(&r[0]->repl, &gate.wrap, __ATOMIC_RELEASE);
-	gate.hold_add = true;
-	pthread_t t;
-	cr_assert_eq(pthread_create(&t, NULL, gated_add, r[0]), 0);
-	pthread_mutex_lock(&gate.mu);
-	while (!gate.held)
-		pthread_cond_wait(&gate.cv, &gate.mu);
-	pthread_mutex_unlock(&gate.mu);
+	pthread_t t = gate_add(r[0], rk.worker_id);
 	cr_assert(has_rank(r[0], rk.worker_id));
 	struct kvr_config g;
 	kvr_router_get_config(r[0], &g);
@@ -1886,14 +1888,7 @@ Test(replica_ranks, a_mirror_booked_on_a_new_rank_before_its_add_note_is_journal
 	struct kvr_sync_stats st;
 	kvr_replica_get_stats(rep, &st);
 	cr_assert_eq(st.mirrored, 1, "the admission was not booked (%u)", (unsigned)st.mirrored);
-	pthread_mutex_lock(&gate.mu);
-	gate.release = true;
-	pthread_cond_broadcast(&gate.cv);
-	pthread_mutex_unlock(&gate.mu);
-	void *rc;
-	cr_assert_eq(pthread_join(t, &rc), 0);
-	cr_assert_eq((intptr_t)rc, 0);
-	__atomic_store_n(&r[0]->repl, gate.orig, __ATOMIC_RELEASE);
+	gate_release(r[0], t);
 	bus_quiet(r, 1);
 	peer_end(rep, 2, KVR_MSG_FINISH, 41);
 	cr_assert_eq(kvr_replica_drain(rep, 10000), 0);
