@@ -152,9 +152,18 @@ static uint64_t fs_routes, fs_seen_attached;
 static pthread_t fs_on;
 static int fs_fail_nth, fs_calls;
 
+/* Probes (review s28-rev-start): on the fs_window_nth call made by fs_on, fs_window runs first
+ * (the start's window: hooks set, the sender started but not let go). */
+static int fs_window_nth;
+static void (*fs_window)(void);
+
 int __wrap_kvr_thread_start(pthread_t *t, bool detached, void *(*fn)(void *), void *arg)
 {
-	if (fs_fail_nth && pthread_equal(pthread_self(), fs_on) && ++fs_calls == fs_fail_nth)
+	bool mine = pthread_equal(pthread_self(), fs_on);
+	int nth = mine ? ++fs_calls : 0;
+	if (mine && fs_window_nth && nth == fs_window_nth && fs_window)
+		fs_window();
+	if (fs_fail_nth && mine && nth == fs_fail_nth)
 		return KVR_ENOMEM;
 	return __real_kvr_thread_start(t, detached, fn, arg);
 }
@@ -273,4 +282,193 @@ Test(replica_start, a_start_whose_apply_thread_failed_publishes_no_admission_wit
      .timeout = 120)
 {
 	failed_starts_then_one(FS_APPLY, 2000);
+}
+
+/* ---------------------------------------------------------------- review probes (s28-rev-start)
+ *
+ * The start's window held open (fs_window sleeps in the wrapped kvr_thread_start) while a thread
+ * routes: the sender, waiting for kvr_rep_out_go, handles nothing, so the ring fills and notes
+ * are kept aside (note_keep), admissions past the 64 staging slabs allocate records. */
+static uint64_t pr_kept_seen;
+static struct kvr_replica *pr_rep;
+
+static void pr_hold_window(void)
+{
+	struct timespec ts = {3, 0};
+	nanosleep(&ts, NULL);
+	pr_kept_seen += kvr_rep_keeping(pr_rep);
+}
+
+static void pr_assert_clean(struct kvr_replica *rep, const char *when)
+{
+	cr_assert_null(__atomic_load_n(&rep->kept, __ATOMIC_ACQUIRE), "%s: kept notes left", when);
+	cr_assert_eq(__atomic_load_n(&rep->kept_bytes, __ATOMIC_ACQUIRE), 0, "%s: kept_bytes %lu",
+	             when, (unsigned long)rep->kept_bytes);
+	cr_assert_eq(__atomic_load_n(&rep->kept_over, __ATOMIC_ACQUIRE), 0, "%s: kept_over", when);
+	cr_assert_eq(__atomic_load_n(&rep->kept_spare_free, __ATOMIC_ACQUIRE), ~0ull,
+	             "%s: spare kept nodes lost: %016lx", when,
+	             (unsigned long)rep->kept_spare_free);
+	uint64_t slabs = __atomic_load_n(&rep->slab_free, __ATOMIC_ACQUIRE) |
+	                 __atomic_load_n(&rep->slab_mine, __ATOMIC_ACQUIRE);
+	cr_assert_eq(slabs, ~0ull, "%s: staging slabs lost: %016lx", when, (unsigned long)slabs);
+	cr_assert(kvr_ring_unreserved(&rep->outq), "%s: ring not empty", when);
+}
+
+static void pr_full_window(enum fs_failure how, int starts)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	fs_stop = 0;
+	fs_routes = fs_seen_attached = 0;
+	pr_kept_seen = 0;
+	r[1] = bus_router(1);
+	r[0] = bus_ranks_router();
+	fs_r = r[0];
+	bus_create_as(0, r[0], 1);
+	pr_rep = bus.rep[0];
+	pthread_t th;
+	cr_assert_eq(pthread_create(&th, NULL, fs_router_thread, NULL), 0);
+	fs_on = pthread_self();
+	for (int i = 0; i < starts; i++) {
+		fs_calls = 0;
+		fs_fail_nth = how == FS_SENDER ? 1 : 2;
+		fs_window_nth = fs_fail_nth;
+		fs_window = pr_hold_window;
+		int rc = kvr_replica_start(bus.rep[0]);
+		fs_fail_nth = fs_window_nth = 0;
+		cr_assert_eq(rc, KVR_ENOMEM, "start %d: rc %d", i, rc);
+	}
+	__atomic_store_n(&fs_stop, 1, __ATOMIC_RELEASE);
+	pthread_join(th, NULL);
+	cr_assert_gt(
+	    pr_kept_seen, 0,
+	    "the window never kept a note (probe did not reach note_keep): %lu routes, %lu "
+	    "attached, dropped %lu",
+	    (unsigned long)fs_routes, (unsigned long)fs_seen_attached,
+	    (unsigned long)bus.rep[0]->out_dropped);
+	pr_assert_clean(bus.rep[0], "after the failed starts");
+	bus_start_one(0);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 0, "the peer mirrors nothing of the windows");
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r[0], 1, 64, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 1, "an attempt routed after the start is mirrored");
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 0, "and its end");
+	bus_teardown(r, 2);
+}
+
+Test(replica_start, probe_apply_failed_with_a_full_ring_leaves_the_queue_clean, .timeout = 120)
+{
+	pr_full_window(FS_APPLY, 2);
+}
+
+Test(replica_start, probe_sender_failed_with_a_full_ring_leaves_the_queue_clean, .timeout = 120)
+{
+	pr_full_window(FS_SENDER, 2);
+}
+
+/* A second start (EBUSY) made in a successful start's window, and a drain waiting there: the
+ * second drops none of the first's notes (an attempt routed in the window, unfinished, is
+ * mirrored once the first start is through), and the drain returns. */
+static struct kvr_router *pr_r;
+static struct kvr_decision pr_d;
+static int pr_second_rc = -1, pr_drain_rc = -1;
+static uint64_t pr_drain_ms;
+
+static void *pr_drain_thread(void *arg)
+{
+	(void)arg;
+	uint64_t t0 = kvr_rep_mono_ns();
+	pr_drain_rc = kvr_replica_drain(pr_rep, 5000);
+	pr_drain_ms = (kvr_rep_mono_ns() - t0) / 1000000;
+	return NULL;
+}
+
+static void *pr_second_thread(void *arg)
+{
+	(void)arg;
+	cr_assert_eq(route_tokens(pr_r, 77, 64, &pr_d), 0);
+	pr_second_rc = kvr_replica_start(pr_rep);
+	return NULL;
+}
+
+static pthread_t pr_drainer;
+
+static void pr_second_in_window(void)
+{
+	pthread_t t;
+	cr_assert_eq(pthread_create(&t, NULL, pr_second_thread, NULL), 0);
+	pthread_join(t, NULL);
+	cr_assert_eq(pthread_create(&pr_drainer, NULL, pr_drain_thread, NULL), 0);
+	struct timespec ts = {0, 200000000};
+	nanosleep(&ts, NULL);
+}
+
+Test(replica_start, probe_a_second_start_in_the_window_drops_none_of_the_firsts_notes,
+     .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[1] = bus_router(1);
+	r[0] = bus_ranks_router();
+	pr_r = r[0];
+	bus_create_as(0, r[0], 1);
+	pr_rep = bus.rep[0];
+	fs_on = pthread_self();
+	fs_calls = 0;
+	fs_window_nth = 2; /* before the apply thread: the sender is started, not let go */
+	fs_window = pr_second_in_window;
+	cr_assert_eq(kvr_replica_start(bus.rep[0]), 0);
+	fs_window_nth = 0;
+	cr_assert_eq(pr_second_rc, KVR_EBUSY);
+	cr_assert_eq(pr_d.status, KVR_DECIDED);
+	pthread_join(pr_drainer, NULL);
+	cr_assert_eq(pr_drain_rc, 0, "a drain made in the window: rc %d after %lu ms", pr_drain_rc,
+	             (unsigned long)pr_drain_ms);
+	cr_assert_eq(kvr_replica_wait_ready(bus.rep[0], 5000), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 1, "the window's attempt is mirrored");
+	cr_assert_eq(kvr_request_finish(r[0], pr_d.attempt), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 0, "and its end");
+	bus_teardown(r, 2);
+}
+
+/* A drain made while a start fails after the sender started (the apply thread could not be),
+ * then the start retried at once and succeeding: before the change the sender handled the
+ * drain's ticket; now the failed start drops it with the window's notes, and no later ticket
+ * comes, so the drain waits out its whole timeout though the replica is ready and quiet. */
+static void pr_drain_in_window(void)
+{
+	cr_assert_eq(pthread_create(&pr_drainer, NULL, pr_drain_thread, NULL), 0);
+	struct timespec ts = {0, 200000000}; /* the drain's ticket is queued */
+	nanosleep(&ts, NULL);
+}
+
+Test(replica_start, probe_a_drain_across_a_failed_then_retried_start_returns, .timeout = 60)
+{
+	struct kvr_router *r[BUS_N];
+	memset(&bus.rep, 0, sizeof(bus.rep));
+	r[1] = bus_router(1);
+	r[0] = bus_ranks_router();
+	bus_create_as(0, r[0], 1);
+	pr_rep = bus.rep[0];
+	fs_on = pthread_self();
+	fs_calls = 0;
+	fs_fail_nth = fs_window_nth = 2;
+	fs_window = pr_drain_in_window;
+	cr_assert_eq(kvr_replica_start(bus.rep[0]), KVR_ENOMEM);
+	fs_fail_nth = fs_window_nth = 0;
+	bus_start_one(0);
+	pthread_join(pr_drainer, NULL);
+	cr_assert_eq(
+	    pr_drain_rc, 0,
+	    "a drain made in a failed start's window, the start retried: rc %d after %lu ms "
+	    "(timeout 5000)",
+	    pr_drain_rc, (unsigned long)pr_drain_ms);
+	bus_teardown(r, 2);
 }
