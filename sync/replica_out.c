@@ -660,20 +660,46 @@ int kvr_rep_out_flush(struct kvr_replica *rep, uint64_t deadline_ns)
 	return rc;
 }
 
+/* The flush ticket a dropped note carries (0 if none): its waiter (kvr_rep_out_flush) is
+ * answered as if it had been handled, or a drain made in a failed start's window waited out its
+ * whole deadline once a retried start succeeded (the review's probe, test_replica_start
+ * a_drain_across_a_failed_then_retried_start_returns). */
+static uint64_t drop_one(struct kvr_replica *rep, struct kvr_msg *m)
+{
+	uint64_t ticket = 0;
+	if (m->aux == OUT_FLUSH)
+		memcpy(&ticket, m->payload, sizeof(ticket));
+	kvr_rep_out_discard(rep, m);
+	return ticket;
+}
+
 void kvr_rep_out_drop(struct kvr_replica *rep)
 {
 	struct kvr_msg m;
+	uint64_t ticket = 0, t;
 	kvr_ring_pass_tagged(&rep->outq); /* every producer is done: the rest are tagged */
 	while (kvr_ring_dequeue(&rep->outq, &m))
-		kvr_rep_out_discard(rep, &m);
-	for (struct kvr_rep_kept *k = rep->kept, *nx; k; k = nx) {
+		if ((t = drop_one(rep, &m)) > ticket)
+			ticket = t;
+	/* Taken as the sender takes it (kept_drain): a flush's pusher is no hook, so the hooks'
+	 * grace period does not order its keep before this, and TSan does not see the grace
+	 * period's order for the notes' keeps either. */
+	struct kvr_rep_kept *k = __atomic_exchange_n(&rep->kept, NULL, __ATOMIC_ACQUIRE);
+	for (struct kvr_rep_kept *nx; k; k = nx) {
 		nx = k->next;
-		kvr_rep_out_discard(rep, &k->m);
+		if ((t = drop_one(rep, &k->m)) > ticket)
+			ticket = t;
 		kvr_rep_kept_free(rep, k);
 	}
-	rep->kept = NULL;
 	/* What was dropped past the cap concerned the dropped notes only: nothing to heal. */
-	rep->kept_over = 0;
+	__atomic_store_n(&rep->kept_over, 0, __ATOMIC_RELAXED);
+	if (ticket) {
+		pthread_mutex_lock(&rep->qmu);
+		if (ticket > rep->flush_done)
+			rep->flush_done = ticket;
+		pthread_cond_broadcast(&rep->donecv);
+		pthread_mutex_unlock(&rep->qmu);
+	}
 }
 
 void kvr_rep_out_fini(struct kvr_replica *rep)

@@ -284,7 +284,7 @@ Test(replica_start, a_start_whose_apply_thread_failed_publishes_no_admission_wit
 	failed_starts_then_one(FS_APPLY, 2000);
 }
 
-/* ---------------------------------------------------------------- review probes (s28-rev-start)
+/* ---------------------------------------------------------------- the review's probes
  *
  * The start's window held open (fs_window sleeps in the wrapped kvr_thread_start) while a thread
  * routes: the sender, waiting for kvr_rep_out_go, handles nothing, so the ring fills and notes
@@ -361,12 +361,12 @@ static void pr_full_window(enum fs_failure how, int starts)
 	bus_teardown(r, 2);
 }
 
-Test(replica_start, probe_apply_failed_with_a_full_ring_leaves_the_queue_clean, .timeout = 120)
+Test(replica_start, apply_failed_with_a_full_ring_leaves_the_queue_clean, .timeout = 120)
 {
 	pr_full_window(FS_APPLY, 2);
 }
 
-Test(replica_start, probe_sender_failed_with_a_full_ring_leaves_the_queue_clean, .timeout = 120)
+Test(replica_start, sender_failed_with_a_full_ring_leaves_the_queue_clean, .timeout = 120)
 {
 	pr_full_window(FS_SENDER, 2);
 }
@@ -408,8 +408,7 @@ static void pr_second_in_window(void)
 	nanosleep(&ts, NULL);
 }
 
-Test(replica_start, probe_a_second_start_in_the_window_drops_none_of_the_firsts_notes,
-     .timeout = 60)
+Test(replica_start, a_second_start_in_the_window_drops_none_of_the_firsts_notes, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
 	memset(&bus.rep, 0, sizeof(bus.rep));
@@ -439,9 +438,9 @@ Test(replica_start, probe_a_second_start_in_the_window_drops_none_of_the_firsts_
 }
 
 /* A drain made while a start fails after the sender started (the apply thread could not be),
- * then the start retried at once and succeeding: before the change the sender handled the
- * drain's ticket; now the failed start drops it with the window's notes, and no later ticket
- * comes, so the drain waits out its whole timeout though the replica is ready and quiet. */
+ * then the start retried at once and succeeding: the failed start drops the drain's ticket with
+ * the window's notes, and answers it as handled; before (5540f82 alone), no later ticket came
+ * and the drain waited out its whole timeout though the replica was ready and quiet. */
 static void pr_drain_in_window(void)
 {
 	cr_assert_eq(pthread_create(&pr_drainer, NULL, pr_drain_thread, NULL), 0);
@@ -449,7 +448,7 @@ static void pr_drain_in_window(void)
 	nanosleep(&ts, NULL);
 }
 
-Test(replica_start, probe_a_drain_across_a_failed_then_retried_start_returns, .timeout = 60)
+Test(replica_start, a_drain_across_a_failed_then_retried_start_returns, .timeout = 60)
 {
 	struct kvr_router *r[BUS_N];
 	memset(&bus.rep, 0, sizeof(bus.rep));
