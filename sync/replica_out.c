@@ -502,6 +502,18 @@ static uint64_t out_one(struct kvr_replica *rep, const struct kvr_msg *m)
 	return 0;
 }
 
+/* Answers the flushes up to ticket (0: none): their waiters (kvr_rep_out_flush) return. */
+static void flush_answered(struct kvr_replica *rep, uint64_t ticket)
+{
+	if (!ticket)
+		return;
+	pthread_mutex_lock(&rep->qmu);
+	if (ticket > rep->flush_done)
+		rep->flush_done = ticket;
+	pthread_cond_broadcast(&rep->donecv);
+	pthread_mutex_unlock(&rep->qmu);
+}
+
 static void *out_main(void *arg)
 {
 	struct kvr_replica *rep = arg;
@@ -559,13 +571,7 @@ static void *out_main(void *arg)
 			}
 			kvr_rep_stream_flush(rep);
 			pthread_mutex_unlock(&rep->mu);
-			if (ticket) {
-				pthread_mutex_lock(&rep->qmu);
-				if (ticket > rep->flush_done)
-					rep->flush_done = ticket;
-				pthread_cond_broadcast(&rep->donecv);
-				pthread_mutex_unlock(&rep->qmu);
-			}
+			flush_answered(rep, ticket);
 			idle_since = 0;
 			continue;
 		}
@@ -693,13 +699,7 @@ void kvr_rep_out_drop(struct kvr_replica *rep)
 	}
 	/* What was dropped past the cap concerned the dropped notes only: nothing to heal. */
 	__atomic_store_n(&rep->kept_over, 0, __ATOMIC_RELAXED);
-	if (ticket) {
-		pthread_mutex_lock(&rep->qmu);
-		if (ticket > rep->flush_done)
-			rep->flush_done = ticket;
-		pthread_cond_broadcast(&rep->donecv);
-		pthread_mutex_unlock(&rep->qmu);
-	}
+	flush_answered(rep, ticket);
 }
 
 void kvr_rep_out_fini(struct kvr_replica *rep)

@@ -200,6 +200,20 @@ static void *fs_router_thread(void *arg)
 
 enum fs_failure { FS_MEMORY, FS_SENDER, FS_APPLY };
 
+/* The started replica works: an attempt routed on r[0] now is mirrored on r[1], and so is its
+ * end. */
+static void expect_mirrored_with_its_end(struct kvr_router **r)
+{
+	struct kvr_decision d;
+	cr_assert_eq(route_tokens(r[0], 1, 64, &d), 0);
+	cr_assert_eq(d.status, KVR_DECIDED);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 1, "an attempt routed after the start is mirrored");
+	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
+	bus_quiet(r, 2);
+	cr_assert_eq(bus_active_requests(r[1]), 0, "and its end");
+}
+
 /* `starts` failed starts of replica 1 (r[0]) while a thread routes and finishes on its router,
  * then one that succeeds: the peer must mirror no attempt once all is quiet. */
 static void failed_starts_then_one(enum fs_failure how, int starts)
@@ -252,14 +266,7 @@ static void failed_starts_then_one(enum fs_failure how, int starts)
 	    "starts, %lu routes, %lu begun while hooks were set)",
 	    (unsigned long)m, failed, (unsigned long)fs_routes, (unsigned long)fs_seen_attached);
 	/* The retried start works: an attempt routed now is mirrored, and so is its end. */
-	struct kvr_decision d;
-	cr_assert_eq(route_tokens(r[0], 1, 64, &d), 0);
-	cr_assert_eq(d.status, KVR_DECIDED);
-	bus_quiet(r, 2);
-	cr_assert_eq(bus_active_requests(r[1]), 1, "an attempt routed after the start is mirrored");
-	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
-	bus_quiet(r, 2);
-	cr_assert_eq(bus_active_requests(r[1]), 0, "and its end");
+	expect_mirrored_with_its_end(r);
 	bus_teardown(r, 2);
 }
 
@@ -350,14 +357,7 @@ static void pr_full_window(enum fs_failure how, int starts)
 	bus_start_one(0);
 	bus_quiet(r, 2);
 	cr_assert_eq(bus_active_requests(r[1]), 0, "the peer mirrors nothing of the windows");
-	struct kvr_decision d;
-	cr_assert_eq(route_tokens(r[0], 1, 64, &d), 0);
-	cr_assert_eq(d.status, KVR_DECIDED);
-	bus_quiet(r, 2);
-	cr_assert_eq(bus_active_requests(r[1]), 1, "an attempt routed after the start is mirrored");
-	cr_assert_eq(kvr_request_finish(r[0], d.attempt), 0);
-	bus_quiet(r, 2);
-	cr_assert_eq(bus_active_requests(r[1]), 0, "and its end");
+	expect_mirrored_with_its_end(r);
 	bus_teardown(r, 2);
 }
 
